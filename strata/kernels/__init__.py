@@ -1,0 +1,1 @@
+"""GPU and CPU kernels: expert routing (top-k), expert matmuls, dequantization."""

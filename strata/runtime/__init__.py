@@ -1,0 +1,1 @@
+"""Checkpoint loading, model architectures, KV cache, sampler and the generation loop."""

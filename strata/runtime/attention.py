@@ -1,0 +1,135 @@
+"""Attention: grouped-query attention (Qwen, Mixtral) and multi-head latent attention (DeepSeek-V3).
+
+Both take the flat token batch of a `StepBatch` (x [N, hidden]), write the new keys into the
+preallocated cache, and attend each sequence over its cached prefix with a causal (optionally
+sliding-window) mask. Parameter names mirror transformers' so checkpoints load by name.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strata.runtime.kv_cache import StepBatch
+from strata.runtime.layers import RMSNorm
+from strata.runtime.model_config import ModelConfig
+from strata.runtime.rope import apply_rope
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int | None, scale: float) -> torch.Tensor:
+    """Causal attention of L new queries over S = start + L cached keys.
+
+    q [heads, L, d], k [kv_heads, S, d], v [kv_heads, S, dv] -> [heads, L, dv]. Query i sits at
+    position start + i; key j at position j; with a window, keys older than `window` are masked.
+    """
+    L, S = q.shape[1], k.shape[1]
+    gqa = q.shape[0] != k.shape[0]
+    if window is None and start == 0:
+        mask, causal = None, True
+    elif window is None and L == 1:
+        mask, causal = None, False
+    else:
+        qpos = torch.arange(start, start + L, device=q.device)[:, None]
+        kpos = torch.arange(S, device=q.device)[None, :]
+        mask = kpos <= qpos
+        if window is not None:
+            mask &= kpos > qpos - window
+        causal = False
+    out = F.scaled_dot_product_attention(
+        q[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
+    )
+    return out[0]
+
+
+class GQAAttention(nn.Module):
+    """Grouped-query attention with optional q/k RMSNorm (Qwen3) and q/k/v biases (Qwen2)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, d
+        self.window, self.scale = cfg.sliding_windows[layer], cfg.attention_scale
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x, cos, sin, batch: StepBatch, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        n = x.shape[0]
+        q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
+        k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache, v_cache = cache
+        out = torch.empty(n, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
+        for slot, start, off, length in zip(batch.slots, batch.starts, batch.offsets, batch.lengths):
+            end = start + length
+            k_cache[slot, start:end] = k[off : off + length]
+            v_cache[slot, start:end] = v[off : off + length]
+            o = attend(
+                q[off : off + length].transpose(0, 1),  # [heads, L, d]
+                k_cache[slot, :end].transpose(0, 1),  # [kv_heads, S, d]
+                v_cache[slot, :end].transpose(0, 1),
+                start, self.window, self.scale,
+            )
+            out[off : off + length] = o.transpose(0, 1)
+        return self.o_proj(out.reshape(n, -1))
+
+
+class MLAAttention(nn.Module):
+    """DeepSeek multi-head latent attention: low-rank q, compressed KV latent plus a shared rope key.
+
+    The cache holds the normalised latent c_kv [S, kv_lora_rank] and the rotated k_rot [S, rope_dim];
+    keys and values are expanded through kv_b_proj when attending.
+    """
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        h, nh = cfg.hidden_size, cfg.num_heads
+        self.num_heads, self.scale, self.interleave = nh, cfg.attention_scale, cfg.rope_interleave
+        self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.kv_lora_rank, self.q_lora_rank = cfg.kv_lora_rank, cfg.q_lora_rank
+        qk = self.nope + self.rope_dim
+        if cfg.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, nh * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, cfg.q_lora_rank, bias=cfg.qkv_bias)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6)
+            self.q_b_proj = nn.Linear(cfg.q_lora_rank, nh * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, cfg.kv_lora_rank + self.rope_dim, bias=cfg.qkv_bias)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6)
+        self.kv_b_proj = nn.Linear(cfg.kv_lora_rank, nh * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(nh * self.v_dim, h, bias=cfg.o_bias)
+
+    def forward(self, x, cos, sin, batch: StepBatch, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        n, nh = x.shape[0], self.num_heads
+        if self.q_lora_rank is None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.view(n, nh, self.nope + self.rope_dim)
+        q_nope, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
+        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent)
+        q_rot = apply_rope(q_rot, cos, sin, self.interleave)
+        k_rot = apply_rope(k_rot[:, None, :], cos, sin, self.interleave)[:, 0]
+        q = torch.cat((q_nope, q_rot), dim=-1)  # [N, heads, qk]
+        lat_cache, rot_cache = cache
+        out = torch.empty(n, nh, self.v_dim, dtype=x.dtype, device=x.device)
+        for slot, start, off, length in zip(batch.slots, batch.starts, batch.offsets, batch.lengths):
+            end = start + length
+            lat_cache[slot, start:end] = latent[off : off + length]
+            rot_cache[slot, start:end] = k_rot[off : off + length]
+            kv = self.kv_b_proj(lat_cache[slot, :end]).view(end, nh, self.nope + self.v_dim)
+            k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+            k = torch.cat((k_nope, rot_cache[slot, :end, None, :].expand(end, nh, self.rope_dim)), dim=-1)
+            o = attend(
+                q[off : off + length].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), start, None, self.scale
+            )
+            out[off : off + length] = o.transpose(0, 1)
+        return self.o_proj(out.reshape(n, -1))

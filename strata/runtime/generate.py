@@ -1,0 +1,69 @@
+"""The generation loop as free functions: chunked prefill, decode steps, scoring.
+
+All of them drive one sequence in one KV-cache slot; the server's scheduler batches several
+sequences through the same `MoETransformer.forward` with a multi-sequence `StepBatch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from strata.runtime.kv_cache import KVCache, StepBatch
+from strata.runtime.model import MoETransformer
+from strata.runtime.sampler import SamplingParams, sample
+
+
+@torch.inference_mode()
+def prefill(model: MoETransformer, cache: KVCache, slot: int, ids: torch.Tensor, chunk: int, all_logits: bool = False) -> torch.Tensor:
+    """Run prompt `ids` [T] into cache `slot` in chunks of `chunk` tokens.
+
+    Returns the next-token logits of the last position [V] fp32, or of every position [T, V] when
+    `all_logits` (used by `score`).
+    """
+    outs = []
+    for start in range(0, ids.shape[0], chunk):
+        piece = ids[start : start + chunk]
+        hidden = model(piece, StepBatch([slot], [start], [piece.shape[0]]), cache)
+        if all_logits:
+            outs.append(torch.log_softmax(model.logits(hidden), dim=-1))
+    if all_logits:
+        return torch.cat(outs)
+    return model.logits(hidden[-1:])[0]
+
+
+@torch.inference_mode()
+def decode_step(model: MoETransformer, cache: KVCache, slot: int, token: int, position: int, device: torch.device) -> torch.Tensor:
+    """Feed one token at `position`; return the next-token logits [V] fp32."""
+    ids = torch.tensor([token], dtype=torch.long, device=device)
+    hidden = model(ids, StepBatch([slot], [position], [1]), cache)
+    return model.logits(hidden)[0]
+
+
+def generate_tokens(
+    model: MoETransformer,
+    cache: KVCache,
+    prompt: list[int],
+    params: SamplingParams,
+    eos_ids: set[int],
+    chunk: int,
+    device: torch.device,
+    generator: torch.Generator,
+) -> Iterator[int]:
+    """Yield sampled token ids until EOS, `max_tokens`, or the cache is full (the caller stops on stop strings).
+
+    An EOS token ends the loop without being yielded.
+    """
+    slot = 0
+    logits = prefill(model, cache, slot, torch.tensor(prompt, dtype=torch.long, device=device), chunk)
+    position = len(prompt)
+    for _ in range(params.max_tokens):
+        token = int(sample(logits[None], params, generator)[0])
+        if token in eos_ids and not params.ignore_eos:
+            return
+        yield token
+        if position >= cache.max_len:
+            return
+        logits = decode_step(model, cache, slot, token, position, device)
+        position += 1

@@ -1,0 +1,1 @@
+"""The OpenAI-compatible HTTP server, its metrics and the tier dashboard."""

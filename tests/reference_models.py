@@ -1,0 +1,83 @@
+"""Tiny random checkpoints built offline with transformers' own classes, for the reference tests.
+
+Each architecture has a short-context variant and a long-context one (RoPE scaling or a sliding
+window active below 2,048 tokens), saved in either expert layout: per expert (transformers'
+default `save_pretrained`) or fused 3-D (`save_original_format=False`).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+VOCAB = 160
+
+
+def _configs(long: bool) -> dict:
+    from transformers import DeepseekV3Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+                  max_position_embeddings=4096, initializer_range=0.1, rms_norm_eps=1e-6,
+                  bos_token_id=None, eos_token_id=None, pad_token_id=None, tie_word_embeddings=False)
+    yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 512}
+    return {
+        "qwen3_moe": Qwen3MoeConfig(
+            **common, num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
+            num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1],
+            rope_parameters=yarn if long else {"rope_type": "default", "rope_theta": 10000.0},
+        ),
+        "qwen2_moe": Qwen2MoeConfig(
+            **common, num_key_value_heads=2, intermediate_size=96, moe_intermediate_size=32,
+            shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=3, norm_topk_prob=False,
+            decoder_sparse_step=2 if not long else 1,
+            use_sliding_window=long, sliding_window=256 if long else None, max_window_layers=3,
+            rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0} if long
+            else {"rope_type": "default", "rope_theta": 10000.0},
+        ),
+        "mixtral": MixtralConfig(
+            **common, num_key_value_heads=2, intermediate_size=32, num_local_experts=6, num_experts_per_tok=2,
+            sliding_window=300 if long else None,
+        ),
+        "deepseek_v3": DeepseekV3Config(
+            **common, num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=24, n_routed_experts=16,
+            num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1, first_k_dense_replace=1,
+            routed_scaling_factor=2.5, kv_lora_rank=24, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16,
+            v_head_dim=16, norm_topk_prob=True,
+            rope_parameters={**yarn, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
+            if long else {"rope_type": "default", "rope_theta": 10000.0},
+        ),
+    }
+
+
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
+
+
+def build_reference(arch: str, directory: Path, *, fused: bool = False, long: bool = False, seed: int = 0):
+    """Create, save and return (transformers model in fp32 eval mode, checkpoint dir)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = _configs(long)[arch]
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    with torch.no_grad():  # exercise DeepSeek's selection-only bias (zero at init)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.copy_(torch.randn_like(buf) * 0.05)
+    model.save_pretrained(directory, save_original_format=not fused)
+    write_tokenizer(directory)
+    return model, directory
+
+
+def write_tokenizer(directory: Path) -> None:
+    """A word-level tokenizer over VOCAB-2 made-up words (the tests feed token ids)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {f"w{i}": i for i in range(VOCAB - 2)}
+    vocab["<unk>"] = VOCAB - 2
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({"tokenizer_class": "PreTrainedTokenizerFast"}))

@@ -1,0 +1,138 @@
+"""SamplingParams validation and sample()/log_probs() behaviour."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from strata.errors import RequestError
+from strata.runtime.sampler import SamplingParams, log_probs, make_generator, sample
+
+
+def _logits(b: int = 4, v: int = 50, seed: int = 0) -> torch.Tensor:
+    return torch.randn(b, v, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def test_greedy_is_argmax_in_any_dtype():
+    logits = _logits()
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        out = sample(logits.to(dtype), SamplingParams(), make_generator(0, "cpu"))
+        assert out.dtype == torch.int64 and out.shape == (4,)
+        assert torch.equal(out, logits.to(dtype).float().argmax(-1))
+    tied = torch.tensor([[1.0, 5.0, 5.0, 0.0]])
+    assert sample(tied, SamplingParams(), None).item() == 1  # first of the tied maxima, like torch.argmax
+
+
+def test_seeded_sampling_reproducible_and_seeds_differ():
+    flat = torch.zeros(2, 1000)
+    p = SamplingParams(temperature=1.0, seed=1234)
+
+    def draws(seed: int) -> list[list[int]]:
+        g = make_generator(seed, "cpu")
+        return [sample(flat, p, g).tolist() for _ in range(5)]
+
+    assert draws(1234) == draws(1234) and draws(1234) != draws(4321)
+    # seed=None gives a fresh random seed each time.
+    draws = {tuple(sample(flat, p, make_generator(None, "cpu")).tolist()) for _ in range(5)}
+    assert len(draws) > 1
+    # Negative / huge seeds are accepted (wrapped to 64 bits) rather than crashing torch.
+    make_generator(-1, "cpu")
+    make_generator(2**70, "cpu")
+
+
+def test_top_k_one_is_greedy():
+    logits = _logits(8, 100, seed=3)
+    p = SamplingParams(temperature=2.0, top_k=1)
+    g = make_generator(0, "cpu")
+    for _ in range(20):
+        assert torch.equal(sample(logits, p, g), logits.argmax(-1))
+
+
+def test_top_k_never_leaves_the_top_k():
+    logits = _logits(4, 64, seed=5)
+    k = 5
+    allowed = logits.topk(k, dim=-1).indices
+    p = SamplingParams(temperature=5.0, top_k=k)  # high temperature flattens, so outside tokens would show up
+    g = make_generator(7, "cpu")
+    seen = [set() for _ in range(4)]
+    for _ in range(500):
+        out = sample(logits, p, g)
+        for row in range(4):
+            assert out[row] in allowed[row]
+            seen[row].add(out[row].item())
+    assert all(len(s) > 1 for s in seen)  # it does sample, not just argmax
+    # Ties at the k-th value still admit exactly k tokens.
+    tied = torch.zeros(1, 10)
+    outs = {sample(tied, SamplingParams(temperature=1.0, top_k=3), g).item() for _ in range(300)}
+    assert len(outs) == 3
+
+
+def test_top_p_small_keeps_only_the_max():
+    logits = _logits(4, 64, seed=9)
+    p = SamplingParams(temperature=1.0, top_p=1e-6)
+    g = make_generator(0, "cpu")
+    for _ in range(50):
+        assert torch.equal(sample(logits, p, g), logits.argmax(-1))
+
+
+def test_top_p_keeps_the_nucleus():
+    # probs 0.5, 0.3, 0.15, 0.05: top_p=0.8 keeps exactly the first two (0.5 + 0.3 >= 0.8).
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    g = make_generator(0, "cpu")
+    outs = {sample(logits, SamplingParams(temperature=1.0, top_p=0.8), g).item() for _ in range(400)}
+    assert outs == {0, 1}
+    outs = {sample(logits, SamplingParams(temperature=1.0, top_p=0.81), g).item() for _ in range(400)}
+    assert outs == {0, 1, 2}
+
+
+def test_log_probs_fp32():
+    logits = _logits().to(torch.bfloat16)
+    lp = log_probs(logits)
+    assert lp.dtype == torch.float32
+    assert torch.allclose(lp.exp().sum(-1), torch.ones(4), atol=1e-5)
+
+
+def test_params_defaults_and_normalisation():
+    p = SamplingParams()
+    assert p.max_tokens == 64 and p.temperature == 0.0 and p.stop == [] and p.stop_token_ids == []
+    assert SamplingParams(stop="###").stop == ["###"]
+    assert SamplingParams(stop=None).stop == []
+    assert SamplingParams(temperature=1, top_p=1).temperature == 1.0
+    q = SamplingParams()
+    q.stop.append("x")
+    assert SamplingParams().stop == []  # no shared mutable default
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"max_tokens": 1.5}, "max_tokens"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": 101}, "temperature"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"temperature": "1"}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_p": math.nan}, "top_p"),
+        ({"top_k": -1}, "top_k"),
+        ({"top_k": 2.0}, "top_k"),
+        ({"seed": 1.5}, "seed"),
+        ({"seed": "42"}, "seed"),
+        ({"stop": ""}, "stop"),
+        ({"stop": ["ok", ""]}, "stop"),
+        ({"stop": [1]}, "stop"),
+        ({"stop": [str(i) for i in range(17)]}, "stop"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
+        ({"stop_token_ids": 5}, "stop_token_ids"),
+        ({"ignore_eos": "yes"}, "ignore_eos"),
+    ],
+)
+def test_params_validation_names_the_parameter(kwargs, name):
+    with pytest.raises(RequestError, match=name) as e:
+        SamplingParams(**kwargs)
+    assert "\n" not in str(e.value)
