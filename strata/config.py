@@ -77,7 +77,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     kwargs = {}
     for key, value in data.items():
         if key not in known:
-            raise ConfigError(f"unknown config key {prefix}{key!r}; known keys: {', '.join(known)}")
+            raise ConfigError(f"unknown config key '{prefix}{key}'; known keys: {', '.join(known)}")
         f = known[key]
         default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
         if hasattr(default, "__dataclass_fields__"):

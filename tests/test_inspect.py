@@ -61,21 +61,29 @@ def write_sparse_checkpoint(d: Path, spec: Spec, config: dict, shards: int) -> d
 
 
 def _attn_gqa(p: str, hidden: int, heads: int, kv: int, hd: int, qk_norm: bool) -> Spec:
-    s = [("attention", f"{p}.self_attn.q_proj.weight", "BF16", (heads * hd, hidden)),
-         ("attention", f"{p}.self_attn.k_proj.weight", "BF16", (kv * hd, hidden)),
-         ("attention", f"{p}.self_attn.v_proj.weight", "BF16", (kv * hd, hidden)),
-         ("attention", f"{p}.self_attn.o_proj.weight", "BF16", (hidden, heads * hd))]
+    s = [
+        ("attention", f"{p}.self_attn.q_proj.weight", "BF16", (heads * hd, hidden)),
+        ("attention", f"{p}.self_attn.k_proj.weight", "BF16", (kv * hd, hidden)),
+        ("attention", f"{p}.self_attn.v_proj.weight", "BF16", (kv * hd, hidden)),
+        ("attention", f"{p}.self_attn.o_proj.weight", "BF16", (hidden, heads * hd)),
+    ]
     if qk_norm:
-        s += [("attention", f"{p}.self_attn.q_norm.weight", "BF16", (hd,)),
-              ("attention", f"{p}.self_attn.k_norm.weight", "BF16", (hd,))]
-    return s + [("norms", f"{p}.input_layernorm.weight", "BF16", (hidden,)),
-                ("norms", f"{p}.post_attention_layernorm.weight", "BF16", (hidden,))]
+        s += [
+            ("attention", f"{p}.self_attn.q_norm.weight", "BF16", (hd,)),
+            ("attention", f"{p}.self_attn.k_norm.weight", "BF16", (hd,)),
+        ]
+    return s + [
+        ("norms", f"{p}.input_layernorm.weight", "BF16", (hidden,)),
+        ("norms", f"{p}.post_attention_layernorm.weight", "BF16", (hidden,)),
+    ]
 
 
 def _embeddings(vocab: int, hidden: int) -> Spec:
-    return [("embeddings", "model.embed_tokens.weight", "BF16", (vocab, hidden)),
-            ("norms", "model.norm.weight", "BF16", (hidden,)),
-            ("embeddings", "lm_head.weight", "BF16", (vocab, hidden))]
+    return [
+        ("embeddings", "model.embed_tokens.weight", "BF16", (vocab, hidden)),
+        ("norms", "model.norm.weight", "BF16", (hidden,)),
+        ("embeddings", "lm_head.weight", "BF16", (vocab, hidden)),
+    ]
 
 
 def qwen3_moe(layers: int, hidden: int, heads: int, inter: int, experts: int, fused: bool = False) -> tuple[Spec, dict]:
@@ -86,15 +94,26 @@ def qwen3_moe(layers: int, hidden: int, heads: int, inter: int, experts: int, fu
         spec += _attn_gqa(p, hidden, heads, 4, 128, qk_norm=True)
         spec.append(("router", f"{p}.mlp.gate.weight", "BF16", (experts, hidden)))
         if fused:
-            spec += [("experts", f"{p}.mlp.experts.gate_up_proj", "BF16", (experts, 2 * inter, hidden)),
-                     ("experts", f"{p}.mlp.experts.down_proj", "BF16", (experts, hidden, inter))]
+            spec += [
+                ("experts", f"{p}.mlp.experts.gate_up_proj", "BF16", (experts, 2 * inter, hidden)),
+                ("experts", f"{p}.mlp.experts.down_proj", "BF16", (experts, hidden, inter)),
+            ]
             continue
         for e in range(experts):
-            spec += [("experts", f"{p}.mlp.experts.{e}.gate_proj.weight", "BF16", (inter, hidden)),
-                     ("experts", f"{p}.mlp.experts.{e}.up_proj.weight", "BF16", (inter, hidden)),
-                     ("experts", f"{p}.mlp.experts.{e}.down_proj.weight", "BF16", (hidden, inter))]
-    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_hidden_layers": layers,
-              "hidden_size": hidden, "num_experts": experts, "num_experts_per_tok": 8, "moe_intermediate_size": inter}
+            spec += [
+                ("experts", f"{p}.mlp.experts.{e}.gate_proj.weight", "BF16", (inter, hidden)),
+                ("experts", f"{p}.mlp.experts.{e}.up_proj.weight", "BF16", (inter, hidden)),
+                ("experts", f"{p}.mlp.experts.{e}.down_proj.weight", "BF16", (hidden, inter)),
+            ]
+    config = {
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "num_hidden_layers": layers,
+        "hidden_size": hidden,
+        "num_experts": experts,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": inter,
+    }
     return spec, config
 
 
@@ -106,21 +125,25 @@ def _fp8(role: str, name: str, shape: tuple[int, int]) -> Spec:
 
 def _deepseek_layer(p: str, role_of: dict[str, str], dense: bool) -> Spec:
     h, r = 7168, role_of
-    s = [*_fp8(r["attention"], f"{p}.self_attn.q_a_proj.weight", (1536, h)),
-         (r["attention"], f"{p}.self_attn.q_a_layernorm.weight", "BF16", (1536,)),
-         *_fp8(r["attention"], f"{p}.self_attn.q_b_proj.weight", (128 * 192, 1536)),
-         *_fp8(r["attention"], f"{p}.self_attn.kv_a_proj_with_mqa.weight", (576, h)),
-         (r["attention"], f"{p}.self_attn.kv_a_layernorm.weight", "BF16", (512,)),
-         *_fp8(r["attention"], f"{p}.self_attn.kv_b_proj.weight", (128 * 256, 512)),
-         *_fp8(r["attention"], f"{p}.self_attn.o_proj.weight", (h, 128 * 128)),
-         (r["norms"], f"{p}.input_layernorm.weight", "BF16", (h,)),
-         (r["norms"], f"{p}.post_attention_layernorm.weight", "BF16", (h,))]
+    s = [
+        *_fp8(r["attention"], f"{p}.self_attn.q_a_proj.weight", (1536, h)),
+        (r["attention"], f"{p}.self_attn.q_a_layernorm.weight", "BF16", (1536,)),
+        *_fp8(r["attention"], f"{p}.self_attn.q_b_proj.weight", (128 * 192, 1536)),
+        *_fp8(r["attention"], f"{p}.self_attn.kv_a_proj_with_mqa.weight", (576, h)),
+        (r["attention"], f"{p}.self_attn.kv_a_layernorm.weight", "BF16", (512,)),
+        *_fp8(r["attention"], f"{p}.self_attn.kv_b_proj.weight", (128 * 256, 512)),
+        *_fp8(r["attention"], f"{p}.self_attn.o_proj.weight", (h, 128 * 128)),
+        (r["norms"], f"{p}.input_layernorm.weight", "BF16", (h,)),
+        (r["norms"], f"{p}.post_attention_layernorm.weight", "BF16", (h,)),
+    ]
     if dense:
         for proj, shape in (("gate_proj", (18432, h)), ("up_proj", (18432, h)), ("down_proj", (h, 18432))):
             s += _fp8(r["dense_mlp"], f"{p}.mlp.{proj}.weight", shape)
         return s
-    s += [(r["router"], f"{p}.mlp.gate.weight", "BF16", (256, h)),
-          (r["router"], f"{p}.mlp.gate.e_score_correction_bias", "F32", (256,))]
+    s += [
+        (r["router"], f"{p}.mlp.gate.weight", "BF16", (256, h)),
+        (r["router"], f"{p}.mlp.gate.e_score_correction_bias", "F32", (256,)),
+    ]
     for who, role in [(f"experts.{e}", r["experts"]) for e in range(256)] + [("shared_experts", r["shared_experts"])]:
         for proj, shape in (("gate_proj", (2048, h)), ("up_proj", (2048, h)), ("down_proj", (h, 2048))):
             s += _fp8(role, f"{p}.mlp.{who}.{proj}.weight", shape)
@@ -135,15 +158,25 @@ def deepseek_v3() -> tuple[Spec, dict]:
         spec += _deepseek_layer(f"model.layers.{L}", same, dense=L < 3)
     mtp = dict.fromkeys(ROLES, "mtp")  # everything of layer 61 is MTP, whatever it looks like
     spec += _deepseek_layer("model.layers.61", mtp, dense=False)
-    spec += [("mtp", "model.layers.61.embed_tokens.weight", "BF16", (129280, 7168)),
-             ("mtp", "model.layers.61.enorm.weight", "BF16", (7168,)),
-             ("mtp", "model.layers.61.hnorm.weight", "BF16", (7168,)),
-             ("mtp", "model.layers.61.eh_proj.weight", "BF16", (7168, 2 * 7168)),
-             ("mtp", "model.layers.61.shared_head.norm.weight", "BF16", (7168,)),
-             ("mtp", "model.layers.61.shared_head.head.weight", "BF16", (129280, 7168))]
-    config = {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "num_hidden_layers": 61,
-              "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
-              "num_nextn_predict_layers": 1, "quantization_config": {"quant_method": "fp8"}}
+    spec += [
+        ("mtp", "model.layers.61.embed_tokens.weight", "BF16", (129280, 7168)),
+        ("mtp", "model.layers.61.enorm.weight", "BF16", (7168,)),
+        ("mtp", "model.layers.61.hnorm.weight", "BF16", (7168,)),
+        ("mtp", "model.layers.61.eh_proj.weight", "BF16", (7168, 2 * 7168)),
+        ("mtp", "model.layers.61.shared_head.norm.weight", "BF16", (7168,)),
+        ("mtp", "model.layers.61.shared_head.head.weight", "BF16", (129280, 7168)),
+    ]
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "num_hidden_layers": 61,
+        "n_routed_experts": 256,
+        "n_shared_experts": 1,
+        "num_experts_per_tok": 8,
+        "first_k_dense_replace": 3,
+        "num_nextn_predict_layers": 1,
+        "quantization_config": {"quant_method": "fp8"},
+    }
     return spec, config
 
 
@@ -154,22 +187,56 @@ def mixtral_8x7b() -> tuple[Spec, dict]:
         spec += _attn_gqa(p, 4096, 32, 8, 128, qk_norm=False)
         spec.append(("router", f"{p}.block_sparse_moe.gate.weight", "BF16", (8, 4096)))
         for e in range(8):
-            spec += [("experts", f"{p}.block_sparse_moe.experts.{e}.w1.weight", "BF16", (14336, 4096)),
-                     ("experts", f"{p}.block_sparse_moe.experts.{e}.w2.weight", "BF16", (4096, 14336)),
-                     ("experts", f"{p}.block_sparse_moe.experts.{e}.w3.weight", "BF16", (14336, 4096))]
-    config = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "num_hidden_layers": 32,
-              "num_local_experts": 8, "num_experts_per_tok": 2}
+            spec += [
+                ("experts", f"{p}.block_sparse_moe.experts.{e}.w1.weight", "BF16", (14336, 4096)),
+                ("experts", f"{p}.block_sparse_moe.experts.{e}.w2.weight", "BF16", (4096, 14336)),
+                ("experts", f"{p}.block_sparse_moe.experts.{e}.w3.weight", "BF16", (14336, 4096)),
+            ]
+    config = {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "num_hidden_layers": 32,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+    }
     return spec, config
 
 
 BIG = {
     # name: (builder, shards, layers, experts/layer, experts/token, shared, one expert's bytes, dtype, layout)
-    "qwen3-30b-a3b": (lambda: qwen3_moe(48, 2048, 32, 768, 128), 16, 48, 128, 8, 0, 3 * 768 * 2048 * 2, "BF16",
-                      "per-expert"),
-    "qwen3-30b-a3b-fused": (lambda: qwen3_moe(48, 2048, 32, 768, 128, fused=True), 16, 48, 128, 8, 0,
-                            3 * 768 * 2048 * 2, "BF16", "fused"),
-    "qwen3-235b-a22b": (lambda: qwen3_moe(94, 4096, 64, 1536, 128), 24, 94, 128, 8, 0, 3 * 1536 * 4096 * 2, "BF16",
-                        "per-expert"),
+    "qwen3-30b-a3b": (
+        lambda: qwen3_moe(48, 2048, 32, 768, 128),
+        16,
+        48,
+        128,
+        8,
+        0,
+        3 * 768 * 2048 * 2,
+        "BF16",
+        "per-expert",
+    ),
+    "qwen3-30b-a3b-fused": (
+        lambda: qwen3_moe(48, 2048, 32, 768, 128, fused=True),
+        16,
+        48,
+        128,
+        8,
+        0,
+        3 * 768 * 2048 * 2,
+        "BF16",
+        "fused",
+    ),
+    "qwen3-235b-a22b": (
+        lambda: qwen3_moe(94, 4096, 64, 1536, 128),
+        24,
+        94,
+        128,
+        8,
+        0,
+        3 * 1536 * 4096 * 2,
+        "BF16",
+        "per-expert",
+    ),
     "deepseek-v3": (deepseek_v3, 32, 61, 256, 8, 1, 3 * (2048 * 7168 + 16 * 56 * 4), "F8_E4M3", "per-expert"),
     "mixtral-8x7b": (mixtral_8x7b, 4, 32, 8, 2, 0, 3 * 14336 * 4096 * 2, "BF16", "per-expert"),
 }
@@ -247,21 +314,48 @@ def test_fp8_checkpoint_is_summarised_but_not_loadable(tmp_path):
 def hf_checkpoints(tmp_path_factory) -> dict[tuple[str, bool], Path]:
     """(model_type, fused) -> a tiny random checkpoint saved by transformers."""
     pytest.importorskip("transformers")
-    from transformers import (AutoModelForCausalLM, DeepseekV3Config, MixtralConfig, Qwen2MoeConfig,
-                              Qwen3MoeConfig)
+    from transformers import AutoModelForCausalLM, DeepseekV3Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=64, hidden_size=16, num_hidden_layers=3, num_attention_heads=2, tie_word_embeddings=False)
     configs = {
-        "qwen3_moe": Qwen3MoeConfig(**common, num_key_value_heads=1, head_dim=8, intermediate_size=32,
-                                    moe_intermediate_size=8, num_experts=4, num_experts_per_tok=2),
-        "qwen2_moe": Qwen2MoeConfig(**common, num_key_value_heads=1, intermediate_size=32, moe_intermediate_size=8,
-                                    shared_expert_intermediate_size=16, num_experts=4, num_experts_per_tok=2),
-        "mixtral": MixtralConfig(**common, num_key_value_heads=1, intermediate_size=8, num_local_experts=4,
-                                 num_experts_per_tok=2),
-        "deepseek_v3": DeepseekV3Config(**common, num_key_value_heads=2, intermediate_size=32, moe_intermediate_size=8,
-                                        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
-                                        topk_group=1, first_k_dense_replace=1, q_lora_rank=8, kv_lora_rank=8,
-                                        qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=4),
+        "qwen3_moe": Qwen3MoeConfig(
+            **common,
+            num_key_value_heads=1,
+            head_dim=8,
+            intermediate_size=32,
+            moe_intermediate_size=8,
+            num_experts=4,
+            num_experts_per_tok=2,
+        ),
+        "qwen2_moe": Qwen2MoeConfig(
+            **common,
+            num_key_value_heads=1,
+            intermediate_size=32,
+            moe_intermediate_size=8,
+            shared_expert_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+        ),
+        "mixtral": MixtralConfig(
+            **common, num_key_value_heads=1, intermediate_size=8, num_local_experts=4, num_experts_per_tok=2
+        ),
+        "deepseek_v3": DeepseekV3Config(
+            **common,
+            num_key_value_heads=2,
+            intermediate_size=32,
+            moe_intermediate_size=8,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            q_lora_rank=8,
+            kv_lora_rank=8,
+            qk_rope_head_dim=4,
+            qk_nope_head_dim=4,
+            v_head_dim=4,
+        ),
     }
     root, out = tmp_path_factory.mktemp("hf"), {}
     for model_type, cfg in configs.items():

@@ -24,23 +24,48 @@ VARIANTS = ("per-expert", "fused-bf16", "sharded")
 
 def _tiny_model(arch: str):
     """A random transformers model, big enough (~100 KB in fp32) to split into 50 KB shards."""
-    from transformers import DeepseekV3Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, DeepseekV3Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
 
     common = dict(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=2, tie_word_embeddings=False)
     cfg = {
-        "qwen3_moe": lambda: Qwen3MoeConfig(**common, num_key_value_heads=1, head_dim=16, intermediate_size=48,
-                                            moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2),
-        "qwen2_moe": lambda: Qwen2MoeConfig(**common, num_key_value_heads=1, intermediate_size=48,
-                                            moe_intermediate_size=16, shared_expert_intermediate_size=24,
-                                            num_experts=4, num_experts_per_tok=2),
-        "mixtral": lambda: MixtralConfig(**common, num_key_value_heads=1, intermediate_size=16, num_local_experts=4,
-                                         num_experts_per_tok=2),
-        "deepseek_v3": lambda: DeepseekV3Config(**common, num_key_value_heads=2, intermediate_size=48,
-                                                moe_intermediate_size=16, n_routed_experts=4, n_shared_experts=1,
-                                                num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
-                                                q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,
-                                                qk_nope_head_dim=8, v_head_dim=8),
+        "qwen3_moe": lambda: Qwen3MoeConfig(
+            **common,
+            num_key_value_heads=1,
+            head_dim=16,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+        ),
+        "qwen2_moe": lambda: Qwen2MoeConfig(
+            **common,
+            num_key_value_heads=1,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            shared_expert_intermediate_size=24,
+            num_experts=4,
+            num_experts_per_tok=2,
+        ),
+        "mixtral": lambda: MixtralConfig(
+            **common, num_key_value_heads=1, intermediate_size=16, num_local_experts=4, num_experts_per_tok=2
+        ),
+        "deepseek_v3": lambda: DeepseekV3Config(
+            **common,
+            num_key_value_heads=2,
+            intermediate_size=48,
+            moe_intermediate_size=16,
+            n_routed_experts=4,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            n_group=2,
+            topk_group=1,
+            first_k_dense_replace=1,
+            q_lora_rank=16,
+            kv_lora_rank=16,
+            qk_rope_head_dim=8,
+            qk_nope_head_dim=8,
+            v_head_dim=8,
+        ),
     }[arch]()
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg)
@@ -107,7 +132,11 @@ def test_single_file_path_and_metadata(tmp_path):
     from safetensors.torch import save_file
 
     f = tmp_path / "one.safetensors"
-    tensors = {"a": torch.arange(6, dtype=torch.float16).reshape(2, 3), "empty": torch.empty(0, 4), "s": torch.tensor(2.5)}
+    tensors = {
+        "a": torch.arange(6, dtype=torch.float16).reshape(2, 3),
+        "empty": torch.empty(0, 4),
+        "s": torch.tensor(2.5),
+    }
     save_file(tensors, f, metadata={"format": "pt"})
     index = TensorIndex.from_dir(f)
     assert len(index) == 3 and index.files() == [f]
@@ -152,8 +181,17 @@ BAD_FILES = {
     "header_not_json": _st_bytes(b'{"w": {"dtype": "F32", '),
     "header_not_utf8": _st_bytes(b'{"\xff\xfe": 1}'),
     "header_is_list": _st_bytes(b"[1, 2]"),
-    "duplicate_tensor": _st_bytes(b'{"w": ' + json.dumps(GOOD["w"]).encode() + b', "w": '
-                                  + json.dumps(GOOD["w"]).encode() + b"}", bytes(16)),
+    "duplicate_tensor": _st_bytes(
+        b'{"w": ' + json.dumps(GOOD["w"]).encode() + b', "w": ' + json.dumps(GOOD["w"]).encode() + b"}", bytes(16)
+    ),
+    "duplicate_tensor_with_metadata": _st_bytes(
+        b'{"__metadata__": {"format": "pt"}, "w": '
+        + json.dumps(GOOD["w"]).encode()
+        + b', "w": '
+        + json.dumps(GOOD["w"]).encode()
+        + b"}",
+        bytes(16),
+    ),
     "entry_not_object": _st_bytes({"w": "F32"}, bytes(16)),
     "entry_no_dtype": _st_bytes({"w": {"shape": [2, 2], "data_offsets": [0, 16]}}, bytes(16)),
     "entry_dtype_list": _st_bytes({"w": _entry(["F32"], [2, 2], 0, 16)}, bytes(16)),  # type: ignore[arg-type]
@@ -191,6 +229,7 @@ def test_messages_say_what_is_wrong(tmp_path):
     assert "past the end of the file" in msg("header_past_eof")
     assert "not valid JSON" in msg("header_not_json")
     assert "lists 'w' twice" in msg("duplicate_tensor")
+    assert "lists 'w' twice" in msg("duplicate_tensor_with_metadata")
     assert "no dtype" in msg("entry_no_dtype")
     assert "truncated" in msg("offsets_past_eof")
     assert "needs 24" in msg("size_mismatch")
@@ -223,8 +262,14 @@ def test_index_errors(tmp_path):
     msg = _raises(CheckpointError, lambda: TensorIndex.from_dir(tmp_path), "b.safetensors")
     assert "missing" in msg
 
-    for broken in ('{"weight_map": {"x": ', '{"metadata": {}}', '{"weight_map": ["a.safetensors"]}',
-                   '{"weight_map": {"x": 3}}', "[]", "\xff"):
+    for broken in (
+        '{"weight_map": {"x": ',
+        '{"metadata": {}}',
+        '{"weight_map": ["a.safetensors"]}',
+        '{"weight_map": {"x": 3}}',
+        "[]",
+        "\xff",
+    ):
         _write_index(tmp_path, broken)
         _raises(CheckpointError, lambda: TensorIndex.from_dir(tmp_path), st.INDEX_NAME)
 
@@ -279,5 +324,5 @@ def test_other_unloadable_dtypes(tmp_path):
     f.write_bytes(_st_bytes(header, bytes(30)))
     index = TensorIndex.from_dir(f)
     for name in ("ids", "mx", "b"):
-        _raises(UnsupportedError, lambda: index.load(name), f.name)
+        _raises(UnsupportedError, lambda name=name: index.load(name), f.name)
     assert "MXFP4" in _raises(UnsupportedError, lambda: index.load("mx"), f.name)

@@ -67,7 +67,7 @@ class GQAAttention(nn.Module):
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = cache
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
-        for slot, start, off, length in zip(batch.slots, batch.starts, batch.offsets, batch.lengths):
+        for slot, start, off, length in batch.sequences():
             end = start + length
             k_cache[slot, start:end] = k[off : off + length]
             v_cache[slot, start:end] = v[off : off + length]
@@ -121,7 +121,7 @@ class MLAAttention(nn.Module):
         q = torch.cat((q_nope, q_rot), dim=-1)  # [N, heads, qk]
         lat_cache, rot_cache = cache
         out = torch.empty(n, nh, self.v_dim, dtype=x.dtype, device=x.device)
-        for slot, start, off, length in zip(batch.slots, batch.starts, batch.offsets, batch.lengths):
+        for slot, start, off, length in batch.sequences():
             end = start + length
             lat_cache[slot, start:end] = latent[off : off + length]
             rot_cache[slot, start:end] = k_rot[off : off + length]

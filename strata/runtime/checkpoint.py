@@ -59,9 +59,7 @@ class Checkpoint:
         hf_config = read_json(directory / "config.json")
         config = ModelConfig.from_hf(hf_config, str(directory / "config.json"))
         index = TensorIndex.from_dir(directory)
-        for info in index.tensors.values():
-            if info.dtype not in DTYPES:
-                info.torch_dtype  # raises UnsupportedError naming the tensor and dtype
+        index.check_dtypes()  # fail before anything is allocated, e.g. on an FP8 checkpoint
         eos = list(config.eos_token_ids)
         gen_path = directory / "generation_config.json"
         if gen_path.exists():

@@ -22,13 +22,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from strata.errors import CheckpointError
+from strata.runtime.model_config import SUPPORTED_ARCHITECTURES
 from strata.runtime.safetensors import TensorIndex
 
 ROLES = ("attention", "dense_mlp", "experts", "shared_experts", "router", "embeddings", "norms", "mtp", "other")
 # model types whose layouts this module (and strata's loaders) are written against
-KNOWN_MODEL_TYPES = ("qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral")
+KNOWN_MODEL_TYPES = SUPPORTED_ARCHITECTURES
 _EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
 _MOE_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward", "moe")
+_IN_LAYER = re.compile(r"(?:^|\.)layers\.\d+\.")
 
 
 @dataclass
@@ -129,7 +131,8 @@ def _decoder_prefix(index: TensorIndex) -> str:
     Multimodal checkpoints also have `visual.blocks...`/`vision_tower...layers.N`; those stay "other".
     """
     for name in index.names():
-        if name.endswith("embed_tokens.weight") and ".layers." not in name:
+        # skip embed_tokens inside a layer: DeepSeek-V3's MTP layer has its own
+        if name.endswith("embed_tokens.weight") and _IN_LAYER.search(name) is None:
             return name[: -len("embed_tokens.weight")]
     return "model."
 
@@ -139,9 +142,9 @@ def _tally(index: TensorIndex, num_layers: int | None) -> _Tally:
     t = _Tally()
     # one regex that also pulls out the expert index: per-expert tensors are ~99% of a big MoE
     # checkpoint's names, and this fast path keeps 100k names well under a second
-    layer_re = re.compile(
-        re.escape(_decoder_prefix(index)) + r"layers\.(\d+)\.(?:(?:" + "|".join(_MOE_BLOCKS) + r")\.experts\.(\d+)\.)?(.*)"
-    )
+    blocks = "|".join(_MOE_BLOCKS)
+    prefix = re.escape(_decoder_prefix(index))
+    layer_re = re.compile(rf"{prefix}layers\.(\d+)\.(?:(?:{blocks})\.experts\.(\d+)\.)?(.*)")
     by_role, by_dtype, moe = t.by_role, t.by_dtype, t.moe
     for info in index:
         name, nbytes = info.name, info.nbytes
@@ -225,6 +228,8 @@ def summarize_checkpoint(path: str | Path) -> CheckpointSummary:
     if t.moe and counts != {experts_per_layer}:
         found = ", ".join(str(c) for c in sorted(counts))
         notes.append(f"config.json says {experts_per_layer} experts per layer but the tensors hold {found}")
+    elif not t.moe and experts_per_layer:
+        notes.append(f"config.json says {experts_per_layer} experts per layer but no expert tensors were found")
     first = t.moe[min(t.moe)] if t.moe else None
     expert_bytes = first.bytes // first.count if first is not None and first.count else 0
 
@@ -282,9 +287,13 @@ def format_summary(s: CheckpointSummary) -> str:
             f"{s.shared_experts} shared; {s.expert_layout} layout"
         )
         lines.append(f"  one expert     {format_bytes(s.expert_bytes)}")
-        # what one token touches: every non-routed weight plus top-k experts in each MoE layer
-        active = s.total_bytes - s.bytes_by_role["experts"] + s.moe_layers * s.experts_per_token * s.expert_bytes
-        lines.append(f"  per token      {format_bytes(active)} (non-expert weights + {s.experts_per_token} experts per MoE layer)")
+        # what one token touches: every non-routed weight (MTP aside: it only drafts) plus top-k experts per layer
+        resident = s.total_bytes - s.bytes_by_role["experts"] - s.bytes_by_role["mtp"]
+        active = resident + s.moe_layers * s.experts_per_token * s.expert_bytes
+        lines.append(
+            f"  per token      {format_bytes(active)} "
+            f"(non-expert weights + {s.experts_per_token} experts in each MoE layer)"
+        )
     lines.append("  bytes by role")
     for role, n in sorted(s.bytes_by_role.items(), key=lambda kv: -kv[1]):
         if n:

@@ -8,6 +8,7 @@ Everything is allocated once, so a long generation never reallocates and memory 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -40,11 +41,15 @@ class StepBatch:
 
     def positions(self, device: torch.device | str) -> torch.Tensor:
         """Absolute position of every token, [N] int64."""
-        return torch.cat([torch.arange(s, s + n) for s, n in zip(self.starts, self.lengths)]).to(device)
+        return torch.cat([torch.arange(s, s + n) for s, n in zip(self.starts, self.lengths, strict=True)]).to(device)
+
+    def sequences(self) -> Iterator[tuple[int, int, int, int]]:
+        """(slot, start, offset, length) of each sequence."""
+        return zip(self.slots, self.starts, self.offsets, self.lengths, strict=True)
 
     def last_token_rows(self) -> list[int]:
         """Row of each sequence's last new token in the flat batch (where its next-token logits are)."""
-        return [o + n - 1 for o, n in zip(self.offsets, self.lengths)]
+        return [o + n - 1 for o, n in zip(self.offsets, self.lengths, strict=True)]
 
 
 class KVCache:

@@ -48,7 +48,7 @@ class MoETransformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, batch: StepBatch, cache: KVCache) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(batch.positions(input_ids.device), x.dtype)
-        for layer, layer_cache in zip(self.layers, cache.layers):
+        for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
             x = layer(x, cos, sin, batch, layer_cache)
         return self.norm(x)
 

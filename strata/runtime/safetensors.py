@@ -1,10 +1,11 @@
 """Safetensors headers parsed by hand: every tensor known by file, absolute offset, dtype and shape.
 
 A safetensors file is an 8-byte little-endian header length N, N bytes of JSON, then the data. A
-tensor's absolute offset is `8 + N + data_offsets[0]`. Reading the headers of a 100+ GB checkpoint
-touches a few KiB per shard, so `TensorIndex.from_dir` is instant; weights are read later by offset
-(`os.preadv`), one tensor at a time, never a whole shard and never through mmap (so a huge checkpoint
-never competes with the process for page-cache-backed address space).
+tensor's absolute offset is `8 + N + data_offsets[0]`. Indexing a 100+ GB checkpoint reads only the
+JSON headers (KiBs to a few MiB in all), so `TensorIndex.from_dir` takes well under a second; weights
+are read later by offset (`os.preadv`) straight into the destination tensor, one tensor at a time:
+never a whole shard, and never through mmap, whose page faults and resident-memory accounting are
+unpredictable for files far larger than RAM.
 """
 
 from __future__ import annotations
@@ -125,8 +126,7 @@ def _parse_entry(path: Path, name: str, meta: object, data_start: int, size: int
     need = (numel * bits + 7) // 8
     if end - begin != need:
         raise CheckpointError(
-            f"{path}: tensor {name!r} spans {end - begin} bytes but shape {shape} of {dtype} needs {need}; "
-            f"{_CORRUPT}"
+            f"{path}: tensor {name!r} spans {end - begin} bytes but shape {shape} of {dtype} needs {need}; {_CORRUPT}"
         )
     if data_start + end > size:
         raise CheckpointError(
@@ -134,7 +134,6 @@ def _parse_entry(path: Path, name: str, meta: object, data_start: int, size: int
             "the file is truncated: re-download or re-save it"
         )
     return TensorInfo(name, path, data_start + begin, need, dtype, tuple(shape))
-
 
 
 def _malformed(path: Path, name: str, what: str) -> CheckpointError:
@@ -162,7 +161,7 @@ def _parse_json(path: Path, raw: bytes) -> dict:
         # a tensor named twice would silently shadow the first; every entry has exactly one
         # "data_offsets" key, so more occurrences than entries means a duplicate (or a stray metadata
         # string): only then pay for the slow hook-based parse that names the culprit
-        if raw.count(b'"data_offsets"') > len(header):
+        if raw.count(b'"data_offsets"') > len(header) - ("__metadata__" in header):
             json.loads(raw, object_pairs_hook=_no_duplicate_keys)
     except _DuplicateKey as e:
         raise CheckpointError(f"{path}: safetensors header lists {e.args[0]!r} twice; {_CORRUPT}") from None
@@ -209,12 +208,9 @@ def read_header(path: str | os.PathLike) -> dict[str, TensorInfo]:
                 out[name] = _parse_entry(path, name, meta, data_start, size)
     # tensors must not share bytes; zero-size tensors own no bytes, so they cannot overlap anything
     spans = sorted((t.offset, t.offset + t.nbytes, t.name) for t in out.values() if t.nbytes)
-    for (_, prev_end, prev), (begin, _, name) in zip(spans, spans[1:]):
+    for (_, prev_end, prev), (begin, _, name) in zip(spans, spans[1:], strict=False):
         if begin < prev_end:
-            raise CheckpointError(
-                f"{path}: tensors {prev!r} and {name!r} overlap (data_offsets collide); "
-                "the file is corrupt: re-download or re-save it"
-            )
+            raise CheckpointError(f"{path}: tensors {prev!r} and {name!r} overlap (data_offsets collide); {_CORRUPT}")
     return out
 
 

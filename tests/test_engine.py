@@ -1,0 +1,165 @@
+"""The public Engine API on the tiny demo model: generate, stream, chat, score, stats, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata import ConfigError, Engine, RequestError, StrataError
+
+
+def test_generate_returns_text_ids_and_reason(tiny_engine):
+    out = tiny_engine.generate("The river runs", max_tokens=12)
+    assert out.finish_reason in ("stop", "length")
+    assert len(out.token_ids) <= 12
+    assert out.text == tiny_engine.tokenizer.decode(out.token_ids)
+    assert out.prompt_tokens == len(tiny_engine.tokenizer.encode("The river runs"))
+
+
+def test_greedy_is_deterministic_and_matches_score(tiny_engine):
+    prompt = tiny_engine.tokenizer.encode("Once upon a time")
+    a = tiny_engine.generate(prompt, max_tokens=10)
+    b = tiny_engine.generate(prompt, max_tokens=10)
+    assert a.token_ids == b.token_ids
+    # greedy token t+1 is the argmax of score over prompt + tokens[:t]
+    if a.token_ids:
+        logp = tiny_engine.score(prompt + a.token_ids[:-1])
+        assert logp[len(prompt) - 1 :].argmax(-1).tolist() == a.token_ids
+
+
+def test_score_is_log_probabilities(tiny_engine):
+    ids = tiny_engine.tokenizer.encode("a b c d e f g")
+    logp = tiny_engine.score(ids)
+    assert logp.shape == (len(ids), tiny_engine.checkpoint.config.vocab_size)
+    assert logp.dtype == torch.float32
+    assert torch.allclose(logp.exp().sum(-1), torch.ones(len(ids)), atol=1e-4)
+    # scoring a prefix gives the same rows (causality; nothing leaks from later tokens)
+    assert torch.allclose(tiny_engine.score(ids[:3]), logp[:3], atol=1e-5)
+
+
+def test_stream_pieces_join_to_generate(tiny_engine):
+    kwargs = dict(max_tokens=16, temperature=0.9, top_p=0.95, top_k=50, seed=7)
+    pieces = list(tiny_engine.stream("Tell me", **kwargs))
+    assert "".join(pieces) == tiny_engine.generate("Tell me", **kwargs).text
+
+
+def test_seed_reproducible_and_varies(tiny_engine):
+    kwargs = dict(max_tokens=16, temperature=1.5)
+    a = tiny_engine.generate("Hello", seed=1, **kwargs).token_ids
+    assert a == tiny_engine.generate("Hello", seed=1, **kwargs).token_ids
+    others = {tuple(tiny_engine.generate("Hello", seed=s, **kwargs).token_ids) for s in range(2, 6)}
+    assert others != {tuple(a)}
+
+
+def test_stop_string_truncates_and_reports_stop(tiny_engine):
+    full = tiny_engine.generate("The", max_tokens=24, temperature=1.0, seed=3)
+    assert len(full.text) > 4
+    stop = full.text[2:4]
+    out = tiny_engine.generate("The", max_tokens=24, temperature=1.0, seed=3, stop=[stop])
+    assert out.finish_reason == "stop"
+    assert stop not in out.text
+    assert full.text.startswith(out.text)
+    assert out.text == full.text[: full.text.index(stop)]
+
+
+def test_stop_token_ids_end_generation(tiny_engine):
+    full = tiny_engine.generate("The", max_tokens=20, temperature=1.0, seed=5)
+    stop_id = full.token_ids[4]
+    first = full.token_ids.index(stop_id)
+    out = tiny_engine.generate("The", max_tokens=20, temperature=1.0, seed=5, stop_token_ids=[stop_id])
+    assert out.token_ids == full.token_ids[:first]
+    assert out.finish_reason == "stop"
+
+
+def test_eos_ends_generation_without_being_emitted(tiny_model_dir):
+    """Declare the greedy continuation's first token EOS: generation must stop before emitting it."""
+    engine = Engine.from_pretrained(tiny_model_dir, device="cpu")
+    assert engine.eos_token_ids >= set(engine.checkpoint.eos_token_ids)  # config + generation_config
+    prompt = engine.tokenizer.encode("x y z")
+    greedy = engine.generate(prompt, max_tokens=6)
+    engine.eos_token_ids = {greedy.token_ids[3]}
+    out = engine.generate(prompt, max_tokens=6)
+    assert out.token_ids == greedy.token_ids[: greedy.token_ids.index(greedy.token_ids[3])]
+    assert out.finish_reason == "stop"
+
+
+def test_context_full_reports_length(tiny_model_dir):
+    engine = Engine.from_pretrained(tiny_model_dir, config={"runtime": {"max_context": 20}}, device="cpu")
+    prompt = list(range(3, 18))  # 15 tokens
+    out = engine.generate(prompt, max_tokens=50, stop_token_ids=[])
+    assert len(prompt) + len(out.token_ids) <= 21 and out.finish_reason in ("length", "stop")
+    with pytest.raises(RequestError, match="context"):
+        engine.generate(list(range(3, 25)), max_tokens=2)
+    with pytest.raises(RequestError, match="context"):
+        engine.score(list(range(3, 30)))
+
+
+def test_chat_applies_template(tiny_engine):
+    messages = [{"role": "user", "content": "hi"}]
+    out = tiny_engine.chat(messages, max_tokens=8)
+    rendered = tiny_engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    assert rendered.endswith("<|im_start|>assistant\n")
+    ids = tiny_engine.tokenizer.encode(rendered, add_special_tokens=False)
+    assert out.token_ids == tiny_engine.generate(ids, max_tokens=8).token_ids
+    assert out.prompt_tokens == len(ids)
+
+
+def test_stats_counts_requests(tiny_engine):
+    before = tiny_engine.stats()
+    tiny_engine.generate("count me", max_tokens=3)
+    after = tiny_engine.stats()
+    assert after["requests"] == before["requests"] + 1
+    assert after["prompt_tokens"] > before["prompt_tokens"]
+    assert after["device"] == "cpu" and after["dtype"] == "float32" and after["model_type"] == "deepseek_v3"
+
+
+@pytest.mark.parametrize(
+    "kwargs, param",
+    [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),
+     ({"top_k": -2}, "top_k"), ({"stop": [""]}, "stop")],
+)
+def test_bad_sampling_arguments(tiny_engine, kwargs, param):
+    with pytest.raises(RequestError, match=param):
+        tiny_engine.generate("x", **kwargs)
+
+
+def test_bad_prompts(tiny_engine):
+    vocab = tiny_engine.checkpoint.config.vocab_size
+    with pytest.raises(RequestError, match="vocabulary"):
+        tiny_engine.generate([1, vocab + 5])
+    with pytest.raises(RequestError, match="empty"):
+        tiny_engine.generate([])
+    with pytest.raises(RequestError):
+        tiny_engine.generate(["a", None])
+
+
+def test_bad_config(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="runtime.nope"):
+        Engine.from_pretrained(tiny_model_dir, config={"runtime": {"nope": 1}})
+    with pytest.raises(ConfigError, match="max_context"):
+        Engine.from_pretrained(tiny_model_dir, config={"runtime": {"max_context": "big"}})
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[runtime\n")
+    with pytest.raises(ConfigError, match="bad.toml"):
+        Engine.from_pretrained(tiny_model_dir, config=bad)
+    good = tmp_path / "good.toml"
+    good.write_text("[runtime]\nmax_context = 64\n")
+    assert Engine.from_pretrained(tiny_model_dir, config=good, device="cpu").max_context == 64
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU error")
+def test_cuda_without_gpu_is_a_clear_error(tiny_model_dir):
+    with pytest.raises(StrataError, match="no CUDA GPU"):
+        Engine.from_pretrained(tiny_model_dir, device="cuda")
+
+
+def test_default_model_is_built_on_first_use(tmp_path, monkeypatch):
+    """`Engine.from_pretrained()` with no path builds the embedded demo model in the cache dir."""
+    import strata.runtime.demo_model as demo
+
+    monkeypatch.setenv("STRATA_CACHE", str(tmp_path))
+    real = demo.write_demo_model
+    monkeypatch.setattr(demo, "write_demo_model", lambda out, size="small", **kw: real(out, "tiny", **kw))
+    engine = Engine.from_pretrained(device="cpu")
+    assert str(engine.checkpoint.directory).startswith(str(tmp_path))
+    assert engine.generate("hi", max_tokens=2).finish_reason in ("stop", "length")
