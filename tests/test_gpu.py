@@ -41,7 +41,8 @@ def check_bf16(arch: str, tmp_path, length: int, long: bool):
     hf_err = (hf16 - exact).abs().mean().item()
     our_err = (ours - exact).abs().mean().item()
     assert our_err <= 2 * hf_err + 0.01, f"strata bf16 mean error {our_err:.4f} vs transformers bf16 {hf_err:.4f}"
-    assert (ours - exact).abs().max().item() < 0.5
+    hf_max, our_max = (hf16 - exact).abs().max().item(), (ours - exact).abs().max().item()
+    assert our_max <= max(2 * hf_max, 0.1), f"strata bf16 max error {our_max:.3f} vs transformers bf16 {hf_max:.3f}"
     expected = greedy_full_forward(ref16, prompt, PREFIX)
     got = engine.generate(prompt, max_tokens=PREFIX).token_ids
     assert got == expected
