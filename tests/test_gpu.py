@@ -14,15 +14,30 @@ from reference_models import ARCHS, VOCAB, build_reference
 from strata import Engine
 
 pytestmark = pytest.mark.gpu
-PREFIX = 8
+PREFIX = 16
+
+
+NEAR_TIE = 0.1  # logit gap between the top two tokens below which bf16 rounding may flip the choice
 
 
 @torch.no_grad()
-def greedy_full_forward(model, prompt: list[int], n: int) -> list[int]:
-    ids = list(prompt)
+def greedy_full_forward(model, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """Greedy tokens and, for each, the gap between the best and second-best logit."""
+    ids, gaps = list(prompt), []
     for _ in range(n):
-        ids.append(int(model(torch.tensor([ids], device=model.device), use_cache=False).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+        top = model(torch.tensor([ids], device=model.device), use_cache=False).logits[0, -1].float().topk(2)
+        ids.append(int(top.indices[0]))
+        gaps.append(float(top.values[0] - top.values[1]))
+    return ids[len(prompt):], gaps
+
+
+def assert_same_greedy_prefix(got: list[int], expected: list[int], gaps: list[float]) -> None:
+    """Tokens must agree up to the first near-tie of the reference; there bf16 may legitimately differ."""
+    for i, (a, b) in enumerate(zip(got, expected, strict=False)):
+        if gaps[i] < NEAR_TIE:
+            return
+        assert a == b, f"greedy token {i} differs ({a} != {b}) where the reference's margin is {gaps[i]:.3f}"
+    assert len(got) == len(expected)
 
 
 def check_bf16(arch: str, tmp_path, length: int, long: bool):
@@ -43,9 +58,9 @@ def check_bf16(arch: str, tmp_path, length: int, long: bool):
     assert our_err <= 2 * hf_err + 0.01, f"strata bf16 mean error {our_err:.4f} vs transformers bf16 {hf_err:.4f}"
     hf_max, our_max = (hf16 - exact).abs().max().item(), (ours - exact).abs().max().item()
     assert our_max <= max(2 * hf_max, 0.1), f"strata bf16 max error {our_max:.3f} vs transformers bf16 {hf_max:.3f}"
-    expected = greedy_full_forward(ref16, prompt, PREFIX)
+    expected, gaps = greedy_full_forward(ref16, prompt, PREFIX)
     got = engine.generate(prompt, max_tokens=PREFIX).token_ids
-    assert got == expected
+    assert_same_greedy_prefix(got, expected, gaps)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
