@@ -77,6 +77,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, help="config.toml with overrides")
     p.set_defaults(func=_cmd_generate)
 
+    from strata.runtime.planner import add_plan_arguments, cmd_plan
+
+    p = sub.add_parser("plan", help="where each expert would live on this host (from headers alone)")
+    add_plan_arguments(p)
+    p.set_defaults(func=cmd_plan)
+
+    from strata.tiers.convert import cmd_convert, cmd_verify
+
+    p = sub.add_parser("convert", help="pack a checkpoint into a tiered expert store")
+    p.add_argument("model", help="Hugging Face checkpoint directory")
+    p.add_argument("store", help="store directory to create")
+    p.add_argument("--config", default=None, help="config.toml (accepted for symmetry; conversion has no options yet)")
+    p.set_defaults(func=cmd_convert)
+
+    p = sub.add_parser("verify", help="re-read every blob of a store and check it against the index")
+    p.add_argument("store")
+    p.set_defaults(func=cmd_verify)
+
     p = sub.add_parser("demo-model", help="write a deterministic random-weight demo checkpoint")
     p.add_argument("dir")
     p.add_argument("--size", default="small", choices=["tiny", "small", "bench"])

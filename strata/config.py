@@ -7,8 +7,9 @@ validated: an unknown key, a wrong type or an out-of-range value is a `ConfigErr
 from __future__ import annotations
 
 import os
+import re
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,40 @@ from strata.errors import ConfigError
 
 DTYPE_NAMES = ("auto", "float32", "bfloat16", "float16")
 DEVICE_NAMES = ("auto", "cpu", "cuda")
+EVICTION_POLICIES = ("static", "lru", "lfu", "cost")
+BUDGET_SCOPES = ("global", "per_layer")
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([kmgt]i?b|b)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(value: str | int, key: str, allow_auto: bool = True) -> int | None:
+    """A byte size from config: "auto" -> None, an int, or a number with a unit ("24GiB", "1.5GB", "0").
+
+    Units are case-insensitive: B, KB/MB/GB/TB (powers of 1000), KiB/MiB/GiB/TiB (powers of 1024).
+    `key` names the config key in the error message.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        if value < 0:
+            raise ConfigError(f"{key} = {value} is negative; use a size such as \"24GiB\" or 0")
+        return value
+    hint = '"24GiB", "512MiB" or "auto"' if allow_auto else '"2GiB", "512MiB" or "0"'
+    if isinstance(value, str):
+        if value.strip().lower() == "auto":
+            if allow_auto:
+                return None
+            raise ConfigError(f'{key} cannot be "auto"; give a size, e.g. {hint}')
+        m = _SIZE_RE.match(value)
+        if m:
+            return int(float(m[1]) * _UNITS[(m[2] or "b").lower()])
+    shown = f'"{value}"' if isinstance(value, str) else repr(value)  # TOML's quoting, as the user wrote it
+    raise ConfigError(f"{key} = {shown} is not a size; use e.g. {hint}")
+
+
+def _size_field(default: str) -> Any:
+    """A dataclass field holding a size: a string ("24GiB", "auto") or an int of bytes."""
+    return field(default=default, metadata={"size": True})
 
 
 @dataclass
@@ -27,8 +62,11 @@ class RuntimeConfig:
     max_context: int = 4096  # tokens per sequence (prompt + generated), capped by the model's own limit
     prefill_chunk: int = 512  # prompt tokens per forward pass during prefill (bounds activation memory)
     threads: int = 0  # torch CPU threads; 0 = torch's default (one per physical core)
+    experts: str = "tiered"  # "tiered": served by the tier manager from a store; "memory": all loaded up front
 
     def __post_init__(self) -> None:
+        if self.experts not in ("tiered", "memory"):
+            raise ConfigError(f"runtime.experts = {self.experts!r} is invalid; use \"tiered\" or \"memory\"")
         if self.device not in DEVICE_NAMES and not (self.device.startswith("cuda:") and self.device[5:].isdigit()):
             raise ConfigError(f"runtime.device = {self.device!r} is invalid; use one of {', '.join(DEVICE_NAMES)} or cuda:N")
         if self.dtype not in DTYPE_NAMES:
@@ -40,13 +78,133 @@ class RuntimeConfig:
 
 
 @dataclass
+class GpuTierConfig:
+    """[tiers.gpu]: expert slots in VRAM."""
+
+    budget: str | int = _size_field("auto")  # bytes for expert slots per GPU; "auto": what the planner leaves
+
+    def __post_init__(self) -> None:
+        parse_size(self.budget, "tiers.gpu.budget")
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """The budget in bytes, None for "auto"."""
+        return parse_size(self.budget, "tiers.gpu.budget")
+
+
+@dataclass
+class PinnedTierConfig:
+    """[tiers.pinned]: page-locked host RAM for experts (plain RAM on CPU-only hosts)."""
+
+    budget: str | int = _size_field("auto")  # "auto": RAM available minus a safety margin
+
+    def __post_init__(self) -> None:
+        parse_size(self.budget, "tiers.pinned.budget")
+
+    @property
+    def budget_bytes(self) -> int | None:
+        """The budget in bytes, None for "auto"."""
+        return parse_size(self.budget, "tiers.pinned.budget")
+
+
+@dataclass
+class TmpfsTierConfig:
+    """[tiers.tmpfs]: a copy of part of the store in a RAM-backed filesystem that survives restarts."""
+
+    path: str = "/dev/shm/strata"
+    budget: str | int = _size_field("0")  # tmpfs is RAM: opt in with an explicit size, never "auto"
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ConfigError('tiers.tmpfs.path is empty; give a directory, e.g. "/dev/shm/strata"')
+        parse_size(self.budget, "tiers.tmpfs.budget", allow_auto=False)
+
+    @property
+    def budget_bytes(self) -> int:
+        """The budget in bytes."""
+        return parse_size(self.budget, "tiers.tmpfs.budget", allow_auto=False) or 0
+
+
+@dataclass
+class DiskTierConfig:
+    """[tiers.disk]: where expert stores live (each holds every expert of a model)."""
+
+    path: str = "~/.cache/strata"
+
+    def __post_init__(self) -> None:
+        if not self.path:
+            raise ConfigError('tiers.disk.path is empty; give a directory, e.g. "~/.cache/strata"')
+
+
+@dataclass
+class TiersConfig:
+    """[tiers.*]: the memory tiers experts live in, fastest first."""
+
+    gpu: GpuTierConfig = field(default_factory=GpuTierConfig)
+    pinned: PinnedTierConfig = field(default_factory=PinnedTierConfig)
+    tmpfs: TmpfsTierConfig = field(default_factory=TmpfsTierConfig)
+    disk: DiskTierConfig = field(default_factory=DiskTierConfig)
+
+
+@dataclass
+class PolicyConfig:
+    """[policy]: which experts a full tier gives up."""
+
+    eviction: str = "lfu"  # static | lru | lfu | cost
+    lfu_half_life: int = 256  # lookups after which an LFU count counts half
+    budget_scope: str = "global"  # global | per_layer
+
+    def __post_init__(self) -> None:
+        if self.eviction not in EVICTION_POLICIES:
+            raise ConfigError(f"policy.eviction = {self.eviction!r} is invalid; use one of {', '.join(EVICTION_POLICIES)}")
+        if self.budget_scope not in BUDGET_SCOPES:
+            raise ConfigError(f"policy.budget_scope = {self.budget_scope!r} is invalid; use one of {', '.join(BUDGET_SCOPES)}")
+        if self.lfu_half_life < 1:
+            raise ConfigError(f"policy.lfu_half_life = {self.lfu_half_life} is out of range; it must be >= 1")
+
+
+@dataclass
+class PrefetchConfig:
+    """[prefetch]: loading experts before the router asks for them."""
+
+    lookahead: int = 1  # layers ahead predicted from the router; 0 disables
+
+    def __post_init__(self) -> None:
+        if self.lookahead < 0:
+            raise ConfigError(f"prefetch.lookahead = {self.lookahead} is out of range; it must be >= 0")
+
+
+@dataclass
+class PlannerConfig:
+    """[planner]: what the planner keeps aside before placing experts."""
+
+    activation_reserve: str | int = _size_field("2GiB")  # VRAM kept free for activations and the allocator
+    max_batch: int = 1  # sequences the KV cache is sized for
+
+    def __post_init__(self) -> None:
+        parse_size(self.activation_reserve, "planner.activation_reserve", allow_auto=False)
+        if self.max_batch < 1:
+            raise ConfigError(f"planner.max_batch = {self.max_batch} is out of range; it must be >= 1")
+
+    @property
+    def activation_reserve_bytes(self) -> int:
+        """The reserve in bytes."""
+        return parse_size(self.activation_reserve, "planner.activation_reserve", allow_auto=False) or 0
+
+
+@dataclass
 class StrataConfig:
-    """The whole configuration; later sections (tiers, policy, prefetch, server) extend it."""
+    """The whole configuration; later sections (server) extend it."""
 
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    tiers: TiersConfig = field(default_factory=TiersConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: {g.name: getattr(getattr(self, f.name), g.name) for g in fields(getattr(self, f.name))} for f in fields(self)}
+        """Every section as nested dicts (TOML-shaped)."""
+        return asdict(self)
 
 
 def load_config(config: str | os.PathLike | dict | StrataConfig | None = None) -> StrataConfig:
@@ -82,6 +240,12 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         default = f.default_factory() if callable(f.default_factory) else f.default  # type: ignore[misc]
         if hasattr(default, "__dataclass_fields__"):
             kwargs[key] = _build(type(default), value, f"{prefix}{key}.")
+            continue
+        if f.metadata.get("size"):
+            # sizes take "24GiB"/"auto" or a plain number of bytes; the section validates the value
+            if isinstance(value, bool) or not isinstance(value, str | int):
+                raise ConfigError(f"config key {prefix}{key} must be a size such as \"24GiB\", got {value!r}")
+            kwargs[key] = value
             continue
         expected = type(default)
         if expected is int and (isinstance(value, bool) or not isinstance(value, int)):

@@ -21,15 +21,12 @@ from pathlib import Path
 import torch
 
 from strata.config import StrataConfig, load_config
-from strata.errors import ConfigError, RequestError, StrataError
-from strata.runtime.checkpoint import Checkpoint
+from strata.errors import CheckpointError, RequestError
+from strata.runtime.build import LoadedModel, build_model
 from strata.runtime.generate import generate_tokens, prefill
 from strata.runtime.kv_cache import KVCache
-from strata.runtime.loader import load_model
 from strata.runtime.sampler import SamplingParams, make_generator
 from strata.runtime.tokenizer import StopMatcher, StreamDecoder, Tokenizer
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -52,32 +49,17 @@ class _Counters:
     extra: dict = field(default_factory=dict)
 
 
-def resolve_device(device: str) -> torch.device:
-    """'auto' -> CUDA when available, else CPU; a CUDA request without CUDA is a clear error."""
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda"):
-        if not torch.cuda.is_available():
-            raise StrataError(f"device {device!r} requested but no CUDA GPU is available; use --device cpu")
-        index = int(device.split(":")[1]) if ":" in device else 0
-        if index >= torch.cuda.device_count():
-            raise StrataError(f"device {device!r} does not exist: this host has {torch.cuda.device_count()} GPU(s)")
-    elif device != "cpu":
-        raise ConfigError(f"device {device!r} is invalid; use auto, cpu, cuda or cuda:N")
-    return torch.device(device)
-
-
 class Engine:
     """A loaded model ready to generate. Build it with `Engine.from_pretrained`."""
 
-    def __init__(self, checkpoint: Checkpoint, tokenizer: Tokenizer, config: StrataConfig, device: torch.device, dtype: torch.dtype, progress: bool = False):
-        self.checkpoint, self.tokenizer, self.config = checkpoint, tokenizer, config
-        self.device, self.dtype = device, dtype
-        self.model = load_model(checkpoint, dtype, device, progress=progress)
-        cfg = checkpoint.config
-        self.max_context = min(config.runtime.max_context, cfg.max_position_embeddings)
-        self.cache = KVCache(cfg, num_slots=1, max_len=self.max_context, dtype=dtype, device=device)
-        self.eos_token_ids = set(checkpoint.eos_token_ids) | set(tokenizer.eos_token_ids)
+    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, config: StrataConfig):
+        self.checkpoint, self.tokenizer, self.config = loaded.checkpoint, tokenizer, config
+        self.model, self.device, self.dtype = loaded.model, loaded.device, loaded.dtype
+        self.plan, self.tiers = loaded.plan, loaded.manager
+        self.max_context = loaded.max_context
+        self.cache = KVCache(self.checkpoint.config, num_slots=1, max_len=self.max_context, dtype=self.dtype,
+                             device=self.device)
+        self.eos_token_ids = set(self.checkpoint.eos_token_ids) | set(tokenizer.eos_token_ids)
         self._lock = threading.Lock()
         self._counters = _Counters()
 
@@ -89,26 +71,41 @@ class Engine:
         device: str = "auto",
         progress: bool = False,
     ) -> Engine:
-        """Load a Hugging Face MoE checkpoint directory (None: the embedded demo model, built on first use).
+        """Load a Hugging Face MoE checkpoint directory or a strata store (None: the embedded demo model).
 
         `config` is a TOML path, a dict of sections, or None for the defaults; `device` overrides
-        `runtime.device` unless it is "auto".
+        `runtime.device` unless it is "auto". With tiered experts (the default) a checkpoint is packed
+        into a store on first use (under `tiers.disk.path`) and the planner places its experts; a
+        layout that cannot fit is refused here, before anything is loaded.
         """
         cfg = load_config(config)
+        if device != "auto":
+            cfg.runtime.device = device
+            cfg.runtime.__post_init__()
         if path is None:
             from strata.runtime.demo_model import ensure_default_model
 
             path = ensure_default_model(progress=progress)
+        path = Path(path).expanduser()
+        if not path.is_dir():
+            raise CheckpointError(f"{path}: no such checkpoint or store directory")
         if cfg.runtime.threads:
             torch.set_num_threads(cfg.runtime.threads)
-        dev = resolve_device(device if device != "auto" else cfg.runtime.device)
-        if cfg.runtime.dtype == "auto":
-            dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-        else:
-            dtype = _DTYPES[cfg.runtime.dtype]
-        checkpoint = Checkpoint.open(Path(path))
-        tokenizer = Tokenizer.from_dir(checkpoint.directory)
-        return cls(checkpoint, tokenizer, cfg, dev, dtype, progress=progress)
+        loaded = build_model(path, cfg, progress=progress)
+        tokenizer = Tokenizer.from_dir(loaded.checkpoint.directory)
+        return cls(loaded, tokenizer, cfg)
+
+    def close(self) -> None:
+        """Stop the tier manager's threads and free its memory (the engine is unusable afterwards)."""
+        if self.tiers is not None:
+            self.tiers.close()
+            self.tiers = None
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     # ---- generation -------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
@@ -147,7 +144,10 @@ class Engine:
     def stats(self) -> dict:
         """A snapshot of engine statistics (cheap; later the tier manager's figures join it)."""
         c = self._counters
+        tiers = self.tiers.stats() if self.tiers is not None else None
         return {
+            "experts": "tiered" if self.tiers is not None else "memory",
+            "tiers": tiers,
             "model": str(self.checkpoint.directory),
             "model_type": self.checkpoint.config.model_type,
             "device": str(self.device),

@@ -20,6 +20,21 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def strata_cache(tmp_path_factory):
+    """Stores built on first use go to a temporary cache, not the user's ~/.cache/strata."""
+    import os
+
+    path = tmp_path_factory.mktemp("strata-cache")
+    old = os.environ.get("STRATA_CACHE")
+    os.environ["STRATA_CACHE"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("STRATA_CACHE", None)
+    else:
+        os.environ["STRATA_CACHE"] = old
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     from strata.runtime.demo_model import write_demo_model

@@ -1,15 +1,19 @@
-"""Routed-expert compute over experts stacked in memory (the all-in-memory reference path).
+"""Routed-expert compute: group a batch's tokens by expert, run each hit expert once on its tokens.
 
-`gate_up` [E, 2I, H] holds each expert's gate and up projections stacked (gate first, as transformers'
-fused layout); `down` [E, H, I]. Tokens are grouped by expert so each hit expert runs one GEMM over
-all its tokens, and experts accumulate in ascending order as transformers does, so fp32 results
-match the reference to rounding.
+Expert weights come from a callable, so the same loop serves experts stacked in memory
+(`gate_up` [E, 2I, H], `down` [E, H, I]) and experts the tier manager holds in GPU or pinned slots.
+Experts accumulate in ascending order, as transformers does, so fp32 results match the reference
+to rounding.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+
+ExpertWeights = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # expert -> (gate_up [2I, H], down [H, I])
 
 
 def expert_swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -18,23 +22,37 @@ def expert_swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) ->
     return F.linear(F.silu(gate) * up, down)
 
 
-def moe_forward(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
-) -> torch.Tensor:
-    """Weighted sum of each token's routed experts. x [N, H], ids/weights [N, k] -> [N, H]."""
-    n, k = ids.shape
+def group_by_expert(ids: torch.Tensor, num_experts: int) -> list[tuple[int, torch.Tensor]]:
+    """ids [N, k] -> [(expert, token-slot indices into ids.flatten())] for every expert hit, ascending."""
     flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)  # token-slots grouped by expert
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
-    out = torch.zeros_like(x)
-    start = 0
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=num_experts).tolist()  # one host sync per layer
+    groups, start = [], 0
     for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        sel = order[start : start + count]
-        start += count
+        if count:
+            groups.append((expert, order[start : start + count]))
+            start += count
+    return groups
+
+
+def apply_experts(x: torch.Tensor, weights: torch.Tensor, k: int, groups: list[tuple[int, torch.Tensor]],
+                  expert_weights: ExpertWeights, out: torch.Tensor | None = None) -> torch.Tensor:
+    """Weighted sum of each token's routed experts. x [N, H], weights [N, k] -> [N, H].
+
+    `out` continues an earlier partial sum (experts served in chunks accumulate in the same order).
+    """
+    out = torch.zeros_like(x) if out is None else out
+    flat_weights = weights.reshape(-1)
+    for expert, sel in groups:
         tokens = sel // k
-        y = expert_swiglu(x[tokens], gate_up[expert], down[expert])
-        y = y * weights.reshape(-1)[sel, None]
+        gate_up, down = expert_weights(expert)
+        y = expert_swiglu(x[tokens], gate_up, down) * flat_weights[sel, None]
         out.index_add_(0, tokens, y.to(out.dtype))
     return out
+
+
+def moe_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
+                weights: torch.Tensor) -> torch.Tensor:
+    """All experts stacked in memory: x [N, H], ids/weights [N, k] -> [N, H]."""
+    groups = group_by_expert(ids, gate_up.shape[0])
+    return apply_experts(x, weights, ids.shape[1], groups, lambda e: (gate_up[e], down[e]))

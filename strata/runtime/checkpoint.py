@@ -17,6 +17,8 @@ import torch
 from strata.errors import CheckpointError
 from strata.runtime.model_config import ModelConfig
 from strata.runtime.safetensors import DTYPES, TensorIndex
+from strata.tiers.store import ExpertStore
+from strata.tiers.store_format import is_store
 
 # Mixtral's original names for gate / up / down
 _MIXTRAL_PROJ = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
@@ -43,8 +45,9 @@ class Checkpoint:
     hf_config: dict
     config: ModelConfig
     index: TensorIndex
-    expert_layout: str  # "per-expert" | "fused"
+    expert_layout: str  # "per-expert" | "fused" | "store"
     eos_token_ids: list[int]
+    store: ExpertStore | None = None  # set when the directory is a strata expert store
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> Checkpoint:
@@ -67,12 +70,16 @@ class Checkpoint:
             for e in gen_eos if isinstance(gen_eos, list) else [gen_eos]:
                 if e is not None and int(e) not in eos:
                     eos.append(int(e))
+        if is_store(directory):  # dense tensors in dense.safetensors, experts in aligned blobs
+            return cls(directory, hf_config, config, index, "store", eos, ExpertStore.open(directory))
         layout = _detect_layout(index, config)
         return cls(directory, hf_config, config, index, layout, eos)
 
     @property
     def dtype(self) -> torch.dtype:
         """The dtype most weights are stored in."""
+        if self.store is not None:
+            return self.store.dtype
         counts: dict[str, int] = {}
         for info in self.index.tensors.values():
             counts[info.dtype] = counts.get(info.dtype, 0) + info.nbytes
@@ -96,15 +103,21 @@ class Checkpoint:
         out = {}
         for proj, mixtral in _MIXTRAL_PROJ.items():
             name = f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
-            if name not in self.index:
-                name = f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{mixtral}.weight"
-            out[proj] = name
+            alt = f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{mixtral}.weight"
+            if name not in self.index and alt not in self.index:
+                raise CheckpointError(
+                    f"{self.directory}: tensor {name!r} is missing from the checkpoint; the checkpoint is "
+                    "incomplete or does not match its config.json"
+                )
+            out[proj] = name if name in self.index else alt
         return out
 
     def load_experts(self, layer: int, dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
         """All routed experts of a layer stacked: (gate_up [E, 2I, H], down [E, H, I])."""
         cfg = self.config
         e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        if self.store is not None:
+            return self.store.load_layer_experts(layer, dtype, device)
         if self.expert_layout == "fused":
             gate_up = self.tensor(f"model.layers.{layer}.mlp.experts.gate_up_proj", (e, 2 * i, h), dtype, device)
             down = self.tensor(f"model.layers.{layer}.mlp.experts.down_proj", (e, h, i), dtype, device)

@@ -7,6 +7,8 @@ the model plus one tensor, never a whole shard.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from tqdm import tqdm
@@ -24,11 +26,17 @@ def checkpoint_name(param: str) -> str:
     return param if param.startswith("lm_head.") else f"model.{param}"
 
 
-def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device | str, progress: bool = False) -> MoETransformer:
-    """Instantiate the checkpoint's model with its weights, in `dtype` on `device`."""
+def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device | str, progress: bool = False,
+               prepare: Callable[[MoETransformer], None] | None = None) -> MoETransformer:
+    """Instantiate the checkpoint's model with its weights, in `dtype` on `device`.
+
+    `prepare` may swap modules before weights are read (tiered experts have no parameters to load).
+    """
     cfg = ckpt.config
     with torch.device("meta"):
         model = MoETransformer(cfg)
+    if prepare is not None:
+        prepare(model)
     state: dict[str, torch.Tensor] = {}
     fp32_router = cfg.router == "sigmoid_group"
     entries = [(n, t) for n, t in list(model.named_parameters()) + list(model.named_buffers()) if not n.startswith("rotary.")]

@@ -7,6 +7,8 @@ against a `KVCache`, so prefill chunks and decode steps of several sequences sha
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -44,12 +46,15 @@ class MoETransformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.rope)
+        self.after_layer: Callable[[int, torch.Tensor], None] | None = None  # e.g. the expert prefetcher
 
     def forward(self, input_ids: torch.Tensor, batch: StepBatch, cache: KVCache) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(batch.positions(input_ids.device), x.dtype)
-        for layer, layer_cache in zip(self.layers, cache.layers, strict=True):
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers, strict=True)):
             x = layer(x, cos, sin, batch, layer_cache)
+            if self.after_layer is not None:
+                self.after_layer(i, x)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

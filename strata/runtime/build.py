@@ -1,0 +1,121 @@
+"""From a path to a runnable model: store on first use, plan, tier manager, model with tiered experts.
+
+    checkpoint dir --(convert, once)--> store dir --(plan)--> budgets --> TierManager
+                                             \\--> dense weights --> MoETransformer (experts from tiers)
+
+With `runtime.experts = "memory"` every expert is loaded up front instead (the reference path).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from strata.config import DiskTierConfig, StrataConfig
+from strata.errors import StrataError
+from strata.runtime.checkpoint import Checkpoint
+from strata.runtime.host import probe_host
+from strata.runtime.loader import load_model
+from strata.runtime.model import MoETransformer
+from strata.runtime.planner import Plan, plan
+from strata.runtime.tiered_moe import router_predictors, use_tiered_experts
+from strata.tiers.convert import convert_checkpoint
+from strata.tiers.manager import TierBudgets, TierManager
+from strata.tiers.prefetch import LookaheadPrefetcher
+from strata.tiers.store import ExpertStore
+from strata.tiers.store_format import checkpoint_fingerprint, is_store
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    """Everything `Engine` runs: the model, where it runs, and (tiered) its plan and tier manager."""
+
+    checkpoint: Checkpoint
+    model: MoETransformer
+    device: torch.device
+    dtype: torch.dtype
+    max_context: int
+    plan: Plan | None = None
+    manager: TierManager | None = None
+
+
+def resolve_device(device: str) -> torch.device:
+    """'auto' -> CUDA when available, else CPU; a CUDA request without CUDA is a clear error."""
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise StrataError(f"device {device!r} requested but no CUDA GPU is available; use --device cpu")
+        index = int(device.split(":")[1]) if ":" in device else 0
+        if index >= torch.cuda.device_count():
+            raise StrataError(f"device {device!r} does not exist: this host has {torch.cuda.device_count()} GPU(s)")
+    elif device != "cpu":
+        raise StrataError(f"device {device!r} is invalid; use auto, cpu, cuda or cuda:N")
+    return torch.device(device)
+
+
+def store_root(cfg: StrataConfig) -> Path:
+    """Where stores built on first use live: `tiers.disk.path`/stores ($STRATA_CACHE replaces the default path)."""
+    path = cfg.tiers.disk.path
+    if path == DiskTierConfig().path and os.environ.get("STRATA_CACHE"):
+        path = os.environ["STRATA_CACHE"]
+    return Path(os.path.expandvars(os.path.expanduser(path))) / "stores"
+
+
+def ensure_store(path: Path, cfg: StrataConfig, progress: bool) -> Path:
+    """The store for `path`: `path` itself when it is a store, else built on first use in the cache."""
+    if is_store(path):
+        return path
+    fingerprint = checkpoint_fingerprint(path)
+    store_dir = store_root(cfg) / f"{path.name}-{fingerprint[:12]}"
+    if not is_store(store_dir):
+        convert_checkpoint(path, store_dir, progress=progress)
+    ExpertStore.open(store_dir, checkpoint_dir=path).close()  # a stale store is an error, not silent garbage
+    return store_dir
+
+
+def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> LoadedModel:
+    """Load `path` (a checkpoint or a store) as `cfg` says."""
+    if cfg.runtime.experts == "memory":
+        device = resolve_device(cfg.runtime.device)
+        dtype = _DTYPES.get(cfg.runtime.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        checkpoint = Checkpoint.open(path)
+        model = load_model(checkpoint, dtype, device, progress=progress)
+        max_context = min(cfg.runtime.max_context, checkpoint.config.max_position_embeddings)
+        return LoadedModel(checkpoint, model, device, dtype, max_context)
+
+    source = None if is_store(path) else path
+    store_dir = ensure_store(path, cfg, progress)
+    host = probe_host(cfg.tiers.tmpfs.path, cfg.tiers.disk.path)
+    the_plan = plan(source or store_dir, host, cfg, store_dir=store_dir)  # refuses before anything is loaded
+    device = resolve_device(the_plan.compute_device)
+    dtype = _DTYPES[the_plan.compute_dtype]
+    checkpoint = Checkpoint.open(store_dir)
+    budgets = TierBudgets(**the_plan.budgets())
+    gpu_device = device if device.type == "cuda" else None
+    manager = TierManager(checkpoint.store, budgets, gpu_device=gpu_device, policy=cfg.policy.eviction,
+                          half_life=cfg.policy.lfu_half_life, hot=hot_order(checkpoint.store),
+                          tmpfs_dir=cfg.tiers.tmpfs.path)
+    device_tier = "gpu" if the_plan.expert_compute == "gpu" and budgets.gpu_slots else "cpu"
+    model = load_model(checkpoint, dtype, device, progress=progress,
+                       prepare=lambda m: use_tiered_experts(m, manager, device_tier))
+    if cfg.prefetch.lookahead > 0:
+        model.after_layer = LookaheadPrefetcher(manager, router_predictors(model), cfg.prefetch.lookahead, device_tier)
+    # initial placement in the background: RAM first, then the GPU's share
+    keys = hot_order(checkpoint.store)
+    manager.prefetch(keys[: manager.pinned.capacity], "cpu", warm=True)
+    if manager.gpu is not None:
+        manager.prefetch(keys[: manager.gpu.capacity], "gpu", warm=True)
+    return LoadedModel(checkpoint, model, device, dtype, the_plan.max_context, the_plan, manager)
+
+
+def hot_order(store: ExpertStore) -> list[tuple[int, int]]:
+    """Experts in placement order. Without a popularity profile: round-robin over layers, so every
+    layer gets an equal share of each tier (the best guess under uniform routing)."""
+    keys = sorted(store.keys(), key=lambda k: (k[1], k[0]))
+    return keys

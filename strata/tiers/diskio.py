@@ -1,0 +1,424 @@
+"""Reading store files fast: 4096-aligned buffers, O_DIRECT reads on a thread pool, table-row gathers, kvikio.
+
+Store objects are fixed-size blobs at 4096-aligned offsets, so they can be read with O_DIRECT: no
+page-cache copy and no page cache filled (then evicted) by a store far larger than RAM. One read in
+flight does not saturate a disk (LIMITS.md: 1.07 GB/s with 1 thread, 1.18 GB/s with 8), so big reads
+are cut into `chunk_bytes` pieces and many pieces run at once on a thread pool (`os.preadv` releases
+the GIL). Files on tmpfs are memory already: they are read buffered, and row gathers on them index a
+mapping of the file instead of issuing one syscall per row.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib.util
+import mmap
+import os
+import re
+import threading
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from strata.errors import CheckpointError, UnsupportedError
+
+ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffers (logical block size on every disk we target)
+_MEMORY_FS = {"tmpfs", "ramfs", "hugetlbfs"}
+PathLike = str | os.PathLike
+
+
+def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
+    """A uint8 CPU tensor of `nbytes` whose data_ptr is 4096-aligned; `pin` page-locks it when CUDA is available."""
+    if nbytes < 0:
+        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
+    pin = pin and torch.cuda.is_available()
+    t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    if t.data_ptr() % ALIGN == 0:  # cudaHostAlloc and large CPU allocations usually are
+        return t
+    base = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
+    skip = -base.data_ptr() % ALIGN
+    return base[skip : skip + nbytes]  # the view keeps `base` alive
+
+
+def fs_type(path: str) -> str:
+    """Filesystem type of the mount holding `path` (longest mount-point prefix in /proc/self/mounts)."""
+    real, best, fstype = os.path.realpath(path), "", ""
+    try:
+        with open("/proc/self/mounts") as fh:
+            for line in fh:
+                parts = line.split()
+                if len(parts) < 3:
+                    continue
+                mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[1])  # \040 = space
+                inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
+                if inside and len(mnt) >= len(best):
+                    best, fstype = mnt, parts[2]
+    except OSError:  # not Linux: treat as a disk
+        pass
+    return fstype
+
+
+@dataclass
+class _File:
+    """One open store file: the fd reads use and what the filesystem allows."""
+
+    path: str
+    fd: int  # O_DIRECT when `direct`, else buffered
+    direct: bool
+    size: int
+    memory: bool  # on tmpfs/ramfs: row gathers index `table`, a mapping of the file
+    buffered_fd: int = -1  # opened on first use, for requests O_DIRECT cannot serve (unaligned)
+    mm: mmap.mmap | None = None
+    table: torch.Tensor | None = None  # uint8 [size] over `mm`
+
+
+def _fan_in(futs: list[Future], finish: Callable[[], Any]) -> Future:
+    """A future that completes with `finish()` once every future in `futs` is done (first error wins)."""
+    result: Future = Future()
+    result.set_running_or_notify_cancel()
+    left, lock = [len(futs)], threading.Lock()
+
+    def on_done(_: Future) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        errors = [e for e in (f.exception() for f in futs) if e is not None]
+        try:
+            if errors:
+                raise errors[0]
+            result.set_result(finish())
+        except BaseException as e:  # every failure goes to the waiter
+            result.set_exception(e)
+
+    for f in futs:
+        f.add_done_callback(on_done)
+    return result
+
+
+def _failed(exc: BaseException) -> Future:
+    fut: Future = Future()
+    fut.set_exception(exc)
+    return fut
+
+
+def _pread(path: str, fd: int, buf: np.ndarray, offset: int, need: int) -> None:
+    """Fill `buf` (all of it requested, at least `need` bytes required: O_DIRECT reads whole blocks) from `offset`."""
+    got = 0
+    try:
+        while got < need:
+            n = os.preadv(fd, [buf[got:]], offset + got)  # loops: Linux caps one call near 2 GiB
+            if n <= 0:
+                raise CheckpointError(f"{path} ended early: {got} of {need} bytes at offset {offset}; the store file is truncated")
+            got += n
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path} at offset {offset}: {e.strerror}") from e
+
+
+def _gather(src: torch.Tensor, pos: np.ndarray, row_bytes: int, dst: torch.Tensor) -> None:
+    """dst[i] = src[pos[i] : pos[i] + row_bytes] for uint8 `src` [L] and `dst` [n, row_bytes], vectorised.
+
+    Every position is r0 + k*g (g = gcd of the offsets from r0), so `src` seen as windows of row_bytes
+    with step g is a 2-D view and the gather is one index_select: no per-row Python. When rows do not
+    straddle (g a multiple of row_bytes) the view is a plain contiguous [rows, row_bytes] table."""
+    r0 = int(pos.min())
+    rel = pos - r0
+    g = int(np.gcd.reduce(rel)) or row_bytes
+    if g % row_bytes == 0:
+        nrows = (src.numel() - r0) // row_bytes
+        windows, step = src[r0 : r0 + nrows * row_bytes].view(nrows, row_bytes), row_bytes
+    else:
+        windows, step = src[r0:].unfold(0, row_bytes, g), g  # [(L - r0 - row_bytes) // g + 1, row_bytes]
+    torch.index_select(windows, 0, torch.from_numpy(rel // step), out=dst)
+
+
+class DiskReader:
+    """Reads byte ranges and table rows of store files into CPU uint8 tensors, many reads in flight.
+
+    O_DIRECT is used where the filesystem supports it (tried once per file); tmpfs files and requests
+    that are not 4096-aligned (offset, length and buffer) are read buffered. Results are futures."""
+
+    def __init__(self, num_threads: int = 8, direct: bool = True, chunk_bytes: int = 8 << 20):
+        if num_threads < 1 or chunk_bytes < ALIGN or chunk_bytes % ALIGN:
+            raise ValueError(f"need num_threads >= 1 and chunk_bytes a positive multiple of {ALIGN}")
+        self.num_threads, self.direct, self.chunk_bytes = num_threads, direct, chunk_bytes
+        self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="strata-disk")
+        self._files: dict[str, _File] = {}
+        self._lock = threading.Lock()
+        self._scratch: list[torch.Tensor] = []  # reusable aligned buffers for row gathers
+
+    # -- files -------------------------------------------------------------------------------------
+    def _file(self, path: PathLike) -> _File:
+        key = os.fspath(path)
+        f = self._files.get(key)
+        if f is None:
+            with self._lock:
+                f = self._files.get(key) or self._open(key)
+                self._files[key] = f
+        return f
+
+    def _open(self, path: str) -> _File:
+        memory = fs_type(path) in _MEMORY_FS
+        flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
+        try:
+            size = os.stat(path).st_size
+            if self.direct and not memory and hasattr(os, "O_DIRECT"):
+                fd = self._try_direct(path, flags, size)
+                if fd >= 0:
+                    return _File(path, fd, True, size, memory)
+            return _File(path, os.open(path, flags), False, size, memory)
+        except OSError as e:
+            raise CheckpointError(f"cannot open {path}: {e.strerror}") from e
+
+    @staticmethod
+    def _try_direct(path: str, flags: int, size: int) -> int:
+        """An O_DIRECT fd if opening and reading one block that way works, else -1."""
+        try:
+            fd = os.open(path, flags | os.O_DIRECT)
+        except OSError as e:
+            if e.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                return -1
+            raise
+        if size:
+            probe = mmap.mmap(-1, ALIGN)  # page-aligned
+            try:
+                os.preadv(fd, [probe], 0)
+            except OSError:
+                os.close(fd)
+                return -1
+            finally:
+                probe.close()
+        return fd
+
+    def _buffered_fd(self, f: _File) -> int:
+        if not f.direct:
+            return f.fd
+        with self._lock:
+            if f.buffered_fd < 0:
+                f.buffered_fd = os.open(f.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        return f.buffered_fd
+
+    def _mapped(self, f: _File) -> torch.Tensor:
+        with self._lock:
+            if f.table is None:
+                # ACCESS_COPY (private, writable) so torch.frombuffer does not warn; pages are never written
+                f.mm = mmap.mmap(f.fd, f.size, access=mmap.ACCESS_COPY)
+                f.table = torch.frombuffer(f.mm, dtype=torch.uint8)
+        return f.table
+
+    def uses_direct(self, path: PathLike) -> bool:
+        """Whether reads of `path` go through O_DIRECT (opens the file if needed)."""
+        return self._file(path).direct
+
+    # -- reads -------------------------------------------------------------------------------------
+    def read(self, path: PathLike, offset: int, length: int, out: torch.Tensor) -> Future:
+        """Read `length` bytes at `offset` of `path` into `out[:length]` (a contiguous CPU uint8 tensor).
+
+        Returns a future of `out`; a missing or too-short file fails it with CheckpointError naming the file."""
+        if offset < 0 or length < 0:
+            raise ValueError(f"offset and length must be >= 0, got {offset}, {length}")
+        buf = _as_bytes(out, length)
+        try:
+            f = self._file(path)
+        except CheckpointError as e:
+            return _failed(e)
+        if offset + length > f.size:
+            return _failed(CheckpointError(
+                f"{f.path} is truncated: bytes {offset}..{offset + length} requested but the file has {f.size}"))
+        fd = f.fd
+        if f.direct and (offset % ALIGN or length % ALIGN or out.data_ptr() % ALIGN):
+            fd = self._buffered_fd(f)
+        if length <= self.chunk_bytes:
+            return self._pool.submit(lambda: (_pread(f.path, fd, buf[:length], offset, length), out)[1])
+        futs = [self._pool.submit(_pread, f.path, fd, buf[s : min(s + self.chunk_bytes, length)], offset + s,
+                                  min(self.chunk_bytes, length - s))
+                for s in range(0, length, self.chunk_bytes)]
+        return _fan_in(futs, lambda: out)
+
+    def read_many(self, requests: Sequence[tuple[PathLike, int, int, torch.Tensor]]) -> list[Future]:
+        """`read` for each (path, offset, length, out); all are queued before any completes."""
+        return [self.read(*r) for r in requests]
+
+    def read_rows(self, path: PathLike, base_offset: int, row_bytes: int, rows: Sequence[int] | np.ndarray | torch.Tensor,
+                  out: torch.Tensor) -> Future:
+        """Gather rows of a table (row r at `base_offset + r * row_bytes`) into `out` viewed as [n, row_bytes].
+
+        On a disk, the 4 KiB blocks the rows touch are deduplicated, coalesced into runs of consecutive
+        blocks, read with O_DIRECT in parallel into an aligned scratch buffer, then scattered with one
+        index_select. Duplicates and rows straddling blocks are fine. Returns a future of `out`."""
+        if base_offset < 0 or row_bytes <= 0:
+            raise ValueError(f"need base_offset >= 0 and row_bytes > 0, got {base_offset}, {row_bytes}")
+        idx = np.asarray(rows, dtype=np.int64).reshape(-1)
+        n = idx.size
+        dst = _as_bytes(out, n * row_bytes, keep_tensor=True).view(n, row_bytes)
+        if n and int(idx.min()) < 0:
+            raise ValueError(f"row indices must be >= 0, got {int(idx.min())}")
+        try:
+            f = self._file(path)
+        except CheckpointError as e:
+            return _failed(e)
+        if n == 0:
+            return self._pool.submit(lambda: out)
+        starts = base_offset + idx * row_bytes  # [n] byte offsets in the file
+        if int(starts.max()) + row_bytes > f.size:
+            last = int(idx[np.argmax(starts)])
+            return _failed(CheckpointError(f"{f.path} is truncated: row {last} of {row_bytes} bytes at offset "
+                                           f"{base_offset} lies past its end ({f.size} bytes)"))
+        if f.memory:  # tmpfs: index the mapping, no syscalls
+            return self._pool.submit(lambda: (_gather(self._mapped(f), starts, row_bytes, dst), out)[1])
+
+        first = starts // ALIGN  # [n] first and last block of every row
+        span = (starts + row_bytes - 1) // ALIGN - first + 1
+        if int(span.max()) == 1:
+            blocks = first
+        else:  # rows over several blocks: list every block of every row
+            reps = np.repeat(first, span)
+            blocks = reps + np.arange(reps.size) - np.repeat(np.cumsum(span) - span, span)
+        ub = np.unique(blocks)  # [m] sorted distinct blocks; scratch holds block ub[j] at j * ALIGN
+        pos = np.searchsorted(ub, first) * ALIGN + (starts - first * ALIGN)  # row i in scratch
+        cuts = (np.flatnonzero(np.diff(ub) != 1) + 1).tolist()
+        runs, max_blocks = [], self.chunk_bytes // ALIGN  # (first index, end index) into ub
+        for a, b in zip([0, *cuts], [*cuts, ub.size], strict=True):
+            runs.extend((s, min(s + max_blocks, b)) for s in range(a, b, max_blocks))
+        scratch = self._take_scratch(ub.size * ALIGN)
+        sbuf, blk = scratch.numpy(), ub.tolist()
+        # direct files always qualify for O_DIRECT here: block offsets, lengths and the scratch are aligned
+        fd = f.fd
+
+        def read_runs(part: list[tuple[int, int]]) -> None:
+            for a, b in part:
+                off = blk[a] * ALIGN
+                _pread(f.path, fd, sbuf[a * ALIGN : b * ALIGN], off, min((b - a) * ALIGN, f.size - off))
+
+        groups = min(self.num_threads, len(runs))
+        futs = [self._pool.submit(read_runs, runs[k::groups]) for k in range(groups)]
+
+        def finish() -> torch.Tensor:
+            try:
+                _gather(scratch, pos, row_bytes, dst)
+            finally:
+                self._give_scratch(scratch)
+            return out
+
+        return _fan_in(futs, finish)
+
+    def _take_scratch(self, nbytes: int) -> torch.Tensor:
+        """An aligned buffer of at least `nbytes` (whole MiBs, so buffers get reused across batches)."""
+        with self._lock:
+            fits = [i for i, t in enumerate(self._scratch) if t.numel() >= nbytes]
+            if fits:  # the smallest that fits (list.remove would compare tensors with ==)
+                return self._scratch.pop(min(fits, key=lambda i: self._scratch[i].numel()))
+        return aligned_empty(-(-nbytes // (1 << 20)) * (1 << 20))
+
+    def _give_scratch(self, t: torch.Tensor) -> None:
+        with self._lock:
+            self._scratch.append(t)
+            if len(self._scratch) > 4:  # keep the 4 largest
+                self._scratch.pop(min(range(len(self._scratch)), key=lambda i: self._scratch[i].numel()))
+
+    def close(self) -> None:
+        """Wait for queued reads, then close every file."""
+        self._pool.shutdown(wait=True)
+        with self._lock:
+            for f in self._files.values():
+                f.table = None
+                if f.mm is not None:
+                    try:
+                        f.mm.close()
+                    except BufferError:  # a caller still holds a view of the mapping: the GC unmaps it later
+                        pass
+                for fd in {f.fd, f.buffered_fd} - {-1}:
+                    os.close(fd)
+            self._files.clear()
+            self._scratch.clear()
+
+    def __enter__(self) -> DiskReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _as_bytes(out: torch.Tensor, nbytes: int, keep_tensor: bool = False) -> Any:
+    """Check `out` is a contiguous CPU uint8 tensor of at least `nbytes`; its first `nbytes` as numpy (or torch)."""
+    if out.device.type != "cpu" or out.dtype != torch.uint8 or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous CPU uint8 tensor, got {out.dtype} on {out.device}")
+    if out.numel() < nbytes:
+        raise ValueError(f"out holds {out.numel()} bytes, {nbytes} needed")
+    flat = out.view(-1)[:nbytes]
+    return flat if keep_tensor else flat.numpy()
+
+
+class _KvikioRead:
+    """A pending kvikio read: `result()` waits and checks the byte count, `done()` polls."""
+
+    def __init__(self, fut: Any, path: str, offset: int, length: int, out: torch.Tensor):
+        self._fut, self._path, self._offset, self._length, self._out = fut, path, offset, length, out
+
+    def done(self) -> bool:
+        return bool(self._fut.done())
+
+    def result(self) -> torch.Tensor:
+        try:
+            got = self._fut.get()
+        except Exception as e:  # kvikio raises RuntimeError for I/O failures
+            raise CheckpointError(f"cannot read {self._path} at offset {self._offset}: {str(e).splitlines()[0]}") from e
+        if got != self._length:
+            raise CheckpointError(f"{self._path} ended early: {got} of {self._length} bytes at offset {self._offset}")
+        return self._out
+
+
+class GpuDirectReader:
+    """Disk straight into GPU memory with kvikio: GPUDirect Storage where the system has it, else kvikio's
+    POSIX compat mode (its own thread pool reading through a pinned bounce buffer; LIMITS.md: 1.3 GB/s)."""
+
+    def __init__(self) -> None:
+        if importlib.util.find_spec("kvikio") is None:
+            raise UnsupportedError("kvikio is not installed: run `scripts/install.sh gpu` (or pip install kvikio-cu13)")
+        import kvikio
+
+        self._kvikio = kvikio
+        self._files: dict[str, Any] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def available() -> bool:
+        """Whether kvikio is importable and a CUDA GPU is present."""
+        return torch.cuda.is_available() and importlib.util.find_spec("kvikio") is not None
+
+    @property
+    def compat_mode(self) -> str:
+        """kvikio's compat mode setting as text (ON = POSIX reads, no GPUDirect Storage)."""
+        defaults = self._kvikio.defaults
+        for get in (lambda: defaults.get("compat_mode"), lambda: defaults.compat_mode()):
+            try:  # kvikio >= 25.04 has defaults.get(name); older releases defaults.compat_mode()
+                return str(get())
+            except Exception:
+                continue
+        return "unknown"
+
+    def read(self, path: PathLike, offset: int, length: int, out: torch.Tensor) -> _KvikioRead:
+        """Read `length` bytes at `offset` into `out[:length]` (a contiguous CUDA uint8 tensor); a pending read."""
+        if out.device.type != "cuda" or out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() < length:
+            raise ValueError(f"out must be a contiguous CUDA uint8 tensor of >= {length} bytes")
+        key = os.fspath(path)
+        try:
+            if os.stat(key).st_size < offset + length:
+                raise CheckpointError(f"{key} is truncated: bytes {offset}..{offset + length} requested")
+            with self._lock:
+                fh = self._files.get(key) or self._kvikio.CuFile(key, "r")
+                self._files[key] = fh
+        except OSError as e:
+            raise CheckpointError(f"cannot open {key}: {e.strerror}") from e
+        return _KvikioRead(fh.pread(out[:length], length, file_offset=offset), key, offset, length, out)
+
+    def close(self) -> None:
+        """Close every kvikio file handle."""
+        with self._lock:
+            for fh in self._files.values():
+                fh.close()
+            self._files.clear()

@@ -1,0 +1,448 @@
+"""The tier manager: where every expert lives, and moving experts between tiers without blocking compute.
+
+Tiers, fastest first: `gpu` (fixed slots in one VRAM slab), `pinned` (fixed slots of page-locked host
+RAM; plain RAM on CPU-only hosts), `tmpfs` (whole layer files of the store copied to /dev/shm) and
+`disk` (the store itself, which always holds everything, so dropping a copy never loses the only one).
+
+    prefetch(keys, device)   returns at once; transfers run on worker threads and a CUDA copy stream
+    acquire(keys, device)    handles to resident copies, waiting only for what is not there yet
+    release(handles)         unpins; an object in use (or being copied) is never evicted
+
+Concurrent requests for one object share one transfer. A GPU handle carries a CUDA event; the compute
+stream waits on it, the host does not. Every lookup, byte and wait is counted in `TierStats`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import heapq
+import itertools
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from strata.errors import StrataError
+from strata.tiers.diskio import DiskReader
+from strata.tiers.gpu_slots import GpuSlots
+from strata.tiers.pinned import PinnedPool
+from strata.tiers.policy import make_policy
+from strata.tiers.stats import TierStats
+from strata.tiers.store import ExpertStore
+from strata.tiers.tmpfs import TmpfsMirror
+
+Key = tuple[int, int]  # (layer, expert)
+MIN_PINNED_SLOTS = 4  # staging for GPU copies even when the pinned budget is 0
+
+
+def _static_hot(capacity: int) -> int:
+    """Slots the static policy gives its hot set; the rest (at least one) rotate for cold experts."""
+    return capacity - max(1, capacity // 4)
+
+
+class TierFullError(StrataError):
+    """Every slot of a tier is in use: the budget is smaller than one step's working set."""
+
+
+@dataclass
+class TierBudgets:
+    """Slots per tier (from the planner) and how they are shared."""
+
+    gpu_slots: int = 0
+    pinned_slots: int = 0
+    tmpfs_bytes: int = 0
+    per_layer: bool = False
+
+    def __post_init__(self) -> None:
+        if min(self.gpu_slots, self.pinned_slots, self.tmpfs_bytes) < 0:
+            raise StrataError(f"tier budgets must be >= 0, got {self}")
+
+
+@dataclass
+class ExpertHandle:
+    """A resident copy in use: typed views gate_up [2I, H], down [H, I] of its slot."""
+
+    key: Key
+    tier: str  # "gpu" | "pinned"
+    slot: int
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    event: object = None  # torch.cuda.Event the compute stream must wait on (GPU copies)
+
+    def wait(self) -> None:
+        """Make the current CUDA stream wait for this copy (no host synchronisation)."""
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+
+@dataclass
+class _SlotTier:
+    """Bookkeeping of one slotted tier; all fields are guarded by the manager's lock."""
+
+    name: str
+    capacity: int
+    policy: object
+    slot_of: dict[Key, int] = field(default_factory=dict)
+    free: list[int] = field(default_factory=list)
+    refs: dict[Key, int] = field(default_factory=dict)
+    inflight: dict[Key, Future] = field(default_factory=dict)
+    events: dict[int, object] = field(default_factory=dict)  # slot -> last event that reads/writes it
+
+    def __post_init__(self) -> None:
+        self.free = list(range(self.capacity - 1, -1, -1))
+
+    def busy(self, key: Key) -> bool:
+        return self.refs.get(key, 0) > 0 or key in self.inflight
+
+
+class TierManager:
+    """Places a store's experts across GPU, pinned RAM, tmpfs and disk within budgets."""
+
+    def __init__(self, store: ExpertStore, budgets: TierBudgets, *, gpu_device: torch.device | None = None,
+                 policy: str = "lfu", half_life: float = 256.0, hot: list[Key] | None = None,
+                 tmpfs_dir: str | Path | None = None, io_threads: int = 8, direct_io: bool = True):
+        self.store, self.budgets = store, budgets
+        self.stats_ = TierStats()
+        self._lock = threading.RLock()
+        self._seq = itertools.count()
+        self._jobs: list = []
+        self._jobs_ready = threading.Condition(self._lock)
+        self._closed = False
+        self._verified: set[Key] = set()
+        self._prefetched: dict[str, set[Key]] = {"gpu": set(), "pinned": set()}
+        moe_layers = sorted({k[0] for k in store.keys()})
+        self._layers = moe_layers
+        hot = list(hot or [])
+        self.policy_name = policy
+        n_pinned = max(budgets.pinned_slots, MIN_PINNED_SLOTS)
+        self.pool = PinnedPool(store.slot_bytes, n_pinned, pin=gpu_device is not None and gpu_device.type == "cuda")
+        self.pinned = _SlotTier("pinned", n_pinned, make_policy(policy, half_life=half_life,
+                                                                 hot=hot[: _static_hot(n_pinned)],
+                                                                 reload_cost=self._reload_cost_pinned))
+        self.slots: GpuSlots | None = None
+        self.gpu: _SlotTier | None = None
+        if budgets.gpu_slots > 0:
+            n_layers = max(moe_layers) + 1
+            n_experts = max(k[1] for k in store.keys()) + 1
+            self.slots = GpuSlots(store.slot_bytes, budgets.gpu_slots, n_layers, n_experts, gpu_device or "cpu")
+            self.gpu = _SlotTier("gpu", budgets.gpu_slots, make_policy(policy, half_life=half_life,
+                                                                       hot=hot[: _static_hot(budgets.gpu_slots)],
+                                                                       reload_cost=self._reload_cost_gpu))
+        self.reader = DiskReader(num_threads=io_threads, direct=direct_io)
+        self.tmpfs = TmpfsMirror(store, tmpfs_dir, budgets.tmpfs_bytes, order=hot) if tmpfs_dir and budgets.tmpfs_bytes else None
+        self._copying: dict[int, tuple] = {}  # GPU copies whose pinned source is still held
+        self._workers = [threading.Thread(target=self._work, name=f"strata-tier-{i}", daemon=True)
+                         for i in range(io_threads)]
+        for w in self._workers:
+            w.start()
+
+    # ---- public API ---------------------------------------------------------------------------
+    def prefetch(self, keys: list[Key], device: str = "gpu", priority: int = 1, warm: bool = False) -> None:
+        """Start bringing `keys` to the `device` tier ("gpu" or "cpu"); returns at once.
+
+        `warm=True` is initial placement (lowest priority, not counted as prediction).
+        """
+        tier = self._tier(device)
+        with self._lock:
+            for key in keys:
+                if key in tier.slot_of or key in tier.inflight:
+                    continue
+                try:
+                    self._ensure(tier, key, 2 if warm else priority)
+                except TierFullError:
+                    return  # prefetch is best effort: never evict what is in use
+                if not warm:
+                    self.stats_.prefetch_issued += 1
+                    self._prefetched[tier.name].add(key)
+
+    def acquire(self, keys: list[Key], device: str = "gpu") -> list[ExpertHandle]:
+        """Handles to resident copies of `keys` on `device`, pinned until `release`."""
+        tier = self._tier(device)
+        waits: list[tuple[Key, Future, str | None, float]] = []
+        for key in keys:
+            while True:
+                with self._lock:
+                    try:
+                        waits.append(self._lookup(tier, key))
+                        break
+                    except TierFullError:
+                        # slots taken by prefetches still in flight free up when they land: wait for them
+                        pending = [f for k, f in tier.inflight.items() if not tier.refs.get(k)]
+                        if not pending:
+                            for k, *_ in waits:
+                                self._unref(tier, k)
+                            raise
+                concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+        handles: list[ExpertHandle] = []
+        for i, (key, fut, source, t0) in enumerate(waits):
+            stall = 0.0
+            if fut is not None:
+                try:
+                    fut.result()
+                except BaseException:
+                    self.release(handles)
+                    with self._lock:
+                        for k, *_ in waits[i:]:
+                            self._unref(tier, k)
+                    raise
+                stall = time.perf_counter() - t0
+            with self._lock:
+                self.stats_.lookup(key[0], source, fut is not None, stall)
+                handles.append(self._handle(tier, key))
+        return handles
+
+    def _lookup(self, tier: _SlotTier, key: Key) -> tuple[Key, Future | None, str, float]:
+        """Pin `key` in `tier`, starting its transfer if needed (under the lock)."""
+        self._note_prefetch_use(tier, key)
+        if key in tier.slot_of and key not in tier.inflight:
+            tier.policy.touch(key)
+            tier.refs[key] = tier.refs.get(key, 0) + 1
+            return key, None, tier.name, 0.0
+        source = self._source_of(key, tier)
+        fut = self._ensure(tier, key, priority=0)
+        tier.policy.touch(key)
+        tier.refs[key] = tier.refs.get(key, 0) + 1
+        return key, fut, source, time.perf_counter()
+
+    def max_acquire(self, device: str = "gpu") -> int:
+        """How many experts of one layer can be held at once on `device` (callers acquire in chunks)."""
+        tier = self._tier(device)
+        n = self._quota(tier) if self.budgets.per_layer else tier.capacity
+        return n - _static_hot(n) if self.policy_name == "static" else n
+
+    async def acquire_async(self, keys: list[Key], device: str = "gpu") -> list[ExpertHandle]:
+        """`acquire` for asyncio callers: waits in a thread, never blocks the event loop."""
+        return await asyncio.to_thread(self.acquire, keys, device)
+
+    def release(self, handles: list[ExpertHandle]) -> None:
+        """Unpin handles. On CUDA, later copies into a released GPU slot wait for the work queued on it."""
+        with self._lock:
+            for h in handles:
+                tier = self.gpu if h.tier == "gpu" else self.pinned
+                if h.tier == "gpu" and self.slots is not None and self.slots.slab.is_cuda:
+                    ev = torch.cuda.Event()
+                    ev.record(torch.cuda.current_stream(self.slots.slab.device))
+                    tier.events[h.slot] = ev
+                self._unref(tier, h.key)
+
+    def residency(self, key: Key) -> list[str]:
+        """Tiers holding a usable copy of `key`, fastest first (disk always)."""
+        with self._lock:
+            tiers = [t.name for t in (self.gpu, self.pinned) if t is not None and key in t.slot_of and key not in t.inflight]
+        if self.tmpfs is not None and self.tmpfs.has(key[0]):
+            tiers.append("tmpfs")
+        return tiers + ["disk"]
+
+    def stats(self) -> dict:
+        """A snapshot of tier statistics (JSON-ready)."""
+        with self._lock:
+            residency = {"pinned": len(self.pinned.slot_of), "disk": len(self.store.keys())}
+            capacity = {"pinned": self.pinned.capacity, "disk": len(self.store.keys())}
+            if self.gpu is not None:
+                residency["gpu"], capacity["gpu"] = len(self.gpu.slot_of), self.gpu.capacity
+            if self.tmpfs is not None:
+                residency["tmpfs"] = self.tmpfs.resident_objects()
+                capacity["tmpfs"] = self.tmpfs.capacity_objects()
+            return self.stats_.snapshot(residency, capacity)
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            self._jobs_ready.notify_all()
+        for w in self._workers:
+            w.join(timeout=5)
+        self.reader.close()
+        if self.tmpfs is not None:
+            self.tmpfs.close()
+        self.pool.close()
+
+    # ---- placement (all under self._lock) ---------------------------------------------------------
+    def _tier(self, device: str) -> _SlotTier:
+        if device == "gpu":
+            if self.gpu is None:
+                raise StrataError("the GPU tier has no slots (tiers.gpu.budget is 0 or there is no GPU); use device='cpu'")
+            return self.gpu
+        if device in ("cpu", "pinned"):
+            return self.pinned
+        raise StrataError(f"unknown tier device {device!r}; use 'gpu' or 'cpu'")
+
+    def _source_of(self, key: Key, tier: _SlotTier) -> str:
+        if tier is self.gpu and key in self.pinned.slot_of and key not in self.pinned.inflight:
+            return "pinned"
+        return "tmpfs" if self.tmpfs is not None and self.tmpfs.has(key[0]) else "disk"
+
+    def _ensure(self, tier: _SlotTier, key: Key, priority: int) -> Future:
+        """Future resolved when `key` is resident in `tier`; starts (or joins) the transfer."""
+        if key in tier.inflight:
+            return tier.inflight[key]
+        if key in tier.slot_of:
+            done: Future = Future()
+            done.set_result(None)
+            return done
+        if tier is self.gpu:  # stage through pinned RAM first (its slot is held while the copy reads it)
+            src = self._ensure(self.pinned, key, priority)
+            self.pinned.refs[key] = self.pinned.refs.get(key, 0) + 1
+            try:
+                slot = self._take_slot(tier, key)
+            except TierFullError:
+                self._unref(self.pinned, key)
+                raise
+        else:
+            slot = self._take_slot(tier, key)
+        fut: Future = Future()
+        tier.inflight[key] = fut
+        tier.slot_of[key] = slot
+        if tier is self.pinned:
+            self._submit(priority, self._load_pinned, key, slot, fut)
+        else:
+            src.add_done_callback(lambda f: self._copy_to_gpu(key, slot, fut, f))
+        return fut
+
+    def _take_slot(self, tier: _SlotTier, key: Key) -> int:
+        """A free slot, or one freed by evicting the policy's victim among objects not in use."""
+        if tier.free and (not self.budgets.per_layer or self._layer_count(tier, key[0]) < self._quota(tier)):
+            return tier.free.pop()
+        self._reap_copies()
+        if self.budgets.per_layer:
+            candidates = [k for k in tier.slot_of if k[0] == key[0] and not tier.busy(k)]
+        else:
+            candidates = [k for k in tier.slot_of if not tier.busy(k)]
+        victim = tier.policy.victim(candidates)
+        if victim is None:
+            if tier.free:
+                return tier.free.pop()
+            raise TierFullError(
+                f"all {tier.capacity} {tier.name} slots are in use; raise tiers.{tier.name}.budget "
+                "(a step needs at least top_k experts of one layer resident)"
+            )
+        slot = tier.slot_of.pop(victim)
+        tier.policy.remove(victim)
+        self.stats_.evictions[tier.name] += 1
+        if victim in self._prefetched[tier.name]:
+            self._prefetched[tier.name].discard(victim)
+            self.stats_.prefetch_unused += 1
+        if tier is self.gpu:
+            self.slots.clear(victim)
+        return slot
+
+    def _layer_count(self, tier: _SlotTier, layer: int) -> int:
+        return sum(1 for k in tier.slot_of if k[0] == layer)
+
+    def _quota(self, tier: _SlotTier) -> int:
+        return max(1, tier.capacity // max(1, len(self._layers)))
+
+    def _unref(self, tier: _SlotTier, key: Key) -> None:
+        n = tier.refs.get(key, 0) - 1
+        if n > 0:
+            tier.refs[key] = n
+        else:
+            tier.refs.pop(key, None)
+
+    def _note_prefetch_use(self, tier: _SlotTier, key: Key) -> None:
+        if key in self._prefetched[tier.name]:
+            self._prefetched[tier.name].discard(key)
+            self.stats_.prefetch_used += 1
+            if key in tier.inflight:
+                self.stats_.prefetch_late += 1
+
+    def _reload_cost_pinned(self, key: Key) -> float:
+        return 1 / 3.0e9 if self.tmpfs is not None and self.tmpfs.has(key[0]) else 1 / 1.0e9
+
+    def _reload_cost_gpu(self, key: Key) -> float:
+        return 1 / 50e9 if key in self.pinned.slot_of else self._reload_cost_pinned(key)
+
+    def _reap_copies(self) -> None:
+        """Drop the pinned refs held by GPU copies that have finished reading their source."""
+        for token, (start, end, key) in list(self._copying.items()):
+            if end is None or end.query():
+                del self._copying[token]
+                self._unref(self.pinned, key)
+                if end is not None:  # copy-engine time, not enqueue time
+                    self.stats_.paths["pinned->gpu"].add(self.store.slot_bytes, start.elapsed_time(end) / 1000)
+
+    def _handle(self, tier: _SlotTier, key: Key) -> ExpertHandle:
+        slot = tier.slot_of[key]
+        buf = self.slots.view(slot) if tier is self.gpu else self.pool.slot(slot)
+        gate_up, down = self.store.expert_views(buf)
+        event = tier.events.get(slot) if tier is self.gpu else None
+        return ExpertHandle(key, tier.name, slot, gate_up, down, event)
+
+    # ---- transfers (worker threads) -----------------------------------------------------------
+    def _submit(self, priority: int, fn, *args) -> None:
+        heapq.heappush(self._jobs, (priority, next(self._seq), fn, args))
+        self._jobs_ready.notify()
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                while not self._jobs and not self._closed:
+                    self._jobs_ready.wait()
+                if self._closed:
+                    return
+                _, _, fn, args = heapq.heappop(self._jobs)
+            fn(*args)
+
+    def _load_pinned(self, key: Key, slot: int, fut: Future) -> None:
+        """Read one blob from tmpfs or disk into a pinned slot; verify its checksum on first read."""
+        t0 = time.perf_counter()
+        try:
+            source = "tmpfs" if self.tmpfs is not None and self.tmpfs.has(key[0]) else "disk"
+            path, offset, length = self.tmpfs.location(key) if source == "tmpfs" else self.store.location(key)
+            buf = self.pool.slot(slot)
+            self.reader.read(path, offset, length, buf).result()
+            if key not in self._verified:
+                try:
+                    self.store.verify_blob(key, buf)
+                except StrataError:
+                    with self._lock:
+                        self.stats_.checksum_failures += 1
+                    raise
+                self._verified.add(key)
+        except BaseException as e:
+            with self._lock:
+                self.pinned.inflight.pop(key, None)
+                self.pinned.slot_of.pop(key, None)
+                self.pinned.free.append(slot)
+            fut.set_exception(e)
+            return
+        with self._lock:
+            self.stats_.paths[f"{source}->pinned"].add(length, time.perf_counter() - t0)
+            del self.pinned.inflight[key]
+            self.pinned.policy.insert(key)
+        fut.set_result(None)
+
+    def _copy_to_gpu(self, key: Key, slot: int, fut: Future, src: Future) -> None:
+        """Pinned -> GPU slot on the copy stream; the slot's event is what compute waits on."""
+        with self._lock:
+            if src.exception() is not None:
+                self._unref(self.pinned, key)
+                self.gpu.inflight.pop(key, None)
+                self.gpu.slot_of.pop(key, None)
+                self.gpu.free.append(slot)
+                fut.set_exception(src.exception())
+                return
+            pinned_buf = self.pool.slot(self.pinned.slot_of[key])
+            prior = self.gpu.events.get(slot)
+        t0, start = time.perf_counter(), None
+        if self.slots.slab.is_cuda:
+            if prior is not None:
+                self.slots.copy_stream.wait_event(prior)  # the slot's last reader must finish first
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(self.slots.copy_stream)
+        event = self.slots.copy_in(slot, pinned_buf)
+        if start is not None:  # a timing event at the same point of the copy stream
+            event = torch.cuda.Event(enable_timing=True)
+            event.record(self.slots.copy_stream)
+        with self._lock:
+            self._copying[next(self._seq)] = (start, event, key)
+            if event is None:  # CPU-simulated GPU tier: the copy is already done
+                self.stats_.paths["pinned->gpu"].add(self.store.slot_bytes, time.perf_counter() - t0)
+            self.gpu.events[slot] = event
+            self.slots.assign(key, slot)
+            del self.gpu.inflight[key]
+            self.gpu.policy.insert(key)
+        fut.set_result(None)

@@ -1,0 +1,115 @@
+"""Placement and eviction policies: which resident object a full tier gives up.
+
+A policy only ranks; the tier manager decides what may be evicted at all (nothing in use, nothing
+in flight). Every policy sees the same events: `touch` on each lookup, `insert` when an object
+arrives in the tier, `remove` when it leaves.
+
+- `lru`: least recently used goes first (mixtral-offloading's per-layer LRU, when budgets are per layer).
+- `lfu`: lowest use count with exponential decay (half-life in lookups), so the hot set migrates
+  with traffic instead of freezing on what was popular an hour ago.
+- `static`: the planner's hot set never leaves; other objects rotate LRU in the remaining slots.
+- `cost`: decayed frequency times the cost of bringing the object back (its next tier down), so an
+  object that would have to come back from disk is kept over one that sits in pinned RAM anyway.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable
+
+from strata.errors import ConfigError
+
+Key = Hashable
+POLICIES = ("static", "lru", "lfu", "cost")
+
+
+class LRUPolicy:
+    """Least recently used first."""
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[Key, None] = OrderedDict()
+
+    def touch(self, key: Key) -> None:
+        if key in self._order:
+            self._order.move_to_end(key)
+
+    def insert(self, key: Key) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def remove(self, key: Key) -> None:
+        self._order.pop(key, None)
+
+    def victim(self, candidates: Iterable[Key]) -> Key | None:
+        allowed = set(candidates)
+        return next((k for k in self._order if k in allowed), None)
+
+
+class LFUPolicy:
+    """Lowest decayed use count first; counts halve every `half_life` lookups (of any object).
+
+    Counts are kept for objects that left the tier too, so an object evicted under pressure comes
+    back with its history (the frequency a cost model and a hot set need).
+    """
+
+    def __init__(self, half_life: float = 256.0) -> None:
+        if half_life <= 0:
+            raise ConfigError(f"policy.lfu_half_life must be > 0, got {half_life}")
+        self.decay = math.log(2) / half_life
+        self.clock = 0
+        self._score: dict[Key, tuple[float, int]] = {}  # key -> (count at time t, t)
+        self._resident: set[Key] = set()
+
+    def score(self, key: Key) -> float:
+        count, t = self._score.get(key, (0.0, self.clock))
+        return count * math.exp(-self.decay * (self.clock - t))
+
+    def touch(self, key: Key) -> None:
+        self.clock += 1
+        self._score[key] = (self.score(key) + 1.0, self.clock)
+
+    def insert(self, key: Key) -> None:
+        self._resident.add(key)
+
+    def remove(self, key: Key) -> None:
+        self._resident.discard(key)
+
+    def victim(self, candidates: Iterable[Key]) -> Key | None:
+        return min(candidates, key=self.score, default=None)
+
+
+class StaticPolicy(LRUPolicy):
+    """The hot set is pinned in the tier; everything else rotates LRU through the remaining slots."""
+
+    def __init__(self, hot: Iterable[Key] = ()) -> None:
+        super().__init__()
+        self.hot = set(hot)
+
+    def victim(self, candidates: Iterable[Key]) -> Key | None:
+        return super().victim(k for k in candidates if k not in self.hot)
+
+
+class CostPolicy(LFUPolicy):
+    """Evict what is cheapest to lose: decayed frequency x cost of reloading it (seconds per byte)."""
+
+    def __init__(self, reload_cost: Callable[[Key], float], half_life: float = 256.0) -> None:
+        super().__init__(half_life)
+        self.reload_cost = reload_cost
+
+    def victim(self, candidates: Iterable[Key]) -> Key | None:
+        return min(candidates, key=lambda k: (self.score(k) + 1e-3) * self.reload_cost(k), default=None)
+
+
+def make_policy(name: str, *, half_life: float = 256.0, hot: Iterable[Key] = (),
+                reload_cost: Callable[[Key], float] | None = None):
+    """Build the policy named in `[policy] eviction`."""
+    if name == "lru":
+        return LRUPolicy()
+    if name == "lfu":
+        return LFUPolicy(half_life)
+    if name == "static":
+        return StaticPolicy(hot)
+    if name == "cost":
+        return CostPolicy(reload_cost or (lambda key: 1.0), half_life)
+    raise ConfigError(f"policy.eviction = {name!r} is invalid; use one of {', '.join(POLICIES)}")

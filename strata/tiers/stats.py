@@ -1,0 +1,94 @@
+"""Tier statistics: every lookup counted, every byte moved, every wait timed.
+
+Counters are plain integers and floats updated under the tier manager's lock; `snapshot()` copies
+them into a JSON-ready dict, cheap enough to call every second from a dashboard.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+
+@dataclass
+class PathCounters:
+    """One movement path (e.g. disk->pinned): bytes, objects and busy time, for achieved bandwidth."""
+
+    bytes: int = 0
+    objects: int = 0
+    seconds: float = 0.0
+
+    def add(self, nbytes: int, seconds: float) -> None:
+        self.bytes += nbytes
+        self.objects += 1
+        self.seconds += seconds
+
+    def as_dict(self) -> dict:
+        gbps = self.bytes / self.seconds / 1e9 if self.seconds else 0.0
+        return {"bytes": self.bytes, "objects": self.objects, "seconds": round(self.seconds, 6), "GB_per_s": round(gbps, 3)}
+
+
+@dataclass
+class LayerCounters:
+    lookups: int = 0
+    hits: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # tier that answered -> count
+    misses: int = 0  # lookups that had to wait for a transfer
+    stall_seconds: float = 0.0
+
+
+@dataclass
+class TierStats:
+    """All counters of one tier manager."""
+
+    started: float = field(default_factory=time.monotonic)
+    layers: dict[int, LayerCounters] = field(default_factory=lambda: defaultdict(LayerCounters))
+    paths: dict[str, PathCounters] = field(default_factory=lambda: defaultdict(PathCounters))
+    prefetch_issued: int = 0
+    prefetch_used: int = 0  # a prefetched object was looked up while resident or in flight
+    prefetch_late: int = 0  # ... and the lookup still had to wait for it
+    prefetch_unused: int = 0  # evicted before any lookup used it
+    evictions: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    checksum_failures: int = 0
+
+    def lookup(self, layer: int, tier: str, missed: bool, stall: float) -> None:
+        """Count one lookup answered from `tier`; `missed` when it was not resident where wanted."""
+        c = self.layers[layer]
+        c.lookups += 1
+        c.hits[tier] += 1
+        c.misses += int(missed)
+        c.stall_seconds += stall
+
+    def snapshot(self, residency: dict[str, int], capacity: dict[str, int]) -> dict:
+        """A JSON-ready copy: totals, per tier, per layer, per path, prefetch quality."""
+        lookups = sum(c.lookups for c in self.layers.values())
+        hits: dict[str, int] = defaultdict(int)
+        for c in self.layers.values():
+            for tier, n in c.hits.items():
+                hits[tier] += n
+        misses = sum(c.misses for c in self.layers.values())
+        issued = self.prefetch_issued
+        return {
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "lookups": lookups,
+            "misses": misses,
+            "stall_seconds": round(sum(c.stall_seconds for c in self.layers.values()), 6),
+            "hit_rate": {t: (n / lookups if lookups else 0.0) for t, n in hits.items()},
+            "tiers": {t: {"resident": residency.get(t, 0), "capacity": capacity.get(t, 0), "hits": hits.get(t, 0),
+                          "evictions": self.evictions.get(t, 0)} for t in capacity},
+            "paths": {p: c.as_dict() for p, c in self.paths.items()},
+            "prefetch": {
+                "issued": issued,
+                "used": self.prefetch_used,
+                "late": self.prefetch_late,
+                "unused": self.prefetch_unused,
+                "precision": self.prefetch_used / issued if issued else 0.0,
+                "recall": self.prefetch_used / (self.prefetch_used + misses) if (self.prefetch_used + misses) else 0.0,
+            },
+            "checksum_failures": self.checksum_failures,
+            "layers": {
+                layer: {"lookups": c.lookups, "misses": c.misses, "hits": dict(c.hits),
+                        "stall_seconds": round(c.stall_seconds, 6)}
+                for layer, c in sorted(self.layers.items())
+            },
+        }

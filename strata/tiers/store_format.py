@@ -1,0 +1,331 @@
+"""The tiered expert store's on-disk format: layout, index (store.msgpack) and source fingerprint.
+
+A store is a directory that packs a checkpoint so that moving one expert is one aligned read:
+
+    store.msgpack            the index below (written last: a directory without it is not a store)
+    dense.safetensors        every non-expert tensor, real safetensors, names as in the checkpoint
+    experts/layer-LLL.bin    one file per MoE layer: expert e's blob at offset e * slot_bytes
+    tables/NAME.bin          row-addressable tables (Engram hashed n-gram tables), one per file
+    config.json, tokenizer.json, ...   copies, so the directory is self-contained
+
+A blob is one expert's payload, gate_up [2I, H] (gate rows, then up rows: transformers' fused
+`gate_up_proj[e]`) followed by down [H, I], in the checkpoint's dtype, zero-padded to `slot_bytes`
+(a multiple of ALIGN), so every blob starts 4 KiB aligned (O_DIRECT, GPUDirect Storage) and tiers
+can use fixed-size slots. Checksums are xxh3_64 of the payload (blobs), of each chunk of rows
+(tables), of each tensor and the header (dense.safetensors) and of each copied file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import msgpack
+import torch
+import xxhash
+
+from strata.errors import CheckpointError
+
+ALIGN = 4096
+STORE_VERSION = 1
+INDEX_NAME = "store.msgpack"
+DENSE_NAME = "dense.safetensors"
+EXPERTS_DIR = "experts"
+TABLES_DIR = "tables"
+CHECKSUM = "xxh3_64"
+ROWS_PER_CHUNK = 4096
+# the files copied verbatim from the checkpoint (whichever exist), so a store is self-contained
+COPIED_FILES: tuple[str, ...] = (
+    "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+    "chat_template.jinja", "special_tokens_map.json",
+)  # fmt: skip
+ExpertKey = tuple[int, int]  # (layer, expert)
+
+# dtype strings (safetensors spelling) of expert blobs and tables -> torch dtype
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+    "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+}  # fmt: skip
+DTYPE_NAMES: dict[torch.dtype, str] = {v: k for k, v in TORCH_DTYPES.items()}
+EXPERT_DTYPES = ("BF16", "F16", "F32")
+_TABLE_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}")
+
+
+def align_up(n: int, align: int = ALIGN) -> int:
+    """The smallest multiple of `align` >= n."""
+    return -(-n // align) * align
+
+
+def checksum(data) -> int:
+    """xxh3_64 of a buffer (bytes, memoryview, numpy array), as an unsigned 64-bit int."""
+    return xxhash.xxh3_64_intdigest(data)
+
+
+def itemsize(dtype: str) -> int:
+    return torch.empty((), dtype=TORCH_DTYPES[dtype]).element_size()
+
+
+def layer_file(layer: int) -> str:
+    """The relative path of a MoE layer's blob file."""
+    return f"{EXPERTS_DIR}/layer-{layer:03d}.bin"
+
+
+def _check(cond: bool, what: str) -> None:
+    if not cond:
+        raise ValueError(what)
+
+
+def _is_int(x: object) -> bool:
+    return type(x) is int
+
+
+@dataclass
+class BlobEntry:
+    """Where one expert's blob lives: `length` payload bytes at an ALIGN-aligned `offset` of `file`."""
+
+    layer: int
+    expert: int
+    file: str  # relative to the store directory
+    offset: int
+    length: int  # payload bytes (the slot on disk is the index's slot_bytes)
+    checksum: int  # xxh3_64 of the payload
+
+    def __post_init__(self) -> None:
+        _check(all(_is_int(x) for x in (self.layer, self.expert, self.offset, self.length, self.checksum)),
+               f"blob {self} has a non-integer field")
+        _check(self.layer >= 0 and self.expert >= 0, f"blob ({self.layer}, {self.expert}) has a negative id")
+        _check(self.offset >= 0 and self.offset % ALIGN == 0, f"blob ({self.layer}, {self.expert}) is not aligned")
+        _check(self.length > 0 and 0 <= self.checksum < 1 << 64, f"blob ({self.layer}, {self.expert}) is malformed")
+        _check(isinstance(self.file, str) and _safe_relpath(self.file), f"blob file {self.file!r} is not relative")
+
+    @property
+    def key(self) -> ExpertKey:
+        return (self.layer, self.expert)
+
+
+@dataclass
+class TableEntry:
+    """A row-addressable table: `num_rows` rows of `row_bytes` at an ALIGN-aligned `offset` of `file`.
+
+    Row r lives at `offset + r * row_bytes`; rows [k * rows_per_chunk, (k + 1) * rows_per_chunk) form
+    chunk k, whose bytes hash to `chunk_checksums[k]`, so a few rows are verified without the table.
+    """
+
+    name: str
+    file: str
+    offset: int
+    num_rows: int
+    row_bytes: int
+    dtype: str  # element dtype (safetensors spelling); a row is `row_shape` elements of it
+    row_shape: tuple[int, ...]
+    rows_per_chunk: int
+    chunk_checksums: list[int]
+
+    def __post_init__(self) -> None:
+        self.row_shape = tuple(self.row_shape)
+        self.chunk_checksums = list(self.chunk_checksums)
+        _check(isinstance(self.name, str) and bool(_TABLE_NAME.fullmatch(self.name)), f"bad table name {self.name!r}")
+        _check(isinstance(self.file, str) and _safe_relpath(self.file), f"table file {self.file!r} is not relative")
+        _check(self.dtype in TORCH_DTYPES, f"table {self.name!r} has unknown dtype {self.dtype!r}")
+        ints = (self.offset, self.num_rows, self.row_bytes, self.rows_per_chunk, *self.row_shape)
+        _check(all(_is_int(x) and x >= 0 for x in ints), f"table {self.name!r} has a malformed size")
+        _check(self.offset % ALIGN == 0, f"table {self.name!r} is not aligned")
+        _check(self.rows_per_chunk > 0 and self.row_bytes > 0, f"table {self.name!r} has empty rows or chunks")
+        _check(self.row_bytes == math.prod(self.row_shape) * itemsize(self.dtype),
+               f"table {self.name!r}: row_bytes {self.row_bytes} disagrees with {self.dtype} {list(self.row_shape)}")
+        _check(len(self.chunk_checksums) == self.num_chunks and all(_is_int(c) for c in self.chunk_checksums),
+               f"table {self.name!r} has {len(self.chunk_checksums)} chunk checksums, expected {self.num_chunks}")
+
+    @property
+    def num_chunks(self) -> int:
+        return -(-self.num_rows // self.rows_per_chunk)
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_rows * self.row_bytes
+
+    def chunk_rows(self, k: int) -> tuple[int, int]:
+        """Rows [start, stop) of chunk k."""
+        start = k * self.rows_per_chunk
+        return start, min(start + self.rows_per_chunk, self.num_rows)
+
+
+@dataclass
+class DenseEntry:
+    """dense.safetensors: its size, the checksum of its header and of each tensor's bytes."""
+
+    file: str
+    size: int
+    data_start: int  # 8 + header length: tensor bytes begin here (ALIGN-aligned)
+    header_checksum: int  # of bytes [0, data_start)
+    tensor_checksums: dict[str, int]  # tensor name -> xxh3_64 of its bytes
+
+    def __post_init__(self) -> None:
+        _check(_is_int(self.size) and _is_int(self.data_start) and 8 <= self.data_start <= self.size,
+               "dense file has a malformed size")
+        _check(isinstance(self.tensor_checksums, dict), "dense tensor checksums are not a map")
+
+
+@dataclass
+class StoreIndex:
+    """The contents of store.msgpack: what the store holds and where, with checksums."""
+
+    source_fingerprint: str
+    model_type: str
+    num_layers: int
+    moe_layers: list[int]  # layer ids with routed experts, ascending
+    num_experts: int
+    hidden: int
+    moe_intermediate: int
+    dtype: str  # "BF16" | "F16" | "F32": the experts' dtype, as in the checkpoint
+    payload_bytes: int  # (2I*H + H*I) * itemsize
+    slot_bytes: int  # payload_bytes rounded up to ALIGN: every blob's size on disk
+    blobs: dict[ExpertKey, BlobEntry] = field(default_factory=dict)
+    tables: dict[str, TableEntry] = field(default_factory=dict)
+    dense: DenseEntry | None = None
+    copied_files: dict[str, int] = field(default_factory=dict)  # name -> xxh3_64 of its bytes
+    version: int = STORE_VERSION
+
+    def __post_init__(self) -> None:
+        _check(self.version == STORE_VERSION, f"store version {self.version!r}, this strata reads {STORE_VERSION}")
+        _check(self.dtype in EXPERT_DTYPES, f"expert dtype {self.dtype!r} is not one of {EXPERT_DTYPES}")
+        dims = (self.num_layers, self.num_experts, self.hidden, self.moe_intermediate)
+        _check(all(_is_int(x) and x > 0 for x in dims), "model dimensions must be positive integers")
+        _check(list(self.moe_layers) == sorted(set(self.moe_layers))
+               and all(_is_int(x) and 0 <= x < self.num_layers for x in self.moe_layers), "moe layer list is malformed")
+        h, i = self.hidden, self.moe_intermediate
+        _check(self.payload_bytes == 3 * i * h * itemsize(self.dtype), f"payload_bytes {self.payload_bytes} is wrong")
+        _check(self.slot_bytes == align_up(self.payload_bytes), f"slot_bytes {self.slot_bytes} is wrong")
+        for key, blob in self.blobs.items():
+            _check(key == blob.key and blob.length == self.payload_bytes, f"blob {key} has the wrong key or length")
+        want = {(layer, e) for layer in self.moe_layers for e in range(self.num_experts)}
+        _check(set(self.blobs) == want, f"the index lists {len(self.blobs)} blobs, expected {len(want)}")
+
+    @property
+    def gate_up_bytes(self) -> int:
+        return 2 * self.moe_intermediate * self.hidden * itemsize(self.dtype)
+
+    def file_sizes(self) -> dict[str, int]:
+        """Every data file the index refers to -> the exact size its entries imply."""
+        sizes: dict[str, int] = {}
+        for b in self.blobs.values():
+            sizes[b.file] = max(sizes.get(b.file, 0), b.offset + self.slot_bytes)
+        for t in self.tables.values():
+            sizes[t.file] = max(sizes.get(t.file, 0), t.offset + align_up(t.nbytes))
+        if self.dense is not None:
+            sizes[self.dense.file] = self.dense.size
+        return sizes
+
+    def to_bytes(self) -> bytes:
+        """msgpack bytes; deterministic (same store -> same bytes: no paths, no times)."""
+        d = {
+            "format": "strata-store", "version": self.version, "checksum": CHECKSUM,
+            "source_fingerprint": self.source_fingerprint, "model_type": self.model_type,
+            "num_layers": self.num_layers, "moe_layers": list(self.moe_layers), "num_experts": self.num_experts,
+            "hidden": self.hidden, "moe_intermediate": self.moe_intermediate, "dtype": self.dtype,
+            "payload_bytes": self.payload_bytes, "slot_bytes": self.slot_bytes,
+            "blobs": [vars(self.blobs[k]) for k in sorted(self.blobs)],
+            "tables": [{**vars(t), "row_shape": list(t.row_shape)} for _, t in sorted(self.tables.items())],
+            "dense": None if self.dense is None
+            else {**vars(self.dense), "tensor_checksums": dict(sorted(self.dense.tensor_checksums.items()))},
+            "copied_files": dict(sorted(self.copied_files.items())),
+        }  # fmt: skip
+        return msgpack.packb(d, use_bin_type=True)
+
+    @classmethod
+    def from_bytes(cls, raw: bytes, source: str = INDEX_NAME) -> StoreIndex:
+        """Parse and validate store.msgpack; `CheckpointError` naming `source` when it is not a valid index."""
+        fix = "re-run `strata convert` (or delete the store)"
+        try:
+            d = msgpack.unpackb(raw, raw=False)
+            if not isinstance(d, dict) or d.get("format") != "strata-store":
+                raise ValueError("not a strata store index")
+            if d.get("version") != STORE_VERSION:
+                raise CheckpointError(
+                    f"{source}: store format version {d.get('version')!r}, this strata reads version "
+                    f"{STORE_VERSION}; {fix}"
+                )
+            if d.get("checksum") != CHECKSUM:
+                raise ValueError(f"unknown checksum {d.get('checksum')!r}")
+            blobs = [BlobEntry(**b) for b in d["blobs"]]
+            tables = [TableEntry(**t) for t in d["tables"]]
+            return cls(
+                source_fingerprint=d["source_fingerprint"], model_type=d["model_type"],
+                num_layers=d["num_layers"], moe_layers=d["moe_layers"], num_experts=d["num_experts"],
+                hidden=d["hidden"], moe_intermediate=d["moe_intermediate"], dtype=d["dtype"],
+                payload_bytes=d["payload_bytes"], slot_bytes=d["slot_bytes"],
+                blobs={b.key: b for b in blobs}, tables={t.name: t for t in tables},
+                dense=None if d["dense"] is None else DenseEntry(**d["dense"]),
+                copied_files=d["copied_files"], version=d["version"],
+            )  # fmt: skip
+        except CheckpointError:
+            raise
+        except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
+            msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise CheckpointError(f"{source}: not a valid strata store index ({msg}); {fix}") from None
+
+
+def _safe_relpath(p: str) -> bool:
+    return bool(p) and not p.startswith("/") and ".." not in p.split("/")
+
+
+def checkpoint_fingerprint(checkpoint_dir: str | os.PathLike) -> str:
+    """A cheap identity of a checkpoint: sha256 of config.json and each safetensors file's name, size
+    and raw header (sorted by name). Reads only headers; mtimes are ignored, so a copy is the same."""
+    directory = Path(checkpoint_dir)
+    h = hashlib.sha256(b"strata-fingerprint-1\0")
+
+    def put(b: bytes) -> None:  # length-prefixed, so field boundaries cannot be confused
+        h.update(len(b).to_bytes(8, "little") + b)
+
+    try:
+        put((directory / "config.json").read_bytes())
+        for path in sorted(directory.glob("*.safetensors")):
+            with open(path, "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                head = f.read(8)
+                n = int.from_bytes(head, "little") if len(head) == 8 else 0
+                raw = f.read(min(n, 100 * 1024 * 1024))  # the format's header limit
+            put(path.name.encode())
+            put(size.to_bytes(8, "little"))
+            put(head + raw)
+    except OSError as e:
+        raise CheckpointError(f"{getattr(e, 'filename', None) or directory}: cannot read: {e.strerror or e}") from e
+    return h.hexdigest()
+
+
+def is_store(directory: str | os.PathLike) -> bool:
+    """Whether `directory` is a (finished) strata store: it has store.msgpack."""
+    return (Path(directory) / INDEX_NAME).is_file()
+
+
+def read_index(directory: str | os.PathLike) -> StoreIndex:
+    """Read and validate `directory`/store.msgpack (files are not checked: see ExpertStore.open)."""
+    path = Path(directory) / INDEX_NAME
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory}: not a strata store (no {INDEX_NAME}); create one with `strata convert`") from None
+    except OSError as e:
+        raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from e
+    return StoreIndex.from_bytes(raw, str(path))
+
+
+def pread_into(fd: int, buf: memoryview, offset: int) -> int:
+    """pread until `buf` is full or EOF; returns the bytes read (short only at end of file)."""
+    done = 0
+    while done < len(buf):
+        got = os.preadv(fd, [buf[done:]], offset + done)
+        if got <= 0:
+            break
+        done += got
+    return done
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable flat byte memoryview of a contiguous CPU tensor's storage (pinned works too)."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy()).cast("B")
