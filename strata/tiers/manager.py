@@ -36,7 +36,7 @@ from strata.tiers.store import ExpertStore
 from strata.tiers.tmpfs import TmpfsMirror
 
 Key = tuple[int, int]  # (layer, expert)
-MIN_PINNED_SLOTS = 4  # staging for GPU copies even when the pinned budget is 0
+MIN_PINNED_SLOTS = 16  # staging for GPU copies even when the pinned budget is 0 (4 without a GPU tier)
 
 
 def _static_hot(capacity: int) -> int:
@@ -118,7 +118,7 @@ class TierManager:
         self._layers = moe_layers
         hot = list(hot or [])
         self.policy_name = policy
-        n_pinned = max(budgets.pinned_slots, MIN_PINNED_SLOTS)
+        n_pinned = max(budgets.pinned_slots, MIN_PINNED_SLOTS if budgets.gpu_slots else 4)
         self.pool = PinnedPool(store.slot_bytes, n_pinned, pin=gpu_device is not None and gpu_device.type == "cuda")
         self.pinned = _SlotTier("pinned", n_pinned, make_policy(policy, half_life=half_life,
                                                                  hot=hot[: _static_hot(n_pinned)],
@@ -170,13 +170,16 @@ class TierManager:
                         waits.append(self._lookup(tier, key))
                         break
                     except TierFullError:
-                        # slots taken by prefetches still in flight free up when they land: wait for them
-                        pending = [f for k, f in tier.inflight.items() if not tier.refs.get(k)]
-                        if not pending:
+                        pending, copy = self._pressure_waitables()
+                        if not pending and copy is None:
                             for k, *_ in waits:
                                 self._unref(tier, k)
                             raise
-                concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+                # slots held by transfers still in flight free up when they land: wait for one, retry
+                if pending:
+                    concurrent.futures.wait(pending, return_when=concurrent.futures.FIRST_COMPLETED)
+                else:
+                    copy.synchronize()
         handles: list[ExpertHandle] = []
         for i, (key, fut, source, t0) in enumerate(waits):
             stall = 0.0
@@ -207,6 +210,13 @@ class TierManager:
         tier.policy.touch(key)
         tier.refs[key] = tier.refs.get(key, 0) + 1
         return key, fut, source, time.perf_counter()
+
+    def _pressure_waitables(self) -> tuple[list[Future], object]:
+        """What a full tier can wait for: transfers in flight, else the oldest GPU copy holding a staging slot."""
+        pending = [f for t in (self.gpu, self.pinned) if t is not None for f in t.inflight.values()]
+        self._reap_copies()
+        oldest = next(iter(self._copying.values()), None)
+        return pending, (oldest[1] if oldest is not None else None)
 
     def max_acquire(self, device: str = "gpu") -> int:
         """How many experts of one layer can be held at once on `device` (callers acquire in chunks)."""
@@ -240,6 +250,7 @@ class TierManager:
     def stats(self) -> dict:
         """A snapshot of tier statistics (JSON-ready)."""
         with self._lock:
+            self._reap_copies()
             residency = {"pinned": len(self.pinned.slot_of), "disk": len(self.store.keys())}
             capacity = {"pinned": self.pinned.capacity, "disk": len(self.store.keys())}
             if self.gpu is not None:
