@@ -130,8 +130,11 @@ class DiskTierConfig:
     """[tiers.disk]: where expert stores live (each holds every expert of a model)."""
 
     path: str = "~/.cache/strata"
+    scrub: bool = True  # re-verify every blob's checksum once in the background, at the lowest priority
 
     def __post_init__(self) -> None:
+        if not isinstance(self.scrub, bool):
+            raise ConfigError(f"tiers.disk.scrub must be true or false, got {self.scrub!r}")
         if not self.path:
             raise ConfigError('tiers.disk.path is empty; give a directory, e.g. "~/.cache/strata"')
 

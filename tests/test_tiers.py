@@ -259,3 +259,40 @@ def test_engine_accepts_a_store_directory(store_dir, tiny_model_dir):
     with Engine.from_pretrained(store_dir, device="cpu") as from_store:
         ids = memory.tokenizer.encode("hello there")
         assert torch.equal(from_store.score(ids), memory.score(ids))
+
+
+def test_table_rows_through_the_manager(store_dir, tmp_path):
+    from strata.tiers.convert import add_table
+
+    d = Path(shutil.copytree(store_dir, tmp_path / "with-table"))
+    table = torch.randint(0, 256, (20_000, 48), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    add_table(d, "ngram", table)
+    s = ExpertStore.open(d)
+    m = make_manager(s, gpu=0, pinned=4)
+    try:
+        rows = torch.randint(0, 20_000, (3000,), generator=torch.Generator().manual_seed(1))
+        got = m.fetch_rows("ngram", rows).result(timeout=30)
+        assert torch.equal(got, table[rows])
+        assert m.stats()["paths"]["rows:ngram"]["bytes"] == 3000 * 48
+    finally:
+        m.close()
+        s.close()
+
+
+def test_background_scrub_finds_damage(store_dir, tmp_path):
+    d = Path(shutil.copytree(store_dir, tmp_path / "scrub"))
+    s = ExpertStore.open(d)
+    path, offset, _ = s.location((1, 11))
+    with open(path, "r+b") as f:
+        f.seek(offset + 7)
+        old = f.read(3)
+        f.seek(offset + 7)
+        f.write(bytes(b ^ 0x5A for b in old))
+    m = make_manager(s, gpu=0, pinned=4)
+    try:
+        assert m.scrub().result(timeout=60) == [(1, 11)]
+        stats = m.stats()
+        assert stats["damaged"] == [[1, 11]] and stats["checksum_failures"] == 1
+    finally:
+        m.close()
+        s.close()

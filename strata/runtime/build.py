@@ -106,6 +106,8 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
                        prepare=lambda m: use_tiered_experts(m, manager, device_tier))
     if cfg.prefetch.lookahead > 0:
         model.after_layer = LookaheadPrefetcher(manager, router_predictors(model), cfg.prefetch.lookahead, device_tier)
+    if cfg.tiers.disk.scrub:
+        manager.scrub()  # lowest priority: real traffic and initial placement go first
     # initial placement in the background: RAM first, then the GPU's share
     keys = hot_order(checkpoint.store)
     manager.prefetch(keys[: manager.pinned.capacity], "cpu", warm=True)

@@ -142,7 +142,7 @@ class DiskReader:
     O_DIRECT is used where the filesystem supports it (tried once per file); tmpfs files and requests
     that are not 4096-aligned (offset, length and buffer) are read buffered. Results are futures."""
 
-    def __init__(self, num_threads: int = 8, direct: bool = True, chunk_bytes: int = 8 << 20):
+    def __init__(self, num_threads: int = 8, direct: bool = True, chunk_bytes: int = 16 << 20):
         if num_threads < 1 or chunk_bytes < ALIGN or chunk_bytes % ALIGN:
             raise ValueError(f"need num_threads >= 1 and chunk_bytes a positive multiple of {ALIGN}")
         self.num_threads, self.direct, self.chunk_bytes = num_threads, direct, chunk_bytes

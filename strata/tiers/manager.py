@@ -128,7 +128,14 @@ class TierManager:
         if budgets.gpu_slots > 0:
             n_layers = max(moe_layers) + 1
             n_experts = max(k[1] for k in store.keys()) + 1
-            self.slots = GpuSlots(store.slot_bytes, budgets.gpu_slots, n_layers, n_experts, gpu_device or "cpu")
+            try:
+                self.slots = GpuSlots(store.slot_bytes, budgets.gpu_slots, n_layers, n_experts, gpu_device or "cpu")
+            except torch.OutOfMemoryError:
+                raise StrataError(
+                    f"could not allocate {budgets.gpu_slots} GPU expert slots "
+                    f"({budgets.gpu_slots * store.slot_bytes / 2**30:.2f} GiB) on {gpu_device}; "
+                    "lower tiers.gpu.budget or free GPU memory"
+                ) from None
             self.gpu = _SlotTier("gpu", budgets.gpu_slots, make_policy(policy, half_life=half_life,
                                                                        hot=hot[: _static_hot(budgets.gpu_slots)],
                                                                        reload_cost=self._reload_cost_gpu))
@@ -238,6 +245,61 @@ class TierManager:
                     ev.record(torch.cuda.current_stream(self.slots.slab.device))
                     tier.events[h.slot] = ev
                 self._unref(tier, h.key)
+
+    def fetch_rows(self, table: str, rows, device: str = "cpu", priority: int = 1) -> Future:
+        """Rows of a table object (e.g. an Engram table) as uint8 [n, row_bytes], read in the background.
+
+        Only the asked-for rows are read; each chunk of rows is checksum-verified on its first read.
+        `device="gpu"` lands them on the GPU through the copy stream. Returns a Future of the tensor.
+        """
+        fut: Future = Future()
+
+        def job() -> None:
+            t0 = time.perf_counter()
+            try:
+                out = self.store.read_rows(table, rows)
+                if device == "gpu" and self.slots is not None and self.slots.slab.is_cuda:
+                    with torch.cuda.stream(self.slots.copy_stream):
+                        out = out.pin_memory().to(self.slots.slab.device, non_blocking=True)
+                    self.slots.copy_stream.synchronize()
+            except BaseException as e:
+                fut.set_exception(e)
+                return
+            with self._lock:
+                self.stats_.paths[f"rows:{table}"].add(out.numel(), time.perf_counter() - t0)
+            fut.set_result(out)
+
+        with self._lock:
+            self._submit(priority, job)
+        return fut
+
+    def scrub(self) -> Future:
+        """Verify every expert not yet verified, at the lowest priority; the Future gives the damaged keys."""
+        done: Future = Future()
+        keys = [k for k in self.store.keys() if k not in self._verified]
+        damaged: list[Key] = []
+        remaining = [len(keys)]
+
+        def check(key: Key) -> None:
+            try:
+                self.store.read_expert(key, verify=True)
+                self._verified.add(key)
+            except StrataError:
+                with self._lock:
+                    self.stats_.checksum_failures += 1
+                    self.stats_.damaged.append(key)
+                damaged.append(key)
+            with self._lock:
+                remaining[0] -= 1
+                if remaining[0] == 0:
+                    done.set_result(sorted(damaged))
+
+        with self._lock:
+            if not keys:
+                done.set_result([])
+            for key in keys:
+                self._submit(3, check, key)
+        return done
 
     def residency(self, key: Key) -> list[str]:
         """Tiers holding a usable copy of `key`, fastest first (disk always)."""
@@ -411,6 +473,7 @@ class TierManager:
                 except StrataError:
                     with self._lock:
                         self.stats_.checksum_failures += 1
+                        self.stats_.damaged.append(key)
                     raise
                 self._verified.add(key)
         except BaseException as e:

@@ -50,6 +50,7 @@ class TierStats:
     prefetch_unused: int = 0  # evicted before any lookup used it
     evictions: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     checksum_failures: int = 0
+    damaged: list = field(default_factory=list)  # objects whose checksum failed (layer, expert)
 
     def lookup(self, layer: int, tier: str, missed: bool, stall: float) -> None:
         """Count one lookup answered from `tier`; `missed` when it was not resident where wanted."""
@@ -86,6 +87,7 @@ class TierStats:
                 "recall": self.prefetch_used / (self.prefetch_used + misses) if (self.prefetch_used + misses) else 0.0,
             },
             "checksum_failures": self.checksum_failures,
+            "damaged": [list(k) for k in self.damaged],
             "layers": {
                 layer: {"lookups": c.lookups, "misses": c.misses, "hits": dict(c.hits),
                         "stall_seconds": round(c.stall_seconds, 6)}
