@@ -131,8 +131,11 @@ class DiskTierConfig:
 
     path: str = "~/.cache/strata"
     scrub: bool = True  # re-verify every blob's checksum once in the background, at the lowest priority
+    reader: str = "auto"  # disk -> GPU: "auto" (kvikio when GPUDirect Storage is present), "kvikio", "posix"
 
     def __post_init__(self) -> None:
+        if self.reader not in ("auto", "kvikio", "posix"):
+            raise ConfigError(f'tiers.disk.reader = {self.reader!r} is invalid; use "auto", "kvikio" or "posix"')
         if not isinstance(self.scrub, bool):
             raise ConfigError(f"tiers.disk.scrub must be true or false, got {self.scrub!r}")
         if not self.path:

@@ -80,3 +80,25 @@ def test_tiered_engine_with_experts_on_cpu_under_a_gpu_model(tiny_model_dir):
     with Engine.from_pretrained(tiny_model_dir, device="cuda", config={"tiers": {"gpu": {"budget": "0"}}}) as tiered:
         ids = memory.tokenizer.encode("The river runs through the valley")
         assert (tiered.score(ids) - memory.score(ids)).abs().mean().item() < 0.02
+
+
+def test_kvikio_disk_to_gpu_path(store):
+    """tiers.disk.reader = "kvikio": verified experts not in pinned RAM go disk -> GPU slot directly."""
+    pytest.importorskip("kvikio")
+    m = TierManager(store, TierBudgets(gpu_slots=8, pinned_slots=16), gpu_device=torch.device("cuda"),
+                    disk_reader="kvikio")
+    try:
+        keys = store.keys()
+        for k in keys:  # first reads go through pinned RAM and verify every checksum
+            m.release(m.acquire([k], "cpu"))
+        cold = [k for k in keys if "pinned" not in m.residency(k)][:6]
+        assert cold
+        handles = m.acquire(cold, "gpu")
+        for h in handles:
+            h.wait()
+            gate_up, down = store.expert_views(store.read_expert(h.key))
+            assert torch.equal(h.gate_up.cpu(), gate_up) and torch.equal(h.down.cpu(), down)
+        m.release(handles)
+        assert m.stats()["paths"]["disk->gpu"]["objects"] == len(cold)
+    finally:
+        m.close()

@@ -100,7 +100,7 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
     gpu_device = device if device.type == "cuda" else None
     manager = TierManager(checkpoint.store, budgets, gpu_device=gpu_device, policy=cfg.policy.eviction,
                           half_life=cfg.policy.lfu_half_life, hot=hot_order(checkpoint.store),
-                          tmpfs_dir=cfg.tiers.tmpfs.path)
+                          tmpfs_dir=cfg.tiers.tmpfs.path, disk_reader=cfg.tiers.disk.reader)
     device_tier = "gpu" if the_plan.expert_compute == "gpu" and budgets.gpu_slots else "cpu"
     model = load_model(checkpoint, dtype, device, progress=progress,
                        prepare=lambda m: use_tiered_experts(m, manager, device_tier))

@@ -401,6 +401,16 @@ class GpuDirectReader:
                 continue
         return "unknown"
 
+    def compat_preferred(self) -> bool:
+        """True when kvikio would read through POSIX and a bounce buffer (no GPUDirect Storage here)."""
+        probe = getattr(self._kvikio.defaults, "is_compat_mode_preferred", None)
+        if probe is not None:
+            try:
+                return bool(probe())
+            except Exception:  # noqa: BLE001 - an old or odd kvikio: assume no GDS
+                return True
+        return self.compat_mode.upper().endswith("ON")
+
     def read(self, path: PathLike, offset: int, length: int, out: torch.Tensor) -> _KvikioRead:
         """Read `length` bytes at `offset` into `out[:length]` (a contiguous CUDA uint8 tensor); a pending read."""
         if out.device.type != "cuda" or out.dtype != torch.uint8 or not out.is_contiguous() or out.numel() < length:

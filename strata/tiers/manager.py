@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from strata.errors import StrataError
-from strata.tiers.diskio import DiskReader
+from strata.tiers.diskio import DiskReader, GpuDirectReader
 from strata.tiers.gpu_slots import GpuSlots
 from strata.tiers.pinned import PinnedPool
 from strata.tiers.policy import make_policy
@@ -37,6 +37,21 @@ from strata.tiers.tmpfs import TmpfsMirror
 
 Key = tuple[int, int]  # (layer, expert)
 MIN_PINNED_SLOTS = 16  # staging for GPU copies even when the pinned budget is 0 (4 without a GPU tier)
+
+
+def _gpu_direct_reader(mode: str) -> GpuDirectReader | None:
+    """The kvikio reader `tiers.disk.reader` asks for (None: the POSIX path)."""
+    if mode == "posix":
+        return None
+    if mode == "kvikio":
+        return GpuDirectReader()  # a clear error when kvikio is missing
+    if not GpuDirectReader.available():
+        return None
+    reader = GpuDirectReader()
+    if reader.compat_preferred():
+        reader.close()  # no GPUDirect Storage here: kvikio would only add a bounce buffer
+        return None
+    return reader
 
 
 def _static_hot(capacity: int) -> int:
@@ -104,7 +119,8 @@ class TierManager:
 
     def __init__(self, store: ExpertStore, budgets: TierBudgets, *, gpu_device: torch.device | None = None,
                  policy: str = "lfu", half_life: float = 256.0, hot: list[Key] | None = None,
-                 tmpfs_dir: str | Path | None = None, io_threads: int = 8, direct_io: bool = True):
+                 tmpfs_dir: str | Path | None = None, io_threads: int = 8, direct_io: bool = True,
+                 disk_reader: str = "auto"):
         self.store, self.budgets = store, budgets
         self.stats_ = TierStats()
         self._lock = threading.RLock()
@@ -140,6 +156,7 @@ class TierManager:
                                                                        hot=hot[: _static_hot(budgets.gpu_slots)],
                                                                        reload_cost=self._reload_cost_gpu))
         self.reader = DiskReader(num_threads=io_threads, direct=direct_io)
+        self.gds = _gpu_direct_reader(disk_reader) if self.slots is not None and self.slots.slab.is_cuda else None
         self.tmpfs = TmpfsMirror(store, tmpfs_dir, budgets.tmpfs_bytes, order=hot) if tmpfs_dir and budgets.tmpfs_bytes else None
         self._copying: dict[int, tuple] = {}  # GPU copies whose pinned source is still held
         self._workers = [threading.Thread(target=self._work, name=f"strata-tier-{i}", daemon=True)
@@ -332,6 +349,8 @@ class TierManager:
         if self.tmpfs is not None:
             self.tmpfs.close()
         self.pool.close()
+        if self.gds is not None:
+            self.gds.close()
 
     # ---- placement (all under self._lock) ---------------------------------------------------------
     def _tier(self, device: str) -> _SlotTier:
@@ -356,6 +375,14 @@ class TierManager:
             done: Future = Future()
             done.set_result(None)
             return done
+        direct = (tier is self.gpu and self.gds is not None and key in self._verified
+                  and key not in self.pinned.slot_of and not (self.tmpfs is not None and self.tmpfs.has(key[0])))
+        if direct:  # disk -> GPU slot with kvikio; verified objects only (checksums are checked on the host)
+            slot = self._take_slot(tier, key)
+            fut = Future()
+            tier.inflight[key], tier.slot_of[key] = fut, slot
+            self._submit(priority, self._load_gpu_direct, key, slot, fut)
+            return fut
         if tier is self.gpu:  # stage through pinned RAM first (its slot is held while the copy reads it)
             src = self._ensure(self.pinned, key, priority)
             self.pinned.refs[key] = self.pinned.refs.get(key, 0) + 1
@@ -487,6 +514,31 @@ class TierManager:
             self.stats_.paths[f"{source}->pinned"].add(length, time.perf_counter() - t0)
             del self.pinned.inflight[key]
             self.pinned.policy.insert(key)
+        fut.set_result(None)
+
+    def _load_gpu_direct(self, key: Key, slot: int, fut: Future) -> None:
+        """kvikio read straight into the GPU slot (GPUDirect Storage, or kvikio's compat mode)."""
+        t0 = time.perf_counter()
+        try:
+            with self._lock:
+                prior = self.gpu.events.get(slot)
+            if prior is not None:
+                prior.synchronize()  # kvikio's write is not stream-ordered: the slot's last reader must be done
+            path, offset, length = self.store.location(key)
+            self.gds.read(path, offset, length, self.slots.view(slot)).result()
+        except BaseException as e:
+            with self._lock:
+                self.gpu.inflight.pop(key, None)
+                self.gpu.slot_of.pop(key, None)
+                self.gpu.free.append(slot)
+            fut.set_exception(e)
+            return
+        with self._lock:
+            self.stats_.paths["disk->gpu"].add(length, time.perf_counter() - t0)
+            self.gpu.events.pop(slot, None)
+            self.slots.assign(key, slot)
+            del self.gpu.inflight[key]
+            self.gpu.policy.insert(key)
         fut.set_result(None)
 
     def _copy_to_gpu(self, key: Key, slot: int, fut: Future, src: Future) -> None:
