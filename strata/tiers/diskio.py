@@ -380,6 +380,7 @@ class GpuDirectReader:
         if importlib.util.find_spec("kvikio") is None:
             raise UnsupportedError("kvikio is not installed: run `scripts/install.sh gpu` (or pip install kvikio-cu13)")
         import kvikio
+        import kvikio.defaults  # a submodule `import kvikio` does not load
 
         self._kvikio = kvikio
         self._files: dict[str, Any] = {}

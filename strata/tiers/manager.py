@@ -47,8 +47,12 @@ def _gpu_direct_reader(mode: str) -> GpuDirectReader | None:
         return GpuDirectReader()  # a clear error when kvikio is missing
     if not GpuDirectReader.available():
         return None
-    reader = GpuDirectReader()
-    if reader.compat_preferred():
+    try:
+        reader = GpuDirectReader()
+        compat = reader.compat_preferred()
+    except Exception:  # noqa: BLE001 - "auto" never fails start-up over an optional reader
+        return None
+    if compat:
         reader.close()  # no GPUDirect Storage here: kvikio would only add a bounce buffer
         return None
     return reader
