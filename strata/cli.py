@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_arguments(p)
     p.set_defaults(func=cmd_plan)
 
-    from strata.tiers.convert import cmd_convert, cmd_verify
+    from strata.runtime.convert import cmd_convert, cmd_verify
 
     p = sub.add_parser("convert", help="pack a checkpoint into a tiered expert store")
     p.add_argument("model", help="Hugging Face checkpoint directory")

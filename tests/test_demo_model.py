@@ -31,7 +31,7 @@ from strata.runtime.demo_tokenizer import (
     tokenizer_json,
 )
 from strata.runtime.demo_weights import tensor_seed, tensor_specs
-from strata.runtime.safetensors import TensorIndex
+from strata.safetensors_index import TensorIndex
 
 
 def _file_hashes(d: Path) -> dict[str, str]:

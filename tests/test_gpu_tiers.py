@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from strata import Engine
-from strata.tiers.convert import convert_checkpoint
+from strata.runtime.convert import convert_checkpoint
 from strata.tiers.manager import TierBudgets, TierManager
 from strata.tiers.store import ExpertStore
 

@@ -23,7 +23,7 @@ import torch
 
 from strata.errors import CheckpointError
 from strata.runtime.inspect import ROLES, format_summary, summarize_checkpoint
-from strata.runtime.safetensors import DTYPE_BITS, INDEX_NAME, TensorIndex
+from strata.safetensors_index import DTYPE_BITS, INDEX_NAME, TensorIndex
 
 GiB = 1 << 30
 

@@ -17,10 +17,10 @@ import torch
 
 from reference_models import build_reference
 from strata.errors import CheckpointError, ConfigError, StrataError
+from strata.runtime import convert as convert_mod
 from strata.runtime.checkpoint import Checkpoint
-from strata.runtime.safetensors import TensorIndex
-from strata.tiers import convert as convert_mod
-from strata.tiers.convert import add_table, cmd_convert, cmd_verify, convert_checkpoint
+from strata.runtime.convert import add_table, cmd_convert, cmd_verify, convert_checkpoint
+from strata.safetensors_index import TensorIndex
 from strata.tiers.store import ExpertStore, StaleStoreError
 from strata.tiers.store_format import ALIGN, INDEX_NAME, StoreIndex, checkpoint_fingerprint, is_store, layer_file
 

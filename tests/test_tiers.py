@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from strata import CheckpointError, Engine
-from strata.tiers.convert import convert_checkpoint
+from strata.runtime.convert import convert_checkpoint
 from strata.tiers.manager import TierBudgets, TierFullError, TierManager
 from strata.tiers.store import ExpertStore
 
@@ -262,7 +262,7 @@ def test_engine_accepts_a_store_directory(store_dir, tiny_model_dir):
 
 
 def test_table_rows_through_the_manager(store_dir, tmp_path):
-    from strata.tiers.convert import add_table
+    from strata.runtime.convert import add_table
 
     d = Path(shutil.copytree(store_dir, tmp_path / "with-table"))
     table = torch.randint(0, 256, (20_000, 48), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))

@@ -17,12 +17,12 @@ import torch
 from strata.config import DiskTierConfig, StrataConfig
 from strata.errors import StrataError
 from strata.runtime.checkpoint import Checkpoint
+from strata.runtime.convert import convert_checkpoint
 from strata.runtime.host import probe_host
 from strata.runtime.loader import load_model
 from strata.runtime.model import MoETransformer
 from strata.runtime.planner import Plan, plan
 from strata.runtime.tiered_moe import router_predictors, use_tiered_experts
-from strata.tiers.convert import convert_checkpoint
 from strata.tiers.manager import TierBudgets, TierManager
 from strata.tiers.prefetch import LookaheadPrefetcher
 from strata.tiers.store import ExpertStore

@@ -16,7 +16,7 @@ import torch
 
 from strata.errors import CheckpointError
 from strata.runtime.model_config import ModelConfig
-from strata.runtime.safetensors import DTYPES, TensorIndex
+from strata.safetensors_index import DTYPES, TensorIndex
 from strata.tiers.store import ExpertStore
 from strata.tiers.store_format import is_store
 

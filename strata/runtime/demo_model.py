@@ -21,9 +21,7 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import shutil
-import uuid
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,8 +29,9 @@ from pathlib import Path
 import torch
 
 from strata.errors import ConfigError
+from strata.fsutil import pwrite_all, remove_stale_tmp_dirs, temp_sibling
 from strata.runtime.demo_tokenizer import ENDOFTEXT, IM_END, SPECIAL_IDS, tokenizer_size, write_tokenizer_files
-from strata.runtime.demo_weights import TensorSpec, make_tensor, pwrite_all, tensor_specs, write_safetensors_header
+from strata.runtime.demo_weights import TensorSpec, make_tensor, tensor_specs, write_safetensors_header
 
 DEMO_SIZES: tuple[str, ...] = ("tiny", "small", "bench")
 DEFAULT_SHARD_BYTES = 4_000_000_000  # HF's "4GB" shard size (decimal)
@@ -258,8 +257,8 @@ def write_demo_model(
     if _existing_demo(out, spec):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_tmp_dirs(out)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    remove_stale_tmp_dirs(out)
+    tmp = temp_sibling(out)
     tmp.mkdir()
     try:
         _write_into(tmp, spec, progress, workers)
@@ -296,20 +295,6 @@ def _existing_demo(out: Path, spec: DemoSpec) -> bool:
             f"{found.get('num_hidden_layers')} layers, seed {found.get('seed')}); delete it or choose another directory"
         )
     return True
-
-
-def _remove_stale_tmp_dirs(out: Path) -> None:
-    """Delete temporary siblings left by writers that crashed (their pid is gone)."""
-    for p in out.parent.glob(f".{out.name}.tmp-*"):
-        m = re.fullmatch(rf"\.{re.escape(out.name)}\.tmp-(\d+)-[0-9a-f]+", p.name)
-        if not m:
-            continue
-        try:
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:
-            shutil.rmtree(p, ignore_errors=True)
-        except (PermissionError, OverflowError):
-            pass  # alive (someone else's) or not a pid: leave it
 
 
 def _write_into(tmp: Path, spec: DemoSpec, progress: bool, workers: int | None) -> None:

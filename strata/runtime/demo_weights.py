@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.fsutil import pwrite_all
+
 _DTYPES = {"BF16": (torch.bfloat16, 2), "F32": (torch.float32, 4)}
 
 
@@ -161,13 +163,6 @@ def make_tensor(spec: TensorSpec, seed: int, std: float) -> torch.Tensor:
         return torch.ones(spec.shape, dtype=dtype)
     g = torch.Generator().manual_seed(tensor_seed(seed, spec.name))
     return torch.empty(spec.shape, dtype=dtype).normal_(0.0, std, generator=g)
-
-
-def pwrite_all(fd: int, data, offset: int) -> None:
-    """pwrite all of `data` (any buffer) at `offset`; a single pwrite may write less (> 2 GiB on Linux)."""
-    view, done = memoryview(data).cast("B"), 0
-    while done < len(view):
-        done += os.pwrite(fd, view[done:], offset + done)
 
 
 def write_safetensors_header(fd: int, specs: list[TensorSpec]) -> list[int]:

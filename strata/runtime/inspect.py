@@ -23,7 +23,7 @@ from pathlib import Path
 
 from strata.errors import CheckpointError
 from strata.runtime.model_config import SUPPORTED_ARCHITECTURES
-from strata.runtime.safetensors import TensorIndex
+from strata.safetensors_index import TensorIndex
 
 ROLES = ("attention", "dense_mlp", "experts", "shared_experts", "router", "embeddings", "norms", "mtp", "other")
 # model types whose layouts this module (and strata's loaders) are written against

@@ -31,7 +31,7 @@ from strata.runtime.host import GpuInfo, HostInfo, probe_host
 from strata.runtime.inspect import format_bytes, summarize_checkpoint
 from strata.runtime.kv_cache import KVCache
 from strata.runtime.model_config import ModelConfig
-from strata.runtime.safetensors import DTYPE_BITS
+from strata.safetensors_index import DTYPE_BITS
 from strata.tiers import store_format
 
 GiB, MiB = 1 << 30, 1 << 20

@@ -19,7 +19,7 @@ import xxhash
 from tqdm.auto import tqdm
 
 from strata.errors import CheckpointError
-from strata.runtime.safetensors import read_header
+from strata.safetensors_index import read_header
 from strata.tiers.store_format import (
     ALIGN,
     INDEX_NAME,

@@ -16,7 +16,6 @@ import os
 import re
 import shutil
 import sys
-import uuid
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -25,9 +24,9 @@ import xxhash
 from tqdm.auto import tqdm
 
 from strata.errors import CheckpointError, ConfigError, StrataError
+from strata.fsutil import fsync_dir, pwrite_all, remove_stale_tmp_dirs, temp_sibling
 from strata.runtime.checkpoint import Checkpoint
-from strata.runtime.demo_weights import pwrite_all
-from strata.runtime.safetensors import DTYPE_BITS, DTYPES, TensorInfo
+from strata.safetensors_index import DTYPE_BITS, DTYPES, TensorInfo
 from strata.tiers.store import ExpertStore, StaleStoreError
 from strata.tiers.store_format import (
     COPIED_FILES,
@@ -214,7 +213,7 @@ class StoreWriter:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.directory / INDEX_NAME)
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
 
 
 def add_table(
@@ -258,10 +257,10 @@ def _convert(checkpoint_dir: str | os.PathLike, store_dir: str | os.PathLike, pr
     num_blobs = len(meta["moe_layers"]) * meta["num_experts"]
     total = sum(t.nbytes for t in dense) + num_blobs * meta["payload_bytes"]
     need = sum(t.nbytes for t in dense) + num_blobs * meta["slot_bytes"]
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    tmp = temp_sibling(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
-        _remove_stale_tmp_dirs(out)
+        remove_stale_tmp_dirs(out)
         free = shutil.disk_usage(out.parent).free
         if need > free:
             raise StrataError(f"{out.parent}: the store needs {need / 1e9:.2f} GB but only {free / 1e9:.2f} GB "
@@ -288,7 +287,7 @@ def _convert(checkpoint_dir: str | os.PathLike, store_dir: str | os.PathLike, pr
                     shutil.rmtree(tmp, ignore_errors=True)  # a concurrent convert finished the same store first
                     return out, False
                 raise
-            _fsync_dir(out.parent)
+            fsync_dir(out.parent)
         except OSError as e:
             if e.errno == errno.ENOSPC:
                 raise StrataError(f"{out}: no space left on the device while writing the store; "
@@ -379,28 +378,6 @@ def _existing_store(out: Path, src: Path, fingerprint: str) -> bool:
         )
     ExpertStore.open(out).close()  # the same store: check its files are all there (sizes only, cheap)
     return True
-
-
-def _remove_stale_tmp_dirs(out: Path) -> None:
-    """Delete temporary siblings left by converts that crashed (their pid is gone)."""
-    for p in out.parent.glob(f".{out.name}.tmp-*"):
-        m = re.fullmatch(rf"\.{re.escape(out.name)}\.tmp-(\d+)-[0-9a-f]+", p.name)
-        if not m:
-            continue
-        try:
-            os.kill(int(m.group(1)), 0)
-        except ProcessLookupError:
-            shutil.rmtree(p, ignore_errors=True)
-        except (PermissionError, OverflowError):
-            pass  # alive (someone else's) or not a pid: leave it
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # --- CLI bodies -----------------------------------------------------------------------------------
