@@ -26,6 +26,7 @@ from strata.runtime.build import LoadedModel, build_model
 from strata.runtime.generate import generate_tokens, prefill
 from strata.runtime.kv_cache import KVCache
 from strata.runtime.sampler import SamplingParams, make_generator
+from strata.runtime.scheduler import Scheduler
 from strata.runtime.tokenizer import StopMatcher, StreamDecoder, Tokenizer
 
 
@@ -95,6 +96,10 @@ class Engine:
         tokenizer = Tokenizer.from_dir(loaded.checkpoint.directory)
         return cls(loaded, tokenizer, cfg)
 
+    def scheduler(self, max_batch: int = 8, token_budget: int = 512, max_queue: int = 64) -> Scheduler:
+        """A continuous-batching scheduler over this engine's model (with its own KV cache of `max_batch` slots)."""
+        return Scheduler(self, max_batch=max_batch, token_budget=token_budget, max_queue=max_queue)
+
     def close(self) -> None:
         """Stop the tier manager's threads and free its memory (the engine is unusable afterwards)."""
         if self.tiers is not None:
@@ -134,7 +139,7 @@ class Engine:
 
     def score(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Log-probabilities of the next token at every position: float32 [len(ids), vocab] on CPU."""
-        ids = self._check_ids(token_ids)
+        ids = self.check_token_ids(token_ids)
         if len(ids) > self.max_context:
             raise RequestError(f"{len(ids)} tokens exceed the context of {self.max_context}; raise runtime.max_context")
         with self._lock:
@@ -161,7 +166,7 @@ class Engine:
         }
 
     # ---- internals --------------------------------------------------------------------------
-    def _check_ids(self, token_ids: Sequence[int]) -> list[int]:
+    def check_token_ids(self, token_ids: Sequence[int]) -> list[int]:
         vocab = self.checkpoint.config.vocab_size
         try:
             ids = [int(t) for t in token_ids]
@@ -176,8 +181,8 @@ class Engine:
 
     def _encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
-            return self._check_ids(self.tokenizer.encode(prompt))
-        return self._check_ids(prompt)
+            return self.check_token_ids(self.tokenizer.encode(prompt))
+        return self.check_token_ids(prompt)
 
     def _run(self, prompt: str | Sequence[int], params: SamplingParams, result: GenerationOutput) -> Iterator[str]:
         """Generate under the lock, yielding text pieces and filling `result` as it goes."""

@@ -1,0 +1,341 @@
+"""Continuous batching with chunked prefill: many requests share every forward pass.
+
+One background thread runs steps. Each step takes, within a token budget, one decode token from
+every running sequence plus prompt chunks of sequences still prefilling, runs them as one flat
+`StepBatch` through the model, samples each sequence's next token with its own generator, and
+streams events back. New requests join at the next step; finished or cancelled ones leave at once
+and free their KV-cache slot. A long prompt is prefilled in chunks interleaved with the decode steps
+of the running sequences, so their inter-token gap stays bounded by the token budget.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+import uuid
+from collections import deque
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import torch
+
+from strata.errors import RequestError, StrataError
+from strata.runtime.detokenize import StopMatcher, StreamDecoder
+from strata.runtime.kv_cache import KVCache, StepBatch
+from strata.runtime.sampler import SamplingParams, make_generator, sample
+
+MAX_LOGPROBS = 20
+
+
+class QueueFullError(StrataError):
+    """The bounded request queue is full: retry later (HTTP 429)."""
+
+
+@dataclass
+class GenRequest:
+    """One sequence to generate."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    logprobs: int | None = None  # top-N alternatives per generated token (0..20); None: no log-probabilities
+    prompt_logprobs: int | None = None  # log-probabilities of the prompt tokens (echo), + top-N
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+    def __post_init__(self) -> None:
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
+                raise RequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
+        if not self.prompt_ids:
+            raise RequestError("the prompt is empty; give at least one token")
+
+
+@dataclass
+class TokenEvent:
+    """One step's output for one request (the last event carries `finish_reason`)."""
+
+    request_id: str
+    token_id: int | None
+    text: str
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    finish_reason: str | None = None  # None | "stop" | "length" | "abort"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_logprobs: list[float | None] | None = None  # first event only, when asked
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+
+class RequestHandle:
+    """The caller's side of a submitted request: its events, and cancellation."""
+
+    def __init__(self, request: GenRequest):
+        self.request = request
+        self.cancelled = threading.Event()
+        try:
+            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+            self._aq: asyncio.Queue = asyncio.Queue()
+        except RuntimeError:
+            self._loop = None
+        self._q: queue.SimpleQueue = queue.SimpleQueue()
+
+    def _push(self, ev: TokenEvent) -> None:
+        if self._loop is not None:
+            try:
+                self._loop.call_soon_threadsafe(self._aq.put_nowait, ev)
+            except RuntimeError:  # the caller's loop is gone: nobody listens any more
+                self.cancelled.set()
+        else:
+            self._q.put(ev)
+
+    async def events(self) -> AsyncIterator[TokenEvent]:
+        """Events as they come (submit from inside the event loop to use this)."""
+        if self._loop is None:
+            raise RuntimeError("submit() was called outside an event loop; use iter_events()")
+        while True:
+            ev = await self._aq.get()
+            yield ev
+            if ev.finish_reason is not None:
+                return
+
+    def iter_events(self, timeout: float | None = None) -> Iterator[TokenEvent]:
+        """Blocking iteration (submit from a plain thread to use this)."""
+        while True:
+            ev = self._q.get(timeout=timeout)
+            yield ev
+            if ev.finish_reason is not None:
+                return
+
+    def cancel(self) -> None:
+        """Stop generating; the sequence leaves the batch and frees its KV slot at the next step."""
+        self.cancelled.set()
+
+
+@dataclass
+class _Seq:
+    handle: RequestHandle
+    slot: int
+    generator: torch.Generator
+    decoder: StreamDecoder
+    stopper: StopMatcher
+    eos: set[int]
+    prefilled: int = 0  # prompt tokens already in the cache
+    tokens: list[int] = field(default_factory=list)  # generated so far
+    next_input: int | None = None  # sampled, not yet fed
+    prompt_lp: list = field(default_factory=list)
+    prompt_top: list = field(default_factory=list)
+    last_row: torch.Tensor | None = None  # logits of the last prompt position of the previous chunk
+
+    @property
+    def req(self) -> GenRequest:
+        return self.handle.request
+
+
+class Scheduler:
+    """Runs an engine's model for many requests at once on a background thread."""
+
+    def __init__(self, engine, max_batch: int = 8, token_budget: int = 512, max_queue: int = 64):
+        if max_batch < 1 or token_budget < max_batch or max_queue < 1:
+            raise StrataError("scheduler needs max_batch >= 1, token_budget >= max_batch and max_queue >= 1")
+        self.engine, self.max_batch, self.token_budget, self.max_queue = engine, max_batch, token_budget, max_queue
+        self.cache = KVCache(engine.checkpoint.config, max_batch, engine.max_context, engine.dtype, engine.device)
+        self._waiting: deque[RequestHandle] = deque()
+        self._running: list[_Seq] = []
+        self._free = list(range(max_batch - 1, -1, -1))
+        self._cv = threading.Condition()
+        self._stop = False
+        self._drain = True
+        self._thread: threading.Thread | None = None
+        self._steps = 0
+        self._step_tokens = 0
+
+    # ---- caller side ------------------------------------------------------------------------
+    def start(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="strata-scheduler", daemon=True)
+            self._thread.start()
+
+    def stop(self, drain: bool = True, timeout: float | None = 60) -> None:
+        """Finish (drain) or cancel everything in flight, then stop the thread."""
+        with self._cv:
+            self._stop, self._drain = True, drain
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    def submit(self, request: GenRequest) -> RequestHandle:
+        """Queue a request; `QueueFullError` when the bounded queue is full."""
+        need = len(request.prompt_ids) + request.params.max_tokens
+        ctx = self.engine.max_context
+        if len(request.prompt_ids) >= ctx or need > ctx:
+            raise RequestError(
+                f"context_length_exceeded: the prompt ({len(request.prompt_ids)} tokens) plus max_tokens "
+                f"({request.params.max_tokens}) exceed the context of {ctx} tokens; shorten the prompt or lower max_tokens"
+            )
+        self.engine.check_token_ids(request.prompt_ids)
+        handle = RequestHandle(request)
+        with self._cv:
+            if self._stop:
+                raise StrataError("the scheduler is shutting down")
+            if len(self._waiting) >= self.max_queue:
+                raise QueueFullError(f"the request queue is full ({self.max_queue} waiting); retry later")
+            self._waiting.append(handle)
+            self._cv.notify()
+        return handle
+
+    def stats(self) -> dict:
+        with self._cv:
+            return {"running": len(self._running), "waiting": len(self._waiting), "kv_slots_free": len(self._free),
+                    "max_batch": self.max_batch, "token_budget": self.token_budget, "steps": self._steps,
+                    "mean_tokens_per_step": self._step_tokens / self._steps if self._steps else 0.0}
+
+    # ---- the step loop ------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._stop and not self._waiting and not self._running:
+                    self._cv.wait()
+                if self._stop and (not self._drain or (not self._waiting and not self._running)):
+                    for seq in self._running:
+                        self._finish(seq, "abort")
+                    while self._waiting:
+                        self._waiting.popleft()._push(TokenEvent("", None, "", finish_reason="abort"))
+                    return
+                self._admit()
+            self._drop_cancelled()
+            if self._running:
+                try:
+                    with self.engine._lock:
+                        self._step()
+                except Exception as e:  # a real fault: fail the batch's requests, keep serving others
+                    import logging
+
+                    logging.getLogger("strata").exception("scheduler step failed")
+                    for seq in list(self._running):
+                        self._finish(seq, "abort", error=str(e))
+
+    def _admit(self) -> None:
+        while self._waiting and self._free:
+            h = self._waiting.popleft()
+            if h.cancelled.is_set():
+                h._push(TokenEvent(h.request.request_id, None, "", finish_reason="abort"))
+                continue
+            r, tok = h.request, self.engine.tokenizer
+            eos = set() if r.params.ignore_eos else self.engine.eos_token_ids | set(r.params.stop_token_ids)
+            self._running.append(_Seq(h, self._free.pop(), make_generator(r.params.seed, self.engine.device),
+                                      StreamDecoder(tok), StopMatcher(r.params.stop), eos))
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in self._running if s.handle.cancelled.is_set()]:
+            self._finish(seq, "abort")
+
+    def _step(self) -> None:
+        """One forward pass over every running sequence: decode tokens first, then prompt chunks."""
+        budget = self.token_budget
+        plan: list[tuple[_Seq, list[int], int]] = []  # (seq, input ids, start position)
+        for seq in self._running:
+            if seq.next_input is not None:
+                plan.append((seq, [seq.next_input], len(seq.req.prompt_ids) + len(seq.tokens) - 1))
+                budget -= 1
+        for seq in self._running:
+            remaining = len(seq.req.prompt_ids) - seq.prefilled
+            if seq.next_input is None and remaining > 0 and budget > 0:
+                n = min(remaining, budget)
+                plan.append((seq, seq.req.prompt_ids[seq.prefilled : seq.prefilled + n], seq.prefilled))
+                budget -= n
+        if not plan:
+            return
+        ids = torch.tensor([t for _, inp, _ in plan for t in inp], dtype=torch.long, device=self.engine.device)
+        batch = StepBatch([s.slot for s, _, _ in plan], [st for _, _, st in plan], [len(inp) for _, inp, _ in plan])
+        with torch.inference_mode():
+            hidden = self.engine.model(ids, batch, self.cache)
+            rows = batch.last_token_rows()
+            logits = self.engine.model.logits(hidden[rows])  # [B, V] fp32
+            for i, (seq, inp, start) in enumerate(plan):
+                if seq.next_input is None and seq.req.prompt_logprobs is not None:
+                    off = batch.offsets[i]
+                    self._prompt_logprobs(seq, self.engine.model.logits(hidden[off : off + len(inp)]), start, len(inp))
+        self._steps += 1
+        self._step_tokens += len(ids)
+        for i, (seq, inp, _) in enumerate(plan):
+            if seq.next_input is None:  # a prompt chunk
+                seq.prefilled += len(inp)
+                if seq.prefilled < len(seq.req.prompt_ids):
+                    continue
+            self._advance(seq, logits[i : i + 1])
+
+    def _prompt_logprobs(self, seq: _Seq, chunk_logits: torch.Tensor, start: int, n: int) -> None:
+        """Log-probability of each prompt token given its prefix (the first has none)."""
+        prompt, k = seq.req.prompt_ids, seq.req.prompt_logprobs
+        prev = torch.cat([seq.last_row, chunk_logits[:-1]]) if seq.last_row is not None else chunk_logits[:-1]
+        lp = torch.log_softmax(prev.float(), dim=-1).cpu()
+        targets = prompt[start + 1 - (1 if seq.last_row is not None else 0) : start + n]
+        if start == 0:
+            seq.prompt_lp.append(None)
+            seq.prompt_top.append(None)
+        for row, tok in zip(lp, targets, strict=True):
+            seq.prompt_lp.append(float(row[tok]))
+            seq.prompt_top.append(_top(row, k))
+        seq.last_row = chunk_logits[-1:].detach()
+
+    def _advance(self, seq: _Seq, logits: torch.Tensor) -> None:
+        """Sample the next token of `seq` from its logits [1, V] and emit it (or finish)."""
+        r = seq.req
+        token = int(sample(logits, r.params, seq.generator)[0])
+        first = not seq.tokens and seq.next_input is None
+        if token in seq.eos:
+            self._finish(seq, "stop", first=first)
+            return
+        seq.tokens.append(token)
+        seq.next_input = token
+        lp, top = None, None
+        if r.logprobs is not None:
+            row = torch.log_softmax(logits[0].float(), dim=-1).cpu()
+            lp, top = float(row[token]), _top(row, r.logprobs)
+        text, stopped = seq.stopper.feed(seq.decoder.push(token))
+        n_prompt = len(r.prompt_ids)
+        ev = TokenEvent(r.request_id, token, text, lp, top, prompt_tokens=n_prompt, completion_tokens=len(seq.tokens))
+        if first:
+            self._attach_prompt_logprobs(seq, ev)
+        if stopped:
+            ev.finish_reason = "stop"
+            self._release(seq)
+        elif len(seq.tokens) >= r.params.max_tokens or n_prompt + len(seq.tokens) >= self.engine.max_context:
+            ev.text += self._flush(seq)
+            ev.finish_reason = "length"
+            self._release(seq)
+        seq.handle._push(ev)
+
+    def _flush(self, seq: _Seq) -> str:
+        text, stopped = seq.stopper.feed(seq.decoder.flush())
+        return text if stopped else text + seq.stopper.flush()
+
+    def _attach_prompt_logprobs(self, seq: _Seq, ev: TokenEvent) -> None:
+        if seq.req.prompt_logprobs is not None:
+            ev.prompt_logprobs, ev.prompt_top_logprobs = seq.prompt_lp, seq.prompt_top
+
+    def _finish(self, seq: _Seq, reason: str, first: bool = False, error: str | None = None) -> None:
+        r = seq.req
+        text = self._flush(seq) if reason == "stop" else ""
+        ev = TokenEvent(r.request_id, None, text, finish_reason=reason, prompt_tokens=len(r.prompt_ids),
+                        completion_tokens=len(seq.tokens))
+        if first:
+            self._attach_prompt_logprobs(seq, ev)
+        self._release(seq)
+        seq.handle._push(ev)
+
+    def _release(self, seq: _Seq) -> None:
+        if seq in self._running:
+            self._running.remove(seq)
+            with self._cv:
+                self._free.append(seq.slot)
+
+
+def _top(row: torch.Tensor, k: int) -> list[tuple[int, float]]:
+    if k <= 0:
+        return []
+    values, ids = row.topk(k)
+    return [(int(i), float(v)) for i, v in zip(ids, values, strict=True)]
