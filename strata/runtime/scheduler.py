@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
-import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
