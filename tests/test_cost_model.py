@@ -1,0 +1,46 @@
+"""The CPU/copy split for cold experts follows the rates and never sends prefill groups to the CPU."""
+
+from __future__ import annotations
+
+from strata.runtime.cost_model import Rates, cpu_seconds, split_cold
+
+MB9 = 9_437_184  # a Qwen3-30B-A3B expert in bf16
+
+
+def test_balanced_rates_split_evenly():
+    rates = Rates(cpu_bytes_per_s=50e9, pcie_bytes_per_s=50e9, cpu_flops=1e15)
+    s = split_cold({e: 1 for e in range(8)}, MB9, rates)
+    assert len(s.cpu) == 4 and len(s.copy) == 4
+    assert abs(s.cpu_seconds - s.copy_seconds) <= MB9 / 50e9 + 1e-12
+
+
+def test_faster_path_takes_more():
+    fast_cpu = split_cold({e: 1 for e in range(10)}, MB9, Rates(cpu_bytes_per_s=70e9, pcie_bytes_per_s=35e9))
+    assert len(fast_cpu.cpu) > len(fast_cpu.copy)
+    slow_cpu = split_cold({e: 1 for e in range(10)}, MB9, Rates(cpu_bytes_per_s=10e9, pcie_bytes_per_s=50e9))
+    assert len(slow_cpu.cpu) < len(slow_cpu.copy)
+    # the makespan is never worse than either path alone
+    r = Rates(cpu_bytes_per_s=30e9, pcie_bytes_per_s=50e9)
+    s = split_cold({e: 1 for e in range(10)}, MB9, r)
+    assert max(s.cpu_seconds, s.copy_seconds) <= min(10 * MB9 / 30e9, 10 * MB9 / 50e9)
+
+
+def test_prefill_groups_always_copy_and_cpu_can_be_disabled():
+    s = split_cold({0: 500, 1: 1, 2: 64}, MB9, Rates(cpu_bytes_per_s=1e12))
+    assert 0 in s.copy and 2 in s.copy and s.cpu == [1]
+    assert split_cold({0: 1, 1: 1}, MB9, Rates(), allow_cpu=False).cpu == []
+
+
+def test_in_flight_copies_shift_work_to_the_cpu():
+    r = Rates(cpu_bytes_per_s=50e9, pcie_bytes_per_s=50e9)
+    idle = split_cold({e: 1 for e in range(4)}, MB9, r)
+    busy = split_cold({e: 1 for e in range(4)}, MB9, r, in_flight_copy_s=10 * MB9 / 50e9)
+    assert len(busy.cpu) > len(idle.cpu)
+
+
+def test_compute_bound_cpu_cost_and_rate_updates():
+    r = Rates(cpu_bytes_per_s=50e9, cpu_flops=1e12)
+    assert cpu_seconds(MB9, 1, r) == MB9 / 50e9
+    assert cpu_seconds(MB9, 30, r) > cpu_seconds(MB9, 1, r)
+    r.observe_cpu(MB9, MB9 / 70e9)
+    assert 50e9 < r.cpu_bytes_per_s < 70e9
