@@ -63,8 +63,11 @@ class RuntimeConfig:
     prefill_chunk: int = 512  # prompt tokens per forward pass during prefill (bounds activation memory)
     threads: int = 0  # torch CPU threads; 0 = torch's default (one per physical core)
     experts: str = "tiered"  # "tiered": served by the tier manager from a store; "memory": all loaded up front
+    cpu_numerics: str = "fork"  # "fork": fast CPU expert kernels; "gpu": the reference math, cold experts on the GPU
 
     def __post_init__(self) -> None:
+        if self.cpu_numerics not in ("fork", "gpu"):
+            raise ConfigError(f"runtime.cpu_numerics = {self.cpu_numerics!r} is invalid; use \"fork\" or \"gpu\"")
         if self.experts not in ("tiered", "memory"):
             raise ConfigError(f"runtime.experts = {self.experts!r} is invalid; use \"tiered\" or \"memory\"")
         if self.device not in DEVICE_NAMES and not (self.device.startswith("cuda:") and self.device[5:].isdigit()):

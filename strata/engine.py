@@ -56,7 +56,7 @@ class Engine:
     def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, config: StrataConfig):
         self.checkpoint, self.tokenizer, self.config = loaded.checkpoint, tokenizer, config
         self.model, self.device, self.dtype = loaded.model, loaded.device, loaded.dtype
-        self.plan, self.tiers = loaded.plan, loaded.manager
+        self.plan, self.tiers, self._compute = loaded.plan, loaded.manager, loaded.compute
         self.max_context = loaded.max_context
         self.cache = KVCache(self.checkpoint.config, num_slots=1, max_len=self.max_context, dtype=self.dtype,
                              device=self.device)
@@ -153,6 +153,8 @@ class Engine:
         return {
             "experts": "tiered" if self.tiers is not None else "memory",
             "tiers": tiers,
+            "cpu_experts_computed": self._compute.cpu_experts if self._compute is not None else 0,
+            "cpu_bytes_per_s": self._compute.rates.cpu_bytes_per_s if self._compute is not None else 0.0,
             "model": str(self.checkpoint.directory),
             "model_type": self.checkpoint.config.model_type,
             "device": str(self.device),

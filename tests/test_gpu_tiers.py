@@ -66,7 +66,7 @@ def test_tiered_engine_on_gpu_equals_memory_engine(tiny_model_dir, policy):
     memory = Engine.from_pretrained(tiny_model_dir, device="cuda", config={"runtime": {"experts": "memory"}})
     slot = 12288  # one tiny-model expert: 3 x 32 x 64 bf16, 4 KiB aligned
     cfg = {"tiers": {"gpu": {"budget": str(2 * slot)}, "pinned": {"budget": str(6 * slot)}},  # 1 GPU slot per layer
-           "policy": {"eviction": policy}}
+           "policy": {"eviction": policy}, "runtime": {"cpu_numerics": "gpu"}}  # cold experts copied: bit-identical
     with Engine.from_pretrained(tiny_model_dir, device="cuda", config=cfg) as tiered:
         ids = memory.tokenizer.encode("The river runs through the valley and the town")
         assert torch.equal(tiered.score(ids), memory.score(ids))
@@ -80,6 +80,19 @@ def test_tiered_engine_with_experts_on_cpu_under_a_gpu_model(tiny_model_dir):
     with Engine.from_pretrained(tiny_model_dir, device="cuda", config={"tiers": {"gpu": {"budget": "0"}}}) as tiered:
         ids = memory.tokenizer.encode("The river runs through the valley")
         assert (tiered.score(ids) - memory.score(ids)).abs().mean().item() < 0.02
+
+
+def test_cpu_gpu_split_stays_within_tolerance(tiny_model_dir):
+    """fork numerics with one GPU slot per layer: part of the cold experts run on the CPU kernel."""
+    memory = Engine.from_pretrained(tiny_model_dir, device="cuda", config={"runtime": {"experts": "memory"}})
+    cfg = {"tiers": {"gpu": {"budget": str(2 * 12288)}, "pinned": {"budget": str(32 * 12288)}}}
+    with Engine.from_pretrained(tiny_model_dir, device="cuda", config=cfg) as split:
+        ids = memory.tokenizer.encode("The river runs through the valley and the town")
+        for _ in range(3):
+            split.generate(ids, max_tokens=8)
+        assert (split.score(ids) - memory.score(ids)).abs().mean().item() < 0.02
+        compute = split.model.layers[1].mlp.experts.compute
+        assert compute.cpu_experts > 0
 
 
 def test_kvikio_disk_to_gpu_path(store):

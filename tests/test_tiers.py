@@ -243,7 +243,8 @@ def test_tmpfs_mirror_serves_reads(store):
 @pytest.mark.parametrize("policy", ["lru", "lfu", "static", "cost"])
 def test_tiered_engine_equals_memory_engine(tiny_model_dir, policy):
     memory = Engine.from_pretrained(tiny_model_dir, device="cpu", config={"runtime": {"experts": "memory"}})
-    cfg = {"tiers": {"pinned": {"budget": str(4 * 12288)}}, "policy": {"eviction": policy}}
+    cfg = {"tiers": {"pinned": {"budget": str(4 * 12288)}}, "policy": {"eviction": policy},
+           "runtime": {"cpu_numerics": "gpu"}}  # the reference math: bit-identical
     with Engine.from_pretrained(tiny_model_dir, device="cpu", config=cfg) as tiered:
         ids = memory.tokenizer.encode("The river runs through the valley and the town")
         assert torch.equal(tiered.score(ids), memory.score(ids))
@@ -256,9 +257,17 @@ def test_tiered_engine_equals_memory_engine(tiny_model_dir, policy):
 
 def test_engine_accepts_a_store_directory(store_dir, tiny_model_dir):
     memory = Engine.from_pretrained(tiny_model_dir, device="cpu", config={"runtime": {"experts": "memory"}})
-    with Engine.from_pretrained(store_dir, device="cpu") as from_store:
+    with Engine.from_pretrained(store_dir, device="cpu", config={"runtime": {"cpu_numerics": "gpu"}}) as from_store:
         ids = memory.tokenizer.encode("hello there")
         assert torch.equal(from_store.score(ids), memory.score(ids))
+
+
+def test_fork_numerics_use_the_cpu_kernel_within_tolerance(tiny_model_dir):
+    """The default CPU path (compiled bf16 kernel) stays within its tolerance of the reference."""
+    memory = Engine.from_pretrained(tiny_model_dir, device="cpu", config={"runtime": {"experts": "memory"}})
+    with Engine.from_pretrained(tiny_model_dir, device="cpu") as fast:
+        ids = memory.tokenizer.encode("The river runs through the valley and the town")
+        assert (fast.score(ids) - memory.score(ids)).abs().max().item() < 2e-2
 
 
 def test_table_rows_through_the_manager(store_dir, tmp_path):

@@ -22,7 +22,7 @@ from strata.runtime.host import probe_host
 from strata.runtime.loader import load_model
 from strata.runtime.model import MoETransformer
 from strata.runtime.planner import Plan, plan
-from strata.runtime.tiered_moe import router_predictors, use_tiered_experts
+from strata.runtime.tiered_moe import ExpertCompute, router_predictors, use_tiered_experts
 from strata.tiers.manager import TierBudgets, TierManager
 from strata.tiers.prefetch import LookaheadPrefetcher
 from strata.tiers.store import ExpertStore
@@ -42,6 +42,7 @@ class LoadedModel:
     max_context: int
     plan: Plan | None = None
     manager: TierManager | None = None
+    compute: ExpertCompute | None = None
 
 
 def resolve_device(device: str) -> torch.device:
@@ -102,8 +103,9 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
                           half_life=cfg.policy.lfu_half_life, hot=hot_order(checkpoint.store),
                           tmpfs_dir=cfg.tiers.tmpfs.path, disk_reader=cfg.tiers.disk.reader)
     device_tier = "gpu" if the_plan.expert_compute == "gpu" and budgets.gpu_slots else "cpu"
+    compute = ExpertCompute(manager, device_tier, cfg.runtime.cpu_numerics)
     model = load_model(checkpoint, dtype, device, progress=progress,
-                       prepare=lambda m: use_tiered_experts(m, manager, device_tier))
+                       prepare=lambda m: use_tiered_experts(m, compute))
     if cfg.prefetch.lookahead > 0:
         model.after_layer = LookaheadPrefetcher(manager, router_predictors(model), cfg.prefetch.lookahead, device_tier)
     if cfg.tiers.disk.scrub:
@@ -113,7 +115,7 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
     manager.prefetch(keys[: manager.pinned.capacity], "cpu", warm=True)
     if manager.gpu is not None:
         manager.prefetch(keys[: manager.gpu.capacity], "gpu", warm=True)
-    return LoadedModel(checkpoint, model, device, dtype, the_plan.max_context, the_plan, manager)
+    return LoadedModel(checkpoint, model, device, dtype, the_plan.max_context, the_plan, manager, compute)
 
 
 def hot_order(store: ExpertStore) -> list[tuple[int, int]]:

@@ -246,6 +246,18 @@ class TierManager:
         oldest = next(iter(self._copying.values()), None)
         return pending, (oldest[1] if oldest is not None else None)
 
+    def resident_experts(self, layer: int, device: str = "gpu") -> set[int]:
+        """Experts of `layer` with a usable copy on `device` right now (a snapshot)."""
+        tier = self._tier(device)
+        with self._lock:
+            return {k[1] for k in tier.slot_of if k[0] == layer and k not in tier.inflight}
+
+    def observed_rate(self, path: str, default: float) -> float:
+        """Achieved bytes/s on a movement path so far (`default` until something has moved)."""
+        with self._lock:
+            c = self.stats_.paths.get(path)
+            return c.bytes / c.seconds if c is not None and c.seconds > 0 and c.objects >= 8 else default
+
     def max_acquire(self, device: str = "gpu") -> int:
         """How many experts of one layer can be held at once on `device` (callers acquire in chunks)."""
         tier = self._tier(device)
