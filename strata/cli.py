@@ -78,6 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_generate)
 
     from strata.runtime.planner import add_plan_arguments, cmd_plan
+    from strata.server.serve import add_serve_arguments, cmd_serve
+
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
+    add_serve_arguments(p)
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("plan", help="where each expert would live on this host (from headers alone)")
     add_plan_arguments(p)

@@ -104,6 +104,10 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
                           tmpfs_dir=cfg.tiers.tmpfs.path, disk_reader=cfg.tiers.disk.reader)
     device_tier = "gpu" if the_plan.expert_compute == "gpu" and budgets.gpu_slots else "cpu"
     compute = ExpertCompute(manager, device_tier, cfg.runtime.cpu_numerics)
+    if compute.fast_cpu and (compute.split or device_tier == "cpu"):
+        from strata.kernels.cpu_experts import backend
+
+        backend()  # build (or load) the CPU expert kernel now, not inside the first request
     model = load_model(checkpoint, dtype, device, progress=progress,
                        prepare=lambda m: use_tiered_experts(m, compute))
     if cfg.prefetch.lookahead > 0:

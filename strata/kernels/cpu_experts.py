@@ -1,0 +1,373 @@
+"""Cold experts on CPU threads: all the experts of one MoE layer in one threaded, vectorised call.
+
+    out = cpu_experts_forward(x, [(gate_up, down), ...], token_idx, token_w, out=None, threads=None)
+
+Each expert is a SwiGLU MLP, `down(silu(gate(x)) * up(x))`, with its bf16 weights in their own
+(pinned or host) buffers: gate_up [2I, H] (gate rows, then up rows) and down [H, I]. For the few tokens
+of a decode step the work is memory-bound, so what counts is bytes of weights read per second: a C++
+kernel (csrc/cpu_experts.cpp, built on first use) reads every weight row once for all of an expert's
+tokens, splits the gate/up rows of all the layer's experts over a persistent thread pool, meets at one
+barrier, then splits the down rows; one fork/join per layer, GIL released while it runs.
+
+Backends (`backend()` says which one runs; `STRATA_CPU_KERNEL` or the `backend=` argument picks):
+  avx512_bf16  AVX-512 BF16 `vdpbf16ps`: activations and the intermediate silu(gate)*up are rounded to
+               bf16, products summed in fp32. Default where the CPU has it.
+  avx512       AVX-512F, bf16 weights widened to fp32 by shifts, fp32 activations and accumulation.
+  avx2         AVX2 + FMA, same numerics as avx512 (8 lanes). Default on other x86-64 CPUs.
+  avx512_emulated, avx512_bf16_emulated
+               portable scalar emulations of the two AVX-512 kernels (same template, lane layout and
+               summation order: bit-identical to them by construction), so their logic is tested on
+               machines without AVX-512. Slow; only on request.
+  torch        the reference math in fp32 on the upcast weights (`expert_swiglu`), one expert at a
+               time. Used when the extension cannot be built (no compiler, not x86-64, build error:
+               one warning line), when `STRATA_CPU_KERNEL=torch`, and for experts with more than
+               `MAX_TOKENS` tokens (prefill-sized groups: compute-bound, torch/oneDNN does them better;
+               the executor should send those to the GPU anyway).
+
+Accuracy against the reference (`expert_swiglu` in fp32 on the same bf16 weights upcast), as
+max |out - ref| / max |ref| over a call, is bounded by `TOLERANCE[backend]`: the fp32 paths differ only
+by summation order (measured ~1e-6), avx512_bf16 by its two bf16 roundings (estimated ~2e-3 by an
+exact emulation of its numerics in tests/test_cpu_experts.py).
+
+Determinism: every dot product is summed in an order fixed by the code (not by the thread that runs
+it), every output element is written by exactly one thread, and each output element accumulates the
+kernel's experts in the order given. Results are therefore bit-identical for any thread count and any
+scheduling, for a given backend. Experts sent to torch (more than MAX_TOKENS tokens) are added after
+the kernel's experts.
+
+Environment: STRATA_CPU_KERNEL=auto|avx512_bf16|avx512|avx2|torch, STRATA_CPU_THREADS (default: the
+physical cores this process may run on), STRATA_CPU_KERNEL_MAX_TOKENS (default 32), STRATA_CPU_PREFETCH
+(software prefetch distance along weight rows in bytes, default 2048, 0 = off; see `configure`). The extension is
+cached under $STRATA_CACHE/ext (else $XDG_CACHE_HOME/strata/ext or ~/.cache/strata/ext), keyed by a
+hash of its sources, the compiler flags, torch's and Python's versions.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from strata.kernels.experts import expert_swiglu
+
+log = logging.getLogger(__name__)
+
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = ("cpu_experts.cpp", "cpu_experts_kernel.h")
+# Plain x86-64 (the vector code is compiled per function, under target pragmas); no FMA contraction, so
+# a*b+c rounds the same way in every instruction set and in the emulations.
+_CFLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off"]
+_LDFLAGS = ["-pthread"]
+_STALE_LOCK_S = 600  # a build takes seconds; a lock file this old belongs to a build that died
+_ISA = {"avx2": 1, "avx512": 2, "avx512_bf16": 3, "avx512_emulated": 4, "avx512_bf16_emulated": 5}
+_AUTO_ORDER = ("avx512_bf16", "avx512", "avx2")
+BACKENDS = ("avx512_bf16", "avx512", "avx2", "torch")
+
+DEFAULT_PREFETCH_BYTES = 2048
+"""Software prefetch distance along each weight row ($STRATA_CPU_PREFETCH overrides; 0: off)."""
+
+MAX_TOKENS = 32
+"""Experts with more tokens than this in one call go to torch's matmul (the CPU is compute-bound there)."""
+
+TOLERANCE = {"torch": 1e-5, "avx2": 1e-4, "avx512": 1e-4, "avx512_bf16": 1e-2, "avx512_emulated": 1e-4,
+             "avx512_bf16_emulated": 1e-2}
+"""Bound on max |out - reference| / max |reference| for each backend (see the module docstring)."""
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_lib_tried = False
+_isa_mask = 0
+_warned: set[str] = set()
+_threads_override: int | None = None
+_prefetch_override: int | None = None
+build_seconds: float | None = None
+"""Wall time of the first load in this process (build or cache hit), for logs and benchmarks."""
+
+
+def _warn_once(key: str, msg: str, *args) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(msg, *args)
+
+
+def _cache_root() -> Path:
+    if os.environ.get("STRATA_CACHE"):
+        root = Path(os.environ["STRATA_CACHE"]).expanduser()
+    elif os.environ.get("XDG_CACHE_HOME"):
+        root = Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "strata"
+    else:
+        root = Path.home() / ".cache" / "strata"
+    return root / "ext"
+
+
+def _build_and_open() -> ctypes.CDLL:
+    machine = platform.machine().lower()
+    if machine not in ("x86_64", "amd64"):
+        raise RuntimeError(f"no vector kernel for {machine}")
+    from torch.utils import cpp_extension
+
+    h = hashlib.sha256()
+    for name in _SOURCES:
+        h.update((_CSRC / name).read_bytes())
+    h.update(repr((torch.__version__, platform.python_version(), _CFLAGS, _LDFLAGS)).encode())
+    name = f"strata_cpu_experts_{h.hexdigest()[:16]}"
+    build_dir = _cache_root() / name
+    build_dir.mkdir(parents=True, exist_ok=True)
+    lock = build_dir / "lock"  # torch's FileBaton: a build killed midway leaves it, and later loads wait forever
+    try:
+        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+            lock.unlink()
+    except OSError:
+        pass
+    torch_log = logging.getLogger("torch.utils.cpp_extension")
+    level = torch_log.level
+    torch_log.setLevel(logging.ERROR)  # its compiler-compatibility banner is many lines long
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            path = cpp_extension.load(name=name, sources=[str(_CSRC / "cpu_experts.cpp")], extra_cflags=_CFLAGS,
+                                      extra_ldflags=_LDFLAGS, build_directory=str(build_dir), with_cuda=False,
+                                      is_python_module=False, verbose=False)
+    finally:
+        torch_log.setLevel(level)
+    if not isinstance(path, str):  # torch versions that return None for non-Python modules
+        path = str(build_dir / f"{name}.so")
+    lib = ctypes.CDLL(path)
+    lib.strata_cpu_isa_mask.argtypes = []
+    lib.strata_cpu_isa_mask.restype = ctypes.c_int
+    lib.strata_cpu_configure.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
+    lib.strata_cpu_configure.restype = ctypes.c_int
+    lib.strata_cpu_read_sweep.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.strata_cpu_read_sweep.restype = ctypes.c_uint64
+    lib.strata_cpu_shutdown.argtypes = []
+    lib.strata_cpu_shutdown.restype = ctypes.c_int
+    lib.strata_cpu_experts.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+    lib.strata_cpu_experts.restype = ctypes.c_int
+    return lib
+
+
+def _one_line(exc: BaseException) -> str:
+    """The telling line of a build error (the compiler's 'error:' line, a missing tool...)."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    for marker in ("error:", "not found", "no such file", "permission denied"):
+        hits = [ln for ln in lines if marker in ln.lower()]
+        if hits:
+            return f"{type(exc).__name__}: {hits[0][-200:]}"
+    return f"{type(exc).__name__}: {(lines or [''])[0][:200]}"
+
+
+def _load() -> ctypes.CDLL | None:
+    """The extension, built (or found in the cache) once per process; None when it cannot be had."""
+    global _lib, _lib_tried, _isa_mask, build_seconds
+    if _lib_tried:
+        return _lib
+    with _lock:
+        if not _lib_tried:
+            t0 = time.perf_counter()
+            try:
+                lib = _build_and_open()
+                _isa_mask = lib.strata_cpu_isa_mask()
+                lib.strata_cpu_configure(-1, None, -1, prefetch_bytes())
+                _lib = lib
+            except Exception as exc:  # no compiler, no ninja, not x86-64, read-only cache...
+                log.warning("strata: CPU expert kernel unavailable (%s); using the torch fallback", _one_line(exc))
+            build_seconds = time.perf_counter() - t0
+            _lib_tried = True
+    return _lib
+
+
+def available_backends() -> list[str]:
+    """Backends this machine can run, best first ("torch" always; not the test-only emulations)."""
+    lib = None if os.environ.get("STRATA_CPU_KERNEL", "").strip().lower() == "torch" else _load()
+    names = [n for n in _AUTO_ORDER if lib is not None and _isa_mask & (1 << _ISA[n])]
+    return names + ["torch"]
+
+
+def _resolve(requested: str | None) -> str:
+    req = (requested or os.environ.get("STRATA_CPU_KERNEL") or "auto").strip().lower()
+    if req == "torch":
+        return "torch"
+    if req != "auto" and req not in _ISA:
+        _warn_once(f"name:{req}", "strata: unknown CPU kernel %r (choose from auto, %s); using auto", req,
+                   ", ".join(BACKENDS))
+        req = "auto"
+    if _load() is None:
+        return "torch"
+    if req != "auto":
+        if _isa_mask & (1 << _ISA[req]):
+            return req
+        _warn_once(f"isa:{req}", "strata: this CPU cannot run the %s kernel; choosing automatically", req)
+    for name in _AUTO_ORDER:
+        if _isa_mask & (1 << _ISA[name]):
+            return name
+    return "torch"
+
+
+def backend() -> str:
+    """Which path `cpu_experts_forward` uses now: "avx512_bf16", "avx512", "avx2" or "torch"."""
+    return _resolve(None)
+
+
+_default_threads: int | None = None
+
+
+def default_threads() -> int:
+    """configure(threads=...), else $STRATA_CPU_THREADS, else the physical cores this process may use."""
+    global _default_threads
+    if _threads_override:
+        return _threads_override
+    env = os.environ.get("STRATA_CPU_THREADS")
+    if env:
+        return max(1, int(env))
+    if _default_threads is None:
+        try:
+            usable = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            usable = os.cpu_count() or 1
+        try:
+            import psutil
+
+            physical = psutil.cpu_count(logical=False) or usable
+        except Exception:
+            physical = usable
+        _default_threads = max(1, min(usable, physical))
+    return _default_threads
+
+
+def configure(threads: int | None = None, cpus: Sequence[int] | None = None, spin_us: int | None = None,
+              prefetch_bytes: int | None = None) -> None:
+    """Tune the kernel. threads: default thread count. cpus: CPUs to pin the pool's workers to (worker
+    i on cpus[i % len]; the calling thread is left alone; [] unpins). spin_us: how long idle workers
+    spin before sleeping (default 100). prefetch_bytes: software prefetch distance along each weight
+    row in bytes (default 2048, or $STRATA_CPU_PREFETCH; 0 turns it off)."""
+    global _threads_override, _prefetch_override
+    if threads is not None:
+        _threads_override = max(1, int(threads))
+    if prefetch_bytes is not None:
+        _prefetch_override = max(0, int(prefetch_bytes))
+    lib = _load()
+    if lib is not None and (cpus is not None or spin_us is not None or prefetch_bytes is not None):
+        cpu_arr = (ctypes.c_int * max(1, len(cpus or ())))(*(cpus or ()))
+        lib.strata_cpu_configure(-1 if spin_us is None else int(spin_us), cpu_arr, -1 if cpus is None else len(cpus),
+                                 -1 if prefetch_bytes is None else _prefetch_override)
+
+
+def read_sweep(buffers: Sequence[torch.Tensor], threads: int | None = None) -> float | None:
+    """Read every byte of `buffers` (CPU tensors) once on the kernel's thread pool; seconds taken, or
+    None without the extension. A RAM read-bandwidth probe for benchmarks (AVX2 loads, same prefetch)."""
+    lib = _load()
+    if lib is None or not _isa_mask & (1 << _ISA["avx2"]):
+        return None
+    ptrs = array.array("q", [b.data_ptr() for b in buffers])
+    sizes = array.array("q", [b.numel() * b.element_size() for b in buffers])
+    t0 = time.perf_counter()
+    lib.strata_cpu_read_sweep(ptrs.buffer_info()[0], sizes.buffer_info()[0], len(buffers), int(threads or default_threads()))
+    return time.perf_counter() - t0
+
+
+def prefetch_bytes() -> int:
+    """The software prefetch distance in force: configure(prefetch_bytes=...), $STRATA_CPU_PREFETCH, 2048."""
+    if _prefetch_override is not None:
+        return _prefetch_override
+    env = os.environ.get("STRATA_CPU_PREFETCH")
+    return max(0, int(env)) if env else DEFAULT_PREFETCH_BYTES
+
+
+def max_tokens() -> int:
+    env = os.environ.get("STRATA_CPU_KERNEL_MAX_TOKENS")
+    return int(env) if env else MAX_TOKENS
+
+
+def _torch_expert(x32: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+                  out: torch.Tensor) -> None:
+    """The reference: fp32 math on the upcast weights, added into out."""
+    idx = idx.to(torch.int64)
+    y = expert_swiglu(x32.index_select(0, idx), gate_up.float(), down.float()) * w.float()[:, None]
+    out.index_add_(0, idx, y)
+
+
+def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                        token_idx: Sequence[torch.Tensor], token_w: Sequence[torch.Tensor],
+                        out: torch.Tensor | None = None, threads: int | None = None, *,
+                        backend: str | None = None) -> torch.Tensor:
+    """out[N, H] (fp32, added into; zeros when None) += sum over experts e of token_w[e] * expert_e(x[token_idx[e]]).
+
+    x [N, H] fp32 or bf16 (CPU); weights[e] = (gate_up [2I, H], down [H, I]) bf16 CPU tensors, each its
+    own buffer; token_idx[e] int64 rows of x (may be empty); token_w[e] fp32 routing weights of those
+    rows. `threads`: the kernel's thread count (default `default_threads()`; the torch path ignores it).
+    `backend`: override `STRATA_CPU_KERNEL` for this call.
+    """
+    if x.dim() != 2 or x.device.type != "cpu":
+        raise ValueError(f"x must be a [N, H] CPU tensor, got {tuple(x.shape)} on {x.device}")
+    if not (len(weights) == len(token_idx) == len(token_w)):
+        raise ValueError("weights, token_idx and token_w need one entry per expert")
+    N, H = x.shape
+    if out is None:
+        out = torch.zeros(N, H, dtype=torch.float32)
+    elif out.shape != (N, H) or out.dtype != torch.float32 or out.device.type != "cpu":
+        raise ValueError(f"out must be a [{N}, {H}] fp32 CPU tensor, got {tuple(out.shape)} {out.dtype} on {out.device}")
+    name = _resolve(backend)
+    x32 = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+    limit = 0 if name == "torch" else max_tokens()
+    bf16 = torch.bfloat16
+    meta = array.array("q")
+    keep = []  # converted tensors must outlive the call
+    to_torch = []
+    for e in range(len(weights)):  # a few µs per expert: this loop is the per-layer Python overhead
+        idx = token_idx[e]
+        T = idx.numel()
+        if T == 0:
+            continue
+        gate_up, down = weights[e]
+        w = token_w[e]
+        I = down.shape[-1]
+        if gate_up.shape != (2 * I, H) or down.shape != (H, I):
+            raise ValueError(f"expert {e}: gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} do not "
+                             f"match H={H} (want [2I, H] and [H, I])")
+        if w.numel() != T:
+            raise ValueError(f"expert {e}: {T} token rows but {w.numel()} routing weights")
+        if not (gate_up.is_cpu and down.is_cpu and idx.is_cpu and w.is_cpu):
+            raise ValueError(f"expert {e}: weights, token_idx and token_w must be CPU tensors")
+        if T > limit or gate_up.dtype is not bf16 or down.dtype is not bf16:
+            to_torch.append(e)
+            continue
+        if not gate_up.is_contiguous():
+            gate_up = gate_up.contiguous()
+            keep.append(gate_up)
+        if not down.is_contiguous():
+            down = down.contiguous()
+            keep.append(down)
+        if idx.dtype is not torch.int64 or not idx.is_contiguous():
+            idx = idx.to(torch.int64).contiguous()
+            keep.append(idx)
+        if w.dtype is not torch.float32 or not w.is_contiguous():
+            w = w.to(torch.float32).contiguous()
+            keep.append(w)
+        meta.extend((gate_up.data_ptr(), down.data_ptr(), idx.data_ptr(), w.data_ptr(), T, I))
+    if meta:
+        target = out if out.is_contiguous() else torch.zeros(N, H, dtype=torch.float32)
+        rc = _lib.strata_cpu_experts(_ISA[name], x32.data_ptr(), N, H, len(meta) // 6, meta.buffer_info()[0],
+                                     target.data_ptr(), int(threads or default_threads()))
+        if rc == -2:
+            raise IndexError(f"token_idx out of range for x with {N} rows")
+        if rc != 0:
+            raise RuntimeError(f"CPU expert kernel ({name}) failed with code {rc}")
+        if target is not out:
+            out.add_(target)
+    for e in to_torch:
+        (gate_up, down), idx, w = weights[e], token_idx[e], token_w[e]
+        if idx.numel() and (idx.min() < 0 or idx.max() >= N):
+            raise IndexError(f"token_idx out of range for x with {N} rows")
+        _torch_expert(x32, gate_up, down, idx, w, out)
+    return out

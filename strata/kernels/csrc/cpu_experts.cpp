@@ -1,0 +1,623 @@
+// strata CPU expert kernel: all the cold experts of one MoE layer in one threaded call.
+//
+// SwiGLU expert: y = down(silu(gate(x)) * up(x)); per expert a bf16 gate_up [2I, H] (gate rows then up
+// rows) and a bf16 down [H, I], each its own buffer. For N = 1..32 tokens per expert the work is a
+// memory-bound GEMV: every weight row is read once from RAM and used for all of the expert's tokens.
+//
+//   phase 1  (gate/up)  chunks of intermediate rows j of every expert, taken dynamically by the
+//                       threads: h_e[t, j] = silu(<gate_j, x_t>) * <up_j, x_t>   (one writer per element)
+//   then, once every phase-1 chunk is finished (a thread waits only for chunks in progress, never
+//   for a thread that has not woken up yet):
+//   phase 2  (down)     chunks of output rows h, each over all experts in the given order:
+//                       out[tok, h] += w_e,t * <down_h, h_e[t]>                    (one writer per element)
+//
+// One fork/join per layer on a persistent pool (the caller is thread 0; workers spin for a while
+// between calls, then sleep). No torch headers: the Python side calls the extern "C" functions below
+// through ctypes with raw pointers (which also releases the GIL while the kernel runs).
+//
+// Instruction sets, chosen at run time (the file itself is compiled for plain x86-64):
+//   1  avx2         AVX2 + FMA, bf16 -> fp32 by shifts, fp32 activations, fp32 accumulation
+//   2  avx512       AVX-512F, same numerics as avx2 with 16 lanes
+//   3  avx512_bf16  AVX-512 BF16 vdpbf16ps: activations and the intermediate rounded to bf16 (RNE),
+//                   products summed in fp32
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cmath>
+#include <condition_variable>
+#include <cstdint>
+#include <cstring>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include <pthread.h>
+#include <sched.h>
+#include <unistd.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define STRATA_X86 1
+#pragma GCC diagnostic ignored "-Wuninitialized"  // GCC 12's AVX-512 headers (`__m512 __Y = __Y;`)
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#else
+#define STRATA_X86 0
+#endif
+
+#define STRATA_API extern "C" __attribute__((visibility("default")))
+
+namespace {
+
+inline void cpu_relax() {
+#if STRATA_X86
+    _mm_pause();
+#else
+    std::this_thread::yield();
+#endif
+}
+
+inline float bf16_to_f32(uint16_t v) {
+    uint32_t u = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+}
+
+using Clock = std::chrono::steady_clock;
+
+// Spin with pause; after `patience` of spinning, yield the core on every further check.
+template <class Pred>
+inline void spin_until(Pred done, std::chrono::microseconds patience = std::chrono::microseconds(200)) {
+    for (int k = 0; k < 4096; ++k) {
+        if (done()) return;
+        cpu_relax();
+    }
+    const auto t0 = Clock::now();
+    while (!done()) {
+        if (Clock::now() - t0 > patience) {
+            sched_yield();
+        } else {
+            for (int k = 0; k < 64; ++k) cpu_relax();
+        }
+    }
+}
+
+struct ExpertArg {
+    const uint16_t* gate_up;  // [2I, H] bf16
+    const uint16_t* down;     // [H, I] bf16
+    const int64_t* idx;       // [T] rows of x
+    const float* w;           // [T] routing weights
+    int64_t T;
+    int64_t I;
+};
+
+struct Chunk {
+    int64_t e, r0, r1;
+};
+
+struct Job {
+    int64_t N = 0, H = 0, E = 0;
+    const void* xact = nullptr;  // [N, H] activations: float, or bf16 for avx512_bf16
+    void* hbuf = nullptr;        // intermediate activations of every expert: [T_e, I_e] at hoff[e]
+    std::vector<int64_t> hoff;
+    const ExpertArg* experts = nullptr;  // the experts with tokens, in the caller's order
+    float* out = nullptr;                // [N, H] fp32, added into
+    std::vector<Chunk> chunks1;
+    int64_t down_rows = 2, n_down_chunks = 0;
+    int64_t pf = 0;  // software prefetch distance in elements (0: off)
+    std::atomic<int64_t> next1{0}, next2{0};  // next chunk to take, per phase
+    std::atomic<int64_t> done1{0}, done2{0};  // chunks finished, per phase
+};
+
+struct ReadJob {
+    std::vector<std::pair<const char*, int64_t>> chunks;
+    int64_t pf = 0;
+    std::atomic<int64_t> next{0}, done{0};
+    std::atomic<uint64_t> checksum{0};
+};
+
+using JobFn = void (*)(void*, int);
+
+// Persistent worker pool. The caller runs share 0 of every job; workers join it when they wake up.
+// A worker that wakes late (descheduled, oversubscribed machine) joins only while the job is open and
+// simply finds no chunks left: nobody waits for a thread that holds no work. The caller closes the job
+// when all chunks are done and waits for the workers still inside it (finishing their last chunk).
+class Pool {
+   public:
+    Pool(int n, int spin_us, const std::vector<int>& cpus) : n_(n), spin_us_(spin_us), cpus_(cpus), pid_(getpid()) {
+        for (int t = 1; t < n_; ++t) workers_.emplace_back([this, t] { loop(t); });
+    }
+    ~Pool() {
+        {
+            std::lock_guard<std::mutex> lk(m_);
+            stop_.store(true, std::memory_order_relaxed);
+            gen_.fetch_add(1, std::memory_order_release);
+        }
+        cv_.notify_all();
+        for (auto& w : workers_) w.join();
+    }
+    int size() const { return n_; }
+    pid_t pid() const { return pid_; }
+
+    // fn(ctx, 0) must return only when the whole job is done; workers run fn(ctx, tid) to help.
+    void run(JobFn fn, void* ctx) {
+        fn_ = fn;
+        ctx_ = ctx;
+        const uint64_t g = gen_.load(std::memory_order_relaxed) + 1;
+        entry_.store(((g & kGenMask) << 32) | kOpen, std::memory_order_release);
+        bool wake;
+        {
+            std::lock_guard<std::mutex> lk(m_);
+            gen_.store(g, std::memory_order_release);
+            wake = sleepers_ > 0;
+        }
+        if (wake) cv_.notify_all();
+        fn(ctx, 0);
+        entry_.fetch_and(~kOpen, std::memory_order_acq_rel);
+        spin_until([&] { return (entry_.load(std::memory_order_acquire) & kCount) == 0; });
+    }
+
+   private:
+    static constexpr uint64_t kOpen = 1ull << 31, kCount = kOpen - 1, kGenMask = 0xffffffffull;
+
+    bool enter(uint64_t g) {
+        uint64_t s = entry_.load(std::memory_order_acquire);
+        for (;;) {
+            if ((s >> 32) != (g & kGenMask) || !(s & kOpen)) return false;
+            if (entry_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel, std::memory_order_acquire))
+                return true;
+        }
+    }
+
+    void loop(int tid) {
+        if (!cpus_.empty()) {
+            cpu_set_t set;
+            CPU_ZERO(&set);
+            CPU_SET(cpus_[tid % cpus_.size()], &set);
+            pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // best effort
+        }
+        uint64_t seen = 0;  // gen_ at construction: a worker that starts late still sees every job and stop
+        for (;;) {
+            uint64_t g = gen_.load(std::memory_order_acquire);
+            if (g == seen) {  // spin for spin_us, then sleep
+                const auto t0 = Clock::now();
+                const auto patience = std::chrono::microseconds(spin_us_);
+                for (int k = 0;; ++k) {
+                    g = gen_.load(std::memory_order_acquire);
+                    if (g != seen) break;
+                    if ((k & 255) == 255 && Clock::now() - t0 > patience) {
+                        std::unique_lock<std::mutex> lk(m_);
+                        ++sleepers_;
+                        cv_.wait(lk, [&] { return gen_.load(std::memory_order_acquire) != seen || stop_.load(); });
+                        --sleepers_;
+                        g = gen_.load(std::memory_order_acquire);
+                        break;
+                    }
+                    cpu_relax();
+                }
+            }
+            seen = g;
+            if (stop_.load(std::memory_order_relaxed)) return;
+            if (enter(g)) {
+                fn_(ctx_, tid);
+                entry_.fetch_sub(1, std::memory_order_acq_rel);
+            }
+        }
+    }
+
+    const int n_;
+    const int spin_us_;
+    const std::vector<int> cpus_;
+    const pid_t pid_;
+    std::vector<std::thread> workers_;
+    std::mutex m_;
+    std::condition_variable cv_;
+    int sleepers_ = 0;
+    std::atomic<bool> stop_{false};
+    std::atomic<uint64_t> gen_{0};    // job number, bumped by run()
+    std::atomic<uint64_t> entry_{0};  // (job number << 32) | open bit | workers inside the job
+    JobFn fn_ = nullptr;
+    void* ctx_ = nullptr;
+};
+
+std::mutex g_call;  // one layer at a time; guards everything below
+Pool* g_pool = nullptr;
+int g_spin_us = 100;
+int64_t g_prefetch_bytes = 2048;
+std::vector<int> g_cpus;
+std::vector<uint8_t> g_hbuf, g_xbuf;
+
+void drop_pool() {
+    if (g_pool && g_pool->pid() == getpid()) delete g_pool;
+    g_pool = nullptr;  // a pool inherited through fork() has no threads: leak it
+}
+
+Pool* get_pool(int n) {
+    if (g_pool && (g_pool->pid() != getpid() || g_pool->size() != n)) drop_pool();
+    if (!g_pool) g_pool = new Pool(n, g_spin_us, g_cpus);
+    return g_pool;
+}
+
+struct AtFork {
+    AtFork() {
+        pthread_atfork([] { g_call.lock(); }, [] { g_call.unlock(); }, [] { g_call.unlock(); });
+    }
+} g_atfork;
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------------
+// The kernel, once per instruction set.
+#if STRATA_X86
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+namespace k_avx2 {
+struct K {
+    static constexpr int W = 8;
+    static constexpr int NTMAX = 4;  // 2 x 4 accumulators + weights + activation fit the 16 ymm registers
+    static constexpr int unroll(int nt) { return nt == 1 ? 4 : nt == 2 ? 2 : 1; }
+    using Acc = __m256;
+    using X = float;
+    using Hd = float;
+    static inline __m256 zero() { return _mm256_setzero_ps(); }
+    static inline __m256 load_w(const uint16_t* p) {
+        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
+    }
+    static inline __m256 load_x(const float* p) { return _mm256_loadu_ps(p); }
+    static inline __m256 dot(__m256 a, __m256 x, __m256 w) { return _mm256_fmadd_ps(x, w, a); }
+    static inline __m256 add(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
+    static inline float hsum(__m256 a) {
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        return _mm_cvtss_f32(s);
+    }
+    static inline float x2f(float v) { return v; }
+    static inline float h_from_f(float v) { return v; }
+};
+#include "cpu_experts_kernel.h"
+
+// RAM read bandwidth probe: stream through buffers (chunks taken dynamically), xor-fold 32-byte loads.
+static void read_job(void* ctx, int tid) {
+    ReadJob& job = *static_cast<ReadJob*>(ctx);
+    __m256i acc0 = _mm256_setzero_si256(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
+    const int64_t n = static_cast<int64_t>(job.chunks.size());
+    for (;;) {
+        const int64_t c = job.next.fetch_add(1, std::memory_order_relaxed);
+        if (c >= n) break;
+        const char* p = job.chunks[c].first;
+        const int64_t len = job.chunks[c].second & ~int64_t(127);
+        for (int64_t i = 0; i < len; i += 128) {
+            if (job.pf) __builtin_prefetch(p + i + job.pf, 0, 3), __builtin_prefetch(p + i + job.pf + 64, 0, 3);
+            acc0 = _mm256_xor_si256(acc0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
+            acc1 = _mm256_xor_si256(acc1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 32)));
+            acc2 = _mm256_xor_si256(acc2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 64)));
+            acc3 = _mm256_xor_si256(acc3, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 96)));
+        }
+        job.done.fetch_add(1, std::memory_order_acq_rel);
+    }
+    const __m256i a = _mm256_xor_si256(_mm256_xor_si256(acc0, acc1), _mm256_xor_si256(acc2, acc3));
+    job.checksum.fetch_xor(static_cast<uint64_t>(_mm256_extract_epi64(a, 0) ^ _mm256_extract_epi64(a, 3)),
+                           std::memory_order_relaxed);
+    if (tid == 0) spin_until([&] { return job.done.load(std::memory_order_acquire) == n; });
+}
+}  // namespace k_avx2
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma")
+namespace {
+inline float hsum512(__m512 a) {  // fixed order (no _mm512_reduce_add_ps: GCC 12 warns inside its header)
+    __m512 s = _mm512_add_ps(a, _mm512_shuffle_f32x4(a, a, _MM_SHUFFLE(1, 0, 3, 2)));
+    s = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, _MM_SHUFFLE(2, 3, 0, 1)));
+    __m128 q = _mm512_castps512_ps128(s);
+    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+    q = _mm_add_ss(q, _mm_movehdup_ps(q));
+    return _mm_cvtss_f32(q);
+}
+}  // namespace
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma")
+namespace k_avx512 {
+struct K {
+    static constexpr int W = 16;
+    static constexpr int NTMAX = 8;
+    static constexpr int unroll(int nt) { return nt <= 2 ? 4 : nt <= 4 ? 2 : 1; }
+    using Acc = __m512;
+    using X = float;
+    using Hd = float;
+    static inline __m512 zero() { return _mm512_setzero_ps(); }
+    static inline __m512 load_w(const uint16_t* p) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+    }
+    static inline __m512 load_x(const float* p) { return _mm512_loadu_ps(p); }
+    static inline __m512 dot(__m512 a, __m512 x, __m512 w) { return _mm512_fmadd_ps(x, w, a); }
+    static inline __m512 add(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+    static inline float hsum(__m512 a) { return hsum512(a); }
+    static inline float x2f(float v) { return v; }
+    static inline float h_from_f(float v) { return v; }
+};
+#include "cpu_experts_kernel.h"
+}  // namespace k_avx512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bf16,avx512bw,avx512vl,avx2,fma")
+namespace k_avx512bf16 {
+struct K {
+    static constexpr int W = 32;  // 32 bf16 = 16 pairs per vdpbf16ps
+    static constexpr int NTMAX = 8;
+    static constexpr int unroll(int nt) { return nt <= 2 ? 4 : nt <= 4 ? 2 : 1; }
+    using Acc = __m512;
+    using X = uint16_t;
+    using Hd = uint16_t;
+    static inline __m512 zero() { return _mm512_setzero_ps(); }
+    static inline __m512i load_w(const uint16_t* p) { return _mm512_loadu_si512(p); }
+    static inline __m512i load_x(const uint16_t* p) { return _mm512_loadu_si512(p); }
+    static inline __m512 dot(__m512 a, __m512i x, __m512i w) {
+        return _mm512_dpbf16_ps(a, (__m512bh)x, (__m512bh)w);
+    }
+    static inline __m512 add(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
+    static inline float hsum(__m512 a) { return hsum512(a); }
+    static inline float x2f(uint16_t v) { return bf16_to_f32(v); }
+    static inline uint16_t h_from_f(float v) { return f32_to_bf16(v); }
+};
+#include "cpu_experts_kernel.h"
+}  // namespace k_avx512bf16
+#pragma GCC pop_options
+
+#endif  // STRATA_X86
+
+// Portable scalar emulations of the two AVX-512 kernels, for tests on machines without AVX-512: the
+// same template, the same lane layout, the same summation order (vector FMA = fmaf per lane, the
+// horizontal sum of hsum512, vdpbf16ps = per lane acc += odd product, then += even product, with
+// denormals flushed as the instruction does), so they match the real kernels bit for bit by
+// construction. Slow; never chosen automatically.
+#pragma GCC push_options
+#pragma GCC optimize("O0")  // test-only code: keep the build fast (O1 would double it)
+namespace emu {
+struct F16 {
+    float v[16];
+};
+inline F16 zero16() {
+    F16 r;
+    for (int i = 0; i < 16; ++i) r.v[i] = 0.0f;
+    return r;
+}
+inline F16 add16(F16 a, const F16& b) {
+    for (int i = 0; i < 16; ++i) a.v[i] = a.v[i] + b.v[i];
+    return a;
+}
+inline float hsum16(const F16& a) {  // the order of hsum512
+    float s[16], t[4];
+    for (int j = 0; j < 16; ++j) s[j] = a.v[j] + a.v[j ^ 8];
+    for (int j = 0; j < 4; ++j) t[j] = s[j] + s[j ^ 4];
+    return (t[0] + t[2]) + (t[1] + t[3]);
+}
+inline float flush(float v) { return std::fpclassify(v) == FP_SUBNORMAL ? std::copysign(0.0f, v) : v; }
+}  // namespace emu
+
+namespace k_emu512 {
+struct K {
+    static constexpr int W = 16;
+    static constexpr int NTMAX = 8;
+    static constexpr int unroll(int nt) { return nt <= 2 ? 4 : nt <= 4 ? 2 : 1; }
+    using Acc = emu::F16;
+    using X = float;
+    using Hd = float;
+    static inline Acc zero() { return emu::zero16(); }
+    static inline emu::F16 load_w(const uint16_t* p) {
+        emu::F16 r;
+        for (int i = 0; i < 16; ++i) r.v[i] = bf16_to_f32(p[i]);
+        return r;
+    }
+    static inline emu::F16 load_x(const float* p) {
+        emu::F16 r;
+        std::memcpy(r.v, p, sizeof(r.v));
+        return r;
+    }
+    static inline Acc dot(Acc a, const emu::F16& x, const emu::F16& w) {
+        for (int i = 0; i < 16; ++i) a.v[i] = std::fma(x.v[i], w.v[i], a.v[i]);
+        return a;
+    }
+    static inline Acc add(Acc a, const Acc& b) { return emu::add16(a, b); }
+    static inline float hsum(const Acc& a) { return emu::hsum16(a); }
+    static inline float x2f(float v) { return v; }
+    static inline float h_from_f(float v) { return v; }
+};
+#include "cpu_experts_kernel.h"
+}  // namespace k_emu512
+
+namespace k_emu512bf16 {
+struct B32 {
+    uint16_t v[32];
+};
+struct K {
+    static constexpr int W = 32;
+    static constexpr int NTMAX = 8;
+    static constexpr int unroll(int nt) { return nt <= 2 ? 4 : nt <= 4 ? 2 : 1; }
+    using Acc = emu::F16;
+    using X = uint16_t;
+    using Hd = uint16_t;
+    static inline Acc zero() { return emu::zero16(); }
+    static inline B32 load_w(const uint16_t* p) {
+        B32 r;
+        std::memcpy(r.v, p, sizeof(r.v));
+        return r;
+    }
+    static inline B32 load_x(const uint16_t* p) { return load_w(p); }
+    static inline Acc dot(Acc a, const B32& x, const B32& w) {
+        for (int i = 0; i < 16; ++i) {  // bf16 x bf16 products are exact in fp32
+            float acc = emu::flush(a.v[i]);
+            acc = emu::flush(acc + emu::flush(bf16_to_f32(x.v[2 * i + 1])) * emu::flush(bf16_to_f32(w.v[2 * i + 1])));
+            acc = emu::flush(acc + emu::flush(bf16_to_f32(x.v[2 * i])) * emu::flush(bf16_to_f32(w.v[2 * i])));
+            a.v[i] = acc;
+        }
+        return a;
+    }
+    static inline Acc add(Acc a, const Acc& b) { return emu::add16(a, b); }
+    static inline float hsum(const Acc& a) { return emu::hsum16(a); }
+    static inline float x2f(uint16_t v) { return bf16_to_f32(v); }
+    static inline uint16_t h_from_f(float v) { return f32_to_bf16(v); }
+};
+#include "cpu_experts_kernel.h"
+}  // namespace k_emu512bf16
+#pragma GCC pop_options
+
+// ---------------------------------------------------------------------------------------------------
+// C API (ctypes).
+
+enum { ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_BF16 = 3, ISA_EMU_AVX512 = 4, ISA_EMU_AVX512_BF16 = 5 };
+
+// Bit (1 << isa) set for every instruction set this CPU (and OS) can run.
+STRATA_API int strata_cpu_isa_mask() {
+    int mask = (1 << ISA_EMU_AVX512) | (1 << ISA_EMU_AVX512_BF16);
+#if STRATA_X86
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) mask |= 1 << ISA_AVX2;
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        mask |= 1 << ISA_AVX512;
+    if ((mask & (1 << ISA_AVX512)) && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("avx512bf16"))
+        mask |= 1 << ISA_AVX512_BF16;
+#endif
+    return mask;
+}
+
+// Worker pinning (ncpus < 0: unchanged), spin time (< 0: unchanged) and software prefetch distance
+// in bytes (< 0: unchanged, 0: off). The pool is re-created on the next call.
+STRATA_API int strata_cpu_configure(int spin_us, const int* cpus, int ncpus, int64_t prefetch_bytes) {
+    std::lock_guard<std::mutex> lk(g_call);
+    if (spin_us >= 0) g_spin_us = spin_us;
+    if (ncpus >= 0) g_cpus.assign(cpus, cpus + ncpus);
+    if (prefetch_bytes >= 0) g_prefetch_bytes = prefetch_bytes;
+    drop_pool();
+    return 0;
+}
+
+// Read n buffers once with `threads` threads (the pool of the kernel), for a RAM bandwidth figure.
+// Returns an xor checksum of the data (so the reads cannot be optimised away); 0 without AVX2.
+STRATA_API uint64_t strata_cpu_read_sweep(const void* const* ptrs, const int64_t* sizes, int64_t n, int threads) {
+#if STRATA_X86
+    if (!(strata_cpu_isa_mask() & (1 << ISA_AVX2))) return 0;
+    std::lock_guard<std::mutex> lk(g_call);
+    ReadJob job;
+    const int64_t piece = 256 << 10;
+    for (int64_t b = 0; b < n; ++b)
+        for (int64_t off = 0; off < sizes[b]; off += piece)
+            job.chunks.push_back({static_cast<const char*>(ptrs[b]) + off, std::min(piece, sizes[b] - off)});
+    job.pf = g_prefetch_bytes;
+    const int P = std::max(1, threads);
+    if (P == 1)
+        k_avx2::read_job(&job, 0);
+    else
+        get_pool(P)->run(k_avx2::read_job, &job);
+    return job.checksum.load();
+#else
+    (void)ptrs, (void)sizes, (void)n, (void)threads;
+    return 0;
+#endif
+}
+
+STRATA_API int strata_cpu_shutdown() {
+    std::lock_guard<std::mutex> lk(g_call);
+    drop_pool();
+    return 0;
+}
+
+// out[N, H] (fp32, contiguous) += sum over experts of w * expert(x[idx]).
+// meta: E rows of 6 int64: gate_up ptr, down ptr, idx ptr (int64), w ptr (fp32), T, I.
+// Returns 0, -1 (instruction set unavailable or bad sizes), -2 (token index out of range).
+STRATA_API int strata_cpu_experts(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
+                                  float* out, int threads) {
+    if (N <= 0 || H <= 0 || E < 0) return -1;
+    if (!(strata_cpu_isa_mask() & (1 << isa))) return -1;
+    std::vector<ExpertArg> experts;
+    experts.reserve(E);
+    for (int64_t e = 0; e < E; ++e) {
+        const int64_t* m = meta + 6 * e;
+        ExpertArg a{reinterpret_cast<const uint16_t*>(m[0]), reinterpret_cast<const uint16_t*>(m[1]),
+                    reinterpret_cast<const int64_t*>(m[2]), reinterpret_cast<const float*>(m[3]), m[4], m[5]};
+        if (a.T < 0 || a.I <= 0) return -1;
+        if (a.T == 0) continue;
+        for (int64_t t = 0; t < a.T; ++t)
+            if (a.idx[t] < 0 || a.idx[t] >= N) return -2;
+        experts.push_back(a);
+    }
+    if (experts.empty()) return 0;
+    std::lock_guard<std::mutex> lk(g_call);
+    const int P = std::max(1, threads);
+    Job job;
+    job.N = N;
+    job.H = H;
+    job.E = static_cast<int64_t>(experts.size());
+    job.experts = experts.data();
+    job.out = out;
+
+    const bool bf16_act = isa == ISA_AVX512_BF16 || isa == ISA_EMU_AVX512_BF16;
+    const size_t hsz = bf16_act ? 2 : 4;
+    int64_t htotal = 0, gate_up_bytes = 0, down_row_bytes = 0;
+    for (const auto& ex : experts) {
+        job.hoff.push_back(htotal);
+        htotal += ex.T * ex.I;
+        gate_up_bytes += 4 * ex.I * H;
+        down_row_bytes += 2 * ex.I;
+    }
+    if (g_hbuf.size() < size_t(htotal) * hsz + 64) g_hbuf.resize(size_t(htotal) * hsz + 64);
+    job.hbuf = g_hbuf.data();
+    if (bf16_act) {
+        if (g_xbuf.size() < size_t(N * H) * 2) g_xbuf.resize(size_t(N * H) * 2);
+        uint16_t* xb = reinterpret_cast<uint16_t*>(g_xbuf.data());
+        for (int64_t i = 0; i < N * H; ++i) xb[i] = f32_to_bf16(x[i]);
+        job.xact = xb;
+    } else {
+        job.xact = x;
+    }
+
+    // Chunks of about total / (8 P) bytes, clamped to [32 KiB, 512 KiB]: long sequential streams for the
+    // prefetchers, and enough chunks that a thread delayed by the OS does not hold the others back.
+    auto chunk_bytes = [&](int64_t total) {
+        return std::clamp<int64_t>(total / (8 * int64_t(P)), 32 << 10, 512 << 10);
+    };
+    const int64_t pair_bytes = 4 * H;  // one gate row + one up row
+    const int64_t pairs = std::max<int64_t>(1, chunk_bytes(gate_up_bytes) / pair_bytes);
+    for (int64_t e = 0; e < job.E; ++e)
+        for (int64_t j = 0; j < experts[e].I; j += pairs)
+            job.chunks1.push_back({e, j, std::min(experts[e].I, j + pairs)});
+    int64_t rows = std::max<int64_t>(2, chunk_bytes(down_row_bytes * H) / down_row_bytes);
+    rows += rows & 1;
+    job.down_rows = rows;
+    job.n_down_chunks = (H + rows - 1) / rows;
+    job.pf = (g_prefetch_bytes / 2 + 31) / 32 * 32;  // whole 64-byte lines
+
+    JobFn fn = k_emu512::run_job;
+    switch (isa) {
+#if STRATA_X86
+        case ISA_AVX2: fn = k_avx2::run_job; break;
+        case ISA_AVX512: fn = k_avx512::run_job; break;
+        case ISA_AVX512_BF16: fn = k_avx512bf16::run_job; break;
+#endif
+        case ISA_EMU_AVX512: fn = k_emu512::run_job; break;
+        case ISA_EMU_AVX512_BF16: fn = k_emu512bf16::run_job; break;
+        default: return -1;
+    }
+    if (P == 1) {
+        fn(&job, 0);
+    } else {
+        get_pool(P)->run(fn, &job);
+    }
+    return 0;
+}

@@ -1,0 +1,190 @@
+// The CPU expert kernel body, written once and compiled once per instruction set.
+//
+// cpu_experts.cpp includes this file several times, each time inside its own namespace, under a
+// `#pragma GCC target(...)` region, after defining a traits struct `K` in that namespace:
+//
+//   K::W            elements of a weight row consumed per vector step
+//   K::Acc          fp32 accumulator vector;  K::zero(), K::add(a, b), K::hsum(a) -> float
+//   K::load_w(p)    W bf16 weights at p -> whatever K::dot takes
+//   K::X            activation element type (float, or uint16_t = bf16);  K::load_x(p), K::x2f(v)
+//   K::dot(a, x, w) a + x * w over the W elements (fp32 FMA, or vdpbf16ps pairs)
+//   K::Hd, K::h_from_f(float)   storage type of the intermediate silu(gate) * up activations
+//   K::NTMAX        tokens per register tile;  K::unroll(nt) vector steps per loop iteration
+//
+// Numerics are fixed by the code, not by the thread that runs it: every dot product is summed in one
+// order (U interleaved accumulators, combined in order, then a fixed horizontal sum, then the scalar
+// tail), and every output element is written by exactly one thread (see cpu_experts.cpp), so the
+// results are bit-identical for any thread count and any scheduling.
+
+// Two weight rows (ra, rb) of length len against nt <= K::NTMAX activation rows xs[t]:
+// oa[t] = <ra, xs[t]>, ob[t] = <rb, xs[t]>. Each weight vector is loaded once for all tokens.
+template <int NT, int U>
+static inline void dot2_tile(const uint16_t* __restrict ra, const uint16_t* __restrict rb, int64_t len,
+                             const typename K::X* const* xs, float* oa, float* ob, int64_t pf) {
+    constexpr int W = K::W;
+    typename K::Acc aa[U][NT], ab[U][NT];
+#pragma GCC unroll 16
+    for (int u = 0; u < U; ++u) {
+#pragma GCC unroll 16
+        for (int t = 0; t < NT; ++t) {
+            aa[u][t] = K::zero();
+            ab[u][t] = K::zero();
+        }
+    }
+    int64_t i = 0;
+    for (; i + int64_t(W) * U <= len; i += int64_t(W) * U) {
+        if (pf) {  // software prefetch `pf` elements ahead, one prefetch per 64-byte line and row
+            constexpr int step_bytes = W * U * 2;
+            if constexpr (step_bytes >= 64) {
+#pragma GCC unroll 8
+                for (int l = 0; l < step_bytes / 64; ++l) {
+                    __builtin_prefetch(ra + i + pf + 32 * l, 0, 3);
+                    __builtin_prefetch(rb + i + pf + 32 * l, 0, 3);
+                }
+            } else if (((i * 2) & 63) == 0) {
+                __builtin_prefetch(ra + i + pf, 0, 3);
+                __builtin_prefetch(rb + i + pf, 0, 3);
+            }
+        }
+#pragma GCC unroll 16
+        for (int u = 0; u < U; ++u) {
+            const auto wa = K::load_w(ra + i + u * W);
+            const auto wb = K::load_w(rb + i + u * W);
+#pragma GCC unroll 16
+            for (int t = 0; t < NT; ++t) {
+                const auto xv = K::load_x(xs[t] + i + u * W);
+                aa[u][t] = K::dot(aa[u][t], xv, wa);
+                ab[u][t] = K::dot(ab[u][t], xv, wb);
+            }
+        }
+    }
+    for (; i + W <= len; i += W) {
+        const auto wa = K::load_w(ra + i);
+        const auto wb = K::load_w(rb + i);
+#pragma GCC unroll 16
+        for (int t = 0; t < NT; ++t) {
+            const auto xv = K::load_x(xs[t] + i);
+            aa[0][t] = K::dot(aa[0][t], xv, wa);
+            ab[0][t] = K::dot(ab[0][t], xv, wb);
+        }
+    }
+    float sa[NT], sb[NT];
+#pragma GCC unroll 16
+    for (int t = 0; t < NT; ++t) {
+        typename K::Acc a = aa[0][t], b = ab[0][t];
+#pragma GCC unroll 16
+        for (int u = 1; u < U; ++u) {
+            a = K::add(a, aa[u][t]);
+            b = K::add(b, ab[u][t]);
+        }
+        sa[t] = K::hsum(a);
+        sb[t] = K::hsum(b);
+    }
+    for (; i < len; ++i) {  // tail: len not a multiple of W
+        const float wa = bf16_to_f32(ra[i]), wb = bf16_to_f32(rb[i]);
+        for (int t = 0; t < NT; ++t) {
+            const float xv = K::x2f(xs[t][i]);
+            sa[t] += wa * xv;
+            sb[t] += wb * xv;
+        }
+    }
+    for (int t = 0; t < NT; ++t) {
+        oa[t] = sa[t];
+        ob[t] = sb[t];
+    }
+}
+
+template <int NT>
+static inline void dot2_nt(const uint16_t* ra, const uint16_t* rb, int64_t len, const typename K::X* const* xs,
+                           float* oa, float* ob, int64_t pf) {
+    dot2_tile<NT, K::unroll(NT)>(ra, rb, len, xs, oa, ob, pf);
+}
+
+static void dot2(int nt, const uint16_t* ra, const uint16_t* rb, int64_t len, const typename K::X* const* xs,
+                 float* oa, float* ob, int64_t pf) {
+    static_assert(K::NTMAX >= 1 && K::NTMAX <= 8, "tile of 1..8 tokens");
+    switch (nt) {
+        case 1: dot2_nt<1>(ra, rb, len, xs, oa, ob, pf); break;
+        case 2: if constexpr (K::NTMAX >= 2) dot2_nt<2>(ra, rb, len, xs, oa, ob, pf); break;
+        case 3: if constexpr (K::NTMAX >= 3) dot2_nt<3>(ra, rb, len, xs, oa, ob, pf); break;
+        case 4: if constexpr (K::NTMAX >= 4) dot2_nt<4>(ra, rb, len, xs, oa, ob, pf); break;
+        case 5: if constexpr (K::NTMAX >= 5) dot2_nt<5>(ra, rb, len, xs, oa, ob, pf); break;
+        case 6: if constexpr (K::NTMAX >= 6) dot2_nt<6>(ra, rb, len, xs, oa, ob, pf); break;
+        case 7: if constexpr (K::NTMAX >= 7) dot2_nt<7>(ra, rb, len, xs, oa, ob, pf); break;
+        case 8: if constexpr (K::NTMAX >= 8) dot2_nt<8>(ra, rb, len, xs, oa, ob, pf); break;
+        default: break;
+    }
+}
+
+static inline float silu_mul(float g, float u) { return g / (1.0f + std::exp(-g)) * u; }
+
+// Phase 1 on expert e, intermediate rows [j0, j1): h[t, j] = silu(<gate_j, x_t>) * <up_j, x_t>.
+static void gate_up_rows(const Job& job, int64_t e, int64_t j0, int64_t j1) {
+    const ExpertArg& ex = job.experts[e];
+    const int64_t H = job.H, I = ex.I, T = ex.T;
+    const typename K::X* xbase = static_cast<const typename K::X*>(job.xact);
+    typename K::Hd* hb = static_cast<typename K::Hd*>(job.hbuf) + job.hoff[e];
+    const typename K::X* xs[K::NTMAX];
+    float g[K::NTMAX], u[K::NTMAX];
+    for (int64_t j = j0; j < j1; ++j) {
+        const uint16_t* ra = ex.gate_up + j * H;
+        const uint16_t* rb = ex.gate_up + (I + j) * H;
+        for (int64_t s = 0; s < T; s += K::NTMAX) {
+            const int nt = static_cast<int>(std::min<int64_t>(K::NTMAX, T - s));
+            for (int t = 0; t < nt; ++t) xs[t] = xbase + ex.idx[s + t] * H;
+            dot2(nt, ra, rb, H, xs, g, u, job.pf);
+            for (int t = 0; t < nt; ++t) hb[(s + t) * I + j] = K::h_from_f(silu_mul(g[t], u[t]));
+        }
+    }
+}
+
+// Phase 2, output rows [h0, h1) of every expert in ascending order: out[tok, h] += w * <down_h, h_tok>.
+static void down_rows(const Job& job, int64_t h0, int64_t h1) {
+    const int64_t H = job.H;
+    const typename K::Hd* xs[K::NTMAX];
+    float ya[K::NTMAX], yb[K::NTMAX];
+    for (int64_t e = 0; e < job.E; ++e) {
+        const ExpertArg& ex = job.experts[e];
+        const int64_t I = ex.I, T = ex.T;
+        const typename K::Hd* hb = static_cast<const typename K::Hd*>(job.hbuf) + job.hoff[e];
+        for (int64_t h = h0; h < h1; h += 2) {
+            const bool pair = h + 1 < h1;
+            const uint16_t* ra = ex.down + h * I;
+            const uint16_t* rb = pair ? ra + I : ra;
+            for (int64_t s = 0; s < T; s += K::NTMAX) {
+                const int nt = static_cast<int>(std::min<int64_t>(K::NTMAX, T - s));
+                for (int t = 0; t < nt; ++t) xs[t] = hb + (s + t) * I;
+                dot2(nt, ra, rb, I, xs, ya, yb, job.pf);
+                for (int t = 0; t < nt; ++t) {
+                    float* o = job.out + ex.idx[s + t] * H + h;
+                    const float w = ex.w[s + t];
+                    o[0] += w * ya[t];
+                    if (pair) o[1] += w * yb[t];
+                }
+            }
+        }
+    }
+}
+
+// One thread's share of a layer: gate/up chunks; once every gate/up chunk is finished, down chunks.
+// Chunks are taken dynamically; tid 0 (the caller) returns only when every down chunk is finished.
+static void run_job(void* ctx, int tid) {
+    Job& job = *static_cast<Job*>(ctx);
+    const int64_t n1 = static_cast<int64_t>(job.chunks1.size()), n2 = job.n_down_chunks;
+    for (;;) {
+        const int64_t c = job.next1.fetch_add(1, std::memory_order_relaxed);
+        if (c >= n1) break;
+        const Chunk& ch = job.chunks1[c];
+        gate_up_rows(job, ch.e, ch.r0, ch.r1);
+        job.done1.fetch_add(1, std::memory_order_acq_rel);
+    }
+    spin_until([&] { return job.done1.load(std::memory_order_acquire) == n1; });
+    for (;;) {
+        const int64_t c = job.next2.fetch_add(1, std::memory_order_relaxed);
+        if (c >= n2) break;
+        const int64_t h0 = c * job.down_rows;
+        down_rows(job, h0, std::min(job.H, h0 + job.down_rows));
+        job.done2.fetch_add(1, std::memory_order_acq_rel);
+    }
+    if (tid == 0) spin_until([&] { return job.done2.load(std::memory_order_acquire) == n2; });
+}

@@ -1,0 +1,127 @@
+"""The live tier dashboard: a static page shipped in the package, and the residency grid it draws.
+
+    mount_dashboard(app, get_engine, get_scheduler)   # in create_app
+    GET /dashboard                  the page (HTML + vanilla JavaScript + CSS, no build step, no CDN)
+    GET /dashboard/static/{name}    its script and style sheet
+    GET /v1/strata/residency        `residency_grid(engine.tiers)` as JSON (503 while the model loads)
+
+The page polls `GET /v1/strata/stats` (served by the server: the engine's `stats()` merged with the
+scheduler's `{"scheduler": {...}}`) and `GET /v1/strata/residency` every second, and draws hit ratio
+per tier over time, tokens per second, running requests, bandwidth per path and a layers x experts
+heatmap of residency and traffic. It asks nothing else of the server and tolerates missing keys.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import cache
+from importlib import resources
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse, Response
+
+# Tier index in the grid: fastest first. `residency_grid` reports the fastest tier holding a usable copy.
+TIERS: tuple[str, ...] = ("gpu", "pinned", "tmpfs", "disk")
+NOT_STORED = -1  # (layer, expert) that the store does not hold (never happens for a well-formed store)
+
+_STATIC = {
+    "dashboard.html": "text/html; charset=utf-8",
+    "dashboard.js": "text/javascript; charset=utf-8",
+    "dashboard.css": "text/css; charset=utf-8",
+}
+# The page loads nothing from anywhere but this server.
+_CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
+        "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
+
+
+def residency_grid(manager) -> dict:
+    """Where every expert of `manager` (a `TierManager`) lives, and how often each was looked up.
+
+    Returns `{"layers": [moe layer ids], "experts": E, "tiers": TIERS, "present": [tiers this manager
+    has], "tier": [[tier index per expert] per layer], "traffic": [[lookups per expert] per layer] | None,
+    "layer_lookups": [lookups per layer]}`.
+    A tier index is the fastest tier holding a usable copy (an object still being copied in does not
+    count); the disk always holds everything. `traffic` needs the per-expert counter
+    `TierStats.expert_lookups[(layer, expert)]`; without it (older tier managers) it is None.
+    """
+    keys = list(manager.store.keys())
+    layers = sorted({layer for layer, _ in keys})
+    experts = max((e for _, e in keys), default=-1) + 1
+    row = {layer: i for i, layer in enumerate(layers)}
+    tmpfs = getattr(manager, "tmpfs", None)
+    tmpfs_layers = {layer for layer in layers if tmpfs is not None and tmpfs.has(layer)}
+    disk, tmpfs_i = TIERS.index("disk"), TIERS.index("tmpfs")
+    tier = [[NOT_STORED] * experts for _ in layers]
+    for layer, expert in keys:
+        tier[row[layer]][expert] = tmpfs_i if layer in tmpfs_layers else disk
+    stats = manager.stats_
+    with manager._lock:  # the slot maps change under this lock; copy them in one go
+        # slowest first, so a faster copy overwrites a slower one
+        for slotted in (getattr(manager, "pinned", None), getattr(manager, "gpu", None)):
+            if slotted is None:
+                continue
+            index = TIERS.index(slotted.name)
+            for (layer, expert), _slot in slotted.slot_of.items():
+                if (layer, expert) not in slotted.inflight and layer in row and 0 <= expert < experts:
+                    tier[row[layer]][expert] = index
+        counted = getattr(stats, "expert_lookups", None)
+        counted = dict(counted) if counted is not None else None
+        layer_lookups = [stats.layers[layer].lookups if layer in stats.layers else 0 for layer in layers]
+    traffic = None
+    if counted is not None:
+        traffic = [[0] * experts for _ in layers]
+        for (layer, expert), n in counted.items():
+            if layer in row and 0 <= expert < experts:
+                traffic[row[layer]][expert] = int(n)
+    present = [t for t in TIERS if t == "disk" or getattr(manager, t, None) is not None]
+    return {"layers": layers, "experts": experts, "tiers": list(TIERS), "present": present, "tier": tier,
+            "traffic": traffic, "layer_lookups": layer_lookups}
+
+
+@cache
+def _static_file(name: str) -> bytes:
+    return resources.files("strata.server").joinpath("static", name).read_bytes()
+
+
+def _error(status: int, message: str, kind: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def mount_dashboard(app: FastAPI, get_engine: Callable[[], object | None],
+                    get_scheduler: Callable[[], object | None] | None = None) -> None:
+    """Add `GET /dashboard`, its static files and `GET /v1/strata/residency` to `app`.
+
+    `get_engine()` returns the loaded `Engine`, or None while the model is still loading (the grid
+    answers 503 then, and the page says "loading"). `get_scheduler` is accepted so the server can
+    hand both over in one place; the page reads the scheduler's figures from `/v1/strata/stats`,
+    which the server serves, so nothing here needs it.
+    """
+    del get_scheduler  # see the docstring
+
+    def static(name: str) -> Response:
+        return Response(_static_file(name), media_type=_STATIC[name],
+                        headers={"Cache-Control": "no-cache", "Content-Security-Policy": _CSP,
+                                 "X-Content-Type-Options": "nosniff"})
+
+    @app.get("/dashboard", include_in_schema=False)
+    def dashboard_page() -> Response:
+        return static("dashboard.html")
+
+    @app.get("/dashboard/static/{name}", include_in_schema=False)
+    def dashboard_static(name: str) -> Response:
+        if name not in _STATIC:
+            return _error(404, f"no dashboard file {name!r}", "not_found_error")
+        return static(name)
+
+    @app.get("/v1/strata/residency")
+    def strata_residency() -> Response:  # a plain def: FastAPI runs it in a worker thread
+        engine = get_engine()
+        if engine is None:
+            return _error(503, "the model is still loading", "unavailable")
+        manager = getattr(engine, "tiers", None)
+        if manager is None:  # runtime.experts = "memory" (or the engine was closed): no tiers to show
+            return JSONResponse({"layers": [], "experts": 0, "tiers": list(TIERS), "present": [], "tier": [],
+                                 "traffic": None, "layer_lookups": [], "experts_mode": "memory"})
+        grid = residency_grid(manager)
+        grid["experts_mode"] = "tiered"
+        return JSONResponse(grid, headers={"Cache-Control": "no-store"})

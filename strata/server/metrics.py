@@ -1,0 +1,194 @@
+"""Prometheus metrics for the server, named in vLLM's style with a `strata:` prefix.
+
+Request metrics (token counters, latency histograms) are updated by the request handlers. Everything
+that already lives elsewhere (the scheduler's queue, the tier manager's counters) is read at scrape
+time by a custom collector, so it costs nothing between scrapes and can never drift from the source.
+Each app has its own `CollectorRegistry`, so several servers (or tests) in one process do not collide.
+
+Tier series (label `tier`, plus `device` for multi-GPU hosts later):
+  strata:tier_lookups_total       lookups that reached this tier (not served by a faster one)
+  strata:tier_hits_total          lookups this tier served
+  strata:tier_hit_ratio           hits / lookups of the tier (for the first tier: the share of all lookups)
+  strata:tier_resident_objects / strata:tier_resident_bytes / strata:tier_capacity_objects / strata:tier_evictions_total
+  strata:tier_bytes_moved_total, strata:tier_bandwidth_bytes_per_second   (label `path`, e.g. "disk->pinned")
+  strata:tier_stall_seconds_total, strata:prefetch_precision, strata:prefetch_recall
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+log = logging.getLogger("strata.server")
+
+TIER_ORDER = ("gpu", "pinned", "tmpfs", "disk")  # fastest first: a lookup falls through to the next
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0)
+_E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0)
+
+
+class ServerMetrics:
+    """The app's registry: request counters and histograms, plus live scheduler and tier gauges.
+
+    `live()` returns `(engine, scheduler)` once the model is loaded, else None (while loading).
+    """
+
+    def __init__(self, live: Callable[[], tuple[Any, Any] | None]):
+        self.registry = CollectorRegistry(auto_describe=False)
+        r = self.registry
+        self.prompt_tokens = Counter("strata:prompt_tokens", "Prompt tokens of finished requests.", registry=r)
+        self.generation_tokens = Counter("strata:generation_tokens", "Generated tokens of finished requests.",
+                                         registry=r)
+        self.request_success = Counter("strata:request_success", "Finished sequences by finish reason.",
+                                       ["finished_reason"], registry=r)
+        self.request_errors = Counter("strata:request_errors", "Requests answered with an error, by HTTP status.",
+                                      ["status"], registry=r)
+        self.ttft = Histogram("strata:time_to_first_token_seconds", "Arrival to first generated token.",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("strata:inter_token_latency_seconds", "Time between consecutive generated tokens.",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("strata:e2e_request_latency_seconds", "Arrival to last token of a sequence.",
+                             buckets=_E2E_BUCKETS, registry=r)
+        r.register(_LiveCollector(live))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+    def sequence(self) -> SequenceTimer:
+        """A timer for one generated sequence, started now."""
+        return SequenceTimer(self)
+
+
+class SequenceTimer:
+    """Feeds TTFT, inter-token latency and end-to-end latency of one sequence into the histograms."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+        self.start = self.last = time.perf_counter()
+        self.tokens = 0
+        self.done = False
+
+    def token(self) -> None:
+        """Call on every generated token."""
+        now = time.perf_counter()
+        (self.metrics.ttft if self.tokens == 0 else self.metrics.itl).observe(now - self.last)
+        self.last, self.tokens = now, self.tokens + 1
+
+    def finish(self, reason: str | None, prompt_tokens: int, completion_tokens: int) -> None:
+        """Call once when the sequence ends (not for a cancelled one)."""
+        if self.done:
+            return
+        self.done = True
+        m = self.metrics
+        m.e2e.observe(time.perf_counter() - self.start)
+        m.prompt_tokens.inc(prompt_tokens)
+        m.generation_tokens.inc(completion_tokens)
+        m.request_success.labels(reason or "unknown").inc()
+
+
+class _LiveCollector:
+    """Reads scheduler and tier-manager snapshots at scrape time."""
+
+    def __init__(self, live: Callable[[], tuple[Any, Any] | None]):
+        self.live = live
+
+    def describe(self) -> list:
+        return []  # collected live; nothing to check at registration
+
+    def collect(self) -> Iterator[Metric]:
+        ready = GaugeMetricFamily("strata:server_ready", "1 once the model is loaded and serving, 0 while loading.")
+        state = self.live()
+        ready.add_metric([], 1.0 if state is not None else 0.0)
+        yield ready
+        if state is None:
+            return
+        engine, scheduler = state
+        try:
+            yield from _scheduler_metrics(scheduler.stats())
+            stats = engine.stats()
+            yield from _tier_metrics(stats.get("tiers"), str(stats.get("device", "cpu")), engine.plan)
+        except Exception:  # a scrape must never fail the server; the log says what broke
+            log.exception("collecting live metrics failed")
+
+
+def _scheduler_metrics(s: dict) -> Iterator[Metric]:
+    names = {"running": ("strata:num_requests_running", "Sequences in the running batch."),
+             "waiting": ("strata:num_requests_waiting", "Requests queued, not yet running."),
+             "kv_slots_free": ("strata:kv_slots_free", "Free KV-cache sequence slots."),
+             "max_batch": ("strata:max_batch", "Sequences the scheduler runs together at most.")}
+    for key, (name, doc) in names.items():
+        if isinstance(s.get(key), int | float):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], float(s[key]))
+            yield g
+
+
+def _tier_metrics(t: dict | None, device: str, plan: Any) -> Iterator[Metric]:
+    if not t:
+        return
+    tiers = t.get("tiers", {})
+    hits = {name: int(v.get("hits", 0)) for name, v in tiers.items()}
+    for name, rate in t.get("hit_rate", {}).items():  # a tier that served lookups but has no residency row
+        hits.setdefault(name, round(rate * t.get("lookups", 0)))
+    order = [n for n in TIER_ORDER if n in hits] + sorted(n for n in hits if n not in TIER_ORDER)
+    labels = ["tier", "device"]
+    lookups = CounterMetricFamily("strata:tier_lookups", "Expert lookups that reached this tier.", labels=labels)
+    hit_c = CounterMetricFamily("strata:tier_hits", "Expert lookups this tier served.", labels=labels)
+    ratio = GaugeMetricFamily("strata:tier_hit_ratio", "Hits over lookups that reached this tier.", labels=labels)
+    resident = GaugeMetricFamily("strata:tier_resident_objects", "Experts resident in the tier.", labels=labels)
+    resident_b = GaugeMetricFamily("strata:tier_resident_bytes", "Bytes of experts resident in the tier.",
+                                   labels=labels)
+    capacity = GaugeMetricFamily("strata:tier_capacity_objects", "Expert slots of the tier.", labels=labels)
+    evictions = CounterMetricFamily("strata:tier_evictions", "Experts evicted from the tier.", labels=labels)
+    reaching = sum(hits.values())
+    for name in order:
+        lbl = [name, device]
+        lookups.add_metric(lbl, reaching)
+        hit_c.add_metric(lbl, hits[name])
+        ratio.add_metric(lbl, hits[name] / reaching if reaching else 0.0)
+        reaching -= hits[name]
+        row = tiers.get(name)
+        if row is not None:
+            resident.add_metric(lbl, row.get("resident", 0))
+            resident_b.add_metric(lbl, row.get("resident", 0) * _slot_bytes(plan, name))
+            capacity.add_metric(lbl, row.get("capacity", 0))
+            evictions.add_metric(lbl, row.get("evictions", 0))
+    yield from (lookups, hit_c, ratio, resident, resident_b, capacity, evictions)
+
+    moved = CounterMetricFamily("strata:tier_bytes_moved", "Bytes moved between tiers.", labels=["path", "device"])
+    bw = GaugeMetricFamily("strata:tier_bandwidth_bytes_per_second", "Achieved bandwidth while moving (bytes/busy s).",
+                           labels=["path", "device"])
+    for path, p in sorted(t.get("paths", {}).items()):
+        moved.add_metric([path, device], p.get("bytes", 0))
+        bw.add_metric([path, device], p["bytes"] / p["seconds"] if p.get("seconds") else 0.0)
+    yield from (moved, bw)
+
+    stall = CounterMetricFamily("strata:tier_stall_seconds", "Time compute waited for experts to arrive.",
+                                labels=["device"])
+    stall.add_metric([device], float(t.get("stall_seconds", 0.0)))
+    yield stall
+    pf = t.get("prefetch", {})
+    for key, doc in (("precision", "Prefetched experts later used / prefetches issued."),
+                     ("recall", "Lookups served by a prefetch / (those + misses).")):
+        g = GaugeMetricFamily(f"strata:prefetch_{key}", doc, labels=["device"])
+        g.add_metric([device], float(pf.get(key, 0.0)))
+        yield g
+    damaged = GaugeMetricFamily("strata:tier_damaged_objects", "Experts whose checksum failed.", labels=["device"])
+    damaged.add_metric([device], len(t.get("damaged", [])))
+    yield damaged
+
+
+def _slot_bytes(plan: Any, tier: str) -> int:
+    """Bytes one resident expert takes in `tier` (GPU slots hold the compute dtype, host tiers the stored one)."""
+    if plan is None:
+        return 0
+    if tier == "gpu":
+        return plan.gpus[0].slot_bytes if plan.gpus else 0
+    return plan.slot_bytes

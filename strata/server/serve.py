@@ -1,0 +1,270 @@
+"""`strata serve`: plan, bind, then load the model behind an OpenAI-compatible endpoint.
+
+    strata serve [MODEL] [--config config.toml] [--host 127.0.0.1] [--port 8090] [--dry-run]
+                 [--max-batch 8] [--token-budget 512] [--max-queue 64]
+
+Order matters: the planner runs first and refuses a layout that cannot fit (exit 2, one line) before
+the port is bound; then the port is bound (in use: exit 2, one line); then the server starts answering
+(`/health` is 503) while the model loads in the background, and turns ready. SIGINT / SIGTERM stop
+accepting, let in-flight requests finish for `--shutdown-timeout` seconds, cancel the rest, stop the
+scheduler and close the tier manager; the command then returns 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import logging
+import signal
+import socket
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from strata.config import StrataConfig, load_config
+from strata.errors import CheckpointError, ConfigError, StrataError
+from strata.runtime.numa import Binding
+from strata.runtime.planner import Plan
+
+log = logging.getLogger("strata.server")
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `strata serve`."""
+    p.add_argument("model", nargs="?", default=None, help="checkpoint or store directory (default: the demo model)")
+    p.add_argument("--config", default=None, help="config.toml with overrides")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8090, help="port to listen on (default 8090)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="print the plan, the binding and the effective configuration; load and bind nothing")
+    p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (default 8); also sizes the planned KV cache (planner.max_batch)")
+    p.add_argument("--token-budget", type=int, default=512, help="tokens per forward pass, decode + prefill (512)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting before 429 (default 64)")
+    p.add_argument("--served-model-name", default=None, help="the `model` clients must send (default: dir name)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (overrides runtime.device)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are cancelled")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
+                   help="server log level (info also logs every request)")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    """Run `strata serve`; user-caused failures raise StrataError (the CLI prints one line, exit 2)."""
+    _check_args(args)
+    cfg = load_config(args.config)
+    if args.device != "auto":
+        cfg.runtime.device = args.device
+        cfg.runtime.__post_init__()
+    cfg.planner.max_batch = args.max_batch  # the KV cache is planned for the batch the scheduler runs
+    path = _model_path(args.model)
+    name = args.served_model_name or path.name
+    the_plan = preflight_plan(path, cfg)  # PlanError propagates: refuse before binding the port
+    print(the_plan.format() if the_plan is not None else "plan: runtime.experts = \"memory\": every expert is loaded "
+          "into the compute device, no tiers")
+    print(numa_binding(the_plan, dry_run=args.dry_run).describe())
+    url = f"http://{_url_host(args.host)}:{args.port}/v1"
+    if args.dry_run:
+        print("effective configuration:")
+        print(format_toml({**cfg.to_dict(), "serve": _serve_section(args, path, name)}))
+        print(f"would serve {name!r} at {url} (dry run: no weights loaded, no port bound)")
+        return 0
+    sock = bind_socket(args.host, args.port)
+    print(f"serving {name!r} at {url} (loading the model; GET /health turns 200 when ready)", flush=True)
+    return _run(sock, path, cfg, name, args)
+
+
+def numa_binding(the_plan: Plan | None, dry_run: bool) -> Binding:
+    """Bind the CPU expert threads and pinned pools to the GPU's NUMA node (dry run: what would be bound)."""
+    from strata.runtime.numa import bind_to_node, gpu_numa_node
+
+    device = the_plan.compute_device if the_plan is not None else "cpu"
+    node = gpu_numa_node(int(device.split(":")[1])) if device.startswith("cuda:") else None
+    if dry_run:
+        return bind_to_node(node, set_mempolicy=lambda n: None, set_affinity=lambda c: None)
+    return bind_to_node(node)
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port} is out of range; use 0-65535")
+    if args.max_batch < 1 or args.max_queue < 1:
+        raise ConfigError("--max-batch and --max-queue must be >= 1")
+    if args.token_budget < args.max_batch:
+        raise ConfigError(f"--token-budget {args.token_budget} must be >= --max-batch {args.max_batch}")
+    if args.shutdown_timeout < 0:
+        raise ConfigError("--shutdown-timeout must be >= 0")
+
+
+def _model_path(model: str | None) -> Path:
+    if model is None:
+        from strata.runtime.demo_model import ensure_default_model
+
+        return ensure_default_model(progress=sys.stderr.isatty())
+    path = Path(model).expanduser()
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint or store directory")
+    return path
+
+
+def preflight_plan(path: Path, cfg: StrataConfig) -> Plan | None:
+    """The plan `Engine.from_pretrained` will make, from headers alone (None for in-memory experts)."""
+    if cfg.runtime.experts == "memory":
+        return None
+    from strata.runtime.build import store_root
+    from strata.runtime.host import probe_host
+    from strata.runtime.planner import plan
+    from strata.tiers.store_format import checkpoint_fingerprint, is_store
+
+    # where build_model keeps (or will build) this checkpoint's store: an existing one needs no disk room
+    store_dir = path if is_store(path) else store_root(cfg) / f"{path.name}-{checkpoint_fingerprint(path)[:12]}"
+    return plan(path, probe_host(cfg.tiers.tmpfs.path, cfg.tiers.disk.path), cfg, store_dir=store_dir)
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port; a port in use (or a bad host) is a one-line StrataError."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except socket.gaierror as e:
+        raise ConfigError(f"--host {host!r} cannot be resolved ({e.strerror})") from None
+    except OSError as e:
+        hint = "; another server is running there, pick another --port" if e.errno == 98 else ""
+        raise StrataError(f"cannot listen on {host}:{port}: {e.strerror or e}{hint}") from None
+
+
+def _run(sock: socket.socket, path: Path, cfg: StrataConfig, name: str, args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from strata.server.app import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app = create_app(None, None, name)
+    server = _server_class()(uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("debug", "info"),
+                                    timeout_graceful_shutdown=args.shutdown_timeout, lifespan="off"))
+    loader = _Loader(app.state.strata, server, path, cfg, args)
+    loader.start()
+    try:
+        server.run(sockets=[sock])
+    finally:
+        loader.close()
+        sock.close()
+    if loader.error is not None:
+        raise loader.error
+    print("strata: shut down cleanly", file=sys.stderr)
+    return 0
+
+
+class _Loader(threading.Thread):
+    """Loads the engine and starts the scheduler while the server already answers (503 until ready)."""
+
+    def __init__(self, state: Any, server: Any, path: Path, cfg: StrataConfig, args: argparse.Namespace):
+        super().__init__(name="strata-loader", daemon=True)  # daemon: Ctrl+C during a long load still exits
+        self.state, self.server, self.path, self.cfg, self.args = state, server, path, cfg, args
+        self.engine: Any = None
+        self.scheduler: Any = None
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def run(self) -> None:
+        from strata.engine import Engine
+
+        try:
+            engine = Engine.from_pretrained(self.path, config=self.cfg, progress=False)
+            sched = engine.scheduler(max_batch=self.args.max_batch, token_budget=self.args.token_budget,
+                                     max_queue=self.args.max_queue)
+            sched.start()
+        except BaseException as e:  # noqa: B036 - reported by the main thread after the server stops
+            self.error, self.state.load_error = e, f"loading the model failed: {e}"
+            self.server.should_exit = True
+            return
+        with self._lock:
+            self.engine, self.scheduler = engine, sched
+            if self._closed:  # shut down while loading: nothing will serve this engine
+                self._release()
+                return
+            self.state.attach(engine, sched)
+        stats = engine.stats()
+        print(f"ready: {stats['device']} ({stats['dtype']}), max context {engine.max_context}, "
+              f"batch {self.args.max_batch}", flush=True)
+
+    def close(self) -> None:
+        """After the server stopped: cancel what is left, stop the scheduler, close the tier manager."""
+        with self._lock:
+            self._closed = True
+            self._release()
+
+    def _release(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.stop(drain=False)  # uvicorn already let requests finish; cancel stragglers
+            self.scheduler = None
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
+
+def _server_class() -> type:
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, without re-raising the caught signal after a graceful shutdown (we return 0)."""
+
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            if threading.current_thread() is not threading.main_thread():
+                yield
+                return
+            old = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+            try:
+                yield
+            finally:
+                for sig, handler in old.items():
+                    signal.signal(sig, handler)
+
+    return Server
+
+
+def _url_host(host: str) -> str:
+    if host in ("0.0.0.0", "::"):
+        return "localhost"
+    return f"[{host}]" if ":" in host else host
+
+
+def _serve_section(args: argparse.Namespace, path: Path, name: str) -> dict:
+    return {"model": str(path), "served_model_name": name, "host": args.host, "port": args.port,
+            "max_batch": args.max_batch, "token_budget": args.token_budget, "max_queue": args.max_queue,
+            "shutdown_timeout": args.shutdown_timeout, "numa": "not bound"}
+
+
+def format_toml(d: dict, prefix: str = "") -> str:
+    """Nested dicts of plain values as TOML (what `--config` accepts, plus the serve section for reference)."""
+    lines = [f"\n[{prefix}]"] if prefix and any(not isinstance(v, dict) for v in d.values()) else []
+    for k, v in d.items():
+        if not isinstance(v, dict):
+            lines.append(f"{k} = {json.dumps(v) if isinstance(v, str | int | float | bool) else json.dumps(str(v))}")
+    for k, v in d.items():
+        if isinstance(v, dict):
+            lines.append(format_toml(v, f"{prefix}.{k}" if prefix else k))
+    return "\n".join(line for line in lines if line)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m strata.server.serve` (the same as `strata serve` once the CLI has it)."""
+    p = argparse.ArgumentParser(prog="strata serve", description="Serve a model over an OpenAI-compatible API.")
+    add_serve_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return cmd_serve(args)
+    except StrataError as e:
+        print(f"strata: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("strata: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,309 @@
+"""The CPU expert kernel (strata.kernels.cpu_experts) against the reference expert math.
+
+The reference is `expert_swiglu` in fp32 on the same bf16 weights upcast, experts added in the order
+given. The extension is built once per test session (into the session's $STRATA_CACHE, a few seconds).
+"""
+
+from __future__ import annotations
+
+import logging
+import platform
+import shutil
+import threading
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from strata.kernels import cpu_experts as ce
+from strata.kernels.experts import expert_swiglu
+
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+CAN_BUILD = X86 and shutil.which("c++") is not None and shutil.which("ninja") is not None
+SHAPES = [(64, 32), (200, 77), (37, 5), (256, 96), (130, 19)]  # (H, I): tails of 8/16/32, odd I
+
+
+def make_experts(H: int, I: int, count: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each expert one bf16 blob [gate_up | down], like a store slot."""
+    g = torch.Generator().manual_seed(seed)
+    experts = []
+    for _ in range(count):
+        blob = (torch.randn(3 * I * H, generator=g) / H**0.5).to(torch.bfloat16)
+        experts.append((blob[: 2 * I * H].view(2 * I, H), blob[2 * I * H:].view(H, I)))
+    return experts
+
+
+def make_routing(N: int, E: int, k: int, seed: int = 0, empty: tuple[int, ...] = ()):
+    """Top-k style routing of N tokens over E experts: per expert (int64 rows, fp32 weights)."""
+    g = torch.Generator().manual_seed(seed + 1)
+    ids = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(N)])  # [N, k], distinct per token
+    w = torch.rand(N, k, generator=g)
+    idx, tw = [], []
+    for e in range(E):
+        rows, slot = (ids == e).nonzero(as_tuple=True)
+        if e in empty:
+            rows, slot = rows[:0], slot[:0]
+        idx.append(rows.to(torch.int64))
+        tw.append(w[rows, slot].contiguous())
+    return idx, tw
+
+
+def reference(x, experts, idx, tw, out=None):
+    out = torch.zeros(x.shape, dtype=torch.float32) if out is None else out.clone()
+    x32 = x.float()
+    for (gu, dn), i, w in zip(experts, idx, tw):
+        if i.numel():
+            out.index_add_(0, i, expert_swiglu(x32[i], gu.float(), dn.float()) * w[:, None])
+    return out
+
+
+def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
+
+
+EMULATED = ["avx512_emulated", "avx512_bf16_emulated"]
+
+
+def kernel_backends() -> list[str]:
+    return [b for b in ce.available_backends() if b != "torch"]
+
+
+def _testable_backends() -> list[str]:
+    """What runs here, plus the AVX-512 kernels' emulations wherever the extension loads."""
+    return ce.available_backends() + (EMULATED if kernel_backends() else [])
+
+
+@pytest.fixture(autouse=True)
+def _auto_backend(monkeypatch):
+    monkeypatch.delenv("STRATA_CPU_KERNEL", raising=False)
+    monkeypatch.delenv("STRATA_CPU_KERNEL_MAX_TOKENS", raising=False)
+
+
+def test_extension_builds_where_it_can():
+    names = kernel_backends()
+    if not CAN_BUILD:
+        pytest.skip("no x86-64 compiler and ninja here: the torch fallback is what runs")
+    assert ce.backend() in names, f"extension did not load (backends {ce.available_backends()})"
+    assert ce.backend() == names[0]
+    assert ce.build_seconds is not None
+
+
+@pytest.mark.parametrize("H,I", SHAPES)
+@pytest.mark.parametrize("N", [1, 3, 8, 40])
+def test_matches_reference(H, I, N):
+    E, k = 6, 4
+    experts = make_experts(H, I, E, seed=H + I)
+    idx, tw = make_routing(N, E, k, seed=N, empty=(2,))
+    x = torch.randn(N, H)
+    ref = reference(x, experts, idx, tw)
+    for name in _testable_backends():
+        out = ce.cpu_experts_forward(x, experts, idx, tw, threads=2, backend=name)
+        assert rel_err(out, ref) <= ce.TOLERANCE[name], name
+
+
+@pytest.mark.parametrize("name", ["avx2", "avx512", "avx512_bf16", *EMULATED])
+def test_kernel_many_tokens_per_expert(name, monkeypatch):
+    """More tokens than one register tile (and than MAX_TOKENS, raised here so the kernel runs them)."""
+    if name not in _testable_backends():
+        pytest.skip(f"{name} not available on this CPU")
+    monkeypatch.setenv("STRATA_CPU_KERNEL_MAX_TOKENS", "1000")
+    H, I, N = 130, 19, 40
+    experts = make_experts(H, I, 3)
+    idx = [torch.arange(N), torch.arange(0, N, 3), torch.arange(N - 1, -1, -1)]
+    tw = [torch.rand(len(i)) for i in idx]
+    x = torch.randn(N, H)
+    out = ce.cpu_experts_forward(x, experts, idx, tw, threads=2, backend=name)
+    assert rel_err(out, reference(x, experts, idx, tw)) <= ce.TOLERANCE[name]
+
+
+def test_accumulates_into_out_and_bf16_input():
+    H, I, N, E = 96, 40, 5, 4
+    experts = make_experts(H, I, E)
+    idx, tw = make_routing(N, E, 2)
+    x = torch.randn(N, H).to(torch.bfloat16)
+    base = torch.randn(N, H)
+    ref = reference(x, experts, idx, tw, out=base)
+    for name in _testable_backends():
+        out = base.clone()
+        got = ce.cpu_experts_forward(x, experts, idx, tw, out=out, backend=name)
+        assert got is out
+        assert rel_err(out, ref) <= ce.TOLERANCE[name], name
+    # a non-contiguous accumulator is added into as well
+    wide = torch.zeros(N, 2 * H)
+    view = wide[:, ::2]
+    view.copy_(base)
+    ce.cpu_experts_forward(x, experts, idx, tw, out=view)
+    assert rel_err(view, ref) <= ce.TOLERANCE[ce.backend()]
+    assert wide[:, 1::2].abs().max() == 0
+
+
+def test_duplicate_experts_and_repeated_calls():
+    """The same expert buffers twice in one call, and again in the next call: same answers."""
+    H, I, N = 72, 24, 4
+    a, b = make_experts(H, I, 2)
+    experts = [a, b, a, a]
+    idx = [torch.tensor([0, 2]), torch.tensor([1]), torch.tensor([0, 1, 3]), torch.tensor([], dtype=torch.int64)]
+    tw = [torch.tensor([0.5, 0.25]), torch.tensor([1.0]), torch.tensor([0.1, 0.2, 0.3]), torch.tensor([])]
+    x = torch.randn(N, H)
+    ref = reference(x, experts, idx, tw)
+    first = ce.cpu_experts_forward(x, experts, idx, tw)
+    second = ce.cpu_experts_forward(x, experts, idx, tw)
+    assert torch.equal(first, second)
+    assert rel_err(first, ref) <= ce.TOLERANCE[ce.backend()]
+
+
+def test_no_tokens_at_all():
+    H, I, N = 40, 8, 3
+    experts = make_experts(H, I, 2)
+    empty = [torch.tensor([], dtype=torch.int64)] * 2
+    out = ce.cpu_experts_forward(torch.randn(N, H), experts, empty, [torch.tensor([])] * 2)
+    assert out.shape == (N, H) and out.abs().max() == 0
+
+
+@pytest.mark.parametrize("N", [1, 8, 30])
+def test_bit_identical_across_thread_counts(N):
+    names = [b for b in _testable_backends() if b != "torch"]
+    if not names:
+        pytest.skip("extension not available")
+    H, I, E = 256, 96, 8
+    experts = make_experts(H, I, E, seed=7)
+    idx, tw = make_routing(N, E, min(E, 8), seed=3)
+    x = torch.randn(N, H)
+    for name in names:
+        outs = [ce.cpu_experts_forward(x, experts, idx, tw, threads=t, backend=name) for t in (1, 2, 3, 5, 1)]
+        for o in outs[1:]:
+            assert torch.equal(o, outs[0]), name
+
+
+def test_concurrent_callers():
+    """Calls from several Python threads at once (the GIL is released inside) stay correct."""
+    H, I, N, E = 128, 48, 4, 6
+    experts = make_experts(H, I, E)
+    idx, tw = make_routing(N, E, 3)
+    xs = [torch.randn(N, H) for _ in range(4)]
+    refs = [ce.cpu_experts_forward(x, experts, idx, tw, threads=2) for x in xs]
+    errors = []
+
+    def work(i):
+        for _ in range(20):
+            got = ce.cpu_experts_forward(xs[i], experts, idx, tw, threads=2)
+            if not torch.equal(got, refs[i]):
+                errors.append(i)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+
+
+def test_env_forces_torch_and_backend_reports_it(monkeypatch):
+    H, I, N, E = 64, 16, 3, 3
+    experts = make_experts(H, I, E)
+    idx, tw = make_routing(N, E, 2)
+    x = torch.randn(N, H)
+    monkeypatch.setenv("STRATA_CPU_KERNEL", "torch")
+    assert ce.backend() == "torch"
+    out = ce.cpu_experts_forward(x, experts, idx, tw)
+    assert torch.equal(out, reference(x, experts, idx, tw))  # the torch path is the reference math
+    monkeypatch.setenv("STRATA_CPU_KERNEL", "avx2")
+    assert ce.backend() == ("avx2" if "avx2" in kernel_backends() else ce._resolve("auto"))
+
+
+def test_unknown_or_unsupported_request_warns_and_chooses(monkeypatch, caplog):
+    monkeypatch.setattr(ce, "_warned", set())
+    monkeypatch.setenv("STRATA_CPU_KERNEL", "fastest-please")
+    with caplog.at_level(logging.WARNING, logger=ce.__name__):
+        assert ce.backend() == ce._resolve("auto")
+        ce.backend()
+    assert sum("unknown CPU kernel" in r.message for r in caplog.records) == 1
+    missing = [b for b in ("avx512_bf16", "avx512", "avx2") if b not in kernel_backends()]
+    if kernel_backends() and missing:
+        monkeypatch.setenv("STRATA_CPU_KERNEL", missing[0])
+        assert ce.backend() == ce._resolve("auto")
+
+
+def test_build_failure_falls_back_to_torch(monkeypatch, caplog):
+    def broken():
+        raise RuntimeError("Error building extension 'x': c++: error: no such compiler\nmore lines")
+
+    monkeypatch.setattr(ce, "_lib", None)
+    monkeypatch.setattr(ce, "_lib_tried", False)
+    monkeypatch.setattr(ce, "_build_and_open", broken)
+    H, I, N, E = 48, 8, 2, 2
+    experts = make_experts(H, I, E)
+    idx, tw = make_routing(N, E, 1)
+    x = torch.randn(N, H)
+    with caplog.at_level(logging.WARNING, logger=ce.__name__):
+        assert ce.backend() == "torch"
+        out = ce.cpu_experts_forward(x, experts, idx, tw)
+        ce.backend()
+    warnings = [r for r in caplog.records if "unavailable" in r.message]
+    assert len(warnings) == 1 and "\n" not in warnings[0].getMessage()
+    assert torch.equal(out, reference(x, experts, idx, tw))
+
+
+def test_bad_arguments():
+    H, I, N = 40, 8, 3
+    experts = make_experts(H, I, 1)
+    x = torch.randn(N, H)
+    for name in ce.available_backends():
+        with pytest.raises(IndexError):
+            ce.cpu_experts_forward(x, experts, [torch.tensor([0, N])], [torch.ones(2)], backend=name)
+    with pytest.raises(ValueError):
+        ce.cpu_experts_forward(x, [(experts[0][0][:, :-1], experts[0][1])], [torch.tensor([0])], [torch.ones(1)])
+    with pytest.raises(ValueError):
+        ce.cpu_experts_forward(x, experts, [torch.tensor([0, 1])], [torch.ones(1)])
+    with pytest.raises(ValueError):
+        ce.cpu_experts_forward(x, experts, [torch.tensor([0])], [torch.ones(1)], out=torch.zeros(N, H + 1))
+
+
+def emulate_avx512_bf16(x, experts, idx, tw):
+    """The avx512_bf16 backend's numerics in float64: x and silu(gate)*up rounded to bf16 (RNE)."""
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    xb = x.float().to(torch.bfloat16).double()
+    for (gu, dn), i, w in zip(experts, idx, tw):
+        if i.numel():
+            gate, up = (xb[i] @ gu.double().T).chunk(2, dim=-1)
+            h = (F.silu(gate) * up).float().to(torch.bfloat16).double()
+            out.index_add_(0, i, (h @ dn.double().T) * w.double()[:, None])
+    return out.float()
+
+
+@pytest.mark.parametrize("H,I", [(2048, 768), (200, 77)])
+def test_avx512_bf16_tolerance(H, I):
+    """TOLERANCE['avx512_bf16'] covers the two bf16 roundings (x, and silu(gate)*up): a float64
+    emulation of those numerics stays within it, and the kernel's portable emulation agrees with the
+    float64 one (which also checks its fp32 -> bf16 rounding against torch's)."""
+    N, E = 4, 8
+    experts = make_experts(H, I, E, seed=11)
+    idx, tw = make_routing(N, E, 8, seed=5)
+    x = torch.randn(N, H)
+    ref = reference(x, experts, idx, tw)
+    emu = emulate_avx512_bf16(x, experts, idx, tw)
+    assert rel_err(emu, ref) <= ce.TOLERANCE["avx512_bf16"]
+    if kernel_backends():
+        got = ce.cpu_experts_forward(x, experts, idx, tw, backend="avx512_bf16_emulated")
+        assert rel_err(got, emu) <= 1e-4
+
+
+@pytest.mark.parametrize("name", ["avx512", "avx512_bf16"])
+def test_avx512_kernels_match_their_emulation(name):
+    """On a CPU with AVX-512 (the GPU box): the real kernel against its portable emulation, which
+    follows the same lane layout and order. avx512 (vector FMA, fixed horizontal sum) must be
+    bit-identical; avx512_bf16 too if vdpbf16ps rounds as Intel's pseudo-code says (odd pair, then
+    even pair), and within 1e-4 in any case (a wrong lane or tail is off by far more)."""
+    if name not in kernel_backends():
+        pytest.skip(f"{name} not available on this CPU")
+    for (H, I), N in [((2048, 768), 1), ((2048, 768), 4), ((200, 77), 8), ((37, 5), 3), ((130, 19), 30)]:
+        E = 8
+        experts = make_experts(H, I, E, seed=H + N)
+        idx, tw = make_routing(N, E, min(E, 6), seed=N)
+        x = torch.randn(N, H)
+        got = ce.cpu_experts_forward(x, experts, idx, tw, threads=3, backend=name)
+        emu = ce.cpu_experts_forward(x, experts, idx, tw, threads=2, backend=f"{name}_emulated")
+        if name == "avx512":
+            assert torch.equal(got, emu), (H, I, N, rel_err(got, emu))
+        else:
+            assert rel_err(got, emu) <= 1e-4, (H, I, N)
