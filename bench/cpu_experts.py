@@ -95,6 +95,20 @@ def ram_bandwidth(threads: int, nbytes: int = 2 * GiB, reps: int = 5) -> float:
     return best
 
 
+def overhead_us(threads: int, backend: str) -> float:
+    """Fixed cost of one call (Python argument handling, ctypes, fork/join) on a tiny 8-expert layer."""
+    H, I = 64, 16
+    layer = [(torch.zeros(2 * I, H, dtype=torch.bfloat16), torch.zeros(H, I, dtype=torch.bfloat16))
+             for _ in range(EXPERTS_PER_LAYER)]
+    x, idx, tw = torch.zeros(1, H), [torch.zeros(1, dtype=torch.int64)] * 8, [torch.ones(1)] * 8
+    for _ in range(200):
+        ce.cpu_experts_forward(x, layer, idx, tw, threads=threads, backend=backend)
+    n, t0 = 2000, time.perf_counter()
+    for _ in range(n):
+        ce.cpu_experts_forward(x, layer, idx, tw, threads=threads, backend=backend)
+    return (time.perf_counter() - t0) / n * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=".")
@@ -109,17 +123,22 @@ def main() -> None:
     t0 = time.perf_counter()
     available = ce.available_backends()
     load_s = time.perf_counter() - t0
-    backends = [b for b in (args.backends.split(",") if args.backends else available) if b != "torch"]
-    backends = [b for b in backends if b in available]
+    backends = [b for b in (args.backends.split(",") if args.backends else available) if b in available and b != "torch"]
+    default = ce.backend()
     result = {"machine": machine(), "threads": threads, "pool_gib": args.pool_gib, "experts_per_layer": EXPERTS_PER_LAYER,
-              "extension_load_s": round(load_s, 2), "backends": available, "target_gbs": TARGET_GBS, "cases": []}
-    print(f"threads {threads}; kernel backends {backends or 'none'} (extension load {load_s:.1f} s)", flush=True)
+              "tokens_routing": "every token of the call routed to all 8 experts of the layer",
+              "extension_load_s": round(load_s, 2), "backends": available, "default_backend": default,
+              "prefetch_bytes": ce.prefetch_bytes(), "target_gbs": TARGET_GBS, "cases": []}
+    print(f"threads {threads}; kernel backends {backends or 'none'}, default {default} "
+          f"(extension load {load_s:.1f} s)", flush=True)
+    if backends:
+        result["call_overhead_us"] = round(overhead_us(threads, backends[0]), 1)
+        print(f"fixed cost per call (8 tiny experts, {backends[0]}): {result['call_overhead_us']} us", flush=True)
 
     ram_sum = ram_bandwidth(threads)
     result["ram_torch_sum_gbs"] = round(ram_sum, 2)
     print(f"RAM read bandwidth, torch.sum over 2 GiB fp32, {threads} threads: {ram_sum:.1f} GB/s", flush=True)
-    pools = {}
-    sweeps = []
+    pools, sweeps = {}, []
     for shape, (H, I) in SHAPES.items():
         pools[shape] = make_pool(H, I, int(args.pool_gib * GiB))
         blobs = pools[shape][1]
@@ -131,10 +150,11 @@ def main() -> None:
         del blobs
     if sweeps:
         result["ram_read_sweep_gbs"] = round(max(sweeps), 2)
-        print(f"RAM read bandwidth, strata read sweep over the expert pools, {threads} threads: {max(sweeps):.1f} GB/s",
-              flush=True)
+        print(f"RAM read bandwidth, strata read sweep over the expert pools (AVX2 loads), {threads} threads: "
+              f"{max(sweeps):.1f} GB/s", flush=True)
     ram = max([ram_sum, *sweeps])
     result["ram_gbs"] = round(ram, 2)
+    print(f"RAM ceiling used for the ratios: {ram:.1f} GB/s", flush=True)
     print(f"{'shape':<15} {'N':>2} {'path':<12} {'GB/s':>7} {'ms/layer':>9} {'x torch':>8} {'of RAM':>7}", flush=True)
 
     old_threads = torch.get_num_threads()
@@ -147,61 +167,59 @@ def main() -> None:
             xb = x.bfloat16()
             idx = [torch.arange(N) for _ in range(EXPERTS_PER_LAYER)]
             tw = [torch.full((N,), 1.0 / EXPERTS_PER_LAYER) for _ in range(EXPERTS_PER_LAYER)]
-            rows = {}
 
-            def torch_layer(layer, x=x, xb=xb, idx=idx, tw=tw):
+            def gbs_of(fn, seconds=args.seconds):
+                fn(layers[0])
+                el, calls = run_calls(layers, fn, seconds)
+                return calls * layer_bytes / el / 1e9, el / calls * 1e3
+
+            def torch_layer(layer):
                 out = torch.zeros_like(x)
                 for (gu, dn), i, w in zip(layer, idx, tw):
-                    y = expert_swiglu(xb.index_select(0, i), gu, dn).float() * w[:, None]
-                    out.index_add_(0, i, y)
+                    out.index_add_(0, i, expert_swiglu(xb.index_select(0, i), gu, dn).float() * w[:, None])
                 return out
 
+            def kernel(b, t=threads):
+                return lambda layer: ce.cpu_experts_forward(x, layer, idx, tw, threads=t, backend=b)
+
+            rows = {}
             torch.set_num_threads(threads)
             try:
-                torch_layer(layers[0])
-                el, calls = run_calls(layers, torch_layer, args.seconds)
+                rows["torch"] = gbs_of(torch_layer)
             finally:
                 torch.set_num_threads(old_threads)
-            rows["torch"] = calls * layer_bytes / el / 1e9, el / calls * 1e3
-
             for b in backends:
-                def kernel_layer(layer, b=b, x=x, idx=idx, tw=tw):
-                    return ce.cpu_experts_forward(x, layer, idx, tw, threads=threads, backend=b)
-
-                kernel_layer(layers[0])
-                el, calls = run_calls(layers, kernel_layer, args.seconds)
-                rows[b] = calls * layer_bytes / el / 1e9, el / calls * 1e3
-
-            if N == 1 and backends:  # software prefetch distance, default backend
-                default_pf = ce.prefetch_bytes()
-                sweep = {}
-                b = backends[0]
-                for pf in PREFETCH_SWEEP:
-                    ce.configure(prefetch_bytes=pf)
-                    el, calls = run_calls(layers, lambda layer: ce.cpu_experts_forward(
-                        x, layer, idx, tw, threads=threads, backend=b), args.seconds / 2)
-                    sweep[pf] = round(calls * layer_bytes / el / 1e9, 2)
-                ce.configure(prefetch_bytes=default_pf)
-                result.setdefault("prefetch_sweep", {})[f"{shape} N=1 {b}"] = sweep
-                print(f"{shape:<15} {N:>2} {b} prefetch bytes -> GB/s: {sweep} (default {default_pf})", flush=True)
-
+                rows[b] = gbs_of(kernel(b))
             base = rows["torch"][0]
             for path, (gbs, ms) in rows.items():
-                case = {"shape": shape, "H": H, "I": I, "tokens": N, "path": path, "gbs": round(gbs, 2),
-                        "ms_per_layer": round(ms, 3), "vs_torch": round(gbs / base, 2), "of_ram": round(gbs / ram, 3),
-                        "pool_experts": len(pool)}
-                result["cases"].append(case)
+                result["cases"].append({"shape": shape, "H": H, "I": I, "tokens": N, "path": path, "gbs": round(gbs, 2),
+                                        "ms_per_layer": round(ms, 3), "vs_torch": round(gbs / base, 2),
+                                        "of_ram": round(gbs / ram, 3), "pool_experts": len(pool)})
                 print(f"{shape:<15} {N:>2} {path:<12} {gbs:>7.1f} {ms:>9.3f} {gbs / base:>7.2f}x {gbs / ram:>6.0%}",
                       flush=True)
+
+            if N == 1 and backends:  # tuning sweeps on the default backend, shorter runs
+                b = backends[0]
+                default_pf = ce.prefetch_bytes()
+                sweep = {}
+                for pf in PREFETCH_SWEEP:
+                    ce.configure(prefetch_bytes=pf)
+                    sweep[pf] = round(gbs_of(kernel(b), args.seconds / 2)[0], 1)
+                ce.configure(prefetch_bytes=default_pf)
+                result.setdefault("prefetch_sweep", {})[f"{shape} N=1 {b}"] = sweep
+                print(f"  {b}: software prefetch bytes -> GB/s {sweep} (in use: {default_pf})", flush=True)
+                counts = sorted({max(1, threads * k // 4) for k in (1, 2, 3)} | {max(1, threads - 1), threads})
+                tsweep = {t: round(gbs_of(kernel(b, t), args.seconds / 2)[0], 1) for t in counts}
+                result.setdefault("thread_sweep", {})[f"{shape} N=1 {b}"] = tsweep
+                print(f"  {b}: threads -> GB/s {tsweep}", flush=True)
         del pool, layers
 
-    best = [c for c in result["cases"] if c["path"] != "torch" and c["tokens"] == 1]
-    if best:
-        worst = min(c["gbs"] for c in best if c["path"] == ce._resolve(None)) if ce.backend() != "torch" else 0.0
-        result["default_backend"] = ce.backend()
+    ones = [c for c in result["cases"] if c["path"] == default and c["tokens"] == 1]
+    if ones:
+        worst = min(c["gbs"] for c in ones)
         result["default_backend_worst_1tok_gbs"] = worst
-        print(f"default backend {ce.backend()}: worst 1-token figure {worst:.1f} GB/s "
-              f"(target >= {TARGET_GBS:.0f} GB/s on the 16-core box; RAM here {ram:.1f} GB/s)")
+        print(f"default backend {default}, 1 token: worst {worst:.1f} GB/s = {worst / ram:.0%} of RAM "
+              f"(target >= {TARGET_GBS:.0f} GB/s on the 16-core box)")
     result["seconds"] = round(time.perf_counter() - t_start, 1)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

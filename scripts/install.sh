@@ -32,3 +32,7 @@ for arg in "$@"; do
   esac
 done
 "$PY" -m pip install -q -e ".${extras:+[$extras]}"
+case ",$extras," in
+  *,dev,*)  # the dashboard's browser test needs Chromium (from the OS packages); it skips without one
+    bash scripts/install-browser.sh || echo "install.sh: no Chromium; the dashboard browser test will skip" >&2 ;;
+esac

@@ -24,10 +24,13 @@ Backends (`backend()` says which one runs; `STRATA_CPU_KERNEL` or the `backend=`
                `MAX_TOKENS` tokens (prefill-sized groups: compute-bound, torch/oneDNN does them better;
                the executor should send those to the GPU anyway).
 
-Accuracy against the reference (`expert_swiglu` in fp32 on the same bf16 weights upcast), as
-max |out - ref| / max |ref| over a call, is bounded by `TOLERANCE[backend]`: the fp32 paths differ only
-by summation order (measured ~1e-6), avx512_bf16 by its two bf16 roundings (estimated ~2e-3 by an
-exact emulation of its numerics in tests/test_cpu_experts.py).
+Accuracy against the reference (`expert_swiglu` in fp32 on the same bf16 weights upcast), measured
+as max |out - ref| / max |ref| over a call, is bounded by `TOLERANCE[backend]`: the fp32 paths (avx2,
+avx512) differ only by summation order (measured <= 2e-6); avx512_bf16 rounds x and silu(gate)*up to
+bf16, which costs a median 3e-3 and at most 7.3e-3 over 200 random inputs for each of 15 shapes with
+I >= 19 (bound 1.5e-2; a tiny intermediate width such as I = 5 reached 2.4e-2 in 3,000 trials). That
+is the rounding a bf16 GPU GEMM applies to its activations; use avx512 (fp32 activations, about as
+fast while memory-bound) where fp32-class agreement matters.
 
 Determinism: every dot product is summed in an order fixed by the code (not by the thread that runs
 it), every output element is written by exactly one thread, and each output element accumulates the
@@ -79,8 +82,8 @@ DEFAULT_PREFETCH_BYTES = 2048
 MAX_TOKENS = 32
 """Experts with more tokens than this in one call go to torch's matmul (the CPU is compute-bound there)."""
 
-TOLERANCE = {"torch": 1e-5, "avx2": 1e-4, "avx512": 1e-4, "avx512_bf16": 1e-2, "avx512_emulated": 1e-4,
-             "avx512_bf16_emulated": 1e-2}
+TOLERANCE = {"torch": 1e-5, "avx2": 1e-4, "avx512": 1e-4, "avx512_bf16": 1.5e-2, "avx512_emulated": 1e-4,
+             "avx512_bf16_emulated": 1.5e-2}
 """Bound on max |out - reference| / max |reference| for each backend (see the module docstring)."""
 
 _lock = threading.Lock()

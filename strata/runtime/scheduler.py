@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Iterator
@@ -224,6 +225,7 @@ class Scheduler:
                 continue
             r, tok = h.request, self.engine.tokenizer
             eos = set() if r.params.ignore_eos else self.engine.eos_token_ids | set(r.params.stop_token_ids)
+            self.engine._counters.requests += 1
             self._running.append(_Seq(h, self._free.pop(), make_generator(r.params.seed, self.engine.device),
                                       StreamDecoder(tok), StopMatcher(r.params.stop), eos))
 
@@ -247,6 +249,7 @@ class Scheduler:
                 budget -= n
         if not plan:
             return
+        t0 = time.perf_counter()
         ids = torch.tensor([t for _, inp, _ in plan for t in inp], dtype=torch.long, device=self.engine.device)
         batch = StepBatch([s.slot for s, _, _ in plan], [st for _, _, st in plan], [len(inp) for _, inp, _ in plan])
         with torch.inference_mode():
@@ -259,6 +262,15 @@ class Scheduler:
                     self._prompt_logprobs(seq, self.engine.model.logits(hidden[off : off + len(inp)]), start, len(inp))
         self._steps += 1
         self._step_tokens += len(ids)
+        # the engine's counters (engine.stats(), the dashboard) see batched traffic too
+        c, dt = self.engine._counters, time.perf_counter() - t0
+        n_decode = sum(1 for s, _, _ in plan if s.next_input is not None)
+        c.generated_tokens += n_decode
+        c.prompt_tokens += len(ids) - n_decode
+        if n_decode:
+            c.decode_seconds += dt
+        else:
+            c.prefill_seconds += dt
         for i, (seq, inp, _) in enumerate(plan):
             if seq.next_input is None:  # a prompt chunk
                 seq.prefilled += len(inp)

@@ -222,7 +222,7 @@ class TierManager:
                     raise
                 stall = time.perf_counter() - t0
             with self._lock:
-                self.stats_.lookup(key[0], source, fut is not None, stall)
+                self.stats_.lookup(key[0], source, fut is not None, stall, expert=key[1])
                 handles.append(self._handle(tier, key))
         return handles
 

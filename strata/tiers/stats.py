@@ -51,9 +51,12 @@ class TierStats:
     evictions: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     checksum_failures: int = 0
     damaged: list = field(default_factory=list)  # objects whose checksum failed (layer, expert)
+    expert_lookups: dict = field(default_factory=lambda: defaultdict(int))  # (layer, expert) -> lookups (heatmap)
 
-    def lookup(self, layer: int, tier: str, missed: bool, stall: float) -> None:
+    def lookup(self, layer: int, tier: str, missed: bool, stall: float, expert: int | None = None) -> None:
         """Count one lookup answered from `tier`; `missed` when it was not resident where wanted."""
+        if expert is not None:
+            self.expert_lookups[(layer, expert)] += 1
         c = self.layers[layer]
         c.lookups += 1
         c.hits[tier] += 1
