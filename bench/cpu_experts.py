@@ -51,9 +51,9 @@ def machine() -> dict:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
-def make_pool(H: int, I: int, pool_bytes: int, seed: int = 0) -> tuple[list, list[torch.Tensor]]:
+def make_pool(H: int, inter: int, pool_bytes: int, seed: int = 0) -> tuple[list, list[torch.Tensor]]:
     """Distinct experts, each one bf16 blob [gate_up 2I*H | down H*I], filled from a random block."""
-    per = 3 * I * H
+    per = 3 * inter * H
     count = max(2 * EXPERTS_PER_LAYER, pool_bytes // (2 * per) // EXPERTS_PER_LAYER * EXPERTS_PER_LAYER)
     g = torch.Generator().manual_seed(seed)
     block = (torch.randn(per + 4096, generator=g) * 0.02).to(torch.bfloat16)
@@ -63,7 +63,7 @@ def make_pool(H: int, I: int, pool_bytes: int, seed: int = 0) -> tuple[list, lis
         off = (i * 977) % 4096  # distinct contents per expert
         blob.copy_(block[off: off + per])
         blobs.append(blob)
-        experts.append((blob[: 2 * I * H].view(2 * I, H), blob[2 * I * H:].view(H, I)))
+        experts.append((blob[: 2 * inter * H].view(2 * inter, H), blob[2 * inter * H:].view(H, inter)))
     return experts, blobs
 
 
@@ -97,8 +97,8 @@ def ram_bandwidth(threads: int, nbytes: int = 2 * GiB, reps: int = 5) -> float:
 
 def overhead_us(threads: int, backend: str) -> float:
     """Fixed cost of one call (Python argument handling, ctypes, fork/join) on a tiny 8-expert layer."""
-    H, I = 64, 16
-    layer = [(torch.zeros(2 * I, H, dtype=torch.bfloat16), torch.zeros(H, I, dtype=torch.bfloat16))
+    H, inter = 64, 16
+    layer = [(torch.zeros(2 * inter, H, dtype=torch.bfloat16), torch.zeros(H, inter, dtype=torch.bfloat16))
              for _ in range(EXPERTS_PER_LAYER)]
     x, idx, tw = torch.zeros(1, H), [torch.zeros(1, dtype=torch.int64)] * 8, [torch.ones(1)] * 8
     for _ in range(200):
@@ -107,6 +107,62 @@ def overhead_us(threads: int, backend: str) -> float:
     for _ in range(n):
         ce.cpu_experts_forward(x, layer, idx, tw, threads=threads, backend=backend)
     return (time.perf_counter() - t0) / n * 1e6
+
+
+def bench_case(result: dict, layers: list, shape: str, H: int, inter: int, N: int, backends: list[str], threads: int,
+               ram: float, seconds: float) -> None:
+    """One shape and token count: torch's per-expert matmul, then every kernel backend (plus prefetch and
+    thread-count sweeps of the first backend for N=1); rows appended to result["cases"] and printed."""
+    layer_bytes = EXPERTS_PER_LAYER * 3 * inter * H * 2
+    x = torch.randn(N, H)
+    xb = x.bfloat16()
+    idx = [torch.arange(N) for _ in range(EXPERTS_PER_LAYER)]
+    tw = [torch.full((N,), 1.0 / EXPERTS_PER_LAYER) for _ in range(EXPERTS_PER_LAYER)]
+
+    def gbs_of(fn, secs=seconds):
+        fn(layers[0])
+        el, calls = run_calls(layers, fn, secs)
+        return calls * layer_bytes / el / 1e9, el / calls * 1e3
+
+    def torch_layer(layer):
+        out = torch.zeros_like(x)
+        for (gu, dn), i, w in zip(layer, idx, tw, strict=True):
+            out.index_add_(0, i, expert_swiglu(xb.index_select(0, i), gu, dn).float() * w[:, None])
+        return out
+
+    def kernel(b, t=threads):
+        return lambda layer: ce.cpu_experts_forward(x, layer, idx, tw, threads=t, backend=b)
+
+    rows = {}
+    old_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rows["torch"] = gbs_of(torch_layer)
+    finally:
+        torch.set_num_threads(old_threads)
+    for b in backends:
+        rows[b] = gbs_of(kernel(b))
+    base = rows["torch"][0]
+    for path, (gbs, ms) in rows.items():
+        result["cases"].append({"shape": shape, "H": H, "I": inter, "tokens": N, "path": path, "gbs": round(gbs, 2),
+                                "ms_per_layer": round(ms, 3), "vs_torch": round(gbs / base, 2),
+                                "of_ram": round(gbs / ram, 3), "pool_experts": len(layers) * EXPERTS_PER_LAYER})
+        print(f"{shape:<15} {N:>2} {path:<12} {gbs:>7.1f} {ms:>9.3f} {gbs / base:>7.2f}x {gbs / ram:>6.0%}", flush=True)
+
+    if N == 1 and backends:  # tuning sweeps on the default backend, shorter runs
+        b = backends[0]
+        default_pf = ce.prefetch_bytes()
+        sweep = {}
+        for pf in PREFETCH_SWEEP:
+            ce.configure(prefetch_bytes=pf)
+            sweep[pf] = round(gbs_of(kernel(b), seconds / 2)[0], 1)
+        ce.configure(prefetch_bytes=default_pf)
+        result.setdefault("prefetch_sweep", {})[f"{shape} N=1 {b}"] = sweep
+        print(f"  {b}: software prefetch bytes -> GB/s {sweep} (in use: {default_pf})", flush=True)
+        counts = sorted({max(1, threads * k // 4) for k in (1, 2, 3)} | {max(1, threads - 1), threads})
+        tsweep = {t: round(gbs_of(kernel(b, t), seconds / 2)[0], 1) for t in counts}
+        result.setdefault("thread_sweep", {})[f"{shape} N=1 {b}"] = tsweep
+        print(f"  {b}: threads -> GB/s {tsweep}", flush=True)
 
 
 def main() -> None:
@@ -139,8 +195,8 @@ def main() -> None:
     result["ram_torch_sum_gbs"] = round(ram_sum, 2)
     print(f"RAM read bandwidth, torch.sum over 2 GiB fp32, {threads} threads: {ram_sum:.1f} GB/s", flush=True)
     pools, sweeps = {}, []
-    for shape, (H, I) in SHAPES.items():
-        pools[shape] = make_pool(H, I, int(args.pool_gib * GiB))
+    for shape, (H, inter) in SHAPES.items():
+        pools[shape] = make_pool(H, inter, int(args.pool_gib * GiB))
         blobs = pools[shape][1]
         nbytes = sum(b.numel() * 2 for b in blobs)
         for _ in range(3):
@@ -157,61 +213,11 @@ def main() -> None:
     print(f"RAM ceiling used for the ratios: {ram:.1f} GB/s", flush=True)
     print(f"{'shape':<15} {'N':>2} {'path':<12} {'GB/s':>7} {'ms/layer':>9} {'x torch':>8} {'of RAM':>7}", flush=True)
 
-    old_threads = torch.get_num_threads()
-    for shape, (H, I) in SHAPES.items():
+    for shape, (H, inter) in SHAPES.items():
         pool = pools.pop(shape)[0]
         layers = [pool[i: i + EXPERTS_PER_LAYER] for i in range(0, len(pool), EXPERTS_PER_LAYER)]
-        layer_bytes = EXPERTS_PER_LAYER * 3 * I * H * 2
         for N in TOKENS:
-            x = torch.randn(N, H)
-            xb = x.bfloat16()
-            idx = [torch.arange(N) for _ in range(EXPERTS_PER_LAYER)]
-            tw = [torch.full((N,), 1.0 / EXPERTS_PER_LAYER) for _ in range(EXPERTS_PER_LAYER)]
-
-            def gbs_of(fn, seconds=args.seconds):
-                fn(layers[0])
-                el, calls = run_calls(layers, fn, seconds)
-                return calls * layer_bytes / el / 1e9, el / calls * 1e3
-
-            def torch_layer(layer):
-                out = torch.zeros_like(x)
-                for (gu, dn), i, w in zip(layer, idx, tw):
-                    out.index_add_(0, i, expert_swiglu(xb.index_select(0, i), gu, dn).float() * w[:, None])
-                return out
-
-            def kernel(b, t=threads):
-                return lambda layer: ce.cpu_experts_forward(x, layer, idx, tw, threads=t, backend=b)
-
-            rows = {}
-            torch.set_num_threads(threads)
-            try:
-                rows["torch"] = gbs_of(torch_layer)
-            finally:
-                torch.set_num_threads(old_threads)
-            for b in backends:
-                rows[b] = gbs_of(kernel(b))
-            base = rows["torch"][0]
-            for path, (gbs, ms) in rows.items():
-                result["cases"].append({"shape": shape, "H": H, "I": I, "tokens": N, "path": path, "gbs": round(gbs, 2),
-                                        "ms_per_layer": round(ms, 3), "vs_torch": round(gbs / base, 2),
-                                        "of_ram": round(gbs / ram, 3), "pool_experts": len(pool)})
-                print(f"{shape:<15} {N:>2} {path:<12} {gbs:>7.1f} {ms:>9.3f} {gbs / base:>7.2f}x {gbs / ram:>6.0%}",
-                      flush=True)
-
-            if N == 1 and backends:  # tuning sweeps on the default backend, shorter runs
-                b = backends[0]
-                default_pf = ce.prefetch_bytes()
-                sweep = {}
-                for pf in PREFETCH_SWEEP:
-                    ce.configure(prefetch_bytes=pf)
-                    sweep[pf] = round(gbs_of(kernel(b), args.seconds / 2)[0], 1)
-                ce.configure(prefetch_bytes=default_pf)
-                result.setdefault("prefetch_sweep", {})[f"{shape} N=1 {b}"] = sweep
-                print(f"  {b}: software prefetch bytes -> GB/s {sweep} (in use: {default_pf})", flush=True)
-                counts = sorted({max(1, threads * k // 4) for k in (1, 2, 3)} | {max(1, threads - 1), threads})
-                tsweep = {t: round(gbs_of(kernel(b, t), args.seconds / 2)[0], 1) for t in counts}
-                result.setdefault("thread_sweep", {})[f"{shape} N=1 {b}"] = tsweep
-                print(f"  {b}: threads -> GB/s {tsweep}", flush=True)
+            bench_case(result, layers, shape, H, inter, N, backends, threads, ram, args.seconds)
         del pool, layers
 
     ones = [c for c in result["cases"] if c["path"] == default and c["tokens"] == 1]

@@ -14,6 +14,15 @@ import uuid
 from pathlib import Path
 
 
+def cache_root() -> Path:
+    """strata's cache: $STRATA_CACHE, else $XDG_CACHE_HOME/strata, else ~/.cache/strata."""
+    if os.environ.get("STRATA_CACHE"):
+        return Path(os.environ["STRATA_CACHE"]).expanduser()
+    if os.environ.get("XDG_CACHE_HOME"):
+        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "strata"
+    return Path.home() / ".cache" / "strata"
+
+
 def pwrite_all(fd: int, data, offset: int) -> None:
     """pwrite all of `data` (any buffer) at `offset`; a single pwrite may write less (> 2 GiB on Linux)."""
     view, done = memoryview(data).cast("B"), 0

@@ -23,13 +23,13 @@ CAN_BUILD = X86 and shutil.which("c++") is not None and shutil.which("ninja") is
 SHAPES = [(64, 32), (200, 77), (37, 5), (256, 96), (130, 19)]  # (H, I): tails of 8/16/32, odd I
 
 
-def make_experts(H: int, I: int, count: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def make_experts(H: int, inter: int, count: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Each expert one bf16 blob [gate_up | down], like a store slot."""
     g = torch.Generator().manual_seed(seed)
     experts = []
     for _ in range(count):
-        blob = (torch.randn(3 * I * H, generator=g) / H**0.5).to(torch.bfloat16)
-        experts.append((blob[: 2 * I * H].view(2 * I, H), blob[2 * I * H:].view(H, I)))
+        blob = (torch.randn(3 * inter * H, generator=g) / H**0.5).to(torch.bfloat16)
+        experts.append((blob[: 2 * inter * H].view(2 * inter, H), blob[2 * inter * H:].view(H, inter)))
     return experts
 
 
@@ -51,7 +51,7 @@ def make_routing(N: int, E: int, k: int, seed: int = 0, empty: tuple[int, ...] =
 def reference(x, experts, idx, tw, out=None):
     out = torch.zeros(x.shape, dtype=torch.float32) if out is None else out.clone()
     x32 = x.float()
-    for (gu, dn), i, w in zip(experts, idx, tw):
+    for (gu, dn), i, w in zip(experts, idx, tw, strict=True):
         if i.numel():
             out.index_add_(0, i, expert_swiglu(x32[i], gu.float(), dn.float()) * w[:, None])
     return out
@@ -61,10 +61,10 @@ def rel_err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a - ref).abs().max() / ref.abs().max().clamp_min(1e-30)).item()
 
 
-def tol(name: str, I: int) -> float:
+def tol(name: str, inter: int) -> float:
     """TOLERANCE holds for realistic widths; the bf16 path's error is relative to max |out|, and with a
     tiny intermediate width (I < 16: few terms, more cancellation) it can reach 2-3x that."""
-    return ce.TOLERANCE[name] * (3 if "bf16" in name and I < 16 else 1)
+    return ce.TOLERANCE[name] * (3 if "bf16" in name and inter < 16 else 1)
 
 
 EMULATED = ["avx512_emulated", "avx512_bf16_emulated"]
@@ -94,17 +94,17 @@ def test_extension_builds_where_it_can():
     assert ce.build_seconds is not None
 
 
-@pytest.mark.parametrize("H,I", SHAPES)
+@pytest.mark.parametrize("H,inter", SHAPES)
 @pytest.mark.parametrize("N", [1, 3, 8, 40])
-def test_matches_reference(H, I, N):
+def test_matches_reference(H, inter, N):
     E, k = 6, 4
-    experts = make_experts(H, I, E, seed=H + I)
+    experts = make_experts(H, inter, E, seed=H + inter)
     idx, tw = make_routing(N, E, k, seed=N, empty=(2,))
     x = torch.randn(N, H, generator=torch.Generator().manual_seed(N * 1000 + H))
     ref = reference(x, experts, idx, tw)
     for name in _testable_backends():
         out = ce.cpu_experts_forward(x, experts, idx, tw, threads=2, backend=name)
-        assert rel_err(out, ref) <= tol(name, I), name
+        assert rel_err(out, ref) <= tol(name, inter), name
 
 
 @pytest.mark.parametrize("name", ["avx2", "avx512", "avx512_bf16", *EMULATED])
@@ -113,8 +113,8 @@ def test_kernel_many_tokens_per_expert(name, monkeypatch):
     if name not in _testable_backends():
         pytest.skip(f"{name} not available on this CPU")
     monkeypatch.setenv("STRATA_CPU_KERNEL_MAX_TOKENS", "1000")
-    H, I, N = 130, 19, 40
-    experts = make_experts(H, I, 3)
+    H, inter, N = 130, 19, 40
+    experts = make_experts(H, inter, 3)
     idx = [torch.arange(N), torch.arange(0, N, 3), torch.arange(N - 1, -1, -1)]
     tw = [torch.rand(len(i)) for i in idx]
     x = torch.randn(N, H, generator=torch.Generator().manual_seed(N * 1000 + H))
@@ -123,8 +123,8 @@ def test_kernel_many_tokens_per_expert(name, monkeypatch):
 
 
 def test_accumulates_into_out_and_bf16_input():
-    H, I, N, E = 96, 40, 5, 4
-    experts = make_experts(H, I, E)
+    H, inter, N, E = 96, 40, 5, 4
+    experts = make_experts(H, inter, E)
     idx, tw = make_routing(N, E, 2)
     x = torch.randn(N, H, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
     base = torch.randn(N, H, generator=torch.Generator().manual_seed(2))
@@ -145,8 +145,8 @@ def test_accumulates_into_out_and_bf16_input():
 
 def test_duplicate_experts_and_repeated_calls():
     """The same expert buffers twice in one call, and again in the next call: same answers."""
-    H, I, N = 72, 24, 4
-    a, b = make_experts(H, I, 2)
+    H, inter, N = 72, 24, 4
+    a, b = make_experts(H, inter, 2)
     experts = [a, b, a, a]
     idx = [torch.tensor([0, 2]), torch.tensor([1]), torch.tensor([0, 1, 3]), torch.tensor([], dtype=torch.int64)]
     tw = [torch.tensor([0.5, 0.25]), torch.tensor([1.0]), torch.tensor([0.1, 0.2, 0.3]), torch.tensor([])]
@@ -159,8 +159,8 @@ def test_duplicate_experts_and_repeated_calls():
 
 
 def test_no_tokens_at_all():
-    H, I, N = 40, 8, 3
-    experts = make_experts(H, I, 2)
+    H, inter, N = 40, 8, 3
+    experts = make_experts(H, inter, 2)
     empty = [torch.tensor([], dtype=torch.int64)] * 2
     out = ce.cpu_experts_forward(torch.randn(N, H), experts, empty, [torch.tensor([])] * 2)
     assert out.shape == (N, H) and out.abs().max() == 0
@@ -171,8 +171,8 @@ def test_bit_identical_across_thread_counts(N):
     names = [b for b in _testable_backends() if b != "torch"]
     if not names:
         pytest.skip("extension not available")
-    H, I, E = 256, 96, 8
-    experts = make_experts(H, I, E, seed=7)
+    H, inter, E = 256, 96, 8
+    experts = make_experts(H, inter, E, seed=7)
     idx, tw = make_routing(N, E, min(E, 8), seed=3)
     x = torch.randn(N, H, generator=torch.Generator().manual_seed(N * 1000 + H))
     for name in names:
@@ -183,8 +183,8 @@ def test_bit_identical_across_thread_counts(N):
 
 def test_concurrent_callers():
     """Calls from several Python threads at once (the GIL is released inside) stay correct."""
-    H, I, N, E = 128, 48, 4, 6
-    experts = make_experts(H, I, E)
+    H, inter, N, E = 128, 48, 4, 6
+    experts = make_experts(H, inter, E)
     idx, tw = make_routing(N, E, 3)
     xs = [torch.randn(N, H) for _ in range(4)]
     refs = [ce.cpu_experts_forward(x, experts, idx, tw, threads=2) for x in xs]
@@ -205,8 +205,8 @@ def test_concurrent_callers():
 
 
 def test_env_forces_torch_and_backend_reports_it(monkeypatch):
-    H, I, N, E = 64, 16, 3, 3
-    experts = make_experts(H, I, E)
+    H, inter, N, E = 64, 16, 3, 3
+    experts = make_experts(H, inter, E)
     idx, tw = make_routing(N, E, 2)
     x = torch.randn(N, H, generator=torch.Generator().manual_seed(N * 1000 + H))
     monkeypatch.setenv("STRATA_CPU_KERNEL", "torch")
@@ -237,8 +237,8 @@ def test_build_failure_falls_back_to_torch(monkeypatch, caplog):
     monkeypatch.setattr(ce, "_lib", None)
     monkeypatch.setattr(ce, "_lib_tried", False)
     monkeypatch.setattr(ce, "_build_and_open", broken)
-    H, I, N, E = 48, 8, 2, 2
-    experts = make_experts(H, I, E)
+    H, inter, N, E = 48, 8, 2, 2
+    experts = make_experts(H, inter, E)
     idx, tw = make_routing(N, E, 1)
     x = torch.randn(N, H, generator=torch.Generator().manual_seed(N * 1000 + H))
     with caplog.at_level(logging.WARNING, logger=ce.__name__):
@@ -251,8 +251,8 @@ def test_build_failure_falls_back_to_torch(monkeypatch, caplog):
 
 
 def test_bad_arguments():
-    H, I, N = 40, 8, 3
-    experts = make_experts(H, I, 1)
+    H, inter, N = 40, 8, 3
+    experts = make_experts(H, inter, 1)
     x = torch.randn(N, H, generator=torch.Generator().manual_seed(N * 1000 + H))
     for name in ce.available_backends():
         with pytest.raises(IndexError):
@@ -269,7 +269,7 @@ def emulate_avx512_bf16(x, experts, idx, tw):
     """The avx512_bf16 backend's numerics in float64: x and silu(gate)*up rounded to bf16 (RNE)."""
     out = torch.zeros(x.shape, dtype=torch.float64)
     xb = x.float().to(torch.bfloat16).double()
-    for (gu, dn), i, w in zip(experts, idx, tw):
+    for (gu, dn), i, w in zip(experts, idx, tw, strict=True):
         if i.numel():
             gate, up = (xb[i] @ gu.double().T).chunk(2, dim=-1)
             h = (F.silu(gate) * up).float().to(torch.bfloat16).double()
@@ -277,13 +277,13 @@ def emulate_avx512_bf16(x, experts, idx, tw):
     return out.float()
 
 
-@pytest.mark.parametrize("H,I", [(2048, 768), (200, 77)])
-def test_avx512_bf16_tolerance(H, I):
+@pytest.mark.parametrize("H,inter", [(2048, 768), (200, 77)])
+def test_avx512_bf16_tolerance(H, inter):
     """TOLERANCE['avx512_bf16'] covers the two bf16 roundings (x, and silu(gate)*up): a float64
     emulation of those numerics stays within it, and the kernel's portable emulation agrees with the
     float64 one (which also checks its fp32 -> bf16 rounding against torch's)."""
     N, E = 4, 8
-    experts = make_experts(H, I, E, seed=11)
+    experts = make_experts(H, inter, E, seed=11)
     idx, tw = make_routing(N, E, 8, seed=5)
     x = torch.randn(N, H, generator=torch.Generator().manual_seed(N * 1000 + H))
     ref = reference(x, experts, idx, tw)
@@ -302,14 +302,14 @@ def test_avx512_kernels_match_their_emulation(name):
     even pair), and within 1e-4 in any case (a wrong lane or tail is off by far more)."""
     if name not in kernel_backends():
         pytest.skip(f"{name} not available on this CPU")
-    for (H, I), N in [((2048, 768), 1), ((2048, 768), 4), ((200, 77), 8), ((37, 5), 3), ((130, 19), 30)]:
+    for (H, inter), N in [((2048, 768), 1), ((2048, 768), 4), ((200, 77), 8), ((37, 5), 3), ((130, 19), 30)]:
         E = 8
-        experts = make_experts(H, I, E, seed=H + N)
+        experts = make_experts(H, inter, E, seed=H + N)
         idx, tw = make_routing(N, E, min(E, 6), seed=N)
         x = torch.randn(N, H, generator=torch.Generator().manual_seed(N * 1000 + H))
         got = ce.cpu_experts_forward(x, experts, idx, tw, threads=3, backend=name)
         emu = ce.cpu_experts_forward(x, experts, idx, tw, threads=2, backend=f"{name}_emulated")
         if name == "avx512":
-            assert torch.equal(got, emu), (H, I, N, rel_err(got, emu))
+            assert torch.equal(got, emu), (H, inter, N, rel_err(got, emu))
         else:
-            assert rel_err(got, emu) <= 1e-4, (H, I, N)
+            assert rel_err(got, emu) <= 1e-4, (H, inter, N)

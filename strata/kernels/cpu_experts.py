@@ -334,8 +334,8 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, t
             continue
         gate_up, down = weights[e]
         w = token_w[e]
-        I = down.shape[-1]
-        if gate_up.shape != (2 * I, H) or down.shape != (H, I):
+        inter = down.shape[-1]
+        if gate_up.shape != (2 * inter, H) or down.shape != (H, inter):
             raise ValueError(f"expert {e}: gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} do not "
                              f"match H={H} (want [2I, H] and [H, I])")
         if w.numel() != T:
@@ -357,7 +357,7 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, t
         if w.dtype is not torch.float32 or not w.is_contiguous():
             w = w.to(torch.float32).contiguous()
             keep.append(w)
-        meta.extend((gate_up.data_ptr(), down.data_ptr(), idx.data_ptr(), w.data_ptr(), T, I))
+        meta.extend((gate_up.data_ptr(), down.data_ptr(), idx.data_ptr(), w.data_ptr(), T, inter))
     if meta:
         target = out if out.is_contiguous() else torch.zeros(N, H, dtype=torch.float32)
         rc = _lib.strata_cpu_experts(_ISA[name], x32.data_ptr(), N, H, len(meta) // 6, meta.buffer_info()[0],

@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 
 from strata.errors import ConfigError
-from strata.fsutil import pwrite_all, remove_stale_tmp_dirs, temp_sibling
+from strata.fsutil import cache_root, pwrite_all, remove_stale_tmp_dirs, temp_sibling
 from strata.runtime.demo_tokenizer import ENDOFTEXT, IM_END, SPECIAL_IDS, tokenizer_size, write_tokenizer_files
 from strata.runtime.demo_weights import TensorSpec, make_tensor, tensor_specs, write_safetensors_header
 
@@ -223,13 +223,7 @@ def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[Tens
 
 def default_model_dir() -> Path:
     """Where `ensure_default_model` keeps the small demo model: <strata cache>/models/demo-small."""
-    if os.environ.get("STRATA_CACHE"):
-        root = Path(os.environ["STRATA_CACHE"]).expanduser()
-    elif os.environ.get("XDG_CACHE_HOME"):
-        root = Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "strata"
-    else:
-        root = Path.home() / ".cache" / "strata"
-    return root / "models" / "demo-small"
+    return cache_root() / "models" / "demo-small"
 
 
 def ensure_default_model(progress: bool = True) -> Path:

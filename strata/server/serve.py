@@ -252,18 +252,10 @@ def format_toml(d: dict, prefix: str = "") -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`python -m strata.server.serve` (the same as `strata serve` once the CLI has it)."""
-    p = argparse.ArgumentParser(prog="strata serve", description="Serve a model over an OpenAI-compatible API.")
-    add_serve_arguments(p)
-    args = p.parse_args(argv)
-    try:
-        return cmd_serve(args)
-    except StrataError as e:
-        print(f"strata: error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("strata: interrupted", file=sys.stderr)
-        return 130
+    """`python -m strata.server.serve ...` is `strata serve ...`."""
+    from strata.cli import main as cli_main
+
+    return cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":
