@@ -12,8 +12,13 @@ Figures are effective GB/s = weight bytes of the experts a call uses / its wall 
   kernel   strata.kernels.cpu_experts.cpu_experts_forward, every backend this CPU runs
   torch    one `expert_swiglu` per expert on bf16 activations (bf16 F.linear), weighted and added
            with index_add_, torch.set_num_threads(--threads): the ~23 GB/s baseline of LIMITS.md
-  ram      torch.sum over a 2 GiB fp32 buffer with --threads threads (the ceiling), best of 5
+  ram      the larger of torch.sum over a 2 GiB fp32 buffer (best of 5) and a streaming read of the
+           expert pools on the kernel's own thread pool (`cpu_experts.read_sweep`, best of 3 per shape),
+           both with --threads threads: the ceiling the ratios are taken against
+Also, for N=1 on the default backend: a software-prefetch-distance sweep and a thread-count sweep, and
+the fixed cost of one call (8 tiny experts: Python argument handling, ctypes, fork/join).
 Prints a table with ratios (kernel / torch, kernel / ram) and writes `cpu_experts.json` into --out.
+About 40 s on the 2-core dev machine; budget about a minute on the 16-core box.
 """
 
 from __future__ import annotations
@@ -159,7 +164,8 @@ def bench_case(result: dict, layers: list, shape: str, H: int, inter: int, N: in
         ce.configure(prefetch_bytes=default_pf)
         result.setdefault("prefetch_sweep", {})[f"{shape} N=1 {b}"] = sweep
         print(f"  {b}: software prefetch bytes -> GB/s {sweep} (in use: {default_pf})", flush=True)
-        counts = sorted({max(1, threads * k // 4) for k in (1, 2, 3)} | {max(1, threads - 1), threads})
+        logical = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or threads
+        counts = sorted({max(1, threads * k // 4) for k in (1, 2, 3)} | {max(1, threads - 1), threads, logical})
         tsweep = {t: round(gbs_of(kernel(b, t), seconds / 2)[0], 1) for t in counts}
         result.setdefault("thread_sweep", {})[f"{shape} N=1 {b}"] = tsweep
         print(f"  {b}: threads -> GB/s {tsweep}", flush=True)

@@ -6,8 +6,10 @@ Each expert is a SwiGLU MLP, `down(silu(gate(x)) * up(x))`, with its bf16 weight
 (pinned or host) buffers: gate_up [2I, H] (gate rows, then up rows) and down [H, I]. For the few tokens
 of a decode step the work is memory-bound, so what counts is bytes of weights read per second: a C++
 kernel (csrc/cpu_experts.cpp, built on first use) reads every weight row once for all of an expert's
-tokens, splits the gate/up rows of all the layer's experts over a persistent thread pool, meets at one
-barrier, then splits the down rows; one fork/join per layer, GIL released while it runs.
+tokens, splits the gate/up rows of all the layer's experts over a persistent thread pool (chunks taken
+dynamically), then, once every gate/up chunk is done, the down rows; one fork/join per layer, the GIL
+released while it runs, software prefetch along the rows. A worker the OS has not scheduled yet holds
+no work, so nobody waits for it (CPU oversubscription degrades gracefully).
 
 Backends (`backend()` says which one runs; `STRATA_CPU_KERNEL` or the `backend=` argument picks):
   avx512_bf16  AVX-512 BF16 `vdpbf16ps`: activations and the intermediate silu(gate)*up are rounded to
@@ -61,6 +63,7 @@ from pathlib import Path
 
 import torch
 
+from strata.fsutil import cache_root
 from strata.kernels.experts import expert_swiglu
 
 log = logging.getLogger(__name__)
@@ -69,7 +72,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("cpu_experts.cpp", "cpu_experts_kernel.h")
 # Plain x86-64 (the vector code is compiled per function, under target pragmas); no FMA contraction, so
 # a*b+c rounds the same way in every instruction set and in the emulations.
-_CFLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off"]
+_CFLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fvisibility=hidden"]
 _LDFLAGS = ["-pthread"]
 _STALE_LOCK_S = 600  # a build takes seconds; a lock file this old belongs to a build that died
 _ISA = {"avx2": 1, "avx512": 2, "avx512_bf16": 3, "avx512_emulated": 4, "avx512_bf16_emulated": 5}
@@ -104,13 +107,7 @@ def _warn_once(key: str, msg: str, *args) -> None:
 
 
 def _cache_root() -> Path:
-    if os.environ.get("STRATA_CACHE"):
-        root = Path(os.environ["STRATA_CACHE"]).expanduser()
-    elif os.environ.get("XDG_CACHE_HOME"):
-        root = Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "strata"
-    else:
-        root = Path.home() / ".cache" / "strata"
-    return root / "ext"
+    return cache_root() / "ext"
 
 
 def _build_and_open() -> ctypes.CDLL:
