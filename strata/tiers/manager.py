@@ -21,104 +21,32 @@ import itertools
 import threading
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from strata.errors import StrataError
-from strata.tiers.diskio import DiskReader, GpuDirectReader
+from strata.tiers.diskio import DiskReader
 from strata.tiers.gpu_slots import GpuSlots
+from strata.tiers.integrity import IntegrityMixin
 from strata.tiers.pinned import PinnedPool
 from strata.tiers.policy import make_policy
+from strata.tiers.slots import (
+    MIN_PINNED_SLOTS,
+    ExpertHandle,
+    Key,
+    TierBudgets,
+    TierFullError,
+    _SlotTier,
+    gpu_direct_reader,
+    static_hot_slots,
+)
 from strata.tiers.stats import TierStats
 from strata.tiers.store import ExpertStore
 from strata.tiers.tmpfs import TmpfsMirror
 
-Key = tuple[int, int]  # (layer, expert)
-MIN_PINNED_SLOTS = 16  # staging for GPU copies even when the pinned budget is 0 (4 without a GPU tier)
 
-
-def _gpu_direct_reader(mode: str) -> GpuDirectReader | None:
-    """The kvikio reader `tiers.disk.reader` asks for (None: the POSIX path)."""
-    if mode == "posix":
-        return None
-    if mode == "kvikio":
-        return GpuDirectReader()  # a clear error when kvikio is missing
-    if not GpuDirectReader.available():
-        return None
-    try:
-        reader = GpuDirectReader()
-        compat = reader.compat_preferred()
-    except Exception:  # noqa: BLE001 - "auto" never fails start-up over an optional reader
-        return None
-    if compat:
-        reader.close()  # no GPUDirect Storage here: kvikio would only add a bounce buffer
-        return None
-    return reader
-
-
-def _static_hot(capacity: int) -> int:
-    """Slots the static policy gives its hot set; the rest (at least one) rotate for cold experts."""
-    return capacity - max(1, capacity // 4)
-
-
-class TierFullError(StrataError):
-    """Every slot of a tier is in use: the budget is smaller than one step's working set."""
-
-
-@dataclass
-class TierBudgets:
-    """Slots per tier (from the planner) and how they are shared."""
-
-    gpu_slots: int = 0
-    pinned_slots: int = 0
-    tmpfs_bytes: int = 0
-    per_layer: bool = False
-
-    def __post_init__(self) -> None:
-        if min(self.gpu_slots, self.pinned_slots, self.tmpfs_bytes) < 0:
-            raise StrataError(f"tier budgets must be >= 0, got {self}")
-
-
-@dataclass
-class ExpertHandle:
-    """A resident copy in use: typed views gate_up [2I, H], down [H, I] of its slot."""
-
-    key: Key
-    tier: str  # "gpu" | "pinned"
-    slot: int
-    gate_up: torch.Tensor
-    down: torch.Tensor
-    event: object = None  # torch.cuda.Event the compute stream must wait on (GPU copies)
-
-    def wait(self) -> None:
-        """Make the current CUDA stream wait for this copy (no host synchronisation)."""
-        if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
-
-
-@dataclass
-class _SlotTier:
-    """Bookkeeping of one slotted tier; all fields are guarded by the manager's lock."""
-
-    name: str
-    capacity: int
-    policy: object
-    slot_of: dict[Key, int] = field(default_factory=dict)
-    free: list[int] = field(default_factory=list)
-    refs: dict[Key, int] = field(default_factory=dict)
-    inflight: dict[Key, Future] = field(default_factory=dict)
-    events: dict[int, object] = field(default_factory=dict)  # slot -> last event that reads/writes it
-
-    def __post_init__(self) -> None:
-        self.free = list(range(self.capacity - 1, -1, -1))
-
-    def busy(self, key: Key) -> bool:
-        return self.refs.get(key, 0) > 0 or key in self.inflight
-
-
-class TierManager:
+class TierManager(IntegrityMixin):
     """Places a store's experts across GPU, pinned RAM, tmpfs and disk within budgets."""
 
     def __init__(self, store: ExpertStore, budgets: TierBudgets, *, gpu_device: torch.device | None = None,
@@ -141,7 +69,7 @@ class TierManager:
         n_pinned = max(budgets.pinned_slots, MIN_PINNED_SLOTS if budgets.gpu_slots else 4)
         self.pool = PinnedPool(store.slot_bytes, n_pinned, pin=gpu_device is not None and gpu_device.type == "cuda")
         self.pinned = _SlotTier("pinned", n_pinned, make_policy(policy, half_life=half_life,
-                                                                 hot=hot[: _static_hot(n_pinned)],
+                                                                 hot=hot[: static_hot_slots(n_pinned)],
                                                                  reload_cost=self._reload_cost_pinned))
         self.slots: GpuSlots | None = None
         self.gpu: _SlotTier | None = None
@@ -157,10 +85,10 @@ class TierManager:
                     "lower tiers.gpu.budget or free GPU memory"
                 ) from None
             self.gpu = _SlotTier("gpu", budgets.gpu_slots, make_policy(policy, half_life=half_life,
-                                                                       hot=hot[: _static_hot(budgets.gpu_slots)],
+                                                                       hot=hot[: static_hot_slots(budgets.gpu_slots)],
                                                                        reload_cost=self._reload_cost_gpu))
         self.reader = DiskReader(num_threads=io_threads, direct=direct_io)
-        self.gds = _gpu_direct_reader(disk_reader) if self.slots is not None and self.slots.slab.is_cuda else None
+        self.gds = gpu_direct_reader(disk_reader) if self.slots is not None and self.slots.slab.is_cuda else None
         self.tmpfs = TmpfsMirror(store, tmpfs_dir, budgets.tmpfs_bytes, order=hot) if tmpfs_dir and budgets.tmpfs_bytes else None
         self._copying: dict[int, tuple] = {}  # GPU copies whose pinned source is still held
         self._workers = [threading.Thread(target=self._work, name=f"strata-tier-{i}", daemon=True)
@@ -262,7 +190,7 @@ class TierManager:
         """How many experts of one layer can be held at once on `device` (callers acquire in chunks)."""
         tier = self._tier(device)
         n = self._quota(tier) if self.budgets.per_layer else tier.capacity
-        return n - _static_hot(n) if self.policy_name == "static" else n
+        return n - static_hot_slots(n) if self.policy_name == "static" else n
 
     async def acquire_async(self, keys: list[Key], device: str = "gpu") -> list[ExpertHandle]:
         """`acquire` for asyncio callers: waits in a thread, never blocks the event loop."""
@@ -278,61 +206,6 @@ class TierManager:
                     ev.record(torch.cuda.current_stream(self.slots.slab.device))
                     tier.events[h.slot] = ev
                 self._unref(tier, h.key)
-
-    def fetch_rows(self, table: str, rows, device: str = "cpu", priority: int = 1) -> Future:
-        """Rows of a table object (e.g. an Engram table) as uint8 [n, row_bytes], read in the background.
-
-        Only the asked-for rows are read; each chunk of rows is checksum-verified on its first read.
-        `device="gpu"` lands them on the GPU through the copy stream. Returns a Future of the tensor.
-        """
-        fut: Future = Future()
-
-        def job() -> None:
-            t0 = time.perf_counter()
-            try:
-                out = self.store.read_rows(table, rows)
-                if device == "gpu" and self.slots is not None and self.slots.slab.is_cuda:
-                    with torch.cuda.stream(self.slots.copy_stream):
-                        out = out.pin_memory().to(self.slots.slab.device, non_blocking=True)
-                    self.slots.copy_stream.synchronize()
-            except BaseException as e:
-                fut.set_exception(e)
-                return
-            with self._lock:
-                self.stats_.paths[f"rows:{table}"].add(out.numel(), time.perf_counter() - t0)
-            fut.set_result(out)
-
-        with self._lock:
-            self._submit(priority, job)
-        return fut
-
-    def scrub(self) -> Future:
-        """Verify every expert not yet verified, at the lowest priority; the Future gives the damaged keys."""
-        done: Future = Future()
-        keys = [k for k in self.store.keys() if k not in self._verified]
-        damaged: list[Key] = []
-        remaining = [len(keys)]
-
-        def check(key: Key) -> None:
-            try:
-                self.store.read_expert(key, verify=True)
-                self._verified.add(key)
-            except StrataError:
-                with self._lock:
-                    self.stats_.checksum_failures += 1
-                    self.stats_.damaged.append(key)
-                damaged.append(key)
-            with self._lock:
-                remaining[0] -= 1
-                if remaining[0] == 0:
-                    done.set_result(sorted(damaged))
-
-        with self._lock:
-            if not keys:
-                done.set_result([])
-            for key in keys:
-                self._submit(3, check, key)
-        return done
 
     def residency(self, key: Key) -> list[str]:
         """Tiers holding a usable copy of `key`, fastest first (disk always)."""

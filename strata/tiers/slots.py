@@ -1,0 +1,95 @@
+"""The tier manager's plain data: budgets, handles, per-tier bookkeeping, and small policy helpers."""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from strata.errors import StrataError
+from strata.tiers.diskio import GpuDirectReader
+
+Key = tuple[int, int]  # (layer, expert)
+MIN_PINNED_SLOTS = 16  # staging for GPU copies even when the pinned budget is 0 (4 without a GPU tier)
+
+
+def gpu_direct_reader(mode: str) -> GpuDirectReader | None:
+    """The kvikio reader `tiers.disk.reader` asks for (None: the POSIX path)."""
+    if mode == "posix":
+        return None
+    if mode == "kvikio":
+        return GpuDirectReader()  # a clear error when kvikio is missing
+    if not GpuDirectReader.available():
+        return None
+    try:
+        reader = GpuDirectReader()
+        compat = reader.compat_preferred()
+    except Exception:  # noqa: BLE001 - "auto" never fails start-up over an optional reader
+        return None
+    if compat:
+        reader.close()  # no GPUDirect Storage here: kvikio would only add a bounce buffer
+        return None
+    return reader
+
+
+def static_hot_slots(capacity: int) -> int:
+    """Slots the static policy gives its hot set; the rest (at least one) rotate for cold experts."""
+    return capacity - max(1, capacity // 4)
+
+
+class TierFullError(StrataError):
+    """Every slot of a tier is in use: the budget is smaller than one step's working set."""
+
+
+@dataclass
+class TierBudgets:
+    """Slots per tier (from the planner) and how they are shared."""
+
+    gpu_slots: int = 0
+    pinned_slots: int = 0
+    tmpfs_bytes: int = 0
+    per_layer: bool = False
+
+    def __post_init__(self) -> None:
+        if min(self.gpu_slots, self.pinned_slots, self.tmpfs_bytes) < 0:
+            raise StrataError(f"tier budgets must be >= 0, got {self}")
+
+
+@dataclass
+class ExpertHandle:
+    """A resident copy in use: typed views gate_up [2I, H], down [H, I] of its slot."""
+
+    key: Key
+    tier: str  # "gpu" | "pinned"
+    slot: int
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    event: object = None  # torch.cuda.Event the compute stream must wait on (GPU copies)
+
+    def wait(self) -> None:
+        """Make the current CUDA stream wait for this copy (no host synchronisation)."""
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+
+@dataclass
+class _SlotTier:
+    """Bookkeeping of one slotted tier; all fields are guarded by the manager's lock."""
+
+    name: str
+    capacity: int
+    policy: object
+    slot_of: dict[Key, int] = field(default_factory=dict)
+    free: list[int] = field(default_factory=list)
+    refs: dict[Key, int] = field(default_factory=dict)
+    inflight: dict[Key, Future] = field(default_factory=dict)
+    events: dict[int, object] = field(default_factory=dict)  # slot -> last event that reads/writes it
+
+    def __post_init__(self) -> None:
+        self.free = list(range(self.capacity - 1, -1, -1))
+
+    def busy(self, key: Key) -> bool:
+        return self.refs.get(key, 0) > 0 or key in self.inflight
+
+
