@@ -277,7 +277,7 @@ def test_health_while_loading(live):
 
 
 def test_reasoning_splitter():
-    from strata.server.protocol import ReasoningSplitter
+    from strata.server.render import ReasoningSplitter
 
     def run(pieces, **kw):
         s, r, c = ReasoningSplitter(**kw), [], []
@@ -300,7 +300,7 @@ def test_reasoning_splitter():
 def test_thinking_goes_to_reasoning_content(live):
     """Chat rendering of thinking text, streamed and whole (the random tiny model never opens <think> itself)."""
     from strata.runtime.scheduler import TokenEvent
-    from strata.server.protocol import ChatFormat, Seq, TokenText
+    from strata.server.render import ChatFormat, Seq, TokenText
 
     tok = live.engine.tokenizer
     fmt = ChatFormat(TokenText(tok), logprobs=False, think=True, in_reasoning=False)

@@ -34,19 +34,15 @@ from strata.server.protocol import (
     MAX_CHOICES,
     APIError,
     ChatCompletionRequest,
-    ChatFormat,
-    CompletionFormat,
     CompletionRequest,
     DetokenizeRequest,
-    Seq,
     TokenizeRequest,
-    TokenText,
     bad_request,
     context_error,
-    is_token,
     parse_json_body,
     parse_request,
 )
+from strata.server.render import ChatFormat, CompletionFormat, Seq, TokenText, is_token
 
 log = logging.getLogger("strata.server")
 MAX_BODY_BYTES = 32 << 20  # a longer body is refused before it is read into memory
