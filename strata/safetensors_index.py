@@ -355,3 +355,16 @@ def read_tensor(info: TensorInfo, out: torch.Tensor | None = None) -> torch.Tens
     except OSError as e:
         raise CheckpointError(f"{info.file}: cannot read tensor {info.name!r}: {e.strerror or e}") from e
     return out.view(info.shape)
+
+
+def encode_header(tensors: list[tuple[str, str, tuple[int, ...], int]], align: int = 8) -> bytes:
+    """The 8-byte length + JSON header of a safetensors file holding `tensors` (name, dtype, shape,
+    nbytes) back to back in that order, padded with spaces so the data starts `align`-aligned."""
+    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
+    rel = 0
+    for name, dtype, shape, nbytes in tensors:
+        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [rel, rel + nbytes]}
+        rel += nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % align)
+    return len(raw).to_bytes(8, "little") + raw

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import os
 import re
 import shutil
@@ -26,9 +25,10 @@ from tqdm.auto import tqdm
 from strata.errors import CheckpointError, ConfigError, StrataError
 from strata.fsutil import fsync_dir, pwrite_all, remove_stale_tmp_dirs, temp_sibling
 from strata.runtime.checkpoint import Checkpoint
-from strata.safetensors_index import DTYPE_BITS, DTYPES, TensorInfo
+from strata.safetensors_index import DTYPE_BITS, DTYPES, TensorInfo, encode_header
 from strata.tiers.store import ExpertStore, StaleStoreError
 from strata.tiers.store_format import (
+    ALIGN,
     COPIED_FILES,
     DENSE_NAME,
     DTYPE_NAMES,
@@ -110,14 +110,7 @@ class StoreWriter:
         with spaces (allowed by the format) so the data starts ALIGN-aligned.
         """
         tensors = sorted(tensors, key=lambda t: (-DTYPE_BITS[t.dtype], t.name))
-        header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
-        rel = 0
-        for t in tensors:
-            header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [rel, rel + t.nbytes]}
-            rel += t.nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (align_up(8 + len(raw)) - 8 - len(raw))
-        head = len(raw).to_bytes(8, "little") + raw
+        head = encode_header([(t.name, t.dtype, t.shape, t.nbytes) for t in tensors], align=ALIGN)
         sums: dict[str, int] = {}
         buf = memoryview(bytearray(min(_COPY_CHUNK, max((t.nbytes for t in tensors), default=1))))
         fd = self._create(DENSE_NAME)

@@ -8,7 +8,6 @@ Names follow the checkpoints as they ship on the Hub: one tensor per expert proj
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import re
@@ -18,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.fsutil import pwrite_all
+from strata.safetensors_index import encode_header
 
 _DTYPES = {"BF16": (torch.bfloat16, 2), "F32": (torch.float32, 4)}
 
@@ -171,16 +171,9 @@ def write_safetensors_header(fd: int, specs: list[TensorSpec]) -> list[int]:
     Returns each tensor's absolute byte offset. The file is extended to its final size (sparse until
     the data is written), so tensors can then be pwritten in any order.
     """
-    header: dict[str, dict] = {"__metadata__": {"format": "pt"}}
-    rel = 0
-    for t in specs:
-        header[t.name] = {"dtype": t.dtype, "shape": list(t.shape), "data_offsets": [rel, rel + t.nbytes]}
-        rel += t.nbytes
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)  # pad so the data starts 8-byte aligned, as safetensors itself does
-    head = len(raw).to_bytes(8, "little") + raw
+    head = encode_header([(t.name, t.dtype, t.shape, t.nbytes) for t in specs])  # data 8-byte aligned
     pwrite_all(fd, head, 0)
-    os.ftruncate(fd, len(head) + rel)
+    os.ftruncate(fd, len(head) + sum(t.nbytes for t in specs))
     starts, pos = [], len(head)
     for t in specs:
         starts.append(pos)
