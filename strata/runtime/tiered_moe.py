@@ -38,6 +38,17 @@ class ExpertCompute:
         self.rates = Rates()
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="strata-cpu-experts") if self.split else None
         self.cpu_experts = 0  # experts computed on the CPU (statistics)
+        # set by the scheduler around a step of reproducible requests: cold experts go to the GPU
+        # (GPU hosts) or through the reference math (CPU hosts), never through the forked CPU kernel
+        self.reproducible = False
+
+    @property
+    def use_split(self) -> bool:
+        return self.split and not self.reproducible
+
+    @property
+    def use_fast_cpu(self) -> bool:
+        return self.fast_cpu and not self.reproducible
 
     def cpu_forward(self, layer: int, x: torch.Tensor, weights: torch.Tensor, k: int, groups) -> torch.Tensor:
         """Experts of `groups` from host RAM on the CPU: x [N, H] on the CPU -> partial sum [N, H] fp32."""
@@ -50,7 +61,7 @@ class ExpertCompute:
             try:
                 by_expert = {h.key[1]: (h.gate_up, h.down) for h in handles}
                 nbytes += sum(h.gate_up.nbytes + h.down.nbytes for h in handles)
-                _cpu_apply(x, weights, k, part, by_expert, out, self.fast_cpu)
+                _cpu_apply(x, weights, k, part, by_expert, out, self.use_fast_cpu)
             finally:
                 self.manager.release(handles)
         self.cpu_experts += len(groups)
@@ -81,12 +92,12 @@ class TieredExperts(nn.Module):
         c, k = self.compute, ids.shape[1]
         groups = group_by_expert(ids, self.num_experts)
         if c.device_tier == "cpu":
-            if x.device.type == "cpu" and not c.fast_cpu:
+            if x.device.type == "cpu" and not c.use_fast_cpu:
                 return self._tier_forward(x, weights, k, groups, "cpu")
             y = c.cpu_forward(self.layer, x.cpu(), weights.cpu(), k, [(e, s.cpu()) for e, s in groups])
             return y.to(x.device, x.dtype)
         cpu_part: Future | None = None
-        if c.split:
+        if c.use_split:
             cpu_groups, groups = self._plan_split(groups)
             if cpu_groups:  # activations cross PCIe (small); weights stay in host RAM
                 x_host, w_host = x.float().cpu(), weights.cpu()
