@@ -1,17 +1,21 @@
-"""Decode on tiers: the `bench` demo model (Qwen3-30B-A3B shape) with a fraction of its experts in VRAM.
+"""Decode and prefill on tiers: the `bench` demo model (Qwen3-30B-A3B shape) with part of its experts in VRAM.
 
-    python bench/hotpath.py --model DIR [--gpu-fraction 0.25] [--tokens 32] [--out DIR]
+    python bench/hotpath.py --model DIR [--gpu-fraction 0.25] [--tokens 64] [--prefill 8192] [--out DIR]
 
 Cases, all in this one run on the same weights (the store is built once, on first use):
-  ceiling   every expert in VRAM (runtime.experts = "memory")
-  split     GPU budget = fraction of the expert bytes, the rest in pinned RAM; cold experts split
-            between the CPU kernel and PCIe copies by the cost model (cpu_numerics = "fork")
-  copy      the same budget, cold experts always copied (cpu_numerics = "gpu")
-  cpu       GPU budget 0: every routed expert computed on the CPU from RAM
-Each reports decode tok/s (one stream, 128-token prompt), GPU hit rate, bytes over PCIe per token,
-CPU-computed experts per token, stall seconds per token, and the roofline for that hit rate:
-time per token >= cold bytes per token / (PCIe + CPU rates), with the rates of LIMITS.md
-(55 GB/s PCIe + 70 GB/s CPU). Writes hotpath.json.
+  ceiling        every expert in VRAM (runtime.experts = "memory"), decode steps replayed as CUDA graphs
+  ceiling_eager  the same without graphs (what the graphs are worth)
+  split          GPU budget = fraction of the expert bytes, the rest in pinned RAM; cold experts split
+                 between the CPU kernel and PCIe copies by the cost model (cpu_numerics = "fork")
+  copy           the same budget, cold experts always copied (cpu_numerics = "gpu": bit-exact mode)
+  cpu            GPU budget 0: every routed expert computed on the CPU from RAM
+Decode samples at temperature 1 (fixed seed) so a random-weight model does not repeat itself and
+routing stays close to uniform (the worst case). Each case reports decode tok/s (one stream, 128-token
+prompt), GPU hit rate, bytes over PCIe per token, CPU-computed experts per token, stall per token, and
+the roofline: time per token >= max(GPU time, cold bytes / (PCIe + CPU rates)) with GPU time the
+ceiling's measured step and the rates of LIMITS.md (55 GB/s PCIe + 70 GB/s CPU; only the paths a case
+may use). `--prefill N` also times an N-token prompt (time to first token) in the ceiling and split
+cases. Writes hotpath.json.
 """
 
 from __future__ import annotations
@@ -27,39 +31,76 @@ import torch
 PCIE, CPU = 55e9, 70e9
 
 
-def run_case(model: str, name: str, cfg: dict, tokens: int, device: str = "cuda") -> dict:
+def _delta(before: dict, after: dict, *path) -> float:
+    a, b = after, before
+    for p in path:
+        a, b = a.get(p, {}), b.get(p, {})
+    return (a or 0) - (b or 0)
+
+
+def wait_for_placement(m, limit_s: float = 120.0) -> float:
+    """Seconds until initial placement has filled pinned RAM (and the GPU's share)."""
+    t0 = time.perf_counter()
+    total = len(m.store.keys())
+    while time.perf_counter() - t0 < limit_s:
+        with m._lock:
+            pinned_done = len(m.pinned.slot_of) >= min(m.pinned.capacity, total) and not m.pinned.inflight
+            gpu_done = m.gpu is None or (len(m.gpu.slot_of) >= min(m.gpu.capacity, total) and not m.gpu.inflight)
+        if pinned_done and gpu_done:
+            break
+        time.sleep(0.2)
+    return time.perf_counter() - t0
+
+
+def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device: str = "cuda") -> dict:
     from strata import Engine
 
+    t_load = time.perf_counter()
     engine = Engine.from_pretrained(model, config=cfg, device=device)
+    load_s = time.perf_counter() - t_load
     sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
-    prompt = [100 + i for i in range(128)]
-    engine.generate(prompt, max_tokens=4)  # warm-up: placement, kernels, the CPU kernel's build
+    vocab = engine.checkpoint.config.vocab_size
+    prompt = [(100 + i * 37) % vocab for i in range(128)]
+    engine.generate(prompt, max_tokens=8, temperature=1.0, seed=1)  # warm-up: kernels, graphs, the CPU kernel
     if engine.tiers is not None:
-        time.sleep(2)  # let initial placement land
+        res_wait = wait_for_placement(engine.tiers)  # measure steady state, not the initial fill
+        engine.generate(prompt, max_tokens=8, temperature=1.0, seed=2)
     before = engine.stats()
     sync()
     t0 = time.perf_counter()
-    out = engine.generate(prompt, max_tokens=tokens, stop_token_ids=[])
+    out = engine.generate(prompt, max_tokens=tokens, temperature=1.0, seed=3, stop_token_ids=[])
     sync()
     dt = time.perf_counter() - t0
     after = engine.stats()
     n = max(1, len(out.token_ids))
-    res = {"case": name, "tokens": len(out.token_ids), "seconds": round(dt, 3), "tok_s": round(n / dt, 2)}
+    res = {"case": name, "load_s": round(load_s, 1), "tokens": len(out.token_ids), "seconds": round(dt, 3),
+           "tok_s": round(n / dt, 2), "ms_per_token": round(1000 * dt / n, 2)}
+    if engine.model.graphs is not None:
+        res["graph_replays"] = engine.model.graphs.replays
     t0s, t1s = before["tiers"], after["tiers"]
     if t1s is not None:
-        lookups = t1s["lookups"] - t0s["lookups"]
-        gpu_hits = t1s["tiers"].get("gpu", {}).get("hits", 0) - t0s["tiers"].get("gpu", {}).get("hits", 0)
-        pcie = t1s["paths"].get("pinned->gpu", {}).get("bytes", 0) - t0s["paths"].get("pinned->gpu", {}).get("bytes", 0)
+        lookups = _delta(t0s, t1s, "lookups")
+        gpu_hits = _delta(t0s, t1s, "tiers", "gpu", "hits")
+        pcie = _delta(t0s, t1s, "paths", "pinned->gpu", "bytes")
         cpu_exp = after["cpu_experts_computed"] - before["cpu_experts_computed"]
         slot = engine.tiers.store.payload_bytes
-        cold_bytes = (lookups - gpu_hits) * slot / n
-        roof_s = cold_bytes / (PCIE + CPU) if name == "split" else cold_bytes / (PCIE if name == "copy" else CPU)
         res.update(gpu_hit_rate=round(gpu_hits / lookups, 3) if lookups else None,
+                   cold_bytes_per_token=int((lookups - gpu_hits) * slot / n),
                    pcie_bytes_per_token=int(pcie / n), cpu_experts_per_token=round(cpu_exp / n, 1),
-                   stall_s_per_token=round((t1s["stall_seconds"] - t0s["stall_seconds"]) / n, 4),
-                   roofline_tok_s=round(1 / roof_s, 1) if roof_s else None,
-                   fraction_of_roofline=round((n / dt) * roof_s, 3) if roof_s else None,
-                   cpu_GB_s=round(after["cpu_bytes_per_s"] / 1e9, 1))
+                   stall_s_per_token=round(_delta(t0s, t1s, "stall_seconds") / n, 4),
+                   cpu_GB_s=round(after["cpu_bytes_per_s"] / 1e9, 1), placement_wait_s=round(res_wait, 1),
+                   pinned_capacity=t1s["tiers"]["pinned"]["capacity"], gpu_capacity=t1s["tiers"].get("gpu", {}).get("capacity"),
+                   hits_by_tier={k: v["hits"] - t0s["tiers"].get(k, {}).get("hits", 0) for k, v in t1s["tiers"].items()},
+                   paths={p: {"bytes": v["bytes"], "GB_per_s": v["GB_per_s"]} for p, v in t1s["paths"].items()},
+                   prefetch=t1s["prefetch"])
+    if prefill and name in ("ceiling", "split"):
+        long_prompt = [(100 + i * 7919) % vocab for i in range(prefill)]
+        sync()
+        t0 = time.perf_counter()
+        engine.generate(long_prompt, max_tokens=1, stop_token_ids=[])
+        sync()
+        res["prefill_tokens"] = prefill
+        res["prefill_tok_s"] = round(prefill / (time.perf_counter() - t0), 1)
     engine.close()
     del engine
     gc.collect()
@@ -69,11 +110,25 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, device: str = "cuda"
     return res
 
 
+def add_rooflines(cases: list[dict]) -> None:
+    """time per token >= max(GPU time (the ceiling's step), cold bytes / rates of the paths the case may use)."""
+    ceiling = next((c for c in cases if c.get("case") == "ceiling" and "tok_s" in c), None)
+    gpu_s = 1 / ceiling["tok_s"] if ceiling else 0.0
+    rates = {"split": PCIE + CPU, "copy": PCIE, "cpu": CPU}
+    for c in cases:
+        if c.get("case") in rates and "cold_bytes_per_token" in c:
+            roof_s = max(gpu_s, c["cold_bytes_per_token"] / rates[c["case"]])
+            c["roofline_tok_s"] = round(1 / roof_s, 1) if roof_s else None
+            c["fraction_of_roofline"] = round(c["tok_s"] * roof_s, 3) if roof_s else None
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--gpu-fraction", type=float, default=0.25)
-    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--prefill", type=int, default=0, help="also time a prompt of this many tokens")
+    ap.add_argument("--cases", default="ceiling,ceiling_eager,split,copy,cpu")
     ap.add_argument("--out", default=".")
     ap.add_argument("--cache", default="/dev/shm/strata-cache")
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke run)")
@@ -83,23 +138,29 @@ def main() -> None:
     s = summarize_checkpoint(args.model)
     budget = int(s.bytes_by_role["experts"] * args.gpu_fraction)
     disk = {"path": args.cache, "scrub": False}
-    tiered = {"tiers": {"gpu": {"budget": str(budget)}, "disk": disk}, "runtime": {"max_context": 1024}}
-    cases = [
-        ("ceiling", {"runtime": {"experts": "memory", "max_context": 1024}}),
-        ("split", tiered),
-        ("copy", {**tiered, "runtime": {"max_context": 1024, "cpu_numerics": "gpu"}}),
-        ("cpu", {"tiers": {"gpu": {"budget": "0"}, "disk": disk}, "runtime": {"max_context": 1024}}),
-    ]
+    ctx = max(1024, args.prefill + 256)
+    rt = {"max_context": ctx, "prefill_chunk": min(max(args.prefill, 512), 8192)}
+    tiered = {"tiers": {"gpu": {"budget": str(budget)}, "disk": disk}, "runtime": rt}
+    all_cases = {
+        "ceiling": {"runtime": {**rt, "experts": "memory"}},
+        "ceiling_eager": {"runtime": {**rt, "experts": "memory", "cuda_graphs": False}},
+        "split": tiered,
+        "copy": {**tiered, "runtime": {**rt, "cpu_numerics": "gpu"}},
+        "cpu": {"tiers": {"gpu": {"budget": "0"}, "disk": disk}, "runtime": rt},
+    }
     result = {"model": args.model, "gpu_fraction": args.gpu_fraction, "expert_bytes": s.bytes_by_role["experts"],
               "gpu_budget_bytes": budget, "cases": []}
-    for name, cfg in cases:
+    for name in args.cases.split(","):
         try:
-            result["cases"].append(run_case(args.model, name, cfg, args.tokens, args.device))
+            result["cases"].append(run_case(args.model, name, all_cases[name], args.tokens, args.prefill, args.device))
         except Exception as e:  # noqa: BLE001 - record and go on to the next case
             result["cases"].append({"case": name, "error": f"{type(e).__name__}: {e}"})
             print(name, "failed:", e, flush=True)
+    add_rooflines(result["cases"])
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "hotpath.json").write_text(json.dumps(result, indent=2))
+    for c in result["cases"]:
+        print(json.dumps(c))
 
 
 if __name__ == "__main__":

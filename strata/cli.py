@@ -25,9 +25,16 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
 def _cmd_generate(args: argparse.Namespace) -> int:
     from strata.engine import Engine
 
-    engine = Engine.from_pretrained(args.model, config=args.config, device=args.device, progress=sys.stderr.isatty())
+    config = args.config
+    if args.gpus:  # one model split over several GPUs (runtime.devices)
+        from strata.config import load_config, parse_gpus
+
+        config = load_config(args.config)
+        config.runtime.devices = parse_gpus(args.gpus)
+        config.runtime.__post_init__()
+    engine = Engine.from_pretrained(args.model, config=config, device=args.device, progress=sys.stderr.isatty())
     kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                  seed=args.seed, stop=args.stop or None)
+                  seed=args.seed, stop=args.stop or None, reproducible=args.reproducible)
     if args.chat:
         text = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
         prompt = engine.tokenizer.encode(text, add_special_tokens=False)
@@ -50,7 +57,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 def _cmd_demo_model(args: argparse.Namespace) -> int:
     from strata.runtime.demo_model import write_demo_model
 
-    out = write_demo_model(args.dir, size=args.size, layers=args.layers, progress=True)
+    out = write_demo_model(args.dir, size=args.size, layers=args.layers, progress=True, engram=not args.no_engram,
+                           route_skew=args.route_skew)
     print(f"wrote the {args.size} demo model to {out}")
     return 0
 
@@ -73,7 +81,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    p.add_argument("--reproducible", action="store_true",
+                   help="cold experts on the exact path (the GPU or the reference math): bit-identical to the server's "
+                        "strata_reproducible requests")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--gpus", default=None, help="split the model over these GPUs, e.g. 0,1 (runtime.devices)")
     p.add_argument("--config", default=None, help="config.toml with overrides")
     p.set_defaults(func=_cmd_generate)
 
@@ -104,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p.add_argument("--size", default="small", choices=["tiny", "small", "bench"])
     p.add_argument("--layers", type=int, default=None, help="fewer layers than the size's default")
+    p.add_argument("--no-engram", action="store_true", help="leave out the Engram layers (hashed n-gram tables)")
+    p.add_argument("--route-skew", default="0", metavar="S",
+                   help="expert popularity in the weights: S > 0 Zipf-like (1: typical), 'uniform', 0: plain random")
     p.set_defaults(func=_cmd_demo_model)
     return parser
 

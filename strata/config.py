@@ -64,8 +64,15 @@ class RuntimeConfig:
     threads: int = 0  # torch CPU threads; 0 = torch's default (one per physical core)
     experts: str = "tiered"  # "tiered": served by the tier manager from a store; "memory": all loaded up front
     cpu_numerics: str = "fork"  # "fork": fast CPU expert kernels; "gpu": the reference math, cold experts on the GPU
+    cuda_graphs: bool = True  # replay decode steps from CUDA graphs whenever every expert is resident
+    decode_gap_target: float = 0.5  # seconds a serving step may take while sequences decode (prompt chunks shrink); 0: off
+    prefill_chunk_min: int = 32  # prompt tokens a serving step carries at least while sequences decode
+    devices: list[int] = field(default_factory=list)  # CUDA indices the layers are split over; [] = `device` alone
 
     def __post_init__(self) -> None:
+        gap = self.decode_gap_target
+        if isinstance(gap, bool) or not isinstance(gap, int | float) or not 0 <= gap <= 3600:
+            raise ConfigError(f"runtime.decode_gap_target = {gap!r} is invalid; give seconds in [0, 3600] (0 turns pacing off)")
         if self.cpu_numerics not in ("fork", "gpu"):
             raise ConfigError(f"runtime.cpu_numerics = {self.cpu_numerics!r} is invalid; use \"fork\" or \"gpu\"")
         if self.experts not in ("tiered", "memory"):
@@ -74,10 +81,35 @@ class RuntimeConfig:
             raise ConfigError(f"runtime.device = {self.device!r} is invalid; use one of {', '.join(DEVICE_NAMES)} or cuda:N")
         if self.dtype not in DTYPE_NAMES:
             raise ConfigError(f"runtime.dtype = {self.dtype!r} is invalid; use one of {', '.join(DTYPE_NAMES)}")
-        for key, low in (("max_context", 16), ("prefill_chunk", 1), ("threads", 0)):
+        for key, low in (("max_context", 16), ("prefill_chunk", 1), ("threads", 0), ("prefill_chunk_min", 1)):
             value = getattr(self, key)
             if value < low:
                 raise ConfigError(f"runtime.{key} = {value} is out of range; it must be >= {low}")
+        self._check_devices()
+
+    def _check_devices(self) -> None:
+        """`devices` is a list of distinct CUDA indices; with it, `device` names its first card (or is auto/cuda)."""
+        d = self.devices
+        if not isinstance(d, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in d):
+            raise ConfigError(f"runtime.devices = {d!r} is invalid; use a list of CUDA device indices, e.g. [0, 1]")
+        if len(set(d)) != len(d):
+            raise ConfigError(f"runtime.devices = {d!r} names a device twice; list each GPU once")
+        if d and self.device not in ("auto", "cuda", f"cuda:{d[0]}"):
+            raise ConfigError(f"runtime.device = {self.device!r} conflicts with runtime.devices = {d!r}; set "
+                              f'runtime.device = "auto" (or "cuda:{d[0]}") or drop runtime.devices')
+
+    @property
+    def primary_device(self) -> str:
+        """The card the engine runs on: the first of `devices` (inputs, sampling), else `device`."""
+        return f"cuda:{self.devices[0]}" if self.devices else self.device
+
+
+def parse_gpus(text: str, key: str = "--gpus") -> list[int]:
+    """"0,1" -> [0, 1] for `--gpus` (checked like runtime.devices once set on the config)."""
+    try:
+        return [int(p) for p in text.split(",") if p.strip()]
+    except ValueError:
+        raise ConfigError(f"{key} {text!r} is not a list of GPU indices; use e.g. {key} 0,1") from None
 
 
 @dataclass
@@ -202,6 +234,30 @@ class PlannerConfig:
 
 
 @dataclass
+class EngramTierConfig:
+    """[engram]: where Engram lookup tables live and how their rows are cached and fetched."""
+
+    tier: str = "auto"  # where the full tables live: "auto" | "gpu" | "pinned" | "tmpfs" | "disk"
+    row_cache: str | int = _size_field("auto")  # hot-row cache on the compute device; "auto": 1/8 of the tables, <= 1 GiB
+    prefetch: bool = True  # start fetching rows when token ids exist (before the forward pass reaches the layer)
+    read_batch: int = 4096  # rows per background read job (many jobs in flight)
+
+    def __post_init__(self) -> None:
+        if self.tier not in ("auto", "gpu", "pinned", "tmpfs", "disk"):
+            raise ConfigError(f'engram.tier = {self.tier!r} is invalid; use "auto", "gpu", "pinned", "tmpfs" or "disk"')
+        parse_size(self.row_cache, "engram.row_cache")
+        if not isinstance(self.prefetch, bool):
+            raise ConfigError(f"engram.prefetch must be true or false, got {self.prefetch!r}")
+        if self.read_batch < 1:
+            raise ConfigError(f"engram.read_batch = {self.read_batch} is out of range; it must be >= 1")
+
+    @property
+    def row_cache_bytes(self) -> int | None:
+        """The row cache in bytes, None for "auto"."""
+        return parse_size(self.row_cache, "engram.row_cache")
+
+
+@dataclass
 class StrataConfig:
     """The whole configuration; later sections (server) extend it."""
 
@@ -210,6 +266,7 @@ class StrataConfig:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
+    engram: EngramTierConfig = field(default_factory=EngramTierConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """Every section as nested dicts (TOML-shaped)."""

@@ -11,6 +11,7 @@ lock (the server's scheduler batches requests on top of the same runtime).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -96,9 +97,15 @@ class Engine:
         tokenizer = Tokenizer.from_dir(loaded.checkpoint.directory)
         return cls(loaded, tokenizer, cfg)
 
-    def scheduler(self, max_batch: int = 8, token_budget: int = 512, max_queue: int = 64) -> Scheduler:
-        """A continuous-batching scheduler over this engine's model (with its own KV cache of `max_batch` slots)."""
-        return Scheduler(self, max_batch=max_batch, token_budget=token_budget, max_queue=max_queue)
+    def scheduler(self, max_batch: int = 8, token_budget: int = 512, max_queue: int = 64,
+                  decode_gap_target: float | None = None) -> Scheduler:
+        """A continuous-batching scheduler over this engine's model (with its own KV cache of `max_batch` slots).
+
+        `decode_gap_target` (seconds; None: `runtime.decode_gap_target`) bounds a step's time while
+        sequences decode by shrinking the prompt chunks that share it; 0 lets chunks fill `token_budget`.
+        """
+        return Scheduler(self, max_batch=max_batch, token_budget=token_budget, max_queue=max_queue,
+                         decode_gap_target=decode_gap_target)
 
     def close(self) -> None:
         """Stop the tier manager's threads and free its memory (the engine is unusable afterwards)."""
@@ -115,24 +122,31 @@ class Engine:
     # ---- generation -------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, stop: str | list[str] | None = None,
-                 stop_token_ids: list[int] | None = None) -> GenerationOutput:
-        """Generate a completion of `prompt` (text, or token ids) and return it whole."""
+                 stop_token_ids: list[int] | None = None, reproducible: bool = False) -> GenerationOutput:
+        """Generate a completion of `prompt` (text, or token ids) and return it whole.
+
+        `reproducible=True` computes cold experts on the exact path (the GPU, or the CPU's reference math)
+        instead of the fast CPU kernel; the tokens then equal those of a reproducible request served by
+        `engine.scheduler()` bit for bit, whatever else that scheduler runs.
+        """
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 stop=stop, stop_token_ids=stop_token_ids or [])
         result = GenerationOutput("", [], "length")
-        result.text = "".join(self._run(prompt, params, result))
+        result.text = "".join(self._run(prompt, params, result, reproducible))
         return result
 
     def stream(self, prompt: str | Sequence[int], max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: int | None = None, stop: str | list[str] | None = None,
-               stop_token_ids: list[int] | None = None) -> Iterator[str]:
+               stop_token_ids: list[int] | None = None, reproducible: bool = False) -> Iterator[str]:
         """Like `generate`, but yield text pieces as tokens are produced."""
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 stop=stop, stop_token_ids=stop_token_ids or [])
-        yield from self._run(prompt, params, GenerationOutput("", [], "length"))
+        yield from self._run(prompt, params, GenerationOutput("", [], "length"), reproducible)
 
     def chat(self, messages: list[dict], **kwargs) -> GenerationOutput:
-        """Apply the checkpoint's chat template to `messages` and generate the assistant's reply."""
+        """Apply the checkpoint's chat template to `messages` and generate the assistant's reply.
+
+        Keyword arguments are those of `generate` (`reproducible=True` included)."""
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return self.generate(ids, **kwargs)
@@ -153,6 +167,7 @@ class Engine:
         return {
             "experts": "tiered" if self.tiers is not None else "memory",
             "tiers": tiers,
+            "engram": self.model.engram.stats() if getattr(self.model, "engram", None) is not None else None,
             "cpu_experts_computed": self._compute.cpu_experts if self._compute is not None else 0,
             "cpu_bytes_per_s": self._compute.rates.cpu_bytes_per_s if self._compute is not None else 0.0,
             "model": str(self.checkpoint.directory),
@@ -168,6 +183,19 @@ class Engine:
         }
 
     # ---- internals --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _numerics(self, reproducible: bool) -> Iterator[None]:
+        """While generating a reproducible request: the tiered expert compute takes its exact path."""
+        compute = self._compute
+        was = getattr(compute, "reproducible", False)
+        if compute is not None:
+            compute.reproducible = reproducible or was
+        try:
+            yield
+        finally:
+            if compute is not None:
+                compute.reproducible = was
+
     def check_token_ids(self, token_ids: Sequence[int]) -> list[int]:
         vocab = self.checkpoint.config.vocab_size
         try:
@@ -186,8 +214,11 @@ class Engine:
             return self.check_token_ids(self.tokenizer.encode(prompt))
         return self.check_token_ids(prompt)
 
-    def _run(self, prompt: str | Sequence[int], params: SamplingParams, result: GenerationOutput) -> Iterator[str]:
+    def _run(self, prompt: str | Sequence[int], params: SamplingParams, result: GenerationOutput,
+             reproducible: bool = False) -> Iterator[str]:
         """Generate under the lock, yielding text pieces and filling `result` as it goes."""
+        if not isinstance(reproducible, bool):
+            raise RequestError(f"reproducible must be True or False, got {reproducible!r}")
         ids = self._encode_prompt(prompt)
         if len(ids) >= self.max_context:
             raise RequestError(
@@ -198,7 +229,7 @@ class Engine:
         eos = set() if params.ignore_eos else self.eos_token_ids | set(params.stop_token_ids)
         decoder, stopper = StreamDecoder(self.tokenizer), StopMatcher(params.stop)
         generator = make_generator(params.seed, self.device)
-        with self._lock:
+        with self._lock, self._numerics(reproducible):
             self._counters.requests += 1
             t0 = time.perf_counter()
             t_first = None

@@ -102,6 +102,6 @@ def test_root_config_documents_every_section():
     import tomllib
 
     data = tomllib.loads((ROOT / "config.toml").read_text())
-    assert set(data) == {"runtime", "tiers", "policy", "prefetch", "planner"}
+    assert set(data) == {"runtime", "tiers", "policy", "prefetch", "planner", "engram"}
     assert set(data["tiers"]) == {"gpu", "pinned", "tmpfs", "disk"}
     assert load_config(data).to_dict() == StrataConfig().to_dict()

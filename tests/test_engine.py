@@ -163,3 +163,27 @@ def test_default_model_is_built_on_first_use(tmp_path, monkeypatch):
     engine = Engine.from_pretrained(device="cpu")
     assert str(engine.checkpoint.directory).startswith(str(tmp_path))
     assert engine.generate("hi", max_tokens=2).finish_reason in ("stop", "length")
+
+
+def test_reproducible_generation_takes_the_exact_path_and_restores_it(tiny_engine):
+    compute = tiny_engine._compute
+    assert compute is not None and compute.reproducible is False
+    kwargs = dict(max_tokens=8, temperature=0.8, seed=4)
+    pieces = tiny_engine.stream("Tell me", reproducible=True, **kwargs)
+    next(pieces)
+    assert compute.reproducible is True  # while the request runs
+    pieces.close()
+    assert compute.reproducible is False
+    before = tiny_engine.stats()["cpu_experts_computed"]
+    a = tiny_engine.generate("Tell me", reproducible=True, **kwargs)
+    if compute.fast_cpu:  # the forked CPU kernel computed nothing: the reference math did
+        assert tiny_engine.stats()["cpu_experts_computed"] == before
+    assert a.token_ids == tiny_engine.generate("Tell me", reproducible=True, **kwargs).token_ids
+    messages = [{"role": "user", "content": "hi"}]
+    ids = tiny_engine.tokenizer.encode(tiny_engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True),
+                                       add_special_tokens=False)
+    assert tiny_engine.chat(messages, reproducible=True, **kwargs).token_ids == \
+        tiny_engine.generate(ids, reproducible=True, **kwargs).token_ids
+    with pytest.raises(RequestError, match="reproducible"):
+        tiny_engine.generate("Hi", reproducible="yes")
+    assert compute.reproducible is False

@@ -47,7 +47,7 @@ def check_invariants(p: Plan) -> None:
     assert all(0.0 <= t.fraction <= 1.0 for t in p.tiers)
     for t in p.tiers:
         assert 0 <= t.bytes <= t.budget_bytes, t
-    assert p.tier("gpu").slots + p.tier("pinned").slots <= p.total_experts
+    assert p.tier("gpu").slots <= p.total_experts and p.tier("pinned").slots <= p.total_experts  # pinned is inclusive
     assert p.tier("disk").slots == p.total_experts
     for g in p.gpus:
         assert g.non_expert_bytes + g.kv_bytes + g.reserve_bytes + g.expert_bytes <= g.free_bytes
@@ -98,9 +98,11 @@ def test_qwen3_30b_on_a_24gib_gpu(q30b):
     room = 24 * GiB - g.non_expert_bytes - p.kv_bytes - 2 * GiB
     assert g.expert_room_bytes == room and g.slots == room // Q30B_EXPERT
     assert p.tier("gpu").fraction == pytest.approx(g.slots / 6144)
-    # the rest fits in 64 GiB of RAM minus the 6.4 GiB margin: pinned takes every remaining expert
+    # every expert fits in 64 GiB of RAM minus the 6.4 GiB margin: pinned holds them all (the GPU's too,
+    # as the source of its copies), so nothing is ever read from disk
     assert p.ram_margin_bytes == int(0.1 * 64 * GiB)
-    assert p.tier("pinned").slots == 6144 - g.slots and p.tier("disk").fraction == pytest.approx(0.0)
+    assert p.tier("pinned").slots == 6144 and p.tier("disk").fraction == pytest.approx(0.0)
+    assert p.tier("pinned").fraction == pytest.approx(1 - g.slots / 6144)
 
 
 def test_small_ram_leaves_experts_on_disk(q30b):

@@ -10,7 +10,7 @@ import torch
 
 from strata import RequestError
 from strata.runtime.sampler import SamplingParams
-from strata.runtime.scheduler import GenRequest, QueueFullError
+from strata.runtime.scheduler import GenRequest, QueueFullError, Scheduler
 
 
 def run_all(sched, requests):
@@ -136,3 +136,124 @@ def test_many_threads_submit(tiny_engine, sched):
     for i, toks in results.items():
         assert toks == tiny_engine.generate(ps[i % len(ps)], max_tokens=6).token_ids
     assert torch.is_grad_enabled()  # the scheduler thread's inference_mode does not leak
+
+
+# ---- reproducible requests ---------------------------------------------------------------------------------
+
+
+def _trace(events):
+    """Tokens with their log-probabilities: equal floats mean bit-identical logits."""
+    return [(e.token_id, e.logprob, e.top_logprobs) for e in events if e.token_id is not None]
+
+
+def test_reproducible_request_is_bit_identical_alone_and_in_a_batch(tiny_engine):
+    """The same seeded sampling request, alone and submitted among three others that prefill and decode with it."""
+    ps = prompts(tiny_engine)
+    s = tiny_engine.scheduler(max_batch=4, token_budget=24, max_queue=16)
+    s.repro_chunk = 8  # the 11-token prompt crosses a chunk boundary (the default is runtime.prefill_chunk)
+    s.start()
+    try:
+        def mine():
+            return GenRequest(ps[1], SamplingParams(max_tokens=16, temperature=0.9, top_p=0.95, seed=7), logprobs=3,
+                              prompt_logprobs=2, reproducible=True)
+
+        [alone] = run_all(s, [mine()])
+        others = [GenRequest(ps[i], SamplingParams(max_tokens=20, temperature=0.8, seed=i, ignore_eos=True)) for i in (0, 3)]
+        batch = run_all(s, [others[0], mine(), others[1],
+                            GenRequest(ps[4], SamplingParams(max_tokens=20, seed=11, temperature=1.0), reproducible=True)])
+        assert len(_trace(alone)) == 16
+        assert _trace(batch[1]) == _trace(alone)
+        assert batch[1][0].prompt_logprobs == alone[0].prompt_logprobs
+        assert "".join(e.text for e in batch[1]) == "".join(e.text for e in alone)
+        assert all(len(tokens_of(ev)) == 20 for ev in (batch[0], batch[2]))
+        assert max(st["passes"] for st in s.recent_steps()) >= 2  # they really ran beside each other
+    finally:
+        s.stop()
+    assert tiny_engine._compute.reproducible is False  # the scheduler restores the compute's mode
+
+
+def test_reproducible_request_equals_engine_generate(tiny_engine, sched):
+    """Through the scheduler (busy with others) and through `Engine.generate(reproducible=True)`: the same tokens."""
+    ps = prompts(tiny_engine)
+    sp = SamplingParams(max_tokens=12, temperature=0.7, seed=5)
+    busy = [GenRequest(p, SamplingParams(max_tokens=12, ignore_eos=True)) for p in ps[:3]]
+    results = run_all(sched, [*busy, GenRequest(ps[3], sp, reproducible=True)])
+    solo = tiny_engine.generate(ps[3], max_tokens=12, temperature=0.7, seed=5, reproducible=True)
+    assert tokens_of(results[-1]) == solo.token_ids
+
+
+def test_reproducible_must_be_a_bool():
+    with pytest.raises(RequestError, match="reproducible"):
+        GenRequest([1, 2], SamplingParams(max_tokens=2), reproducible="required")
+
+
+# ---- prefill pacing under decode pressure ------------------------------------------------------------------
+
+
+def test_prompt_chunks_shrink_while_others_decode(tiny_engine):
+    """With a gap target no step can meet, prompts advance by the minimum chunk while sequences decode,
+    by the whole budget while none do, and results still equal solo runs."""
+    s = Scheduler(tiny_engine, max_batch=4, token_budget=64, max_queue=8, decode_gap_target=1e-9, prefill_chunk_min=4)
+    s.start()
+    try:
+        short = tiny_engine.tokenizer.encode("hello there")
+        long = tiny_engine.tokenizer.encode(" ".join(f"word{i}" for i in range(40)))
+        assert len(long) > 48
+        first = s.submit(GenRequest(short, SamplingParams(max_tokens=2000, ignore_eos=True)))
+        it = first.iter_events(timeout=60)
+        next(it)  # decoding now, and until it is cancelled
+        later = s.submit(GenRequest(long, SamplingParams(max_tokens=3)))
+        out = list(later.iter_events(timeout=60))
+        first.cancel()
+        assert list(it)[-1].finish_reason == "abort"
+    finally:
+        s.stop()
+    steps = s.recent_steps()
+    assert steps[0]["decode"] == 0 and steps[0]["prompt"] == len(short)  # nobody decoding: no pacing
+    pressured = [st for st in steps if st["decode"] and st["prompt"]]
+    assert pressured and all(st["prompt"] <= 4 for st in pressured)
+    assert tokens_of(out) == tiny_engine.generate(long, max_tokens=3).token_ids
+    assert s.stats()["prefill_allowance"] == 4
+
+
+def test_pacing_off_fills_the_token_budget(tiny_engine):
+    s = tiny_engine.scheduler(max_batch=2, token_budget=32, decode_gap_target=0)
+    s.start()
+    try:
+        first = s.submit(GenRequest([5, 6, 7], SamplingParams(max_tokens=2000, ignore_eos=True)))
+        it = first.iter_events(timeout=60)
+        next(it)
+        later = s.submit(GenRequest(list(range(10, 90)), SamplingParams(max_tokens=1)))
+        list(later.iter_events(timeout=60))
+        first.cancel()
+        list(it)
+    finally:
+        s.stop()
+    assert max(st["prompt"] for st in s.recent_steps() if st["decode"]) == 31
+
+
+@pytest.mark.gpu
+def test_reproducible_on_gpu_with_cold_experts_in_fork_mode(tiny_model_dir):
+    """On CUDA with most experts cold and the CPU split on ("fork"): alone, in a batch, and Engine.generate agree."""
+    from strata import Engine
+
+    slot = 12288  # one tiny-model expert in bf16
+    cfg = {"tiers": {"gpu": {"budget": str(4 * slot)}}, "runtime": {"cpu_numerics": "fork"}}
+    with Engine.from_pretrained(tiny_model_dir, device="cuda", config=cfg) as engine:
+        ps = prompts(engine)
+        s = engine.scheduler(max_batch=4, token_budget=64)
+        s.start()
+        try:
+            def mine():
+                return GenRequest(ps[3], SamplingParams(max_tokens=16, temperature=0.9, seed=2), logprobs=2,
+                                  reproducible=True)
+
+            [alone] = run_all(s, [mine()])
+            others = [GenRequest(ps[i], SamplingParams(max_tokens=16, temperature=0.8, seed=i)) for i in (0, 1, 2)]
+            batch = run_all(s, [others[0], mine(), others[1], others[2]])
+        finally:
+            s.stop()
+        assert _trace(batch[1]) == _trace(alone)
+        solo = engine.generate(ps[3], max_tokens=16, temperature=0.9, seed=2, reproducible=True)
+        assert tokens_of(alone) == solo.token_ids
+        assert engine._compute.reproducible is False

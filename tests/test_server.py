@@ -207,6 +207,36 @@ def test_eight_concurrent_streams_match_solo_runs(live):
     assert [results.get(i) for i in range(8)] == solo
 
 
+def test_reproducible_field_gives_identical_tokens_alone_and_among_others(live):
+    """`strata_reproducible: "required"`: the same tokens and log-probabilities (bit for bit) alone and while three
+    other streams share the scheduler; "off" is accepted and batched as usual."""
+    body = {"model": MODEL, "prompt": "The experts of a mixture", "max_tokens": 16, "temperature": 0.9, "seed": 11,
+            "top_p": 0.9, "top_k": 40, "logprobs": 2, "strata_reproducible": "required"}
+
+    def post(b: dict) -> dict:
+        r = httpx.post(live.url + "/v1/completions", json=b, timeout=60)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]
+
+    alone = post(body)
+    others: list[dict] = []
+    threads = [threading.Thread(target=lambda i=i: others.append(post(
+        {"model": MODEL, "prompt": f"Other story {i} and more words", "max_tokens": 200, "temperature": 0.7, "seed": i,
+         "ignore_eos": True, "strata_reproducible": "off"}))) for i in range(3)]
+    for t in threads:
+        t.start()
+    assert _wait_for(lambda: live.scheduler.stats()["running"] >= 1, 10)
+    inside = post(body)
+    for t in threads:
+        t.join(60)
+    assert len(others) == 3 and inside["text"] == alone["text"]
+    assert inside["logprobs"]["token_logprobs"] == alone["logprobs"]["token_logprobs"]
+    assert inside["logprobs"]["top_logprobs"] == alone["logprobs"]["top_logprobs"]
+    solo = live.engine.generate("The experts of a mixture", max_tokens=16, temperature=0.9, top_p=0.9, top_k=40, seed=11,
+                                reproducible=True)
+    assert alone["text"] == solo.text
+
+
 def _wait_for(cond, timeout: float = 10.0) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -347,6 +377,16 @@ def test_serve_dry_run_prints_plan_and_binds_nothing(tiny_model_dir, held_port):
     assert r.returncode == 0, r.stderr
     assert "plan for" in r.stdout and "NUMA:" in r.stdout and "[runtime]" in r.stdout and "[serve]" in r.stdout
     assert f"127.0.0.1:{held_port}/v1" in r.stdout and "max_batch = 8" in r.stdout
+    assert "decode_gap_target = 0.5" in r.stdout
+
+
+def test_serve_decode_gap_target_flag(tiny_model_dir, held_port):
+    r = _serve(str(tiny_model_dir), "--dry-run", "--port", str(held_port), "--decode-gap-target", "0.25")
+    assert r.returncode == 0, r.stderr
+    assert "decode_gap_target = 0.25" in r.stdout
+    r = _serve(str(tiny_model_dir), "--dry-run", "--decode-gap-target", "-1")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1 and "--decode-gap-target" in lines[0]
 
 
 def test_serve_refuses_a_plan_that_cannot_fit_before_binding(tiny_model_dir, tmp_path, held_port):
@@ -411,4 +451,8 @@ def test_serve_end_to_end_and_sigterm(tiny_model_dir):
 def test_stats_json_is_serialisable(live):
     stats = httpx.get(live.url + "/v1/strata/stats").json()
     json.dumps(stats)
-    assert stats["served_model"] == MODEL
+    assert stats["served_model"] == MODEL and "recent_steps" not in stats
+    assert stats["scheduler"]["decode_gap_target_s"] == live.engine.config.runtime.decode_gap_target
+    _chat(live.client(), max_tokens=2)
+    steps = httpx.get(live.url + "/v1/strata/stats?steps=1").json()["recent_steps"]
+    assert steps and {"t", "seconds", "decode", "prompt", "passes", "allowance"} <= set(steps[-1])

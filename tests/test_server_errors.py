@@ -58,6 +58,8 @@ CHAT_BAD = [
     ("top_logprobs", 21, "top_logprobs"), ("top_logprobs", 2, "top_logprobs"), ("top_logprobs", -1, "top_logprobs"), ("stop_token_ids", [-1], "stop_token_ids"),
     ("ignore_eos", "no", "ignore_eos"), ("stream_options", {"include_usage": True}, "stream_options"),
     ("stream_options", "yes", "stream_options"), ("strata_reproducible", "always", "strata_reproducible"),
+    ("strata_reproducible", True, "strata_reproducible"), ("strata_reproducible", "preferred", "strata_reproducible"),
+    ("strata_reproducible", 1, "strata_reproducible"),
     ("chat_template_kwargs", [1], "chat_template_kwargs"),
 ]
 COMP_BAD = [
@@ -123,6 +125,14 @@ def test_empty_messages_and_context_length(live):
     _assert_error(_post(live, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user",
                                                                                      "content": long_text}]}),
                   400, "messages", "context_length_exceeded")
+
+
+def test_reproducible_sampling_without_a_seed_is_400(live):
+    body = {**COMP_BASE, "strata_reproducible": "required", "temperature": 0.8}
+    err = _assert_error(_post(live, "/v1/completions", body), 400, "seed")
+    assert "seed" in err["message"]
+    for ok in ({"seed": 3}, {"temperature": 0}):
+        assert _post(live, "/v1/completions", {**body, **ok}).status_code == 200
 
 
 def test_other_routes_errors(live):

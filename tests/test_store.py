@@ -86,7 +86,13 @@ def test_store_matches_checkpoint_bit_exactly(sources, tmp_path, name):
     # dense.safetensors: every non-expert tensor, same names, same bytes; readable by TensorIndex
     dense = TensorIndex.from_dir(store_dir)
     want = [n for n in ckpt.index.names() if not re.search(r"\.(mlp|block_sparse_moe)\.experts\.", n)]
+    tables = [n for n in want if n.endswith(".engram.multi_head_embedding.embedding.weight")]  # Engram: table objects
+    want = [n for n in want if n not in tables]
     assert sorted(dense.names()) == sorted(want)
+    for n in tables:  # each Engram table is a row-addressable object with the checkpoint's bytes
+        rows = ckpt.index[n].shape[0]
+        got = store.rows_view(f"engram.{n.split('.')[2]}", store.read_rows(f"engram.{n.split('.')[2]}", range(rows)))
+        assert torch.equal(bits(got), bits(ckpt.index.load(n)))
     for n in want:
         assert dense[n].offset % ckpt.index.load(n).element_size() == 0
         assert dense[n].dtype == ckpt.index[n].dtype and dense[n].shape == ckpt.index[n].shape

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.runtime.kv_cache import StepBatch
+from strata.runtime.kv_cache import DecodeBatch, StepBatch
 from strata.runtime.layers import RMSNorm
 from strata.runtime.model_config import ModelConfig
 from strata.runtime.rope import apply_rope
@@ -42,6 +42,25 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window
     return out[0]
 
 
+def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, window: int | None,
+                  scale: float) -> torch.Tensor:
+    """One new query per sequence over a fixed-length cache window, masked by position.
+
+    q [B, heads, d], k [B, L, kv_heads, d], v [B, L, kv_heads, dv], pos [B] -> [B, heads, dv].
+    Keys at positions > pos (not written yet, or another step's) and, with a window, older than
+    `window` are masked, so the shapes depend only on B and L (CUDA-graph friendly).
+    """
+    kpos = torch.arange(k.shape[1], device=q.device)[None, :]
+    mask = kpos <= pos[:, None]  # [B, L]
+    if window is not None:
+        mask &= kpos > pos[:, None] - window
+    out = F.scaled_dot_product_attention(
+        q[:, :, None, :], k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask[:, None, None, :], scale=scale,
+        enable_gqa=q.shape[1] != k.shape[2],
+    )
+    return out[:, :, 0]
+
+
 class GQAAttention(nn.Module):
     """Grouped-query attention with optional q/k RMSNorm (Qwen3) and q/k/v biases (Qwen2)."""
 
@@ -66,6 +85,13 @@ class GQAAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         k_cache, v_cache = cache
+        if isinstance(batch, DecodeBatch):
+            k_cache[batch.slots_t, batch.pos_t] = k
+            v_cache[batch.slots_t, batch.pos_t] = v
+            length = batch.kv_len
+            o = attend_decode(q, k_cache[batch.slots_t, :length], v_cache[batch.slots_t, :length], batch.pos_t,
+                              self.window, self.scale)
+            return self.o_proj(o.reshape(n, -1))
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
         for slot, start, off, length in batch.sequences():
             end = start + length
@@ -120,6 +146,15 @@ class MLAAttention(nn.Module):
         k_rot = apply_rope(k_rot[:, None, :], cos, sin, self.interleave)[:, 0]
         q = torch.cat((q_nope, q_rot), dim=-1)  # [N, heads, qk]
         lat_cache, rot_cache = cache
+        if isinstance(batch, DecodeBatch):
+            lat_cache[batch.slots_t, batch.pos_t] = latent
+            rot_cache[batch.slots_t, batch.pos_t] = k_rot
+            length = batch.kv_len
+            kv = self.kv_b_proj(lat_cache[batch.slots_t, :length]).view(n, length, nh, self.nope + self.v_dim)
+            k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+            rot = rot_cache[batch.slots_t, :length, None, :].expand(n, length, nh, self.rope_dim)
+            o = attend_decode(q, torch.cat((k_nope, rot), dim=-1), v, batch.pos_t, None, self.scale)
+            return self.o_proj(o.reshape(n, -1))
         out = torch.empty(n, nh, self.v_dim, dtype=x.dtype, device=x.device)
         for slot, start, off, length in batch.sequences():
             end = start + length

@@ -18,6 +18,8 @@ from strata.config import DiskTierConfig, StrataConfig
 from strata.errors import StrataError
 from strata.runtime.checkpoint import Checkpoint
 from strata.runtime.convert import convert_checkpoint
+from strata.runtime.engram_store import attach_row_store, drop_tables
+from strata.runtime.graphs import current_recorder
 from strata.runtime.host import probe_host
 from strata.runtime.loader import load_model
 from strata.runtime.model import MoETransformer
@@ -82,12 +84,18 @@ def ensure_store(path: Path, cfg: StrataConfig, progress: bool) -> Path:
 
 def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> LoadedModel:
     """Load `path` (a checkpoint or a store) as `cfg` says."""
+    if len(cfg.runtime.devices) > 1:  # one model over several GPUs: stages of layers, one per card
+        from strata.runtime.multi_device import build_multi_device
+
+        return build_multi_device(path, cfg, progress)
     if cfg.runtime.experts == "memory":
-        device = resolve_device(cfg.runtime.device)
+        device = resolve_device(cfg.runtime.primary_device)
         dtype = _DTYPES.get(cfg.runtime.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         checkpoint = Checkpoint.open(path)
         model = load_model(checkpoint, dtype, device, progress=progress)
         max_context = min(cfg.runtime.max_context, checkpoint.config.max_position_embeddings)
+        if device.type == "cuda":
+            model.enable_decode_graphs(lambda: "full" if cfg.runtime.cuda_graphs else None)
         return LoadedModel(checkpoint, model, device, dtype, max_context)
 
     source = None if is_store(path) else path
@@ -108,10 +116,19 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
         from strata.kernels.cpu_experts import backend
 
         backend()  # build (or load) the CPU expert kernel now, not inside the first request
+        compute.calibrate_cpu()  # the cost model starts from the kernel's measured rate
     model = load_model(checkpoint, dtype, device, progress=progress,
-                       prepare=lambda m: use_tiered_experts(m, compute))
+                       prepare=lambda m: (use_tiered_experts(m, compute), drop_tables(m)))
+    if model.engram is not None:  # Engram tables: served by the tiered row store, checked before serving
+        attach_row_store(model, checkpoint.store, cfg, device, host.ram_available)
+    if device.type == "cuda":  # one graph per step once every expert is resident; until then, graphs between host steps
+        model.enable_decode_graphs(
+            lambda: None if not cfg.runtime.cuda_graphs else "full" if compute.all_resident() else "segmented")
     if cfg.prefetch.lookahead > 0:
-        model.after_layer = LookaheadPrefetcher(manager, router_predictors(model), cfg.prefetch.lookahead, device_tier)
+        compute.prefetcher = LookaheadPrefetcher(manager, router_predictors(model), cfg.prefetch.lookahead, device_tier,
+                                                 idle=compute.all_resident)
+        compute.prefetcher.recorder = current_recorder
+        model.after_layer = compute.prefetcher
     if cfg.tiers.disk.scrub:
         manager.scrub()  # lowest priority: real traffic and initial placement go first
     # initial placement in the background: RAM first, then the GPU's share

@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from strata.errors import CheckpointError, ConfigError, StrataError
 from strata.fsutil import fsync_dir, pwrite_all, remove_stale_tmp_dirs, temp_sibling
 from strata.runtime.checkpoint import Checkpoint
+from strata.runtime.engram_store import is_table_tensor, write_tables
 from strata.safetensors_index import DTYPE_BITS, DTYPES, TensorInfo, encode_header
 from strata.tiers.store import ExpertStore, StaleStoreError
 from strata.tiers.store_format import (
@@ -271,7 +272,8 @@ def _convert(checkpoint_dir: str | os.PathLike, store_dir: str | os.PathLike, pr
             for layer, experts in layers:
                 for blob in writer.write_layer(layer, experts, meta["payload_bytes"]):
                     blobs[blob.key] = blob
-            index = StoreIndex(**meta, blobs=blobs, dense=dense_entry, copied_files=copied)
+            tables = write_tables(writer, ckpt)  # Engram tables as row-addressable objects
+            index = StoreIndex(**meta, blobs=blobs, tables=tables, dense=dense_entry, copied_files=copied)
             writer.write_index(index)  # last: only now is tmp a store
             try:
                 os.rename(tmp, out)  # atomic; also replaces an empty directory
@@ -309,7 +311,7 @@ def _plan(ckpt: Checkpoint, fingerprint: str) -> tuple[dict, list[TensorInfo], l
     es = DTYPES[dtype][1]
     layers = [(layer, _layer_pieces(ckpt, layer, dtype, e_num, i, h)) for layer in moe]
     # routed experts of layers outside config's MoE layers (DeepSeek's MTP layer) are never run: skipped
-    dense = [t for t in ckpt.index if not _ROUTED.search(t.name)]
+    dense = [t for t in ckpt.index if not _ROUTED.search(t.name) and not is_table_tensor(t.name)]  # Engram: tables
     payload = 3 * i * h * es
     meta = dict(
         source_fingerprint=fingerprint, model_type=cfg.model_type, num_layers=cfg.num_layers, moe_layers=moe,

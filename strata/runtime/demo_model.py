@@ -30,6 +30,7 @@ import torch
 
 from strata.errors import ConfigError
 from strata.fsutil import cache_root, pwrite_all, remove_stale_tmp_dirs, temp_sibling
+from strata.runtime.demo_skew import RouteSkew, check_skew
 from strata.runtime.demo_tokenizer import ENDOFTEXT, IM_END, SPECIAL_IDS, tokenizer_size, write_tokenizer_files
 from strata.runtime.demo_weights import TensorSpec, make_tensor, tensor_specs, write_safetensors_header
 
@@ -146,6 +147,8 @@ class DemoSpec:
     layers: int | None = None
     seed: int = 0
     max_shard_bytes: int = DEFAULT_SHARD_BYTES
+    engram: bool = True  # Engram layers (hashed n-gram tables); False: `--no-engram`
+    route_skew: float | str = 0.0  # routing popularity in the weights: S > 0 or "uniform" (demo_skew); 0: none
 
     def __post_init__(self) -> None:
         if self.size not in DEMO_SIZES:
@@ -161,6 +164,7 @@ class DemoSpec:
             raise ConfigError(f"demo model seed {self.seed!r} is invalid; use a non-negative integer")
         if not isinstance(self.max_shard_bytes, int) or self.max_shard_bytes <= 0:
             raise ConfigError(f"max_shard_bytes {self.max_shard_bytes!r} is invalid; use a positive byte count")
+        object.__setattr__(self, "route_skew", check_skew(self.route_skew))
 
     @property
     def num_layers(self) -> int:
@@ -168,11 +172,12 @@ class DemoSpec:
 
     def marker(self) -> dict:
         """The identity recorded in `MARKER` (shard size is not part of it: the weights are the same)."""
-        return {"strata_demo": 1, "size": self.size, "num_hidden_layers": self.num_layers, "seed": self.seed}
+        return {"strata_demo": 1, "size": self.size, "num_hidden_layers": self.num_layers, "seed": self.seed,
+                "engram": self.engram, **({"route_skew": self.route_skew} if self.route_skew else {})}
 
 
-def demo_config(size: str = "small", layers: int | None = None) -> dict:
-    """The config.json dict of a demo model; `layers` overrides `num_hidden_layers`."""
+def demo_config(size: str = "small", layers: int | None = None, engram: bool = True) -> dict:
+    """The config.json dict of a demo model; `layers` overrides `num_hidden_layers`; `engram` adds Engram layers."""
     spec = DemoSpec(size, layers)
     cfg = dict(_BASE_CONFIGS[size])
     cfg["num_hidden_layers"] = spec.num_layers
@@ -183,6 +188,10 @@ def demo_config(size: str = "small", layers: int | None = None) -> dict:
     cfg["eos_token_id"] = SPECIAL_IDS[IM_END]
     cfg["torch_dtype"] = "bfloat16"  # the key older checkpoints ship ...
     cfg["dtype"] = "bfloat16"  # ... and the one transformers >= 4.56 writes
+    if engram:
+        from strata.runtime.engram_demo import demo_engram_config
+
+        cfg["engram"] = demo_engram_config(size, spec.num_layers, cfg["vocab_size"], cfg["bos_token_id"])
     return dict(sorted(cfg.items()))
 
 
@@ -199,9 +208,9 @@ def demo_generation_config() -> dict:
     }
 
 
-def expected_bytes(size: str = "small", layers: int | None = None) -> int:
+def expected_bytes(size: str = "small", layers: int | None = None, engram: bool = True) -> int:
     """Total tensor bytes of a demo model (what the safetensors files hold, headers excluded)."""
-    return sum(t.nbytes for t in tensor_specs(demo_config(size, layers)))
+    return sum(t.nbytes for t in tensor_specs(demo_config(size, layers, engram)))
 
 
 def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
@@ -222,8 +231,8 @@ def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[Tens
 
 
 def default_model_dir() -> Path:
-    """Where `ensure_default_model` keeps the small demo model: <strata cache>/models/demo-small."""
-    return cache_root() / "models" / "demo-small"
+    """Where `ensure_default_model` keeps the small demo model: <strata cache>/models/demo-small-engram."""
+    return cache_root() / "models" / "demo-small-engram"  # a new name: older caches hold the model without Engram
 
 
 def ensure_default_model(progress: bool = True) -> Path:
@@ -240,13 +249,17 @@ def write_demo_model(
     progress: bool = True,
     max_shard_bytes: int = DEFAULT_SHARD_BYTES,
     workers: int | None = None,
+    engram: bool = True,
+    route_skew: float | str = 0.0,
 ) -> Path:
     """Write a demo model into `out_dir` (atomically) and return the directory.
+
+    `route_skew` S > 0 (Zipf-like) or "uniform" writes a routing profile into the weights (strata.runtime.demo_skew).
 
     If `out_dir` already holds a demo model with the same size, layers and seed it is returned as is;
     any other non-empty directory is refused with a ConfigError.
     """
-    spec = DemoSpec(size, layers, seed, max_shard_bytes)
+    spec = DemoSpec(size, layers, seed, max_shard_bytes, engram, route_skew)
     out = Path(out_dir).expanduser().absolute()
     if _existing_demo(out, spec):
         return out
@@ -293,7 +306,7 @@ def _existing_demo(out: Path, spec: DemoSpec) -> bool:
 
 def _write_into(tmp: Path, spec: DemoSpec, progress: bool, workers: int | None) -> None:
     """Write every file of the model into `tmp`; the marker last."""
-    cfg = demo_config(spec.size, spec.layers)
+    cfg = demo_config(spec.size, spec.layers, spec.engram)
     vocab = TOKENIZER_VOCAB[spec.size]
     if tokenizer_size(vocab) > cfg["vocab_size"]:  # a corpus edit must not outgrow the embedding
         raise AssertionError(f"demo tokenizer has {tokenizer_size(vocab)} ids > vocab_size {cfg['vocab_size']}")
@@ -334,7 +347,8 @@ def _write_weights(tmp: Path, cfg: dict, spec: DemoSpec, progress: bool, workers
         )
         pool = ThreadPoolExecutor(workers, thread_name_prefix="strata-demo")
         try:
-            futures = [pool.submit(_write_one, fd, off, t, spec.seed, std) for fd, off, t in jobs]
+            skew = RouteSkew.for_config(cfg, spec.route_skew, spec.seed) if spec.route_skew else None
+            futures = [pool.submit(_write_one, fd, off, t, spec.seed, std, skew) for fd, off, t in jobs]
             for f in as_completed(futures):
                 bar.update(f.result())  # re-raises the first worker exception as soon as it happens
         finally:
@@ -354,10 +368,13 @@ def _write_weights(tmp: Path, cfg: dict, spec: DemoSpec, progress: bool, workers
         _dump_json(tmp / "model.safetensors.index.json", index)
 
 
-def _write_one(fd: int, offset: int, spec: TensorSpec, seed: int, std: float) -> int:
+def _write_one(fd: int, offset: int, spec: TensorSpec, seed: int, std: float, skew: RouteSkew | None = None) -> int:
     """Generate one tensor and pwrite its bytes at `offset`; returns the byte count (for the bar)."""
+    t = make_tensor(spec, seed, std)
+    if skew is not None:
+        t = skew.apply(spec.name, t)
     # bf16 has no numpy dtype: write the raw bytes through a uint8 view (little-endian, as safetensors).
-    pwrite_all(fd, make_tensor(spec, seed, std).reshape(-1).view(torch.uint8).numpy(), offset)
+    pwrite_all(fd, t.reshape(-1).view(torch.uint8).numpy(), offset)
     return spec.nbytes
 
 

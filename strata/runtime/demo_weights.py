@@ -32,7 +32,7 @@ class TensorSpec:
     init: str = "normal"  # "normal": N(0, initializer_range); "ones": RMSNorm weights
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES or self.init not in ("normal", "ones"):
+        if self.dtype not in _DTYPES or not (self.init in ("normal", "ones") or self.init.startswith("token_map:")):
             raise ValueError(f"bad TensorSpec {self}")
 
     @property
@@ -51,6 +51,10 @@ def tensor_specs(cfg: dict) -> list[TensorSpec]:
         specs.extend(layer_fn(cfg, i, p))
         specs.append(TensorSpec(p + "post_attention_layernorm.weight", (h,), init="ones"))
     specs.append(TensorSpec("model.norm.weight", (h,), init="ones"))
+    if cfg.get("engram"):
+        from strata.runtime.engram_demo import engram_specs
+
+        specs.extend(engram_specs(cfg, TensorSpec))
     if not cfg.get("tie_word_embeddings", False):
         specs.append(TensorSpec("lm_head.weight", (v, h)))
     return specs
@@ -146,6 +150,10 @@ def tensor_seed(seed: int, name: str) -> int:
     """The 32-bit generator seed of tensor `name`: depends only on (seed, name), unique within a model."""
     m = _NAME_RE.fullmatch(name)
     layer, expert, kind = (int(m[1]) + 1, int(m[2]) + 1 if m[2] else 0, m[3]) if m else (0, 0, name)
+    if kind.startswith(("engram.", "model.engram.")) and not expert:  # Engram tensors: a reserved expert id keeps the ids distinct
+        from strata.runtime.engram_demo import ENGRAM_KINDS
+
+        expert, kind = (1 << 16) - 1, _KINDS[ENGRAM_KINDS.index(kind)] if kind in ENGRAM_KINDS else kind
     if kind not in _KIND_IDS or layer >= 1 << 11 or expert >= 1 << 16:
         raise ValueError(f"no deterministic seed for tensor name {name!r}")
     uid = (layer << 21) | (expert << 5) | _KIND_IDS[kind]  # 11 + 16 + 5 bits
@@ -159,6 +167,10 @@ def make_tensor(spec: TensorSpec, seed: int, std: float) -> torch.Tensor:
     ~2x the throughput of `randn(...).mul_(std).to(bf16)`.
     """
     dtype = _DTYPES[spec.dtype][0]
+    if spec.init.startswith("token_map:"):  # Engram's normalisation table, from the demo tokenizer
+        from strata.runtime.engram_demo import demo_token_map
+
+        return demo_token_map(int(spec.init.split(":")[1]), spec.shape[0]).to(dtype)
     if spec.init == "ones":
         return torch.ones(spec.shape, dtype=dtype)
     g = torch.Generator().manual_seed(tensor_seed(seed, spec.name))

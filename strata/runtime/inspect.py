@@ -25,7 +25,8 @@ from strata.errors import CheckpointError
 from strata.runtime.model_config import SUPPORTED_ARCHITECTURES
 from strata.safetensors_index import TensorIndex
 
-ROLES = ("attention", "dense_mlp", "experts", "shared_experts", "router", "embeddings", "norms", "mtp", "other")
+ROLES = ("attention", "dense_mlp", "experts", "shared_experts", "router", "embeddings", "norms", "engram_tables",
+         "engram", "mtp", "other")
 # model types whose layouts this module (and strata's loaders) are written against
 KNOWN_MODEL_TYPES = SUPPORTED_ARCHITECTURES
 _EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
@@ -85,6 +86,8 @@ def _layer_role(rest: str) -> tuple[str, bool]:
     head, _, tail = rest.partition(".")
     if head in ("self_attn", "attention", "attn"):
         return "attention", False  # includes MLA's q_a/kv_a layernorms and Qwen3's q_norm/k_norm
+    if head == "engram":  # the hashed n-gram table is tiered like experts; the rest stays resident
+        return ("engram_tables" if tail.startswith("multi_head_embedding.") else "engram"), False
     if head.endswith("norm"):
         return "norms", False  # input_layernorm, post_attention_layernorm, pre/post_feedforward_layernorm
     if head in _MOE_BLOCKS:
@@ -153,6 +156,8 @@ def _tally(index: TensorIndex, num_layers: int | None) -> _Tally:
         if m is None:
             if "embed_tokens" in name or name.startswith("lm_head."):
                 role = "embeddings"
+            elif ".engram." in name:
+                role = "engram"  # model.engram.token_map
             elif name.rpartition(".")[0].endswith("norm"):
                 role = "norms"  # model.norm.weight
             else:

@@ -27,6 +27,7 @@ class StepBatch:
     slots: list[int]
     starts: list[int]
     lengths: list[int]
+    engram: object | None = None  # the step's Engram work (EngramStep), set by the model at the start of forward
 
     def __post_init__(self) -> None:
         if not (len(self.slots) == len(self.starts) == len(self.lengths)):
@@ -67,6 +68,11 @@ class KVCache:
                 a = torch.zeros(shape, dtype=dtype, device=device)
                 b = torch.zeros(shape, dtype=dtype, device=device)
             self.layers.append((a, b))
+        self.engram = None  # Engram layers' per-slot state: token history and convolution rings
+        if cfg.engram is not None:
+            from strata.runtime.engram import EngramCache
+
+            self.engram = EngramCache(cfg.engram, cfg.hidden_size, num_slots, max_len, dtype, device)
 
     @property
     def nbytes(self) -> int:
@@ -77,3 +83,36 @@ class KVCache:
         """Cache bytes one token occupies across all layers."""
         per_layer = (cfg.kv_lora_rank + cfg.qk_rope_head_dim) if cfg.attention == "mla" else 2 * cfg.num_kv_heads * cfg.head_dim
         return per_layer * cfg.num_layers * torch.empty((), dtype=dtype).element_size()
+
+
+@dataclass
+class DecodeBatch:
+    """B sequences decoding one token each, described by device tensors so shapes never change.
+
+    Attention attends over the first `kv_len` cache positions (a bucket >= every position + 1) with
+    a mask, instead of each sequence's exact prefix: one code path with fixed shapes for eager decode
+    steps and CUDA-graph replays, so both give bit-identical results.
+    """
+
+    slots_t: torch.Tensor  # [B] int64 cache slot of each sequence
+    pos_t: torch.Tensor  # [B] int64 position of each new token
+    kv_len: int
+    engram: object | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.slots_t.shape[0]
+
+    def positions(self, device: torch.device | str) -> torch.Tensor:
+        return self.pos_t
+
+    def last_token_rows(self) -> list[int]:
+        return list(range(self.num_tokens))
+
+
+def kv_bucket(max_position: int, max_len: int, smallest: int = 256) -> int:
+    """Cache positions a decode step attends over: the next power of two above `max_position`, capped."""
+    n = smallest
+    while n <= max_position:
+        n *= 2
+    return min(n, max_len)

@@ -45,6 +45,8 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device | str,
     for name, meta in entries:
         bar.update(1)
         want = torch.float32 if fp32_router and name.endswith(_FP32_SUFFIXES) else dtype
+        if not meta.dtype.is_floating_point:
+            want = meta.dtype  # integer buffers (Engram's token_map) keep their dtype
         if ".mlp.experts." in name:
             layer = int(name.split(".")[1])
             if layer not in experts_done:  # gate_up and down load together

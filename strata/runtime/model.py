@@ -13,7 +13,9 @@ import torch
 from torch import nn
 
 from strata.runtime.attention import GQAAttention, MLAAttention
-from strata.runtime.kv_cache import KVCache, StepBatch
+from strata.runtime.engram import EngramLayer, EngramRuntime
+from strata.runtime.graphs import DecodeGraphs, is_decode
+from strata.runtime.kv_cache import DecodeBatch, KVCache, StepBatch
 from strata.runtime.layers import MLP, RMSNorm
 from strata.runtime.model_config import ModelConfig
 from strata.runtime.moe import MoEBlock
@@ -29,8 +31,12 @@ class DecoderLayer(nn.Module):
         self.self_attn = MLAAttention(cfg, layer) if cfg.attention == "mla" else GQAAttention(cfg, layer)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MoEBlock(cfg) if cfg.moe_layers[layer] else MLP(cfg.hidden_size, cfg.intermediate_size)
+        use_engram = cfg.engram is not None and layer in cfg.engram.layer_ids
+        self.engram = EngramLayer(cfg.engram, cfg.hidden_size, layer) if use_engram else None
 
     def forward(self, x, cos, sin, batch: StepBatch, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        if self.engram is not None:  # Engram adds its lookup before attention (DeepSeek's block order)
+            x = x + self.engram(x, batch.engram)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -47,9 +53,19 @@ class MoETransformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.rope)
         self.after_layer: Callable[[int, torch.Tensor], None] | None = None  # e.g. the expert prefetcher
+        self.graphs: DecodeGraphs | None = None  # CUDA-graph decode steps (set up by `enable_decode_graphs`)
+        self.engram = EngramRuntime(cfg.engram, cfg.vocab_size) if cfg.engram is not None else None
 
     def forward(self, input_ids: torch.Tensor, batch: StepBatch, cache: KVCache) -> torch.Tensor:
+        if self.graphs is not None and self.engram is None and is_decode(input_ids, batch):
+            return self.graphs.run(input_ids, batch, cache)  # fixed shapes; replayed when nothing needs the host
+        return self.run_layers(input_ids, batch, cache)
+
+    def run_layers(self, input_ids: torch.Tensor, batch: StepBatch | DecodeBatch, cache: KVCache) -> torch.Tensor:
+        """The layers themselves: input_ids [N] -> final hidden states [N, H]."""
         x = self.embed_tokens(input_ids)
+        if self.engram is not None:  # rows depend on token ids only: start fetching them before layer 0
+            batch.engram = self.engram.begin(input_ids, batch, cache, self.layers)
         cos, sin = self.rotary(batch.positions(input_ids.device), x.dtype)
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers, strict=True)):
             x = layer(x, cos, sin, batch, layer_cache)
@@ -59,3 +75,8 @@ class MoETransformer(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
+
+    def enable_decode_graphs(self, mode: Callable[[], str | None] = lambda: "full") -> None:
+        """Run decode steps with fixed shapes, captured in CUDA graphs as `mode()` says (CUDA only):
+        "full" (nothing needs the host), "segmented" (graphs between host steps) or None (eager)."""
+        self.graphs = DecodeGraphs(self.run_layers, mode)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from strata.errors import CheckpointError, UnsupportedError
+from strata.runtime.engram_hash import EngramConfig
 
 SUPPORTED_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
@@ -86,6 +87,7 @@ class ModelConfig:
     shared_expert_gated: bool = False  # qwen2_moe: sigmoid(gate(x)) * shared(x)
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
+    engram: EngramConfig | None = None  # Engram layers (config.json's `engram` section); None: none
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "num_experts",
@@ -130,7 +132,9 @@ class ModelConfig:
         if cfg.get("quantization_config", {}).get("quant_method") == "fp8":
             raise UnsupportedError(f"{source}: FP8 checkpoints are not yet supported; use a bf16 checkpoint")
         try:
-            return _PARSERS[model_type](cfg, source)
+            parsed = _PARSERS[model_type](cfg, source)
+            parsed.engram = EngramConfig.from_hf(cfg.get("engram"), parsed.num_layers, source)
+            return parsed
         except KeyError as e:
             raise CheckpointError(f"{source}: required key {e.args[0]!r} is missing for {model_type}") from None
         except (TypeError, ValueError) as e:

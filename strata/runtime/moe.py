@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.kernels.experts import moe_forward
+from strata.kernels.grouped import SlotWeights, combine_pairs, pair_experts, use_pair_kernels
 from strata.kernels.routing import sigmoid_group_topk, softmax_topk
 from strata.runtime.layers import MLP
 from strata.runtime.model_config import ModelConfig
@@ -50,6 +51,11 @@ class Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if use_pair_kernels(x, ids.numel()):  # decode: one launch per projection, no host sync
+            y = torch.empty((ids.numel(), x.shape[1]), dtype=torch.float32, device=x.device)
+            identity = torch.arange(self.gate_up_proj.shape[0], dtype=torch.int32, device=x.device)  # expert = slot
+            pair_experts(x, SlotWeights(self.gate_up_proj, self.down_proj), identity, ids.reshape(-1), y)
+            return combine_pairs(y, weights).to(x.dtype)
         return moe_forward(x, self.gate_up_proj, self.down_proj, ids, weights)
 
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from strata.config import StrataConfig, load_config, parse_size
+from strata.config import StrataConfig, load_config, parse_gpus, parse_size
 from strata.errors import StrataError
 from strata.runtime.checkpoint import read_json
 from strata.runtime.host import GpuInfo, HostInfo, probe_host
@@ -74,13 +74,15 @@ def read_footprint(model_dir: str | Path) -> ModelFootprint:
     cfg = _model_config(path)
     itemsize = DTYPE_BITS.get(s.dtype, 16) // 8
     expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * itemsize  # the store's payload_bytes
-    non_expert = s.total_bytes - s.bytes_by_role["experts"] - s.bytes_by_role["mtp"]  # MTP is never loaded
+    # MTP is never loaded; Engram tables live in the tiers as row objects, not with the dense weights
+    non_expert = s.total_bytes - s.bytes_by_role["experts"] - s.bytes_by_role["mtp"] - s.bytes_by_role["engram_tables"]
     slot = store_format.align_up(expert)
     return ModelFootprint(
         path=str(path), source="checkpoint", config=cfg, moe_layers=cfg.num_moe_layers,
         experts_per_layer=cfg.num_experts, expert_bytes=expert, slot_bytes=slot, non_expert_bytes=non_expert,
         itemsize=itemsize,
-        store_bytes=store_format.align_up(non_expert) + cfg.num_moe_layers * cfg.num_experts * slot,
+        store_bytes=store_format.align_up(non_expert) + cfg.num_moe_layers * cfg.num_experts * slot
+        + store_format.align_up(s.bytes_by_role["engram_tables"]),
     )  # fmt: skip
 
 
@@ -113,6 +115,7 @@ class GpuPlan:
     slot_bytes: int  # one expert in the compute dtype
     slots: int
     expert_bytes: int  # slots * slot_bytes
+    layers: list[int] = field(default_factory=list)  # [first, end) of its stage over several GPUs; [] = all
 
 
 @dataclass
@@ -189,6 +192,8 @@ class Plan:
         for g in self.gpus:
             lines.append(f"  {g.device:<12} {g.name}: {f(g.free_bytes)} free = non-expert weights {f(g.non_expert_bytes)}"
                          f" + KV cache {f(g.kv_bytes)} + reserve {f(g.reserve_bytes)} + experts {f(g.expert_room_bytes)}")
+            if g.layers:
+                lines.append(f"  {'':<12} layers {g.layers[0]}-{g.layers[1] - 1}: {g.slots} expert slots ({f(g.expert_bytes)})")
         lines.append(f"  KV cache     {self.max_batch} x {self.max_context} tokens, {f(self.kv_bytes)}")
         lines.append(f"  {'tier':<12} {'experts':>8} {'bytes':>12} {'budget':>12} {'lookups':>8}")
         for t in self.tiers:
@@ -211,7 +216,12 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
     cfg = load_config(config)
     fp = read_footprint(model_dir)
     host = override_host(host, gpu_mem, ram)
-    gpu = _select_gpu(host, cfg.runtime.device)
+    if len(cfg.runtime.devices) > 1:  # one model over several cards (strata.runtime.placement)
+        from strata.runtime.placement import plan_stages, select_devices
+
+        gpu = select_devices(host.gpus, cfg.runtime.devices)[0]
+    else:
+        gpu = _select_gpu(host, cfg.runtime.primary_device)
     dtype = cfg.runtime.dtype if cfg.runtime.dtype != "auto" else ("bfloat16" if gpu else "float32")
     ratio = _TORCH_DTYPES[dtype].itemsize / fp.itemsize  # weights are converted to the compute dtype on load
     non_expert = int(fp.non_expert_bytes * ratio)
@@ -230,7 +240,10 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
     need = _Need(non_expert, kv, kv_per_token, context, cfg.planner.max_batch, reserve)
     gpus: list[GpuPlan] = []
     gpu_slots, gpu_budget = 0, 0
-    if gpu is not None:
+    if len(cfg.runtime.devices) > 1:  # contiguous stages of layers, one per card
+        gpus, gpu_budget = plan_stages(fp, cfg, host, _TORCH_DTYPES[dtype], context, notes)
+        gpu_slots = sum(g.slots for g in gpus)
+    elif gpu is not None:
         device = f"cuda:{gpu.index}"
         slot = int(fp.expert_bytes * ratio)
         budget = cfg.tiers.gpu.budget_bytes
@@ -281,7 +294,9 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
             f"tiers.pinned.budget ({format_bytes(pinned_budget)}) is more than the {format_bytes(ram_room)} of RAM left "
             f"after the {format_bytes(margin)} safety margin" + (" and the model's RAM" if ram_other else "")
             + (" and tmpfs" if tmpfs_layers else "") + f'; set tiers.pinned.budget = "{ram_room // MiB}MiB" or "auto"')
-    pinned_slots = scoped(min(total - gpu_slots, pinned_budget // fp.slot_bytes if fp.slot_bytes else 0))
+    # inclusive of the GPU's experts: the pinned copy is the source of every GPU copy and of CPU compute,
+    # so an expert evicted from the GPU must not fall back to disk (uniform routing evicts constantly)
+    pinned_slots = scoped(min(0 if gpu_slots >= total else total, pinned_budget // fp.slot_bytes if fp.slot_bytes else 0))
     if pinned_slots == 0 and total > gpu_slots:
         notes.append(f"RAM leaves no room for experts after the {format_bytes(margin)} safety margin; experts "
                      "outside the GPU are read from tmpfs or disk at every use")
@@ -294,10 +309,11 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
             f"tiers.disk.path to a disk with {_gib_up(fp.store_bytes)} free")
 
     # uniform routing: an expert outside GPU and pinned is in a mirrored layer with odds tmpfs_layers / layers
-    rest = total - gpu_slots - pinned_slots
-    shares = [gpu_slots / total, pinned_slots / total, rest * tmpfs_layers / fp.moe_layers / total] if total else [0.0] * 3
+    pinned_only = max(0, pinned_slots - gpu_slots)  # experts answered by pinned RAM and not by the GPU
+    rest = max(0, total - gpu_slots - pinned_only)
+    shares = [gpu_slots / total, pinned_only / total, rest * tmpfs_layers / fp.moe_layers / total] if total else [0.0] * 3
     tiers = [
-        TierPlan("gpu", gpu_budget, gpu_slots, gpus[0].expert_bytes if gpus else 0, shares[0]),
+        TierPlan("gpu", gpu_budget, gpu_slots, sum(g.expert_bytes for g in gpus), shares[0]),
         TierPlan("pinned", pinned_budget, pinned_slots, pinned_slots * fp.slot_bytes, shares[1]),
         TierPlan("tmpfs", tmpfs_budget, tmpfs_layers * fp.experts_per_layer, tmpfs_layers * layer_bytes, shares[2],
                  host.tmpfs_path),
@@ -386,7 +402,9 @@ def _select_gpu(host: HostInfo, device: str) -> GpuInfo | None:
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of `strata plan`."""
     p.add_argument("model", help="checkpoint or store directory")
-    p.add_argument("--gpu-mem", default=None, help='plan for this much free VRAM per GPU, e.g. "24GiB" (0: no GPU)')
+    p.add_argument("--gpu-mem", default=None, help='plan for this much free VRAM per GPU, e.g. "24GiB" (0: no GPU), '
+                   'or one size per GPU of --gpus, e.g. "96GiB,24GiB,24GiB"')
+    p.add_argument("--gpus", default=None, help="split the model over these GPUs, e.g. 0,1 (sets runtime.devices)")
     p.add_argument("--ram", default=None, help='plan for this much available RAM, e.g. "64GiB"')
     p.add_argument("--config", default=None, help="config.toml with overrides")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
@@ -395,9 +413,17 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 def cmd_plan(args: argparse.Namespace) -> int:
     """`strata plan MODEL [--gpu-mem SIZE] [--ram SIZE] [--config PATH] [--json]`; PlanError propagates."""
     cfg = load_config(args.config)
-    gpu_mem = parse_size(args.gpu_mem, "--gpu-mem") if args.gpu_mem is not None else None
+    if getattr(args, "gpus", None):
+        cfg.runtime.devices = parse_gpus(args.gpus)
+        cfg.runtime.__post_init__()
+    mems = [parse_size(m, "--gpu-mem") for m in args.gpu_mem.split(",")] if args.gpu_mem is not None else []
+    gpu_mem = mems[0] if len(mems) == 1 and len(cfg.runtime.devices) < 2 else None
     ram = parse_size(args.ram, "--ram") if args.ram is not None else None
     host = probe_host(cfg.tiers.tmpfs.path, cfg.tiers.disk.path)
+    if mems and gpu_mem is None:  # several cards simulated, one size each (or one size for all)
+        from strata.runtime.placement import simulate_gpus
+
+        host = simulate_gpus(host, cfg.runtime.devices, mems)
     p = plan(args.model, host, cfg, gpu_mem=gpu_mem, ram=ram)
     print(json.dumps(p.to_dict(), indent=2) if args.json else p.format())
     return 0

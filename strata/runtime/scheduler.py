@@ -5,18 +5,21 @@ every running sequence plus prompt chunks of sequences still prefilling, runs th
 `StepBatch` through the model, samples each sequence's next token with its own generator, and
 streams events back. New requests join at the next step; finished or cancelled ones leave at once
 and free their KV-cache slot. A long prompt is prefilled in chunks interleaved with the decode steps
-of the running sequences, so their inter-token gap stays bounded by the token budget.
+of the running sequences; while any sequence decodes, a `PrefillPacer` sizes those chunks from
+measured step times so every decoding user's gap between two tokens stays under
+`runtime.decode_gap_target` seconds.
+
+Reproducible requests (`GenRequest.reproducible`) never share a forward pass: each runs in a batch
+of its own, prompt chunks of the fixed `runtime.prefill_chunk` size whatever the load, with the
+tiered expert compute on its reproducible path (cold experts on the GPU or the reference math), so
+its tokens are bit-identical alone, inside any mix of other requests, and to `Engine.generate`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import queue
 import threading
 import time
-import uuid
 from collections import deque
-from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -24,93 +27,15 @@ import torch
 from strata.errors import RequestError, StrataError
 from strata.runtime.detokenize import StopMatcher, StreamDecoder
 from strata.runtime.kv_cache import KVCache, StepBatch
-from strata.runtime.sampler import SamplingParams, make_generator, sample
-
-MAX_LOGPROBS = 20
-
-
-class QueueFullError(StrataError):
-    """The bounded request queue is full: retry later (HTTP 429)."""
-
-
-@dataclass
-class GenRequest:
-    """One sequence to generate."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    logprobs: int | None = None  # top-N alternatives per generated token (0..20); None: no log-probabilities
-    prompt_logprobs: int | None = None  # log-probabilities of the prompt tokens (echo), + top-N
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-
-    def __post_init__(self) -> None:
-        for name in ("logprobs", "prompt_logprobs"):
-            v = getattr(self, name)
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
-                raise RequestError(f"{name} must be an integer in [0, {MAX_LOGPROBS}], got {v!r}")
-        if not self.prompt_ids:
-            raise RequestError("the prompt is empty; give at least one token")
-
-
-@dataclass
-class TokenEvent:
-    """One step's output for one request (the last event carries `finish_reason`)."""
-
-    request_id: str
-    token_id: int | None
-    text: str
-    logprob: float | None = None
-    top_logprobs: list[tuple[int, float]] | None = None
-    finish_reason: str | None = None  # None | "stop" | "length" | "abort"
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    prompt_logprobs: list[float | None] | None = None  # first event only, when asked
-    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
-
-
-class RequestHandle:
-    """The caller's side of a submitted request: its events, and cancellation."""
-
-    def __init__(self, request: GenRequest):
-        self.request = request
-        self.cancelled = threading.Event()
-        try:
-            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-            self._aq: asyncio.Queue = asyncio.Queue()
-        except RuntimeError:
-            self._loop = None
-        self._q: queue.SimpleQueue = queue.SimpleQueue()
-
-    def _push(self, ev: TokenEvent) -> None:
-        if self._loop is not None:
-            try:
-                self._loop.call_soon_threadsafe(self._aq.put_nowait, ev)
-            except RuntimeError:  # the caller's loop is gone: nobody listens any more
-                self.cancelled.set()
-        else:
-            self._q.put(ev)
-
-    async def events(self) -> AsyncIterator[TokenEvent]:
-        """Events as they come (submit from inside the event loop to use this)."""
-        if self._loop is None:
-            raise RuntimeError("submit() was called outside an event loop; use iter_events()")
-        while True:
-            ev = await self._aq.get()
-            yield ev
-            if ev.finish_reason is not None:
-                return
-
-    def iter_events(self, timeout: float | None = None) -> Iterator[TokenEvent]:
-        """Blocking iteration (submit from a plain thread to use this)."""
-        while True:
-            ev = self._q.get(timeout=timeout)
-            yield ev
-            if ev.finish_reason is not None:
-                return
-
-    def cancel(self) -> None:
-        """Stop generating; the sequence leaves the batch and frees its KV slot at the next step."""
-        self.cancelled.set()
+from strata.runtime.pacing import PrefillPacer
+from strata.runtime.requests import (  # noqa: F401 - re-exported: the public names live here too
+    MAX_LOGPROBS,
+    GenRequest,
+    QueueFullError,
+    RequestHandle,
+    TokenEvent,
+)
+from strata.runtime.sampler import make_generator, sample
 
 
 @dataclass
@@ -136,10 +61,19 @@ class _Seq:
 class Scheduler:
     """Runs an engine's model for many requests at once on a background thread."""
 
-    def __init__(self, engine, max_batch: int = 8, token_budget: int = 512, max_queue: int = 64):
+    def __init__(self, engine, max_batch: int = 8, token_budget: int = 512, max_queue: int = 64,
+                 decode_gap_target: float | None = None, prefill_chunk_min: int | None = None):
         if max_batch < 1 or token_budget < max_batch or max_queue < 1:
             raise StrataError("scheduler needs max_batch >= 1, token_budget >= max_batch and max_queue >= 1")
         self.engine, self.max_batch, self.token_budget, self.max_queue = engine, max_batch, token_budget, max_queue
+        rt = engine.config.runtime
+        gap = rt.decode_gap_target if decode_gap_target is None else decode_gap_target
+        chunk_min = rt.prefill_chunk_min if prefill_chunk_min is None else prefill_chunk_min
+        if gap < 0 or chunk_min < 1:
+            raise StrataError("scheduler needs decode_gap_target >= 0 (seconds) and prefill_chunk_min >= 1")
+        self.pacer = PrefillPacer(token_budget, gap, chunk_min)
+        self.repro_chunk = rt.prefill_chunk  # reproducible prompts: Engine.generate's chunking, whatever the load
+        self._step_log: deque[dict] = deque(maxlen=512)  # recent steps, for benchmarks and diagnosis
         self.cache = KVCache(engine.checkpoint.config, max_batch, engine.max_context, engine.dtype, engine.device)
         self._waiting: deque[RequestHandle] = deque()
         self._running: list[_Seq] = []
@@ -190,7 +124,15 @@ class Scheduler:
         with self._cv:
             return {"running": len(self._running), "waiting": len(self._waiting), "kv_slots_free": len(self._free),
                     "max_batch": self.max_batch, "token_budget": self.token_budget, "steps": self._steps,
-                    "mean_tokens_per_step": self._step_tokens / self._steps if self._steps else 0.0}
+                    "mean_tokens_per_step": self._step_tokens / self._steps if self._steps else 0.0,
+                    "reproducible_running": sum(1 for s in self._running if s.req.reproducible),
+                    **self.pacer.snapshot()}
+
+    def recent_steps(self) -> list[dict]:
+        """The last steps (up to 512): wall-clock end `t` (time.time()), `seconds`, `decode` and `prompt`
+        tokens, forward `passes`, and the prompt `allowance` the pacer gave."""
+        with self._cv:
+            return list(self._step_log)
 
     # ---- the step loop ------------------------------------------------------------------------
     def _run(self) -> None:
@@ -228,40 +170,77 @@ class Scheduler:
             self.engine._counters.requests += 1
             self._running.append(_Seq(h, self._free.pop(), make_generator(r.params.seed, self.engine.device),
                                       StreamDecoder(tok), StopMatcher(r.params.stop), eos))
+            if getattr(self.engine.model, "engram", None) is not None:  # the prompt's Engram rows, fetched now
+                self.engine.model.engram.prefetch(r.prompt_ids)
 
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self._running if s.handle.cancelled.is_set()]:
             self._finish(seq, "abort")
 
     def _step(self) -> None:
-        """One forward pass over every running sequence: decode tokens first, then prompt chunks."""
-        budget = self.token_budget
-        plan: list[tuple[_Seq, list[int], int]] = []  # (seq, input ids, start position)
-        for seq in self._running:
-            if seq.next_input is not None:
-                plan.append((seq, [seq.next_input], len(seq.req.prompt_ids) + len(seq.tokens) - 1))
-                budget -= 1
-        for seq in self._running:
-            remaining = len(seq.req.prompt_ids) - seq.prefilled
-            if seq.next_input is None and remaining > 0 and budget > 0:
-                n = min(remaining, budget)
-                plan.append((seq, seq.req.prompt_ids[seq.prefilled : seq.prefilled + n], seq.prefilled))
-                budget -= n
-        if not plan:
+        """One step: a forward pass over the shared batch, then one per reproducible sequence.
+
+        Every decoding sequence gets one token per step; prompt chunks of the shared batch fill what the
+        pacer allows (the whole token budget when nobody decodes), reproducible prompts advance by the
+        fixed `runtime.prefill_chunk`.
+        """
+        t0 = time.perf_counter()
+        solo = [self._plan([s], self.repro_chunk) for s in self._running if s.req.reproducible]
+        n_decode = sum(1 for s in self._running if s.next_input is not None)
+        solo_prompt = sum(len(inp) for plan in solo for s, inp, _ in plan if s.next_input is None)
+        allow = self.pacer.allowance(n_decode)
+        if n_decode and self.pacer.enabled:  # reproducible chunks count against the step's allowance
+            allow = max(allow - solo_prompt, min(self.pacer.min_chunk, allow))
+        shared = self._plan([s for s in self._running if not s.req.reproducible], allow)
+        n_prompt, passes = 0, 0
+        for plan, reproducible in [(shared, False)] + [(p, True) for p in solo]:
+            if plan:
+                n_prompt += sum(len(inp) for s, inp, _ in plan if s.next_input is None)
+                passes += 1
+                self._forward(plan, reproducible)
+        if not passes:
             return
+        dt = time.perf_counter() - t0  # sampling included: the gap a decoding user sees
+        self.pacer.observe(n_decode, n_prompt, dt)
+        with self._cv:
+            self._steps += 1
+            self._step_tokens += n_decode + n_prompt
+            self._step_log.append({"t": time.time(), "seconds": dt, "decode": n_decode, "prompt": n_prompt,
+                                   "passes": passes, "allowance": allow})
+
+    def _plan(self, seqs: list[_Seq], prompt_budget: int) -> list[tuple[_Seq, list[int], int]]:
+        """(seq, input ids, start position) for one forward pass: every decode token, then prompt chunks in
+        arrival order within `prompt_budget` tokens."""
+        plan = [(s, [s.next_input], len(s.req.prompt_ids) + len(s.tokens) - 1) for s in seqs if s.next_input is not None]
+        for seq in seqs:
+            remaining = len(seq.req.prompt_ids) - seq.prefilled
+            if seq.next_input is None and remaining > 0 and prompt_budget > 0:
+                n = min(remaining, prompt_budget)
+                plan.append((seq, seq.req.prompt_ids[seq.prefilled : seq.prefilled + n], seq.prefilled))
+                prompt_budget -= n
+        return plan
+
+    def _forward(self, plan: list[tuple[_Seq, list[int], int]], reproducible: bool) -> None:
+        """Run `plan` as one flat batch, sample, and emit (reproducible: the expert compute's exact path)."""
         t0 = time.perf_counter()
         ids = torch.tensor([t for _, inp, _ in plan for t in inp], dtype=torch.long, device=self.engine.device)
         batch = StepBatch([s.slot for s, _, _ in plan], [st for _, _, st in plan], [len(inp) for _, inp, _ in plan])
-        with torch.inference_mode():
-            hidden = self.engine.model(ids, batch, self.cache)
-            rows = batch.last_token_rows()
-            logits = self.engine.model.logits(hidden[rows])  # [B, V] fp32
-            for i, (seq, inp, start) in enumerate(plan):
-                if seq.next_input is None and seq.req.prompt_logprobs is not None:
-                    off = batch.offsets[i]
-                    self._prompt_logprobs(seq, self.engine.model.logits(hidden[off : off + len(inp)]), start, len(inp))
-        self._steps += 1
-        self._step_tokens += len(ids)
+        compute = self.engine._compute
+        was = getattr(compute, "reproducible", False)
+        if compute is not None:
+            compute.reproducible = reproducible or was
+        try:
+            with torch.inference_mode():
+                hidden = self.engine.model(ids, batch, self.cache)
+                rows = batch.last_token_rows()
+                logits = self.engine.model.logits(hidden[rows])  # [B, V] fp32
+                for i, (seq, inp, start) in enumerate(plan):
+                    if seq.next_input is None and seq.req.prompt_logprobs is not None:
+                        off = batch.offsets[i]
+                        self._prompt_logprobs(seq, self.engine.model.logits(hidden[off : off + len(inp)]), start, len(inp))
+        finally:
+            if compute is not None:
+                compute.reproducible = was
         # the engine's counters (engine.stats(), the dashboard) see batched traffic too
         c, dt = self.engine._counters, time.perf_counter() - t0
         n_decode = sum(1 for s, _, _ in plan if s.next_input is not None)

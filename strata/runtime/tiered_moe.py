@@ -1,84 +1,40 @@
 """Routed experts served by the tier manager instead of held in memory.
 
-`TieredExperts` replaces a layer's stacked `Experts`. Per step it groups tokens by expert, then:
-- experts resident in VRAM (and those the cost model sends over PCIe) are acquired on the GPU tier
-  and computed there; the compute stream waits on each copy's event, the host does not;
-- with CPU compute allowed (`runtime.cpu_numerics = "fork"`), part of the cold experts are computed
-  on CPU threads straight from pinned RAM, concurrently with the GPU's work, with only the small
-  activations crossing PCIe each way; the split keeps both paths busy and finishing together;
-- on CPU-only hosts every expert is computed from RAM.
-`router_predictors` gives the prefetcher each MoE layer's router, so the hidden state after layer l
-predicts the experts of the layers ahead.
+`TieredExperts` replaces a layer's stacked `Experts`. Two paths, chosen by the step's shape:
+
+Decode (a few tokens, GPU tier): the pair kernels (`strata.kernels.grouped`) compute every
+(token, expert) pair whose expert is resident, finding its slot through the device map, in one
+launch per projection. When every expert is resident that is the whole layer: no host round trip,
+so the step can be captured in a CUDA graph. Otherwise one small copy of the step's slots tells the
+host which pairs are cold; the cost model splits those between
+- CPU threads computing straight from pinned RAM, concurrently with the GPU (`cpu_numerics = "fork"`),
+  with only the activations crossing PCIe, and
+- copies into GPU slots, computed by the same pair kernels once the copy has landed.
+Pair outputs are combined in one fixed order, so which tier served an expert never changes the result
+(except the forked CPU kernel's rounding).
+
+Prefill and large batches: tokens are grouped by expert and each expert acquired on the GPU runs as
+one GEMM over its tokens; every cold expert crosses PCIe once per forward pass.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
+import numpy as np
 import torch
 from torch import nn
 
 from strata.kernels.experts import apply_experts, group_by_expert
-from strata.runtime.cost_model import Rates, split_cold
+from strata.kernels.grouped import combine_pairs, pair_experts, use_pair_kernels
+from strata.runtime.cost_model import split_cold
+from strata.runtime.expert_compute import ExpertCompute
+from strata.runtime.graphs import current_recorder
 from strata.runtime.model import MoETransformer
 from strata.runtime.moe import MoEBlock
-from strata.tiers.manager import TierManager
 
-
-class ExpertCompute:
-    """What all tiered layers of a model share: the manager, the CPU worker, the measured rates."""
-
-    def __init__(self, manager: TierManager, device_tier: str, cpu_numerics: str = "fork"):
-        self.manager, self.device_tier = manager, device_tier
-        self.fast_cpu = cpu_numerics == "fork"  # compiled CPU kernel; "gpu": the reference math only
-        # CPU compute next to a GPU tier only in "fork" mode: "gpu" numerics force cold experts onto the GPU
-        self.split = device_tier == "gpu" and self.fast_cpu
-        self.rates = Rates()
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="strata-cpu-experts") if self.split else None
-        self.cpu_experts = 0  # experts computed on the CPU (statistics)
-        # set by the scheduler around a step of reproducible requests: cold experts go to the GPU
-        # (GPU hosts) or through the reference math (CPU hosts), never through the forked CPU kernel
-        self.reproducible = False
-
-    @property
-    def use_split(self) -> bool:
-        return self.split and not self.reproducible
-
-    @property
-    def use_fast_cpu(self) -> bool:
-        return self.fast_cpu and not self.reproducible
-
-    def cpu_forward(self, layer: int, x: torch.Tensor, weights: torch.Tensor, k: int, groups) -> torch.Tensor:
-        """Experts of `groups` from host RAM on the CPU: x [N, H] on the CPU -> partial sum [N, H] fp32."""
-        out = torch.zeros(x.shape, dtype=torch.float32)
-        chunk = self.manager.max_acquire("cpu")
-        t0, nbytes = time.perf_counter(), 0
-        for i in range(0, len(groups), chunk):
-            part = groups[i : i + chunk]
-            handles = self.manager.acquire([(layer, e) for e, _ in part], "cpu")
-            try:
-                by_expert = {h.key[1]: (h.gate_up, h.down) for h in handles}
-                nbytes += sum(h.gate_up.nbytes + h.down.nbytes for h in handles)
-                _cpu_apply(x, weights, k, part, by_expert, out, self.use_fast_cpu)
-            finally:
-                self.manager.release(handles)
-        self.cpu_experts += len(groups)
-        self.rates.observe_cpu(nbytes, time.perf_counter() - t0)
-        return out
-
-
-def _cpu_apply(x, weights, k, groups, by_expert, out, fast: bool) -> None:
-    """One chunk of CPU experts, added into out: the compiled kernel, or the reference math."""
-    if fast:
-        from strata.kernels.cpu_experts import cpu_experts_forward
-
-        flat_w = weights.reshape(-1).float()
-        cpu_experts_forward(x, [by_expert[e] for e, _ in groups], [sel // k for _, sel in groups],
-                            [flat_w[sel] for _, sel in groups], out=out)
-        return
-    apply_experts(x.float(), weights.float(), k, groups, lambda e: tuple(w.float() for w in by_expert[e]), out=out)
+__all__ = ["ExpertCompute", "TieredExperts", "use_tiered_experts", "router_predictors"]
 
 
 class TieredExperts(nn.Module):
@@ -90,7 +46,11 @@ class TieredExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         c, k = self.compute, ids.shape[1]
-        groups = group_by_expert(ids, self.num_experts)
+        if use_pair_kernels(x, ids.numel()) if c.pair_path is None else c.pair_path:
+            return self._decode_forward(x, ids, weights)
+        groups = group_by_expert(ids, self.num_experts)  # syncs: predictions have arrived too
+        if c.prefetcher is not None:
+            c.prefetcher.poll()
         if c.device_tier == "cpu":
             if x.device.type == "cpu" and not c.use_fast_cpu:
                 return self._tier_forward(x, weights, k, groups, "cpu")
@@ -108,6 +68,80 @@ class TieredExperts(nn.Module):
             out = out + cpu_part.result().to(out.device, out.dtype)
         return out
 
+    # ---- decode: pair kernels over slots -------------------------------------------------------
+    def _decode_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        c = self.compute
+        flat = ids.reshape(-1)  # [P] pair p = token p // k, its (p % k)-th expert
+        y = torch.zeros((flat.numel(), x.shape[1]), dtype=torch.float32, device=x.device)
+        if c.slots is not None:
+            used = pair_experts(x, c.slots, c.slot_of[self.layer], flat, y)  # resident pairs, no host sync
+            if c.all_resident():
+                c.count_lookups(self.layer, flat)
+                return combine_pairs(y, weights).to(x.dtype)
+        else:  # no GPU tier: every pair is computed on the CPU
+            used = torch.full_like(flat, -1, dtype=torch.int32)
+        both = torch.stack((flat.to(torch.int32), used))  # [2, P] expert and slot used per pair
+        cpu_out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # the CPU's weighted partial sum
+        cold = lambda: self._cold_stage(x, weights, y, both, cpu_out)  # noqa: E731
+        recorder = current_recorder()
+        if recorder is None:
+            cold()
+        else:  # inside a segmented CUDA-graph capture: the host work runs between replays
+            recorder.host_step(cold)
+        return (combine_pairs(y, weights) + cpu_out).to(x.dtype)
+
+    def _cold_stage(self, x, weights, y, both, cpu_out) -> None:
+        """Host work of a decode layer: learn which pairs were cold, serve them, count the lookups."""
+        c = self.compute
+        experts, slots = _to_host(both).numpy()  # one small copy; the GPU keeps computing meanwhile
+        if c.slots is not None:
+            c.manager.note_hits(self.layer, np.unique(experts[slots >= 0]))  # before evictions: recency counts
+        cold: dict[int, list[int]] = {}
+        for p in np.flatnonzero(slots < 0):
+            cold.setdefault(int(experts[p]), []).append(int(p))
+        cpu_part = self._cold_decode(x, weights, y, {e: np.asarray(v) for e, v in sorted(cold.items())}) if cold else None
+        if c.prefetcher is not None:
+            c.prefetcher.poll()  # after the layer's own misses, so they go first
+        if cpu_part is not None:
+            cpu_out.copy_(cpu_part.result())
+
+    def _cold_decode(self, x, weights, y, cold: dict[int, np.ndarray]) -> Future | None:
+        """Cold pairs: part on CPU threads (returns their partial sum), the rest copied and computed here."""
+        c, k = self.compute, weights.shape[1]
+        on_cpu: set[int] = set(cold) if c.slots is None else set()
+        if c.use_split and c.slots is not None:
+            c.rates.pcie_bytes_per_s = c.manager.observed_rate("pinned->gpu", c.rates.pcie_bytes_per_s)
+            tokens = {e: len(p) for e, p in cold.items()}
+            nbytes = c.manager.store.payload_bytes
+            backlog = c.manager.gpu_transfers_in_flight() * nbytes / c.rates.pcie_bytes_per_s  # e.g. prefetches
+            on_cpu = set(split_cold(tokens, nbytes, c.rates, in_flight_copy_s=backlog).cpu)
+        cpu_part = None
+        if on_cpu:
+            groups = [(e, torch.from_numpy(cold[e])) for e in sorted(on_cpu)]
+            args = (self.layer, x.float().cpu(), weights.cpu(), k, groups)
+            cpu_part = c.pool.submit(c.cpu_forward, *args) if c.pool is not None else _done(c.cpu_forward(*args))
+        to_copy = [e for e in cold if e not in on_cpu]
+        if not to_copy:
+            return cpu_part
+        chunk = c.manager.max_acquire("gpu")
+        for i in range(0, len(to_copy), chunk):
+            part = to_copy[i : i + chunk]
+            handles = c.manager.acquire([(self.layer, e) for e in part], "gpu")
+            try:
+                pair_slots, pair_rows = [], []
+                for h in handles:
+                    h.wait()  # the compute stream waits for the copy; the host does not
+                    rows = cold[h.key[1]]
+                    pair_rows.append(rows)
+                    pair_slots.append(np.full(len(rows), h.slot, dtype=np.int32))
+                slots_t = torch.from_numpy(np.concatenate(pair_slots)).to(x.device, non_blocking=True)
+                rows_t = torch.from_numpy(np.concatenate(pair_rows).astype(np.int32)).to(x.device, non_blocking=True)
+                pair_experts(x, c.slots, c.identity, slots_t, y, rows=rows_t)
+            finally:
+                c.manager.release(handles)  # later copies into these slots wait for the kernels above
+        return cpu_part
+
+    # ---- prefill: experts grouped by token ------------------------------------------------------
     def _plan_split(self, groups):
         """Resident experts stay on the GPU; cold ones are split between CPU compute and copies."""
         c = self.compute
@@ -131,12 +165,30 @@ class TieredExperts(nn.Module):
             try:
                 by_expert = {}
                 for h in handles:
-                    h.wait()  # the compute stream waits for the copy; the host does not
+                    h.wait()
                     by_expert[h.key[1]] = (h.gate_up.to(x.dtype), h.down.to(x.dtype))
                 apply_experts(x, weights, k, part, by_expert.__getitem__, out=out)
             finally:
                 manager.release(handles)
         return out
+
+
+def _done(value) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """`t` on the host: one asynchronous copy into pinned memory, then wait for that copy only."""
+    if not t.is_cuda:
+        return t
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    ready = torch.cuda.Event()
+    ready.record()
+    ready.synchronize()
+    return host
 
 
 def use_tiered_experts(model: MoETransformer, compute: ExpertCompute) -> None:

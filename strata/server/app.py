@@ -16,7 +16,6 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -168,7 +167,10 @@ async def _models(request: Request, st: ServerState) -> Response:
 async def _stats(request: Request, st: ServerState) -> Response:
     st.require_ready()
     # the engine's figures at the top level with the scheduler's beside them (the dashboard reads this shape)
-    return JSONResponse({**st.engine.stats(), "scheduler": st.scheduler.stats(), "served_model": st.model_name})
+    out = {**st.engine.stats(), "scheduler": st.scheduler.stats(), "served_model": st.model_name}
+    if request.query_params.get("steps") in ("1", "true"):  # the last steps' times and sizes (benchmarks, diagnosis)
+        out["recent_steps"] = st.scheduler.recent_steps()
+    return JSONResponse(out)
 
 
 async def _tokenize(request: Request, st: ServerState) -> Response:
@@ -266,9 +268,6 @@ def _sampling_defaults(directory: Path) -> dict:
     return {k: cfg[k] for k in ("temperature", "top_p", "top_k") if isinstance(cfg.get(k), int | float)}
 
 
-_GEN_FIELDS = {f.name for f in fields(GenRequest)}
-
-
 def _submit(st: ServerState, req: Any, prompts: list[list[int]], param: str, default_max: int | None,
             logprobs: int | None, prompt_logprobs: int | None) -> list[Seq]:
     """Validate every prompt, then queue n sequences per prompt; all or none are submitted."""
@@ -288,12 +287,15 @@ def _submit(st: ServerState, req: Any, prompts: list[list[int]], param: str, def
         params = [req.sampling(max_tokens, seed_offset=j) for j in range(req.n)]  # validates max_tokens first
         if len(ids) + params[0].max_tokens > context:
             raise context_error(len(ids), params[0].max_tokens, context, param)
+        if req.reproducible and params[0].temperature > 0 and params[0].seed is None:
+            raise bad_request('strata_reproducible "required" with sampling (temperature > 0) needs a seed; '
+                              "give one, or set temperature to 0", param="seed")
         jobs += [(p * req.n + j, ids, sp) for j, sp in enumerate(params)]
-    extra = {"reproducible": req.strata_reproducible} if "reproducible" in _GEN_FIELDS else {}
     seqs: list[Seq] = []
     try:
         for index, ids, params in jobs:
-            gen = GenRequest(prompt_ids=ids, params=params, logprobs=logprobs, prompt_logprobs=prompt_logprobs, **extra)
+            gen = GenRequest(prompt_ids=ids, params=params, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                             reproducible=req.reproducible)
             seqs.append(Seq(index, ids, st.scheduler.submit(gen), st.metrics.sequence()))
     except BaseException as e:
         _cancel(seqs)

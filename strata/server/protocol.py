@@ -107,15 +107,20 @@ class _GenerationRequest(_Request):
     stop: Any = None
     stop_token_ids: Any = None
     ignore_eos: Any = None
-    # pass-through until the CPU numerics modes exist (reproducible CPU experts match the GPU bit for bit)
+    # "required": served on the reproducible path (bit-identical alone or batched, slower); "off" or absent: batched
     strata_reproducible: Any = None
 
     @field_validator("strata_reproducible")
     @classmethod
     def _check_reproducible(cls, v: Any) -> Any:
-        if not (v is None or isinstance(v, bool) or v in ("required", "preferred") and isinstance(v, str)):
-            raise ValueError('must be true, false, "required" or "preferred"')
+        if v is not None and not (isinstance(v, str) and v in ("required", "off")):
+            raise ValueError('must be "required" (bit-identical tokens alone or batched) or "off"')
         return v
+
+    @property
+    def reproducible(self) -> bool:
+        """Whether the sequences of this request run on the reproducible path."""
+        return self.strata_reproducible == "required"
 
     @field_validator("stream_options")
     @classmethod

@@ -1,7 +1,7 @@
 """`strata serve`: plan, bind, then load the model behind an OpenAI-compatible endpoint.
 
     strata serve [MODEL] [--config config.toml] [--host 127.0.0.1] [--port 8090] [--dry-run]
-                 [--max-batch 8] [--token-budget 512] [--max-queue 64]
+                 [--max-batch 8] [--token-budget 512] [--max-queue 64] [--decode-gap-target SECONDS]
 
 Order matters: the planner runs first and refuses a layout that cannot fit (exit 2, one line) before
 the port is bound; then the port is bound (in use: exit 2, one line); then the server starts answering
@@ -43,8 +43,12 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (default 8); also sizes the planned KV cache (planner.max_batch)")
     p.add_argument("--token-budget", type=int, default=512, help="tokens per forward pass, decode + prefill (512)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting before 429 (default 64)")
+    p.add_argument("--decode-gap-target", type=float, default=None, metavar="SECONDS",
+                   help="while sequences decode, prompt chunks shrink so a step stays under this many seconds "
+                        "(default: runtime.decode_gap_target, 0.5; 0 turns it off)")
     p.add_argument("--served-model-name", default=None, help="the `model` clients must send (default: dir name)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (overrides runtime.device)")
+    p.add_argument("--gpus", default=None, help="split the model over these GPUs, e.g. 0,1 (overrides runtime.devices)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are cancelled")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
@@ -57,7 +61,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     cfg = load_config(args.config)
     if args.device != "auto":
         cfg.runtime.device = args.device
-        cfg.runtime.__post_init__()
+    if args.decode_gap_target is not None:
+        cfg.runtime.decode_gap_target = args.decode_gap_target
+    if getattr(args, "gpus", None):  # one model split over several GPUs
+        from strata.config import parse_gpus
+
+        cfg.runtime.devices = parse_gpus(args.gpus)
+    cfg.runtime.__post_init__()  # validates the overrides
     cfg.planner.max_batch = args.max_batch  # the KV cache is planned for the batch the scheduler runs
     path = _model_path(args.model)
     name = args.served_model_name or path.name
@@ -96,6 +106,8 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--token-budget {args.token_budget} must be >= --max-batch {args.max_batch}")
     if args.shutdown_timeout < 0:
         raise ConfigError("--shutdown-timeout must be >= 0")
+    if args.decode_gap_target is not None and not 0 <= args.decode_gap_target <= 3600:
+        raise ConfigError(f"--decode-gap-target {args.decode_gap_target} is out of range; give seconds in [0, 3600]")
 
 
 def _model_path(model: str | None) -> Path:

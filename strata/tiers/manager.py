@@ -29,6 +29,7 @@ from strata.errors import StrataError
 from strata.tiers.diskio import DiskReader
 from strata.tiers.gpu_slots import GpuSlots
 from strata.tiers.integrity import IntegrityMixin
+from strata.tiers.lookups import LookupsMixin
 from strata.tiers.pinned import PinnedPool
 from strata.tiers.policy import make_policy
 from strata.tiers.slots import (
@@ -46,7 +47,7 @@ from strata.tiers.store import ExpertStore
 from strata.tiers.tmpfs import TmpfsMirror
 
 
-class TierManager(IntegrityMixin):
+class TierManager(IntegrityMixin, LookupsMixin):
     """Places a store's experts across GPU, pinned RAM, tmpfs and disk within budgets."""
 
     def __init__(self, store: ExpertStore, budgets: TierBudgets, *, gpu_device: torch.device | None = None,
@@ -62,6 +63,7 @@ class TierManager(IntegrityMixin):
         self._closed = False
         self._verified: set[Key] = set()
         self._prefetched: dict[str, set[Key]] = {"gpu": set(), "pinned": set()}
+        self._lookup_sources: list = []
         moe_layers = sorted({k[0] for k in store.keys()})
         self._layers = moe_layers
         hot = list(hot or [])
@@ -219,6 +221,7 @@ class TierManager(IntegrityMixin):
         """A snapshot of tier statistics (JSON-ready)."""
         with self._lock:
             self._reap_copies()
+            self._drain_lookup_sources()
             residency = {"pinned": len(self.pinned.slot_of), "disk": len(self.store.keys())}
             capacity = {"pinned": self.pinned.capacity, "disk": len(self.store.keys())}
             if self.gpu is not None:

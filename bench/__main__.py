@@ -1,0 +1,122 @@
+"""`python -m bench`: the benchmark suite (issue 7).
+
+    python -m bench run [--suite quick|full] [--out DIR] [--model PATH] [--cases PATTERN ...]
+    python -m bench report OUT/suite.json [MORE.json ...] [--results bench/RESULTS.md]
+    python -m bench list [--suite quick|full]
+
+`run` writes OUT/suite.json (raw results, rewritten after every engine), OUT/suite.md (the RESULTS.md
+section) and OUT/suite.png; `report` merges result files (later ones win per case) and regenerates
+the section between the suite markers of RESULTS.md, plus the PNG next to it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from bench.suite.cases import SUITES, select
+
+DEFAULT_LAYERS = {"quick": 12, "full": 24}
+DEFAULT_DEADLINE = {"quick": 540, "full": 560}  # seconds: inside one 10-minute GPU call
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="measure strata and its baselines")
+    r.add_argument("--suite", choices=sorted(SUITES), default="quick")
+    r.add_argument("--cases", nargs="*", default=None, metavar="PATTERN",
+                   help="only cases whose name matches (shell patterns, e.g. 'split/b25/*' '*/skewed/p128x1')")
+    r.add_argument("--out", default="bench-out")
+    r.add_argument("--model", default=None, help="a checkpoint to use (its routing read from its demo marker) "
+                                                 "instead of writing the uniform and skewed demo models")
+    r.add_argument("--models-dir", default="/dev/shm/strata-suite/models", help="where the demo models are written")
+    r.add_argument("--size", default="bench", choices=["tiny", "small", "bench"])
+    r.add_argument("--layers", type=int, default=None, help="demo model layers (quick: 12, full: 24)")
+    r.add_argument("--skew", type=float, default=1.0, help="--route-skew of the skewed checkpoint (default 1)")
+    r.add_argument("--tokens", type=int, default=None, help="generated tokens per stream (quick: 32, full: 128)")
+    r.add_argument("--cache", default="/dev/shm/strata-suite/cache", help="tiers.disk.path: where stores are built")
+    r.add_argument("--disk-cache", default="~/.cache/strata-suite", help="store location of the disk case (real disk)")
+    r.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke run)")
+    r.add_argument("--token-budget", type=int, default=2048, help="scheduler tokens per step (prefill chunks)")
+    r.add_argument("--deadline", type=float, default=None, help="seconds after which remaining cases are skipped")
+    r.add_argument("--hf-limit", type=float, default=180, help="seconds the transformers baseline may take per case")
+    r.add_argument("--rates", choices=["measure", "limits"], default="measure",
+                   help="roofline PCIe/HBM rates measured now, or all from LIMITS.md")
+    r.add_argument("--results", default=None, help="also regenerate this RESULTS.md's suite section")
+    p = sub.add_parser("report", help="regenerate the RESULTS.md section and the PNG from result JSON files")
+    p.add_argument("json", nargs="+")
+    p.add_argument("--results", default=str(Path(__file__).parent / "RESULTS.md"))
+    p.add_argument("--plot", default=None, help="PNG path (default: suite.png next to RESULTS.md)")
+    p.add_argument("--command", default=None, help="the command line to quote in the section")
+    lst = sub.add_parser("list", help="list the case names of a suite")
+    lst.add_argument("--suite", choices=sorted(SUITES), default="full")
+    lst.add_argument("--cases", nargs="*", default=None)
+    return ap
+
+
+def _settings(args: argparse.Namespace) -> dict:
+    layers = args.layers if args.layers is not None else (DEFAULT_LAYERS[args.suite] if args.size == "bench" else None)
+    return {
+        "suite": args.suite, "device": args.device, "cache": args.cache,
+        "disk_cache": str(Path(args.disk_cache).expanduser()), "models_dir": args.models_dir, "size": args.size,
+        "layers": layers, "skew": args.skew, "model": args.model, "token_budget": args.token_budget,
+        "placement_timeout": 120.0, "hf_limit_s": args.hf_limit,
+        "deadline_s": args.deadline if args.deadline is not None else DEFAULT_DEADLINE[args.suite],
+        "progress": sys.stderr.isatty(),
+    }
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from bench.suite import report, results
+    from bench.suite.plot import plot
+    from bench.suite.roofline import Rates
+    from bench.suite.runner import run_suite
+
+    tokens = args.tokens or (32 if args.suite == "quick" else 128)
+    cases = select(SUITES[args.suite](tokens), args.cases)
+    settings = _settings(args)
+    doc = run_suite(cases, settings, args.out, log=lambda s: print(s, flush=True),
+                    rates=Rates() if args.rates == "limits" else None)
+    out = Path(args.out)
+    command = "python -m bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+    png = plot(doc, out / "suite.png")
+    section = report.render(doc, command, png.name if png else None)
+    (out / "suite.md").write_text(section)
+    if args.results:
+        report.update_results_md(args.results, section)
+    problems = results.validate(doc)
+    bad = [c for c in doc["cases"] if c["status"] == "error"]
+    print(f"wrote {out / results.RESULT_FILE} ({len(doc['cases'])} cases, {len(bad)} errors"
+          f"{', schema problems: ' + '; '.join(problems) if problems else ''})")
+    return 1 if problems else 0
+
+
+def cmd_report(args: argparse.Namespace) -> int:
+    from bench.suite import report, results
+    from bench.suite.plot import plot
+
+    doc = results.load(args.json)
+    png_path = Path(args.plot) if args.plot else Path(args.results).with_name("suite.png")
+    png = plot(doc, png_path)
+    rel = png.name if png and png.parent == Path(args.results).parent else (str(png) if png else None)
+    report.update_results_md(args.results, report.render(doc, args.command, rel))
+    print(f"updated {args.results} from {len(doc['cases'])} cases" + (f"; plot {png}" if png else ""))
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    for c in select(SUITES[args.suite](), args.cases):
+        print(c.name)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    return {"run": cmd_run, "report": cmd_report, "list": cmd_list}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

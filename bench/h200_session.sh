@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The GPU-box session that produced bench/RESULTS.md's 2026-11-30 (second session) figures.
+#   bash bench/h200_session.sh tests|hotpath|multigpu|serving|ceiling48|engram   (writes under $OUT)
+# fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
+set -u
+export PYTHONPATH=/tmp/site:$PWD STRATA_CACHE=/dev/shm/sc
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
+case "$1" in
+  tests)
+    timeout 240 python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -5 "$OUT/gpu_tests.txt" ;;
+  hotpath)  # $2 = route skew ("uniform" or a Zipf exponent)
+    python3 -m strata demo-model /dev/shm/b12 --size bench --layers 12 --no-engram --route-skew "$2" > /dev/null 2>&1
+    timeout 230 python3 bench/hotpath.py --model /dev/shm/b12 --cache /dev/shm/sc --out "$OUT/hotpath-$2" --tokens 64 \
+      --prefill 8192 --cases ceiling,split,copy,cpu 2>&1 | grep '^{"' | cut -c1-400 ;;
+  multigpu)
+    nvidia-smi topo -m > "$OUT/topo.txt" 2>&1; cat "$OUT/topo.txt"
+    timeout 150 python3 bench/multigpu.py --model /dev/shm/b12 --gpus 0,1 --budget 3.6GiB --tokens 32 --out "$OUT/multigpu" 2>&1 | tail -8 ;;
+  serving)
+    timeout 120 python3 bench/serving.py --out "$OUT/serving" --max-tokens 64 2>&1 | tail -8 ;;
+  ceiling48)
+    rm -rf /dev/shm/b12 /dev/shm/sc
+    python3 -m strata demo-model /dev/shm/b48 --size bench --no-engram > /dev/null 2>&1
+    timeout 200 python3 bench/hotpath.py --model /dev/shm/b48 --out "$OUT/hotpath-48" --tokens 64 --prefill 2048 \
+      --cases ceiling,ceiling_eager 2>&1 | grep '^{"' ;;
+  engram)
+    timeout 200 python3 bench/engram.py --out "$OUT/engram" --model-dir /dev/shm/engram --steps 128 2>&1 | tail -10 ;;
+esac

@@ -1,0 +1,78 @@
+"""Where a decode step's GPU time goes: torch.profiler over a few replayed decode steps.
+
+    python bench/profile_decode.py --model DIR [--config '{"runtime": {"experts": "memory"}}'] [--out DIR]
+Prints the top CUDA kernels by total time and writes profile_decode.txt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+
+def pair_kernel_rate(tokens: int = 1, k: int = 8, e: int = 128, h: int = 2048, i: int = 768) -> dict:
+    """The pair kernels alone on Qwen3-30B-A3B expert shapes: achieved GB/s of expert weights read."""
+    from strata.kernels.grouped import SlotWeights, pair_experts
+
+    gu = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16) / 32
+    dn = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16) / 32
+    sw, ident = SlotWeights(gu, dn), torch.arange(e, device="cuda", dtype=torch.int32)
+    x = torch.randn(tokens, h, device="cuda", dtype=torch.bfloat16)
+    y = torch.zeros(tokens * k, h, device="cuda")
+    ids = torch.stack([torch.randperm(e, device="cuda")[:k] for _ in range(tokens)]).reshape(-1)
+    for _ in range(3):
+        pair_experts(x, sw, ident, ids, y)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    n = 200
+    start.record()
+    for _ in range(n):
+        pair_experts(x, sw, ident, ids, y)
+    end.record()
+    torch.cuda.synchronize()
+    s = start.elapsed_time(end) / 1000 / n
+    nbytes = len(set(ids.tolist())) * 3 * h * i * 2
+    return {"tokens": tokens, "pairs": tokens * k, "us_per_call": round(s * 1e6, 1), "GB_per_s": round(nbytes / s / 1e9, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--config", default='{"runtime": {"experts": "memory", "max_context": 1024}}')
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    from strata import Engine
+
+    from strata.kernels import grouped
+
+    rates = []
+    for blocks in [(8, 256, 16, 128), (16, 256, 32, 128), (4, 512, 8, 256), (8, 512, 16, 256), (4, 256, 8, 128)]:
+        grouped.BLOCKS = {"small": blocks, "large": blocks}
+        rates += [{"blocks": blocks, **pair_kernel_rate(t)} for t in (1, 8)]
+    grouped.BLOCKS = {"small": (8, 256, 16, 128), "large": (16, 256, 32, 128)}
+    print("pair kernels:", rates, flush=True)
+
+    engine = Engine.from_pretrained(args.model, config=json.loads(args.config), device="cuda")
+    vocab = engine.checkpoint.config.vocab_size
+    prompt = [(100 + i * 37) % vocab for i in range(128)]
+    engine.generate(prompt, max_tokens=8, temperature=1.0, seed=1)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        engine.generate(prompt, max_tokens=args.tokens, temperature=1.0, seed=2, stop_token_ids=[])
+        torch.cuda.synchronize()
+        dt = time.perf_counter() - t0
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
+    text = f"pair kernels: {rates}\n{args.tokens} tokens in {dt:.3f} s ({args.tokens / dt:.1f} tok/s, profiled)\n{table}"
+    print(text)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "profile_decode.txt").write_text(text)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""What the suite measures: engine variants x GPU budgets x routing x workloads, named and selectable.
+
+A case name reads `variant/budget/routing/workload`, e.g. `split/b25/skewed/p128x1`: strata's default
+engine with 25% of the expert bytes as its GPU budget, on the skewed checkpoint, one stream with a
+128-token prompt. Cases that share everything but the workload share one loaded engine.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+ROUTINGS = ("uniform", "skewed")
+
+# variant -> config sections merged over the suite's base config (strata.config keys)
+VARIANTS: dict[str, dict] = {
+    "ceiling": {"runtime": {"experts": "memory"}},  # every expert in VRAM
+    "split": {},  # strata as shipped: tiered, cost-model split between PCIe copies and CPU compute, LFU, prefetch
+    "naive": {"policy": {"eviction": "lru", "budget_scope": "per_layer"}, "prefetch": {"lookahead": 0},
+              "runtime": {"cpu_numerics": "gpu"}},  # mixtral-offloading: per-layer LRU, copy on demand
+    "no-prefetch": {"prefetch": {"lookahead": 0}},
+    "copy-only": {"runtime": {"cpu_numerics": "gpu"}},  # CPU compute off: cold experts always copied
+    "cpu-only": {},  # copy off: GPU expert budget 0, every routed expert computed on the CPU (llama.cpp --cpu-moe)
+    "static": {"policy": {"eviction": "static"}},  # the planner's hot set never moves
+    "disk": {},  # part of the experts only on disk: pinned RAM budget below the expert bytes
+    "hf": {},  # transformers + accelerate offload (device_map="auto", max_memory = the same GPU budget)
+    "serve": {},  # `strata serve` start-up until /health answers
+}
+# which cold-expert paths the roofline credits, per variant
+COLD_PATHS = {"split": ("pcie", "cpu"), "no-prefetch": ("pcie", "cpu"), "static": ("pcie", "cpu"),
+              "disk": ("pcie", "cpu"), "naive": ("pcie",), "copy-only": ("pcie",), "cpu-only": ("cpu",)}
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Concurrent streams, each with a `prompt`-token prompt generating `tokens` tokens."""
+
+    prompt: int
+    streams: int
+    tokens: int
+
+    @property
+    def name(self) -> str:
+        return f"p{self.prompt}x{self.streams}"
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measurement."""
+
+    variant: str
+    routing: str
+    gpu_fraction: float | None  # GPU expert budget as a fraction of the expert bytes; None: all in VRAM
+    workload: Workload
+    ram_fraction: float | None = None  # pinned RAM budget as a fraction of the expert bytes (disk case)
+    group: str = "grid"  # grid | baseline | ablation | target | serve
+    extra: dict = field(default_factory=dict, compare=False, hash=False)  # config overrides beyond the variant's
+
+    def __post_init__(self) -> None:
+        if self.variant not in VARIANTS:
+            raise ValueError(f"unknown variant {self.variant!r}; known: {', '.join(VARIANTS)}")
+        if self.routing not in ROUTINGS:
+            raise ValueError(f"unknown routing {self.routing!r}; use uniform or skewed")
+
+    @property
+    def budget_label(self) -> str:
+        if self.gpu_fraction is None:
+            return "all"
+        label = f"b{round(100 * self.gpu_fraction)}"
+        return label + (f"-ram{round(100 * self.ram_fraction)}" if self.ram_fraction is not None else "")
+
+    @property
+    def name(self) -> str:
+        tail = "startup" if self.variant == "serve" else self.workload.name
+        return f"{self.variant}/{self.budget_label}/{self.routing}/{tail}"
+
+    @property
+    def engine_key(self) -> tuple:
+        """Cases with equal keys run on one loaded engine."""
+        return (self.variant, self.routing, self.gpu_fraction, self.ram_fraction, repr(sorted(self.extra.items())))
+
+
+def quick_suite(tokens: int = 32) -> list[Case]:
+    """Fits one 10-minute GPU call on a 12-layer bench model: 25% budget, one stream (plus one 8K prefill)."""
+    w = Workload(128, 1, tokens)
+    out = [Case("ceiling", "uniform", None, w, group="baseline"), Case("split", "uniform", 0.25, w),
+           Case("split", "uniform", 0.25, Workload(8192, 1, 16)), Case("split", "skewed", 0.25, w),
+           Case("hf", "uniform", 0.25, Workload(128, 1, 8), group="baseline")]
+    out += [Case("naive", r, 0.25, w, group="baseline") for r in ROUTINGS]
+    out += [Case("split", "skewed", 0.40, w, group="target"), Case("static", "skewed", 0.40, w, group="target")]
+    out += [Case(v, "skewed", 0.0 if v == "cpu-only" else 0.25, w, group="ablation")
+            for v in ("no-prefetch", "copy-only", "cpu-only", "static")]
+    return out
+
+
+def full_suite(tokens: int = 128) -> list[Case]:
+    """Everything issue 7 lists; split it over several calls with --cases."""
+    grid = [Workload(128, s, tokens) for s in (1, 4, 8)] + [Workload(8192, 1, tokens)]
+    one = Workload(128, 1, tokens)
+    out: list[Case] = []
+    for r in ROUTINGS:
+        out += [Case("ceiling", r, None, w, group="baseline") for w in grid]
+        out += [Case("split", r, f, w) for f in (0.10, 0.25, 0.50) for w in grid]
+        out += [Case("naive", r, 0.25, one, group="baseline"), Case("hf", r, 0.25, one, group="baseline")]
+        out += [Case(v, r, 0.0 if v == "cpu-only" else 0.25, one, group="ablation")
+                for v in ("no-prefetch", "copy-only", "cpu-only", "static")]
+        out += [Case("disk", r, 0.25, one, ram_fraction=0.5, group="ablation")]
+        out += [Case("split", r, 0.40, one, group="target"), Case("static", r, 0.40, one, group="target")]
+    out += [Case("serve", "uniform", 0.25, one, group="serve")]
+    return out
+
+
+SUITES = {"quick": quick_suite, "full": full_suite}
+
+
+def select(cases: list[Case], patterns: list[str] | None) -> list[Case]:
+    """Cases whose name matches any shell-style pattern (`split/b25/*`, `*/skewed/*`); all when none."""
+    if not patterns:
+        return list(cases)
+    chosen = [c for c in cases if any(fnmatch.fnmatchcase(c.name, p) for p in patterns)]
+    if not chosen:
+        raise SystemExit(f"no case matches {' '.join(patterns)}; `python -m bench list` shows the names")
+    return chosen
+
+
+def group_by_engine(cases: list[Case]) -> list[list[Case]]:
+    """Cases grouped by engine (first-seen order), so each engine is loaded once."""
+    groups: dict[tuple, list[Case]] = {}
+    for c in cases:
+        groups.setdefault(c.engine_key, []).append(c)
+    return list(groups.values())

@@ -1,0 +1,47 @@
+"""The PNG: decode tok/s and GPU hit rate against the GPU expert budget (matplotlib, optional)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def plot(doc: dict, path: str | Path, workload: str = "p128x1") -> Path | None:
+    """Write the figure; None when matplotlib is missing or there is nothing to plot."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    ok = [c for c in doc["cases"] if c["status"] == "ok" and c["name"].endswith(f"/{workload}")]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    drawn = False
+    for routing, style in (("uniform", "o-"), ("skewed", "s--")):
+        for variant in ("split", "static", "naive"):
+            pts = sorted((100 * c["budget"]["gpu_fraction"], c["metrics"]) for c in ok
+                         if c["variant"] == variant and c["routing"] == routing and c["budget"]["ram_fraction"] is None)
+            if not pts:
+                continue
+            drawn = True
+            label = f"{variant}, {routing}"
+            ax1.plot([p for p, _ in pts], [m["decode_tok_s"] for _, m in pts], style, label=label)
+            hits = [(p, m["gpu_hit_rate"]) for p, m in pts if m.get("gpu_hit_rate") is not None]
+            if hits:
+                ax2.plot([p for p, _ in hits], [h for _, h in hits], style, label=label)
+        ceiling = [c for c in ok if c["variant"] == "ceiling" and c["routing"] == routing]
+        if ceiling:
+            ax1.axhline(ceiling[0]["metrics"]["decode_tok_s"], ls=":", color="gray", label=f"all in VRAM, {routing}")
+    if not drawn:
+        plt.close(fig)
+        return None
+    ax1.set(xlabel="GPU expert budget (% of expert bytes)", ylabel="decode tok/s (1 stream)", title="decode speed")
+    ax2.set(xlabel="GPU expert budget (% of expert bytes)", ylabel="GPU hit rate", title="GPU hit rate", ylim=(0, 1.02))
+    for ax in (ax1, ax2):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

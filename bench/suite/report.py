@@ -1,0 +1,172 @@
+"""RESULTS.md's suite section, generated from a result document: every case, the baselines as ratios
+from the same run, and the issue's targets next to the measured figures."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+BEGIN, END = "<!-- suite:begin -->", "<!-- suite:end -->"
+REF = "p128x1"  # the workload targets and baselines are judged on
+
+
+def _f(v, digits: int = 1, scale: float = 1.0) -> str:
+    if v is None:
+        return ""
+    if isinstance(v, int | float):
+        x = v / scale
+        return f"{x:,.{digits}f}"
+    return str(v)
+
+
+def _cases(doc: dict) -> dict[str, dict]:
+    return {c["name"]: c for c in doc["cases"]}
+
+
+def _tok(c: dict | None) -> float | None:
+    if not c or c.get("status") != "ok":
+        return None
+    return c["metrics"].get("decode_tok_s")
+
+
+def case_table(doc: dict) -> str:
+    head = ("| case | decode tok/s | slowest stream | prefill tok/s | TTFT s | GPU hit | MB/token by path | "
+            "CPU experts/token | stall ms/token | peak VRAM GiB | peak RSS GiB | roofline tok/s (bound) | fraction |")
+    rows = [head, "|" + " --- |" * (head.count("|") - 1)]
+    for c in doc["cases"]:
+        if c["status"] != "ok" or c["variant"] == "serve":
+            continue
+        m, r = c["metrics"], c.get("roofline") or {}
+        paths = ", ".join(f"{k} {v / 1e6:,.0f}" for k, v in sorted((m.get("bytes_per_token") or {}).items()))
+        stall = m.get("stall_s_per_token")
+        roof = f"{_f(r.get('tok_s'))} ({r.get('bound')})" if r.get("tok_s") else ""
+        rows.append(f"| {c['name']} | {_f(m.get('decode_tok_s'), 2)} | {_f(m.get('slowest_stream_tok_s'), 2)} | "
+                    f"{_f(m.get('prefill_tok_s'), 0)} | {_f(m.get('ttft_s'), 3)} | {_f(m.get('gpu_hit_rate'), 3)} | "
+                    f"{paths} | {_f(m.get('cpu_experts_per_token'), 1)} | {_f(stall, 2, 1e-3) if stall is not None else ''} | "
+                    f"{_f(m.get('peak_vram_bytes'), 1, 2**30)} | {_f(m.get('peak_rss_bytes'), 1, 2**30)} | {roof} | "
+                    f"{_f(c.get('fraction_of_roofline'), 3)} |")
+    return "\n".join(rows)
+
+
+def baseline_table(doc: dict) -> str:
+    """strata (split, 25% budget) against every baseline and ablation, per routing, as ratios."""
+    cases = _cases(doc)
+    rows = ["| routing | against | their decode tok/s | strata split tok/s | strata / them |", "| --- | --- | --- | --- | --- |"]
+    others = [("ceiling/all", "ceiling: all experts in VRAM"), ("hf/b25", "transformers + accelerate offload"),
+              ("naive/b25", "naive on-demand (per-layer LRU, no prefetch, no CPU)"),
+              ("no-prefetch/b25", "ablation: prefetch off"), ("copy-only/b25", "ablation: CPU compute off"),
+              ("cpu-only/b0", "ablation: copies off (CPU only)"), ("static/b25", "static hot set (vs adaptive LFU)"),
+              ("disk/b25-ram50", "half the experts only on disk")]
+    for routing in ("uniform", "skewed"):
+        ours = _tok(cases.get(f"split/b25/{routing}/{REF}"))
+        for prefix, label in others:
+            theirs = _tok(cases.get(f"{prefix}/{routing}/{REF}"))
+            if theirs is None:
+                continue
+            ratio = f"{ours / theirs:,.2f}x" if ours and theirs else ""
+            rows.append(f"| {routing} | {label} | {_f(theirs, 2)} | {_f(ours, 2)} | {ratio} |")
+    return "\n".join(rows)
+
+
+def targets(doc: dict) -> list[dict]:
+    """The issue's targets with what this run measured: {target, measured, status}."""
+    cases = _cases(doc)
+    layers = {r: (doc.get("models", {}).get(r) or {}).get("layers") for r in ("uniform", "skewed")}
+    out = []
+
+    def add(target: str, measured: str | None, ok: bool | None) -> None:
+        status = "not measured" if ok is None else ("met" if ok else "NOT met")
+        out.append({"target": target, "measured": measured or "", "status": status})
+
+    for routing in ("uniform", "skewed"):
+        c = cases.get(f"split/b25/{routing}/{REF}")
+        f = c.get("fraction_of_roofline") if c and c["status"] == "ok" else None
+        add(f"25% GPU budget, {routing}: >= 80% of the roofline", _f(f, 3) if f is not None else None,
+            None if f is None else f >= 0.8)
+    for routing in ("uniform", "skewed"):
+        for prefix, need, label in (("hf/b25", 100, "transformers + accelerate"), ("naive/b25", 2, "naive on-demand")):
+            ours, theirs = _tok(cases.get(f"split/b25/{routing}/{REF}")), _tok(cases.get(f"{prefix}/{routing}/{REF}"))
+            r = ours / theirs if ours and theirs else None
+            add(f"25%, {routing}: >= {need}x {label}", f"{r:,.1f}x" if r else None, None if r is None else r >= need)
+    for routing in ("uniform", "skewed"):
+        ours = _tok(cases.get(f"split/b25/{routing}/{REF}"))
+        for v in ("copy-only/b25", "cpu-only/b0"):
+            theirs = _tok(cases.get(f"{v}/{routing}/{REF}"))
+            r = ours / theirs if ours and theirs else None
+            add(f"25%, {routing}: the split beats {v.split('/')[0]}", f"{r:,.2f}x" if r else None,
+                None if r is None else r > 1)
+    c = cases.get(f"split/b40/skewed/{REF}")
+    hit = c["metrics"].get("gpu_hit_rate") if c and c["status"] == "ok" else None
+    add("skewed, 40% of experts fit, adaptive policy: GPU hit rate >= 90%", _f(hit, 3) if hit is not None else None,
+        None if hit is None else hit >= 0.9)
+    for routing in ("uniform", "skewed"):
+        tok, n = _tok(cases.get(f"ceiling/all/{routing}/{REF}")), layers.get(routing)
+        if tok is not None or routing == "uniform":
+            scaled = tok * n / 48 if tok and n else None
+            add(f"all in VRAM ({routing}), 1 stream: >= 250 tok/s (48 layers)",
+                f"{tok:,.1f} tok/s on {n} layers = {scaled:,.1f} at 48" if scaled else None,
+                None if scaled is None else scaled >= 250)
+    for routing in ("uniform", "skewed"):
+        c = cases.get(f"split/b25/{routing}/p8192x1")
+        p, n = (c["metrics"].get("prefill_tok_s") if c and c["status"] == "ok" else None), layers.get(routing)
+        if p is not None or routing == "uniform":
+            scaled = p * n / 48 if p and n else None
+            add(f"8K prompt, 25% ({routing}): prefill >= 3,000 tok/s (48 layers)",
+                f"{p:,.0f} tok/s on {n} layers = {scaled:,.0f} at 48" if scaled else None,
+                None if scaled is None else scaled >= 3000)
+    serve = next((c for c in doc["cases"] if c["variant"] == "serve" and c["status"] == "ok"), None)
+    ready = serve["metrics"]["ready_s"] if serve else None
+    add("`strata serve` ready (store built) <= 30 s", f"{ready:.1f} s" if ready is not None else None,
+        None if ready is None else ready <= 30)
+    return out
+
+
+def render(doc: dict, command: str | None = None, plot: str | None = None) -> str:
+    """The markdown section (without markers)."""
+    m, rates = doc["machine"], doc["rates"]
+    lines = [f"## Benchmark suite (issue 7) — {doc.get('started', '')}", ""]
+    if command:
+        lines += [f"Command: `{command}` (raw JSON: `suite.json`; this section is generated by "
+                  f"`python -m bench report`).", ""]
+    gpu = f"{m.get('gpu')} ({_f(m.get('gpu_memory_bytes'), 0, 2**20)} MiB, driver {m.get('driver')})" if m.get("gpu") else "no GPU"
+    lines += [f"Machine: {gpu}; {m.get('cpu')} ({m.get('cpu_cores')} cores), {_f(m.get('ram_bytes'), 0, 2**30)} GiB RAM; "
+              f"torch {m.get('torch')}, transformers {m.get('transformers')}, accelerate {m.get('accelerate')}, "
+              f"strata {m.get('strata')} at {str(m.get('git_commit'))[:10]}{' (dirty tree)' if m.get('git_dirty') else ''}.", ""]
+    src = rates.get("source", {})
+    lines += ["Roofline rates: " + ", ".join(
+        f"{k} {rates[k] / 1e9:,.1f} GB/s ({src.get(k, '?')})" for k in ("pcie", "cpu", "hbm", "disk")) +
+        (f"; host RAM read {rates['extra']['ram_read_GBps']} GB/s (measured, not used)" if rates.get("extra", {}).get("ram_read_GBps") else "") + ".", ""]
+    for routing, info in doc.get("models", {}).items():
+        pop = info.get("popularity") or {}
+        popularity = (f"; measured: the 10% / 25% / 40% most used experts of a layer take {pop.get('top10pct_share')} / "
+                      f"{pop.get('top25pct_share')} / {pop.get('top40pct_share')} of its lookups") if pop else ""
+        lines.append(f"- {routing} checkpoint: {info.get('layers')} layers x {info.get('experts_per_layer')} experts "
+                     f"(top-{info.get('experts_per_token')}), {_f(info.get('expert_bytes_total'), 1, 1e9)} GB of experts, "
+                     f"`--route-skew {info.get('route_skew', '?')}`{popularity}.")
+    lines += ["", "Decode figures are over the decode phase (after every stream has its first token); prompts are "
+              "random token ids, sampling at temperature 1 with fixed seeds and `ignore_eos` (so every stream "
+              "generates all its tokens); strata runs through its continuous-batching scheduler. GPU budgets are "
+              "fractions of the expert bytes; the rest sits in pinned RAM (the disk case: half in RAM).", ""]
+    lines += ["### Targets", "", "| target | measured | status |", "| --- | --- | --- |"]
+    lines += [f"| {t['target']} | {t['measured']} | {t['status']} |" for t in targets(doc)]
+    lines += ["", "### Against the baselines (25% GPU budget, 128-token prompt, 1 stream)", "", baseline_table(doc)]
+    lines += ["", "### Every case", "", case_table(doc)]
+    notes = [c for c in doc["cases"] if c["status"] != "ok" or c.get("note")]
+    if notes:
+        lines += ["", "### Skipped, failed or cut short", ""]
+        lines += [f"- `{c['name']}`: {c['status']}: {c.get('reason') or c.get('note')}" for c in notes]
+    if plot:
+        lines += ["", f"![tok/s and GPU hit rate against the GPU expert budget]({plot})"]
+    return "\n".join(lines) + "\n"
+
+
+def update_results_md(path: str | Path, section: str) -> None:
+    """Replace the text between the suite markers in RESULTS.md (append the markers when absent)."""
+    path = Path(path)
+    text = path.read_text() if path.exists() else "# Benchmark results\n"
+    block = f"{BEGIN}\n{section.rstrip()}\n{END}"
+    if BEGIN in text and END in text:
+        text = re.sub(re.escape(BEGIN) + r".*?" + re.escape(END), lambda _: block, text, count=1, flags=re.S)
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    path.write_text(text)

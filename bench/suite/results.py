@@ -1,0 +1,152 @@
+"""The suite's JSON: the machine, the rates, the models, one record per case; validated and merged.
+
+Every case record has `name`, `variant`, `routing`, `budget`, `workload`, `group`, `status`
+("ok" | "skipped" | "error"), `reason` (why not ok) and, when ok, `metrics` and `roofline`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+SCHEMA = "strata-bench-suite/1"
+STATUSES = ("ok", "skipped", "error")
+# metrics every ok strata case reports (None where it does not apply, e.g. hit rate without tiers)
+METRICS = ("decode_tok_s", "slowest_stream_tok_s", "prefill_tok_s", "ttft_s", "gpu_hit_rate", "bytes_per_token",
+           "cpu_experts_per_token", "stall_s_per_token", "peak_vram_bytes", "peak_rss_bytes", "tokens")
+RESULT_FILE = "suite.json"
+
+
+def machine_info() -> dict:
+    """GPU, driver, CPU, RAM, library versions and the git commit of this checkout."""
+    import psutil
+    import torch
+
+    import strata
+
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "strata": strata.__version__,
+        "cpu": _cpu_model(),
+        "cpu_cores": psutil.cpu_count(logical=False),
+        "cpu_threads": psutil.cpu_count(),
+        "ram_bytes": psutil.virtual_memory().total,
+        "gpu": None,
+        "gpu_memory_bytes": None,
+        "driver": _nvidia_smi("driver_version"),
+        "git_commit": _git("rev-parse", "HEAD"),
+        "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
+    }
+    if torch.cuda.is_available():
+        p = torch.cuda.get_device_properties(0)
+        info["gpu"], info["gpu_memory_bytes"] = p.name, p.total_memory
+        info["gpu_count"] = torch.cuda.device_count()
+    for mod in ("transformers", "accelerate", "triton"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001 - absent or broken: recorded as missing
+            info[mod] = None
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _nvidia_smi(field: str) -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", f"--query-gpu={field}", "--format=csv,noheader"], capture_output=True,
+                             text=True, timeout=20)
+        return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout.strip() else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _git(*args: str) -> str | None:
+    root = Path(__file__).resolve().parents[2]
+    try:
+        out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=20)
+        return out.stdout.strip() if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def new_document(suite: str, settings: dict, machine: dict, rates: dict) -> dict:
+    return {"schema": SCHEMA, "suite": suite, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+            "machine": machine, "settings": settings, "rates": rates, "models": {}, "cases": []}
+
+
+def write(doc: dict, out_dir: str | os.PathLike) -> Path:
+    """Write (atomically: a kill mid-write leaves the previous file) and return the path."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / RESULT_FILE
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def validate(doc: dict) -> list[str]:
+    """Problems with a result document (empty when it is valid)."""
+    problems = []
+    if doc.get("schema") != SCHEMA:
+        problems.append(f"schema is {doc.get('schema')!r}, expected {SCHEMA!r}")
+    for key in ("machine", "settings", "rates", "models", "cases"):
+        if key not in doc:
+            problems.append(f"missing key {key!r}")
+    for i, case in enumerate(doc.get("cases", [])):
+        where = f"case {i} ({case.get('name', '?')})"
+        for key in ("name", "variant", "routing", "budget", "workload", "group", "status"):
+            if key not in case:
+                problems.append(f"{where}: missing {key!r}")
+        status = case.get("status")
+        if status not in STATUSES:
+            problems.append(f"{where}: status {status!r} not in {STATUSES}")
+        elif status != "ok" and not case.get("reason"):
+            problems.append(f"{where}: {status} without a reason")
+        elif status == "ok":
+            metrics = case.get("metrics") or {}
+            missing = [m for m in METRICS if m not in metrics] if case.get("variant") not in ("hf", "serve") else []
+            if missing:
+                problems.append(f"{where}: metrics missing {missing}")
+            if case.get("variant") == "serve" and "ready_s" not in metrics:
+                problems.append(f"{where}: serve case without ready_s")
+            tok = metrics.get("decode_tok_s")
+            if case.get("variant") != "serve" and not (isinstance(tok, int | float) and tok > 0):
+                problems.append(f"{where}: decode_tok_s {tok!r} is not a positive number")
+    return problems
+
+
+def load(paths: list[str | os.PathLike]) -> dict:
+    """Read one or more result files into one document: later files' cases replace earlier ones of the
+    same name; machine, rates and settings come from the last file (each case keeps its own run)."""
+    merged: dict | None = None
+    cases: dict[str, dict] = {}
+    for p in paths:
+        doc = json.loads(Path(p).read_text())
+        problems = validate(doc)
+        if problems:
+            raise ValueError(f"{p}: not a valid suite result: {problems[0]}")
+        for c in doc["cases"]:
+            c.setdefault("run", doc.get("started"))
+            cases[c["name"]] = c
+        models = {**(merged or {}).get("models", {}), **doc.get("models", {})}
+        merged = {**doc, "models": models}
+    if merged is None:
+        raise ValueError("no result files given")
+    merged["cases"] = list(cases.values())
+    merged["sources"] = [str(p) for p in paths]
+    return merged

@@ -1,0 +1,77 @@
+"""Run a list of cases in order, one engine per group, within a deadline; write the JSON as it goes."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from bench.suite import results
+from bench.suite.cases import Case, group_by_engine
+from bench.suite.hf_case import run_hf
+from bench.suite.models import ensure_model, model_facts, routing_of
+from bench.suite.roofline import Rates, measure_rates
+from bench.suite.serve_case import run_serve
+from bench.suite.strata_case import record, run_group
+
+
+def run_suite(cases: list[Case], settings: dict, out_dir: str | Path, log=print, rates: Rates | None = None) -> dict:
+    """Measure `cases`; returns the result document (also written to out_dir/suite.json after every group).
+
+    settings: device, cache, disk_cache, models_dir, size, layers, skew, model (a checkpoint to use
+    instead of writing demo models), token_budget, placement_timeout, deadline_s, hf_limit_s, suite.
+    """
+    start = time.time()
+    deadline = start + settings["deadline_s"]
+    out_dir = Path(out_dir)
+    rates = rates or measure_rates(settings["device"])
+    doc = results.new_document(settings.get("suite", "custom"), settings, results.machine_info(), rates.as_dict())
+    models = _models(cases, settings, doc, log)
+    results.write(doc, out_dir)
+    for group in group_by_engine(cases):
+        first = group[0]
+        if first.routing not in models:
+            doc["cases"] += [record(c, "skipped", f"no {c.routing} checkpoint (--model gives one routing)")
+                             for c in group]
+            continue
+        model, facts, summary = models[first.routing]
+        left = deadline - time.time()
+        if left < 20:
+            doc["cases"] += [record(c, "skipped", "the suite's deadline passed (--deadline)") for c in group]
+            continue
+        log(f"--- {first.variant} / {first.budget_label} / {first.routing}: {len(group)} case(s), {left:.0f} s left")
+        try:
+            if first.variant == "hf":
+                doc["cases"] += [run_hf(c, model, summary, settings, min(settings["hf_limit_s"], left - 10), log)
+                                 for c in group]
+            elif first.variant == "serve":
+                doc["cases"] += [run_serve(c, model, summary, settings, out_dir, min(120.0, left - 10)) for c in group]
+            else:
+                pop = doc["models"][first.routing].setdefault("popularity", {})
+                doc["cases"] += run_group(group, model, summary, facts, rates, settings, deadline, log,
+                                          popularity=None if pop else pop)
+        except Exception as e:  # noqa: BLE001 - an engine that does not load fails its cases, not the suite
+            doc["cases"] += [record(c, "error", f"{type(e).__name__}: {e}") for c in group]
+            log(f"{first.name}: error {type(e).__name__}: {e}")
+        doc["elapsed_s"] = round(time.time() - start, 1)
+        results.write(doc, out_dir)
+    return doc
+
+
+def _models(cases: list[Case], settings: dict, doc: dict, log) -> dict:
+    """routing -> (checkpoint dir, ModelFacts, summary) for the routings `cases` need."""
+    out = {}
+    if settings.get("model"):
+        routing, why = routing_of(Path(settings["model"]))
+        facts, summary = model_facts(Path(settings["model"]))
+        doc["models"][routing] = {**summary, "routing_note": why}
+        return {routing: (Path(settings["model"]), facts, summary)}
+    for routing in dict.fromkeys(c.routing for c in cases):
+        t0 = time.perf_counter()
+        path = ensure_model(Path(settings["models_dir"]), settings["size"], settings["layers"], routing,
+                            settings["skew"], progress=settings.get("progress", True))
+        facts, summary = model_facts(path)
+        doc["models"][routing] = {**summary, "ready_s": round(time.perf_counter() - t0, 1),
+                                  "route_skew": "uniform" if routing == "uniform" else settings["skew"]}
+        log(f"{routing} model: {path} ({summary['total_bytes'] / 1e9:.1f} GB)")
+        out[routing] = (path, facts, summary)
+    return out

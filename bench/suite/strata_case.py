@@ -1,0 +1,295 @@
+"""Run strata cases: one engine per variant/budget/routing, every workload of the group on it.
+
+Each workload submits its streams to the engine's continuous-batching scheduler at once (the path
+`strata serve` uses; sampling at temperature 1 with fixed seeds and `ignore_eos`, so every stream
+generates exactly its tokens and routing does not settle into a greedy loop), timestamps every token,
+and snapshots the tier counters when the last stream has its first token: the prefill phase before
+that moment, the decode phase after it.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from bench.suite.cases import COLD_PATHS, VARIANTS, Case, Workload
+from bench.suite.roofline import ModelFacts, Rates, fraction, roofline
+
+
+def engine_config(case: Case, summary: dict, settings: dict, workloads: list[Workload]) -> dict:
+    """The strata.config dict for `case` (sections as in config.toml)."""
+    expert_total = summary["expert_bytes_total"]
+    longest = max(w.prompt + w.tokens for w in workloads)
+    cfg: dict = {
+        "runtime": {"max_context": max(1024, longest + 64), "prefill_chunk": settings["token_budget"]},
+        "tiers": {"disk": {"path": settings["cache"], "scrub": False}},
+        "planner": {"max_batch": max(w.streams for w in workloads)},
+    }
+    _merge(cfg, VARIANTS[case.variant])
+    _merge(cfg, case.extra)
+    if case.gpu_fraction is not None and case.variant != "ceiling":
+        cfg["tiers"].setdefault("gpu", {})["budget"] = str(int(expert_total * case.gpu_fraction))
+    if case.ram_fraction is not None:  # the NVMe case: a store on real disk, RAM below the expert bytes
+        cfg["tiers"]["pinned"] = {"budget": str(int(expert_total * case.ram_fraction))}
+        cfg["tiers"]["disk"]["path"] = settings["disk_cache"]
+    return cfg
+
+
+def _merge(dst: dict, src: dict) -> None:
+    for k, v in src.items():
+        if isinstance(v, dict):
+            _merge(dst.setdefault(k, {}), v)
+        else:
+            dst[k] = copy.deepcopy(v)
+
+
+def prompts_for(w: Workload, vocab: int, seed: int = 0) -> list[list[int]]:
+    """One prompt per stream: random ids from the demo tokenizer's ordinary tokens (fixed seed)."""
+    g = torch.Generator().manual_seed(seed + 7919 * w.prompt)
+    hi = min(vocab, 8000)
+    return [torch.randint(300, hi, (w.prompt,), generator=g).tolist() for _ in range(w.streams)]
+
+
+def wait_placed(engine, timeout: float) -> float:
+    """Wait until initial placement has filled the GPU and pinned tiers (or stopped growing); seconds waited."""
+    if engine.tiers is None:
+        return 0.0
+    t0, last, still = time.perf_counter(), None, 0
+    while time.perf_counter() - t0 < timeout:
+        tiers = engine.tiers.stats()["tiers"]
+        state = tuple((t, v["resident"]) for t, v in sorted(tiers.items()) if t in ("gpu", "pinned"))
+        full = all(v["resident"] >= v["capacity"] for t, v in tiers.items() if t in ("gpu", "pinned"))
+        if full:
+            break
+        still = still + 1 if state == last else 0
+        if still >= 20:  # 2 s without progress: placement is done (a tier bigger than the model)
+            break
+        last = state
+        time.sleep(0.1)
+    return round(time.perf_counter() - t0, 2)
+
+
+class _Peaks:
+    """Peak VRAM (torch allocator, and the device as a whole) and peak RSS over a workload."""
+
+    def __init__(self, device: str):
+        self.cuda = device.startswith("cuda") and torch.cuda.is_available()
+
+    def reset(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM (Linux)
+        except OSError:
+            pass
+
+    def read(self) -> dict:
+        out = {"peak_vram_bytes": None, "vram_used_bytes": None, "peak_rss_bytes": None}
+        if self.cuda:
+            out["peak_vram_bytes"] = torch.cuda.max_memory_allocated()
+            free, total = torch.cuda.mem_get_info()
+            out["vram_used_bytes"] = total - free
+        try:
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    out["peak_rss_bytes"] = int(line.split()[1]) * 1024
+        except OSError:
+            import psutil
+
+            out["peak_rss_bytes"] = psutil.Process().memory_info().rss
+        return out
+
+
+def _snapshot(engine) -> dict:
+    st = engine.stats()
+    t = st.get("tiers") or {}
+    return {"lookups": t.get("lookups", 0), "stall": t.get("stall_seconds", 0.0),
+            "hits": {k: v.get("hits", 0) for k, v in (t.get("tiers") or {}).items()},
+            "paths": {k: v.get("bytes", 0) for k, v in (t.get("paths") or {}).items()},
+            "cpu_experts": st.get("cpu_experts_computed", 0)}
+
+
+def _delta(a: dict, b: dict) -> dict:
+    return {"lookups": b["lookups"] - a["lookups"], "stall": b["stall"] - a["stall"],
+            "hits": {k: b["hits"].get(k, 0) - a["hits"].get(k, 0) for k in b["hits"]},
+            "paths": {k: b["paths"].get(k, 0) - a["paths"].get(k, 0) for k in b["paths"]},
+            "cpu_experts": b["cpu_experts"] - a["cpu_experts"]}
+
+
+def run_workload(engine, scheduler, w: Workload, vocab: int, device: str) -> dict:
+    """Measure one workload on a started scheduler; returns metrics and the decode-phase counters."""
+    from strata.runtime.sampler import SamplingParams
+    from strata.runtime.scheduler import GenRequest
+
+    prompts = prompts_for(w, vocab)
+    peaks = _Peaks(device)
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(2e-4)  # token timestamps are taken by the consumer threads: let them run promptly
+    peaks.reset()
+    stamps: list[list[float]] = [[] for _ in range(w.streams)]
+    started, lock, mid = [0], threading.Lock(), {}
+    s0 = _snapshot(engine)
+    t0 = time.perf_counter()
+    handles: list = []
+
+    def collect(i: int) -> None:
+        for ev in handles[i].iter_events(timeout=3600):
+            if ev.token_id is None:
+                continue
+            stamps[i].append(time.perf_counter())
+            if len(stamps[i]) == 1:
+                with lock:
+                    started[0] += 1
+                    if started[0] == w.streams:  # every stream is decoding: the decode phase starts
+                        mid["t"], mid["snap"] = time.perf_counter(), _snapshot(engine)
+            if ev.finish_reason == "abort":
+                raise RuntimeError("the scheduler aborted a stream")
+
+    threads = [threading.Thread(target=collect, args=(i,), daemon=True) for i in range(w.streams)]
+    try:
+        for i, (t, p) in enumerate(zip(threads, prompts, strict=True)):
+            params = SamplingParams(max_tokens=w.tokens, temperature=1.0, seed=1000 + i, ignore_eos=True)
+            handles.append(scheduler.submit(GenRequest(p, params)))
+            t.start()  # consuming at once: a token's timestamp is when its event arrives
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(switch)
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t_end = time.perf_counter()
+    s2 = _snapshot(engine)
+    if "t" not in mid or any(len(s) < 2 for s in stamps):
+        raise RuntimeError(f"streams produced {[len(s) for s in stamps]} tokens; expected {w.tokens} each")
+    t_mid = mid["t"]
+    window_tokens = sum(1 for s in stamps for x in s if x > t_mid)
+    decode = _delta(mid["snap"], s2)
+    prefill = _delta(s0, mid["snap"])
+    per_stream = [(len(s) - 1) / (s[-1] - s[0]) for s in stamps]
+    ttft = [s[0] - t0 for s in stamps]
+    n = max(1, window_tokens)
+    hits_gpu = decode["hits"].get("gpu", 0)
+    metrics = {
+        "tokens": sum(len(s) for s in stamps),
+        "decode_window_tokens": window_tokens,
+        "decode_tok_s": round(window_tokens / (t_end - t_mid), 3) if window_tokens else round(per_stream[0], 3),
+        "slowest_stream_tok_s": round(min(per_stream), 3),
+        "mean_stream_tok_s": round(sum(per_stream) / len(per_stream), 3),
+        "prefill_tok_s": round(sum(len(p) for p in prompts) / (t_mid - t0), 1),
+        "ttft_s": round(max(ttft), 4),
+        "ttft_mean_s": round(sum(ttft) / len(ttft), 4),
+        "gpu_hit_rate": round(hits_gpu / decode["lookups"], 4) if decode["lookups"] and "gpu" in decode["hits"] else None,
+        "lookups_per_token": round(decode["lookups"] / n, 2),
+        "hits_per_token": {k: round(v / n, 2) for k, v in decode["hits"].items()},
+        "bytes_per_token": {k: int(v / n) for k, v in decode["paths"].items() if v},
+        "prefill_bytes_per_prompt_token": {k: int(v / max(1, sum(map(len, prompts)))) for k, v in prefill["paths"].items() if v},
+        "cpu_experts_per_token": round(decode["cpu_experts"] / n, 3),
+        "stall_s_per_token": round(decode["stall"] / n, 6),
+        "stall_s_total": round(decode["stall"] + prefill["stall"], 4),
+        "wall_s": round(t_end - t0, 3),
+        **peaks.read(),
+    }
+    return {"metrics": metrics, "decode": decode, "window_tokens": window_tokens}
+
+
+def case_roofline(case: Case, res: dict, facts: ModelFacts, rates: Rates) -> dict | None:
+    """The roofline for the decode phase of `res` (None when nothing was decoded in the window)."""
+    tokens = res["window_tokens"]
+    if not tokens:
+        return None
+    steps = max(1, round(tokens / case.workload.streams))
+    d = res["decode"]
+    if case.variant == "ceiling" or not d["lookups"]:
+        gpu_experts, cold, disk = facts.expected_experts_per_step(case.workload.streams) * steps, 0, 0
+        paths: tuple[str, ...] = ()
+    else:
+        hits = d["hits"]
+        disk = hits.get("disk", 0)
+        cold = d["lookups"] - hits.get("gpu", 0) - disk
+        gpu_experts = d["lookups"] - d["cpu_experts"]
+        paths = COLD_PATHS.get(case.variant, ("pcie", "cpu"))
+    return roofline(tokens=tokens, steps=steps, gpu_experts=gpu_experts, cold_experts=cold, disk_experts=disk,
+                    facts=facts, rates=rates, paths=paths)
+
+
+def run_group(cases: list[Case], model: Path, summary: dict, facts: ModelFacts, rates: Rates, settings: dict,
+              deadline: float, log=print, popularity: dict | None = None) -> list[dict]:
+    """Load one engine for `cases` (same variant, budget, routing), run each workload; one record per case."""
+    from strata import Engine
+
+    first = cases[0]
+    cfg = engine_config(first, summary, settings, [c.workload for c in cases])
+    device = settings["device"]
+    records = []
+    t0 = time.perf_counter()
+    engine = Engine.from_pretrained(model, config=cfg, device=device)
+    sched = None
+    try:
+        load_s = round(time.perf_counter() - t0, 2)
+        placed_s = wait_placed(engine, settings["placement_timeout"])
+        vocab = engine.checkpoint.config.vocab_size
+        sched = engine.scheduler(max_batch=max(c.workload.streams for c in cases), token_budget=settings["token_budget"])
+        sched.start()
+        if popularity is not None:  # once per routing, outside any timed run: how this checkpoint routes
+            popularity.update(_measure_popularity(engine, sched, vocab, summary))
+        run_workload(engine, sched, Workload(64, 1, 4), vocab, device)  # warm-up: kernels, graphs, first copies
+        for case in cases:
+            if time.time() > deadline:
+                records.append(record(case, "skipped", "the suite's deadline passed (--deadline)", config=cfg))
+                continue
+            if case.workload.prompt + case.workload.tokens > engine.max_context:
+                records.append(record(case, "skipped", f"prompt + tokens exceed the model's context of "
+                                                       f"{engine.max_context} tokens", config=cfg))
+                continue
+            try:
+                res = run_workload(engine, sched, case.workload, vocab, device)
+                bound = case_roofline(case, res, facts, rates)
+                m = res["metrics"]
+                m.update(load_s=load_s, placement_wait_s=placed_s)
+                records.append(record(case, "ok", None, metrics=m, roofline=bound, config=cfg,
+                                      fraction_of_roofline=fraction(m["decode_tok_s"], bound)))
+            except Exception as e:  # noqa: BLE001 - record and go on
+                records.append(record(case, "error", f"{type(e).__name__}: {e}", config=cfg))
+            log(_line(records[-1]))
+    finally:
+        if sched is not None:
+            sched.stop(drain=False, timeout=30)
+        engine.close()
+        del engine
+        gc.collect()
+        if device.startswith("cuda") and torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return records
+
+
+def _measure_popularity(engine, sched, vocab: int, summary: dict) -> dict:
+    from bench.suite.routing import count_routing, popularity_summary
+
+    with count_routing(engine.model, summary["experts_per_layer"]) as counts:
+        run_workload(engine, sched, Workload(256, 1, 2), vocab, "cpu")
+    return popularity_summary(counts) if any(int(c.sum()) for c in counts.values()) else {}
+
+
+def record(case: Case, status: str, reason: str | None, **fields) -> dict:
+    """A case record as the JSON holds it."""
+    w = case.workload
+    return {"name": case.name, "variant": case.variant, "routing": case.routing, "group": case.group,
+            "budget": {"gpu_fraction": case.gpu_fraction, "ram_fraction": case.ram_fraction},
+            "workload": {"prompt": w.prompt, "streams": w.streams, "tokens": w.tokens},
+            "status": status, "reason": reason, **fields}
+
+
+def _line(rec: dict) -> str:
+    if rec["status"] != "ok":
+        return f"{rec['name']}: {rec['status']} ({rec['reason']})"
+    m, f = rec["metrics"], rec.get("fraction_of_roofline")
+    hit = m.get("gpu_hit_rate")
+    return (f"{rec['name']}: decode {m['decode_tok_s']} tok/s (slowest {m['slowest_stream_tok_s']}), "
+            f"prefill {m['prefill_tok_s']} tok/s, hit {hit}, roofline fraction {f}")

@@ -1,0 +1,181 @@
+"""Slot-indexed expert compute for small batches (decode): one launch per projection for all pairs.
+
+A decode step routes N tokens to k experts each: P = N*k (token, expert) pairs. Pair p runs the expert
+whose weights sit in slot `slot_of[ids[p]]` of a slot buffer on token `p // k` and writes its output
+row `y[p]` [H] fp32. The slot buffer is the GPU tier's slab (a strided view over fixed-size slots) or
+the stacked all-in-memory experts (slot = expert id), so the same kernels serve both.
+
+The slot lookup happens inside the kernel (`slot_of` is a device table), so there is no host round
+trip and a decode step can be captured in a CUDA graph. Pairs whose expert is not resident (slot -1)
+are skipped; the cold path fills their rows. A map update enqueued on the same stream is seen either
+before the lookup (the pair is skipped) or after the kernel (the copy that reuses the slot waits for
+it): the gate/up kernel records the slot it used and the down kernel reads that record, so both
+projections always use one consistent slot.
+
+Triton kernels on CUDA; a pure-torch fallback (gather + bmm) elsewhere, with the same results to
+rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs do without it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on CPU-only hosts
+    triton = None
+
+PAIR_LIMIT = 128  # pairs per step up to which the pair kernels beat grouping tokens by expert
+# (BLOCK_I, BLOCK_H) of the gate/up kernel and (BLOCK_O, BLOCK_I) of the down kernel: few pairs need
+# smaller blocks, hence more programs in flight, to keep enough memory reads outstanding
+BLOCKS = {"small": (8, 512, 16, 256), "large": (4, 256, 8, 128)}  # measured on the H200 (bench/profile_decode.py)
+SMALL_PAIRS = 16
+
+
+@dataclass(frozen=True)
+class SlotWeights:
+    """Expert weights addressed by slot: gate_up [S, 2I, H], down [S, H, I] (strided views allowed)."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+    def __post_init__(self) -> None:
+        s, two_i, h = self.gate_up.shape
+        if self.down.shape != (s, h, two_i // 2):
+            raise ValueError(f"down {tuple(self.down.shape)} does not match gate_up {tuple(self.gate_up.shape)}")
+        if self.gate_up.stride(-1) != 1 or self.down.stride(-1) != 1:
+            raise ValueError("expert rows must be contiguous (last stride 1)")
+
+    @staticmethod
+    def from_slab(slab: torch.Tensor, dtype: torch.dtype, gate_up_shape: tuple[int, int],
+                  down_shape: tuple[int, int], down_offset: int) -> SlotWeights:
+        """Typed views over a uint8 slab [S, slot_bytes] whose slots hold gate_up then down at `down_offset` bytes."""
+        size = torch.empty((), dtype=dtype).element_size()
+        if slab.shape[1] % size or down_offset % size:
+            raise ValueError("slot size and down offset must be multiples of the element size")
+        typed = slab.view(dtype)  # [S, slot_bytes / size]
+        (a, b), (c, d) = gate_up_shape, down_shape
+        off = down_offset // size
+        return SlotWeights(typed[:, : a * b].view(-1, a, b), typed[:, off : off + c * d].view(-1, c, d))
+
+
+def use_pair_kernels(x: torch.Tensor, num_pairs: int) -> bool:
+    """Whether a step of `num_pairs` pairs takes the pair kernels (GPU, small batches) or per-expert groups."""
+    return x.is_cuda and num_pairs <= PAIR_LIMIT
+
+
+def pair_experts(x: torch.Tensor, weights: SlotWeights, slot_of: torch.Tensor, ids: torch.Tensor,
+                 y: torch.Tensor, rows: torch.Tensor | None = None, used: torch.Tensor | None = None) -> torch.Tensor:
+    """Run pair p = expert `ids[p]` (looked up in `slot_of` [E] int32, -1 = skip) on token `rows[p] // k`.
+
+    x [N, H]; ids [P] int; y [N*k, H] fp32 receives row `rows[p]` (default p, with k = y.shape[0] // N).
+    `used` [P] int32 receives the slot each pair used (-1: skipped). Returns `used`.
+    """
+    p = ids.numel()
+    k = y.shape[0] // x.shape[0]
+    rows = torch.arange(p, device=x.device, dtype=torch.int32) if rows is None else rows.to(torch.int32)
+    used = torch.empty(p, dtype=torch.int32, device=x.device) if used is None else used
+    if p == 0:
+        return used
+    if x.is_cuda and triton is not None:
+        _pair_triton(x, weights, slot_of, ids.to(torch.int32), rows, k, y, used)
+    else:
+        _pair_torch(x, weights, slot_of, ids, rows, k, y, used)
+    return used
+
+
+def combine_pairs(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Weighted sum of each token's k expert outputs: y [N*k, H] fp32, weights [N, k] -> [N, H] fp32.
+
+    Always the same order whatever computed each row, so tiers never change the result."""
+    n, k = weights.shape
+    return (y.view(n, k, -1) * weights.float()[..., None]).sum(dim=1)
+
+
+def _pair_torch(x, weights: SlotWeights, slot_of, ids, rows, k, y, used) -> None:
+    """Fallback: gather each pair's expert and run it with batched matmuls (no host sync on CUDA)."""
+    slots = slot_of[ids.long()].to(torch.int32)
+    used.copy_(slots)
+    ok = (slots >= 0)
+    s = slots.clamp(min=0).long()
+    tok = rows.long() // k
+    xs = x[tok].to(weights.gate_up.dtype)  # [P, H]
+    gu = torch.bmm(weights.gate_up[s], xs[:, :, None])[..., 0].float()  # [P, 2I]
+    gate, up = gu.chunk(2, dim=-1)
+    h = (F.silu(gate) * up).to(weights.down.dtype)
+    out = torch.bmm(weights.down[s], h[:, :, None])[..., 0].float()  # [P, H]
+    out = torch.where(ok[:, None], out, y[rows.long()])
+    y.index_copy_(0, rows.long(), out)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, gu_ptr, slot_of_ptr, ids_ptr, rows_ptr, used_ptr, h_ptr,
+                        H, I, K, stride_x, stride_gs, stride_gr, stride_h,
+                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+        p = tl.program_id(0)
+        ib = tl.program_id(1)
+        expert = tl.load(ids_ptr + p)
+        slot = tl.load(slot_of_ptr + expert).to(tl.int64)
+        if ib == 0:
+            tl.store(used_ptr + p, slot.to(tl.int32))
+        if slot >= 0:
+            tok = (tl.load(rows_ptr + p) // K).to(tl.int64)
+            offs_i = ib * BLOCK_I + tl.arange(0, BLOCK_I)
+            mask_i = offs_i < I
+            acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
+            w = gu_ptr + slot * stride_gs
+            for h0 in range(0, H, BLOCK_H):
+                offs_h = h0 + tl.arange(0, BLOCK_H)
+                mask_h = offs_h < H
+                xv = tl.load(x_ptr + tok * stride_x + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+                m = mask_i[:, None] & mask_h[None, :]
+                g = tl.load(w + offs_i[:, None] * stride_gr + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
+                u = tl.load(w + (offs_i[:, None] + I) * stride_gr + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
+                acc_g += tl.sum(g * xv[None, :], axis=1)
+                acc_u += tl.sum(u * xv[None, :], axis=1)
+            h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+            tl.store(h_ptr + p * stride_h + offs_i, h, mask=mask_i)
+
+    @triton.jit
+    def _down_kernel(h_ptr, d_ptr, used_ptr, rows_ptr, y_ptr, H, I, stride_h, stride_ds, stride_dr, stride_y,
+                     BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
+        p = tl.program_id(0)
+        ob = tl.program_id(1)
+        slot = tl.load(used_ptr + p).to(tl.int64)
+        if slot >= 0:
+            row = tl.load(rows_ptr + p).to(tl.int64)
+            offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
+            mask_o = offs_o < H
+            acc = tl.zeros([BLOCK_O], dtype=tl.float32)
+            w = d_ptr + slot * stride_ds
+            for i0 in range(0, I, BLOCK_I):
+                offs_i = i0 + tl.arange(0, BLOCK_I)
+                mask_i = offs_i < I
+                hv = tl.load(h_ptr + p * stride_h + offs_i, mask=mask_i, other=0.0)
+                wv = tl.load(w + offs_o[:, None] * stride_dr + offs_i[None, :],
+                             mask=mask_o[:, None] & mask_i[None, :], other=0.0).to(tl.float32)
+                acc += tl.sum(wv * hv[None, :], axis=1)
+            tl.store(y_ptr + row * stride_y + offs_o, acc, mask=mask_o)
+
+
+def _pair_triton(x, weights: SlotWeights, slot_of, ids, rows, k, y, used) -> None:
+    gu, dn = weights.gate_up, weights.down
+    _, two_i, hidden = gu.shape
+    inter = two_i // 2
+    p = ids.numel()
+    x = x.contiguous()
+    h = torch.empty((p, inter), dtype=torch.float32, device=x.device)  # SiLU(gate) * up per pair
+    block_i, block_h, block_o, block_k = BLOCKS["small" if p <= SMALL_PAIRS else "large"]
+    _gate_up_kernel[(p, triton.cdiv(inter, block_i))](
+        x, gu, slot_of, ids, rows, used, h, hidden, inter, k, x.stride(0), gu.stride(0), gu.stride(1), h.stride(0),
+        BLOCK_I=block_i, BLOCK_H=block_h, num_warps=4)
+    _down_kernel[(p, triton.cdiv(hidden, block_o))](
+        h, dn, used, rows, y, hidden, inter, h.stride(0), dn.stride(0), dn.stride(1), y.stride(0),
+        BLOCK_O=block_o, BLOCK_I=block_k, num_warps=4)

@@ -1,0 +1,208 @@
+"""Engram layers: hashed n-gram rows, gated by the hidden state, added to the residual stream.
+
+At a configured layer, before its attention (DeepSeek's reference demo, one residual stream):
+
+    e = concat of the token's rows                  [N, heads * head_dim]   (engram_hash.NgramHasher)
+    g = sigmoid(signed_sqrt(<rms(key_proj(e)), rms(x)> / sqrt(H)))           [N, 1]
+    v = g * value_proj(e)                                                    [N, H]
+    x = x + v + silu(causal_depthwise_conv(rms(v)))     kernel_size taps, dilation max_ngram_size
+
+Row ids depend on token ids alone, so `EngramRuntime.begin` hashes the whole step at the start of
+the forward pass and asks the row source to start gathering; each Engram layer then waits only for
+its own rows. The row source is the layers' own tables (`runtime.experts = "memory"`) or the tiered
+row store (strata.tiers.engram_rows), which serves rows from the GPU, pinned RAM, tmpfs or disk.
+
+Per-sequence state lives in `EngramCache` (held by the KV cache): the raw token ids of each slot
+(the n-gram history across steps) and, per Engram layer, a ring of the last `conv_window` normalised
+values (the convolution's history), indexed by position, so chunked prefill and batched decode see
+exactly what one pass over the whole sequence would.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strata.runtime.engram_hash import EngramConfig, NgramHasher
+from strata.runtime.layers import RMSNorm
+
+if TYPE_CHECKING:
+    from strata.runtime.kv_cache import KVCache, StepBatch
+
+
+class RowSource(Protocol):
+    """Where a layer's table rows come from: `start` returns at once, `wait` gives them on the device."""
+
+    def start(self, layer: int, rows: torch.Tensor) -> Any: ...  # rows: int64 CPU [T, heads]
+
+    def wait(self, ticket: Any) -> torch.Tensor: ...  # -> [T, heads, head_dim] in the model dtype
+
+    def prefetch(self, layer: int, rows: torch.Tensor) -> None: ...
+
+
+class MemoryRows:
+    """The reference row source: every table whole in the compute device (runtime.experts = "memory")."""
+
+    def __init__(self, tables: dict[int, torch.Tensor]):
+        self.tables = tables  # layer -> [rows, head_dim]
+
+    def start(self, layer: int, rows: torch.Tensor) -> Any:
+        table = self.tables[layer]
+        return table[rows.to(table.device, non_blocking=True)]
+
+    def wait(self, ticket: Any) -> torch.Tensor:
+        return ticket
+
+    def prefetch(self, layer: int, rows: torch.Tensor) -> None:
+        pass
+
+
+class EngramCache:
+    """Per-slot Engram state: raw token ids (CPU int64 [slots, max_len]) and per layer the ring of the
+    last `conv_window` normalised values ([slots, conv_window, H] in the model dtype on the device)."""
+
+    def __init__(self, cfg: EngramConfig, hidden: int, num_slots: int, max_len: int, dtype: torch.dtype,
+                 device: torch.device | str):
+        self.window = cfg.conv_window
+        self.tokens = torch.zeros(num_slots, max_len, dtype=torch.int64)
+        self.conv = {layer: torch.zeros(num_slots, max(self.window, 1), hidden, dtype=dtype, device=device)
+                     for layer in cfg.layer_ids}
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.conv.values())
+
+
+class EngramStep:
+    """One forward pass's Engram work: pending row gathers per layer and the convolution's tap map."""
+
+    def __init__(self, source: RowSource, tickets: dict[int, Any], taps: torch.Tensor, ring_dst: torch.Tensor,
+                 ring_src: torch.Tensor, cache: EngramCache):
+        self.source, self.tickets, self.cache = source, tickets, cache
+        self.taps = taps  # int64 [N, kernel] on the device: index into cat(new [N], ring [slots*W], zero [1])
+        self.ring_dst, self.ring_src = ring_dst, ring_src  # where the step's last values go in the ring
+
+    def rows(self, layer: int) -> torch.Tensor:
+        """The layer's rows for the step's tokens [N, heads, head_dim], waiting if they are not there yet."""
+        return self.source.wait(self.tickets.pop(layer))
+
+
+class EngramRuntime(nn.Module):
+    """Owns the normalisation table (`model.engram.token_map`), hashes steps and starts their gathers."""
+
+    def __init__(self, cfg: EngramConfig, vocab_size: int):
+        super().__init__()
+        self.cfg = cfg
+        self.register_buffer("token_map", torch.zeros(vocab_size, dtype=torch.int64))
+        self.source: RowSource | None = None  # None: the layers' own tables (set by `bind`)
+        self._hasher: NgramHasher | None = None
+
+    @property
+    def hasher(self) -> NgramHasher:
+        if self._hasher is None:
+            self._hasher = NgramHasher(self.cfg, self.token_map.detach().cpu())
+        return self._hasher
+
+    def bind(self, layers: nn.ModuleList) -> None:
+        """Use the layers' own tables as the row source (unless a tiered source was set)."""
+        if self.source is None:
+            self.source = MemoryRows({i: layers[i].engram.multi_head_embedding.embedding.weight
+                                      for i in self.cfg.layer_ids})
+
+    def stats(self) -> dict:
+        """The row source's statistics (`engine.stats()["engram"]`): lookups, hits per tier, bytes, stall."""
+        stats = getattr(self.source, "stats", None)
+        return stats() if stats is not None else {"tier": "memory"}
+
+    def prefetch(self, ids: list[int] | torch.Tensor, history: list[int] | torch.Tensor = ()) -> None:
+        """Start fetching the rows of tokens `ids` (after `history`) for every Engram layer; returns at once.
+
+        Called as soon as token ids exist (a prompt at admission, a token right after sampling), so
+        the rows are on their way before the forward pass that needs them."""
+        if self.source is None:
+            return
+        grams = self.hasher.grams(torch.as_tensor(ids, dtype=torch.int64), torch.as_tensor(history, dtype=torch.int64))
+        for layer in self.cfg.layer_ids:
+            self.source.prefetch(layer, self.hasher.rows(layer, grams))
+
+    def begin(self, input_ids: torch.Tensor, batch: StepBatch, cache: KVCache, layers: nn.ModuleList) -> EngramStep:
+        """Hash the step's tokens, record them in the cache, start every layer's gather."""
+        if self.source is None:
+            self.bind(layers)
+        ec: EngramCache = cache.engram
+        n_ctx, w, k, d = self.cfg.max_ngram_size - 1, ec.window, self.cfg.kernel_size, self.cfg.max_ngram_size
+        ids = input_ids.detach().to("cpu", torch.int64)
+        grams, taps, dst, src = [], [], [], []
+        n_total, num_slots = ids.numel(), ec.tokens.shape[0]
+        zero = n_total + num_slots * max(w, 1)
+        for slot, start, off, n in batch.sequences():
+            new = ids[off : off + n]
+            grams.append(self.hasher.grams(new, ec.tokens[slot, max(0, start - n_ctx) : start]))
+            ec.tokens[slot, start : start + n] = new
+            pos = torch.arange(start, start + n)
+            # tap i reads position p - (k-1-i)*d: this step's value, the ring's, or zero before the start
+            q = pos[:, None] - (k - 1 - torch.arange(k))[None, :] * d  # [n, k]
+            idx = torch.where(q >= start, off + q - start, n_total + slot * max(w, 1) + q.remainder(max(w, 1)))
+            taps.append(torch.where(q < 0, torch.full_like(q, zero), idx))
+            keep = pos[pos >= start + n - w] if w else pos[:0]  # the last w positions go to the ring
+            dst.append(slot * w + keep.remainder(max(w, 1)))
+            src.append(off + keep - start)
+        g = torch.cat(grams)
+        tickets = {layer: self.source.start(layer, self.hasher.rows(layer, g)) for layer in self.cfg.layer_ids}
+        dev = input_ids.device
+        return EngramStep(self.source, tickets, torch.cat(taps).to(dev), torch.cat(dst).to(dev), torch.cat(src).to(dev), ec)
+
+
+class MultiHeadTable(nn.Module):
+    """A layer's table, all heads' rows stacked (`multi_head_embedding.embedding.weight` [rows, head_dim])."""
+
+    def __init__(self, rows: int, dim: int):
+        super().__init__()
+        self.embedding = nn.Embedding(rows, dim)
+
+
+class ShortConv(nn.Module):
+    """RMSNorm, then a causal depthwise convolution (no bias) and SiLU; `conv.weight` [H, 1, kernel]."""
+
+    def __init__(self, hidden: int, kernel: int, eps: float):
+        super().__init__()
+        self.norm = RMSNorm(hidden, eps)
+        self.conv = nn.Conv1d(hidden, hidden, kernel, groups=hidden, bias=False)
+
+
+class EngramLayer(nn.Module):
+    """The Engram block of one decoder layer; `forward(x [N, H], step) -> Engram output [N, H]`."""
+
+    def __init__(self, cfg: EngramConfig, hidden: int, layer: int):
+        super().__init__()
+        self.layer, self.hidden = layer, hidden
+        self.multi_head_embedding: MultiHeadTable | None = MultiHeadTable(cfg.table_rows(layer), cfg.head_dim)
+        self.key_proj = nn.Linear(cfg.embed_dim, hidden)
+        self.value_proj = nn.Linear(cfg.embed_dim, hidden)
+        self.norm1 = RMSNorm(hidden, cfg.norm_eps)  # keys
+        self.norm2 = RMSNorm(hidden, cfg.norm_eps)  # queries (the hidden state)
+        self.short_conv = ShortConv(hidden, cfg.kernel_size, cfg.norm_eps)
+
+    def forward(self, x: torch.Tensor, step: EngramStep) -> torch.Tensor:
+        e = step.rows(self.layer).flatten(1).to(x.dtype)  # [N, heads * head_dim]
+        key, query = self.norm1(self.key_proj(e)), self.norm2(x)
+        gate = (key * query).sum(-1, keepdim=True) / math.sqrt(self.hidden)  # [N, 1]
+        gate = torch.sigmoid(gate.abs().clamp_min(1e-6).sqrt() * gate.sign())
+        value = gate * self.value_proj(e)  # [N, H]
+        return value + self._conv(value, step)
+
+    def _conv(self, value: torch.Tensor, step: EngramStep) -> torch.Tensor:
+        normed = self.short_conv.norm(value)  # [N, H]
+        ring = step.cache.conv[self.layer]  # [slots, W, H]
+        flat = ring.view(-1, self.hidden)
+        src = torch.cat([normed, flat, normed.new_zeros(1, self.hidden)])
+        taps = src[step.taps]  # [N, kernel, H]
+        w = self.short_conv.conv.weight[:, 0, :].t().to(value.dtype)  # [kernel, H]
+        out = F.silu((taps * w).sum(1))
+        if step.ring_dst.numel():
+            flat[step.ring_dst] = normed[step.ring_src]
+        return out

@@ -1,0 +1,80 @@
+"""Engram tables in a store: written as row-addressable table objects by `strata convert`, served by
+the tiered row store (strata.tiers.engram_rows) when a model is built.
+
+Checkpoint tensor `model.layers.L.engram.multi_head_embedding.embedding.weight` [rows, head_dim]
+becomes the store's table `engram.L` (tables/engram.L.bin, chunk checksums in store.msgpack); it is
+left out of dense.safetensors.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Iterator
+
+import torch
+
+from strata.runtime.checkpoint import Checkpoint
+from strata.safetensors_index import DTYPES, TensorInfo
+from strata.tiers.engram_rows import EngramRowStore, resolve_tier, table_name
+from strata.tiers.store_format import TableEntry
+
+TABLE_TENSOR = re.compile(r"model\.layers\.(\d+)\.engram\.multi_head_embedding\.embedding\.weight")
+_PIECE_BYTES = 64 << 20
+
+
+def is_table_tensor(name: str) -> bool:
+    """Whether a checkpoint tensor is an Engram table (stored as a table object, not a dense tensor)."""
+    return TABLE_TENSOR.fullmatch(name) is not None
+
+
+def _pieces(info: TensorInfo) -> Iterator[torch.Tensor]:
+    """The tensor's rows in pieces of about 64 MiB, read by offset (a 100 GB table never sits in RAM)."""
+    dtype, size = DTYPES[info.dtype]
+    rows, row_bytes = info.shape[0], info.nbytes // max(info.shape[0], 1)
+    step = max(1, _PIECE_BYTES // row_bytes)
+    fd = os.open(info.file, os.O_RDONLY)
+    try:
+        for a in range(0, rows, step):
+            n = min(step, rows - a)
+            buf = bytearray(n * row_bytes)
+            got = os.preadv(fd, [buf], info.offset + a * row_bytes)
+            if got != len(buf):
+                raise OSError(f"short read of {info.name}")
+            yield torch.frombuffer(buf, dtype=dtype).view(n, *info.shape[1:])
+    finally:
+        os.close(fd)
+
+
+def write_tables(writer, ckpt: Checkpoint) -> dict[str, TableEntry]:
+    """Write every Engram table of `ckpt` through a `StoreWriter`; returns the index entries by name."""
+    out = {}
+    for info in ckpt.index:
+        m = TABLE_TENSOR.fullmatch(info.name)
+        if m:
+            name = table_name(int(m[1]))
+            out[name] = writer.add_table(name, _pieces(info))
+    return out
+
+
+def drop_tables(model) -> None:
+    """Tiered path: the layers' tables are not loaded into the model (the row store serves them)."""
+    for layer in model.layers:
+        if getattr(layer, "engram", None) is not None:
+            layer.engram.multi_head_embedding = None
+
+
+def attach_row_store(model, store, cfg, device: torch.device, ram_available: int) -> EngramRowStore:
+    """Build the row store from `[engram]` config and make it the model's row source."""
+    ecfg = model.cfg.engram
+    tables = [store.index.tables.get(table_name(i)) for i in ecfg.layer_ids]
+    table_bytes = sum(t.nbytes for t in tables if t is not None)
+    tier = resolve_tier(cfg.engram.tier, table_bytes, ram_available, cfg.tiers.tmpfs.budget_bytes)
+    row_bytes = max((t.row_bytes for t in tables if t is not None), default=1)
+    cache = cfg.engram.row_cache_bytes
+    if cache is None:  # auto: 1/8 of the tables, at most 1 GiB, on the compute device
+        cache = min(table_bytes // 8, 1 << 30)
+    rows = EngramRowStore(store, ecfg.layer_ids, tier, device, cache // row_bytes, prefetch=cfg.engram.prefetch,
+                          read_batch=cfg.engram.read_batch, tmpfs_dir=cfg.tiers.tmpfs.path)
+    model.engram.source = rows
+    return rows

@@ -1,0 +1,128 @@
+"""What all tiered MoE layers of a model share: the tier manager, the CPU worker, measured rates, and
+the device-side tables of the decode fast path.
+
+CPU expert compute (`cpu_forward`) runs cold experts straight from pinned/host RAM on CPU threads;
+`runtime.cpu_numerics = "fork"` uses the compiled kernel (fastest, within the mode's tolerance),
+"gpu" keeps CPU compute off GPU hosts so cold experts are copied and computed by the GPU kernels,
+bit-identical to the all-in-VRAM run.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from strata.kernels.experts import apply_experts
+from strata.kernels.grouped import SlotWeights
+from strata.runtime.cost_model import Rates
+from strata.tiers.manager import TierManager
+
+
+class ExpertCompute:
+    """Shared state of the tiered executor (one per model)."""
+
+    def __init__(self, manager: TierManager, device_tier: str, cpu_numerics: str = "fork"):
+        self.manager, self.device_tier = manager, device_tier
+        self.fast_cpu = cpu_numerics == "fork"  # compiled CPU kernel; "gpu": the reference math only
+        # CPU compute next to a GPU tier only in "fork" mode: "gpu" numerics force cold experts onto the GPU
+        self.split = device_tier == "gpu" and self.fast_cpu
+        self.rates = Rates()
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="strata-cpu-experts") if self.split else None
+        self.cpu_experts = 0  # experts computed on the CPU (statistics)
+        # set by the scheduler around a step of reproducible requests: cold experts go to the GPU
+        # (GPU hosts) or through the reference math (CPU hosts), never through the forked CPU kernel
+        self.reproducible = False
+        self.prefetcher = None  # LookaheadPrefetcher, polled at each layer's synchronisation point
+        self._all_resident = False
+        self.pair_path: bool | None = None  # None: pair kernels for small CUDA steps; tests force either way
+        self.slots: SlotWeights | None = None
+        self.slot_of: torch.Tensor | None = None  # [L, E] int32 on the GPU, -1 = not resident
+        self.identity: torch.Tensor | None = None  # [S] int32: slot -> slot, to address slots directly
+        self.lookups: torch.Tensor | None = None  # [L, E] int64 device-side lookup counts (graph steps)
+        if device_tier == "gpu" and manager.slots is not None:
+            self.slots = manager.slot_weights()
+            self.slot_of = manager.slots.slot_of
+            dev = manager.slots.slab.device
+            self.identity = torch.arange(manager.slots.num_slots, dtype=torch.int32, device=dev)
+            self.lookups = torch.zeros(self.slot_of.shape, dtype=torch.int64, device=dev)
+            manager.add_lookup_source(self._drain_lookups)
+
+    @property
+    def use_split(self) -> bool:
+        return self.split and not self.reproducible
+
+    @property
+    def use_fast_cpu(self) -> bool:
+        return self.fast_cpu and not self.reproducible
+
+    def all_resident(self) -> bool:
+        """True once every expert is in a GPU slot for good: decode steps need no host round trip."""
+        if not self._all_resident and self.slots is not None:
+            self._all_resident = self.manager.all_resident()
+        return self._all_resident
+
+    def count_lookups(self, layer: int, ids: torch.Tensor) -> None:
+        """Count each expert of `ids` [P] once for this step, on the device (capturable in a graph)."""
+        hit = torch.zeros(self.lookups.shape[1], dtype=torch.int64, device=ids.device)
+        hit.index_fill_(0, ids, 1)  # a scalar fill: no host tensor, so it can be captured
+        self.lookups[layer] += hit
+
+    def _drain_lookups(self):
+        snap = self.lookups.clone()
+        self.lookups.sub_(snap)  # increments made meanwhile survive
+        counts = snap.cpu().numpy()
+        layers, experts = np.nonzero(counts)
+        return [(int(layer), int(e), int(counts[layer, e])) for layer, e in zip(layers, experts, strict=True)]
+
+    def calibrate_cpu(self, experts: int = 16, rounds: int = 3) -> float:
+        """Measure the CPU expert kernel on this model's expert shape (random weights, one token) and start
+        the cost model from that rate instead of a guess; returns bytes/s."""
+        (gu_shape, dn_shape), dtype = self.manager.store.expert_shapes, self.manager.store.dtype
+        g = torch.Generator().manual_seed(0)
+        ws = [(torch.randn(gu_shape, generator=g).to(dtype), torch.randn(dn_shape, generator=g).to(dtype))
+              for _ in range(experts)]
+        x = torch.randn(1, gu_shape[1], generator=g).to(dtype)
+        groups = [(e, torch.tensor([e])) for e in range(experts)]  # pair e = token 0's e-th expert
+        by_expert = dict(enumerate(ws))
+        out = torch.zeros(x.shape, dtype=torch.float32)
+        best = float("inf")
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            _cpu_apply(x, torch.ones(1, experts), experts, groups, by_expert, out, self.use_fast_cpu)
+            best = min(best, time.perf_counter() - t0)
+        nbytes = sum(a.nbytes + b.nbytes for a, b in ws)
+        self.rates.cpu_bytes_per_s = nbytes / best
+        return self.rates.cpu_bytes_per_s
+
+    def cpu_forward(self, layer: int, x: torch.Tensor, weights: torch.Tensor, k: int, groups) -> torch.Tensor:
+        """Experts of `groups` from host RAM on the CPU: x [N, H] on the CPU -> partial sum [N, H] fp32."""
+        out = torch.zeros(x.shape, dtype=torch.float32)
+        chunk = self.manager.max_acquire("cpu")
+        t0, nbytes = time.perf_counter(), 0
+        for i in range(0, len(groups), chunk):
+            part = groups[i : i + chunk]
+            handles = self.manager.acquire([(layer, e) for e, _ in part], "cpu")
+            try:
+                by_expert = {h.key[1]: (h.gate_up, h.down) for h in handles}
+                nbytes += sum(h.gate_up.nbytes + h.down.nbytes for h in handles)
+                _cpu_apply(x, weights, k, part, by_expert, out, self.use_fast_cpu)
+            finally:
+                self.manager.release(handles)
+        self.cpu_experts += len(groups)
+        self.rates.observe_cpu(nbytes, time.perf_counter() - t0)
+        return out
+
+
+def _cpu_apply(x, weights, k, groups, by_expert, out, fast: bool) -> None:
+    """One chunk of CPU experts, added into out: the compiled kernel, or the reference math."""
+    if fast:
+        from strata.kernels.cpu_experts import cpu_experts_forward
+
+        flat_w = weights.reshape(-1).float()
+        cpu_experts_forward(x, [by_expert[e] for e, _ in groups], [sel // k for _, sel in groups],
+                            [flat_w[sel] for _, sel in groups], out=out)
+        return
+    apply_experts(x.float(), weights.float(), k, groups, lambda e: tuple(w.float() for w in by_expert[e]), out=out)

@@ -1,0 +1,189 @@
+"""Decode steps as fixed-shape work, replayed from CUDA graphs.
+
+A decode step of B sequences (one new token each) runs with a `DecodeBatch`: device tensors for the
+slots and positions, and a power-of-two bucket of cache positions to attend over. Its shapes depend
+only on (B, bucket), so it is captured once per (cache, B, bucket, mode) and replayed:
+- "full": every expert is resident (or all experts are in memory): the whole step is one graph,
+  with no Python per layer, no launch overhead and no host synchronisation;
+- "segmented": some experts may be cold. Each MoE layer needs the host once (which pairs are cold,
+  then copies or CPU compute for them), so the step is captured as one graph per stretch between
+  those points, and the host work runs between replays (`SegmentRecorder.host_step`). Everything
+  else (attention, routers, resident experts, norms) still replays without Python.
+Steps that cannot be captured (Engram rows, prefill chunks) run the same code eagerly, and eager and
+replayed decode steps give bit-identical results.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import logging
+import threading
+import weakref
+
+import torch
+
+from strata.runtime.kv_cache import DecodeBatch, KVCache, StepBatch, kv_bucket
+
+log = logging.getLogger(__name__)
+MAX_GRAPH_BATCH = 16  # decode batches up to this size get graphs; bigger ones run eagerly
+
+
+_local = threading.local()
+
+
+def current_recorder() -> SegmentRecorder | None:
+    """The segmented capture in progress on this thread, if any (modules then defer host work to it)."""
+    return getattr(_local, "recorder", None)
+
+
+class SegmentRecorder:
+    """Captures a step as graphs separated by host steps; `replay()` runs them in order."""
+
+    def __init__(self, pool):
+        self.pool = pool
+        self.graphs: list[torch.cuda.CUDAGraph] = []
+        self.steps: list[tuple[Callable[[], None], list[Callable[[], None]]]] = []
+        self.deferred: list[Callable[[], None]] = []
+        self.tail: list[Callable[[], None]] = []
+        self._graph: torch.cuda.CUDAGraph | None = None
+
+    def begin(self) -> None:
+        self._graph = torch.cuda.CUDAGraph()
+        self._graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+
+    def host_step(self, fn: Callable[[], None]) -> None:
+        """End the current graph here; at replay `fn` (then the work deferred so far) runs before the next one."""
+        self._graph.capture_end()
+        self.graphs.append(self._graph)
+        self.steps.append((fn, self.deferred))
+        self.deferred = []
+        self.begin()
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Host work that may wait until the next host step (e.g. issuing predicted prefetches)."""
+        self.deferred.append(fn)
+
+    def abort(self) -> None:
+        """End a capture that failed midway (the stream must not stay in capture mode)."""
+        try:
+            self._graph.capture_end()
+        except Exception:  # noqa: BLE001 - already invalidated
+            pass
+
+    def end(self) -> None:
+        self._graph.capture_end()
+        self.graphs.append(self._graph)
+        self.tail, self.deferred = self.deferred, []
+
+    def replay(self) -> None:
+        for graph, (fn, deferred) in zip(self.graphs, self.steps):
+            graph.replay()
+            fn()
+            for d in deferred:
+                d()
+        self.graphs[-1].replay()
+        if self.tail:
+            torch.cuda.current_stream().synchronize()
+            for d in self.tail:
+                d()
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph | SegmentRecorder
+    ids: torch.Tensor  # [B] static inputs
+    meta: torch.Tensor  # [2, B] slots, positions
+    out: torch.Tensor  # [B, H] static output
+
+
+class DecodeGraphs:
+    """Captures and replays decode steps of one model; `mode()` says how: "full", "segmented" or None (eager)."""
+
+    def __init__(self, forward: Callable[[torch.Tensor, DecodeBatch, KVCache], torch.Tensor],
+                 mode: Callable[[], str | None]):
+        self.forward, self.mode = forward, mode
+        self.graphs: dict[tuple[int, int, int], _Graph] = {}
+        self.pool = None
+        self.replays = 0
+        self.captures = 0
+        self.failed: dict[str, str] = {}  # mode -> why its capture failed (that mode then runs eagerly)
+
+    def run(self, input_ids: torch.Tensor, batch: StepBatch, cache: KVCache) -> torch.Tensor:
+        """hidden [B, H] for a pure decode `batch` (every length 1) on CUDA: replayed, or eager then captured."""
+        n = len(batch.slots)
+        kv_len = kv_bucket(max(batch.starts), cache.max_len)
+        meta = torch.tensor([batch.slots, batch.starts], dtype=torch.int64).pin_memory()
+        mode = self.mode() if n <= MAX_GRAPH_BATCH else None
+        if mode in self.failed:
+            mode = None
+        if mode is None:
+            dev = meta.to(input_ids.device, non_blocking=True)
+            return self.forward(input_ids, DecodeBatch(dev[0], dev[1], kv_len), cache)
+        key = (id(cache), n, kv_len, mode)
+        g = self.graphs.get(key)
+        if g is None:
+            return self._capture(key, input_ids, meta, kv_len, cache, mode)
+        g.ids.copy_(input_ids, non_blocking=True)
+        g.meta.copy_(meta, non_blocking=True)
+        g.graph.replay()
+        self.replays += 1
+        return g.out.clone()
+
+    def _capture(self, key, input_ids, meta, kv_len, cache, mode: str) -> torch.Tensor:
+        """Run the step for real on a side stream (warm-up, its result is returned), then capture it."""
+        ids = input_ids.clone()
+        dev_meta = meta.to(input_ids.device)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            result = self.forward(ids, DecodeBatch(dev_meta[0], dev_meta[1], kv_len), cache).clone()
+        torch.cuda.current_stream().wait_stream(side)
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        try:
+            graph, out = self._record(ids, dev_meta, kv_len, cache, mode)
+        except Exception as e:  # noqa: BLE001 - a step that cannot be captured still runs, eagerly
+            self.failed[mode] = f"{type(e).__name__}: {e}"
+            log.warning("CUDA-graph capture (%s) failed, running decode steps eagerly: %s", mode, self.failed[mode])
+            torch.cuda.synchronize()
+            return result
+        if not any(k[0] == key[0] for k in self.graphs):  # a freed cache's id may be reused: drop its graphs
+            weakref.finalize(cache, self._forget_id, key[0])
+        self.graphs[key] = _Graph(graph, ids, dev_meta, out)
+        self.captures += 1
+        return result
+
+    def _record(self, ids, dev_meta, kv_len, cache, mode: str):
+        batch = DecodeBatch(dev_meta[0], dev_meta[1], kv_len)
+        if mode == "full":
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                out = self.forward(ids, batch, cache)
+            return graph, out
+        torch.cuda.synchronize()
+        rec = SegmentRecorder(self.pool)
+        _local.recorder = rec
+        try:
+            with torch.cuda.stream(torch.cuda.Stream()):
+                rec.begin()
+                try:
+                    out = self.forward(ids, batch, cache)
+                except BaseException:
+                    rec.abort()
+                    raise
+                rec.end()
+        finally:
+            _local.recorder = None
+        torch.cuda.synchronize()
+        return rec, out
+
+    def _forget_id(self, cache_id: int) -> None:
+        for key in [k for k in self.graphs if k[0] == cache_id]:
+            del self.graphs[key]
+
+
+def is_decode(input_ids: torch.Tensor, batch: StepBatch) -> bool:
+    """A batch of sequences that each feed exactly one token, on CUDA."""
+    return input_ids.is_cuda and isinstance(batch, StepBatch) and all(n == 1 for n in batch.lengths)

@@ -1,0 +1,330 @@
+"""The tiered Engram row store: table rows served from a hot-row cache and the tier holding the tables.
+
+    full tables:  gpu (whole in VRAM) | pinned (whole in page-locked RAM) | tmpfs (a copy in /dev/shm) | disk (the store)
+    row cache:    a slab of `capacity` rows on the compute device (VRAM on CUDA, RAM on CPU-only hosts),
+                  with frequency-aware eviction: decayed use counts, the least used rows go first
+
+`start(layer, rows)` returns at once: cached rows are known, the missing ones are read in batches of
+`read_batch` rows (aligned block reads, many in flight: `DiskReader.read_rows`) on background
+threads. `wait(ticket)` blocks only for reads that have not finished (the stall it counts), copies
+the missing rows to the device, admits them into the cache and returns [T, heads, head_dim].
+
+Every table is checked at start-up: missing or truncated files fail `ExpertStore.open`, and each
+chunk's checksum is verified while the table is loaded (gpu, pinned), copied (tmpfs) or, for disk,
+read once in a streaming pass: a damaged table stops start-up with an error naming it.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+from strata.errors import CheckpointError, ConfigError
+from strata.tiers.diskio import DiskReader
+from strata.tiers.store import ExpertStore
+from strata.tiers.store_format import TORCH_DTYPES, TableEntry
+
+ENGRAM_TIERS = ("gpu", "pinned", "tmpfs", "disk")
+
+
+def table_name(layer: int) -> str:
+    """The store's table object holding Engram layer `layer`'s rows."""
+    return f"engram.{layer}"
+
+
+class RowCache:
+    """`capacity` rows of the global row space in one slab, with decayed-LFU eviction.
+
+    Bookkeeping lives on the CPU (slot_of: int32 [total_rows], -1 = absent), the slab on `device`.
+    Evictions are batched: when free slots run out, the lowest-scored 1/16 of the slots go at once."""
+
+    def __init__(self, total_rows: int, capacity: int, dim: int, dtype: torch.dtype, device: torch.device,
+                 half_life: float = 4096.0):
+        self.capacity = capacity
+        self.slot_of = torch.full((total_rows,), -1, dtype=torch.int32)
+        self.row_of = torch.full((capacity,), -1, dtype=torch.int64)
+        self.score = torch.zeros(capacity, dtype=torch.float64)
+        self.slab = torch.empty(capacity, dim, dtype=dtype, device=device)
+        self.free = list(range(capacity - 1, -1, -1))
+        self.evictions = 0
+        self._inc, self._growth = 1.0, 2.0 ** (1.0 / half_life)  # newer uses weigh more: exponential decay
+
+    def lookup(self, rows: torch.Tensor) -> torch.Tensor:
+        """Slots of distinct global `rows` (int64 [m]), -1 where absent; hits count as uses."""
+        slots = self.slot_of[rows].to(torch.int64)
+        hit = slots[slots >= 0]
+        if hit.numel():
+            self.score[hit] += self._inc
+            self._inc *= self._growth
+            if self._inc > 1e100:  # renormalise before float64 overflows
+                self.score /= self._inc
+                self._inc = 1.0
+        return slots
+
+    def insert(self, rows: torch.Tensor, data: torch.Tensor, protect: torch.Tensor) -> None:
+        """Admit distinct absent `rows` [m] with `data` [m, dim] on the slab's device; never evicts `protect`."""
+        absent = self.slot_of[rows] < 0  # a row another ticket admitted meanwhile is not admitted twice
+        rows, data = rows[absent], data[absent.to(data.device)]
+        m = min(rows.numel(), self.capacity - protect.numel())
+        if m <= 0:
+            return
+        rows, data = rows[:m], data[:m]
+        if len(self.free) < m:
+            self._evict(max(m - len(self.free), self.capacity // 16), protect)
+        m = min(m, len(self.free))
+        slots = torch.tensor([self.free.pop() for _ in range(m)], dtype=torch.int64)
+        self.slab[slots.to(self.slab.device)] = data[:m]
+        self.row_of[slots] = rows[:m]
+        self.slot_of[rows[:m]] = slots.to(torch.int32)
+        self.score[slots] = self._inc
+
+    def _evict(self, n: int, protect: torch.Tensor) -> None:
+        score = self.score.clone()
+        score[protect] = float("inf")
+        score[self.row_of < 0] = float("inf")  # free slots are not victims
+        n = min(n, int((score < float("inf")).sum()))
+        if n <= 0:
+            return
+        victims = torch.topk(score, n, largest=False).indices
+        self.slot_of[self.row_of[victims]] = -1
+        self.row_of[victims] = -1
+        self.score[victims] = 0.0
+        self.free.extend(victims.tolist())
+        self.evictions += n
+
+    @property
+    def resident(self) -> int:
+        return self.capacity - len(self.free)
+
+
+@dataclass
+class RowStats:
+    """Counters for `stats()`: row lookups, where they were served, bytes read, stall."""
+
+    lookups: int = 0  # rows asked for (with repeats)
+    unique: int = 0  # distinct rows asked for, per step
+    hits: dict = field(default_factory=dict)  # tier -> distinct rows served from it
+    bytes_read: int = 0  # bytes read from the backing tier
+    stall_s: float = 0.0  # seconds a layer waited for rows that had not arrived
+    prefetched: int = 0  # rows fetched ahead by `prefetch`
+
+
+class _Ticket:
+    def __init__(self, layer: int, uniq: torch.Tensor, inverse: torch.Tensor, shape: tuple, slots: torch.Tensor,
+                 miss: torch.Tensor, reads: list[Future] | None, staged: torch.Tensor | None):
+        self.layer, self.uniq, self.inverse, self.shape = layer, uniq, inverse, shape
+        self.slots, self.miss, self.reads, self.staged = slots, miss, reads, staged
+
+
+class EngramRowStore:
+    """Rows of every Engram table of a store, from `tier`, through a `row_cache`-row cache on `device`."""
+
+    def __init__(self, store: ExpertStore, layers: list[int], tier: str, device: torch.device, row_cache: int,
+                 prefetch: bool = True, read_batch: int = 4096, tmpfs_dir: str = "/dev/shm/strata",
+                 threads: int = 8):
+        if tier not in ENGRAM_TIERS:
+            raise ConfigError(f"engram.tier = {tier!r} is invalid; use auto or one of {', '.join(ENGRAM_TIERS)}")
+        self.store, self.tier, self.device, self.prefetch_on = store, tier, device, prefetch
+        self.read_batch = max(1, read_batch)
+        self.tables: dict[int, TableEntry] = {}
+        for layer in layers:
+            name = table_name(layer)
+            if name not in store.index.tables:
+                raise CheckpointError(f"{store.directory}: the store has no Engram table {name!r} (layer {layer}); "
+                                      "delete the store and re-run `strata convert`")
+            self.tables[layer] = store.index.tables[name]
+        first = next(iter(self.tables.values()))
+        self.dtype, self.dim = TORCH_DTYPES[first.dtype], first.row_shape[-1]
+        self.row_bytes = first.row_bytes
+        self.base, total = {}, 0
+        for layer, t in self.tables.items():  # one global row space over all layers
+            self.base[layer], total = total, total + t.num_rows
+        self.total_rows = total
+        self.stats_ = RowStats()
+        self._live: list[_Ticket] = []  # started, not yet waited for: their cache hits must stay put
+        self._pending: list[_Ticket] = []  # prefetches not yet absorbed into the cache
+        self.full: dict[int, torch.Tensor] = {}  # gpu / pinned tiers: whole tables
+        self.paths: dict[int, str] = {}  # tmpfs / disk tiers: files to read rows from
+        self.reader = DiskReader(threads) if tier in ("tmpfs", "disk") else None
+        self._load(tmpfs_dir)
+        cache_rows = 0 if tier == "gpu" or (tier == "pinned" and device.type == "cpu") else min(row_cache, total)
+        self.cache = RowCache(total, cache_rows, self.dim, self.dtype, device) if cache_rows > 0 else None
+
+    # -- start-up ------------------------------------------------------------------------------------
+    def _load(self, tmpfs_dir: str) -> None:
+        """Verify every chunk of every table, filling the full copies (gpu, pinned) or the tmpfs files."""
+        for layer, t in self.tables.items():
+            src = self.store.directory / t.file
+            if self.tier in ("gpu", "pinned"):
+                pin = self.tier == "pinned" and torch.cuda.is_available()
+                full = torch.empty(t.num_rows, t.row_bytes, dtype=torch.uint8, pin_memory=pin)
+            dst = None
+            if self.tier == "tmpfs":
+                os.makedirs(tmpfs_dir, exist_ok=True)
+                path = os.path.join(tmpfs_dir, f"{self.store.index.source_fingerprint[:12]}-{t.name}.bin")
+                dst = open(path + ".tmp", "wb")  # noqa: SIM115 (closed below)
+            try:
+                for k in range(t.num_chunks):
+                    chunk = self.store._read_chunk(t, k, check=True)  # CheckpointError naming the damage
+                    a, b = t.chunk_rows(k)
+                    if self.tier in ("gpu", "pinned"):
+                        full[a:b] = chunk
+                    elif dst is not None:
+                        dst.write(chunk.numpy().tobytes())
+            except BaseException:
+                if dst is not None:
+                    dst.close()
+                    os.unlink(path + ".tmp")
+                raise
+            if self.tier in ("gpu", "pinned"):
+                view = full.view(TORCH_DTYPES[t.dtype]).view(t.num_rows, *t.row_shape)
+                self.full[layer] = view.to(self.device) if self.tier == "gpu" else view
+            elif dst is not None:
+                dst.close()
+                os.replace(path + ".tmp", path)
+                self.paths[layer] = path
+            else:
+                self.paths[layer] = str(src)
+                _drop_page_cache(src)  # disk means disk: the verification pass must not leave it in RAM
+
+    # -- the row source protocol (strata.runtime.engram.RowSource) -------------------------------------
+    def start(self, layer: int, rows: torch.Tensor) -> _Ticket:
+        """Begin serving `rows` (int64 CPU [T, heads]) of `layer`; returns at once."""
+        self._absorb(block=False)
+        uniq, inverse = torch.unique(rows.reshape(-1), return_inverse=True)
+        self.stats_.lookups += rows.numel()
+        self.stats_.unique += uniq.numel()
+        ticket = _Ticket(layer, uniq, inverse, tuple(rows.shape), torch.empty(0), uniq, None, None)
+        if self.tier == "gpu":
+            return ticket
+        if self.cache is not None:
+            ticket.slots = self.cache.lookup(uniq + self.base[layer])
+            ticket.miss = uniq[ticket.slots < 0]
+            self._count("cache", int((ticket.slots >= 0).sum()))
+        if self.prefetch_on:
+            self._issue(ticket)
+        self._live.append(ticket)
+        return ticket
+
+    def wait(self, ticket: _Ticket) -> torch.Tensor:
+        """The rows of `ticket` [T, heads, head_dim] on the device, waiting only for reads still in flight."""
+        layer, uniq = ticket.layer, ticket.uniq
+        if self.tier == "gpu":
+            self._count("gpu", uniq.numel())
+            out = self.full[layer][uniq.to(self.device)]
+            return out[ticket.inverse.to(self.device)].view(*ticket.shape, self.dim)
+        self._live = [t for t in self._live if t is not ticket]
+        if ticket.reads is None:
+            self._issue(ticket)
+        t0 = time.perf_counter()
+        for f in ticket.reads:
+            f.result()
+        self.stats_.stall_s += time.perf_counter() - t0
+        self._count(self.tier, ticket.miss.numel())
+        out = torch.empty(uniq.numel(), self.dim, dtype=self.dtype, device=self.device)
+        staged = ticket.staged.to(self.device, non_blocking=True) if ticket.miss.numel() else None
+        if self.cache is None:
+            out = staged if staged is not None else out
+        else:
+            hit = ticket.slots >= 0
+            if bool(hit.any()):
+                out[hit.to(self.device)] = self.cache.slab[ticket.slots[hit].to(self.device)]
+            if staged is not None:
+                out[(~hit).to(self.device)] = staged
+                live = [t.slots[t.slots >= 0] for t in self._live] + [ticket.slots[hit]]
+                self.cache.insert(ticket.miss + self.base[layer], staged, torch.cat(live))
+        return out[ticket.inverse.to(self.device)].view(*ticket.shape, self.dim)
+
+    def prefetch(self, layer: int, rows: torch.Tensor) -> None:
+        """Read `rows` of `layer` into the cache ahead of need (e.g. a whole prompt at admission)."""
+        if self.tier == "gpu" or self.cache is None or not self.prefetch_on:
+            return
+        ticket = self.start(layer, rows)
+        self.stats_.prefetched += ticket.miss.numel()
+        self._pending.append(ticket)
+
+    # -- internals -----------------------------------------------------------------------------------
+    def _issue(self, ticket: _Ticket) -> None:
+        """Queue the reads of the ticket's missing rows in batches of `read_batch` rows."""
+        with torch.inference_mode(False):  # reader threads write the buffers outside inference mode
+            self._queue_reads(ticket)
+
+    def _queue_reads(self, ticket: _Ticket) -> None:
+        miss, layer = ticket.miss, ticket.layer
+        pin = self.device.type == "cuda"
+        ticket.staged = torch.empty(miss.numel(), self.dim, dtype=self.dtype, pin_memory=pin)
+        ticket.reads = []
+        if not miss.numel():
+            return
+        self.stats_.bytes_read += miss.numel() * self.row_bytes
+        flat = ticket.staged.view(torch.uint8).view(miss.numel(), self.row_bytes)
+        for a in range(0, miss.numel(), self.read_batch):
+            part, dst = miss[a : a + self.read_batch], flat[a : a + self.read_batch]
+            if self.tier == "pinned":
+                ticket.reads.append(_done(torch.index_select(self.full[layer], 0, part, out=ticket.staged[a : a + self.read_batch])))
+            else:
+                t = self.tables[layer]
+                base = 0 if self.tier == "tmpfs" else t.offset
+                ticket.reads.append(self.reader.read_rows(self.paths[layer], base, self.row_bytes, part.numpy(), dst))
+
+    def _absorb(self, block: bool) -> None:
+        """Admit finished prefetches into the cache (on the compute thread: the cache is not shared)."""
+        keep = []
+        for ticket in self._pending:
+            if block or all(f.done() for f in ticket.reads):
+                self.wait(ticket)
+            else:
+                keep.append(ticket)
+        self._pending = keep
+
+    def _count(self, tier: str, n: int) -> None:
+        self.stats_.hits[tier] = self.stats_.hits.get(tier, 0) + n
+
+    def stats(self) -> dict:
+        """Row lookups, distinct rows served per tier, bytes read, stall seconds, cache residency."""
+        s = self.stats_
+        return {
+            "tier": self.tier, "lookups": s.lookups, "unique_rows": s.unique, "hits": dict(s.hits),
+            "bytes_read": s.bytes_read, "stall_s": s.stall_s, "prefetched_rows": s.prefetched,
+            "cache_rows": self.cache.capacity if self.cache else 0, "cache_resident": self.cache.resident if self.cache else 0,
+            "cache_evictions": self.cache.evictions if self.cache else 0,
+            "table_bytes": sum(t.nbytes for t in self.tables.values()),
+        }  # fmt: skip
+
+    def close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+
+
+def _done(value) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+def _drop_page_cache(path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    except (OSError, AttributeError):
+        pass
+
+
+def resolve_tier(tier: str, table_bytes: int, ram_available: int, tmpfs_budget: int) -> str:
+    """`engram.tier = "auto"`: pinned RAM when the tables take at most half the available RAM, else tmpfs
+    when its budget holds them, else disk (only hot rows cached)."""
+    if tier != "auto":
+        return tier
+    if table_bytes <= ram_available // 2:
+        return "pinned"
+    if table_bytes <= tmpfs_budget:
+        return "tmpfs"
+    return "disk"
+

@@ -1,0 +1,61 @@
+"""Lookups the MoE executor makes without `acquire`: experts read straight from GPU slots.
+
+On the decode fast path the GPU finds resident experts through the device map `slot_of` with no
+host round trip, so the tier manager does not see those lookups happen. The executor reports them
+afterwards: `note_hits` when it has the step's expert ids on the host anyway (policy recency and
+frequency stay exact), or counts accumulated on the device and drained when statistics are read
+(`add_lookup_source`, for steps captured in CUDA graphs, where every expert is resident).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from strata.kernels.grouped import SlotWeights
+
+LookupSource = Callable[[], Iterable[tuple[int, int, int]]]  # -> (layer, expert, lookups) since last drain
+
+
+class LookupsMixin:
+    """Mixed into TierManager (uses its lock, tiers and statistics)."""
+
+    def note_hits(self, layer: int, experts: Iterable[int], device: str = "gpu") -> None:
+        """Count one lookup per expert of `layer` answered by `device`'s tier (resident, no wait)."""
+        tier = self._tier(device)
+        with self._lock:
+            for e in experts:
+                key = (layer, int(e))
+                self._note_prefetch_use(tier, key)
+                if key in tier.slot_of:
+                    tier.policy.touch(key)
+                self.stats_.lookup(layer, tier.name, False, 0.0, expert=key[1])
+
+    def add_lookup_source(self, source: LookupSource) -> None:
+        """Register a drain of device-side lookup counts; `stats()` calls it before every snapshot."""
+        self._lookup_sources.append(source)
+
+    def _drain_lookup_sources(self) -> None:
+        for source in self._lookup_sources:
+            for layer, expert, n in source():
+                for _ in range(n):
+                    self.stats_.lookup(layer, "gpu", False, 0.0, expert=expert)
+
+    def gpu_transfers_in_flight(self) -> int:
+        """Copies to GPU slots asked for and not landed yet (the copy stream's backlog)."""
+        if self.gpu is None:
+            return 0
+        with self._lock:
+            self._reap_copies()
+            return len(self.gpu.inflight) + len(self._copying)
+
+    def all_resident(self) -> bool:
+        """Every expert of the store sits in a GPU slot and no eviction can ever happen (budget >= experts)."""
+        if self.gpu is None or self.gpu.capacity < len(self.store.keys()):
+            return False
+        with self._lock:
+            return len(self.gpu.slot_of) == len(self.store.keys()) and not self.gpu.inflight
+
+    def slot_weights(self) -> SlotWeights:
+        """Typed views of every GPU slot: gate_up [S, 2I, H], down [S, H, I]."""
+        (gu, dn), store = self.store.expert_shapes, self.store
+        return SlotWeights.from_slab(self.slots.slab, store.dtype, gu, dn, store.index.gate_up_bytes)

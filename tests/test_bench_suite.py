@@ -1,0 +1,233 @@
+"""The benchmark suite's own logic (bench/suite): roofline arithmetic, case selection, the result schema,
+the RESULTS.md section generated from a JSON, and one tiny case end to end on CPU. No timing assertions."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+
+from bench.__main__ import main as bench_main
+from bench.suite import report, results
+from bench.suite.cases import VARIANTS, Case, Workload, full_suite, group_by_engine, quick_suite, select
+from bench.suite.roofline import ModelFacts, Rates, fraction, roofline
+from bench.suite.runner import run_suite
+from bench.suite.strata_case import engine_config
+from strata.config import load_config
+
+FACTS = ModelFacts(expert_bytes=10, dense_bytes_per_step=100, num_experts=8, experts_per_token=2, moe_layers=2)
+RATES = Rates(pcie=1.0, cpu=3.0, hbm=1000.0, disk=0.5)
+
+
+# --- roofline -------------------------------------------------------------------------------------
+
+
+def test_roofline_takes_the_slowest_of_gpu_cold_and_disk():
+    # cold: 30 experts x 10 B over PCIe + CPU (4 B/s) = 75 s; GPU: (10 x 100 + 20 x 10) / 1000 = 1.2 s
+    r = roofline(tokens=10, steps=10, gpu_experts=20, cold_experts=30, disk_experts=0, facts=FACTS, rates=RATES,
+                 paths=("pcie", "cpu"))
+    assert r["bound"] == "cold" and r["tok_s"] == pytest.approx(10 / 75)
+    assert r["ms_per_token"]["gpu"] == pytest.approx(120.0) and r["cold_bytes_per_token"] == 30
+    copy_only = roofline(tokens=10, steps=10, gpu_experts=20, cold_experts=30, disk_experts=0, facts=FACTS,
+                         rates=RATES, paths=("pcie",))
+    assert copy_only["tok_s"] == pytest.approx(10 / 300)  # one path: PCIe alone
+    disk = roofline(tokens=10, steps=10, gpu_experts=20, cold_experts=0, disk_experts=100, facts=FACTS, rates=RATES,
+                    paths=("pcie", "cpu"))
+    assert disk["bound"] == "disk" and disk["tok_s"] == pytest.approx(10 / 2000)
+    ceiling = roofline(tokens=10, steps=10, gpu_experts=40, cold_experts=0, disk_experts=0, facts=FACTS, rates=RATES,
+                       paths=())
+    assert ceiling["bound"] == "gpu" and ceiling["tok_s"] == pytest.approx(10 / 1.4)
+    with pytest.raises(ValueError):  # cold traffic with no path to credit is a bug in the caller
+        roofline(tokens=1, steps=1, gpu_experts=0, cold_experts=1, disk_experts=0, facts=FACTS, rates=RATES, paths=())
+    with pytest.raises(ValueError):
+        roofline(tokens=0, steps=1, gpu_experts=0, cold_experts=0, disk_experts=0, facts=FACTS, rates=RATES, paths=())
+    assert fraction(5.0, {"tok_s": 20.0}) == 0.25 and fraction(None, {"tok_s": 1}) is None and fraction(1, None) is None
+
+
+def test_expected_experts_per_step_and_rates():
+    assert FACTS.expected_experts_per_step(1) == pytest.approx(2 * 2)  # k per layer
+    assert FACTS.expected_experts_per_step(1000) == pytest.approx(2 * 8)  # every expert of every layer
+    assert 4 < FACTS.expected_experts_per_step(4) < 16
+    with pytest.raises(ValueError):
+        Rates(pcie=0)
+    assert Rates().source["pcie"] == "LIMITS.md"
+
+
+# --- cases ----------------------------------------------------------------------------------------
+
+
+def test_suites_are_named_uniquely_and_cover_the_issue():
+    for cases in (quick_suite(), full_suite()):
+        names = [c.name for c in cases]
+        assert len(names) == len(set(names))
+    full = full_suite()
+    assert {c.variant for c in full} == set(VARIANTS)
+    assert {c.gpu_fraction for c in full if c.variant == "split"} == {0.10, 0.25, 0.40, 0.50}
+    assert {(c.workload.prompt, c.workload.streams) for c in full if c.variant == "split"} >= {
+        (128, 1), (128, 4), (128, 8), (8192, 1)}
+    assert all(c.workload.tokens == 128 for c in full)
+    assert all(c.gpu_fraction == 0 for c in full if c.variant == "cpu-only")
+    assert any(c.ram_fraction is not None and c.ram_fraction < 1 for c in full if c.variant == "disk")
+    assert {c.routing for c in quick_suite()} == {"uniform", "skewed"}
+
+
+def test_select_and_group():
+    cases = quick_suite()
+    picked = select(cases, ["split/b25/*"])
+    assert {c.name for c in picked} == {"split/b25/uniform/p128x1", "split/b25/skewed/p128x1",
+                                        "split/b25/uniform/p8192x1"}
+    assert select(cases, None) == cases and len(select(cases, ["*/skewed/*", "hf/*"])) == 9
+    with pytest.raises(SystemExit):
+        select(cases, ["nothing/*"])
+    groups = group_by_engine(picked)
+    assert [len(g) for g in groups] == [2, 1]  # both uniform workloads share one engine
+    assert [c.name for c in groups[0]] == ["split/b25/uniform/p128x1", "split/b25/uniform/p8192x1"]
+
+
+def test_serve_config_is_valid_toml():
+    import tomllib
+
+    from bench.suite.serve_case import _toml
+
+    cfg = {"runtime": {"max_context": 1024}, "tiers": {"disk": {"path": "/x", "scrub": False}, "gpu": {"budget": "9"}},
+           "planner": {"max_batch": 8}}
+    assert tomllib.loads(_toml(cfg)) == cfg
+    with pytest.raises(ValueError):
+        Case("turbo", "uniform", 0.25, Workload(1, 1, 1))
+
+
+def test_engine_configs_are_valid_strata_configs():
+    summary = {"expert_bytes_total": 1000}
+    settings = {"cache": "/tmp/c", "disk_cache": "/tmp/d", "token_budget": 512}
+    w = [Workload(8192, 1, 128), Workload(128, 8, 128)]
+    for variant in VARIANTS:
+        if variant in ("hf",):
+            continue
+        cfg = engine_config(Case(variant, "uniform", None if variant == "ceiling" else 0.25, w[0],
+                                 ram_fraction=0.5 if variant == "disk" else None), summary, settings, w)
+        load_config(cfg)  # every key exists and every value validates
+        assert cfg["runtime"]["max_context"] >= 8192 + 128 and cfg["planner"]["max_batch"] == 8
+    naive = engine_config(Case("naive", "uniform", 0.25, w[0]), summary, settings, w)
+    assert naive["policy"] == {"eviction": "lru", "budget_scope": "per_layer"} and naive["prefetch"]["lookahead"] == 0
+    assert naive["runtime"]["cpu_numerics"] == "gpu" and naive["tiers"]["gpu"]["budget"] == "250"
+    disk = engine_config(Case("disk", "uniform", 0.25, w[0], ram_fraction=0.5), summary, settings, w)
+    assert disk["tiers"]["pinned"]["budget"] == "500" and disk["tiers"]["disk"]["path"] == "/tmp/d"
+    assert "gpu" not in engine_config(Case("ceiling", "uniform", None, w[0]), summary, settings, w)["tiers"]
+    assert VARIANTS["naive"]["policy"]["eviction"] == "lru"  # engine_config must not mutate the table
+
+
+# --- schema and report ----------------------------------------------------------------------------
+
+
+def _ok(name: str, tok: float, hit: float | None = 0.5, frac: float | None = 0.5, **metrics) -> dict:
+    variant, budget, routing, wl = name.split("/")
+    m = dict.fromkeys(results.METRICS)
+    m.update(decode_tok_s=tok, slowest_stream_tok_s=tok, gpu_hit_rate=hit, bytes_per_token={"pinned->gpu": 2e8},
+             prefill_tok_s=1000.0, **metrics)
+    return {"name": name, "variant": variant, "routing": routing, "group": "grid", "status": "ok", "reason": None,
+            "budget": {"gpu_fraction": 0.25, "ram_fraction": None}, "workload": {"prompt": 128, "streams": 1, "tokens": 8},
+            "metrics": m, "roofline": {"tok_s": tok / frac if frac else None, "bound": "cold"},
+            "fraction_of_roofline": frac}
+
+
+def _doc() -> dict:
+    doc = results.new_document("quick", {"layers": 12}, {"gpu": "H200", "cpu": "Xeon", "git_commit": "abc"},
+                               Rates().as_dict())
+    doc["models"] = {"uniform": {"layers": 12, "route_skew": "uniform"}, "skewed": {"layers": 12, "route_skew": 1.0}}
+    doc["cases"] = [
+        _ok("split/b25/uniform/p128x1", 40.0, frac=0.85), _ok("split/b25/skewed/p128x1", 60.0, frac=0.5),
+        _ok("hf/b25/uniform/p128x1", 0.2, hit=None, frac=None), _ok("naive/b25/uniform/p128x1", 25.0),
+        _ok("ceiling/all/uniform/p128x1", 80.0, hit=None), _ok("split/b40/skewed/p128x1", 90.0, hit=0.93),
+        {**_ok("serve/b25/uniform/startup", 1.0), "metrics": {"ready_s": 12.5}},
+        {"name": "hf/b25/skewed/p128x1", "variant": "hf", "routing": "skewed", "group": "baseline",
+         "budget": {"gpu_fraction": 0.25, "ram_fraction": None}, "workload": {"prompt": 128, "streams": 1, "tokens": 8},
+         "status": "skipped", "reason": "prefill + first token took 400 s"},
+    ]
+    return doc
+
+
+def test_validate_accepts_a_good_document_and_names_problems():
+    doc = _doc()
+    assert results.validate(doc) == []
+    bad = copy.deepcopy(doc)
+    bad["cases"][0]["status"] = "fine"
+    del bad["cases"][1]["metrics"]["ttft_s"]
+    bad["cases"][7]["reason"] = None
+    bad["cases"][2]["metrics"]["decode_tok_s"] = 0
+    del bad["rates"]
+    problems = results.validate(bad)
+    assert len(problems) == 5, problems
+    assert any("missing key 'rates'" in p for p in problems) and any("ttft_s" in p for p in problems)
+
+
+def test_report_tables_and_targets_from_json(tmp_path):
+    path = tmp_path / "suite.json"
+    path.write_text(json.dumps(_doc()))
+    doc = results.load([path])
+    t = {x["target"]: x for x in report.targets(doc)}
+    assert t["25% GPU budget, uniform: >= 80% of the roofline"]["status"] == "met"
+    assert t["25% GPU budget, skewed: >= 80% of the roofline"]["status"] == "NOT met"
+    assert t["25%, uniform: >= 100x transformers + accelerate"]["measured"] == "200.0x"
+    assert t["25%, uniform: >= 2x naive on-demand"]["status"] == "NOT met"  # 40 / 25 = 1.6x
+    assert t["25%, skewed: >= 100x transformers + accelerate"]["status"] == "not measured"  # skipped case
+    assert t["skewed, 40% of experts fit, adaptive policy: GPU hit rate >= 90%"]["status"] == "met"
+    assert t["`strata serve` ready (store built) <= 30 s"]["measured"] == "12.5 s"
+    ceiling = t["all in VRAM (uniform), 1 stream: >= 250 tok/s (48 layers)"]
+    assert ceiling["measured"] == "80.0 tok/s on 12 layers = 20.0 at 48" and ceiling["status"] == "NOT met"
+    md = report.render(doc, "python -m bench run", "suite.png")
+    assert "| uniform | transformers + accelerate offload | 0.20 | 40.00 | 200.00x |" in md
+    assert "| split/b25/uniform/p128x1 | 40.00 |" in md and "pinned->gpu 200" in md
+    assert "`hf/b25/skewed/p128x1`: skipped: prefill + first token took 400 s" in md
+    assert "![tok/s and GPU hit rate" in md
+
+
+def test_results_md_section_is_replaced_between_markers(tmp_path):
+    md = tmp_path / "RESULTS.md"
+    md.write_text("# Benchmark results\n\nearlier text\n")
+    report.update_results_md(md, "first run\n")
+    report.update_results_md(md, "second run\n")
+    text = md.read_text()
+    assert text.count(report.BEGIN) == 1 and "second run" in text and "first run" not in text
+    assert text.startswith("# Benchmark results\n\nearlier text\n")
+    md.write_text(text + "\n## Later section\n")
+    report.update_results_md(md, "third run\n")
+    assert md.read_text().endswith("## Later section\n") and "third run" in md.read_text()
+
+
+def test_load_merges_runs_later_cases_win(tmp_path):
+    a, b = _doc(), _doc()
+    b["cases"] = [_ok("split/b25/uniform/p128x1", 50.0), _ok("split/b10/uniform/p128x1", 20.0)]
+    (tmp_path / "a.json").write_text(json.dumps(a))
+    (tmp_path / "b.json").write_text(json.dumps(b))
+    doc = results.load([tmp_path / "a.json", tmp_path / "b.json"])
+    by = {c["name"]: c for c in doc["cases"]}
+    assert len(by) == len(a["cases"]) + 1 and by["split/b25/uniform/p128x1"]["metrics"]["decode_tok_s"] == 50.0
+    (tmp_path / "bad.json").write_text(json.dumps({"schema": "other"}))
+    with pytest.raises(ValueError, match="not a valid suite result"):
+        results.load([tmp_path / "bad.json"])
+
+
+# --- end to end -----------------------------------------------------------------------------------
+
+
+def test_one_tiny_case_end_to_end_on_cpu(tmp_path, capsys):
+    cases = [Case("split", "skewed", 0.25, Workload(24, 2, 4)), Case("hf", "skewed", 0.25, Workload(24, 1, 4))]
+    settings = {"suite": "test", "device": "cpu", "cache": str(tmp_path / "cache"), "disk_cache": str(tmp_path / "d"),
+                "models_dir": str(tmp_path / "models"), "size": "tiny", "layers": None, "skew": 1.0, "model": None,
+                "token_budget": 256, "placement_timeout": 10.0, "hf_limit_s": 60.0, "deadline_s": 300.0,
+                "progress": False}
+    doc = run_suite(cases, settings, tmp_path / "out", log=lambda s: None, rates=Rates())
+    assert results.validate(doc) == []
+    split, hf = doc["cases"]
+    assert split["status"] == "ok", split.get("reason")
+    m = split["metrics"]
+    assert m["tokens"] == 8 and m["decode_tok_s"] > 0 and m["lookups_per_token"] > 0
+    assert split["roofline"]["bound"] in ("gpu", "cold", "disk") and split["config"]["tiers"]["gpu"]["budget"]
+    assert hf["status"] == "skipped" and hf["reason"]  # CPU: the offload baseline needs CUDA
+    assert doc["models"]["skewed"]["route_skew"] == 1.0 and doc["machine"]["torch"]
+    on_disk = json.loads((tmp_path / "out" / results.RESULT_FILE).read_text())
+    assert [c["name"] for c in on_disk["cases"]] == [c.name for c in cases]
+    assert "split/b25/skewed/p24x2" in report.render(on_disk)
+    assert bench_main(["list", "--suite", "quick", "--cases", "hf/*"]) == 0
+    assert capsys.readouterr().out.split() == ["hf/b25/uniform/p128x1"]

@@ -1,0 +1,266 @@
+"""The decode fast path: slot-indexed pair kernels, fixed-shape decode attention, cold pairs served
+from other tiers, CUDA-graph replays. CPU tests run the torch fallback and a CPU-simulated GPU tier;
+the GPU tests run the Triton kernels and the graphs on CUDA.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from reference_models import ARCHS, VOCAB, build_reference
+from strata import Engine
+from strata.kernels.experts import moe_forward
+from strata.kernels.grouped import SlotWeights, combine_pairs, pair_experts
+from strata.runtime.checkpoint import Checkpoint
+from strata.runtime.convert import convert_checkpoint
+from strata.runtime.expert_compute import ExpertCompute
+from strata.runtime.kv_cache import DecodeBatch, KVCache, StepBatch, kv_bucket
+from strata.runtime.loader import load_model
+from strata.runtime.tiered_moe import TieredExperts
+from strata.tiers.manager import TierBudgets, TierManager
+from strata.tiers.store import ExpertStore
+
+
+def _random_experts(e=6, h=32, i=16, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(e, 2 * i, h, generator=g, dtype=dtype), torch.randn(e, h, i, generator=g, dtype=dtype)
+
+
+def _routes(n, e, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
+    return ids, torch.rand(n, k, generator=g)
+
+
+def test_pair_kernels_equal_grouped_experts():
+    gu, dn = _random_experts()
+    x = torch.randn(5, 32)
+    ids, w = _routes(5, 6, 3)
+    y = torch.zeros(15, 32)
+    used = pair_experts(x, SlotWeights(gu, dn), torch.arange(6, dtype=torch.int32), ids.reshape(-1), y)
+    assert torch.equal(used, ids.reshape(-1).int())
+    torch.testing.assert_close(combine_pairs(y, w), moe_forward(x, gu, dn, ids, w), rtol=1e-5, atol=1e-5)
+
+
+def test_pair_kernels_read_a_slab_and_skip_what_is_not_resident():
+    gu, dn = _random_experts()
+    h, i, size = 32, 16, 4
+    gu_bytes = 2 * i * h * size
+    slab = torch.zeros(4, gu_bytes + h * i * size + 100, dtype=torch.uint8)  # padded slots, like the GPU tier
+    sw = SlotWeights.from_slab(slab, torch.float32, (2 * i, h), (h, i), gu_bytes)
+    slot_of = torch.full((6,), -1, dtype=torch.int32)
+    for slot, e in enumerate([1, 3, 4, 5]):
+        sw.gate_up[slot].copy_(gu[e])
+        sw.down[slot].copy_(dn[e])
+        slot_of[e] = slot
+    x = torch.randn(4, h)
+    ids, _ = _routes(4, 6, 2, seed=1)
+    full = torch.zeros(8, h)
+    pair_experts(x, SlotWeights(gu, dn), torch.arange(6, dtype=torch.int32), ids.reshape(-1), full)
+    y = torch.full((8, h), 7.0)
+    used = pair_experts(x, sw, slot_of, ids.reshape(-1), y)
+    resident = used >= 0
+    assert torch.equal(resident, slot_of[ids.reshape(-1)] >= 0) and (~resident).any()
+    assert torch.equal(y[resident], full[resident])
+    assert (y[~resident] == 7.0).all()  # cold rows left for the cold path
+
+
+def test_slot_weights_reject_mismatched_shapes():
+    gu, dn = _random_experts()
+    with pytest.raises(ValueError, match="does not match"):
+        SlotWeights(gu, dn[:, :, :8])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_decode_batch_attention_equals_step_batch(arch, tmp_path):
+    """Fixed-shape decode (masked window of the cache, several sequences) == per-sequence prefix attention."""
+    _, d = build_reference(arch, tmp_path / arch, long=arch in ("qwen2_moe", "mixtral"))  # sliding windows
+    model = load_model(Checkpoint.open(d), torch.float32, "cpu")
+    cfg = model.cfg
+    a, b = KVCache(cfg, 3, 700, torch.float32, "cpu"), KVCache(cfg, 3, 700, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 310, 1]  # one past the sliding windows of the long configs
+    with torch.inference_mode():
+        for slot, n in enumerate(lengths):
+            prompt = torch.randint(0, VOCAB, (n,), generator=g)
+            for cache in (a, b):
+                model.run_layers(prompt, StepBatch([slot], [0], [n]), cache)
+        for _ in range(3):
+            ids = torch.randint(0, VOCAB, (3,), generator=g)
+            want = model.run_layers(ids, StepBatch([0, 1, 2], lengths, [1, 1, 1]), a)
+            batch = DecodeBatch(torch.tensor([0, 1, 2]), torch.tensor(lengths), kv_bucket(max(lengths), 700))
+            got = model.run_layers(ids, batch, b)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            lengths = [n + 1 for n in lengths]
+
+
+def test_kv_bucket():
+    assert kv_bucket(0, 4096) == 256 and kv_bucket(255, 4096) == 256 and kv_bucket(256, 4096) == 512
+    assert kv_bucket(5000, 4096) == 4096
+
+
+@pytest.fixture(scope="module")
+def store(tiny_model_dir, tmp_path_factory):
+    s = ExpertStore.open(convert_checkpoint(tiny_model_dir, tmp_path_factory.mktemp("store") / "tiny", progress=False))
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("numerics", ["gpu", "fork"], ids=["exact", "forked"])
+def test_tiered_decode_serves_cold_pairs_from_other_tiers(store, numerics):
+    """A CPU-simulated GPU tier with fewer slots than a step needs: resident pairs by slot, cold pairs
+    copied (gpu numerics) or split with the CPU kernel (fork); the layer output equals all-in-memory."""
+    layer = store.index.moe_layers[0]
+    gu, dn = store.load_layer_experts(layer, torch.float32, "cpu")
+    e, h = gu.shape[0], gu.shape[2]
+    m = TierManager(store, TierBudgets(gpu_slots=3, pinned_slots=16), gpu_device=torch.device("cpu"), io_threads=2)
+    try:
+        compute = ExpertCompute(m, "gpu", numerics)
+        compute.pair_path = True
+        experts = TieredExperts(layer, e, compute)
+        k = 2
+        for step in range(6):
+            ids, w = _routes(3, e, k, seed=step)
+            x = torch.randn(3, h, generator=torch.Generator().manual_seed(step)).to(store.dtype)
+            want = moe_forward(x.float(), gu, dn, ids, w)
+            got = experts(x, ids, w).float()
+            tol = 2e-2 if numerics == "fork" else 1e-2  # bf16 weights in slots, fp32 reference
+            assert (got - want).abs().max().item() < tol * want.abs().max().item()
+        stats = m.stats()
+        assert stats["lookups"] == sum(len(np.unique(_routes(3, e, k, seed=s)[0])) for s in range(6))
+        assert stats["tiers"]["gpu"]["evictions"] > 0  # 3 slots cannot hold a step's experts
+        if numerics == "fork":
+            assert compute.cpu_experts > 0
+    finally:
+        m.close()
+
+
+# ---- CUDA ------------------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_triton_pair_kernels_equal_the_fallback(dtype):
+    from strata.kernels import grouped
+
+    if grouped.triton is None:
+        pytest.skip("triton is not installed")
+    gu, dn = _random_experts(e=8, h=256, i=96, dtype=dtype)
+    gu, dn = gu.cuda() / 16, dn.cuda() / 16
+    x = torch.randn(6, 256, device="cuda", dtype=dtype)
+    ids, _ = _routes(6, 8, 3)
+    ids = ids.cuda()
+    slot_of = torch.tensor([0, 1, -1, 2, 3, 4, -1, 5], dtype=torch.int32, device="cuda")
+    sw = SlotWeights(gu[[0, 1, 3, 4, 5, 7]].contiguous(), dn[[0, 1, 3, 4, 5, 7]].contiguous())
+    y_t, y_f = torch.zeros(18, 256, device="cuda"), torch.zeros(18, 256, device="cuda")
+    used = pair_experts(x, sw, slot_of, ids.reshape(-1), y_t)
+    grouped._pair_torch(x, sw, slot_of, ids.reshape(-1), torch.arange(18, device="cuda", dtype=torch.int32), 3, y_f,
+                        torch.empty(18, dtype=torch.int32, device="cuda"))
+    assert torch.equal(used, slot_of[ids.reshape(-1)])
+    torch.testing.assert_close(y_t, y_f, rtol=2e-2, atol=2e-2)
+
+
+@pytest.fixture(scope="module")
+def plain_tiny(tmp_path_factory):
+    """The tiny demo model without Engram layers (Engram steps run eagerly; these tests are about graphs)."""
+    from strata.runtime.demo_model import write_demo_model
+
+    return write_demo_model(tmp_path_factory.mktemp("plain") / "tiny", size="tiny", engram=False)
+
+
+@pytest.mark.gpu
+def test_graph_replays_equal_eager_decode(plain_tiny):
+    """CUDA graphs (every expert resident) give bit-identical tokens and scores to eager decode."""
+    eager = Engine.from_pretrained(plain_tiny, device="cuda",
+                                   config={"runtime": {"experts": "memory", "cuda_graphs": False}})
+    graphs = Engine.from_pretrained(plain_tiny, device="cuda", config={"runtime": {"experts": "memory"}})
+    ids = eager.tokenizer.encode("The river runs through the valley and the town")
+    a = eager.generate(ids, max_tokens=40)
+    b = graphs.generate(ids, max_tokens=40)
+    assert a.token_ids == b.token_ids
+    assert graphs.model.graphs.replays > 0 and eager.model.graphs.replays == 0
+    # batched decode of 3 sequences at different lengths, straight through the model
+    caches = [KVCache(m.model.cfg, 3, 1024, m.dtype, "cuda") for m in (eager, graphs)]
+    g = torch.Generator().manual_seed(0)
+    lengths = [3, 200, 40]
+    with torch.inference_mode():
+        for slot, n in enumerate(lengths):
+            prompt = torch.randint(0, 100, (n,), generator=g).cuda()
+            for m, c in zip((eager, graphs), caches):
+                m.model(prompt, StepBatch([slot], [0], [n]), c)
+        for _ in range(30):
+            tok = torch.randint(0, 100, (3,), generator=g).cuda()
+            outs = [m.model(tok, StepBatch([0, 1, 2], lengths, [1, 1, 1]), c) for m, c in zip((eager, graphs), caches)]
+            assert torch.equal(outs[0], outs[1])
+            lengths = [n + 1 for n in lengths]
+    assert graphs.model.graphs.captures >= 2  # batch of 1 and batch of 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("numerics", ["gpu", "fork"], ids=["exact", "forked"])
+def test_segmented_graphs_with_cold_experts(plain_tiny, numerics):
+    """One GPU slot per layer: steps replay as graphs between host steps; gpu numerics stay bit-identical
+    to all-in-memory, fork numerics (CPU kernel for part of the cold experts) within tolerance."""
+    memory = Engine.from_pretrained(plain_tiny, device="cuda", config={"runtime": {"experts": "memory"}})
+    slot = 12288
+    cfg = {"tiers": {"gpu": {"budget": str(2 * slot)}, "pinned": {"budget": str(32 * slot)}},
+           "runtime": {"cpu_numerics": numerics}}
+    with Engine.from_pretrained(plain_tiny, device="cuda", config=cfg) as tiered:
+        ids = memory.tokenizer.encode("The river runs through the valley and the town")
+        want = memory.generate(ids, max_tokens=24, temperature=1.0, seed=5)
+        got = tiered.generate(ids, max_tokens=24, temperature=1.0, seed=5)
+        assert tiered.model.graphs.replays > 0 and not tiered.model.graphs.failed
+        if numerics == "gpu":
+            assert got.token_ids == want.token_ids
+            assert torch.equal(tiered.score(ids), memory.score(ids))
+        else:
+            assert (tiered.score(ids) - memory.score(ids)).abs().mean().item() < 0.02
+            assert tiered._compute.cpu_experts > 0
+        stats = tiered.stats()["tiers"]
+        assert stats["misses"] > 0 and stats["tiers"]["gpu"]["evictions"] > 0
+
+
+@pytest.mark.gpu
+def test_all_resident_tiered_engine_uses_graphs_and_equals_memory(plain_tiny):
+    memory = Engine.from_pretrained(plain_tiny, device="cuda", config={"runtime": {"experts": "memory"}})
+    with Engine.from_pretrained(plain_tiny, device="cuda", config={"runtime": {"cpu_numerics": "gpu"}}) as tiered:
+        ids = memory.tokenizer.encode("The river runs through the valley and the town")
+        tiered.generate(ids, max_tokens=2)  # placement finishes in the background
+        for _ in range(200):
+            if tiered._compute.all_resident():
+                break
+            import time
+
+            time.sleep(0.05)
+        assert tiered._compute.all_resident()
+        assert tiered.generate(ids, max_tokens=24).token_ids == memory.generate(ids, max_tokens=24).token_ids
+        assert tiered.model.graphs.replays > 0
+        assert tiered.stats()["tiers"]["lookups"] > 0  # device-side counts reach the statistics
+
+
+@pytest.mark.parametrize("hit_ratio, pauses", [(0.05, True), (0.9, False)])
+def test_prefetcher_pauses_when_its_predictions_are_wasted(hit_ratio, pauses):
+    """Measured precision below the threshold pauses prediction (and it resumes later to re-measure)."""
+    from strata.tiers.prefetch import LookaheadPrefetcher
+    from strata.tiers.stats import TierStats
+
+    class Manager:  # counts like TierManager: every prefetched key issued, a share of them used
+        def __init__(self):
+            self.stats_, self.n = TierStats(), 0
+
+        def prefetch(self, keys, device):
+            for _ in keys:
+                self.n += 1
+                self.stats_.prefetch_issued += 1
+                self.stats_.prefetch_used += int((self.n * hit_ratio) % 1 < hit_ratio)
+
+    m = Manager()
+    pf = LookaheadPrefetcher(m, {1: lambda h: torch.arange(8).view(1, 8)}, 1, "gpu")
+    calls_issuing = 0
+    for _ in range(200):
+        before = m.stats_.prefetch_issued
+        pf(0, torch.zeros(1, 4))
+        calls_issuing += m.stats_.prefetch_issued > before
+    assert (pf.pauses > 0) == pauses
+    assert calls_issuing < 200 if pauses else calls_issuing == 200

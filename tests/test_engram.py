@@ -1,0 +1,222 @@
+"""Engram: hashing and layer outputs equal the plain reference (tests/engram_reference.py); the tiered
+row store equals the in-memory tables in every tier; damaged tables stop start-up."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import engram_reference as ref
+import numpy as np
+import pytest
+import torch
+
+from strata import Engine
+from strata.errors import CheckpointError
+from strata.runtime.engram_hash import EngramConfig, NgramHasher
+from strata.runtime.kv_cache import KVCache, StepBatch
+from strata.runtime.sampler import SamplingParams
+from strata.runtime.scheduler import GenRequest
+from strata.tiers.engram_rows import RowCache
+
+PROMPTS = [list(range(5, 45)), [7, 7, 7, 300, 12, 99, 7, 7, 301, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
+
+
+@pytest.fixture(scope="module")
+def hf_cfg(tiny_model_dir) -> dict:
+    return json.loads((tiny_model_dir / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def memory_engine(tiny_model_dir):
+    return Engine.from_pretrained(tiny_model_dir, config={"runtime": {"experts": "memory"}}, device="cpu")
+
+
+def _layer_weights(engine, layer: int) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in engine.model.layers[layer].engram.state_dict().items()}
+
+
+def _capture(model) -> tuple[list, callable]:
+    """Record (input x, Engram output) of every Engram layer call; returns the log and a remover."""
+    log = []
+    hooks = [layer.engram.register_forward_hook(lambda m, args, out: log.append((m.layer, args[0].clone(), out.clone())))
+             for layer in model.layers if layer.engram is not None]
+    return log, lambda: [h.remove() for h in hooks]
+
+
+def test_hash_equals_reference_with_history(hf_cfg, memory_engine):
+    cfg = hf_cfg["engram"]
+    token_map = memory_engine.model.engram.token_map.cpu().numpy()
+    hasher = NgramHasher(EngramConfig(**cfg), torch.from_numpy(token_map))
+    ids = torch.randint(0, hf_cfg["vocab_size"], (37,), generator=torch.Generator().manual_seed(3))
+    for layer in cfg["layer_ids"]:
+        want = torch.from_numpy(ref.hash_ids(cfg, token_map, ids.numpy(), layer))
+        assert torch.equal(hasher.rows(layer, hasher.grams(ids, ids[:0])), want)
+        for cut in (1, 2, 10):  # a later chunk sees the tokens before it, not padding
+            got = hasher.rows(layer, hasher.grams(ids[cut:], ids[:cut]))
+            assert torch.equal(got, want[cut:])
+        sizes = EngramConfig(**cfg).table_sizes(layer)
+        assert sizes == ref.table_sizes(cfg)[layer] and len(set(sizes)) == len(sizes)
+
+
+def _run_chunked_batched(engine, prompts, chunk, decode_steps):
+    """Prefill `prompts` in chunks, two sequences per StepBatch, then decode greedily; returns each
+    sequence's token ids and, per Engram layer, its x and output rows in order."""
+    model, cfg = engine.model, engine.checkpoint.config
+    cache = KVCache(cfg, len(prompts), 128, engine.dtype, engine.device)
+    seqs = [list(p) for p in prompts]
+    done = [0] * len(prompts)
+    log, remove = _capture(model)
+    per_seq = {i: {layer: ([], []) for layer in cfg.engram.layer_ids} for i in range(len(prompts))}
+    with torch.inference_mode():
+        while any(d < len(p) for d, p in zip(done, prompts, strict=True)):
+            step_plan = [(i, done[i], prompts[i][done[i] : done[i] + chunk]) for i in range(len(prompts)) if done[i] < len(prompts[i])]
+            _step(model, cache, step_plan, log, per_seq)
+            for i, _, piece in step_plan:
+                done[i] += len(piece)
+        for _ in range(decode_steps):
+            plan = []
+            for i in range(len(prompts)):
+                tok = int(model.logits(_last_hidden[i]).argmax())
+                seqs[i].append(tok)
+                plan.append((i, len(seqs[i]) - 1, [tok]))
+            _step(model, cache, plan, log, per_seq)
+    remove()
+    return seqs, per_seq
+
+
+_last_hidden: dict = {}  # sequence -> hidden state of its last fed token [1, H]
+
+
+def _step(model, cache, plan, log, per_seq):
+    ids = torch.tensor([t for _, _, p in plan for t in p])
+    batch = StepBatch([i for i, _, _ in plan], [s for _, s, _ in plan], [len(p) for _, _, p in plan])
+    log.clear()
+    hidden = model(ids, batch, cache)
+    for (i, _, _), row in zip(plan, batch.last_token_rows(), strict=True):
+        _last_hidden[i] = hidden[row : row + 1]
+    for layer, x, out in log:
+        for (i, _, _), off, n in zip(plan, batch.offsets, batch.lengths, strict=True):
+            per_seq[i][layer][0].append(x[off : off + n])
+            per_seq[i][layer][1].append(out[off : off + n])
+
+
+def test_chunked_batched_decode_equals_reference(hf_cfg, memory_engine):
+    cfg = hf_cfg["engram"]
+    token_map = memory_engine.model.engram.token_map.cpu().numpy()
+    seqs, per_seq = _run_chunked_batched(memory_engine, PROMPTS, chunk=7, decode_steps=5)
+    for i, ids in enumerate(seqs):
+        for layer in cfg["layer_ids"]:
+            x = torch.cat(per_seq[i][layer][0])
+            got = torch.cat(per_seq[i][layer][1])
+            assert x.shape[0] == len(ids)
+            want = ref.engram_output(cfg, token_map, ids, x, layer, _layer_weights(memory_engine, layer))
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("tier", ["pinned", "tmpfs", "disk"])
+def test_tiered_rows_equal_memory_tables(tiny_model_dir, memory_engine, tmp_path, tier):
+    # a row cache of 16 rows and reads of 5 rows: prompts span many read batches and evict constantly
+    conf = {"engram": {"tier": tier, "row_cache": "256B", "read_batch": 5},
+            "tiers": {"disk": {"scrub": False}, "tmpfs": {"path": str(tmp_path / "shm")}}}
+    with Engine.from_pretrained(tiny_model_dir, config=conf, device="cpu") as eng:
+        ids = PROMPTS[0] + PROMPTS[1]
+        outs = []
+        for e in (memory_engine, eng):
+            log, remove = _capture(e.model)
+            e.score(ids)
+            remove()
+            outs.append(log)
+        for (la, _, oa), (lb, _, ob) in zip(*outs, strict=True):
+            assert la == lb
+            torch.testing.assert_close(ob, oa, rtol=1e-5, atol=1e-6)
+        # batched greedy decode through the scheduler equals solo decode on the in-memory tables
+        sched = eng.scheduler(max_batch=2, token_budget=16)
+        sched.start()
+        try:
+            handles = [sched.submit(GenRequest(p, SamplingParams(max_tokens=6))) for p in PROMPTS]
+            got = [[ev.token_id for ev in h.iter_events(timeout=120) if ev.token_id is not None] for h in handles]
+        finally:
+            sched.stop()
+        want = [memory_engine.generate(p, max_tokens=6).token_ids for p in PROMPTS]
+        assert got == want
+        st = eng.model.engram.stats()
+        assert st["tier"] == tier and st["lookups"] > 0 and st["hits"].get(tier, 0) > 0
+        if tier != "pinned":  # CPU-only: the pinned tier is RAM already, no cache in front of it
+            assert st["cache_evictions"] > 0 and st["hits"].get("cache", 0) > 0
+
+
+def test_row_cache_keeps_hot_rows():
+    cache = RowCache(total_rows=10_000, capacity=64, dim=4, dtype=torch.float32, device=torch.device("cpu"))
+    hot = torch.arange(8)
+    none = torch.empty(0, dtype=torch.int64)
+    cache.insert(hot, hot[:, None].float().expand(-1, 4), none)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        cache.lookup(hot)  # the head is used every step
+        cold = torch.from_numpy(rng.choice(np.arange(100, 10_000), 16, replace=False))
+        slots = cache.lookup(cold)
+        cache.insert(cold[slots < 0], cold[slots < 0][:, None].float().expand(-1, 4), none)
+    slots = cache.lookup(hot)
+    assert bool((slots >= 0).all())
+    assert torch.equal(cache.slab[slots][:, 0], hot.float())
+    assert cache.evictions > 0
+
+
+def _store_of(engine) -> str:
+    return engine.checkpoint.directory
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "missing"])
+def test_damaged_table_stops_startup(tiny_model_dir, tmp_path, damage):
+    with Engine.from_pretrained(tiny_model_dir, config={"tiers": {"disk": {"scrub": False}}}, device="cpu") as e:
+        store = tmp_path / "store"
+        shutil.copytree(_store_of(e), store)
+    table = store / "tables" / "engram.1.bin"
+    if damage == "flip":
+        data = bytearray(table.read_bytes())
+        data[100] ^= 0xFF
+        table.write_bytes(bytes(data))
+    elif damage == "truncate":
+        with open(table, "r+b") as f:
+            f.truncate(table.stat().st_size - 4096)
+    else:
+        table.unlink()
+    conf = {"engram": {"tier": "disk"}, "tiers": {"disk": {"scrub": False}}}
+    with pytest.raises(CheckpointError, match="engram.1"):
+        Engine.from_pretrained(store, config=conf, device="cpu")
+
+
+def test_no_engram_demo(tmp_path):
+    from strata.runtime.demo_model import demo_config, write_demo_model
+    from strata.safetensors_index import TensorIndex
+
+    assert "engram" not in demo_config("tiny", engram=False)
+    out = write_demo_model(tmp_path / "plain", "tiny", progress=False, engram=False)
+    assert not any(".engram." in n or n.startswith("model.engram") for n in TensorIndex.from_dir(out).names())
+    assert Engine.from_pretrained(out, device="cpu").model.engram is None
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier", ["gpu", "pinned", "disk"])
+def test_gpu_tiers_equal_memory(tiny_model_dir, tmp_path, tier):
+    mem = Engine.from_pretrained(tiny_model_dir, config={"runtime": {"experts": "memory", "dtype": "float32"}}, device="cuda")
+    conf = {"runtime": {"dtype": "float32"}, "engram": {"tier": tier, "row_cache": "512B", "read_batch": 5},
+            "tiers": {"disk": {"scrub": False}}}
+    with Engine.from_pretrained(tiny_model_dir, config=conf, device="cuda") as eng:
+        outs = []
+        for e in (mem, eng):
+            log, remove = _capture(e.model)
+            e.score(PROMPTS[0])
+            remove()
+            outs.append(log)
+        for (_, _, oa), (_, _, ob) in zip(*outs, strict=True):
+            torch.testing.assert_close(ob, oa, rtol=1e-4, atol=1e-5)
+        sched = eng.scheduler(max_batch=2, token_budget=16)
+        sched.start()
+        try:
+            handles = [sched.submit(GenRequest(p, SamplingParams(max_tokens=6))) for p in PROMPTS]
+            got = [[ev.token_id for ev in h.iter_events(timeout=120) if ev.token_id is not None] for h in handles]
+        finally:
+            sched.stop()
+        assert got == [mem.generate(p, max_tokens=6).token_ids for p in PROMPTS]

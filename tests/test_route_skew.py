@@ -1,0 +1,153 @@
+"""`strata demo-model --route-skew`: routing popularity written into the weights (strata.runtime.demo_skew).
+
+Measured by counting router choices on real forward passes: S > 0 is Zipf-like and ranked by the
+written profile at every depth, "uniform" is near uniform, S = 0 is byte-for-byte the plain model,
+and transformers (reading the same files) routes exactly as strata does.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import pytest
+import torch
+
+import strata.runtime.demo_model as dm
+from bench.suite.routing import count_routing, popularity_summary
+from strata import Engine
+from strata.cli import build_parser
+from strata.errors import ConfigError
+from strata.runtime.demo_skew import RouteSkew, check_skew, expert_ranks
+
+# Qwen3-MoE as the `bench` size writes it, shrunk so a CPU test can run it (128 experts, top-8 kept).
+MINI_QWEN3 = {"hidden_size": 256, "intermediate_size": 256, "moe_intermediate_size": 16, "num_hidden_layers": 4,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 8448,
+              "max_window_layers": 4, "max_position_embeddings": 4096}
+TOKENS = 384
+
+
+def _hashes(d: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(d.iterdir())}
+
+
+def _prompt(vocab: int, n: int = TOKENS) -> list[int]:
+    return torch.randint(3, vocab - 1, (n,), generator=torch.Generator().manual_seed(7)).tolist()
+
+
+@pytest.fixture(scope="module")
+def mini_bench(tmp_path_factory):
+    """write(route_skew) -> directory of a shrunk `bench` (Qwen3-MoE) demo model."""
+    root = tmp_path_factory.mktemp("skew")
+    mp = pytest.MonkeyPatch()
+    mp.setitem(dm._BASE_CONFIGS, "bench", {**dm._BASE_CONFIGS["bench"], **MINI_QWEN3})
+
+    def write(skew):
+        return dm.write_demo_model(root / f"bench-{skew}", "bench", progress=False, engram=False, route_skew=skew)
+
+    yield write
+    mp.undo()
+
+
+def _measure(directory: Path, num_experts: int, vocab: int) -> dict[int, torch.Tensor]:
+    engine = Engine.from_pretrained(directory, config={"runtime": {"experts": "memory"}}, device="cpu")
+    with count_routing(engine.model, num_experts) as counts:
+        engine.score(_prompt(vocab))
+    return counts
+
+
+def test_zero_skew_is_the_plain_model_byte_for_byte(tmp_path):
+    plain = dm.write_demo_model(tmp_path / "plain", "tiny", progress=False, engram=False)
+    zero = dm.write_demo_model(tmp_path / "zero", "tiny", progress=False, engram=False, route_skew=0)
+    skewed = dm.write_demo_model(tmp_path / "skewed", "tiny", progress=False, engram=False, route_skew=1)
+    assert _hashes(plain) == _hashes(zero)
+    assert "route_skew" not in (plain / dm.MARKER).read_text()  # directories written before still match
+    a, b = _hashes(plain), _hashes(skewed)
+    assert a["model.safetensors"] != b["model.safetensors"] and a["tokenizer.json"] == b["tokenizer.json"]
+    assert _hashes(dm.write_demo_model(tmp_path / "again", "tiny", progress=False, engram=False, route_skew=1)) == b
+    with pytest.raises(ConfigError, match="different demo model"):  # the marker tells skews apart
+        dm.write_demo_model(skewed, "tiny", progress=False, engram=False, route_skew=2)
+
+
+def test_skew_values_are_validated():
+    assert check_skew(0) == 0.0 and check_skew("1.5") == 1.5 and check_skew("Uniform") == "uniform"
+    for bad in (-0.5, 4.5, "lots", True, None, float("nan")):
+        with pytest.raises(ConfigError, match="--route-skew"):
+            check_skew(bad)
+    args = build_parser().parse_args(["demo-model", "d", "--size", "bench", "--route-skew", "1.2"])
+    assert check_skew(args.route_skew) == 1.2
+
+
+def test_profile_is_a_per_layer_permutation():
+    a, b = expert_ranks(0, 1, 128), expert_ranks(0, 2, 128)
+    assert sorted(a.tolist()) == list(range(1, 129)) and not torch.equal(a, b)
+    assert torch.equal(a, expert_ranks(0, 1, 128)) and not torch.equal(a, expert_ranks(1, 1, 128))
+    cfg = dm.demo_config("tiny", engram=False)
+    skew = RouteSkew.for_config(cfg, 1.0, 0)
+    router = skew.apply("model.layers.1.mlp.gate.weight", torch.zeros(16, 64))
+    col = router[:, skew.channel]
+    assert col.argmax() == int((expert_ranks(0, 1, 16) == 1).nonzero()) and (col <= 0).all()
+    assert router[:, [i for i in range(64) if i != skew.channel]].abs().sum() == 0
+    with pytest.raises(ValueError):
+        RouteSkew.for_config(cfg, 0, 0)
+
+
+@pytest.mark.parametrize("skew", [1.0, 2.0])
+def test_qwen3_skew_is_zipf_like_at_every_layer(mini_bench, skew):
+    counts = _measure(mini_bench(skew), 128, MINI_QWEN3["vocab_size"])
+    s = popularity_summary(counts)
+    # uniform: the 40% most popular take 40%; S=1 calibrates to ~92% (top-8 of 128), S=2 to ~99%
+    assert s["top40pct_share"] > (0.85 if skew == 1 else 0.95), s
+    assert s["top10pct_share"] > (0.5 if skew == 1 else 0.75), s
+    assert s["top1_vs_uniform"] > 8, s
+    for layer, c in counts.items():
+        per_layer = popularity_summary({layer: c})
+        assert abs(per_layer["top40pct_share"] - s["top40pct_share"]) < 0.06, (layer, per_layer)  # same at all depths
+        # ranked as written: the profile's favourites are the measured favourites
+        ranks = expert_ranks(0, layer, 128)
+        favourites = c.argsort(descending=True)[:12]  # the 10% most used
+        assert (ranks[favourites] <= 24).all(), (layer, ranks[favourites].tolist())
+
+
+def test_uniform_and_plain_routing(mini_bench):
+    uniform = popularity_summary(_measure(mini_bench("uniform"), 128, MINI_QWEN3["vocab_size"]))
+    assert uniform["top40pct_share"] < 0.55 and uniform["top1_vs_uniform"] < 2.5, uniform  # sampling noise only
+    skewed = popularity_summary(_measure(mini_bench(1.0), 128, MINI_QWEN3["vocab_size"]))
+    assert skewed["top40pct_share"] > uniform["top40pct_share"] + 0.3
+
+
+def test_deepseek_skew(tmp_path):
+    vocab = dm.demo_config("tiny", engram=False)["vocab_size"]
+    skewed = popularity_summary(_measure(
+        dm.write_demo_model(tmp_path / "s", "tiny", progress=False, engram=False, route_skew=2), 16, vocab))
+    uniform = popularity_summary(_measure(
+        dm.write_demo_model(tmp_path / "u", "tiny", progress=False, engram=False, route_skew="uniform"), 16, vocab))
+    # top-4 of 16 experts: a layer's 4 favourites can take at most 100%, uniform gives them 25%
+    assert uniform["top25pct_share"] < 0.35 < 0.6 < skewed["top25pct_share"], (uniform, skewed)
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3"])
+def test_transformers_routes_a_skewed_checkpoint_as_strata_does(arch, mini_bench, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    if arch == "qwen3_moe":
+        directory, experts, vocab = mini_bench(1.0), 128, MINI_QWEN3["vocab_size"]
+    else:
+        directory = dm.write_demo_model(tmp_path / "t", "tiny", progress=False, engram=False, route_skew=1.0)
+        experts, vocab = 16, dm.demo_config("tiny", engram=False)["vocab_size"]
+    prompt = _prompt(vocab, 96)
+    engine = Engine.from_pretrained(directory, config={"runtime": {"experts": "memory"}}, device="cpu")
+    hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    with count_routing(engine.model, experts) as ours, count_routing(hf, experts) as theirs:
+        got = engine.score(prompt)
+        ref = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    assert set(ours) == set(theirs) and len(ours) >= 2
+    for layer in ours:
+        assert torch.equal(ours[layer], theirs[layer]), layer
+    assert (got - ref).abs().max() < 1e-4
+    assert ref.std() > 0.05  # the final norm restored logits of the usual size (not all ~equal)
+    ids = list(prompt[:16])
+    for _ in range(8):  # greedy by definition: full forward at every step
+        ids.append(int(hf(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    assert engine.generate(prompt[:16], max_tokens=8).token_ids == ids[16:]
