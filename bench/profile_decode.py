@@ -47,7 +47,6 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     from strata import Engine
-
     from strata.kernels import grouped
 
     rates = []

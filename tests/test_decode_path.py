@@ -36,12 +36,12 @@ def _routes(n, e, k, seed=0):
 
 def test_pair_kernels_equal_grouped_experts():
     gu, dn = _random_experts()
-    x = torch.randn(5, 32)
+    x = torch.randn(5, 32, generator=torch.Generator().manual_seed(1))
     ids, w = _routes(5, 6, 3)
     y = torch.zeros(15, 32)
     used = pair_experts(x, SlotWeights(gu, dn), torch.arange(6, dtype=torch.int32), ids.reshape(-1), y)
     assert torch.equal(used, ids.reshape(-1).int())
-    torch.testing.assert_close(combine_pairs(y, w), moe_forward(x, gu, dn, ids, w), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(combine_pairs(y, w), moe_forward(x, gu, dn, ids, w), rtol=1e-4, atol=1e-4)  # fp32 sums
 
 
 def test_pair_kernels_read_a_slab_and_skip_what_is_not_resident():

@@ -15,12 +15,11 @@ replayed decode steps give bit-identical results.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-
 import logging
 import threading
 import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
