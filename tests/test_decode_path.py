@@ -187,11 +187,11 @@ def test_graph_replays_equal_eager_decode(plain_tiny):
     with torch.inference_mode():
         for slot, n in enumerate(lengths):
             prompt = torch.randint(0, 100, (n,), generator=g).cuda()
-            for m, c in zip((eager, graphs), caches):
+            for m, c in zip((eager, graphs), caches, strict=True):
                 m.model(prompt, StepBatch([slot], [0], [n]), c)
         for _ in range(30):
             tok = torch.randint(0, 100, (3,), generator=g).cuda()
-            outs = [m.model(tok, StepBatch([0, 1, 2], lengths, [1, 1, 1]), c) for m, c in zip((eager, graphs), caches)]
+            outs = [m.model(tok, StepBatch([0, 1, 2], lengths, [1, 1, 1]), c) for m, c in zip((eager, graphs), caches, strict=True)]
             assert torch.equal(outs[0], outs[1])
             lengths = [n + 1 for n in lengths]
     assert graphs.model.graphs.captures >= 2  # batch of 1 and batch of 3
@@ -264,3 +264,25 @@ def test_prefetcher_pauses_when_its_predictions_are_wasted(hit_ratio, pauses):
         calls_issuing += m.stats_.prefetch_issued > before
     assert (pf.pauses > 0) == pauses
     assert calls_issuing < 200 if pauses else calls_issuing == 200
+
+
+def test_cpu_rate_is_calibrated_from_the_kernel(store):
+    """The cost model starts from the CPU kernel's measured rate on this model's expert shape."""
+    m = TierManager(store, TierBudgets(gpu_slots=2, pinned_slots=8), gpu_device=torch.device("cpu"), io_threads=1)
+    try:
+        compute = ExpertCompute(m, "gpu", "fork")
+        default = compute.rates.cpu_bytes_per_s
+        rate = compute.calibrate_cpu(nbytes=4 * store.payload_bytes)
+        assert rate > 0 and compute.rates.cpu_bytes_per_s == rate != default
+    finally:
+        m.close()
+
+
+def test_bulk_lookup_counts_equal_single_ones():
+    from strata.tiers.stats import TierStats
+
+    a, b = TierStats(), TierStats()
+    for _ in range(5):
+        a.lookup(3, "gpu", False, 0.0, expert=7)
+    b.lookup(3, "gpu", False, 0.0, expert=7, count=5)
+    assert a.snapshot({}, {})["layers"] == b.snapshot({}, {})["layers"] and a.expert_lookups == b.expert_lookups

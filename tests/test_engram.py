@@ -44,6 +44,27 @@ def _capture(model) -> tuple[list, callable]:
     return log, lambda: [h.remove() for h in hooks]
 
 
+def _engram_outputs(engine, ids: list[int]) -> list:
+    """(layer, x, Engram output) of every Engram layer call while `engine` scores `ids`."""
+    log, remove = _capture(engine.model)
+    try:
+        engine.score(ids)
+    finally:
+        remove()
+    return log
+
+
+def _scheduler_decode(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy-decode `prompts` together through the scheduler (two at a time); their token ids."""
+    sched = engine.scheduler(max_batch=2, token_budget=16)
+    sched.start()
+    try:
+        handles = [sched.submit(GenRequest(p, SamplingParams(max_tokens=max_tokens))) for p in prompts]
+        return [[ev.token_id for ev in h.iter_events(timeout=120) if ev.token_id is not None] for h in handles]
+    finally:
+        sched.stop()
+
+
 def test_hash_equals_reference_with_history(hf_cfg, memory_engine):
     cfg = hf_cfg["engram"]
     token_map = memory_engine.model.engram.token_map.cpu().numpy()
@@ -121,23 +142,11 @@ def test_tiered_rows_equal_memory_tables(tiny_model_dir, memory_engine, tmp_path
             "tiers": {"disk": {"scrub": False}, "tmpfs": {"path": str(tmp_path / "shm")}}}
     with Engine.from_pretrained(tiny_model_dir, config=conf, device="cpu") as eng:
         ids = PROMPTS[0] + PROMPTS[1]
-        outs = []
-        for e in (memory_engine, eng):
-            log, remove = _capture(e.model)
-            e.score(ids)
-            remove()
-            outs.append(log)
-        for (la, _, oa), (lb, _, ob) in zip(*outs, strict=True):
+        for (la, _, oa), (lb, _, ob) in zip(_engram_outputs(memory_engine, ids), _engram_outputs(eng, ids), strict=True):
             assert la == lb
             torch.testing.assert_close(ob, oa, rtol=1e-5, atol=1e-6)
         # batched greedy decode through the scheduler equals solo decode on the in-memory tables
-        sched = eng.scheduler(max_batch=2, token_budget=16)
-        sched.start()
-        try:
-            handles = [sched.submit(GenRequest(p, SamplingParams(max_tokens=6))) for p in PROMPTS]
-            got = [[ev.token_id for ev in h.iter_events(timeout=120) if ev.token_id is not None] for h in handles]
-        finally:
-            sched.stop()
+        got = _scheduler_decode(eng, PROMPTS, max_tokens=6)
         want = [memory_engine.generate(p, max_tokens=6).token_ids for p in PROMPTS]
         assert got == want
         st = eng.model.engram.stats()
@@ -204,19 +213,7 @@ def test_gpu_tiers_equal_memory(tiny_model_dir, tmp_path, tier):
     conf = {"runtime": {"dtype": "float32"}, "engram": {"tier": tier, "row_cache": "512B", "read_batch": 5},
             "tiers": {"disk": {"scrub": False}}}
     with Engine.from_pretrained(tiny_model_dir, config=conf, device="cuda") as eng:
-        outs = []
-        for e in (mem, eng):
-            log, remove = _capture(e.model)
-            e.score(PROMPTS[0])
-            remove()
-            outs.append(log)
-        for (_, _, oa), (_, _, ob) in zip(*outs, strict=True):
+        for (_, _, oa), (_, _, ob) in zip(_engram_outputs(mem, PROMPTS[0]), _engram_outputs(eng, PROMPTS[0]), strict=True):
             torch.testing.assert_close(ob, oa, rtol=1e-4, atol=1e-5)
-        sched = eng.scheduler(max_batch=2, token_budget=16)
-        sched.start()
-        try:
-            handles = [sched.submit(GenRequest(p, SamplingParams(max_tokens=6))) for p in PROMPTS]
-            got = [[ev.token_id for ev in h.iter_events(timeout=120) if ev.token_id is not None] for h in handles]
-        finally:
-            sched.stop()
+        got = _scheduler_decode(eng, PROMPTS, max_tokens=6)
         assert got == [mem.generate(p, max_tokens=6).token_ids for p in PROMPTS]

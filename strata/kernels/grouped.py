@@ -116,7 +116,7 @@ if triton is not None:
 
     @triton.jit
     def _gate_up_kernel(x_ptr, gu_ptr, slot_of_ptr, ids_ptr, rows_ptr, used_ptr, h_ptr,
-                        H, I, K, stride_x, stride_gs, stride_gr, stride_h,
+                        H, INTER, K, stride_x, stride_gs, stride_gr, stride_h,
                         BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
         p = tl.program_id(0)
         ib = tl.program_id(1)
@@ -127,7 +127,7 @@ if triton is not None:
         if slot >= 0:
             tok = (tl.load(rows_ptr + p) // K).to(tl.int64)
             offs_i = ib * BLOCK_I + tl.arange(0, BLOCK_I)
-            mask_i = offs_i < I
+            mask_i = offs_i < INTER
             acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
             w = gu_ptr + slot * stride_gs
@@ -137,14 +137,14 @@ if triton is not None:
                 xv = tl.load(x_ptr + tok * stride_x + offs_h, mask=mask_h, other=0.0).to(tl.float32)
                 m = mask_i[:, None] & mask_h[None, :]
                 g = tl.load(w + offs_i[:, None] * stride_gr + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
-                u = tl.load(w + (offs_i[:, None] + I) * stride_gr + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
+                u = tl.load(w + (offs_i[:, None] + INTER) * stride_gr + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
                 acc_g += tl.sum(g * xv[None, :], axis=1)
                 acc_u += tl.sum(u * xv[None, :], axis=1)
             h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
             tl.store(h_ptr + p * stride_h + offs_i, h, mask=mask_i)
 
     @triton.jit
-    def _down_kernel(h_ptr, d_ptr, used_ptr, rows_ptr, y_ptr, H, I, stride_h, stride_ds, stride_dr, stride_y,
+    def _down_kernel(h_ptr, d_ptr, used_ptr, rows_ptr, y_ptr, H, INTER, stride_h, stride_ds, stride_dr, stride_y,
                      BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
         p = tl.program_id(0)
         ob = tl.program_id(1)
@@ -155,9 +155,9 @@ if triton is not None:
             mask_o = offs_o < H
             acc = tl.zeros([BLOCK_O], dtype=tl.float32)
             w = d_ptr + slot * stride_ds
-            for i0 in range(0, I, BLOCK_I):
+            for i0 in range(0, INTER, BLOCK_I):
                 offs_i = i0 + tl.arange(0, BLOCK_I)
-                mask_i = offs_i < I
+                mask_i = offs_i < INTER
                 hv = tl.load(h_ptr + p * stride_h + offs_i, mask=mask_i, other=0.0)
                 wv = tl.load(w + offs_o[:, None] * stride_dr + offs_i[None, :],
                              mask=mask_o[:, None] & mask_i[None, :], other=0.0).to(tl.float32)

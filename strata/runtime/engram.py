@@ -135,10 +135,11 @@ class EngramRuntime(nn.Module):
             self.bind(layers)
         ec: EngramCache = cache.engram
         n_ctx, w, k, d = self.cfg.max_ngram_size - 1, ec.window, self.cfg.kernel_size, self.cfg.max_ngram_size
+        ring = max(w, 1)  # ring positions per slot (EngramCache keeps one even when w == 0)
         ids = input_ids.detach().to("cpu", torch.int64)
         grams, taps, dst, src = [], [], [], []
         n_total, num_slots = ids.numel(), ec.tokens.shape[0]
-        zero = n_total + num_slots * max(w, 1)
+        zero = n_total + num_slots * ring
         for slot, start, off, n in batch.sequences():
             new = ids[off : off + n]
             grams.append(self.hasher.grams(new, ec.tokens[slot, max(0, start - n_ctx) : start]))
@@ -146,10 +147,10 @@ class EngramRuntime(nn.Module):
             pos = torch.arange(start, start + n)
             # tap i reads position p - (k-1-i)*d: this step's value, the ring's, or zero before the start
             q = pos[:, None] - (k - 1 - torch.arange(k))[None, :] * d  # [n, k]
-            idx = torch.where(q >= start, off + q - start, n_total + slot * max(w, 1) + q.remainder(max(w, 1)))
+            idx = torch.where(q >= start, off + q - start, n_total + slot * ring + q.remainder(ring))
             taps.append(torch.where(q < 0, torch.full_like(q, zero), idx))
             keep = pos[pos >= start + n - w] if w else pos[:0]  # the last w positions go to the ring
-            dst.append(slot * w + keep.remainder(max(w, 1)))
+            dst.append(slot * ring + keep.remainder(ring))
             src.append(off + keep - start)
         g = torch.cat(grams)
         tickets = {layer: self.source.start(layer, self.hasher.rows(layer, g)) for layer in self.cfg.layer_ids}

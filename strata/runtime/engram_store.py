@@ -8,14 +8,14 @@ left out of dense.safetensors.
 
 from __future__ import annotations
 
-import os
 import re
 from collections.abc import Iterator
+from dataclasses import replace
 
 import torch
 
 from strata.runtime.checkpoint import Checkpoint
-from strata.safetensors_index import DTYPES, TensorInfo
+from strata.safetensors_index import TensorInfo, read_tensor
 from strata.tiers.engram_rows import EngramRowStore, resolve_tier, table_name
 from strata.tiers.store_format import TableEntry
 
@@ -30,20 +30,12 @@ def is_table_tensor(name: str) -> bool:
 
 def _pieces(info: TensorInfo) -> Iterator[torch.Tensor]:
     """The tensor's rows in pieces of about 64 MiB, read by offset (a 100 GB table never sits in RAM)."""
-    dtype, size = DTYPES[info.dtype]
     rows, row_bytes = info.shape[0], info.nbytes // max(info.shape[0], 1)
-    step = max(1, _PIECE_BYTES // row_bytes)
-    fd = os.open(info.file, os.O_RDONLY)
-    try:
-        for a in range(0, rows, step):
-            n = min(step, rows - a)
-            buf = bytearray(n * row_bytes)
-            got = os.preadv(fd, [buf], info.offset + a * row_bytes)
-            if got != len(buf):
-                raise OSError(f"short read of {info.name}")
-            yield torch.frombuffer(buf, dtype=dtype).view(n, *info.shape[1:])
-    finally:
-        os.close(fd)
+    step = max(1, _PIECE_BYTES // max(row_bytes, 1))
+    for a in range(0, rows, step):
+        n = min(step, rows - a)  # rows [a, a + n) as a tensor of their own: read_tensor's checks and errors
+        piece = replace(info, offset=info.offset + a * row_bytes, nbytes=n * row_bytes, shape=(n, *info.shape[1:]))
+        yield read_tensor(piece)
 
 
 def write_tables(writer, ckpt: Checkpoint) -> dict[str, TableEntry]:

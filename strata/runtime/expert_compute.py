@@ -77,14 +77,16 @@ class ExpertCompute:
         layers, experts = np.nonzero(counts)
         return [(int(layer), int(e), int(counts[layer, e])) for layer, e in zip(layers, experts, strict=True)]
 
-    def calibrate_cpu(self, experts: int = 16, rounds: int = 3) -> float:
-        """Measure the CPU expert kernel on this model's expert shape (random weights, one token) and start
-        the cost model from that rate instead of a guess; returns bytes/s."""
-        (gu_shape, dn_shape), dtype = self.manager.store.expert_shapes, self.manager.store.dtype
-        g = torch.Generator().manual_seed(0)
-        ws = [(torch.randn(gu_shape, generator=g).to(dtype), torch.randn(dn_shape, generator=g).to(dtype))
-              for _ in range(experts)]
-        x = torch.randn(1, gu_shape[1], generator=g).to(dtype)
+    def calibrate_cpu(self, nbytes: int = 256 << 20, rounds: int = 3) -> float:
+        """Measure the CPU expert kernel on this model's expert shape (one token, about `nbytes` of weights:
+        more than the CPU caches, little enough to take well under a second) and start the cost model from
+        that rate instead of a guess; returns bytes/s."""
+        store = self.manager.store
+        (gu_shape, dn_shape), dtype = store.expert_shapes, store.dtype
+        experts = max(2, min(16, nbytes // store.payload_bytes))
+        # constant weights: the kernel is memory-bound, so values do not matter and filling is cheap
+        ws = [(torch.full(gu_shape, 0.01, dtype=dtype), torch.full(dn_shape, 0.01, dtype=dtype)) for _ in range(experts)]
+        x = torch.full((1, gu_shape[1]), 0.5, dtype=dtype)
         groups = [(e, torch.tensor([e])) for e in range(experts)]  # pair e = token 0's e-th expert
         by_expert = dict(enumerate(ws))
         out = torch.zeros(x.shape, dtype=torch.float32)
@@ -101,18 +103,22 @@ class ExpertCompute:
         """Experts of `groups` from host RAM on the CPU: x [N, H] on the CPU -> partial sum [N, H] fp32."""
         out = torch.zeros(x.shape, dtype=torch.float32)
         chunk = self.manager.max_acquire("cpu")
-        t0, nbytes = time.perf_counter(), 0
+        seconds, nbytes = 0.0, 0
         for i in range(0, len(groups), chunk):
             part = groups[i : i + chunk]
             handles = self.manager.acquire([(layer, e) for e, _ in part], "cpu")
             try:
                 by_expert = {h.key[1]: (h.gate_up, h.down) for h in handles}
                 nbytes += sum(h.gate_up.nbytes + h.down.nbytes for h in handles)
+                t0 = time.perf_counter()
                 _cpu_apply(x, weights, k, part, by_expert, out, self.use_fast_cpu)
+                seconds += time.perf_counter() - t0
             finally:
                 self.manager.release(handles)
         self.cpu_experts += len(groups)
-        self.rates.observe_cpu(nbytes, time.perf_counter() - t0)
+        # the kernel's own rate: waits for experts still on their way to RAM are stalls, counted by the manager,
+        # and must not make the cost model believe the CPU is slow (it would then never try it again)
+        self.rates.observe_cpu(nbytes, seconds)
         return out
 
 

@@ -77,7 +77,7 @@ class SegmentRecorder:
         self.tail, self.deferred = self.deferred, []
 
     def replay(self) -> None:
-        for graph, (fn, deferred) in zip(self.graphs, self.steps):
+        for graph, (fn, deferred) in zip(self.graphs[:-1], self.steps, strict=True):
             graph.replay()
             fn()
             for d in deferred:

@@ -110,11 +110,7 @@ class TieredExperts(nn.Module):
         c, k = self.compute, weights.shape[1]
         on_cpu: set[int] = set(cold) if c.slots is None else set()
         if c.use_split and c.slots is not None:
-            c.rates.pcie_bytes_per_s = c.manager.observed_rate("pinned->gpu", c.rates.pcie_bytes_per_s)
-            tokens = {e: len(p) for e, p in cold.items()}
-            nbytes = c.manager.store.payload_bytes
-            backlog = c.manager.gpu_transfers_in_flight() * nbytes / c.rates.pcie_bytes_per_s  # e.g. prefetches
-            on_cpu = set(split_cold(tokens, nbytes, c.rates, in_flight_copy_s=backlog).cpu)
+            on_cpu = self._cpu_share({e: len(p) for e, p in cold.items()})
         cpu_part = None
         if on_cpu:
             groups = [(e, torch.from_numpy(cold[e])) for e in sorted(on_cpu)]
@@ -142,16 +138,22 @@ class TieredExperts(nn.Module):
         return cpu_part
 
     # ---- prefill: experts grouped by token ------------------------------------------------------
+    def _cpu_share(self, tokens: dict[int, int]) -> set[int]:
+        """Which cold experts (expert -> tokens routed to it) the cost model sends to the CPU: measured rates,
+        and copies already queued (e.g. prefetches) counted against the copy path."""
+        c = self.compute
+        c.rates.pcie_bytes_per_s = c.manager.observed_rate("pinned->gpu", c.rates.pcie_bytes_per_s)
+        nbytes = c.manager.store.payload_bytes
+        backlog = c.manager.gpu_transfers_in_flight() * nbytes / c.rates.pcie_bytes_per_s
+        return set(split_cold(tokens, nbytes, c.rates, in_flight_copy_s=backlog).cpu)
+
     def _plan_split(self, groups):
         """Resident experts stay on the GPU; cold ones are split between CPU compute and copies."""
-        c = self.compute
-        resident = c.manager.resident_experts(self.layer, "gpu")
+        resident = self.compute.manager.resident_experts(self.layer, "gpu")
         cold = {e: len(sel) for e, sel in groups if e not in resident}
         if not cold:
             return [], groups
-        c.rates.pcie_bytes_per_s = c.manager.observed_rate("pinned->gpu", c.rates.pcie_bytes_per_s)
-        s = split_cold(cold, c.manager.store.payload_bytes, c.rates)
-        on_cpu = set(s.cpu)
+        on_cpu = self._cpu_share(cold)
         return [g for g in groups if g[0] in on_cpu], [g for g in groups if g[0] not in on_cpu]
 
     def _tier_forward(self, x, weights, k, groups, device_tier: str) -> torch.Tensor:

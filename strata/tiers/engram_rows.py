@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
@@ -113,11 +114,18 @@ class RowStats:
     prefetched: int = 0  # rows fetched ahead by `prefetch`
 
 
+@dataclass(eq=False)  # identity comparison: `wait` finds a ticket in the live list by identity
 class _Ticket:
-    def __init__(self, layer: int, uniq: torch.Tensor, inverse: torch.Tensor, shape: tuple, slots: torch.Tensor,
-                 miss: torch.Tensor, reads: list[Future] | None, staged: torch.Tensor | None):
-        self.layer, self.uniq, self.inverse, self.shape = layer, uniq, inverse, shape
-        self.slots, self.miss, self.reads, self.staged = slots, miss, reads, staged
+    """One `start`: the distinct rows asked for, their cache slots, the misses and their reads."""
+
+    layer: int
+    uniq: torch.Tensor  # int64 [m] distinct rows of the layer
+    inverse: torch.Tensor  # int64 [T * heads] position of each asked-for row in `uniq`
+    shape: tuple  # (T, heads)
+    slots: torch.Tensor  # int64 [m] cache slot of each distinct row, -1 where absent (empty: no cache)
+    miss: torch.Tensor  # int64 [k] rows to read from the tier
+    reads: list[Future] | None = None  # None until the reads are queued
+    staged: torch.Tensor | None = None  # [k, head_dim] the read rows, on the CPU
 
 
 class EngramRowStore:
@@ -158,38 +166,38 @@ class EngramRowStore:
     def _load(self, tmpfs_dir: str) -> None:
         """Verify every chunk of every table, filling the full copies (gpu, pinned) or the tmpfs files."""
         for layer, t in self.tables.items():
-            src = self.store.directory / t.file
             if self.tier in ("gpu", "pinned"):
                 pin = self.tier == "pinned" and torch.cuda.is_available()
                 full = torch.empty(t.num_rows, t.row_bytes, dtype=torch.uint8, pin_memory=pin)
-            dst = None
-            if self.tier == "tmpfs":
-                os.makedirs(tmpfs_dir, exist_ok=True)
-                path = os.path.join(tmpfs_dir, f"{self.store.index.source_fingerprint[:12]}-{t.name}.bin")
-                dst = open(path + ".tmp", "wb")  # noqa: SIM115 (closed below)
-            try:
-                for k in range(t.num_chunks):
-                    chunk = self.store._read_chunk(t, k, check=True)  # CheckpointError naming the damage
-                    a, b = t.chunk_rows(k)
-                    if self.tier in ("gpu", "pinned"):
-                        full[a:b] = chunk
-                    elif dst is not None:
-                        dst.write(chunk.numpy().tobytes())
-            except BaseException:
-                if dst is not None:
-                    dst.close()
-                    os.unlink(path + ".tmp")
-                raise
-            if self.tier in ("gpu", "pinned"):
+                for a, b, chunk in self._chunks(t):
+                    full[a:b] = chunk
                 view = full.view(TORCH_DTYPES[t.dtype]).view(t.num_rows, *t.row_shape)
                 self.full[layer] = view.to(self.device) if self.tier == "gpu" else view
-            elif dst is not None:
-                dst.close()
+            elif self.tier == "tmpfs":
+                os.makedirs(tmpfs_dir, exist_ok=True)
+                path = os.path.join(tmpfs_dir, f"{self.store.index.source_fingerprint[:12]}-{t.name}.bin")
+                try:
+                    with open(path + ".tmp", "wb") as dst:
+                        for _, _, chunk in self._chunks(t):
+                            dst.write(chunk.numpy().tobytes())
+                except BaseException:
+                    if os.path.exists(path + ".tmp"):  # the open itself may have failed
+                        os.unlink(path + ".tmp")
+                    raise
                 os.replace(path + ".tmp", path)
                 self.paths[layer] = path
             else:
+                for _ in self._chunks(t):
+                    pass
+                src = self.store.directory / t.file
                 self.paths[layer] = str(src)
                 _drop_page_cache(src)  # disk means disk: the verification pass must not leave it in RAM
+
+    def _chunks(self, t: TableEntry) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """(first row, end row, uint8 [rows, row_bytes]) of each chunk of `t`, checksum-verified:
+        a CheckpointError naming the damaged table stops start-up."""
+        for k in range(t.num_chunks):
+            yield (*t.chunk_rows(k), self.store._read_chunk(t, k, check=True))
 
     # -- the row source protocol (strata.runtime.engram.RowSource) -------------------------------------
     def start(self, layer: int, rows: torch.Tensor) -> _Ticket:
@@ -198,7 +206,7 @@ class EngramRowStore:
         uniq, inverse = torch.unique(rows.reshape(-1), return_inverse=True)
         self.stats_.lookups += rows.numel()
         self.stats_.unique += uniq.numel()
-        ticket = _Ticket(layer, uniq, inverse, tuple(rows.shape), torch.empty(0), uniq, None, None)
+        ticket = _Ticket(layer, uniq, inverse, tuple(rows.shape), torch.empty(0), uniq)
         if self.tier == "gpu":
             return ticket
         if self.cache is not None:

@@ -174,11 +174,12 @@ class GpuSlots:
             raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
         return self.slab[slot]
 
-    def copy_in(self, slot: int, src: torch.Tensor, wait_for: torch.cuda.Event | None = None) -> torch.cuda.Event | None:
+    def copy_in(self, slot: int, src: torch.Tensor, wait_for: torch.cuda.Event | None = None,
+                started: torch.cuda.Event | None = None) -> torch.cuda.Event | None:
         """Copy `src` (uint8, <= slot_bytes, pinned when on the host) into `slot` asynchronously on `copy_stream`.
 
-        The copy starts after the slot's last `clear` (its old expert's readers are done) and after `wait_for`.
-        Returns an event the compute stream can wait on (None on CPU, where the copy is done on return)."""
+        The copy starts after the slot's last `clear` (its old expert's readers are done) and after `wait_for`;
+        `started` (a timing event) is recorded right before the copy itself, after those waits. Returns an event the compute stream can wait on (None on CPU, where the copy is done on return)."""
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
         n = src.numel()
@@ -197,8 +198,10 @@ class GpuSlots:
             for ev in (freed, wait_for):
                 if ev is not None:
                     stream.wait_event(ev)
+            if started is not None:
+                started.record(stream)
             dst.copy_(src, non_blocking=True)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=started is not None)
             done.record(stream)
         return done
 

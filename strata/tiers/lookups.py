@@ -37,8 +37,7 @@ class LookupsMixin:
     def _drain_lookup_sources(self) -> None:
         for source in self._lookup_sources:
             for layer, expert, n in source():
-                for _ in range(n):
-                    self.stats_.lookup(layer, "gpu", False, 0.0, expert=expert)
+                self.stats_.lookup(layer, "gpu", False, 0.0, expert=expert, count=n)
 
     def gpu_transfers_in_flight(self) -> int:
         """Copies to GPU slots asked for and not landed yet (the copy stream's backlog)."""

@@ -449,12 +449,8 @@ class TierManager(IntegrityMixin, LookupsMixin):
         if self.slots.slab.is_cuda:
             if prior is not None:
                 self.slots.copy_stream.wait_event(prior)  # the slot's last reader must finish first
-            start = torch.cuda.Event(enable_timing=True)
-            start.record(self.slots.copy_stream)
-        event = self.slots.copy_in(slot, pinned_buf)
-        if start is not None:  # a timing event at the same point of the copy stream
-            event = torch.cuda.Event(enable_timing=True)
-            event.record(self.slots.copy_stream)
+            start = torch.cuda.Event(enable_timing=True)  # recorded after the waits: copy-engine time only
+        event = self.slots.copy_in(slot, pinned_buf, started=start)
         with self._lock:
             self._copying[next(self._seq)] = (start, event, key)
             if event is None:  # CPU-simulated GPU tier: the copy is already done

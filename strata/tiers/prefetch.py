@@ -48,15 +48,17 @@ class LookaheadPrefetcher:
         self._pending: list[tuple[list[int], torch.Tensor, torch.cuda.Event]] = []  # (layers, ids [J, N*k] pinned, ready)
 
     def __call__(self, layer: int, hidden: torch.Tensor) -> None:
-        if self.lookahead <= 0 or (self.idle is not None and self.idle()) or not self._precise_enough():
-            return
         ahead = [j for j in self._moe_layers if j > layer][: self.lookahead]
         if not ahead:
             return
-        ids = torch.stack([self.predictors[j](hidden).reshape(-1) for j in ahead])  # [J, N*k]
-        if self.recorder is not None and (rec := self.recorder()) is not None:
-            rec.defer(lambda: self._replayed(ahead, ids))  # inside a graph capture: the ids stay static
+        rec = self.recorder() if self.recorder is not None else None
+        if rec is not None:  # inside a graph capture: predict in the graph, gate and issue at every replay
+            ids = torch.stack([self.predictors[j](hidden).reshape(-1) for j in ahead])  # [J, N*k], static
+            rec.defer(lambda: self._replayed(ahead, ids))
             return
+        if (self.idle is not None and self.idle()) or not self._precise_enough():
+            return
+        ids = torch.stack([self.predictors[j](hidden).reshape(-1) for j in ahead])  # [J, N*k]
         if not ids.is_cuda:
             self._issue(ahead, ids)
             return

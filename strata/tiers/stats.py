@@ -53,14 +53,15 @@ class TierStats:
     damaged: list = field(default_factory=list)  # objects whose checksum failed (layer, expert)
     expert_lookups: dict = field(default_factory=lambda: defaultdict(int))  # (layer, expert) -> lookups (heatmap)
 
-    def lookup(self, layer: int, tier: str, missed: bool, stall: float, expert: int | None = None) -> None:
-        """Count one lookup answered from `tier`; `missed` when it was not resident where wanted."""
+    def lookup(self, layer: int, tier: str, missed: bool, stall: float, expert: int | None = None,
+               count: int = 1) -> None:
+        """Count `count` lookups answered from `tier`; `missed` when not resident where wanted."""
         if expert is not None:
-            self.expert_lookups[(layer, expert)] += 1
+            self.expert_lookups[(layer, expert)] += count
         c = self.layers[layer]
-        c.lookups += 1
-        c.hits[tier] += 1
-        c.misses += int(missed)
+        c.lookups += count
+        c.hits[tier] += count
+        c.misses += count * int(missed)
         c.stall_seconds += stall
 
     def snapshot(self, residency: dict[str, int], capacity: dict[str, int]) -> dict:
