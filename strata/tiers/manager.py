@@ -300,10 +300,9 @@ class TierManager(IntegrityMixin, LookupsMixin):
             return tier.free.pop()
         self._reap_copies()
         if self.budgets.per_layer:
-            candidates = [k for k in tier.slot_of if k[0] == key[0] and not tier.busy(k)]
+            victim = tier.policy.victim(lambda k: k[0] == key[0] and k in tier.slot_of and not tier.busy(k))
         else:
-            candidates = [k for k in tier.slot_of if not tier.busy(k)]
-        victim = tier.policy.victim(candidates)
+            victim = tier.policy.victim(lambda k: k in tier.slot_of and not tier.busy(k))
         if victim is None:
             if tier.free:
                 return tier.free.pop()

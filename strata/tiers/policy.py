@@ -1,8 +1,10 @@
 """Placement and eviction policies: which resident object a full tier gives up.
 
 A policy only ranks; the tier manager decides what may be evicted at all (nothing in use, nothing
-in flight). Every policy sees the same events: `touch` on each lookup, `insert` when an object
-arrives in the tier, `remove` when it leaves.
+in flight) through the `eligible` predicate of `victim`. Every policy sees the same events: `touch` on
+each lookup, `insert` when an object arrives in the tier, `remove` when it leaves. `victim` is on the
+hot path (every miss into a full tier evicts), so it walks the policy's own order and stops at the
+first eligible object instead of scoring every resident one: O(1) for LRU, O(log n) for LFU.
 
 - `lru`: least recently used goes first (mixtral-offloading's per-layer LRU, when budgets are per layer).
 - `lfu`: lowest use count with exponential decay (half-life in lookups), so the hot set migrates
@@ -14,6 +16,7 @@ arrives in the tier, `remove` when it leaves.
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable
@@ -41,16 +44,17 @@ class LRUPolicy:
     def remove(self, key: Key) -> None:
         self._order.pop(key, None)
 
-    def victim(self, candidates: Iterable[Key]) -> Key | None:
-        allowed = set(candidates)
-        return next((k for k in self._order if k in allowed), None)
+    def victim(self, eligible: Callable[[Key], bool]) -> Key | None:
+        return next((k for k in self._order if eligible(k)), None)
 
 
 class LFUPolicy:
     """Lowest decayed use count first; counts halve every `half_life` lookups (of any object).
 
     Counts are kept for objects that left the tier too, so an object evicted under pressure comes
-    back with its history (the frequency a cost model and a hot set need).
+    back with its history (the frequency a cost model and a hot set need). With exponential decay the
+    order of two objects only changes when one is touched: score(now) = count * exp(-decay * (now - t)),
+    so log score + decay * now = log count + decay * t is a fixed priority per touch, kept in a heap.
     """
 
     def __init__(self, half_life: float = 256.0) -> None:
@@ -60,23 +64,51 @@ class LFUPolicy:
         self.clock = 0
         self._score: dict[Key, tuple[float, int]] = {}  # key -> (count at time t, t)
         self._resident: set[Key] = set()
+        self._heap: list[tuple[float, int, Key]] = []  # (priority, sequence, key); stale entries skipped
+        self._seq = 0
 
     def score(self, key: Key) -> float:
         count, t = self._score.get(key, (0.0, self.clock))
         return count * math.exp(-self.decay * (self.clock - t))
 
+    def _priority(self, key: Key) -> float:
+        count, t = self._score.get(key, (0.0, 0))
+        return math.log(count) + self.decay * t if count > 0 else -math.inf
+
+    def _push(self, key: Key) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (self._priority(key), self._seq, key))
+        if len(self._heap) > 4 * len(self._resident) + 64:  # drop stale entries now and then
+            self._heap = [(self._priority(k), i, k) for i, k in enumerate(self._resident)]
+            heapq.heapify(self._heap)
+
     def touch(self, key: Key) -> None:
         self.clock += 1
         self._score[key] = (self.score(key) + 1.0, self.clock)
+        if key in self._resident:
+            self._push(key)
 
     def insert(self, key: Key) -> None:
         self._resident.add(key)
+        self._push(key)
 
     def remove(self, key: Key) -> None:
         self._resident.discard(key)
 
-    def victim(self, candidates: Iterable[Key]) -> Key | None:
-        return min(candidates, key=self.score, default=None)
+    def victim(self, eligible: Callable[[Key], bool]) -> Key | None:
+        skipped, found = [], None
+        while self._heap:
+            entry = heapq.heappop(self._heap)
+            priority, _, key = entry
+            if key not in self._resident or priority != self._priority(key):
+                continue  # stale: evicted, or touched since (a newer entry exists)
+            skipped.append(entry)
+            if eligible(key):
+                found = key
+                break
+        for entry in skipped:  # the victim too: it stays ranked until the manager removes it
+            heapq.heappush(self._heap, entry)
+        return found
 
 
 class StaticPolicy(LRUPolicy):
@@ -86,8 +118,8 @@ class StaticPolicy(LRUPolicy):
         super().__init__()
         self.hot = set(hot)
 
-    def victim(self, candidates: Iterable[Key]) -> Key | None:
-        return super().victim(k for k in candidates if k not in self.hot)
+    def victim(self, eligible: Callable[[Key], bool]) -> Key | None:
+        return super().victim(lambda k: k not in self.hot and eligible(k))
 
 
 class CostPolicy(LFUPolicy):
@@ -97,7 +129,9 @@ class CostPolicy(LFUPolicy):
         super().__init__(half_life)
         self.reload_cost = reload_cost
 
-    def victim(self, candidates: Iterable[Key]) -> Key | None:
+    def victim(self, eligible: Callable[[Key], bool]) -> Key | None:
+        # the reload cost changes with other tiers' contents, so there is no fixed order: score them all
+        candidates = (k for k in self._resident if eligible(k))
         return min(candidates, key=lambda k: (self.score(k) + 1e-3) * self.reload_cost(k), default=None)
 
 
