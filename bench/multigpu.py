@@ -104,8 +104,7 @@ def decode(model: str, gpus: list[int], budget: str, tokens: int, numerics: str)
     stage_map = getattr(engine.model, "stage_map", None)
     if stage_map is not None:
         stage_map.time_hops = True
-        stage_map.stats.snapshot()
-        hops0 = dict(stage_map.stats.snapshot())
+        hops0 = stage_map.stats.snapshot()  # a fresh dict; reading it drains the pending timing events
     before = engine.stats()["tiers"]
     for i in gpus:
         torch.cuda.synchronize(i)

@@ -54,12 +54,15 @@ async def stream_one(client: httpx.AsyncClient, url: str, model: str, prompt: li
     """One streaming completion; appends the arrival time (time.time()) of every token to `stamps`.
 
     Returns the time the request was sent. With `stop`, the stream is closed once it is set (the server
-    cancels the sequence)."""
+    cancels the sequence). A refused request, an error chunk, or a stream that ends without a token raises
+    RuntimeError with what the server said."""
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "temperature": 0.0,
             "ignore_eos": True, "logprobs": 0, "strata_reproducible": "required" if reproducible else "off"}
-    sent = time.time()
+    sent, finish = time.time(), None
     async with client.stream("POST", f"{url}/v1/completions", json=body, timeout=3600) as r:
-        r.raise_for_status()
+        if r.status_code != 200:
+            await r.aread()
+            raise RuntimeError(f"the server refused a stream: HTTP {r.status_code}: {r.text[:500]}")
         async for line in r.aiter_lines():
             if stop is not None and stop.is_set():
                 break
@@ -68,9 +71,12 @@ async def stream_one(client: httpx.AsyncClient, url: str, model: str, prompt: li
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(f"the server failed a stream: {chunk['error']}")
-            lp = (chunk.get("choices") or [{}])[0].get("logprobs") or {}
+            choice = (chunk.get("choices") or [{}])[0]
+            finish = choice.get("finish_reason") or finish
             now = time.time()
-            stamps.extend(now for _ in lp.get("tokens") or ())
+            stamps.extend(now for _ in (choice.get("logprobs") or {}).get("tokens") or ())
+    if not stamps and (stop is None or not stop.is_set()):
+        raise RuntimeError(f"a stream ended without a token (finish_reason {finish!r}); see the server log")
     return sent
 
 
@@ -84,9 +90,18 @@ async def users(url: str, model: str, n: int, max_tokens: int, reproducible: boo
     stamps: list[list[float]] = [[] for _ in range(n)]
     async with httpx.AsyncClient(limits=httpx.Limits(max_connections=n + 4)) as client:
         t0 = time.time()
-        sent = await asyncio.gather(*(stream_one(client, url, model, prompt, max_tokens, stamps[i],
-                                                 reproducible=reproducible) for i in range(n)))
+        outcome = await asyncio.gather(*(stream_one(client, url, model, prompt, max_tokens, stamps[i],
+                                                    reproducible=reproducible) for i in range(n)),
+                                       return_exceptions=True)
         wall = time.time() - t0
+    failed = [str(x) for x in outcome if isinstance(x, BaseException)]
+    if len(failed) == n:
+        raise RuntimeError(f"all {n} streams failed; the first: {failed[0]}")
+    for msg in failed:
+        print(f"warning: a stream of the {n}-user case failed: {msg}", file=sys.stderr, flush=True)
+    # the figures below are over the streams that completed; `failed` says what happened to the others
+    stamps, sent = zip(*[(s, t) for s, t in zip(stamps, outcome, strict=True) if not isinstance(t, BaseException)],
+                       strict=True)
     tokens = sum(len(s) for s in stamps)
     ttft = [s[0] - t for s, t in zip(stamps, sent, strict=True)]
     decode = [(len(s) - 1) / (s[-1] - s[0]) for s in stamps if len(s) > 1 and s[-1] > s[0]]
@@ -98,7 +113,8 @@ async def users(url: str, model: str, n: int, max_tokens: int, reproducible: boo
             "ttft_s": [round(x, 3) for x in ttft], "decode_tok_s": [round(x, 2) for x in decode],
             "e2e_tok_s": [round(x, 2) for x in e2e], "window_tok_s": [round(x, 2) for x in window],
             "window_s": round(max(w1 - w0, 0.0), 3),
-            "slowest_vs_mean": {"window": _ratio(window), "decode": _ratio(decode), "e2e": _ratio(e2e)}}
+            "slowest_vs_mean": {"window": _ratio(window), "decode": _ratio(decode), "e2e": _ratio(e2e)},
+            "failed": failed}
 
 
 async def long_prompt_pause(url: str, model: str, prompt: list[int], n_users: int, context: int) -> dict:

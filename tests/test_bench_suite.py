@@ -88,7 +88,7 @@ def test_select_and_group():
 def test_serve_config_is_valid_toml():
     import tomllib
 
-    from bench.suite.serve_case import _toml
+    from strata.server.serve import format_toml as _toml  # what bench/suite/serve_case.py writes
 
     cfg = {"runtime": {"max_context": 1024}, "tiers": {"disk": {"path": "/x", "scrub": False}, "gpu": {"budget": "9"}},
            "planner": {"max_batch": 8}}

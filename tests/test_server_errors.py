@@ -184,3 +184,26 @@ def test_server_survives_every_bad_request_above(live):
     _good(live)
     json.dumps(httpx.get(live.url + "/v1/strata/stats").json())
     assert live.metric("strata:num_requests_running") == 0
+
+
+def test_a_failed_step_is_an_error_not_an_empty_answer(live):
+    """A fault inside a scheduler step reaches the client with its message: a 500, or an error chunk mid-stream."""
+    from fastapi.testclient import TestClient
+
+    from strata.server.app import create_app
+
+    def fail() -> None:
+        raise RuntimeError("boom in the step")
+
+    sched = live.engine.scheduler(max_batch=1, token_budget=8, max_queue=4)
+    sched._step = fail
+    sched.start()
+    try:
+        with TestClient(create_app(live.engine, sched, MODEL)) as client:
+            err = _assert_error(client.post("/v1/completions", json={**COMP_BASE, "max_tokens": 2}), 500)
+            assert "boom in the step" in err["message"]
+            r = client.post("/v1/completions", json={**COMP_BASE, "max_tokens": 2, "stream": True})
+            chunks = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+            assert "boom in the step" in chunks[-1]["error"]["message"]
+    finally:
+        sched.stop()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import subprocess
@@ -15,23 +14,6 @@ from bench.suite.cases import Case
 from bench.suite.strata_case import engine_config, record
 
 
-def _toml(cfg: dict, prefix: str = "") -> str:
-    """A config dict as TOML (tables of strings, numbers and booleans: all the suite writes)."""
-    lines, tables = [], []
-    for k, v in cfg.items():
-        if isinstance(v, dict):
-            tables.append((f"{prefix}{k}", v))
-        else:
-            lines.append(f"{k} = {json.dumps(v)}")
-    out = "\n".join(lines) + ("\n" if lines else "")
-    for name, sub in tables:
-        body = _toml(sub, f"{name}.")
-        if any(not isinstance(x, dict) for x in sub.values()):
-            out += f"\n[{name}]\n"
-        out += body
-    return out
-
-
 def run_serve(case: Case, model: Path, summary: dict, settings: dict, out_dir: Path, limit_s: float) -> dict:
     try:
         import fastapi  # noqa: F401
@@ -40,12 +22,13 @@ def run_serve(case: Case, model: Path, summary: dict, settings: dict, out_dir: P
         return record(case, "skipped", f"fastapi/uvicorn not importable here ({e}); carry them as wheels")
     from strata.config import load_config
     from strata.runtime.build import ensure_store
+    from strata.server.serve import format_toml
 
     cfg = engine_config(case, summary, settings, [case.workload])
     cfg["planner"]["max_batch"] = 8
     ensure_store(Path(model), load_config(cfg), progress=False)  # "store already built" is the case's premise
     path = Path(out_dir) / "serve.toml"
-    path.write_text(_toml(cfg))
+    path.write_text(format_toml(cfg) + "\n")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

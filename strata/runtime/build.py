@@ -8,6 +8,7 @@ With `runtime.experts = "memory"` every expert is loaded up front instead (the r
 
 from __future__ import annotations
 
+import contextlib
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,12 +20,13 @@ from strata.errors import StrataError
 from strata.runtime.checkpoint import Checkpoint
 from strata.runtime.convert import convert_checkpoint
 from strata.runtime.engram_store import attach_row_store, drop_tables
+from strata.runtime.expert_compute import ExpertCompute
 from strata.runtime.graphs import current_recorder
 from strata.runtime.host import probe_host
 from strata.runtime.loader import load_model
 from strata.runtime.model import MoETransformer
 from strata.runtime.planner import Plan, plan
-from strata.runtime.tiered_moe import ExpertCompute, router_predictors, use_tiered_experts
+from strata.runtime.tiered_moe import router_predictors, use_tiered_experts
 from strata.tiers.manager import TierBudgets, TierManager
 from strata.tiers.prefetch import LookaheadPrefetcher
 from strata.tiers.store import ExpertStore
@@ -106,17 +108,10 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
     dtype = _DTYPES[the_plan.compute_dtype]
     checkpoint = Checkpoint.open(store_dir)
     budgets = TierBudgets(**the_plan.budgets())
-    gpu_device = device if device.type == "cuda" else None
-    manager = TierManager(checkpoint.store, budgets, gpu_device=gpu_device, policy=cfg.policy.eviction,
-                          half_life=cfg.policy.lfu_half_life, hot=hot_order(checkpoint.store),
-                          tmpfs_dir=cfg.tiers.tmpfs.path, disk_reader=cfg.tiers.disk.reader)
     device_tier = "gpu" if the_plan.expert_compute == "gpu" and budgets.gpu_slots else "cpu"
-    compute = ExpertCompute(manager, device_tier, cfg.runtime.cpu_numerics)
-    if compute.fast_cpu and (compute.split or device_tier == "cpu"):
-        from strata.kernels.cpu_experts import backend
-
-        backend()  # build (or load) the CPU expert kernel now, not inside the first request
-        compute.calibrate_cpu()  # the cost model starts from the kernel's measured rate
+    compute = expert_tiers(checkpoint.store, budgets, device, device_tier, cfg)
+    manager = compute.manager
+    prepare_cpu_experts([compute])
     model = load_model(checkpoint, dtype, device, progress=progress,
                        prepare=lambda m: (use_tiered_experts(m, compute), drop_tables(m)))
     if model.engram is not None:  # Engram tables: served by the tiered row store, checked before serving
@@ -125,18 +120,48 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
         model.enable_decode_graphs(
             lambda: None if not cfg.runtime.cuda_graphs else "full" if compute.all_resident() else "segmented")
     if cfg.prefetch.lookahead > 0:
-        compute.prefetcher = LookaheadPrefetcher(manager, router_predictors(model), cfg.prefetch.lookahead, device_tier,
-                                                 idle=compute.all_resident)
-        compute.prefetcher.recorder = current_recorder
-        model.after_layer = compute.prefetcher
+        model.after_layer = attach_prefetcher(compute, router_predictors(model), cfg)
+    start_placement(manager, cfg)
+    return LoadedModel(checkpoint, model, device, dtype, the_plan.max_context, the_plan, manager, compute)
+
+
+# ---- the steps of a tiered model, per card (build_model: one card; multi_device.assemble_tiered: one per stage) ----
+def expert_tiers(store: ExpertStore, budgets: TierBudgets, device: torch.device, device_tier: str,
+                 cfg: StrataConfig, **manager_options) -> ExpertCompute:
+    """One card's tier manager over `store` and the expert compute on it (`compute.manager`)."""
+    manager = TierManager(store, budgets, gpu_device=device if device.type == "cuda" else None,
+                          policy=cfg.policy.eviction, half_life=cfg.policy.lfu_half_life, hot=hot_order(store),
+                          tmpfs_dir=cfg.tiers.tmpfs.path, disk_reader=cfg.tiers.disk.reader, **manager_options)
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        return ExpertCompute(manager, device_tier, cfg.runtime.cpu_numerics)
+
+
+def prepare_cpu_experts(computes: list[ExpertCompute]) -> None:
+    """Build (or load) the CPU expert kernel and measure it now, not inside the first request. Calibrates
+    `computes[0]`'s rates: cards of one host share them (multi_device._share_cpu_worker)."""
+    if any(c.fast_cpu and (c.split or c.device_tier == "cpu") for c in computes):
+        from strata.kernels.cpu_experts import backend
+
+        backend()
+        computes[0].calibrate_cpu()  # the cost model starts from the kernel's measured rate
+
+
+def attach_prefetcher(compute: ExpertCompute, predictors: dict, cfg: StrataConfig) -> LookaheadPrefetcher:
+    """`compute`'s lookahead prefetcher over the MoE layers of `predictors` (idle once all experts are resident)."""
+    compute.prefetcher = LookaheadPrefetcher(compute.manager, predictors, cfg.prefetch.lookahead,
+                                             compute.device_tier, idle=compute.all_resident)
+    compute.prefetcher.recorder = current_recorder
+    return compute.prefetcher
+
+
+def start_placement(manager: TierManager, cfg: StrataConfig) -> None:
+    """Scrub (if configured) and the initial placement, both in the background: RAM first, then the GPU's share."""
     if cfg.tiers.disk.scrub:
         manager.scrub()  # lowest priority: real traffic and initial placement go first
-    # initial placement in the background: RAM first, then the GPU's share
-    keys = hot_order(checkpoint.store)
+    keys = hot_order(manager.store)
     manager.prefetch(keys[: manager.pinned.capacity], "cpu", warm=True)
     if manager.gpu is not None:
         manager.prefetch(keys[: manager.gpu.capacity], "gpu", warm=True)
-    return LoadedModel(checkpoint, model, device, dtype, the_plan.max_context, the_plan, manager, compute)
 
 
 def hot_order(store: ExpertStore) -> list[tuple[int, int]]:

@@ -12,6 +12,7 @@ and one expert-compute object (`StagedCompute`), as on one card.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import Counter
 from pathlib import Path
@@ -20,7 +21,16 @@ import torch
 
 from strata.config import StrataConfig
 from strata.errors import StrataError
-from strata.runtime.build import _DTYPES, LoadedModel, ensure_store, hot_order, resolve_device
+from strata.runtime.build import (
+    _DTYPES,
+    LoadedModel,
+    attach_prefetcher,
+    ensure_store,
+    expert_tiers,
+    prepare_cpu_experts,
+    resolve_device,
+    start_placement,
+)
 from strata.runtime.checkpoint import Checkpoint
 from strata.runtime.device_tiers import DeviceTiers, StoreView
 from strata.runtime.expert_compute import ExpertCompute
@@ -32,7 +42,6 @@ from strata.runtime.placement import layer_sizes, place_stages, select_devices
 from strata.runtime.planner import plan
 from strata.runtime.stages import Bounds, stage_model
 from strata.runtime.tiered_moe import TieredExperts, router_predictors
-from strata.tiers.manager import TierManager
 from strata.tiers.prefetch import LookaheadPrefetcher
 from strata.tiers.slots import TierBudgets
 from strata.tiers.store_format import is_store
@@ -81,16 +90,8 @@ class StagedPrefetcher:
                 continue
             p.lookahead = n  # its own window: exactly the layers of `ahead` on card s (stages are contiguous)
             h = hidden if hidden.device == device else hidden.to(device, non_blocking=hidden.is_cuda and device.type == "cuda")
-            with torch.cuda.device(device) if device.type == "cuda" else _nullcontext():
+            with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
                 p(layer, h)
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def build_multi_device(path: Path, cfg: StrataConfig, progress: bool = False) -> LoadedModel:
@@ -130,7 +131,7 @@ def assemble_tiered(checkpoint: Checkpoint, bounds: Bounds, gpu_slots: list[int]
     store = checkpoint.store
     moe = [i for i, m in enumerate(checkpoint.config.moe_layers) if m]
     per_stage = [[i for i in moe if s <= i < e] for _, s, e in bounds]
-    managers, computes, tmpfs_marker = [], [], None
+    computes, tmpfs_marker = [], None
     for (device, _, _), layers, slots in zip(bounds, per_stage, gpu_slots, strict=True):
         share = len(layers) / max(1, len(moe))  # host tiers: each card gets its layers' share of the budget
         view = StoreView(store, set(layers))
@@ -138,21 +139,14 @@ def assemble_tiered(checkpoint: Checkpoint, bounds: Bounds, gpu_slots: list[int]
                                     tmpfs_bytes=int(budgets.tmpfs_bytes * share), per_layer=budgets.per_layer)
         if tmpfs_marker is not None:
             _wait_for(tmpfs_marker)  # mirrors share a directory: let the first one write its marker alone
-        manager = TierManager(view, stage_budgets, gpu_device=device if device.type == "cuda" else None,
-                              policy=cfg.policy.eviction, half_life=cfg.policy.lfu_half_life, hot=hot_order(view),
-                              tmpfs_dir=cfg.tiers.tmpfs.path, disk_reader=cfg.tiers.disk.reader,
-                              io_threads=max(2, 8 // len(bounds)))
-        if manager.tmpfs is not None and tmpfs_marker is None:
-            tmpfs_marker = manager.tmpfs.root / "mirror.json"
-        tier = "gpu" if slots else "cpu"
-        with torch.cuda.device(device) if device.type == "cuda" else _nullcontext():
-            computes.append(ExpertCompute(manager, tier, cfg.runtime.cpu_numerics))
-        managers.append(manager)
+        compute = expert_tiers(view, stage_budgets, device, "gpu" if slots else "cpu", cfg,
+                               io_threads=max(2, 8 // len(bounds)))
+        if compute.manager.tmpfs is not None and tmpfs_marker is None:
+            tmpfs_marker = compute.manager.tmpfs.root / "mirror.json"
+        computes.append(compute)
+    managers = [c.manager for c in computes]
     _share_cpu_worker(computes)
-    if any(c.fast_cpu and (c.split or c.device_tier == "cpu") for c in computes):
-        from strata.kernels.cpu_experts import backend
-
-        backend()  # build (or load) the CPU expert kernel now, not inside the first request
+    prepare_cpu_experts(computes)
     stage_of = {i: s for s, layers in enumerate(per_stage) for i in layers}
     model = load_model(checkpoint, dtype, "cpu", progress=progress,
                        prepare=lambda m: _use_stage_experts(m, computes, stage_of))
@@ -162,20 +156,11 @@ def assemble_tiered(checkpoint: Checkpoint, bounds: Bounds, gpu_slots: list[int]
     compute = StagedCompute(computes, tiers)
     if cfg.prefetch.lookahead > 0:
         predictors = router_predictors(model)
-        prefetchers = []
-        for c, layers in zip(computes, per_stage, strict=True):
-            p = LookaheadPrefetcher(c.manager, {i: predictors[i] for i in layers}, cfg.prefetch.lookahead,
-                                    c.device_tier, idle=c.all_resident) if layers else None
-            c.prefetcher = p
-            prefetchers.append(p)
+        prefetchers = [attach_prefetcher(c, {i: predictors[i] for i in layers}, cfg) if layers else None
+                       for c, layers in zip(computes, per_stage, strict=True)]
         model.after_layer = StagedPrefetcher(prefetchers, stage_of, [d for d, _, _ in bounds], cfg.prefetch.lookahead)
     for m in managers:
-        if cfg.tiers.disk.scrub:
-            m.scrub()  # lowest priority: real traffic and initial placement go first
-        keys = hot_order(m.store)  # initial placement in the background: RAM first, then the card's share
-        m.prefetch(keys[: m.pinned.capacity], "cpu", warm=True)
-        if m.gpu is not None:
-            m.prefetch(keys[: m.gpu.capacity], "gpu", warm=True)
+        start_placement(m, cfg)
     context = min(max_context or cfg.runtime.max_context, checkpoint.config.max_position_embeddings)
     return LoadedModel(checkpoint, model, bounds[0][0], dtype, context, None, tiers, compute)
 

@@ -60,6 +60,7 @@ class TokenEvent:
     completion_tokens: int = 0
     prompt_logprobs: list[float | None] | None = None  # first event only, when asked
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    error: str | None = None  # with finish_reason "abort": the fault that failed the step (the server reports it)
 
 
 class RequestHandle:

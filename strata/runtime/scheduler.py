@@ -311,7 +311,7 @@ class Scheduler:
         r = seq.req
         text = self._flush(seq) if reason == "stop" else ""
         ev = TokenEvent(r.request_id, None, text, finish_reason=reason, prompt_tokens=len(r.prompt_ids),
-                        completion_tokens=len(seq.tokens))
+                        completion_tokens=len(seq.tokens), error=error)
         if first:
             self._attach_prompt_logprobs(seq, ev)
         self._release(seq)

@@ -315,6 +315,7 @@ async def _events(seqs: list[Seq]) -> AsyncIterator[tuple[Seq, Any]]:
     """Every sequence's events, merged in arrival order; a failing sequence raises here."""
     if len(seqs) == 1:
         async for ev in seqs[0].handle.events():
+            _raise_failed(ev)
             yield seqs[0], ev
         return
     queue: asyncio.Queue = asyncio.Queue()
@@ -322,6 +323,7 @@ async def _events(seqs: list[Seq]) -> AsyncIterator[tuple[Seq, Any]]:
     async def pump(s: Seq) -> None:
         try:
             async for ev in s.handle.events():
+                _raise_failed(ev)
                 queue.put_nowait((s, ev, None))
         except Exception as e:
             queue.put_nowait((s, None, e))
@@ -341,6 +343,12 @@ async def _events(seqs: list[Seq]) -> AsyncIterator[tuple[Seq, Any]]:
     finally:
         for t in tasks:
             t.cancel()
+
+
+def _raise_failed(ev: Any) -> None:
+    """A sequence the scheduler aborted because its step failed: an error (500, or in-stream), not an empty answer."""
+    if getattr(ev, "error", None) is not None:
+        raise StrataError(f"generation failed: {ev.error}")
 
 
 def _track(s: Seq, ev: Any) -> None:

@@ -256,7 +256,8 @@ def format_toml(d: dict, prefix: str = "") -> str:
     lines = [f"\n[{prefix}]"] if prefix and any(not isinstance(v, dict) for v in d.values()) else []
     for k, v in d.items():
         if not isinstance(v, dict):
-            lines.append(f"{k} = {json.dumps(v) if isinstance(v, str | int | float | bool) else json.dumps(str(v))}")
+            plain = isinstance(v, str | int | float | bool | list)  # a list of these is a TOML array as JSON writes it
+            lines.append(f"{k} = {json.dumps(v) if plain else json.dumps(str(v))}")
     for k, v in d.items():
         if isinstance(v, dict):
             lines.append(format_toml(v, f"{prefix}.{k}" if prefix else k))
