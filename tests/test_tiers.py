@@ -305,3 +305,21 @@ def test_background_scrub_finds_damage(store_dir, tmp_path):
     finally:
         m.close()
         s.close()
+
+
+def test_a_full_tier_waits_for_another_thread_to_release(store):
+    """The CPU expert worker holding every pinned slot must not make the compute thread fail: it waits."""
+    m = make_manager(store, gpu=0, pinned=4)
+    try:
+        held = m.acquire([(1, 0), (1, 1), (1, 2), (1, 3)], "cpu")
+        releaser = threading.Timer(0.3, m.release, args=(held,))
+        got: list = []
+        worker = threading.Thread(target=lambda: got.append(m.acquire([(1, 4)], "cpu")))
+        releaser.start()
+        worker.start()
+        worker.join(timeout=20)
+        assert got and got[0][0].key == (1, 4)
+        assert_handle_matches(store, got[0][0])
+        m.release(got[0])
+    finally:
+        m.close()

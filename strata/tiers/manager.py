@@ -15,6 +15,7 @@ stream waits on it, the host does not. Every lookup, byte and wait is counted in
 from __future__ import annotations
 
 import asyncio
+import collections
 import concurrent.futures
 import heapq
 import itertools
@@ -50,6 +51,8 @@ from strata.tiers.tmpfs import TmpfsMirror
 class TierManager(IntegrityMixin, LookupsMixin):
     """Places a store's experts across GPU, pinned RAM, tmpfs and disk within budgets."""
 
+    FULL_WAIT_S = 30.0  # how long an acquire waits for other threads to release slots before TierFullError
+
     def __init__(self, store: ExpertStore, budgets: TierBudgets, *, gpu_device: torch.device | None = None,
                  policy: str = "lfu", half_life: float = 256.0, hot: list[Key] | None = None,
                  tmpfs_dir: str | Path | None = None, io_threads: int = 8, direct_io: bool = True,
@@ -60,6 +63,8 @@ class TierManager(IntegrityMixin, LookupsMixin):
         self._seq = itertools.count()
         self._jobs: list = []
         self._jobs_ready = threading.Condition(self._lock)
+        self._released = threading.Condition(self._lock)  # notified whenever handles are released
+        self._thread_refs: collections.Counter = collections.Counter()  # thread id -> handles it holds
         self._closed = False
         self._verified: set[Key] = set()
         self._prefetched: dict[str, set[Key]] = {"gpu": set(), "pinned": set()}
@@ -122,6 +127,7 @@ class TierManager(IntegrityMixin, LookupsMixin):
         tier = self._tier(device)
         waits: list[tuple[Key, Future, str | None, float]] = []
         for key in keys:
+            deadline = None
             while True:
                 with self._lock:
                     try:
@@ -130,8 +136,14 @@ class TierManager(IntegrityMixin, LookupsMixin):
                     except TierFullError:
                         pending, copy = self._pressure_waitables()
                         if not pending and copy is None:
+                            # slots held by another thread (the CPU expert worker, a second request) free up
+                            # when it releases them; only what this call holds itself can never come back
+                            deadline = deadline or time.monotonic() + self.FULL_WAIT_S
+                            if self._held_by_others() and time.monotonic() < deadline:
+                                self._released.wait(timeout=deadline - time.monotonic())
+                                continue
                             for k, *_ in waits:
-                                self._unref(tier, k)
+                                self._unpin(tier, k)
                             raise
                 # slots held by transfers still in flight free up when they land: wait for one, retry
                 if pending:
@@ -148,7 +160,7 @@ class TierManager(IntegrityMixin, LookupsMixin):
                     self.release(handles)
                     with self._lock:
                         for k, *_ in waits[i:]:
-                            self._unref(tier, k)
+                            self._unpin(tier, k)
                     raise
                 stall = time.perf_counter() - t0
             with self._lock:
@@ -162,12 +174,25 @@ class TierManager(IntegrityMixin, LookupsMixin):
         if key in tier.slot_of and key not in tier.inflight:
             tier.policy.touch(key)
             tier.refs[key] = tier.refs.get(key, 0) + 1
+            self._thread_refs[threading.get_ident()] += 1
             return key, None, tier.name, 0.0
         source = self._source_of(key, tier)
         fut = self._ensure(tier, key, priority=0)
         tier.policy.touch(key)
         tier.refs[key] = tier.refs.get(key, 0) + 1
+        self._thread_refs[threading.get_ident()] += 1
         return key, fut, source, time.perf_counter()
+
+    def _held_by_others(self) -> bool:
+        """Another thread holds handles: it will release them (what this thread holds never comes back
+        while it waits here)."""
+        me = threading.get_ident()
+        return any(n > 0 for tid, n in self._thread_refs.items() if tid != me)
+
+    def _unpin(self, tier: _SlotTier, key: Key) -> None:
+        """Undo a `_lookup` of this thread that will not become a handle."""
+        self._unref(tier, key)
+        self._thread_refs[threading.get_ident()] -= 1
 
     def _pressure_waitables(self) -> tuple[list[Future], object]:
         """What a full tier can wait for: transfers in flight, else the oldest GPU copy holding a staging slot."""
@@ -201,6 +226,7 @@ class TierManager(IntegrityMixin, LookupsMixin):
     def release(self, handles: list[ExpertHandle]) -> None:
         """Unpin handles. On CUDA, later copies into a released GPU slot wait for the work queued on it."""
         with self._lock:
+            self._released.notify_all()
             for h in handles:
                 tier = self.gpu if h.tier == "gpu" else self.pinned
                 if h.tier == "gpu" and self.slots is not None and self.slots.slab.is_cuda:
@@ -208,6 +234,7 @@ class TierManager(IntegrityMixin, LookupsMixin):
                     ev.record(torch.cuda.current_stream(self.slots.slab.device))
                     tier.events[h.slot] = ev
                 self._unref(tier, h.key)
+                self._thread_refs[h.owner] -= 1
 
     def residency(self, key: Key) -> list[str]:
         """Tiers holding a usable copy of `key`, fastest first (disk always)."""
@@ -360,7 +387,7 @@ class TierManager(IntegrityMixin, LookupsMixin):
         buf = self.slots.view(slot) if tier is self.gpu else self.pool.slot(slot)
         gate_up, down = self.store.expert_views(buf)
         event = tier.events.get(slot) if tier is self.gpu else None
-        return ExpertHandle(key, tier.name, slot, gate_up, down, event)
+        return ExpertHandle(key, tier.name, slot, gate_up, down, event, threading.get_ident())
 
     # ---- transfers (worker threads) -----------------------------------------------------------
     def _submit(self, priority: int, fn, *args) -> None:

@@ -66,6 +66,7 @@ class ExpertHandle:
     gate_up: torch.Tensor
     down: torch.Tensor
     event: object = None  # torch.cuda.Event the compute stream must wait on (GPU copies)
+    owner: int = 0  # thread that acquired it (the manager knows who holds what while it waits for slots)
 
     def wait(self) -> None:
         """Make the current CUDA stream wait for this copy (no host synchronisation)."""
