@@ -7,13 +7,20 @@ Model: the `small` demo model with its Engram tables enlarged (2 layers; rows of
 8 heads per layer of about `--table-rows` rows each). Traffic: `--batch` sequences decode `--steps`
 tokens each, one token per sequence per forward pass, the tokens drawn from a Zipf distribution
 (exponent `--zipf`) over the vocabulary (teacher-forced, so every tier sees the same rows).
+All five engines are open at once in one process; after a warm-up each, the timed steps run in
+`--rounds` interleaved rounds (a shuffled order each round; every block starts after 2 untimed steps),
+and each case reports its median round, so drift over the run (clocks, background work) falls on every
+case alike rather than on whichever ran first.
 Writes engram.json under --out: per case tok/s, slowdown vs VRAM and the row store's statistics.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import random
+import statistics
 import time
 from pathlib import Path
 
@@ -34,36 +41,46 @@ def zipf_tokens(n: int, vocab: int, a: float, seed: int) -> np.ndarray:
     return rng.permutation(vocab)[ranks]  # rank -> a fixed random token id
 
 
-def run_case(model_dir: Path, tier: str, prefetch: bool, args, tokens: np.ndarray) -> dict:
-    conf = {"engram": {"tier": tier, "row_cache": args.row_cache, "prefetch": prefetch},
-            "tiers": {"disk": {"scrub": False}, "tmpfs": {"budget": "64GiB"}}, "prefetch": {"lookahead": 1}}
-    t_load = time.perf_counter()
-    with Engine.from_pretrained(model_dir, config=conf, device="cuda") as eng:
-        load_s = time.perf_counter() - t_load
-        model, b = eng.model, args.batch
-        cache = KVCache(eng.checkpoint.config, b, args.warmup + args.steps + 8, eng.dtype, eng.device)
-        stream = torch.from_numpy(tokens).view(b, -1)  # [batch, warmup + steps]
+class Case:
+    """One engine (one table tier) with its own KV cache, stepped through the shared token stream."""
 
-        def step(t: int) -> None:
-            ids = stream[:, t].to(eng.device)
-            model(ids, StepBatch(list(range(b)), [t] * b, [1] * b), cache)
+    def __init__(self, model_dir: Path, tier: str, prefetch: bool, args, stream: torch.Tensor, stack):
+        conf = {"engram": {"tier": tier, "row_cache": args.row_cache, "prefetch": prefetch},
+                "tiers": {"disk": {"scrub": False}, "tmpfs": {"budget": "64GiB"}}, "prefetch": {"lookahead": 1}}
+        t_load = time.perf_counter()
+        self.eng = stack.enter_context(Engine.from_pretrained(model_dir, config=conf, device="cuda"))
+        self.load_s = time.perf_counter() - t_load
+        self.eng.wait_settled()  # the experts' start-up placement must not run inside the timed steps
+        self.tier, self.prefetch, self.stream, self.t = tier, prefetch, stream, 0
+        self.cache = KVCache(self.eng.checkpoint.config, stream.shape[0], stream.shape[1] + 8, self.eng.dtype, self.eng.device)
+        self.seconds: list[float] = []  # one entry per timed round
+        self.base = self.eng.model.engram.stats()
 
+    def steps(self, n: int, untimed: int = 0) -> float:
+        """Decode `untimed` then `n` teacher-forced tokens per sequence; seconds the `n` took (synchronised)."""
+        model, dev = self.eng.model, self.eng.device
+        b = self.stream.shape[0]
+        t0 = None
         with torch.inference_mode():
-            for t in range(args.warmup):  # fills the row cache and the expert tiers
-                step(t)
-            torch.cuda.synchronize()
-            before = model.engram.stats()
-            t0 = time.perf_counter()
-            for t in range(args.warmup, args.warmup + args.steps):
-                step(t)
-                model.logits(torch.zeros(b, model.cfg.hidden_size, device=eng.device, dtype=eng.dtype))
-            torch.cuda.synchronize()
-            dt = time.perf_counter() - t0
-        after = model.engram.stats()
-    delta = {k: after[k] - before[k] for k in ("lookups", "unique_rows", "bytes_read", "stall_s")}
-    delta["hits"] = {k: v - before["hits"].get(k, 0) for k, v in after["hits"].items()}
-    return {"tier": tier, "prefetch": prefetch, "tok_per_s": b * args.steps / dt, "seconds": dt, "load_s": load_s,
-            "measured": delta, "totals": after}
+            for i in range(untimed + n):
+                if i == untimed:
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                ids = self.stream[:, self.t].to(dev)
+                model(ids, StepBatch(list(range(b)), [self.t] * b, [1] * b), self.cache)
+                model.logits(torch.zeros(b, model.cfg.hidden_size, device=dev, dtype=self.eng.dtype))
+                self.t += 1
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    def report(self, tokens_per_round: int) -> dict:
+        after = self.eng.model.engram.stats()
+        delta = {k: after[k] - self.base[k] for k in ("lookups", "unique_rows", "bytes_read", "stall_s")}
+        delta["hits"] = {k: v - self.base["hits"].get(k, 0) for k, v in after["hits"].items()}
+        rates = [tokens_per_round / s for s in self.seconds]
+        return {"tier": self.tier, "prefetch": self.prefetch, "tok_per_s": statistics.median(rates),
+                "rounds_tok_per_s": [round(r, 1) for r in rates], "load_s": self.load_s,
+                "measured": delta, "totals": after}
 
 
 def main() -> None:
@@ -76,19 +93,30 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=64)
     p.add_argument("--steps", type=int, default=256)
     p.add_argument("--zipf", type=float, default=1.1)
+    p.add_argument("--rounds", type=int, default=10, help="interleaved timed rounds (steps are split among them)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     engram_demo._SIZES["small"] = ([1, 5], 4, 128, [args.table_rows, args.table_rows])  # enlarge the tables
     model_dir = Path(args.model_dir or out / f"demo-small-engram-{args.table_rows}")
     write_demo_model(model_dir, "small", progress=True)
-    tokens = zipf_tokens(args.batch * (args.warmup + args.steps), 8192, args.zipf, seed=0)
-    results = []
-    for tier, prefetch in CASES:
-        r = run_case(model_dir, tier, prefetch, args, tokens)
-        print(f"{tier:7s} prefetch={prefetch!s:5s} {r['tok_per_s']:9.1f} tok/s  stall {r['measured']['stall_s']:.3f}s "
-              f"hits {r['measured']['hits']}", flush=True)
-        results.append(r)
+    tokens = zipf_tokens(args.batch * (args.warmup + args.steps + 2 * args.rounds), 8192, args.zipf, seed=0)
+    per_round = args.steps // args.rounds
+    stream = torch.from_numpy(tokens).view(args.batch, -1)  # [batch, warmup + rounds * (2 + per_round)]
+    with contextlib.ExitStack() as stack:
+        cases = [Case(model_dir, tier, prefetch, args, stream, stack) for tier, prefetch in CASES]
+        for c in cases:  # warm-up (fills the row caches, compiles the step shapes), then every engine idles
+            c.steps(args.warmup)
+            c.base = c.eng.model.engram.stats()
+        order = random.Random(0)
+        for _ in range(args.rounds):  # interleaved rounds in shuffled orders: drift hits every case alike
+            for c in order.sample(cases, len(cases)):  # 2 untimed steps first: switching engines costs nothing timed
+                c.seconds.append(c.steps(per_round, untimed=2))
+        results = [c.report(args.batch * per_round) for c in cases]
+    for r in results:
+        print(f"{r['tier']:7s} prefetch={r['prefetch']!s:5s} {r['tok_per_s']:9.1f} tok/s (median of {args.rounds}; "
+              f"rounds {r['rounds_tok_per_s']})  stall {r['measured']['stall_s']:.3f}s hits {r['measured']['hits']}",
+              flush=True)
     vram = results[0]["tok_per_s"]
     for r in results:
         r["slowdown_vs_vram"] = 1.0 - r["tok_per_s"] / vram

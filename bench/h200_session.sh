@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box session that produced bench/RESULTS.md's 2026-11-30 (second session) figures.
-#   bash bench/h200_session.sh tests|hotpath|multigpu|serving|ceiling48|engram   (writes under $OUT)
+#   bash bench/h200_session.sh tests|hotpath|multigpu|serving|serving-bench|ceiling48|engram   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 set -u
 export PYTHONPATH=/tmp/site:$PWD STRATA_CACHE=/dev/shm/sc
@@ -15,13 +15,17 @@ case "$1" in
   multigpu)
     nvidia-smi topo -m > "$OUT/topo.txt" 2>&1; cat "$OUT/topo.txt"
     timeout 150 python3 bench/multigpu.py --model /dev/shm/b12 --gpus 0,1 --budget 3.6GiB --tokens 32 --out "$OUT/multigpu" 2>&1 | tail -8 ;;
-  serving)
-    timeout 120 python3 bench/serving.py --out "$OUT/serving" --max-tokens 64 2>&1 | tail -8 ;;
+  serving)  # the small demo model (8K context)
+    timeout 200 python3 bench/serving.py --out "$OUT/serving" --max-tokens 64 2>&1 | grep -v '^INFO' | tail -12 ;;
+  serving-bench)  # the bench model cut to 12 layers, no Engram (CUDA graphs), a 40K-token prompt for the pause
+    [ -d /dev/shm/b12 ] || python3 -m strata demo-model /dev/shm/b12 --size bench --layers 12 --no-engram > /dev/null 2>&1
+    timeout 280 python3 bench/serving.py --model /dev/shm/b12 --out "$OUT/serving-bench" --max-tokens 64 \
+      --max-context 40960 --repro-users '' 2>&1 | grep -v '^INFO' | tail -12 ;;
   ceiling48)
     rm -rf /dev/shm/b12 /dev/shm/sc
     python3 -m strata demo-model /dev/shm/b48 --size bench --no-engram > /dev/null 2>&1
     timeout 200 python3 bench/hotpath.py --model /dev/shm/b48 --out "$OUT/hotpath-48" --tokens 64 --prefill 2048 \
       --cases ceiling,ceiling_eager 2>&1 | grep '^{"' ;;
   engram)
-    timeout 200 python3 bench/engram.py --out "$OUT/engram" --model-dir /dev/shm/engram --steps 128 2>&1 | tail -10 ;;
+    timeout 280 python3 bench/engram.py --out "$OUT/engram" --model-dir /dev/shm/engram --steps 128 2>&1 | tail -14 ;;
 esac

@@ -2,7 +2,7 @@
 all through the real HTTP server.
 
     PYTHONPATH=. python bench/serving.py [--model DIR] [--config FILE] [--out DIR] [--users 1,4,8]
-        [--max-tokens 128] [--long-prompt N] [--max-context N] [--max-batch 8] [--token-budget 512]
+        [--max-tokens 128] [--long-prompt N] [--max-context N] [--max-batch 8] [--token-budget 2048]
         [--decode-gap-target S] [--repro-users 1,4] [--device auto]
 
 Starts `strata serve` in a subprocess on 127.0.0.1 (default model: the `small` demo model written to a
@@ -108,7 +108,10 @@ async def users(url: str, model: str, n: int, max_tokens: int, reproducible: boo
     e2e = [len(s) / (s[-1] - t) for s, t in zip(stamps, sent, strict=True)]
     w0, w1 = max(s[0] for s in stamps), min(s[-1] for s in stamps)  # every stream decoding
     window = [sum(1 for x in s if w0 < x <= w1) / (w1 - w0) for s in stamps] if w1 - w0 > 0.2 else []
+    steps = httpx.get(f"{url}/v1/strata/stats?steps=1", timeout=30).json().get("recent_steps", [])
+    decode_steps = [st["seconds"] for st in steps if t0 <= st["t"] <= t0 + wall and not st["prompt"]]
     return {"users": n, "reproducible": reproducible, "tokens": tokens, "seconds": round(wall, 3),
+            "server_decode_step_s": round(statistics.median(decode_steps), 4) if decode_steps else None,
             "aggregate_tok_s": round(tokens / wall, 2),
             "ttft_s": [round(x, 3) for x in ttft], "decode_tok_s": [round(x, 2) for x in decode],
             "e2e_tok_s": [round(x, 2) for x in e2e], "window_tok_s": [round(x, 2) for x in window],
@@ -171,6 +174,18 @@ def server_config(args: argparse.Namespace, tmp: Path) -> str | None:
     return str(path)
 
 
+def wait_settled(url: str, timeout: float = 600.0) -> float:
+    """Seconds until the server's tiers finish their start-up placement (`pending_work` 0 in
+    /v1/strata/stats), so no case is timed while experts are still being copied in."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < timeout:
+        tiers = httpx.get(f"{url}/v1/strata/stats", timeout=10).json().get("tiers") or {}
+        if not tiers.get("pending_work", 0):
+            break
+        time.sleep(0.25)
+    return round(time.perf_counter() - t0, 2)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="checkpoint or store directory (default: the small demo model)")
@@ -182,7 +197,7 @@ def main() -> None:
     ap.add_argument("--pause-users", type=int, default=4)
     ap.add_argument("--max-context", type=int, default=None, help="override runtime.max_context (e.g. 65600)")
     ap.add_argument("--max-batch", type=int, default=8)
-    ap.add_argument("--token-budget", type=int, default=512)
+    ap.add_argument("--token-budget", type=int, default=2048)
     ap.add_argument("--decode-gap-target", type=float, default=None, help="seconds (default: the config's)")
     ap.add_argument("--repro-users", default="1,4", help="user counts for the reproducible penalty ('' skips)")
     ap.add_argument("--device", default="auto")
@@ -213,16 +228,26 @@ def main() -> None:
             if server.poll() is not None:
                 raise SystemExit(f"server exited with {server.returncode}")
             time.sleep(0.5)
+        settle_s = wait_settled(url)
         card = httpx.get(f"{url}/v1/models").json()["data"][0]
         model, context = card["id"], int(card["max_model_len"])
-        result: dict = {"model": model_dir, "context": context, "command": cmd[2:], "cases": [], "reproducible": []}
-        for n in [int(x) for x in args.users.split(",") if x]:
-            asyncio.run(users(url, model, n, 16))  # warm-up: the same step shapes, unmeasured
+        result: dict = {"model": model_dir, "context": context, "command": cmd[2:], "settle_s": settle_s,
+                        "cases": [], "reproducible": []}
+        counts = [int(x) for x in args.users.split(",") if x]
+        for n in counts:  # warm-up of every step shape before any case is timed, unmeasured
+            asyncio.run(users(url, model, n, 32))
+        for n in counts:
             case = asyncio.run(users(url, model, n, args.max_tokens))
             result["cases"].append(case)
-            print(json.dumps({k: case[k] for k in ("users", "aggregate_tok_s", "ttft_s", "slowest_vs_mean")}), flush=True)
+            print(json.dumps({k: case[k] for k in ("users", "aggregate_tok_s", "server_decode_step_s", "ttft_s",
+                                                   "slowest_vs_mean")}), flush=True)
+        if counts and counts[0] == 1:  # the one-user case again at the end: its two runs bracket the others
+            again = asyncio.run(users(url, model, 1, args.max_tokens))
+            result["one_user_again"] = again
+            print(json.dumps({"users": 1, "again": True, "aggregate_tok_s": again["aggregate_tok_s"],
+                              "server_decode_step_s": again["server_decode_step_s"]}), flush=True)
         if result["cases"]:
-            one = result["cases"][0]["aggregate_tok_s"]
+            one = max(result["cases"][0]["aggregate_tok_s"], result.get("one_user_again", {}).get("aggregate_tok_s", 0))
             for case in result["cases"]:
                 case["vs_first_case"] = round(case["aggregate_tok_s"] / one, 2)
         for n in [int(x) for x in args.repro_users.split(",") if x]:

@@ -10,6 +10,7 @@ installed; `scripts/install-browser.sh` installs one.
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import shutil
@@ -21,6 +22,7 @@ import threading
 import time
 import zlib
 from collections import defaultdict
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -54,7 +56,8 @@ def needs_chromium() -> str:
 def engine(tiny_model_dir):
     from strata import Engine
 
-    config = {"tiers": {"pinned": {"budget": "120KiB"}}}  # 10 of the 32 experts: evictions, disk traffic
+    config = {"tiers": {"pinned": {"budget": "120KiB"}},  # 10 of the 32 experts: evictions, disk traffic
+              "engram": {"tier": "disk"}}  # Engram rows read from disk through the row cache: the Engram panel
     shm = None
     if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK):
         shm = tempfile.mkdtemp(prefix="strata-dash-", dir="/dev/shm")
@@ -96,12 +99,11 @@ def make_app(get_engine, scheduler: Scheduler | None = None) -> FastAPI:
     return app
 
 
-@pytest.fixture(scope="module")
-def server(engine):
+@contextlib.contextmanager
+def serve_app(app: FastAPI) -> Iterator[str]:
+    """`app` on a real uvicorn server on a free localhost port, in a thread; yields its URL."""
     import uvicorn
 
-    scheduler = Scheduler()
-    app = make_app(lambda: engine, scheduler)
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -113,10 +115,19 @@ def server(engine):
     while not srv.started:
         assert time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.02)
-    yield {"url": f"http://127.0.0.1:{port}", "scheduler": scheduler}
-    srv.should_exit = True
-    thread.join(10)
-    sock.close()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+@pytest.fixture(scope="module")
+def server(engine):
+    scheduler = Scheduler()
+    with serve_app(make_app(lambda: engine, scheduler)) as url:
+        yield {"url": url, "scheduler": scheduler}
 
 
 # ---- the DevTools protocol over a pipe ---------------------------------------------------------------
@@ -336,13 +347,21 @@ def test_routes_loading_memory_and_static_files(engine):
     page = client.get("/dashboard")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "connect-src 'self'" in page.headers["content-security-policy"]
-    for src in ("dashboard/static/dashboard.js", "dashboard/static/dashboard.css"):
+    for src in ("dashboard/static/dashboard.js", "dashboard/static/dashboard_engram.js", "dashboard/static/dashboard.css"):
         assert src in page.text
         assert client.get("/" + src).status_code == 200
     assert "http://" not in page.text and "https://" not in page.text  # nothing from the network
     js = client.get("/dashboard/static/dashboard.js").text
     assert "v1/strata/stats" in js and "v1/strata/residency" in js
     assert "http://" not in js and "https://" not in js
+    assert 'id="engram-panel"' in page.text and 'id="engram-chart"' in page.text
+    ejs = client.get("/dashboard/static/dashboard_engram.js").text
+    assert "engram-panel" in ejs and "strataDashboardPlugins" in js and "strataDashboardPlugins" in ejs
+    assert "http://" not in ejs and "https://" not in ejs
+    # the fields of `engram` the panel reads are in the engine's stats
+    for key in ("tier", "lookups", "hits", "bytes_read", "stall_s", "cache_rows", "cache_resident", "cache_evictions",
+                "table_bytes"):
+        assert key in engine.stats()["engram"] and key in ejs
     assert client.get("/dashboard/static/..%2Fdashboard.py").status_code == 404
     assert client.get("/dashboard/static/nope.js").status_code == 404
 
@@ -380,6 +399,13 @@ READ_PAGE = """(() => {
     reqPoints: Number(document.getElementById('req-chart').dataset.points),
     paths: [...document.querySelectorAll('#paths tbody tr[data-path]')].map((r) => r.dataset.path),
     tiers: [...document.querySelectorAll('#tier-table tbody tr')].map((r) => r.dataset.tier),
+    engram: {
+      hidden: document.getElementById('engram-panel').hidden, tier: document.body.dataset.engram,
+      value: Object.fromEntries(['engram-lookups', 'engram-bytes', 'engram-stall', 'engram-cache', 'engram-hit-cache',
+                                 'engram-hit-disk', 'engram-hit-pinned'].map((id) => [id, v(id)])),
+      hitText: t('engram-hit-pinned'), chartPixels: lit('engram-chart'),
+      points: Number(document.getElementById('engram-chart').dataset.points),
+    },
   };
 })()"""
 
@@ -418,6 +444,18 @@ def test_dashboard_live_in_chromium(server, engine, browser, tmp_path):
     assert first["value"]["count-pinned"] + first["value"]["count-tmpfs"] + first["value"]["count-disk"] == 32
     assert "disk->pinned" in first["paths"]
     assert set(first["tiers"]) == set(tiers["tiers"])
+    # the Engram panel: rows served by the row cache and the disk, as the engine counts them
+    engram, eg = stats["engram"], first["engram"]
+    served = sum(engram["hits"].values())
+    assert not eg["hidden"] and eg["tier"] == "disk", eg
+    assert eg["value"]["engram-lookups"] == engram["lookups"] > 0
+    assert eg["value"]["engram-bytes"] == engram["bytes_read"] > 0
+    assert eg["value"]["engram-stall"] == pytest.approx(engram["stall_s"])
+    assert eg["value"]["engram-cache"] == engram["cache_resident"] > 0
+    for tier in ("cache", "disk"):
+        assert eg["value"][f"engram-hit-{tier}"] == pytest.approx(engram["hits"].get(tier, 0) / served)
+    assert eg["value"]["engram-hit-pinned"] is None and eg["hitText"] == "—"  # not a tier of these tables
+    assert eg["chartPixels"] > 0
 
     # live: more tokens and more running requests show up on the next polls
     engine.generate("Once upon a time", max_tokens=40, temperature=0.8, seed=3)
@@ -434,6 +472,9 @@ def test_dashboard_live_in_chromium(server, engine, browser, tmp_path):
     assert second["value"]["waiting"] == 2
     assert second["hitPoints"] > 0  # the lookups of the new request, in the 10 s window
     assert second["value"]["tok-s"] == pytest.approx(engine.stats()["decode_tokens_per_s"], rel=1e-6)
+    assert second["engram"]["value"]["engram-lookups"] == engine.stats()["engram"]["lookups"] > \
+        first["engram"]["value"]["engram-lookups"]
+    assert second["engram"]["points"] > 0  # the new request's rows, in the 10 s window
 
     shot = tmp_path / "dashboard.png"
     data = browser.screenshot(shot)
@@ -442,6 +483,22 @@ def test_dashboard_live_in_chromium(server, engine, browser, tmp_path):
     if os.environ.get("STRATA_DASHBOARD_SCREENSHOT"):  # keep a copy to look at
         shutil.copyfile(shot, os.environ["STRATA_DASHBOARD_SCREENSHOT"])
     assert browser.page_errors() == []
+
+
+def test_engram_panel_hidden_without_engram(engine, browser):
+    class NoEngram:  # the same tiers, but a model without Engram layers: stats()["engram"] is None
+        tiers = engine.tiers
+
+        def stats(self) -> dict:
+            return {**engine.stats(), "engram": None}
+
+    with serve_app(make_app(lambda: NoEngram(), Scheduler())) as url:
+        browser.open(url + "/dashboard")
+        browser.wait_for("Number(document.body.dataset.polls) >= 2", what="two polls")
+        assert browser.eval("document.getElementById('engram-panel').hidden") is True
+        assert browser.eval("document.body.dataset.engram") == ""
+        assert browser.eval("Number(document.getElementById('lookups').dataset.value)") == engine.stats()["tiers"]["lookups"]
+        assert browser.page_errors() == []
 
 
 def test_dashboard_screenshot_cli(server, tmp_path):

@@ -286,3 +286,27 @@ def test_bulk_lookup_counts_equal_single_ones():
         a.lookup(3, "gpu", False, 0.0, expert=7)
     b.lookup(3, "gpu", False, 0.0, expert=7, count=5)
     assert a.snapshot({}, {})["layers"] == b.snapshot({}, {})["layers"] and a.expert_lookups == b.expert_lookups
+
+
+@pytest.mark.parametrize("heads,kv_heads,dv", [(8, 2, 16), (4, 4, 16), (4, 4, 8)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_later_prefill_chunk_attention_equals_the_masked_reference(heads, kv_heads, dv, device):
+    """A prefill chunk after `start` cached positions (the lower-right causal path that keeps SDPA's
+    flash kernel) equals softmax attention with an explicit [L, S] position mask."""
+    from strata.runtime.attention import attend
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA")
+    g = torch.Generator().manual_seed(0)
+    L, start, d = 7, 21, 16
+    S = start + L
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    q, k, v = (torch.randn(h, n, e, generator=g) for h, n, e in ((heads, L, d), (kv_heads, S, d), (kv_heads, S, dv)))
+    out = attend(q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), start, None, d**-0.5).float().cpu()
+    rep = heads // kv_heads
+    kk, vv = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+    scores = (q @ kk.transpose(1, 2)) * d**-0.5  # [heads, L, S]
+    mask = torch.arange(S)[None, :] <= torch.arange(start, S)[:, None]
+    ref = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ vv
+    assert out.shape == (heads, L, dv)
+    torch.testing.assert_close(out, ref, atol=2e-2 if device == "cuda" else 1e-5, rtol=2e-2 if device == "cuda" else 1e-5)

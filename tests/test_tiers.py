@@ -323,3 +323,19 @@ def test_a_full_tier_waits_for_another_thread_to_release(store):
         m.release(got[0])
     finally:
         m.close()
+
+
+def test_wait_settled_covers_background_placement(store):
+    """The start-up placement runs in the background; `wait_settled` returns once every queued read has
+    landed (what benchmarks wait for before timing), and `pending_work` counts what is left."""
+    m = make_manager(store, gpu=2, pinned=32)
+    try:
+        keys = sorted(store.keys(), key=lambda k: (k[1], k[0]))
+        m.prefetch(keys, "cpu", warm=True)
+        m.prefetch(keys[:2], "gpu", warm=True)
+        assert m.wait_settled(timeout=60)
+        assert m.pending_work() == 0 and m.stats()["pending_work"] == 0
+        assert all("pinned" in m.residency(k) for k in keys)  # every read really landed
+        assert all("gpu" in m.residency(k) for k in keys[:2])
+    finally:
+        m.close()

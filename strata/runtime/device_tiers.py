@@ -10,6 +10,7 @@ store, so its GPU slots, pinned pool, tmpfs mirror, policies and statistics cove
 from __future__ import annotations
 
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -102,6 +103,13 @@ class DeviceTiers:
     def resident_experts(self, layer: int, device: str = "gpu") -> set[int]:
         return self._owner[layer].resident_experts(layer, device)
 
+    def pending_work(self) -> int:
+        return sum(m.pending_work() for m in self.managers)
+
+    def wait_settled(self, timeout: float = 600.0) -> bool:
+        deadline = time.monotonic() + timeout
+        return all(m.wait_settled(max(0.0, deadline - time.monotonic())) for m in self.managers)
+
     def scrub(self) -> None:
         for m in self.managers:
             m.scrub()
@@ -128,6 +136,7 @@ class DeviceTiers:
                 residency[tier] += row["resident"]
                 capacity[tier] += row["capacity"]
         merged = self.stats_.snapshot(dict(residency), dict(capacity))
+        merged["pending_work"] = sum(snap["pending_work"] for snap in per)
         merged["devices"] = {}
         for dev, (start, end), snap in zip(self.devices, self.layer_ranges, per, strict=True):
             gpu = snap["hit_rate"].get("gpu", 0.0)

@@ -3,7 +3,8 @@ the tiered row store (strata.tiers.engram_rows) when a model is built.
 
 Checkpoint tensor `model.layers.L.engram.multi_head_embedding.embedding.weight` [rows, head_dim]
 becomes the store's table `engram.L` (tables/engram.L.bin, chunk checksums in store.msgpack); it is
-left out of dense.safetensors.
+left out of dense.safetensors. Start-up checksums each table once per table file; `engram-verified.json`
+in the store (strata.tiers.verify_record) lets later starts skip that pass while the file is unchanged.
 """
 
 from __future__ import annotations

@@ -61,7 +61,7 @@ class _Seq:
 class Scheduler:
     """Runs an engine's model for many requests at once on a background thread."""
 
-    def __init__(self, engine, max_batch: int = 8, token_budget: int = 512, max_queue: int = 64,
+    def __init__(self, engine, max_batch: int = 8, token_budget: int = 2048, max_queue: int = 64,
                  decode_gap_target: float | None = None, prefill_chunk_min: int | None = None):
         if max_batch < 1 or token_budget < max_batch or max_queue < 1:
             raise StrataError("scheduler needs max_batch >= 1, token_budget >= max_batch and max_queue >= 1")

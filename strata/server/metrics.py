@@ -12,6 +12,17 @@ Tier series (label `tier`, plus `device` for multi-GPU hosts later):
   strata:tier_resident_objects / strata:tier_resident_bytes / strata:tier_capacity_objects / strata:tier_evictions_total
   strata:tier_bytes_moved_total, strata:tier_bandwidth_bytes_per_second   (label `path`, e.g. "disk->pinned")
   strata:tier_stall_seconds_total, strata:prefetch_precision, strata:prefetch_recall
+
+Engram row series (label `device`; none at all for a model without Engram layers). Where the tables
+live is `strata:engram_info{table_tier}` ("memory": plain in-memory tables, and no other series):
+  strata:engram_row_lookups_total        table rows asked for (with repeats)
+  strata:engram_unique_rows_total        distinct rows asked for, counted per step
+  strata:engram_rows_served_total        distinct rows served, label `tier`: "cache" (the row cache on the
+                                         compute device) or the table tier ("gpu", "pinned", "tmpfs", "disk")
+  strata:engram_row_hit_ratio            rows served by the tier / rows served by all (since start)
+  strata:engram_bytes_read_total, strata:engram_stall_seconds_total, strata:engram_prefetched_rows_total
+  strata:engram_row_cache_resident_rows / strata:engram_row_cache_capacity_rows / strata:engram_row_cache_evictions_total
+  strata:engram_table_bytes              bytes of all tables, label `table_tier`
 """
 
 from __future__ import annotations
@@ -22,7 +33,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 
 log = logging.getLogger("strata.server")
 
@@ -114,6 +125,7 @@ class _LiveCollector:
             yield from _scheduler_metrics(scheduler.stats())
             stats = engine.stats()
             yield from _tier_metrics(stats.get("tiers"), str(stats.get("device", "cpu")), engine.plan)
+            yield from engram_metrics(stats.get("engram"), str(stats.get("device", "cpu")))
         except Exception:  # a scrape must never fail the server; the log says what broke
             log.exception("collecting live metrics failed")
 
@@ -192,3 +204,69 @@ def _slot_bytes(plan: Any, tier: str) -> int:
     if tier == "gpu":
         return plan.gpus[0].slot_bytes if plan.gpus else 0
     return plan.slot_bytes
+
+
+ENGRAM_SERVING_ORDER = ("cache", "gpu", "pinned", "tmpfs", "disk")  # the row cache first, then the table tiers
+# stats() key -> (metric name, help, counter?) of the per-device Engram figures without a tier label
+_ENGRAM_SCALARS = {
+    "lookups": ("strata:engram_row_lookups", "Engram table rows asked for (with repeats).", True),
+    "unique_rows": ("strata:engram_unique_rows", "Distinct Engram rows asked for, counted per step.", True),
+    "bytes_read": ("strata:engram_bytes_read", "Bytes of Engram rows read from the table tier.", True),
+    "stall_s": ("strata:engram_stall_seconds", "Time a layer waited for Engram rows to arrive.", True),
+    "prefetched_rows": ("strata:engram_prefetched_rows", "Engram rows fetched ahead of need.", True),
+    "cache_resident": ("strata:engram_row_cache_resident_rows", "Rows held by the Engram row cache.", False),
+    "cache_rows": ("strata:engram_row_cache_capacity_rows", "Row slots of the Engram row cache (0: no cache).",
+                   False),
+    "cache_evictions": ("strata:engram_row_cache_evictions", "Rows evicted from the Engram row cache.", True),
+}
+
+
+def engram_metrics(engram: dict | None, device: str) -> Iterator[Metric]:
+    """The Engram row series of `engine.stats()["engram"]` (see the module docstring); nothing when it is None.
+
+    A multi-GPU engine may report `{"devices": {name: stats}}` (one row store per card): each card's
+    figures then carry its own `device` label."""
+    if not isinstance(engram, dict) or not engram:
+        return
+    per = engram.get("devices")
+    snaps = [(str(d), s) for d, s in per.items() if isinstance(s, dict)] if isinstance(per, dict) else [(device, engram)]
+    if not snaps:
+        return
+    snaps = [(dev, str(s.get("tier", engram.get("tier", "unknown"))), s) for dev, s in snaps]
+    info = InfoMetricFamily("strata:engram", "Where the Engram tables live (memory: plain in-memory tables).",
+                            labels=["device"])
+    for dev, tier, _ in snaps:
+        info.add_metric([dev], {"table_tier": tier})
+    yield info
+    snaps = [x for x in snaps if x[1] != "memory"]  # in-memory tables count no rows
+    if not snaps:
+        return
+    for key, (name, doc, counter) in _ENGRAM_SCALARS.items():
+        family = (CounterMetricFamily if counter else GaugeMetricFamily)(name, doc, labels=["device"])
+        for dev, _, s in snaps:
+            if isinstance(s.get(key), int | float):
+                family.add_metric([dev], float(s[key]))
+        if family.samples:
+            yield family
+    served = CounterMetricFamily("strata:engram_rows_served", "Distinct Engram rows served, by serving tier.",
+                                 labels=["tier", "device"])
+    ratio = GaugeMetricFamily("strata:engram_row_hit_ratio",
+                              "Engram rows served by this tier over rows served by all tiers (since start).",
+                              labels=["tier", "device"])
+    table = GaugeMetricFamily("strata:engram_table_bytes", "Bytes of all Engram tables, by the tier holding them.",
+                              labels=["table_tier", "device"])
+    for dev, tier, s in snaps:
+        hits = {str(k): int(v) for k, v in (s.get("hits") or {}).items() if isinstance(v, int | float)}
+        hits.setdefault(tier, 0)  # the table tier always has a series, so the ratio exists before traffic
+        if s.get("cache_rows"):  # a row cache exists: its series too
+            hits.setdefault("cache", 0)
+        total = sum(hits.values())
+        order = [n for n in ENGRAM_SERVING_ORDER if n in hits] + sorted(n for n in hits if n not in ENGRAM_SERVING_ORDER)
+        for name in order:
+            served.add_metric([name, dev], hits[name])
+            ratio.add_metric([name, dev], hits[name] / total if total else 0.0)
+        if isinstance(s.get("table_bytes"), int | float):
+            table.add_metric([tier, dev], float(s["table_bytes"]))
+    yield from (served, ratio)
+    if table.samples:
+        yield table

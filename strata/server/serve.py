@@ -1,7 +1,7 @@
 """`strata serve`: plan, bind, then load the model behind an OpenAI-compatible endpoint.
 
     strata serve [MODEL] [--config config.toml] [--host 127.0.0.1] [--port 8090] [--dry-run]
-                 [--max-batch 8] [--token-budget 512] [--max-queue 64] [--decode-gap-target SECONDS]
+                 [--max-batch 8] [--token-budget 2048] [--max-queue 64] [--decode-gap-target SECONDS]
 
 Order matters: the planner runs first and refuses a layout that cannot fit (exit 2, one line) before
 the port is bound; then the port is bound (in use: exit 2, one line); then the server starts answering
@@ -41,7 +41,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dry-run", action="store_true",
                    help="print the plan, the binding and the effective configuration; load and bind nothing")
     p.add_argument("--max-batch", type=int, default=8, help="sequences decoded together (default 8); also sizes the planned KV cache (planner.max_batch)")
-    p.add_argument("--token-budget", type=int, default=512, help="tokens per forward pass, decode + prefill (512)")
+    p.add_argument("--token-budget", type=int, default=2048,
+                   help="tokens per forward pass, decode + prefill (2048; runtime.decode_gap_target shrinks prompt chunks while others decode)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting before 429 (default 64)")
     p.add_argument("--decode-gap-target", type=float, default=None, metavar="SECONDS",
                    help="while sequences decode, prompt chunks shrink so a step stays under this many seconds "

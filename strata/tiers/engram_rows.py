@@ -9,9 +9,15 @@
 threads. `wait(ticket)` blocks only for reads that have not finished (the stall it counts), copies
 the missing rows to the device, admits them into the cache and returns [T, heads, head_dim].
 
-Every table is checked at start-up: missing or truncated files fail `ExpertStore.open`, and each
-chunk's checksum is verified while the table is loaded (gpu, pinned), copied (tmpfs) or, for disk,
-read once in a streaming pass: a damaged table stops start-up with an error naming it.
+Every table is checked at start-up: a missing or mis-sized file stops it (as in `ExpertStore.open`),
+and each chunk's checksum is verified while the table is loaded (gpu, pinned), copied (tmpfs) or, for
+disk, read in a streaming pass: a damaged table stops start-up with an error naming it. That full pass
+runs once per table file, not once per start: a verification record (strata.tiers.verify_record) then
+vouches for the file while its size, mtime, ctime and inode stay the same, so later starts skip the
+read (disk; tmpfs, whose recorded copy in /dev/shm is reused) or only the checksums (gpu, pinned hold
+the table and read it anyway). Rows read while serving (`DiskReader.read_rows` on the store file or the
+tmpfs copy) are not checksummed, as before the record: they come from a file the pass or the record
+vouched for, and damage that leaves the file's identity unchanged is for `strata verify`.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from strata.errors import CheckpointError, ConfigError
 from strata.tiers.diskio import DiskReader
 from strata.tiers.store import ExpertStore
 from strata.tiers.store_format import TORCH_DTYPES, TableEntry
+from strata.tiers.verify_record import FileIdentity, VerifyRecord, table_fingerprint, table_identity
 
 ENGRAM_TIERS = ("gpu", "pinned", "tmpfs", "disk")
 
@@ -158,46 +165,75 @@ class EngramRowStore:
         self.full: dict[int, torch.Tensor] = {}  # gpu / pinned tiers: whole tables
         self.paths: dict[int, str] = {}  # tmpfs / disk tiers: files to read rows from
         self.reader = DiskReader(threads) if tier in ("tmpfs", "disk") else None
+        self.verified_from_record: set[str] = set()  # tables whose checksum pass a record made unnecessary
+        self.tmpfs_reused: set[str] = set()  # tables whose tmpfs copy from an earlier start was reused
+        self.chunks_read = 0  # table chunks read at start-up
         self._load(tmpfs_dir)
         cache_rows = 0 if tier == "gpu" or (tier == "pinned" and device.type == "cpu") else min(row_cache, total)
         self.cache = RowCache(total, cache_rows, self.dim, self.dtype, device) if cache_rows > 0 else None
 
     # -- start-up ------------------------------------------------------------------------------------
     def _load(self, tmpfs_dir: str) -> None:
-        """Verify every chunk of every table, filling the full copies (gpu, pinned) or the tmpfs files."""
+        """Check every table, filling the full copies (gpu, pinned) or the tmpfs files; each chunk's
+        checksum is verified unless the verification record vouches for the table's file."""
+        record, sizes = VerifyRecord(self.store.directory), self.store.index.file_sizes()
         for layer, t in self.tables.items():
+            src = self.store.directory / t.file
+            before = table_identity(src, t, sizes[t.file])  # missing or truncated: an error, record or not
+            fp = table_fingerprint(self.store.index.source_fingerprint, t)
+            trusted = record.matches(t.name, fp, before)
+            if trusted:
+                self.verified_from_record.add(t.name)
             if self.tier in ("gpu", "pinned"):
                 pin = self.tier == "pinned" and torch.cuda.is_available()
                 full = torch.empty(t.num_rows, t.row_bytes, dtype=torch.uint8, pin_memory=pin)
-                for a, b, chunk in self._chunks(t):
+                for a, b, chunk in self._chunks(t, check=not trusted):
                     full[a:b] = chunk
                 view = full.view(TORCH_DTYPES[t.dtype]).view(t.num_rows, *t.row_shape)
                 self.full[layer] = view.to(self.device) if self.tier == "gpu" else view
             elif self.tier == "tmpfs":
-                os.makedirs(tmpfs_dir, exist_ok=True)
-                path = os.path.join(tmpfs_dir, f"{self.store.index.source_fingerprint[:12]}-{t.name}.bin")
-                try:
-                    with open(path + ".tmp", "wb") as dst:
-                        for _, _, chunk in self._chunks(t):
-                            dst.write(chunk.numpy().tobytes())
-                except BaseException:
-                    if os.path.exists(path + ".tmp"):  # the open itself may have failed
-                        os.unlink(path + ".tmp")
-                    raise
-                os.replace(path + ".tmp", path)
-                self.paths[layer] = path
+                self.paths[layer] = self._tmpfs_copy(t, tmpfs_dir, fp, trusted)
             else:
-                for _ in self._chunks(t):
-                    pass
-                src = self.store.directory / t.file
+                if not trusted:
+                    for _ in self._chunks(t, check=True):
+                        pass
+                    _drop_page_cache(src)  # disk means disk: the verification pass must not leave it in RAM
                 self.paths[layer] = str(src)
-                _drop_page_cache(src)  # disk means disk: the verification pass must not leave it in RAM
+            if not trusted and FileIdentity.of(src) == before:  # not written to while it was verified
+                record.put(t.name, fp, before)
 
-    def _chunks(self, t: TableEntry) -> Iterator[tuple[int, int, torch.Tensor]]:
-        """(first row, end row, uint8 [rows, row_bytes]) of each chunk of `t`, checksum-verified:
-        a CheckpointError naming the damaged table stops start-up."""
+    def _tmpfs_copy(self, t: TableEntry, tmpfs_dir: str, fp: str, trusted: bool) -> str:
+        """The table's file in tmpfs: an earlier start's copy when the source is trusted and the copy is
+        still the one recorded when it was completed, else a fresh copy (a stale or partial one is replaced)."""
+        os.makedirs(tmpfs_dir, exist_ok=True)
+        name = f"{self.store.index.source_fingerprint[:12]}-{t.name}.bin"
+        path, copies = os.path.join(tmpfs_dir, name), VerifyRecord(tmpfs_dir)
+        try:
+            ident = FileIdentity.of(path)
+        except OSError:
+            ident = None
+        if trusted and ident is not None and ident.size == t.nbytes and copies.matches(name, fp, ident):
+            self.tmpfs_reused.add(t.name)
+            return path
+        copies.drop(name)  # the copy is about to be replaced: never vouch for a half-written one
+        try:
+            with open(path + ".tmp", "wb") as dst:
+                for _, _, chunk in self._chunks(t, check=not trusted):
+                    dst.write(chunk.numpy().tobytes())
+        except BaseException:
+            if os.path.exists(path + ".tmp"):  # the open itself may have failed
+                os.unlink(path + ".tmp")
+            raise
+        os.replace(path + ".tmp", path)
+        copies.put(name, fp, FileIdentity.of(path))  # recorded only once complete
+        return path
+
+    def _chunks(self, t: TableEntry, check: bool) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """(first row, end row, uint8 [rows, row_bytes]) of each chunk of `t`, checksum-verified with
+        `check`: a CheckpointError naming the damaged table stops start-up (short reads always do)."""
         for k in range(t.num_chunks):
-            yield (*t.chunk_rows(k), self.store._read_chunk(t, k, check=True))
+            self.chunks_read += 1
+            yield (*t.chunk_rows(k), self.store._read_chunk(t, k, check=check))
 
     # -- the row source protocol (strata.runtime.engram.RowSource) -------------------------------------
     def start(self, layer: int, rows: torch.Tensor) -> _Ticket:

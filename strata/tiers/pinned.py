@@ -141,6 +141,11 @@ class PinnedPool:
             ready += self._sizes[k] // self.slot_bytes
         return ready
 
+    @property
+    def allocating(self) -> bool:
+        """True while the background allocator is still pinning slabs."""
+        return not self._done.is_set()
+
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait until every slot is usable; False on timeout. Raises StrataError if allocation failed."""
         self._done.wait(timeout)

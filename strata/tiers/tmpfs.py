@@ -36,6 +36,11 @@ class TmpfsMirror:
         self._thread = threading.Thread(target=self._copy_all, name="strata-tmpfs", daemon=True)
         self._thread.start()
 
+    @property
+    def copying(self) -> bool:
+        """True while the background mirror is still copying layer files into tmpfs."""
+        return self._thread.is_alive()
+
     def _fit(self, layers: list[int]) -> list[int]:
         planned, used = [], 0
         for layer in layers:

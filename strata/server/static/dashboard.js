@@ -523,11 +523,20 @@
     setText("worst-layer", worst ? `most misses: layer ${worst.id} (${fmtPct(worst.rate)}, stalled ${fmtSeconds(worst.stall)})` : "");
   }
 
+  // panels in other scripts (dashboard_engram.js) register in window.strataDashboardPlugins:
+  // {record(stats, sample): add fields to the sample, render(state, lib): draw}. Read on every poll.
+  const plugins = () => (Array.isArray(window.strataDashboardPlugins) ? window.strataDashboardPlugins : []);
+  state.lib = { $, css, get, num, fmtNum, fmtPct, fmtBytes, fmtRate, fmtSeconds, fmtShort, setText, el,
+                drawLineChart, rateSeries, SPAN_S };
+
   function renderAll() {
     renderStats();
     drawLayerChart();
     renderCharts();
     drawGrid();
+    for (const p of plugins()) {
+      try { if (p.render) p.render(state, state.lib); } catch (e) { console.error("strata dashboard: panel failed", e); }
+    }
   }
 
   // ---- polling ---------------------------------------------------------------------------------
@@ -550,7 +559,7 @@
     for (const [tier, x] of Object.entries(get(stats, "tiers.tiers", {}))) hits[tier] = num(x && x.hits) || 0;
     const paths = {};
     for (const [p, x] of Object.entries(get(stats, "tiers.paths", {}))) paths[p] = num(x && x.bytes) || 0;
-    state.samples.push({
+    const sample = {
       t,
       lookups: num(get(stats, "tiers.lookups", null)) || 0,
       hits,
@@ -560,7 +569,11 @@
       paths,
       running: num(get(stats, "scheduler.running", null)),
       waiting: num(get(stats, "scheduler.waiting", null)),
-    });
+    };
+    for (const p of plugins()) {
+      try { if (p.record) p.record(stats, sample, state.lib); } catch (e) { console.error("strata dashboard: panel failed", e); }
+    }
+    state.samples.push(sample);
     if (state.samples.length > HISTORY) state.samples.splice(0, state.samples.length - HISTORY);
   }
 
