@@ -96,6 +96,40 @@ def test_decode_batch_attention_equals_step_batch(arch, tmp_path):
             lengths = [n + 1 for n in lengths]
 
 
+def test_static_engram_inputs_equal_the_eager_engram_step(tiny_model_dir):
+    """What a captured decode step of an Engram model reads (`StaticEngramStep`: rows, conv taps and ring
+    indices copied into fixed buffers, reloaded every step) gives the eager per-sequence step's hidden states."""
+    from strata.runtime.engram import StaticEngramStep
+
+    model = load_model(Checkpoint.open(tiny_model_dir), torch.float32, "cpu")
+    assert model.engram is not None
+    cfg = model.cfg
+    a, b = KVCache(cfg, 3, 512, torch.float32, "cpu"), KVCache(cfg, 3, 512, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(1)
+    lengths = [4, 37, 1]
+    statics = None
+    with torch.inference_mode():
+        for slot, n in enumerate(lengths):
+            prompt = torch.randint(0, cfg.vocab_size, (n,), generator=g)
+            for cache in (a, b):
+                model(prompt, StepBatch([slot], [0], [n]), cache)
+        for _ in range(6):
+            ids = torch.randint(0, cfg.vocab_size, (3,), generator=g)
+            want = model(ids, StepBatch([0, 1, 2], lengths, [1, 1, 1]), a)
+            step = model.engram.begin(ids, StepBatch([0, 1, 2], lengths, [1, 1, 1]), b, model.layers)
+            if statics is None:
+                statics = StaticEngramStep(step)
+            else:
+                statics.load(step)
+            batch = DecodeBatch(torch.tensor([0, 1, 2]), torch.tensor(lengths), kv_bucket(max(lengths), 512),
+                                engram=statics)
+            got = model.run_layers(ids, batch, b)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            lengths = [n + 1 for n in lengths]
+    for layer in cfg.engram.layer_ids:  # the convolution rings advanced alike
+        torch.testing.assert_close(b.engram.conv[layer], a.engram.conv[layer], rtol=1e-4, atol=1e-4)
+
+
 def test_kv_bucket():
     assert kv_bucket(0, 4096) == 256 and kv_bucket(255, 4096) == 256 and kv_bucket(256, 4096) == 512
     assert kv_bucket(5000, 4096) == 4096
@@ -163,7 +197,7 @@ def test_triton_pair_kernels_equal_the_fallback(dtype):
 
 @pytest.fixture(scope="module")
 def plain_tiny(tmp_path_factory):
-    """The tiny demo model without Engram layers (Engram steps run eagerly; these tests are about graphs)."""
+    """The tiny demo model without Engram layers (these tests are about experts and graphs alone)."""
     from strata.runtime.demo_model import write_demo_model
 
     return write_demo_model(tmp_path_factory.mktemp("plain") / "tiny", size="tiny", engram=False)
@@ -195,6 +229,39 @@ def test_graph_replays_equal_eager_decode(plain_tiny):
             assert torch.equal(outs[0], outs[1])
             lengths = [n + 1 for n in lengths]
     assert graphs.model.graphs.captures >= 2  # batch of 1 and batch of 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tier", ["memory", "pinned", "disk"])
+def test_engram_model_graph_replays_equal_eager_decode(tiny_model_dir, tier):
+    """An Engram model's decode steps replay as CUDA graphs (rows hashed and gathered on the host, copied
+    into the graph's buffers) with tokens and hidden states bit-identical to eager decode, for tables in
+    memory and in the tiered row store (GPU row cache in front of pinned RAM or disk)."""
+    conf = ({"runtime": {"experts": "memory"}} if tier == "memory" else
+            {"engram": {"tier": tier, "row_cache": "64KiB"}, "runtime": {"cpu_numerics": "gpu"}})
+    eager = Engine.from_pretrained(tiny_model_dir, device="cuda", config={**conf, "runtime": {
+        **conf.get("runtime", {}), "cuda_graphs": False}})
+    graphs = Engine.from_pretrained(tiny_model_dir, device="cuda", config=conf)
+    assert graphs.model.engram is not None
+    assert eager.wait_settled(60) and graphs.wait_settled(60)
+    ids = eager.tokenizer.encode("The river runs through the valley and the town")
+    assert eager.generate(ids, max_tokens=40).token_ids == graphs.generate(ids, max_tokens=40).token_ids
+    assert graphs.model.graphs.replays > 0 and not graphs.model.graphs.failed and eager.model.graphs.replays == 0
+    caches = [KVCache(m.model.cfg, 3, 1024, m.dtype, "cuda") for m in (eager, graphs)]
+    g = torch.Generator().manual_seed(0)
+    lengths = [3, 200, 40]
+    with torch.inference_mode():
+        for slot, n in enumerate(lengths):
+            prompt = torch.randint(0, 100, (n,), generator=g).cuda()
+            for m, c in zip((eager, graphs), caches, strict=True):
+                m.model(prompt, StepBatch([slot], [0], [n]), c)
+        for _ in range(20):
+            tok = torch.randint(0, 100, (3,), generator=g).cuda()
+            outs = [m.model(tok, StepBatch([0, 1, 2], lengths, [1, 1, 1]), c) for m, c in zip((eager, graphs), caches, strict=True)]
+            assert torch.equal(outs[0], outs[1])
+            lengths = [n + 1 for n in lengths]
+    for m in (eager, graphs):
+        m.close()
 
 
 @pytest.mark.gpu

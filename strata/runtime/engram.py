@@ -91,6 +91,29 @@ class EngramStep:
         return self.source.wait(self.tickets.pop(layer))
 
 
+class StaticEngramStep:
+    """The Engram inputs of a captured decode step, in device buffers that replays read.
+
+    Built from the first real step of a graph's shape; before every replay `load` waits for the step's
+    rows and copies them, the convolution's tap map and the ring indices into the same buffers (all
+    shapes depend only on the batch size), so the graph never touches the host."""
+
+    def __init__(self, step: EngramStep):
+        self.cache = step.cache
+        self._rows = {layer: step.rows(layer).clone() for layer in list(step.tickets)}  # [B, heads, head_dim]
+        self.taps, self.ring_dst, self.ring_src = step.taps.clone(), step.ring_dst.clone(), step.ring_src.clone()
+
+    def rows(self, layer: int) -> torch.Tensor:
+        return self._rows[layer]
+
+    def load(self, step: EngramStep) -> None:
+        """Copy `step`'s inputs in (waiting for rows still in flight); shapes must match the capture's."""
+        for layer, buf in self._rows.items():
+            buf.copy_(step.rows(layer), non_blocking=True)
+        for buf, new in ((self.taps, step.taps), (self.ring_dst, step.ring_dst), (self.ring_src, step.ring_src)):
+            buf.copy_(new, non_blocking=True)
+
+
 class EngramRuntime(nn.Module):
     """Owns the normalisation table (`model.engram.token_map`), hashes steps and starts their gathers."""
 

@@ -9,8 +9,9 @@ only on (B, bucket), so it is captured once per (cache, B, bucket, mode) and rep
   then copies or CPU compute for them), so the step is captured as one graph per stretch between
   those points, and the host work runs between replays (`SegmentRecorder.host_step`). Everything
   else (attention, routers, resident experts, norms) still replays without Python.
-Steps that cannot be captured (Engram rows, prefill chunks) run the same code eagerly, and eager and
-replayed decode steps give bit-identical results.
+Engram models hash each step's tokens and start its row gathers on the host before the replay; the
+rows, the convolution's tap map and ring indices land in the graph's own buffers (`StaticEngramStep`).
+Prefill chunks run the same code eagerly, and eager and replayed decode steps give bit-identical results.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.runtime.engram import StaticEngramStep
 from strata.runtime.kv_cache import DecodeBatch, KVCache, StepBatch, kv_bucket
 
 log = logging.getLogger(__name__)
@@ -95,6 +97,7 @@ class _Graph:
     ids: torch.Tensor  # [B] static inputs
     meta: torch.Tensor  # [2, B] slots, positions
     out: torch.Tensor  # [B, H] static output
+    engram: StaticEngramStep | None = None  # Engram models: the step's rows, taps and ring indices
 
 
 class DecodeGraphs:
@@ -117,32 +120,36 @@ class DecodeGraphs:
         mode = self.mode() if n <= MAX_GRAPH_BATCH else None
         if mode in self.failed:
             mode = None
+        step = batch.engram  # the step's Engram work (hashed, gathers started), or None
         if mode is None:
             dev = meta.to(input_ids.device, non_blocking=True)
-            return self.forward(input_ids, DecodeBatch(dev[0], dev[1], kv_len), cache)
+            return self.forward(input_ids, DecodeBatch(dev[0], dev[1], kv_len, engram=step), cache)
         key = (id(cache), n, kv_len, mode)
         g = self.graphs.get(key)
         if g is None:
-            return self._capture(key, input_ids, meta, kv_len, cache, mode)
+            return self._capture(key, input_ids, meta, kv_len, cache, mode, step)
+        if g.engram is not None:
+            g.engram.load(step)  # waits for rows still in flight, then copies them into the graph's buffers
         g.ids.copy_(input_ids, non_blocking=True)
         g.meta.copy_(meta, non_blocking=True)
         g.graph.replay()
         self.replays += 1
         return g.out.clone()
 
-    def _capture(self, key, input_ids, meta, kv_len, cache, mode: str) -> torch.Tensor:
+    def _capture(self, key, input_ids, meta, kv_len, cache, mode: str, step=None) -> torch.Tensor:
         """Run the step for real on a side stream (warm-up, its result is returned), then capture it."""
         ids = input_ids.clone()
         dev_meta = meta.to(input_ids.device)
+        statics = StaticEngramStep(step) if step is not None else None  # the graph reads Engram inputs from here
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            result = self.forward(ids, DecodeBatch(dev_meta[0], dev_meta[1], kv_len), cache).clone()
+            result = self.forward(ids, DecodeBatch(dev_meta[0], dev_meta[1], kv_len, engram=statics), cache).clone()
         torch.cuda.current_stream().wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         try:
-            graph, out = self._record(ids, dev_meta, kv_len, cache, mode)
+            graph, out = self._record(ids, dev_meta, kv_len, cache, mode, statics)
         except Exception as e:  # noqa: BLE001 - a step that cannot be captured still runs, eagerly
             self.failed[mode] = f"{type(e).__name__}: {e}"
             log.warning("CUDA-graph capture (%s) failed, running decode steps eagerly: %s", mode, self.failed[mode])
@@ -150,12 +157,12 @@ class DecodeGraphs:
             return result
         if not any(k[0] == key[0] for k in self.graphs):  # a freed cache's id may be reused: drop its graphs
             weakref.finalize(cache, self._forget_id, key[0])
-        self.graphs[key] = _Graph(graph, ids, dev_meta, out)
+        self.graphs[key] = _Graph(graph, ids, dev_meta, out, statics)
         self.captures += 1
         return result
 
-    def _record(self, ids, dev_meta, kv_len, cache, mode: str):
-        batch = DecodeBatch(dev_meta[0], dev_meta[1], kv_len)
+    def _record(self, ids, dev_meta, kv_len, cache, mode: str, statics=None):
+        batch = DecodeBatch(dev_meta[0], dev_meta[1], kv_len, engram=statics)
         if mode == "full":
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):

@@ -57,14 +57,17 @@ class MoETransformer(nn.Module):
         self.engram = EngramRuntime(cfg.engram, cfg.vocab_size) if cfg.engram is not None else None
 
     def forward(self, input_ids: torch.Tensor, batch: StepBatch, cache: KVCache) -> torch.Tensor:
-        if self.graphs is not None and self.engram is None and is_decode(input_ids, batch):
+        if self.engram is not None:  # rows depend on token ids only: start fetching them before layer 0
+            batch.engram = self.engram.begin(input_ids, batch, cache, self.layers)
+        if self.graphs is not None and is_decode(input_ids, batch):
             return self.graphs.run(input_ids, batch, cache)  # fixed shapes; replayed when nothing needs the host
         return self.run_layers(input_ids, batch, cache)
 
     def run_layers(self, input_ids: torch.Tensor, batch: StepBatch | DecodeBatch, cache: KVCache) -> torch.Tensor:
-        """The layers themselves: input_ids [N] -> final hidden states [N, H]."""
+        """The layers themselves: input_ids [N] -> final hidden states [N, H]. A DecodeBatch carries its
+        Engram inputs already (`batch.engram`, set by the decode graphs); a StepBatch gets them here."""
         x = self.embed_tokens(input_ids)
-        if self.engram is not None:  # rows depend on token ids only: start fetching them before layer 0
+        if self.engram is not None and batch.engram is None:
             batch.engram = self.engram.begin(input_ids, batch, cache, self.layers)
         cos, sin = self.rotary(batch.positions(input_ids.device), x.dtype)
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers, strict=True)):
