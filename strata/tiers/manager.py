@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import heapq
 import itertools
 import threading
 import time
@@ -46,9 +45,10 @@ from strata.tiers.slots import (
 from strata.tiers.stats import TierStats
 from strata.tiers.store import ExpertStore
 from strata.tiers.tmpfs import TmpfsMirror
+from strata.tiers.transfers import TransfersMixin
 
 
-class TierManager(IntegrityMixin, LookupsMixin):
+class TierManager(IntegrityMixin, LookupsMixin, TransfersMixin):
     """Places a store's experts across GPU, pinned RAM, tmpfs and disk within budgets."""
 
     FULL_WAIT_S = 30.0  # how long an acquire waits for other threads to release slots before TierFullError
@@ -397,122 +397,9 @@ class TierManager(IntegrityMixin, LookupsMixin):
     def _reload_cost_gpu(self, key: Key) -> float:
         return 1 / 50e9 if key in self.pinned.slot_of else self._reload_cost_pinned(key)
 
-    def _reap_copies(self) -> None:
-        """Drop the pinned refs held by GPU copies that have finished reading their source."""
-        for token, (start, end, key) in list(self._copying.items()):
-            if end is None or end.query():
-                del self._copying[token]
-                self._unref(self.pinned, key)
-                if end is not None:  # copy-engine time, not enqueue time
-                    self.stats_.paths["pinned->gpu"].add(self.store.slot_bytes, start.elapsed_time(end) / 1000)
-
     def _handle(self, tier: _SlotTier, key: Key) -> ExpertHandle:
         slot = tier.slot_of[key]
         buf = self.slots.view(slot) if tier is self.gpu else self.pool.slot(slot)
         gate_up, down = self.store.expert_views(buf)
         event = tier.events.get(slot) if tier is self.gpu else None
         return ExpertHandle(key, tier.name, slot, gate_up, down, event, threading.get_ident())
-
-    # ---- transfers (worker threads) -----------------------------------------------------------
-    def _submit(self, priority: int, fn, *args) -> None:
-        heapq.heappush(self._jobs, (priority, next(self._seq), fn, args))
-        self._jobs_ready.notify()
-
-    def _work(self) -> None:
-        while True:
-            with self._lock:
-                while not self._jobs and not self._closed:
-                    self._jobs_ready.wait()
-                if self._closed:
-                    return
-                _, _, fn, args = heapq.heappop(self._jobs)
-                self._running += 1
-            try:
-                fn(*args)
-            finally:
-                with self._lock:
-                    self._running -= 1
-                    self._released.notify_all()
-
-    def _load_pinned(self, key: Key, slot: int, fut: Future) -> None:
-        """Read one blob from tmpfs or disk into a pinned slot; verify its checksum on first read."""
-        t0 = time.perf_counter()
-        try:
-            source = "tmpfs" if self.tmpfs is not None and self.tmpfs.has(key[0]) else "disk"
-            path, offset, length = self.tmpfs.location(key) if source == "tmpfs" else self.store.location(key)
-            buf = self.pool.slot(slot)
-            self.reader.read(path, offset, length, buf).result()
-            if key not in self._verified:
-                try:
-                    self.store.verify_blob(key, buf)
-                except StrataError:
-                    with self._lock:
-                        self.stats_.checksum_failures += 1
-                        self.stats_.damaged.append(key)
-                    raise
-                self._verified.add(key)
-        except BaseException as e:
-            with self._lock:
-                self.pinned.inflight.pop(key, None)
-                self.pinned.slot_of.pop(key, None)
-                self.pinned.free.append(slot)
-            fut.set_exception(e)
-            return
-        with self._lock:
-            self.stats_.paths[f"{source}->pinned"].add(length, time.perf_counter() - t0)
-            del self.pinned.inflight[key]
-            self.pinned.policy.insert(key)
-        fut.set_result(None)
-
-    def _load_gpu_direct(self, key: Key, slot: int, fut: Future) -> None:
-        """kvikio read straight into the GPU slot (GPUDirect Storage, or kvikio's compat mode)."""
-        t0 = time.perf_counter()
-        try:
-            with self._lock:
-                prior = self.gpu.events.get(slot)
-            if prior is not None:
-                prior.synchronize()  # kvikio's write is not stream-ordered: the slot's last reader must be done
-            path, offset, length = self.store.location(key)
-            self.gds.read(path, offset, length, self.slots.view(slot)).result()
-        except BaseException as e:
-            with self._lock:
-                self.gpu.inflight.pop(key, None)
-                self.gpu.slot_of.pop(key, None)
-                self.gpu.free.append(slot)
-            fut.set_exception(e)
-            return
-        with self._lock:
-            self.stats_.paths["disk->gpu"].add(length, time.perf_counter() - t0)
-            self.gpu.events.pop(slot, None)
-            self.slots.assign(key, slot)
-            del self.gpu.inflight[key]
-            self.gpu.policy.insert(key)
-        fut.set_result(None)
-
-    def _copy_to_gpu(self, key: Key, slot: int, fut: Future, src: Future) -> None:
-        """Pinned -> GPU slot on the copy stream; the slot's event is what compute waits on."""
-        with self._lock:
-            if src.exception() is not None:
-                self._unref(self.pinned, key)
-                self.gpu.inflight.pop(key, None)
-                self.gpu.slot_of.pop(key, None)
-                self.gpu.free.append(slot)
-                fut.set_exception(src.exception())
-                return
-            pinned_buf = self.pool.slot(self.pinned.slot_of[key])
-            prior = self.gpu.events.get(slot)
-        t0, start = time.perf_counter(), None
-        if self.slots.slab.is_cuda:
-            if prior is not None:
-                self.slots.copy_stream.wait_event(prior)  # the slot's last reader must finish first
-            start = torch.cuda.Event(enable_timing=True)  # recorded after the waits: copy-engine time only
-        event = self.slots.copy_in(slot, pinned_buf, started=start)
-        with self._lock:
-            self._copying[next(self._seq)] = (start, event, key)
-            if event is None:  # CPU-simulated GPU tier: the copy is already done
-                self.stats_.paths["pinned->gpu"].add(self.store.slot_bytes, time.perf_counter() - t0)
-            self.gpu.events[slot] = event
-            self.slots.assign(key, slot)
-            del self.gpu.inflight[key]
-            self.gpu.policy.insert(key)
-        fut.set_result(None)
