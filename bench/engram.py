@@ -1,4 +1,4 @@
-"""Engram benchmark: decode tokens/s with the Engram tables in VRAM, pinned RAM, tmpfs and disk (and disk
+"""Engram benchmark: decode tokens/s with the Engram tables in VRAM, pinned RAM (read in place, and through the row cache), tmpfs and disk (and disk
 with prefetch off), tables >= 10x the GPU row cache, Zipf-distributed n-gram traffic.
 
     python bench/engram.py --out results/engram [--table-rows 4000000] [--row-cache 256MiB] [--batch 8] [--steps 256]
@@ -7,7 +7,7 @@ Model: the `small` demo model with its Engram tables enlarged (2 layers; rows of
 8 heads per layer of about `--table-rows` rows each). Traffic: `--batch` sequences decode `--steps`
 tokens each, one token per sequence per forward pass, the tokens drawn from a Zipf distribution
 (exponent `--zipf`) over the vocabulary (teacher-forced, so every tier sees the same rows).
-All five engines are open at once in one process; after a warm-up each, the timed steps run in
+All six engines are open at once in one process; after a warm-up each, the timed steps run in
 `--rounds` interleaved rounds (a shuffled order each round; every block starts after 2 untimed steps),
 and each case reports tok/s at its median step time (every timed step is synchronised; the mean and the
 p10/p90 step times are kept too), so drift and the occasional stall (clocks, background threads, Python's
@@ -33,7 +33,9 @@ from strata.runtime import engram_demo
 from strata.runtime.demo_model import write_demo_model
 from strata.runtime.kv_cache import KVCache, StepBatch
 
-CASES = [("gpu", True), ("pinned", True), ("tmpfs", True), ("disk", True), ("disk", False)]
+# (tier, prefetch, zero_copy): zero_copy matters for pinned tables only (read in place vs through the row cache)
+CASES = [("gpu", True, True), ("pinned", True, True), ("pinned", True, False), ("tmpfs", True, True),
+         ("disk", True, True), ("disk", False, True)]
 
 
 def zipf_tokens(n: int, vocab: int, a: float, seed: int) -> np.ndarray:
@@ -45,14 +47,15 @@ def zipf_tokens(n: int, vocab: int, a: float, seed: int) -> np.ndarray:
 class Case:
     """One engine (one table tier) with its own KV cache, stepped through the shared token stream."""
 
-    def __init__(self, model_dir: Path, tier: str, prefetch: bool, args, stream: torch.Tensor, stack):
-        conf = {"engram": {"tier": tier, "row_cache": args.row_cache, "prefetch": prefetch},
+    def __init__(self, model_dir: Path, tier: str, prefetch: bool, zero_copy: bool, args, stream: torch.Tensor,
+                 stack):
+        conf = {"engram": {"tier": tier, "row_cache": args.row_cache, "prefetch": prefetch, "zero_copy": zero_copy},
                 "tiers": {"disk": {"scrub": False}, "tmpfs": {"budget": "64GiB"}}, "prefetch": {"lookahead": 1}}
         t_load = time.perf_counter()
         self.eng = stack.enter_context(Engine.from_pretrained(model_dir, config=conf, device="cuda"))
         self.load_s = time.perf_counter() - t_load
         self.eng.wait_settled()  # the experts' start-up placement must not run inside the timed steps
-        self.tier, self.prefetch, self.stream, self.t = tier, prefetch, stream, 0
+        self.tier, self.prefetch, self.zero_copy, self.stream, self.t = tier, prefetch, zero_copy, stream, 0
         self.cache = KVCache(self.eng.checkpoint.config, stream.shape[0], stream.shape[1] + 8, self.eng.dtype, self.eng.device)
         self.seconds: list[float] = []  # one entry per timed round
         self.step_s: list[float] = []  # every timed step
@@ -85,7 +88,8 @@ class Case:
         delta["hits"] = {k: v - self.base["hits"].get(k, 0) for k, v in after["hits"].items()}
         rates = [tokens_per_round / s for s in self.seconds]
         b, q = self.stream.shape[0], statistics.quantiles(self.step_s, n=10)
-        return {"tier": self.tier, "prefetch": self.prefetch, "tok_per_s": b / statistics.median(self.step_s),
+        name = self.tier + ("" if self.prefetch else "-noprefetch") + ("-cached" if not self.zero_copy else "")
+        return {"name": name, "tier": self.tier, "prefetch": self.prefetch, "zero_copy": self.zero_copy, "tok_per_s": b / statistics.median(self.step_s),
                 "mean_tok_per_s": b * len(self.step_s) / sum(self.step_s),
                 "step_ms": {"p10": round(q[0] * 1e3, 3), "median": round(statistics.median(self.step_s) * 1e3, 3),
                             "p90": round(q[-1] * 1e3, 3)},
@@ -114,7 +118,7 @@ def main() -> None:
     per_round = args.steps // args.rounds
     stream = torch.from_numpy(tokens).view(args.batch, -1)  # [batch, warmup + rounds * (2 + per_round)]
     with contextlib.ExitStack() as stack:
-        cases = [Case(model_dir, tier, prefetch, args, stream, stack) for tier, prefetch in CASES]
+        cases = [Case(model_dir, *case, args, stream, stack) for case in CASES]
         for c in cases:  # warm-up (fills the row caches, compiles the step shapes), then every engine idles
             c.steps(args.warmup)
             c.base = c.eng.model.engram.stats()
@@ -124,7 +128,7 @@ def main() -> None:
                 c.seconds.append(c.steps(per_round, untimed=2))
         results = [c.report(args.batch * per_round) for c in cases]
     for r in results:
-        print(f"{r['tier']:7s} prefetch={r['prefetch']!s:5s} {r['tok_per_s']:8.1f} tok/s at the median step "
+        print(f"{r['name']:15s} {r['tok_per_s']:8.1f} tok/s at the median step "
               f"(mean {r['mean_tok_per_s']:.1f}; step ms {r['step_ms']}; rounds {r['rounds_tok_per_s']})  "
               f"stall {r['measured']['stall_s']:.3f}s hits {r['measured']['hits']}", flush=True)
     vram = results[0]["tok_per_s"]
@@ -136,7 +140,7 @@ def main() -> None:
               "zipf": args.zipf, "device": torch.cuda.get_device_name(), "cases": results,
               "targets": {"pinned": 0.03, "tmpfs": 0.05, "disk": 0.15}}
     (out / "engram.json").write_text(json.dumps(report, indent=2))
-    print(json.dumps({f"{r['tier']}{'' if r['prefetch'] else '-noprefetch'}": round(r["slowdown_vs_vram"], 4)
+    print(json.dumps({r["name"]: round(r["slowdown_vs_vram"], 4)
                       for r in results}))
 
 

@@ -241,8 +241,11 @@ class EngramTierConfig:
     row_cache: str | int = _size_field("auto")  # hot-row cache on the compute device; "auto": 1/8 of the tables, <= 1 GiB
     prefetch: bool = True  # start fetching rows when token ids exist (before the forward pass reaches the layer)
     read_batch: int = 4096  # rows per background read job (many jobs in flight)
+    zero_copy: bool = True  # pinned tables on CUDA: the GPU reads rows in place over PCIe (no row cache)
 
     def __post_init__(self) -> None:
+        if not isinstance(self.zero_copy, bool):
+            raise ConfigError(f"engram.zero_copy must be true or false, got {self.zero_copy!r}")
         if self.tier not in ("auto", "gpu", "pinned", "tmpfs", "disk"):
             raise ConfigError(f'engram.tier = {self.tier!r} is invalid; use "auto", "gpu", "pinned", "tmpfs" or "disk"')
         parse_size(self.row_cache, "engram.row_cache")

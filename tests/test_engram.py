@@ -207,13 +207,41 @@ def test_no_engram_demo(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tier", ["gpu", "pinned", "disk"])
-def test_gpu_tiers_equal_memory(tiny_model_dir, tmp_path, tier):
+@pytest.mark.parametrize("tier, zero_copy", [("gpu", True), ("pinned", True), ("pinned", False), ("disk", True)])
+def test_gpu_tiers_equal_memory(tiny_model_dir, tmp_path, tier, zero_copy):
     mem = Engine.from_pretrained(tiny_model_dir, config={"runtime": {"experts": "memory", "dtype": "float32"}}, device="cuda")
-    conf = {"runtime": {"dtype": "float32"}, "engram": {"tier": tier, "row_cache": "512B", "read_batch": 5},
-            "tiers": {"disk": {"scrub": False}}}
+    conf = {"runtime": {"dtype": "float32"}, "tiers": {"disk": {"scrub": False}},
+            "engram": {"tier": tier, "row_cache": "512B", "read_batch": 5, "zero_copy": zero_copy}}
     with Engine.from_pretrained(tiny_model_dir, config=conf, device="cuda") as eng:
+        # pinned tables are read in place by the GPU (no row cache) unless zero_copy is off
+        assert eng.model.engram.stats()["zero_copy"] == (tier == "pinned" and zero_copy)
         for (_, _, oa), (_, _, ob) in zip(_engram_outputs(mem, PROMPTS[0]), _engram_outputs(eng, PROMPTS[0]), strict=True):
             torch.testing.assert_close(ob, oa, rtol=1e-4, atol=1e-5)
         got = _scheduler_decode(eng, PROMPTS, max_tokens=6)
         assert got == [mem.generate(p, max_tokens=6).token_ids for p in PROMPTS]
+
+
+@pytest.mark.gpu
+def test_device_view_reads_and_sees_pinned_memory():
+    """`device_view` aliases pinned RAM: the same address, gathers on the GPU equal the host's, later host
+    writes are seen; pageable memory gets no view."""
+    from strata.tiers.uva import device_view
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    host = torch.arange(4096 * 16, dtype=torch.float32).view(4096, 16).to(torch.bfloat16).pin_memory()
+    view = device_view(host, dev)
+    assert view is not None and view.is_cuda and view.data_ptr() == host.data_ptr()
+    assert view.shape == host.shape and view.dtype == host.dtype
+    idx = torch.randint(0, 4096, (333,), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(view[idx.to(dev)].cpu(), host[idx])
+    host[idx[0]] = -1.0
+    torch.cuda.synchronize()
+    assert torch.equal(view[idx[0]].cpu(), host[idx[0]])
+    assert device_view(torch.zeros(16), dev) is None  # not page-locked
+    assert device_view(host, torch.device("cpu")) is None
+
+
+def test_device_view_is_none_without_cuda():
+    from strata.tiers.uva import device_view
+
+    assert device_view(torch.zeros(8), torch.device("cpu")) is None

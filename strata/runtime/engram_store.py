@@ -68,6 +68,6 @@ def attach_row_store(model, store, cfg, device: torch.device, ram_available: int
     if cache is None:  # auto: 1/8 of the tables, at most 1 GiB, on the compute device
         cache = min(table_bytes // 8, 1 << 30)
     rows = EngramRowStore(store, ecfg.layer_ids, tier, device, cache // row_bytes, prefetch=cfg.engram.prefetch,
-                          read_batch=cfg.engram.read_batch, tmpfs_dir=cfg.tiers.tmpfs.path)
+                          read_batch=cfg.engram.read_batch, tmpfs_dir=cfg.tiers.tmpfs.path, zero_copy=cfg.engram.zero_copy)
     model.engram.source = rows
     return rows

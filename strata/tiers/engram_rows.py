@@ -3,6 +3,8 @@
     full tables:  gpu (whole in VRAM) | pinned (whole in page-locked RAM) | tmpfs (a copy in /dev/shm) | disk (the store)
     row cache:    a slab of `capacity` rows on the compute device (VRAM on CUDA, RAM on CPU-only hosts),
                   with frequency-aware eviction: decayed use counts, the least used rows go first
+    zero copy:    pinned tables on CUDA are read by the GPU in place through their device mapping
+                  (strata.tiers.uva), like VRAM tables: no row cache, no staging (`zero_copy=False`: cached)
 
 `start(layer, rows)` returns at once: cached rows are known, the missing ones are read in batches of
 `read_batch` rows (aligned block reads, many in flight: `DiskReader.read_rows`) on background
@@ -34,6 +36,7 @@ from strata.errors import CheckpointError, ConfigError
 from strata.tiers.diskio import DiskReader
 from strata.tiers.store import ExpertStore
 from strata.tiers.store_format import TORCH_DTYPES, TableEntry
+from strata.tiers.uva import device_view
 from strata.tiers.verify_record import FileIdentity, VerifyRecord, table_fingerprint, table_identity
 
 ENGRAM_TIERS = ("gpu", "pinned", "tmpfs", "disk")
@@ -140,7 +143,7 @@ class EngramRowStore:
 
     def __init__(self, store: ExpertStore, layers: list[int], tier: str, device: torch.device, row_cache: int,
                  prefetch: bool = True, read_batch: int = 4096, tmpfs_dir: str = "/dev/shm/strata",
-                 threads: int = 8):
+                 threads: int = 8, zero_copy: bool = True):
         if tier not in ENGRAM_TIERS:
             raise ConfigError(f"engram.tier = {tier!r} is invalid; use auto or one of {', '.join(ENGRAM_TIERS)}")
         self.store, self.tier, self.device, self.prefetch_on = store, tier, device, prefetch
@@ -169,7 +172,15 @@ class EngramRowStore:
         self.tmpfs_reused: set[str] = set()  # tables whose tmpfs copy from an earlier start was reused
         self.chunks_read = 0  # table chunks read at start-up
         self._load(tmpfs_dir)
-        cache_rows = 0 if tier == "gpu" or (tier == "pinned" and device.type == "cpu") else min(row_cache, total)
+        # pinned tables on CUDA: the gather kernel reads rows straight from pinned RAM through its device
+        # mapping (a few bytes per row across PCIe, inside the step's graph): no row cache, no host copies
+        self.mapped: dict[int, torch.Tensor] = {}
+        if tier == "pinned" and device.type == "cuda" and zero_copy:
+            views = {layer: device_view(full, device) for layer, full in self.full.items()}
+            if all(v is not None for v in views.values()):
+                self.mapped = views
+        direct = tier == "gpu" or bool(self.mapped) or (tier == "pinned" and device.type == "cpu")
+        cache_rows = 0 if direct else min(row_cache, total)
         self.cache = RowCache(total, cache_rows, self.dim, self.dtype, device) if cache_rows > 0 else None
 
     # -- start-up ------------------------------------------------------------------------------------
@@ -243,7 +254,7 @@ class EngramRowStore:
         self.stats_.lookups += rows.numel()
         self.stats_.unique += uniq.numel()
         ticket = _Ticket(layer, uniq, inverse, tuple(rows.shape), torch.empty(0), uniq)
-        if self.tier == "gpu":
+        if self.tier == "gpu" or self.mapped:
             return ticket
         if self.cache is not None:
             ticket.slots = self.cache.lookup(uniq + self.base[layer])
@@ -257,9 +268,10 @@ class EngramRowStore:
     def wait(self, ticket: _Ticket) -> torch.Tensor:
         """The rows of `ticket` [T, heads, head_dim] on the device, waiting only for reads still in flight."""
         layer, uniq = ticket.layer, ticket.uniq
-        if self.tier == "gpu":
-            self._count("gpu", uniq.numel())
-            out = self.full[layer][uniq.to(self.device)]
+        if self.tier == "gpu" or self.mapped:  # one gather kernel over the VRAM table or the mapped pinned one
+            self._count(self.tier, uniq.numel())
+            table = self.full[layer] if self.tier == "gpu" else self.mapped[layer]
+            out = table[uniq.to(self.device)]
             return out[ticket.inverse.to(self.device)].view(*ticket.shape, self.dim)
         self._live = [t for t in self._live if t is not ticket]
         if ticket.reads is None:
@@ -285,7 +297,7 @@ class EngramRowStore:
 
     def prefetch(self, layer: int, rows: torch.Tensor) -> None:
         """Read `rows` of `layer` into the cache ahead of need (e.g. a whole prompt at admission)."""
-        if self.tier == "gpu" or self.cache is None or not self.prefetch_on:
+        if self.tier == "gpu" or self.mapped or self.cache is None or not self.prefetch_on:
             return
         ticket = self.start(layer, rows)
         self.stats_.prefetched += ticket.miss.numel()
@@ -332,7 +344,8 @@ class EngramRowStore:
         """Row lookups, distinct rows served per tier, bytes read, stall seconds, cache residency."""
         s = self.stats_
         return {
-            "tier": self.tier, "lookups": s.lookups, "unique_rows": s.unique, "hits": dict(s.hits),
+            "tier": self.tier, "zero_copy": bool(self.mapped),
+            "lookups": s.lookups, "unique_rows": s.unique, "hits": dict(s.hits),
             "bytes_read": s.bytes_read, "stall_s": s.stall_s, "prefetched_rows": s.prefetched,
             "cache_rows": self.cache.capacity if self.cache else 0, "cache_resident": self.cache.resident if self.cache else 0,
             "cache_evictions": self.cache.evictions if self.cache else 0,

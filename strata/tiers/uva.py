@@ -1,0 +1,45 @@
+"""Device views of pinned host memory: CUDA tensors whose kernels read page-locked RAM over PCIe.
+
+On 64-bit Linux CUDA uses unified virtual addressing: memory allocated with `cudaHostAlloc` (torch's
+pinned memory) is mapped into every device's address space at the same address. A CUDA tensor built
+on that address (through `__cuda_array_interface__`, so no extra library is needed) is a zero-copy
+view: an index kernel on it fetches just the bytes it reads across PCIe, inside a CUDA graph and
+without any host work. That suits tiny random reads (Engram rows: tens of bytes each), not bulk
+transfers, which stay with the copy engines.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class _HostArray:
+    """The CUDA array interface of a pinned byte range; keeps the owning CPU tensor alive."""
+
+    def __init__(self, owner: torch.Tensor):
+        self.owner = owner
+        self.__cuda_array_interface__ = {
+            "shape": (owner.numel() * owner.element_size(),),
+            "typestr": "|u1",
+            "data": (owner.data_ptr(), False),
+            "version": 3,
+            "strides": None,
+        }
+
+
+def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """A CUDA tensor on `device` aliasing the pinned CPU tensor `host` (same bytes, same shape and dtype),
+    or None where that is impossible: no CUDA, `host` not page-locked or not contiguous, or the driver
+    does not map it for `device`. Writes through either tensor are seen by the other."""
+    if device.type != "cuda" or not torch.cuda.is_available() or host.device.type != "cpu":
+        return None
+    if not host.is_contiguous() or host.numel() == 0 or not host.is_pinned():
+        return None
+    try:
+        with torch.cuda.device(device):
+            flat = torch.as_tensor(_HostArray(host), device=device)
+    except (RuntimeError, TypeError, ValueError):
+        return None
+    if flat.data_ptr() != host.data_ptr() or flat.device != torch.device(device):
+        return None
+    return flat.view(host.dtype).view(host.shape)
