@@ -1,5 +1,6 @@
-"""Engram benchmark: decode tokens/s with the Engram tables in VRAM, pinned RAM (read in place, and through the row cache), tmpfs and disk (and disk
-with prefetch off), tables >= 10x the GPU row cache, Zipf-distributed n-gram traffic.
+"""Engram benchmark: decode tokens/s with the Engram tables in VRAM, pinned RAM (read in place, and through
+the row cache), tmpfs and disk (and disk with prefetch off), tables >= 10x the GPU row cache,
+Zipf-distributed n-gram traffic.
 
     python bench/engram.py --out results/engram [--table-rows 4000000] [--row-cache 256MiB] [--batch 8] [--steps 256]
 
