@@ -1,5 +1,5 @@
-"""Engram benchmark: decode tokens/s with the Engram tables in VRAM, pinned RAM (read in place, and through
-the row cache), tmpfs and disk (and disk with prefetch off), tables >= 10x the GPU row cache,
+"""Engram benchmark: decode tokens/s with the Engram tables in VRAM, pinned RAM and tmpfs (each read in
+place, and through the row cache), and disk (and disk with prefetch off), tables >= 10x the GPU row cache,
 Zipf-distributed n-gram traffic.
 
     python bench/engram.py --out results/engram [--table-rows 4000000] [--row-cache 256MiB] [--batch 8] [--steps 256]
@@ -8,7 +8,7 @@ Model: the `small` demo model with its Engram tables enlarged (2 layers; rows of
 8 heads per layer of about `--table-rows` rows each). Traffic: `--batch` sequences decode `--steps`
 tokens each, one token per sequence per forward pass, the tokens drawn from a Zipf distribution
 (exponent `--zipf`) over the vocabulary (teacher-forced, so every tier sees the same rows).
-All six engines are open at once in one process; after a warm-up each, the timed steps run in
+All seven engines are open at once in one process; after a warm-up each, the timed steps run in
 `--rounds` interleaved rounds (a shuffled order each round; every block starts after 2 untimed steps),
 and each case reports tok/s at its median step time (every timed step is synchronised; the mean and the
 p10/p90 step times are kept too), so drift and the occasional stall (clocks, background threads, Python's
@@ -34,9 +34,9 @@ from strata.runtime import engram_demo
 from strata.runtime.demo_model import write_demo_model
 from strata.runtime.kv_cache import KVCache, StepBatch
 
-# (tier, prefetch, zero_copy): zero_copy matters for pinned tables only (read in place vs through the row cache)
+# (tier, prefetch, zero_copy): zero_copy matters for pinned and tmpfs tables (read in place vs the row cache)
 CASES = [("gpu", True, True), ("pinned", True, True), ("pinned", True, False), ("tmpfs", True, True),
-         ("disk", True, True), ("disk", False, True)]
+         ("tmpfs", True, False), ("disk", True, True), ("disk", False, True)]
 
 
 def zipf_tokens(n: int, vocab: int, a: float, seed: int) -> np.ndarray:

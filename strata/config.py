@@ -241,7 +241,7 @@ class EngramTierConfig:
     row_cache: str | int = _size_field("auto")  # hot-row cache on the compute device; "auto": 1/8 of the tables, <= 1 GiB
     prefetch: bool = True  # start fetching rows when token ids exist (before the forward pass reaches the layer)
     read_batch: int = 4096  # rows per background read job (many jobs in flight)
-    zero_copy: bool = True  # pinned tables on CUDA: the GPU reads rows in place over PCIe (no row cache)
+    zero_copy: bool = True  # pinned / tmpfs tables on CUDA: the GPU reads rows in place over PCIe (no row cache)
 
     def __post_init__(self) -> None:
         if not isinstance(self.zero_copy, bool):

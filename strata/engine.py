@@ -118,6 +118,9 @@ class Engine:
         if self.tiers is not None:
             self.tiers.close()
             self.tiers = None
+        rows = getattr(getattr(self.model, "engram", None), "source", None)  # the Engram row store's readers
+        if rows is not None and hasattr(rows, "close"):
+            rows.close()
 
     def __enter__(self) -> Engine:
         return self

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import engram_reference as ref
 import numpy as np
@@ -207,14 +208,15 @@ def test_no_engram_demo(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tier, zero_copy", [("gpu", True), ("pinned", True), ("pinned", False), ("disk", True)])
+@pytest.mark.parametrize("tier, zero_copy", [("gpu", True), ("pinned", True), ("pinned", False), ("tmpfs", True),
+                                             ("tmpfs", False), ("disk", True)])
 def test_gpu_tiers_equal_memory(tiny_model_dir, tmp_path, tier, zero_copy):
     mem = Engine.from_pretrained(tiny_model_dir, config={"runtime": {"experts": "memory", "dtype": "float32"}}, device="cuda")
     conf = {"runtime": {"dtype": "float32"}, "tiers": {"disk": {"scrub": False}},
             "engram": {"tier": tier, "row_cache": "512B", "read_batch": 5, "zero_copy": zero_copy}}
     with Engine.from_pretrained(tiny_model_dir, config=conf, device="cuda") as eng:
-        # pinned tables are read in place by the GPU (no row cache) unless zero_copy is off
-        assert eng.model.engram.stats()["zero_copy"] == (tier == "pinned" and zero_copy)
+        # pinned and tmpfs tables are read in place by the GPU (no row cache) unless zero_copy is off
+        assert eng.model.engram.stats()["zero_copy"] == (tier in ("pinned", "tmpfs") and zero_copy)
         for (_, _, oa), (_, _, ob) in zip(_engram_outputs(mem, PROMPTS[0]), _engram_outputs(eng, PROMPTS[0]), strict=True):
             torch.testing.assert_close(ob, oa, rtol=1e-4, atol=1e-5)
         got = _scheduler_decode(eng, PROMPTS, max_tokens=6)
@@ -241,7 +243,36 @@ def test_device_view_reads_and_sees_pinned_memory():
     assert device_view(host, torch.device("cpu")) is None
 
 
-def test_device_view_is_none_without_cuda():
-    from strata.tiers.uva import device_view
+def test_device_view_is_none_without_cuda(tmp_path):
+    from strata.tiers.uva import device_view, register_file
 
     assert device_view(torch.zeros(8), torch.device("cpu")) is None
+    if not torch.cuda.is_available():
+        (tmp_path / "t.bin").write_bytes(bytes(64))
+        assert register_file(str(tmp_path / "t.bin"), 64) is None
+
+
+@pytest.mark.gpu
+def test_registered_tmpfs_file_is_read_in_place(tmp_path):
+    """A file mapped and page-locked (`register_file`) is gathered by the GPU straight from its pages."""
+    import os
+
+    from strata.tiers.uva import device_view, register_file
+
+    root = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)
+    path = os.path.join(root, f"strata-test-uva-{os.getpid()}.bin")
+    data = torch.randint(-1000, 1000, (2048, 32), dtype=torch.int16, generator=torch.Generator().manual_seed(3))
+    Path(path).write_bytes(data.numpy().tobytes())
+    dev = torch.device("cuda", torch.cuda.current_device())
+    reg = register_file(path, data.numel() * 2)
+    try:
+        assert reg is not None
+        view = device_view(reg.tensor.view(torch.int16).view(2048, 32), dev)
+        assert view is not None and view.is_cuda
+        idx = torch.randint(0, 2048, (100,), generator=torch.Generator().manual_seed(4))
+        assert torch.equal(view[idx.to(dev)].cpu(), data[idx])
+        torch.cuda.synchronize()
+    finally:
+        if reg is not None:
+            reg.close()
+        os.unlink(path)

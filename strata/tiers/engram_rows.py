@@ -3,8 +3,9 @@
     full tables:  gpu (whole in VRAM) | pinned (whole in page-locked RAM) | tmpfs (a copy in /dev/shm) | disk (the store)
     row cache:    a slab of `capacity` rows on the compute device (VRAM on CUDA, RAM on CPU-only hosts),
                   with frequency-aware eviction: decayed use counts, the least used rows go first
-    zero copy:    pinned tables on CUDA are read by the GPU in place through their device mapping
-                  (strata.tiers.uva), like VRAM tables: no row cache, no staging (`zero_copy=False`: cached)
+    zero copy:    on CUDA, tables in pinned RAM or tmpfs (the copy mapped and page-locked) are read by the
+                  GPU in place through their device mapping (strata.tiers.uva), like VRAM tables: no row
+                  cache, no staging (`zero_copy=False`, or a mapping CUDA refuses: the row cache serves them)
 
 `start(layer, rows)` returns at once: cached rows are known, the missing ones are read in batches of
 `read_batch` rows (aligned block reads, many in flight: `DiskReader.read_rows`) on background
@@ -36,7 +37,7 @@ from strata.errors import CheckpointError, ConfigError
 from strata.tiers.diskio import DiskReader
 from strata.tiers.store import ExpertStore
 from strata.tiers.store_format import TORCH_DTYPES, TableEntry
-from strata.tiers.uva import device_view
+from strata.tiers.uva import RegisteredFile, device_view, register_file
 from strata.tiers.verify_record import FileIdentity, VerifyRecord, table_fingerprint, table_identity
 
 ENGRAM_TIERS = ("gpu", "pinned", "tmpfs", "disk")
@@ -175,10 +176,9 @@ class EngramRowStore:
         # pinned tables on CUDA: the gather kernel reads rows straight from pinned RAM through its device
         # mapping (a few bytes per row across PCIe, inside the step's graph): no row cache, no host copies
         self.mapped: dict[int, torch.Tensor] = {}
-        if tier == "pinned" and device.type == "cuda" and zero_copy:
-            views = {layer: device_view(full, device) for layer, full in self.full.items()}
-            if all(v is not None for v in views.values()):
-                self.mapped = views
+        self._registered: list[RegisteredFile] = []  # tmpfs copies page-locked for zero-copy reads
+        if tier in ("pinned", "tmpfs") and device.type == "cuda" and zero_copy:
+            self._map_tables()
         direct = tier == "gpu" or bool(self.mapped) or (tier == "pinned" and device.type == "cpu")
         cache_rows = 0 if direct else min(row_cache, total)
         self.cache = RowCache(total, cache_rows, self.dim, self.dtype, device) if cache_rows > 0 else None
@@ -212,6 +212,34 @@ class EngramRowStore:
                 self.paths[layer] = str(src)
             if not trusted and FileIdentity.of(src) == before:  # not written to while it was verified
                 record.put(t.name, fp, before)
+
+    def _map_tables(self) -> None:
+        """Device views of every table in pinned RAM or in tmpfs (its copy mapped and page-locked), so
+        the gather kernel reads rows in place; where any table cannot be mapped, none is (the row cache
+        serves them all)."""
+        views = {}
+        for layer, t in self.tables.items():
+            if self.tier == "pinned":
+                host = self.full[layer]
+            else:
+                reg = register_file(self.paths[layer], t.nbytes)
+                if reg is None:
+                    break
+                self._registered.append(reg)
+                host = reg.tensor.view(TORCH_DTYPES[t.dtype]).view(t.num_rows, *t.row_shape)
+            view = device_view(host, self.device)
+            if view is None:
+                break
+            views[layer] = view
+        if len(views) == len(self.tables):
+            self.mapped = views
+        else:
+            self._unregister()
+
+    def _unregister(self) -> None:
+        for reg in self._registered:
+            reg.close()
+        self._registered = []
 
     def _tmpfs_copy(self, t: TableEntry, tmpfs_dir: str, fp: str, trusted: bool) -> str:
         """The table's file in tmpfs: an earlier start's copy when the source is trusted and the copy is
@@ -355,6 +383,10 @@ class EngramRowStore:
     def close(self) -> None:
         if self.reader is not None:
             self.reader.close()
+        self.mapped = {}
+        if self._registered:
+            torch.cuda.synchronize(self.device)  # no kernel may still read a mapping being unregistered
+            self._unregister()
 
 
 def _done(value) -> Future:

@@ -5,7 +5,9 @@ pinned memory) is mapped into every device's address space at the same address. 
 on that address (through `__cuda_array_interface__`, so no extra library is needed) is a zero-copy
 view: an index kernel on it fetches just the bytes it reads across PCIe, inside a CUDA graph and
 without any host work. That suits tiny random reads (Engram rows: tens of bytes each), not bulk
-transfers, which stay with the copy engines.
+transfers, which stay with the copy engines. A file in tmpfs can be served the same way once its
+mapping is page-locked (`register_file`: `cudaHostRegister` on the mapped pages, which tmpfs keeps in
+RAM anyway).
 """
 
 from __future__ import annotations
@@ -43,3 +45,35 @@ def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | None
     if flat.data_ptr() != host.data_ptr() or flat.device != torch.device(device):
         return None
     return flat.view(host.dtype).view(host.shape)
+
+
+_HOST_REGISTER_PORTABLE, _HOST_REGISTER_MAPPED = 0x1, 0x2
+
+
+class RegisteredFile:
+    """A file (a tmpfs copy) mapped into this process and page-locked with `cudaHostRegister`, so that
+    `device_view(self.tensor, device)` reads it in place. `close()` unregisters it."""
+
+    def __init__(self, path: str, nbytes: int):
+        import numpy as np
+
+        self._array = np.memmap(path, dtype=np.uint8, mode="r+", shape=(nbytes,))
+        self.tensor = torch.from_numpy(self._array)  # uint8 [nbytes], aliasing the mapping
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(
+            self.tensor.data_ptr(), nbytes, _HOST_REGISTER_PORTABLE | _HOST_REGISTER_MAPPED))
+        self._registered = True
+
+    def close(self) -> None:
+        if self._registered:
+            self._registered = False
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+
+
+def register_file(path: str, nbytes: int) -> RegisteredFile | None:
+    """`RegisteredFile(path, nbytes)`, or None where CUDA cannot page-lock the mapping."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return RegisteredFile(path, nbytes)
+    except (OSError, ValueError, RuntimeError):  # torch.cuda.CudaError is a RuntimeError
+        return None
