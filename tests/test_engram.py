@@ -61,7 +61,10 @@ def _scheduler_decode(engine, prompts: list[list[int]], max_tokens: int) -> list
     sched.start()
     try:
         handles = [sched.submit(GenRequest(p, SamplingParams(max_tokens=max_tokens))) for p in prompts]
-        return [[ev.token_id for ev in h.iter_events(timeout=120) if ev.token_id is not None] for h in handles]
+        events = [list(h.iter_events(timeout=120)) for h in handles]
+        errors = [ev.error for evs in events for ev in evs if getattr(ev, "error", None)]
+        assert not errors, errors
+        return [[ev.token_id for ev in evs if ev.token_id is not None] for evs in events]
     finally:
         sched.stop()
 
@@ -156,21 +159,45 @@ def test_tiered_rows_equal_memory_tables(tiny_model_dir, memory_engine, tmp_path
             assert st["cache_evictions"] > 0 and st["hits"].get("cache", 0) > 0
 
 
+def _admit(cache: RowCache, rows: torch.Tensor, protect: torch.Tensor) -> torch.Tensor:
+    """Place `rows` and write their data (row id in every column), as the row store does."""
+    slots = cache.place(rows, protect)
+    ok = slots >= 0
+    cache.slab[slots[ok]] = rows[ok][:, None].float().expand(-1, 4)
+    return slots
+
+
 def test_row_cache_keeps_hot_rows():
     cache = RowCache(total_rows=10_000, capacity=64, dim=4, dtype=torch.float32, device=torch.device("cpu"))
     hot = torch.arange(8)
     none = torch.empty(0, dtype=torch.int64)
-    cache.insert(hot, hot[:, None].float().expand(-1, 4), none)
+    _admit(cache, hot, none)
     rng = np.random.default_rng(0)
     for _ in range(200):
         cache.lookup(hot)  # the head is used every step
         cold = torch.from_numpy(rng.choice(np.arange(100, 10_000), 16, replace=False))
         slots = cache.lookup(cold)
-        cache.insert(cold[slots < 0], cold[slots < 0][:, None].float().expand(-1, 4), none)
+        _admit(cache, cold[slots < 0], none)
     slots = cache.lookup(hot)
     assert bool((slots >= 0).all())
     assert torch.equal(cache.slab[slots][:, 0], hot.float())
     assert cache.evictions > 0
+
+
+def test_row_cache_place_keeps_present_rows_and_protected_slots():
+    """`place` returns a present row's own slot, new slots for absent ones, -1 where no room is left
+    without evicting protected slots; bookkeeping stays a bijection."""
+    cache = RowCache(total_rows=1000, capacity=8, dim=4, dtype=torch.float32, device=torch.device("cpu"))
+    first = _admit(cache, torch.arange(6), torch.empty(0, dtype=torch.int64))
+    assert sorted(first.tolist()) == sorted(set(first.tolist())) and bool((first >= 0).all())
+    again = cache.place(torch.tensor([3, 100, 101]), first)  # 3 is present; 2 free slots for 100, 101
+    assert again[0] == first[3] and bool((again[1:] >= 0).all()) and not set(again[1:].tolist()) & set(first.tolist())
+    full = cache.place(torch.tensor([200, 201]), torch.cat([first, again[1:]]))  # all 8 slots protected
+    assert full.tolist() == [-1, -1]
+    later = _admit(cache, torch.tensor([300]), first)  # may evict only 100 or 101
+    assert int(later[0]) in again[1:].tolist()
+    for row, slot in ((r, int(cache.slot_of[r])) for r in (*range(6), 300)):
+        assert int(cache.row_of[slot]) == row and cache.slab[slot, 0] == row
 
 
 def _store_of(engine) -> str:

@@ -77,22 +77,25 @@ class RowCache:
                 self._inc = 1.0
         return slots
 
-    def insert(self, rows: torch.Tensor, data: torch.Tensor, protect: torch.Tensor) -> None:
-        """Admit distinct absent `rows` [m] with `data` [m, dim] on the slab's device; never evicts `protect`."""
-        absent = self.slot_of[rows] < 0  # a row another ticket admitted meanwhile is not admitted twice
-        rows, data = rows[absent], data[absent.to(data.device)]
-        m = min(rows.numel(), self.capacity - protect.numel())
+    def place(self, rows: torch.Tensor, protect: torch.Tensor) -> torch.Tensor:
+        """Slots for distinct global `rows` [m]: the current one of a row already admitted (by a ticket
+        meanwhile), a newly assigned one otherwise (the caller writes the data there), -1 where the cache
+        has no room; never evicts the slots in `protect`. int64 [m]."""
+        slots = self.slot_of[rows].to(torch.int64)
+        absent = (slots < 0).nonzero().view(-1)
+        m = min(absent.numel(), self.capacity - protect.numel())
         if m <= 0:
-            return
-        rows, data = rows[:m], data[:m]
+            return slots
         if len(self.free) < m:
             self._evict(max(m - len(self.free), self.capacity // 16), protect)
         m = min(m, len(self.free))
-        slots = torch.tensor([self.free.pop() for _ in range(m)], dtype=torch.int64)
-        self.slab[slots.to(self.slab.device)] = data[:m]
-        self.row_of[slots] = rows[:m]
-        self.slot_of[rows[:m]] = slots.to(torch.int32)
-        self.score[slots] = self._inc
+        new = torch.tensor([self.free.pop() for _ in range(m)], dtype=torch.int64)
+        chosen = rows[absent[:m]]
+        slots[absent[:m]] = new
+        self.row_of[new] = chosen
+        self.slot_of[chosen] = new.to(torch.int32)
+        self.score[new] = self._inc
+        return slots
 
     def _evict(self, n: int, protect: torch.Tensor) -> None:
         score = self.score.clone()
@@ -296,11 +299,10 @@ class EngramRowStore:
     def wait(self, ticket: _Ticket) -> torch.Tensor:
         """The rows of `ticket` [T, heads, head_dim] on the device, waiting only for reads still in flight."""
         layer, uniq = ticket.layer, ticket.uniq
-        if self.tier == "gpu" or self.mapped:  # one gather kernel over the VRAM table or the mapped pinned one
+        if self.tier == "gpu" or self.mapped:  # one gather kernel over the VRAM table or the mapped one
             self._count(self.tier, uniq.numel())
             table = self.full[layer] if self.tier == "gpu" else self.mapped[layer]
-            out = table[uniq.to(self.device)]
-            return out[ticket.inverse.to(self.device)].view(*ticket.shape, self.dim)
+            return table[self._on_device(uniq[ticket.inverse])].view(*ticket.shape, self.dim)
         self._live = [t for t in self._live if t is not ticket]
         if ticket.reads is None:
             self._issue(ticket)
@@ -309,19 +311,39 @@ class EngramRowStore:
             f.result()
         self.stats_.stall_s += time.perf_counter() - t0
         self._count(self.tier, ticket.miss.numel())
-        out = torch.empty(uniq.numel(), self.dim, dtype=self.dtype, device=self.device)
         staged = ticket.staged.to(self.device, non_blocking=True) if ticket.miss.numel() else None
-        if self.cache is None:
-            out = staged if staged is not None else out
-        else:
-            hit = ticket.slots >= 0
-            if bool(hit.any()):
-                out[hit.to(self.device)] = self.cache.slab[ticket.slots[hit].to(self.device)]
-            if staged is not None:
-                out[(~hit).to(self.device)] = staged
-                live = [t.slots[t.slots >= 0] for t in self._live] + [ticket.slots[hit]]
-                self.cache.insert(ticket.miss + self.base[layer], staged, torch.cat(live))
-        return out[ticket.inverse.to(self.device)].view(*ticket.shape, self.dim)
+        if self.cache is None:  # every row was read: staged holds them in `uniq` order
+            if staged is None:  # a step without rows
+                return torch.empty(*ticket.shape, self.dim, dtype=self.dtype, device=self.device)
+            return staged[self._on_device(ticket.inverse)].view(*ticket.shape, self.dim)
+        slots, hit = ticket.slots, ticket.slots >= 0
+        if staged is not None:  # admit the misses first, then one gather from the slab serves every row
+            live = [t.slots[t.slots >= 0] for t in self._live] + [slots[hit]]
+            placed = self.cache.place(ticket.miss + self.base[layer], torch.cat(live))  # [m] slots, -1: no room
+            ok = placed >= 0
+            if not bool(ok.all()):  # the cache cannot take them all (a tiny cache): admit some, assemble by parts
+                if bool(ok.any()):
+                    self.cache.slab[self._on_device(placed[ok])] = staged[self._on_device(ok.nonzero().view(-1))]
+                return self._assemble(ticket, staged)
+            self.cache.slab[self._on_device(placed)] = staged
+            slots = slots.clone()
+            slots[~hit] = placed
+        return self.cache.slab[self._on_device(slots[ticket.inverse])].view(*ticket.shape, self.dim)
+
+    def _assemble(self, ticket: _Ticket, staged: torch.Tensor) -> torch.Tensor:
+        """Cache hits from the slab, misses from `staged`, when not every miss fits in the cache."""
+        hit = ticket.slots >= 0
+        out = torch.empty(ticket.uniq.numel(), self.dim, dtype=self.dtype, device=self.device)
+        if bool(hit.any()):
+            out[self._on_device(hit.nonzero().view(-1))] = self.cache.slab[self._on_device(ticket.slots[hit])]
+        out[self._on_device((~hit).nonzero().view(-1))] = staged
+        return out[self._on_device(ticket.inverse)].view(*ticket.shape, self.dim)
+
+    def _on_device(self, index: torch.Tensor) -> torch.Tensor:
+        """A host index tensor on the compute device: through pinned memory, so the copy does not block."""
+        if self.device.type != "cuda":
+            return index
+        return index.pin_memory().to(self.device, non_blocking=True)
 
     def prefetch(self, layer: int, rows: torch.Tensor) -> None:
         """Read `rows` of `layer` into the cache ahead of need (e.g. a whole prompt at admission)."""
