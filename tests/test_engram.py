@@ -260,6 +260,7 @@ def test_device_view_reads_and_sees_pinned_memory():
     host = torch.arange(4096 * 16, dtype=torch.float32).view(4096, 16).to(torch.bfloat16).pin_memory()
     view = device_view(host, dev)
     assert view is not None and view.is_cuda and view.data_ptr() == host.data_ptr()
+    assert device_view(host, torch.device("cuda")) is not None  # an unindexed device means the current card
     assert view.shape == host.shape and view.dtype == host.dtype
     idx = torch.randint(0, 4096, (333,), generator=torch.Generator().manual_seed(0))
     assert torch.equal(view[idx.to(dev)].cpu(), host[idx])

@@ -1,7 +1,7 @@
 """One model split over 2 (and 4) GPUs gives what one GPU gives, and every card's tier is used.
 
 Skipped unless the host has at least that many CUDA devices. The tiny demo model gets 6 layers
-(1 dense + 5 MoE, no Engram) so that 4 cards each get a stage.
+(1 dense + 5 MoE, no Engram) so that 4 cards each get a stage; the Engram cases add Engram layers 1 and 4.
 """
 
 from __future__ import annotations
@@ -106,3 +106,40 @@ def test_hops_are_timed_and_batched_serving_works(tiny6_dir):
     finally:
         many.close()
         one.close()
+
+
+@pytest.fixture(scope="module")
+def engram6_dir(tmp_path_factory):
+    """The tiny demo model with 6 layers and Engram layers 1 and 4 (cards 0 and 1 of a two-card split)."""
+    from strata.runtime import engram_demo
+    from strata.runtime.demo_model import write_demo_model
+
+    saved = engram_demo._SIZES["tiny"]
+    engram_demo._SIZES["tiny"] = ([1, 4], *saved[1:])
+    try:
+        return write_demo_model(tmp_path_factory.mktemp("engram6") / "tiny6e", size="tiny", layers=6, progress=False)
+    finally:
+        engram_demo._SIZES["tiny"] = saved
+
+
+@needs_two
+@pytest.mark.parametrize("tier", ["pinned", "disk"])
+def test_engram_rows_go_to_the_card_that_runs_the_layer(engram6_dir, tier):
+    """An Engram model over two cards: each card's row store serves its own Engram layer, on that card, and
+    the model gives what one card gives (bf16 tolerance; greedy tokens over a prefix)."""
+    conf = {"runtime": {"max_context": 256, "cpu_numerics": "gpu"}, "tiers": {"disk": {"scrub": False}},
+            "engram": {"tier": tier, "row_cache": "4KiB"}}
+    one = Engine.from_pretrained(engram6_dir, config={**conf, "runtime": {**conf["runtime"], "device": "cuda:0"}})
+    many = Engine.from_pretrained(engram6_dir, config={**conf, "runtime": {**conf["runtime"], "devices": [0, 1]}})
+    try:
+        assert (one.score(IDS) - many.score(IDS)).abs().max().item() < BF16_ATOL
+        assert greedy(many)[:8] == greedy(one)[:8]
+        stores = many.model.engram.source.stores
+        assert {str(d) for d in stores} == {"cuda:0", "cuda:1"}
+        assert {d: list(rs.tables) for d, rs in stores.items()} == {torch.device("cuda:0"): [1], torch.device("cuda:1"): [4]}
+        st = many.model.engram.stats()["devices"]
+        assert all(card["lookups"] > 0 for card in st.values())
+        assert many.cache.engram.conv[4].device == torch.device("cuda:1")  # the ring moved with its layer
+    finally:
+        one.close()
+        many.close()

@@ -350,3 +350,91 @@ def test_dashboard_grid_and_compute_facade(staged_tiered):
     compute.reproducible = False
     assert compute.cpu_experts == sum(c.cpu_experts for c in compute.computes)
     assert compute.computes[1].rates is compute.computes[0].rates
+
+
+# ----------------------------------------------------------------------------- Engram over several stages
+
+
+@pytest.fixture(scope="module")
+def engram6_dir(tmp_path_factory):
+    """The tiny demo model with 6 layers and Engram layers 1 and 4 (one per stage of a 0-2 / 3-5 split)."""
+    from strata.runtime import engram_demo
+    from strata.runtime.demo_model import write_demo_model
+
+    saved = engram_demo._SIZES["tiny"]
+    engram_demo._SIZES["tiny"] = ([1, 4], *saved[1:])
+    try:
+        return write_demo_model(tmp_path_factory.mktemp("engram6") / "tiny6e", size="tiny", layers=6, progress=False)
+    finally:
+        engram_demo._SIZES["tiny"] = saved
+
+
+def test_layer_sizes_leave_engram_tables_to_the_tiers(engram6_dir):
+    from strata.runtime.checkpoint import Checkpoint
+    from strata.runtime.loader import load_model
+
+    ckpt = Checkpoint.open(engram6_dir)
+    assert ckpt.config.engram.layer_ids == [1, 4]
+    model = load_model(ckpt, torch.float32, "cpu")
+    tiered, memory = layer_sizes(ckpt.config, torch.float32), layer_sizes(ckpt.config, torch.float32, experts=True)
+    table = model.layers[1].engram.multi_head_embedding.embedding.weight.numel() * 4
+    dense = sum(p.numel() * 4 for n, p in model.layers[1].named_parameters()
+                if not n.startswith("mlp.experts.") and ".multi_head_embedding." not in n)
+    assert tiered.layer_bytes[1] == dense  # tiered: the table lives in the Engram row store's tier
+    assert memory.layer_bytes[1] == sum(p.numel() * 4 for p in model.layers[1].parameters()) > dense + table - 1
+
+
+def test_staged_tiered_engram_model_matches_memory_model(engram6_dir, tmp_path_factory):
+    """An Engram model over two stages: its tables leave the layers, a row store serves each stage's
+    Engram layer, and the scores equal the all-in-memory model's."""
+    import os
+
+    from strata.runtime.build import ensure_store
+    from strata.runtime.checkpoint import Checkpoint
+    from strata.runtime.loader import load_model
+    from strata.runtime.multi_device import assemble_tiered
+    from strata.tiers.slots import TierBudgets
+
+    os.environ.setdefault("STRATA_CACHE", str(tmp_path_factory.mktemp("cache")))
+    cfg = load_config({"runtime": {"cpu_numerics": "gpu", "max_context": 64}, "tiers": {"disk": {"scrub": False}},
+                       "engram": {"tier": "disk", "row_cache": "1KiB", "read_batch": 7}})
+    store = ensure_store(engram6_dir, cfg, False)
+    loaded = assemble_tiered(Checkpoint.open(store), [(CPU, 0, 3), (CPU, 3, 6)], [8, 8],
+                             TierBudgets(gpu_slots=16, pinned_slots=20), cfg, torch.float32, ram_available=1 << 30)
+    try:
+        model = loaded.model
+        assert all(layer.engram.multi_head_embedding is None for layer in model.layers if layer.engram is not None)
+        ref = load_model(Checkpoint.open(engram6_dir), torch.float32, "cpu")
+        torch.testing.assert_close(_score(model, loaded.checkpoint.config, IDS), _score(ref, ref.cfg, IDS),
+                                   rtol=1e-5, atol=1e-5)
+        st = model.engram.stats()
+        assert st["tier"] == "disk" and st["lookups"] > 0 and st["hits"].get("disk", 0) > 0
+    finally:
+        loaded.manager.close()
+        model.engram.source.close()
+
+
+def test_staged_rows_serve_each_layer_from_its_own_store(engram6_dir, tmp_path_factory):
+    """`StagedRows` (one row store per card) routes every Engram layer to its store, reports each card's
+    statistics under "devices", and the model's outputs equal the all-in-memory model's."""
+    import os
+
+    from strata import Engine
+    from strata.runtime.engram_store import StagedRows
+    from strata.tiers.engram_rows import EngramRowStore
+
+    os.environ.setdefault("STRATA_CACHE", str(tmp_path_factory.mktemp("cache")))
+    memory = Engine.from_pretrained(engram6_dir, device="cpu", config={"runtime": {"experts": "memory"}})
+    conf = {"tiers": {"disk": {"scrub": False}}, "engram": {"tier": "disk", "row_cache": "1KiB"}}
+    with Engine.from_pretrained(engram6_dir, device="cpu", config=conf) as eng:
+        store = eng.checkpoint.store
+        parts = {"card-a": EngramRowStore(store, [1], "disk", CPU, 8), "card-b": EngramRowStore(store, [4], "pinned", CPU, 8)}
+        eng.model.engram.source = StagedRows(parts)
+        try:
+            torch.testing.assert_close(eng.score(IDS.tolist()), memory.score(IDS.tolist()), rtol=1e-5, atol=1e-5)
+            st = eng.model.engram.stats()
+            a, b = st["devices"]["card-a"], st["devices"]["card-b"]
+            assert a["lookups"] > 0 and b["lookups"] > 0 and a["lookups"] == b["lookups"]
+            assert a["hits"].get("disk", 0) > 0 and b["hits"].get("pinned", 0) > 0
+        finally:
+            eng.model.engram.source.close()

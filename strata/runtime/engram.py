@@ -85,10 +85,20 @@ class EngramStep:
         self.source, self.tickets, self.cache = source, tickets, cache
         self.taps = taps  # int64 [N, kernel] on the device: index into cat(new [N], ring [slots*W], zero [1])
         self.ring_dst, self.ring_src = ring_dst, ring_src  # where the step's last values go in the ring
+        self._moved: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
 
     def rows(self, layer: int) -> torch.Tensor:
         """The layer's rows for the step's tokens [N, heads, head_dim], waiting if they are not there yet."""
         return self.source.wait(self.tickets.pop(layer))
+
+    def indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(taps, ring_dst, ring_src) on `device`: an Engram layer on another card of a staged model gets
+        its own copy, once per step."""
+        if self.taps.device == device:
+            return self.taps, self.ring_dst, self.ring_src
+        if device not in self._moved:
+            self._moved[device] = tuple(t.to(device, non_blocking=True) for t in (self.taps, self.ring_dst, self.ring_src))
+        return self._moved[device]
 
 
 class StaticEngramStep:
@@ -105,6 +115,9 @@ class StaticEngramStep:
 
     def rows(self, layer: int) -> torch.Tensor:
         return self._rows[layer]
+
+    def indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.taps, self.ring_dst, self.ring_src  # one card: graphs are not used on staged models
 
     def load(self, step: EngramStep) -> None:
         """Copy `step`'s inputs in (waiting for rows still in flight); shapes must match the capture's."""
@@ -223,10 +236,11 @@ class EngramLayer(nn.Module):
         normed = self.short_conv.norm(value)  # [N, H]
         ring = step.cache.conv[self.layer]  # [slots, W, H]
         flat = ring.view(-1, self.hidden)
+        tap_index, ring_dst, ring_src = step.indices(value.device)
         src = torch.cat([normed, flat, normed.new_zeros(1, self.hidden)])
-        taps = src[step.taps]  # [N, kernel, H]
+        taps = src[tap_index]  # [N, kernel, H]
         w = self.short_conv.conv.weight[:, 0, :].t().to(value.dtype)  # [kernel, H]
         out = F.silu((taps * w).sum(1))
-        if step.ring_dst.numel():
-            flat[step.ring_dst] = normed[step.ring_src]
+        if ring_dst.numel():
+            flat[ring_dst] = normed[ring_src]
         return out

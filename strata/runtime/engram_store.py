@@ -57,8 +57,12 @@ def drop_tables(model) -> None:
             layer.engram.multi_head_embedding = None
 
 
-def attach_row_store(model, store, cfg, device: torch.device, ram_available: int) -> EngramRowStore:
-    """Build the row store from `[engram]` config and make it the model's row source."""
+def attach_row_store(model, store, cfg, device: torch.device, ram_available: int,
+                     layer_devices: dict[int, torch.device] | None = None) -> EngramRowStore | StagedRows:
+    """Build the row store from `[engram]` config and make it the model's row source.
+
+    `layer_devices` (a model staged over several cards): one row store per card, for the Engram layers
+    that card runs, so each layer's rows land on its own card; the row cache is shared out by layers."""
     ecfg = model.cfg.engram
     tables = [store.index.tables.get(table_name(i)) for i in ecfg.layer_ids]
     table_bytes = sum(t.nbytes for t in tables if t is not None)
@@ -67,7 +71,45 @@ def attach_row_store(model, store, cfg, device: torch.device, ram_available: int
     cache = cfg.engram.row_cache_bytes
     if cache is None:  # auto: 1/8 of the tables, at most 1 GiB, on the compute device
         cache = min(table_bytes // 8, 1 << 30)
-    rows = EngramRowStore(store, ecfg.layer_ids, tier, device, cache // row_bytes, prefetch=cfg.engram.prefetch,
-                          read_batch=cfg.engram.read_batch, tmpfs_dir=cfg.tiers.tmpfs.path, zero_copy=cfg.engram.zero_copy)
+    groups: dict[torch.device, list[int]] = {}
+    for layer in ecfg.layer_ids:
+        groups.setdefault(torch.device((layer_devices or {}).get(layer, device)), []).append(layer)
+
+    def build(dev: torch.device, layers: list[int]) -> EngramRowStore:
+        share = cache * len(layers) // len(ecfg.layer_ids)
+        return EngramRowStore(store, layers, tier, dev, share // row_bytes, prefetch=cfg.engram.prefetch,
+                              read_batch=cfg.engram.read_batch, tmpfs_dir=cfg.tiers.tmpfs.path,
+                              zero_copy=cfg.engram.zero_copy)
+
+    stores = {dev: build(dev, layers) for dev, layers in groups.items()}
+    rows = next(iter(stores.values())) if len(stores) == 1 else StagedRows(stores)
     model.engram.source = rows
     return rows
+
+
+class StagedRows:
+    """The row source of a model staged over several cards: each Engram layer's rows come from the row
+    store of the card that runs it (`strata.runtime.engram.RowSource`)."""
+
+    def __init__(self, stores: dict[torch.device, EngramRowStore]):
+        self.stores = stores
+        self._of = {layer: rs for rs in stores.values() for layer in rs.tables}
+
+    def start(self, layer: int, rows: torch.Tensor):
+        return self._of[layer], self._of[layer].start(layer, rows)
+
+    def wait(self, ticket) -> torch.Tensor:
+        rs, inner = ticket
+        return rs.wait(inner)
+
+    def prefetch(self, layer: int, rows: torch.Tensor) -> None:
+        self._of[layer].prefetch(layer, rows)
+
+    def stats(self) -> dict:
+        """Every card's statistics under "devices" (the metrics and dashboard add them up)."""
+        return {"tier": next(iter(self.stores.values())).tier,
+                "devices": {str(dev): rs.stats() for dev, rs in self.stores.items()}}
+
+    def close(self) -> None:
+        for rs in self.stores.values():
+            rs.close()

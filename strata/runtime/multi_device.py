@@ -17,10 +17,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import psutil
 import torch
 
 from strata.config import StrataConfig
-from strata.errors import StrataError
 from strata.runtime.build import (
     _DTYPES,
     LoadedModel,
@@ -33,6 +33,7 @@ from strata.runtime.build import (
 )
 from strata.runtime.checkpoint import Checkpoint
 from strata.runtime.device_tiers import DeviceTiers, StoreView
+from strata.runtime.engram_store import attach_row_store, drop_tables
 from strata.runtime.expert_compute import ExpertCompute
 from strata.runtime.host import probe_host
 from strata.runtime.loader import load_model
@@ -98,7 +99,6 @@ def build_multi_device(path: Path, cfg: StrataConfig, progress: bool = False) ->
     """Load `path` split over `cfg.runtime.devices` (at least two CUDA cards)."""
     if cfg.runtime.experts == "memory":
         checkpoint = Checkpoint.open(path)
-        _refuse_engram(checkpoint)
         dtype = _DTYPES.get(cfg.runtime.dtype) or torch.bfloat16
         max_context = min(cfg.runtime.max_context, checkpoint.config.max_position_embeddings)
         sizes = layer_sizes(checkpoint.config, dtype, cfg.planner.max_batch, experts=True)
@@ -115,17 +115,17 @@ def build_multi_device(path: Path, cfg: StrataConfig, progress: bool = False) ->
     host = probe_host(cfg.tiers.tmpfs.path, cfg.tiers.disk.path)
     the_plan = plan(source or store_dir, host, cfg, store_dir=store_dir)  # refuses before anything is loaded
     checkpoint = Checkpoint.open(store_dir)
-    _refuse_engram(checkpoint)
     bounds = [(resolve_device(g.device), g.layers[0], g.layers[1]) for g in the_plan.gpus]
     loaded = assemble_tiered(checkpoint, bounds, [g.slots for g in the_plan.gpus], TierBudgets(**the_plan.budgets()),
-                             cfg, _DTYPES[the_plan.compute_dtype], progress, max_context=the_plan.max_context)
+                             cfg, _DTYPES[the_plan.compute_dtype], progress, max_context=the_plan.max_context,
+                             ram_available=host.ram_available)
     loaded.plan = the_plan
     return loaded
 
 
 def assemble_tiered(checkpoint: Checkpoint, bounds: Bounds, gpu_slots: list[int], budgets: TierBudgets,
                     cfg: StrataConfig, dtype: torch.dtype, progress: bool = False, time_hops: bool = False,
-                    max_context: int | None = None) -> LoadedModel:
+                    max_context: int | None = None, ram_available: int | None = None) -> LoadedModel:
     """The tiered model over `bounds` (device, first, end layer per stage) with `gpu_slots[s]` expert slots on
     stage s's device. Stages may be CPU devices (the GPU tier is then simulated in RAM): tests run it there."""
     store = checkpoint.store
@@ -149,8 +149,12 @@ def assemble_tiered(checkpoint: Checkpoint, bounds: Bounds, gpu_slots: list[int]
     prepare_cpu_experts(computes)
     stage_of = {i: s for s, layers in enumerate(per_stage) for i in layers}
     model = load_model(checkpoint, dtype, "cpu", progress=progress,
-                       prepare=lambda m: _use_stage_experts(m, computes, stage_of))
+                       prepare=lambda m: (_use_stage_experts(m, computes, stage_of), drop_tables(m)))
     stage_map = stage_model(model, bounds, time_hops=time_hops)
+    if model.engram is not None:  # each Engram layer's rows are served to the card that runs it
+        ram = ram_available if ram_available is not None else psutil.virtual_memory().available
+        attach_row_store(model, store, cfg, bounds[0][0], ram,
+                         layer_devices={i: stage_map.layer_device[i] for i in model.cfg.engram.layer_ids})
     tiers = DeviceTiers(store, managers, [str(d) for d, _, _ in bounds], [(s, e) for _, s, e in bounds],
                         hops=stage_map.stats.snapshot)
     compute = StagedCompute(computes, tiers)
@@ -180,12 +184,6 @@ def _share_cpu_worker(computes: list[ExpertCompute]) -> None:
             c.pool.shutdown(wait=False)
         c.pool = pool if c.pool is not None else None
         c.rates = computes[0].rates
-
-
-def _refuse_engram(checkpoint: Checkpoint) -> None:
-    if getattr(checkpoint.config, "engram", None) is not None:
-        raise StrataError("Engram layers over several GPUs are not supported yet; run this model on one GPU "
-                          "(drop runtime.devices / --gpus)")
 
 
 def _wait_for(path: Path, timeout: float = 5.0) -> None:

@@ -52,7 +52,7 @@ class LayerSizes:
 def layer_sizes(cfg: ModelConfig, dtype: torch.dtype, batch: int = 1, experts: bool = False) -> LayerSizes:
     """Per-layer bytes of `cfg`'s model as strata loads it (shapes from a meta-device build, no weights).
 
-    `experts=True` counts routed experts inside their layers (`runtime.experts = "memory"`).
+    `experts=True` counts routed experts and Engram tables inside their layers (`runtime.experts = "memory"`).
     """
     from strata.runtime.kv_cache import KVCache
     from strata.runtime.loader import _FP32_SUFFIXES
@@ -66,8 +66,8 @@ def layer_sizes(cfg: ModelConfig, dtype: torch.dtype, batch: int = 1, experts: b
     def nbytes(prefix: str, module: torch.nn.Module) -> int:
         total = 0
         for name, p in module.named_parameters(prefix=prefix):
-            if ".mlp.experts." in name and not experts:
-                continue
+            if (".mlp.experts." in name or ".engram.multi_head_embedding." in name) and not experts:
+                continue  # tiered: experts and Engram tables live in the tiers, not with the layer
             total += p.numel() * (4 if fp32_router and name.endswith(_FP32_SUFFIXES) else item)
         return total
 

@@ -154,10 +154,15 @@ def _to(t, device: torch.device):
 
 
 def relocate_cache(cache, layer_device: list[torch.device]) -> None:
-    """Move each layer's KV slabs to that layer's device, once (later calls find them in place)."""
+    """Move each layer's KV slabs (and an Engram layer's convolution ring) to that layer's device, once
+    (later calls find them in place)."""
     for i, pair in enumerate(cache.layers):
         if pair[0].device != layer_device[i]:
             cache.layers[i] = tuple(t.to(layer_device[i]) for t in pair)
+    rings = cache.engram.conv if getattr(cache, "engram", None) is not None else {}
+    for i, ring in rings.items():
+        if ring.device != layer_device[i]:
+            rings[i] = ring.to(layer_device[i])
 
 
 def _set_device(device: torch.device) -> None:

@@ -25,6 +25,7 @@ vouched for, and damage that leaves the file's identity unchanged is for `strata
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterator
@@ -200,7 +201,9 @@ class EngramRowStore:
                 self.verified_from_record.add(t.name)
             if self.tier in ("gpu", "pinned"):
                 pin = self.tier == "pinned" and torch.cuda.is_available()
-                full = torch.empty(t.num_rows, t.row_bytes, dtype=torch.uint8, pin_memory=pin)
+                with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+                    # pinned in the context of the card that reads it (its device mapping: strata.tiers.uva)
+                    full = torch.empty(t.num_rows, t.row_bytes, dtype=torch.uint8, pin_memory=pin)
                 for a, b, chunk in self._chunks(t, check=not trusted):
                     full[a:b] = chunk
                 view = full.view(TORCH_DTYPES[t.dtype]).view(t.num_rows, *t.row_shape)

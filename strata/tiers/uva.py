@@ -37,12 +37,15 @@ def device_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | None
         return None
     if not host.is_contiguous() or host.numel() == 0 or not host.is_pinned():
         return None
+    want = torch.device(device)
+    if want.index is None:  # "cuda": the current card
+        want = torch.device("cuda", torch.cuda.current_device())
     try:
-        with torch.cuda.device(device):
-            flat = torch.as_tensor(_HostArray(host), device=device)
+        with torch.cuda.device(want):
+            flat = torch.as_tensor(_HostArray(host), device=want)
     except (RuntimeError, TypeError, ValueError):
         return None
-    if flat.data_ptr() != host.data_ptr() or flat.device != torch.device(device):
+    if flat.data_ptr() != host.data_ptr() or flat.device != want:  # mapped for another card only
         return None
     return flat.view(host.dtype).view(host.shape)
 
