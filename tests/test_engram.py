@@ -139,11 +139,25 @@ def test_chunked_batched_decode_equals_reference(hf_cfg, memory_engine):
             torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+@pytest.fixture()
+def shm_dir():
+    """A fresh directory in the host's tmpfs (/dev/shm): the planner only puts tables in a RAM filesystem."""
+    import tempfile
+
+    from strata.runtime.host import probe_host
+
+    if not Path("/dev/shm").is_dir() or probe_host("/dev/shm", "/tmp").tmpfs_free == 0:
+        pytest.skip("no tmpfs at /dev/shm")
+    d = tempfile.mkdtemp(prefix="strata-test-engram-", dir="/dev/shm")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
 @pytest.mark.parametrize("tier", ["pinned", "tmpfs", "disk"])
-def test_tiered_rows_equal_memory_tables(tiny_model_dir, memory_engine, tmp_path, tier):
+def test_tiered_rows_equal_memory_tables(tiny_model_dir, memory_engine, shm_dir, tier):
     # a row cache of 16 rows and reads of 5 rows: prompts span many read batches and evict constantly
     conf = {"engram": {"tier": tier, "row_cache": "256B", "read_batch": 5},
-            "tiers": {"disk": {"scrub": False}, "tmpfs": {"path": str(tmp_path / "shm")}}}
+            "tiers": {"disk": {"scrub": False}, "tmpfs": {"path": shm_dir}}}
     with Engine.from_pretrained(tiny_model_dir, config=conf, device="cpu") as eng:
         ids = PROMPTS[0] + PROMPTS[1]
         for (la, _, oa), (lb, _, ob) in zip(_engram_outputs(memory_engine, ids), _engram_outputs(eng, ids), strict=True):
@@ -237,9 +251,9 @@ def test_no_engram_demo(tmp_path):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tier, zero_copy", [("gpu", True), ("pinned", True), ("pinned", False), ("tmpfs", True),
                                              ("tmpfs", False), ("disk", True)])
-def test_gpu_tiers_equal_memory(tiny_model_dir, tmp_path, tier, zero_copy):
+def test_gpu_tiers_equal_memory(tiny_model_dir, shm_dir, tier, zero_copy):
     mem = Engine.from_pretrained(tiny_model_dir, config={"runtime": {"experts": "memory", "dtype": "float32"}}, device="cuda")
-    conf = {"runtime": {"dtype": "float32"}, "tiers": {"disk": {"scrub": False}},
+    conf = {"runtime": {"dtype": "float32"}, "tiers": {"disk": {"scrub": False}, "tmpfs": {"path": shm_dir}},
             "engram": {"tier": tier, "row_cache": "512B", "read_batch": 5, "zero_copy": zero_copy}}
     with Engine.from_pretrained(tiny_model_dir, config=conf, device="cuda") as eng:
         # pinned and tmpfs tables are read in place by the GPU (no row cache) unless zero_copy is off

@@ -255,3 +255,67 @@ def test_probe_host_never_fails(tmp_path, monkeypatch):
     assert probe_host(shm, disk).tmpfs_free == 0
     monkeypatch.setattr(host_mod, "_fs_type", lambda path: "tmpfs")
     assert probe_host(shm, disk).tmpfs_free > 0
+
+
+# ---- Engram tables ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def q30b_engram(tmp_path_factory):
+    """The Qwen3-30B-A3B shapes with two Engram layers whose tables hold 8 GiB each (sparse files)."""
+    spec, _ = qwen3_moe(48, 2048, 32, 768, 128, fused=True)
+    cfg = demo_config("bench")
+    assert cfg["engram"]["layer_ids"] == [1, 24]
+    spec += [("engram_tables", f"model.layers.{i}.engram.multi_head_embedding.embedding.weight", "BF16",
+              (8 * GiB // 1024, 512)) for i in (1, 24)]
+    d = tmp_path_factory.mktemp("q30b-engram") / "m"
+    write_sparse_checkpoint(d, spec, cfg, shards=4)
+    return d
+
+
+def test_engram_tables_are_planned_per_tier(q30b_engram):
+    """Where the tables go decides what they take: the GPU's expert room (tier gpu), pinned RAM (pinned),
+    tmpfs and RAM (tmpfs), or only the row cache (disk); on a GPU, pinned and tmpfs tables need no cache."""
+    base = plan(q30b_engram, host(gpu=48 * GiB), {"engram": {"tier": "disk", "row_cache": "1GiB"}})
+    assert base.engram.table_bytes == 16 * GiB and base.engram.row_cache_bytes == 1 * GiB
+    gpu = plan(q30b_engram, host(gpu=48 * GiB), {"engram": {"tier": "gpu"}})
+    assert gpu.engram.gpu_bytes == 16 * GiB and gpu.engram.row_cache_bytes == 0
+    slot = base.gpus[0].slot_bytes
+    # 16 GiB of tables in VRAM instead of a 1 GiB row cache: 15 GiB fewer expert slots' worth
+    assert (base.tier("gpu").slots - gpu.tier("gpu").slots) * slot == pytest.approx(15 * GiB, abs=slot)
+    pinned = plan(q30b_engram, host(gpu=48 * GiB), {"engram": {"tier": "pinned"}})
+    assert pinned.engram.zero_copy and pinned.engram.gpu_bytes == 0 and pinned.engram.ram_bytes == 16 * GiB
+    assert (base.tier("pinned").budget_bytes - pinned.tier("pinned").budget_bytes) == 16 * GiB
+    tmpfs = plan(q30b_engram, host(gpu=48 * GiB), {"engram": {"tier": "tmpfs"}, "tiers": {"tmpfs": {"budget": "32GiB"}}})
+    assert tmpfs.engram.tmpfs_bytes == 16 * GiB and tmpfs.tier("tmpfs").budget_bytes == 16 * GiB  # the experts' share
+    assert plan(q30b_engram, host(gpu=48 * GiB), {"engram": {"tier": "tmpfs"}}).engram.tier == "tmpfs"  # budget 0
+    for p in (base, gpu, pinned, tmpfs):
+        check_invariants(p)
+        assert "engram       tables 16.00 GiB" in p.format() or "engram       tables 16.0 GiB" in p.format()
+    assert Plan.from_dict(json.loads(json.dumps(pinned.to_dict()))).engram == pinned.engram
+
+
+def test_engram_auto_tier_follows_the_host(q30b_engram):
+    assert plan(q30b_engram, host(ram=128 * GiB), {}).engram.tier == "pinned"  # 16 GiB <= half the RAM room
+    assert plan(q30b_engram, host(ram=24 * GiB), {"tiers": {"tmpfs": {"budget": "20GiB"}}}).engram.tier == "tmpfs"
+    low = plan(q30b_engram, host(ram=24 * GiB, tmpfs=8 * GiB), {})
+    assert low.engram.tier == "disk" and low.engram.row_cache_bytes == 1 * GiB  # auto cache: 1/8, <= 1 GiB
+    cpu = plan(q30b_engram, host(gpu=None, ram=256 * GiB), {"engram": {"tier": "pinned"}})
+    assert not cpu.engram.zero_copy and cpu.engram.ram_bytes == 16 * GiB and cpu.engram.gpu_bytes == 0
+
+
+def test_engram_tables_that_do_not_fit_are_refused(q30b_engram):
+    with pytest.raises(PlanError, match='Engram tables .* VRAM.*engram.tier = "pinned"') as e:
+        plan(q30b_engram, host(gpu=16 * GiB), {"engram": {"tier": "gpu"}})
+    one_line_error(e)
+    assert plan(q30b_engram, host(gpu=16 * GiB), {"engram": {"tier": "pinned"}}).engram.gpu_bytes == 0
+    with pytest.raises(PlanError, match='engram.tier = "tmpfs" or "disk"') as e:
+        plan(q30b_engram, host(ram=16 * GiB), {"engram": {"tier": "pinned"}})
+    one_line_error(e)
+    with pytest.raises(PlanError, match="do not fit in tmpfs") as e:
+        plan(q30b_engram, host(tmpfs=4 * GiB), {"engram": {"tier": "tmpfs"}})
+    one_line_error(e)
+    with pytest.raises(PlanError, match="several GPUs"):
+        h = host()
+        h.gpus = [GpuInfo(0, "a", 80 * GiB, 80 * GiB), GpuInfo(1, "b", 80 * GiB, 80 * GiB)]
+        plan(q30b_engram, h, {"engram": {"tier": "gpu"}, "runtime": {"devices": [0, 1]}})

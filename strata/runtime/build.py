@@ -115,7 +115,8 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
     model = load_model(checkpoint, dtype, device, progress=progress,
                        prepare=lambda m: (use_tiered_experts(m, compute), drop_tables(m)))
     if model.engram is not None:  # Engram tables: served by the tiered row store, checked before serving
-        attach_row_store(model, checkpoint.store, cfg, device, host.ram_available)
+        attach_row_store(model, checkpoint.store, cfg, device, host.ram_available,
+                         tier=the_plan.engram.tier if the_plan.engram is not None else None)
     if device.type == "cuda":  # one graph per step once every expert is resident; until then, graphs between host steps
         model.enable_decode_graphs(
             lambda: None if not cfg.runtime.cuda_graphs else "full" if compute.all_resident() else "segmented")

@@ -58,15 +58,17 @@ def drop_tables(model) -> None:
 
 
 def attach_row_store(model, store, cfg, device: torch.device, ram_available: int,
-                     layer_devices: dict[int, torch.device] | None = None) -> EngramRowStore | StagedRows:
+                     layer_devices: dict[int, torch.device] | None = None,
+                     tier: str | None = None) -> EngramRowStore | StagedRows:
     """Build the row store from `[engram]` config and make it the model's row source.
 
     `layer_devices` (a model staged over several cards): one row store per card, for the Engram layers
-    that card runs, so each layer's rows land on its own card; the row cache is shared out by layers."""
+    that card runs, so each layer's rows land on its own card; the row cache is shared out by layers.
+    `tier`: the planner's choice (`plan.engram.tier`); None resolves `engram.tier` here."""
     ecfg = model.cfg.engram
     tables = [store.index.tables.get(table_name(i)) for i in ecfg.layer_ids]
     table_bytes = sum(t.nbytes for t in tables if t is not None)
-    tier = resolve_tier(cfg.engram.tier, table_bytes, ram_available, cfg.tiers.tmpfs.budget_bytes)
+    tier = tier or resolve_tier(cfg.engram.tier, table_bytes, ram_available, cfg.tiers.tmpfs.budget_bytes)
     row_bytes = max((t.row_bytes for t in tables if t is not None), default=1)
     cache = cfg.engram.row_cache_bytes
     if cache is None:  # auto: 1/8 of the tables, at most 1 GiB, on the compute device

@@ -118,14 +118,16 @@ def build_multi_device(path: Path, cfg: StrataConfig, progress: bool = False) ->
     bounds = [(resolve_device(g.device), g.layers[0], g.layers[1]) for g in the_plan.gpus]
     loaded = assemble_tiered(checkpoint, bounds, [g.slots for g in the_plan.gpus], TierBudgets(**the_plan.budgets()),
                              cfg, _DTYPES[the_plan.compute_dtype], progress, max_context=the_plan.max_context,
-                             ram_available=host.ram_available)
+                             ram_available=host.ram_available,
+                             engram_tier=the_plan.engram.tier if the_plan.engram is not None else None)
     loaded.plan = the_plan
     return loaded
 
 
 def assemble_tiered(checkpoint: Checkpoint, bounds: Bounds, gpu_slots: list[int], budgets: TierBudgets,
                     cfg: StrataConfig, dtype: torch.dtype, progress: bool = False, time_hops: bool = False,
-                    max_context: int | None = None, ram_available: int | None = None) -> LoadedModel:
+                    max_context: int | None = None, ram_available: int | None = None,
+                    engram_tier: str | None = None) -> LoadedModel:
     """The tiered model over `bounds` (device, first, end layer per stage) with `gpu_slots[s]` expert slots on
     stage s's device. Stages may be CPU devices (the GPU tier is then simulated in RAM): tests run it there."""
     store = checkpoint.store
@@ -153,7 +155,7 @@ def assemble_tiered(checkpoint: Checkpoint, bounds: Bounds, gpu_slots: list[int]
     stage_map = stage_model(model, bounds, time_hops=time_hops)
     if model.engram is not None:  # each Engram layer's rows are served to the card that runs it
         ram = ram_available if ram_available is not None else psutil.virtual_memory().available
-        attach_row_store(model, store, cfg, bounds[0][0], ram,
+        attach_row_store(model, store, cfg, bounds[0][0], ram, tier=engram_tier,
                          layer_devices={i: stage_map.layer_device[i] for i in model.cfg.engram.layer_ids})
     tiers = DeviceTiers(store, managers, [str(d) for d, _, _ in bounds], [(s, e) for _, s, e in bounds],
                         hops=stage_map.stats.snapshot)

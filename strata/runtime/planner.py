@@ -27,6 +27,7 @@ import torch
 from strata.config import StrataConfig, load_config, parse_gpus, parse_size
 from strata.errors import StrataError
 from strata.runtime.checkpoint import read_json
+from strata.runtime.engram_plan import EngramPlan, EngramPlanError, plan_engram
 from strata.runtime.host import GpuInfo, HostInfo, probe_host
 from strata.runtime.inspect import format_bytes, summarize_checkpoint
 from strata.runtime.kv_cache import KVCache
@@ -59,6 +60,7 @@ class ModelFootprint:
     non_expert_bytes: int  # every tensor the engine loads that is not a routed expert
     itemsize: int  # bytes per element of the stored weights
     store_bytes: int  # the store's size on disk (existing, or to be built)
+    engram_table_bytes: int = 0  # Engram lookup tables, as stored (served by the row store, not the dense weights)
 
     @property
     def total_experts(self) -> int:
@@ -83,6 +85,7 @@ def read_footprint(model_dir: str | Path) -> ModelFootprint:
         itemsize=itemsize,
         store_bytes=store_format.align_up(non_expert) + cfg.num_moe_layers * cfg.num_experts * slot
         + store_format.align_up(s.bytes_by_role["engram_tables"]),
+        engram_table_bytes=s.bytes_by_role["engram_tables"],
     )  # fmt: skip
 
 
@@ -93,7 +96,7 @@ def _store_footprint(path: Path) -> ModelFootprint:
         path=str(path), source="store", config=_model_config(path), moe_layers=len(idx.moe_layers),
         experts_per_layer=idx.num_experts, expert_bytes=idx.payload_bytes, slot_bytes=idx.slot_bytes,
         non_expert_bytes=dense, itemsize=store_format.itemsize(idx.dtype),
-        store_bytes=sum(idx.file_sizes().values()),
+        store_bytes=sum(idx.file_sizes().values()), engram_table_bytes=sum(t.nbytes for t in idx.tables.values()),
     )  # fmt: skip
 
 
@@ -157,6 +160,7 @@ class Plan:
     tiers: list[TierPlan]
     host: HostInfo
     notes: list[str] = field(default_factory=list)
+    engram: EngramPlan | None = None  # models with Engram tables: their tier and what they take
 
     @property
     def total_experts(self) -> int:
@@ -179,7 +183,8 @@ class Plan:
     def from_dict(cls, d: dict[str, Any]) -> Plan:
         """Rebuild a plan from `to_dict()` output (e.g. after a JSON round trip)."""
         return cls(**{**d, "gpus": [GpuPlan(**g) for g in d["gpus"]], "tiers": [TierPlan(**t) for t in d["tiers"]],
-                      "host": HostInfo.from_dict(d["host"])})
+                      "host": HostInfo.from_dict(d["host"]),
+                      "engram": EngramPlan(**d["engram"]) if d.get("engram") else None})
 
     def format(self) -> str:
         """A multi-line report for the terminal."""
@@ -195,6 +200,8 @@ class Plan:
             if g.layers:
                 lines.append(f"  {'':<12} layers {g.layers[0]}-{g.layers[1] - 1}: {g.slots} expert slots ({f(g.expert_bytes)})")
         lines.append(f"  KV cache     {self.max_batch} x {self.max_context} tokens, {f(self.kv_bytes)}")
+        if self.engram is not None:
+            lines.append(f"  engram       {self.engram.describe()}")
         lines.append(f"  {'tier':<12} {'experts':>8} {'bytes':>12} {'budget':>12} {'lookups':>8}")
         for t in self.tiers:
             lines.append(f"  {t.name:<12} {t.slots:>8} {f(t.bytes):>12} {f(t.budget_bytes):>12} {100 * t.fraction:>7.1f}%"
@@ -237,7 +244,18 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
         slots = min(slots, total)
         return slots - slots % fp.moe_layers if per_layer and fp.moe_layers else slots
 
-    need = _Need(non_expert, kv, kv_per_token, context, cfg.planner.max_batch, reserve)
+    margin = max(RAM_MARGIN_MIN, int(RAM_MARGIN_FRACTION * host.ram_total))
+    ram_other = 0 if gpu is not None else non_expert + kv + reserve
+    tmpfs_budget = min(cfg.tiers.tmpfs.budget_bytes, host.tmpfs_free)
+    engram = None
+    if fp.config.engram is not None and fp.engram_table_bytes:  # whole tables come before the expert tiers
+        try:
+            engram = plan_engram(fp.engram_table_bytes, cfg, gpu is not None, len(cfg.runtime.devices) > 1,
+                                 max(0, host.ram_available - margin - ram_other), tmpfs_budget, host.tmpfs_free)
+        except EngramPlanError as e:
+            raise PlanError(str(e)) from None
+    engram_gpu = engram.gpu_bytes if engram is not None else 0
+    need = _Need(non_expert + engram_gpu, kv, kv_per_token, context, cfg.planner.max_batch, reserve)
     gpus: list[GpuPlan] = []
     gpu_slots, gpu_budget = 0, 0
     if len(cfg.runtime.devices) > 1:  # contiguous stages of layers, one per card
@@ -248,9 +266,15 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
         slot = int(fp.expert_bytes * ratio)
         budget = cfg.tiers.gpu.budget_bytes
         minimum = 0 if budget == 0 else fp.moe_layers * slot
+        left = gpu.free_bytes - non_expert - kv - reserve - minimum
+        if engram is not None and engram.tier == "gpu" and engram.gpu_bytes > left:
+            raise PlanError(
+                f"the Engram tables ({format_bytes(engram.table_bytes)}) do not fit in {device}'s VRAM: "
+                f"{format_bytes(max(0, left))} is left after the non-expert weights, KV cache, reserve and one expert "
+                'per MoE layer; set engram.tier = "pinned" or "auto"')
         need.check(gpu.free_bytes, minimum, f"{device} has {format_bytes(gpu.free_bytes)} free",
                    f"use a GPU with {_gib_up(need.total(minimum))} free", gpu_budget_zero_fits=minimum > 0)
-        room = gpu.free_bytes - non_expert - kv - reserve
+        room = gpu.free_bytes - non_expert - engram_gpu - kv - reserve
         if budget is None:
             budget = room
         elif budget > room:
@@ -266,8 +290,8 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
         gpu_slots, gpu_budget = scoped(budget // slot if slot else 0), budget
         if slot and budget // slot > total:
             notes.append(f"the GPU holds all {total} experts; {format_bytes(budget - total * slot)} of its budget is unused")
-        gpus.append(GpuPlan(device, gpu.name, gpu.free_bytes, non_expert, kv, reserve, room, slot, gpu_slots,
-                            gpu_slots * slot))
+        gpus.append(GpuPlan(device, gpu.name, gpu.free_bytes, non_expert + engram_gpu, kv, reserve, room, slot,
+                            gpu_slots, gpu_slots * slot))
     else:
         # CPU-only: weights, KV cache and activations live in RAM, next to at least one expert per layer
         need.check(host.ram_available, fp.moe_layers * fp.slot_bytes,
@@ -278,14 +302,13 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
 
     # tmpfs mirrors whole layer files (RAM-backed, so they count against RAM too)
     layer_bytes = fp.experts_per_layer * fp.slot_bytes
-    tmpfs_budget = min(cfg.tiers.tmpfs.budget_bytes, host.tmpfs_free)
     if tmpfs_budget < cfg.tiers.tmpfs.budget_bytes:
         notes.append(f"tiers.tmpfs.budget is capped at the {format_bytes(host.tmpfs_free)} free in {host.tmpfs_path}")
+    engram_ram = (engram.ram_bytes + engram.tmpfs_bytes) if engram is not None else 0
+    tmpfs_budget = max(0, tmpfs_budget - (engram.tmpfs_bytes if engram is not None else 0))
     tmpfs_layers = min(tmpfs_budget // layer_bytes, fp.moe_layers) if layer_bytes else 0
 
-    margin = max(RAM_MARGIN_MIN, int(RAM_MARGIN_FRACTION * host.ram_total))
-    ram_other = 0 if gpu is not None else non_expert + kv + reserve
-    ram_room = max(0, host.ram_available - margin - ram_other - tmpfs_layers * layer_bytes)
+    ram_room = max(0, host.ram_available - margin - ram_other - engram_ram - tmpfs_layers * layer_bytes)
     pinned_budget = cfg.tiers.pinned.budget_bytes
     if pinned_budget is None:
         pinned_budget = ram_room
@@ -328,6 +351,7 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
         expert_compute="gpu" if gpu_slots else "cpu", max_context=context, max_batch=cfg.planner.max_batch,
         kv_bytes=kv, non_expert_bytes=non_expert, ram_margin_bytes=margin, budget_scope=cfg.policy.budget_scope,
         store_bytes=fp.store_bytes, store_exists=store_exists, gpus=gpus, tiers=tiers, host=host, notes=notes,
+        engram=engram,
     )  # fmt: skip
 
 
