@@ -18,7 +18,7 @@ from strata.runtime.engram_hash import EngramConfig, NgramHasher
 from strata.runtime.kv_cache import KVCache, StepBatch
 from strata.runtime.sampler import SamplingParams
 from strata.runtime.scheduler import GenRequest
-from strata.tiers.engram_rows import RowCache
+from strata.tiers.row_cache import RowCache
 
 PROMPTS = [list(range(5, 45)), [7, 7, 7, 300, 12, 99, 7, 7, 301, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
 
