@@ -121,6 +121,7 @@ class Engine:
         rows = getattr(getattr(self.model, "engram", None), "source", None)  # the Engram row store's readers
         if rows is not None and hasattr(rows, "close"):
             rows.close()
+        gc.unfreeze()  # from_pretrained froze the loaded objects; let the collector reclaim this engine's cycles
 
     def __enter__(self) -> Engine:
         return self

@@ -5,13 +5,18 @@ that already lives elsewhere (the scheduler's queue, the tier manager's counters
 time by a custom collector, so it costs nothing between scrapes and can never drift from the source.
 Each app has its own `CollectorRegistry`, so several servers (or tests) in one process do not collide.
 
-Tier series (label `tier`, plus `device` for multi-GPU hosts later):
+Tier series (labels `tier` and `device`). A model split over several cards reports each card's own
+tier manager under `device` (e.g. "cuda:1"; the merged totals are not emitted, since summing over
+`device` gives them); a single-card engine's series carry the engine's device:
   strata:tier_lookups_total       lookups that reached this tier (not served by a faster one)
   strata:tier_hits_total          lookups this tier served
   strata:tier_hit_ratio           hits / lookups of the tier (for the first tier: the share of all lookups)
   strata:tier_resident_objects / strata:tier_resident_bytes / strata:tier_capacity_objects / strata:tier_evictions_total
   strata:tier_bytes_moved_total, strata:tier_bandwidth_bytes_per_second   (label `path`, e.g. "disk->pinned")
-  strata:tier_stall_seconds_total, strata:prefetch_precision, strata:prefetch_recall
+  strata:tier_stall_seconds_total, strata:prefetch_precision, strata:prefetch_recall, strata:tier_damaged_objects
+
+Stage-hop series (no labels; only for a model split over several cards): activation copies between cards
+  strata:stage_hops_total, strata:stage_hop_bytes_total, strata:stage_hop_seconds_total (0 unless hops are timed)
 
 Engram row series (label `device`; none at all for a model without Engram layers). Where the tables
 live is `strata:engram_info{table_tier}` ("memory": plain in-memory tables, and no other series):
@@ -143,13 +148,12 @@ def _scheduler_metrics(s: dict) -> Iterator[Metric]:
 
 
 def _tier_metrics(t: dict | None, device: str, plan: Any) -> Iterator[Metric]:
+    """The tier series of `engine.stats()["tiers"]`: one `device` label per card of a staged model (the
+    snapshots under "devices"; the merged totals are left out, since summing over `device` gives them),
+    else the one snapshot labelled `device`; plus the stage-hop counters when there are stage hops."""
     if not t:
         return
-    tiers = t.get("tiers", {})
-    hits = {name: int(v.get("hits", 0)) for name, v in tiers.items()}
-    for name, rate in t.get("hit_rate", {}).items():  # a tier that served lookups but has no residency row
-        hits.setdefault(name, round(rate * t.get("lookups", 0)))
-    order = [n for n in TIER_ORDER if n in hits] + sorted(n for n in hits if n not in TIER_ORDER)
+    cards = _cards(t, device, plan)
     labels = ["tier", "device"]
     lookups = CounterMetricFamily("strata:tier_lookups", "Expert lookups that reached this tier.", labels=labels)
     hit_c = CounterMetricFamily("strata:tier_hits", "Expert lookups this tier served.", labels=labels)
@@ -159,51 +163,74 @@ def _tier_metrics(t: dict | None, device: str, plan: Any) -> Iterator[Metric]:
                                    labels=labels)
     capacity = GaugeMetricFamily("strata:tier_capacity_objects", "Expert slots of the tier.", labels=labels)
     evictions = CounterMetricFamily("strata:tier_evictions", "Experts evicted from the tier.", labels=labels)
-    reaching = sum(hits.values())
-    for name in order:
-        lbl = [name, device]
-        lookups.add_metric(lbl, reaching)
-        hit_c.add_metric(lbl, hits[name])
-        ratio.add_metric(lbl, hits[name] / reaching if reaching else 0.0)
-        reaching -= hits[name]
-        row = tiers.get(name)
-        if row is not None:
-            resident.add_metric(lbl, row.get("resident", 0))
-            resident_b.add_metric(lbl, row.get("resident", 0) * _slot_bytes(plan, name))
-            capacity.add_metric(lbl, row.get("capacity", 0))
-            evictions.add_metric(lbl, row.get("evictions", 0))
-    yield from (lookups, hit_c, ratio, resident, resident_b, capacity, evictions)
-
     moved = CounterMetricFamily("strata:tier_bytes_moved", "Bytes moved between tiers.", labels=["path", "device"])
     bw = GaugeMetricFamily("strata:tier_bandwidth_bytes_per_second", "Achieved bandwidth while moving (bytes/busy s).",
                            labels=["path", "device"])
-    for path, p in sorted(t.get("paths", {}).items()):
-        moved.add_metric([path, device], p.get("bytes", 0))
-        bw.add_metric([path, device], p["bytes"] / p["seconds"] if p.get("seconds") else 0.0)
-    yield from (moved, bw)
-
     stall = CounterMetricFamily("strata:tier_stall_seconds", "Time compute waited for experts to arrive.",
                                 labels=["device"])
-    stall.add_metric([device], float(t.get("stall_seconds", 0.0)))
-    yield stall
-    pf = t.get("prefetch", {})
-    for key, doc in (("precision", "Prefetched experts later used / prefetches issued."),
-                     ("recall", "Lookups served by a prefetch / (those + misses).")):
-        g = GaugeMetricFamily(f"strata:prefetch_{key}", doc, labels=["device"])
-        g.add_metric([device], float(pf.get(key, 0.0)))
-        yield g
+    pf = {key: GaugeMetricFamily(f"strata:prefetch_{key}", doc, labels=["device"])
+          for key, doc in (("precision", "Prefetched experts later used / prefetches issued."),
+                           ("recall", "Lookups served by a prefetch / (those + misses)."))}
     damaged = GaugeMetricFamily("strata:tier_damaged_objects", "Experts whose checksum failed.", labels=["device"])
-    damaged.add_metric([device], len(t.get("damaged", [])))
-    yield damaged
+    for dev, snap, gpu_slot in cards:
+        tiers = snap.get("tiers", {})
+        hits = {name: int(v.get("hits", 0)) for name, v in tiers.items()}
+        for name, rate in snap.get("hit_rate", {}).items():  # a tier that served lookups but has no residency row
+            hits.setdefault(name, round(rate * snap.get("lookups", 0)))
+        order = [n for n in TIER_ORDER if n in hits] + sorted(n for n in hits if n not in TIER_ORDER)
+        reaching = sum(hits.values())
+        for name in order:
+            lbl = [name, dev]
+            lookups.add_metric(lbl, reaching)
+            hit_c.add_metric(lbl, hits[name])
+            ratio.add_metric(lbl, hits[name] / reaching if reaching else 0.0)
+            reaching -= hits[name]
+            row = tiers.get(name)
+            if row is not None:
+                resident.add_metric(lbl, row.get("resident", 0))
+                slot = gpu_slot if name == "gpu" else (plan.slot_bytes if plan is not None else 0)
+                resident_b.add_metric(lbl, row.get("resident", 0) * slot)
+                capacity.add_metric(lbl, row.get("capacity", 0))
+                evictions.add_metric(lbl, row.get("evictions", 0))
+        for path, p in sorted(snap.get("paths", {}).items()):
+            moved.add_metric([path, dev], p.get("bytes", 0))
+            bw.add_metric([path, dev], p["bytes"] / p["seconds"] if p.get("seconds") else 0.0)
+        stall.add_metric([dev], float(snap.get("stall_seconds", 0.0)))
+        for key, family in pf.items():
+            family.add_metric([dev], float(snap.get("prefetch", {}).get(key, 0.0)))
+        damaged.add_metric([dev], len(snap.get("damaged", [])))
+    yield from (lookups, hit_c, ratio, resident, resident_b, capacity, evictions, moved, bw, stall, *pf.values(),
+                damaged)
+    yield from _hop_metrics(t.get("stage_hops"))
 
 
-def _slot_bytes(plan: Any, tier: str) -> int:
-    """Bytes one resident expert takes in `tier` (GPU slots hold the compute dtype, host tiers the stored one)."""
-    if plan is None:
-        return 0
-    if tier == "gpu":
-        return plan.gpus[0].slot_bytes if plan.gpus else 0
-    return plan.slot_bytes
+def _cards(t: dict, device: str, plan: Any) -> list[tuple[str, dict, int]]:
+    """(device label, tier snapshot, bytes of one GPU slot) per card: each card of a staged model, matched
+    to its `GpuPlan` by device name (else by stage order), or the one snapshot of a single-card engine."""
+    gpus = list(plan.gpus) if plan is not None and getattr(plan, "gpus", None) else []
+    per = t.get("devices")
+    if not isinstance(per, dict) or not per:
+        return [(device, t, gpus[0].slot_bytes if gpus else 0)]
+    by_name = {str(g.device): g for g in gpus}
+    out = []
+    for i, (dev, snap) in enumerate(per.items()):
+        if isinstance(snap, dict):
+            g = by_name.get(str(dev)) or (gpus[i] if i < len(gpus) else None)
+            out.append((str(dev), snap, g.slot_bytes if g is not None else 0))
+    return out
+
+
+def _hop_metrics(hops: dict | None) -> Iterator[Metric]:
+    """Activation copies between the cards of a staged model (`stats()["tiers"]["stage_hops"]`)."""
+    if not isinstance(hops, dict):
+        return
+    for key, name, doc in (
+            ("hops", "strata:stage_hops", "Activation copies from one card's stage to the next."),
+            ("bytes", "strata:stage_hop_bytes", "Bytes of activations copied between cards."),
+            ("seconds", "strata:stage_hop_seconds", "Copy time of the timed stage hops (0 unless hop timing is on).")):
+        family = CounterMetricFamily(name, doc)
+        family.add_metric([], float(hops.get(key, 0) or 0))
+        yield family
 
 
 ENGRAM_SERVING_ORDER = ("cache", "gpu", "pinned", "tmpfs", "disk")  # the row cache first, then the table tiers
