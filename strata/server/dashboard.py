@@ -2,7 +2,8 @@
 
     mount_dashboard(app, get_engine, get_scheduler)   # in create_app
     GET /dashboard                  the page (HTML + vanilla JavaScript + CSS, no build step, no CDN)
-    GET /dashboard/static/{name}    its scripts (dashboard.js, the Engram panel's dashboard_engram.js) and style sheet
+    GET /dashboard/static/{name}    its scripts (dashboard.js, the Engram panel's dashboard_engram.js, the
+                                    per-card panel's dashboard_cards.js) and style sheet
     GET /v1/strata/residency        `residency_grid(engine.tiers)` as JSON (503 while the model loads)
 
 The page polls `GET /v1/strata/stats` (served by the server: the engine's `stats()` merged with the
@@ -10,6 +11,8 @@ scheduler's `{"scheduler": {...}}`) and `GET /v1/strata/residency` every second,
 per tier over time, tokens per second, running requests, bandwidth per path and a layers x experts
 heatmap of residency and traffic; for a model with Engram layers (`engram` in the stats) a panel draws
 the share of table rows served per tier (row cache, table tier) over time, bytes read and stall.
+For a model split over several cards (`devices` in the tier stats) a panel lists per card its stage
+layers, GPU hit ratio, lookups, PCIe bytes and GPU tier use, plus the stage hops.
 It asks nothing else of the server and tolerates missing keys.
 """
 
@@ -30,6 +33,7 @@ _STATIC = {
     "dashboard.html": "text/html; charset=utf-8",
     "dashboard.js": "text/javascript; charset=utf-8",
     "dashboard_engram.js": "text/javascript; charset=utf-8",
+    "dashboard_cards.js": "text/javascript; charset=utf-8",
     "dashboard.css": "text/css; charset=utf-8",
 }
 # The page loads nothing from anywhere but this server.
