@@ -130,6 +130,39 @@ def test_static_engram_inputs_equal_the_eager_engram_step(tiny_model_dir):
         torch.testing.assert_close(b.engram.conv[layer], a.engram.conv[layer], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("window_steps", [(0, 1, 3, 4, 6), ()], ids=["mixed", "device-only"])
+def test_device_engram_decode_equals_the_host_step(tiny_model_dir, window_steps):
+    """Decode steps whose Engram work runs on the device (hashing from the device history, taps and ring
+    slots from positions: what a CUDA graph holds) give the host step's hidden states, and the two can
+    alternate on one sequence: both read and write the same history."""
+    model = load_model(Checkpoint.open(tiny_model_dir), torch.float32, "cpu")
+    assert model.engram is not None
+    cfg = model.cfg
+    a, b = KVCache(cfg, 3, 512, torch.float32, "cpu"), KVCache(cfg, 3, 512, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(2)
+    lengths = [1, 9, 40]
+    with torch.inference_mode():
+        for slot, n in enumerate(lengths):
+            prompt = torch.randint(0, cfg.vocab_size, (n,), generator=g)
+            for cache in (a, b):
+                for at in range(0, n, 7):  # chunked prefill: histories cross chunk boundaries
+                    model(prompt[at : at + 7], StepBatch([slot], [at], [min(7, n - at)]), cache)
+        assert model.engram.direct_tables(model.layers) is not None  # in-memory tables: the device reads them
+        for step in range(8):
+            ids = torch.randint(0, cfg.vocab_size, (3,), generator=g)
+            want = model(ids, StepBatch([0, 1, 2], lengths, [1, 1, 1]), a)  # the host step
+            if step in window_steps:
+                got = model(ids, StepBatch([0, 1, 2], lengths, [1, 1, 1]), b)
+            else:
+                batch = DecodeBatch(torch.tensor([0, 1, 2]), torch.tensor(lengths), kv_bucket(max(lengths), 512))
+                got = model.run_layers(ids, batch, b)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+            lengths = [n + 1 for n in lengths]
+    assert torch.equal(a.engram.tokens, b.engram.tokens)
+    for layer in cfg.engram.layer_ids:
+        torch.testing.assert_close(b.engram.conv[layer], a.engram.conv[layer], rtol=1e-4, atol=1e-4)
+
+
 def test_kv_bucket():
     assert kv_bucket(0, 4096) == 256 and kv_bucket(255, 4096) == 256 and kv_bucket(256, 4096) == 512
     assert kv_bucket(5000, 4096) == 4096

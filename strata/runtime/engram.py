@@ -27,7 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata.runtime.engram_decode import DeviceEngramStep, device_step
 from strata.runtime.engram_hash import EngramConfig, NgramHasher
+from strata.runtime.kv_cache import DecodeBatch
 from strata.runtime.layers import RMSNorm
 
 if TYPE_CHECKING:
@@ -42,6 +44,9 @@ class RowSource(Protocol):
     def wait(self, ticket: Any) -> torch.Tensor: ...  # -> [T, heads, head_dim] in the model dtype
 
     def prefetch(self, layer: int, rows: torch.Tensor) -> None: ...
+
+    # optional: `device_table(layer)` -> the table the compute device reads in place (or None), and
+    # `note_direct(layer, n)` counting n lookups served that way (decode steps on the device)
 
 
 class MemoryRows:
@@ -60,15 +65,19 @@ class MemoryRows:
     def prefetch(self, layer: int, rows: torch.Tensor) -> None:
         pass
 
+    def device_table(self, layer: int) -> torch.Tensor:
+        return self.tables[layer]
+
 
 class EngramCache:
-    """Per-slot Engram state: raw token ids (CPU int64 [slots, max_len]) and per layer the ring of the
-    last `conv_window` normalised values ([slots, conv_window, H] in the model dtype on the device)."""
+    """Per-slot Engram state on the device: raw token ids (int64 [slots, max_len], the n-gram history)
+    and per layer the ring of the last `conv_window` normalised values ([slots, conv_window, H] in the
+    model dtype). The history lives on the device so that decode steps can hash inside a CUDA graph."""
 
     def __init__(self, cfg: EngramConfig, hidden: int, num_slots: int, max_len: int, dtype: torch.dtype,
                  device: torch.device | str):
         self.window = cfg.conv_window
-        self.tokens = torch.zeros(num_slots, max_len, dtype=torch.int64)
+        self.tokens = torch.zeros(num_slots, max_len, dtype=torch.int64, device=device)
         self.conv = {layer: torch.zeros(num_slots, max(self.window, 1), hidden, dtype=dtype, device=device)
                      for layer in cfg.layer_ids}
 
@@ -165,21 +174,46 @@ class EngramRuntime(nn.Module):
         for layer in self.cfg.layer_ids:
             self.source.prefetch(layer, self.hasher.rows(layer, grams))
 
-    def begin(self, input_ids: torch.Tensor, batch: StepBatch, cache: KVCache, layers: nn.ModuleList) -> EngramStep:
-        """Hash the step's tokens, record them in the cache, start every layer's gather."""
+    def direct_tables(self, layers: nn.ModuleList) -> dict[int, torch.Tensor] | None:
+        """Every Engram layer's table as the compute device reads it in place (VRAM, or pinned/tmpfs RAM
+        through its device mapping), or None when any layer needs the host to serve its rows."""
         if self.source is None:
             self.bind(layers)
+        get = getattr(self.source, "device_table", None)
+        tables = {layer: get(layer) for layer in self.cfg.layer_ids} if get is not None else {}
+        return tables if tables and all(t is not None for t in tables.values()) else None
+
+    def count_direct(self, tokens: int) -> None:
+        """Count a device-side decode step's lookups (`tokens` tokens) in the row statistics, on the host."""
+        note = getattr(self.source, "note_direct", None)
+        if note is not None:
+            for layer in self.cfg.layer_ids:
+                note(layer, tokens * self.cfg.num_heads)
+
+    def begin(self, input_ids: torch.Tensor, batch: StepBatch | DecodeBatch, cache: KVCache,
+              layers: nn.ModuleList) -> EngramStep | DeviceEngramStep:
+        """Hash the step's tokens, record them in the cache, start every layer's gather. A `DecodeBatch`
+        (tables the device reads in place) is done entirely on the device: see strata.runtime.engram_decode."""
+        if self.source is None:
+            self.bind(layers)
+        if isinstance(batch, DecodeBatch):
+            tables = self.direct_tables(layers)
+            if tables is None:
+                raise RuntimeError("a DecodeBatch without Engram inputs needs tables the device reads in place")
+            return device_step(self.hasher, self._token_map_on(input_ids.device), tables, input_ids, batch.slots_t,
+                               batch.pos_t, cache, self.cfg.kernel_size)
         ec: EngramCache = cache.engram
         n_ctx, w, k, d = self.cfg.max_ngram_size - 1, ec.window, self.cfg.kernel_size, self.cfg.max_ngram_size
         ring = max(w, 1)  # ring positions per slot (EngramCache keeps one even when w == 0)
         ids = input_ids.detach().to("cpu", torch.int64)
+        seqs = list(batch.sequences())
+        history = self._histories(ec, seqs, n_ctx)  # before this step's tokens are written
+        self._record(ec, input_ids, seqs)
         grams, taps, dst, src = [], [], [], []
         n_total, num_slots = ids.numel(), ec.tokens.shape[0]
         zero = n_total + num_slots * ring
-        for slot, start, off, n in batch.sequences():
-            new = ids[off : off + n]
-            grams.append(self.hasher.grams(new, ec.tokens[slot, max(0, start - n_ctx) : start]))
-            ec.tokens[slot, start : start + n] = new
+        for (slot, start, off, n), past in zip(seqs, history, strict=True):
+            grams.append(self.hasher.grams(ids[off : off + n], past))
             pos = torch.arange(start, start + n)
             # tap i reads position p - (k-1-i)*d: this step's value, the ring's, or zero before the start
             q = pos[:, None] - (k - 1 - torch.arange(k))[None, :] * d  # [n, k]
@@ -192,6 +226,39 @@ class EngramRuntime(nn.Module):
         tickets = {layer: self.source.start(layer, self.hasher.rows(layer, g)) for layer in self.cfg.layer_ids}
         dev = input_ids.device
         return EngramStep(self.source, tickets, torch.cat(taps).to(dev), torch.cat(dst).to(dev), torch.cat(src).to(dev), ec)
+
+    def _token_map_on(self, device: torch.device) -> torch.Tensor:
+        if self.token_map.device == device:
+            return self.token_map
+        if getattr(self, "_token_maps", None) is None:
+            self._token_maps: dict = {}
+        if device not in self._token_maps:
+            self._token_maps[device] = self.token_map.to(device)
+        return self._token_maps[device]
+
+    @staticmethod
+    def _histories(ec: EngramCache, seqs, n_ctx: int) -> list[torch.Tensor]:
+        """Each sequence's last `n_ctx` raw tokens before its start (fewer at the sequence start), read
+        from the device history in one copy."""
+        spans = [(slot, max(0, start - n_ctx), start) for slot, start, _, _ in seqs]
+        slot_idx = [slot for slot, a, b in spans for _ in range(a, b)]
+        pos_idx = [p for _, a, b in spans for p in range(a, b)]
+        flat = ec.tokens[torch.tensor(slot_idx, dtype=torch.int64, device=ec.tokens.device),
+                         torch.tensor(pos_idx, dtype=torch.int64, device=ec.tokens.device)].cpu() if pos_idx else None
+        out, at = [], 0
+        for _, a, b in spans:
+            out.append(flat[at : at + b - a] if flat is not None else torch.empty(0, dtype=torch.int64))
+            at += b - a
+        return out
+
+    @staticmethod
+    def _record(ec: EngramCache, input_ids: torch.Tensor, seqs) -> None:
+        """Write the step's raw tokens into the device history (one indexed write)."""
+        slot_idx = [slot for slot, _, _, n in seqs for _ in range(n)]
+        pos_idx = [p for _, start, _, n in seqs for p in range(start, start + n)]
+        dev = ec.tokens.device
+        ec.tokens[torch.tensor(slot_idx, dtype=torch.int64, device=dev), torch.tensor(pos_idx, dtype=torch.int64, device=dev)] = (
+            input_ids.to(dev, torch.int64))
 
 
 class MultiHeadTable(nn.Module):

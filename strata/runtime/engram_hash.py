@@ -151,6 +151,7 @@ class NgramHasher:
     cfg: EngramConfig
     token_map: torch.Tensor  # int64 [vocab]: raw id -> compressed id
     _layers: dict = field(default_factory=dict, repr=False)
+    _on_device: dict = field(default_factory=dict, repr=False)  # (layer, device) -> the constants there
 
     def __post_init__(self) -> None:
         self.token_map = self.token_map.to("cpu", torch.int64)
@@ -162,6 +163,14 @@ class NgramHasher:
             sizes = torch.tensor(self.cfg.table_sizes(layer), dtype=torch.int64)
             offsets = torch.cumsum(sizes, 0) - sizes
             self._layers[layer] = (self.cfg.multipliers(layer), sizes, offsets)
+
+    def _constants(self, layer: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if device.type == "cpu":
+            return self._layers[layer]
+        key = (layer, device)
+        if key not in self._on_device:
+            self._on_device[key] = tuple(t.to(device) for t in self._layers[layer])
+        return self._on_device[key]
 
     @property
     def pad(self) -> int:
@@ -182,8 +191,9 @@ class NgramHasher:
         return torch.stack([seq[n - 1 - j : n - 1 - j + t] for j in range(n)], dim=1)
 
     def rows(self, layer: int, grams: torch.Tensor) -> torch.Tensor:
-        """Row ids into the layer's table, int64 [T, num_heads], from `grams` [T, max_ngram_size]."""
-        mult, sizes, offsets = self._layers[layer]
+        """Row ids into the layer's table, int64 [T, num_heads], from `grams` [T, max_ngram_size] on any
+        device (the constants follow it; copied once per device, outside any CUDA-graph capture's steps)."""
+        mult, sizes, offsets = self._constants(layer, grams.device)
         prod = grams * mult  # never overflows: c < compressed_vocab_size, m < int64.max / compressed_vocab_size
         per_order = []
         mix = prod[:, 0]

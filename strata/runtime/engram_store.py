@@ -107,6 +107,9 @@ class StagedRows:
     def prefetch(self, layer: int, rows: torch.Tensor) -> None:
         self._of[layer].prefetch(layer, rows)
 
+    def device_table(self, layer: int) -> None:
+        return None  # staged models decode eagerly through `begin` (no device-side steps across cards yet)
+
     def stats(self) -> dict:
         """Every card's statistics under "devices" (the metrics and dashboard add them up)."""
         return {"tier": next(iter(self.stores.values())).tier,

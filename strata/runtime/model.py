@@ -57,9 +57,14 @@ class MoETransformer(nn.Module):
         self.engram = EngramRuntime(cfg.engram, cfg.vocab_size) if cfg.engram is not None else None
 
     def forward(self, input_ids: torch.Tensor, batch: StepBatch, cache: KVCache) -> torch.Tensor:
-        if self.engram is not None:  # rows depend on token ids only: start fetching them before layer 0
-            batch.engram = self.engram.begin(input_ids, batch, cache, self.layers)
-        if self.graphs is not None and is_decode(input_ids, batch):
+        decode = self.graphs is not None and is_decode(input_ids, batch)
+        if self.engram is not None:
+            if decode and self.engram.direct_tables(self.layers) is not None:
+                batch.engram = None  # the device hashes and gathers inside the step (strata.runtime.engram_decode)
+                self.engram.count_direct(len(batch.slots))
+            else:  # rows depend on token ids only: start fetching them before layer 0
+                batch.engram = self.engram.begin(input_ids, batch, cache, self.layers)
+        if decode:
             return self.graphs.run(input_ids, batch, cache)  # fixed shapes; replayed when nothing needs the host
         return self.run_layers(input_ids, batch, cache)
 

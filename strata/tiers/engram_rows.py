@@ -281,6 +281,19 @@ class EngramRowStore:
             return index
         return index.pin_memory().to(self.device, non_blocking=True)
 
+    def device_table(self, layer: int) -> torch.Tensor | None:
+        """The layer's whole table as the compute device reads it in place (VRAM, or pinned / tmpfs RAM
+        through its device mapping), or None when rows go through the row cache (decode steps then take
+        the host path)."""
+        if self.tier == "gpu":
+            return self.full[layer]
+        return self.mapped.get(layer)
+
+    def note_direct(self, layer: int, n: int) -> None:
+        """Count `n` lookups the device served itself from `device_table(layer)` (a decode step in a graph)."""
+        self.stats_.lookups += n
+        self._count(self.tier, n)
+
     def prefetch(self, layer: int, rows: torch.Tensor) -> None:
         """Read `rows` of `layer` into the cache ahead of need (e.g. a whole prompt at admission)."""
         if self.tier == "gpu" or self.mapped or self.cache is None or not self.prefetch_on:

@@ -1,0 +1,73 @@
+"""Engram decode steps computed entirely on the device, so a CUDA graph can hold them.
+
+When every Engram layer's table is readable by the compute device in place (`RowSource.device_table`:
+the table in VRAM, pinned RAM or tmpfs through its device mapping, or the in-memory reference
+tables), a decode step needs no host work at all: from the step's token ids [B], cache slots [B] and
+positions [B] (all device tensors of a `DecodeBatch`) it
+
+    records each token in the device history      tokens[slot, pos] = id
+    builds the n-grams                             column j = compressed id of the token j back (pad before the start)
+    hashes them per layer                          the same `NgramHasher.rows` arithmetic, on device tensors
+    gathers the rows                               table[row ids] -> [B, heads, head_dim], inside the layer
+    maps the convolution's taps and ring slots     from the positions alone
+
+Everything is a fixed-shape tensor op, so `DecodeGraphs` captures it with the rest of the step. Host
+work for the row statistics (`count_direct`) happens before the replay. Prefill chunks, and tables
+that need the host (a row cache in front of disk), take `EngramRuntime.begin` instead.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strata.runtime.engram_hash import NgramHasher
+
+
+class DeviceEngramStep:
+    """One decode step's Engram inputs, computed on the device (the `EngramStep` interface)."""
+
+    def __init__(self, hasher: NgramHasher, tables: dict[int, torch.Tensor], grams: torch.Tensor, taps: torch.Tensor,
+                 ring_dst: torch.Tensor, ring_src: torch.Tensor, cache):
+        self.hasher, self.tables, self.grams, self.cache = hasher, tables, grams, cache
+        self.taps, self.ring_dst, self.ring_src = taps, ring_dst, ring_src
+
+    def rows(self, layer: int) -> torch.Tensor:
+        """The layer's rows [B, heads, head_dim]: hashed and gathered on the device."""
+        table = self.tables[layer]
+        ids = self.hasher.rows(layer, self.grams.to(table.device))  # [B, heads]
+        return table[ids]
+
+    def indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.taps, self.ring_dst, self.ring_src
+
+
+def device_step(hasher: NgramHasher, token_map: torch.Tensor, tables: dict[int, torch.Tensor], ids: torch.Tensor,
+                slots: torch.Tensor, pos: torch.Tensor, cache, kernel: int) -> DeviceEngramStep:
+    """The decode step of `ids` [B] at `pos` [B] in cache `slots` [B] (device tensors); `token_map` is the
+    compressed-id table on the same device. Writes the tokens into the cache's device history."""
+    ec = cache.engram
+    n = hasher.cfg.max_ngram_size
+    w = ec.window
+    ring = max(w, 1)
+    ids, slots, pos = ids.to(torch.int64), slots.to(torch.int64), pos.to(torch.int64)
+    ec.tokens[slots, pos] = ids
+    cols = [token_map[ids]]
+    pad = torch.full_like(ids, hasher.pad)
+    for j in range(1, n):  # the token j back, or padding before the sequence start
+        back = pos - j
+        prev = token_map[ec.tokens[slots, back.clamp(min=0)]]
+        cols.append(torch.where(back >= 0, prev, pad))
+    grams = torch.stack(cols, dim=1)  # [B, n]
+    b = ids.numel()
+    own = torch.arange(b, device=ids.device)
+    # tap i reads position pos - (kernel-1-i) * n: the token itself (row b of this step's values), the
+    # slot's ring, or the zero row past the rings before the sequence start (EngramRuntime.begin's layout)
+    q = pos[:, None] - (kernel - 1 - torch.arange(kernel, device=ids.device))[None, :] * n  # [B, kernel]
+    ring_at = b + slots[:, None] * ring + q.remainder(ring)
+    taps = torch.where(q >= pos[:, None], own[:, None].expand_as(q), ring_at)
+    taps = torch.where(q < 0, torch.full_like(q, b + ec.tokens.shape[0] * ring), taps)
+    if w:
+        ring_dst, ring_src = slots * ring + pos.remainder(ring), own
+    else:
+        ring_dst = ring_src = own[:0]
+    return DeviceEngramStep(hasher, tables, grams, taps, ring_dst, ring_src, ec)
