@@ -47,3 +47,17 @@ def tiny_engine(tiny_model_dir):
     from strata import Engine
 
     return Engine.from_pretrained(tiny_model_dir, device="cpu")
+
+
+@pytest.fixture(scope="session")
+def engram6_dir(tmp_path_factory) -> Path:
+    """The tiny demo model with 6 layers and Engram layers 1 and 4 (one per stage of a two-stage split)."""
+    from strata.runtime import engram_demo
+    from strata.runtime.demo_model import write_demo_model
+
+    saved = engram_demo._SIZES["tiny"]
+    engram_demo._SIZES["tiny"] = ([1, 4], *saved[1:])
+    try:
+        return write_demo_model(tmp_path_factory.mktemp("engram6") / "tiny6e", size="tiny", layers=6, progress=False)
+    finally:
+        engram_demo._SIZES["tiny"] = saved

@@ -247,7 +247,12 @@ def test_graph_replays_equal_eager_decode(plain_tiny):
     b = graphs.generate(ids, max_tokens=40)
     assert a.token_ids == b.token_ids
     assert graphs.model.graphs.replays > 0 and eager.model.graphs.replays == 0
-    # batched decode of 3 sequences at different lengths, straight through the model
+    assert_batched_decode_identical(eager, graphs, steps=30)
+    assert graphs.model.graphs.captures >= 2  # batch of 1 and batch of 3
+
+
+def assert_batched_decode_identical(eager: Engine, graphs: Engine, steps: int) -> None:
+    """Batched decode of 3 sequences at different lengths, straight through both models: equal hidden states."""
     caches = [KVCache(m.model.cfg, 3, 1024, m.dtype, "cuda") for m in (eager, graphs)]
     g = torch.Generator().manual_seed(0)
     lengths = [3, 200, 40]
@@ -256,20 +261,19 @@ def test_graph_replays_equal_eager_decode(plain_tiny):
             prompt = torch.randint(0, 100, (n,), generator=g).cuda()
             for m, c in zip((eager, graphs), caches, strict=True):
                 m.model(prompt, StepBatch([slot], [0], [n]), c)
-        for _ in range(30):
+        for _ in range(steps):
             tok = torch.randint(0, 100, (3,), generator=g).cuda()
             outs = [m.model(tok, StepBatch([0, 1, 2], lengths, [1, 1, 1]), c) for m, c in zip((eager, graphs), caches, strict=True)]
             assert torch.equal(outs[0], outs[1])
             lengths = [n + 1 for n in lengths]
-    assert graphs.model.graphs.captures >= 2  # batch of 1 and batch of 3
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tier", ["memory", "pinned", "disk"])
 def test_engram_model_graph_replays_equal_eager_decode(tiny_model_dir, tier):
-    """An Engram model's decode steps replay as CUDA graphs (rows hashed and gathered on the host, copied
-    into the graph's buffers) with tokens and hidden states bit-identical to eager decode, for tables in
-    memory and in the tiered row store (GPU row cache in front of pinned RAM or disk)."""
+    """An Engram model's decode steps replay as CUDA graphs with tokens and hidden states bit-identical to
+    eager decode: tables in memory and pinned RAM (read in place: the Engram step runs inside the graph)
+    and on disk (rows gathered on the host through the row cache, copied into the graph's buffers)."""
     conf = ({"runtime": {"experts": "memory"}} if tier == "memory" else
             {"engram": {"tier": tier, "row_cache": "64KiB"}, "runtime": {"cpu_numerics": "gpu"}})
     eager = Engine.from_pretrained(tiny_model_dir, device="cuda", config={**conf, "runtime": {
@@ -280,19 +284,7 @@ def test_engram_model_graph_replays_equal_eager_decode(tiny_model_dir, tier):
     ids = eager.tokenizer.encode("The river runs through the valley and the town")
     assert eager.generate(ids, max_tokens=40).token_ids == graphs.generate(ids, max_tokens=40).token_ids
     assert graphs.model.graphs.replays > 0 and not graphs.model.graphs.failed and eager.model.graphs.replays == 0
-    caches = [KVCache(m.model.cfg, 3, 1024, m.dtype, "cuda") for m in (eager, graphs)]
-    g = torch.Generator().manual_seed(0)
-    lengths = [3, 200, 40]
-    with torch.inference_mode():
-        for slot, n in enumerate(lengths):
-            prompt = torch.randint(0, 100, (n,), generator=g).cuda()
-            for m, c in zip((eager, graphs), caches, strict=True):
-                m.model(prompt, StepBatch([slot], [0], [n]), c)
-        for _ in range(20):
-            tok = torch.randint(0, 100, (3,), generator=g).cuda()
-            outs = [m.model(tok, StepBatch([0, 1, 2], lengths, [1, 1, 1]), c) for m, c in zip((eager, graphs), caches, strict=True)]
-            assert torch.equal(outs[0], outs[1])
-            lengths = [n + 1 for n in lengths]
+    assert_batched_decode_identical(eager, graphs, steps=20)
     for m in (eager, graphs):
         m.close()
 

@@ -108,20 +108,6 @@ def test_hops_are_timed_and_batched_serving_works(tiny6_dir):
         one.close()
 
 
-@pytest.fixture(scope="module")
-def engram6_dir(tmp_path_factory):
-    """The tiny demo model with 6 layers and Engram layers 1 and 4 (cards 0 and 1 of a two-card split)."""
-    from strata.runtime import engram_demo
-    from strata.runtime.demo_model import write_demo_model
-
-    saved = engram_demo._SIZES["tiny"]
-    engram_demo._SIZES["tiny"] = ([1, 4], *saved[1:])
-    try:
-        return write_demo_model(tmp_path_factory.mktemp("engram6") / "tiny6e", size="tiny", layers=6, progress=False)
-    finally:
-        engram_demo._SIZES["tiny"] = saved
-
-
 @needs_two
 @pytest.mark.parametrize("tier", ["pinned", "disk"])
 def test_engram_rows_go_to_the_card_that_runs_the_layer(engram6_dir, tier):

@@ -355,20 +355,6 @@ def test_dashboard_grid_and_compute_facade(staged_tiered):
 # ----------------------------------------------------------------------------- Engram over several stages
 
 
-@pytest.fixture(scope="module")
-def engram6_dir(tmp_path_factory):
-    """The tiny demo model with 6 layers and Engram layers 1 and 4 (one per stage of a 0-2 / 3-5 split)."""
-    from strata.runtime import engram_demo
-    from strata.runtime.demo_model import write_demo_model
-
-    saved = engram_demo._SIZES["tiny"]
-    engram_demo._SIZES["tiny"] = ([1, 4], *saved[1:])
-    try:
-        return write_demo_model(tmp_path_factory.mktemp("engram6") / "tiny6e", size="tiny", layers=6, progress=False)
-    finally:
-        engram_demo._SIZES["tiny"] = saved
-
-
 def test_layer_sizes_leave_engram_tables_to_the_tiers(engram6_dir):
     from strata.runtime.checkpoint import Checkpoint
     from strata.runtime.loader import load_model
