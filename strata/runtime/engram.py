@@ -145,6 +145,8 @@ class EngramRuntime(nn.Module):
         self.register_buffer("token_map", torch.zeros(vocab_size, dtype=torch.int64))
         self.source: RowSource | None = None  # None: the layers' own tables (set by `bind`)
         self._hasher: NgramHasher | None = None
+        self._direct: tuple | None = None  # (source, its in-place tables or None), see `direct_tables`
+        self._token_maps: dict = {}  # device -> token_map there (staged models keep it on the host)
 
     @property
     def hasher(self) -> NgramHasher:
@@ -179,9 +181,11 @@ class EngramRuntime(nn.Module):
         through its device mapping), or None when any layer needs the host to serve its rows."""
         if self.source is None:
             self.bind(layers)
-        get = getattr(self.source, "device_table", None)
-        tables = {layer: get(layer) for layer in self.cfg.layer_ids} if get is not None else {}
-        return tables if tables and all(t is not None for t in tables.values()) else None
+        if self._direct is None or self._direct[0] is not self.source:  # once per source (asked every step)
+            get = getattr(self.source, "device_table", None)
+            tables = {layer: get(layer) for layer in self.cfg.layer_ids} if get is not None else {}
+            self._direct = (self.source, tables if tables and all(t is not None for t in tables.values()) else None)
+        return self._direct[1]
 
     def count_direct(self, tokens: int) -> None:
         """Count a device-side decode step's lookups (`tokens` tokens) in the row statistics, on the host."""
@@ -230,8 +234,6 @@ class EngramRuntime(nn.Module):
     def _token_map_on(self, device: torch.device) -> torch.Tensor:
         if self.token_map.device == device:
             return self.token_map
-        if getattr(self, "_token_maps", None) is None:
-            self._token_maps: dict = {}
         if device not in self._token_maps:
             self._token_maps[device] = self.token_map.to(device)
         return self._token_maps[device]

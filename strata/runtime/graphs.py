@@ -9,8 +9,9 @@ only on (B, bucket), so it is captured once per (cache, B, bucket, mode) and rep
   then copies or CPU compute for them), so the step is captured as one graph per stretch between
   those points, and the host work runs between replays (`SegmentRecorder.host_step`). Everything
   else (attention, routers, resident experts, norms) still replays without Python.
-Engram models hash each step's tokens and start its row gathers on the host before the replay; the
-rows, the convolution's tap map and ring indices land in the graph's own buffers (`StaticEngramStep`).
+Engram layers: when the device reads every table in place, the step's Engram work is device ops and
+is captured with the rest (strata.runtime.engram_decode); otherwise the host hashes the step and
+gathers its rows before the replay, into the graph's own buffers (`StaticEngramStep`).
 Prefill chunks run the same code eagerly, and eager and replayed decode steps give bit-identical results.
 """
 

@@ -69,8 +69,9 @@ class MoETransformer(nn.Module):
         return self.run_layers(input_ids, batch, cache)
 
     def run_layers(self, input_ids: torch.Tensor, batch: StepBatch | DecodeBatch, cache: KVCache) -> torch.Tensor:
-        """The layers themselves: input_ids [N] -> final hidden states [N, H]. A DecodeBatch carries its
-        Engram inputs already (`batch.engram`, set by the decode graphs); a StepBatch gets them here."""
+        """The layers themselves: input_ids [N] -> final hidden states [N, H]. Engram inputs come with the
+        batch when the host prepared them (`batch.engram`); otherwise they are made here (a StepBatch on
+        the host, a DecodeBatch on the device)."""
         x = self.embed_tokens(input_ids)
         if self.engram is not None and batch.engram is None:
             batch.engram = self.engram.begin(input_ids, batch, cache, self.layers)
