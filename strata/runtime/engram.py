@@ -113,27 +113,43 @@ class EngramStep:
 class StaticEngramStep:
     """The Engram inputs of a captured decode step, in device buffers that replays read.
 
-    Built from the first real step of a graph's shape; before every replay `load` waits for the step's
-    rows and copies them, the convolution's tap map and the ring indices into the same buffers (all
-    shapes depend only on the batch size), so the graph never touches the host."""
+    Built from the first real step of a graph's shape (all shapes depend only on the batch size). A
+    whole-step graph gets everything before its replay (`load`: waits for the rows still in flight). A
+    segmented graph gets the conv's tap map and ring indices before its replay (`bind`) and each layer's
+    rows in a host step right before that layer (`load_rows`), so the reads overlap the layers before it."""
 
     def __init__(self, step: EngramStep):
         self.cache = step.cache
         self._rows = {layer: step.rows(layer).clone() for layer in list(step.tickets)}  # [B, heads, head_dim]
         self.taps, self.ring_dst, self.ring_src = step.taps.clone(), step.ring_dst.clone(), step.ring_src.clone()
+        self._step: EngramStep | None = None  # the step being replayed (segmented graphs)
 
     def rows(self, layer: int) -> torch.Tensor:
+        from strata.runtime.graphs import current_recorder  # graphs imports this module
+
+        recorder = current_recorder()
+        if recorder is not None:  # segmented capture: at replay, the host fills this buffer right here
+            recorder.host_step(lambda: self.load_rows(layer))
         return self._rows[layer]
 
     def indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         return self.taps, self.ring_dst, self.ring_src  # one card: graphs are not used on staged models
 
-    def load(self, step: EngramStep) -> None:
-        """Copy `step`'s inputs in (waiting for rows still in flight); shapes must match the capture's."""
-        for layer, buf in self._rows.items():
-            buf.copy_(step.rows(layer), non_blocking=True)
+    def bind(self, step: EngramStep) -> None:
+        """Before a segmented replay: `step`'s tap map and ring indices now, its rows at their layers."""
+        self._step = step
         for buf, new in ((self.taps, step.taps), (self.ring_dst, step.ring_dst), (self.ring_src, step.ring_src)):
             buf.copy_(new, non_blocking=True)
+
+    def load_rows(self, layer: int) -> None:
+        """Wait for the bound step's rows of `layer` and copy them into the graph's buffer."""
+        self._rows[layer].copy_(self._step.rows(layer), non_blocking=True)
+
+    def load(self, step: EngramStep) -> None:
+        """Before a whole-step replay: all of `step`'s inputs (waiting for rows still in flight)."""
+        self.bind(step)
+        for layer in self._rows:
+            self.load_rows(layer)
 
 
 class EngramRuntime(nn.Module):

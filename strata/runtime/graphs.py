@@ -11,7 +11,8 @@ only on (B, bucket), so it is captured once per (cache, B, bucket, mode) and rep
   else (attention, routers, resident experts, norms) still replays without Python.
 Engram layers: when the device reads every table in place, the step's Engram work is device ops and
 is captured with the rest (strata.runtime.engram_decode); otherwise the host hashes the step and
-gathers its rows before the replay, into the graph's own buffers (`StaticEngramStep`).
+starts its row reads before the replay, and a host step at each Engram layer waits for that layer's
+rows and copies them into the graph's buffers (`StaticEngramStep`), so reads overlap earlier layers.
 Prefill chunks run the same code eagerly, and eager and replayed decode steps give bit-identical results.
 """
 
@@ -129,8 +130,8 @@ class DecodeGraphs:
         g = self.graphs.get(key)
         if g is None:
             return self._capture(key, input_ids, meta, kv_len, cache, mode, step)
-        if g.engram is not None:
-            g.engram.load(step)  # waits for rows still in flight, then copies them into the graph's buffers
+        if g.engram is not None:  # rows wait in host steps at their layers (segmented), or all now
+            g.engram.bind(step) if isinstance(g.graph, SegmentRecorder) else g.engram.load(step)
         g.ids.copy_(input_ids, non_blocking=True)
         g.meta.copy_(meta, non_blocking=True)
         g.graph.replay()
