@@ -33,6 +33,7 @@ from strata import Engine
 from strata.runtime import engram_demo
 from strata.runtime.demo_model import write_demo_model
 from strata.runtime.kv_cache import KVCache, StepBatch
+from strata.tiers.diskio import fs_type
 
 # (tier, prefetch, zero_copy): zero_copy matters for pinned and tmpfs tables (read in place vs the row cache)
 CASES = [("gpu", True, True), ("pinned", True, True), ("pinned", True, False), ("tmpfs", True, True),
@@ -51,7 +52,8 @@ class Case:
     def __init__(self, model_dir: Path, tier: str, prefetch: bool, zero_copy: bool, args, stream: torch.Tensor,
                  stack):
         conf = {"engram": {"tier": tier, "row_cache": args.row_cache, "prefetch": prefetch, "zero_copy": zero_copy},
-                "tiers": {"disk": {"scrub": False}, "tmpfs": {"budget": "64GiB"}}, "prefetch": {"lookahead": 1}}
+                "tiers": {"disk": {"scrub": False, "path": args.store_dir}, "tmpfs": {"budget": "64GiB"}},
+                "prefetch": {"lookahead": 1}}
         t_load = time.perf_counter()
         self.eng = stack.enter_context(Engine.from_pretrained(model_dir, config=conf, device="cuda"))
         self.load_s = time.perf_counter() - t_load
@@ -102,6 +104,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True)
     p.add_argument("--model-dir", default=None, help="where to write the enlarged demo model (default: under --out)")
+    p.add_argument("--store-dir", default="~/.cache/strata-engram-bench",
+                   help="tiers.disk.path: where the store (the disk tier) is built; must be a real disk, not tmpfs")
     p.add_argument("--table-rows", type=int, default=4_000_000, help="base rows per hash head (8 heads per layer)")
     p.add_argument("--row-cache", default="256MiB")
     p.add_argument("--batch", type=int, default=8)
@@ -114,6 +118,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     engram_demo._SIZES["small"] = ([1, 5], 4, 128, [args.table_rows, args.table_rows])  # enlarge the tables
     model_dir = Path(args.model_dir or out / f"demo-small-engram-{args.table_rows}")
+    store_dir = Path(args.store_dir).expanduser()
+    store_dir.mkdir(parents=True, exist_ok=True)
+    store_fs = fs_type(str(store_dir))
+    if store_fs in ("tmpfs", "ramfs"):
+        print(f"warning: --store-dir {store_dir} is on {store_fs}: the disk cases will read RAM, not a disk", flush=True)
     write_demo_model(model_dir, "small", progress=True)
     tokens = zipf_tokens(args.batch * (args.warmup + args.steps + 2 * args.rounds), 8192, args.zipf, seed=0)
     per_round = args.steps // args.rounds
@@ -137,7 +146,8 @@ def main() -> None:
         r["slowdown_vs_vram"] = 1.0 - r["tok_per_s"] / vram
         r["slowdown_vs_vram_mean"] = 1.0 - r["mean_tok_per_s"] / results[0]["mean_tok_per_s"]
     table_bytes = results[0]["totals"]["table_bytes"]
-    report = {"table_bytes": table_bytes, "row_cache": args.row_cache, "batch": args.batch, "steps": args.steps,
+    report = {"store_dir": str(store_dir), "store_fs": store_fs, "table_bytes": table_bytes,
+              "row_cache": args.row_cache, "batch": args.batch, "steps": args.steps,
               "zipf": args.zipf, "device": torch.cuda.get_device_name(), "cases": results,
               "targets": {"pinned": 0.03, "tmpfs": 0.05, "disk": 0.15}}
     (out / "engram.json").write_text(json.dumps(report, indent=2))

@@ -268,8 +268,15 @@ class DiskReader:
             last = int(idx[np.argmax(starts)])
             return _failed(CheckpointError(f"{f.path} is truncated: row {last} of {row_bytes} bytes at offset "
                                            f"{base_offset} lies past its end ({f.size} bytes)"))
-        if f.memory:  # tmpfs: index the mapping, no syscalls
-            return self._pool.submit(lambda: (_gather(self._mapped(f), starts, row_bytes, dst), out)[1])
+        if f.memory:  # tmpfs: index the mapping, no syscalls; a memcpy this small costs less than a thread hop
+            done: Future = Future()
+            try:
+                _gather(self._mapped(f), starts, row_bytes, dst)
+            except BaseException as e:  # noqa: BLE001 - reported through the future, like the threaded reads
+                done.set_exception(e)
+            else:
+                done.set_result(out)
+            return done
 
         first = starts // ALIGN  # [n] first and last block of every row
         span = (starts + row_bytes - 1) // ALIGN - first + 1

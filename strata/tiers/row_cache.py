@@ -18,7 +18,8 @@ class RowCache:
         self.row_of = torch.full((capacity,), -1, dtype=torch.int64)
         self.score = torch.zeros(capacity, dtype=torch.float64)
         self.slab = torch.empty(capacity, dim, dtype=dtype, device=device)
-        self.free = list(range(capacity - 1, -1, -1))
+        self._free = torch.arange(capacity, dtype=torch.int64)  # a stack of free slots: the first n_free
+        self._n_free = capacity
         self.evictions = 0
         self._inc, self._growth = 1.0, 2.0 ** (1.0 / half_life)  # newer uses weigh more: exponential decay
 
@@ -43,10 +44,11 @@ class RowCache:
         m = min(absent.numel(), self.capacity - protect.numel())
         if m <= 0:
             return slots
-        if len(self.free) < m:
-            self._evict(max(m - len(self.free), self.capacity // 16), protect)
-        m = min(m, len(self.free))
-        new = torch.tensor([self.free.pop() for _ in range(m)], dtype=torch.int64)
+        if self._n_free < m:
+            self._evict(max(m - self._n_free, self.capacity // 16), protect)
+        m = min(m, self._n_free)
+        self._n_free -= m
+        new = self._free[self._n_free : self._n_free + m].clone()
         chosen = rows[absent[:m]]
         slots[absent[:m]] = new
         self.row_of[new] = chosen
@@ -65,9 +67,10 @@ class RowCache:
         self.slot_of[self.row_of[victims]] = -1
         self.row_of[victims] = -1
         self.score[victims] = 0.0
-        self.free.extend(victims.tolist())
+        self._free[self._n_free : self._n_free + n] = victims
+        self._n_free += n
         self.evictions += n
 
     @property
     def resident(self) -> int:
-        return self.capacity - len(self.free)
+        return self.capacity - self._n_free
