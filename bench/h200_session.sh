@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box session that produced bench/RESULTS.md's 2026-11-30 (second session) figures.
-#   bash bench/h200_session.sh tests|hotpath|multigpu|serving|serving-bench|ceiling48|engram   (writes under $OUT)
+#   bash bench/h200_session.sh tests|hotpath|multigpu|serving|serving-bench|ceiling48|engram|suite|profile   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 set -u
 export PYTHONPATH=/tmp/site:$PWD STRATA_CACHE=/dev/shm/sc
@@ -27,6 +27,13 @@ case "$1" in
     python3 -m strata demo-model /dev/shm/b48 --size bench --no-engram > /dev/null 2>&1
     timeout 200 python3 bench/hotpath.py --model /dev/shm/b48 --out "$OUT/hotpath-48" --tokens 64 --prefill 2048 \
       --cases ceiling,ceiling_eager 2>&1 | grep '^{"' ;;
+  suite)  # the benchmark suite's quick run (issue 7): one 10-minute call
+    timeout 580 python3 -m bench run --suite quick --out "$OUT/suite" 2>&1 | tail -15 ;;
+  profile)  # where a tiered decode step's time goes (issue 4): 12 layers, uniform routing, 25% GPU budget
+    [ -d /dev/shm/b12u ] || python3 -m strata demo-model /dev/shm/b12u --size bench --layers 12 --no-engram \
+      --route-skew uniform > /dev/null 2>&1
+    timeout 300 python3 bench/profile_decode.py --model /dev/shm/b12u --host --no-kernels --tokens 16 --out "$OUT/profile" \
+      --config '{"tiers": {"gpu": {"budget": "3.6GiB"}}, "runtime": {"max_context": 1024}}' 2>&1 | tail -60 ;;
   engram)
     timeout 280 python3 bench/engram.py --out "$OUT/engram" --model-dir /dev/shm/engram --steps 200 2>&1 | tail -14 ;;
 esac

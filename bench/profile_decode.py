@@ -1,7 +1,8 @@
 """Where a decode step's GPU time goes: torch.profiler over a few replayed decode steps.
 
     python bench/profile_decode.py --model DIR [--config '{"runtime": {"experts": "memory"}}'] [--out DIR]
-Prints the top CUDA kernels by total time and writes profile_decode.txt.
+Prints the top CUDA kernels by total time and writes profile_decode.txt; `--host` adds the host's side
+(cProfile of the same decode, torch ops by self CPU time), which is where a tiered step's time goes.
 """
 
 from __future__ import annotations
@@ -45,12 +46,16 @@ def main() -> None:
     ap.add_argument("--config", default='{"runtime": {"experts": "memory", "max_context": 1024}}')
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--out", default=".")
+    ap.add_argument("--host", action="store_true",
+                    help="also profile the host: Python functions by cumulative time (cProfile) over the same "
+                         "decode, and the torch table by self CPU time (where a tiered step's overheads show)")
+    ap.add_argument("--no-kernels", action="store_true", help="skip the pair-kernel block-size sweep")
     args = ap.parse_args()
     from strata import Engine
     from strata.kernels import grouped
 
     rates = []
-    for blocks in [(8, 256, 16, 128), (16, 256, 32, 128), (4, 512, 8, 256), (8, 512, 16, 256), (4, 256, 8, 128)]:
+    for blocks in [] if args.no_kernels else [(8, 256, 16, 128), (16, 256, 32, 128), (4, 512, 8, 256), (8, 512, 16, 256), (4, 256, 8, 128)]:
         grouped.BLOCKS = {"small": blocks, "large": blocks}
         rates += [{"blocks": blocks, **pair_kernel_rate(t)} for t in (1, 8)]
     grouped.BLOCKS = {"small": (8, 256, 16, 128), "large": (16, 256, 32, 128)}
@@ -68,6 +73,22 @@ def main() -> None:
         dt = time.perf_counter() - t0
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
     text = f"pair kernels: {rates}\n{args.tokens} tokens in {dt:.3f} s ({args.tokens / dt:.1f} tok/s, profiled)\n{table}"
+    if args.host:
+        import cProfile
+        import io
+        import pstats
+
+        host = cProfile.Profile()
+        t0 = time.perf_counter()
+        host.enable()
+        engine.generate(prompt, max_tokens=args.tokens, temperature=1.0, seed=3, stop_token_ids=[])
+        torch.cuda.synchronize()
+        host.disable()
+        dt = time.perf_counter() - t0
+        buf = io.StringIO()
+        pstats.Stats(host, stream=buf).sort_stats("cumulative").print_stats(45)
+        cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+        text += f"\n\nhost: {args.tokens} tokens in {dt:.3f} s under cProfile\n{buf.getvalue()}\n{cpu}"
     print(text)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "profile_decode.txt").write_text(text)
