@@ -280,7 +280,7 @@ def link_kind(a: int, b: int) -> str:
 def plan_stages(fp, cfg, host: HostInfo, dtype: torch.dtype, context: int, notes: list[str]) -> tuple[list[GpuPlan], int]:
     """The planner's GPU side for `runtime.devices`: one `GpuPlan` per card, and the summed expert budget.
 
-    `fp` is the planner's `ModelFootprint`; notes about the split and the links are appended to `notes`.
+    `fp` is the planner's `ModelFootprint` (strata.runtime.footprint); notes about the split and the links are appended to `notes`.
     """
     sizes = layer_sizes(fp.config, dtype, cfg.planner.max_batch)
     slot = fp.expert_bytes * torch.empty((), dtype=dtype).element_size() // fp.itemsize
