@@ -96,15 +96,27 @@ def test_decode_batch_attention_equals_step_batch(arch, tmp_path):
             lengths = [n + 1 for n in lengths]
 
 
+def _engram_model_and_two_caches(model_dir):
+    """The tiny Engram model in fp32 on the CPU and two empty caches of 3 slots (reference, candidate)."""
+    model = load_model(Checkpoint.open(model_dir), torch.float32, "cpu")
+    assert model.engram is not None
+    cfg = model.cfg
+    return model, cfg, KVCache(cfg, 3, 512, torch.float32, "cpu"), KVCache(cfg, 3, 512, torch.float32, "cpu")
+
+
+def _assert_same_engram_state(cfg, a: KVCache, b: KVCache) -> None:
+    """Both caches hold the same token history and convolution rings."""
+    assert torch.equal(a.engram.tokens, b.engram.tokens)
+    for layer in cfg.engram.layer_ids:
+        torch.testing.assert_close(b.engram.conv[layer], a.engram.conv[layer], rtol=1e-4, atol=1e-4)
+
+
 def test_static_engram_inputs_equal_the_eager_engram_step(tiny_model_dir):
     """What a captured decode step of an Engram model reads (`StaticEngramStep`: rows, conv taps and ring
     indices copied into fixed buffers, reloaded every step) gives the eager per-sequence step's hidden states."""
     from strata.runtime.engram import StaticEngramStep
 
-    model = load_model(Checkpoint.open(tiny_model_dir), torch.float32, "cpu")
-    assert model.engram is not None
-    cfg = model.cfg
-    a, b = KVCache(cfg, 3, 512, torch.float32, "cpu"), KVCache(cfg, 3, 512, torch.float32, "cpu")
+    model, cfg, a, b = _engram_model_and_two_caches(tiny_model_dir)
     g = torch.Generator().manual_seed(1)
     lengths = [4, 37, 1]
     statics = None
@@ -126,8 +138,7 @@ def test_static_engram_inputs_equal_the_eager_engram_step(tiny_model_dir):
             got = model.run_layers(ids, batch, b)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
             lengths = [n + 1 for n in lengths]
-    for layer in cfg.engram.layer_ids:  # the convolution rings advanced alike
-        torch.testing.assert_close(b.engram.conv[layer], a.engram.conv[layer], rtol=1e-4, atol=1e-4)
+    _assert_same_engram_state(cfg, a, b)
 
 
 @pytest.mark.parametrize("window_steps", [(0, 1, 3, 4, 6), ()], ids=["mixed", "device-only"])
@@ -135,10 +146,7 @@ def test_device_engram_decode_equals_the_host_step(tiny_model_dir, window_steps)
     """Decode steps whose Engram work runs on the device (hashing from the device history, taps and ring
     slots from positions: what a CUDA graph holds) give the host step's hidden states, and the two can
     alternate on one sequence: both read and write the same history."""
-    model = load_model(Checkpoint.open(tiny_model_dir), torch.float32, "cpu")
-    assert model.engram is not None
-    cfg = model.cfg
-    a, b = KVCache(cfg, 3, 512, torch.float32, "cpu"), KVCache(cfg, 3, 512, torch.float32, "cpu")
+    model, cfg, a, b = _engram_model_and_two_caches(tiny_model_dir)
     g = torch.Generator().manual_seed(2)
     lengths = [1, 9, 40]
     with torch.inference_mode():
@@ -158,9 +166,7 @@ def test_device_engram_decode_equals_the_host_step(tiny_model_dir, window_steps)
                 got = model.run_layers(ids, batch, b)
             torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
             lengths = [n + 1 for n in lengths]
-    assert torch.equal(a.engram.tokens, b.engram.tokens)
-    for layer in cfg.engram.layer_ids:
-        torch.testing.assert_close(b.engram.conv[layer], a.engram.conv[layer], rtol=1e-4, atol=1e-4)
+    _assert_same_engram_state(cfg, a, b)
 
 
 def test_kv_bucket():

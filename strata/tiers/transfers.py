@@ -46,6 +46,14 @@ class TransfersMixin:
                     self._running -= 1
                     self._released.notify_all()
 
+    def _abandon(self, tier, key: Key, slot: int, fut: Future, error: BaseException) -> None:
+        """A transfer into `tier`'s `slot` failed: free the slot, forget the object, fail its future."""
+        with self._lock:
+            tier.inflight.pop(key, None)
+            tier.slot_of.pop(key, None)
+            tier.free.append(slot)
+        fut.set_exception(error)
+
     def _load_pinned(self, key: Key, slot: int, fut: Future) -> None:
         """Read one blob from tmpfs or disk into a pinned slot; verify its checksum on first read."""
         t0 = time.perf_counter()
@@ -64,11 +72,7 @@ class TransfersMixin:
                     raise
                 self._verified.add(key)
         except BaseException as e:
-            with self._lock:
-                self.pinned.inflight.pop(key, None)
-                self.pinned.slot_of.pop(key, None)
-                self.pinned.free.append(slot)
-            fut.set_exception(e)
+            self._abandon(self.pinned, key, slot, fut, e)
             return
         with self._lock:
             self.stats_.paths[f"{source}->pinned"].add(length, time.perf_counter() - t0)
@@ -87,11 +91,7 @@ class TransfersMixin:
             path, offset, length = self.store.location(key)
             self.gds.read(path, offset, length, self.slots.view(slot)).result()
         except BaseException as e:
-            with self._lock:
-                self.gpu.inflight.pop(key, None)
-                self.gpu.slot_of.pop(key, None)
-                self.gpu.free.append(slot)
-            fut.set_exception(e)
+            self._abandon(self.gpu, key, slot, fut, e)
             return
         with self._lock:
             self.stats_.paths["disk->gpu"].add(length, time.perf_counter() - t0)
@@ -106,10 +106,7 @@ class TransfersMixin:
         with self._lock:
             if src.exception() is not None:
                 self._unref(self.pinned, key)
-                self.gpu.inflight.pop(key, None)
-                self.gpu.slot_of.pop(key, None)
-                self.gpu.free.append(slot)
-                fut.set_exception(src.exception())
+                self._abandon(self.gpu, key, slot, fut, src.exception())
                 return
             pinned_buf = self.pool.slot(self.pinned.slot_of[key])
             prior = self.gpu.events.get(slot)
