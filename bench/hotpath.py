@@ -92,7 +92,9 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
                    pinned_capacity=t1s["tiers"]["pinned"]["capacity"], gpu_capacity=t1s["tiers"].get("gpu", {}).get("capacity"),
                    hits_by_tier={k: v["hits"] - t0s["tiers"].get(k, {}).get("hits", 0) for k, v in t1s["tiers"].items()},
                    paths={p: {"bytes": v["bytes"], "GB_per_s": v["GB_per_s"]} for p, v in t1s["paths"].items()},
-                   prefetch=t1s["prefetch"])
+                   prefetch=t1s["prefetch"],
+                   cold_path_host_ms_per_token={k: round(1000 * (v - before["cold_path_host_seconds"].get(k, 0.0)) / n, 3)
+                                                for k, v in after["cold_path_host_seconds"].items()})
     if prefill and name in ("ceiling", "split"):
         long_prompt = [(100 + i * 7919) % vocab for i in range(prefill)]
         sync()

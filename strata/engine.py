@@ -185,6 +185,7 @@ class Engine:
             "engram": self.model.engram.stats() if getattr(self.model, "engram", None) is not None else None,
             "cpu_experts_computed": self._compute.cpu_experts if self._compute is not None else 0,
             "cpu_bytes_per_s": self._compute.rates.cpu_bytes_per_s if self._compute is not None else 0.0,
+            "cold_path_host_seconds": dict(self._compute.host_seconds) if self._compute is not None else {},
             "model": str(self.checkpoint.directory),
             "model_type": self.checkpoint.config.model_type,
             "device": str(self.device),

@@ -7,6 +7,7 @@ import copy
 import json
 
 import pytest
+import torch
 
 from bench.__main__ import main as bench_main
 from bench.suite import report, results
@@ -231,3 +232,24 @@ def test_one_tiny_case_end_to_end_on_cpu(tmp_path, capsys):
     assert "split/b25/skewed/p24x2" in report.render(on_disk)
     assert bench_main(["list", "--suite", "quick", "--cases", "hf/*"]) == 0
     assert capsys.readouterr().out.split() == ["hf/b25/uniform/p128x1"]
+
+
+def test_routing_popularity_is_measured_with_graphs_paused(monkeypatch):
+    """The routing-count hooks copy ids to the host, which no CUDA graph can contain: while they run the
+    engine's decode graphs are off (a capture then would fail, and that decode mode would stay eager),
+    and the engine's own mode is back afterwards."""
+    from types import SimpleNamespace
+
+    from bench.suite import strata_case
+
+    def own_mode():
+        return "full"
+
+    model = torch.nn.Module()
+    model.graphs = SimpleNamespace(mode=own_mode, failed={})
+    engine = SimpleNamespace(model=model)
+    seen = []
+    monkeypatch.setattr(strata_case, "run_workload", lambda eng, *a, **k: seen.append(eng.model.graphs.mode()))
+    strata_case._measure_popularity(engine, None, 100, {"experts_per_layer": 4})
+    assert seen == [None]
+    assert engine.model.graphs.mode is own_mode

@@ -194,6 +194,8 @@ def run_workload(engine, scheduler, w: Workload, vocab: int, device: str) -> dic
         "stall_s_per_token": round(decode["stall"] / n, 6),
         "stall_s_total": round(decode["stall"] + prefill["stall"], 4),
         "wall_s": round(t_end - t0, 3),
+        # decode modes whose CUDA-graph capture failed (they ran eagerly): why, and where
+        "graph_failures": dict(getattr(getattr(engine.model, "graphs", None), "failed", None) or {}),
         **peaks.read(),
     }
     return {"metrics": metrics, "decode": decode, "window_tokens": window_tokens}
@@ -272,8 +274,18 @@ def run_group(cases: list[Case], model: Path, summary: dict, facts: ModelFacts, 
 def _measure_popularity(engine, sched, vocab: int, summary: dict) -> dict:
     from bench.suite.routing import count_routing, popularity_summary
 
-    with count_routing(engine.model, summary["experts_per_layer"]) as counts:
-        run_workload(engine, sched, Workload(256, 1, 2), vocab, "cpu")
+    # the counting hooks copy router ids to the host, which a CUDA-graph capture cannot contain: run these
+    # steps eagerly, or the first decode step's capture fails and the engine decodes eagerly for good
+    graphs = engine.model.graphs
+    mode = graphs.mode if graphs is not None else None
+    if graphs is not None:
+        graphs.mode = lambda: None
+    try:
+        with count_routing(engine.model, summary["experts_per_layer"]) as counts:
+            run_workload(engine, sched, Workload(256, 1, 2), vocab, "cpu")
+    finally:
+        if graphs is not None:
+            graphs.mode = mode
     return popularity_summary(counts) if any(int(c.sum()) for c in counts.values()) else {}
 
 

@@ -10,6 +10,7 @@ bit-identical to the all-in-VRAM run.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -41,14 +42,22 @@ class ExpertCompute:
         self.slots: SlotWeights | None = None
         self.slot_of: torch.Tensor | None = None  # [L, E] int32 on the GPU, -1 = not resident
         self.identity: torch.Tensor | None = None  # [S] int32: slot -> slot, to address slots directly
+        self.late_slot: torch.Tensor | None = None  # [S + 1] int32: slot + 1 -> slot, 0 -> -1 (skip)
+        self.staged: list = []  # StagedExperts copied for a decode layer, held until their readers are enqueued
         self.lookups: torch.Tensor | None = None  # [L, E] int64 device-side lookup counts (graph steps)
+        # host time of the decode cold path: waiting for the GPU to reach a layer, issuing copies and CPU
+        # work, waiting for the CPU's partial sum (where a split step's time goes; see bench/hotpath.py)
+        self.host_seconds: Counter[str] = Counter()
+        self.pin_results = False  # CPU partial sums in pinned memory, so their upload never waits for the GPU
         if device_tier == "gpu" and manager.slots is not None:
             self.slots = manager.slot_weights()
             self.slot_of = manager.slots.slot_of
             dev = manager.slots.slab.device
             self.identity = torch.arange(manager.slots.num_slots, dtype=torch.int32, device=dev)
+            self.late_slot = torch.arange(-1, manager.slots.num_slots, dtype=torch.int32, device=dev)
             self.lookups = torch.zeros(self.slot_of.shape, dtype=torch.int64, device=dev)
             manager.add_lookup_source(self._drain_lookups)
+            self.pin_results = dev.type == "cuda"
 
     @property
     def use_split(self) -> bool:
@@ -57,6 +66,11 @@ class ExpertCompute:
     @property
     def use_fast_cpu(self) -> bool:
         return self.fast_cpu and not self.reproducible
+
+    def release_staged(self) -> None:
+        """Release the decode layers' copied slots held so far (call once their readers are enqueued)."""
+        while self.staged:
+            self.manager.release_staged(self.staged.pop())
 
     def all_resident(self) -> bool:
         """True once every expert is in a GPU slot for good: decode steps need no host round trip."""
@@ -101,7 +115,7 @@ class ExpertCompute:
 
     def cpu_forward(self, layer: int, x: torch.Tensor, weights: torch.Tensor, k: int, groups) -> torch.Tensor:
         """Experts of `groups` from host RAM on the CPU: x [N, H] on the CPU -> partial sum [N, H] fp32."""
-        out = torch.zeros(x.shape, dtype=torch.float32)
+        out = torch.zeros(x.shape, dtype=torch.float32, pin_memory=self.pin_results)
         chunk = self.manager.max_acquire("cpu")
         seconds, nbytes = 0.0, 0
         for i in range(0, len(groups), chunk):

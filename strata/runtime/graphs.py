@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import logging
 import threading
+import traceback
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -153,7 +155,9 @@ class DecodeGraphs:
         try:
             graph, out = self._record(ids, dev_meta, kv_len, cache, mode, statics)
         except Exception as e:  # noqa: BLE001 - a step that cannot be captured still runs, eagerly
-            self.failed[mode] = f"{type(e).__name__}: {e}"
+            frames = traceback.extract_tb(e.__traceback__)
+            where = [f for f in frames if "/strata/" in f.filename] or frames  # strata's line that cannot be captured
+            self.failed[mode] = f"{type(e).__name__}: {e} (at {Path(where[-1].filename).name}:{where[-1].lineno})"
             log.warning("CUDA-graph capture (%s) failed, running decode steps eagerly: %s", mode, self.failed[mode])
             torch.cuda.synchronize()
             return result

@@ -19,6 +19,7 @@ one GEMM over its tokens; every cold expert crosses PCIe once per forward pass.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
@@ -46,6 +47,8 @@ class TieredExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         c, k = self.compute, ids.shape[1]
+        if current_recorder() is None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            c.release_staged()  # eager: everything that read the last decode layer's copied slots is enqueued
         if use_pair_kernels(x, ids.numel()) if c.pair_path is None else c.pair_path:
             return self._decode_forward(x, ids, weights)
         groups = group_by_expert(ids, self.num_experts)  # syncs: predictions have arrived too
@@ -82,60 +85,94 @@ class TieredExperts(nn.Module):
             used = torch.full_like(flat, -1, dtype=torch.int32)
         both = torch.stack((flat.to(torch.int32), used))  # [2, P] expert and slot used per pair
         cpu_out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # the CPU's weighted partial sum
-        cold = lambda: self._cold_stage(x, weights, y, both, cpu_out)  # noqa: E731
+        late = torch.zeros_like(flat, dtype=torch.int32)  # [P] slot + 1 of pairs copied by the host step, 0 = none
+        cold = lambda: self._cold_stage(x, weights, y, both, cpu_out, late)  # noqa: E731
         recorder = current_recorder()
         if recorder is None:
             cold()
         else:  # inside a segmented CUDA-graph capture: the host work runs between replays
             recorder.host_step(cold)
+        if c.slots is not None:  # the pairs whose experts the host step copied in (part of the graph)
+            pair_experts(x, c.slots, c.late_slot, late, y)
         return (combine_pairs(y, weights) + cpu_out).to(x.dtype)
 
-    def _cold_stage(self, x, weights, y, both, cpu_out) -> None:
+    def _cold_stage(self, x, weights, y, both, cpu_out, late) -> None:
         """Host work of a decode layer: learn which pairs were cold, serve them, count the lookups."""
-        c = self.compute
-        experts, slots = _to_host(both).numpy()  # one small copy; the GPU keeps computing meanwhile
+        c, clock = self.compute, time.perf_counter
+        c.release_staged()  # the kernels reading the previous layer's copies are enqueued by now
+        t0 = clock()
+        # one synchronisation: the GPU has reached this layer (slots used, activations, routing weights)
+        both_host, x_host, w_host = _to_host(both, x.float(), weights)
+        experts, slots = both_host.numpy()
+        t1 = clock()
         if c.slots is not None:
             c.manager.note_hits(self.layer, np.unique(experts[slots >= 0]))  # before evictions: recency counts
         cold: dict[int, list[int]] = {}
         for p in np.flatnonzero(slots < 0):
             cold.setdefault(int(experts[p]), []).append(int(p))
-        cpu_part = self._cold_decode(x, weights, y, {e: np.asarray(v) for e, v in sorted(cold.items())}) if cold else None
+        cpu_part = None
+        t_plan = clock()
+        if cold:
+            cpu_part = self._cold_decode(x, x_host, w_host, y, late, {e: np.asarray(v) for e, v in sorted(cold.items())})
+        if cpu_part is not None:
+            cpu_out.copy_(cpu_part, non_blocking=c.pin_results)  # pinned: no wait for the GPU queue
+        t_poll = clock()
         if c.prefetcher is not None:
             c.prefetcher.poll()  # after the layer's own misses, so they go first
-        if cpu_part is not None:
-            cpu_out.copy_(cpu_part.result())
+        c.host_seconds["wait_gpu"] += t1 - t0
+        c.host_seconds["hits"] += t_plan - t1
+        c.host_seconds["poll"] += clock() - t_poll
 
-    def _cold_decode(self, x, weights, y, cold: dict[int, np.ndarray]) -> Future | None:
-        """Cold pairs: part on CPU threads (returns their partial sum), the rest copied and computed here."""
-        c, k = self.compute, weights.shape[1]
+    def _cold_decode(self, x, x_host, w_host, y, late, cold: dict[int, np.ndarray]) -> torch.Tensor | None:
+        """Cold pairs: the copied ones are staged for the pass over `late` that follows this host step, then
+        the CPU's share is computed here; returns the CPU's partial sum [N, H] fp32 (None: no CPU share)."""
+        c, k = self.compute, w_host.shape[1]
+        t_split = time.perf_counter()
         on_cpu: set[int] = set(cold) if c.slots is None else set()
         if c.use_split and c.slots is not None:
             on_cpu = self._cpu_share({e: len(p) for e, p in cold.items()})
-        cpu_part = None
-        if on_cpu:
-            groups = [(e, torch.from_numpy(cold[e])) for e in sorted(on_cpu)]
-            args = (self.layer, x.float().cpu(), weights.cpu(), k, groups)
-            cpu_part = c.pool.submit(c.cpu_forward, *args) if c.pool is not None else _done(c.cpu_forward(*args))
         to_copy = [e for e in cold if e not in on_cpu]
-        if not to_copy:
-            return cpu_part
+        t0 = time.perf_counter()
+        c.host_seconds["split"] += t0 - t_split
+        if to_copy and len(to_copy) > c.manager.max_acquire("gpu"):  # a budget smaller than the step: in chunks, now
+            self._copy_in_chunks(x, y, to_copy, cold)
+        elif to_copy:
+            staged = c.manager.stage_gpu(self.layer, to_copy)  # one batch of copies, one event
+            staged.wait()  # the compute stream waits for the copies; the host does not
+            c.staged.append(staged)  # released once the late pass is enqueued (the next host step or layer)
+            slot_plus_one = np.zeros(late.numel(), dtype=np.int32)
+            for e, slot in zip(staged.experts, staged.slots, strict=True):
+                slot_plus_one[cold[e]] = slot + 1
+            _upload(slot_plus_one, late)
+        t1 = time.perf_counter()
+        c.host_seconds["stage"] += t1 - t0
+        if not on_cpu:
+            return None
+        # the CPU part runs here, after the copies were issued: this thread joins the kernel's thread
+        # pool (the GIL is released inside) while the copy engine moves the other experts. (A Python
+        # worker thread was slower: it waits for the GIL this thread holds while it issues the copies;
+        # so was a C++ launcher thread, measured: bench/RESULTS.md, issue 4 fourth measurement.)
+        groups = [(e, torch.from_numpy(cold[e])) for e in sorted(on_cpu)]
+        out = c.cpu_forward(self.layer, x_host, w_host, k, groups)
+        c.host_seconds["cpu"] += time.perf_counter() - t1
+        return out
+
+    def _copy_in_chunks(self, x, y, to_copy: list[int], cold: dict[int, np.ndarray]) -> None:
+        """Copied pairs computed here, chunk by chunk, each chunk's slots released before the next is staged."""
+        c = self.compute
         chunk = c.manager.max_acquire("gpu")
         for i in range(0, len(to_copy), chunk):
-            part = to_copy[i : i + chunk]
-            handles = c.manager.acquire([(self.layer, e) for e in part], "gpu")
+            staged = c.manager.stage_gpu(self.layer, to_copy[i : i + chunk])
             try:
-                pair_slots, pair_rows = [], []
-                for h in handles:
-                    h.wait()  # the compute stream waits for the copy; the host does not
-                    rows = cold[h.key[1]]
-                    pair_rows.append(rows)
-                    pair_slots.append(np.full(len(rows), h.slot, dtype=np.int32))
-                slots_t = torch.from_numpy(np.concatenate(pair_slots)).to(x.device, non_blocking=True)
-                rows_t = torch.from_numpy(np.concatenate(pair_rows).astype(np.int32)).to(x.device, non_blocking=True)
-                pair_experts(x, c.slots, c.identity, slots_t, y, rows=rows_t)
+                staged.wait()
+                slot_of = dict(zip(staged.experts, staged.slots, strict=True))
+                pairs = np.concatenate([np.stack((cold[e], np.full(len(cold[e]), slot_of[e])))
+                                        for e in staged.experts], axis=1).astype(np.int32)  # [2, P'] rows, slots
+                pairs_t = torch.empty(pairs.shape, dtype=torch.int32, device=x.device)
+                _upload(pairs, pairs_t)
+                pair_experts(x, c.slots, c.identity, pairs_t[1], y, rows=pairs_t[0])
             finally:
-                c.manager.release(handles)  # later copies into these slots wait for the kernels above
-        return cpu_part
+                c.manager.release_staged(staged)  # later copies into these slots wait for the kernels above
 
     # ---- prefill: experts grouped by token ------------------------------------------------------
     def _cpu_share(self, tokens: dict[int, int]) -> set[int]:
@@ -175,18 +212,21 @@ class TieredExperts(nn.Module):
         return out
 
 
-def _done(value) -> Future:
-    f: Future = Future()
-    f.set_result(value)
-    return f
+def _upload(values: np.ndarray, dst: torch.Tensor) -> None:
+    """Copy host `values` into `dst` without waiting for the GPU (through pinned memory on CUDA)."""
+    src = torch.from_numpy(values)
+    if dst.is_cuda:
+        src = src.pin_memory()  # the caching host allocator keeps it until the copy has run
+    dst.copy_(src, non_blocking=dst.is_cuda)
 
 
-def _to_host(t: torch.Tensor) -> torch.Tensor:
-    """`t` on the host: one asynchronous copy into pinned memory, then wait for that copy only."""
-    if not t.is_cuda:
-        return t
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
+def _to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """`tensors` on the host: asynchronous copies into pinned memory, then one wait for those copies."""
+    if not tensors[0].is_cuda:
+        return list(tensors)
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for h, t in zip(host, tensors, strict=True):
+        h.copy_(t, non_blocking=True)
     ready = torch.cuda.Event()
     ready.record()
     ready.synchronize()

@@ -219,6 +219,82 @@ class GpuSlots:
             done.record(self.copy_stream)
         return done
 
+    # -- batches (one decode layer's cold experts) ---------------------------------------------------------
+    def clear_many(self, keys: Sequence[Key]) -> list[int]:
+        """`clear` for several keys on the current stream, with one "freed" event for all their slots."""
+        slots, cleared = [], []
+        stream = torch.cuda.current_stream(self.device) if self.is_cuda else None
+        for key in keys:
+            layer, expert = self._check(key)
+            slot = int(self.slot_of_host[layer, expert])
+            if slot < 0:
+                continue
+            self.slot_of_host[layer, expert] = -1
+            self.key_of_slot[slot] = -1
+            slots.append(slot)
+            cleared.append((layer, expert))
+            if stream is not None and (published := self._published.pop(slot, None)) is not None:
+                stream.wait_event(published)
+        if cleared:  # on the current stream: later compute kernels see -1
+            self.slot_of.view(-1).index_fill_(0, self._device_ints([[ly * self.num_experts + e for ly, e in cleared]])[0], -1)
+        if stream is not None and slots:
+            freed = torch.cuda.Event()
+            freed.record(stream)
+            for slot in slots:
+                self._freed[slot] = freed
+            for key in cleared:
+                self._key_cleared[key] = freed
+        return slots
+
+    def load_many(self, items: Sequence[tuple[Key, int, torch.Tensor]], wait_for: Sequence = ()) -> tuple:
+        """`load` for several (key, slot, pinned source) on the copy stream: waits (each slot's last clear,
+        each key's last clear, `wait_for`), the copies, the map entries, then one event.
+
+        Returns (start, done) events (timing-enabled; both None on CPU, where the copies are done)."""
+        for key, slot, src in items:
+            layer, expert = self._check(key, slot)
+            if self.owner(slot) is not None or self.slot_of_host[layer, expert] >= 0:
+                raise ValueError(f"cannot load {key} into slot {slot}: one of them is taken; clear it first")
+            if src.dtype != torch.uint8 or src.dim() != 1 or src.numel() > self.slot_bytes:
+                raise ValueError(f"src must be a 1-D uint8 tensor of <= {self.slot_bytes} bytes")
+        if not self.is_cuda:
+            for key, slot, src in items:
+                self.slab[slot, : src.numel()].copy_(src)
+                self.assign(key, slot)
+            return None, None
+        stream = self.copy_stream
+        with torch.cuda.stream(stream):
+            seen: set[int] = set()
+            waits = [self._freed.pop(slot, None) for _, slot, _ in items]
+            waits += [self._key_cleared.pop((int(k[0]), int(k[1])), None) for k, _, _ in items]
+            for ev in (*waits, *wait_for):
+                if ev is not None and id(ev) not in seen:
+                    seen.add(id(ev))
+                    stream.wait_event(ev)
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            for _, slot, src in items:
+                self.slab[slot, : src.numel()].copy_(src, non_blocking=True)
+            for key, slot, _ in items:  # published only after every copy of the batch has landed
+                layer, expert = int(key[0]), int(key[1])
+                self.slot_of_host[layer, expert] = slot
+                self.key_of_slot[slot] = (layer, expert)
+            idx_val = self._device_ints([[int(k[0]) * self.num_experts + int(k[1]) for k, _, _ in items],
+                                         [slot for _, slot, _ in items]])
+            self.slot_of.view(-1).index_copy_(0, idx_val[0], idx_val[1].to(torch.int32))
+            done = torch.cuda.Event(enable_timing=True)
+            done.record(stream)
+        for _, slot, _ in items:
+            self._published[slot] = done
+        return start, done
+
+    def _device_ints(self, rows: list[list[int]]) -> torch.Tensor:
+        """Small int64 rows on the device, uploaded on the current stream without a host sync."""
+        t = torch.tensor(rows, dtype=torch.int64)
+        if not self.is_cuda:
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)  # the caching host allocator keeps it until copied
+
     def __repr__(self) -> str:
         return (f"GpuSlots({self.num_slots} x {self.slot_bytes} B = {self.nbytes / 2**30:.2f} GiB on {self.device}, "
                 f"{self.num_resident} resident)")

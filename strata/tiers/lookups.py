@@ -45,7 +45,7 @@ class LookupsMixin:
             return 0
         with self._lock:
             self._reap_copies()
-            return len(self.gpu.inflight) + len(self._copying)
+            return len(self.gpu.inflight) + self._copies_in_flight()
 
     def all_resident(self) -> bool:
         """Every expert of the store sits in a GPU slot and no eviction can ever happen (budget >= experts)."""

@@ -43,12 +43,13 @@ from strata.tiers.slots import (
     static_hot_slots,
 )
 from strata.tiers.stats import TierStats
+from strata.tiers.step_copies import StepCopiesMixin
 from strata.tiers.store import ExpertStore
 from strata.tiers.tmpfs import TmpfsMirror
 from strata.tiers.transfers import TransfersMixin
 
 
-class TierManager(IntegrityMixin, LookupsMixin, TransfersMixin):
+class TierManager(IntegrityMixin, LookupsMixin, StepCopiesMixin, TransfersMixin):
     """Places a store's experts across GPU, pinned RAM, tmpfs and disk within budgets."""
 
     FULL_WAIT_S = 30.0  # how long an acquire waits for other threads to release slots before TierFullError
@@ -98,7 +99,7 @@ class TierManager(IntegrityMixin, LookupsMixin, TransfersMixin):
         self.reader = DiskReader(num_threads=io_threads, direct=direct_io)
         self.gds = gpu_direct_reader(disk_reader) if self.slots is not None and self.slots.slab.is_cuda else None
         self.tmpfs = TmpfsMirror(store, tmpfs_dir, budgets.tmpfs_bytes, order=hot) if tmpfs_dir and budgets.tmpfs_bytes else None
-        self._copying: dict[int, tuple] = {}  # GPU copies whose pinned source is still held
+        self._copying: dict[int, tuple] = {}  # GPU copy batches (start, done, keys) whose pinned sources are held
         self._workers = [threading.Thread(target=self._work, name=f"strata-tier-{i}", daemon=True)
                          for i in range(io_threads)]
         for w in self._workers:
@@ -251,7 +252,7 @@ class TierManager(IntegrityMixin, LookupsMixin, TransfersMixin):
             self._reap_copies()
             inflight = sum(len(t.inflight) for t in (self.gpu, self.pinned) if t is not None)
             background = int(self.pool.allocating) + int(self.tmpfs is not None and self.tmpfs.copying)
-            return len(self._jobs) + self._running + inflight + len(self._copying) + background
+            return len(self._jobs) + self._running + inflight + self._copies_in_flight() + background
 
     def wait_settled(self, timeout: float = 600.0) -> bool:
         """Block until `pending_work()` is 0 (the background placement is done); False on timeout.
@@ -345,8 +346,9 @@ class TierManager(IntegrityMixin, LookupsMixin, TransfersMixin):
             src.add_done_callback(lambda f: self._copy_to_gpu(key, slot, fut, f))
         return fut
 
-    def _take_slot(self, tier: _SlotTier, key: Key) -> int:
-        """A free slot, or one freed by evicting the policy's victim among objects not in use."""
+    def _take_slot(self, tier: _SlotTier, key: Key, clears: list[Key] | None = None) -> int:
+        """A free slot, or one freed by evicting the policy's victim among objects not in use (a GPU
+        victim's map entry is cleared now, or appended to `clears` for the caller to clear in a batch)."""
         if tier.free and (not self.budgets.per_layer or self._layer_count(tier, key[0]) < self._quota(tier)):
             return tier.free.pop()
         self._reap_copies()
@@ -368,7 +370,10 @@ class TierManager(IntegrityMixin, LookupsMixin, TransfersMixin):
             self._prefetched[tier.name].discard(victim)
             self.stats_.prefetch_unused += 1
         if tier is self.gpu:
-            self.slots.clear(victim)
+            if clears is None:
+                self.slots.clear(victim)
+            else:
+                clears.append(victim)
         return slot
 
     def _layer_count(self, tier: _SlotTier, layer: int) -> int:

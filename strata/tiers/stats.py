@@ -19,9 +19,9 @@ class PathCounters:
     objects: int = 0
     seconds: float = 0.0
 
-    def add(self, nbytes: int, seconds: float) -> None:
+    def add(self, nbytes: int, seconds: float, objects: int = 1) -> None:
         self.bytes += nbytes
-        self.objects += 1
+        self.objects += objects
         self.seconds += seconds
 
     def as_dict(self) -> dict:

@@ -18,13 +18,19 @@ class TransfersMixin:
     """Mixed into `TierManager`: uses its lock, job heap, tiers, pools, reader and statistics."""
 
     def _reap_copies(self) -> None:
-        """Drop the pinned refs held by GPU copies that have finished reading their source."""
-        for token, (start, end, key) in list(self._copying.items()):
+        """Drop the pinned refs held by GPU copy batches that have finished reading their sources."""
+        for token, (start, end, keys) in list(self._copying.items()):
             if end is None or end.query():
                 del self._copying[token]
-                self._unref(self.pinned, key)
+                for key in keys:
+                    self._unref(self.pinned, key)
                 if end is not None:  # copy-engine time, not enqueue time
-                    self.stats_.paths["pinned->gpu"].add(self.store.slot_bytes, start.elapsed_time(end) / 1000)
+                    self.stats_.paths["pinned->gpu"].add(self.store.slot_bytes * len(keys), start.elapsed_time(end) / 1000,
+                                                         objects=len(keys))
+
+    def _copies_in_flight(self) -> int:
+        """Experts whose pinned -> GPU copy is enqueued and not known to have finished."""
+        return sum(len(keys) for _, _, keys in self._copying.values())
 
     def _submit(self, priority: int, fn, *args) -> None:
         heapq.heappush(self._jobs, (priority, next(self._seq), fn, args))
@@ -117,7 +123,7 @@ class TransfersMixin:
             start = torch.cuda.Event(enable_timing=True)  # recorded after the waits: copy-engine time only
         event = self.slots.copy_in(slot, pinned_buf, started=start)
         with self._lock:
-            self._copying[next(self._seq)] = (start, event, key)
+            self._copying[next(self._seq)] = (start, event, [key])
             if event is None:  # CPU-simulated GPU tier: the copy is already done
                 self.stats_.paths["pinned->gpu"].add(self.store.slot_bytes, time.perf_counter() - t0)
             self.gpu.events[slot] = event

@@ -1,0 +1,127 @@
+"""One decode layer's cold experts brought to GPU slots in one batch.
+
+`acquire` is general (any tier, any source, waits, per-object futures) and costs a few hundred
+microseconds of host time per expert on CUDA: a stream switch, a map-update kernel and an event for
+the eviction, the same again for the copy and its map entry, and an event per handle on release. A
+decode step pays that for every cold expert of every layer, which made the split decode
+overhead-bound (bench/RESULTS.md, issue 4). `stage_gpu` does the same bookkeeping for a layer's
+pinned-resident cold experts with one map-clear batch on the compute stream, one copy-stream batch
+(waits, copies, map entries, one event) and, in `release_staged`, one event for all of them.
+
+Objects that are not simply pinned-resident (a copy already in flight, or only on tmpfs/disk) take
+the general `acquire` path inside the same call, so the result is the same whatever the residency.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from strata.tiers.slots import ExpertHandle, Key, TierFullError
+
+
+@dataclass
+class StagedExperts:
+    """Experts of one layer held in GPU slots for a step: `slots[i]` holds `experts[i]`."""
+
+    layer: int
+    experts: list[int]
+    slots: list[int]
+    event: object = None  # torch.cuda.Event after the batch's copies and map entries (None: nothing copied)
+    handles: list[ExpertHandle] = field(default_factory=list)  # the ones that took the general path
+    batch: list[Key] = field(default_factory=list)  # keys this batch pinned itself (released together)
+    owner: int = 0
+
+    def wait(self) -> None:
+        """Make the current CUDA stream wait for the batch's copies (no host synchronisation)."""
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+        for h in self.handles:
+            h.wait()
+
+
+class StepCopiesMixin:
+    """Mixed into TierManager: uses its lock, GPU and pinned tiers, slots, statistics and `acquire`."""
+
+    def stage_gpu(self, layer: int, experts: list[int]) -> StagedExperts:
+        """Pin `experts` of `layer` in GPU slots, copying the pinned-resident ones in one batch.
+
+        Returns at once (copies are asynchronous); call `wait()` before reading the slots and
+        `release_staged` when the kernels reading them are enqueued."""
+        tier, pinned = self.gpu, self.pinned
+        staged = StagedExperts(layer, [], [], owner=threading.get_ident())
+        slow: list[Key] = []
+        copies: list[tuple[Key, int, torch.Tensor]] = []  # (key, GPU slot, pinned source)
+        with self._lock:
+            clears: list[Key] = []
+            waits: list = []
+            for e in experts:
+                key = (layer, int(e))
+                if key in tier.inflight or key in pinned.inflight or key not in tier.slot_of and key not in pinned.slot_of:
+                    slow.append(key)
+                    continue
+                self._note_prefetch_use(tier, key)
+                if key in tier.slot_of:  # became resident since the step looked (a prefetch landed)
+                    self.stats_.lookup(layer, "gpu", False, 0.0, expert=key[1])
+                else:
+                    try:
+                        slot = self._take_slot(tier, key, clears)
+                    except TierFullError:
+                        slow.append(key)
+                        continue
+                    if (prior := tier.events.get(slot)) is not None:
+                        waits.append(prior)
+                    pinned.refs[key] = pinned.refs.get(key, 0) + 1  # the source stays put until the copy lands
+                    copies.append((key, slot, self.pool.slot(pinned.slot_of[key])))
+                    tier.slot_of[key] = slot
+                    self.stats_.lookup(layer, "pinned", True, 0.0, expert=key[1])
+                tier.policy.touch(key)
+                tier.refs[key] = tier.refs.get(key, 0) + 1
+                self._thread_refs[staged.owner] += 1
+                staged.batch.append(key)
+                staged.experts.append(key[1])
+                staged.slots.append(tier.slot_of[key])
+            if clears:
+                self.slots.clear_many(clears)
+            if copies:
+                t0 = time.perf_counter()
+                start, done = self.slots.load_many(copies, waits)
+                if done is None:  # CPU-simulated GPU tier: the copies are already done
+                    self.stats_.paths["pinned->gpu"].add(self.store.slot_bytes * len(copies), time.perf_counter() - t0,
+                                                         objects=len(copies))
+                staged.event = done
+                self._copying[next(self._seq)] = (start, done, [k for k, _, _ in copies])
+                for key, slot, _ in copies:
+                    tier.events[slot] = done
+                    tier.policy.insert(key)
+        if slow:
+            try:
+                staged.handles = self.acquire(slow, "gpu")
+            except BaseException:
+                self.release_staged(staged)
+                raise
+            staged.experts += [h.key[1] for h in staged.handles]
+            staged.slots += [h.slot for h in staged.handles]
+        return staged
+
+    def release_staged(self, staged: StagedExperts) -> None:
+        """Unpin a `stage_gpu` batch; later copies into its slots wait for the work queued on them so far."""
+        if staged.handles:
+            self.release(staged.handles)
+        if not staged.batch:
+            return
+        ev = None
+        if self.slots.slab.is_cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.slots.slab.device))
+        with self._lock:
+            for key in staged.batch:
+                if ev is not None:
+                    self.gpu.events[self.gpu.slot_of[key]] = ev
+                self._unref(self.gpu, key)
+            self._thread_refs[staged.owner] -= len(staged.batch)
+            staged.batch = []
+            self._released.notify_all()
