@@ -102,3 +102,36 @@ def test_stage_gpu_waits_for_slots_a_step_holds(store):
         m.release_staged(held)
     finally:
         m.close()
+
+
+def test_cpu_experts_by_slot_address_equal_the_handle_path(store):
+    """The decode CPU share reads pinned slots by address (no handles); same kernel, same expert order, so
+    the partial sum is bit-identical to the handle path's, and the slots are released afterwards."""
+    from strata.kernels import cpu_experts as ce
+    from strata.runtime.expert_compute import ExpertCompute
+
+    if ce.backend() == "torch":
+        pytest.skip("the compiled CPU kernel is not available here")
+    layer = store.index.moe_layers[0]
+    m = TierManager(store, TierBudgets(gpu_slots=0, pinned_slots=16), io_threads=2)
+    try:
+        m.release(m.acquire([(layer, e) for e in range(6)], "cpu"))
+        compute = ExpertCompute(m, "cpu", "fork")
+        g = torch.Generator().manual_seed(0)
+        h = store.expert_shapes[0][1]
+        x = torch.randn(3, h, generator=g)
+        weights = torch.rand(3, 2, generator=g)
+        groups = [(1, torch.tensor([0, 3])), (4, torch.tensor([1])), (5, torch.tensor([2, 4, 5]))]  # pair = token*2 + j
+        fast = compute._cpu_packed(layer, x, weights, 2, groups)
+        assert fast is not None and not m.pinned.refs
+        by_handle = torch.zeros(3, h)
+        handles = m.acquire([(layer, e) for e, _ in groups], "cpu")
+        flat_w = weights.reshape(-1).float()
+        ce.cpu_experts_forward(x, [(hd.gate_up, hd.down) for hd in handles], [sel // 2 for _, sel in groups],
+                               [flat_w[sel] for _, sel in groups], out=by_handle)
+        m.release(handles)
+        assert torch.equal(fast, by_handle)
+        assert compute._cpu_packed(layer, x, weights, 2, [(9, torch.tensor([0]))]) is None  # not in pinned RAM
+        assert not m.pinned.refs
+    finally:
+        m.close()

@@ -289,6 +289,24 @@ def max_tokens() -> int:
     return int(env) if env else MAX_TOKENS
 
 
+def run_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads: int | None = None) -> bool:
+    """The compiled kernel on pre-packed arguments, for callers that hold experts by address (the tier
+    manager's pinned slots): x32 [N, H] fp32 contiguous; meta rows of (gate_up address, down address,
+    token-index address (int64), weight address (fp32), T, I) for bf16 experts; out [N, H] fp32
+    contiguous, added into. Returns False, doing nothing, when the compiled kernel is not in use."""
+    name = _resolve(None)
+    if name == "torch" or not meta:
+        return bool(not meta and name != "torch")
+    N, H = x32.shape
+    rc = _lib.strata_cpu_experts(_ISA[name], x32.data_ptr(), N, H, len(meta) // 6, meta.buffer_info()[0],
+                                 out.data_ptr(), int(threads or default_threads()))
+    if rc == -2:
+        raise IndexError(f"token_idx out of range for x with {N} rows")
+    if rc != 0:
+        raise RuntimeError(f"CPU expert kernel ({name}) failed with code {rc}")
+    return True
+
+
 def _torch_expert(x32: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
                   out: torch.Tensor) -> None:
     """The reference: fp32 math on the upcast weights, added into out."""

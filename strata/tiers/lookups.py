@@ -9,6 +9,7 @@ frequency stay exact), or counts accumulated on the device and drained when stat
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterable
 
 from strata.kernels.grouped import SlotWeights
@@ -29,6 +30,31 @@ class LookupsMixin:
                 if key in tier.slot_of:
                     tier.policy.touch(key)
                 self.stats_.lookup(layer, tier.name, False, 0.0, expert=key[1])
+
+    def hold_resident(self, keys: list[tuple[int, int]]) -> list[int] | None:
+        """Pin `keys` in their pinned-RAM slots and return the slots, if every one is resident there now;
+        else None and nothing changes (the caller takes `acquire`). Counted as pinned-tier hits; undo with
+        `drop_held`. For the CPU expert kernel, which reads the slots by address."""
+        tier = self.pinned
+        with self._lock:
+            if any(k not in tier.slot_of or k in tier.inflight for k in keys):
+                return None
+            me = threading.get_ident()
+            for key in keys:
+                self._note_prefetch_use(tier, key)
+                tier.policy.touch(key)
+                tier.refs[key] = tier.refs.get(key, 0) + 1
+                self.stats_.lookup(key[0], tier.name, False, 0.0, expert=key[1])
+            self._thread_refs[me] += len(keys)
+            return [tier.slot_of[k] for k in keys]
+
+    def drop_held(self, keys: list[tuple[int, int]]) -> None:
+        """Undo `hold_resident` (same thread)."""
+        with self._lock:
+            for key in keys:
+                self._unref(self.pinned, key)
+            self._thread_refs[threading.get_ident()] -= len(keys)
+            self._released.notify_all()
 
     def add_lookup_source(self, source: LookupSource) -> None:
         """Register a drain of device-side lookup counts; `stats()` calls it before every snapshot."""

@@ -132,6 +132,14 @@ class PinnedPool:
             raise StrataError("the pinned pool was closed")
         return slab.tensor[j * self.slot_bytes : (j + 1) * self.slot_bytes]
 
+    def slot_address(self, i: int) -> int:
+        """The host address of slot i (its slab must be allocated: a slot holding an object is)."""
+        k, j = divmod(i, self.slots_per_slab)
+        slab = self._slabs[k]
+        if slab is None or self._closing or not 0 <= i < self.num_slots:
+            raise StrataError(f"pinned slot {i} is not allocated")
+        return slab.tensor.data_ptr() + j * self.slot_bytes
+
     def ready_slots(self) -> int:
         """How many slots (from slot 0 on: slabs are allocated in order) are usable now."""
         ready = 0
