@@ -118,6 +118,9 @@ def decode(model: str, gpus: list[int], budget: str, tokens: int, numerics: str)
     result = {"cards": len(gpus), "budget_per_card": budget, "load_s": round(load_s, 2), "tokens": n,
               "decode_tok_per_s": round(n / dt, 3), "step_ms": round(1000 * dt / n, 3),
               "gpu_slots": engine.plan.tier("gpu").slots, "per_card": {}}
+    graphs = engine.model.graphs
+    if graphs is not None:  # hops inside replayed graphs are counted but not timed (timed: eager steps only)
+        result["graph_replays"], result["graph_failures"] = graphs.replays, dict(graphs.failed)
 
     def card(b: dict, a: dict) -> dict:
         lookups = a["lookups"] - b["lookups"]

@@ -129,3 +129,26 @@ def test_engram_rows_go_to_the_card_that_runs_the_layer(engram6_dir, tier):
     finally:
         one.close()
         many.close()
+
+
+@needs_two
+@pytest.mark.parametrize("experts", ["memory", "tiered"])
+def test_split_decode_replays_graphs_per_card_and_equals_eager(tiny6_dir, experts):
+    """Decode steps of a model over two cards are captured as one graph per card's stretch (and between
+    host steps while experts are cold) and replayed; the tokens and hidden states equal the eager steps'."""
+    conf = {"runtime": {"max_context": 256, "devices": [0, 1], "cpu_numerics": "gpu", "experts": experts},
+            "tiers": {"gpu": {"budget": "96KiB"}, "disk": {"scrub": False}}}
+    graphs = Engine.from_pretrained(tiny6_dir, config=conf)
+    eager = Engine.from_pretrained(tiny6_dir, config={**conf, "runtime": {**conf["runtime"], "cuda_graphs": False}})
+    try:
+        hops_before = graphs.model.stage_map.stats.hops
+        got, want = greedy(graphs, 12), greedy(eager, 12)
+        g = graphs.model.graphs
+        assert not g.failed, g.failed
+        assert g.replays > 0 and g.captures > 0
+        assert got == want
+        assert graphs.model.stage_map.stats.hops - hops_before >= len(got)  # hops inside replays are counted
+        assert torch.cuda.current_device() == 0  # replays leave the first card current
+    finally:
+        graphs.close()
+        eager.close()

@@ -46,13 +46,17 @@ def current_recorder() -> SegmentRecorder | None:
 class SegmentRecorder:
     """Captures a step as graphs separated by host steps; `replay()` runs them in order."""
 
-    def __init__(self, pool):
+    def __init__(self, pool, device: torch.device | None = None):
         self.pool = pool
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.steps: list[tuple[Callable[[], None], list[Callable[[], None]]]] = []
         self.deferred: list[Callable[[], None]] = []
         self.tail: list[Callable[[], None]] = []
         self._graph: torch.cuda.CUDAGraph | None = None
+        # a model split over cards: the card being captured, the first one, and each later card's
+        # capture stream with the stream it replaced (restored when the capture ends)
+        self.device = self.first = device
+        self._cards: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
 
     def begin(self) -> None:
         self._graph = torch.cuda.CUDAGraph()
@@ -66,6 +70,29 @@ class SegmentRecorder:
         self.deferred = []
         self.begin()
 
+    def switch_device(self, device: torch.device, on_replay: Callable[[], None] | None = None) -> None:
+        """A stage boundary of a model split over cards: end the graph captured on the current card and go
+        on capturing on `device` (on a capture stream of its own). At replay, `device`'s stream first waits
+        for everything queued on the previous card (one event), then `on_replay` runs (hop statistics)."""
+        if device == self.device:
+            return
+        self._graph.capture_end()
+        self.graphs.append(self._graph)
+        self.steps.append((_card_hop(self.device, device, on_replay), self.deferred))
+        self.deferred = []
+        torch.cuda.set_device(device)
+        if device not in self._cards:
+            self._cards[device] = (torch.cuda.Stream(device), torch.cuda.current_stream(device))
+        torch.cuda.set_stream(self._cards[device][0])
+        self.device = device
+        self.begin()
+
+    def _restore(self) -> None:
+        for _, saved in self._cards.values():
+            torch.cuda.set_stream(saved)
+        if self.first is not None:
+            torch.cuda.set_device(self.first)
+
     def defer(self, fn: Callable[[], None]) -> None:
         """Host work that may wait until the next host step (e.g. issuing predicted prefetches)."""
         self.deferred.append(fn)
@@ -76,13 +103,17 @@ class SegmentRecorder:
             self._graph.capture_end()
         except Exception:  # noqa: BLE001 - already invalidated
             pass
+        self._restore()
 
     def end(self) -> None:
         self._graph.capture_end()
         self.graphs.append(self._graph)
         self.tail, self.deferred = self.deferred, []
+        self._restore()
 
     def replay(self) -> None:
+        if self.first is not None:
+            torch.cuda.set_device(self.first)
         for graph, (fn, deferred) in zip(self.graphs[:-1], self.steps, strict=True):
             graph.replay()
             fn()
@@ -93,6 +124,20 @@ class SegmentRecorder:
             torch.cuda.current_stream().synchronize()
             for d in self.tail:
                 d()
+        if self.first is not None:
+            torch.cuda.set_device(self.first)
+
+
+def _card_hop(prev: torch.device, nxt: torch.device, on_replay: Callable[[], None] | None) -> Callable[[], None]:
+    """The replay step between two cards' graphs: `nxt` waits for `prev`'s work, then becomes current."""
+    def hop() -> None:
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(prev))
+        torch.cuda.set_device(nxt)
+        torch.cuda.current_stream(nxt).wait_event(ready)
+        if on_replay is not None:
+            on_replay()
+    return hop
 
 
 @dataclass
@@ -108,8 +153,10 @@ class DecodeGraphs:
     """Captures and replays decode steps of one model; `mode()` says how: "full", "segmented" or None (eager)."""
 
     def __init__(self, forward: Callable[[torch.Tensor, DecodeBatch, KVCache], torch.Tensor],
-                 mode: Callable[[], str | None]):
+                 mode: Callable[[], str | None], devices: list[torch.device] | None = None):
         self.forward, self.mode = forward, mode
+        # a model split over several cards: every capture is segmented, with a graph per card's stretch
+        self.devices = devices if devices is not None and len(devices) > 1 else None
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
         self.pool = None
         self.replays = 0
@@ -159,7 +206,7 @@ class DecodeGraphs:
             where = [f for f in frames if "/strata/" in f.filename] or frames  # strata's line that cannot be captured
             self.failed[mode] = f"{type(e).__name__}: {e} (at {Path(where[-1].filename).name}:{where[-1].lineno})"
             log.warning("CUDA-graph capture (%s) failed, running decode steps eagerly: %s", mode, self.failed[mode])
-            torch.cuda.synchronize()
+            self._synchronize()
             return result
         if not any(k[0] == key[0] for k in self.graphs):  # a freed cache's id may be reused: drop its graphs
             weakref.finalize(cache, self._forget_id, key[0])
@@ -169,13 +216,13 @@ class DecodeGraphs:
 
     def _record(self, ids, dev_meta, kv_len, cache, mode: str, statics=None):
         batch = DecodeBatch(dev_meta[0], dev_meta[1], kv_len, engram=statics)
-        if mode == "full":
+        if mode == "full" and self.devices is None:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 out = self.forward(ids, batch, cache)
             return graph, out
-        torch.cuda.synchronize()
-        rec = SegmentRecorder(self.pool)
+        self._synchronize()
+        rec = SegmentRecorder(self.pool, ids.device if self.devices is not None else None)
         _local.recorder = rec
         try:
             with torch.cuda.stream(torch.cuda.Stream()):
@@ -188,8 +235,12 @@ class DecodeGraphs:
                 rec.end()
         finally:
             _local.recorder = None
-        torch.cuda.synchronize()
+        self._synchronize()
         return rec, out
+
+    def _synchronize(self) -> None:
+        for device in self.devices or [None]:
+            torch.cuda.synchronize(device)
 
     def _forget_id(self, cache_id: int) -> None:
         for key in [k for k in self.graphs if k[0] == cache_id]:

@@ -85,7 +85,9 @@ class MoETransformer(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
-    def enable_decode_graphs(self, mode: Callable[[], str | None] = lambda: "full") -> None:
+    def enable_decode_graphs(self, mode: Callable[[], str | None] = lambda: "full",
+                             devices: list[torch.device] | None = None) -> None:
         """Run decode steps with fixed shapes, captured in CUDA graphs as `mode()` says (CUDA only):
-        "full" (nothing needs the host), "segmented" (graphs between host steps) or None (eager)."""
-        self.graphs = DecodeGraphs(self.run_layers, mode)
+        "full" (nothing needs the host), "segmented" (graphs between host steps) or None (eager).
+        `devices`: the cards of a model split over several (a graph per card's stretch of layers)."""
+        self.graphs = DecodeGraphs(self.run_layers, mode, devices)

@@ -35,6 +35,7 @@ from strata.runtime.checkpoint import Checkpoint
 from strata.runtime.device_tiers import DeviceTiers, StoreView
 from strata.runtime.engram_store import attach_row_store, drop_tables
 from strata.runtime.expert_compute import ExpertCompute
+from strata.runtime.graphs import current_recorder
 from strata.runtime.host import probe_host
 from strata.runtime.loader import load_model
 from strata.runtime.model import MoETransformer
@@ -85,10 +86,11 @@ class StagedPrefetcher:
 
     def __call__(self, layer: int, hidden: torch.Tensor) -> None:
         ahead = [j for j in self._moe_layers if j > layer][: self.lookahead]
+        capturing = current_recorder() is not None
         for s, n in Counter(self.stage_of[j] for j in ahead).items():
             p, device = self.prefetchers[s], self.devices[s]
-            if p is None:
-                continue
+            if p is None or (capturing and device != hidden.device):
+                continue  # a graph is captured on one card: predictions for another card's layers are skipped
             p.lookahead = n  # its own window: exactly the layers of `ahead` on card s (stages are contiguous)
             h = hidden if hidden.device == device else hidden.to(device, non_blocking=hidden.is_cuda and device.type == "cuda")
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
@@ -108,6 +110,8 @@ def build_multi_device(path: Path, cfg: StrataConfig, progress: bool = False) ->
         bounds = [(resolve_device(s.device), s.start, s.end) for s in stages]
         model = load_model(checkpoint, dtype, "cpu", progress=progress)  # then each stage to its card
         stage_model(model, bounds)
+        if all(d.type == "cuda" for d, _, _ in bounds):
+            model.enable_decode_graphs(lambda: "full" if cfg.runtime.cuda_graphs else None, devices=[d for d, _, _ in bounds])
         return LoadedModel(checkpoint, model, bounds[0][0], dtype, max_context)
 
     source = None if is_store(path) else path
@@ -160,6 +164,12 @@ def assemble_tiered(checkpoint: Checkpoint, bounds: Bounds, gpu_slots: list[int]
     tiers = DeviceTiers(store, managers, [str(d) for d, _, _ in bounds], [(s, e) for _, s, e in bounds],
                         hops=stage_map.stats.snapshot)
     compute = StagedCompute(computes, tiers)
+    if all(d.type == "cuda" for d, _, _ in bounds) and model.engram is None:
+        # decode steps in CUDA graphs, one per card's stretch of layers (and between host steps while
+        # experts are cold); Engram models split over cards decode eagerly
+        model.enable_decode_graphs(lambda: None if not cfg.runtime.cuda_graphs
+                                   else "full" if compute.all_resident() else "segmented",
+                                   devices=[d for d, _, _ in bounds])
     if cfg.prefetch.lookahead > 0:
         predictors = router_predictors(model)
         prefetchers = [attach_prefetcher(c, {i: predictors[i] for i in layers}, cfg) if layers else None

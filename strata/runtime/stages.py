@@ -16,12 +16,15 @@ Stages may share a device (e.g. two "cpu" stages), which exercises all of this o
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
+from strata.runtime.graphs import current_recorder
+from strata.runtime.kv_cache import DecodeBatch
 from strata.runtime.model import MoETransformer
 
 Bounds = list[tuple[torch.device, int, int]]  # (device, first layer, end layer) per stage, contiguous
@@ -36,6 +39,11 @@ class HopStats:
     seconds: float = 0.0
     timed: int = 0
     _pending: list = field(default_factory=list)  # (start, end) CUDA events not yet read
+
+    def add(self, nbytes: int) -> None:
+        """A hop replayed inside a CUDA graph (counted, not timed)."""
+        self.hops += 1
+        self.bytes += nbytes
 
     def snapshot(self) -> dict:
         """JSON-ready totals (reading the timing events waits for the copies they bracket)."""
@@ -99,6 +107,12 @@ class StageMap:
         device = self.layer_device[i]
 
         def hook(module, args, kwargs):
+            rec = current_recorder()
+            if rec is not None and rec.device is not None and device != rec.device and args:
+                # capturing a decode step: this card's layers go in a graph of their own, which at replay
+                # waits for the previous card's (the hop below is its first node)
+                nbytes = args[0].numel() * args[0].element_size()
+                rec.switch_device(device, on_replay=lambda: self.stats.add(nbytes))
             _set_device(device)
             if not args or not isinstance(args[0], torch.Tensor):
                 return None
@@ -119,8 +133,14 @@ class StageMap:
 
     def _moved(self, t, device: torch.device):
         """`t` on `device`, copied at most once per forward pass (memoised until the next `_enter`)."""
-        if not isinstance(t, torch.Tensor) or t.device == device:
+        if isinstance(t, DecodeBatch):
+            t_device = t.slots_t.device
+        elif isinstance(t, torch.Tensor):
+            t_device = t.device
+        else:
             return _to(t, device)
+        if t_device == device:
+            return t
         key = (id(t), device)
         if key not in self._memo:
             self._memo[key] = (t, _to(t, device))  # keep t alive so its id stays unique this step
@@ -145,9 +165,11 @@ class StageMap:
 
 
 def _to(t, device: torch.device):
-    """`t` (a tensor, a tuple/list of them, or anything else, returned as is) on `device`."""
+    """`t` (a tensor, a tuple/list of them, a DecodeBatch, or anything else, returned as is) on `device`."""
     if isinstance(t, (tuple, list)):
         return type(t)(_to(x, device) for x in t)
+    if isinstance(t, DecodeBatch) and t.slots_t.device != device:
+        return dataclasses.replace(t, slots_t=_to(t.slots_t, device), pos_t=_to(t.pos_t, device))
     if isinstance(t, torch.Tensor) and t.device != device:
         return t.to(device, non_blocking=t.is_cuda and device.type == "cuda")  # to the CPU: synchronous
     return t
