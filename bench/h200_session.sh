@@ -13,7 +13,10 @@ case "$1" in
     python3 -m strata demo-model /dev/shm/b12 --size bench --layers 12 --no-engram --route-skew "$2" > /dev/null 2>&1
     timeout 230 python3 bench/hotpath.py --model /dev/shm/b12 --cache /dev/shm/sc --out "$OUT/hotpath-$2" --tokens 64 \
       --prefill 8192 --cases ceiling,split,copy,cpu 2>&1 | grep '^{"' | cut -c1-400 ;;
-  multigpu)
+  multigpu)  # on nvidia-h200-x2: the two-card tests (graphs per card among them), then the bench
+    timeout 150 python3 -m pytest -q -m gpu tests/test_multi_gpu.py 2>&1 | tail -4
+    [ -d /dev/shm/b12 ] || python3 -m strata demo-model /dev/shm/b12 --size bench --layers 12 --no-engram \
+      --route-skew uniform > /dev/null 2>&1
     nvidia-smi topo -m > "$OUT/topo.txt" 2>&1; cat "$OUT/topo.txt"
     timeout 150 python3 bench/multigpu.py --model /dev/shm/b12 --gpus 0,1 --budget 3.6GiB --tokens 32 --out "$OUT/multigpu" 2>&1 | tail -8 ;;
   serving)  # the small demo model (8K context)
