@@ -126,10 +126,13 @@ def _step(model, cache, plan, log, per_seq):
             per_seq[i][layer][1].append(out[off : off + n])
 
 
-def test_chunked_batched_decode_equals_reference(hf_cfg, memory_engine):
+@pytest.mark.parametrize("prompts", [PROMPTS, [[42], PROMPTS[1][:2], PROMPTS[0]]], ids=["long", "starts"])
+def test_chunked_batched_decode_equals_reference(hf_cfg, memory_engine, prompts):
+    """Decode steps take the vectorised host path (`host_decode_inputs`); "starts" decodes right after
+    1- and 2-token prompts, where the n-grams reach back before the sequence start (padding)."""
     cfg = hf_cfg["engram"]
     token_map = memory_engine.model.engram.token_map.cpu().numpy()
-    seqs, per_seq = _run_chunked_batched(memory_engine, PROMPTS, chunk=7, decode_steps=5)
+    seqs, per_seq = _run_chunked_batched(memory_engine, prompts, chunk=7, decode_steps=5)
     for i, ids in enumerate(seqs):
         for layer in cfg["layer_ids"]:
             x = torch.cat(per_seq[i][layer][0])

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.runtime.engram_decode import DeviceEngramStep, device_step
+from strata.runtime.engram_decode import DeviceEngramStep, device_step, host_decode_inputs
 from strata.runtime.engram_hash import EngramConfig, NgramHasher
 from strata.runtime.kv_cache import DecodeBatch
 from strata.runtime.layers import RMSNorm
@@ -223,10 +223,14 @@ class EngramRuntime(nn.Module):
             return device_step(self.hasher, self._token_map_on(input_ids.device), tables, input_ids, batch.slots_t,
                                batch.pos_t, cache, self.cfg.kernel_size)
         ec: EngramCache = cache.engram
+        seqs = list(batch.sequences())
+        if seqs and all(n == 1 for *_, n in seqs):  # a decode step: vectorised, one device round trip
+            g, taps, dst, src = host_decode_inputs(self.hasher, input_ids, seqs, cache, self.cfg.kernel_size)
+            tickets = {layer: self.source.start(layer, self.hasher.rows(layer, g)) for layer in self.cfg.layer_ids}
+            return EngramStep(self.source, tickets, taps, dst, src, ec)
         n_ctx, w, k, d = self.cfg.max_ngram_size - 1, ec.window, self.cfg.kernel_size, self.cfg.max_ngram_size
         ring = max(w, 1)  # ring positions per slot (EngramCache keeps one even when w == 0)
         ids = input_ids.detach().to("cpu", torch.int64)
-        seqs = list(batch.sequences())
         history = self._histories(ec, seqs, n_ctx)  # before this step's tokens are written
         self._record(ec, input_ids, seqs)
         grams, taps, dst, src = [], [], [], []

@@ -71,3 +71,38 @@ def device_step(hasher: NgramHasher, token_map: torch.Tensor, tables: dict[int, 
     else:
         ring_dst = ring_src = own[:0]
     return DeviceEngramStep(hasher, tables, grams, taps, ring_dst, ring_src, ec)
+
+
+def host_decode_inputs(hasher: NgramHasher, input_ids: torch.Tensor, seqs: list[tuple[int, int, int, int]], cache,
+                       kernel: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A decode step (one token per sequence) whose rows the host fetches (a row cache in front of disk):
+    the same n-grams, taps and ring indices as `EngramRuntime.begin`'s per-sequence loop, in a few
+    vectorised ops and one device round trip (the previous tokens come back with the new ones).
+
+    `seqs`: (slot, position, offset, 1) per sequence. Writes the tokens into the device history. Returns
+    grams int64 [B, n] on the CPU and taps [B, kernel], ring_dst [B or 0], ring_src [B or 0] on the device."""
+    ec = cache.engram
+    dev = ec.tokens.device
+    n, w = hasher.cfg.max_ngram_size, ec.window
+    ring = max(w, 1)
+    b = len(seqs)
+    sp = torch.tensor([[s for s, _, _, _ in seqs], [p for _, p, _, _ in seqs]], dtype=torch.int64)  # [2, B]
+    back = sp[1][:, None] - torch.arange(n - 1, 0, -1)[None, :]  # [B, n-1] positions pos-(n-1) .. pos-1
+    sp_dev = sp.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else sp
+    hist = ec.tokens[sp_dev[0][:, None], (sp_dev[1][:, None] - torch.arange(n - 1, 0, -1, device=dev)[None, :]).clamp(min=0)]
+    new = input_ids.to(dev, torch.int64)
+    ec.tokens[sp_dev[0], sp_dev[1]] = new
+    raw = torch.cat([hist, new[:, None]], dim=1).cpu()  # [B, n]: n-1 previous tokens (oldest first), then the new one
+    comp = hasher.token_map[raw]
+    comp[:, : n - 1][back < 0] = hasher.pad  # before the sequence start
+    grams = comp.flip(1)  # column j = the token j back
+    slots, pos = sp
+    own = torch.arange(b)
+    q = pos[:, None] - (kernel - 1 - torch.arange(kernel))[None, :] * n  # [B, kernel]
+    taps = torch.where(q >= pos[:, None], own[:, None].expand_as(q), b + slots[:, None] * ring + q.remainder(ring))
+    taps = torch.where(q < 0, torch.full_like(q, b + ec.tokens.shape[0] * ring), taps)
+    ring_cols = torch.stack([slots * ring + pos.remainder(ring), own], dim=1) if w else torch.empty(b, 0, dtype=torch.int64)
+    packed = torch.cat([taps, ring_cols], dim=1)  # one upload: [B, kernel (+ 2)]
+    packed = packed.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else packed
+    ring_dst, ring_src = (packed[:, kernel], packed[:, kernel + 1]) if w else (packed[:0, 0], packed[:0, 0])
+    return grams, packed[:, :kernel], ring_dst, ring_src
