@@ -321,3 +321,42 @@ def test_registered_tmpfs_file_is_read_in_place(tmp_path):
         if reg is not None:
             reg.close()
         os.unlink(path)
+
+
+def test_decode_graph_rows_from_the_host_cache_by_slot(tiny_model_dir, memory_engine):
+    """What a decode graph does with tables on disk (the host row cache read in place): the host finishes
+    each step (reads into the cache, a slot per asked-for row) and the graph gathers by slot. Rows equal
+    the in-memory tables step after step while the small cache evicts; a cache too small for one step's
+    rows is refused before anything is consumed."""
+    from strata.runtime.engram import StaticEngramStep
+
+    cfg = memory_engine.checkpoint.config
+    conf = {"engram": {"tier": "disk", "row_cache": "2KiB", "read_batch": 7}, "tiers": {"disk": {"scrub": False}}}
+    with Engine.from_pretrained(tiny_model_dir, config=conf, device="cpu") as eng:
+        rt, ref_rt = eng.model.engram, memory_engine.model.engram
+        store = rt.source
+        assert store.gather_view is not None and store.stats()["cache_in"] is not None
+        caches = [KVCache(cfg, 3, 64, eng.dtype, "cpu") for _ in range(2)]
+        g = torch.Generator().manual_seed(0)
+        statics, evictions = None, 0
+        for pos in range(12):  # three sequences decoding from their start, one token each per step
+            ids = torch.randint(3, cfg.vocab_size, (3,), generator=g)
+            batch = StepBatch([0, 1, 2], [pos] * 3, [1, 1, 1])
+            step = rt.begin(ids, batch, caches[0], eng.model.layers)
+            want = ref_rt.begin(ids, StepBatch([0, 1, 2], [pos] * 3, [1, 1, 1]), caches[1], memory_engine.model.layers)
+            if statics is None:
+                statics = StaticEngramStep(step)  # the capture: built from the first step
+            else:
+                statics.bind(step)  # every later step: slots uploaded, rows gathered "in the graph"
+            for layer in cfg.engram.layer_ids:
+                got = statics.rows(layer)
+                torch.testing.assert_close(got, want.rows(layer).to(got.dtype), rtol=0, atol=0)  # bf16 tables: exact
+            statics.replayed()
+            evictions = store.stats()["cache_evictions"]
+        assert evictions > 0  # 2 KiB of rows: the cache turned over while the steps stayed right
+        big = rt.begin(torch.arange(3, 3 + 48), StepBatch([0], [0], [48]), caches[0], eng.model.layers)
+        with pytest.raises(RuntimeError, match="row_cache"):
+            big.finish()
+        assert big.tickets  # nothing consumed: the step can still run eagerly
+        for layer in list(big.tickets):
+            assert big.rows(layer).shape[0] == 48

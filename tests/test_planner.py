@@ -281,11 +281,18 @@ def test_engram_tables_are_planned_per_tier(q30b_engram):
     gpu = plan(q30b_engram, host(gpu=48 * GiB), {"engram": {"tier": "gpu"}})
     assert gpu.engram.gpu_bytes == 16 * GiB and gpu.engram.row_cache_bytes == 0
     slot = base.gpus[0].slot_bytes
-    # 16 GiB of tables in VRAM instead of a 1 GiB row cache: 15 GiB fewer expert slots' worth
-    assert (base.tier("gpu").slots - gpu.tier("gpu").slots) * slot == pytest.approx(15 * GiB, abs=slot)
+    # disk tables on a GPU: the row cache is pinned RAM the GPU reads in place, so 16 GiB of tables in VRAM
+    # cost 16 GiB of expert slots; without zero copy the cache is in VRAM (and the tables then cost 15)
+    assert base.engram.row_cache_in_ram and base.engram.gpu_bytes == 0 and base.engram.ram_bytes == 1 * GiB
+    assert "row cache 1.00 GiB in pinned RAM" in base.format() or "row cache 1.0 GiB in pinned RAM" in base.format()
+    assert (base.tier("gpu").slots - gpu.tier("gpu").slots) * slot == pytest.approx(16 * GiB, abs=slot)
+    vram = plan(q30b_engram, host(gpu=48 * GiB), {"engram": {"tier": "disk", "row_cache": "1GiB", "zero_copy": False}})
+    assert not vram.engram.row_cache_in_ram and vram.engram.gpu_bytes == 1 * GiB and vram.engram.ram_bytes == 0
+    assert (vram.tier("gpu").slots - gpu.tier("gpu").slots) * slot == pytest.approx(15 * GiB, abs=slot)
     pinned = plan(q30b_engram, host(gpu=48 * GiB), {"engram": {"tier": "pinned"}})
     assert pinned.engram.zero_copy and pinned.engram.gpu_bytes == 0 and pinned.engram.ram_bytes == 16 * GiB
-    assert (base.tier("pinned").budget_bytes - pinned.tier("pinned").budget_bytes) == 16 * GiB
+    # pinned tables take 16 GiB of RAM where the disk case's row cache took 1 GiB
+    assert (base.tier("pinned").budget_bytes - pinned.tier("pinned").budget_bytes) == 15 * GiB
     tmpfs = plan(q30b_engram, host(gpu=48 * GiB), {"engram": {"tier": "tmpfs"}, "tiers": {"tmpfs": {"budget": "32GiB"}}})
     assert tmpfs.engram.tmpfs_bytes == 16 * GiB and tmpfs.tier("tmpfs").budget_bytes == 16 * GiB  # the experts' share
     assert plan(q30b_engram, host(gpu=48 * GiB), {"engram": {"tier": "tmpfs"}}).engram.tier == "tmpfs"  # budget 0

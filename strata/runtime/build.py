@@ -119,7 +119,8 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
                          tier=the_plan.engram.tier if the_plan.engram is not None else None)
     if device.type == "cuda":  # one graph per step once every expert is resident; until then, graphs between host steps
         # (Engram rows the device cannot read in place also need a host step, at their layer)
-        host_rows = model.engram is not None and model.engram.direct_tables(model.layers) is None
+        host_rows = (model.engram is not None and model.engram.direct_tables(model.layers) is None
+                     and getattr(model.engram.source, "gather_view", None) is None)
         model.enable_decode_graphs(lambda: None if not cfg.runtime.cuda_graphs
                                    else "full" if compute.all_resident() and not host_rows else "segmented")
     if cfg.prefetch.lookahead > 0:

@@ -100,6 +100,13 @@ class EngramStep:
         """The layer's rows for the step's tokens [N, heads, head_dim], waiting if they are not there yet."""
         return self.source.wait(self.tickets.pop(layer))
 
+    def finish(self) -> dict[int, torch.Tensor]:
+        """Every layer's rows put in the source's host cache; per layer their cache slots (int64 [N * heads],
+        CPU), for a gather from `source.gather_view` inside a CUDA graph (see `StaticEngramStep`)."""
+        slots = self.source.finish_step(self.tickets)
+        self.tickets = {}
+        return slots
+
     def indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(taps, ring_dst, ring_src) on `device`: an Engram layer on another card of a staged model gets
         its own copy, once per step."""
@@ -113,18 +120,31 @@ class EngramStep:
 class StaticEngramStep:
     """The Engram inputs of a captured decode step, in device buffers that replays read.
 
-    Built from the first real step of a graph's shape (all shapes depend only on the batch size). A
-    whole-step graph gets everything before its replay (`load`: waits for the rows still in flight). A
-    segmented graph gets the conv's tap map and ring indices before its replay (`bind`) and each layer's
-    rows in a host step right before that layer (`load_rows`), so the reads overlap the layers before it."""
+    Built from the first real step of a graph's shape (all shapes depend only on the batch size). Rows
+    reach the graph one of two ways:
+    - a host row cache the GPU reads in place (`source.gather_view`, tables on disk or tmpfs): before
+      each replay the host puts the step's rows in the cache and uploads their slots (`bind`); the
+      gather itself is part of the graph, so the step needs no host step and no staging copies;
+    - otherwise a whole-step graph gets the rows before its replay (`load`: waits for the rows still in
+      flight), and a segmented graph gets each layer's rows in a host step right before that layer
+      (`load_rows`), so the reads overlap the layers before it."""
 
     def __init__(self, step: EngramStep):
-        self.cache = step.cache
-        self._rows = {layer: step.rows(layer).clone() for layer in list(step.tickets)}  # [B, heads, head_dim]
+        self.cache, self.source = step.cache, step.source
+        self.view = getattr(step.source, "gather_view", None)  # [cache rows, head_dim] the device reads in place
         self.taps, self.ring_dst, self.ring_src = step.taps.clone(), step.ring_dst.clone(), step.ring_src.clone()
         self._step: EngramStep | None = None  # the step being replayed (segmented graphs)
+        if self.view is not None:
+            shapes = {layer: t.shape for layer, t in step.tickets.items()}  # (N, heads)
+            self._idx = {layer: s.to(self.view.device) for layer, s in step.finish().items()}  # static slot buffers
+            self._shape = {layer: (*shape, self.view.shape[-1]) for layer, shape in shapes.items()}
+            self._rows = {}
+        else:
+            self._rows = {layer: step.rows(layer).clone() for layer in list(step.tickets)}  # [B, heads, head_dim]
 
     def rows(self, layer: int) -> torch.Tensor:
+        if self.view is not None:  # gathered from the host cache in place, by the slots uploaded before the replay
+            return self.view[self._idx[layer]].view(self._shape[layer])
         from strata.runtime.graphs import current_recorder  # graphs imports this module
 
         recorder = current_recorder()
@@ -136,10 +156,14 @@ class StaticEngramStep:
         return self.taps, self.ring_dst, self.ring_src  # one card: graphs are not used on staged models
 
     def bind(self, step: EngramStep) -> None:
-        """Before a segmented replay: `step`'s tap map and ring indices now, its rows at their layers."""
+        """Before a segmented replay: `step`'s tap map and ring indices now (and, from a host cache read in
+        place, its rows' slots), its other rows at their layers."""
         self._step = step
         for buf, new in ((self.taps, step.taps), (self.ring_dst, step.ring_dst), (self.ring_src, step.ring_src)):
             buf.copy_(new, non_blocking=True)
+        if self.view is not None:
+            for layer, slots in step.finish().items():
+                self._idx[layer].copy_(slots.pin_memory() if self.view.is_cuda else slots, non_blocking=True)
 
     def load_rows(self, layer: int) -> None:
         """Wait for the bound step's rows of `layer` and copy them into the graph's buffer."""
@@ -150,6 +174,11 @@ class StaticEngramStep:
         self.bind(step)
         for layer in self._rows:
             self.load_rows(layer)
+
+    def replayed(self) -> None:
+        """After a run that gathered from the host cache: its slots may be rewritten only after that run."""
+        if self.view is not None:
+            self.source.replayed()
 
 
 class EngramRuntime(nn.Module):

@@ -34,10 +34,11 @@ class EngramPlan:
     tier: str  # gpu | pinned | tmpfs | disk (resolved from "auto")
     table_bytes: int  # all tables, as stored
     zero_copy: bool  # the GPU reads pinned / tmpfs tables in place (no row cache)
-    row_cache_bytes: int  # on the compute device
-    gpu_bytes: int  # VRAM: tables (tier gpu) + row cache on a GPU
-    ram_bytes: int  # process RAM: tables (tier pinned, or any whole-table tier on a CPU host) + a CPU row cache
+    row_cache_bytes: int  # the hot-row cache in front of disk (or of tmpfs read without a mapping)
+    gpu_bytes: int  # VRAM: tables (tier gpu) + a row cache in VRAM
+    ram_bytes: int  # process RAM: tables (tier pinned, or any whole-table tier on a CPU host) + a row cache in RAM
     tmpfs_bytes: int  # the tmpfs copy (tier tmpfs)
+    row_cache_in_ram: bool = False  # on a GPU: the cache is pinned RAM the GPU reads in place (tables on disk)
 
     def describe(self) -> str:
         """One line for `Plan.format()`."""
@@ -45,6 +46,8 @@ class EngramPlan:
         where = {"gpu": "in VRAM", "pinned": "in pinned RAM", "tmpfs": "in tmpfs", "disk": "on disk"}[self.tier]
         how = ", read in place by the GPU" if self.zero_copy else ""
         cache = f"; row cache {f(self.row_cache_bytes)}" if self.row_cache_bytes else ""
+        if self.row_cache_bytes and self.row_cache_in_ram:
+            cache += " in pinned RAM, read in place by the GPU"
         return f"tables {f(self.table_bytes)} {where}{how}{cache}"
 
 
@@ -70,9 +73,10 @@ def plan_engram(table_bytes: int, cfg: StrataConfig, on_gpu: bool, several_gpus:
     cached = not (tier == "gpu" or zero_copy or (tier == "pinned" and not on_gpu))
     cache = min(wanted, table_bytes) if cached else 0
     whole_on_device = table_bytes if tier == "gpu" else 0
+    in_ram = on_gpu and e.zero_copy and cached  # EngramRowStore: a pinned slab mapped for the GPU
     return EngramPlan(
         tier=tier, table_bytes=table_bytes, zero_copy=zero_copy, row_cache_bytes=cache,
-        gpu_bytes=whole_on_device + cache if on_gpu else 0,
-        ram_bytes=(table_bytes if tier == "pinned" else 0) + (0 if on_gpu else whole_on_device + cache),
-        tmpfs_bytes=table_bytes if tier == "tmpfs" else 0,
+        gpu_bytes=(whole_on_device + (0 if in_ram else cache)) if on_gpu else 0,
+        ram_bytes=(table_bytes if tier == "pinned" else 0) + (cache if in_ram else 0) + (0 if on_gpu else whole_on_device + cache),
+        tmpfs_bytes=table_bytes if tier == "tmpfs" else 0, row_cache_in_ram=in_ram,
     )  # fmt: skip

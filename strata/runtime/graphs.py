@@ -184,6 +184,8 @@ class DecodeGraphs:
         g.ids.copy_(input_ids, non_blocking=True)
         g.meta.copy_(meta, non_blocking=True)
         g.graph.replay()
+        if g.engram is not None:
+            g.engram.replayed()
         self.replays += 1
         return g.out.clone()
 
@@ -191,11 +193,18 @@ class DecodeGraphs:
         """Run the step for real on a side stream (warm-up, its result is returned), then capture it."""
         ids = input_ids.clone()
         dev_meta = meta.to(input_ids.device)
-        statics = StaticEngramStep(step) if step is not None else None  # the graph reads Engram inputs from here
+        try:
+            statics = StaticEngramStep(step) if step is not None else None  # the graph reads Engram inputs from here
+        except RuntimeError as e:  # e.g. a host row cache too small for one step's rows: this shape runs eagerly
+            self.failed[mode] = f"{type(e).__name__}: {e}"
+            log.warning("CUDA-graph capture (%s) failed, running decode steps eagerly: %s", mode, self.failed[mode])
+            return self.forward(input_ids, DecodeBatch(dev_meta[0], dev_meta[1], kv_len, engram=step), cache)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             result = self.forward(ids, DecodeBatch(dev_meta[0], dev_meta[1], kv_len, engram=statics), cache).clone()
+            if statics is not None:
+                statics.replayed()
         torch.cuda.current_stream().wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()

@@ -37,7 +37,7 @@ from strata.tiers.engram_load import TableLoadingMixin
 from strata.tiers.row_cache import RowCache
 from strata.tiers.store import ExpertStore
 from strata.tiers.store_format import TORCH_DTYPES, TableEntry
-from strata.tiers.uva import RegisteredFile
+from strata.tiers.uva import RegisteredFile, device_view
 
 ENGRAM_TIERS = ("gpu", "pinned", "tmpfs", "disk")
 
@@ -115,7 +115,21 @@ class EngramRowStore(TableLoadingMixin):
             self._map_tables()
         direct = tier == "gpu" or bool(self.mapped) or (tier == "pinned" and device.type == "cpu")
         cache_rows = 0 if direct else min(row_cache, total)
-        self.cache = RowCache(total, cache_rows, self.dim, self.dtype, device) if cache_rows > 0 else None
+        # on CUDA the row cache in front of tmpfs or disk lives in pinned RAM that the GPU reads in place:
+        # rows read from the tier are written there by the host (no staging copy, no scatter kernel) and a
+        # decode step's gather runs inside its CUDA graph (`gather_view`, `finish_step`)
+        self.gather_view: torch.Tensor | None = None
+        slab = None
+        if cache_rows and zero_copy and tier in ("tmpfs", "disk"):
+            if device.type == "cuda":
+                with torch.cuda.device(device):
+                    slab = torch.empty(cache_rows, self.dim, dtype=self.dtype, pin_memory=True)
+                self.gather_view = device_view(slab, device)
+                slab = slab if self.gather_view is not None else None  # a mapping CUDA refuses: a VRAM slab
+            else:  # CPU-only hosts: the slab is in RAM anyway, and the compute reads it in place
+                slab = self.gather_view = torch.empty(cache_rows, self.dim, dtype=self.dtype)
+        self._gathered = None  # CUDA event after the last gather from the host slab: its slots are rewritten after it
+        self.cache = RowCache(total, cache_rows, self.dim, self.dtype, device, slab=slab) if cache_rows > 0 else None
 
     # -- the row source protocol (strata.runtime.engram.RowSource) -------------------------------------
     def start(self, layer: int, rows: torch.Tensor) -> _Ticket:
@@ -144,6 +158,50 @@ class EngramRowStore(TableLoadingMixin):
             table = self.full[layer] if self.tier == "gpu" else self.mapped[layer]
             return table[self._on_device(uniq[ticket.inverse])].view(*ticket.shape, self.dim)
         self._live = [t for t in self._live if t is not ticket]
+        self._await(ticket)
+        if self.cache is None:  # every row was read: staged holds them in `uniq` order
+            if not ticket.miss.numel():  # a step without rows
+                return torch.empty(*ticket.shape, self.dim, dtype=self.dtype, device=self.device)
+            staged = ticket.staged.to(self.device, non_blocking=True)
+            return staged[self._on_device(ticket.inverse)].view(*ticket.shape, self.dim)
+        live = [t.slots[t.slots >= 0] for t in self._live]
+        slots = self._admit(ticket, live)
+        if slots is None:  # the cache cannot take every miss (a tiny cache): hits from it, misses as read
+            return self._assemble(ticket)
+        return self._gather(slots[ticket.inverse]).view(*ticket.shape, self.dim)
+
+    def finish_step(self, tickets: dict[int, _Ticket]) -> dict[int, torch.Tensor]:
+        """Every layer's rows of a decode step in the cache, for a gather inside the step's CUDA graph:
+        waits for the reads, admits the misses (no row of the step evicts another) and returns, per layer,
+        the cache slot of each asked-for row (int64 [T * heads], CPU). Raises when the cache cannot hold
+        the step's rows at once (the graph's capture then fails and the step runs eagerly)."""
+        if self.gather_view is None:
+            raise RuntimeError("finish_step needs the host row cache the GPU reads in place (CUDA, tmpfs or disk tables)")
+        if sum(t.uniq.numel() for t in tickets.values()) >= self.cache.capacity:
+            raise RuntimeError(f"the Engram row cache ({self.cache.capacity} rows) cannot hold one decode step's "
+                               "rows; raise engram.row_cache")
+        for ticket in tickets.values():
+            self._live = [t for t in self._live if t is not ticket]
+            self._await(ticket)
+        out: dict[int, torch.Tensor] = {}
+        held = [t.slots[t.slots >= 0] for t in list(tickets.values()) + self._live]
+        for layer, ticket in tickets.items():
+            slots = self._admit(ticket, held)
+            if slots is None:
+                raise RuntimeError(f"the Engram row cache ({self.cache.capacity} rows) cannot hold one decode step's "
+                                   "rows; raise engram.row_cache")
+            held.append(slots)
+            out[layer] = slots[ticket.inverse]
+        return out
+
+    def replayed(self) -> None:
+        """A CUDA graph that gathers from the host slab was launched: its slots are rewritten only after it."""
+        if self.gather_view is not None and self.gather_view.is_cuda:
+            self._gathered = torch.cuda.Event()
+            self._gathered.record()
+
+    def _await(self, ticket: _Ticket) -> None:
+        """Wait for the ticket's reads (queued now if prefetch is off); the wait is the stall."""
         if ticket.reads is None:
             self._issue(ticket)
         t0 = time.perf_counter()
@@ -151,32 +209,50 @@ class EngramRowStore(TableLoadingMixin):
             f.result()
         self.stats_.stall_s += time.perf_counter() - t0
         self._count(self.tier, ticket.miss.numel())
-        staged = ticket.staged.to(self.device, non_blocking=True) if ticket.miss.numel() else None
-        if self.cache is None:  # every row was read: staged holds them in `uniq` order
-            if staged is None:  # a step without rows
-                return torch.empty(*ticket.shape, self.dim, dtype=self.dtype, device=self.device)
-            return staged[self._on_device(ticket.inverse)].view(*ticket.shape, self.dim)
-        slots, hit = ticket.slots, ticket.slots >= 0
-        if staged is not None:  # admit the misses first, then one gather from the slab serves every row
-            live = [t.slots[t.slots >= 0] for t in self._live] + [slots[hit]]
-            placed = self.cache.place(ticket.miss + self.base[layer], torch.cat(live))  # [m] slots, -1: no room
-            ok = placed >= 0
-            if not bool(ok.all()):  # the cache cannot take them all (a tiny cache): admit some, assemble by parts
-                if bool(ok.any()):
-                    self.cache.slab[self._on_device(placed[ok])] = staged[self._on_device(ok.nonzero().view(-1))]
-                return self._assemble(ticket, staged)
-            self.cache.slab[self._on_device(placed)] = staged
-            slots = slots.clone()
-            slots[~hit] = placed
-        return self.cache.slab[self._on_device(slots[ticket.inverse])].view(*ticket.shape, self.dim)
 
-    def _assemble(self, ticket: _Ticket, staged: torch.Tensor) -> torch.Tensor:
-        """Cache hits from the slab, misses from `staged`, when not every miss fits in the cache."""
+    def _admit(self, ticket: _Ticket, protect: list[torch.Tensor]) -> torch.Tensor | None:
+        """Put the ticket's read rows into the cache, never evicting `protect`ed slots; the slot of every
+        distinct row (int64 [m]), or None when not every miss fits (some may have been admitted)."""
+        slots, hit = ticket.slots, ticket.slots >= 0
+        if not ticket.miss.numel():
+            return slots
+        placed = self.cache.place(ticket.miss + self.base[ticket.layer], torch.cat([*protect, slots[hit]]))
+        ok = placed >= 0
+        if not bool(ok.all()):
+            if bool(ok.any()):
+                self._write_rows(placed[ok], ticket.staged, ok.nonzero().view(-1))
+            return None
+        self._write_rows(placed, ticket.staged, None)
+        slots = slots.clone()
+        slots[~hit] = placed
+        return slots
+
+    def _write_rows(self, slots: torch.Tensor, staged: torch.Tensor, pick: torch.Tensor | None) -> None:
+        """Cache slots `slots` [k] get the read rows `staged[pick]` (all of them when `pick` is None)."""
+        if self.gather_view is None:  # the slab is on the device: stream-ordered copies
+            rows = staged.to(self.device, non_blocking=True)
+            self.cache.slab[self._on_device(slots)] = rows if pick is None else rows[self._on_device(pick)]
+            return
+        if self._gathered is not None:  # a gather may still read slots being reused: let it finish first
+            self._gathered.synchronize()
+            self._gathered = None
+        self.cache.slab[slots] = staged if pick is None else staged[pick]  # host RAM, written by the host
+
+    def _gather(self, slots: torch.Tensor) -> torch.Tensor:
+        """Rows of cache `slots` (CPU int64) on the device: from the VRAM slab, or the host slab in place."""
+        if self.gather_view is None:
+            return self.cache.slab[self._on_device(slots)]
+        out = self.gather_view[self._on_device(slots)]
+        self.replayed()
+        return out
+
+    def _assemble(self, ticket: _Ticket) -> torch.Tensor:
+        """Cache hits from the slab, misses as read, when not every miss fits in the cache."""
         hit = ticket.slots >= 0
         out = torch.empty(ticket.uniq.numel(), self.dim, dtype=self.dtype, device=self.device)
         if bool(hit.any()):
-            out[self._on_device(hit.nonzero().view(-1))] = self.cache.slab[self._on_device(ticket.slots[hit])]
-        out[self._on_device((~hit).nonzero().view(-1))] = staged
+            out[self._on_device(hit.nonzero().view(-1))] = self._gather(ticket.slots[hit])
+        out[self._on_device((~hit).nonzero().view(-1))] = ticket.staged.to(self.device, non_blocking=True)
         return out[self._on_device(ticket.inverse)].view(*ticket.shape, self.dim)
 
     def _on_device(self, index: torch.Tensor) -> torch.Tensor:
@@ -252,6 +328,7 @@ class EngramRowStore(TableLoadingMixin):
             "bytes_read": s.bytes_read, "stall_s": s.stall_s, "prefetched_rows": s.prefetched,
             "cache_rows": self.cache.capacity if self.cache else 0, "cache_resident": self.cache.resident if self.cache else 0,
             "cache_evictions": self.cache.evictions if self.cache else 0,
+            "cache_in": "pinned RAM, read in place" if self.gather_view is not None else "device" if self.cache else None,
             "table_bytes": sum(t.nbytes for t in self.tables.values()),
         }  # fmt: skip
 

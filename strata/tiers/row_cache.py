@@ -12,12 +12,13 @@ class RowCache:
     Evictions are batched: when free slots run out, the lowest-scored 1/16 of the slots go at once."""
 
     def __init__(self, total_rows: int, capacity: int, dim: int, dtype: torch.dtype, device: torch.device,
-                 half_life: float = 4096.0):
+                 half_life: float = 4096.0, slab: torch.Tensor | None = None):
         self.capacity = capacity
         self.slot_of = torch.full((total_rows,), -1, dtype=torch.int32)
         self.row_of = torch.full((capacity,), -1, dtype=torch.int64)
         self.score = torch.zeros(capacity, dtype=torch.float64)
-        self.slab = torch.empty(capacity, dim, dtype=dtype, device=device)
+        # [capacity, dim]: on `device`, or a given one (pinned host RAM the GPU reads in place)
+        self.slab = slab if slab is not None else torch.empty(capacity, dim, dtype=dtype, device=device)
         self._free = torch.arange(capacity, dtype=torch.int64)  # a stack of free slots: the first n_free
         self._n_free = capacity
         self.evictions = 0
