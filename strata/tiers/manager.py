@@ -27,6 +27,7 @@ import torch
 
 from strata.errors import StrataError
 from strata.tiers.diskio import DiskReader
+from strata.tiers.eviction import EvictionMixin
 from strata.tiers.gpu_slots import GpuSlots
 from strata.tiers.integrity import IntegrityMixin
 from strata.tiers.lookups import LookupsMixin
@@ -49,7 +50,7 @@ from strata.tiers.tmpfs import TmpfsMirror
 from strata.tiers.transfers import TransfersMixin
 
 
-class TierManager(IntegrityMixin, LookupsMixin, StepCopiesMixin, TransfersMixin):
+class TierManager(IntegrityMixin, LookupsMixin, StepCopiesMixin, TransfersMixin, EvictionMixin):
     """Places a store's experts across GPU, pinned RAM, tmpfs and disk within budgets."""
 
     FULL_WAIT_S = 30.0  # how long an acquire waits for other threads to release slots before TierFullError
@@ -345,62 +346,6 @@ class TierManager(IntegrityMixin, LookupsMixin, StepCopiesMixin, TransfersMixin)
         else:
             src.add_done_callback(lambda f: self._copy_to_gpu(key, slot, fut, f))
         return fut
-
-    def _take_slot(self, tier: _SlotTier, key: Key, clears: list[Key] | None = None) -> int:
-        """A free slot, or one freed by evicting the policy's victim among objects not in use (a GPU
-        victim's map entry is cleared now, or appended to `clears` for the caller to clear in a batch)."""
-        if tier.free and (not self.budgets.per_layer or self._layer_count(tier, key[0]) < self._quota(tier)):
-            return tier.free.pop()
-        self._reap_copies()
-        if self.budgets.per_layer:
-            victim = tier.policy.victim(lambda k: k[0] == key[0] and k in tier.slot_of and not tier.busy(k))
-        else:
-            victim = tier.policy.victim(lambda k: k in tier.slot_of and not tier.busy(k))
-        if victim is None:
-            if tier.free:
-                return tier.free.pop()
-            raise TierFullError(
-                f"all {tier.capacity} {tier.name} slots are in use; raise tiers.{tier.name}.budget "
-                "(a step needs at least top_k experts of one layer resident)"
-            )
-        slot = tier.slot_of.pop(victim)
-        tier.policy.remove(victim)
-        self.stats_.evictions[tier.name] += 1
-        if victim in self._prefetched[tier.name]:
-            self._prefetched[tier.name].discard(victim)
-            self.stats_.prefetch_unused += 1
-        if tier is self.gpu:
-            if clears is None:
-                self.slots.clear(victim)
-            else:
-                clears.append(victim)
-        return slot
-
-    def _layer_count(self, tier: _SlotTier, layer: int) -> int:
-        return sum(1 for k in tier.slot_of if k[0] == layer)
-
-    def _quota(self, tier: _SlotTier) -> int:
-        return max(1, tier.capacity // max(1, len(self._layers)))
-
-    def _unref(self, tier: _SlotTier, key: Key) -> None:
-        n = tier.refs.get(key, 0) - 1
-        if n > 0:
-            tier.refs[key] = n
-        else:
-            tier.refs.pop(key, None)
-
-    def _note_prefetch_use(self, tier: _SlotTier, key: Key) -> None:
-        if key in self._prefetched[tier.name]:
-            self._prefetched[tier.name].discard(key)
-            self.stats_.prefetch_used += 1
-            if key in tier.inflight:
-                self.stats_.prefetch_late += 1
-
-    def _reload_cost_pinned(self, key: Key) -> float:
-        return 1 / 3.0e9 if self.tmpfs is not None and self.tmpfs.has(key[0]) else 1 / 1.0e9
-
-    def _reload_cost_gpu(self, key: Key) -> float:
-        return 1 / 50e9 if key in self.pinned.slot_of else self._reload_cost_pinned(key)
 
     def _handle(self, tier: _SlotTier, key: Key) -> ExpertHandle:
         slot = tier.slot_of[key]
