@@ -57,6 +57,7 @@ class SegmentRecorder:
         # capture stream with the stream it replaced (restored when the capture ends)
         self.device = self.first = device
         self._cards: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
+        self._hop_copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (source, buffer) of the current boundary
 
     def begin(self) -> None:
         self._graph = torch.cuda.CUDAGraph()
@@ -73,12 +74,14 @@ class SegmentRecorder:
     def switch_device(self, device: torch.device, on_replay: Callable[[], None] | None = None) -> None:
         """A stage boundary of a model split over cards: end the graph captured on the current card and go
         on capturing on `device` (on a capture stream of its own). At replay, `device`'s stream first waits
-        for everything queued on the previous card (one event), then `on_replay` runs (hop statistics)."""
+        for everything queued on the previous card (one event), the boundary's tensors are copied over
+        (`mirror`), then `on_replay` runs (hop statistics)."""
         if device == self.device:
             return
         self._graph.capture_end()
         self.graphs.append(self._graph)
-        self.steps.append((_card_hop(self.device, device, on_replay), self.deferred))
+        self._hop_copies = []
+        self.steps.append((_card_hop(self.device, device, self._hop_copies, on_replay), self.deferred))
         self.deferred = []
         torch.cuda.set_device(device)
         if device not in self._cards:
@@ -86,6 +89,14 @@ class SegmentRecorder:
         torch.cuda.set_stream(self._cards[device][0])
         self.device = device
         self.begin()
+
+    def mirror(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """`t`, made on the previous card, as a buffer on `device` (the card now captured) that the card hop
+        fills at replay. A graph cannot hold a copy between cards (PyTorch orders one on both cards'
+        streams), so the copy runs eagerly between the two cards' replays; `t` is kept alive with it."""
+        dst = torch.empty_like(t, device=device)
+        self._hop_copies.append((t, dst))
+        return dst
 
     def _restore(self) -> None:
         for _, saved in self._cards.values():
@@ -128,13 +139,17 @@ class SegmentRecorder:
             torch.cuda.set_device(self.first)
 
 
-def _card_hop(prev: torch.device, nxt: torch.device, on_replay: Callable[[], None] | None) -> Callable[[], None]:
-    """The replay step between two cards' graphs: `nxt` waits for `prev`'s work, then becomes current."""
+def _card_hop(prev: torch.device, nxt: torch.device, copies: list[tuple[torch.Tensor, torch.Tensor]],
+              on_replay: Callable[[], None] | None) -> Callable[[], None]:
+    """The replay step between two cards' graphs: `nxt` waits for `prev`'s work, the boundary's tensors are
+    copied to `nxt` (peer-to-peer where the cards allow it), and `nxt` becomes current."""
     def hop() -> None:
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(prev))
-        torch.cuda.set_device(nxt)
         torch.cuda.current_stream(nxt).wait_event(ready)
+        for src, dst in copies:
+            dst.copy_(src, non_blocking=True)  # ordered on both cards' current streams by PyTorch
+        torch.cuda.set_device(nxt)
         if on_replay is not None:
             on_replay()
     return hop

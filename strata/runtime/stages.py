@@ -108,18 +108,22 @@ class StageMap:
 
         def hook(module, args, kwargs):
             rec = current_recorder()
-            if rec is not None and rec.device is not None and device != rec.device and args:
-                # capturing a decode step: this card's layers go in a graph of their own, which at replay
-                # waits for the previous card's (the hop below is its first node)
-                nbytes = args[0].numel() * args[0].element_size()
-                rec.switch_device(device, on_replay=lambda: self.stats.add(nbytes))
+            mirror = None
+            if rec is not None and rec.device is not None and device.type == "cuda":
+                if device != rec.device and args:
+                    # capturing a decode step: this card's layers go in a graph of their own; what crosses
+                    # the boundary becomes that graph's buffers, filled at replay (SegmentRecorder.mirror)
+                    nbytes = args[0].numel() * args[0].element_size()
+                    rec.switch_device(device, on_replay=lambda: self.stats.add(nbytes))
+                mirror = rec.mirror
             _set_device(device)
             if not args or not isinstance(args[0], torch.Tensor):
                 return None
             # the hidden state is the hop that counts; rotary cos/sin (computed once, on the first card,
             # and passed to every layer) follow it uncounted, copied once per card per step
-            rest = tuple(self._moved(a, device) for a in args[1:])
-            return (self._hop(args[0], device), *rest), {k: self._moved(v, device) for k, v in kwargs.items()}
+            rest = tuple(self._moved(a, device, mirror) for a in args[1:])
+            return ((self._hop(args[0], device, mirror), *rest),
+                    {k: self._moved(v, device, mirror) for k, v in kwargs.items()})
 
         return hook
 
@@ -131,8 +135,9 @@ class StageMap:
     def _logits_back(self, module, args, output):
         return _to(output, self.first) if output.device != self.first else None
 
-    def _moved(self, t, device: torch.device):
-        """`t` on `device`, copied at most once per forward pass (memoised until the next `_enter`)."""
+    def _moved(self, t, device: torch.device, mirror=None):
+        """`t` on `device`, copied at most once per forward pass (memoised until the next `_enter`); while
+        a decode step is captured, `mirror` makes the copy a buffer the card hop fills at replay."""
         if isinstance(t, DecodeBatch):
             t_device = t.slots_t.device
         elif isinstance(t, torch.Tensor):
@@ -143,13 +148,16 @@ class StageMap:
             return t
         key = (id(t), device)
         if key not in self._memo:
-            self._memo[key] = (t, _to(t, device))  # keep t alive so its id stays unique this step
+            self._memo[key] = (t, _to(t, device, mirror))  # keep t alive so its id stays unique this step
         return self._memo[key][1]
 
-    def _hop(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """The hidden state `t` on `device`; the copy is counted (and timed)."""
+    def _hop(self, t: torch.Tensor, device: torch.device, mirror=None) -> torch.Tensor:
+        """The hidden state `t` on `device`; the copy is counted (and timed). While a decode step is
+        captured, the copy is the card hop's at replay (`mirror`), counted there."""
         if t.device == device:
             return t
+        if mirror is not None:
+            return mirror(t, device)
         timed = self.time_hops and t.is_cuda and device.type == "cuda"
         if timed:  # the copy runs on the source card's current stream: bracket it there
             stream = torch.cuda.current_stream(t.device)
@@ -164,13 +172,16 @@ class StageMap:
         return out
 
 
-def _to(t, device: torch.device):
-    """`t` (a tensor, a tuple/list of them, a DecodeBatch, or anything else, returned as is) on `device`."""
+def _to(t, device: torch.device, mirror=None):
+    """`t` (a tensor, a tuple/list of them, a DecodeBatch, or anything else, returned as is) on `device`;
+    `mirror(tensor, device)` replaces the copies while a decode step is captured."""
     if isinstance(t, (tuple, list)):
-        return type(t)(_to(x, device) for x in t)
+        return type(t)(_to(x, device, mirror) for x in t)
     if isinstance(t, DecodeBatch) and t.slots_t.device != device:
-        return dataclasses.replace(t, slots_t=_to(t.slots_t, device), pos_t=_to(t.pos_t, device))
+        return dataclasses.replace(t, slots_t=_to(t.slots_t, device, mirror), pos_t=_to(t.pos_t, device, mirror))
     if isinstance(t, torch.Tensor) and t.device != device:
+        if mirror is not None:
+            return mirror(t, device)
         return t.to(device, non_blocking=t.is_cuda and device.type == "cuda")  # to the CPU: synchronous
     return t
 
