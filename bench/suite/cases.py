@@ -90,6 +90,7 @@ def quick_suite(tokens: int = 32) -> list[Case]:
     out += [Case("split", "skewed", 0.40, w, group="target"), Case("static", "skewed", 0.40, w, group="target")]
     out += [Case(v, "skewed", 0.0 if v == "cpu-only" else 0.25, w, group="ablation")
             for v in ("no-prefetch", "copy-only", "cpu-only", "static")]
+    out += [Case("serve", "uniform", 0.25, w, group="serve")]  # `strata serve` ready in <= 30 s
     return out
 
 
