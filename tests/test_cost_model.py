@@ -44,3 +44,28 @@ def test_compute_bound_cpu_cost_and_rate_updates():
     assert cpu_seconds(MB9, 30, r) > cpu_seconds(MB9, 1, r)
     r.observe_cpu(MB9, MB9 / 70e9)
     assert 50e9 < r.cpu_bytes_per_s < 70e9
+
+
+def test_serial_staging_cost_moves_experts_to_the_cpu():
+    """In a decode step the CPU share starts after the copies are staged: when staging one copy takes about
+    as long as the CPU needs for an expert, the split sends (almost) everything to the CPU; when staging is
+    free it splits as before; and in either case the chosen makespan is no worse than one path alone."""
+    tokens = {e: 1 for e in range(8)}
+    for host_s in (0.0, 40e-6, 150e-6):
+        r = Rates(cpu_bytes_per_s=80e9, pcie_bytes_per_s=55e9, copy_host_s=host_s)
+        s = split_cold(tokens, MB9, r, serial=True)
+        makespan = max(s.cpu_seconds, s.copy_seconds)
+        all_cpu = 8 * MB9 / 80e9
+        all_copy = max(8 * MB9 / 55e9, 8 * host_s)
+        assert makespan <= min(all_cpu, all_copy) + 1e-12
+        assert abs(s.cpu_seconds - (len(s.cpu) * MB9 / 80e9 + len(s.copy) * host_s)) < 1e-12
+    free = split_cold(tokens, MB9, Rates(cpu_bytes_per_s=80e9, pcie_bytes_per_s=55e9, copy_host_s=0.0), serial=True)
+    costly = split_cold(tokens, MB9, Rates(cpu_bytes_per_s=80e9, pcie_bytes_per_s=55e9, copy_host_s=150e-6), serial=True)
+    assert len(free.copy) >= 3 and len(costly.copy) <= 1
+    # not serial (prefill: the CPU share runs on a worker while the copies are staged): staging is ignored
+    assert split_cold(tokens, MB9, Rates(copy_host_s=1.0)).copy == split_cold(tokens, MB9, Rates(copy_host_s=0.0)).copy
+    r = Rates(copy_host_s=50e-6)
+    r.observe_stage(2, 400e-6)
+    assert 50e-6 < r.copy_host_s < 200e-6
+    r.observe_stage(0, 1.0)  # nothing staged: no observation
+    assert r.copy_host_s < 200e-6

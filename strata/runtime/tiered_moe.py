@@ -130,7 +130,7 @@ class TieredExperts(nn.Module):
         t_split = time.perf_counter()
         on_cpu: set[int] = set(cold) if c.slots is None else set()
         if c.use_split and c.slots is not None:
-            on_cpu = self._cpu_share({e: len(p) for e, p in cold.items()})
+            on_cpu = self._cpu_share({e: len(p) for e, p in cold.items()}, serial=True)
         to_copy = [e for e in cold if e not in on_cpu]
         t0 = time.perf_counter()
         c.host_seconds["split"] += t0 - t_split
@@ -146,6 +146,7 @@ class TieredExperts(nn.Module):
             _upload(slot_plus_one, late)
         t1 = time.perf_counter()
         c.host_seconds["stage"] += t1 - t0
+        c.rates.observe_stage(len(to_copy), t1 - t0)
         if not on_cpu:
             return None
         # the CPU part runs here, after the copies were issued: this thread joins the kernel's thread
@@ -175,14 +176,14 @@ class TieredExperts(nn.Module):
                 c.manager.release_staged(staged)  # later copies into these slots wait for the kernels above
 
     # ---- prefill: experts grouped by token ------------------------------------------------------
-    def _cpu_share(self, tokens: dict[int, int]) -> set[int]:
+    def _cpu_share(self, tokens: dict[int, int], serial: bool = False) -> set[int]:
         """Which cold experts (expert -> tokens routed to it) the cost model sends to the CPU: measured rates,
         and copies already queued (e.g. prefetches) counted against the copy path."""
         c = self.compute
         c.rates.pcie_bytes_per_s = c.manager.observed_rate("pinned->gpu", c.rates.pcie_bytes_per_s)
         nbytes = c.manager.store.payload_bytes
         backlog = c.manager.gpu_transfers_in_flight() * nbytes / c.rates.pcie_bytes_per_s
-        return set(split_cold(tokens, nbytes, c.rates, in_flight_copy_s=backlog).cpu)
+        return set(split_cold(tokens, nbytes, c.rates, in_flight_copy_s=backlog, serial=serial).cpu)
 
     def _plan_split(self, groups):
         """Resident experts stay on the GPU; cold ones are split between CPU compute and copies."""
