@@ -192,6 +192,10 @@ def test_tiered_decode_serves_cold_pairs_from_other_tiers(store, numerics):
     try:
         compute = ExpertCompute(m, "gpu", numerics)
         compute.pair_path = True
+        # tiny experts: staging a copy costs far more host time than computing one, so the cost model would
+        # send every cold expert to the CPU; pretend staging is free (and keep it so) to exercise both paths
+        compute.rates.copy_host_s = 0.0
+        compute.rates.observe_stage = lambda copies, seconds: None
         experts = TieredExperts(layer, e, compute)
         k = 2
         for step in range(6):
