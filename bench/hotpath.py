@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import time
 from pathlib import Path
 
@@ -116,7 +117,7 @@ def add_rooflines(cases: list[dict]) -> None:
     """time per token >= max(GPU time (the ceiling's step), cold bytes / rates of the paths the case may use)."""
     ceiling = next((c for c in cases if c.get("case") == "ceiling" and "tok_s" in c), None)
     gpu_s = 1 / ceiling["tok_s"] if ceiling else 0.0
-    rates = {"split": PCIE + CPU, "copy": PCIE, "cpu": CPU}
+    rates = {"split": PCIE + CPU, "split_async": PCIE + CPU, "copy": PCIE, "cpu": CPU}
     for c in cases:
         if c.get("case") in rates and "cold_bytes_per_token" in c:
             roof_s = max(gpu_s, c["cold_bytes_per_token"] / rates[c["case"]])
@@ -147,17 +148,20 @@ def main() -> None:
         "ceiling": {"runtime": {**rt, "experts": "memory"}},
         "ceiling_eager": {"runtime": {**rt, "experts": "memory", "cuda_graphs": False}},
         "split": tiered,
+        "split_async": tiered,  # the same, with STRATA_CPU_ASYNC=1: the CPU share starts before the copies
         "copy": {**tiered, "runtime": {**rt, "cpu_numerics": "gpu"}},
         "cpu": {"tiers": {"gpu": {"budget": "0"}, "disk": disk}, "runtime": rt},
     }
     result = {"model": args.model, "gpu_fraction": args.gpu_fraction, "expert_bytes": s.bytes_by_role["experts"],
               "gpu_budget_bytes": budget, "cases": []}
     for name in args.cases.split(","):
+        os.environ["STRATA_CPU_ASYNC"] = "1" if name == "split_async" else "0"
         try:
             result["cases"].append(run_case(args.model, name, all_cases[name], args.tokens, args.prefill, args.device))
         except Exception as e:  # noqa: BLE001 - record and go on to the next case
             result["cases"].append({"case": name, "error": f"{type(e).__name__}: {e}"})
             print(name, "failed:", e, flush=True)
+    os.environ.pop("STRATA_CPU_ASYNC", None)
     add_rooflines(result["cases"])
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "hotpath.json").write_text(json.dumps(result, indent=2))

@@ -133,5 +133,13 @@ def test_cpu_experts_by_slot_address_equal_the_handle_path(store):
         assert torch.equal(fast, by_handle)
         assert compute._cpu_packed(layer, x, weights, 2, [(9, torch.tensor([0]))]) is None  # not in pinned RAM
         assert not m.pinned.refs
+        # in the background (the kernel's launcher thread): the same sum; a second share started while the
+        # first runs is computed at once in the caller; the slots stay held until each is waited for
+        first = compute.start_cpu(layer, x, weights, 2, groups)
+        second = compute.start_cpu(layer, x * 2, weights, 2, groups)
+        assert m.pinned.refs
+        assert torch.equal(first.wait(), by_handle)
+        assert torch.equal(second.wait(), compute._cpu_packed(layer, x * 2, weights, 2, groups))
+        assert not m.pinned.refs and compute.cpu_experts == 4 * len(groups)
     finally:
         m.close()

@@ -154,6 +154,10 @@ def _build_and_open() -> ctypes.CDLL:
     lib.strata_cpu_experts.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.strata_cpu_experts.restype = ctypes.c_int
+    lib.strata_cpu_experts_start.argtypes = lib.strata_cpu_experts.argtypes
+    lib.strata_cpu_experts_start.restype = ctypes.c_int
+    lib.strata_cpu_experts_wait.argtypes = [ctypes.POINTER(ctypes.c_double)]
+    lib.strata_cpu_experts_wait.restype = ctypes.c_int
     return lib
 
 
@@ -305,6 +309,46 @@ def run_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads:
     if rc != 0:
         raise RuntimeError(f"CPU expert kernel ({name}) failed with code {rc}")
     return True
+
+
+class PackedCall:
+    """A `start_packed` call: `wait()` returns the kernel's own run time in seconds (raises its error)."""
+
+    def __init__(self, n_rows: int, name: str, keep: tuple):
+        self._rows, self._name, self._keep, self._done = n_rows, name, keep, False
+
+    def wait(self) -> float:
+        if self._done:
+            return 0.0
+        seconds = ctypes.c_double(0.0)
+        try:
+            rc = _lib.strata_cpu_experts_wait(ctypes.byref(seconds))
+        finally:
+            self._done, self._keep = True, ()
+            _async_slot.release()
+        if rc == -2:
+            raise IndexError(f"token_idx out of range for x with {self._rows} rows")
+        if rc != 0:
+            raise RuntimeError(f"CPU expert kernel ({self._name}) failed with code {rc}")
+        return seconds.value
+
+
+_async_slot = threading.Lock()  # the launcher runs one call at a time
+
+
+def start_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads: int | None = None) -> PackedCall | None:
+    """`run_packed` on the kernel's launcher thread: returns at once (the caller keeps driving the GPU and
+    should leave the kernel one core: `threads` defaults to the pool size minus one); `wait()` joins it.
+    None, doing nothing, when the compiled kernel is not in use or another call is in flight."""
+    name = _resolve(None)
+    if name == "torch" or not meta or not _async_slot.acquire(blocking=False):
+        return None
+    n_rows, hidden = x32.shape
+    if not threads:
+        threads = max(1, default_threads() - 1)
+    _lib.strata_cpu_experts_start(_ISA[name], x32.data_ptr(), n_rows, hidden, len(meta) // 6, meta.buffer_info()[0],
+                                  out.data_ptr(), int(threads))
+    return PackedCall(n_rows, name, (x32, meta, out))
 
 
 def _torch_expert(x32: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,

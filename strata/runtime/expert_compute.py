@@ -10,6 +10,7 @@ bit-identical to the all-in-VRAM run.
 from __future__ import annotations
 
 import array
+import os
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +51,9 @@ class ExpertCompute:
         # work, waiting for the CPU's partial sum (where a split step's time goes; see bench/hotpath.py)
         self.host_seconds: Counter[str] = Counter()
         self.pin_results = False  # CPU partial sums in pinned memory, so their upload never waits for the GPU
+        # experiment switch (bench/hotpath.py's split_async case): start a decode layer's CPU share on the
+        # kernel's launcher thread before staging the copies, instead of running it after them
+        self.cpu_async = os.environ.get("STRATA_CPU_ASYNC", "") == "1"
         if device_tier == "gpu" and manager.slots is not None:
             self.slots = manager.slot_weights()
             self.slot_of = manager.slots.slot_of
@@ -145,6 +149,14 @@ class ExpertCompute:
         """`cpu_forward` for experts resident in pinned RAM, with the kernel reading their slots by address:
         no handles, views or per-expert checks (a decode layer's CPU share spent ~0.3 ms on those). Same
         kernel call, same expert order, so the same result; None when this path does not apply."""
+        work = self.start_cpu(layer, x, weights, k, groups, background=False)
+        return work.wait() if work is not None else None
+
+    def start_cpu(self, layer: int, x: torch.Tensor, weights: torch.Tensor, k: int, groups,
+                  background: bool = True) -> CpuShare | None:
+        """Start the CPU share of a decode layer on experts resident in pinned RAM; `wait()` gives the partial
+        sum [N, H] fp32. In the background (the kernel's launcher thread) when `background` and the kernel
+        is free, else now. None when the experts are not all in pinned RAM (or not bf16, or too many tokens)."""
         from strata.kernels import cpu_experts as ce
 
         store = self.manager.store
@@ -167,14 +179,37 @@ class ExpertCompute:
                 meta.extend((base, base + gu_bytes, tok.data_ptr() + 8 * off, w.data_ptr() + 4 * off, len(sel), inter))
                 off += len(sel)
             out = torch.zeros(x.shape, dtype=torch.float32, pin_memory=self.pin_results)
+            call = ce.start_packed(x32, meta, out) if background else None
             t0 = time.perf_counter()
-            ce.run_packed(x32, meta, out)
-            seconds = time.perf_counter() - t0
-        finally:
+            if call is None:
+                ce.run_packed(x32, meta, out)
+        except BaseException:
             self.manager.drop_held(keys)
-        self.cpu_experts += len(groups)
-        self.rates.observe_cpu(len(groups) * store.payload_bytes, seconds)
-        return out
+            raise
+        seconds = time.perf_counter() - t0
+
+        def finish() -> torch.Tensor:
+            try:
+                kernel_s = call.wait() if call is not None else seconds
+            finally:
+                self.manager.drop_held(keys)
+            self.cpu_experts += len(groups)
+            self.rates.observe_cpu(len(groups) * store.payload_bytes, kernel_s)
+            return out
+
+        return CpuShare(finish, (tok, w, x32))
+
+
+class CpuShare:
+    """A decode layer's CPU share, started by `ExpertCompute.start_cpu`; `wait()` -> partial sum [N, H] fp32."""
+
+    def __init__(self, finish, keep: tuple):
+        self._finish, self._keep, self._out = finish, keep, None  # keep: what the kernel reads until done
+
+    def wait(self) -> torch.Tensor:
+        if self._finish is not None:
+            self._out, self._finish, self._keep = self._finish(), None, ()
+        return self._out
 
 
 def _cpu_apply(x, weights, k, groups, by_expert, out, fast: bool) -> None:

@@ -130,10 +130,40 @@ class TieredExperts(nn.Module):
         t_split = time.perf_counter()
         on_cpu: set[int] = set(cold) if c.slots is None else set()
         if c.use_split and c.slots is not None:
-            on_cpu = self._cpu_share({e: len(p) for e, p in cold.items()}, serial=True)
+            on_cpu = self._cpu_share({e: len(p) for e, p in cold.items()}, serial=not c.cpu_async)
+        share = None
+        if on_cpu and c.cpu_async:  # the experiment: the CPU share starts first, on the kernel's own thread
+            share = c.start_cpu(self.layer, x_host, w_host, k, [(e, torch.from_numpy(cold[e])) for e in sorted(on_cpu)])
         to_copy = [e for e in cold if e not in on_cpu]
         t0 = time.perf_counter()
         c.host_seconds["split"] += t0 - t_split
+        try:
+            self._stage_copies(x, y, late, to_copy, cold)
+        except BaseException:
+            if share is not None:
+                share.wait()  # its slots are held until it is joined
+            raise
+        t1 = time.perf_counter()
+        c.host_seconds["stage"] += t1 - t0
+        c.rates.observe_stage(len(to_copy), t1 - t0)
+        if share is not None:
+            out = share.wait()
+            c.host_seconds["wait_cpu"] += time.perf_counter() - t1
+            return out
+        if not on_cpu:
+            return None
+        # the CPU part runs here, after the copies were issued: this thread joins the kernel's thread
+        # pool (the GIL is released inside) while the copy engine moves the other experts. (A Python
+        # worker thread was slower: it waits for the GIL this thread holds while it issues the copies.
+        # Starting it first on the kernel's launcher thread is the `cpu_async` experiment above.)
+        groups = [(e, torch.from_numpy(cold[e])) for e in sorted(on_cpu)]
+        out = c.cpu_forward(self.layer, x_host, w_host, k, groups)
+        c.host_seconds["cpu"] += time.perf_counter() - t1
+        return out
+
+    def _stage_copies(self, x, y, late, to_copy: list[int], cold: dict[int, np.ndarray]) -> None:
+        """Issue the copies of `to_copy` and point `late` (the pass after this host step) at their slots."""
+        c = self.compute
         if to_copy and len(to_copy) > c.manager.max_acquire("gpu"):  # a budget smaller than the step: in chunks, now
             self._copy_in_chunks(x, y, to_copy, cold)
         elif to_copy:
@@ -144,19 +174,6 @@ class TieredExperts(nn.Module):
             for e, slot in zip(staged.experts, staged.slots, strict=True):
                 slot_plus_one[cold[e]] = slot + 1
             _upload(slot_plus_one, late)
-        t1 = time.perf_counter()
-        c.host_seconds["stage"] += t1 - t0
-        c.rates.observe_stage(len(to_copy), t1 - t0)
-        if not on_cpu:
-            return None
-        # the CPU part runs here, after the copies were issued: this thread joins the kernel's thread
-        # pool (the GIL is released inside) while the copy engine moves the other experts. (A Python
-        # worker thread was slower: it waits for the GIL this thread holds while it issues the copies;
-        # so was a C++ launcher thread, measured: bench/RESULTS.md, issue 4 fourth measurement.)
-        groups = [(e, torch.from_numpy(cold[e])) for e in sorted(on_cpu)]
-        out = c.cpu_forward(self.layer, x_host, w_host, k, groups)
-        c.host_seconds["cpu"] += time.perf_counter() - t1
-        return out
 
     def _copy_in_chunks(self, x, y, to_copy: list[int], cold: dict[int, np.ndarray]) -> None:
         """Copied pairs computed here, chunk by chunk, each chunk's slots released before the next is staged."""
