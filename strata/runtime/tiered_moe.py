@@ -213,11 +213,23 @@ class TieredExperts(nn.Module):
 
     def _tier_forward(self, x, weights, k, groups, device_tier: str) -> torch.Tensor:
         """Experts acquired on `device_tier` and computed where x lives, in ascending order."""
-        manager = self.compute.manager
+        c = self.compute
+        manager = c.manager
         chunk = manager.max_acquire(device_tier)  # a budget smaller than the step is served in chunks
         out = torch.zeros_like(x)
         for i in range(0, len(groups), chunk):
             part = groups[i : i + chunk]
+            if device_tier == "gpu" and c.slots is not None:
+                # a prefill chunk's experts of a layer (often all of them) staged in one batch, as in decode
+                staged = manager.stage_gpu(self.layer, [e for e, _ in part])
+                try:
+                    staged.wait()
+                    slot_of = dict(zip(staged.experts, staged.slots, strict=True))
+                    apply_experts(x, weights, k, part, lambda e, slot_of=slot_of: (
+                        c.slots.gate_up[slot_of[e]].to(x.dtype), c.slots.down[slot_of[e]].to(x.dtype)), out=out)
+                finally:
+                    manager.release_staged(staged)
+                continue
             handles = manager.acquire([(self.layer, e) for e, _ in part], device_tier)
             try:
                 by_expert = {}
