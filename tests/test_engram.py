@@ -360,3 +360,9 @@ def test_decode_graph_rows_from_the_host_cache_by_slot(tiny_model_dir, memory_en
         assert big.tickets  # nothing consumed: the step can still run eagerly
         for layer in list(big.tickets):
             assert big.rows(layer).shape[0] == 48
+        # a graph for a batch whose rows could outgrow the cache is refused at capture (that shape runs eagerly)
+        wide = KVCache(cfg, 40, 64, eng.dtype, "cpu")
+        many = rt.begin(torch.arange(3, 43), StepBatch(list(range(40)), [0] * 40, [1] * 40), wide, eng.model.layers)
+        with pytest.raises(RuntimeError, match="row_cache"):
+            StaticEngramStep(many)
+        assert many.tickets

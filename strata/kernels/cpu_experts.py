@@ -337,15 +337,15 @@ _async_slot = threading.Lock()  # the launcher runs one call at a time
 
 
 def start_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads: int | None = None) -> PackedCall | None:
-    """`run_packed` on the kernel's launcher thread: returns at once (the caller keeps driving the GPU and
-    should leave the kernel one core: `threads` defaults to the pool size minus one); `wait()` joins it.
+    """`run_packed` on the kernel's launcher thread (share 0 of the pool's job): returns at once, the caller
+    keeps driving the GPU; `wait()` joins it. The same thread count as `run_packed` (a different one would
+    rebuild the pool at every switch).
     None, doing nothing, when the compiled kernel is not in use or another call is in flight."""
     name = _resolve(None)
     if name == "torch" or not meta or not _async_slot.acquire(blocking=False):
         return None
     n_rows, hidden = x32.shape
-    if not threads:
-        threads = max(1, default_threads() - 1)
+    threads = threads or default_threads()
     _lib.strata_cpu_experts_start(_ISA[name], x32.data_ptr(), n_rows, hidden, len(meta) // 6, meta.buffer_info()[0],
                                   out.data_ptr(), int(threads))
     return PackedCall(n_rows, name, (x32, meta, out))

@@ -136,6 +136,10 @@ class StaticEngramStep:
         self._step: EngramStep | None = None  # the step being replayed (segmented graphs)
         if self.view is not None:
             shapes = {layer: t.shape for layer, t in step.tickets.items()}  # (N, heads)
+            worst = sum(n * heads for n, heads in shapes.values())  # every row of the step distinct
+            if worst >= self.view.shape[0]:  # some later step might not fit the cache at once: no graph
+                raise RuntimeError(f"the Engram row cache ({self.view.shape[0]} rows) is smaller than a decode step "
+                                   f"of this batch may need ({worst} rows); raise engram.row_cache")
             self._idx = {layer: s.to(self.view.device) for layer, s in step.finish().items()}  # static slot buffers
             self._shape = {layer: (*shape, self.view.shape[-1]) for layer, shape in shapes.items()}
             self._rows = {}

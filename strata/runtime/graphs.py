@@ -177,6 +177,7 @@ class DecodeGraphs:
         self.replays = 0
         self.captures = 0
         self.failed: dict[str, str] = {}  # mode -> why its capture failed (that mode then runs eagerly)
+        self.eager_shapes: dict[tuple, str] = {}  # graph key -> why that shape alone runs eagerly
 
     def run(self, input_ids: torch.Tensor, batch: StepBatch, cache: KVCache) -> torch.Tensor:
         """hidden [B, H] for a pure decode `batch` (every length 1) on CUDA: replayed, or eager then captured."""
@@ -192,10 +193,18 @@ class DecodeGraphs:
             return self.forward(input_ids, DecodeBatch(dev[0], dev[1], kv_len, engram=step), cache)
         key = (id(cache), n, kv_len, mode)
         g = self.graphs.get(key)
+        if g is None and key in self.eager_shapes:
+            dev = meta.to(input_ids.device, non_blocking=True)
+            return self.forward(input_ids, DecodeBatch(dev[0], dev[1], kv_len, engram=step), cache)
         if g is None:
             return self._capture(key, input_ids, meta, kv_len, cache, mode, step)
         if g.engram is not None:  # rows wait in host steps at their layers (segmented), or all now
-            g.engram.bind(step) if isinstance(g.graph, SegmentRecorder) else g.engram.load(step)
+            try:
+                g.engram.bind(step) if isinstance(g.graph, SegmentRecorder) else g.engram.load(step)
+            except RuntimeError as e:  # e.g. this step's rows do not fit the host row cache at once: run it eagerly
+                log.warning("decode step run eagerly: %s", e)
+                dev = meta.to(input_ids.device, non_blocking=True)
+                return self.forward(input_ids, DecodeBatch(dev[0], dev[1], kv_len, engram=step), cache)
         g.ids.copy_(input_ids, non_blocking=True)
         g.meta.copy_(meta, non_blocking=True)
         g.graph.replay()
@@ -210,9 +219,9 @@ class DecodeGraphs:
         dev_meta = meta.to(input_ids.device)
         try:
             statics = StaticEngramStep(step) if step is not None else None  # the graph reads Engram inputs from here
-        except RuntimeError as e:  # e.g. a host row cache too small for one step's rows: this shape runs eagerly
-            self.failed[mode] = f"{type(e).__name__}: {e}"
-            log.warning("CUDA-graph capture (%s) failed, running decode steps eagerly: %s", mode, self.failed[mode])
+        except RuntimeError as e:  # e.g. a host row cache too small for this batch's rows: this shape runs eagerly
+            self.eager_shapes[key] = f"{type(e).__name__}: {e}"
+            log.warning("decode steps of %d sequences run eagerly: %s", key[1], self.eager_shapes[key])
             return self.forward(input_ids, DecodeBatch(dev_meta[0], dev_meta[1], kv_len, engram=step), cache)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
@@ -269,6 +278,8 @@ class DecodeGraphs:
     def _forget_id(self, cache_id: int) -> None:
         for key in [k for k in self.graphs if k[0] == cache_id]:
             del self.graphs[key]
+        for key in [k for k in self.eager_shapes if k[0] == cache_id]:
+            del self.eager_shapes[key]
 
 
 def is_decode(input_ids: torch.Tensor, batch: StepBatch) -> bool:

@@ -110,7 +110,7 @@ def build_multi_device(path: Path, cfg: StrataConfig, progress: bool = False) ->
         bounds = [(resolve_device(s.device), s.start, s.end) for s in stages]
         model = load_model(checkpoint, dtype, "cpu", progress=progress)  # then each stage to its card
         stage_model(model, bounds)
-        if all(d.type == "cuda" for d, _, _ in bounds):
+        if all(d.type == "cuda" for d, _, _ in bounds) and model.engram is None:  # Engram over cards: eager
             model.enable_decode_graphs(lambda: "full" if cfg.runtime.cuda_graphs else None, devices=[d for d, _, _ in bounds])
         return LoadedModel(checkpoint, model, bounds[0][0], dtype, max_context)
 

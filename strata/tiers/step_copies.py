@@ -32,13 +32,17 @@ class StagedExperts:
     slots: list[int]
     event: object = None  # torch.cuda.Event after the batch's copies and map entries (None: nothing copied)
     handles: list[ExpertHandle] = field(default_factory=list)  # the ones that took the general path
+    events: list = field(default_factory=list)  # copies of already-mapped slots that may still be landing
     batch: list[Key] = field(default_factory=list)  # keys this batch pinned itself (released together)
     owner: int = 0
 
     def wait(self) -> None:
         """Make the current CUDA stream wait for the batch's copies (no host synchronisation)."""
+        stream = torch.cuda.current_stream() if self.event is not None or self.events else None
         if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
+            stream.wait_event(self.event)
+        for ev in self.events:
+            stream.wait_event(ev)
         for h in self.handles:
             h.wait()
 
@@ -64,8 +68,10 @@ class StepCopiesMixin:
                     slow.append(key)
                     continue
                 self._note_prefetch_use(tier, key)
-                if key in tier.slot_of:  # became resident since the step looked (a prefetch landed)
+                if key in tier.slot_of:  # mapped since the step looked (a prefetch): its copy may still be landing
                     self.stats_.lookup(layer, "gpu", False, 0.0, expert=key[1])
+                    if (pending := tier.events.get(tier.slot_of[key])) is not None:
+                        staged.events.append(pending)
                 else:
                     try:
                         slot = self._take_slot(tier, key, clears)
