@@ -293,22 +293,27 @@ def max_tokens() -> int:
     return int(env) if env else MAX_TOKENS
 
 
-def run_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads: int | None = None) -> bool:
+def run_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads: int | None = None, *,
+               backend: str | None = None) -> bool:
     """The compiled kernel on pre-packed arguments, for callers that hold experts by address (the tier
     manager's pinned slots): x32 [N, H] fp32 contiguous; meta rows of (gate_up address, down address,
     token-index address (int64), weight address (fp32), T, I) for bf16 experts; out [N, H] fp32
     contiguous, added into. Returns False, doing nothing, when the compiled kernel is not in use."""
-    name = _resolve(None)
+    name = _resolve(backend)
     if name == "torch" or not meta:
         return bool(not meta and name != "torch")
     N, H = x32.shape
-    rc = _lib.strata_cpu_experts(_ISA[name], x32.data_ptr(), N, H, len(meta) // 6, meta.buffer_info()[0],
-                                 out.data_ptr(), int(threads or default_threads()))
+    _check(_lib.strata_cpu_experts(_ISA[name], x32.data_ptr(), N, H, len(meta) // 6, meta.buffer_info()[0],
+                                   out.data_ptr(), int(threads or default_threads())), name, N)
+    return True
+
+
+def _check(rc: int, name: str, rows: int) -> None:
+    """Raise the kernel's error code as an exception (0: success)."""
     if rc == -2:
-        raise IndexError(f"token_idx out of range for x with {N} rows")
+        raise IndexError(f"token_idx out of range for x with {rows} rows")
     if rc != 0:
         raise RuntimeError(f"CPU expert kernel ({name}) failed with code {rc}")
-    return True
 
 
 class PackedCall:
@@ -326,10 +331,7 @@ class PackedCall:
         finally:
             self._done, self._keep = True, ()
             _async_slot.release()
-        if rc == -2:
-            raise IndexError(f"token_idx out of range for x with {self._rows} rows")
-        if rc != 0:
-            raise RuntimeError(f"CPU expert kernel ({self._name}) failed with code {rc}")
+        _check(rc, self._name, self._rows)
         return seconds.value
 
 
@@ -419,12 +421,7 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, t
         meta.extend((gate_up.data_ptr(), down.data_ptr(), idx.data_ptr(), w.data_ptr(), T, inter))
     if meta:
         target = out if out.is_contiguous() else torch.zeros(N, H, dtype=torch.float32)
-        rc = _lib.strata_cpu_experts(_ISA[name], x32.data_ptr(), N, H, len(meta) // 6, meta.buffer_info()[0],
-                                     target.data_ptr(), int(threads or default_threads()))
-        if rc == -2:
-            raise IndexError(f"token_idx out of range for x with {N} rows")
-        if rc != 0:
-            raise RuntimeError(f"CPU expert kernel ({name}) failed with code {rc}")
+        run_packed(x32, meta, target, threads, backend=name)
         if target is not out:
             out.add_(target)
     for e in to_torch:
