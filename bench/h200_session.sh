@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box session that produced bench/RESULTS.md's 2026-11-30 (second session) figures.
-#   bash bench/h200_session.sh tests|hotpath|multigpu|serving|serving-bench|ceiling48|engram|suite|profile   (writes under $OUT)
+#   bash bench/h200_session.sh tests|hotpath|multigpu|serving|serving-bench|ceiling48|engram|suite|profile|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 set -u
 export PYTHONPATH=/tmp/site:$PWD STRATA_CACHE=/dev/shm/sc
@@ -37,6 +37,8 @@ case "$1" in
       --route-skew uniform > /dev/null 2>&1
     timeout 300 python3 bench/profile_decode.py --model /dev/shm/b12u --host --no-kernels --tokens 16 --out "$OUT/profile" \
       --config '{"tiers": {"gpu": {"budget": "3.6GiB"}}, "runtime": {"max_context": 1024}}' 2>&1 | tail -60 ;;
+  core)  # one 10-minute call: the GPU tests, the Engram tiers, the uniform hot path
+    bash "$0" tests; bash "$0" engram; bash "$0" hotpath uniform ;;
   engram)
     timeout 280 python3 bench/engram.py --out "$OUT/engram" --model-dir /dev/shm/engram --steps 200 2>&1 | tail -14 ;;
 esac
