@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from strata.tiers.diskio import ALIGN, DiskReader, GpuDirectReader, aligned_empty, fs_type
+from strata.tiers.diskio import ALIGN, DiskReader, aligned_empty, fs_type
+from strata.tiers.gds import GpuDirectReader
 from strata.tiers.gpu_slots import GpuSlots
 from strata.tiers.pinned import PinnedPool
 

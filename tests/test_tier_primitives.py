@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from strata.errors import CheckpointError, StrataError, UnsupportedError
-from strata.tiers.diskio import ALIGN, DiskReader, GpuDirectReader, aligned_empty
+from strata.tiers.diskio import ALIGN, DiskReader, aligned_empty
+from strata.tiers.gds import GpuDirectReader
 from strata.tiers.gpu_slots import GpuSlots
 from strata.tiers.pinned import PinnedPool
 

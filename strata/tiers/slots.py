@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from strata.errors import StrataError
-from strata.tiers.diskio import GpuDirectReader
+from strata.tiers.gds import GpuDirectReader
 
 Key = tuple[int, int]  # (layer, expert)
 MIN_PINNED_SLOTS = 16  # staging for GPU copies even when the pinned budget is 0 (4 without a GPU tier)
