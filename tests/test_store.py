@@ -18,8 +18,10 @@ import torch
 from reference_models import build_reference
 from strata.errors import CheckpointError, ConfigError, StrataError
 from strata.runtime import convert as convert_mod
+from strata.runtime import store_writer
 from strata.runtime.checkpoint import Checkpoint
-from strata.runtime.convert import add_table, cmd_convert, cmd_verify, convert_checkpoint
+from strata.runtime.convert import cmd_convert, cmd_verify, convert_checkpoint
+from strata.runtime.store_writer import add_table
 from strata.safetensors_index import TensorIndex
 from strata.tiers.store import ExpertStore, StaleStoreError
 from strata.tiers.store_format import ALIGN, INDEX_NAME, StoreIndex, checkpoint_fingerprint, is_store, layer_file
@@ -241,7 +243,7 @@ def test_full_disk_is_one_line_error(tiny_model_dir, tmp_path, monkeypatch):
     def no_space(fd, data, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(convert_mod, "pwrite_all", no_space)
+    monkeypatch.setattr(store_writer, "pwrite_all", no_space)  # where the store's bytes are written
     store = tmp_path / "store"
     with pytest.raises(StrataError, match="no space left on the device") as err:
         convert_checkpoint(tiny_model_dir, store, progress=False)

@@ -271,7 +271,7 @@ def test_fork_numerics_use_the_cpu_kernel_within_tolerance(tiny_model_dir):
 
 
 def test_table_rows_through_the_manager(store_dir, tmp_path):
-    from strata.runtime.convert import add_table
+    from strata.runtime.store_writer import add_table
 
     d = Path(shutil.copytree(store_dir, tmp_path / "with-table"))
     table = torch.randint(0, 256, (20_000, 48), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
