@@ -33,6 +33,11 @@ def engine(path, **runtime) -> Engine:
                                                 "tiers": {"disk": {"scrub": False}}})
 
 
+def with_runtime(path, conf: dict, **runtime) -> Engine:
+    """An engine from `conf` with `runtime` keys added to its [runtime] section."""
+    return Engine.from_pretrained(path, config={**conf, "runtime": {**conf["runtime"], **runtime}})
+
+
 def greedy(e: Engine, n: int = 16) -> list[int]:
     return e.generate(IDS, max_tokens=n, temperature=0.0, stop_token_ids=[]).token_ids
 
@@ -115,8 +120,7 @@ def test_engram_rows_go_to_the_card_that_runs_the_layer(engram6_dir, tier):
     the model gives what one card gives (bf16 tolerance; greedy tokens over a prefix)."""
     conf = {"runtime": {"max_context": 256, "cpu_numerics": "gpu"}, "tiers": {"disk": {"scrub": False}},
             "engram": {"tier": tier, "row_cache": "4KiB"}}
-    one = Engine.from_pretrained(engram6_dir, config={**conf, "runtime": {**conf["runtime"], "device": "cuda:0"}})
-    many = Engine.from_pretrained(engram6_dir, config={**conf, "runtime": {**conf["runtime"], "devices": [0, 1]}})
+    one, many = with_runtime(engram6_dir, conf, device="cuda:0"), with_runtime(engram6_dir, conf, devices=[0, 1])
     try:
         assert (one.score(IDS) - many.score(IDS)).abs().max().item() < BF16_ATOL
         assert greedy(many)[:8] == greedy(one)[:8]
@@ -135,11 +139,10 @@ def test_engram_rows_go_to_the_card_that_runs_the_layer(engram6_dir, tier):
 @pytest.mark.parametrize("experts", ["memory", "tiered"])
 def test_split_decode_replays_graphs_per_card_and_equals_eager(tiny6_dir, experts):
     """Decode steps of a model over two cards are captured as one graph per card's stretch (and between
-    host steps while experts are cold) and replayed; the tokens and hidden states equal the eager steps'."""
+    host steps while experts are cold) and replayed; the greedy tokens equal the eager steps'."""
     conf = {"runtime": {"max_context": 256, "devices": [0, 1], "cpu_numerics": "gpu", "experts": experts},
             "tiers": {"gpu": {"budget": "96KiB"}, "disk": {"scrub": False}}}
-    graphs = Engine.from_pretrained(tiny6_dir, config=conf)
-    eager = Engine.from_pretrained(tiny6_dir, config={**conf, "runtime": {**conf["runtime"], "cuda_graphs": False}})
+    graphs, eager = with_runtime(tiny6_dir, conf), with_runtime(tiny6_dir, conf, cuda_graphs=False)
     try:
         hops_before = graphs.model.stage_map.stats.hops
         got, want = greedy(graphs, 12), greedy(eager, 12)

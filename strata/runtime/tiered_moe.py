@@ -131,9 +131,10 @@ class TieredExperts(nn.Module):
         on_cpu: set[int] = set(cold) if c.slots is None else set()
         if c.use_split and c.slots is not None:
             on_cpu = self._cpu_share({e: len(p) for e, p in cold.items()}, serial=not c.cpu_async)
+        groups = [(e, torch.from_numpy(cold[e])) for e in sorted(on_cpu)]  # the CPU share: (expert, its pairs)
         share = None
-        if on_cpu and c.cpu_async:  # the experiment: the CPU share starts first, on the kernel's own thread
-            share = c.start_cpu(self.layer, x_host, w_host, k, [(e, torch.from_numpy(cold[e])) for e in sorted(on_cpu)])
+        if groups and c.cpu_async:  # the experiment: the CPU share starts first, on the kernel's own thread
+            share = c.start_cpu(self.layer, x_host, w_host, k, groups)
         to_copy = [e for e in cold if e not in on_cpu]
         t0 = time.perf_counter()
         c.host_seconds["split"] += t0 - t_split
@@ -150,13 +151,12 @@ class TieredExperts(nn.Module):
             out = share.wait()
             c.host_seconds["wait_cpu"] += time.perf_counter() - t1
             return out
-        if not on_cpu:
+        if not groups:
             return None
         # the CPU part runs here, after the copies were issued: this thread joins the kernel's thread
         # pool (the GIL is released inside) while the copy engine moves the other experts. (A Python
         # worker thread was slower: it waits for the GIL this thread holds while it issues the copies.
         # Starting it first on the kernel's launcher thread is the `cpu_async` experiment above.)
-        groups = [(e, torch.from_numpy(cold[e])) for e in sorted(on_cpu)]
         out = c.cpu_forward(self.layer, x_host, w_host, k, groups)
         c.host_seconds["cpu"] += time.perf_counter() - t1
         return out
