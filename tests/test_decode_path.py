@@ -321,7 +321,10 @@ def test_segmented_graphs_with_cold_experts(plain_tiny, numerics):
             assert (tiered.score(ids) - memory.score(ids)).abs().mean().item() < 0.02
             assert tiered._compute.cpu_experts > 0
         stats = tiered.stats()["tiers"]
-        assert stats["misses"] > 0 and stats["tiers"]["gpu"]["evictions"] > 0
+        if numerics == "gpu":  # every cold expert crosses to a GPU slot
+            assert stats["misses"] > 0 and stats["tiers"]["gpu"]["evictions"] > 0
+        else:  # the cost model may send every cold expert to the CPU on a model this small: read from pinned
+            assert stats["tiers"]["pinned"]["hits"] > 0
 
 
 @pytest.mark.gpu
