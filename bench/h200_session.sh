@@ -12,7 +12,7 @@ case "$1" in
   hotpath)  # $2 = route skew ("uniform" or a Zipf exponent)
     python3 -m strata demo-model /dev/shm/b12 --size bench --layers 12 --no-engram --route-skew "$2" > /dev/null 2>&1
     timeout 300 python3 bench/hotpath.py --model /dev/shm/b12 --cache /dev/shm/sc --out "$OUT/hotpath-$2" --tokens 64 \
-      --prefill 8192 --cases ceiling,split,split_async,copy,cpu 2>&1 | grep '^{"' | cut -c1-400 ;;
+      --prefill 8192 --cases ceiling,split,split_serial,split_async,split_async14,copy,cpu 2>&1 | grep '^{"' | cut -c1-400 ;;
   multigpu)  # on nvidia-h200-x2: the two-card tests (graphs per card among them), then the bench
     timeout 150 python3 -m pytest -q -m gpu tests/test_multi_gpu.py 2>&1 | tail -4
     [ -d /dev/shm/b12 ] || python3 -m strata demo-model /dev/shm/b12 --size bench --layers 12 --no-engram \
@@ -35,8 +35,10 @@ case "$1" in
   profile)  # where a tiered decode step's time goes (issue 4): 12 layers, uniform routing, 25% GPU budget
     [ -d /dev/shm/b12u ] || python3 -m strata demo-model /dev/shm/b12u --size bench --layers 12 --no-engram \
       --route-skew uniform > /dev/null 2>&1
-    timeout 300 python3 bench/profile_decode.py --model /dev/shm/b12u --host --no-kernels --tokens 16 --out "$OUT/profile" \
-      --config '{"tiers": {"gpu": {"budget": "3.6GiB"}}, "runtime": {"max_context": 1024}}' 2>&1 | tail -60 ;;
+    timeout 200 python3 bench/profile_decode.py --model /dev/shm/b12u --host --no-kernels --tokens 16 --out "$OUT/profile" \
+      --config '{"tiers": {"gpu": {"budget": "3.6GiB"}}, "runtime": {"max_context": 1024}}' 2>&1 | grep -E "probe|tok/s"
+    timeout 200 python3 bench/profile_decode.py --model /dev/shm/b12u --host --no-kernels --tokens 16 --out "$OUT/profile-copy" \
+      --config '{"tiers": {"gpu": {"budget": "3.6GiB"}}, "runtime": {"max_context": 1024, "cpu_numerics": "gpu"}}' 2>&1 | grep -E "tok/s" ;;
   core)  # one 10-minute call: the GPU tests, the Engram tiers, the uniform hot path
     bash "$0" tests; bash "$0" engram; bash "$0" hotpath uniform ;;
   engram)

@@ -7,11 +7,14 @@ Cases, all in this one run on the same weights (the store is built once, on firs
   ceiling_eager  the same without graphs (what the graphs are worth)
   split          GPU budget = fraction of the expert bytes, the rest in pinned RAM; cold experts split
                  between the CPU kernel and PCIe copies by the cost model (cpu_numerics = "fork")
+  split_serial   split with the copies staged first, then the CPU share on the same thread (STRATA_CPU_ASYNC=0)
+  split_async    split with the CPU share started first on the kernel's threads, one core left to the thread
+                 that stages the copies meanwhile (STRATA_CPU_ASYNC=1); split_async14: two cores left
   copy           the same budget, cold experts always copied (cpu_numerics = "gpu": bit-exact mode)
   cpu            GPU budget 0: every routed expert computed on the CPU from RAM
 Decode samples at temperature 1 (fixed seed) so a random-weight model does not repeat itself and
-routing stays close to uniform (the worst case). Each case reports decode tok/s (one stream, 128-token
-prompt), GPU hit rate, bytes over PCIe per token, CPU-computed experts per token, stall per token, and
+routing stays close to uniform (the worst case). Each case reports decode tok/s over the decode phase
+(one stream, 128-token prompt; the prompt's prefill is timed apart as `ttft_s`), GPU hit rate, bytes over PCIe per token, CPU-computed experts per token, stall per token, and
 the roofline: time per token >= max(GPU time, cold bytes / (PCIe + CPU rates)) with GPU time the
 ceiling's measured step and the rates of LIMITS.md (55 GB/s PCIe + 70 GB/s CPU; only the paths a case
 may use). `--prefill N` also times an N-token prompt (time to first token) in the ceiling and split
@@ -24,10 +27,14 @@ import argparse
 import gc
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: `bench.*` when run as a script
+from bench.decode_timing import timed_decode  # noqa: E402
 
 PCIE, CPU = 55e9, 70e9
 
@@ -66,16 +73,12 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
     if engine.tiers is not None:
         res_wait = wait_for_placement(engine.tiers)  # measure steady state, not the initial fill
         engine.generate(prompt, max_tokens=8, temperature=1.0, seed=2)
-    before = engine.stats()
-    sync()
-    t0 = time.perf_counter()
-    out = engine.generate(prompt, max_tokens=tokens, temperature=1.0, seed=3, stop_token_ids=[])
-    sync()
-    dt = time.perf_counter() - t0
-    after = engine.stats()
-    n = max(1, len(out.token_ids))
-    res = {"case": name, "load_s": round(load_s, 1), "tokens": len(out.token_ids), "seconds": round(dt, 3),
-           "tok_s": round(n / dt, 2), "ms_per_token": round(1000 * dt / n, 2)}
+    # decode figures over the decode phase (statistics from the first token on); the 128-token prompt's
+    # prefill, slow when its experts are cold, is reported apart as ttft_s
+    run = timed_decode(engine, prompt, tokens, sync)
+    before, after, n = run.before, run.after, run.decode_tokens
+    res = {"case": name, "load_s": round(load_s, 1), "tokens": len(run.tokens), "tok_s": round(run.tok_s, 2),
+           "ms_per_token": round(1000 * run.decode_s / n, 2), "ttft_s": round(run.ttft_s, 3)}
     if engine.model.graphs is not None:
         res["graph_replays"] = engine.model.graphs.replays
     t0s, t1s = before["tiers"], after["tiers"]
@@ -117,7 +120,8 @@ def add_rooflines(cases: list[dict]) -> None:
     """time per token >= max(GPU time (the ceiling's step), cold bytes / rates of the paths the case may use)."""
     ceiling = next((c for c in cases if c.get("case") == "ceiling" and "tok_s" in c), None)
     gpu_s = 1 / ceiling["tok_s"] if ceiling else 0.0
-    rates = {"split": PCIE + CPU, "split_async": PCIE + CPU, "copy": PCIE, "cpu": CPU}
+    rates = {"split": PCIE + CPU, "split_serial": PCIE + CPU, "split_async": PCIE + CPU, "split_async14": PCIE + CPU,
+             "copy": PCIE, "cpu": CPU}
     for c in cases:
         if c.get("case") in rates and "cold_bytes_per_token" in c:
             roof_s = max(gpu_s, c["cold_bytes_per_token"] / rates[c["case"]])
@@ -148,20 +152,25 @@ def main() -> None:
         "ceiling": {"runtime": {**rt, "experts": "memory"}},
         "ceiling_eager": {"runtime": {**rt, "experts": "memory", "cuda_graphs": False}},
         "split": tiered,
-        "split_async": tiered,  # the same, with STRATA_CPU_ASYNC=1: the CPU share starts before the copies
+        "split_serial": tiered,  # STRATA_CPU_ASYNC=0: the copies are staged, then the CPU share runs on this thread
+        "split_async": tiered,  # STRATA_CPU_ASYNC=1: the CPU share starts first, on the kernel's threads (one core left)
+        "split_async14": tiered,  # the same with 14 kernel threads (two cores left)
         "copy": {**tiered, "runtime": {**rt, "cpu_numerics": "gpu"}},
         "cpu": {"tiers": {"gpu": {"budget": "0"}, "disk": disk}, "runtime": rt},
     }
     result = {"model": args.model, "gpu_fraction": args.gpu_fraction, "expert_bytes": s.bytes_by_role["experts"],
               "gpu_budget_bytes": budget, "cases": []}
     for name in args.cases.split(","):
-        os.environ["STRATA_CPU_ASYNC"] = "1" if name == "split_async" else "0"
+        mode = {"split_serial": "0", "split_async": "1", "split_async14": "1"}.get(name)
+        os.environ.pop("STRATA_CPU_ASYNC", None) if mode is None else os.environ.update(STRATA_CPU_ASYNC=mode)
+        os.environ.pop("STRATA_CPU_THREADS", None) if name != "split_async14" else os.environ.update(STRATA_CPU_THREADS="14")
         try:
             result["cases"].append(run_case(args.model, name, all_cases[name], args.tokens, args.prefill, args.device))
         except Exception as e:  # noqa: BLE001 - record and go on to the next case
             result["cases"].append({"case": name, "error": f"{type(e).__name__}: {e}"})
             print(name, "failed:", e, flush=True)
     os.environ.pop("STRATA_CPU_ASYNC", None)
+    os.environ.pop("STRATA_CPU_THREADS", None)
     add_rooflines(result["cases"])
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "hotpath.json").write_text(json.dumps(result, indent=2))

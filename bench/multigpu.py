@@ -20,10 +20,14 @@ import argparse
 import gc
 import json
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: `bench.*` when run as a script
+from bench.decode_timing import timed_decode  # noqa: E402
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -105,18 +109,14 @@ def decode(model: str, gpus: list[int], budget: str, tokens: int, numerics: str)
     if stage_map is not None:
         stage_map.time_hops = True
         hops0 = stage_map.stats.snapshot()  # a fresh dict; reading it drains the pending timing events
-    before = engine.stats()["tiers"]
-    for i in gpus:
-        torch.cuda.synchronize(i)
-    t0 = time.perf_counter()
-    out = engine.generate(prompt, max_tokens=tokens, temperature=1.0, seed=3, stop_token_ids=[])
-    for i in gpus:
-        torch.cuda.synchronize(i)
-    dt = time.perf_counter() - t0
-    after = engine.stats()["tiers"]
-    n = max(1, len(out.token_ids))
+    def sync() -> None:
+        for i in gpus:
+            torch.cuda.synchronize(i)
+
+    run = timed_decode(engine, prompt, tokens, sync)  # the decode phase, statistics from the first token on
+    before, after, n, dt = run.before["tiers"], run.after["tiers"], run.decode_tokens, run.decode_s
     result = {"cards": len(gpus), "budget_per_card": budget, "load_s": round(load_s, 2), "tokens": n,
-              "decode_tok_per_s": round(n / dt, 3), "step_ms": round(1000 * dt / n, 3),
+              "decode_tok_per_s": round(n / dt, 3), "step_ms": round(1000 * dt / n, 3), "ttft_s": round(run.ttft_s, 3),
               "gpu_slots": engine.plan.tier("gpu").slots, "per_card": {}}
     graphs = engine.model.graphs
     if graphs is not None:  # hops inside replayed graphs are counted but not timed (timed: eager steps only)

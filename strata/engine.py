@@ -47,6 +47,7 @@ class _Counters:
     requests: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    decode_tokens: int = 0  # tokens after each request's first (that one comes from the prefill's logits)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     extra: dict = field(default_factory=dict)
@@ -195,7 +196,9 @@ class Engine:
             "prompt_tokens": c.prompt_tokens,
             "generated_tokens": c.generated_tokens,
             "prefill_tokens_per_s": c.prompt_tokens / c.prefill_seconds if c.prefill_seconds else 0.0,
-            "decode_tokens_per_s": c.generated_tokens / c.decode_seconds if c.decode_seconds else 0.0,
+            "decode_tokens_per_s": c.decode_tokens / c.decode_seconds if c.decode_seconds else 0.0,
+            "decode_tokens": c.decode_tokens,
+            "decode_seconds": c.decode_seconds,
         }
 
     # ---- internals --------------------------------------------------------------------------
@@ -277,5 +280,6 @@ class Engine:
             c = self._counters
             c.prompt_tokens += len(ids)
             c.generated_tokens += n
+            c.decode_tokens += max(0, n - 1)
             c.prefill_seconds += (t_first or t_end) - t0
             c.decode_seconds += t_end - (t_first or t_end)

@@ -62,8 +62,12 @@ def test_serial_staging_cost_moves_experts_to_the_cpu():
     free = split_cold(tokens, MB9, Rates(cpu_bytes_per_s=80e9, pcie_bytes_per_s=55e9, copy_host_s=0.0), serial=True)
     costly = split_cold(tokens, MB9, Rates(cpu_bytes_per_s=80e9, pcie_bytes_per_s=55e9, copy_host_s=150e-6), serial=True)
     assert len(free.copy) >= 3 and len(costly.copy) <= 1
-    # not serial (prefill: the CPU share runs on a worker while the copies are staged): staging is ignored
-    assert split_cold(tokens, MB9, Rates(copy_host_s=1.0)).copy == split_cold(tokens, MB9, Rates(copy_host_s=0.0)).copy
+    # not serial (the CPU share runs while the copies are staged): staging that is quicker than the transfer
+    # changes nothing; staging slower than the transfer makes the copy path as slow as the staging thread
+    quick = split_cold(tokens, MB9, Rates(copy_host_s=0.0))
+    assert quick.copy == split_cold(tokens, MB9, Rates(copy_host_s=10e-6)).copy and quick.copy
+    slow = split_cold(tokens, MB9, Rates(copy_host_s=1.0))
+    assert slow.copy == [] and slow.cpu == sorted(tokens)
     r = Rates(copy_host_s=50e-6)
     r.observe_stage(2, 400e-6)
     assert 50e-6 < r.copy_host_s < 200e-6

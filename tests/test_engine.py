@@ -113,6 +113,20 @@ def test_stats_counts_requests(tiny_engine):
     assert after["device"] == "cpu" and after["dtype"] == "float32" and after["model_type"] == "deepseek_v3"
 
 
+def test_generation_runs_one_forward_per_token_after_the_first(tiny_engine, monkeypatch):
+    """n tokens take the prefill and n - 1 decode steps (the first token comes from the prefill's logits; no
+    step runs for logits nobody samples), and the stats count those n - 1 as decode tokens."""
+    calls = []
+    forward = tiny_engine.model.forward
+    monkeypatch.setattr(tiny_engine.model, "forward", lambda *a, **k: calls.append(a[0].shape[0]) or forward(*a, **k))
+    before = tiny_engine.stats()
+    out = tiny_engine.generate([5, 6, 7, 8], max_tokens=5, temperature=1.0, seed=0, stop_token_ids=[])
+    after = tiny_engine.stats()
+    assert len(out.token_ids) == 5
+    assert calls == [4, 1, 1, 1, 1]
+    assert after["decode_tokens"] - before["decode_tokens"] == 4
+
+
 @pytest.mark.parametrize(
     "kwargs, param",
     [({"max_tokens": 0}, "max_tokens"), ({"temperature": -1.0}, "temperature"), ({"top_p": 0.0}, "top_p"),

@@ -59,14 +59,18 @@ def split_cold(tokens: dict[int, int], nbytes: int, rates: Rates, *, in_flight_c
 
     Greedy on the makespan: experts go, most-tokens first, to whichever path would finish earlier;
     copies already in flight (e.g. prefetches) count against the copy path. `serial`: the CPU share
-    starts only after the copies are staged, so each copy adds `rates.copy_host_s` to the CPU path.
+    starts only after the copies are staged, so each copy adds `rates.copy_host_s` to the CPU path;
+    otherwise the CPU share runs while the copies are staged, and a copy costs the copy path the longer
+    of its transfer and its staging.
     """
     copy_s, cpu_s = in_flight_copy_s, 0.0
     stage = rates.copy_host_s if serial else 0.0
+    # not serial: the copies are staged while the CPU share runs, so a copy path cannot go faster than the
+    # thread staging it (host seconds per copy) any more than the link carrying it
+    c_copy = nbytes / rates.pcie_bytes_per_s if serial else max(nbytes / rates.pcie_bytes_per_s, rates.copy_host_s)
     cpu, copy = [], []
     for expert in sorted(tokens, key=lambda e: (-tokens[e], e)):
         t = tokens[expert]
-        c_copy = nbytes / rates.pcie_bytes_per_s
         if not allow_cpu or t > max_cpu_tokens:
             copy.append(expert)
             copy_s, cpu_s = copy_s + c_copy, cpu_s + stage

@@ -23,6 +23,8 @@ from strata.kernels.grouped import SlotWeights
 from strata.runtime.cost_model import Rates
 from strata.tiers.manager import TierManager
 
+CPU_ASYNC_DEFAULT = False
+
 
 class ExpertCompute:
     """Shared state of the tiered executor (one per model)."""
@@ -51,9 +53,17 @@ class ExpertCompute:
         # work, waiting for the CPU's partial sum (where a split step's time goes; see bench/hotpath.py)
         self.host_seconds: Counter[str] = Counter()
         self.pin_results = False  # CPU partial sums in pinned memory, so their upload never waits for the GPU
-        # experiment switch (bench/hotpath.py's split_async case): start a decode layer's CPU share on the
-        # kernel's launcher thread before staging the copies, instead of running it after them
-        self.cpu_async = os.environ.get("STRATA_CPU_ASYNC", "") == "1"
+        # start a decode layer's CPU share on the kernel's launcher thread before staging the copies, instead
+        # of running it after them on this thread ($STRATA_CPU_ASYNC = 1 / 0 overrides; bench/hotpath.py)
+        self.cpu_async = os.environ.get("STRATA_CPU_ASYNC", "1" if CPU_ASYNC_DEFAULT else "0") == "1"
+        # the kernel's thread count. Started in the background, its threads would take every core and starve
+        # the thread staging the copies meanwhile (measured: 280 us per staged copy instead of ~100), so that
+        # thread keeps a core. One count for every call: a different one rebuilds the kernel's pool.
+        self.cpu_threads: int | None = None
+        if self.cpu_async and not os.environ.get("STRATA_CPU_THREADS"):
+            from strata.kernels import cpu_experts as ce
+
+            self.cpu_threads = max(1, ce.default_threads() - 1)
         if device_tier == "gpu" and manager.slots is not None:
             self.slots = manager.slot_weights()
             self.slot_of = manager.slots.slot_of
@@ -112,7 +122,7 @@ class ExpertCompute:
         best = float("inf")
         for _ in range(rounds):
             t0 = time.perf_counter()
-            _cpu_apply(x, torch.ones(1, experts), experts, groups, by_expert, out, self.use_fast_cpu)
+            _cpu_apply(x, torch.ones(1, experts), experts, groups, by_expert, out, self.use_fast_cpu, self.cpu_threads)
             best = min(best, time.perf_counter() - t0)
         nbytes = sum(a.nbytes + b.nbytes for a, b in ws)
         self.rates.cpu_bytes_per_s = nbytes / best
@@ -134,7 +144,7 @@ class ExpertCompute:
                 by_expert = {h.key[1]: (h.gate_up, h.down) for h in handles}
                 nbytes += sum(h.gate_up.nbytes + h.down.nbytes for h in handles)
                 t0 = time.perf_counter()
-                _cpu_apply(x, weights, k, part, by_expert, out, self.use_fast_cpu)
+                _cpu_apply(x, weights, k, part, by_expert, out, self.use_fast_cpu, self.cpu_threads)
                 seconds += time.perf_counter() - t0
             finally:
                 self.manager.release(handles)
@@ -160,29 +170,33 @@ class ExpertCompute:
         from strata.kernels import cpu_experts as ce
 
         store = self.manager.store
-        if (store.dtype != torch.bfloat16 or ce.backend() == "torch" or not groups
-                or any(len(sel) > ce.max_tokens() for _, sel in groups)):
+        if store.dtype != torch.bfloat16 or ce.backend() == "torch" or not groups:
+            return None
+        # pair indices per expert as numpy (a decode layer's host step spends microseconds, not a torch op, on each)
+        sels = [np.asarray(sel, dtype=np.int64) for _, sel in groups]
+        if max(len(sel) for sel in sels) > ce.max_tokens():
             return None
         keys = [(layer, e) for e, _ in groups]
         slots = self.manager.hold_resident(keys)
         if slots is None:
             return None
         try:
-            rows = torch.cat([sel for _, sel in groups]).to(torch.int64)  # pair indices, expert by expert
-            tok = rows // k  # [P] token row of each pair
-            w = weights.reshape(-1).float()[rows].contiguous()  # [P] its routing weight
+            rows = np.concatenate(sels)  # [P] pair indices, expert by expert
+            tok = torch.from_numpy(rows // k)  # [P] int64 token row of each pair
+            w = torch.from_numpy(weights.float().numpy().reshape(-1)[rows])  # [P] fp32 its routing weight (a copy)
             x32 = x.float().contiguous()
             inter, gu_bytes = store.expert_shapes[1][1], store.index.gate_up_bytes
             meta, off = array.array("q"), 0
-            for (_, sel), slot in zip(groups, slots, strict=True):
-                base = self.manager.pool.slot_address(slot)
-                meta.extend((base, base + gu_bytes, tok.data_ptr() + 8 * off, w.data_ptr() + 4 * off, len(sel), inter))
+            tok_ptr, w_ptr, slot_address = tok.data_ptr(), w.data_ptr(), self.manager.pool.slot_address
+            for sel, slot in zip(sels, slots, strict=True):
+                base = slot_address(slot)
+                meta.extend((base, base + gu_bytes, tok_ptr + 8 * off, w_ptr + 4 * off, len(sel), inter))
                 off += len(sel)
             out = torch.zeros(x.shape, dtype=torch.float32, pin_memory=self.pin_results)
-            call = ce.start_packed(x32, meta, out) if background else None
+            call = ce.start_packed(x32, meta, out, self.cpu_threads) if background else None
             t0 = time.perf_counter()
             if call is None:
-                ce.run_packed(x32, meta, out)
+                ce.run_packed(x32, meta, out, self.cpu_threads)
         except BaseException:
             self.manager.drop_held(keys)
             raise
@@ -212,13 +226,13 @@ class CpuShare:
         return self._out
 
 
-def _cpu_apply(x, weights, k, groups, by_expert, out, fast: bool) -> None:
+def _cpu_apply(x, weights, k, groups, by_expert, out, fast: bool, threads: int | None = None) -> None:
     """One chunk of CPU experts, added into out: the compiled kernel, or the reference math."""
     if fast:
         from strata.kernels.cpu_experts import cpu_experts_forward
 
         flat_w = weights.reshape(-1).float()
         cpu_experts_forward(x, [by_expert[e] for e, _ in groups], [sel // k for _, sel in groups],
-                            [flat_w[sel] for _, sel in groups], out=out)
+                            [flat_w[sel] for _, sel in groups], out=out, threads=threads)
         return
     apply_experts(x.float(), weights.float(), k, groups, lambda e: tuple(w.float() for w in by_expert[e]), out=out)

@@ -58,12 +58,12 @@ def generate_tokens(
     slot = 0
     logits = prefill(model, cache, slot, torch.tensor(prompt, dtype=torch.long, device=device), chunk)
     position = len(prompt)
-    for _ in range(params.max_tokens):
+    for i in range(params.max_tokens):
         token = int(sample(logits[None], params, generator)[0])
         if token in eos_ids and not params.ignore_eos:
             return
         yield token
-        if position >= cache.max_len:
+        if position >= cache.max_len or i == params.max_tokens - 1:  # no step whose logits nobody samples
             return
         logits = decode_step(model, cache, slot, token, position, device)
         position += 1

@@ -245,6 +245,7 @@ class Scheduler:
         c, dt = self.engine._counters, time.perf_counter() - t0
         n_decode = sum(1 for s, _, _ in plan if s.next_input is not None)
         c.generated_tokens += n_decode
+        c.decode_tokens += n_decode
         c.prompt_tokens += len(ids) - n_decode
         if n_decode:
             c.decode_seconds += dt

@@ -107,13 +107,11 @@ class TieredExperts(nn.Module):
         t1 = clock()
         if c.slots is not None:
             c.manager.note_hits(self.layer, np.unique(experts[slots >= 0]))  # before evictions: recency counts
-        cold: dict[int, list[int]] = {}
-        for p in np.flatnonzero(slots < 0):
-            cold.setdefault(int(experts[p]), []).append(int(p))
+        cold = _pairs_by_expert(experts, np.flatnonzero(slots < 0))
         cpu_part = None
         t_plan = clock()
         if cold:
-            cpu_part = self._cold_decode(x, x_host, w_host, y, late, {e: np.asarray(v) for e, v in sorted(cold.items())})
+            cpu_part = self._cold_decode(x, x_host, w_host, y, late, cold)
         if cpu_part is not None:
             cpu_out.copy_(cpu_part, non_blocking=c.pin_results)  # pinned: no wait for the GPU queue
         t_poll = clock()
@@ -240,6 +238,16 @@ class TieredExperts(nn.Module):
             finally:
                 manager.release(handles)
         return out
+
+
+def _pairs_by_expert(experts: np.ndarray, pairs: np.ndarray) -> dict[int, np.ndarray]:
+    """expert -> its pairs among `pairs` (ascending), experts ascending; experts [P] is the expert of each pair."""
+    if not pairs.size:
+        return {}
+    of = experts[pairs]
+    order = np.argsort(of, kind="stable")  # stable: each expert's pairs stay ascending
+    ids, starts = np.unique(of[order], return_index=True)
+    return dict(zip(ids.tolist(), np.split(pairs[order], starts[1:]), strict=True))
 
 
 def _upload(values: np.ndarray, dst: torch.Tensor) -> None:

@@ -10,12 +10,14 @@ from strata.tiers.slots import Key, TierFullError, _SlotTier
 class EvictionMixin:
     """Mixed into TierManager: uses its tiers, slots, budgets, statistics, tmpfs mirror and `_reap_copies`."""
 
-    def _take_slot(self, tier: _SlotTier, key: Key, clears: list[Key] | None = None) -> int:
+    def _take_slot(self, tier: _SlotTier, key: Key, clears: list[Key] | None = None, reap: bool = True) -> int:
         """A free slot, or one freed by evicting the policy's victim among objects not in use (a GPU
-        victim's map entry is cleared now, or appended to `clears` for the caller to clear in a batch)."""
+        victim's map entry is cleared now, or appended to `clears` for the caller to clear in a batch).
+        `reap=False`: the caller has just reaped finished copies (a batch reaps once, not per object)."""
         if tier.free and (not self.budgets.per_layer or self._layer_count(tier, key[0]) < self._quota(tier)):
             return tier.free.pop()
-        self._reap_copies()
+        if reap:
+            self._reap_copies()
         if self.budgets.per_layer:
             victim = tier.policy.victim(lambda k: k[0] == key[0] and k in tier.slot_of and not tier.busy(k))
         else:

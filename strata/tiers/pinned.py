@@ -91,6 +91,7 @@ class PinnedPool:
         nslabs = -(-num_slots // self.slots_per_slab)
         self._sizes = [min(self.slots_per_slab, num_slots - k * self.slots_per_slab) * slot_bytes for k in range(nslabs)]
         self._slabs: list[_Slab | None] = [None] * nslabs
+        self._views: list[tuple[torch.Tensor, ...] | None] = [None] * nslabs  # each slab's slot views
         self._ready = [threading.Event() for _ in range(nslabs)]
         self._done = threading.Event()  # set when the allocator stops (all ready, failed or closed)
         self._error: BaseException | None = None
@@ -130,7 +131,9 @@ class PinnedPool:
         slab = self._slabs[k]
         if slab is None or self._closing:
             raise StrataError("the pinned pool was closed")
-        return slab.tensor[j * self.slot_bytes : (j + 1) * self.slot_bytes]
+        if (views := self._views[k]) is None:  # made once per slab: slicing costs microseconds a copy
+            views = self._views[k] = slab.tensor.view(-1, self.slot_bytes).unbind(0)
+        return views[j]
 
     def slot_address(self, i: int) -> int:
         """The host address of slot i (its slab must be allocated: a slot holding an object is)."""
@@ -170,6 +173,7 @@ class PinnedPool:
             if slab is not None:
                 slab.free()
                 self._slabs[k] = None
+                self._views[k] = None
 
     def __enter__(self) -> PinnedPool:
         return self

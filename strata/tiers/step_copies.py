@@ -62,6 +62,7 @@ class StepCopiesMixin:
         with self._lock:
             clears: list[Key] = []
             waits: list = []
+            self._reap_copies()  # once for the batch (each query of a copy's event costs microseconds)
             for e in experts:
                 key = (layer, int(e))
                 if key in tier.inflight or key in pinned.inflight or key not in tier.slot_of and key not in pinned.slot_of:
@@ -74,7 +75,7 @@ class StepCopiesMixin:
                         staged.events.append(pending)
                 else:
                     try:
-                        slot = self._take_slot(tier, key, clears)
+                        slot = self._take_slot(tier, key, clears, reap=False)
                     except TierFullError:
                         slow.append(key)
                         continue

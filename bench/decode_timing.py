@@ -1,0 +1,49 @@
+"""Timing one stream's decode phase apart from its prefill (the benches' shared measurement).
+
+A 128-token prompt whose experts are cold takes a tenth of a second or more to prefill, as long as
+dozens of decode steps: timing `engine.generate` whole would fold it into the decode rate. This drives
+the same generation loop as `Engine.generate` and takes the engine's statistics at the first token.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass
+class DecodeRun:
+    tokens: list[int]
+    ttft_s: float  # prefill and the first token
+    decode_s: float  # the len(tokens) - 1 tokens after the first
+    before: dict  # engine.stats() at the first token
+    after: dict  # engine.stats() at the end
+
+    @property
+    def decode_tokens(self) -> int:
+        return max(1, len(self.tokens) - 1)
+
+    @property
+    def tok_s(self) -> float:
+        return self.decode_tokens / self.decode_s
+
+
+def timed_decode(engine, prompt: list[int], tokens: int, sync: Callable[[], None], seed: int = 3) -> DecodeRun:
+    """Generate `tokens` tokens of `prompt` at temperature 1 (seeded, EOS ignored) and time the decode phase."""
+    from strata.runtime.generate import generate_tokens
+    from strata.runtime.sampler import SamplingParams, make_generator
+
+    params = SamplingParams(max_tokens=tokens, temperature=1.0, seed=seed, ignore_eos=True)
+    sync()
+    t0 = time.perf_counter()
+    steps = generate_tokens(engine.model, engine.cache, prompt, params, set(), engine.config.runtime.prefill_chunk,
+                            engine.device, make_generator(seed, engine.device))
+    out = [next(steps)]  # the prefill, and the first token sampled from its logits
+    ttft = time.perf_counter() - t0
+    before = engine.stats()
+    t1 = time.perf_counter()
+    out += list(steps)
+    sync()
+    decode_s = time.perf_counter() - t1
+    return DecodeRun(out, ttft, decode_s, before, engine.stats())
