@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box session that produced bench/RESULTS.md's 2026-11-30 (second session) figures.
-#   bash bench/h200_session.sh tests|hotpath|multigpu|serving|serving-bench|ceiling48|engram|suite|profile|core   (writes under $OUT)
+#   bash bench/h200_session.sh tests|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|suite|profile|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 set -u
 export PYTHONPATH=/tmp/site:$PWD STRATA_CACHE=/dev/shm/sc
@@ -12,7 +12,9 @@ case "$1" in
   hotpath)  # $2 = route skew ("uniform" or a Zipf exponent)
     python3 -m strata demo-model /dev/shm/b12 --size bench --layers 12 --no-engram --route-skew "$2" > /dev/null 2>&1
     timeout 300 python3 bench/hotpath.py --model /dev/shm/b12 --cache /dev/shm/sc --out "$OUT/hotpath-$2" --tokens 64 \
-      --prefill 8192 --cases ceiling,split,split_serial,split_async,split_async14,copy,cpu 2>&1 | grep '^{"' | cut -c1-400 ;;
+      --prefill 8192 --cases ceiling,split,split_async,copy,cpu 2>&1 | grep '^{"' | cut -c1-400 ;;
+  ramshared)  # do PCIe copies and the CPU kernel share host RAM bandwidth? $2 = cards copying (default 0)
+    for t in 16 8; do timeout 120 python3 bench/ram_shared.py --gpus "${2:-0}" --threads $t --out "$OUT/ram_shared_t$t"; done ;;
   multigpu)  # on nvidia-h200-x2: the two-card tests (graphs per card among them), then the bench
     timeout 150 python3 -m pytest -q -m gpu tests/test_multi_gpu.py 2>&1 | tail -4
     [ -d /dev/shm/b12 ] || python3 -m strata demo-model /dev/shm/b12 --size bench --layers 12 --no-engram \

@@ -2,7 +2,7 @@
 read host memory; the roofline of a split decode step adds their rates (55 + 70 GB/s on the H200 box), which
 holds only if the memory controller serves both at once.
 
-    python bench/ram_shared.py [--gib 4] [--threads 16] [--out DIR]
+    python bench/ram_shared.py [--gib 4] [--threads 16] [--gpus 0,1] [--out DIR]
 
 Measures, each alone and then both at once: pinned -> GPU copies in expert-sized chunks (9.4 MB, the bench
 model's expert) and the CPU kernel's read sweep (`cpu_experts.read_sweep`, the kernel's thread pool and
@@ -33,7 +33,7 @@ def _copies(src: list[torch.Tensor], dst: torch.Tensor, stream: torch.cuda.Strea
     return start, end
 
 
-def measure(gib: float, threads: int | None) -> dict:
+def measure(gib: float, threads: int | None, gpus: list[int]) -> dict:
     from strata.kernels import cpu_experts as ce
     from strata.tiers.pinned import PinnedPool
 
@@ -43,33 +43,47 @@ def measure(gib: float, threads: int | None) -> dict:
     for s in src:
         s.fill_(1)  # touch every page
     cpu_bufs = [torch.ones(CHUNK, dtype=torch.uint8) for _ in range(n)]  # what the CPU reads meanwhile
-    dst = torch.empty((64, CHUNK), dtype=torch.uint8, device="cuda")
-    stream = torch.cuda.Stream()
+    dsts = [torch.empty((64, CHUNK), dtype=torch.uint8, device=f"cuda:{g}") for g in gpus]
+    streams = [torch.cuda.Stream(device=f"cuda:{g}") for g in gpus]
     nbytes = n * CHUNK
-    out: dict = {"gib": gib, "chunk_bytes": CHUNK, "threads": threads or ce.default_threads()}
+    out: dict = {"gib_per_path": gib, "chunk_bytes": CHUNK, "gpus": gpus, "threads": threads or ce.default_threads()}
 
-    _copies(src[:8], dst, stream)  # warm-up
-    torch.cuda.synchronize()
+    def copies() -> list:  # every card copies all of `src` at once (each from the same pinned pool)
+        evs = []
+        for g, dst, stream in zip(gpus, dsts, streams, strict=True):
+            with torch.cuda.device(g):
+                evs.append(_copies(src, dst, stream))
+        return evs
+
+    def rate(evs) -> list[float]:
+        for _, end in evs:
+            end.synchronize()
+        return [nbytes / (start.elapsed_time(end) / 1000) / 1e9 for start, end in evs]
+
+    for g, dst, stream in zip(gpus, dsts, streams, strict=True):  # warm-up
+        with torch.cuda.device(g):
+            _copies(src[:8], dst, stream)
+        torch.cuda.synchronize(g)
     ce.read_sweep(cpu_bufs[:8], threads)
-    start, end = _copies(src, dst, stream)
-    end.synchronize()
-    out["pcie_alone_GB_s"] = round(nbytes / (start.elapsed_time(end) / 1000) / 1e9, 1)
+    pcie_alone = rate(copies())
+    out["pcie_alone_GB_s"] = [round(r, 1) for r in pcie_alone]
     sweep = min(ce.read_sweep(cpu_bufs, threads) for _ in range(3))
     out["cpu_alone_GB_s"] = round(nbytes / sweep / 1e9, 1)
 
-    torch.cuda.synchronize()
-    start, end = _copies(src, dst, stream)
+    for g in gpus:
+        torch.cuda.synchronize(g)
+    evs = copies()
     t0, read = time.perf_counter(), 0
-    while not end.query():  # the CPU reads while the copies run (a sweep of 1/8 of the buffers at a time)
+    while not all(end.query() for _, end in evs):  # the CPU reads while the copies run, 1/8 of its buffers at a time
         part = cpu_bufs[(read // CHUNK) % n :][: max(1, n // 8)]
         ce.read_sweep(part, threads)
         read += len(part) * CHUNK
     t_cpu = time.perf_counter() - t0
-    end.synchronize()
-    pcie = nbytes / (start.elapsed_time(end) / 1000) / 1e9
+    pcie = rate(evs)
     cpu = read / t_cpu / 1e9
-    out.update(pcie_together_GB_s=round(pcie, 1), cpu_together_GB_s=round(cpu, 1), combined_GB_s=round(pcie + cpu, 1),
-               combined_vs_sum_alone=round((pcie + cpu) / (out["pcie_alone_GB_s"] + out["cpu_alone_GB_s"]), 3))
+    out.update(pcie_together_GB_s=[round(r, 1) for r in pcie], cpu_together_GB_s=round(cpu, 1),
+               combined_GB_s=round(sum(pcie) + cpu, 1),
+               combined_vs_sum_alone=round((sum(pcie) + cpu) / (sum(pcie_alone) + out["cpu_alone_GB_s"]), 3))
     pool.close()
     return out
 
@@ -78,11 +92,12 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gib", type=float, default=4.0, help="bytes each path reads, in GiB")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: the kernel's default)")
+    ap.add_argument("--gpus", default="0", help="cards copying at once, e.g. 0,1")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("ram_shared.py needs a CUDA GPU (it measures pinned -> GPU copies); none is available")
-    res = measure(args.gib, args.threads or None)
+    res = measure(args.gib, args.threads or None, [int(g) for g in args.gpus.split(",")])
     print(json.dumps(res), flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "ram_shared.json").write_text(json.dumps(res, indent=2))

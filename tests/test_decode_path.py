@@ -169,6 +169,23 @@ def test_device_engram_decode_equals_the_host_step(tiny_model_dir, window_steps)
     _assert_same_engram_state(cfg, a, b)
 
 
+@pytest.mark.parametrize("pairs", [8, 200])
+def test_cold_pairs_grouped_by_expert(pairs):
+    """The host step's grouping of cold pairs (few: a Python loop; many: numpy) against a plain reference:
+    experts ascending, each with its pairs ascending."""
+    from strata.runtime.tiered_moe import _pairs_by_expert
+
+    rng = np.random.default_rng(pairs)
+    experts = rng.integers(0, 16, pairs).astype(np.int32)
+    cold = np.flatnonzero(rng.random(pairs) < 0.7)
+    want: dict[int, list[int]] = {}
+    for p in cold:
+        want.setdefault(int(experts[p]), []).append(int(p))
+    got = _pairs_by_expert(experts, cold)
+    assert list(got) == sorted(want) and all(got[e].tolist() == want[e] for e in want)
+    assert _pairs_by_expert(experts, cold[:0]) == {}
+
+
 def test_kv_bucket():
     assert kv_bucket(0, 4096) == 256 and kv_bucket(255, 4096) == 256 and kv_bucket(256, 4096) == 512
     assert kv_bucket(5000, 4096) == 4096
@@ -181,14 +198,26 @@ def store(tiny_model_dir, tmp_path_factory):
     s.close()
 
 
-@pytest.mark.parametrize("numerics", ["gpu", "fork", "fork-async"], ids=["exact", "forked", "forked-async"])
+@pytest.mark.parametrize("numerics", ["gpu", "fork", "fork-async", "fork-stream"],
+                         ids=["exact", "forked", "forked-async", "forked-stream"])
 def test_tiered_decode_serves_cold_pairs_from_other_tiers(store, numerics):
     """A CPU-simulated GPU tier with fewer slots than a step needs: resident pairs by slot, cold pairs
-    copied (gpu numerics) or split with the CPU kernel (fork); the layer output equals all-in-memory."""
+    copied (gpu numerics) or split with the CPU kernel (fork); the layer output equals all-in-memory.
+    forked-stream: 3 more slots set aside for one step's copies (`stream_gpu`), which serve the copied
+    cold experts whenever they fit."""
     layer = store.index.moe_layers[0]
     gu, dn = store.load_layer_experts(layer, torch.float32, "cpu")
     e, h = gu.shape[0], gu.shape[2]
-    m = TierManager(store, TierBudgets(gpu_slots=3, pinned_slots=16), gpu_device=torch.device("cpu"), io_threads=2)
+    stream = 3 if numerics == "fork-stream" else 0
+    m = TierManager(store, TierBudgets(gpu_slots=3 + stream, pinned_slots=16), gpu_device=torch.device("cpu"),
+                    io_threads=2, stream_slots=stream)
+    streamed = []
+    if stream:  # the stream path copies from pinned RAM: the layer's experts are all there first
+        m.release(m.acquire([(layer, i) for i in range(e)], "cpu"))
+        stream_gpu = m.stream_gpu
+        m.stream_gpu = lambda layer, experts: streamed.append(b := stream_gpu(layer, experts)) or b
+    numerics = numerics.removesuffix("-stream")
+    base = m.stats()["lookups"]
     try:
         compute = ExpertCompute(m, "gpu", numerics.removesuffix("-async"))
         compute.cpu_async = numerics.endswith("-async")  # the CPU share started before the copies are staged
@@ -207,10 +236,13 @@ def test_tiered_decode_serves_cold_pairs_from_other_tiers(store, numerics):
             tol = 2e-2 if numerics != "gpu" else 1e-2  # bf16 weights in slots, fp32 reference
             assert (got - want).abs().max().item() < tol * want.abs().max().item()
         stats = m.stats()
-        assert stats["lookups"] == sum(len(np.unique(_routes(3, e, k, seed=s)[0])) for s in range(6))
-        assert stats["tiers"]["gpu"]["evictions"] > 0  # 3 slots cannot hold a step's experts
+        assert stats["lookups"] - base == sum(len(np.unique(_routes(3, e, k, seed=s)[0])) for s in range(6))
+        assert stats["tiers"]["gpu"]["evictions"] > 0 or any(streamed)  # 3 slots cannot hold a step's experts
+        assert stats["tiers"]["gpu"]["capacity"] == 3
         if numerics != "gpu":
             assert compute.cpu_experts > 0
+        if stream:
+            assert any(streamed) and all(b is None or b.slots == [3, 4, 5][: len(b.slots)] for b in streamed)
     finally:
         m.close()
 

@@ -87,6 +87,54 @@ def test_stage_gpu_cuda(store):
     _run(store, "cuda")
 
 
+def _stream(store, device: str) -> None:
+    layer = store.index.moe_layers[0]
+    m = TierManager(store, TierBudgets(gpu_slots=6, pinned_slots=16), gpu_device=torch.device(device), io_threads=2,
+                    stream_slots=2)
+    try:
+        assert m.gpu.capacity == 4 and m.stream_slots == [4, 5]
+        m.release(m.acquire([(layer, e) for e in range(5)], "cpu"))  # 0-4 in pinned RAM; 5 and up only on disk
+        base = m.stats()
+        assert m.stream_gpu(layer, [0, 1, 2]) is None  # more than the stream slots
+        assert m.stream_gpu(layer, [0, 7]) is None  # 7 is not in pinned RAM
+        batch = m.stream_gpu(layer, [3, 1])
+        assert batch is not None and batch.slots == [4, 5] and batch.experts == [3, 1]
+        assert m.stream_gpu(layer, [2]) is None  # the first batch is still out
+        batch.wait()
+        for e, slot in zip(batch.experts, batch.slots, strict=True):
+            gate_up, down = store.expert_views(store.read_expert((layer, e)))
+            got_gu, got_dn = store.expert_views(m.slots.view(slot))
+            assert torch.equal(got_gu.cpu(), gate_up) and torch.equal(got_dn.cpu(), down)
+        assert not m.gpu.slot_of and (m.slots.slot_of_host < 0).all()  # the cached tier and its map are untouched
+        m.release_staged(batch)
+        again = m.stream_gpu(layer, [2])  # released: the slots take the next layer's copies
+        assert again is not None and again.slots == [4]
+        again.wait()
+        m.release_staged(again)
+        if m.slots.is_cuda:
+            torch.cuda.synchronize()
+        stats = m.stats()
+        assert stats["lookups"] - base["lookups"] == 3
+        assert stats["tiers"]["pinned"]["hits"] - base["tiers"]["pinned"]["hits"] == 3
+        assert stats["paths"]["pinned->gpu"]["objects"] == 3
+        assert not m.pinned.refs  # every pinned source was released once its copy landed
+    finally:
+        m.close()
+
+
+def test_stream_gpu_cpu_slab(store):
+    """`stream_gpu`: one step's copies into the slots set aside for them: exact bytes, the cached tier and the
+    device map untouched, one batch out at a time, pinned-resident experts only, sources released."""
+    _stream(store, "cpu")
+
+
+@pytest.mark.gpu
+def test_stream_gpu_cuda(store):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    _stream(store, "cuda")
+
+
 def test_stage_gpu_waits_for_slots_a_step_holds(store):
     """A batch larger than the free slots evicts only what no step holds (never a slot in use)."""
     layer = store.index.moe_layers[0]

@@ -129,10 +129,18 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
     return LoadedModel(checkpoint, model, device, dtype, the_plan.max_context, the_plan, manager, compute)
 
 
+STREAM_SLOTS = 16  # most GPU slots set aside for one step's copied cold experts (split mode)
+
+
 # ---- the steps of a tiered model, per card (build_model: one card; multi_device.assemble_tiered: one per stage) ----
 def expert_tiers(store: ExpertStore, budgets: TierBudgets, device: torch.device, device_tier: str,
                  cfg: StrataConfig, **manager_options) -> ExpertCompute:
-    """One card's tier manager over `store` and the expert compute on it (`compute.manager`)."""
+    """One card's tier manager over `store` and the expert compute on it (`compute.manager`).
+
+    With the forked CPU kernel beside a GPU tier (the split), a sixteenth of the GPU budget, at most 16
+    slots, takes the cold experts the cost model copies for one step only (`TierManager.stream_gpu`)."""
+    split = device_tier == "gpu" and cfg.runtime.cpu_numerics == "fork"
+    manager_options.setdefault("stream_slots", min(STREAM_SLOTS, budgets.gpu_slots // 16) if split else 0)
     manager = TierManager(store, budgets, gpu_device=device if device.type == "cuda" else None,
                           policy=cfg.policy.eviction, half_life=cfg.policy.lfu_half_life, hot=hot_order(store),
                           tmpfs_dir=cfg.tiers.tmpfs.path, disk_reader=cfg.tiers.disk.reader, **manager_options)

@@ -291,6 +291,28 @@ class GpuSlots:
             self._published[slot] = done
         return start, done
 
+    def stream_in(self, items: Sequence[tuple[int, torch.Tensor]], wait_for=None) -> tuple:
+        """Copy (slot, pinned source) pairs on the copy stream, after `wait_for`, leaving the map alone (the
+        slots hold one step's copies, addressed by the step itself). Returns timing (start, done) events
+        (both None on CPU, where the copies are done)."""
+        rows = self._rows()
+        if not self.is_cuda:
+            for slot, src in items:
+                rows[slot][: src.numel()].copy_(src)
+            return None, None
+        stream = self.copy_stream
+        with torch.cuda.stream(stream):
+            if wait_for is not None:
+                stream.wait_event(wait_for)
+            start = torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            for slot, src in items:
+                n = src.numel()
+                (rows[slot] if n == self.slot_bytes else rows[slot][:n]).copy_(src, non_blocking=True)
+            done = torch.cuda.Event(enable_timing=True)
+            done.record(stream)
+        return start, done
+
     def _rows(self) -> tuple[torch.Tensor, ...]:
         """The slab's slots as uint8 [slot_bytes] views, made once (indexing the slab costs microseconds a copy)."""
         if self._row_views is None:

@@ -58,7 +58,7 @@ class TierManager(IntegrityMixin, LookupsMixin, StepCopiesMixin, TransfersMixin,
     def __init__(self, store: ExpertStore, budgets: TierBudgets, *, gpu_device: torch.device | None = None,
                  policy: str = "lfu", half_life: float = 256.0, hot: list[Key] | None = None,
                  tmpfs_dir: str | Path | None = None, io_threads: int = 8, direct_io: bool = True,
-                 disk_reader: str = "auto"):
+                 disk_reader: str = "auto", stream_slots: int = 0):
         self.store, self.budgets = store, budgets
         self.stats_ = TierStats()
         self._lock = threading.RLock()
@@ -83,6 +83,9 @@ class TierManager(IntegrityMixin, LookupsMixin, StepCopiesMixin, TransfersMixin,
                                                                  reload_cost=self._reload_cost_pinned))
         self.slots: GpuSlots | None = None
         self.gpu: _SlotTier | None = None
+        self.stream_slots: list[int] = []  # GPU slots outside the cached tier, for `stream_gpu`
+        self._stream_free = None  # event after the last readers of the stream slots (None: free now)
+        self._streaming = False  # a `stream_gpu` batch is out and not released
         if budgets.gpu_slots > 0:
             n_layers = max(moe_layers) + 1
             n_experts = max(k[1] for k in store.keys()) + 1
@@ -94,9 +97,13 @@ class TierManager(IntegrityMixin, LookupsMixin, StepCopiesMixin, TransfersMixin,
                     f"({budgets.gpu_slots * store.slot_bytes / 2**30:.2f} GiB) on {gpu_device}; "
                     "lower tiers.gpu.budget or free GPU memory"
                 ) from None
-            self.gpu = _SlotTier("gpu", budgets.gpu_slots, make_policy(policy, half_life=half_life,
-                                                                       hot=hot[: static_hot_slots(budgets.gpu_slots)],
-                                                                       reload_cost=self._reload_cost_gpu))
+            if not 0 <= stream_slots < budgets.gpu_slots:
+                raise ValueError(f"stream_slots must be in [0, {budgets.gpu_slots}), got {stream_slots}")
+            cached = budgets.gpu_slots - stream_slots  # the last `stream_slots` slots take one step's copies
+            self.gpu = _SlotTier("gpu", cached, make_policy(policy, half_life=half_life,
+                                                            hot=hot[: static_hot_slots(cached)],
+                                                            reload_cost=self._reload_cost_gpu))
+            self.stream_slots = list(range(cached, budgets.gpu_slots))
         self.reader = DiskReader(num_threads=io_threads, direct=direct_io)
         self.gds = gpu_direct_reader(disk_reader) if self.slots is not None and self.slots.slab.is_cuda else None
         self.tmpfs = TmpfsMirror(store, tmpfs_dir, budgets.tmpfs_bytes, order=hot) if tmpfs_dir and budgets.tmpfs_bytes else None

@@ -47,6 +47,21 @@ class StagedExperts:
             h.wait()
 
 
+@dataclass
+class StreamedExperts:
+    """Experts of one layer copied into the stream slots for one step only (the GPU tier is left as it is)."""
+
+    layer: int
+    experts: list[int]
+    slots: list[int]
+    event: object = None  # torch.cuda.Event after the copies (None on CPU: done)
+
+    def wait(self) -> None:
+        """Make the current CUDA stream wait for the copies (no host synchronisation)."""
+        if self.event is not None:
+            torch.cuda.current_stream().wait_event(self.event)
+
+
 class StepCopiesMixin:
     """Mixed into TierManager: uses its lock, GPU and pinned tiers, slots, statistics and `acquire`."""
 
@@ -114,8 +129,51 @@ class StepCopiesMixin:
             staged.slots += [h.slot for h in staged.handles]
         return staged
 
-    def release_staged(self, staged: StagedExperts) -> None:
+    def stream_gpu(self, layer: int, experts: list[int]) -> StreamedExperts | None:
+        """Copy `experts` of `layer` from pinned RAM into the stream slots, for this step only.
+
+        The cheap way to compute a cold expert on the GPU when the cost model would rather not keep it: one
+        copy per expert and one event, no eviction, no map entries, no policy order to update (a decode layer
+        staged through the cached tier spends ~80 us of host time per copy on those; the stream path well
+        under half of that). None, doing nothing, when it cannot serve the batch (no stream slots, too few,
+        a batch still out, or an expert not resident in pinned RAM): take `stage_gpu` then.
+        Call `wait()` before reading the slots and `release_staged` once their readers are enqueued."""
+        if self._streaming or not experts or len(experts) > len(self.stream_slots):
+            return None
+        pinned = self.pinned
+        keys = [(layer, int(e)) for e in experts]
+        with self._lock:
+            if any(k not in pinned.slot_of or k in pinned.inflight for k in keys):
+                return None
+            self._reap_copies()
+            slots = self.stream_slots[: len(keys)]
+            copies = []
+            for key, slot in zip(keys, slots, strict=True):
+                self._note_prefetch_use(pinned, key)
+                pinned.policy.touch(key)
+                self.gpu.policy.touch(key)  # the GPU tier's frequency history counts it (a later prefetch may keep it)
+                pinned.refs[key] = pinned.refs.get(key, 0) + 1  # the source stays put until the copy lands
+                self.stats_.lookup(layer, "pinned", True, 0.0, expert=key[1])
+                copies.append((slot, self.pool.slot(pinned.slot_of[key])))
+            t0 = time.perf_counter()
+            start, done = self.slots.stream_in(copies, self._stream_free)
+            if done is None:
+                self.stats_.paths["pinned->gpu"].add(self.store.slot_bytes * len(copies), time.perf_counter() - t0,
+                                                     objects=len(copies))
+            self._copying[next(self._seq)] = (start, done, keys)  # the pinned refs drop once the copies land
+            self._streaming = True
+        return StreamedExperts(layer, [k[1] for k in keys], list(slots), done)
+
+    def release_staged(self, staged: StagedExperts | StreamedExperts) -> None:
         """Unpin a `stage_gpu` batch; later copies into its slots wait for the work queued on them so far."""
+        if isinstance(staged, StreamedExperts):
+            ev = None
+            if self.slots.slab.is_cuda:
+                ev = torch.cuda.Event()
+                ev.record(torch.cuda.current_stream(self.slots.slab.device))
+            with self._lock:
+                self._stream_free, self._streaming = ev, False
+            return
         if staged.handles:
             self.release(staged.handles)
         if not staged.batch:
