@@ -12,7 +12,7 @@ case "$1" in
   hotpath)  # $2 = route skew ("uniform" or a Zipf exponent)
     python3 -m strata demo-model /dev/shm/b12 --size bench --layers 12 --no-engram --route-skew "$2" > /dev/null 2>&1
     timeout 300 python3 bench/hotpath.py --model /dev/shm/b12 --cache /dev/shm/sc --out "$OUT/hotpath-$2" --tokens 64 \
-      --prefill 8192 --cases ceiling,split,split_async,copy,cpu 2>&1 | grep '^{"' | cut -c1-400 ;;
+      --prefill 8192 --cases ceiling,split,split_nostream,split_async,copy,cpu 2>&1 | grep '^{"' | cut -c1-400 ;;
   ramshared)  # do PCIe copies and the CPU kernel share host RAM bandwidth? $2 = cards copying (default 0)
     for t in 16 8; do timeout 120 python3 bench/ram_shared.py --gpus "${2:-0}" --threads $t --out "$OUT/ram_shared_t$t"; done ;;
   multigpu)  # on nvidia-h200-x2: the two-card tests (graphs per card among them), then the bench

@@ -7,6 +7,7 @@ Cases, all in this one run on the same weights (the store is built once, on firs
   ceiling_eager  the same without graphs (what the graphs are worth)
   split          GPU budget = fraction of the expert bytes, the rest in pinned RAM; cold experts split
                  between the CPU kernel and PCIe copies by the cost model (cpu_numerics = "fork")
+  split_nostream split with its decode copies staged through the cached GPU tier (STRATA_STREAM_SLOTS=0)
   split_serial   split with the copies staged first, then the CPU share on the same thread (STRATA_CPU_ASYNC=0)
   split_async    split with the CPU share started first on the kernel's threads, one core left to the thread
                  that stages the copies meanwhile (STRATA_CPU_ASYNC=1); split_async14: two cores left
@@ -120,7 +121,7 @@ def add_rooflines(cases: list[dict]) -> None:
     """time per token >= max(GPU time (the ceiling's step), cold bytes / rates of the paths the case may use)."""
     ceiling = next((c for c in cases if c.get("case") == "ceiling" and "tok_s" in c), None)
     gpu_s = 1 / ceiling["tok_s"] if ceiling else 0.0
-    rates = {"split": PCIE + CPU, "split_serial": PCIE + CPU, "split_async": PCIE + CPU, "split_async14": PCIE + CPU,
+    rates = {"split": PCIE + CPU, "split_nostream": PCIE + CPU, "split_serial": PCIE + CPU, "split_async": PCIE + CPU, "split_async14": PCIE + CPU,
              "copy": PCIE, "cpu": CPU}
     for c in cases:
         if c.get("case") in rates and "cold_bytes_per_token" in c:
@@ -152,6 +153,7 @@ def main() -> None:
         "ceiling": {"runtime": {**rt, "experts": "memory"}},
         "ceiling_eager": {"runtime": {**rt, "experts": "memory", "cuda_graphs": False}},
         "split": tiered,
+        "split_nostream": tiered,  # STRATA_STREAM_SLOTS=0: split-mode copies staged through the cached GPU tier
         "split_serial": tiered,  # STRATA_CPU_ASYNC=0: the copies are staged, then the CPU share runs on this thread
         "split_async": tiered,  # STRATA_CPU_ASYNC=1: the CPU share starts first, on the kernel's threads (one core left)
         "split_async14": tiered,  # the same with 14 kernel threads (two cores left)
@@ -164,6 +166,7 @@ def main() -> None:
         mode = {"split_serial": "0", "split_async": "1", "split_async14": "1"}.get(name)
         os.environ.pop("STRATA_CPU_ASYNC", None) if mode is None else os.environ.update(STRATA_CPU_ASYNC=mode)
         os.environ.pop("STRATA_CPU_THREADS", None) if name != "split_async14" else os.environ.update(STRATA_CPU_THREADS="14")
+        os.environ.pop("STRATA_STREAM_SLOTS", None) if name != "split_nostream" else os.environ.update(STRATA_STREAM_SLOTS="0")
         try:
             result["cases"].append(run_case(args.model, name, all_cases[name], args.tokens, args.prefill, args.device))
         except Exception as e:  # noqa: BLE001 - record and go on to the next case
@@ -171,6 +174,7 @@ def main() -> None:
             print(name, "failed:", e, flush=True)
     os.environ.pop("STRATA_CPU_ASYNC", None)
     os.environ.pop("STRATA_CPU_THREADS", None)
+    os.environ.pop("STRATA_STREAM_SLOTS", None)
     add_rooflines(result["cases"])
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "hotpath.json").write_text(json.dumps(result, indent=2))

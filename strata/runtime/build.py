@@ -140,7 +140,8 @@ def expert_tiers(store: ExpertStore, budgets: TierBudgets, device: torch.device,
     With the forked CPU kernel beside a GPU tier (the split), a sixteenth of the GPU budget, at most 16
     slots, takes the cold experts the cost model copies for one step only (`TierManager.stream_gpu`)."""
     split = device_tier == "gpu" and cfg.runtime.cpu_numerics == "fork"
-    manager_options.setdefault("stream_slots", min(STREAM_SLOTS, budgets.gpu_slots // 16) if split else 0)
+    stream = min(int(os.environ.get("STRATA_STREAM_SLOTS", STREAM_SLOTS)), budgets.gpu_slots // 16)  # env: benches
+    manager_options.setdefault("stream_slots", stream if split else 0)
     manager = TierManager(store, budgets, gpu_device=device if device.type == "cuda" else None,
                           policy=cfg.policy.eviction, half_life=cfg.policy.lfu_half_life, hot=hot_order(store),
                           tmpfs_dir=cfg.tiers.tmpfs.path, disk_reader=cfg.tiers.disk.reader, **manager_options)
