@@ -247,6 +247,23 @@ def test_tiered_decode_serves_cold_pairs_from_other_tiers(store, numerics):
         m.close()
 
 
+def test_split_copies_the_most_used_cold_experts(store):
+    """The cost model says how many cold experts to copy; the copies are the ones the GPU tier's history says
+    are used most (they may be kept), the rest go to the CPU."""
+    layer = store.index.moe_layers[0]
+    m = TierManager(store, TierBudgets(gpu_slots=4, pinned_slots=16), gpu_device=torch.device("cpu"), io_threads=2)
+    try:
+        compute = ExpertCompute(m, "gpu", "fork")
+        compute.rates.cpu_bytes_per_s = compute.rates.pcie_bytes_per_s = 50e9  # same speed: about half are copied
+        compute.rates.copy_host_s = 0.0
+        experts = TieredExperts(layer, 16, compute)
+        m.note_gpu_misses(layer, [9] * 8 + [11] * 8 + [3])
+        on_cpu = experts._cpu_share({e: 1 for e in (1, 3, 9, 11)})
+        assert on_cpu == {1, 3}
+    finally:
+        m.close()
+
+
 # ---- CUDA ------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu

@@ -135,6 +135,29 @@ def test_stream_gpu_cuda(store):
     _stream(store, "cuda")
 
 
+@pytest.mark.parametrize("policy", ["lfu", "lru"])
+def test_worth_caching_admits_what_is_used_more_than_its_victim(store, policy):
+    """Which copied experts the GPU tier keeps in split mode: everything while it has free slots; then, under
+    a frequency policy, an expert used more than twice as often as the one it would evict, and not a rarely
+    used one; under LRU, nothing (one step's copy says nothing about the next)."""
+    layer = store.index.moe_layers[0]
+    m = TierManager(store, TierBudgets(gpu_slots=3, pinned_slots=16), gpu_device=torch.device("cpu"), io_threads=2,
+                    policy=policy)
+    try:
+        m.release(m.acquire([(layer, e) for e in range(8)], "cpu"))
+        assert m.worth_caching(layer, [0, 1, 2, 3]) == [0, 1, 2]  # three free slots
+        m.release_staged(m.stage_gpu(layer, [0, 1, 2]))
+        m.note_gpu_misses(layer, [5] * 12 + [6])  # 5 is popular, 6 was used once (like 0-2)
+        m.note_hits(layer, [0, 1, 2])
+        want = [5] if policy == "lfu" else []
+        assert m.worth_caching(layer, [5, 6]) == want
+        if policy == "lfu":
+            scores = m.gpu_scores(layer, [5, 6])
+            assert scores[5] > 5 * scores[6] > 0
+    finally:
+        m.close()
+
+
 def test_stage_gpu_waits_for_slots_a_step_holds(store):
     """A batch larger than the free slots evicts only what no step holds (never a slot in use)."""
     layer = store.index.moe_layers[0]

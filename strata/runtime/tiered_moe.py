@@ -131,6 +131,7 @@ class TieredExperts(nn.Module):
         on_cpu: set[int] = set(cold) if c.slots is None else set()
         if c.use_split and c.slots is not None:
             on_cpu = self._cpu_share({e: len(p) for e, p in cold.items()}, serial=not c.cpu_async)
+            c.manager.note_gpu_misses(self.layer, on_cpu)  # the GPU tier's frequency history sees them too
         groups = [(e, torch.from_numpy(cold[e])) for e in sorted(on_cpu)]  # the CPU share: (expert, its pairs)
         share = None
         if groups and c.cpu_async:  # the experiment: the CPU share starts first, on the kernel's own thread
@@ -163,20 +164,31 @@ class TieredExperts(nn.Module):
 
     def _stage_copies(self, x, y, late, to_copy: list[int], cold: dict[int, np.ndarray]) -> None:
         """Issue the copies of `to_copy` and point `late` (the pass after this host step) at their slots."""
-        c = self.compute
-        streamed = c.manager.stream_gpu(self.layer, to_copy) if to_copy and c.use_split else None
-        if to_copy and streamed is None and len(to_copy) > c.manager.max_acquire("gpu"):  # budget < step: in chunks
+        c, m = self.compute, self.compute.manager
+        if not to_copy:
+            return
+        batches = []
+        if c.use_split:  # split mode: the copies the GPU tier should keep are staged through it (so it adapts to
+            # the traffic); the others land in the stream slots, for this step only (no eviction)
+            keep = m.worth_caching(self.layer, to_copy)
+            once = [e for e in to_copy if e not in keep]
+            streamed = m.stream_gpu(self.layer, once) if once else None
+            if streamed is not None:
+                batches.append(streamed)
+                to_copy = keep
+        if len(to_copy) > m.max_acquire("gpu"):  # a budget smaller than the step: in chunks, now
             self._copy_in_chunks(x, y, to_copy, cold)
         elif to_copy:
-            # split mode: copied for this step only (the cost model chose the copy over the CPU, not to keep it);
-            # otherwise (or when the stream slots cannot take them) staged through the cached GPU tier
-            staged = streamed or c.manager.stage_gpu(self.layer, to_copy)  # one batch of copies, one event
-            staged.wait()  # the compute stream waits for the copies; the host does not
-            c.staged.append(staged)  # released once the late pass is enqueued (the next host step or layer)
-            slot_plus_one = np.zeros(late.numel(), dtype=np.int32)
-            for e, slot in zip(staged.experts, staged.slots, strict=True):
+            batches.append(m.stage_gpu(self.layer, to_copy))  # one batch of copies, one event
+        if not batches:
+            return
+        slot_plus_one = np.zeros(late.numel(), dtype=np.int32)
+        for batch in batches:
+            batch.wait()  # the compute stream waits for the copies; the host does not
+            c.staged.append(batch)  # released once the late pass is enqueued (the next host step or layer)
+            for e, slot in zip(batch.experts, batch.slots, strict=True):
                 slot_plus_one[cold[e]] = slot + 1
-            _upload(slot_plus_one, late)
+        _upload(slot_plus_one, late)
 
     def _copy_in_chunks(self, x, y, to_copy: list[int], cold: dict[int, np.ndarray]) -> None:
         """Copied pairs computed here, chunk by chunk, each chunk's slots released before the next is staged."""
@@ -203,7 +215,18 @@ class TieredExperts(nn.Module):
         c.rates.pcie_bytes_per_s = c.manager.observed_rate("pinned->gpu", c.rates.pcie_bytes_per_s)
         nbytes = c.manager.store.payload_bytes
         backlog = c.manager.gpu_transfers_in_flight() * nbytes / c.rates.pcie_bytes_per_s
-        return set(split_cold(tokens, nbytes, c.rates, in_flight_copy_s=backlog, serial=serial).cpu)
+        split = split_cold(tokens, nbytes, c.rates, in_flight_copy_s=backlog, serial=serial)
+        if not split.copy or not split.cpu:
+            return set(split.cpu)
+        # the cost model fixes how many experts of each token count are copied; which ones: the most used
+        # (a copy may stay in the GPU tier, see `worth_caching`), so a popular expert is not left to the CPU
+        score = c.manager.gpu_scores(self.layer, tokens)
+        copied: set[int] = set()
+        for t in {tokens[e] for e in split.copy}:
+            n = sum(1 for e in split.copy if tokens[e] == t)
+            same = sorted((e for e in tokens if tokens[e] == t), key=lambda e: (-score[e], e))
+            copied.update(same[:n])
+        return set(tokens) - copied
 
     def _plan_split(self, groups):
         """Resident experts stay on the GPU; cold ones are split between CPU compute and copies."""

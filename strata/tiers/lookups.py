@@ -31,6 +31,43 @@ class LookupsMixin:
                     tier.policy.touch(key)
                 self.stats_.lookup(layer, tier.name, False, 0.0, expert=key[1])
 
+    def note_gpu_misses(self, layer: int, experts: Iterable[int]) -> None:
+        """Count lookups of `layer` that the GPU tier missed and no copy brought in (computed on the CPU) in
+        its policy's history, so the frequency that decides admission sees every lookup (statistics count
+        them where they were served)."""
+        if self.gpu is None:
+            return
+        with self._lock:
+            for e in experts:
+                self.gpu.policy.touch((layer, int(e)))
+
+    def gpu_scores(self, layer: int, experts: Iterable[int]) -> dict[int, float]:
+        """expert -> the GPU tier policy's use score (decayed frequency; 0 for policies without one)."""
+        score = getattr(self.gpu.policy, "score", None) if self.gpu is not None else None
+        with self._lock:
+            return {int(e): score((layer, int(e))) if score is not None else 0.0 for e in experts}
+
+    def worth_caching(self, layer: int, experts: list[int], margin: float = 2.0) -> list[int]:
+        """Those of `experts` (cold, about to be copied for a step) that the GPU tier should keep: while it
+        has free slots, all; with a frequency policy, those used `margin` times more than what they would
+        evict (so uniform traffic does not churn the tier, and a popular expert still gets in); with a
+        recency policy, none (a copy for one step says nothing about the next)."""
+        tier = self.gpu
+        if tier is None or not experts:
+            return []
+        score = getattr(tier.policy, "score", None)
+        with self._lock:
+            if tier.free:
+                return list(experts)[: len(tier.free)]
+            if score is None:
+                return []
+            victim = tier.policy.victim(lambda k: (k[0] == layer or not self.budgets.per_layer)
+                                        and k in tier.slot_of and not tier.busy(k))
+            if victim is None:
+                return []
+            bar = margin * score(victim)
+            return [e for e in experts if score((layer, int(e))) > bar]
+
     def hold_resident(self, keys: list[tuple[int, int]]) -> list[int] | None:
         """Pin `keys` in their pinned-RAM slots and return the slots, if every one is resident there now;
         else None and nothing changes (the caller takes `acquire`). Counted as pinned-tier hits; undo with
