@@ -274,10 +274,7 @@ class GpuSlots:
                     stream.wait_event(ev)
             start = torch.cuda.Event(enable_timing=True)
             start.record(stream)
-            rows = self._rows()
-            for _, slot, src in items:
-                n = src.numel()
-                (rows[slot] if n == self.slot_bytes else rows[slot][:n]).copy_(src, non_blocking=True)
+            self._copy_rows([(slot, src) for _, slot, src in items])
             for key, slot, _ in items:  # published only after every copy of the batch has landed
                 layer, expert = int(key[0]), int(key[1])
                 self.slot_of_host[layer, expert] = slot
@@ -295,10 +292,8 @@ class GpuSlots:
         """Copy (slot, pinned source) pairs on the copy stream, after `wait_for`, leaving the map alone (the
         slots hold one step's copies, addressed by the step itself). Returns timing (start, done) events
         (both None on CPU, where the copies are done)."""
-        rows = self._rows()
         if not self.is_cuda:
-            for slot, src in items:
-                rows[slot][: src.numel()].copy_(src)
+            self._copy_rows(items)
             return None, None
         stream = self.copy_stream
         with torch.cuda.stream(stream):
@@ -306,12 +301,17 @@ class GpuSlots:
                 stream.wait_event(wait_for)
             start = torch.cuda.Event(enable_timing=True)
             start.record(stream)
-            for slot, src in items:
-                n = src.numel()
-                (rows[slot] if n == self.slot_bytes else rows[slot][:n]).copy_(src, non_blocking=True)
+            self._copy_rows(items)
             done = torch.cuda.Event(enable_timing=True)
             done.record(stream)
         return start, done
+
+    def _copy_rows(self, items: Sequence[tuple[int, torch.Tensor]]) -> None:
+        """Copy each (slot, source) into its slot on the current stream (asynchronous on CUDA)."""
+        rows = self._rows()
+        for slot, src in items:
+            n = src.numel()
+            (rows[slot] if n == self.slot_bytes else rows[slot][:n]).copy_(src, non_blocking=self.is_cuda)
 
     def _rows(self) -> tuple[torch.Tensor, ...]:
         """The slab's slots as uint8 [slot_bytes] views, made once (indexing the slab costs microseconds a copy)."""
