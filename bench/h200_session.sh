@@ -9,10 +9,10 @@ case "$1" in
   tests)
     timeout 240 python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -5 "$OUT/gpu_tests.txt"
     timeout 60 python3 -m pytest -q tests/test_engram_verify.py 2>&1 | tail -2 ;;  # its pinned path pins on CUDA
-  hotpath)  # $2 = route skew ("uniform" or a Zipf exponent)
+  hotpath)  # $2 = route skew ("uniform" or a Zipf exponent), $3 = cases (default below)
     python3 -m strata demo-model /dev/shm/b12 --size bench --layers 12 --no-engram --route-skew "$2" > /dev/null 2>&1
     timeout 300 python3 bench/hotpath.py --model /dev/shm/b12 --cache /dev/shm/sc --out "$OUT/hotpath-$2" --tokens 64 \
-      --prefill 8192 --cases ceiling,split,split_nostream,split_async,copy,cpu 2>&1 | grep '^{"' | cut -c1-400 ;;
+      --prefill 8192 --cases "${3:-ceiling,split,split_nostream,split_async,copy,cpu}" 2>&1 | grep '^{"' | cut -c1-400 ;;
   ramshared)  # do PCIe copies and the CPU kernel share host RAM bandwidth? $2 = cards copying (default 0)
     for t in 16 8; do timeout 120 python3 bench/ram_shared.py --gpus "${2:-0}" --threads $t --out "$OUT/ram_shared_t$t"; done ;;
   multigpu)  # on nvidia-h200-x2: the two-card tests (graphs per card among them), then the bench
@@ -30,8 +30,8 @@ case "$1" in
   ceiling48)
     rm -rf /dev/shm/b12 /dev/shm/sc
     python3 -m strata demo-model /dev/shm/b48 --size bench --no-engram > /dev/null 2>&1
-    timeout 200 python3 bench/hotpath.py --model /dev/shm/b48 --out "$OUT/hotpath-48" --tokens 64 --prefill 2048 \
-      --cases ceiling,ceiling_eager 2>&1 | grep '^{"' ;;
+    timeout 300 python3 bench/hotpath.py --model /dev/shm/b48 --out "$OUT/hotpath-48" --tokens 64 --prefill 2048 \
+      --cases "${2:-ceiling,ceiling_eager}" 2>&1 | grep '^{"' | cut -c1-400 ;;
   suite)  # the benchmark suite's quick run (issue 7): one 10-minute call
     timeout 580 python3 -m bench run --suite quick --out "$OUT/suite" 2>&1 | tail -15 ;;
   profile)  # where a tiered decode step's time goes (issue 4): 12 layers, uniform routing, 25% GPU budget

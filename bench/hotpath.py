@@ -5,6 +5,8 @@
 Cases, all in this one run on the same weights (the store is built once, on first use):
   ceiling        every expert in VRAM (runtime.experts = "memory"), decode steps replayed as CUDA graphs
   ceiling_eager  the same without graphs (what the graphs are worth)
+  ceiling_unfused, split_unfused   the same with the fused decode kernels off (torch's op chains; what
+                 strata.kernels.fused and decode_attention are worth)
   split          GPU budget = fraction of the expert bytes, the rest in pinned RAM; cold experts split
                  between the CPU kernel and PCIe copies by the cost model (cpu_numerics = "fork")
   split_nostream split with its decode copies staged through the cached GPU tier (STRATA_STREAM_SLOTS=0)
@@ -141,6 +143,7 @@ def main() -> None:
     ap.add_argument("--cache", default="/dev/shm/strata-cache")
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke run)")
     args = ap.parse_args()
+    from strata.kernels import fused
     from strata.runtime.inspect import summarize_checkpoint
 
     s = summarize_checkpoint(args.model)
@@ -152,6 +155,8 @@ def main() -> None:
     all_cases = {
         "ceiling": {"runtime": {**rt, "experts": "memory"}},
         "ceiling_eager": {"runtime": {**rt, "experts": "memory", "cuda_graphs": False}},
+        "ceiling_unfused": {"runtime": {**rt, "experts": "memory"}},
+        "split_unfused": tiered,
         "split": tiered,
         "split_nostream": tiered,  # STRATA_STREAM_SLOTS=0: split-mode copies staged through the cached GPU tier
         "split_serial": tiered,  # STRATA_CPU_ASYNC=0: the copies are staged, then the CPU share runs on this thread
@@ -167,6 +172,7 @@ def main() -> None:
         os.environ.pop("STRATA_CPU_ASYNC", None) if mode is None else os.environ.update(STRATA_CPU_ASYNC=mode)
         os.environ.pop("STRATA_CPU_THREADS", None) if name != "split_async14" else os.environ.update(STRATA_CPU_THREADS="14")
         os.environ.pop("STRATA_STREAM_SLOTS", None) if name != "split_nostream" else os.environ.update(STRATA_STREAM_SLOTS="0")
+        fused.ENABLED = not name.endswith("_unfused")
         try:
             result["cases"].append(run_case(args.model, name, all_cases[name], args.tokens, args.prefill, args.device))
         except Exception as e:  # noqa: BLE001 - record and go on to the next case
@@ -175,6 +181,7 @@ def main() -> None:
     os.environ.pop("STRATA_CPU_ASYNC", None)
     os.environ.pop("STRATA_CPU_THREADS", None)
     os.environ.pop("STRATA_STREAM_SLOTS", None)
+    fused.ENABLED = True
     add_rooflines(result["cases"])
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "hotpath.json").write_text(json.dumps(result, indent=2))

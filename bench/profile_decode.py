@@ -70,6 +70,7 @@ def main() -> None:
     ap.add_argument("--model", required=True)
     ap.add_argument("--config", default='{"runtime": {"experts": "memory", "max_context": 1024}}')
     ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--prompt", type=int, default=128, help="prompt tokens (a short one keeps prefill out of the kernel table)")
     ap.add_argument("--out", default=".")
     ap.add_argument("--host", action="store_true",
                     help="also profile the host: Python functions by cumulative time (cProfile) over the same "
@@ -89,7 +90,7 @@ def main() -> None:
     print("copy probe:", copy_probe(), flush=True)
     engine = Engine.from_pretrained(args.model, config=json.loads(args.config), device="cuda")
     vocab = engine.checkpoint.config.vocab_size
-    prompt = [(100 + i * 37) % vocab for i in range(128)]
+    prompt = [(100 + i * 37) % vocab for i in range(args.prompt)]
     engine.generate(prompt, max_tokens=8, temperature=1.0, seed=1)
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:

@@ -41,7 +41,7 @@ def test_pair_kernels_equal_grouped_experts():
     y = torch.zeros(15, 32)
     used = pair_experts(x, SlotWeights(gu, dn), torch.arange(6, dtype=torch.int32), ids.reshape(-1), y)
     assert torch.equal(used, ids.reshape(-1).int())
-    torch.testing.assert_close(combine_pairs(y, w), moe_forward(x, gu, dn, ids, w), rtol=1e-4, atol=1e-4)  # fp32 sums
+    torch.testing.assert_close(combine_pairs(y, w, torch.float32), moe_forward(x, gu, dn, ids, w), rtol=1e-4, atol=1e-4)  # fp32 sums
 
 
 def test_pair_kernels_read_a_slab_and_skip_what_is_not_resident():

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from strata.kernels import fused
+
 try:  # Triton ships with CUDA builds of torch; CPU-only installs do without it
     import triton
     import triton.language as tl
@@ -77,23 +79,29 @@ def pair_experts(x: torch.Tensor, weights: SlotWeights, slot_of: torch.Tensor, i
     """
     p = ids.numel()
     k = y.shape[0] // x.shape[0]
-    rows = torch.arange(p, device=x.device, dtype=torch.int32) if rows is None else rows.to(torch.int32)
     used = torch.empty(p, dtype=torch.int32, device=x.device) if used is None else used
     if p == 0:
         return used
-    if x.is_cuda and triton is not None:
-        _pair_triton(x, weights, slot_of, ids.to(torch.int32), rows, k, y, used)
+    if x.is_cuda and triton is not None:  # ids of any integer dtype; no rows: row p (no arange launched)
+        _pair_triton(x, weights, slot_of, ids, rows, k, y, used)
     else:
+        rows = torch.arange(p, device=x.device, dtype=torch.int32) if rows is None else rows.to(torch.int32)
         _pair_torch(x, weights, slot_of, ids, rows, k, y, used)
     return used
 
 
-def combine_pairs(y: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Weighted sum of each token's k expert outputs: y [N*k, H] fp32, weights [N, k] -> [N, H] fp32.
+def combine_pairs(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
+                  extra: torch.Tensor | None = None) -> torch.Tensor:
+    """Weighted sum of each token's k expert outputs, plus `extra` (the CPU's partial sum), cast to `dtype`:
+    y [N*k, H] fp32, weights [N, k], extra [N, H] fp32 -> [N, H]. One fused kernel on CUDA.
 
     Always the same order whatever computed each row, so tiers never change the result."""
+    fused_out = fused.combine(y, weights, dtype, extra)
+    if fused_out is not None:
+        return fused_out
     n, k = weights.shape
-    return (y.view(n, k, -1) * weights.float()[..., None]).sum(dim=1)
+    out = (y.view(n, k, -1) * weights.float()[..., None]).sum(dim=1)
+    return (out if extra is None else out + extra).to(dtype)
 
 
 def _pair_torch(x, weights: SlotWeights, slot_of, ids, rows, k, y, used) -> None:
@@ -117,7 +125,7 @@ if triton is not None:
     @triton.jit
     def _gate_up_kernel(x_ptr, gu_ptr, slot_of_ptr, ids_ptr, rows_ptr, used_ptr, h_ptr,
                         H, INTER, K, stride_x, stride_gs, stride_gr, stride_h,
-                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr):
+                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, HAS_ROWS: tl.constexpr):
         p = tl.program_id(0)
         ib = tl.program_id(1)
         expert = tl.load(ids_ptr + p)
@@ -125,7 +133,10 @@ if triton is not None:
         if ib == 0:
             tl.store(used_ptr + p, slot.to(tl.int32))
         if slot >= 0:
-            tok = (tl.load(rows_ptr + p) // K).to(tl.int64)
+            if HAS_ROWS:
+                tok = tl.load(rows_ptr + p).to(tl.int64) // K
+            else:
+                tok = p.to(tl.int64) // K
             offs_i = ib * BLOCK_I + tl.arange(0, BLOCK_I)
             mask_i = offs_i < INTER
             acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
@@ -145,12 +156,15 @@ if triton is not None:
 
     @triton.jit
     def _down_kernel(h_ptr, d_ptr, used_ptr, rows_ptr, y_ptr, H, INTER, stride_h, stride_ds, stride_dr, stride_y,
-                     BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr):
+                     BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, HAS_ROWS: tl.constexpr):
         p = tl.program_id(0)
         ob = tl.program_id(1)
         slot = tl.load(used_ptr + p).to(tl.int64)
         if slot >= 0:
-            row = tl.load(rows_ptr + p).to(tl.int64)
+            if HAS_ROWS:
+                row = tl.load(rows_ptr + p).to(tl.int64)
+            else:
+                row = p.to(tl.int64)
             offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
             mask_o = offs_o < H
             acc = tl.zeros([BLOCK_O], dtype=tl.float32)
@@ -173,9 +187,11 @@ def _pair_triton(x, weights: SlotWeights, slot_of, ids, rows, k, y, used) -> Non
     x = x.contiguous()
     h = torch.empty((p, inter), dtype=torch.float32, device=x.device)  # SiLU(gate) * up per pair
     block_i, block_h, block_o, block_k = BLOCKS["small" if p <= SMALL_PAIRS else "large"]
+    has_rows = rows is not None
+    rows = rows if has_rows else ids  # an unread pointer when HAS_ROWS is off
     _gate_up_kernel[(p, triton.cdiv(inter, block_i))](
         x, gu, slot_of, ids, rows, used, h, hidden, inter, k, x.stride(0), gu.stride(0), gu.stride(1), h.stride(0),
-        BLOCK_I=block_i, BLOCK_H=block_h, num_warps=4)
+        BLOCK_I=block_i, BLOCK_H=block_h, HAS_ROWS=has_rows, num_warps=4)
     _down_kernel[(p, triton.cdiv(hidden, block_o))](
         h, dn, used, rows, y, hidden, inter, h.stride(0), dn.stride(0), dn.stride(1), y.stride(0),
-        BLOCK_O=block_o, BLOCK_I=block_k, num_warps=4)
+        BLOCK_O=block_o, BLOCK_I=block_k, HAS_ROWS=has_rows, num_warps=4)

@@ -12,9 +12,14 @@ from __future__ import annotations
 
 import torch
 
+from strata.kernels import fused
+
 
 def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [N, E] -> (weights [N, k] fp32, ids [N, k])."""
+    """logits [N, E] -> (weights [N, k] fp32, ids [N, k]). One fused kernel on CUDA."""
+    fused_out = fused.softmax_topk(logits, k, normalize)
+    if fused_out is not None:
+        return fused_out
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, k, dim=-1)
     if normalize:

@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
+from strata.kernels import fused
+from strata.kernels.decode_attention import decode_attention, decode_attention_ok
 from strata.runtime.kv_cache import DecodeBatch, StepBatch
 from strata.runtime.layers import RMSNorm
 from strata.runtime.model_config import ModelConfig
@@ -87,21 +89,30 @@ class GQAAttention(nn.Module):
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
 
+    @staticmethod
+    def _norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
+        """Optional per-head RMSNorm, then rotary: x [N, heads, d]. One kernel on CUDA instead of ~10-15."""
+        weight = norm.weight if norm is not None else None
+        if fused.norm_rope_ok(x, cos, weight):
+            return fused.norm_rope(x, cos, sin, weight, norm.eps if norm is not None else 0.0)
+        return apply_rope(norm(x) if norm is not None else x, cos, sin)
+
     def forward(self, x, cos, sin, batch: StepBatch, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         n = x.shape[0]
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self._norm_rope(q, cos, sin, self.q_norm), self._norm_rope(k, cos, sin, self.k_norm)
         k_cache, v_cache = cache
         if isinstance(batch, DecodeBatch):
             k_cache[batch.slots_t, batch.pos_t] = k
             v_cache[batch.slots_t, batch.pos_t] = v
             length = batch.kv_len
-            o = attend_decode(q, k_cache[batch.slots_t, :length], v_cache[batch.slots_t, :length], batch.pos_t,
-                              self.window, self.scale)
+            if decode_attention_ok(q, k_cache):  # reads the cache in place: no window gather, no mask
+                o = decode_attention(q, k_cache, v_cache, batch.slots_t, batch.pos_t, length, self.window, self.scale)
+            else:
+                o = attend_decode(q, k_cache[batch.slots_t, :length], v_cache[batch.slots_t, :length], batch.pos_t,
+                                  self.window, self.scale)
             return self.o_proj(o.reshape(n, -1))
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
         for slot, start, off, length in batch.sequences():

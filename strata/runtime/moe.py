@@ -49,13 +49,18 @@ class Experts(nn.Module):
         e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
+        self._slot_of: torch.Tensor | None = None  # [E] int32 expert -> slot (the identity), made once
+
+    def _identity(self, device: torch.device) -> torch.Tensor:
+        if self._slot_of is None or self._slot_of.device != device:
+            self._slot_of = torch.arange(self.gate_up_proj.shape[0], dtype=torch.int32, device=device)
+        return self._slot_of
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if use_pair_kernels(x, ids.numel()):  # decode: one launch per projection, no host sync
             y = torch.empty((ids.numel(), x.shape[1]), dtype=torch.float32, device=x.device)
-            identity = torch.arange(self.gate_up_proj.shape[0], dtype=torch.int32, device=x.device)  # expert = slot
-            pair_experts(x, SlotWeights(self.gate_up_proj, self.down_proj), identity, ids.reshape(-1), y)
-            return combine_pairs(y, weights).to(x.dtype)
+            pair_experts(x, SlotWeights(self.gate_up_proj, self.down_proj), self._identity(x.device), ids.reshape(-1), y)
+            return combine_pairs(y, weights, x.dtype)
         return moe_forward(x, self.gate_up_proj, self.down_proj, ids, weights)
 
 

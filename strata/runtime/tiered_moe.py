@@ -80,7 +80,7 @@ class TieredExperts(nn.Module):
             used = pair_experts(x, c.slots, c.slot_of[self.layer], flat, y)  # resident pairs, no host sync
             if c.all_resident():
                 c.count_lookups(self.layer, flat)
-                return combine_pairs(y, weights).to(x.dtype)
+                return combine_pairs(y, weights, x.dtype)
         else:  # no GPU tier: every pair is computed on the CPU
             used = torch.full_like(flat, -1, dtype=torch.int32)
         both = torch.stack((flat.to(torch.int32), used))  # [2, P] expert and slot used per pair
@@ -94,7 +94,7 @@ class TieredExperts(nn.Module):
             recorder.host_step(cold)
         if c.slots is not None:  # the pairs whose experts the host step copied in (part of the graph)
             pair_experts(x, c.slots, c.late_slot, late, y)
-        return (combine_pairs(y, weights) + cpu_out).to(x.dtype)
+        return combine_pairs(y, weights, x.dtype, extra=cpu_out)
 
     def _cold_stage(self, x, weights, y, both, cpu_out, late) -> None:
         """Host work of a decode layer: learn which pairs were cold, serve them, count the lookups."""

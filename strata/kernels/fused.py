@@ -1,0 +1,184 @@
+"""Fused GPU kernels for a decode step's small ops: one launch where torch needs four to ten.
+
+A decode step of the bench model (Qwen3-30B-A3B's shape) is made of tiny ops: one token's RMSNorm is
+four kernels in torch (`float`, `rms_norm`, `to`, `mul`), q/k norm plus rotary embedding about twenty,
+the router's softmax and top-k six, the weighted sum of the experts' outputs three. Each costs 2-5 us on
+an H200 even inside a CUDA graph, so a layer spent ~220 us where its weights take ~30 us to read. Each
+function here does one of those chains in one Triton kernel and reproduces torch's rounding steps (every
+intermediate rounded to the model dtype where torch rounds it); only reductions (the RMS, the softmax
+sum) add in another order, so results agree with the torch chain to the last bf16 bit in almost every
+element and never by more than one rounding step.
+
+Every function falls back to the torch chain off CUDA, without Triton, or with `STRATA_FUSED_KERNELS=0`
+(`ENABLED`), so CPU runs and the reference path are unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs do without it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on CPU-only hosts
+    triton = None
+
+ENABLED = os.environ.get("STRATA_FUSED_KERNELS", "1") != "0"  # the A/B switch of bench/hotpath.py's ceiling cases
+_INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (kernel tests without a GPU)
+
+
+def fused_ok(x: torch.Tensor) -> bool:
+    """Whether `x`'s ops run as fused Triton kernels: on CUDA (or under Triton's interpreter) with fusion on."""
+    return ENABLED and triton is not None and (x.is_cuda or _INTERPRET)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`weight * rms_norm(x.float()).to(x.dtype)` (transformers' RMSNorm) over the last dim, in one kernel.
+
+    x [..., D], weight [D] -> [..., D] in x's dtype (weight's dtype must match, else the torch chain runs)."""
+    d = x.shape[-1]
+    if not fused_ok(x) or weight.dtype != x.dtype or d > 16384:
+        return weight * F.rms_norm(x.float(), (d,), eps=eps).to(x.dtype)
+    rows = x.reshape(-1, d)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty((rows.shape[0], d), dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        block = triton.next_power_of_2(d)
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, d, rows.stride(0), eps, BLOCK=block,
+                                           num_warps=8 if block >= 4096 else 4)
+    return out.view(x.shape)
+
+
+def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: torch.Tensor | None,
+              eps: float) -> torch.Tensor:
+    """Per-head RMSNorm (Qwen3's q/k norm; none when `weight` is None) then half-split rotary embedding.
+
+    x [N, heads, d] (last dim contiguous), cos/sin [N, d] in x's dtype -> [N, heads, d]. Equals
+    `apply_rope(norm(x), cos, sin)`; call `norm_rope_ok` first (power-of-two d, CUDA)."""
+    n, heads, d = x.shape
+    out = torch.empty((n, heads, d), dtype=x.dtype, device=x.device)
+    if n * heads:
+        w = weight if weight is not None else x  # unused pointer when NORM is off
+        _norm_rope_kernel[(n * heads,)](x, cos, sin, w, out, heads, x.stride(0), x.stride(1), cos.stride(0),
+                                        sin.stride(0), eps, D=d, NORM=weight is not None, num_warps=1 if d <= 128 else 2)
+    return out
+
+
+def norm_rope_ok(x: torch.Tensor, cos: torch.Tensor, weight: torch.Tensor | None) -> bool:
+    """Whether `norm_rope` can take x [N, heads, d] (else run the norm and `apply_rope` in torch)."""
+    d = x.shape[-1]
+    return (fused_ok(x) and d >= 16 and d & (d - 1) == 0 and x.stride(-1) == 1 and cos.shape[-1] == d
+            and cos.dtype == x.dtype and (weight is None or weight.dtype == x.dtype))
+
+
+def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Softmax over experts in fp32, top-k, optional renormalise: logits [N, E] -> (weights [N, k] fp32,
+    ids [N, k] int64), in one kernel; None when it cannot run fused (the caller runs torch's ops)."""
+    n, e = logits.shape
+    if not fused_ok(logits) or e > 4096 or k > 64 or k > e or logits.stride(-1) != 1:
+        return None
+    weights = torch.empty((n, k), dtype=torch.float32, device=logits.device)
+    ids = torch.empty((n, k), dtype=torch.int64, device=logits.device)
+    if n:
+        _softmax_topk_kernel[(n,)](logits, weights, ids, e, logits.stride(0), K=k, KB=triton.next_power_of_2(k),
+                                   BLOCK=triton.next_power_of_2(e), NORMALIZE=normalize, num_warps=4)
+    return weights, ids
+
+
+def combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype, extra: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Each token's weighted sum of its k expert rows (plus `extra`), cast: y [N*k, H] fp32, weights [N, k]
+    -> [N, H] `dtype`; None when it cannot run fused (the caller runs torch's ops)."""
+    n, k = weights.shape
+    hidden = y.shape[1]
+    if not fused_ok(y) or y.dtype != torch.float32 or y.stride(-1) != 1 or y.shape[0] != n * k:
+        return None
+    if extra is not None and (extra.dtype != torch.float32 or not extra.is_contiguous()):
+        return None
+    w = weights.float().contiguous()
+    out = torch.empty((n, hidden), dtype=dtype, device=y.device)
+    if n:
+        block = 1024
+        _combine_kernel[(n, triton.cdiv(hidden, block))](y, w, extra if extra is not None else y, out, hidden,
+                                                         y.stride(0), K=k, BLOCK=block, EXTRA=extra is not None,
+                                                         num_warps=4)
+    return out
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < D
+        x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+        r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+        y = (x * r).to(out_ptr.dtype.element_ty).to(tl.float32)  # rms_norm(x.float()).to(dtype)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * D + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _norm_rope_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, out_ptr, HEADS, stride_xn, stride_xh, stride_c, stride_s,
+                          eps, D: tl.constexpr, NORM: tl.constexpr):
+        pid = tl.program_id(0)
+        n = (pid // HEADS).to(tl.int64)
+        h = pid % HEADS
+        half: tl.constexpr = D // 2
+        offs = tl.arange(0, D)
+        rot = tl.where(offs < half, offs + half, offs - half)  # rotate_half's source element
+        base = x_ptr + n * stride_xn + h * stride_xh
+        x = tl.load(base + offs).to(tl.float32)
+        xr = tl.load(base + rot).to(tl.float32)
+        dt = out_ptr.dtype.element_ty
+        if NORM:  # weight * rms_norm(x.float()).to(dtype), on the element and on its rotation partner
+            r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+            x = (tl.load(w_ptr + offs).to(tl.float32) * (x * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            xr = (tl.load(w_ptr + rot).to(tl.float32) * (xr * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+        xr = tl.where(offs < half, -xr, xr)  # rotate_half: cat(-x2, x1)
+        c = tl.load(cos_ptr + n * stride_c + offs).to(tl.float32)
+        s = tl.load(sin_ptr + n * stride_s + offs).to(tl.float32)
+        a = (x * c).to(dt).to(tl.float32)  # x * cos, rounded as torch rounds it
+        b = (xr * s).to(dt).to(tl.float32)  # rotate_half(x) * sin
+        tl.store(out_ptr + (n * HEADS + h) * D + offs, (a + b).to(dt))
+
+    @triton.jit
+    def _softmax_topk_kernel(l_ptr, w_ptr, id_ptr, E, stride_l, K: tl.constexpr, KB: tl.constexpr,
+                             BLOCK: tl.constexpr, NORMALIZE: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < E
+        x = tl.load(l_ptr + row * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        ex = tl.where(mask, tl.exp(x - tl.max(x, axis=0)), 0.0)
+        p = tl.where(mask, ex / tl.sum(ex, axis=0), -1.0)  # probabilities; padding below any of them
+        slots = tl.arange(0, KB)
+        top_w = tl.zeros([KB], dtype=tl.float32)
+        top_i = tl.zeros([KB], dtype=tl.int64)
+        for j in tl.static_range(K):  # k rounds of argmax (ties: the lowest expert id)
+            best = tl.max(p, axis=0)
+            idx = tl.min(tl.where(p == best, offs, BLOCK), axis=0)
+            top_w = tl.where(slots == j, best, top_w)
+            top_i = tl.where(slots == j, idx.to(tl.int64), top_i)
+            p = tl.where(offs == idx, -2.0, p)
+        if NORMALIZE:
+            top_w = top_w / tl.sum(top_w, axis=0)
+        keep = slots < K
+        tl.store(w_ptr + row * K + slots, top_w, mask=keep)
+        tl.store(id_ptr + row * K + slots, top_i, mask=keep)
+
+    @triton.jit
+    def _combine_kernel(y_ptr, w_ptr, extra_ptr, out_ptr, H, stride_y, K: tl.constexpr, BLOCK: tl.constexpr,
+                        EXTRA: tl.constexpr):
+        n = tl.program_id(0).to(tl.int64)
+        offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < H
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for j in tl.static_range(K):  # experts in routing order, whatever tier computed each row
+            w = tl.load(w_ptr + n * K + j)
+            acc += tl.load(y_ptr + (n * K + j) * stride_y + offs, mask=mask, other=0.0) * w
+        if EXTRA:  # the CPU's weighted partial sum of the cold pairs
+            acc += tl.load(extra_ptr + n * H + offs, mask=mask, other=0.0)
+        tl.store(out_ptr + n * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,122 @@
+"""The fused decode kernels (strata.kernels.fused, strata.kernels.decode_attention) against the torch chains
+they replace. On CUDA in bf16 (marked gpu); locally also on CPU under Triton's interpreter
+(`TRITON_INTERPRET=1`, Triton installed), in fp16, since the interpreter rounds to bf16 by truncation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from strata.kernels import decode_attention as da
+from strata.kernels import fused
+from strata.kernels.grouped import combine_pairs
+from strata.kernels.routing import softmax_topk
+from strata.runtime.attention import attend_decode
+from strata.runtime.rope import apply_rope
+
+if torch.cuda.is_available():
+    DEVICE, DTYPE, MARKS = "cuda", torch.bfloat16, [pytest.mark.gpu]
+elif fused._INTERPRET and fused.triton is not None:
+    DEVICE, DTYPE, MARKS = "cpu", torch.float16, []
+else:  # nothing fused can run here: the gpu mark skips the module
+    DEVICE, DTYPE, MARKS = "cpu", torch.float16, [pytest.mark.gpu]
+pytestmark = MARKS
+
+
+def torch_norm(x, w, eps):
+    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+def close_in_dtype(a: torch.Tensor, b: torch.Tensor) -> None:
+    """Equal up to one rounding step of the dtype; almost every element bit-identical (only sums reorder)."""
+    assert a.shape == b.shape and a.dtype == b.dtype
+    torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-3)
+    assert (a != b).float().mean().item() < 0.05
+
+
+def rope_tables(positions, d):
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    freqs = positions.float()[:, None] * inv[None]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos().to(DTYPE).to(DEVICE), emb.sin().to(DTYPE).to(DEVICE)
+
+
+@pytest.mark.parametrize("rows,d", [(1, 2048), (7, 4096), (3, 7168), (2, 96)])
+def test_rms_norm_equals_the_torch_chain(rows, d):
+    g = torch.Generator().manual_seed(d)
+    x = (torch.randn(rows, d, generator=g) * 3).to(DTYPE).to(DEVICE)
+    w = (torch.randn(d, generator=g) * 0.2 + 1).to(DTYPE).to(DEVICE)
+    close_in_dtype(fused.rms_norm(x, w, 1e-6), torch_norm(x, w, 1e-6))
+    assert fused.rms_norm(x[:, None, :], w, 1e-6).shape == (rows, 1, d)  # any leading dims
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("heads,d", [(32, 128), (4, 64)])
+def test_norm_rope_equals_norm_then_rotary(norm, heads, d):
+    g = torch.Generator().manual_seed(heads + d)
+    x = torch.randn(5, heads, d, generator=g).to(DTYPE).to(DEVICE)
+    w = (torch.randn(d, generator=g) * 0.2 + 1).to(DTYPE).to(DEVICE) if norm else None
+    cos, sin = rope_tables(torch.tensor([0, 1, 17, 500, 4095]), d)
+    assert fused.norm_rope_ok(x, cos, w)
+    ref = apply_rope(torch_norm(x, w, 1e-6) if norm else x, cos, sin)
+    close_in_dtype(fused.norm_rope(x, cos, sin, w, 1e-6), ref)
+
+
+@pytest.mark.parametrize("experts,k,normalize", [(128, 8, True), (64, 6, False), (8, 2, True)])
+def test_softmax_topk_picks_the_same_experts(experts, k, normalize):
+    g = torch.Generator().manual_seed(experts)
+    logits = torch.randn(9, experts, generator=g).to(DTYPE).to(DEVICE)
+    weights, ids = softmax_topk(logits, k, normalize)  # the fused kernel here
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    ref_w, ref_ids = torch.topk(probs, k, dim=-1)
+    if normalize:
+        ref_w = ref_w / ref_w.sum(dim=-1, keepdim=True)
+    assert ids.dtype == torch.int64 and torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("extra", [False, True])
+def test_combine_equals_weighted_sum(extra):
+    g = torch.Generator().manual_seed(3)
+    n, k, h = 3, 8, 2048
+    y = torch.randn(n * k, h, generator=g).to(DEVICE)
+    w = torch.rand(n, k, generator=g).to(DEVICE)
+    cpu_part = torch.randn(n, h, generator=g).to(DEVICE) if extra else None
+    ref = (y.view(n, k, h) * w[..., None]).sum(dim=1)
+    ref = (ref + cpu_part if extra else ref).to(DTYPE)
+    out = combine_pairs(y, w, DTYPE, extra=cpu_part)
+    close_in_dtype(out, ref)
+
+
+@pytest.mark.parametrize("batch,heads,kv_heads,d,length,window", [
+    (1, 32, 4, 128, 256, None),  # Qwen3-30B-A3B, one stream
+    (3, 8, 8, 64, 2048, None),  # plain multi-head, several splits
+    (2, 16, 2, 128, 1024, 100),  # a sliding window (Mixtral-style)
+])
+def test_decode_attention_equals_sdpa_over_the_gathered_window(batch, heads, kv_heads, d, length, window):
+    g = torch.Generator().manual_seed(length)
+    slots_total = 5
+    kc = torch.randn(slots_total, length, kv_heads, d, generator=g).to(DTYPE).to(DEVICE)
+    vc = torch.randn(slots_total, length, kv_heads, d, generator=g).to(DTYPE).to(DEVICE)
+    q = torch.randn(batch, heads, d, generator=g).to(DTYPE).to(DEVICE)
+    slots = torch.tensor([4, 0, 2][:batch], device=DEVICE)
+    pos = torch.tensor([length - 1, 0, 700][:batch], device=DEVICE).clamp(max=length - 1)
+    assert da.decode_attention_ok(q, kc)
+    out = da.decode_attention(q, kc, vc, slots, pos, length, window, d ** -0.5)
+    ref = attend_decode(q.float(), kc[slots].float(), vc[slots].float(), pos, window, d ** -0.5)
+    torch.testing.assert_close(out.float(), ref, rtol=2e-2, atol=2e-2)
+    # the second sequence sits at position 0: its output is exactly its one value row
+    if batch > 1:
+        group = heads // kv_heads
+        expect = vc[0, 0].repeat_interleave(group, dim=0)
+        torch.testing.assert_close(out[1].float(), expect.float(), rtol=1e-2, atol=1e-2)
+
+
+def test_fusion_off_runs_the_torch_chain(monkeypatch):
+    x = torch.randn(2, 64).to(DTYPE).to(DEVICE)
+    monkeypatch.setattr(fused, "ENABLED", False)
+    assert not fused.fused_ok(x)
+    assert fused.softmax_topk(x, 2, True) is None
+    assert torch.equal(fused.rms_norm(x, torch.ones(64, dtype=DTYPE, device=DEVICE), 1e-6),
+                       torch_norm(x, torch.ones(64, dtype=DTYPE, device=DEVICE), 1e-6))
