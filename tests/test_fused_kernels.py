@@ -28,10 +28,10 @@ def torch_norm(x, w, eps):
     return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
 
 
-def close_in_dtype(a: torch.Tensor, b: torch.Tensor) -> None:
+def close_in_dtype(a: torch.Tensor, b: torch.Tensor, atol: float = 1e-3) -> None:
     """Equal up to one rounding step of the dtype; almost every element bit-identical (only sums reorder)."""
     assert a.shape == b.shape and a.dtype == b.dtype
-    torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=1e-3)
+    torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -7, atol=atol)
     assert (a != b).float().mean().item() < 0.05
 
 
@@ -60,7 +60,11 @@ def test_norm_rope_equals_norm_then_rotary(norm, heads, d):
     cos, sin = rope_tables(torch.tensor([0, 1, 17, 500, 4095]), d)
     assert fused.norm_rope_ok(x, cos, w)
     ref = apply_rope(torch_norm(x, w, 1e-6) if norm else x, cos, sin)
-    close_in_dtype(fused.norm_rope(x, cos, sin, w, 1e-6), ref)
+    out = fused.norm_rope(x, cos, sin, w, 1e-6)
+    if not norm and DEVICE == "cuda":  # no reduction: every op rounded as torch rounds it, so bit-identical
+        assert torch.equal(out, ref)
+    # with the norm, its sum of squares adds in another order: a last-bit flip can meet a cancellation
+    close_in_dtype(out, ref, atol=2e-2)
 
 
 @pytest.mark.parametrize("experts,k,normalize", [(128, 8, True), (64, 6, False), (8, 2, True)])

@@ -49,7 +49,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if rows.shape[0]:
         block = triton.next_power_of_2(d)
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, d, rows.stride(0), eps, BLOCK=block,
-                                           num_warps=8 if block >= 4096 else 4)
+                                           BF16=x.dtype == torch.bfloat16, num_warps=8 if block >= 4096 else 4)
     return out.view(x.shape)
 
 
@@ -64,7 +64,8 @@ def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: tor
     if n * heads:
         w = weight if weight is not None else x  # unused pointer when NORM is off
         _norm_rope_kernel[(n * heads,)](x, cos, sin, w, out, heads, x.stride(0), x.stride(1), cos.stride(0),
-                                        sin.stride(0), eps, D=d, NORM=weight is not None, num_warps=1 if d <= 128 else 2)
+                                        sin.stride(0), eps, D=d, NORM=weight is not None, BF16=x.dtype == torch.bfloat16,
+                                        num_warps=1 if d <= 128 else 2)
     return out
 
 
@@ -111,19 +112,31 @@ def combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype, extra: t
 if triton is not None:
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, eps, BLOCK: tl.constexpr):
+    def _round(x, dt: tl.constexpr, BF16: tl.constexpr):
+        """fp32 x rounded to `dt` and back, as torch rounds each op's result. For bf16 by integer
+        round-to-nearest-even on the bits: the compiler may fold a truncf/extf pair away (and then
+        contract a later add into an FMA), which torch's separately rounded ops never do."""
+        if BF16:
+            bits = x.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+            return bits.to(tl.float32, bitcast=True)
+        else:
+            return x.to(dt).to(tl.float32)
+
+    @triton.jit
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, eps, BLOCK: tl.constexpr, BF16: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < D
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-        y = (x * r).to(out_ptr.dtype.element_ty).to(tl.float32)  # rms_norm(x.float()).to(dtype)
+        y = _round(x * r, out_ptr.dtype.element_ty, BF16)  # rms_norm(x.float()).to(dtype)
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * D + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _norm_rope_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, out_ptr, HEADS, stride_xn, stride_xh, stride_c, stride_s,
-                          eps, D: tl.constexpr, NORM: tl.constexpr):
+                          eps, D: tl.constexpr, NORM: tl.constexpr, BF16: tl.constexpr):
         pid = tl.program_id(0)
         n = (pid // HEADS).to(tl.int64)
         h = pid % HEADS
@@ -136,13 +149,13 @@ if triton is not None:
         dt = out_ptr.dtype.element_ty
         if NORM:  # weight * rms_norm(x.float()).to(dtype), on the element and on its rotation partner
             r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-            x = (tl.load(w_ptr + offs).to(tl.float32) * (x * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
-            xr = (tl.load(w_ptr + rot).to(tl.float32) * (xr * r).to(dt).to(tl.float32)).to(dt).to(tl.float32)
+            x = _round(tl.load(w_ptr + offs).to(tl.float32) * _round(x * r, dt, BF16), dt, BF16)
+            xr = _round(tl.load(w_ptr + rot).to(tl.float32) * _round(xr * r, dt, BF16), dt, BF16)
         xr = tl.where(offs < half, -xr, xr)  # rotate_half: cat(-x2, x1)
         c = tl.load(cos_ptr + n * stride_c + offs).to(tl.float32)
         s = tl.load(sin_ptr + n * stride_s + offs).to(tl.float32)
-        a = (x * c).to(dt).to(tl.float32)  # x * cos, rounded as torch rounds it
-        b = (xr * s).to(dt).to(tl.float32)  # rotate_half(x) * sin
+        a = _round(x * c, dt, BF16)  # x * cos, rounded as torch rounds it
+        b = _round(xr * s, dt, BF16)  # rotate_half(x) * sin
         tl.store(out_ptr + (n * HEADS + h) * D + offs, (a + b).to(dt))
 
     @triton.jit
