@@ -377,6 +377,66 @@ def test_segmented_graphs_with_cold_experts(plain_tiny, numerics):
 
 
 @pytest.mark.gpu
+def test_pair_kernels_read_pinned_slots_in_place():
+    """`pair_experts_in_place` (weights read over PCIe from page-locked host slots, by address) gives what the
+    slot kernels give on the same weights in GPU memory, bit for bit, and leaves the other pairs' rows alone."""
+    from strata.kernels.grouped import HostExperts, pair_experts_in_place
+    from strata.tiers.pinned import PinnedPool
+
+    e, h, i, k = 6, 256, 96, 3
+    gu, dn = _random_experts(e=e, h=h, i=i, dtype=torch.bfloat16)
+    slot_bytes = -(-(gu[0].numel() + dn[0].numel()) * 2 // 4096) * 4096
+    pool = PinnedPool(slot_bytes, e, background=False)
+    try:
+        for j in range(e):  # the store's slot layout: gate_up, then down right after it
+            flat = pool.slot(j).view(torch.bfloat16)
+            flat[: gu[j].numel()].copy_(gu[j].reshape(-1))
+            flat[gu[j].numel() : gu[j].numel() + dn[j].numel()].copy_(dn[j].reshape(-1))
+        x = torch.randn(2, h, device="cuda", dtype=torch.bfloat16)
+        ids, _ = _routes(2, e, k)
+        flat_ids = ids.reshape(-1)
+        addr = torch.tensor([pool.slot_address(int(j)) for j in flat_ids], dtype=torch.int64)
+        addr[4] = 0  # pair 4 is not in this pass
+        y = torch.full((2 * k, h), 5.0, device="cuda")
+        pair_experts_in_place(x, HostExperts(torch.bfloat16, (2 * i, h), (h, i), gu[0].numel() * 2), addr.cuda(), y)
+        ref = torch.zeros(2 * k, h, device="cuda")
+        pair_experts(x, SlotWeights(gu.cuda(), dn.cuda()), torch.arange(e, dtype=torch.int32, device="cuda"),
+                     flat_ids.cuda(), ref)
+        keep = [0, 1, 2, 3, 5]
+        assert torch.equal(y[keep], ref[keep])
+        assert torch.all(y[4] == 5.0)
+    finally:
+        torch.cuda.synchronize()
+        pool.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "copied"])
+def test_split_decode_reads_the_gpu_share_in_place(plain_tiny, in_place):
+    """Split decode with a CPU made to look slow, so the cost model gives cold experts to the GPU: with
+    `read_in_place` the GPU reads them from pinned RAM (the "pinned->gpu in place" path), else copies them;
+    either way the tokens follow the all-in-memory engine's within the forked numerics' tolerance."""
+    memory = Engine.from_pretrained(plain_tiny, device="cuda", config={"runtime": {"experts": "memory"}})
+    slot = 12288
+    cfg = {"tiers": {"gpu": {"budget": str(2 * slot)}, "pinned": {"budget": str(32 * slot)}},
+           "runtime": {"cpu_numerics": "fork", "read_in_place": in_place}}
+    with Engine.from_pretrained(plain_tiny, device="cuda", config=cfg) as tiered:
+        assert (tiered._compute.host_experts is not None) == in_place
+        tiered.wait_settled(60)
+        tiered._compute.rates.cpu_bytes_per_s = 1e6  # the CPU looks slow: the GPU takes the cold experts
+        tiered._compute.rates.observe_cpu = lambda *a: None  # and stays so
+        ids = memory.tokenizer.encode("The river runs through the valley and the town")
+        assert (tiered.score(ids) - memory.score(ids)).abs().mean().item() < 0.02
+        got = tiered.generate(ids, max_tokens=16)
+        want = memory.generate(ids, max_tokens=16)
+        assert tiered.model.graphs.replays > 0 and not tiered.model.graphs.failed
+        assert got.token_ids[:4] == want.token_ids[:4]
+        paths = tiered.stats()["tiers"]["paths"]
+        read = paths.get("pinned->gpu in place", {}).get("objects", 0)
+        assert (read > 0) == in_place, paths
+
+
+@pytest.mark.gpu
 def test_all_resident_tiered_engine_uses_graphs_and_equals_memory(plain_tiny):
     memory = Engine.from_pretrained(plain_tiny, device="cuda", config={"runtime": {"experts": "memory"}})
     with Engine.from_pretrained(plain_tiny, device="cuda", config={"runtime": {"cpu_numerics": "gpu"}}) as tiered:

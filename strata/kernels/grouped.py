@@ -65,6 +65,27 @@ class SlotWeights:
         return SlotWeights(typed[:, : a * b].view(-1, a, b), typed[:, off : off + c * d].view(-1, c, d))
 
 
+@dataclass(frozen=True)
+class HostExperts:
+    """How an expert lies in a page-locked host slot (the store's slot layout): gate_up [2I, H], then down
+    [H, I] at `down_offset` bytes, both `dtype`. `pair_experts_in_place` reads such slots by address."""
+
+    dtype: torch.dtype
+    gate_up_shape: tuple[int, int]
+    down_shape: tuple[int, int]
+    down_offset: int
+
+    def typed(self, device: torch.device) -> torch.Tensor:
+        """A one-element tensor of `dtype` on `device` (the kernels take their pointer type from it)."""
+        key = (str(device), self.dtype)
+        if key not in _TYPED:
+            _TYPED[key] = torch.zeros(1, dtype=self.dtype, device=device)
+        return _TYPED[key]
+
+
+_TYPED: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+
 def use_pair_kernels(x: torch.Tensor, num_pairs: int) -> bool:
     """Whether a step of `num_pairs` pairs takes the pair kernels (GPU, small batches) or per-expert groups."""
     return x.is_cuda and num_pairs <= PAIR_LIMIT
@@ -125,11 +146,15 @@ if triton is not None:
     @triton.jit
     def _gate_up_kernel(x_ptr, gu_ptr, slot_of_ptr, ids_ptr, rows_ptr, used_ptr, h_ptr,
                         H, INTER, K, stride_x, stride_gs, stride_gr, stride_h,
-                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, HAS_ROWS: tl.constexpr):
+                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, HAS_ROWS: tl.constexpr, ADDR: tl.constexpr):
         p = tl.program_id(0)
         ib = tl.program_id(1)
-        expert = tl.load(ids_ptr + p)
-        slot = tl.load(slot_of_ptr + expert).to(tl.int64)
+        if ADDR:  # ids holds each pair's expert address in pinned host memory (0: not in this pass)
+            addr = tl.load(ids_ptr + p)
+            slot = tl.where(addr != 0, 0, -1).to(tl.int64)
+        else:
+            expert = tl.load(ids_ptr + p)
+            slot = tl.load(slot_of_ptr + expert).to(tl.int64)
         if ib == 0:
             tl.store(used_ptr + p, slot.to(tl.int32))
         if slot >= 0:
@@ -141,7 +166,10 @@ if triton is not None:
             mask_i = offs_i < INTER
             acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
-            w = gu_ptr + slot * stride_gs
+            if ADDR:  # read over PCIe, in place (unified addressing maps the page-locked slot)
+                w = addr.to(tl.pointer_type(gu_ptr.dtype.element_ty))
+            else:
+                w = gu_ptr + slot * stride_gs
             for h0 in range(0, H, BLOCK_H):
                 offs_h = h0 + tl.arange(0, BLOCK_H)
                 mask_h = offs_h < H
@@ -155,8 +183,9 @@ if triton is not None:
             tl.store(h_ptr + p * stride_h + offs_i, h, mask=mask_i)
 
     @triton.jit
-    def _down_kernel(h_ptr, d_ptr, used_ptr, rows_ptr, y_ptr, H, INTER, stride_h, stride_ds, stride_dr, stride_y,
-                     BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, HAS_ROWS: tl.constexpr):
+    def _down_kernel(h_ptr, d_ptr, used_ptr, rows_ptr, y_ptr, addr_ptr, down_off, H, INTER, stride_h, stride_ds,
+                     stride_dr, stride_y, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, HAS_ROWS: tl.constexpr,
+                     ADDR: tl.constexpr):
         p = tl.program_id(0)
         ob = tl.program_id(1)
         slot = tl.load(used_ptr + p).to(tl.int64)
@@ -168,7 +197,10 @@ if triton is not None:
             offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
             mask_o = offs_o < H
             acc = tl.zeros([BLOCK_O], dtype=tl.float32)
-            w = d_ptr + slot * stride_ds
+            if ADDR:  # the slot holds gate_up, then down at `down_off` bytes
+                w = (tl.load(addr_ptr + p) + down_off).to(tl.pointer_type(d_ptr.dtype.element_ty))
+            else:
+                w = d_ptr + slot * stride_ds
             for i0 in range(0, INTER, BLOCK_I):
                 offs_i = i0 + tl.arange(0, BLOCK_I)
                 mask_i = offs_i < INTER
@@ -191,7 +223,39 @@ def _pair_triton(x, weights: SlotWeights, slot_of, ids, rows, k, y, used) -> Non
     rows = rows if has_rows else ids  # an unread pointer when HAS_ROWS is off
     _gate_up_kernel[(p, triton.cdiv(inter, block_i))](
         x, gu, slot_of, ids, rows, used, h, hidden, inter, k, x.stride(0), gu.stride(0), gu.stride(1), h.stride(0),
-        BLOCK_I=block_i, BLOCK_H=block_h, HAS_ROWS=has_rows, num_warps=4)
+        BLOCK_I=block_i, BLOCK_H=block_h, HAS_ROWS=has_rows, ADDR=False, num_warps=4)
     _down_kernel[(p, triton.cdiv(hidden, block_o))](
-        h, dn, used, rows, y, hidden, inter, h.stride(0), dn.stride(0), dn.stride(1), y.stride(0),
-        BLOCK_O=block_o, BLOCK_I=block_k, HAS_ROWS=has_rows, num_warps=4)
+        h, dn, used, rows, y, ids, 0, hidden, inter, h.stride(0), dn.stride(0), dn.stride(1), y.stride(0),
+        BLOCK_O=block_o, BLOCK_I=block_k, HAS_ROWS=has_rows, ADDR=False, num_warps=4)
+
+
+def in_place_ok() -> bool:
+    """Whether `pair_experts_in_place` can run here (a CUDA GPU and Triton)."""
+    return triton is not None and torch.cuda.is_available()
+
+
+def pair_experts_in_place(x: torch.Tensor, experts: HostExperts, addresses: torch.Tensor, y: torch.Tensor) -> None:
+    """Pairs p with `addresses[p]` != 0 ([P] int64: the host address of its expert's page-locked slot) run
+    on token p // k, their weights read in place from host RAM over PCIe (zero-copy: no staging copy, no
+    GPU slot); y [P, H] fp32 receives their rows, the others are left as they are. CUDA with Triton only.
+
+    For one decode token the GPU reads each weight once either way, so reading it where it lies costs the
+    link's rate (~50 GB/s on the H200 box, bench/zero_copy.py) and none of a copy's host bookkeeping."""
+    if triton is None or not (x.is_cuda or fused._INTERPRET):
+        raise RuntimeError("reading experts in place needs a CUDA GPU with Triton")
+    p = addresses.numel()
+    if p == 0:
+        return
+    k = y.shape[0] // x.shape[0]
+    (_, hidden), (_, inter) = experts.gate_up_shape, experts.down_shape
+    x = x.contiguous()
+    typed = experts.typed(x.device)  # the weights' element type for the kernels' pointers
+    h = torch.empty((p, inter), dtype=torch.float32, device=x.device)
+    used = torch.empty(p, dtype=torch.int32, device=x.device)
+    block_i, block_h, block_o, block_k = BLOCKS["small"]
+    _gate_up_kernel[(p, triton.cdiv(inter, block_i))](
+        x, typed, addresses, addresses, addresses, used, h, hidden, inter, k, x.stride(0), 0, hidden, h.stride(0),
+        BLOCK_I=block_i, BLOCK_H=block_h, HAS_ROWS=False, ADDR=True, num_warps=4)
+    _down_kernel[(p, triton.cdiv(hidden, block_o))](
+        h, typed, used, addresses, y, addresses, experts.down_offset, hidden, inter, h.stride(0), 0, inter,
+        y.stride(0), BLOCK_O=block_o, BLOCK_I=block_k, HAS_ROWS=False, ADDR=True, num_warps=4)

@@ -15,6 +15,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# The GPU's share of a split decode step read from pinned RAM in place by the pair kernels: their rate
+# until measured (bench/zero_copy.py: 49-51 GB/s on the H200 box, unchanged while the CPU reads RAM), and
+# the host time it adds per expert (one address in the step's upload; the launch is once per layer).
+IN_PLACE_RATE = 45e9
+IN_PLACE_HOST_S = 10e-6
+
 
 @dataclass
 class Rates:

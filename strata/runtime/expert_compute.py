@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from strata.kernels.experts import apply_experts
-from strata.kernels.grouped import SlotWeights
+from strata.kernels.grouped import HostExperts, SlotWeights, in_place_ok
 from strata.runtime.cost_model import Rates
 from strata.tiers.manager import TierManager
 
@@ -29,7 +29,7 @@ CPU_ASYNC_DEFAULT = False
 class ExpertCompute:
     """Shared state of the tiered executor (one per model)."""
 
-    def __init__(self, manager: TierManager, device_tier: str, cpu_numerics: str = "fork"):
+    def __init__(self, manager: TierManager, device_tier: str, cpu_numerics: str = "fork", read_in_place: bool = True):
         self.manager, self.device_tier = manager, device_tier
         self.fast_cpu = cpu_numerics == "fork"  # compiled CPU kernel; "gpu": the reference math only
         # CPU compute next to a GPU tier only in "fork" mode: "gpu" numerics force cold experts onto the GPU
@@ -73,6 +73,11 @@ class ExpertCompute:
             self.lookups = torch.zeros(self.slot_of.shape, dtype=torch.int64, device=dev)
             manager.add_lookup_source(self._drain_lookups)
             self.pin_results = dev.type == "cuda"
+        # split decode: the GPU's share of cold experts read from pinned RAM in place (None: copied to slots)
+        self.host_experts: HostExperts | None = None
+        if read_in_place and self.split and self.slots is not None and manager.pool.pinned and in_place_ok():
+            (gu, dn), store = manager.store.expert_shapes, manager.store
+            self.host_experts = HostExperts(store.dtype, gu, dn, store.index.gate_up_bytes)
 
     @property
     def use_split(self) -> bool:

@@ -9,7 +9,9 @@ so the step can be captured in a CUDA graph. Otherwise one small copy of the ste
 host which pairs are cold; the cost model splits those between
 - CPU threads computing straight from pinned RAM, concurrently with the GPU (`cpu_numerics = "fork"`),
   with only the activations crossing PCIe, and
-- copies into GPU slots, computed by the same pair kernels once the copy has landed.
+- the GPU: in split mode the pair kernels read those experts straight from their pinned-RAM slots over
+  PCIe (zero-copy, launched before the CPU share starts so both run at once; `runtime.read_in_place`),
+  else copies into GPU slots, computed by the same pair kernels once the copy has landed.
 Pair outputs are combined in one fixed order, so which tier served an expert never changes the result
 (except the forked CPU kernel's rounding).
 
@@ -22,18 +24,20 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
+from dataclasses import replace
 
 import numpy as np
 import torch
 from torch import nn
 
 from strata.kernels.experts import apply_experts, group_by_expert
-from strata.kernels.grouped import combine_pairs, pair_experts, use_pair_kernels
-from strata.runtime.cost_model import split_cold
+from strata.kernels.grouped import combine_pairs, pair_experts, pair_experts_in_place, use_pair_kernels
+from strata.runtime.cost_model import IN_PLACE_HOST_S, IN_PLACE_RATE, split_cold
 from strata.runtime.expert_compute import ExpertCompute
 from strata.runtime.graphs import current_recorder
 from strata.runtime.model import MoETransformer
 from strata.runtime.moe import MoEBlock
+from strata.tiers.step_copies import IN_PLACE
 
 __all__ = ["ExpertCompute", "TieredExperts", "use_tiered_experts", "router_predictors"]
 
@@ -169,11 +173,13 @@ class TieredExperts(nn.Module):
             return
         batches = []
         if c.use_split:  # split mode: the copies the GPU tier should keep are staged through it (so it adapts to
-            # the traffic); the others land in the stream slots, for this step only (no eviction)
+            # the traffic); the others are read in place from pinned RAM, else land in the stream slots, for
+            # this step only (no eviction)
             keep = m.worth_caching(self.layer, to_copy)
             once = [e for e in to_copy if e not in keep]
-            streamed = m.stream_gpu(self.layer, once) if once else None
-            if streamed is not None:
+            if once and self._read_in_place(x, y, once, cold):
+                to_copy = keep
+            elif once and (streamed := m.stream_gpu(self.layer, once)) is not None:
                 batches.append(streamed)
                 to_copy = keep
         if len(to_copy) > m.max_acquire("gpu"):  # a budget smaller than the step: in chunks, now
@@ -189,6 +195,27 @@ class TieredExperts(nn.Module):
             for e, slot in zip(batch.experts, batch.slots, strict=True):
                 slot_plus_one[cold[e]] = slot + 1
         _upload(slot_plus_one, late)
+
+    def _read_in_place(self, x, y, experts: list[int], cold: dict[int, np.ndarray]) -> bool:
+        """Launch the kernel that computes `experts`' pairs from their pinned-RAM slots in place (zero-copy),
+        now, so it runs while this thread computes the CPU share; False when they are not all pinned-resident."""
+        c = self.compute
+        if c.host_experts is None:
+            return False
+        addresses = c.manager.read_in_place(self.layer, experts)
+        if addresses is None:
+            return False
+        addr = np.zeros(y.shape[0], dtype=np.int64)  # [P] each pair's slot address, 0 = not in this pass
+        for e, a in zip(experts, addresses, strict=True):
+            addr[cold[e]] = a
+        addr_t = torch.empty(y.shape[0], dtype=torch.int64, device=x.device)
+        _upload(addr, addr_t)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        pair_experts_in_place(x, c.host_experts, addr_t, y)
+        end.record()
+        c.manager.finish_in_place(self.layer, experts, start, end)
+        return True
 
     def _copy_in_chunks(self, x, y, to_copy: list[int], cold: dict[int, np.ndarray]) -> None:
         """Copied pairs computed here, chunk by chunk, each chunk's slots released before the next is staged."""
@@ -215,7 +242,11 @@ class TieredExperts(nn.Module):
         c.rates.pcie_bytes_per_s = c.manager.observed_rate("pinned->gpu", c.rates.pcie_bytes_per_s)
         nbytes = c.manager.store.payload_bytes
         backlog = c.manager.gpu_transfers_in_flight() * nbytes / c.rates.pcie_bytes_per_s
-        split = split_cold(tokens, nbytes, c.rates, in_flight_copy_s=backlog, serial=serial)
+        rates = c.rates
+        if c.host_experts is not None:  # the GPU's share is read in place: the link's rate, no staging per expert
+            rates = replace(rates, pcie_bytes_per_s=c.manager.observed_rate(IN_PLACE, IN_PLACE_RATE),
+                            copy_host_s=IN_PLACE_HOST_S)
+        split = split_cold(tokens, nbytes, rates, in_flight_copy_s=backlog, serial=serial)
         if not split.copy or not split.cpu:
             return set(split.cpu)
         # the cost model fixes how many experts of each token count are copied; which ones: the most used

@@ -22,6 +22,8 @@ import torch
 
 from strata.tiers.slots import ExpertHandle, Key, TierFullError
 
+IN_PLACE = "pinned->gpu in place"  # statistics path of experts the GPU computed straight from pinned RAM
+
 
 @dataclass
 class StagedExperts:
@@ -163,6 +165,34 @@ class StepCopiesMixin:
             self._copying[next(self._seq)] = (start, done, keys)  # the pinned refs drop once the copies land
             self._streaming = True
         return StreamedExperts(layer, [k[1] for k in keys], list(slots), done)
+
+    def read_in_place(self, layer: int, experts: list[int]) -> list[int] | None:
+        """Hold `experts` of `layer` in their pinned-RAM slots for a GPU kernel that reads them where they lie
+        (zero-copy over PCIe: unified addressing maps page-locked memory into the GPU's address space), and
+        return the slots' host addresses. None, holding nothing, unless the pool is page-locked and every
+        expert is resident in it now. Once the kernel is enqueued, `finish_in_place` with its start and end
+        events: the holds drop when it has run, and its time counts on the "pinned->gpu in place" path."""
+        if not experts or not self.pool.pinned:
+            return None
+        pinned = self.pinned
+        keys = [(layer, int(e)) for e in experts]
+        with self._lock:
+            if any(k not in pinned.slot_of or k in pinned.inflight for k in keys):
+                return None
+            self._reap_copies()
+            for key in keys:
+                self._note_prefetch_use(pinned, key)
+                pinned.policy.touch(key)
+                if self.gpu is not None:
+                    self.gpu.policy.touch(key)  # the GPU tier's frequency history counts it (a later copy may keep it)
+                pinned.refs[key] = pinned.refs.get(key, 0) + 1  # the slot stays put until the kernel has read it
+                self.stats_.lookup(layer, "pinned", True, 0.0, expert=key[1])
+            return [self.pool.slot_address(pinned.slot_of[k]) for k in keys]
+
+    def finish_in_place(self, layer: int, experts: list[int], start, end) -> None:
+        """The kernel reading `read_in_place`'s slots is enqueued between CUDA events `start` and `end`."""
+        with self._lock:
+            self._copying[next(self._seq)] = (start, end, [(layer, int(e)) for e in experts], IN_PLACE)
 
     def release_staged(self, staged: StagedExperts | StreamedExperts) -> None:
         """Unpin a `stage_gpu` batch; later copies into its slots wait for the work queued on them so far."""

@@ -19,18 +19,18 @@ class TransfersMixin:
 
     def _reap_copies(self) -> None:
         """Drop the pinned refs held by GPU copy batches that have finished reading their sources."""
-        for token, (start, end, keys) in list(self._copying.items()):
+        for token, (start, end, keys, *path) in list(self._copying.items()):
             if end is None or end.query():
                 del self._copying[token]
                 for key in keys:
                     self._unref(self.pinned, key)
-                if end is not None:  # copy-engine time, not enqueue time
-                    self.stats_.paths["pinned->gpu"].add(self.store.slot_bytes * len(keys), start.elapsed_time(end) / 1000,
-                                                         objects=len(keys))
+                if end is not None:  # copy-engine (or in-place kernel) time, not enqueue time
+                    self.stats_.paths[path[0] if path else "pinned->gpu"].add(
+                        self.store.slot_bytes * len(keys), start.elapsed_time(end) / 1000, objects=len(keys))
 
     def _copies_in_flight(self) -> int:
         """Experts whose pinned -> GPU copy is enqueued and not known to have finished."""
-        return sum(len(keys) for _, _, keys in self._copying.values())
+        return sum(len(entry[2]) for entry in self._copying.values())
 
     def _submit(self, priority: int, fn, *args) -> None:
         heapq.heappush(self._jobs, (priority, next(self._seq), fn, args))
