@@ -202,7 +202,9 @@ class TieredExperts(nn.Module):
         c = self.compute
         if c.host_experts is None:
             return False
+        t0 = time.perf_counter()
         addresses = c.manager.read_in_place(self.layer, experts)
+        c.host_seconds["in_place_hold"] += time.perf_counter() - t0
         if addresses is None:
             return False
         addr = np.zeros(y.shape[0], dtype=np.int64)  # [P] each pair's slot address, 0 = not in this pass
@@ -210,11 +212,15 @@ class TieredExperts(nn.Module):
             addr[cold[e]] = a
         addr_t = torch.empty(y.shape[0], dtype=torch.int64, device=x.device)
         _upload(addr, addr_t)
+        t1 = time.perf_counter()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         pair_experts_in_place(x, c.host_experts, addr_t, y)
         end.record()
+        t2 = time.perf_counter()
         c.manager.finish_in_place(self.layer, experts, start, end)
+        c.host_seconds["in_place_upload"] += t1 - t0
+        c.host_seconds["in_place_launch"] += t2 - t1
         return True
 
     def _copy_in_chunks(self, x, y, to_copy: list[int], cold: dict[int, np.ndarray]) -> None:
