@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from strata.kernels.experts import apply_experts
-from strata.kernels.grouped import HostExperts, SlotWeights, in_place_ok
+from strata.kernels.grouped import HostExperts, SlotWeights, in_place_ok, pair_experts_in_place
 from strata.runtime.cost_model import Rates
 from strata.tiers.manager import TierManager
 
@@ -78,6 +78,16 @@ class ExpertCompute:
         if read_in_place and self.split and self.slots is not None and manager.pool.pinned and in_place_ok():
             (gu, dn), store = manager.store.expert_shapes, manager.store
             self.host_experts = HostExperts(store.dtype, gu, dn, store.index.gate_up_bytes)
+            self._compile_in_place(manager.slots.slab.device)
+
+    def _compile_in_place(self, device: torch.device, k: int = 8) -> None:  # any k > 1 shares the compiled code
+        """Compile the in-place kernels now, with every pair skipped (address 0: nothing is read): compiled on
+        first use instead, their seconds would land inside a decode step and inside the rate the cost model
+        measures for the path (whose first events bracket the compilation)."""
+        hidden = self.host_experts.gate_up_shape[1]
+        x = torch.zeros((1, hidden), dtype=self.host_experts.dtype, device=device)
+        y = torch.zeros((k, hidden), dtype=torch.float32, device=device)
+        pair_experts_in_place(x, self.host_experts, torch.zeros(k, dtype=torch.int64, device=device), y)
 
     @property
     def use_split(self) -> bool:
