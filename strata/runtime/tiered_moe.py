@@ -172,14 +172,18 @@ class TieredExperts(nn.Module):
         if not to_copy:
             return
         batches = []
-        if c.use_split:  # split mode: the copies the GPU tier should keep are staged through it (so it adapts to
-            # the traffic); the others are read in place from pinned RAM, else land in the stream slots, for
-            # this step only (no eviction)
-            keep = m.worth_caching(self.layer, to_copy)
+        if c.use_split:
+            keep = m.worth_caching(self.layer, to_copy)  # used over twice as often as the GPU tier's victim
+            if self._read_in_place(x, y, to_copy, cold):  # the GPU's share read from pinned RAM where it lies
+                if keep:  # the GPU tier adapts off the critical path: a copy for later steps, in the background,
+                    # one per layer and step (the most used), so the link stays the in-place reads' first
+                    score = m.gpu_scores(self.layer, keep)
+                    m.prefetch([(self.layer, max(keep, key=score.__getitem__))], "gpu", warm=True)
+                return
+            # else: the copies the GPU tier should keep are staged through it (so it adapts to the traffic),
+            # the others land in the stream slots, for this step only (no eviction)
             once = [e for e in to_copy if e not in keep]
-            if once and self._read_in_place(x, y, once, cold):
-                to_copy = keep
-            elif once and (streamed := m.stream_gpu(self.layer, once)) is not None:
+            if once and (streamed := m.stream_gpu(self.layer, once)) is not None:
                 batches.append(streamed)
                 to_copy = keep
         if len(to_copy) > m.max_acquire("gpu"):  # a budget smaller than the step: in chunks, now

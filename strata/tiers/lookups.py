@@ -79,7 +79,8 @@ class LookupsMixin:
             me = threading.get_ident()
             for key in keys:
                 self._note_prefetch_use(tier, key)
-                tier.policy.touch(key)
+                if not self._pinned_holds_all:
+                    tier.policy.touch(key)
                 tier.refs[key] = tier.refs.get(key, 0) + 1
                 self.stats_.lookup(key[0], tier.name, False, 0.0, expert=key[1])
             self._thread_refs[me] += len(keys)

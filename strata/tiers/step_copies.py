@@ -182,7 +182,8 @@ class StepCopiesMixin:
             self._reap_copies()
             for key in keys:
                 self._note_prefetch_use(pinned, key)
-                pinned.policy.touch(key)
+                if not self._pinned_holds_all:
+                    pinned.policy.touch(key)
                 if self.gpu is not None:
                     self.gpu.policy.touch(key)  # the GPU tier's frequency history counts it (a later copy may keep it)
                 pinned.refs[key] = pinned.refs.get(key, 0) + 1  # the slot stays put until the kernel has read it
