@@ -9,8 +9,8 @@ Cases, all in this one run on the same weights (the store is built once, on firs
                  strata.kernels.fused and decode_attention are worth)
   split          GPU budget = fraction of the expert bytes, the rest in pinned RAM; cold experts split
                  between the CPU kernel and PCIe copies by the cost model (cpu_numerics = "fork")
-  split_copy     split with the GPU's share of cold experts copied to GPU slots (runtime.read_in_place = false)
-                 instead of read from pinned RAM in place
+  split_in_place split with the GPU's share of cold experts read from pinned RAM in place by the pair kernels
+                 (runtime.read_in_place = true) instead of copied to GPU slots
   split_nostream split with its decode copies staged through the cached GPU tier (STRATA_STREAM_SLOTS=0)
   split_serial   split with the copies staged first, then the CPU share on the same thread (STRATA_CPU_ASYNC=0)
   split_async    split with the CPU share started first on the kernel's threads, one core left to the thread
@@ -160,7 +160,7 @@ def main() -> None:
         "ceiling_unfused": {"runtime": {**rt, "experts": "memory"}},
         "split_unfused": tiered,
         "split": tiered,
-        "split_copy": {**tiered, "runtime": {**rt, "read_in_place": False}},
+        "split_in_place": {**tiered, "runtime": {**rt, "read_in_place": True}},
         "split_nostream": tiered,  # STRATA_STREAM_SLOTS=0: split-mode copies staged through the cached GPU tier
         "split_serial": tiered,  # STRATA_CPU_ASYNC=0: the copies are staged, then the CPU share runs on this thread
         "split_async": tiered,  # STRATA_CPU_ASYNC=1: the CPU share starts first, on the kernel's threads (one core left)

@@ -65,7 +65,7 @@ class RuntimeConfig:
     experts: str = "tiered"  # "tiered": served by the tier manager from a store; "memory": all loaded up front
     cpu_numerics: str = "fork"  # "fork": fast CPU expert kernels; "gpu": the reference math, cold experts on the GPU
     cuda_graphs: bool = True  # replay decode steps from CUDA graphs whenever every expert is resident
-    read_in_place: bool = True  # split decode: the GPU's share of cold experts is read from pinned RAM in place (zero-copy)
+    read_in_place: bool = False  # split decode: the GPU's share of cold experts read from pinned RAM in place (zero-copy)
     decode_gap_target: float = 0.5  # seconds a serving step may take while sequences decode (prompt chunks shrink); 0: off
     prefill_chunk_min: int = 32  # prompt tokens a serving step carries at least while sequences decode
     devices: list[int] = field(default_factory=list)  # CUDA indices the layers are split over; [] = `device` alone

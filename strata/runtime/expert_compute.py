@@ -29,7 +29,7 @@ CPU_ASYNC_DEFAULT = False
 class ExpertCompute:
     """Shared state of the tiered executor (one per model)."""
 
-    def __init__(self, manager: TierManager, device_tier: str, cpu_numerics: str = "fork", read_in_place: bool = True):
+    def __init__(self, manager: TierManager, device_tier: str, cpu_numerics: str = "fork", read_in_place: bool = False):
         self.manager, self.device_tier = manager, device_tier
         self.fast_cpu = cpu_numerics == "fork"  # compiled CPU kernel; "gpu": the reference math only
         # CPU compute next to a GPU tier only in "fork" mode: "gpu" numerics force cold experts onto the GPU

@@ -9,9 +9,9 @@ so the step can be captured in a CUDA graph. Otherwise one small copy of the ste
 host which pairs are cold; the cost model splits those between
 - CPU threads computing straight from pinned RAM, concurrently with the GPU (`cpu_numerics = "fork"`),
   with only the activations crossing PCIe, and
-- the GPU: in split mode the pair kernels read those experts straight from their pinned-RAM slots over
-  PCIe (zero-copy, launched before the CPU share starts so both run at once; `runtime.read_in_place`),
-  else copies into GPU slots, computed by the same pair kernels once the copy has landed.
+- copies into GPU slots, computed by the same pair kernels once the copy has landed, or (opt-in,
+  `runtime.read_in_place`) the pair kernels reading those experts straight from their pinned-RAM slots
+  over PCIe (zero-copy), launched before the CPU share starts so both run at once.
 Pair outputs are combined in one fixed order, so which tier served an expert never changes the result
 (except the forked CPU kernel's rounding).
 
