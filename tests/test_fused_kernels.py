@@ -124,3 +124,39 @@ def test_fusion_off_runs_the_torch_chain(monkeypatch):
     assert fused.softmax_topk(x, 2, True) is None
     assert torch.equal(fused.rms_norm(x, torch.ones(64, dtype=DTYPE, device=DEVICE), 1e-6),
                        torch_norm(x, torch.ones(64, dtype=DTYPE, device=DEVICE), 1e-6))
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_staged_rope_into_cache_equals_rope_then_index_put(norm, monkeypatch):
+    """The staged fusion: keys normed and rotated straight into the cache with the values, at each sequence's
+    (slot, position); the rest of the cache untouched. Equal to norm_rope followed by two index_put_."""
+    monkeypatch.setattr(fused, "STAGED", True)
+    g = torch.Generator().manual_seed(11)
+    b, kv_heads, d, slots, length = 3, 4, 128, 5, 64
+    k = torch.randn(b, kv_heads, d, generator=g).to(DTYPE).to(DEVICE)
+    v = torch.randn(b, kv_heads, d, generator=g).to(DTYPE).to(DEVICE)
+    w = (torch.randn(d, generator=g) * 0.2 + 1).to(DTYPE).to(DEVICE) if norm else None
+    cos, sin = rope_tables(torch.tensor([3, 0, 63]), d)
+    slot_t, pos_t = torch.tensor([4, 0, 2], device=DEVICE), torch.tensor([3, 0, 63], device=DEVICE)
+    kc, vc = (torch.randn(slots, length, kv_heads, d, generator=g).to(DTYPE).to(DEVICE) for _ in range(2))
+    want_k, want_v = kc.clone(), vc.clone()
+    want_k[slot_t, pos_t] = fused.norm_rope(k, cos, sin, w, 1e-6)
+    want_v[slot_t, pos_t] = v
+    assert fused.cache_write_ok(k, v, cos, w, kc, vc)
+    fused.norm_rope_into_cache(k, v, cos, sin, w, 1e-6, kc, vc, slot_t, pos_t)
+    assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    monkeypatch.setattr(fused, "STAGED", False)
+    assert not fused.cache_write_ok(k, v, cos, w, kc, vc)  # off unless staged fusions are on
+
+
+def test_staged_add_rms_norm_equals_add_then_norm(monkeypatch):
+    monkeypatch.setattr(fused, "STAGED", True)
+    g = torch.Generator().manual_seed(12)
+    x = torch.randn(3, 2048, generator=g).to(DTYPE).to(DEVICE)
+    delta = torch.randn(3, 2048, generator=g).to(DTYPE).to(DEVICE)
+    w = (torch.randn(2048, generator=g) * 0.2 + 1).to(DTYPE).to(DEVICE)
+    total, normed = fused.add_rms_norm(x, delta, w, 1e-6)
+    assert torch.equal(total, x + delta)  # the add rounds as torch's does
+    assert torch.equal(normed, fused.rms_norm(x + delta, w, 1e-6))  # then exactly the fused norm
+    monkeypatch.setattr(fused, "STAGED", False)
+    assert fused.add_rms_norm(x, delta, w, 1e-6) is None

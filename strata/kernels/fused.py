@@ -27,6 +27,10 @@ except ImportError:  # pragma: no cover - exercised on CPU-only hosts
     triton = None
 
 ENABLED = os.environ.get("STRATA_FUSED_KERNELS", "1") != "0"  # the A/B switch of bench/hotpath.py's ceiling cases
+# Fusions checked under Triton's interpreter but not yet run on a GPU: the decode step's key/value cache writes
+# folded into the key's rotary kernel, and the attention residual's add folded into the next RMSNorm. Off until
+# measured (bench/hotpath.py's ceiling_staged case; $STRATA_FUSED_STAGED=1 turns them on).
+STAGED = os.environ.get("STRATA_FUSED_STAGED", "0") == "1"
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (kernel tests without a GPU)
 
 
@@ -67,6 +71,50 @@ def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: tor
                                         sin.stride(0), eps, D=d, NORM=weight is not None, BF16=x.dtype == torch.bfloat16,
                                         num_warps=1 if d <= 128 else 2)
     return out
+
+
+def norm_rope_into_cache(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         weight: torch.Tensor | None, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                         slots: torch.Tensor, pos: torch.Tensor) -> None:
+    """A decode step's keys: `norm_rope(k)` written with the values straight into the caches at each
+    sequence's (slot, position), one launch where `norm_rope` and two `index_put_` take three.
+
+    k, v [B, kv_heads, d] (last dim contiguous); caches [slots, max_len, kv_heads, d] contiguous; slots, pos [B].
+    Call `cache_write_ok` first."""
+    b, heads, d = k.shape
+    if b * heads:
+        w = weight if weight is not None else k
+        _norm_rope_cache_kernel[(b * heads,)](
+            k, v, cos, sin, w, k_cache, v_cache, slots, pos, heads, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+            cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps, D=d,
+            NORM=weight is not None, BF16=k.dtype == torch.bfloat16, num_warps=1 if d <= 128 else 2)
+
+
+def cache_write_ok(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, weight: torch.Tensor | None,
+                   k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether `norm_rope_into_cache` can take this step (staged fusions on, shapes and layouts it handles)."""
+    return (STAGED and norm_rope_ok(k, cos, weight) and v.shape == k.shape and v.stride(-1) == 1
+            and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
+            and k_cache.shape[2:] == k.shape[1:] and k_cache.dtype == v_cache.dtype == k.dtype == v.dtype)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(x + delta, rms_norm(x + delta)): a residual add and the RMSNorm after it in one kernel, rounding the
+    sum to x's dtype first as torch's add does. x, delta [..., D]; None when it cannot run fused (the caller
+    runs the add and `rms_norm`)."""
+    d = x.shape[-1]
+    if (not STAGED or not fused_ok(x) or weight.dtype != x.dtype or delta.dtype != x.dtype or d > 16384
+            or delta.shape != x.shape):
+        return None
+    rows, drows = x.reshape(-1, d).contiguous(), delta.reshape(-1, d).contiguous()
+    total = torch.empty_like(rows)
+    out = torch.empty_like(rows)
+    if rows.shape[0]:
+        block = triton.next_power_of_2(d)
+        _add_rms_norm_kernel[(rows.shape[0],)](rows, drows, weight, total, out, d, eps, BLOCK=block,
+                                               BF16=x.dtype == torch.bfloat16, num_warps=8 if block >= 4096 else 4)
+    return total.view(x.shape), out.view(x.shape)
 
 
 def norm_rope_ok(x: torch.Tensor, cos: torch.Tensor, weight: torch.Tensor | None) -> bool:
@@ -135,28 +183,64 @@ if triton is not None:
         tl.store(out_ptr + row * D + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _norm_rope_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, out_ptr, HEADS, stride_xn, stride_xh, stride_c, stride_s,
-                          eps, D: tl.constexpr, NORM: tl.constexpr, BF16: tl.constexpr):
-        pid = tl.program_id(0)
-        n = (pid // HEADS).to(tl.int64)
-        h = pid % HEADS
+    def _norm_rope_row(base, w_ptr, cos_row, sin_row, eps, dt: tl.constexpr, D: tl.constexpr, NORM: tl.constexpr,
+                       BF16: tl.constexpr):
+        """One head's row at `base`: optional RMSNorm, then rotate_half rotary; fp32 [D] holding `dt` values."""
         half: tl.constexpr = D // 2
         offs = tl.arange(0, D)
         rot = tl.where(offs < half, offs + half, offs - half)  # rotate_half's source element
-        base = x_ptr + n * stride_xn + h * stride_xh
         x = tl.load(base + offs).to(tl.float32)
         xr = tl.load(base + rot).to(tl.float32)
-        dt = out_ptr.dtype.element_ty
         if NORM:  # weight * rms_norm(x.float()).to(dtype), on the element and on its rotation partner
             r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
             x = _round(tl.load(w_ptr + offs).to(tl.float32) * _round(x * r, dt, BF16), dt, BF16)
             xr = _round(tl.load(w_ptr + rot).to(tl.float32) * _round(xr * r, dt, BF16), dt, BF16)
         xr = tl.where(offs < half, -xr, xr)  # rotate_half: cat(-x2, x1)
-        c = tl.load(cos_ptr + n * stride_c + offs).to(tl.float32)
-        s = tl.load(sin_ptr + n * stride_s + offs).to(tl.float32)
+        c = tl.load(cos_row + offs).to(tl.float32)
+        s = tl.load(sin_row + offs).to(tl.float32)
         a = _round(x * c, dt, BF16)  # x * cos, rounded as torch rounds it
         b = _round(xr * s, dt, BF16)  # rotate_half(x) * sin
-        tl.store(out_ptr + (n * HEADS + h) * D + offs, (a + b).to(dt))
+        return a + b
+
+    @triton.jit
+    def _norm_rope_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, out_ptr, HEADS, stride_xn, stride_xh, stride_c, stride_s,
+                          eps, D: tl.constexpr, NORM: tl.constexpr, BF16: tl.constexpr):
+        pid = tl.program_id(0)
+        n = (pid // HEADS).to(tl.int64)
+        h = pid % HEADS
+        dt = out_ptr.dtype.element_ty
+        y = _norm_rope_row(x_ptr + n * stride_xn + h * stride_xh, w_ptr, cos_ptr + n * stride_c, sin_ptr + n * stride_s,
+                           eps, dt, D, NORM, BF16)
+        tl.store(out_ptr + (n * HEADS + h) * D + tl.arange(0, D), y.to(dt))
+
+    @triton.jit
+    def _norm_rope_cache_kernel(k_ptr, v_ptr, cos_ptr, sin_ptr, w_ptr, kc_ptr, vc_ptr, slots_ptr, pos_ptr, HEADS,
+                                stride_kn, stride_kh, stride_vn, stride_vh, stride_c, stride_s, stride_cs, stride_cl,
+                                stride_ch, eps, D: tl.constexpr, NORM: tl.constexpr, BF16: tl.constexpr):
+        pid = tl.program_id(0)
+        n = (pid // HEADS).to(tl.int64)
+        h = pid % HEADS
+        dt = kc_ptr.dtype.element_ty
+        y = _norm_rope_row(k_ptr + n * stride_kn + h * stride_kh, w_ptr, cos_ptr + n * stride_c, sin_ptr + n * stride_s,
+                           eps, dt, D, NORM, BF16)
+        offs = tl.arange(0, D)
+        dst = tl.load(slots_ptr + n).to(tl.int64) * stride_cs + tl.load(pos_ptr + n).to(tl.int64) * stride_cl + h * stride_ch
+        tl.store(kc_ptr + dst + offs, y.to(dt))
+        tl.store(vc_ptr + dst + offs, tl.load(v_ptr + n * stride_vn + h * stride_vh + offs))
+
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, D, eps, BLOCK: tl.constexpr, BF16: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < D
+        dt = out_ptr.dtype.element_ty
+        x = tl.load(x_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)
+        x = _round(x + tl.load(d_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32), dt, BF16)  # x + delta
+        tl.store(sum_ptr + row * D + offs, x.to(dt), mask=mask)
+        r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+        y = _round(x * r, dt, BF16)
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + row * D + offs, (w * y).to(dt), mask=mask)
 
     @triton.jit
     def _softmax_topk_kernel(l_ptr, w_ptr, id_ptr, E, stride_l, K: tl.constexpr, KB: tl.constexpr,

@@ -102,11 +102,19 @@ class GQAAttention(nn.Module):
         q = self.q_proj(x).view(n, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(n, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(n, self.num_kv_heads, self.head_dim)
-        q, k = self._norm_rope(q, cos, sin, self.q_norm), self._norm_rope(k, cos, sin, self.k_norm)
         k_cache, v_cache = cache
+        q = self._norm_rope(q, cos, sin, self.q_norm)
+        k_weight = self.k_norm.weight if self.k_norm is not None else None
+        if isinstance(batch, DecodeBatch) and fused.cache_write_ok(k, v, cos, k_weight, k_cache, v_cache):
+            # the keys' norm and rotary land straight in the cache, with the values: one launch, not three
+            eps = self.k_norm.eps if self.k_norm is not None else 0.0
+            fused.norm_rope_into_cache(k, v, cos, sin, k_weight, eps, k_cache, v_cache, batch.slots_t, batch.pos_t)
+        else:
+            k = self._norm_rope(k, cos, sin, self.k_norm)
+            if isinstance(batch, DecodeBatch):
+                k_cache[batch.slots_t, batch.pos_t] = k
+                v_cache[batch.slots_t, batch.pos_t] = v
         if isinstance(batch, DecodeBatch):
-            k_cache[batch.slots_t, batch.pos_t] = k
-            v_cache[batch.slots_t, batch.pos_t] = v
             length = batch.kv_len
             if decode_attention_ok(q, k_cache):  # reads the cache in place: no window gather, no mask
                 o = decode_attention(q, k_cache, v_cache, batch.slots_t, batch.pos_t, length, self.window, self.scale)

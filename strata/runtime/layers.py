@@ -21,6 +21,14 @@ class RMSNorm(nn.Module):
         # one Triton kernel on CUDA (torch needs four: float, rms_norm, to, mul); the torch chain elsewhere
         return fused.rms_norm(x, self.weight, self.eps)
 
+    def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, self(x + delta)): a residual add and this norm, one kernel where fused kernels run."""
+        both = fused.add_rms_norm(x, delta, self.weight, self.eps)
+        if both is not None:
+            return both
+        total = x + delta
+        return total, self(total)
+
 
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x)). Dense layers and shared experts."""

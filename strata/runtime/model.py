@@ -37,8 +37,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x, cos, sin, batch: StepBatch, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         if self.engram is not None:  # Engram adds its lookup before attention (DeepSeek's block order)
             x = x + self.engram(x, batch.engram)
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x), cos, sin, batch, cache))
+        return x + self.mlp(h)
 
 
 class MoETransformer(nn.Module):
