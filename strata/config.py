@@ -193,8 +193,9 @@ class PolicyConfig:
     """[policy]: which experts a full tier gives up."""
 
     eviction: str = "lfu"  # static | lru | lfu | cost
-    lfu_half_life: int = 256  # lookups after which an LFU count counts half
+    lfu_half_life: int = 8192  # lookups (all layers) after which an LFU count counts half
     budget_scope: str = "global"  # global | per_layer
+    promote: bool = True  # split decode: copy a CPU-computed expert that became popular into the GPU tier (background)
 
     def __post_init__(self) -> None:
         if self.eviction not in EVICTION_POLICIES:

@@ -75,7 +75,7 @@ def test_sizes_are_checked_at_load_time():
 def test_default_sections():
     cfg = StrataConfig()
     assert (cfg.tiers.tmpfs.path, cfg.tiers.disk.path) == ("/dev/shm/strata", "~/.cache/strata")
-    assert (cfg.policy.eviction, cfg.policy.lfu_half_life, cfg.policy.budget_scope) == ("lfu", 256, "global")
+    assert (cfg.policy.eviction, cfg.policy.lfu_half_life, cfg.policy.budget_scope) == ("lfu", 8192, "global")
     assert (cfg.prefetch.lookahead, cfg.planner.max_batch) == (1, 1)
     assert cfg.planner.activation_reserve_bytes == 2 * 2**30
     assert cfg.to_dict()["tiers"]["gpu"] == {"budget": "auto"} and load_config(cfg.to_dict()) == cfg

@@ -264,6 +264,30 @@ def test_split_copies_the_most_used_cold_experts(store):
         m.close()
 
 
+def test_split_decode_promotes_a_popular_cpu_expert(store):
+    """Cold experts the split computes on the CPU never cross to the GPU by themselves; once one is used over
+    twice as often as the GPU tier's victim, it is copied there in the background (one per layer and step),
+    and a rarely used one is not."""
+    layer = store.index.moe_layers[0]
+    m = TierManager(store, TierBudgets(gpu_slots=3, pinned_slots=16), gpu_device=torch.device("cpu"), io_threads=2)
+    try:
+        compute = ExpertCompute(m, "gpu", "fork")
+        experts = TieredExperts(layer, 16, compute)
+        m.release(m.acquire([(layer, i) for i in range(8)], "cpu"))
+        m.release_staged(m.stage_gpu(layer, [0, 1, 2]))  # the GPU tier is full
+        m.note_hits(layer, [0, 1, 2])
+        m.note_gpu_misses(layer, [6])  # as often as the residents: not worth a slot
+        experts._promote({6})
+        assert m.wait_settled(10) and (layer, 6) not in m.gpu.slot_of and compute.promotions == 0
+        m.note_gpu_misses(layer, [5] * 12 + [7] * 6)
+        experts._promote({5, 6, 7})
+        assert m.wait_settled(10)
+        assert (layer, 5) in m.gpu.slot_of and (layer, 7) not in m.gpu.slot_of  # the most used, one per step
+        assert compute.promotions == 1
+    finally:
+        m.close()
+
+
 # ---- CUDA ------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu

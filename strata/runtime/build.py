@@ -146,7 +146,8 @@ def expert_tiers(store: ExpertStore, budgets: TierBudgets, device: torch.device,
                           policy=cfg.policy.eviction, half_life=cfg.policy.lfu_half_life, hot=hot_order(store),
                           tmpfs_dir=cfg.tiers.tmpfs.path, disk_reader=cfg.tiers.disk.reader, **manager_options)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        return ExpertCompute(manager, device_tier, cfg.runtime.cpu_numerics, read_in_place=cfg.runtime.read_in_place)
+        return ExpertCompute(manager, device_tier, cfg.runtime.cpu_numerics, read_in_place=cfg.runtime.read_in_place,
+                             promote=cfg.policy.promote)
 
 
 def prepare_cpu_experts(computes: list[ExpertCompute]) -> None:

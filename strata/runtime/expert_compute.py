@@ -29,7 +29,8 @@ CPU_ASYNC_DEFAULT = False
 class ExpertCompute:
     """Shared state of the tiered executor (one per model)."""
 
-    def __init__(self, manager: TierManager, device_tier: str, cpu_numerics: str = "fork", read_in_place: bool = False):
+    def __init__(self, manager: TierManager, device_tier: str, cpu_numerics: str = "fork", read_in_place: bool = False,
+                 promote: bool = True):
         self.manager, self.device_tier = manager, device_tier
         self.fast_cpu = cpu_numerics == "fork"  # compiled CPU kernel; "gpu": the reference math only
         # CPU compute next to a GPU tier only in "fork" mode: "gpu" numerics force cold experts onto the GPU
@@ -37,6 +38,10 @@ class ExpertCompute:
         self.rates = Rates()
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="strata-cpu-experts") if self.split else None
         self.cpu_experts = 0  # experts computed on the CPU (statistics)
+        # split decode: copy a CPU-computed expert that became popular into the GPU tier in the background
+        # (policy.promote; `TieredExperts._promote`); `promotions` counts those copies
+        self.promote = promote
+        self.promotions = 0
         # set by the scheduler around a step of reproducible requests: cold experts go to the GPU
         # (GPU hosts) or through the reference math (CPU hosts), never through the forked CPU kernel
         self.reproducible = False

@@ -136,6 +136,8 @@ class TieredExperts(nn.Module):
         if c.use_split and c.slots is not None:
             on_cpu = self._cpu_share({e: len(p) for e, p in cold.items()}, serial=not c.cpu_async)
             c.manager.note_gpu_misses(self.layer, on_cpu)  # the GPU tier's frequency history sees them too
+            if c.promote and on_cpu:
+                self._promote(on_cpu)
         groups = [(e, torch.from_numpy(cold[e])) for e in sorted(on_cpu)]  # the CPU share: (expert, its pairs)
         share = None
         if groups and c.cpu_async:  # the experiment: the CPU share starts first, on the kernel's own thread
@@ -175,10 +177,8 @@ class TieredExperts(nn.Module):
         if c.use_split:
             keep = m.worth_caching(self.layer, to_copy)  # used over twice as often as the GPU tier's victim
             if self._read_in_place(x, y, to_copy, cold):  # the GPU's share read from pinned RAM where it lies
-                if keep:  # the GPU tier adapts off the critical path: a copy for later steps, in the background,
-                    # one per layer and step (the most used), so the link stays the in-place reads' first
-                    score = m.gpu_scores(self.layer, keep)
-                    m.prefetch([(self.layer, max(keep, key=score.__getitem__))], "gpu", warm=True)
+                if keep:  # the GPU tier adapts off the critical path (see `_promote`)
+                    self._promote(keep, worth=keep)
                 return
             # else: the copies the GPU tier should keep are staged through it (so it adapts to the traffic),
             # the others land in the stream slots, for this step only (no eviction)
@@ -199,6 +199,18 @@ class TieredExperts(nn.Module):
             for e, slot in zip(batch.experts, batch.slots, strict=True):
                 slot_plus_one[cold[e]] = slot + 1
         _upload(slot_plus_one, late)
+
+    def _promote(self, experts, worth: list[int] | None = None) -> None:
+        """Split decode computes most cold experts on the CPU, so no copy would bring one that became popular
+        into the GPU tier: of `experts`, the one the tier's history says is used most, if it is worth a slot
+        (used over twice as often as the slot's victim, `worth_caching`), is copied there in the background,
+        off this step's path. One per layer and step, so the link and the copy threads stay lightly used."""
+        m = self.compute.manager
+        keep = worth if worth is not None else m.worth_caching(self.layer, sorted(experts))
+        if keep:
+            score = m.gpu_scores(self.layer, keep)
+            m.prefetch([(self.layer, max(keep, key=score.__getitem__))], "gpu", warm=True)
+            self.compute.promotions += 1
 
     def _read_in_place(self, x, y, experts: list[int], cold: dict[int, np.ndarray]) -> bool:
         """Launch the kernel that computes `experts`' pairs from their pinned-RAM slots in place (zero-copy),

@@ -56,7 +56,7 @@ class TierManager(IntegrityMixin, LookupsMixin, StepCopiesMixin, TransfersMixin,
     FULL_WAIT_S = 30.0  # how long an acquire waits for other threads to release slots before TierFullError
 
     def __init__(self, store: ExpertStore, budgets: TierBudgets, *, gpu_device: torch.device | None = None,
-                 policy: str = "lfu", half_life: float = 256.0, hot: list[Key] | None = None,
+                 policy: str = "lfu", half_life: float = 8192.0, hot: list[Key] | None = None,
                  tmpfs_dir: str | Path | None = None, io_threads: int = 8, direct_io: bool = True,
                  disk_reader: str = "auto", stream_slots: int = 0):
         self.store, self.budgets = store, budgets
