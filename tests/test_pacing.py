@@ -41,6 +41,15 @@ def test_no_decode_pressure_uses_the_whole_budget():
     assert p.allowance(4) == 16  # under pressure and nothing measured yet: start small
 
 
+def test_a_step_nobody_decodes_in_takes_the_idle_budget():
+    """Nothing decodes: a prompt may take the larger idle budget (runtime.prefill_chunk) in one chunk; as soon
+    as a sequence decodes, the token budget and the pacing apply again."""
+    p = PrefillPacer(token_budget=512, gap_target=0.5, min_chunk=16, idle_budget=8192)
+    assert p.allowance(0) == 8192
+    assert p.allowance(1) == 16
+    assert PrefillPacer(token_budget=512, idle_budget=128).allowance(0) == 512  # never below the token budget
+
+
 def test_pacing_off_fills_the_budget_minus_decodes():
     p = PrefillPacer(token_budget=512, gap_target=0, min_chunk=16)
     p.observe(4, 0, 0.05)

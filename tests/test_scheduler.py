@@ -232,6 +232,21 @@ def test_pacing_off_fills_the_token_budget(tiny_engine):
     assert max(st["prompt"] for st in s.recent_steps() if st["decode"]) == 31
 
 
+def test_a_long_prompt_alone_prefills_in_prefill_chunk_sized_steps(tiny_engine):
+    """Nobody decoding: a prompt longer than the token budget goes through in steps of runtime.prefill_chunk
+    (512 here), as Engine.generate's prefill does, with the same tokens."""
+    s = tiny_engine.scheduler(max_batch=2, token_budget=32)
+    prompt = list(range(10, 90))
+    s.start()
+    try:
+        out = list(s.submit(GenRequest(prompt, SamplingParams(max_tokens=3))).iter_events(timeout=60))
+    finally:
+        s.stop()
+    steps = s.recent_steps()
+    assert steps[0]["decode"] == 0 and steps[0]["prompt"] == len(prompt) > 32  # one step, past the budget
+    assert tokens_of(out) == tiny_engine.generate(prompt, max_tokens=3).token_ids
+
+
 @pytest.mark.gpu
 def test_reproducible_on_gpu_with_cold_experts_in_fork_mode(tiny_model_dir):
     """On CUDA with most experts cold and the CPU split on ("fork"): alone, in a batch, and Engine.generate agree."""

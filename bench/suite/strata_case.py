@@ -26,8 +26,11 @@ def engine_config(case: Case, summary: dict, settings: dict, workloads: list[Wor
     """The strata.config dict for `case` (sections as in config.toml)."""
     expert_total = summary["expert_bytes_total"]
     longest = max(w.prompt + w.tokens for w in workloads)
+    # a prompt alone prefills in chunks of runtime.prefill_chunk (the scheduler's idle budget): the longest
+    # prompt in one chunk, up to 8192 tokens, so each cold expert crosses PCIe once per prompt
+    chunk = max(settings["token_budget"], min(max(w.prompt for w in workloads), 8192))
     cfg: dict = {
-        "runtime": {"max_context": max(1024, longest + 64), "prefill_chunk": settings["token_budget"]},
+        "runtime": {"max_context": max(1024, longest + 64), "prefill_chunk": chunk},
         "tiers": {"disk": {"path": settings["cache"], "scrub": False}},
         "planner": {"max_batch": max(w.streams for w in workloads)},
     }

@@ -33,6 +33,7 @@ class PrefillPacer:
     gap_target: float = 0.5  # seconds a step may take while sequences decode; 0 turns pacing off
     min_chunk: int = 32  # prompt tokens a step carries at least, so prefill always progresses
     headroom: float = 0.85  # aim below the target: step times vary from step to step
+    idle_budget: int = 0  # prompt tokens a step may carry when nothing decodes (at least token_budget)
     base_s: float | None = field(default=None, init=False)  # decode-only step seconds (EMA)
     per_token_s: float | None = field(default=None, init=False)  # seconds per prompt token above the base
     allow: int = field(default=0, init=False)  # prompt tokens per step under decode pressure
@@ -48,8 +49,10 @@ class PrefillPacer:
 
     def allowance(self, n_decode: int) -> int:
         """Prompt tokens the next step may carry when `n_decode` sequences decode in it (>= 0)."""
+        if n_decode == 0:  # nobody waits on this step: prompts take the larger idle budget (fewer, bigger chunks)
+            return max(self.token_budget, self.idle_budget)
         room = max(self.token_budget - n_decode, 0)
-        if n_decode == 0 or not self.enabled:
+        if not self.enabled:
             return room
         return min(max(self.allow, self.min_chunk), room)
 

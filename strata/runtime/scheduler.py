@@ -71,7 +71,10 @@ class Scheduler:
         chunk_min = rt.prefill_chunk_min if prefill_chunk_min is None else prefill_chunk_min
         if gap < 0 or chunk_min < 1:
             raise StrataError("scheduler needs decode_gap_target >= 0 (seconds) and prefill_chunk_min >= 1")
-        self.pacer = PrefillPacer(token_budget, gap, chunk_min)
+        # a step nobody decodes in carries up to runtime.prefill_chunk prompt tokens (what Engine.generate's
+        # prefill takes per pass), so a long prompt alone prefills in as few chunks as there, each cold expert
+        # crossing PCIe once per chunk; steps with decoding sequences keep to the token budget and the pacer
+        self.pacer = PrefillPacer(token_budget, gap, chunk_min, idle_budget=rt.prefill_chunk)
         self.repro_chunk = rt.prefill_chunk  # reproducible prompts: Engine.generate's chunking, whatever the load
         self._step_log: deque[dict] = deque(maxlen=512)  # recent steps, for benchmarks and diagnosis
         self.cache = KVCache(engine.checkpoint.config, max_batch, engine.max_context, engine.dtype, engine.device)
@@ -181,8 +184,8 @@ class Scheduler:
         """One step: a forward pass over the shared batch, then one per reproducible sequence.
 
         Every decoding sequence gets one token per step; prompt chunks of the shared batch fill what the
-        pacer allows (the whole token budget when nobody decodes), reproducible prompts advance by the
-        fixed `runtime.prefill_chunk`.
+        pacer allows (when nobody decodes, the larger of the token budget and `runtime.prefill_chunk`),
+        reproducible prompts advance by the fixed `runtime.prefill_chunk`.
         """
         t0 = time.perf_counter()
         solo = [self._plan([s], self.repro_chunk) for s in self._running if s.req.reproducible]
