@@ -288,6 +288,33 @@ def test_split_decode_promotes_a_popular_cpu_expert(store):
         m.close()
 
 
+def test_split_prefetches_into_pinned_ram_and_idles_once_it_holds_every_expert(store):
+    """Split decode computes cold experts on the CPU from pinned RAM: its prefetcher fetches ahead into pinned
+    RAM, not GPU slots, and stops predicting for good once pinned RAM holds every expert (and can hold them
+    all); a copy-only engine's prefetcher still targets the GPU tier."""
+    from strata.config import StrataConfig
+    from strata.runtime.build import attach_prefetcher
+
+    keys = store.keys()
+    calls = []
+    predictors = {layer: (lambda h, layer=layer: calls.append(layer) or torch.zeros(1, 2, dtype=torch.long))
+                  for layer in store.index.moe_layers}
+    for pinned, numerics in [(len(keys), "fork"), (4, "fork"), (len(keys), "gpu")]:
+        m = TierManager(store, TierBudgets(gpu_slots=3, pinned_slots=pinned), gpu_device=torch.device("cpu"),
+                        io_threads=2)
+        try:
+            pf = attach_prefetcher(ExpertCompute(m, "gpu", numerics), predictors, StrataConfig())
+            assert pf.device_tier == ("cpu" if numerics == "fork" else "gpu")
+            m.release(m.acquire(list(keys)[: min(pinned, len(keys))], "cpu"))
+            assert m.all_pinned() == (pinned == len(keys))  # a smaller pool may evict: never idle for good
+            calls.clear()
+            pf(store.index.moe_layers[0], torch.zeros(1, 8))
+            idle = numerics == "fork" and pinned == len(keys)
+            assert (calls == []) == idle  # idle for good: no prediction at all
+        finally:
+            m.close()
+
+
 # ---- CUDA ------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu

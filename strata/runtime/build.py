@@ -161,9 +161,16 @@ def prepare_cpu_experts(computes: list[ExpertCompute]) -> None:
 
 
 def attach_prefetcher(compute: ExpertCompute, predictors: dict, cfg: StrataConfig) -> LookaheadPrefetcher:
-    """`compute`'s lookahead prefetcher over the MoE layers of `predictors` (idle once all experts are resident)."""
-    compute.prefetcher = LookaheadPrefetcher(compute.manager, predictors, cfg.prefetch.lookahead,
-                                             compute.device_tier, idle=compute.all_resident)
+    """`compute`'s lookahead prefetcher over the MoE layers of `predictors`, idle for good once its target
+    tier holds every expert. Split decode computes cold experts on the CPU from pinned RAM, so there it
+    fetches ahead into pinned RAM (from tmpfs or disk); copies ahead into GPU slots there only churned the
+    GPU tier (the suite's skewed split ran 1.27x faster with prefetch off), whose adaptation is left to the
+    split's own promotions (`policy.promote`)."""
+    if compute.split:
+        target, idle = "cpu", compute.manager.all_pinned
+    else:
+        target, idle = compute.device_tier, compute.all_resident
+    compute.prefetcher = LookaheadPrefetcher(compute.manager, predictors, cfg.prefetch.lookahead, target, idle=idle)
     compute.prefetcher.recorder = current_recorder
     return compute.prefetcher
 

@@ -118,6 +118,14 @@ class LookupsMixin:
         with self._lock:
             return len(self.gpu.slot_of) == len(self.store.keys()) and not self.gpu.inflight
 
+    def all_pinned(self) -> bool:
+        """Every expert of the store sits in pinned RAM and none can ever be evicted from it (its budget holds
+        them all): from then on, nothing needs fetching into RAM again."""
+        if not self._pinned_holds_all:
+            return False
+        with self._lock:
+            return len(self.pinned.slot_of) == len(self.store.keys()) and not self.pinned.inflight
+
     def slot_weights(self) -> SlotWeights:
         """Typed views of every GPU slot: gate_up [S, 2I, H], down [S, H, I]."""
         (gu, dn), store = self.store.expert_shapes, self.store

@@ -38,7 +38,9 @@ class LookaheadPrefetcher:
     def __init__(self, manager: TierManager, predictors: dict[int, Predictor], lookahead: int, device_tier: str,
                  idle: Callable[[], bool] | None = None):
         self.manager, self.predictors = manager, predictors
-        self.idle = idle  # True when there is nothing left to fetch (every expert resident)
+        # True once there is nothing left to fetch, for good (every expert resident in the target tier and none
+        # evictable): a decode step captured from then on leaves the prediction out of its graph
+        self.idle = idle
         self.recorder: Callable[[], object] | None = None  # the segmented graph capture in progress, if any
         self.lookahead, self.device_tier = lookahead, device_tier
         self._moe_layers = sorted(predictors)
@@ -51,12 +53,14 @@ class LookaheadPrefetcher:
         ahead = [j for j in self._moe_layers if j > layer][: self.lookahead]
         if not ahead:
             return
+        if self.idle is not None and self.idle():  # idle for good (the target tier holds every expert)
+            return
         rec = self.recorder() if self.recorder is not None else None
         if rec is not None:  # inside a graph capture: predict in the graph, gate and issue at every replay
             ids = torch.stack([self.predictors[j](hidden).reshape(-1) for j in ahead])  # [J, N*k], static
             rec.defer(lambda: self._replayed(ahead, ids))
             return
-        if (self.idle is not None and self.idle()) or not self._precise_enough():
+        if not self._precise_enough():
             return
         ids = torch.stack([self.predictors[j](hidden).reshape(-1) for j in ahead])  # [J, N*k]
         if not ids.is_cuda:
