@@ -136,8 +136,10 @@ class TieredExperts(nn.Module):
         if c.use_split and c.slots is not None:
             on_cpu = self._cpu_share({e: len(p) for e, p in cold.items()}, serial=not c.cpu_async)
             c.manager.note_gpu_misses(self.layer, on_cpu)  # the GPU tier's frequency history sees them too
-            if c.promote and on_cpu:
-                self._promote(on_cpu)
+            # the GPU tier's only way in for the experts no copy brings (the CPU's share, and the GPU's share
+            # when read in place): a background copy of the most used one, if worth a slot
+            if c.promote and (candidates := set(cold) if c.host_experts is not None else on_cpu):
+                self._promote(candidates)
         groups = [(e, torch.from_numpy(cold[e])) for e in sorted(on_cpu)]  # the CPU share: (expert, its pairs)
         share = None
         if groups and c.cpu_async:  # the experiment: the CPU share starts first, on the kernel's own thread
@@ -175,13 +177,11 @@ class TieredExperts(nn.Module):
             return
         batches = []
         if c.use_split:
-            keep = m.worth_caching(self.layer, to_copy)  # used over twice as often as the GPU tier's victim
             if self._read_in_place(x, y, to_copy, cold):  # the GPU's share read from pinned RAM where it lies
-                if keep:  # the GPU tier adapts off the critical path (see `_promote`)
-                    self._promote(keep, worth=keep)
                 return
-            # else: the copies the GPU tier should keep are staged through it (so it adapts to the traffic),
-            # the others land in the stream slots, for this step only (no eviction)
+            # else: the copies the GPU tier should keep (used over twice as often as its victim) are staged
+            # through it, so it adapts to the traffic; the others land in the stream slots, for this step only
+            keep = m.worth_caching(self.layer, to_copy)
             once = [e for e in to_copy if e not in keep]
             if once and (streamed := m.stream_gpu(self.layer, once)) is not None:
                 batches.append(streamed)
@@ -200,13 +200,13 @@ class TieredExperts(nn.Module):
                 slot_plus_one[cold[e]] = slot + 1
         _upload(slot_plus_one, late)
 
-    def _promote(self, experts, worth: list[int] | None = None) -> None:
+    def _promote(self, experts) -> None:
         """Split decode computes most cold experts on the CPU, so no copy would bring one that became popular
         into the GPU tier: of `experts`, the one the tier's history says is used most, if it is worth a slot
         (used over twice as often as the slot's victim, `worth_caching`), is copied there in the background,
         off this step's path. One per layer and step, so the link and the copy threads stay lightly used."""
         m = self.compute.manager
-        keep = worth if worth is not None else m.worth_caching(self.layer, sorted(experts))
+        keep = m.worth_caching(self.layer, sorted(experts))
         if keep:
             score = m.gpu_scores(self.layer, keep)
             m.prefetch([(self.layer, max(keep, key=score.__getitem__))], "gpu", warm=True)
@@ -220,7 +220,8 @@ class TieredExperts(nn.Module):
             return False
         t0 = time.perf_counter()
         addresses = c.manager.read_in_place(self.layer, experts)
-        c.host_seconds["in_place_hold"] += time.perf_counter() - t0
+        t_held = time.perf_counter()
+        c.host_seconds["in_place_hold"] += t_held - t0
         if addresses is None:
             return False
         addr = np.zeros(y.shape[0], dtype=np.int64)  # [P] each pair's slot address, 0 = not in this pass
@@ -235,7 +236,7 @@ class TieredExperts(nn.Module):
         end.record()
         t2 = time.perf_counter()
         c.manager.finish_in_place(self.layer, experts, start, end)
-        c.host_seconds["in_place_upload"] += t1 - t0
+        c.host_seconds["in_place_upload"] += t1 - t_held
         c.host_seconds["in_place_launch"] += t2 - t1
         return True
 

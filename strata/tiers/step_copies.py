@@ -149,14 +149,8 @@ class StepCopiesMixin:
                 return None
             self._reap_copies()
             slots = self.stream_slots[: len(keys)]
-            copies = []
-            for key, slot in zip(keys, slots, strict=True):
-                self._note_prefetch_use(pinned, key)
-                pinned.policy.touch(key)
-                self.gpu.policy.touch(key)  # the GPU tier's frequency history counts it (a later prefetch may keep it)
-                pinned.refs[key] = pinned.refs.get(key, 0) + 1  # the source stays put until the copy lands
-                self.stats_.lookup(layer, "pinned", True, 0.0, expert=key[1])
-                copies.append((slot, self.pool.slot(pinned.slot_of[key])))
+            self._hold_for_gpu(keys)  # the sources stay put until the copies land
+            copies = [(slot, self.pool.slot(pinned.slot_of[key])) for key, slot in zip(keys, slots, strict=True)]
             t0 = time.perf_counter()
             start, done = self.slots.stream_in(copies, self._stream_free)
             if done is None:
@@ -180,15 +174,22 @@ class StepCopiesMixin:
             if any(k not in pinned.slot_of or k in pinned.inflight for k in keys):
                 return None
             self._reap_copies()
-            for key in keys:
-                self._note_prefetch_use(pinned, key)
-                if not self._pinned_holds_all:
-                    pinned.policy.touch(key)
-                if self.gpu is not None:
-                    self.gpu.policy.touch(key)  # the GPU tier's frequency history counts it (a later copy may keep it)
-                pinned.refs[key] = pinned.refs.get(key, 0) + 1  # the slot stays put until the kernel has read it
-                self.stats_.lookup(layer, "pinned", True, 0.0, expert=key[1])
+            self._hold_for_gpu(keys)  # the slots stay put until the kernel has read them
             return [self.pool.slot_address(pinned.slot_of[k]) for k in keys]
+
+    def _hold_for_gpu(self, keys: list[Key]) -> None:
+        """Pinned-resident `keys` a GPU step reads from pinned RAM (a stream copy or an in-place kernel): held
+        in their slots, counted as pinned-tier lookups the GPU tier missed, and seen by both policies (the GPU
+        tier's frequency history decides whether a later copy keeps one). Under the manager's lock."""
+        pinned = self.pinned
+        for key in keys:
+            self._note_prefetch_use(pinned, key)
+            if not self._pinned_holds_all:
+                pinned.policy.touch(key)
+            if self.gpu is not None:
+                self.gpu.policy.touch(key)
+            pinned.refs[key] = pinned.refs.get(key, 0) + 1
+            self.stats_.lookup(key[0], "pinned", True, 0.0, expert=key[1])
 
     def finish_in_place(self, layer: int, experts: list[int], start, end) -> None:
         """The kernel reading `read_in_place`'s slots is enqueued between CUDA events `start` and `end`."""
