@@ -74,7 +74,7 @@ class LookupsMixin:
         `drop_held`. For the CPU expert kernel, which reads the slots by address."""
         tier = self.pinned
         with self._lock:
-            if any(k not in tier.slot_of or k in tier.inflight for k in keys):
+            if not self._all_in_tier(tier, keys):
                 return None
             me = threading.get_ident()
             for key in keys:
@@ -85,6 +85,11 @@ class LookupsMixin:
                 self.stats_.lookup(key[0], tier.name, False, 0.0, expert=key[1])
             self._thread_refs[me] += len(keys)
             return [tier.slot_of[k] for k in keys]
+
+    @staticmethod
+    def _all_in_tier(tier, keys: list[tuple[int, int]]) -> bool:
+        """Every key resident in `tier` now (mapped, no transfer in flight)."""
+        return all(k in tier.slot_of and k not in tier.inflight for k in keys)
 
     def drop_held(self, keys: list[tuple[int, int]]) -> None:
         """Undo `hold_resident` (same thread)."""

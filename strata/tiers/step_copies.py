@@ -145,9 +145,8 @@ class StepCopiesMixin:
         pinned = self.pinned
         keys = [(layer, int(e)) for e in experts]
         with self._lock:
-            if any(k not in pinned.slot_of or k in pinned.inflight for k in keys):
+            if not self._pinned_now(keys):
                 return None
-            self._reap_copies()
             slots = self.stream_slots[: len(keys)]
             self._hold_for_gpu(keys)  # the sources stay put until the copies land
             copies = [(slot, self.pool.slot(pinned.slot_of[key])) for key, slot in zip(keys, slots, strict=True)]
@@ -171,11 +170,18 @@ class StepCopiesMixin:
         pinned = self.pinned
         keys = [(layer, int(e)) for e in experts]
         with self._lock:
-            if any(k not in pinned.slot_of or k in pinned.inflight for k in keys):
+            if not self._pinned_now(keys):
                 return None
-            self._reap_copies()
             self._hold_for_gpu(keys)  # the slots stay put until the kernel has read them
             return [self.pool.slot_address(pinned.slot_of[k]) for k in keys]
+
+    def _pinned_now(self, keys: list[Key]) -> bool:
+        """Every key resident in pinned RAM (not on its way there); finished copies reaped first, so their
+        holds are gone before new ones are taken. Under the manager's lock."""
+        if not self._all_in_tier(self.pinned, keys):
+            return False
+        self._reap_copies()
+        return True
 
     def _hold_for_gpu(self, keys: list[Key]) -> None:
         """Pinned-resident `keys` a GPU step reads from pinned RAM (a stream copy or an in-place kernel): held
