@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU-box session that produced bench/RESULTS.md's 2026-11-30 (second session) figures.
-#   bash bench/h200_session.sh tests|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|suite|profile|core   (writes under $OUT)
+#   bash bench/h200_session.sh tests|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|suite|
+#                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 set -u
 export PYTHONPATH=/tmp/site:$PWD STRATA_CACHE=/dev/shm/sc
@@ -35,12 +36,21 @@ case "$1" in
   suite)  # the benchmark suite's quick run (issue 7): one 10-minute call
     timeout 580 python3 -m bench run --suite quick --out "$OUT/suite" 2>&1 | tail -15 ;;
   profile)  # where a tiered decode step's time goes (issue 4): 12 layers, uniform routing, 25% GPU budget
-    [ -d /dev/shm/b12u ] || python3 -m strata demo-model /dev/shm/b12u --size bench --layers 12 --no-engram \
+    [ -d /dev/shm/b12 ] || python3 -m strata demo-model /dev/shm/b12 --size bench --layers 12 --no-engram \
       --route-skew uniform > /dev/null 2>&1
-    timeout 200 python3 bench/profile_decode.py --model /dev/shm/b12u --host --no-kernels --tokens 16 --out "$OUT/profile" \
+    timeout 200 python3 bench/profile_decode.py --model /dev/shm/b12 --host --no-kernels --tokens 16 --out "$OUT/profile" \
       --config '{"tiers": {"gpu": {"budget": "3.6GiB"}}, "runtime": {"max_context": 1024}}' 2>&1 | grep -E "probe|tok/s"
-    timeout 200 python3 bench/profile_decode.py --model /dev/shm/b12u --host --no-kernels --tokens 16 --out "$OUT/profile-copy" \
-      --config '{"tiers": {"gpu": {"budget": "3.6GiB"}}, "runtime": {"max_context": 1024, "cpu_numerics": "gpu"}}' 2>&1 | grep -E "tok/s" ;;
+    [ "${2:-}" = copy ] && timeout 200 python3 bench/profile_decode.py --model /dev/shm/b12 --host --no-kernels --tokens 16 \
+      --out "$OUT/profile-copy" --config '{"tiers": {"gpu": {"budget": "3.6GiB"}}, "runtime": {"max_context": 1024, "cpu_numerics": "gpu"}}' \
+      2>&1 | grep -E "tok/s" ;;
+  profile-ceiling)  # the all-in-VRAM decode step's kernels (issue 7's 250 tok/s): 12 layers
+    [ -d /dev/shm/b12 ] || python3 -m strata demo-model /dev/shm/b12 --size bench --layers 12 --no-engram \
+      --route-skew uniform > /dev/null 2>&1
+    timeout 200 python3 bench/profile_decode.py --model /dev/shm/b12 --no-kernels --tokens 32 --out "$OUT/profile-ceiling" \
+      2>&1 | grep -E "tok/s" ;;
+  tests-decode)  # the GPU tests of the decode kernels and paths only (after a change there)
+    timeout 240 python3 -m pytest -q -m gpu tests/test_fused_kernels.py tests/test_gpu.py tests/test_decode_path.py \
+      tests/test_step_copies.py > "$OUT/gpu_tests_decode.txt" 2>&1; tail -3 "$OUT/gpu_tests_decode.txt" ;;
   core)  # one 10-minute call: the GPU tests, the Engram tiers, the uniform hot path
     bash "$0" tests; bash "$0" engram; bash "$0" hotpath uniform ;;
   engram)

@@ -7,8 +7,8 @@ Cases, all in this one run on the same weights (the store is built once, on firs
   ceiling_eager  the same without graphs (what the graphs are worth)
   ceiling_unfused, split_unfused   the same with the fused decode kernels off (torch's op chains; what
                  strata.kernels.fused and decode_attention are worth)
-  ceiling_staged, split_staged     the same with the staged fusions on too (fused.STAGED: cache writes in the
-                 key's rotary kernel, residual add in the next norm; not yet measured on a GPU)
+  ceiling_nofolds, split_nofolds   the same with the folds off (fused.FOLDS: cache writes in the key's rotary
+                 kernel, residual add in the next norm, q/k/v in one GEMM; what they are worth)
   split          GPU budget = fraction of the expert bytes, the rest in pinned RAM; cold experts split
                  between the CPU kernel and PCIe copies by the cost model (cpu_numerics = "fork")
   split_in_place split with the GPU's share of cold experts read from pinned RAM in place by the pair kernels
@@ -106,7 +106,7 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
                    prefetch=t1s["prefetch"],
                    cold_path_host_ms_per_token={k: round(1000 * (v - before["cold_path_host_seconds"].get(k, 0.0)) / n, 3)
                                                 for k, v in after["cold_path_host_seconds"].items()})
-    if prefill and name in ("ceiling", "split"):
+    if prefill and name in ("ceiling", "split", "ceiling_nofolds", "split_nofolds"):
         long_prompt = [(100 + i * 7919) % vocab for i in range(prefill)]
         sync()
         t0 = time.perf_counter()
@@ -161,8 +161,8 @@ def main() -> None:
         "ceiling_eager": {"runtime": {**rt, "experts": "memory", "cuda_graphs": False}},
         "ceiling_unfused": {"runtime": {**rt, "experts": "memory"}},
         "split_unfused": tiered,
-        "ceiling_staged": {"runtime": {**rt, "experts": "memory"}},
-        "split_staged": tiered,
+        "ceiling_nofolds": {"runtime": {**rt, "experts": "memory"}},
+        "split_nofolds": tiered,
         "split": tiered,
         "split_in_place": {**tiered, "runtime": {**rt, "read_in_place": True}},
         "split_nostream": tiered,  # STRATA_STREAM_SLOTS=0: split-mode copies staged through the cached GPU tier
@@ -180,7 +180,7 @@ def main() -> None:
         os.environ.pop("STRATA_CPU_THREADS", None) if name != "split_async14" else os.environ.update(STRATA_CPU_THREADS="14")
         os.environ.pop("STRATA_STREAM_SLOTS", None) if name != "split_nostream" else os.environ.update(STRATA_STREAM_SLOTS="0")
         fused.ENABLED = not name.endswith("_unfused")
-        fused.STAGED = name.endswith("_staged")
+        fused.FOLDS = not name.endswith("_nofolds")
         try:
             result["cases"].append(run_case(args.model, name, all_cases[name], args.tokens, args.prefill, args.device))
         except Exception as e:  # noqa: BLE001 - record and go on to the next case
@@ -189,7 +189,7 @@ def main() -> None:
     os.environ.pop("STRATA_CPU_ASYNC", None)
     os.environ.pop("STRATA_CPU_THREADS", None)
     os.environ.pop("STRATA_STREAM_SLOTS", None)
-    fused.ENABLED, fused.STAGED = True, False
+    fused.ENABLED = fused.FOLDS = True
     add_rooflines(result["cases"])
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "hotpath.json").write_text(json.dumps(result, indent=2))

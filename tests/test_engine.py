@@ -201,3 +201,21 @@ def test_reproducible_generation_takes_the_exact_path_and_restores_it(tiny_engin
     with pytest.raises(RequestError, match="reproducible"):
         tiny_engine.generate("Hi", reproducible="yes")
     assert compute.reproducible is False
+
+
+def test_stacking_parameters_into_views_keeps_their_values():
+    """The q/k/v fold's helpers: stacked rows equal the parameters, which become views of them (one copy in
+    memory), and a parameter replaced afterwards breaks the view check so the stack is rebuilt."""
+    from torch import nn
+
+    from strata.runtime.attention import _stack_into_views, _views_of
+
+    params = [nn.Parameter(torch.randn(n, 8), requires_grad=False) for n in (6, 2, 2)]
+    before = [p.detach().clone() for p in params]
+    stacked = _stack_into_views(params)
+    assert torch.equal(stacked, torch.cat(before)) and _views_of(stacked, params)
+    assert all(torch.equal(p, b) for p, b in zip(params, before, strict=True))
+    stacked[7].fill_(3.0)  # row 7 is k's second row: a view, so k sees it
+    assert torch.equal(params[1][1], torch.full((8,), 3.0))
+    params[2].data = torch.zeros(2, 8)
+    assert not _views_of(stacked, params)

@@ -127,10 +127,10 @@ def test_fusion_off_runs_the_torch_chain(monkeypatch):
 
 
 @pytest.mark.parametrize("norm", [True, False])
-def test_staged_rope_into_cache_equals_rope_then_index_put(norm, monkeypatch):
-    """The staged fusion: keys normed and rotated straight into the cache with the values, at each sequence's
+def test_folded_rope_into_cache_equals_rope_then_index_put(norm, monkeypatch):
+    """A fold: keys normed and rotated straight into the cache with the values, at each sequence's
     (slot, position); the rest of the cache untouched. Equal to norm_rope followed by two index_put_."""
-    monkeypatch.setattr(fused, "STAGED", True)
+    monkeypatch.setattr(fused, "FOLDS", True)
     g = torch.Generator().manual_seed(11)
     b, kv_heads, d, slots, length = 3, 4, 128, 5, 64
     k = torch.randn(b, kv_heads, d, generator=g).to(DTYPE).to(DEVICE)
@@ -145,12 +145,12 @@ def test_staged_rope_into_cache_equals_rope_then_index_put(norm, monkeypatch):
     assert fused.cache_write_ok(k, v, cos, w, kc, vc)
     fused.norm_rope_into_cache(k, v, cos, sin, w, 1e-6, kc, vc, slot_t, pos_t)
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
-    monkeypatch.setattr(fused, "STAGED", False)
-    assert not fused.cache_write_ok(k, v, cos, w, kc, vc)  # off unless staged fusions are on
+    monkeypatch.setattr(fused, "FOLDS", False)
+    assert not fused.cache_write_ok(k, v, cos, w, kc, vc)  # off unless the folds are on
 
 
-def test_staged_add_rms_norm_equals_add_then_norm(monkeypatch):
-    monkeypatch.setattr(fused, "STAGED", True)
+def test_folded_add_rms_norm_equals_add_then_norm(monkeypatch):
+    monkeypatch.setattr(fused, "FOLDS", True)
     g = torch.Generator().manual_seed(12)
     x = torch.randn(3, 2048, generator=g).to(DTYPE).to(DEVICE)
     delta = torch.randn(3, 2048, generator=g).to(DTYPE).to(DEVICE)
@@ -158,5 +158,38 @@ def test_staged_add_rms_norm_equals_add_then_norm(monkeypatch):
     total, normed = fused.add_rms_norm(x, delta, w, 1e-6)
     assert torch.equal(total, x + delta)  # the add rounds as torch's does
     assert torch.equal(normed, fused.rms_norm(x + delta, w, 1e-6))  # then exactly the fused norm
-    monkeypatch.setattr(fused, "STAGED", False)
+    monkeypatch.setattr(fused, "FOLDS", False)
     assert fused.add_rms_norm(x, delta, w, 1e-6) is None
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_folded_qkv_projection_equals_three_and_shares_their_memory(bias, monkeypatch):
+    """With the folds on, GQAAttention projects q/k/v with one GEMM over the stacked weights: the same values
+    as three separate projections (to one rounding step), the parameters become views of the stacked tensor (no
+    second copy), and replacing a weight afterwards is seen (the stack is rebuilt, not served stale)."""
+    from strata.runtime.attention import GQAAttention
+    from strata.runtime.model_config import ModelConfig
+
+    cfg = ModelConfig.from_hf({"model_type": "qwen2_moe", "vocab_size": 64, "hidden_size": 256, "num_hidden_layers": 1,
+                               "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
+                               "moe_intermediate_size": 32, "num_experts": 4, "num_experts_per_tok": 2,
+                               "shared_expert_intermediate_size": 32, "rms_norm_eps": 1e-6})
+    attn = GQAAttention(cfg, 0).to(DTYPE).to(DEVICE)
+    if not bias:
+        for p in (attn.q_proj, attn.k_proj, attn.v_proj):
+            p.bias = None
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(13)).to(DTYPE).to(DEVICE)
+    monkeypatch.setattr(fused, "FOLDS", False)
+    want = attn._project(x)
+    assert attn._qkv is None  # folds off: three projections, nothing stacked
+    monkeypatch.setattr(fused, "FOLDS", True)
+    got = attn._project(x)
+    for a, b in zip(got, want, strict=True):
+        close_in_dtype(a, b, atol=2e-2)
+    stacked_w, stacked_b = attn._qkv
+    assert attn.q_proj.weight.data_ptr() == stacked_w.data_ptr() and stacked_w.shape == (4 * 64 + 2 * 2 * 64, 256)
+    assert (stacked_b is not None) == bias
+    new_k = torch.randn_like(attn.k_proj.weight)
+    attn.k_proj.weight.data = new_k  # e.g. weights reloaded: the stale stack must not be used
+    assert torch.equal(attn._project(x)[1], F.linear(x, new_k, attn.k_proj.bias))
+    assert attn.k_proj.weight.data_ptr() != new_k.data_ptr()  # re-stacked: k is a view of the new stack

@@ -411,7 +411,9 @@ def test_staged_rows_serve_each_layer_from_its_own_store(engram6_dir, tmp_path_f
 
     os.environ.setdefault("STRATA_CACHE", str(tmp_path_factory.mktemp("cache")))
     memory = Engine.from_pretrained(engram6_dir, device="cpu", config={"runtime": {"experts": "memory"}})
-    conf = {"tiers": {"disk": {"scrub": False}}, "engram": {"tier": "disk", "row_cache": "1KiB"}}
+    # exact CPU numerics: this test is about which store serves each layer, not the forked kernel's rounding
+    conf = {"runtime": {"cpu_numerics": "gpu"}, "tiers": {"disk": {"scrub": False}},
+            "engram": {"tier": "disk", "row_cache": "1KiB"}}
     with Engine.from_pretrained(engram6_dir, device="cpu", config=conf) as eng:
         store = eng.checkpoint.store
         parts = {"card-a": EngramRowStore(store, [1], "disk", CPU, 8), "card-b": EngramRowStore(store, [4], "pinned", CPU, 8)}

@@ -27,10 +27,10 @@ except ImportError:  # pragma: no cover - exercised on CPU-only hosts
     triton = None
 
 ENABLED = os.environ.get("STRATA_FUSED_KERNELS", "1") != "0"  # the A/B switch of bench/hotpath.py's ceiling cases
-# Fusions checked under Triton's interpreter but not yet run on a GPU: the decode step's key/value cache writes
-# folded into the key's rotary kernel, and the attention residual's add folded into the next RMSNorm. Off until
-# measured (bench/hotpath.py's ceiling_staged case; $STRATA_FUSED_STAGED=1 turns them on).
-STAGED = os.environ.get("STRATA_FUSED_STAGED", "0") == "1"
+# Launches folded into a neighbour: the decode step's key/value cache writes into the key's rotary kernel, the
+# attention residual's add into the next RMSNorm, the q/k/v projections into one GEMM (`GQAAttention`). Measured
+# on the H200 (bench/hotpath.py's ceiling vs ceiling_nofolds, RESULTS.md); $STRATA_FUSED_FOLDS=0 turns them off.
+FOLDS = os.environ.get("STRATA_FUSED_FOLDS", "1") != "0"
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (kernel tests without a GPU)
 
 
@@ -92,8 +92,8 @@ def norm_rope_into_cache(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, si
 
 def cache_write_ok(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, weight: torch.Tensor | None,
                    k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """Whether `norm_rope_into_cache` can take this step (staged fusions on, shapes and layouts it handles)."""
-    return (STAGED and norm_rope_ok(k, cos, weight) and v.shape == k.shape and v.stride(-1) == 1
+    """Whether `norm_rope_into_cache` can take this step (folds on, shapes and layouts it handles)."""
+    return (FOLDS and norm_rope_ok(k, cos, weight) and v.shape == k.shape and v.stride(-1) == 1
             and k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.shape == v_cache.shape
             and k_cache.shape[2:] == k.shape[1:] and k_cache.dtype == v_cache.dtype == k.dtype == v.dtype)
 
@@ -104,7 +104,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     sum to x's dtype first as torch's add does. x, delta [..., D]; None when it cannot run fused (the caller
     runs the add and `rms_norm`)."""
     d = x.shape[-1]
-    if (not STAGED or not fused_ok(x) or weight.dtype != x.dtype or delta.dtype != x.dtype or d > 16384
+    if (not FOLDS or not fused_ok(x) or weight.dtype != x.dtype or delta.dtype != x.dtype or d > 16384
             or delta.shape != x.shape):
         return None
     rows, drows = x.reshape(-1, d).contiguous(), delta.reshape(-1, d).contiguous()
