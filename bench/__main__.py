@@ -36,7 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--size", default="bench", choices=["tiny", "small", "bench"])
     r.add_argument("--layers", type=int, default=None, help="demo model layers (quick: 12, full: 24)")
     r.add_argument("--skew", type=float, default=1.0, help="--route-skew of the skewed checkpoint (default 1)")
-    r.add_argument("--tokens", type=int, default=None, help="generated tokens per stream (quick: 32, full: 128)")
+    r.add_argument("--tokens", type=int, default=None, help="generated tokens per stream (quick: 64, full: 128)")
     r.add_argument("--cache", default="/dev/shm/strata-suite/cache", help="tiers.disk.path: where stores are built")
     r.add_argument("--disk-cache", default="~/.cache/strata-suite", help="store location of the disk case (real disk)")
     r.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke run)")

@@ -11,10 +11,12 @@ Cases, all in this one run on the same weights (the store is built once, on firs
                  kernel, residual add in the next norm, q/k/v in one GEMM; what they are worth)
   split          GPU budget = fraction of the expert bytes, the rest in pinned RAM; cold experts split
                  between the CPU kernel and PCIe copies by the cost model (cpu_numerics = "fork")
+  split_nopromote split without promotions (policy.promote = false: the GPU tier keeps its initial placement)
   split_in_place split with the GPU's share of cold experts read from pinned RAM in place by the pair kernels
                  (runtime.read_in_place = true) instead of copied to GPU slots
   split_nostream split with its decode copies staged through the cached GPU tier (STRATA_STREAM_SLOTS=0)
   split_serial   split with the copies staged first, then the CPU share on the same thread (STRATA_CPU_ASYNC=0)
+  split_t14      split with 14 CPU kernel threads (STRATA_CPU_THREADS=14): two cores left to the host step
   split_async    split with the CPU share started first on the kernel's threads, one core left to the thread
                  that stages the copies meanwhile (STRATA_CPU_ASYNC=1); split_async14: two cores left
   copy           the same budget, cold experts always copied (cpu_numerics = "gpu": bit-exact mode)
@@ -127,7 +129,7 @@ def add_rooflines(cases: list[dict]) -> None:
     """time per token >= max(GPU time (the ceiling's step), cold bytes / rates of the paths the case may use)."""
     ceiling = next((c for c in cases if c.get("case") == "ceiling" and "tok_s" in c), None)
     gpu_s = 1 / ceiling["tok_s"] if ceiling else 0.0
-    rates = {"split": PCIE + CPU, "split_nostream": PCIE + CPU, "split_serial": PCIE + CPU, "split_async": PCIE + CPU, "split_async14": PCIE + CPU,
+    rates = {"split": PCIE + CPU, "split_nostream": PCIE + CPU, "split_nopromote": PCIE + CPU, "split_nofolds": PCIE + CPU, "split_t14": PCIE + CPU, "split_serial": PCIE + CPU, "split_async": PCIE + CPU, "split_async14": PCIE + CPU,
              "copy": PCIE, "cpu": CPU}
     for c in cases:
         if c.get("case") in rates and "cold_bytes_per_token" in c:
@@ -165,10 +167,12 @@ def main() -> None:
         "split_nofolds": tiered,
         "split": tiered,
         "split_in_place": {**tiered, "runtime": {**rt, "read_in_place": True}},
+        "split_nopromote": {**tiered, "policy": {"promote": False}},  # no background copies of popular CPU experts
         "split_nostream": tiered,  # STRATA_STREAM_SLOTS=0: split-mode copies staged through the cached GPU tier
         "split_serial": tiered,  # STRATA_CPU_ASYNC=0: the copies are staged, then the CPU share runs on this thread
         "split_async": tiered,  # STRATA_CPU_ASYNC=1: the CPU share starts first, on the kernel's threads (one core left)
         "split_async14": tiered,  # the same with 14 kernel threads (two cores left)
+        "split_t14": tiered,  # split with 14 kernel threads: two cores left to the host step and the copy threads
         "copy": {**tiered, "runtime": {**rt, "cpu_numerics": "gpu"}},
         "cpu": {"tiers": {"gpu": {"budget": "0"}, "disk": disk}, "runtime": rt},
     }
@@ -177,7 +181,8 @@ def main() -> None:
     for name in args.cases.split(","):
         mode = {"split_serial": "0", "split_async": "1", "split_async14": "1"}.get(name)
         os.environ.pop("STRATA_CPU_ASYNC", None) if mode is None else os.environ.update(STRATA_CPU_ASYNC=mode)
-        os.environ.pop("STRATA_CPU_THREADS", None) if name != "split_async14" else os.environ.update(STRATA_CPU_THREADS="14")
+        os.environ.pop("STRATA_CPU_THREADS", None) if name not in ("split_async14", "split_t14") else os.environ.update(
+            STRATA_CPU_THREADS="14")
         os.environ.pop("STRATA_STREAM_SLOTS", None) if name != "split_nostream" else os.environ.update(STRATA_STREAM_SLOTS="0")
         fused.ENABLED = not name.endswith("_unfused")
         fused.FOLDS = not name.endswith("_nofolds")

@@ -90,7 +90,7 @@ def replay(store_dir: Path, prefill: dict, decode: dict, fraction: float, mode: 
                     keep = m.worth_caching(layer, sorted(cold))
                     if keep:
                         score = m.gpu_scores(layer, keep)
-                        m.prefetch([(layer, max(keep, key=score.__getitem__))], "gpu", warm=True)
+                        m.promote((layer, max(keep, key=score.__getitem__)))
                         promoted += 1
             m.wait_settled(60)  # a background copy lands within a layer's time on a GPU box
         late = [late[0] + hits, late[1] + lookups, late[2] + promoted]

@@ -193,3 +193,26 @@ def test_folded_qkv_projection_equals_three_and_shares_their_memory(bias, monkey
     attn.k_proj.weight.data = new_k  # e.g. weights reloaded: the stale stack must not be used
     assert torch.equal(attn._project(x)[1], F.linear(x, new_k, attn.k_proj.bias))
     assert attn.k_proj.weight.data_ptr() != new_k.data_ptr()  # re-stacked: k is a view of the new stack
+
+
+def test_folds_leave_prefill_sized_batches_to_the_unfolded_ops(monkeypatch):
+    """The folds are for decode-sized batches: beyond FOLD_MAX_ROWS rows (a prefill chunk, measured slower
+    folded) the residual add + norm is not folded, and q/k/v are projected by three GEMMs, nothing stacked."""
+    from strata.runtime.attention import GQAAttention
+    from strata.runtime.model_config import ModelConfig
+
+    monkeypatch.setattr(fused, "FOLDS", True)
+    monkeypatch.setattr(fused, "FOLD_MAX_ROWS", 4)
+    w = torch.ones(64, dtype=DTYPE, device=DEVICE)
+    small, large = (torch.randn(n, 64).to(DTYPE).to(DEVICE) for n in (4, 5))
+    assert fused.add_rms_norm(small, small, w, 1e-6) is not None
+    assert fused.add_rms_norm(large, large, w, 1e-6) is None
+    cfg = ModelConfig.from_hf({"model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 64, "num_hidden_layers": 1,
+                               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                               "intermediate_size": 64, "moe_intermediate_size": 32, "num_experts": 4,
+                               "num_experts_per_tok": 2, "rms_norm_eps": 1e-6})
+    attn = GQAAttention(cfg, 0).to(DTYPE).to(DEVICE)
+    attn._project(large)
+    assert attn._qkv is None
+    attn._project(small)
+    assert attn._qkv is not None

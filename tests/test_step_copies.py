@@ -253,3 +253,43 @@ def test_read_in_place_holds_pinned_slots_until_the_kernel_has_run(store):
     finally:
         m.pool.pinned = False
         m.close()
+
+
+def _promote(store, device: str):
+    """`promote` queues the move for a transfer worker: the caller returns before the copy is issued, and once
+    settled the expert sits in a GPU slot with its exact bytes, the victim's map entry reads -1, and the
+    device map agrees with the host mirror."""
+    layer = store.index.moe_layers[0]
+    n_experts = max(k[1] for k in store.keys()) + 1
+    m = TierManager(store, TierBudgets(gpu_slots=3, pinned_slots=n_experts), gpu_device=torch.device(device),
+                    io_threads=2, policy="lfu")
+    try:
+        m.release(m.acquire([(layer, e) for e in range(n_experts)], "cpu"))
+        m.release_staged(m.stage_gpu(layer, [0, 1, 2]))  # the GPU tier is full
+        assert m.wait_settled(10)
+        with m._lock:  # a worker cannot run the promotion before this block ends: the call only queues it
+            m.promote((layer, 5))
+            assert (layer, 5) not in m.gpu.slot_of and m._jobs
+        assert m.wait_settled(10) and (layer, 5) in m.gpu.slot_of
+        slot = m.gpu.slot_of[(layer, 5)]
+        gate_up, down = store.expert_views(store.read_expert((layer, 5)))
+        got_gu, got_dn = store.expert_views(m.slots.view(slot))
+        assert torch.equal(got_gu.cpu(), gate_up) and torch.equal(got_dn.cpu(), down)
+        if m.slots.is_cuda:
+            torch.cuda.synchronize()
+        device_map = m.slots.slot_of.cpu().numpy()
+        assert (device_map == m.slots.slot_of_host).all() and device_map[layer, 5] == slot
+        assert sum(device_map[layer, e] >= 0 for e in (0, 1, 2)) == 2  # one of them was evicted for it
+    finally:
+        m.close()
+
+
+def test_promote_cpu_slab(store):
+    _promote(store, "cpu")
+
+
+@pytest.mark.gpu
+def test_promote_cuda(store):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    _promote(store, "cuda")

@@ -80,7 +80,7 @@ class Case:
         return (self.variant, self.routing, self.gpu_fraction, self.ram_fraction, repr(sorted(self.extra.items())))
 
 
-def quick_suite(tokens: int = 32) -> list[Case]:
+def quick_suite(tokens: int = 64) -> list[Case]:
     """Fits one 10-minute GPU call on a 12-layer bench model: 25% budget, one stream (plus one 8K prefill)."""
     w = Workload(128, 1, tokens)
     out = [Case("ceiling", "uniform", None, w, group="baseline"), Case("split", "uniform", 0.25, w),

@@ -116,14 +116,16 @@ def _snapshot(engine) -> dict:
     return {"lookups": t.get("lookups", 0), "stall": t.get("stall_seconds", 0.0),
             "hits": {k: v.get("hits", 0) for k, v in (t.get("tiers") or {}).items()},
             "paths": {k: v.get("bytes", 0) for k, v in (t.get("paths") or {}).items()},
-            "cpu_experts": st.get("cpu_experts_computed", 0)}
+            "cpu_experts": st.get("cpu_experts_computed", 0), "promotions": st.get("promotions", 0),
+            "host": dict(st.get("cold_path_host_seconds") or {})}
 
 
 def _delta(a: dict, b: dict) -> dict:
     return {"lookups": b["lookups"] - a["lookups"], "stall": b["stall"] - a["stall"],
             "hits": {k: b["hits"].get(k, 0) - a["hits"].get(k, 0) for k in b["hits"]},
             "paths": {k: b["paths"].get(k, 0) - a["paths"].get(k, 0) for k in b["paths"]},
-            "cpu_experts": b["cpu_experts"] - a["cpu_experts"]}
+            "cpu_experts": b["cpu_experts"] - a["cpu_experts"], "promotions": b["promotions"] - a["promotions"],
+            "host": {k: v - a["host"].get(k, 0.0) for k, v in b["host"].items()}}
 
 
 def run_workload(engine, scheduler, w: Workload, vocab: int, device: str) -> dict:
@@ -194,6 +196,9 @@ def run_workload(engine, scheduler, w: Workload, vocab: int, device: str) -> dic
         "bytes_per_token": {k: int(v / n) for k, v in decode["paths"].items() if v},
         "prefill_bytes_per_prompt_token": {k: int(v / max(1, sum(map(len, prompts)))) for k, v in prefill["paths"].items() if v},
         "cpu_experts_per_token": round(decode["cpu_experts"] / n, 3),
+        "promotions_per_token": round(decode["promotions"] / n, 3),
+        # the decode layers' host work by phase (strata.runtime.tiered_moe), where a tiered step's time goes
+        "cold_path_host_ms_per_token": {k: round(1000 * v / n, 3) for k, v in decode["host"].items() if v},
         "stall_s_per_token": round(decode["stall"] / n, 6),
         "stall_s_total": round(decode["stall"] + prefill["stall"], 4),
         "wall_s": round(t_end - t0, 3),
@@ -244,7 +249,8 @@ def run_group(cases: list[Case], model: Path, summary: dict, facts: ModelFacts, 
         sched.start()
         if popularity is not None:  # once per routing, outside any timed run: how this checkpoint routes
             popularity.update(_measure_popularity(engine, sched, vocab, summary))
-        run_workload(engine, sched, Workload(64, 1, 4), vocab, device)  # warm-up: kernels, graphs, first copies
+        # warm-up: kernels, graphs, first copies, and the tier policy's first counts and promotions
+        run_workload(engine, sched, Workload(64, 1, 16), vocab, device)
         for case in cases:
             if time.time() > deadline:
                 records.append(record(case, "skipped", "the suite's deadline passed (--deadline)", config=cfg))

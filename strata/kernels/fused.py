@@ -31,12 +31,21 @@ ENABLED = os.environ.get("STRATA_FUSED_KERNELS", "1") != "0"  # the A/B switch o
 # attention residual's add into the next RMSNorm, the q/k/v projections into one GEMM (`GQAAttention`). Measured
 # on the H200 (bench/hotpath.py's ceiling vs ceiling_nofolds, RESULTS.md); $STRATA_FUSED_FOLDS=0 turns them off.
 FOLDS = os.environ.get("STRATA_FUSED_FOLDS", "1") != "0"
+# The folds save launches, which is what a decode step's few rows are bound by; a prefill chunk is bound by
+# its GEMMs and attention, and measured slower folded (8K-token prompt, 12 bench layers on the H200: 13.6K
+# against 22.7K tok/s), so batches of more rows than this take the unfolded ops.
+FOLD_MAX_ROWS = 256
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (kernel tests without a GPU)
 
 
 def fused_ok(x: torch.Tensor) -> bool:
     """Whether `x`'s ops run as fused Triton kernels: on CUDA (or under Triton's interpreter) with fusion on."""
     return ENABLED and triton is not None and (x.is_cuda or _INTERPRET)
+
+
+def fold_ok(x: torch.Tensor) -> bool:
+    """Whether a fold may take x [rows, ...]: folds on, fused kernels run here, and decode-sized."""
+    return FOLDS and fused_ok(x) and x.numel() <= FOLD_MAX_ROWS * x.shape[-1]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -104,7 +113,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     sum to x's dtype first as torch's add does. x, delta [..., D]; None when it cannot run fused (the caller
     runs the add and `rms_norm`)."""
     d = x.shape[-1]
-    if (not FOLDS or not fused_ok(x) or weight.dtype != x.dtype or delta.dtype != x.dtype or d > 16384
+    if (not fold_ok(x) or weight.dtype != x.dtype or delta.dtype != x.dtype or d > 16384
             or delta.shape != x.shape):
         return None
     rows, drows = x.reshape(-1, d).contiguous(), delta.reshape(-1, d).contiguous()

@@ -91,12 +91,12 @@ class GQAAttention(nn.Module):
         self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # q/k/v weights (biases) stacked, see _project
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q [N, heads * d], k, v [N, kv_heads * d]. With the folds (on CUDA), one GEMM over the three weights
+        """q [N, heads * d], k, v [N, kv_heads * d]. With the folds (on CUDA, decode-sized N), one GEMM over the three weights
         stacked [(heads + 2 kv_heads) * d, H]: two launches fewer per decode layer, where each costs more than
         reading its 2 MB of weights. The three parameters become views of the stacked tensor, so it costs no
         memory and the checkpoint names stay; it is rebuilt if they were moved or replaced since."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        if not (fused.FOLDS and fused.fused_ok(x)):
+        if not fused.fold_ok(x):
             return tuple(p(x) for p in projs)
         stacked = self._qkv
         if stacked is None or not _views_of(stacked[0], [p.weight for p in projs]):

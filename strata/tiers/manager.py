@@ -135,6 +135,31 @@ class TierManager(IntegrityMixin, LookupsMixin, StepCopiesMixin, TransfersMixin,
                     self.stats_.prefetch_issued += 1
                     self._prefetched[tier.name].add(key)
 
+    def promote(self, key: Key) -> None:
+        """Bring `key` into the GPU tier in the background (at initial placement's priority); returns at once.
+
+        Unlike `prefetch`, which issues a pinned-resident object's copy on the calling thread (slot eviction,
+        copy stream, events, map update: about half a millisecond of host time), the whole move runs on a
+        transfer worker, so a decode step that promotes an expert (`TieredExperts._promote`) only queues it.
+        The victim's map entry is cleared on the caller's current stream, as when the caller evicts: kernels
+        queued there before the clear are done before the copy overwrites the slot."""
+        if self.gpu is None:
+            return
+        stream = None
+        if self.slots.is_cuda:
+            if torch.cuda.is_current_stream_capturing():
+                return  # a graph being captured must not see another thread's work
+            stream = torch.cuda.current_stream(self.slots.device)
+        with self._lock:
+            self._submit(2, self._promote_on, stream, key)
+
+    def _promote_on(self, stream, key: Key) -> None:
+        if stream is None:
+            self.prefetch([key], "gpu", warm=True)
+            return
+        with torch.cuda.stream(stream):
+            self.prefetch([key], "gpu", warm=True)
+
     def acquire(self, keys: list[Key], device: str = "gpu") -> list[ExpertHandle]:
         """Handles to resident copies of `keys` on `device`, pinned until `release`."""
         tier = self._tier(device)
