@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU-box session that produced bench/RESULTS.md's 2026-11-30 (second session) figures.
+# The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
 #   bash bench/h200_session.sh tests|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|suite|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).

@@ -196,8 +196,8 @@ def test_folded_qkv_projection_equals_three_and_shares_their_memory(bias, monkey
 
 
 def test_folds_leave_prefill_sized_batches_to_the_unfolded_ops(monkeypatch):
-    """The folds are for decode-sized batches: beyond FOLD_MAX_ROWS rows (a prefill chunk, measured slower
-    folded) the residual add + norm is not folded, and q/k/v are projected by three GEMMs, nothing stacked."""
+    """The folds are for decode-sized batches: beyond FOLD_MAX_ROWS rows (a prefill chunk, bound by its GEMMs,
+    not by launches) the residual add + norm is not folded, and q/k/v are projected by three GEMMs."""
     from strata.runtime.attention import GQAAttention
     from strata.runtime.model_config import ModelConfig
 

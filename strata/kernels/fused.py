@@ -32,8 +32,9 @@ ENABLED = os.environ.get("STRATA_FUSED_KERNELS", "1") != "0"  # the A/B switch o
 # on the H200 (bench/hotpath.py's ceiling vs ceiling_nofolds, RESULTS.md); $STRATA_FUSED_FOLDS=0 turns them off.
 FOLDS = os.environ.get("STRATA_FUSED_FOLDS", "1") != "0"
 # The folds save launches, which is what a decode step's few rows are bound by; a prefill chunk is bound by
-# its GEMMs and attention, and measured slower folded (8K-token prompt, 12 bench layers on the H200: 13.6K
-# against 22.7K tok/s), so batches of more rows than this take the unfolded ops.
+# its GEMMs and attention, where a launch saved is worth nothing measurable, so batches of more rows than
+# this take the unfolded ops (RESULTS.md, sixth session: the ceiling's 8K prefill is slower with the folds on
+# whether or not they cover prefill chunks; the cause is still open).
 FOLD_MAX_ROWS = 256
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (kernel tests without a GPU)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import itertools
 import threading
 import time
@@ -154,10 +155,7 @@ class TierManager(IntegrityMixin, LookupsMixin, StepCopiesMixin, TransfersMixin,
             self._submit(2, self._promote_on, stream, key)
 
     def _promote_on(self, stream, key: Key) -> None:
-        if stream is None:
-            self.prefetch([key], "gpu", warm=True)
-            return
-        with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             self.prefetch([key], "gpu", warm=True)
 
     def acquire(self, keys: list[Key], device: str = "gpu") -> list[ExpertHandle]:
