@@ -92,11 +92,13 @@ class Case:
         rates = [tokens_per_round / s for s in self.seconds]
         b, q = self.stream.shape[0], statistics.quantiles(self.step_s, n=10)
         name = self.tier + ("" if self.prefetch else "-noprefetch") + ("-cached" if not self.zero_copy else "")
+        g = self.eng.model.graphs  # whether this tier's decode steps replayed CUDA graphs or ran eagerly
+        graphs = None if g is None else {"replays": g.replays, "captures": g.captures, "failed": dict(g.failed)}
         return {"name": name, "tier": self.tier, "prefetch": self.prefetch, "zero_copy": self.zero_copy, "tok_per_s": b / statistics.median(self.step_s),
                 "mean_tok_per_s": b * len(self.step_s) / sum(self.step_s),
                 "step_ms": {"p10": round(q[0] * 1e3, 3), "median": round(statistics.median(self.step_s) * 1e3, 3),
                             "p90": round(q[-1] * 1e3, 3)},
-                "rounds_tok_per_s": [round(r, 1) for r in rates], "load_s": self.load_s,
+                "rounds_tok_per_s": [round(r, 1) for r in rates], "load_s": self.load_s, "graphs": graphs,
                 "measured": delta, "totals": after}
 
 
@@ -140,7 +142,7 @@ def main() -> None:
     for r in results:
         print(f"{r['name']:15s} {r['tok_per_s']:8.1f} tok/s at the median step "
               f"(mean {r['mean_tok_per_s']:.1f}; step ms {r['step_ms']}; rounds {r['rounds_tok_per_s']})  "
-              f"stall {r['measured']['stall_s']:.3f}s hits {r['measured']['hits']}", flush=True)
+              f"stall {r['measured']['stall_s']:.3f}s hits {r['measured']['hits']} graphs {r['graphs']}", flush=True)
     vram = results[0]["tok_per_s"]
     for r in results:
         r["slowdown_vs_vram"] = 1.0 - r["tok_per_s"] / vram
