@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import io
 import json
+import pstats
 import random
 import statistics
 import time
@@ -38,6 +41,11 @@ from strata.tiers.diskio import fs_type
 # (tier, prefetch, zero_copy): zero_copy matters for pinned and tmpfs tables (read in place vs the row cache)
 CASES = [("gpu", True, True), ("pinned", True, True), ("pinned", True, False), ("tmpfs", True, True),
          ("tmpfs", True, False), ("disk", True, True), ("disk", False, True)]
+
+
+def case_name(tier: str, prefetch: bool, zero_copy: bool) -> str:
+    """A case's name in the report: the tier, "-noprefetch", "-cached" (the row cache instead of in place)."""
+    return tier + ("" if prefetch else "-noprefetch") + ("-cached" if not zero_copy else "")
 
 
 def zipf_tokens(n: int, vocab: int, a: float, seed: int) -> np.ndarray:
@@ -59,6 +67,7 @@ class Case:
         self.load_s = time.perf_counter() - t_load
         self.eng.wait_settled()  # the experts' start-up placement must not run inside the timed steps
         self.tier, self.prefetch, self.zero_copy, self.stream, self.t = tier, prefetch, zero_copy, stream, 0
+        self.name = case_name(tier, prefetch, zero_copy)
         self.cache = KVCache(self.eng.checkpoint.config, stream.shape[0], stream.shape[1] + 8, self.eng.dtype, self.eng.device)
         self.seconds: list[float] = []  # one entry per timed round
         self.step_s: list[float] = []  # every timed step
@@ -91,10 +100,18 @@ class Case:
         delta["hits"] = {k: v - self.base["hits"].get(k, 0) for k, v in after["hits"].items()}
         rates = [tokens_per_round / s for s in self.seconds]
         b, q = self.stream.shape[0], statistics.quantiles(self.step_s, n=10)
-        name = self.tier + ("" if self.prefetch else "-noprefetch") + ("-cached" if not self.zero_copy else "")
+        name = self.name
         g = self.eng.model.graphs  # whether this tier's decode steps replayed CUDA graphs or ran eagerly
-        graphs = None if g is None else {"replays": g.replays, "captures": g.captures, "failed": dict(g.failed)}
-        return {"name": name, "tier": self.tier, "prefetch": self.prefetch, "zero_copy": self.zero_copy, "tok_per_s": b / statistics.median(self.step_s),
+        graphs = None if g is None else {"replays": g.replays, "captures": g.captures, "failed": dict(g.failed),
+                                         "mode": g.mode()}  # "full": one graph a step, "segmented": host steps between
+        m, compute = self.eng.tiers, self.eng._compute
+        experts = None if m is None else {  # why decode steps are (not) one graph: every expert in a GPU slot?
+            "keys": len(m.store.keys()), "gpu_capacity": m.gpu.capacity if m.gpu is not None else 0,
+            "gpu_resident": len(m.gpu.slot_of) if m.gpu is not None else 0,
+            "gpu_inflight": len(m.gpu.inflight) if m.gpu is not None else 0, "stream_slots": len(m.stream_slots),
+            "pinned_capacity": m.pinned.capacity, "all_resident": compute.all_resident(),
+            "plan_gpu_slots": self.eng.plan.budgets() if self.eng.plan is not None else None}
+        return {"name": name, "experts": experts, "tier": self.tier, "prefetch": self.prefetch, "zero_copy": self.zero_copy, "tok_per_s": b / statistics.median(self.step_s),
                 "mean_tok_per_s": b * len(self.step_s) / sum(self.step_s),
                 "step_ms": {"p10": round(q[0] * 1e3, 3), "median": round(statistics.median(self.step_s) * 1e3, 3),
                             "p90": round(q[-1] * 1e3, 3)},
@@ -115,6 +132,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=256)
     p.add_argument("--zipf", type=float, default=1.1)
     p.add_argument("--rounds", type=int, default=10, help="interleaved timed rounds (steps are split among them)")
+    p.add_argument("--cases", default=None,
+                   help="comma-separated case names to run (default: all; the first must be gpu, the baseline)")
+    p.add_argument("--profile", default=None, help="a case name whose timed rounds run under cProfile "
+                   "(writes profile-NAME.txt: host time per function, cumulative)")
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -130,14 +151,24 @@ def main() -> None:
     per_round = args.steps // args.rounds
     stream = torch.from_numpy(tokens).view(args.batch, -1)  # [batch, warmup + rounds * (2 + per_round)]
     with contextlib.ExitStack() as stack:
-        cases = [Case(model_dir, *case, args, stream, stack) for case in CASES]
+        wanted = args.cases.split(",") if args.cases else None
+        cases = [Case(model_dir, *case, args, stream, stack) for case in CASES
+                 if wanted is None or case_name(*case) in wanted]
+        if not cases or cases[0].tier != "gpu":
+            raise SystemExit("--cases must include gpu (the baseline every other case is compared with)")
+        prof = cProfile.Profile() if args.profile else None
         for c in cases:  # warm-up (fills the row caches, compiles the step shapes), then every engine idles
             c.steps(args.warmup)
             c.base = c.eng.model.engram.stats()
         order = random.Random(0)
         for _ in range(args.rounds):  # interleaved rounds in shuffled orders: drift hits every case alike
             for c in order.sample(cases, len(cases)):  # 2 untimed steps first: switching engines costs nothing timed
+                profiled = prof is not None and c.name == args.profile
+                if profiled:
+                    prof.enable()
                 c.seconds.append(c.steps(per_round, untimed=2))
+                if profiled:
+                    prof.disable()
         results = [c.report(args.batch * per_round) for c in cases]
     for r in results:
         print(f"{r['name']:15s} {r['tok_per_s']:8.1f} tok/s at the median step "
@@ -153,6 +184,11 @@ def main() -> None:
               "zipf": args.zipf, "device": torch.cuda.get_device_name(), "cases": results,
               "targets": {"pinned": 0.03, "tmpfs": 0.05, "disk": 0.15}}
     (out / "engram.json").write_text(json.dumps(report, indent=2))
+    if prof is not None:
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(45)
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+        (out / f"profile-{args.profile}.txt").write_text(text.getvalue())
     print(json.dumps({r["name"]: round(r["slowdown_vs_vram"], 4)
                       for r in results}))
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|suite|
+#   bash bench/h200_session.sh tests|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|trace|suite|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 set -u
@@ -53,6 +53,12 @@ case "$1" in
       tests/test_step_copies.py > "$OUT/gpu_tests_decode.txt" 2>&1; tail -3 "$OUT/gpu_tests_decode.txt" ;;
   core)  # one 10-minute call: the GPU tests, the Engram tiers, the uniform hot path
     bash "$0" tests; bash "$0" engram; bash "$0" hotpath uniform ;;
+  engram-profile)  # the Engram cases that matter for the disk target, the disk case's host time under cProfile
+    timeout 280 python3 bench/engram.py --out "$OUT/engram" --model-dir /dev/shm/engram --steps 200 \
+      --cases gpu,pinned,disk,disk-noprefetch --profile disk 2>&1 | tail -8 ;;
+  trace)  # the suite's skewed 12-layer checkpoint's routing, for bench/promote_sim.py --trace on any machine
+    python3 -m strata demo-model /dev/shm/b12s --size bench --layers 12 --no-engram --route-skew 1.0 > /dev/null 2>&1
+    timeout 200 python3 bench/route_trace.py --model /dev/shm/b12s --out "$OUT/trace-b12-skew1.json" --tokens 256 2>&1 | tail -2 ;;
   engram)
     timeout 280 python3 bench/engram.py --out "$OUT/engram" --model-dir /dev/shm/engram --steps 200 2>&1 | tail -14 ;;
 esac

@@ -12,7 +12,9 @@ each decode layer the resident experts are hits (`note_hits`) and the cold ones 
 (`note_gpu_misses`). Policies compared on the same trace:
   no-promote  the GPU tier changes only through placement and prefill (policy.promote = false)
   promote     a cold expert used over twice as often as the victim is copied in the background, one per
-              layer and step (policy.promote = true; `TieredExperts._promote`)
+              layer and step (policy.promote = true; `TieredExperts._promote`), and the prompt's tokens per
+              expert count in the GPU tier's history (`TierManager.note_uses`, called by prefill)
+  promote-unweighted   the same without the prompt's counts (a staged expert counts once per chunk)
   oracle      the experts most used over the decode trace itself, placed up front (an upper bound)
 Writes promote_sim.json.
 """
@@ -49,6 +51,27 @@ def record_trace(model_dir: Path, tokens: int, seed: int = 0) -> tuple[dict[int,
     return prefill, decode, eng.checkpoint.config.num_experts
 
 
+def load_trace(path: Path, tmp: Path) -> tuple[dict[int, list], dict[int, list], int, Path]:
+    """A recorded trace and a store with the same (layer, expert) keys to replay it on: the `tiny` demo
+    model's shape with the trace's layer and expert counts (the policy sees keys and counts, not weights)."""
+    from strata.runtime import demo_model
+    from strata.runtime.convert import convert_checkpoint
+
+    trace = json.loads(path.read_text())
+    prefill = {int(k): v for k, v in trace["prefill"].items()}
+    decode = {int(k): v for k, v in trace["decode"].items()}
+    k = len(next(iter(decode.values()))[0])
+    cfg = demo_model._BASE_CONFIGS["tiny"]
+    demo_model._BASE_CONFIGS["tiny"] = {**cfg, "num_hidden_layers": trace["num_layers"], "first_k_dense_replace": min(decode),
+                                        "n_routed_experts": trace["num_experts"], "num_experts_per_tok": k,
+                                        "n_group": 1, "topk_group": 1}
+    try:
+        model = demo_model.write_demo_model(tmp / "model", "tiny", engram=False, progress=False)
+    finally:
+        demo_model._BASE_CONFIGS["tiny"] = cfg
+    return prefill, decode, trace["num_experts"], convert_checkpoint(model, tmp / "store", progress=False)
+
+
 def replay(store_dir: Path, prefill: dict, decode: dict, fraction: float, mode: str) -> dict:
     from strata.runtime.build import hot_order
     from strata.tiers.manager import TierBudgets, TierManager
@@ -71,6 +94,8 @@ def replay(store_dir: Path, prefill: dict, decode: dict, fraction: float, mode: 
         if mode != "oracle":
             for layer, ids in sorted(prefill.items()):  # prefill stages the prompt's experts, layer by layer
                 want = sorted(set(ids))
+                if mode != "promote-unweighted":  # the prompt's tokens per expert reach the GPU tier's history
+                    m.note_uses(layer, Counter(ids))
                 for i in range(0, len(want), m.max_acquire("gpu")):
                     m.release_staged(m.stage_gpu(layer, want[i : i + m.max_acquire("gpu")]))
         hits = lookups = promoted = 0
@@ -86,7 +111,7 @@ def replay(store_dir: Path, prefill: dict, decode: dict, fraction: float, mode: 
                 m.note_hits(layer, sorted(hit))
                 m.note_gpu_misses(layer, sorted(cold))
                 hits, lookups = hits + len(hit), lookups + len(ids)
-                if mode == "promote" and cold:  # as TieredExperts._promote
+                if mode.startswith("promote") and cold:  # as TieredExperts._promote
                     keep = m.worth_caching(layer, sorted(cold))
                     if keep:
                         score = m.gpu_scores(layer, keep)
@@ -108,15 +133,20 @@ def main() -> None:
     ap.add_argument("--fraction", type=float, default=0.4)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--out", default=".")
+    ap.add_argument("--trace", default=None, help="replay a routing trace recorded by bench/route_trace.py (e.g. "
+                    "the bench model's on the GPU box) instead of recording the small model's here")
     args = ap.parse_args()
     from strata.runtime.convert import convert_checkpoint
     from strata.runtime.demo_model import write_demo_model
 
     with tempfile.TemporaryDirectory() as tmp:
-        skew = args.skew if args.skew == "uniform" else float(args.skew)
-        model = write_demo_model(Path(tmp) / "model", "small", engram=False, route_skew=skew, progress=False)
-        store = convert_checkpoint(model, Path(tmp) / "store", progress=False)
-        prefill, decode, n_experts = record_trace(model, args.tokens)
+        if args.trace:
+            prefill, decode, n_experts, store = load_trace(Path(args.trace), Path(tmp))
+        else:
+            skew = args.skew if args.skew == "uniform" else float(args.skew)
+            model = write_demo_model(Path(tmp) / "model", "small", engram=False, route_skew=skew, progress=False)
+            store = convert_checkpoint(model, Path(tmp) / "store", progress=False)
+            prefill, decode, n_experts = record_trace(model, args.tokens)
         use = Counter((layer, e) for layer, steps in decode.items() for ids in steps for e in ids)
         per_layer_top = []
         for steps in decode.values():
@@ -124,10 +154,10 @@ def main() -> None:
             n = sum(c.values())
             top = sum(v for _, v in c.most_common(int(n_experts * args.fraction)))
             per_layer_top.append(top / n)
-        result = {"skew": args.skew, "fraction": args.fraction, "tokens": args.tokens,
+        result = {"skew": args.skew, "trace": args.trace, "fraction": args.fraction, "tokens": args.tokens,
                   "top_fraction_share": round(sum(per_layer_top) / len(per_layer_top), 4),
                   "distinct_experts_used": len(use),
-                  "cases": [replay(store, prefill, decode, args.fraction, mode) for mode in ("no-promote", "promote", "oracle")]}
+                  "cases": [replay(store, prefill, decode, args.fraction, mode) for mode in ("no-promote", "promote-unweighted", "promote", "oracle")]}
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "promote_sim.json").write_text(json.dumps(result, indent=1))
     print(json.dumps(result))

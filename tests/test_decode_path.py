@@ -288,6 +288,29 @@ def test_split_decode_promotes_a_popular_cpu_expert(store):
         m.close()
 
 
+def test_prefill_counts_each_token_in_the_gpu_tiers_history(store):
+    """A prefill chunk stages each of its experts once, but the GPU tier's frequency history counts every
+    token routed to it (`note_uses`): after a prompt that sends 10 tokens to expert 5 and one to expert 2,
+    5 outranks 2, so later staging evicts 2 first and a decode step would promote 5, not 2."""
+    layer = store.index.moe_layers[0]
+    gu, _ = store.load_layer_experts(layer, torch.float32, "cpu")
+    e, h = gu.shape[0], gu.shape[2]
+    m = TierManager(store, TierBudgets(gpu_slots=4, pinned_slots=16), gpu_device=torch.device("cpu"), io_threads=2)
+    try:
+        compute = ExpertCompute(m, "gpu", "gpu")
+        compute.pair_path = False  # the prefill path: tokens grouped by expert
+        experts = TieredExperts(layer, e, compute)
+        ids = torch.tensor([[5, 1]] * 10 + [[2, 3]], dtype=torch.int64)  # [11 tokens, k = 2]
+        x = torch.randn(11, h, generator=torch.Generator().manual_seed(0)).to(store.dtype)
+        experts(x, ids, torch.full((11, 2), 0.5))
+        score = m.gpu_scores(layer, [1, 2, 3, 5])
+        assert score[5] > 9.0 and score[1] > 9.0  # ten uses each (decay over 22 lookups is negligible)
+        assert score[2] < 1.5 and score[3] < 1.5
+        assert not m.gpu.free and m.worth_caching(layer, [2, 5]) == [5]  # 5 beats the victim by the margin, 2 does not
+    finally:
+        m.close()
+
+
 def test_split_prefetches_into_pinned_ram_and_idles_once_it_holds_every_expert(store):
     """Split decode computes cold experts on the CPU from pinned RAM: its prefetcher fetches ahead into pinned
     RAM, not GPU slots, and stops predicting for good once pinned RAM holds every expert (and can hold them
@@ -488,9 +511,12 @@ def test_split_decode_reads_the_gpu_share_in_place(plain_tiny, in_place):
 
 
 @pytest.mark.gpu
-def test_all_resident_tiered_engine_uses_graphs_and_equals_memory(plain_tiny):
+@pytest.mark.parametrize("numerics", ["gpu", "fork"], ids=["exact", "split"])
+def test_all_resident_tiered_engine_uses_graphs_and_equals_memory(plain_tiny, numerics):
+    """A GPU budget that holds every expert: decode becomes one graph per step, in split mode too (whose
+    step-copy slots, carved out of such a budget, used to keep the tier one short of every expert for good)."""
     memory = Engine.from_pretrained(plain_tiny, device="cuda", config={"runtime": {"experts": "memory"}})
-    with Engine.from_pretrained(plain_tiny, device="cuda", config={"runtime": {"cpu_numerics": "gpu"}}) as tiered:
+    with Engine.from_pretrained(plain_tiny, device="cuda", config={"runtime": {"cpu_numerics": numerics}}) as tiered:
         ids = memory.tokenizer.encode("The river runs through the valley and the town")
         tiered.generate(ids, max_tokens=2)  # placement finishes in the background
         for _ in range(200):
@@ -501,7 +527,7 @@ def test_all_resident_tiered_engine_uses_graphs_and_equals_memory(plain_tiny):
             time.sleep(0.05)
         assert tiered._compute.all_resident()
         assert tiered.generate(ids, max_tokens=24).token_ids == memory.generate(ids, max_tokens=24).token_ids
-        assert tiered.model.graphs.replays > 0
+        assert tiered.model.graphs.replays > 0 and tiered.model.graphs.mode() == "full"
         assert tiered.stats()["tiers"]["lookups"] > 0  # device-side counts reach the statistics
 
 

@@ -293,3 +293,12 @@ def test_promote_cuda(store):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     _promote(store, "cuda")
+
+
+@pytest.mark.parametrize("gpu_slots, experts, want", [(448, 448, 0), (500, 448, 0), (447, 448, 16), (100, 448, 6),
+                                                      (15, 448, 0)])
+def test_step_copy_slots_only_when_some_expert_can_be_cold(gpu_slots, experts, want, monkeypatch):
+    from strata.runtime.build import step_copy_slots
+
+    monkeypatch.delenv("STRATA_STREAM_SLOTS", raising=False)
+    assert step_copy_slots(gpu_slots, experts) == want

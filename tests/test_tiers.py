@@ -339,3 +339,26 @@ def test_wait_settled_covers_background_placement(store):
         assert all("gpu" in m.residency(k) for k in keys[:2])
     finally:
         m.close()
+
+
+def test_initial_placement_fills_a_gpu_tier_through_few_staging_slots(store):
+    """A GPU budget that holds every expert leaves the pinned tier its 16 staging slots only: placement
+    waits for them to come free and goes on (`prefetch` stops at the first key with no room), so the GPU
+    tier ends up holding every expert, each copy intact."""
+    keys = store.keys()
+    assert len(keys) > 16
+    m = make_manager(store, gpu=len(keys), pinned=0)
+    try:
+        assert m.pinned.capacity < len(keys)
+        m.place(keys, "gpu")
+        assert m.wait_settled(60)
+        assert set(m.gpu.slot_of) == set(keys) and m.all_resident()
+        handles = m.acquire(keys, "gpu")
+        try:
+            for h in handles:
+                h.wait()
+                assert_handle_matches(store, h)
+        finally:
+            m.release(handles)
+    finally:
+        m.close()

@@ -132,16 +132,26 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
 STREAM_SLOTS = 16  # most GPU slots set aside for one step's copied cold experts (split mode)
 
 
+def step_copy_slots(gpu_slots: int, experts: int) -> int:
+    """GPU slots set aside for one step's copies in split mode: a sixteenth of the budget, at most
+    `STREAM_SLOTS` ($STRATA_STREAM_SLOTS for benches); none when the budget holds all `experts`, where
+    nothing is ever cold (carved out anyway, they would leave the cached tier short of the store, so
+    decode steps would never become one graph)."""
+    if gpu_slots >= experts:
+        return 0
+    return min(int(os.environ.get("STRATA_STREAM_SLOTS", STREAM_SLOTS)), gpu_slots // 16)
+
+
 # ---- the steps of a tiered model, per card (build_model: one card; multi_device.assemble_tiered: one per stage) ----
 def expert_tiers(store: ExpertStore, budgets: TierBudgets, device: torch.device, device_tier: str,
                  cfg: StrataConfig, **manager_options) -> ExpertCompute:
     """One card's tier manager over `store` and the expert compute on it (`compute.manager`).
 
     With the forked CPU kernel beside a GPU tier (the split), a sixteenth of the GPU budget, at most 16
-    slots, takes the cold experts the cost model copies for one step only (`TierManager.stream_gpu`)."""
+    slots, takes the cold experts the cost model copies for one step only (`TierManager.stream_gpu`);
+    none when the budget holds every expert of `store`."""
     split = device_tier == "gpu" and cfg.runtime.cpu_numerics == "fork"
-    stream = min(int(os.environ.get("STRATA_STREAM_SLOTS", STREAM_SLOTS)), budgets.gpu_slots // 16)  # env: benches
-    manager_options.setdefault("stream_slots", stream if split else 0)
+    manager_options.setdefault("stream_slots", step_copy_slots(budgets.gpu_slots, len(store.keys())) if split else 0)
     manager = TierManager(store, budgets, gpu_device=device if device.type == "cuda" else None,
                           policy=cfg.policy.eviction, half_life=cfg.policy.lfu_half_life, hot=hot_order(store),
                           tmpfs_dir=cfg.tiers.tmpfs.path, disk_reader=cfg.tiers.disk.reader, **manager_options)
@@ -180,9 +190,9 @@ def start_placement(manager: TierManager, cfg: StrataConfig) -> None:
     if cfg.tiers.disk.scrub:
         manager.scrub()  # lowest priority: real traffic and initial placement go first
     keys = hot_order(manager.store)
-    manager.prefetch(keys[: manager.pinned.capacity], "cpu", warm=True)
+    manager.place(keys[: manager.pinned.capacity], "cpu")
     if manager.gpu is not None:
-        manager.prefetch(keys[: manager.gpu.capacity], "gpu", warm=True)
+        manager.place(keys[: manager.gpu.capacity], "gpu")
 
 
 def hot_order(store: ExpertStore) -> list[tuple[int, int]]:

@@ -56,6 +56,9 @@ class TieredExperts(nn.Module):
         if use_pair_kernels(x, ids.numel()) if c.pair_path is None else c.pair_path:
             return self._decode_forward(x, ids, weights)
         groups = group_by_expert(ids, self.num_experts)  # syncs: predictions have arrived too
+        # the GPU tier's history counts each token routed to an expert, not one use per staged expert: what
+        # the prompt uses most then outranks the rest when staging (and later promotions) pick victims
+        c.manager.note_uses(self.layer, {e: len(sel) for e, sel in groups})
         if c.prefetcher is not None:
             c.prefetcher.poll()
         if c.device_tier == "cpu":

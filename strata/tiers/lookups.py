@@ -41,6 +41,17 @@ class LookupsMixin:
             for e in experts:
                 self.gpu.policy.touch((layer, int(e)))
 
+    def note_uses(self, layer: int, uses: dict[int, int]) -> None:
+        """A prefill chunk routed `uses[e]` tokens to expert e of `layer`: the GPU tier's frequency history
+        counts every one (staging an expert for the chunk counts it once), so what a prompt uses most
+        outranks what it touched once when later staging and promotions pick victims."""
+        if self.gpu is None:
+            return
+        with self._lock:
+            for e, n in uses.items():
+                if n > 1:
+                    self.gpu.policy.touch((layer, int(e)), float(n - 1))  # the stage's own touch is the last one
+
     def gpu_scores(self, layer: int, experts: Iterable[int]) -> dict[int, float]:
         """expert -> the GPU tier policy's use score (decayed frequency; 0 for policies without one)."""
         score = getattr(self.gpu.policy, "score", None) if self.gpu is not None else None

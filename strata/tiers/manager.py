@@ -19,9 +19,11 @@ import collections
 import concurrent.futures
 import contextlib
 import itertools
+import logging
 import threading
 import time
-from concurrent.futures import Future
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as futures_wait
 from pathlib import Path
 
 import torch
@@ -50,6 +52,8 @@ from strata.tiers.store import ExpertStore
 from strata.tiers.tmpfs import TmpfsMirror
 from strata.tiers.transfers import TransfersMixin
 
+log = logging.getLogger("strata.tiers")
+
 
 class TierManager(IntegrityMixin, LookupsMixin, StepCopiesMixin, TransfersMixin, EvictionMixin):
     """Places a store's experts across GPU, pinned RAM, tmpfs and disk within budgets."""
@@ -73,6 +77,7 @@ class TierManager(IntegrityMixin, LookupsMixin, StepCopiesMixin, TransfersMixin,
         self._verified: set[Key] = set()
         self._prefetched: dict[str, set[Key]] = {"gpu": set(), "pinned": set()}
         self._lookup_sources: list = []
+        self._placing = 0  # initial placement threads running (`place`)
         moe_layers = sorted({k[0] for k in store.keys()})
         self._layers = moe_layers
         hot = list(hot or [])
@@ -135,6 +140,49 @@ class TierManager(IntegrityMixin, LookupsMixin, StepCopiesMixin, TransfersMixin,
                 if not warm:
                     self.stats_.prefetch_issued += 1
                     self._prefetched[tier.name].add(key)
+
+    def place(self, keys: list[Key], device: str = "gpu") -> None:
+        """Initial placement: bring every one of `keys` to the `device` tier, in order, in the background.
+
+        Unlike `prefetch`, which stops at the first key there is no room for, placement waits for room and
+        goes on: a GPU tier is filled through the pinned staging slots, of which there may be far fewer than
+        experts (16 when every expert fits in VRAM), so a budget that holds every expert ends up holding them
+        all. Keys beyond the tier's capacity would evict earlier ones: pass at most `capacity` of them."""
+        tier = self._tier(device)
+        with self._lock:
+            self._placing += 1
+        threading.Thread(target=self._place, args=(tier, list(keys)), name="strata-placement", daemon=True).start()
+
+    def _place(self, tier: _SlotTier, keys: list[Key]) -> None:
+        pending: list[Future] = []
+        try:
+            for key in keys:
+                stuck_since = time.monotonic()
+                while True:
+                    with self._lock:
+                        if self._closed:
+                            return
+                        if key in tier.slot_of and key not in tier.inflight:
+                            break
+                        try:
+                            pending.append(self._ensure(tier, key, 2))
+                            break
+                        except TierFullError:  # every staging (or tier) slot is busy: wait for some to land
+                            pass
+                    if time.monotonic() - stuck_since > self.FULL_WAIT_S:
+                        log.warning("initial placement into the %s tier stopped at %s: no slot came free in %.0f s",
+                                    tier.name, key, self.FULL_WAIT_S)
+                        return
+                    if pending:
+                        futures_wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
+                        pending = [f for f in pending if not f.done()]
+                    else:
+                        with self._lock:
+                            self._released.wait(0.05)
+        finally:
+            with self._lock:
+                self._placing -= 1
+                self._released.notify_all()
 
     def promote(self, key: Key) -> None:
         """Bring `key` into the GPU tier in the background (at initial placement's priority); returns at once.
@@ -286,7 +334,7 @@ class TierManager(IntegrityMixin, LookupsMixin, StepCopiesMixin, TransfersMixin,
             self._reap_copies()
             inflight = sum(len(t.inflight) for t in (self.gpu, self.pinned) if t is not None)
             background = int(self.pool.allocating) + int(self.tmpfs is not None and self.tmpfs.copying)
-            return len(self._jobs) + self._running + inflight + self._copies_in_flight() + background
+            return len(self._jobs) + self._running + inflight + self._copies_in_flight() + background + self._placing
 
     def wait_settled(self, timeout: float = 600.0) -> bool:
         """Block until `pending_work()` is 0 (the background placement is done); False on timeout.

@@ -2,7 +2,7 @@
 
 A policy only ranks; the tier manager decides what may be evicted at all (nothing in use, nothing
 in flight) through the `eligible` predicate of `victim`. Every policy sees the same events: `touch` on
-each lookup, `insert` when an object arrives in the tier, `remove` when it leaves. `victim` is on the
+each lookup (or `touch(key, n)` for n at once), `insert` when an object arrives in the tier, `remove` when it leaves. `victim` is on the
 hot path (every miss into a full tier evicts), so it walks the policy's own order and stops at the
 first eligible object instead of scoring every resident one: O(1) for LRU, O(log n) for LFU.
 
@@ -33,7 +33,7 @@ class LRUPolicy:
     def __init__(self) -> None:
         self._order: OrderedDict[Key, None] = OrderedDict()
 
-    def touch(self, key: Key) -> None:
+    def touch(self, key: Key, uses: float = 1.0) -> None:
         if key in self._order:
             self._order.move_to_end(key)
 
@@ -82,9 +82,10 @@ class LFUPolicy:
             self._heap = [(self._priority(k), i, k) for i, k in enumerate(self._resident)]
             heapq.heapify(self._heap)
 
-    def touch(self, key: Key) -> None:
-        self.clock += 1
-        self._score[key] = (self.score(key) + 1.0, self.clock)
+    def touch(self, key: Key, uses: float = 1.0) -> None:
+        """`uses` lookups of `key` at once (a prefill's tokens routed to it): the clock advances by as many."""
+        self.clock += uses
+        self._score[key] = (self.score(key) + uses, self.clock)
         if key in self._resident:
             self._push(key)
 
