@@ -40,12 +40,14 @@ from strata.tiers.diskio import fs_type
 
 # (tier, prefetch, zero_copy): zero_copy matters for pinned and tmpfs tables (read in place vs the row cache)
 CASES = [("gpu", True, True), ("pinned", True, True), ("pinned", True, False), ("tmpfs", True, True),
-         ("tmpfs", True, False), ("disk", True, True), ("disk", False, True)]
+         ("tmpfs", True, False), ("disk", True, True), ("disk", False, True), ("disk", True, True, False)]
+# a fourth field False: the disk reader's runs read from Python, not natively (strata.tiers.native_io)
 
 
-def case_name(tier: str, prefetch: bool, zero_copy: bool) -> str:
-    """A case's name in the report: the tier, "-noprefetch", "-cached" (the row cache instead of in place)."""
-    return tier + ("" if prefetch else "-noprefetch") + ("-cached" if not zero_copy else "")
+def case_name(tier: str, prefetch: bool, zero_copy: bool, native: bool = True) -> str:
+    """A case's name in the report: the tier, "-noprefetch", "-cached" (the row cache instead of in place),
+    "-pyio" (disk reads issued from Python)."""
+    return tier + ("" if prefetch else "-noprefetch") + ("-cached" if not zero_copy else "") + ("" if native else "-pyio")
 
 
 def zipf_tokens(n: int, vocab: int, a: float, seed: int) -> np.ndarray:
@@ -57,8 +59,8 @@ def zipf_tokens(n: int, vocab: int, a: float, seed: int) -> np.ndarray:
 class Case:
     """One engine (one table tier) with its own KV cache, stepped through the shared token stream."""
 
-    def __init__(self, model_dir: Path, tier: str, prefetch: bool, zero_copy: bool, args, stream: torch.Tensor,
-                 stack):
+    def __init__(self, model_dir: Path, tier: str, prefetch: bool, zero_copy: bool, native: bool, args,
+                 stream: torch.Tensor, stack):
         conf = {"engram": {"tier": tier, "row_cache": args.row_cache, "prefetch": prefetch, "zero_copy": zero_copy},
                 "tiers": {"disk": {"scrub": False, "path": args.store_dir}, "tmpfs": {"budget": "64GiB"}},
                 "prefetch": {"lookahead": 1}}
@@ -67,7 +69,10 @@ class Case:
         self.load_s = time.perf_counter() - t_load
         self.eng.wait_settled()  # the experts' start-up placement must not run inside the timed steps
         self.tier, self.prefetch, self.zero_copy, self.stream, self.t = tier, prefetch, zero_copy, stream, 0
-        self.name = case_name(tier, prefetch, zero_copy)
+        self.name = case_name(tier, prefetch, zero_copy, native)
+        reader = getattr(self.eng.model.engram.source, "reader", None)
+        if reader is not None and not native:
+            reader.native = False
         self.cache = KVCache(self.eng.checkpoint.config, stream.shape[0], stream.shape[1] + 8, self.eng.dtype, self.eng.device)
         self.seconds: list[float] = []  # one entry per timed round
         self.step_s: list[float] = []  # every timed step
@@ -152,7 +157,7 @@ def main() -> None:
     stream = torch.from_numpy(tokens).view(args.batch, -1)  # [batch, warmup + rounds * (2 + per_round)]
     with contextlib.ExitStack() as stack:
         wanted = args.cases.split(",") if args.cases else None
-        cases = [Case(model_dir, *case, args, stream, stack) for case in CASES
+        cases = [Case(model_dir, *case[:3], case[3] if len(case) > 3 else True, args, stream, stack) for case in CASES
                  if wanted is None or case_name(*case) in wanted]
         if not cases or cases[0].tier != "gpu":
             raise SystemExit("--cases must include gpu (the baseline every other case is compared with)")

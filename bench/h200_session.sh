@@ -55,7 +55,7 @@ case "$1" in
     bash "$0" tests; bash "$0" engram; bash "$0" hotpath uniform ;;
   engram-profile)  # the Engram cases that matter for the disk target, the disk case's host time under cProfile
     timeout 280 python3 bench/engram.py --out "$OUT/engram" --model-dir /dev/shm/engram --steps 200 \
-      --cases gpu,pinned,disk,disk-noprefetch --profile disk 2>&1 | tail -8 ;;
+      --cases gpu,pinned,disk,disk-noprefetch,disk-pyio --profile disk 2>&1 | tail -8 ;;
   trace)  # the suite's skewed 12-layer checkpoint's routing, for bench/promote_sim.py --trace on any machine
     python3 -m strata demo-model /dev/shm/b12s --size bench --layers 12 --no-engram --route-skew 1.0 > /dev/null 2>&1
     timeout 200 python3 bench/route_trace.py --model /dev/shm/b12s --out "$OUT/trace-b12-skew1.json" --tokens 256 2>&1 | tail -2 ;;

@@ -323,11 +323,13 @@ def test_registered_tmpfs_file_is_read_in_place(tmp_path):
         os.unlink(path)
 
 
-def test_decode_graph_rows_from_the_host_cache_by_slot(tiny_model_dir, memory_engine):
+@pytest.mark.parametrize("per_layer", [False, True], ids=["whole-step", "segmented"])
+def test_decode_graph_rows_from_the_host_cache_by_slot(tiny_model_dir, memory_engine, per_layer):
     """What a decode graph does with tables on disk (the host row cache read in place): the host finishes
     each step (reads into the cache, a slot per asked-for row) and the graph gathers by slot. Rows equal
     the in-memory tables step after step while the small cache evicts; a cache too small for one step's
-    rows is refused before anything is consumed."""
+    rows is refused before anything is consumed. Segmented: the host finishes one layer at a time, right
+    before it (`publish`), the later layers' reads still in flight and their hits protected."""
     from strata.runtime.engram import StaticEngramStep
 
     cfg = memory_engine.checkpoint.config
@@ -346,9 +348,12 @@ def test_decode_graph_rows_from_the_host_cache_by_slot(tiny_model_dir, memory_en
             want = ref_rt.begin(ids, StepBatch([0, 1, 2], [pos] * 3, [1, 1, 1]), caches[1], memory_engine.model.layers)
             if statics is None:
                 statics = StaticEngramStep(step)  # the capture: built from the first step
+                statics._per_layer = per_layer  # as a segmented capture sets it
             else:
                 statics.bind(step)  # every later step: slots uploaded, rows gathered "in the graph"
             for layer in cfg.engram.layer_ids:
+                if per_layer and pos:
+                    statics.publish(layer)  # the host step before the layer
                 got = statics.rows(layer)
                 torch.testing.assert_close(got, want.rows(layer).to(got.dtype), rtol=0, atol=0)  # bf16 tables: exact
             statics.replayed()

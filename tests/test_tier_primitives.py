@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from strata.errors import CheckpointError, StrataError, UnsupportedError
+from strata.tiers import native_io
 from strata.tiers.diskio import ALIGN, DiskReader, aligned_empty
 from strata.tiers.gds import GpuDirectReader
 from strata.tiers.gpu_slots import GpuSlots
@@ -39,8 +40,15 @@ def store_file(request, tmp_path) -> tuple[Path, np.ndarray]:
     path.unlink(missing_ok=True)
 
 
-@pytest.fixture
-def reader():
+@pytest.fixture(params=["native", "python"])
+def reader(request, monkeypatch):
+    """A reader whose row gathers read their runs natively (one C loop per thread: strata.tiers.native_io,
+    built here with the system compiler) or from Python (the fallback without a compiler)."""
+    if request.param == "native":
+        if not native_io.available():
+            pytest.skip("no C++ compiler for the native reads")
+    else:
+        monkeypatch.setattr(native_io, "available", lambda: False)
     r = DiskReader(num_threads=4, chunk_bytes=64 * 1024)  # small chunks: big reads fan out over the pool
     yield r
     r.close()

@@ -118,9 +118,9 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
         attach_row_store(model, checkpoint.store, cfg, device, host.ram_available,
                          tier=the_plan.engram.tier if the_plan.engram is not None else None)
     if device.type == "cuda":  # one graph per step once every expert is resident; until then, graphs between host steps
-        # (Engram rows the device cannot read in place also need a host step, at their layer)
-        host_rows = (model.engram is not None and model.engram.direct_tables(model.layers) is None
-                     and getattr(model.engram.source, "gather_view", None) is None)
+        # (Engram rows the device cannot read in place also need a host step, at their layer: waiting there
+        # for a layer's reads, not before the step, lets them overlap the layers before it)
+        host_rows = model.engram is not None and model.engram.direct_tables(model.layers) is None
         model.enable_decode_graphs(lambda: None if not cfg.runtime.cuda_graphs
                                    else "full" if compute.all_resident() and not host_rows else "segmented")
     if cfg.prefetch.lookahead > 0:

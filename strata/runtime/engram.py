@@ -107,6 +107,17 @@ class EngramStep:
         self.tickets = {}
         return slots
 
+    def check(self) -> None:
+        """Raise now, before a replay, if the source's host cache cannot hold this step's rows at once."""
+        self.source.check_step(self.tickets)
+        self._held: list[torch.Tensor] = []
+
+    def finish_layer(self, layer: int) -> torch.Tensor:
+        """One layer's rows put in the host cache (after `check`): their cache slots (int64 [N * heads], CPU).
+        The reads of the layers still to come stay in flight, and their cache hits stay put."""
+        ticket = self.tickets.pop(layer)
+        return self.source.finish_one(ticket, self._held, self.tickets.values())
+
     def indices(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(taps, ring_dst, ring_src) on `device`: an Engram layer on another card of a staged model gets
         its own copy, once per step."""
@@ -122,9 +133,11 @@ class StaticEngramStep:
 
     Built from the first real step of a graph's shape (all shapes depend only on the batch size). Rows
     reach the graph one of two ways:
-    - a host row cache the GPU reads in place (`source.gather_view`, tables on disk or tmpfs): before
-      each replay the host puts the step's rows in the cache and uploads their slots (`bind`); the
-      gather itself is part of the graph, so the step needs no host step and no staging copies;
+    - a host row cache the GPU reads in place (`source.gather_view`, tables on disk or tmpfs): the host
+      puts the step's rows in the cache and uploads their slots, in a host step right before each Engram
+      layer of a segmented graph (`publish`: the reads of later layers overlap the layers before them)
+      or before a whole-step replay (`bind`); the gather itself is part of the graph, so there are no
+      staging copies;
     - otherwise a whole-step graph gets the rows before its replay (`load`: waits for the rows still in
       flight), and a segmented graph gets each layer's rows in a host step right before that layer
       (`load_rows`), so the reads overlap the layers before it."""
@@ -134,6 +147,7 @@ class StaticEngramStep:
         self.view = getattr(step.source, "gather_view", None)  # [cache rows, head_dim] the device reads in place
         self.taps, self.ring_dst, self.ring_src = step.taps.clone(), step.ring_dst.clone(), step.ring_src.clone()
         self._step: EngramStep | None = None  # the step being replayed (segmented graphs)
+        self._per_layer = False  # a host cache read in place, captured segmented: slots uploaded layer by layer
         if self.view is not None:
             shapes = {layer: t.shape for layer, t in step.tickets.items()}  # (N, heads)
             worst = sum(n * heads for n, heads in shapes.values())  # every row of the step distinct
@@ -147,11 +161,14 @@ class StaticEngramStep:
             self._rows = {layer: step.rows(layer).clone() for layer in list(step.tickets)}  # [B, heads, head_dim]
 
     def rows(self, layer: int) -> torch.Tensor:
-        if self.view is not None:  # gathered from the host cache in place, by the slots uploaded before the replay
-            return self.view[self._idx[layer]].view(self._shape[layer])
         from strata.runtime.graphs import current_recorder  # graphs imports this module
 
         recorder = current_recorder()
+        if self.view is not None:  # gathered from the host cache in place, by slots uploaded before the gather
+            if recorder is not None:  # segmented capture: at replay, the host admits this layer's rows right here
+                recorder.host_step(lambda: self.publish(layer))
+                self._per_layer = True
+            return self.view[self._idx[layer]].view(self._shape[layer])
         if recorder is not None:  # segmented capture: at replay, the host fills this buffer right here
             recorder.host_step(lambda: self.load_rows(layer))
         return self._rows[layer]
@@ -160,14 +177,25 @@ class StaticEngramStep:
         return self.taps, self.ring_dst, self.ring_src  # one card: graphs are not used on staged models
 
     def bind(self, step: EngramStep) -> None:
-        """Before a segmented replay: `step`'s tap map and ring indices now (and, from a host cache read in
-        place, its rows' slots), its other rows at their layers."""
+        """Before a replay: `step`'s tap map and ring indices now, its rows at their layers (host steps of a
+        segmented graph) or, for a whole-step graph from a host cache read in place, its rows' slots now."""
         self._step = step
         for buf, new in ((self.taps, step.taps), (self.ring_dst, step.ring_dst), (self.ring_src, step.ring_src)):
             buf.copy_(new, non_blocking=True)
-        if self.view is not None:
+        if self.view is not None and self._per_layer:
+            step.check()  # raises before the replay, not midway, when the cache cannot hold the step's rows
+        elif self.view is not None:
             for layer, slots in step.finish().items():
-                self._idx[layer].copy_(slots.pin_memory() if self.view.is_cuda else slots, non_blocking=True)
+                self._upload(layer, slots)
+
+    def publish(self, layer: int) -> None:
+        """A segmented replay's host step before Engram layer `layer`: wait for that layer's reads only (the
+        later layers' stay in flight while the GPU runs the layers before them), admit its rows to the host
+        cache and upload their slots, stream-ordered before the gather of the next graph segment."""
+        self._upload(layer, self._step.finish_layer(layer))
+
+    def _upload(self, layer: int, slots: torch.Tensor) -> None:
+        self._idx[layer].copy_(slots.pin_memory() if self.view.is_cuda else slots, non_blocking=True)
 
     def load_rows(self, layer: int) -> None:
         """Wait for the bound step's rows of `layer` and copy them into the graph's buffer."""

@@ -175,24 +175,40 @@ class EngramRowStore(TableLoadingMixin):
         waits for the reads, admits the misses (no row of the step evicts another) and returns, per layer,
         the cache slot of each asked-for row (int64 [T * heads], CPU). Raises when the cache cannot hold
         the step's rows at once (the graph's capture then fails and the step runs eagerly)."""
+        self.check_step(tickets)
+        out: dict[int, torch.Tensor] = {}
+        held: list[torch.Tensor] = []
+        left = dict(tickets)
+        for layer, ticket in tickets.items():
+            del left[layer]
+            out[layer] = self.finish_one(ticket, held, left.values())
+        return out
+
+    def check_step(self, tickets: dict[int, _Ticket]) -> None:
+        """Raise unless the cache can hold every distinct row of a decode step at once (`finish_one` on each
+        of its layers then cannot fail)."""
         if self.gather_view is None:
             raise RuntimeError("finish_step needs the host row cache the GPU reads in place (CUDA, tmpfs or disk tables)")
-        if sum(t.uniq.numel() for t in tickets.values()) >= self.cache.capacity:
+        live = sum(int((t.slots >= 0).sum()) for t in self._live if all(t is not u for u in tickets.values()))
+        if sum(t.uniq.numel() for t in tickets.values()) + live >= self.cache.capacity:
             raise RuntimeError(f"the Engram row cache ({self.cache.capacity} rows) cannot hold one decode step's "
                                "rows; raise engram.row_cache")
-        for ticket in tickets.values():
-            self._live = [t for t in self._live if t is not ticket]
-            self._await(ticket)
-        out: dict[int, torch.Tensor] = {}
-        held = [t.slots[t.slots >= 0] for t in list(tickets.values()) + self._live]
-        for layer, ticket in tickets.items():
-            slots = self._admit(ticket, held)
-            if slots is None:
-                raise RuntimeError(f"the Engram row cache ({self.cache.capacity} rows) cannot hold one decode step's "
-                                   "rows; raise engram.row_cache")
-            held.append(slots)
-            out[layer] = slots[ticket.inverse]
-        return out
+
+    def finish_one(self, ticket: _Ticket, held: list[torch.Tensor], others) -> torch.Tensor:
+        """One layer of a decode step (`finish_step`), so a segmented graph can admit each layer's rows right
+        before that layer while the reads of later layers are still in flight: waits for this ticket's reads
+        only, admits its misses without evicting `held` (the slots of the step's layers finished so far; this
+        one's are appended) or the hits of `others` (its layers still to come) and of live tickets; returns the
+        cache slot of each asked-for row (int64 [T * heads], CPU)."""
+        self._live = [t for t in self._live if t is not ticket]
+        self._await(ticket)
+        protect = held + [t.slots[t.slots >= 0] for t in [*others, *self._live]]
+        slots = self._admit(ticket, protect)
+        if slots is None:
+            raise RuntimeError(f"the Engram row cache ({self.cache.capacity} rows) cannot hold one decode step's "
+                               "rows; raise engram.row_cache")
+        held.append(slots)
+        return slots[ticket.inverse]
 
     def replayed(self) -> None:
         """A CUDA graph that gathers from the host slab was launched: its slots are rewritten only after it."""

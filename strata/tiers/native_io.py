@@ -1,0 +1,92 @@
+"""The disk reader's native batch of positional reads (csrc/pread_runs.cpp), built on first use.
+
+    read_runs(fd, file_off, length, need, buf, buf_off)   # every run read; raises OSError / EOFError
+
+A reader thread hands a whole list of reads to one C loop (ctypes releases the GIL for the call), so it
+does not take the GIL back between reads. The library is compiled with the system's C++ compiler into
+strata's cache (`$STRATA_CACHE/ext`, keyed by a hash of the source and the compiler); without a compiler
+`available()` is False and the disk reader issues its reads from Python, as before.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from strata.fsutil import cache_root
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "pread_runs.cpp"
+_FLAGS = ["-O2", "-shared", "-fPIC", "-fvisibility=hidden"]
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_I64P = ctypes.POINTER(ctypes.c_int64)
+
+
+def _build() -> ctypes.CDLL:
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler (g++, c++ or clang++) on PATH")
+    key = hashlib.sha256(_SOURCE.read_bytes() + repr((cxx, _FLAGS)).encode()).hexdigest()[:16]
+    path = cache_root() / "ext" / f"strata_pread_runs_{key}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            subprocess.run([cxx, *_FLAGS, "-o", str(tmp), str(_SOURCE)], check=True, capture_output=True, text=True,
+                           timeout=120)
+        except subprocess.CalledProcessError as e:
+            raise RuntimeError(f"{cxx} failed: {(e.stderr or '').strip().splitlines()[-1:] or e}") from None
+        os.replace(tmp, path)  # atomic: a concurrent build of the same source writes the same file
+    lib = ctypes.CDLL(str(path))
+    lib.strata_pread_runs.argtypes = [ctypes.c_int, ctypes.c_int64, _I64P, _I64P, _I64P, ctypes.c_void_p, _I64P]
+    lib.strata_pread_runs.restype = ctypes.c_int64
+    return lib
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _tried
+    if not _tried:
+        with _lock:
+            if not _tried:
+                if os.environ.get("STRATA_NATIVE_IO", "1") != "0":
+                    try:
+                        _lib = _build()
+                    except Exception as e:  # noqa: BLE001 - no compiler, read-only cache...: reads stay in Python
+                        log.warning("strata: native disk reads unavailable (%s); reading from Python", e)
+                _tried = True
+    return _lib
+
+
+def available() -> bool:
+    """Whether the native batch of reads can be used here ($STRATA_NATIVE_IO=0 turns it off)."""
+    return _load() is not None
+
+
+def read_runs(fd: int, file_off: np.ndarray, length: np.ndarray, need: np.ndarray, buf: np.ndarray,
+              buf_off: np.ndarray) -> None:
+    """Read run i (`length[i]` bytes at `file_off[i]`, at least `need[i]` of them) into `buf[buf_off[i]:]`
+    for every i (int64 arrays of one length; `buf` a uint8 array big enough). Raises OSError for a failed
+    read, EOFError (with the run's index) for a file that ends before a run's `need` bytes."""
+    lib = _load()
+    arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (file_off, length, need, buf_off)]
+    if any(a.shape != arrays[0].shape for a in arrays):
+        raise ValueError("file_off, length, need and buf_off must have one length")
+    if arrays[0].size and int((arrays[3] + arrays[1]).max()) > buf.size:
+        raise ValueError(f"runs end past the {buf.size}-byte buffer")
+    p = [a.ctypes.data_as(_I64P) for a in arrays]
+    rc = lib.strata_pread_runs(fd, arrays[0].size, p[0], p[1], p[2], buf.ctypes.data, p[3])
+    if rc > 0:
+        raise OSError(int(rc), os.strerror(int(rc)))
+    if rc < 0:
+        raise EOFError(int(-1 - rc))
