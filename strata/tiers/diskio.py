@@ -300,25 +300,29 @@ class DiskReader:
 
         native = native_io.available() if self.native is None else self.native
 
+        def read_native() -> None:  # every run in one C call on its own threads: no Python per read
+            a, b = np.array(runs, dtype=np.int64).reshape(-1, 2).T
+            off = ub[a] * ALIGN
+            length = (b - a) * ALIGN
+            try:
+                native_io.read_runs(fd, off, length, np.minimum(length, f.size - off), sbuf, a * ALIGN,
+                                    threads=self.num_threads)
+            except EOFError as e:
+                raise CheckpointError(f"{f.path} ended early: the read at offset {int(off[e.args[0]])} came up "
+                                      "short; the store file is truncated") from None
+            except OSError as e:
+                raise CheckpointError(f"cannot read {f.path}: {e.strerror}") from e
+
         def read_runs(part: list[tuple[int, int]]) -> None:
-            if native:  # the whole part in one C loop: this thread takes the GIL back once, not after every read
-                a, b = np.array(part, dtype=np.int64).reshape(-1, 2).T
-                off = ub[a] * ALIGN
-                length = (b - a) * ALIGN
-                try:
-                    native_io.read_runs(fd, off, length, np.minimum(length, f.size - off), sbuf, a * ALIGN)
-                except EOFError as e:
-                    raise CheckpointError(f"{f.path} ended early: the read at offset {int(off[e.args[0]])} came up "
-                                          "short; the store file is truncated") from None
-                except OSError as e:
-                    raise CheckpointError(f"cannot read {f.path}: {e.strerror}") from e
-                return
             for a, b in part:
                 off = blk[a] * ALIGN
                 _pread(f.path, fd, sbuf[a * ALIGN : b * ALIGN], off, min((b - a) * ALIGN, f.size - off))
 
-        groups = min(self.num_threads, len(runs))
-        futs = [self._pool.submit(read_runs, runs[k::groups]) for k in range(groups)]
+        if native:
+            futs = [self._pool.submit(read_native)]
+        else:
+            groups = min(self.num_threads, len(runs))
+            futs = [self._pool.submit(read_runs, runs[k::groups]) for k in range(groups)]
 
         def finish() -> torch.Tensor:
             try:

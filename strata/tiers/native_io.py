@@ -1,9 +1,9 @@
 """The disk reader's native batch of positional reads (csrc/pread_runs.cpp), built on first use.
 
-    read_runs(fd, file_off, length, need, buf, buf_off)   # every run read; raises OSError / EOFError
+    read_runs(fd, file_off, length, need, buf, buf_off, threads)   # every run read; raises OSError / EOFError
 
-A reader thread hands a whole list of reads to one C loop (ctypes releases the GIL for the call), so it
-does not take the GIL back between reads. The library is compiled with the system's C++ compiler into
+A reader thread hands a whole list of reads to one C call (ctypes releases the GIL for the call) that reads
+them on `threads` threads of its own, so nobody takes the GIL back between reads. The library is compiled with the system's C++ compiler into
 strata's cache (`$STRATA_CACHE/ext`, keyed by a hash of the source and the compiler); without a compiler
 `available()` is False and the disk reader issues its reads from Python, as before.
 """
@@ -30,7 +30,6 @@ _FLAGS = ["-O2", "-shared", "-fPIC", "-fvisibility=hidden"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
 _tried = False
-_I64P = ctypes.POINTER(ctypes.c_int64)
 
 
 def _build() -> ctypes.CDLL:
@@ -49,7 +48,8 @@ def _build() -> ctypes.CDLL:
             raise RuntimeError(f"{cxx} failed: {(e.stderr or '').strip().splitlines()[-1:] or e}") from None
         os.replace(tmp, path)  # atomic: a concurrent build of the same source writes the same file
     lib = ctypes.CDLL(str(path))
-    lib.strata_pread_runs.argtypes = [ctypes.c_int, ctypes.c_int64, _I64P, _I64P, _I64P, ctypes.c_void_p, _I64P]
+    p = ctypes.c_void_p
+    lib.strata_pread_runs.argtypes = [ctypes.c_int, ctypes.c_int64, p, p, p, p, p, ctypes.c_int]
     lib.strata_pread_runs.restype = ctypes.c_int64
     return lib
 
@@ -74,18 +74,18 @@ def available() -> bool:
 
 
 def read_runs(fd: int, file_off: np.ndarray, length: np.ndarray, need: np.ndarray, buf: np.ndarray,
-              buf_off: np.ndarray) -> None:
+              buf_off: np.ndarray, threads: int = 1) -> None:
     """Read run i (`length[i]` bytes at `file_off[i]`, at least `need[i]` of them) into `buf[buf_off[i]:]`
-    for every i (int64 arrays of one length; `buf` a uint8 array big enough). Raises OSError for a failed
-    read, EOFError (with the run's index) for a file that ends before a run's `need` bytes."""
+    for every i (int64 arrays of one length; `buf` a uint8 array big enough), on `threads` threads. Raises
+    OSError for a failed read, EOFError (with the run's index) for a file that ends before a run's `need`."""
     lib = _load()
     arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (file_off, length, need, buf_off)]
     if any(a.shape != arrays[0].shape for a in arrays):
         raise ValueError("file_off, length, need and buf_off must have one length")
     if arrays[0].size and int((arrays[3] + arrays[1]).max()) > buf.size:
         raise ValueError(f"runs end past the {buf.size}-byte buffer")
-    p = [a.ctypes.data_as(_I64P) for a in arrays]
-    rc = lib.strata_pread_runs(fd, arrays[0].size, p[0], p[1], p[2], buf.ctypes.data, p[3])
+    rc = lib.strata_pread_runs(fd, arrays[0].size, *(a.ctypes.data for a in arrays[:3]), buf.ctypes.data,
+                               arrays[3].ctypes.data, max(1, threads))
     if rc > 0:
         raise OSError(int(rc), os.strerror(int(rc)))
     if rc < 0:
