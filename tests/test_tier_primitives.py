@@ -107,6 +107,7 @@ def test_read_rows_match_numpy(store_file, reader, row_bytes, base):
     rows[:50] = rows[50:100]  # duplicates
     rows[100:110] = np.arange(nrows - 10, nrows)  # the table's end (the partial last block)
     rows[110:120] = np.arange(10)  # consecutive rows: coalesced into runs
+    rows[120:200] = np.arange(200, 280) % nrows  # a run of over 16 blocks (the reader's 64 KiB chunk): cut in pieces
     out = torch.empty(len(rows), row_bytes, dtype=torch.uint8)
     assert reader.read_rows(path, base, row_bytes, rows.tolist(), out).result() is out
     assert np.array_equal(out.numpy(), table[rows])

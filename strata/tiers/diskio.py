@@ -289,40 +289,17 @@ class DiskReader:
             blocks = reps + np.arange(reps.size) - np.repeat(np.cumsum(span) - span, span)
         ub = np.unique(blocks)  # [m] sorted distinct blocks; scratch holds block ub[j] at j * ALIGN
         pos = np.searchsorted(ub, first) * ALIGN + (starts - first * ALIGN)  # row i in scratch
-        cuts = (np.flatnonzero(np.diff(ub) != 1) + 1).tolist()
-        runs, max_blocks = [], self.chunk_bytes // ALIGN  # (first index, end index) into ub
-        for a, b in zip([0, *cuts], [*cuts, ub.size], strict=True):
-            runs.extend((s, min(s + max_blocks, b)) for s in range(a, b, max_blocks))
+        cut = np.flatnonzero(np.diff(ub) != 1) + 1  # runs of consecutive blocks: [run_a[j], run_b[j]) of ub
+        run_a, run_b = np.concatenate(([0], cut)), np.concatenate((cut, [ub.size]))
+        max_blocks = self.chunk_bytes // ALIGN
+        if int((run_b - run_a).max()) > max_blocks:  # a run longer than a chunk: cut into chunk-sized pieces
+            pieces = [(s, min(s + max_blocks, b)) for a, b in zip(run_a.tolist(), run_b.tolist(), strict=True)
+                      for s in range(a, b, max_blocks)]
+            run_a, run_b = (np.array(c, dtype=np.int64) for c in zip(*pieces, strict=True))
         scratch = self._take_scratch(ub.size * ALIGN)
-        sbuf, blk = scratch.numpy(), ub.tolist()
+        sbuf = scratch.numpy()
         # direct files always qualify for O_DIRECT here: block offsets, lengths and the scratch are aligned
         fd = f.fd
-
-        native = native_io.available() if self.native is None else self.native
-
-        def read_native() -> None:  # every run in one C call on its own threads: no Python per read
-            a, b = np.array(runs, dtype=np.int64).reshape(-1, 2).T
-            off = ub[a] * ALIGN
-            length = (b - a) * ALIGN
-            try:
-                native_io.read_runs(fd, off, length, np.minimum(length, f.size - off), sbuf, a * ALIGN,
-                                    threads=self.num_threads)
-            except EOFError as e:
-                raise CheckpointError(f"{f.path} ended early: the read at offset {int(off[e.args[0]])} came up "
-                                      "short; the store file is truncated") from None
-            except OSError as e:
-                raise CheckpointError(f"cannot read {f.path}: {e.strerror}") from e
-
-        def read_runs(part: list[tuple[int, int]]) -> None:
-            for a, b in part:
-                off = blk[a] * ALIGN
-                _pread(f.path, fd, sbuf[a * ALIGN : b * ALIGN], off, min((b - a) * ALIGN, f.size - off))
-
-        if native:
-            futs = [self._pool.submit(read_native)]
-        else:
-            groups = min(self.num_threads, len(runs))
-            futs = [self._pool.submit(read_runs, runs[k::groups]) for k in range(groups)]
 
         def finish() -> torch.Tensor:
             try:
@@ -331,6 +308,33 @@ class DiskReader:
                 self._give_scratch(scratch)
             return out
 
+        if native_io.available() if self.native is None else self.native:
+            def read_all() -> torch.Tensor:  # every run in one C call on its own threads, then the gather
+                off = ub[run_a] * ALIGN
+                length = (run_b - run_a) * ALIGN
+                try:
+                    native_io.read_runs(fd, off, length, np.minimum(length, f.size - off), sbuf, run_a * ALIGN,
+                                        threads=self.num_threads)
+                except EOFError as e:
+                    self._give_scratch(scratch)
+                    raise CheckpointError(f"{f.path} ended early: the read at offset {int(off[e.args[0]])} came "
+                                          "up short; the store file is truncated") from None
+                except OSError as e:
+                    self._give_scratch(scratch)
+                    raise CheckpointError(f"cannot read {f.path}: {e.strerror}") from e
+                return finish()
+
+            return self._pool.submit(read_all)  # one task: no per-read Python, no fan-in
+
+        runs, blk = list(zip(run_a.tolist(), run_b.tolist(), strict=True)), ub.tolist()
+
+        def read_runs(part: list[tuple[int, int]]) -> None:
+            for a, b in part:
+                off = blk[a] * ALIGN
+                _pread(f.path, fd, sbuf[a * ALIGN : b * ALIGN], off, min((b - a) * ALIGN, f.size - off))
+
+        groups = min(self.num_threads, len(runs))
+        futs = [self._pool.submit(read_runs, runs[k::groups]) for k in range(groups)]
         return _fan_in(futs, finish)
 
     def _take_scratch(self, nbytes: int) -> torch.Tensor:

@@ -302,12 +302,19 @@
 
   // ---- derived series --------------------------------------------------------------------------
   function rateSeries(samples, pick, window) {
-    // value per second of a cumulative counter over `window` samples; null across resets and gaps
+    // value per second of a cumulative counter over up to `window` samples, from the oldest one in the window
+    // that has the counter (a panel's first samples may predate it); null across resets and where none has it
     const out = [];
     for (let i = 1; i < samples.length; i++) {
-      const j = Math.max(0, i - window), a = samples[j], b = samples[i];
-      const va = pick(a), vb = pick(b), dt = b.t - a.t;
-      out.push([b.t, va === null || vb === null || dt <= 0 || vb < va ? null : (vb - va) / dt]);
+      const b = samples[i], vb = pick(b);
+      let rate = null;
+      for (let j = Math.max(0, i - window); j < i && vb !== null; j++) {
+        const va = pick(samples[j]), dt = b.t - samples[j].t;
+        if (va === null) continue;
+        rate = dt > 0 && vb >= va ? (vb - va) / dt : null;
+        break;
+      }
+      out.push([b.t, rate]);
     }
     return out;
   }

@@ -1,0 +1,110 @@
+"""Host time of a whole disk-tier Engram decode step, through the engine's own objects, on any machine.
+
+    python bench/engram_step_host.py [--table-rows 400000] [--batch 8] [--steps 300] [--row-cache 64MiB] [--profile]
+
+What the host does for one step of a segmented decode graph with Engram tables on disk (bench/engram.py's
+"disk" case on the GPU box), without the GPU: `EngramRuntime.begin` (the n-grams from the token history,
+hashing, cache lookups, the reads issued), `StaticEngramStep.bind` (tap and ring indices, the row-cache
+check) and, per Engram layer, `publish` (that layer's reads awaited, its rows admitted to the host row
+cache, their slots uploaded) — each phase timed, plus the part of `publish` spent waiting for reads. The
+gathers themselves (GPU work inside the graph on the box) are left out. The model is bench/engram.py's
+(the `small` demo model with 2 Engram layers), its tables enlarged to `--table-rows` rows per head, built
+under `--work` on a real disk; `--batch` sequences decode Zipf(1.1) tokens, teacher-forced.
+Writes engram_step_host.json (with `--profile`, the host functions by own time too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from strata import Engine
+from strata.runtime import engram_demo
+from strata.runtime.demo_model import write_demo_model
+from strata.runtime.engram import StaticEngramStep
+from strata.runtime.kv_cache import KVCache, StepBatch
+
+PHASES = ("begin", "bind", "publish", "waiting")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--table-rows", type=int, default=400_000)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=50)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--row-cache", default="64MiB")
+    ap.add_argument("--work", default="~/.cache/strata-engram-step", help="a real disk (not tmpfs)")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    work = Path(args.work).expanduser()
+    work.mkdir(parents=True, exist_ok=True)
+    saved = engram_demo._SIZES["small"]
+    engram_demo._SIZES["small"] = ([1, 5], saved[1], saved[2], [args.table_rows, args.table_rows])
+    try:
+        model_dir = write_demo_model(work / f"small-engram-{args.table_rows}", "small", progress=True)
+    finally:
+        engram_demo._SIZES["small"] = saved
+    conf = {"engram": {"tier": "disk", "row_cache": args.row_cache}, "tiers": {"disk": {"path": str(work), "scrub": False}}}
+    rng = np.random.default_rng(0)
+    n = args.warmup + args.steps * (2 if args.profile else 1)
+    tokens = torch.from_numpy(rng.permutation(8192)[np.minimum(rng.zipf(1.1, (n, args.batch)), 8192) - 1])
+    with Engine.from_pretrained(model_dir, device="cpu", config=conf) as eng:
+        rt, layers = eng.model.engram, eng.model.layers
+        cache = KVCache(eng.checkpoint.config, args.batch, n + 8, eng.dtype, "cpu")
+        seconds = dict.fromkeys(PHASES, 0.0)
+        statics = None
+        store = rt.source
+        with torch.inference_mode():
+            for t in range(n):
+                if t == args.warmup:
+                    seconds = dict.fromkeys(PHASES, 0.0)
+                    stall0 = store.stats_.stall_s
+                if args.profile and t == args.warmup + args.steps:
+                    prof = cProfile.Profile()
+                    prof.enable()
+                t0 = time.perf_counter()
+                step = rt.begin(tokens[t], StepBatch(list(range(args.batch)), [t] * args.batch, [1] * args.batch),
+                                cache, layers)
+                t1 = time.perf_counter()
+                if statics is None:  # the capture: built from the first step
+                    statics = StaticEngramStep(step)
+                    statics._per_layer = True  # as a segmented capture sets it
+                    continue
+                statics.bind(step)
+                t2 = time.perf_counter()
+                for layer in rt.cfg.layer_ids:
+                    statics.publish(layer)
+                t3 = time.perf_counter()
+                statics.replayed()
+                if t < args.warmup + args.steps:
+                    for k, v in (("begin", t1 - t0), ("bind", t2 - t1), ("publish", t3 - t2)):
+                        seconds[k] += v
+        seconds["waiting"] = store.stats_.stall_s - stall0
+        us = {k: round(v / args.steps * 1e6, 1) for k, v in seconds.items()}
+        result = {"args": vars(args), "us_per_step": us, "total_us": round(sum(us[k] for k in PHASES[:3]), 1),
+                  "rows": store.stats()}
+        if args.profile:
+            prof.disable()
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+            pstats.Stats(prof, stream=buf).sort_stats("cumulative").print_stats(30)
+            result["profile"] = buf.getvalue()
+    print(f"host us per step: {us} (total {result['total_us']})")
+    if args.profile:
+        print(result["profile"])
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "engram_step_host.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
