@@ -5,6 +5,8 @@ RAM; plain RAM on CPU-only hosts), `tmpfs` (whole layer files of the store copie
 `disk` (the store itself, which always holds everything, so dropping a copy never loses the only one).
 
     prefetch(keys, device)   returns at once; transfers run on worker threads and a CUDA copy stream
+    place(keys, device)      initial placement, in the background, waiting for room (strata.tiers.placement)
+    promote(key)             a popular expert into the GPU tier, the whole move on a transfer worker
     acquire(keys, device)    handles to resident copies, waiting only for what is not there yet
     release(handles)         unpins; an object in use (or being copied) is never evicted
 
@@ -17,13 +19,10 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
-import contextlib
 import itertools
-import logging
 import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, Future
-from concurrent.futures import wait as futures_wait
+from concurrent.futures import Future
 from pathlib import Path
 
 import torch
@@ -35,6 +34,7 @@ from strata.tiers.gpu_slots import GpuSlots
 from strata.tiers.integrity import IntegrityMixin
 from strata.tiers.lookups import LookupsMixin
 from strata.tiers.pinned import PinnedPool
+from strata.tiers.placement import PlacementMixin
 from strata.tiers.policy import make_policy
 from strata.tiers.slots import (
     MIN_PINNED_SLOTS,
@@ -52,10 +52,8 @@ from strata.tiers.store import ExpertStore
 from strata.tiers.tmpfs import TmpfsMirror
 from strata.tiers.transfers import TransfersMixin
 
-log = logging.getLogger("strata.tiers")
 
-
-class TierManager(IntegrityMixin, LookupsMixin, StepCopiesMixin, TransfersMixin, EvictionMixin):
+class TierManager(IntegrityMixin, LookupsMixin, PlacementMixin, StepCopiesMixin, TransfersMixin, EvictionMixin):
     """Places a store's experts across GPU, pinned RAM, tmpfs and disk within budgets."""
 
     FULL_WAIT_S = 30.0  # how long an acquire waits for other threads to release slots before TierFullError
@@ -140,71 +138,6 @@ class TierManager(IntegrityMixin, LookupsMixin, StepCopiesMixin, TransfersMixin,
                 if not warm:
                     self.stats_.prefetch_issued += 1
                     self._prefetched[tier.name].add(key)
-
-    def place(self, keys: list[Key], device: str = "gpu") -> None:
-        """Initial placement: bring every one of `keys` to the `device` tier, in order, in the background.
-
-        Unlike `prefetch`, which stops at the first key there is no room for, placement waits for room and
-        goes on: a GPU tier is filled through the pinned staging slots, of which there may be far fewer than
-        experts (16 when every expert fits in VRAM), so a budget that holds every expert ends up holding them
-        all. Keys beyond the tier's capacity would evict earlier ones: pass at most `capacity` of them."""
-        tier = self._tier(device)
-        with self._lock:
-            self._placing += 1
-        threading.Thread(target=self._place, args=(tier, list(keys)), name="strata-placement", daemon=True).start()
-
-    def _place(self, tier: _SlotTier, keys: list[Key]) -> None:
-        pending: list[Future] = []
-        try:
-            for key in keys:
-                stuck_since = time.monotonic()
-                while True:
-                    with self._lock:
-                        if self._closed:
-                            return
-                        if key in tier.slot_of and key not in tier.inflight:
-                            break
-                        try:
-                            pending.append(self._ensure(tier, key, 2))
-                            break
-                        except TierFullError:  # every staging (or tier) slot is busy: wait for some to land
-                            pass
-                    if time.monotonic() - stuck_since > self.FULL_WAIT_S:
-                        log.warning("initial placement into the %s tier stopped at %s: no slot came free in %.0f s",
-                                    tier.name, key, self.FULL_WAIT_S)
-                        return
-                    if pending:
-                        futures_wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
-                        pending = [f for f in pending if not f.done()]
-                    else:
-                        with self._lock:
-                            self._released.wait(0.05)
-        finally:
-            with self._lock:
-                self._placing -= 1
-                self._released.notify_all()
-
-    def promote(self, key: Key) -> None:
-        """Bring `key` into the GPU tier in the background (at initial placement's priority); returns at once.
-
-        Unlike `prefetch`, which issues a pinned-resident object's copy on the calling thread (slot eviction,
-        copy stream, events, map update: about half a millisecond of host time), the whole move runs on a
-        transfer worker, so a decode step that promotes an expert (`TieredExperts._promote`) only queues it.
-        The victim's map entry is cleared on the caller's current stream, as when the caller evicts: kernels
-        queued there before the clear are done before the copy overwrites the slot."""
-        if self.gpu is None:
-            return
-        stream = None
-        if self.slots.is_cuda:
-            if torch.cuda.is_current_stream_capturing():
-                return  # a graph being captured must not see another thread's work
-            stream = torch.cuda.current_stream(self.slots.device)
-        with self._lock:
-            self._submit(2, self._promote_on, stream, key)
-
-    def _promote_on(self, stream, key: Key) -> None:
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            self.prefetch([key], "gpu", warm=True)
 
     def acquire(self, keys: list[Key], device: str = "gpu") -> list[ExpertHandle]:
         """Handles to resident copies of `keys` on `device`, pinned until `release`."""
