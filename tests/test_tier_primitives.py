@@ -278,3 +278,19 @@ def test_gpu_direct_reader(tmp_path):
     with pytest.raises(CheckpointError, match="k.bin"):
         r.read(tmp_path / "k.bin", 2**20, 2**19, out)
     r.close()
+
+
+def test_native_reads_fall_back_to_python_without_a_compiler(monkeypatch, tmp_path, caplog):
+    """No C++ compiler: one warning, `available()` is False, and row gathers still read right (from Python)."""
+    monkeypatch.setattr(native_io, "_lib", None)
+    monkeypatch.setattr(native_io, "_tried", False)
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("STRATA_CACHE", str(tmp_path / "cache"))  # nothing built earlier is found
+    with caplog.at_level("WARNING", logger="strata.tiers.native_io"):
+        assert not native_io.available()
+    assert any("native disk reads unavailable" in r.message for r in caplog.records)
+    data = _write(tmp_path / "t.bin", 64 * 1024)
+    with DiskReader(num_threads=2) as r:
+        out = torch.empty(3, 512, dtype=torch.uint8)
+        r.read_rows(tmp_path / "t.bin", 0, 512, [7, 0, 99], out).result()
+    assert np.array_equal(out.numpy(), data.reshape(-1, 512)[[7, 0, 99]])
