@@ -7,6 +7,8 @@ take the general path in the same call, and a released batch becomes evictable a
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import pytest
 import torch
@@ -256,9 +258,9 @@ def test_read_in_place_holds_pinned_slots_until_the_kernel_has_run(store):
 
 
 def _promote(store, device: str):
-    """`promote` queues the move for a transfer worker: the caller returns before the copy is issued, and once
-    settled the expert sits in a GPU slot with its exact bytes, the victim's map entry reads -1, and the
-    device map agrees with the host mirror."""
+    """`promote` queues the move for a transfer worker: the caller returns before the copy is issued, the
+    worker issues it without holding the manager's lock, and once settled the expert sits in a GPU slot with
+    its exact bytes, the victim's map entry reads -1, and the device map agrees with the host mirror."""
     layer = store.index.moe_layers[0]
     n_experts = max(k[1] for k in store.keys()) + 1
     m = TierManager(store, TierBudgets(gpu_slots=3, pinned_slots=n_experts), gpu_device=torch.device(device),
@@ -267,10 +269,21 @@ def _promote(store, device: str):
         m.release(m.acquire([(layer, e) for e in range(n_experts)], "cpu"))
         m.release_staged(m.stage_gpu(layer, [0, 1, 2]))  # the GPU tier is full
         assert m.wait_settled(10)
+        copy_in, free_during_copy = m.slots.copy_in, []
+
+        def watched_copy_in(*args, **kw):  # can another thread take the manager's lock while the copy is issued?
+            probe = threading.Thread(target=lambda: free_during_copy.append(m._lock.acquire(timeout=5) and
+                                                                            (m._lock.release() or True)))
+            probe.start()
+            probe.join()
+            return copy_in(*args, **kw)
+
+        m.slots.copy_in = watched_copy_in
         with m._lock:  # a worker cannot run the promotion before this block ends: the call only queues it
             m.promote((layer, 5))
             assert (layer, 5) not in m.gpu.slot_of and m._jobs
         assert m.wait_settled(10) and (layer, 5) in m.gpu.slot_of
+        assert free_during_copy == [True]  # issued after the worker let go of the lock (the decode thread needs it)
         slot = m.gpu.slot_of[(layer, 5)]
         gate_up, down = store.expert_views(store.read_expert((layer, 5)))
         got_gu, got_dn = store.expert_views(m.slots.view(slot))

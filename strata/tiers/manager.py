@@ -19,7 +19,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import contextlib
 import itertools
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -52,6 +54,8 @@ from strata.tiers.store import ExpertStore
 from strata.tiers.tmpfs import TmpfsMirror
 from strata.tiers.transfers import TransfersMixin
 
+log = logging.getLogger("strata.tiers")
+
 
 class TierManager(IntegrityMixin, LookupsMixin, PlacementMixin, StepCopiesMixin, TransfersMixin, EvictionMixin):
     """Places a store's experts across GPU, pinned RAM, tmpfs and disk within budgets."""
@@ -76,6 +80,7 @@ class TierManager(IntegrityMixin, LookupsMixin, PlacementMixin, StepCopiesMixin,
         self._prefetched: dict[str, set[Key]] = {"gpu": set(), "pinned": set()}
         self._lookup_sources: list = []
         self._placing = 0  # initial placement threads running (`place`)
+        self._tls = threading.local()  # `copies`: GPU copies `_ensure` left to its caller (`_outside_lock`)
         moe_layers = sorted({k[0] for k in store.keys()})
         self._layers = moe_layers
         hot = list(hot or [])
@@ -127,17 +132,39 @@ class TierManager(IntegrityMixin, LookupsMixin, PlacementMixin, StepCopiesMixin,
         `warm=True` is initial placement (lowest priority, not counted as prediction).
         """
         tier = self._tier(device)
-        with self._lock:
-            for key in keys:
-                if key in tier.slot_of or key in tier.inflight:
-                    continue
+        with self._outside_lock():
+            with self._lock:
+                for key in keys:
+                    if key in tier.slot_of or key in tier.inflight:
+                        continue
+                    try:
+                        self._ensure(tier, key, 2 if warm else priority)
+                    except TierFullError:
+                        return  # prefetch is best effort: never evict what is in use
+                    if not warm:
+                        self.stats_.prefetch_issued += 1
+                        self._prefetched[tier.name].add(key)
+
+    @contextlib.contextmanager
+    def _outside_lock(self):
+        """GPU copies from pinned-resident sources that `_ensure` queues in this block are issued at its end,
+        after the caller has released the manager's lock: issuing one (copy stream, events) takes about half a
+        millisecond of host time, which the decode thread would otherwise wait out in its next lookup (a
+        promotion on a transfer worker, a prefetch, placement)."""
+        outer = getattr(self._tls, "copies", None)
+        if outer is not None:  # nested: the outermost block issues them
+            yield
+            return
+        self._tls.copies = copies = []
+        try:
+            yield
+        finally:
+            self._tls.copies = None
+            for args in copies:
                 try:
-                    self._ensure(tier, key, 2 if warm else priority)
-                except TierFullError:
-                    return  # prefetch is best effort: never evict what is in use
-                if not warm:
-                    self.stats_.prefetch_issued += 1
-                    self._prefetched[tier.name].add(key)
+                    self._copy_to_gpu(*args)
+                except Exception:  # as from a future's callback, where the copy ran before: logged, not raised
+                    log.exception("strata: the GPU copy of expert %s failed", args[0])
 
     def acquire(self, keys: list[Key], device: str = "gpu") -> list[ExpertHandle]:
         """Handles to resident copies of `keys` on `device`, pinned until `release`."""
@@ -358,7 +385,11 @@ class TierManager(IntegrityMixin, LookupsMixin, PlacementMixin, StepCopiesMixin,
         if tier is self.pinned:
             self._submit(priority, self._load_pinned, key, slot, fut)
         else:
-            src.add_done_callback(lambda f: self._copy_to_gpu(key, slot, fut, f))
+            deferred = getattr(self._tls, "copies", None)
+            if deferred is not None and src.done():  # issued by the caller once it has let go of the lock
+                deferred.append((key, slot, fut, src))
+            else:
+                src.add_done_callback(lambda f: self._copy_to_gpu(key, slot, fut, f))
         return fut
 
     def _handle(self, tier: _SlotTier, key: Key) -> ExpertHandle:

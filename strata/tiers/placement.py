@@ -38,7 +38,7 @@ class PlacementMixin:
             for key in keys:
                 stuck_since = time.monotonic()
                 while True:
-                    with self._lock:
+                    with self._outside_lock(), self._lock:  # the copy is issued after the lock is let go
                         if self._closed:
                             return
                         if key in tier.slot_of and key not in tier.inflight:
