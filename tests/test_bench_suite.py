@@ -224,6 +224,9 @@ def test_one_tiny_case_end_to_end_on_cpu(tmp_path, capsys):
     assert split["status"] == "ok", split.get("reason")
     m = split["metrics"]
     assert m["tokens"] == 8 and m["decode_tok_s"] > 0 and m["lookups_per_token"] > 0
+    state = m["decode_state"]  # CPU: no graphs; the prefetcher's state and counters are recorded
+    assert state["graph_mode"] is None and state["prefetch"]["issued"] >= 0
+    assert state["prefetcher"] is None or set(state["prefetcher"]) == {"idle", "pauses", "target"}
     assert split["roofline"]["bound"] in ("gpu", "cold", "disk") and split["config"]["tiers"]["gpu"]["budget"]
     assert hf["status"] == "skipped" and hf["reason"]  # CPU: the offload baseline needs CUDA
     assert doc["models"]["skewed"]["route_skew"] == 1.0 and doc["machine"]["torch"]

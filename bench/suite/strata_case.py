@@ -204,9 +204,25 @@ def run_workload(engine, scheduler, w: Workload, vocab: int, device: str) -> dic
         "wall_s": round(t_end - t0, 3),
         # decode modes whose CUDA-graph capture failed (they ran eagerly): why, and where
         "graph_failures": dict(getattr(getattr(engine.model, "graphs", None), "failed", None) or {}),
+        "decode_state": decode_state(engine),
         **peaks.read(),
     }
     return {"metrics": metrics, "decode": decode, "window_tokens": window_tokens}
+
+
+def decode_state(engine) -> dict:
+    """How the engine decoded at the end of a workload: its CUDA graphs' mode ("full": one graph a step;
+    "segmented": host steps between graphs; None: eager), captures and replays, and the lookahead
+    prefetcher's state (idle for good once its tier holds every expert; pauses; prefetch counters)."""
+    g = getattr(engine.model, "graphs", None)
+    compute = getattr(engine, "_compute", None)
+    p = getattr(compute, "prefetcher", None)
+    tiers = engine.stats().get("tiers") or {}
+    return {"graph_mode": g.mode() if g is not None else None, "graph_captures": g.captures if g is not None else 0,
+            "graph_replays": g.replays if g is not None else 0,
+            "prefetcher": None if p is None else {"idle": bool(p.idle()) if p.idle is not None else False,
+                                                  "pauses": p.pauses, "target": p.device_tier},
+            "prefetch": tiers.get("prefetch")}
 
 
 def case_roofline(case: Case, res: dict, facts: ModelFacts, rates: Rates) -> dict | None:
