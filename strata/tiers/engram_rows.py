@@ -29,6 +29,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from strata.errors import CheckpointError, ConfigError
@@ -189,8 +190,11 @@ class EngramRowStore(TableLoadingMixin):
         of its layers then cannot fail)."""
         if self.gather_view is None:
             raise RuntimeError("finish_step needs the host row cache the GPU reads in place (CUDA, tmpfs or disk tables)")
-        live = sum(int((t.slots >= 0).sum()) for t in self._live if all(t is not u for u in tickets.values()))
-        if sum(t.uniq.numel() for t in tickets.values()) + live >= self.cache.capacity:
+        # admission evicts any slot but the protected ones (the hits of the step and of live tickets), so the
+        # step's misses fit when they and the distinct protected slots do not outnumber the cache
+        hits = [t.slots[t.slots >= 0].numpy() for t in [*tickets.values(), *self._live]]
+        protected = np.unique(np.concatenate(hits)).size if hits else 0
+        if protected + sum(t.miss.numel() for t in tickets.values()) >= self.cache.capacity:
             raise RuntimeError(f"the Engram row cache ({self.cache.capacity} rows) cannot hold one decode step's "
                                "rows; raise engram.row_cache")
 
