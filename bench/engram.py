@@ -144,14 +144,14 @@ def main() -> None:
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    engram_demo._SIZES["small"] = ([1, 5], 4, 128, [args.table_rows, args.table_rows])  # enlarge the tables
     model_dir = Path(args.model_dir or out / f"demo-small-engram-{args.table_rows}")
     store_dir = Path(args.store_dir).expanduser()
     store_dir.mkdir(parents=True, exist_ok=True)
     store_fs = fs_type(str(store_dir))
     if store_fs in ("tmpfs", "ramfs"):
         print(f"warning: --store-dir {store_dir} is on {store_fs}: the disk cases will read RAM, not a disk", flush=True)
-    write_demo_model(model_dir, "small", progress=True)
+    with engram_demo.demo_tables("small", args.table_rows):  # tables far larger than the row cache
+        write_demo_model(model_dir, "small", progress=True)
     tokens = zipf_tokens(args.batch * (args.warmup + args.steps + 2 * args.rounds), 8192, args.zipf, seed=0)
     per_round = args.steps // args.rounds
     stream = torch.from_numpy(tokens).view(args.batch, -1)  # [batch, warmup + rounds * (2 + per_round)]

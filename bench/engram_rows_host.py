@@ -37,9 +37,7 @@ LAYERS = [1, 5]
 
 def build_store(work: Path, table_rows: int) -> Path:
     """The enlarged demo model and its store under `work` (reused when already there)."""
-    saved = engram_demo._SIZES["small"]
-    engram_demo._SIZES["small"] = (LAYERS, saved[1], saved[2], [table_rows, table_rows])
-    try:
+    with engram_demo.demo_tables("small", table_rows):
         model = work / f"small-engram-{table_rows}"
         if not model.exists():
             write_demo_model(model, "small", progress=True)
@@ -47,8 +45,6 @@ def build_store(work: Path, table_rows: int) -> Path:
         if not store.exists():
             convert_checkpoint(model, store, progress=True)
         return store
-    finally:
-        engram_demo._SIZES["small"] = saved
 
 
 def run_tier(store: ExpertStore, tier: str, args) -> dict:

@@ -48,12 +48,8 @@ def main() -> None:
     args = ap.parse_args()
     work = Path(args.work).expanduser()
     work.mkdir(parents=True, exist_ok=True)
-    saved = engram_demo._SIZES["small"]
-    engram_demo._SIZES["small"] = ([1, 5], saved[1], saved[2], [args.table_rows, args.table_rows])
-    try:
+    with engram_demo.demo_tables("small", args.table_rows):
         model_dir = write_demo_model(work / f"small-engram-{args.table_rows}", "small", progress=True)
-    finally:
-        engram_demo._SIZES["small"] = saved
     conf = {"engram": {"tier": "disk", "row_cache": args.row_cache}, "tiers": {"disk": {"path": str(work), "scrub": False}}}
     rng = np.random.default_rng(0)
     n = args.warmup + args.steps * (2 if args.profile else 1)

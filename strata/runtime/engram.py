@@ -95,6 +95,7 @@ class EngramStep:
         self.taps = taps  # int64 [N, kernel] on the device: index into cat(new [N], ring [slots*W], zero [1])
         self.ring_dst, self.ring_src = ring_dst, ring_src  # where the step's last values go in the ring
         self._moved: dict[torch.device, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self._held: list[torch.Tensor] = []  # slots of the layers `finish_layer` has admitted this step
 
     def rows(self, layer: int) -> torch.Tensor:
         """The layer's rows for the step's tokens [N, heads, head_dim], waiting if they are not there yet."""
@@ -110,7 +111,7 @@ class EngramStep:
     def check(self) -> None:
         """Raise now, before a replay, if the source's host cache cannot hold this step's rows at once."""
         self.source.check_step(self.tickets)
-        self._held: list[torch.Tensor] = []
+        self._held = []
 
     def finish_layer(self, layer: int) -> torch.Tensor:
         """One layer's rows put in the host cache (after `check`): their cache slots (int64 [N * heads], CPU).

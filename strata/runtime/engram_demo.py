@@ -13,7 +13,9 @@ Checkpoint names (documented in the README), for each Engram layer L:
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 
 import torch
 
@@ -31,6 +33,18 @@ _SIZES = {
     "small": ([1, 5], 4, 128, [50_000, 50_000]),
     "bench": ([1, 24], 8, 512, [100_000, 100_000]),  # ~0.4 GB: the model stays ~61 GB
 }
+
+
+@contextlib.contextmanager
+def demo_tables(size: str, rows_per_order: int) -> Iterator[None]:
+    """Inside the block, the `size` demo model's Engram tables have `rows_per_order` base rows per n-gram
+    order (benchmarks enlarge them well past the row cache before `write_demo_model`)."""
+    saved = _SIZES[size]
+    _SIZES[size] = (saved[0], saved[1], saved[2], [rows_per_order] * len(saved[3]))
+    try:
+        yield
+    finally:
+        _SIZES[size] = saved
 
 
 def _tokenizer_vocab(vocab_size: int) -> int:
