@@ -21,6 +21,13 @@ Cases, all in this one run on the same weights (the store is built once, on firs
                  that stages the copies meanwhile (STRATA_CPU_ASYNC=1); split_async14: two cores left
   copy           the same budget, cold experts always copied (cpu_numerics = "gpu": bit-exact mode)
   cpu            GPU budget 0: every routed expert computed on the CPU from RAM
+Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for A/B runs in one call:
+  noprefetch     prefetch.lookahead = 0
+  defer, nodefer a decode layer's bookkeeping at the next layer's host step, or inline (STRATA_DEFER_BOOKKEEPING)
+  async          the CPU share started first on the kernel's threads (STRATA_CPU_ASYNC=1)
+  tN             N CPU kernel threads (STRATA_CPU_THREADS=N)
+  spinN          the CPU kernel's idle workers spin N us before sleeping (STRATA_CPU_SPIN_US=N)
+  again          nothing: the same case run a second time (a run-order check)
 Decode samples at temperature 1 (fixed seed) so a random-weight model does not repeat itself and
 routing stays close to uniform (the worst case). Each case reports decode tok/s over the decode phase
 (one stream, 128-token prompt; the prompt's prefill is timed apart as `ttft_s`), GPU hit rate, bytes over PCIe per token, CPU-computed experts per token, stall per token, and
@@ -69,8 +76,13 @@ def wait_for_placement(m, limit_s: float = 120.0) -> float:
     return time.perf_counter() - t0
 
 
-def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device: str = "cuda") -> dict:
+def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device: str = "cuda",
+             label: str | None = None) -> dict:
     from strata import Engine
+    from strata.kernels import cpu_experts as ce
+
+    if os.environ.get("STRATA_CPU_SPIN_US"):
+        ce.configure(spin_us=int(os.environ["STRATA_CPU_SPIN_US"]))  # the kernel may be loaded already
 
     t_load = time.perf_counter()
     engine = Engine.from_pretrained(model, config=cfg, device=device)
@@ -86,7 +98,7 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
     # prefill, slow when its experts are cold, is reported apart as ttft_s
     run = timed_decode(engine, prompt, tokens, sync)
     before, after, n = run.before, run.after, run.decode_tokens
-    res = {"case": name, "load_s": round(load_s, 1), "tokens": len(run.tokens), "tok_s": round(run.tok_s, 2),
+    res = {"case": label or name, "load_s": round(load_s, 1), "tokens": len(run.tokens), "tok_s": round(run.tok_s, 2),
            "ms_per_token": round(1000 * run.decode_s / n, 2), "ttft_s": round(run.ttft_s, 3)}
     if engine.model.graphs is not None:
         res["graph_replays"] = engine.model.graphs.replays
@@ -106,9 +118,12 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
                    hits_by_tier={k: v["hits"] - t0s["tiers"].get(k, {}).get("hits", 0) for k, v in t1s["tiers"].items()},
                    paths={p: {"bytes": v["bytes"], "GB_per_s": v["GB_per_s"]} for p, v in t1s["paths"].items()},
                    prefetch=t1s["prefetch"],
+                   cost_model={k: getattr(engine._compute.rates, k) for k in ("cpu_bytes_per_s", "pcie_bytes_per_s",
+                                                                             "copy_host_s")},
+                   promotions=engine._compute.promotions,
                    cold_path_host_ms_per_token={k: round(1000 * (v - before["cold_path_host_seconds"].get(k, 0.0)) / n, 3)
                                                 for k, v in after["cold_path_host_seconds"].items()})
-    if prefill and name in ("ceiling", "split", "ceiling_nofolds", "split_nofolds"):
+    if prefill and name in ("ceiling", "split", "ceiling_nofolds", "split_nofolds") and label in (None, name):
         long_prompt = [(100 + i * 7919) % vocab for i in range(prefill)]
         sync()
         t0 = time.perf_counter()
@@ -132,8 +147,9 @@ def add_rooflines(cases: list[dict]) -> None:
     rates = {"split": PCIE + CPU, "split_nostream": PCIE + CPU, "split_nopromote": PCIE + CPU, "split_nofolds": PCIE + CPU, "split_t14": PCIE + CPU, "split_serial": PCIE + CPU, "split_async": PCIE + CPU, "split_async14": PCIE + CPU,
              "copy": PCIE, "cpu": CPU}
     for c in cases:
-        if c.get("case") in rates and "cold_bytes_per_token" in c:
-            roof_s = max(gpu_s, c["cold_bytes_per_token"] / rates[c["case"]])
+        base = c.get("case", "").split("+")[0]
+        if base in rates and "cold_bytes_per_token" in c:
+            roof_s = max(gpu_s, c["cold_bytes_per_token"] / rates[base])
             c["roofline_tok_s"] = round(1 / roof_s, 1) if roof_s else None
             c["fraction_of_roofline"] = round(c["tok_s"] * roof_s, 3) if roof_s else None
 
@@ -178,19 +194,42 @@ def main() -> None:
     }
     result = {"model": args.model, "gpu_fraction": args.gpu_fraction, "expert_bytes": s.bytes_by_role["experts"],
               "gpu_budget_bytes": budget, "cases": []}
-    for name in args.cases.split(","):
+    for full in args.cases.split(","):
+        name, *mods = full.split("+")
+        cfg, env = all_cases[name], {}
+        for mod in mods:
+            if mod == "noprefetch":
+                cfg = {**cfg, "prefetch": {"lookahead": 0}}
+            elif mod in ("defer", "nodefer"):
+                env["STRATA_DEFER_BOOKKEEPING"] = "1" if mod == "defer" else "0"
+            elif mod.startswith("t") and mod[1:].isdigit():
+                env["STRATA_CPU_THREADS"] = mod[1:]
+            elif mod == "async":
+                env["STRATA_CPU_ASYNC"] = "1"
+            elif mod.startswith("spin"):
+                env["STRATA_CPU_SPIN_US"] = mod[4:]
+            elif mod != "again":
+                raise SystemExit(f"unknown case modifier {mod!r} in {full!r}")
+        for key in ("STRATA_DEFER_BOOKKEEPING", "STRATA_CPU_SPIN_US"):
+            os.environ.pop(key, None)
         mode = {"split_serial": "0", "split_async": "1", "split_async14": "1"}.get(name)
         os.environ.pop("STRATA_CPU_ASYNC", None) if mode is None else os.environ.update(STRATA_CPU_ASYNC=mode)
         os.environ.pop("STRATA_CPU_THREADS", None) if name not in ("split_async14", "split_t14") else os.environ.update(
             STRATA_CPU_THREADS="14")
+        os.environ.update(env)  # the modifiers win
         os.environ.pop("STRATA_STREAM_SLOTS", None) if name != "split_nostream" else os.environ.update(STRATA_STREAM_SLOTS="0")
         fused.ENABLED = not name.endswith("_unfused")
         fused.FOLDS = not name.endswith("_nofolds")
         try:
-            result["cases"].append(run_case(args.model, name, all_cases[name], args.tokens, args.prefill, args.device))
+            result["cases"].append(run_case(args.model, name, cfg, args.tokens, args.prefill, args.device, label=full))
         except Exception as e:  # noqa: BLE001 - record and go on to the next case
-            result["cases"].append({"case": name, "error": f"{type(e).__name__}: {e}"})
-            print(name, "failed:", e, flush=True)
+            result["cases"].append({"case": full, "error": f"{type(e).__name__}: {e}"})
+            print(full, "failed:", e, flush=True)
+        if "STRATA_CPU_SPIN_US" in env:  # the kernel reads it when loaded: set it back for the next case
+            from strata.kernels import cpu_experts as ce
+
+            os.environ.pop("STRATA_CPU_SPIN_US")
+            ce.configure(spin_us=ce.spin_us())
     os.environ.pop("STRATA_CPU_ASYNC", None)
     os.environ.pop("STRATA_CPU_THREADS", None)
     os.environ.pop("STRATA_STREAM_SLOTS", None)

@@ -73,3 +73,23 @@ def test_serial_staging_cost_moves_experts_to_the_cpu():
     assert 50e-6 < r.copy_host_s < 200e-6
     r.observe_stage(0, 1.0)  # nothing staged: no observation
     assert r.copy_host_s < 200e-6
+
+
+def test_staging_fit_separates_the_per_layer_cost_from_the_per_copy_cost():
+    """Layers staging 1 and 3 copies in 130 and 170 us: 110 us per layer and 20 us per copy (charging it all
+    to the copies said 130 us a copy, and the split stopped copying); a consistent per-copy cost stays one."""
+    r = Rates(smoothing=0.2)
+    for _ in range(30):
+        r.observe_stage(1, 130e-6)
+        r.observe_stage(3, 170e-6)
+    assert abs(r.copy_host_s - 20e-6) < 1e-6 and abs(r.stage_fixed_s - 110e-6) < 1e-6
+    same = Rates()
+    for _ in range(5):
+        same.observe_stage(2, 100e-6)
+    assert abs(same.copy_host_s - 50e-6) < 1e-9 and same.stage_fixed_s < 1e-9
+    # the fixed part is paid once per layer: with 8 cold experts it no longer hides the cheap extra copies
+    tokens = {e: 1 for e in range(8)}
+    fitted = split_cold(tokens, MB9, Rates(cpu_bytes_per_s=100e9, pcie_bytes_per_s=50e9, copy_host_s=20e-6,
+                                           stage_fixed_s=110e-6), serial=True)
+    averaged = split_cold(tokens, MB9, Rates(cpu_bytes_per_s=100e9, pcie_bytes_per_s=50e9, copy_host_s=130e-6), serial=True)
+    assert len(fitted.copy) > len(averaged.copy)

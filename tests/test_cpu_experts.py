@@ -313,3 +313,12 @@ def test_avx512_kernels_match_their_emulation(name):
             assert torch.equal(got, emu), (H, inter, N, rel_err(got, emu))
         else:
             assert rel_err(got, emu) <= 1e-4, (H, inter, N)
+
+
+def test_spin_time_comes_from_the_environment(monkeypatch):
+    """$STRATA_CPU_SPIN_US sets how long idle kernel workers spin (else the default, long enough to span the
+    gap between two decode layers' calls)."""
+    monkeypatch.delenv("STRATA_CPU_SPIN_US", raising=False)
+    assert ce.spin_us() == ce.DEFAULT_SPIN_US >= 500
+    monkeypatch.setenv("STRATA_CPU_SPIN_US", "2000")
+    assert ce.spin_us() == 2000

@@ -198,8 +198,9 @@ def store(tiny_model_dir, tmp_path_factory):
     s.close()
 
 
-@pytest.mark.parametrize("numerics", ["gpu", "fork", "fork-async", "fork-stream"],
-                         ids=["exact", "forked", "forked-async", "forked-stream"])
+@pytest.mark.parametrize("numerics", ["gpu", "fork", "fork-async", "fork-auto", "fork-stream", "fork-deferred"],
+                         ids=["exact", "forked", "forked-async", "forked-auto", "forked-stream",
+                              "forked-deferred-bookkeeping"])
 def test_tiered_decode_serves_cold_pairs_from_other_tiers(store, numerics):
     """A CPU-simulated GPU tier with fewer slots than a step needs: resident pairs by slot, cold pairs
     copied (gpu numerics) or split with the CPU kernel (fork); the layer output equals all-in-memory.
@@ -216,11 +217,14 @@ def test_tiered_decode_serves_cold_pairs_from_other_tiers(store, numerics):
         m.release(m.acquire([(layer, i) for i in range(e)], "cpu"))
         stream_gpu = m.stream_gpu
         m.stream_gpu = lambda layer, experts: streamed.append(b := stream_gpu(layer, experts)) or b
-    numerics = numerics.removesuffix("-stream")
+    inline = not numerics.endswith("-deferred")
+    numerics = numerics.removesuffix("-stream").removesuffix("-deferred")
     base = m.stats()["lookups"]
     try:
-        compute = ExpertCompute(m, "gpu", numerics.removesuffix("-async"))
-        compute.cpu_async = numerics.endswith("-async")  # the CPU share started before the copies are staged
+        compute = ExpertCompute(m, "gpu", numerics.removesuffix("-async").removesuffix("-auto"))
+        compute.defer_bookkeeping = not inline
+        # the CPU share started before the copies are staged, after them, or (auto) first when any are copied
+        compute.cpu_async = None if numerics.endswith("-auto") else numerics.endswith("-async")
         compute.pair_path = True
         # tiny experts: staging a copy costs far more host time than computing one, so the cost model would
         # send every cold expert to the CPU; pretend staging is free (and keep it so) to exercise both paths
@@ -247,6 +251,34 @@ def test_tiered_decode_serves_cold_pairs_from_other_tiers(store, numerics):
         m.close()
 
 
+def test_decode_bookkeeping_waits_for_the_next_layer_on_the_decode_thread(store):
+    """Deferred bookkeeping (statistics, policy history, promotions) runs at the next layer's host step or when
+    statistics are taken, once, and only on the thread that decodes (a promotion orders its map update on
+    that thread's stream); inline when deferral is off."""
+    import threading
+
+    m = TierManager(store, TierBudgets(gpu_slots=3, pinned_slots=16), gpu_device=torch.device("cpu"), io_threads=2)
+    try:
+        compute = ExpertCompute(m, "gpu", "fork")
+        compute.defer_bookkeeping = True  # opt-in ($STRATA_DEFER_BOOKKEEPING=1)
+        seen = []
+        compute.bookkeep(lambda: seen.append(1))
+        assert seen == []
+        other = threading.Thread(target=compute.run_deferred)
+        other.start()
+        other.join()
+        assert seen == []  # left for the decode thread
+        m.stats()  # drains the device-side lookup counts, and with them the deferred work, on this thread
+        assert seen == [1]
+        compute.run_deferred()
+        assert seen == [1]  # each runs once
+        compute.defer_bookkeeping = False
+        compute.bookkeep(lambda: seen.append(2))
+        assert seen == [1, 2]
+    finally:
+        m.close()
+
+
 def test_split_copies_the_most_used_cold_experts(store):
     """The cost model says how many cold experts to copy; the copies are the ones the GPU tier's history says
     are used most (they may be kept), the rest go to the CPU."""
@@ -258,8 +290,12 @@ def test_split_copies_the_most_used_cold_experts(store):
         compute.rates.copy_host_s = 0.0
         experts = TieredExperts(layer, 16, compute)
         m.note_gpu_misses(layer, [9] * 8 + [11] * 8 + [3])
-        on_cpu = experts._cpu_share({e: 1 for e in (1, 3, 9, 11)})
+        on_cpu, _ = experts._cpu_share({e: 1 for e in (1, 3, 9, 11)})
         assert on_cpu == {1, 3}
+        # auto (None): the CPU share starts before the copies are staged when the plan copies any ...
+        assert experts._cpu_share({e: 1 for e in (1, 3, 9, 11)}, None) == ({1, 3}, True)
+        compute.rates.pcie_bytes_per_s = 1e6  # ... and runs on this thread when the link is too slow to copy
+        assert experts._cpu_share({e: 1 for e in (1, 3, 9, 11)}, None) == ({1, 3, 9, 11}, False)
     finally:
         m.close()
 

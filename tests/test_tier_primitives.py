@@ -16,6 +16,7 @@ from strata.tiers.diskio import ALIGN, DiskReader, aligned_empty
 from strata.tiers.gds import GpuDirectReader
 from strata.tiers.gpu_slots import GpuSlots
 from strata.tiers.pinned import PinnedPool
+from strata.tiers.stats import PathCounters
 
 FILE_BYTES = 4 * 2**20 + 1234  # an unaligned tail: the last block is partial
 
@@ -294,3 +295,16 @@ def test_native_reads_fall_back_to_python_without_a_compiler(monkeypatch, tmp_pa
         out = torch.empty(3, 512, dtype=torch.uint8)
         r.read_rows(tmp_path / "t.bin", 0, 512, [7, 0, 99], out).result()
     assert np.array_equal(out.numpy(), data.reshape(-1, 512)[[7, 0, 99]])
+
+
+def test_path_busy_time_counts_overlapping_transfers_once():
+    """Batches that several threads enqueued on one copy stream have nested spans: the link was busy for their
+    union, not their sum (summing charged a 55 GB/s link at ~20 GB/s, and the cost model stopped copying)."""
+    p, gb = PathCounters(), 10**9
+    p.add_interval(gb, 0.0, 2.0)
+    p.add_interval(gb, 1.0, 2.0)  # inside the first: no extra busy time
+    p.add_interval(gb, 1.5, 3.0)  # overlaps its end: 1 s more
+    p.add_interval(gb, 5.0, 6.0)  # after an idle gap: the gap is not busy
+    assert (p.bytes, p.objects) == (4 * gb, 4)
+    assert p.seconds == pytest.approx(4.0)
+    assert p.as_dict()["GB_per_s"] == pytest.approx(1.0)

@@ -42,7 +42,8 @@ the kernel's experts.
 
 Environment: STRATA_CPU_KERNEL=auto|avx512_bf16|avx512|avx2|torch, STRATA_CPU_THREADS (default: the
 physical cores this process may run on), STRATA_CPU_KERNEL_MAX_TOKENS (default 32), STRATA_CPU_PREFETCH
-(software prefetch distance along weight rows in bytes, default 2048, 0 = off; see `configure`). The extension is
+(software prefetch distance along weight rows in bytes, default 2048, 0 = off; see `configure`),
+STRATA_CPU_SPIN_US (how long idle workers spin before sleeping, default 1000). The extension is
 cached under $STRATA_CACHE/ext (else $XDG_CACHE_HOME/strata/ext or ~/.cache/strata/ext), keyed by a
 hash of its sources, the compiler flags, torch's and Python's versions.
 """
@@ -182,7 +183,7 @@ def _load() -> ctypes.CDLL | None:
             try:
                 lib = _build_and_open()
                 _isa_mask = lib.strata_cpu_isa_mask()
-                lib.strata_cpu_configure(-1, None, -1, prefetch_bytes())
+                lib.strata_cpu_configure(spin_us(), None, -1, prefetch_bytes())
                 _lib = lib
             except Exception as exc:  # no compiler, no ninja, not x86-64, read-only cache...
                 log.warning("strata: CPU expert kernel unavailable (%s); using the torch fallback", _one_line(exc))
@@ -253,7 +254,7 @@ def configure(threads: int | None = None, cpus: Sequence[int] | None = None, spi
               prefetch_bytes: int | None = None) -> None:
     """Tune the kernel. threads: default thread count. cpus: CPUs to pin the pool's workers to (worker
     i on cpus[i % len]; the calling thread is left alone; [] unpins). spin_us: how long idle workers
-    spin before sleeping (default 100). prefetch_bytes: software prefetch distance along each weight
+    spin before sleeping (default `DEFAULT_SPIN_US`). prefetch_bytes: software prefetch distance along each weight
     row in bytes (default 2048, or $STRATA_CPU_PREFETCH; 0 turns it off)."""
     global _threads_override, _prefetch_override
     if threads is not None:
@@ -286,6 +287,19 @@ def prefetch_bytes() -> int:
         return _prefetch_override
     env = os.environ.get("STRATA_CPU_PREFETCH")
     return max(0, int(env)) if env else DEFAULT_PREFETCH_BYTES
+
+
+DEFAULT_SPIN_US = 1000
+
+
+def spin_us() -> int:
+    """How long idle pool workers spin before sleeping: $STRATA_CPU_SPIN_US, else `DEFAULT_SPIN_US`. A split
+    decode step calls the kernel once per layer with ~0.2-0.4 ms of GPU and host work between calls, so a
+    100 us spin put the workers to sleep before every call and small CPU shares waited for 15 wake-ups (H200
+    box, 12-layer bench model: 1000 us ran skewed routing 117 tok/s against 106-109 and uniform 60.4 against
+    57.9, bench/RESULTS.md). Shorter frees the cores sooner on a shared host."""
+    env = os.environ.get("STRATA_CPU_SPIN_US")
+    return max(0, int(env)) if env else DEFAULT_SPIN_US
 
 
 def max_tokens() -> int:

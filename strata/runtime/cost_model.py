@@ -13,7 +13,7 @@ the CPU share (`serial=True`), so each copy also delays the CPU path by the host
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 # The GPU's share of a split decode step read from pinned RAM in place by the pair kernels: their rate
 # until measured (bench/zero_copy.py: 49-51 GB/s on the H200 box, unchanged while the CPU reads RAM), and
@@ -29,17 +29,42 @@ class Rates:
     cpu_bytes_per_s: float = 20e9  # torch's CPU matmul level until the compiled kernel is measured
     pcie_bytes_per_s: float = 50e9  # pinned -> GPU (LIMITS.md: 52.8 GB/s at 8 MiB)
     cpu_flops: float = 1.0e12  # bf16 FLOP/s of all CPU threads together
-    copy_host_s: float = 50e-6  # host seconds to stage one expert copy in a decode step (measured as it runs)
+    copy_host_s: float = 50e-6  # host seconds per expert copy staged in a decode step (measured as it runs)
+    stage_fixed_s: float = 0.0  # host seconds a layer's staging costs whatever the copies (map upload, events)
     smoothing: float = 0.2
+    # decayed sums for the staging fit seconds = stage_fixed_s + copy_host_s * copies: [n, sum c, sum c^2,
+    # sum t, sum c*t] (least squares with exponential forgetting)
+    _fit: list = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        c = self.copy_host_s  # the starting value weighs as one observation of a one-copy layer
+        self._fit = [1.0, 1.0, 1.0, c, c]
 
     def observe_cpu(self, nbytes: int, seconds: float) -> None:
         if seconds > 0 and nbytes > 0:
             self.cpu_bytes_per_s += self.smoothing * (nbytes / seconds - self.cpu_bytes_per_s)
 
     def observe_stage(self, copies: int, seconds: float) -> None:
-        """A decode layer staged `copies` expert copies in `seconds` of host time."""
-        if copies > 0 and seconds > 0:
-            self.copy_host_s += self.smoothing * (seconds / copies - self.copy_host_s)
+        """A decode layer staged `copies` expert copies in `seconds` of host time.
+
+        Staging has a part per layer (the slot map's upload, events, the lock) and a part per copy. Charging
+        the whole to the copies made one copy look like ~150-300 us on the H200 box, more than the CPU needs
+        for the expert, so the split never copied: fit both parts (decayed least squares), and until the
+        layers seen differ in their copy counts, keep the fixed part at 0 and average per copy."""
+        if copies <= 0 or seconds <= 0:
+            return
+        f, keep = self._fit, 1.0 - self.smoothing
+        for i, v in enumerate((1.0, copies, copies * copies, seconds, copies * seconds)):
+            f[i] = keep * f[i] + v
+        n, sc, scc, st, sct = f
+        det = n * scc - sc * sc
+        if det > 1e-9 * n * scc:  # copy counts differ: both parts are identifiable
+            per_copy = (n * sct - sc * st) / det
+            fixed = (st - per_copy * sc) / n
+            if per_copy > 0 and fixed >= 0:
+                self.copy_host_s, self.stage_fixed_s = per_copy, fixed
+                return
+        self.copy_host_s, self.stage_fixed_s = st / sc, 0.0
 
     def observe_pcie(self, nbytes: int, seconds: float) -> None:
         if seconds > 0 and nbytes > 0:
@@ -69,23 +94,43 @@ def split_cold(tokens: dict[int, int], nbytes: int, rates: Rates, *, in_flight_c
     otherwise the CPU share runs while the copies are staged, and a copy costs the copy path the longer
     of its transfer and its staging.
     """
-    copy_s, cpu_s = in_flight_copy_s, 0.0
     stage = rates.copy_host_s if serial else 0.0
+    fixed = rates.stage_fixed_s if serial else 0.0  # the layer's staging cost whatever the copies
     # not serial: the copies are staged while the CPU share runs, so a copy path cannot go faster than the
     # thread staging it (host seconds per copy) any more than the link carrying it
     c_copy = nbytes / rates.pcie_bytes_per_s if serial else max(nbytes / rates.pcie_bytes_per_s, rates.copy_host_s)
+    order = sorted(tokens, key=lambda e: (-tokens[e], e))
+    # greedy cannot see a fixed cost (no single copy is worth it, several may be): plan once with it paid
+    # up front and once with no copy unless forced, and keep the shorter
+    plans = [_greedy(order, tokens, nbytes, rates, in_flight_copy_s, c_copy, stage, fixed, max_cpu_tokens,
+                     allow_cpu, copies=True)]
+    if fixed > 0:
+        plans.append(_greedy(order, tokens, nbytes, rates, in_flight_copy_s, c_copy, stage, fixed, max_cpu_tokens,
+                             allow_cpu, copies=False))
+    return min(plans, key=lambda p: (max(p.cpu_seconds, p.copy_seconds), len(p.copy)))
+
+
+def _greedy(order, tokens, nbytes, rates, in_flight_copy_s, c_copy, stage, fixed, max_cpu_tokens, allow_cpu,
+            copies: bool) -> Split:
+    """One greedy pass; `copies`: the layer's fixed staging cost is paid up front and copies compete, else
+    only experts the CPU may not take are copied (the fixed cost then comes with the first of them)."""
+    copy_s, cpu_s = in_flight_copy_s, fixed if copies else 0.0
     cpu, copy = [], []
-    for expert in sorted(tokens, key=lambda e: (-tokens[e], e)):
+    for expert in order:
         t = tokens[expert]
         if not allow_cpu or t > max_cpu_tokens:
+            if not copy and not copies:
+                cpu_s += fixed
             copy.append(expert)
             copy_s, cpu_s = copy_s + c_copy, cpu_s + stage
             continue
         c_cpu = cpu_seconds(nbytes, t, rates)
-        if max(cpu_s + c_cpu, copy_s) < max(cpu_s + stage, copy_s + c_copy):
+        if not copies or max(cpu_s + c_cpu, copy_s) < max(cpu_s + stage, copy_s + c_copy):
             cpu.append(expert)
             cpu_s += c_cpu
         else:
             copy.append(expert)
             copy_s, cpu_s = copy_s + c_copy, cpu_s + stage
+    if copies and not copy:
+        cpu_s -= fixed  # nothing was staged after all
     return Split(sorted(cpu), sorted(copy), cpu_s, copy_s)

@@ -10,7 +10,9 @@ bit-identical to the all-in-VRAM run.
 from __future__ import annotations
 
 import array
+import collections
 import os
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -22,8 +24,6 @@ from strata.kernels.experts import apply_experts
 from strata.kernels.grouped import HostExperts, SlotWeights, in_place_ok, pair_experts_in_place
 from strata.runtime.cost_model import Rates
 from strata.tiers.manager import TierManager
-
-CPU_ASYNC_DEFAULT = False
 
 
 class ExpertCompute:
@@ -57,18 +57,31 @@ class ExpertCompute:
         # host time of the decode cold path: waiting for the GPU to reach a layer, issuing copies and CPU
         # work, waiting for the CPU's partial sum (where a split step's time goes; see bench/hotpath.py)
         self.host_seconds: Counter[str] = Counter()
+        # a decode layer's bookkeeping that no result depends on (statistics, policy history, promotions,
+        # prefetches) runs at the next layer's host step before it waits for the GPU, so it overlaps the GPU's
+        # work instead of delaying this layer's CPU share. Off by default: on the H200 box it measured slower
+        # (uniform 57.9 against 63.7 tok/s inline, skewed 106-109 against 112.8); $STRATA_DEFER_BOOKKEEPING=1
+        self.defer_bookkeeping = os.environ.get("STRATA_DEFER_BOOKKEEPING", "0") == "1"
+        self._deferred: collections.deque = collections.deque()
+        self._decode_thread: int | None = None
         self.pin_results = False  # CPU partial sums in pinned memory, so their upload never waits for the GPU
-        # start a decode layer's CPU share on the kernel's launcher thread before staging the copies, instead
-        # of running it after them on this thread ($STRATA_CPU_ASYNC = 1 / 0 overrides; bench/hotpath.py)
-        self.cpu_async = os.environ.get("STRATA_CPU_ASYNC", "1" if CPU_ASYNC_DEFAULT else "0") == "1"
-        # the kernel's thread count. Started in the background, its threads would take every core and starve
-        # the thread staging the copies meanwhile (measured: 280 us per staged copy instead of ~100), so that
-        # thread keeps a core. One count for every call: a different one rebuilds the kernel's pool.
+        # True: a decode layer's CPU share starts on the kernel's launcher thread before this thread stages
+        # the copies; False: it runs here after them. None (the default): started first in the layers where
+        # the cost model copies some experts (the copies' host work then overlaps the CPU's), run here in
+        # the others (no hand-off). H200 box, 12-layer bench model: always first ran uniform routing (~6 cold
+        # experts a layer) 72.9 against 65.2 tok/s and skewed routing (~1.4) 97.1 against 110.2.
+        # $STRATA_CPU_ASYNC = 1 / 0 forces either.
+        env = os.environ.get("STRATA_CPU_ASYNC")
+        self.cpu_async: bool | None = None if env is None else env == "1"
+        # the kernel's thread count: next to a GPU, a quarter of the cores stay with the threads driving it
+        # (this one, the copy workers, CUDA's own): the skewed split ran 132.9 tok/s with 12 kernel threads
+        # on 16 cores against 105-110 with 16. One count for every call: a different one rebuilds the pool.
         self.cpu_threads: int | None = None
-        if self.cpu_async and not os.environ.get("STRATA_CPU_THREADS"):
+        if self.split and not os.environ.get("STRATA_CPU_THREADS"):
             from strata.kernels import cpu_experts as ce
 
-            self.cpu_threads = max(1, ce.default_threads() - 1)
+            n = ce.default_threads()
+            self.cpu_threads = n - n // 4 if n > 4 else n
         if device_tier == "gpu" and manager.slots is not None:
             self.slots = manager.slot_weights()
             self.slot_of = manager.slots.slot_of
@@ -102,6 +115,26 @@ class ExpertCompute:
     def use_fast_cpu(self) -> bool:
         return self.fast_cpu and not self.reproducible
 
+    def bookkeep(self, fn) -> None:
+        """Run `fn` (host bookkeeping no result depends on) now, or at the next `run_deferred`."""
+        if self.defer_bookkeeping:
+            self._deferred.append(fn)
+            self._decode_thread = threading.get_ident()
+        else:
+            fn()
+
+    def run_deferred(self) -> None:
+        """Run the bookkeeping deferred so far, oldest first, on the decode thread (promotions order their map
+        updates on its current stream); elsewhere it waits for that thread's next layer."""
+        if self._deferred and threading.get_ident() != self._decode_thread:
+            return
+        while True:
+            try:
+                fn = self._deferred.popleft()
+            except IndexError:
+                return
+            fn()
+
     def release_staged(self) -> None:
         """Release the decode layers' copied slots held so far (call once their readers are enqueued)."""
         while self.staged:
@@ -120,6 +153,7 @@ class ExpertCompute:
         self.lookups[layer] += hit
 
     def _drain_lookups(self):
+        self.run_deferred()  # statistics taken between steps include the last layer's
         snap = self.lookups.clone()
         self.lookups.sub_(snap)  # increments made meanwhile survive
         counts = snap.cpu().numpy()

@@ -107,13 +107,17 @@ class TieredExperts(nn.Module):
         """Host work of a decode layer: learn which pairs were cold, serve them, count the lookups."""
         c, clock = self.compute, time.perf_counter
         c.release_staged()  # the kernels reading the previous layer's copies are enqueued by now
+        t_book = clock()
+        c.run_deferred()  # the last layer's bookkeeping, while the GPU runs up to this layer
         t0 = clock()
         # one synchronisation: the GPU has reached this layer (slots used, activations, routing weights)
         both_host, x_host, w_host = _to_host(both, x.float(), weights)
         experts, slots = both_host.numpy()
         t1 = clock()
         if c.slots is not None:
-            c.manager.note_hits(self.layer, np.unique(experts[slots >= 0]))  # before evictions: recency counts
+            hits = np.unique(experts[slots >= 0])
+            # the policy sees the hits before this layer's evictions (recency counts): now, or before staging
+            c.bookkeep(lambda: c.manager.note_hits(self.layer, hits))
         t_hits = clock()
         cold = _pairs_by_expert(experts, np.flatnonzero(slots < 0))
         cpu_part = None
@@ -124,7 +128,8 @@ class TieredExperts(nn.Module):
             cpu_out.copy_(cpu_part, non_blocking=c.pin_results)  # pinned: no wait for the GPU queue
         t_poll = clock()
         if c.prefetcher is not None:
-            c.prefetcher.poll()  # after the layer's own misses, so they go first
+            c.bookkeep(c.prefetcher.poll)  # after the layer's own misses, so they go first
+        c.host_seconds["bookkeeping"] += t0 - t_book
         c.host_seconds["wait_gpu"] += t1 - t0
         c.host_seconds["hits"] += t_hits - t1
         c.host_seconds["group"] += t_plan - t_hits
@@ -136,16 +141,17 @@ class TieredExperts(nn.Module):
         c, k = self.compute, w_host.shape[1]
         t_split = time.perf_counter()
         on_cpu: set[int] = set(cold) if c.slots is None else set()
+        run_async = bool(c.cpu_async)
         if c.use_split and c.slots is not None:
-            on_cpu = self._cpu_share({e: len(p) for e, p in cold.items()}, serial=not c.cpu_async)
-            c.manager.note_gpu_misses(self.layer, on_cpu)  # the GPU tier's frequency history sees them too
+            on_cpu, run_async = self._cpu_share({e: len(p) for e, p in cold.items()}, c.cpu_async)
+            c.bookkeep(lambda: c.manager.note_gpu_misses(self.layer, on_cpu))  # the GPU tier's history sees them
             # the GPU tier's only way in for the experts no copy brings (the CPU's share, and the GPU's share
             # when read in place): a background copy of the most used one, if worth a slot
             if c.promote and (candidates := set(cold) if c.host_experts is not None else on_cpu):
-                self._promote(candidates)
+                c.bookkeep(lambda: self._promote(candidates))
         groups = [(e, torch.from_numpy(cold[e])) for e in sorted(on_cpu)]  # the CPU share: (expert, its pairs)
         share = None
-        if groups and c.cpu_async:  # the experiment: the CPU share starts first, on the kernel's own thread
+        if groups and run_async:  # the CPU share starts first, on the kernel's own thread
             share = c.start_cpu(self.layer, x_host, w_host, k, groups)
         to_copy = [e for e in cold if e not in on_cpu]
         t0 = time.perf_counter()
@@ -168,7 +174,7 @@ class TieredExperts(nn.Module):
         # the CPU part runs here, after the copies were issued: this thread joins the kernel's thread
         # pool (the GIL is released inside) while the copy engine moves the other experts. (A Python
         # worker thread was slower: it waits for the GIL this thread holds while it issues the copies.
-        # Starting it first on the kernel's launcher thread is the `cpu_async` experiment above.)
+        # Starting it first on the kernel's launcher thread is `run_async` above.)
         out = c.cpu_forward(self.layer, x_host, w_host, k, groups)
         c.host_seconds["cpu"] += time.perf_counter() - t1
         return out
@@ -184,11 +190,13 @@ class TieredExperts(nn.Module):
                 return
             # else: the copies the GPU tier should keep (used over twice as often as its victim) are staged
             # through it, so it adapts to the traffic; the others land in the stream slots, for this step only
+            c.run_deferred()  # the policy's history is up to date before the tier picks victims
             keep = m.worth_caching(self.layer, to_copy)
             once = [e for e in to_copy if e not in keep]
             if once and (streamed := m.stream_gpu(self.layer, once)) is not None:
                 batches.append(streamed)
                 to_copy = keep
+        c.run_deferred()
         if len(to_copy) > m.max_acquire("gpu"):  # a budget smaller than the step: in chunks, now
             self._copy_in_chunks(x, y, to_copy, cold)
         elif to_copy:
@@ -262,10 +270,17 @@ class TieredExperts(nn.Module):
                 c.manager.release_staged(staged)  # later copies into these slots wait for the kernels above
 
     # ---- prefill: experts grouped by token ------------------------------------------------------
-    def _cpu_share(self, tokens: dict[int, int], serial: bool = False) -> set[int]:
-        """Which cold experts (expert -> tokens routed to it) the cost model sends to the CPU: measured rates,
-        and copies already queued (e.g. prefetches) counted against the copy path."""
+    def _cpu_share(self, tokens: dict[int, int], run_async: bool | None = True) -> tuple[set[int], bool]:
+        """Which cold experts (expert -> tokens routed to it) the cost model sends to the CPU (measured rates,
+        and copies already queued, e.g. prefetches, counted against the copy path), and whether the CPU share
+        starts before the copies are staged (`run_async`; None: when that plan copies any)."""
         c = self.compute
+        if run_async is None:
+            on_cpu, _ = self._cpu_share(tokens, True)
+            if on_cpu and len(on_cpu) < len(tokens):
+                return on_cpu, True
+            return self._cpu_share(tokens, False)[0], False
+        serial = not run_async
         c.rates.pcie_bytes_per_s = c.manager.observed_rate("pinned->gpu", c.rates.pcie_bytes_per_s)
         nbytes = c.manager.store.payload_bytes
         backlog = c.manager.gpu_transfers_in_flight() * nbytes / c.rates.pcie_bytes_per_s
@@ -275,7 +290,7 @@ class TieredExperts(nn.Module):
                             copy_host_s=IN_PLACE_HOST_S)
         split = split_cold(tokens, nbytes, rates, in_flight_copy_s=backlog, serial=serial)
         if not split.copy or not split.cpu:
-            return set(split.cpu)
+            return set(split.cpu), run_async
         # the cost model fixes how many experts of each token count are copied; which ones: the most used
         # (a copy may stay in the GPU tier, see `worth_caching`), so a popular expert is not left to the CPU
         score = c.manager.gpu_scores(self.layer, tokens)
@@ -284,7 +299,7 @@ class TieredExperts(nn.Module):
             n = sum(1 for e in split.copy if tokens[e] == t)
             same = sorted((e for e in tokens if tokens[e] == t), key=lambda e: (-score[e], e))
             copied.update(same[:n])
-        return set(tokens) - copied
+        return set(tokens) - copied, run_async
 
     def _plan_split(self, groups):
         """Resident experts stay on the GPU; cold ones are split between CPU compute and copies."""
@@ -292,7 +307,7 @@ class TieredExperts(nn.Module):
         cold = {e: len(sel) for e, sel in groups if e not in resident}
         if not cold:
             return [], groups
-        on_cpu = self._cpu_share(cold)
+        on_cpu, _ = self._cpu_share(cold)
         return [g for g in groups if g[0] in on_cpu], [g for g in groups if g[0] not in on_cpu]
 
     def _tier_forward(self, x, weights, k, groups, device_tier: str) -> torch.Tensor:

@@ -57,6 +57,15 @@ class GpuSlots:
         self._freed: dict[int, torch.cuda.Event] = {}
         self._key_cleared: dict[Key, torch.cuda.Event] = {}
         self._row_views: tuple[torch.Tensor, ...] | None = None  # slab rows, made on first copy
+        self._epoch: torch.cuda.Event | None = None  # a timing event recorded before any copy
+        if self.is_cuda:
+            self._epoch = torch.cuda.Event(enable_timing=True)
+            self._epoch.record(self.copy_stream)
+
+    def since_epoch(self, event: torch.cuda.Event) -> float | None:
+        """Seconds from the slots' creation (an event recorded then) to finished `event`: one clock for the
+        spans of transfers that several threads enqueued (see `PathCounters.add_interval`); None on CPU."""
+        return self._epoch.elapsed_time(event) / 1000 if self._epoch is not None else None
 
     @property
     def is_cuda(self) -> bool:

@@ -25,8 +25,12 @@ class TransfersMixin:
                 for key in keys:
                     self._unref(self.pinned, key)
                 if end is not None:  # copy-engine (or in-place kernel) time, not enqueue time
-                    self.stats_.paths[path[0] if path else "pinned->gpu"].add(
-                        self.store.slot_bytes * len(keys), start.elapsed_time(end) / 1000, objects=len(keys))
+                    counters, nbytes = self.stats_.paths[path[0] if path else "pinned->gpu"], self.store.slot_bytes * len(keys)
+                    seconds = start.elapsed_time(end) / 1000
+                    if (t0 := self.slots.since_epoch(start)) is None:
+                        counters.add(nbytes, seconds, objects=len(keys))
+                    else:
+                        counters.add_interval(nbytes, t0, t0 + seconds, objects=len(keys))
 
     def _copies_in_flight(self) -> int:
         """Experts whose pinned -> GPU copy is enqueued and not known to have finished."""
