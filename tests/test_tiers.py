@@ -341,6 +341,35 @@ def test_wait_settled_covers_background_placement(store):
         m.close()
 
 
+def test_all_resident_waits_for_the_last_copy_to_land(store):
+    """A decode step that believes every expert resident skips its cold path, so `all_resident` must not say
+    so while a copy (and the map entry written after it on the copy stream) is still on its way: on CUDA the
+    copy leaves `inflight` as soon as it is enqueued."""
+    keys = store.keys()
+    m = make_manager(store, gpu=len(keys), pinned=0)
+    try:
+        m.place(keys, "gpu")
+        assert m.wait_settled(60) and m.all_resident()
+
+        class Pending:  # a copy batch's end event that the device has not reached yet
+            done = False
+
+            def query(self):
+                return self.done
+
+            def elapsed_time(self, other):
+                return 1.0
+
+        end = Pending()
+        with m._lock:
+            m._copying[next(m._seq)] = (Pending(), end, [])
+        assert not m.all_resident()
+        end.done = True
+        assert m.all_resident()
+    finally:
+        m.close()
+
+
 def test_initial_placement_fills_a_gpu_tier_through_few_staging_slots(store):
     """A GPU budget that holds every expert leaves the pinned tier its 16 staging slots only: placement
     waits for them to come free and goes on (`prefetch` stops at the first key with no room), so the GPU

@@ -84,8 +84,11 @@ class TieredExperts(nn.Module):
         flat = ids.reshape(-1)  # [P] pair p = token p // k, its (p % k)-th expert
         y = torch.zeros((flat.numel(), x.shape[1]), dtype=torch.float32, device=x.device)
         if c.slots is not None:
+            # asked before the kernel is launched: once every copy and map entry has landed (all_resident), a
+            # kernel launched after that sees them all; asked after, the last ones could still be on their way
+            resident = c.all_resident()
             used = pair_experts(x, c.slots, c.slot_of[self.layer], flat, y)  # resident pairs, no host sync
-            if c.all_resident():
+            if resident:
                 c.count_lookups(self.layer, flat)
                 return combine_pairs(y, weights, x.dtype)
         else:  # no GPU tier: every pair is computed on the CPU

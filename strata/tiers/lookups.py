@@ -128,11 +128,18 @@ class LookupsMixin:
             return len(self.gpu.inflight) + self._copies_in_flight()
 
     def all_resident(self) -> bool:
-        """Every expert of the store sits in a GPU slot and no eviction can ever happen (budget >= experts)."""
+        """Every expert of the store sits in a GPU slot, its copy and device map entry have landed, and no
+        eviction can ever happen (budget >= experts). "Landed" matters: a copy leaves `inflight` once it is
+        enqueued, and its map entry is written on the copy stream after it, so a decode kernel launched
+        before that reads -1 for the expert; a step that then skipped its cold path lost the expert's
+        contribution (seen once on the H200 as a bf16 error 20x transformers' while placement finished)."""
         if self.gpu is None or self.gpu.capacity < len(self.store.keys()):
             return False
         with self._lock:
-            return len(self.gpu.slot_of) == len(self.store.keys()) and not self.gpu.inflight
+            if len(self.gpu.slot_of) != len(self.store.keys()) or self.gpu.inflight:
+                return False
+            self._reap_copies()
+            return not self._copying
 
     def all_pinned(self) -> bool:
         """Every expert of the store sits in pinned RAM and none can ever be evicted from it (its budget holds
