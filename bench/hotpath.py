@@ -27,6 +27,7 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
   async          the CPU share started first on the kernel's threads (STRATA_CPU_ASYNC=1)
   tN             N CPU kernel threads (STRATA_CPU_THREADS=N)
   spinN          the CPU kernel's idle workers spin N us before sleeping (STRATA_CPU_SPIN_US=N)
+  swN            the interpreter's GIL switch interval set to N us (sys.setswitchinterval; default 5000)
   again          nothing: the same case run a second time (a run-order check)
 Decode samples at temperature 1 (fixed seed) so a random-weight model does not repeat itself and
 routing stays close to uniform (the worst case). Each case reports decode tok/s over the decode phase
@@ -194,6 +195,7 @@ def main() -> None:
     }
     result = {"model": args.model, "gpu_fraction": args.gpu_fraction, "expert_bytes": s.bytes_by_role["experts"],
               "gpu_budget_bytes": budget, "cases": []}
+    switch = sys.getswitchinterval()
     for full in args.cases.split(","):
         name, *mods = full.split("+")
         cfg, env = all_cases[name], {}
@@ -206,12 +208,17 @@ def main() -> None:
                 env["STRATA_CPU_THREADS"] = mod[1:]
             elif mod == "async":
                 env["STRATA_CPU_ASYNC"] = "1"
+            elif mod.startswith("sw") and mod[2:].isdigit():
+                env["STRATA_BENCH_SWITCH_US"] = mod[2:]
             elif mod.startswith("spin"):
                 env["STRATA_CPU_SPIN_US"] = mod[4:]
             elif mod != "again":
                 raise SystemExit(f"unknown case modifier {mod!r} in {full!r}")
-        for key in ("STRATA_DEFER_BOOKKEEPING", "STRATA_CPU_SPIN_US"):
+        for key in ("STRATA_DEFER_BOOKKEEPING", "STRATA_CPU_SPIN_US", "STRATA_BENCH_SWITCH_US"):
             os.environ.pop(key, None)
+        # the interpreter's GIL switch interval (default 5 ms): how long a thread waiting for the GIL lets the
+        # holder run before asking for it; the decode thread re-takes the GIL after every CUDA call and kernel
+        sys.setswitchinterval(int(env["STRATA_BENCH_SWITCH_US"]) / 1e6 if "STRATA_BENCH_SWITCH_US" in env else switch)
         mode = {"split_serial": "0", "split_async": "1", "split_async14": "1"}.get(name)
         os.environ.pop("STRATA_CPU_ASYNC", None) if mode is None else os.environ.update(STRATA_CPU_ASYNC=mode)
         os.environ.pop("STRATA_CPU_THREADS", None) if name not in ("split_async14", "split_t14") else os.environ.update(
