@@ -75,3 +75,29 @@ def test_static_keeps_its_hot_set_and_cost_weighs_reload():
     assert c.victim(lambda k: True) == "pinned"  # equally used: losing the disk-backed one costs more
     with pytest.raises(ConfigError, match="eviction"):
         make_policy("fifo")
+
+
+def test_a_long_prompt_counts_every_layer_at_one_moment():
+    """An 8K-token prompt's forward pass reports each layer's uses in turn (12 layers x 128 experts, ~512 uses
+    each). Advancing the decay clock by every use (half-life 8192 lookups) would make layer 0's counts look
+    ~2^-88 of layer 11's, and the decode after it would promote experts out of the early layers. Counted at
+    one moment, equal uses score equal in every layer, and one decode token (8 touches) cannot make an
+    expert look twice as used as another."""
+    p = LFUPolicy(half_life=8192)
+    rng = random.Random(0)
+    for layer in range(12):
+        for e in range(128):
+            p.insert((layer, e))
+            p.touch((layer, e), 512 + rng.randint(-20, 20), advance=False)
+    first, last = p.score((0, 5)), p.score((11, 5))
+    assert 0.9 < first / last < 1.1
+    for e in range(8):  # a decode token: ordinary touches advance the clock
+        p.touch((3, e))
+    victim = p.victim(lambda k: True)
+    assert max(p.score((11, e)) for e in range(128)) < 2 * p.score(victim)
+
+    old = LFUPolicy(half_life=8192)  # the clock moved by every use: the first layers fade during the prompt
+    for layer in range(12):
+        for e in range(128):
+            old.touch((layer, e), 512)
+    assert old.score((0, 5)) < 1e-6 * old.score((11, 5))

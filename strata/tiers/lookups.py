@@ -50,7 +50,8 @@ class LookupsMixin:
         with self._lock:
             for e, n in uses.items():
                 if n > 1:
-                    self.gpu.policy.touch((layer, int(e)), float(n - 1))  # the stage's own touch is the last one
+                    # the stage's own touch is the last one; the prompt's uses do not move the decay clock
+                    self.gpu.policy.touch((layer, int(e)), float(n - 1), advance=False)
 
     def gpu_scores(self, layer: int, experts: Iterable[int]) -> dict[int, float]:
         """expert -> the GPU tier policy's use score (decayed frequency; 0 for policies without one)."""

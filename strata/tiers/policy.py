@@ -33,7 +33,7 @@ class LRUPolicy:
     def __init__(self) -> None:
         self._order: OrderedDict[Key, None] = OrderedDict()
 
-    def touch(self, key: Key, uses: float = 1.0) -> None:
+    def touch(self, key: Key, uses: float = 1.0, advance: bool = True) -> None:
         if key in self._order:
             self._order.move_to_end(key)
 
@@ -82,9 +82,14 @@ class LFUPolicy:
             self._heap = [(self._priority(k), i, k) for i, k in enumerate(self._resident)]
             heapq.heapify(self._heap)
 
-    def touch(self, key: Key, uses: float = 1.0) -> None:
-        """`uses` lookups of `key` at once (a prefill's tokens routed to it): the clock advances by as many."""
-        self.clock += uses
+    def touch(self, key: Key, uses: float = 1.0, advance: bool = True) -> None:
+        """`uses` lookups of `key` at once; the clock advances by as many, unless not `advance`: a prompt's
+        uses count at the moment the prompt is seen. (Advanced by every one, an 8K-token prompt moved the
+        clock ~65K lookups per layer, ~8 half-lives, while its forward pass went from one layer to the
+        next. The first layers' counts then looked ~2^-88 of the last layers', and the decode that
+        followed promoted ~10 experts a token out of the early layers.)"""
+        if advance:
+            self.clock += uses
         self._score[key] = (self.score(key) + uses, self.clock)
         if key in self._resident:
             self._push(key)
