@@ -213,7 +213,8 @@ def run_workload(engine, scheduler, w: Workload, vocab: int, device: str) -> dic
 def decode_state(engine) -> dict:
     """How the engine decoded at the end of a workload: its CUDA graphs' mode ("full": one graph a step;
     "segmented": host steps between graphs; None: eager), captures and replays, and the lookahead
-    prefetcher's state (idle for good once its tier holds every expert; pauses; prefetch counters)."""
+    prefetcher's state (idle for good once its tier holds every expert; pauses; prefetch counters), and the
+    split's cost-model rates, CPU-share mode and kernel thread count."""
     g = getattr(engine.model, "graphs", None)
     compute = getattr(engine, "_compute", None)
     p = getattr(compute, "prefetcher", None)
@@ -222,7 +223,13 @@ def decode_state(engine) -> dict:
             "graph_replays": g.replays if g is not None else 0,
             "prefetcher": None if p is None else {"idle": bool(p.idle()) if p.idle is not None else False,
                                                   "pauses": p.pauses, "target": p.device_tier},
-            "prefetch": tiers.get("prefetch")}
+            "prefetch": tiers.get("prefetch"),
+            # the split's cost model as it ended (what it believed about the paths when choosing)
+            "cost_model": None if compute is None else {
+                k: getattr(compute.rates, k) for k in ("cpu_bytes_per_s", "pcie_bytes_per_s", "copy_host_s",
+                                                       "stage_fixed_s")},
+            "cpu_async": None if compute is None else compute.cpu_async,
+            "cpu_threads": None if compute is None else compute.cpu_threads}
 
 
 def case_roofline(case: Case, res: dict, facts: ModelFacts, rates: Rates) -> dict | None:
