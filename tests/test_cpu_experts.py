@@ -236,7 +236,7 @@ def test_build_failure_falls_back_to_torch(monkeypatch, caplog):
 
     monkeypatch.setattr(ce, "_lib", None)
     monkeypatch.setattr(ce, "_lib_tried", False)
-    monkeypatch.setattr(ce, "_build_and_open", broken)
+    monkeypatch.setattr(ce, "build_and_open", broken)
     H, inter, N, E = 48, 8, 2, 2
     experts = make_experts(H, inter, E)
     idx, tw = make_routing(N, E, 1)

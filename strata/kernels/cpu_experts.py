@@ -52,30 +52,19 @@ from __future__ import annotations
 
 import array
 import ctypes
-import hashlib
 import logging
 import os
-import platform
 import threading
 import time
-import warnings
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
-from strata.fsutil import cache_root
+from strata.kernels.cpu_experts_build import build_and_open, one_line
 from strata.kernels.experts import expert_swiglu
 
 log = logging.getLogger(__name__)
 
-_CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("cpu_experts.cpp", "cpu_experts_kernel.h")
-# Plain x86-64 (the vector code is compiled per function, under target pragmas); no FMA contraction, so
-# a*b+c rounds the same way in every instruction set and in the emulations.
-_CFLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fvisibility=hidden"]
-_LDFLAGS = ["-pthread"]
-_STALE_LOCK_S = 600  # a build takes seconds; a lock file this old belongs to a build that died
 _ISA = {"avx2": 1, "avx512": 2, "avx512_bf16": 3, "avx512_emulated": 4, "avx512_bf16_emulated": 5}
 _AUTO_ORDER = ("avx512_bf16", "avx512", "avx2")
 BACKENDS = ("avx512_bf16", "avx512", "avx2", "torch")
@@ -107,71 +96,6 @@ def _warn_once(key: str, msg: str, *args) -> None:
         log.warning(msg, *args)
 
 
-def _cache_root() -> Path:
-    return cache_root() / "ext"
-
-
-def _build_and_open() -> ctypes.CDLL:
-    machine = platform.machine().lower()
-    if machine not in ("x86_64", "amd64"):
-        raise RuntimeError(f"no vector kernel for {machine}")
-    from torch.utils import cpp_extension
-
-    h = hashlib.sha256()
-    for name in _SOURCES:
-        h.update((_CSRC / name).read_bytes())
-    h.update(repr((torch.__version__, platform.python_version(), _CFLAGS, _LDFLAGS)).encode())
-    name = f"strata_cpu_experts_{h.hexdigest()[:16]}"
-    build_dir = _cache_root() / name
-    build_dir.mkdir(parents=True, exist_ok=True)
-    lock = build_dir / "lock"  # torch's FileBaton: a build killed midway leaves it, and later loads wait forever
-    try:
-        if time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
-            lock.unlink()
-    except OSError:
-        pass
-    torch_log = logging.getLogger("torch.utils.cpp_extension")
-    level = torch_log.level
-    torch_log.setLevel(logging.ERROR)  # its compiler-compatibility banner is many lines long
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            path = cpp_extension.load(name=name, sources=[str(_CSRC / "cpu_experts.cpp")], extra_cflags=_CFLAGS,
-                                      extra_ldflags=_LDFLAGS, build_directory=str(build_dir), with_cuda=False,
-                                      is_python_module=False, verbose=False)
-    finally:
-        torch_log.setLevel(level)
-    if not isinstance(path, str):  # torch versions that return None for non-Python modules
-        path = str(build_dir / f"{name}.so")
-    lib = ctypes.CDLL(path)
-    lib.strata_cpu_isa_mask.argtypes = []
-    lib.strata_cpu_isa_mask.restype = ctypes.c_int
-    lib.strata_cpu_configure.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
-    lib.strata_cpu_configure.restype = ctypes.c_int
-    lib.strata_cpu_read_sweep.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-    lib.strata_cpu_read_sweep.restype = ctypes.c_uint64
-    lib.strata_cpu_shutdown.argtypes = []
-    lib.strata_cpu_shutdown.restype = ctypes.c_int
-    lib.strata_cpu_experts.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
-    lib.strata_cpu_experts.restype = ctypes.c_int
-    lib.strata_cpu_experts_start.argtypes = lib.strata_cpu_experts.argtypes
-    lib.strata_cpu_experts_start.restype = ctypes.c_int
-    lib.strata_cpu_experts_wait.argtypes = [ctypes.POINTER(ctypes.c_double)]
-    lib.strata_cpu_experts_wait.restype = ctypes.c_int
-    return lib
-
-
-def _one_line(exc: BaseException) -> str:
-    """The telling line of a build error (the compiler's 'error:' line, a missing tool...)."""
-    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    for marker in ("error:", "not found", "no such file", "permission denied"):
-        hits = [ln for ln in lines if marker in ln.lower()]
-        if hits:
-            return f"{type(exc).__name__}: {hits[0][-200:]}"
-    return f"{type(exc).__name__}: {(lines or [''])[0][:200]}"
-
-
 def _load() -> ctypes.CDLL | None:
     """The extension, built (or found in the cache) once per process; None when it cannot be had."""
     global _lib, _lib_tried, _isa_mask, build_seconds
@@ -181,12 +105,12 @@ def _load() -> ctypes.CDLL | None:
         if not _lib_tried:
             t0 = time.perf_counter()
             try:
-                lib = _build_and_open()
+                lib = build_and_open()
                 _isa_mask = lib.strata_cpu_isa_mask()
                 lib.strata_cpu_configure(spin_us(), None, -1, prefetch_bytes())
                 _lib = lib
             except Exception as exc:  # no compiler, no ninja, not x86-64, read-only cache...
-                log.warning("strata: CPU expert kernel unavailable (%s); using the torch fallback", _one_line(exc))
+                log.warning("strata: CPU expert kernel unavailable (%s); using the torch fallback", one_line(exc))
             build_seconds = time.perf_counter() - t0
             _lib_tried = True
     return _lib
