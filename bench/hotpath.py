@@ -23,7 +23,6 @@ Cases, all in this one run on the same weights (the store is built once, on firs
   cpu            GPU budget 0: every routed expert computed on the CPU from RAM
 Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for A/B runs in one call:
   noprefetch     prefetch.lookahead = 0
-  defer, nodefer a decode layer's bookkeeping at the next layer's host step, or inline (STRATA_DEFER_BOOKKEEPING)
   async          the CPU share started first on the kernel's threads (STRATA_CPU_ASYNC=1)
   tN             N CPU kernel threads (STRATA_CPU_THREADS=N)
   spinN          the CPU kernel's idle workers spin N us before sleeping (STRATA_CPU_SPIN_US=N)
@@ -202,8 +201,6 @@ def main() -> None:
         for mod in mods:
             if mod == "noprefetch":
                 cfg = {**cfg, "prefetch": {"lookahead": 0}}
-            elif mod in ("defer", "nodefer"):
-                env["STRATA_DEFER_BOOKKEEPING"] = "1" if mod == "defer" else "0"
             elif mod.startswith("t") and mod[1:].isdigit():
                 env["STRATA_CPU_THREADS"] = mod[1:]
             elif mod == "async":
@@ -214,7 +211,7 @@ def main() -> None:
                 env["STRATA_CPU_SPIN_US"] = mod[4:]
             elif mod != "again":
                 raise SystemExit(f"unknown case modifier {mod!r} in {full!r}")
-        for key in ("STRATA_DEFER_BOOKKEEPING", "STRATA_CPU_SPIN_US", "STRATA_BENCH_SWITCH_US"):
+        for key in ("STRATA_CPU_SPIN_US", "STRATA_BENCH_SWITCH_US"):
             os.environ.pop(key, None)
         # the interpreter's GIL switch interval (default 5 ms): how long a thread waiting for the GIL lets the
         # holder run before asking for it; the decode thread re-takes the GIL after every CUDA call and kernel

@@ -198,9 +198,8 @@ def store(tiny_model_dir, tmp_path_factory):
     s.close()
 
 
-@pytest.mark.parametrize("numerics", ["gpu", "fork", "fork-async", "fork-auto", "fork-stream", "fork-deferred"],
-                         ids=["exact", "forked", "forked-async", "forked-auto", "forked-stream",
-                              "forked-deferred-bookkeeping"])
+@pytest.mark.parametrize("numerics", ["gpu", "fork", "fork-async", "fork-auto", "fork-stream"],
+                         ids=["exact", "forked", "forked-async", "forked-auto", "forked-stream"])
 def test_tiered_decode_serves_cold_pairs_from_other_tiers(store, numerics):
     """A CPU-simulated GPU tier with fewer slots than a step needs: resident pairs by slot, cold pairs
     copied (gpu numerics) or split with the CPU kernel (fork); the layer output equals all-in-memory.
@@ -217,12 +216,10 @@ def test_tiered_decode_serves_cold_pairs_from_other_tiers(store, numerics):
         m.release(m.acquire([(layer, i) for i in range(e)], "cpu"))
         stream_gpu = m.stream_gpu
         m.stream_gpu = lambda layer, experts: streamed.append(b := stream_gpu(layer, experts)) or b
-    inline = not numerics.endswith("-deferred")
-    numerics = numerics.removesuffix("-stream").removesuffix("-deferred")
+    numerics = numerics.removesuffix("-stream")
     base = m.stats()["lookups"]
     try:
         compute = ExpertCompute(m, "gpu", numerics.removesuffix("-async").removesuffix("-auto"))
-        compute.defer_bookkeeping = not inline
         # the CPU share started before the copies are staged, after them, or (auto) first when any are copied
         compute.cpu_async = None if numerics.endswith("-auto") else numerics.endswith("-async")
         compute.pair_path = True
@@ -247,34 +244,6 @@ def test_tiered_decode_serves_cold_pairs_from_other_tiers(store, numerics):
             assert compute.cpu_experts > 0
         if stream:
             assert any(streamed) and all(b is None or b.slots == [3, 4, 5][: len(b.slots)] for b in streamed)
-    finally:
-        m.close()
-
-
-def test_decode_bookkeeping_waits_for_the_next_layer_on_the_decode_thread(store):
-    """Deferred bookkeeping (statistics, policy history, promotions) runs at the next layer's host step or when
-    statistics are taken, once, and only on the thread that decodes (a promotion orders its map update on
-    that thread's stream); inline when deferral is off."""
-    import threading
-
-    m = TierManager(store, TierBudgets(gpu_slots=3, pinned_slots=16), gpu_device=torch.device("cpu"), io_threads=2)
-    try:
-        compute = ExpertCompute(m, "gpu", "fork")
-        compute.defer_bookkeeping = True  # opt-in ($STRATA_DEFER_BOOKKEEPING=1)
-        seen = []
-        compute.bookkeep(lambda: seen.append(1))
-        assert seen == []
-        other = threading.Thread(target=compute.run_deferred)
-        other.start()
-        other.join()
-        assert seen == []  # left for the decode thread
-        m.stats()  # drains the device-side lookup counts, and with them the deferred work, on this thread
-        assert seen == [1]
-        compute.run_deferred()
-        assert seen == [1]  # each runs once
-        compute.defer_bookkeeping = False
-        compute.bookkeep(lambda: seen.append(2))
-        assert seen == [1, 2]
     finally:
         m.close()
 

@@ -10,9 +10,7 @@ bit-identical to the all-in-VRAM run.
 from __future__ import annotations
 
 import array
-import collections
 import os
-import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -57,13 +55,6 @@ class ExpertCompute:
         # host time of the decode cold path: waiting for the GPU to reach a layer, issuing copies and CPU
         # work, waiting for the CPU's partial sum (where a split step's time goes; see bench/hotpath.py)
         self.host_seconds: Counter[str] = Counter()
-        # a decode layer's bookkeeping that no result depends on (statistics, policy history, promotions,
-        # prefetches) runs at the next layer's host step before it waits for the GPU, so it overlaps the GPU's
-        # work instead of delaying this layer's CPU share. Off by default: on the H200 box it measured slower
-        # (uniform 57.9 against 63.7 tok/s inline, skewed 106-109 against 112.8); $STRATA_DEFER_BOOKKEEPING=1
-        self.defer_bookkeeping = os.environ.get("STRATA_DEFER_BOOKKEEPING", "0") == "1"
-        self._deferred: collections.deque = collections.deque()
-        self._decode_thread: int | None = None
         self.pin_results = False  # CPU partial sums in pinned memory, so their upload never waits for the GPU
         # True: a decode layer's CPU share starts on the kernel's launcher thread before this thread stages
         # the copies; False: it runs here after them. None (the default): started first in the layers where
@@ -115,26 +106,6 @@ class ExpertCompute:
     def use_fast_cpu(self) -> bool:
         return self.fast_cpu and not self.reproducible
 
-    def bookkeep(self, fn) -> None:
-        """Run `fn` (host bookkeeping no result depends on) now, or at the next `run_deferred`."""
-        if self.defer_bookkeeping:
-            self._deferred.append(fn)
-            self._decode_thread = threading.get_ident()
-        else:
-            fn()
-
-    def run_deferred(self) -> None:
-        """Run the bookkeeping deferred so far, oldest first, on the decode thread (promotions order their map
-        updates on its current stream); elsewhere it waits for that thread's next layer."""
-        if self._deferred and threading.get_ident() != self._decode_thread:
-            return
-        while True:
-            try:
-                fn = self._deferred.popleft()
-            except IndexError:
-                return
-            fn()
-
     def release_staged(self) -> None:
         """Release the decode layers' copied slots held so far (call once their readers are enqueued)."""
         while self.staged:
@@ -153,7 +124,6 @@ class ExpertCompute:
         self.lookups[layer] += hit
 
     def _drain_lookups(self):
-        self.run_deferred()  # statistics taken between steps include the last layer's
         snap = self.lookups.clone()
         self.lookups.sub_(snap)  # increments made meanwhile survive
         counts = snap.cpu().numpy()

@@ -110,17 +110,13 @@ class TieredExperts(nn.Module):
         """Host work of a decode layer: learn which pairs were cold, serve them, count the lookups."""
         c, clock = self.compute, time.perf_counter
         c.release_staged()  # the kernels reading the previous layer's copies are enqueued by now
-        t_book = clock()
-        c.run_deferred()  # the last layer's bookkeeping, while the GPU runs up to this layer
         t0 = clock()
         # one synchronisation: the GPU has reached this layer (slots used, activations, routing weights)
         both_host, x_host, w_host = _to_host(both, x.float(), weights)
         experts, slots = both_host.numpy()
         t1 = clock()
         if c.slots is not None:
-            hits = np.unique(experts[slots >= 0])
-            # the policy sees the hits before this layer's evictions (recency counts): now, or before staging
-            c.bookkeep(lambda: c.manager.note_hits(self.layer, hits))
+            c.manager.note_hits(self.layer, np.unique(experts[slots >= 0]))  # before evictions: recency counts
         t_hits = clock()
         cold = _pairs_by_expert(experts, np.flatnonzero(slots < 0))
         cpu_part = None
@@ -131,8 +127,7 @@ class TieredExperts(nn.Module):
             cpu_out.copy_(cpu_part, non_blocking=c.pin_results)  # pinned: no wait for the GPU queue
         t_poll = clock()
         if c.prefetcher is not None:
-            c.bookkeep(c.prefetcher.poll)  # after the layer's own misses, so they go first
-        c.host_seconds["bookkeeping"] += t0 - t_book
+            c.prefetcher.poll()  # after the layer's own misses, so they go first
         c.host_seconds["wait_gpu"] += t1 - t0
         c.host_seconds["hits"] += t_hits - t1
         c.host_seconds["group"] += t_plan - t_hits
@@ -147,11 +142,11 @@ class TieredExperts(nn.Module):
         run_async = bool(c.cpu_async)
         if c.use_split and c.slots is not None:
             on_cpu, run_async = self._cpu_share({e: len(p) for e, p in cold.items()}, c.cpu_async)
-            c.bookkeep(lambda: c.manager.note_gpu_misses(self.layer, on_cpu))  # the GPU tier's history sees them
+            c.manager.note_gpu_misses(self.layer, on_cpu)  # the GPU tier's frequency history sees them too
             # the GPU tier's only way in for the experts no copy brings (the CPU's share, and the GPU's share
             # when read in place): a background copy of the most used one, if worth a slot
             if c.promote and (candidates := set(cold) if c.host_experts is not None else on_cpu):
-                c.bookkeep(lambda: self._promote(candidates))
+                self._promote(candidates)
         groups = [(e, torch.from_numpy(cold[e])) for e in sorted(on_cpu)]  # the CPU share: (expert, its pairs)
         share = None
         if groups and run_async:  # the CPU share starts first, on the kernel's own thread
@@ -193,13 +188,11 @@ class TieredExperts(nn.Module):
                 return
             # else: the copies the GPU tier should keep (used over twice as often as its victim) are staged
             # through it, so it adapts to the traffic; the others land in the stream slots, for this step only
-            c.run_deferred()  # the policy's history is up to date before the tier picks victims
             keep = m.worth_caching(self.layer, to_copy)
             once = [e for e in to_copy if e not in keep]
             if once and (streamed := m.stream_gpu(self.layer, once)) is not None:
                 batches.append(streamed)
                 to_copy = keep
-        c.run_deferred()
         if len(to_copy) > m.max_acquire("gpu"):  # a budget smaller than the step: in chunks, now
             self._copy_in_chunks(x, y, to_copy, cold)
         elif to_copy:
