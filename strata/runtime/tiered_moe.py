@@ -271,12 +271,6 @@ class TieredExperts(nn.Module):
         and copies already queued, e.g. prefetches, counted against the copy path), and whether the CPU share
         starts before the copies are staged (`run_async`; None: when that plan copies any)."""
         c = self.compute
-        if run_async is None:
-            on_cpu, _ = self._cpu_share(tokens, True)
-            if on_cpu and len(on_cpu) < len(tokens):
-                return on_cpu, True
-            return self._cpu_share(tokens, False)[0], False
-        serial = not run_async
         c.rates.pcie_bytes_per_s = c.manager.observed_rate("pinned->gpu", c.rates.pcie_bytes_per_s)
         nbytes = c.manager.store.payload_bytes
         backlog = c.manager.gpu_transfers_in_flight() * nbytes / c.rates.pcie_bytes_per_s
@@ -284,7 +278,12 @@ class TieredExperts(nn.Module):
         if c.host_experts is not None:  # the GPU's share is read in place: the link's rate, no staging per expert
             rates = replace(rates, pcie_bytes_per_s=c.manager.observed_rate(IN_PLACE, IN_PLACE_RATE),
                             copy_host_s=IN_PLACE_HOST_S)
-        split = split_cold(tokens, nbytes, rates, in_flight_copy_s=backlog, serial=serial)
+        plan = lambda serial: split_cold(tokens, nbytes, rates, in_flight_copy_s=backlog, serial=serial)  # noqa: E731
+        split = plan(run_async is False)  # serial only when the CPU share is to run after the copies
+        if run_async is None:  # auto: first only when that plan copies some and computes some on the CPU
+            run_async = bool(split.copy and split.cpu)
+            if not run_async:
+                split = plan(True)
         if not split.copy or not split.cpu:
             return set(split.cpu), run_async
         # the cost model fixes how many experts of each token count are copied; which ones: the most used
