@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|trace|suite|
+#   bash bench/h200_session.sh tests|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|trace|suite|probe|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 set -u
@@ -59,6 +59,15 @@ case "$1" in
   trace)  # the suite's skewed 12-layer checkpoint's routing, for bench/promote_sim.py --trace on any machine
     python3 -m strata demo-model /dev/shm/b12s --size bench --layers 12 --no-engram --route-skew 1.0 > /dev/null 2>&1
     timeout 200 python3 bench/route_trace.py --model /dev/shm/b12s --out "$OUT/trace-b12-skew1.json" --tokens 256 2>&1 | tail -2 ;;
+  probe)  # a split layer's host calls timed one by one (idle and under CPU-kernel load), then an 8K prefill profiled
+    [ -d /dev/shm/b12 ] || python3 -m strata demo-model /dev/shm/b12 --size bench --layers 12 --no-engram \
+      --route-skew uniform > /dev/null 2>&1
+    timeout 120 python3 bench/stage_probe.py --model /dev/shm/b12 --out "$OUT/probe" 2>&1 | tail -3 | cut -c1-3000
+    for c in ceiling split; do
+      cfg='{"runtime": {"experts": "memory"}}'; [ $c = split ] && cfg='{"tiers": {"gpu": {"budget": "3.6GiB"}}}'
+      timeout 150 python3 bench/profile_prefill.py --model /dev/shm/b12 --label $c --config "$cfg" --out "$OUT/probe" 2>&1 \
+        | grep -v Warning | head -30 | cut -c1-200
+    done ;;
   engram)
     timeout 280 python3 bench/engram.py --out "$OUT/engram" --model-dir /dev/shm/engram --steps 200 2>&1 | tail -14 ;;
 esac
