@@ -23,6 +23,8 @@ Cases, all in this one run on the same weights (the store is built once, on firs
   cpu            GPU budget 0: every routed expert computed on the CPU from RAM
 Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for A/B runs in one call:
   noprefetch     prefetch.lookahead = 0
+  host           runtime.split_decode = "host": host steps at every MoE layer (the cost model splits the cold
+                 experts between the CPU and copies) instead of one graph a step with the mailbox worker
   async          the CPU share started first on the kernel's threads (STRATA_CPU_ASYNC=1)
   tN             N CPU kernel threads (STRATA_CPU_THREADS=N)
   spinN          the CPU kernel's idle workers spin N us before sleeping (STRATA_CPU_SPIN_US=N)
@@ -45,6 +47,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -102,6 +105,8 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
            "ms_per_token": round(1000 * run.decode_s / n, 2), "ttft_s": round(run.ttft_s, 3)}
     if engine.model.graphs is not None:
         res["graph_replays"] = engine.model.graphs.replays
+        res["graph_modes"] = sorted({key[3] for key in engine.model.graphs.graphs})
+        res["graph_failures"] = dict(engine.model.graphs.failed)
     t0s, t1s = before["tiers"], after["tiers"]
     if t1s is not None:
         lookups = _delta(t0s, t1s, "lookups")
@@ -201,6 +206,8 @@ def main() -> None:
         for mod in mods:
             if mod == "noprefetch":
                 cfg = {**cfg, "prefetch": {"lookahead": 0}}
+            elif mod == "host":
+                cfg = {**cfg, "runtime": {**cfg.get("runtime", {}), "split_decode": "host"}}
             elif mod.startswith("t") and mod[1:].isdigit():
                 env["STRATA_CPU_THREADS"] = mod[1:]
             elif mod == "async":
@@ -229,6 +236,7 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - record and go on to the next case
             result["cases"].append({"case": full, "error": f"{type(e).__name__}: {e}"})
             print(full, "failed:", e, flush=True)
+            traceback.print_exc()
         if "STRATA_CPU_SPIN_US" in env:  # the kernel reads it when loaded: set it back for the next case
             from strata.kernels import cpu_experts as ce
 

@@ -12,7 +12,7 @@ each decode layer the resident experts are hits (`note_hits`) and the cold ones 
 (`note_gpu_misses`). Policies compared on the same trace:
   no-promote  the GPU tier changes only through placement and prefill (policy.promote = false)
   promote     a cold expert used over twice as often as the victim is copied in the background, one per
-              layer and step (policy.promote = true; `TieredExperts._promote`), and the prompt's tokens per
+              layer and step (policy.promote = true; `ExpertCompute.promote_one`), and the prompt's tokens per
               expert count in the GPU tier's history (`TierManager.note_uses`, called by prefill)
   promote-unweighted   the same without the prompt's counts (a staged expert counts once per chunk)
   oracle      the experts most used over the decode trace itself, placed up front (an upper bound)
@@ -111,7 +111,7 @@ def replay(store_dir: Path, prefill: dict, decode: dict, fraction: float, mode: 
                 m.note_hits(layer, sorted(hit))
                 m.note_gpu_misses(layer, sorted(cold))
                 hits, lookups = hits + len(hit), lookups + len(ids)
-                if mode.startswith("promote") and cold:  # as TieredExperts._promote
+                if mode.startswith("promote") and cold:  # as ExpertCompute.promote_one
                     keep = m.worth_caching(layer, sorted(cold))
                     if keep:
                         score = m.gpu_scores(layer, keep)

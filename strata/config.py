@@ -66,6 +66,7 @@ class RuntimeConfig:
     cpu_numerics: str = "fork"  # "fork": fast CPU expert kernels; "gpu": the reference math, cold experts on the GPU
     cuda_graphs: bool = True  # replay decode steps from CUDA graphs whenever every expert is resident
     read_in_place: bool = False  # split decode: the GPU's share of cold experts read from pinned RAM in place (zero-copy)
+    split_decode: str = "graph"  # "graph": one CUDA graph a step, cold experts on a native CPU worker; "host": host steps
     decode_gap_target: float = 0.5  # seconds a serving step may take while sequences decode (prompt chunks shrink); 0: off
     prefill_chunk_min: int = 32  # prompt tokens a serving step carries at least while sequences decode
     devices: list[int] = field(default_factory=list)  # CUDA indices the layers are split over; [] = `device` alone
@@ -76,6 +77,8 @@ class RuntimeConfig:
             raise ConfigError(f"runtime.decode_gap_target = {gap!r} is invalid; give seconds in [0, 3600] (0 turns pacing off)")
         if self.cpu_numerics not in ("fork", "gpu"):
             raise ConfigError(f"runtime.cpu_numerics = {self.cpu_numerics!r} is invalid; use \"fork\" or \"gpu\"")
+        if self.split_decode not in ("graph", "host"):
+            raise ConfigError(f"runtime.split_decode = {self.split_decode!r} is invalid; use \"graph\" or \"host\"")
         if self.experts not in ("tiered", "memory"):
             raise ConfigError(f"runtime.experts = {self.experts!r} is invalid; use \"tiered\" or \"memory\"")
         if self.device not in DEVICE_NAMES and not (self.device.startswith("cuda:") and self.device[5:].isdigit()):

@@ -116,6 +116,8 @@ class Engine:
 
     def close(self) -> None:
         """Stop the tier manager's threads and free its memory (the engine is unusable afterwards)."""
+        if (close_mailbox := getattr(self._compute, "close_mailbox", None)) is not None:
+            close_mailbox()  # the CPU worker of one-graph decode steps reads the pinned pool freed below
         if self.tiers is not None:
             self.tiers.close()
             self.tiers = None

@@ -277,15 +277,14 @@ def test_split_decode_promotes_a_popular_cpu_expert(store):
     m = TierManager(store, TierBudgets(gpu_slots=3, pinned_slots=16), gpu_device=torch.device("cpu"), io_threads=2)
     try:
         compute = ExpertCompute(m, "gpu", "fork")
-        experts = TieredExperts(layer, 16, compute)
         m.release(m.acquire([(layer, i) for i in range(8)], "cpu"))
         m.release_staged(m.stage_gpu(layer, [0, 1, 2]))  # the GPU tier is full
         m.note_hits(layer, [0, 1, 2])
         m.note_gpu_misses(layer, [6])  # as often as the residents: not worth a slot
-        experts._promote({6})
+        compute.promote_one(layer, {6})
         assert m.wait_settled(10) and (layer, 6) not in m.gpu.slot_of and compute.promotions == 0
         m.note_gpu_misses(layer, [5] * 12 + [7] * 6)
-        experts._promote({5, 6, 7})
+        compute.promote_one(layer, {5, 6, 7})
         assert m.wait_settled(10)
         assert (layer, 5) in m.gpu.slot_of and (layer, 7) not in m.gpu.slot_of  # the most used, one per step
         assert compute.promotions == 1

@@ -291,6 +291,27 @@ def start_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, thread
     return PackedCall(n_rows, name, (x32, meta, out))
 
 
+def isa_code() -> int:
+    """The compiled kernel's code for the instruction set `backend()` chose (0: the torch fallback)."""
+    name = _resolve(None)
+    return 0 if name == "torch" else _ISA[name]
+
+
+def start_mailbox(cfg, boxes, layers, addresses, log, counters) -> int:
+    """Start the native mailbox worker (csrc/cpu_mailbox.cpp; the arguments are numpy arrays laid out as
+    strata.runtime.cpu_mailbox describes, kept alive by the caller until `stop_mailbox`); its handle, 0
+    when the compiled kernel is not in use."""
+    if _resolve(None) == "torch":
+        return 0
+    return int(_lib.strata_mailbox_start(*(a.ctypes.data for a in (cfg, boxes, layers, addresses, log, counters))))
+
+
+def stop_mailbox(handle: int) -> None:
+    """Stop the mailbox worker `handle` (joins its thread)."""
+    if handle and _lib is not None:
+        _lib.strata_mailbox_stop(handle)
+
+
 def _torch_expert(x32: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
                   out: torch.Tensor) -> None:
     """The reference: fp32 math on the upcast weights, added into out."""

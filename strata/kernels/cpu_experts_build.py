@@ -17,7 +17,7 @@ import torch
 from strata.fsutil import cache_root
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("cpu_experts.cpp", "cpu_experts_kernel.h")
+_SOURCES = ("cpu_experts.cpp", "cpu_experts_kernel.h", "cpu_mailbox.cpp")
 # Plain x86-64 (the vector code is compiled per function, under target pragmas); no FMA contraction, so
 # a*b+c rounds the same way in every instruction set and in the emulations.
 _CFLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fvisibility=hidden"]
@@ -55,7 +55,7 @@ def build_and_open() -> ctypes.CDLL:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            path = cpp_extension.load(name=name, sources=[str(_CSRC / "cpu_experts.cpp")], extra_cflags=_CFLAGS,
+            path = cpp_extension.load(name=name, sources=[str(_CSRC / n) for n in _SOURCES if n.endswith(".cpp")], extra_cflags=_CFLAGS,
                                       extra_ldflags=_LDFLAGS, build_directory=str(build_dir), with_cuda=False,
                                       is_python_module=False, verbose=False)
     finally:
@@ -78,6 +78,12 @@ def build_and_open() -> ctypes.CDLL:
     lib.strata_cpu_experts_start.restype = ctypes.c_int
     lib.strata_cpu_experts_wait.argtypes = [ctypes.POINTER(ctypes.c_double)]
     lib.strata_cpu_experts_wait.restype = ctypes.c_int
+    lib.strata_mailbox_start.argtypes = [ctypes.c_void_p] * 6
+    lib.strata_mailbox_start.restype = ctypes.c_int64
+    lib.strata_mailbox_stop.argtypes = [ctypes.c_int64]
+    lib.strata_mailbox_stop.restype = ctypes.c_int
+    lib.strata_mailbox_log_codes.argtypes = []
+    lib.strata_mailbox_log_codes.restype = ctypes.c_int
     return lib
 
 

@@ -122,7 +122,9 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
         # for a layer's reads, not before the step, lets them overlap the layers before it)
         host_rows = model.engram is not None and model.engram.direct_tables(model.layers) is None
         model.enable_decode_graphs(lambda: None if not cfg.runtime.cuda_graphs
-                                   else "full" if compute.all_resident() and not host_rows else "segmented")
+                                   else "full" if compute.all_resident() and not host_rows
+                                   else "mailbox" if not host_rows and compute.mailbox_ready() else "segmented")
+        model.graphs.before_step = lambda: compute.books.step() if compute.books is not None else None
     if cfg.prefetch.lookahead > 0:
         model.after_layer = attach_prefetcher(compute, router_predictors(model), cfg)
     start_placement(manager, cfg)
@@ -157,7 +159,7 @@ def expert_tiers(store: ExpertStore, budgets: TierBudgets, device: torch.device,
                           tmpfs_dir=cfg.tiers.tmpfs.path, disk_reader=cfg.tiers.disk.reader, **manager_options)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         return ExpertCompute(manager, device_tier, cfg.runtime.cpu_numerics, read_in_place=cfg.runtime.read_in_place,
-                             promote=cfg.policy.promote)
+                             promote=cfg.policy.promote, split_decode=cfg.runtime.split_decode, device=device)
 
 
 def prepare_cpu_experts(computes: list[ExpertCompute]) -> None:

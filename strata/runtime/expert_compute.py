@@ -28,7 +28,7 @@ class ExpertCompute:
     """Shared state of the tiered executor (one per model)."""
 
     def __init__(self, manager: TierManager, device_tier: str, cpu_numerics: str = "fork", read_in_place: bool = False,
-                 promote: bool = True):
+                 promote: bool = True, split_decode: str = "host", device: torch.device | None = None):
         self.manager, self.device_tier = manager, device_tier
         self.fast_cpu = cpu_numerics == "fork"  # compiled CPU kernel; "gpu": the reference math only
         # CPU compute next to a GPU tier only in "fork" mode: "gpu" numerics force cold experts onto the GPU
@@ -37,7 +37,7 @@ class ExpertCompute:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="strata-cpu-experts") if self.split else None
         self.cpu_experts = 0  # experts computed on the CPU (statistics)
         # split decode: copy a CPU-computed expert that became popular into the GPU tier in the background
-        # (policy.promote; `TieredExperts._promote`); `promotions` counts those copies
+        # (policy.promote; `ExpertCompute.promote_one`); `promotions` counts those copies
         self.promote = promote
         self.promotions = 0
         # set by the scheduler around a step of reproducible requests: cold experts go to the GPU
@@ -82,6 +82,14 @@ class ExpertCompute:
             self.lookups = torch.zeros(self.slot_of.shape, dtype=torch.int64, device=dev)
             manager.add_lookup_source(self._drain_lookups)
             self.pin_results = dev.type == "cuda"
+        # decode steps as one graph with the native CPU worker (`mailbox_ready`, strata.runtime.cpu_mailbox)
+        self.split_decode, self.device = split_decode, device or torch.device("cpu")
+        self.moe_layers: list[int] = []  # set by use_tiered_experts, with the routing's top-k
+        self.top_k = 0
+        self.mailbox = None  # CpuMailbox, made once every expert sits in pinned RAM for good
+        self.gpu_share = None  # GpuShare: the cold experts the GPU reads in place during a mailbox step
+        self.books = None  # MailboxBooks: the mailbox steps' statistics, policy history and promotions
+        self._mailbox_off: str | None = None  # why this engine never uses the mailbox
         # split decode: the GPU's share of cold experts read from pinned RAM in place (None: copied to slots)
         self.host_experts: HostExperts | None = None
         if read_in_place and self.split and self.slots is not None and manager.pool.pinned and in_place_ok():
@@ -105,6 +113,97 @@ class ExpertCompute:
     @property
     def use_fast_cpu(self) -> bool:
         return self.fast_cpu and not self.reproducible
+
+    def mailbox_ready(self) -> bool:
+        """Whether a decode step can now run as one graph with cold experts on the mailbox worker: graph split
+        decode configured, forked CPU numerics, a CUDA device, the compiled kernel, and every expert resident in
+        pinned RAM for good (the worker reads them by address). The mailbox is made on the first True."""
+        if self.reproducible:
+            return False
+        if self.mailbox is not None:
+            return True
+        if self._mailbox_off is not None or not self.manager.all_pinned():
+            return False
+        self._mailbox_off = self._mailbox_unusable()
+        if self._mailbox_off is None:
+            self._open_mailbox()
+        return self.mailbox is not None
+
+    def _mailbox_unusable(self) -> str | None:
+        from strata.kernels import cpu_experts as ce
+        from strata.kernels import host_signal
+
+        if self.split_decode != "graph":
+            return "runtime.split_decode is not \"graph\""
+        if not self.fast_cpu or not (self.split or self.device_tier == "cpu") or self.device.type != "cuda":
+            return "no forked CPU compute beside a CUDA device"
+        if self.manager.store.dtype != torch.bfloat16 or ce.backend() == "torch" or not host_signal.available():
+            return "no compiled bf16 CPU kernel or no Triton"
+        if not self.moe_layers or self.top_k <= 0:
+            return "no MoE layers"
+        return None
+
+    def _open_mailbox(self) -> None:
+        from strata.kernels import cpu_experts as ce
+        from strata.runtime.cost_model import IN_PLACE_RATE
+        from strata.runtime.cpu_mailbox import CpuMailbox, GpuShare, MailboxBooks
+        from strata.runtime.graphs import MAX_GRAPH_BATCH
+
+        m, store = self.manager, self.manager.store
+        addresses = np.zeros((max(self.moe_layers) + 1, store.index.num_experts), dtype=np.int64)
+        with m._lock:
+            for (layer, e), slot in m.pinned.slot_of.items():
+                addresses[layer, e] = m.pool.slot_address(slot)
+        (_, hidden), (_, inter) = store.expert_shapes
+        if not os.environ.get("STRATA_CPU_THREADS"):  # the decoding thread now only waits: one core for it
+            self.cpu_threads = max(1, ce.default_threads() - 1)
+        with torch.cuda.device(self.device):
+            self.mailbox = CpuMailbox(self.moe_layers, addresses, hidden=hidden, inter=inter,
+                                      gu_bytes=store.index.gate_up_bytes, payload=store.payload_bytes, top_k=self.top_k,
+                                      max_tokens=MAX_GRAPH_BATCH, threads=self.cpu_threads or ce.default_threads(),
+                                      device=self.device)
+        self.gpu_share = None
+        if in_place_ok() and m.pool.pinned:  # the GPU reads a share of the cold experts in place meanwhile
+            fixed = os.environ.get("STRATA_MAILBOX_GPU_SHARE")
+            share = float(fixed) if fixed else IN_PLACE_RATE / (IN_PLACE_RATE + self.rates.cpu_bytes_per_s)
+            if share > 0:
+                (gu, dn) = store.expert_shapes
+                self.gpu_share = GpuShare(addresses, HostExperts(store.dtype, gu, dn, store.index.gate_up_bytes),
+                                          self.device, share, adaptive=not fixed)
+        self.books = MailboxBooks(self.mailbox, m, self.promote_one, self._count_mailbox, self.gpu_share)
+        self._mailbox_kernel = (0, 0.0)
+
+    def _count_mailbox(self, experts: int, nbytes: int, seconds: float) -> None:
+        """The mailbox worker's totals so far: experts it computed, bytes its kernel read and its seconds."""
+        self.cpu_experts += experts
+        b0, s0 = self._mailbox_kernel
+        if seconds > s0:
+            self.rates.observe_cpu(nbytes - b0, seconds - s0)
+        self._mailbox_kernel = (nbytes, seconds)
+
+    def promote_one(self, layer: int, experts) -> None:
+        """Of `experts` (cold in `layer`, computed on the CPU), the one the GPU tier's history says is used most,
+        if it is worth a slot (used over twice as often as the slot's victim, `worth_caching`), copied there
+        by a transfer worker, in the background. One per layer and step, so the link stays lightly used."""
+        if not self.promote:
+            return
+        m = self.manager
+        keep = m.worth_caching(layer, sorted(experts))
+        if keep:
+            score = m.gpu_scores(layer, keep)
+            m.promote((layer, max(keep, key=score.__getitem__)))  # queued for a transfer worker
+            self.promotions += 1
+
+    def close_mailbox(self) -> None:
+        """Stop the mailbox worker and its bookkeeping (the engine is closing; no step may be in flight)."""
+        if self.books is not None:
+            self.books.close()
+            self.books.flush()
+            self.manager.remove_lookup_source(self.books.flush)
+            self.books = None
+        if self.mailbox is not None:
+            self.mailbox.close()
+            self.mailbox = None
 
     def release_staged(self) -> None:
         """Release the decode layers' copied slots held so far (call once their readers are enqueued)."""

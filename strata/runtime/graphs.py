@@ -5,6 +5,9 @@ slots and positions, and a power-of-two bucket of cache positions to attend over
 only on (B, bucket), so it is captured once per (cache, B, bucket, mode) and replayed:
 - "full": every expert is resident (or all experts are in memory): the whole step is one graph,
   with no Python per layer, no launch overhead and no host synchronisation;
+- "mailbox": some experts may be cold, and every one sits in pinned RAM: still one graph a step; each
+  MoE layer hands its cold pairs to a native CPU worker through page-locked memory and the stream waits
+  on the device for its answer (strata.runtime.cpu_mailbox);
 - "segmented": some experts may be cold. Each MoE layer needs the host once (which pairs are cold,
   then copies or CPU compute for them), so the step is captured as one graph per stretch between
   those points, and the host work runs between replays (`SegmentRecorder.host_step`). Everything
@@ -41,6 +44,11 @@ _local = threading.local()
 def current_recorder() -> SegmentRecorder | None:
     """The segmented capture in progress on this thread, if any (modules then defer host work to it)."""
     return getattr(_local, "recorder", None)
+
+
+def current_capture_mode() -> str | None:
+    """The mode of the decode step being captured on this thread (its eager warm-up run included), else None."""
+    return getattr(_local, "mode", None)
 
 
 class SegmentRecorder:
@@ -177,6 +185,7 @@ class DecodeGraphs:
         self.replays = 0
         self.captures = 0
         self.failed: dict[str, str] = {}  # mode -> why its capture failed (that mode then runs eagerly)
+        self.before_step: Callable[[], None] | None = None  # run before each graph step (e.g. the mailbox's books)
         self.eager_shapes: dict[tuple, str] = {}  # graph key -> why that shape alone runs eagerly
 
     def run(self, input_ids: torch.Tensor, batch: StepBatch, cache: KVCache) -> torch.Tensor:
@@ -187,6 +196,8 @@ class DecodeGraphs:
         mode = self.mode() if n <= MAX_GRAPH_BATCH else None
         if mode in self.failed:
             mode = None
+        if mode is not None and self.before_step is not None:
+            self.before_step()
         step = batch.engram  # the step's Engram work (hashed, gathers started), or None
         if mode is None:
             dev = meta.to(input_ids.device, non_blocking=True)
@@ -225,15 +236,23 @@ class DecodeGraphs:
             return self.forward(input_ids, DecodeBatch(dev_meta[0], dev_meta[1], kv_len, engram=step), cache)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            result = self.forward(ids, DecodeBatch(dev_meta[0], dev_meta[1], kv_len, engram=statics), cache).clone()
-            if statics is not None:
-                statics.replayed()
+        _local.mode = mode
+        try:
+            with torch.cuda.stream(side):
+                result = self.forward(ids, DecodeBatch(dev_meta[0], dev_meta[1], kv_len, engram=statics), cache).clone()
+                if statics is not None:
+                    statics.replayed()
+        finally:
+            _local.mode = None
         torch.cuda.current_stream().wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         try:
-            graph, out = self._record(ids, dev_meta, kv_len, cache, mode, statics)
+            _local.mode = mode
+            try:
+                graph, out = self._record(ids, dev_meta, kv_len, cache, mode, statics)
+            finally:
+                _local.mode = None
         except Exception as e:  # noqa: BLE001 - a step that cannot be captured still runs, eagerly
             frames = traceback.extract_tb(e.__traceback__)
             where = [f for f in frames if "/strata/" in f.filename] or frames  # strata's line that cannot be captured
@@ -249,7 +268,7 @@ class DecodeGraphs:
 
     def _record(self, ids, dev_meta, kv_len, cache, mode: str, statics=None):
         batch = DecodeBatch(dev_meta[0], dev_meta[1], kv_len, engram=statics)
-        if mode == "full" and self.devices is None:
+        if mode in ("full", "mailbox") and self.devices is None:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 out = self.forward(ids, batch, cache)

@@ -34,7 +34,7 @@ from strata.kernels.experts import apply_experts, group_by_expert
 from strata.kernels.grouped import combine_pairs, pair_experts, pair_experts_in_place, use_pair_kernels
 from strata.runtime.cost_model import IN_PLACE_HOST_S, IN_PLACE_RATE, split_cold
 from strata.runtime.expert_compute import ExpertCompute
-from strata.runtime.graphs import current_recorder
+from strata.runtime.graphs import current_capture_mode, current_recorder
 from strata.runtime.model import MoETransformer
 from strata.runtime.moe import MoEBlock
 from strata.tiers.step_copies import IN_PLACE
@@ -83,6 +83,8 @@ class TieredExperts(nn.Module):
         c = self.compute
         flat = ids.reshape(-1)  # [P] pair p = token p // k, its (p % k)-th expert
         y = torch.zeros((flat.numel(), x.shape[1]), dtype=torch.float32, device=x.device)
+        if c.mailbox is not None and current_capture_mode() == "mailbox":
+            return self._mailbox_forward(x, flat, weights, y)
         if c.slots is not None:
             # asked before the kernel is launched: once every copy and map entry has landed (all_resident), a
             # kernel launched after that sees them all; asked after, the last ones could still be on their way
@@ -104,6 +106,23 @@ class TieredExperts(nn.Module):
             recorder.host_step(cold)
         if c.slots is not None:  # the pairs whose experts the host step copied in (part of the graph)
             pair_experts(x, c.slots, c.late_slot, late, y)
+        return combine_pairs(y, weights, x.dtype, extra=cpu_out)
+
+    def _mailbox_forward(self, x, flat, weights, y) -> torch.Tensor:
+        """A decode layer inside a one-graph step: the resident pairs here, the cold ones on the mailbox worker
+        (strata.runtime.cpu_mailbox), which the stream waits for before the combine. No host work."""
+        c = self.compute
+        if c.slots is not None:
+            used = pair_experts(x, c.slots, c.slot_of[self.layer], flat, y)  # [P] slot used, -1 = cold
+        else:
+            used = torch.full_like(flat, -1, dtype=torch.int32)
+        if self.layer == c.moe_layers[0]:
+            c.mailbox.begin_step()
+        gpu_work = None
+        if (share := c.gpu_share) is not None:  # a share of the cold experts read in place, while the worker runs
+            used, addr = share.assign(self.layer, flat, used)
+            gpu_work = lambda: pair_experts_in_place(x, share.experts, addr, y)  # noqa: E731
+        cpu_out = c.mailbox.exchange(self.layer, flat, used, x, weights, gpu_work)  # [N, H] fp32
         return combine_pairs(y, weights, x.dtype, extra=cpu_out)
 
     def _cold_stage(self, x, weights, y, both, cpu_out, late) -> None:
@@ -146,7 +165,7 @@ class TieredExperts(nn.Module):
             # the GPU tier's only way in for the experts no copy brings (the CPU's share, and the GPU's share
             # when read in place): a background copy of the most used one, if worth a slot
             if c.promote and (candidates := set(cold) if c.host_experts is not None else on_cpu):
-                self._promote(candidates)
+                c.promote_one(self.layer, candidates)
         groups = [(e, torch.from_numpy(cold[e])) for e in sorted(on_cpu)]  # the CPU share: (expert, its pairs)
         share = None
         if groups and run_async:  # the CPU share starts first, on the kernel's own thread
@@ -206,19 +225,6 @@ class TieredExperts(nn.Module):
             for e, slot in zip(batch.experts, batch.slots, strict=True):
                 slot_plus_one[cold[e]] = slot + 1
         _upload(slot_plus_one, late)
-
-    def _promote(self, experts) -> None:
-        """Split decode computes most cold experts on the CPU, so no copy would bring one that became popular
-        into the GPU tier: of `experts`, the one the tier's history says is used most, if it is worth a slot
-        (used over twice as often as the slot's victim, `worth_caching`), is copied there by a transfer
-        worker, off this step's path (issued here, the copy's host work cost the step ~0.6 ms). One per layer
-        and step, so the link and the copy threads stay lightly used."""
-        m = self.compute.manager
-        keep = m.worth_caching(self.layer, sorted(experts))
-        if keep:
-            score = m.gpu_scores(self.layer, keep)
-            m.promote((self.layer, max(keep, key=score.__getitem__)))  # queued for a transfer worker
-            self.compute.promotions += 1
 
     def _read_in_place(self, x, y, experts: list[int], cold: dict[int, np.ndarray]) -> bool:
         """Launch the kernel that computes `experts`' pairs from their pinned-RAM slots in place (zero-copy),
@@ -377,6 +383,8 @@ def use_tiered_experts(model: MoETransformer, compute: ExpertCompute) -> None:
     for i, layer in enumerate(model.layers):
         if isinstance(layer.mlp, MoEBlock):
             layer.mlp.experts = TieredExperts(i, model.cfg.num_experts, compute)
+            compute.moe_layers.append(i)
+    compute.top_k = model.cfg.num_experts_per_tok
 
 
 def router_predictors(model: MoETransformer) -> dict[int, Callable[[torch.Tensor], torch.Tensor]]:

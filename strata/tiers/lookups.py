@@ -41,6 +41,21 @@ class LookupsMixin:
             for e in experts:
                 self.gpu.policy.touch((layer, int(e)))
 
+    def note_pinned_reads(self, layer: int, experts: Iterable[int]) -> None:
+        """Lookups of `layer` the GPU tier missed that a native CPU worker served in place from pinned RAM
+        (strata.runtime.cpu_mailbox): counted as pinned-tier hits and seen by both tiers' policies, as
+        `note_gpu_misses` and `hold_resident` count the host step's CPU share."""
+        pinned = self.pinned
+        with self._lock:
+            for e in experts:
+                key = (layer, int(e))
+                self._note_prefetch_use(pinned, key)
+                if not self._pinned_holds_all:
+                    pinned.policy.touch(key)
+                if self.gpu is not None:
+                    self.gpu.policy.touch(key)
+                self.stats_.lookup(layer, pinned.name, False, 0.0, expert=key[1])
+
     def note_uses(self, layer: int, uses: dict[int, int]) -> None:
         """A prefill chunk routed `uses[e]` tokens to expert e of `layer`: the GPU tier's frequency history
         counts every one (staging an expert for the chunk counts it once), so what a prompt uses most
@@ -114,6 +129,11 @@ class LookupsMixin:
     def add_lookup_source(self, source: LookupSource) -> None:
         """Register a drain of device-side lookup counts; `stats()` calls it before every snapshot."""
         self._lookup_sources.append(source)
+
+    def remove_lookup_source(self, source: LookupSource) -> None:
+        """Undo `add_lookup_source`."""
+        if source in self._lookup_sources:
+            self._lookup_sources.remove(source)
 
     def _drain_lookup_sources(self) -> None:
         for source in self._lookup_sources:

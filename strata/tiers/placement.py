@@ -68,7 +68,7 @@ class PlacementMixin:
 
         Unlike `prefetch`, which issues a pinned-resident object's copy on the calling thread (slot eviction,
         copy stream, events, map update: about half a millisecond of host time), the whole move runs on a
-        transfer worker, so a decode step that promotes an expert (`TieredExperts._promote`) only queues it.
+        transfer worker, so a decode step that promotes an expert (`ExpertCompute.promote_one`) only queues it.
         The victim's map entry is cleared on the caller's current stream, as when the caller evicts: kernels
         queued there before the clear are done before the copy overwrites the slot."""
         if self.gpu is None:

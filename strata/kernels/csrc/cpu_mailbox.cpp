@@ -1,0 +1,208 @@
+// strata mailbox worker: a split decode step's CPU share with no Python on its path.
+//
+// In the host-step design every MoE layer of a decode step ends its CUDA graph, and Python learns which
+// pairs were cold, starts the CPU kernel, waits for it and uploads its sum before the next graph: on the
+// H200 box that host work cost more than the CPU kernel itself (each CUDA call 10-15 us, a Python step
+// ~0.5 ms a layer). Here the step is one graph. At each MoE layer the graph copies the layer's routing
+// (expert and slot of every pair) and activations into the layer's mailbox in page-locked host memory,
+// then the step's generation number into its `ready` word, and a one-thread kernel spins until the
+// `done` word holds that generation. This worker thread polls every mailbox's `ready` word, computes the
+// layer's cold pairs (slot -1; -2 marks a pair the GPU computes itself, reading its expert in place) with the CPU expert kernel (ascending experts, each expert's pairs
+// ascending: the host path's order, so the same sums), writes the partial sum and then `done`. The graph
+// copies the sum back and adds it in its combine kernel.
+//
+// Mailbox of one layer (host memory; offsets in bytes, all multiples of 64):
+//   int64 hdr[8]    [0] ready (written by the GPU, last)  [1] done (written here, last)
+//                   [2] status (0, or an error: -3 an expert not in page-locked RAM, kernel codes)
+//                   [3] the generation the GPU gave up waiting for  [4] the GPU's reads of `done` while waiting
+//   inbox at 64:    int32 N, k, P, 0; int32 expert[P]; int32 slot[P]; float x[N*H] (at 16 + 8P rounded
+//                   up to 64); float w[P] (routing weight of each pair)
+//   float out[N*H] at `out_off` (the CPU's weighted partial sum, zeros where no pair was cold)
+// Every layer's experts are read by address from the table addr[layer * E + e] (the gate_up block of
+// expert e's page-locked slot; down follows at gu_bytes); 0 means "not resident in page-locked RAM".
+//
+// The worker also counts what it computed (experts, bytes, kernel seconds) and logs, per layer served,
+// which experts were resident and which it computed, into a ring the Python side drains for the tier
+// policy's history and promotions, off the step's path.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include <unistd.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define STRATA_PAUSE() _mm_pause()
+#else
+#define STRATA_PAUSE() std::this_thread::yield()
+#endif
+
+#define STRATA_API extern "C" __attribute__((visibility("default")))
+
+STRATA_API int strata_cpu_experts(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
+                                  float* out, int threads);
+
+namespace {
+
+// Log entry: int64 seq, int32 layer, int32 n, then n int32 codes: e for a resident expert, -(e + 1) for one
+// computed here. Fixed size: 16 + 4 * LOG_CODES bytes.
+constexpr int LOG_CODES = 256;
+constexpr int64_t LOG_ENTRY = 16 + 4 * LOG_CODES;
+
+struct Mailbox {
+    // configuration (read-only after start)
+    std::vector<char*> boxes;       // base address of each served layer's mailbox
+    std::vector<int32_t> layer_of;  // model layer of each box
+    int64_t H = 0, E = 0, I = 0, gu_bytes = 0, out_off = 0, payload = 0, max_pairs = 0;
+    const int64_t* addr = nullptr;  // [layers * E] expert gate_up addresses
+    int isa = 0, threads = 1;
+    int64_t spin_ns = 2000000;      // poll without sleeping this long after the last layer served
+    // ring log and counters (host memory the Python side reads)
+    char* log = nullptr;
+    int64_t log_cap = 0;
+    int64_t* counters = nullptr;    // [0] experts computed, [1] bytes, [2] kernel ns, [3] layers served, [4] log head
+    std::atomic<bool> stop{false};
+    std::thread th;
+
+    void serve(size_t i, int64_t gen, std::vector<int64_t>& tok, std::vector<float>& wts, std::vector<int64_t>& meta,
+               std::vector<int32_t>& order) {
+        char* box = boxes[i];
+        volatile int64_t* hdr = reinterpret_cast<volatile int64_t*>(box);
+        const int32_t* inbox = reinterpret_cast<const int32_t*>(box + 64);
+        const int64_t N = inbox[0], k = inbox[1], P = inbox[2];
+        const int32_t* expert = inbox + 4;
+        const int32_t* slot = expert + P;
+        const int64_t x_off = (16 + 8 * P + 63) / 64 * 64;
+        const float* x = reinterpret_cast<const float*>(box + 64 + x_off);
+        const float* w = x + N * H;
+        float* out = reinterpret_cast<float*>(box + out_off);
+        int64_t status = 0;
+        if (P < 0 || P > max_pairs || k <= 0 || N * k != P) status = -4;
+        std::memset(out, 0, sizeof(float) * size_t(std::max<int64_t>(0, N) * H));
+        // cold pairs grouped by expert: sort pair indices by (expert, pair)
+        order.clear();
+        for (int64_t p = 0; status == 0 && p < P; ++p)
+            if (slot[p] == -1) order.push_back(int32_t(p));  // -2: the GPU reads this one in place
+        std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return expert[a] < expert[b]; });
+        tok.resize(order.size());
+        wts.resize(order.size());
+        meta.clear();
+        const int64_t layer = layer_of[i];
+        int64_t groups = 0;
+        for (size_t j = 0; j < order.size();) {
+            const int32_t e = expert[order[j]];
+            size_t end = j;
+            while (end < order.size() && expert[order[end]] == e) {
+                tok[end] = order[end] / k;
+                wts[end] = w[order[end]];
+                ++end;
+            }
+            const int64_t base = (e >= 0 && e < E) ? addr[layer * E + e] : 0;
+            if (base == 0) {
+                status = -3;
+                break;
+            }
+            meta.insert(meta.end(), {base, base + gu_bytes, reinterpret_cast<int64_t>(tok.data() + j),
+                                     reinterpret_cast<int64_t>(wts.data() + j), int64_t(end - j), I});
+            ++groups;
+            j = end;
+        }
+        int64_t ns = 0;
+        if (status == 0 && groups) {
+            const auto t0 = std::chrono::steady_clock::now();
+            status = strata_cpu_experts(isa, x, N, H, groups, meta.data(), out, threads);
+            ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+        }
+        hdr[2] = status;
+        std::atomic_thread_fence(std::memory_order_release);
+        hdr[1] = gen;  // the GPU copies `out` back once it sees this
+        // off the step's path from here
+        counters[0] += groups;
+        counters[1] += groups * payload;
+        counters[2] += ns;
+        counters[3] += 1;
+        if (log_cap > 0 && status == 0) {
+            const int64_t seq = counters[4];
+            char* entry = log + (seq % log_cap) * LOG_ENTRY;
+            int32_t* codes = reinterpret_cast<int32_t*>(entry + 16);
+            int32_t n = 0;
+            for (int64_t p = 0; p < P && n < LOG_CODES; ++p) {  // each expert once (the first of its pairs)
+                bool seen = false;
+                for (int64_t q = 0; q < p && !seen; ++q) seen = expert[q] == expert[p];
+                if (!seen) codes[n++] = slot[p] >= 0 ? expert[p] : -(expert[p] + 1);
+            }
+            *reinterpret_cast<int64_t*>(entry) = seq;
+            reinterpret_cast<int32_t*>(entry + 8)[0] = int32_t(layer);
+            reinterpret_cast<int32_t*>(entry + 8)[1] = n;
+            std::atomic_thread_fence(std::memory_order_release);
+            reinterpret_cast<volatile int64_t*>(counters)[4] = seq + 1;
+        }
+    }
+
+    std::vector<int64_t> seen;  // the generation last served per box (read at start, before the thread runs)
+
+    void loop() {
+        std::vector<int64_t> tok, meta;
+        std::vector<float> wts;
+        std::vector<int32_t> order;
+        auto last = std::chrono::steady_clock::now();
+        while (!stop.load(std::memory_order_relaxed)) {
+            bool served = false;
+            for (size_t i = 0; i < boxes.size(); ++i) {
+                const int64_t gen = reinterpret_cast<volatile int64_t*>(boxes[i])[0];
+                if (gen != seen[i]) {
+                    std::atomic_thread_fence(std::memory_order_acquire);
+                    serve(i, gen, tok, wts, meta, order);
+                    seen[i] = gen;
+                    served = true;
+                }
+            }
+            if (served) {
+                last = std::chrono::steady_clock::now();
+                continue;
+            }
+            if (std::chrono::steady_clock::now() - last < std::chrono::nanoseconds(spin_ns)) {
+                for (int j = 0; j < 16; ++j) STRATA_PAUSE();
+            } else {  // idle: poll every 50 us (a step after a pause starts that much later, once)
+                std::this_thread::sleep_for(std::chrono::microseconds(50));
+            }
+        }
+    }
+};
+
+}  // namespace
+
+// cfg: int64 [H, E, I, gu_bytes, out_off, payload, max_pairs, isa, threads, spin_ns, n_boxes, log_cap]
+// boxes: int64 [n_boxes] mailbox addresses; layers: int32 [n_boxes]; addr: int64 [layers * E];
+// log: log_cap entries of 16 + 4 * 256 bytes; counters: int64 [8]. Returns a handle for stop (0: failed).
+STRATA_API int64_t strata_mailbox_start(const int64_t* cfg, const int64_t* boxes, const int32_t* layers,
+                                        const int64_t* addr, char* log, int64_t* counters) {
+    auto* m = new Mailbox();
+    m->H = cfg[0], m->E = cfg[1], m->I = cfg[2], m->gu_bytes = cfg[3], m->out_off = cfg[4], m->payload = cfg[5];
+    m->max_pairs = cfg[6], m->isa = int(cfg[7]), m->threads = int(cfg[8]), m->spin_ns = cfg[9];
+    const int64_t n = cfg[10];
+    m->log_cap = cfg[11];
+    for (int64_t i = 0; i < n; ++i) {
+        m->boxes.push_back(reinterpret_cast<char*>(boxes[i]));
+        m->layer_of.push_back(layers[i]);
+    }
+    m->addr = addr, m->log = log, m->counters = counters;
+    for (char* box : m->boxes) m->seen.push_back(int64_t(reinterpret_cast<volatile int64_t*>(box)[0]));
+    m->th = std::thread([m] { m->loop(); });
+    return reinterpret_cast<int64_t>(m);
+}
+
+STRATA_API int strata_mailbox_stop(int64_t handle) {
+    auto* m = reinterpret_cast<Mailbox*>(handle);
+    if (!m) return 0;
+    m->stop.store(true);
+    if (m->th.joinable()) m->th.join();
+    delete m;
+    return 0;
+}
+
+STRATA_API int strata_mailbox_log_codes() { return LOG_CODES; }

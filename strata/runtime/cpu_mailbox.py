@@ -1,0 +1,284 @@
+"""Split decode in one CUDA graph: each MoE layer's cold experts computed by a native worker that the graph
+talks to through page-locked mailboxes, with no Python on the step's path.
+
+The host-step path (`TieredExperts._cold_stage`) ends the step's graph at every MoE layer and runs Python
+there: on the H200 box that host work (CUDA calls at 10-15 us each, ~0.5 ms of Python a layer) cost more
+than the CPU kernel it drives. When every expert sits in page-locked RAM for good (`all_pinned`), the
+worker of `csrc/cpu_mailbox.cpp` serves a layer from its mailbox instead: the graph copies the layer's
+pairs (expert, GPU slot or -1), activations and routing weights there and bumps the layer's `ready` word
+to the step's generation; the worker computes the pairs whose expert was not resident, with the same
+kernel in the same order as the host path (so the same sums), writes the partial sum and `done`; a
+one-thread kernel (`strata.kernels.host_signal`) holds the stream until `done` arrives; the graph copies
+the sum back into the layer's combine. Every cold expert goes to the CPU: no copies, so nothing to stage.
+
+The tier policy's history and promotions (which the host step fed per layer) are fed from the worker's
+log by `drain`, after the step, off its path.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+from strata.tiers.pinned import PinnedPool
+
+HEADER = 64  # bytes: int64 ready, done, status, timeout, the GPU's spins waiting for done, then padding
+LOG_CODES, LOG_ENTRY = 256, 16 + 4 * 256  # csrc/cpu_mailbox.cpp's log layout
+SPIN_NS = 2_000_000  # the worker polls without sleeping this long after the last layer it served
+
+
+def _up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+class CpuMailbox:
+    """Mailboxes of `layers` (MoE layers of the model) and the native worker serving them.
+
+    addresses [num_layers, E] int64: each expert's gate_up block in page-locked RAM (down follows at
+    `gu_bytes`); the worker reads experts through it, so it must stay valid (`all_pinned`) while open."""
+
+    def __init__(self, layers: list[int], addresses: np.ndarray, *, hidden: int, inter: int, gu_bytes: int,
+                 payload: int, top_k: int, max_tokens: int, threads: int, device: torch.device,
+                 log_entries: int = 4096):
+        from strata.kernels import cpu_experts as ce
+
+        self.layers, self.hidden, self.top_k, self.max_tokens = list(layers), hidden, top_k, max_tokens
+        self.max_pairs = max_tokens * top_k
+        self.device = device
+        self.out_off = _up(HEADER + _up(16 + 8 * self.max_pairs, 64) + 4 * max_tokens * hidden + 4 * self.max_pairs, 64)
+        box_bytes = _up(self.out_off + 4 * max_tokens * hidden, 4096)
+        self.pool = PinnedPool(box_bytes, len(self.layers), pin=device.type == "cuda", background=False)
+        self._box = {layer: i for i, layer in enumerate(self.layers)}
+        self.boxes = [self.pool.slot(i) for i in range(len(self.layers))]  # uint8 [box_bytes] each
+        self.headers = [b[:HEADER].view(torch.int64).numpy() for b in self.boxes]  # [8] int64 each
+        for h in self.headers:
+            h[:] = 0
+        self.addresses = np.ascontiguousarray(addresses, dtype=np.int64)
+        self.log = np.zeros(log_entries * LOG_ENTRY, dtype=np.uint8)
+        self.counters = np.zeros(8, dtype=np.int64)  # experts, bytes, kernel ns, layers served, log head
+        self._log_tail = 0
+        self.log_lost = 0
+        cfg = np.array([hidden, addresses.shape[1], inter, gu_bytes, self.out_off, payload, self.max_pairs,
+                        ce.isa_code(), threads, SPIN_NS, len(self.layers), log_entries], dtype=np.int64)
+        box_addr = np.array([b.data_ptr() for b in self.boxes], dtype=np.int64)
+        layer_ids = np.array(self.layers, dtype=np.int32)
+        self._keep = (cfg, box_addr, layer_ids)
+        self.handle = ce.start_mailbox(cfg, box_addr, layer_ids, self.addresses, self.log, self.counters)
+        if not self.handle:
+            self.pool.close()
+            raise RuntimeError("the CPU expert kernel is not available: no mailbox worker")
+        self.gen = torch.zeros(1, dtype=torch.int64, device=device)  # the step's generation (device side)
+        self._host_gen = 0  # the same on the CPU-only path
+        self._shapes: dict[tuple[int, int], torch.Tensor] = {}  # (N, k) -> int32 [4] on the device
+
+    # ---- the device side: ops a decode graph captures -------------------------------------------------
+    def begin_step(self) -> None:
+        """A new step: the generation every layer's mailbox is answered with (call once, before its layers)."""
+        if self.device.type == "cuda":
+            self.gen.add_(1)
+        else:
+            self._host_gen += 1
+
+    def exchange(self, layer: int, experts: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
+                 weights: torch.Tensor, gpu_work=None) -> torch.Tensor:
+        """Send one layer's pairs (experts [P], slots [P] int32: -1 cold, for the worker; -2 cold, the GPU's),
+        x [N, H] and weights [N, k] to the worker; returns its partial sum [N, H] fp32 on x's device (the stream
+        waits for it). `gpu_work()` is enqueued while the worker runs (the GPU's own share of the cold pairs)."""
+        n, k = weights.shape
+        p = n * k
+        if n > self.max_tokens or k != self.top_k:
+            raise ValueError(f"mailbox holds {self.max_tokens} tokens of top-{self.top_k}, got {n} of top-{k}")
+        box = self.boxes[self._box[layer]]
+        x_off = _up(16 + 8 * p, 64)
+        nbytes = x_off + 4 * n * self.hidden + 4 * p
+        if self.device.type != "cuda":
+            return self._exchange_host(layer, experts, slots, x, weights, x_off, nbytes)
+        from strata.kernels.host_signal import wait_for_host
+
+        shape = self._shapes.get((n, k))
+        if shape is None:  # made in the eager warm-up run before a capture, reused by the graph
+            shape = self._shapes[(n, k)] = torch.tensor([n, k, p, 0], dtype=torch.int32, device=x.device)
+        out_box = torch.empty(nbytes, dtype=torch.uint8, device=x.device)  # the inbox, packed on the device
+        ints = out_box[: 16 + 8 * p].view(torch.int32)
+        ints[:4].copy_(shape)
+        ints[4 : 4 + p].copy_(experts.reshape(-1))
+        ints[4 + p : 4 + 2 * p].copy_(slots.reshape(-1))
+        out_box[x_off : x_off + 4 * n * self.hidden].view(torch.float32).copy_(x.reshape(-1))
+        out_box[x_off + 4 * n * self.hidden : nbytes].view(torch.float32).copy_(weights.reshape(-1))
+        box[HEADER : HEADER + nbytes].copy_(out_box, non_blocking=True)
+        box[:8].copy_(self.gen.view(torch.uint8), non_blocking=True)  # ready: after the inbox (stream order)
+        if gpu_work is not None:
+            gpu_work()
+        base = box.data_ptr()
+        wait_for_host(base + 8, self.gen, base + 24, base + 32)
+        out = torch.empty(n * self.hidden, dtype=torch.float32, device=x.device)
+        out.copy_(box[self.out_off : self.out_off + 4 * n * self.hidden].view(torch.float32), non_blocking=True)
+        return out.view(n, self.hidden)
+
+    def _exchange_host(self, layer, experts, slots, x, weights, x_off, nbytes) -> torch.Tensor:
+        """`exchange` without a GPU (tests, CPU hosts): the same mailbox written and awaited from Python."""
+        n, k = weights.shape
+        p = n * k
+        box, hdr = self.boxes[self._box[layer]], self.headers[self._box[layer]]
+        ints = box[HEADER : HEADER + 16 + 8 * p].view(torch.int32)
+        ints[:4] = torch.tensor([n, k, p, 0], dtype=torch.int32)
+        ints[4 : 4 + p] = experts.reshape(-1).to(torch.int32)
+        ints[4 + p : 4 + 2 * p] = slots.reshape(-1).to(torch.int32)
+        base = HEADER + x_off
+        box[base : base + 4 * n * self.hidden].view(torch.float32)[:] = x.float().reshape(-1)
+        box[base + 4 * n * self.hidden : HEADER + nbytes].view(torch.float32)[:] = weights.float().reshape(-1)
+        gen = self._host_gen
+        hdr[0] = gen
+        while hdr[1] != gen:
+            pass
+        self.check()
+        return box[self.out_off : self.out_off + 4 * n * self.hidden].view(torch.float32).clone().view(n, self.hidden)
+
+    # ---- the host side, between steps --------------------------------------------------------------
+    def check(self) -> None:
+        """Raise if the worker reported an error or the GPU gave up waiting for it."""
+        for layer, hdr in zip(self.layers, self.headers, strict=True):
+            if hdr[2] != 0:
+                what = {-3: "an expert not resident in page-locked RAM", -4: "a malformed mailbox"}.get(int(hdr[2]))
+                raise RuntimeError(f"CPU expert worker failed at layer {layer}: {what or f'kernel code {int(hdr[2])}'}")
+            if hdr[3] != 0:
+                raise RuntimeError(f"CPU expert worker did not answer layer {layer} (step {int(hdr[3])}): the decode "
+                                   "step gave up waiting; set runtime.split_decode = \"host\" to work around it")
+
+    def drain(self) -> list[tuple[int, list[int], list[int]]]:
+        """(layer, resident experts, experts computed here) for each layer served since the last drain."""
+        head = int(self.counters[4])
+        cap = len(self.log) // LOG_ENTRY
+        if head - self._log_tail > cap:
+            self.log_lost += head - cap - self._log_tail
+            self._log_tail = head - cap
+        entries = []
+        for seq in range(self._log_tail, head):
+            e = self.log[(seq % cap) * LOG_ENTRY : (seq % cap + 1) * LOG_ENTRY]
+            layer, n = (int(v) for v in e[8:16].view(np.int32))
+            codes = e[16 : 16 + 4 * n].view(np.int32)
+            entries.append((layer, [int(c) for c in codes if c >= 0], [int(-c - 1) for c in codes if c < 0]))
+        self._log_tail = head
+        return entries
+
+    @property
+    def experts_computed(self) -> int:
+        return int(self.counters[0])
+
+    def kernel_rate(self) -> tuple[int, float]:
+        """(bytes, seconds) the worker's kernel calls read and took so far."""
+        return int(self.counters[1]), float(self.counters[2]) / 1e9
+
+    def close(self) -> None:
+        """Stop the worker (no graph may be replaying a step that waits for it) and free the mailboxes."""
+        from strata.kernels import cpu_experts as ce
+
+        if self.handle:
+            ce.stop_mailbox(self.handle)
+            self.handle = 0
+            self.pool.close()
+
+
+class MailboxBooks:
+    """What the host step did per layer, done after the step from the worker's log, on a thread of its own
+    (the decoding thread waits on the GPU meanwhile): each lookup counted where it was served, the GPU tier's
+    history fed with every expert used, and the most used cold expert of a layer promoted into the GPU tier
+    when worth a slot (`promote(layer, experts)`)."""
+
+    def __init__(self, mailbox: CpuMailbox, manager, promote, on_counts, share: GpuShare | None = None):
+        self.mailbox, self.manager, self.promote, self.on_counts = mailbox, manager, promote, on_counts
+        self.share = share
+        self.error: BaseException | None = None
+        self._wake, self._stop = threading.Event(), threading.Event()
+        self._lock = threading.Lock()  # one drain at a time (the thread, `flush`)
+        self._thread = threading.Thread(target=self._run, name="strata-mailbox-books", daemon=True)
+        self._thread.start()
+        manager.add_lookup_source(self.flush)
+
+    def step(self) -> None:
+        """Before a graph step: raise what the worker or the last step reported, and wake the thread."""
+        self.mailbox.check()
+        if self.error is not None:
+            raise RuntimeError(f"mailbox bookkeeping failed: {self.error}") from self.error
+        if self.share is not None:
+            self.share.apply()
+        self._wake.set()
+
+    def flush(self) -> list:
+        """Do the books for every layer served so far (the tier manager's statistics call this first, as a
+        lookup source: hence [] and the lock order, the manager's then this one's)."""
+        m = self.manager
+        with m._lock, self._lock:
+            entries = self.mailbox.drain()
+            for layer, resident, computed in entries:
+                if resident:
+                    m.note_hits(layer, resident)
+                if computed:
+                    m.note_pinned_reads(layer, computed)  # served from pinned RAM, on the CPU
+                    self.promote(layer, computed)
+            self.on_counts(sum(len(c) for _, _, c in entries), *self.mailbox.kernel_rate())
+        if entries and self.share is not None:
+            self.share.adapt(float(np.mean([h[4] for h in self.mailbox.headers])))
+        return []
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(0.05)
+            self._wake.clear()
+            try:
+                self.flush()
+            except BaseException as e:  # noqa: BLE001 - surfaced on the decoding thread by `step`
+                self.error = e
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join()
+
+
+class GpuShare:
+    """The GPU's own share of a mailbox layer's cold experts, read in place from pinned RAM over PCIe by the
+    pair kernels (`pair_experts_in_place`) while the worker computes the rest: the two read host RAM at once
+    (~50 + ~110 GB/s on the H200 box, bench/ram_shared.py).
+
+    Every cold expert of the step goes one way for all its tokens: of the layer's cold experts in ascending
+    order, a `share` spread evenly (device ops, captured with the step). `share` starts at the rates' ratio
+    and, unless fixed, follows the GPU's wait for the worker: a GPU that waited long takes more, one that found
+    the answer there (it was the slower side) takes less (`adapt`, fed by `MailboxBooks`)."""
+
+    STEP, LOW, HIGH, MAX = 0.01, 3, 20, 0.6  # share per adjustment, mean spins that mean "GPU slower / waited"
+
+    def __init__(self, addresses: np.ndarray, experts, device: torch.device, share: float, adaptive: bool = True):
+        self.table = torch.from_numpy(np.ascontiguousarray(addresses)).to(device)  # [L, E] int64 host addresses
+        self.experts, self.adaptive, self.num_experts = experts, adaptive, addresses.shape[1]
+        self.value = self.target = min(self.MAX, max(0.0, share))
+        self.share = torch.tensor([self.value], dtype=torch.float32, device=device)
+
+    def assign(self, layer: int, flat: torch.Tensor, used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """flat [P] experts, used [P] int32 (-1 cold) -> (used with -2 for the GPU's pairs, their addresses [P]
+        int64, 0 for the others)."""
+        cold_e = torch.zeros(self.num_experts, dtype=torch.int32, device=flat.device)
+        cold_e.scatter_reduce_(0, flat, (used < 0).to(torch.int32), reduce="amax")  # [E] 1: cold and used
+        rank = (torch.cumsum(cold_e, 0) - cold_e).float()  # [E] cold experts before e
+        take_e = (torch.floor((rank + 1) * self.share + 0.5) > torch.floor(rank * self.share + 0.5)) & (cold_e > 0)
+        take = take_e[flat]
+        used = torch.where(take, torch.full_like(used, -2), used)
+        return used, torch.where(take, self.table[layer][flat], torch.zeros_like(flat))
+
+    def adapt(self, mean_spins: float) -> None:
+        """The GPU's mean wait for the worker at the last layers (reads of `done`): move the target share."""
+        if not self.adaptive:
+            return
+        if mean_spins > self.HIGH:
+            self.target = min(self.MAX, self.target + self.STEP)
+        elif mean_spins < self.LOW:
+            self.target = max(0.0, self.target - self.STEP)
+
+    def apply(self) -> None:
+        """Between steps, on the decoding thread: the device's share follows the target."""
+        if self.target != self.value:
+            self.value = self.target
+            self.share.fill_(self.value)

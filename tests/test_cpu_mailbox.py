@@ -1,0 +1,175 @@
+"""The native mailbox worker that computes a decode layer's cold experts for a one-graph split step
+(strata.runtime.cpu_mailbox, csrc/cpu_mailbox.cpp). The CPU tests drive the real worker through the same
+mailboxes from Python; the GPU test runs an engine with it against the host-step path."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from strata.kernels import cpu_experts as ce
+from strata.kernels.experts import apply_experts, group_by_expert
+
+needs_kernel = pytest.mark.skipif(ce.backend() == "torch", reason="needs the compiled CPU expert kernel")
+
+H, INTER, E, K = 64, 32, 8, 2
+
+
+def _slots(seed: int = 0):
+    """E bf16 experts packed as slots (gate_up [2I, H] then down [H, INTER]), as the pinned pool holds them."""
+    g = torch.Generator().manual_seed(seed)
+    gu = (torch.randn(E, 2 * INTER, H, generator=g) / 8).to(torch.bfloat16)
+    dn = (torch.randn(E, H, INTER, generator=g) / 8).to(torch.bfloat16)
+    gu_bytes, dn_bytes = 2 * INTER * H * 2, H * INTER * 2
+    slab = torch.zeros(E, gu_bytes + dn_bytes, dtype=torch.uint8)
+    for e in range(E):
+        slab[e, :gu_bytes] = gu[e].reshape(-1).view(torch.uint8)
+        slab[e, gu_bytes:] = dn[e].reshape(-1).view(torch.uint8)
+    addr = np.array([[slab[e].data_ptr() for e in range(E)] for _ in range(3)], dtype=np.int64)  # 3 layers
+    return gu, dn, slab, addr, gu_bytes
+
+
+def _mailbox(addr, gu_bytes, max_tokens=4):
+    from strata.runtime.cpu_mailbox import CpuMailbox
+
+    return CpuMailbox([0, 2], addr, hidden=H, inter=INTER, gu_bytes=gu_bytes, payload=gu_bytes * 3 // 2, top_k=K,
+                      max_tokens=max_tokens, threads=2, device=torch.device("cpu"))
+
+
+@needs_kernel
+def test_worker_computes_the_cold_pairs_as_the_host_path_does():
+    gu, dn, slab, addr, gu_bytes = _slots()
+    box = _mailbox(addr, gu_bytes)
+    try:
+        g = torch.Generator().manual_seed(3)
+        computed = 0
+        for step in range(3):
+            n = 1 + step
+            x = torch.randn(n, H, generator=g).to(torch.bfloat16)
+            ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(n)])
+            w = torch.rand(n, K, generator=g)
+            slots = torch.where(ids.reshape(-1) % 2 == 0, -1, 5).to(torch.int32)  # even experts cold
+            box.begin_step()
+            for layer in (0, 2):
+                out = box.exchange(layer, ids.reshape(-1), slots, x, w)
+                # the host path: the cold experts ascending, each one's pairs ascending, through the same kernel
+                cold = [(e, sel) for e, sel in group_by_expert(ids, E) if e % 2 == 0]
+                computed += len(cold)
+                want = torch.zeros(n, H)
+                ce.cpu_experts_forward(x.float(), [(gu[e], dn[e]) for e, _ in cold], [sel // K for _, sel in cold],
+                                       [w.reshape(-1)[sel] for _, sel in cold], out=want, threads=2)
+                assert torch.equal(out, want)
+                ref = apply_experts(x.float(), w, K, cold, lambda e: (gu[e].float(), dn[e].float()))
+                torch.testing.assert_close(out, ref, rtol=0.05, atol=0.05)  # bf16 activations in the kernel
+        assert box.experts_computed == computed > 0
+        entries = box.drain()
+        assert len(entries) == 6 and [layer for layer, _, _ in entries] == [0, 2] * 3
+        layer, resident, computed = entries[-1]
+        assert all(e % 2 == 1 for e in resident) and all(e % 2 == 0 for e in computed)
+        assert sorted(resident + computed) == sorted(set(ids.reshape(-1).tolist()))
+        assert box.drain() == []  # drained once
+    finally:
+        box.close()
+
+
+@needs_kernel
+def test_worker_reports_an_expert_missing_from_pinned_ram():
+    _, _, slab, addr, gu_bytes = _slots()
+    addr[2, 3] = 0  # expert 3 of layer 2 not in page-locked RAM
+    box = _mailbox(addr, gu_bytes)
+    try:
+        box.begin_step()
+        ids = torch.tensor([[3, 1]])
+        cold = torch.tensor([-1, -1], dtype=torch.int32)
+        x, w = torch.randn(1, H), torch.rand(1, K)
+        box.exchange(0, ids.reshape(-1), cold, x, w)  # layer 0 has it
+        with pytest.raises(RuntimeError, match="layer 2: an expert not resident in page-locked RAM"):
+            box.exchange(2, ids.reshape(-1), cold, x, w)
+    finally:
+        box.close()
+
+
+@needs_kernel
+def test_mailbox_refuses_a_batch_larger_than_it_holds():
+    _, _, slab, addr, gu_bytes = _slots()
+    box = _mailbox(addr, gu_bytes, max_tokens=2)
+    try:
+        with pytest.raises(ValueError, match="holds 2 tokens"):
+            box.exchange(0, torch.zeros(6, dtype=torch.int64), torch.zeros(6, dtype=torch.int32), torch.randn(3, H),
+                         torch.rand(3, K))
+    finally:
+        box.close()
+
+
+@pytest.mark.gpu
+def test_one_graph_split_decode_equals_the_host_step_path(tmp_path):
+    """Every expert in pinned RAM, two in VRAM: decode steps run as one graph with the mailbox worker, and
+    give the tokens and hidden states the host-step path gives when it too sends every cold expert to the
+    CPU (promotions off, so both keep the same experts resident)."""
+    from test_decode_path import assert_batched_decode_identical
+
+    from strata import Engine
+    from strata.runtime.demo_model import write_demo_model
+
+    model = write_demo_model(tmp_path / "tiny", size="tiny", engram=False)
+    slot = 12288
+    base = {"tiers": {"gpu": {"budget": str(2 * slot)}, "pinned": {"budget": str(64 * slot)}},
+            "policy": {"promote": False}}
+    engines = {mode: Engine.from_pretrained(model, device="cuda", config={**base, "runtime": {"split_decode": mode}})
+               for mode in ("host", "graph")}
+    memory = Engine.from_pretrained(model, device="cuda", config={"runtime": {"experts": "memory"}})
+    try:
+        for e in engines.values():
+            assert e.wait_settled(60)
+            e._compute.rates.cpu_bytes_per_s = 1e15  # the host path's cost model: every cold expert to the CPU
+            e._compute.rates.observe_cpu = lambda *a: None
+        ids = memory.tokenizer.encode("The river runs through the valley and the town")
+        got = {mode: e.generate(ids, max_tokens=24) for mode, e in engines.items()}
+        graph = engines["graph"]
+        assert graph.model.graphs.mode() == "mailbox" and not graph.model.graphs.failed
+        assert any(key[3] == "mailbox" for key in graph.model.graphs.graphs)
+        assert engines["host"].model.graphs.mode() == "segmented"
+        assert got["graph"].token_ids == got["host"].token_ids
+        assert got["graph"].token_ids[:4] == memory.generate(ids, max_tokens=4).token_ids
+        assert graph._compute.mailbox.experts_computed > 0
+        stats = graph.stats()
+        assert stats["cpu_experts_computed"] >= graph._compute.mailbox.experts_computed
+        assert stats["tiers"]["tiers"]["pinned"]["hits"] > 0 and stats["tiers"]["tiers"]["gpu"]["hits"] > 0
+        assert_batched_decode_identical(engines["host"], graph, steps=12)
+    finally:
+        for e in (*engines.values(), memory):
+            e.close()
+
+
+@pytest.mark.parametrize("share, taken", [(0.0, 0), (0.25, 2), (0.5, 4), (1.0, 4)])  # round(7 cold x share), share <= MAX
+def test_gpu_share_takes_whole_experts_spread_over_the_cold_ones(share, taken):
+    """Of a layer's cold experts (ascending), `share` goes to the GPU, evenly spread; an expert's pairs all go
+    one way (batched decode reads each expert once); resident pairs stay as they are."""
+    from strata.runtime.cpu_mailbox import GpuShare
+
+    table = np.arange(3 * E, dtype=np.int64).reshape(3, E) * 4096 + 4096
+    gs = GpuShare(table, None, torch.device("cpu"), share, adaptive=False)
+    flat = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 0, 2, 4, 6])  # 3 tokens' pairs; expert 7 resident
+    used = torch.tensor([-1] * 7 + [3] + [-1] * 4, dtype=torch.int32)
+    new, addr = gs.assign(2, flat, used)
+    gpu = sorted({int(e) for e, u in zip(flat, new, strict=True) if u == -2})
+    assert len(gpu) == taken
+    for e, u, a in zip(flat.tolist(), new.tolist(), addr.tolist(), strict=True):
+        assert (u == -2) == (e in gpu) and a == (table[2, e] if e in gpu else 0)
+    assert new[7] == 3  # resident
+    if len(gpu) > 1:
+        assert gpu != list(range(gpu[0], gpu[0] + len(gpu)))  # spread, not the first few
+
+
+def test_gpu_share_follows_the_gpus_wait():
+    from strata.runtime.cpu_mailbox import GpuShare
+
+    gs = GpuShare(np.zeros((1, E), dtype=np.int64), None, torch.device("cpu"), 0.3)
+    gs.adapt(100.0)  # the GPU waited long for the worker: it takes more
+    assert gs.target > 0.3 and gs.value == 0.3
+    gs.apply()
+    assert gs.value == gs.target and float(gs.share) == pytest.approx(gs.target)
+    for _ in range(100):
+        gs.adapt(0.0)  # the answer was always there: the GPU was the slower side
+    assert gs.target == 0.0
