@@ -23,6 +23,8 @@ Cases, all in this one run on the same weights (the store is built once, on firs
   cpu            GPU budget 0: every routed expert computed on the CPU from RAM
 Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for A/B runs in one call:
   noprefetch     prefetch.lookahead = 0
+  shareX         one-graph split decode: a fixed GPU share X of the cold experts read in place (0: none;
+                 $STRATA_MAILBOX_GPU_SHARE; default: adapted from the GPU's wait for the CPU worker)
   host           runtime.split_decode = "host": host steps at every MoE layer (the cost model splits the cold
                  experts between the CPU and copies) instead of one graph a step with the mailbox worker
   async          the CPU share started first on the kernel's threads (STRATA_CPU_ASYNC=1)
@@ -107,6 +109,10 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
         res["graph_replays"] = engine.model.graphs.replays
         res["graph_modes"] = sorted({key[3] for key in engine.model.graphs.graphs})
         res["graph_failures"] = dict(engine.model.graphs.failed)
+    if getattr(engine._compute, "gpu_share", None) is not None:
+        res["gpu_share"] = round(engine._compute.gpu_share.value, 3)
+    if getattr(engine._compute, "mailbox", None) is not None:
+        res["mailbox_threads"] = engine._compute.cpu_threads
     t0s, t1s = before["tiers"], after["tiers"]
     if t1s is not None:
         lookups = _delta(t0s, t1s, "lookups")
@@ -214,11 +220,13 @@ def main() -> None:
                 env["STRATA_CPU_ASYNC"] = "1"
             elif mod.startswith("sw") and mod[2:].isdigit():
                 env["STRATA_BENCH_SWITCH_US"] = mod[2:]
+            elif mod.startswith("share"):
+                env["STRATA_MAILBOX_GPU_SHARE"] = mod[5:]
             elif mod.startswith("spin"):
                 env["STRATA_CPU_SPIN_US"] = mod[4:]
             elif mod != "again":
                 raise SystemExit(f"unknown case modifier {mod!r} in {full!r}")
-        for key in ("STRATA_CPU_SPIN_US", "STRATA_BENCH_SWITCH_US"):
+        for key in ("STRATA_CPU_SPIN_US", "STRATA_BENCH_SWITCH_US", "STRATA_MAILBOX_GPU_SHARE"):
             os.environ.pop(key, None)
         # the interpreter's GIL switch interval (default 5 ms): how long a thread waiting for the GIL lets the
         # holder run before asking for it; the decode thread re-takes the GIL after every CUDA call and kernel
