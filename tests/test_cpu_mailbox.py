@@ -103,12 +103,13 @@ def test_mailbox_refuses_a_batch_larger_than_it_holds():
 
 
 @pytest.mark.gpu
-def test_one_graph_split_decode_equals_the_host_step_path(tmp_path):
+def test_one_graph_split_decode_equals_the_host_step_path(tmp_path, monkeypatch):
     """Every expert in pinned RAM, two in VRAM: decode steps run as one graph with the mailbox worker, and
     give the tokens and hidden states the host-step path gives when it too sends every cold expert to the
-    CPU (promotions off, so both keep the same experts resident)."""
+    CPU (promotions off, so both keep the same experts resident; no GPU share, so the CPU computes them all)."""
     from test_decode_path import assert_batched_decode_identical
 
+    monkeypatch.setenv("STRATA_MAILBOX_GPU_SHARE", "0")
     from strata import Engine
     from strata.runtime.demo_model import write_demo_model
 
@@ -132,7 +133,7 @@ def test_one_graph_split_decode_equals_the_host_step_path(tmp_path):
         assert engines["host"].model.graphs.mode() == "segmented"
         assert got["graph"].token_ids == got["host"].token_ids
         assert got["graph"].token_ids[:4] == memory.generate(ids, max_tokens=4).token_ids
-        assert graph._compute.mailbox.experts_computed > 0
+        assert graph._compute.mailbox.experts_computed > 0 and graph._compute.gpu_share is None
         stats = graph.stats()
         assert stats["cpu_experts_computed"] >= graph._compute.mailbox.experts_computed
         assert stats["tiers"]["tiers"]["pinned"]["hits"] > 0 and stats["tiers"]["tiers"]["gpu"]["hits"] > 0
@@ -173,3 +174,31 @@ def test_gpu_share_follows_the_gpus_wait():
     for _ in range(100):
         gs.adapt(0.0)  # the answer was always there: the GPU was the slower side
     assert gs.target == 0.0
+
+
+@pytest.mark.gpu
+def test_one_graph_split_decode_with_a_gpu_share_follows_memory(tmp_path, monkeypatch):
+    """Half the cold experts read in place by the GPU, the rest on the worker: within the forked numerics'
+    tolerance of the all-in-memory engine, in one graph a step, and the CPU computes far fewer of them."""
+    from strata import Engine
+    from strata.runtime.demo_model import write_demo_model
+
+    model = write_demo_model(tmp_path / "tiny", size="tiny", engram=False)
+    slot = 12288
+    cfg = {"tiers": {"gpu": {"budget": str(2 * slot)}, "pinned": {"budget": str(64 * slot)}}, "policy": {"promote": False}}
+    memory = Engine.from_pretrained(model, device="cuda", config={"runtime": {"experts": "memory"}})
+    ids = memory.tokenizer.encode("The river runs through the valley and the town")
+    want = memory.generate(ids, max_tokens=4).token_ids
+    computed = {}
+    for share in ("0", "0.5"):
+        monkeypatch.setenv("STRATA_MAILBOX_GPU_SHARE", share)
+        with Engine.from_pretrained(model, device="cuda", config=cfg) as tiered:
+            assert tiered.wait_settled(60)
+            tiered.generate(ids, max_tokens=2)  # the mailbox opens once placement is done
+            before = tiered._compute.mailbox.experts_computed
+            assert tiered.generate(ids, max_tokens=16).token_ids[:4] == want
+            assert tiered.model.graphs.mode() == "mailbox" and not tiered.model.graphs.failed
+            assert (tiered._compute.gpu_share is None) == (share == "0")
+            computed[share] = tiered._compute.mailbox.experts_computed - before
+    assert 0 < computed["0.5"] < 0.75 * computed["0"]
+    memory.close()

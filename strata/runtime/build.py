@@ -178,7 +178,7 @@ def attach_prefetcher(compute: ExpertCompute, predictors: dict, cfg: StrataConfi
     fetches ahead into pinned RAM (from tmpfs or disk); copies ahead into GPU slots there only churned the
     GPU tier (the suite's skewed split ran 1.27x faster with prefetch off), whose adaptation is left to the
     split's own promotions (`policy.promote`)."""
-    if compute.split:
+    if compute.split or compute.device_tier == "cpu":  # (idle once all pinned: a one-graph step must not predict)
         target, idle = "cpu", compute.manager.all_pinned
     else:
         target, idle = compute.device_tier, compute.all_resident

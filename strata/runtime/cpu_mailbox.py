@@ -188,6 +188,7 @@ class MailboxBooks:
     when worth a slot (`promote(layer, experts)`)."""
 
     def __init__(self, mailbox: CpuMailbox, manager, promote, on_counts, share: GpuShare | None = None):
+        """on_counts(experts, bytes, seconds): the worker's running totals (its kernel's own work only)."""
         self.mailbox, self.manager, self.promote, self.on_counts = mailbox, manager, promote, on_counts
         self.share = share
         self.error: BaseException | None = None
@@ -218,7 +219,7 @@ class MailboxBooks:
                 if computed:
                     m.note_pinned_reads(layer, computed)  # served from pinned RAM, on the CPU
                     self.promote(layer, computed)
-            self.on_counts(sum(len(c) for _, _, c in entries), *self.mailbox.kernel_rate())
+            self.on_counts(self.mailbox.experts_computed, *self.mailbox.kernel_rate())
         if entries and self.share is not None:
             self.share.adapt(float(np.mean([h[4] for h in self.mailbox.headers])))
         return []

@@ -171,15 +171,15 @@ class ExpertCompute:
                 self.gpu_share = GpuShare(addresses, HostExperts(store.dtype, gu, dn, store.index.gate_up_bytes),
                                           self.device, share, adaptive=not fixed)
         self.books = MailboxBooks(self.mailbox, m, self.promote_one, self._count_mailbox, self.gpu_share)
-        self._mailbox_kernel = (0, 0.0)
+        self._mailbox_kernel = (0, 0, 0.0)
 
     def _count_mailbox(self, experts: int, nbytes: int, seconds: float) -> None:
         """The mailbox worker's totals so far: experts it computed, bytes its kernel read and its seconds."""
-        self.cpu_experts += experts
-        b0, s0 = self._mailbox_kernel
+        e0, b0, s0 = self._mailbox_kernel
+        self.cpu_experts += experts - e0
         if seconds > s0:
             self.rates.observe_cpu(nbytes - b0, seconds - s0)
-        self._mailbox_kernel = (nbytes, seconds)
+        self._mailbox_kernel = (experts, nbytes, seconds)
 
     def promote_one(self, layer: int, experts) -> None:
         """Of `experts` (cold in `layer`, computed on the CPU), the one the GPU tier's history says is used most,
