@@ -11,8 +11,8 @@ case "$1" in
     timeout 240 python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -5 "$OUT/gpu_tests.txt"
     timeout 60 python3 -m pytest -q tests/test_engram_verify.py 2>&1 | tail -2 ;;  # its pinned path pins on CUDA
   hotpath)  # $2 = route skew ("uniform" or a Zipf exponent), $3 = cases (default below)
-    python3 -m strata demo-model /dev/shm/b12 --size bench --layers 12 --no-engram --route-skew "$2" > /dev/null 2>&1
-    timeout 300 python3 bench/hotpath.py --model /dev/shm/b12 --cache /dev/shm/sc --out "$OUT/hotpath-$2" --tokens 64 \
+    python3 -m strata demo-model "/dev/shm/b12-$2" --size bench --layers 12 --no-engram --route-skew "$2" > /dev/null 2>&1
+    timeout 300 python3 bench/hotpath.py --model "/dev/shm/b12-$2" --cache /dev/shm/sc --out "$OUT/hotpath-$2" --tokens 64 \
       --prefill 8192 --cases "${3:-ceiling,split,split_nostream,split_async,copy,cpu}" 2>&1 | grep '^{"' | cut -c1-400 ;;
   ramshared)  # do PCIe copies and the CPU kernel share host RAM bandwidth? $2 = cards copying (default 0)
     for t in 16 8; do timeout 120 python3 bench/ram_shared.py --gpus "${2:-0}" --threads $t --out "$OUT/ram_shared_t$t"; done ;;
