@@ -202,3 +202,36 @@ def test_one_graph_split_decode_with_a_gpu_share_follows_memory(tmp_path, monkey
             computed[share] = tiered._compute.mailbox.experts_computed - before
     assert 0 < computed["0.5"] < 0.75 * computed["0"]
     memory.close()
+
+
+@needs_kernel
+def test_a_worker_error_is_raised_once_and_retires_the_mailbox(tiny_model_dir, tmp_path):
+    """A layer the worker could not serve fails that step with a one-line reason; the engine's later steps
+    take the host steps (no mailbox), and its statistics still work."""
+    from strata.runtime.convert import convert_checkpoint
+    from strata.runtime.cpu_mailbox import MailboxBooks
+    from strata.runtime.expert_compute import ExpertCompute
+    from strata.tiers.manager import TierBudgets, TierManager
+    from strata.tiers.store import ExpertStore
+
+    store = ExpertStore.open(convert_checkpoint(tiny_model_dir, tmp_path / "store", progress=False))
+    m = TierManager(store, TierBudgets(gpu_slots=0, pinned_slots=4), io_threads=1)
+    try:
+        compute = ExpertCompute(m, "cpu", "fork")
+        _, _, slab, addr, gu_bytes = _slots()
+        addr[0, 5] = 0
+        compute.mailbox = _mailbox(addr, gu_bytes)
+        compute.books = MailboxBooks(compute.mailbox, m, compute.promote_one, compute._count_mailbox)
+        compute._mailbox_kernel = (0, 0, 0.0)
+        compute.mailbox.begin_step()
+        with pytest.raises(RuntimeError, match="layer 0: an expert not resident"):
+            compute.mailbox.exchange(0, torch.tensor([5, 1]), torch.tensor([-1, -1], dtype=torch.int32),
+                                     torch.randn(1, H), torch.rand(1, K))
+        with pytest.raises(RuntimeError, match="an expert not resident"):
+            compute.mailbox_step()  # the next step's check
+        assert compute.mailbox is None and compute.books is None and not compute.mailbox_ready()
+        compute.mailbox_step()  # nothing left to check
+        assert m.stats()["lookups"] >= 0
+    finally:
+        m.close()
+        store.close()

@@ -194,16 +194,31 @@ class ExpertCompute:
             m.promote((layer, max(keep, key=score.__getitem__)))  # queued for a transfer worker
             self.promotions += 1
 
+    def mailbox_step(self) -> None:
+        """Before each graph step: the mailbox's books (and its GPU share's adjustment). A worker error or a step
+        the GPU gave up waiting on is raised once (that step's sums are wrong), and the mailbox is retired:
+        later steps take the host steps."""
+        if self.books is None:
+            return
+        try:
+            self.books.step()
+        except RuntimeError as e:
+            self._mailbox_off = f"retired after an error: {e}"
+            self.close_mailbox()
+            raise
+
     def close_mailbox(self) -> None:
         """Stop the mailbox worker and its bookkeeping (the engine is closing; no step may be in flight)."""
         if self.books is not None:
             self.books.close()
-            self.books.flush()
             self.manager.remove_lookup_source(self.books.flush)
+            if self.books.error is None:
+                self.books.flush()  # what the last steps did still reaches the statistics
             self.books = None
         if self.mailbox is not None:
             self.mailbox.close()
             self.mailbox = None
+        self.gpu_share = None
 
     def release_staged(self) -> None:
         """Release the decode layers' copied slots held so far (call once their readers are enqueued)."""
