@@ -163,7 +163,9 @@ class ExpertCompute:
                                       max_tokens=MAX_GRAPH_BATCH, threads=self.cpu_threads or ce.default_threads(),
                                       device=self.device)
         self.gpu_share = None
-        if in_place_ok() and m.pool.pinned:  # the GPU reads a share of the cold experts in place meanwhile
+        # split decode: the GPU reads a share of the cold experts in place meanwhile (not without a GPU tier: there
+        # every routed expert is the CPU's, which keeps the suite's CPU-only ablation what it says)
+        if self.split and in_place_ok() and m.pool.pinned:
             fixed = os.environ.get("STRATA_MAILBOX_GPU_SHARE")
             share = float(fixed) if fixed else IN_PLACE_RATE / (IN_PLACE_RATE + self.rates.cpu_bytes_per_s)
             if share > 0:
