@@ -25,6 +25,7 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
   noprefetch     prefetch.lookahead = 0
   shareX         one-graph split decode: a fixed GPU share X of the cold experts read in place (0: none;
                  $STRATA_MAILBOX_GPU_SHARE; default: adapted from the GPU's wait for the CPU worker)
+  grouped        runtime.grouped_prefill = true: prefill's experts through two grouped GEMMs a layer
   host           runtime.split_decode = "host": host steps at every MoE layer (the cost model splits the cold
                  experts between the CPU and copies) instead of one graph a step with the mailbox worker
   async          the CPU share started first on the kernel's threads (STRATA_CPU_ASYNC=1)
@@ -134,7 +135,8 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
                    promotions=engine._compute.promotions,
                    cold_path_host_ms_per_token={k: round(1000 * (v - before["cold_path_host_seconds"].get(k, 0.0)) / n, 3)
                                                 for k, v in after["cold_path_host_seconds"].items()})
-    if prefill and name in ("ceiling", "split", "ceiling_nofolds", "split_nofolds") and label in (None, name):
+    if prefill and name in ("ceiling", "split", "ceiling_nofolds", "split_nofolds") and (
+            label in (None, name) or label.endswith("+grouped")):
         long_prompt = [(100 + i * 7919) % vocab for i in range(prefill)]
         sync()
         t0 = time.perf_counter()
@@ -212,6 +214,8 @@ def main() -> None:
         for mod in mods:
             if mod == "noprefetch":
                 cfg = {**cfg, "prefetch": {"lookahead": 0}}
+            elif mod == "grouped":
+                cfg = {**cfg, "runtime": {**cfg.get("runtime", {}), "grouped_prefill": True}}
             elif mod == "host":
                 cfg = {**cfg, "runtime": {**cfg.get("runtime", {}), "split_decode": "host"}}
             elif mod.startswith("t") and mod[1:].isdigit():

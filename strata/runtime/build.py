@@ -95,6 +95,7 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
         dtype = _DTYPES.get(cfg.runtime.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         checkpoint = Checkpoint.open(path)
         model = load_model(checkpoint, dtype, device, progress=progress)
+        use_grouped_prefill(model, cfg.runtime.grouped_prefill)
         max_context = min(cfg.runtime.max_context, checkpoint.config.max_position_embeddings)
         if device.type == "cuda":
             model.enable_decode_graphs(lambda: "full" if cfg.runtime.cuda_graphs else None)
@@ -110,6 +111,7 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
     budgets = TierBudgets(**the_plan.budgets())
     device_tier = "gpu" if the_plan.expert_compute == "gpu" and budgets.gpu_slots else "cpu"
     compute = expert_tiers(checkpoint.store, budgets, device, device_tier, cfg)
+    compute.grouped_prefill = cfg.runtime.grouped_prefill
     manager = compute.manager
     prepare_cpu_experts([compute])
     model = load_model(checkpoint, dtype, device, progress=progress,
@@ -129,6 +131,15 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
         model.after_layer = attach_prefetcher(compute, router_predictors(model), cfg)
     start_placement(manager, cfg)
     return LoadedModel(checkpoint, model, device, dtype, the_plan.max_context, the_plan, manager, compute)
+
+
+def use_grouped_prefill(model, on: bool) -> None:
+    """runtime.grouped_prefill for a model whose experts are all in memory: each layer's `Experts`."""
+    from strata.runtime.moe import Experts
+
+    for module in model.modules():
+        if isinstance(module, Experts):
+            module.grouped = on
 
 
 STREAM_SLOTS = 16  # most GPU slots set aside for one step's copied cold experts (split mode)

@@ -13,6 +13,7 @@ from torch import nn
 
 from strata.kernels.experts import moe_forward
 from strata.kernels.grouped import SlotWeights, combine_pairs, pair_experts, use_pair_kernels
+from strata.kernels.grouped_gemm import grouped_experts, grouped_ok, refuse
 from strata.kernels.routing import sigmoid_group_topk, softmax_topk
 from strata.runtime.layers import MLP
 from strata.runtime.model_config import ModelConfig
@@ -50,6 +51,7 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
         self._slot_of: torch.Tensor | None = None  # [E] int32 expert -> slot (the identity), made once
+        self.grouped = False  # prefill-sized batches through grouped GEMMs (runtime.grouped_prefill)
 
     def _identity(self, device: torch.device) -> torch.Tensor:
         if self._slot_of is None or self._slot_of.device != device:
@@ -61,6 +63,12 @@ class Experts(nn.Module):
             y = torch.empty((ids.numel(), x.shape[1]), dtype=torch.float32, device=x.device)
             pair_experts(x, SlotWeights(self.gate_up_proj, self.down_proj), self._identity(x.device), ids.reshape(-1), y)
             return combine_pairs(y, weights, x.dtype)
+        sw = SlotWeights(self.gate_up_proj, self.down_proj)
+        if self.grouped and grouped_ok(x, sw):
+            try:
+                return grouped_experts(x, weights, ids, sw, ids).to(x.dtype)  # slot = expert id
+            except RuntimeError as e:  # operands torch's grouped GEMM does not take: the loop below
+                refuse(x, sw, e)
         return moe_forward(x, self.gate_up_proj, self.down_proj, ids, weights)
 
 

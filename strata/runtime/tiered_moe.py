@@ -32,6 +32,7 @@ from torch import nn
 
 from strata.kernels.experts import apply_experts, group_by_expert
 from strata.kernels.grouped import combine_pairs, pair_experts, pair_experts_in_place, use_pair_kernels
+from strata.kernels.grouped_gemm import grouped_experts, grouped_ok, refuse
 from strata.runtime.cost_model import IN_PLACE_HOST_S, IN_PLACE_RATE, split_cold
 from strata.runtime.expert_compute import ExpertCompute
 from strata.runtime.graphs import current_capture_mode, current_recorder
@@ -73,7 +74,7 @@ class TieredExperts(nn.Module):
                 x_host, w_host = x.float().cpu(), weights.cpu()
                 cpu_groups = [(e, s.cpu()) for e, s in cpu_groups]
                 cpu_part = c.pool.submit(c.cpu_forward, self.layer, x_host, w_host, k, cpu_groups)
-        out = self._tier_forward(x, weights, k, groups, "gpu")
+        out = self._tier_forward(x, weights, k, groups, "gpu", ids)
         if cpu_part is not None:
             out = out + cpu_part.result().to(out.device, out.dtype)
         return out
@@ -302,6 +303,9 @@ class TieredExperts(nn.Module):
             copied.update(same[:n])
         return set(tokens) - copied, run_async
 
+    def _grouped_forward(self, x, weights, groups, ids, chunk: int) -> torch.Tensor:
+        return _grouped_forward_impl(self, x, weights, groups, ids, chunk)
+
     def _plan_split(self, groups):
         """Resident experts stay on the GPU; cold ones are split between CPU compute and copies."""
         resident = self.compute.manager.resident_experts(self.layer, "gpu")
@@ -311,11 +315,17 @@ class TieredExperts(nn.Module):
         on_cpu, _ = self._cpu_share(cold)
         return [g for g in groups if g[0] in on_cpu], [g for g in groups if g[0] not in on_cpu]
 
-    def _tier_forward(self, x, weights, k, groups, device_tier: str) -> torch.Tensor:
+    def _tier_forward(self, x, weights, k, groups, device_tier: str, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Experts acquired on `device_tier` and computed where x lives, in ascending order."""
         c = self.compute
         manager = c.manager
         chunk = manager.max_acquire(device_tier)  # a budget smaller than the step is served in chunks
+        if device_tier == "gpu" and c.slots is not None and ids is not None and c.grouped_prefill \
+                and grouped_ok(x, c.slots):
+            try:
+                return self._grouped_forward(x, weights, groups, ids, chunk)
+            except RuntimeError as e:  # operands torch's grouped GEMM does not take: the per-expert loop
+                refuse(x, c.slots, e)
         out = torch.zeros_like(x)
         for i in range(0, len(groups), chunk):
             part = groups[i : i + chunk]
@@ -340,6 +350,25 @@ class TieredExperts(nn.Module):
             finally:
                 manager.release(handles)
         return out
+
+
+def _grouped_forward_impl(layer: TieredExperts, x, weights, groups, ids, chunk: int) -> torch.Tensor:
+    """`_tier_forward` through grouped GEMMs over the GPU slots (runtime.grouped_prefill): each chunk of experts
+    staged in one batch, its pairs found through an expert -> slot table, two grouped GEMMs per chunk."""
+    c = layer.compute
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for i in range(0, len(groups), chunk):
+        part = groups[i : i + chunk]
+        staged = c.manager.stage_gpu(layer.layer, [e for e, _ in part])
+        try:
+            staged.wait()
+            table = torch.full((layer.num_experts,), -1, dtype=torch.int64)
+            table[torch.tensor(staged.experts, dtype=torch.int64)] = torch.tensor(staged.slots, dtype=torch.int64)
+            slots = table.to(x.device, non_blocking=True)[ids]  # [N, k] each pair's slot, -1: not in this chunk
+            out += grouped_experts(x, weights, slots, c.slots, ids)
+        finally:
+            c.manager.release_staged(staged)
+    return out.to(x.dtype)
 
 
 def _pairs_by_expert(experts: np.ndarray, pairs: np.ndarray) -> dict[int, np.ndarray]:
