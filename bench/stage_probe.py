@@ -74,7 +74,8 @@ class CpuLoad:
 
 def probes(engine, layer: int) -> dict:
     """name -> callable, each one piece of a split layer's host step."""
-    from strata.runtime.tiered_moe import _to_host, _upload
+    from strata.runtime.step_io import to_host as _to_host
+    from strata.runtime.step_io import upload as _upload
 
     m = engine.tiers
     slots = m.slots

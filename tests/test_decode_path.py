@@ -173,7 +173,7 @@ def test_device_engram_decode_equals_the_host_step(tiny_model_dir, window_steps)
 def test_cold_pairs_grouped_by_expert(pairs):
     """The host step's grouping of cold pairs (few: a Python loop; many: numpy) against a plain reference:
     experts ascending, each with its pairs ascending."""
-    from strata.runtime.tiered_moe import _pairs_by_expert
+    from strata.runtime.step_io import pairs_by_expert as _pairs_by_expert
 
     rng = np.random.default_rng(pairs)
     experts = rng.integers(0, 16, pairs).astype(np.int32)

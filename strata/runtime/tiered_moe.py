@@ -38,6 +38,7 @@ from strata.runtime.expert_compute import ExpertCompute
 from strata.runtime.graphs import current_capture_mode, current_recorder
 from strata.runtime.model import MoETransformer
 from strata.runtime.moe import MoEBlock
+from strata.runtime.step_io import pairs_by_expert, to_host, upload
 from strata.tiers.step_copies import IN_PLACE
 
 __all__ = ["ExpertCompute", "TieredExperts", "use_tiered_experts", "router_predictors"]
@@ -132,13 +133,13 @@ class TieredExperts(nn.Module):
         c.release_staged()  # the kernels reading the previous layer's copies are enqueued by now
         t0 = clock()
         # one synchronisation: the GPU has reached this layer (slots used, activations, routing weights)
-        both_host, x_host, w_host = _to_host(both, x.float(), weights)
+        both_host, x_host, w_host = to_host(both, x.float(), weights)
         experts, slots = both_host.numpy()
         t1 = clock()
         if c.slots is not None:
             c.manager.note_hits(self.layer, np.unique(experts[slots >= 0]))  # before evictions: recency counts
         t_hits = clock()
-        cold = _pairs_by_expert(experts, np.flatnonzero(slots < 0))
+        cold = pairs_by_expert(experts, np.flatnonzero(slots < 0))
         cpu_part = None
         t_plan = clock()
         if cold:
@@ -225,7 +226,7 @@ class TieredExperts(nn.Module):
             c.staged.append(batch)  # released once the late pass is enqueued (the next host step or layer)
             for e, slot in zip(batch.experts, batch.slots, strict=True):
                 slot_plus_one[cold[e]] = slot + 1
-        _upload(slot_plus_one, late)
+        upload(slot_plus_one, late)
 
     def _read_in_place(self, x, y, experts: list[int], cold: dict[int, np.ndarray]) -> bool:
         """Launch the kernel that computes `experts`' pairs from their pinned-RAM slots in place (zero-copy),
@@ -243,7 +244,7 @@ class TieredExperts(nn.Module):
         for e, a in zip(experts, addresses, strict=True):
             addr[cold[e]] = a
         addr_t = torch.empty(y.shape[0], dtype=torch.int64, device=x.device)
-        _upload(addr, addr_t)
+        upload(addr, addr_t)
         t1 = time.perf_counter()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
@@ -267,7 +268,7 @@ class TieredExperts(nn.Module):
                 pairs = np.concatenate([np.stack((cold[e], np.full(len(cold[e]), slot_of[e])))
                                         for e in staged.experts], axis=1).astype(np.int32)  # [2, P'] rows, slots
                 pairs_t = torch.empty(pairs.shape, dtype=torch.int32, device=x.device)
-                _upload(pairs, pairs_t)
+                upload(pairs, pairs_t)
                 pair_experts(x, c.slots, c.identity, pairs_t[1], y, rows=pairs_t[0])
             finally:
                 c.manager.release_staged(staged)  # later copies into these slots wait for the kernels above
@@ -304,7 +305,22 @@ class TieredExperts(nn.Module):
         return set(tokens) - copied, run_async
 
     def _grouped_forward(self, x, weights, groups, ids, chunk: int) -> torch.Tensor:
-        return _grouped_forward_impl(self, x, weights, groups, ids, chunk)
+        """`_tier_forward` through grouped GEMMs over the GPU slots (runtime.grouped_prefill): each chunk of experts
+        staged in one batch, its pairs found through an expert -> slot table, two grouped GEMMs per chunk."""
+        c = self.compute
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for i in range(0, len(groups), chunk):
+            part = groups[i : i + chunk]
+            staged = c.manager.stage_gpu(self.layer, [e for e, _ in part])
+            try:
+                staged.wait()
+                table = torch.full((self.num_experts,), -1, dtype=torch.int64)
+                table[torch.tensor(staged.experts, dtype=torch.int64)] = torch.tensor(staged.slots, dtype=torch.int64)
+                slots = table.to(x.device, non_blocking=True)[ids]  # [N, k] each pair's slot, -1: not in this chunk
+                out += grouped_experts(x, weights, slots, c.slots, ids)
+            finally:
+                c.manager.release_staged(staged)
+        return out.to(x.dtype)
 
     def _plan_split(self, groups):
         """Resident experts stay on the GPU; cold ones are split between CPU compute and copies."""
@@ -350,61 +366,6 @@ class TieredExperts(nn.Module):
             finally:
                 manager.release(handles)
         return out
-
-
-def _grouped_forward_impl(layer: TieredExperts, x, weights, groups, ids, chunk: int) -> torch.Tensor:
-    """`_tier_forward` through grouped GEMMs over the GPU slots (runtime.grouped_prefill): each chunk of experts
-    staged in one batch, its pairs found through an expert -> slot table, two grouped GEMMs per chunk."""
-    c = layer.compute
-    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-    for i in range(0, len(groups), chunk):
-        part = groups[i : i + chunk]
-        staged = c.manager.stage_gpu(layer.layer, [e for e, _ in part])
-        try:
-            staged.wait()
-            table = torch.full((layer.num_experts,), -1, dtype=torch.int64)
-            table[torch.tensor(staged.experts, dtype=torch.int64)] = torch.tensor(staged.slots, dtype=torch.int64)
-            slots = table.to(x.device, non_blocking=True)[ids]  # [N, k] each pair's slot, -1: not in this chunk
-            out += grouped_experts(x, weights, slots, c.slots, ids)
-        finally:
-            c.manager.release_staged(staged)
-    return out.to(x.dtype)
-
-
-def _pairs_by_expert(experts: np.ndarray, pairs: np.ndarray) -> dict[int, np.ndarray]:
-    """expert -> its pairs among `pairs` (ascending), experts ascending; experts [P] is the expert of each pair."""
-    if not pairs.size:
-        return {}
-    of = experts[pairs]
-    if pairs.size <= 64:  # a decode step's few pairs: plain Python beats numpy's per-call cost (~8 us against ~25)
-        by: dict[int, list[int]] = {}
-        for p, e in zip(pairs.tolist(), of.tolist(), strict=True):
-            by.setdefault(e, []).append(p)
-        return {e: np.asarray(by[e], dtype=np.int64) for e in sorted(by)}
-    order = np.argsort(of, kind="stable")  # stable: each expert's pairs stay ascending
-    ids, starts = np.unique(of[order], return_index=True)
-    return dict(zip(ids.tolist(), np.split(pairs[order], starts[1:]), strict=True))
-
-
-def _upload(values: np.ndarray, dst: torch.Tensor) -> None:
-    """Copy host `values` into `dst` without waiting for the GPU (through pinned memory on CUDA)."""
-    src = torch.from_numpy(values)
-    if dst.is_cuda:
-        src = src.pin_memory()  # the caching host allocator keeps it until the copy has run
-    dst.copy_(src, non_blocking=dst.is_cuda)
-
-
-def _to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
-    """`tensors` on the host: asynchronous copies into pinned memory, then one wait for those copies."""
-    if not tensors[0].is_cuda:
-        return list(tensors)
-    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-    for h, t in zip(host, tensors, strict=True):
-        h.copy_(t, non_blocking=True)
-    ready = torch.cuda.Event()
-    ready.record()
-    ready.synchronize()
-    return host
 
 
 def use_tiered_experts(model: MoETransformer, compute: ExpertCompute) -> None:
