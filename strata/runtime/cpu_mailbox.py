@@ -81,8 +81,26 @@ class CpuMailbox:
         else:
             self._host_gen += 1
 
+    def self_test(self, max_spins: int = 2_000_000) -> str | None:
+        """One round trip with nothing to compute, outside any graph: None when the GPU saw the worker's answer,
+        else why not (a host whose GPU cannot poll page-locked memory would otherwise stall every layer of
+        the first step for the whole `MAX_SPINS`). Its log entry is dropped."""
+        layer = self.layers[0]
+        k = self.top_k
+        self.begin_step()
+        dev = self.device
+        self.exchange(layer, torch.zeros(k, dtype=torch.int64, device=dev), torch.zeros(k, dtype=torch.int32, device=dev),
+                      torch.zeros(1, self.hidden, device=dev), torch.zeros(1, k, device=dev), max_spins=max_spins)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        self.drain()
+        hdr = self.headers[0]
+        if hdr[3] != 0 or hdr[1] != hdr[0]:
+            return "the GPU did not see the CPU worker's answer in page-locked memory"
+        return None
+
     def exchange(self, layer: int, experts: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
-                 weights: torch.Tensor, gpu_work=None) -> torch.Tensor:
+                 weights: torch.Tensor, gpu_work=None, max_spins: int | None = None) -> torch.Tensor:
         """Send one layer's pairs (experts [P], slots [P] int32: -1 cold, for the worker; -2 cold, the GPU's),
         x [N, H] and weights [N, k] to the worker; returns its partial sum [N, H] fp32 on x's device (the stream
         waits for it). `gpu_work()` is enqueued while the worker runs (the GPU's own share of the cold pairs)."""
@@ -112,7 +130,7 @@ class CpuMailbox:
         if gpu_work is not None:
             gpu_work()
         base = box.data_ptr()
-        wait_for_host(base + 8, self.gen, base + 24, base + 32)
+        wait_for_host(base + 8, self.gen, base + 24, base + 32, *(() if max_spins is None else (max_spins,)))
         out = torch.empty(n * self.hidden, dtype=torch.float32, device=x.device)
         out.copy_(box[self.out_off : self.out_off + 4 * n * self.hidden].view(torch.float32), non_blocking=True)
         return out.view(n, self.hidden)

@@ -10,6 +10,7 @@ bit-identical to the all-in-VRAM run.
 from __future__ import annotations
 
 import array
+import logging
 import os
 import time
 from collections import Counter
@@ -22,6 +23,8 @@ from strata.kernels.experts import apply_experts
 from strata.kernels.grouped import HostExperts, SlotWeights, in_place_ok, pair_experts_in_place
 from strata.runtime.cost_model import Rates
 from strata.tiers.manager import TierManager
+
+log = logging.getLogger(__name__)
 
 
 class ExpertCompute:
@@ -163,6 +166,12 @@ class ExpertCompute:
                                       gu_bytes=store.index.gate_up_bytes, payload=store.payload_bytes, top_k=self.top_k,
                                       max_tokens=MAX_GRAPH_BATCH, threads=self.cpu_threads or ce.default_threads(),
                                       device=self.device)
+        if (failed := self.mailbox.self_test()) is not None:
+            log.warning("strata: one-graph decode steps off (%s); decode takes host steps", failed)
+            self._mailbox_off = failed
+            self.mailbox.close()
+            self.mailbox = None
+            return
         self.gpu_share = None
         # split decode: the GPU reads a share of the cold experts in place meanwhile (not without a GPU tier: there
         # every routed expert is the CPU's, which keeps the suite's CPU-only ablation what it says)
