@@ -78,6 +78,9 @@ class RuntimeConfig:
             raise ConfigError(f"runtime.decode_gap_target = {gap!r} is invalid; give seconds in [0, 3600] (0 turns pacing off)")
         if self.cpu_numerics not in ("fork", "gpu"):
             raise ConfigError(f"runtime.cpu_numerics = {self.cpu_numerics!r} is invalid; use \"fork\" or \"gpu\"")
+        for key in ("cuda_graphs", "read_in_place", "grouped_prefill"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"runtime.{key} = {getattr(self, key)!r} is invalid; use true or false")
         if self.split_decode not in ("graph", "host"):
             raise ConfigError(f"runtime.split_decode = {self.split_decode!r} is invalid; use \"graph\" or \"host\"")
         if self.experts not in ("tiered", "memory"):

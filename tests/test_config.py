@@ -32,7 +32,10 @@ def test_dict_overrides_merge_over_defaults():
     "data, key",
     [({"runtime": {"device": "tpu"}}, "runtime.device"), ({"runtime": {"dtype": "int4"}}, "runtime.dtype"),
      ({"runtime": {"threads": -1}}, "runtime.threads"), ({"runtime": {"max_context": True}}, "max_context"),
-     ({"runtimes": {}}, "runtimes"), ({"runtime": 3}, "runtime")],
+     ({"runtimes": {}}, "runtimes"), ({"runtime": 3}, "runtime"),
+     ({"runtime": {"split_decode": "python"}}, "runtime.split_decode"),
+     ({"runtime": {"grouped_prefill": "yes"}}, "runtime.grouped_prefill"),
+     ({"runtime": {"cuda_graphs": 1}}, "runtime.cuda_graphs")],
 )
 def test_bad_values_name_the_key(data, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
