@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|trace|suite|probe|
+#   bash bench/h200_session.sh tests|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|trace|suite|probe|mailbox|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 set -u
@@ -68,6 +68,8 @@ case "$1" in
       timeout 150 python3 bench/profile_prefill.py --model /dev/shm/b12 --label $c --config "$cfg" --out "$OUT/probe" 2>&1 \
         | grep -v Warning | head -30 | cut -c1-200
     done ;;
+  mailbox)  # one-graph split decode's cost per MoE layer by cold experts (fixed cost: the 0-cold row), two thread counts
+    for t in 15 12; do timeout 100 python3 bench/mailbox_probe.py --threads $t --out "$OUT/mailbox-t$t" 2>&1 | tail -5; done ;;
   engram)
     timeout 280 python3 bench/engram.py --out "$OUT/engram" --model-dir /dev/shm/engram --steps 200 2>&1 | tail -14 ;;
 esac

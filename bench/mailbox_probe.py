@@ -1,0 +1,91 @@
+"""What one MoE layer's trip through the mailbox costs on the GPU box, by the number of cold experts it carries.
+
+    python bench/mailbox_probe.py [--layers 12] [--threads 15] [--out DIR]
+
+One-graph split decode (strata.runtime.cpu_mailbox) spends, per MoE layer: the copies into the mailbox, the
+worker noticing, its CPU kernel, its answer, the GPU noticing, and the copy back. This captures `--layers`
+exchanges in one CUDA graph (as a decode step does) with 0-8 of each layer's 8 pairs cold, on the bench
+model's expert shape (Qwen3-30B-A3B: 2048 x 768 bf16, 9.4 MB), and reports microseconds per layer, the
+worker kernel's own share of it and its GB/s: the fixed cost is the 0-cold row. Writes mailbox_probe.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--threads", type=int, default=15)
+    ap.add_argument("--replays", type=int, default=50)
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--device", default="cuda", help="cuda (the probe) or cpu (a smoke run: eager, no graph)")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    cuda = dev.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    from strata.runtime.cpu_mailbox import CpuMailbox
+    from strata.tiers.pinned import PinnedPool
+
+    hidden, inter, k, experts = 2048, 768, 8, 8
+    gu_bytes = 2 * inter * hidden * 2
+    slot = -(-(gu_bytes + hidden * inter * 2) // 4096) * 4096
+    pool = PinnedPool(slot, experts * args.layers, pin=cuda, background=False)  # distinct weights per layer: RAM, not cache
+    for i in range(pool.num_slots):
+        pool.slot(i).view(torch.bfloat16).fill_(0.01)
+    addr = np.array([[pool.slot_address(layer * experts + e) for e in range(experts)] for layer in range(args.layers)])
+    box = CpuMailbox(list(range(args.layers)), addr, hidden=hidden, inter=inter, gu_bytes=gu_bytes, payload=gu_bytes * 3 // 2,
+                     top_k=k, max_tokens=1, threads=args.threads, device=dev)
+    assert box.self_test() is None
+    x = torch.randn(1, hidden, device=dev, dtype=torch.bfloat16)
+    w = torch.full((1, k), 1 / k, device=dev)
+    ids = torch.arange(k, device=dev)
+    rows = []
+    for cold in range(0, k + 1, 2):
+        slots = torch.tensor([-1] * cold + [0] * (k - cold), dtype=torch.int32, device=dev)
+
+        def step(slots=slots):
+            box.begin_step()
+            for layer in range(args.layers):
+                box.exchange(layer, ids, slots, x, w)
+
+        step()  # warm-up (compiles the wait kernel)
+        sync()
+        run = step
+        if cuda:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            graph.replay()
+            run = graph.replay
+        sync()
+        n0, (b0, s0) = box.experts_computed, box.kernel_rate()
+        t0 = time.perf_counter()
+        for _ in range(args.replays):
+            run()
+        sync()
+        dt = time.perf_counter() - t0
+        b1, s1 = box.kernel_rate()
+        per_layer = dt / (args.replays * args.layers)
+        kernel = (s1 - s0) / (args.replays * args.layers)
+        rows.append({"cold_experts": cold, "us_per_layer": round(per_layer * 1e6, 1),
+                     "kernel_us_per_layer": round(kernel * 1e6, 1), "outside_kernel_us": round((per_layer - kernel) * 1e6, 1),
+                     "kernel_GB_s": round((b1 - b0) / (s1 - s0) / 1e9, 1) if s1 > s0 else None,
+                     "experts_per_layer": round((box.experts_computed - n0) / (args.replays * args.layers), 2)})
+        print(json.dumps(rows[-1]), flush=True)
+        box.check()
+    box.close()
+    pool.close()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "mailbox_probe.json").write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
