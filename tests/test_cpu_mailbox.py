@@ -236,3 +236,18 @@ def test_a_worker_error_is_raised_once_and_retires_the_mailbox(tiny_model_dir, t
     finally:
         m.close()
         store.close()
+
+
+@needs_kernel
+def test_a_dropped_mailbox_stops_its_worker():
+    """An engine dropped without close(): collecting its mailbox stops the native worker (which would otherwise
+    poll for the rest of the process), and close() afterwards is not needed."""
+    import gc
+
+    _, _, slab, addr, gu_bytes = _slots()
+    box = _mailbox(addr, gu_bytes)
+    stop = box._finalizer
+    assert stop.alive
+    del box
+    gc.collect()
+    assert not stop.alive  # ran: strata_mailbox_stop joined the thread

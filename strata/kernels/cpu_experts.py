@@ -306,8 +306,8 @@ def start_mailbox(cfg, boxes, layers, addresses, log, counters) -> int:
     return int(_lib.strata_mailbox_start(*(a.ctypes.data for a in (cfg, boxes, layers, addresses, log, counters))))
 
 
-def stop_mailbox(handle: int) -> None:
-    """Stop the mailbox worker `handle` (joins its thread)."""
+def stop_mailbox(handle: int, *keep) -> None:
+    """Stop the mailbox worker `handle` (joins its thread); `keep`: what the worker reads, held until then."""
     if handle and _lib is not None:
         _lib.strata_mailbox_stop(handle)
 

@@ -18,6 +18,7 @@ log by `drain`, after the step, off its path.
 from __future__ import annotations
 
 import threading
+import weakref
 
 import numpy as np
 import torch
@@ -69,6 +70,9 @@ class CpuMailbox:
         if not self.handle:
             self.pool.close()
             raise RuntimeError("the CPU expert kernel is not available: no mailbox worker")
+        # an engine dropped without close(): the worker stops when this is collected (it holds what the thread reads)
+        self._finalizer = weakref.finalize(self, ce.stop_mailbox, self.handle, self._keep, self.addresses, self.log,
+                                           self.counters, self.pool)
         self.gen = torch.zeros(1, dtype=torch.int64, device=device)  # the step's generation (device side)
         self._host_gen = 0  # the same on the CPU-only path
         self._shapes: dict[tuple[int, int], torch.Tensor] = {}  # (N, k) -> int32 [4] on the device
@@ -194,6 +198,7 @@ class CpuMailbox:
         from strata.kernels import cpu_experts as ce
 
         if self.handle:
+            self._finalizer.detach()
             ce.stop_mailbox(self.handle)
             self.handle = 0
             self.pool.close()

@@ -165,10 +165,13 @@ struct Mailbox {
                 last = std::chrono::steady_clock::now();
                 continue;
             }
-            if (std::chrono::steady_clock::now() - last < std::chrono::nanoseconds(spin_ns)) {
+            const auto idle = std::chrono::steady_clock::now() - last;
+            if (idle < std::chrono::nanoseconds(spin_ns)) {
                 for (int j = 0; j < 16; ++j) STRATA_PAUSE();
-            } else {  // idle: poll every 50 us (a step after a pause starts that much later, once)
+            } else if (idle < std::chrono::milliseconds(100)) {  // between requests: poll every 50 us
                 std::this_thread::sleep_for(std::chrono::microseconds(50));
+            } else {  // idle: every millisecond (a step after a long pause starts up to that much later, once)
+                std::this_thread::sleep_for(std::chrono::milliseconds(1));
             }
         }
     }
