@@ -190,6 +190,7 @@ class Engine:
             "cpu_bytes_per_s": self._compute.rates.cpu_bytes_per_s if self._compute is not None else 0.0,
             "cold_path_host_seconds": dict(self._compute.host_seconds) if self._compute is not None else {},
             "promotions": self._compute.promotions if self._compute is not None else 0,
+            "one_graph_decode": self._compute.mailbox_stats() if hasattr(self._compute, "mailbox_stats") else None,
             "model": str(self.checkpoint.directory),
             "model_type": self.checkpoint.config.model_type,
             "device": str(self.device),

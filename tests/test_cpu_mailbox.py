@@ -251,3 +251,18 @@ def test_a_dropped_mailbox_stops_its_worker():
     del box
     gc.collect()
     assert not stop.alive  # ran: strata_mailbox_stop joined the thread
+
+
+def test_engine_stats_say_why_one_graph_decode_is_off(tiny_model_dir):
+    """On a CPU host the mailbox never opens; the engine's statistics say so (and the reason once asked)."""
+    from strata import Engine
+
+    engine = Engine.from_pretrained(tiny_model_dir, device="cpu")
+    try:
+        state = engine.stats()["one_graph_decode"]
+        assert state["on"] is False and "worker_experts" not in state
+        engine.tiers.wait_settled(30)
+        assert engine._compute.mailbox_ready() is False
+        assert engine.stats()["one_graph_decode"]["off_because"] == "no forked CPU compute beside a CUDA device"
+    finally:
+        engine.close()

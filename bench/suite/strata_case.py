@@ -214,7 +214,7 @@ def decode_state(engine) -> dict:
     """How the engine decoded at the end of a workload: its CUDA graphs' mode ("full": one graph a step;
     "segmented": host steps between graphs; None: eager), captures and replays, and the lookahead
     prefetcher's state (idle for good once its tier holds every expert; pauses; prefetch counters), and the
-    split's cost-model rates, CPU-share mode and kernel thread count."""
+    split's cost-model rates, CPU-share mode and kernel thread count, and the one-graph (mailbox) decode's state."""
     g = getattr(engine.model, "graphs", None)
     compute = getattr(engine, "_compute", None)
     p = getattr(compute, "prefetcher", None)
@@ -229,7 +229,8 @@ def decode_state(engine) -> dict:
                 k: getattr(compute.rates, k) for k in ("cpu_bytes_per_s", "pcie_bytes_per_s", "copy_host_s",
                                                        "stage_fixed_s")},
             "cpu_async": None if compute is None else compute.cpu_async,
-            "cpu_threads": None if compute is None else compute.cpu_threads}
+            "cpu_threads": None if compute is None else compute.cpu_threads,
+            "one_graph_decode": engine.stats().get("one_graph_decode")}
 
 
 def case_roofline(case: Case, res: dict, facts: ModelFacts, rates: Rates) -> dict | None:

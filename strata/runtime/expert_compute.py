@@ -219,6 +219,16 @@ class ExpertCompute:
             self.close_mailbox()
             raise
 
+    def mailbox_stats(self) -> dict:
+        """One-graph split decode's state: whether it runs (and why not), the worker's own totals, the GPU share."""
+        box = self.mailbox
+        out = {"on": box is not None, "off_because": self._mailbox_off}
+        if box is not None:
+            nbytes, seconds = box.kernel_rate()
+            out.update(worker_experts=box.experts_computed, worker_GB_per_s=nbytes / seconds / 1e9 if seconds else 0.0,
+                       log_lost=box.log_lost, gpu_share=self.gpu_share.value if self.gpu_share is not None else 0.0)
+        return out
+
     def close_mailbox(self) -> None:
         """Stop the mailbox worker and its bookkeeping (the engine is closing; no step may be in flight)."""
         if self.books is not None:
