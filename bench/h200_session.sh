@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|trace|suite|probe|mailbox|
+#   bash bench/h200_session.sh tests|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|trace|suite|probe|mailbox|next|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 set -u
@@ -51,6 +51,12 @@ case "$1" in
   tests-decode)  # the GPU tests of the decode kernels and paths only (after a change there)
     timeout 240 python3 -m pytest -q -m gpu tests/test_fused_kernels.py tests/test_gpu.py tests/test_decode_path.py \
       tests/test_step_copies.py > "$OUT/gpu_tests_decode.txt" 2>&1; tail -3 "$OUT/gpu_tests_decode.txt" ;;
+  next)  # the tenth session's first call: the mailbox's fixed cost, grouped prefill, the GPU tests not run in the ninth
+    bash "$0" mailbox
+    timeout 200 bash "$0" hotpath uniform "ceiling,ceiling+grouped,split,split+grouped"
+    timeout 150 python3 -m pytest -q -m gpu tests/test_engram.py tests/test_fused_kernels.py tests/test_scheduler.py \
+      tests/test_tier_primitives.py tests/test_cpu_mailbox.py > "$OUT/gpu_tests_next.txt" 2>&1; tail -3 "$OUT/gpu_tests_next.txt"
+    timeout 60 python3 -m pytest -q tests/test_engram_verify.py 2>&1 | tail -2 ;;
   core)  # one 10-minute call: the GPU tests, the Engram tiers, the uniform hot path
     bash "$0" tests; bash "$0" engram; bash "$0" hotpath uniform ;;
   engram-profile)  # the Engram cases that matter for the disk target, the disk case's host time under cProfile
