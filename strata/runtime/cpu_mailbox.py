@@ -115,20 +115,15 @@ class CpuMailbox:
         box = self.boxes[self._box[layer]]
         x_off = _up(16 + 8 * p, 64)
         nbytes = x_off + 4 * n * self.hidden + 4 * p
-        if self.device.type != "cuda":
-            return self._exchange_host(layer, experts, slots, x, weights, x_off, nbytes)
-        from strata.kernels.host_signal import wait_for_host
-
         shape = self._shapes.get((n, k))
         if shape is None:  # made in the eager warm-up run before a capture, reused by the graph
             shape = self._shapes[(n, k)] = torch.tensor([n, k, p, 0], dtype=torch.int32, device=x.device)
+        if self.device.type != "cuda":  # tests, CPU hosts: packed in place, awaited from Python
+            return self._exchange_host(layer, experts, slots, x, weights, shape, x_off, nbytes)
+        from strata.kernels.host_signal import wait_for_host
+
         out_box = torch.empty(nbytes, dtype=torch.uint8, device=x.device)  # the inbox, packed on the device
-        ints = out_box[: 16 + 8 * p].view(torch.int32)
-        ints[:4].copy_(shape)
-        ints[4 : 4 + p].copy_(experts.reshape(-1))
-        ints[4 + p : 4 + 2 * p].copy_(slots.reshape(-1))
-        out_box[x_off : x_off + 4 * n * self.hidden].view(torch.float32).copy_(x.reshape(-1))
-        out_box[x_off + 4 * n * self.hidden : nbytes].view(torch.float32).copy_(weights.reshape(-1))
+        self._pack(out_box, shape, experts, slots, x, weights, x_off)
         box[HEADER : HEADER + nbytes].copy_(out_box, non_blocking=True)
         box[:8].copy_(self.gen.view(torch.uint8), non_blocking=True)  # ready: after the inbox (stream order)
         if gpu_work is not None:
@@ -139,20 +134,24 @@ class CpuMailbox:
         out.copy_(box[self.out_off : self.out_off + 4 * n * self.hidden].view(torch.float32), non_blocking=True)
         return out.view(n, self.hidden)
 
-    def _exchange_host(self, layer, experts, slots, x, weights, x_off, nbytes) -> torch.Tensor:
+    def _pack(self, dst: torch.Tensor, shape, experts, slots, x, weights, x_off: int) -> None:
+        """The inbox layout (csrc/cpu_mailbox.cpp) written into uint8 `dst`: int32 N, k, P, 0, experts [P],
+        slots [P]; fp32 x [N*H] at `x_off`; fp32 weights [P] after it."""
+        p, nh = experts.numel(), x.numel()
+        ints = dst[: 16 + 8 * p].view(torch.int32)
+        ints[:4].copy_(shape)
+        ints[4 : 4 + p].copy_(experts.reshape(-1))
+        ints[4 + p : 4 + 2 * p].copy_(slots.reshape(-1))
+        dst[x_off : x_off + 4 * nh].view(torch.float32).copy_(x.reshape(-1))
+        dst[x_off + 4 * nh : x_off + 4 * nh + 4 * p].view(torch.float32).copy_(weights.reshape(-1))
+
+    def _exchange_host(self, layer, experts, slots, x, weights, shape, x_off, nbytes) -> torch.Tensor:
         """`exchange` without a GPU (tests, CPU hosts): the same mailbox written and awaited from Python."""
-        n, k = weights.shape
-        p = n * k
+        n = weights.shape[0]
         box, hdr = self.boxes[self._box[layer]], self.headers[self._box[layer]]
-        ints = box[HEADER : HEADER + 16 + 8 * p].view(torch.int32)
-        ints[:4] = torch.tensor([n, k, p, 0], dtype=torch.int32)
-        ints[4 : 4 + p] = experts.reshape(-1).to(torch.int32)
-        ints[4 + p : 4 + 2 * p] = slots.reshape(-1).to(torch.int32)
-        base = HEADER + x_off
-        box[base : base + 4 * n * self.hidden].view(torch.float32)[:] = x.float().reshape(-1)
-        box[base + 4 * n * self.hidden : HEADER + nbytes].view(torch.float32)[:] = weights.float().reshape(-1)
+        self._pack(box[HEADER : HEADER + nbytes], shape, experts, slots, x, weights, x_off)
         gen = self._host_gen
-        hdr[0] = gen
+        hdr[0] = gen  # after the inbox (program order; x86 keeps stores in order)
         while hdr[1] != gen:
             pass
         self.check()
