@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|trace|suite|probe|mailbox|next|
+#   bash bench/h200_session.sh tests|diag|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|trace|suite|probe|mailbox|next|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 set -u
@@ -13,7 +13,7 @@ case "$1" in
   hotpath)  # $2 = route skew ("uniform" or a Zipf exponent), $3 = cases (default below)
     python3 -m strata demo-model "/dev/shm/b12-$2" --size bench --layers 12 --no-engram --route-skew "$2" > /dev/null 2>&1
     timeout 300 python3 bench/hotpath.py --model "/dev/shm/b12-$2" --cache /dev/shm/sc --out "$OUT/hotpath-$2" --tokens 64 \
-      --prefill 8192 --cases "${3:-ceiling,split,split_nostream,split_async,copy,cpu}" 2>&1 | grep '^{"' | cut -c1-400 ;;
+      --prefill "${PREFILL:-8192}" --cases "${3:-ceiling,split,split_nostream,split_async,copy,cpu}" 2>&1 | grep '^{"' | cut -c1-400 ;;
   ramshared)  # do PCIe copies and the CPU kernel share host RAM bandwidth? $2 = cards copying (default 0)
     for t in 16 8; do timeout 120 python3 bench/ram_shared.py --gpus "${2:-0}" --threads $t --out "$OUT/ram_shared_t$t"; done ;;
   multigpu)  # on nvidia-h200-x2: the two-card tests (graphs per card among them), then the bench
@@ -57,6 +57,14 @@ case "$1" in
     timeout 150 python3 -m pytest -q -m gpu tests/test_engram.py tests/test_fused_kernels.py tests/test_scheduler.py \
       tests/test_tier_primitives.py tests/test_cpu_mailbox.py > "$OUT/gpu_tests_next.txt" 2>&1; tail -3 "$OUT/gpu_tests_next.txt"
     timeout 60 python3 -m pytest -q tests/test_engram_verify.py 2>&1 | tail -2 ;;
+  diag)  # the tenth session's second call: the mailbox's per-layer timing, blocking waits, huge pages, grouped prefill's GPU tests
+    cat /sys/kernel/mm/transparent_hugepage/enabled
+    STRATA_PINNED_THP=1 timeout 100 python3 bench/mailbox_probe.py --threads 15 --out "$OUT/mailbox-thp" 2>&1 | tail -5
+    timeout 150 python3 -m pytest -q -m gpu tests/test_grouped_prefill.py tests/test_gpu_tiers.py tests/test_gpu.py \
+      tests/test_cpu_mailbox.py tests/test_decode_path.py > "$OUT/gpu_tests_diag.txt" 2>&1; tail -3 "$OUT/gpu_tests_diag.txt"
+    export PREFILL=0
+    timeout 200 bash "$0" hotpath uniform "ceiling,split,split+share0,split+block,split+thp"
+    timeout 150 bash "$0" hotpath 1.0 "split,split+block" ;;
   core)  # one 10-minute call: the GPU tests, the Engram tiers, the uniform hot path
     bash "$0" tests; bash "$0" engram; bash "$0" hotpath uniform ;;
   engram-profile)  # the Engram cases that matter for the disk target, the disk case's host time under cProfile

@@ -32,6 +32,8 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
   tN             N CPU kernel threads (STRATA_CPU_THREADS=N)
   spinN          the CPU kernel's idle workers spin N us before sleeping (STRATA_CPU_SPIN_US=N)
   swN            the interpreter's GIL switch interval set to N us (sys.setswitchinterval; default 5000)
+  block          the host sleeps through each one-graph split step instead of spinning (STRATA_BLOCKING_WAIT=1)
+  thp            pinned slabs on transparent huge pages (STRATA_PINNED_THP=1)
   again          nothing: the same case run a second time (a run-order check)
 Decode samples at temperature 1 (fixed seed) so a random-weight model does not repeat itself and
 routing stays close to uniform (the worst case). Each case reports decode tok/s over the decode phase
@@ -102,7 +104,14 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
         engine.generate(prompt, max_tokens=8, temperature=1.0, seed=2)
     # decode figures over the decode phase (statistics from the first token on); the 128-token prompt's
     # prefill, slow when its experts are cold, is reported apart as ttft_s
+    box = getattr(engine._compute, "mailbox", None)
+    c0 = box.counters.copy() if box is not None else None
     run = timed_decode(engine, prompt, tokens, sync)
+    if box is not None:  # the decode phase's trip per layer, from the worker's clock (CpuMailbox.timing)
+        d = box.counters - c0
+        layers, gaps = max(1, int(d[3])), max(1, int(d[6]))
+        mailbox_us = {"serve": round(d[7] / layers / 1e3, 1), "kernel": round(d[2] / layers / 1e3, 1),
+                      "gpu_gap": round(d[5] / gaps / 1e3, 1), "layers": int(d[3])}
     before, after, n = run.before, run.after, run.decode_tokens
     res = {"case": label or name, "load_s": round(load_s, 1), "tokens": len(run.tokens), "tok_s": round(run.tok_s, 2),
            "ms_per_token": round(1000 * run.decode_s / n, 2), "ttft_s": round(run.ttft_s, 3)}
@@ -112,8 +121,9 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
         res["graph_failures"] = dict(engine.model.graphs.failed)
     if getattr(engine._compute, "gpu_share", None) is not None:
         res["gpu_share"] = round(engine._compute.gpu_share.value, 3)
-    if getattr(engine._compute, "mailbox", None) is not None:
+    if box is not None:
         res["mailbox_threads"] = engine._compute.cpu_threads
+        res["mailbox_us_per_layer"] = mailbox_us
     t0s, t1s = before["tiers"], after["tiers"]
     if t1s is not None:
         lookups = _delta(t0s, t1s, "lookups")
@@ -179,6 +189,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke run)")
     args = ap.parse_args()
     from strata.kernels import fused
+    from strata.runtime import graphs
     from strata.runtime.inspect import summarize_checkpoint
 
     s = summarize_checkpoint(args.model)
@@ -228,10 +239,15 @@ def main() -> None:
                 env["STRATA_MAILBOX_GPU_SHARE"] = mod[5:]
             elif mod.startswith("spin"):
                 env["STRATA_CPU_SPIN_US"] = mod[4:]
+            elif mod == "block":  # the host sleeps through a one-graph step (strata.runtime.graphs.BLOCKING_WAIT)
+                env["STRATA_BLOCKING_WAIT"] = "1"
+            elif mod == "thp":  # pinned slabs on transparent huge pages (strata.tiers.pinned)
+                env["STRATA_PINNED_THP"] = "1"
             elif mod != "again":
                 raise SystemExit(f"unknown case modifier {mod!r} in {full!r}")
-        for key in ("STRATA_CPU_SPIN_US", "STRATA_BENCH_SWITCH_US", "STRATA_MAILBOX_GPU_SHARE"):
+        for key in ("STRATA_CPU_SPIN_US", "STRATA_BENCH_SWITCH_US", "STRATA_MAILBOX_GPU_SHARE", "STRATA_PINNED_THP"):
             os.environ.pop(key, None)
+        graphs.BLOCKING_WAIT = env.get("STRATA_BLOCKING_WAIT") == "1"
         # the interpreter's GIL switch interval (default 5 ms): how long a thread waiting for the GIL lets the
         # holder run before asking for it; the decode thread re-takes the GIL after every CUDA call and kernel
         sys.setswitchinterval(int(env["STRATA_BENCH_SWITCH_US"]) / 1e6 if "STRATA_BENCH_SWITCH_US" in env else switch)

@@ -66,7 +66,7 @@ class RuntimeConfig:
     cpu_numerics: str = "fork"  # "fork": fast CPU expert kernels; "gpu": the reference math, cold experts on the GPU
     cuda_graphs: bool = True  # replay decode steps from CUDA graphs whenever every expert is resident
     read_in_place: bool = False  # split decode: the GPU's share of cold experts read from pinned RAM in place (zero-copy)
-    grouped_prefill: bool = False  # prefill's experts in two grouped GEMMs a layer (opt-in: not measured on a GPU yet)
+    grouped_prefill: bool = True  # prefill's experts in two grouped GEMMs a layer (7.3x an 8K prefill in VRAM on H200)
     split_decode: str = "graph"  # "graph": one CUDA graph a step, cold experts on a native CPU worker; "host": host steps
     decode_gap_target: float = 0.5  # seconds a serving step may take while sequences decode (prompt chunks shrink); 0: off
     prefill_chunk_min: int = 32  # prompt tokens a serving step carries at least while sequences decode

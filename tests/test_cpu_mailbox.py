@@ -70,6 +70,9 @@ def test_worker_computes_the_cold_pairs_as_the_host_path_does():
         assert all(e % 2 == 1 for e in resident) and all(e % 2 == 0 for e in computed)
         assert sorted(resident + computed) == sorted(set(ids.reshape(-1).tolist()))
         assert box.drain() == []  # drained once
+        t = box.timing()  # 3 steps of layers 0 and 2 (and the self-test's layer): 3 gaps between 0 and 2, same step
+        assert t["layers"] == 7 and int(box.counters[6]) == 3
+        assert t["serve_us"] >= t["kernel_us"] > 0 and t["gpu_gap_us"] > 0
     finally:
         box.close()
 

@@ -58,7 +58,8 @@ class CpuMailbox:
             h[:] = 0
         self.addresses = np.ascontiguousarray(addresses, dtype=np.int64)
         self.log = np.zeros(log_entries * LOG_ENTRY, dtype=np.uint8)
-        self.counters = np.zeros(8, dtype=np.int64)  # experts, bytes, kernel ns, layers served, log head
+        # experts, bytes, kernel ns, layers served, log head, GPU-gap ns, gaps, serving ns (csrc/cpu_mailbox.cpp)
+        self.counters = np.zeros(8, dtype=np.int64)
         self._log_tail = 0
         self.log_lost = 0
         cfg = np.array([hidden, addresses.shape[1], inter, gu_bytes, self.out_off, payload, self.max_pairs,
@@ -187,6 +188,16 @@ class CpuMailbox:
     @property
     def experts_computed(self) -> int:
         return int(self.counters[0])
+
+    def timing(self) -> dict:
+        """Where a layer's trip goes, from the worker's clock: `serve_us` from seeing a layer's `ready` to writing
+        its `done` (the CPU share, its kernel `kernel_us` among it), `gpu_gap_us` from one layer's `done` to the
+        next layer's `ready` within a step (the GPU's own work between two CPU shares: the rest of the layer,
+        the next one's attention and routing, the copies), per layer served."""
+        c = self.counters
+        layers, gaps = max(1, int(c[3])), max(1, int(c[6]))
+        return {"layers": int(c[3]), "serve_us": round(c[7] / layers / 1e3, 1), "kernel_us": round(c[2] / layers / 1e3, 1),
+                "gpu_gap_us": round(c[5] / gaps / 1e3, 1)}
 
     def kernel_rate(self) -> tuple[int, float]:
         """(bytes, seconds) the worker's kernel calls read and took so far."""

@@ -226,7 +226,8 @@ class ExpertCompute:
         if box is not None:
             nbytes, seconds = box.kernel_rate()
             out.update(worker_experts=box.experts_computed, worker_GB_per_s=nbytes / seconds / 1e9 if seconds else 0.0,
-                       log_lost=box.log_lost, gpu_share=self.gpu_share.value if self.gpu_share is not None else 0.0)
+                       log_lost=box.log_lost, gpu_share=self.gpu_share.value if self.gpu_share is not None else 0.0,
+                       timing=box.timing())
         return out
 
     def close_mailbox(self) -> None:

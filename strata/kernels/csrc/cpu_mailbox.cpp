@@ -64,12 +64,21 @@ struct Mailbox {
     // ring log and counters (host memory the Python side reads)
     char* log = nullptr;
     int64_t log_cap = 0;
-    int64_t* counters = nullptr;    // [0] experts computed, [1] bytes, [2] kernel ns, [3] layers served, [4] log head
+    int64_t* counters = nullptr;    // [0] experts computed, [1] bytes, [2] kernel ns, [3] layers served, [4] log head,
+                                    // [5] ns from a layer's done to the next layer's ready seen, same step (the GPU's
+                                    // own time between two CPU shares), [6] how many such gaps, [7] ns serving layers
+    int64_t last_done_ns = 0, last_done_gen = -1;  // when the last layer's done was written, and its generation
     std::atomic<bool> stop{false};
     std::thread th;
 
+    static int64_t now_ns() {
+        return std::chrono::duration_cast<std::chrono::nanoseconds>(
+                   std::chrono::steady_clock::now().time_since_epoch()).count();
+    }
+
     void serve(size_t i, int64_t gen, std::vector<int64_t>& tok, std::vector<float>& wts, std::vector<int64_t>& meta,
                std::vector<int32_t>& order) {
+        const int64_t seen_ns = now_ns();
         char* box = boxes[i];
         volatile int64_t* hdr = reinterpret_cast<volatile int64_t*>(box);
         const int32_t* inbox = reinterpret_cast<const int32_t*>(box + 64);
@@ -121,6 +130,13 @@ struct Mailbox {
         std::atomic_thread_fence(std::memory_order_release);
         hdr[1] = gen;  // the GPU copies `out` back once it sees this
         // off the step's path from here
+        const int64_t done_ns = now_ns();
+        counters[7] += done_ns - seen_ns;
+        if (gen == last_done_gen) {  // the previous layer of the same step: the GPU's time between the two
+            counters[5] += seen_ns - last_done_ns;
+            counters[6] += 1;
+        }
+        last_done_ns = done_ns, last_done_gen = gen;
         counters[0] += groups;
         counters[1] += groups * payload;
         counters[2] += ns;
