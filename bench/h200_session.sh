@@ -34,7 +34,7 @@ case "$1" in
     timeout 300 python3 bench/hotpath.py --model /dev/shm/b48 --out "$OUT/hotpath-48" --tokens 64 --prefill 2048 \
       --cases "${2:-ceiling,ceiling_eager}" 2>&1 | grep '^{"' | cut -c1-400 ;;
   suite)  # the benchmark suite's quick run (issue 7): one 10-minute call
-    timeout 580 python3 -m bench run --suite quick --out "$OUT/suite" 2>&1 | tail -15 ;;
+    timeout 590 python3 -m bench run --suite quick --deadline "${DEADLINE:-560}" --out "$OUT/suite" 2>&1 | tail -15 ;;
   profile)  # where a tiered decode step's time goes (issue 4): 12 layers, uniform routing, 25% GPU budget
     [ -d /dev/shm/b12 ] || python3 -m strata demo-model /dev/shm/b12 --size bench --layers 12 --no-engram \
       --route-skew uniform > /dev/null 2>&1
@@ -57,14 +57,17 @@ case "$1" in
     timeout 150 python3 -m pytest -q -m gpu tests/test_engram.py tests/test_fused_kernels.py tests/test_scheduler.py \
       tests/test_tier_primitives.py tests/test_cpu_mailbox.py > "$OUT/gpu_tests_next.txt" 2>&1; tail -3 "$OUT/gpu_tests_next.txt"
     timeout 60 python3 -m pytest -q tests/test_engram_verify.py 2>&1 | tail -2 ;;
-  diag)  # the tenth session's second call: the mailbox's per-layer timing, blocking waits, huge pages, grouped prefill's GPU tests
-    cat /sys/kernel/mm/transparent_hugepage/enabled
-    STRATA_PINNED_THP=1 timeout 100 python3 bench/mailbox_probe.py --threads 15 --out "$OUT/mailbox-thp" 2>&1 | tail -5
+  diag)  # the tenth session's second call (at f5c6827 it also ran the since removed +block/+thp toggles): the mailbox's
+         # per-layer timing, grouped prefill's GPU tests
     timeout 150 python3 -m pytest -q -m gpu tests/test_grouped_prefill.py tests/test_gpu_tiers.py tests/test_gpu.py \
       tests/test_cpu_mailbox.py tests/test_decode_path.py > "$OUT/gpu_tests_diag.txt" 2>&1; tail -3 "$OUT/gpu_tests_diag.txt"
     export PREFILL=0
-    timeout 200 bash "$0" hotpath uniform "ceiling,split,split+share0,split+block,split+thp"
-    timeout 150 bash "$0" hotpath 1.0 "split,split+block" ;;
+    timeout 200 bash "$0" hotpath uniform "ceiling,split,split+share0"
+    timeout 150 bash "$0" hotpath 1.0 "split" ;;
+  inengine)  # the CPU kernel's rate on an engine's own experts outside decode, then in decode with spare cores / no promotions
+    python3 -m strata demo-model /dev/shm/b12-uniform --size bench --layers 12 --no-engram --route-skew uniform > /dev/null 2>&1
+    timeout 150 python3 bench/mailbox_probe.py --model /dev/shm/b12-uniform --replays 20 --out "$OUT/mailbox-engine" 2>&1 | tail -8
+    PREFILL=0 timeout 150 bash "$0" hotpath uniform "split+share0+t12,split_nopromote+share0" ;;
   core)  # one 10-minute call: the GPU tests, the Engram tiers, the uniform hot path
     bash "$0" tests; bash "$0" engram; bash "$0" hotpath uniform ;;
   engram-profile)  # the Engram cases that matter for the disk target, the disk case's host time under cProfile

@@ -32,8 +32,6 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
   tN             N CPU kernel threads (STRATA_CPU_THREADS=N)
   spinN          the CPU kernel's idle workers spin N us before sleeping (STRATA_CPU_SPIN_US=N)
   swN            the interpreter's GIL switch interval set to N us (sys.setswitchinterval; default 5000)
-  block          the host sleeps through each one-graph split step instead of spinning (STRATA_BLOCKING_WAIT=1)
-  thp            pinned slabs on transparent huge pages (STRATA_PINNED_THP=1)
   again          nothing: the same case run a second time (a run-order check)
 Decode samples at temperature 1 (fixed seed) so a random-weight model does not repeat itself and
 routing stays close to uniform (the worst case). Each case reports decode tok/s over the decode phase
@@ -122,7 +120,7 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
     if getattr(engine._compute, "gpu_share", None) is not None:
         res["gpu_share"] = round(engine._compute.gpu_share.value, 3)
     if box is not None:
-        res["mailbox_threads"] = engine._compute.cpu_threads
+        res["mailbox_threads"] = int(box._keep[0][8])  # the worker's kernel threads (its config's slot 8)
         res["mailbox_us_per_layer"] = mailbox_us
     t0s, t1s = before["tiers"], after["tiers"]
     if t1s is not None:
@@ -189,7 +187,6 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke run)")
     args = ap.parse_args()
     from strata.kernels import fused
-    from strata.runtime import graphs
     from strata.runtime.inspect import summarize_checkpoint
 
     s = summarize_checkpoint(args.model)
@@ -239,15 +236,10 @@ def main() -> None:
                 env["STRATA_MAILBOX_GPU_SHARE"] = mod[5:]
             elif mod.startswith("spin"):
                 env["STRATA_CPU_SPIN_US"] = mod[4:]
-            elif mod == "block":  # the host sleeps through a one-graph step (strata.runtime.graphs.BLOCKING_WAIT)
-                env["STRATA_BLOCKING_WAIT"] = "1"
-            elif mod == "thp":  # pinned slabs on transparent huge pages (strata.tiers.pinned)
-                env["STRATA_PINNED_THP"] = "1"
             elif mod != "again":
                 raise SystemExit(f"unknown case modifier {mod!r} in {full!r}")
-        for key in ("STRATA_CPU_SPIN_US", "STRATA_BENCH_SWITCH_US", "STRATA_MAILBOX_GPU_SHARE", "STRATA_PINNED_THP"):
+        for key in ("STRATA_CPU_SPIN_US", "STRATA_BENCH_SWITCH_US", "STRATA_MAILBOX_GPU_SHARE"):
             os.environ.pop(key, None)
-        graphs.BLOCKING_WAIT = env.get("STRATA_BLOCKING_WAIT") == "1"
         # the interpreter's GIL switch interval (default 5 ms): how long a thread waiting for the GIL lets the
         # holder run before asking for it; the decode thread re-takes the GIL after every CUDA call and kernel
         sys.setswitchinterval(int(env["STRATA_BENCH_SWITCH_US"]) / 1e6 if "STRATA_BENCH_SWITCH_US" in env else switch)

@@ -27,7 +27,11 @@ def main() -> None:
     ap.add_argument("--replays", type=int, default=50)
     ap.add_argument("--out", default=".")
     ap.add_argument("--device", default="cuda", help="cuda (the probe) or cpu (a smoke run: eager, no graph)")
+    ap.add_argument("--model", help="probe an engine's own mailbox and pinned experts instead (25%% GPU budget): "
+                                    "the same experts every replay, then different ones every replay")
     args = ap.parse_args()
+    if args.model:
+        return engine_probe(args)
     dev = torch.device(args.device)
     cuda = dev.type == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -85,6 +89,51 @@ def main() -> None:
     pool.close()
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "mailbox_probe.json").write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=1))
+
+
+@torch.inference_mode()  # the engine's mailbox tensors are inference tensors
+def engine_probe(args) -> None:
+    """The worker kernel's rate on an engine's own pinned experts, outside decode (eager exchanges, nothing else
+    running): is the kernel slower in the engine (its memory) or only while the engine decodes (interference)?"""
+    from strata import Engine
+    from strata.runtime.inspect import summarize_checkpoint
+
+    budget = int(summarize_checkpoint(args.model).bytes_by_role["experts"] * 0.25)
+    engine = Engine.from_pretrained(args.model, config={"tiers": {"gpu": {"budget": str(budget)}}}, device=args.device)
+    vocab = engine.checkpoint.config.vocab_size
+    prompt = [(100 + i * 37) % vocab for i in range(128)]
+    for seed in range(3):  # placement, warm-up, the mailbox opened
+        engine.generate(prompt, max_tokens=16, temperature=1.0, seed=seed)
+    box = engine._compute.mailbox
+    if box is None:
+        raise SystemExit(f"no mailbox: {engine.stats().get('one_graph_decode')}")
+    dev, k = box.device, box.top_k
+    rng = np.random.default_rng(0)
+    pinned = [np.flatnonzero(box.addresses[layer]) for layer in box.layers]  # addresses: by model layer
+    x = torch.randn(1, box.hidden, device=dev, dtype=torch.bfloat16)
+    w = torch.full((1, k), 1 / k, device=dev)
+    rows = []
+    for label, fresh in (("same experts", False), ("different experts", True), ("same experts again", False)):
+        for cold in (2, 6):
+            fixed = [rng.choice(p, k, replace=False) for p in pinned]
+            slots = torch.tensor([-1] * cold + [0] * (k - cold), dtype=torch.int32, device=dev)
+            c0 = box.counters.copy()
+            for _ in range(args.replays):
+                box.begin_step()
+                for i, layer in enumerate(box.layers):
+                    ids = rng.choice(pinned[i], k, replace=False) if fresh else fixed[i]
+                    box.exchange(layer, torch.from_numpy(ids).to(dev), slots, x, w)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+            d = box.counters - c0
+            rows.append({"case": label, "cold_experts": cold, "kernel_GB_s": round(d[1] / d[2], 1) if d[2] else None,
+                         "kernel_us_per_layer": round(d[2] / max(1, d[3]) / 1e3, 1),
+                         "serve_us_per_layer": round(d[7] / max(1, d[3]) / 1e3, 1)})
+            print(json.dumps(rows[-1]), flush=True)
+    box.check()
+    engine.close()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "mailbox_engine_probe.json").write_text(json.dumps({"model": args.model, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

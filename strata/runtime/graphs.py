@@ -22,7 +22,6 @@ Prefill chunks run the same code eagerly, and eager and replayed decode steps gi
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import traceback
 import weakref
@@ -37,8 +36,6 @@ from strata.runtime.kv_cache import DecodeBatch, KVCache, StepBatch, kv_bucket
 
 log = logging.getLogger(__name__)
 MAX_GRAPH_BATCH = 16  # decode batches up to this size get graphs; bigger ones run eagerly
-# the host sleeps through a one-graph split step rather than spin beside the CPU kernel (STRATA_BLOCKING_WAIT=0: spin)
-BLOCKING_WAIT = os.environ.get("STRATA_BLOCKING_WAIT", "0") == "1"
 
 
 _local = threading.local()
@@ -190,7 +187,6 @@ class DecodeGraphs:
         self.failed: dict[str, str] = {}  # mode -> why its capture failed (that mode then runs eagerly)
         self.before_step: Callable[[], None] | None = None  # run before each graph step (e.g. the mailbox's books)
         self.eager_shapes: dict[tuple, str] = {}  # graph key -> why that shape alone runs eagerly
-        self._done: torch.cuda.Event | None = None  # `_wait_blocking`'s event
 
     def run(self, input_ids: torch.Tensor, batch: StepBatch, cache: KVCache) -> torch.Tensor:
         """hidden [B, H] for a pure decode `batch` (every length 1) on CUDA: replayed, or eager then captured."""
@@ -223,21 +219,10 @@ class DecodeGraphs:
         g.ids.copy_(input_ids, non_blocking=True)
         g.meta.copy_(meta, non_blocking=True)
         g.graph.replay()
-        if mode == "mailbox" and BLOCKING_WAIT:
-            self._wait_blocking()
         if g.engram is not None:
             g.engram.replayed()
         self.replays += 1
         return g.out.clone()
-
-    def _wait_blocking(self) -> None:
-        """Sleep until the step's graph is done instead of spinning on a core: a one-graph split step (mailbox)
-        runs the CPU expert kernel on every other core meanwhile, and a thread spinning in a CUDA sync beside
-        it can push one of the kernel's threads off its core."""
-        if self._done is None:
-            self._done = torch.cuda.Event(blocking=True)  # cudaEventBlockingSync: the host waits on an OS primitive
-        self._done.record()
-        self._done.synchronize()
 
     def _capture(self, key, input_ids, meta, kv_len, cache, mode: str, step=None) -> torch.Tensor:
         """Run the step for real on a side stream (warm-up, its result is returned), then capture it."""

@@ -11,7 +11,6 @@ page faults on the hot path.
 from __future__ import annotations
 
 import mmap
-import os
 import threading
 
 import torch
@@ -22,33 +21,15 @@ ALIGN = 4096
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context (all GPUs of the host)
 
 
-def _want_huge_pages() -> bool:
-    """STRATA_PINNED_THP=1: back slabs with transparent huge pages (madvise), so the CPU kernel's streaming
-    reads of an expert (9.4 MB: 2,300 4-KiB pages) cross no page boundary its prefetchers stop at."""
-    return os.environ.get("STRATA_PINNED_THP", "0") == "1" and hasattr(mmap, "MADV_HUGEPAGE")
-
-
-def _advise_huge(mm: mmap.mmap, populate: bool) -> None:
-    try:
-        mm.madvise(mmap.MADV_HUGEPAGE)
-        if populate:
-            mm.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23))  # Linux >= 5.14; the pages fault lazily elsewhere
-    except OSError:
-        pass  # a kernel without THP or MADV_POPULATE_WRITE: plain pages, faulted on first use
-
-
 class _Slab:
     """One page-locked (or plain) allocation: `tensor` uint8 [nbytes], page-aligned."""
 
     def __init__(self, nbytes: int, pin: bool):
         self.nbytes, self.registered = nbytes, False
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        huge = _want_huge_pages()
-        if not pin and not huge:
+        if not pin:
             flags |= getattr(mmap, "MAP_POPULATE", 0)  # fault the pages in now, off the hot path
         self.mm: mmap.mmap | None = mmap.mmap(-1, nbytes, flags=flags)
-        if huge:  # before any page is faulted in: 2 MiB pages where the kernel has them (registration faults them)
-            _advise_huge(self.mm, populate=not pin)
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)  # holds a reference to the mapping
         if pin:
             # Register on this (non-main) thread: a failed cudaHostRegister leaves a per-thread "last error"
