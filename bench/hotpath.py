@@ -32,8 +32,6 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
   tN             N CPU kernel threads (STRATA_CPU_THREADS=N)
   spinN          the CPU kernel's idle workers spin N us before sleeping (STRATA_CPU_SPIN_US=N)
   swN            the interpreter's GIL switch interval set to N us (sys.setswitchinterval; default 5000)
-  nokeep         one-graph decode without the mailbox worker keeping the kernel's pool spinning between layers
-                 (STRATA_MAILBOX_KEEP_SPINNING=0)
   again          nothing: the same case run a second time (a run-order check)
 Decode samples at temperature 1 (fixed seed) so a random-weight model does not repeat itself and
 routing stays close to uniform (the worst case). Each case reports decode tok/s over the decode phase
@@ -238,11 +236,9 @@ def main() -> None:
                 env["STRATA_MAILBOX_GPU_SHARE"] = mod[5:]
             elif mod.startswith("spin"):
                 env["STRATA_CPU_SPIN_US"] = mod[4:]
-            elif mod == "nokeep":  # the kernel's pool left to its own patience between mailbox layers
-                env["STRATA_MAILBOX_KEEP_SPINNING"] = "0"
             elif mod != "again":
                 raise SystemExit(f"unknown case modifier {mod!r} in {full!r}")
-        for key in ("STRATA_CPU_SPIN_US", "STRATA_BENCH_SWITCH_US", "STRATA_MAILBOX_GPU_SHARE", "STRATA_MAILBOX_KEEP_SPINNING"):
+        for key in ("STRATA_CPU_SPIN_US", "STRATA_BENCH_SWITCH_US", "STRATA_MAILBOX_GPU_SHARE"):
             os.environ.pop(key, None)
         # the interpreter's GIL switch interval (default 5 ms): how long a thread waiting for the GIL lets the
         # holder run before asking for it; the decode thread re-takes the GIL after every CUDA call and kernel

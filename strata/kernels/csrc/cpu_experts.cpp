@@ -72,10 +72,6 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN
 }
 
 using Clock = std::chrono::steady_clock;
-// Until when (steady-clock ns) idle pool workers keep spinning whatever their own patience: a caller that knows
-// more work is due soon (the mailbox worker between a decode step's layers) pushes it forward, so the workers do
-// not fall asleep across layers with nothing cold and each small CPU share waits for no wake-ups.
-std::atomic<int64_t> g_keep_spinning_ns{0};
 
 // Spin with pause; after `patience` of spinning, yield the core on every further check.
 template <class Pred>
@@ -197,8 +193,7 @@ class Pool {
                 for (int k = 0;; ++k) {
                     g = gen_.load(std::memory_order_acquire);
                     if (g != seen) break;
-                    if ((k & 255) == 255 && Clock::now() - t0 > patience &&
-                        Clock::now().time_since_epoch().count() > g_keep_spinning_ns.load(std::memory_order_relaxed)) {
+                    if ((k & 255) == 255 && Clock::now() - t0 > patience) {
                         std::unique_lock<std::mutex> lk(m_);
                         ++sleepers_;
                         cv_.wait(lk, [&] { return gen_.load(std::memory_order_acquire) != seen || stop_.load(); });
@@ -500,12 +495,6 @@ STRATA_API int strata_cpu_isa_mask() {
         mask |= 1 << ISA_AVX512_BF16;
 #endif
     return mask;
-}
-
-// Keep idle pool workers spinning (not sleeping) for `ns` more nanoseconds from now.
-STRATA_API void strata_cpu_keep_spinning(int64_t ns) {
-    const int64_t until = Clock::now().time_since_epoch().count() + ns;
-    if (until > g_keep_spinning_ns.load(std::memory_order_relaxed)) g_keep_spinning_ns.store(until, std::memory_order_relaxed);
 }
 
 // Worker pinning (ncpus < 0: unchanged), spin time (< 0: unchanged) and software prefetch distance

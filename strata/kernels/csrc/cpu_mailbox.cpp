@@ -28,7 +28,6 @@
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
 #include <thread>
 #include <vector>
@@ -46,7 +45,6 @@
 
 STRATA_API int strata_cpu_experts(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
                                   float* out, int threads);
-STRATA_API void strata_cpu_keep_spinning(int64_t ns);
 
 namespace {
 
@@ -167,11 +165,6 @@ struct Mailbox {
         std::vector<int64_t> tok, meta;
         std::vector<float> wts;
         std::vector<int32_t> order;
-        // while this worker spins for the next layer, the kernel's pool spins too (a layer with nothing cold, or
-        // the gap between two steps, would otherwise put it to sleep, and the next small CPU share would wait
-        // for its wake-ups); STRATA_MAILBOX_KEEP_SPINNING=0 leaves the pool to its own patience
-        const char* keep_env = std::getenv("STRATA_MAILBOX_KEEP_SPINNING");
-        const bool keep = !(keep_env && keep_env[0] == '0');
         auto last = std::chrono::steady_clock::now();
         while (!stop.load(std::memory_order_relaxed)) {
             bool served = false;
@@ -190,7 +183,6 @@ struct Mailbox {
             }
             const auto idle = std::chrono::steady_clock::now() - last;
             if (idle < std::chrono::nanoseconds(spin_ns)) {
-                if (keep) strata_cpu_keep_spinning(200000);  // 200 us past this check
                 for (int j = 0; j < 16; ++j) STRATA_PAUSE();
             } else if (idle < std::chrono::milliseconds(100)) {  // between requests: poll every 50 us
                 std::this_thread::sleep_for(std::chrono::microseconds(50));
