@@ -68,6 +68,8 @@ case "$1" in
     python3 -m strata demo-model /dev/shm/b12-uniform --size bench --layers 12 --no-engram --route-skew uniform > /dev/null 2>&1
     timeout 150 python3 bench/mailbox_probe.py --model /dev/shm/b12-uniform --replays 20 --out "$OUT/mailbox-engine" 2>&1 | tail -8
     PREFILL=0 timeout 150 bash "$0" hotpath uniform "split+share0+t12,split_nopromote+share0" ;;
+  share)  # the GPU share's whole-expert rule (a lone cold expert stays on the CPU): skewed routing, run twice
+    PREFILL=0 timeout 140 bash "$0" hotpath 1.0 "split,split+again" ;;
   core)  # one 10-minute call: the GPU tests, the Engram tiers, the uniform hot path
     bash "$0" tests; bash "$0" engram; bash "$0" hotpath uniform ;;
   engram-profile)  # the Engram cases that matter for the disk target, the disk case's host time under cProfile

@@ -147,10 +147,11 @@ def test_one_graph_split_decode_equals_the_host_step_path(tmp_path, monkeypatch)
             e.close()
 
 
-@pytest.mark.parametrize("share, taken", [(0.0, 0), (0.25, 2), (0.5, 4), (1.0, 4)])  # round(7 cold x share), share <= MAX
+# of 7 cold experts, the GPU's whole number g minimizing max(g / gpu rate, (7 - g) / cpu rate), share <= MAX
+@pytest.mark.parametrize("share, taken", [(0.0, 0), (0.25, 1), (0.5, 3), (1.0, 4)])
 def test_gpu_share_takes_whole_experts_spread_over_the_cold_ones(share, taken):
-    """Of a layer's cold experts (ascending), `share` goes to the GPU, evenly spread; an expert's pairs all go
-    one way (batched decode reads each expert once); resident pairs stay as they are."""
+    """Of a layer's cold experts (ascending), the GPU's count goes to the GPU, evenly spread; an expert's pairs
+    all go one way (batched decode reads each expert once); resident pairs stay as they are."""
     from strata.runtime.cpu_mailbox import GpuShare
 
     table = np.arange(3 * E, dtype=np.int64).reshape(3, E) * 4096 + 4096
@@ -167,23 +168,46 @@ def test_gpu_share_takes_whole_experts_spread_over_the_cold_ones(share, taken):
         assert gpu != list(range(gpu[0], gpu[0] + len(gpu)))  # spread, not the first few
 
 
-def test_gpu_share_follows_the_gpus_wait():
+@pytest.mark.parametrize("cold, share, taken", [(1, 0.5, 0), (1, 0.45, 0), (1, 0.58, 1), (2, 0.45, 1), (2, 0.3, 0),
+                                                (3, 0.3, 1), (6, 0.36, 2)])
+def test_gpu_share_gives_the_gpu_an_expert_only_where_the_layer_ends_sooner(cold, share, taken):
+    """share = gpu rate / (gpu + cpu rate): an expert takes the GPU (1 - share) and the CPU share time units. A
+    lone cold expert stays on the CPU unless the GPU is the faster side (share > 0.5; a tie stays on the CPU);
+    in general the GPU's count is the one whose slower side is the shortest."""
     from strata.runtime.cpu_mailbox import GpuShare
 
-    gs = GpuShare(np.zeros((1, E), dtype=np.int64), None, torch.device("cpu"), 0.3)
-    gs.adapt(100.0)  # the GPU waited long for the worker: it takes more
-    assert gs.target > 0.3 and gs.value == 0.3
+    gs = GpuShare(np.arange(E, dtype=np.int64)[None] + 1, None, torch.device("cpu"), share, adaptive=False)
+    flat = torch.arange(8)
+    used = torch.tensor([-1] * cold + [0] * (8 - cold), dtype=torch.int32)
+    new, _ = gs.assign(0, flat, used)
+    assert int((new == -2).sum()) == taken
+    # the brute-force optimum: time units where the GPU does one expert in (1 - share), the CPU in share
+    best = min(range(cold + 1), key=lambda g: (max(g * (1 - share), (cold - g) * share), g))
+    assert max(taken * (1 - share), (cold - taken) * share) == pytest.approx(max(best * (1 - share), (cold - best) * share))
+
+
+def test_gpu_share_follows_the_cpu_kernels_rate():
+    from strata.runtime.cpu_mailbox import GpuShare
+
+    gs = GpuShare(np.zeros((1, E), dtype=np.int64), None, torch.device("cpu"), 0.3, gpu_rate=45e9)
+    gs.adapt(45e9)  # the two sides equally fast: half
+    assert gs.target == pytest.approx(0.5) and gs.value == 0.3
     gs.apply()
-    assert gs.value == gs.target and float(gs.share) == pytest.approx(gs.target)
-    for _ in range(100):
-        gs.adapt(0.0)  # the answer was always there: the GPU was the slower side
-    assert gs.target == 0.0
+    assert gs.value == gs.target and float(gs.share) == pytest.approx(0.5)
+    gs.adapt(135e9)  # the CPU three times faster: a quarter
+    assert gs.target == pytest.approx(0.25)
+    gs.adapt(1e9)  # a slow CPU: capped
+    assert gs.target == GpuShare.MAX
+    fixed = GpuShare(np.zeros((1, E), dtype=np.int64), None, torch.device("cpu"), 0.3, adaptive=False)
+    fixed.adapt(1e9)
+    assert fixed.target == 0.3
 
 
 @pytest.mark.gpu
 def test_one_graph_split_decode_with_a_gpu_share_follows_memory(tmp_path, monkeypatch):
-    """Half the cold experts read in place by the GPU, the rest on the worker: within the forked numerics'
-    tolerance of the all-in-memory engine, in one graph a step, and the CPU computes far fewer of them."""
+    """A 0.6 share (a GPU faster than the CPU): cold experts read in place by the GPU, the rest on the worker,
+    within the forked numerics' tolerance of the all-in-memory engine, in one graph a step, and the CPU computes
+    far fewer of them."""
     from strata import Engine
     from strata.runtime.demo_model import write_demo_model
 
@@ -194,7 +218,7 @@ def test_one_graph_split_decode_with_a_gpu_share_follows_memory(tmp_path, monkey
     ids = memory.tokenizer.encode("The river runs through the valley and the town")
     want = memory.generate(ids, max_tokens=4).token_ids
     computed = {}
-    for share in ("0", "0.5"):
+    for share in ("0", "0.6"):
         monkeypatch.setenv("STRATA_MAILBOX_GPU_SHARE", share)
         with Engine.from_pretrained(model, device="cuda", config=cfg) as tiered:
             assert tiered.wait_settled(60)
@@ -204,7 +228,7 @@ def test_one_graph_split_decode_with_a_gpu_share_follows_memory(tmp_path, monkey
             assert tiered.model.graphs.mode() == "mailbox" and not tiered.model.graphs.failed
             assert (tiered._compute.gpu_share is None) == (share == "0")
             computed[share] = tiered._compute.mailbox.experts_computed - before
-    assert 0 < computed["0.5"] < 0.75 * computed["0"]
+    assert 0 < computed["0.6"] < 0.75 * computed["0"]
     memory.close()
 
 

@@ -27,6 +27,7 @@ from strata.tiers.pinned import PinnedPool
 
 HEADER = 64  # bytes: int64 ready, done, status, timeout, the GPU's spins waiting for done, then padding
 LOG_CODES, LOG_ENTRY = 256, 16 + 4 * 256  # csrc/cpu_mailbox.cpp's log layout
+RATE_WINDOW_BYTES = 512 << 20  # the GPU share follows the CPU kernel's rate over about this much of its reading
 SPIN_NS = 2_000_000  # the worker polls without sleeping this long after the last layer it served
 
 
@@ -224,6 +225,7 @@ class MailboxBooks:
         """on_counts(experts, bytes, seconds): the worker's running totals (its kernel's own work only)."""
         self.mailbox, self.manager, self.promote, self.on_counts = mailbox, manager, promote, on_counts
         self.share = share
+        self._rate_mark = (0, 0.0)  # the worker's (bytes, kernel seconds) when the share last adapted
         self.error: BaseException | None = None
         self._wake, self._stop = threading.Event(), threading.Event()
         self._lock = threading.Lock()  # one drain at a time (the thread, `flush`)
@@ -254,7 +256,11 @@ class MailboxBooks:
                     self.promote(layer, computed)
             self.on_counts(self.mailbox.experts_computed, *self.mailbox.kernel_rate())
         if entries and self.share is not None:
-            self.share.adapt(float(np.mean([h[4] for h in self.mailbox.headers])))
+            nbytes, seconds = self.mailbox.kernel_rate()
+            b0, s0 = self._rate_mark
+            if nbytes - b0 >= RATE_WINDOW_BYTES and seconds > s0:  # the kernel's rate over its last ~0.5 GB
+                self.share.adapt((nbytes - b0) / (seconds - s0))
+                self._rate_mark = (nbytes, seconds)
         return []
 
     def _run(self) -> None:
@@ -278,16 +284,22 @@ class GpuShare:
     pair kernels (`pair_experts_in_place`) while the worker computes the rest: the two read host RAM at once
     (~50 + ~110 GB/s on the H200 box, bench/ram_shared.py).
 
-    Every cold expert of the step goes one way for all its tokens: of the layer's cold experts in ascending
-    order, a `share` spread evenly (device ops, captured with the step). `share` starts at the rates' ratio
-    and, unless fixed, follows the GPU's wait for the worker: a GPU that waited long takes more, one that found
-    the answer there (it was the slower side) takes less (`adapt`, fed by `MailboxBooks`)."""
+    Every cold expert of the step goes one way for all its tokens, so a layer with c cold experts gives the GPU
+    a whole number g of them: the g that makes the layer end soonest, max(g / gpu rate, (c - g) / CPU rate),
+    for `share` = gpu rate / (gpu rate + CPU rate) (device ops, captured with the step), spread evenly over
+    the layer's cold experts in ascending order. A layer with one cold expert keeps it on the CPU unless the GPU
+    is the faster side: rounding c x share to the nearest (as before) sent it to the GPU at any share >= 0.5,
+    where one 9.4 MB expert read over PCIe took ~210 us against ~100 us on the CPU (skewed routing, H200 box).
+    `share` starts at the rates' ratio and, unless fixed, follows the worker's measured kernel rate (`adapt`,
+    fed by `MailboxBooks`) against the GPU's in-place rate (`gpu_rate`)."""
 
-    STEP, LOW, HIGH, MAX = 0.01, 3, 20, 0.6  # share per adjustment, mean spins that mean "GPU slower / waited"
+    MAX = 0.6  # of the cold experts, at most (the GPU's in-place reads slow the CPU kernel's own)
 
-    def __init__(self, addresses: np.ndarray, experts, device: torch.device, share: float, adaptive: bool = True):
+    def __init__(self, addresses: np.ndarray, experts, device: torch.device, share: float, adaptive: bool = True,
+                 gpu_rate: float = 45e9):
         self.table = torch.from_numpy(np.ascontiguousarray(addresses)).to(device)  # [L, E] int64 host addresses
         self.experts, self.adaptive, self.num_experts = experts, adaptive, addresses.shape[1]
+        self.gpu_rate = gpu_rate  # bytes/s the pair kernels read pinned RAM in place at, beside the CPU kernel
         self.value = self.target = min(self.MAX, max(0.0, share))
         self.share = torch.tensor([self.value], dtype=torch.float32, device=device)
 
@@ -296,20 +308,22 @@ class GpuShare:
         int64, 0 for the others)."""
         cold_e = torch.zeros(self.num_experts, dtype=torch.int32, device=flat.device)
         cold_e.scatter_reduce_(0, flat, (used < 0).to(torch.int32), reduce="amax")  # [E] 1: cold and used
+        c = cold_e.sum().float()  # [] cold experts in the layer
+        s = self.share
+        low = torch.floor(c * s)  # the GPU's count rounded down (the CPU's side is then the longer)...
+        up = (low + 1) * (1 - s) < (c - low) * s  # ...or up, where the GPU's then-longer side is still shorter
+        g = torch.minimum(low + up.float(), c)  # [] experts for the GPU
         rank = (torch.cumsum(cold_e, 0) - cold_e).float()  # [E] cold experts before e
-        take_e = (torch.floor((rank + 1) * self.share + 0.5) > torch.floor(rank * self.share + 0.5)) & (cold_e > 0)
+        step = g / c.clamp(min=1)
+        take_e = (torch.floor((rank + 1) * step + 1e-4) > torch.floor(rank * step + 1e-4)) & (cold_e > 0)  # g, spread
         take = take_e[flat]
         used = torch.where(take, torch.full_like(used, -2), used)
         return used, torch.where(take, self.table[layer][flat], torch.zeros_like(flat))
 
-    def adapt(self, mean_spins: float) -> None:
-        """The GPU's mean wait for the worker at the last layers (reads of `done`): move the target share."""
-        if not self.adaptive:
-            return
-        if mean_spins > self.HIGH:
-            self.target = min(self.MAX, self.target + self.STEP)
-        elif mean_spins < self.LOW:
-            self.target = max(0.0, self.target - self.STEP)
+    def adapt(self, cpu_bytes_per_s: float) -> None:
+        """The worker kernel's rate over the last layers: the target share follows the two sides' rates."""
+        if self.adaptive and cpu_bytes_per_s > 0:
+            self.target = min(self.MAX, self.gpu_rate / (self.gpu_rate + cpu_bytes_per_s))
 
     def apply(self) -> None:
         """Between steps, on the decoding thread: the device's share follows the target."""

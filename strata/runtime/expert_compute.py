@@ -187,7 +187,7 @@ class ExpertCompute:
             if share > 0:
                 (gu, dn) = store.expert_shapes
                 self.gpu_share = GpuShare(addresses, HostExperts(store.dtype, gu, dn, store.index.gate_up_bytes),
-                                          self.device, share, adaptive=not fixed)
+                                          self.device, share, adaptive=not fixed, gpu_rate=IN_PLACE_RATE)
         self.books = MailboxBooks(self.mailbox, m, self.promote_one, self._count_mailbox, self.gpu_share)
         self._mailbox_kernel = (0, 0, 0.0)
 
