@@ -74,9 +74,18 @@ def targets(doc: dict) -> list[dict]:
     layers = {r: (doc.get("models", {}).get(r) or {}).get("layers") for r in ("uniform", "skewed")}
     out = []
 
-    def add(target: str, measured: str | None, ok: bool | None) -> None:
-        status = "not measured" if ok is None else ("met" if ok else "NOT met")
+    def add(target: str, measured: str | None, ok: bool | None, unknown: str = "not measured") -> None:
+        status = unknown if ok is None else ("met" if ok else "NOT met")
         out.append({"target": target, "measured": measured or "", "status": status})
+
+    def at_48(target: str, rate: float | None, n: int | None, need: float, digits: int) -> None:
+        # n layers' rate x n/48 is a lower bound on the 48-layer model's: the per-token (or per-prompt) part
+        # that does not grow with depth (embedding, LM head, sampling, the scheduler) is counted 48/n times
+        # over. So a bound that meets the target meets it; one that does not says nothing either way.
+        scaled = rate * n / 48 if rate and n else None
+        measured = f"{rate:,.{digits}f} tok/s on {n} layers: >= {scaled:,.{digits}f} at 48" if scaled else None
+        add(target, measured, True if scaled is not None and scaled >= need else None,
+            "not measured" if scaled is None else "not measured at 48 layers (the bound from 12 is below)")
 
     for routing in ("uniform", "skewed"):
         c = cases.get(f"split/b25/{routing}/{REF}")
@@ -102,18 +111,12 @@ def targets(doc: dict) -> list[dict]:
     for routing in ("uniform", "skewed"):
         tok, n = _tok(cases.get(f"ceiling/all/{routing}/{REF}")), layers.get(routing)
         if tok is not None or routing == "uniform":
-            scaled = tok * n / 48 if tok and n else None
-            add(f"all in VRAM ({routing}), 1 stream: >= 250 tok/s (48 layers)",
-                f"{tok:,.1f} tok/s on {n} layers = {scaled:,.1f} at 48" if scaled else None,
-                None if scaled is None else scaled >= 250)
+            at_48(f"all in VRAM ({routing}), 1 stream: >= 250 tok/s (48 layers)", tok, n, 250, 1)
     for routing in ("uniform", "skewed"):
         c = cases.get(f"split/b25/{routing}/p8192x1")
         p, n = (c["metrics"].get("prefill_tok_s") if c and c["status"] == "ok" else None), layers.get(routing)
         if p is not None or routing == "uniform":
-            scaled = p * n / 48 if p and n else None
-            add(f"8K prompt, 25% ({routing}): prefill >= 3,000 tok/s (48 layers)",
-                f"{p:,.0f} tok/s on {n} layers = {scaled:,.0f} at 48" if scaled else None,
-                None if scaled is None else scaled >= 3000)
+            at_48(f"8K prompt, 25% ({routing}): prefill >= 3,000 tok/s (48 layers)", p, n, 3000, 0)
     serve = next((c for c in doc["cases"] if c["variant"] == "serve" and c["status"] == "ok"), None)
     ready = serve["metrics"]["ready_s"] if serve else None
     add("`strata serve` ready (store built) <= 30 s", f"{ready:.1f} s" if ready is not None else None,
