@@ -35,6 +35,7 @@ def test_dict_overrides_merge_over_defaults():
      ({"runtimes": {}}, "runtimes"), ({"runtime": 3}, "runtime"),
      ({"runtime": {"split_decode": "python"}}, "runtime.split_decode"),
      ({"runtime": {"grouped_prefill": "yes"}}, "runtime.grouped_prefill"),
+     ({"runtime": {"grouped_prefill": 1}}, "runtime.grouped_prefill"),
      ({"runtime": {"cuda_graphs": 1}}, "runtime.cuda_graphs")],
 )
 def test_bad_values_name_the_key(data, key):

@@ -60,6 +60,7 @@ def test_memory_engine_scores_the_same_with_grouped_prefill(tiny_model_dir):
                                      config={"runtime": {"experts": "memory", "grouped_prefill": True}})
     ids = plain.tokenizer.encode("The river runs through the valley and the town")
     assert any(getattr(m, "grouped", False) for m in grouped.model.modules())
+    assert not any(getattr(m, "grouped", False) for m in plain.model.modules())  # "auto": CUDA only
     assert torch.equal(plain.score(ids), grouped.score(ids))  # fp32: the same sums in the same order
 
 

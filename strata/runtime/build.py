@@ -95,7 +95,7 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
         dtype = _DTYPES.get(cfg.runtime.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         checkpoint = Checkpoint.open(path)
         model = load_model(checkpoint, dtype, device, progress=progress)
-        use_grouped_prefill(model, cfg.runtime.grouped_prefill)
+        use_grouped_prefill(model, grouped_on(cfg.runtime.grouped_prefill, device))
         max_context = min(cfg.runtime.max_context, checkpoint.config.max_position_embeddings)
         if device.type == "cuda":
             model.enable_decode_graphs(lambda: "full" if cfg.runtime.cuda_graphs else None)
@@ -111,7 +111,7 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
     budgets = TierBudgets(**the_plan.budgets())
     device_tier = "gpu" if the_plan.expert_compute == "gpu" and budgets.gpu_slots else "cpu"
     compute = expert_tiers(checkpoint.store, budgets, device, device_tier, cfg)
-    compute.grouped_prefill = cfg.runtime.grouped_prefill
+    compute.grouped_prefill = grouped_on(cfg.runtime.grouped_prefill, device)
     manager = compute.manager
     prepare_cpu_experts([compute])
     model = load_model(checkpoint, dtype, device, progress=progress,
@@ -131,6 +131,11 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
         model.after_layer = attach_prefetcher(compute, router_predictors(model), cfg)
     start_placement(manager, cfg)
     return LoadedModel(checkpoint, model, device, dtype, the_plan.max_context, the_plan, manager, compute)
+
+
+def grouped_on(setting: bool | str, device: torch.device) -> bool:
+    """runtime.grouped_prefill resolved for `device`: "auto" means on CUDA only."""
+    return device.type == "cuda" if setting == "auto" else bool(setting)
 
 
 def use_grouped_prefill(model, on: bool) -> None:
