@@ -193,7 +193,7 @@ def test_gpu_share_follows_the_cpu_kernels_rate():
     gs.adapt(45e9)  # the two sides equally fast: half
     assert gs.target == pytest.approx(0.5) and gs.value == 0.3
     gs.apply()
-    assert gs.value == gs.target and float(gs.share) == pytest.approx(0.5)
+    assert gs.value == gs.target and float(gs.steps[2]) == 0.5  # of 2 cold experts, one each side
     gs.adapt(135e9)  # the CPU three times faster: a quarter
     assert gs.target == pytest.approx(0.25)
     gs.adapt(1e9)  # a slow CPU: capped

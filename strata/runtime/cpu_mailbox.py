@@ -289,7 +289,8 @@ class GpuShare:
     for `share` = gpu rate / (gpu rate + CPU rate) (device ops, captured with the step), spread evenly over
     the layer's cold experts in ascending order. A layer with one cold expert keeps it on the CPU unless the GPU
     is the faster side: rounding c x share to the nearest (as before) sent it to the GPU at any share >= 0.5,
-    where one 9.4 MB expert read over PCIe took ~210 us against ~100 us on the CPU (skewed routing, H200 box).
+    where one 9.4 MB expert takes ~210 us to read over PCIe (at 45 GB/s) against ~150 us on the CPU (the worker's
+    serve time a cold expert, skewed routing, H200 box).
     `share` starts at the rates' ratio and, unless fixed, follows the worker's measured kernel rate (`adapt`,
     fed by `MailboxBooks`) against the GPU's in-place rate (`gpu_rate`)."""
 
@@ -301,20 +302,16 @@ class GpuShare:
         self.experts, self.adaptive, self.num_experts = experts, adaptive, addresses.shape[1]
         self.gpu_rate = gpu_rate  # bytes/s the pair kernels read pinned RAM in place at, beside the CPU kernel
         self.value = self.target = min(self.MAX, max(0.0, share))
-        self.share = torch.tensor([self.value], dtype=torch.float32, device=device)
+        # [E + 1] float32: of a layer with c cold experts, the fraction g(c) / c the GPU takes (one gather a layer)
+        self.steps = torch.from_numpy(gpu_fractions(self.value, self.num_experts)).to(device)
 
     def assign(self, layer: int, flat: torch.Tensor, used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """flat [P] experts, used [P] int32 (-1 cold) -> (used with -2 for the GPU's pairs, their addresses [P]
         int64, 0 for the others)."""
         cold_e = torch.zeros(self.num_experts, dtype=torch.int32, device=flat.device)
         cold_e.scatter_reduce_(0, flat, (used < 0).to(torch.int32), reduce="amax")  # [E] 1: cold and used
-        c = cold_e.sum().float()  # [] cold experts in the layer
-        s = self.share
-        low = torch.floor(c * s)  # the GPU's count rounded down (the CPU's side is then the longer)...
-        up = (low + 1) * (1 - s) < (c - low) * s  # ...or up, where the GPU's then-longer side is still shorter
-        g = torch.minimum(low + up.float(), c)  # [] experts for the GPU
+        step = self.steps.index_select(0, cold_e.sum().view(1))  # [1] g(c) / c (a device gather: no host sync)
         rank = (torch.cumsum(cold_e, 0) - cold_e).float()  # [E] cold experts before e
-        step = g / c.clamp(min=1)
         take_e = (torch.floor((rank + 1) * step + 1e-4) > torch.floor(rank * step + 1e-4)) & (cold_e > 0)  # g, spread
         take = take_e[flat]
         used = torch.where(take, torch.full_like(used, -2), used)
@@ -329,4 +326,15 @@ class GpuShare:
         """Between steps, on the decoding thread: the device's share follows the target."""
         if self.target != self.value:
             self.value = self.target
-            self.share.fill_(self.value)
+            self.steps.copy_(torch.from_numpy(gpu_fractions(self.value, self.num_experts)))
+
+
+def gpu_fractions(share: float, max_cold: int) -> np.ndarray:
+    """float32 [max_cold + 1]: for a layer of c cold experts, g(c) / c, with g(c) the whole number of them the GPU
+    takes: the one minimizing max(g / gpu rate, (c - g) / CPU rate) for share = gpu rate / (gpu + CPU rate), i.e.
+    in time units where an expert takes the GPU (1 - share) and the CPU share; ties go to the CPU."""
+    c = np.arange(max_cold + 1, dtype=np.float64)
+    low = np.floor(c * share)  # the GPU's count rounded down: the CPU's side is then the longer...
+    up = (low + 1) * (1 - share) < (c - low) * share  # ...rounded up where the GPU's then-longer side is shorter
+    g = np.minimum(low + up, c)
+    return (g / np.maximum(c, 1)).astype(np.float32)
