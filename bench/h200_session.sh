@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|trace|suite|probe|mailbox|next|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|trace|suite|probe|mailbox|next|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 set -u
@@ -51,12 +51,13 @@ case "$1" in
   tests-decode)  # the GPU tests of the decode kernels and paths only (after a change there)
     timeout 240 python3 -m pytest -q -m gpu tests/test_fused_kernels.py tests/test_gpu.py tests/test_decode_path.py \
       tests/test_step_copies.py > "$OUT/gpu_tests_decode.txt" 2>&1; tail -3 "$OUT/gpu_tests_decode.txt" ;;
-  next)  # the tenth session's first call: the mailbox's fixed cost, grouped prefill, the GPU tests not run in the ninth
-    bash "$0" mailbox
-    timeout 200 bash "$0" hotpath uniform "ceiling,ceiling+grouped,split,split+grouped"
-    timeout 150 python3 -m pytest -q -m gpu tests/test_engram.py tests/test_fused_kernels.py tests/test_scheduler.py \
-      tests/test_tier_primitives.py tests/test_cpu_mailbox.py > "$OUT/gpu_tests_next.txt" 2>&1; tail -3 "$OUT/gpu_tests_next.txt"
-    timeout 60 python3 -m pytest -q tests/test_engram_verify.py 2>&1 | tail -2 ;;
+  next)  # the eleventh session's first call: this session's unrun GPU tests, the GPU share rule, the engine-side kernel probe
+    timeout 150 python3 -m pytest -q -m gpu tests/test_cpu_mailbox.py tests/test_grouped_prefill.py tests/test_decode_path.py \
+      > "$OUT/gpu_tests_next.txt" 2>&1; tail -3 "$OUT/gpu_tests_next.txt"
+    export PREFILL=0
+    timeout 200 bash "$0" hotpath uniform "ceiling,split,split+share0"
+    timeout 120 python3 bench/mailbox_probe.py --model /dev/shm/b12-uniform --replays 20 --out "$OUT/mailbox-engine" 2>&1 | tail -8
+    timeout 150 bash "$0" hotpath 1.0 "split,split+again" ;;
   diag)  # the tenth session's second call (at f5c6827 it also ran the since removed +block/+thp toggles): the mailbox's
          # per-layer timing, grouped prefill's GPU tests
     timeout 150 python3 -m pytest -q -m gpu tests/test_grouped_prefill.py tests/test_gpu_tiers.py tests/test_gpu.py \
@@ -68,8 +69,6 @@ case "$1" in
     python3 -m strata demo-model /dev/shm/b12-uniform --size bench --layers 12 --no-engram --route-skew uniform > /dev/null 2>&1
     timeout 150 python3 bench/mailbox_probe.py --model /dev/shm/b12-uniform --replays 20 --out "$OUT/mailbox-engine" 2>&1 | tail -8
     PREFILL=0 timeout 150 bash "$0" hotpath uniform "split+share0+t12,split_nopromote+share0" ;;
-  share)  # the GPU share's whole-expert rule (a lone cold expert stays on the CPU): skewed routing, run twice
-    PREFILL=0 timeout 140 bash "$0" hotpath 1.0 "split,split+again" ;;
   core)  # one 10-minute call: the GPU tests, the Engram tiers, the uniform hot path
     bash "$0" tests; bash "$0" engram; bash "$0" hotpath uniform ;;
   engram-profile)  # the Engram cases that matter for the disk target, the disk case's host time under cProfile
