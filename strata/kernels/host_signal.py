@@ -46,7 +46,7 @@ if triton is not None:
 def wait_for_host(addr: int, gen: torch.Tensor, error_addr: int, spins_addr: int, max_spins: int = MAX_SPINS) -> None:
     """Make the current stream wait until the int64 at host address `addr` equals `gen` [1] int64 (device).
     How many reads that took lands at host address `spins_addr` (0: the host had answered before the GPU
-    asked; the mailbox's GPU share is balanced with it)."""
+    asked; the mailbox reports it as how long the GPU waited for its CPU worker)."""
     if not available():
         raise RuntimeError("waiting on host memory from the GPU needs CUDA and Triton")
     _wait_kernel[(1,)](addr, gen, error_addr, spins_addr, MAX=max_spins, num_warps=1)

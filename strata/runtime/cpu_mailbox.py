@@ -194,11 +194,13 @@ class CpuMailbox:
         """Where a layer's trip goes, from the worker's clock: `serve_us` from seeing a layer's `ready` to writing
         its `done` (the CPU share, its kernel `kernel_us` among it), `gpu_gap_us` from one layer's `done` to the
         next layer's `ready` within a step (the GPU's own work between two CPU shares: the rest of the layer,
-        the next one's attention and routing, the copies), per layer served."""
+        the next one's attention and routing, the copies), per layer served; `gpu_wait_reads`, the GPU's reads of
+        `done` while it waited for the worker, per layer of the last step (0: the worker had answered)."""
         c = self.counters
         layers, gaps = max(1, int(c[3])), max(1, int(c[6]))
         return {"layers": int(c[3]), "serve_us": round(c[7] / layers / 1e3, 1), "kernel_us": round(c[2] / layers / 1e3, 1),
-                "gpu_gap_us": round(c[5] / gaps / 1e3, 1)}
+                "gpu_gap_us": round(c[5] / gaps / 1e3, 1),
+                "gpu_wait_reads": round(float(np.mean([h[4] for h in self.headers])), 1)}
 
     def kernel_rate(self) -> tuple[int, float]:
         """(bytes, seconds) the worker's kernel calls read and took so far."""

@@ -63,8 +63,7 @@ class Experts(nn.Module):
             y = torch.empty((ids.numel(), x.shape[1]), dtype=torch.float32, device=x.device)
             pair_experts(x, SlotWeights(self.gate_up_proj, self.down_proj), self._identity(x.device), ids.reshape(-1), y)
             return combine_pairs(y, weights, x.dtype)
-        sw = SlotWeights(self.gate_up_proj, self.down_proj)
-        if self.grouped and grouped_ok(x, sw):
+        if self.grouped and grouped_ok(x, sw := SlotWeights(self.gate_up_proj, self.down_proj)):
             try:
                 return grouped_experts(x, weights, ids, sw, ids).to(x.dtype)  # slot = expert id
             except RuntimeError as e:  # operands torch's grouped GEMM does not take: the loop below

@@ -45,16 +45,20 @@ class LookupsMixin:
         """Lookups of `layer` the GPU tier missed that a native CPU worker served in place from pinned RAM
         (strata.runtime.cpu_mailbox): counted as pinned-tier hits and seen by both tiers' policies, as
         `note_gpu_misses` and `hold_resident` count the host step's CPU share."""
-        pinned = self.pinned
         with self._lock:
             for e in experts:
                 key = (layer, int(e))
-                self._note_prefetch_use(pinned, key)
-                if not self._pinned_holds_all:
-                    pinned.policy.touch(key)
+                self._count_pinned_read(key)
                 if self.gpu is not None:
                     self.gpu.policy.touch(key)
-                self.stats_.lookup(layer, pinned.name, False, 0.0, expert=key[1])
+
+    def _count_pinned_read(self, key: tuple[int, int]) -> None:
+        """One lookup of `key` served in place from its pinned-RAM slot (lock held)."""
+        tier = self.pinned
+        self._note_prefetch_use(tier, key)
+        if not self._pinned_holds_all:
+            tier.policy.touch(key)
+        self.stats_.lookup(key[0], tier.name, False, 0.0, expert=key[1])
 
     def note_uses(self, layer: int, uses: dict[int, int]) -> None:
         """A prefill chunk routed `uses[e]` tokens to expert e of `layer`: the GPU tier's frequency history
@@ -105,11 +109,8 @@ class LookupsMixin:
                 return None
             me = threading.get_ident()
             for key in keys:
-                self._note_prefetch_use(tier, key)
-                if not self._pinned_holds_all:
-                    tier.policy.touch(key)
+                self._count_pinned_read(key)
                 tier.refs[key] = tier.refs.get(key, 0) + 1
-                self.stats_.lookup(key[0], tier.name, False, 0.0, expert=key[1])
             self._thread_refs[me] += len(keys)
             return [tier.slot_of[k] for k in keys]
 
