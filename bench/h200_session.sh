@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|trace|suite|probe|mailbox|next|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 set -u
@@ -51,7 +51,18 @@ case "$1" in
   tests-decode)  # the GPU tests of the decode kernels and paths only (after a change there)
     timeout 240 python3 -m pytest -q -m gpu tests/test_fused_kernels.py tests/test_gpu.py tests/test_decode_path.py \
       tests/test_step_copies.py > "$OUT/gpu_tests_decode.txt" 2>&1; tail -3 "$OUT/gpu_tests_decode.txt" ;;
-  next)  # the eleventh session's first call: this session's unrun GPU tests, the GPU share rule, the engine-side kernel probe
+  next)  # the twelfth session's first call: GPU tests of the eleventh session's changes (books after the launch, in
+         # bulk; parking), then where a one-graph token's ~0.5 ms beyond the ceiling's goes: the kernel's workers parked
+         # after each step, spinning 100 us, no books at all (then run `suite`)
+    timeout 150 python3 -m pytest -q -m gpu tests/test_cpu_mailbox.py tests/test_decode_path.py tests/test_gpu_tiers.py \
+      tests/test_gpu.py > "$OUT/gpu_tests_next.txt" 2>&1; tail -3 "$OUT/gpu_tests_next.txt"
+    timeout 200 bash "$0" timeline-one 1.0 "split,split+park,split+spin100,split+park+spin100,split+nobooks"
+    timeout 100 bash "$0" timeline-one uniform "split,split+park" ;;
+  timeline-one)  # bench/step_timeline.py on one routing ($2) with cases $3
+    python3 -m strata demo-model "/dev/shm/b12-$2" --size bench --layers 12 --no-engram --route-skew "$2" > /dev/null 2>&1
+    python3 bench/step_timeline.py --model "/dev/shm/b12-$2" --tokens 40 --out "$OUT/timeline-$2" --cases "$3" 2>&1 \
+      | grep '^{"' | cut -c1-1500 ;;
+  eleventh)  # the eleventh session's first call: its unrun GPU tests, the GPU share rule, the engine-side kernel probe
     timeout 150 python3 -m pytest -q -m gpu tests/test_cpu_mailbox.py tests/test_grouped_prefill.py tests/test_decode_path.py \
       > "$OUT/gpu_tests_next.txt" 2>&1; tail -3 "$OUT/gpu_tests_next.txt"
     export PREFILL=0
@@ -88,6 +99,12 @@ case "$1" in
     done ;;
   mailbox)  # one-graph split decode's cost per MoE layer by cold experts (fixed cost: the 0-cold row), two thread counts
     for t in 15 12; do timeout 100 python3 bench/mailbox_probe.py --threads $t --out "$OUT/mailbox-t$t" 2>&1 | tail -5; done ;;
+  timeline)  # a one-graph split step end to end (host, GPU events, the worker's clock), uniform and skewed routing
+    for r in uniform 1.0; do
+      python3 -m strata demo-model "/dev/shm/b12-$r" --size bench --layers 12 --no-engram --route-skew "$r" > /dev/null 2>&1
+      timeout 240 python3 bench/step_timeline.py --model "/dev/shm/b12-$r" --out "$OUT/timeline-$r" \
+        --cases "${2:-split,split+share0,ceiling}" 2>&1 | grep '^{"' | cut -c1-1500
+    done ;;
   engram)
     timeout 280 python3 bench/engram.py --out "$OUT/engram" --model-dir /dev/shm/engram --steps 200 2>&1 | tail -14 ;;
 esac

@@ -91,7 +91,6 @@ def main() -> None:
     (Path(args.out) / "mailbox_probe.json").write_text(json.dumps({"threads": args.threads, "rows": rows}, indent=1))
 
 
-@torch.inference_mode()  # the engine's mailbox tensors are inference tensors
 def engine_probe(args) -> None:
     """The worker kernel's rate on an engine's own pinned experts, outside decode (eager exchanges, nothing else
     running): is the kernel slower in the engine (its memory) or only while the engine decodes (interference)?"""
@@ -113,12 +112,22 @@ def engine_probe(args) -> None:
     x = torch.randn(1, box.hidden, device=dev, dtype=torch.bfloat16)
     w = torch.full((1, k), 1 / k, device=dev)
     rows = []
+    with torch.inference_mode():  # the mailbox's tensors are inference tensors (made in decode); not the engine's
+        _engine_rows(box, pinned, x, w, k, dev, rng, rows, args.replays)  # (its transfer workers write its slots)
+    box.check()
+    engine.close()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "mailbox_engine_probe.json").write_text(json.dumps({"model": args.model, "rows": rows}, indent=1))
+
+
+def _engine_rows(box, pinned, x, w, k, dev, rng, rows: list, replays: int) -> None:
+    """engine_probe's rows: the same, different, then the same experts again, at 2 and 6 cold a layer."""
     for label, fresh in (("same experts", False), ("different experts", True), ("same experts again", False)):
         for cold in (2, 6):
             fixed = [rng.choice(p, k, replace=False) for p in pinned]
             slots = torch.tensor([-1] * cold + [0] * (k - cold), dtype=torch.int32, device=dev)
             c0 = box.counters.copy()
-            for _ in range(args.replays):
+            for _ in range(replays):
                 box.begin_step()
                 for i, layer in enumerate(box.layers):
                     ids = rng.choice(pinned[i], k, replace=False) if fresh else fixed[i]
@@ -130,10 +139,6 @@ def engine_probe(args) -> None:
                          "kernel_us_per_layer": round(d[2] / max(1, d[3]) / 1e3, 1),
                          "serve_us_per_layer": round(d[7] / max(1, d[3]) / 1e3, 1)})
             print(json.dumps(rows[-1]), flush=True)
-    box.check()
-    engine.close()
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "mailbox_engine_probe.json").write_text(json.dumps({"model": args.model, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

@@ -30,17 +30,18 @@ def _slots(seed: int = 0):
     return gu, dn, slab, addr, gu_bytes
 
 
-def _mailbox(addr, gu_bytes, max_tokens=4):
+def _mailbox(addr, gu_bytes, max_tokens=4, park=False):
     from strata.runtime.cpu_mailbox import CpuMailbox
 
     return CpuMailbox([0, 2], addr, hidden=H, inter=INTER, gu_bytes=gu_bytes, payload=gu_bytes * 3 // 2, top_k=K,
-                      max_tokens=max_tokens, threads=2, device=torch.device("cpu"))
+                      max_tokens=max_tokens, threads=2, device=torch.device("cpu"), park=park)
 
 
 @needs_kernel
-def test_worker_computes_the_cold_pairs_as_the_host_path_does():
+@pytest.mark.parametrize("park", [False, True])  # park: the kernel's workers sleep after each step's last layer
+def test_worker_computes_the_cold_pairs_as_the_host_path_does(park):
     gu, dn, slab, addr, gu_bytes = _slots()
-    box = _mailbox(addr, gu_bytes)
+    box = _mailbox(addr, gu_bytes, park=park)
     try:
         assert box.self_test() is None and box.drain() == []  # a round trip, its log entry dropped
         g = torch.Generator().manual_seed(3)
@@ -293,3 +294,40 @@ def test_engine_stats_say_why_one_graph_decode_is_off(tiny_model_dir):
         assert engine.stats()["one_graph_decode"]["off_because"] == "no forked CPU compute beside a CUDA device"
     finally:
         engine.close()
+
+
+@needs_kernel
+def test_books_run_after_the_launch_not_before(tiny_model_dir, tmp_path):
+    """The books' thread is woken once a step is launched (`launched`), not by the pre-launch checks (`step`):
+    its Python would hold the GIL the launch needs. Each layer the worker served is booked once."""
+    import time
+
+    from strata.runtime.convert import convert_checkpoint
+    from strata.runtime.cpu_mailbox import MailboxBooks
+    from strata.tiers.manager import TierBudgets, TierManager
+    from strata.tiers.store import ExpertStore
+
+    store = ExpertStore.open(convert_checkpoint(tiny_model_dir, tmp_path / "store", progress=False))
+    m = TierManager(store, TierBudgets(gpu_slots=0, pinned_slots=4), io_threads=1)
+    _, _, slab, addr, gu_bytes = _slots()
+    box = _mailbox(addr, gu_bytes)
+    promoted = []
+    books = MailboxBooks(box, m, lambda layer, experts: promoted.append((layer, sorted(experts))), lambda *a: None)
+    try:
+        time.sleep(0.1)  # the thread's first timed wake-up (it finds nothing to book)
+        box.begin_step()
+        box.exchange(0, torch.tensor([3, 4]), torch.tensor([-1, -1], dtype=torch.int32), torch.randn(1, H),
+                     torch.rand(1, K))
+        books.step()
+        assert not books._wake.is_set() and promoted == []  # the checks alone wake nobody
+        books.launched()
+        deadline = time.monotonic() + 5
+        while not promoted and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert books.error is None and promoted == [(0, [3, 4])] and books.seconds > 0
+        assert box.drain() == []  # booked once
+    finally:
+        books.close()
+        box.close()
+        m.close()
+        store.close()

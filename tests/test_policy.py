@@ -101,3 +101,27 @@ def test_a_long_prompt_counts_every_layer_at_one_moment():
         for e in range(128):
             old.touch((layer, e), 512)
     assert old.score((0, 5)) < 1e-6 * old.score((11, 5))
+
+
+@pytest.mark.parametrize("name", ["lfu", "lru", "static"])
+def test_touch_many_is_touch_for_each_key(name):
+    """The bulk form one-graph decode's books use ranks exactly as one `touch` per key."""
+    keys = [(layer, e) for layer in range(2) for e in range(16)]
+    one, bulk = make_policy(name, half_life=8.0, hot=keys[:3]), make_policy(name, half_life=8.0, hot=keys[:3])
+    rng = random.Random(7)
+    resident = set(rng.sample(keys, 20))
+    for p in (one, bulk):
+        for k in sorted(resident):
+            p.insert(k)
+    for _ in range(200):  # batches of lookups, resident or not, as a decode step's layers report them
+        batch = [rng.choice(keys) for _ in range(rng.randint(0, 9))]
+        for k in batch:
+            one.touch(k)
+        bulk.touch_many(batch)
+    if name == "lfu":
+        assert one.clock == bulk.clock and one._score == bulk._score
+    eligible = set(resident)
+    for _ in range(len(resident)):  # the whole eviction order agrees
+        v = one.victim(lambda k: k in eligible)
+        assert bulk.victim(lambda k: k in eligible) == v
+        one.remove(v), bulk.remove(v), eligible.discard(v)

@@ -69,7 +69,7 @@ def test_store_matches_checkpoint_bit_exactly(sources, tmp_path, name):
     moe = [layer for layer, m in enumerate(cfg.moe_layers) if m]
     assert store.index.moe_layers == moe and store.dtype == ckpt.dtype
     assert store.expert_shapes == ((2 * i, h), (h, i))
-    assert store.keys() == [(layer, e) for layer in moe for e in range(cfg.num_experts)]
+    assert list(store.keys()) == [(layer, e) for layer in moe for e in range(cfg.num_experts)]
     assert store.slot_bytes % ALIGN == 0 and store.payload_bytes == 3 * i * h * ckpt.dtype.itemsize
     for layer in moe:
         gate_up, down = ckpt.load_experts(layer, ckpt.dtype, "cpu")  # [E, 2I, H], [E, H, I]
@@ -313,3 +313,12 @@ def test_tables(damaged_copy):
         fresh.read_rows("engram", [5001])
     assert torch.equal(fresh.read_rows("engram", [1, 9000]), rows[[1, 9000]])
     assert fresh.verify() == ["tables/engram.bin (table 'engram', rows 4096-8191)"]
+
+
+def test_keys_are_sorted_once(tiny_model_dir, tmp_path):
+    """A decode step asks for the store's keys (via `all_resident`): they are made once, not sorted per call."""
+    store = ExpertStore.open(convert_checkpoint(tiny_model_dir, tmp_path / "store", progress=False))
+    try:
+        assert store.keys() is store.keys() and list(store.keys()) == sorted(store.index.blobs)
+    finally:
+        store.close()

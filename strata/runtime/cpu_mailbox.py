@@ -18,6 +18,7 @@ log by `drain`, after the step, off its path.
 from __future__ import annotations
 
 import threading
+import time
 import weakref
 
 import numpy as np
@@ -29,6 +30,9 @@ HEADER = 64  # bytes: int64 ready, done, status, timeout, the GPU's spins waitin
 LOG_CODES, LOG_ENTRY = 256, 16 + 4 * 256  # csrc/cpu_mailbox.cpp's log layout
 RATE_WINDOW_BYTES = 512 << 20  # the GPU share follows the CPU kernel's rate over about this much of its reading
 SPIN_NS = 2_000_000  # the worker polls without sleeping this long after the last layer it served
+# after a step's last layer the CPU kernel's idle workers sleep instead of spinning out their spin time (~1 ms,
+# across the sampler and the next launch); off until measured (bench/step_timeline.py `+park`)
+PARK_AFTER_STEP = False
 
 
 def _up(n: int, to: int) -> int:
@@ -39,14 +43,16 @@ class CpuMailbox:
     """Mailboxes of `layers` (MoE layers of the model) and the native worker serving them.
 
     addresses [num_layers, E] int64: each expert's gate_up block in page-locked RAM (down follows at
-    `gu_bytes`); the worker reads experts through it, so it must stay valid (`all_pinned`) while open."""
+    `gu_bytes`); the worker reads experts through it, so it must stay valid (`all_pinned`) while open.
+    park: after the last layer of a step, the kernel's idle workers sleep at once (None: `PARK_AFTER_STEP`)."""
 
     def __init__(self, layers: list[int], addresses: np.ndarray, *, hidden: int, inter: int, gu_bytes: int,
                  payload: int, top_k: int, max_tokens: int, threads: int, device: torch.device,
-                 log_entries: int = 4096):
+                 log_entries: int = 4096, park: bool | None = None):
         from strata.kernels import cpu_experts as ce
 
         self.layers, self.hidden, self.top_k, self.max_tokens = list(layers), hidden, top_k, max_tokens
+        park = PARK_AFTER_STEP if park is None else park
         self.max_pairs = max_tokens * top_k
         self.device = device
         self.out_off = _up(HEADER + _up(16 + 8 * self.max_pairs, 64) + 4 * max_tokens * hidden + 4 * self.max_pairs, 64)
@@ -59,12 +65,15 @@ class CpuMailbox:
             h[:] = 0
         self.addresses = np.ascontiguousarray(addresses, dtype=np.int64)
         self.log = np.zeros(log_entries * LOG_ENTRY, dtype=np.uint8)
-        # experts, bytes, kernel ns, layers served, log head, GPU-gap ns, gaps, serving ns (csrc/cpu_mailbox.cpp)
-        self.counters = np.zeros(8, dtype=np.int64)
+        rows = self.log.reshape(log_entries, LOG_ENTRY)
+        self._log_heads, self._log_codes = rows[:, 8:16].view(np.int32), rows[:, 16:].view(np.int32)  # [n, 2], [n, 256]
+        # experts, bytes, kernel ns, layers served, log head, GPU-gap ns, gaps, serving ns, when the latest step's
+        # first layer was seen and its latest layer answered (monotonic ns; csrc/cpu_mailbox.cpp)
+        self.counters = np.zeros(10, dtype=np.int64)
         self._log_tail = 0
         self.log_lost = 0
         cfg = np.array([hidden, addresses.shape[1], inter, gu_bytes, self.out_off, payload, self.max_pairs,
-                        ce.isa_code(), threads, SPIN_NS, len(self.layers), log_entries], dtype=np.int64)
+                        ce.isa_code(), threads, SPIN_NS, len(self.layers), log_entries, int(park)], dtype=np.int64)
         box_addr = np.array([b.data_ptr() for b in self.boxes], dtype=np.int64)
         layer_ids = np.array(self.layers, dtype=np.int32)
         self._keep = (cfg, box_addr, layer_ids)
@@ -178,11 +187,10 @@ class CpuMailbox:
             self.log_lost += head - cap - self._log_tail
             self._log_tail = head - cap
         entries = []
-        for seq in range(self._log_tail, head):
-            e = self.log[(seq % cap) * LOG_ENTRY : (seq % cap + 1) * LOG_ENTRY]
-            layer, n = (int(v) for v in e[8:16].view(np.int32))
-            codes = e[16 : 16 + 4 * n].view(np.int32)
-            entries.append((layer, [int(c) for c in codes if c >= 0], [int(-c - 1) for c in codes if c < 0]))
+        for seq in range(self._log_tail, head):  # plain ints from the start: numpy scalars cost ~1 us a comparison
+            layer, n = self._log_heads[seq % cap].tolist()
+            codes = self._log_codes[seq % cap, :n].tolist()
+            entries.append((layer, [c for c in codes if c >= 0], [-c - 1 for c in codes if c < 0]))
         self._log_tail = head
         return entries
 
@@ -229,6 +237,7 @@ class MailboxBooks:
         self.share = share
         self._rate_mark = (0, 0.0)  # the worker's (bytes, kernel seconds) when the share last adapted
         self.error: BaseException | None = None
+        self.seconds = 0.0  # spent in `flush` so far (the books' own Python, on this thread or a caller's)
         self._wake, self._stop = threading.Event(), threading.Event()
         self._lock = threading.Lock()  # one drain at a time (the thread, `flush`)
         self._thread = threading.Thread(target=self._run, name="strata-mailbox-books", daemon=True)
@@ -236,18 +245,23 @@ class MailboxBooks:
         manager.add_lookup_source(self.flush)
 
     def step(self) -> None:
-        """Before a graph step: raise what the worker or the last step reported, and wake the thread."""
+        """Before a graph step: raise what the worker or the last step reported; the GPU share's update."""
         self.mailbox.check()
         if self.error is not None:
             raise RuntimeError(f"mailbox bookkeeping failed: {self.error}") from self.error
         if self.share is not None:
             self.share.apply()
+
+    def launched(self) -> None:
+        """Once the step is launched: wake the thread, whose Python (~1-2 ms a step on the H200 box) then runs while
+        the GPU works and the decoding thread waits for it, instead of holding the GIL the launch needs."""
         self._wake.set()
 
     def flush(self) -> list:
         """Do the books for every layer served so far (the tier manager's statistics call this first, as a
-        lookup source: hence [] and the lock order, the manager's then this one's)."""
-        m = self.manager
+        lookup source: hence [] and the lock order, the manager's then this one's). In one hold of the GIL: giving
+        it up between layers tripled the books' time on the H200 box (3.0 against 0.9 ms a step) for no gain."""
+        m, t0 = self.manager, time.perf_counter()
         with m._lock, self._lock:
             entries = self.mailbox.drain()
             for layer, resident, computed in entries:
@@ -263,6 +277,7 @@ class MailboxBooks:
             if nbytes - b0 >= RATE_WINDOW_BYTES and seconds > s0:  # the kernel's rate over its last ~0.5 GB
                 self.share.adapt((nbytes - b0) / (seconds - s0))
                 self._rate_mark = (nbytes, seconds)
+        self.seconds += time.perf_counter() - t0
         return []
 
     def _run(self) -> None:

@@ -225,6 +225,12 @@ class ExpertCompute:
             self.close_mailbox()
             raise
 
+    def mailbox_launched(self) -> None:
+        """After a graph step is launched: the mailbox's books run now, while the GPU works and the decoding thread
+        waits for it (run before the launch, their Python held the GIL the launch needed)."""
+        if self.books is not None:
+            self.books.launched()
+
     def mailbox_stats(self) -> dict:
         """One-graph split decode's state: whether it runs (and why not), the worker's own totals, the GPU share."""
         box = self.mailbox
@@ -232,7 +238,8 @@ class ExpertCompute:
         if box is not None:
             nbytes, seconds = box.kernel_rate()
             out.update(worker_experts=box.experts_computed, worker_GB_per_s=nbytes / seconds / 1e9 if seconds else 0.0,
-                       log_lost=box.log_lost, gpu_share=self.gpu_share.value if self.gpu_share is not None else 0.0,
+                       log_lost=box.log_lost, books_s=round(self.books.seconds, 4) if self.books else 0.0,
+                       gpu_share=self.gpu_share.value if self.gpu_share is not None else 0.0,
                        timing=box.timing())
         return out
 

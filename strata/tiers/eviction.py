@@ -55,6 +55,12 @@ class EvictionMixin:
         else:
             tier.refs.pop(key, None)
 
+    def _note_prefetch_uses(self, tier: _SlotTier, keys: list[Key]) -> None:
+        """`_note_prefetch_use` for each of `keys` (usually none was prefetched: one set test for the lot)."""
+        if self._prefetched[tier.name]:
+            for key in keys:
+                self._note_prefetch_use(tier, key)
+
     def _note_prefetch_use(self, tier: _SlotTier, key: Key) -> None:
         if key in self._prefetched[tier.name]:
             self._prefetched[tier.name].discard(key)

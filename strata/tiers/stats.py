@@ -65,6 +65,17 @@ class TierStats:
     damaged: list = field(default_factory=list)  # objects whose checksum failed (layer, expert)
     expert_lookups: dict = field(default_factory=lambda: defaultdict(int))  # (layer, expert) -> lookups (heatmap)
 
+    def lookup_many(self, layer: int, tier: str, experts: list[int]) -> None:
+        """One lookup of each of `experts` of `layer`, answered from `tier` with no wait."""
+        if not experts:
+            return
+        per_expert = self.expert_lookups
+        for e in experts:
+            per_expert[(layer, e)] += 1
+        c = self.layers[layer]
+        c.lookups += len(experts)
+        c.hits[tier] += len(experts)
+
     def lookup(self, layer: int, tier: str, missed: bool, stall: float, expert: int | None = None,
                count: int = 1) -> None:
         """Count `count` lookups answered from `tier`; `missed` when not resident where wanted."""

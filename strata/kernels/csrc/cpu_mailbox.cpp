@@ -45,6 +45,7 @@
 
 STRATA_API int strata_cpu_experts(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
                                   float* out, int threads);
+STRATA_API void strata_cpu_park();
 
 namespace {
 
@@ -61,12 +62,15 @@ struct Mailbox {
     const int64_t* addr = nullptr;  // [layers * E] expert gate_up addresses
     int isa = 0, threads = 1;
     int64_t spin_ns = 2000000;      // poll without sleeping this long after the last layer served
+    bool park = false;              // after a step's last layer, the kernel's idle workers sleep (not spin)
     // ring log and counters (host memory the Python side reads)
     char* log = nullptr;
     int64_t log_cap = 0;
     int64_t* counters = nullptr;    // [0] experts computed, [1] bytes, [2] kernel ns, [3] layers served, [4] log head,
                                     // [5] ns from a layer's done to the next layer's ready seen, same step (the GPU's
-                                    // own time between two CPU shares), [6] how many such gaps, [7] ns serving layers
+                                    // own time between two CPU shares), [6] how many such gaps, [7] ns serving layers,
+                                    // [8] when the latest step's first layer was seen ready, [9] when the latest
+                                    // layer's done was written (steady clock: CLOCK_MONOTONIC, Python's monotonic_ns)
     int64_t last_done_ns = 0, last_done_gen = -1;  // when the last layer's done was written, and its generation
     std::atomic<bool> stop{false};
     std::thread th;
@@ -132,11 +136,14 @@ struct Mailbox {
         // off the step's path from here
         const int64_t done_ns = now_ns();
         counters[7] += done_ns - seen_ns;
+        if (i == 0) counters[8] = seen_ns;
+        counters[9] = done_ns;
         if (gen == last_done_gen) {  // the previous layer of the same step: the GPU's time between the two
             counters[5] += seen_ns - last_done_ns;
             counters[6] += 1;
         }
         last_done_ns = done_ns, last_done_gen = gen;
+        if (park && i + 1 == boxes.size()) strata_cpu_park();  // the next kernel call is a token away
         counters[0] += groups;
         counters[1] += groups * payload;
         counters[2] += ns;
@@ -195,9 +202,9 @@ struct Mailbox {
 
 }  // namespace
 
-// cfg: int64 [H, E, I, gu_bytes, out_off, payload, max_pairs, isa, threads, spin_ns, n_boxes, log_cap]
+// cfg: int64 [H, E, I, gu_bytes, out_off, payload, max_pairs, isa, threads, spin_ns, n_boxes, log_cap, park]
 // boxes: int64 [n_boxes] mailbox addresses; layers: int32 [n_boxes]; addr: int64 [layers * E];
-// log: log_cap entries of 16 + 4 * 256 bytes; counters: int64 [8]. Returns a handle for stop (0: failed).
+// log: log_cap entries of 16 + 4 * 256 bytes; counters: int64 [10]. Returns a handle for stop (0: failed).
 STRATA_API int64_t strata_mailbox_start(const int64_t* cfg, const int64_t* boxes, const int32_t* layers,
                                         const int64_t* addr, char* log, int64_t* counters) {
     auto* m = new Mailbox();
@@ -205,6 +212,7 @@ STRATA_API int64_t strata_mailbox_start(const int64_t* cfg, const int64_t* boxes
     m->max_pairs = cfg[6], m->isa = int(cfg[7]), m->threads = int(cfg[8]), m->spin_ns = cfg[9];
     const int64_t n = cfg[10];
     m->log_cap = cfg[11];
+    m->park = cfg[12] != 0;
     for (int64_t i = 0; i < n; ++i) {
         m->boxes.push_back(reinterpret_cast<char*>(boxes[i]));
         m->layer_of.push_back(layers[i]);

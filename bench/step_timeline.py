@@ -1,0 +1,170 @@
+"""Where a one-graph split decode step's time goes, end to end: the host's clock, the GPU's events and the mailbox
+worker's clock on one timeline (all CLOCK_MONOTONIC).
+
+    python bench/step_timeline.py --model DIR [--gpu-fraction 0.25] [--tokens 48] [--cases split,ceiling] [--out DIR]
+
+Modifiers (`split+park+spin100`): shareX, swN (GIL switch interval, us), spinN (the kernel's idle spin, us), park
+(its workers sleep after a step's last layer), wspinN (the mailbox worker's polling spin, us), nopromote, nobooks.
+
+The worker's per-layer timing (serve, GPU gap) covers a step's MoE layers; these cover the rest of a token (ms):
+  host_between      the sampler: from the previous step's logits done to this token on the host
+  launch            from the token on the host to `model(...)` returning (the graph enqueued, and what follows it)
+  to_first_from_back  from the token on the host to the worker seeing the first MoE layer's `ready`
+  layers            from there to the last MoE layer's `done` (every layer's CPU share and the GPU between them)
+  tail              from the last `done` to the step's logits done on the host (the graph's end, the LM head)
+  step_gpu, logits_gpu  GPU event time of the step and of its LM head; token: a whole token, wall
+  sample_alone      the sampler alone on the last logits, after the loop
+Medians over the decode steps (the first few, which may capture graphs, are dropped). Writes step_timeline.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+
+def timeline(engine, prompt: list[int], tokens: int, seed: int = 3) -> dict:
+    """Decode `tokens` tokens of `prompt` (temperature 1, seeded) and time each step's phases."""
+    from strata.runtime.generate import prefill
+    from strata.runtime.kv_cache import StepBatch
+    from strata.runtime.sampler import SamplingParams, make_generator, sample
+
+    model, cache, dev = engine.model, engine.cache, engine.device
+    box = getattr(engine._compute, "mailbox", None)
+    params = SamplingParams(max_tokens=tokens, temperature=1.0, seed=seed, ignore_eos=True)
+    gen = make_generator(seed, dev)
+    now = time.monotonic_ns
+    rows = []
+    c0 = box.counters.copy() if box is not None else None
+    books0 = engine._compute.books.seconds if box is not None else 0.0
+    with torch.inference_mode():
+        logits = prefill(model, cache, 0, torch.tensor(prompt, dtype=torch.long, device=dev),
+                         engine.config.runtime.prefill_chunk)
+        torch.cuda.synchronize()
+        pos = len(prompt)
+        t_token = now()
+        for _ in range(tokens):
+            token = int(sample(logits[None], params, gen)[0])  # waits for the last step's logits and sampling
+            t_back = now()
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            ev[0].record()
+            hidden = model(torch.tensor([token], dtype=torch.long, device=dev), StepBatch([0], [pos], [1]), cache)
+            t_enq = now()
+            ev[1].record()
+            logits = model.logits(hidden)[0]
+            ev[2].record()
+            t_logits_enq = now()
+            torch.cuda.synchronize()
+            t_done = now()
+            c = box.counters.copy() if box is not None else None
+            rows.append({"host_between_ms": (t_back - t_token) / 1e6,  # previous token back -> this one sampled
+                         "launch_ms": (t_enq - t_back) / 1e6,
+                         "step_gpu_ms": ev[0].elapsed_time(ev[1]), "logits_gpu_ms": ev[1].elapsed_time(ev[2]),
+                         "enqueue_logits_ms": (t_logits_enq - t_enq) / 1e6, "step_wall_ms": (t_done - t_back) / 1e6,
+                         **({"to_first_ms": (int(c[8]) - t_enq) / 1e6, "to_first_from_back_ms": (int(c[8]) - t_back) / 1e6,
+                             "layers_ms": (int(c[9]) - int(c[8])) / 1e6, "tail_ms": (t_done - int(c[9])) / 1e6}
+                            if c is not None and c[8] > t_back else {})})
+            t_token = t_done
+            pos += 1
+        t0 = now()
+        for _ in range(8):  # the sampler alone, on the last logits (its GPU kernels and the host's work)
+            int(sample(logits[None], params, gen)[0])
+        sample_ms = (now() - t0) / 8e6
+    keep = rows[4:] if len(rows) > 8 else rows
+    med = {k: round(statistics.median(r[k] for r in keep if k in r), 3) for k in keep[0] if any(k in r for r in keep)}
+    wall = [rows[i + 1]["host_between_ms"] + rows[i + 1]["step_wall_ms"] for i in range(3, len(rows) - 1)]
+    med["sample_alone_ms"] = round(sample_ms, 3)
+    med["token_ms"] = round(statistics.median(wall), 3) if wall else None
+    out = {"median": med, "steps": len(rows)}
+    if box is not None:  # the worker's clock over the prompt and the steps (CpuMailbox.timing), the books' Python
+        d = box.counters - c0
+        layers, gaps = max(1, int(d[3])), max(1, int(d[6]))
+        out["mailbox_us_per_layer"] = {"serve": round(d[7] / layers / 1e3, 1), "kernel": round(d[2] / layers / 1e3, 1),
+                                       "gpu_gap": round(d[5] / gaps / 1e3, 1), "cpu_experts_per_layer":
+                                       round(int(d[0]) / layers, 2)}
+        out["books_ms_per_step"] = round(1e3 * (engine._compute.books.seconds - books0) / len(rows), 3)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--gpu-fraction", type=float, default=0.25)
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--cases", default="split,ceiling")
+    ap.add_argument("--out", default=".")
+    ap.add_argument("--cache", default="/dev/shm/sc")
+    args = ap.parse_args()
+    from bench.hotpath import wait_for_placement
+    from strata import Engine
+    from strata.runtime.inspect import summarize_checkpoint
+
+    s = summarize_checkpoint(args.model)
+    budget = int(s.bytes_by_role["experts"] * args.gpu_fraction)
+    rt = {"max_context": 1024}
+    configs = {"ceiling": {"runtime": {**rt, "experts": "memory"}},
+               "split": {"tiers": {"gpu": {"budget": str(budget)}, "disk": {"path": args.cache, "scrub": False}},
+                         "runtime": rt}}
+    out = {"model": args.model, "cases": []}
+    from strata.kernels import cpu_experts as ce
+    from strata.runtime import cpu_mailbox
+
+    switch, park, wspin = sys.getswitchinterval(), cpu_mailbox.PARK_AFTER_STEP, cpu_mailbox.SPIN_NS
+    for case in args.cases.split(","):
+        name, *mods = case.split("+")
+        cfg = configs[name]
+        os.environ.pop("STRATA_MAILBOX_GPU_SHARE", None)
+        sys.setswitchinterval(switch)
+        ce.configure(spin_us=ce.spin_us())
+        cpu_mailbox.PARK_AFTER_STEP, cpu_mailbox.SPIN_NS = park, wspin
+        for mod in mods:  # A/B modifiers for one run
+            if mod.startswith("share"):  # a fixed GPU share of the cold experts (hotpath's modifier)
+                os.environ["STRATA_MAILBOX_GPU_SHARE"] = mod.removeprefix("share")
+            elif mod.startswith("sw"):  # the interpreter's GIL switch interval, us
+                sys.setswitchinterval(int(mod[2:]) / 1e6)
+            elif mod.startswith("spin"):  # how long the CPU kernel's idle workers spin, us
+                ce.configure(spin_us=int(mod[4:]))
+            elif mod == "park":  # the kernel's idle workers sleep after each step's last layer
+                cpu_mailbox.PARK_AFTER_STEP = True
+            elif mod.startswith("wspin"):  # how long the mailbox worker polls without sleeping after a layer, us
+                cpu_mailbox.SPIN_NS = int(mod[5:]) * 1000
+            elif mod == "nopromote":
+                cfg = {**cfg, "policy": {"promote": False}}
+            elif mod != "nobooks":
+                raise SystemExit(f"unknown modifier {mod!r}")
+        engine = Engine.from_pretrained(args.model, config=cfg, device="cuda")
+        vocab = engine.checkpoint.config.vocab_size
+        prompt = [(100 + i * 37) % vocab for i in range(128)]
+        engine.generate(prompt, max_tokens=8, temperature=1.0, seed=1)
+        if engine.tiers is not None:
+            wait_for_placement(engine.tiers)
+            engine.generate(prompt, max_tokens=8, temperature=1.0, seed=2)
+        if "nobooks" in mods and engine._compute.books is not None:  # no bookkeeping at all during the steps
+            engine._compute.books.close()
+        res = {"case": case, **timeline(engine, prompt, args.tokens)}
+        if engine.model.graphs is not None:
+            res["graph_modes"] = sorted({key[3] for key in engine.model.graphs.graphs})
+        if (share := getattr(engine._compute, "gpu_share", None)) is not None:
+            res["gpu_share"] = round(share.value, 3)
+        out["cases"].append(res)
+        print(json.dumps(res), flush=True)
+        engine.close()
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "step_timeline.json").write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
