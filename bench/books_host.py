@@ -7,7 +7,7 @@ On the H200 box the books took 1.1-1.8 ms of Python a decode step (bench/step_ti
 a skewed step, and their thread competes with the decoding thread for the GIL. This drives the same objects on a
 synthetic store of the bench model's expert count and tiny experts: the real tier manager (a GPU tier of
 `--gpu-fraction` of the experts on the CPU device, everything pinned), the real native worker and its log, and the
-real books (promotions queued to the transfer workers as in decode). Each step routes one token's top-k per layer
+real books (promotions decided as in decode, not copied unless --copy-promotions). Each step routes one token's top-k per layer
 (Zipf popularity `--skew`, 0: uniform), lets the worker serve it, then times `flush`. Writes books_host.json.
 """
 
@@ -28,46 +28,6 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-H, INTER = 64, 32
-
-
-def build_store(root: Path, layers: int, experts: int) -> Path:
-    """A store of `layers` x `experts` tiny bf16 experts (the qwen3_moe names), written through the converter."""
-    from safetensors.torch import save_file
-
-    from strata.runtime.convert import convert_checkpoint
-
-    ckpt = root / "ckpt"
-    ckpt.mkdir()
-    cfg = {"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"], "hidden_size": H,
-           "intermediate_size": 2 * H, "moe_intermediate_size": INTER, "num_hidden_layers": layers,
-           "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "num_experts": experts,
-           "num_experts_per_tok": 8, "vocab_size": 256, "max_position_embeddings": 1024, "rms_norm_eps": 1e-6,
-           "rope_theta": 1e6, "norm_topk_prob": True, "decoder_sparse_step": 1, "mlp_only_layers": [],
-           "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
-    (ckpt / "config.json").write_text(json.dumps(cfg))
-    g = torch.Generator().manual_seed(0)
-    t = {"model.embed_tokens.weight": torch.randn(256, H, generator=g).bfloat16(),
-         "lm_head.weight": torch.randn(256, H, generator=g).bfloat16(),
-         "model.norm.weight": torch.ones(H).bfloat16()}
-    for li in range(layers):
-        p = f"model.layers.{li}."
-        t |= {p + "input_layernorm.weight": torch.ones(H).bfloat16(), p + "post_attention_layernorm.weight": torch.ones(H).bfloat16(),
-              p + "self_attn.q_proj.weight": torch.randn(64, H, generator=g).bfloat16(),
-              p + "self_attn.k_proj.weight": torch.randn(32, H, generator=g).bfloat16(),
-              p + "self_attn.v_proj.weight": torch.randn(32, H, generator=g).bfloat16(),
-              p + "self_attn.o_proj.weight": torch.randn(H, 64, generator=g).bfloat16(),
-              p + "self_attn.q_norm.weight": torch.ones(32).bfloat16(), p + "self_attn.k_norm.weight": torch.ones(32).bfloat16(),
-              p + "mlp.gate.weight": torch.randn(experts, H, generator=g).bfloat16()}
-        for e in range(experts):
-            q = f"{p}mlp.experts.{e}."
-            t |= {q + "gate_proj.weight": torch.randn(INTER, H, generator=g).bfloat16() / 8,
-                  q + "up_proj.weight": torch.randn(INTER, H, generator=g).bfloat16() / 8,
-                  q + "down_proj.weight": torch.randn(H, INTER, generator=g).bfloat16() / 8}
-    save_file(t, str(ckpt / "model.safetensors"))
-    return convert_checkpoint(ckpt, root / "store", progress=False)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=12)
@@ -81,6 +41,7 @@ def main() -> None:
                     help="let promotions copy (transfer workers then compete for the GIL with the timed books)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
+    from bench.promote_sim import key_store
     from strata.kernels import cpu_experts as ce
     from strata.runtime.cpu_mailbox import CpuMailbox, MailboxBooks
     from strata.runtime.expert_compute import ExpertCompute
@@ -90,7 +51,8 @@ def main() -> None:
     if ce.backend() == "torch":
         raise SystemExit("books_host: needs the compiled CPU expert kernel (the mailbox worker)")
     root = Path(tempfile.mkdtemp(prefix="strata-books-"))
-    store = ExpertStore.open(build_store(root, args.layers, args.experts))
+    store = ExpertStore.open(key_store(root, args.layers, args.experts, args.top_k))
+    hidden = store.expert_shapes[0][1]
     n = args.layers * args.experts
     gpu_slots = int(n * args.gpu_fraction)
     m = TierManager(store, TierBudgets(gpu_slots=gpu_slots, pinned_slots=n), gpu_device=torch.device("cpu"), io_threads=2)
@@ -109,7 +71,7 @@ def main() -> None:
     addresses = np.zeros((args.layers, args.experts), dtype=np.int64)
     for (layer, e), slot in m.pinned.slot_of.items():
         addresses[layer, e] = m.pool.slot_address(slot)
-    box = CpuMailbox(list(range(args.layers)), addresses, hidden=H, inter=INTER, gu_bytes=store.index.gate_up_bytes,
+    box = CpuMailbox(list(range(args.layers)), addresses, hidden=hidden, inter=store.expert_shapes[1][1], gu_bytes=store.index.gate_up_bytes,
                      payload=store.payload_bytes, top_k=args.top_k, max_tokens=1, threads=2, device=torch.device("cpu"))
     compute._mailbox_kernel = (0, 0, 0.0)  # as ExpertCompute._open_mailbox sets it
     books = MailboxBooks(box, m, compute.promote_one, compute._count_mailbox)
@@ -122,7 +84,7 @@ def main() -> None:
                 ids = perm[li][rng.choice(args.experts, args.top_k, replace=False, p=prob)]
                 slots = [m.gpu.slot_of.get((li, int(e)), -1) for e in ids]
                 box.exchange(li, torch.from_numpy(ids.astype(np.int64)), torch.tensor(slots, dtype=torch.int32),
-                             torch.randn(1, H), torch.rand(1, args.top_k))
+                             torch.randn(1, hidden), torch.rand(1, args.top_k))
             t0 = time.perf_counter()
             if prof is not None:
                 prof.enable()
@@ -130,7 +92,6 @@ def main() -> None:
             if prof is not None:
                 prof.disable()
             times.append(time.perf_counter() - t0)
-        m.wait_settled() if hasattr(m, "wait_settled") else None
         res = {"layers": args.layers, "experts": args.experts, "top_k": args.top_k, "skew": args.skew,
                "steps": args.steps, "flush_us_median": round(1e6 * float(np.median(times)), 1),
                "flush_us_mean": round(1e6 * float(np.mean(times)), 1), "promotions": compute.promotions,

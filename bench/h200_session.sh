@@ -100,11 +100,7 @@ case "$1" in
   mailbox)  # one-graph split decode's cost per MoE layer by cold experts (fixed cost: the 0-cold row), two thread counts
     for t in 15 12; do timeout 100 python3 bench/mailbox_probe.py --threads $t --out "$OUT/mailbox-t$t" 2>&1 | tail -5; done ;;
   timeline)  # a one-graph split step end to end (host, GPU events, the worker's clock), uniform and skewed routing
-    for r in uniform 1.0; do
-      python3 -m strata demo-model "/dev/shm/b12-$r" --size bench --layers 12 --no-engram --route-skew "$r" > /dev/null 2>&1
-      timeout 240 python3 bench/step_timeline.py --model "/dev/shm/b12-$r" --out "$OUT/timeline-$r" \
-        --cases "${2:-split,split+share0,ceiling}" 2>&1 | grep '^{"' | cut -c1-1500
-    done ;;
+    for r in uniform 1.0; do timeout 240 bash "$0" timeline-one "$r" "${2:-split,split+share0,ceiling}"; done ;;
   engram)
     timeout 280 python3 bench/engram.py --out "$OUT/engram" --model-dir /dev/shm/engram --steps 200 2>&1 | tail -14 ;;
 esac

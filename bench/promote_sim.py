@@ -51,25 +51,30 @@ def record_trace(model_dir: Path, tokens: int, seed: int = 0) -> tuple[dict[int,
     return prefill, decode, eng.checkpoint.config.num_experts
 
 
-def load_trace(path: Path, tmp: Path) -> tuple[dict[int, list], dict[int, list], int, Path]:
-    """A recorded trace and a store with the same (layer, expert) keys to replay it on: the `tiny` demo
-    model's shape with the trace's layer and expert counts (the policy sees keys and counts, not weights)."""
+def key_store(tmp: Path, layers: int, experts: int, top_k: int, first_moe: int = 0) -> Path:
+    """A store with `experts` tiny experts in each of the MoE layers first_moe..layers-1: the `tiny` demo model's
+    shape with those counts (the tier policy sees keys and counts, not weights)."""
     from strata.runtime import demo_model
     from strata.runtime.convert import convert_checkpoint
 
-    trace = json.loads(path.read_text())
-    prefill = {int(k): v for k, v in trace["prefill"].items()}
-    decode = {int(k): v for k, v in trace["decode"].items()}
-    k = len(next(iter(decode.values()))[0])
     cfg = demo_model._BASE_CONFIGS["tiny"]
-    demo_model._BASE_CONFIGS["tiny"] = {**cfg, "num_hidden_layers": trace["num_layers"], "first_k_dense_replace": min(decode),
-                                        "n_routed_experts": trace["num_experts"], "num_experts_per_tok": k,
+    demo_model._BASE_CONFIGS["tiny"] = {**cfg, "num_hidden_layers": layers, "first_k_dense_replace": first_moe,
+                                        "n_routed_experts": experts, "num_experts_per_tok": top_k,
                                         "n_group": 1, "topk_group": 1}
     try:
         model = demo_model.write_demo_model(tmp / "model", "tiny", engram=False, progress=False)
     finally:
         demo_model._BASE_CONFIGS["tiny"] = cfg
-    return prefill, decode, trace["num_experts"], convert_checkpoint(model, tmp / "store", progress=False)
+    return convert_checkpoint(model, tmp / "store", progress=False)
+
+
+def load_trace(path: Path, tmp: Path) -> tuple[dict[int, list], dict[int, list], int, Path]:
+    """A recorded trace and a store with the same (layer, expert) keys to replay it on (`key_store`)."""
+    trace = json.loads(path.read_text())
+    prefill = {int(k): v for k, v in trace["prefill"].items()}
+    decode = {int(k): v for k, v in trace["decode"].items()}
+    k = len(next(iter(decode.values()))[0])
+    return prefill, decode, trace["num_experts"], key_store(tmp, trace["num_layers"], trace["num_experts"], k, min(decode))
 
 
 def replay(store_dir: Path, prefill: dict, decode: dict, fraction: float, mode: str) -> dict:

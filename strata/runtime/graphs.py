@@ -186,8 +186,8 @@ class DecodeGraphs:
         self.captures = 0
         self.failed: dict[str, str] = {}  # mode -> why its capture failed (that mode then runs eagerly)
         self.before_step: Callable[[], None] | None = None  # run before each graph step (e.g. the mailbox's checks)
-        # run once a step's graph is launched, while the GPU works (e.g. the mailbox's books: woken before the
-        # launch, that Python thread held the GIL the launch needed, ~1.3 ms a token on the H200 box)
+        # run once a step's graph is launched, while the GPU works (e.g. waking the mailbox's books, whose Python
+        # thread would otherwise hold the GIL the launch needs)
         self.after_launch: Callable[[], None] | None = None
         self.eager_shapes: dict[tuple, str] = {}  # graph key -> why that shape alone runs eagerly
 

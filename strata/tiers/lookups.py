@@ -37,8 +37,7 @@ class LookupsMixin:
         if self.gpu is None:
             return
         with self._lock:
-            for e in experts:
-                self.gpu.policy.touch((layer, int(e)))
+            self.gpu.policy.touch_many([(layer, int(e)) for e in experts])
 
     def note_pinned_reads(self, layer: int, experts: Iterable[int]) -> None:
         """Lookups of `layer` the GPU tier missed that a native CPU worker served in place from pinned RAM
@@ -46,20 +45,18 @@ class LookupsMixin:
         `note_gpu_misses` and `hold_resident` count the host step's CPU share."""
         keys = [(layer, int(e)) for e in experts]
         with self._lock:
-            self._note_prefetch_uses(self.pinned, keys)
-            if not self._pinned_holds_all:
-                self.pinned.policy.touch_many(keys)
-            self.stats_.lookup_many(layer, self.pinned.name, [k[1] for k in keys])
+            self._count_pinned_reads(keys)
             if self.gpu is not None:
                 self.gpu.policy.touch_many(keys)
 
-    def _count_pinned_read(self, key: tuple[int, int]) -> None:
-        """One lookup of `key` served in place from its pinned-RAM slot (lock held)."""
+    def _count_pinned_reads(self, keys: list[tuple[int, int]]) -> None:
+        """One lookup of each of `keys`, served in place from its pinned-RAM slot (lock held)."""
         tier = self.pinned
-        self._note_prefetch_use(tier, key)
+        self._note_prefetch_uses(tier, keys)
         if not self._pinned_holds_all:
-            tier.policy.touch(key)
-        self.stats_.lookup(key[0], tier.name, False, 0.0, expert=key[1])
+            tier.policy.touch_many(keys)
+        for layer in sorted({k[0] for k in keys}):  # usually one layer
+            self.stats_.lookup_many(layer, tier.name, [e for kl, e in keys if kl == layer])
 
     def note_uses(self, layer: int, uses: dict[int, int]) -> None:
         """A prefill chunk routed `uses[e]` tokens to expert e of `layer`: the GPU tier's frequency history
@@ -109,8 +106,8 @@ class LookupsMixin:
             if not self._all_in_tier(tier, keys):
                 return None
             me = threading.get_ident()
+            self._count_pinned_reads(keys)
             for key in keys:
-                self._count_pinned_read(key)
                 tier.refs[key] = tier.refs.get(key, 0) + 1
             self._thread_refs[me] += len(keys)
             return [tier.slot_of[k] for k in keys]

@@ -83,7 +83,11 @@ class LFUPolicy:
     def _push(self, key: Key) -> None:
         self._seq += 1
         heapq.heappush(self._heap, (self._priority(key), self._seq, key))
-        if len(self._heap) > 4 * len(self._resident) + 64:  # drop stale entries now and then
+        self._compact()
+
+    def _compact(self) -> None:
+        """Drop the heap's stale entries now and then (each touch of a resident object pushes a new one)."""
+        if len(self._heap) > 4 * len(self._resident) + 64:
             self._heap = [(self._priority(k), i, k) for i, k in enumerate(self._resident)]
             heapq.heapify(self._heap)
 
@@ -112,9 +116,7 @@ class LFUPolicy:
             if key in resident:  # _push, its priority log(count) + decay * t at t = now
                 self._seq += 1
                 heapq.heappush(heap, (log(count) + decay * now, self._seq, key))
-        if len(heap) > 4 * len(resident) + 64:  # drop stale entries now and then (as `_push`)
-            self._heap = [(self._priority(k), i, k) for i, k in enumerate(resident)]
-            heapq.heapify(self._heap)
+        self._compact()
 
     def insert(self, key: Key) -> None:
         self._resident.add(key)
