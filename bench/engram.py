@@ -40,14 +40,17 @@ from strata.tiers.diskio import fs_type
 
 # (tier, prefetch, zero_copy): zero_copy matters for pinned and tmpfs tables (read in place vs the row cache)
 CASES = [("gpu", True, True), ("pinned", True, True), ("pinned", True, False), ("tmpfs", True, True),
-         ("tmpfs", True, False), ("disk", True, True), ("disk", False, True), ("disk", True, True, False)]
-# a fourth field False: the disk reader's runs read from Python, not natively (strata.tiers.native_io)
+         ("tmpfs", True, False), ("disk", True, True), ("disk", False, True), ("disk", True, True, False),
+         ("disk", True, True, True, False)]
+# a fourth field False: the disk reader's runs read from Python, not natively (strata.tiers.native_io);
+# a fifth False: engram.graph_wait off (the graph cut at each Engram layer, rows served between the pieces)
 
 
-def case_name(tier: str, prefetch: bool, zero_copy: bool, native: bool = True) -> str:
+def case_name(tier: str, prefetch: bool, zero_copy: bool, native: bool = True, graph_wait: bool = True) -> str:
     """A case's name in the report: the tier, "-noprefetch", "-cached" (the row cache instead of in place),
-    "-pyio" (disk reads issued from Python)."""
-    return tier + ("" if prefetch else "-noprefetch") + ("-cached" if not zero_copy else "") + ("" if native else "-pyio")
+    "-pyio" (disk reads issued from Python), "-segmented" (no device-side wait for the rows)."""
+    return (tier + ("" if prefetch else "-noprefetch") + ("-cached" if not zero_copy else "") + ("" if native else "-pyio")
+            + ("" if graph_wait else "-segmented"))
 
 
 def zipf_tokens(n: int, vocab: int, a: float, seed: int) -> np.ndarray:
@@ -59,9 +62,10 @@ def zipf_tokens(n: int, vocab: int, a: float, seed: int) -> np.ndarray:
 class Case:
     """One engine (one table tier) with its own KV cache, stepped through the shared token stream."""
 
-    def __init__(self, model_dir: Path, tier: str, prefetch: bool, zero_copy: bool, native: bool, args,
-                 stream: torch.Tensor, stack):
-        conf = {"engram": {"tier": tier, "row_cache": args.row_cache, "prefetch": prefetch, "zero_copy": zero_copy},
+    def __init__(self, model_dir: Path, tier: str, prefetch: bool, zero_copy: bool, native: bool, graph_wait: bool,
+                 args, stream: torch.Tensor, stack):
+        conf = {"engram": {"tier": tier, "row_cache": args.row_cache, "prefetch": prefetch, "zero_copy": zero_copy,
+                           "graph_wait": graph_wait},
                 "tiers": {"disk": {"scrub": False, "path": args.store_dir}, "tmpfs": {"budget": "64GiB"}},
                 "prefetch": {"lookahead": 1}}
         t_load = time.perf_counter()
@@ -69,7 +73,7 @@ class Case:
         self.load_s = time.perf_counter() - t_load
         self.eng.wait_settled()  # the experts' start-up placement must not run inside the timed steps
         self.tier, self.prefetch, self.zero_copy, self.stream, self.t = tier, prefetch, zero_copy, stream, 0
-        self.name = case_name(tier, prefetch, zero_copy, native)
+        self.name = case_name(tier, prefetch, zero_copy, native, graph_wait)
         reader = getattr(self.eng.model.engram.source, "reader", None)
         if reader is not None and not native:
             reader.native = False
@@ -108,7 +112,9 @@ class Case:
         name = self.name
         g = self.eng.model.graphs  # whether this tier's decode steps replayed CUDA graphs or ran eagerly
         graphs = None if g is None else {"replays": g.replays, "captures": g.captures, "failed": dict(g.failed),
-                                         "mode": g.mode()}  # "full": one graph a step, "segmented": host steps between
+                                         "mode": g.mode(),  # "full": one graph a step, "segmented": host steps between
+                                         "segmented": any(type(x.graph).__name__ == "SegmentRecorder"
+                                                          for x in g.graphs.values())}
         m, compute = self.eng.tiers, self.eng._compute
         experts = None if m is None else {  # why decode steps are (not) one graph: every expert in a GPU slot?
             "keys": len(m.store.keys()), "gpu_capacity": m.gpu.capacity if m.gpu is not None else 0,
@@ -157,7 +163,7 @@ def main() -> None:
     stream = torch.from_numpy(tokens).view(args.batch, -1)  # [batch, warmup + rounds * (2 + per_round)]
     with contextlib.ExitStack() as stack:
         wanted = args.cases.split(",") if args.cases else None
-        cases = [Case(model_dir, *case[:3], case[3] if len(case) > 3 else True, args, stream, stack) for case in CASES
+        cases = [Case(model_dir, *(case + (True, True))[:5], args, stream, stack) for case in CASES
                  if wanted is None or case_name(*case) in wanted]
         if not cases or cases[0].tier != "gpu":
             raise SystemExit("--cases must include gpu (the baseline every other case is compared with)")

@@ -11,6 +11,10 @@ gathers themselves (GPU work inside the graph on the box) are left out. The mode
 (the `small` demo model with 2 Engram layers), its tables enlarged to `--table-rows` rows per head, built
 under `--work` on a real disk; `--batch` sequences decode Zipf(1.1) tokens, teacher-forced.
 Writes engram_step_host.json (with `--profile`, the host functions by own time too).
+
+`--handshake`: the step as a one-graph decode step with `engram.graph_wait` serves it instead (the "device"
+side on this CPU: the row ids posted, each layer's answer awaited natively): the handshake thread's own
+timing (lookups and reads queued, the first layer answered, the whole step) and the step's wall time.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ def main() -> None:
     ap.add_argument("--work", default="~/.cache/strata-engram-step", help="a real disk (not tmpfs)")
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", default=".")
+    ap.add_argument("--handshake", action="store_true", help="serve steps through the rows' handshake")
     args = ap.parse_args()
     work = Path(args.work).expanduser()
     work.mkdir(parents=True, exist_ok=True)
@@ -56,6 +61,12 @@ def main() -> None:
     tokens = torch.from_numpy(rng.permutation(8192)[np.minimum(rng.zipf(1.1, (n, args.batch)), 8192) - 1])
     with Engine.from_pretrained(model_dir, device="cpu", config=conf) as eng:
         rt, layers = eng.model.engram, eng.model.layers
+        if args.handshake:
+            result = handshake_steps(eng, tokens, args)
+            print(json.dumps(result))
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+            (Path(args.out) / "engram_step_host.json").write_text(json.dumps(result, indent=1))
+            return
         cache = KVCache(eng.checkpoint.config, args.batch, n + 8, eng.dtype, "cpu")
         seconds = dict.fromkeys(PHASES, 0.0)
         statics = None
@@ -100,6 +111,36 @@ def main() -> None:
         print(result["profile"])
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "engram_step_host.json").write_text(json.dumps(result, indent=1))
+
+
+def handshake_steps(eng, tokens: torch.Tensor, args) -> dict:
+    """Steps served by the rows' handshake on this CPU (strata.tiers.engram_handshake): per-step wall time and
+    the handshake thread's phases, in microseconds per step, after the warm-up."""
+    from strata.runtime.kv_cache import DecodeBatch
+    from strata.tiers.engram_handshake import RowHandshake
+
+    rt, layers, store = eng.model.engram, eng.model.layers, eng.model.engram.source
+    store.handshake = rt.handshake = RowHandshake(store, rt.cfg.layer_ids, rt.cfg.num_heads, args.batch,
+                                                  torch.device("cpu"))
+    b = args.batch
+    cache = KVCache(eng.checkpoint.config, b, tokens.shape[0] + 8, eng.dtype, "cpu")
+    slots = torch.arange(b)
+    wall = 0.0
+    with torch.inference_mode():
+        for t in range(args.warmup + args.steps):
+            if t == args.warmup:
+                base, stall0, wall = dict(rt.handshake.stats()), store.stats_.stall_s, 0.0
+            t0 = time.perf_counter()
+            rt.device_step_queued(layers, b)
+            step = rt.begin(tokens[t], DecodeBatch(slots, torch.full((b,), t), tokens.shape[0] + 8), cache, layers)
+            for layer in rt.cfg.layer_ids:
+                step.rows(layer)
+            wall += time.perf_counter() - t0
+    after = rt.handshake.stats()
+    per = {k: round((after[k] - base[k]) / args.steps * 1e6, 1) for k in ("serve_s", "first_layer_s")}
+    per["waiting_reads"] = round((store.stats_.stall_s - stall0) / args.steps * 1e6, 1)
+    per["step_wall"] = round(wall / args.steps * 1e6, 1)
+    return {"args": vars(args), "us_per_step": per, "rows": store.stats()}
 
 
 if __name__ == "__main__":

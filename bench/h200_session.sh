@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 set -u
@@ -51,6 +51,18 @@ case "$1" in
   tests-decode)  # the GPU tests of the decode kernels and paths only (after a change there)
     timeout 240 python3 -m pytest -q -m gpu tests/test_fused_kernels.py tests/test_gpu.py tests/test_decode_path.py \
       tests/test_step_copies.py > "$OUT/gpu_tests_decode.txt" 2>&1; tail -3 "$OUT/gpu_tests_decode.txt" ;;
+  handshake)  # the twelfth session: the Engram rows' handshake (one graph a step with disk tables): its GPU tests, the
+              # host side alone on this box's CPU and disk (engram_step_host --handshake, row_reads), then the Engram
+              # bench with the disk case through it and through the segmented graphs it replaces
+    timeout 200 python3 -m pytest -q -m gpu tests/test_engram_handshake.py tests/test_engram.py tests/test_decode_path.py \
+      tests/test_tier_primitives.py > "$OUT/gpu_tests_engram.txt" 2>&1
+    tail -3 "$OUT/gpu_tests_engram.txt"
+    timeout 60 python3 -m pytest -q tests/test_engram_handshake.py tests/test_engram_verify.py 2>&1 | tail -2
+    timeout 150 python3 bench/engram_step_host.py --handshake --steps 300 --out "$OUT/step-host" 2>&1 | tail -1 | cut -c1-600
+    t=$(ls ~/.cache/strata-engram-step/stores/*/tables/engram.1.bin | head -1)
+    timeout 100 python3 bench/row_reads.py --table "$t" --reps 200 --out "$OUT/row-reads" 2>&1 | tail -1
+    timeout 330 python3 bench/engram.py --out "$OUT/engram" --model-dir /dev/shm/engram --steps 200 \
+      --cases "${2:-gpu,pinned,tmpfs,disk,disk-noprefetch,disk-segmented}" 2>&1 | tail -9 | cut -c1-700 ;;
   next)  # the twelfth session's first call: GPU tests of the eleventh session's changes (books after the launch, in
          # bulk; parking), then where a one-graph token's ~0.5 ms beyond the ceiling's goes: the kernel's workers parked
          # after each step, spinning 100 us, no books at all (then run `suite`)

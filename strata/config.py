@@ -255,10 +255,12 @@ class EngramTierConfig:
     prefetch: bool = True  # start fetching rows when token ids exist (before the forward pass reaches the layer)
     read_batch: int = 4096  # rows per background read job (many jobs in flight)
     zero_copy: bool = True  # pinned / tmpfs tables on CUDA: the GPU reads rows in place over PCIe (no row cache)
+    graph_wait: bool = True  # disk tables on CUDA: decode graphs wait on the device for the host to serve rows
 
     def __post_init__(self) -> None:
-        if not isinstance(self.zero_copy, bool):
-            raise ConfigError(f"engram.zero_copy must be true or false, got {self.zero_copy!r}")
+        for key in ("zero_copy", "graph_wait"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"engram.{key} must be true or false, got {getattr(self, key)!r}")
         if self.tier not in ("auto", "gpu", "pinned", "tmpfs", "disk"):
             raise ConfigError(f'engram.tier = {self.tier!r} is invalid; use "auto", "gpu", "pinned", "tmpfs" or "disk"')
         parse_size(self.row_cache, "engram.row_cache")

@@ -16,6 +16,7 @@ import gc
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -53,6 +54,17 @@ class _Counters:
     extra: dict = field(default_factory=dict)
 
 
+def _release(compute, tiers, model) -> None:
+    """What `Engine.close` frees: the CPU worker, the tier manager's threads and memory, the Engram row store."""
+    if (close_mailbox := getattr(compute, "close_mailbox", None)) is not None:
+        close_mailbox()  # the CPU worker of one-graph decode steps reads the pinned pool freed below
+    if tiers is not None:
+        tiers.close()
+    rows = getattr(getattr(model, "engram", None), "source", None)  # the Engram row store's readers
+    if rows is not None and hasattr(rows, "close"):
+        rows.close()
+
+
 class Engine:
     """A loaded model ready to generate. Build it with `Engine.from_pretrained`."""
 
@@ -66,6 +78,9 @@ class Engine:
         self.eos_token_ids = set(self.checkpoint.eos_token_ids) | set(tokenizer.eos_token_ids)
         self._lock = threading.Lock()
         self._counters = _Counters()
+        # an engine dropped or still open at exit is released then: before the interpreter kills the tier manager's
+        # daemon threads, which inside a torch call aborts the process ("terminate called without an active exception")
+        self._release = weakref.finalize(self, _release, self._compute, self.tiers, self.model)
 
     @classmethod
     def from_pretrained(
@@ -115,15 +130,10 @@ class Engine:
                          decode_gap_target=decode_gap_target)
 
     def close(self) -> None:
-        """Stop the tier manager's threads and free its memory (the engine is unusable afterwards)."""
-        if (close_mailbox := getattr(self._compute, "close_mailbox", None)) is not None:
-            close_mailbox()  # the CPU worker of one-graph decode steps reads the pinned pool freed below
-        if self.tiers is not None:
-            self.tiers.close()
-            self.tiers = None
-        rows = getattr(getattr(self.model, "engram", None), "source", None)  # the Engram row store's readers
-        if rows is not None and hasattr(rows, "close"):
-            rows.close()
+        """Stop the tier manager's threads and free its memory (the engine is unusable afterwards). Engines still
+        open when the interpreter exits are closed then."""
+        self._release()  # once: later calls do nothing
+        self.tiers = None
         gc.unfreeze()  # from_pretrained froze the loaded objects; let the collector reclaim this engine's cycles
 
     def __enter__(self) -> Engine:

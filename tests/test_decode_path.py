@@ -389,6 +389,27 @@ def test_graph_replays_equal_eager_decode(plain_tiny):
     assert graphs.model.graphs.captures >= 2  # batch of 1 and batch of 3
 
 
+@pytest.mark.gpu
+def test_graphs_are_captured_again_after_every_graph_was_freed(plain_tiny):
+    """A cache whose graphs were all dropped (a scheduler stopped: its cache freed) leaves the shared graph pool
+    with no user; the next capture must not reuse its handle (the allocator asserts), so later caches still
+    decode in graphs."""
+    import gc
+
+    eng = Engine.from_pretrained(plain_tiny, device="cuda", config={"runtime": {"experts": "memory"}})
+    g = eng.model.graphs
+    for round_ in range(2):
+        cache = KVCache(eng.model.cfg, 2, 256, eng.dtype, "cuda")
+        with torch.inference_mode():
+            eng.model(torch.arange(5, 15, device="cuda"), StepBatch([0, 1], [0, 0], [5, 5]), cache)
+            for t in range(3):
+                eng.model(torch.tensor([7, 8], device="cuda"), StepBatch([0, 1], [5 + t] * 2, [1, 1]), cache)
+        assert g.captures == round_ + 1 and not g.failed
+        del cache
+        gc.collect()
+        assert not g.graphs  # the cache's graphs went with it
+
+
 def assert_batched_decode_identical(eager: Engine, graphs: Engine, steps: int) -> None:
     """Batched decode of 3 sequences at different lengths, straight through both models: equal hidden states."""
     caches = [KVCache(m.model.cfg, 3, 1024, m.dtype, "cuda") for m in (eager, graphs)]

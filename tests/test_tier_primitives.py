@@ -41,16 +41,18 @@ def store_file(request, tmp_path) -> tuple[Path, np.ndarray]:
     path.unlink(missing_ok=True)
 
 
-@pytest.fixture(params=["native", "python"])
+@pytest.fixture(params=["native-aio", "native-threads", "python"])
 def reader(request, monkeypatch):
-    """A reader whose row gathers read their runs natively (one C loop per thread: strata.tiers.native_io,
-    built here with the system compiler) or from Python (the fallback without a compiler)."""
-    if request.param == "native":
+    """A reader whose row gathers read their runs natively (strata.tiers.native_io, built here with the system
+    compiler: all submitted at once through Linux AIO on O_DIRECT files, or one C loop per thread) or from
+    Python (the fallback without a compiler)."""
+    if request.param.startswith("native"):
         if not native_io.available():
             pytest.skip("no C++ compiler for the native reads")
     else:
         monkeypatch.setattr(native_io, "available", lambda: False)
     r = DiskReader(num_threads=4, chunk_bytes=64 * 1024)  # small chunks: big reads fan out over the pool
+    r.aio = request.param == "native-aio"
     yield r
     r.close()
 
@@ -116,6 +118,43 @@ def test_read_rows_match_numpy(store_file, reader, row_bytes, base):
     reader.read_rows(path, base, row_bytes, torch.tensor([5, 0, 5]), small).result()
     assert np.array_equal(small.numpy(), table[[5, 0, 5]])
     assert reader.read_rows(path, base, row_bytes, [], torch.empty(0, dtype=torch.uint8)).result().numel() == 0
+    inline = torch.empty(len(rows), row_bytes, dtype=torch.uint8)  # read in the calling thread: a finished future
+    fut = reader.read_rows(path, base, row_bytes, rows, inline, inline=True)
+    assert fut.done() or not native_io.available()  # without native reads it goes through the pool, as before
+    assert np.array_equal(fut.result().numpy(), table[rows])
+
+
+def test_aio_reads_equal_threaded_reads(tmp_path):
+    """The native reads through Linux AIO (all of a batch in flight from one thread) return the same bytes as
+    the threaded ones, the file's short last block included, and report a run past the end like them."""
+    if not native_io.available():
+        pytest.skip("no C++ compiler for the native reads")
+    path = tmp_path / "aio.bin"
+    data = _write(path, 300 * ALIGN + 1234)
+    flags = os.O_RDONLY | getattr(os, "O_DIRECT", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError:
+        pytest.skip("no O_DIRECT on this filesystem")
+    try:
+        rng = np.random.default_rng(5)
+        blocks = np.unique(np.concatenate([rng.integers(0, 300, 40), [300]]))  # block 300 is the short last one
+        off, length = blocks * ALIGN, np.full(blocks.size, ALIGN)
+        need = np.minimum(length, len(data) - off)
+        bufs = {}
+        for aio in (True, False):
+            buf = aligned_empty(blocks.size * ALIGN).numpy()
+            native_io.read_runs(fd, off, length, need, buf, np.arange(blocks.size) * ALIGN, threads=4, aio=aio)
+            bufs[aio] = buf
+        assert np.array_equal(bufs[True], bufs[False])
+        for j, b in enumerate(blocks):
+            n = int(need[j])
+            assert np.array_equal(bufs[True][j * ALIGN : j * ALIGN + n], data[b * ALIGN : b * ALIGN + n])
+        with pytest.raises(EOFError):  # a run that needs bytes past the end
+            native_io.read_runs(fd, np.array([0, 301 * ALIGN]), np.full(2, ALIGN), np.full(2, ALIGN),
+                                aligned_empty(2 * ALIGN).numpy(), np.array([0, ALIGN]), aio=True)
+    finally:
+        os.close(fd)
 
 
 def test_rows_straddling_blocks(tmp_path, reader):

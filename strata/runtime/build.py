@@ -21,7 +21,7 @@ from strata.runtime.checkpoint import Checkpoint
 from strata.runtime.convert import convert_checkpoint
 from strata.runtime.engram_store import attach_row_store, drop_tables
 from strata.runtime.expert_compute import ExpertCompute
-from strata.runtime.graphs import current_recorder
+from strata.runtime.graphs import MAX_GRAPH_BATCH, current_recorder
 from strata.runtime.host import probe_host
 from strata.runtime.loader import load_model
 from strata.runtime.model import MoETransformer
@@ -122,7 +122,9 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
     if device.type == "cuda":  # one graph per step once every expert is resident; until then, graphs between host steps
         # (Engram rows the device cannot read in place also need a host step, at their layer: waiting there
         # for a layer's reads, not before the step, lets them overlap the layers before it)
-        host_rows = model.engram is not None and model.engram.direct_tables(model.layers) is None
+        if model.engram is not None and cfg.engram.graph_wait and cfg.runtime.cuda_graphs:
+            model.engram.enable_handshake(MAX_GRAPH_BATCH)  # disk rows served to one graph a step
+        host_rows = model.engram is not None and not model.engram.device_steps(model.layers, 1)
         model.enable_decode_graphs(lambda: None if not cfg.runtime.cuda_graphs
                                    else "full" if compute.all_resident() and not host_rows
                                    else "mailbox" if not host_rows and compute.mailbox_ready() else "segmented")

@@ -225,6 +225,7 @@ class EngramRuntime(nn.Module):
         self._hasher: NgramHasher | None = None
         self._direct: tuple | None = None  # (source, its in-place tables or None), see `direct_tables`
         self._token_maps: dict = {}  # device -> token_map there (staged models keep it on the host)
+        self.handshake = None  # decode steps served rows by the host through page-locked memory (`enable_handshake`)
 
     @property
     def hasher(self) -> NgramHasher:
@@ -239,9 +240,13 @@ class EngramRuntime(nn.Module):
                                       for i in self.cfg.layer_ids})
 
     def stats(self) -> dict:
-        """The row source's statistics (`engine.stats()["engram"]`): lookups, hits per tier, bytes, stall."""
+        """The row source's statistics (`engine.stats()["engram"]`): lookups, hits per tier, bytes, stall;
+        with a handshake, its steps, host serving seconds and the GPU's waits under "handshake"."""
         stats = getattr(self.source, "stats", None)
-        return stats() if stats is not None else {"tier": "memory"}
+        out = stats() if stats is not None else {"tier": "memory"}
+        if self.handshake is not None:
+            out["handshake"] = self.handshake.stats()
+        return out
 
     def prefetch(self, ids: list[int] | torch.Tensor, history: list[int] | torch.Tensor = ()) -> None:
         """Start fetching the rows of tokens `ids` (after `history`) for every Engram layer; returns at once.
@@ -265,6 +270,31 @@ class EngramRuntime(nn.Module):
             self._direct = (self.source, tables if tables and all(t is not None for t in tables.values()) else None)
         return self._direct[1]
 
+    def enable_handshake(self, max_tokens: int) -> bool:
+        """Let CUDA-graph decode steps of up to `max_tokens` tokens take their rows from the source's host
+        cache through a handshake (strata.tiers.engram_handshake) instead of host steps between graph
+        segments; False when the source cannot (tables read in place need none; see `start_handshake`)."""
+        start = getattr(self.source, "start_handshake", None)
+        if start is not None and self.handshake is None:
+            self.handshake = start(self.cfg.layer_ids, self.cfg.num_heads, max_tokens)
+        return self.handshake is not None
+
+    def device_steps(self, layers: nn.ModuleList, tokens: int) -> bool:
+        """Whether a decode step of `tokens` tokens is computed entirely on the device (hashing and gathers in
+        its graph): tables the device reads in place, or a handshake that holds that many tokens."""
+        if self.direct_tables(layers) is not None:
+            return True
+        return self.handshake is not None and tokens <= self.handshake.max_tokens
+
+    def device_step_queued(self, layers: nn.ModuleList, tokens: int) -> None:
+        """A device-side decode step of `tokens` tokens is about to run: count its lookups (tables read in
+        place), or raise what failed serving an earlier step and wake the handshake's host thread for it."""
+        if self.direct_tables(layers) is not None:
+            self.count_direct(tokens)
+        else:
+            self.handshake.check()
+            self.handshake.expect()
+
     def count_direct(self, tokens: int) -> None:
         """Count a device-side decode step's lookups (`tokens` tokens) in the row statistics, on the host."""
         note = getattr(self.source, "note_direct", None)
@@ -280,10 +310,13 @@ class EngramRuntime(nn.Module):
             self.bind(layers)
         if isinstance(batch, DecodeBatch):
             tables = self.direct_tables(layers)
-            if tables is None:
-                raise RuntimeError("a DecodeBatch without Engram inputs needs tables the device reads in place")
+            if tables is None and not self.device_steps(layers, input_ids.numel()):
+                raise RuntimeError("a DecodeBatch without Engram inputs needs tables the device reads in place "
+                                   "or the rows' handshake")
+            hs = self.handshake if tables is None else None
             return device_step(self.hasher, self._token_map_on(input_ids.device), tables, input_ids, batch.slots_t,
-                               batch.pos_t, cache, self.cfg.kernel_size)
+                               batch.pos_t, cache, self.cfg.kernel_size, hs,
+                               hs.source.gather_view if hs is not None else None)
         ec: EngramCache = cache.engram
         seqs = list(batch.sequences())
         if seqs and all(n == 1 for *_, n in seqs):  # a decode step: vectorised, one device round trip

@@ -12,8 +12,11 @@ positions [B] (all device tensors of a `DecodeBatch`) it
     maps the convolution's taps and ring slots     from the positions alone
 
 Everything is a fixed-shape tensor op, so `DecodeGraphs` captures it with the rest of the step. Host
-work for the row statistics (`count_direct`) happens before the replay. Prefill chunks, and tables
-that need the host (a row cache in front of disk), take `EngramRuntime.begin` instead.
+work for the row statistics (`count_direct`) happens before the replay. Tables on disk, behind the host
+row cache, are served the same way through a handshake (`HandshakeEngramStep`): the step hashes on the
+device, posts the row ids to the host's serving thread before layer 0 and waits on the device for each
+Engram layer's answer (strata.tiers.engram_handshake). Prefill chunks, and decode without a handshake,
+take `EngramRuntime.begin`'s host path instead.
 """
 
 from __future__ import annotations
@@ -41,10 +44,25 @@ class DeviceEngramStep:
         return self.taps, self.ring_dst, self.ring_src
 
 
-def device_step(hasher: NgramHasher, token_map: torch.Tensor, tables: dict[int, torch.Tensor], ids: torch.Tensor,
-                slots: torch.Tensor, pos: torch.Tensor, cache, kernel: int) -> DeviceEngramStep:
+class HandshakeEngramStep(DeviceEngramStep):
+    """A decode step whose rows come from the host row cache: every layer's row ids were posted to the host
+    when the step was built; `rows` waits on the device for the host's answer, then gathers in place."""
+
+    def __init__(self, handshake, view: torch.Tensor, tokens: int, *args):
+        super().__init__(*args)
+        self.handshake, self.view, self.tokens = handshake, view, tokens
+
+    def rows(self, layer: int) -> torch.Tensor:
+        return self.handshake.rows(layer, self.view, self.tokens)
+
+
+def device_step(hasher: NgramHasher, token_map: torch.Tensor, tables: dict[int, torch.Tensor] | None,
+                ids: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, cache, kernel: int,
+                handshake=None, view: torch.Tensor | None = None) -> DeviceEngramStep:
     """The decode step of `ids` [B] at `pos` [B] in cache `slots` [B] (device tensors); `token_map` is the
-    compressed-id table on the same device. Writes the tokens into the cache's device history."""
+    compressed-id table on the same device. Writes the tokens into the cache's device history. Rows come
+    from `tables` (read in place), or else from the host cache `view` through `handshake` (a `RowHandshake`:
+    the step's row ids are posted to the host here, before any layer runs)."""
     ec = cache.engram
     n = hasher.cfg.max_ngram_size
     w = ec.window
@@ -70,6 +88,9 @@ def device_step(hasher: NgramHasher, token_map: torch.Tensor, tables: dict[int, 
         ring_dst, ring_src = slots * ring + pos.remainder(ring), own
     else:
         ring_dst = ring_src = own[:0]
+    if tables is None:
+        handshake.post({layer: hasher.rows(layer, grams) for layer in handshake.layers})
+        return HandshakeEngramStep(handshake, view, b, hasher, {}, grams, taps, ring_dst, ring_src, ec)
     return DeviceEngramStep(hasher, tables, grams, taps, ring_dst, ring_src, ec)
 
 

@@ -262,6 +262,8 @@ class DecodeGraphs:
             frames = traceback.extract_tb(e.__traceback__)
             where = [f for f in frames if "/strata/" in f.filename] or frames  # strata's line that cannot be captured
             self.failed[mode] = f"{type(e).__name__}: {e} (at {Path(where[-1].filename).name}:{where[-1].lineno})"
+            if e.__context__ is not None:  # an error while ending the capture hides the one that broke it
+                self.failed[mode] += f"; during: {type(e.__context__).__name__}: {e.__context__}"
             log.warning("CUDA-graph capture (%s) failed, running decode steps eagerly: %s", mode, self.failed[mode])
             self._synchronize()
             return result
@@ -304,6 +306,8 @@ class DecodeGraphs:
             del self.graphs[key]
         for key in [k for k in self.eager_shapes if k[0] == cache_id]:
             del self.eager_shapes[key]
+        if not self.graphs:  # no graph holds the shared pool any more: the allocator forgets it, and a capture
+            self.pool = None  # into its handle would fail (use_count 0); the next capture makes a fresh one
 
 
 def is_decode(input_ids: torch.Tensor, batch: StepBatch) -> bool:

@@ -59,9 +59,9 @@ class MoETransformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, batch: StepBatch, cache: KVCache) -> torch.Tensor:
         decode = self.graphs is not None and is_decode(input_ids, batch)
         if self.engram is not None:
-            if decode and self.engram.direct_tables(self.layers) is not None:
+            if decode and self.engram.device_steps(self.layers, len(batch.slots)):
                 batch.engram = None  # the device hashes and gathers inside the step (strata.runtime.engram_decode)
-                self.engram.count_direct(len(batch.slots))
+                self.engram.device_step_queued(self.layers, len(batch.slots))
             else:  # rows depend on token ids only: start fetching them before layer 0
                 batch.engram = self.engram.begin(input_ids, batch, cache, self.layers)
         if decode:

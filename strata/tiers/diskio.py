@@ -148,6 +148,7 @@ class DiskReader:
             raise ValueError(f"need num_threads >= 1 and chunk_bytes a positive multiple of {ALIGN}")
         self.num_threads, self.direct, self.chunk_bytes = num_threads, direct, chunk_bytes
         self.native = native  # row gathers' runs read in one C loop per thread (None: where it can be built)
+        self.aio = True  # native row gathers on O_DIRECT files: every run submitted at once (Linux AIO)
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="strata-disk")
         self._files: dict[str, _File] = {}
         self._lock = threading.Lock()
@@ -246,12 +247,14 @@ class DiskReader:
         return [self.read(*r) for r in requests]
 
     def read_rows(self, path: PathLike, base_offset: int, row_bytes: int, rows: Sequence[int] | np.ndarray | torch.Tensor,
-                  out: torch.Tensor) -> Future:
+                  out: torch.Tensor, inline: bool = False) -> Future:
         """Gather rows of a table (row r at `base_offset + r * row_bytes`) into `out` viewed as [n, row_bytes].
 
         On a disk, the 4 KiB blocks the rows touch are deduplicated, coalesced into runs of consecutive
         blocks, read with O_DIRECT in parallel into an aligned scratch buffer, then scattered with one
-        index_select. Duplicates and rows straddling blocks are fine. Returns a future of `out`."""
+        index_select. Duplicates and rows straddling blocks are fine. Returns a future of `out`.
+        `inline`: with native reads, read in the calling thread (its native call then starts the extra
+        threads) and return a finished future: no hop through the reader's pool for a caller that waits anyway."""
         if base_offset < 0 or row_bytes <= 0:
             raise ValueError(f"need base_offset >= 0 and row_bytes > 0, got {base_offset}, {row_bytes}")
         idx = np.asarray(rows, dtype=np.int64).reshape(-1)
@@ -314,7 +317,7 @@ class DiskReader:
                 length = (run_b - run_a) * ALIGN
                 try:
                     native_io.read_runs(fd, off, length, np.minimum(length, f.size - off), sbuf, run_a * ALIGN,
-                                        threads=self.num_threads)
+                                        threads=self.num_threads, aio=f.direct and self.aio)
                 except EOFError as e:
                     self._give_scratch(scratch)
                     raise CheckpointError(f"{f.path} ended early: the read at offset {int(off[e.args[0]])} came "
@@ -324,6 +327,13 @@ class DiskReader:
                     raise CheckpointError(f"cannot read {f.path}: {e.strerror}") from e
                 return finish()
 
+            if inline:
+                done = Future()
+                try:
+                    done.set_result(read_all())
+                except BaseException as e:  # noqa: BLE001 - reported through the future, like the pool's
+                    done.set_exception(e)
+                return done
             return self._pool.submit(read_all)  # one task: no per-read Python, no fan-in
 
         runs, blk = list(zip(run_a.tolist(), run_b.tolist(), strict=True)), ub.tolist()

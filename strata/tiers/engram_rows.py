@@ -25,6 +25,9 @@ vouched for, and damage that leaves the file's identity unchanged is for `strata
 
 from __future__ import annotations
 
+import functools
+import logging
+import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -40,7 +43,17 @@ from strata.tiers.store import ExpertStore
 from strata.tiers.store_format import TORCH_DTYPES, TableEntry
 from strata.tiers.uva import RegisteredFile, device_view
 
+log = logging.getLogger(__name__)
 ENGRAM_TIERS = ("gpu", "pinned", "tmpfs", "disk")
+
+
+def _locked(method):
+    """Run `method` under the store's lock: the handshake's host thread serves decode steps from it too."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self.lock:
+            return method(self, *args, **kwargs)
+    return run
 
 
 def table_name(layer: int) -> str:
@@ -99,6 +112,8 @@ class EngramRowStore(TableLoadingMixin):
             self.base[layer], total = total, total + t.num_rows
         self.total_rows = total
         self.stats_ = RowStats()
+        self.lock = threading.RLock()  # the cache's bookkeeping: the compute thread and the handshake's host thread
+        self.handshake = None  # a RowHandshake once `start_handshake` made one (decode graphs wait on the device)
         self._live: list[_Ticket] = []  # started, not yet waited for: their cache hits must stay put
         self._pending: list[_Ticket] = []  # prefetches not yet absorbed into the cache
         self.full: dict[int, torch.Tensor] = {}  # gpu / pinned tiers: whole tables
@@ -133,8 +148,10 @@ class EngramRowStore(TableLoadingMixin):
         self.cache = RowCache(total, cache_rows, self.dim, self.dtype, device, slab=slab) if cache_rows > 0 else None
 
     # -- the row source protocol (strata.runtime.engram.RowSource) -------------------------------------
-    def start(self, layer: int, rows: torch.Tensor) -> _Ticket:
-        """Begin serving `rows` (int64 CPU [T, heads]) of `layer`; returns at once."""
+    @_locked
+    def start(self, layer: int, rows: torch.Tensor, issue: bool = True) -> _Ticket:
+        """Begin serving `rows` (int64 CPU [T, heads]) of `layer`; returns at once (`issue=False`: the misses'
+        reads wait for `wait`/`finish_one`, even with prefetch on)."""
         self._absorb(block=False)
         uniq, inverse = torch.unique(rows.reshape(-1), return_inverse=True)
         self.stats_.lookups += rows.numel()
@@ -146,11 +163,12 @@ class EngramRowStore(TableLoadingMixin):
             ticket.slots = self.cache.lookup(uniq + self.base[layer])
             ticket.miss = uniq[ticket.slots < 0]
             self._count("cache", int((ticket.slots >= 0).sum()))
-        if self.prefetch_on:
+        if self.prefetch_on and issue:
             self._issue(ticket)
         self._live.append(ticket)
         return ticket
 
+    @_locked
     def wait(self, ticket: _Ticket) -> torch.Tensor:
         """The rows of `ticket` [T, heads, head_dim] on the device, waiting only for reads still in flight."""
         layer, uniq = ticket.layer, ticket.uniq
@@ -171,6 +189,7 @@ class EngramRowStore(TableLoadingMixin):
             return self._assemble(ticket)
         return self._gather(slots[ticket.inverse]).view(*ticket.shape, self.dim)
 
+    @_locked
     def finish_step(self, tickets: dict[int, _Ticket]) -> dict[int, torch.Tensor]:
         """Every layer's rows of a decode step in the cache, for a gather inside the step's CUDA graph:
         waits for the reads, admits the misses (no row of the step evicts another) and returns, per layer,
@@ -185,6 +204,7 @@ class EngramRowStore(TableLoadingMixin):
             out[layer] = self.finish_one(ticket, held, left.values())
         return out
 
+    @_locked
     def check_step(self, tickets: dict[int, _Ticket]) -> None:
         """Raise unless the cache can hold every distinct row of a decode step at once (`finish_one` on each
         of its layers then cannot fail)."""
@@ -198,16 +218,21 @@ class EngramRowStore(TableLoadingMixin):
             raise RuntimeError(f"the Engram row cache ({self.cache.capacity} rows) cannot hold one decode step's "
                                "rows; raise engram.row_cache")
 
-    def finish_one(self, ticket: _Ticket, held: list[torch.Tensor], others) -> torch.Tensor:
+    @_locked
+    def finish_one(self, ticket: _Ticket, held: list[torch.Tensor], others, inline: bool = False) -> torch.Tensor:
         """One layer of a decode step (`finish_step`), so a segmented graph can admit each layer's rows right
         before that layer while the reads of later layers are still in flight: waits for this ticket's reads
-        only, admits its misses without evicting `held` (the slots of the step's layers finished so far; this
+        only (`inline`: a ticket started with `issue=False` reads them in this thread, not through the reader's
+        pool), admits its misses without evicting `held` (the slots of the step's layers finished so far; this
         one's are appended) or the hits of `others` (its layers still to come) and of live tickets; returns the
         cache slot of each asked-for row (int64 [T * heads], CPU)."""
         self._live = [t for t in self._live if t is not ticket]
-        self._await(ticket)
-        protect = held + [t.slots[t.slots >= 0] for t in [*others, *self._live]]
-        slots = self._admit(ticket, protect)
+        self._await(ticket, inline)
+        protect = held + [t.slots[t.slots >= 0] for t in others]
+        slots = self._admit(ticket, protect + [t.slots[t.slots >= 0] for t in self._live])
+        if slots is None and self._pending:  # prompts' prefetches held cache rows: admitted, they free them
+            self._absorb(block=True)
+            slots = self._admit(ticket, protect + [t.slots[t.slots >= 0] for t in self._live])
         if slots is None:
             raise RuntimeError(f"the Engram row cache ({self.cache.capacity} rows) cannot hold one decode step's "
                                "rows; raise engram.row_cache")
@@ -220,11 +245,12 @@ class EngramRowStore(TableLoadingMixin):
             self._gathered = torch.cuda.Event()
             self._gathered.record()
 
-    def _await(self, ticket: _Ticket) -> None:
-        """Wait for the ticket's reads (queued now if prefetch is off); the wait is the stall."""
-        if ticket.reads is None:
-            self._issue(ticket)
+    def _await(self, ticket: _Ticket, inline: bool = False) -> None:
+        """Wait for the ticket's reads (queued now if prefetch is off, or read in this thread if `inline`); the
+        wait is the stall."""
         t0 = time.perf_counter()
+        if ticket.reads is None:
+            self._issue(ticket, inline)
         for f in ticket.reads:
             f.result()
         self.stats_.stall_s += time.perf_counter() - t0
@@ -294,6 +320,7 @@ class EngramRowStore(TableLoadingMixin):
         self.stats_.lookups += n
         self._count(self.tier, n)
 
+    @_locked
     def prefetch(self, layer: int, rows: torch.Tensor) -> None:
         """Read `rows` of `layer` into the cache ahead of need (e.g. a whole prompt at admission)."""
         if self.tier == "gpu" or self.mapped or self.cache is None or not self.prefetch_on:
@@ -303,14 +330,15 @@ class EngramRowStore(TableLoadingMixin):
         self._pending.append(ticket)
 
     # -- internals -----------------------------------------------------------------------------------
-    def _issue(self, ticket: _Ticket) -> None:
-        """Queue the reads of the ticket's missing rows in batches of `read_batch` rows."""
+    def _issue(self, ticket: _Ticket, inline: bool = False) -> None:
+        """Queue the reads of the ticket's missing rows in batches of `read_batch` rows (`inline`: read them now,
+        in this thread)."""
         with torch.inference_mode(False):  # reader threads write the buffers outside inference mode
-            self._queue_reads(ticket)
+            self._queue_reads(ticket, inline)
 
-    def _queue_reads(self, ticket: _Ticket) -> None:
+    def _queue_reads(self, ticket: _Ticket, inline: bool = False) -> None:
         miss, layer = ticket.miss, ticket.layer
-        pin = self.device.type == "cuda"
+        pin = self.device.type == "cuda" and self.gather_view is None  # copied to a VRAM slab; a host slab takes pageable
         ticket.staged = torch.empty(miss.numel(), self.dim, dtype=self.dtype, pin_memory=pin)
         ticket.reads = []
         if not miss.numel():
@@ -324,21 +352,46 @@ class EngramRowStore(TableLoadingMixin):
             else:
                 t = self.tables[layer]
                 base = 0 if self.tier == "tmpfs" else t.offset
-                ticket.reads.append(self.reader.read_rows(self.paths[layer], base, self.row_bytes, part.numpy(), dst))
+                ticket.reads.append(self.reader.read_rows(self.paths[layer], base, self.row_bytes, part.numpy(), dst,
+                                                          inline=inline))
 
     def _absorb(self, block: bool) -> None:
-        """Admit finished prefetches into the cache (on the compute thread: the cache is not shared)."""
+        """Admit finished prefetches (all of them when `block`) into the cache; nothing is gathered."""
         keep = []
         for ticket in self._pending:
-            if block or all(f.done() for f in ticket.reads):
-                self.wait(ticket)
-            else:
+            if not (block or all(f.done() for f in ticket.reads)):
                 keep.append(ticket)
+                continue
+            self._live = [t for t in self._live if t is not ticket]
+            self._await(ticket)
+            if self.cache is not None:  # rows that find no room are dropped: a prefetch is only a hint
+                self._admit(ticket, [t.slots[t.slots >= 0] for t in self._live])
         self._pending = keep
+
+    @_locked
+    def absorb_prefetches(self) -> None:
+        """Admit every prefetch still in flight (waiting for its reads), so its cache hits stop being protected."""
+        self._absorb(block=True)
+
+    def start_handshake(self, layers: list[int], heads: int, max_tokens: int):
+        """Serve decode steps of up to `max_tokens` tokens (fewer when the cache cannot hold that many tokens'
+        rows at once) to CUDA graphs that wait on the device for their rows (strata.tiers.engram_handshake);
+        None where that cannot run (no host cache the GPU reads in place, no Triton or native helpers)."""
+        from strata.tiers.engram_handshake import RowHandshake
+
+        if self.handshake is None and self.gather_view is not None and self.gather_view.is_cuda:
+            max_tokens = min(max_tokens, (self.cache.capacity - 1) // (len(layers) * heads))
+            if max_tokens >= 1:
+                try:
+                    self.handshake = RowHandshake(self, layers, heads, max_tokens, self.device)
+                except RuntimeError as e:
+                    log.warning("Engram rows served between graph segments: %s", e)
+        return self.handshake
 
     def _count(self, tier: str, n: int) -> None:
         self.stats_.hits[tier] = self.stats_.hits.get(tier, 0) + n
 
+    @_locked
     def stats(self) -> dict:
         """Row lookups, distinct rows served per tier, bytes read, stall seconds, cache residency."""
         s = self.stats_
@@ -353,6 +406,9 @@ class EngramRowStore(TableLoadingMixin):
         }  # fmt: skip
 
     def close(self) -> None:
+        if self.handshake is not None:
+            self.handshake.close()
+            self.handshake = None
         if self.reader is not None:
             self.reader.close()
         self.mapped = {}

@@ -1,6 +1,7 @@
 """The disk reader's native batch of positional reads (csrc/pread_runs.cpp), built on first use.
 
     read_runs(fd, file_off, length, need, buf, buf_off, threads)   # every run read; raises OSError / EOFError
+    wait_word(addr, want, spin_ns, timeout_ns)                      # an int64 another agent writes, awaited
 
 A reader thread hands a whole list of reads to one C call (ctypes releases the GIL for the call) that reads
 them on `threads` threads of its own, so nobody takes the GIL back between reads. The library is compiled with the system's C++ compiler into
@@ -51,6 +52,10 @@ def _build() -> ctypes.CDLL:
     p = ctypes.c_void_p
     lib.strata_pread_runs.argtypes = [ctypes.c_int, ctypes.c_int64, p, p, p, p, p, ctypes.c_int]
     lib.strata_pread_runs.restype = ctypes.c_int64
+    lib.strata_aio_runs.argtypes = [ctypes.c_int, ctypes.c_int64, p, p, p, p, p]
+    lib.strata_aio_runs.restype = ctypes.c_int64
+    lib.strata_wait_word.argtypes = [p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
+    lib.strata_wait_word.restype = ctypes.c_int
     return lib
 
 
@@ -73,20 +78,44 @@ def available() -> bool:
     return _load() is not None
 
 
+_AIO_UNAVAILABLE = -(2**63)
+_aio_ok = os.environ.get("STRATA_AIO", "1") != "0"
+
+
 def read_runs(fd: int, file_off: np.ndarray, length: np.ndarray, need: np.ndarray, buf: np.ndarray,
-              buf_off: np.ndarray, threads: int = 1) -> None:
+              buf_off: np.ndarray, threads: int = 1, aio: bool = False) -> None:
     """Read run i (`length[i]` bytes at `file_off[i]`, at least `need[i]` of them) into `buf[buf_off[i]:]`
-    for every i (int64 arrays of one length; `buf` a uint8 array big enough), on `threads` threads. Raises
-    OSError for a failed read, EOFError (with the run's index) for a file that ends before a run's `need`."""
+    for every i (int64 arrays of one length; `buf` a uint8 array big enough), on `threads` threads, or with
+    `aio` (an O_DIRECT fd) all submitted at once through Linux native AIO from this thread (threads where the
+    kernel refuses it; $STRATA_AIO=0 turns it off). Raises OSError for a failed read, EOFError (with the run's
+    index) for a file that ends before a run's `need`."""
+    global _aio_ok
     lib = _load()
     arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (file_off, length, need, buf_off)]
     if any(a.shape != arrays[0].shape for a in arrays):
         raise ValueError("file_off, length, need and buf_off must have one length")
     if arrays[0].size and int((arrays[3] + arrays[1]).max()) > buf.size:
         raise ValueError(f"runs end past the {buf.size}-byte buffer")
-    rc = lib.strata_pread_runs(fd, arrays[0].size, *(a.ctypes.data for a in arrays[:3]), buf.ctypes.data,
-                               arrays[3].ctypes.data, max(1, threads))
+    rc = _AIO_UNAVAILABLE
+    if aio and _aio_ok and arrays[0].size > 1:
+        rc = lib.strata_aio_runs(fd, arrays[0].size, *(a.ctypes.data for a in arrays[:3]), buf.ctypes.data,
+                                 arrays[3].ctypes.data)
+        if rc == _AIO_UNAVAILABLE:
+            log.info("strata: Linux native AIO unavailable here; row reads use threads")
+            _aio_ok = False
+    if rc == _AIO_UNAVAILABLE:
+        rc = lib.strata_pread_runs(fd, arrays[0].size, *(a.ctypes.data for a in arrays[:3]), buf.ctypes.data,
+                                   arrays[3].ctypes.data, max(1, threads))
     if rc > 0:
         raise OSError(int(rc), os.strerror(int(rc)))
     if rc < 0:
         raise EOFError(int(-1 - rc))
+
+
+def wait_word(addr: int, want: int, spin_ns: int, timeout_ns: int) -> bool:
+    """Wait, without the GIL, until the int64 at address `addr` (page-locked memory a GPU writes) equals `want`:
+    polled without sleeping for `spin_ns`, then every ~20 us; False when `timeout_ns` passed first."""
+    lib = _load()
+    if lib is None:
+        raise RuntimeError("the native helpers are unavailable (no C++ compiler, or $STRATA_NATIVE_IO=0)")
+    return bool(lib.strata_wait_word(addr, want, spin_ns, timeout_ns))
