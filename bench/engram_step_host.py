@@ -33,7 +33,7 @@ import torch
 from strata import Engine
 from strata.runtime import engram_demo
 from strata.runtime.demo_model import write_demo_model
-from strata.runtime.engram import StaticEngramStep
+from strata.runtime.engram_decode import StaticEngramStep
 from strata.runtime.kv_cache import KVCache, StepBatch
 
 PHASES = ("begin", "bind", "publish", "waiting")

@@ -114,7 +114,7 @@ def _assert_same_engram_state(cfg, a: KVCache, b: KVCache) -> None:
 def test_static_engram_inputs_equal_the_eager_engram_step(tiny_model_dir):
     """What a captured decode step of an Engram model reads (`StaticEngramStep`: rows, conv taps and ring
     indices copied into fixed buffers, reloaded every step) gives the eager per-sequence step's hidden states."""
-    from strata.runtime.engram import StaticEngramStep
+    from strata.runtime.engram_decode import StaticEngramStep
 
     model, cfg, a, b = _engram_model_and_two_caches(tiny_model_dir)
     g = torch.Generator().manual_seed(1)

@@ -330,7 +330,7 @@ def test_decode_graph_rows_from_the_host_cache_by_slot(tiny_model_dir, memory_en
     the in-memory tables step after step while the small cache evicts; a cache too small for one step's
     rows is refused before anything is consumed. Segmented: the host finishes one layer at a time, right
     before it (`publish`), the later layers' reads still in flight and their hits protected."""
-    from strata.runtime.engram import StaticEngramStep
+    from strata.runtime.engram_decode import StaticEngramStep
 
     cfg = memory_engine.checkpoint.config
     conf = {"engram": {"tier": "disk", "row_cache": "2KiB", "read_batch": 7}, "tiers": {"disk": {"scrub": False}}}

@@ -57,11 +57,17 @@ def _decode(eng, memory_engine, steps: int, seed: int, check=None) -> None:
             check(pos)
 
 
-def test_handshake_serves_rows_equal_to_the_tables(tiny_model_dir, memory_engine):
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_handshake_serves_rows_equal_to_the_tables(tiny_model_dir, memory_engine, native):
     """Step after step, with a 2 KiB cache turning over, the answered rows equal the tables; the statistics
-    count every lookup, and later steps hit the cache."""
+    count every lookup, and later steps hit the cache. Native: each layer served in one C call
+    (strata.tiers.row_serve); python: through `start` and `finish_one`."""
+    from strata.tiers.row_serve import NativeRowServer
+
     with Engine.from_pretrained(tiny_model_dir, config=DISK, device="cpu") as eng:
         hs = _attach(eng, max_tokens=4)
+        if not native:
+            eng.model.engram.source._row_server = False
         _decode(eng, memory_engine, steps=30, seed=0)
         stats = eng.model.engram.stats()
         heads, layers = eng.model.engram.cfg.num_heads, len(eng.model.engram.cfg.layer_ids)
@@ -70,6 +76,40 @@ def test_handshake_serves_rows_equal_to_the_tables(tiny_model_dir, memory_engine
         assert stats["hits"].get("cache", 0) > 0 and stats["hits"]["disk"] > 0
         assert stats["cache_evictions"] > 0  # 2 KiB of rows: the cache turned over while the rows stayed right
         hs.check()  # nothing failed
+        assert isinstance(eng.model.engram.source._row_server, NativeRowServer) == native
+
+
+def test_native_layer_serving_keeps_the_cache_consistent(tiny_model_dir, memory_engine):
+    """Many steps of two "layers" each (the tiny model's one Engram layer served twice a step, with different
+    ids) through the native server and a 2 KiB cache: every answered slot holds its row, the first layer's slots
+    survive the second's evictions (they are protected), and the cache's maps stay each other's inverse."""
+    import numpy as np
+
+    layer = memory_engine.checkpoint.config.engram.layer_ids[0]
+    table = memory_engine.model.layers[layer].engram.multi_head_embedding.embedding.weight.detach()
+    with Engine.from_pretrained(tiny_model_dir, config=DISK, device="cpu") as eng:
+        store = eng.model.engram.source
+        cache = store.cache
+        rng = np.random.default_rng(0)
+        rows = store.tables[layer].num_rows
+        hot = rng.integers(0, rows, 40)  # a head of popular rows, and a long tail
+        for _ in range(60):
+            held, answers = [], []
+            for _ in range(2):
+                ids = np.where(rng.random(24) < 0.5, rng.choice(hot, 24), rng.integers(0, rows, 24))
+                out = np.empty(24, dtype=np.int64)
+                store.serve_layer(layer, ids, held, out)
+                answers.append((ids, out))
+                cache.score[out] = 0.0  # the lowest scores: only the protection keeps them from the next eviction
+            for ids, out in answers:  # both layers' rows, read back after the second layer's admissions
+                got = cache.slab[torch.from_numpy(out)].float()
+                torch.testing.assert_close(got, table[torch.from_numpy(ids)].float(), rtol=0, atol=0)
+            used = cache.row_of >= 0
+            assert np.array_equal(cache.slot_of[cache.row_of[used]], np.flatnonzero(used))
+            assert int((cache.slot_of >= 0).sum()) == int(used.sum()) == cache.capacity - int(cache.counts[0])
+        stats = store.stats()
+        assert stats["cache_evictions"] > 0 and stats["hits"]["cache"] > 0
+        assert stats["lookups"] == 60 * 2 * 24
 
 
 def test_a_step_woken_for_but_never_run_does_not_desync(tiny_model_dir, memory_engine):

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from strata.runtime.engram import StaticEngramStep
+from strata.runtime.engram_decode import StaticEngramStep
 from strata.runtime.kv_cache import DecodeBatch, KVCache, StepBatch, kv_bucket
 
 log = logging.getLogger(__name__)

@@ -172,16 +172,13 @@ class RowHandshake:
         done = 0
         try:
             with self.source.lock:
-                held: list[torch.Tensor] = []
+                held: list = []
                 # layer by layer, each read in this thread and answered before the next is looked up: a disk that
                 # serves a few tens of thousands of random reads a second answers the first layer (which the GPU
                 # reaches after one layer's work) sooner alone than sharing its queue with the later layers' reads,
                 # and those still land while the GPU runs the layers before theirs
                 for i, layer in enumerate(self.layers):
-                    rows = torch.from_numpy(self.request[i, :n].copy()).view(b, self.heads)
-                    ticket = self.source.start(layer, rows, issue=False)
-                    slots = self.source.finish_one(ticket, held, (), inline=True)
-                    self.answer[i, :n] = slots.numpy()
+                    self.source.serve_layer(layer, self.request[i, :n], held, self.answer[i, :n])
                     self.header[8 + i] = gen  # done: after the rows and their slots
                     if i == 0:
                         self.first_s += time.perf_counter() - t0

@@ -10,7 +10,10 @@
 `start(layer, rows)` returns at once: cached rows are known, the missing ones are read in batches of
 `read_batch` rows (aligned block reads, many in flight: `DiskReader.read_rows`) on background
 threads. `wait(ticket)` blocks only for reads that have not finished (the stall it counts), copies
-the missing rows to the device, admits them into the cache and returns [T, heads, head_dim].
+the missing rows to the device, admits them into the cache and returns [T, heads, head_dim]. Decode
+steps in CUDA graphs take their rows through strata.tiers.engram_graph_steps (slots in the host cache,
+which the GPU reads in place; with `engram.graph_wait`, a host thread answering the graph itself).
+The cache is shared with that thread: the public methods run under `lock`.
 
 Every table is checked at start-up: a missing or mis-sized file stops it (as in `ExpertStore.open`),
 and each chunk's checksum is verified while the table is loaded (gpu, pinned), copied (tmpfs) or, for
@@ -25,35 +28,23 @@ vouched for, and damage that leaves the file's identity unchanged is for `strata
 
 from __future__ import annotations
 
-import functools
-import logging
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from strata.errors import CheckpointError, ConfigError
 from strata.tiers.diskio import DiskReader
+from strata.tiers.engram_graph_steps import GraphStepsMixin, locked
 from strata.tiers.engram_load import TableLoadingMixin
 from strata.tiers.row_cache import RowCache
 from strata.tiers.store import ExpertStore
 from strata.tiers.store_format import TORCH_DTYPES, TableEntry
 from strata.tiers.uva import RegisteredFile, device_view
 
-log = logging.getLogger(__name__)
 ENGRAM_TIERS = ("gpu", "pinned", "tmpfs", "disk")
-
-
-def _locked(method):
-    """Run `method` under the store's lock: the handshake's host thread serves decode steps from it too."""
-    @functools.wraps(method)
-    def run(self, *args, **kwargs):
-        with self.lock:
-            return method(self, *args, **kwargs)
-    return run
 
 
 def table_name(layer: int) -> str:
@@ -87,7 +78,7 @@ class _Ticket:
     staged: torch.Tensor | None = None  # [k, head_dim] the read rows, on the CPU
 
 
-class EngramRowStore(TableLoadingMixin):
+class EngramRowStore(TableLoadingMixin, GraphStepsMixin):
     """Rows of every Engram table of a store, from `tier`, through a `row_cache`-row cache on `device`."""
 
     def __init__(self, store: ExpertStore, layers: list[int], tier: str, device: torch.device, row_cache: int,
@@ -114,6 +105,7 @@ class EngramRowStore(TableLoadingMixin):
         self.stats_ = RowStats()
         self.lock = threading.RLock()  # the cache's bookkeeping: the compute thread and the handshake's host thread
         self.handshake = None  # a RowHandshake once `start_handshake` made one (decode graphs wait on the device)
+        self._row_server = None  # strata.tiers.row_serve.NativeRowServer for `serve_layer` (False: unavailable)
         self._live: list[_Ticket] = []  # started, not yet waited for: their cache hits must stay put
         self._pending: list[_Ticket] = []  # prefetches not yet absorbed into the cache
         self.full: dict[int, torch.Tensor] = {}  # gpu / pinned tiers: whole tables
@@ -148,7 +140,7 @@ class EngramRowStore(TableLoadingMixin):
         self.cache = RowCache(total, cache_rows, self.dim, self.dtype, device, slab=slab) if cache_rows > 0 else None
 
     # -- the row source protocol (strata.runtime.engram.RowSource) -------------------------------------
-    @_locked
+    @locked
     def start(self, layer: int, rows: torch.Tensor, issue: bool = True) -> _Ticket:
         """Begin serving `rows` (int64 CPU [T, heads]) of `layer`; returns at once (`issue=False`: the misses'
         reads wait for `wait`/`finish_one`, even with prefetch on)."""
@@ -168,7 +160,7 @@ class EngramRowStore(TableLoadingMixin):
         self._live.append(ticket)
         return ticket
 
-    @_locked
+    @locked
     def wait(self, ticket: _Ticket) -> torch.Tensor:
         """The rows of `ticket` [T, heads, head_dim] on the device, waiting only for reads still in flight."""
         layer, uniq = ticket.layer, ticket.uniq
@@ -188,62 +180,6 @@ class EngramRowStore(TableLoadingMixin):
         if slots is None:  # the cache cannot take every miss (a tiny cache): hits from it, misses as read
             return self._assemble(ticket)
         return self._gather(slots[ticket.inverse]).view(*ticket.shape, self.dim)
-
-    @_locked
-    def finish_step(self, tickets: dict[int, _Ticket]) -> dict[int, torch.Tensor]:
-        """Every layer's rows of a decode step in the cache, for a gather inside the step's CUDA graph:
-        waits for the reads, admits the misses (no row of the step evicts another) and returns, per layer,
-        the cache slot of each asked-for row (int64 [T * heads], CPU). Raises when the cache cannot hold
-        the step's rows at once (the graph's capture then fails and the step runs eagerly)."""
-        self.check_step(tickets)
-        out: dict[int, torch.Tensor] = {}
-        held: list[torch.Tensor] = []
-        left = dict(tickets)
-        for layer, ticket in tickets.items():
-            del left[layer]
-            out[layer] = self.finish_one(ticket, held, left.values())
-        return out
-
-    @_locked
-    def check_step(self, tickets: dict[int, _Ticket]) -> None:
-        """Raise unless the cache can hold every distinct row of a decode step at once (`finish_one` on each
-        of its layers then cannot fail)."""
-        if self.gather_view is None:
-            raise RuntimeError("finish_step needs the host row cache the GPU reads in place (CUDA, tmpfs or disk tables)")
-        # admission evicts any slot but the protected ones (the hits of the step and of live tickets), so the
-        # step's misses fit when they and the distinct protected slots do not outnumber the cache
-        hits = [t.slots[t.slots >= 0].numpy() for t in [*tickets.values(), *self._live]]
-        protected = np.unique(np.concatenate(hits)).size if hits else 0
-        if protected + sum(t.miss.numel() for t in tickets.values()) >= self.cache.capacity:
-            raise RuntimeError(f"the Engram row cache ({self.cache.capacity} rows) cannot hold one decode step's "
-                               "rows; raise engram.row_cache")
-
-    @_locked
-    def finish_one(self, ticket: _Ticket, held: list[torch.Tensor], others, inline: bool = False) -> torch.Tensor:
-        """One layer of a decode step (`finish_step`), so a segmented graph can admit each layer's rows right
-        before that layer while the reads of later layers are still in flight: waits for this ticket's reads
-        only (`inline`: a ticket started with `issue=False` reads them in this thread, not through the reader's
-        pool), admits its misses without evicting `held` (the slots of the step's layers finished so far; this
-        one's are appended) or the hits of `others` (its layers still to come) and of live tickets; returns the
-        cache slot of each asked-for row (int64 [T * heads], CPU)."""
-        self._live = [t for t in self._live if t is not ticket]
-        self._await(ticket, inline)
-        protect = held + [t.slots[t.slots >= 0] for t in others]
-        slots = self._admit(ticket, protect + [t.slots[t.slots >= 0] for t in self._live])
-        if slots is None and self._pending:  # prompts' prefetches held cache rows: admitted, they free them
-            self._absorb(block=True)
-            slots = self._admit(ticket, protect + [t.slots[t.slots >= 0] for t in self._live])
-        if slots is None:
-            raise RuntimeError(f"the Engram row cache ({self.cache.capacity} rows) cannot hold one decode step's "
-                               "rows; raise engram.row_cache")
-        held.append(slots)
-        return slots[ticket.inverse]
-
-    def replayed(self) -> None:
-        """A CUDA graph that gathers from the host slab was launched: its slots are rewritten only after it."""
-        if self.gather_view is not None and self.gather_view.is_cuda:
-            self._gathered = torch.cuda.Event()
-            self._gathered.record()
 
     def _await(self, ticket: _Ticket, inline: bool = False) -> None:
         """Wait for the ticket's reads (queued now if prefetch is off, or read in this thread if `inline`); the
@@ -320,7 +256,7 @@ class EngramRowStore(TableLoadingMixin):
         self.stats_.lookups += n
         self._count(self.tier, n)
 
-    @_locked
+    @locked
     def prefetch(self, layer: int, rows: torch.Tensor) -> None:
         """Read `rows` of `layer` into the cache ahead of need (e.g. a whole prompt at admission)."""
         if self.tier == "gpu" or self.mapped or self.cache is None or not self.prefetch_on:
@@ -368,30 +304,10 @@ class EngramRowStore(TableLoadingMixin):
                 self._admit(ticket, [t.slots[t.slots >= 0] for t in self._live])
         self._pending = keep
 
-    @_locked
-    def absorb_prefetches(self) -> None:
-        """Admit every prefetch still in flight (waiting for its reads), so its cache hits stop being protected."""
-        self._absorb(block=True)
-
-    def start_handshake(self, layers: list[int], heads: int, max_tokens: int):
-        """Serve decode steps of up to `max_tokens` tokens (fewer when the cache cannot hold that many tokens'
-        rows at once) to CUDA graphs that wait on the device for their rows (strata.tiers.engram_handshake);
-        None where that cannot run (no host cache the GPU reads in place, no Triton or native helpers)."""
-        from strata.tiers.engram_handshake import RowHandshake
-
-        if self.handshake is None and self.gather_view is not None and self.gather_view.is_cuda:
-            max_tokens = min(max_tokens, (self.cache.capacity - 1) // (len(layers) * heads))
-            if max_tokens >= 1:
-                try:
-                    self.handshake = RowHandshake(self, layers, heads, max_tokens, self.device)
-                except RuntimeError as e:
-                    log.warning("Engram rows served between graph segments: %s", e)
-        return self.handshake
-
     def _count(self, tier: str, n: int) -> None:
         self.stats_.hits[tier] = self.stats_.hits.get(tier, 0) + n
 
-    @_locked
+    @locked
     def stats(self) -> dict:
         """Row lookups, distinct rows served per tier, bytes read, stall seconds, cache residency."""
         s = self.stats_

@@ -1,7 +1,8 @@
-"""The disk reader's native batch of positional reads (csrc/pread_runs.cpp), built on first use.
+"""Native helpers of the disk tier (csrc/pread_runs.cpp, csrc/row_serve.cpp), built on first use.
 
     read_runs(fd, file_off, length, need, buf, buf_off, threads)   # every run read; raises OSError / EOFError
     wait_word(addr, want, spin_ns, timeout_ns)                      # an int64 another agent writes, awaited
+    lib().strata_serve_rows(...)                                    # an Engram layer's rows (strata.tiers.row_serve)
 
 A reader thread hands a whole list of reads to one C call (ctypes releases the GIL for the call) that reads
 them on `threads` threads of its own, so nobody takes the GIL back between reads. The library is compiled with the system's C++ compiler into
@@ -26,7 +27,7 @@ from strata.fsutil import cache_root
 
 log = logging.getLogger(__name__)
 
-_SOURCE = Path(__file__).parent / "csrc" / "pread_runs.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("pread_runs.cpp", "row_serve.cpp")]
 _FLAGS = ["-O2", "-shared", "-fPIC", "-fvisibility=hidden"]
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -37,14 +38,14 @@ def _build() -> ctypes.CDLL:
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if cxx is None:
         raise RuntimeError("no C++ compiler (g++, c++ or clang++) on PATH")
-    key = hashlib.sha256(_SOURCE.read_bytes() + repr((cxx, _FLAGS)).encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(p.read_bytes() for p in _SOURCES) + repr((cxx, _FLAGS)).encode()).hexdigest()[:16]
     path = cache_root() / "ext" / f"strata_pread_runs_{key}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
         try:
-            subprocess.run([cxx, *_FLAGS, "-o", str(tmp), str(_SOURCE)], check=True, capture_output=True, text=True,
-                           timeout=120)
+            subprocess.run([cxx, *_FLAGS, "-o", str(tmp), *map(str, _SOURCES)], check=True, capture_output=True,
+                           text=True, timeout=120)
         except subprocess.CalledProcessError as e:
             raise RuntimeError(f"{cxx} failed: {(e.stderr or '').strip().splitlines()[-1:] or e}") from None
         os.replace(tmp, path)  # atomic: a concurrent build of the same source writes the same file
@@ -54,6 +55,10 @@ def _build() -> ctypes.CDLL:
     lib.strata_pread_runs.restype = ctypes.c_int64
     lib.strata_aio_runs.argtypes = [ctypes.c_int, ctypes.c_int64, p, p, p, p, p]
     lib.strata_aio_runs.restype = ctypes.c_int64
+    lib.strata_serve_rows.argtypes = [p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int, ctypes.c_int64, ctypes.c_int64,
+                                      ctypes.c_int64, p, p, p, p, p, p, ctypes.c_int64, p, p, ctypes.c_int64, p,
+                                      ctypes.c_int64, p, p]
+    lib.strata_serve_rows.restype = ctypes.c_int64
     lib.strata_wait_word.argtypes = [p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64]
     lib.strata_wait_word.restype = ctypes.c_int
     return lib
@@ -119,3 +124,11 @@ def wait_word(addr: int, want: int, spin_ns: int, timeout_ns: int) -> bool:
     if lib is None:
         raise RuntimeError("the native helpers are unavailable (no C++ compiler, or $STRATA_NATIVE_IO=0)")
     return bool(lib.strata_wait_word(addr, want, spin_ns, timeout_ns))
+
+
+def lib() -> ctypes.CDLL:
+    """The loaded library (for callers that pass their own arrays); raises where it cannot be built."""
+    loaded = _load()
+    if loaded is None:
+        raise RuntimeError("the native helpers are unavailable (no C++ compiler, or $STRATA_NATIVE_IO=0)")
+    return loaded

@@ -23,20 +23,37 @@ class RowCache:
         # [capacity, dim]: on `device`, or a given one (pinned host RAM the GPU reads in place)
         self.slab = slab if slab is not None else torch.empty(capacity, dim, dtype=dtype, device=device)
         self._free = np.arange(capacity, dtype=np.int64)  # a stack of free slots: the first n_free
-        self._n_free = capacity
-        self.evictions = 0
-        self._inc, self._growth = 1.0, 2.0 ** (1.0 / half_life)  # newer uses weigh more: exponential decay
+        # counters and the decay in arrays, so native code (strata.tiers.row_serve) updates them in place:
+        # counts [n_free, evictions]; decay [inc, growth]: newer uses weigh more (exponential decay)
+        self.counts = np.array([capacity, 0], dtype=np.int64)
+        self.decay = np.array([1.0, 2.0 ** (1.0 / half_life)], dtype=np.float64)
+
+    @property
+    def _n_free(self) -> int:
+        return int(self.counts[0])
+
+    @_n_free.setter
+    def _n_free(self, n: int) -> None:
+        self.counts[0] = n
+
+    @property
+    def evictions(self) -> int:
+        return int(self.counts[1])
+
+    @property
+    def _inc(self) -> float:
+        return float(self.decay[0])
 
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
         """Slots of distinct global `rows` (int64 CPU [m]), -1 where absent (int64 [m]); hits count as uses."""
         slots = self.slot_of[rows.numpy()].astype(np.int64)
         hit = slots[slots >= 0]
         if hit.size:
-            self.score[hit] += self._inc  # rows are distinct, so their slots are too: no repeated index
-            self._inc *= self._growth
-            if self._inc > 1e100:  # renormalise before float64 overflows
-                self.score /= self._inc
-                self._inc = 1.0
+            self.score[hit] += self.decay[0]  # rows are distinct, so their slots are too: no repeated index
+            self.decay[0] *= self.decay[1]
+            if self.decay[0] > 1e100:  # renormalise before float64 overflows
+                self.score /= self.decay[0]
+                self.decay[0] = 1.0
         return torch.from_numpy(slots)
 
     def place(self, rows: torch.Tensor, protect: torch.Tensor) -> torch.Tensor:
@@ -74,7 +91,7 @@ class RowCache:
         self.score[victims] = 0.0
         self._free[self._n_free : self._n_free + n] = victims
         self._n_free += n
-        self.evictions += n
+        self.counts[1] += n
 
     @property
     def resident(self) -> int:
