@@ -58,7 +58,7 @@ class RowHandshake:
         if (cuda and not host_signal.available()) or not native_io.available():
             raise RuntimeError("the Engram rows' handshake needs Triton (on CUDA) and the native helpers")
         if len(layers) > MAX_LAYERS:
-            raise ValueError(f"at most {MAX_LAYERS} Engram layers, got {len(layers)}")
+            raise RuntimeError(f"the handshake holds at most {MAX_LAYERS} Engram layers, got {len(layers)}")
         self.source, self.layers, self.heads, self.max_tokens = source, list(layers), heads, max_tokens
         self.device = device
         width = max_tokens * heads
