@@ -141,3 +141,30 @@ def test_per_device_engram_stats_are_labelled_by_device():
     assert one(samples, "strata:engram_row_hit_ratio", device="cuda:0", tier="gpu") == 1.0
     assert one(samples, "strata:engram_table_bytes", device="cuda:1", table_tier="pinned") == 50
     assert list(engram_metrics(None, "cpu")) == [] and list(engram_metrics({}, "cpu")) == []
+    assert not [n for n in samples if "handshake" in n]  # no card served rows through a handshake
+
+
+def test_handshake_series():
+    """Tables on disk decoding in one graph a step: the handshake's counters are exported, by device."""
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    stats = {"tier": "disk", "lookups": 10, "hits": {"cache": 4, "disk": 6}, "cache_rows": 64,
+             "handshake": {"steps": 7, "serve_s": 0.25, "first_layer_s": 0.125, "gpu_wait_spins": 900}}
+
+    class Live:
+        def describe(self):
+            return []
+
+        def collect(self):
+            yield from engram_metrics(stats, "cuda:0")
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(Live())
+    samples: dict = {}
+    for family in text_string_to_metric_families(generate_latest(reg).decode()):
+        for s in family.samples:
+            samples.setdefault(s.name, []).append((s.labels, s.value))
+    assert one(samples, "strata:engram_handshake_steps_total", device="cuda:0") == 7
+    assert one(samples, "strata:engram_handshake_serve_seconds_total", device="cuda:0") == 0.25
+    assert one(samples, "strata:engram_handshake_first_layer_seconds_total", device="cuda:0") == 0.125
+    assert one(samples, "strata:engram_handshake_gpu_wait_polls_total", device="cuda:0") == 900

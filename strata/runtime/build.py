@@ -122,8 +122,10 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
     if device.type == "cuda":  # one graph per step once every expert is resident; until then, graphs between host steps
         # (Engram rows the device cannot read in place also need a host step, at their layer: waiting there
         # for a layer's reads, not before the step, lets them overlap the layers before it)
-        if model.engram is not None and cfg.engram.graph_wait and cfg.runtime.cuda_graphs:
-            model.engram.enable_handshake(MAX_GRAPH_BATCH)  # disk rows served to one graph a step
+        if model.engram is not None and cfg.engram.graph_wait and cfg.engram.prefetch and cfg.runtime.cuda_graphs:
+            # disk rows served to one graph a step as soon as it has hashed its tokens (that is the prefetch: without
+            # it a layer's rows are fetched when the layer runs, at a host step between graph segments)
+            model.engram.enable_handshake(MAX_GRAPH_BATCH)
         host_rows = model.engram is not None and not model.engram.device_steps(model.layers, 1)
         model.enable_decode_graphs(lambda: None if not cfg.runtime.cuda_graphs
                                    else "full" if compute.all_resident() and not host_rows

@@ -28,6 +28,8 @@ live is `strata:engram_info{table_tier}` ("memory": plain in-memory tables, and 
   strata:engram_bytes_read_total, strata:engram_stall_seconds_total, strata:engram_prefetched_rows_total
   strata:engram_row_cache_resident_rows / strata:engram_row_cache_capacity_rows / strata:engram_row_cache_evictions_total
   strata:engram_table_bytes              bytes of all tables, label `table_tier`
+  strata:engram_handshake_{steps,serve_seconds,first_layer_seconds,gpu_wait_polls}_total
+                                         tables on disk, one graph a step: the host thread's serving (if any)
 """
 
 from __future__ import annotations
@@ -297,3 +299,26 @@ def engram_metrics(engram: dict | None, device: str) -> Iterator[Metric]:
     yield from (served, ratio)
     if table.samples:
         yield table
+    yield from _handshake_metrics(snaps)
+
+
+# the rows' handshake (one-graph decode steps with tables on disk): stats()["handshake"] key -> (name, help)
+_HANDSHAKE = {
+    "steps": ("strata:engram_handshake_steps", "Decode steps whose Engram rows a host thread served to the graph."),
+    "serve_s": ("strata:engram_handshake_serve_seconds", "Host time serving those steps' Engram rows."),
+    "first_layer_s": ("strata:engram_handshake_first_layer_seconds",
+                      "Host time until each step's first Engram layer was answered (what the GPU may wait for)."),
+    "gpu_wait_spins": ("strata:engram_handshake_gpu_wait_polls",
+                       "The GPU's polls for an Engram layer's answer that found none yet (about 1 us each)."),
+}
+
+
+def _handshake_metrics(snaps: list) -> Iterator[Metric]:
+    for key, (name, doc) in _HANDSHAKE.items():
+        family = CounterMetricFamily(name, doc, labels=["device"])
+        for dev, _, s in snaps:
+            hs = s.get("handshake")
+            if isinstance(hs, dict) and isinstance(hs.get(key), int | float):
+                family.add_metric([dev], float(hs[key]))
+        if family.samples:
+            yield family
