@@ -117,25 +117,10 @@ def test_in_memory_tables_report_only_their_tier(tiny_model_dir):
 
 def test_per_device_engram_stats_are_labelled_by_device():
     """A multi-GPU engine's `{"devices": {...}}` shape: one sample per card, nothing crashes."""
-    from prometheus_client import CollectorRegistry, generate_latest
-
     per = {"devices": {"cuda:0": {"tier": "gpu", "lookups": 6, "hits": {"gpu": 4}, "table_bytes": 100},
                        "cuda:1": {"tier": "pinned", "lookups": 3, "hits": {"cache": 1, "pinned": 2},
                                   "cache_rows": 8, "table_bytes": 50}}}
-
-    class Live:
-        def describe(self):
-            return []
-
-        def collect(self):
-            yield from engram_metrics(per, "cuda:0")
-
-    reg = CollectorRegistry(auto_describe=False)
-    reg.register(Live())
-    samples: dict = {}
-    for family in text_string_to_metric_families(generate_latest(reg).decode()):
-        for s in family.samples:
-            samples.setdefault(s.name, []).append((s.labels, s.value))
+    samples = _exported(per, "cuda:0")
     assert one(samples, "strata:engram_row_lookups_total", device="cuda:1") == 3
     assert one(samples, "strata:engram_row_hit_ratio", device="cuda:1", tier="pinned") == pytest.approx(2 / 3)
     assert one(samples, "strata:engram_row_hit_ratio", device="cuda:0", tier="gpu") == 1.0
@@ -146,17 +131,25 @@ def test_per_device_engram_stats_are_labelled_by_device():
 
 def test_handshake_series():
     """Tables on disk decoding in one graph a step: the handshake's counters are exported, by device."""
-    from prometheus_client import CollectorRegistry, generate_latest
-
     stats = {"tier": "disk", "lookups": 10, "hits": {"cache": 4, "disk": 6}, "cache_rows": 64,
              "handshake": {"steps": 7, "serve_s": 0.25, "first_layer_s": 0.125, "gpu_wait_spins": 900}}
+    samples = _exported(stats, "cuda:0")
+    assert one(samples, "strata:engram_handshake_steps_total", device="cuda:0") == 7
+    assert one(samples, "strata:engram_handshake_serve_seconds_total", device="cuda:0") == 0.25
+    assert one(samples, "strata:engram_handshake_first_layer_seconds_total", device="cuda:0") == 0.125
+    assert one(samples, "strata:engram_handshake_gpu_wait_polls_total", device="cuda:0") == 900
+
+
+def _exported(stats: dict, device: str) -> dict:
+    """What a scrape shows for `engine.stats()["engram"] == stats`: name -> [(labels, value)]."""
+    from prometheus_client import CollectorRegistry, generate_latest
 
     class Live:
         def describe(self):
             return []
 
         def collect(self):
-            yield from engram_metrics(stats, "cuda:0")
+            yield from engram_metrics(stats, device)
 
     reg = CollectorRegistry(auto_describe=False)
     reg.register(Live())
@@ -164,7 +157,4 @@ def test_handshake_series():
     for family in text_string_to_metric_families(generate_latest(reg).decode()):
         for s in family.samples:
             samples.setdefault(s.name, []).append((s.labels, s.value))
-    assert one(samples, "strata:engram_handshake_steps_total", device="cuda:0") == 7
-    assert one(samples, "strata:engram_handshake_serve_seconds_total", device="cuda:0") == 0.25
-    assert one(samples, "strata:engram_handshake_first_layer_seconds_total", device="cuda:0") == 0.125
-    assert one(samples, "strata:engram_handshake_gpu_wait_polls_total", device="cuda:0") == 900
+    return samples

@@ -128,11 +128,6 @@ class GraphStepsMixin:
         self._count(self.tier, read)
         held.append(out.copy())
 
-    @locked
-    def absorb_prefetches(self) -> None:
-        """Admit every prefetch still in flight (waiting for its reads), so its cache hits stop being protected."""
-        self._absorb(block=True)
-
     def start_handshake(self, layers: list[int], heads: int, max_tokens: int):
         """Serve decode steps of up to `max_tokens` tokens (fewer when the cache cannot hold that many tokens'
         rows at once) to CUDA graphs that wait on the device for their rows (strata.tiers.engram_handshake);
