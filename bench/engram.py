@@ -7,7 +7,8 @@ Zipf-distributed n-gram traffic.
 Model: the `small` demo model with its Engram tables enlarged (2 layers; rows of 32 bf16 = 64 B;
 8 heads per layer of about `--table-rows` rows each). Traffic: `--batch` sequences decode `--steps`
 tokens each, one token per sequence per forward pass, the tokens drawn from a Zipf distribution
-(exponent `--zipf`) over the vocabulary (teacher-forced, so every tier sees the same rows).
+(exponent `--zipf`) over the vocabulary (teacher-forced, so every tier sees the same rows); or, with
+`--text FILES`, real text's tokens, the first `--prime` of each stream's rows put in the row caches first.
 All seven engines are open at once in one process; after a warm-up each, the timed steps run in
 `--rounds` interleaved rounds (a shuffled order each round; every block starts after 2 untimed steps),
 and each case reports tok/s at its median step time (every timed step is synchronised; the mean and the
@@ -57,6 +58,30 @@ def zipf_tokens(n: int, vocab: int, a: float, seed: int) -> np.ndarray:
     rng = np.random.default_rng(seed)
     ranks = np.minimum(rng.zipf(a, n), vocab) - 1
     return rng.permutation(vocab)[ranks]  # rank -> a fixed random token id
+
+
+def text_streams(files: list[str], model_dir: Path, batch: int, length: int) -> torch.Tensor:
+    """`batch` token streams of `length` tokens from real text (`files` concatenated, tokenized with the model's
+    own tokenizer; stream i is the i-th slice), int64 [batch, length]. Raises when the text is too short."""
+    from strata.runtime.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_dir(model_dir)
+    ids = tok.encode("\n".join(Path(f).read_text(errors="ignore") for f in files))
+    if len(ids) < batch * length:
+        raise SystemExit(f"--text: {len(ids)} tokens, {batch * length} needed (--prime, --warmup, --steps)")
+    return torch.tensor(ids[: batch * length], dtype=torch.int64).view(batch, length)
+
+
+def prime(case: Case, history: torch.Tensor) -> None:
+    """Fill a case's row cache with the rows of `history` ([batch, n] tokens before its stream): a server that has
+    already decoded that much text. Only row caches in front of a table tier are primed."""
+    rt = case.eng.model.engram
+    store = rt.source
+    if getattr(store, "cache", None) is None:
+        return
+    for row in history:
+        rt.prefetch(row)
+    store.absorb_prefetches()
 
 
 class Case:
@@ -143,6 +168,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=256)
     p.add_argument("--zipf", type=float, default=1.1)
     p.add_argument("--rounds", type=int, default=10, help="interleaved timed rounds (steps are split among them)")
+    p.add_argument("--text", default=None, help="comma-separated text files: decode their tokens (the model's tokenizer, "
+                   "--batch consecutive slices) instead of i.i.d. Zipf tokens")
+    p.add_argument("--prime", type=int, default=0, help="with --text: tokens per stream whose rows fill the row caches "
+                   "before the warm-up (a server that has already decoded that much)")
     p.add_argument("--cases", default=None,
                    help="comma-separated case names to run (default: all; the first must be gpu, the baseline)")
     p.add_argument("--profile", default=None, help="a case name whose timed rounds run under cProfile "
@@ -158,9 +187,14 @@ def main() -> None:
         print(f"warning: --store-dir {store_dir} is on {store_fs}: the disk cases will read RAM, not a disk", flush=True)
     with engram_demo.demo_tables("small", args.table_rows):  # tables far larger than the row cache
         write_demo_model(model_dir, "small", progress=True)
-    tokens = zipf_tokens(args.batch * (args.warmup + args.steps + 2 * args.rounds), 8192, args.zipf, seed=0)
     per_round = args.steps // args.rounds
-    stream = torch.from_numpy(tokens).view(args.batch, -1)  # [batch, warmup + rounds * (2 + per_round)]
+    length = args.warmup + args.steps + 2 * args.rounds
+    if args.text:  # real text: the first --prime tokens of each stream prime the row caches, the rest is decoded
+        both = text_streams(args.text.split(","), model_dir, args.batch, args.prime + length)
+        history, stream = both[:, : args.prime], both[:, args.prime :].contiguous()
+    else:
+        tokens = zipf_tokens(args.batch * length, 8192, args.zipf, seed=0)
+        history, stream = None, torch.from_numpy(tokens).view(args.batch, -1)  # [batch, warmup + rounds * (2 + per_round)]
     with contextlib.ExitStack() as stack:
         wanted = args.cases.split(",") if args.cases else None
         cases = [Case(model_dir, *(case + (True, True))[:5], args, stream, stack) for case in CASES
@@ -169,6 +203,8 @@ def main() -> None:
             raise SystemExit("--cases must include gpu (the baseline every other case is compared with)")
         prof = cProfile.Profile() if args.profile else None
         for c in cases:  # warm-up (fills the row caches, compiles the step shapes), then every engine idles
+            if history is not None and args.prime:
+                prime(c, history)
             c.steps(args.warmup)
             c.base = c.eng.model.engram.stats()
         order = random.Random(0)
@@ -192,7 +228,8 @@ def main() -> None:
     table_bytes = results[0]["totals"]["table_bytes"]
     report = {"store_dir": str(store_dir), "store_fs": store_fs, "table_bytes": table_bytes,
               "row_cache": args.row_cache, "batch": args.batch, "steps": args.steps,
-              "zipf": args.zipf, "device": torch.cuda.get_device_name(), "cases": results,
+              "zipf": None if args.text else args.zipf, "text": args.text, "prime": args.prime,
+              "device": torch.cuda.get_device_name(), "cases": results,
               "targets": {"pinned": 0.03, "tmpfs": 0.05, "disk": 0.15}}
     (out / "engram.json").write_text(json.dumps(report, indent=2))
     if prof is not None:

@@ -50,6 +50,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--out", default=".")
     ap.add_argument("--handshake", action="store_true", help="serve steps through the rows' handshake")
+    ap.add_argument("--text", default=None, help="comma-separated text files: their tokens instead of Zipf(1.1) ones")
+    ap.add_argument("--prime", type=int, default=0, help="with --text: tokens per stream put in the row cache first")
     args = ap.parse_args()
     work = Path(args.work).expanduser()
     work.mkdir(parents=True, exist_ok=True)
@@ -59,8 +61,18 @@ def main() -> None:
     rng = np.random.default_rng(0)
     n = args.warmup + args.steps * (2 if args.profile else 1)
     tokens = torch.from_numpy(rng.permutation(8192)[np.minimum(rng.zipf(1.1, (n, args.batch)), 8192) - 1])
+    history = None
+    if args.text:  # real text (bench/engram.py's streams): [n, batch] after each stream's --prime tokens
+        from engram import text_streams
+
+        both = text_streams(args.text.split(","), model_dir, args.batch, args.prime + n)
+        history, tokens = both[:, : args.prime], both[:, args.prime :].T.contiguous()
     with Engine.from_pretrained(model_dir, device="cpu", config=conf) as eng:
         rt, layers = eng.model.engram, eng.model.layers
+        if history is not None and args.prime:
+            for row in history:
+                rt.prefetch(row)
+            rt.source.absorb_prefetches()
         if args.handshake:
             result = handshake_steps(eng, tokens, args)
             print(json.dumps(result))

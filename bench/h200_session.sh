@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 set -u
@@ -63,6 +63,11 @@ case "$1" in
     timeout 100 python3 bench/row_reads.py --table "$t" --reps 200 --out "$OUT/row-reads" 2>&1 | tail -1
     timeout 330 python3 bench/engram.py --out "$OUT/engram" --model-dir /dev/shm/engram --steps 200 \
       --cases "${2:-gpu,pinned,tmpfs,disk,disk-noprefetch,disk-segmented}" 2>&1 | tail -9 | cut -c1-700 ;;
+  engram-text)  # the thirteenth session's first call: the Engram bench on real text (the repo's README and RESULTS,
+                # the model's tokenizer) with the row caches primed by 8,000 tokens a stream, beside the Zipf run
+    timeout 300 python3 bench/engram.py --out "$OUT/engram-text" --model-dir /dev/shm/engram --steps 200 \
+      --text README.md,bench/RESULTS.md --prime 8000 --cases "${2:-gpu,pinned,tmpfs,disk,disk-noprefetch}" 2>&1 \
+      | tail -7 | cut -c1-400 ;;
   next)  # the twelfth session's first call: GPU tests of the eleventh session's changes (books after the launch, in
          # bulk; parking), then where a one-graph token's ~0.5 ms beyond the ceiling's goes: the kernel's workers parked
          # after each step, spinning 100 us, no books at all (then run `suite`)

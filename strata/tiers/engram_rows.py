@@ -304,6 +304,11 @@ class EngramRowStore(TableLoadingMixin, GraphStepsMixin):
                 self._admit(ticket, [t.slots[t.slots >= 0] for t in self._live])
         self._pending = keep
 
+    @locked
+    def absorb_prefetches(self) -> None:
+        """Wait for every prefetch in flight and admit its rows (a warm-up: the row cache primed with a history)."""
+        self._absorb(block=True)
+
     def _count(self, tier: str, n: int) -> None:
         self.stats_.hits[tier] = self.stats_.hits.get(tier, 0) + n
 
