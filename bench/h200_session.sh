@@ -73,8 +73,8 @@ case "$1" in
          # after each step, spinning 100 us, no books at all (then run `suite`)
     timeout 150 python3 -m pytest -q -m gpu tests/test_cpu_mailbox.py tests/test_decode_path.py tests/test_gpu_tiers.py \
       tests/test_gpu.py > "$OUT/gpu_tests_next.txt" 2>&1; tail -3 "$OUT/gpu_tests_next.txt"
-    timeout 200 bash "$0" timeline-one 1.0 "split,split+park,split+spin100,split+park+spin100,split+nobooks"
-    timeout 100 bash "$0" timeline-one uniform "split,split+park" ;;
+    timeout 200 bash "$0" timeline-one 1.0 "split,split+spin100,split+nobooks"  # (+park: removed after this call)
+    timeout 100 bash "$0" timeline-one uniform "split" ;;
   timeline-one)  # bench/step_timeline.py on one routing ($2) with cases $3
     python3 -m strata demo-model "/dev/shm/b12-$2" --size bench --layers 12 --no-engram --route-skew "$2" > /dev/null 2>&1
     python3 bench/step_timeline.py --model "/dev/shm/b12-$2" --tokens 40 --out "$OUT/timeline-$2" --cases "$3" 2>&1 \

@@ -3,8 +3,9 @@ worker's clock on one timeline (all CLOCK_MONOTONIC).
 
     python bench/step_timeline.py --model DIR [--gpu-fraction 0.25] [--tokens 48] [--cases split,ceiling] [--out DIR]
 
-Modifiers (`split+park+spin100`): shareX, swN (GIL switch interval, us), spinN (the kernel's idle spin, us), park
-(its workers sleep after a step's last layer), wspinN (the mailbox worker's polling spin, us), nopromote, nobooks.
+Modifiers (`split+spin100+nobooks`): shareX, swN (GIL switch interval, us), spinN (the kernel's idle spin, us),
+wspinN (the mailbox worker's polling spin, us), nopromote, nobooks. (`park`, the kernel's workers sleeping after a
+step's last layer, was measured in the twelfth session, changed nothing beyond noise and was removed.)
 
 The worker's per-layer timing (serve, GPU gap) covers a step's MoE layers; these cover the rest of a token (ms):
   host_between      the sampler: from the previous step's logits done to this token on the host
@@ -119,14 +120,14 @@ def main() -> None:
     from strata.kernels import cpu_experts as ce
     from strata.runtime import cpu_mailbox
 
-    switch, park, wspin = sys.getswitchinterval(), cpu_mailbox.PARK_AFTER_STEP, cpu_mailbox.SPIN_NS
+    switch, wspin = sys.getswitchinterval(), cpu_mailbox.SPIN_NS
     for case in args.cases.split(","):
         name, *mods = case.split("+")
         cfg = configs[name]
         os.environ.pop("STRATA_MAILBOX_GPU_SHARE", None)
         sys.setswitchinterval(switch)
         ce.configure(spin_us=ce.spin_us())
-        cpu_mailbox.PARK_AFTER_STEP, cpu_mailbox.SPIN_NS = park, wspin
+        cpu_mailbox.SPIN_NS = wspin
         for mod in mods:  # A/B modifiers for one run
             if mod.startswith("share"):  # a fixed GPU share of the cold experts (hotpath's modifier)
                 os.environ["STRATA_MAILBOX_GPU_SHARE"] = mod.removeprefix("share")
@@ -134,8 +135,6 @@ def main() -> None:
                 sys.setswitchinterval(int(mod[2:]) / 1e6)
             elif mod.startswith("spin"):  # how long the CPU kernel's idle workers spin, us
                 ce.configure(spin_us=int(mod[4:]))
-            elif mod == "park":  # the kernel's idle workers sleep after each step's last layer
-                cpu_mailbox.PARK_AFTER_STEP = True
             elif mod.startswith("wspin"):  # how long the mailbox worker polls without sleeping after a layer, us
                 cpu_mailbox.SPIN_NS = int(mod[5:]) * 1000
             elif mod == "nopromote":

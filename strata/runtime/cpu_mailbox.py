@@ -30,9 +30,6 @@ HEADER = 64  # bytes: int64 ready, done, status, timeout, the GPU's spins waitin
 LOG_CODES, LOG_ENTRY = 256, 16 + 4 * 256  # csrc/cpu_mailbox.cpp's log layout
 RATE_WINDOW_BYTES = 512 << 20  # the GPU share follows the CPU kernel's rate over about this much of its reading
 SPIN_NS = 2_000_000  # the worker polls without sleeping this long after the last layer it served
-# after a step's last layer the CPU kernel's idle workers sleep instead of spinning out their spin time (~1 ms,
-# across the sampler and the next launch); off until measured (bench/step_timeline.py `+park`)
-PARK_AFTER_STEP = False
 
 
 def _up(n: int, to: int) -> int:
@@ -43,16 +40,14 @@ class CpuMailbox:
     """Mailboxes of `layers` (MoE layers of the model) and the native worker serving them.
 
     addresses [num_layers, E] int64: each expert's gate_up block in page-locked RAM (down follows at
-    `gu_bytes`); the worker reads experts through it, so it must stay valid (`all_pinned`) while open.
-    park: after the last layer of a step, the kernel's idle workers sleep at once (None: `PARK_AFTER_STEP`)."""
+    `gu_bytes`); the worker reads experts through it, so it must stay valid (`all_pinned`) while open."""
 
     def __init__(self, layers: list[int], addresses: np.ndarray, *, hidden: int, inter: int, gu_bytes: int,
                  payload: int, top_k: int, max_tokens: int, threads: int, device: torch.device,
-                 log_entries: int = 4096, park: bool | None = None):
+                 log_entries: int = 4096):
         from strata.kernels import cpu_experts as ce
 
         self.layers, self.hidden, self.top_k, self.max_tokens = list(layers), hidden, top_k, max_tokens
-        park = PARK_AFTER_STEP if park is None else park
         self.max_pairs = max_tokens * top_k
         self.device = device
         self.out_off = _up(HEADER + _up(16 + 8 * self.max_pairs, 64) + 4 * max_tokens * hidden + 4 * self.max_pairs, 64)
@@ -73,7 +68,7 @@ class CpuMailbox:
         self._log_tail = 0
         self.log_lost = 0
         cfg = np.array([hidden, addresses.shape[1], inter, gu_bytes, self.out_off, payload, self.max_pairs,
-                        ce.isa_code(), threads, SPIN_NS, len(self.layers), log_entries, int(park)], dtype=np.int64)
+                        ce.isa_code(), threads, SPIN_NS, len(self.layers), log_entries], dtype=np.int64)
         box_addr = np.array([b.data_ptr() for b in self.boxes], dtype=np.int64)
         layer_ids = np.array(self.layers, dtype=np.int32)
         self._keep = (cfg, box_addr, layer_ids)

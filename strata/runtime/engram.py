@@ -228,10 +228,8 @@ class EngramRuntime(nn.Module):
             if tables is None and not self.device_steps(layers, input_ids.numel()):
                 raise RuntimeError("a DecodeBatch without Engram inputs needs tables the device reads in place "
                                    "or the rows' handshake")
-            hs = self.handshake if tables is None else None
             return device_step(self.hasher, self._token_map_on(input_ids.device), tables, input_ids, batch.slots_t,
-                               batch.pos_t, cache, self.cfg.kernel_size, hs,
-                               hs.source.gather_view if hs is not None else None)
+                               batch.pos_t, cache, self.cfg.kernel_size, self.handshake if tables is None else None)
         ec: EngramCache = cache.engram
         seqs = list(batch.sequences())
         if seqs and all(n == 1 for *_, n in seqs):  # a decode step: vectorised, one device round trip

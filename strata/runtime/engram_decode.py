@@ -54,20 +54,20 @@ class HandshakeEngramStep(DeviceEngramStep):
     """A decode step whose rows come from the host row cache: every layer's row ids were posted to the host
     when the step was built; `rows` waits on the device for the host's answer, then gathers in place."""
 
-    def __init__(self, handshake, view: torch.Tensor, tokens: int, *args):
+    def __init__(self, handshake, tokens: int, *args):
         super().__init__(*args)
-        self.handshake, self.view, self.tokens = handshake, view, tokens
+        self.handshake, self.tokens = handshake, tokens
 
     def rows(self, layer: int) -> torch.Tensor:
-        return self.handshake.rows(layer, self.view, self.tokens)
+        return self.handshake.rows(layer, self.tokens)
 
 
 def device_step(hasher: NgramHasher, token_map: torch.Tensor, tables: dict[int, torch.Tensor] | None,
                 ids: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, cache, kernel: int,
-                handshake=None, view: torch.Tensor | None = None) -> DeviceEngramStep:
+                handshake=None) -> DeviceEngramStep:
     """The decode step of `ids` [B] at `pos` [B] in cache `slots` [B] (device tensors); `token_map` is the
     compressed-id table on the same device. Writes the tokens into the cache's device history. Rows come
-    from `tables` (read in place), or else from the host cache `view` through `handshake` (a `RowHandshake`:
+    from `tables` (read in place), or else from the host row cache through `handshake` (a `RowHandshake`:
     the step's row ids are posted to the host here, before any layer runs)."""
     ec = cache.engram
     n = hasher.cfg.max_ngram_size
@@ -96,7 +96,7 @@ def device_step(hasher: NgramHasher, token_map: torch.Tensor, tables: dict[int, 
         ring_dst = ring_src = own[:0]
     if tables is None:
         handshake.post({layer: hasher.rows(layer, grams) for layer in handshake.layers})
-        return HandshakeEngramStep(handshake, view, b, hasher, {}, grams, taps, ring_dst, ring_src, ec)
+        return HandshakeEngramStep(handshake, b, hasher, {}, grams, taps, ring_dst, ring_src, ec)
     return DeviceEngramStep(hasher, tables, grams, taps, ring_dst, ring_src, ec)
 
 

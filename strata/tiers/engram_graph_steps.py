@@ -59,15 +59,14 @@ class GraphStepsMixin:
                                "rows; raise engram.row_cache")
 
     @locked
-    def finish_one(self, ticket, held: list[torch.Tensor], others, inline: bool = False) -> torch.Tensor:
+    def finish_one(self, ticket, held: list[torch.Tensor], others) -> torch.Tensor:
         """One layer of a decode step (`finish_step`), so a segmented graph can admit each layer's rows right
         before that layer while the reads of later layers are still in flight: waits for this ticket's reads
-        only (`inline`: a ticket started with `issue=False` reads them in this thread, not through the reader's
-        pool), admits its misses without evicting `held` (the slots of the step's layers finished so far; this
+        only, admits its misses without evicting `held` (the slots of the step's layers finished so far; this
         one's are appended) or the hits of `others` (its layers still to come) and of live tickets; returns the
         cache slot of each asked-for row (int64 [T * heads], CPU)."""
         self._live = [t for t in self._live if t is not ticket]
-        self._await(ticket, inline)
+        self._await(ticket)
         protect = held + [t.slots[t.slots >= 0] for t in others]
         slots = self._admit(ticket, protect + [t.slots[t.slots >= 0] for t in self._live])
         if slots is None and self._pending:  # prompts' prefetches held cache rows: admitted, they free them
@@ -90,7 +89,7 @@ class GraphStepsMixin:
         """One Engram layer of a one-graph decode step (the rows' handshake): its rows (`ids`, int64 [T * heads])
         admitted to the host cache without evicting `held` (the slots of the step's layers served so far; this
         one's are appended), each id's slot written to `out`. In one native call where the tables are on disk
-        (strata.tiers.row_serve), else through `start` and `finish_one`, reading in this thread."""
+        (strata.tiers.row_serve), else through `start` and `finish_one`."""
         from strata.tiers.row_serve import NativeRowServer, NoRoom
 
         if self._row_server is None and self.tier == "disk":
@@ -101,8 +100,8 @@ class GraphStepsMixin:
                 self._row_server = False
         if not self._row_server:
             held_t = [torch.from_numpy(h) for h in held]
-            ticket = self.start(layer, torch.from_numpy(ids.copy()).view(-1, 1), issue=False)
-            out[:] = self.finish_one(ticket, held_t, (), inline=True).numpy()
+            ticket = self.start(layer, torch.from_numpy(ids.copy()).view(-1, 1))
+            out[:] = self.finish_one(ticket, held_t, ()).numpy()
             held.append(held_t[-1].numpy())
             return
         self._absorb(block=False)

@@ -103,8 +103,8 @@ class RowHandshake:
         self._dev[1:2].fill_(b)
         self._dev[0:1].copy_(self.gen)  # ready: after the request (stream order)
 
-    def rows(self, layer: int, view: torch.Tensor, b: int) -> torch.Tensor:
-        """Layer `layer`'s rows [B, heads, dim] gathered from `view` (the host cache, in place) once the host
+    def rows(self, layer: int, b: int) -> torch.Tensor:
+        """Layer `layer`'s rows [B, heads, dim] gathered in place from the source's host row cache once the host
         has answered: the stream waits on the device for `done`."""
         i = self._index[layer]
         if self.device.type == "cuda":
@@ -113,6 +113,7 @@ class RowHandshake:
             wait_for_host(self._base + 8 * (8 + i), self.gen, self._base + 16, self._base + 8 * (32 + i))
         elif not native_io.wait_word(self._base + 8 * (8 + i), int(self.gen), 0, 30_000_000_000):
             raise RuntimeError(f"the Engram rows' host thread did not answer layer {layer}")
+        view = self.source.gather_view  # [cache rows, dim]
         slots = self._answer_dev[i, : b * self.heads]
         return view[slots].view(b, self.heads, view.shape[-1])
 

@@ -141,9 +141,8 @@ class EngramRowStore(TableLoadingMixin, GraphStepsMixin):
 
     # -- the row source protocol (strata.runtime.engram.RowSource) -------------------------------------
     @locked
-    def start(self, layer: int, rows: torch.Tensor, issue: bool = True) -> _Ticket:
-        """Begin serving `rows` (int64 CPU [T, heads]) of `layer`; returns at once (`issue=False`: the misses'
-        reads wait for `wait`/`finish_one`, even with prefetch on)."""
+    def start(self, layer: int, rows: torch.Tensor) -> _Ticket:
+        """Begin serving `rows` (int64 CPU [T, heads]) of `layer`; returns at once."""
         self._absorb(block=False)
         uniq, inverse = torch.unique(rows.reshape(-1), return_inverse=True)
         self.stats_.lookups += rows.numel()
@@ -155,7 +154,7 @@ class EngramRowStore(TableLoadingMixin, GraphStepsMixin):
             ticket.slots = self.cache.lookup(uniq + self.base[layer])
             ticket.miss = uniq[ticket.slots < 0]
             self._count("cache", int((ticket.slots >= 0).sum()))
-        if self.prefetch_on and issue:
+        if self.prefetch_on:
             self._issue(ticket)
         self._live.append(ticket)
         return ticket
@@ -181,12 +180,11 @@ class EngramRowStore(TableLoadingMixin, GraphStepsMixin):
             return self._assemble(ticket)
         return self._gather(slots[ticket.inverse]).view(*ticket.shape, self.dim)
 
-    def _await(self, ticket: _Ticket, inline: bool = False) -> None:
-        """Wait for the ticket's reads (queued now if prefetch is off, or read in this thread if `inline`); the
-        wait is the stall."""
-        t0 = time.perf_counter()
+    def _await(self, ticket: _Ticket) -> None:
+        """Wait for the ticket's reads (queued now if prefetch is off); the wait is the stall."""
         if ticket.reads is None:
-            self._issue(ticket, inline)
+            self._issue(ticket)
+        t0 = time.perf_counter()
         for f in ticket.reads:
             f.result()
         self.stats_.stall_s += time.perf_counter() - t0
@@ -266,13 +264,12 @@ class EngramRowStore(TableLoadingMixin, GraphStepsMixin):
         self._pending.append(ticket)
 
     # -- internals -----------------------------------------------------------------------------------
-    def _issue(self, ticket: _Ticket, inline: bool = False) -> None:
-        """Queue the reads of the ticket's missing rows in batches of `read_batch` rows (`inline`: read them now,
-        in this thread)."""
+    def _issue(self, ticket: _Ticket) -> None:
+        """Queue the reads of the ticket's missing rows in batches of `read_batch` rows."""
         with torch.inference_mode(False):  # reader threads write the buffers outside inference mode
-            self._queue_reads(ticket, inline)
+            self._queue_reads(ticket)
 
-    def _queue_reads(self, ticket: _Ticket, inline: bool = False) -> None:
+    def _queue_reads(self, ticket: _Ticket) -> None:
         miss, layer = ticket.miss, ticket.layer
         pin = self.device.type == "cuda" and self.gather_view is None  # copied to a VRAM slab; a host slab takes pageable
         ticket.staged = torch.empty(miss.numel(), self.dim, dtype=self.dtype, pin_memory=pin)
@@ -288,8 +285,7 @@ class EngramRowStore(TableLoadingMixin, GraphStepsMixin):
             else:
                 t = self.tables[layer]
                 base = 0 if self.tier == "tmpfs" else t.offset
-                ticket.reads.append(self.reader.read_rows(self.paths[layer], base, self.row_bytes, part.numpy(), dst,
-                                                          inline=inline))
+                ticket.reads.append(self.reader.read_rows(self.paths[layer], base, self.row_bytes, part.numpy(), dst))
 
     def _absorb(self, block: bool) -> None:
         """Admit finished prefetches (all of them when `block`) into the cache; nothing is gathered."""

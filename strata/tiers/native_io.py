@@ -120,10 +120,7 @@ def read_runs(fd: int, file_off: np.ndarray, length: np.ndarray, need: np.ndarra
 def wait_word(addr: int, want: int, spin_ns: int, timeout_ns: int) -> bool:
     """Wait, without the GIL, until the int64 at address `addr` (page-locked memory a GPU writes) equals `want`:
     polled without sleeping for `spin_ns`, then every ~20 us; False when `timeout_ns` passed first."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError("the native helpers are unavailable (no C++ compiler, or $STRATA_NATIVE_IO=0)")
-    return bool(lib.strata_wait_word(addr, want, spin_ns, timeout_ns))
+    return bool(lib().strata_wait_word(addr, want, spin_ns, timeout_ns))
 
 
 def lib() -> ctypes.CDLL:

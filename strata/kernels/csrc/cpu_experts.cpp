@@ -145,16 +145,12 @@ class Pool {
         for (auto& w : workers_) w.join();
     }
     int size() const { return n_; }
-    // Idle workers sleep now instead of spinning out their spin time (until the next job): the mailbox worker
-    // parks them after a decode step's last layer, when the next job is a token away.
-    void park() { parked_.store(true, std::memory_order_relaxed); }
     pid_t pid() const { return pid_; }
 
     // fn(ctx, 0) must return only when the whole job is done; workers run fn(ctx, tid) to help.
     void run(JobFn fn, void* ctx) {
         fn_ = fn;
         ctx_ = ctx;
-        parked_.store(false, std::memory_order_relaxed);
         const uint64_t g = gen_.load(std::memory_order_relaxed) + 1;
         entry_.store(((g & kGenMask) << 32) | kOpen, std::memory_order_release);
         bool wake;
@@ -197,7 +193,7 @@ class Pool {
                 for (int k = 0;; ++k) {
                     g = gen_.load(std::memory_order_acquire);
                     if (g != seen) break;
-                    if ((k & 255) == 255 && (Clock::now() - t0 > patience || parked_.load(std::memory_order_relaxed))) {
+                    if ((k & 255) == 255 && Clock::now() - t0 > patience) {
                         std::unique_lock<std::mutex> lk(m_);
                         ++sleepers_;
                         cv_.wait(lk, [&] { return gen_.load(std::memory_order_acquire) != seen || stop_.load(); });
@@ -227,7 +223,6 @@ class Pool {
     int sleepers_ = 0;
     std::atomic<bool> stop_{false};
     std::atomic<uint64_t> gen_{0};    // job number, bumped by run()
-    std::atomic<bool> parked_{false};  // park(): idle workers sleep at once
     std::atomic<uint64_t> entry_{0};  // (job number << 32) | open bit | workers inside the job
     JobFn fn_ = nullptr;
     void* ctx_ = nullptr;
@@ -511,12 +506,6 @@ STRATA_API int strata_cpu_configure(int spin_us, const int* cpus, int ncpus, int
     if (prefetch_bytes >= 0) g_prefetch_bytes = prefetch_bytes;
     drop_pool();
     return 0;
-}
-
-// Idle pool workers go to sleep now rather than spin (until the next kernel call).
-STRATA_API void strata_cpu_park() {
-    std::lock_guard<std::mutex> lk(g_call);
-    if (g_pool && g_pool->pid() == getpid()) g_pool->park();
 }
 
 // Read n buffers once with `threads` threads (the pool of the kernel), for a RAM bandwidth figure.

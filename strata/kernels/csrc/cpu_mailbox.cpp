@@ -45,7 +45,6 @@
 
 STRATA_API int strata_cpu_experts(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
                                   float* out, int threads);
-STRATA_API void strata_cpu_park();
 
 namespace {
 
@@ -62,7 +61,6 @@ struct Mailbox {
     const int64_t* addr = nullptr;  // [layers * E] expert gate_up addresses
     int isa = 0, threads = 1;
     int64_t spin_ns = 2000000;      // poll without sleeping this long after the last layer served
-    bool park = false;              // after a step's last layer, the kernel's idle workers sleep (not spin)
     // ring log and counters (host memory the Python side reads)
     char* log = nullptr;
     int64_t log_cap = 0;
@@ -143,7 +141,6 @@ struct Mailbox {
             counters[6] += 1;
         }
         last_done_ns = done_ns, last_done_gen = gen;
-        if (park && i + 1 == boxes.size()) strata_cpu_park();  // the next kernel call is a token away
         counters[0] += groups;
         counters[1] += groups * payload;
         counters[2] += ns;
@@ -202,7 +199,7 @@ struct Mailbox {
 
 }  // namespace
 
-// cfg: int64 [H, E, I, gu_bytes, out_off, payload, max_pairs, isa, threads, spin_ns, n_boxes, log_cap, park]
+// cfg: int64 [H, E, I, gu_bytes, out_off, payload, max_pairs, isa, threads, spin_ns, n_boxes, log_cap]
 // boxes: int64 [n_boxes] mailbox addresses; layers: int32 [n_boxes]; addr: int64 [layers * E];
 // log: log_cap entries of 16 + 4 * 256 bytes; counters: int64 [10]. Returns a handle for stop (0: failed).
 STRATA_API int64_t strata_mailbox_start(const int64_t* cfg, const int64_t* boxes, const int32_t* layers,
@@ -212,7 +209,6 @@ STRATA_API int64_t strata_mailbox_start(const int64_t* cfg, const int64_t* boxes
     m->max_pairs = cfg[6], m->isa = int(cfg[7]), m->threads = int(cfg[8]), m->spin_ns = cfg[9];
     const int64_t n = cfg[10];
     m->log_cap = cfg[11];
-    m->park = cfg[12] != 0;
     for (int64_t i = 0; i < n; ++i) {
         m->boxes.push_back(reinterpret_cast<char*>(boxes[i]));
         m->layer_of.push_back(layers[i]);
