@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 set -u
@@ -68,6 +68,13 @@ case "$1" in
     timeout 300 python3 bench/engram.py --out "$OUT/engram-text" --model-dir /dev/shm/engram --steps 200 \
       --text README.md,bench/RESULTS.md --prime 8000 --cases "${2:-gpu,pinned,tmpfs,disk,disk-noprefetch}" 2>&1 \
       | tail -7 | cut -c1-400 ;;
+  thirteenth)  # the thirteenth session's first call: the GPU tests of the twelfth session's review commit (the handshake's
+               # own gather view, the kernel pool without parking), then the Engram bench on real text and on Zipf tokens
+    timeout 150 python3 -m pytest -q -m gpu tests/test_engram_handshake.py tests/test_engram.py tests/test_decode_path.py \
+      tests/test_cpu_mailbox.py tests/test_tier_primitives.py > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
+    bash "$0" engram-text
+    timeout 150 python3 bench/engram.py --out "$OUT/engram-zipf" --model-dir /dev/shm/engram --steps 200 \
+      --cases gpu,disk 2>&1 | tail -4 | cut -c1-400 ;;
   next)  # the twelfth session's first call: GPU tests of the eleventh session's changes (books after the launch, in
          # bulk; parking), then where a one-graph token's ~0.5 ms beyond the ceiling's goes: the kernel's workers parked
          # after each step, spinning 100 us, no books at all (then run `suite`)
