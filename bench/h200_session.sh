@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 set -u
@@ -75,6 +75,18 @@ case "$1" in
     bash "$0" engram-text
     timeout 150 python3 bench/engram.py --out "$OUT/engram-zipf" --model-dir /dev/shm/engram --steps 200 \
       --cases gpu,disk 2>&1 | tail -4 | cut -c1-400 ;;
+  thirteenth-b)  # the full suite's cases the quick run lacks (12 layers, 64 tokens: merged with the quick run's JSON):
+                 # the uniform multi-stream cases again (now warmed per batch shape), the skewed grid and disk case;
+                 # then the Engram bench on source code (transformers' own files) as a second real text
+    B="python3 -m bench run --suite full --layers 12 --tokens 64"
+    timeout 150 $B --deadline 130 --out "$OUT/full-uniform-streams" --cases 'ceiling/*/uniform/p128x[48]' \
+      'split/*/uniform/p128x[48]' 2>&1 | grep -E '^(ceiling|split|wrote)' | cut -c1-200
+    timeout 300 $B --deadline 270 --out "$OUT/full-skewed" --cases 'ceiling/*/skewed/*' 'split/b10/skewed/*' \
+      'split/b25/skewed/p128x[48]' 'split/b25/skewed/p8192x1' 'split/b50/skewed/*' 'disk/*/skewed/*' 2>&1 \
+      | grep -E '^(ceiling|split|disk|wrote)' | cut -c1-200
+    T=$(python3 -c "import transformers, os; print(os.path.dirname(transformers.__file__))")
+    timeout 110 python3 bench/engram.py --out "$OUT/engram-code" --model-dir /dev/shm/engram --steps 200 \
+      --text "$T/modeling_utils.py,$T/generation/utils.py,$T/trainer.py" --prime 8000 --cases gpu,disk 2>&1 | tail -3 | cut -c1-300 ;;
   next)  # the twelfth session's first call: GPU tests of the eleventh session's changes (books after the launch, in
          # bulk; parking), then where a one-graph token's ~0.5 ms beyond the ceiling's goes: the kernel's workers parked
          # after each step, spinning 100 us, no books at all (then run `suite`)

@@ -14,7 +14,7 @@ from bench.suite import report, results
 from bench.suite.cases import VARIANTS, Case, Workload, full_suite, group_by_engine, quick_suite, select
 from bench.suite.roofline import ModelFacts, Rates, fraction, roofline
 from bench.suite.runner import run_suite
-from bench.suite.strata_case import engine_config
+from bench.suite.strata_case import engine_config, warmup_for
 from strata.config import load_config
 
 FACTS = ModelFacts(expert_bytes=10, dense_bytes_per_step=100, num_experts=8, experts_per_token=2, moe_layers=2)
@@ -233,6 +233,7 @@ def test_one_tiny_case_end_to_end_on_cpu(tmp_path, capsys):
     assert split["status"] == "ok", split.get("reason")
     m = split["metrics"]
     assert m["tokens"] == 8 and m["decode_tok_s"] > 0 and m["lookups_per_token"] > 0
+    assert m["warmup"] == {"prompt": 24, "streams": 2, "tokens": 4}  # a new batch shape is warmed before timing
     state = m["decode_state"]  # CPU: no graphs; the prefetcher's state and counters are recorded
     assert state["graph_mode"] is None and state["prefetch"]["issued"] >= 0
     assert state["prefetcher"] is None or set(state["prefetcher"]) == {"idle", "pauses", "target"}
@@ -245,6 +246,15 @@ def test_one_tiny_case_end_to_end_on_cpu(tmp_path, capsys):
     assert "split/b25/skewed/p24x2" in report.render(on_disk)
     assert bench_main(["list", "--suite", "quick", "--cases", "hf/*"]) == 0
     assert capsys.readouterr().out.split() == ["hf/b25/uniform/p128x1"]
+
+
+def test_each_workload_shape_is_warmed_once():
+    warmed = {(64, 1)}
+    assert warmup_for(Workload(64, 1, 128), warmed) is None
+    w = warmup_for(Workload(128, 4, 128), warmed)
+    assert (w.prompt, w.streams) == (128, 4) and w.tokens < 128
+    assert warmup_for(Workload(128, 4, 64), warmed) is None  # the same shape: its graphs exist
+    assert warmup_for(Workload(8192, 4, 64), warmed) is not None  # another KV bucket
 
 
 def test_routing_popularity_is_measured_with_graphs_paused(monkeypatch):
