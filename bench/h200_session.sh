@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 set -u
@@ -87,6 +87,11 @@ case "$1" in
     T=$(python3 -c "import transformers, os; print(os.path.dirname(transformers.__file__))")
     timeout 110 python3 bench/engram.py --out "$OUT/engram-code" --model-dir /dev/shm/engram --steps 200 \
       --text "$T/modeling_utils.py,$T/generation/utils.py,$T/trainer.py" --prime 8000 --cases gpu,disk 2>&1 | tail -3 | cut -c1-300 ;;
+  thirteenth-c)  # the 8K-prompt uniform cases again (calls 2 and 3 captured the 8K bucket's graphs inside their timing),
+                 # and transformers + accelerate on the skewed checkpoint beside the skewed split, in one run
+    timeout 420 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 330 --hf-limit 150 \
+      --out "$OUT/full-8k-hf" --cases 'ceiling/*/uniform/p8192x1' 'split/*/uniform/p8192x1' 'split/b25/skewed/p128x1' \
+      'hf/b25/skewed/*' 2>&1 | grep -E '^(ceiling|split|hf|wrote)' | cut -c1-200 ;;
   next)  # the twelfth session's first call: GPU tests of the eleventh session's changes (books after the launch, in
          # bulk; parking), then where a one-graph token's ~0.5 ms beyond the ceiling's goes: the kernel's workers parked
          # after each step, spinning 100 us, no books at all (then run `suite`)

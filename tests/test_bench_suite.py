@@ -213,6 +213,17 @@ def test_load_merges_runs_later_cases_win(tmp_path):
     doc = results.load([tmp_path / "a.json", tmp_path / "b.json"])
     by = {c["name"]: c for c in doc["cases"]}
     assert len(by) == len(a["cases"]) + 1 and by["split/b25/uniform/p128x1"]["metrics"]["decode_tok_s"] == 50.0
+    # ratios come from one run: run A measured split (40) and naive (25); run B's split (50) has no naive beside it
+    t = {x["target"]: x for x in report.targets(doc)}
+    assert t["25%, uniform: >= 2x naive on-demand"]["measured"] == "1.6x"
+    md = report.render(doc)
+    assert "| uniform | naive on-demand (per-layer LRU, no prefetch, no CPU) | 25.00 | 40.00 | 1.60x | A |" in md
+    assert "| split/b25/uniform/p128x1 | 50.00 |" in md and "- run B:" in md  # the table shows the latest
+    c = {**_doc(), "cases": [_ok("copy-only/b25/uniform/p128x1", 10.0)]}
+    (tmp_path / "c.json").write_text(json.dumps(c))
+    doc = results.load([tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"])
+    beats = {x["target"]: x for x in report.targets(doc)}["25%, uniform: the split beats copy-only"]
+    assert beats["measured"] == "5.00x (across runs)"  # no run measured both: said so
     (tmp_path / "bad.json").write_text(json.dumps({"schema": "other"}))
     with pytest.raises(ValueError, match="not a valid suite result"):
         results.load([tmp_path / "bad.json"])

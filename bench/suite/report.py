@@ -29,9 +29,31 @@ def _tok(c: dict | None) -> float | None:
     return c["metrics"].get("decode_tok_s")
 
 
+def pair(doc: dict, a: str, b: str) -> tuple[dict | None, dict | None, bool]:
+    """Cases `a` and `b` from the latest run that measured both (a ratio from one run), else each one's latest
+    measurement; the flag says whether they come from one run."""
+    for run in reversed(list(doc.get("by_run", {}).values())):
+        if _tok(run.get(a)) is not None and _tok(run.get(b)) is not None:
+            return run[a], run[b], True
+    cases = _cases(doc)
+    x, y = cases.get(a), cases.get(b)
+    return x, y, x is None or y is None or x.get("run") == y.get("run")
+
+
+def _runs(doc: dict) -> list[dict]:
+    """The runs a merged document was made from; empty for a single run."""
+    runs = doc.get("runs") or []
+    return runs if len(runs) > 1 else []
+
+
+ACROSS = " (across runs)"
+
+
 def case_table(doc: dict) -> str:
+    multi = bool(_runs(doc))
     head = ("| case | decode tok/s | slowest stream | prefill tok/s | TTFT s | GPU hit | MB/token by path | "
-            "CPU experts/token | stall ms/token | peak VRAM GiB | peak RSS GiB | roofline tok/s (bound) | fraction |")
+            "CPU experts/token | stall ms/token | peak VRAM GiB | peak RSS GiB | roofline tok/s (bound) | fraction |"
+            + (" run |" if multi else ""))
     rows = [head, "|" + " --- |" * (head.count("|") - 1)]
     for c in doc["cases"]:
         if c["status"] != "ok" or c["variant"] == "serve":
@@ -44,27 +66,29 @@ def case_table(doc: dict) -> str:
                     f"{_f(m.get('prefill_tok_s'), 0)} | {_f(m.get('ttft_s'), 3)} | {_f(m.get('gpu_hit_rate'), 3)} | "
                     f"{paths} | {_f(m.get('cpu_experts_per_token'), 1)} | {_f(stall, 2, 1e-3) if stall is not None else ''} | "
                     f"{_f(m.get('peak_vram_bytes'), 1, 2**30)} | {_f(m.get('peak_rss_bytes'), 1, 2**30)} | {roof} | "
-                    f"{_f(c.get('fraction_of_roofline'), 3)} |")
+                    f"{_f(c.get('fraction_of_roofline'), 3)} |" + (f" {c.get('run', '')} |" if multi else ""))
     return "\n".join(rows)
 
 
 def baseline_table(doc: dict) -> str:
     """strata (split, 25% budget) against every baseline and ablation, per routing, as ratios."""
-    cases = _cases(doc)
-    rows = ["| routing | against | their decode tok/s | strata split tok/s | strata / them |", "| --- | --- | --- | --- | --- |"]
+    multi = bool(_runs(doc))
+    rows = ["| routing | against | their decode tok/s | strata split tok/s | strata / them |" + (" run |" if multi else ""),
+            "| --- | --- | --- | --- | --- |" + (" --- |" if multi else "")]
     others = [("ceiling/all", "ceiling: all experts in VRAM"), ("hf/b25", "transformers + accelerate offload"),
               ("naive/b25", "naive on-demand (per-layer LRU, no prefetch, no CPU)"),
               ("no-prefetch/b25", "ablation: prefetch off"), ("copy-only/b25", "ablation: CPU compute off"),
               ("cpu-only/b0", "ablation: copies off (CPU only)"), ("static/b25", "static hot set (vs adaptive LFU)"),
               ("disk/b25-ram50", "half the experts only on disk")]
     for routing in ("uniform", "skewed"):
-        ours = _tok(cases.get(f"split/b25/{routing}/{REF}"))
         for prefix, label in others:
-            theirs = _tok(cases.get(f"{prefix}/{routing}/{REF}"))
+            a, b, same = pair(doc, f"split/b25/{routing}/{REF}", f"{prefix}/{routing}/{REF}")
+            ours, theirs = _tok(a), _tok(b)
             if theirs is None:
                 continue
-            ratio = f"{ours / theirs:,.2f}x" if ours and theirs else ""
-            rows.append(f"| {routing} | {label} | {_f(theirs, 2)} | {_f(ours, 2)} | {ratio} |")
+            ratio = f"{ours / theirs:,.2f}x" + ("" if same else ACROSS) if ours and theirs else ""
+            run = (f" {a.get('run', '')} |" if same or a is None else f" {a.get('run', '')}, {b.get('run', '')} |") if multi else ""
+            rows.append(f"| {routing} | {label} | {_f(theirs, 2)} | {_f(ours, 2)} | {ratio} |{run}")
     return "\n".join(rows)
 
 
@@ -92,17 +116,19 @@ def targets(doc: dict) -> list[dict]:
         f = c.get("fraction_of_roofline") if c and c["status"] == "ok" else None
         add(f"25% GPU budget, {routing}: >= 80% of the roofline", _f(f, 3) if f is not None else None,
             None if f is None else f >= 0.8)
+    def ratio(routing: str, other: str) -> tuple[float | None, str]:
+        a, b, same = pair(doc, f"split/b25/{routing}/{REF}", f"{other}/{routing}/{REF}")
+        ours, theirs = _tok(a), _tok(b)
+        return (ours / theirs if ours and theirs else None), ("" if same else ACROSS)
+
     for routing in ("uniform", "skewed"):
         for prefix, need, label in (("hf/b25", 100, "transformers + accelerate"), ("naive/b25", 2, "naive on-demand")):
-            ours, theirs = _tok(cases.get(f"split/b25/{routing}/{REF}")), _tok(cases.get(f"{prefix}/{routing}/{REF}"))
-            r = ours / theirs if ours and theirs else None
-            add(f"25%, {routing}: >= {need}x {label}", f"{r:,.1f}x" if r else None, None if r is None else r >= need)
+            r, note = ratio(routing, prefix)
+            add(f"25%, {routing}: >= {need}x {label}", f"{r:,.1f}x{note}" if r else None, None if r is None else r >= need)
     for routing in ("uniform", "skewed"):
-        ours = _tok(cases.get(f"split/b25/{routing}/{REF}"))
         for v in ("copy-only/b25", "cpu-only/b0"):
-            theirs = _tok(cases.get(f"{v}/{routing}/{REF}"))
-            r = ours / theirs if ours and theirs else None
-            add(f"25%, {routing}: the split beats {v.split('/')[0]}", f"{r:,.2f}x" if r else None,
+            r, note = ratio(routing, v)
+            add(f"25%, {routing}: the split beats {v.split('/')[0]}", f"{r:,.2f}x{note}" if r else None,
                 None if r is None else r > 1)
     c = cases.get(f"split/b40/skewed/{REF}")
     hit = c["metrics"].get("gpu_hit_rate") if c and c["status"] == "ok" else None
@@ -127,7 +153,14 @@ def targets(doc: dict) -> list[dict]:
 def render(doc: dict, command: str | None = None, plot: str | None = None) -> str:
     """The markdown section (without markers)."""
     m, rates = doc["machine"], doc["rates"]
-    lines = [f"## Benchmark suite (issue 7) — {doc.get('started', '')}", ""]
+    runs = _runs(doc)
+    when = f"{len(runs)} runs, {runs[0]['started']} to {runs[-1]['started']}" if runs else doc.get("started", "")
+    lines = [f"## Benchmark suite (issue 7) — {when}", ""]
+    if runs:
+        lines += ["Merged from these runs (a case measured in several comes from the latest; a ratio comes from the "
+                  "latest run that measured both sides, else it says `across runs`):", ""]
+        lines += [f"- run {r['label']}: {r['started']}, code {r['commit']}, `{r['source']}`" for r in runs]
+        lines.append("")
     if command:
         lines += [f"Command: `{command}` (raw JSON: `suite.json`; this section is generated by "
                   f"`python -m bench report`).", ""]

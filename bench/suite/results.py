@@ -132,21 +132,30 @@ def validate(doc: dict) -> list[str]:
 
 def load(paths: list[str | os.PathLike]) -> dict:
     """Read one or more result files into one document: later files' cases replace earlier ones of the
-    same name; machine, rates and settings come from the last file (each case keeps its own run)."""
+    same name; machine, rates and settings come from the last file. Each case keeps its run's label ("A" for
+    the first file, ...) in `run`; `runs` lists the files and `by_run` every run's own cases, so that ratios
+    can be taken within one run (`report.pair`)."""
     merged: dict | None = None
     cases: dict[str, dict] = {}
-    for p in paths:
+    by_run: dict[str, dict[str, dict]] = {}  # run label -> that run's cases by name (ratios come from one run)
+    runs: list[dict] = []
+    for i, p in enumerate(paths):
         doc = json.loads(Path(p).read_text())
         problems = validate(doc)
         if problems:
             raise ValueError(f"{p}: not a valid suite result: {problems[0]}")
+        label = chr(ord("A") + i) if i < 26 else str(i)
+        runs.append({"label": label, "started": doc.get("started"), "source": str(p),
+                     "commit": str((doc.get("machine") or {}).get("git_commit"))[:10]})
         for c in doc["cases"]:
-            c.setdefault("run", doc.get("started"))
+            c.setdefault("run", label)
             cases[c["name"]] = c
+            by_run.setdefault(c["run"], {})[c["name"]] = c
         models = {**(merged or {}).get("models", {}), **doc.get("models", {})}
         merged = {**doc, "models": models}
     if merged is None:
         raise ValueError("no result files given")
     merged["cases"] = list(cases.values())
     merged["sources"] = [str(p) for p in paths]
+    merged["runs"], merged["by_run"] = runs, by_run
     return merged
