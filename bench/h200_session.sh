@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 set -u
@@ -92,6 +92,18 @@ case "$1" in
     timeout 420 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 330 --hf-limit 150 \
       --out "$OUT/full-8k-hf" --cases 'ceiling/*/uniform/p8192x1' 'split/*/uniform/p8192x1' 'split/b25/skewed/p128x1' \
       'hf/b25/skewed/*' 2>&1 | grep -E '^(ceiling|split|hf|wrote)' | cut -c1-200 ;;
+  prefill-skew)  # for the fourteenth session: why the tiered 8K prefill runs 2.5x slower under skewed routing than
+                 # uniform (RESULTS, thirteenth session): 4-layer checkpoints, 25% budget, split against copy-only,
+                 # torch.profiler's kernel tables in $OUT/profile_prefill-*.txt
+    for r in uniform 1.0; do
+      python3 -m strata demo-model /dev/shm/b4-$r --size bench --layers 4 --no-engram --route-skew $r > /dev/null 2>&1
+      for c in split copy; do
+        cfg='{"tiers": {"gpu": {"budget": "1.12GiB"}}}'
+        [ $c = copy ] && cfg='{"tiers": {"gpu": {"budget": "1.12GiB"}}, "runtime": {"cpu_numerics": "gpu"}}'
+        timeout 60 python3 bench/profile_prefill.py --model /dev/shm/b4-$r --label $c-$r --config "$cfg" --out "$OUT" \
+          2>&1 | grep prefilled
+      done
+    done ;;
   next)  # the twelfth session's first call: GPU tests of the eleventh session's changes (books after the launch, in
          # bulk; parking), then where a one-graph token's ~0.5 ms beyond the ceiling's goes: the kernel's workers parked
          # after each step, spinning 100 us, no books at all (then run `suite`)
