@@ -31,7 +31,8 @@ def plot(doc: dict, path: str | Path, workload: str = "p128x1") -> Path | None:
                 ax2.plot([p for p, _ in hits], [h for _, h in hits], style, label=label)
         ceiling = [c for c in ok if c["variant"] == "ceiling" and c["routing"] == routing]
         if ceiling:
-            ax1.axhline(ceiling[0]["metrics"]["decode_tok_s"], ls=":", color="gray", label=f"all in VRAM, {routing}")
+            ax1.axhline(ceiling[0]["metrics"]["decode_tok_s"], ls=":" if routing == "uniform" else "-.", color="gray",
+                        label=f"all in VRAM, {routing}")
     if not drawn:
         plt.close(fig)
         return None
