@@ -72,16 +72,14 @@ def text_streams(files: list[str], model_dir: Path, batch: int, length: int) -> 
     return torch.tensor(ids[: batch * length], dtype=torch.int64).view(batch, length)
 
 
-def prime(case: Case, history: torch.Tensor) -> None:
-    """Fill a case's row cache with the rows of `history` ([batch, n] tokens before its stream): a server that has
-    already decoded that much text. Only row caches in front of a table tier are primed."""
-    rt = case.eng.model.engram
-    store = rt.source
-    if getattr(store, "cache", None) is None:
+def prime(rt, history: torch.Tensor) -> None:
+    """Fill the row cache of Engram runtime `rt` with the rows of `history` ([batch, n] tokens before each stream): a
+    server that has already decoded that much text. Only row caches in front of a table tier are primed."""
+    if getattr(rt.source, "cache", None) is None:
         return
     for row in history:
         rt.prefetch(row)
-    store.absorb_prefetches()
+    rt.source.absorb_prefetches()
 
 
 class Case:
@@ -204,7 +202,7 @@ def main() -> None:
         prof = cProfile.Profile() if args.profile else None
         for c in cases:  # warm-up (fills the row caches, compiles the step shapes), then every engine idles
             if history is not None and args.prime:
-                prime(c, history)
+                prime(c.eng.model.engram, history)
             c.steps(args.warmup)
             c.base = c.eng.model.engram.stats()
         order = random.Random(0)

@@ -63,16 +63,14 @@ def main() -> None:
     tokens = torch.from_numpy(rng.permutation(8192)[np.minimum(rng.zipf(1.1, (n, args.batch)), 8192) - 1])
     history = None
     if args.text:  # real text (bench/engram.py's streams): [n, batch] after each stream's --prime tokens
-        from engram import text_streams
+        from engram import prime, text_streams
 
         both = text_streams(args.text.split(","), model_dir, args.batch, args.prime + n)
         history, tokens = both[:, : args.prime], both[:, args.prime :].T.contiguous()
     with Engine.from_pretrained(model_dir, device="cpu", config=conf) as eng:
         rt, layers = eng.model.engram, eng.model.layers
         if history is not None and args.prime:
-            for row in history:
-                rt.prefetch(row)
-            rt.source.absorb_prefetches()
+            prime(rt, history)
         if args.handshake:
             result = handshake_steps(eng, tokens, args)
             print(json.dumps(result))

@@ -1,7 +1,8 @@
 """Random Engram-row reads from a table file on disk: one decode layer's misses (`--rows` rows, each its own
 4 KiB block) read by the store's `DiskReader` through Linux AIO (all in flight from one thread) and through
-native threads (1, 8, 16, 32), in the caller's thread (`inline`, as the rows' handshake reads) and through the
-reader's pool (as prefetches read). Microseconds per batch: median and p90 over `--reps` batches.
+native threads (1, 8, 16, 32), through the reader's pool (as prefetches read; the rows' handshake reads with the
+same native calls from its own thread, strata.tiers.row_serve). Microseconds per batch: median and p90 over
+`--reps` batches.
 
     python bench/row_reads.py --table ~/.cache/strata-engram-bench/<store>/tables/engram.1.bin [--rows 32]
 """
@@ -34,18 +35,17 @@ def main() -> None:
     rng = np.random.default_rng(0)
     out = torch.empty(args.rows * ROW_BYTES, dtype=torch.uint8)
     results = {}
-    modes = [("aio", 8, True, True), ("threads-1", 1, False, True), ("threads-8", 8, False, True),
-             ("threads-16", 16, False, True), ("threads-32", 32, False, True), ("aio-pool", 8, True, False),
-             ("threads-8-pool", 8, False, False)]
+    modes = [("aio", 8, True), ("threads-1", 1, False), ("threads-8", 8, False), ("threads-16", 16, False),
+             ("threads-32", 32, False)]
     with DiskReader(8) as reader:
         print(f"{path}: O_DIRECT {reader.uses_direct(path)}, {n_rows} rows of {ROW_BYTES} B", flush=True)
-        for name, threads, aio, inline in modes * 2:  # twice: the first pass warms the files and threads
+        for name, threads, aio in modes * 2:  # twice: the first pass warms the files and threads
             reader.num_threads, reader.aio = threads, aio
             times = []
             for _ in range(args.reps):
                 rows = rng.integers(0, n_rows, args.rows)
                 t0 = time.perf_counter()
-                reader.read_rows(path, 0, ROW_BYTES, rows, out, inline=inline).result()
+                reader.read_rows(path, 0, ROW_BYTES, rows, out).result()
                 times.append(time.perf_counter() - t0)
             q = statistics.quantiles(times, n=10)
             results[name] = {"median_us": round(statistics.median(times) * 1e6, 1), "p90_us": round(q[-1] * 1e6, 1)}

@@ -118,10 +118,6 @@ def test_read_rows_match_numpy(store_file, reader, row_bytes, base):
     reader.read_rows(path, base, row_bytes, torch.tensor([5, 0, 5]), small).result()
     assert np.array_equal(small.numpy(), table[[5, 0, 5]])
     assert reader.read_rows(path, base, row_bytes, [], torch.empty(0, dtype=torch.uint8)).result().numel() == 0
-    inline = torch.empty(len(rows), row_bytes, dtype=torch.uint8)  # read in the calling thread: a finished future
-    fut = reader.read_rows(path, base, row_bytes, rows, inline, inline=True)
-    assert fut.done() or not native_io.available()  # without native reads it goes through the pool, as before
-    assert np.array_equal(fut.result().numpy(), table[rows])
 
 
 def test_aio_reads_equal_threaded_reads(tmp_path):

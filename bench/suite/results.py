@@ -156,6 +156,5 @@ def load(paths: list[str | os.PathLike]) -> dict:
     if merged is None:
         raise ValueError("no result files given")
     merged["cases"] = list(cases.values())
-    merged["sources"] = [str(p) for p in paths]
     merged["runs"], merged["by_run"] = runs, by_run
     return merged

@@ -224,10 +224,10 @@ class EngramRuntime(nn.Module):
         if self.source is None:
             self.bind(layers)
         if isinstance(batch, DecodeBatch):
-            tables = self.direct_tables(layers)
-            if tables is None and not self.device_steps(layers, input_ids.numel()):
+            if not self.device_steps(layers, input_ids.numel()):
                 raise RuntimeError("a DecodeBatch without Engram inputs needs tables the device reads in place "
                                    "or the rows' handshake")
+            tables = self.direct_tables(layers)
             return device_step(self.hasher, self._token_map_on(input_ids.device), tables, input_ids, batch.slots_t,
                                batch.pos_t, cache, self.cfg.kernel_size, self.handshake if tables is None else None)
         ec: EngramCache = cache.engram

@@ -247,14 +247,12 @@ class DiskReader:
         return [self.read(*r) for r in requests]
 
     def read_rows(self, path: PathLike, base_offset: int, row_bytes: int, rows: Sequence[int] | np.ndarray | torch.Tensor,
-                  out: torch.Tensor, inline: bool = False) -> Future:
+                  out: torch.Tensor) -> Future:
         """Gather rows of a table (row r at `base_offset + r * row_bytes`) into `out` viewed as [n, row_bytes].
 
         On a disk, the 4 KiB blocks the rows touch are deduplicated, coalesced into runs of consecutive
         blocks, read with O_DIRECT in parallel into an aligned scratch buffer, then scattered with one
-        index_select. Duplicates and rows straddling blocks are fine. Returns a future of `out`.
-        `inline`: with native reads, read in the calling thread (its native call then starts the extra
-        threads) and return a finished future: no hop through the reader's pool for a caller that waits anyway."""
+        index_select. Duplicates and rows straddling blocks are fine. Returns a future of `out`."""
         if base_offset < 0 or row_bytes <= 0:
             raise ValueError(f"need base_offset >= 0 and row_bytes > 0, got {base_offset}, {row_bytes}")
         idx = np.asarray(rows, dtype=np.int64).reshape(-1)
@@ -327,13 +325,6 @@ class DiskReader:
                     raise CheckpointError(f"cannot read {f.path}: {e.strerror}") from e
                 return finish()
 
-            if inline:
-                done = Future()
-                try:
-                    done.set_result(read_all())
-                except BaseException as e:  # noqa: BLE001 - reported through the future, like the pool's
-                    done.set_exception(e)
-                return done
             return self._pool.submit(read_all)  # one task: no per-read Python, no fan-in
 
         runs, blk = list(zip(run_a.tolist(), run_b.tolist(), strict=True)), ub.tolist()

@@ -40,10 +40,6 @@ class RowCache:
     def evictions(self) -> int:
         return int(self.counts[1])
 
-    @property
-    def _inc(self) -> float:
-        return float(self.decay[0])
-
     def lookup(self, rows: torch.Tensor) -> torch.Tensor:
         """Slots of distinct global `rows` (int64 CPU [m]), -1 where absent (int64 [m]); hits count as uses."""
         slots = self.slot_of[rows.numpy()].astype(np.int64)
@@ -75,7 +71,7 @@ class RowCache:
         slots[absent[:m]] = new
         self.row_of[new] = chosen
         self.slot_of[chosen] = new
-        self.score[new] = self._inc
+        self.score[new] = self.decay[0]
         return torch.from_numpy(slots)
 
     def _evict(self, n: int, protect: np.ndarray) -> None:
