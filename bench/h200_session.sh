@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 set -u
@@ -104,6 +104,24 @@ case "$1" in
           2>&1 | grep prefilled
       done
     done ;;
+  fourteenth)  # the fourteenth session's first call: the GPU tests of the last session's moves (CpuCompute, review),
+                # then the skewed 8K prefill probe with prefetch and promotions toggled one at a time
+    timeout 200 python3 -m pytest -q -m gpu tests/test_cpu_mailbox.py tests/test_decode_path.py tests/test_grouped_prefill.py \
+      tests/test_engram_handshake.py tests/test_gpu_tiers.py > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
+    bash "$0" prefill-skew
+    b='"tiers": {"gpu": {"budget": "1.12GiB"}}'
+    for v in 'nopf:"prefetch": {"lookahead": 0}' 'nopromote:"policy": {"promote": false}' \
+             'loop:"runtime": {"grouped_prefill": false}'; do
+      timeout 60 python3 bench/profile_prefill.py --model /dev/shm/b4-1.0 --label "split-1.0-${v%%:*}" \
+        --config "{$b, ${v#*:}}" --out "$OUT" 2>&1 | grep prefilled
+    done ;;
+  fourteenth-b)  # the fix (a prompt's CPU share ships only its tokens' rows): its GPU tests, the 4-layer probe again, then
+                  # the suite's 8K-prompt cases on both routings (12 layers, 64 tokens), for the merged report
+    timeout 100 python3 -m pytest -q -m gpu tests/test_gpu_tiers.py tests/test_grouped_prefill.py > "$OUT/gpu_tests.txt" 2>&1
+    tail -2 "$OUT/gpu_tests.txt"
+    bash "$0" prefill-skew
+    timeout 400 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 370 --out "$OUT/full-8k" \
+      --cases 'ceiling/*/*/p8192x1' 'split/*/*/p8192x1' 2>&1 | grep -E '^(ceiling|split|wrote)' | cut -c1-200 ;;
   next)  # the twelfth session's first call: GPU tests of the eleventh session's changes (books after the launch, in
          # bulk; parking), then where a one-graph token's ~0.5 ms beyond the ceiling's goes: the kernel's workers parked
          # after each step, spinning 100 us, no books at all (then run `suite`)

@@ -7,6 +7,7 @@ import torch
 
 from strata import Engine
 from strata.runtime.convert import convert_checkpoint
+from strata.runtime.tiered_moe import TieredExperts
 from strata.tiers.manager import TierBudgets, TierManager
 from strata.tiers.store import ExpertStore
 
@@ -93,6 +94,42 @@ def test_cpu_gpu_split_stays_within_tolerance(tiny_model_dir):
         assert (split.score(ids) - memory.score(ids)).abs().mean().item() < 0.02
         compute = split.model.layers[1].mlp.experts.compute
         assert compute.cpu_experts > 0
+
+
+def test_a_prompts_cpu_share_gets_only_its_tokens_rows(tiny_model_dir, monkeypatch):
+    """Prefill-sized layers (pairs beyond the pair kernels' limit) with fork numerics: the CPU share is handed
+    the rows of its own tokens only (not the whole prompt's activations), and its partial sums land on the
+    right rows: the score stays within tolerance of the memory engine."""
+    memory = Engine.from_pretrained(tiny_model_dir, device="cuda", config={"runtime": {"experts": "memory"}})
+    cfg = {"tiers": {"gpu": {"budget": str(2 * 12288)}, "pinned": {"budget": str(32 * 12288)}}}
+    with Engine.from_pretrained(tiny_model_dir, device="cuda", config=cfg) as split:
+        compute = split.model.layers[1].mlp.experts.compute
+        calls, forward = [], compute.cpu_forward
+
+        def spy(layer, x, weights, k, groups):
+            calls.append((x.shape[0], weights.shape[0], k, [s.clone() for _, s in groups]))
+            return forward(layer, x, weights, k, groups)
+
+        monkeypatch.setattr(compute, "cpu_forward", spy)
+        plan = TieredExperts._plan_split
+
+        def one_on_cpu(self, groups):  # the CPU share cut to one expert (<= 32 tokens): fewer rows than the prompt
+            cpu, gpu = plan(self, groups)
+            return cpu[:1], sorted(gpu + cpu[1:], key=lambda g: g[0])
+
+        monkeypatch.setattr(TieredExperts, "_plan_split", one_on_cpu)
+        ids = memory.tokenizer.encode("The river runs through the valley and the town, past the mill and the "
+                                      "bridge, under the old stone arches where the herons wait for the fish "
+                                      "that come down from the hills every spring and autumn")
+        assert len(ids) * 4 > 128  # beyond PAIR_LIMIT: the grouped (prefill) path, not the pair kernels
+        diff = (split.score(ids) - memory.score(ids)).abs().mean().item()
+    assert calls, "no prefill layer sent a cold expert to the CPU"
+    for rows, weight_rows, k, sels in calls:
+        tokens = torch.unique(torch.cat(sels) // k)
+        assert rows == weight_rows == tokens.numel()  # exactly the rows its pairs use, renumbered 0..R-1
+        assert tokens.tolist() == list(range(rows))
+    assert all(rows < len(ids) for rows, *_ in calls)
+    assert diff < 0.02
 
 
 def test_kvikio_disk_to_gpu_path(store):

@@ -15,8 +15,9 @@ host which pairs are cold; the cost model splits those between
 Pair outputs are combined in one fixed order, so which tier served an expert never changes the result
 (except the forked CPU kernel's rounding).
 
-Prefill and large batches: tokens are grouped by expert and each expert acquired on the GPU runs as
-one GEMM over its tokens; every cold expert crosses PCIe once per forward pass.
+Prefill and large batches (`strata.runtime.tiered_prefill`): tokens are grouped by expert and each
+expert acquired on the GPU runs as one GEMM over its tokens; every cold expert crosses PCIe once per
+forward pass.
 """
 
 from __future__ import annotations
@@ -30,21 +31,21 @@ import numpy as np
 import torch
 from torch import nn
 
-from strata.kernels.experts import apply_experts, group_by_expert
+from strata.kernels.experts import group_by_expert
 from strata.kernels.grouped import combine_pairs, pair_experts, pair_experts_in_place, use_pair_kernels
-from strata.kernels.grouped_gemm import grouped_experts, grouped_ok, refuse
 from strata.runtime.cost_model import IN_PLACE_HOST_S, IN_PLACE_RATE, split_cold
 from strata.runtime.expert_compute import ExpertCompute
 from strata.runtime.graphs import current_capture_mode, current_recorder
 from strata.runtime.model import MoETransformer
 from strata.runtime.moe import MoEBlock
 from strata.runtime.step_io import pairs_by_expert, to_host, upload
+from strata.runtime.tiered_prefill import PrefillPath
 from strata.tiers.step_copies import IN_PLACE
 
 __all__ = ["ExpertCompute", "TieredExperts", "use_tiered_experts", "router_predictors"]
 
 
-class TieredExperts(nn.Module):
+class TieredExperts(PrefillPath, nn.Module):
     """One MoE layer's routed experts, fetched from tiers; same math as `Experts`."""
 
     def __init__(self, layer: int, num_experts: int, compute: ExpertCompute):
@@ -68,16 +69,15 @@ class TieredExperts(nn.Module):
                 return self._tier_forward(x, weights, k, groups, "cpu")
             y = c.cpu_forward(self.layer, x.cpu(), weights.cpu(), k, [(e, s.cpu()) for e, s in groups])
             return y.to(x.device, x.dtype)
-        cpu_part: Future | None = None
+        cpu_part: tuple[torch.Tensor, Future] | None = None
         if c.use_split:
             cpu_groups, groups = self._plan_split(groups)
             if cpu_groups:  # activations cross PCIe (small); weights stay in host RAM
-                x_host, w_host = x.float().cpu(), weights.cpu()
-                cpu_groups = [(e, s.cpu()) for e, s in cpu_groups]
-                cpu_part = c.pool.submit(c.cpu_forward, self.layer, x_host, w_host, k, cpu_groups)
+                cpu_part = self._start_cpu_share(x, weights, k, cpu_groups)
         out = self._tier_forward(x, weights, k, groups, "gpu", ids)
         if cpu_part is not None:
-            out = out + cpu_part.result().to(out.device, out.dtype)
+            rows, share = cpu_part  # rows unique: each of out's rows gets one add, as `out + partial` would
+            out.index_add_(0, rows, share.result().to(out.device, out.dtype))
         return out
 
     # ---- decode: pair kernels over slots -------------------------------------------------------
@@ -273,7 +273,7 @@ class TieredExperts(nn.Module):
             finally:
                 c.manager.release_staged(staged)  # later copies into these slots wait for the kernels above
 
-    # ---- prefill: experts grouped by token ------------------------------------------------------
+    # ---- the split of cold experts between the CPU and copies (decode and prefill) ------------------
     def _cpu_share(self, tokens: dict[int, int], run_async: bool | None = True) -> tuple[set[int], bool]:
         """Which cold experts (expert -> tokens routed to it) the cost model sends to the CPU (measured rates,
         and copies already queued, e.g. prefetches, counted against the copy path), and whether the CPU share
@@ -303,69 +303,6 @@ class TieredExperts(nn.Module):
             same = sorted((e for e in tokens if tokens[e] == t), key=lambda e: (-score[e], e))
             copied.update(same[:n])
         return set(tokens) - copied, run_async
-
-    def _grouped_forward(self, x, weights, groups, ids, chunk: int) -> torch.Tensor:
-        """`_tier_forward` through grouped GEMMs over the GPU slots (runtime.grouped_prefill): each chunk of experts
-        staged in one batch, its pairs found through an expert -> slot table, two grouped GEMMs per chunk."""
-        c = self.compute
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for i in range(0, len(groups), chunk):
-            part = groups[i : i + chunk]
-            staged = c.manager.stage_gpu(self.layer, [e for e, _ in part])
-            try:
-                staged.wait()
-                table = torch.full((self.num_experts,), -1, dtype=torch.int64)
-                table[torch.tensor(staged.experts, dtype=torch.int64)] = torch.tensor(staged.slots, dtype=torch.int64)
-                slots = table.to(x.device, non_blocking=True)[ids]  # [N, k] each pair's slot, -1: not in this chunk
-                out += grouped_experts(x, weights, slots, c.slots, ids)
-            finally:
-                c.manager.release_staged(staged)
-        return out.to(x.dtype)
-
-    def _plan_split(self, groups):
-        """Resident experts stay on the GPU; cold ones are split between CPU compute and copies."""
-        resident = self.compute.manager.resident_experts(self.layer, "gpu")
-        cold = {e: len(sel) for e, sel in groups if e not in resident}
-        if not cold:
-            return [], groups
-        on_cpu, _ = self._cpu_share(cold)
-        return [g for g in groups if g[0] in on_cpu], [g for g in groups if g[0] not in on_cpu]
-
-    def _tier_forward(self, x, weights, k, groups, device_tier: str, ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Experts acquired on `device_tier` and computed where x lives, in ascending order."""
-        c = self.compute
-        manager = c.manager
-        chunk = manager.max_acquire(device_tier)  # a budget smaller than the step is served in chunks
-        if device_tier == "gpu" and c.slots is not None and ids is not None and c.grouped_prefill \
-                and grouped_ok(x, c.slots):
-            try:
-                return self._grouped_forward(x, weights, groups, ids, chunk)
-            except RuntimeError as e:  # operands torch's grouped GEMM does not take: the per-expert loop
-                refuse(x, c.slots, e)
-        out = torch.zeros_like(x)
-        for i in range(0, len(groups), chunk):
-            part = groups[i : i + chunk]
-            if device_tier == "gpu" and c.slots is not None:
-                # a prefill chunk's experts of a layer (often all of them) staged in one batch, as in decode
-                staged = manager.stage_gpu(self.layer, [e for e, _ in part])
-                try:
-                    staged.wait()
-                    slot_of = dict(zip(staged.experts, staged.slots, strict=True))
-                    apply_experts(x, weights, k, part, lambda e, slot_of=slot_of: (
-                        c.slots.gate_up[slot_of[e]].to(x.dtype), c.slots.down[slot_of[e]].to(x.dtype)), out=out)
-                finally:
-                    manager.release_staged(staged)
-                continue
-            handles = manager.acquire([(self.layer, e) for e, _ in part], device_tier)
-            try:
-                by_expert = {}
-                for h in handles:
-                    h.wait()
-                    by_expert[h.key[1]] = (h.gate_up.to(x.dtype), h.down.to(x.dtype))
-                apply_experts(x, weights, k, part, by_expert.__getitem__, out=out)
-            finally:
-                manager.release(handles)
-        return out
 
 
 def use_tiered_experts(model: MoETransformer, compute: ExpertCompute) -> None:

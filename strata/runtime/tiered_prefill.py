@@ -1,0 +1,104 @@
+"""The prefill side of `TieredExperts`: tokens grouped by expert, each GPU-served expert one GEMM over its tokens.
+
+A prompt chunk's cold experts are staged on the GPU in batches (every cold expert crosses PCIe once per
+chunk), computed by grouped GEMMs over the slots (`runtime.grouped_prefill`) or a per-expert loop; the cost
+model may give the CPU the cold experts with few tokens, computed from host RAM while the GPU works, with
+only those tokens' rows crossing PCIe.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import torch
+
+from strata.kernels.experts import apply_experts
+from strata.kernels.grouped_gemm import grouped_experts, grouped_ok, refuse
+
+
+class PrefillPath:
+    """Mixin of `TieredExperts` (which provides `layer`, `num_experts`, `compute` and `_cpu_share`)."""
+
+    def _start_cpu_share(self, x, weights, k: int, groups) -> tuple[torch.Tensor, Future]:
+        """Start a many-token layer's CPU share on the kernel pool with only its tokens' rows crossing PCIe.
+
+        An 8K-token prompt's activations are 64 MiB in fp32 each way; its CPU share is the few experts with
+        a handful of tokens each (at most a few hundred rows). Shipping whole x and a whole [N, H] partial sum
+        (pageable, freshly allocated) cost ~45 ms a layer on the H200 box. Returns (rows [R] on x's device,
+        the future of the partial sum [R, H] fp32 over those rows)."""
+        c, n = self.compute, x.shape[0]
+        sels = [s.cpu() for _, s in groups]  # pair indices into ids.flatten()
+        rows = torch.unique(torch.cat(sels) // k)  # [R] sorted token rows the CPU share reads
+        where = torch.empty(n, dtype=torch.int64)
+        where[rows] = torch.arange(rows.numel())
+        # the same pairs, renumbered into the compact [R, k]: ascending order (and so the kernel's order) kept
+        local = [(e, where[s // k] * k + s % k) for (e, _), s in zip(groups, sels, strict=True)]
+        rows_dev = rows.to(x.device)
+        x_host, w_host = x.index_select(0, rows_dev).float().cpu(), weights.index_select(0, rows_dev).cpu()
+        return rows_dev, c.pool.submit(c.cpu_forward, self.layer, x_host, w_host, k, local)
+
+    def _grouped_forward(self, x, weights, groups, ids, chunk: int) -> torch.Tensor:
+        """`_tier_forward` through grouped GEMMs over the GPU slots (runtime.grouped_prefill): each chunk of experts
+        staged in one batch, its pairs found through an expert -> slot table, two grouped GEMMs per chunk."""
+        c = self.compute
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        for i in range(0, len(groups), chunk):
+            part = groups[i : i + chunk]
+            staged = c.manager.stage_gpu(self.layer, [e for e, _ in part])
+            try:
+                staged.wait()
+                table = torch.full((self.num_experts,), -1, dtype=torch.int64)
+                table[torch.tensor(staged.experts, dtype=torch.int64)] = torch.tensor(staged.slots, dtype=torch.int64)
+                slots = table.to(x.device, non_blocking=True)[ids]  # [N, k] each pair's slot, -1: not in this chunk
+                out += grouped_experts(x, weights, slots, c.slots, ids)
+            finally:
+                c.manager.release_staged(staged)
+        return out.to(x.dtype)
+
+
+    def _plan_split(self, groups):
+        """Resident experts stay on the GPU; cold ones are split between CPU compute and copies."""
+        resident = self.compute.manager.resident_experts(self.layer, "gpu")
+        cold = {e: len(sel) for e, sel in groups if e not in resident}
+        if not cold:
+            return [], groups
+        on_cpu, _ = self._cpu_share(cold)
+        return [g for g in groups if g[0] in on_cpu], [g for g in groups if g[0] not in on_cpu]
+
+
+    def _tier_forward(self, x, weights, k, groups, device_tier: str, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Experts acquired on `device_tier` and computed where x lives, in ascending order."""
+        c = self.compute
+        manager = c.manager
+        chunk = manager.max_acquire(device_tier)  # a budget smaller than the step is served in chunks
+        if device_tier == "gpu" and c.slots is not None and ids is not None and c.grouped_prefill \
+                and grouped_ok(x, c.slots):
+            try:
+                return self._grouped_forward(x, weights, groups, ids, chunk)
+            except RuntimeError as e:  # operands torch's grouped GEMM does not take: the per-expert loop
+                refuse(x, c.slots, e)
+        out = torch.zeros_like(x)
+        for i in range(0, len(groups), chunk):
+            part = groups[i : i + chunk]
+            if device_tier == "gpu" and c.slots is not None:
+                # a prefill chunk's experts of a layer (often all of them) staged in one batch, as in decode
+                staged = manager.stage_gpu(self.layer, [e for e, _ in part])
+                try:
+                    staged.wait()
+                    slot_of = dict(zip(staged.experts, staged.slots, strict=True))
+                    apply_experts(x, weights, k, part, lambda e, slot_of=slot_of: (
+                        c.slots.gate_up[slot_of[e]].to(x.dtype), c.slots.down[slot_of[e]].to(x.dtype)), out=out)
+                finally:
+                    manager.release_staged(staged)
+                continue
+            handles = manager.acquire([(self.layer, e) for e, _ in part], device_tier)
+            try:
+                by_expert = {}
+                for h in handles:
+                    h.wait()
+                    by_expert[h.key[1]] = (h.gate_up.to(x.dtype), h.down.to(x.dtype))
+                apply_experts(x, weights, k, part, by_expert.__getitem__, out=out)
+            finally:
+                manager.release(handles)
+        return out
+
