@@ -37,7 +37,7 @@ def timed_decode(engine, prompt: list[int], tokens: int, sync: Callable[[], None
     params = SamplingParams(max_tokens=tokens, temperature=1.0, seed=seed, ignore_eos=True)
     sync()
     t0 = time.perf_counter()
-    steps = generate_tokens(engine.model, engine.cache, prompt, params, set(), engine.config.runtime.prefill_chunk,
+    steps = generate_tokens(engine.model, engine.cache, prompt, params, set(), engine.prefill_chunk,
                             engine.device, make_generator(seed, engine.device))
     out = [next(steps)]  # the prefill, and the first token sampled from its logits
     ttft = time.perf_counter() - t0

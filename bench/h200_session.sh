@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 set -u
@@ -122,6 +122,18 @@ case "$1" in
     bash "$0" prefill-skew
     timeout 400 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 370 --out "$OUT/full-8k" \
       --cases 'ceiling/*/*/p8192x1' 'split/*/*/p8192x1' 2>&1 | grep -E '^(ceiling|split|wrote)' | cut -c1-200 ;;
+  fourteenth-c)  # ran once with prefetch.prompt_ahead (a long prompt's next layer prefetched while this one computed;
+                  # slower, removed): the suite's 8K split cases, then the 12-layer checkpoints at 25% with it on/off
+    timeout 330 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 300 --out "$OUT/full-8k-ahead" \
+      --cases 'split/*/*/p8192x1' 2>&1 | grep -E '^(split|wrote)' | cut -c1-200 ;;
+  chunk)  # what the default runtime.prefill_chunk (512) costs an 8K prompt at a 25% budget (4-layer checkpoints)
+    for r in uniform 1.0; do
+      python3 -m strata demo-model /dev/shm/b4-$r --size bench --layers 4 --no-engram --route-skew $r > /dev/null 2>&1
+      for c in 8192 2048 512; do
+        timeout 100 python3 bench/profile_prefill.py --model /dev/shm/b4-$r --label "chunk$c-$r" --chunk $c \
+          --config '{"tiers": {"gpu": {"budget": "1.12GiB"}}}' --out "$OUT" 2>&1 | grep -E 'prefilled|Error' | cut -c1-300
+      done
+    done ;;
   next)  # the twelfth session's first call: GPU tests of the eleventh session's changes (books after the launch, in
          # bulk; parking), then where a one-graph token's ~0.5 ms beyond the ceiling's goes: the kernel's workers parked
          # after each step, spinning 100 us, no books at all (then run `suite`)

@@ -1,6 +1,6 @@
 """Where a long prompt's prefill time goes: torch.profiler over one N-token prefill (one chunk).
 
-    python bench/profile_prefill.py --model DIR [--prompt 8192] [--config JSON] [--out DIR] [--label NAME]
+    python bench/profile_prefill.py --model DIR [--prompt 8192] [--chunk N] [--config JSON] [--out DIR] [--label NAME]
 
 Prints the wall time, tok/s and the top CUDA kernels by total time (GEMMs against gathers, index_add,
 attention, copies), and writes profile_prefill-LABEL.txt. Issue 4's target is 3,000 tok/s for an 8K prompt
@@ -22,6 +22,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--prompt", type=int, default=8192)
+    ap.add_argument("--chunk", type=int, default=0, help="runtime.prefill_chunk (default: the whole prompt)")
     ap.add_argument("--config", default='{"runtime": {"experts": "memory"}}')
     ap.add_argument("--label", default="ceiling")
     ap.add_argument("--out", default=".")
@@ -32,7 +33,7 @@ def main() -> None:
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 
     cfg = json.loads(args.config)
-    cfg.setdefault("runtime", {}).update({"max_context": args.prompt + 64, "prefill_chunk": args.prompt})
+    cfg.setdefault("runtime", {}).update({"max_context": args.prompt + 64, "prefill_chunk": args.chunk or args.prompt})
     engine = Engine.from_pretrained(args.model, config=cfg, device=args.device)
     engine.wait_settled()
     vocab = engine.checkpoint.config.vocab_size

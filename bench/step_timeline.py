@@ -50,7 +50,7 @@ def timeline(engine, prompt: list[int], tokens: int, seed: int = 3) -> dict:
     books0 = engine._compute.books.seconds if box is not None else 0.0
     with torch.inference_mode():
         logits = prefill(model, cache, 0, torch.tensor(prompt, dtype=torch.long, device=dev),
-                         engine.config.runtime.prefill_chunk)
+                         engine.prefill_chunk)
         torch.cuda.synchronize()
         pos = len(prompt)
         t_token = now()

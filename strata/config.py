@@ -60,7 +60,9 @@ class RuntimeConfig:
     device: str = "auto"  # "auto" (CUDA when present), "cpu", "cuda", "cuda:N"
     dtype: str = "auto"  # "auto" (fp32 on CPU, bf16 on CUDA), "float32", "bfloat16", "float16"
     max_context: int = 4096  # tokens per sequence (prompt + generated), capped by the model's own limit
-    prefill_chunk: int = 512  # prompt tokens per forward pass during prefill (bounds activation memory)
+    # prompt tokens per forward pass during prefill: "auto" (CUDA: as many as planner.activation_reserve holds, up
+    # to 8192; CPU: 512; strata.runtime.prefill_chunk) or a number
+    prefill_chunk: int | str = field(default="auto", metadata={"auto_or_int": True})
     threads: int = 0  # torch CPU threads; 0 = torch's default (one per physical core)
     experts: str = "tiered"  # "tiered": served by the tier manager from a store; "memory": all loaded up front
     cpu_numerics: str = "fork"  # "fork": fast CPU expert kernels; "gpu": the reference math, cold experts on the GPU
@@ -93,7 +95,10 @@ class RuntimeConfig:
             raise ConfigError(f"runtime.device = {self.device!r} is invalid; use one of {', '.join(DEVICE_NAMES)} or cuda:N")
         if self.dtype not in DTYPE_NAMES:
             raise ConfigError(f"runtime.dtype = {self.dtype!r} is invalid; use one of {', '.join(DTYPE_NAMES)}")
-        for key, low in (("max_context", 16), ("prefill_chunk", 1), ("threads", 0), ("prefill_chunk_min", 1)):
+        chunk = self.prefill_chunk
+        if chunk != "auto" and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
+            raise ConfigError(f"runtime.prefill_chunk = {chunk!r} is invalid; use \"auto\" or a number of tokens >= 1")
+        for key, low in (("max_context", 16), ("threads", 0), ("prefill_chunk_min", 1)):
             value = getattr(self, key)
             if value < low:
                 raise ConfigError(f"runtime.{key} = {value} is out of range; it must be >= {low}")
@@ -331,7 +336,7 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
                 raise ConfigError(f"config key {prefix}{key} must be a size such as \"24GiB\", got {value!r}")
             kwargs[key] = value
             continue
-        if f.metadata.get("auto_or_bool"):  # "auto", true or false: the section validates the value
+        if f.metadata.get("auto_or_bool") or f.metadata.get("auto_or_int"):  # "auto" or a value: the section checks it
             kwargs[key] = value
             continue
         expected = type(default)

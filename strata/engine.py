@@ -28,6 +28,7 @@ from strata.errors import CheckpointError, RequestError
 from strata.runtime.build import LoadedModel, build_model
 from strata.runtime.generate import generate_tokens, prefill
 from strata.runtime.kv_cache import KVCache
+from strata.runtime.prefill_chunk import resolve_prefill_chunk, score_chunk
 from strata.runtime.sampler import SamplingParams, make_generator
 from strata.runtime.scheduler import Scheduler
 from strata.runtime.tokenizer import StopMatcher, StreamDecoder, Tokenizer
@@ -73,6 +74,9 @@ class Engine:
         self.model, self.device, self.dtype = loaded.model, loaded.device, loaded.dtype
         self.plan, self.tiers, self._compute = loaded.plan, loaded.manager, loaded.compute
         self.max_context = loaded.max_context
+        # prompt tokens a prefill pass takes (runtime.prefill_chunk, "auto" resolved for this model and device)
+        self.prefill_chunk = resolve_prefill_chunk(config.runtime.prefill_chunk, self.checkpoint.config, self.device,
+                                                   config.planner.activation_reserve_bytes, self.max_context)
         self.cache = KVCache(self.checkpoint.config, num_slots=1, max_len=self.max_context, dtype=self.dtype,
                              device=self.device)
         self.eos_token_ids = set(self.checkpoint.eos_token_ids) | set(tokenizer.eos_token_ids)
@@ -181,7 +185,9 @@ class Engine:
             raise RequestError(f"{len(ids)} tokens exceed the context of {self.max_context}; raise runtime.max_context")
         with self._lock:
             t = torch.tensor(ids, dtype=torch.long, device=self.device)
-            return prefill(self.model, self.cache, 0, t, self.config.runtime.prefill_chunk, all_logits=True).float().cpu()
+            chunk = score_chunk(self.prefill_chunk, self.checkpoint.config.vocab_size,
+                                self.config.planner.activation_reserve_bytes)  # every position's logits kept
+            return prefill(self.model, self.cache, 0, t, chunk, all_logits=True).float().cpu()
 
     def wait_settled(self, timeout: float = 600.0) -> bool:
         """Block until the tiers' background start-up placement (and any prefetch) is done; False on
@@ -266,7 +272,7 @@ class Engine:
             self._counters.requests += 1
             t0 = time.perf_counter()
             t_first = None
-            tokens = generate_tokens(self.model, self.cache, ids, params, eos, self.config.runtime.prefill_chunk,
+            tokens = generate_tokens(self.model, self.cache, ids, params, eos, self.prefill_chunk,
                                      self.device, generator)
             stopped = False
             for token in tokens:

@@ -74,8 +74,8 @@ class Scheduler:
         # a step nobody decodes in carries up to runtime.prefill_chunk prompt tokens (what Engine.generate's
         # prefill takes per pass), so a long prompt alone prefills in as few chunks as there, each cold expert
         # crossing PCIe once per chunk; steps with decoding sequences keep to the token budget and the pacer
-        self.pacer = PrefillPacer(token_budget, gap, chunk_min, idle_budget=rt.prefill_chunk)
-        self.repro_chunk = rt.prefill_chunk  # reproducible prompts: Engine.generate's chunking, whatever the load
+        self.pacer = PrefillPacer(token_budget, gap, chunk_min, idle_budget=engine.prefill_chunk)
+        self.repro_chunk = engine.prefill_chunk  # reproducible prompts: Engine.generate's chunking, whatever the load
         self._step_log: deque[dict] = deque(maxlen=512)  # recent steps, for benchmarks and diagnosis
         self.cache = KVCache(engine.checkpoint.config, max_batch, engine.max_context, engine.dtype, engine.device)
         self._waiting: deque[RequestHandle] = deque()

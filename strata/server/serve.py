@@ -202,7 +202,7 @@ class _Loader(threading.Thread):
             self.state.attach(engine, sched)
         stats = engine.stats()
         print(f"ready: {stats['device']} ({stats['dtype']}), max context {engine.max_context}, "
-              f"batch {self.args.max_batch}", flush=True)
+              f"batch {self.args.max_batch}, prefill chunk {engine.prefill_chunk}", flush=True)
 
     def close(self) -> None:
         """After the server stopped: cancel what is left, stop the scheduler, close the tier manager."""

@@ -1,0 +1,58 @@
+"""How many prompt tokens one prefill forward pass takes (`runtime.prefill_chunk = "auto"`).
+
+On a tiered model every cold expert of a layer crosses PCIe once per chunk, so the chunk decides how
+many times a long prompt moves the experts: an 8K-token prompt at a 25% GPU budget prefilled at 4.7K tok/s
+in 512-token chunks, 13.2K in 2048-token chunks and 41.0K in one chunk on the H200 box (4-layer bench
+model, RESULTS.md, fourteenth session). What bounds the chunk is GPU memory for its activations, which
+`planner.activation_reserve` keeps free: "auto" on CUDA takes the largest multiple of 512 tokens whose
+activations (a generous estimate from the model's shape) fill at most three quarters of that reserve, up
+to 8192; on the CPU it stays at 512 (host memory, and no copies to save).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strata.runtime.model_config import ModelConfig
+
+CPU_CHUNK = 512  # and the smallest "auto" gives on CUDA
+MAX_AUTO_CHUNK = 8192
+STEP = 512
+RESERVE_SHARE = 0.75  # of planner.activation_reserve; the rest for the allocator's slack and decode graphs
+
+
+def activation_bytes_per_token(mc: ModelConfig) -> int:
+    """An upper estimate of the GPU bytes one token of a prefill chunk needs while a layer runs.
+
+    Counted in fp32 whatever the compute dtype, with every intermediate alive at once: the residual stream
+    and its norms (8 x hidden), attention's projections (q, k, v, output for every head), and the larger of
+    the dense MLP (gate, up, product) and the routed experts (per routed pair: gate/up and product
+    [3 x moe width], its output and weighted copy [2 x hidden]), plus the router's scores. The bench model
+    (Qwen3-30B-A3B's shape) measured 70-85 KB a token (peak VRAM of an 8K-token prefill against a 128-token
+    one, less the KV cache; thirteenth session's suite); this gives 312 KB."""
+    h, k = mc.hidden_size, max(mc.num_experts_per_tok, 1)
+    head = max(mc.head_dim, mc.qk_nope_head_dim + mc.qk_rope_head_dim, mc.v_head_dim)
+    attention = 2 * (mc.num_heads + 2 * mc.num_kv_heads) * head
+    mlp = max(3 * mc.intermediate_size, k * (3 * mc.moe_intermediate_size + 2 * h) + 3 * mc.shared_expert_intermediate_size)
+    return 4 * (8 * h + attention + mlp + mc.num_experts)
+
+
+def auto_prefill_chunk(mc: ModelConfig, device: torch.device, reserve_bytes: int, max_context: int) -> int:
+    """`runtime.prefill_chunk = "auto"` for a model on `device` with `reserve_bytes` of VRAM kept for activations."""
+    if device.type != "cuda":
+        return min(CPU_CHUNK, max_context)
+    fits = int(RESERVE_SHARE * reserve_bytes / activation_bytes_per_token(mc)) // STEP * STEP
+    return min(max(CPU_CHUNK, fits), MAX_AUTO_CHUNK, max_context)
+
+
+def resolve_prefill_chunk(setting: int | str, mc: ModelConfig, device: torch.device, reserve_bytes: int,
+                          max_context: int) -> int:
+    """The configured chunk, or the "auto" one."""
+    return auto_prefill_chunk(mc, device, reserve_bytes, max_context) if setting == "auto" else int(setting)
+
+
+def score_chunk(chunk: int, vocab_size: int, reserve_bytes: int) -> int:
+    """The chunk `Engine.score` prefills with: it also keeps every position's logits ([chunk, vocab] fp32, with
+    their log-softmax and a copy: 12 bytes a vocabulary entry), which for a 150K vocabulary outweigh the
+    activations; at most half the reserve goes to them."""
+    return max(1, min(chunk, reserve_bytes // 2 // (12 * max(vocab_size, 1))))
