@@ -31,6 +31,7 @@ from strata.runtime.footprint import read_footprint
 from strata.runtime.host import GpuInfo, HostInfo, probe_host
 from strata.runtime.inspect import format_bytes
 from strata.runtime.kv_cache import KVCache
+from strata.runtime.prefill_chunk import resolve_prefill_chunk
 from strata.tiers import store_format
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -101,6 +102,7 @@ class Plan:
     host: HostInfo
     notes: list[str] = field(default_factory=list)
     engram: EngramPlan | None = None  # models with Engram tables: their tier and what they take
+    prefill_chunk: int = 512  # prompt tokens a prefill pass takes (runtime.prefill_chunk, "auto" resolved)
 
     @property
     def total_experts(self) -> int:
@@ -140,6 +142,7 @@ class Plan:
             if g.layers:
                 lines.append(f"  {'':<12} layers {g.layers[0]}-{g.layers[1] - 1}: {g.slots} expert slots ({f(g.expert_bytes)})")
         lines.append(f"  KV cache     {self.max_batch} x {self.max_context} tokens, {f(self.kv_bytes)}")
+        lines.append(f"  prefill      chunks of up to {self.prefill_chunk} prompt tokens (each cold expert moves once a chunk)")
         if self.engram is not None:
             lines.append(f"  engram       {self.engram.describe()}")
         lines.append(f"  {'tier':<12} {'experts':>8} {'bytes':>12} {'budget':>12} {'lookups':>8}")
@@ -291,7 +294,9 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
         expert_compute="gpu" if gpu_slots else "cpu", max_context=context, max_batch=cfg.planner.max_batch,
         kv_bytes=kv, non_expert_bytes=non_expert, ram_margin_bytes=margin, budget_scope=cfg.policy.budget_scope,
         store_bytes=fp.store_bytes, store_exists=store_exists, gpus=gpus, tiers=tiers, host=host, notes=notes,
-        engram=engram,
+        engram=engram, prefill_chunk=resolve_prefill_chunk(cfg.runtime.prefill_chunk, fp.config,
+                                                            torch.device("cuda" if gpu is not None else "cpu"),
+                                                            cfg.planner.activation_reserve_bytes, context),
     )  # fmt: skip
 
 

@@ -6,7 +6,7 @@ in 512-token chunks, 13.2K in 2048-token chunks and 41.0K in one chunk on the H2
 model, RESULTS.md, fourteenth session). What bounds the chunk is GPU memory for its activations, which
 `planner.activation_reserve` keeps free: "auto" on CUDA takes the largest multiple of 512 tokens whose
 activations (a generous estimate from the model's shape) fill at most three quarters of that reserve, up
-to 8192; on the CPU it stays at 512 (host memory, and no copies to save).
+to 8192 and the context; on the CPU it stays at 512 (host memory, and no copies to save).
 """
 
 from __future__ import annotations
