@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 set -u
@@ -126,6 +126,16 @@ case "$1" in
                   # slower, removed): the suite's 8K split cases, then the 12-layer checkpoints at 25% with it on/off
     timeout 330 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 300 --out "$OUT/full-8k-ahead" \
       --cases 'split/*/*/p8192x1' 2>&1 | grep -E '^(split|wrote)' | cut -c1-200 ;;
+  fifteenth)  # for the next session's first call: the GPU tests (runtime.prefill_chunk = "auto" never ran on a GPU),
+               # then an 8K prompt at the default chunk ("auto": 5,120 for the bench model) against one 8,192 chunk
+    timeout 240 python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
+    for r in uniform 1.0; do
+      python3 -m strata demo-model /dev/shm/b4-$r --size bench --layers 4 --no-engram --route-skew $r > /dev/null 2>&1
+      for c in -1 8192; do  # -1: runtime.prefill_chunk left at its default
+        timeout 100 python3 bench/profile_prefill.py --model /dev/shm/b4-$r --label "default$c-$r" --chunk $c \
+          --config '{"tiers": {"gpu": {"budget": "1.12GiB"}}}' --out "$OUT" 2>&1 | grep -E 'prefilled|Error' | cut -c1-300
+      done
+    done ;;
   chunk)  # what the default runtime.prefill_chunk (512) costs an 8K prompt at a 25% budget (4-layer checkpoints)
     for r in uniform 1.0; do
       python3 -m strata demo-model /dev/shm/b4-$r --size bench --layers 4 --no-engram --route-skew $r > /dev/null 2>&1

@@ -22,7 +22,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
     ap.add_argument("--prompt", type=int, default=8192)
-    ap.add_argument("--chunk", type=int, default=0, help="runtime.prefill_chunk (default: the whole prompt)")
+    ap.add_argument("--chunk", type=int, default=0,
+                    help="runtime.prefill_chunk (0: the whole prompt; -1: the config's, by default \"auto\")")
     ap.add_argument("--config", default='{"runtime": {"experts": "memory"}}')
     ap.add_argument("--label", default="ceiling")
     ap.add_argument("--out", default=".")
@@ -33,7 +34,9 @@ def main() -> None:
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 
     cfg = json.loads(args.config)
-    cfg.setdefault("runtime", {}).update({"max_context": args.prompt + 64, "prefill_chunk": args.chunk or args.prompt})
+    cfg.setdefault("runtime", {}).update({"max_context": args.prompt + 64})
+    if args.chunk >= 0:  # -1: the config's runtime.prefill_chunk (its default: "auto")
+        cfg["runtime"]["prefill_chunk"] = args.chunk or args.prompt
     engine = Engine.from_pretrained(args.model, config=cfg, device=args.device)
     engine.wait_settled()
     vocab = engine.checkpoint.config.vocab_size
@@ -49,7 +52,8 @@ def main() -> None:
         engine.generate(prompt, max_tokens=1, temperature=0.0)
         sync()
         profiled = time.perf_counter() - t0
-    head = (f"{args.label}: {args.prompt} tokens prefilled in {plain:.3f} s ({args.prompt / plain:,.0f} tok/s); "
+    head = (f"{args.label}: {args.prompt} tokens prefilled in {plain:.3f} s ({args.prompt / plain:,.0f} tok/s, chunks of "
+            f"{engine.prefill_chunk}); "
             f"{profiled:.3f} s profiled")
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
     cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
