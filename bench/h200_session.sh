@@ -126,8 +126,9 @@ case "$1" in
                   # slower, removed): the suite's 8K split cases, then the 12-layer checkpoints at 25% with it on/off
     timeout 330 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 300 --out "$OUT/full-8k-ahead" \
       --cases 'split/*/*/p8192x1' 2>&1 | grep -E '^(split|wrote)' | cut -c1-200 ;;
-  fifteenth)  # for the next session's first call: the GPU tests (runtime.prefill_chunk = "auto" never ran on a GPU),
-               # then an 8K prompt at the default chunk ("auto": 5,120 for the bench model) against one 8,192 chunk
+  fifteenth)  # for the next session's first call: the GPU tests (runtime.prefill_chunk = "auto" and
+               # runtime.prefill_keeps_resident never ran on a GPU), then an 8K prompt at the default chunk ("auto":
+               # 5,120 for the bench model) against one 8,192 chunk, and with the residents kept
     timeout 240 python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
     for r in uniform 1.0; do
       python3 -m strata demo-model /dev/shm/b4-$r --size bench --layers 4 --no-engram --route-skew $r > /dev/null 2>&1
@@ -135,6 +136,10 @@ case "$1" in
         timeout 100 python3 bench/profile_prefill.py --model /dev/shm/b4-$r --label "default$c-$r" --chunk $c \
           --config '{"tiers": {"gpu": {"budget": "1.12GiB"}}}' --out "$OUT" 2>&1 | grep -E 'prefilled|Error' | cut -c1-300
       done
+      # runtime.prefill_keeps_resident (off by default until measured): cold experts through the step-copy slots
+      timeout 100 python3 bench/profile_prefill.py --model /dev/shm/b4-$r --label "keep-$r" --out "$OUT" \
+        --config '{"tiers": {"gpu": {"budget": "1.12GiB"}}, "runtime": {"prefill_keeps_resident": true}}' 2>&1 \
+        | grep -E 'prefilled|Error' | cut -c1-300
     done ;;
   chunk)  # what the default runtime.prefill_chunk (512) costs an 8K prompt at a 25% budget (4-layer checkpoints)
     for r in uniform 1.0; do

@@ -71,6 +71,7 @@ class RuntimeConfig:
     # prefill's experts in two grouped GEMMs a layer: "auto" on CUDA (7.3x an 8K prefill in VRAM on H200), not on
     # the CPU, where torch's grouped GEMM is a reference loop (~1.25x slower than the per-expert one); true/false
     grouped_prefill: bool | str = field(default="auto", metadata={"auto_or_bool": True})
+    prefill_keeps_resident: bool = False  # a prompt's cold experts stream through step-copy slots, not the GPU tier
     split_decode: str = "graph"  # "graph": one CUDA graph a step, cold experts on a native CPU worker; "host": host steps
     decode_gap_target: float = 0.5  # seconds a serving step may take while sequences decode (prompt chunks shrink); 0: off
     prefill_chunk_min: int = 32  # prompt tokens a serving step carries at least while sequences decode
@@ -82,7 +83,7 @@ class RuntimeConfig:
             raise ConfigError(f"runtime.decode_gap_target = {gap!r} is invalid; give seconds in [0, 3600] (0 turns pacing off)")
         if self.cpu_numerics not in ("fork", "gpu"):
             raise ConfigError(f"runtime.cpu_numerics = {self.cpu_numerics!r} is invalid; use \"fork\" or \"gpu\"")
-        for key in ("cuda_graphs", "read_in_place"):
+        for key in ("cuda_graphs", "read_in_place", "prefill_keeps_resident"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"runtime.{key} = {getattr(self, key)!r} is invalid; use true or false")
         if not isinstance(self.grouped_prefill, bool) and self.grouped_prefill != "auto":

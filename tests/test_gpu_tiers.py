@@ -132,6 +132,26 @@ def test_a_prompts_cpu_share_gets_only_its_tokens_rows(tiny_model_dir, monkeypat
     assert diff < 0.02
 
 
+def test_prefill_keeping_residents_scores_alike_and_leaves_the_tier(tiny_model_dir):
+    """runtime.prefill_keeps_resident on a real GPU tier: a long prompt's cold experts stream through the step-copy
+    slots; the score stays within tolerance and the GPU tier's residents are the same before and after."""
+    memory = Engine.from_pretrained(tiny_model_dir, device="cuda", config={"runtime": {"experts": "memory"}})
+    cfg = {"tiers": {"gpu": {"budget": str(20 * 12288)}, "pinned": {"budget": str(32 * 12288)}},
+           "runtime": {"prefill_keeps_resident": True}}
+    with Engine.from_pretrained(tiny_model_dir, device="cuda", config=cfg) as split:
+        split.wait_settled()
+        ids = memory.tokenizer.encode(" ".join(["The river runs through the valley and the town, past the mill."] * 24))
+        assert len(ids) * 4 > 32 * 16  # over 32 tokens an expert: copied, not left to the CPU
+        tiers = split.tiers
+        assert tiers.stream_slots
+        before = {layer: tiers.resident_experts(layer, "gpu") for layer in split._compute.moe_layers}
+        copies = tiers.stats()["paths"]["pinned->gpu"]["objects"]
+        diff = (split.score(ids) - memory.score(ids)).abs().mean().item()
+        copied = tiers.stats()["paths"]["pinned->gpu"]["objects"] - copies
+        after = {layer: tiers.resident_experts(layer, "gpu") for layer in split._compute.moe_layers}
+    assert diff < 0.02 and copied > 0 and after == before
+
+
 def test_kvikio_disk_to_gpu_path(store):
     """tiers.disk.reader = "kvikio": verified experts not in pinned RAM go disk -> GPU slot directly."""
     pytest.importorskip("kvikio")

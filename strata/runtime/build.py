@@ -112,6 +112,7 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
     device_tier = "gpu" if the_plan.expert_compute == "gpu" and budgets.gpu_slots else "cpu"
     compute = expert_tiers(checkpoint.store, budgets, device, device_tier, cfg)
     compute.grouped_prefill = grouped_on(cfg.runtime.grouped_prefill, device)
+    compute.prefill_keeps_resident = cfg.runtime.prefill_keeps_resident
     manager = compute.manager
     prepare_cpu_experts([compute])
     model = load_model(checkpoint, dtype, device, progress=progress,

@@ -38,23 +38,44 @@ class PrefillPath:
         return rows_dev, c.pool.submit(c.cpu_forward, self.layer, x_host, w_host, k, local)
 
     def _grouped_forward(self, x, weights, groups, ids, chunk: int) -> torch.Tensor:
-        """`_tier_forward` through grouped GEMMs over the GPU slots (runtime.grouped_prefill): each chunk of experts
-        staged in one batch, its pairs found through an expert -> slot table, two grouped GEMMs per chunk."""
+        """`_tier_forward` through grouped GEMMs over the GPU slots (runtime.grouped_prefill): each batch of experts
+        staged at once, its pairs found through an expert -> slot table, two grouped GEMMs per batch."""
         c = self.compute
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for i in range(0, len(groups), chunk):
-            part = groups[i : i + chunk]
-            staged = c.manager.stage_gpu(self.layer, [e for e, _ in part])
+        for staged in self._prefill_batches([e for e, _ in groups], chunk):
             try:
                 staged.wait()
                 table = torch.full((self.num_experts,), -1, dtype=torch.int64)
                 table[torch.tensor(staged.experts, dtype=torch.int64)] = torch.tensor(staged.slots, dtype=torch.int64)
-                slots = table.to(x.device, non_blocking=True)[ids]  # [N, k] each pair's slot, -1: not in this chunk
+                slots = table.to(x.device, non_blocking=True)[ids]  # [N, k] each pair's slot, -1: not in this batch
                 out += grouped_experts(x, weights, slots, c.slots, ids)
             finally:
                 c.manager.release_staged(staged)
         return out.to(x.dtype)
 
+    def _prefill_batches(self, experts: list[int], chunk: int):
+        """Yield this layer's experts staged on the GPU, batch by batch (the caller releases each).
+
+        By default each batch goes through the GPU tier (`stage_gpu`): a long prompt's cold experts then evict
+        the residents of the layers after this one, so a prefill at a 25% budget copies every expert of every
+        layer (1,552 copies for 12 x 128 on the H200 box). With `runtime.prefill_keeps_resident` the resident
+        experts are staged as hits and the cold ones stream through the step-copy slots, a batch at a time:
+        each crosses once per chunk and the tier is left as it was (not yet measured on a GPU)."""
+        m = self.compute.manager
+        if not (self.compute.prefill_keeps_resident and m.stream_slots):
+            for i in range(0, len(experts), chunk):
+                yield m.stage_gpu(self.layer, experts[i : i + chunk])
+            return
+        resident = m.resident_experts(self.layer, "gpu")
+        hot, cold = [e for e in experts if e in resident], [e for e in experts if e not in resident]
+        for i in range(0, len(hot), chunk):
+            yield m.stage_gpu(self.layer, hot[i : i + chunk])
+        step = len(m.stream_slots)
+        for i in range(0, len(cold), step):
+            part = cold[i : i + step]
+            streamed = m.stream_gpu(self.layer, part)  # counted as missed lookups, as stage_gpu counts copies
+            # None: not all in pinned RAM (a disk tier), or a decode step's batch still out: through the tier
+            yield streamed if streamed is not None else m.stage_gpu(self.layer, part)
 
     def _plan_split(self, groups):
         """Resident experts stay on the GPU; cold ones are split between CPU compute and copies."""
@@ -64,7 +85,6 @@ class PrefillPath:
             return [], groups
         on_cpu, _ = self._cpu_share(cold)
         return [g for g in groups if g[0] in on_cpu], [g for g in groups if g[0] not in on_cpu]
-
 
     def _tier_forward(self, x, weights, k, groups, device_tier: str, ids: torch.Tensor | None = None) -> torch.Tensor:
         """Experts acquired on `device_tier` and computed where x lives, in ascending order."""

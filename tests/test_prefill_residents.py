@@ -1,0 +1,64 @@
+"""runtime.prefill_keeps_resident: a prompt's cold experts stream through the step-copy slots and the GPU tier's
+residents survive the prefill (a CPU-simulated GPU tier: the copies are real, into slots in host memory)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata.kernels.experts import moe_forward
+from strata.runtime.convert import convert_checkpoint
+from strata.runtime.expert_compute import ExpertCompute
+from strata.runtime.tiered_moe import TieredExperts
+from strata.tiers.manager import TierBudgets, TierManager
+from strata.tiers.store import ExpertStore
+
+pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
+
+
+@pytest.fixture()
+def store(tiny_model_dir, tmp_path):
+    s = ExpertStore.open(convert_checkpoint(tiny_model_dir, tmp_path / "store", progress=False))
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_a_long_prompt_leaves_the_other_layers_residents_in_place(store, keep):
+    first, second = store.index.moe_layers[:2]
+    e = store.index.num_experts
+    # 12 cached GPU slots (+ 4 step-copy slots), both layers' 6 residents filling them
+    m = TierManager(store, TierBudgets(gpu_slots=16, pinned_slots=4 * e), gpu_device=torch.device("cpu"),
+                    io_threads=2, stream_slots=4)
+    try:
+        for key in store.keys():  # every expert in pinned RAM: the copies' source
+            m.release(m.acquire([key], "cpu"))
+        for layer in (first, second):
+            m.release_staged(m.stage_gpu(layer, list(range(6))))
+        before = {layer: m.resident_experts(layer, "gpu") for layer in (first, second)}
+        assert before[second] == set(range(6))
+        compute = ExpertCompute(m, "gpu", "gpu")  # copies only
+        compute.grouped_prefill, compute.prefill_keeps_resident = True, keep
+        compute.moe_layers = [first, second]
+        gu, dn = store.load_layer_experts(first, torch.float32, "cpu")
+        g = torch.Generator().manual_seed(0)
+        n, k = 64, 4
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
+        w, x = torch.rand(n, k, generator=g), torch.randn(n, gu.shape[2], generator=g).to(store.dtype)
+        used = set(ids.unique().tolist())
+        copies, looked = m.stats()["paths"]["pinned->gpu"]["objects"], m.stats()["layers"].get(first)
+        got = TieredExperts(first, e, compute)(x, ids, w).float()
+        want = moe_forward(x.float(), gu, dn, ids, w)
+        assert (got - want).abs().max().item() < 2e-2 * want.abs().max().item()
+        copied = m.stats()["paths"]["pinned->gpu"]["objects"] - copies
+        assert copied == len(used - before[first])  # each cold expert crosses once, the residents not at all
+        after = {layer: m.resident_experts(layer, "gpu") for layer in (first, second)}
+        if keep:
+            assert after == before  # the tier is as it was
+        else:
+            assert after[second] != before[second]  # staged through the tier: the next layer's residents evicted
+        # every expert the prompt used is one lookup; the copied ones are the misses, streamed or staged
+        now = m.stats()["layers"][first]
+        assert now["lookups"] - looked["lookups"] == len(used) and now["misses"] - looked["misses"] == copied
+    finally:
+        m.close()
