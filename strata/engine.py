@@ -74,9 +74,11 @@ class Engine:
         self.model, self.device, self.dtype = loaded.model, loaded.device, loaded.dtype
         self.plan, self.tiers, self._compute = loaded.plan, loaded.manager, loaded.compute
         self.max_context = loaded.max_context
-        # prompt tokens a prefill pass takes (runtime.prefill_chunk, "auto" resolved for this model and device)
-        self.prefill_chunk = resolve_prefill_chunk(config.runtime.prefill_chunk, self.checkpoint.config, self.device,
-                                                   config.planner.activation_reserve_bytes, self.max_context)
+        # prompt tokens a prefill pass takes (runtime.prefill_chunk, "auto" resolved): the plan's, which `strata plan`
+        # printed; resolved here when there is none (every expert in memory, or several cards)
+        self.prefill_chunk = self.plan.prefill_chunk if self.plan is not None else resolve_prefill_chunk(
+            config.runtime.prefill_chunk, self.checkpoint.config, self.device, config.planner.activation_reserve_bytes,
+            self.max_context)
         self.cache = KVCache(self.checkpoint.config, num_slots=1, max_len=self.max_context, dtype=self.dtype,
                              device=self.device)
         self.eos_token_ids = set(self.checkpoint.eos_token_ids) | set(tokenizer.eos_token_ids)

@@ -69,7 +69,6 @@ class CpuCompute:
         self.rates.observe_cpu(nbytes, seconds)
         return out
 
-
     def _cpu_packed(self, layer: int, x: torch.Tensor, weights: torch.Tensor, k: int, groups) -> torch.Tensor | None:
         """`cpu_forward` for experts resident in pinned RAM, with the kernel reading their slots by address:
         no handles, views or per-expert checks (a decode layer's CPU share spent ~0.3 ms on those). Same
