@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 set -u
@@ -140,6 +140,41 @@ case "$1" in
       timeout 100 python3 bench/profile_prefill.py --model /dev/shm/b4-$r --label "keep-$r" --out "$OUT" \
         --config '{"tiers": {"gpu": {"budget": "1.12GiB"}}, "runtime": {"prefill_keeps_resident": true}}' 2>&1 \
         | grep -E 'prefilled|Error' | cut -c1-300
+    done ;;
+  fifteenth-b)  # the GPU tests of the prefill's pair buffer and double-buffered stream slots, then the 8K prompt at
+                 # 25%: "auto" chunk, one 8,192 chunk, residents kept (4 layers, both routings; 12 layers, uniform)
+    timeout 150 python3 -m pytest -q -m gpu tests/test_grouped_prefill.py tests/test_gpu_tiers.py tests/test_step_copies.py \
+      tests/test_decode_path.py tests/test_prefill_residents.py > "$OUT/gpu_tests_b.txt" 2>&1; tail -2 "$OUT/gpu_tests_b.txt"
+    for r in uniform 1.0; do
+      python3 -m strata demo-model /dev/shm/b4-$r --size bench --layers 4 --no-engram --route-skew $r > /dev/null 2>&1
+      for c in -1 8192; do
+        timeout 100 python3 bench/profile_prefill.py --model /dev/shm/b4-$r --label "b-default$c-$r" --chunk $c \
+          --config '{"tiers": {"gpu": {"budget": "1.12GiB"}}}' --out "$OUT" 2>&1 | grep -E 'prefilled|Error' | cut -c1-300
+      done
+      timeout 100 python3 bench/profile_prefill.py --model /dev/shm/b4-$r --label "b-keep-$r" --out "$OUT" \
+        --config '{"tiers": {"gpu": {"budget": "1.12GiB"}}, "runtime": {"prefill_keeps_resident": true}}' 2>&1 \
+        | grep -E 'prefilled|Error' | cut -c1-300
+      rm -rf /dev/shm/b4-$r
+    done
+    python3 -m strata demo-model /dev/shm/b12-uniform --size bench --layers 12 --no-engram --route-skew uniform > /dev/null 2>&1
+    for keep in false true; do
+      timeout 100 python3 bench/profile_prefill.py --model /dev/shm/b12-uniform --label "b12-keep$keep" --out "$OUT" \
+        --config '{"tiers": {"gpu": {"budget": "3.6GiB"}}, "runtime": {"prefill_keeps_resident": '$keep'}}' 2>&1 \
+        | grep -E 'prefilled|Error' | cut -c1-300
+    done ;;
+  fifteenth-c)  # the prefill's pairs known per batch (no sort, no sync), GEMMs in pieces, "auto" chunk now 8,192: the
+                 # GPU tests, then an 8K prompt at 25% with and without the residents kept (4 layers both routings; 12)
+    timeout 150 python3 -m pytest -q -m gpu tests/test_grouped_prefill.py tests/test_gpu_tiers.py tests/test_step_copies.py \
+      tests/test_decode_path.py tests/test_prefill_residents.py > "$OUT/gpu_tests_c.txt" 2>&1; tail -2 "$OUT/gpu_tests_c.txt"
+    for m in b4-uniform:1.12 b4-1.0:1.12 b12-uniform:3.6; do
+      name=${m%%:*}; n=${name%%-*}; r=${name#*-}
+      python3 -m strata demo-model /dev/shm/$name --size bench --layers ${n#b} --no-engram --route-skew $r > /dev/null 2>&1
+      for keep in false true; do
+        timeout 100 python3 bench/profile_prefill.py --model /dev/shm/$name --label "c-$name-keep$keep" --out "$OUT" --chunk -1 \
+          --config '{"tiers": {"gpu": {"budget": "'${m#*:}'GiB"}}, "runtime": {"prefill_keeps_resident": '$keep'}}' 2>&1 \
+          | grep -E 'prefilled|Error' | cut -c1-300
+      done
+      rm -rf /dev/shm/$name
     done ;;
   chunk)  # what the default runtime.prefill_chunk (512) costs an 8K prompt at a 25% budget (4-layer checkpoints)
     for r in uniform 1.0; do

@@ -43,18 +43,24 @@ def main() -> None:
     prompt = [(100 + i * 37) % vocab for i in range(args.prompt)]
     engine.generate(prompt[:1024], max_tokens=1, temperature=0.0)  # warm-up: kernels compiled, allocator grown
     sync()
+    cuda = args.device == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
     t0 = time.perf_counter()
     engine.generate(prompt, max_tokens=1, temperature=0.0)
     sync()
     plain = time.perf_counter() - t0
+    # VRAM the prefill took beyond what was allocated before it (activations; the KV cache is allocated up front)
+    peak = (torch.cuda.max_memory_allocated() - base) if cuda else 0
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
         engine.generate(prompt, max_tokens=1, temperature=0.0)
         sync()
         profiled = time.perf_counter() - t0
     head = (f"{args.label}: {args.prompt} tokens prefilled in {plain:.3f} s ({args.prompt / plain:,.0f} tok/s, chunks of "
-            f"{engine.prefill_chunk}); "
-            f"{profiled:.3f} s profiled")
+            f"{engine.prefill_chunk}); {profiled:.3f} s profiled; peak {peak / 2**20:,.0f} MiB above the start "
+            f"({peak / 1024 / engine.prefill_chunk:,.0f} KiB a chunk token)")
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
     cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
     print(head, flush=True)

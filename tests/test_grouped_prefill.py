@@ -37,6 +37,19 @@ def test_grouped_experts_equal_the_per_expert_loop_in_fp32():
     assert torch.equal(grouped_experts(x, w, ids, sw, ids), moe_forward(x, gu, dn, ids, w))
 
 
+@pytest.mark.parametrize("rows", [1, 4, 7])
+def test_pairs_in_pieces_equal_one_grouped_gemm(monkeypatch, rows):
+    """A long prompt's pairs run in pieces of PIECE_ROWS (the offsets clamped to each piece, pieces cutting
+    through an expert's rows): the same outputs, bit for bit."""
+    import strata.kernels.grouped_gemm as gg
+
+    gu, dn, x, ids, w = _experts(2)
+    sw = SlotWeights(gu, dn)
+    whole = grouped_experts(x, w, ids, sw, ids)
+    monkeypatch.setattr(gg, "PIECE_ROWS", rows)
+    assert torch.equal(grouped_experts(x, w, ids, sw, ids), whole)
+
+
 def test_grouped_experts_read_slab_slots_and_skip_pairs_not_in_the_call():
     """Slots in any order (the GPU tier's), some experts absent (-1): those pairs add nothing."""
     gu, dn, x, ids, w = _experts(1)

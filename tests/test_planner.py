@@ -106,17 +106,16 @@ def test_qwen3_30b_on_a_24gib_gpu(q30b):
 
 
 def test_the_plan_resolves_the_prefill_chunk(q30b):
-    """runtime.prefill_chunk = "auto": 5,120 tokens for this shape on a GPU with the default 2 GiB reserve, more
-    with a larger reserve, 512 on a CPU-only host; a number is kept. `format` says which."""
+    """runtime.prefill_chunk = "auto": 3,584 tokens for this shape on a GPU with a 1 GiB reserve, 8,192 (the
+    most) with the default 2 GiB, 512 on a CPU-only host; a number is kept. `format` says which."""
     long = {"max_context": 16384}
-    p = plan(q30b, host(gpu=24 * GiB), {"runtime": long})
-    assert p.prefill_chunk == 5120 and "chunks of up to 5120 prompt tokens" in p.format()
+    p = plan(q30b, host(gpu=24 * GiB), {"runtime": long, "planner": {"activation_reserve": "1GiB"}})
+    assert p.prefill_chunk == 3584 and "chunks of up to 3584 prompt tokens" in p.format()
     assert plan(q30b, host(gpu=24 * GiB)).prefill_chunk == 4096  # never past the context (4096 by default)
-    big = {"runtime": long, "planner": {"activation_reserve": "8GiB"}}
-    assert plan(q30b, host(gpu=80 * GiB), big).prefill_chunk == 8192
+    assert plan(q30b, host(gpu=24 * GiB), {"runtime": long}).prefill_chunk == 8192
     assert plan(q30b, host(gpu=None), {"runtime": long}).prefill_chunk == 512
     assert plan(q30b, host(gpu=24 * GiB), {"runtime": {**long, "prefill_chunk": 1000}}).prefill_chunk == 1000
-    assert p.to_dict()["prefill_chunk"] == 5120
+    assert p.to_dict()["prefill_chunk"] == 3584
 
 
 def test_small_ram_leaves_experts_on_disk(q30b):

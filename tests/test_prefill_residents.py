@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from strata.kernels.experts import moe_forward
+from strata.kernels.grouped import SlotWeights
+from strata.kernels.grouped_gemm import grouped_experts
 from strata.runtime.convert import convert_checkpoint
 from strata.runtime.expert_compute import ExpertCompute
 from strata.runtime.tiered_moe import TieredExperts
@@ -50,6 +52,9 @@ def test_a_long_prompt_leaves_the_other_layers_residents_in_place(store, keep):
         got = TieredExperts(first, e, compute)(x, ids, w).float()
         want = moe_forward(x.float(), gu, dn, ids, w)
         assert (got - want).abs().max().item() < 2e-2 * want.abs().max().item()
+        # served in several batches (residents, then cold ones two at a time): bit for bit the all-in-memory sum
+        native = SlotWeights(*store.load_layer_experts(first, store.dtype, "cpu"))
+        assert torch.equal(got, grouped_experts(x, w, ids, native, ids).to(x.dtype).float())
         copied = m.stats()["paths"]["pinned->gpu"]["objects"] - copies
         assert copied == len(used - before[first])  # each cold expert crosses once, the residents not at all
         after = {layer: m.resident_experts(layer, "gpu") for layer in (first, second)}
@@ -60,5 +65,8 @@ def test_a_long_prompt_leaves_the_other_layers_residents_in_place(store, keep):
         # every expert the prompt used is one lookup; the copied ones are the misses, streamed or staged
         now = m.stats()["layers"][first]
         assert now["lookups"] - looked["lookups"] == len(used) and now["misses"] - looked["misses"] == copied
+        # and in fp32 activations, where a different order of the adds would show
+        x32 = x.float()
+        assert torch.equal(TieredExperts(first, e, compute)(x32, ids, w), grouped_experts(x32, w, ids, native, ids))
     finally:
         m.close()

@@ -101,32 +101,43 @@ def _stream(store, device: str) -> None:
         assert m.stream_gpu(layer, [0, 7]) is None  # 7 is not in pinned RAM
         batch = m.stream_gpu(layer, [3, 1])
         assert batch is not None and batch.slots == [4, 5] and batch.experts == [3, 1]
-        assert m.stream_gpu(layer, [2]) is None  # the first batch is still out
+        assert m.stream_gpu(layer, [2]) is None  # the first batch is still out: no slot free
         batch.wait()
-        for e, slot in zip(batch.experts, batch.slots, strict=True):
-            gate_up, down = store.expert_views(store.read_expert((layer, e)))
-            got_gu, got_dn = store.expert_views(m.slots.view(slot))
-            assert torch.equal(got_gu.cpu(), gate_up) and torch.equal(got_dn.cpu(), down)
+        _assert_holds(store, m, layer, batch)
         assert not m.gpu.slot_of and (m.slots.slot_of_host < 0).all()  # the cached tier and its map are untouched
         m.release_staged(batch)
-        again = m.stream_gpu(layer, [2])  # released: the slots take the next layer's copies
-        assert again is not None and again.slots == [4]
-        again.wait()
-        m.release_staged(again)
+        # a prefill's double buffer: two batches of one slot each out at once, the third refused until one is back
+        first, second = m.stream_gpu(layer, [2]), m.stream_gpu(layer, [0])
+        assert first.slots == [4] and second.slots == [5] and m.stream_gpu(layer, [4]) is None
+        m.release_staged(first)
+        third = m.stream_gpu(layer, [4])  # into slot 4 once first's readers are done
+        assert third is not None and third.slots == [4]
+        for b in (second, third):
+            b.wait()
+            _assert_holds(store, m, layer, b)
+            m.release_staged(b)
         if m.slots.is_cuda:
             torch.cuda.synchronize()
         stats = m.stats()
-        assert stats["lookups"] - base["lookups"] == 3
-        assert stats["tiers"]["pinned"]["hits"] - base["tiers"]["pinned"]["hits"] == 3
-        assert stats["paths"]["pinned->gpu"]["objects"] == 3
+        assert stats["lookups"] - base["lookups"] == 5
+        assert stats["tiers"]["pinned"]["hits"] - base["tiers"]["pinned"]["hits"] == 5
+        assert stats["paths"]["pinned->gpu"]["objects"] == 5
         assert not m.pinned.refs  # every pinned source was released once its copy landed
     finally:
         m.close()
 
 
+def _assert_holds(store, m, layer, batch) -> None:
+    for e, slot in zip(batch.experts, batch.slots, strict=True):
+        gate_up, down = store.expert_views(store.read_expert((layer, e)))
+        got_gu, got_dn = store.expert_views(m.slots.view(slot))
+        assert torch.equal(got_gu.cpu(), gate_up) and torch.equal(got_dn.cpu(), down)
+
+
 def test_stream_gpu_cpu_slab(store):
     """`stream_gpu`: one step's copies into the slots set aside for them: exact bytes, the cached tier and the
-    device map untouched, one batch out at a time, pinned-resident experts only, sources released."""
+    device map untouched, batches out at once only in free slots, pinned-resident experts only, sources
+    released."""
     _stream(store, "cpu")
 
 

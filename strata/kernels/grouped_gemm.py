@@ -54,24 +54,82 @@ def grouped_experts(x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor,
     """x [N, H], weights [N, k] routing weights, slots [N, k] the slot of each pair's expert (-1: not in this
     call, contributes nothing), experts [N, k] the expert ids (the summation order) -> fp32 [N, H], each
     token's pairs weighted and summed in ascending expert order."""
-    n, k = slots.shape
+    pairs = torch.zeros((slots.numel(), x.shape[1]), dtype=torch.float32, device=x.device)
+    grouped_pairs(x, weights, slots, sw, pairs)
+    return sum_pairs(pairs, experts)
+
+
+PIECE_ROWS = 8192  # pairs per grouped GEMM: bounds a long prompt's temporaries (~14 KB a pair for the bench model)
+
+
+def grouped_pairs(x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, sw: SlotWeights,
+                  pairs: torch.Tensor) -> None:
+    """Write each pair's weighted expert output into `pairs` [N*k, H] fp32 (row p: token p // k's (p % k)-th
+    pair), for the pairs with a slot (slots [N, k], -1: not in this call; their rows are left as they are)."""
+    n_slots = sw.gate_up.shape[0]
     flat = slots.reshape(-1).long()  # [P]
-    keep = flat >= 0
-    order = torch.argsort(torch.where(keep, flat, sw.gate_up.shape[0]), stable=True)  # by slot, skipped last
-    kept = int(keep.sum())  # one host sync: the grouped GEMM's row count
-    order = order[:kept]
-    counts = torch.bincount(flat[order], minlength=sw.gate_up.shape[0])  # [S] rows of each slot
-    offs = torch.cumsum(counts, 0).to(torch.int32)
-    xs = x[order // k].to(sw.gate_up.dtype)  # [P', H]
-    gu = torch._grouped_mm(xs, sw.gate_up.transpose(1, 2), offs=offs)  # [P', 2I]
-    gate, up = gu.chunk(2, dim=-1)
-    h = (F.silu(gate.float()) * up.float()).to(sw.down.dtype)
-    y = torch._grouped_mm(h, sw.down.transpose(1, 2), offs=offs).float()  # [P', H]
-    pairs = torch.zeros((n * k, x.shape[1]), dtype=torch.float32, device=x.device)
-    pairs.index_copy_(0, order, y * weights.reshape(-1)[order].float()[:, None])  # back in pair order
-    rank = torch.argsort(experts, dim=1, stable=True)  # [N, k] each token's pairs by ascending expert
-    by_expert = pairs.view(n, k, -1).gather(1, rank[..., None].expand(-1, -1, x.shape[1]))
-    out = by_expert[:, 0].clone()
-    for j in range(1, k):  # sequential: the same rounding whichever slots served the pairs
-        out += by_expert[:, j]
+    by_slot = torch.where(flat >= 0, flat, n_slots)  # skipped pairs sort last
+    counts = torch.bincount(by_slot, minlength=n_slots + 1)[:n_slots].tolist()  # one host sync: rows per slot
+    order = torch.argsort(by_slot, stable=True)[: sum(counts)]
+    slot_pairs(x, weights, order, counts, sw, pairs)
+
+
+def slot_pairs(x: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, counts: list[int], sw: SlotWeights,
+               pairs: torch.Tensor) -> None:
+    """`grouped_pairs` with the pairs already sorted: order [P'] pair indices grouped by slot in slot order,
+    counts[s] the rows of slot s in it. A tiered prefill knows both per batch of staged experts without a
+    sort or a host synchronisation, and calls this once per batch over one buffer, summing once (`sum_pairs`):
+    each batch costs only its own pairs, and the sum keeps the all-in-memory order whichever batch served a
+    pair. Runs in pieces of about `PIECE_ROWS` pairs cut between slots, so each expert's GEMM sees the same
+    rows (and rounds the same) however the pairs were batched."""
+    k = weights.shape[1]
+    w = weights.reshape(-1)
+    start = 0
+    for lo, hi in _pieces(counts):
+        rows = sum(counts[lo:hi])
+        part = order[start : start + rows]
+        ends, run = [0] * len(counts), 0  # each slot's row end within the piece: 0 before it, all rows after
+        for s in range(lo, len(counts)):
+            run += counts[s] if s < hi else 0
+            ends[s] = run
+        offs = torch.tensor(ends, dtype=torch.int32).to(x.device, non_blocking=True)
+        start += rows
+        xs = x[part // k].to(sw.gate_up.dtype)  # [R, H]
+        gu = torch._grouped_mm(xs, sw.gate_up.transpose(1, 2), offs=offs)  # [R, 2I]
+        del xs
+        gate, up = gu.chunk(2, dim=-1)
+        act = F.silu(gate.float()).mul_(up)  # fp32 (up promoted on the fly), in place
+        h = act.to(sw.down.dtype)
+        del gu, gate, up, act
+        y = torch._grouped_mm(h, sw.down.transpose(1, 2), offs=offs)  # [R, H] in the weights' dtype
+        # y * w in fp32 (type promotion: no fp32 copy of y first), back in pair order
+        pairs.index_copy_(0, part, y * w[part].float()[:, None])
+
+
+def _pieces(counts: list[int]) -> list[tuple[int, int]]:
+    """Slot ranges [lo, hi) of about PIECE_ROWS rows each (a slot with more rows is a piece of its own)."""
+    pieces, lo, rows = [], None, 0
+    for s, c in enumerate(counts):
+        if not c:
+            continue
+        if lo is None:
+            lo = s
+        elif rows + c > PIECE_ROWS:
+            pieces.append((lo, s))
+            lo, rows = s, 0
+        rows += c
+    if lo is not None:
+        pieces.append((lo, len(counts)))
+    return pieces
+
+
+def sum_pairs(pairs: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    """pairs [N*k, H] fp32 weighted pair outputs, experts [N, k] -> fp32 [N, H]: each token's pairs added in
+    ascending expert order, sequentially (the same rounding whichever slots or batches served them)."""
+    n, k = experts.shape
+    # row of each token's j-th pair by ascending expert [N, k]: one [N, H] row gather a term, not [N, k, H] at once
+    rows = torch.argsort(experts, dim=1, stable=True) + torch.arange(0, n * k, k, device=experts.device)[:, None]
+    out = pairs.index_select(0, rows[:, 0])
+    for j in range(1, k):
+        out += pairs.index_select(0, rows[:, j])
     return out

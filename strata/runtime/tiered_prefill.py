@@ -13,7 +13,7 @@ from concurrent.futures import Future
 import torch
 
 from strata.kernels.experts import apply_experts
-from strata.kernels.grouped_gemm import grouped_experts, grouped_ok, refuse
+from strata.kernels.grouped_gemm import grouped_ok, refuse, slot_pairs, sum_pairs
 
 
 class PrefillPath:
@@ -40,19 +40,28 @@ class PrefillPath:
 
     def _grouped_forward(self, x, weights, groups, ids, chunk: int) -> torch.Tensor:
         """`_tier_forward` through grouped GEMMs over the GPU slots (runtime.grouped_prefill): each batch of experts
-        staged at once, its pairs found through an expert -> slot table, two grouped GEMMs per batch."""
+        staged at once, its pairs (known per expert) written into one [N*k, H] buffer by two grouped GEMMs; the
+        pairs are summed once, in the all-in-memory order, after the last batch."""
         c = self.compute
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        for staged in self._prefill_batches([e for e, _ in groups], chunk):
-            try:
-                staged.wait()
-                table = torch.full((self.num_experts,), -1, dtype=torch.int64)
-                table[torch.tensor(staged.experts, dtype=torch.int64)] = torch.tensor(staged.slots, dtype=torch.int64)
-                slots = table.to(x.device, non_blocking=True)[ids]  # [N, k] each pair's slot, -1: not in this batch
-                out += grouped_experts(x, weights, slots, c.slots, ids)
-            finally:
-                c.manager.release_staged(staged)
-        return out.to(x.dtype)
+        sel_of = dict(groups)  # expert -> its pair indices [n_e] into ids.flatten(), on x's device
+        n_slots = c.slots.gate_up.shape[0]
+        pairs = torch.zeros((ids.numel(), x.shape[1]), dtype=torch.float32, device=x.device)
+        batches = self._prefill_batches(list(sel_of), chunk)
+        try:
+            for staged in batches:
+                try:
+                    staged.wait()
+                    # the batch's pairs by slot, and each slot's rows: known on the host, no sort or sync
+                    by_slot = sorted(zip(staged.slots, staged.experts, strict=True))
+                    counts = [0] * n_slots
+                    for slot, e in by_slot:
+                        counts[slot] = len(sel_of[e])
+                    slot_pairs(x, weights, torch.cat([sel_of[e] for _, e in by_slot]), counts, c.slots, pairs)
+                finally:
+                    c.manager.release_staged(staged)
+        finally:
+            batches.close()  # releases a batch staged ahead and not yet computed
+        return sum_pairs(pairs, ids).to(x.dtype)
 
     def _prefill_batches(self, experts: list[int], chunk: int):
         """Yield this layer's experts staged on the GPU, batch by batch (the caller releases each).
@@ -60,8 +69,9 @@ class PrefillPath:
         By default each batch goes through the GPU tier (`stage_gpu`): a long prompt's cold experts then evict
         the residents of the layers after this one, so a prefill at a 25% budget copies every expert of every
         layer (1,552 copies for 12 x 128 on the H200 box). With `runtime.prefill_keeps_resident` the resident
-        experts are staged as hits and the cold ones stream through the step-copy slots, a batch at a time:
-        each crosses once per chunk and the tier is left as it was (not yet measured on a GPU)."""
+        experts are staged as hits and the cold ones stream through the step-copy slots in batches of half of
+        them, the next batch's copies issued before this one is yielded (they overlap its compute): each cold
+        expert crosses once per chunk and the tier is left as it was."""
         m = self.compute.manager
         if not (self.compute.prefill_keeps_resident and m.stream_slots):
             for i in range(0, len(experts), chunk):
@@ -69,14 +79,22 @@ class PrefillPath:
             return
         resident = m.resident_experts(self.layer, "gpu")
         hot, cold = [e for e in experts if e in resident], [e for e in experts if e not in resident]
-        for i in range(0, len(hot), chunk):
-            yield m.stage_gpu(self.layer, hot[i : i + chunk])
-        step = len(m.stream_slots)
-        for i in range(0, len(cold), step):
-            part = cold[i : i + step]
-            streamed = m.stream_gpu(self.layer, part)  # counted as missed lookups, as stage_gpu counts copies
-            # None: not all in pinned RAM (a disk tier), or a decode step's batch still out: through the tier
-            yield streamed if streamed is not None else m.stage_gpu(self.layer, part)
+        step = max(1, len(m.stream_slots) // 2)
+        parts = [cold[i : i + step] for i in range(0, len(cold), step)]
+        ahead = m.stream_gpu(self.layer, parts[0]) if parts else None  # copying while the hits compute
+        try:
+            for i in range(0, len(hot), chunk):
+                yield m.stage_gpu(self.layer, hot[i : i + chunk])
+            for j, part in enumerate(parts):
+                this, ahead = ahead, None
+                if this is None:  # not streamed: not all in pinned RAM (a disk tier), or stream slots still out
+                    this = m.stream_gpu(self.layer, part) or m.stage_gpu(self.layer, part)
+                if j + 1 < len(parts):
+                    ahead = m.stream_gpu(self.layer, parts[j + 1])  # the other half of the stream slots
+                yield this
+        finally:
+            if ahead is not None:  # the caller stopped early (an error): nothing will compute it
+                m.release_staged(ahead)
 
     def _plan_split(self, groups):
         """Resident experts stay on the GPU; cold ones are split between CPU compute and copies."""

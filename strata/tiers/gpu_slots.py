@@ -297,17 +297,17 @@ class GpuSlots:
             self._published[slot] = done
         return start, done
 
-    def stream_in(self, items: Sequence[tuple[int, torch.Tensor]], wait_for=None) -> tuple:
-        """Copy (slot, pinned source) pairs on the copy stream, after `wait_for`, leaving the map alone (the
-        slots hold one step's copies, addressed by the step itself). Returns timing (start, done) events
+    def stream_in(self, items: Sequence[tuple[int, torch.Tensor]], wait_for: Sequence = ()) -> tuple:
+        """Copy (slot, pinned source) pairs on the copy stream, after the events `wait_for`, leaving the map
+        alone (the slots hold one step's copies, addressed by the step itself). Returns timing (start, done) events
         (both None on CPU, where the copies are done)."""
         if not self.is_cuda:
             self._copy_rows(items)
             return None, None
         stream = self.copy_stream
         with torch.cuda.stream(stream):
-            if wait_for is not None:
-                stream.wait_event(wait_for)
+            for ev in wait_for:
+                stream.wait_event(ev)
             start = torch.cuda.Event(enable_timing=True)
             start.record(stream)
             self._copy_rows(items)

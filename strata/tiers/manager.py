@@ -96,8 +96,8 @@ class TierManager(IntegrityMixin, LookupsMixin, PlacementMixin, StepCopiesMixin,
         self.slots: GpuSlots | None = None
         self.gpu: _SlotTier | None = None
         self.stream_slots: list[int] = []  # GPU slots outside the cached tier, for `stream_gpu`
-        self._stream_free = None  # event after the last readers of the stream slots (None: free now)
-        self._streaming = False  # a `stream_gpu` batch is out and not released
+        self._stream_free: dict[int, object] = {}  # stream slot -> event after its last readers (absent: free now)
+        self._stream_out: set[int] = set()  # stream slots of `stream_gpu` batches out and not released
         if budgets.gpu_slots > 0:
             n_layers = max(moe_layers) + 1
             n_experts = max(k[1] for k in store.keys()) + 1

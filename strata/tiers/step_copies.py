@@ -137,26 +137,28 @@ class StepCopiesMixin:
         The cheap way to compute a cold expert on the GPU when the cost model would rather not keep it: one
         copy per expert and one event, no eviction, no map entries, no policy order to update (a decode layer
         staged through the cached tier spends ~80 us of host time per copy on those; the stream path well
-        under half of that). None, doing nothing, when it cannot serve the batch (no stream slots, too few,
-        a batch still out, or an expert not resident in pinned RAM): take `stage_gpu` then.
+        under half of that). None, doing nothing, when it cannot serve the batch (too few stream slots free of
+        batches out and not released, or an expert not resident in pinned RAM): take `stage_gpu` then. Two batches of at most half the stream slots each can be out at once, so a prefill
+        copies its next batch while the GPU computes this one.
         Call `wait()` before reading the slots and `release_staged` once their readers are enqueued."""
-        if self._streaming or not experts or len(experts) > len(self.stream_slots):
-            return None
         pinned = self.pinned
         keys = [(layer, int(e)) for e in experts]
         with self._lock:
-            if not self._pinned_now(keys):
+            free = [s for s in self.stream_slots if s not in self._stream_out]
+            if not keys or len(keys) > len(free) or not self._pinned_now(keys):
                 return None
-            slots = self.stream_slots[: len(keys)]
+            slots = free[: len(keys)]
             self._hold_for_gpu(keys)  # the sources stay put until the copies land
             copies = [(slot, self.pool.slot(pinned.slot_of[key])) for key, slot in zip(keys, slots, strict=True)]
+            # the copies wait for the readers of the slots' earlier contents (one wait per distinct event)
+            readers = list({id(ev): ev for s in slots if (ev := self._stream_free.pop(s, None)) is not None}.values())
             t0 = time.perf_counter()
-            start, done = self.slots.stream_in(copies, self._stream_free)
+            start, done = self.slots.stream_in(copies, readers)
             if done is None:
                 self.stats_.paths["pinned->gpu"].add(self.store.slot_bytes * len(copies), time.perf_counter() - t0,
                                                      objects=len(copies))
             self._copying[next(self._seq)] = (start, done, keys)  # the pinned refs drop once the copies land
-            self._streaming = True
+            self._stream_out.update(slots)
         return StreamedExperts(layer, [k[1] for k in keys], list(slots), done)
 
     def read_in_place(self, layer: int, experts: list[int]) -> list[int] | None:
@@ -210,7 +212,10 @@ class StepCopiesMixin:
                 ev = torch.cuda.Event()
                 ev.record(torch.cuda.current_stream(self.slots.slab.device))
             with self._lock:
-                self._stream_free, self._streaming = ev, False
+                for slot in staged.slots:
+                    self._stream_out.discard(slot)
+                    if ev is not None:
+                        self._stream_free[slot] = ev
             return
         if staged.handles:
             self.release(staged.handles)
