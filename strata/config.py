@@ -71,7 +71,7 @@ class RuntimeConfig:
     # prefill's experts in two grouped GEMMs a layer: "auto" on CUDA (7.3x an 8K prefill in VRAM on H200), not on
     # the CPU, where torch's grouped GEMM is a reference loop (~1.25x slower than the per-expert one); true/false
     grouped_prefill: bool | str = field(default="auto", metadata={"auto_or_bool": True})
-    prefill_keeps_resident: bool = False  # a prompt's cold experts stream through step-copy slots, not the GPU tier
+    prefill_keeps_resident: bool = True  # a prompt's cold experts stream through step-copy slots, not the GPU tier
     split_decode: str = "graph"  # "graph": one CUDA graph a step, cold experts on a native CPU worker; "host": host steps
     decode_gap_target: float = 0.5  # seconds a serving step may take while sequences decode (prompt chunks shrink); 0: off
     prefill_chunk_min: int = 32  # prompt tokens a serving step carries at least while sequences decode

@@ -66,12 +66,13 @@ class PrefillPath:
     def _prefill_batches(self, experts: list[int], chunk: int):
         """Yield this layer's experts staged on the GPU, batch by batch (the caller releases each).
 
-        By default each batch goes through the GPU tier (`stage_gpu`): a long prompt's cold experts then evict
-        the residents of the layers after this one, so a prefill at a 25% budget copies every expert of every
-        layer (1,552 copies for 12 x 128 on the H200 box). With `runtime.prefill_keeps_resident` the resident
-        experts are staged as hits and the cold ones stream through the step-copy slots in batches of half of
-        them, the next batch's copies issued before this one is yielded (they overlap its compute): each cold
-        expert crosses once per chunk and the tier is left as it was."""
+        With `runtime.prefill_keeps_resident` (the default) the resident experts are staged as hits and the cold
+        ones stream through the step-copy slots in batches of half of them, the next batch's copies issued before
+        this one is yielded (they overlap its compute): each cold expert crosses once per chunk and the tier is
+        left as it was. Without it, or without step-copy slots (copy-only mode), each batch goes through the GPU
+        tier (`stage_gpu`): a long prompt's cold experts then evict the residents of the layers after this one,
+        so a prefill at a 25% budget copies every expert of every layer (1,552 copies for 12 x 128 on the H200
+        box; kept, 12 layers prefilled an 8K prompt at 22.2K tok/s against 17.9K)."""
         m = self.compute.manager
         if not (self.compute.prefill_keeps_resident and m.stream_slots):
             for i in range(0, len(experts), chunk):
