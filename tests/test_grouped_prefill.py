@@ -39,8 +39,8 @@ def test_grouped_experts_equal_the_per_expert_loop_in_fp32():
 
 @pytest.mark.parametrize("rows", [1, 4, 7])
 def test_pairs_in_pieces_equal_one_grouped_gemm(monkeypatch, rows):
-    """A long prompt's pairs run in pieces of PIECE_ROWS (the offsets clamped to each piece, pieces cutting
-    through an expert's rows): the same outputs, bit for bit."""
+    """A long prompt's pairs run in pieces of about PIECE_ROWS, cut between experts (an expert with more rows is
+    a piece of its own): the same outputs, bit for bit."""
     import strata.kernels.grouped_gemm as gg
 
     gu, dn, x, ids, w = _experts(2)

@@ -5,7 +5,9 @@ index_add). An 8K-token prefill chunk of the bench model hits all 128 experts of
 H200 box the host launching those ops took 0.63 s for ~94 ms of GPU work (bench/RESULTS.md, ninth session:
 `bench/profile_prefill.py`). Here the pairs are sorted by slot and run through `torch._grouped_mm` (CUTLASS
 grouped GEMMs on sm90; a reference loop elsewhere), once for gate/up and once for down, whatever the number
-of experts: about ten launches a layer.
+of experts: about ten launches a layer, in pieces of about 8K pairs so the temporaries stay bounded. Each
+pair's weighted output lands in one [N*k, H] fp32 buffer (a tiered prefill fills it batch by batch) that is
+summed once.
 
 Weights are addressed by slot, like the decode pair kernels: `SlotWeights` over the stacked in-memory
 experts (slot = expert id) or over the GPU tier's slab. Each token's k outputs are added in ascending
@@ -69,31 +71,31 @@ def grouped_pairs(x: torch.Tensor, weights: torch.Tensor, slots: torch.Tensor, s
     n_slots = sw.gate_up.shape[0]
     flat = slots.reshape(-1).long()  # [P]
     by_slot = torch.where(flat >= 0, flat, n_slots)  # skipped pairs sort last
-    counts = torch.bincount(by_slot, minlength=n_slots + 1)[:n_slots].tolist()  # one host sync: rows per slot
-    order = torch.argsort(by_slot, stable=True)[: sum(counts)]
-    slot_pairs(x, weights, order, counts, sw, pairs)
+    counts = torch.bincount(by_slot, minlength=n_slots + 1)[:n_slots].cpu()  # one host sync: rows per slot
+    used = torch.nonzero(counts).flatten()
+    slot_rows = list(zip(used.tolist(), counts[used].tolist(), strict=True))
+    order = torch.argsort(by_slot, stable=True)[: int(counts.sum())]
+    slot_pairs(x, weights, order, slot_rows, sw, pairs)
 
 
-def slot_pairs(x: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, counts: list[int], sw: SlotWeights,
-               pairs: torch.Tensor) -> None:
+def slot_pairs(x: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, slot_rows: list[tuple[int, int]],
+               sw: SlotWeights, pairs: torch.Tensor) -> None:
     """`grouped_pairs` with the pairs already sorted: order [P'] pair indices grouped by slot in slot order,
-    counts[s] the rows of slot s in it. A tiered prefill knows both per batch of staged experts without a
-    sort or a host synchronisation, and calls this once per batch over one buffer, summing once (`sum_pairs`):
-    each batch costs only its own pairs, and the sum keeps the all-in-memory order whichever batch served a
-    pair. Runs in pieces of about `PIECE_ROWS` pairs cut between slots, so each expert's GEMM sees the same
-    rows (and rounds the same) however the pairs were batched."""
-    k = weights.shape[1]
+    slot_rows the (slot, rows) of each slot in it, ascending. A tiered prefill knows both per batch of staged
+    experts without a sort or a host synchronisation, and calls this once per batch over one buffer, summing
+    once (`sum_pairs`): each batch costs only its own pairs, and the sum keeps the all-in-memory order whichever
+    batch served a pair. Runs in pieces of about `PIECE_ROWS` pairs cut between slots, so each expert's GEMM
+    sees the same rows (and rounds the same) however the pairs were batched."""
+    k, n_slots = weights.shape[1], sw.gate_up.shape[0]
     w = weights.reshape(-1)
     start = 0
-    for lo, hi in _pieces(counts):
-        rows = sum(counts[lo:hi])
+    for piece in _pieces(slot_rows):
+        rows = sum(r for _, r in piece)
         part = order[start : start + rows]
-        ends, run = [0] * len(counts), 0  # each slot's row end within the piece: 0 before it, all rows after
-        for s in range(lo, len(counts)):
-            run += counts[s] if s < hi else 0
-            ends[s] = run
-        offs = torch.tensor(ends, dtype=torch.int32).to(x.device, non_blocking=True)
         start += rows
+        counts = torch.zeros(n_slots, dtype=torch.int32)
+        counts[torch.tensor([s for s, _ in piece])] = torch.tensor([r for _, r in piece], dtype=torch.int32)
+        offs = counts.cumsum(0, dtype=torch.int32).to(x.device, non_blocking=True)  # [S] each slot's row end
         xs = x[part // k].to(sw.gate_up.dtype)  # [R, H]
         gu = torch._grouped_mm(xs, sw.gate_up.transpose(1, 2), offs=offs)  # [R, 2I]
         del xs
@@ -106,20 +108,16 @@ def slot_pairs(x: torch.Tensor, weights: torch.Tensor, order: torch.Tensor, coun
         pairs.index_copy_(0, part, y * w[part].float()[:, None])
 
 
-def _pieces(counts: list[int]) -> list[tuple[int, int]]:
-    """Slot ranges [lo, hi) of about PIECE_ROWS rows each (a slot with more rows is a piece of its own)."""
-    pieces, lo, rows = [], None, 0
-    for s, c in enumerate(counts):
-        if not c:
-            continue
-        if lo is None:
-            lo = s
-        elif rows + c > PIECE_ROWS:
-            pieces.append((lo, s))
-            lo, rows = s, 0
-        rows += c
-    if lo is not None:
-        pieces.append((lo, len(counts)))
+def _pieces(slot_rows: list[tuple[int, int]]) -> list[list[tuple[int, int]]]:
+    """slot_rows cut into runs of about PIECE_ROWS rows each (a slot with more rows is a piece of its own)."""
+    pieces: list[list[tuple[int, int]]] = []
+    rows = 0
+    for slot, r in slot_rows:
+        if not pieces or rows + r > PIECE_ROWS:
+            pieces.append([])
+            rows = 0
+        pieces[-1].append((slot, r))
+        rows += r
     return pieces
 
 

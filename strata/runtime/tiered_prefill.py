@@ -44,7 +44,6 @@ class PrefillPath:
         pairs are summed once, in the all-in-memory order, after the last batch."""
         c = self.compute
         sel_of = dict(groups)  # expert -> its pair indices [n_e] into ids.flatten(), on x's device
-        n_slots = c.slots.gate_up.shape[0]
         pairs = torch.zeros((ids.numel(), x.shape[1]), dtype=torch.float32, device=x.device)
         batches = self._prefill_batches(list(sel_of), chunk)
         try:
@@ -53,10 +52,8 @@ class PrefillPath:
                     staged.wait()
                     # the batch's pairs by slot, and each slot's rows: known on the host, no sort or sync
                     by_slot = sorted(zip(staged.slots, staged.experts, strict=True))
-                    counts = [0] * n_slots
-                    for slot, e in by_slot:
-                        counts[slot] = len(sel_of[e])
-                    slot_pairs(x, weights, torch.cat([sel_of[e] for _, e in by_slot]), counts, c.slots, pairs)
+                    slot_rows = [(slot, len(sel_of[e])) for slot, e in by_slot]
+                    slot_pairs(x, weights, torch.cat([sel_of[e] for _, e in by_slot]), slot_rows, c.slots, pairs)
                 finally:
                     c.manager.release_staged(staged)
         finally:
