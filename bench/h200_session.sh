@@ -6,6 +6,13 @@
 set -u
 export PYTHONPATH=/tmp/site:$PWD STRATA_CACHE=/dev/shm/sc
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
+# one bench/profile_prefill.py run of an 8K prompt: $1 checkpoint dir, $2 label, $3 chunk (-1: the config's, 0: the
+# whole prompt), $4 GPU budget in GiB, $5 runtime.prefill_keeps_resident ("": the default)
+prefill_run() {
+  local keep=""; [ -n "${5:-}" ] && keep=', "runtime": {"prefill_keeps_resident": '$5'}'
+  timeout 100 python3 bench/profile_prefill.py --model "$1" --label "$2" --chunk "$3" --out "$OUT" \
+    --config '{"tiers": {"gpu": {"budget": "'$4'GiB"}}'"$keep"'}' 2>&1 | grep -E 'prefilled|Error' | cut -c1-300
+}
 case "$1" in
   tests)
     timeout 240 python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -5 "$OUT/gpu_tests.txt"
@@ -126,20 +133,14 @@ case "$1" in
                   # slower, removed): the suite's 8K split cases, then the 12-layer checkpoints at 25% with it on/off
     timeout 330 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 300 --out "$OUT/full-8k-ahead" \
       --cases 'split/*/*/p8192x1' 2>&1 | grep -E '^(split|wrote)' | cut -c1-200 ;;
-  fifteenth)  # for the next session's first call: the GPU tests (runtime.prefill_chunk = "auto" and
-               # runtime.prefill_keeps_resident never ran on a GPU), then an 8K prompt at the default chunk ("auto":
-               # 5,120 for the bench model) against one 8,192 chunk, and with the residents kept
+  fifteenth)  # ran once, with code ead0f1f (prefill_keeps_resident then off by default): the GPU tests, then an 8K
+               # prompt at the default chunk ("auto": then 5,120 for the bench model), one 8,192 chunk, residents kept
     timeout 240 python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
     for r in uniform 1.0; do
       python3 -m strata demo-model /dev/shm/b4-$r --size bench --layers 4 --no-engram --route-skew $r > /dev/null 2>&1
-      for c in -1 8192; do  # -1: runtime.prefill_chunk left at its default
-        timeout 100 python3 bench/profile_prefill.py --model /dev/shm/b4-$r --label "default$c-$r" --chunk $c \
-          --config '{"tiers": {"gpu": {"budget": "1.12GiB"}}}' --out "$OUT" 2>&1 | grep -E 'prefilled|Error' | cut -c1-300
-      done
-      # runtime.prefill_keeps_resident (off by default until measured): cold experts through the step-copy slots
-      timeout 100 python3 bench/profile_prefill.py --model /dev/shm/b4-$r --label "keep-$r" --out "$OUT" \
-        --config '{"tiers": {"gpu": {"budget": "1.12GiB"}}, "runtime": {"prefill_keeps_resident": true}}' 2>&1 \
-        | grep -E 'prefilled|Error' | cut -c1-300
+      prefill_run /dev/shm/b4-$r "default-1-$r" -1 1.12 false
+      prefill_run /dev/shm/b4-$r "default8192-$r" 8192 1.12 false
+      prefill_run /dev/shm/b4-$r "keep-$r" 0 1.12 true
     done ;;
   fifteenth-b)  # the GPU tests of the prefill's pair buffer and double-buffered stream slots, then the 8K prompt at
                  # 25%: "auto" chunk, one 8,192 chunk, residents kept (4 layers, both routings; 12 layers, uniform)
@@ -147,42 +148,27 @@ case "$1" in
       tests/test_decode_path.py tests/test_prefill_residents.py > "$OUT/gpu_tests_b.txt" 2>&1; tail -2 "$OUT/gpu_tests_b.txt"
     for r in uniform 1.0; do
       python3 -m strata demo-model /dev/shm/b4-$r --size bench --layers 4 --no-engram --route-skew $r > /dev/null 2>&1
-      for c in -1 8192; do
-        timeout 100 python3 bench/profile_prefill.py --model /dev/shm/b4-$r --label "b-default$c-$r" --chunk $c \
-          --config '{"tiers": {"gpu": {"budget": "1.12GiB"}}}' --out "$OUT" 2>&1 | grep -E 'prefilled|Error' | cut -c1-300
-      done
-      timeout 100 python3 bench/profile_prefill.py --model /dev/shm/b4-$r --label "b-keep-$r" --out "$OUT" \
-        --config '{"tiers": {"gpu": {"budget": "1.12GiB"}}, "runtime": {"prefill_keeps_resident": true}}' 2>&1 \
-        | grep -E 'prefilled|Error' | cut -c1-300
+      prefill_run /dev/shm/b4-$r "b-default-1-$r" -1 1.12 false
+      prefill_run /dev/shm/b4-$r "b-default8192-$r" 8192 1.12 false
+      prefill_run /dev/shm/b4-$r "b-keep-$r" 0 1.12 true
       rm -rf /dev/shm/b4-$r
     done
     python3 -m strata demo-model /dev/shm/b12-uniform --size bench --layers 12 --no-engram --route-skew uniform > /dev/null 2>&1
-    for keep in false true; do
-      timeout 100 python3 bench/profile_prefill.py --model /dev/shm/b12-uniform --label "b12-keep$keep" --out "$OUT" \
-        --config '{"tiers": {"gpu": {"budget": "3.6GiB"}}, "runtime": {"prefill_keeps_resident": '$keep'}}' 2>&1 \
-        | grep -E 'prefilled|Error' | cut -c1-300
-    done ;;
+    for keep in false true; do prefill_run /dev/shm/b12-uniform "b12-keep$keep" 0 3.6 $keep; done ;;
   fifteenth-c)  # the prefill's pairs known per batch (no sort, no sync), GEMMs in pieces, "auto" chunk now 8,192: the
-                 # GPU tests, then an 8K prompt at 25% with and without the residents kept (4 layers both routings; 12)
+                 # GPU tests, then an 8K prompt at 25% with and without the residents kept (12 layers; 4 both routings)
     timeout 150 python3 -m pytest -q -m gpu tests/test_grouped_prefill.py tests/test_gpu_tiers.py tests/test_step_copies.py \
       tests/test_prefill_residents.py > "$OUT/gpu_tests_c.txt" 2>&1; tail -2 "$OUT/gpu_tests_c.txt"
     for m in b12-uniform:3.6 b4-uniform:1.12 b4-1.0:1.12; do
       name=${m%%:*}; n=${name%%-*}; r=${name#*-}
       python3 -m strata demo-model /dev/shm/$name --size bench --layers ${n#b} --no-engram --route-skew $r > /dev/null 2>&1
-      for keep in false true; do
-        timeout 100 python3 bench/profile_prefill.py --model /dev/shm/$name --label "c-$name-keep$keep" --out "$OUT" --chunk -1 \
-          --config '{"tiers": {"gpu": {"budget": "'${m#*:}'GiB"}}, "runtime": {"prefill_keeps_resident": '$keep'}}' 2>&1 \
-          | grep -E 'prefilled|Error' | cut -c1-300
-      done
+      for keep in false true; do prefill_run /dev/shm/$name "c-$name-keep$keep" -1 "${m#*:}" $keep; done
       rm -rf /dev/shm/$name
     done ;;
-  chunk)  # what the default runtime.prefill_chunk (512) costs an 8K prompt at a 25% budget (4-layer checkpoints)
+  chunk)  # what the old default runtime.prefill_chunk (512) cost an 8K prompt at a 25% budget (4-layer checkpoints)
     for r in uniform 1.0; do
       python3 -m strata demo-model /dev/shm/b4-$r --size bench --layers 4 --no-engram --route-skew $r > /dev/null 2>&1
-      for c in 8192 2048 512; do
-        timeout 100 python3 bench/profile_prefill.py --model /dev/shm/b4-$r --label "chunk$c-$r" --chunk $c \
-          --config '{"tiers": {"gpu": {"budget": "1.12GiB"}}}' --out "$OUT" 2>&1 | grep -E 'prefilled|Error' | cut -c1-300
-      done
+      for c in 8192 2048 512; do prefill_run /dev/shm/b4-$r "chunk$c-$r" $c 1.12 false; done
     done ;;
   next)  # the twelfth session's first call: GPU tests of the eleventh session's changes (books after the launch, in
          # bulk; parking), then where a one-graph token's ~0.5 ms beyond the ceiling's goes: the kernel's workers parked
