@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 set -u
@@ -15,7 +15,7 @@ prefill_run() {
 }
 case "$1" in
   tests)
-    timeout 240 python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -5 "$OUT/gpu_tests.txt"
+    timeout 270 python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -5 "$OUT/gpu_tests.txt"
     timeout 60 python3 -m pytest -q tests/test_engram_verify.py 2>&1 | tail -2 ;;  # its pinned path pins on CUDA
   hotpath)  # $2 = route skew ("uniform" or a Zipf exponent), $3 = cases (default below)
     python3 -m strata demo-model "/dev/shm/b12-$2" --size bench --layers 12 --no-engram --route-skew "$2" > /dev/null 2>&1
@@ -135,7 +135,7 @@ case "$1" in
       --cases 'split/*/*/p8192x1' 2>&1 | grep -E '^(split|wrote)' | cut -c1-200 ;;
   fifteenth)  # ran once, with code ead0f1f (prefill_keeps_resident then off by default): the GPU tests, then an 8K
                # prompt at the default chunk ("auto": then 5,120 for the bench model), one 8,192 chunk, residents kept
-    timeout 240 python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
+    timeout 270 python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
     for r in uniform 1.0; do
       python3 -m strata demo-model /dev/shm/b4-$r --size bench --layers 4 --no-engram --route-skew $r > /dev/null 2>&1
       prefill_run /dev/shm/b4-$r "default-1-$r" -1 1.12 false
@@ -220,6 +220,19 @@ case "$1" in
     for t in 15 12; do timeout 100 python3 bench/mailbox_probe.py --threads $t --out "$OUT/mailbox-t$t" 2>&1 | tail -5; done ;;
   timeline)  # a one-graph split step end to end (host, GPU events, the worker's clock), uniform and skewed routing
     for r in uniform 1.0; do timeout 240 bash "$0" timeline-one "$r" "${2:-split,split+share0,ceiling}"; done ;;
+  sixteenth)  # overlapped decode (runtime.overlap_decode): the GPU tests, then skewed cases with and without it
+    bash "$0" tests
+    PREFILL=0 timeout 270 bash "$0" hotpath 1.0 "${2:-ceiling,ceiling+sync,split,split+sync,split+again}" ;;
+  sixteenth-b)  # after the sampler stopped syncing: its GPU tests, the syncs left in a step, the A/B on both routings
+    timeout 120 python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_overlap_decode.py 2>&1 | tail -2
+    PREFILL=0 timeout 200 bash "$0" hotpath 1.0 "${2:-ceiling,ceiling+sync,split,split+sync,split+again}"
+    for c in ceiling split; do
+      cfg='{"runtime": {"experts": "memory"}}'
+      [ $c = split ] && cfg='{"tiers": {"gpu": {"budget": "3623878656"}, "disk": {"path": "/dev/shm/sc", "scrub": false}}}'
+      timeout 90 python3 bench/sync_probe.py --model /dev/shm/b12-1.0 --label "$c" --config "$cfg" --out "$OUT/sync" \
+        2>&1 | grep '^{' | cut -c1-600
+    done
+    PREFILL=0 timeout 200 bash "$0" hotpath uniform "split,split+sync,split+again" ;;
   engram)
     timeout 280 python3 bench/engram.py --out "$OUT/engram" --model-dir /dev/shm/engram --steps 200 2>&1 | tail -14 ;;
 esac

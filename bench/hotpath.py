@@ -26,6 +26,7 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
   shareX         one-graph split decode: a fixed GPU share X of the cold experts read in place (0: none;
                  $STRATA_MAILBOX_GPU_SHARE; default: adapted from the GPU's wait for the CPU worker)
   grouped        runtime.grouped_prefill = true: prefill's experts through two grouped GEMMs a layer
+  sync           runtime.overlap_decode = false: each token read on the host before the next step is queued
   host           runtime.split_decode = "host": host steps at every MoE layer (the cost model splits the cold
                  experts between the CPU and copies) instead of one graph a step with the mailbox worker
   async          the CPU share started first on the kernel's threads (STRATA_CPU_ASYNC=1)
@@ -226,6 +227,8 @@ def main() -> None:
                 cfg = {**cfg, "runtime": {**cfg.get("runtime", {}), "grouped_prefill": True}}
             elif mod == "host":
                 cfg = {**cfg, "runtime": {**cfg.get("runtime", {}), "split_decode": "host"}}
+            elif mod == "sync":
+                cfg = {**cfg, "runtime": {**cfg.get("runtime", {}), "overlap_decode": False}}
             elif mod.startswith("t") and mod[1:].isdigit():
                 env["STRATA_CPU_THREADS"] = mod[1:]
             elif mod == "async":

@@ -73,6 +73,9 @@ class RuntimeConfig:
     grouped_prefill: bool | str = field(default="auto", metadata={"auto_or_bool": True})
     prefill_keeps_resident: bool = True  # a prompt's cold experts stream through step-copy slots, not the GPU tier
     split_decode: str = "graph"  # "graph": one CUDA graph a step, cold experts on a native CPU worker; "host": host steps
+    # queue each decode step before the host reads the token it is fed (strata.runtime.readback): "auto" on CUDA;
+    # true/false
+    overlap_decode: bool | str = field(default="auto", metadata={"auto_or_bool": True})
     decode_gap_target: float = 0.5  # seconds a serving step may take while sequences decode (prompt chunks shrink); 0: off
     prefill_chunk_min: int = 32  # prompt tokens a serving step carries at least while sequences decode
     devices: list[int] = field(default_factory=list)  # CUDA indices the layers are split over; [] = `device` alone
@@ -88,6 +91,8 @@ class RuntimeConfig:
                 raise ConfigError(f"runtime.{key} = {getattr(self, key)!r} is invalid; use true or false")
         if not isinstance(self.grouped_prefill, bool) and self.grouped_prefill != "auto":
             raise ConfigError(f"runtime.grouped_prefill = {self.grouped_prefill!r} is invalid; use \"auto\", true or false")
+        if not isinstance(self.overlap_decode, bool) and self.overlap_decode != "auto":
+            raise ConfigError(f"runtime.overlap_decode = {self.overlap_decode!r} is invalid; use \"auto\", true or false")
         if self.split_decode not in ("graph", "host"):
             raise ConfigError(f"runtime.split_decode = {self.split_decode!r} is invalid; use \"graph\" or \"host\"")
         if self.experts not in ("tiered", "memory"):

@@ -29,6 +29,7 @@ from strata.runtime.build import LoadedModel, build_model
 from strata.runtime.generate import generate_tokens, prefill
 from strata.runtime.kv_cache import KVCache
 from strata.runtime.prefill_chunk import resolve_prefill_chunk, score_chunk
+from strata.runtime.readback import overlap_on
 from strata.runtime.sampler import SamplingParams, make_generator
 from strata.runtime.scheduler import Scheduler
 from strata.runtime.tokenizer import StopMatcher, StreamDecoder, Tokenizer
@@ -82,6 +83,8 @@ class Engine:
         self.cache = KVCache(self.checkpoint.config, num_slots=1, max_len=self.max_context, dtype=self.dtype,
                              device=self.device)
         self.eos_token_ids = set(self.checkpoint.eos_token_ids) | set(tokenizer.eos_token_ids)
+        # runtime.overlap_decode resolved: each decode step queued before the host reads the token it is fed
+        self.overlap_decode = overlap_on(config.runtime.overlap_decode, self.device)
         self._lock = threading.Lock()
         self._counters = _Counters()
         # an engine dropped or still open at exit is released then: before the interpreter kills the tier manager's
@@ -275,7 +278,7 @@ class Engine:
             t0 = time.perf_counter()
             t_first = None
             tokens = generate_tokens(self.model, self.cache, ids, params, eos, self.prefill_chunk,
-                                     self.device, generator)
+                                     self.device, generator, overlap=self.overlap_decode)
             stopped = False
             for token in tokens:
                 if t_first is None:

@@ -42,6 +42,41 @@ def test_seeded_sampling_reproducible_and_seeds_differ():
     make_generator(2**70, "cpu")
 
 
+def test_temperature_sampling_follows_the_softmax():
+    """20,000 draws from softmax(logits / T): each token's frequency within 5 sigma of its probability, and a
+    token masked by top-k never drawn."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0, 0.5, -3.0]])
+    for params in (SamplingParams(temperature=0.7), SamplingParams(temperature=1.3, top_k=4)):
+        scaled = logits / params.temperature
+        if params.top_k:
+            scaled[0, scaled[0].argsort(descending=True)[params.top_k :]] = -math.inf
+        want = scaled.softmax(-1)[0]
+        g, n = make_generator(7, "cpu"), 20_000
+        draws = sample(logits.expand(n, -1), params, g)
+        freq = torch.bincount(draws, minlength=6).double() / n
+        sigma = (want.double() * (1 - want.double()) / n).sqrt()
+        assert ((freq - want.double()).abs() <= 5 * sigma + 1e-12).all(), (freq, want)
+        assert (freq[want == 0] == 0).all()
+
+
+@pytest.mark.gpu
+def test_sampling_on_cuda_never_waits_for_the_device():
+    """Overlapped decode queues the next step before it reads a token: sampling must not synchronise."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    logits = _logits(3, 5000).cuda()
+    g = make_generator(3, "cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for params in (SamplingParams(), SamplingParams(temperature=0.8), SamplingParams(temperature=1.0, top_k=40),
+                       SamplingParams(temperature=1.0, top_p=0.9)):
+            out = sample(logits, params, g)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert out.shape == (3,) and out.is_cuda
+
+
 def test_top_k_one_is_greedy():
     logits = _logits(8, 100, seed=3)
     p = SamplingParams(temperature=2.0, top_k=1)

@@ -335,10 +335,14 @@ class GpuShare:
             self.target = min(self.MAX, self.gpu_rate / (self.gpu_rate + cpu_bytes_per_s))
 
     def apply(self) -> None:
-        """Between steps, on the decoding thread: the device's share follows the target."""
+        """Between steps, on the decoding thread: the device's share follows the target. Stream-ordered and
+        without a host wait: with overlapped decode the previous step may still be reading the old fractions."""
         if self.target != self.value:
             self.value = self.target
-            self.steps.copy_(torch.from_numpy(gpu_fractions(self.value, self.num_experts)))
+            new = torch.from_numpy(gpu_fractions(self.value, self.num_experts))
+            if self.steps.is_cuda:
+                new = new.pin_memory()  # a pageable source would make the copy wait for the stream
+            self.steps.copy_(new, non_blocking=True)
 
 
 def gpu_fractions(share: float, max_cold: int) -> np.ndarray:

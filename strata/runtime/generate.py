@@ -12,6 +12,7 @@ import torch
 
 from strata.runtime.kv_cache import KVCache, StepBatch
 from strata.runtime.model import MoETransformer
+from strata.runtime.readback import TokenReadback
 from strata.runtime.sampler import SamplingParams, sample
 
 
@@ -34,9 +35,11 @@ def prefill(model: MoETransformer, cache: KVCache, slot: int, ids: torch.Tensor,
 
 
 @torch.inference_mode()
-def decode_step(model: MoETransformer, cache: KVCache, slot: int, token: int, position: int, device: torch.device) -> torch.Tensor:
-    """Feed one token at `position`; return the next-token logits [V] fp32."""
-    ids = torch.tensor([token], dtype=torch.long, device=device)
+def decode_step(model: MoETransformer, cache: KVCache, slot: int, token: int | torch.Tensor, position: int,
+                device: torch.device) -> torch.Tensor:
+    """Feed one token (an int, or int64 [1] already on `device`) at `position`; return the next-token logits [V]
+    fp32 (queued on the device: nothing here waits for it)."""
+    ids = token if isinstance(token, torch.Tensor) else torch.tensor([token], dtype=torch.long, device=device)
     hidden = model(ids, StepBatch([slot], [position], [1]), cache)
     return model.logits(hidden)[0]
 
@@ -50,20 +53,29 @@ def generate_tokens(
     chunk: int,
     device: torch.device,
     generator: torch.Generator,
+    overlap: bool = False,
 ) -> Iterator[int]:
     """Yield sampled token ids until EOS, `max_tokens`, or the cache is full (the caller stops on stop strings).
 
-    An EOS token ends the loop without being yielded.
+    An EOS token ends the loop without being yielded. `overlap` (strata.runtime.readback): each decode step is
+    queued before the host reads the token it is fed, so the host's work overlaps the GPU's; same tokens.
     """
     slot = 0
     logits = prefill(model, cache, slot, torch.tensor(prompt, dtype=torch.long, device=device), chunk)
     position = len(prompt)
     for i in range(params.max_tokens):
-        token = int(sample(logits[None], params, generator)[0])
+        token_dev = sample(logits[None], params, generator)  # [1] on the device
+        read = TokenReadback(token_dev)
+        last = position >= cache.max_len or i == params.max_tokens - 1  # no step whose logits nobody samples
+        logits = None
+        if overlap and not last:  # the next step goes first; this token is read while it runs
+            logits = decode_step(model, cache, slot, token_dev, position, device)
+        token = read.tolist()[0]
         if token in eos_ids and not params.ignore_eos:
             return
         yield token
-        if position >= cache.max_len or i == params.max_tokens - 1:  # no step whose logits nobody samples
+        if last:
             return
-        logits = decode_step(model, cache, slot, token, position, device)
+        if logits is None:
+            logits = decode_step(model, cache, slot, token_dev, position, device)
         position += 1

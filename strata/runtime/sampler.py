@@ -99,7 +99,12 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         drop[..., 0] = False
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
     probs = logits.softmax(dim=-1)
-    return torch.multinomial(probs, num_samples=1, generator=generator).squeeze(-1)
+    # one draw by the exponential race, argmax(p / q) with q ~ Exp(1): what torch.multinomial does for a single
+    # sample, without its validity check, which reads a device value back and so waits for the queued work
+    # (overlapped decode queues the next step before the host reads this token). q is kept above 0, where the
+    # CPU's exponential may (rarely) land, so a masked token (p = 0) never gets 0 / 0.
+    q = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
+    return (probs / q).argmax(dim=-1)
 
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,12 @@ of the running sequences; while any sequence decodes, a `PrefillPacer` sizes tho
 measured step times so every decoding user's gap between two tokens stays under
 `runtime.decode_gap_target` seconds.
 
+With `runtime.overlap_decode` (on CUDA by default), a step of decode tokens only is queued before the host
+reads the tokens it is fed: its inputs are the last step's tokens, sampled on the device, and the host emits
+those while the GPU runs it (strata.runtime.readback). Steps chain so while the running set stays the same and
+nobody waits for a free slot; anything else (a newcomer, a prompt chunk, logprobs, a reproducible request, a
+sequence one token from its limit) lands the step in flight first and plans as before.
+
 Reproducible requests (`GenRequest.reproducible`) never share a forward pass: each runs in a batch
 of its own, prompt chunks of the fixed `runtime.prefill_chunk` size whatever the load, with the
 tiered expert compute on its reproducible path (cold experts on the GPU or the reference math), so
@@ -28,6 +34,7 @@ from strata.errors import RequestError, StrataError
 from strata.runtime.detokenize import StopMatcher, StreamDecoder
 from strata.runtime.kv_cache import KVCache, StepBatch
 from strata.runtime.pacing import PrefillPacer
+from strata.runtime.readback import TokenReadback
 from strata.runtime.requests import (  # noqa: F401 - re-exported: the public names live here too
     MAX_LOGPROBS,
     GenRequest,
@@ -56,6 +63,17 @@ class _Seq:
     @property
     def req(self) -> GenRequest:
         return self.handle.request
+
+
+@dataclass
+class _InFlight:
+    """A decode-only step queued on the device whose sampled tokens the host has not read yet."""
+
+    seqs: list[_Seq]
+    starts: list[int]  # the position each sequence's input token was fed at
+    tokens: torch.Tensor  # [B] int64 sampled, on the device: the next chained step's input
+    read: TokenReadback
+    launched: float  # perf_counter() when it was queued
 
 
 class Scheduler:
@@ -87,6 +105,10 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._steps = 0
         self._step_tokens = 0
+        self.overlap = bool(getattr(engine, "overlap_decode", False))  # runtime.overlap_decode, resolved
+        self._pending: _InFlight | None = None  # the decode step in flight (overlapped decode)
+        self._landed_at = 0.0  # perf_counter() when the last in-flight step's tokens were read
+        self.chained_steps = 0  # steps queued behind one whose tokens were not read yet
 
     # ---- caller side ------------------------------------------------------------------------
     def start(self) -> None:
@@ -144,6 +166,7 @@ class Scheduler:
                 while not self._stop and not self._waiting and not self._running:
                     self._cv.wait()
                 if self._stop and (not self._drain or (not self._waiting and not self._running)):
+                    self._pending = None  # its sequences are aborted below; the device finishes it on its own
                     for seq in self._running:
                         self._finish(seq, "abort")
                     while self._waiting:
@@ -159,6 +182,7 @@ class Scheduler:
                     import logging
 
                     logging.getLogger("strata").exception("scheduler step failed")
+                    self._pending = None
                     for seq in list(self._running):
                         self._finish(seq, "abort", error=str(e))
 
@@ -188,6 +212,15 @@ class Scheduler:
         reproducible prompts advance by the fixed `runtime.prefill_chunk`.
         """
         t0 = time.perf_counter()
+        if self._pending is not None:
+            p, self._pending = self._pending, None
+            if self._chains(p):  # the next step goes first, fed p's tokens on the device; p's are read meanwhile
+                self._pending = self._launch(p.seqs, [st + 1 for st in p.starts], p.tokens)
+                self.chained_steps += 1
+            self._land(p)
+            if self._pending is not None or not self._running:
+                return
+            t0 = time.perf_counter()
         solo = [self._plan([s], self.repro_chunk) for s in self._running if s.req.reproducible]
         n_decode = sum(1 for s in self._running if s.next_input is not None)
         solo_prompt = sum(len(inp) for plan in solo for s, inp, _ in plan if s.next_input is None)
@@ -195,6 +228,10 @@ class Scheduler:
         if n_decode and self.pacer.enabled:  # reproducible chunks count against the step's allowance
             allow = max(allow - solo_prompt, min(self.pacer.min_chunk, allow))
         shared = self._plan([s for s in self._running if not s.req.reproducible], allow)
+        if self.overlap and not solo and shared and all(s.next_input is not None and self._overlaps(s, 1)
+                                                        for s, _, _ in shared):
+            self._pending = self._launch([s for s, _, _ in shared], [st for _, _, st in shared], None)
+            return
         n_prompt, passes = 0, 0
         for plan, reproducible in [(shared, False)] + [(p, True) for p in solo]:
             if plan:
@@ -261,6 +298,56 @@ class Scheduler:
                     continue
             self._advance(seq, logits[i : i + 1])
 
+    # ---- overlapped decode (runtime.overlap_decode) ---------------------------------------------------
+    def _overlaps(self, seq: _Seq, ahead: int) -> bool:
+        """Whether `seq` may decode in a step whose tokens are read later: not reproducible, no logprobs (those
+        need the logits on the host), and still sampling `ahead` tokens from now before its limits."""
+        r = seq.req
+        done = len(seq.tokens) + ahead
+        return (not r.reproducible and r.logprobs is None and done <= r.params.max_tokens
+                and len(r.prompt_ids) + done <= self.engine.max_context)
+
+    def _chains(self, p: _InFlight) -> bool:
+        """Whether the next step may be queued behind `p` before its tokens are read: the running set is still
+        `p`'s (none finished, cancelled, prefilling or admitted), nobody waits for a free slot, and every
+        sequence samples at least two more tokens (p's and the next one's)."""
+        if self._waiting and self._free:
+            return False
+        run = self._running
+        return (len(run) == len(p.seqs) and all(a is b for a, b in zip(run, p.seqs, strict=True))
+                and all(self._overlaps(s, 2) for s in run))
+
+    def _launch(self, seqs: list[_Seq], starts: list[int], tokens: torch.Tensor | None) -> _InFlight:
+        """Queue a decode step of `seqs` (inputs: `tokens` [B] on the device, else each `next_input`) and the
+        sampling of its tokens, and start reading them back; returns without waiting for the device."""
+        dev = self.engine.device
+        ids = tokens if tokens is not None else torch.tensor([s.next_input for s in seqs], dtype=torch.long, device=dev)
+        batch = StepBatch([s.slot for s in seqs], starts, [1] * len(seqs))
+        with torch.inference_mode():
+            logits = self.engine.model.logits(self.engine.model(ids, batch, self.cache))  # [B, V] fp32
+            out = torch.cat([sample(logits[i : i + 1], s.req.params, s.generator) for i, s in enumerate(seqs)])
+        return _InFlight(seqs, starts, out, TokenReadback(out), time.perf_counter())
+
+    def _land(self, p: _InFlight) -> None:
+        """Read `p`'s tokens and emit them; sequences that finished or were cancelled meanwhile are skipped."""
+        tokens = p.read.tolist()
+        now = time.perf_counter()
+        dt = now - max(p.launched, self._landed_at)  # the gap between two tokens a decoding user sees
+        self._landed_at = now
+        live = [(seq, tok) for seq, tok in zip(p.seqs, tokens, strict=True) if any(seq is s for s in self._running)]
+        c = self.engine._counters
+        c.generated_tokens += len(live)
+        c.decode_tokens += len(live)
+        c.decode_seconds += dt
+        for seq, token in live:
+            self._accept(seq, token, None)
+        self.pacer.observe(len(live), 0, dt)
+        with self._cv:
+            self._steps += 1
+            self._step_tokens += len(live)
+            self._step_log.append({"t": time.time(), "seconds": dt, "decode": len(live), "prompt": 0,
+                                   "passes": 1, "allowance": 0})
+
     def _prompt_logprobs(self, seq: _Seq, chunk_logits: torch.Tensor, start: int, n: int) -> None:
         """Log-probability of each prompt token given its prefix (the first has none)."""
         prompt, k = seq.req.prompt_ids, seq.req.prompt_logprobs
@@ -277,8 +364,11 @@ class Scheduler:
 
     def _advance(self, seq: _Seq, logits: torch.Tensor) -> None:
         """Sample the next token of `seq` from its logits [1, V] and emit it (or finish)."""
+        self._accept(seq, int(sample(logits, seq.req.params, seq.generator)[0]), logits)
+
+    def _accept(self, seq: _Seq, token: int, logits: torch.Tensor | None) -> None:
+        """Emit `token`, sampled for `seq` (logits [1, V]: needed when the request asks for logprobs), or finish."""
         r = seq.req
-        token = int(sample(logits, r.params, seq.generator)[0])
         first = not seq.tokens and seq.next_input is None
         if token in seq.eos:
             self._finish(seq, "stop", first=first)

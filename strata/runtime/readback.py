@@ -1,0 +1,44 @@
+"""Overlapped decode: the next step is queued before the host reads the token it is fed.
+
+A decode step's host work (reading the sampled token back, detokenizing, stop checks, streaming it
+out, launching the next graph) used to sit between two GPU steps: 0.2 ms a token all in VRAM, about
+1 ms in one-graph split decode (bench/RESULTS.md, "Where a one-graph split token goes"). With
+`runtime.overlap_decode`, step t's token is sampled on the device and fed to step t+1 as a device
+tensor; step t+1 is launched first, and the host reads step t's token while the GPU runs step t+1.
+A token that ends its sequence (EOS, a stop string) costs one wasted step, never a wrong token: the
+same logits are sampled in the same order with the same generators either way. A wasted step writes its
+sequence's KV (and Engram history) one position past its end, which nothing reads: a slot's next sequence
+writes every position before it attends to it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class TokenReadback:
+    """Sampled ids [B] int64 on their device, copied to page-locked memory behind an event at construction:
+    `tolist()` waits for that copy only, not for the work queued on the stream after it."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.event: torch.cuda.Event | None = None
+        if ids.is_cuda:  # on ids' card (a model split over cards samples on its last one)
+            with torch.cuda.device(ids.device):
+                self.host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+                self.host.copy_(ids, non_blocking=True)
+                self.event = torch.cuda.Event()
+                self.event.record(torch.cuda.current_stream(ids.device))
+        else:
+            self.host = ids
+
+    def tolist(self) -> list[int]:
+        """The ids as Python ints (waits for their copy; releases the GIL while it waits)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+def overlap_on(setting: bool | str, device: torch.device) -> bool:
+    """runtime.overlap_decode resolved: "auto" means on CUDA (a device that computes synchronously gains nothing
+    and would emit each token one step late)."""
+    return device.type == "cuda" if setting == "auto" else bool(setting)
