@@ -26,8 +26,6 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
   shareX         one-graph split decode: a fixed GPU share X of the cold experts read in place (0: none;
                  $STRATA_MAILBOX_GPU_SHARE; default: adapted from the GPU's wait for the CPU worker)
   grouped        runtime.grouped_prefill = true: prefill's experts through two grouped GEMMs a layer
-  late           one-graph split decode: the resident pairs' kernel before the worker's signal, as before
-                 (STRATA_MAILBOX_SIGNAL_FIRST=0)
   sync           runtime.overlap_decode = false: each token read on the host before the next step is queued
   host           runtime.split_decode = "host": host steps at every MoE layer (the cost model splits the cold
                  experts between the CPU and copies) instead of one graph a step with the mailbox worker
@@ -229,8 +227,6 @@ def main() -> None:
                 cfg = {**cfg, "runtime": {**cfg.get("runtime", {}), "grouped_prefill": True}}
             elif mod == "host":
                 cfg = {**cfg, "runtime": {**cfg.get("runtime", {}), "split_decode": "host"}}
-            elif mod == "late":
-                env["STRATA_MAILBOX_SIGNAL_FIRST"] = "0"
             elif mod == "sync":
                 cfg = {**cfg, "runtime": {**cfg.get("runtime", {}), "overlap_decode": False}}
             elif mod.startswith("t") and mod[1:].isdigit():
@@ -245,7 +241,7 @@ def main() -> None:
                 env["STRATA_CPU_SPIN_US"] = mod[4:]
             elif mod != "again":
                 raise SystemExit(f"unknown case modifier {mod!r} in {full!r}")
-        for key in ("STRATA_CPU_SPIN_US", "STRATA_BENCH_SWITCH_US", "STRATA_MAILBOX_GPU_SHARE", "STRATA_MAILBOX_SIGNAL_FIRST"):
+        for key in ("STRATA_CPU_SPIN_US", "STRATA_BENCH_SWITCH_US", "STRATA_MAILBOX_GPU_SHARE"):
             os.environ.pop(key, None)
         # the interpreter's GIL switch interval (default 5 ms): how long a thread waiting for the GIL lets the
         # holder run before asking for it; the decode thread re-takes the GIL after every CUDA call and kernel

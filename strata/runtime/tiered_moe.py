@@ -22,7 +22,6 @@ forward pass.
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
@@ -112,29 +111,19 @@ class TieredExperts(PrefillPath, nn.Module):
         return combine_pairs(y, weights, x.dtype, extra=cpu_out)
 
     def _mailbox_forward(self, x, flat, weights, y) -> torch.Tensor:
-        """A decode layer inside a one-graph step: the cold pairs on the mailbox worker (strata.runtime.cpu_mailbox),
-        the resident ones (and the GPU's in-place share) here while it works; the stream waits for its answer
-        before the combine. No host work.
-
-        The worker is signalled first: the step's slots are read from the map once, and the resident pairs'
-        kernel runs on those slots after the signal, off the CPU share's critical path (~20 us a layer of the
-        bench model's resident experts). STRATA_MAILBOX_SIGNAL_FIRST=0 (benchmarks) keeps the old order."""
+        """A decode layer inside a one-graph step: the resident pairs here, the cold ones on the mailbox worker
+        (strata.runtime.cpu_mailbox), which the stream waits for before the combine. No host work."""
         c = self.compute
+        if c.slots is not None:
+            used = pair_experts(x, c.slots, c.slot_of[self.layer], flat, y)  # [P] slot used, -1 = cold
+        else:
+            used = torch.full_like(flat, -1, dtype=torch.int32)
         if self.layer == c.moe_layers[0]:
             c.mailbox.begin_step()
-        if c.slots is None:
-            used, resident = torch.full_like(flat, -1, dtype=torch.int32), None
-        elif os.environ.get("STRATA_MAILBOX_SIGNAL_FIRST") == "0":  # read when captured, not per step
-            used, resident = pair_experts(x, c.slots, c.slot_of[self.layer], flat, y), None  # [P] slot, -1 = cold
-        else:
-            used = c.slot_of[self.layer].index_select(0, flat)  # [P] int32 slot, -1 = cold: one read for both sides
-            slot1 = torch.where(used >= 0, used + 1, 0)  # late_slot's index: slot + 1, 0 = skip
-            resident = lambda: pair_experts(x, c.slots, c.late_slot, slot1, y)  # noqa: E731
-        works = [resident] if resident is not None else []
+        gpu_work = None
         if (share := c.gpu_share) is not None:  # a share of the cold experts read in place, while the worker runs
             used, addr = share.assign(self.layer, flat, used)
-            works.append(lambda: pair_experts_in_place(x, share.experts, addr, y))
-        gpu_work = (lambda: [w() for w in works]) if works else None
+            gpu_work = lambda: pair_experts_in_place(x, share.experts, addr, y)  # noqa: E731
         cpu_out = c.mailbox.exchange(self.layer, flat, used, x, weights, gpu_work)  # [N, H] fp32
         return combine_pairs(y, weights, x.dtype, extra=cpu_out)
 
