@@ -12,6 +12,7 @@ the section between the suite markers of RESULTS.md, plus the PNG next to it.
 from __future__ import annotations
 
 import argparse
+import json
 import shlex
 import sys
 from pathlib import Path
@@ -46,6 +47,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--rates", choices=["measure", "limits"], default="measure",
                    help="roofline PCIe/HBM rates measured now, or all from LIMITS.md")
     r.add_argument("--results", default=None, help="also regenerate this RESULTS.md's suite section")
+    r.add_argument("--set", default=None, metavar="JSON",
+                   help='strata config merged over every strata case\'s (A/B runs), e.g. \'{"runtime": {"overlap_decode": false}}\'')
     p = sub.add_parser("report", help="regenerate the RESULTS.md section and the PNG from result JSON files")
     p.add_argument("json", nargs="+")
     p.add_argument("--results", default=str(Path(__file__).parent / "RESULTS.md"))
@@ -65,8 +68,21 @@ def _settings(args: argparse.Namespace) -> dict:
         "layers": layers, "skew": args.skew, "model": args.model, "token_budget": args.token_budget,
         "placement_timeout": 120.0, "hf_limit_s": args.hf_limit,
         "deadline_s": args.deadline if args.deadline is not None else DEFAULT_DEADLINE[args.suite],
-        "progress": sys.stderr.isatty(),
+        "progress": sys.stderr.isatty(), "set": _config_json(args.set),
     }
+
+
+def _config_json(text: str | None) -> dict:
+    """--set's JSON object (a strata config fragment)."""
+    if text is None:
+        return {}
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise SystemExit(f"--set is not valid JSON ({e}); give a config object, e.g. '{{\"runtime\": {{...}}}}'") from None
+    if not isinstance(value, dict):
+        raise SystemExit("--set must be a JSON object of config sections, e.g. '{\"runtime\": {...}}'")
+    return value
 
 
 def cmd_run(args: argparse.Namespace) -> int:

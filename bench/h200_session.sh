@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 set -u
@@ -233,6 +233,13 @@ case "$1" in
         2>&1 | grep '^{' | cut -c1-600
     done
     PREFILL=0 timeout 200 bash "$0" hotpath uniform "split,split+sync,split+again" ;;
+  sixteenth-d)  # the 40%-budget skewed hit rate (0.840 in the suite, 0.900 before): overlap off, residents staged
+    for v in default nooverlap nokeep; do
+      set_='{}'; [ $v = nooverlap ] && set_='{"runtime": {"overlap_decode": false}}'
+      [ $v = nokeep ] && set_='{"runtime": {"prefill_keeps_resident": false}}'
+      timeout 160 python3 -m bench run --suite quick --cases 'split/b40/skewed/p128x1' --rates limits --deadline 140 \
+        --out "$OUT/ab-$v" --set "$set_" 2>&1 | grep -E '^split|wrote' | sed "s/^/$v: /"
+    done ;;
   engram)
     timeout 280 python3 bench/engram.py --out "$OUT/engram" --model-dir /dev/shm/engram --steps 200 2>&1 | tail -14 ;;
 esac

@@ -41,6 +41,7 @@ def engine_config(case: Case, summary: dict, settings: dict, workloads: list[Wor
     if case.ram_fraction is not None:  # the NVMe case: a store on real disk, RAM below the expert bytes
         cfg["tiers"]["pinned"] = {"budget": str(int(expert_total * case.ram_fraction))}
         cfg["tiers"]["disk"]["path"] = settings["disk_cache"]
+    _merge(cfg, settings.get("set") or {})  # --set: an A/B run's override, last
     return cfg
 
 
