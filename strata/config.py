@@ -71,7 +71,7 @@ class RuntimeConfig:
     # prefill's experts in two grouped GEMMs a layer: "auto" on CUDA (7.3x an 8K prefill in VRAM on H200), not on
     # the CPU, where torch's grouped GEMM is a reference loop (~1.25x slower than the per-expert one); true/false
     grouped_prefill: bool | str = field(default="auto", metadata={"auto_or_bool": True})
-    prefill_keeps_resident: bool = True  # a prompt's cold experts stream through step-copy slots, not the GPU tier
+    prefill_keeps_resident: bool = False  # true: a prompt's cold experts stream through step-copy slots, not the GPU tier
     split_decode: str = "graph"  # "graph": one CUDA graph a step, cold experts on a native CPU worker; "host": host steps
     # queue each decode step before the host reads the token it is fed (strata.runtime.readback): "auto" on CUDA;
     # true/false

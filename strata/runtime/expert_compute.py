@@ -90,7 +90,7 @@ class ExpertCompute(CpuCompute):
         self.split_decode, self.device = split_decode, device or torch.device("cpu")
         self.moe_layers: list[int] = []  # set by use_tiered_experts, with the routing's top-k
         self.grouped_prefill = False  # prefill's GPU experts through grouped GEMMs (runtime.grouped_prefill)
-        self.prefill_keeps_resident = True  # a prompt's cold experts through the step-copy slots (runtime.*)
+        self.prefill_keeps_resident = False  # a prompt's cold experts through the step-copy slots (runtime.*)
         self.top_k = 0
         self.mailbox = None  # CpuMailbox, made once every expert sits in pinned RAM for good
         self.gpu_share = None  # GpuShare: the cold experts the GPU reads in place during a mailbox step

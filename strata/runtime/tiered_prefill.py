@@ -63,7 +63,7 @@ class PrefillPath:
     def _prefill_batches(self, experts: list[int], chunk: int):
         """Yield this layer's experts staged on the GPU, batch by batch (the caller releases each).
 
-        With `runtime.prefill_keeps_resident` (the default) the resident experts are staged as hits and the cold
+        With `runtime.prefill_keeps_resident` (off by default) the resident experts are staged as hits and the cold
         ones stream through the step-copy slots in batches of half of them, the next batch's copies issued before
         this one is yielded (they overlap its compute): each cold expert crosses once per chunk and the tier is
         left as it was. Without it, or without step-copy slots (copy-only mode), each batch goes through the GPU
