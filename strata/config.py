@@ -73,7 +73,7 @@ class RuntimeConfig:
     grouped_prefill: bool | str = field(default="auto", metadata={"auto_or_bool": True})
     prefill_keeps_resident: bool = False  # true: a prompt's cold experts stream through step-copy slots, not the GPU tier
     split_decode: str = "graph"  # "graph": one CUDA graph a step, cold experts on a native CPU worker; "host": host steps
-    # queue each decode step before the host reads the token it is fed (strata.runtime.readback): "auto" on CUDA;
+    # queue each decode step before the host reads the token it is fed (strata.runtime.overlap): "auto" on CUDA;
     # true/false
     overlap_decode: bool | str = field(default="auto", metadata={"auto_or_bool": True})
     decode_gap_target: float = 0.5  # seconds a serving step may take while sequences decode (prompt chunks shrink); 0: off

@@ -28,8 +28,8 @@ from strata.errors import CheckpointError, RequestError
 from strata.runtime.build import LoadedModel, build_model
 from strata.runtime.generate import generate_tokens, prefill
 from strata.runtime.kv_cache import KVCache
+from strata.runtime.overlap import overlap_on
 from strata.runtime.prefill_chunk import resolve_prefill_chunk, score_chunk
-from strata.runtime.readback import overlap_on
 from strata.runtime.sampler import SamplingParams, make_generator
 from strata.runtime.scheduler import Scheduler
 from strata.runtime.tokenizer import StopMatcher, StreamDecoder, Tokenizer

@@ -233,14 +233,17 @@ def test_load_merges_runs_later_cases_win(tmp_path):
 
 
 def test_one_tiny_case_end_to_end_on_cpu(tmp_path, capsys):
-    cases = [Case("split", "skewed", 0.25, Workload(24, 2, 4)), Case("hf", "skewed", 0.25, Workload(24, 1, 4))]
+    short_ram = {"tiers": {"pinned": {"budget": str(4 * 12288)}}}  # 4 of the tiny model's 32 expert slots
+    cases = [Case("split", "skewed", 0.25, Workload(24, 2, 4)), Case("hf", "skewed", 0.25, Workload(24, 1, 4)),
+             Case("naive", "skewed", 0.25, Workload(24, 1, 4), extra=short_ram)]
     settings = {"suite": "test", "device": "cpu", "cache": str(tmp_path / "cache"), "disk_cache": str(tmp_path / "d"),
                 "models_dir": str(tmp_path / "models"), "size": "tiny", "layers": None, "skew": 1.0, "model": None,
                 "token_budget": 256, "placement_timeout": 10.0, "hf_limit_s": 60.0, "deadline_s": 300.0,
                 "progress": False}
     doc = run_suite(cases, settings, tmp_path / "out", log=lambda s: None, rates=Rates())
     assert results.validate(doc) == []
-    split, hf = doc["cases"]
+    split, hf, short = doc["cases"]
+    assert short["status"] == "skipped" and "pinned RAM" in short["reason"]  # not a case of what it says
     assert split["status"] == "ok", split.get("reason")
     m = split["metrics"]
     assert m["tokens"] == 8 and m["decode_tok_s"] > 0 and m["lookups_per_token"] > 0

@@ -38,7 +38,7 @@ def count_forwards(engine):
 
 
 def test_overlap_resolves_auto_per_device(tiny_model_dir):
-    from strata.runtime.readback import overlap_on
+    from strata.runtime.overlap import overlap_on
 
     assert overlap_on("auto", torch.device("cuda")) and not overlap_on("auto", torch.device("cpu"))
     assert overlap_on(True, torch.device("cpu")) and not overlap_on(False, torch.device("cuda"))

@@ -260,6 +260,20 @@ def case_roofline(case: Case, res: dict, facts: ModelFacts, rates: Rates) -> dic
                     facts=facts, rates=rates, paths=paths)
 
 
+def pinned_shortfall(stats: dict | None, case: Case) -> str | None:
+    """Why a case meant to hold every expert in pinned RAM did not (None when it did): experts beyond pinned
+    RAM's capacity are read from the disk tier, so the case measures another machine than it says (on the
+    H200 box: a /dev/shm still full of other models gave a "split" decode of 17 tok/s, 4.2x its roofline)."""
+    if stats is None or case.ram_fraction is not None:  # all in VRAM, or the disk case (short on purpose)
+        return None
+    tiers = stats.get("tiers", {})
+    total, pinned = tiers.get("disk", {}).get("capacity", 0), tiers.get("pinned", {}).get("capacity", 0)
+    if total and pinned < total:
+        return (f"host RAM short: only {pinned} of {total} experts fit in pinned RAM, the rest would be read from "
+                "the disk tier; free RAM (e.g. old models and stores in /dev/shm) and run the case again")
+    return None
+
+
 def run_group(cases: list[Case], model: Path, summary: dict, facts: ModelFacts, rates: Rates, settings: dict,
               deadline: float, log=print, popularity: dict | None = None) -> list[dict]:
     """Load one engine for `cases` (same variant, budget, routing), run each workload; one record per case."""
@@ -275,6 +289,11 @@ def run_group(cases: list[Case], model: Path, summary: dict, facts: ModelFacts, 
     try:
         load_s = round(time.perf_counter() - t0, 2)
         placed_s = wait_placed(engine, settings["placement_timeout"])
+        if (short := pinned_shortfall(engine.tiers.stats() if engine.tiers is not None else None, first)) is not None:
+            for case in cases:
+                records.append(record(case, "skipped", short, config=cfg))
+                log(_line(records[-1]))
+            return records
         vocab = engine.checkpoint.config.vocab_size
         sched = engine.scheduler(max_batch=max(c.workload.streams for c in cases), token_budget=settings["token_budget"])
         sched.start()

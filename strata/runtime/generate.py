@@ -12,7 +12,7 @@ import torch
 
 from strata.runtime.kv_cache import KVCache, StepBatch
 from strata.runtime.model import MoETransformer
-from strata.runtime.readback import TokenReadback
+from strata.runtime.overlap import TokenReadback, queue_decode
 from strata.runtime.sampler import SamplingParams, sample
 
 
@@ -34,16 +34,6 @@ def prefill(model: MoETransformer, cache: KVCache, slot: int, ids: torch.Tensor,
     return model.logits(hidden[-1:])[0]
 
 
-@torch.inference_mode()
-def decode_step(model: MoETransformer, cache: KVCache, slot: int, token: int | torch.Tensor, position: int,
-                device: torch.device) -> torch.Tensor:
-    """Feed one token (an int, or int64 [1] already on `device`) at `position`; return the next-token logits [V]
-    fp32 (queued on the device: nothing here waits for it)."""
-    ids = token if isinstance(token, torch.Tensor) else torch.tensor([token], dtype=torch.long, device=device)
-    hidden = model(ids, StepBatch([slot], [position], [1]), cache)
-    return model.logits(hidden)[0]
-
-
 def generate_tokens(
     model: MoETransformer,
     cache: KVCache,
@@ -57,25 +47,26 @@ def generate_tokens(
 ) -> Iterator[int]:
     """Yield sampled token ids until EOS, `max_tokens`, or the cache is full (the caller stops on stop strings).
 
-    An EOS token ends the loop without being yielded. `overlap` (strata.runtime.readback): each decode step is
+    An EOS token ends the loop without being yielded. `overlap` (strata.runtime.overlap): each decode step is
     queued before the host reads the token it is fed, so the host's work overlaps the GPU's; same tokens.
     """
     slot = 0
     logits = prefill(model, cache, slot, torch.tensor(prompt, dtype=torch.long, device=device), chunk)
+    tokens = sample(logits[None], params, generator)  # [1] on the device
+    read = TokenReadback(tokens)
     position = len(prompt)
     for i in range(params.max_tokens):
-        token_dev = sample(logits[None], params, generator)  # [1] on the device
-        read = TokenReadback(token_dev)
         last = position >= cache.max_len or i == params.max_tokens - 1  # no step whose logits nobody samples
-        logits = None
-        if overlap and not last:  # the next step goes first; this token is read while it runs
-            logits = decode_step(model, cache, slot, token_dev, position, device)
+        nxt = None
+        if overlap and not last:  # the next step (and its sampling) goes first; this token is read while it runs
+            nxt = queue_decode(model, cache, [slot], [position], tokens, [(params, generator)])
         token = read.tolist()[0]
         if token in eos_ids and not params.ignore_eos:
             return
         yield token
         if last:
             return
-        if logits is None:
-            logits = decode_step(model, cache, slot, token_dev, position, device)
+        if nxt is None:
+            nxt = queue_decode(model, cache, [slot], [position], tokens, [(params, generator)])
+        tokens, read = nxt.tokens, nxt.read
         position += 1

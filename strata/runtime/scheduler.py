@@ -11,7 +11,7 @@ measured step times so every decoding user's gap between two tokens stays under
 
 With `runtime.overlap_decode` (on CUDA by default), a step of decode tokens only is queued before the host
 reads the tokens it is fed: its inputs are the last step's tokens, sampled on the device, and the host emits
-those while the GPU runs it (strata.runtime.readback). Steps chain so while the running set stays the same and
+those while the GPU runs it (strata.runtime.overlap). Steps chain so while the running set stays the same and
 nobody waits for a free slot; anything else (a newcomer, a prompt chunk, logprobs, a reproducible request, a
 sequence one token from its limit) lands the step in flight first and plans as before.
 
@@ -33,8 +33,8 @@ import torch
 from strata.errors import RequestError, StrataError
 from strata.runtime.detokenize import StopMatcher, StreamDecoder
 from strata.runtime.kv_cache import KVCache, StepBatch
+from strata.runtime.overlap import QueuedStep, queue_decode
 from strata.runtime.pacing import PrefillPacer
-from strata.runtime.readback import TokenReadback
 from strata.runtime.requests import (  # noqa: F401 - re-exported: the public names live here too
     MAX_LOGPROBS,
     GenRequest,
@@ -67,13 +67,11 @@ class _Seq:
 
 @dataclass
 class _InFlight:
-    """A decode-only step queued on the device whose sampled tokens the host has not read yet."""
+    """A decode-only step of `seqs` queued on the device whose sampled tokens the host has not read yet."""
 
     seqs: list[_Seq]
     starts: list[int]  # the position each sequence's input token was fed at
-    tokens: torch.Tensor  # [B] int64 sampled, on the device: the next chained step's input
-    read: TokenReadback
-    launched: float  # perf_counter() when it was queued
+    step: QueuedStep
 
 
 class Scheduler:
@@ -215,7 +213,7 @@ class Scheduler:
         if self._pending is not None:
             p, self._pending = self._pending, None
             if self._chains(p):  # the next step goes first, fed p's tokens on the device; p's are read meanwhile
-                self._pending = self._launch(p.seqs, [st + 1 for st in p.starts], p.tokens)
+                self._pending = self._launch(p.seqs, [st + 1 for st in p.starts], p.step.tokens)
                 self.chained_steps += 1
             self._land(p)
             if self._pending is not None or not self._running:
@@ -322,17 +320,15 @@ class Scheduler:
         sampling of its tokens, and start reading them back; returns without waiting for the device."""
         dev = self.engine.device
         ids = tokens if tokens is not None else torch.tensor([s.next_input for s in seqs], dtype=torch.long, device=dev)
-        batch = StepBatch([s.slot for s in seqs], starts, [1] * len(seqs))
-        with torch.inference_mode():
-            logits = self.engine.model.logits(self.engine.model(ids, batch, self.cache))  # [B, V] fp32
-            out = torch.cat([sample(logits[i : i + 1], s.req.params, s.generator) for i, s in enumerate(seqs)])
-        return _InFlight(seqs, starts, out, TokenReadback(out), time.perf_counter())
+        step = queue_decode(self.engine.model, self.cache, [s.slot for s in seqs], starts, ids,
+                            [(s.req.params, s.generator) for s in seqs])
+        return _InFlight(seqs, starts, step)
 
     def _land(self, p: _InFlight) -> None:
         """Read `p`'s tokens and emit them; sequences that finished or were cancelled meanwhile are skipped."""
-        tokens = p.read.tolist()
+        tokens = p.step.read.tolist()
         now = time.perf_counter()
-        dt = now - max(p.launched, self._landed_at)  # the gap between two tokens a decoding user sees
+        dt = now - max(p.step.queued, self._landed_at)  # the gap between two tokens a decoding user sees
         self._landed_at = now
         live = [(seq, tok) for seq, tok in zip(p.seqs, tokens, strict=True) if any(seq is s for s in self._running)]
         c = self.engine._counters

@@ -13,7 +13,13 @@ writes every position before it attends to it.
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass
+
 import torch
+
+from strata.runtime.kv_cache import KVCache, StepBatch
+from strata.runtime.sampler import SamplingParams, sample
 
 
 class TokenReadback:
@@ -42,3 +48,22 @@ def overlap_on(setting: bool | str, device: torch.device) -> bool:
     """runtime.overlap_decode resolved: "auto" means on CUDA (a device that computes synchronously gains nothing
     and would emit each token one step late)."""
     return device.type == "cuda" if setting == "auto" else bool(setting)
+
+
+@dataclass
+class QueuedStep:
+    """A decode step queued on the device, with its tokens' sampling, that the host has not read back yet."""
+
+    tokens: torch.Tensor  # [B] int64 sampled, on the device: the input of a step queued behind this one
+    read: TokenReadback
+    queued: float  # perf_counter() when it was queued
+
+
+def queue_decode(model, cache: KVCache, slots: list[int], starts: list[int], ids: torch.Tensor,
+                 samplers: list[tuple[SamplingParams, torch.Generator]]) -> QueuedStep:
+    """Queue one decode step of B sequences (KV `slots`, input ids [B] on the device fed at `starts`), each
+    row's sampling with its own (params, generator), and the tokens' read-back; returns without waiting."""
+    with torch.inference_mode():
+        logits = model.logits(model(ids, StepBatch(slots, starts, [1] * len(slots)), cache))  # [B, V] fp32
+        out = torch.cat([sample(logits[i : i + 1], params, gen) for i, (params, gen) in enumerate(samplers)])
+    return QueuedStep(out, TokenReadback(out), time.perf_counter())
