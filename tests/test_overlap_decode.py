@@ -42,6 +42,7 @@ def test_overlap_resolves_auto_per_device(tiny_model_dir):
 
     assert overlap_on("auto", torch.device("cuda")) and not overlap_on("auto", torch.device("cpu"))
     assert overlap_on(True, torch.device("cpu")) and not overlap_on(False, torch.device("cuda"))
+    assert not overlap_on("auto", torch.device("cuda"), cards=2) and overlap_on(True, torch.device("cuda"), cards=2)
     with pytest.raises(ConfigError, match="overlap_decode"):
         Engine.from_pretrained(tiny_model_dir, device="cpu", config={"runtime": {"overlap_decode": "sometimes"}})
 

@@ -44,10 +44,11 @@ class TokenReadback:
         return self.host.tolist()
 
 
-def overlap_on(setting: bool | str, device: torch.device) -> bool:
+def overlap_on(setting: bool | str, device: torch.device, cards: int = 1) -> bool:
     """runtime.overlap_decode resolved: "auto" means on CUDA (a device that computes synchronously gains nothing
-    and would emit each token one step late)."""
-    return device.type == "cuda" if setting == "auto" else bool(setting)
+    and would emit each token one step late), on one card: a model split over several has not been run
+    overlapped on a two-GPU box yet, so there it is opt-in (true)."""
+    return device.type == "cuda" and cards <= 1 if setting == "auto" else bool(setting)
 
 
 @dataclass
