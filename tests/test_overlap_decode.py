@@ -111,7 +111,9 @@ def test_overlapped_scheduler_equals_step_by_step_engine(engines):
         assert events[-1].finish_reason == want.finish_reason
     assert all(e.logprob is not None for e in results[-1] if e.token_id is not None)
     assert sched.chained_steps > 0  # steps were really queued behind unread ones
-    assert sched.stats()["kv_slots_free"] == 3 and sched.stats()["running"] == 0
+    stats = sched.stats()
+    assert stats["kv_slots_free"] == 3 and stats["running"] == 0
+    assert stats["overlap_decode"] and stats["chained_steps"] == sched.chained_steps
 
 
 def test_cancel_while_a_step_is_in_flight(engines):

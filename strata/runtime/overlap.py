@@ -28,7 +28,7 @@ class TokenReadback:
 
     def __init__(self, ids: torch.Tensor):
         self.event: torch.cuda.Event | None = None
-        if ids.is_cuda:  # on ids' card (a model split over cards samples on its last one)
+        if ids.is_cuda:  # on ids' own card, which need not be the current one (a model split over cards)
             with torch.cuda.device(ids.device):
                 self.host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
                 self.host.copy_(ids, non_blocking=True)
@@ -48,7 +48,7 @@ def overlap_on(setting: bool | str, device: torch.device, cards: int = 1) -> boo
     """runtime.overlap_decode resolved: "auto" means on CUDA (a device that computes synchronously gains nothing
     and would emit each token one step late), on one card: a model split over several has not been run
     overlapped on a two-GPU box yet, so there it is opt-in (true)."""
-    return device.type == "cuda" and cards <= 1 if setting == "auto" else bool(setting)
+    return (device.type == "cuda" and cards <= 1) if setting == "auto" else bool(setting)
 
 
 @dataclass

@@ -149,6 +149,7 @@ class Scheduler:
                     "max_batch": self.max_batch, "token_budget": self.token_budget, "steps": self._steps,
                     "mean_tokens_per_step": self._step_tokens / self._steps if self._steps else 0.0,
                     "reproducible_running": sum(1 for s in self._running if s.req.reproducible),
+                    "overlap_decode": self.overlap, "chained_steps": self.chained_steps,
                     **self.pacer.snapshot()}
 
     def recent_steps(self) -> list[dict]:
