@@ -290,3 +290,13 @@ def test_routing_popularity_is_measured_with_graphs_paused(monkeypatch):
     strata_case._measure_popularity(engine, None, 100, {"experts_per_layer": 4})
     assert seen == [None]
     assert engine.model.graphs.mode is own_mode
+
+
+def test_machine_info_takes_the_commit_it_is_told(monkeypatch):
+    """A copied tree whose git metadata is stale (the GPU box's) records the commit the caller names."""
+    monkeypatch.delenv("STRATA_BENCH_COMMIT", raising=False)
+    own = results.machine_info()
+    monkeypatch.setenv("STRATA_BENCH_COMMIT", "0123abcd" * 5)
+    told = results.machine_info()
+    assert told["git_commit"] == "0123abcd" * 5 and told["git_dirty"] is False
+    assert told["git_commit_from"] == "STRATA_BENCH_COMMIT" and "git_commit_from" not in own

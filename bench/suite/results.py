@@ -43,6 +43,10 @@ def machine_info() -> dict:
         "git_commit": _git("rev-parse", "HEAD"),
         "git_dirty": bool(_git("status", "--porcelain", "--untracked-files=no")),
     }
+    # a copy of a tree whose git metadata is not its own (the GPU box's working-tree copy): the caller names the
+    # commit it copied, e.g. STRATA_BENCH_COMMIT=$(git rev-parse HEAD) written into the remote command
+    if given := os.environ.get("STRATA_BENCH_COMMIT"):
+        info["git_commit"], info["git_dirty"], info["git_commit_from"] = given, False, "STRATA_BENCH_COMMIT"
     if torch.cuda.is_available():
         p = torch.cuda.get_device_properties(0)
         info["gpu"], info["gpu_memory_bytes"] = p.name, p.total_memory
