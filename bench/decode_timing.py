@@ -39,7 +39,7 @@ def timed_decode(engine, prompt: list[int], tokens: int, sync: Callable[[], None
     t0 = time.perf_counter()
     steps = generate_tokens(engine.model, engine.cache, prompt, params, set(), engine.prefill_chunk,
                             engine.device, make_generator(seed, engine.device),
-                            overlap=getattr(engine, "overlap_decode", False))
+                            overlap=engine.overlap_decode)
     out = [next(steps)]  # the prefill, and the first token sampled from its logits
     ttft = time.perf_counter() - t0
     before = engine.stats()

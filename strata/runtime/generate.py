@@ -55,18 +55,20 @@ def generate_tokens(
     tokens = sample(logits[None], params, generator)  # [1] on the device
     read = TokenReadback(tokens)
     position = len(prompt)
+
+    def step(ids: torch.Tensor, at: int):  # the decode step fed ids [1] at position `at`, and its sampling
+        return queue_decode(model, cache, [slot], [at], ids, [(params, generator)])
+
     for i in range(params.max_tokens):
         last = position >= cache.max_len or i == params.max_tokens - 1  # no step whose logits nobody samples
-        nxt = None
-        if overlap and not last:  # the next step (and its sampling) goes first; this token is read while it runs
-            nxt = queue_decode(model, cache, [slot], [position], tokens, [(params, generator)])
+        # overlapped, the next step (and its sampling) goes first and this token is read while it runs
+        nxt = step(tokens, position) if overlap and not last else None
         token = read.tolist()[0]
         if token in eos_ids and not params.ignore_eos:
             return
         yield token
         if last:
             return
-        if nxt is None:
-            nxt = queue_decode(model, cache, [slot], [position], tokens, [(params, generator)])
+        nxt = nxt or step(tokens, position)
         tokens, read = nxt.tokens, nxt.read
         position += 1

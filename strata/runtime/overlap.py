@@ -66,5 +66,6 @@ def queue_decode(model, cache: KVCache, slots: list[int], starts: list[int], ids
     row's sampling with its own (params, generator), and the tokens' read-back; returns without waiting."""
     with torch.inference_mode():
         logits = model.logits(model(ids, StepBatch(slots, starts, [1] * len(slots)), cache))  # [B, V] fp32
-        out = torch.cat([sample(logits[i : i + 1], params, gen) for i, (params, gen) in enumerate(samplers)])
+        rows = [sample(logits[i : i + 1], params, gen) for i, (params, gen) in enumerate(samplers)]
+        out = rows[0] if len(rows) == 1 else torch.cat(rows)  # one stream: no copy kernel a step
     return QueuedStep(out, TokenReadback(out), time.perf_counter())

@@ -103,7 +103,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self._steps = 0
         self._step_tokens = 0
-        self.overlap = bool(getattr(engine, "overlap_decode", False))  # runtime.overlap_decode, resolved
+        self.overlap = engine.overlap_decode  # runtime.overlap_decode, resolved
         self._pending: _InFlight | None = None  # the decode step in flight (overlapped decode)
         self._landed_at = 0.0  # perf_counter() when the last in-flight step's tokens were read
         self.chained_steps = 0  # steps queued behind one whose tokens were not read yet
@@ -239,7 +239,10 @@ class Scheduler:
                 self._forward(plan, reproducible)
         if not passes:
             return
-        dt = time.perf_counter() - t0  # sampling included: the gap a decoding user sees
+        self._record_step(time.perf_counter() - t0, n_decode, n_prompt, passes, allow)  # sampling included
+
+    def _record_step(self, dt: float, n_decode: int, n_prompt: int, passes: int, allow: int) -> None:
+        """A finished step, `dt` seconds (the gap a decoding user sees): the pacer's sample and the step log."""
         self.pacer.observe(n_decode, n_prompt, dt)
         with self._cv:
             self._steps += 1
@@ -329,7 +332,7 @@ class Scheduler:
         """Read `p`'s tokens and emit them; sequences that finished or were cancelled meanwhile are skipped."""
         tokens = p.step.read.tolist()
         now = time.perf_counter()
-        dt = now - max(p.step.queued, self._landed_at)  # the gap between two tokens a decoding user sees
+        dt = now - max(p.step.queued, self._landed_at)
         self._landed_at = now
         live = [(seq, tok) for seq, tok in zip(p.seqs, tokens, strict=True) if any(seq is s for s in self._running)]
         c = self.engine._counters
@@ -338,12 +341,7 @@ class Scheduler:
         c.decode_seconds += dt
         for seq, token in live:
             self._accept(seq, token, None)
-        self.pacer.observe(len(live), 0, dt)
-        with self._cv:
-            self._steps += 1
-            self._step_tokens += len(live)
-            self._step_log.append({"t": time.time(), "seconds": dt, "decode": len(live), "prompt": 0,
-                                   "passes": 1, "allowance": 0})
+        self._record_step(dt, len(live), 0, 1, 0)
 
     def _prompt_logprobs(self, seq: _Seq, chunk_logits: torch.Tensor, start: int, n: int) -> None:
         """Log-probability of each prompt token given its prefix (the first has none)."""

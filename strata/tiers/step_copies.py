@@ -138,8 +138,9 @@ class StepCopiesMixin:
         copy per expert and one event, no eviction, no map entries, no policy order to update (a decode layer
         staged through the cached tier spends ~80 us of host time per copy on those; the stream path well
         under half of that). None, doing nothing, when it cannot serve the batch (too few stream slots free of
-        batches out and not released, or an expert not resident in pinned RAM): take `stage_gpu` then. Two batches of at most half the stream slots each can be out at once, so a prefill
-        copies its next batch while the GPU computes this one.
+        batches out and not released, or an expert not resident in pinned RAM): take `stage_gpu` then. Two
+        batches of at most half the stream slots each can be out at once, so a prefill copies its next batch
+        while the GPU computes this one.
         Call `wait()` before reading the slots and `release_staged` once their readers are enqueued."""
         pinned = self.pinned
         keys = [(layer, int(e)) for e in experts]
