@@ -25,6 +25,8 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
   noprefetch     prefetch.lookahead = 0
   shareX         one-graph split decode: a fixed GPU share X of the cold experts read in place (0: none;
                  $STRATA_MAILBOX_GPU_SHARE; default: adapted from the GPU's wait for the CPU worker)
+  whole          one-graph split decode: the GPU's share in whole experts, no expert split by rows between the
+                 worker and the GPU ($STRATA_MAILBOX_WHOLE_EXPERTS=1)
   grouped        runtime.grouped_prefill = true: prefill's experts through two grouped GEMMs a layer
   sync           runtime.overlap_decode = false: each token read on the host before the next step is queued
   host           runtime.split_decode = "host": host steps at every MoE layer (the cost model splits the cold
@@ -110,7 +112,8 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
         d = box.counters - c0
         layers, gaps = max(1, int(d[3])), max(1, int(d[6]))
         mailbox_us = {"serve": round(d[7] / layers / 1e3, 1), "kernel": round(d[2] / layers / 1e3, 1),
-                      "gpu_gap": round(d[5] / gaps / 1e3, 1), "layers": int(d[3])}
+                      "gpu_gap": round(d[5] / gaps / 1e3, 1), "layers": int(d[3]),
+                      "worker_MB_per_token": round(d[1] / max(1, run.decode_tokens) / 1e6, 1)}  # split experts: part
     before, after, n = run.before, run.after, run.decode_tokens
     res = {"case": label or name, "load_s": round(load_s, 1), "tokens": len(run.tokens), "tok_s": round(run.tok_s, 2),
            "ms_per_token": round(1000 * run.decode_s / n, 2), "ttft_s": round(run.ttft_s, 3)}
@@ -237,11 +240,13 @@ def main() -> None:
                 env["STRATA_BENCH_SWITCH_US"] = mod[2:]
             elif mod.startswith("share"):
                 env["STRATA_MAILBOX_GPU_SHARE"] = mod[5:]
+            elif mod == "whole":
+                env["STRATA_MAILBOX_WHOLE_EXPERTS"] = "1"
             elif mod.startswith("spin"):
                 env["STRATA_CPU_SPIN_US"] = mod[4:]
             elif mod != "again":
                 raise SystemExit(f"unknown case modifier {mod!r} in {full!r}")
-        for key in ("STRATA_CPU_SPIN_US", "STRATA_BENCH_SWITCH_US", "STRATA_MAILBOX_GPU_SHARE"):
+        for key in ("STRATA_CPU_SPIN_US", "STRATA_BENCH_SWITCH_US", "STRATA_MAILBOX_GPU_SHARE", "STRATA_MAILBOX_WHOLE_EXPERTS"):
             os.environ.pop(key, None)
         # the interpreter's GIL switch interval (default 5 ms): how long a thread waiting for the GIL lets the
         # holder run before asking for it; the decode thread re-takes the GIL after every CUDA call and kernel

@@ -54,7 +54,7 @@ class CpuLoad:
         self.meta = array.array("q")
         for s in slots:
             base = pool.slot_address(s)
-            self.meta.extend((base, base + store.index.gate_up_bytes, self.tok.data_ptr(), self.w.data_ptr(), 1, inter))
+            self.meta.extend((base, base + store.index.gate_up_bytes, self.tok.data_ptr(), self.w.data_ptr(), 1, inter, inter))
         self.ce, self.threads, self.stop, self.calls = ce, threads, threading.Event(), 0
         self.thread = threading.Thread(target=self._run, daemon=True)
 

@@ -147,67 +147,160 @@ def test_one_graph_split_decode_equals_the_host_step_path(tmp_path, monkeypatch)
             e.close()
 
 
-# of 7 cold experts, the GPU's whole number g minimizing max(g / gpu rate, (7 - g) / cpu rate), share <= MAX
-@pytest.mark.parametrize("share, taken", [(0.0, 0), (0.25, 1), (0.5, 3), (1.0, 4)])
-def test_gpu_share_takes_whole_experts_spread_over_the_cold_ones(share, taken):
-    """Of a layer's cold experts (ascending), the GPU's count goes to the GPU, evenly spread; an expert's pairs
-    all go one way (batched decode reads each expert once); resident pairs stay as they are."""
+def _share(table, share, granule=None, inter=INTER, **kw):  # granule None: whole experts
+    from strata.kernels.grouped import HostExperts
     from strata.runtime.cpu_mailbox import GpuShare
 
+    experts = HostExperts(torch.bfloat16, (2 * inter, H), (H, inter), 2 * inter * H * 2)
+    return GpuShare(table, experts, torch.device("cpu"), share, split=granule is not None, granule=granule, **kw)
+
+
+# of 7 cold experts, the GPU's whole number g minimizing max(g / gpu rate, (7 - g) / cpu rate), share <= MAX
+@pytest.mark.parametrize("share, taken", [(0.0, 0), (0.25, 1), (0.5, 3), (1.0, 4)])
+def test_gpu_share_of_whole_experts(share, taken):
+    """Without a row split, the GPU's count of a layer's cold experts goes to the GPU whole; an expert's pairs
+    all go one way (batched decode reads each expert once); resident pairs stay as they are."""
     table = np.arange(3 * E, dtype=np.int64).reshape(3, E) * 4096 + 4096
-    gs = GpuShare(table, None, torch.device("cpu"), share, adaptive=False)
+    gs = _share(table, share, adaptive=False)
     flat = torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 0, 2, 4, 6])  # 3 tokens' pairs; expert 7 resident
     used = torch.tensor([-1] * 7 + [3] + [-1] * 4, dtype=torch.int32)
-    new, addr = gs.assign(2, flat, used)
+    new, addr, rows = gs.assign(2, flat, used)
     gpu = sorted({int(e) for e, u in zip(flat, new, strict=True) if u == -2})
     assert len(gpu) == taken
-    for e, u, a in zip(flat.tolist(), new.tolist(), addr.tolist(), strict=True):
+    for e, u, a, r in zip(flat.tolist(), new.tolist(), addr.tolist(), rows.tolist(), strict=True):
         assert (u == -2) == (e in gpu) and a == (table[2, e] if e in gpu else 0)
+        if e != 7:
+            assert r == (0 if e in gpu else INTER)  # the worker's rows: none or all
     assert new[7] == 3  # resident
-    if len(gpu) > 1:
-        assert gpu != list(range(gpu[0], gpu[0] + len(gpu)))  # spread, not the first few
 
 
 @pytest.mark.parametrize("cold, share, taken", [(1, 0.5, 0), (1, 0.45, 0), (1, 0.58, 1), (2, 0.45, 1), (2, 0.3, 0),
                                                 (3, 0.3, 1), (6, 0.36, 2)])
 def test_gpu_share_gives_the_gpu_an_expert_only_where_the_layer_ends_sooner(cold, share, taken):
-    """share = gpu rate / (gpu + cpu rate): an expert takes the GPU (1 - share) and the CPU share time units. A
-    lone cold expert stays on the CPU unless the GPU is the faster side (share > 0.5; a tie stays on the CPU);
-    in general the GPU's count is the one whose slower side is the shortest."""
-    from strata.runtime.cpu_mailbox import GpuShare
-
-    gs = GpuShare(np.arange(E, dtype=np.int64)[None] + 1, None, torch.device("cpu"), share, adaptive=False)
+    """share = gpu rate / (gpu + cpu rate): an expert takes the GPU (1 - share) and the CPU share time units. With
+    whole experts, a lone cold expert stays on the CPU unless the GPU is the faster side (share > 0.5; a tie
+    stays on the CPU); in general the GPU's count is the one whose slower side is the shortest."""
+    gs = _share(np.arange(E, dtype=np.int64)[None] + 1, share, adaptive=False)
     flat = torch.arange(8)
     used = torch.tensor([-1] * cold + [0] * (8 - cold), dtype=torch.int32)
-    new, _ = gs.assign(0, flat, used)
+    new, _, _ = gs.assign(0, flat, used)
     assert int((new == -2).sum()) == taken
     # the brute-force optimum: time units where the GPU does one expert in (1 - share), the CPU in share
     best = min(range(cold + 1), key=lambda g: (max(g * (1 - share), (cold - g) * share), g))
     assert max(taken * (1 - share), (cold - taken) * share) == pytest.approx(max(best * (1 - share), (cold - best) * share))
 
 
+@pytest.mark.parametrize("cold, share", [(1, 0.4), (1, 0.1), (1, 0.6), (2, 0.35), (3, 0.4), (5, 0.3), (8, 0.45), (4, 0.0)])
+def test_gpu_share_splits_experts_by_rows(cold, share):
+    """With granules of 8 of an expert's 32 rows, the GPU takes the optimal number of the layer's cold granules
+    (the last ones in expert order): at most one expert is split, its first rows on the worker, the rest read in
+    place by the GPU; every pair of an expert is cut alike; resident pairs are left alone."""
+    table = np.arange(E, dtype=np.int64)[None] * 4096 + 4096
+    gs = _share(table, share, granule=8, adaptive=False)
+    assert (gs.rows, gs.granules) == (8, 4)
+    cold_experts = [6, 1, 4, 7, 0, 2, 5, 3][:cold]
+    flat = torch.tensor([6, 1, 4, 7, 0, 2, 5, 3] * 2)  # 2 tokens of top-8
+    used = torch.tensor([-1 if e in cold_experts else 2 for e in flat.tolist()], dtype=torch.int32)
+    new, addr, rows = gs.assign(0, flat, used)
+    per_expert = {}
+    for e, u, a, r in zip(flat.tolist(), new.tolist(), addr.tolist(), rows.tolist(), strict=True):
+        if e not in cold_experts:
+            assert u == 2 and a == 0
+            continue
+        assert per_expert.setdefault(e, r) == r and r % 8 == 0 and 0 <= r <= INTER  # one cut an expert
+        assert (u == -2) == (r == 0) and (a != 0) == (r < INTER) and a in (0, table[0, e])
+    gpu_granules = sum(INTER - r for r in per_expert.values()) // 8
+    total = 4 * cold
+    ends = lambda q: max(q * (1 - share), (total - q) * share)  # noqa: E731 - the layer's time units
+    assert ends(gpu_granules) == pytest.approx(min(ends(q) for q in range(total + 1)))  # (ties: float rounding)
+    assert sum(0 < r < INTER for r in per_expert.values()) <= 1  # at most one expert split
+    order = sorted(per_expert)  # the CPU's granules come first in expert order
+    assert [per_expert[e] for e in order] == sorted((per_expert[e] for e in order), reverse=True)
+    if (cold, share) == (1, 0.4):  # the lone cold expert: both sides work on it, the CPU on 2 or 3 of 4 granules
+        assert per_expert[cold_experts[0]] in (16, 24)
+
+
+@pytest.mark.parametrize("inter, rows", [(768, 64), (1408, 64), (96, 16), (32, 8), (24, 24), (2048, 64)])
+def test_row_granules_divide_the_expert(inter, rows):
+    from strata.runtime.cpu_mailbox import row_granule
+
+    assert row_granule(inter) == rows
+    assert _share(np.ones((1, E), dtype=np.int64), 0.4, granule=row_granule(inter), inter=inter).granules == inter // rows
+
+
 def test_gpu_share_follows_the_cpu_kernels_rate():
     from strata.runtime.cpu_mailbox import GpuShare
 
-    gs = GpuShare(np.zeros((1, E), dtype=np.int64), None, torch.device("cpu"), 0.3, gpu_rate=45e9)
+    gs = _share(np.zeros((1, E), dtype=np.int64), 0.3, granule=8, gpu_rate=45e9)
     gs.adapt(45e9)  # the two sides equally fast: half
-    assert gs.target == pytest.approx(0.5) and gs.value == 0.3
+    assert gs.target == pytest.approx(0.5) and gs.value == 0.3 and float(gs.share) == pytest.approx(0.3)
     gs.apply()
-    assert gs.value == gs.target and float(gs.steps[2]) == 0.5  # of 2 cold experts, one each side
+    assert gs.value == gs.target and float(gs.share) == 0.5  # what the captured step reads
+    flat, used = torch.arange(2), torch.full((2,), -1, dtype=torch.int32)
+    assert gs.assign(0, flat, used)[2].tolist() == [INTER, 0]  # of 2 cold experts, one each side
     gs.adapt(135e9)  # the CPU three times faster: a quarter
     assert gs.target == pytest.approx(0.25)
     gs.adapt(1e9)  # a slow CPU: capped
     assert gs.target == GpuShare.MAX
-    fixed = GpuShare(np.zeros((1, E), dtype=np.int64), None, torch.device("cpu"), 0.3, adaptive=False)
+    fixed = _share(np.zeros((1, E), dtype=np.int64), 0.3, adaptive=False)
     fixed.adapt(1e9)
     assert fixed.target == 0.3
 
 
+@needs_kernel
+@pytest.mark.parametrize("cut", [8, 16, 24, 32])
+def test_worker_computes_a_split_experts_first_rows(cut):
+    """A cold pair's `rows` < I: the worker computes its expert's first rows only; with the rest computed apart
+    (the GPU's part) the two partial sums make the whole expert, within the kernel's bf16 rounding."""
+    gu, dn, slab, addr, gu_bytes = _slots(seed=5)
+    box = _mailbox(addr, gu_bytes)
+    try:
+        g = torch.Generator().manual_seed(7)
+        x = torch.randn(2, H, generator=g)
+        ids = torch.tensor([[3, 5], [3, 6]])
+        w = torch.rand(2, K, generator=g)
+        slots = torch.tensor([-1, 4, -1, -1], dtype=torch.int32)  # expert 3 (both tokens) and 6 cold, 5 resident
+        rows = torch.tensor([cut, INTER, cut, INTER], dtype=torch.int32)  # expert 3 split at `cut`, 6 whole
+        box.begin_step()
+        out = box.exchange(0, ids.reshape(-1), slots, x, w, rows=rows)
+
+        def part(e, lo, hi):  # rows [lo, hi) of expert e on x, fp32: [N, H]
+            gate, up = gu[e][lo:hi].float(), gu[e][INTER + lo : INTER + hi].float()
+            return (torch.nn.functional.silu(x @ gate.T) * (x @ up.T)) @ dn[e][:, lo:hi].float().T
+
+        want = w[:, :1] * part(3, 0, cut) + torch.stack([torch.zeros(H), w[1, 1] * part(6, 0, INTER)[1]])
+        torch.testing.assert_close(out, want, rtol=0.05, atol=0.05)
+        whole = w[:, :1] * part(3, 0, INTER) + torch.stack([torch.zeros(H), w[1, 1] * part(6, 0, INTER)[1]])
+        torch.testing.assert_close(out + w[:, :1] * part(3, cut, INTER), whole, rtol=0.05, atol=0.05)
+        assert box.experts_computed == 2
+        assert int(box.counters[1]) == box_payload(gu_bytes) * (cut + INTER) // INTER  # bytes read: the rows used
+    finally:
+        box.close()
+
+
+def box_payload(gu_bytes: int) -> int:
+    return gu_bytes * 3 // 2
+
+
+@needs_kernel
+def test_worker_refuses_a_bad_row_count():
+    _, _, slab, addr, gu_bytes = _slots()
+    box = _mailbox(addr, gu_bytes)
+    try:
+        box.begin_step()
+        ids, cold = torch.tensor([[3, 1]]), torch.tensor([-1, -1], dtype=torch.int32)
+        with pytest.raises(RuntimeError, match="layer 0: a malformed mailbox"):
+            box.exchange(0, ids.reshape(-1), cold, torch.randn(1, H), torch.rand(1, K),
+                         rows=torch.tensor([INTER + 1, 8], dtype=torch.int32))
+    finally:
+        box.close()
+
+
 @pytest.mark.gpu
 def test_one_graph_split_decode_with_a_gpu_share_follows_memory(tmp_path, monkeypatch):
-    """A 0.6 share (a GPU faster than the CPU): cold experts read in place by the GPU, the rest on the worker,
-    within the forked numerics' tolerance of the all-in-memory engine, in one graph a step, and the CPU computes
-    far fewer of them."""
+    """A 0.6 share (a GPU faster than the CPU): cold experts (whole, or split by rows) read in place by the GPU,
+    the rest on the worker, within the forked numerics' tolerance of the all-in-memory engine, in one graph a
+    step, and the worker reads far fewer expert bytes; a smaller share leaves it more of them."""
     from strata import Engine
     from strata.runtime.demo_model import write_demo_model
 
@@ -217,18 +310,23 @@ def test_one_graph_split_decode_with_a_gpu_share_follows_memory(tmp_path, monkey
     memory = Engine.from_pretrained(model, device="cuda", config={"runtime": {"experts": "memory"}})
     ids = memory.tokenizer.encode("The river runs through the valley and the town")
     want = memory.generate(ids, max_tokens=4).token_ids
-    computed = {}
-    for share in ("0", "0.6"):
+    computed = {}  # bytes of experts the worker read
+    for share, whole in (("0", "0"), ("0.6", "1"), ("0.6", "0"), ("0.35", "0")):
         monkeypatch.setenv("STRATA_MAILBOX_GPU_SHARE", share)
+        monkeypatch.setenv("STRATA_MAILBOX_WHOLE_EXPERTS", whole)  # "0": experts split by rows
         with Engine.from_pretrained(model, device="cuda", config=cfg) as tiered:
             assert tiered.wait_settled(60)
             tiered.generate(ids, max_tokens=2)  # the mailbox opens once placement is done
-            before = tiered._compute.mailbox.experts_computed
+            before = int(tiered._compute.mailbox.counters[1])
             assert tiered.generate(ids, max_tokens=16).token_ids[:4] == want
             assert tiered.model.graphs.mode() == "mailbox" and not tiered.model.graphs.failed
             assert (tiered._compute.gpu_share is None) == (share == "0")
-            computed[share] = tiered._compute.mailbox.experts_computed - before
-    assert 0 < computed["0.6"] < 0.75 * computed["0"]
+            if share != "0":
+                assert tiered._compute.gpu_share.granules == (1 if whole == "1" else 4)  # tiny: 32 rows, 8 a granule
+            computed[(share, whole)] = int(tiered._compute.mailbox.counters[1]) - before
+    assert 0 < computed[("0.6", "1")] < 0.75 * computed[("0", "0")]
+    assert 0 < computed[("0.6", "0")] < 0.75 * computed[("0", "0")]
+    assert computed[("0.6", "0")] < computed[("0.35", "0")] < computed[("0", "0")]
     memory.close()
 
 

@@ -504,6 +504,20 @@ def test_pair_kernels_read_pinned_slots_in_place():
         keep = [0, 1, 2, 3, 5]  # the same kernels compiled for unaligned host pointers: fp32 sums may reorder
         torch.testing.assert_close(y[keep], ref[keep], rtol=1e-5, atol=1e-3)
         assert torch.all(y[4] == 5.0)
+        # a split expert's GPU part: the intermediate rows from first_row[p] on (0: all of them; i: none)
+        first = torch.tensor([0, 16, 40, 64, 0, 96], dtype=torch.int32)
+        part = torch.full((2 * k, h), 5.0, device="cuda")
+        pair_experts_in_place(x, HostExperts(torch.bfloat16, (2 * i, h), (h, i), gu[0].numel() * 2), addr.cuda(),
+                              part, first_row=first.cuda())
+        xf = x.float().cpu()
+        for p, j in enumerate(flat_ids.tolist()):
+            if p == 4:
+                assert torch.all(part[4] == 5.0)  # not in this pass
+                continue
+            f, tok = int(first[p]), p // k
+            gate, up = gu[j][f:i].float(), gu[j][i + f :].float()
+            want = (torch.nn.functional.silu(gate @ xf[tok]) * (up @ xf[tok])) @ dn[j][:, f:].float().T
+            torch.testing.assert_close(part[p].cpu(), want, rtol=1e-4, atol=1e-3)
     finally:
         torch.cuda.synchronize()
         pool.close()

@@ -80,6 +80,7 @@ TOLERANCE = {"torch": 1e-5, "avx2": 1e-4, "avx512": 1e-4, "avx512_bf16": 1.5e-2,
 """Bound on max |out - reference| / max |reference| for each backend (see the module docstring)."""
 
 _lock = threading.Lock()
+META = 7  # int64 fields of one expert's row in `run_packed`'s meta (csrc/cpu_experts.cpp's STRATA_META)
 _lib: ctypes.CDLL | None = None
 _lib_tried = False
 _isa_mask = 0
@@ -106,6 +107,8 @@ def _load() -> ctypes.CDLL | None:
             t0 = time.perf_counter()
             try:
                 lib = build_and_open()
+                if lib.strata_cpu_meta_fields() != META:
+                    raise RuntimeError(f"kernel takes {lib.strata_cpu_meta_fields()} meta fields, strata packs {META}")
                 _isa_mask = lib.strata_cpu_isa_mask()
                 lib.strata_cpu_configure(spin_us(), None, -1, prefetch_bytes())
                 _lib = lib
@@ -234,14 +237,15 @@ def max_tokens() -> int:
 def run_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads: int | None = None, *,
                backend: str | None = None) -> bool:
     """The compiled kernel on pre-packed arguments, for callers that hold experts by address (the tier
-    manager's pinned slots): x32 [N, H] fp32 contiguous; meta rows of (gate_up address, down address,
-    token-index address (int64), weight address (fp32), T, I) for bf16 experts; out [N, H] fp32
+    manager's pinned slots): x32 [N, H] fp32 contiguous; meta rows of `META` int64 (gate_up address, down
+    address, token-index address (int64), weight address (fp32), T, rows, I) for bf16 experts, computing each
+    expert's first `rows` of its I intermediate rows (all I, or the CPU's part of a split expert); out [N, H] fp32
     contiguous, added into. Returns False, doing nothing, when the compiled kernel is not in use."""
     name = _resolve(backend)
     if name == "torch" or not meta:
         return bool(not meta and name != "torch")
     N, H = x32.shape
-    _check(_lib.strata_cpu_experts(_ISA[name], x32.data_ptr(), N, H, len(meta) // 6, meta.buffer_info()[0],
+    _check(_lib.strata_cpu_experts(_ISA[name], x32.data_ptr(), N, H, len(meta) // META, meta.buffer_info()[0],
                                    out.data_ptr(), int(threads or default_threads())), name, N)
     return True
 
@@ -286,7 +290,7 @@ def start_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, thread
         return None
     n_rows, hidden = x32.shape
     threads = threads or default_threads()
-    _lib.strata_cpu_experts_start(_ISA[name], x32.data_ptr(), n_rows, hidden, len(meta) // 6, meta.buffer_info()[0],
+    _lib.strata_cpu_experts_start(_ISA[name], x32.data_ptr(), n_rows, hidden, len(meta) // META, meta.buffer_info()[0],
                                   out.data_ptr(), int(threads))
     return PackedCall(n_rows, name, (x32, meta, out))
 
@@ -377,7 +381,7 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, t
         if w.dtype is not torch.float32 or not w.is_contiguous():
             w = w.to(torch.float32).contiguous()
             keep.append(w)
-        meta.extend((gate_up.data_ptr(), down.data_ptr(), idx.data_ptr(), w.data_ptr(), T, inter))
+        meta.extend((gate_up.data_ptr(), down.data_ptr(), idx.data_ptr(), w.data_ptr(), T, inter, inter))
     if meta:
         target = out if out.is_contiguous() else torch.zeros(N, H, dtype=torch.float32)
         run_packed(x32, meta, target, threads, backend=name)

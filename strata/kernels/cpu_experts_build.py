@@ -83,6 +83,8 @@ def build_and_open() -> ctypes.CDLL:
     lib.strata_mailbox_stop.argtypes = [ctypes.c_int64]
     lib.strata_mailbox_stop.restype = ctypes.c_int
     lib.strata_mailbox_log_codes.argtypes = []
+    lib.strata_cpu_meta_fields.argtypes = []
+    lib.strata_cpu_meta_fields.restype = ctypes.c_int
     lib.strata_mailbox_log_codes.restype = ctypes.c_int
     return lib
 

@@ -144,9 +144,10 @@ def _pair_torch(x, weights: SlotWeights, slot_of, ids, rows, k, y, used) -> None
 if triton is not None:
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, gu_ptr, slot_of_ptr, ids_ptr, rows_ptr, used_ptr, h_ptr,
+    def _gate_up_kernel(x_ptr, gu_ptr, slot_of_ptr, ids_ptr, rows_ptr, used_ptr, h_ptr, first_ptr,
                         H, INTER, K, stride_x, stride_gs, stride_gr, stride_h,
-                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, HAS_ROWS: tl.constexpr, ADDR: tl.constexpr):
+                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, HAS_ROWS: tl.constexpr, ADDR: tl.constexpr,
+                        FIRST: tl.constexpr):
         p = tl.program_id(0)
         ib = tl.program_id(1)
         if ADDR:  # ids holds each pair's expert address in pinned host memory (0: not in this pass)
@@ -157,13 +158,17 @@ if triton is not None:
             slot = tl.load(slot_of_ptr + expert).to(tl.int64)
         if ib == 0:
             tl.store(used_ptr + p, slot.to(tl.int32))
-        if slot >= 0:
+        if FIRST:  # rows below `first` are another's (a split expert's CPU part)
+            first = tl.load(first_ptr + p)
+        else:
+            first = 0
+        if (slot >= 0) & ((ib + 1) * BLOCK_I > first):
             if HAS_ROWS:
                 tok = tl.load(rows_ptr + p).to(tl.int64) // K
             else:
                 tok = p.to(tl.int64) // K
             offs_i = ib * BLOCK_I + tl.arange(0, BLOCK_I)
-            mask_i = offs_i < INTER
+            mask_i = (offs_i < INTER) & (offs_i >= first)
             acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
             acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
             if ADDR:  # read over PCIe, in place (unified addressing maps the page-locked slot)
@@ -183,12 +188,16 @@ if triton is not None:
             tl.store(h_ptr + p * stride_h + offs_i, h, mask=mask_i)
 
     @triton.jit
-    def _down_kernel(h_ptr, d_ptr, used_ptr, rows_ptr, y_ptr, addr_ptr, down_off, H, INTER, stride_h, stride_ds,
-                     stride_dr, stride_y, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr, HAS_ROWS: tl.constexpr,
-                     ADDR: tl.constexpr):
+    def _down_kernel(h_ptr, d_ptr, used_ptr, rows_ptr, y_ptr, addr_ptr, first_ptr, down_off, H, INTER, stride_h,
+                     stride_ds, stride_dr, stride_y, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
+                     HAS_ROWS: tl.constexpr, ADDR: tl.constexpr, FIRST: tl.constexpr):
         p = tl.program_id(0)
         ob = tl.program_id(1)
         slot = tl.load(used_ptr + p).to(tl.int64)
+        if FIRST:  # the intermediate rows from `first` on: a split expert's GPU part
+            first = tl.load(first_ptr + p)
+        else:
+            first = 0
         if slot >= 0:
             if HAS_ROWS:
                 row = tl.load(rows_ptr + p).to(tl.int64)
@@ -201,9 +210,9 @@ if triton is not None:
                 w = (tl.load(addr_ptr + p) + down_off).to(tl.pointer_type(d_ptr.dtype.element_ty))
             else:
                 w = d_ptr + slot * stride_ds
-            for i0 in range(0, INTER, BLOCK_I):
+            for i0 in range((first // BLOCK_I) * BLOCK_I, INTER, BLOCK_I):
                 offs_i = i0 + tl.arange(0, BLOCK_I)
-                mask_i = offs_i < INTER
+                mask_i = (offs_i < INTER) & (offs_i >= first)  # h below `first` was never written
                 hv = tl.load(h_ptr + p * stride_h + offs_i, mask=mask_i, other=0.0)
                 wv = tl.load(w + offs_o[:, None] * stride_dr + offs_i[None, :],
                              mask=mask_o[:, None] & mask_i[None, :], other=0.0).to(tl.float32)
@@ -222,11 +231,11 @@ def _pair_triton(x, weights: SlotWeights, slot_of, ids, rows, k, y, used) -> Non
     has_rows = rows is not None
     rows = rows if has_rows else ids  # an unread pointer when HAS_ROWS is off
     _gate_up_kernel[(p, triton.cdiv(inter, block_i))](
-        x, gu, slot_of, ids, rows, used, h, hidden, inter, k, x.stride(0), gu.stride(0), gu.stride(1), h.stride(0),
-        BLOCK_I=block_i, BLOCK_H=block_h, HAS_ROWS=has_rows, ADDR=False, num_warps=4)
+        x, gu, slot_of, ids, rows, used, h, ids, hidden, inter, k, x.stride(0), gu.stride(0), gu.stride(1),
+        h.stride(0), BLOCK_I=block_i, BLOCK_H=block_h, HAS_ROWS=has_rows, ADDR=False, FIRST=False, num_warps=4)
     _down_kernel[(p, triton.cdiv(hidden, block_o))](
-        h, dn, used, rows, y, ids, 0, hidden, inter, h.stride(0), dn.stride(0), dn.stride(1), y.stride(0),
-        BLOCK_O=block_o, BLOCK_I=block_k, HAS_ROWS=has_rows, ADDR=False, num_warps=4)
+        h, dn, used, rows, y, ids, ids, 0, hidden, inter, h.stride(0), dn.stride(0), dn.stride(1), y.stride(0),
+        BLOCK_O=block_o, BLOCK_I=block_k, HAS_ROWS=has_rows, ADDR=False, FIRST=False, num_warps=4)
 
 
 def in_place_ok() -> bool:
@@ -234,10 +243,13 @@ def in_place_ok() -> bool:
     return triton is not None and torch.cuda.is_available()
 
 
-def pair_experts_in_place(x: torch.Tensor, experts: HostExperts, addresses: torch.Tensor, y: torch.Tensor) -> None:
+def pair_experts_in_place(x: torch.Tensor, experts: HostExperts, addresses: torch.Tensor, y: torch.Tensor,
+                          first_row: torch.Tensor | None = None) -> None:
     """Pairs p with `addresses[p]` != 0 ([P] int64: the host address of its expert's page-locked slot) run
     on token p // k, their weights read in place from host RAM over PCIe (zero-copy: no staging copy, no
     GPU slot); y [P, H] fp32 receives their rows, the others are left as they are. CUDA with Triton only.
+    first_row [P] int32: compute only the intermediate rows from first_row[p] on (the rest of an expert whose
+    first rows another computes: y then holds that part's sum); None: every row.
 
     For one decode token the GPU reads each weight once either way, so reading it where it lies costs the
     link's rate (~50 GB/s on the H200 box, bench/zero_copy.py) and none of a copy's host bookkeeping."""
@@ -253,9 +265,11 @@ def pair_experts_in_place(x: torch.Tensor, experts: HostExperts, addresses: torc
     h = torch.empty((p, inter), dtype=torch.float32, device=x.device)
     used = torch.empty(p, dtype=torch.int32, device=x.device)
     block_i, block_h, block_o, block_k = BLOCKS["small"]
+    first = first_row is not None
+    first_row = first_row if first else addresses  # an unread pointer when FIRST is off
     _gate_up_kernel[(p, triton.cdiv(inter, block_i))](
-        x, typed, addresses, addresses, addresses, used, h, hidden, inter, k, x.stride(0), 0, hidden, h.stride(0),
-        BLOCK_I=block_i, BLOCK_H=block_h, HAS_ROWS=False, ADDR=True, num_warps=4)
+        x, typed, addresses, addresses, addresses, used, h, first_row, hidden, inter, k, x.stride(0), 0, hidden,
+        h.stride(0), BLOCK_I=block_i, BLOCK_H=block_h, HAS_ROWS=False, ADDR=True, FIRST=first, num_warps=4)
     _down_kernel[(p, triton.cdiv(hidden, block_o))](
-        h, typed, used, addresses, y, addresses, experts.down_offset, hidden, inter, h.stride(0), 0, inter,
-        y.stride(0), BLOCK_O=block_o, BLOCK_I=block_k, HAS_ROWS=False, ADDR=True, num_warps=4)
+        h, typed, used, addresses, y, addresses, first_row, experts.down_offset, hidden, inter, h.stride(0), 0,
+        inter, y.stride(0), BLOCK_O=block_o, BLOCK_I=block_k, HAS_ROWS=False, ADDR=True, FIRST=first, num_warps=4)

@@ -104,7 +104,7 @@ class CpuCompute:
             tok_ptr, w_ptr, slot_address = tok.data_ptr(), w.data_ptr(), self.manager.pool.slot_address
             for sel, slot in zip(sels, slots, strict=True):
                 base = slot_address(slot)
-                meta.extend((base, base + gu_bytes, tok_ptr + 8 * off, w_ptr + 4 * off, len(sel), inter))
+                meta.extend((base, base + gu_bytes, tok_ptr + 8 * off, w_ptr + 4 * off, len(sel), inter, inter))
                 off += len(sel)
             out = torch.zeros(x.shape, dtype=torch.float32, pin_memory=self.pin_results)
             call = ce.start_packed(x32, meta, out, self.cpu_threads) if background else None

@@ -9,7 +9,8 @@ pairs (expert, GPU slot or -1), activations and routing weights there and bumps 
 to the step's generation; the worker computes the pairs whose expert was not resident, with the same
 kernel in the same order as the host path (so the same sums), writes the partial sum and `done`; a
 one-thread kernel (`strata.kernels.host_signal`) holds the stream until `done` arrives; the graph copies
-the sum back into the layer's combine. Every cold expert goes to the CPU: no copies, so nothing to stage.
+the sum back into the layer's combine. No cold expert is copied, so nothing is staged: each is computed by
+the worker, by the GPU reading it in place over PCIe (`GpuShare`), or split by rows between the two.
 
 The tier policy's history and promotions (which the host step fed per layer) are fed from the worker's
 log by `drain`, after the step, off its path.
@@ -47,10 +48,10 @@ class CpuMailbox:
                  log_entries: int = 4096):
         from strata.kernels import cpu_experts as ce
 
-        self.layers, self.hidden, self.top_k, self.max_tokens = list(layers), hidden, top_k, max_tokens
+        self.layers, self.hidden, self.inter, self.top_k, self.max_tokens = list(layers), hidden, inter, top_k, max_tokens
         self.max_pairs = max_tokens * top_k
         self.device = device
-        self.out_off = _up(HEADER + _up(16 + 8 * self.max_pairs, 64) + 4 * max_tokens * hidden + 4 * self.max_pairs, 64)
+        self.out_off = _up(HEADER + _up(16 + 12 * self.max_pairs, 64) + 4 * max_tokens * hidden + 4 * self.max_pairs, 64)
         box_bytes = _up(self.out_off + 4 * max_tokens * hidden, 4096)
         self.pool = PinnedPool(box_bytes, len(self.layers), pin=device.type == "cuda", background=False)
         self._box = {layer: i for i, layer in enumerate(self.layers)}
@@ -82,6 +83,7 @@ class CpuMailbox:
         self.gen = torch.zeros(1, dtype=torch.int64, device=device)  # the step's generation (device side)
         self._host_gen = 0  # the same on the CPU-only path
         self._shapes: dict[tuple[int, int], torch.Tensor] = {}  # (N, k) -> int32 [4] on the device
+        self._all_rows: dict[int, torch.Tensor] = {}  # P -> int32 [P] of I: every cold pair's whole expert here
 
     # ---- the device side: ops a decode graph captures -------------------------------------------------
     def begin_step(self) -> None:
@@ -110,26 +112,33 @@ class CpuMailbox:
         return None
 
     def exchange(self, layer: int, experts: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
-                 weights: torch.Tensor, gpu_work=None, max_spins: int | None = None) -> torch.Tensor:
+                 weights: torch.Tensor, gpu_work=None, max_spins: int | None = None,
+                 rows: torch.Tensor | None = None) -> torch.Tensor:
         """Send one layer's pairs (experts [P], slots [P] int32: -1 cold, for the worker; -2 cold, the GPU's),
         x [N, H] and weights [N, k] to the worker; returns its partial sum [N, H] fp32 on x's device (the stream
-        waits for it). `gpu_work()` is enqueued while the worker runs (the GPU's own share of the cold pairs)."""
+        waits for it). `gpu_work()` is enqueued while the worker runs (the GPU's own share of the cold pairs).
+        rows [P] int32: of each worker pair, how many of its expert's leading intermediate rows the worker
+        computes (None: all I; fewer for an expert split with the GPU, which computes the rest)."""
         n, k = weights.shape
         p = n * k
         if n > self.max_tokens or k != self.top_k:
             raise ValueError(f"mailbox holds {self.max_tokens} tokens of top-{self.top_k}, got {n} of top-{k}")
         box = self.boxes[self._box[layer]]
-        x_off = _up(16 + 8 * p, 64)
+        x_off = _up(16 + 12 * p, 64)
         nbytes = x_off + 4 * n * self.hidden + 4 * p
         shape = self._shapes.get((n, k))
         if shape is None:  # made in the eager warm-up run before a capture, reused by the graph
             shape = self._shapes[(n, k)] = torch.tensor([n, k, p, 0], dtype=torch.int32, device=x.device)
+        if rows is None:
+            rows = self._all_rows.get(p)
+            if rows is None:  # like `shape`: made before a capture
+                rows = self._all_rows[p] = torch.full((p,), self.inter, dtype=torch.int32, device=x.device)
         if self.device.type != "cuda":  # tests, CPU hosts: packed in place, awaited from Python
-            return self._exchange_host(layer, experts, slots, x, weights, shape, x_off, nbytes)
+            return self._exchange_host(layer, experts, slots, rows, x, weights, shape, x_off, nbytes)
         from strata.kernels.host_signal import wait_for_host
 
         out_box = torch.empty(nbytes, dtype=torch.uint8, device=x.device)  # the inbox, packed on the device
-        self._pack(out_box, shape, experts, slots, x, weights, x_off)
+        self._pack(out_box, shape, experts, slots, rows, x, weights, x_off)
         box[HEADER : HEADER + nbytes].copy_(out_box, non_blocking=True)
         box[:8].copy_(self.gen.view(torch.uint8), non_blocking=True)  # ready: after the inbox (stream order)
         if gpu_work is not None:
@@ -140,22 +149,23 @@ class CpuMailbox:
         out.copy_(box[self.out_off : self.out_off + 4 * n * self.hidden].view(torch.float32), non_blocking=True)
         return out.view(n, self.hidden)
 
-    def _pack(self, dst: torch.Tensor, shape, experts, slots, x, weights, x_off: int) -> None:
+    def _pack(self, dst: torch.Tensor, shape, experts, slots, rows, x, weights, x_off: int) -> None:
         """The inbox layout (csrc/cpu_mailbox.cpp) written into uint8 `dst`: int32 N, k, P, 0, experts [P],
-        slots [P]; fp32 x [N*H] at `x_off`; fp32 weights [P] after it."""
+        slots [P], rows [P]; fp32 x [N*H] at `x_off`; fp32 weights [P] after it."""
         p, nh = experts.numel(), x.numel()
-        ints = dst[: 16 + 8 * p].view(torch.int32)
+        ints = dst[: 16 + 12 * p].view(torch.int32)
         ints[:4].copy_(shape)
         ints[4 : 4 + p].copy_(experts.reshape(-1))
         ints[4 + p : 4 + 2 * p].copy_(slots.reshape(-1))
+        ints[4 + 2 * p : 4 + 3 * p].copy_(rows.reshape(-1))
         dst[x_off : x_off + 4 * nh].view(torch.float32).copy_(x.reshape(-1))
         dst[x_off + 4 * nh : x_off + 4 * nh + 4 * p].view(torch.float32).copy_(weights.reshape(-1))
 
-    def _exchange_host(self, layer, experts, slots, x, weights, shape, x_off, nbytes) -> torch.Tensor:
+    def _exchange_host(self, layer, experts, slots, rows, x, weights, shape, x_off, nbytes) -> torch.Tensor:
         """`exchange` without a GPU (tests, CPU hosts): the same mailbox written and awaited from Python."""
         n = weights.shape[0]
         box, hdr = self.boxes[self._box[layer]], self.headers[self._box[layer]]
-        self._pack(box[HEADER : HEADER + nbytes], shape, experts, slots, x, weights, x_off)
+        self._pack(box[HEADER : HEADER + nbytes], shape, experts, slots, rows, x, weights, x_off)
         gen = self._host_gen
         hdr[0] = gen  # after the inbox (program order; x86 keeps stores in order)
         while hdr[1] != gen:
@@ -296,38 +306,47 @@ class GpuShare:
     pair kernels (`pair_experts_in_place`) while the worker computes the rest: the two read host RAM at once
     (~50 + ~110 GB/s on the H200 box, bench/ram_shared.py).
 
-    Every cold expert of the step goes one way for all its tokens, so a layer with c cold experts gives the GPU
-    a whole number g of them: the g that makes the layer end soonest, max(g / gpu rate, (c - g) / CPU rate),
-    for `share` = gpu rate / (gpu rate + CPU rate) (device ops, captured with the step), spread evenly over
-    the layer's cold experts in ascending order. A layer with one cold expert keeps it on the CPU unless the GPU
-    is the faster side: rounding c x share to the nearest (as before) sent it to the GPU at any share >= 0.5,
-    where one 9.4 MB expert takes ~210 us to read over PCIe (at 45 GB/s) against ~150 us on the CPU (the worker's
-    serve time a cold expert, skewed routing, H200 box).
-    `share` starts at the rates' ratio and, unless fixed, follows the worker's measured kernel rate (`adapt`,
-    fed by `MailboxBooks`) against the GPU's in-place rate (`gpu_rate`)."""
+    The share is cut in intermediate rows, not whole experts (unless `split` is off): a layer's c cold experts
+    (ascending) are c x G granules of `granule` rows each (`row_granule`), and the GPU takes the last q of them, the q that makes the layer end
+    soonest, max(q / gpu rate, (cG - q) / CPU rate), ties to the CPU. One expert can so be split: the worker
+    computes its first rows, the GPU the rest, and the two partial sums add up in the combine (down is linear
+    in the intermediate rows). Whole experts only (`granule` None, G = 1) left a lone cold expert, the common
+    case under skewed routing, to one side: ~150 us on the CPU where both sides together could take ~85 us.
+    An expert is cut once for all its tokens (batched decode reads each expert once). `share` = gpu rate /
+    (gpu rate + CPU rate) (a device scalar, read by the captured step); it starts at the rates' ratio and,
+    unless fixed, follows the worker's measured kernel rate (`adapt`, fed by `MailboxBooks`) against the GPU's
+    in-place rate (`gpu_rate`)."""
 
-    MAX = 0.6  # of the cold experts, at most (the GPU's in-place reads slow the CPU kernel's own)
+    MAX = 0.6  # of the cold rows, at most (the GPU's in-place reads slow the CPU kernel's own)
 
     def __init__(self, addresses: np.ndarray, experts, device: torch.device, share: float, adaptive: bool = True,
-                 gpu_rate: float = 45e9):
+                 gpu_rate: float = 45e9, split: bool = True, granule: int | None = None):
         self.table = torch.from_numpy(np.ascontiguousarray(addresses)).to(device)  # [L, E] int64 host addresses
         self.experts, self.adaptive, self.num_experts = experts, adaptive, addresses.shape[1]
         self.gpu_rate = gpu_rate  # bytes/s the pair kernels read pinned RAM in place at, beside the CPU kernel
+        self.inter = experts.down_shape[1]  # I: an expert's intermediate rows
+        granule = granule or row_granule(self.inter)
+        self.rows = granule if split and self.inter % granule == 0 else self.inter  # rows a granule
+        self.granules = self.inter // self.rows  # G granules an expert
         self.value = self.target = min(self.MAX, max(0.0, share))
-        # [E + 1] float32: of a layer with c cold experts, the fraction g(c) / c the GPU takes (one gather a layer)
-        self.steps = torch.from_numpy(gpu_fractions(self.value, self.num_experts)).to(device)
+        self.share = torch.tensor([self.value], dtype=torch.float32, device=device)  # [1], read by the step
 
-    def assign(self, layer: int, flat: torch.Tensor, used: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """flat [P] experts, used [P] int32 (-1 cold) -> (used with -2 for the GPU's pairs, their addresses [P]
-        int64, 0 for the others)."""
+    def assign(self, layer: int, flat: torch.Tensor, used: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """flat [P] experts, used [P] int32 (-1 cold) -> (used with -2 for the pairs the GPU computes whole,
+        their addresses [P] int64 (0: no GPU part), rows [P] int32: of each cold pair, the leading intermediate
+        rows the worker computes (the GPU computes the rest). Device ops only: no host sync."""
+        g = self.granules
         cold_e = torch.zeros(self.num_experts, dtype=torch.int32, device=flat.device)
         cold_e.scatter_reduce_(0, flat, (used < 0).to(torch.int32), reduce="amax")  # [E] 1: cold and used
-        step = self.steps.index_select(0, cold_e.sum().view(1))  # [1] g(c) / c (a device gather: no host sync)
+        total = (cold_e.sum() * g).float()  # the layer's cold granules
+        low = torch.floor(total * self.share)  # [1] the GPU's granules rounded down: the CPU's side is longer...
+        q = low + ((low + 1) * (1 - self.share) < (total - low) * self.share).float()  # ...up where that ends sooner
         rank = (torch.cumsum(cold_e, 0) - cold_e).float()  # [E] cold experts before e
-        take_e = (torch.floor((rank + 1) * step + 1e-4) > torch.floor(rank * step + 1e-4)) & (cold_e > 0)  # g, spread
-        take = take_e[flat]
-        used = torch.where(take, torch.full_like(used, -2), used)
-        return used, torch.where(take, self.table[layer][flat], torch.zeros_like(flat))
+        cpu_rows = ((total - q - rank * g).clamp(0, g) * self.rows).to(torch.int32)  # [E] the first CPU granules
+        gpu_e = (cpu_rows < self.inter) & (cold_e > 0)  # [E] with a GPU part
+        take, rows = gpu_e[flat], cpu_rows[flat]
+        used = torch.where(take & (rows == 0), torch.full_like(used, -2), used)
+        return used, torch.where(take, self.table[layer][flat], torch.zeros_like(flat)), rows
 
     def adapt(self, cpu_bytes_per_s: float) -> None:
         """The worker kernel's rate over the last layers: the target share follows the two sides' rates."""
@@ -336,21 +355,17 @@ class GpuShare:
 
     def apply(self) -> None:
         """Between steps, on the decoding thread: the device's share follows the target. Stream-ordered and
-        without a host wait: with overlapped decode the previous step may still be reading the old fractions."""
+        without a host wait: with overlapped decode the previous step may still be reading the old value."""
         if self.target != self.value:
             self.value = self.target
-            new = torch.from_numpy(gpu_fractions(self.value, self.num_experts))
-            if self.steps.is_cuda:
+            new = torch.tensor([self.value], dtype=torch.float32)
+            if self.share.is_cuda:
                 new = new.pin_memory()  # a pageable source would make the copy wait for the stream
-            self.steps.copy_(new, non_blocking=True)
+            self.share.copy_(new, non_blocking=True)
 
 
-def gpu_fractions(share: float, max_cold: int) -> np.ndarray:
-    """float32 [max_cold + 1]: for a layer of c cold experts, g(c) / c, with g(c) the whole number of them the GPU
-    takes: the one minimizing max(g / gpu rate, (c - g) / CPU rate) for share = gpu rate / (gpu + CPU rate), i.e.
-    in time units where an expert takes the GPU (1 - share) and the CPU share; ties go to the CPU."""
-    c = np.arange(max_cold + 1, dtype=np.float64)
-    low = np.floor(c * share)  # the GPU's count rounded down: the CPU's side is then the longer...
-    up = (low + 1) * (1 - share) < (c - low) * share  # ...rounded up where the GPU's then-longer side is shorter
-    g = np.minimum(low + up, c)
-    return (g / np.maximum(c, 1)).astype(np.float32)
+def row_granule(inter: int) -> int:
+    """Rows of the granules a split expert is cut in: 64 where they divide I into 4 or more (whole cache lines
+    of each down row on each side: 128 bytes of bf16), else the largest of 32, 16, 8 that does (small test
+    models), else I (no split)."""
+    return next((g for g in (64, 32, 16, 8) if inter % g == 0 and inter // g >= 4), inter)

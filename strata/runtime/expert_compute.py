@@ -185,8 +185,10 @@ class ExpertCompute(CpuCompute):
             share = float(fixed) if fixed else IN_PLACE_RATE / (IN_PLACE_RATE + self.rates.cpu_bytes_per_s)
             if share > 0:
                 (gu, dn) = store.expert_shapes
+                whole = os.environ.get("STRATA_MAILBOX_WHOLE_EXPERTS") == "1"  # A/B: no expert split by rows
                 self.gpu_share = GpuShare(addresses, HostExperts(store.dtype, gu, dn, store.index.gate_up_bytes),
-                                          self.device, share, adaptive=not fixed, gpu_rate=IN_PLACE_RATE)
+                                          self.device, share, adaptive=not fixed, gpu_rate=IN_PLACE_RATE,
+                                          split=not whole)
         self.books = MailboxBooks(self.mailbox, m, self.promote_one, self._count_mailbox, self.gpu_share)
         self._mailbox_kernel = (0, 0, 0.0)
 

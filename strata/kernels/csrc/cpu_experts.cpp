@@ -45,6 +45,7 @@
 #endif
 
 #define STRATA_API extern "C" __attribute__((visibility("default")))
+#define STRATA_META 7  // int64 fields of an expert's meta row (strata_cpu_experts)
 
 namespace {
 
@@ -91,12 +92,13 @@ inline void spin_until(Pred done, std::chrono::microseconds patience = std::chro
 }
 
 struct ExpertArg {
-    const uint16_t* gate_up;  // [2I, H] bf16
-    const uint16_t* down;     // [H, I] bf16
+    const uint16_t* gate_up;  // [2 ld, H] bf16: gate rows, then up rows
+    const uint16_t* down;     // [H, ld] bf16
     const int64_t* idx;       // [T] rows of x
     const float* w;           // [T] routing weights
     int64_t T;
-    int64_t I;
+    int64_t I;   // the leading intermediate rows computed here: all (ld), or a split expert's CPU part
+    int64_t ld;  // the expert's intermediate size: the row stride of down, and where up starts in gate_up
 };
 
 struct Chunk {
@@ -532,6 +534,8 @@ STRATA_API uint64_t strata_cpu_read_sweep(const void* const* ptrs, const int64_t
 #endif
 }
 
+STRATA_API int strata_cpu_meta_fields() { return STRATA_META; }
+
 STRATA_API int strata_cpu_shutdown() {
     std::lock_guard<std::mutex> lk(g_call);
     drop_pool();
@@ -539,7 +543,8 @@ STRATA_API int strata_cpu_shutdown() {
 }
 
 // out[N, H] (fp32, contiguous) += sum over experts of w * expert(x[idx]).
-// meta: E rows of 6 int64: gate_up ptr, down ptr, idx ptr (int64), w ptr (fp32), T, I.
+// meta: E rows of STRATA_META int64: gate_up ptr, down ptr, idx ptr (int64), w ptr (fp32), T, I, ld: the expert's
+// first I of its ld intermediate rows (I < ld: the CPU's part of an expert split with the GPU, which computes the rest).
 // Returns 0, -1 (instruction set unavailable or bad sizes), -2 (token index out of range).
 STRATA_API int strata_cpu_experts(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
                                   float* out, int threads) {
@@ -548,10 +553,10 @@ STRATA_API int strata_cpu_experts(int isa, const float* x, int64_t N, int64_t H,
     std::vector<ExpertArg> experts;
     experts.reserve(E);
     for (int64_t e = 0; e < E; ++e) {
-        const int64_t* m = meta + 6 * e;
+        const int64_t* m = meta + STRATA_META * e;
         ExpertArg a{reinterpret_cast<const uint16_t*>(m[0]), reinterpret_cast<const uint16_t*>(m[1]),
-                    reinterpret_cast<const int64_t*>(m[2]), reinterpret_cast<const float*>(m[3]), m[4], m[5]};
-        if (a.T < 0 || a.I <= 0) return -1;
+                    reinterpret_cast<const int64_t*>(m[2]), reinterpret_cast<const float*>(m[3]), m[4], m[5], m[6]};
+        if (a.T < 0 || a.I <= 0 || a.ld < a.I) return -1;
         if (a.T == 0) continue;
         for (int64_t t = 0; t < a.T; ++t)
             if (a.idx[t] < 0 || a.idx[t] >= N) return -2;

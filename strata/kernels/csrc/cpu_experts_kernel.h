@@ -128,7 +128,7 @@ static void gate_up_rows(const Job& job, int64_t e, int64_t j0, int64_t j1) {
     float g[K::NTMAX], u[K::NTMAX];
     for (int64_t j = j0; j < j1; ++j) {
         const uint16_t* ra = ex.gate_up + j * H;
-        const uint16_t* rb = ex.gate_up + (I + j) * H;
+        const uint16_t* rb = ex.gate_up + (ex.ld + j) * H;  // up rows start at ld (I < ld: a split expert)
         for (int64_t s = 0; s < T; s += K::NTMAX) {
             const int nt = static_cast<int>(std::min<int64_t>(K::NTMAX, T - s));
             for (int t = 0; t < nt; ++t) xs[t] = xbase + ex.idx[s + t] * H;
@@ -149,8 +149,8 @@ static void down_rows(const Job& job, int64_t h0, int64_t h1) {
         const typename K::Hd* hb = static_cast<const typename K::Hd*>(job.hbuf) + job.hoff[e];
         for (int64_t h = h0; h < h1; h += 2) {
             const bool pair = h + 1 < h1;
-            const uint16_t* ra = ex.down + h * I;
-            const uint16_t* rb = pair ? ra + I : ra;
+            const uint16_t* ra = ex.down + h * ex.ld;  // the first I of the row's ld columns
+            const uint16_t* rb = pair ? ra + ex.ld : ra;
             for (int64_t s = 0; s < T; s += K::NTMAX) {
                 const int nt = static_cast<int>(std::min<int64_t>(K::NTMAX, T - s));
                 for (int t = 0; t < nt; ++t) xs[t] = hb + (s + t) * I;

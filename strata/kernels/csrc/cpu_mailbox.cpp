@@ -7,16 +7,19 @@
 // (expert and slot of every pair) and activations into the layer's mailbox in page-locked host memory,
 // then the step's generation number into its `ready` word, and a one-thread kernel spins until the
 // `done` word holds that generation. This worker thread polls every mailbox's `ready` word, computes the
-// layer's cold pairs (slot -1; -2 marks a pair the GPU computes itself, reading its expert in place) with the CPU expert kernel (ascending experts, each expert's pairs
-// ascending: the host path's order, so the same sums), writes the partial sum and then `done`. The graph
-// copies the sum back and adds it in its combine kernel.
+// layer's cold pairs (slot -1; -2 marks a pair the GPU computes itself, reading its expert in place) with the
+// CPU expert kernel (ascending experts, each expert's pairs ascending: the host path's order, so the same
+// sums), writes the partial sum and then `done`. The graph copies the sum back and adds it in its combine
+// kernel. A cold pair's `rows` says how many of its expert's leading intermediate rows are computed here: all
+// I, or fewer for an expert split with the GPU, which reads the rest in place at the same time (the two
+// partial sums add up in the combine: down is linear in the intermediate rows).
 //
 // Mailbox of one layer (host memory; offsets in bytes, all multiples of 64):
 //   int64 hdr[8]    [0] ready (written by the GPU, last)  [1] done (written here, last)
 //                   [2] status (0, or an error: -3 an expert not in page-locked RAM, kernel codes)
 //                   [3] the generation the GPU gave up waiting for  [4] the GPU's reads of `done` while waiting
-//   inbox at 64:    int32 N, k, P, 0; int32 expert[P]; int32 slot[P]; float x[N*H] (at 16 + 8P rounded
-//                   up to 64); float w[P] (routing weight of each pair)
+//   inbox at 64:    int32 N, k, P, 0; int32 expert[P]; int32 slot[P]; int32 rows[P]; float x[N*H] (at
+//                   16 + 12P rounded up to 64); float w[P] (routing weight of each pair)
 //   float out[N*H] at `out_off` (the CPU's weighted partial sum, zeros where no pair was cold)
 // Every layer's experts are read by address from the table addr[layer * E + e] (the gate_up block of
 // expert e's page-locked slot; down follows at gu_bytes); 0 means "not resident in page-locked RAM".
@@ -87,7 +90,8 @@ struct Mailbox {
         const int64_t N = inbox[0], k = inbox[1], P = inbox[2];
         const int32_t* expert = inbox + 4;
         const int32_t* slot = expert + P;
-        const int64_t x_off = (16 + 8 * P + 63) / 64 * 64;
+        const int32_t* rows = slot + P;  // of a cold pair: its expert's leading intermediate rows computed here
+        const int64_t x_off = (16 + 12 * P + 63) / 64 * 64;
         const float* x = reinterpret_cast<const float*>(box + 64 + x_off);
         const float* w = x + N * H;
         float* out = reinterpret_cast<float*>(box + out_off);
@@ -103,7 +107,7 @@ struct Mailbox {
         wts.resize(order.size());
         meta.clear();
         const int64_t layer = layer_of[i];
-        int64_t groups = 0;
+        int64_t groups = 0, bytes = 0;
         for (size_t j = 0; j < order.size();) {
             const int32_t e = expert[order[j]];
             size_t end = j;
@@ -117,9 +121,15 @@ struct Mailbox {
                 status = -3;
                 break;
             }
+            const int64_t r = rows[order[j]];  // the same for every pair of the expert (split per expert)
+            if (r <= 0 || r > I) {
+                status = -4;
+                break;
+            }
             meta.insert(meta.end(), {base, base + gu_bytes, reinterpret_cast<int64_t>(tok.data() + j),
-                                     reinterpret_cast<int64_t>(wts.data() + j), int64_t(end - j), I});
+                                     reinterpret_cast<int64_t>(wts.data() + j), int64_t(end - j), r, I});
             ++groups;
+            bytes += payload * r / I;
             j = end;
         }
         int64_t ns = 0;
@@ -142,7 +152,7 @@ struct Mailbox {
         }
         last_done_ns = done_ns, last_done_gen = gen;
         counters[0] += groups;
-        counters[1] += groups * payload;
+        counters[1] += bytes;
         counters[2] += ns;
         counters[3] += 1;
         if (log_cap > 0 && status == 0) {
