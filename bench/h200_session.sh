@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 # The box's copy of the tree carries stale git metadata: put the local commit into the command, e.g.
@@ -231,6 +231,11 @@ case "$1" in
     bash "$0" tests
     PREFILL=0 timeout 200 bash "$0" hotpath 1.0 "${2:-ceiling,split,split+whole,split+again,split+whole+again}"
     PREFILL=0 timeout 120 bash "$0" hotpath uniform "${3:-split,split+whole}" ;;
+  seventeenth-b)  # one fused kernel for a mailbox layer's share split and inbox: its GPU tests, then the A/B on both routings
+    timeout 200 python3 -m pytest -q -m gpu tests/test_cpu_mailbox.py tests/test_decode_path.py tests/test_overlap_decode.py \
+      tests/test_gpu.py > "$OUT/gpu_tests_b.txt" 2>&1; tail -3 "$OUT/gpu_tests_b.txt"
+    PREFILL=0 timeout 200 bash "$0" hotpath 1.0 "${2:-split,split+torchbox,split+again,split+torchbox+again}"
+    PREFILL=0 timeout 130 bash "$0" hotpath uniform "${3:-split,split+torchbox}" ;;
   sixteenth-b)  # after the sampler stopped syncing: its GPU tests, the syncs left in a step, the A/B on both routings
     timeout 120 python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_overlap_decode.py 2>&1 | tail -2
     PREFILL=0 timeout 200 bash "$0" hotpath 1.0 "${2:-ceiling,ceiling+sync,split,split+sync,split+again}"

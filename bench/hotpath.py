@@ -27,6 +27,8 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
                  $STRATA_MAILBOX_GPU_SHARE; default: adapted from the GPU's wait for the CPU worker)
   whole          one-graph split decode: the GPU's share in whole experts, no expert split by rows between the
                  worker and the GPU ($STRATA_MAILBOX_WHOLE_EXPERTS=1)
+  torchbox       one-graph split decode: each MoE layer's share split and mailbox inbox in torch ops (~35 small
+                 kernels) instead of one fused kernel ($STRATA_MAILBOX_FUSED=0)
   grouped        runtime.grouped_prefill = true: prefill's experts through two grouped GEMMs a layer
   sync           runtime.overlap_decode = false: each token read on the host before the next step is queued
   host           runtime.split_decode = "host": host steps at every MoE layer (the cost model splits the cold
@@ -242,11 +244,14 @@ def main() -> None:
                 env["STRATA_MAILBOX_GPU_SHARE"] = mod[5:]
             elif mod == "whole":
                 env["STRATA_MAILBOX_WHOLE_EXPERTS"] = "1"
+            elif mod == "torchbox":
+                env["STRATA_MAILBOX_FUSED"] = "0"
             elif mod.startswith("spin"):
                 env["STRATA_CPU_SPIN_US"] = mod[4:]
             elif mod != "again":
                 raise SystemExit(f"unknown case modifier {mod!r} in {full!r}")
-        for key in ("STRATA_CPU_SPIN_US", "STRATA_BENCH_SWITCH_US", "STRATA_MAILBOX_GPU_SHARE", "STRATA_MAILBOX_WHOLE_EXPERTS"):
+        for key in ("STRATA_CPU_SPIN_US", "STRATA_BENCH_SWITCH_US", "STRATA_MAILBOX_GPU_SHARE", "STRATA_MAILBOX_WHOLE_EXPERTS",
+                    "STRATA_MAILBOX_FUSED"):
             os.environ.pop(key, None)
         # the interpreter's GIL switch interval (default 5 ms): how long a thread waiting for the GIL lets the
         # holder run before asking for it; the decode thread re-takes the GIL after every CUDA call and kernel

@@ -429,3 +429,49 @@ def test_books_run_after_the_launch_not_before(tiny_model_dir, tmp_path):
         box.close()
         m.close()
         store.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("share", [None, 0.0, 0.37, 0.55])
+@pytest.mark.parametrize("n, k, experts", [(1, 8, 128), (3, 8, 128), (16, 8, 128), (5, 2, 16), (2, 8, 256)])
+def test_fused_pack_writes_what_the_torch_ops_write(share, n, k, experts):
+    """`mailbox_pack.pack_mailbox` (one kernel) gives the inbox bytes, the GPU's addresses and the worker's rows of
+    the torch path (`GpuShare.assign`, then `pack_inbox`), with and without a share, for batches up to the graphs'."""
+    from strata.kernels import mailbox_pack
+    from strata.kernels.grouped import HostExperts
+    from strata.runtime.cpu_mailbox import GpuShare, _up, pack_inbox
+
+    g = torch.Generator().manual_seed(n * 1000 + experts)
+    h, inter, layer, dev = 256, 768, 1, torch.device("cuda")
+    table = (torch.randint(1, 1 << 40, (3, experts), generator=g) * 64).numpy()
+    gs = None
+    if share is not None:
+        gs = GpuShare(table, HostExperts(torch.bfloat16, (2 * inter, h), (h, inter), 2 * inter * h * 2), dev, share,
+                      adaptive=False)
+    for dtype in (torch.bfloat16, torch.float32):
+        ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(n)]).reshape(-1).to(dev)
+        used = torch.where(torch.rand(n * k, generator=g) < 0.6, -1, torch.randint(0, 50, (n * k,), generator=g))
+        used = used.to(torch.int32).to(dev)
+        x = torch.randn(n, h, generator=g).to(dtype).to(dev)
+        w = torch.rand(n, k, generator=g).to(dtype).to(dev)
+        p = n * k
+        x_off = _up(16 + 12 * p, 64)
+        nbytes = x_off + 4 * n * h + 4 * p
+        want = torch.zeros(nbytes, dtype=torch.uint8, device=dev)
+        shape = torch.tensor([n, k, p, 0], dtype=torch.int32, device=dev)
+        if gs is not None:
+            slots, want_addr, want_rows = gs.assign(layer, ids, used)
+        else:
+            slots, want_addr, want_rows = used, None, torch.full((p,), inter, dtype=torch.int32, device=dev)
+        pack_inbox(want, shape, ids, slots, want_rows, x, w, x_off)
+        got = torch.zeros_like(want)
+        rows = torch.empty(p, dtype=torch.int32, device=dev)
+        addr = torch.empty(p, dtype=torch.int64, device=dev) if gs is not None else None
+        mailbox_pack.pack_mailbox(got, ids, used, x, w, x_off, inter, gs, layer, rows=rows, addr=addr)
+        torch.cuda.synchronize()
+        assert torch.equal(rows, want_rows)
+        if gs is not None:
+            assert torch.equal(addr, want_addr)
+            if share == 0.37:
+                assert bool((rows < inter).any()) == bool((used < 0).any())  # a share this size gives the GPU rows
+        assert torch.equal(got, want)

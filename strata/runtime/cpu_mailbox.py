@@ -18,6 +18,8 @@ log by `drain`, after the step, off its path.
 
 from __future__ import annotations
 
+import logging
+import os
 import threading
 import time
 import weakref
@@ -25,7 +27,10 @@ import weakref
 import numpy as np
 import torch
 
+from strata.kernels import mailbox_pack
 from strata.tiers.pinned import PinnedPool
+
+log = logging.getLogger(__name__)
 
 HEADER = 64  # bytes: int64 ready, done, status, timeout, the GPU's spins waiting for done, then padding
 LOG_CODES, LOG_ENTRY = 256, 16 + 4 * 256  # csrc/cpu_mailbox.cpp's log layout
@@ -84,6 +89,7 @@ class CpuMailbox:
         self._host_gen = 0  # the same on the CPU-only path
         self._shapes: dict[tuple[int, int], torch.Tensor] = {}  # (N, k) -> int32 [4] on the device
         self._all_rows: dict[int, torch.Tensor] = {}  # P -> int32 [P] of I: every cold pair's whole expert here
+        self.fused = os.environ.get("STRATA_MAILBOX_FUSED", "1") != "0"  # A/B: "0" packs with torch ops
 
     # ---- the device side: ops a decode graph captures -------------------------------------------------
     def begin_step(self) -> None:
@@ -113,12 +119,13 @@ class CpuMailbox:
 
     def exchange(self, layer: int, experts: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
                  weights: torch.Tensor, gpu_work=None, max_spins: int | None = None,
-                 rows: torch.Tensor | None = None) -> torch.Tensor:
+                 rows: torch.Tensor | None = None, share: GpuShare | None = None) -> torch.Tensor:
         """Send one layer's pairs (experts [P], slots [P] int32: -1 cold, for the worker; -2 cold, the GPU's),
         x [N, H] and weights [N, k] to the worker; returns its partial sum [N, H] fp32 on x's device (the stream
-        waits for it). `gpu_work()` is enqueued while the worker runs (the GPU's own share of the cold pairs).
-        rows [P] int32: of each worker pair, how many of its expert's leading intermediate rows the worker
-        computes (None: all I; fewer for an expert split with the GPU, which computes the rest)."""
+        waits for it). rows [P] int32: of each worker pair, how many of its expert's leading intermediate rows the
+        worker computes (None: all I). Given a `GpuShare`, it cuts the cold pairs between the worker and the
+        GPU instead, and `gpu_work(addr, rows)` is enqueued while the worker runs: the GPU's part, addr [P] int64
+        (0: none) and rows from the share's split."""
         n, k = weights.shape
         p = n * k
         if n > self.max_tokens or k != self.top_k:
@@ -126,46 +133,52 @@ class CpuMailbox:
         box = self.boxes[self._box[layer]]
         x_off = _up(16 + 12 * p, 64)
         nbytes = x_off + 4 * n * self.hidden + 4 * p
-        shape = self._shapes.get((n, k))
-        if shape is None:  # made in the eager warm-up run before a capture, reused by the graph
-            shape = self._shapes[(n, k)] = torch.tensor([n, k, p, 0], dtype=torch.int32, device=x.device)
-        if rows is None:
-            rows = self._all_rows.get(p)
-            if rows is None:  # like `shape`: made before a capture
-                rows = self._all_rows[p] = torch.full((p,), self.inter, dtype=torch.int32, device=x.device)
+        addr = shape = None
+        fused = self.fused and rows is None and self.device.type == "cuda" and mailbox_pack.available(x)
+        if not fused:
+            shape = self._shapes.get((n, k))
+            if shape is None:  # made in the eager warm-up run before a capture, reused by the graph
+                shape = self._shapes[(n, k)] = torch.tensor([n, k, p, 0], dtype=torch.int32, device=x.device)
+            if share is not None:
+                slots, addr, rows = share.assign(layer, experts, slots)
+            if rows is None:
+                rows = self._all_rows.get(p)
+                if rows is None:  # like `shape`: made before a capture
+                    rows = self._all_rows[p] = torch.full((p,), self.inter, dtype=torch.int32, device=x.device)
         if self.device.type != "cuda":  # tests, CPU hosts: packed in place, awaited from Python
             return self._exchange_host(layer, experts, slots, rows, x, weights, shape, x_off, nbytes)
         from strata.kernels.host_signal import wait_for_host
 
         out_box = torch.empty(nbytes, dtype=torch.uint8, device=x.device)  # the inbox, packed on the device
-        self._pack(out_box, shape, experts, slots, rows, x, weights, x_off)
+        if fused:  # one kernel for the share's split and the inbox (~35 small ops otherwise)
+            rows = torch.empty(p, dtype=torch.int32, device=x.device)
+            addr = torch.empty(p, dtype=torch.int64, device=x.device) if share is not None else None
+            try:
+                mailbox_pack.pack_mailbox(out_box, experts.reshape(-1), slots.reshape(-1), x, weights, x_off,
+                                          self.inter, share, layer, rows=rows, addr=addr)
+            except Exception as e:  # a Triton that cannot build it: the torch ops, from the eager warm-up on
+                if torch.cuda.is_current_stream_capturing():
+                    raise
+                log.warning("strata: the fused mailbox pack failed (%s); packing with torch ops", e)
+                self.fused = False
+                return self.exchange(layer, experts, slots, x, weights, gpu_work, max_spins, share=share)
+        else:
+            pack_inbox(out_box, shape, experts, slots, rows, x, weights, x_off)
         box[HEADER : HEADER + nbytes].copy_(out_box, non_blocking=True)
         box[:8].copy_(self.gen.view(torch.uint8), non_blocking=True)  # ready: after the inbox (stream order)
-        if gpu_work is not None:
-            gpu_work()
+        if gpu_work is not None and addr is not None:
+            gpu_work(addr, rows)
         base = box.data_ptr()
         wait_for_host(base + 8, self.gen, base + 24, base + 32, *(() if max_spins is None else (max_spins,)))
         out = torch.empty(n * self.hidden, dtype=torch.float32, device=x.device)
         out.copy_(box[self.out_off : self.out_off + 4 * n * self.hidden].view(torch.float32), non_blocking=True)
         return out.view(n, self.hidden)
 
-    def _pack(self, dst: torch.Tensor, shape, experts, slots, rows, x, weights, x_off: int) -> None:
-        """The inbox layout (csrc/cpu_mailbox.cpp) written into uint8 `dst`: int32 N, k, P, 0, experts [P],
-        slots [P], rows [P]; fp32 x [N*H] at `x_off`; fp32 weights [P] after it."""
-        p, nh = experts.numel(), x.numel()
-        ints = dst[: 16 + 12 * p].view(torch.int32)
-        ints[:4].copy_(shape)
-        ints[4 : 4 + p].copy_(experts.reshape(-1))
-        ints[4 + p : 4 + 2 * p].copy_(slots.reshape(-1))
-        ints[4 + 2 * p : 4 + 3 * p].copy_(rows.reshape(-1))
-        dst[x_off : x_off + 4 * nh].view(torch.float32).copy_(x.reshape(-1))
-        dst[x_off + 4 * nh : x_off + 4 * nh + 4 * p].view(torch.float32).copy_(weights.reshape(-1))
-
     def _exchange_host(self, layer, experts, slots, rows, x, weights, shape, x_off, nbytes) -> torch.Tensor:
         """`exchange` without a GPU (tests, CPU hosts): the same mailbox written and awaited from Python."""
         n = weights.shape[0]
         box, hdr = self.boxes[self._box[layer]], self.headers[self._box[layer]]
-        self._pack(box[HEADER : HEADER + nbytes], shape, experts, slots, rows, x, weights, x_off)
+        pack_inbox(box[HEADER : HEADER + nbytes], shape, experts, slots, rows, x, weights, x_off)
         gen = self._host_gen
         hdr[0] = gen  # after the inbox (program order; x86 keeps stores in order)
         while hdr[1] != gen:
@@ -299,6 +312,20 @@ class MailboxBooks:
         self._stop.set()
         self._wake.set()
         self._thread.join()
+
+
+def pack_inbox(dst: torch.Tensor, shape, experts, slots, rows, x, weights, x_off: int) -> None:
+    """The inbox layout (csrc/cpu_mailbox.cpp) written into uint8 `dst` with torch ops: int32 N, k, P, 0 (`shape`),
+    experts [P], slots [P], rows [P]; fp32 x [N*H] at `x_off`; fp32 weights [P] after it. (On CUDA with Triton,
+    `strata.kernels.mailbox_pack` writes the same in one kernel.)"""
+    p, nh = experts.numel(), x.numel()
+    ints = dst[: 16 + 12 * p].view(torch.int32)
+    ints[:4].copy_(shape)
+    ints[4 : 4 + p].copy_(experts.reshape(-1))
+    ints[4 + p : 4 + 2 * p].copy_(slots.reshape(-1))
+    ints[4 + 2 * p : 4 + 3 * p].copy_(rows.reshape(-1))
+    dst[x_off : x_off + 4 * nh].view(torch.float32).copy_(x.reshape(-1))
+    dst[x_off + 4 * nh : x_off + 4 * nh + 4 * p].view(torch.float32).copy_(weights.reshape(-1))
 
 
 class GpuShare:

@@ -120,11 +120,10 @@ class TieredExperts(PrefillPath, nn.Module):
             used = torch.full_like(flat, -1, dtype=torch.int32)
         if self.layer == c.moe_layers[0]:
             c.mailbox.begin_step()
-        gpu_work, rows = None, None
+        gpu_work = None
         if (share := c.gpu_share) is not None:  # a share of the cold rows read in place, while the worker runs
-            used, addr, rows = share.assign(self.layer, flat, used)
-            gpu_work = lambda: pair_experts_in_place(x, share.experts, addr, y, first_row=rows)  # noqa: E731
-        cpu_out = c.mailbox.exchange(self.layer, flat, used, x, weights, gpu_work, rows=rows)  # [N, H] fp32
+            gpu_work = lambda addr, rows: pair_experts_in_place(x, share.experts, addr, y, first_row=rows)  # noqa: E731
+        cpu_out = c.mailbox.exchange(self.layer, flat, used, x, weights, gpu_work, share=share)  # [N, H] fp32
         return combine_pairs(y, weights, x.dtype, extra=cpu_out)
 
     def _cold_stage(self, x, weights, y, both, cpu_out, late) -> None:

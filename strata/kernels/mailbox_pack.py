@@ -1,0 +1,107 @@
+"""A mailbox layer's device-side bookkeeping in one kernel: the cold pairs' split between the CPU worker and the
+GPU's in-place read, and the worker's inbox, for one-graph split decode (strata.runtime.cpu_mailbox).
+
+In torch ops, `GpuShare.assign` and the inbox packing are ~35 tiny kernels a MoE layer. Inside the step's CUDA
+graph each still costs a few microseconds of launch and dependency latency, and they run in series on the
+step's critical path, before the worker may start. On the H200 box that added ~70 us to every MoE layer's GPU
+time (the worker's `gpu_gap`: 160-170 us with a GPU share, against 88-93 us without one). Here one kernel does
+it all: program 0 assigns and writes the inbox's integers and weights; the others copy the activations.
+
+The assignment is `GpuShare.assign`'s, op for op in fp32 (the torch version stays the reference, and the path
+of hosts without Triton): a layer's c cold experts (ascending) are c x G granules of `granule_rows` rows; the
+GPU takes q of them, q = floor(cG s) or one more where that ends the layer sooner, for s the share; the CPU keeps
+the first cG - q granules in expert order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs do without it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on CPU-only hosts
+    triton = None
+
+BLOCK_X = 1024  # activations copied per program
+
+
+def available(x: torch.Tensor) -> bool:
+    """Whether `pack_mailbox` can run on `x`'s device (CUDA with Triton)."""
+    return triton is not None and x.is_cuda
+
+
+if triton is not None:
+
+    @triton.jit
+    def _pack_kernel(flat_ptr, used_ptr, x_ptr, w_ptr, share_ptr, table_ptr, box_i, box_f, addr_ptr, rows_ptr,
+                     N, K, P, H, E, INTER, G, GRAN, X_OFF4, stride_x,
+                     BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_X: tl.constexpr, SHARE: tl.constexpr):
+        pid = tl.program_id(0)
+        if pid == 0:
+            offs_p = tl.arange(0, BLOCK_P)
+            pm = offs_p < P
+            flat = tl.load(flat_ptr + offs_p, mask=pm, other=-1).to(tl.int32)  # [BLOCK_P] expert of each pair
+            used = tl.load(used_ptr + offs_p, mask=pm, other=0)  # [BLOCK_P] its GPU slot, -1 cold
+            if SHARE:
+                offs_e = tl.arange(0, BLOCK_E)
+                eq = (flat[None, :] == offs_e[:, None]) & pm[None, :]  # [BLOCK_E, BLOCK_P] pair p routed to e
+                cold_e = tl.max(tl.where(eq & (used < 0)[None, :], 1, 0), axis=1)  # [BLOCK_E] 1: cold and used
+                total = (tl.sum(cold_e, axis=0) * G).to(tl.float32)  # the layer's cold granules
+                s = tl.load(share_ptr)
+                low = tl.floor(total * s)  # the GPU's granules rounded down...
+                q = low + ((low + 1) * (1 - s) < (total - low) * s).to(tl.float32)  # ...up where that ends sooner
+                rank = (tl.cumsum(cold_e, axis=0) - cold_e).to(tl.float32)  # [BLOCK_E] cold experts before e
+                cpu_e = (tl.minimum(tl.maximum(total - q - rank * G, 0.0), G * 1.0) * GRAN).to(tl.int32)
+                gpu_e = tl.where((cpu_e < INTER) & (cold_e > 0), 1, 0)  # [BLOCK_E] with a GPU part
+                rows = tl.sum(tl.where(eq, cpu_e[:, None], 0), axis=0)  # [BLOCK_P] the worker's rows of each pair
+                take = tl.sum(tl.where(eq, gpu_e[:, None], 0), axis=0) > 0  # [BLOCK_P] with a GPU part
+                addr = tl.load(table_ptr + flat, mask=pm & take, other=0)  # its page-locked slot's address
+                tl.store(addr_ptr + offs_p, tl.where(take, addr, 0), mask=pm)
+                slots = tl.where(take & (rows == 0), -2, used)  # -2: computed whole by the GPU
+            else:
+                rows = tl.zeros([BLOCK_P], dtype=tl.int32) + INTER
+                slots = used
+            tl.store(rows_ptr + offs_p, rows, mask=pm)
+            # the inbox (csrc/cpu_mailbox.cpp): int32 N, k, P, 0, experts [P], slots [P], rows [P]; fp32 w [P]
+            offs4 = tl.arange(0, 4)
+            tl.store(box_i + offs4, tl.where(offs4 == 0, N, tl.where(offs4 == 1, K, tl.where(offs4 == 2, P, 0))))
+            tl.store(box_i + 4 + offs_p, flat, mask=pm)
+            tl.store(box_i + 4 + P + offs_p, slots, mask=pm)
+            tl.store(box_i + 4 + 2 * P + offs_p, rows, mask=pm)
+            w = tl.load(w_ptr + offs_p, mask=pm, other=0.0).to(tl.float32)
+            tl.store(box_f + X_OFF4 + N * H + offs_p, w, mask=pm)
+        else:  # fp32 activations [N * H] at X_OFF4
+            offs = (pid - 1) * BLOCK_X + tl.arange(0, BLOCK_X)
+            m = offs < N * H
+            row, col = offs // H, offs % H
+            xv = tl.load(x_ptr + row * stride_x + col, mask=m, other=0.0).to(tl.float32)
+            tl.store(box_f + X_OFF4 + offs, xv, mask=m)
+
+
+def pack_mailbox(dst: torch.Tensor, flat: torch.Tensor, used: torch.Tensor, x: torch.Tensor, weights: torch.Tensor,
+                 x_off: int, inter: int, share=None, layer: int = 0,
+                 rows: torch.Tensor | None = None, addr: torch.Tensor | None = None) -> None:
+    """One kernel: write the worker's inbox for pairs `flat` [P] (their slots `used` [P] int32, -1 cold) on x
+    [N, H] with routing weights [N, k] into uint8 `dst` (device; its fp32 activations at `x_off` bytes), and,
+    given a `GpuShare` `share`, the GPU's part: addr [P] int64 (0: none) and rows [P] int32 (the worker's
+    leading rows of each pair; the GPU computes the rest). Without a share every cold pair is the worker's whole
+    (rows = `inter`). `rows` (and `addr`, with a share) are the caller's [P] buffers, written in place."""
+    if triton is None:
+        raise RuntimeError("the fused mailbox pack needs Triton")
+    n, k = weights.shape
+    p, h = flat.numel(), x.shape[1]
+    if x_off % 4 or x.stride(1) != 1:
+        raise ValueError("the inbox's activations must start on a 4-byte boundary, and x's rows be contiguous")
+    weights = weights.contiguous()
+    has_share = share is not None
+    table = share.table[layer] if has_share else flat  # [E] int64 (an unread pointer without a share)
+    addr = addr if has_share else rows
+    grid = (1 + triton.cdiv(n * h, BLOCK_X),)
+    _pack_kernel[grid](
+        flat, used, x, weights, share.share if has_share else weights, table, dst.view(torch.int32),
+        dst.view(torch.float32), addr, rows, n, k, p, h, share.num_experts if has_share else 1, inter,
+        share.granules if has_share else 1, share.rows if has_share else inter, x_off // 4, x.stride(0),
+        BLOCK_P=max(2, triton.next_power_of_2(p)),
+        BLOCK_E=max(2, triton.next_power_of_2(share.num_experts if has_share else 1)),
+        BLOCK_X=BLOCK_X, SHARE=has_share, num_warps=4 if p <= 64 else 8)
