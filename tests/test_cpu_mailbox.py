@@ -149,7 +149,7 @@ def test_one_graph_split_decode_equals_the_host_step_path(tmp_path, monkeypatch)
 
 def _share(table, share, granule=None, inter=INTER, **kw):  # granule None: whole experts
     from strata.kernels.grouped import HostExperts
-    from strata.runtime.cpu_mailbox import GpuShare
+    from strata.runtime.gpu_share import GpuShare
 
     experts = HostExperts(torch.bfloat16, (2 * inter, H), (H, inter), 2 * inter * H * 2)
     return GpuShare(table, experts, torch.device("cpu"), share, split=granule is not None, granule=granule, **kw)
@@ -222,14 +222,14 @@ def test_gpu_share_splits_experts_by_rows(cold, share):
 
 @pytest.mark.parametrize("inter, rows", [(768, 64), (1408, 64), (96, 16), (32, 8), (24, 24), (2048, 64)])
 def test_row_granules_divide_the_expert(inter, rows):
-    from strata.runtime.cpu_mailbox import row_granule
+    from strata.runtime.gpu_share import row_granule
 
     assert row_granule(inter) == rows
     assert _share(np.ones((1, E), dtype=np.int64), 0.4, granule=row_granule(inter), inter=inter).granules == inter // rows
 
 
 def test_gpu_share_follows_the_cpu_kernels_rate():
-    from strata.runtime.cpu_mailbox import GpuShare
+    from strata.runtime.gpu_share import GpuShare
 
     gs = _share(np.zeros((1, E), dtype=np.int64), 0.3, granule=8, gpu_rate=45e9)
     gs.adapt(45e9)  # the two sides equally fast: half
@@ -437,12 +437,35 @@ def test_books_run_after_the_launch_not_before(tiny_model_dir, tmp_path):
 def test_fused_pack_writes_what_the_torch_ops_write(share, n, k, experts):
     """`mailbox_pack.pack_mailbox` (one kernel) gives the inbox bytes, the GPU's addresses and the worker's rows of
     the torch path (`GpuShare.assign`, then `pack_inbox`), with and without a share, for batches up to the graphs'."""
+    check_fused_pack(share, n, k, experts, torch.device("cuda"))
+
+
+def test_fused_pack_under_tritons_interpreter():
+    """The same comparison on the CPU, through Triton's interpreter (a subprocess: TRITON_INTERPRET is read when
+    Triton is imported), for a few of the GPU test's cases."""
+    pytest.importorskip("triton")
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch, tests.test_cpu_mailbox as t\n"
+            "for share, n, k, e in [(None, 3, 8, 128), (0.37, 1, 8, 128), (0.37, 16, 8, 128), (0.55, 5, 2, 16)]:\n"
+            "    t.check_fused_pack(share, n, k, e, torch.device('cpu'))\n"
+            "print('ok')\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+
+
+def check_fused_pack(share, n, k, experts, dev) -> None:
     from strata.kernels import mailbox_pack
     from strata.kernels.grouped import HostExperts
-    from strata.runtime.cpu_mailbox import GpuShare, _up, pack_inbox
+    from strata.runtime.cpu_mailbox import _up, pack_inbox
+    from strata.runtime.gpu_share import GpuShare
 
     g = torch.Generator().manual_seed(n * 1000 + experts)
-    h, inter, layer, dev = 256, 768, 1, torch.device("cuda")
+    h, inter, layer = 256, 768, 1
     table = (torch.randint(1, 1 << 40, (3, experts), generator=g) * 64).numpy()
     gs = None
     if share is not None:
@@ -468,7 +491,8 @@ def test_fused_pack_writes_what_the_torch_ops_write(share, n, k, experts):
         rows = torch.empty(p, dtype=torch.int32, device=dev)
         addr = torch.empty(p, dtype=torch.int64, device=dev) if gs is not None else None
         mailbox_pack.pack_mailbox(got, ids, used, x, w, x_off, inter, gs, layer, rows=rows, addr=addr)
-        torch.cuda.synchronize()
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
         assert torch.equal(rows, want_rows)
         if gs is not None:
             assert torch.equal(addr, want_addr)

@@ -152,7 +152,8 @@ class ExpertCompute(CpuCompute):
     def _open_mailbox(self) -> None:
         from strata.kernels import cpu_experts as ce
         from strata.runtime.cost_model import IN_PLACE_RATE
-        from strata.runtime.cpu_mailbox import CpuMailbox, GpuShare, MailboxBooks
+        from strata.runtime.cpu_mailbox import CpuMailbox, MailboxBooks
+        from strata.runtime.gpu_share import GpuShare
         from strata.runtime.graphs import MAX_GRAPH_BATCH
 
         m, store = self.manager, self.manager.store

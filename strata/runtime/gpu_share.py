@@ -1,0 +1,79 @@
+"""The GPU's own share of a one-graph split decode layer's cold experts (strata.runtime.cpu_mailbox): which
+intermediate rows of which cold experts the GPU reads in place over PCIe while the CPU worker computes the rest,
+and how that share follows the two sides' rates."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+
+class GpuShare:
+    """The GPU's own share of a mailbox layer's cold experts, read in place from pinned RAM over PCIe by the
+    pair kernels (`pair_experts_in_place`) while the worker computes the rest: the two read host RAM at once
+    (~50 + ~110 GB/s on the H200 box, bench/ram_shared.py).
+
+    The share is cut in intermediate rows, not whole experts (unless `split` is off): a layer's c cold experts
+    (ascending) are c x G granules of `granule` rows each (`row_granule`), and the GPU takes the last q of them,
+    the q that makes the layer end soonest, max(q / gpu rate, (cG - q) / CPU rate), ties to the CPU. One expert
+    can so be split: the worker computes its first rows, the GPU the rest, and the two partial sums add up in the
+    combine (down is linear in the intermediate rows). Whole experts (G = 1) left a lone cold expert, the common
+    case under skewed routing, to one side; the split decoded 6-9% faster there (H200 box, bench/RESULTS.md).
+    An expert is cut once for all its tokens (batched decode reads each expert once). `share` = gpu rate /
+    (gpu rate + CPU rate) (a device scalar, read by the captured step); it starts at the rates' ratio and,
+    unless fixed, follows the worker's measured kernel rate (`adapt`, fed by `MailboxBooks`) against the GPU's
+    in-place rate (`gpu_rate`). On CUDA, `strata.kernels.mailbox_pack` computes `assign` in its fused kernel;
+    this torch version is its reference."""
+
+    MAX = 0.6  # of the cold rows, at most (the GPU's in-place reads slow the CPU kernel's own)
+
+    def __init__(self, addresses: np.ndarray, experts, device: torch.device, share: float, adaptive: bool = True,
+                 gpu_rate: float = 45e9, split: bool = True, granule: int | None = None):
+        self.table = torch.from_numpy(np.ascontiguousarray(addresses)).to(device)  # [L, E] int64 host addresses
+        self.experts, self.adaptive, self.num_experts = experts, adaptive, addresses.shape[1]
+        self.gpu_rate = gpu_rate  # bytes/s the pair kernels read pinned RAM in place at, beside the CPU kernel
+        self.inter = experts.down_shape[1]  # I: an expert's intermediate rows
+        granule = granule or row_granule(self.inter)
+        self.rows = granule if split and self.inter % granule == 0 else self.inter  # rows a granule
+        self.granules = self.inter // self.rows  # G granules an expert
+        self.value = self.target = min(self.MAX, max(0.0, share))
+        self.share = torch.tensor([self.value], dtype=torch.float32, device=device)  # [1], read by the step
+
+    def assign(self, layer: int, flat: torch.Tensor, used: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """flat [P] experts, used [P] int32 (-1 cold) -> (used with -2 for the pairs the GPU computes whole,
+        their addresses [P] int64 (0: no GPU part), rows [P] int32: of each cold pair, the leading intermediate
+        rows the worker computes (the GPU computes the rest). Device ops only: no host sync."""
+        g = self.granules
+        cold_e = torch.zeros(self.num_experts, dtype=torch.int32, device=flat.device)
+        cold_e.scatter_reduce_(0, flat, (used < 0).to(torch.int32), reduce="amax")  # [E] 1: cold and used
+        total = (cold_e.sum() * g).float()  # the layer's cold granules
+        low = torch.floor(total * self.share)  # [1] the GPU's granules rounded down: the CPU's side is longer...
+        q = low + ((low + 1) * (1 - self.share) < (total - low) * self.share).float()  # ...up where that ends sooner
+        rank = (torch.cumsum(cold_e, 0) - cold_e).float()  # [E] cold experts before e
+        cpu_rows = ((total - q - rank * g).clamp(0, g) * self.rows).to(torch.int32)  # [E] the first CPU granules
+        gpu_e = (cpu_rows < self.inter) & (cold_e > 0)  # [E] with a GPU part
+        take, rows = gpu_e[flat], cpu_rows[flat]
+        used = torch.where(take & (rows == 0), torch.full_like(used, -2), used)
+        return used, torch.where(take, self.table[layer][flat], torch.zeros_like(flat)), rows
+
+    def adapt(self, cpu_bytes_per_s: float) -> None:
+        """The worker kernel's rate over the last layers: the target share follows the two sides' rates."""
+        if self.adaptive and cpu_bytes_per_s > 0:
+            self.target = min(self.MAX, self.gpu_rate / (self.gpu_rate + cpu_bytes_per_s))
+
+    def apply(self) -> None:
+        """Between steps, on the decoding thread: the device's share follows the target. Stream-ordered and
+        without a host wait: with overlapped decode the previous step may still be reading the old value."""
+        if self.target != self.value:
+            self.value = self.target
+            new = torch.tensor([self.value], dtype=torch.float32)
+            if self.share.is_cuda:
+                new = new.pin_memory()  # a pageable source would make the copy wait for the stream
+            self.share.copy_(new, non_blocking=True)
+
+
+def row_granule(inter: int) -> int:
+    """Rows of the granules a split expert is cut in: 64 where they divide I into 4 or more (whole cache lines
+    of each down row on each side: 128 bytes of bf16), else the largest of 32, 16, 8 that does (small test
+    models), else I (no split)."""
+    return next((g for g in (64, 32, 16, 8) if inter % g == 0 and inter // g >= 4), inter)
