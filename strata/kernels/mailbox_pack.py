@@ -3,12 +3,13 @@ GPU's in-place read, and the worker's inbox, for one-graph split decode (strata.
 
 In torch ops, `GpuShare.assign` and the inbox packing are ~35 tiny kernels a MoE layer. Inside the step's CUDA
 graph each still costs a few microseconds of launch and dependency latency, and they run in series on the
-step's critical path, before the worker may start. On the H200 box that added ~70 us to every MoE layer's GPU
-time (the worker's `gpu_gap`: 160-170 us with a GPU share, against 88-93 us without one). Here one kernel does
-it all: program 0 assigns and writes the inbox's integers and weights; the others copy the activations.
+step's critical path, before the worker may start. Here one kernel does it all: program 0 assigns and writes
+the inbox's integers and weights; the others copy the activations. On the H200 box the GPU's time between two
+layers' CPU shares (the worker's `gpu_gap`) fell from ~175 to ~104 us (all in VRAM a layer takes ~88 us), and
+split decode ran 17% (uniform routing) to 27% (skewed) faster (bench/RESULTS.md, seventeenth session).
 
 The assignment is `GpuShare.assign`'s, op for op in fp32 (the torch version stays the reference, and the path
-of hosts without Triton): a layer's c cold experts (ascending) are c x G granules of `granule_rows` rows; the
+of hosts without Triton; the tests compare the two on the GPU and under Triton's interpreter): a layer's c cold experts (ascending) are c x G granules of `granule_rows` rows; the
 GPU takes q of them, q = floor(cG s) or one more where that ends the layer sooner, for s the share; the CPU keeps
 the first cG - q granules in expert order.
 """
