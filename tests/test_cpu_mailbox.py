@@ -30,10 +30,15 @@ def _slots(seed: int = 0):
     return gu, dn, slab, addr, gu_bytes
 
 
+def box_payload(gu_bytes: int) -> int:
+    """An expert's bytes: gate_up, then down (half its size)."""
+    return gu_bytes * 3 // 2
+
+
 def _mailbox(addr, gu_bytes, max_tokens=4):
     from strata.runtime.cpu_mailbox import CpuMailbox
 
-    return CpuMailbox([0, 2], addr, hidden=H, inter=INTER, gu_bytes=gu_bytes, payload=gu_bytes * 3 // 2, top_k=K,
+    return CpuMailbox([0, 2], addr, hidden=H, inter=INTER, gu_bytes=gu_bytes, payload=box_payload(gu_bytes), top_k=K,
                       max_tokens=max_tokens, threads=2, device=torch.device("cpu"))
 
 
@@ -276,10 +281,6 @@ def test_worker_computes_a_split_experts_first_rows(cut):
         assert int(box.counters[1]) == box_payload(gu_bytes) * (cut + INTER) // INTER  # bytes read: the rows used
     finally:
         box.close()
-
-
-def box_payload(gu_bytes: int) -> int:
-    return gu_bytes * 3 // 2
 
 
 @needs_kernel

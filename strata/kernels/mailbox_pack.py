@@ -9,9 +9,9 @@ layers' CPU shares (the worker's `gpu_gap`) fell from ~175 to ~104 us (all in VR
 split decode ran 17% (uniform routing) to 27% (skewed) faster (bench/RESULTS.md, seventeenth session).
 
 The assignment is `GpuShare.assign`'s, op for op in fp32 (the torch version stays the reference, and the path
-of hosts without Triton; the tests compare the two on the GPU and under Triton's interpreter): a layer's c cold experts (ascending) are c x G granules of `granule_rows` rows; the
-GPU takes q of them, q = floor(cG s) or one more where that ends the layer sooner, for s the share; the CPU keeps
-the first cG - q granules in expert order.
+of hosts without Triton; the tests compare the two on the GPU and under Triton's interpreter): a layer's c cold
+experts (ascending) are c x G granules of `GpuShare.rows` rows; the GPU takes q of them, q = floor(cG s) or one
+more where that ends the layer sooner, for s the share; the CPU keeps the first cG - q granules in expert order.
 """
 
 from __future__ import annotations

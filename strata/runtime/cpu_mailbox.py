@@ -137,37 +137,17 @@ class CpuMailbox:
         box = self.boxes[self._box[layer]]
         x_off = _up(16 + 12 * p, 64)
         nbytes = x_off + 4 * n * self.hidden + 4 * p
-        addr = shape = None
-        fused = self.fused and rows is None and self.device.type == "cuda" and mailbox_pack.available(x)
-        if not fused:
-            shape = self._shapes.get((n, k))
-            if shape is None:  # made in the eager warm-up run before a capture, reused by the graph
-                shape = self._shapes[(n, k)] = torch.tensor([n, k, p, 0], dtype=torch.int32, device=x.device)
-            if share is not None:
-                slots, addr, rows = share.assign(layer, experts, slots)
-            if rows is None:
-                rows = self._all_rows.get(p)
-                if rows is None:  # like `shape`: made before a capture
-                    rows = self._all_rows[p] = torch.full((p,), self.inter, dtype=torch.int32, device=x.device)
         if self.device.type != "cuda":  # tests, CPU hosts: packed in place, awaited from Python
-            return self._exchange_host(layer, experts, slots, rows, x, weights, shape, x_off, nbytes)
+            return self._exchange_host(layer, experts, slots, x, weights, x_off, nbytes, rows, share)
         from strata.kernels.host_signal import wait_for_host
 
         out_box = torch.empty(nbytes, dtype=torch.uint8, device=x.device)  # the inbox, packed on the device
-        if fused:  # one kernel for the share's split and the inbox (~35 small ops otherwise)
-            rows = torch.empty(p, dtype=torch.int32, device=x.device)
-            addr = torch.empty(p, dtype=torch.int64, device=x.device) if share is not None else None
-            try:
-                mailbox_pack.pack_mailbox(out_box, experts.reshape(-1), slots.reshape(-1), x, weights, x_off,
-                                          self.inter, share, layer, rows=rows, addr=addr)
-            except Exception as e:  # a Triton that cannot build it: the torch ops, from the eager warm-up on
-                if torch.cuda.is_current_stream_capturing():
-                    raise
-                log.warning("strata: the fused mailbox pack failed (%s); packing with torch ops", e)
-                self.fused = False
-                return self.exchange(layer, experts, slots, x, weights, gpu_work, max_spins, share=share)
+        packed = self._pack_fused(out_box, layer, experts, slots, x, weights, x_off, share) if rows is None else None
+        if packed is None:  # the torch ops
+            slots, addr, rows = self._split(layer, experts, slots, rows, share)
+            pack_inbox(out_box, self._shape(n, k, x.device), experts, slots, rows, x, weights, x_off)
         else:
-            pack_inbox(out_box, shape, experts, slots, rows, x, weights, x_off)
+            addr, rows = packed
         box[HEADER : HEADER + nbytes].copy_(out_box, non_blocking=True)
         box[:8].copy_(self.gen.view(torch.uint8), non_blocking=True)  # ready: after the inbox (stream order)
         if gpu_work is not None and addr is not None:
@@ -178,11 +158,49 @@ class CpuMailbox:
         out.copy_(box[self.out_off : self.out_off + 4 * n * self.hidden].view(torch.float32), non_blocking=True)
         return out.view(n, self.hidden)
 
-    def _exchange_host(self, layer, experts, slots, rows, x, weights, shape, x_off, nbytes) -> torch.Tensor:
+    def _pack_fused(self, out_box, layer, experts, slots, x, weights, x_off, share):
+        """The share's split and the inbox in one kernel (~35 small ops otherwise): (addr [P] or None, rows [P]),
+        or None where it cannot run (no Triton, turned off, or it failed to build: then the torch ops from now)."""
+        if not (self.fused and mailbox_pack.available(x)):
+            return None
+        p = experts.numel()
+        rows = torch.empty(p, dtype=torch.int32, device=x.device)
+        addr = torch.empty(p, dtype=torch.int64, device=x.device) if share is not None else None
+        try:
+            mailbox_pack.pack_mailbox(out_box, experts.reshape(-1), slots.reshape(-1), x, weights, x_off, self.inter,
+                                      share, layer, rows=rows, addr=addr)
+        except Exception as e:  # a Triton that cannot build it: found in the eager warm-up, before any capture
+            if torch.cuda.is_current_stream_capturing():
+                raise
+            log.warning("strata: the fused mailbox pack failed (%s); packing with torch ops", e)
+            self.fused = False
+            return None
+        return addr, rows
+
+    def _split(self, layer, experts, slots, rows, share):
+        """The torch ops' (slots, addr or None, rows): the share's split, else `rows` or every cold row."""
+        if share is not None:
+            return share.assign(layer, experts, slots)
+        if rows is None:
+            p = experts.numel()
+            rows = self._all_rows.get(p)
+            if rows is None:  # made in the eager warm-up run before a capture, reused by the graph
+                rows = self._all_rows[p] = torch.full((p,), self.inter, dtype=torch.int32, device=experts.device)
+        return slots, None, rows
+
+    def _shape(self, n: int, k: int, device) -> torch.Tensor:
+        """int32 [4] (N, k, P, 0) on the device: made in the eager warm-up run before a capture, reused by it."""
+        shape = self._shapes.get((n, k))
+        if shape is None:
+            shape = self._shapes[(n, k)] = torch.tensor([n, k, n * k, 0], dtype=torch.int32, device=device)
+        return shape
+
+    def _exchange_host(self, layer, experts, slots, x, weights, x_off, nbytes, rows, share) -> torch.Tensor:
         """`exchange` without a GPU (tests, CPU hosts): the same mailbox written and awaited from Python."""
-        n = weights.shape[0]
+        n, k = weights.shape
         box, hdr = self.boxes[self._box[layer]], self.headers[self._box[layer]]
-        pack_inbox(box[HEADER : HEADER + nbytes], shape, experts, slots, rows, x, weights, x_off)
+        slots, _, rows = self._split(layer, experts, slots, rows, share)
+        pack_inbox(box[HEADER : HEADER + nbytes], self._shape(n, k, x.device), experts, slots, rows, x, weights, x_off)
         gen = self._host_gen
         hdr[0] = gen  # after the inbox (program order; x86 keeps stores in order)
         while hdr[1] != gen:
