@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 # The box's copy of the tree carries stale git metadata: put the local commit into the command, e.g.
@@ -236,6 +236,20 @@ case "$1" in
       tests/test_gpu.py > "$OUT/gpu_tests_b.txt" 2>&1; tail -3 "$OUT/gpu_tests_b.txt"
     PREFILL=0 timeout 200 bash "$0" hotpath 1.0 "${2:-split,split+torchbox,split+again,split+torchbox+again}"
     PREFILL=0 timeout 130 bash "$0" hotpath uniform "${3:-split,split+torchbox}" ;;
+  eighteenth)  # the mailbox without copy nodes (inbox and `ready` written by the pack kernel, the answer read by the
+    # wait kernel): the GPU tests of the mailbox and decode paths, the round trip alone both ways, the A/B on both routings
+    timeout 200 python3 -m pytest -q -m gpu tests/test_cpu_mailbox.py tests/test_decode_path.py tests/test_overlap_decode.py \
+      > "$OUT/gpu_tests_18.txt" 2>&1; tail -3 "$OUT/gpu_tests_18.txt"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_18.txt" | head
+    for d in 1 0; do STRATA_MAILBOX_DIRECT=$d timeout 60 python3 bench/mailbox_probe.py --threads 12 \
+      --out "$OUT/mailbox-direct$d" 2>&1 | grep cold_experts | cut -c1-160 | sed "s/^/direct=$d: /"; done
+    PREFILL=0 timeout 170 bash "$0" hotpath 1.0 "${2:-split,split+copybox,split+again,split+copybox+again}"
+    PREFILL=0 timeout 110 bash "$0" hotpath uniform "${3:-split,split+copybox}" ;;
+  eighteenth-b)  # the resident pairs beside the worker (after the layer is posted; the in-place share on a second
+    # stream): the GPU tests of the mailbox and decode paths, then the A/B on both routings and a share sweep
+    timeout 200 python3 -m pytest -q -m gpu tests/test_cpu_mailbox.py tests/test_decode_path.py tests/test_overlap_decode.py \
+      > "$OUT/gpu_tests_18b.txt" 2>&1; tail -3 "$OUT/gpu_tests_18b.txt"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_18b.txt" | head
+    PREFILL=0 timeout 230 bash "$0" hotpath 1.0 "${2:-split,split+hotbefore,split+again,split+hotbefore+again,split+share0.25,split+share0.55}"
+    PREFILL=0 timeout 110 bash "$0" hotpath uniform "${3:-split,split+hotbefore}" ;;
   sixteenth-b)  # after the sampler stopped syncing: its GPU tests, the syncs left in a step, the A/B on both routings
     timeout 120 python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_overlap_decode.py 2>&1 | tail -2
     PREFILL=0 timeout 200 bash "$0" hotpath 1.0 "${2:-ceiling,ceiling+sync,split,split+sync,split+again}"

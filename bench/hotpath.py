@@ -29,6 +29,11 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
                  worker and the GPU ($STRATA_MAILBOX_WHOLE_EXPERTS=1)
   torchbox       one-graph split decode: each MoE layer's share split and mailbox inbox in torch ops (~35 small
                  kernels) instead of one fused kernel ($STRATA_MAILBOX_FUSED=0)
+  copybox        one-graph split decode: the inbox packed in device memory and copied to the mailbox, `ready` and
+                 the worker's answer copied too (three copy nodes a layer) instead of written and read in place by
+                 the pack and wait kernels ($STRATA_MAILBOX_DIRECT=0)
+  hotbefore      one-graph split decode: each MoE layer's resident pairs computed before the worker is posted
+                 the layer, instead of beside it ($STRATA_MAILBOX_HOT_ALONGSIDE=0)
   grouped        runtime.grouped_prefill = true: prefill's experts through two grouped GEMMs a layer
   sync           runtime.overlap_decode = false: each token read on the host before the next step is queued
   host           runtime.split_decode = "host": host steps at every MoE layer (the cost model splits the cold
@@ -246,6 +251,10 @@ def main() -> None:
                 env["STRATA_MAILBOX_WHOLE_EXPERTS"] = "1"
             elif mod == "torchbox":
                 env["STRATA_MAILBOX_FUSED"] = "0"
+            elif mod == "copybox":
+                env["STRATA_MAILBOX_DIRECT"] = "0"
+            elif mod == "hotbefore":
+                env["STRATA_MAILBOX_HOT_ALONGSIDE"] = "0"
             elif mod.startswith("spin"):
                 env["STRATA_CPU_SPIN_US"] = mod[4:]
             elif mod != "again":

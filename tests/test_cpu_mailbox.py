@@ -112,13 +112,16 @@ def test_mailbox_refuses_a_batch_larger_than_it_holds():
 
 
 @pytest.mark.gpu
-def test_one_graph_split_decode_equals_the_host_step_path(tmp_path, monkeypatch):
+@pytest.mark.parametrize("alongside", ["1", "0"])
+def test_one_graph_split_decode_equals_the_host_step_path(tmp_path, monkeypatch, alongside):
     """Every expert in pinned RAM, two in VRAM: decode steps run as one graph with the mailbox worker, and
     give the tokens and hidden states the host-step path gives when it too sends every cold expert to the
-    CPU (promotions off, so both keep the same experts resident; no GPU share, so the CPU computes them all)."""
+    CPU (promotions off, so both keep the same experts resident; no GPU share, so the CPU computes them all),
+    with the resident pairs run beside the worker (the default) or before it is posted the layer."""
     from test_decode_path import assert_batched_decode_identical
 
     monkeypatch.setenv("STRATA_MAILBOX_GPU_SHARE", "0")
+    monkeypatch.setenv("STRATA_MAILBOX_HOT_ALONGSIDE", alongside)
     from strata import Engine
     from strata.runtime.demo_model import write_demo_model
 
@@ -143,6 +146,7 @@ def test_one_graph_split_decode_equals_the_host_step_path(tmp_path, monkeypatch)
         assert got["graph"].token_ids == got["host"].token_ids
         assert got["graph"].token_ids[:4] == memory.generate(ids, max_tokens=4).token_ids
         assert graph._compute.mailbox.experts_computed > 0 and graph._compute.gpu_share is None
+        assert graph._compute.mailbox.hot_alongside == (alongside == "1")
         stats = graph.stats()
         assert stats["cpu_experts_computed"] >= graph._compute.mailbox.experts_computed
         assert stats["tiers"]["tiers"]["pinned"]["hits"] > 0 and stats["tiers"]["tiers"]["gpu"]["hits"] > 0
@@ -441,6 +445,12 @@ def test_fused_pack_writes_what_the_torch_ops_write(share, n, k, experts):
     check_fused_pack(share, n, k, experts, torch.device("cuda"))
 
 
+@pytest.mark.gpu
+def test_wait_and_fetch_on_the_gpu():
+    """The one-kernel wait and fetch of the worker's answer, with its system-scope acquire, on the GPU."""
+    check_wait_and_fetch(torch.device("cuda"))
+
+
 def test_fused_pack_under_tritons_interpreter():
     """The same comparison on the CPU, through Triton's interpreter (a subprocess: TRITON_INTERPRET is read when
     Triton is imported), for a few of the GPU test's cases."""
@@ -452,6 +462,7 @@ def test_fused_pack_under_tritons_interpreter():
     code = ("import torch, tests.test_cpu_mailbox as t\n"
             "for share, n, k, e in [(None, 3, 8, 128), (0.37, 1, 8, 128), (0.37, 16, 8, 128), (0.55, 5, 2, 16)]:\n"
             "    t.check_fused_pack(share, n, k, e, torch.device('cpu'))\n"
+            "t.check_wait_and_fetch(torch.device('cpu'))\n"
             "print('ok')\n")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
@@ -500,3 +511,37 @@ def check_fused_pack(share, n, k, experts, dev) -> None:
             if share == 0.37:
                 assert bool((rows < inter).any()) == bool((used < 0).any())  # a share this size gives the GPU rows
         assert torch.equal(got, want)
+        # the direct variant: the same bytes written straight into a page-locked inbox, then `ready` posted once
+        # every program is done (twice: the program count resets for the next step)
+        pin = dev.type == "cuda"
+        host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=pin)
+        header = torch.zeros(8, dtype=torch.int64, pin_memory=pin)
+        count = torch.zeros(1, dtype=torch.int32, device=dev)
+        for gen in (5, 6):
+            host.zero_()
+            mailbox_pack.pack_mailbox(host, ids, used, x, w, x_off, inter, gs, layer, rows=rows, addr=addr,
+                                      ready=(header, torch.tensor([gen], device=dev), count))
+            if dev.type == "cuda":
+                torch.cuda.synchronize()
+            assert torch.equal(host, want.cpu()) and header.tolist() == [gen] + [0] * 7 and int(count) == 0
+
+
+def check_wait_and_fetch(dev) -> None:
+    """`host_signal.wait_and_fetch` copies the answer once `done` holds the generation, and on a dead worker gives
+    up after its spins, saying so in the header."""
+    from strata.kernels.host_signal import wait_and_fetch
+
+    pin = dev.type == "cuda"
+    for n in (8, 2048, 5000):  # one program, two, several with a ragged end
+        src = torch.randn(n, pin_memory=pin)
+        header = torch.zeros(8, dtype=torch.int64, pin_memory=pin)
+        header[1] = 9  # the worker answered step 9
+        out = torch.zeros(n, device=dev)
+        wait_and_fetch(header, torch.tensor([9], device=dev), src, out, 1000)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        assert torch.equal(out.cpu(), src) and header[3] == 0 and header[4] == 0
+        wait_and_fetch(header, torch.tensor([10], device=dev), src, out, 50)  # step 10 never answered
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+        assert header[3] == 10 and header[4] == 50

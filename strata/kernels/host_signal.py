@@ -7,6 +7,10 @@ host has answered. It is a plain kernel, so a CUDA graph captures it like any ot
 operations would need driver calls torch does not expose). After `max_spins` reads (about a second per
 million on the H200 box) it stops waiting and writes the generation it waited for to `error_addr`, so a
 dead worker shows as an error on the host instead of a GPU that spins forever.
+
+`wait_and_fetch` does the same wait and then copies the worker's answer from host memory into a device tensor in
+the same kernel, where a graph would otherwise add a copy node (a few microseconds of copy-engine latency on
+each MoE layer's path). `store_release` and `load_acquire` are the system-scope ordering both ends rely on.
 """
 
 from __future__ import annotations
@@ -41,6 +45,73 @@ if triton is not None:
         if seen != want:
             tl.store(error_addr.to(tl.pointer_type(tl.int64)), want)
         tl.store(spins_addr.to(tl.pointer_type(tl.int64)), spins.to(tl.int64))
+
+
+if triton is not None:
+
+    @triton.jit
+    def load_acquire(ptr, FENCE: tl.constexpr):
+        """The int64 at `ptr` (host memory), read with acquire semantics at system scope: loads after it see at
+        least what the host wrote before it released that value. FENCE False (Triton's interpreter): a plain
+        volatile load."""
+        if FENCE:
+            return tl.inline_asm_elementwise("ld.acquire.sys.global.b64 $0, [$1];", "=l,l", [ptr], dtype=tl.int64,
+                                             is_pure=False, pack=1)
+        else:
+            return tl.load(ptr, volatile=True)
+
+    @triton.jit
+    def fence_system(anchor, FENCE: tl.constexpr):
+        """Order this thread's earlier stores (host memory included) before its later ones, at system scope."""
+        if FENCE:
+            tl.inline_asm_elementwise("fence.acq_rel.sys; mov.b32 $0, $1;", "=r,r", [anchor], dtype=tl.int32,
+                                      is_pure=False, pack=1)
+
+    @triton.jit
+    def store_release(ptr, value, FENCE: tl.constexpr):
+        """Store int64 `value` at `ptr` (host memory) with release semantics at system scope: a host that reads it
+        also sees every store that happened before it (this thread's, and what it acquired from others)."""
+        if FENCE:
+            tl.inline_asm_elementwise("st.release.sys.global.b64 [$1], $2; mov.b32 $0, 0;", "=r,l,l", [ptr, value],
+                                      dtype=tl.int32, is_pure=False, pack=1)
+        else:
+            tl.store(ptr, value)
+
+    @triton.jit
+    def _fetch_kernel(hdr_ptr, gen_ptr, src_ptr, out_ptr, n, max_spins, BLOCK: tl.constexpr, FENCE: tl.constexpr):
+        # hdr [8] int64 (host): [1] done, [3] the generation given up on, [4] reads of done while waiting
+        pid = tl.program_id(0)
+        want = tl.load(gen_ptr)
+        seen = load_acquire(hdr_ptr + 1, FENCE)
+        spins = 0
+        while (seen != want) & (spins < max_spins):
+            seen = load_acquire(hdr_ptr + 1, FENCE)
+            spins += 1
+        if pid == 0:
+            if seen != want:
+                tl.store(hdr_ptr + 3, want)
+            tl.store(hdr_ptr + 4, spins.to(tl.int64))
+        offs = pid * BLOCK + tl.arange(0, BLOCK)  # the answer, fp32 [n] (host) -> out (device)
+        m = offs < n
+        tl.store(out_ptr + offs, tl.load(src_ptr + offs, mask=m, other=0.0, volatile=True), mask=m)
+
+
+FETCH_BLOCK = 1024  # fp32 of the answer a program copies (each program waits for `done` itself)
+
+
+def wait_and_fetch(header: torch.Tensor, gen: torch.Tensor, src: torch.Tensor, out: torch.Tensor,
+                   max_spins: int = MAX_SPINS) -> None:
+    """Make the current stream wait until header[1] (int64 [8], page-locked: the mailbox's `done`) equals `gen`
+    [1] int64 (device), then copy fp32 `src` [n] (page-locked) into `out` [n] (device), in one kernel. As
+    `wait_for_host`: header[4] gets the reads it took, header[3] the generation if it gave up. On CPU tensors it
+    runs only under Triton's interpreter (tests)."""
+    if triton is None:
+        raise RuntimeError("waiting on host memory from the GPU needs Triton")
+    n = src.numel()
+    if out.numel() != n or src.dtype != torch.float32 or out.dtype != torch.float32:
+        raise ValueError(f"wait_and_fetch copies fp32 [{n}] into fp32 [{n}], got {out.dtype} [{out.numel()}]")
+    _fetch_kernel[(max(1, triton.cdiv(n, FETCH_BLOCK)),)](header, gen, src, out, n, max_spins, BLOCK=FETCH_BLOCK,
+                                                         FENCE=out.is_cuda, num_warps=4)
 
 
 def wait_for_host(addr: int, gen: torch.Tensor, error_addr: int, spins_addr: int, max_spins: int = MAX_SPINS) -> None:

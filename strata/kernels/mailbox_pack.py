@@ -24,6 +24,9 @@ try:  # Triton ships with CUDA builds of torch; CPU-only installs do without it
 except ImportError:  # pragma: no cover - exercised on CPU-only hosts
     triton = None
 
+if triton is not None:
+    from strata.kernels.host_signal import fence_system, store_release
+
 BLOCK_X = 1024  # activations copied per program
 
 
@@ -36,8 +39,9 @@ if triton is not None:
 
     @triton.jit
     def _pack_kernel(flat_ptr, used_ptr, x_ptr, w_ptr, share_ptr, table_ptr, box_i, box_f, addr_ptr, rows_ptr,
-                     N, K, P, H, E, INTER, G, GRAN, X_OFF4, stride_x,
-                     BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_X: tl.constexpr, SHARE: tl.constexpr):
+                     ready_ptr, gen_ptr, count_ptr, N, K, P, H, E, INTER, G, GRAN, X_OFF4, stride_x,
+                     BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_X: tl.constexpr, SHARE: tl.constexpr,
+                     READY: tl.constexpr, FENCE: tl.constexpr):
         pid = tl.program_id(0)
         if pid == 0:
             offs_p = tl.arange(0, BLOCK_P)
@@ -78,16 +82,30 @@ if triton is not None:
             row, col = offs // H, offs % H
             xv = tl.load(x_ptr + row * stride_x + col, mask=m, other=0.0).to(tl.float32)
             tl.store(box_f + X_OFF4 + offs, xv, mask=m)
+        if READY:  # the inbox is in host memory: the last program to finish posts `ready` = the step's generation
+            fence_system(pid, FENCE)  # each thread's inbox stores, before the program counts itself done
+            tl.debug_barrier()
+            done = tl.atomic_add(count_ptr, 1, sem="acq_rel", scope="sys")
+            if done == tl.num_programs(0) - 1:
+                tl.atomic_xchg(count_ptr, 0)  # for the next step (stream order)
+                store_release(ready_ptr, tl.load(gen_ptr), FENCE)
 
 
 def pack_mailbox(dst: torch.Tensor, flat: torch.Tensor, used: torch.Tensor, x: torch.Tensor, weights: torch.Tensor,
                  x_off: int, inter: int, share=None, layer: int = 0,
-                 rows: torch.Tensor | None = None, addr: torch.Tensor | None = None) -> None:
+                 rows: torch.Tensor | None = None, addr: torch.Tensor | None = None,
+                 ready: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """One kernel: write the worker's inbox for pairs `flat` [P] (their slots `used` [P] int32, -1 cold) on x
     [N, H] with routing weights [N, k] into uint8 `dst` (device; its fp32 activations at `x_off` bytes), and,
     given a `GpuShare` `share`, the GPU's part: addr [P] int64 (0: none) and rows [P] int32 (the worker's
     leading rows of each pair; the GPU computes the rest). Without a share every cold pair is the worker's whole
-    (rows = `inter`). `rows` (and `addr`, with a share) are the caller's [P] buffers, written in place."""
+    (rows = `inter`). `rows` (and `addr`, with a share) are the caller's [P] buffers, written in place.
+
+    ready = (word, gen, count): `dst` is the mailbox's inbox itself, in page-locked host memory, and the kernel
+    posts it: the last of its programs to finish stores gen [1] int64 (device) into word [1] int64 (the mailbox's
+    `ready`, host) with release semantics at system scope, after every program's inbox stores; count [1] int32
+    (device, zero between calls) counts the programs done. No copy node then stands between the pack and the
+    worker."""
     if triton is None:
         raise RuntimeError("the fused mailbox pack needs Triton")
     n, k = weights.shape
@@ -99,10 +117,11 @@ def pack_mailbox(dst: torch.Tensor, flat: torch.Tensor, used: torch.Tensor, x: t
     table = share.table[layer] if has_share else flat  # [E] int64 (an unread pointer without a share)
     addr = addr if has_share else rows
     grid = (1 + triton.cdiv(n * h, BLOCK_X),)
+    word, gen, count = ready if ready is not None else (rows, rows, rows)  # unread pointers without `ready`
     _pack_kernel[grid](
         flat, used, x, weights, share.share if has_share else weights, table, dst.view(torch.int32),
-        dst.view(torch.float32), addr, rows, n, k, p, h, share.num_experts if has_share else 1, inter,
+        dst.view(torch.float32), addr, rows, word, gen, count, n, k, p, h, share.num_experts if has_share else 1, inter,
         share.granules if has_share else 1, share.rows if has_share else inter, x_off // 4, x.stride(0),
         BLOCK_P=max(2, triton.next_power_of_2(p)),
         BLOCK_E=max(2, triton.next_power_of_2(share.num_experts if has_share else 1)),
-        BLOCK_X=BLOCK_X, SHARE=has_share, num_warps=4 if p <= 64 else 8)
+        BLOCK_X=BLOCK_X, SHARE=has_share, READY=ready is not None, FENCE=x.is_cuda, num_warps=4 if p <= 64 else 8)

@@ -94,6 +94,13 @@ class CpuMailbox:
         self._shapes: dict[tuple[int, int], torch.Tensor] = {}  # (N, k) -> int32 [4] on the device
         self._all_rows: dict[int, torch.Tensor] = {}  # P -> int32 [P] of I: every cold pair's whole expert here
         self.fused = os.environ.get("STRATA_MAILBOX_FUSED", "1") != "0"  # A/B: "0" packs with torch ops
+        # A/B: "0" packs on the device and copies the inbox, `ready` and the answer with three copy nodes a layer
+        self.direct = self.fused and os.environ.get("STRATA_MAILBOX_DIRECT", "1") != "0"
+        self._direct_checked = False
+        self.header_words = [b[:HEADER].view(torch.int64) for b in self.boxes]  # [8] int64 each (page-locked)
+        self._counts = torch.zeros(len(self.layers), dtype=torch.int32, device=device)  # the pack's programs done
+        # the resident pairs run after the layer is posted, beside the worker (A/B: "0" runs them before, as it was)
+        self.hot_alongside = device.type == "cuda" and os.environ.get("STRATA_MAILBOX_HOT_ALONGSIDE", "1") != "0"
 
     # ---- the device side: ops a decode graph captures -------------------------------------------------
     def begin_step(self) -> None:
@@ -128,8 +135,9 @@ class CpuMailbox:
         x [N, H] and weights [N, k] to the worker; returns its partial sum [N, H] fp32 on x's device (the stream
         waits for it). rows [P] int32: of each worker pair, how many of its expert's leading intermediate rows the
         worker computes (None: all I). Given a `GpuShare`, it cuts the cold pairs between the worker and the
-        GPU instead, and `gpu_work(addr, rows)` is enqueued while the worker runs: the GPU's part, addr [P] int64
-        (0: none) and rows from the share's split."""
+        GPU instead. `gpu_work(addr, rows)` (on CUDA) is enqueued once the layer is posted, so it runs while the
+        worker does: addr [P] int64 is the share's split (0: no GPU part; None without a share), rows the
+        worker's rows of each pair."""
         n, k = weights.shape
         p = n * k
         if n > self.max_tokens or k != self.top_k:
@@ -141,6 +149,11 @@ class CpuMailbox:
             return self._exchange_host(layer, experts, slots, x, weights, x_off, nbytes, rows, share)
         from strata.kernels.host_signal import wait_for_host
 
+        i = self._box[layer]
+        if self.direct and rows is None:
+            out = self._exchange_direct(i, experts, slots, x, weights, x_off, nbytes, gpu_work, max_spins, share)
+            if out is not None:
+                return out
         out_box = torch.empty(nbytes, dtype=torch.uint8, device=x.device)  # the inbox, packed on the device
         packed = self._pack_fused(out_box, layer, experts, slots, x, weights, x_off, share) if rows is None else None
         if packed is None:  # the torch ops
@@ -150,7 +163,7 @@ class CpuMailbox:
             addr, rows = packed
         box[HEADER : HEADER + nbytes].copy_(out_box, non_blocking=True)
         box[:8].copy_(self.gen.view(torch.uint8), non_blocking=True)  # ready: after the inbox (stream order)
-        if gpu_work is not None and addr is not None:
+        if gpu_work is not None:
             gpu_work(addr, rows)
         base = box.data_ptr()
         wait_for_host(base + 8, self.gen, base + 24, base + 32, *(() if max_spins is None else (max_spins,)))
@@ -158,9 +171,42 @@ class CpuMailbox:
         out.copy_(box[self.out_off : self.out_off + 4 * n * self.hidden].view(torch.float32), non_blocking=True)
         return out.view(n, self.hidden)
 
-    def _pack_fused(self, out_box, layer, experts, slots, x, weights, x_off, share):
+    def _exchange_direct(self, i, experts, slots, x, weights, x_off, nbytes, gpu_work, max_spins, share):
+        """`exchange` with no copy node: the fused pack writes the inbox into the page-locked mailbox and posts
+        `ready` itself; one kernel waits for `done` and fetches the answer. None where it cannot run (no
+        Triton, turned off, or its kernels failed to build in the eager warm-up: then the copies from now)."""
+        from strata.kernels.host_signal import MAX_SPINS, wait_and_fetch
+
+        layer, box, n = self.layers[i], self.boxes[i], x.shape[0]
+        src = box[self.out_off : self.out_off + 4 * n * self.hidden].view(torch.float32)
+        out = torch.empty(n * self.hidden, dtype=torch.float32, device=x.device)
+        spins = MAX_SPINS if max_spins is None else max_spins
+        try:
+            if not self._direct_checked:  # the fetch kernel built before anything is posted (no half-sent layer):
+                # `self_test` runs this first, eagerly; done equals the generation given, so it returns at once
+                wait_and_fetch(self.header_words[i], self.header_words[i][1:2].to(x.device), src, out, spins)
+                torch.cuda.synchronize(x.device)
+                self._direct_checked = True
+            packed = self._pack_fused(box[HEADER : HEADER + nbytes], layer, experts, slots, x, weights, x_off, share,
+                                      ready=(self.header_words[i], self.gen, self._counts[i : i + 1]))
+        except Exception as e:  # a Triton that cannot build them: found in the eager warm-up, before any capture
+            if torch.cuda.is_current_stream_capturing():
+                raise
+            log.warning("strata: the mailbox's direct exchange failed (%s); copying through the device", e)
+            self.direct = False
+            return None
+        if packed is None:
+            return None
+        addr, rows = packed
+        if gpu_work is not None:
+            gpu_work(addr, rows)
+        wait_and_fetch(self.header_words[i], self.gen, src, out, spins)
+        return out.view(n, self.hidden)
+
+    def _pack_fused(self, out_box, layer, experts, slots, x, weights, x_off, share, ready=None):
         """The share's split and the inbox in one kernel (~35 small ops otherwise): (addr [P] or None, rows [P]),
-        or None where it cannot run (no Triton, turned off, or it failed to build: then the torch ops from now)."""
+        or None where it cannot run (no Triton, turned off, or it failed to build: then the torch ops from now).
+        `ready`: see `mailbox_pack.pack_mailbox` (its errors are the caller's)."""
         if not (self.fused and mailbox_pack.available(x)):
             return None
         p = experts.numel()
@@ -168,8 +214,10 @@ class CpuMailbox:
         addr = torch.empty(p, dtype=torch.int64, device=x.device) if share is not None else None
         try:
             mailbox_pack.pack_mailbox(out_box, experts.reshape(-1), slots.reshape(-1), x, weights, x_off, self.inter,
-                                      share, layer, rows=rows, addr=addr)
-        except Exception as e:  # a Triton that cannot build it: found in the eager warm-up, before any capture
+                                      share, layer, rows=rows, addr=addr, ready=ready)
+        except Exception as e:
+            if ready is not None:
+                raise  # a Triton that cannot build it: found in the eager warm-up, before any capture
             if torch.cuda.is_current_stream_capturing():
                 raise
             log.warning("strata: the fused mailbox pack failed (%s); packing with torch ops", e)

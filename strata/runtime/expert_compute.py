@@ -96,6 +96,8 @@ class ExpertCompute(CpuCompute):
         self.gpu_share = None  # GpuShare: the cold experts the GPU reads in place during a mailbox step
         self.books = None  # MailboxBooks: the mailbox steps' statistics, policy history and promotions
         self._mailbox_off: str | None = None  # why this engine never uses the mailbox
+        self._side: dict = {}  # device -> the second stream of a mailbox layer's GPU work (its in-place share)
+        self._pair_index: dict = {}  # (P, device) -> int32 [P] 0..P-1: pairs addressed by a per-pair slot table
         # split decode: the GPU's share of cold experts read from pinned RAM in place (None: copied to slots)
         self.host_experts: HostExperts | None = None
         if read_in_place and self.split and self.slots is not None and manager.pool.pinned and in_place_ok():
@@ -262,6 +264,23 @@ class ExpertCompute(CpuCompute):
         """Release the decode layers' copied slots held so far (call once their readers are enqueued)."""
         while self.staged:
             self.manager.release_staged(self.staged.pop())
+
+    def side_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """The second stream a mailbox layer forks onto for its in-place share (one per device, made once)."""
+        side = self._side.get(device)
+        if side is None:
+            side = self._side[device] = torch.cuda.Stream(device)
+        return side
+
+    def pair_index(self, p: int, device: torch.device) -> torch.Tensor:
+        """int32 [p] 0..p-1 (made in the eager warm-up before a capture, reused by it): `pair_experts` with a
+        per-pair slot table `used` [P] in place of slot_of and this in place of the ids runs pair p from
+        slot used[p]."""
+        key = (p, str(device))
+        index = self._pair_index.get(key)
+        if index is None:
+            index = self._pair_index[key] = torch.arange(p, dtype=torch.int32, device=device)
+        return index
 
     def all_resident(self) -> bool:
         """True once every expert is in a GPU slot for good: decode steps need no host round trip."""

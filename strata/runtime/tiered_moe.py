@@ -112,17 +112,36 @@ class TieredExperts(PrefillPath, nn.Module):
 
     def _mailbox_forward(self, x, flat, weights, y) -> torch.Tensor:
         """A decode layer inside a one-graph step: the resident pairs here, the cold ones on the mailbox worker
-        (strata.runtime.cpu_mailbox), which the stream waits for before the combine. No host work."""
+        (strata.runtime.cpu_mailbox), which the stream waits for before the combine. No host work.
+
+        The worker is told first: the layer's slots are looked up (one gather), the mailbox posted, and only then
+        the resident pairs run on the GPU, beside the worker and beside the GPU's in-place share (a second
+        stream), so the layer waits for the longest of the three instead of the resident pairs plus the
+        worker (on the H200 box the resident pairs of one token take ~60-90 us)."""
         c = self.compute
-        if c.slots is not None:
-            used = pair_experts(x, c.slots, c.slot_of[self.layer], flat, y)  # [P] slot used, -1 = cold
-        else:
-            used = torch.full_like(flat, -1, dtype=torch.int32)
+        hot = c.slots is not None
+        # [P] int32: the GPU slot each pair reads, -1 cold. Both the worker's inbox and the resident pairs' kernel
+        # read this one lookup, so a map entry landing mid-layer cannot make a pair computed twice or not at all.
+        used = c.slot_of[self.layer][flat] if hot else torch.full_like(flat, -1, dtype=torch.int32)
+        alongside = hot and c.mailbox.hot_alongside
+        if hot and not alongside:  # the resident pairs before the worker hears of the layer (A/B; CPU hosts)
+            pair_experts(x, c.slots, used, c.pair_index(flat.numel(), x.device), y)
         if self.layer == c.moe_layers[0]:
             c.mailbox.begin_step()
-        gpu_work = None
-        if (share := c.gpu_share) is not None:  # a share of the cold rows read in place, while the worker runs
-            gpu_work = lambda addr, rows: pair_experts_in_place(x, share.experts, addr, y, first_row=rows)  # noqa: E731
+        share = c.gpu_share
+
+        def gpu_work(addr, rows) -> None:  # enqueued once the worker has been posted the layer
+            side = None
+            if addr is not None:  # a share of the cold rows read in place over PCIe, on the second stream
+                side = c.side_stream(x.device)
+                side.wait_stream(torch.cuda.current_stream(x.device))
+                with torch.cuda.stream(side):
+                    pair_experts_in_place(x, share.experts, addr, y, first_row=rows)
+            if alongside:  # the resident pairs (rows of y disjoint from the share's)
+                pair_experts(x, c.slots, used, c.pair_index(flat.numel(), x.device), y)
+            if side is not None:
+                torch.cuda.current_stream(x.device).wait_stream(side)
+
         cpu_out = c.mailbox.exchange(self.layer, flat, used, x, weights, gpu_work, share=share)  # [N, H] fp32
         return combine_pairs(y, weights, x.dtype, extra=cpu_out)
 
