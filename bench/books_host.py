@@ -43,8 +43,9 @@ def main() -> None:
     args = ap.parse_args()
     from bench.promote_sim import key_store
     from strata.kernels import cpu_experts as ce
-    from strata.runtime.cpu_mailbox import CpuMailbox, MailboxBooks
+    from strata.runtime.cpu_mailbox import CpuMailbox
     from strata.runtime.expert_compute import ExpertCompute
+    from strata.runtime.mailbox_books import MailboxBooks
     from strata.tiers.manager import TierBudgets, TierManager
     from strata.tiers.store import ExpertStore
 

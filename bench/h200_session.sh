@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 # The box's copy of the tree carries stale git metadata: put the local commit into the command, e.g.
@@ -250,6 +250,13 @@ case "$1" in
       > "$OUT/gpu_tests_18b.txt" 2>&1; tail -3 "$OUT/gpu_tests_18b.txt"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_18b.txt" | head
     PREFILL=0 timeout 230 bash "$0" hotpath 1.0 "${2:-split,split+hotbefore,split+again,split+hotbefore+again,split+share0.25,split+share0.55}"
     PREFILL=0 timeout 110 bash "$0" hotpath uniform "${3:-split,split+hotbefore}" ;;
+  eighteenth-c)  # the resident pairs' order again (reversed run order), then the serve start-up (fastapi 0.165 needs the
+    # opentelemetry-api wheel) and the b25 split cases a second time (call 3 was the whole quick suite)
+    PREFILL=0 timeout 200 bash "$0" hotpath 1.0 "${2:-split+hotbefore,split,split+hotbefore+again,split+again}"
+    PREFILL=0 timeout 110 bash "$0" hotpath uniform "${3:-split+hotbefore,split}"
+    rm -rf /dev/shm/b12* /dev/shm/sc
+    timeout 220 python3 -m bench run --suite quick --deadline 200 --out "$OUT/suite-b" --cases serve/b25/uniform/startup \
+      split/b25/uniform/p128x1 split/b25/skewed/p128x1 2>&1 | grep -v "^---" | tail -5 ;;
   sixteenth-b)  # after the sampler stopped syncing: its GPU tests, the syncs left in a step, the A/B on both routings
     timeout 120 python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_overlap_decode.py 2>&1 | tail -2
     PREFILL=0 timeout 200 bash "$0" hotpath 1.0 "${2:-ceiling,ceiling+sync,split,split+sync,split+again}"

@@ -340,8 +340,8 @@ def test_a_worker_error_is_raised_once_and_retires_the_mailbox(tiny_model_dir, t
     """A layer the worker could not serve fails that step with a one-line reason; the engine's later steps
     take the host steps (no mailbox), and its statistics still work."""
     from strata.runtime.convert import convert_checkpoint
-    from strata.runtime.cpu_mailbox import MailboxBooks
     from strata.runtime.expert_compute import ExpertCompute
+    from strata.runtime.mailbox_books import MailboxBooks
     from strata.tiers.manager import TierBudgets, TierManager
     from strata.tiers.store import ExpertStore
 
@@ -405,7 +405,7 @@ def test_books_run_after_the_launch_not_before(tiny_model_dir, tmp_path):
     import time
 
     from strata.runtime.convert import convert_checkpoint
-    from strata.runtime.cpu_mailbox import MailboxBooks
+    from strata.runtime.mailbox_books import MailboxBooks
     from strata.tiers.manager import TierBudgets, TierManager
     from strata.tiers.store import ExpertStore
 

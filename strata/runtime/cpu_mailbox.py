@@ -13,15 +13,13 @@ the sum back into the layer's combine. No cold expert is copied, so nothing is s
 the worker, by the GPU reading it in place over PCIe (`GpuShare`), or split by rows between the two.
 
 The tier policy's history and promotions (which the host step fed per layer) are fed from the worker's
-log by `drain`, after the step, off its path.
+log by `drain`, after the step, off its path (`strata.runtime.mailbox_books`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import threading
-import time
 import weakref
 from typing import TYPE_CHECKING
 
@@ -38,7 +36,6 @@ log = logging.getLogger(__name__)
 
 HEADER = 64  # bytes: int64 ready, done, status, timeout, the GPU's spins waiting for done, then padding
 LOG_CODES, LOG_ENTRY = 256, 16 + 4 * 256  # csrc/cpu_mailbox.cpp's log layout
-RATE_WINDOW_BYTES = 512 << 20  # the GPU share follows the CPU kernel's rate over about this much of its reading
 SPIN_NS = 2_000_000  # the worker polls without sleeping this long after the last layer it served
 
 
@@ -311,77 +308,6 @@ class CpuMailbox:
             ce.stop_mailbox(self.handle)
             self.handle = 0
             self.pool.close()
-
-
-class MailboxBooks:
-    """What the host step did per layer, done after the step from the worker's log, on a thread of its own
-    (the decoding thread waits on the GPU meanwhile): each lookup counted where it was served, the GPU tier's
-    history fed with every expert used, and the most used cold expert of a layer promoted into the GPU tier
-    when worth a slot (`promote(layer, experts)`)."""
-
-    def __init__(self, mailbox: CpuMailbox, manager, promote, on_counts, share: GpuShare | None = None):
-        """on_counts(experts, bytes, seconds): the worker's running totals (its kernel's own work only)."""
-        self.mailbox, self.manager, self.promote, self.on_counts = mailbox, manager, promote, on_counts
-        self.share = share
-        self._rate_mark = (0, 0.0)  # the worker's (bytes, kernel seconds) when the share last adapted
-        self.error: BaseException | None = None
-        self.seconds = 0.0  # spent in `flush` so far (the books' own Python, on this thread or a caller's)
-        self._wake, self._stop = threading.Event(), threading.Event()
-        self._lock = threading.Lock()  # one drain at a time (the thread, `flush`)
-        self._thread = threading.Thread(target=self._run, name="strata-mailbox-books", daemon=True)
-        self._thread.start()
-        manager.add_lookup_source(self.flush)
-
-    def step(self) -> None:
-        """Before a graph step: raise what the worker or the last step reported; the GPU share's update."""
-        self.mailbox.check()
-        if self.error is not None:
-            raise RuntimeError(f"mailbox bookkeeping failed: {self.error}") from self.error
-        if self.share is not None:
-            self.share.apply()
-
-    def launched(self) -> None:
-        """Once the step is launched: wake the thread, whose Python (~1-2 ms a step on the H200 box) then runs while
-        the GPU works and the decoding thread waits for it, instead of holding the GIL the launch needs."""
-        self._wake.set()
-
-    def flush(self) -> list:
-        """Do the books for every layer served so far (the tier manager's statistics call this first, as a
-        lookup source: hence [] and the lock order, the manager's then this one's). In one hold of the GIL: giving
-        it up between layers tripled the books' time on the H200 box (3.0 against 0.9 ms a step) for no gain."""
-        m, t0 = self.manager, time.perf_counter()
-        with m._lock, self._lock:
-            entries = self.mailbox.drain()
-            for layer, resident, computed in entries:
-                if resident:
-                    m.note_hits(layer, resident)
-                if computed:
-                    m.note_pinned_reads(layer, computed)  # served from pinned RAM, on the CPU
-                    self.promote(layer, computed)
-            self.on_counts(self.mailbox.experts_computed, *self.mailbox.kernel_rate())
-        if entries and self.share is not None:
-            nbytes, seconds = self.mailbox.kernel_rate()
-            b0, s0 = self._rate_mark
-            if nbytes - b0 >= RATE_WINDOW_BYTES and seconds > s0:  # the kernel's rate over its last ~0.5 GB
-                self.share.adapt((nbytes - b0) / (seconds - s0))
-                self._rate_mark = (nbytes, seconds)
-        self.seconds += time.perf_counter() - t0
-        return []
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(0.05)
-            self._wake.clear()
-            try:
-                self.flush()
-            except BaseException as e:  # noqa: BLE001 - surfaced on the decoding thread by `step`
-                self.error = e
-                return
-
-    def close(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        self._thread.join()
 
 
 def pack_inbox(dst: torch.Tensor, shape, experts, slots, rows, x, weights, x_off: int) -> None:

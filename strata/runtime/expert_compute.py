@@ -154,9 +154,10 @@ class ExpertCompute(CpuCompute):
     def _open_mailbox(self) -> None:
         from strata.kernels import cpu_experts as ce
         from strata.runtime.cost_model import IN_PLACE_RATE
-        from strata.runtime.cpu_mailbox import CpuMailbox, MailboxBooks
+        from strata.runtime.cpu_mailbox import CpuMailbox
         from strata.runtime.gpu_share import GpuShare
         from strata.runtime.graphs import MAX_GRAPH_BATCH
+        from strata.runtime.mailbox_books import MailboxBooks
 
         m, store = self.manager, self.manager.store
         addresses = np.zeros((max(self.moe_layers) + 1, store.index.num_experts), dtype=np.int64)

@@ -1,0 +1,86 @@
+"""The bookkeeping of one-graph split decode (strata.runtime.cpu_mailbox), after each step and off its path: the
+lookups each MoE layer served, the tier policy's history and promotions, and the GPU share's rate, all from the
+mailbox worker's log."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from strata.runtime.cpu_mailbox import CpuMailbox
+    from strata.runtime.gpu_share import GpuShare
+
+RATE_WINDOW_BYTES = 512 << 20  # the GPU share follows the CPU kernel's rate over about this much of its reading
+
+
+class MailboxBooks:
+    """What the host step did per layer, done after the step from the worker's log, on a thread of its own
+    (the decoding thread waits on the GPU meanwhile): each lookup counted where it was served, the GPU tier's
+    history fed with every expert used, and the most used cold expert of a layer promoted into the GPU tier
+    when worth a slot (`promote(layer, experts)`)."""
+
+    def __init__(self, mailbox: CpuMailbox, manager, promote, on_counts, share: GpuShare | None = None):
+        """on_counts(experts, bytes, seconds): the worker's running totals (its kernel's own work only)."""
+        self.mailbox, self.manager, self.promote, self.on_counts = mailbox, manager, promote, on_counts
+        self.share = share
+        self._rate_mark = (0, 0.0)  # the worker's (bytes, kernel seconds) when the share last adapted
+        self.error: BaseException | None = None
+        self.seconds = 0.0  # spent in `flush` so far (the books' own Python, on this thread or a caller's)
+        self._wake, self._stop = threading.Event(), threading.Event()
+        self._lock = threading.Lock()  # one drain at a time (the thread, `flush`)
+        self._thread = threading.Thread(target=self._run, name="strata-mailbox-books", daemon=True)
+        self._thread.start()
+        manager.add_lookup_source(self.flush)
+
+    def step(self) -> None:
+        """Before a graph step: raise what the worker or the last step reported; the GPU share's update."""
+        self.mailbox.check()
+        if self.error is not None:
+            raise RuntimeError(f"mailbox bookkeeping failed: {self.error}") from self.error
+        if self.share is not None:
+            self.share.apply()
+
+    def launched(self) -> None:
+        """Once the step is launched: wake the thread, whose Python (~1-2 ms a step on the H200 box) then runs while
+        the GPU works and the decoding thread waits for it, instead of holding the GIL the launch needs."""
+        self._wake.set()
+
+    def flush(self) -> list:
+        """Do the books for every layer served so far (the tier manager's statistics call this first, as a
+        lookup source: hence [] and the lock order, the manager's then this one's). In one hold of the GIL: giving
+        it up between layers tripled the books' time on the H200 box (3.0 against 0.9 ms a step) for no gain."""
+        m, t0 = self.manager, time.perf_counter()
+        with m._lock, self._lock:
+            entries = self.mailbox.drain()
+            for layer, resident, computed in entries:
+                if resident:
+                    m.note_hits(layer, resident)
+                if computed:
+                    m.note_pinned_reads(layer, computed)  # served from pinned RAM, on the CPU
+                    self.promote(layer, computed)
+            self.on_counts(self.mailbox.experts_computed, *self.mailbox.kernel_rate())
+        if entries and self.share is not None:
+            nbytes, seconds = self.mailbox.kernel_rate()
+            b0, s0 = self._rate_mark
+            if nbytes - b0 >= RATE_WINDOW_BYTES and seconds > s0:  # the kernel's rate over its last ~0.5 GB
+                self.share.adapt((nbytes - b0) / (seconds - s0))
+                self._rate_mark = (nbytes, seconds)
+        self.seconds += time.perf_counter() - t0
+        return []
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(0.05)
+            self._wake.clear()
+            try:
+                self.flush()
+            except BaseException as e:  # noqa: BLE001 - surfaced on the decoding thread by `step`
+                self.error = e
+                return
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self._thread.join()
