@@ -224,6 +224,13 @@ def test_load_merges_runs_later_cases_win(tmp_path):
     doc = results.load([tmp_path / "a.json", tmp_path / "b.json", tmp_path / "c.json"])
     beats = {x["target"]: x for x in report.targets(doc)}["25%, uniform: the split beats copy-only"]
     assert beats["measured"] == "5.00x (across runs)"  # no run measured both: said so
+    # a later run that skipped a case leaves the earlier measurement in place; a later measurement still wins
+    skipped = dict(_ok("split/b25/uniform/p128x1", 0.0), status="skipped", reason="no fastapi here")
+    (tmp_path / "d.json").write_text(json.dumps({**_doc(), "cases": [skipped, _ok("split/b10/uniform/p128x1", 30.0)]}))
+    doc = results.load([tmp_path / "a.json", tmp_path / "b.json", tmp_path / "d.json"])
+    by = {c["name"]: c for c in doc["cases"]}
+    assert by["split/b25/uniform/p128x1"]["status"] == "ok" and by["split/b25/uniform/p128x1"]["run"] == "B"
+    assert by["split/b10/uniform/p128x1"]["metrics"]["decode_tok_s"] == 30.0
     (tmp_path / "bad.json").write_text(json.dumps({"schema": "other"}))
     with pytest.raises(ValueError, match="not a valid suite result"):
         results.load([tmp_path / "bad.json"])

@@ -136,7 +136,8 @@ def validate(doc: dict) -> list[str]:
 
 def load(paths: list[str | os.PathLike]) -> dict:
     """Read one or more result files into one document: later files' cases replace earlier ones of the
-    same name; machine, rates and settings come from the last file. Each case keeps its run's label ("A" for
+    same name, except that a case a later run skipped or failed leaves an earlier measurement in place (a box
+    that lacked a package says nothing about the figure); machine, rates and settings come from the last file. Each case keeps its run's label ("A" for
     the first file, ...) in `run`; `runs` lists the files and `by_run` every run's own cases, so that ratios
     can be taken within one run (`report.pair`)."""
     merged: dict | None = None
@@ -153,7 +154,8 @@ def load(paths: list[str | os.PathLike]) -> dict:
                      "commit": str((doc.get("machine") or {}).get("git_commit"))[:10]})
         for c in doc["cases"]:
             c.setdefault("run", label)
-            cases[c["name"]] = c
+            if c["status"] == "ok" or cases.get(c["name"], {}).get("status") != "ok":
+                cases[c["name"]] = c
             by_run.setdefault(c["run"], {})[c["name"]] = c
         models = {**(merged or {}).get("models", {}), **doc.get("models", {})}
         merged = {**doc, "models": models}
