@@ -33,6 +33,7 @@ import torch
 from strata.errors import RequestError, StrataError
 from strata.runtime.detokenize import StopMatcher, StreamDecoder
 from strata.runtime.kv_cache import KVCache, StepBatch
+from strata.runtime.logprobs import PromptLogprobs, token_logprob
 from strata.runtime.overlap import QueuedStep, queue_decode
 from strata.runtime.pacing import PrefillPacer
 from strata.runtime.requests import (  # noqa: F401 - re-exported: the public names live here too
@@ -56,9 +57,7 @@ class _Seq:
     prefilled: int = 0  # prompt tokens already in the cache
     tokens: list[int] = field(default_factory=list)  # generated so far
     next_input: int | None = None  # sampled, not yet fed
-    prompt_lp: list = field(default_factory=list)
-    prompt_top: list = field(default_factory=list)
-    last_row: torch.Tensor | None = None  # logits of the last prompt position of the previous chunk
+    prompt_lp: PromptLogprobs | None = None  # each prompt token's, when the request asks for them
 
     @property
     def req(self) -> GenRequest:
@@ -279,7 +278,10 @@ class Scheduler:
                 for i, (seq, inp, start) in enumerate(plan):
                     if seq.next_input is None and seq.req.prompt_logprobs is not None:
                         off = batch.offsets[i]
-                        self._prompt_logprobs(seq, self.engine.model.logits(hidden[off : off + len(inp)]), start, len(inp))
+                        if seq.prompt_lp is None:
+                            seq.prompt_lp = PromptLogprobs(seq.req.prompt_logprobs)
+                        seq.prompt_lp.feed(seq.req.prompt_ids, self.engine.model.logits(hidden[off : off + len(inp)]),
+                                           start, len(inp))
         finally:
             if compute is not None:
                 compute.reproducible = was
@@ -343,20 +345,6 @@ class Scheduler:
             self._accept(seq, token, None)
         self._record_step(dt, len(live), 0, 1, 0)
 
-    def _prompt_logprobs(self, seq: _Seq, chunk_logits: torch.Tensor, start: int, n: int) -> None:
-        """Log-probability of each prompt token given its prefix (the first has none)."""
-        prompt, k = seq.req.prompt_ids, seq.req.prompt_logprobs
-        prev = torch.cat([seq.last_row, chunk_logits[:-1]]) if seq.last_row is not None else chunk_logits[:-1]
-        lp = torch.log_softmax(prev.float(), dim=-1).cpu()
-        targets = prompt[start + 1 - (1 if seq.last_row is not None else 0) : start + n]
-        if start == 0:
-            seq.prompt_lp.append(None)
-            seq.prompt_top.append(None)
-        for row, tok in zip(lp, targets, strict=True):
-            seq.prompt_lp.append(float(row[tok]))
-            seq.prompt_top.append(_top(row, k))
-        seq.last_row = chunk_logits[-1:].detach()
-
     def _advance(self, seq: _Seq, logits: torch.Tensor) -> None:
         """Sample the next token of `seq` from its logits [1, V] and emit it (or finish)."""
         self._accept(seq, int(sample(logits, seq.req.params, seq.generator)[0]), logits)
@@ -372,8 +360,7 @@ class Scheduler:
         seq.next_input = token
         lp, top = None, None
         if r.logprobs is not None:
-            row = torch.log_softmax(logits[0].float(), dim=-1).cpu()
-            lp, top = float(row[token]), _top(row, r.logprobs)
+            lp, top = token_logprob(logits[0], token, r.logprobs)
         text, stopped = seq.stopper.feed(seq.decoder.push(token))
         n_prompt = len(r.prompt_ids)
         ev = TokenEvent(r.request_id, token, text, lp, top, prompt_tokens=n_prompt, completion_tokens=len(seq.tokens))
@@ -393,8 +380,8 @@ class Scheduler:
         return text if stopped else text + seq.stopper.flush()
 
     def _attach_prompt_logprobs(self, seq: _Seq, ev: TokenEvent) -> None:
-        if seq.req.prompt_logprobs is not None:
-            ev.prompt_logprobs, ev.prompt_top_logprobs = seq.prompt_lp, seq.prompt_top
+        if seq.prompt_lp is not None:
+            ev.prompt_logprobs, ev.prompt_top_logprobs = seq.prompt_lp.values, seq.prompt_lp.top
 
     def _finish(self, seq: _Seq, reason: str, first: bool = False, error: str | None = None) -> None:
         r = seq.req
@@ -412,9 +399,3 @@ class Scheduler:
             with self._cv:
                 self._free.append(seq.slot)
 
-
-def _top(row: torch.Tensor, k: int) -> list[tuple[int, float]]:
-    if k <= 0:
-        return []
-    values, ids = row.topk(k)
-    return [(int(i), float(v)) for i, v in zip(ids, values, strict=True)]
