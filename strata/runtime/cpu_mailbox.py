@@ -4,12 +4,13 @@ talks to through page-locked mailboxes, with no Python on the step's path.
 The host-step path (`TieredExperts._cold_stage`) ends the step's graph at every MoE layer and runs Python
 there: on the H200 box that host work (CUDA calls at 10-15 us each, ~0.5 ms of Python a layer) cost more
 than the CPU kernel it drives. When every expert sits in page-locked RAM for good (`all_pinned`), the
-worker of `csrc/cpu_mailbox.cpp` serves a layer from its mailbox instead: the graph copies the layer's
-pairs (expert, GPU slot or -1), activations and routing weights there and bumps the layer's `ready` word
-to the step's generation; the worker computes the pairs whose expert was not resident, with the same
-kernel in the same order as the host path (so the same sums), writes the partial sum and `done`; a
-one-thread kernel (`strata.kernels.host_signal`) holds the stream until `done` arrives; the graph copies
-the sum back into the layer's combine. No cold expert is copied, so nothing is staged: each is computed by
+worker of `csrc/cpu_mailbox.cpp` serves a layer from its mailbox instead: one kernel of the graph
+(`strata.kernels.mailbox_pack`) writes the layer's pairs (expert, GPU slot or -1), activations and routing
+weights there and posts the layer's `ready` word with the step's generation; the worker computes the pairs
+whose expert was not resident, with the same kernel in the same order as the host path (so the same sums),
+writes the partial sum and `done`; a kernel (`strata.kernels.host_signal.wait_and_fetch`) holds the stream
+until `done` arrives and brings the sum into the layer's combine. (Without that path, $STRATA_MAILBOX_DIRECT=0,
+the inbox, `ready` and the sum travel by copy nodes.) No cold expert is copied, so nothing is staged: each is computed by
 the worker, by the GPU reading it in place over PCIe (`GpuShare`), or split by rows between the two.
 
 The tier policy's history and promotions (which the host step fed per layer) are fed from the worker's
@@ -62,7 +63,8 @@ class CpuMailbox:
         self.pool = PinnedPool(box_bytes, len(self.layers), pin=device.type == "cuda", background=False)
         self._box = {layer: i for i, layer in enumerate(self.layers)}
         self.boxes = [self.pool.slot(i) for i in range(len(self.layers))]  # uint8 [box_bytes] each
-        self.headers = [b[:HEADER].view(torch.int64).numpy() for b in self.boxes]  # [8] int64 each
+        self.header_words = [b[:HEADER].view(torch.int64) for b in self.boxes]  # [8] int64 each (kernel arguments)
+        self.headers = [w.numpy() for w in self.header_words]  # the same words, read and written by the host
         for h in self.headers:
             h[:] = 0
         self.addresses = np.ascontiguousarray(addresses, dtype=np.int64)
@@ -92,9 +94,9 @@ class CpuMailbox:
         self._all_rows: dict[int, torch.Tensor] = {}  # P -> int32 [P] of I: every cold pair's whole expert here
         self.fused = os.environ.get("STRATA_MAILBOX_FUSED", "1") != "0"  # A/B: "0" packs with torch ops
         # A/B: "0" packs on the device and copies the inbox, `ready` and the answer with three copy nodes a layer
-        self.direct = self.fused and os.environ.get("STRATA_MAILBOX_DIRECT", "1") != "0"
+        self.direct = (self.fused and device.type == "cuda" and mailbox_pack.triton is not None
+                       and os.environ.get("STRATA_MAILBOX_DIRECT", "1") != "0")
         self._direct_checked = False
-        self.header_words = [b[:HEADER].view(torch.int64) for b in self.boxes]  # [8] int64 each (page-locked)
         self._counts = torch.zeros(len(self.layers), dtype=torch.int32, device=device)  # the pack's programs done
         # the resident pairs run after the layer is posted, beside the worker (A/B: "0" runs them before, as it was)
         self.hot_alongside = device.type == "cuda" and os.environ.get("STRATA_MAILBOX_HOT_ALONGSIDE", "1") != "0"
@@ -139,18 +141,18 @@ class CpuMailbox:
         p = n * k
         if n > self.max_tokens or k != self.top_k:
             raise ValueError(f"mailbox holds {self.max_tokens} tokens of top-{self.top_k}, got {n} of top-{k}")
-        box = self.boxes[self._box[layer]]
         x_off = _up(16 + 12 * p, 64)
         nbytes = x_off + 4 * n * self.hidden + 4 * p
         if self.device.type != "cuda":  # tests, CPU hosts: packed in place, awaited from Python
             return self._exchange_host(layer, experts, slots, x, weights, x_off, nbytes, rows, share)
-        from strata.kernels.host_signal import wait_for_host
+        from strata.kernels.host_signal import MAX_SPINS, wait_for_host
 
-        i = self._box[layer]
+        i, spins = self._box[layer], MAX_SPINS if max_spins is None else max_spins
         if self.direct and rows is None:
-            out = self._exchange_direct(i, experts, slots, x, weights, x_off, nbytes, gpu_work, max_spins, share)
+            out = self._exchange_direct(i, experts, slots, x, weights, x_off, nbytes, gpu_work, spins, share)
             if out is not None:
                 return out
+        box = self.boxes[i]
         out_box = torch.empty(nbytes, dtype=torch.uint8, device=x.device)  # the inbox, packed on the device
         packed = self._pack_fused(out_box, layer, experts, slots, x, weights, x_off, share) if rows is None else None
         if packed is None:  # the torch ops
@@ -163,21 +165,20 @@ class CpuMailbox:
         if gpu_work is not None:
             gpu_work(addr, rows)
         base = box.data_ptr()
-        wait_for_host(base + 8, self.gen, base + 24, base + 32, *(() if max_spins is None else (max_spins,)))
+        wait_for_host(base + 8, self.gen, base + 24, base + 32, spins)
         out = torch.empty(n * self.hidden, dtype=torch.float32, device=x.device)
         out.copy_(box[self.out_off : self.out_off + 4 * n * self.hidden].view(torch.float32), non_blocking=True)
         return out.view(n, self.hidden)
 
-    def _exchange_direct(self, i, experts, slots, x, weights, x_off, nbytes, gpu_work, max_spins, share):
+    def _exchange_direct(self, i, experts, slots, x, weights, x_off, nbytes, gpu_work, spins, share):
         """`exchange` with no copy node: the fused pack writes the inbox into the page-locked mailbox and posts
-        `ready` itself; one kernel waits for `done` and fetches the answer. None where it cannot run (no
-        Triton, turned off, or its kernels failed to build in the eager warm-up: then the copies from now)."""
-        from strata.kernels.host_signal import MAX_SPINS, wait_and_fetch
+        `ready` itself; one kernel waits for `done` and fetches the answer. None where its kernels failed to
+        build in the eager warm-up (then the copies from now)."""
+        from strata.kernels.host_signal import wait_and_fetch
 
         layer, box, n = self.layers[i], self.boxes[i], x.shape[0]
         src = box[self.out_off : self.out_off + 4 * n * self.hidden].view(torch.float32)
         out = torch.empty(n * self.hidden, dtype=torch.float32, device=x.device)
-        spins = MAX_SPINS if max_spins is None else max_spins
         try:
             if not self._direct_checked:  # the fetch kernel built before anything is posted (no half-sent layer):
                 # `self_test` runs this first, eagerly; done equals the generation given, so it returns at once
@@ -191,8 +192,6 @@ class CpuMailbox:
                 raise
             log.warning("strata: the mailbox's direct exchange failed (%s); copying through the device", e)
             self.direct = False
-            return None
-        if packed is None:
             return None
         addr, rows = packed
         if gpu_work is not None:
