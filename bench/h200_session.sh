@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 # The box's copy of the tree carries stale git metadata: put the local commit into the command, e.g.
@@ -257,6 +257,17 @@ case "$1" in
     rm -rf /dev/shm/b12* /dev/shm/sc
     timeout 220 python3 -m bench run --suite quick --deadline 200 --out "$OUT/suite-b" --cases serve/b25/uniform/startup \
       split/b25/uniform/p128x1 split/b25/skewed/p128x1 2>&1 | grep -v "^---" | tail -5 ;;
+  nineteenth)  # where a one-stream layer's GPU time goes (kernel tables of the all-in-VRAM and the skewed split step,
+    # CUDA graphs on), then the resident pairs' order under batched decode (4 and 8 streams, skewed, 25%)
+    python3 -m strata demo-model /dev/shm/b12-1.0 --size bench --layers 12 --no-engram --route-skew 1.0 > /dev/null 2>&1
+    timeout 100 python3 bench/profile_decode.py --model /dev/shm/b12-1.0 --no-kernels --tokens 32 \
+      --out "$OUT/profile-ceiling" 2>&1 | grep -E "tok/s"
+    timeout 120 python3 bench/profile_decode.py --model /dev/shm/b12-1.0 --no-kernels --tokens 32 --out "$OUT/profile-split" \
+      --config '{"tiers": {"gpu": {"budget": "3623878656"}, "disk": {"path": "/dev/shm/sc", "scrub": false}}}' 2>&1 | grep -E "tok/s"
+    rm -rf /dev/shm/b12* /dev/shm/sc
+    B="python3 -m bench run --suite full --layers 12 --tokens 64"
+    for v in 1 0 1; do STRATA_MAILBOX_HOT_ALONGSIDE=$v timeout 130 $B --deadline 110 --out "$OUT/streams-alongside$v-$RANDOM" \
+      --cases 'split/b25/skewed/p128x[48]' 2>&1 | grep -E '^split' | cut -c1-200 | sed "s/^/alongside=$v: /"; done ;;
   sixteenth-b)  # after the sampler stopped syncing: its GPU tests, the syncs left in a step, the A/B on both routings
     timeout 120 python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_overlap_decode.py 2>&1 | tail -2
     PREFILL=0 timeout 200 bash "$0" hotpath 1.0 "${2:-ceiling,ceiling+sync,split,split+sync,split+again}"
