@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 # The box's copy of the tree carries stale git metadata: put the local commit into the command, e.g.
@@ -268,6 +268,16 @@ case "$1" in
     B="python3 -m bench run --suite full --layers 12 --tokens 64"
     for v in 1 0; do STRATA_MAILBOX_HOT_ALONGSIDE=$v timeout 150 $B --deadline 130 --out "$OUT/streams-alongside$v-$RANDOM" \
       --cases 'split/b25/skewed/p128x[48]' 2>&1 | grep -E '^split' | cut -c1-200 | sed "s/^/alongside=$v: /"; done ;;
+  nineteenth-b)  # the one-launch decode router and the residual folded into the combine: the GPU tests of the decode
+    # kernels and paths, the ceiling's kernel table again, then the A/B on both routings
+    timeout 230 python3 -m pytest -q -m gpu tests/test_fused_kernels.py tests/test_gpu.py tests/test_gpu_tiers.py \
+      tests/test_decode_path.py tests/test_cpu_mailbox.py tests/test_overlap_decode.py > "$OUT/gpu_tests_19b.txt" 2>&1
+    tail -3 "$OUT/gpu_tests_19b.txt"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_19b.txt" | head
+    python3 -m strata demo-model /dev/shm/b12-1.0 --size bench --layers 12 --no-engram --route-skew 1.0 > /dev/null 2>&1
+    timeout 60 python3 bench/profile_decode.py --model /dev/shm/b12-1.0 --no-kernels --tokens 32 \
+      --out "$OUT/profile-ceiling" 2>&1 | grep -E "tok/s"
+    PREFILL=0 timeout 150 bash "$0" hotpath 1.0 "${2:-ceiling,ceiling+norouter+noresidual,split,split+norouter+noresidual,split+again}"
+    PREFILL=0 timeout 100 bash "$0" hotpath uniform "${3:-split,split+norouter+noresidual}" ;;
   sixteenth-b)  # after the sampler stopped syncing: its GPU tests, the syncs left in a step, the A/B on both routings
     timeout 120 python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_overlap_decode.py 2>&1 | tail -2
     PREFILL=0 timeout 200 bash "$0" hotpath 1.0 "${2:-ceiling,ceiling+sync,split,split+sync,split+again}"

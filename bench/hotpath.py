@@ -34,6 +34,10 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
                  the pack and wait kernels ($STRATA_MAILBOX_DIRECT=0)
   hotbefore      one-graph split decode: each MoE layer's resident pairs computed before the worker is posted
                  the layer, instead of beside it ($STRATA_MAILBOX_HOT_ALONGSIDE=0)
+  norouter       decode routing in three launches (cuBLAS GEMV, softmax top-k, slot gather) instead of the one of
+                 strata.kernels.decode_router ($STRATA_FUSED_ROUTER=0)
+  noresidual     a MoE layer's residual added by its own launch instead of in the experts' combine
+                 ($STRATA_FUSED_RESIDUAL=0)
   grouped        runtime.grouped_prefill = true: prefill's experts through two grouped GEMMs a layer
   sync           runtime.overlap_decode = false: each token read on the host before the next step is queued
   host           runtime.split_decode = "host": host steps at every MoE layer (the cost model splits the cold
@@ -197,7 +201,7 @@ def main() -> None:
     ap.add_argument("--cache", default="/dev/shm/strata-cache")
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke run)")
     args = ap.parse_args()
-    from strata.kernels import fused
+    from strata.kernels import decode_router, fused
     from strata.runtime.inspect import summarize_checkpoint
 
     s = summarize_checkpoint(args.model)
@@ -255,6 +259,10 @@ def main() -> None:
                 env["STRATA_MAILBOX_DIRECT"] = "0"
             elif mod == "hotbefore":
                 env["STRATA_MAILBOX_HOT_ALONGSIDE"] = "0"
+            elif mod == "norouter":
+                env["STRATA_FUSED_ROUTER"] = "0"
+            elif mod == "noresidual":
+                env["STRATA_FUSED_RESIDUAL"] = "0"
             elif mod.startswith("spin"):
                 env["STRATA_CPU_SPIN_US"] = mod[4:]
             elif mod != "again":
@@ -273,6 +281,8 @@ def main() -> None:
         os.environ.pop("STRATA_STREAM_SLOTS", None) if name != "split_nostream" else os.environ.update(STRATA_STREAM_SLOTS="0")
         fused.ENABLED = not name.endswith("_unfused")
         fused.FOLDS = not name.endswith("_nofolds")
+        decode_router.ENABLED = env.get("STRATA_FUSED_ROUTER") != "0"  # read at import: set here for each case
+        fused.RESIDUAL_FOLD = env.get("STRATA_FUSED_RESIDUAL") != "0"
         try:
             result["cases"].append(run_case(args.model, name, cfg, args.tokens, args.prefill, args.device, label=full))
         except Exception as e:  # noqa: BLE001 - record and go on to the next case
@@ -287,7 +297,7 @@ def main() -> None:
     os.environ.pop("STRATA_CPU_ASYNC", None)
     os.environ.pop("STRATA_CPU_THREADS", None)
     os.environ.pop("STRATA_STREAM_SLOTS", None)
-    fused.ENABLED = fused.FOLDS = True
+    fused.ENABLED = fused.FOLDS = fused.RESIDUAL_FOLD = decode_router.ENABLED = True
     add_rooflines(result["cases"])
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "hotpath.json").write_text(json.dumps(result, indent=2))

@@ -216,3 +216,82 @@ def test_folds_leave_prefill_sized_batches_to_the_unfolded_ops(monkeypatch):
     assert attn._qkv is None
     attn._project(small)
     assert attn._qkv is not None
+
+
+@pytest.mark.parametrize("rows,experts,k,hidden,normalize", [
+    (1, 128, 8, 2048, True),  # Qwen3-30B-A3B, one stream
+    (8, 128, 8, 2048, True),  # eight streams
+    (3, 64, 6, 1000, False),  # hidden not a power of two, no renormalising
+    (2, 8, 2, 4096, True),  # Mixtral-like: few experts, a wide hidden size
+])
+def test_decode_router_equals_linear_then_softmax_topk(rows, experts, k, hidden, normalize, monkeypatch):
+    """The one-launch decode router (GEMV, softmax, top-k, slot lookup) against torch's linear then the softmax
+    top-k: the same experts in the same order, the same weights to fp32 rounding, each pair's slot from slot_of, and
+    its counters back at zero, so a second call (as a replayed graph makes) gives the same answer."""
+    from strata.kernels import decode_router
+
+    monkeypatch.setattr(fused, "FOLDS", True)
+    monkeypatch.setattr(decode_router, "ENABLED", True)
+    g = torch.Generator().manual_seed(rows * 100 + experts)
+    x = torch.randn(rows, hidden, generator=g).to(DTYPE).to(DEVICE)
+    w = (torch.randn(experts, hidden, generator=g) / hidden ** 0.5).to(DTYPE).to(DEVICE)
+    slot_of = torch.randint(-1, 500, (experts,), generator=g, dtype=torch.int32).to(DEVICE)
+    assert decode_router.available(x, w, k)
+    counts = decode_router.new_counts(x.device)
+    ref_w, ref_ids = softmax_topk(F.linear(x.float(), w.float()).to(DTYPE), k, normalize)  # fp32 sums, then rounded
+    for _ in range(2):
+        weights, ids, used = decode_router.route(x, w, k, normalize, counts, slot_of)
+        assert ids.dtype == torch.int64 and torch.equal(ids, ref_ids)
+        torch.testing.assert_close(weights, ref_w, rtol=1e-5, atol=1e-7)
+        assert used.dtype == torch.int32 and torch.equal(used, slot_of[ids.reshape(-1)])
+        assert not counts.any()
+    assert decode_router.route(x, w, k, normalize, counts)[2] is None  # no table, no lookup
+    monkeypatch.setattr(decode_router, "ENABLED", False)
+    assert not decode_router.available(x, w, k)
+    monkeypatch.setattr(decode_router, "ENABLED", True)
+    assert not decode_router.available(torch.zeros(decode_router.MAX_ROWS + 1, hidden, dtype=DTYPE, device=DEVICE), w, k)
+
+
+def test_router_module_takes_the_decode_router_for_decode_batches_only(monkeypatch):
+    """`Router` uses the one-launch kernel for decode-sized batches (same routing as its torch path) and
+    torch's GEMM for a prefill chunk; the kernel's counters are made once per device."""
+    from strata.kernels import decode_router
+    from strata.runtime.model_config import ModelConfig
+    from strata.runtime.moe import Router
+
+    monkeypatch.setattr(fused, "FOLDS", True)
+    monkeypatch.setattr(decode_router, "ENABLED", True)
+    cfg = ModelConfig.from_hf({"model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 256, "num_hidden_layers": 1,
+                               "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64,
+                               "intermediate_size": 64, "moe_intermediate_size": 32, "num_experts": 32,
+                               "num_experts_per_tok": 4, "rms_norm_eps": 1e-6, "norm_topk_prob": True})
+    router = Router(cfg).to(DTYPE).to(DEVICE)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(32, 256, generator=torch.Generator().manual_seed(5)) / 16)
+    x = torch.randn(decode_router.MAX_ROWS + 1, 256, generator=torch.Generator().manual_seed(6)).to(DTYPE).to(DEVICE)
+    w_big, ids_big, used = router(x)  # a prefill-sized batch: torch's path
+    assert used is None and not router._counts
+    w_dec, ids_dec, used = router(x[:3], torch.arange(32, dtype=torch.int32, device=DEVICE))
+    assert list(router._counts) == [str(x.device)]
+    assert torch.equal(ids_dec, ids_big[:3]) and torch.equal(used, ids_dec.reshape(-1).to(torch.int32))
+    torch.testing.assert_close(w_dec, w_big[:3], rtol=1e-5, atol=1e-7)
+
+
+def test_combine_adds_the_residual_as_torch_does(monkeypatch):
+    """The combine with the layer's residual: exactly `residual + combine(...)` (the MoE output rounded to the
+    model dtype, then the add rounded again), with and without the CPU's partial sum; the same bits with the fold
+    switched off (a second launch adds it)."""
+    monkeypatch.setattr(fused, "FOLDS", True)
+    monkeypatch.setattr(fused, "RESIDUAL_FOLD", True)
+    g = torch.Generator().manual_seed(4)
+    n, k, h = 3, 8, 2048
+    y = torch.randn(n * k, h, generator=g).to(DEVICE)
+    w = torch.rand(n, k, generator=g).to(DEVICE)
+    extra = torch.randn(n, h, generator=g).to(DEVICE)
+    residual = (torch.randn(n, h, generator=g) * 4).to(DTYPE).to(DEVICE)
+    for part in (None, extra):
+        want = residual + combine_pairs(y, w, DTYPE, extra=part)
+        assert torch.equal(fused.combine(y, w, DTYPE, part, residual), want)
+        assert torch.equal(combine_pairs(y, w, DTYPE, extra=part, residual=residual), want)
+    monkeypatch.setattr(fused, "RESIDUAL_FOLD", False)
+    assert torch.equal(combine_pairs(y, w, DTYPE, extra=extra, residual=residual), want)

@@ -1,6 +1,6 @@
 """How a model routes: per-layer expert popularity counted by forward hooks on the routers.
 
-Works on strata's model (`strata.runtime.moe.Router`, which returns `(weights, ids)`) and on a
+Works on strata's model (`strata.runtime.moe.Router`, which returns `(weights, ids, used)`) and on a
 transformers model (its `mlp.gate` routers return `(logits, scores, ids)`), so the same prompt can
 be checked in both engines. Used by the suite to state the skew it measured, and by the tests.
 """
@@ -29,7 +29,8 @@ def count_routing(model: torch.nn.Module, num_experts: int) -> Iterator[dict[int
 
     def hook(layer: int):
         def fn(_module, _inputs, out) -> None:
-            ids = out[-1]  # strata: (weights, ids); transformers: (logits, scores, ids)
+            ids = out[1] if isinstance(_module, Router) else out[-1]  # strata: (weights, ids, used); transformers:
+            # (logits, scores, ids)
             counts[layer] += torch.bincount(ids.reshape(-1).cpu(), minlength=num_experts)
         return fn
 

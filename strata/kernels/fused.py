@@ -36,6 +36,9 @@ FOLDS = os.environ.get("STRATA_FUSED_FOLDS", "1") != "0"
 # this take the unfolded ops (RESULTS.md, sixth session: the ceiling's 8K prefill is slower with the folds on
 # whether or not they cover prefill chunks; the cause is still open).
 FOLD_MAX_ROWS = 256
+# A fold of its own A/B switch ($STRATA_FUSED_RESIDUAL=0, bench/hotpath.py's `+noresidual`): a MoE layer's residual
+# add in the experts' combine launch (`combine(..., residual=)`), one launch fewer a decode layer.
+RESIDUAL_FOLD = os.environ.get("STRATA_FUSED_RESIDUAL", "1") != "0"
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (kernel tests without a GPU)
 
 
@@ -148,22 +151,28 @@ def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.T
     return weights, ids
 
 
-def combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype, extra: torch.Tensor | None = None) -> torch.Tensor | None:
-    """Each token's weighted sum of its k expert rows (plus `extra`), cast: y [N*k, H] fp32, weights [N, k]
-    -> [N, H] `dtype`; None when it cannot run fused (the caller runs torch's ops)."""
+def combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype, extra: torch.Tensor | None = None,
+            residual: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Each token's weighted sum of its k expert rows (plus `extra`), cast, plus `residual` (the layer's input,
+    added as torch's `x + mlp(h)` adds it: after the cast, rounded again): y [N*k, H] fp32, weights [N, k],
+    extra [N, H] fp32, residual [N, H] `dtype` -> [N, H] `dtype`; None when it cannot run fused (the caller
+    runs torch's ops)."""
     n, k = weights.shape
     hidden = y.shape[1]
     if not fused_ok(y) or y.dtype != torch.float32 or y.stride(-1) != 1 or y.shape[0] != n * k:
         return None
     if extra is not None and (extra.dtype != torch.float32 or not extra.is_contiguous()):
         return None
+    if residual is not None and (residual.dtype != dtype or not residual.is_contiguous() or residual.shape != (n, hidden)):
+        return None
     w = weights.float().contiguous()
     out = torch.empty((n, hidden), dtype=dtype, device=y.device)
     if n:
         block = 1024
-        _combine_kernel[(n, triton.cdiv(hidden, block))](y, w, extra if extra is not None else y, out, hidden,
-                                                         y.stride(0), K=k, BLOCK=block, EXTRA=extra is not None,
-                                                         num_warps=4)
+        _combine_kernel[(n, triton.cdiv(hidden, block))](
+            y, w, extra if extra is not None else y, residual if residual is not None else out, out, hidden,
+            y.stride(0), K=k, BLOCK=block, EXTRA=extra is not None, RESIDUAL=residual is not None,
+            BF16=dtype == torch.bfloat16, num_warps=4)
     return out
 
 
@@ -253,18 +262,16 @@ if triton is not None:
         tl.store(out_ptr + row * D + offs, (w * y).to(dt), mask=mask)
 
     @triton.jit
-    def _softmax_topk_kernel(l_ptr, w_ptr, id_ptr, E, stride_l, K: tl.constexpr, KB: tl.constexpr,
-                             BLOCK: tl.constexpr, NORMALIZE: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK)
-        mask = offs < E
-        x = tl.load(l_ptr + row * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32)
+    def _softmax_topk_row(x, offs, mask, K: tl.constexpr, KB: tl.constexpr, BLOCK: tl.constexpr,
+                          NORMALIZE: tl.constexpr):
+        """One row's fp32 logits x [BLOCK] (padding -inf) -> (weights [KB], ids [KB] int64): softmax, top-k
+        (ties: the lowest expert id), optional renormalise; entries past K are padding."""
         ex = tl.where(mask, tl.exp(x - tl.max(x, axis=0)), 0.0)
         p = tl.where(mask, ex / tl.sum(ex, axis=0), -1.0)  # probabilities; padding below any of them
         slots = tl.arange(0, KB)
         top_w = tl.zeros([KB], dtype=tl.float32)
         top_i = tl.zeros([KB], dtype=tl.int64)
-        for j in tl.static_range(K):  # k rounds of argmax (ties: the lowest expert id)
+        for j in tl.static_range(K):  # k rounds of argmax
             best = tl.max(p, axis=0)
             idx = tl.min(tl.where(p == best, offs, BLOCK), axis=0)
             top_w = tl.where(slots == j, best, top_w)
@@ -272,13 +279,24 @@ if triton is not None:
             p = tl.where(offs == idx, -2.0, p)
         if NORMALIZE:
             top_w = top_w / tl.sum(top_w, axis=0)
+        return top_w, top_i
+
+    @triton.jit
+    def _softmax_topk_kernel(l_ptr, w_ptr, id_ptr, E, stride_l, K: tl.constexpr, KB: tl.constexpr,
+                             BLOCK: tl.constexpr, NORMALIZE: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < E
+        x = tl.load(l_ptr + row * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32)
+        top_w, top_i = _softmax_topk_row(x, offs, mask, K, KB, BLOCK, NORMALIZE)
+        slots = tl.arange(0, KB)
         keep = slots < K
         tl.store(w_ptr + row * K + slots, top_w, mask=keep)
         tl.store(id_ptr + row * K + slots, top_i, mask=keep)
 
     @triton.jit
-    def _combine_kernel(y_ptr, w_ptr, extra_ptr, out_ptr, H, stride_y, K: tl.constexpr, BLOCK: tl.constexpr,
-                        EXTRA: tl.constexpr):
+    def _combine_kernel(y_ptr, w_ptr, extra_ptr, res_ptr, out_ptr, H, stride_y, K: tl.constexpr, BLOCK: tl.constexpr,
+                        EXTRA: tl.constexpr, RESIDUAL: tl.constexpr, BF16: tl.constexpr):
         n = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < H
@@ -288,4 +306,7 @@ if triton is not None:
             acc += tl.load(y_ptr + (n * K + j) * stride_y + offs, mask=mask, other=0.0) * w
         if EXTRA:  # the CPU's weighted partial sum of the cold pairs
             acc += tl.load(extra_ptr + n * H + offs, mask=mask, other=0.0)
+        if RESIDUAL:  # x + mlp(h): the MoE output rounded to the model dtype first, then the add, rounded again
+            acc = _round(acc, out_ptr.dtype.element_ty, BF16) + tl.load(res_ptr + n * H + offs, mask=mask,
+                                                                       other=0.0).to(tl.float32)
         tl.store(out_ptr + n * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)

@@ -112,17 +112,20 @@ def pair_experts(x: torch.Tensor, weights: SlotWeights, slot_of: torch.Tensor, i
 
 
 def combine_pairs(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
-                  extra: torch.Tensor | None = None) -> torch.Tensor:
-    """Weighted sum of each token's k expert outputs, plus `extra` (the CPU's partial sum), cast to `dtype`:
-    y [N*k, H] fp32, weights [N, k], extra [N, H] fp32 -> [N, H]. One fused kernel on CUDA.
+                  extra: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Weighted sum of each token's k expert outputs, plus `extra` (the CPU's partial sum), cast to `dtype`, plus
+    `residual` (the layer's input: `x + mlp(h)` in the same launch): y [N*k, H] fp32, weights [N, k], extra [N, H]
+    fp32, residual [N, H] -> [N, H]. One fused kernel on CUDA.
 
     Always the same order whatever computed each row, so tiers never change the result."""
-    fused_out = fused.combine(y, weights, dtype, extra)
+    fold = residual if fused.FOLDS and fused.RESIDUAL_FOLD else None
+    fused_out = fused.combine(y, weights, dtype, extra, fold)
     if fused_out is not None:
-        return fused_out
+        return fused_out if fold is not None or residual is None else residual + fused_out
     n, k = weights.shape
     out = (y.view(n, k, -1) * weights.float()[..., None]).sum(dim=1)
-    return (out if extra is None else out + extra).to(dtype)
+    out = (out if extra is None else out + extra).to(dtype)
+    return out if residual is None else residual + out
 
 
 def _pair_torch(x, weights: SlotWeights, slot_of, ids, rows, k, y, used) -> None:

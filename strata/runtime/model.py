@@ -38,6 +38,8 @@ class DecoderLayer(nn.Module):
         if self.engram is not None:  # Engram adds its lookup before attention (DeepSeek's block order)
             x = x + self.engram(x, batch.engram)
         x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x), cos, sin, batch, cache))
+        if isinstance(self.mlp, MoEBlock):
+            return self.mlp(h, residual=x)  # the residual added in the experts' combine launch where it runs fused
         return x + self.mlp(h)
 
 

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata.kernels import decode_router
 from strata.kernels.experts import moe_forward
 from strata.kernels.grouped import SlotWeights, combine_pairs, pair_experts, use_pair_kernels
 from strata.kernels.grouped_gemm import grouped_experts, grouped_ok, refuse
@@ -20,7 +21,7 @@ from strata.runtime.model_config import ModelConfig
 
 
 class Router(nn.Module):
-    """Scores experts for each token: `forward(x [N, H]) -> (weights [N, k] fp32, ids [N, k])`."""
+    """Scores experts for each token: `forward(x [N, H]) -> (weights [N, k] fp32, ids [N, k], used)`."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -28,18 +29,29 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
         if cfg.router == "sigmoid_group":
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
+        self._counts: dict[str, torch.Tensor] = {}  # device -> the one-launch decode router's counters
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, slot_of: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """x [N, H] -> routing weights [N, k] fp32, expert ids [N, k] int64 and, given slot_of [E] int32 (a tiered
+        layer's expert -> GPU slot), each pair's slot used [N * k] int32 where the one-launch decode router ran
+        (strata.kernels.decode_router); else None."""
         cfg = self.cfg
+        if cfg.router == "softmax" and decode_router.available(x, self.weight, cfg.num_experts_per_tok):
+            counts = self._counts.get(str(x.device))
+            if counts is None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+                counts = self._counts[str(x.device)] = decode_router.new_counts(x.device)  # made eagerly, once
+            if counts is not None:
+                return decode_router.route(x, self.weight, cfg.num_experts_per_tok, cfg.norm_topk_prob, counts, slot_of)
         if cfg.router == "sigmoid_group":
             # DeepSeek keeps its router in fp32 whatever the model dtype
             logits = F.linear(x.float(), self.weight.float())
-            return sigmoid_group_topk(
+            return (*sigmoid_group_topk(
                 logits, self.e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
                 cfg.norm_topk_prob, cfg.routed_scaling_factor,
-            )
+            ), None)
         logits = F.linear(x, self.weight)
-        return softmax_topk(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+        return (*softmax_topk(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob), None)
 
 
 class Experts(nn.Module):
@@ -58,17 +70,28 @@ class Experts(nn.Module):
             self._slot_of = torch.arange(self.gate_up_proj.shape[0], dtype=torch.int32, device=device)
         return self._slot_of
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def decode_slots(self, x: torch.Tensor) -> torch.Tensor | None:
+        """The expert -> slot table [E] int32 the router should look each pair up in for this step (None: no
+        lookup wanted; a tiered layer's one-graph decode wants one)."""
+        return None
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None,
+                used: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, H], ids and weights [N, k] -> the routed experts' sum [N, H], plus `residual` if given (the
+        decode path adds it in its combine launch). `used`: the router's slot lookup (unused here)."""
         if use_pair_kernels(x, ids.numel()):  # decode: one launch per projection, no host sync
             y = torch.empty((ids.numel(), x.shape[1]), dtype=torch.float32, device=x.device)
             pair_experts(x, SlotWeights(self.gate_up_proj, self.down_proj), self._identity(x.device), ids.reshape(-1), y)
-            return combine_pairs(y, weights, x.dtype)
+            return combine_pairs(y, weights, x.dtype, residual=residual)
+        out = None
         if self.grouped and grouped_ok(x, sw := SlotWeights(self.gate_up_proj, self.down_proj)):
             try:
-                return grouped_experts(x, weights, ids, sw, ids).to(x.dtype)  # slot = expert id
+                out = grouped_experts(x, weights, ids, sw, ids).to(x.dtype)  # slot = expert id
             except RuntimeError as e:  # operands torch's grouped GEMM does not take: the loop below
                 refuse(x, sw, e)
-        return moe_forward(x, self.gate_up_proj, self.down_proj, ids, weights)
+        if out is None:
+            out = moe_forward(x, self.gate_up_proj, self.down_proj, ids, weights)
+        return out if residual is None else residual + out
 
 
 class MoEBlock(nn.Module):
@@ -86,11 +109,15 @@ class MoEBlock(nn.Module):
         else:  # deepseek_v3 names
             self.shared_experts = shared
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, ids = self.gate(x)
-        out = self.experts(x, ids, weights)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, H] (normed) -> the block's output [N, H], plus `residual` if given (the decoder layer's input:
+        without shared experts the routed experts' combine adds it, one launch fewer a decode layer)."""
+        weights, ids, used = self.gate(x, self.experts.decode_slots(x))
         if self.shared_gated:
+            out = self.experts(x, ids, weights, used=used)
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         elif self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+            out = self.experts(x, ids, weights, used=used) + self.shared_experts(x)
+        else:
+            return self.experts(x, ids, weights, residual=residual, used=used)
+        return out if residual is None else residual + out

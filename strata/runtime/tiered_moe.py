@@ -52,12 +52,29 @@ class TieredExperts(PrefillPath, nn.Module):
         super().__init__()
         self.layer, self.num_experts, self.compute = layer, num_experts, compute
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        c, k = self.compute, ids.shape[1]
+    def decode_slots(self, x: torch.Tensor) -> torch.Tensor | None:
+        """This layer's expert -> slot table [E] int32 when the step is a one-graph (mailbox) decode, so the router
+        looks each pair's slot up in its own launch (`MoEBlock`); None otherwise."""
+        c = self.compute
+        if c.mailbox is None or c.slots is None or current_capture_mode() != "mailbox":
+            return None
+        return c.slot_of[self.layer]
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None,
+                used: torch.Tensor | None = None) -> torch.Tensor:
+        """`Experts.forward` from tiers: x [N, H], ids and weights [N, k] -> [N, H] (+ residual). used [N * k]
+        int32: each pair's GPU slot as the router looked it up (`decode_slots`; None: looked up here)."""
+        c = self.compute
         if current_recorder() is None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             c.release_staged()  # eager: everything that read the last decode layer's copied slots is enqueued
         if use_pair_kernels(x, ids.numel()) if c.pair_path is None else c.pair_path:
-            return self._decode_forward(x, ids, weights)
+            return self._decode_forward(x, ids, weights, residual, used)
+        out = self._batch_forward(x, ids, weights)
+        return out if residual is None else residual + out
+
+    def _batch_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Prefill chunks and batches too large for the pair kernels: tokens grouped by expert."""
+        c, k = self.compute, ids.shape[1]
         groups = group_by_expert(ids, self.num_experts)  # syncs: predictions have arrived too
         # the GPU tier's history counts each token routed to an expert, not one use per staged expert: what
         # the prompt uses most then outranks the rest when staging (and later promotions) pick victims
@@ -81,12 +98,13 @@ class TieredExperts(PrefillPath, nn.Module):
         return out
 
     # ---- decode: pair kernels over slots -------------------------------------------------------
-    def _decode_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def _decode_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None,
+                        used: torch.Tensor | None) -> torch.Tensor:
         c = self.compute
         flat = ids.reshape(-1)  # [P] pair p = token p // k, its (p % k)-th expert
         y = torch.zeros((flat.numel(), x.shape[1]), dtype=torch.float32, device=x.device)
         if c.mailbox is not None and current_capture_mode() == "mailbox":
-            return self._mailbox_forward(x, flat, weights, y)
+            return self._mailbox_forward(x, flat, weights, y, residual, used)
         if c.slots is not None:
             # asked before the kernel is launched: once every copy and map entry has landed (all_resident), a
             # kernel launched after that sees them all; asked after, the last ones could still be on their way
@@ -94,7 +112,7 @@ class TieredExperts(PrefillPath, nn.Module):
             used = pair_experts(x, c.slots, c.slot_of[self.layer], flat, y)  # resident pairs, no host sync
             if resident:
                 c.count_lookups(self.layer, flat)
-                return combine_pairs(y, weights, x.dtype)
+                return combine_pairs(y, weights, x.dtype, residual=residual)
         else:  # no GPU tier: every pair is computed on the CPU
             used = torch.full_like(flat, -1, dtype=torch.int32)
         both = torch.stack((flat.to(torch.int32), used))  # [2, P] expert and slot used per pair
@@ -108,9 +126,9 @@ class TieredExperts(PrefillPath, nn.Module):
             recorder.host_step(cold)
         if c.slots is not None:  # the pairs whose experts the host step copied in (part of the graph)
             pair_experts(x, c.slots, c.late_slot, late, y)
-        return combine_pairs(y, weights, x.dtype, extra=cpu_out)
+        return combine_pairs(y, weights, x.dtype, extra=cpu_out, residual=residual)
 
-    def _mailbox_forward(self, x, flat, weights, y) -> torch.Tensor:
+    def _mailbox_forward(self, x, flat, weights, y, residual, used) -> torch.Tensor:
         """A decode layer inside a one-graph step: the resident pairs here, the cold ones on the mailbox worker
         (strata.runtime.cpu_mailbox), which the stream waits for before the combine. No host work.
 
@@ -123,7 +141,8 @@ class TieredExperts(PrefillPath, nn.Module):
         hot = c.slots is not None
         # [P] int32: the GPU slot each pair reads, -1 cold. Both the worker's inbox and the resident pairs' kernel
         # read this one lookup, so a map entry landing mid-layer cannot make a pair computed twice or not at all.
-        used = c.slot_of[self.layer][flat] if hot else torch.full_like(flat, -1, dtype=torch.int32)
+        if used is None:  # the router did not look them up (fused router off, or not its shapes)
+            used = c.slot_of[self.layer][flat] if hot else torch.full_like(flat, -1, dtype=torch.int32)
         alongside = hot and c.mailbox.hot_alongside
         if hot and not alongside:  # the resident pairs before the worker hears of the layer (A/B; CPU hosts)
             pair_experts(x, c.slots, used, c.pair_index(flat.numel(), x.device), y)
@@ -144,7 +163,7 @@ class TieredExperts(PrefillPath, nn.Module):
                 torch.cuda.current_stream(x.device).wait_stream(side)
 
         cpu_out = c.mailbox.exchange(self.layer, flat, used, x, weights, gpu_work, share=share)  # [N, H] fp32
-        return combine_pairs(y, weights, x.dtype, extra=cpu_out)
+        return combine_pairs(y, weights, x.dtype, extra=cpu_out, residual=residual)
 
     def _cold_stage(self, x, weights, y, both, cpu_out, late) -> None:
         """Host work of a decode layer: learn which pairs were cold, serve them, count the lookups."""
