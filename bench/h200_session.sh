@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 # The box's copy of the tree carries stale git metadata: put the local commit into the command, e.g.
@@ -278,6 +278,15 @@ case "$1" in
       --out "$OUT/profile-ceiling" 2>&1 | grep -E "tok/s"
     PREFILL=0 timeout 150 bash "$0" hotpath 1.0 "${2:-ceiling,ceiling+norouter+noresidual,split,split+norouter+noresidual,split+again}"
     PREFILL=0 timeout 100 bash "$0" hotpath uniform "${3:-split,split+norouter+noresidual}" ;;
+  nineteenth-c)  # every GPU test at this code (kvikio's rapids-logger wheel now carried), then the suite's 25% cases at one
+    # stream with the uniform ablations that were last measured in run B (cfcce9b), all in one run for their ratios
+    timeout 270 python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
+    grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.txt" | head
+    rm -rf /dev/shm/b12* /dev/shm/sc
+    timeout 310 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 290 --out "$OUT/suite-b25" --cases \
+      'ceiling/all/uniform/p128x1' 'split/b25/*/p128x1' 'copy-only/b25/uniform/p128x1' 'cpu-only/b0/uniform/p128x1' \
+      'no-prefetch/b25/uniform/p128x1' 'static/b25/uniform/p128x1' 'naive/b25/uniform/p128x1' 2>&1 | grep -E '^[a-z-]+/' \
+      | cut -c1-200 ;;
   sixteenth-b)  # after the sampler stopped syncing: its GPU tests, the syncs left in a step, the A/B on both routings
     timeout 120 python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_overlap_decode.py 2>&1 | tail -2
     PREFILL=0 timeout 200 bash "$0" hotpath 1.0 "${2:-ceiling,ceiling+sync,split,split+sync,split+again}"
