@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 # The box's copy of the tree carries stale git metadata: put the local commit into the command, e.g.
@@ -287,6 +287,14 @@ case "$1" in
       'ceiling/all/uniform/p128x1' 'split/b25/*/p128x1' 'copy-only/b25/uniform/p128x1' 'cpu-only/b0/uniform/p128x1' \
       'no-prefetch/b25/uniform/p128x1' 'static/b25/uniform/p128x1' 'naive/b25/uniform/p128x1' 2>&1 | grep -E '^[a-z-]+/' \
       | cut -c1-200 ;;
+  nineteenth-d)  # the router's top-k in one warp with one reduction a round: its GPU tests, the ceiling's kernel table,
+    # the A/B on skewed routing
+    timeout 150 python3 -m pytest -q -m gpu tests/test_fused_kernels.py tests/test_decode_path.py > "$OUT/gpu_tests_19d.txt" 2>&1
+    tail -2 "$OUT/gpu_tests_19d.txt"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_19d.txt" | head
+    python3 -m strata demo-model /dev/shm/b12-1.0 --size bench --layers 12 --no-engram --route-skew 1.0 > /dev/null 2>&1
+    timeout 60 python3 bench/profile_decode.py --model /dev/shm/b12-1.0 --no-kernels --tokens 32 \
+      --out "$OUT/profile-ceiling" 2>&1 | grep -E "tok/s"
+    PREFILL=0 timeout 150 bash "$0" hotpath 1.0 "${2:-ceiling,ceiling+norouter,ceiling+again,split,split+norouter}" ;;
   sixteenth-b)  # after the sampler stopped syncing: its GPU tests, the syncs left in a step, the A/B on both routings
     timeout 120 python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_overlap_decode.py 2>&1 | tail -2
     PREFILL=0 timeout 200 bash "$0" hotpath 1.0 "${2:-ceiling,ceiling+sync,split,split+sync,split+again}"

@@ -295,3 +295,20 @@ def test_combine_adds_the_residual_as_torch_does(monkeypatch):
         assert torch.equal(combine_pairs(y, w, DTYPE, extra=part, residual=residual), want)
     monkeypatch.setattr(fused, "RESIDUAL_FOLD", False)
     assert torch.equal(combine_pairs(y, w, DTYPE, extra=extra, residual=residual), want)
+
+
+def test_softmax_topk_breaks_ties_by_the_lowest_id_and_takes_zero_probabilities_in_order(monkeypatch):
+    """Equal probabilities go to the lower expert id first (as the torch chain's reference semantics on CPU), and
+    experts whose probability underflows to zero are still chosen, each once, in id order."""
+    from strata.kernels import decode_router
+
+    monkeypatch.setattr(fused, "FOLDS", True)
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, -1.0, 0.0, 2.0],
+                           [0.0, -1e4, -1e4, -1e4, -1e4, -1e4, -1e4, -1e4]]).to(DTYPE).to(DEVICE)
+    weights, ids = softmax_topk(logits, 4, False)
+    assert ids.tolist() == [[1, 2, 4, 7], [0, 1, 2, 3]]
+    assert weights[1].tolist() == [1.0, 0.0, 0.0, 0.0] and weights[0, 0] == weights[0, 1] == weights[0, 2]
+    # the decode router's top-k is the same code: an identity "router" on one-hot rows gives the same ids
+    eye = torch.eye(8, dtype=DTYPE, device=DEVICE)
+    _, r_ids, _ = decode_router.route(logits, eye, 4, False, decode_router.new_counts(logits.device))
+    assert torch.equal(r_ids, ids)

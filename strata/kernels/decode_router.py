@@ -65,7 +65,7 @@ def route(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool, counts
         x, weight, logits, counts, top_w, top_i, slot_of if slot_of is not None else top_w,
         used if used is not None else top_w, h, e, x.stride(0), K=k, KB=triton.next_power_of_2(k), EB=eb,
         BLOCK_H=block_h, BLOCK_E=triton.next_power_of_2(e), NORMALIZE=normalize, SLOTS=slot_of is not None,
-        BF16=x.dtype == torch.bfloat16, num_warps=2)
+        BF16=x.dtype == torch.bfloat16, num_warps=1 if e <= 256 else 4)  # the top-k's reductions: shuffles
     return top_w, top_i, used
 
 

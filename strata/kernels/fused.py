@@ -147,7 +147,8 @@ def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.T
     ids = torch.empty((n, k), dtype=torch.int64, device=logits.device)
     if n:
         _softmax_topk_kernel[(n,)](logits, weights, ids, e, logits.stride(0), K=k, KB=triton.next_power_of_2(k),
-                                   BLOCK=triton.next_power_of_2(e), NORMALIZE=normalize, num_warps=4)
+                                   BLOCK=triton.next_power_of_2(e), NORMALIZE=normalize,
+                                   num_warps=1 if e <= 256 else 4)  # one warp: its reductions are shuffles alone
     return weights, ids
 
 
@@ -265,18 +266,22 @@ if triton is not None:
     def _softmax_topk_row(x, offs, mask, K: tl.constexpr, KB: tl.constexpr, BLOCK: tl.constexpr,
                           NORMALIZE: tl.constexpr):
         """One row's fp32 logits x [BLOCK] (padding -inf) -> (weights [KB], ids [KB] int64): softmax, top-k
-        (ties: the lowest expert id), optional renormalise; entries past K are padding."""
+        (ties: the lowest expert id), optional renormalise; entries past K are padding. Each round is one max
+        over int64 keys, a probability's bits (>= 0, so ordered as the floats) above BLOCK - id (the lower id
+        wins a tie), instead of a max then a min: a decode router's top-k is a chain of these reductions."""
         ex = tl.where(mask, tl.exp(x - tl.max(x, axis=0)), 0.0)
-        p = tl.where(mask, ex / tl.sum(ex, axis=0), -1.0)  # probabilities; padding below any of them
+        p = ex / tl.sum(ex, axis=0)  # probabilities
+        bits = p.to(tl.int32, bitcast=True).to(tl.int64)
+        key = tl.where(mask, (bits << 32) | (BLOCK - offs).to(tl.int64), -1)  # padding below every expert
         slots = tl.arange(0, KB)
         top_w = tl.zeros([KB], dtype=tl.float32)
         top_i = tl.zeros([KB], dtype=tl.int64)
         for j in tl.static_range(K):  # k rounds of argmax
-            best = tl.max(p, axis=0)
-            idx = tl.min(tl.where(p == best, offs, BLOCK), axis=0)
-            top_w = tl.where(slots == j, best, top_w)
-            top_i = tl.where(slots == j, idx.to(tl.int64), top_i)
-            p = tl.where(offs == idx, -2.0, p)
+            best = tl.max(key, axis=0)
+            idx = BLOCK - (best & 0xFFFFFFFF)
+            top_w = tl.where(slots == j, (best >> 32).to(tl.int32).to(tl.float32, bitcast=True), top_w)
+            top_i = tl.where(slots == j, idx, top_i)
+            key = tl.where(offs == idx, -1, key)
         if NORMALIZE:
             top_w = top_w / tl.sum(top_w, axis=0)
         return top_w, top_i
