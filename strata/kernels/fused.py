@@ -305,6 +305,8 @@ if triton is not None:
         n = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < H
+        if RESIDUAL:  # loaded first: its latency overlaps the rows' loads
+            res = tl.load(res_ptr + n * H + offs, mask=mask, other=0.0).to(tl.float32)
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for j in tl.static_range(K):  # experts in routing order, whatever tier computed each row
             w = tl.load(w_ptr + n * K + j)
@@ -312,6 +314,5 @@ if triton is not None:
         if EXTRA:  # the CPU's weighted partial sum of the cold pairs
             acc += tl.load(extra_ptr + n * H + offs, mask=mask, other=0.0)
         if RESIDUAL:  # x + mlp(h): the MoE output rounded to the model dtype first, then the add, rounded again
-            acc = _round(acc, out_ptr.dtype.element_ty, BF16) + tl.load(res_ptr + n * H + offs, mask=mask,
-                                                                       other=0.0).to(tl.float32)
+            acc = _round(acc, out_ptr.dtype.element_ty, BF16) + res
         tl.store(out_ptr + n * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
