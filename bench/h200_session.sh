@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 # The box's copy of the tree carries stale git metadata: put the local commit into the command, e.g.
@@ -295,6 +295,14 @@ case "$1" in
     timeout 60 python3 bench/profile_decode.py --model /dev/shm/b12-1.0 --no-kernels --tokens 32 \
       --out "$OUT/profile-ceiling" 2>&1 | grep -E "tok/s"
     PREFILL=0 timeout 150 bash "$0" hotpath 1.0 "${2:-ceiling,ceiling+norouter,ceiling+again,split,split+norouter}" ;;
+  twentieth)  # where the CPU kernel's ~30 us fixed cost a call goes (its phase trace, alone, then inside decode),
+    # and its threads reading down chunks ahead while the gate/up phase finishes
+    timeout 120 python3 -m pytest -q -m gpu tests/test_cpu_mailbox.py tests/test_cpu_experts.py > "$OUT/gpu_tests_20.txt" 2>&1
+    tail -2 "$OUT/gpu_tests_20.txt"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_20.txt" | head
+    timeout 150 python3 bench/cpu_kernel_trace.py --threads 12 --calls 400 --out "$OUT/ckt" \
+      --knobs "${2:-claim_ahead=0;claim_ahead=4;claim_ahead=16;claim_ahead=0,chunk_div=16;claim_ahead=4,chunk_div=16}" 2>&1 | tail -40
+    PREFILL=0 timeout 220 bash "$0" hotpath 1.0 "${3:-split,split+claim4,split+whole,split+again,split+claim4+again,split+claim16}"
+    PREFILL=0 timeout 100 bash "$0" hotpath uniform "${4:-split,split+claim4}" ;;
   sixteenth-b)  # after the sampler stopped syncing: its GPU tests, the syncs left in a step, the A/B on both routings
     timeout 120 python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_overlap_decode.py 2>&1 | tail -2
     PREFILL=0 timeout 200 bash "$0" hotpath 1.0 "${2:-ceiling,ceiling+sync,split,split+sync,split+again}"

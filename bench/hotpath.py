@@ -45,6 +45,9 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
   async          the CPU share started first on the kernel's threads (STRATA_CPU_ASYNC=1)
   tN             N CPU kernel threads (STRATA_CPU_THREADS=N)
   spinN          the CPU kernel's idle workers spin N us before sleeping (STRATA_CPU_SPIN_US=N)
+  claimN         the CPU kernel's threads claim up to N down chunks and read them while the gate/up phase finishes
+                 (cpu_experts.tune(claim_ahead=N))
+  chunkdivN      the CPU kernel's chunks of total / (N x threads) bytes (cpu_experts.tune(chunk_div=N); default 8)
   swN            the interpreter's GIL switch interval set to N us (sys.setswitchinterval; default 5000)
   again          nothing: the same case run a second time (a run-order check)
 Decode samples at temperature 1 (fixed seed) so a random-weight model does not repeat itself and
@@ -118,7 +121,9 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
     # prefill, slow when its experts are cold, is reported apart as ttft_s
     box = getattr(engine._compute, "mailbox", None)
     c0 = box.counters.copy() if box is not None else None
+    ce.trace(True)  # the CPU kernel's phases over the decode phase (a few clock reads a call)
     run = timed_decode(engine, prompt, tokens, sync)
+    kt = ce.trace(False)
     if box is not None:  # the decode phase's trip per layer, from the worker's clock (CpuMailbox.timing)
         d = box.counters - c0
         layers, gaps = max(1, int(d[3])), max(1, int(d[6]))
@@ -137,6 +142,12 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
     if box is not None:
         res["mailbox_threads"] = int(box._keep[0][8])  # the worker's kernel threads (its config's slot 8)
         res["mailbox_us_per_layer"] = mailbox_us
+    if kt.get("calls"):  # per kernel call: us of each phase (cpu_experts.TRACE_FIELDS), GB/s, chunks
+        calls = kt["calls"]
+        res["cpu_kernel_us"] = {k[:-3]: round(v / calls / 1e3, 1) for k, v in kt.items() if k.endswith("_ns")}
+        res["cpu_kernel_us"].update(calls=calls, gbps=round(kt["bytes"] / max(1, kt["call_ns"]), 1),
+                                    threads=round(kt["threads_joined"] / calls, 1),
+                                    claimed=round(kt["claimed_ahead"] / calls, 2))
     t0s, t1s = before["tiers"], after["tiers"]
     if t1s is not None:
         lookups = _delta(t0s, t1s, "lookups")
@@ -233,7 +244,7 @@ def main() -> None:
     switch = sys.getswitchinterval()
     for full in args.cases.split(","):
         name, *mods = full.split("+")
-        cfg, env = all_cases[name], {}
+        cfg, env, knobs = all_cases[name], {}, {}
         for mod in mods:
             if mod == "noprefetch":
                 cfg = {**cfg, "prefetch": {"lookahead": 0}}
@@ -265,6 +276,10 @@ def main() -> None:
                 env["STRATA_FUSED_RESIDUAL"] = "0"
             elif mod.startswith("spin"):
                 env["STRATA_CPU_SPIN_US"] = mod[4:]
+            elif mod.startswith("claim") and mod[5:].isdigit():
+                knobs["claim_ahead"] = int(mod[5:])
+            elif mod.startswith("chunkdiv") and mod[8:].isdigit():
+                knobs["chunk_div"] = int(mod[8:])
             elif mod != "again":
                 raise SystemExit(f"unknown case modifier {mod!r} in {full!r}")
         for key in ("STRATA_CPU_SPIN_US", "STRATA_BENCH_SWITCH_US", "STRATA_MAILBOX_GPU_SHARE", "STRATA_MAILBOX_WHOLE_EXPERTS",
@@ -283,15 +298,17 @@ def main() -> None:
         fused.FOLDS = not name.endswith("_nofolds")
         decode_router.ENABLED = env.get("STRATA_FUSED_ROUTER") != "0"  # read at import: set here for each case
         fused.RESIDUAL_FOLD = env.get("STRATA_FUSED_RESIDUAL") != "0"
+        from strata.kernels import cpu_experts as ce
+
+        old_knobs = ce.tune(**knobs)  # the kernel's scheduling knobs for this case only
         try:
             result["cases"].append(run_case(args.model, name, cfg, args.tokens, args.prefill, args.device, label=full))
         except Exception as e:  # noqa: BLE001 - record and go on to the next case
             result["cases"].append({"case": full, "error": f"{type(e).__name__}: {e}"})
             print(full, "failed:", e, flush=True)
             traceback.print_exc()
+        ce.tune(**old_knobs)
         if "STRATA_CPU_SPIN_US" in env:  # the kernel reads it when loaded: set it back for the next case
-            from strata.kernels import cpu_experts as ce
-
             os.environ.pop("STRATA_CPU_SPIN_US")
             ce.configure(spin_us=ce.spin_us())
     os.environ.pop("STRATA_CPU_ASYNC", None)

@@ -322,3 +322,63 @@ def test_spin_time_comes_from_the_environment(monkeypatch):
     assert ce.spin_us() == ce.DEFAULT_SPIN_US >= 500
     monkeypatch.setenv("STRATA_CPU_SPIN_US", "2000")
     assert ce.spin_us() == 2000
+
+
+@pytest.fixture
+def _restore_knobs():
+    old = ce.tune(claim_ahead=0, chunk_div=8, chunk_min=32 << 10, chunk_max=512 << 10)
+    yield
+    ce.tune(**old)
+    ce.trace(False)
+
+
+def test_scheduling_knobs_keep_results_bit_identical(_restore_knobs):
+    """Claiming down chunks ahead and any chunk size change who computes what, never the sums."""
+    names = [b for b in _testable_backends() if b not in ("torch", "avx512_bf16_emulated", "avx512_emulated")]
+    if not names:
+        pytest.skip("extension not available")
+    H, inter, N, E = 512, 192, 3, 6
+    experts = make_experts(H, inter, E, seed=11)
+    idx, tw = make_routing(N, E, 4, seed=5)
+    x = torch.randn(N, H, generator=torch.Generator().manual_seed(9))
+    ref = ce.cpu_experts_forward(x, experts, idx, tw, threads=1, backend=names[0])
+    ce.trace(True)
+    calls = 0
+    for claim, div, lo in [(0, 8, 32 << 10), (2, 8, 4096), (16, 64, 2048), (16, 1, 2048), (1, 8, 1 << 20)]:
+        ce.tune(claim_ahead=claim, chunk_div=div, chunk_min=lo, chunk_max=max(lo, 512 << 10))
+        for threads in (1, 2, 3, 5):
+            got = ce.cpu_experts_forward(x, experts, idx, tw, threads=threads, backend=names[0])
+            calls += 1
+            assert torch.equal(got, ref), (claim, div, lo, threads)
+    t = ce.trace(False)
+    assert t["calls"] == calls
+    assert t["bytes"] == calls * 3 * inter * H * 2 * sum(1 for i in idx if i.numel())
+    assert t["threads_joined"] >= calls  # the caller always joins
+    assert 0 < t["phase1_ns"] + t["phase2_ns"] <= t["call_ns"]
+    assert t["phase1_chunks"] >= calls
+    assert ce.trace(None)["calls"] == calls  # off: no more calls counted
+    ce.cpu_experts_forward(x, experts, idx, tw, threads=2, backend=names[0])
+    assert ce.trace(None)["calls"] == calls
+
+
+def test_tune_rejects_unknown_or_negative_knobs():
+    if not kernel_backends():
+        pytest.skip("extension not available")
+    with pytest.raises(ValueError, match="unknown CPU kernel knob 'chunks'"):
+        ce.tune(chunks=3)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        ce.tune(claim_ahead=-1)
+    old = ce.tune(claim_ahead=40)
+    try:
+        assert ce.tune(claim_ahead=old["claim_ahead"])["claim_ahead"] == 16  # clamped to the kernel's limit
+    finally:
+        ce.tune(**old)
+
+
+def test_tune_from_the_environment_is_checked(monkeypatch):
+    monkeypatch.setenv("STRATA_CPU_TUNE", "claim_ahead=3, chunk_div=16")
+    assert ce._env_knobs() == {"claim_ahead": 3, "chunk_div": 16}
+    for bad in ("claim_ahead", "claim=2", "chunk_div=-1", "chunk_div=x"):
+        monkeypatch.setenv("STRATA_CPU_TUNE", bad)
+        with pytest.raises(ValueError, match="STRATA_CPU_TUNE: bad item"):
+            ce._env_knobs()

@@ -43,7 +43,8 @@ the kernel's experts.
 Environment: STRATA_CPU_KERNEL=auto|avx512_bf16|avx512|avx2|torch, STRATA_CPU_THREADS (default: the
 physical cores this process may run on), STRATA_CPU_KERNEL_MAX_TOKENS (default 32), STRATA_CPU_PREFETCH
 (software prefetch distance along weight rows in bytes, default 2048, 0 = off; see `configure`),
-STRATA_CPU_SPIN_US (how long idle workers spin before sleeping, default 1000). The extension is
+STRATA_CPU_SPIN_US (how long idle workers spin before sleeping, default 1000), STRATA_CPU_TUNE (scheduling
+knobs, `tune`; e.g. "claim_ahead=4"). The extension is
 cached under $STRATA_CACHE/ext (else $XDG_CACHE_HOME/strata/ext or ~/.cache/strata/ext), keyed by a
 hash of its sources, the compiler flags, torch's and Python's versions.
 """
@@ -105,12 +106,15 @@ def _load() -> ctypes.CDLL | None:
     with _lock:
         if not _lib_tried:
             t0 = time.perf_counter()
+            knobs = _env_knobs()  # a bad $STRATA_CPU_TUNE is the user's error, not a reason to fall back to torch
             try:
                 lib = build_and_open()
                 if lib.strata_cpu_meta_fields() != META:
                     raise RuntimeError(f"kernel takes {lib.strata_cpu_meta_fields()} meta fields, strata packs {META}")
                 _isa_mask = lib.strata_cpu_isa_mask()
                 lib.strata_cpu_configure(spin_us(), None, -1, prefetch_bytes())
+                for name, value in knobs.items():
+                    lib.strata_cpu_tune(TUNE_KEYS[name], value)
                 _lib = lib
             except Exception as exc:  # no compiler, no ninja, not x86-64, read-only cache...
                 log.warning("strata: CPU expert kernel unavailable (%s); using the torch fallback", one_line(exc))
@@ -206,6 +210,55 @@ def read_sweep(buffers: Sequence[torch.Tensor], threads: int | None = None) -> f
     t0 = time.perf_counter()
     lib.strata_cpu_read_sweep(ptrs.buffer_info()[0], sizes.buffer_info()[0], len(buffers), int(threads or default_threads()))
     return time.perf_counter() - t0
+
+
+TUNE_KEYS = {"claim_ahead": 1, "chunk_div": 2, "chunk_min": 3, "chunk_max": 4}
+"""`tune`'s knobs (csrc/cpu_experts.cpp, strata_cpu_tune): down chunks a thread claims and reads ahead while
+the gate/up phase finishes (0 off, at most 16); chunks of total / (chunk_div x threads) bytes, clamped to
+[chunk_min, chunk_max]. None of them changes results (each output element keeps one writer and one order)."""
+
+
+def _env_knobs() -> dict[str, int]:
+    """$STRATA_CPU_TUNE, e.g. "claim_ahead=4,chunk_div=16": knobs applied when the extension loads."""
+    knobs: dict[str, int] = {}
+    for item in filter(None, (p.strip() for p in os.environ.get("STRATA_CPU_TUNE", "").split(","))):
+        name, _, value = item.partition("=")
+        if name.strip() not in TUNE_KEYS or not value.strip().isdigit():
+            raise ValueError(f"STRATA_CPU_TUNE: bad item {item!r}: want name=integer with name one of "
+                             f"{', '.join(TUNE_KEYS)}")
+        knobs[name.strip()] = int(value)
+    return knobs
+
+
+def tune(**knobs: int) -> dict[str, int]:
+    """Set the kernel's scheduling knobs (`TUNE_KEYS`); returns their values before. Empty without the extension."""
+    lib = _load()
+    old: dict[str, int] = {}
+    if lib is None:
+        return old
+    for name, value in knobs.items():
+        if name not in TUNE_KEYS:
+            raise ValueError(f"unknown CPU kernel knob {name!r} (choose from {', '.join(TUNE_KEYS)})")
+        if int(value) < 0:
+            raise ValueError(f"CPU kernel knob {name} must be >= 0, got {value}")
+        old[name] = int(lib.strata_cpu_tune(TUNE_KEYS[name], int(value)))
+    return old
+
+
+TRACE_FIELDS = ("calls", "setup_ns", "last_arrival_ns", "phase1_ns", "barrier_wait_ns", "phase2_ns", "end_idle_ns",
+                "close_ns", "threads_joined", "call_ns", "bytes", "phase1_chunks", "claimed_ahead")
+
+
+def trace(on: bool | None) -> dict[str, int]:
+    """The kernel's per-call phase trace, summed over calls (`TRACE_FIELDS`; ns except the counts): returns the
+    sums so far, then turns tracing on (zeroing the sums), off, or leaves it (None). Costs a few clock reads a
+    thread and call while on. Empty without the extension."""
+    lib = _load()
+    if lib is None:
+        return {}
+    acc = (ctypes.c_int64 * len(TRACE_FIELDS))()
+    lib.strata_cpu_trace(-1 if on is None else int(bool(on)), acc)
+    return dict(zip(TRACE_FIELDS, (int(v) for v in acc), strict=True))
 
 
 def prefetch_bytes() -> int:

@@ -83,6 +83,10 @@ def build_and_open() -> ctypes.CDLL:
     lib.strata_mailbox_stop.argtypes = [ctypes.c_int64]
     lib.strata_mailbox_stop.restype = ctypes.c_int
     lib.strata_mailbox_log_codes.argtypes = []
+    lib.strata_cpu_trace.argtypes = [ctypes.c_int, ctypes.c_void_p]
+    lib.strata_cpu_trace.restype = ctypes.c_int
+    lib.strata_cpu_tune.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    lib.strata_cpu_tune.restype = ctypes.c_int64
     lib.strata_cpu_meta_fields.argtypes = []
     lib.strata_cpu_meta_fields.restype = ctypes.c_int
     lib.strata_mailbox_log_codes.restype = ctypes.c_int

@@ -27,6 +27,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <ctime>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -74,6 +75,12 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN
 
 using Clock = std::chrono::steady_clock;
 
+inline int64_t mono_ns() {  // CLOCK_MONOTONIC, as Python's time.monotonic_ns
+    timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
 // Spin with pause; after `patience` of spinning, yield the core on every further check.
 template <class Pred>
 inline void spin_until(Pred done, std::chrono::microseconds patience = std::chrono::microseconds(200)) {
@@ -115,6 +122,8 @@ struct Job {
     std::vector<Chunk> chunks1;
     int64_t down_rows = 2, n_down_chunks = 0;
     int64_t pf = 0;  // software prefetch distance in elements (0: off)
+    int64_t claim_max = 0;  // down chunks a thread may claim and read ahead while phase 1 finishes (0: off)
+    int64_t* trace = nullptr;  // tracing only: per thread [entered, phase 1 left, phase 2 begun, left] ns, claimed
     std::atomic<int64_t> next1{0}, next2{0};  // next chunk to take, per phase
     std::atomic<int64_t> done1{0}, done2{0};  // chunks finished, per phase
 };
@@ -234,6 +243,12 @@ std::mutex g_call;  // one layer at a time; guards everything below
 Pool* g_pool = nullptr;
 int g_spin_us = 100;
 int64_t g_prefetch_bytes = 2048;
+// strata_cpu_tune's knobs: down chunks claimed ahead, chunk size = total / (g_chunk_div * threads) in
+// [g_chunk_min, g_chunk_max] bytes
+int64_t g_claim_max = 0, g_chunk_div = 8, g_chunk_min = 32 << 10, g_chunk_max = 512 << 10;
+bool g_trace = false;
+std::vector<int64_t> g_trace_rows;
+int64_t g_trace_acc[13] = {};
 std::vector<int> g_cpus;
 std::vector<uint8_t> g_hbuf, g_xbuf;
 
@@ -542,6 +557,57 @@ STRATA_API int strata_cpu_shutdown() {
     return 0;
 }
 
+namespace {
+// Sums over traced calls (strata_cpu_trace): [0] calls, ns of [1] set-up before the pool runs, [2] the last
+// thread's arrival, [3] phase 1 (until its last chunk is done), [4] a thread's mean wait at the barrier,
+// [5] phase 2 (after phase 1), [6] a thread's mean idle time at the end, [7] closing the job, [8] threads that
+// joined, [9] the whole call, [10] bytes of weights read, [11] phase-1 chunks, [12] down chunks claimed ahead.
+void trace_add(const Job& job, int P, int64_t t_call, int64_t t_run, int64_t bytes) {
+    const int64_t t_ret = mono_ns();
+    int64_t joined = 0, claimed = 0, last_in = t_run, p1_end = t_run, p2_end = t_run, wait = 0, idle = 0;
+    for (int t = 0; t < P; ++t) {
+        const int64_t* r = job.trace + 5 * t;
+        if (!r[0]) continue;
+        ++joined;
+        last_in = std::max(last_in, r[0]), p1_end = std::max(p1_end, r[1]), p2_end = std::max(p2_end, r[3]);
+    }
+    for (int t = 0; t < P; ++t) {
+        const int64_t* r = job.trace + 5 * t;
+        if (!r[0]) continue;
+        wait += r[2] - r[1];
+        idle += p2_end - r[3];
+        claimed += r[4];
+    }
+    int64_t* a = g_trace_acc;
+    a[0] += 1, a[1] += t_run - t_call, a[2] += last_in - t_run, a[3] += p1_end - t_run;
+    a[4] += joined ? wait / joined : 0, a[5] += p2_end - p1_end, a[6] += joined ? idle / joined : 0;
+    a[7] += t_ret - p2_end, a[8] += joined, a[9] += t_ret - t_call, a[10] += bytes;
+    a[11] += int64_t(job.chunks1.size()), a[12] += claimed;
+}
+}  // namespace
+
+// Turn the per-call trace on (1: and zero its sums) or off (0); with `acc` (13 int64), copy the sums out first.
+STRATA_API int strata_cpu_trace(int on, int64_t* acc) {
+    std::lock_guard<std::mutex> lk(g_call);
+    if (acc) std::memcpy(acc, g_trace_acc, sizeof(g_trace_acc));
+    if (on == 1) std::memset(g_trace_acc, 0, sizeof(g_trace_acc));
+    if (on >= 0) g_trace = on == 1;
+    return 0;
+}
+
+// Set knob `key` to `value` (< 0: leave it) and return its value before: 1 down chunks a thread claims and
+// reads ahead while phase 1 finishes (0 off, at most 16), 2 the chunk divisor (chunks of total / (div x
+// threads) bytes), 3 and 4 the chunk size's floor and ceiling in bytes. -1 for an unknown key.
+STRATA_API int64_t strata_cpu_tune(int64_t key, int64_t value) {
+    std::lock_guard<std::mutex> lk(g_call);
+    int64_t* knob = key == 1 ? &g_claim_max : key == 2 ? &g_chunk_div : key == 3 ? &g_chunk_min
+                  : key == 4 ? &g_chunk_max : nullptr;
+    if (!knob) return -1;
+    const int64_t old = *knob;
+    if (value >= 0) *knob = key == 1 ? std::min<int64_t>(value, 16) : std::max<int64_t>(value, 1);
+    return old;
+}
+
 // out[N, H] (fp32, contiguous) += sum over experts of w * expert(x[idx]).
 // meta: E rows of STRATA_META int64: gate_up ptr, down ptr, idx ptr (int64), w ptr (fp32), T, I, ld: the expert's
 // first I of its ld intermediate rows (I < ld: the CPU's part of an expert split with the GPU, which computes the rest).
@@ -564,6 +630,7 @@ STRATA_API int strata_cpu_experts(int isa, const float* x, int64_t N, int64_t H,
     }
     if (experts.empty()) return 0;
     std::lock_guard<std::mutex> lk(g_call);
+    const int64_t t_call = g_trace ? mono_ns() : 0;
     const int P = std::max(1, threads);
     Job job;
     job.N = N;
@@ -595,7 +662,7 @@ STRATA_API int strata_cpu_experts(int isa, const float* x, int64_t N, int64_t H,
     // Chunks of about total / (8 P) bytes, clamped to [32 KiB, 512 KiB]: long sequential streams for the
     // prefetchers, and enough chunks that a thread delayed by the OS does not hold the others back.
     auto chunk_bytes = [&](int64_t total) {
-        return std::clamp<int64_t>(total / (8 * int64_t(P)), 32 << 10, 512 << 10);
+        return std::clamp<int64_t>(total / (g_chunk_div * int64_t(P)), g_chunk_min, g_chunk_max);
     };
     const int64_t pair_bytes = 4 * H;  // one gate row + one up row
     const int64_t pairs = std::max<int64_t>(1, chunk_bytes(gate_up_bytes) / pair_bytes);
@@ -607,6 +674,11 @@ STRATA_API int strata_cpu_experts(int isa, const float* x, int64_t N, int64_t H,
     job.down_rows = rows;
     job.n_down_chunks = (H + rows - 1) / rows;
     job.pf = (g_prefetch_bytes / 2 + 31) / 32 * 32;  // whole 64-byte lines
+    job.claim_max = g_claim_max;
+    if (g_trace) {
+        g_trace_rows.assign(size_t(5 * P), 0);
+        job.trace = g_trace_rows.data();
+    }
 
     JobFn fn = k_emu512::run_job;
     switch (isa) {
@@ -619,11 +691,13 @@ STRATA_API int strata_cpu_experts(int isa, const float* x, int64_t N, int64_t H,
         case ISA_EMU_AVX512_BF16: fn = k_emu512bf16::run_job; break;
         default: return -1;
     }
+    const int64_t t_run = job.trace ? mono_ns() : 0;
     if (P == 1) {
         fn(&job, 0);
     } else {
         get_pool(P)->run(fn, &job);
     }
+    if (job.trace) trace_add(job, P, t_call, t_run, gate_up_bytes + down_row_bytes * H);
     return 0;
 }
 

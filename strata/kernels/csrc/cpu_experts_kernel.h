@@ -166,10 +166,35 @@ static void down_rows(const Job& job, int64_t h0, int64_t h1) {
     }
 }
 
+// Read phase-2 chunk c's down rows once (every expert's [h0, h1) x I), so that computing it later hits this
+// core's L2: what a thread does with its wait for the last phase-1 chunks instead of spinning.
+static void read_ahead_down(const Job& job, int64_t c) {
+    const int64_t h0 = c * job.down_rows, h1 = std::min(job.H, h0 + job.down_rows);
+    uint64_t sink = 0;
+    for (int64_t e = 0; e < job.E; ++e) {
+        const ExpertArg& ex = job.experts[e];
+        for (int64_t h = h0; h < h1; ++h) {
+            const char* row = reinterpret_cast<const char*>(ex.down + h * ex.ld);
+            for (int64_t b = 0; b < 2 * ex.I; b += 64) sink += *reinterpret_cast<const volatile uint8_t*>(row + b);
+        }
+    }
+    if (sink == 0x5eed) job.done2.load(std::memory_order_relaxed);  // keeps the loads (never true in practice)
+}
+
+static void down_chunk(Job& job, int64_t c) {
+    const int64_t h0 = c * job.down_rows;
+    down_rows(job, h0, std::min(job.H, h0 + job.down_rows));
+    job.done2.fetch_add(1, std::memory_order_acq_rel);
+}
+
 // One thread's share of a layer: gate/up chunks; once every gate/up chunk is finished, down chunks.
-// Chunks are taken dynamically; tid 0 (the caller) returns only when every down chunk is finished.
+// Chunks are taken dynamically; tid 0 (the caller) returns only when every down chunk is finished. A thread
+// that finds no gate/up chunk left claims up to `claim_max` down chunks and reads their weights while the
+// others finish phase 1, then computes them first: the same writer per element, so the same sums.
 static void run_job(void* ctx, int tid) {
     Job& job = *static_cast<Job*>(ctx);
+    int64_t* tr = job.trace ? job.trace + 5 * tid : nullptr;
+    if (tr) tr[0] = mono_ns();
     const int64_t n1 = static_cast<int64_t>(job.chunks1.size()), n2 = job.n_down_chunks;
     for (;;) {
         const int64_t c = job.next1.fetch_add(1, std::memory_order_relaxed);
@@ -178,13 +203,24 @@ static void run_job(void* ctx, int tid) {
         gate_up_rows(job, ch.e, ch.r0, ch.r1);
         job.done1.fetch_add(1, std::memory_order_acq_rel);
     }
+    if (tr) tr[1] = mono_ns();
+    int64_t claimed[16];
+    int64_t nc = 0;
+    const int64_t claim_max = std::min<int64_t>(job.claim_max, 16);
+    while (nc < claim_max && job.done1.load(std::memory_order_acquire) != n1) {
+        const int64_t c = job.next2.fetch_add(1, std::memory_order_relaxed);
+        if (c >= n2) break;
+        claimed[nc++] = c;
+        read_ahead_down(job, c);
+    }
     spin_until([&] { return job.done1.load(std::memory_order_acquire) == n1; });
+    if (tr) tr[2] = mono_ns(), tr[4] = nc;
+    for (int64_t i = 0; i < nc; ++i) down_chunk(job, claimed[i]);
     for (;;) {
         const int64_t c = job.next2.fetch_add(1, std::memory_order_relaxed);
         if (c >= n2) break;
-        const int64_t h0 = c * job.down_rows;
-        down_rows(job, h0, std::min(job.H, h0 + job.down_rows));
-        job.done2.fetch_add(1, std::memory_order_acq_rel);
+        down_chunk(job, c);
     }
+    if (tr) tr[3] = mono_ns();
     if (tid == 0) spin_until([&] { return job.done2.load(std::memory_order_acquire) == n2; });
 }

@@ -1,0 +1,129 @@
+"""Where the CPU expert kernel's time goes on one decode layer's share, by phase, and what its scheduling knobs do.
+
+    python bench/cpu_kernel_trace.py [--threads 12] [--calls 200] [--gap-us 80] [--knobs "claim_ahead=0;claim_ahead=4"]
+                                     [--out DIR]
+
+The mailbox worker calls the kernel once per MoE layer with ~80 us of GPU work between calls (skewed routing,
+25% budget: ~1.6 cold experts a layer, ~60% of each computed here). Fitting the kernel's time against the bytes
+it reads leaves ~30 us a call that no byte explains (bench/RESULTS.md, tenth and seventeenth sessions). This
+calls the kernel the way the worker does (experts by address, the CPU's leading rows of split experts, a spin
+of --gap-us between calls, fresh experts every call so nothing is cached) for shares from a quarter expert to
+four, with the kernel's phase trace on (`strata.kernels.cpu_experts.trace`), once per knob set
+(`cpu_experts.tune`), and prints per share: us a call, GB/s, and the phases: set-up, the last thread's arrival,
+gate/up, a thread's mean wait at the barrier, down, a thread's mean idle time at the end. Then the least-squares
+line of time against bytes per knob set: its intercept is the fixed cost. Writes cpu_kernel_trace.json.
+Runs on any x86-64 machine (no GPU); the figures that matter are the GPU box's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import array
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from strata.kernels import cpu_experts as ce
+
+HIDDEN, INTER = 2048, 768  # the bench model's expert (Qwen3-30B-A3B): 9.4 MB in bf16
+SHARES = [(1, 0.25), (1, 0.6), (1, 1.0), (2, 0.6), (2, 1.0), (4, 1.0)]  # (experts, fraction of rows computed here)
+
+
+def parse_knobs(text: str) -> list[dict[str, int]]:
+    """"claim_ahead=0;claim_ahead=4,chunk_div=16" -> [{...}, {...}] (';' between sets, ',' inside one)."""
+    sets = []
+    for part in text.split(";"):
+        knobs = {}
+        for item in filter(None, (p.strip() for p in part.split(","))):
+            name, _, value = item.partition("=")
+            knobs[name.strip()] = int(value)
+        sets.append(knobs)
+    return sets
+
+
+def spin(us: float) -> None:
+    end = time.perf_counter() + us * 1e-6
+    while time.perf_counter() < end:
+        pass
+
+
+def run_share(pool: torch.Tensor, experts: int, frac: float, calls: int, threads: int, gap_us: float,
+              rng: np.random.Generator) -> dict:
+    rows = max(1, round(INTER * frac))
+    gu_elems = 2 * INTER * HIDDEN
+    x = torch.randn(1, HIDDEN)
+    out = torch.zeros(1, HIDDEN)
+    idx = torch.zeros(1, dtype=torch.int64)
+    w = torch.ones(1)
+    base, stride = pool.data_ptr(), pool.stride(0) * 2
+    ce.trace(True)
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        meta = array.array("q")
+        for e in rng.choice(pool.shape[0], size=experts, replace=False):
+            addr = base + int(e) * stride
+            meta.extend((addr, addr + gu_elems * 2, idx.data_ptr(), w.data_ptr(), 1, rows, INTER))
+        ce.run_packed(x, meta, out, threads)
+        spin(gap_us)
+    wall = time.perf_counter() - t0
+    t = ce.trace(False)
+    n = max(1, t["calls"])
+    us = {k[:-3]: t[k] / n / 1e3 for k in t if k.endswith("_ns")}
+    return {"experts": experts, "fraction": frac, "bytes": t["bytes"] // n, "us": us,
+            "gbps": t["bytes"] / max(1, t["call_ns"]), "threads_joined": t["threads_joined"] / n,
+            "phase1_chunks": t["phase1_chunks"] / n, "claimed_ahead": t["claimed_ahead"] / n, "wall_s": wall}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=12)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--gap-us", type=float, default=80.0)
+    ap.add_argument("--pool-experts", type=int, default=96, help="distinct experts cycled through (beyond the LLC)")
+    ap.add_argument("--knobs", default="claim_ahead=0;claim_ahead=4;claim_ahead=16;claim_ahead=4,chunk_div=16",
+                    help="knob sets to compare, ';' between sets")
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    if ce.backend() == "torch":
+        raise SystemExit("the CPU expert kernel is not available here (torch fallback): nothing to trace")
+    slot = -(-3 * INTER * HIDDEN // 2048) * 2048  # elements, page-aligned rows like a store slot
+    pool = torch.empty(args.pool_experts, slot, dtype=torch.bfloat16)
+    pool.normal_(0, 0.02)
+    rng = np.random.default_rng(0)
+    sets = parse_knobs(args.knobs)
+    defaults = ce.tune(**{k: v for s in sets for k, v in s.items()})  # the values in force before
+    results = []
+    print(f"backend {ce.backend()}, {args.threads} threads, gap {args.gap_us} us, {args.calls} calls a share")
+    print("knobs | share | us/call | GB/s | setup | last in | gate/up | barrier wait | down | end idle | claimed")
+    for knobs in sets:
+        ce.tune(**defaults)
+        ce.tune(**knobs)
+        label = ",".join(f"{k}={v}" for k, v in knobs.items()) or "defaults"
+        run_share(pool, 1, 1.0, 20, args.threads, args.gap_us, rng)  # warm the pool's threads
+        rows = []
+        for experts, frac in SHARES:
+            r = run_share(pool, experts, frac, args.calls, args.threads, args.gap_us, rng)
+            u = r["us"]
+            print(f"{label} | {experts} x {frac:.2f} | {u['call']:.1f} | {r['gbps']:.1f} | {u['setup']:.1f} | "
+                  f"{u['last_arrival']:.1f} | {u['phase1']:.1f} | {u['barrier_wait']:.1f} | {u['phase2']:.1f} | "
+                  f"{u['end_idle']:.1f} | {r['claimed_ahead']:.1f}")
+            rows.append(r)
+        b = np.array([r["bytes"] for r in rows], dtype=float)
+        t = np.array([r["us"]["call"] for r in rows])
+        slope, intercept = np.polyfit(b, t, 1)
+        fit = {"fixed_us": float(intercept), "gbps_marginal": float(1e-3 / slope) if slope > 0 else None}
+        print(f"{label}: fixed cost {intercept:.1f} us a call, marginal rate {fit['gbps_marginal'] or 0:.1f} GB/s")
+        results.append({"knobs": knobs, "shares": rows, "fit": fit})
+    ce.tune(**defaults)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "cpu_kernel_trace.json").write_text(json.dumps(
+        {"backend": ce.backend(), "threads": args.threads, "gap_us": args.gap_us, "calls": args.calls,
+         "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
