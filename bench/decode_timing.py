@@ -29,8 +29,10 @@ class DecodeRun:
         return self.decode_tokens / self.decode_s
 
 
-def timed_decode(engine, prompt: list[int], tokens: int, sync: Callable[[], None], seed: int = 3) -> DecodeRun:
-    """Generate `tokens` tokens of `prompt` at temperature 1 (seeded, EOS ignored) and time the decode phase."""
+def timed_decode(engine, prompt: list[int], tokens: int, sync: Callable[[], None], seed: int = 3,
+                 on_first_token: Callable[[], object] | None = None) -> DecodeRun:
+    """Generate `tokens` tokens of `prompt` at temperature 1 (seeded, EOS ignored) and time the decode phase;
+    `on_first_token` runs once the prefill's token is out, before the decode phase is timed."""
     from strata.runtime.generate import generate_tokens
     from strata.runtime.sampler import SamplingParams, make_generator
 
@@ -43,6 +45,8 @@ def timed_decode(engine, prompt: list[int], tokens: int, sync: Callable[[], None
     out = [next(steps)]  # the prefill, and the first token sampled from its logits
     ttft = time.perf_counter() - t0
     before = engine.stats()
+    if on_first_token is not None:
+        on_first_token()
     t1 = time.perf_counter()
     out += list(steps)
     sync()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 # The box's copy of the tree carries stale git metadata: put the local commit into the command, e.g.
@@ -303,6 +303,12 @@ case "$1" in
       --knobs "${2:-claim_ahead=0;claim_ahead=4;claim_ahead=16;claim_ahead=0,chunk_div=16;claim_ahead=4,chunk_div=16}" 2>&1 | tail -40
     PREFILL=0 timeout 220 bash "$0" hotpath 1.0 "${3:-split,split+claim4,split+whole,split+again,split+claim4+again,split+claim16}"
     PREFILL=0 timeout 100 bash "$0" hotpath uniform "${4:-split,split+claim4}" ;;
+  twentieth-b)  # the down rows read two streams a thread: the kernel's phase trace alone, then the A/B in decode
+    timeout 100 python3 -m pytest -q -m gpu tests/test_cpu_experts.py tests/test_cpu_mailbox.py 2>&1 | tail -1
+    timeout 150 python3 bench/cpu_kernel_trace.py --threads 12 --calls 400 --out "$OUT/ckt" \
+      --knobs "${2:-down_split=0;down_split=1;down_split=1,claim_ahead=4;down_split=0,claim_ahead=4}" 2>&1 | tail -30
+    PREFILL=0 timeout 240 bash "$0" hotpath 1.0 "${3:-split,split+dsplit,split+dsplit+claim4,split+again,split+dsplit+again,split+dsplit+claim4+again}"
+    PREFILL=0 timeout 120 bash "$0" hotpath uniform "${4:-split,split+dsplit,split+again,split+dsplit+again}" ;;
   sixteenth-b)  # after the sampler stopped syncing: its GPU tests, the syncs left in a step, the A/B on both routings
     timeout 120 python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_overlap_decode.py 2>&1 | tail -2
     PREFILL=0 timeout 200 bash "$0" hotpath 1.0 "${2:-ceiling,ceiling+sync,split,split+sync,split+again}"

@@ -47,6 +47,7 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
   spinN          the CPU kernel's idle workers spin N us before sleeping (STRATA_CPU_SPIN_US=N)
   claimN         the CPU kernel's threads claim up to N down chunks and read them while the gate/up phase finishes
                  (cpu_experts.tune(claim_ahead=N))
+  dsplit         the CPU kernel reads its down rows as two streams a thread (cpu_experts.tune(down_split=1))
   chunkdivN      the CPU kernel's chunks of total / (N x threads) bytes (cpu_experts.tune(chunk_div=N); default 8)
   swN            the interpreter's GIL switch interval set to N us (sys.setswitchinterval; default 5000)
   again          nothing: the same case run a second time (a run-order check)
@@ -121,8 +122,8 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
     # prefill, slow when its experts are cold, is reported apart as ttft_s
     box = getattr(engine._compute, "mailbox", None)
     c0 = box.counters.copy() if box is not None else None
-    ce.trace(True)  # the CPU kernel's phases over the decode phase (a few clock reads a call)
-    run = timed_decode(engine, prompt, tokens, sync)
+    # the CPU kernel's phases over the decode phase (a few clock reads a call), not the prompt's
+    run = timed_decode(engine, prompt, tokens, sync, on_first_token=lambda: ce.trace(True))
     kt = ce.trace(False)
     if box is not None:  # the decode phase's trip per layer, from the worker's clock (CpuMailbox.timing)
         d = box.counters - c0
@@ -280,6 +281,8 @@ def main() -> None:
                 knobs["claim_ahead"] = int(mod[5:])
             elif mod.startswith("chunkdiv") and mod[8:].isdigit():
                 knobs["chunk_div"] = int(mod[8:])
+            elif mod == "dsplit":
+                knobs["down_split"] = 1
             elif mod != "again":
                 raise SystemExit(f"unknown case modifier {mod!r} in {full!r}")
         for key in ("STRATA_CPU_SPIN_US", "STRATA_BENCH_SWITCH_US", "STRATA_MAILBOX_GPU_SHARE", "STRATA_MAILBOX_WHOLE_EXPERTS",

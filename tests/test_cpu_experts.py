@@ -326,33 +326,37 @@ def test_spin_time_comes_from_the_environment(monkeypatch):
 
 @pytest.fixture
 def _restore_knobs():
-    old = ce.tune(claim_ahead=0, chunk_div=8, chunk_min=32 << 10, chunk_max=512 << 10)
+    old = ce.tune(claim_ahead=0, chunk_div=8, chunk_min=32 << 10, chunk_max=512 << 10, down_split=0)
     yield
     ce.tune(**old)
     ce.trace(False)
 
 
 def test_scheduling_knobs_keep_results_bit_identical(_restore_knobs):
-    """Claiming down chunks ahead and any chunk size change who computes what, never the sums."""
+    """Claiming down chunks ahead, chunk sizes and the down rows' pairing change who computes what, never the sums."""
     names = [b for b in _testable_backends() if b not in ("torch", "avx512_bf16_emulated", "avx512_emulated")]
     if not names:
         pytest.skip("extension not available")
-    H, inter, N, E = 512, 192, 3, 6
-    experts = make_experts(H, inter, E, seed=11)
-    idx, tw = make_routing(N, E, 4, seed=5)
-    x = torch.randn(N, H, generator=torch.Generator().manual_seed(9))
-    ref = ce.cpu_experts_forward(x, experts, idx, tw, threads=1, backend=names[0])
     ce.trace(True)
-    calls = 0
-    for claim, div, lo in [(0, 8, 32 << 10), (2, 8, 4096), (16, 64, 2048), (16, 1, 2048), (1, 8, 1 << 20)]:
-        ce.tune(claim_ahead=claim, chunk_div=div, chunk_min=lo, chunk_max=max(lo, 512 << 10))
-        for threads in (1, 2, 3, 5):
-            got = ce.cpu_experts_forward(x, experts, idx, tw, threads=threads, backend=names[0])
-            calls += 1
-            assert torch.equal(got, ref), (claim, div, lo, threads)
+    calls = nbytes = 0
+    for H, inter in [(512, 192), (131, 19)]:  # the second: an odd row count in a down chunk (one row unpaired)
+        N, E = 3, 6
+        experts = make_experts(H, inter, E, seed=11)
+        idx, tw = make_routing(N, E, 4, seed=5)
+        x = torch.randn(N, H, generator=torch.Generator().manual_seed(9))
+        ce.tune(claim_ahead=0, chunk_div=8, chunk_min=32 << 10, chunk_max=512 << 10, down_split=0)
+        ref = ce.cpu_experts_forward(x, experts, idx, tw, threads=1, backend=names[0])
+        calls, nbytes = calls + 1, nbytes + 3 * inter * H * 2 * sum(1 for i in idx if i.numel())
+        for claim, div, lo, split in [(0, 8, 32 << 10, 0), (2, 8, 4096, 1), (16, 64, 2048, 1), (16, 1, 2048, 0),
+                                      (1, 8, 1 << 20, 1), (0, 64, 600, 1)]:
+            ce.tune(claim_ahead=claim, chunk_div=div, chunk_min=lo, chunk_max=max(lo, 512 << 10), down_split=split)
+            for threads in (1, 2, 3, 5):
+                got = ce.cpu_experts_forward(x, experts, idx, tw, threads=threads, backend=names[0])
+                calls, nbytes = calls + 1, nbytes + 3 * inter * H * 2 * sum(1 for i in idx if i.numel())
+                assert torch.equal(got, ref), (H, claim, div, lo, split, threads)
     t = ce.trace(False)
     assert t["calls"] == calls
-    assert t["bytes"] == calls * 3 * inter * H * 2 * sum(1 for i in idx if i.numel())
+    assert t["bytes"] == nbytes
     assert t["threads_joined"] >= calls  # the caller always joins
     assert 0 < t["phase1_ns"] + t["phase2_ns"] <= t["call_ns"]
     assert t["phase1_chunks"] >= calls

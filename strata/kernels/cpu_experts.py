@@ -212,10 +212,11 @@ def read_sweep(buffers: Sequence[torch.Tensor], threads: int | None = None) -> f
     return time.perf_counter() - t0
 
 
-TUNE_KEYS = {"claim_ahead": 1, "chunk_div": 2, "chunk_min": 3, "chunk_max": 4}
+TUNE_KEYS = {"claim_ahead": 1, "chunk_div": 2, "chunk_min": 3, "chunk_max": 4, "down_split": 5}
 """`tune`'s knobs (csrc/cpu_experts.cpp, strata_cpu_tune): down chunks a thread claims and reads ahead while
 the gate/up phase finishes (0 off, at most 16); chunks of total / (chunk_div x threads) bytes, clamped to
-[chunk_min, chunk_max]. None of them changes results (each output element keeps one writer and one order)."""
+[chunk_min, chunk_max]; down_split 1 pairs the down rows a thread reads two at a time across its chunk's halves
+(two streams in different pages) instead of adjacent. None of them changes results (each output element keeps one writer and one order)."""
 
 
 def _env_knobs() -> dict[str, int]:

@@ -122,6 +122,7 @@ struct Job {
     std::vector<Chunk> chunks1;
     int64_t down_rows = 2, n_down_chunks = 0;
     int64_t pf = 0;  // software prefetch distance in elements (0: off)
+    bool down_split = false;  // phase 2 pairs a row from each half of a chunk (two streams) instead of adjacent rows
     int64_t claim_max = 0;  // down chunks a thread may claim and read ahead while phase 1 finishes (0: off)
     int64_t* trace = nullptr;  // tracing only: per thread [entered, phase 1 left, phase 2 begun, left] ns, claimed
     std::atomic<int64_t> next1{0}, next2{0};  // next chunk to take, per phase
@@ -244,8 +245,8 @@ Pool* g_pool = nullptr;
 int g_spin_us = 100;
 int64_t g_prefetch_bytes = 2048;
 // strata_cpu_tune's knobs: down chunks claimed ahead, chunk size = total / (g_chunk_div * threads) in
-// [g_chunk_min, g_chunk_max] bytes
-int64_t g_claim_max = 0, g_chunk_div = 8, g_chunk_min = 32 << 10, g_chunk_max = 512 << 10;
+// [g_chunk_min, g_chunk_max] bytes, down rows paired across a chunk's halves (g_down_split)
+int64_t g_claim_max = 0, g_chunk_div = 8, g_chunk_min = 32 << 10, g_chunk_max = 512 << 10, g_down_split = 0;
 bool g_trace = false;
 std::vector<int64_t> g_trace_rows;
 int64_t g_trace_acc[13] = {};
@@ -597,14 +598,16 @@ STRATA_API int strata_cpu_trace(int on, int64_t* acc) {
 
 // Set knob `key` to `value` (< 0: leave it) and return its value before: 1 down chunks a thread claims and
 // reads ahead while phase 1 finishes (0 off, at most 16), 2 the chunk divisor (chunks of total / (div x
-// threads) bytes), 3 and 4 the chunk size's floor and ceiling in bytes. -1 for an unknown key.
+// threads) bytes), 3 and 4 the chunk size's floor and ceiling in bytes, 5 down rows paired across a chunk's
+// halves (1) or adjacent (0). -1 for an unknown key.
 STRATA_API int64_t strata_cpu_tune(int64_t key, int64_t value) {
     std::lock_guard<std::mutex> lk(g_call);
     int64_t* knob = key == 1 ? &g_claim_max : key == 2 ? &g_chunk_div : key == 3 ? &g_chunk_min
-                  : key == 4 ? &g_chunk_max : nullptr;
+                  : key == 4 ? &g_chunk_max : key == 5 ? &g_down_split : nullptr;
     if (!knob) return -1;
     const int64_t old = *knob;
-    if (value >= 0) *knob = key == 1 ? std::min<int64_t>(value, 16) : std::max<int64_t>(value, 1);
+    if (value >= 0)
+        *knob = key == 1 ? std::min<int64_t>(value, 16) : key == 5 ? int64_t(value != 0) : std::max<int64_t>(value, 1);
     return old;
 }
 
@@ -675,6 +678,7 @@ STRATA_API int strata_cpu_experts(int isa, const float* x, int64_t N, int64_t H,
     job.n_down_chunks = (H + rows - 1) / rows;
     job.pf = (g_prefetch_bytes / 2 + 31) / 32 * 32;  // whole 64-byte lines
     job.claim_max = g_claim_max;
+    job.down_split = g_down_split != 0;
     if (g_trace) {
         g_trace_rows.assign(size_t(5 * P), 0);
         job.trace = g_trace_rows.data();

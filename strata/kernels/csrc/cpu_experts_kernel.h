@@ -139,27 +139,31 @@ static void gate_up_rows(const Job& job, int64_t e, int64_t j0, int64_t j1) {
 }
 
 // Phase 2, output rows [h0, h1) of every expert in ascending order: out[tok, h] += w * <down_h, h_tok>.
+// Two rows at a time: adjacent ones, or with `down_split` one from each half of the range (two streams a
+// thread, in different pages). Either way each row's dot product is summed alone, in the same order.
 static void down_rows(const Job& job, int64_t h0, int64_t h1) {
-    const int64_t H = job.H;
+    const int64_t H = job.H, n = h1 - h0, half = (n + 1) / 2;
     const typename K::Hd* xs[K::NTMAX];
     float ya[K::NTMAX], yb[K::NTMAX];
     for (int64_t e = 0; e < job.E; ++e) {
         const ExpertArg& ex = job.experts[e];
         const int64_t I = ex.I, T = ex.T;
         const typename K::Hd* hb = static_cast<const typename K::Hd*>(job.hbuf) + job.hoff[e];
-        for (int64_t h = h0; h < h1; h += 2) {
-            const bool pair = h + 1 < h1;
-            const uint16_t* ra = ex.down + h * ex.ld;  // the first I of the row's ld columns
-            const uint16_t* rb = pair ? ra + ex.ld : ra;
+        for (int64_t i = 0; i < half; ++i) {
+            const int64_t ha = job.down_split ? h0 + i : h0 + 2 * i;
+            const int64_t hb_row = job.down_split ? ha + half : ha + 1;
+            const bool pair = hb_row < h1;
+            const uint16_t* ra = ex.down + ha * ex.ld;  // the first I of the row's ld columns
+            const uint16_t* rb = pair ? ex.down + hb_row * ex.ld : ra;
             for (int64_t s = 0; s < T; s += K::NTMAX) {
                 const int nt = static_cast<int>(std::min<int64_t>(K::NTMAX, T - s));
                 for (int t = 0; t < nt; ++t) xs[t] = hb + (s + t) * I;
                 dot2(nt, ra, rb, I, xs, ya, yb, job.pf);
                 for (int t = 0; t < nt; ++t) {
-                    float* o = job.out + ex.idx[s + t] * H + h;
+                    float* o = job.out + ex.idx[s + t] * H;
                     const float w = ex.w[s + t];
-                    o[0] += w * ya[t];
-                    if (pair) o[1] += w * yb[t];
+                    o[ha] += w * ya[t];
+                    if (pair) o[hb_row] += w * yb[t];
                 }
             }
         }
