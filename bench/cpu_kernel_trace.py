@@ -20,16 +20,22 @@ from __future__ import annotations
 import argparse
 import array
 import json
+import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from strata.kernels import cpu_experts as ce
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root, when run as a script
+from strata.kernels import cpu_experts as ce  # noqa: E402
 
 HIDDEN, INTER = 2048, 768  # the bench model's expert (Qwen3-30B-A3B): 9.4 MB in bf16
-SHARES = [(1, 0.25), (1, 0.6), (1, 1.0), (2, 0.6), (2, 1.0), (4, 1.0)]  # (experts, fraction of rows computed here)
+# (experts, fraction of the intermediate rows computed here, packed): a split expert's rows are the leading part
+# of each down row (strided reads); "packed" lays the same bytes out as a smaller expert (contiguous down rows),
+# what a store layout with down's split part contiguous would read
+SHARES = [(1, 0.25, False), (1, 0.6, False), (1, 0.6, True), (1, 1.0, False), (2, 0.6, False), (2, 0.6, True),
+          (2, 1.0, False), (4, 1.0, False)]
 
 
 def parse_knobs(text: str) -> list[dict[str, int]]:
@@ -50,9 +56,10 @@ def spin(us: float) -> None:
         pass
 
 
-def run_share(pool: torch.Tensor, experts: int, frac: float, calls: int, threads: int, gap_us: float,
+def run_share(pool: torch.Tensor, experts: int, frac: float, packed: bool, calls: int, threads: int, gap_us: float,
               rng: np.random.Generator) -> dict:
     rows = max(1, round(INTER * frac))
+    ld = rows if packed else INTER
     gu_elems = 2 * INTER * HIDDEN
     x = torch.randn(1, HIDDEN)
     out = torch.zeros(1, HIDDEN)
@@ -65,14 +72,14 @@ def run_share(pool: torch.Tensor, experts: int, frac: float, calls: int, threads
         meta = array.array("q")
         for e in rng.choice(pool.shape[0], size=experts, replace=False):
             addr = base + int(e) * stride
-            meta.extend((addr, addr + gu_elems * 2, idx.data_ptr(), w.data_ptr(), 1, rows, INTER))
+            meta.extend((addr, addr + gu_elems * 2, idx.data_ptr(), w.data_ptr(), 1, rows, ld))
         ce.run_packed(x, meta, out, threads)
         spin(gap_us)
     wall = time.perf_counter() - t0
     t = ce.trace(False)
     n = max(1, t["calls"])
     us = {k[:-3]: t[k] / n / 1e3 for k in t if k.endswith("_ns")}
-    return {"experts": experts, "fraction": frac, "bytes": t["bytes"] // n, "us": us,
+    return {"experts": experts, "fraction": frac, "packed": packed, "bytes": t["bytes"] // n, "us": us,
             "gbps": t["bytes"] / max(1, t["call_ns"]), "threads_joined": t["threads_joined"] / n,
             "phase1_chunks": t["phase1_chunks"] / n, "claimed_ahead": t["claimed_ahead"] / n, "wall_s": wall}
 
@@ -102,17 +109,18 @@ def main() -> None:
         ce.tune(**defaults)
         ce.tune(**knobs)
         label = ",".join(f"{k}={v}" for k, v in knobs.items()) or "defaults"
-        run_share(pool, 1, 1.0, 20, args.threads, args.gap_us, rng)  # warm the pool's threads
+        run_share(pool, 1, 1.0, False, 20, args.threads, args.gap_us, rng)  # warm the pool's threads
         rows = []
-        for experts, frac in SHARES:
-            r = run_share(pool, experts, frac, args.calls, args.threads, args.gap_us, rng)
+        for experts, frac, packed in SHARES:
+            r = run_share(pool, experts, frac, packed, args.calls, args.threads, args.gap_us, rng)
             u = r["us"]
-            print(f"{label} | {experts} x {frac:.2f} | {u['call']:.1f} | {r['gbps']:.1f} | {u['setup']:.1f} | "
+            print(f"{label} | {experts} x {frac:.2f}{' packed' if packed else ''} | {u['call']:.1f} | {r['gbps']:.1f} | {u['setup']:.1f} | "
                   f"{u['last_arrival']:.1f} | {u['phase1']:.1f} | {u['barrier_wait']:.1f} | {u['phase2']:.1f} | "
                   f"{u['end_idle']:.1f} | {r['claimed_ahead']:.1f}")
             rows.append(r)
-        b = np.array([r["bytes"] for r in rows], dtype=float)
-        t = np.array([r["us"]["call"] for r in rows])
+        fitted = [r for r in rows if not r["packed"]]
+        b = np.array([r["bytes"] for r in fitted], dtype=float)
+        t = np.array([r["us"]["call"] for r in fitted])
         slope, intercept = np.polyfit(b, t, 1)
         fit = {"fixed_us": float(intercept), "gbps_marginal": float(1e-3 / slope) if slope > 0 else None}
         print(f"{label}: fixed cost {intercept:.1f} us a call, marginal rate {fit['gbps_marginal'] or 0:.1f} GB/s")
