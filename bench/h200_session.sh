@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 # The box's copy of the tree carries stale git metadata: put the local commit into the command, e.g.
@@ -309,6 +309,14 @@ case "$1" in
       --knobs "${2:-down_split=0;down_split=1;down_split=1,claim_ahead=4;down_split=0,claim_ahead=4}" 2>&1 | tail -30
     PREFILL=0 timeout 240 bash "$0" hotpath 1.0 "${3:-split,split+dsplit,split+dsplit+claim4,split+again,split+dsplit+again,split+dsplit+claim4+again}"
     PREFILL=0 timeout 120 bash "$0" hotpath uniform "${4:-split,split+dsplit,split+again,split+dsplit+again}" ;;
+  twentieth-c)  # the kernel's new defaults (claim_ahead=4, down_split=1) against the old (claim0+dsplit0), alternated,
+    # then the suite's one-stream 25% split cases (run P)
+    timeout 100 python3 -m pytest -q -m gpu tests/test_cpu_experts.py tests/test_cpu_mailbox.py 2>&1 | tail -1
+    PREFILL=0 timeout 200 bash "$0" hotpath 1.0 "${2:-split,split+claim0+dsplit0,split+again,split+claim0+dsplit0+again,split+again,split+claim0+dsplit0+again}"
+    PREFILL=0 timeout 130 bash "$0" hotpath uniform "${3:-split,split+claim0+dsplit0,split+again,split+claim0+dsplit0+again}"
+    rm -rf /dev/shm/b12* /dev/shm/sc
+    timeout 200 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 180 --out "$OUT/suite-b25" --cases \
+      'split/b25/*/p128x1' 2>&1 | grep -E '^[a-z-]+/' | cut -c1-200 ;;
   sixteenth-b)  # after the sampler stopped syncing: its GPU tests, the syncs left in a step, the A/B on both routings
     timeout 120 python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_overlap_decode.py 2>&1 | tail -2
     PREFILL=0 timeout 200 bash "$0" hotpath 1.0 "${2:-ceiling,ceiling+sync,split,split+sync,split+again}"

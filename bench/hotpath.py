@@ -46,8 +46,9 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
   tN             N CPU kernel threads (STRATA_CPU_THREADS=N)
   spinN          the CPU kernel's idle workers spin N us before sleeping (STRATA_CPU_SPIN_US=N)
   claimN         the CPU kernel's threads claim up to N down chunks and read them while the gate/up phase finishes
-                 (cpu_experts.tune(claim_ahead=N))
-  dsplit         the CPU kernel reads its down rows as two streams a thread (cpu_experts.tune(down_split=1))
+                 (cpu_experts.tune(claim_ahead=N); default 4, 0 off)
+  dsplit, dsplit0  the CPU kernel reads its down rows as two streams a thread, or adjacent rows as one
+                 (cpu_experts.tune(down_split=1 or 0); default 1)
   chunkdivN      the CPU kernel's chunks of total / (N x threads) bytes (cpu_experts.tune(chunk_div=N); default 8)
   swN            the interpreter's GIL switch interval set to N us (sys.setswitchinterval; default 5000)
   again          nothing: the same case run a second time (a run-order check)
@@ -281,8 +282,8 @@ def main() -> None:
                 knobs["claim_ahead"] = int(mod[5:])
             elif mod.startswith("chunkdiv") and mod[8:].isdigit():
                 knobs["chunk_div"] = int(mod[8:])
-            elif mod == "dsplit":
-                knobs["down_split"] = 1
+            elif mod in ("dsplit", "dsplit0"):
+                knobs["down_split"] = int(mod == "dsplit")
             elif mod != "again":
                 raise SystemExit(f"unknown case modifier {mod!r} in {full!r}")
         for key in ("STRATA_CPU_SPIN_US", "STRATA_BENCH_SWITCH_US", "STRATA_MAILBOX_GPU_SHARE", "STRATA_MAILBOX_WHOLE_EXPERTS",

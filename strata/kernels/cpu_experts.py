@@ -7,8 +7,9 @@ Each expert is a SwiGLU MLP, `down(silu(gate(x)) * up(x))`, with its bf16 weight
 of a decode step the work is memory-bound, so what counts is bytes of weights read per second: a C++
 kernel (csrc/cpu_experts.cpp, built on first use) reads every weight row once for all of an expert's
 tokens, splits the gate/up rows of all the layer's experts over a persistent thread pool (chunks taken
-dynamically), then, once every gate/up chunk is done, the down rows; one fork/join per layer, the GIL
-released while it runs, software prefetch along the rows. A worker the OS has not scheduled yet holds
+dynamically), then, once every gate/up chunk is done, the down rows (threads with no gate/up chunk left
+claim down chunks and read them ahead; `tune`); one fork/join per layer, the GIL released while it runs,
+software prefetch along the rows. `trace` times each call's phases. A worker the OS has not scheduled yet holds
 no work, so nobody waits for it (CPU oversubscription degrades gracefully).
 
 Backends (`backend()` says which one runs; `STRATA_CPU_KERNEL` or the `backend=` argument picks):
@@ -213,8 +214,9 @@ def read_sweep(buffers: Sequence[torch.Tensor], threads: int | None = None) -> f
 
 
 TUNE_KEYS = {"claim_ahead": 1, "chunk_div": 2, "chunk_min": 3, "chunk_max": 4, "down_split": 5}
-"""`tune`'s knobs (csrc/cpu_experts.cpp, strata_cpu_tune): down chunks a thread claims and reads ahead while
-the gate/up phase finishes (0 off, at most 16); chunks of total / (chunk_div x threads) bytes, clamped to
+"""`tune`'s knobs (csrc/cpu_experts.cpp, strata_cpu_tune; defaults claim_ahead=4, chunk_div=8, chunk_min=32 KiB,
+chunk_max=512 KiB, down_split=1): down chunks a thread claims and reads ahead while the gate/up phase finishes
+(0 off, at most 16); chunks of total / (chunk_div x threads) bytes, clamped to
 [chunk_min, chunk_max]; down_split 1 pairs the down rows a thread reads two at a time across its chunk's halves
 (two streams in different pages) instead of adjacent. None of them changes results (each output element keeps one writer and one order)."""
 

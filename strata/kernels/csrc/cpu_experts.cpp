@@ -7,8 +7,10 @@
 //   phase 1  (gate/up)  chunks of intermediate rows j of every expert, taken dynamically by the
 //                       threads: h_e[t, j] = silu(<gate_j, x_t>) * <up_j, x_t>   (one writer per element)
 //   then, once every phase-1 chunk is finished (a thread waits only for chunks in progress, never
-//   for a thread that has not woken up yet):
-//   phase 2  (down)     chunks of output rows h, each over all experts in the given order:
+//   for a thread that has not woken up yet; one that finds no phase-1 chunk left claims a few phase-2
+//   chunks and reads their weights meanwhile, so its wait is spent on RAM traffic):
+//   phase 2  (down)     chunks of output rows h, each over all experts in the given order, two rows at a
+//                       time from the chunk's two halves (two streams a thread):
 //                       out[tok, h] += w_e,t * <down_h, h_e[t]>                    (one writer per element)
 //
 // One fork/join per layer on a persistent pool (the caller is thread 0; workers spin for a while
@@ -246,7 +248,10 @@ int g_spin_us = 100;
 int64_t g_prefetch_bytes = 2048;
 // strata_cpu_tune's knobs: down chunks claimed ahead, chunk size = total / (g_chunk_div * threads) in
 // [g_chunk_min, g_chunk_max] bytes, down rows paired across a chunk's halves (g_down_split)
-int64_t g_claim_max = 0, g_chunk_div = 8, g_chunk_min = 32 << 10, g_chunk_max = 512 << 10, g_down_split = 0;
+// Defaults from bench/cpu_kernel_trace.py on the H200 box's 16-core Xeon (bench/RESULTS.md, twentieth session):
+// claiming 4 down chunks ahead took a quarter to 0.6 of an expert from 44.7 / 83.4 to 38-39 / 72-75 us a call, and
+// pairing down rows across a chunk's halves read a whole expert's down 10-17% faster.
+int64_t g_claim_max = 4, g_chunk_div = 8, g_chunk_min = 32 << 10, g_chunk_max = 512 << 10, g_down_split = 1;
 bool g_trace = false;
 std::vector<int64_t> g_trace_rows;
 int64_t g_trace_acc[13] = {};
