@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 # The box's copy of the tree carries stale git metadata: put the local commit into the command, e.g.
@@ -317,6 +317,11 @@ case "$1" in
     rm -rf /dev/shm/b12* /dev/shm/sc
     timeout 200 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 180 --out "$OUT/suite-b25" --cases \
       'split/b25/*/p128x1' 2>&1 | grep -E '^[a-z-]+/' | cut -c1-200 ;;
+  twentieth-d)  # the resident pairs beside the worker or before it, batched (8 streams, skewed, 25%), alternated twice
+    rm -rf /dev/shm/b12* /dev/shm/sc
+    for v in 1 0 1 0; do STRATA_MAILBOX_HOT_ALONGSIDE=$v timeout 140 python3 -m bench run --suite full --layers 12 --tokens 64 \
+      --deadline 120 --out "$OUT/x8-alongside$v-$RANDOM" --cases 'split/b25/skewed/p128x8' 2>&1 | grep -E '^split' | cut -c1-200 \
+      | sed "s/^/alongside=$v: /"; done ;;
   sixteenth-b)  # after the sampler stopped syncing: its GPU tests, the syncs left in a step, the A/B on both routings
     timeout 120 python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_overlap_decode.py 2>&1 | tail -2
     PREFILL=0 timeout 200 bash "$0" hotpath 1.0 "${2:-ceiling,ceiling+sync,split,split+sync,split+again}"
