@@ -1,7 +1,7 @@
 """Where the CPU expert kernel's time goes on one decode layer's share, by phase, and what its scheduling knobs do.
 
-    python bench/cpu_kernel_trace.py [--threads 12] [--calls 200] [--gap-us 80] [--knobs "claim_ahead=0;claim_ahead=4"]
-                                     [--out DIR]
+    python bench/cpu_kernel_trace.py [--threads 12] [--calls 200] [--gap-us 80]
+                                     [--knobs "claim_ahead=0,down_split=0;claim_ahead=4,down_split=1"] [--out DIR]
 
 The mailbox worker calls the kernel once per MoE layer with ~80 us of GPU work between calls (skewed routing,
 25% budget: ~1.6 cold experts a layer, ~60% of each computed here). Fitting the kernel's time against the bytes
@@ -90,8 +90,9 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=200)
     ap.add_argument("--gap-us", type=float, default=80.0)
     ap.add_argument("--pool-experts", type=int, default=96, help="distinct experts cycled through (beyond the LLC)")
-    ap.add_argument("--knobs", default="claim_ahead=0;claim_ahead=4;claim_ahead=16;claim_ahead=4,chunk_div=16",
-                    help="knob sets to compare, ';' between sets")
+    ap.add_argument("--knobs", default="claim_ahead=0,down_split=0;claim_ahead=4,down_split=1",
+                    help="knob sets to compare, ';' between sets (default: the kernel before and after the twentieth "
+                         "session's changes)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     if ce.backend() == "torch":
