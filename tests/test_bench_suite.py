@@ -236,6 +236,29 @@ def test_load_merges_runs_later_cases_win(tmp_path):
         results.load([tmp_path / "bad.json"])
 
 
+def test_a_run_on_the_full_depth_model_stays_apart_and_decides_the_48_layer_target(tmp_path):
+    deep = {**_doc(), "cases": [_ok("ceiling/all/uniform/p128x1", 297.7, hit=None)]}
+    deep["models"] = {"uniform": {"layers": 48, "route_skew": "uniform"}}
+    (tmp_path / "a.json").write_text(json.dumps(_doc()))
+    (tmp_path / "deep.json").write_text(json.dumps(deep))
+    doc = results.load([tmp_path / "a.json", tmp_path / "deep.json"])
+    by = {c["name"]: c for c in doc["cases"]}
+    assert by["ceiling/all/uniform/p128x1"]["metrics"]["decode_tok_s"] == 80.0  # the 12-layer case is not replaced
+    assert by["ceiling/all/uniform/p128x1@48L"]["run"] == "B"
+    assert doc["models"]["uniform"]["layers"] == 12 and doc["models_at"][48]["uniform"]["layers"] == 48
+    t = {x["target"]: x for x in report.targets(doc)}
+    ceiling = t["all in VRAM (uniform), 1 stream: >= 250 tok/s (48 layers)"]
+    assert ceiling == {"target": ceiling["target"], "measured": "297.7 tok/s on 48 layers", "status": "met"}
+    md = report.render(doc)
+    assert "- run B:" in md and "(48-layer checkpoints: its cases are marked @48L)" in md
+    assert "- uniform checkpoint (the @48L cases): 48 layers" in md and "| ceiling/all/uniform/p128x1@48L | 297.70 |" in md
+    # the same figure below the target is a miss, not "not measured"
+    deep["cases"] = [_ok("ceiling/all/uniform/p128x1", 200.0, hit=None)]
+    (tmp_path / "deep.json").write_text(json.dumps(deep))
+    t = {x["target"]: x for x in report.targets(results.load([tmp_path / "a.json", tmp_path / "deep.json"]))}
+    assert t["all in VRAM (uniform), 1 stream: >= 250 tok/s (48 layers)"]["status"] == "NOT met"
+
+
 # --- end to end -----------------------------------------------------------------------------------
 
 

@@ -135,9 +135,14 @@ def targets(doc: dict) -> list[dict]:
     add("skewed, 40% of experts fit, adaptive policy: GPU hit rate >= 90%", _f(hit, 3) if hit is not None else None,
         None if hit is None else hit >= 0.9)
     for routing in ("uniform", "skewed"):
+        target = f"all in VRAM ({routing}), 1 stream: >= 250 tok/s (48 layers)"
+        full = _tok(cases.get(f"ceiling/all/{routing}/{REF}@48L"))  # a run on the full-depth model
+        if full is not None:
+            add(target, f"{full:,.1f} tok/s on 48 layers", full >= 250)
+            continue
         tok, n = _tok(cases.get(f"ceiling/all/{routing}/{REF}")), layers.get(routing)
         if tok is not None or routing == "uniform":
-            at_48(f"all in VRAM ({routing}), 1 stream: >= 250 tok/s (48 layers)", tok, n, 250, 1)
+            at_48(target, tok, n, 250, 1)
     for routing in ("uniform", "skewed"):
         c = cases.get(f"split/b25/{routing}/p8192x1")
         p, n = (c["metrics"].get("prefill_tok_s") if c and c["status"] == "ok" else None), layers.get(routing)
@@ -159,7 +164,9 @@ def render(doc: dict, command: str | None = None, plot: str | None = None) -> st
     if runs:
         lines += ["Merged from these runs (a case measured in several comes from the latest; a ratio comes from the "
                   "latest run that measured both sides, else it says `across runs`):", ""]
-        lines += [f"- run {r['label']}: {r['started']}, code {r['commit']}, `{r['source']}`" for r in runs]
+        lines += [f"- run {r['label']}: {r['started']}, code {r['commit']}, `{r['source']}`"
+                  + (f" ({r['layers']}-layer checkpoints: its cases are marked @{r['layers']}L)" if r.get("layers") else "")
+                  for r in runs]
         lines.append("")
     if command:
         raw = "the runs' files above" if runs else "`suite.json`"
@@ -172,13 +179,15 @@ def render(doc: dict, command: str | None = None, plot: str | None = None) -> st
     lines += ["Roofline rates: " + ", ".join(
         f"{k} {rates[k] / 1e9:,.1f} GB/s ({src.get(k, '?')})" for k in ("pcie", "cpu", "hbm", "disk")) +
         (f"; host RAM read {rates['extra']['ram_read_GBps']} GB/s (measured, not used)" if rates.get("extra", {}).get("ram_read_GBps") else "") + ".", ""]
-    for routing, info in doc.get("models", {}).items():
-        pop = info.get("popularity") or {}
-        popularity = (f"; measured: the 10% / 25% / 40% most used experts of a layer take {pop.get('top10pct_share')} / "
-                      f"{pop.get('top25pct_share')} / {pop.get('top40pct_share')} of its lookups") if pop else ""
-        lines.append(f"- {routing} checkpoint: {info.get('layers')} layers x {info.get('experts_per_layer')} experts "
-                     f"(top-{info.get('experts_per_token')}), {_f(info.get('expert_bytes_total'), 1, 1e9)} GB of experts, "
-                     f"`--route-skew {info.get('route_skew', '?')}`{popularity}.")
+    for depth, models in [(None, doc.get("models", {})), *sorted((doc.get("models_at") or {}).items())]:
+        for routing, info in models.items():
+            pop = info.get("popularity") or {}
+            popularity = (f"; measured: the 10% / 25% / 40% most used experts of a layer take {pop.get('top10pct_share')} / "
+                          f"{pop.get('top25pct_share')} / {pop.get('top40pct_share')} of its lookups") if pop else ""
+            which = f" (the @{depth}L cases)" if depth else ""
+            lines.append(f"- {routing} checkpoint{which}: {info.get('layers')} layers x {info.get('experts_per_layer')} "
+                         f"experts (top-{info.get('experts_per_token')}), {_f(info.get('expert_bytes_total'), 1, 1e9)} GB "
+                         f"of experts, `--route-skew {info.get('route_skew', '?')}`{popularity}.")
     lines += ["", "Decode figures are over the decode phase (after every stream has its first token); prompts are "
               "random token ids, sampling at temperature 1 with fixed seeds and `ignore_eos` (so every stream "
               "generates all its tokens); strata runs through its continuous-batching scheduler. GPU budgets are "

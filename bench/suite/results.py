@@ -134,33 +134,56 @@ def validate(doc: dict) -> list[str]:
     return problems
 
 
+def depth(doc: dict) -> int | None:
+    """The layer count of a result document's checkpoints (the deepest of its routings; None when unrecorded)."""
+    layers = [m.get("layers") for m in (doc.get("models") or {}).values() if isinstance(m, dict) and m.get("layers")]
+    return max(layers) if layers else None
+
+
 def load(paths: list[str | os.PathLike]) -> dict:
     """Read one or more result files into one document: later files' cases replace earlier ones of the
     same name, except that a case a later run skipped or failed leaves an earlier measurement in place (a box
-    that lacked a package says nothing about the figure); machine, rates and settings come from the last file. Each case keeps its run's label ("A" for
-    the first file, ...) in `run`; `runs` lists the files and `by_run` every run's own cases, so that ratios
-    can be taken within one run (`report.pair`)."""
+    that lacked a package says nothing about the figure); machine, rates and settings come from the last file at
+    the document's depth (below). Each case keeps its run's label ("A" for the first file, ...) in `run`; `runs`
+    lists the files and `by_run` every run's own cases, so that ratios can be taken within one run
+    (`report.pair`).
+
+    The first file's checkpoint depth is the document's (`models`). A run on checkpoints of another depth (the
+    full 48-layer model where the others cut it to 12) keeps its cases apart: their names get "@{layers}L"
+    appended, and its checkpoints are listed under `models_at[layers]`."""
     merged: dict | None = None
     cases: dict[str, dict] = {}
     by_run: dict[str, dict[str, dict]] = {}  # run label -> that run's cases by name (ratios come from one run)
     runs: list[dict] = []
+    models: dict = {}
+    models_at: dict[int, dict] = {}
+    ref: int | None = None
     for i, p in enumerate(paths):
         doc = json.loads(Path(p).read_text())
         problems = validate(doc)
         if problems:
             raise ValueError(f"{p}: not a valid suite result: {problems[0]}")
         label = chr(ord("A") + i) if i < 26 else str(i)
+        n = depth(doc)
+        ref = ref if ref is not None else n
+        suffix = f"@{n}L" if n is not None and ref is not None and n != ref else ""
         runs.append({"label": label, "started": doc.get("started"), "source": str(p),
-                     "commit": str((doc.get("machine") or {}).get("git_commit"))[:10]})
+                     "commit": str((doc.get("machine") or {}).get("git_commit"))[:10],
+                     **({"layers": n} if suffix else {})})
         for c in doc["cases"]:
+            c = {**c, "name": c["name"] + suffix} if suffix else c
             c.setdefault("run", label)
             if c["status"] == "ok" or cases.get(c["name"], {}).get("status") != "ok":
                 cases[c["name"]] = c
             by_run.setdefault(c["run"], {})[c["name"]] = c
-        models = {**(merged or {}).get("models", {}), **doc.get("models", {})}
-        merged = {**doc, "models": models}
+        if suffix:
+            models_at[n] = {**models_at.get(n, {}), **doc.get("models", {})}
+        else:
+            models = {**models, **doc.get("models", {})}
+            merged = doc
     if merged is None:
         raise ValueError("no result files given")
-    merged["cases"] = list(cases.values())
-    merged["runs"], merged["by_run"] = runs, by_run
+    merged = {**merged, "models": models, "cases": list(cases.values()), "runs": runs, "by_run": by_run}
+    if models_at:
+        merged["models_at"] = models_at
     return merged
