@@ -381,8 +381,8 @@ def test_tune_rejects_unknown_or_negative_knobs():
 
 def test_tune_from_the_environment_is_checked(monkeypatch):
     monkeypatch.setenv("STRATA_CPU_TUNE", "claim_ahead=3, chunk_div=16")
-    assert ce._env_knobs() == {"claim_ahead": 3, "chunk_div": 16}
+    assert ce.env_knobs() == {"claim_ahead": 3, "chunk_div": 16}
     for bad in ("claim_ahead", "claim=2", "chunk_div=-1", "chunk_div=x"):
         monkeypatch.setenv("STRATA_CPU_TUNE", bad)
         with pytest.raises(ValueError, match="STRATA_CPU_TUNE: bad item"):
-            ce._env_knobs()
+            ce.env_knobs()

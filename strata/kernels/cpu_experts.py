@@ -9,7 +9,7 @@ kernel (csrc/cpu_experts.cpp, built on first use) reads every weight row once fo
 tokens, splits the gate/up rows of all the layer's experts over a persistent thread pool (chunks taken
 dynamically), then, once every gate/up chunk is done, the down rows (threads with no gate/up chunk left
 claim down chunks and read them ahead; `tune`); one fork/join per layer, the GIL released while it runs,
-software prefetch along the rows. `trace` times each call's phases. A worker the OS has not scheduled yet holds
+software prefetch along the rows. `trace` times each call's phases (strata/kernels/cpu_kernel_tuning.py). A worker the OS has not scheduled yet holds
 no work, so nobody waits for it (CPU oversubscription degrades gracefully).
 
 Backends (`backend()` says which one runs; `STRATA_CPU_KERNEL` or the `backend=` argument picks):
@@ -45,7 +45,7 @@ Environment: STRATA_CPU_KERNEL=auto|avx512_bf16|avx512|avx2|torch, STRATA_CPU_TH
 physical cores this process may run on), STRATA_CPU_KERNEL_MAX_TOKENS (default 32), STRATA_CPU_PREFETCH
 (software prefetch distance along weight rows in bytes, default 2048, 0 = off; see `configure`),
 STRATA_CPU_SPIN_US (how long idle workers spin before sleeping, default 1000), STRATA_CPU_TUNE (scheduling
-knobs, `tune`; e.g. "claim_ahead=4"). The extension is
+knobs, `strata.kernels.cpu_kernel_tuning`; e.g. "claim_ahead=4"). The extension is
 cached under $STRATA_CACHE/ext (else $XDG_CACHE_HOME/strata/ext or ~/.cache/strata/ext), keyed by a
 hash of its sources, the compiler flags, torch's and Python's versions.
 """
@@ -63,6 +63,7 @@ from collections.abc import Sequence
 import torch
 
 from strata.kernels.cpu_experts_build import build_and_open, one_line
+from strata.kernels.cpu_kernel_tuning import TRACE_FIELDS, TUNE_KEYS, env_knobs, read_sweep, trace, tune  # noqa: F401
 from strata.kernels.experts import expert_swiglu
 
 log = logging.getLogger(__name__)
@@ -107,7 +108,7 @@ def _load() -> ctypes.CDLL | None:
     with _lock:
         if not _lib_tried:
             t0 = time.perf_counter()
-            knobs = _env_knobs()  # a bad $STRATA_CPU_TUNE is the user's error, not a reason to fall back to torch
+            knobs = env_knobs()  # a bad $STRATA_CPU_TUNE is the user's error, not a reason to fall back to torch
             try:
                 lib = build_and_open()
                 if lib.strata_cpu_meta_fields() != META:
@@ -122,6 +123,11 @@ def _load() -> ctypes.CDLL | None:
             build_seconds = time.perf_counter() - t0
             _lib_tried = True
     return _lib
+
+
+def available_isa(name: str) -> bool:
+    """Whether the compiled kernel is loaded and this CPU runs its `name` instruction set ("avx2", ...)."""
+    return _load() is not None and bool(_isa_mask & (1 << _ISA[name]))
 
 
 def available_backends() -> list[str]:
@@ -198,70 +204,6 @@ def configure(threads: int | None = None, cpus: Sequence[int] | None = None, spi
         cpu_arr = (ctypes.c_int * max(1, len(cpus or ())))(*(cpus or ()))
         lib.strata_cpu_configure(-1 if spin_us is None else int(spin_us), cpu_arr, -1 if cpus is None else len(cpus),
                                  -1 if prefetch_bytes is None else _prefetch_override)
-
-
-def read_sweep(buffers: Sequence[torch.Tensor], threads: int | None = None) -> float | None:
-    """Read every byte of `buffers` (CPU tensors) once on the kernel's thread pool; seconds taken, or
-    None without the extension. A RAM read-bandwidth probe for benchmarks (AVX2 loads, same prefetch)."""
-    lib = _load()
-    if lib is None or not _isa_mask & (1 << _ISA["avx2"]):
-        return None
-    ptrs = array.array("q", [b.data_ptr() for b in buffers])
-    sizes = array.array("q", [b.numel() * b.element_size() for b in buffers])
-    t0 = time.perf_counter()
-    lib.strata_cpu_read_sweep(ptrs.buffer_info()[0], sizes.buffer_info()[0], len(buffers), int(threads or default_threads()))
-    return time.perf_counter() - t0
-
-
-TUNE_KEYS = {"claim_ahead": 1, "chunk_div": 2, "chunk_min": 3, "chunk_max": 4, "down_split": 5}
-"""`tune`'s knobs (csrc/cpu_experts.cpp, strata_cpu_tune; defaults claim_ahead=4, chunk_div=8, chunk_min=32 KiB,
-chunk_max=512 KiB, down_split=1): down chunks a thread claims and reads ahead while the gate/up phase finishes
-(0 off, at most 16); chunks of total / (chunk_div x threads) bytes, clamped to
-[chunk_min, chunk_max]; down_split 1 pairs the down rows a thread reads two at a time across its chunk's halves
-(two streams in different pages) instead of adjacent. None of them changes results (each output element keeps one writer and one order)."""
-
-
-def _env_knobs() -> dict[str, int]:
-    """$STRATA_CPU_TUNE, e.g. "claim_ahead=4,chunk_div=16": knobs applied when the extension loads."""
-    knobs: dict[str, int] = {}
-    for item in filter(None, (p.strip() for p in os.environ.get("STRATA_CPU_TUNE", "").split(","))):
-        name, _, value = item.partition("=")
-        if name.strip() not in TUNE_KEYS or not value.strip().isdigit():
-            raise ValueError(f"STRATA_CPU_TUNE: bad item {item!r}: want name=integer with name one of "
-                             f"{', '.join(TUNE_KEYS)}")
-        knobs[name.strip()] = int(value)
-    return knobs
-
-
-def tune(**knobs: int) -> dict[str, int]:
-    """Set the kernel's scheduling knobs (`TUNE_KEYS`); returns their values before. Empty without the extension."""
-    lib = _load()
-    old: dict[str, int] = {}
-    if lib is None:
-        return old
-    for name, value in knobs.items():
-        if name not in TUNE_KEYS:
-            raise ValueError(f"unknown CPU kernel knob {name!r} (choose from {', '.join(TUNE_KEYS)})")
-        if int(value) < 0:
-            raise ValueError(f"CPU kernel knob {name} must be >= 0, got {value}")
-        old[name] = int(lib.strata_cpu_tune(TUNE_KEYS[name], int(value)))
-    return old
-
-
-TRACE_FIELDS = ("calls", "setup_ns", "last_arrival_ns", "phase1_ns", "barrier_wait_ns", "phase2_ns", "end_idle_ns",
-                "close_ns", "threads_joined", "call_ns", "bytes", "phase1_chunks", "claimed_ahead")
-
-
-def trace(on: bool | None) -> dict[str, int]:
-    """The kernel's per-call phase trace, summed over calls (`TRACE_FIELDS`; ns except the counts): returns the
-    sums so far, then turns tracing on (zeroing the sums), off, or leaves it (None). Costs a few clock reads a
-    thread and call while on. Empty without the extension."""
-    lib = _load()
-    if lib is None:
-        return {}
-    acc = (ctypes.c_int64 * len(TRACE_FIELDS))()
-    lib.strata_cpu_trace(-1 if on is None else int(bool(on)), acc)
-    return dict(zip(TRACE_FIELDS, (int(v) for v in acc), strict=True))
 
 
 def prefetch_bytes() -> int:

@@ -1,0 +1,94 @@
+"""The CPU expert kernel's scheduling knobs, its per-call phase trace, and a RAM read probe on its thread pool.
+
+    old = tune(claim_ahead=4, down_split=1)   # knobs (`TUNE_KEYS`); returns the values before
+    trace(True); ...kernel calls...; phases = trace(False)   # sums over the calls (`TRACE_FIELDS`)
+
+None of the knobs changes a result: each output element keeps one writer and one summation order, whatever the
+chunking or which thread reads what (tests/test_cpu_experts.py checks bit-equality across settings). They exist
+to measure (`bench/cpu_kernel_trace.py`, `bench/hotpath.py`'s claimN / dsplit / chunkdivN modifiers) and are set
+at load from $STRATA_CPU_TUNE, e.g. "claim_ahead=4,chunk_div=16". Each function does nothing and returns an
+empty result (or None) when the compiled kernel is not in use.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import os
+import time
+from collections.abc import Sequence
+
+import torch
+
+TUNE_KEYS = {"claim_ahead": 1, "chunk_div": 2, "chunk_min": 3, "chunk_max": 4, "down_split": 5}
+"""`tune`'s knobs (csrc/cpu_experts.cpp, strata_cpu_tune; defaults claim_ahead=4, chunk_div=8, chunk_min=32 KiB,
+chunk_max=512 KiB, down_split=1): down chunks a thread claims and reads ahead while the gate/up phase finishes
+(0 off, at most 16); chunks of total / (chunk_div x threads) bytes, clamped to [chunk_min, chunk_max];
+down_split 1 pairs the down rows a thread reads two at a time across its chunk's halves (two streams in different
+pages) instead of adjacent ones."""
+
+TRACE_FIELDS = ("calls", "setup_ns", "last_arrival_ns", "phase1_ns", "barrier_wait_ns", "phase2_ns", "end_idle_ns",
+                "close_ns", "threads_joined", "call_ns", "bytes", "phase1_chunks", "claimed_ahead")
+"""`trace`'s sums over calls: set-up before the pool runs, the last thread's arrival, the gate/up phase (until its
+last chunk is done), a thread's mean wait at the barrier, the down phase, a thread's mean idle time at the end,
+closing the job, threads that joined, the whole call, bytes of weights read, gate/up chunks, down chunks claimed
+ahead."""
+
+
+def _lib():
+    from strata.kernels import cpu_experts  # the loader lives there; imported late (it imports this module)
+
+    return cpu_experts._load()
+
+
+def env_knobs() -> dict[str, int]:
+    """$STRATA_CPU_TUNE parsed ("name=integer" items, comma-separated); ValueError naming a bad item."""
+    knobs: dict[str, int] = {}
+    for item in filter(None, (p.strip() for p in os.environ.get("STRATA_CPU_TUNE", "").split(","))):
+        name, _, value = item.partition("=")
+        if name.strip() not in TUNE_KEYS or not value.strip().isdigit():
+            raise ValueError(f"STRATA_CPU_TUNE: bad item {item!r}: want name=integer with name one of "
+                             f"{', '.join(TUNE_KEYS)}")
+        knobs[name.strip()] = int(value)
+    return knobs
+
+
+def tune(**knobs: int) -> dict[str, int]:
+    """Set the kernel's scheduling knobs (`TUNE_KEYS`); returns their values before."""
+    for name, value in knobs.items():
+        if name not in TUNE_KEYS:
+            raise ValueError(f"unknown CPU kernel knob {name!r} (choose from {', '.join(TUNE_KEYS)})")
+        if int(value) < 0:
+            raise ValueError(f"CPU kernel knob {name} must be >= 0, got {value}")
+    lib = _lib()
+    if lib is None:
+        return {}
+    return {name: int(lib.strata_cpu_tune(TUNE_KEYS[name], int(value))) for name, value in knobs.items()}
+
+
+def trace(on: bool | None) -> dict[str, int]:
+    """The kernel's per-call phase trace, summed over calls (`TRACE_FIELDS`; ns except the counts): returns the
+    sums so far, then turns tracing on (zeroing the sums), off, or leaves it (None). Costs a few clock reads a
+    thread and call while on."""
+    lib = _lib()
+    if lib is None:
+        return {}
+    acc = (ctypes.c_int64 * len(TRACE_FIELDS))()
+    lib.strata_cpu_trace(-1 if on is None else int(bool(on)), acc)
+    return dict(zip(TRACE_FIELDS, (int(v) for v in acc), strict=True))
+
+
+def read_sweep(buffers: Sequence[torch.Tensor], threads: int | None = None) -> float | None:
+    """Read every byte of `buffers` (CPU tensors) once on the kernel's thread pool; seconds taken, or None
+    without the extension's AVX2 path. A RAM read-bandwidth probe for benchmarks (AVX2 loads, the same prefetch)."""
+    from strata.kernels import cpu_experts
+
+    lib = _lib()
+    if lib is None or not cpu_experts.available_isa("avx2"):
+        return None
+    ptrs = array.array("q", [b.data_ptr() for b in buffers])
+    sizes = array.array("q", [b.numel() * b.element_size() for b in buffers])
+    t0 = time.perf_counter()
+    lib.strata_cpu_read_sweep(ptrs.buffer_info()[0], sizes.buffer_info()[0], len(buffers),
+                              int(threads or cpu_experts.default_threads()))
+    return time.perf_counter() - t0
