@@ -50,15 +50,9 @@
 #define STRATA_API extern "C" __attribute__((visibility("default")))
 #define STRATA_META 7  // int64 fields of an expert's meta row (strata_cpu_experts)
 
-namespace {
+#include "cpu_pool.h"
 
-inline void cpu_relax() {
-#if STRATA_X86
-    _mm_pause();
-#else
-    std::this_thread::yield();
-#endif
-}
+namespace {
 
 inline float bf16_to_f32(uint16_t v) {
     uint32_t u = static_cast<uint32_t>(v) << 16;
@@ -73,31 +67,6 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN
     if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
     u += 0x7fffu + ((u >> 16) & 1u);
     return static_cast<uint16_t>(u >> 16);
-}
-
-using Clock = std::chrono::steady_clock;
-
-inline int64_t mono_ns() {  // CLOCK_MONOTONIC, as Python's time.monotonic_ns
-    timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return int64_t(ts.tv_sec) * 1000000000 + ts.tv_nsec;
-}
-
-// Spin with pause; after `patience` of spinning, yield the core on every further check.
-template <class Pred>
-inline void spin_until(Pred done, std::chrono::microseconds patience = std::chrono::microseconds(200)) {
-    for (int k = 0; k < 4096; ++k) {
-        if (done()) return;
-        cpu_relax();
-    }
-    const auto t0 = Clock::now();
-    while (!done()) {
-        if (Clock::now() - t0 > patience) {
-            sched_yield();
-        } else {
-            for (int k = 0; k < 64; ++k) cpu_relax();
-        }
-    }
 }
 
 struct ExpertArg {
@@ -136,110 +105,6 @@ struct ReadJob {
     int64_t pf = 0;
     std::atomic<int64_t> next{0}, done{0};
     std::atomic<uint64_t> checksum{0};
-};
-
-using JobFn = void (*)(void*, int);
-
-// Persistent worker pool. The caller runs share 0 of every job; workers join it when they wake up.
-// A worker that wakes late (descheduled, oversubscribed machine) joins only while the job is open and
-// simply finds no chunks left: nobody waits for a thread that holds no work. The caller closes the job
-// when all chunks are done and waits for the workers still inside it (finishing their last chunk).
-class Pool {
-   public:
-    Pool(int n, int spin_us, const std::vector<int>& cpus) : n_(n), spin_us_(spin_us), cpus_(cpus), pid_(getpid()) {
-        for (int t = 1; t < n_; ++t) workers_.emplace_back([this, t] { loop(t); });
-    }
-    ~Pool() {
-        {
-            std::lock_guard<std::mutex> lk(m_);
-            stop_.store(true, std::memory_order_relaxed);
-            gen_.fetch_add(1, std::memory_order_release);
-        }
-        cv_.notify_all();
-        for (auto& w : workers_) w.join();
-    }
-    int size() const { return n_; }
-    pid_t pid() const { return pid_; }
-
-    // fn(ctx, 0) must return only when the whole job is done; workers run fn(ctx, tid) to help.
-    void run(JobFn fn, void* ctx) {
-        fn_ = fn;
-        ctx_ = ctx;
-        const uint64_t g = gen_.load(std::memory_order_relaxed) + 1;
-        entry_.store(((g & kGenMask) << 32) | kOpen, std::memory_order_release);
-        bool wake;
-        {
-            std::lock_guard<std::mutex> lk(m_);
-            gen_.store(g, std::memory_order_release);
-            wake = sleepers_ > 0;
-        }
-        if (wake) cv_.notify_all();
-        fn(ctx, 0);
-        entry_.fetch_and(~kOpen, std::memory_order_acq_rel);
-        spin_until([&] { return (entry_.load(std::memory_order_acquire) & kCount) == 0; });
-    }
-
-   private:
-    static constexpr uint64_t kOpen = 1ull << 31, kCount = kOpen - 1, kGenMask = 0xffffffffull;
-
-    bool enter(uint64_t g) {
-        uint64_t s = entry_.load(std::memory_order_acquire);
-        for (;;) {
-            if ((s >> 32) != (g & kGenMask) || !(s & kOpen)) return false;
-            if (entry_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel, std::memory_order_acquire))
-                return true;
-        }
-    }
-
-    void loop(int tid) {
-        if (!cpus_.empty()) {
-            cpu_set_t set;
-            CPU_ZERO(&set);
-            CPU_SET(cpus_[tid % cpus_.size()], &set);
-            pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // best effort
-        }
-        uint64_t seen = 0;  // gen_ at construction: a worker that starts late still sees every job and stop
-        for (;;) {
-            uint64_t g = gen_.load(std::memory_order_acquire);
-            if (g == seen) {  // spin for spin_us, then sleep
-                const auto t0 = Clock::now();
-                const auto patience = std::chrono::microseconds(spin_us_);
-                for (int k = 0;; ++k) {
-                    g = gen_.load(std::memory_order_acquire);
-                    if (g != seen) break;
-                    if ((k & 255) == 255 && Clock::now() - t0 > patience) {
-                        std::unique_lock<std::mutex> lk(m_);
-                        ++sleepers_;
-                        cv_.wait(lk, [&] { return gen_.load(std::memory_order_acquire) != seen || stop_.load(); });
-                        --sleepers_;
-                        g = gen_.load(std::memory_order_acquire);
-                        break;
-                    }
-                    cpu_relax();
-                }
-            }
-            seen = g;
-            if (stop_.load(std::memory_order_relaxed)) return;
-            if (enter(g)) {
-                fn_(ctx_, tid);
-                entry_.fetch_sub(1, std::memory_order_acq_rel);
-            }
-        }
-    }
-
-    const int n_;
-    const int spin_us_;
-    const std::vector<int> cpus_;
-    const pid_t pid_;
-    std::vector<std::thread> workers_;
-    std::mutex m_;
-    std::condition_variable cv_;
-    int sleepers_ = 0;
-    std::atomic<bool> stop_{false};
-    std::atomic<uint64_t> gen_{0};    // job number, bumped by run()
-    std::atomic<uint64_t> entry_{0};  // (job number << 32) | open bit | workers inside the job
-    JobFn fn_ = nullptr;
-    void* ctx_ = nullptr;
 };
 
 std::mutex g_call;  // one layer at a time; guards everything below
@@ -404,101 +269,7 @@ struct K {
 
 #endif  // STRATA_X86
 
-// Portable scalar emulations of the two AVX-512 kernels, for tests on machines without AVX-512: the
-// same template, the same lane layout, the same summation order (vector FMA = fmaf per lane, the
-// horizontal sum of hsum512, vdpbf16ps = per lane acc += odd product, then += even product, with
-// denormals flushed as the instruction does), so they match the real kernels bit for bit by
-// construction. Slow; never chosen automatically.
-#pragma GCC push_options
-#pragma GCC optimize("O0")  // test-only code: keep the build fast (O1 would double it)
-namespace emu {
-struct F16 {
-    float v[16];
-};
-inline F16 zero16() {
-    F16 r;
-    for (int i = 0; i < 16; ++i) r.v[i] = 0.0f;
-    return r;
-}
-inline F16 add16(F16 a, const F16& b) {
-    for (int i = 0; i < 16; ++i) a.v[i] = a.v[i] + b.v[i];
-    return a;
-}
-inline float hsum16(const F16& a) {  // the order of hsum512
-    float s[16], t[4];
-    for (int j = 0; j < 16; ++j) s[j] = a.v[j] + a.v[j ^ 8];
-    for (int j = 0; j < 4; ++j) t[j] = s[j] + s[j ^ 4];
-    return (t[0] + t[2]) + (t[1] + t[3]);
-}
-inline float flush(float v) { return std::fpclassify(v) == FP_SUBNORMAL ? std::copysign(0.0f, v) : v; }
-}  // namespace emu
-
-namespace k_emu512 {
-struct K {
-    static constexpr int W = 16;
-    static constexpr int NTMAX = 8;
-    static constexpr int unroll(int nt) { return nt <= 2 ? 4 : nt <= 4 ? 2 : 1; }
-    using Acc = emu::F16;
-    using X = float;
-    using Hd = float;
-    static inline Acc zero() { return emu::zero16(); }
-    static inline emu::F16 load_w(const uint16_t* p) {
-        emu::F16 r;
-        for (int i = 0; i < 16; ++i) r.v[i] = bf16_to_f32(p[i]);
-        return r;
-    }
-    static inline emu::F16 load_x(const float* p) {
-        emu::F16 r;
-        std::memcpy(r.v, p, sizeof(r.v));
-        return r;
-    }
-    static inline Acc dot(Acc a, const emu::F16& x, const emu::F16& w) {
-        for (int i = 0; i < 16; ++i) a.v[i] = std::fma(x.v[i], w.v[i], a.v[i]);
-        return a;
-    }
-    static inline Acc add(Acc a, const Acc& b) { return emu::add16(a, b); }
-    static inline float hsum(const Acc& a) { return emu::hsum16(a); }
-    static inline float x2f(float v) { return v; }
-    static inline float h_from_f(float v) { return v; }
-};
-#include "cpu_experts_kernel.h"
-}  // namespace k_emu512
-
-namespace k_emu512bf16 {
-struct B32 {
-    uint16_t v[32];
-};
-struct K {
-    static constexpr int W = 32;
-    static constexpr int NTMAX = 8;
-    static constexpr int unroll(int nt) { return nt <= 2 ? 4 : nt <= 4 ? 2 : 1; }
-    using Acc = emu::F16;
-    using X = uint16_t;
-    using Hd = uint16_t;
-    static inline Acc zero() { return emu::zero16(); }
-    static inline B32 load_w(const uint16_t* p) {
-        B32 r;
-        std::memcpy(r.v, p, sizeof(r.v));
-        return r;
-    }
-    static inline B32 load_x(const uint16_t* p) { return load_w(p); }
-    static inline Acc dot(Acc a, const B32& x, const B32& w) {
-        for (int i = 0; i < 16; ++i) {  // bf16 x bf16 products are exact in fp32
-            float acc = emu::flush(a.v[i]);
-            acc = emu::flush(acc + emu::flush(bf16_to_f32(x.v[2 * i + 1])) * emu::flush(bf16_to_f32(w.v[2 * i + 1])));
-            acc = emu::flush(acc + emu::flush(bf16_to_f32(x.v[2 * i])) * emu::flush(bf16_to_f32(w.v[2 * i])));
-            a.v[i] = acc;
-        }
-        return a;
-    }
-    static inline Acc add(Acc a, const Acc& b) { return emu::add16(a, b); }
-    static inline float hsum(const Acc& a) { return emu::hsum16(a); }
-    static inline float x2f(uint16_t v) { return bf16_to_f32(v); }
-    static inline uint16_t h_from_f(float v) { return f32_to_bf16(v); }
-};
-#include "cpu_experts_kernel.h"
-}  // namespace k_emu512bf16
-#pragma GCC pop_options
+#include "cpu_experts_emu.h"
 
 // ---------------------------------------------------------------------------------------------------
 // C API (ctypes).
