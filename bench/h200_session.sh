@@ -60,12 +60,12 @@ case "$1" in
     timeout 200 python3 bench/profile_decode.py --model /dev/shm/b12 --no-kernels --tokens 32 --out "$OUT/profile-ceiling" \
       2>&1 | grep -E "tok/s" ;;
   tests-decode)  # the GPU tests of the decode kernels and paths only (after a change there)
-    timeout 240 python3 -m pytest -q -m gpu tests/test_fused_kernels.py tests/test_gpu.py tests/test_decode_path.py \
+    timeout 240 python3 -m pytest -q -m gpu tests/test_fused_kernels.py tests/test_gpu.py tests/test_decode_path.py tests/test_decode_graphs.py \
       tests/test_step_copies.py > "$OUT/gpu_tests_decode.txt" 2>&1; tail -3 "$OUT/gpu_tests_decode.txt" ;;
   handshake)  # the twelfth session: the Engram rows' handshake (one graph a step with disk tables): its GPU tests, the
               # host side alone on this box's CPU and disk (engram_step_host --handshake, row_reads), then the Engram
               # bench with the disk case through it and through the segmented graphs it replaces
-    timeout 200 python3 -m pytest -q -m gpu tests/test_engram_handshake.py tests/test_engram.py tests/test_decode_path.py \
+    timeout 200 python3 -m pytest -q -m gpu tests/test_engram_handshake.py tests/test_engram.py tests/test_decode_path.py tests/test_decode_graphs.py \
       tests/test_tier_primitives.py > "$OUT/gpu_tests_engram.txt" 2>&1
     tail -3 "$OUT/gpu_tests_engram.txt"
     timeout 60 python3 -m pytest -q tests/test_engram_handshake.py tests/test_engram_verify.py 2>&1 | tail -2
@@ -81,7 +81,7 @@ case "$1" in
       | tail -7 | cut -c1-400 ;;
   thirteenth)  # the thirteenth session's first call: the GPU tests of the twelfth session's review commit (the handshake's
                # own gather view, the kernel pool without parking), then the Engram bench on real text and on Zipf tokens
-    timeout 150 python3 -m pytest -q -m gpu tests/test_engram_handshake.py tests/test_engram.py tests/test_decode_path.py \
+    timeout 150 python3 -m pytest -q -m gpu tests/test_engram_handshake.py tests/test_engram.py tests/test_decode_path.py tests/test_decode_graphs.py \
       tests/test_cpu_mailbox.py tests/test_tier_primitives.py > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
     bash "$0" engram-text
     timeout 150 python3 bench/engram.py --out "$OUT/engram-zipf" --model-dir /dev/shm/engram --steps 200 \
@@ -117,7 +117,7 @@ case "$1" in
     done ;;
   fourteenth)  # the fourteenth session's first call: the GPU tests of the last session's moves (CpuCompute, review),
                 # then the skewed 8K prefill probe with prefetch and promotions toggled one at a time
-    timeout 200 python3 -m pytest -q -m gpu tests/test_cpu_mailbox.py tests/test_decode_path.py tests/test_grouped_prefill.py \
+    timeout 200 python3 -m pytest -q -m gpu tests/test_cpu_mailbox.py tests/test_decode_path.py tests/test_decode_graphs.py tests/test_grouped_prefill.py \
       tests/test_engram_handshake.py tests/test_gpu_tiers.py > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
     bash "$0" prefill-skew
     b='"tiers": {"gpu": {"budget": "1.12GiB"}}'
@@ -149,7 +149,7 @@ case "$1" in
   fifteenth-b)  # the GPU tests of the prefill's pair buffer and double-buffered stream slots, then the 8K prompt at
                  # 25%: "auto" chunk, one 8,192 chunk, residents kept (4 layers, both routings; 12 layers, uniform)
     timeout 150 python3 -m pytest -q -m gpu tests/test_grouped_prefill.py tests/test_gpu_tiers.py tests/test_step_copies.py \
-      tests/test_decode_path.py tests/test_prefill_residents.py > "$OUT/gpu_tests_b.txt" 2>&1; tail -2 "$OUT/gpu_tests_b.txt"
+      tests/test_decode_path.py tests/test_decode_graphs.py tests/test_prefill_residents.py > "$OUT/gpu_tests_b.txt" 2>&1; tail -2 "$OUT/gpu_tests_b.txt"
     for r in uniform 1.0; do
       python3 -m strata demo-model /dev/shm/b4-$r --size bench --layers 4 --no-engram --route-skew $r > /dev/null 2>&1
       prefill_run /dev/shm/b4-$r "b-default-1-$r" -1 1.12 false
@@ -177,7 +177,7 @@ case "$1" in
   next)  # the twelfth session's first call: GPU tests of the eleventh session's changes (books after the launch, in
          # bulk; parking), then where a one-graph token's ~0.5 ms beyond the ceiling's goes: the kernel's workers parked
          # after each step, spinning 100 us, no books at all (then run `suite`)
-    timeout 150 python3 -m pytest -q -m gpu tests/test_cpu_mailbox.py tests/test_decode_path.py tests/test_gpu_tiers.py \
+    timeout 150 python3 -m pytest -q -m gpu tests/test_cpu_mailbox.py tests/test_decode_path.py tests/test_decode_graphs.py tests/test_gpu_tiers.py \
       tests/test_gpu.py > "$OUT/gpu_tests_next.txt" 2>&1; tail -3 "$OUT/gpu_tests_next.txt"
     timeout 200 bash "$0" timeline-one 1.0 "split,split+spin100,split+nobooks"  # (+park: removed after this call)
     timeout 100 bash "$0" timeline-one uniform "split" ;;
@@ -186,7 +186,7 @@ case "$1" in
     python3 bench/step_timeline.py --model "/dev/shm/b12-$2" --tokens 40 --out "$OUT/timeline-$2" --cases "$3" 2>&1 \
       | grep '^{"' | cut -c1-1500 ;;
   eleventh)  # the eleventh session's first call: its unrun GPU tests, the GPU share rule, the engine-side kernel probe
-    timeout 150 python3 -m pytest -q -m gpu tests/test_cpu_mailbox.py tests/test_grouped_prefill.py tests/test_decode_path.py \
+    timeout 150 python3 -m pytest -q -m gpu tests/test_cpu_mailbox.py tests/test_grouped_prefill.py tests/test_decode_path.py tests/test_decode_graphs.py \
       > "$OUT/gpu_tests_next.txt" 2>&1; tail -3 "$OUT/gpu_tests_next.txt"
     export PREFILL=0
     timeout 200 bash "$0" hotpath uniform "ceiling,split,split+share0"
@@ -195,7 +195,7 @@ case "$1" in
   diag)  # the tenth session's second call (at f5c6827 it also ran the since removed +block/+thp toggles): the mailbox's
          # per-layer timing, grouped prefill's GPU tests
     timeout 150 python3 -m pytest -q -m gpu tests/test_grouped_prefill.py tests/test_gpu_tiers.py tests/test_gpu.py \
-      tests/test_cpu_mailbox.py tests/test_decode_path.py > "$OUT/gpu_tests_diag.txt" 2>&1; tail -3 "$OUT/gpu_tests_diag.txt"
+      tests/test_cpu_mailbox.py tests/test_decode_path.py tests/test_decode_graphs.py > "$OUT/gpu_tests_diag.txt" 2>&1; tail -3 "$OUT/gpu_tests_diag.txt"
     export PREFILL=0
     timeout 200 bash "$0" hotpath uniform "ceiling,split,split+share0"
     timeout 150 bash "$0" hotpath 1.0 "split" ;;
@@ -232,13 +232,13 @@ case "$1" in
     PREFILL=0 timeout 200 bash "$0" hotpath 1.0 "${2:-ceiling,split,split+whole,split+again,split+whole+again}"
     PREFILL=0 timeout 120 bash "$0" hotpath uniform "${3:-split,split+whole}" ;;
   seventeenth-b)  # one fused kernel for a mailbox layer's share split and inbox: its GPU tests, then the A/B on both routings
-    timeout 200 python3 -m pytest -q -m gpu tests/test_cpu_mailbox.py tests/test_decode_path.py tests/test_overlap_decode.py \
+    timeout 200 python3 -m pytest -q -m gpu tests/test_cpu_mailbox.py tests/test_decode_path.py tests/test_decode_graphs.py tests/test_overlap_decode.py \
       tests/test_gpu.py > "$OUT/gpu_tests_b.txt" 2>&1; tail -3 "$OUT/gpu_tests_b.txt"
     PREFILL=0 timeout 200 bash "$0" hotpath 1.0 "${2:-split,split+torchbox,split+again,split+torchbox+again}"
     PREFILL=0 timeout 130 bash "$0" hotpath uniform "${3:-split,split+torchbox}" ;;
   eighteenth)  # the mailbox without copy nodes (inbox and `ready` written by the pack kernel, the answer read by the
     # wait kernel): the GPU tests of the mailbox and decode paths, the round trip alone both ways, the A/B on both routings
-    timeout 200 python3 -m pytest -q -m gpu tests/test_cpu_mailbox.py tests/test_decode_path.py tests/test_overlap_decode.py \
+    timeout 200 python3 -m pytest -q -m gpu tests/test_cpu_mailbox.py tests/test_decode_path.py tests/test_decode_graphs.py tests/test_overlap_decode.py \
       > "$OUT/gpu_tests_18.txt" 2>&1; tail -3 "$OUT/gpu_tests_18.txt"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_18.txt" | head
     for d in 1 0; do STRATA_MAILBOX_DIRECT=$d timeout 60 python3 bench/mailbox_probe.py --threads 12 \
       --out "$OUT/mailbox-direct$d" 2>&1 | grep cold_experts | cut -c1-160 | sed "s/^/direct=$d: /"; done
@@ -246,7 +246,7 @@ case "$1" in
     PREFILL=0 timeout 110 bash "$0" hotpath uniform "${3:-split,split+copybox}" ;;
   eighteenth-b)  # the resident pairs beside the worker (after the layer is posted; the in-place share on a second
     # stream): the GPU tests of the mailbox and decode paths, then the A/B on both routings and a share sweep
-    timeout 200 python3 -m pytest -q -m gpu tests/test_cpu_mailbox.py tests/test_decode_path.py tests/test_overlap_decode.py \
+    timeout 200 python3 -m pytest -q -m gpu tests/test_cpu_mailbox.py tests/test_decode_path.py tests/test_decode_graphs.py tests/test_overlap_decode.py \
       > "$OUT/gpu_tests_18b.txt" 2>&1; tail -3 "$OUT/gpu_tests_18b.txt"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_18b.txt" | head
     PREFILL=0 timeout 230 bash "$0" hotpath 1.0 "${2:-split,split+hotbefore,split+again,split+hotbefore+again,split+share0.25,split+share0.55}"
     PREFILL=0 timeout 110 bash "$0" hotpath uniform "${3:-split,split+hotbefore}" ;;
@@ -271,7 +271,7 @@ case "$1" in
   nineteenth-b)  # the one-launch decode router and the residual folded into the combine: the GPU tests of the decode
     # kernels and paths, the ceiling's kernel table again, then the A/B on both routings
     timeout 230 python3 -m pytest -q -m gpu tests/test_fused_kernels.py tests/test_gpu.py tests/test_gpu_tiers.py \
-      tests/test_decode_path.py tests/test_cpu_mailbox.py tests/test_overlap_decode.py > "$OUT/gpu_tests_19b.txt" 2>&1
+      tests/test_decode_path.py tests/test_decode_graphs.py tests/test_cpu_mailbox.py tests/test_overlap_decode.py > "$OUT/gpu_tests_19b.txt" 2>&1
     tail -3 "$OUT/gpu_tests_19b.txt"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_19b.txt" | head
     python3 -m strata demo-model /dev/shm/b12-1.0 --size bench --layers 12 --no-engram --route-skew 1.0 > /dev/null 2>&1
     timeout 60 python3 bench/profile_decode.py --model /dev/shm/b12-1.0 --no-kernels --tokens 32 \
@@ -289,7 +289,7 @@ case "$1" in
       | cut -c1-200 ;;
   nineteenth-d)  # the router's top-k in one warp with one reduction a round: its GPU tests, the ceiling's kernel table,
     # the A/B on skewed routing
-    timeout 150 python3 -m pytest -q -m gpu tests/test_fused_kernels.py tests/test_decode_path.py > "$OUT/gpu_tests_19d.txt" 2>&1
+    timeout 150 python3 -m pytest -q -m gpu tests/test_fused_kernels.py tests/test_decode_path.py tests/test_decode_graphs.py > "$OUT/gpu_tests_19d.txt" 2>&1
     tail -2 "$OUT/gpu_tests_19d.txt"; grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests_19d.txt" | head
     python3 -m strata demo-model /dev/shm/b12-1.0 --size bench --layers 12 --no-engram --route-skew 1.0 > /dev/null 2>&1
     timeout 60 python3 bench/profile_decode.py --model /dev/shm/b12-1.0 --no-kernels --tokens 32 \

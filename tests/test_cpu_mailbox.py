@@ -118,7 +118,7 @@ def test_one_graph_split_decode_equals_the_host_step_path(tmp_path, monkeypatch,
     give the tokens and hidden states the host-step path gives when it too sends every cold expert to the
     CPU (promotions off, so both keep the same experts resident; no GPU share, so the CPU computes them all),
     with the resident pairs run beside the worker (the default) or before it is posted the layer."""
-    from test_decode_path import assert_batched_decode_identical
+    from test_decode_graphs import assert_batched_decode_identical
 
     monkeypatch.setenv("STRATA_MAILBOX_GPU_SHARE", "0")
     monkeypatch.setenv("STRATA_MAILBOX_HOT_ALONGSIDE", alongside)

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from reference_models import ARCHS, VOCAB, build_reference
-from strata import Engine
 from strata.kernels.experts import moe_forward
 from strata.kernels.grouped import SlotWeights, combine_pairs, pair_experts
 from strata.runtime.checkpoint import Checkpoint
@@ -366,115 +365,6 @@ def test_triton_pair_kernels_equal_the_fallback(dtype):
     torch.testing.assert_close(y_t, y_f, rtol=2e-2, atol=2e-2)
 
 
-@pytest.fixture(scope="module")
-def plain_tiny(tmp_path_factory):
-    """The tiny demo model without Engram layers (these tests are about experts and graphs alone)."""
-    from strata.runtime.demo_model import write_demo_model
-
-    return write_demo_model(tmp_path_factory.mktemp("plain") / "tiny", size="tiny", engram=False)
-
-
-@pytest.mark.gpu
-def test_graph_replays_equal_eager_decode(plain_tiny):
-    """CUDA graphs (every expert resident) give bit-identical tokens and scores to eager decode."""
-    eager = Engine.from_pretrained(plain_tiny, device="cuda",
-                                   config={"runtime": {"experts": "memory", "cuda_graphs": False}})
-    graphs = Engine.from_pretrained(plain_tiny, device="cuda", config={"runtime": {"experts": "memory"}})
-    ids = eager.tokenizer.encode("The river runs through the valley and the town")
-    a = eager.generate(ids, max_tokens=40)
-    b = graphs.generate(ids, max_tokens=40)
-    assert a.token_ids == b.token_ids
-    assert graphs.model.graphs.replays > 0 and eager.model.graphs.replays == 0
-    assert_batched_decode_identical(eager, graphs, steps=30)
-    assert graphs.model.graphs.captures >= 2  # batch of 1 and batch of 3
-
-
-@pytest.mark.gpu
-def test_graphs_are_captured_again_after_every_graph_was_freed(plain_tiny):
-    """A cache whose graphs were all dropped (a scheduler stopped: its cache freed) leaves the shared graph pool
-    with no user; the next capture must not reuse its handle (the allocator asserts), so later caches still
-    decode in graphs."""
-    import gc
-
-    eng = Engine.from_pretrained(plain_tiny, device="cuda", config={"runtime": {"experts": "memory"}})
-    g = eng.model.graphs
-    for round_ in range(2):
-        cache = KVCache(eng.model.cfg, 2, 256, eng.dtype, "cuda")
-        with torch.inference_mode():
-            eng.model(torch.arange(5, 15, device="cuda"), StepBatch([0, 1], [0, 0], [5, 5]), cache)
-            for t in range(3):
-                eng.model(torch.tensor([7, 8], device="cuda"), StepBatch([0, 1], [5 + t] * 2, [1, 1]), cache)
-        assert g.captures == round_ + 1 and not g.failed
-        del cache
-        gc.collect()
-        assert not g.graphs  # the cache's graphs went with it
-
-
-def assert_batched_decode_identical(eager: Engine, graphs: Engine, steps: int) -> None:
-    """Batched decode of 3 sequences at different lengths, straight through both models: equal hidden states."""
-    caches = [KVCache(m.model.cfg, 3, 1024, m.dtype, "cuda") for m in (eager, graphs)]
-    g = torch.Generator().manual_seed(0)
-    lengths = [3, 200, 40]
-    with torch.inference_mode():
-        for slot, n in enumerate(lengths):
-            prompt = torch.randint(0, 100, (n,), generator=g).cuda()
-            for m, c in zip((eager, graphs), caches, strict=True):
-                m.model(prompt, StepBatch([slot], [0], [n]), c)
-        for _ in range(steps):
-            tok = torch.randint(0, 100, (3,), generator=g).cuda()
-            outs = [m.model(tok, StepBatch([0, 1, 2], lengths, [1, 1, 1]), c) for m, c in zip((eager, graphs), caches, strict=True)]
-            assert torch.equal(outs[0], outs[1])
-            lengths = [n + 1 for n in lengths]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tier", ["memory", "pinned", "disk"])
-def test_engram_model_graph_replays_equal_eager_decode(tiny_model_dir, tier):
-    """An Engram model's decode steps replay as CUDA graphs with tokens and hidden states bit-identical to
-    eager decode: tables in memory and pinned RAM (read in place: the Engram step runs inside the graph)
-    and on disk (rows gathered on the host through the row cache, copied into the graph's buffers)."""
-    conf = ({"runtime": {"experts": "memory"}} if tier == "memory" else
-            {"engram": {"tier": tier, "row_cache": "64KiB"}, "runtime": {"cpu_numerics": "gpu"}})
-    eager = Engine.from_pretrained(tiny_model_dir, device="cuda", config={**conf, "runtime": {
-        **conf.get("runtime", {}), "cuda_graphs": False}})
-    graphs = Engine.from_pretrained(tiny_model_dir, device="cuda", config=conf)
-    assert graphs.model.engram is not None
-    assert eager.wait_settled(60) and graphs.wait_settled(60)
-    ids = eager.tokenizer.encode("The river runs through the valley and the town")
-    assert eager.generate(ids, max_tokens=40).token_ids == graphs.generate(ids, max_tokens=40).token_ids
-    assert graphs.model.graphs.replays > 0 and not graphs.model.graphs.failed and eager.model.graphs.replays == 0
-    assert_batched_decode_identical(eager, graphs, steps=20)
-    for m in (eager, graphs):
-        m.close()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("numerics", ["gpu", "fork"], ids=["exact", "forked"])
-def test_segmented_graphs_with_cold_experts(plain_tiny, numerics):
-    """One GPU slot per layer: steps replay as graphs between host steps; gpu numerics stay bit-identical
-    to all-in-memory, fork numerics (CPU kernel for part of the cold experts) within tolerance."""
-    memory = Engine.from_pretrained(plain_tiny, device="cuda", config={"runtime": {"experts": "memory"}})
-    slot = 12288
-    cfg = {"tiers": {"gpu": {"budget": str(2 * slot)}, "pinned": {"budget": str(32 * slot)}},
-           "runtime": {"cpu_numerics": numerics}}
-    with Engine.from_pretrained(plain_tiny, device="cuda", config=cfg) as tiered:
-        ids = memory.tokenizer.encode("The river runs through the valley and the town")
-        want = memory.generate(ids, max_tokens=24, temperature=1.0, seed=5)
-        got = tiered.generate(ids, max_tokens=24, temperature=1.0, seed=5)
-        assert tiered.model.graphs.replays > 0 and not tiered.model.graphs.failed
-        if numerics == "gpu":
-            assert got.token_ids == want.token_ids
-            assert torch.equal(tiered.score(ids), memory.score(ids))
-        else:
-            assert (tiered.score(ids) - memory.score(ids)).abs().mean().item() < 0.02
-            assert tiered._compute.cpu_experts > 0
-        stats = tiered.stats()["tiers"]
-        if numerics == "gpu":  # every cold expert crosses to a GPU slot
-            assert stats["misses"] > 0 and stats["tiers"]["gpu"]["evictions"] > 0
-        else:  # the cost model may send every cold expert to the CPU on a model this small: read from pinned
-            assert stats["tiers"]["pinned"]["hits"] > 0
-
-
 @pytest.mark.gpu
 def test_pair_kernels_read_pinned_slots_in_place():
     """`pair_experts_in_place` (weights read over PCIe from page-locked host slots, by address) gives what the
@@ -521,53 +411,6 @@ def test_pair_kernels_read_pinned_slots_in_place():
     finally:
         torch.cuda.synchronize()
         pool.close()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("in_place", [True, False], ids=["in-place", "copied"])
-def test_split_decode_reads_the_gpu_share_in_place(plain_tiny, in_place):
-    """Split decode with a CPU made to look slow, so the cost model gives cold experts to the GPU: with
-    `read_in_place` the GPU reads them from pinned RAM (the "pinned->gpu in place" path), else copies them;
-    either way the tokens follow the all-in-memory engine's within the forked numerics' tolerance."""
-    memory = Engine.from_pretrained(plain_tiny, device="cuda", config={"runtime": {"experts": "memory"}})
-    slot = 12288
-    cfg = {"tiers": {"gpu": {"budget": str(2 * slot)}, "pinned": {"budget": str(32 * slot)}},
-           "runtime": {"cpu_numerics": "fork", "read_in_place": in_place}}
-    with Engine.from_pretrained(plain_tiny, device="cuda", config=cfg) as tiered:
-        assert (tiered._compute.host_experts is not None) == in_place
-        tiered.wait_settled(60)
-        tiered._compute.rates.cpu_bytes_per_s = 1e6  # the CPU looks slow: the GPU takes the cold experts
-        tiered._compute.rates.observe_cpu = lambda *a: None  # and stays so
-        ids = memory.tokenizer.encode("The river runs through the valley and the town")
-        assert (tiered.score(ids) - memory.score(ids)).abs().mean().item() < 0.02
-        got = tiered.generate(ids, max_tokens=16)
-        want = memory.generate(ids, max_tokens=16)
-        assert tiered.model.graphs.replays > 0 and not tiered.model.graphs.failed
-        assert got.token_ids[:4] == want.token_ids[:4]
-        paths = tiered.stats()["tiers"]["paths"]
-        read = paths.get("pinned->gpu in place", {}).get("objects", 0)
-        assert (read > 0) == in_place, paths
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("numerics", ["gpu", "fork"], ids=["exact", "split"])
-def test_all_resident_tiered_engine_uses_graphs_and_equals_memory(plain_tiny, numerics):
-    """A GPU budget that holds every expert: decode becomes one graph per step, in split mode too (whose
-    step-copy slots, carved out of such a budget, used to keep the tier one short of every expert for good)."""
-    memory = Engine.from_pretrained(plain_tiny, device="cuda", config={"runtime": {"experts": "memory"}})
-    with Engine.from_pretrained(plain_tiny, device="cuda", config={"runtime": {"cpu_numerics": numerics}}) as tiered:
-        ids = memory.tokenizer.encode("The river runs through the valley and the town")
-        tiered.generate(ids, max_tokens=2)  # placement finishes in the background
-        for _ in range(200):
-            if tiered._compute.all_resident():
-                break
-            import time
-
-            time.sleep(0.05)
-        assert tiered._compute.all_resident()
-        assert tiered.generate(ids, max_tokens=24).token_ids == memory.generate(ids, max_tokens=24).token_ids
-        assert tiered.model.graphs.replays > 0 and tiered.model.graphs.mode() == "full"
-        assert tiered.stats()["tiers"]["lookups"] > 0  # device-side counts reach the statistics
 
 
 @pytest.mark.parametrize("hit_ratio, pauses", [(0.05, True), (0.9, False)])
