@@ -1,6 +1,6 @@
 """The decode fast path: slot-indexed pair kernels, fixed-shape decode attention, cold pairs served
-from other tiers, CUDA-graph replays. CPU tests run the torch fallback and a CPU-simulated GPU tier;
-the GPU tests run the Triton kernels and the graphs on CUDA.
+from other tiers. CPU tests run the torch fallback and a CPU-simulated GPU tier; the GPU tests run the
+Triton kernels on CUDA. The CUDA-graph replays are tested in test_decode_graphs.py.
 """
 
 from __future__ import annotations
