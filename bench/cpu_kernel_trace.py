@@ -29,6 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root, when run as a script
 from strata.kernels import cpu_experts as ce  # noqa: E402
+from strata.kernels.cpu_kernel_tuning import parse_knobs  # noqa: E402
 
 HIDDEN, INTER = 2048, 768  # the bench model's expert (Qwen3-30B-A3B): 9.4 MB in bf16
 # (experts, fraction of the intermediate rows computed here, packed): a split expert's rows are the leading part
@@ -36,18 +37,6 @@ HIDDEN, INTER = 2048, 768  # the bench model's expert (Qwen3-30B-A3B): 9.4 MB in
 # what a store layout with down's split part contiguous would read
 SHARES = [(1, 0.25, False), (1, 0.6, False), (1, 0.6, True), (1, 1.0, False), (2, 0.6, False), (2, 0.6, True),
           (2, 1.0, False), (4, 1.0, False)]
-
-
-def parse_knobs(text: str) -> list[dict[str, int]]:
-    """"claim_ahead=0;claim_ahead=4,chunk_div=16" -> [{...}, {...}] (';' between sets, ',' inside one)."""
-    sets = []
-    for part in text.split(";"):
-        knobs = {}
-        for item in filter(None, (p.strip() for p in part.split(","))):
-            name, _, value = item.partition("=")
-            knobs[name.strip()] = int(value)
-        sets.append(knobs)
-    return sets
 
 
 def spin(us: float) -> None:
@@ -101,7 +90,7 @@ def main() -> None:
     pool = torch.empty(args.pool_experts, slot, dtype=torch.bfloat16)
     pool.normal_(0, 0.02)
     rng = np.random.default_rng(0)
-    sets = parse_knobs(args.knobs)
+    sets = [parse_knobs(part, "--knobs") for part in args.knobs.split(";")]
     defaults = ce.tune(**{k: v for s in sets for k, v in s.items()})  # the values in force before
     results = []
     print(f"backend {ce.backend()}, {args.threads} threads, gap {args.gap_us} us, {args.calls} calls a share")

@@ -244,6 +244,8 @@ def main() -> None:
     result = {"model": args.model, "gpu_fraction": args.gpu_fraction, "expert_bytes": s.bytes_by_role["experts"],
               "gpu_budget_bytes": budget, "cases": []}
     switch = sys.getswitchinterval()
+    from strata.kernels import cpu_experts as ce
+
     for full in args.cases.split(","):
         name, *mods = full.split("+")
         cfg, env, knobs = all_cases[name], {}, {}
@@ -302,8 +304,6 @@ def main() -> None:
         fused.FOLDS = not name.endswith("_nofolds")
         decode_router.ENABLED = env.get("STRATA_FUSED_ROUTER") != "0"  # read at import: set here for each case
         fused.RESIDUAL_FOLD = env.get("STRATA_FUSED_RESIDUAL") != "0"
-        from strata.kernels import cpu_experts as ce
-
         old_knobs = ce.tune(**knobs)  # the kernel's scheduling knobs for this case only
         try:
             result["cases"].append(run_case(args.model, name, cfg, args.tokens, args.prefill, args.device, label=full))

@@ -41,16 +41,22 @@ def _lib():
     return cpu_experts._load()
 
 
-def env_knobs() -> dict[str, int]:
-    """$STRATA_CPU_TUNE parsed ("name=integer" items, comma-separated); ValueError naming a bad item."""
+def parse_knobs(text: str, source: str = "STRATA_CPU_TUNE") -> dict[str, int]:
+    """Knobs from "name=integer" items, comma-separated (e.g. "claim_ahead=4,chunk_div=16"); ValueError naming
+    `source` and the bad item."""
     knobs: dict[str, int] = {}
-    for item in filter(None, (p.strip() for p in os.environ.get("STRATA_CPU_TUNE", "").split(","))):
+    for item in filter(None, (p.strip() for p in text.split(","))):
         name, _, value = item.partition("=")
         if name.strip() not in TUNE_KEYS or not value.strip().isdigit():
-            raise ValueError(f"STRATA_CPU_TUNE: bad item {item!r}: want name=integer with name one of "
+            raise ValueError(f"{source}: bad item {item!r}: want name=integer with name one of "
                              f"{', '.join(TUNE_KEYS)}")
         knobs[name.strip()] = int(value)
     return knobs
+
+
+def env_knobs() -> dict[str, int]:
+    """$STRATA_CPU_TUNE parsed (`parse_knobs`): the knobs applied when the extension loads."""
+    return parse_knobs(os.environ.get("STRATA_CPU_TUNE", ""))
 
 
 def tune(**knobs: int) -> dict[str, int]:

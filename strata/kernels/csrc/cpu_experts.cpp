@@ -83,6 +83,8 @@ struct Chunk {
     int64_t e, r0, r1;
 };
 
+constexpr int64_t kMaxClaim = 16;  // down chunks one thread may claim ahead (strata_cpu_tune clamps to it)
+
 struct Job {
     int64_t N = 0, H = 0, E = 0;
     const void* xact = nullptr;  // [N, H] activations: float, or bf16 for avx512_bf16
@@ -94,7 +96,7 @@ struct Job {
     int64_t down_rows = 2, n_down_chunks = 0;
     int64_t pf = 0;  // software prefetch distance in elements (0: off)
     bool down_split = false;  // phase 2 pairs a row from each half of a chunk (two streams) instead of adjacent rows
-    int64_t claim_max = 0;  // down chunks a thread may claim and read ahead while phase 1 finishes (0: off)
+    int64_t claim_max = 0;  // down chunks a thread may claim and read ahead while phase 1 finishes (0 off, <= kMaxClaim)
     int64_t* trace = nullptr;  // tracing only: per thread [entered, phase 1 left, phase 2 begun, left] ns, claimed
     std::atomic<int64_t> next1{0}, next2{0};  // next chunk to take, per phase
     std::atomic<int64_t> done1{0}, done2{0};  // chunks finished, per phase
@@ -383,7 +385,7 @@ STRATA_API int64_t strata_cpu_tune(int64_t key, int64_t value) {
     if (!knob) return -1;
     const int64_t old = *knob;
     if (value >= 0)
-        *knob = key == 1 ? std::min<int64_t>(value, 16) : key == 5 ? int64_t(value != 0) : std::max<int64_t>(value, 1);
+        *knob = key == 1 ? std::min<int64_t>(value, kMaxClaim) : key == 5 ? int64_t(value != 0) : std::max<int64_t>(value, 1);
     return old;
 }
 

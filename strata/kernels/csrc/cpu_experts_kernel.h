@@ -174,15 +174,13 @@ static void down_rows(const Job& job, int64_t h0, int64_t h1) {
 // core's L2: what a thread does with its wait for the last phase-1 chunks instead of spinning.
 static void read_ahead_down(const Job& job, int64_t c) {
     const int64_t h0 = c * job.down_rows, h1 = std::min(job.H, h0 + job.down_rows);
-    uint64_t sink = 0;
     for (int64_t e = 0; e < job.E; ++e) {
         const ExpertArg& ex = job.experts[e];
         for (int64_t h = h0; h < h1; ++h) {
-            const char* row = reinterpret_cast<const char*>(ex.down + h * ex.ld);
-            for (int64_t b = 0; b < 2 * ex.I; b += 64) sink += *reinterpret_cast<const volatile uint8_t*>(row + b);
+            const volatile uint8_t* row = reinterpret_cast<const volatile uint8_t*>(ex.down + h * ex.ld);
+            for (int64_t b = 0; b < 2 * ex.I; b += 64) (void)row[b];  // one load a 64-byte line (volatile: kept)
         }
     }
-    if (sink == 0x5eed) job.done2.load(std::memory_order_relaxed);  // keeps the loads (never true in practice)
 }
 
 static void down_chunk(Job& job, int64_t c) {
@@ -208,10 +206,9 @@ static void run_job(void* ctx, int tid) {
         job.done1.fetch_add(1, std::memory_order_acq_rel);
     }
     if (tr) tr[1] = mono_ns();
-    int64_t claimed[16];
+    int64_t claimed[kMaxClaim];
     int64_t nc = 0;
-    const int64_t claim_max = std::min<int64_t>(job.claim_max, 16);
-    while (nc < claim_max && job.done1.load(std::memory_order_acquire) != n1) {
+    while (nc < job.claim_max && job.done1.load(std::memory_order_acquire) != n1) {
         const int64_t c = job.next2.fetch_add(1, std::memory_order_relaxed);
         if (c >= n2) break;
         claimed[nc++] = c;
