@@ -38,6 +38,8 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
                  strata.kernels.decode_router ($STRATA_FUSED_ROUTER=0)
   noresidual     a MoE layer's residual added by its own launch instead of in the experts' combine
                  ($STRATA_FUSED_RESIDUAL=0)
+  nogemv         decode's attention projections through cuBLAS instead of strata.kernels.decode_gemv
+                 ($STRATA_DECODE_GEMV=0)
   grouped        runtime.grouped_prefill = true: prefill's experts through two grouped GEMMs a layer
   sync           runtime.overlap_decode = false: each token read on the host before the next step is queued
   host           runtime.split_decode = "host": host steps at every MoE layer (the cost model splits the cold
@@ -214,7 +216,7 @@ def main() -> None:
     ap.add_argument("--cache", default="/dev/shm/strata-cache")
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke run)")
     args = ap.parse_args()
-    from strata.kernels import decode_router, fused
+    from strata.kernels import decode_gemv, decode_router, fused
     from strata.runtime.inspect import summarize_checkpoint
 
     s = summarize_checkpoint(args.model)
@@ -278,6 +280,8 @@ def main() -> None:
                 env["STRATA_FUSED_ROUTER"] = "0"
             elif mod == "noresidual":
                 env["STRATA_FUSED_RESIDUAL"] = "0"
+            elif mod == "nogemv":
+                env["STRATA_DECODE_GEMV"] = "0"
             elif mod.startswith("spin"):
                 env["STRATA_CPU_SPIN_US"] = mod[4:]
             elif mod.startswith("claim") and mod[5:].isdigit():
@@ -304,6 +308,7 @@ def main() -> None:
         fused.FOLDS = not name.endswith("_nofolds")
         decode_router.ENABLED = env.get("STRATA_FUSED_ROUTER") != "0"  # read at import: set here for each case
         fused.RESIDUAL_FOLD = env.get("STRATA_FUSED_RESIDUAL") != "0"
+        decode_gemv.ENABLED = env.get("STRATA_DECODE_GEMV") != "0"
         old_knobs = ce.tune(**knobs)  # the kernel's scheduling knobs for this case only
         try:
             result["cases"].append(run_case(args.model, name, cfg, args.tokens, args.prefill, args.device, label=full))

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.kernels import decode_attention as da
-from strata.kernels import fused
+from strata.kernels import decode_gemv, fused
 from strata.kernels.grouped import combine_pairs
 from strata.kernels.routing import softmax_topk
 from strata.runtime.attention import attend_decode
@@ -191,7 +191,7 @@ def test_folded_qkv_projection_equals_three_and_shares_their_memory(bias, monkey
     assert (stacked_b is not None) == bias
     new_k = torch.randn_like(attn.k_proj.weight)
     attn.k_proj.weight.data = new_k  # e.g. weights reloaded: the stale stack must not be used
-    assert torch.equal(attn._project(x)[1], F.linear(x, new_k, attn.k_proj.bias))
+    assert torch.equal(attn._project(x)[1], decode_gemv.linear(x, new_k, attn.k_proj.bias))
     assert attn.k_proj.weight.data_ptr() != new_k.data_ptr()  # re-stacked: k is a view of the new stack
 
 
@@ -312,3 +312,21 @@ def test_softmax_topk_breaks_ties_by_the_lowest_id_and_takes_zero_probabilities_
     eye = torch.eye(8, dtype=DTYPE, device=DEVICE)
     _, r_ids, _ = decode_router.route(logits, eye, 4, False, decode_router.new_counts(logits.device))
     assert torch.equal(r_ids, ids)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("out_features,in_features,bias", [(640, 512, False), (256, 1024, True), (100, 96, True)])
+def test_decode_gemv_equals_linear(rows, out_features, in_features, bias, monkeypatch):
+    """The decode GEMV gives F.linear's values (to one rounding step; sums reorder), with or without a bias, for
+    widths that are not a multiple of its tiles, from a row-strided x; past MAX_ROWS rows it is F.linear itself."""
+    g = torch.Generator().manual_seed(rows * out_features + in_features)
+    w = (torch.randn(out_features, in_features, generator=g) / in_features ** 0.5).to(DTYPE).to(DEVICE)
+    b = torch.randn(out_features, generator=g).to(DTYPE).to(DEVICE) if bias else None
+    x = torch.randn(rows, in_features + 16, generator=g).to(DTYPE).to(DEVICE)[:, 8:-8]  # stride(0) != in_features
+    assert decode_gemv.available(x, w)
+    close_in_dtype(decode_gemv.linear(x, w, b), F.linear(x, w, b), atol=2e-2)
+    wide = torch.randn(decode_gemv.MAX_ROWS + 1, in_features, generator=g).to(DTYPE).to(DEVICE)
+    assert not decode_gemv.available(wide, w)
+    assert torch.equal(decode_gemv.linear(wide, w, b), F.linear(wide, w, b))
+    monkeypatch.setattr(decode_gemv, "ENABLED", False)
+    assert torch.equal(decode_gemv.linear(x, w, b), F.linear(x, w, b))

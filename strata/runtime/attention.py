@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from strata.kernels import fused
+from strata.kernels import decode_gemv, fused
 from strata.kernels.decode_attention import decode_attention, decode_attention_ok
 from strata.runtime.kv_cache import DecodeBatch, StepBatch
 from strata.runtime.layers import RMSNorm
@@ -105,7 +105,7 @@ class GQAAttention(nn.Module):
             stacked = self._qkv = (_stack_into_views([p.weight for p in projs]),
                                    _stack_into_views([p.bias for p in projs]) if projs[0].bias is not None else None)
         sizes = [p.out_features for p in projs]
-        return F.linear(x, *stacked).split(sizes, dim=-1)
+        return decode_gemv.linear(x, *stacked).split(sizes, dim=-1)
 
     @staticmethod
     def _norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
@@ -140,7 +140,7 @@ class GQAAttention(nn.Module):
             else:
                 o = attend_decode(q, k_cache[batch.slots_t, :length], v_cache[batch.slots_t, :length], batch.pos_t,
                                   self.window, self.scale)
-            return self.o_proj(o.reshape(n, -1))
+            return decode_gemv.project(self.o_proj, o.reshape(n, -1))
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
         for slot, start, off, length in batch.sequences():
             end = start + length
