@@ -333,6 +333,15 @@ case "$1" in
     grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.txt" | head
     timeout 240 python3 bench/gemv_probe.py --out "$OUT/gemv" ${SWEEP---sweep} 2>&1 | cut -c1-700
     PREFILL=0 timeout 170 bash "$0" hotpath 1.0 "${2:-ceiling,ceiling+nogemv,split,split+nogemv,ceiling+again,split+again}" ;;
+  twentysecond)  # the decode GEMV at one row with the sweep's tiles: every GPU test, the probe, the A/B alternated
+    timeout 150 python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
+    grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.txt" | head
+    timeout 150 python3 bench/gemv_probe.py --out "$OUT/gemv" ${SWEEP---sweep} 2>&1 | cut -c1-400
+    PREFILL=0 timeout 260 bash "$0" hotpath 1.0 "${2:-ceiling,ceiling+nogemv,split,split+nogemv,ceiling+again,ceiling+nogemv+again,split+again,split+nogemv+again}" ;;
+  twentysecond-b)  # the same A/B on the full 48-layer model all in VRAM (engine.generate)
+    [ -d /dev/shm/b48 ] || timeout 300 python3 -m strata demo-model /dev/shm/b48 --size bench --no-engram 2>&1 | tail -2
+    timeout 280 python3 bench/hotpath.py --model /dev/shm/b48 --tokens 64 --prefill 0 --out "$OUT/b48" \
+      --cases "${2:-ceiling,ceiling+nogemv,ceiling+again,ceiling+nogemv+again}" 2>&1 | grep '^{"' | cut -c1-300 ;;
   sixteenth-b)  # after the sampler stopped syncing: its GPU tests, the syncs left in a step, the A/B on both routings
     timeout 120 python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_overlap_decode.py 2>&1 | tail -2
     PREFILL=0 timeout 200 bash "$0" hotpath 1.0 "${2:-ceiling,ceiling+sync,split,split+sync,split+again}"
