@@ -338,7 +338,8 @@ case "$1" in
     grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.txt" | head
     timeout 150 python3 bench/gemv_probe.py --out "$OUT/gemv" ${SWEEP---sweep} 2>&1 | cut -c1-400
     PREFILL=0 timeout 260 bash "$0" hotpath 1.0 "${2:-ceiling,ceiling+nogemv,split,split+nogemv,ceiling+again,ceiling+nogemv+again,split+again,split+nogemv+again}" ;;
-  twentysecond-b)  # the same A/B on the full 48-layer model all in VRAM (engine.generate)
+  twentysecond-b)  # the probe at the sweep's new winners, then the A/B on the full 48-layer model all in VRAM
+    timeout 60 python3 bench/gemv_probe.py --out "$OUT/gemv" 2>&1 | cut -c1-300
     [ -d /dev/shm/b48 ] || timeout 300 python3 -m strata demo-model /dev/shm/b48 --size bench --no-engram 2>&1 | tail -2
     timeout 280 python3 bench/hotpath.py --model /dev/shm/b48 --tokens 64 --prefill 0 --out "$OUT/b48" \
       --cases "${2:-ceiling,ceiling+nogemv,ceiling+again,ceiling+nogemv+again}" 2>&1 | grep '^{"' | cut -c1-300 ;;
