@@ -335,3 +335,22 @@ def test_decode_gemv_equals_linear(out_features, in_features, bias, monkeypatch)
     assert torch.equal(decode_gemv.linear(wide, w, b), F.linear(wide, w, b))
     monkeypatch.setattr(decode_gemv, "ENABLED", False)
     assert torch.equal(decode_gemv.linear(x, w, b), F.linear(x, w, b))
+
+
+def test_mlp_takes_the_gemv_for_one_row_only(monkeypatch):
+    """A dense layer's (or shared expert's) SwiGLU MLP at one decode row runs its three projections through the
+    GEMV, to a rounding step of the F.linear chain; two rows run the F.linear chain itself."""
+    from strata.runtime.layers import MLP
+
+    torch.manual_seed(3)
+    mlp = MLP(256, 384).to(DTYPE).to(DEVICE)
+    calls = []
+    kernel = decode_gemv._gemv_kernel
+    monkeypatch.setattr(decode_gemv, "_gemv_kernel", type("Spy", (), {
+        "__getitem__": lambda self, grid: (calls.append(grid), kernel[grid])[1]})())
+    x = torch.randn(2, 256).to(DTYPE).to(DEVICE)
+    reference = mlp.down_proj(F.silu(mlp.gate_proj(x)) * mlp.up_proj(x))
+    one = mlp(x[:1])
+    assert len(calls) == 3
+    torch.testing.assert_close(one.float(), reference[:1].float(), rtol=2 ** -6, atol=2e-2)
+    assert torch.equal(mlp(x), reference) and len(calls) == 3

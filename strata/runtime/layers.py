@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.kernels import fused
+from strata.kernels import decode_gemv, fused
 
 
 class RMSNorm(nn.Module):
@@ -40,4 +40,6 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        # a decode token's row goes through the Triton GEMV on CUDA (strata.kernels.decode_gemv); else F.linear
+        gate, up = decode_gemv.project(self.gate_proj, x), decode_gemv.project(self.up_proj, x)
+        return decode_gemv.project(self.down_proj, F.silu(gate) * up)
