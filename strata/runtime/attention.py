@@ -201,13 +201,14 @@ class MLAAttention(nn.Module):
 
     def forward(self, x, cos, sin, batch: StepBatch, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         n, nh = x.shape[0], self.num_heads
+        proj = decode_gemv.project  # a decode row through the Triton GEMV on CUDA, else the module itself
         if self.q_lora_rank is None:
-            q = self.q_proj(x)
+            q = proj(self.q_proj, x)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            q = proj(self.q_b_proj, self.q_a_layernorm(proj(self.q_a_proj, x)))
         q = q.view(n, nh, self.nope + self.rope_dim)
         q_nope, q_rot = q.split([self.nope, self.rope_dim], dim=-1)
-        latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent, k_rot = proj(self.kv_a_proj_with_mqa, x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent)
         q_rot = apply_rope(q_rot, cos, sin, self.interleave)
         k_rot = apply_rope(k_rot[:, None, :], cos, sin, self.interleave)[:, 0]
@@ -221,7 +222,7 @@ class MLAAttention(nn.Module):
             k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
             rot = rot_cache[batch.slots_t, :length, None, :].expand(n, length, nh, self.rope_dim)
             o = attend_decode(q, torch.cat((k_nope, rot), dim=-1), v, batch.pos_t, None, self.scale)
-            return self.o_proj(o.reshape(n, -1))
+            return proj(self.o_proj, o.reshape(n, -1))
         out = torch.empty(n, nh, self.v_dim, dtype=x.dtype, device=x.device)
         for slot, start, off, length in batch.sequences():
             end = start + length
