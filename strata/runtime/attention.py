@@ -212,17 +212,16 @@ class MLAAttention(nn.Module):
         latent = self.kv_a_layernorm(latent)
         q_rot = apply_rope(q_rot, cos, sin, self.interleave)
         k_rot = apply_rope(k_rot[:, None, :], cos, sin, self.interleave)[:, 0]
-        q = torch.cat((q_nope, q_rot), dim=-1)  # [N, heads, qk]
         lat_cache, rot_cache = cache
         if isinstance(batch, DecodeBatch):
             lat_cache[batch.slots_t, batch.pos_t] = latent
             rot_cache[batch.slots_t, batch.pos_t] = k_rot
             length = batch.kv_len
-            kv = self.kv_b_proj(lat_cache[batch.slots_t, :length]).view(n, length, nh, self.nope + self.v_dim)
-            k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
-            rot = rot_cache[batch.slots_t, :length, None, :].expand(n, length, nh, self.rope_dim)
-            o = attend_decode(q, torch.cat((k_nope, rot), dim=-1), v, batch.pos_t, None, self.scale)
+            lat, rot = lat_cache[batch.slots_t, :length], rot_cache[batch.slots_t, :length]
+            decode = self.attend_absorbed if type(self.kv_b_proj) is nn.Linear else self.attend_expanded
+            o = decode(q_nope, q_rot, lat, rot, batch.pos_t)
             return proj(self.o_proj, o.reshape(n, -1))
+        q = torch.cat((q_nope, q_rot), dim=-1)  # [N, heads, qk]
         out = torch.empty(n, nh, self.v_dim, dtype=x.dtype, device=x.device)
         for slot, start, off, length in batch.sequences():
             end = start + length
@@ -236,3 +235,32 @@ class MLAAttention(nn.Module):
             )
             out[off : off + length] = o.transpose(0, 1)
         return self.o_proj(out.reshape(n, -1))
+
+    def attend_absorbed(self, q_nope: torch.Tensor, q_rot: torch.Tensor, lat: torch.Tensor, rot: torch.Tensor,
+                        pos: torch.Tensor) -> torch.Tensor:
+        """Decode attention in the latent space (kv_b_proj absorbed into the query and the output, as DeepSeek
+        serves MLA): q_nope [B, heads, nope], q_rot [B, heads, rope], the cache window lat [B, S, kv_lora] and
+        rot [B, S, rope], pos [B] -> [B, heads, v_dim].
+
+        Expanding the window through kv_b_proj costs S x kv_lora x heads x (nope + v_dim) multiply-adds a step
+        (DeepSeek-V3 at 4K context: 69 G a layer); here a step costs heads x kv_lora x (nope + v_dim) for the
+        two absorbed products plus one MQA pass of heads x S x (2 kv_lora + rope), ~100x less at 4K. Every head
+        attends to the same key (latent ++ rotated key) and value (latent): one KV head."""
+        nh, lora = self.num_heads, self.kv_lora_rank
+        w = self.kv_b_proj.weight.view(nh, self.nope + self.v_dim, lora)
+        w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [heads, nope, kv_lora], [heads, v_dim, kv_lora]
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [heads, B, nope] @ -> [B, heads, kv_lora]
+        k = torch.cat((lat, rot), dim=-1)[:, :, None]  # [B, S, 1, kv_lora + rope]
+        o_lat = attend_decode(torch.cat((q_lat, q_rot), dim=-1), k, lat[:, :, None], pos, None, self.scale)
+        return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [heads, B, kv_lora] @
+
+    def attend_expanded(self, q_nope: torch.Tensor, q_rot: torch.Tensor, lat: torch.Tensor, rot: torch.Tensor,
+                        pos: torch.Tensor) -> torch.Tensor:
+        """`attend_absorbed`'s arguments and result, the window's keys and values expanded through kv_b_proj
+        (transformers' order of operations; any kv_b_proj module)."""
+        b, length, nh = lat.shape[0], lat.shape[1], self.num_heads
+        kv = self.kv_b_proj(lat).view(b, length, nh, self.nope + self.v_dim)
+        k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
+        k = torch.cat((k_nope, rot[:, :, None, :].expand(b, length, nh, self.rope_dim)), dim=-1)
+        return attend_decode(torch.cat((q_nope, q_rot), dim=-1), k, v, pos, None, self.scale)
+
