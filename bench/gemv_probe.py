@@ -46,13 +46,14 @@ def graph_us(fn, calls: int) -> float:
     return best
 
 
-def probe(name: str, ws: list[torch.Tensor], rows: int, calls: int, sweep: bool) -> dict:
-    """One shape at `rows` rows: the GEMV's agreement with F.linear, both timed, and (sweep) every tile config."""
+def probe(name: str, ws: list[torch.Tensor], calls: int, sweep: bool) -> dict:
+    """One shape at one row of x (decode_gemv.MAX_ROWS; more rows go to F.linear): the GEMV's agreement with
+    F.linear, both timed, and (sweep) every tile config."""
     m, k = ws[0].shape
     mb = m * k * 2 / 1e6  # MB / us = TB/s
-    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(1, k, device="cuda", dtype=torch.bfloat16)
     ref, got = F.linear(x, ws[0]), decode_gemv.linear(x, ws[0])
-    rec = {"shape": name, "m": m, "k": k, "rows": rows, "MB": round(mb, 2),
+    rec = {"shape": name, "m": m, "k": k, "MB": round(mb, 2),
            "max_abs_diff": (got.float() - ref.float()).abs().max().item(),
            "differing": round((got != ref).float().mean().item(), 4)}
     t = graph_us(lambda i: F.linear(x, ws[i % len(ws)]), calls)
@@ -79,7 +80,6 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--calls", type=int, default=48)
-    ap.add_argument("--rows", default="1")  # more rows: F.linear (decode_gemv.MAX_ROWS)
     ap.add_argument("--sweep", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -88,11 +88,10 @@ def main() -> None:
     for name, (m, k) in SHAPES.items():
         copies = max(4, int(400e6 // (m * k * 2)))  # > 8x the L2 a graph round
         ws = [torch.randn(m, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5 for _ in range(copies)]
-        for rows in (int(r) for r in args.rows.split(",")):
-            rec = probe(name, ws, rows, args.calls, args.sweep)
-            results.append(rec)
-            print(json.dumps({k: v for k, v in rec.items() if k != "sweep_best"}),
-                  "best:", rec.get("sweep_best", [])[:3], flush=True)
+        rec = probe(name, ws, args.calls, args.sweep)
+        results.append(rec)
+        print(json.dumps({k: v for k, v in rec.items() if k != "sweep_best"}),
+              "best:", rec.get("sweep_best", [])[:3], flush=True)
     with open(os.path.join(args.out, "gemv_probe.json"), "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "calls": args.calls, "results": results}, f, indent=1)
 

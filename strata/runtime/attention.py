@@ -218,8 +218,7 @@ class MLAAttention(nn.Module):
             rot_cache[batch.slots_t, batch.pos_t] = k_rot
             length = batch.kv_len
             lat, rot = lat_cache[batch.slots_t, :length], rot_cache[batch.slots_t, :length]
-            decode = self.attend_absorbed if type(self.kv_b_proj) is nn.Linear else self.attend_expanded
-            o = decode(q_nope, q_rot, lat, rot, batch.pos_t)
+            o = self.attend_absorbed(q_nope, q_rot, lat, rot, batch.pos_t)
             return proj(self.o_proj, o.reshape(n, -1))
         q = torch.cat((q_nope, q_rot), dim=-1)  # [N, heads, qk]
         out = torch.empty(n, nh, self.v_dim, dtype=x.dtype, device=x.device)
@@ -249,18 +248,19 @@ class MLAAttention(nn.Module):
         nh, lora = self.num_heads, self.kv_lora_rank
         w = self.kv_b_proj.weight.view(nh, self.nope + self.v_dim, lora)
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [heads, nope, kv_lora], [heads, v_dim, kv_lora]
-        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [heads, B, nope] @ -> [B, heads, kv_lora]
+        # per head: [B, nope] @ [nope, kv_lora] -> q_lat [B, heads, kv_lora]
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
         k = torch.cat((lat, rot), dim=-1)[:, :, None]  # [B, S, 1, kv_lora + rope]
         o_lat = attend_decode(torch.cat((q_lat, q_rot), dim=-1), k, lat[:, :, None], pos, None, self.scale)
-        return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)  # [heads, B, kv_lora] @
+        # per head: o_lat [B, kv_lora] @ [kv_lora, v_dim] -> [B, heads, v_dim]
+        return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
     def attend_expanded(self, q_nope: torch.Tensor, q_rot: torch.Tensor, lat: torch.Tensor, rot: torch.Tensor,
                         pos: torch.Tensor) -> torch.Tensor:
         """`attend_absorbed`'s arguments and result, the window's keys and values expanded through kv_b_proj
-        (transformers' order of operations; any kv_b_proj module)."""
+        (transformers' order of operations): the reference its test and bench/mla_decode_probe.py compare to."""
         b, length, nh = lat.shape[0], lat.shape[1], self.num_heads
         kv = self.kv_b_proj(lat).view(b, length, nh, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         k = torch.cat((k_nope, rot[:, :, None, :].expand(b, length, nh, self.rope_dim)), dim=-1)
         return attend_decode(torch.cat((q_nope, q_rot), dim=-1), k, v, pos, None, self.scale)
-
