@@ -74,6 +74,22 @@ def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.
     return out[:, :, 0]
 
 
+def attend_latent(q_lat: torch.Tensor, q_rot: torch.Tensor, lat: torch.Tensor, rot: torch.Tensor, pos: torch.Tensor,
+                  scale: float) -> torch.Tensor:
+    """MLA's absorbed decode attention: every head over the one shared latent key and value, masked by position.
+
+    q_lat [B, heads, kv_lora], q_rot [B, heads, rope], lat [B, S, kv_lora], rot [B, S, rope], pos [B]
+    -> [B, heads, kv_lora]. Key = lat ++ rot, value = lat. Two batched matmuls with the heads as rows read the
+    window once each; SDPA would not: no fused kernel takes a 576-wide head, and its math fallback repeats the
+    one KV head for all 128 query heads (DeepSeek-V3 at 4K context: 2.6 ms a layer against ~0.8 ms expanded).
+    Logits in fp32 (the two halves added before rounding), probabilities rounded to the cache's dtype for the
+    value product, as transformers' eager attention does."""
+    scores = torch.bmm(q_lat, lat.transpose(1, 2)).float() + torch.bmm(q_rot, rot.transpose(1, 2)).float()
+    kpos = torch.arange(lat.shape[1], device=lat.device)
+    scores = scores.mul_(scale).masked_fill_((kpos[None, :] > pos[:, None])[:, None, :], float("-inf"))  # [B, heads, S]
+    return torch.bmm(scores.softmax(-1).to(lat.dtype), lat)
+
+
 class GQAAttention(nn.Module):
     """Grouped-query attention with optional q/k RMSNorm (Qwen3) and q/k/v biases (Qwen2)."""
 
@@ -250,8 +266,7 @@ class MLAAttention(nn.Module):
         w_uk, w_uv = w[:, : self.nope], w[:, self.nope :]  # [heads, nope, kv_lora], [heads, v_dim, kv_lora]
         # per head: [B, nope] @ [nope, kv_lora] -> q_lat [B, heads, kv_lora]
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)
-        k = torch.cat((lat, rot), dim=-1)[:, :, None]  # [B, S, 1, kv_lora + rope]
-        o_lat = attend_decode(torch.cat((q_lat, q_rot), dim=-1), k, lat[:, :, None], pos, None, self.scale)
+        o_lat = attend_latent(q_lat, q_rot, lat, rot, pos, self.scale)  # [B, heads, kv_lora]
         # per head: o_lat [B, kv_lora] @ [kv_lora, v_dim] -> [B, heads, v_dim]
         return torch.bmm(o_lat.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
