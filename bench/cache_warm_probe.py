@@ -27,7 +27,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.cpu_experts import make_pool, machine  # noqa: E402
+from bench.cpu_experts import machine, make_pool  # noqa: E402
 from strata.kernels import cpu_experts as ce  # noqa: E402
 
 H, INTER = 2048, 768
