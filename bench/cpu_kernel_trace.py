@@ -46,7 +46,11 @@ def spin(us: float) -> None:
 
 
 def run_share(pool: torch.Tensor, experts: int, frac: float, packed: bool, calls: int, threads: int, gap_us: float,
-              rng: np.random.Generator) -> dict:
+              rng: np.random.Generator, warm: bool = False) -> dict:
+    """`calls` kernel calls on `experts` fresh experts each (`frac` of their rows), traced. With `warm`, each call's
+    experts are first read once on the kernel's pool (`read_sweep`, untimed), as a worker that knew the next
+    layer's cold experts could do while the GPU runs that layer's attention: the kernel then reads them from the
+    caches (L2/L3) instead of RAM."""
     rows = max(1, round(INTER * frac))
     ld = rows if packed else INTER
     gu_elems = 2 * INTER * HIDDEN
@@ -55,20 +59,25 @@ def run_share(pool: torch.Tensor, experts: int, frac: float, packed: bool, calls
     idx = torch.zeros(1, dtype=torch.int64)
     w = torch.ones(1)
     base, stride = pool.data_ptr(), pool.stride(0) * 2
-    ce.trace(True)
+    t: dict[str, int] = {}
     t0 = time.perf_counter()
     for _ in range(calls):
         meta = array.array("q")
-        for e in rng.choice(pool.shape[0], size=experts, replace=False):
+        chosen = rng.choice(pool.shape[0], size=experts, replace=False)
+        for e in chosen:
             addr = base + int(e) * stride
             meta.extend((addr, addr + gu_elems * 2, idx.data_ptr(), w.data_ptr(), 1, rows, ld))
+        if warm:
+            ce.read_sweep([pool[int(e), : 3 * INTER * HIDDEN] for e in chosen], threads)
+        ce.trace(True)
         ce.run_packed(x, meta, out, threads)
+        for k, v in ce.trace(False).items():
+            t[k] = t.get(k, 0) + v
         spin(gap_us)
     wall = time.perf_counter() - t0
-    t = ce.trace(False)
     n = max(1, t["calls"])
     us = {k[:-3]: t[k] / n / 1e3 for k in t if k.endswith("_ns")}
-    return {"experts": experts, "fraction": frac, "packed": packed, "bytes": t["bytes"] // n, "us": us,
+    return {"experts": experts, "fraction": frac, "packed": packed, "warm": warm, "bytes": t["bytes"] // n, "us": us,
             "gbps": t["bytes"] / max(1, t["call_ns"]), "threads_joined": t["threads_joined"] / n,
             "phase1_chunks": t["phase1_chunks"] / n, "claimed_ahead": t["claimed_ahead"] / n, "wall_s": wall}
 
@@ -82,6 +91,8 @@ def main() -> None:
     ap.add_argument("--knobs", default="claim_ahead=0,down_split=0;claim_ahead=4,down_split=1",
                     help="knob sets to compare, ';' between sets (default: the kernel before and after the twentieth "
                          "session's changes)")
+    ap.add_argument("--warm", action="store_true", help="also time every share with its experts read just before "
+                    "(in the caches), with the first knob set")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     if ce.backend() == "torch":
@@ -115,6 +126,17 @@ def main() -> None:
         fit = {"fixed_us": float(intercept), "gbps_marginal": float(1e-3 / slope) if slope > 0 else None}
         print(f"{label}: fixed cost {intercept:.1f} us a call, marginal rate {fit['gbps_marginal'] or 0:.1f} GB/s")
         results.append({"knobs": knobs, "shares": rows, "fit": fit})
+    if args.warm:  # the same shares from the caches, first knob set: what reading ahead could win at most
+        ce.tune(**defaults)
+        ce.tune(**sets[0])
+        for warm in (False, True):
+            for experts, frac, packed in SHARES:
+                if packed:
+                    continue
+                r = run_share(pool, experts, frac, packed, args.calls, args.threads, args.gap_us, rng, warm=warm)
+                print(f"{'warm' if warm else 'cold'} | {experts} x {frac:.2f} | {r['us']['call']:.1f} us | "
+                      f"{r['gbps']:.1f} GB/s | gate/up {r['us']['phase1']:.1f} | down {r['us']['phase2']:.1f}")
+                results.append({"knobs": sets[0], "warm": warm, "shares": [r]})
     ce.tune(**defaults)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

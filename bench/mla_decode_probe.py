@@ -1,7 +1,8 @@
 """MLA decode attention at DeepSeek-V3's shapes: the latent-space path (kv_b_proj absorbed, what strata runs)
 against the cache window expanded through kv_b_proj each step (transformers' order), on one layer.
 
-Times `MLAAttention.attend_absorbed` and `attend_expanded` (bf16, CUDA events, best of 5 rounds of 20 calls) for
+Times `MLAAttention.attend_absorbed` and `attend_expanded` (bf16, one call captured in a CUDA graph as the engine's
+decode runs it, replayed: best of 5 rounds of 20; eager launches reported too) for
 B sequences over an S-token window, and checks they agree.
 
     python bench/mla_decode_probe.py --out DIR [--lengths 512,4096,16384] [--batch 1,8]
@@ -30,7 +31,7 @@ DEEPSEEK_V3 = {  # the attention part of DeepSeek-V3's config.json
 
 
 def time_us(fn, rounds: int = 5, calls: int = 20) -> float:
-    """Best mean us a call of `fn` over `rounds` rounds of `calls` calls."""
+    """Best mean us a call of `fn` over `rounds` rounds of `calls` calls, launched eagerly."""
     for _ in range(3):
         fn()
     best = float("inf")
@@ -45,6 +46,22 @@ def time_us(fn, rounds: int = 5, calls: int = 20) -> float:
     return best
 
 
+def graph_us(fn, rounds: int = 5, calls: int = 20) -> float:
+    """`time_us` of one call captured in a CUDA graph and replayed: the GPU's time without launch overhead, as in
+    strata's decode graphs (eagerly, a few-kernel call at small sizes times the host's launches, not the GPU)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    us = time_us(graph.replay, rounds, calls)
+    del graph
+    return us
+
+
 def probe(attn: MLAAttention, b: int, s: int) -> dict:
     """Both paths for b sequences at the end of an s-token window: agreement and us a call."""
     g = dict(device="cuda", dtype=torch.bfloat16)
@@ -54,8 +71,10 @@ def probe(attn: MLAAttention, b: int, s: int) -> dict:
     with torch.no_grad():
         a, e = attn.attend_absorbed(*args).float(), attn.attend_expanded(*args).float()
         rec = {"batch": b, "length": s, "rel_err": round(((a - e).norm() / e.norm()).item(), 5),
-               "absorbed_us": round(time_us(lambda: attn.attend_absorbed(*args)), 1),
-               "expanded_us": round(time_us(lambda: attn.attend_expanded(*args)), 1)}
+               "absorbed_us": round(graph_us(lambda: attn.attend_absorbed(*args)), 1),
+               "expanded_us": round(graph_us(lambda: attn.attend_expanded(*args)), 1),
+               "absorbed_eager_us": round(time_us(lambda: attn.attend_absorbed(*args)), 1),
+               "expanded_eager_us": round(time_us(lambda: attn.attend_expanded(*args)), 1)}
     rec["speedup"] = round(rec["expanded_us"] / rec["absorbed_us"], 1)
     return rec
 
