@@ -9,7 +9,8 @@ the kernel runs faster from them. Per call of `n` experts (one token, 8-expert l
 rounds, distinct experts from a 4 GiB pool every call:
   cold     the kernel on experts not read recently (from RAM);
   again    the same experts a second time, right after the first call (as warm as they get);
-  touched  the experts read by torch.sum on the same thread count first, then the kernel (timed alone).
+  touched  the experts read first on the kernel's own pool (`read_sweep`, other threads than compute each
+           row), then the kernel (timed alone).
 Also records `lscpu`'s cache sizes. Writes cache_warm.json into --out.
 """
 
@@ -46,7 +47,6 @@ def main() -> None:
     ap.add_argument("--experts", default="1,2")
     ap.add_argument("--calls", type=int, default=60)
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
     experts, blobs = make_pool(H, INTER, 4 << 30)
     x = torch.randn(1, H) * 0.5
     idx, w = torch.zeros(1, dtype=torch.int64), torch.ones(1)
@@ -64,8 +64,7 @@ def main() -> None:
             times["again"].append(kernel_s(x, group, idx, w, out, args.threads))
             group = [experts[(cursor + i) % len(experts)] for i in range(n)]
             cursor += n
-            for i in range(n):
-                blobs[(cursor - n + i) % len(blobs)].sum()  # read it on torch's threads
+            ce.read_sweep([blobs[(cursor - n + i) % len(blobs)] for i in range(n)], args.threads)
             times["touched"].append(kernel_s(x, group, idx, w, out, args.threads))
         row = {"experts": n}
         for k, v in times.items():

@@ -61,3 +61,70 @@ def popularity_summary(counts: dict[int, torch.Tensor], fractions: tuple[float, 
                                                       / len(rows), 4)
     out["top1_vs_uniform"] = round(sum(float(r.max()) * e for r in rows) / len(rows), 2)
     return out
+
+
+@contextmanager
+def record_lookahead(model: torch.nn.Module, distances: tuple[int, ...] = (1,),
+                     rows: int | None = None) -> Iterator[dict]:
+    """Record, for each forward pass of strata's `model` while the block runs, every MoE layer's expert ids and
+    the ids its lookahead predictor (`router_predictors`: layer j's norm and router applied to the hidden state
+    leaving layer j - d) named for it d layers earlier. Yields {"actual": {layer: [ids [N, k], ...]},
+    "predicted": {(layer, d): [ids [N, k], ...]}}, one entry a pass; `rows`: only passes of that many token rows
+    (1: decode steps). Uses `model.after_layer` (restored after)."""
+    from strata.runtime.moe import MoEBlock
+    from strata.runtime.tiered_moe import router_predictors
+
+    predictors = router_predictors(model)
+    rec: dict = {"actual": {}, "predicted": {}}
+    predicting = [False]  # the predictors call the layers' own routers: those calls are not the layers' choices
+    hooks = []
+    for i, layer in enumerate(model.layers):
+        if isinstance(layer.mlp, MoEBlock):
+            def gate_hook(_mod, _inp, out, i=i) -> None:
+                if not predicting[0] and (rows is None or out[1].shape[0] == rows):
+                    rec["actual"].setdefault(i, []).append(out[1].cpu())
+            hooks.append(layer.mlp.gate.register_forward_hook(gate_hook))
+    before = model.after_layer
+
+    def after_layer(i: int, hidden: torch.Tensor) -> None:
+        if before is not None:
+            before(i, hidden)
+        if rows is not None and hidden.shape[0] != rows:
+            return
+        predicting[0] = True
+        try:
+            for d in distances:
+                if i + d in predictors:
+                    rec["predicted"].setdefault((i + d, d), []).append(predictors[i + d](hidden).cpu())
+        finally:
+            predicting[0] = False
+
+    model.after_layer = after_layer
+    try:
+        yield rec
+    finally:
+        model.after_layer = before
+        for h in hooks:
+            h.remove()
+
+
+def lookahead_recall(rec: dict, num_experts: int, distance: int, hot_fraction: float = 0.25) -> dict:
+    """From `record_lookahead`'s record: the share of lookups (token, expert) whose expert the prediction made
+    `distance` layers earlier named for that token (`recall`), and the same over lookups of experts outside each
+    layer's `hot_fraction` most used in the record (`cold_recall`: what a GPU budget of that fraction leaves cold
+    at best, the lookups a prediction must bring up)."""
+    hit = n = cold_hit = cold_n = 0
+    for (layer, d), preds in rec["predicted"].items():
+        if d != distance:
+            continue
+        acts = rec["actual"][layer][-len(preds):]  # a pass's prediction and choice share its index from the end
+        counts = torch.bincount(torch.cat(acts).reshape(-1), minlength=num_experts)
+        hot = torch.zeros(num_experts, dtype=torch.bool)
+        hot[counts.argsort(descending=True)[: max(1, round(num_experts * hot_fraction))]] = True
+        for p, a in zip(preds, acts, strict=True):
+            named = (a.unsqueeze(-1) == p.unsqueeze(-2)).any(-1)  # [N, k]: each chosen expert among the predicted
+            cold = ~hot[a]
+            hit, n = hit + int(named.sum()), n + named.numel()
+            cold_hit, cold_n = cold_hit + int(named[cold].sum()), cold_n + int(cold.sum())
+    return {"distance": distance, "lookups": n, "recall": round(hit / max(1, n), 4), "cold_lookups": cold_n,
+            "cold_recall": round(cold_hit / max(1, cold_n), 4)}

@@ -27,8 +27,9 @@ class LookaheadPrefetcher:
 
     A prediction that is mostly wrong costs PCIe bandwidth and evicts useful experts, so the prefetcher
     watches its own measured precision: when fewer than `MIN_PRECISION` of a window of `WINDOW`
-    prefetches were used, it pauses for `PAUSE_CALLS` layers, then measures again (on random-weight
-    models precision is below 10%; on trained models next-layer prediction is usually far better).
+    prefetches were used, it pauses for `PAUSE_CALLS` layers, then measures again. (On the suite's
+    checkpoints, whose skew channel keeps the stream nearly unchanged from layer to layer, the next layer's
+    experts are named with 0.99 recall, `bench/lookahead_probe.py`; on plain random weights about 0.7.)
     """
 
     WINDOW = 256
