@@ -32,10 +32,18 @@ except ImportError:  # pragma: no cover - exercised on CPU-only hosts
     triton = None
 
 PAIR_LIMIT = 128  # pairs per step up to which the pair kernels beat grouping tokens by expert
-# (BLOCK_I, BLOCK_H) of the gate/up kernel and (BLOCK_O, BLOCK_I) of the down kernel: few pairs need
-# smaller blocks, hence more programs in flight, to keep enough memory reads outstanding
-BLOCKS = {"small": (8, 512, 16, 256), "large": (4, 256, 8, 128)}  # measured on the H200 (bench/profile_decode.py)
+# The pair kernels' launch configurations: gate/up (BLOCK_I, BLOCK_H, warps, stages), down (BLOCK_O, BLOCK_I,
+# warps, stages). Few pairs need smaller blocks, hence more programs in flight, to keep enough memory reads
+# outstanding. Measured on the H200 (bench/pair_kernel_probe.py sweeps them). A configuration fixes each output's
+# summation order, so the in-memory and tiered engines, which pick it by the same pair count, agree bit for bit.
+PAIR_CONFIGS = {"small": ((8, 512, 4, 3), (16, 256, 4, 3)), "large": ((4, 256, 4, 3), (8, 128, 4, 3))}
 SMALL_PAIRS = 16
+IN_PLACE_BLOCKS = (8, 512, 16, 256)  # pair_experts_in_place (reads over PCIe, ~50 GB/s: the link, not the tiles, bounds it)
+
+
+def pair_config(num_pairs: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
+    """The (gate/up, down) launch configuration for a call of `num_pairs` pairs (`PAIR_CONFIGS`)."""
+    return PAIR_CONFIGS["small" if num_pairs <= SMALL_PAIRS else "large"]
 
 
 @dataclass(frozen=True)
@@ -230,15 +238,17 @@ def _pair_triton(x, weights: SlotWeights, slot_of, ids, rows, k, y, used) -> Non
     p = ids.numel()
     x = x.contiguous()
     h = torch.empty((p, inter), dtype=torch.float32, device=x.device)  # SiLU(gate) * up per pair
-    block_i, block_h, block_o, block_k = BLOCKS["small" if p <= SMALL_PAIRS else "large"]
+    (block_i, block_h, warps_gu, stages_gu), (block_o, block_k, warps_d, stages_d) = pair_config(p)
     has_rows = rows is not None
     rows = rows if has_rows else ids  # an unread pointer when HAS_ROWS is off
     _gate_up_kernel[(p, triton.cdiv(inter, block_i))](
         x, gu, slot_of, ids, rows, used, h, ids, hidden, inter, k, x.stride(0), gu.stride(0), gu.stride(1),
-        h.stride(0), BLOCK_I=block_i, BLOCK_H=block_h, HAS_ROWS=has_rows, ADDR=False, FIRST=False, num_warps=4)
+        h.stride(0), BLOCK_I=block_i, BLOCK_H=block_h, HAS_ROWS=has_rows, ADDR=False, FIRST=False,
+        num_warps=warps_gu, num_stages=stages_gu)
     _down_kernel[(p, triton.cdiv(hidden, block_o))](
         h, dn, used, rows, y, ids, ids, 0, hidden, inter, h.stride(0), dn.stride(0), dn.stride(1), y.stride(0),
-        BLOCK_O=block_o, BLOCK_I=block_k, HAS_ROWS=has_rows, ADDR=False, FIRST=False, num_warps=4)
+        BLOCK_O=block_o, BLOCK_I=block_k, HAS_ROWS=has_rows, ADDR=False, FIRST=False, num_warps=warps_d,
+        num_stages=stages_d)
 
 
 def in_place_ok() -> bool:
@@ -267,7 +277,7 @@ def pair_experts_in_place(x: torch.Tensor, experts: HostExperts, addresses: torc
     typed = experts.typed(x.device)  # the weights' element type for the kernels' pointers
     h = torch.empty((p, inter), dtype=torch.float32, device=x.device)
     used = torch.empty(p, dtype=torch.int32, device=x.device)
-    block_i, block_h, block_o, block_k = BLOCKS["small"]
+    block_i, block_h, block_o, block_k = IN_PLACE_BLOCKS
     first = first_row is not None
     first_row = first_row if first else addresses  # an unread pointer when FIRST is off
     _gate_up_kernel[(p, triton.cdiv(inter, block_i))](
