@@ -40,6 +40,8 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
                  ($STRATA_FUSED_RESIDUAL=0)
   nogemv         decode's attention projections through cuBLAS instead of strata.kernels.decode_gemv
                  ($STRATA_DECODE_GEMV=0)
+  oldpairs       the decode pair kernels' launch configurations before the twenty-third session's sweep
+                 ($STRATA_PAIR_CONFIGS=previous)
   grouped        runtime.grouped_prefill = true: prefill's experts through two grouped GEMMs a layer
   sync           runtime.overlap_decode = false: each token read on the host before the next step is queued
   host           runtime.split_decode = "host": host steps at every MoE layer (the cost model splits the cold
@@ -216,7 +218,7 @@ def main() -> None:
     ap.add_argument("--cache", default="/dev/shm/strata-cache")
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke run)")
     args = ap.parse_args()
-    from strata.kernels import decode_gemv, decode_router, fused
+    from strata.kernels import decode_gemv, decode_router, fused, grouped
     from strata.runtime.inspect import summarize_checkpoint
 
     s = summarize_checkpoint(args.model)
@@ -282,6 +284,8 @@ def main() -> None:
                 env["STRATA_FUSED_RESIDUAL"] = "0"
             elif mod == "nogemv":
                 env["STRATA_DECODE_GEMV"] = "0"
+            elif mod == "oldpairs":
+                env["STRATA_PAIR_CONFIGS"] = "previous"
             elif mod.startswith("spin"):
                 env["STRATA_CPU_SPIN_US"] = mod[4:]
             elif mod.startswith("claim") and mod[5:].isdigit():
@@ -309,6 +313,7 @@ def main() -> None:
         decode_router.ENABLED = env.get("STRATA_FUSED_ROUTER") != "0"  # read at import: set here for each case
         fused.RESIDUAL_FOLD = env.get("STRATA_FUSED_RESIDUAL") != "0"
         decode_gemv.ENABLED = env.get("STRATA_DECODE_GEMV") != "0"
+        grouped.PREVIOUS = env.get("STRATA_PAIR_CONFIGS") == "previous"
         old_knobs = ce.tune(**knobs)  # the kernel's scheduling knobs for this case only
         try:
             result["cases"].append(run_case(args.model, name, cfg, args.tokens, args.prefill, args.device, label=full))
@@ -324,6 +329,7 @@ def main() -> None:
     os.environ.pop("STRATA_CPU_THREADS", None)
     os.environ.pop("STRATA_STREAM_SLOTS", None)
     fused.ENABLED = fused.FOLDS = fused.RESIDUAL_FOLD = decode_router.ENABLED = True
+    grouped.PREVIOUS = False
     add_rooflines(result["cases"])
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "hotpath.json").write_text(json.dumps(result, indent=2))

@@ -18,6 +18,7 @@ rounding.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -36,14 +37,19 @@ PAIR_LIMIT = 128  # pairs per step up to which the pair kernels beat grouping to
 # warps, stages). Few pairs need smaller blocks, hence more programs in flight, to keep enough memory reads
 # outstanding. Measured on the H200 (bench/pair_kernel_probe.py sweeps them). A configuration fixes each output's
 # summation order, so the in-memory and tiered engines, which pick it by the same pair count, agree bit for bit.
-PAIR_CONFIGS = {"small": ((8, 512, 4, 3), (16, 256, 4, 3)), "large": ((4, 256, 4, 3), (8, 128, 4, 3))}
+# Twenty-third session's sweep, us a launch (1 token / 4 / 8): gate/up 16.47 -> 14.72 / 46.90 -> 45.15 / 81.12 -> 79.12;
+# down 8.45 -> 8.27 / 26.51 -> 24.58 / 46.93 -> 41.63.
+PAIR_CONFIGS = {"small": ((4, 2048, 4, 3), (8, 256, 2, 3)), "large": ((4, 1024, 4, 3), (8, 256, 2, 3))}
+PREVIOUS_PAIR_CONFIGS = {"small": ((8, 512, 4, 3), (16, 256, 4, 3)), "large": ((4, 256, 4, 3), (8, 128, 4, 3))}
+PREVIOUS = os.environ.get("STRATA_PAIR_CONFIGS", "") == "previous"  # the A/B switch (bench/hotpath.py's `+oldpairs`)
 SMALL_PAIRS = 16
 IN_PLACE_BLOCKS = (8, 512, 16, 256)  # pair_experts_in_place (reads over PCIe, ~50 GB/s: the link, not the tiles, bounds it)
 
 
 def pair_config(num_pairs: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
     """The (gate/up, down) launch configuration for a call of `num_pairs` pairs (`PAIR_CONFIGS`)."""
-    return PAIR_CONFIGS["small" if num_pairs <= SMALL_PAIRS else "large"]
+    table = PREVIOUS_PAIR_CONFIGS if PREVIOUS else PAIR_CONFIGS
+    return table["small" if num_pairs <= SMALL_PAIRS else "large"]
 
 
 @dataclass(frozen=True)
