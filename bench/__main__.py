@@ -37,6 +37,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--size", default="bench", choices=["tiny", "small", "bench"])
     r.add_argument("--layers", type=int, default=None, help="demo model layers (quick: 12, full: 24)")
     r.add_argument("--skew", type=float, default=1.0, help="--route-skew of the skewed checkpoint (default 1)")
+    r.add_argument("--locality", type=float, default=0.0,
+                   help="--route-locality of the skewed checkpoint (temporal locality; default 0: none)")
     r.add_argument("--tokens", type=int, default=None, help="generated tokens per stream (quick: 64, full: 128)")
     r.add_argument("--cache", default="/dev/shm/strata-suite/cache", help="tiers.disk.path: where stores are built")
     r.add_argument("--disk-cache", default="~/.cache/strata-suite", help="store location of the disk case (real disk)")
@@ -65,7 +67,7 @@ def _settings(args: argparse.Namespace) -> dict:
     return {
         "suite": args.suite, "device": args.device, "cache": args.cache,
         "disk_cache": str(Path(args.disk_cache).expanduser()), "models_dir": args.models_dir, "size": args.size,
-        "layers": layers, "skew": args.skew, "model": args.model, "token_budget": args.token_budget,
+        "layers": layers, "skew": args.skew, "locality": args.locality, "model": args.model, "token_budget": args.token_budget,
         "placement_timeout": 120.0, "hf_limit_s": args.hf_limit,
         "deadline_s": args.deadline if args.deadline is not None else DEFAULT_DEADLINE[args.suite],
         "progress": sys.stderr.isatty(), "set": _config_json(args.set),

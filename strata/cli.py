@@ -58,7 +58,7 @@ def _cmd_demo_model(args: argparse.Namespace) -> int:
     from strata.runtime.demo_model import write_demo_model
 
     out = write_demo_model(args.dir, size=args.size, layers=args.layers, progress=True, engram=not args.no_engram,
-                           route_skew=args.route_skew)
+                           route_skew=args.route_skew, route_locality=args.route_locality)
     print(f"wrote the {args.size} demo model to {out}")
     return 0
 
@@ -119,6 +119,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-engram", action="store_true", help="leave out the Engram layers (hashed n-gram tables)")
     p.add_argument("--route-skew", default="0", metavar="S",
                    help="expert popularity in the weights: S > 0 Zipf-like (1: typical), 'uniform', 0: plain random")
+    p.add_argument("--route-locality", default="0", metavar="L",
+                   help="temporal locality in the weights (Qwen3-MoE, with --route-skew): every router also weighs the "
+                        "last ~tens of tokens, L times the token (0: none)")
     p.set_defaults(func=_cmd_demo_model)
     return parser
 

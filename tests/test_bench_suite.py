@@ -285,6 +285,8 @@ def test_one_tiny_case_end_to_end_on_cpu(tmp_path, capsys):
     assert split["roofline"]["bound"] in ("gpu", "cold", "disk") and split["config"]["tiers"]["gpu"]["budget"]
     assert hf["status"] == "skipped" and hf["reason"]  # CPU: the offload baseline needs CUDA
     assert doc["models"]["skewed"]["route_skew"] == 1.0 and doc["machine"]["torch"]
+    pop = doc["models"]["skewed"]["popularity"]  # how the checkpoint routes, temporal locality included
+    assert 0 < pop["independent_overlap"] <= 1 and 0 <= pop["consecutive_overlap"] <= 1 and pop["top40pct_share"] > 0.4
     on_disk = json.loads((tmp_path / "out" / results.RESULT_FILE).read_text())
     assert [c["name"] for c in on_disk["cases"]] == [c.name for c in cases]
     assert "split/b25/skewed/p24x2" in report.render(on_disk)

@@ -3,7 +3,9 @@
 - uniform: `--route-skew uniform` (every expert equally likely at every layer: the worst case; plain
   random weights are not uniform, their deeper routers collapse onto a few experts);
 - skewed: `--route-skew S` (Zipf-like popularity, S = 1 by default: about 92% of a layer's lookups
-  on its 40% most popular experts, the same at every depth; strata.runtime.demo_skew).
+  on its 40% most popular experts, the same at every depth; strata.runtime.demo_skew), with
+  `--route-locality L` when the suite runs with `--locality L` (temporal locality: each router also weighs the
+  last ~19 tokens, L times the token; 0 by default);
 Both without Engram layers, so transformers runs exactly the same model.
 """
 
@@ -16,20 +18,25 @@ from pathlib import Path
 from bench.suite.roofline import ModelFacts
 
 
-def demo_model_path(models_dir: Path, size: str, layers: int | None, routing: str, skew: float) -> Path:
-    tag = "uniform" if routing == "uniform" else f"skew{skew:g}"
+def demo_model_path(models_dir: Path, size: str, layers: int | None, routing: str, skew: float,
+                    locality: float = 0.0) -> Path:
+    tag = "uniform" if routing == "uniform" else f"skew{skew:g}" + (f"-loc{locality:g}" if locality else "")
     return models_dir / f"{size}-L{layers or 'all'}-{tag}"
 
 
 def ensure_model(models_dir: Path, size: str, layers: int | None, routing: str, skew: float,
-                 progress: bool = True) -> Path:
-    """Write (once) the demo model for `routing` and return its directory."""
+                 progress: bool = True, locality: float = 0.0) -> Path:
+    """Write (once) the demo model for `routing` and return its directory (`locality`: the skewed one's
+    `--route-locality`)."""
     from strata.runtime.demo_model import write_demo_model
 
+    locality = 0.0 if routing == "uniform" else locality
     kwargs = {"route_skew": "uniform" if routing == "uniform" else skew}
+    if locality:
+        kwargs["route_locality"] = locality
     if "engram" in inspect.signature(write_demo_model).parameters:
         kwargs["engram"] = False  # transformers must run the very same model
-    return write_demo_model(demo_model_path(models_dir, size, layers, routing, skew), size, layers,
+    return write_demo_model(demo_model_path(models_dir, size, layers, routing, skew, locality), size, layers,
                             progress=progress, **kwargs)
 
 
@@ -43,7 +50,9 @@ def routing_of(path: Path) -> tuple[str, str]:
     if skew == "uniform":
         return "uniform", "demo model written with --route-skew uniform"
     if skew:
-        return "skewed", f"demo model written with --route-skew {skew}"
+        locality = marker.get("route_locality")
+        return "skewed", f"demo model written with --route-skew {skew}" + (
+            f" --route-locality {locality}" if locality else "")
     return "uniform", "plain random demo model (--route-skew 0): deeper layers' routing collapses, not truly uniform"
 
 

@@ -184,10 +184,15 @@ def render(doc: dict, command: str | None = None, plot: str | None = None) -> st
             pop = info.get("popularity") or {}
             popularity = (f"; measured: the 10% / 25% / 40% most used experts of a layer take {pop.get('top10pct_share')} / "
                           f"{pop.get('top25pct_share')} / {pop.get('top40pct_share')} of its lookups") if pop else ""
+            if pop.get("consecutive_overlap") is not None:
+                popularity += (f"; consecutive tokens share {pop['consecutive_overlap']} of their experts "
+                               f"({pop['independent_overlap']} if drawn independently at that popularity)")
             which = f" (the @{depth}L cases)" if depth else ""
             lines.append(f"- {routing} checkpoint{which}: {info.get('layers')} layers x {info.get('experts_per_layer')} "
                          f"experts (top-{info.get('experts_per_token')}), {_f(info.get('expert_bytes_total'), 1, 1e9)} GB "
-                         f"of experts, `--route-skew {info.get('route_skew', '?')}`{popularity}.")
+                         f"of experts, `--route-skew {info.get('route_skew', '?')}`"
+                         + (f" `--route-locality {info['route_locality']}`" if info.get("route_locality") else "")
+                         + f"{popularity}.")
     lines += ["", "Decode figures are over the decode phase (after every stream has its first token); prompts are "
               "random token ids, sampling at temperature 1 with fixed seeds and `ignore_eos` (so every stream "
               "generates all its tokens); strata runs through its continuous-batching scheduler. GPU budgets are "

@@ -128,3 +128,36 @@ def lookahead_recall(rec: dict, num_experts: int, distance: int, hot_fraction: f
             cold_hit, cold_n = cold_hit + int(named[cold].sum()), cold_n + int(cold.sum())
     return {"distance": distance, "lookups": n, "recall": round(hit / max(1, n), 4), "cold_lookups": cold_n,
             "cold_recall": round(cold_hit / max(1, cold_n), 4)}
+
+
+@contextmanager
+def record_choices(model: torch.nn.Module) -> Iterator[dict[int, list[torch.Tensor]]]:
+    """Every MoE layer's expert ids of each forward pass while the block runs: {layer: [ids [N, k], ...]} (strata's
+    `Router` modules)."""
+    from strata.runtime.moe import Router
+
+    choices: dict[int, list[torch.Tensor]] = {}
+    hooks = []
+    for name, module in model.named_modules():
+        m = _LAYER.search(name)
+        if m and isinstance(module, Router):
+            hooks.append(module.register_forward_hook(
+                lambda _mod, _inp, out, layer=int(m[1]): choices.setdefault(layer, []).append(out[1].cpu())))
+    try:
+        yield choices
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def temporal_overlap(passes: list[torch.Tensor], num_experts: int) -> dict:
+    """Temporal locality of one layer's routing over `passes` (ids [N, k] of consecutive tokens, one per sequence):
+    `consecutive`, the share of a token's experts its predecessor also used, against `independent`, the same if
+    tokens drew their experts independently at the measured popularity (sum of p_e^2 / k, p_e the share of
+    tokens using expert e). Equal: popularity explains all reuse; above: temporal locality."""
+    hot = [torch.zeros(ids.shape[0], num_experts).scatter_(1, ids.long(), 1.0) for ids in passes]
+    k = passes[0].shape[1]
+    p = torch.cat(hot).mean(0)
+    pairs = sum(h.shape[0] - 1 for h in hot)
+    shared = sum(float((h[1:] * h[:-1]).sum()) for h in hot)
+    return {"consecutive": round(shared / max(1, pairs * k), 4), "independent": round(float((p * p).sum()) / k, 4)}

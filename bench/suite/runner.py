@@ -68,10 +68,13 @@ def _models(cases: list[Case], settings: dict, doc: dict, log) -> dict:
     for routing in dict.fromkeys(c.routing for c in cases):
         t0 = time.perf_counter()
         path = ensure_model(Path(settings["models_dir"]), settings["size"], settings["layers"], routing,
-                            settings["skew"], progress=settings.get("progress", True))
+                            settings["skew"], progress=settings.get("progress", True),
+                            locality=settings.get("locality", 0.0))
         facts, summary = model_facts(path)
         doc["models"][routing] = {**summary, "ready_s": round(time.perf_counter() - t0, 1),
                                   "route_skew": "uniform" if routing == "uniform" else settings["skew"]}
+        if routing != "uniform" and settings.get("locality"):
+            doc["models"][routing]["route_locality"] = settings["locality"]
         log(f"{routing} model: {path} ({summary['total_bytes'] / 1e9:.1f} GB)")
         out[routing] = (path, facts, summary)
     return out

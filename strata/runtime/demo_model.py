@@ -30,7 +30,7 @@ import torch
 
 from strata.errors import ConfigError
 from strata.fsutil import cache_root, pwrite_all, remove_stale_tmp_dirs, temp_sibling
-from strata.runtime.demo_skew import RouteSkew, check_skew
+from strata.runtime.demo_skew import RouteSkew, check_locality, check_skew
 from strata.runtime.demo_tokenizer import ENDOFTEXT, IM_END, SPECIAL_IDS, tokenizer_size, write_tokenizer_files
 from strata.runtime.demo_weights import TensorSpec, make_tensor, tensor_specs, write_safetensors_header
 
@@ -149,6 +149,7 @@ class DemoSpec:
     max_shard_bytes: int = DEFAULT_SHARD_BYTES
     engram: bool = True  # Engram layers (hashed n-gram tables); False: `--no-engram`
     route_skew: float | str = 0.0  # routing popularity in the weights: S > 0 or "uniform" (demo_skew); 0: none
+    route_locality: float = 0.0  # temporal locality in the weights (demo_skew; needs route_skew): L > 0; 0: none
 
     def __post_init__(self) -> None:
         if self.size not in DEMO_SIZES:
@@ -165,6 +166,9 @@ class DemoSpec:
         if not isinstance(self.max_shard_bytes, int) or self.max_shard_bytes <= 0:
             raise ConfigError(f"max_shard_bytes {self.max_shard_bytes!r} is invalid; use a positive byte count")
         object.__setattr__(self, "route_skew", check_skew(self.route_skew))
+        object.__setattr__(self, "route_locality", check_locality(self.route_locality))
+        if self.route_locality and not self.route_skew:
+            raise ConfigError("--route-locality needs the skew channel: give --route-skew too (S > 0 or uniform)")
 
     @property
     def num_layers(self) -> int:
@@ -173,7 +177,8 @@ class DemoSpec:
     def marker(self) -> dict:
         """The identity recorded in `MARKER` (shard size is not part of it: the weights are the same)."""
         return {"strata_demo": 1, "size": self.size, "num_hidden_layers": self.num_layers, "seed": self.seed,
-                "engram": self.engram, **({"route_skew": self.route_skew} if self.route_skew else {})}
+                "engram": self.engram, **({"route_skew": self.route_skew} if self.route_skew else {}),
+                **({"route_locality": self.route_locality} if self.route_locality else {})}
 
 
 def demo_config(size: str = "small", layers: int | None = None, engram: bool = True) -> dict:
@@ -251,15 +256,17 @@ def write_demo_model(
     workers: int | None = None,
     engram: bool = True,
     route_skew: float | str = 0.0,
+    route_locality: float = 0.0,
 ) -> Path:
     """Write a demo model into `out_dir` (atomically) and return the directory.
 
-    `route_skew` S > 0 (Zipf-like) or "uniform" writes a routing profile into the weights (strata.runtime.demo_skew).
+    `route_skew` S > 0 (Zipf-like) or "uniform" writes a routing profile into the weights (strata.runtime.demo_skew);
+    `route_locality` L > 0 adds temporal locality to it (each router also weighs the recent context, L x the token).
 
     If `out_dir` already holds a demo model with the same size, layers and seed it is returned as is;
     any other non-empty directory is refused with a ConfigError.
     """
-    spec = DemoSpec(size, layers, seed, max_shard_bytes, engram, route_skew)
+    spec = DemoSpec(size, layers, seed, max_shard_bytes, engram, route_skew, route_locality)
     out = Path(out_dir).expanduser().absolute()
     if _existing_demo(out, spec):
         return out
@@ -347,7 +354,8 @@ def _write_weights(tmp: Path, cfg: dict, spec: DemoSpec, progress: bool, workers
         )
         pool = ThreadPoolExecutor(workers, thread_name_prefix="strata-demo")
         try:
-            skew = RouteSkew.for_config(cfg, spec.route_skew, spec.seed) if spec.route_skew else None
+            skew = (RouteSkew.for_config(cfg, spec.route_skew, spec.seed, spec.route_locality) if spec.route_skew
+                    else None)
             futures = [pool.submit(_write_one, fd, off, t, spec.seed, std, skew) for fd, off, t in jobs]
             for f in as_completed(futures):
                 bar.update(f.result())  # re-raises the first worker exception as soon as it happens

@@ -26,6 +26,15 @@ latent norm would otherwise re-amplify the values) and a zero `e_score_correctio
 outweigh the small router logits). Because it is all in the weights, every engine running the
 checkpoint (transformers included) routes the same way; compute cost is unchanged.
 
+Temporal locality (`--route-locality L`, Qwen3-MoE checkpoints with a skew channel): consecutive tokens of a
+real text pick overlapping experts more often than popularity alone explains. Layer 0's first KV group becomes a
+recency head: its queries and keys read only the skew channel (constant at every token) into a few rotary
+pairs, so after q/k RMSNorm and RoPE its score depends on the distance alone, about sqrt(head_dim) x the mean of
+cos(theta_p x distance), largest for the current token: it averages the values of the last tens of tokens
+(`RouteSkew.recency_window` is the effective count). Its o_proj columns scale that running mean to `L` times the
+token part of the stream, so every router sees the token (weight 1) plus its recent context (weight L); the
+routers' profile column grows by sqrt(1 + L^2) so the popularity profile keeps its calibration.
+
 S = 0 (the default) leaves every tensor untouched: the bytes of an unskewed write.
 """
 
@@ -43,10 +52,15 @@ MAX_SKEW = 4.0  # beyond this one expert per layer takes nearly every token
 UNIFORM = "uniform"  # --route-skew uniform: the skew channel with a flat profile
 SKEW_RATIO = 512.0  # |skew channel| / |token part of an embedding row|
 GUMBEL = math.sqrt(6.0) / math.pi  # Gaussian std -> Gumbel scale of the same spread
+MAX_LOCALITY = 4.0  # context weight beyond which a token's own part hardly routes
+RECENCY_THETAS = (0.04, 0.025, 0.016)  # rotary frequencies the recency head uses (the nearest the model has)
+RECENCY_REFERENCE = 128  # tokens over which `recency_window` counts (the suite's prompt)
 
 # Projections that read the residual stream (through a norm): their column c is zeroed.
 _READERS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_a_proj.weight", "kv_a_proj_with_mqa.weight",
             "gate_proj.weight", "up_proj.weight", "lm_head.weight")
+# Layer 0's projections that make the recency head (--route-locality).
+_RECENCY = ("q_proj.weight", "k_proj.weight", "o_proj.weight")
 # Projections that write the residual stream: their row c is zeroed.
 _WRITERS = ("o_proj.weight", "down_proj.weight")
 
@@ -65,6 +79,19 @@ def check_skew(value: float | str) -> float | str:
         raise ConfigError(f"--route-skew {given!r} is invalid; use a number in [0, {MAX_SKEW:g}] "
                           f"(0: the plain random weights, 1: typical skew) or \"uniform\"")
     return float(value)
+
+
+def check_locality(value: float | str) -> float:
+    """Validate a `--route-locality` value: a number in [0, MAX_LOCALITY]."""
+    given = value
+    try:
+        value = float(value)
+    except (TypeError, ValueError):
+        value = math.nan
+    if isinstance(given, bool) or not 0 <= value <= MAX_LOCALITY:
+        raise ConfigError(f"--route-locality {given!r} is invalid; use a number in [0, {MAX_LOCALITY:g}] "
+                          f"(0: none, 1: the recent context weighs as much as the token)")
+    return value
 
 
 def expert_ranks(seed: int, layer: int, num_experts: int) -> torch.Tensor:
@@ -86,16 +113,57 @@ class RouteSkew:
     hidden_size: int
     num_experts: int
     std: float  # initializer_range: the std of every random weight
+    locality: float = 0.0  # L: weight of the recent context against the token in every router's input
+    attention: tuple[int, int, int, float] = (0, 0, 0, 0.0)  # heads, kv heads, head_dim, rope_theta (locality)
 
     @classmethod
-    def for_config(cls, cfg: dict, route_skew: float | str, seed: int) -> RouteSkew:
-        """The profile for a demo config.json dict and a `--route-skew` value (S > 0 or "uniform")."""
-        value = check_skew(route_skew)
+    def for_config(cls, cfg: dict, route_skew: float | str, seed: int, locality: float = 0.0) -> RouteSkew:
+        """The profile for a demo config.json dict, a `--route-skew` value (S > 0 or "uniform") and a
+        `--route-locality` value (0: none)."""
+        value, locality = check_skew(route_skew), check_locality(locality)
         if value == 0:
             raise ValueError("route_skew 0 means the plain random weights: no RouteSkew to apply")
+        if locality and (cfg["model_type"] != "qwen3_moe" or cfg.get("num_key_value_heads") is None):
+            raise ConfigError(f"--route-locality is written for Qwen3-MoE checkpoints (the bench size); the "
+                              f"{cfg['model_type']} demo model has none: leave it at 0")
         experts = cfg.get("num_experts") or cfg["n_routed_experts"]
+        attention = (cfg.get("num_attention_heads", 0), cfg.get("num_key_value_heads") or 0,
+                     cfg.get("head_dim") or 0, float(cfg.get("rope_theta", 0.0)))
         return cls(0.0 if value == UNIFORM else float(value), seed, cfg["model_type"], cfg["hidden_size"], experts,
-                   float(cfg["initializer_range"]))
+                   float(cfg["initializer_range"]), locality, attention)
+
+    @property
+    def recency_pairs(self) -> list[int]:
+        """Rotary pairs (index i of (i, i + head_dim/2)) the recency head's queries and keys use."""
+        _, _, hd, base = self.attention
+        theta = base ** (-2 * torch.arange(hd // 2, dtype=torch.float64) / hd)
+        return sorted({int((theta - t).abs().argmin()) for t in RECENCY_THETAS})
+
+    def recency_weights(self, length: int = RECENCY_REFERENCE) -> torch.Tensor:
+        """The recency head's attention over the last `length` tokens, fp64 [length] (distance 0 first): its
+        score is sqrt(head_dim) x the mean over its pairs of cos(theta x distance) (unit q/k norms, 1/sqrt(hd))."""
+        _, _, hd, base = self.attention
+        pairs = torch.tensor(self.recency_pairs)
+        theta = base ** (-2 * pairs.double() / hd)
+        dist = torch.arange(length, dtype=torch.float64)[:, None]
+        return torch.softmax(math.sqrt(hd) * torch.cos(theta * dist).mean(1), 0)
+
+    @property
+    def recency_window(self) -> float:
+        """Effective number of recent tokens the recency head averages, (sum w)^2 / sum w^2 over
+        `RECENCY_REFERENCE` tokens."""
+        w = self.recency_weights()
+        return float(1.0 / (w * w).sum())
+
+    def _recency_gain(self) -> float:
+        """o_proj gain that makes the recency head's output `locality` x the stream's token part. The token part
+        after the input norm has std ~1/SKEW_RATIO a coordinate; v = W_v x has std std*sqrt(H)/SKEW_RATIO; the
+        head's average over ~`recency_window` tokens divides that by sqrt(window); the group's identical heads
+        through o_proj multiply it by std*sqrt(group * head_dim); the embedding's token part has std `std`."""
+        heads, kv, hd, _ = self.attention
+        group = heads // kv
+        out_std = self.std * math.sqrt(group * hd) * self.std * math.sqrt(self.hidden_size) / SKEW_RATIO
+        return self.locality * self.std / (out_std / math.sqrt(self.recency_window))
 
     @property
     def channel(self) -> int:
@@ -129,7 +197,11 @@ class RouteSkew:
             t.zero_()  # a selection bias would outweigh the small router logits
         elif name.endswith("mlp.gate.weight"):  # router [E, H]
             # logit_e = column_c[e] * sqrt(H) + a token-dependent part of std `std * sqrt(H) / SKEW_RATIO`
-            t[:, c] = GUMBEL * self.std * self.strength * self.profile(_layer(name)) / SKEW_RATIO
+            # (x sqrt(1 + L^2) with the recent context added to the token)
+            spread = math.sqrt(1.0 + self.locality ** 2)
+            t[:, c] = GUMBEL * self.std * self.strength * spread * self.profile(_layer(name)) / SKEW_RATIO
+        elif self.locality and name.startswith("model.layers.0.self_attn.") and name.endswith(_RECENCY):
+            self._recency(name, t)
         elif name.endswith(_WRITERS):
             t[c, :] = 0
         elif name.endswith(_READERS):
@@ -137,8 +209,24 @@ class RouteSkew:
         return t
 
 
+    def _recency(self, name: str, t: torch.Tensor) -> None:
+        """Layer 0's first KV group as the recency head (module docstring): its q_proj, k_proj or o_proj."""
+        heads, kv, hd, _ = self.attention
+        group, pairs = heads // kv, torch.tensor(self.recency_pairs)
+        if name.endswith(("q_proj.weight", "k_proj.weight")):  # [heads * hd, H], [kv * hd, H]
+            rows = group * hd if name.endswith("q_proj.weight") else hd
+            t[:, self.channel] = 0  # the other heads stay off the channel (_READERS)
+            t[:rows] = 0
+            for h in range(rows // hd):  # only the channel, into the first half of each chosen rotary pair
+                t[h * hd + pairs, self.channel] = 1.0
+        else:  # [H, heads * hd]: the group's columns carry the running mean
+            t[self.channel, :] = 0  # (_WRITERS)
+            t[:, : group * hd] = (t[:, : group * hd].float() * self._recency_gain()).to(t.dtype)
+
+
 def _layer(name: str) -> int:
     return int(name.split(".")[2])  # model.layers.L....
 
 
-__all__ = ["MAX_SKEW", "RouteSkew", "SKEW_RATIO", "UNIFORM", "check_skew", "expert_ranks"]
+__all__ = ["MAX_LOCALITY", "MAX_SKEW", "RouteSkew", "SKEW_RATIO", "UNIFORM", "check_locality", "check_skew",
+           "expert_ranks"]
