@@ -22,6 +22,7 @@ from functools import partial
 import torch
 import triton
 
+from bench.gemv_probe import graph_us
 from strata.kernels import grouped
 
 H, INTER, E, K = 2048, 768, 128, 8
@@ -43,29 +44,6 @@ def down(h, dn, used, y, cfg):
     grouped._down_kernel[(p, triton.cdiv(H, bo))](
         h, dn, used, used, y, used, used, 0, H, INTER, h.stride(0), dn.stride(0), dn.stride(1), y.stride(0),
         BLOCK_O=bo, BLOCK_I=bi, HAS_ROWS=False, ADDR=False, FIRST=False, num_warps=w, num_stages=s)
-
-
-def graph_us(launches) -> float:
-    """us a launch: `launches` (CALLS callables) captured in one CUDA graph, best of 5 replays."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in launches:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in launches:
-            f()
-    best = float("inf")
-    for _ in range(5):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        best = min(best, a.elapsed_time(b) * 1e3 / len(launches))
-    return best
 
 
 def main() -> None:
@@ -104,7 +82,7 @@ def main() -> None:
                     fns = [partial(down, h_ref[i], dn, used[i], y[i], cfg) for i in range(CALLS)]
                     ref, out, nbytes = y_ref, y, p * dn_bytes
                 try:
-                    us = graph_us(fns)
+                    us = graph_us(lambda i, fns=fns: fns[i](), CALLS)
                 except Exception as e:  # noqa: BLE001 - a configuration Triton cannot build: skip it
                     print(f"{kind} {cfg}: {type(e).__name__}")
                     continue

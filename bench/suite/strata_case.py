@@ -347,7 +347,7 @@ def warmup_for(w: Workload, warmed: set[tuple[int, int]]) -> Workload | None:
 
 
 def _measure_popularity(engine, sched, vocab: int, summary: dict) -> dict:
-    from bench.suite.routing import count_routing, popularity_summary, record_choices, temporal_overlap
+    from bench.suite.routing import popularity_summary, record_choices, temporal_overlap
 
     # the counting hooks copy router ids to the host, which a CUDA-graph capture cannot contain: run these
     # steps eagerly, or the first decode step's capture fails and the engine decodes eagerly for good
@@ -356,19 +356,20 @@ def _measure_popularity(engine, sched, vocab: int, summary: dict) -> dict:
     if graphs is not None:
         graphs.mode = lambda: None
     try:
-        with count_routing(engine.model, summary["experts_per_layer"]) as counts, \
-                record_choices(engine.model) as choices:
+        with record_choices(engine.model) as choices:
             run_workload(engine, sched, Workload(256, 1, 2), vocab, "cpu")
     finally:
         if graphs is not None:
             graphs.mode = mode
-    if not any(int(c.sum()) for c in counts.values()):
+    if not choices:
         return {}
-    out = popularity_summary(counts)
+    experts = summary["experts_per_layer"]
+    out = popularity_summary({layer: torch.bincount(torch.cat(ids).reshape(-1), minlength=experts)
+                              for layer, ids in choices.items()})
     # temporal locality over the prompt's tokens (its chunks in order: one sequence a layer)
     prompts = [torch.cat(p) for p in ([c for c in cs if c.shape[0] > 1] for cs in choices.values()) if p]
     if prompts:
-        overlaps = [temporal_overlap([ids], summary["experts_per_layer"]) for ids in prompts]
+        overlaps = [temporal_overlap([ids], experts) for ids in prompts]
         for key in ("consecutive", "independent"):
             out[f"{key}_overlap"] = round(sum(o[key] for o in overlaps) / len(overlaps), 4)
     return out

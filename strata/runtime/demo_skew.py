@@ -208,7 +208,6 @@ class RouteSkew:
             t[:, c] = 0
         return t
 
-
     def _recency(self, name: str, t: torch.Tensor) -> None:
         """Layer 0's first KV group as the recency head (module docstring): its q_proj, k_proj or o_proj."""
         heads, kv, hd, _ = self.attention
