@@ -344,7 +344,7 @@ case "$1" in
     timeout 280 python3 bench/hotpath.py --model /dev/shm/b48 --tokens 64 --prefill 0 --out "$OUT/b48" \
       --cases "${2:-ceiling,ceiling+nogemv,ceiling+again,ceiling+nogemv+again}" 2>&1 | grep '^{"' | cut -c1-300 ;;
   twentythird)  # the pair kernels' new launch configurations against the old on the split, alternated (the ceiling: +1.4%)
-    PREFILL=0 timeout 420 bash "$0" hotpath 1.0 "${2:-split+oldpairs,split,split+oldpairs+again,split+again,split+oldpairs+again,split+again}" ;;
+    PREFILL=0 timeout 330 bash "$0" hotpath 1.0 "${2:-split+oldpairs,split,split+oldpairs+again,split+again}" ;;
   twentythird-b)  # the skewed checkpoint with temporal locality (--route-locality 1): its routing, hit rates and split
     timeout 500 python3 -m bench run --suite quick --locality 1 --deadline 480 --out "$OUT/suite-loc1" \
       --cases 'ceiling/all/skewed/p128x1' 'split/b25/skewed/p128x1' 'split/b40/skewed/p128x1' 2>&1 | grep -v '^INFO' | tail -6 ;;
