@@ -42,6 +42,9 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
                  ($STRATA_DECODE_GEMV=0)
   oldpairs       the decode pair kernels' launch configurations before the twenty-third session's sweep
                  ($STRATA_PAIR_CONFIGS=previous)
+  noahead        one-graph split decode without copy-ahead ($STRATA_COPY_AHEAD=0; strata.runtime.copy_ahead)
+  aheadN         copy-ahead with a fixed budget of N bytes a layer ($STRATA_COPY_AHEAD=N; default: follows the
+                 measured serial phase)
   grouped        runtime.grouped_prefill = true: prefill's experts through two grouped GEMMs a layer
   sync           runtime.overlap_decode = false: each token read on the host before the next step is queued
   host           runtime.split_decode = "host": host steps at every MoE layer (the cost model splits the cold
@@ -127,6 +130,8 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
     # prefill, slow when its experts are cold, is reported apart as ttft_s
     box = getattr(engine._compute, "mailbox", None)
     c0 = box.counters.copy() if box is not None else None
+    ahead = getattr(engine._compute, "copy_ahead", None)
+    a0 = ahead.counts.tolist() if ahead is not None else None  # granules staged and used so far
     # the CPU kernel's phases over the decode phase (a few clock reads a call), not the prompt's
     run = timed_decode(engine, prompt, tokens, sync, on_first_token=lambda: ce.trace(True))
     kt = ce.trace(False)
@@ -145,6 +150,10 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
         res["graph_failures"] = dict(engine.model.graphs.failed)
     if getattr(engine._compute, "gpu_share", None) is not None:
         res["gpu_share"] = round(engine._compute.gpu_share.value, 3)
+    if ahead is not None and ahead is getattr(engine._compute, "copy_ahead", None):  # over the decode phase
+        staged, used = (b - a for a, b in zip(a0, ahead.counts.tolist(), strict=True))
+        res["copy_ahead"] = {"budget_granules": ahead.value, "staged_MB_per_token": round(
+            staged * ahead.granule_bytes / max(1, n) / 1e6, 2), "used_fraction": round(used / staged, 4) if staged else None}
     if box is not None:
         res["mailbox_threads"] = int(box._keep[0][8])  # the worker's kernel threads (its config's slot 8)
         res["mailbox_us_per_layer"] = mailbox_us
@@ -286,6 +295,10 @@ def main() -> None:
                 env["STRATA_DECODE_GEMV"] = "0"
             elif mod == "oldpairs":
                 env["STRATA_PAIR_CONFIGS"] = "previous"
+            elif mod == "noahead":
+                env["STRATA_COPY_AHEAD"] = "0"
+            elif mod.startswith("ahead") and mod[5:].isdigit():
+                env["STRATA_COPY_AHEAD"] = mod[5:]
             elif mod.startswith("spin"):
                 env["STRATA_CPU_SPIN_US"] = mod[4:]
             elif mod.startswith("claim") and mod[5:].isdigit():
@@ -297,7 +310,7 @@ def main() -> None:
             elif mod != "again":
                 raise SystemExit(f"unknown case modifier {mod!r} in {full!r}")
         for key in ("STRATA_CPU_SPIN_US", "STRATA_BENCH_SWITCH_US", "STRATA_MAILBOX_GPU_SHARE", "STRATA_MAILBOX_WHOLE_EXPERTS",
-                    "STRATA_MAILBOX_FUSED"):
+                    "STRATA_MAILBOX_FUSED", "STRATA_COPY_AHEAD"):
             os.environ.pop(key, None)
         # the interpreter's GIL switch interval (default 5 ms): how long a thread waiting for the GIL lets the
         # holder run before asking for it; the decode thread re-takes the GIL after every CUDA call and kernel

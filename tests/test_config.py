@@ -36,7 +36,8 @@ def test_dict_overrides_merge_over_defaults():
      ({"runtime": {"split_decode": "python"}}, "runtime.split_decode"),
      ({"runtime": {"grouped_prefill": "yes"}}, "runtime.grouped_prefill"),
      ({"runtime": {"grouped_prefill": 1}}, "runtime.grouped_prefill"),
-     ({"runtime": {"cuda_graphs": 1}}, "runtime.cuda_graphs")],
+     ({"runtime": {"cuda_graphs": 1}}, "runtime.cuda_graphs"),
+     ({"runtime": {"copy_ahead": "auto"}}, "runtime.copy_ahead")],
 )
 def test_bad_values_name_the_key(data, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

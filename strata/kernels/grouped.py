@@ -161,15 +161,21 @@ def _pair_torch(x, weights: SlotWeights, slot_of, ids, rows, k, y, used) -> None
 if triton is not None:
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, gu_ptr, slot_of_ptr, ids_ptr, rows_ptr, used_ptr, h_ptr, first_ptr,
-                        H, INTER, K, stride_x, stride_gs, stride_gr, stride_h,
+    def _gate_up_kernel(x_ptr, gu_ptr, slot_of_ptr, ids_ptr, rows_ptr, used_ptr, h_ptr, first_ptr, staged_ptr,
+                        last_ptr, H, INTER, K, stride_x, stride_gs, stride_gr, stride_h,
                         BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, HAS_ROWS: tl.constexpr, ADDR: tl.constexpr,
-                        FIRST: tl.constexpr):
+                        FIRST: tl.constexpr, STAGED: tl.constexpr):
         p = tl.program_id(0)
         ib = tl.program_id(1)
         if ADDR:  # ids holds each pair's expert address in pinned host memory (0: not in this pass)
             addr = tl.load(ids_ptr + p)
-            slot = tl.where(addr != 0, 0, -1).to(tl.int64)
+            if STAGED:  # rows from `last` on were copied ahead into VRAM (strata.kernels.copy_ahead): read there
+                staged = tl.load(staged_ptr + p)
+                slot = tl.where((addr != 0) | (staged != 0), 0, -1).to(tl.int64)
+                if ib * BLOCK_I >= tl.load(last_ptr + p):  # BLOCK_I divides `last`: a block is all one side
+                    addr = staged
+            else:
+                slot = tl.where(addr != 0, 0, -1).to(tl.int64)
         else:
             expert = tl.load(ids_ptr + p)
             slot = tl.load(slot_of_ptr + expert).to(tl.int64)
@@ -205,9 +211,9 @@ if triton is not None:
             tl.store(h_ptr + p * stride_h + offs_i, h, mask=mask_i)
 
     @triton.jit
-    def _down_kernel(h_ptr, d_ptr, used_ptr, rows_ptr, y_ptr, addr_ptr, first_ptr, down_off, H, INTER, stride_h,
-                     stride_ds, stride_dr, stride_y, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
-                     HAS_ROWS: tl.constexpr, ADDR: tl.constexpr, FIRST: tl.constexpr):
+    def _down_kernel(h_ptr, d_ptr, used_ptr, rows_ptr, y_ptr, addr_ptr, first_ptr, staged_ptr, last_ptr, down_off, H,
+                     INTER, stride_h, stride_ds, stride_dr, stride_y, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
+                     HAS_ROWS: tl.constexpr, ADDR: tl.constexpr, FIRST: tl.constexpr, STAGED: tl.constexpr):
         p = tl.program_id(0)
         ob = tl.program_id(1)
         slot = tl.load(used_ptr + p).to(tl.int64)
@@ -227,13 +233,27 @@ if triton is not None:
                 w = (tl.load(addr_ptr + p) + down_off).to(tl.pointer_type(d_ptr.dtype.element_ty))
             else:
                 w = d_ptr + slot * stride_ds
-            for i0 in range((first // BLOCK_I) * BLOCK_I, INTER, BLOCK_I):
+            if STAGED:  # rows from `last` on: from the staging slot, in a second loop
+                last = tl.load(last_ptr + p)
+            else:
+                last = INTER
+            for i0 in range((first // BLOCK_I) * BLOCK_I, last, BLOCK_I):
                 offs_i = i0 + tl.arange(0, BLOCK_I)
-                mask_i = (offs_i < INTER) & (offs_i >= first)  # h below `first` was never written
+                mask_i = (offs_i < last) & (offs_i >= first)  # h below `first` was never written
                 hv = tl.load(h_ptr + p * stride_h + offs_i, mask=mask_i, other=0.0)
                 wv = tl.load(w + offs_o[:, None] * stride_dr + offs_i[None, :],
                              mask=mask_o[:, None] & mask_i[None, :], other=0.0).to(tl.float32)
                 acc += tl.sum(wv * hv[None, :], axis=1)
+            if STAGED:
+                w = (tl.load(staged_ptr + p) + down_off).to(tl.pointer_type(d_ptr.dtype.element_ty))
+                lo = tl.maximum(first, last)
+                for i0 in range((lo // BLOCK_I) * BLOCK_I, INTER, BLOCK_I):
+                    offs_i = i0 + tl.arange(0, BLOCK_I)
+                    mask_i = (offs_i < INTER) & (offs_i >= lo)
+                    hv = tl.load(h_ptr + p * stride_h + offs_i, mask=mask_i, other=0.0)
+                    wv = tl.load(w + offs_o[:, None] * stride_dr + offs_i[None, :],
+                                 mask=mask_o[:, None] & mask_i[None, :], other=0.0).to(tl.float32)
+                    acc += tl.sum(wv * hv[None, :], axis=1)
             tl.store(y_ptr + row * stride_y + offs_o, acc, mask=mask_o)
 
 
@@ -248,13 +268,13 @@ def _pair_triton(x, weights: SlotWeights, slot_of, ids, rows, k, y, used) -> Non
     has_rows = rows is not None
     rows = rows if has_rows else ids  # an unread pointer when HAS_ROWS is off
     _gate_up_kernel[(p, triton.cdiv(inter, block_i))](
-        x, gu, slot_of, ids, rows, used, h, ids, hidden, inter, k, x.stride(0), gu.stride(0), gu.stride(1),
-        h.stride(0), BLOCK_I=block_i, BLOCK_H=block_h, HAS_ROWS=has_rows, ADDR=False, FIRST=False,
+        x, gu, slot_of, ids, rows, used, h, ids, ids, ids, hidden, inter, k, x.stride(0), gu.stride(0), gu.stride(1),
+        h.stride(0), BLOCK_I=block_i, BLOCK_H=block_h, HAS_ROWS=has_rows, ADDR=False, FIRST=False, STAGED=False,
         num_warps=warps_gu, num_stages=stages_gu)
     _down_kernel[(p, triton.cdiv(hidden, block_o))](
-        h, dn, used, rows, y, ids, ids, 0, hidden, inter, h.stride(0), dn.stride(0), dn.stride(1), y.stride(0),
-        BLOCK_O=block_o, BLOCK_I=block_k, HAS_ROWS=has_rows, ADDR=False, FIRST=False, num_warps=warps_d,
-        num_stages=stages_d)
+        h, dn, used, rows, y, ids, ids, ids, ids, 0, hidden, inter, h.stride(0), dn.stride(0), dn.stride(1),
+        y.stride(0), BLOCK_O=block_o, BLOCK_I=block_k, HAS_ROWS=has_rows, ADDR=False, FIRST=False, STAGED=False,
+        num_warps=warps_d, num_stages=stages_d)
 
 
 def in_place_ok() -> bool:
@@ -263,17 +283,24 @@ def in_place_ok() -> bool:
 
 
 def pair_experts_in_place(x: torch.Tensor, experts: HostExperts, addresses: torch.Tensor, y: torch.Tensor,
-                          first_row: torch.Tensor | None = None) -> None:
+                          first_row: torch.Tensor | None = None, staged: torch.Tensor | None = None,
+                          last_row: torch.Tensor | None = None) -> None:
     """Pairs p with `addresses[p]` != 0 ([P] int64: the host address of its expert's page-locked slot) run
     on token p // k, their weights read in place from host RAM over PCIe (zero-copy: no staging copy, no
     GPU slot); y [P, H] fp32 receives their rows, the others are left as they are. CUDA with Triton only.
     first_row [P] int32: compute only the intermediate rows from first_row[p] on (the rest of an expert whose
     first rows another computes: y then holds that part's sum); None: every row.
+    staged [P] int64 and last_row [P] int32 (together): rows from last_row[p] on are read from staged[p] instead, a
+    VRAM copy of the slot holding at least those rows at the same offsets (`strata.kernels.copy_ahead`); a pair
+    with a staged address and none in host RAM runs from its staged rows alone. last_row must be a multiple of
+    the gate/up kernel's row block (`IN_PLACE_BLOCKS[0]`).
 
     For one decode token the GPU reads each weight once either way, so reading it where it lies costs the
     link's rate (~50 GB/s on the H200 box, bench/zero_copy.py) and none of a copy's host bookkeeping."""
     if triton is None or not (x.is_cuda or fused._INTERPRET):
         raise RuntimeError("reading experts in place needs a CUDA GPU with Triton")
+    if (staged is None) != (last_row is None):
+        raise ValueError("staged and last_row go together")
     p = addresses.numel()
     if p == 0:
         return
@@ -284,11 +311,14 @@ def pair_experts_in_place(x: torch.Tensor, experts: HostExperts, addresses: torc
     h = torch.empty((p, inter), dtype=torch.float32, device=x.device)
     used = torch.empty(p, dtype=torch.int32, device=x.device)
     block_i, block_h, block_o, block_k = IN_PLACE_BLOCKS
-    first = first_row is not None
+    first, has_staged = first_row is not None, staged is not None
     first_row = first_row if first else addresses  # an unread pointer when FIRST is off
+    staged, last_row = (staged, last_row) if has_staged else (addresses, addresses)  # unread without STAGED
     _gate_up_kernel[(p, triton.cdiv(inter, block_i))](
-        x, typed, addresses, addresses, addresses, used, h, first_row, hidden, inter, k, x.stride(0), 0, hidden,
-        h.stride(0), BLOCK_I=block_i, BLOCK_H=block_h, HAS_ROWS=False, ADDR=True, FIRST=first, num_warps=4)
+        x, typed, addresses, addresses, addresses, used, h, first_row, staged, last_row, hidden, inter, k, x.stride(0),
+        0, hidden, h.stride(0), BLOCK_I=block_i, BLOCK_H=block_h, HAS_ROWS=False, ADDR=True, FIRST=first,
+        STAGED=has_staged, num_warps=4)
     _down_kernel[(p, triton.cdiv(hidden, block_o))](
-        h, typed, used, addresses, y, addresses, first_row, experts.down_offset, hidden, inter, h.stride(0), 0,
-        inter, y.stride(0), BLOCK_O=block_o, BLOCK_I=block_k, HAS_ROWS=False, ADDR=True, FIRST=first, num_warps=4)
+        h, typed, used, addresses, y, addresses, first_row, staged, last_row, experts.down_offset, hidden, inter,
+        h.stride(0), 0, inter, y.stride(0), BLOCK_O=block_o, BLOCK_I=block_k, HAS_ROWS=False, ADDR=True, FIRST=first,
+        STAGED=has_staged, num_warps=4)

@@ -39,9 +39,10 @@ if triton is not None:
 
     @triton.jit
     def _pack_kernel(flat_ptr, used_ptr, x_ptr, w_ptr, share_ptr, table_ptr, box_i, box_f, addr_ptr, rows_ptr,
-                     ready_ptr, gen_ptr, count_ptr, N, K, P, H, E, INTER, G, GRAN, X_OFF4, stride_x,
+                     ready_ptr, gen_ptr, count_ptr, arows_ptr, aaddr_ptr, end_ptr, staged_ptr, stat_ptr,
+                     N, K, P, H, E, INTER, G, GRAN, X_OFF4, stride_x,
                      BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_X: tl.constexpr, SHARE: tl.constexpr,
-                     READY: tl.constexpr, FENCE: tl.constexpr):
+                     READY: tl.constexpr, FENCE: tl.constexpr, AHEAD: tl.constexpr):
         pid = tl.program_id(0)
         if pid == 0:
             offs_p = tl.arange(0, BLOCK_P)
@@ -52,18 +53,35 @@ if triton is not None:
                 offs_e = tl.arange(0, BLOCK_E)
                 eq = (flat[None, :] == offs_e[:, None]) & pm[None, :]  # [BLOCK_E, BLOCK_P] pair p routed to e
                 cold_e = tl.max(tl.where(eq & (used < 0)[None, :], 1, 0), axis=1)  # [BLOCK_E] 1: cold and used
-                total = (tl.sum(cold_e, axis=0) * G).to(tl.float32)  # the layer's cold granules
+                if AHEAD:  # each expert's tail copied ahead into VRAM (strata.kernels.copy_ahead) leaves the split
+                    arows = tl.load(arows_ptr + offs_e, mask=offs_e < E, other=0)  # [BLOCK_E] staged tail rows
+                    avail = G - arows // GRAN  # [BLOCK_E] granules not staged
+                else:
+                    avail = tl.zeros([BLOCK_E], dtype=tl.int32) + G
+                mine = cold_e * avail  # [BLOCK_E] the split's granules of each cold expert
+                total = tl.sum(mine, axis=0).to(tl.float32)  # the layer's cold granules
                 s = tl.load(share_ptr)
                 low = tl.floor(total * s)  # the GPU's granules rounded down...
                 q = low + ((low + 1) * (1 - s) < (total - low) * s).to(tl.float32)  # ...up where that ends sooner
-                rank = (tl.cumsum(cold_e, axis=0) - cold_e).to(tl.float32)  # [BLOCK_E] cold experts before e
-                cpu_e = (tl.minimum(tl.maximum(total - q - rank * G, 0.0), G * 1.0) * GRAN).to(tl.int32)
-                gpu_e = tl.where((cpu_e < INTER) & (cold_e > 0), 1, 0)  # [BLOCK_E] with a GPU part
+                before = (tl.cumsum(mine, axis=0) - mine).to(tl.float32)  # [BLOCK_E] cold granules before e's
+                cpu_e = (tl.minimum(tl.maximum(total - q - before, 0.0), avail.to(tl.float32)) * GRAN).to(tl.int32)
+                end_e = avail * GRAN  # [BLOCK_E] where e's in-place rows stop
+                gpu_e = tl.where((cpu_e < end_e) & (cold_e > 0), 1, 0)  # [BLOCK_E] with an in-place part
                 rows = tl.sum(tl.where(eq, cpu_e[:, None], 0), axis=0)  # [BLOCK_P] the worker's rows of each pair
-                take = tl.sum(tl.where(eq, gpu_e[:, None], 0), axis=0) > 0  # [BLOCK_P] with a GPU part
+                take = tl.sum(tl.where(eq, gpu_e[:, None], 0), axis=0) > 0  # [BLOCK_P] with an in-place part
                 addr = tl.load(table_ptr + flat, mask=pm & take, other=0)  # its page-locked slot's address
                 tl.store(addr_ptr + offs_p, tl.where(take, addr, 0), mask=pm)
-                slots = tl.where(take & (rows == 0), -2, used)  # -2: computed whole by the GPU
+                if AHEAD:
+                    aaddr = tl.load(aaddr_ptr + offs_e, mask=offs_e < E, other=0)  # [BLOCK_E] staged tails' addresses
+                    st_e = tl.where((arows > 0) & (cold_e > 0), aaddr, 0)  # [BLOCK_E] of the cold experts
+                    staged = tl.sum(tl.where(eq, st_e[:, None], 0), axis=0)  # [BLOCK_P]
+                    tl.store(staged_ptr + offs_p, staged, mask=pm)
+                    tl.store(end_ptr + offs_p, tl.sum(tl.where(eq, end_e[:, None], 0), axis=0), mask=pm)
+                    tl.atomic_add(stat_ptr, tl.sum(tl.where((arows > 0) & (cold_e > 0), arows // GRAN, 0), axis=0)
+                                  .to(tl.int64))  # granules the copy-ahead saved this layer
+                    slots = tl.where((take | (staged != 0)) & (rows == 0), -2, used)  # -2: computed whole by the GPU
+                else:
+                    slots = tl.where(take & (rows == 0), -2, used)  # -2: computed whole by the GPU
             else:
                 rows = tl.zeros([BLOCK_P], dtype=tl.int32) + INTER
                 slots = used
@@ -94,7 +112,8 @@ if triton is not None:
 def pack_mailbox(dst: torch.Tensor, flat: torch.Tensor, used: torch.Tensor, x: torch.Tensor, weights: torch.Tensor,
                  x_off: int, inter: int, share=None, layer: int = 0,
                  rows: torch.Tensor | None = None, addr: torch.Tensor | None = None,
-                 ready: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
+                 ready: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 ahead: tuple[torch.Tensor, ...] | None = None) -> None:
     """One kernel: write the worker's inbox for pairs `flat` [P] (their slots `used` [P] int32, -1 cold) on x
     [N, H] with routing weights [N, k] into uint8 `dst` (device; its fp32 activations at `x_off` bytes), and,
     given a `GpuShare` `share`, the GPU's part: addr [P] int64 (0: none) and rows [P] int32 (the worker's
@@ -105,7 +124,12 @@ def pack_mailbox(dst: torch.Tensor, flat: torch.Tensor, used: torch.Tensor, x: t
     posts it: the last of its programs to finish stores gen [1] int64 (device) into word [1] int64 (the mailbox's
     `ready`, host) with release semantics at system scope, after every program's inbox stores; count [1] int32
     (device, zero between calls) counts the programs done. No copy node then stands between the pack and the
-    worker."""
+    worker.
+
+    ahead = (rows [E] int32, addresses [E] int64, end [P] int32, staged [P] int64, stat [1] int64), with a share: the
+    layer's copied-ahead tails (`strata.kernels.copy_ahead`) leave the split, as in `GpuShare.assign`; end and
+    staged (the caller's buffers) receive each pair's in-place end row and staged address; stat += the granules
+    the tails held of the layer's cold experts."""
     if triton is None:
         raise RuntimeError("the fused mailbox pack needs Triton")
     n, k = weights.shape
@@ -118,10 +142,15 @@ def pack_mailbox(dst: torch.Tensor, flat: torch.Tensor, used: torch.Tensor, x: t
     addr = addr if has_share else rows
     grid = (1 + triton.cdiv(n * h, BLOCK_X),)
     word, gen, count = ready if ready is not None else (rows, rows, rows)  # unread pointers without `ready`
+    if ahead is not None and not has_share:
+        raise ValueError("copied-ahead tails need a GPU share")
+    arows, aaddr, end, staged, stat = ahead if ahead is not None else (rows,) * 5  # unread pointers without AHEAD
     _pack_kernel[grid](
         flat, used, x, weights, share.share if has_share else weights, table, dst.view(torch.int32),
-        dst.view(torch.float32), addr, rows, word, gen, count, n, k, p, h, share.num_experts if has_share else 1, inter,
-        share.granules if has_share else 1, share.rows if has_share else inter, x_off // 4, x.stride(0),
+        dst.view(torch.float32), addr, rows, word, gen, count, arows, aaddr, end, staged, stat, n, k, p, h,
+        share.num_experts if has_share else 1, inter, share.granules if has_share else 1,
+        share.rows if has_share else inter, x_off // 4, x.stride(0),
         BLOCK_P=max(2, triton.next_power_of_2(p)),
         BLOCK_E=max(2, triton.next_power_of_2(share.num_experts if has_share else 1)),
-        BLOCK_X=BLOCK_X, SHARE=has_share, READY=ready is not None, FENCE=x.is_cuda, num_warps=4 if p <= 64 else 8)
+        BLOCK_X=BLOCK_X, SHARE=has_share, READY=ready is not None, FENCE=x.is_cuda, AHEAD=ahead is not None,
+        num_warps=4 if p <= 64 else 8)

@@ -180,7 +180,8 @@ def expert_tiers(store: ExpertStore, budgets: TierBudgets, device: torch.device,
                           tmpfs_dir=cfg.tiers.tmpfs.path, disk_reader=cfg.tiers.disk.reader, **manager_options)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         return ExpertCompute(manager, device_tier, cfg.runtime.cpu_numerics, read_in_place=cfg.runtime.read_in_place,
-                             promote=cfg.policy.promote, split_decode=cfg.runtime.split_decode, device=device)
+                             promote=cfg.policy.promote, split_decode=cfg.runtime.split_decode, device=device,
+                             copy_ahead=cfg.runtime.copy_ahead)
 
 
 def prepare_cpu_experts(computes: list[ExpertCompute]) -> None:

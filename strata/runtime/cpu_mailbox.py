@@ -129,14 +129,18 @@ class CpuMailbox:
 
     def exchange(self, layer: int, experts: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
                  weights: torch.Tensor, gpu_work=None, max_spins: int | None = None,
-                 rows: torch.Tensor | None = None, share: GpuShare | None = None) -> torch.Tensor:
+                 rows: torch.Tensor | None = None, share: GpuShare | None = None,
+                 ahead: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Send one layer's pairs (experts [P], slots [P] int32: -1 cold, for the worker; -2 cold, the GPU's),
         x [N, H] and weights [N, k] to the worker; returns its partial sum [N, H] fp32 on x's device (the stream
         waits for it). rows [P] int32: of each worker pair, how many of its expert's leading intermediate rows the
         worker computes (None: all I). Given a `GpuShare`, it cuts the cold pairs between the worker and the
-        GPU instead. `gpu_work(addr, rows)` (on CUDA) is enqueued once the layer is posted, so it runs while the
-        worker does: addr [P] int64 is the share's split (0: no GPU part; None without a share), rows the
-        worker's rows of each pair."""
+        GPU instead. `gpu_work(addr, rows, end, staged)` (on CUDA) is enqueued once the layer is posted, so it runs
+        while the worker does: addr [P] int64 is the share's split (0: no GPU part; None without a share), rows the
+        worker's rows of each pair; end [P] int32 and staged [P] int64 (None without `ahead`): where each pair's
+        in-place rows stop and the VRAM address of its copied-ahead tail (0: none).
+        ahead = (rows [E] int32, addresses [E] int64, stat [1] int64), with a share: the layer's tails copied ahead
+        (`strata.runtime.copy_ahead`), which leave the share's split; stat counts the granules they held."""
         n, k = weights.shape
         p = n * k
         if n > self.max_tokens or k != self.top_k:
@@ -148,29 +152,32 @@ class CpuMailbox:
         from strata.kernels.host_signal import MAX_SPINS, wait_for_host
 
         i, spins = self._box[layer], MAX_SPINS if max_spins is None else max_spins
+        if ahead is not None and share is None:
+            raise ValueError("copied-ahead tails need a GPU share")
         if self.direct and rows is None:
-            out = self._exchange_direct(i, experts, slots, x, weights, x_off, nbytes, gpu_work, spins, share)
+            out = self._exchange_direct(i, experts, slots, x, weights, x_off, nbytes, gpu_work, spins, share, ahead)
             if out is not None:
                 return out
         box = self.boxes[i]
         out_box = torch.empty(nbytes, dtype=torch.uint8, device=x.device)  # the inbox, packed on the device
-        packed = self._pack_fused(out_box, layer, experts, slots, x, weights, x_off, share) if rows is None else None
+        packed = (self._pack_fused(out_box, layer, experts, slots, x, weights, x_off, share, ahead=ahead)
+                  if rows is None else None)
         if packed is None:  # the torch ops
-            slots, addr, rows = self._split(layer, experts, slots, rows, share)
+            slots, *split = self._split(layer, experts, slots, rows, share, ahead)
+            rows = split[1]
             pack_inbox(out_box, self._shape(n, k, x.device), experts, slots, rows, x, weights, x_off)
-        else:
-            addr, rows = packed
+            packed = (*split, None, None)[:4]
         box[HEADER : HEADER + nbytes].copy_(out_box, non_blocking=True)
         box[:8].copy_(self.gen.view(torch.uint8), non_blocking=True)  # ready: after the inbox (stream order)
         if gpu_work is not None:
-            gpu_work(addr, rows)
+            gpu_work(*packed)
         base = box.data_ptr()
         wait_for_host(base + 8, self.gen, base + 24, base + 32, spins)
         out = torch.empty(n * self.hidden, dtype=torch.float32, device=x.device)
         out.copy_(box[self.out_off : self.out_off + 4 * n * self.hidden].view(torch.float32), non_blocking=True)
         return out.view(n, self.hidden)
 
-    def _exchange_direct(self, i, experts, slots, x, weights, x_off, nbytes, gpu_work, spins, share):
+    def _exchange_direct(self, i, experts, slots, x, weights, x_off, nbytes, gpu_work, spins, share, ahead=None):
         """`exchange` with no copy node: the fused pack writes the inbox into the page-locked mailbox and posts
         `ready` itself; one kernel waits for `done` and fetches the answer. None where its kernels failed to
         build in the eager warm-up (then the copies from now)."""
@@ -186,31 +193,35 @@ class CpuMailbox:
                 torch.cuda.synchronize(x.device)
                 self._direct_checked = True
             packed = self._pack_fused(box[HEADER : HEADER + nbytes], layer, experts, slots, x, weights, x_off, share,
-                                      ready=(self.header_words[i], self.gen, self._counts[i : i + 1]))
+                                      ready=(self.header_words[i], self.gen, self._counts[i : i + 1]), ahead=ahead)
         except Exception as e:  # a Triton that cannot build them: found in the eager warm-up, before any capture
             if torch.cuda.is_current_stream_capturing():
                 raise
             log.warning("strata: the mailbox's direct exchange failed (%s); copying through the device", e)
             self.direct = False
             return None
-        addr, rows = packed
         if gpu_work is not None:
-            gpu_work(addr, rows)
+            gpu_work(*packed)
         wait_and_fetch(self.header_words[i], self.gen, src, out, spins)
         return out.view(n, self.hidden)
 
-    def _pack_fused(self, out_box, layer, experts, slots, x, weights, x_off, share, ready=None):
-        """The share's split and the inbox in one kernel (~35 small ops otherwise): (addr [P] or None, rows [P]),
-        or None where it cannot run (no Triton, turned off, or it failed to build: then the torch ops from now).
-        `ready`: see `mailbox_pack.pack_mailbox` (its errors are the caller's)."""
+    def _pack_fused(self, out_box, layer, experts, slots, x, weights, x_off, share, ready=None, ahead=None):
+        """The share's split and the inbox in one kernel (~35 small ops otherwise): (addr [P] or None, rows [P],
+        end [P] or None, staged [P] or None), or None where it cannot run (no Triton, turned off, or it failed to
+        build: then the torch ops from now). `ready`: see `mailbox_pack.pack_mailbox` (its errors are the caller's)."""
         if not (self.fused and mailbox_pack.available(x)):
             return None
         p = experts.numel()
         rows = torch.empty(p, dtype=torch.int32, device=x.device)
         addr = torch.empty(p, dtype=torch.int64, device=x.device) if share is not None else None
+        end = staged = None
+        if ahead is not None:
+            end = torch.empty(p, dtype=torch.int32, device=x.device)
+            staged = torch.empty(p, dtype=torch.int64, device=x.device)
+            ahead = (ahead[0], ahead[1], end, staged, ahead[2])
         try:
             mailbox_pack.pack_mailbox(out_box, experts.reshape(-1), slots.reshape(-1), x, weights, x_off, self.inter,
-                                      share, layer, rows=rows, addr=addr, ready=ready)
+                                      share, layer, rows=rows, addr=addr, ready=ready, ahead=ahead)
         except Exception as e:
             if ready is not None:
                 raise  # a Triton that cannot build it: found in the eager warm-up, before any capture
@@ -219,12 +230,13 @@ class CpuMailbox:
             log.warning("strata: the fused mailbox pack failed (%s); packing with torch ops", e)
             self.fused = False
             return None
-        return addr, rows
+        return addr, rows, end, staged
 
-    def _split(self, layer, experts, slots, rows, share):
-        """The torch ops' (slots, addr or None, rows): the share's split, else `rows` or every cold row."""
+    def _split(self, layer, experts, slots, rows, share, ahead=None):
+        """The torch ops' (slots, addr or None, rows[, end, staged]): the share's split (with `ahead`'s tails: five),
+        else `rows` or every cold row."""
         if share is not None:
-            return share.assign(layer, experts, slots)
+            return share.assign(layer, experts, slots, None if ahead is None else ahead[:2])
         if rows is None:
             p = experts.numel()
             rows = self._all_rows.get(p)
@@ -243,7 +255,7 @@ class CpuMailbox:
         """`exchange` without a GPU (tests, CPU hosts): the same mailbox written and awaited from Python."""
         n, k = weights.shape
         box, hdr = self.boxes[self._box[layer]], self.headers[self._box[layer]]
-        slots, _, rows = self._split(layer, experts, slots, rows, share)
+        slots, _, rows = self._split(layer, experts, slots, rows, share)[:3]
         pack_inbox(box[HEADER : HEADER + nbytes], self._shape(n, k, x.device), experts, slots, rows, x, weights, x_off)
         gen = self._host_gen
         hdr[0] = gen  # after the inbox (program order; x86 keeps stores in order)

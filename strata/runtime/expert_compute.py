@@ -32,7 +32,8 @@ class ExpertCompute(CpuCompute):
     """Shared state of the tiered executor (one per model); its CPU expert compute comes from `CpuCompute`."""
 
     def __init__(self, manager: TierManager, device_tier: str, cpu_numerics: str = "fork", read_in_place: bool = False,
-                 promote: bool = True, split_decode: str = "host", device: torch.device | None = None):
+                 promote: bool = True, split_decode: str = "host", device: torch.device | None = None,
+                 copy_ahead: bool = False):
         self.manager, self.device_tier = manager, device_tier
         self.fast_cpu = cpu_numerics == "fork"  # compiled CPU kernel; "gpu": the reference math only
         # CPU compute next to a GPU tier only in "fork" mode: "gpu" numerics force cold experts onto the GPU
@@ -94,6 +95,9 @@ class ExpertCompute(CpuCompute):
         self.top_k = 0
         self.mailbox = None  # CpuMailbox, made once every expert sits in pinned RAM for good
         self.gpu_share = None  # GpuShare: the cold experts the GPU reads in place during a mailbox step
+        # CopyAhead: the next layer's predicted cold experts' tails copied to VRAM during a layer's serial GPU work
+        self.copy_ahead_on, self.copy_ahead = copy_ahead, None
+        self.predictors: dict = {}  # layer -> its router applied one layer early (set by use_tiered_experts)
         self.books = None  # MailboxBooks: the mailbox steps' statistics, policy history and promotions
         self._mailbox_off: str | None = None  # why this engine never uses the mailbox
         self._side: dict = {}  # device -> the second stream of a mailbox layer's GPU work (its in-place share)
@@ -193,8 +197,24 @@ class ExpertCompute(CpuCompute):
                 self.gpu_share = GpuShare(addresses, HostExperts(store.dtype, gu, dn, store.index.gate_up_bytes),
                                           self.device, share, adaptive=not fixed, gpu_rate=IN_PLACE_RATE,
                                           split=not whole)
-        self.books = MailboxBooks(self.mailbox, m, self.promote_one, self._count_mailbox, self.gpu_share)
+        self.copy_ahead = self._open_copy_ahead(addresses, store) if self.gpu_share is not None else None
+        self.books = MailboxBooks(self.mailbox, m, self.promote_one, self._count_mailbox, self.gpu_share,
+                                  self.copy_ahead)
         self._mailbox_kernel = (0, 0, 0.0)
+
+    def _open_copy_ahead(self, addresses: np.ndarray, store):
+        """The copy-ahead of a mailbox with a GPU share (None where it is off or cannot run). $STRATA_COPY_AHEAD:
+        "0" turns it off, a number fixes its budget in bytes a layer (A/B; default: it follows the serial phase)."""
+        from strata.kernels import copy_ahead
+        from strata.runtime.copy_ahead import CopyAhead
+
+        env = os.environ.get("STRATA_COPY_AHEAD", "")
+        if not self.copy_ahead_on or env == "0" or not self.predictors or not copy_ahead.available(self.slot_of):
+            return None
+        ex = self.gpu_share.experts
+        slot_bytes = ex.down_offset + ex.down_shape[0] * ex.down_shape[1] * torch.empty((), dtype=ex.dtype).element_size()
+        return CopyAhead(addresses, self.slot_of, self.gpu_share, self.predictors, self.moe_layers, self.device,
+                         slot_bytes, budget_bytes=int(float(env)) if env else None)
 
     def _count_mailbox(self, experts: int, nbytes: int, seconds: float) -> None:
         """The mailbox worker's totals so far: experts it computed, bytes its kernel read and its seconds."""
@@ -245,7 +265,7 @@ class ExpertCompute(CpuCompute):
             out.update(worker_experts=box.experts_computed, worker_GB_per_s=nbytes / seconds / 1e9 if seconds else 0.0,
                        log_lost=box.log_lost, books_s=round(self.books.seconds, 4) if self.books else 0.0,
                        gpu_share=self.gpu_share.value if self.gpu_share is not None else 0.0,
-                       timing=box.timing())
+                       timing=box.timing(), copy_ahead=self.copy_ahead.stats() if self.copy_ahead is not None else None)
         return out
 
     def close_mailbox(self) -> None:
@@ -259,7 +279,7 @@ class ExpertCompute(CpuCompute):
         if self.mailbox is not None:
             self.mailbox.close()
             self.mailbox = None
-        self.gpu_share = None
+        self.gpu_share = self.copy_ahead = None
 
     def release_staged(self) -> None:
         """Release the decode layers' copied slots held so far (call once their readers are enqueued)."""

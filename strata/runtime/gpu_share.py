@@ -39,22 +39,37 @@ class GpuShare:
         self.value = self.target = min(self.MAX, max(0.0, share))
         self.share = torch.tensor([self.value], dtype=torch.float32, device=device)  # [1], read by the step
 
-    def assign(self, layer: int, flat: torch.Tensor, used: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    def assign(self, layer: int, flat: torch.Tensor, used: torch.Tensor, ahead: tuple[torch.Tensor, torch.Tensor] | None = None
+               ) -> tuple[torch.Tensor, ...]:
         """flat [P] experts, used [P] int32 (-1 cold) -> (used with -2 for the pairs the GPU computes whole,
         their addresses [P] int64 (0: no GPU part), rows [P] int32: of each cold pair, the leading intermediate
-        rows the worker computes (the GPU computes the rest). Device ops only: no host sync."""
+        rows the worker computes (the GPU computes the rest). Device ops only: no host sync.
+
+        ahead = (rows [E] int32, addresses [E] int64): the layer's copied-ahead tails (`strata.kernels.copy_ahead`:
+        each expert's last rows already in VRAM, 0: none). They leave the split, which cuts the rest of each cold
+        expert, and two more results follow: end [P] int32 (where the in-place rows stop and the staged tail
+        starts) and staged [P] int64 (the tail's VRAM address, 0: none)."""
         g = self.granules
         cold_e = torch.zeros(self.num_experts, dtype=torch.int32, device=flat.device)
         cold_e.scatter_reduce_(0, flat, (used < 0).to(torch.int32), reduce="amax")  # [E] 1: cold and used
-        total = (cold_e.sum() * g).float()  # the layer's cold granules
+        avail = torch.full_like(cold_e, g) if ahead is None else g - ahead[0] // self.rows  # [E] granules not staged
+        mine = cold_e * avail  # [E] the split's granules of each cold expert
+        total = mine.sum().float()  # the layer's cold granules
         low = torch.floor(total * self.share)  # [1] the GPU's granules rounded down: the CPU's side is longer...
         q = low + ((low + 1) * (1 - self.share) < (total - low) * self.share).float()  # ...up where that ends sooner
-        rank = (torch.cumsum(cold_e, 0) - cold_e).float()  # [E] cold experts before e
-        cpu_rows = ((total - q - rank * g).clamp(0, g) * self.rows).to(torch.int32)  # [E] the first CPU granules
-        gpu_e = (cpu_rows < self.inter) & (cold_e > 0)  # [E] with a GPU part
+        before = (torch.cumsum(mine, 0) - mine).float()  # [E] cold granules of the experts before e
+        cpu_rows = ((total - q - before).clamp(min=0).minimum(avail.float()) * self.rows).to(torch.int32)  # [E]
+        end = (avail * self.rows).to(torch.int32)  # [E] where e's in-place rows stop
+        gpu_e = (cpu_rows < end) & (cold_e > 0)  # [E] with an in-place part
         take, rows = gpu_e[flat], cpu_rows[flat]
-        used = torch.where(take & (rows == 0), torch.full_like(used, -2), used)
-        return used, torch.where(take, self.table[layer][flat], torch.zeros_like(flat)), rows
+        addr = torch.where(take, self.table[layer][flat], torch.zeros_like(flat))
+        if ahead is None:
+            used = torch.where(take & (rows == 0), torch.full_like(used, -2), used)
+            return used, addr, rows
+        staged_e = torch.where((ahead[0] > 0) & (cold_e > 0), ahead[1], 0)  # [E] the staged tails of cold experts
+        staged = staged_e[flat]
+        used = torch.where((take | (staged != 0)) & (rows == 0), torch.full_like(used, -2), used)
+        return used, addr, rows, end[flat], staged
 
     def adapt(self, cpu_bytes_per_s: float) -> None:
         """The worker kernel's rate over the last layers: the target share follows the two sides' rates."""

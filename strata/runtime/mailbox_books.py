@@ -9,10 +9,12 @@ import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from strata.runtime.copy_ahead import CopyAhead
     from strata.runtime.cpu_mailbox import CpuMailbox
     from strata.runtime.gpu_share import GpuShare
 
 RATE_WINDOW_BYTES = 512 << 20  # the GPU share follows the CPU kernel's rate over about this much of its reading
+GAP_WINDOW = 256  # the copy-ahead budget follows the GPU's serial phase measured over this many layers
 
 
 class MailboxBooks:
@@ -21,10 +23,12 @@ class MailboxBooks:
     history fed with every expert used, and the most used cold expert of a layer promoted into the GPU tier
     when worth a slot (`promote(layer, experts)`)."""
 
-    def __init__(self, mailbox: CpuMailbox, manager, promote, on_counts, share: GpuShare | None = None):
+    def __init__(self, mailbox: CpuMailbox, manager, promote, on_counts, share: GpuShare | None = None,
+                 ahead: CopyAhead | None = None):
         """on_counts(experts, bytes, seconds): the worker's running totals (its kernel's own work only)."""
         self.mailbox, self.manager, self.promote, self.on_counts = mailbox, manager, promote, on_counts
-        self.share = share
+        self.share, self.ahead = share, ahead
+        self._gap_mark = (0, 0)  # the worker's (GPU-gap ns, gaps) when the copy-ahead budget last adapted
         self._rate_mark = (0, 0.0)  # the worker's (bytes, kernel seconds) when the share last adapted
         self.error: BaseException | None = None
         self.seconds = 0.0  # spent in `flush` so far (the books' own Python, on this thread or a caller's)
@@ -41,6 +45,8 @@ class MailboxBooks:
             raise RuntimeError(f"mailbox bookkeeping failed: {self.error}") from self.error
         if self.share is not None:
             self.share.apply()
+        if self.ahead is not None:
+            self.ahead.apply()
 
     def launched(self) -> None:
         """Once the step is launched: wake the thread, whose Python (~1-2 ms a step on the H200 box) then runs while
@@ -67,6 +73,12 @@ class MailboxBooks:
             if nbytes - b0 >= RATE_WINDOW_BYTES and seconds > s0:  # the kernel's rate over its last ~0.5 GB
                 self.share.adapt((nbytes - b0) / (seconds - s0))
                 self._rate_mark = (nbytes, seconds)
+        if entries and self.ahead is not None:
+            ns, gaps = int(self.mailbox.counters[5]), int(self.mailbox.counters[6])
+            n0, g0 = self._gap_mark
+            if gaps - g0 >= GAP_WINDOW:  # the serial phase's mean length over the last layers
+                self.ahead.adapt((ns - n0) / (gaps - g0) / 1e9)
+                self._gap_mark = (ns, gaps)
         self.seconds += time.perf_counter() - t0
         return []
 

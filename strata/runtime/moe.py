@@ -53,6 +53,16 @@ class Router(nn.Module):
         logits = F.linear(x, self.weight)
         return (*softmax_topk(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob), None)
 
+    def choose(self, x: torch.Tensor) -> torch.Tensor:
+        """x [N, H] -> the expert ids [N, k] `forward` would pick (up to a tie), through the unfused ops: the
+        one-launch decode router's counters belong to the layer's own routing, which may run concurrently."""
+        cfg = self.cfg
+        if cfg.router == "sigmoid_group":
+            return sigmoid_group_topk(F.linear(x.float(), self.weight.float()), self.e_score_correction_bias,
+                                      cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
+                                      cfg.routed_scaling_factor)[1]
+        return softmax_topk(F.linear(x, self.weight), cfg.num_experts_per_tok, cfg.norm_topk_prob)[1]
+
 
 class Experts(nn.Module):
     """All routed experts of one layer stacked in memory: gate_up_proj [E, 2I, H], down_proj [E, H, I]."""
@@ -74,6 +84,10 @@ class Experts(nn.Module):
         """The expert -> slot table [E] int32 the router should look each pair up in for this step (None: no
         lookup wanted; a tiered layer's one-graph decode wants one)."""
         return None
+
+    def look_ahead(self, hidden: torch.Tensor) -> None:
+        """The layer's residual stream hidden [N, H], before routing: a tiered layer may predict the next layer's
+        experts from it (`strata.runtime.copy_ahead`); nothing here."""
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None,
                 used: torch.Tensor | None = None) -> torch.Tensor:
@@ -112,6 +126,8 @@ class MoEBlock(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, H] (normed) -> the block's output [N, H], plus `residual` if given (the decoder layer's input:
         without shared experts the routed experts' combine adds it, one launch fewer a decode layer)."""
+        if residual is not None:
+            self.experts.look_ahead(residual)
         weights, ids, used = self.gate(x, self.experts.decode_slots(x))
         if self.shared_gated:
             out = self.experts(x, ids, weights, used=used)

@@ -60,6 +60,13 @@ class TieredExperts(PrefillPath, nn.Module):
             return None
         return c.slot_of[self.layer]
 
+    def look_ahead(self, hidden: torch.Tensor) -> None:
+        """In a one-graph decode step with copy-ahead: predict the next layer's experts from this layer's residual
+        stream hidden [N, H] and plan their tails' copy, on the copy-ahead stream (strata.runtime.copy_ahead)."""
+        c = self.compute
+        if c.copy_ahead is not None and c.mailbox is not None and current_capture_mode() == "mailbox":
+            c.copy_ahead.predict(self.layer, hidden)
+
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None,
                 used: torch.Tensor | None = None) -> torch.Tensor:
         """`Experts.forward` from tiers: x [N, H], ids and weights [N, k] -> [N, H] (+ residual). used [N * k]
@@ -148,21 +155,28 @@ class TieredExperts(PrefillPath, nn.Module):
             pair_experts(x, c.slots, used, c.pair_index(flat.numel(), x.device), y)
         if self.layer == c.moe_layers[0]:
             c.mailbox.begin_step()
-        share = c.gpu_share
+        share, ahead = c.gpu_share, c.copy_ahead
+        maps = ahead.maps(self.layer) if ahead is not None and share is not None else None  # its copied-ahead tails
 
-        def gpu_work(addr, rows) -> None:  # enqueued once the worker has been posted the layer
+        def gpu_work(addr, rows, end, staged) -> None:  # enqueued once the worker has been posted the layer
             side = None
             if addr is not None:  # a share of the cold rows read in place over PCIe, on the second stream
                 side = c.side_stream(x.device)
                 side.wait_stream(torch.cuda.current_stream(x.device))
+                if staged is not None:
+                    ahead.wait_copied(self.layer, side)  # the tails read from VRAM have landed
                 with torch.cuda.stream(side):
-                    pair_experts_in_place(x, share.experts, addr, y, first_row=rows)
+                    pair_experts_in_place(x, share.experts, addr, y, first_row=rows, staged=staged, last_row=end)
             if alongside:  # the resident pairs (rows of y disjoint from the share's)
                 pair_experts(x, c.slots, used, c.pair_index(flat.numel(), x.device), y)
             if side is not None:
                 torch.cuda.current_stream(x.device).wait_stream(side)
 
-        cpu_out = c.mailbox.exchange(self.layer, flat, used, x, weights, gpu_work, share=share)  # [N, H] fp32
+        cpu_out = c.mailbox.exchange(self.layer, flat, used, x, weights, gpu_work, share=share, ahead=maps)  # [N, H]
+        if ahead is not None:
+            if maps is not None:  # (the side stream waited for them; a capture must see every fork joined)
+                ahead.wait_copied(self.layer, torch.cuda.current_stream(x.device))
+            ahead.copy(self.layer)  # the next layer's tails, once this layer's cold phase is over
         return combine_pairs(y, weights, x.dtype, extra=cpu_out, residual=residual)
 
     def _cold_stage(self, x, weights, y, both, cpu_out, late) -> None:
@@ -350,6 +364,19 @@ def use_tiered_experts(model: MoETransformer, compute: ExpertCompute) -> None:
             layer.mlp.experts = TieredExperts(i, model.cfg.num_experts, compute)
             compute.moe_layers.append(i)
     compute.top_k = model.cfg.num_experts_per_tok
+    compute.predictors = ahead_predictors(model)
+
+
+def ahead_predictors(model: MoETransformer) -> dict[int, Callable[[torch.Tensor], torch.Tensor]]:
+    """layer -> f(hidden [N, H]) -> predicted expert ids [N, k]: that layer's norm and router applied to an earlier
+    residual stream, through the router's unfused ops (`Router.choose`: they may run beside the layer's own
+    routing, on the copy-ahead stream)."""
+    out = {}
+    for i, layer in enumerate(model.layers):
+        if isinstance(layer.mlp, MoEBlock):
+            norm, router = layer.post_attention_layernorm, layer.mlp.gate
+            out[i] = lambda h, norm=norm, router=router: router.choose(norm(h))
+    return out
 
 
 def router_predictors(model: MoETransformer) -> dict[int, Callable[[torch.Tensor], torch.Tensor]]:

@@ -1,0 +1,156 @@
+"""Copy-ahead in one-graph split decode: PCIe kept busy through the GPU's serial part of each layer.
+
+A split decode layer has two phases (bench/RESULTS.md): ~70-80 us of serial GPU work (the combine, the next
+layer's attention and routing, the mailbox pack), during which PCIe and the CPU idle, then the cold phase, where
+the CPU worker and the GPU's in-place reads (`GpuShare`) share the layer's cold expert bytes. With the next
+layer's experts predicted (its norm and router applied to this layer's residual stream, as
+`router_predictors` does), the GPU copies the tails (last intermediate rows) of the predicted cold experts into
+VRAM staging slots during the serial phase, so the next cold phase has that many fewer bytes to read.
+
+Per MoE layer l, inside the step's graph, on a third stream (`stream`):
+- `predict(l, hidden)` at l's MoE block: predict layer l+1's experts, `plan_ahead` deals the layer's budget of
+  granules among the cold ones (the maps layer l+1's pack reads, double-buffered by layer parity);
+- `copy(l)` once l's cold phase is over (after the stream's wait for the worker): `copy_ahead` copies l+1's
+  tails, which layer l+1's in-place share reads (`gpu_work` waits for `copied(l+1)`).
+A wrong prediction costs only link time of the serial phase; an expert staged but not cold by then is ignored.
+The budget follows the serial phase's length (the worker's measured GPU gap) at the in-place rate (`adapt`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from strata.kernels import copy_ahead as kernels
+from strata.runtime.gpu_share import GpuShare
+
+Predictor = Callable[[torch.Tensor], torch.Tensor]  # hidden [N, H] -> expert ids [N, k]
+
+
+class CopyAhead:
+    """The staging slots, maps, events and budget of copy-ahead for the MoE layers `moe_layers`.
+
+    addresses [L, E] int64: each expert's page-locked slot (gate_up [2I, H], then down [H, I] at the share's
+    `experts.down_offset`); slot_of [L, E] int32: the GPU tier's map (-1: cold); `predictors`: layer -> ids from
+    the hidden state entering that layer's MoE block one layer early. `budget_bytes`: a fixed budget a layer
+    (None: it follows the measured serial phase, `adapt`)."""
+
+    MAX_SLOTS = 8  # staged experts a layer at most (a token's top-8; more predicted cold experts share the budget)
+    START_US = 60.0  # the serial phase assumed until the worker has measured it
+
+    def __init__(self, addresses: np.ndarray, slot_of: torch.Tensor, share: GpuShare, predictors: dict[int, Predictor],
+                 moe_layers: list[int], device: torch.device, slot_bytes: int, budget_bytes: int | None = None):
+        self.share, self.slot_of, self.device = share, slot_of, device
+        self.table = torch.from_numpy(np.ascontiguousarray(addresses)).to(device)  # [L, E] int64
+        layers = sorted(moe_layers)
+        # layer l plans l + 1 when both are MoE layers with a predictor: the pairs (l, l + 1)
+        self.next_of = {a: b for a, b in zip(layers, layers[1:], strict=False) if b == a + 1 and b in predictors}
+        self.planned = set(self.next_of.values())
+        self.predictors = predictors
+        self.num_experts = addresses.shape[1]
+        self.slot_bytes = slot_bytes
+        ex = share.experts
+        self.inter, self.hidden = ex.down_shape[1], ex.down_shape[0]
+        self.down_elem = ex.down_offset // torch.empty((), dtype=ex.dtype).element_size()
+        self.granule_bytes = share.rows * 3 * self.hidden * torch.empty((), dtype=ex.dtype).element_size()
+        s = self.MAX_SLOTS
+        self.stage = torch.empty((s, slot_bytes), dtype=torch.uint8, device=device)  # VRAM staging slots
+        self.rows_map = torch.zeros((2, self.num_experts), dtype=torch.int32, device=device)  # by layer parity
+        self.addr_map = torch.zeros((2, self.num_experts), dtype=torch.int64, device=device)
+        self.copy_src = torch.zeros(s, dtype=torch.int64, device=device)  # the copy list (one at a time: one stream)
+        self.copy_dst = torch.zeros(s, dtype=torch.int64, device=device)
+        self.copy_rows = torch.zeros(s, dtype=torch.int32, device=device)
+        self.counts = torch.zeros(2, dtype=torch.int64, device=device)  # granules staged, granules of them used cold
+        self._counts_host = torch.zeros(2, dtype=torch.int64, pin_memory=device.type == "cuda")
+        self.fixed = budget_bytes is not None
+        self.value = self._granules(budget_bytes if self.fixed else self.START_US * 1e-6 * share.gpu_rate)
+        self.target = self.value
+        self.budget = torch.tensor([self.value], dtype=torch.int32, device=device)  # [1] read by the step
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._planned_ev: dict[int, torch.cuda.Event] = {}
+        self._copied_ev: dict[int, torch.cuda.Event] = {}
+        self._hold: list[torch.Tensor] = []  # tensors the stream reads, kept alive until the next step starts
+        self._first = layers[0] if layers else -1
+
+    def _granules(self, nbytes: float) -> int:
+        return max(0, int(nbytes // self.granule_bytes))
+
+    # ---- inside the step (captured) -----------------------------------------------------------------
+    def predict(self, layer: int, hidden: torch.Tensor) -> None:
+        """At MoE layer `layer`, with its residual stream hidden [N, H]: predict the next layer's experts and plan
+        their staging, on the copy-ahead stream (the step's own stream does not wait for it here)."""
+        if layer == self._first:  # a new step: the last one is captured or queued, its tensors and events may go
+            self._hold.clear()
+            self._planned_ev.clear()
+            self._copied_ev.clear()
+        nxt = self.next_of.get(layer)
+        if nxt is None:
+            return
+        main = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(main)
+        self._hold.append(hidden)
+        if not torch.cuda.is_current_stream_capturing():
+            hidden.record_stream(self.stream)
+        with torch.cuda.stream(self.stream):
+            ids = self.predictors[nxt](hidden)  # [N, k]
+            b = nxt % 2
+            kernels.plan_ahead(ids.reshape(-1), self.slot_of[nxt], self.table[nxt], self.budget,
+                               self.stage.data_ptr(), self.slot_bytes, self.MAX_SLOTS, self.share.granules,
+                               self.share.rows, self.rows_map[b], self.addr_map[b], self.copy_src, self.copy_dst,
+                               self.copy_rows, self.counts[0:1])
+            self._hold.append(ids)
+            self._planned_ev[nxt] = ev = torch.cuda.Event()
+            ev.record(self.stream)
+
+    def maps(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """For the pack of `layer`: (rows [E], addresses [E], stat [1]) of its planned tails, the step's stream
+        made to wait for the plan (not the copy); None where nothing was planned for it."""
+        ev = self._planned_ev.get(layer) if layer in self.planned else None
+        if ev is None:
+            return None
+        torch.cuda.current_stream(self.device).wait_event(ev)
+        b = layer % 2
+        return self.rows_map[b], self.addr_map[b], self.counts[1:2]
+
+    def copy(self, layer: int) -> None:
+        """After `layer`'s cold phase is enqueued on the step's stream: copy the next layer's planned tails once it is
+        over (the link is free then), on the copy-ahead stream."""
+        nxt = self.next_of.get(layer)
+        if nxt is None or nxt not in self._planned_ev:
+            return
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.stream):
+            kernels.copy_ahead(self.copy_src, self.copy_dst, self.copy_rows, self.share.experts.typed(self.device),
+                               self.inter, self.hidden, self.down_elem)
+            self._copied_ev[nxt] = ev = torch.cuda.Event()
+            ev.record(self.stream)
+
+    def wait_copied(self, layer: int, stream: torch.cuda.Stream) -> None:
+        """Make `stream` wait until `layer`'s tails have landed (before anything reads them)."""
+        ev = self._copied_ev.get(layer)
+        if ev is not None:
+            stream.wait_event(ev)
+
+    # ---- between steps ----------------------------------------------------------------------------
+    def adapt(self, gap_s: float) -> None:
+        """The serial phase's measured length: the budget becomes what the link reads in it at the share's rate."""
+        if not self.fixed and gap_s > 0:
+            self.target = self._granules(gap_s * self.share.gpu_rate)
+
+    def apply(self) -> None:
+        """On the decoding thread, between steps: the device's budget follows the target (stream-ordered), and the
+        counters' snapshot (one step old) is refreshed."""
+        if self.target != self.value:
+            self.value = self.target
+            new = torch.tensor([self.value], dtype=torch.int32)
+            self.budget.copy_(new.pin_memory() if self.budget.is_cuda else new, non_blocking=True)
+        self._counts_host.copy_(self.counts, non_blocking=True)
+
+    def stats(self) -> dict:
+        """Granules staged and used so far (as of a step or so ago), the budget a layer, the bytes of a granule."""
+        staged, used = (int(v) for v in self._counts_host.tolist())
+        return {"budget_granules": self.value, "granule_bytes": self.granule_bytes, "staged_granules": staged,
+                "used_granules": used, "staged_MB": round(staged * self.granule_bytes / 1e6, 1),
+                "used_fraction": round(used / staged, 4) if staged else None}
