@@ -143,8 +143,8 @@ def check_copy_ahead_kernels(dev: torch.device) -> None:
     assert int(cnt) == 9 and cr.tolist() == [32, 32, 32, 32, 16, 0, 0, 0]  # cold 1, 5, 9, 13, 14: 9 granules dealt
     if dev.type == "cuda":
         ca.copy_ahead(cs, cd, cr, torch.zeros(1, dtype=dt, device=dev), inter, h, 2 * inter * h)
-    else:  # the interpreter's programs are slow: smaller blocks
-        ca._copy_kernel[(S, 4)](cs, cd, cr, stage, h, inter, 2 * inter * h, BLOCK=512, PROGRAMS=4)
+    else:  # the interpreter's programs are slow: fewer, with smaller blocks (still several blocks a program)
+        ca.launch_copy(cs, cd, cr, inter, h, 2 * inter * h, programs=3, block=64, rows=2)
     ref = torch.zeros_like(stage)
     owner = {int(table[i]): i for i in range(e)}
     ca.copy_ahead_torch(host.to(dev), torch.tensor([owner.get(int(s), 0) for s in cs.tolist()]), cr.cpu(), ref, inter, h,
@@ -227,3 +227,38 @@ def test_one_graph_split_decode_with_copy_ahead_follows_memory(tmp_path, monkeyp
     assert stats["used_fraction"] > 0.5  # the tails were of experts the next layer computed cold
     assert 0 < computed[str(2 * 3072)] < computed["0"]
     memory.close()
+
+
+def _copy_ahead(budget_bytes=None):
+    from strata.runtime.copy_ahead import CopyAhead
+
+    gs, table = _share(0.4)
+    predictors = {i: (lambda h: h) for i in (0, 1, 2, 4)}
+    return CopyAhead(np.repeat(table, 5, axis=0), torch.full((5, E), -1, dtype=torch.int32), gs, predictors,
+                     [0, 1, 2, 4], torch.device("cpu"), 3 * H * INTER * 2, budget_bytes=budget_bytes)
+
+
+def test_only_consecutive_moe_layers_plan_ahead():
+    """Layer l plans l + 1 where both are MoE layers with a predictor (3 is dense here): 0 -> 1 -> 2, not 2 -> 4."""
+    assert _copy_ahead().next_of == {0: 1, 1: 2}
+
+
+def test_budget_follows_the_shortest_serial_phase_seen():
+    """The budget is what the in-place rate reads in MARGIN of the shortest GPU gap measured so far: a copy that
+    overran the serial phase lengthens the gap measured, and budgeting from that would run away. A fixed budget
+    stays; the device's budget changes only at `apply`."""
+    ahead = _copy_ahead()
+    gran = ahead.granule_bytes  # 8 rows x 3 x 64 x 2 bytes
+    rate, margin = ahead.share.gpu_rate, ahead.MARGIN
+    assert ahead.value == int(margin * ahead.START_US * 1e-6 * rate // gran)
+    ahead.adapt(70e-6)
+    assert ahead.target == int(margin * 70e-6 * rate // gran) and int(ahead.budget) == ahead.value != ahead.target
+    ahead.adapt(150e-6)  # a longer gap (the copy overran): the budget does not grow
+    assert ahead.target == int(margin * 70e-6 * rate // gran)
+    ahead.adapt(40e-6)
+    assert ahead.target == int(margin * 40e-6 * rate // gran)
+    ahead.apply()
+    assert int(ahead.budget) == ahead.value == ahead.target
+    fixed = _copy_ahead(budget_bytes=5 * gran + 1)
+    fixed.adapt(40e-6)
+    assert fixed.value == fixed.target == 5

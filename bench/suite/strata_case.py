@@ -120,9 +120,13 @@ class _Peaks:
 def _snapshot(engine) -> dict:
     st = engine.stats()
     t = st.get("tiers") or {}
+    paths = {k: v.get("bytes", 0) for k, v in (t.get("paths") or {}).items()}
+    ahead = (st.get("one_graph_decode") or {}).get("copy_ahead")
+    if ahead:  # the tails copy-ahead moved over PCIe (as of a step or so ago)
+        paths["pinned->gpu ahead"] = ahead["staged_granules"] * ahead["granule_bytes"]
     return {"lookups": t.get("lookups", 0), "stall": t.get("stall_seconds", 0.0),
             "hits": {k: v.get("hits", 0) for k, v in (t.get("tiers") or {}).items()},
-            "paths": {k: v.get("bytes", 0) for k, v in (t.get("paths") or {}).items()},
+            "paths": paths,
             "cpu_experts": st.get("cpu_experts_computed", 0), "promotions": st.get("promotions", 0),
             "host": dict(st.get("cold_path_host_seconds") or {})}
 

@@ -7,7 +7,7 @@ Two kernels, both capturable and free of host syncs:
   to the slots there are, and the layer's budget of granules (`GpuShare.rows` rows each) is dealt out among them;
   writes the layer's maps, ahead rows [E] int32 (each expert's staged tail rows, 0: none) and staging address
   [E] int64, and the copy list for `copy_ahead`.
-- `copy_ahead` (programs per staged expert, reading over PCIe through unified addressing): copies rows
+- `copy_ahead` (programs per staged expert, reading over PCIe through unified addressing, in 8-byte words): copies rows
   [I - a, I) of gate, of up and of down's columns into the staging slot, at the same offsets as in the host
   slot, so `pair_experts_in_place` reads the staged tail as it reads a host slot. The copy is an SM copy, not a
   copy engine's: a graph's memcpy node has fixed addresses, and these depend on the step's routing.
@@ -26,8 +26,9 @@ try:  # Triton ships with CUDA builds of torch; CPU-only installs do without it
 except ImportError:  # pragma: no cover - exercised on CPU-only hosts
     triton = None
 
-COPY_PROGRAMS = 32  # programs per staged expert: ~32 x 8 KB of PCIe reads in flight each (the link's ~50 GB/s)
-COPY_BLOCK = 4096  # elements a program copies per iteration
+COPY_PROGRAMS = 32  # programs per staged expert
+COPY_BLOCK = 2048  # 8-byte words a program copies per iteration of the gate/up tails (16 KB of reads in flight)
+COPY_ROWS = 8  # down rows a program copies per iteration (each its tail's words, padded to a power of 2)
 
 
 def plan_ahead_torch(ids: torch.Tensor, slot_of: torch.Tensor, table: torch.Tensor, budget: torch.Tensor,
@@ -120,27 +121,37 @@ if triton is not None:
             tl.atomic_add(count_ptr, tl.sum(g, axis=0).to(tl.int64))
 
     @triton.jit
-    def _copy_kernel(src_ptr, dst_ptr, crows_ptr, typed_ptr, H, INTER, DOWN_ELEM, BLOCK: tl.constexpr,
-                     PROGRAMS: tl.constexpr):
+    def _copy_kernel(src_ptr, dst_ptr, crows_ptr, H, INTER, DOWN_ELEM, BLOCK: tl.constexpr, ROWS: tl.constexpr,
+                     COLS: tl.constexpr, PROGRAMS: tl.constexpr):
+        # in 8-byte words (4 elements): a, INTER and DOWN_ELEM are multiples of 4, the slots 8-byte aligned. No
+        # division per element: the gate and up tails are two contiguous runs, down's a [H, a] tile of rows.
         s = tl.program_id(0)
         a = tl.load(crows_ptr + s).to(tl.int64)
         if a > 0:
-            src = tl.load(src_ptr + s).to(tl.pointer_type(typed_ptr.dtype.element_ty))  # the host slot (UVA)
-            dst = tl.load(dst_ptr + s).to(tl.pointer_type(typed_ptr.dtype.element_ty))  # the staging slot
-            ah = a * H
-            total = 3 * ah
-            per = tl.cdiv(tl.cdiv(total, PROGRAMS), BLOCK) * BLOCK
+            src = tl.load(src_ptr + s).to(tl.pointer_type(tl.int64))  # the host slot (unified addressing)
+            dst = tl.load(dst_ptr + s).to(tl.pointer_type(tl.int64))  # the staging slot
+            run = a * H // 4  # words of the gate tail, and of the up tail
+            per = tl.cdiv(tl.cdiv(2 * run, PROGRAMS), BLOCK) * BLOCK
             start = tl.program_id(1) * per
-            for j0 in range(start, tl.minimum(start + per, total), BLOCK):
+            stop = tl.minimum(start + per, 2 * run)
+            gate0 = (INTER - a) * H // 4
+            up0 = (2 * INTER - a) * H // 4
+            for j0 in range(start, stop, BLOCK):
                 j = j0 + tl.arange(0, BLOCK).to(tl.int64)
-                m = j < tl.minimum(start + per, total)
-                t = j - 2 * ah  # down's element index among the copied
-                row = t // a
-                off = tl.where(j < ah, (INTER - a) * H + j,
-                               tl.where(j < 2 * ah, (2 * INTER - a) * H + (j - ah),
-                                        DOWN_ELEM + row * INTER + (INTER - a) + (t - row * a)))
-                v = tl.load(src + off, mask=m)
-                tl.store(dst + off, v, mask=m)
+                m = j < stop
+                off = tl.where(j < run, gate0 + j, up0 + (j - run))
+                tl.store(dst + off, tl.load(src + off, mask=m), mask=m)
+            aw, iw = a // 4, INTER // 4
+            rows = tl.cdiv(H, PROGRAMS)
+            r0 = tl.program_id(1) * rows
+            r1 = tl.minimum(r0 + rows, H)
+            d0 = DOWN_ELEM // 4 + iw - aw
+            c = tl.arange(0, COLS)
+            for h0 in range(r0, r1, ROWS):
+                hh = h0 + tl.arange(0, ROWS).to(tl.int64)
+                m = (hh < r1)[:, None] & (c < aw)[None, :]
+                off = d0 + hh[:, None] * iw + c[None, :]
+                tl.store(dst + off, tl.load(src + off, mask=m), mask=m)
 
 
 def plan_ahead(ids: torch.Tensor, slot_of: torch.Tensor, table: torch.Tensor, budget: torch.Tensor,
@@ -172,5 +183,16 @@ def copy_ahead(copy_src: torch.Tensor, copy_dst: torch.Tensor, copy_rows: torch.
         raise RuntimeError("copy-ahead needs a CUDA GPU with Triton")
     if typed.element_size() != 2:
         raise ValueError("copy-ahead copies 2-byte weights (bf16, fp16)")
-    _copy_kernel[(copy_src.numel(), COPY_PROGRAMS)](copy_src, copy_dst, copy_rows, typed, hidden, inter, down_elem,
-                                                    BLOCK=COPY_BLOCK, PROGRAMS=COPY_PROGRAMS, num_warps=4)
+    if inter % 4 or down_elem % 4:
+        raise ValueError("copy-ahead copies 8-byte words: the expert's intermediate size and down's offset must be "
+                         "multiples of 4 elements")
+    launch_copy(copy_src, copy_dst, copy_rows, inter, hidden, down_elem)
+
+
+def launch_copy(copy_src, copy_dst, copy_rows, inter: int, hidden: int, down_elem: int, programs: int = COPY_PROGRAMS,
+                block: int = COPY_BLOCK, rows: int = COPY_ROWS) -> None:
+    """`_copy_kernel`'s launch (tests under the interpreter pass fewer, smaller programs)."""
+    cols = max(2, triton.next_power_of_2(inter // 4))
+    _copy_kernel[(copy_src.numel(), programs)](copy_src, copy_dst, copy_rows, hidden, inter, down_elem, BLOCK=block,
+                                               ROWS=rows, COLS=cols, PROGRAMS=programs,
+                                               num_warps=4)

@@ -13,7 +13,8 @@ Per MoE layer l, inside the step's graph, on a third stream (`stream`):
 - `copy(l)` once l's cold phase is over (after the stream's wait for the worker): `copy_ahead` copies l+1's
   tails, which layer l+1's in-place share reads (`gpu_work` waits for `copied(l+1)`).
 A wrong prediction costs only link time of the serial phase; an expert staged but not cold by then is ignored.
-The budget follows the serial phase's length (the worker's measured GPU gap) at the in-place rate (`adapt`).
+The budget follows the serial phase's length (the worker's measured GPU gap, its shortest) at the in-place rate
+(`adapt`).
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class CopyAhead:
 
     MAX_SLOTS = 8  # staged experts a layer at most (a token's top-8; more predicted cold experts share the budget)
     START_US = 60.0  # the serial phase assumed until the worker has measured it
+    MARGIN = 0.8  # of the serial phase the copy may take (it starts after the worker's answer is fetched)
 
     def __init__(self, addresses: np.ndarray, slot_of: torch.Tensor, share: GpuShare, predictors: dict[int, Predictor],
                  moe_layers: list[int], device: torch.device, slot_bytes: int, budget_bytes: int | None = None):
@@ -65,7 +67,8 @@ class CopyAhead:
         self.counts = torch.zeros(2, dtype=torch.int64, device=device)  # granules staged, granules of them used cold
         self._counts_host = torch.zeros(2, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.fixed = budget_bytes is not None
-        self.value = self._granules(budget_bytes if self.fixed else self.START_US * 1e-6 * share.gpu_rate)
+        self.min_gap = float("inf")
+        self.value = self._granules(budget_bytes if self.fixed else self.MARGIN * self.START_US * 1e-6 * share.gpu_rate)
         self.target = self.value
         self.budget = torch.tensor([self.value], dtype=torch.int32, device=device)  # [1] read by the step
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -135,18 +138,23 @@ class CopyAhead:
 
     # ---- between steps ----------------------------------------------------------------------------
     def adapt(self, gap_s: float) -> None:
-        """The serial phase's measured length: the budget becomes what the link reads in it at the share's rate."""
+        """The serial phase's mean length over the last layers (the worker's GPU gap): the budget becomes what the
+        link reads in `MARGIN` of the shortest seen, at the share's in-place rate. The shortest, because a copy
+        running past the serial phase delays the in-place share and so lengthens the gap measured: budget from
+        the latest gap, that ran away (17 granules a layer and 220 tok/s against 418 without, H200 box)."""
         if not self.fixed and gap_s > 0:
-            self.target = self._granules(gap_s * self.share.gpu_rate)
+            self.min_gap = min(self.min_gap, gap_s)
+            self.target = self._granules(self.MARGIN * self.min_gap * self.share.gpu_rate)
 
     def apply(self) -> None:
         """On the decoding thread, between steps: the device's budget follows the target (stream-ordered), and the
         counters' snapshot (one step old) is refreshed."""
-        if self.target != self.value:
-            self.value = self.target
-            new = torch.tensor([self.value], dtype=torch.int32)
-            self.budget.copy_(new.pin_memory() if self.budget.is_cuda else new, non_blocking=True)
-        self._counts_host.copy_(self.counts, non_blocking=True)
+        with torch.inference_mode():  # (its tensors are made inside a step, in inference mode)
+            if self.target != self.value:
+                self.value = self.target
+                new = torch.tensor([self.value], dtype=torch.int32)
+                self.budget.copy_(new.pin_memory() if self.budget.is_cuda else new, non_blocking=True)
+            self._counts_host.copy_(self.counts, non_blocking=True)
 
     def stats(self) -> dict:
         """Granules staged and used so far (as of a step or so ago), the budget a layer, the bytes of a granule."""
