@@ -352,11 +352,10 @@ case "$1" in
     timeout 250 python3 -m pytest -q -m gpu tests/test_copy_ahead.py tests/test_cpu_mailbox.py tests/test_decode_path.py \
       tests/test_gpu_tiers.py > "$OUT/gpu_tests.txt" 2>&1; tail -4 "$OUT/gpu_tests.txt"
     PREFILL=0 timeout 330 bash "$0" hotpath 1.0 "${2:-split+noahead,split,split+noahead+again,split+again,split+ahead1600000,split+ahead4700000}" ;;
-  twentyfourth-b)  # copy-ahead's word copy: the kernel alone, its GPU tests, the budget swept on the skewed split, uniform
+  twentyfourth-b)  # copy-ahead's word copy: the kernel alone, its GPU tests, the budget swept on the skewed split
     timeout 90 python3 bench/copy_ahead_probe.py --out "$OUT/probe" 2>&1 | tail -14
     timeout 120 python3 -m pytest -q -m gpu tests/test_copy_ahead.py > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
-    PREFILL=0 timeout 240 bash "$0" hotpath 1.0 "split+noahead,split,split+ahead1572864,split+ahead2359296,split+ahead3145728,split+noahead+again,split+again"
-    PREFILL=0 timeout 150 bash "$0" hotpath uniform "split+noahead,split" ;;
+    PREFILL=0 timeout 300 bash "$0" hotpath 1.0 "split+noahead,split,split+ahead1572864,split+ahead2359296,split+ahead3145728,split+noahead+again,split+again" ;;
   twentyfourth-c)  # run T: the suite's 25% cases (temporal locality now its default), the 40% skewed and naive, with copy-ahead
     rm -rf /dev/shm/b12-* /dev/shm/sc
     timeout 540 python3 -m bench run --suite quick --deadline 520 --out "$OUT/suite-t" --cases 'split/b25/*/p128x1' \
