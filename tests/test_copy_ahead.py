@@ -243,22 +243,14 @@ def test_only_consecutive_moe_layers_plan_ahead():
     assert _copy_ahead().next_of == {0: 1, 1: 2}
 
 
-def test_budget_follows_the_shortest_serial_phase_seen():
-    """The budget is what the in-place rate reads in MARGIN of the shortest GPU gap measured so far: a copy that
-    overran the serial phase lengthens the gap measured, and budgeting from that would run away. A fixed budget
-    stays; the device's budget changes only at `apply`."""
+def test_budget_is_a_link_time_in_whole_granules():
+    """By default the budget is AHEAD_US of link time at the share's in-place rate, in whole granules; a fixed or
+    a new budget too; the device's budget changes only at `apply` (stream-ordered, between steps)."""
     ahead = _copy_ahead()
     gran = ahead.granule_bytes  # 8 rows x 3 x 64 x 2 bytes
-    rate, margin = ahead.share.gpu_rate, ahead.MARGIN
-    assert ahead.value == int(margin * ahead.START_US * 1e-6 * rate // gran)
-    ahead.adapt(70e-6)
-    assert ahead.target == int(margin * 70e-6 * rate // gran) and int(ahead.budget) == ahead.value != ahead.target
-    ahead.adapt(150e-6)  # a longer gap (the copy overran): the budget does not grow
-    assert ahead.target == int(margin * 70e-6 * rate // gran)
-    ahead.adapt(40e-6)
-    assert ahead.target == int(margin * 40e-6 * rate // gran)
+    assert ahead.value == int(ahead.AHEAD_US * 1e-6 * ahead.share.gpu_rate // gran) == int(ahead.budget)
+    ahead.set_budget(3 * gran - 1)
+    assert ahead.target == 2 and int(ahead.budget) == ahead.value != 2
     ahead.apply()
-    assert int(ahead.budget) == ahead.value == ahead.target
-    fixed = _copy_ahead(budget_bytes=5 * gran + 1)
-    fixed.adapt(40e-6)
-    assert fixed.value == fixed.target == 5
+    assert int(ahead.budget) == ahead.value == 2
+    assert _copy_ahead(budget_bytes=5 * gran + 1).value == 5

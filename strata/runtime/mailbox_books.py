@@ -14,7 +14,6 @@ if TYPE_CHECKING:
     from strata.runtime.gpu_share import GpuShare
 
 RATE_WINDOW_BYTES = 512 << 20  # the GPU share follows the CPU kernel's rate over about this much of its reading
-GAP_WINDOW = 256  # the copy-ahead budget follows the GPU's serial phase measured over this many layers
 
 
 class MailboxBooks:
@@ -28,7 +27,6 @@ class MailboxBooks:
         """on_counts(experts, bytes, seconds): the worker's running totals (its kernel's own work only)."""
         self.mailbox, self.manager, self.promote, self.on_counts = mailbox, manager, promote, on_counts
         self.share, self.ahead = share, ahead
-        self._gap_mark = (0, 0)  # the worker's (GPU-gap ns, gaps) when the copy-ahead budget last adapted
         self._rate_mark = (0, 0.0)  # the worker's (bytes, kernel seconds) when the share last adapted
         self.error: BaseException | None = None
         self.seconds = 0.0  # spent in `flush` so far (the books' own Python, on this thread or a caller's)
@@ -73,12 +71,6 @@ class MailboxBooks:
             if nbytes - b0 >= RATE_WINDOW_BYTES and seconds > s0:  # the kernel's rate over its last ~0.5 GB
                 self.share.adapt((nbytes - b0) / (seconds - s0))
                 self._rate_mark = (nbytes, seconds)
-        if entries and self.ahead is not None:
-            ns, gaps = int(self.mailbox.counters[5]), int(self.mailbox.counters[6])
-            n0, g0 = self._gap_mark
-            if gaps - g0 >= GAP_WINDOW:  # the serial phase's mean length over the last layers
-                self.ahead.adapt((ns - n0) / (gaps - g0) / 1e9)
-                self._gap_mark = (ns, gaps)
         self.seconds += time.perf_counter() - t0
         return []
 
