@@ -11,8 +11,9 @@ Per MoE layer l, inside the step's graph, on a third stream (`stream`):
 - `predict(l, hidden)` at l's MoE block: predict layer l+1's experts, `plan_ahead` deals the layer's budget of
   granules among the cold ones (the maps layer l+1's pack reads, double-buffered by layer parity);
 - `copy(l)` once l's cold phase is over (after the stream's wait for the worker): `copy_ahead` copies l+1's
-  tails, which layer l+1's in-place share reads (`gpu_work` waits for `copied(l+1)`).
-A wrong prediction costs only link time of the serial phase; an expert staged but not cold by then is ignored.
+  tails, which layer l+1's in-place share reads (`gpu_work` waits for them: `wait_copied`).
+A wrong prediction costs only its copy (link time, and the SMs the copy shares with the serial phase); an expert
+staged but not cold by then is ignored.
 The budget is a fixed link time a layer (`AHEAD_US`), measured on the H200 box. A budget following the worker's
 measured GPU gap was tried and dropped: a copy that runs past the serial phase lengthens the gap measured, so any
 budget large enough to overrun sustained itself (8 granules a layer and 301 tok/s against 402 without).
