@@ -360,11 +360,11 @@ case "$1" in
     rm -rf /dev/shm/b12-* /dev/shm/sc
     timeout 420 python3 -m bench run --suite quick --deadline 400 --out "$OUT/suite-t" --cases 'split/b25/*/p128x1' \
       'split/b40/skewed/p128x1' 'naive/b25/skewed/p128x1' 2>&1 | grep -v '^INFO' | tail -9 ;;
-  twentyfifth)  # copy-ahead on the temporal-locality checkpoint (the suite's skewed default now), alternated 3 x 2
+  twentyfifth)  # copy-ahead (off by default now) on the temporal-locality checkpoint, alternated 3 x 2 (call 6 ran 2 x 2)
     python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram --route-skew 1.0 --route-locality 1 \
       > /dev/null 2>&1
     timeout 400 python3 bench/hotpath.py --model /dev/shm/loc1 --cache /dev/shm/sc --out "$OUT/hotpath-loc1" --tokens 64 \
-      --prefill 0 --cases "${2:-split+noahead,split,split+noahead+again,split+again,split+noahead+again,split+again}" \
+      --prefill 0 --cases "${2:-split,split+ahead,split+again,split+ahead+again,split+again,split+ahead+again}" \
       2>&1 | grep '^{"' | cut -c1-400 ;;
   sixteenth-b)  # after the sampler stopped syncing: its GPU tests, the syncs left in a step, the A/B on both routings
     timeout 120 python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_overlap_decode.py 2>&1 | tail -2

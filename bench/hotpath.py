@@ -42,9 +42,9 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
                  ($STRATA_DECODE_GEMV=0)
   oldpairs       the decode pair kernels' launch configurations before the twenty-third session's sweep
                  ($STRATA_PAIR_CONFIGS=previous)
-  noahead        one-graph split decode without copy-ahead ($STRATA_COPY_AHEAD=0; strata.runtime.copy_ahead)
-  aheadN         copy-ahead with a fixed budget of N bytes a layer ($STRATA_COPY_AHEAD=N; default: follows the
-                 measured serial phase)
+  ahead          one-graph split decode with copy-ahead (runtime.copy_ahead = true; strata.runtime.copy_ahead)
+  noahead        without it ($STRATA_COPY_AHEAD=0; the default since the twenty-fourth session)
+  aheadN         copy-ahead with a fixed budget of N bytes a layer ($STRATA_COPY_AHEAD=N)
   grouped        runtime.grouped_prefill = true: prefill's experts through two grouped GEMMs a layer
   sync           runtime.overlap_decode = false: each token read on the host before the next step is queued
   host           runtime.split_decode = "host": host steps at every MoE layer (the cost model splits the cold
@@ -295,6 +295,8 @@ def main() -> None:
                 env["STRATA_DECODE_GEMV"] = "0"
             elif mod == "oldpairs":
                 env["STRATA_PAIR_CONFIGS"] = "previous"
+            elif mod == "ahead":
+                cfg = {**cfg, "runtime": {**cfg.get("runtime", {}), "copy_ahead": True}}
             elif mod == "noahead":
                 env["STRATA_COPY_AHEAD"] = "0"
             elif mod.startswith("ahead") and mod[5:].isdigit():

@@ -73,7 +73,7 @@ class RuntimeConfig:
     grouped_prefill: bool | str = field(default="auto", metadata={"auto_or_bool": True})
     prefill_keeps_resident: bool = False  # true: a prompt's cold experts stream through step-copy slots, not the GPU tier
     split_decode: str = "graph"  # "graph": one CUDA graph a step, cold experts on a native CPU worker; "host": host steps
-    copy_ahead: bool = True  # one-graph split decode: the next layer's predicted cold experts' tails copied to VRAM early
+    copy_ahead: bool = False  # one-graph split decode: the next layer's predicted cold experts' tails copied to VRAM early
     # queue each decode step before the host reads the token it is fed (strata.runtime.overlap): "auto" on CUDA;
     # true/false
     overlap_decode: bool | str = field(default="auto", metadata={"auto_or_bool": True})

@@ -17,6 +17,8 @@ staged but not cold by then is ignored.
 The budget is a fixed link time a layer (`AHEAD_US`), measured on the H200 box. A budget following the worker's
 measured GPU gap was tried and dropped: a copy that runs past the serial phase lengthens the gap measured, so any
 budget large enough to overrun sustained itself (8 granules a layer and 301 tok/s against 402 without).
+Off by default (`runtime.copy_ahead`): +7.4% on the skewed checkpoint without temporal locality, -9% on average
+with it (bench/RESULTS.md, twenty-fourth session).
 """
 
 from __future__ import annotations

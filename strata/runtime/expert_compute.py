@@ -203,13 +203,15 @@ class ExpertCompute(CpuCompute):
         self._mailbox_kernel = (0, 0, 0.0)
 
     def _open_copy_ahead(self, addresses: np.ndarray, store):
-        """The copy-ahead of a mailbox with a GPU share (None where it is off or cannot run). $STRATA_COPY_AHEAD:
-        "0" turns it off, a number fixes its budget in bytes a layer (A/B; default: it follows the serial phase)."""
+        """The copy-ahead of a mailbox with a GPU share (None where it is off or cannot run): `runtime.copy_ahead`,
+        unless $STRATA_COPY_AHEAD says otherwise (A/B runs): "0" turns it off, a number N > 0 on with a fixed
+        budget of N bytes a layer."""
         from strata.kernels import copy_ahead
         from strata.runtime.copy_ahead import CopyAhead
 
         env = os.environ.get("STRATA_COPY_AHEAD", "")
-        if not self.copy_ahead_on or env == "0" or not self.predictors or not copy_ahead.available(self.slot_of):
+        on = self.copy_ahead_on if env == "" else env != "0"
+        if not on or not self.predictors or not copy_ahead.available(self.slot_of):
             return None
         ex = self.gpu_share.experts
         slot_bytes = ex.down_offset + ex.down_shape[0] * ex.down_shape[1] * torch.empty((), dtype=ex.dtype).element_size()
