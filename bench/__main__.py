@@ -65,12 +65,19 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _locality(args: argparse.Namespace) -> float:
+    """--locality, or its default: 1 for the bench size (the recency head is written for its Qwen3-MoE shapes), else 0."""
+    if args.locality is not None:
+        return args.locality
+    return 1.0 if args.size == "bench" else 0.0
+
+
 def _settings(args: argparse.Namespace) -> dict:
     layers = args.layers if args.layers is not None else (DEFAULT_LAYERS[args.suite] if args.size == "bench" else None)
     return {
         "suite": args.suite, "device": args.device, "cache": args.cache,
         "disk_cache": str(Path(args.disk_cache).expanduser()), "models_dir": args.models_dir, "size": args.size,
-        "layers": layers, "skew": args.skew, "locality": (1.0 if args.size == "bench" else 0.0) if args.locality is None else args.locality, "model": args.model, "token_budget": args.token_budget,
+        "layers": layers, "skew": args.skew, "locality": _locality(args), "model": args.model, "token_budget": args.token_budget,
         "placement_timeout": 120.0, "hf_limit_s": args.hf_limit,
         "deadline_s": args.deadline if args.deadline is not None else DEFAULT_DEADLINE[args.suite],
         "progress": sys.stderr.isatty(), "set": _config_json(args.set),

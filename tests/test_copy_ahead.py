@@ -198,27 +198,16 @@ def test_one_graph_split_decode_with_copy_ahead_follows_memory(tmp_path, monkeyp
     those of the all-in-memory engine (within the forked numerics' tolerance, as without copy-ahead), in one graph
     a step; the tails are used (the prediction is the checkpoint's own router), and the worker reads fewer bytes
     than with copy-ahead off at the same fixed share. Off, the engine has no copy-ahead."""
-    from strata import Engine
-    from strata.runtime.demo_model import write_demo_model
+    from mailbox_engines import one_graph_decode, tiny_split_setup
 
-    model = write_demo_model(tmp_path / "tiny", size="tiny", engram=False)
-    slot = 12288
-    cfg = {"tiers": {"gpu": {"budget": str(2 * slot)}, "pinned": {"budget": str(64 * slot)}}, "policy": {"promote": False}}
-    memory = Engine.from_pretrained(model, device="cuda", config={"runtime": {"experts": "memory"}})
-    ids = memory.tokenizer.encode("The river runs through the valley and the town")
-    want = memory.generate(ids, max_tokens=4).token_ids
+    model, cfg, ids, want = tiny_split_setup(tmp_path)
     monkeypatch.setenv("STRATA_MAILBOX_GPU_SHARE", "0.35")
     computed, stats = {}, {}
-    for ahead in ("0", str(2 * 3072)):  # off; two granules (8 rows of the tiny expert's 32) a layer
+    for ahead in ("0", str(2 * 3072)):  # off; on with two granules (8 rows of the tiny expert's 32) a layer
         monkeypatch.setenv("STRATA_COPY_AHEAD", ahead)
-        with Engine.from_pretrained(model, device="cuda", config=cfg) as tiered:
-            assert tiered.wait_settled(60)
-            tiered.generate(ids, max_tokens=2)  # the mailbox opens once placement is done
-            before = int(tiered._compute.mailbox.counters[1])
-            assert tiered.generate(ids, max_tokens=16).token_ids[:4] == want
-            assert tiered.model.graphs.mode() == "mailbox" and not tiered.model.graphs.failed
+        with one_graph_decode(model, cfg, ids, want) as (tiered, read):
             assert (tiered._compute.copy_ahead is None) == (ahead == "0")
-            computed[ahead] = int(tiered._compute.mailbox.counters[1]) - before
+            computed[ahead] = read
             if ahead != "0":
                 tiered._compute.copy_ahead.apply()
                 torch.cuda.synchronize()
@@ -226,7 +215,6 @@ def test_one_graph_split_decode_with_copy_ahead_follows_memory(tmp_path, monkeyp
     assert stats["budget_granules"] == 2 and stats["staged_granules"] > 0
     assert stats["used_fraction"] > 0.5  # the tails were of experts the next layer computed cold
     assert 0 < computed[str(2 * 3072)] < computed["0"]
-    memory.close()
 
 
 def _copy_ahead(budget_bytes=None):

@@ -306,33 +306,21 @@ def test_one_graph_split_decode_with_a_gpu_share_follows_memory(tmp_path, monkey
     """A 0.6 share (a GPU faster than the CPU): cold experts (whole, or split by rows) read in place by the GPU,
     the rest on the worker, within the forked numerics' tolerance of the all-in-memory engine, in one graph a
     step, and the worker reads far fewer expert bytes; a smaller share leaves it more of them."""
-    from strata import Engine
-    from strata.runtime.demo_model import write_demo_model
+    from mailbox_engines import one_graph_decode, tiny_split_setup
 
-    model = write_demo_model(tmp_path / "tiny", size="tiny", engram=False)
-    slot = 12288
-    cfg = {"tiers": {"gpu": {"budget": str(2 * slot)}, "pinned": {"budget": str(64 * slot)}}, "policy": {"promote": False}}
-    memory = Engine.from_pretrained(model, device="cuda", config={"runtime": {"experts": "memory"}})
-    ids = memory.tokenizer.encode("The river runs through the valley and the town")
-    want = memory.generate(ids, max_tokens=4).token_ids
+    model, cfg, ids, want = tiny_split_setup(tmp_path)
     computed = {}  # bytes of experts the worker read
     for share, whole in (("0", "0"), ("0.6", "1"), ("0.6", "0"), ("0.35", "0")):
         monkeypatch.setenv("STRATA_MAILBOX_GPU_SHARE", share)
         monkeypatch.setenv("STRATA_MAILBOX_WHOLE_EXPERTS", whole)  # "0": experts split by rows
-        with Engine.from_pretrained(model, device="cuda", config=cfg) as tiered:
-            assert tiered.wait_settled(60)
-            tiered.generate(ids, max_tokens=2)  # the mailbox opens once placement is done
-            before = int(tiered._compute.mailbox.counters[1])
-            assert tiered.generate(ids, max_tokens=16).token_ids[:4] == want
-            assert tiered.model.graphs.mode() == "mailbox" and not tiered.model.graphs.failed
+        with one_graph_decode(model, cfg, ids, want) as (tiered, read):
             assert (tiered._compute.gpu_share is None) == (share == "0")
             if share != "0":
                 assert tiered._compute.gpu_share.granules == (1 if whole == "1" else 4)  # tiny: 32 rows, 8 a granule
-            computed[(share, whole)] = int(tiered._compute.mailbox.counters[1]) - before
+            computed[(share, whole)] = read
     assert 0 < computed[("0.6", "1")] < 0.75 * computed[("0", "0")]
     assert 0 < computed[("0.6", "0")] < 0.75 * computed[("0", "0")]
     assert computed[("0.6", "0")] < computed[("0.35", "0")] < computed[("0", "0")]
-    memory.close()
 
 
 @needs_kernel

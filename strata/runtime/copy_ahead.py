@@ -55,14 +55,13 @@ class CopyAhead:
         layers = sorted(moe_layers)
         # layer l plans l + 1 when both are MoE layers with a predictor: the pairs (l, l + 1)
         self.next_of = {a: b for a, b in zip(layers, layers[1:], strict=False) if b == a + 1 and b in predictors}
-        self.planned = set(self.next_of.values())
         self.predictors = predictors
         self.num_experts = addresses.shape[1]
         self.slot_bytes = slot_bytes
         ex = share.experts
         self.inter, self.hidden = ex.down_shape[1], ex.down_shape[0]
-        self.down_elem = ex.down_offset // torch.empty((), dtype=ex.dtype).element_size()
-        self.granule_bytes = share.rows * 3 * self.hidden * torch.empty((), dtype=ex.dtype).element_size()
+        self.down_elem = ex.down_offset // ex.dtype.itemsize
+        self.granule_bytes = share.rows * 3 * self.hidden * ex.dtype.itemsize
         s = self.MAX_SLOTS
         self.stage = torch.empty((s, slot_bytes), dtype=torch.uint8, device=device)  # VRAM staging slots
         self.rows_map = torch.zeros((2, self.num_experts), dtype=torch.int32, device=device)  # by layer parity
@@ -115,7 +114,7 @@ class CopyAhead:
     def maps(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
         """For the pack of `layer`: (rows [E], addresses [E], stat [1]) of its planned tails, the step's stream
         made to wait for the plan (not the copy); None where nothing was planned for it."""
-        ev = self._planned_ev.get(layer) if layer in self.planned else None
+        ev = self._planned_ev.get(layer)  # (this step's: the first layer's `predict` clears them)
         if ev is None:
             return None
         torch.cuda.current_stream(self.device).wait_event(ev)

@@ -214,7 +214,7 @@ class ExpertCompute(CpuCompute):
         if not on or not self.predictors or not copy_ahead.available(self.slot_of):
             return None
         ex = self.gpu_share.experts
-        slot_bytes = ex.down_offset + ex.down_shape[0] * ex.down_shape[1] * torch.empty((), dtype=ex.dtype).element_size()
+        slot_bytes = ex.down_offset + ex.down_shape[0] * ex.down_shape[1] * ex.dtype.itemsize
         return CopyAhead(addresses, self.slot_of, self.gpu_share, self.predictors, self.moe_layers, self.device,
                          slot_bytes, budget_bytes=int(float(env)) if env else None)
 

@@ -364,26 +364,17 @@ def use_tiered_experts(model: MoETransformer, compute: ExpertCompute) -> None:
             layer.mlp.experts = TieredExperts(i, model.cfg.num_experts, compute)
             compute.moe_layers.append(i)
     compute.top_k = model.cfg.num_experts_per_tok
-    compute.predictors = ahead_predictors(model)
+    compute.predictors = router_predictors(model, unfused=True)
 
 
-def ahead_predictors(model: MoETransformer) -> dict[int, Callable[[torch.Tensor], torch.Tensor]]:
-    """layer -> f(hidden [N, H]) -> predicted expert ids [N, k]: that layer's norm and router applied to an earlier
-    residual stream, through the router's unfused ops (`Router.choose`: they may run beside the layer's own
-    routing, on the copy-ahead stream)."""
+def router_predictors(model: MoETransformer, unfused: bool = False) -> dict[int, Callable[[torch.Tensor], torch.Tensor]]:
+    """layer -> f(hidden [N, H]) -> predicted expert ids [N, k], applying that layer's norm and router early.
+    `unfused`: through the router's unfused ops (`Router.choose`), for predictions that may run beside the layer's
+    own routing on another stream (copy-ahead): the one-launch decode router's counters are the layer's."""
     out = {}
     for i, layer in enumerate(model.layers):
         if isinstance(layer.mlp, MoEBlock):
             norm, router = layer.post_attention_layernorm, layer.mlp.gate
-            out[i] = lambda h, norm=norm, router=router: router.choose(norm(h))
-    return out
-
-
-def router_predictors(model: MoETransformer) -> dict[int, Callable[[torch.Tensor], torch.Tensor]]:
-    """layer -> f(hidden [N, H]) -> predicted expert ids [N, k], applying that layer's norm and router early."""
-    out = {}
-    for i, layer in enumerate(model.layers):
-        if isinstance(layer.mlp, MoEBlock):
-            norm, router = layer.post_attention_layernorm, layer.mlp.gate
-            out[i] = lambda h, norm=norm, router=router: router(norm(h))[1]
+            choose = router.choose if unfused else (lambda x, router=router: router(x)[1])
+            out[i] = lambda h, norm=norm, choose=choose: choose(norm(h))
     return out

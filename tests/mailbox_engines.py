@@ -1,0 +1,38 @@
+"""Shared set-up of the GPU tests of one-graph split decode (tests/test_cpu_mailbox.py, tests/test_copy_ahead.py):
+the tiny demo model, a tiered config that leaves most experts cold, and a run checked against the in-memory
+engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+SLOT = 12288  # bytes of one tiny expert
+
+
+def tiny_split_setup(tmp_path) -> tuple:
+    """(model dir, tiered config: 2 GPU slots and no promotions, prompt ids, the in-memory engine's 4 greedy tokens)."""
+    from strata import Engine
+    from strata.runtime.demo_model import write_demo_model
+
+    model = write_demo_model(tmp_path / "tiny", size="tiny", engram=False)
+    cfg = {"tiers": {"gpu": {"budget": str(2 * SLOT)}, "pinned": {"budget": str(64 * SLOT)}}, "policy": {"promote": False}}
+    with Engine.from_pretrained(model, device="cuda", config={"runtime": {"experts": "memory"}}) as memory:
+        ids = memory.tokenizer.encode("The river runs through the valley and the town")
+        want = memory.generate(ids, max_tokens=4).token_ids
+    return model, cfg, ids, want
+
+
+@contextmanager
+def one_graph_decode(model, cfg, ids, want) -> Iterator[tuple]:
+    """A tiered engine that decoded 16 tokens in one-graph (mailbox) steps, its first 4 the in-memory engine's
+    `want`: yields (engine, bytes of experts its CPU worker read for those 16 tokens)."""
+    from strata import Engine
+
+    with Engine.from_pretrained(model, device="cuda", config=cfg) as tiered:
+        assert tiered.wait_settled(60)
+        tiered.generate(ids, max_tokens=2)  # the mailbox opens once placement is done
+        before = int(tiered._compute.mailbox.counters[1])
+        assert tiered.generate(ids, max_tokens=16).token_ids[:4] == want
+        assert tiered.model.graphs.mode() == "mailbox" and not tiered.model.graphs.failed
+        yield tiered, int(tiered._compute.mailbox.counters[1]) - before
