@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 # The box's copy of the tree carries stale git metadata: put the local commit into the command, e.g.
@@ -363,9 +363,15 @@ case "$1" in
   twentyfifth)  # copy-ahead (off by default now) on the temporal-locality checkpoint, alternated 3 x 2 (call 6 ran 2 x 2)
     python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram --route-skew 1.0 --route-locality 1 \
       > /dev/null 2>&1
-    timeout 400 python3 bench/hotpath.py --model /dev/shm/loc1 --cache /dev/shm/sc --out "$OUT/hotpath-loc1" --tokens 64 \
+    timeout 330 python3 bench/hotpath.py --model /dev/shm/loc1 --cache /dev/shm/sc --out "$OUT/hotpath-loc1" --tokens 64 \
       --prefill 0 --cases "${2:-split,split+ahead,split+again,split+ahead+again,split+again,split+ahead+again}" \
       2>&1 | grep '^{"' | cut -c1-400 ;;
+  twentyfifth-a)  # the twenty-fifth session's first call: copy-engine tail copies alone, the GPU tests of the last
+                  # session's review refactor, then the alternated copy-ahead A/B on the temporal-locality checkpoint
+    timeout 90 python3 bench/dma_tail_probe.py --out "$OUT/dma" 2>&1 | tail -32 | cut -c1-200
+    timeout 200 python3 -m pytest -q -m gpu tests/test_copy_ahead.py tests/test_cpu_mailbox.py > "$OUT/gpu_tests.txt" 2>&1
+    tail -3 "$OUT/gpu_tests.txt"
+    bash "$0" twentyfifth ;;
   sixteenth-b)  # after the sampler stopped syncing: its GPU tests, the syncs left in a step, the A/B on both routings
     timeout 120 python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_overlap_decode.py 2>&1 | tail -2
     PREFILL=0 timeout 200 bash "$0" hotpath 1.0 "${2:-ceiling,ceiling+sync,split,split+sync,split+again}"
