@@ -45,6 +45,8 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
   ahead          one-graph split decode with copy-ahead (runtime.copy_ahead = true; strata.runtime.copy_ahead)
   noahead        without it ($STRATA_COPY_AHEAD=0; the default since the twenty-fourth session)
   aheadN         copy-ahead with a fixed budget of N bytes a layer ($STRATA_COPY_AHEAD=N)
+  sm             copy-ahead's tails copied by the SM kernel in the graph ($STRATA_COPY_AHEAD_ENGINE=sm), not by the
+                 worker on the copy engine
   grouped        runtime.grouped_prefill = true: prefill's experts through two grouped GEMMs a layer
   sync           runtime.overlap_decode = false: each token read on the host before the next step is queued
   host           runtime.split_decode = "host": host steps at every MoE layer (the cost model splits the cold
@@ -132,6 +134,7 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
     c0 = box.counters.copy() if box is not None else None
     ahead = getattr(engine._compute, "copy_ahead", None)
     a0 = ahead.counts.tolist() if ahead is not None else None  # granules staged and used so far
+    w0 = ahead.worker.copy() if ahead is not None and ahead.worker is not None else None  # the worker's copies
     # the CPU kernel's phases over the decode phase (a few clock reads a call), not the prompt's
     run = timed_decode(engine, prompt, tokens, sync, on_first_token=lambda: ce.trace(True))
     kt = ce.trace(False)
@@ -152,8 +155,12 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
         res["gpu_share"] = round(engine._compute.gpu_share.value, 3)
     if ahead is not None and ahead is getattr(engine._compute, "copy_ahead", None):  # over the decode phase
         staged, used = (b - a for a, b in zip(a0, ahead.counts.tolist(), strict=True))
-        res["copy_ahead"] = {"budget_granules": ahead.value, "staged_MB_per_token": round(
+        res["copy_ahead"] = {"engine": ahead.engine, "budget_granules": ahead.value, "staged_MB_per_token": round(
             staged * ahead.granule_bytes / max(1, n) / 1e6, 2), "used_fraction": round(used / staged, 4) if staged else None}
+        if w0 is not None:  # copied by the worker (a plan found late is not), late plans, driver errors
+            w = ahead.worker - w0
+            res["copy_ahead"].update(copied_MB_per_token=round(w[1] / max(1, n) / 1e6, 2), plans_late=int(w[2]),
+                                     copy_errors=int(w[3]))
     if box is not None:
         res["mailbox_threads"] = int(box._keep[0][8])  # the worker's kernel threads (its config's slot 8)
         res["mailbox_us_per_layer"] = mailbox_us
@@ -299,6 +306,8 @@ def main() -> None:
                 cfg = {**cfg, "runtime": {**cfg.get("runtime", {}), "copy_ahead": True}}
             elif mod == "noahead":
                 env["STRATA_COPY_AHEAD"] = "0"
+            elif mod == "sm":
+                env["STRATA_COPY_AHEAD_ENGINE"] = "sm"
             elif mod.startswith("ahead") and mod[5:].isdigit():
                 env["STRATA_COPY_AHEAD"] = mod[5:]
             elif mod.startswith("spin"):
@@ -312,7 +321,7 @@ def main() -> None:
             elif mod != "again":
                 raise SystemExit(f"unknown case modifier {mod!r} in {full!r}")
         for key in ("STRATA_CPU_SPIN_US", "STRATA_BENCH_SWITCH_US", "STRATA_MAILBOX_GPU_SHARE", "STRATA_MAILBOX_WHOLE_EXPERTS",
-                    "STRATA_MAILBOX_FUSED", "STRATA_COPY_AHEAD"):
+                    "STRATA_MAILBOX_FUSED", "STRATA_COPY_AHEAD", "STRATA_COPY_AHEAD_ENGINE"):
             os.environ.pop(key, None)
         # the interpreter's GIL switch interval (default 5 ms): how long a thread waiting for the GIL lets the
         # holder run before asking for it; the decode thread re-takes the GIL after every CUDA call and kernel

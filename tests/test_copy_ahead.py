@@ -130,12 +130,15 @@ def check_copy_ahead_kernels(dev: torch.device) -> None:
     slot_of[[2, 11]] = torch.tensor([0, 1], dtype=torch.int32)
     ids = torch.tensor([1, 2, 5, 9, 11, 13, 14, 2])  # 2 tokens x top-4; 2 and 11 resident
     lists = []
+    gen = torch.tensor([5], dtype=torch.int64, device=dev)
     for fn in (ca.plan_ahead_torch, ca.plan_ahead):
         out = [torch.zeros(e, dtype=torch.int32, device=dev), torch.zeros(e, dtype=torch.int64, device=dev),
                torch.zeros(S, dtype=torch.int64, device=dev), torch.zeros(S, dtype=torch.int64, device=dev),
                torch.zeros(S, dtype=torch.int32, device=dev), torch.zeros(1, dtype=torch.int64, device=dev)]
+        word = torch.zeros(1, dtype=torch.int64, device=dev)
         fn(ids.to(dev), slot_of.to(dev), table.to(dev), torch.tensor([9], dtype=torch.int32, device=dev),
-           stage.data_ptr(), slot_el * 2, S, 4, 16, *out)
+           stage.data_ptr(), slot_el * 2, S, 4, 16, *out, tag=(word, gen, 3))
+        assert int(word) == 5 * ca.TAG_STRIDE + 3  # the plan's tag: the generation and the planned layer
         lists.append(out)
     for a, b in zip(*lists, strict=True):
         assert torch.equal(a.cpu(), b.cpu())
@@ -170,6 +173,21 @@ def check_copy_ahead_kernels(dev: torch.device) -> None:
         assert torch.equal(a.cpu(), b.cpu())
     assert int(stat) == int(cnt)  # every staged expert is cold and routed here
     assert bool((end < inter).any()) and bool((staged != 0).any())
+    # tails the worker copies count only once its flag holds this step's tag: then as above, else as if none
+    for flag_tag, landed in ((5 * ca.TAG_STRIDE, True), (4 * ca.TAG_STRIDE, False), (5 * ca.TAG_STRIDE + 1, False)):
+        gate = (torch.tensor([flag_tag], dtype=torch.int64, device=dev), gen, 0)
+        want_g = gs.assign(0, flat, used, (ca.gated_rows(rm, gate), am))
+        out_g = (torch.empty(p, dtype=torch.int32, device=dev), torch.empty(p, dtype=torch.int64, device=dev),
+                 torch.empty(p, dtype=torch.int32, device=dev), torch.empty(p, dtype=torch.int64, device=dev),
+                 torch.zeros(1, dtype=torch.int64, device=dev))
+        box_g = torch.zeros_like(box)
+        mailbox_pack.pack_mailbox(box_g, flat, used, x, w, x_off, inter, gs, 0, rows=out_g[0], addr=out_g[1],
+                                  ahead=(rm, am, out_g[2], out_g[3], out_g[4], gate))
+        for a, b in zip(want_g, (box_g[16 + 4 * p : 16 + 8 * p].view(torch.int32), *out_g[1::-1], *out_g[2:4]),
+                        strict=True):
+            assert torch.equal(a.cpu(), b.cpu())
+        assert torch.equal(out_g[0].cpu(), rows.cpu()) == landed and int(out_g[4]) == (int(cnt) if landed else 0)
+        assert bool((out_g[3] != 0).any()) == landed and bool((out_g[2] == inter).all()) != landed
     y = torch.zeros(p, h, dtype=torch.float32, device=dev)
     pair_experts_in_place(x, experts, addr, y, first_row=rows, staged=staged, last_row=end)
     full = torch.where((addr != 0) | (staged != 0), table.to(dev)[flat], 0)  # the same rows, all from host RAM
@@ -193,15 +211,18 @@ def test_copy_ahead_kernels_on_the_gpu():
 
 
 @pytest.mark.gpu
-def test_one_graph_split_decode_with_copy_ahead_follows_memory(tmp_path, monkeypatch):
-    """Tails of the next layer's predicted cold experts copied to VRAM during the serial phase: the tokens stay
-    those of the all-in-memory engine (within the forked numerics' tolerance, as without copy-ahead), in one graph
-    a step; the tails are used (the prediction is the checkpoint's own router), and the worker reads fewer bytes
-    than with copy-ahead off at the same fixed share. Off, the engine has no copy-ahead."""
+@pytest.mark.parametrize("engine", ["copy", "sm"])
+def test_one_graph_split_decode_with_copy_ahead_follows_memory(tmp_path, monkeypatch, engine):
+    """Tails of the next layer's predicted cold experts copied to VRAM during the serial phase (by the worker on
+    the copy engine, or by the SM kernel in the graph): the tokens stay those of the all-in-memory engine (within
+    the forked numerics' tolerance, as without copy-ahead), in one graph a step; the tails are used (the
+    prediction is the checkpoint's own router), and the worker reads fewer bytes than with copy-ahead off at the
+    same fixed share. Off, the engine has no copy-ahead."""
     from mailbox_engines import one_graph_decode, tiny_split_setup
 
     model, cfg, ids, want = tiny_split_setup(tmp_path)
     monkeypatch.setenv("STRATA_MAILBOX_GPU_SHARE", "0.35")
+    monkeypatch.setenv("STRATA_COPY_AHEAD_ENGINE", engine)
     computed, stats = {}, {}
     for ahead in ("0", str(2 * 3072)):  # off; on with two granules (8 rows of the tiny expert's 32) a layer
         monkeypatch.setenv("STRATA_COPY_AHEAD", ahead)
@@ -212,8 +233,11 @@ def test_one_graph_split_decode_with_copy_ahead_follows_memory(tmp_path, monkeyp
                 tiered._compute.copy_ahead.apply()
                 torch.cuda.synchronize()
                 stats = tiered._compute.mailbox_stats()["copy_ahead"]
-    assert stats["budget_granules"] == 2 and stats["staged_granules"] > 0
-    assert stats["used_fraction"] > 0.5  # the tails were of experts the next layer computed cold
+    assert stats["engine"] == engine and stats["budget_granules"] == 2 and stats["staged_granules"] > 0
+    if engine == "copy":  # the worker copied them, without a driver error; some landed before the next pack
+        assert stats["copied_tails"] > 0 and stats["copy_errors"] == 0 and stats["used_granules"] > 0
+    else:
+        assert stats["used_fraction"] > 0.5  # the tails were of experts the next layer computed cold
     assert 0 < computed[str(2 * 3072)] < computed["0"]
 
 

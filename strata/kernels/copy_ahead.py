@@ -29,15 +29,18 @@ except ImportError:  # pragma: no cover - exercised on CPU-only hosts
 COPY_PROGRAMS = 32  # programs per staged expert
 COPY_BLOCK = 2048  # 8-byte words a program copies per iteration of the gate/up tails (16 KB of reads in flight)
 COPY_ROWS = 8  # down rows a program copies per iteration (each its tail's words, padded to a power of 2)
+TAG_STRIDE = 65536  # a plan's tag: the step's generation * TAG_STRIDE + the planned layer (csrc/mailbox_ahead.h)
 
 
 def plan_ahead_torch(ids: torch.Tensor, slot_of: torch.Tensor, table: torch.Tensor, budget: torch.Tensor,
                      stage_base: int, slot_bytes: int, num_slots: int, granules: int, granule_rows: int,
                      rows_map: torch.Tensor, addr_map: torch.Tensor, copy_src: torch.Tensor, copy_dst: torch.Tensor,
-                     copy_rows: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+                     copy_rows: torch.Tensor, counts: torch.Tensor | None = None,
+                     tag: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
     """The reference of `plan_ahead` (same arguments, same results): ids [P] predicted experts, slot_of [E] int32
     (-1 cold), table [E] int64 host addresses, budget [1] int32 granules; writes rows_map [E] int32, addr_map [E]
-    int64, copy_src/copy_dst [S] int64 and copy_rows [S] int32 in place; counts[0] += the granules staged."""
+    int64, copy_src/copy_dst [S] int64 and copy_rows [S] int32 (or int64) in place; counts[0] += the granules
+    staged; tag = (word [1] int64, gen [1] int64, layer): word = gen * TAG_STRIDE + layer, last."""
     e = slot_of.numel()
     pred = torch.zeros(e, dtype=torch.bool, device=ids.device)
     pred[ids.reshape(-1).long()] = True
@@ -57,6 +60,8 @@ def plan_ahead_torch(ids: torch.Tensor, slot_of: torch.Tensor, table: torch.Tens
     copy_dst.copy_(torch.where(sel & (rows[:, None] > 0), dst[:, None], 0).sum(0))
     if counts is not None:
         counts[0] += g.sum()
+    if tag is not None:
+        tag[0].copy_(tag[1] * TAG_STRIDE + tag[2])
 
 
 def tail_offsets(rows: int, inter: int, hidden: int, down_elem: int) -> torch.Tensor:
@@ -81,17 +86,26 @@ def copy_ahead_torch(src_slots: torch.Tensor, experts: torch.Tensor, rows: torch
             stage[s, off] = src_slots[e, off]
 
 
+def gated_rows(rows: torch.Tensor, gate: tuple[torch.Tensor, torch.Tensor, int]) -> torch.Tensor:
+    """rows [E] int32 of the tails the mailbox worker copies, or zeros where they have not landed: gate = (flag [1]
+    int64, gen [1] int64, layer), landed when flag = gen * TAG_STRIDE + layer (the pack's GATE, in torch ops)."""
+    flag, gen, layer = gate
+    return torch.where(flag == gen * TAG_STRIDE + layer, rows, torch.zeros_like(rows))
+
+
 def available(x: torch.Tensor) -> bool:
     """Whether the kernels can run on `x`'s device (CUDA with Triton)."""
     return triton is not None and x.is_cuda
 
 
 if triton is not None:
+    from strata.kernels.host_signal import fence_system, store_release
 
     @triton.jit
     def _plan_kernel(ids_ptr, slot_ptr, table_ptr, budget_ptr, rows_map_ptr, addr_map_ptr, src_ptr, dst_ptr,
-                     crows_ptr, count_ptr, P, E, stage_base, slot_bytes, S, G, GRAN,
-                     BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, COUNT: tl.constexpr):
+                     crows_ptr, count_ptr, tag_ptr, gen_ptr, P, E, stage_base, slot_bytes, S, G, GRAN, TAG_ADD,
+                     BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, COUNT: tl.constexpr,
+                     TAG: tl.constexpr, FENCE: tl.constexpr):
         offs_p = tl.arange(0, BLOCK_P)
         pm = offs_p < P
         ids = tl.load(ids_ptr + offs_p, mask=pm, other=-1).to(tl.int32)  # [BLOCK_P] predicted experts
@@ -119,6 +133,10 @@ if triton is not None:
         tl.store(dst_ptr + offs_s, tl.sum(tl.where(sel, dst[:, None], 0), axis=0), mask=sm)
         if COUNT:
             tl.atomic_add(count_ptr, tl.sum(g, axis=0).to(tl.int64))
+        if TAG:  # the copy list is in host memory, for the mailbox worker: its tag last, after every thread's stores
+            fence_system(tl.program_id(0), FENCE)
+            tl.debug_barrier()
+            store_release(tag_ptr, tl.load(gen_ptr) * 65536 + TAG_ADD, FENCE)
 
     @triton.jit
     def _copy_kernel(src_ptr, dst_ptr, crows_ptr, H, INTER, DOWN_ELEM, BLOCK: tl.constexpr, ROWS: tl.constexpr,
@@ -157,21 +175,26 @@ if triton is not None:
 def plan_ahead(ids: torch.Tensor, slot_of: torch.Tensor, table: torch.Tensor, budget: torch.Tensor,
                stage_base: int, slot_bytes: int, num_slots: int, granules: int, granule_rows: int,
                rows_map: torch.Tensor, addr_map: torch.Tensor, copy_src: torch.Tensor, copy_dst: torch.Tensor,
-               copy_rows: torch.Tensor, counts: torch.Tensor | None = None) -> None:
+               copy_rows: torch.Tensor, counts: torch.Tensor | None = None,
+               tag: tuple[torch.Tensor, torch.Tensor, int] | None = None) -> None:
     """One launch: which of the predicted experts `ids` [P] are cold in `slot_of` [E] int32 and how many of their
     last rows to stage (`budget` [1] int32 granules of `granule_rows` rows dealt out among at most `num_slots`
     of them, in expert order; at most `granules` each): rows_map [E] int32, addr_map [E] int64 (staging slot
-    `stage_base + s * slot_bytes`), and the copy list copy_src/copy_dst [S] int64, copy_rows [S] int32 (0: none),
-    written in place. counts [1] int64 (device), if given: += the granules staged."""
+    `stage_base + s * slot_bytes`), and the copy list copy_src/copy_dst [S] int64, copy_rows [S] int32 or int64
+    (0: none), written in place. counts [1] int64 (device), if given: += the granules staged.
+    tag = (word [1] int64, gen [1] int64 device, layer): the copy list is in page-locked host memory for the
+    mailbox worker to copy (csrc/mailbox_ahead.h); word = gen * TAG_STRIDE + layer is stored last, with release
+    semantics at system scope."""
     if not available(ids):
         return plan_ahead_torch(ids, slot_of, table, budget, stage_base, slot_bytes, num_slots, granules,
-                                granule_rows, rows_map, addr_map, copy_src, copy_dst, copy_rows, counts)
+                                granule_rows, rows_map, addr_map, copy_src, copy_dst, copy_rows, counts, tag)
     p, e = ids.numel(), slot_of.numel()
+    word, gen, layer = tag if tag is not None else (copy_src, copy_src, 0)  # unread pointers without TAG
     _plan_kernel[(1,)](ids.reshape(-1), slot_of, table, budget, rows_map, addr_map, copy_src, copy_dst, copy_rows,
-                       counts if counts is not None else copy_src, p, e, stage_base, slot_bytes, num_slots, granules,
-                       granule_rows, BLOCK_P=max(2, triton.next_power_of_2(p)),
+                       counts if counts is not None else copy_src, word, gen, p, e, stage_base, slot_bytes, num_slots,
+                       granules, granule_rows, layer, BLOCK_P=max(2, triton.next_power_of_2(p)),
                        BLOCK_E=max(2, triton.next_power_of_2(e)), BLOCK_S=max(2, triton.next_power_of_2(num_slots)),
-                       COUNT=counts is not None, num_warps=4)
+                       COUNT=counts is not None, TAG=tag is not None, FENCE=ids.is_cuda, num_warps=4)
 
 
 def copy_ahead(copy_src: torch.Tensor, copy_dst: torch.Tensor, copy_rows: torch.Tensor, typed: torch.Tensor,

@@ -308,6 +308,15 @@ def start_mailbox(cfg, boxes, layers, addresses, log, counters) -> int:
     return int(_lib.strata_mailbox_start(*(a.ctypes.data for a in (cfg, boxes, layers, addresses, log, counters))))
 
 
+def mailbox_ahead(handle: int, cfg, next_layers, plans: int, flag_host: int, flag_dev, counters) -> int:
+    """Give the mailbox worker `handle` its copy-ahead (csrc/mailbox_ahead.h, `strata_mailbox_ahead`): cfg, next_layers,
+    flag_dev and counters are int64 numpy arrays; plans and flag_host addresses of page-locked memory. 0 on success."""
+    if not handle or _lib is None:
+        return -1
+    return int(_lib.strata_mailbox_ahead(handle, cfg.ctypes.data, next_layers.ctypes.data, plans, flag_host,
+                                         flag_dev.ctypes.data, counters.ctypes.data))
+
+
 def stop_mailbox(handle: int, *keep) -> None:
     """Stop the mailbox worker `handle` (joins its thread); `keep`: what the worker reads, held until then."""
     if handle and _lib is not None:

@@ -17,7 +17,8 @@ import torch
 from strata.fsutil import cache_root
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("cpu_experts.cpp", "cpu_experts_kernel.h", "cpu_experts_emu.h", "cpu_pool.h", "cpu_mailbox.cpp")
+_SOURCES = ("cpu_experts.cpp", "cpu_experts_kernel.h", "cpu_experts_emu.h", "cpu_pool.h", "cpu_mailbox.cpp",
+            "mailbox_ahead.h")
 # Plain x86-64 (the vector code is compiled per function, under target pragmas); no FMA contraction, so
 # a*b+c rounds the same way in every instruction set and in the emulations.
 _CFLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fvisibility=hidden"]
@@ -83,6 +84,8 @@ def build_and_open() -> ctypes.CDLL:
     lib.strata_mailbox_stop.argtypes = [ctypes.c_int64]
     lib.strata_mailbox_stop.restype = ctypes.c_int
     lib.strata_mailbox_log_codes.argtypes = []
+    lib.strata_mailbox_ahead.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 6
+    lib.strata_mailbox_ahead.restype = ctypes.c_int
     lib.strata_cpu_trace.argtypes = [ctypes.c_int, ctypes.c_void_p]
     lib.strata_cpu_trace.restype = ctypes.c_int
     lib.strata_cpu_tune.argtypes = [ctypes.c_int64, ctypes.c_int64]

@@ -40,9 +40,9 @@ if triton is not None:
     @triton.jit
     def _pack_kernel(flat_ptr, used_ptr, x_ptr, w_ptr, share_ptr, table_ptr, box_i, box_f, addr_ptr, rows_ptr,
                      ready_ptr, gen_ptr, count_ptr, arows_ptr, aaddr_ptr, end_ptr, staged_ptr, stat_ptr,
-                     N, K, P, H, E, INTER, G, GRAN, X_OFF4, stride_x,
+                     flag_ptr, fgen_ptr, N, K, P, H, E, INTER, G, GRAN, X_OFF4, stride_x, TAG_ADD,
                      BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_X: tl.constexpr, SHARE: tl.constexpr,
-                     READY: tl.constexpr, FENCE: tl.constexpr, AHEAD: tl.constexpr):
+                     READY: tl.constexpr, FENCE: tl.constexpr, AHEAD: tl.constexpr, GATE: tl.constexpr):
         pid = tl.program_id(0)
         if pid == 0:
             offs_p = tl.arange(0, BLOCK_P)
@@ -55,6 +55,9 @@ if triton is not None:
                 cold_e = tl.max(tl.where(eq & (used < 0)[None, :], 1, 0), axis=1)  # [BLOCK_E] 1: cold and used
                 if AHEAD:  # each expert's tail copied ahead into VRAM (strata.kernels.copy_ahead) leaves the split
                     arows = tl.load(arows_ptr + offs_e, mask=offs_e < E, other=0)  # [BLOCK_E] staged tail rows
+                    if GATE:  # copied by the worker's copy engine: only once its flag holds this step's tag
+                        landed = tl.load(flag_ptr, volatile=True) == tl.load(fgen_ptr) * 65536 + TAG_ADD
+                        arows = tl.where(landed, arows, 0)
                     avail = G - arows // GRAN  # [BLOCK_E] granules not staged
                 else:
                     avail = tl.zeros([BLOCK_E], dtype=tl.int32) + G
@@ -129,7 +132,9 @@ def pack_mailbox(dst: torch.Tensor, flat: torch.Tensor, used: torch.Tensor, x: t
     ahead = (rows [E] int32, addresses [E] int64, end [P] int32, staged [P] int64, stat [1] int64), with a share: the
     layer's copied-ahead tails (`strata.kernels.copy_ahead`) leave the split, as in `GpuShare.assign`; end and
     staged (the caller's buffers) receive each pair's in-place end row and staged address; stat += the granules
-    the tails held of the layer's cold experts."""
+    the tails held of the layer's cold experts. A sixth item, gate = (flag [1] int64, gen [1] int64, layer), marks
+    tails the mailbox worker copies (csrc/mailbox_ahead.h): they count only where flag = gen * 65536 + layer
+    (the tag its copy engine writes after them), else the layer is split as if nothing were staged."""
     if triton is None:
         raise RuntimeError("the fused mailbox pack needs Triton")
     n, k = weights.shape
@@ -144,13 +149,15 @@ def pack_mailbox(dst: torch.Tensor, flat: torch.Tensor, used: torch.Tensor, x: t
     word, gen, count = ready if ready is not None else (rows, rows, rows)  # unread pointers without `ready`
     if ahead is not None and not has_share:
         raise ValueError("copied-ahead tails need a GPU share")
-    arows, aaddr, end, staged, stat = ahead if ahead is not None else (rows,) * 5  # unread pointers without AHEAD
+    arows, aaddr, end, staged, stat, *gate = ahead if ahead is not None else (rows,) * 5  # unread without AHEAD
+    gate = gate[0] if gate and gate[0] is not None else None
+    flag, fgen, tag_add = gate if gate is not None else (rows, rows, 0)  # unread pointers without GATE
     _pack_kernel[grid](
         flat, used, x, weights, share.share if has_share else weights, table, dst.view(torch.int32),
-        dst.view(torch.float32), addr, rows, word, gen, count, arows, aaddr, end, staged, stat, n, k, p, h,
+        dst.view(torch.float32), addr, rows, word, gen, count, arows, aaddr, end, staged, stat, flag, fgen, n, k, p, h,
         share.num_experts if has_share else 1, inter, share.granules if has_share else 1,
-        share.rows if has_share else inter, x_off // 4, x.stride(0),
+        share.rows if has_share else inter, x_off // 4, x.stride(0), tag_add,
         BLOCK_P=max(2, triton.next_power_of_2(p)),
         BLOCK_E=max(2, triton.next_power_of_2(share.num_experts if has_share else 1)),
         BLOCK_X=BLOCK_X, SHARE=has_share, READY=ready is not None, FENCE=x.is_cuda, AHEAD=ahead is not None,
-        num_warps=4 if p <= 64 else 8)
+        GATE=gate is not None, num_warps=4 if p <= 64 else 8)

@@ -19,17 +19,28 @@ measured GPU gap was tried and dropped: a copy that runs past the serial phase l
 budget large enough to overrun sustained itself (8 granules a layer and 301 tok/s against 402 without).
 Off by default (`runtime.copy_ahead`): +7.4% on the skewed checkpoint without temporal locality, -9% on average
 with it (bench/RESULTS.md, twenty-fourth session).
+
+Two engines move the tails. `"sm"`: the copy kernel above, in the graph (it takes SMs from the serial phase it
+hides in, which is what lost on the temporal-locality checkpoint). `"copy"`: the plan goes to page-locked host
+memory, and the mailbox worker, once it has answered layer l, issues l+1's tail copies itself on a stream of its
+own (csrc/mailbox_ahead.h): the copy engine moves them while the GPU runs the serial phase, and the next layer's
+pack uses them only if the worker's flag says they have landed (`mailbox_pack`'s GATE). Its staging slots are
+double-buffered by layer parity (layer l's in-place kernel may still read its tails when l+1's copies start).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from strata.kernels import copy_ahead as kernels
 from strata.runtime.gpu_share import GpuShare
+
+if TYPE_CHECKING:
+    from strata.runtime.cpu_mailbox import CpuMailbox
 
 Predictor = Callable[[torch.Tensor], torch.Tensor]  # hidden [N, H] -> expert ids [N, k]
 
@@ -47,10 +58,16 @@ class CopyAhead:
     # model, the best of 2, 3 and 4 on the H200 box (428.6 tok/s against 413.9 and 411.9; 401.7 and 396.4 without):
     # a longer copy lengthens the serial phase it hides in (the GPU gap 68, 77, 86 us against 64)
     AHEAD_US = 35.0
+    AHEAD_US_COPY = 55.0  # the copy engine's: most of the ~70 us serial phase (its copies take no SMs from it)
 
     def __init__(self, addresses: np.ndarray, slot_of: torch.Tensor, share: GpuShare, predictors: dict[int, Predictor],
-                 moe_layers: list[int], device: torch.device, slot_bytes: int, budget_bytes: int | None = None):
-        self.share, self.slot_of, self.device = share, slot_of, device
+                 moe_layers: list[int], device: torch.device, slot_bytes: int, budget_bytes: int | None = None,
+                 mailbox: CpuMailbox | None = None, engine: str = "sm"):
+        if engine not in ("sm", "copy"):
+            raise ValueError(f"copy-ahead engine must be 'sm' or 'copy', got {engine!r}")
+        if engine == "copy" and mailbox is None:
+            raise ValueError("the copy engine's copy-ahead is issued by the mailbox worker: give the mailbox")
+        self.share, self.slot_of, self.device, self.engine, self.mailbox = share, slot_of, device, engine, mailbox
         self.table = torch.from_numpy(np.ascontiguousarray(addresses)).to(device)  # [L, E] int64
         layers = sorted(moe_layers)
         # layer l plans l + 1 when both are MoE layers with a predictor: the pairs (l, l + 1)
@@ -63,7 +80,8 @@ class CopyAhead:
         self.down_elem = ex.down_offset // ex.dtype.itemsize
         self.granule_bytes = share.rows * 3 * self.hidden * ex.dtype.itemsize
         s = self.MAX_SLOTS
-        self.stage = torch.empty((s, slot_bytes), dtype=torch.uint8, device=device)  # VRAM staging slots
+        stages = 2 if engine == "copy" else 1  # by layer parity, or one set (the SM copy starts after l's reads)
+        self.stage = torch.empty((stages, s, slot_bytes), dtype=torch.uint8, device=device)  # VRAM staging slots
         self.rows_map = torch.zeros((2, self.num_experts), dtype=torch.int32, device=device)  # by layer parity
         self.addr_map = torch.zeros((2, self.num_experts), dtype=torch.int64, device=device)
         self.copy_src = torch.zeros(s, dtype=torch.int64, device=device)  # the copy list (one at a time: one stream)
@@ -72,7 +90,8 @@ class CopyAhead:
         self.counts = torch.zeros(2, dtype=torch.int64, device=device)  # granules staged, granules of them used cold
         self._counts_host = torch.zeros(2, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.fixed = budget_bytes is not None
-        self.value = self._granules(budget_bytes if self.fixed else self.AHEAD_US * 1e-6 * share.gpu_rate)
+        link_us = self.AHEAD_US_COPY if engine == "copy" else self.AHEAD_US
+        self.value = self._granules(budget_bytes if self.fixed else link_us * 1e-6 * share.gpu_rate)
         self.target = self.value
         self.budget = torch.tensor([self.value], dtype=torch.int32, device=device)  # [1] read by the step
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -80,6 +99,16 @@ class CopyAhead:
         self._copied_ev: dict[int, torch.cuda.Event] = {}
         self._hold: list[torch.Tensor] = []  # tensors the stream reads, kept alive until the next step starts
         self._first = layers[0] if layers else -1
+        self.worker = None  # the copy engine's counters (csrc/mailbox_ahead.h), read by `stats`
+        if engine == "copy":
+            # the plans the worker copies from, by layer parity: int64 [tag, src[S], dst[S], rows[S]] (host)
+            self.plans = torch.zeros((2, 1 + 3 * s), dtype=torch.int64, pin_memory=device.type == "cuda")
+            self.flags = torch.zeros(max(layers, default=0) + 1, dtype=torch.int64, device=device)  # landed tags
+            self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # never captured
+            self.worker = mailbox.copy_ahead(self.next_of, self.plans, self.flags, self.copy_stream, s, self.inter,
+                                             self.hidden, ex.dtype.itemsize, ex.down_offset)
+            if self.worker is None:
+                raise RuntimeError("the mailbox worker cannot issue copies here (no CUDA driver entry points)")
 
     def _granules(self, nbytes: float) -> int:
         return max(0, int(nbytes // self.granule_bytes))
@@ -103,29 +132,37 @@ class CopyAhead:
         with torch.cuda.stream(self.stream):
             ids = self.predictors[nxt](hidden)  # [N, k]
             b = nxt % 2
-            kernels.plan_ahead(ids.reshape(-1), self.slot_of[nxt], self.table[nxt], self.budget,
-                               self.stage.data_ptr(), self.slot_bytes, self.MAX_SLOTS, self.share.granules,
-                               self.share.rows, self.rows_map[b], self.addr_map[b], self.copy_src, self.copy_dst,
-                               self.copy_rows, self.counts[0:1])
+            s = self.MAX_SLOTS
+            if self.engine == "copy":  # the copy list into host memory, tagged, for the worker
+                plan = self.plans[b]
+                lists = (plan[1 : 1 + s], plan[1 + s : 1 + 2 * s], plan[1 + 2 * s :])
+                tag, stage = (plan[0:1], self.mailbox.gen, nxt), self.stage[b]
+            else:
+                lists, tag, stage = (self.copy_src, self.copy_dst, self.copy_rows), None, self.stage[0]
+            kernels.plan_ahead(ids.reshape(-1), self.slot_of[nxt], self.table[nxt], self.budget, stage.data_ptr(),
+                               self.slot_bytes, s, self.share.granules, self.share.rows, self.rows_map[b],
+                               self.addr_map[b], *lists, self.counts[0:1], tag=tag)
             self._hold.append(ids)
             self._planned_ev[nxt] = ev = torch.cuda.Event()
             ev.record(self.stream)
 
-    def maps(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """For the pack of `layer`: (rows [E], addresses [E], stat [1]) of its planned tails, the step's stream
-        made to wait for the plan (not the copy); None where nothing was planned for it."""
+    def maps(self, layer: int) -> tuple | None:
+        """For the pack of `layer`: (rows [E], addresses [E], stat [1], gate) of its planned tails, the step's stream
+        made to wait for the plan (not the copy); None where nothing was planned for it. gate (the copy engine's):
+        (flag [1], gen [1], layer), the tails used only where the worker's flag says they landed; else None."""
         ev = self._planned_ev.get(layer)  # (this step's: the first layer's `predict` clears them)
         if ev is None:
             return None
         torch.cuda.current_stream(self.device).wait_event(ev)
         b = layer % 2
-        return self.rows_map[b], self.addr_map[b], self.counts[1:2]
+        gate = (self.flags[layer : layer + 1], self.mailbox.gen, layer) if self.engine == "copy" else None
+        return self.rows_map[b], self.addr_map[b], self.counts[1:2], gate
 
     def copy(self, layer: int) -> None:
         """After `layer`'s cold phase is enqueued on the step's stream: copy the next layer's planned tails once it is
         over (the link is free then), on the copy-ahead stream."""
         nxt = self.next_of.get(layer)
-        if nxt is None or nxt not in self._planned_ev:
+        if nxt is None or nxt not in self._planned_ev or self.engine == "copy":  # (the worker copies those)
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
@@ -158,6 +195,10 @@ class CopyAhead:
     def stats(self) -> dict:
         """Granules staged and used so far (as of a step or so ago), the budget a layer, the bytes of a granule."""
         staged, used = (int(v) for v in self._counts_host.tolist())
-        return {"budget_granules": self.value, "granule_bytes": self.granule_bytes, "staged_granules": staged,
-                "used_granules": used, "staged_MB": round(staged * self.granule_bytes / 1e6, 1),
-                "used_fraction": round(used / staged, 4) if staged else None}
+        out = {"engine": self.engine, "budget_granules": self.value, "granule_bytes": self.granule_bytes,
+               "staged_granules": staged, "used_granules": used, "staged_MB": round(staged * self.granule_bytes / 1e6, 1),
+               "used_fraction": round(used / staged, 4) if staged else None}
+        if self.worker is not None:  # planned is not copied here: a plan the worker found late is skipped
+            w = [int(v) for v in self.worker]
+            out.update(copied_tails=w[0], copied_MB=round(w[1] / 1e6, 1), plans_late=w[2], copy_errors=w[3])
+        return out

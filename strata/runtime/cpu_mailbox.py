@@ -86,9 +86,11 @@ class CpuMailbox:
             self.pool.close()
             raise RuntimeError("the CPU expert kernel is not available: no mailbox worker")
         # an engine dropped without close(): the worker stops when this is collected (it holds what the thread reads)
+        self._ahead_keep: list = []  # what the worker's copy-ahead reads (`copy_ahead`), held as long as the worker
         self._finalizer = weakref.finalize(self, ce.stop_mailbox, self.handle, self._keep, self.addresses, self.log,
-                                           self.counters, self.pool)
+                                           self.counters, self.pool, self._ahead_keep)
         self.gen = torch.zeros(1, dtype=torch.int64, device=device)  # the step's generation (device side)
+        self._begun = False  # `begin_step(early=True)` ran for the step being built
         self._host_gen = 0  # the same on the CPU-only path
         self._shapes: dict[tuple[int, int], torch.Tensor] = {}  # (N, k) -> int32 [4] on the device
         self._all_rows: dict[int, torch.Tensor] = {}  # P -> int32 [P] of I: every cold pair's whole expert here
@@ -102,8 +104,14 @@ class CpuMailbox:
         self.hot_alongside = device.type == "cuda" and os.environ.get("STRATA_MAILBOX_HOT_ALONGSIDE", "1") != "0"
 
     # ---- the device side: ops a decode graph captures -------------------------------------------------
-    def begin_step(self) -> None:
-        """A new step: the generation every layer's mailbox is answered with (call once, before its layers)."""
+    def begin_step(self, early: bool = False) -> None:
+        """A new step: the generation every layer's mailbox is answered with (call once, before its layers).
+        `early`: called ahead of the first layer's own call (copy-ahead's plan, on another stream, reads the
+        generation), which then does nothing."""
+        if self._begun:
+            self._begun = False
+            return
+        self._begun = early
         if self.device.type == "cuda":
             self.gen.add_(1)
         else:
@@ -139,8 +147,9 @@ class CpuMailbox:
         while the worker does: addr [P] int64 is the share's split (0: no GPU part; None without a share), rows the
         worker's rows of each pair; end [P] int32 and staged [P] int64 (None without `ahead`): where each pair's
         in-place rows stop and the VRAM address of its copied-ahead tail (0: none).
-        ahead = (rows [E] int32, addresses [E] int64, stat [1] int64), with a share: the layer's tails copied ahead
-        (`strata.runtime.copy_ahead`), which leave the share's split; stat counts the granules they held."""
+        ahead = (rows [E] int32, addresses [E] int64, stat [1] int64[, gate]), with a share: the layer's tails copied
+        ahead (`strata.runtime.copy_ahead`), which leave the share's split; stat counts the granules they held;
+        gate = (flag [1], gen [1], layer) where the worker copies them: used only once they have landed."""
         n, k = weights.shape
         p = n * k
         if n > self.max_tokens or k != self.top_k:
@@ -218,7 +227,7 @@ class CpuMailbox:
         if ahead is not None:
             end = torch.empty(p, dtype=torch.int32, device=x.device)
             staged = torch.empty(p, dtype=torch.int64, device=x.device)
-            ahead = (ahead[0], ahead[1], end, staged, ahead[2])
+            ahead = (ahead[0], ahead[1], end, staged, ahead[2], ahead[3] if len(ahead) > 3 else None)
         try:
             mailbox_pack.pack_mailbox(out_box, experts.reshape(-1), slots.reshape(-1), x, weights, x_off, self.inter,
                                       share, layer, rows=rows, addr=addr, ready=ready, ahead=ahead)
@@ -236,6 +245,10 @@ class CpuMailbox:
         """The torch ops' (slots, addr or None, rows[, end, staged]): the share's split (with `ahead`'s tails: five),
         else `rows` or every cold row."""
         if share is not None:
+            if ahead is not None and len(ahead) > 3 and ahead[3] is not None:  # the worker's copies: if they landed
+                from strata.kernels.copy_ahead import gated_rows
+
+                ahead = (gated_rows(ahead[0], ahead[3]), ahead[1])
             return share.assign(layer, experts, slots, None if ahead is None else ahead[:2])
         if rows is None:
             p = experts.numel()
@@ -263,6 +276,34 @@ class CpuMailbox:
             pass
         self.check()
         return box[self.out_off : self.out_off + 4 * n * self.hidden].view(torch.float32).clone().view(n, self.hidden)
+
+    def copy_ahead(self, next_of: dict[int, int], plans: torch.Tensor, flags: torch.Tensor, stream, slots: int,
+                   inter: int, hidden: int, elem: int, down_off: int, entry: tuple[int, list[int]] | None = None
+                   ) -> np.ndarray | None:
+        """Have the worker issue copy-ahead's tail copies on the copy engine (csrc/mailbox_ahead.h): after
+        answering layer l it copies the tails planned for `next_of[l]` (plans [2, 1 + 3 * slots] int64, page-locked,
+        by the planned layer's parity) on `stream` and then that plan's tag into flags[next_of[l]] (device).
+        inter, hidden, elem: the experts' shape and bytes an element; down_off: down's byte offset in a slot.
+        `entry`: the driver's (context, entry points) (`cuda_driver.copy_entry_points`; tests pass stand-ins).
+        Returns the worker's counters (int64 [5]: tails, bytes, late plans, errors, copies), None where it cannot."""
+        from strata.kernels import cpu_experts as ce
+        from strata.kernels import cuda_driver
+
+        entry = entry if entry is not None else cuda_driver.copy_entry_points(self.device)
+        if entry is None or not self.handle or self._ahead_keep:
+            return None
+        ctx, fns = entry
+        handle = 0 if stream is None else int(stream.cuda_stream)
+        cfg = np.array([slots, hidden, inter, elem, down_off, ctx, handle, *fns], dtype=np.int64)
+        nxt = np.array([next_of.get(layer, -1) for layer in self.layers], dtype=np.int64)
+        flag_host = torch.zeros((len(self.layers), 2), dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        flag_dev = np.array([flags[next_of[layer]].data_ptr() if layer in next_of else 0 for layer in self.layers],
+                            dtype=np.int64)
+        counters = np.zeros(5, dtype=np.int64)
+        if ce.mailbox_ahead(self.handle, cfg, nxt, plans.data_ptr(), flag_host.data_ptr(), flag_dev, counters) != 0:
+            return None
+        self._ahead_keep.extend((cfg, nxt, plans, flags, flag_host, flag_dev, counters, stream, entry))
+        return counters
 
     # ---- the host side, between steps --------------------------------------------------------------
     def check(self) -> None:
@@ -318,6 +359,7 @@ class CpuMailbox:
             self._finalizer.detach()
             ce.stop_mailbox(self.handle)
             self.handle = 0
+            self._ahead_keep.clear()
             self.pool.close()
 
 

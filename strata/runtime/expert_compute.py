@@ -205,7 +205,8 @@ class ExpertCompute(CpuCompute):
     def _open_copy_ahead(self, addresses: np.ndarray, store):
         """The copy-ahead of a mailbox with a GPU share (None where it is off or cannot run): `runtime.copy_ahead`,
         unless $STRATA_COPY_AHEAD says otherwise (A/B runs): "0" turns it off, a number N > 0 on with a fixed
-        budget of N bytes a layer."""
+        budget of N bytes a layer. Its tails move on the copy engine, issued by the mailbox worker, where the CUDA
+        driver's entry points are found ($STRATA_COPY_AHEAD_ENGINE=sm: with the SM copy kernel)."""
         from strata.kernels import copy_ahead
         from strata.runtime.copy_ahead import CopyAhead
 
@@ -215,8 +216,16 @@ class ExpertCompute(CpuCompute):
             return None
         ex = self.gpu_share.experts
         slot_bytes = ex.down_offset + ex.down_shape[0] * ex.down_shape[1] * ex.dtype.itemsize
+        budget = int(float(env)) if env else None
+        engine = os.environ.get("STRATA_COPY_AHEAD_ENGINE", "copy")  # A/B: "sm", the copy kernel in the graph
+        if engine == "copy":
+            try:
+                return CopyAhead(addresses, self.slot_of, self.gpu_share, self.predictors, self.moe_layers,
+                                 self.device, slot_bytes, budget_bytes=budget, mailbox=self.mailbox, engine="copy")
+            except RuntimeError as e:
+                log.warning("strata: copy-ahead on the copy engine is not available (%s); copying with SMs", e)
         return CopyAhead(addresses, self.slot_of, self.gpu_share, self.predictors, self.moe_layers, self.device,
-                         slot_bytes, budget_bytes=int(float(env)) if env else None)
+                         slot_bytes, budget_bytes=budget)
 
     def _count_mailbox(self, experts: int, nbytes: int, seconds: float) -> None:
         """The mailbox worker's totals so far: experts it computed, bytes its kernel read and its seconds."""

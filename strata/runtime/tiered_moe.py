@@ -65,6 +65,8 @@ class TieredExperts(PrefillPath, nn.Module):
         stream hidden [N, H] and plan their tails' copy, on the copy-ahead stream (strata.runtime.copy_ahead)."""
         c = self.compute
         if c.copy_ahead is not None and c.mailbox is not None and current_capture_mode() == "mailbox":
+            if self.layer == c.moe_layers[0]:
+                c.mailbox.begin_step(early=True)  # the step's generation, before the plan's stream forks from here
             c.copy_ahead.predict(self.layer, hidden)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None,

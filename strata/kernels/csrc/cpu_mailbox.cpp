@@ -37,6 +37,8 @@
 
 #include <unistd.h>
 
+#include "mailbox_ahead.h"
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
 #define STRATA_PAUSE() _mm_pause()
@@ -74,6 +76,7 @@ struct Mailbox {
                                     // layer's done was written (steady clock: CLOCK_MONOTONIC, Python's monotonic_ns)
     int64_t last_done_ns = 0, last_done_gen = -1;  // when the last layer's done was written, and its generation
     std::atomic<bool> stop{false};
+    std::atomic<strata_ahead::Copier*> ahead{nullptr};  // copy-ahead (mailbox_ahead.h), set once before use
     std::thread th;
 
     static int64_t now_ns() {
@@ -141,6 +144,7 @@ struct Mailbox {
         hdr[2] = status;
         std::atomic_thread_fence(std::memory_order_release);
         hdr[1] = gen;  // the GPU copies `out` back once it sees this
+        if (auto* c = ahead.load(std::memory_order_acquire)) c->issue(i, gen);  // the next layer's tails, first
         // off the step's path from here
         const int64_t done_ns = now_ns();
         counters[7] += done_ns - seen_ns;
@@ -234,7 +238,31 @@ STRATA_API int strata_mailbox_stop(int64_t handle) {
     if (!m) return 0;
     m->stop.store(true);
     if (m->th.joinable()) m->th.join();
+    delete m->ahead.load();
     delete m;
+    return 0;
+}
+
+// Copy-ahead on the copy engine (mailbox_ahead.h), once per worker, before any step plans it.
+// cfg: int64 [S, H, I, elem, down_off, ctx, stream, cuCtxSetCurrent, cuMemcpyHtoDAsync_v2, cuMemcpy2DAsync_v2];
+// next: int64 [n_boxes] (the layer each box plans, -1: none); plans: int64 [2, 1 + 3S] (host);
+// flag_host: int64 [n_boxes, 2]; flag_dev: int64 [n_boxes] device addresses; counters: int64 [5].
+STRATA_API int strata_mailbox_ahead(int64_t handle, const int64_t* cfg, const int64_t* next, int64_t* plans,
+                                    int64_t* flag_host, const int64_t* flag_dev, int64_t* counters) {
+    auto* m = reinterpret_cast<Mailbox*>(handle);
+    if (!m || m->ahead.load()) return -1;
+    auto* c = new strata_ahead::Copier();
+    c->S = cfg[0], c->H = cfg[1], c->I = cfg[2], c->elem = cfg[3], c->down_off = cfg[4];
+    c->ctx = reinterpret_cast<void*>(cfg[5]), c->stream = reinterpret_cast<void*>(cfg[6]);
+    c->set_ctx = reinterpret_cast<strata_ahead::CtxSetCurrent>(cfg[7]);
+    c->h2d = reinterpret_cast<strata_ahead::MemcpyHtoDAsync>(cfg[8]);
+    c->h2d_2d = reinterpret_cast<strata_ahead::Memcpy2DAsync>(cfg[9]);
+    for (size_t i = 0; i < m->boxes.size(); ++i) {
+        c->next.push_back(next[i]);
+        c->flag_dev.push_back(uint64_t(flag_dev[i]));
+    }
+    c->plans = plans, c->flag_host = flag_host, c->counters = counters;
+    m->ahead.store(c, std::memory_order_release);
     return 0;
 }
 
