@@ -151,7 +151,7 @@ def test_worker_stops_copying_after_a_driver_error_and_writes_no_flag():
     box, slab, plans, flags, stage, counters = _run(driver)
     try:
         x, w, ids = torch.zeros(1, H, dtype=torch.bfloat16), torch.ones(1, K), torch.tensor([[1, 2]])
-        for step in range(2):
+        for _ in range(2):
             plan = plans[1]
             plan[1], plan[1 + S], plan[1 + 2 * S] = slab[1].data_ptr(), stage[0].data_ptr(), 8
             plan[0] = (box._host_gen + 1) * ca.TAG_STRIDE + 1
