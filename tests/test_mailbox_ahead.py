@@ -127,7 +127,7 @@ def test_worker_copies_the_planned_tails_then_the_flag():
         ca.copy_ahead_torch(slab, torch.tensor(experts + [0, 0]), torch.tensor(rows + [0, 0]), ref, INTER, H,
                             2 * INTER * H)
         assert torch.equal(stage, ref) and int((stage != 0).sum()) == 3 * H * sum(rows)
-        assert counters.tolist() == [2, 3 * H * sum(rows) * 2, 0, 0, 6]
+        assert counters.tolist() == [2, 3 * H * sum(rows) * 2, 0, 0, 6, 0]
         assert [c[0] for c in driver.calls] == ["ctx", "h2d", "h2d", "2d", "h2d", "h2d", "2d", "h2d"]
         assert all(c[-1] == 42 for c in driver.calls[1:])  # on the stream given
         assert driver.calls[3][1:3] == (16 * 2, H)  # down's last 16 columns: H runs of 32 bytes
@@ -161,4 +161,41 @@ def test_worker_stops_copying_after_a_driver_error_and_writes_no_flag():
         assert int(flags[1]) == 0 and int(counters[3]) == 1  # no flag: the pack would leave the tails unused
         assert len(driver.calls) == 3  # the context, a copy, the failed one; nothing after (the second step)
     finally:
+        box.close()
+
+
+class BlockingDriver(FakeDriver):
+    """A driver whose copies wait until `release` is set (a driver call blocked on a lock another thread holds)."""
+
+    def __init__(self):
+        super().__init__()
+        import threading
+
+        self.release = threading.Event()
+
+    def h2d(self, dst, src, n, stream):
+        self.release.wait(30)
+        return super().h2d(dst, src, n, stream)
+
+
+@needs_kernel
+def test_worker_keeps_answering_while_a_copy_blocks():
+    """The copies are issued by the copier thread, not the worker: with the driver blocked, every layer is still
+    answered (the GPU, waiting for those answers, would otherwise hang, as the first version did on the H200 box);
+    once the driver returns, the copier catches up."""
+    driver = BlockingDriver()
+    box, slab, plans, flags, stage, counters = _run(driver)
+    try:
+        x, w, ids = torch.zeros(1, H, dtype=torch.bfloat16), torch.ones(1, K), torch.tensor([[1, 2]])
+        for _ in range(3):
+            plan = plans[1]
+            plan[1], plan[1 + S], plan[1 + 2 * S] = slab[5].data_ptr(), stage[0].data_ptr(), 8
+            plan[0] = (box._host_gen + 1) * ca.TAG_STRIDE + 1
+            _step(box, x, ids, w)  # returns: the worker answered
+        assert int(flags[1]) == 0 and int(counters[0]) == 0  # nothing copied yet
+        driver.release.set()
+        _wait(lambda: int(flags[1]) != 0, "catch up")
+        assert int(counters[3]) == 0 and int(counters[0]) >= 1 and int(counters[0]) + int(counters[2]) == 3
+    finally:
+        driver.release.set()
         box.close()

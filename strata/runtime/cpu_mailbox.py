@@ -285,7 +285,9 @@ class CpuMailbox:
         by the planned layer's parity) on `stream` and then that plan's tag into flags[next_of[l]] (device).
         inter, hidden, elem: the experts' shape and bytes an element; down_off: down's byte offset in a slot.
         `entry`: the driver's (context, entry points) (`cuda_driver.copy_entry_points`; tests pass stand-ins).
-        Returns the worker's counters (int64 [5]: tails, bytes, late plans, errors, copies), None where it cannot."""
+        The copies are issued by a thread of the worker's own, which the worker only posts to (a blocked driver call
+        cannot hold up its answers). Returns the copier's counters (int64 [6]: tails, bytes, late plans, driver
+        errors, copies, requests dropped), None where it cannot."""
         from strata.kernels import cpu_experts as ce
         from strata.kernels import cuda_driver
 
@@ -299,7 +301,7 @@ class CpuMailbox:
         flag_host = torch.zeros((len(self.layers), 2), dtype=torch.int64, pin_memory=self.device.type == "cuda")
         flag_dev = np.array([flags[next_of[layer]].data_ptr() if layer in next_of else 0 for layer in self.layers],
                             dtype=np.int64)
-        counters = np.zeros(5, dtype=np.int64)
+        counters = np.zeros(6, dtype=np.int64)
         if ce.mailbox_ahead(self.handle, cfg, nxt, plans.data_ptr(), flag_host.data_ptr(), flag_dev, counters) != 0:
             return None
         self._ahead_keep.extend((cfg, nxt, plans, flags, flag_host, flag_dev, counters, stream, entry))

@@ -144,7 +144,7 @@ struct Mailbox {
         hdr[2] = status;
         std::atomic_thread_fence(std::memory_order_release);
         hdr[1] = gen;  // the GPU copies `out` back once it sees this
-        if (auto* c = ahead.load(std::memory_order_acquire)) c->issue(i, gen);  // the next layer's tails, first
+        if (auto* c = ahead.load(std::memory_order_acquire)) c->post(i, gen);  // the next layer's tails, first
         // off the step's path from here
         const int64_t done_ns = now_ns();
         counters[7] += done_ns - seen_ns;
@@ -238,7 +238,7 @@ STRATA_API int strata_mailbox_stop(int64_t handle) {
     if (!m) return 0;
     m->stop.store(true);
     if (m->th.joinable()) m->th.join();
-    delete m->ahead.load();
+    delete m->ahead.load();  // (joins the copier)
     delete m;
     return 0;
 }
@@ -246,7 +246,7 @@ STRATA_API int strata_mailbox_stop(int64_t handle) {
 // Copy-ahead on the copy engine (mailbox_ahead.h), once per worker, before any step plans it.
 // cfg: int64 [S, H, I, elem, down_off, ctx, stream, cuCtxSetCurrent, cuMemcpyHtoDAsync_v2, cuMemcpy2DAsync_v2];
 // next: int64 [n_boxes] (the layer each box plans, -1: none); plans: int64 [2, 1 + 3S] (host);
-// flag_host: int64 [n_boxes, 2]; flag_dev: int64 [n_boxes] device addresses; counters: int64 [5].
+// flag_host: int64 [n_boxes, 2]; flag_dev: int64 [n_boxes] device addresses; counters: int64 [6].
 STRATA_API int strata_mailbox_ahead(int64_t handle, const int64_t* cfg, const int64_t* next, int64_t* plans,
                                     int64_t* flag_host, const int64_t* flag_dev, int64_t* counters) {
     auto* m = reinterpret_cast<Mailbox*>(handle);
@@ -261,7 +261,8 @@ STRATA_API int strata_mailbox_ahead(int64_t handle, const int64_t* cfg, const in
         c->next.push_back(next[i]);
         c->flag_dev.push_back(uint64_t(flag_dev[i]));
     }
-    c->plans = plans, c->flag_host = flag_host, c->counters = counters;
+    c->plans = plans, c->flag_host = flag_host, c->counters = counters, c->spin_ns = m->spin_ns;
+    c->start();
     m->ahead.store(c, std::memory_order_release);
     return 0;
 }

@@ -11,13 +11,28 @@
 // uses the staged rows only if the flag holds this step's tag (strata.kernels.mailbox_pack, GATE): a copy that
 // lands late is simply not used.
 //
+// The copies are issued by a thread of their own (`Copier::loop`), which the worker only posts to: a driver call can
+// block (on the H200 box one did, the first version issued them from the worker: while the decoding thread sat in a
+// synchronous CUDA call, the worker waited in cuMemcpyHtoDAsync, and the GPU waited for the worker's next answer).
+// However late the copier gets, the worker keeps answering and the flags keep late tails out; its requests are
+// served in order on one stream, so every tail copy of a layer lands before any later flag does.
+//
 // No CUDA header or library is linked: the driver's entry points come as addresses (from Python's ctypes), with
 // their documented signatures; CPU tests pass host-memcpy stand-ins.
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <thread>
 #include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define STRATA_AHEAD_PAUSE() _mm_pause()
+#else
+#define STRATA_AHEAD_PAUSE() std::this_thread::yield()
+#endif
 
 namespace strata_ahead {
 
@@ -56,7 +71,52 @@ struct Copier {
     int64_t* flag_host = nullptr;  // [boxes, 2] int64: each box's tag by generation parity, its flag copy's source
     std::vector<uint64_t> flag_dev;  // per box: the device flag of the layer it plans
     int64_t* counters = nullptr;  // [0] tails copied [1] bytes [2] plans not ready [3] driver errors [4] copies issued
+                                  // [5] requests dropped (the copier RING requests behind)
     bool ctx_set = false, broken = false;
+    int64_t spin_ns = 2000000;  // poll without sleeping this long after the last request
+    static constexpr int64_t RING = 64;
+    int64_t ring_box[RING] = {}, ring_gen[RING] = {};
+    std::atomic<int64_t> head{0}, tail{0};  // requests posted (by the worker), served (by the copier)
+    std::atomic<bool> stop{false};
+    std::thread th;
+
+    void start() { th = std::thread([this] { loop(); }); }
+
+    ~Copier() {
+        stop.store(true);
+        if (th.joinable()) th.join();
+    }
+
+    // The worker, after answering box i of generation gen: have its planned layer's tails copied. Never blocks.
+    void post(size_t i, int64_t gen) {
+        const int64_t h = head.load(std::memory_order_relaxed);
+        if (next[i] < 0) return;
+        if (h - tail.load(std::memory_order_acquire) >= RING) {
+            counters[5] += 1;
+            return;
+        }
+        ring_box[h % RING] = int64_t(i), ring_gen[h % RING] = gen;
+        head.store(h + 1, std::memory_order_release);
+    }
+
+    void loop() {
+        auto last = std::chrono::steady_clock::now();
+        while (!stop.load(std::memory_order_relaxed)) {
+            const int64_t t = tail.load(std::memory_order_relaxed);
+            if (t < head.load(std::memory_order_acquire)) {
+                issue(size_t(ring_box[t % RING]), ring_gen[t % RING]);
+                tail.store(t + 1, std::memory_order_release);
+                last = std::chrono::steady_clock::now();
+                continue;
+            }
+            const auto idle = std::chrono::steady_clock::now() - last;
+            if (idle < std::chrono::nanoseconds(spin_ns)) {
+                for (int j = 0; j < 16; ++j) STRATA_AHEAD_PAUSE();
+            } else {
+                std::this_thread::sleep_for(std::chrono::microseconds(50));
+            }
+        }
+    }
 
     // After box i (generation gen) is answered: issue its planned layer's tail copies and the flag.
     void issue(size_t i, int64_t gen) {
@@ -77,11 +137,16 @@ struct Copier {
             return;
         }
         std::atomic_thread_fence(std::memory_order_acquire);
-        const int64_t* src = plan + 1;
-        const int64_t* dst = src + S;
-        const int64_t* rows = dst + S;
+        int64_t src[64], dst[64], rows[64];  // the plan read once, then its tag again: not rewritten meanwhile
+        const int64_t n = S < 64 ? S : 64;
+        for (int64_t s = 0; s < n; ++s) src[s] = plan[1 + s], dst[s] = plan[1 + S + s], rows[s] = plan[1 + 2 * S + s];
+        std::atomic_thread_fence(std::memory_order_acquire);
+        if (reinterpret_cast<const volatile int64_t*>(plan)[0] != tag) {
+            counters[2] += 1;
+            return;
+        }
         int rc = 0;
-        for (int64_t s = 0; s < S && rc == 0; ++s) {
+        for (int64_t s = 0; s < n && rc == 0; ++s) {
             const int64_t a = rows[s];
             if (a <= 0 || a > I || src[s] == 0 || dst[s] == 0) continue;
             const auto* host = reinterpret_cast<const char*>(src[s]);
