@@ -83,6 +83,7 @@ def main() -> None:
     # the check: a tail copied this way equals the slot's tail
     a = 2 * GRAN
     stage.zero_()
+    torch.cuda.synchronize()  # (torch's stream, not `s`: the zeros first)
     with s:
         tail_copies(pool[3].data_ptr(), stage[0].data_ptr(), a)
     s.synchronize()

@@ -45,8 +45,8 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
   ahead          one-graph split decode with copy-ahead (runtime.copy_ahead = true; strata.runtime.copy_ahead)
   noahead        without it ($STRATA_COPY_AHEAD=0; the default since the twenty-fourth session)
   aheadN         copy-ahead with a fixed budget of N bytes a layer ($STRATA_COPY_AHEAD=N)
-  sm             copy-ahead's tails copied by the SM kernel in the graph ($STRATA_COPY_AHEAD_ENGINE=sm), not by the
-                 worker on the copy engine
+  sm, ce         copy-ahead's tails copied by the SM kernel in the graph (the default; $STRATA_COPY_AHEAD_ENGINE=sm)
+                 or by the mailbox worker's copier on the copy engine (ce: =copy)
   grouped        runtime.grouped_prefill = true: prefill's experts through two grouped GEMMs a layer
   sync           runtime.overlap_decode = false: each token read on the host before the next step is queued
   host           runtime.split_decode = "host": host steps at every MoE layer (the cost model splits the cold
@@ -306,8 +306,8 @@ def main() -> None:
                 cfg = {**cfg, "runtime": {**cfg.get("runtime", {}), "copy_ahead": True}}
             elif mod == "noahead":
                 env["STRATA_COPY_AHEAD"] = "0"
-            elif mod == "sm":
-                env["STRATA_COPY_AHEAD_ENGINE"] = "sm"
+            elif mod in ("sm", "ce"):
+                env["STRATA_COPY_AHEAD_ENGINE"] = "sm" if mod == "sm" else "copy"
             elif mod.startswith("ahead") and mod[5:].isdigit():
                 env["STRATA_COPY_AHEAD"] = mod[5:]
             elif mod.startswith("spin"):

@@ -205,8 +205,9 @@ class ExpertCompute(CpuCompute):
     def _open_copy_ahead(self, addresses: np.ndarray, store):
         """The copy-ahead of a mailbox with a GPU share (None where it is off or cannot run): `runtime.copy_ahead`,
         unless $STRATA_COPY_AHEAD says otherwise (A/B runs): "0" turns it off, a number N > 0 on with a fixed
-        budget of N bytes a layer. Its tails move on the copy engine, issued by the mailbox worker, where the CUDA
-        driver's entry points are found ($STRATA_COPY_AHEAD_ENGINE=sm: with the SM copy kernel)."""
+        budget of N bytes a layer. Its tails are copied by the SM kernel in the graph; $STRATA_COPY_AHEAD_ENGINE=copy
+        has the mailbox worker's copier issue them on the copy engine instead (where the driver's entry points are
+        found; else the SM kernel, with a warning)."""
         from strata.kernels import copy_ahead
         from strata.runtime.copy_ahead import CopyAhead
 
@@ -217,7 +218,9 @@ class ExpertCompute(CpuCompute):
         ex = self.gpu_share.experts
         slot_bytes = ex.down_offset + ex.down_shape[0] * ex.down_shape[1] * ex.dtype.itemsize
         budget = int(float(env)) if env else None
-        engine = os.environ.get("STRATA_COPY_AHEAD_ENGINE", "copy")  # A/B: "sm", the copy kernel in the graph
+        # "sm": the copy kernel in the graph (+7.4% without temporal locality); "copy": the worker's copy engine,
+        # whose tails landed in time for only 22-38% of layers on the H200 box (bench/RESULTS.md, 25th session)
+        engine = os.environ.get("STRATA_COPY_AHEAD_ENGINE", "sm")
         if engine == "copy":
             try:
                 return CopyAhead(addresses, self.slot_of, self.gpu_share, self.predictors, self.moe_layers,
