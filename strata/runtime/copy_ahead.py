@@ -22,8 +22,8 @@ with it (bench/RESULTS.md, twenty-fourth session).
 
 Two engines move the tails. `"sm"`: the copy kernel above, in the graph (it takes SMs from the serial phase it
 hides in, which is what lost on the temporal-locality checkpoint). `"copy"`: the plan goes to page-locked host
-memory, and the mailbox worker, once it has answered layer l, issues l+1's tail copies itself on a stream of its
-own (csrc/mailbox_ahead.h): the copy engine moves them while the GPU runs the serial phase, and the next layer's
+memory, and once the mailbox worker has answered layer l, its copier thread issues l+1's tail copies on a stream
+of its own (csrc/mailbox_ahead.h): the copy engine moves them while the GPU runs the serial phase, and the next layer's
 pack uses them only if the worker's flag says they have landed (`mailbox_pack`'s GATE). Its staging slots are
 double-buffered by layer parity (layer l's in-place kernel may still read its tails when l+1's copies start).
 The SM kernel is the default engine: on the H200 box the copy engine's tails landed before the next layer's pack
