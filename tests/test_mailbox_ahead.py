@@ -194,8 +194,9 @@ def test_worker_keeps_answering_while_a_copy_blocks():
             _step(box, x, ids, w)  # returns: the worker answered
         assert int(flags[1]) == 0 and int(counters[0]) == 0  # nothing copied yet
         driver.release.set()
-        _wait(lambda: int(flags[1]) != 0, "catch up")
-        assert int(counters[3]) == 0 and int(counters[0]) >= 1 and int(counters[0]) + int(counters[2]) == 3
+        _wait(lambda: int(counters[0]) + int(counters[2]) == 3, "catch up")  # each request copied, or its plan stale
+        _wait(lambda: int(flags[1]) != 0, "write the flag")
+        assert int(counters[3]) == 0 and int(counters[0]) >= 1
     finally:
         driver.release.set()
         box.close()
