@@ -100,6 +100,13 @@ def _run(driver: FakeDriver):
     return box, slab, plans, flags, stage, counters
 
 
+def _plan_one_tail(box, plans, slot: torch.Tensor, dst: torch.Tensor, rows: int) -> None:
+    """Layer 1's plan (its parity's) for the next step: one tail of `rows` rows of expert `slot` into `dst`."""
+    plan = plans[1]
+    plan[1], plan[1 + S], plan[1 + 2 * S] = slot.data_ptr(), dst.data_ptr(), rows
+    plan[0] = (box._host_gen + 1) * ca.TAG_STRIDE + 1
+
+
 def _step(box, x, ids, w):
     box.begin_step()
     box.exchange(0, ids.reshape(-1), torch.full((ids.numel(),), -1, dtype=torch.int32), x, w)
@@ -152,9 +159,7 @@ def test_worker_stops_copying_after_a_driver_error_and_writes_no_flag():
     try:
         x, w, ids = torch.zeros(1, H, dtype=torch.bfloat16), torch.ones(1, K), torch.tensor([[1, 2]])
         for _ in range(2):
-            plan = plans[1]
-            plan[1], plan[1 + S], plan[1 + 2 * S] = slab[1].data_ptr(), stage[0].data_ptr(), 8
-            plan[0] = (box._host_gen + 1) * ca.TAG_STRIDE + 1
+            _plan_one_tail(box, plans, slab[1], stage[0], 8)
             _step(box, x, ids, w)
             _wait(lambda: int(counters[3]) == 1, "report the driver's error")
         time.sleep(0.05)
@@ -188,9 +193,7 @@ def test_worker_keeps_answering_while_a_copy_blocks():
     try:
         x, w, ids = torch.zeros(1, H, dtype=torch.bfloat16), torch.ones(1, K), torch.tensor([[1, 2]])
         for _ in range(3):
-            plan = plans[1]
-            plan[1], plan[1 + S], plan[1 + 2 * S] = slab[5].data_ptr(), stage[0].data_ptr(), 8
-            plan[0] = (box._host_gen + 1) * ca.TAG_STRIDE + 1
+            _plan_one_tail(box, plans, slab[5], stage[0], 8)
             _step(box, x, ids, w)  # returns: the worker answered
         assert int(flags[1]) == 0 and int(counters[0]) == 0  # nothing copied yet
         driver.release.set()

@@ -105,7 +105,7 @@ if triton is not None:
     def _plan_kernel(ids_ptr, slot_ptr, table_ptr, budget_ptr, rows_map_ptr, addr_map_ptr, src_ptr, dst_ptr,
                      crows_ptr, count_ptr, tag_ptr, gen_ptr, P, E, stage_base, slot_bytes, S, G, GRAN, TAG_ADD,
                      BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, COUNT: tl.constexpr,
-                     TAG: tl.constexpr, FENCE: tl.constexpr):
+                     TAG: tl.constexpr, FENCE: tl.constexpr, STRIDE: tl.constexpr):
         offs_p = tl.arange(0, BLOCK_P)
         pm = offs_p < P
         ids = tl.load(ids_ptr + offs_p, mask=pm, other=-1).to(tl.int32)  # [BLOCK_P] predicted experts
@@ -136,7 +136,7 @@ if triton is not None:
         if TAG:  # the copy list is in host memory, for the mailbox worker: its tag last, after every thread's stores
             fence_system(tl.program_id(0), FENCE)
             tl.debug_barrier()
-            store_release(tag_ptr, tl.load(gen_ptr) * 65536 + TAG_ADD, FENCE)
+            store_release(tag_ptr, tl.load(gen_ptr) * STRIDE + TAG_ADD, FENCE)
 
     @triton.jit
     def _copy_kernel(src_ptr, dst_ptr, crows_ptr, H, INTER, DOWN_ELEM, BLOCK: tl.constexpr, ROWS: tl.constexpr,
@@ -194,7 +194,8 @@ def plan_ahead(ids: torch.Tensor, slot_of: torch.Tensor, table: torch.Tensor, bu
                        counts if counts is not None else copy_src, word, gen, p, e, stage_base, slot_bytes, num_slots,
                        granules, granule_rows, layer, BLOCK_P=max(2, triton.next_power_of_2(p)),
                        BLOCK_E=max(2, triton.next_power_of_2(e)), BLOCK_S=max(2, triton.next_power_of_2(num_slots)),
-                       COUNT=counts is not None, TAG=tag is not None, FENCE=ids.is_cuda, num_warps=4)
+                       COUNT=counts is not None, TAG=tag is not None, FENCE=ids.is_cuda, STRIDE=TAG_STRIDE,
+                       num_warps=4)
 
 
 def copy_ahead(copy_src: torch.Tensor, copy_dst: torch.Tensor, copy_rows: torch.Tensor, typed: torch.Tensor,

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from strata.kernels.copy_ahead import TAG_STRIDE  # copy-ahead's tags: generation * TAG_STRIDE + layer
+
 try:  # Triton ships with CUDA builds of torch; CPU-only installs do without it
     import triton
     import triton.language as tl
@@ -42,7 +44,8 @@ if triton is not None:
                      ready_ptr, gen_ptr, count_ptr, arows_ptr, aaddr_ptr, end_ptr, staged_ptr, stat_ptr,
                      flag_ptr, fgen_ptr, N, K, P, H, E, INTER, G, GRAN, X_OFF4, stride_x, TAG_ADD,
                      BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_X: tl.constexpr, SHARE: tl.constexpr,
-                     READY: tl.constexpr, FENCE: tl.constexpr, AHEAD: tl.constexpr, GATE: tl.constexpr):
+                     READY: tl.constexpr, FENCE: tl.constexpr, AHEAD: tl.constexpr, GATE: tl.constexpr,
+                     STRIDE: tl.constexpr):
         pid = tl.program_id(0)
         if pid == 0:
             offs_p = tl.arange(0, BLOCK_P)
@@ -56,7 +59,7 @@ if triton is not None:
                 if AHEAD:  # each expert's tail copied ahead into VRAM (strata.kernels.copy_ahead) leaves the split
                     arows = tl.load(arows_ptr + offs_e, mask=offs_e < E, other=0)  # [BLOCK_E] staged tail rows
                     if GATE:  # copied by the worker's copy engine: only once its flag holds this step's tag
-                        landed = tl.load(flag_ptr, volatile=True) == tl.load(fgen_ptr) * 65536 + TAG_ADD
+                        landed = tl.load(flag_ptr, volatile=True) == tl.load(fgen_ptr) * STRIDE + TAG_ADD
                         arows = tl.where(landed, arows, 0)
                     avail = G - arows // GRAN  # [BLOCK_E] granules not staged
                 else:
@@ -133,7 +136,7 @@ def pack_mailbox(dst: torch.Tensor, flat: torch.Tensor, used: torch.Tensor, x: t
     layer's copied-ahead tails (`strata.kernels.copy_ahead`) leave the split, as in `GpuShare.assign`; end and
     staged (the caller's buffers) receive each pair's in-place end row and staged address; stat += the granules
     the tails held of the layer's cold experts. A sixth item, gate = (flag [1] int64, gen [1] int64, layer), marks
-    tails the mailbox worker copies (csrc/mailbox_ahead.h): they count only where flag = gen * 65536 + layer
+    tails the mailbox worker copies (csrc/mailbox_ahead.h): they count only where flag = gen * TAG_STRIDE + layer
     (the tag its copy engine writes after them), else the layer is split as if nothing were staged."""
     if triton is None:
         raise RuntimeError("the fused mailbox pack needs Triton")
@@ -160,4 +163,4 @@ def pack_mailbox(dst: torch.Tensor, flat: torch.Tensor, used: torch.Tensor, x: t
         BLOCK_P=max(2, triton.next_power_of_2(p)),
         BLOCK_E=max(2, triton.next_power_of_2(share.num_experts if has_share else 1)),
         BLOCK_X=BLOCK_X, SHARE=has_share, READY=ready is not None, FENCE=x.is_cuda, AHEAD=ahead is not None,
-        GATE=gate is not None, num_warps=4 if p <= 64 else 8)
+        GATE=gate is not None, STRIDE=TAG_STRIDE, num_warps=4 if p <= 64 else 8)

@@ -87,9 +87,14 @@ class CopyAhead:
         self.stage = torch.empty((stages, s, slot_bytes), dtype=torch.uint8, device=device)  # VRAM staging slots
         self.rows_map = torch.zeros((2, self.num_experts), dtype=torch.int32, device=device)  # by layer parity
         self.addr_map = torch.zeros((2, self.num_experts), dtype=torch.int64, device=device)
-        self.copy_src = torch.zeros(s, dtype=torch.int64, device=device)  # the copy list (one at a time: one stream)
-        self.copy_dst = torch.zeros(s, dtype=torch.int64, device=device)
-        self.copy_rows = torch.zeros(s, dtype=torch.int32, device=device)
+        if engine == "copy":  # the copy lists the worker copies from, by layer parity: [tag, src[S], dst[S], rows[S]]
+            self.plans = torch.zeros((2, 1 + 3 * s), dtype=torch.int64, pin_memory=device.type == "cuda")  # host
+            self._lists = [(p[1 : 1 + s], p[1 + s : 1 + 2 * s], p[1 + 2 * s :]) for p in self.plans]
+        else:  # the SM kernel's copy list, on the device (one at a time: one stream)
+            self.copy_src = torch.zeros(s, dtype=torch.int64, device=device)
+            self.copy_dst = torch.zeros(s, dtype=torch.int64, device=device)
+            self.copy_rows = torch.zeros(s, dtype=torch.int32, device=device)
+            self._lists = [(self.copy_src, self.copy_dst, self.copy_rows)] * 2
         self.counts = torch.zeros(2, dtype=torch.int64, device=device)  # granules staged, granules of them used cold
         self._counts_host = torch.zeros(2, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.fixed = budget_bytes is not None
@@ -104,8 +109,6 @@ class CopyAhead:
         self._first = layers[0] if layers else -1
         self.worker = None  # the copy engine's counters (csrc/mailbox_ahead.h), read by `stats`
         if engine == "copy":
-            # the plans the worker copies from, by layer parity: int64 [tag, src[S], dst[S], rows[S]] (host)
-            self.plans = torch.zeros((2, 1 + 3 * s), dtype=torch.int64, pin_memory=device.type == "cuda")
             self.flags = torch.zeros(max(layers, default=0) + 1, dtype=torch.int64, device=device)  # landed tags
             self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None  # never captured
             self.worker = mailbox.copy_ahead(self.next_of, self.plans, self.flags, self.copy_stream, s, self.inter,
@@ -135,16 +138,12 @@ class CopyAhead:
         with torch.cuda.stream(self.stream):
             ids = self.predictors[nxt](hidden)  # [N, k]
             b = nxt % 2
-            s = self.MAX_SLOTS
-            if self.engine == "copy":  # the copy list into host memory, tagged, for the worker
-                plan = self.plans[b]
-                lists = (plan[1 : 1 + s], plan[1 + s : 1 + 2 * s], plan[1 + 2 * s :])
-                tag, stage = (plan[0:1], self.mailbox.gen, nxt), self.stage[b]
-            else:
-                lists, tag, stage = (self.copy_src, self.copy_dst, self.copy_rows), None, self.stage[0]
+            # the copy engine's list goes to host memory, tagged for the worker, its tails to this parity's slots
+            tag = (self.plans[b, 0:1], self.mailbox.gen, nxt) if self.engine == "copy" else None
+            stage = self.stage[b % len(self.stage)]
             kernels.plan_ahead(ids.reshape(-1), self.slot_of[nxt], self.table[nxt], self.budget, stage.data_ptr(),
-                               self.slot_bytes, s, self.share.granules, self.share.rows, self.rows_map[b],
-                               self.addr_map[b], *lists, self.counts[0:1], tag=tag)
+                               self.slot_bytes, self.MAX_SLOTS, self.share.granules, self.share.rows,
+                               self.rows_map[b], self.addr_map[b], *self._lists[b], self.counts[0:1], tag=tag)
             self._hold.append(ids)
             self._planned_ev[nxt] = ev = torch.cuda.Event()
             ev.record(self.stream)
