@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 # The box's copy of the tree carries stale git metadata: put the local commit into the command, e.g.
@@ -377,6 +377,26 @@ case "$1" in
     timeout 200 python3 -m pytest -q -m gpu tests/test_copy_ahead.py tests/test_cpu_mailbox.py > "$OUT/gpu_tests.txt" 2>&1
     tail -3 "$OUT/gpu_tests.txt"
     bash "$0" twentyfifth "${2:-split,split+ahead,split+ahead3145728,split+again,split+ahead+again}" ;;
+  twentysixth)  # programmatic dependent launch (strata.kernels.pdl): every GPU test, then the all-in-VRAM decode A/B,
+                # alternated 3 x 2, 256 tokens a case, on the temporal-locality checkpoint (the suite's skewed one)
+    python3 -c "import torch, triton; from strata.kernels import pdl; print('triton', triton.__version__, 'pdl in force:',
+pdl.on(torch.zeros(1, device='cuda')))"
+    timeout 300 python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -4 "$OUT/gpu_tests.txt"
+    python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram --route-skew 1.0 --route-locality 1 \
+      > /dev/null 2>&1
+    timeout 200 python3 bench/hotpath.py --model /dev/shm/loc1 --cache /dev/shm/sc --out "$OUT/hotpath-ceiling" --tokens 256 \
+      --prefill 0 --cases "${2:-ceiling,ceiling+nopdl,ceiling+again,ceiling+nopdl+again,ceiling+again,ceiling+nopdl+again}" \
+      2>&1 | grep -E "^\{'case'" | cut -c1-400 ;;
+  twentysixth-b)  # the split A/B with and without PDL: skewed (temporal locality) 3 x 2, uniform 2 x 2
+    [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
+      --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
+    timeout 250 python3 bench/hotpath.py --model /dev/shm/loc1 --cache /dev/shm/sc --out "$OUT/hotpath-loc1" --tokens 128 \
+      --prefill 0 --cases "${2:-split,split+nopdl,split+again,split+nopdl+again,split+again,split+nopdl+again}" \
+      2>&1 | grep -E "^\{'case'" | cut -c1-700
+    python3 -m strata demo-model /dev/shm/b12-uniform --size bench --layers 12 --no-engram --route-skew uniform \
+      > /dev/null 2>&1
+    timeout 200 python3 bench/hotpath.py --model /dev/shm/b12-uniform --cache /dev/shm/sc --out "$OUT/hotpath-uniform" \
+      --tokens 64 --prefill 0 --cases "split,split+nopdl,split+again,split+nopdl+again" 2>&1 | grep -E "^\{'case'" | cut -c1-700 ;;
   sixteenth-b)  # after the sampler stopped syncing: its GPU tests, the syncs left in a step, the A/B on both routings
     timeout 120 python3 -m pytest -q -m gpu tests/test_sampler.py tests/test_overlap_decode.py 2>&1 | tail -2
     PREFILL=0 timeout 200 bash "$0" hotpath 1.0 "${2:-ceiling,ceiling+sync,split,split+sync,split+again}"

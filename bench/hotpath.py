@@ -40,6 +40,8 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
                  ($STRATA_FUSED_RESIDUAL=0)
   nogemv         decode's attention projections through cuBLAS instead of strata.kernels.decode_gemv
                  ($STRATA_DECODE_GEMV=0)
+  nopdl          decode's Triton kernels launched without programmatic dependent launch ($STRATA_PDL=0;
+                 strata.kernels.pdl)
   oldpairs       the decode pair kernels' launch configurations before the twenty-third session's sweep
                  ($STRATA_PAIR_CONFIGS=previous)
   ahead          one-graph split decode with copy-ahead (runtime.copy_ahead = true; strata.runtime.copy_ahead)
@@ -234,7 +236,7 @@ def main() -> None:
     ap.add_argument("--cache", default="/dev/shm/strata-cache")
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke run)")
     args = ap.parse_args()
-    from strata.kernels import decode_gemv, decode_router, fused, grouped
+    from strata.kernels import decode_gemv, decode_router, fused, grouped, pdl
     from strata.runtime.inspect import summarize_checkpoint
 
     s = summarize_checkpoint(args.model)
@@ -300,6 +302,8 @@ def main() -> None:
                 env["STRATA_FUSED_RESIDUAL"] = "0"
             elif mod == "nogemv":
                 env["STRATA_DECODE_GEMV"] = "0"
+            elif mod == "nopdl":
+                env["STRATA_PDL"] = "0"
             elif mod == "oldpairs":
                 env["STRATA_PAIR_CONFIGS"] = "previous"
             elif mod == "ahead":
@@ -337,6 +341,7 @@ def main() -> None:
         decode_router.ENABLED = env.get("STRATA_FUSED_ROUTER") != "0"  # read at import: set here for each case
         fused.RESIDUAL_FOLD = env.get("STRATA_FUSED_RESIDUAL") != "0"
         decode_gemv.ENABLED = env.get("STRATA_DECODE_GEMV") != "0"
+        pdl.ENABLED = env.get("STRATA_PDL") != "0"
         grouped.PREVIOUS = env.get("STRATA_PAIR_CONFIGS") == "previous"
         old_knobs = ce.tune(**knobs)  # the kernel's scheduling knobs for this case only
         try:
@@ -352,7 +357,7 @@ def main() -> None:
     os.environ.pop("STRATA_CPU_ASYNC", None)
     os.environ.pop("STRATA_CPU_THREADS", None)
     os.environ.pop("STRATA_STREAM_SLOTS", None)
-    fused.ENABLED = fused.FOLDS = fused.RESIDUAL_FOLD = decode_router.ENABLED = True
+    fused.ENABLED = fused.FOLDS = fused.RESIDUAL_FOLD = decode_router.ENABLED = pdl.ENABLED = True
     grouped.PREVIOUS = False
     add_rooflines(result["cases"])
     Path(args.out).mkdir(parents=True, exist_ok=True)

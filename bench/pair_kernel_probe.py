@@ -35,7 +35,7 @@ def gate_up(x, gu, slot_of, ids, used, h, cfg):
     bi, bh, w, s = cfg
     grouped._gate_up_kernel[(ids.numel(), triton.cdiv(INTER, bi))](
         x, gu, slot_of, ids, ids, used, h, ids, ids, ids, H, INTER, K, x.stride(0), gu.stride(0), gu.stride(1),
-        h.stride(0), BLOCK_I=bi, BLOCK_H=bh, HAS_ROWS=False, ADDR=False, FIRST=False, STAGED=False, num_warps=w,
+        h.stride(0), BLOCK_I=bi, BLOCK_H=bh, HAS_ROWS=False, ADDR=False, FIRST=False, STAGED=False, PDL=False, num_warps=w,
         num_stages=s)
 
 
@@ -44,7 +44,7 @@ def down(h, dn, used, y, cfg):
     p = used.numel()
     grouped._down_kernel[(p, triton.cdiv(H, bo))](
         h, dn, used, used, y, used, used, used, used, 0, H, INTER, h.stride(0), dn.stride(0), dn.stride(1),
-        y.stride(0), BLOCK_O=bo, BLOCK_I=bi, HAS_ROWS=False, ADDR=False, FIRST=False, STAGED=False, num_warps=w,
+        y.stride(0), BLOCK_O=bo, BLOCK_I=bi, HAS_ROWS=False, ADDR=False, FIRST=False, STAGED=False, PDL=False, num_warps=w,
         num_stages=s)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from strata.kernels import pdl
 from strata.kernels.fused import fused_ok
 
 try:
@@ -55,8 +56,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     _split_kernel[(b, kv_heads, splits)](
         q, k_cache, v_cache, slots, pos, part, stats, length, chunk, window if window is not None else 0, scale,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), heads, splits,
-        D=d, G=group, GB=max(16, triton.next_power_of_2(group)), BLOCK=BLOCK_N, WINDOW=window is not None, num_warps=4)
-    _merge_kernel[(b, heads)](part, stats, out, splits, D=d, SB=triton.next_power_of_2(splits), num_warps=1)
+        D=d, G=group, GB=max(16, triton.next_power_of_2(group)), BLOCK=BLOCK_N, WINDOW=window is not None, num_warps=4,
+        **pdl.launch(q))
+    _merge_kernel[(b, heads)](part, stats, out, splits, D=d, SB=triton.next_power_of_2(splits), num_warps=1,
+                              **pdl.launch(q))
     return out
 
 
@@ -65,7 +68,9 @@ if triton is not None:
     @triton.jit
     def _split_kernel(q_ptr, k_ptr, v_ptr, slots_ptr, pos_ptr, part_ptr, stats_ptr, length, chunk, window, scale,
                       stride_cs, stride_cl, stride_ch, HEADS, SPLITS,
-                      D: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, BLOCK: tl.constexpr, WINDOW: tl.constexpr):
+                      D: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, BLOCK: tl.constexpr, WINDOW: tl.constexpr,
+                      PDL: tl.constexpr):
+        pdl.enter(PDL)
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         sp = tl.program_id(2)
@@ -108,7 +113,8 @@ if triton is not None:
         tl.store(stats_ptr + dst * 2 + 1, l_i, mask=row_ok)
 
     @triton.jit
-    def _merge_kernel(part_ptr, stats_ptr, out_ptr, SPLITS, D: tl.constexpr, SB: tl.constexpr):
+    def _merge_kernel(part_ptr, stats_ptr, out_ptr, SPLITS, D: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr):
+        pdl.enter(PDL)
         row = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)  # b * heads + head
         sp = tl.arange(0, SB)
         ok = sp < SPLITS

@@ -21,7 +21,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from strata.kernels import fused
+from strata.kernels import fused, pdl
 
 triton, tl = fused.triton, (fused.tl if fused.triton is not None else None)
 
@@ -57,7 +57,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     _gemv_kernel[(triton.cdiv(m, block_m),)](
         x, weight, bias if bias is not None else weight, out, m, k, weight.stride(0),
         HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_K=block_k, EVEN_K=k % block_k == 0,
-        num_warps=warps, num_stages=stages)
+        num_warps=warps, num_stages=stages, **pdl.launch(x))
     return out
 
 
@@ -73,13 +73,24 @@ if triton is not None:
 
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, m, k, stride_w, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
         # program p: output columns [p * BLOCK_M, +BLOCK_M); acc [BLOCK_M] fp32
         cols = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         col_ok = cols < m
         offs = tl.arange(0, BLOCK_K)
-        acc = tl.zeros((BLOCK_M,), dtype=tl.float32)
-        for k0 in range(0, k, BLOCK_K):
+        # W's first K tile [BLOCK_M, BLOCK_K]: no kernel writes W, so with PDL it streams in while the kernel
+        # before this one (the norm that produces x) finishes
+        if EVEN_K:
+            w = tl.load(w_ptr + cols[:, None] * stride_w + offs[None, :], mask=col_ok[:, None], other=0.0,
+                        eviction_policy="evict_first")
+        else:
+            w = tl.load(w_ptr + cols[:, None] * stride_w + offs[None, :], mask=col_ok[:, None] & (offs < k)[None, :],
+                        other=0.0, eviction_policy="evict_first")
+        pdl.enter(PDL)
+        xs = tl.load(x_ptr + offs, mask=offs < k, other=0.0)
+        # [BLOCK_M, BLOCK_K] * [1, BLOCK_K] summed over K: each product exact in fp32
+        acc = tl.sum(w.to(tl.float32) * xs.to(tl.float32)[None, :], axis=1)
+        for k0 in range(BLOCK_K, k, BLOCK_K):
             kk = k0 + offs
             if EVEN_K:
                 w = tl.load(w_ptr + cols[:, None] * stride_w + kk[None, :], mask=col_ok[:, None], other=0.0,
@@ -90,7 +101,6 @@ if triton is not None:
                 w = tl.load(w_ptr + cols[:, None] * stride_w + kk[None, :], mask=col_ok[:, None] & k_ok[None, :],
                             other=0.0, eviction_policy="evict_first")
                 xs = tl.load(x_ptr + kk, mask=k_ok, other=0.0)
-            # [BLOCK_M, BLOCK_K] * [1, BLOCK_K] summed over K: each product exact in fp32
             acc += tl.sum(w.to(tl.float32) * xs.to(tl.float32)[None, :], axis=1)
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)

@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from strata.kernels import fused
+from strata.kernels import fused, pdl
 
 triton, tl = fused.triton, (fused.tl if fused.triton is not None else None)
 
@@ -65,7 +65,8 @@ def route(x: torch.Tensor, weight: torch.Tensor, k: int, normalize: bool, counts
         x, weight, logits, counts, top_w, top_i, slot_of if slot_of is not None else top_w,
         used if used is not None else top_w, h, e, x.stride(0), K=k, KB=triton.next_power_of_2(k), EB=eb,
         BLOCK_H=block_h, BLOCK_E=triton.next_power_of_2(e), NORMALIZE=normalize, SLOTS=slot_of is not None,
-        BF16=x.dtype == torch.bfloat16, num_warps=1 if e <= 256 else 4)  # the top-k's reductions: shuffles
+        BF16=x.dtype == torch.bfloat16, num_warps=1 if e <= 256 else 4,  # the top-k's reductions: shuffles
+        **pdl.launch(x))
     return top_w, top_i, used
 
 
@@ -74,12 +75,21 @@ if triton is not None:
     @triton.jit
     def _route_kernel(x_ptr, w_ptr, logit_ptr, count_ptr, tw_ptr, ti_ptr, slot_ptr, used_ptr, H, E, stride_x,
                       K: tl.constexpr, KB: tl.constexpr, EB: tl.constexpr, BLOCK_H: tl.constexpr,
-                      BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr, SLOTS: tl.constexpr, BF16: tl.constexpr):
+                      BLOCK_E: tl.constexpr, NORMALIZE: tl.constexpr, SLOTS: tl.constexpr, BF16: tl.constexpr,
+                      PDL: tl.constexpr):
         row = tl.program_id(0)
         offs_e = tl.program_id(1) * EB + tl.arange(0, EB)
         em = offs_e < E
-        acc = tl.zeros([EB], dtype=tl.float32)
-        for h0 in range(0, H, BLOCK_H):  # [EB, BLOCK_H] of the router's weights a round
+        # the weights' first round [EB, BLOCK_H]: no kernel writes them, so with PDL they are read while the kernel
+        # before this one (the norm that produces x) finishes
+        offs_h = tl.arange(0, BLOCK_H)
+        hm = offs_h < H
+        wv = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * H + offs_h[None, :], mask=em[:, None] & hm[None, :],
+                     other=0.0).to(tl.float32)
+        pdl.enter(PDL)
+        xv = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs_h, mask=hm, other=0.0).to(tl.float32)
+        acc = tl.sum(wv * xv[None, :], axis=1)
+        for h0 in range(BLOCK_H, H, BLOCK_H):  # [EB, BLOCK_H] of the router's weights a round
             offs_h = h0 + tl.arange(0, BLOCK_H)
             hm = offs_h < H
             xv = tl.load(x_ptr + row.to(tl.int64) * stride_x + offs_h, mask=hm, other=0.0).to(tl.float32)

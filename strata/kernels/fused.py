@@ -26,6 +26,8 @@ try:  # Triton ships with CUDA builds of torch; CPU-only installs do without it
 except ImportError:  # pragma: no cover - exercised on CPU-only hosts
     triton = None
 
+from strata.kernels import pdl  # noqa: E402 - after the optional Triton import, which it repeats
+
 ENABLED = os.environ.get("STRATA_FUSED_KERNELS", "1") != "0"  # the A/B switch of bench/hotpath.py's ceiling cases
 # Launches folded into a neighbour: the decode step's key/value cache writes into the key's rotary kernel, the
 # attention residual's add into the next RMSNorm, the q/k/v projections into one GEMM (`GQAAttention`). Measured
@@ -66,7 +68,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if rows.shape[0]:
         block = triton.next_power_of_2(d)
         _rms_norm_kernel[(rows.shape[0],)](rows, weight, out, d, rows.stride(0), eps, BLOCK=block,
-                                           BF16=x.dtype == torch.bfloat16, num_warps=8 if block >= 4096 else 4)
+                                           BF16=x.dtype == torch.bfloat16, num_warps=8 if block >= 4096 else 4,
+                                           **pdl.launch(x))
     return out.view(x.shape)
 
 
@@ -82,7 +85,7 @@ def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: tor
         w = weight if weight is not None else x  # unused pointer when NORM is off
         _norm_rope_kernel[(n * heads,)](x, cos, sin, w, out, heads, x.stride(0), x.stride(1), cos.stride(0),
                                         sin.stride(0), eps, D=d, NORM=weight is not None, BF16=x.dtype == torch.bfloat16,
-                                        num_warps=1 if d <= 128 else 2)
+                                        num_warps=1 if d <= 128 else 2, **pdl.launch(x))
     return out
 
 
@@ -100,7 +103,7 @@ def norm_rope_into_cache(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, si
         _norm_rope_cache_kernel[(b * heads,)](
             k, v, cos, sin, w, k_cache, v_cache, slots, pos, heads, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
             cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps, D=d,
-            NORM=weight is not None, BF16=k.dtype == torch.bfloat16, num_warps=1 if d <= 128 else 2)
+            NORM=weight is not None, BF16=k.dtype == torch.bfloat16, num_warps=1 if d <= 128 else 2, **pdl.launch(k))
 
 
 def cache_write_ok(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, weight: torch.Tensor | None,
@@ -126,7 +129,8 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
     if rows.shape[0]:
         block = triton.next_power_of_2(d)
         _add_rms_norm_kernel[(rows.shape[0],)](rows, drows, weight, total, out, d, eps, BLOCK=block,
-                                               BF16=x.dtype == torch.bfloat16, num_warps=8 if block >= 4096 else 4)
+                                               BF16=x.dtype == torch.bfloat16, num_warps=8 if block >= 4096 else 4,
+                                               **pdl.launch(x))
     return total.view(x.shape), out.view(x.shape)
 
 
@@ -148,7 +152,7 @@ def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.T
     if n:
         _softmax_topk_kernel[(n,)](logits, weights, ids, e, logits.stride(0), K=k, KB=triton.next_power_of_2(k),
                                    BLOCK=triton.next_power_of_2(e), NORMALIZE=normalize,
-                                   num_warps=1 if e <= 256 else 4)  # one warp: its reductions are shuffles alone
+                                   num_warps=1 if e <= 256 else 4, **pdl.launch(logits))  # one warp: its reductions are shuffles alone
     return weights, ids
 
 
@@ -173,7 +177,7 @@ def combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype, extra: t
         _combine_kernel[(n, triton.cdiv(hidden, block))](
             y, w, extra if extra is not None else y, residual if residual is not None else out, out, hidden,
             y.stride(0), K=k, BLOCK=block, EXTRA=extra is not None, RESIDUAL=residual is not None,
-            BF16=dtype == torch.bfloat16, num_warps=4)
+            BF16=dtype == torch.bfloat16, num_warps=4, **pdl.launch(y))
     return out
 
 
@@ -192,14 +196,16 @@ if triton is not None:
             return x.to(dt).to(tl.float32)
 
     @triton.jit
-    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, eps, BLOCK: tl.constexpr, BF16: tl.constexpr):
+    def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride_x, eps, BLOCK: tl.constexpr, BF16: tl.constexpr,
+                         PDL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < D
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: read before the wait
+        pdl.enter(PDL)
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
         y = _round(x * r, out_ptr.dtype.element_ty, BF16)  # rms_norm(x.float()).to(dtype)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * D + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -224,7 +230,8 @@ if triton is not None:
 
     @triton.jit
     def _norm_rope_kernel(x_ptr, cos_ptr, sin_ptr, w_ptr, out_ptr, HEADS, stride_xn, stride_xh, stride_c, stride_s,
-                          eps, D: tl.constexpr, NORM: tl.constexpr, BF16: tl.constexpr):
+                          eps, D: tl.constexpr, NORM: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
+        pdl.enter(PDL)
         pid = tl.program_id(0)
         n = (pid // HEADS).to(tl.int64)
         h = pid % HEADS
@@ -236,7 +243,9 @@ if triton is not None:
     @triton.jit
     def _norm_rope_cache_kernel(k_ptr, v_ptr, cos_ptr, sin_ptr, w_ptr, kc_ptr, vc_ptr, slots_ptr, pos_ptr, HEADS,
                                 stride_kn, stride_kh, stride_vn, stride_vh, stride_c, stride_s, stride_cs, stride_cl,
-                                stride_ch, eps, D: tl.constexpr, NORM: tl.constexpr, BF16: tl.constexpr):
+                                stride_ch, eps, D: tl.constexpr, NORM: tl.constexpr, BF16: tl.constexpr,
+                                PDL: tl.constexpr):
+        pdl.enter(PDL)
         pid = tl.program_id(0)
         n = (pid // HEADS).to(tl.int64)
         h = pid % HEADS
@@ -249,17 +258,19 @@ if triton is not None:
         tl.store(vc_ptr + dst + offs, tl.load(v_ptr + n * stride_vn + h * stride_vh + offs))
 
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, D, eps, BLOCK: tl.constexpr, BF16: tl.constexpr):
+    def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, D, eps, BLOCK: tl.constexpr, BF16: tl.constexpr,
+                             PDL: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < D
         dt = out_ptr.dtype.element_ty
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: read before the wait
+        pdl.enter(PDL)
         x = tl.load(x_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)
         x = _round(x + tl.load(d_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32), dt, BF16)  # x + delta
         tl.store(sum_ptr + row * D + offs, x.to(dt), mask=mask)
         r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
         y = _round(x * r, dt, BF16)
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         tl.store(out_ptr + row * D + offs, (w * y).to(dt), mask=mask)
 
     @triton.jit
@@ -288,7 +299,8 @@ if triton is not None:
 
     @triton.jit
     def _softmax_topk_kernel(l_ptr, w_ptr, id_ptr, E, stride_l, K: tl.constexpr, KB: tl.constexpr,
-                             BLOCK: tl.constexpr, NORMALIZE: tl.constexpr):
+                             BLOCK: tl.constexpr, NORMALIZE: tl.constexpr, PDL: tl.constexpr):
+        pdl.enter(PDL)
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         mask = offs < E
@@ -301,7 +313,8 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(y_ptr, w_ptr, extra_ptr, res_ptr, out_ptr, H, stride_y, K: tl.constexpr, BLOCK: tl.constexpr,
-                        EXTRA: tl.constexpr, RESIDUAL: tl.constexpr, BF16: tl.constexpr):
+                        EXTRA: tl.constexpr, RESIDUAL: tl.constexpr, BF16: tl.constexpr, PDL: tl.constexpr):
+        pdl.enter(PDL)
         n = tl.program_id(0).to(tl.int64)
         offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < H

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from strata.kernels import fused
+from strata.kernels import fused, pdl
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs do without it
     import triton
@@ -164,7 +164,8 @@ if triton is not None:
     def _gate_up_kernel(x_ptr, gu_ptr, slot_of_ptr, ids_ptr, rows_ptr, used_ptr, h_ptr, first_ptr, staged_ptr,
                         last_ptr, H, INTER, K, stride_x, stride_gs, stride_gr, stride_h,
                         BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, HAS_ROWS: tl.constexpr, ADDR: tl.constexpr,
-                        FIRST: tl.constexpr, STAGED: tl.constexpr):
+                        FIRST: tl.constexpr, STAGED: tl.constexpr, PDL: tl.constexpr):
+        pdl.enter(PDL)
         p = tl.program_id(0)
         ib = tl.program_id(1)
         if ADDR:  # ids holds each pair's expert address in pinned host memory (0: not in this pass)
@@ -213,7 +214,9 @@ if triton is not None:
     @triton.jit
     def _down_kernel(h_ptr, d_ptr, used_ptr, rows_ptr, y_ptr, addr_ptr, first_ptr, staged_ptr, last_ptr, down_off, H,
                      INTER, stride_h, stride_ds, stride_dr, stride_y, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
-                     HAS_ROWS: tl.constexpr, ADDR: tl.constexpr, FIRST: tl.constexpr, STAGED: tl.constexpr):
+                     HAS_ROWS: tl.constexpr, ADDR: tl.constexpr, FIRST: tl.constexpr, STAGED: tl.constexpr,
+                     PDL: tl.constexpr):
+        pdl.enter(PDL)
         p = tl.program_id(0)
         ob = tl.program_id(1)
         slot = tl.load(used_ptr + p).to(tl.int64)
@@ -270,11 +273,11 @@ def _pair_triton(x, weights: SlotWeights, slot_of, ids, rows, k, y, used) -> Non
     _gate_up_kernel[(p, triton.cdiv(inter, block_i))](
         x, gu, slot_of, ids, rows, used, h, ids, ids, ids, hidden, inter, k, x.stride(0), gu.stride(0), gu.stride(1),
         h.stride(0), BLOCK_I=block_i, BLOCK_H=block_h, HAS_ROWS=has_rows, ADDR=False, FIRST=False, STAGED=False,
-        num_warps=warps_gu, num_stages=stages_gu)
+        num_warps=warps_gu, num_stages=stages_gu, **pdl.launch(x))
     _down_kernel[(p, triton.cdiv(hidden, block_o))](
         h, dn, used, rows, y, ids, ids, ids, ids, 0, hidden, inter, h.stride(0), dn.stride(0), dn.stride(1),
         y.stride(0), BLOCK_O=block_o, BLOCK_I=block_k, HAS_ROWS=has_rows, ADDR=False, FIRST=False, STAGED=False,
-        num_warps=warps_d, num_stages=stages_d)
+        num_warps=warps_d, num_stages=stages_d, **pdl.launch(x))
 
 
 def in_place_ok() -> bool:
@@ -317,8 +320,8 @@ def pair_experts_in_place(x: torch.Tensor, experts: HostExperts, addresses: torc
     _gate_up_kernel[(p, triton.cdiv(inter, block_i))](
         x, typed, addresses, addresses, addresses, used, h, first_row, staged, last_row, hidden, inter, k, x.stride(0),
         0, hidden, h.stride(0), BLOCK_I=block_i, BLOCK_H=block_h, HAS_ROWS=False, ADDR=True, FIRST=first,
-        STAGED=has_staged, num_warps=4)
+        STAGED=has_staged, num_warps=4, **pdl.launch(x))
     _down_kernel[(p, triton.cdiv(hidden, block_o))](
         h, typed, used, addresses, y, addresses, first_row, staged, last_row, experts.down_offset, hidden, inter,
         h.stride(0), 0, inter, y.stride(0), BLOCK_O=block_o, BLOCK_I=block_k, HAS_ROWS=False, ADDR=True, FIRST=first,
-        STAGED=has_staged, num_warps=4)
+        STAGED=has_staged, num_warps=4, **pdl.launch(x))

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from strata.kernels import pdl
 from strata.kernels.copy_ahead import TAG_STRIDE  # copy-ahead's tags: generation * TAG_STRIDE + layer
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs do without it
@@ -45,7 +46,8 @@ if triton is not None:
                      flag_ptr, fgen_ptr, N, K, P, H, E, INTER, G, GRAN, X_OFF4, stride_x, TAG_ADD,
                      BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_X: tl.constexpr, SHARE: tl.constexpr,
                      READY: tl.constexpr, FENCE: tl.constexpr, AHEAD: tl.constexpr, GATE: tl.constexpr,
-                     STRIDE: tl.constexpr):
+                     STRIDE: tl.constexpr, PDL: tl.constexpr):
+        pdl.enter(PDL)
         pid = tl.program_id(0)
         if pid == 0:
             offs_p = tl.arange(0, BLOCK_P)
@@ -163,4 +165,4 @@ def pack_mailbox(dst: torch.Tensor, flat: torch.Tensor, used: torch.Tensor, x: t
         BLOCK_P=max(2, triton.next_power_of_2(p)),
         BLOCK_E=max(2, triton.next_power_of_2(share.num_experts if has_share else 1)),
         BLOCK_X=BLOCK_X, SHARE=has_share, READY=ready is not None, FENCE=x.is_cuda, AHEAD=ahead is not None,
-        GATE=gate is not None, STRIDE=TAG_STRIDE, num_warps=4 if p <= 64 else 8)
+        GATE=gate is not None, STRIDE=TAG_STRIDE, num_warps=4 if p <= 64 else 8, **pdl.launch(x))
