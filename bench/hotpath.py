@@ -40,6 +40,8 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
                  ($STRATA_FUSED_RESIDUAL=0)
   nogemv         decode's attention projections through cuBLAS instead of strata.kernels.decode_gemv
                  ($STRATA_DECODE_GEMV=0)
+  noqk           a decode layer's query norm and rotary in their own launch instead of in the keys' cache write
+                 ($STRATA_FUSED_QK=0)
   nopdl          decode's Triton kernels launched without programmatic dependent launch ($STRATA_PDL=0;
                  strata.kernels.pdl)
   oldpairs       the decode pair kernels' launch configurations before the twenty-third session's sweep
@@ -302,6 +304,8 @@ def main() -> None:
                 env["STRATA_FUSED_RESIDUAL"] = "0"
             elif mod == "nogemv":
                 env["STRATA_DECODE_GEMV"] = "0"
+            elif mod == "noqk":
+                env["STRATA_FUSED_QK"] = "0"
             elif mod == "nopdl":
                 env["STRATA_PDL"] = "0"
             elif mod == "oldpairs":
@@ -342,6 +346,7 @@ def main() -> None:
         fused.RESIDUAL_FOLD = env.get("STRATA_FUSED_RESIDUAL") != "0"
         decode_gemv.ENABLED = env.get("STRATA_DECODE_GEMV") != "0"
         pdl.ENABLED = env.get("STRATA_PDL") != "0"
+        fused.QK_FOLD = env.get("STRATA_FUSED_QK") != "0"
         grouped.PREVIOUS = env.get("STRATA_PAIR_CONFIGS") == "previous"
         old_knobs = ce.tune(**knobs)  # the kernel's scheduling knobs for this case only
         try:
@@ -357,7 +362,7 @@ def main() -> None:
     os.environ.pop("STRATA_CPU_ASYNC", None)
     os.environ.pop("STRATA_CPU_THREADS", None)
     os.environ.pop("STRATA_STREAM_SLOTS", None)
-    fused.ENABLED = fused.FOLDS = fused.RESIDUAL_FOLD = decode_router.ENABLED = pdl.ENABLED = True
+    fused.ENABLED = fused.FOLDS = fused.RESIDUAL_FOLD = decode_router.ENABLED = pdl.ENABLED = fused.QK_FOLD = True
     grouped.PREVIOUS = False
     add_rooflines(result["cases"])
     Path(args.out).mkdir(parents=True, exist_ok=True)

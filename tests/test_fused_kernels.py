@@ -143,8 +143,17 @@ def test_folded_rope_into_cache_equals_rope_then_index_put(norm, monkeypatch):
     want_k[slot_t, pos_t] = fused.norm_rope(k, cos, sin, w, 1e-6)
     want_v[slot_t, pos_t] = v
     assert fused.cache_write_ok(k, v, cos, w, kc, vc)
-    fused.norm_rope_into_cache(k, v, cos, sin, w, 1e-6, kc, vc, slot_t, pos_t)
+    kc2, vc2 = kc.clone(), vc.clone()
+    assert fused.norm_rope_into_cache(k, v, cos, sin, w, 1e-6, kc, vc, slot_t, pos_t) is None
     assert torch.equal(kc, want_k) and torch.equal(vc, want_v)
+    # with the queries in the same launch (their own norm weight and eps; 4 query heads a KV head, strided rows as
+    # the stacked q/k/v projection leaves them): the queries equal norm_rope's, the caches are written the same
+    qkv = torch.randn(b, (4 * kv_heads + 2 * kv_heads) * d, generator=g).to(DTYPE).to(DEVICE)
+    q = qkv[:, : 4 * kv_heads * d].view(b, 4 * kv_heads, d)
+    qw = (torch.randn(d, generator=g) * 0.2 + 1).to(DTYPE).to(DEVICE) if norm else None
+    got_q = fused.norm_rope_into_cache(k, v, cos, sin, w, 1e-6, kc2, vc2, slot_t, pos_t, q=q, q_weight=qw, q_eps=1e-5)
+    assert torch.equal(got_q, fused.norm_rope(q, cos, sin, qw, 1e-5))
+    assert torch.equal(kc2, want_k) and torch.equal(vc2, want_v)
     monkeypatch.setattr(fused, "FOLDS", False)
     assert not fused.cache_write_ok(k, v, cos, w, kc, vc)  # off unless the folds are on
 

@@ -41,6 +41,9 @@ FOLD_MAX_ROWS = 256
 # A fold of its own A/B switch ($STRATA_FUSED_RESIDUAL=0, bench/hotpath.py's `+noresidual`): a MoE layer's residual
 # add in the experts' combine launch (`combine(..., residual=)`), one launch fewer a decode layer.
 RESIDUAL_FOLD = os.environ.get("STRATA_FUSED_RESIDUAL", "1") != "0"
+# A fold of its own A/B switch ($STRATA_FUSED_QK=0, bench/hotpath.py's `+noqk`): a decode step's query norm and rotary in
+# the keys' cache-write launch (`norm_rope_into_cache(..., q=)`), one launch fewer a decode layer.
+QK_FOLD = os.environ.get("STRATA_FUSED_QK", "1") != "0"
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (kernel tests without a GPU)
 
 
@@ -91,19 +94,28 @@ def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: tor
 
 def norm_rope_into_cache(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          weight: torch.Tensor | None, eps: float, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                         slots: torch.Tensor, pos: torch.Tensor) -> None:
+                         slots: torch.Tensor, pos: torch.Tensor, q: torch.Tensor | None = None,
+                         q_weight: torch.Tensor | None = None, q_eps: float = 0.0) -> torch.Tensor | None:
     """A decode step's keys: `norm_rope(k)` written with the values straight into the caches at each
-    sequence's (slot, position), one launch where `norm_rope` and two `index_put_` take three.
+    sequence's (slot, position), one launch where `norm_rope` and two `index_put_` take three; given the
+    queries q, also `norm_rope(q, cos, sin, q_weight, q_eps)` in the same launch, returned (else None).
 
-    k, v [B, kv_heads, d] (last dim contiguous); caches [slots, max_len, kv_heads, d] contiguous; slots, pos [B].
-    Call `cache_write_ok` first."""
+    k, v [B, kv_heads, d], q [B, heads, d] (last dims contiguous); caches [slots, max_len, kv_heads, d]
+    contiguous; slots, pos [B]. Call `cache_write_ok` first (and `norm_rope_ok(q, ...)` for q)."""
     b, heads, d = k.shape
-    if b * heads:
+    q_heads = q.shape[1] if q is not None else 0
+    q_out = torch.empty((b, q_heads, d), dtype=q.dtype, device=q.device) if q is not None else None
+    if b * (heads + q_heads):
         w = weight if weight is not None else k
-        _norm_rope_cache_kernel[(b * heads,)](
+        qw = q_weight if q_weight is not None else k
+        qx = q if q is not None else k  # unread pointers without q
+        _norm_rope_cache_kernel[(b * (heads + q_heads),)](
             k, v, cos, sin, w, k_cache, v_cache, slots, pos, heads, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps, D=d,
-            NORM=weight is not None, BF16=k.dtype == torch.bfloat16, num_warps=1 if d <= 128 else 2, **pdl.launch(k))
+            cos.stride(0), sin.stride(0), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), eps,
+            qx, qw, q_out if q_out is not None else k, q_heads, b * q_heads, qx.stride(0), qx.stride(1), q_eps, D=d,
+            NORM=weight is not None, NORM_Q=q_weight is not None, BF16=k.dtype == torch.bfloat16,
+            num_warps=1 if d <= 128 else 2, **pdl.launch(k))
+    return q_out
 
 
 def cache_write_ok(k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, weight: torch.Tensor | None,
@@ -243,19 +255,29 @@ if triton is not None:
     @triton.jit
     def _norm_rope_cache_kernel(k_ptr, v_ptr, cos_ptr, sin_ptr, w_ptr, kc_ptr, vc_ptr, slots_ptr, pos_ptr, HEADS,
                                 stride_kn, stride_kh, stride_vn, stride_vh, stride_c, stride_s, stride_cs, stride_cl,
-                                stride_ch, eps, D: tl.constexpr, NORM: tl.constexpr, BF16: tl.constexpr,
+                                stride_ch, eps, q_ptr, qw_ptr, qo_ptr, Q_HEADS, NQ, stride_qn, stride_qh, q_eps,
+                                D: tl.constexpr, NORM: tl.constexpr, NORM_Q: tl.constexpr, BF16: tl.constexpr,
                                 PDL: tl.constexpr):
         pdl.enter(PDL)
         pid = tl.program_id(0)
-        n = (pid // HEADS).to(tl.int64)
-        h = pid % HEADS
         dt = kc_ptr.dtype.element_ty
-        y = _norm_rope_row(k_ptr + n * stride_kn + h * stride_kh, w_ptr, cos_ptr + n * stride_c, sin_ptr + n * stride_s,
-                           eps, dt, D, NORM, BF16)
         offs = tl.arange(0, D)
-        dst = tl.load(slots_ptr + n).to(tl.int64) * stride_cs + tl.load(pos_ptr + n).to(tl.int64) * stride_cl + h * stride_ch
-        tl.store(kc_ptr + dst + offs, y.to(dt))
-        tl.store(vc_ptr + dst + offs, tl.load(v_ptr + n * stride_vn + h * stride_vh + offs))
+        if pid < NQ:  # programs [0, B * Q_HEADS): a query head: normed and rotated into qo [B, Q_HEADS, D]
+            n = (pid // Q_HEADS).to(tl.int64)
+            h = pid % Q_HEADS
+            y = _norm_rope_row(q_ptr + n * stride_qn + h * stride_qh, qw_ptr, cos_ptr + n * stride_c,
+                               sin_ptr + n * stride_s, q_eps, dt, D, NORM_Q, BF16)
+            tl.store(qo_ptr + (n * Q_HEADS + h) * D + offs, y.to(dt))
+        else:  # a key head: normed and rotated into the cache at (slot, pos), its value beside it
+            pk = pid - NQ
+            n = (pk // HEADS).to(tl.int64)
+            h = pk % HEADS
+            y = _norm_rope_row(k_ptr + n * stride_kn + h * stride_kh, w_ptr, cos_ptr + n * stride_c,
+                               sin_ptr + n * stride_s, eps, dt, D, NORM, BF16)
+            dst = (tl.load(slots_ptr + n).to(tl.int64) * stride_cs + tl.load(pos_ptr + n).to(tl.int64) * stride_cl
+                   + h * stride_ch)
+            tl.store(kc_ptr + dst + offs, y.to(dt))
+            tl.store(vc_ptr + dst + offs, tl.load(v_ptr + n * stride_vn + h * stride_vh + offs))
 
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, sum_ptr, out_ptr, D, eps, BLOCK: tl.constexpr, BF16: tl.constexpr,

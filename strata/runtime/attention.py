@@ -138,13 +138,21 @@ class GQAAttention(nn.Module):
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = cache
-        q = self._norm_rope(q, cos, sin, self.q_norm)
         k_weight = self.k_norm.weight if self.k_norm is not None else None
         if isinstance(batch, DecodeBatch) and fused.cache_write_ok(k, v, cos, k_weight, k_cache, v_cache):
-            # the keys' norm and rotary land straight in the cache, with the values: one launch, not three
+            # the keys' norm and rotary land straight in the cache, with the values, and the queries' norm and
+            # rotary run in the same launch: one kernel where torch takes ~20
             eps = self.k_norm.eps if self.k_norm is not None else 0.0
-            fused.norm_rope_into_cache(k, v, cos, sin, k_weight, eps, k_cache, v_cache, batch.slots_t, batch.pos_t)
+            q_weight = self.q_norm.weight if self.q_norm is not None else None
+            if fused.QK_FOLD and fused.norm_rope_ok(q, cos, q_weight):
+                q = fused.norm_rope_into_cache(k, v, cos, sin, k_weight, eps, k_cache, v_cache, batch.slots_t,
+                                               batch.pos_t, q=q, q_weight=q_weight,
+                                               q_eps=self.q_norm.eps if self.q_norm is not None else 0.0)
+            else:
+                q = self._norm_rope(q, cos, sin, self.q_norm)
+                fused.norm_rope_into_cache(k, v, cos, sin, k_weight, eps, k_cache, v_cache, batch.slots_t, batch.pos_t)
         else:
+            q = self._norm_rope(q, cos, sin, self.q_norm)
             k = self._norm_rope(k, cos, sin, self.k_norm)
             if isinstance(batch, DecodeBatch):
                 k_cache[batch.slots_t, batch.pos_t] = k
