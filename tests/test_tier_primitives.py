@@ -214,10 +214,50 @@ def test_pinned_pool_background_and_errors():
         assert not PinnedPool(ALIGN, 1).pinned  # pin=None: pinned iff CUDA
 
 
+def _huge_kib(address: int) -> int | None:
+    """AnonHugePages (KiB) of this process's mapping holding `address`, from /proc/self/smaps (None: not Linux)."""
+    try:
+        lines = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return None
+
+
+def test_pinned_pool_huge_pages():
+    """huge_pages=True: slots work as before, and where the kernel offers transparent huge pages (not "never")
+    the slab is backed by them; without it, not (THP's madvise mode; "always" may back either)."""
+    try:
+        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        mode = "[never]"
+    huge = PinnedPool(2**21, 8, pin=False, background=False, huge_pages=True)
+    plain = PinnedPool(2**21, 8, pin=False, background=False, huge_pages=False)
+    assert huge.huge_pages and not plain.huge_pages
+    for pool in (huge, plain):
+        for i in range(8):
+            pool.slot(i).fill_(i)
+        assert all(bool((pool.slot(i) == i).all()) for i in range(8))
+    got, base = _huge_kib(huge.slot(3).data_ptr()), _huge_kib(plain.slot(3).data_ptr())
+    if got is not None and "[never]" not in mode:
+        assert got >= 2048  # at least one 2 MiB page (the mapping need not start on a 2 MiB boundary)
+    if base is not None and "[madvise]" in mode:
+        assert base == 0
+    huge.close()
+    plain.close()
+
+
 def test_pinned_pool_allocation_failure(monkeypatch):
     import strata.tiers.pinned as pinned
 
-    def boom(nbytes, pin):
+    def boom(nbytes, pin, huge=False):
         raise MemoryError("no room")
 
     monkeypatch.setattr(pinned, "_Slab", boom)

@@ -11,25 +11,37 @@ page faults on the hot path.
 from __future__ import annotations
 
 import mmap
+import os
 import threading
 
+import numpy as np
 import torch
 
 from strata.errors import StrataError, UnsupportedError
 
 ALIGN = 4096
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context (all GPUs of the host)
+# Back the slabs with transparent huge pages (madvise before the pages are faulted in): 2 MiB pages instead of 4 KiB
+# for the CPU kernel's and the GPU's in-place reads of whole experts. $STRATA_PINNED_HUGE_PAGES=1; measured with
+# bench/hugepage_probe.py (RESULTS.md, twenty-sixth session). The kernel may still give 4 KiB pages (THP off, or
+# no free huge pages); nothing else changes.
+HUGE_PAGES = os.environ.get("STRATA_PINNED_HUGE_PAGES", "0") == "1"
 
 
 class _Slab:
     """One page-locked (or plain) allocation: `tensor` uint8 [nbytes], page-aligned."""
 
-    def __init__(self, nbytes: int, pin: bool):
+    def __init__(self, nbytes: int, pin: bool, huge: bool = False):
         self.nbytes, self.registered = nbytes, False
+        huge = huge and hasattr(mmap, "MADV_HUGEPAGE")
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        if not pin:
+        if not pin and not huge:
             flags |= getattr(mmap, "MAP_POPULATE", 0)  # fault the pages in now, off the hot path
         self.mm: mmap.mmap | None = mmap.mmap(-1, nbytes, flags=flags)
+        if huge:  # before any page is faulted in (registration faults them): THP's madvise mode needs the hint
+            self.mm.madvise(mmap.MADV_HUGEPAGE)
+            if not pin:
+                np.frombuffer(self.mm, dtype=np.uint8)[::ALIGN] = 0  # fault in now, as MAP_POPULATE would
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)  # holds a reference to the mapping
         if pin:
             # Register on this (non-main) thread: a failed cudaHostRegister leaves a per-thread "last error"
@@ -73,10 +85,11 @@ class _Slab:
 class PinnedPool:
     """`num_slots` slots of `slot_bytes` (a multiple of 4096) in slabs of about `slab_bytes` of pinned RAM.
 
-    pin=None pins iff CUDA is available; background=True allocates on a thread so start-up is not held."""
+    pin=None pins iff CUDA is available; background=True allocates on a thread so start-up is not held;
+    huge_pages (None: `HUGE_PAGES`) asks for transparent huge pages behind the slabs."""
 
     def __init__(self, slot_bytes: int, num_slots: int, *, pin: bool | None = None, slab_bytes: int = 1 << 30,
-                 background: bool = True):
+                 background: bool = True, huge_pages: bool | None = None):
         if slot_bytes <= 0 or slot_bytes % ALIGN:
             raise ValueError(f"slot_bytes must be a positive multiple of {ALIGN}, got {slot_bytes}")
         if num_slots < 1:
@@ -86,6 +99,7 @@ class PinnedPool:
         elif pin and not torch.cuda.is_available():
             raise UnsupportedError("pinned host memory needs a CUDA GPU; use pin=False (or pin=None) on this host")
         self.slot_bytes, self.num_slots, self.pinned = slot_bytes, num_slots, pin
+        self.huge_pages = HUGE_PAGES if huge_pages is None else huge_pages
         self.nbytes = slot_bytes * num_slots
         self.slots_per_slab = max(1, slab_bytes // slot_bytes)  # a slab holds whole slots only
         nslabs = -(-num_slots // self.slots_per_slab)
@@ -107,7 +121,7 @@ class PinnedPool:
             for k, size in enumerate(self._sizes):
                 if self._closing:
                     return
-                self._slabs[k] = _Slab(size, self.pinned)
+                self._slabs[k] = _Slab(size, self.pinned, self.huge_pages)
                 self._ready[k].set()
         except BaseException as e:  # kept, and raised on the next slot()/wait_ready()
             self._error = e
