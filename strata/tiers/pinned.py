@@ -22,9 +22,10 @@ from strata.errors import StrataError, UnsupportedError
 ALIGN = 4096
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context (all GPUs of the host)
 # Back the slabs with transparent huge pages (madvise before the pages are faulted in): 2 MiB pages instead of 4 KiB
-# for the CPU kernel's and the GPU's in-place reads of whole experts. $STRATA_PINNED_HUGE_PAGES=1; measured with
-# bench/hugepage_probe.py (RESULTS.md, twenty-sixth session). The kernel may still give 4 KiB pages (THP off, or
-# no free huge pages); nothing else changes.
+# for the CPU kernel's and the GPU's in-place reads of whole experts. $STRATA_PINNED_HUGE_PAGES=1. On the H200 box
+# (THP in madvise mode) the CPU kernel alone read 8-19% faster from such a pool, the GPU's in-place reads and the
+# copy engine no faster, and split decode not measurably faster (bench/hugepage_probe.py; RESULTS.md, twenty-sixth
+# session), so it stays off. The kernel may still give 4 KiB pages (THP off, or no free huge pages).
 HUGE_PAGES = os.environ.get("STRATA_PINNED_HUGE_PAGES", "0") == "1"
 
 
