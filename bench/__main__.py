@@ -103,7 +103,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     from bench.suite.roofline import Rates
     from bench.suite.runner import run_suite
 
-    tokens = args.tokens or (32 if args.suite == "quick" else 128)
+    tokens = args.tokens or (64 if args.suite == "quick" else 128)
     cases = select(SUITES[args.suite](tokens), args.cases)
     settings = _settings(args)
     doc = run_suite(cases, settings, args.out, log=lambda s: print(s, flush=True),

@@ -109,3 +109,48 @@ def test_engine_with_pdl_equals_engine_without(tmp_path, monkeypatch):
     assert torch.equal(on.score(ids), want_scores)
     assert on.generate(ids, max_tokens=32).token_ids == want
     assert on.model.graphs.replays > 0
+
+
+def _pdl_kernels():
+    """(module, kernel name, function node) of every Triton kernel in strata.kernels that takes a PDL constexpr."""
+    import ast
+    import pathlib
+
+    import strata.kernels
+
+    root = pathlib.Path(strata.kernels.__file__).parent
+    for path in sorted(root.glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef) and any(a.arg == "PDL" for a in node.args.args) and node.name != "enter":
+                yield path.stem, node.name, node
+
+
+def test_every_pdl_kernel_waits_before_it_reads_activations_or_writes():
+    """The contract that keeps PDL from changing results (strata.kernels.pdl): a kernel launched with it calls
+    `pdl.enter(PDL)` in its body, and before that call it stores nothing, does no atomics, and loads only weights
+    (pointers named w_ptr). Checked on the source of every kernel that takes the constexpr."""
+    import ast
+
+    found = []
+    for module, name, fn in _pdl_kernels():
+        found.append(f"{module}.{name}")
+        calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
+        enters = [c for c in calls if c.func.attr == "enter" and getattr(c.func.value, "id", "") == "pdl"]
+        assert enters, f"{module}.{name} takes PDL but never calls pdl.enter(PDL)"
+        line = min(c.lineno for c in enters)
+        for c in calls:
+            if c.lineno >= line:
+                continue
+            assert c.func.attr not in ("store", "atomic_add", "atomic_xchg", "atomic_cas"), \
+                f"{module}.{name} writes before pdl.enter (line {c.lineno})"
+            if c.func.attr == "load":
+                names = {n.id for n in ast.walk(c.args[0]) if isinstance(n, ast.Name)}
+                assert names & {"w_ptr"} and not names & {"x_ptr", "q_ptr", "k_ptr", "v_ptr"}, \
+                    f"{module}.{name} loads {sorted(names)} before pdl.enter (line {c.lineno}): only weights may be"
+    # the decode step's kernels all take part (a new one should too, or say why not in strata.kernels.pdl)
+    for kernel in ("fused._rms_norm_kernel", "fused._add_rms_norm_kernel", "fused._norm_rope_cache_kernel",
+                   "decode_gemv._gemv_kernel", "decode_attention._split_kernel", "decode_attention._merge_kernel",
+                   "decode_router._route_kernel", "grouped._gate_up_kernel", "grouped._down_kernel",
+                   "fused._combine_kernel", "mailbox_pack._pack_kernel"):
+        assert kernel in found, kernel
