@@ -282,6 +282,7 @@ def test_one_tiny_case_end_to_end_on_cpu(tmp_path, capsys):
     assert state["graph_mode"] is None and state["prefetch"]["issued"] >= 0
     assert state["prefetcher"] is None or set(state["prefetcher"]) == {"idle", "pauses", "target"}
     assert state["cost_model"]["cpu_bytes_per_s"] > 0 and state["cost_model"]["stage_fixed_s"] >= 0
+    assert m["mailbox_window"] is None  # CPU: no one-graph worker (on the GPU: its trip over the decode window)
     assert split["roofline"]["bound"] in ("gpu", "cold", "disk") and split["config"]["tiers"]["gpu"]["budget"]
     assert hf["status"] == "skipped" and hf["reason"]  # CPU: the offload baseline needs CUDA
     assert doc["models"]["skewed"]["route_skew"] == 1.0 and doc["machine"]["torch"]

@@ -10,6 +10,7 @@ import torch
 
 from strata.kernels import cpu_experts as ce
 from strata.kernels.experts import apply_experts, group_by_expert
+from strata.runtime.cpu_mailbox import CpuMailbox
 
 needs_kernel = pytest.mark.skipif(ce.backend() == "torch", reason="needs the compiled CPU expert kernel")
 
@@ -48,6 +49,7 @@ def test_worker_computes_the_cold_pairs_as_the_host_path_does():
     box = _mailbox(addr, gu_bytes)
     try:
         assert box.self_test() is None and box.drain() == []  # a round trip, its log entry dropped
+        start = box.timing()["totals"]  # after the self-test's layer: a window of the steps below alone
         g = torch.Generator().manual_seed(3)
         computed = 0
         for step in range(3):
@@ -78,6 +80,9 @@ def test_worker_computes_the_cold_pairs_as_the_host_path_does():
         t = box.timing()  # 3 steps of layers 0 and 2 (and the self-test's layer): 3 gaps between 0 and 2, same step
         assert t["layers"] == 7 and int(box.counters[6]) == 3
         assert t["serve_us"] >= t["kernel_us"] > 0 and t["gpu_gap_us"] > 0 and t["gpu_wait_reads"] == 0  # no GPU here
+        win = CpuMailbox.window(start, t["totals"])  # the six layers of the three steps, not the self-test's
+        assert win["layers"] == 6 and win["serve_us"] >= win["kernel_us"] > 0 and win["gpu_gap_us"] > 0
+        assert win["kernel_GB_s"] > 0 and CpuMailbox.window(t["totals"], box.timing()["totals"]) is None
     finally:
         box.close()
 

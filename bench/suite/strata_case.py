@@ -20,6 +20,7 @@ import torch
 
 from bench.suite.cases import COLD_PATHS, VARIANTS, Case, Workload
 from bench.suite.roofline import ModelFacts, Rates, fraction, roofline
+from strata.runtime.cpu_mailbox import CpuMailbox
 
 
 def engine_config(case: Case, summary: dict, settings: dict, workloads: list[Workload]) -> dict:
@@ -124,11 +125,13 @@ def _snapshot(engine) -> dict:
     ahead = (st.get("one_graph_decode") or {}).get("copy_ahead")
     if ahead:  # the tails copy-ahead moved over PCIe (as of a step or so ago)
         paths["pinned->gpu ahead"] = ahead["staged_granules"] * ahead["granule_bytes"]
+    timing = (st.get("one_graph_decode") or {}).get("timing") or {}
     return {"lookups": t.get("lookups", 0), "stall": t.get("stall_seconds", 0.0),
             "hits": {k: v.get("hits", 0) for k, v in (t.get("tiers") or {}).items()},
             "paths": paths,
             "cpu_experts": st.get("cpu_experts_computed", 0), "promotions": st.get("promotions", 0),
-            "host": dict(st.get("cold_path_host_seconds") or {})}
+            "host": dict(st.get("cold_path_host_seconds") or {}),
+            "mailbox": timing.get("totals")}  # the one-graph worker's running sums (None: not running)
 
 
 def _delta(a: dict, b: dict) -> dict:
@@ -136,7 +139,8 @@ def _delta(a: dict, b: dict) -> dict:
             "hits": {k: b["hits"].get(k, 0) - a["hits"].get(k, 0) for k in b["hits"]},
             "paths": {k: b["paths"].get(k, 0) - a["paths"].get(k, 0) for k in b["paths"]},
             "cpu_experts": b["cpu_experts"] - a["cpu_experts"], "promotions": b["promotions"] - a["promotions"],
-            "host": {k: v - a["host"].get(k, 0.0) for k, v in b["host"].items()}}
+            "host": {k: v - a["host"].get(k, 0.0) for k, v in b["host"].items()},
+            "mailbox": CpuMailbox.window(a["mailbox"] or {}, b["mailbox"]) if b.get("mailbox") else None}
 
 
 def run_workload(engine, scheduler, w: Workload, vocab: int, device: str) -> dict:
@@ -216,6 +220,9 @@ def run_workload(engine, scheduler, w: Workload, vocab: int, device: str) -> dic
         # decode modes whose CUDA-graph capture failed (they ran eagerly): why, and where
         "graph_failures": dict(getattr(getattr(engine.model, "graphs", None), "failed", None) or {}),
         "decode_state": decode_state(engine),
+        # the one-graph worker's layer trip over the decode window alone (decode_state's `timing` averages every
+        # layer since start-up, prefill and warm-up included)
+        "mailbox_window": decode["mailbox"],
         **peaks.read(),
     }
     return {"metrics": metrics, "decode": decode, "window_tokens": window_tokens}

@@ -342,12 +342,28 @@ class CpuMailbox:
         its `done` (the CPU share, its kernel `kernel_us` among it), `gpu_gap_us` from one layer's `done` to the
         next layer's `ready` within a step (the GPU's own work between two CPU shares: the rest of the layer,
         the next one's attention and routing, the copies), per layer served; `gpu_wait_reads`, the GPU's reads of
-        `done` while it waited for the worker, per layer of the last step (0: the worker had answered)."""
+        `done` while it waited for the worker, per layer of the last step (0: the worker had answered). These average
+        over every layer since the worker started (warm-up and prefill included); `totals` holds the running sums
+        (ns, counts, kernel bytes), so a caller can average a window of its own from two readings (`window`)."""
         c = self.counters
         layers, gaps = max(1, int(c[3])), max(1, int(c[6]))
         return {"layers": int(c[3]), "serve_us": round(c[7] / layers / 1e3, 1), "kernel_us": round(c[2] / layers / 1e3, 1),
                 "gpu_gap_us": round(c[5] / gaps / 1e3, 1),
-                "gpu_wait_reads": round(float(np.mean([h[4] for h in self.headers])), 1)}
+                "gpu_wait_reads": round(float(np.mean([h[4] for h in self.headers])), 1),
+                "totals": {"layers": int(c[3]), "serve_ns": int(c[7]), "kernel_ns": int(c[2]), "gaps": int(c[6]),
+                           "gap_ns": int(c[5]), "bytes": int(c[1])}}
+
+    @staticmethod
+    def window(before: dict, after: dict) -> dict | None:
+        """`timing()`'s per-layer figures over the layers served between two readings of its `totals` (None when
+        none were): serve_us, kernel_us, gpu_gap_us and the kernel's GB/s."""
+        d = {k: after[k] - before.get(k, 0) for k in after}
+        if d["layers"] <= 0:
+            return None
+        return {"layers": d["layers"], "serve_us": round(d["serve_ns"] / d["layers"] / 1e3, 1),
+                "kernel_us": round(d["kernel_ns"] / d["layers"] / 1e3, 1),
+                "gpu_gap_us": round(d["gap_ns"] / d["gaps"] / 1e3, 1) if d["gaps"] > 0 else None,
+                "kernel_GB_s": round(d["bytes"] / d["kernel_ns"], 1) if d["kernel_ns"] > 0 else None}
 
     def kernel_rate(self) -> tuple[int, float]:
         """(bytes, seconds) the worker's kernel calls read and took so far."""
