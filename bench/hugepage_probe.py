@@ -26,20 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cpu_kernel_trace as trace  # noqa: E402
 import zero_copy as zc  # noqa: E402
 
-from strata.tiers.pinned import PinnedPool  # noqa: E402
-
-
-def anon_huge_kib(address: int) -> int:
-    """AnonHugePages of the mapping holding `address` (KiB)."""
-    inside = False
-    for line in open("/proc/self/smaps").read().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:
-            lo, hi = (int(v, 16) for v in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1])
-    return -1
+from strata.tiers.pinned import PinnedPool, huge_page_kib  # noqa: E402
 
 
 def measure(huge: bool, experts: int, threads: int) -> dict:
@@ -47,7 +34,7 @@ def measure(huge: bool, experts: int, threads: int) -> dict:
     gen = torch.Generator().manual_seed(0)
     for i in range(experts):
         pool.slot(i).view(torch.bfloat16).copy_((torch.randn(zc.EXPERT_BYTES // 2, generator=gen) / 32).to(torch.bfloat16))
-    rec: dict = {"huge_pages": huge, "anon_huge_MiB": anon_huge_kib(pool.slot(0).data_ptr()) // 1024,
+    rec: dict = {"huge_pages": huge, "anon_huge_MiB": (huge_page_kib(pool.slot(0).data_ptr()) or 0) // 1024,
                  "copy_engine_GB_s": round(zc.copy_rate(pool), 1)}
     sw = zc.expert_set("registered", pool)
     rec["in_place_GB_s"] = {n: round(n * zc.EXPERT_BYTES / zc.time_pairs(sw, n, reps=40) / 1e9, 1) for n in (1, 2, 4)}

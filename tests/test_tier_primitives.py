@@ -15,7 +15,7 @@ from strata.tiers import native_io
 from strata.tiers.diskio import ALIGN, DiskReader, aligned_empty
 from strata.tiers.gds import GpuDirectReader
 from strata.tiers.gpu_slots import GpuSlots
-from strata.tiers.pinned import PinnedPool
+from strata.tiers.pinned import PinnedPool, huge_page_kib
 from strata.tiers.stats import PathCounters
 
 FILE_BYTES = 4 * 2**20 + 1234  # an unaligned tail: the last block is partial
@@ -214,23 +214,6 @@ def test_pinned_pool_background_and_errors():
         assert not PinnedPool(ALIGN, 1).pinned  # pin=None: pinned iff CUDA
 
 
-def _huge_kib(address: int) -> int | None:
-    """AnonHugePages (KiB) of this process's mapping holding `address`, from /proc/self/smaps (None: not Linux)."""
-    try:
-        lines = open("/proc/self/smaps").read().splitlines()
-    except OSError:
-        return None
-    inside = False
-    for line in lines:
-        head = line.split()[0]
-        if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
-            lo, hi = (int(v, 16) for v in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1])
-    return None
-
-
 def test_pinned_pool_huge_pages():
     """huge_pages=True: slots work as before, and where the kernel offers transparent huge pages (not "never")
     the slab is backed by them; without it, not (THP's madvise mode; "always" may back either)."""
@@ -245,7 +228,7 @@ def test_pinned_pool_huge_pages():
         for i in range(8):
             pool.slot(i).fill_(i)
         assert all(bool((pool.slot(i) == i).all()) for i in range(8))
-    got, base = _huge_kib(huge.slot(3).data_ptr()), _huge_kib(plain.slot(3).data_ptr())
+    got, base = huge_page_kib(huge.slot(3).data_ptr()), huge_page_kib(plain.slot(3).data_ptr())
     if got is not None and "[never]" not in mode:
         assert got >= 2048  # at least one 2 MiB page (the mapping need not start on a 2 MiB boundary)
     if base is not None and "[madvise]" in mode:

@@ -72,35 +72,33 @@ def project(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
+    def _w_tile(w_ptr, cols, col_ok, kk, k, stride_w, EVEN_K: tl.constexpr):
+        """W's [BLOCK_M, BLOCK_K] tile at columns kk: read once, evict-first (L2 stays for x)."""
+        if EVEN_K:
+            mask = col_ok[:, None]
+        else:
+            mask = col_ok[:, None] & (kk < k)[None, :]
+        return tl.load(w_ptr + cols[:, None] * stride_w + kk[None, :], mask=mask, other=0.0,
+                       eviction_policy="evict_first")
+
+    @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, b_ptr, out_ptr, m, k, stride_w, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                      BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
         # program p: output columns [p * BLOCK_M, +BLOCK_M); acc [BLOCK_M] fp32
         cols = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         col_ok = cols < m
         offs = tl.arange(0, BLOCK_K)
-        # W's first K tile [BLOCK_M, BLOCK_K]: no kernel writes W, so with PDL it streams in while the kernel
-        # before this one (the norm that produces x) finishes
-        if EVEN_K:
-            w = tl.load(w_ptr + cols[:, None] * stride_w + offs[None, :], mask=col_ok[:, None], other=0.0,
-                        eviction_policy="evict_first")
-        else:
-            w = tl.load(w_ptr + cols[:, None] * stride_w + offs[None, :], mask=col_ok[:, None] & (offs < k)[None, :],
-                        other=0.0, eviction_policy="evict_first")
+        # W's first K tile: no kernel writes W, so with PDL it streams in while the kernel before this one (the
+        # norm that produces x) finishes
+        w = _w_tile(w_ptr, cols, col_ok, offs, k, stride_w, EVEN_K)
         pdl.enter(PDL)
         xs = tl.load(x_ptr + offs, mask=offs < k, other=0.0)
         # [BLOCK_M, BLOCK_K] * [1, BLOCK_K] summed over K: each product exact in fp32
         acc = tl.sum(w.to(tl.float32) * xs.to(tl.float32)[None, :], axis=1)
         for k0 in range(BLOCK_K, k, BLOCK_K):
             kk = k0 + offs
-            if EVEN_K:
-                w = tl.load(w_ptr + cols[:, None] * stride_w + kk[None, :], mask=col_ok[:, None], other=0.0,
-                            eviction_policy="evict_first")  # [BLOCK_M, BLOCK_K]: read once, keep L2 for x
-                xs = tl.load(x_ptr + kk)
-            else:
-                k_ok = kk < k
-                w = tl.load(w_ptr + cols[:, None] * stride_w + kk[None, :], mask=col_ok[:, None] & k_ok[None, :],
-                            other=0.0, eviction_policy="evict_first")
-                xs = tl.load(x_ptr + kk, mask=k_ok, other=0.0)
+            w = _w_tile(w_ptr, cols, col_ok, kk, k, stride_w, EVEN_K)
+            xs = tl.load(x_ptr + kk, mask=kk < k, other=0.0)
             acc += tl.sum(w.to(tl.float32) * xs.to(tl.float32)[None, :], axis=1)
         if HAS_BIAS:
             acc += tl.load(b_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)

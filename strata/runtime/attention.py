@@ -144,13 +144,11 @@ class GQAAttention(nn.Module):
             # rotary run in the same launch: one kernel where torch takes ~20
             eps = self.k_norm.eps if self.k_norm is not None else 0.0
             q_weight = self.q_norm.weight if self.q_norm is not None else None
-            if fused.QK_FOLD and fused.norm_rope_ok(q, cos, q_weight):
-                q = fused.norm_rope_into_cache(k, v, cos, sin, k_weight, eps, k_cache, v_cache, batch.slots_t,
-                                               batch.pos_t, q=q, q_weight=q_weight,
-                                               q_eps=self.q_norm.eps if self.q_norm is not None else 0.0)
-            else:
-                q = self._norm_rope(q, cos, sin, self.q_norm)
-                fused.norm_rope_into_cache(k, v, cos, sin, k_weight, eps, k_cache, v_cache, batch.slots_t, batch.pos_t)
+            fold_q = fused.QK_FOLD and fused.norm_rope_ok(q, cos, q_weight)
+            folded = fused.norm_rope_into_cache(k, v, cos, sin, k_weight, eps, k_cache, v_cache, batch.slots_t,
+                                                batch.pos_t, q=q if fold_q else None, q_weight=q_weight,
+                                                q_eps=self.q_norm.eps if self.q_norm is not None else 0.0)
+            q = folded if fold_q else self._norm_rope(q, cos, sin, self.q_norm)
         else:
             q = self._norm_rope(q, cos, sin, self.q_norm)
             k = self._norm_rope(k, cos, sin, self.k_norm)

@@ -346,12 +346,12 @@ class CpuMailbox:
         over every layer since the worker started (warm-up and prefill included); `totals` holds the running sums
         (ns, counts, kernel bytes), so a caller can average a window of its own from two readings (`window`)."""
         c = self.counters
-        layers, gaps = max(1, int(c[3])), max(1, int(c[6]))
-        return {"layers": int(c[3]), "serve_us": round(c[7] / layers / 1e3, 1), "kernel_us": round(c[2] / layers / 1e3, 1),
-                "gpu_gap_us": round(c[5] / gaps / 1e3, 1),
-                "gpu_wait_reads": round(float(np.mean([h[4] for h in self.headers])), 1),
-                "totals": {"layers": int(c[3]), "serve_ns": int(c[7]), "kernel_ns": int(c[2]), "gaps": int(c[6]),
-                           "gap_ns": int(c[5]), "bytes": int(c[1])}}
+        totals = {"layers": int(c[3]), "serve_ns": int(c[7]), "kernel_ns": int(c[2]), "gaps": int(c[6]),
+                  "gap_ns": int(c[5]), "bytes": int(c[1])}
+        avg = self.window({}, totals) or {}  # since the worker started
+        return {"layers": totals["layers"], "serve_us": avg.get("serve_us", 0.0), "kernel_us": avg.get("kernel_us", 0.0),
+                "gpu_gap_us": avg.get("gpu_gap_us") or 0.0,
+                "gpu_wait_reads": round(float(np.mean([h[4] for h in self.headers])), 1), "totals": totals}
 
     @staticmethod
     def window(before: dict, after: dict) -> dict | None:

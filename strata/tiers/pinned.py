@@ -29,6 +29,24 @@ _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA c
 HUGE_PAGES = os.environ.get("STRATA_PINNED_HUGE_PAGES", "0") == "1"
 
 
+def huge_page_kib(address: int) -> int | None:
+    """AnonHugePages (KiB) of this process's mapping that holds `address`, from /proc/self/smaps: how much of a slab
+    the kernel backed with transparent huge pages (None: no such file, or no mapping holds it)."""
+    try:
+        lines = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
+            lo, hi = (int(v, 16) for v in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return None
+
+
 class _Slab:
     """One page-locked (or plain) allocation: `tensor` uint8 [nbytes], page-aligned."""
 
