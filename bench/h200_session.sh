@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 # The box's copy of the tree carries stale git metadata: put the local commit into the command, e.g.
@@ -377,6 +377,22 @@ case "$1" in
     timeout 200 python3 -m pytest -q -m gpu tests/test_copy_ahead.py tests/test_cpu_mailbox.py > "$OUT/gpu_tests.txt" 2>&1
     tail -3 "$OUT/gpu_tests.txt"
     bash "$0" twentyfifth "${2:-split,split+ahead,split+ahead3145728,split+again,split+ahead+again}" ;;
+  twentyseventh)  # the twenty-sixth session's review mends under every GPU test, then the suite's skewed 25% case
+                  # twice (64 tokens a stream now; mailbox_window: the worker's trip over the decode window alone)
+    timeout 300 python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -4 "$OUT/gpu_tests.txt"
+    for r in 1 2; do timeout 200 python3 -m bench run --suite quick --deadline 180 --cases 'split/b25/skewed/p128x1' \
+      --out "$OUT/suite-skewed-$r" 2>&1 | tail -3; done ;;
+  twentyseventh-b)  # the combine that applies the next norm and waits for the worker itself (strata.kernels.combine_norm):
+                    # every GPU test, then the all-in-VRAM A/B (+nonorm) and the skewed split A/B (+nonorm+nowait)
+    timeout 300 python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -4 "$OUT/gpu_tests.txt"
+    python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram --route-skew 1.0 --route-locality 1 \
+      > /dev/null 2>&1
+    timeout 150 python3 bench/hotpath.py --model /dev/shm/loc1 --cache /dev/shm/sc --out "$OUT/hotpath-ceiling" --tokens 256 \
+      --prefill 0 --cases "ceiling,ceiling+nonorm,ceiling+again,ceiling+nonorm+again,ceiling+again,ceiling+nonorm+again" \
+      2>&1 | grep -E "^\{'case'" | cut -c1-300
+    timeout 200 python3 bench/hotpath.py --model /dev/shm/loc1 --cache /dev/shm/sc --out "$OUT/hotpath-loc1" --tokens 128 \
+      --prefill 0 --cases "${2:-split,split+nonorm+nowait,split+again,split+nonorm+nowait+again,split+again,split+nonorm+nowait+again}" \
+      2>&1 | grep -E "^\{'case'" | cut -c1-700 ;;
   twentysixth)  # programmatic dependent launch (strata.kernels.pdl): every GPU test, then the all-in-VRAM decode A/B,
                 # alternated 3 x 2, 256 tokens a case, on the temporal-locality checkpoint (the suite's skewed one)
     python3 -c "import torch, triton; from strata.kernels import pdl; print('triton', triton.__version__, 'pdl in force:',

@@ -26,13 +26,14 @@ def tiny_split_setup(tmp_path) -> tuple:
 @contextmanager
 def one_graph_decode(model, cfg, ids, want) -> Iterator[tuple]:
     """A tiered engine that decoded 16 tokens in one-graph (mailbox) steps, its first 4 the in-memory engine's
-    `want`: yields (engine, bytes of experts its CPU worker read for those 16 tokens)."""
+    `want`: yields (engine, bytes of experts its CPU worker read for those 16 tokens, expert groups it served)."""
     from strata import Engine
 
     with Engine.from_pretrained(model, device="cuda", config=cfg) as tiered:
         assert tiered.wait_settled(60)
         tiered.generate(ids, max_tokens=2)  # the mailbox opens once placement is done
-        before = int(tiered._compute.mailbox.counters[1])
+        counters = tiered._compute.mailbox.counters  # [0]: expert groups served, [1]: their bytes read
+        groups, before = int(counters[0]), int(counters[1])
         assert tiered.generate(ids, max_tokens=16).token_ids[:4] == want
         assert tiered.model.graphs.mode() == "mailbox" and not tiered.model.graphs.failed
-        yield tiered, int(tiered._compute.mailbox.counters[1]) - before
+        yield tiered, int(counters[1]) - before, int(counters[0]) - groups

@@ -318,7 +318,7 @@ def test_one_graph_split_decode_with_a_gpu_share_follows_memory(tmp_path, monkey
     for share, whole in (("0", "0"), ("0.6", "1"), ("0.6", "0"), ("0.35", "0")):
         monkeypatch.setenv("STRATA_MAILBOX_GPU_SHARE", share)
         monkeypatch.setenv("STRATA_MAILBOX_WHOLE_EXPERTS", whole)  # "0": experts split by rows
-        with one_graph_decode(model, cfg, ids, want) as (tiered, read):
+        with one_graph_decode(model, cfg, ids, want) as (tiered, read, _):
             assert (tiered._compute.gpu_share is None) == (share == "0")
             if share != "0":
                 assert tiered._compute.gpu_share.granules == (1 if whole == "1" else 4)  # tiny: 32 rows, 8 a granule
