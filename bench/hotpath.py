@@ -44,10 +44,6 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
                  ($STRATA_FUSED_QK=0)
   nopdl          decode's Triton kernels launched without programmatic dependent launch ($STRATA_PDL=0;
                  strata.kernels.pdl)
-  nonorm         a MoE layer's combine and the next block's RMSNorm in two launches instead of one
-                 ($STRATA_FUSED_NORM_AHEAD=0; strata.kernels.combine_norm)
-  nowait         a split layer's wait for the CPU worker's answer in its own kernel instead of in the combine's
-                 ($STRATA_FUSED_WAIT_COMBINE=0)
   oldpairs       the decode pair kernels' launch configurations before the twenty-third session's sweep
                  ($STRATA_PAIR_CONFIGS=previous)
   ahead          one-graph split decode with copy-ahead (runtime.copy_ahead = true; strata.runtime.copy_ahead)
@@ -312,10 +308,6 @@ def main() -> None:
                 env["STRATA_FUSED_QK"] = "0"
             elif mod == "nopdl":
                 env["STRATA_PDL"] = "0"
-            elif mod == "nonorm":
-                env["STRATA_FUSED_NORM_AHEAD"] = "0"
-            elif mod == "nowait":
-                env["STRATA_FUSED_WAIT_COMBINE"] = "0"
             elif mod == "oldpairs":
                 env["STRATA_PAIR_CONFIGS"] = "previous"
             elif mod == "ahead":

@@ -306,47 +306,6 @@ def test_combine_adds_the_residual_as_torch_does(monkeypatch):
     assert torch.equal(combine_pairs(y, w, DTYPE, extra=extra, residual=residual), want)
 
 
-def test_combine_norm_equals_the_combine_then_the_next_norm(monkeypatch):
-    """One launch for the combine, the residual add and the next block's RMSNorm: the same bits as `fused.combine`
-    then `fused.rms_norm`, with the CPU's partial sum on the device, none, or still in host memory (waited for in
-    the kernel; a wait that runs out of reads reports the generation it gave up on, as `wait_and_fetch` does)."""
-    from strata.kernels import combine_norm as cn
-
-    monkeypatch.setattr(fused, "FOLDS", True)
-    monkeypatch.setattr(fused, "RESIDUAL_FOLD", True)
-    monkeypatch.setattr(cn, "NORM_AHEAD", True)
-    g = torch.Generator().manual_seed(5)
-    n, k, h, eps = 3, 8, 2048, 1e-6
-    y = torch.randn(n * k, h, generator=g).to(DEVICE)
-    w = torch.rand(n, k, generator=g).to(DEVICE)
-    extra = torch.randn(n, h, generator=g).to(DEVICE)
-    residual = (torch.randn(n, h, generator=g) * 4).to(DTYPE).to(DEVICE)
-    nw = (1 + torch.randn(h, generator=g) / 4).to(DTYPE).to(DEVICE)
-    pin = DEVICE == "cuda"
-    header = torch.zeros(8, dtype=torch.int64, pin_memory=pin)
-    header[1] = 7  # the worker's `done`: generation 7 answered
-    src = extra.cpu().reshape(-1).pin_memory() if pin else extra.cpu().reshape(-1).clone()
-    for part in (None, extra, cn.HostAnswer(header, torch.tensor([7], device=DEVICE), src, 1000)):
-        want = fused.combine(y, w, DTYPE, extra if part is not None else None, residual)
-        out, normed = cn.combine_norm(y, w, residual, nw, eps, part)
-        assert torch.equal(out, want) and torch.equal(normed, fused.rms_norm(want, nw, eps))
-        out, normed = cn.combine_norm(y, w, residual, None, eps, part)
-        assert torch.equal(out, want) and normed is None
-        ahead = cn.NormAhead(nw, eps)  # through combine_pairs, as a decode layer calls it
-        assert torch.equal(combine_pairs(y, w, DTYPE, extra=part, residual=residual, norm=ahead), want)
-        assert torch.equal(ahead.out, fused.rms_norm(want, nw, eps))
-    assert header[3] == 0 and header[4] == 0  # answered before the GPU asked: no reads spent waiting
-    monkeypatch.setattr(cn, "NORM_AHEAD", False)  # off: combine_pairs leaves the norm to the next block
-    ahead = cn.NormAhead(nw, eps)
-    assert torch.equal(combine_pairs(y, w, DTYPE, extra=extra, residual=residual, norm=ahead), want)
-    assert ahead.out is None
-    late = cn.HostAnswer(header, torch.tensor([8], device=DEVICE), src, 50)  # generation 8 never comes
-    cn.combine_norm(y, w, residual, nw, eps, late)
-    if DEVICE == "cuda":
-        torch.cuda.synchronize()
-    assert header[3] == 8 and header[4] == 50
-
-
 def test_softmax_topk_breaks_ties_by_the_lowest_id_and_takes_zero_probabilities_in_order(monkeypatch):
     """Equal probabilities go to the lower expert id first (as the torch chain's reference semantics on CPU), and
     experts whose probability underflows to zero are still chosen, each once, in id order."""

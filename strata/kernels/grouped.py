@@ -24,8 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from strata.kernels import combine_norm, fused, pdl
-from strata.kernels.combine_norm import HostAnswer, NormAhead
+from strata.kernels import fused, pdl
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs do without it
     import triton
@@ -127,30 +126,13 @@ def pair_experts(x: torch.Tensor, weights: SlotWeights, slot_of: torch.Tensor, i
 
 
 def combine_pairs(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
-                  extra: torch.Tensor | HostAnswer | None = None, residual: torch.Tensor | None = None,
-                  norm: NormAhead | None = None) -> torch.Tensor:
+                  extra: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
     """Weighted sum of each token's k expert outputs, plus `extra` (the CPU's partial sum), cast to `dtype`, plus
     `residual` (the layer's input: `x + mlp(h)` in the same launch): y [N*k, H] fp32, weights [N, k], extra [N, H]
-    fp32 (or a `HostAnswer` still in host memory, waited for here), residual [N, H] -> [N, H]. One fused kernel
-    on CUDA; given `norm` (the next block's RMSNorm), that kernel may also norm the result into `norm.out`
-    (strata.kernels.combine_norm).
+    fp32, residual [N, H] -> [N, H]. One fused kernel on CUDA.
 
     Always the same order whatever computed each row, so tiers never change the result."""
     fold = residual if fused.FOLDS and fused.RESIDUAL_FOLD else None
-    wait = isinstance(extra, HostAnswer)
-    if fold is not None and fold.dtype == dtype and (wait or (norm is not None and combine_norm.NORM_AHEAD)):
-        nw = norm.weight if norm is not None and combine_norm.NORM_AHEAD and norm.weight.device == y.device else None
-        both = combine_norm.combine_norm(y, weights, fold, nw, norm.eps if nw is not None else 0.0, extra)
-        if both is not None:
-            if norm is not None:
-                norm.out = both[1]
-            return both[0]
-    if wait:  # the fused wait could not run: the worker's answer fetched by its own kernel first
-        from strata.kernels.host_signal import wait_and_fetch
-
-        out = torch.empty(extra.src.numel(), dtype=torch.float32, device=y.device)
-        wait_and_fetch(extra.header, extra.gen, extra.src, out, extra.max_spins)
-        extra = out.view(weights.shape[0], y.shape[1])
     fused_out = fused.combine(y, weights, dtype, extra, fold)
     if fused_out is not None:
         return fused_out if fold is not None or residual is None else residual + fused_out

@@ -27,8 +27,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from strata.kernels import combine_norm, mailbox_pack
-from strata.kernels.combine_norm import HostAnswer
+from strata.kernels import mailbox_pack
 from strata.tiers.pinned import PinnedPool
 
 if TYPE_CHECKING:
@@ -100,7 +99,6 @@ class CpuMailbox:
         self.direct = (self.fused and device.type == "cuda" and mailbox_pack.triton is not None
                        and os.environ.get("STRATA_MAILBOX_DIRECT", "1") != "0")
         self._direct_checked = False
-        self._wait_combine_checked = False
         self._counts = torch.zeros(len(self.layers), dtype=torch.int32, device=device)  # the pack's programs done
         # the resident pairs run after the layer is posted, beside the worker (A/B: "0" runs them before, as it was)
         self.hot_alongside = device.type == "cuda" and os.environ.get("STRATA_MAILBOX_HOT_ALONGSIDE", "1") != "0"
@@ -140,8 +138,7 @@ class CpuMailbox:
     def exchange(self, layer: int, experts: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
                  weights: torch.Tensor, gpu_work=None, max_spins: int | None = None,
                  rows: torch.Tensor | None = None, share: GpuShare | None = None,
-                 ahead: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                 fetch: bool = True) -> torch.Tensor | HostAnswer:
+                 ahead: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Send one layer's pairs (experts [P], slots [P] int32: -1 cold, for the worker; -2 cold, the GPU's),
         x [N, H] and weights [N, k] to the worker; returns its partial sum [N, H] fp32 on x's device (the stream
         waits for it). rows [P] int32: of each worker pair, how many of its expert's leading intermediate rows the
@@ -152,9 +149,7 @@ class CpuMailbox:
         in-place rows stop and the VRAM address of its copied-ahead tail (0: none).
         ahead = (rows [E] int32, addresses [E] int64, stat [1] int64[, gate]), with a share: the layer's tails copied
         ahead (`strata.runtime.copy_ahead`), which leave the share's split; stat counts the granules they held;
-        gate = (flag [1], gen [1], layer) where the worker copies them: used only once they have landed.
-        fetch False: where the layer goes straight through page-locked memory, the answer comes back unfetched, a
-        `HostAnswer` for the combine to wait for in its own launch (`strata.kernels.combine_norm`)."""
+        gate = (flag [1], gen [1], layer) where the worker copies them: used only once they have landed."""
         n, k = weights.shape
         p = n * k
         if n > self.max_tokens or k != self.top_k:
@@ -169,8 +164,7 @@ class CpuMailbox:
         if ahead is not None and share is None:
             raise ValueError("copied-ahead tails need a GPU share")
         if self.direct and rows is None:
-            out = self._exchange_direct(i, experts, slots, x, weights, x_off, nbytes, gpu_work, spins, share, ahead,
-                                        fetch)
+            out = self._exchange_direct(i, experts, slots, x, weights, x_off, nbytes, gpu_work, spins, share, ahead)
             if out is not None:
                 return out
         box = self.boxes[i]
@@ -192,12 +186,10 @@ class CpuMailbox:
         out.copy_(box[self.out_off : self.out_off + 4 * n * self.hidden].view(torch.float32), non_blocking=True)
         return out.view(n, self.hidden)
 
-    def _exchange_direct(self, i, experts, slots, x, weights, x_off, nbytes, gpu_work, spins, share, ahead=None,
-                         fetch=True):
+    def _exchange_direct(self, i, experts, slots, x, weights, x_off, nbytes, gpu_work, spins, share, ahead=None):
         """`exchange` with no copy node: the fused pack writes the inbox into the page-locked mailbox and posts
-        `ready` itself; one kernel waits for `done` and fetches the answer (fetch False: the caller's combine
-        does, given the `HostAnswer`). None where its kernels failed to build in the eager warm-up (then the
-        copies from now)."""
+        `ready` itself; one kernel waits for `done` and fetches the answer. None where its kernels failed to
+        build in the eager warm-up (then the copies from now)."""
         from strata.kernels.host_signal import wait_and_fetch
 
         layer, box, n = self.layers[i], self.boxes[i], x.shape[0]
@@ -209,9 +201,6 @@ class CpuMailbox:
                 wait_and_fetch(self.header_words[i], self.header_words[i][1:2].to(x.device), src, out, spins)
                 torch.cuda.synchronize(x.device)
                 self._direct_checked = True
-            if not fetch and not self._wait_combine_checked:  # the same for the combine that waits itself
-                self._check_wait_combine(i, x, weights.shape[1], spins)
-                self._wait_combine_checked = True
             packed = self._pack_fused(box[HEADER : HEADER + nbytes], layer, experts, slots, x, weights, x_off, share,
                                       ready=(self.header_words[i], self.gen, self._counts[i : i + 1]), ahead=ahead)
         except Exception as e:  # a Triton that cannot build them: found in the eager warm-up, before any capture
@@ -222,22 +211,8 @@ class CpuMailbox:
             return None
         if gpu_work is not None:
             gpu_work(*packed)
-        if not fetch:
-            return HostAnswer(self.header_words[i], self.gen, src, spins)
         wait_and_fetch(self.header_words[i], self.gen, src, out, spins)
         return out.view(n, self.hidden)
-
-    def _check_wait_combine(self, i: int, x: torch.Tensor, k: int, spins: int) -> None:
-        """Build `combine_norm`'s waiting kernels (with the next norm and without) on box i's answer, which is
-        already there (done equals the generation given), before a layer is posted: one cannot be half sent."""
-        hdr, h = self.header_words[i], self.hidden
-        answered = HostAnswer(hdr, hdr[1:2].to(x.device), self.boxes[i][self.out_off : self.out_off + 4 * h].view(
-            torch.float32), spins)
-        y, w = torch.zeros(k, h, device=x.device), torch.zeros(1, k, device=x.device)
-        residual, nw = torch.zeros(1, h, dtype=x.dtype, device=x.device), torch.ones(h, dtype=x.dtype, device=x.device)
-        for norm in (nw, None):
-            combine_norm.combine_norm(y, w, residual, norm, 1e-6, answered)
-        torch.cuda.synchronize(x.device)
 
     def _pack_fused(self, out_box, layer, experts, slots, x, weights, x_off, share, ready=None, ahead=None):
         """The share's split and the inbox in one kernel (~35 small ops otherwise): (addr [P] or None, rows [P],

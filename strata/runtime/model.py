@@ -12,8 +12,6 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from strata.kernels import combine_norm
-from strata.kernels.combine_norm import NormAhead
 from strata.runtime.attention import GQAAttention, MLAAttention
 from strata.runtime.engram import EngramLayer, EngramRuntime
 from strata.runtime.graphs import DecodeGraphs, is_decode
@@ -36,17 +34,12 @@ class DecoderLayer(nn.Module):
         use_engram = cfg.engram is not None and layer in cfg.engram.layer_ids
         self.engram = EngramLayer(cfg.engram, cfg.hidden_size, layer) if use_engram else None
 
-    def forward(self, x, cos, sin, batch: StepBatch, cache: tuple[torch.Tensor, torch.Tensor],
-                normed: torch.Tensor | None = None, norm_ahead: NormAhead | None = None) -> torch.Tensor:
-        """x [N, H] -> the layer's output [N, H]. `normed`: input_layernorm(x), when the layer before computed it
-        (never for an Engram layer, whose lookup comes first). `norm_ahead`: the next block's norm, which this
-        layer's MoE combine may apply to its output in the same launch (then in `norm_ahead.out`)."""
+    def forward(self, x, cos, sin, batch: StepBatch, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         if self.engram is not None:  # Engram adds its lookup before attention (DeepSeek's block order)
             x = x + self.engram(x, batch.engram)
-        h = normed if normed is not None else self.input_layernorm(x)
-        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(h, cos, sin, batch, cache))
-        if isinstance(self.mlp, MoEBlock):  # the residual added in the experts' combine launch where it runs fused
-            return self.mlp(h, residual=x, norm_ahead=norm_ahead)
+        x, h = self.post_attention_layernorm.add_forward(x, self.self_attn(self.input_layernorm(x), cos, sin, batch, cache))
+        if isinstance(self.mlp, MoEBlock):
+            return self.mlp(h, residual=x)  # the residual added in the experts' combine launch where it runs fused
         return x + self.mlp(h)
 
 
@@ -85,28 +78,11 @@ class MoETransformer(nn.Module):
         if self.engram is not None and batch.engram is None:
             batch.engram = self.engram.begin(input_ids, batch, cache, self.layers)
         cos, sin = self.rotary(batch.positions(input_ids.device), x.dtype)
-        normed = None  # the next layer's input norm, when the layer before computed it in its combine
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers, strict=True)):
-            ahead = self._norm_ahead(i)
-            x = layer(x, cos, sin, batch, layer_cache, normed=normed, norm_ahead=ahead)
-            normed = ahead.out if ahead is not None else None
+            x = layer(x, cos, sin, batch, layer_cache)
             if self.after_layer is not None:
                 self.after_layer(i, x)
-        return normed if normed is not None else self.norm(x)
-
-    def _norm_ahead(self, i: int) -> NormAhead | None:
-        """The norm that follows layer i (the next layer's input norm, or the final one), for layer i's combine to
-        apply in its launch; None where it may not: an Engram layer next (its lookup comes before its norm), the
-        next block on another card, or the fold turned off ($STRATA_FUSED_NORM_AHEAD=0)."""
-        if not combine_norm.NORM_AHEAD:
-            return None
-        nxt = self.layers[i + 1] if i + 1 < len(self.layers) else None
-        if nxt is not None and nxt.engram is not None:
-            return None
-        norm = nxt.input_layernorm if nxt is not None else self.norm
-        if norm.weight.device != self.layers[i].input_layernorm.weight.device:
-            return None
-        return NormAhead(norm.weight, norm.eps)
+        return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.kernels import decode_router
-from strata.kernels.combine_norm import NormAhead
 from strata.kernels.experts import moe_forward
 from strata.kernels.grouped import SlotWeights, combine_pairs, pair_experts, use_pair_kernels
 from strata.kernels.grouped_gemm import grouped_experts, grouped_ok, refuse
@@ -91,14 +90,13 @@ class Experts(nn.Module):
         experts from it (`strata.runtime.copy_ahead`); nothing here."""
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None,
-                used: torch.Tensor | None = None, norm_ahead: NormAhead | None = None) -> torch.Tensor:
+                used: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, H], ids and weights [N, k] -> the routed experts' sum [N, H], plus `residual` if given (the
-        decode path adds it in its combine launch, with `norm_ahead` when it can). `used`: the router's slot
-        lookup (unused here)."""
+        decode path adds it in its combine launch). `used`: the router's slot lookup (unused here)."""
         if use_pair_kernels(x, ids.numel()):  # decode: one launch per projection, no host sync
             y = torch.empty((ids.numel(), x.shape[1]), dtype=torch.float32, device=x.device)
             pair_experts(x, SlotWeights(self.gate_up_proj, self.down_proj), self._identity(x.device), ids.reshape(-1), y)
-            return combine_pairs(y, weights, x.dtype, residual=residual, norm=norm_ahead)
+            return combine_pairs(y, weights, x.dtype, residual=residual)
         out = None
         if self.grouped and grouped_ok(x, sw := SlotWeights(self.gate_up_proj, self.down_proj)):
             try:
@@ -125,11 +123,9 @@ class MoEBlock(nn.Module):
         else:  # deepseek_v3 names
             self.shared_experts = shared
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None,
-                norm_ahead: NormAhead | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """x [N, H] (normed) -> the block's output [N, H], plus `residual` if given (the decoder layer's input:
-        without shared experts the routed experts' combine adds it, one launch fewer a decode layer, and may
-        apply the next block's norm, `norm_ahead`, in that launch too)."""
+        without shared experts the routed experts' combine adds it, one launch fewer a decode layer)."""
         if residual is not None:
             self.experts.look_ahead(residual)
         weights, ids, used = self.gate(x, self.experts.decode_slots(x))
@@ -139,5 +135,5 @@ class MoEBlock(nn.Module):
         elif self.shared_experts is not None:
             out = self.experts(x, ids, weights, used=used) + self.shared_experts(x)
         else:
-            return self.experts(x, ids, weights, residual=residual, used=used, norm_ahead=norm_ahead)
+            return self.experts(x, ids, weights, residual=residual, used=used)
         return out if residual is None else residual + out

@@ -31,8 +31,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from strata.kernels import combine_norm, fused
-from strata.kernels.combine_norm import NormAhead
 from strata.kernels.experts import group_by_expert
 from strata.kernels.grouped import combine_pairs, pair_experts, pair_experts_in_place, use_pair_kernels
 from strata.runtime.cost_model import IN_PLACE_HOST_S, IN_PLACE_RATE, split_cold
@@ -72,15 +70,14 @@ class TieredExperts(PrefillPath, nn.Module):
             c.copy_ahead.predict(self.layer, hidden)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None,
-                used: torch.Tensor | None = None, norm_ahead: NormAhead | None = None) -> torch.Tensor:
-        """`Experts.forward` from tiers: x [N, H], ids and weights [N, k] -> [N, H] (+ residual; the next block's
-        norm into `norm_ahead` where the combine applies it). used [N * k] int32: each pair's GPU slot as the
-        router looked it up (`decode_slots`; None: looked up here)."""
+                used: torch.Tensor | None = None) -> torch.Tensor:
+        """`Experts.forward` from tiers: x [N, H], ids and weights [N, k] -> [N, H] (+ residual). used [N * k]
+        int32: each pair's GPU slot as the router looked it up (`decode_slots`; None: looked up here)."""
         c = self.compute
         if current_recorder() is None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             c.release_staged()  # eager: everything that read the last decode layer's copied slots is enqueued
         if use_pair_kernels(x, ids.numel()) if c.pair_path is None else c.pair_path:
-            return self._decode_forward(x, ids, weights, residual, used, norm_ahead)
+            return self._decode_forward(x, ids, weights, residual, used)
         out = self._batch_forward(x, ids, weights)
         return out if residual is None else residual + out
 
@@ -111,12 +108,12 @@ class TieredExperts(PrefillPath, nn.Module):
 
     # ---- decode: pair kernels over slots -------------------------------------------------------
     def _decode_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None,
-                        used: torch.Tensor | None, norm_ahead: NormAhead | None = None) -> torch.Tensor:
+                        used: torch.Tensor | None) -> torch.Tensor:
         c = self.compute
         flat = ids.reshape(-1)  # [P] pair p = token p // k, its (p % k)-th expert
         y = torch.zeros((flat.numel(), x.shape[1]), dtype=torch.float32, device=x.device)
         if c.mailbox is not None and current_capture_mode() == "mailbox":
-            return self._mailbox_forward(x, flat, weights, y, residual, used, norm_ahead)
+            return self._mailbox_forward(x, flat, weights, y, residual, used)
         if c.slots is not None:
             # asked before the kernel is launched: once every copy and map entry has landed (all_resident), a
             # kernel launched after that sees them all; asked after, the last ones could still be on their way
@@ -124,7 +121,7 @@ class TieredExperts(PrefillPath, nn.Module):
             used = pair_experts(x, c.slots, c.slot_of[self.layer], flat, y)  # resident pairs, no host sync
             if resident:
                 c.count_lookups(self.layer, flat)
-                return combine_pairs(y, weights, x.dtype, residual=residual, norm=norm_ahead)
+                return combine_pairs(y, weights, x.dtype, residual=residual)
         else:  # no GPU tier: every pair is computed on the CPU
             used = torch.full_like(flat, -1, dtype=torch.int32)
         both = torch.stack((flat.to(torch.int32), used))  # [2, P] expert and slot used per pair
@@ -138,9 +135,9 @@ class TieredExperts(PrefillPath, nn.Module):
             recorder.host_step(cold)
         if c.slots is not None:  # the pairs whose experts the host step copied in (part of the graph)
             pair_experts(x, c.slots, c.late_slot, late, y)
-        return combine_pairs(y, weights, x.dtype, extra=cpu_out, residual=residual, norm=norm_ahead)
+        return combine_pairs(y, weights, x.dtype, extra=cpu_out, residual=residual)
 
-    def _mailbox_forward(self, x, flat, weights, y, residual, used, norm_ahead=None) -> torch.Tensor:
+    def _mailbox_forward(self, x, flat, weights, y, residual, used) -> torch.Tensor:
         """A decode layer inside a one-graph step: the resident pairs here, the cold ones on the mailbox worker
         (strata.runtime.cpu_mailbox), which the stream waits for before the combine. No host work.
 
@@ -177,17 +174,12 @@ class TieredExperts(PrefillPath, nn.Module):
             if side is not None:
                 torch.cuda.current_stream(x.device).wait_stream(side)
 
-        # the worker's answer [N, H]: fetched by the combine's own launch where that can run (a `HostAnswer`);
-        # not with copy-ahead, whose next copies must wait for the answer before the combine is enqueued
-        fold = (combine_norm.WAIT_COMBINE and ahead is None and residual is not None and fused.FOLDS and fused.RESIDUAL_FOLD
-                and residual.dtype == x.dtype and combine_norm.available(y, x.shape[1]))
-        cpu_out = c.mailbox.exchange(self.layer, flat, used, x, weights, gpu_work, share=share, ahead=maps,
-                                     fetch=not fold)
+        cpu_out = c.mailbox.exchange(self.layer, flat, used, x, weights, gpu_work, share=share, ahead=maps)  # [N, H]
         if ahead is not None:
             if maps is not None:  # (the side stream waited for them; a capture must see every fork joined)
                 ahead.wait_copied(self.layer, torch.cuda.current_stream(x.device))
             ahead.copy(self.layer)  # the next layer's tails, once this layer's cold phase is over
-        return combine_pairs(y, weights, x.dtype, extra=cpu_out, residual=residual, norm=norm_ahead)
+        return combine_pairs(y, weights, x.dtype, extra=cpu_out, residual=residual)
 
     def _cold_stage(self, x, weights, y, both, cpu_out, late) -> None:
         """Host work of a decode layer: learn which pairs were cold, serve them, count the lookups."""
