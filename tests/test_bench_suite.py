@@ -192,6 +192,26 @@ def test_report_tables_and_targets_from_json(tmp_path):
     assert "![tok/s and GPU hit rate" in md
 
 
+def test_a_split_step_is_cut_into_cold_phases_gpu_work_between_layers_and_its_ends():
+    """From the worker's decode window: 12 layers x 100 us of cold phases, 11 x 50 us between them, the rest of a
+    2.5-ms step (400 tok/s) at its ends; 24 MB of cold bytes a token over 1.2 ms of cold phases is 20 GB/s. Cases
+    without a window (the ceiling, CPU runs) are left out, and the section only appears when one has it."""
+    doc = _doc()
+    split = next(c for c in doc["cases"] if c["name"] == "split/b25/skewed/p128x1")
+    split["metrics"].update(decode_tok_s=400.0, mailbox_window={"layers": 12 * 64, "serve_us": 100.0, "kernel_us": 99.0,
+                                                                  "gpu_gap_us": 50.0, "kernel_GB_s": 80.0})
+    split["roofline"].update(tok_s=800.0, cold_bytes_per_token=24_000_000)
+    got = report.step_split(split, 12)
+    assert got["step"] == pytest.approx(2.5) and got["cold"] == pytest.approx(1.2)
+    assert got["between"] == pytest.approx(0.55) and got["rest"] == pytest.approx(0.75)
+    assert got["cold_GB_s"] == pytest.approx(20.0)
+    assert report.step_split(next(c for c in doc["cases"] if c["name"] == "ceiling/all/uniform/p128x1"), 12) is None
+    table = report.step_table(doc)
+    assert table.count("\n") == 2 and "| split/b25/skewed/p128x1 | 2.50 | 1.20 | 0.55 | 0.75 | 20.0 | 1.25 | 0.500 |" in table
+    assert "### Where a split decode step goes" in report.render(doc)
+    assert "### Where a split decode step goes" not in report.render(_doc())
+
+
 def test_results_md_section_is_replaced_between_markers(tmp_path):
     md = tmp_path / "RESULTS.md"
     md.write_text("# Benchmark results\n\nearlier text\n")

@@ -70,6 +70,48 @@ def case_table(doc: dict) -> str:
     return "\n".join(rows)
 
 
+def step_split(c: dict, layers: int) -> dict | None:
+    """Where one decode step of a one-graph split case goes, in ms, from its mailbox worker's decode window
+    (`mailbox_window`): `cold`, the layers' cold phases (the worker's serve time, during which the GPU reads its
+    in-place share); `between`, the GPU's work from one layer's answer to the next layer's post (the combine, the
+    next attention, routing, the pack); `rest`, the step's ends (the first layer's attention and routing, the
+    LM head, sampling, the launch); `cold_GB_s`, the step's cold bytes over its cold phases. None without a window."""
+    m = c.get("metrics") or {}
+    w, tok = m.get("mailbox_window"), m.get("decode_tok_s")
+    if not w or not tok or not w.get("layers") or layers < 1:
+        return None
+    streams = (c.get("workload") or {}).get("streams") or 1  # a step decodes one token of every stream
+    step_s = streams / tok
+    cold = layers * w["serve_us"] * 1e-6
+    between = (layers - 1) * (w.get("gpu_gap_us") or 0.0) * 1e-6
+    per_step = ((c.get("roofline") or {}).get("cold_bytes_per_token") or 0) * streams
+    return {"step": step_s * 1e3, "cold": cold * 1e3, "between": between * 1e3, "rest": (step_s - cold - between) * 1e3,
+            "cold_GB_s": per_step / cold / 1e9 if per_step and cold else None}
+
+
+def step_table(doc: dict) -> str:
+    """`step_split` for every case that has a mailbox window, with its roofline's time a step."""
+    multi = bool(_runs(doc))
+    rows = ["| case | step ms | cold phases ms | GPU between layers ms | step's ends ms | cold bytes GB/s | "
+            "roofline ms | fraction |" + (" run |" if multi else ""),
+            "| --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if multi else "")]
+    at = doc.get("models_at") or {}
+    for c in doc["cases"]:
+        name = c["name"]
+        depth = int(name.rsplit("@", 1)[1].rstrip("L")) if "@" in name else None
+        models = (at.get(str(depth)) or at.get(depth) or {}) if depth else doc.get("models") or {}
+        layers = (models.get(c.get("routing")) or {}).get("layers") or depth or 0
+        split = step_split(c, layers) if c.get("status") == "ok" else None
+        if split is None:
+            continue
+        streams = (c.get("workload") or {}).get("streams") or 1
+        roof = (c.get("roofline") or {}).get("tok_s")
+        rows.append(f"| {name} | {split['step']:.2f} | {split['cold']:.2f} | {split['between']:.2f} | {split['rest']:.2f} | "
+                    f"{_f(split['cold_GB_s'], 1)} | {_f(streams / roof * 1e3 if roof else None, 2)} | "
+                    f"{_f(c.get('fraction_of_roofline'), 3)} |" + (f" {c.get('run', '')} |" if multi else ""))
+    return "\n".join(rows) if len(rows) > 2 else ""
+
+
 def baseline_table(doc: dict) -> str:
     """strata (split, 25% budget) against every baseline and ablation, per routing, as ratios."""
     multi = bool(_runs(doc))
@@ -201,6 +243,14 @@ def render(doc: dict, command: str | None = None, plot: str | None = None) -> st
     lines += [f"| {t['target']} | {t['measured']} | {t['status']} |" for t in targets(doc)]
     lines += ["", "### Against the baselines (25% GPU budget, 128-token prompt, 1 stream)", "", baseline_table(doc)]
     lines += ["", "### Every case", "", case_table(doc)]
+    steps = step_table(doc)
+    if steps:
+        lines += ["", "### Where a split decode step goes (one-graph steps, from the CPU worker's decode window)", "",
+                  "The cold phases are the layers' CPU worker trips, during which the GPU reads its in-place share of the "
+                  "cold experts; between two of them the GPU runs the combine, the next attention and routing, and the "
+                  "next post; the step's ends are the first layer's attention and routing, the LM head, sampling and "
+                  "the launch. The roofline counts the cold bytes alone, so the GPU's work between layers and at the "
+                  "step's ends is what separates a split step from it.", "", steps]
     notes = [c for c in doc["cases"] if c["status"] != "ok" or c.get("note")]
     if notes:
         lines += ["", "### Skipped, failed or cut short", ""]
