@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 # The box's copy of the tree carries stale git metadata: put the local commit into the command, e.g.
@@ -393,6 +393,12 @@ case "$1" in
     timeout 200 python3 bench/hotpath.py --model /dev/shm/loc1 --cache /dev/shm/sc --out "$OUT/hotpath-loc1" --tokens 128 \
       --prefill 0 --cases "${2:-split,split+nonorm+nowait,split+again,split+nonorm+nowait+again,split+again,split+nonorm+nowait+again}" \
       2>&1 | grep -E "^\{'case'" | cut -c1-700 ;;
+  twentyseventh-c)  # for the next session: the 40% skewed suite case, whose steps' ends grew with its post-prompt
+                    # promotions (run Z), with $STRATA_PROMOTIONS_PER_STEP=1 and without, alternated 3 x 2
+    for r in 1 2 3; do
+      for cap in 0 1; do STRATA_PROMOTIONS_PER_STEP=$cap timeout 90 python3 -m bench run --suite quick --deadline 80 \
+        --cases 'split/b40/skewed/p128x1' --out "$OUT/b40-cap$cap-$r" 2>&1 | grep -E '^split/'; done
+    done ;;
   twentysixth)  # programmatic dependent launch (strata.kernels.pdl): every GPU test, then the all-in-VRAM decode A/B,
                 # alternated 3 x 2, 256 tokens a case, on the temporal-locality checkpoint (the suite's skewed one)
     python3 -c "import torch, triton; from strata.kernels import pdl; print('triton', triton.__version__, 'pdl in force:',
