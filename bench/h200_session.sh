@@ -396,7 +396,7 @@ case "$1" in
   twentyseventh-c)  # for the next session: the 40% skewed suite case, whose steps' ends grew with its post-prompt
                     # promotions (run Z), with $STRATA_PROMOTIONS_PER_STEP=1 and without, alternated 3 x 2
     for r in 1 2 3; do
-      for cap in 0 1; do STRATA_PROMOTIONS_PER_STEP=$cap timeout 90 python3 -m bench run --suite quick --deadline 80 \
+      for cap in 0 1; do STRATA_PROMOTIONS_PER_STEP=$cap timeout 200 python3 -m bench run --suite quick --deadline 180 \
         --cases 'split/b40/skewed/p128x1' --out "$OUT/b40-cap$cap-$r" 2>&1 | grep -E '^split/'; done
     done ;;
   twentysixth)  # programmatic dependent launch (strata.kernels.pdl): every GPU test, then the all-in-VRAM decode A/B,
