@@ -383,7 +383,8 @@ case "$1" in
     for r in 1 2; do timeout 200 python3 -m bench run --suite quick --deadline 180 --cases 'split/b25/skewed/p128x1' \
       --out "$OUT/suite-skewed-$r" 2>&1 | tail -3; done ;;
   twentyseventh-b)  # the combine that applies the next norm and waits for the worker itself (strata.kernels.combine_norm):
-                    # every GPU test, then the all-in-VRAM A/B (+nonorm) and the skewed split A/B (+nonorm+nowait)
+                    # every GPU test, then the all-in-VRAM A/B (+nonorm) and the skewed split A/B (+nonorm+nowait).
+                    # A record of call 2 at 83d8b05: the fold and its modifiers were backed out in 77f8784
     timeout 300 python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -4 "$OUT/gpu_tests.txt"
     python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram --route-skew 1.0 --route-locality 1 \
       > /dev/null 2>&1

@@ -75,7 +75,8 @@ def step_split(c: dict, layers: int) -> dict | None:
     (`mailbox_window`): `cold`, the layers' cold phases (the worker's serve time, during which the GPU reads its
     in-place share); `between`, the GPU's work from one layer's answer to the next layer's post (the combine, the
     next attention, routing, the pack); `rest`, the step's ends (the first layer's attention and routing, the
-    LM head, sampling, the launch); `cold_GB_s`, the step's cold bytes over its cold phases. None without a window."""
+    LM head, sampling, the launch); `cold_GB_s`, the step's cold bytes over its cold phases; `roofline`, the
+    roofline's time a step. None without a window."""
     m = c.get("metrics") or {}
     w, tok = m.get("mailbox_window"), m.get("decode_tok_s")
     if not w or not tok or not w.get("layers") or layers < 1:
@@ -84,30 +85,29 @@ def step_split(c: dict, layers: int) -> dict | None:
     step_s = streams / tok
     cold = layers * w["serve_us"] * 1e-6
     between = (layers - 1) * (w.get("gpu_gap_us") or 0.0) * 1e-6
-    per_step = ((c.get("roofline") or {}).get("cold_bytes_per_token") or 0) * streams
+    roof = c.get("roofline") or {}
+    per_step = (roof.get("cold_bytes_per_token") or 0) * streams
     return {"step": step_s * 1e3, "cold": cold * 1e3, "between": between * 1e3, "rest": (step_s - cold - between) * 1e3,
-            "cold_GB_s": per_step / cold / 1e9 if per_step and cold else None}
+            "cold_GB_s": per_step / cold / 1e9 if per_step and cold else None,
+            "roofline": streams / roof["tok_s"] * 1e3 if roof.get("tok_s") else None}
 
 
 def step_table(doc: dict) -> str:
-    """`step_split` for every case that has a mailbox window, with its roofline's time a step."""
+    """`step_split` for every case that has a mailbox window."""
     multi = bool(_runs(doc))
     rows = ["| case | step ms | cold phases ms | GPU between layers ms | step's ends ms | cold bytes GB/s | "
             "roofline ms | fraction |" + (" run |" if multi else ""),
             "| --- | --- | --- | --- | --- | --- | --- | --- |" + (" --- |" if multi else "")]
-    at = doc.get("models_at") or {}
     for c in doc["cases"]:
         name = c["name"]
+        # a run on another depth names its cases "...@{layers}L" (results.load); the others take the checkpoints'
         depth = int(name.rsplit("@", 1)[1].rstrip("L")) if "@" in name else None
-        models = (at.get(str(depth)) or at.get(depth) or {}) if depth else doc.get("models") or {}
-        layers = (models.get(c.get("routing")) or {}).get("layers") or depth or 0
+        layers = depth or ((doc.get("models") or {}).get(c.get("routing")) or {}).get("layers") or 0
         split = step_split(c, layers) if c.get("status") == "ok" else None
         if split is None:
             continue
-        streams = (c.get("workload") or {}).get("streams") or 1
-        roof = (c.get("roofline") or {}).get("tok_s")
         rows.append(f"| {name} | {split['step']:.2f} | {split['cold']:.2f} | {split['between']:.2f} | {split['rest']:.2f} | "
-                    f"{_f(split['cold_GB_s'], 1)} | {_f(streams / roof * 1e3 if roof else None, 2)} | "
+                    f"{_f(split['cold_GB_s'], 1)} | {_f(split['roofline'], 2)} | "
                     f"{_f(c.get('fraction_of_roofline'), 3)} |" + (f" {c.get('run', '')} |" if multi else ""))
     return "\n".join(rows) if len(rows) > 2 else ""
 
