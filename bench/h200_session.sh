@@ -394,13 +394,14 @@ case "$1" in
     timeout 200 python3 bench/hotpath.py --model /dev/shm/loc1 --cache /dev/shm/sc --out "$OUT/hotpath-loc1" --tokens 128 \
       --prefill 0 --cases "${2:-split,split+nonorm+nowait,split+again,split+nonorm+nowait+again,split+again,split+nonorm+nowait+again}" \
       2>&1 | grep -E "^\{'case'" | cut -c1-700 ;;
-  twentyseventh-c)  # for the next session: the 40% skewed suite case, whose steps' ends grew with its post-prompt
-                    # promotions (run Z), with $STRATA_PROMOTIONS_PER_STEP=1 and without, alternated 3 x 2
+  twentyseventh-c)  # the 40% skewed suite case, whose steps' ends grew with its post-prompt promotions (run Z), with
+                    # $STRATA_PROMOTIONS_PER_STEP=1 and without, alternated 3 x 2 (a record: the cap lost in the
+                    # twenty-eighth session and was removed, so both halves now run the same code)
     for r in 1 2 3; do
       for cap in 0 1; do STRATA_PROMOTIONS_PER_STEP=$cap timeout 200 python3 -m bench run --suite quick --deadline 180 \
         --cases 'split/b40/skewed/p128x1' --out "$OUT/b40-cap$cap-$r" 2>&1 | grep -E '^split/'; done
     done ;;
-  twentyeighth)  # the promotions cap on both skewed suite cases: 40% 3 x 2, then 25% 2 x 2, alternated
+  twentyeighth)  # the promotions cap on both skewed suite cases: 40% 3 x 2, then 25% 2 x 2, alternated (a record)
     bash "$0" twentyseventh-c
     for r in 1 2; do
       for cap in 0 1; do STRATA_PROMOTIONS_PER_STEP=$cap timeout 200 python3 -m bench run --suite quick --deadline 180 \

@@ -429,51 +429,6 @@ def test_books_run_after_the_launch_not_before(tiny_model_dir, tmp_path):
         store.close()
 
 
-@needs_kernel
-@pytest.mark.parametrize("per_step", ["0", "1"])
-def test_books_cap_the_promotions_a_step_starts(tiny_model_dir, tmp_path, monkeypatch, per_step):
-    """$STRATA_PROMOTIONS_PER_STEP=1: once a layer's promotion is queued, the step's later layers are not offered
-    theirs; the next step (its first layer) starts again. An offer that queues nothing does not count. 0 (the
-    default): every layer with cold experts is offered its promotion."""
-    from strata.runtime.convert import convert_checkpoint
-    from strata.runtime.mailbox_books import MailboxBooks
-    from strata.tiers.manager import TierBudgets, TierManager
-    from strata.tiers.store import ExpertStore
-
-    monkeypatch.setenv("STRATA_PROMOTIONS_PER_STEP", per_step)
-    store = ExpertStore.open(convert_checkpoint(tiny_model_dir, tmp_path / "store", progress=False))
-    m = TierManager(store, TierBudgets(gpu_slots=0, pinned_slots=4), io_threads=1)
-    _, _, slab, addr, gu_bytes = _slots()
-    box = _mailbox(addr, gu_bytes)  # MoE layers 0 and 2
-    offered, queues = [], {0: False, 2: True}
-
-    def promote(layer, experts):
-        offered.append(layer)
-        return queues[layer]
-
-    def steps(n: int) -> list[int]:  # n steps, each serving both layers with cold pairs, then booked
-        offered.clear()
-        for _ in range(n):
-            box.begin_step()
-            for layer in (0, 2):
-                box.exchange(layer, torch.tensor([3, 4]), torch.tensor([-1, -1], dtype=torch.int32),
-                             torch.randn(1, H), torch.rand(1, K))
-        books.flush()
-        assert books.error is None
-        return list(offered)
-
-    books = MailboxBooks(box, m, promote, lambda *a: None)
-    try:
-        assert steps(2) == [0, 2, 0, 2]  # layer 0 queues nothing: layer 2 gets its turn, capped or not
-        queues[0] = True  # now layer 0's offers queue one
-        assert steps(2) == ([0, 0] if per_step == "1" else [0, 2, 0, 2])
-    finally:
-        books.close()
-        box.close()
-        m.close()
-        store.close()
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("share", [None, 0.0, 0.37, 0.55])
 @pytest.mark.parametrize("n, k, experts", [(1, 8, 128), (3, 8, 128), (16, 8, 128), (5, 2, 16), (2, 8, 256)])

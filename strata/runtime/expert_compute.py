@@ -238,21 +238,18 @@ class ExpertCompute(CpuCompute):
             self.rates.observe_cpu(nbytes - b0, seconds - s0)
         self._mailbox_kernel = (experts, nbytes, seconds)
 
-    def promote_one(self, layer: int, experts) -> bool:
+    def promote_one(self, layer: int, experts) -> None:
         """Of `experts` (cold in `layer`, computed on the CPU), the one the GPU tier's history says is used most,
         if it is worth a slot (used over twice as often as the slot's victim, `worth_caching`), copied there
-        by a transfer worker, in the background. One per layer and step, so the link stays lightly used.
-        Returns whether one was queued."""
+        by a transfer worker, in the background. One per layer and step, so the link stays lightly used."""
         if not self.promote:
-            return False
+            return
         m = self.manager
         keep = m.worth_caching(layer, sorted(experts))
-        if not keep:
-            return False
-        score = m.gpu_scores(layer, keep)
-        m.promote((layer, max(keep, key=score.__getitem__)))  # queued for a transfer worker
-        self.promotions += 1
-        return True
+        if keep:
+            score = m.gpu_scores(layer, keep)
+            m.promote((layer, max(keep, key=score.__getitem__)))  # queued for a transfer worker
+            self.promotions += 1
 
     def mailbox_step(self) -> None:
         """Before each graph step: the mailbox's books (and its GPU share's adjustment). A worker error or a step

@@ -4,7 +4,6 @@ mailbox worker's log."""
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import TYPE_CHECKING
@@ -28,12 +27,6 @@ class MailboxBooks:
         """on_counts(experts, bytes, seconds): the worker's running totals (its kernel's own work only)."""
         self.mailbox, self.manager, self.promote, self.on_counts = mailbox, manager, promote, on_counts
         self.share, self.ahead = share, ahead
-        # promotions a step may start (0: one a layer at most, the default). An A/B switch: each promotion is ~0.5 ms
-        # of Python on a transfer thread, and the 40% skewed suite case promoted 1.9 a token after its prompt while
-        # its steps' ends grew by ~0.7 ms (bench/RESULTS.md, twenty-seventh session; not yet measured with a cap)
-        self.per_step = int(os.environ.get("STRATA_PROMOTIONS_PER_STEP", "0"))
-        self._first = mailbox.layers[0]  # the layer a step's entries start with
-        self._promoted = 0  # promotions started in the step being booked
         self._rate_mark = (0, 0.0)  # the worker's (bytes, kernel seconds) when the share last adapted
         self.error: BaseException | None = None
         self.seconds = 0.0  # spent in `flush` so far (the books' own Python, on this thread or a caller's)
@@ -66,14 +59,11 @@ class MailboxBooks:
         with m._lock, self._lock:
             entries = self.mailbox.drain()
             for layer, resident, computed in entries:
-                if layer == self._first:
-                    self._promoted = 0
                 if resident:
                     m.note_hits(layer, resident)
                 if computed:
                     m.note_pinned_reads(layer, computed)  # served from pinned RAM, on the CPU
-                    if not self.per_step or self._promoted < self.per_step:
-                        self._promoted += bool(self.promote(layer, computed))
+                    self.promote(layer, computed)
             self.on_counts(self.mailbox.experts_computed, *self.mailbox.kernel_rate())
         if entries and self.share is not None:
             nbytes, seconds = self.mailbox.kernel_rate()
