@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 # The box's copy of the tree carries stale git metadata: put the local commit into the command, e.g.
@@ -407,7 +407,17 @@ case "$1" in
       for cap in 0 1; do STRATA_PROMOTIONS_PER_STEP=$cap timeout 200 python3 -m bench run --suite quick --deadline 180 \
         --cases 'split/b25/skewed/p128x1' --out "$OUT/b25-cap$cap-$r" 2>&1 | grep -E '^split/'; done
     done ;;
-  cap-summary)  # after twentyeighth (run apart, so that a timed-out A/B still leaves its summary)
+  twentyeighth-b)  # $STRATA_CPU_PIN=1 (the kernel's threads on cores of their own) against the default: the mailbox's
+                  # GPU tests pinned, then the skewed 25% suite case 3 x 2 and the uniform one 1 x 2, alternated
+    STRATA_CPU_PIN=1 timeout 120 python3 -m pytest -q -m gpu tests/test_cpu_mailbox.py tests/test_cpu_pinning.py 2>&1 | tail -2
+    for r in 1 2 3; do
+      for pin in 0 1; do STRATA_CPU_PIN=$pin timeout 150 python3 -m bench run --suite quick --deadline 120 \
+        --cases 'split/b25/skewed/p128x1' --out "$OUT/bsk-cap$pin-$r" 2>&1 | grep -E '^split/'; done
+    done
+    for pin in 0 1; do STRATA_CPU_PIN=$pin timeout 150 python3 -m bench run --suite quick --deadline 120 \
+      --cases 'split/b25/uniform/p128x1' --out "$OUT/bun-cap$pin-1" 2>&1 | grep -E '^split/'; done ;;
+  cap-summary)  # after twentyeighth and twentyeighth-b (run apart, so that a timed-out A/B still leaves its summary;
+                # "cap" in the directory names is the switch's value: the cap, or $STRATA_CPU_PIN)
     python3 - "$OUT" <<'PY'  # one file of every run's case record (the box returns few files), a line each
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1]); runs = {}

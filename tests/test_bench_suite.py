@@ -279,6 +279,30 @@ def test_a_run_on_the_full_depth_model_stays_apart_and_decides_the_48_layer_targ
     assert t["all in VRAM (uniform), 1 stream: >= 250 tok/s (48 layers)"]["status"] == "NOT met"
 
 
+def test_runs_past_the_26th_get_two_letter_labels():
+    assert [results.run_label(i) for i in (0, 25, 26, 27, 51, 52, 701, 702)] == [
+        "A", "Z", "AA", "AB", "AZ", "BA", "ZZ", "AAA"]
+
+
+def test_the_roofline_targets_list_every_depth_measured_and_need_all_of_them(tmp_path):
+    """A run on the 24-layer cut (issue 4's depth where the whole model does not fit) joins the 12-layer figure in
+    the roofline rows; one depth below 0.8 makes the row a miss."""
+    deep = {**_doc(), "cases": [_ok("split/b25/uniform/p128x1", 20.0, frac=0.91),
+                                _ok("split/b25/skewed/p128x1", 30.0, frac=0.52)]}
+    deep["models"] = {"uniform": {"layers": 24, "route_skew": "uniform"}, "skewed": {"layers": 24, "route_skew": 1.0}}
+    (tmp_path / "a.json").write_text(json.dumps(_doc()))
+    (tmp_path / "deep.json").write_text(json.dumps(deep))
+    t = {x["target"]: x for x in report.targets(results.load([tmp_path / "a.json", tmp_path / "deep.json"]))}
+    assert t["25% GPU budget, uniform: >= 80% of the roofline"] == {
+        "target": "25% GPU budget, uniform: >= 80% of the roofline", "measured": "0.850 on 12 layers; 0.910 on 24 layers",
+        "status": "met"}
+    assert t["25% GPU budget, skewed: >= 80% of the roofline"]["measured"] == "0.500 on 12 layers; 0.520 on 24 layers"
+    deep["cases"][0]["fraction_of_roofline"] = 0.7  # the deeper cut misses: the row does too
+    (tmp_path / "deep.json").write_text(json.dumps(deep))
+    t = {x["target"]: x for x in report.targets(results.load([tmp_path / "a.json", tmp_path / "deep.json"]))}
+    assert t["25% GPU budget, uniform: >= 80% of the roofline"]["status"] == "NOT met"
+
+
 # --- end to end -----------------------------------------------------------------------------------
 
 

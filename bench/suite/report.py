@@ -49,6 +49,12 @@ def _runs(doc: dict) -> list[dict]:
 ACROSS = " (across runs)"
 
 
+def _depth(name: str) -> int | None:
+    """The layer count a merged case name carries ("...@24L" -> 24), None for the reference depth's cases."""
+    tail = name.rpartition("@")[2] if "@" in name else ""
+    return int(tail[:-1]) if tail.endswith("L") and tail[:-1].isdigit() else None
+
+
 def case_table(doc: dict) -> str:
     multi = bool(_runs(doc))
     head = ("| case | decode tok/s | slowest stream | prefill tok/s | TTFT s | GPU hit | MB/token by path | "
@@ -101,7 +107,7 @@ def step_table(doc: dict) -> str:
     for c in doc["cases"]:
         name = c["name"]
         # a run on another depth names its cases "...@{layers}L" (results.load); the others take the checkpoints'
-        depth = int(name.rsplit("@", 1)[1].rstrip("L")) if "@" in name else None
+        depth = _depth(name)
         layers = depth or ((doc.get("models") or {}).get(c.get("routing")) or {}).get("layers") or 0
         split = step_split(c, layers) if c.get("status") == "ok" else None
         if split is None:
@@ -154,10 +160,17 @@ def targets(doc: dict) -> list[dict]:
             "not measured" if scaled is None else "not measured at 48 layers (the bound from 12 is below)")
 
     for routing in ("uniform", "skewed"):
-        c = cases.get(f"split/b25/{routing}/{REF}")
-        f = c.get("fraction_of_roofline") if c and c["status"] == "ok" else None
-        add(f"25% GPU budget, {routing}: >= 80% of the roofline", _f(f, 3) if f is not None else None,
-            None if f is None else f >= 0.8)
+        # the reference depth's case, then any deeper checkpoint's (issue 4 names the 24-layer cut of the bench model
+        # where the whole one does not fit): every depth measured is listed, and the target is met only if all meet it
+        found = []
+        for name in [f"split/b25/{routing}/{REF}"] + sorted(
+                (n for n in cases if n.startswith(f"split/b25/{routing}/{REF}@")), key=_depth):
+            c = cases.get(name)
+            if c and c["status"] == "ok" and c.get("fraction_of_roofline") is not None:
+                found.append((c["fraction_of_roofline"], _depth(name) or layers.get(routing)))
+        measured = "; ".join(_f(f, 3) + (f" on {n} layers" if n and len(found) > 1 else "") for f, n in found)
+        add(f"25% GPU budget, {routing}: >= 80% of the roofline", measured or None,
+            all(f >= 0.8 for f, _ in found) if found else None)
     def ratio(routing: str, other: str) -> tuple[float | None, str]:
         a, b, same = pair(doc, f"split/b25/{routing}/{REF}", f"{other}/{routing}/{REF}")
         ours, theirs = _tok(a), _tok(b)

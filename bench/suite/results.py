@@ -140,6 +140,16 @@ def depth(doc: dict) -> int | None:
     return max(layers) if layers else None
 
 
+def run_label(i: int) -> str:
+    """The i-th run's label, as spreadsheet columns go: A..Z, then AA, AB, ..."""
+    label = ""
+    i += 1
+    while i:
+        i, r = divmod(i - 1, 26)
+        label = chr(ord("A") + r) + label
+    return label
+
+
 def load(paths: list[str | os.PathLike]) -> dict:
     """Read one or more result files into one document: later files' cases replace earlier ones of the
     same name, except that a case a later run skipped or failed leaves an earlier measurement in place (a box
@@ -163,7 +173,7 @@ def load(paths: list[str | os.PathLike]) -> dict:
         problems = validate(doc)
         if problems:
             raise ValueError(f"{p}: not a valid suite result: {problems[0]}")
-        label = chr(ord("A") + i) if i < 26 else str(i)
+        label = run_label(i)
         n = depth(doc)
         ref = ref if ref is not None else n
         suffix = f"@{n}L" if n is not None and ref is not None and n != ref else ""
