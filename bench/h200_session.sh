@@ -409,6 +409,7 @@ case "$1" in
     done ;;
   twentyeighth-b)  # $STRATA_CPU_PIN=1 (the kernel's threads on cores of their own) against the default: the mailbox's
                   # GPU tests pinned, then the skewed 25% suite case 3 x 2 and the uniform one 1 x 2, alternated
+                  # (a record: no gain, the switch was removed; its code is aacda9e)
     STRATA_CPU_PIN=1 timeout 120 python3 -m pytest -q -m gpu tests/test_cpu_mailbox.py tests/test_cpu_pinning.py 2>&1 | tail -2
     for r in 1 2 3; do
       for pin in 0 1; do STRATA_CPU_PIN=$pin timeout 150 python3 -m bench run --suite quick --deadline 120 \

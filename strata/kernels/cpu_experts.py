@@ -206,15 +206,6 @@ def configure(threads: int | None = None, cpus: Sequence[int] | None = None, spi
                                  -1 if prefetch_bytes is None else _prefetch_override)
 
 
-def pin_caller() -> int | None:
-    """Pin the calling thread to the first CPU `configure(cpus=...)` gave the pool's workers (the thread that calls
-    the kernel runs its share 0; the mailbox worker does this itself). Returns that CPU; None when the workers are
-    unpinned, the kernel is not loaded or the call was refused."""
-    lib = _load()
-    cpu = lib.strata_cpu_pin_caller() if lib is not None else -1
-    return cpu if cpu >= 0 else None
-
-
 def prefetch_bytes() -> int:
     """The software prefetch distance in force: configure(prefetch_bytes=...), $STRATA_CPU_PREFETCH, 2048."""
     if _prefetch_override is not None:

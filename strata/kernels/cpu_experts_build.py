@@ -68,8 +68,6 @@ def build_and_open() -> ctypes.CDLL:
     lib.strata_cpu_isa_mask.restype = ctypes.c_int
     lib.strata_cpu_configure.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int, ctypes.c_int64]
     lib.strata_cpu_configure.restype = ctypes.c_int
-    lib.strata_cpu_pin_caller.argtypes = []
-    lib.strata_cpu_pin_caller.restype = ctypes.c_int
     lib.strata_cpu_read_sweep.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.strata_cpu_read_sweep.restype = ctypes.c_uint64
     lib.strata_cpu_shutdown.argtypes = []

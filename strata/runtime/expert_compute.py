@@ -174,12 +174,6 @@ class ExpertCompute(CpuCompute):
             # on the H200 box (16 cores) the worker's kernel ran 1.28x faster in decode with 12 threads than with 15
             n = ce.default_threads()
             self.cpu_threads = max(1, n - (MAILBOX_SPARE_CORES if n >= 2 * MAILBOX_SPARE_CORES else 1))
-        if os.environ.get("STRATA_CPU_PIN") == "1":  # A/B: the kernel's threads on cores of their own
-            from strata.runtime.numa import pin_expert_threads
-
-            pinned = pin_expert_threads(self.cpu_threads or ce.default_threads())
-            log.info("strata: CPU expert threads %s", f"on CPUs {pinned[0]}, the others on {pinned[1]}"
-                     if pinned else "not pinned (no CPU to spare)")
         with torch.cuda.device(self.device):
             self.mailbox = CpuMailbox(self.moe_layers, addresses, hidden=hidden, inter=inter,
                                       gu_bytes=store.index.gate_up_bytes, payload=store.payload_bytes, top_k=self.top_k,

@@ -109,34 +109,3 @@ def _ranges(cpus: list[int]) -> str:
             out.append(f"{start}-{c}" if c != start else f"{c}")
             start = None
     return ",".join(out)
-
-
-def pin_expert_threads(threads: int, configure: Callable[..., None] | None = None,
-                       tasks: Path = Path("/proc/self/task")) -> tuple[list[int], list[int]] | None:
-    """Give the CPU expert kernel's `threads` threads a core each and the process's other threads the rest.
-
-    The kernel's pool workers pin themselves to the last `threads` usable CPUs (`cpu_experts.configure(cpus=...)`;
-    the thread that runs share 0, the mailbox worker, takes the first of them) and every thread the process has now
-    is confined to the CPUs left over, so that threads started later (bookkeeping, transfers) inherit that. An A/B
-    switch for one-graph split decode ($STRATA_CPU_PIN=1), where the engine's own Python threads were seen taking
-    the kernel's cores (bench/RESULTS.md, tenth session). Returns (kernel CPUs, the others' CPUs), or None when
-    there are not more usable CPUs than `threads` (nothing is changed then). Refused calls are skipped silently."""
-    try:
-        usable = sorted(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return None
-    if threads < 1 or len(usable) <= threads:
-        return None
-    kernel, others = usable[-threads:], usable[:-threads]
-    if configure is None:
-        from strata.kernels import cpu_experts
-
-        configure = cpu_experts.configure
-    configure(cpus=kernel)
-    for tid in sorted(os.listdir(tasks)) if tasks.is_dir() else [0]:
-        try:
-            os.sched_setaffinity(int(tid), others)
-        except OSError:  # a thread that ended meanwhile, or a container that refuses
-            pass
-    return kernel, others
-

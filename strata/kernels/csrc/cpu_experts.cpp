@@ -304,22 +304,6 @@ STRATA_API int strata_cpu_configure(int spin_us, const int* cpus, int ncpus, int
     return 0;
 }
 
-// Pin the calling thread to the first CPU the pool's workers are pinned to (worker t takes cpus[t % n], so the
-// caller, which runs share 0 of every job, takes cpus[0]). Returns that CPU, or -1 when the workers are unpinned or
-// the call is refused (best effort, as the workers' own pinning).
-STRATA_API int strata_cpu_pin_caller() {
-    int cpu;
-    {
-        std::lock_guard<std::mutex> lk(g_call);
-        if (g_cpus.empty()) return -1;
-        cpu = g_cpus[0];
-    }
-    cpu_set_t set;
-    CPU_ZERO(&set);
-    CPU_SET(cpu, &set);
-    return pthread_setaffinity_np(pthread_self(), sizeof(set), &set) == 0 ? cpu : -1;
-}
-
 // Read n buffers once with `threads` threads (the pool of the kernel), for a RAM bandwidth figure.
 // Returns an xor checksum of the data (so the reads cannot be optimised away); 0 without AVX2.
 STRATA_API uint64_t strata_cpu_read_sweep(const void* const* ptrs, const int64_t* sizes, int64_t n, int threads) {

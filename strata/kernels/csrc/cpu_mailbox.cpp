@@ -50,7 +50,6 @@
 
 STRATA_API int strata_cpu_experts(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
                                   float* out, int threads);
-STRATA_API int strata_cpu_pin_caller();
 
 namespace {
 
@@ -181,7 +180,6 @@ struct Mailbox {
     std::vector<int64_t> seen;  // the generation last served per box (read at start, before the thread runs)
 
     void loop() {
-        strata_cpu_pin_caller();  // the kernel's share 0 runs on this thread: on the pool's first CPU when pinned
         std::vector<int64_t> tok, meta;
         std::vector<float> wts;
         std::vector<int32_t> order;
