@@ -87,6 +87,17 @@ def test_worker_computes_the_cold_pairs_as_the_host_path_does():
         box.close()
 
 
+def test_a_window_keeps_a_slow_kernels_rate():
+    """A loaded CI host's tiny experts read far below 0.05 GB/s: the window keeps three significant figures, not
+    one decimal that would read as no bytes at all."""
+    totals = {"layers": 6, "serve_ns": 6_000_000, "kernel_ns": 5_000_000, "gaps": 3, "gap_ns": 99_000,
+              "bytes": 150_000}
+    win = CpuMailbox.window({}, totals)
+    assert win == {"layers": 6, "serve_us": 1000.0, "kernel_us": 833.3, "gpu_gap_us": 33.0, "kernel_GB_s": 0.03}
+    assert CpuMailbox.window({}, {**totals, "bytes": 387_654_321_000})["kernel_GB_s"] == 77500.0
+    assert CpuMailbox.window(totals, totals) is None
+
+
 @needs_kernel
 def test_worker_reports_an_expert_missing_from_pinned_ram():
     _, _, slab, addr, gu_bytes = _slots()

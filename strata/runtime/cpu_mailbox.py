@@ -363,7 +363,8 @@ class CpuMailbox:
         return {"layers": d["layers"], "serve_us": round(d["serve_ns"] / d["layers"] / 1e3, 1),
                 "kernel_us": round(d["kernel_ns"] / d["layers"] / 1e3, 1),
                 "gpu_gap_us": round(d["gap_ns"] / d["gaps"] / 1e3, 1) if d["gaps"] > 0 else None,
-                "kernel_GB_s": round(d["bytes"] / d["kernel_ns"], 1) if d["kernel_ns"] > 0 else None}
+                # three significant figures: a test's tiny experts read well below 0.05 GB/s, which one decimal zeroes
+                "kernel_GB_s": float(f"{d['bytes'] / d['kernel_ns']:.3g}") if d["kernel_ns"] > 0 else None}
 
     def kernel_rate(self) -> tuple[int, float]:
         """(bytes, seconds) the worker's kernel calls read and took so far."""
