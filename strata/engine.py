@@ -65,6 +65,10 @@ def _release(compute, tiers, model) -> None:
     rows = getattr(getattr(model, "engram", None), "source", None)  # the Engram row store's readers
     if rows is not None and hasattr(rows, "close"):
         rows.close()
+    # from_pretrained froze the loaded objects; let the collector reclaim this engine's cycles. At exit (an engine
+    # never closed) this matters too: frozen objects are never freed, and extensions that check for leaks when
+    # they unload (Triton's nanobind) then print hundreds of lines of "leaked instance" after the CLI's output
+    gc.unfreeze()
 
 
 class Engine:
@@ -143,7 +147,6 @@ class Engine:
         open when the interpreter exits are closed then."""
         self._release()  # once: later calls do nothing
         self.tiers = None
-        gc.unfreeze()  # from_pretrained froze the loaded objects; let the collector reclaim this engine's cycles
 
     def __enter__(self) -> Engine:
         return self
