@@ -41,10 +41,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     else:
         prompt = args.prompt
         sys.stdout.write(args.prompt)
-    for piece in engine.stream(prompt, **kwargs):
-        sys.stdout.write(piece)
+    try:
+        for piece in engine.stream(prompt, **kwargs):
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    finally:  # the text so far ends its line, so an error (or ^C) is printed on one of its own
+        sys.stdout.write("\n")
         sys.stdout.flush()
-    sys.stdout.write("\n")
     stats = engine.stats()
     print(
         f"[{stats['generated_tokens']} tokens, prefill {stats['prefill_tokens_per_s']:.1f} tok/s, "

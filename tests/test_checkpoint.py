@@ -118,6 +118,18 @@ def test_cli_errors_exit_2_without_traceback(model_copy, tmp_path):
         assert len(lines) == 1, r.stderr
 
 
+def test_cli_generate_on_a_damaged_store_ends_its_text_then_names_the_damage(tiny_model_dir, tmp_path):
+    """Damage is found when an expert is first read; the text streamed so far keeps a line of its own."""
+    store = tmp_path / "store"
+    assert run_cli("convert", str(tiny_model_dir), str(store)).returncode == 0
+    for blob in sorted((store / "experts").glob("*.bin")):  # every expert of every layer: the first one routed fails
+        blob.write_bytes(bytes(255 - b for b in blob.read_bytes()))
+    r = run_cli("generate", str(store), "--prompt", "Hello", "--max-tokens", "4", "--device", "cpu")
+    assert r.returncode == 2 and r.stdout == "Hello\n", (r.stdout, r.stderr[-2000:])
+    lines = [line for line in r.stderr.splitlines() if line.startswith("strata: error:")]
+    assert len(lines) == 1 and "checksum mismatch" in lines[0] and "strata verify" in lines[0], r.stderr[-2000:]
+
+
 def test_cli_demo_model_generate_and_inspect(tmp_path):
     d = tmp_path / "tiny"
     r = run_cli("demo-model", str(d), "--size", "tiny")
