@@ -111,6 +111,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     command = "python -m bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     png = plot(doc, out / "suite.png")
+    _say_why_no_plot(png)
     section = report.render(doc, command, png.name if png else None)
     (out / "suite.md").write_text(section)
     if args.results:
@@ -122,6 +123,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 1 if problems else 0
 
 
+def _say_why_no_plot(png: Path | None) -> None:
+    from bench.suite.plot import available
+
+    if png is None and not available():
+        print("no plot: matplotlib is not installed (scripts/install.sh bench); the section is written without one")
+
+
 def cmd_report(args: argparse.Namespace) -> int:
     from bench.suite import report, results
     from bench.suite.plot import plot
@@ -129,6 +137,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     doc = results.load(args.json)
     png_path = Path(args.plot) if args.plot else Path(args.results).with_name("suite.png")
     png = plot(doc, png_path)
+    _say_why_no_plot(png)
     rel = png.name if png and png.parent == Path(args.results).parent else (str(png) if png else None)
     report.update_results_md(args.results, report.render(doc, args.command, rel))
     print(f"updated {args.results} from {len(doc['cases'])} cases" + (f"; plot {png}" if png else ""))

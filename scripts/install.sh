@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install strata and its dependencies into the current Python environment.
 #   scripts/install.sh          # runtime (+ server)
-#   scripts/install.sh dev      # + test tools (pytest, transformers, ruff)
+#   scripts/install.sh dev      # + test tools (pytest, transformers, ruff) and matplotlib
+#   scripts/install.sh bench    # + matplotlib, for the benchmark suite's plot (python -m bench)
 #   scripts/install.sh gpu      # + CuPy and kvikio (CUDA 13)
 # On a host without an NVIDIA GPU it installs the CPU build of torch first, so that pip never
 # pulls a multi-GB CUDA build; an already installed torch is kept as it is.
@@ -27,8 +28,8 @@ fi
 extras=""
 for arg in "$@"; do
   case "$arg" in
-    dev|gpu|gpu-cu12) extras="${extras:+$extras,}$arg" ;;
-    *) echo "install.sh: unknown extra '$arg' (use dev, gpu or gpu-cu12)" >&2; exit 2 ;;
+    dev|bench|gpu|gpu-cu12) extras="${extras:+$extras,}$arg" ;;
+    *) echo "install.sh: unknown extra '$arg' (use dev, bench, gpu or gpu-cu12)" >&2; exit 2 ;;
   esac
 done
 "$PY" -m pip install -q -e ".${extras:+[$extras]}"

@@ -279,6 +279,18 @@ def test_a_run_on_the_full_depth_model_stays_apart_and_decides_the_48_layer_targ
     assert t["all in VRAM (uniform), 1 stream: >= 250 tok/s (48 layers)"]["status"] == "NOT met"
 
 
+def test_the_plot_draws_the_budget_sweep_and_says_when_there_is_nothing_to_draw(tmp_path):
+    pytest.importorskip("matplotlib")  # a dev and bench extra
+    from bench.suite.plot import available, plot
+
+    assert available()
+    doc = _doc()
+    png = plot(doc, tmp_path / "suite.png")
+    assert png == tmp_path / "suite.png" and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 10_000
+    only_hf = {**doc, "cases": [c for c in doc["cases"] if c["variant"] == "hf"]}  # no split, static or naive case
+    assert plot(only_hf, tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
+
+
 def test_runs_past_the_26th_get_two_letter_labels():
     assert [results.run_label(i) for i in (0, 25, 26, 27, 51, 52, 701, 702)] == [
         "A", "Z", "AA", "AB", "AZ", "BA", "ZZ", "AAA"]

@@ -5,6 +5,15 @@ from __future__ import annotations
 from pathlib import Path
 
 
+def available() -> bool:
+    """Whether matplotlib can be imported (the plot is optional: `scripts/install.sh bench`)."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def plot(doc: dict, path: str | Path, workload: str = "p128x1") -> Path | None:
     """Write the figure; None when matplotlib is missing or there is nothing to plot."""
     try:
@@ -19,8 +28,9 @@ def plot(doc: dict, path: str | Path, workload: str = "p128x1") -> Path | None:
     drawn = False
     for routing, style in (("uniform", "o-"), ("skewed", "s--")):
         for variant in ("split", "static", "naive"):
-            pts = sorted((100 * c["budget"]["gpu_fraction"], c["metrics"]) for c in ok
-                         if c["variant"] == variant and c["routing"] == routing and c["budget"]["ram_fraction"] is None)
+            pts = sorted(((100 * c["budget"]["gpu_fraction"], c["metrics"]) for c in ok
+                          if c["variant"] == variant and c["routing"] == routing and c["budget"]["ram_fraction"] is None),
+                         key=lambda p: p[0])  # by budget alone: two cases at one budget must not compare their dicts
             if not pts:
                 continue
             drawn = True
