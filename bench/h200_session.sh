@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|twentyninth|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 # The box's copy of the tree carries stale git metadata: put the local commit into the command, e.g.
@@ -417,6 +417,22 @@ case "$1" in
     done
     for pin in 0 1; do STRATA_CPU_PIN=$pin timeout 150 python3 -m bench run --suite quick --deadline 120 \
       --cases 'split/b25/uniform/p128x1' --out "$OUT/bun-cap$pin-1" 2>&1 | grep -E '^split/'; done ;;
+  twentyninth)  # for the next session: every GPU test at the session's code, then why skewed decode stops gaining
+                # above 25% (run AE: the step's ends grow to 0.73 / 1.19 ms at 40 / 50%): bench/step_timeline.py on
+                # the suite's skewed checkpoint with the books and the promotions off, at 50% and 25%, and the 50%
+                # suite case with promotions off, alternated 2 x 2
+    timeout 270 python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
+    [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
+      --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
+    for f in 0.5 0.25; do
+      timeout 150 python3 bench/step_timeline.py --model /dev/shm/loc1 --gpu-fraction $f --tokens 64 --out "$OUT/tl-$f" \
+        --cases split,split+nobooks,split+nopromote,split+nobooks+nopromote 2>&1 | grep -E '^\{"case"|Error' | cut -c1-900
+    done
+    for r in 1 2; do
+      for promote in true false; do timeout 150 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 120 \
+        --set '{"policy": {"promote": '$promote'}}' --cases 'split/b50/skewed/p128x1' --out "$OUT/b50-promote-$promote-$r" \
+        2>&1 | grep -E '^split/'; rm -f "$OUT/b50-promote-$promote-$r"/*.png "$OUT/b50-promote-$promote-$r"/*.md; done
+    done ;;
   cap-summary)  # after twentyeighth and twentyeighth-b (run apart, so that a timed-out A/B still leaves its summary;
                 # "cap" in the directory names is the switch's value: the cap, or $STRATA_CPU_PIN)
     python3 - "$OUT" <<'PY'  # one file of every run's case record (the box returns few files), a line each
