@@ -58,7 +58,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("json", nargs="+")
     p.add_argument("--results", default=str(Path(__file__).parent / "RESULTS.md"))
     p.add_argument("--plot", default=None, help="PNG path (default: suite.png next to RESULTS.md)")
-    p.add_argument("--command", default=None, help="the command line to quote in the section")
+    p.add_argument("--command", default=None, help="the command line to quote in the section (with --append: "
+                                                     "what is added to the section's command, after '; ')")
+    p.add_argument("--append", action="store_true",
+                   help="merge the JSON files after the runs the current section lists (its file list and command "
+                        "are kept), instead of from them alone")
     lst = sub.add_parser("list", help="list the case names of a suite")
     lst.add_argument("--suite", choices=sorted(SUITES), default="full")
     lst.add_argument("--cases", nargs="*", default=None)
@@ -134,12 +138,26 @@ def cmd_report(args: argparse.Namespace) -> int:
     from bench.suite import report, results
     from bench.suite.plot import plot
 
-    doc = results.load(args.json)
+    files, command = list(args.json), args.command
+    if args.append:
+        listed, quoted = report.section_sources(args.results)
+        if not listed:
+            print(f"bench report: {args.results} has no suite section listing its runs' files to append to; "
+                  "pass every file without --append", file=sys.stderr)
+            return 2
+        missing = [f for f in listed if not Path(f).is_file()]
+        if missing:
+            print(f"bench report: the section lists {missing[0]}, which is not there (run from the repository root)",
+                  file=sys.stderr)
+            return 2
+        files = listed + [f for f in files if f not in listed]
+        command = "; ".join(c for c in (quoted, args.command) if c) or None
+    doc = results.load(files)
     png_path = Path(args.plot) if args.plot else Path(args.results).with_name("suite.png")
     png = plot(doc, png_path)
     _say_why_no_plot(png)
     rel = png.name if png and png.parent == Path(args.results).parent else (str(png) if png else None)
-    report.update_results_md(args.results, report.render(doc, args.command, rel))
+    report.update_results_md(args.results, report.render(doc, command, rel))
     print(f"updated {args.results} from {len(doc['cases'])} cases" + (f"; plot {png}" if png else ""))
     return 0
 

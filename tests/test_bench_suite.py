@@ -291,6 +291,32 @@ def test_the_plot_draws_the_budget_sweep_and_says_when_there_is_nothing_to_draw(
     assert plot(only_hf, tmp_path / "none.png") is None and not (tmp_path / "none.png").exists()
 
 
+def test_report_append_merges_new_runs_after_the_ones_the_section_lists(tmp_path, monkeypatch, capsys):
+    """`python -m bench report --append NEW.json`: the section's own file list and command are kept, the new run
+    comes last (its cases the latest), and appending a listed file again changes nothing."""
+    from bench.__main__ import main as bench_main
+
+    monkeypatch.chdir(tmp_path)  # the section names its files as given, relative to where the command ran
+    first, second, third = _doc(), _doc(), _doc()
+    second["cases"] = [_ok("split/b25/skewed/p128x1", 70.0, frac=0.6)]
+    third["cases"] = [_ok("split/b25/skewed/p128x1", 80.0, frac=0.7)]
+    for name, doc in (("a.json", first), ("b.json", second), ("c.json", third)):
+        (tmp_path / name).write_text(json.dumps(doc))
+    md = tmp_path / "RESULTS.md"
+    assert bench_main(["report", "a.json", "b.json", "--results", str(md), "--command", "run one"]) == 0
+    assert report.section_sources(md) == (["a.json", "b.json"], "run one")
+    assert bench_main(["report", "--append", "c.json", "--results", str(md), "--command", "run three"]) == 0
+    assert report.section_sources(md) == (["a.json", "b.json", "c.json"], "run one; run three")
+    text = md.read_text()
+    assert "| 25% GPU budget, skewed: >= 80% of the roofline | 0.700 | NOT met |" in text  # run C's, the latest
+    assert bench_main(["report", "--append", "c.json", "--results", str(md)]) == 0
+    assert md.read_text() == text
+    (tmp_path / "b.json").unlink()
+    assert bench_main(["report", "--append", "c.json", "--results", str(md)]) == 2
+    assert "lists b.json, which is not there" in capsys.readouterr().err
+    assert bench_main(["report", "--append", "c.json", "--results", str(tmp_path / "none.md")]) == 2
+
+
 def test_runs_past_the_26th_get_two_letter_labels():
     assert [results.run_label(i) for i in (0, 25, 26, 27, 51, 52, 701, 702)] == [
         "A", "Z", "AA", "AB", "AZ", "BA", "ZZ", "AAA"]

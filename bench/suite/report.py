@@ -283,3 +283,21 @@ def update_results_md(path: str | Path, section: str) -> None:
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
     path.write_text(text)
+
+
+_RUN_LINE = re.compile(r"^- run [A-Z]+: [^`\n]*`([^`\n]+)`", re.M)
+_COMMAND_LINE = re.compile(r"^Command: `(.*)` \(raw JSON", re.M)
+
+
+def section_sources(path: str | Path) -> tuple[list[str], str | None]:
+    """The run files (in order) and the quoted command that the suite section of RESULTS.md `path` was generated
+    from: what `python -m bench report --append NEW.json` merges the new runs after. ([], None) without a section;
+    a section made from a single run lists no file (its run is not named), which the caller must refuse."""
+    text = Path(path).read_text() if Path(path).exists() else ""
+    start, end = text.find(BEGIN), text.find(END)
+    if start < 0 or end < start:
+        return [], None
+    section = text[start:end]
+    command = _COMMAND_LINE.search(section)
+    return _RUN_LINE.findall(section), command.group(1) if command else None
+
