@@ -65,7 +65,8 @@ def _release(compute, tiers, model) -> None:
     rows = getattr(getattr(model, "engram", None), "source", None)  # the Engram row store's readers
     if rows is not None and hasattr(rows, "close"):
         rows.close()
-    # from_pretrained froze the loaded objects; let the collector reclaim this engine's cycles. At exit (an engine
+    # from_pretrained froze the loaded objects; let the collector reclaim this engine's cycles (unfreezing is
+    # process-wide: another open engine's objects are scanned again too, as before its freeze). At exit (an engine
     # never closed) this matters too: frozen objects are never freed, and extensions that check for leaks when
     # they unload (Triton's nanobind) then print hundreds of lines of "leaked instance" after the CLI's output
     gc.unfreeze()

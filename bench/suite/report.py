@@ -6,6 +6,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from bench.suite.results import case_depth
+
 BEGIN, END = "<!-- suite:begin -->", "<!-- suite:end -->"
 REF = "p128x1"  # the workload targets and baselines are judged on
 
@@ -47,12 +49,6 @@ def _runs(doc: dict) -> list[dict]:
 
 
 ACROSS = " (across runs)"
-
-
-def _depth(name: str) -> int | None:
-    """The layer count a merged case name carries ("...@24L" -> 24), None for the reference depth's cases."""
-    tail = name.rpartition("@")[2] if "@" in name else ""
-    return int(tail[:-1]) if tail.endswith("L") and tail[:-1].isdigit() else None
 
 
 def case_table(doc: dict) -> str:
@@ -107,7 +103,7 @@ def step_table(doc: dict) -> str:
     for c in doc["cases"]:
         name = c["name"]
         # a run on another depth names its cases "...@{layers}L" (results.load); the others take the checkpoints'
-        depth = _depth(name)
+        depth = case_depth(name)
         layers = depth or ((doc.get("models") or {}).get(c.get("routing")) or {}).get("layers") or 0
         split = step_split(c, layers) if c.get("status") == "ok" else None
         if split is None:
@@ -164,10 +160,10 @@ def targets(doc: dict) -> list[dict]:
         # where the whole one does not fit): every depth measured is listed, and the target is met only if all meet it
         found = []
         for name in [f"split/b25/{routing}/{REF}"] + sorted(
-                (n for n in cases if n.startswith(f"split/b25/{routing}/{REF}@")), key=_depth):
+                (n for n in cases if n.startswith(f"split/b25/{routing}/{REF}@")), key=case_depth):
             c = cases.get(name)
             if c and c["status"] == "ok" and c.get("fraction_of_roofline") is not None:
-                found.append((c["fraction_of_roofline"], _depth(name) or layers.get(routing)))
+                found.append((c["fraction_of_roofline"], case_depth(name) or layers.get(routing)))
         measured = "; ".join(_f(f, 3) + (f" on {n} layers" if n and len(found) > 1 else "") for f, n in found)
         add(f"25% GPU budget, {routing}: >= 80% of the roofline", measured or None,
             all(f >= 0.8 for f, _ in found) if found else None)
@@ -300,4 +296,3 @@ def section_sources(path: str | Path) -> tuple[list[str], str | None]:
     section = text[start:end]
     command = _COMMAND_LINE.search(section)
     return _RUN_LINE.findall(section), command.group(1) if command else None
-

@@ -140,6 +140,18 @@ def depth(doc: dict) -> int | None:
     return max(layers) if layers else None
 
 
+def depth_suffix(layers: int) -> str:
+    """What `load` appends to the names of a run's cases whose checkpoints are `layers` deep, where the first
+    run's are not ("@24L")."""
+    return f"@{layers}L"
+
+
+def case_depth(name: str) -> int | None:
+    """The layer count a merged case name carries (`depth_suffix`: "...@24L" -> 24), None for the reference depth's."""
+    _, at, tail = name.rpartition("@")
+    return int(tail[:-1]) if at and tail.endswith("L") and tail[:-1].isdigit() else None
+
+
 def run_label(i: int) -> str:
     """The i-th run's label, as spreadsheet columns go: A..Z, then AA, AB, ..."""
     label = ""
@@ -176,7 +188,7 @@ def load(paths: list[str | os.PathLike]) -> dict:
         label = run_label(i)
         n = depth(doc)
         ref = ref if ref is not None else n
-        suffix = f"@{n}L" if n is not None and ref is not None and n != ref else ""
+        suffix = depth_suffix(n) if n is not None and ref is not None and n != ref else ""
         runs.append({"label": label, "started": doc.get("started"), "source": str(p),
                      "commit": str((doc.get("machine") or {}).get("git_commit"))[:10],
                      **({"layers": n} if suffix else {})})
