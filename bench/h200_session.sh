@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|twentyninth|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|twentyninth|twentyninth-b|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
 # The box's copy of the tree carries stale git metadata: put the local commit into the command, e.g.
@@ -432,6 +432,20 @@ case "$1" in
       for promote in true false; do timeout 150 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 120 \
         --set '{"policy": {"promote": '$promote'}}' --cases 'split/b50/skewed/p128x1' --out "$OUT/b50-promote-$promote-$r" \
         2>&1 | grep -E '^split/'; rm -f "$OUT/b50-promote-$promote-$r"/*.png "$OUT/b50-promote-$promote-$r"/*.md; done
+    done ;;
+  twentyninth-b)  # after twentyninth's timeline (books and promotions lengthen the steps' ends): the books woken once
+                  # the step's LM head is queued (new) against at the replay (+wakeatlaunch), the kernel on 10 threads,
+                  # promotions off; then the 25% suite case with promotions on and off, alternated 2 x 2
+    [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
+      --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
+    timeout 200 python3 bench/step_timeline.py --model /dev/shm/loc1 --gpu-fraction 0.25 --tokens 128 --out "$OUT/tl-0.25" \
+      --cases split,split+wakeatlaunch,split+nopromote,split+t10,split,split+wakeatlaunch 2>&1 | grep -E '^\{"case"|Error' | cut -c1-1100
+    timeout 80 python3 bench/step_timeline.py --model /dev/shm/loc1 --gpu-fraction 0.5 --tokens 128 --out "$OUT/tl-0.5" \
+      --cases split,split+wakeatlaunch 2>&1 | grep -E '^\{"case"|Error' | cut -c1-1100
+    for r in 1 2; do
+      for promote in true false; do timeout 70 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 60 \
+        --set '{"policy": {"promote": '$promote'}}' --cases 'split/b25/skewed/p128x1' --out "$OUT/b25-promote-$promote-$r" \
+        2>&1 | grep -E '^split/'; rm -f "$OUT/b25-promote-$promote-$r"/*.png "$OUT/b25-promote-$promote-$r"/*.md; done
     done ;;
   cap-summary)  # after twentyeighth and twentyeighth-b (run apart, so that a timed-out A/B still leaves its summary;
                 # "cap" in the directory names is the switch's value: the cap, or $STRATA_CPU_PIN)

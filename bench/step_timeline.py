@@ -4,7 +4,8 @@ worker's clock on one timeline (all CLOCK_MONOTONIC).
     python bench/step_timeline.py --model DIR [--gpu-fraction 0.25] [--tokens 48] [--cases split,ceiling] [--out DIR]
 
 Modifiers (`split+spin100+nobooks`): shareX, swN (GIL switch interval, us), spinN (the kernel's idle spin, us),
-wspinN (the mailbox worker's polling spin, us), nopromote, nobooks. (`park`, the kernel's workers sleeping after a
+wspinN (the mailbox worker's polling spin, us), tN (the kernel's threads), nopromote, nobooks, wakeatlaunch (the books
+woken right after the replay, as before the twenty-ninth session, not once the step's LM head is queued). (`park`, the kernel's workers sleeping after a
 step's last layer, was measured in the twelfth session, changed nothing beyond noise and was removed.)
 
 The worker's per-layer timing (serve, GPU gap) covers a step's MoE layers; these cover the rest of a token (ms):
@@ -34,8 +35,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 
-def timeline(engine, prompt: list[int], tokens: int, seed: int = 3) -> dict:
-    """Decode `tokens` tokens of `prompt` (temperature 1, seeded) and time each step's phases."""
+def timeline(engine, prompt: list[int], tokens: int, seed: int = 3, wake_at_launch: bool = False) -> dict:
+    """Decode `tokens` tokens of `prompt` (temperature 1, seeded) and time each step's phases (`wake_at_launch`:
+    the books woken right after the replay instead of once the step's LM head is queued)."""
     from strata.runtime.generate import prefill
     from strata.runtime.kv_cache import StepBatch
     from strata.runtime.sampler import SamplingParams, make_generator, sample
@@ -46,7 +48,7 @@ def timeline(engine, prompt: list[int], tokens: int, seed: int = 3) -> dict:
     gen = make_generator(seed, dev)
     now = time.monotonic_ns
     rows = []
-    c0 = box.counters.copy() if box is not None else None
+    c0 = c = box.counters.copy() if box is not None else None
     books0 = engine._compute.books.seconds if box is not None else 0.0
     with torch.inference_mode():
         logits = prefill(model, cache, 0, torch.tensor(prompt, dtype=torch.long, device=dev),
@@ -60,15 +62,21 @@ def timeline(engine, prompt: list[int], tokens: int, seed: int = 3) -> dict:
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
             ev[0].record()
             hidden = model(torch.tensor([token], dtype=torch.long, device=dev), StepBatch([0], [pos], [1]), cache)
+            if wake_at_launch and model.graphs is not None:
+                model.graphs.step_queued()  # the books woken at the replay, as before the twenty-ninth session
             t_enq = now()
             ev[1].record()
             logits = model.logits(hidden)[0]
             ev[2].record()
+            if model.graphs is not None:
+                model.graphs.step_queued()  # as `queue_decode` does once the step's work is queued
             t_logits_enq = now()
             torch.cuda.synchronize()
             t_done = now()
-            c = box.counters.copy() if box is not None else None
-            rows.append({"host_between_ms": (t_back - t_token) / 1e6,  # previous token back -> this one sampled
+            c_prev, c = c, box.counters.copy() if box is not None else None
+            rows.append({**({"kernel_ms": (int(c[2]) - int(c_prev[2])) / 1e6, "cpu_experts": int(c[0] - c_prev[0])}
+                            if c is not None else {}),
+                         "host_between_ms": (t_back - t_token) / 1e6,  # previous token back -> this one sampled
                          "launch_ms": (t_enq - t_back) / 1e6,
                          "step_gpu_ms": ev[0].elapsed_time(ev[1]), "logits_gpu_ms": ev[1].elapsed_time(ev[2]),
                          "enqueue_logits_ms": (t_logits_enq - t_enq) / 1e6, "step_wall_ms": (t_done - t_back) / 1e6,
@@ -85,6 +93,9 @@ def timeline(engine, prompt: list[int], tokens: int, seed: int = 3) -> dict:
     med = {k: round(statistics.median(r[k] for r in keep if k in r), 3) for k in keep[0] if any(k in r for r in keep)}
     wall = [rows[i + 1]["host_between_ms"] + rows[i + 1]["step_wall_ms"] for i in range(3, len(rows) - 1)]
     med["sample_alone_ms"] = round(sample_ms, 3)
+    if "kernel_ms" in keep[0]:  # a step's CPU kernel time: a mean far above the median is a few stalled steps
+        k = sorted(r["kernel_ms"] for r in keep)
+        med["kernel_ms_p90"], med["kernel_ms_mean"] = round(k[int(0.9 * (len(k) - 1))], 3), round(sum(k) / len(k), 3)
     med["token_ms"] = round(statistics.median(wall), 3) if wall else None
     out = {"median": med, "steps": len(rows)}
     if box is not None:  # the worker's clock over the prompt and the steps (CpuMailbox.timing), the books' Python
@@ -125,6 +136,7 @@ def main() -> None:
         name, *mods = case.split("+")
         cfg = configs[name]
         os.environ.pop("STRATA_MAILBOX_GPU_SHARE", None)
+        os.environ.pop("STRATA_CPU_THREADS", None)
         sys.setswitchinterval(switch)
         ce.configure(spin_us=ce.spin_us())
         cpu_mailbox.SPIN_NS = wspin
@@ -137,9 +149,11 @@ def main() -> None:
                 ce.configure(spin_us=int(mod[4:]))
             elif mod.startswith("wspin"):  # how long the mailbox worker polls without sleeping after a layer, us
                 cpu_mailbox.SPIN_NS = int(mod[5:]) * 1000
+            elif mod[0] == "t" and mod[1:].isdigit():  # the mailbox kernel's threads ($STRATA_CPU_THREADS)
+                os.environ["STRATA_CPU_THREADS"] = mod[1:]
             elif mod == "nopromote":
                 cfg = {**cfg, "policy": {"promote": False}}
-            elif mod != "nobooks":
+            elif mod not in ("nobooks", "wakeatlaunch"):
                 raise SystemExit(f"unknown modifier {mod!r}")
         engine = Engine.from_pretrained(args.model, config=cfg, device="cuda")
         vocab = engine.checkpoint.config.vocab_size
@@ -150,7 +164,7 @@ def main() -> None:
             engine.generate(prompt, max_tokens=8, temperature=1.0, seed=2)
         if "nobooks" in mods and engine._compute.books is not None:  # no bookkeeping at all during the steps
             engine._compute.books.close()
-        res = {"case": case, **timeline(engine, prompt, args.tokens)}
+        res = {"case": case, **timeline(engine, prompt, args.tokens, wake_at_launch="wakeatlaunch" in mods)}
         if engine.model.graphs is not None:
             res["graph_modes"] = sorted({key[3] for key in engine.model.graphs.graphs})
         if (share := getattr(engine._compute, "gpu_share", None)) is not None:

@@ -56,6 +56,39 @@ def test_graphs_are_captured_again_after_every_graph_was_freed(plain_tiny):
         assert not g.graphs  # the cache's graphs went with it
 
 
+@pytest.mark.gpu
+def test_after_launch_runs_once_the_steps_work_is_queued(plain_tiny):
+    """`DecodeGraphs.after_launch` (the mailbox books' wake) runs once per replayed step, after `queue_decode` has
+    queued the step's LM head and sampling, never inside the replay; a caller that does not call `step_queued`
+    gets it at its next step's start."""
+    from strata.runtime.overlap import queue_decode
+    from strata.runtime.sampler import SamplingParams, make_generator
+
+    eng = Engine.from_pretrained(plain_tiny, device="cuda", config={"runtime": {"experts": "memory"}})
+    g, model, events = eng.model.graphs, eng.model, []
+    g.after_launch = lambda: events.append("wake")
+    logits = model.logits
+    model.logits = lambda hidden: (events.append("logits"), logits(hidden))[1]
+    cache = KVCache(model.cfg, 1, 256, eng.dtype, "cuda")
+    sampler = [(SamplingParams(max_tokens=8), make_generator(0, "cuda"))]
+    with torch.inference_mode():
+        model(torch.arange(5, 15, device="cuda"), StepBatch([0], [0], [10]), cache)
+        ids = torch.tensor([7], device="cuda")
+        for t in range(5):
+            ids = queue_decode(model, cache, [0], [10 + t], ids, sampler).tokens
+        assert g.replays >= 3 and events.count("wake") == g.replays
+        assert all(events[i - 1] == "logits" for i, e in enumerate(events) if e == "wake")
+        n = len(events)
+        model(ids, StepBatch([0], [15], [1]), cache)  # replayed; its caller never says the step is queued
+        assert events[n:] == []
+        model(ids, StepBatch([0], [16], [1]), cache)  # the last step's hook runs before this one is launched
+        assert events[n:] == ["wake"]
+        g.step_queued()
+        g.step_queued()  # once per step
+        assert events[n:] == ["wake", "wake"]
+    eng.close()
+
+
 def assert_batched_decode_identical(eager: Engine, graphs: Engine, steps: int) -> None:
     """Batched decode of 3 sequences at different lengths, straight through both models: equal hidden states."""
     caches = [KVCache(m.model.cfg, 3, 1024, m.dtype, "cuda") for m in (eager, graphs)]

@@ -186,9 +186,11 @@ class DecodeGraphs:
         self.captures = 0
         self.failed: dict[str, str] = {}  # mode -> why its capture failed (that mode then runs eagerly)
         self.before_step: Callable[[], None] | None = None  # run before each graph step (e.g. the mailbox's checks)
-        # run once a step's graph is launched, while the GPU works (e.g. waking the mailbox's books, whose Python
-        # thread would otherwise hold the GIL the launch needs)
+        # run once the caller has queued all of a replayed step's work (`step_queued`), while the GPU works: e.g.
+        # waking the mailbox's books, whose Python thread would otherwise hold the GIL the launch and the step's
+        # LM head, sampling and read-back need
         self.after_launch: Callable[[], None] | None = None
+        self._launched = False  # a step was replayed and `after_launch` has not run for it yet
         self.eager_shapes: dict[tuple, str] = {}  # graph key -> why that shape alone runs eagerly
 
     def run(self, input_ids: torch.Tensor, batch: StepBatch, cache: KVCache) -> torch.Tensor:
@@ -196,6 +198,7 @@ class DecodeGraphs:
         n = len(batch.slots)
         kv_len = kv_bucket(max(batch.starts), cache.max_len)
         meta = torch.tensor([batch.slots, batch.starts], dtype=torch.int64).pin_memory()
+        self.step_queued()  # a caller that did not say so: the last step's hook runs now, before this one
         mode = self.mode() if n <= MAX_GRAPH_BATCH else None
         if mode in self.failed:
             mode = None
@@ -222,12 +225,20 @@ class DecodeGraphs:
         g.ids.copy_(input_ids, non_blocking=True)
         g.meta.copy_(meta, non_blocking=True)
         g.graph.replay()
-        if self.after_launch is not None:
-            self.after_launch()
+        self._launched = self.after_launch is not None
         if g.engram is not None:
             g.engram.replayed()
         self.replays += 1
         return g.out.clone()
+
+    def step_queued(self) -> None:
+        """The caller has queued everything of the step it ran last (LM head, sampling, the tokens' read-back) and
+        is about to wait for the GPU: `after_launch` runs now, once per replayed step. (Run right after the
+        replay, the books' Python held the GIL for ~1 ms while the decoding thread still had the step's LM head
+        and sampling to queue.)"""
+        if self._launched:
+            self._launched = False
+            self.after_launch()
 
     def _capture(self, key, input_ids, meta, kv_len, cache, mode: str, step=None) -> torch.Tensor:
         """Run the step for real on a side stream (warm-up, its result is returned), then capture it."""

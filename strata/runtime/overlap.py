@@ -68,4 +68,7 @@ def queue_decode(model, cache: KVCache, slots: list[int], starts: list[int], ids
         logits = model.logits(model(ids, StepBatch(slots, starts, [1] * len(slots)), cache))  # [B, V] fp32
         rows = [sample(logits[i : i + 1], params, gen) for i, (params, gen) in enumerate(samplers)]
         out = rows[0] if len(rows) == 1 else torch.cat(rows)  # one stream: no copy kernel a step
-    return QueuedStep(out, TokenReadback(out), time.perf_counter())
+    step = QueuedStep(out, TokenReadback(out), time.perf_counter())
+    if (graphs := getattr(model, "graphs", None)) is not None:
+        graphs.step_queued()  # all of the step is queued: what waits for that runs while the GPU works
+    return step

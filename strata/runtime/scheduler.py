@@ -282,6 +282,8 @@ class Scheduler:
                             seq.prompt_lp = PromptLogprobs(seq.req.prompt_logprobs)
                         seq.prompt_lp.feed(seq.req.prompt_ids, self.engine.model.logits(hidden[off : off + len(inp)]),
                                            start, len(inp))
+                if (graphs := self.engine.model.graphs) is not None:
+                    graphs.step_queued()  # the step's LM head is queued; its sampling waits for the GPU anyway
         finally:
             if compute is not None:
                 compute.reproducible = was
