@@ -2,7 +2,9 @@
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
 #   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|twentyninth|twentyninth-b|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
-# fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet).
+# fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet; pydantic is not on it either):
+# `bash bench/box_wheels.sh` fetches them here.
+# SKIP_TESTS=1: the modes that start with every GPU test skip them.
 # The box's copy of the tree carries stale git metadata: put the local commit into the command, e.g.
 # `STRATA_BENCH_COMMIT=<git rev-parse HEAD here> bash bench/h200_session.sh suite`, for the suite to record it.
 set -u
@@ -139,7 +141,7 @@ case "$1" in
       --cases 'split/*/*/p8192x1' 2>&1 | grep -E '^(split|wrote)' | cut -c1-200 ;;
   fifteenth)  # ran once, with code ead0f1f (prefill_keeps_resident then off by default): the GPU tests, then an 8K
                # prompt at the default chunk ("auto": then 5,120 for the bench model), one 8,192 chunk, residents kept
-    timeout 270 python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
+    [ -n "${SKIP_TESTS:-}" ] || { timeout 270 python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"; }
     for r in uniform 1.0; do
       python3 -m strata demo-model /dev/shm/b4-$r --size bench --layers 4 --no-engram --route-skew $r > /dev/null 2>&1
       prefill_run /dev/shm/b4-$r "default-1-$r" -1 1.12 false
@@ -280,7 +282,7 @@ case "$1" in
     PREFILL=0 timeout 100 bash "$0" hotpath uniform "${3:-split,split+norouter+noresidual}" ;;
   nineteenth-c)  # every GPU test at this code (kvikio's rapids-logger wheel now carried), then the suite's 25% cases at one
     # stream with the uniform ablations that were last measured in run B (cfcce9b), all in one run for their ratios
-    timeout 270 python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
+    [ -n "${SKIP_TESTS:-}" ] || { timeout 270 python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"; }
     grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.txt" | head
     rm -rf /dev/shm/b12* /dev/shm/sc
     timeout 310 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 290 --out "$OUT/suite-b25" --cases \
@@ -421,7 +423,7 @@ case "$1" in
                 # above 25% (run AE: the step's ends grow to 0.73 / 1.19 ms at 40 / 50%): bench/step_timeline.py on
                 # the suite's skewed checkpoint with the books and the promotions off, at 50% and 25%, and the 50%
                 # suite case with promotions off, alternated 2 x 2
-    timeout 270 python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
+    [ -n "${SKIP_TESTS:-}" ] || { timeout 270 python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"; }
     [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
       --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
     for f in 0.5 0.25; do
