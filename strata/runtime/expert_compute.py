@@ -265,8 +265,9 @@ class ExpertCompute(CpuCompute):
             raise
 
     def mailbox_launched(self) -> None:
-        """After a graph step is launched: the mailbox's books run now, while the GPU works and the decoding thread
-        waits for it (run before the launch, their Python held the GIL the launch needed)."""
+        """Once a graph step and its LM head, sampling and read-back are queued (`DecodeGraphs.step_queued`): the
+        mailbox's books run now, while the GPU works and the decoding thread waits for it (run before the launch,
+        their Python held the GIL the launch needed; right after the replay, the GIL the LM head's enqueue needed)."""
         if self.books is not None:
             self.books.launched()
 
