@@ -404,7 +404,7 @@ def test_engine_stats_say_why_one_graph_decode_is_off(tiny_model_dir):
 
 @needs_kernel
 def test_books_run_after_the_launch_not_before(tiny_model_dir, tmp_path):
-    """The books' thread is woken once a step is launched (`launched`), not by the pre-launch checks (`step`):
+    """The books' thread is woken once a step's work is queued (`queued`), not by the pre-launch checks (`step`):
     its Python would hold the GIL the launch needs. Each layer the worker served is booked once."""
     import time
 
@@ -427,7 +427,7 @@ def test_books_run_after_the_launch_not_before(tiny_model_dir, tmp_path):
         books.step()
         # the checks alone wake nobody (the thread's own 50 ms timed wake-up may still book it: not asserted)
         assert not books._wake.is_set()
-        books.launched()
+        books.queued()
         deadline = time.monotonic() + 5
         while not promoted and time.monotonic() < deadline:
             time.sleep(0.005)

@@ -57,8 +57,8 @@ def test_graphs_are_captured_again_after_every_graph_was_freed(plain_tiny):
 
 
 @pytest.mark.gpu
-def test_after_launch_runs_once_the_steps_work_is_queued(plain_tiny):
-    """`DecodeGraphs.after_launch` (the mailbox books' wake) runs once per replayed step, after `queue_decode` has
+def test_after_queued_runs_once_the_steps_work_is_queued(plain_tiny):
+    """`DecodeGraphs.after_queued` (the mailbox books' wake) runs once per replayed step, after `queue_decode` has
     queued the step's LM head and sampling, never inside the replay; a caller that does not call `step_queued`
     gets it at its next step's start."""
     from strata.runtime.overlap import queue_decode
@@ -66,7 +66,7 @@ def test_after_launch_runs_once_the_steps_work_is_queued(plain_tiny):
 
     eng = Engine.from_pretrained(plain_tiny, device="cuda", config={"runtime": {"experts": "memory"}})
     g, model, events = eng.model.graphs, eng.model, []
-    g.after_launch = lambda: events.append("wake")
+    g.after_queued = lambda: events.append("wake")
     logits = model.logits
     model.logits = lambda hidden: (events.append("logits"), logits(hidden))[1]
     cache = KVCache(model.cfg, 1, 256, eng.dtype, "cuda")

@@ -131,7 +131,7 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
         model.enable_decode_graphs(lambda: None if not cfg.runtime.cuda_graphs
                                    else "full" if compute.all_resident() and not host_rows
                                    else "mailbox" if not host_rows and compute.mailbox_ready() else "segmented")
-        model.graphs.before_step, model.graphs.after_launch = compute.mailbox_step, compute.mailbox_launched
+        model.graphs.before_step, model.graphs.after_queued = compute.mailbox_step, compute.mailbox_queued
     if cfg.prefetch.lookahead > 0:
         model.after_layer = attach_prefetcher(compute, router_predictors(model), cfg)
     start_placement(manager, cfg)

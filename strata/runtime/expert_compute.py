@@ -264,12 +264,12 @@ class ExpertCompute(CpuCompute):
             self.close_mailbox()
             raise
 
-    def mailbox_launched(self) -> None:
+    def mailbox_queued(self) -> None:
         """Once a graph step and its LM head, sampling and read-back are queued (`DecodeGraphs.step_queued`): the
         mailbox's books run now, while the GPU works and the decoding thread waits for it (run before the launch,
         their Python held the GIL the launch needed; right after the replay, the GIL the LM head's enqueue needed)."""
         if self.books is not None:
-            self.books.launched()
+            self.books.queued()
 
     def mailbox_stats(self) -> dict:
         """One-graph split decode's state: whether it runs (and why not), the worker's own totals, the GPU share."""

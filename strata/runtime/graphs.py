@@ -189,8 +189,8 @@ class DecodeGraphs:
         # run once the caller has queued all of a replayed step's work (`step_queued`), while the GPU works: e.g.
         # waking the mailbox's books, whose Python thread would otherwise hold the GIL the launch and the step's
         # LM head, sampling and read-back need
-        self.after_launch: Callable[[], None] | None = None
-        self._launched = False  # a step was replayed and `after_launch` has not run for it yet
+        self.after_queued: Callable[[], None] | None = None
+        self._launched = False  # a step was replayed and `after_queued` has not run for it yet
         self.eager_shapes: dict[tuple, str] = {}  # graph key -> why that shape alone runs eagerly
 
     def run(self, input_ids: torch.Tensor, batch: StepBatch, cache: KVCache) -> torch.Tensor:
@@ -225,7 +225,7 @@ class DecodeGraphs:
         g.ids.copy_(input_ids, non_blocking=True)
         g.meta.copy_(meta, non_blocking=True)
         g.graph.replay()
-        self._launched = self.after_launch is not None
+        self._launched = self.after_queued is not None
         if g.engram is not None:
             g.engram.replayed()
         self.replays += 1
@@ -233,12 +233,12 @@ class DecodeGraphs:
 
     def step_queued(self) -> None:
         """The caller has queued everything of the step it ran last (LM head, sampling, the tokens' read-back) and
-        is about to wait for the GPU: `after_launch` runs now, once per replayed step. (Run right after the
+        is about to wait for the GPU: `after_queued` runs now, once per replayed step. (Run right after the
         replay, the books' Python held the GIL for ~1 ms while the decoding thread still had the step's LM head
         and sampling to queue.)"""
         if self._launched:
             self._launched = False
-            self.after_launch()
+            self.after_queued()
 
     def _capture(self, key, input_ids, meta, kv_len, cache, mode: str, step=None) -> torch.Tensor:
         """Run the step for real on a side stream (warm-up, its result is returned), then capture it."""

@@ -46,7 +46,7 @@ class MailboxBooks:
         if self.ahead is not None:
             self.ahead.apply()
 
-    def launched(self) -> None:
+    def queued(self) -> None:
         """Once the step's work is queued: wake the thread, whose Python (~0.5-1 ms a step on the H200 box) then runs
         while the GPU works and the decoding thread waits for it, instead of holding the GIL the launch needs."""
         self._wake.set()
