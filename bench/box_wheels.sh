@@ -7,6 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .whl
+rm -f .whl/*.whl  # two versions of one package stop the box's whole install: start from none
 PKGS=(fastapi starlette uvicorn h11 annotated-doc opentelemetry-api pydantic==2.13.4 pydantic-core==2.46.4 annotated-types
       typing-inspection anyio prometheus-client aiofiles msgpack xxhash kvikio-cu13 libkvikio-cu13 rapids-logger)
 for p in "${PKGS[@]}"; do

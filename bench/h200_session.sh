@@ -10,6 +10,11 @@
 set -u
 export PYTHONPATH=/tmp/site:$PWD STRATA_CACHE=/dev/shm/sc
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
+# every GPU test, into $OUT/gpu_tests.txt, its last $1 lines shown (default 3); none with SKIP_TESTS=1
+gpu_tests() {
+  [ -n "${SKIP_TESTS:-}" ] || { timeout 270 python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1
+                                tail -"${1:-3}" "$OUT/gpu_tests.txt"; }
+}
 # one bench/profile_prefill.py run of an 8K prompt: $1 checkpoint dir, $2 label, $3 chunk (-1: the config's, 0: the
 # whole prompt), $4 GPU budget in GiB, $5 runtime.prefill_keeps_resident ("": the default)
 prefill_run() {
@@ -19,7 +24,7 @@ prefill_run() {
 }
 case "$1" in
   tests)
-    timeout 270 python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -5 "$OUT/gpu_tests.txt"
+    gpu_tests 5
     timeout 60 python3 -m pytest -q tests/test_engram_verify.py 2>&1 | tail -2 ;;  # its pinned path pins on CUDA
   hotpath)  # $2 = route skew ("uniform" or a Zipf exponent), $3 = cases (default below)
     python3 -m strata demo-model "/dev/shm/b12-$2" --size bench --layers 12 --no-engram --route-skew "$2" > /dev/null 2>&1
@@ -141,7 +146,7 @@ case "$1" in
       --cases 'split/*/*/p8192x1' 2>&1 | grep -E '^(split|wrote)' | cut -c1-200 ;;
   fifteenth)  # ran once, with code ead0f1f (prefill_keeps_resident then off by default): the GPU tests, then an 8K
                # prompt at the default chunk ("auto": then 5,120 for the bench model), one 8,192 chunk, residents kept
-    [ -n "${SKIP_TESTS:-}" ] || { timeout 270 python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"; }
+    gpu_tests
     for r in uniform 1.0; do
       python3 -m strata demo-model /dev/shm/b4-$r --size bench --layers 4 --no-engram --route-skew $r > /dev/null 2>&1
       prefill_run /dev/shm/b4-$r "default-1-$r" -1 1.12 false
@@ -282,7 +287,7 @@ case "$1" in
     PREFILL=0 timeout 100 bash "$0" hotpath uniform "${3:-split,split+norouter+noresidual}" ;;
   nineteenth-c)  # every GPU test at this code (kvikio's rapids-logger wheel now carried), then the suite's 25% cases at one
     # stream with the uniform ablations that were last measured in run B (cfcce9b), all in one run for their ratios
-    [ -n "${SKIP_TESTS:-}" ] || { timeout 270 python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"; }
+    gpu_tests
     grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.txt" | head
     rm -rf /dev/shm/b12* /dev/shm/sc
     timeout 310 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 290 --out "$OUT/suite-b25" --cases \
@@ -423,7 +428,7 @@ case "$1" in
                 # above 25% (run AE: the step's ends grow to 0.73 / 1.19 ms at 40 / 50%): bench/step_timeline.py on
                 # the suite's skewed checkpoint with the books and the promotions off, at 50% and 25%, and the 50%
                 # suite case with promotions off, alternated 2 x 2
-    [ -n "${SKIP_TESTS:-}" ] || { timeout 270 python3 -m pytest -q -m gpu tests > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"; }
+    gpu_tests
     [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
       --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
     for f in 0.5 0.25; do

@@ -69,6 +69,6 @@ def queue_decode(model, cache: KVCache, slots: list[int], starts: list[int], ids
         rows = [sample(logits[i : i + 1], params, gen) for i, (params, gen) in enumerate(samplers)]
         out = rows[0] if len(rows) == 1 else torch.cat(rows)  # one stream: no copy kernel a step
     step = QueuedStep(out, TokenReadback(out), time.perf_counter())
-    if (graphs := getattr(model, "graphs", None)) is not None:
+    if (graphs := model.graphs) is not None:
         graphs.step_queued()  # all of the step is queued: what waits for that runs while the GPU works
     return step
