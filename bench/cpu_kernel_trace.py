@@ -1,7 +1,8 @@
 """Where the CPU expert kernel's time goes on one decode layer's share, by phase, and what its scheduling knobs do.
 
     python bench/cpu_kernel_trace.py [--threads 12] [--calls 200] [--gap-us 80]
-                                     [--knobs "claim_ahead=0,down_split=0;claim_ahead=4,down_split=1"] [--out DIR]
+                                     [--knobs "claim_ahead=0,down_split=0;claim_ahead=4,down_split=1"]
+                                     [--warm] [--own MB] [--out DIR]
 
 The mailbox worker calls the kernel once per MoE layer with ~80 us of GPU work between calls (skewed routing,
 25% budget: ~1.6 cold experts a layer, ~60% of each computed here). Fitting the kernel's time against the bytes
@@ -46,11 +47,13 @@ def spin(us: float) -> None:
 
 
 def run_share(pool: torch.Tensor, experts: int, frac: float, packed: bool, calls: int, threads: int, gap_us: float,
-              rng: np.random.Generator, warm: bool = False) -> dict:
+              rng: np.random.Generator, warm: bool = False, own: int = 0) -> dict:
     """`calls` kernel calls on `experts` fresh experts each (`frac` of their rows), traced. With `warm`, each call's
     experts are first read once on the kernel's pool (`read_sweep`, untimed), as a worker that knew the next
     layer's cold experts could do while the GPU runs that layer's attention: the kernel then reads them from the
-    caches (L2/L3) instead of RAM."""
+    caches (L2/L3) instead of RAM. With `own` (bytes), up to that many bytes of their gate/up rows are read first
+    by the threads that will compute them (`warm_rows`, whole experts in order, untimed; the mailbox worker's
+    warm-ahead), and the kernel computes those rows on those threads."""
     rows = max(1, round(INTER * frac))
     ld = rows if packed else INTER
     gu_elems = 2 * INTER * HIDDEN
@@ -69,15 +72,22 @@ def run_share(pool: torch.Tensor, experts: int, frac: float, packed: bool, calls
             meta.extend((addr, addr + gu_elems * 2, idx.data_ptr(), w.data_ptr(), 1, rows, ld))
         if warm:
             ce.read_sweep([pool[int(e), : 3 * INTER * HIDDEN] for e in chosen], threads)
+        wrows = None
+        if own:
+            left, wrows = own, array.array("q")
+            for _ in chosen:
+                wrows.append(min(rows, left // (4 * HIDDEN)))
+                left -= wrows[-1] * 4 * HIDDEN
+            ce.warm_rows([base + int(e) * stride for e in chosen], wrows, HIDDEN, ld, threads)
         ce.trace(True)
-        ce.run_packed(x, meta, out, threads)
+        ce.run_packed(x, meta, out, threads, warm=wrows)
         for k, v in ce.trace(False).items():
             t[k] = t.get(k, 0) + v
         spin(gap_us)
     wall = time.perf_counter() - t0
     n = max(1, t["calls"])
     us = {k[:-3]: t[k] / n / 1e3 for k in t if k.endswith("_ns")}
-    return {"experts": experts, "fraction": frac, "packed": packed, "warm": warm, "bytes": t["bytes"] // n, "us": us,
+    return {"experts": experts, "fraction": frac, "packed": packed, "warm": warm, "own": own, "bytes": t["bytes"] // n, "us": us,
             "gbps": t["bytes"] / max(1, t["call_ns"]), "threads_joined": t["threads_joined"] / n,
             "phase1_chunks": t["phase1_chunks"] / n, "claimed_ahead": t["claimed_ahead"] / n, "wall_s": wall}
 
@@ -93,6 +103,8 @@ def main() -> None:
                          "session's changes)")
     ap.add_argument("--warm", action="store_true", help="also time every share with its experts read just before "
                     "(in the caches), with the first knob set")
+    ap.add_argument("--own", type=float, default=0.0, help="also time every share with up to this many MB of its "
+                    "gate/up rows read first by the threads that compute them (warm-ahead), with the first knob set")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     if ce.backend() == "torch":
@@ -137,6 +149,23 @@ def main() -> None:
                 print(f"{'warm' if warm else 'cold'} | {experts} x {frac:.2f} | {r['us']['call']:.1f} us | "
                       f"{r['gbps']:.1f} GB/s | gate/up {r['us']['phase1']:.1f} | down {r['us']['phase2']:.1f}")
                 results.append({"knobs": sets[0], "warm": warm, "shares": [r]})
+    if args.own:  # warm-ahead: each thread's piece read by itself just before, alternated with cold calls
+        ce.tune(**defaults)
+        ce.tune(**sets[0])
+        own = int(args.own * 1e6)
+        for experts, frac, packed in SHARES:
+            if packed:
+                continue
+            pair = {}
+            for k in (0, own, 0, own):
+                r = run_share(pool, experts, frac, packed, args.calls // 2, args.threads, args.gap_us, rng, own=k)
+                pair.setdefault(k, []).append(r)
+                results.append({"knobs": sets[0], "own": k, "shares": [r]})
+            cold = [r["us"]["call"] for r in pair[0]]
+            hot = [r["us"]["call"] for r in pair[own]]
+            print(f"own {args.own} MB | {experts} x {frac:.2f} | cold {cold[0]:.1f}, {cold[1]:.1f} us | read ahead "
+                  f"{hot[0]:.1f}, {hot[1]:.1f} us | gate/up {pair[0][0]['us']['phase1']:.1f} -> "
+                  f"{pair[own][0]['us']['phase1']:.1f}")
     ce.tune(**defaults)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

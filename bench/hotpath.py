@@ -51,6 +51,8 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
   aheadN         copy-ahead with a fixed budget of N bytes a layer ($STRATA_COPY_AHEAD=N)
   sm, ce         copy-ahead's tails copied by the SM kernel in the graph (the default; $STRATA_COPY_AHEAD_ENGINE=sm)
                  or by the mailbox worker's copier on the copy engine (ce: =copy)
+  warm, warmN    warm-ahead: the worker reads the next layer's predicted cold experts' gate/up rows into its
+                 threads' caches during the serial phase (copy-ahead's "cpu" engine; N: bytes a layer at most)
   grouped        runtime.grouped_prefill = true: prefill's experts through two grouped GEMMs a layer
   sync           runtime.overlap_decode = false: each token read on the host before the next step is queued
   host           runtime.split_decode = "host": host steps at every MoE layer (the cost model splits the cold
@@ -161,7 +163,13 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
         staged, used = (b - a for a, b in zip(a0, ahead.counts.tolist(), strict=True))
         res["copy_ahead"] = {"engine": ahead.engine, "budget_granules": ahead.value, "staged_MB_per_token": round(
             staged * ahead.granule_bytes / max(1, n) / 1e6, 2), "used_fraction": round(used / staged, 4) if staged else None}
-        if w0 is not None:  # copied by the worker (a plan found late is not), late plans, driver errors
+        if w0 is not None and ahead.engine == "cpu":  # warm-ahead: the worker's reads into its threads' caches
+            w = ahead.worker - w0
+            res["copy_ahead"] = {"engine": "cpu", "warm_bytes": ahead.warm_bytes, "plans_used": int(w[0]),
+                                 "plans_late": int(w[1]), "read_MB_per_token": round(w[2] / max(1, n) / 1e6, 2),
+                                 "read_us_per_plan": round(w[3] / max(1, w[0]) / 1e3, 1),
+                                 "computed_MB_per_token": round(w[4] / max(1, n) / 1e6, 2), "pieces_stolen": int(w[5])}
+        elif w0 is not None:  # copied by the worker (a plan found late is not), late plans, driver errors
             w = ahead.worker - w0
             res["copy_ahead"].update(copied_MB_per_token=round(w[1] / max(1, n) / 1e6, 2), plans_late=int(w[2]),
                                      copy_errors=int(w[3]))
@@ -316,6 +324,11 @@ def main() -> None:
                 env["STRATA_COPY_AHEAD"] = "0"
             elif mod in ("sm", "ce"):
                 env["STRATA_COPY_AHEAD_ENGINE"] = "sm" if mod == "sm" else "copy"
+            elif mod == "warm" or (mod.startswith("warm") and mod[4:].isdigit()):
+                cfg = {**cfg, "runtime": {**cfg.get("runtime", {}), "copy_ahead": True}}
+                env["STRATA_COPY_AHEAD_ENGINE"] = "cpu"
+                if mod[4:]:
+                    env["STRATA_COPY_AHEAD"] = mod[4:]
             elif mod.startswith("ahead") and mod[5:].isdigit():
                 env["STRATA_COPY_AHEAD"] = mod[5:]
             elif mod.startswith("spin"):

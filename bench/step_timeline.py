@@ -4,7 +4,8 @@ worker's clock on one timeline (all CLOCK_MONOTONIC).
     python bench/step_timeline.py --model DIR [--gpu-fraction 0.25] [--tokens 48] [--cases split,ceiling] [--out DIR]
 
 Modifiers (`split+spin100+nobooks`): shareX, swN (GIL switch interval, us), spinN (the kernel's idle spin, us),
-wspinN (the mailbox worker's polling spin, us), tN (the kernel's threads), nopromote, nobooks, wakeatlaunch (the books
+wspinN (the mailbox worker's polling spin, us), tN (the kernel's threads), warm / warmN (warm-ahead, hotpath's
+modifier), nopromote, nobooks, wakeatlaunch (the books
 woken right after the replay, as before the twenty-ninth session, not once the step's LM head is queued). (`park`, the kernel's workers sleeping after a
 step's last layer, was measured in the twelfth session, changed nothing beyond noise and was removed.)
 
@@ -137,6 +138,8 @@ def main() -> None:
         cfg = configs[name]
         os.environ.pop("STRATA_MAILBOX_GPU_SHARE", None)
         os.environ.pop("STRATA_CPU_THREADS", None)
+        os.environ.pop("STRATA_COPY_AHEAD_ENGINE", None)
+        os.environ.pop("STRATA_COPY_AHEAD", None)
         sys.setswitchinterval(switch)
         ce.configure(spin_us=ce.spin_us())
         cpu_mailbox.SPIN_NS = wspin
@@ -153,6 +156,11 @@ def main() -> None:
                 os.environ["STRATA_CPU_THREADS"] = mod[1:]
             elif mod == "nopromote":
                 cfg = {**cfg, "policy": {"promote": False}}
+            elif mod == "warm" or (mod.startswith("warm") and mod[4:].isdigit()):  # warm-ahead (hotpath's modifier)
+                cfg = {**cfg, "runtime": {**cfg.get("runtime", {}), "copy_ahead": True}}
+                os.environ["STRATA_COPY_AHEAD_ENGINE"] = "cpu"
+                if mod[4:]:
+                    os.environ["STRATA_COPY_AHEAD"] = mod[4:]
             elif mod not in ("nobooks", "wakeatlaunch"):
                 raise SystemExit(f"unknown modifier {mod!r}")
         engine = Engine.from_pretrained(args.model, config=cfg, device="cuda")
@@ -169,6 +177,8 @@ def main() -> None:
             res["graph_modes"] = sorted({key[3] for key in engine.model.graphs.graphs})
         if (share := getattr(engine._compute, "gpu_share", None)) is not None:
             res["gpu_share"] = round(share.value, 3)
+        if (ahead := getattr(engine._compute, "copy_ahead", None)) is not None:
+            res["copy_ahead"] = ahead.stats()  # (over the whole run, warm-up included)
         out["cases"].append(res)
         print(json.dumps(res), flush=True)
         engine.close()

@@ -243,6 +243,29 @@ def test_one_graph_split_decode_with_copy_ahead_follows_memory(tmp_path, monkeyp
     assert computed[str(2 * 3072)] < computed["0"]  # bytes a served expert
 
 
+@pytest.mark.gpu
+def test_one_graph_split_decode_with_warm_ahead_changes_no_token(tmp_path, monkeypatch):
+    """Copy-ahead's "cpu" engine (warm-ahead): the worker reads the next layer's predicted cold experts into its
+    threads' caches; nothing is staged and the split is untouched, so at a fixed share the 16 tokens are those of
+    the run without it, bit for bit, and the worker computed rows it had read ahead."""
+    from mailbox_engines import one_graph_decode, tiny_split_setup
+
+    model, cfg, ids, want = tiny_split_setup(tmp_path)
+    monkeypatch.setenv("STRATA_MAILBOX_GPU_SHARE", "0.35")
+    monkeypatch.setenv("STRATA_COPY_AHEAD_ENGINE", "cpu")
+    tokens = {}
+    for ahead in ("0", str(1 << 20)):
+        monkeypatch.setenv("STRATA_COPY_AHEAD", ahead)
+        with one_graph_decode(model, cfg, ids, want) as (tiered, read, groups):
+            assert (tiered._compute.copy_ahead is None) == (ahead == "0")
+            tokens[ahead] = tiered.generate(ids, max_tokens=16).token_ids
+            if ahead != "0":
+                stats = tiered._compute.mailbox_stats()["copy_ahead"]
+    assert tokens["0"] == tokens[str(1 << 20)]
+    assert stats["engine"] == "cpu" and stats["warm_bytes"] == 1 << 20
+    assert stats["plans_used"] > 0 and stats["read_bytes"] > 0 and stats["computed_bytes"] > 0
+
+
 def _copy_ahead(budget_bytes=None):
     from strata.runtime.copy_ahead import CopyAhead
 

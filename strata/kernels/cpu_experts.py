@@ -63,7 +63,7 @@ from collections.abc import Sequence
 import torch
 
 from strata.kernels.cpu_experts_build import build_and_open, one_line
-from strata.kernels.cpu_kernel_tuning import TRACE_FIELDS, TUNE_KEYS, env_knobs, read_sweep, trace, tune  # noqa: F401
+from strata.kernels.cpu_kernel_tuning import TRACE_FIELDS, TUNE_KEYS, env_knobs, read_sweep, trace, tune, warm_rows  # noqa: F401
 from strata.kernels.experts import expert_swiglu
 
 log = logging.getLogger(__name__)
@@ -233,18 +233,24 @@ def max_tokens() -> int:
 
 
 def run_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads: int | None = None, *,
-               backend: str | None = None) -> bool:
+               backend: str | None = None, warm: array.array | None = None) -> bool:
     """The compiled kernel on pre-packed arguments, for callers that hold experts by address (the tier
     manager's pinned slots): x32 [N, H] fp32 contiguous; meta rows of `META` int64 (gate_up address, down
     address, token-index address (int64), weight address (fp32), T, rows, I) for bf16 experts, computing each
     expert's first `rows` of its I intermediate rows (all I, or the CPU's part of a split expert); out [N, H] fp32
-    contiguous, added into. Returns False, doing nothing, when the compiled kernel is not in use."""
+    contiguous, added into. warm: int64 per expert, the leading rows `warm_rows` read ahead on the same thread
+    count (`cpu_kernel_tuning.warm_rows`: each thread computes its own piece of them first; results unchanged). Returns False, doing nothing,
+    when the compiled kernel is not in use."""
     name = _resolve(backend)
     if name == "torch" or not meta:
         return bool(not meta and name != "torch")
     N, H = x32.shape
-    _check(_lib.strata_cpu_experts(_ISA[name], x32.data_ptr(), N, H, len(meta) // META, meta.buffer_info()[0],
-                                   out.data_ptr(), int(threads or default_threads())), name, N)
+    E = len(meta) // META
+    if warm is not None and len(warm) != E:
+        raise ValueError(f"warm has {len(warm)} entries for {E} experts")
+    _check(_lib.strata_cpu_experts_warm(_ISA[name], x32.data_ptr(), N, H, E, meta.buffer_info()[0],
+                                        warm.buffer_info()[0] if warm is not None else None, out.data_ptr(),
+                                        int(threads or default_threads()), None), name, N)
     return True
 
 
@@ -315,6 +321,14 @@ def mailbox_ahead(handle: int, cfg, next_layers, plans: int, flag_host: int, fla
         return -1
     return int(_lib.strata_mailbox_ahead(handle, cfg.ctypes.data, next_layers.ctypes.data, plans, flag_host,
                                          flag_dev.ctypes.data, counters.ctypes.data))
+
+
+def mailbox_warm(handle: int, next_layers, plans: int, slots: int, nbytes: int, counters) -> int:
+    """Give the mailbox worker `handle` its warm-ahead (csrc/cpu_mailbox.cpp, `strata_mailbox_warm`): next_layers
+    and counters int64 numpy arrays, plans the address of copy-ahead's page-locked plans. 0 on success."""
+    if not handle or _lib is None:
+        return -1
+    return int(_lib.strata_mailbox_warm(handle, next_layers.ctypes.data, plans, slots, nbytes, counters.ctypes.data))
 
 
 def stop_mailbox(handle: int, *keep) -> None:

@@ -75,6 +75,13 @@ def build_and_open() -> ctypes.CDLL:
     lib.strata_cpu_experts.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.strata_cpu_experts.restype = ctypes.c_int
+    lib.strata_cpu_experts_warm.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                            ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                            ctypes.c_int, ctypes.c_void_p]
+    lib.strata_cpu_experts_warm.restype = ctypes.c_int
+    lib.strata_cpu_warm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                    ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
+    lib.strata_cpu_warm.restype = ctypes.c_int64
     lib.strata_cpu_experts_start.argtypes = lib.strata_cpu_experts.argtypes
     lib.strata_cpu_experts_start.restype = ctypes.c_int
     lib.strata_cpu_experts_wait.argtypes = [ctypes.POINTER(ctypes.c_double)]
@@ -86,6 +93,9 @@ def build_and_open() -> ctypes.CDLL:
     lib.strata_mailbox_log_codes.argtypes = []
     lib.strata_mailbox_ahead.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 6
     lib.strata_mailbox_ahead.restype = ctypes.c_int
+    lib.strata_mailbox_warm.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                        ctypes.c_int64, ctypes.c_void_p]
+    lib.strata_mailbox_warm.restype = ctypes.c_int
     lib.strata_cpu_trace.argtypes = [ctypes.c_int, ctypes.c_void_p]
     lib.strata_cpu_trace.restype = ctypes.c_int
     lib.strata_cpu_tune.argtypes = [ctypes.c_int64, ctypes.c_int64]

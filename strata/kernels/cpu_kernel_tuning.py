@@ -98,3 +98,21 @@ def read_sweep(buffers: Sequence[torch.Tensor], threads: int | None = None) -> f
     lib.strata_cpu_read_sweep(ptrs.buffer_info()[0], sizes.buffer_info()[0], len(buffers),
                               int(threads or cpu_experts.default_threads()))
     return time.perf_counter() - t0
+
+
+def warm_rows(addresses: Sequence[int], rows: Sequence[int], hidden: int, inter: int,
+              threads: int | None = None) -> int:
+    """Read the gate/up weights of experts' leading `rows` (gate_up [2 inter, hidden] bf16 at each address) into
+    the caches of the kernel's threads, each thread the piece `run_packed(..., warm=rows)` with the same thread
+    count gives it: what the mailbox worker does for the next layer's predicted cold experts while the GPU runs
+    the serial part of a layer (csrc/cpu_mailbox.cpp). Returns the bytes read (0 without the compiled kernel)."""
+    from strata.kernels import cpu_experts
+
+    lib = _lib()
+    if lib is None or cpu_experts.backend() == "torch" or not addresses:
+        return 0
+    a, r = array.array("q", addresses), array.array("q", rows)
+    if len(a) != len(r):
+        raise ValueError("one row count per address")
+    return int(lib.strata_cpu_warm(a.buffer_info()[0], r.buffer_info()[0], len(a), hidden, inter,
+                                   int(threads or cpu_experts.default_threads()), None, 0))

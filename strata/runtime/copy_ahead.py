@@ -29,6 +29,12 @@ double-buffered by layer parity (layer l's in-place kernel may still read its ta
 The SM kernel is the default engine: on the H200 box the copy engine's tails landed before the next layer's pack
 for only 22-38% of layers (issuing 3 copies a tail and the copy itself outlast the ~75 us serial phase), and
 either engine was at best neutral on the temporal-locality checkpoint (bench/RESULTS.md, twenty-fifth session).
+
+A third, `"cpu"` (warm-ahead), copies nothing to VRAM: the plan (every predicted cold expert, in ascending order)
+goes to page-locked host memory as for `"copy"`, and once the mailbox worker has answered layer l it reads the
+gate/up rows of l+1's predicted cold experts into its threads' caches, each thread the rows the kernel will give
+it, until the GPU posts l+1 (csrc/cpu_mailbox.cpp, WarmCfg). The CPU idles through the serial phase otherwise;
+the next cold phase then reads those rows from L2 instead of RAM. The pack's split is untouched (`maps` is None).
 """
 
 from __future__ import annotations
@@ -62,14 +68,16 @@ class CopyAhead:
     # a longer copy lengthens the serial phase it hides in (the GPU gap 68, 77, 86 us against 64)
     AHEAD_US = 35.0
     AHEAD_US_COPY = 55.0  # the copy engine's: most of the ~70 us serial phase (its copies take no SMs from it)
+    WARM_BYTES = 8 << 20  # warm-ahead's gate/up bytes a layer at most: more than a ~60 us serial phase lets 12
+    # threads read (~5 MB at ~85 GB/s); the worker stops reading when the GPU posts the layer
 
     def __init__(self, addresses: np.ndarray, slot_of: torch.Tensor, share: GpuShare, predictors: dict[int, Predictor],
                  moe_layers: list[int], device: torch.device, slot_bytes: int, budget_bytes: int | None = None,
                  mailbox: CpuMailbox | None = None, engine: str = "sm"):
-        if engine not in ("sm", "copy"):
-            raise ValueError(f"copy-ahead engine must be 'sm' or 'copy', got {engine!r}")
-        if engine == "copy" and mailbox is None:
-            raise ValueError("the copy engine's copy-ahead is issued by the mailbox worker: give the mailbox")
+        if engine not in ("sm", "copy", "cpu"):
+            raise ValueError(f"copy-ahead engine must be 'sm', 'copy' or 'cpu', got {engine!r}")
+        if engine != "sm" and mailbox is None:
+            raise ValueError(f"copy-ahead's {engine!r} engine runs in the mailbox worker: give the mailbox")
         self.share, self.slot_of, self.device, self.engine, self.mailbox = share, slot_of, device, engine, mailbox
         self.table = torch.from_numpy(np.ascontiguousarray(addresses)).to(device)  # [L, E] int64
         layers = sorted(moe_layers)
@@ -83,11 +91,12 @@ class CopyAhead:
         self.down_elem = ex.down_offset // ex.dtype.itemsize
         self.granule_bytes = share.rows * 3 * self.hidden * ex.dtype.itemsize
         s = self.MAX_SLOTS
-        stages = 2 if engine == "copy" else 1  # by layer parity, or one set (the SM copy starts after l's reads)
-        self.stage = torch.empty((stages, s, slot_bytes), dtype=torch.uint8, device=device)  # VRAM staging slots
+        stages = {"copy": 2, "sm": 1, "cpu": 0}[engine]  # by layer parity, one set (the SM copy starts after l's
+        # reads), or none (warm-ahead stages nothing)
+        self.stage = torch.empty((max(1, stages), s, slot_bytes if stages else 0), dtype=torch.uint8, device=device)
         self.rows_map = torch.zeros((2, self.num_experts), dtype=torch.int32, device=device)  # by layer parity
         self.addr_map = torch.zeros((2, self.num_experts), dtype=torch.int64, device=device)
-        if engine == "copy":  # the copy lists the worker copies from, by layer parity: [tag, src[S], dst[S], rows[S]]
+        if engine != "sm":  # the lists the worker copies or reads from, by layer parity: [tag, src[S], dst[S], rows[S]]
             self.plans = torch.zeros((2, 1 + 3 * s), dtype=torch.int64, pin_memory=device.type == "cuda")  # host
             self._lists = [(p[1 : 1 + s], p[1 + s : 1 + 2 * s], p[1 + 2 * s :]) for p in self.plans]
         else:  # the SM kernel's copy list, on the device (one at a time: one stream)
@@ -100,6 +109,9 @@ class CopyAhead:
         self.fixed = budget_bytes is not None
         link_us = self.AHEAD_US_COPY if engine == "copy" else self.AHEAD_US
         self.value = self._granules(budget_bytes if self.fixed else link_us * 1e-6 * share.gpu_rate)
+        if engine == "cpu":  # every predicted cold expert listed whole; the worker reads `warm_bytes` of them
+            self.warm_bytes = int(budget_bytes) if self.fixed else self.WARM_BYTES
+            self.value = share.granules * s
         self.target = self.value
         self.budget = torch.tensor([self.value], dtype=torch.int32, device=device)  # [1] read by the step
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -115,6 +127,10 @@ class CopyAhead:
                                              self.hidden, ex.dtype.itemsize, ex.down_offset)
             if self.worker is None:
                 raise RuntimeError("the mailbox worker cannot issue copies here (no CUDA driver entry points)")
+        elif engine == "cpu":
+            self.worker = mailbox.warm_ahead(self.next_of, self.plans, s, self.warm_bytes)
+            if self.worker is None:
+                raise RuntimeError("the mailbox worker cannot read ahead (no compiled CPU kernel, or already set)")
 
     def _granules(self, nbytes: float) -> int:
         return max(0, int(nbytes // self.granule_bytes))
@@ -139,9 +155,10 @@ class CopyAhead:
             ids = self.predictors[nxt](hidden)  # [N, k]
             b = nxt % 2
             # the copy engine's list goes to host memory, tagged for the worker, its tails to this parity's slots
-            tag = (self.plans[b, 0:1], self.mailbox.gen, nxt) if self.engine == "copy" else None
+            tag = (self.plans[b, 0:1], self.mailbox.gen, nxt) if self.engine != "sm" else None
             stage = self.stage[b % len(self.stage)]
-            kernels.plan_ahead(ids.reshape(-1), self.slot_of[nxt], self.table[nxt], self.budget, stage.data_ptr(),
+            kernels.plan_ahead(ids.reshape(-1), self.slot_of[nxt], self.table[nxt], self.budget,
+                               stage.data_ptr() if stage.numel() else 0,
                                self.slot_bytes, self.MAX_SLOTS, self.share.granules, self.share.rows,
                                self.rows_map[b], self.addr_map[b], *self._lists[b], self.counts[0:1], tag=tag)
             self._hold.append(ids)
@@ -155,7 +172,9 @@ class CopyAhead:
         ev = self._planned_ev.get(layer)  # (this step's: the first layer's `predict` clears them)
         if ev is None:
             return None
-        torch.cuda.current_stream(self.device).wait_event(ev)
+        torch.cuda.current_stream(self.device).wait_event(ev)  # (joins the fork: a capture must see every one joined)
+        if self.engine == "cpu":  # warm-ahead's plan is the worker's alone: the split is untouched
+            return None
         b = layer % 2
         gate = (self.flags[layer : layer + 1], self.mailbox.gen, layer) if self.engine == "copy" else None
         return self.rows_map[b], self.addr_map[b], self.counts[1:2], gate
@@ -164,7 +183,7 @@ class CopyAhead:
         """After `layer`'s cold phase is enqueued on the step's stream: copy the next layer's planned tails once it is
         over (the link is free then), on the copy-ahead stream."""
         nxt = self.next_of.get(layer)
-        if nxt is None or nxt not in self._planned_ev or self.engine == "copy":  # (the worker copies those)
+        if nxt is None or nxt not in self._planned_ev or self.engine != "sm":  # (the worker copies or reads those)
             return
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
@@ -195,11 +214,17 @@ class CopyAhead:
             self._counts_host.copy_(self.counts, non_blocking=True)
 
     def stats(self) -> dict:
-        """Granules staged and used so far (as of a step or so ago), the budget a layer, the bytes of a granule."""
+        """Granules staged and used so far (as of a step or so ago), the budget a layer, the bytes of a granule; for
+        warm-ahead (engine "cpu") the worker's counts: plans used and late, bytes read ahead and the seconds it took,
+        bytes of read rows the kernel computed, pieces another thread computed."""
         staged, used = (int(v) for v in self._counts_host.tolist())
         out = {"engine": self.engine, "budget_granules": self.value, "granule_bytes": self.granule_bytes,
                "staged_granules": staged, "used_granules": used, "staged_MB": round(staged * self.granule_bytes / 1e6, 1),
                "used_fraction": round(used / staged, 4) if staged else None}
+        if self.worker is not None and self.engine == "cpu":
+            w = [int(v) for v in self.worker]
+            return {"engine": "cpu", "warm_bytes": self.warm_bytes, "plans_used": w[0], "plans_late": w[1],
+                    "read_bytes": w[2], "read_s": round(w[3] / 1e9, 4), "computed_bytes": w[4], "pieces_stolen": w[5]}
         if self.worker is not None:  # planned is not copied here: a plan the worker found late is skipped
             w = [int(v) for v in self.worker]
             out.update(copied_tails=w[0], copied_MB=round(w[1] / 1e6, 1), plans_late=w[2], copy_errors=w[3])

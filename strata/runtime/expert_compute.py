@@ -207,7 +207,8 @@ class ExpertCompute(CpuCompute):
         unless $STRATA_COPY_AHEAD says otherwise (A/B runs): "0" turns it off, a number N > 0 on with a fixed
         budget of N bytes a layer. Its tails are copied by the SM kernel in the graph; $STRATA_COPY_AHEAD_ENGINE=copy
         has the mailbox worker's copier issue them on the copy engine instead (where the driver's entry points are
-        found; else the SM kernel, with a warning)."""
+        found; else the SM kernel, with a warning), =cpu has the worker read the predicted experts' rows into its
+        threads' caches (warm-ahead; N: bytes read a layer at most)."""
         from strata.kernels import copy_ahead
         from strata.runtime.copy_ahead import CopyAhead
 
@@ -221,12 +222,12 @@ class ExpertCompute(CpuCompute):
         # "sm": the copy kernel in the graph (+7.4% without temporal locality); "copy": the worker's copy engine,
         # whose tails landed in time for only 22-38% of layers on the H200 box (bench/RESULTS.md, 25th session)
         engine = os.environ.get("STRATA_COPY_AHEAD_ENGINE", "sm")
-        if engine == "copy":
+        if engine in ("copy", "cpu"):  # the worker's copier, or its read-ahead into the CPU's caches (warm-ahead)
             try:
                 return CopyAhead(addresses, self.slot_of, self.gpu_share, self.predictors, self.moe_layers,
-                                 self.device, slot_bytes, budget_bytes=budget, mailbox=self.mailbox, engine="copy")
+                                 self.device, slot_bytes, budget_bytes=budget, mailbox=self.mailbox, engine=engine)
             except RuntimeError as e:
-                log.warning("strata: copy-ahead on the copy engine is not available (%s); copying with SMs", e)
+                log.warning("strata: copy-ahead's %s engine is not available (%s); copying with SMs", engine, e)
         return CopyAhead(addresses, self.slot_of, self.gpu_share, self.predictors, self.moe_layers, self.device,
                          slot_bytes, budget_bytes=budget)
 

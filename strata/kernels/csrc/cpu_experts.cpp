@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <cstring>
 #include <ctime>
+#include <memory>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -77,6 +78,7 @@ struct ExpertArg {
     int64_t T;
     int64_t I;   // the leading intermediate rows computed here: all (ld), or a split expert's CPU part
     int64_t ld;  // the expert's intermediate size: the row stride of down, and where up starts in gate_up
+    int64_t warm = 0;  // leading rows whose gate/up the pool read ahead (strata_cpu_warm): computed by the same threads
 };
 
 struct Chunk {
@@ -98,8 +100,28 @@ struct Job {
     bool down_split = false;  // phase 2 pairs a row from each half of a chunk (two streams) instead of adjacent rows
     int64_t claim_max = 0;  // down chunks a thread may claim and read ahead while phase 1 finishes (0 off, <= kMaxClaim)
     int64_t* trace = nullptr;  // tracing only: per thread [entered, phase 1 left, phase 2 begun, left] ns, claimed
-    std::atomic<int64_t> next1{0}, next2{0};  // next chunk to take, per phase
+    // Phase-1 chunks [0, n_static) are the warm rows' pieces (strata_cpu_warm's split): piece k belongs to thread
+    // k % P, which read its rows into its own caches; a piece its owner has not taken by the time a thread runs
+    // out of other work is taken by that thread (`taken`), so a late thread delays nobody.
+    int64_t n_static = 0, P = 1;
+    std::unique_ptr<std::atomic<int32_t>[]> taken;
+    std::atomic<int64_t> stolen{0};  // static pieces computed by a thread other than their owner
+    std::atomic<int64_t> next1{0}, next2{0};  // next chunk to take, per phase (phase 1: past the static pieces)
     std::atomic<int64_t> done1{0}, done2{0};  // chunks finished, per phase
+};
+
+// Thread t's piece of an expert's leading `warm` rows: [warm t / P, warm (t + 1) / P). strata_cpu_warm reads
+// exactly these rows on thread t, and the kernel computes them there first.
+inline int64_t warm_bound(int64_t warm, int64_t t, int64_t P) { return warm * t / P; }
+
+struct WarmJob {
+    const int64_t* addr = nullptr;  // [n] each expert's gate_up [2 ld, H] bf16
+    const int64_t* rows = nullptr;  // [n] leading rows to read (gate rows j and up rows ld + j)
+    int64_t n = 0, H = 0, ld = 0, P = 1;
+    const volatile int64_t* stop = nullptr;  // stop reading once *stop != stop_val (the next layer is posted)
+    int64_t stop_val = 0;
+    std::atomic<int64_t> bytes{0}, finished{0};
+    bool stopped() const { return stop && *stop != stop_val; }
 };
 
 struct ReadJob {
@@ -393,8 +415,12 @@ STRATA_API int64_t strata_cpu_tune(int64_t key, int64_t value) {
 // meta: E rows of STRATA_META int64: gate_up ptr, down ptr, idx ptr (int64), w ptr (fp32), T, I, ld: the expert's
 // first I of its ld intermediate rows (I < ld: the CPU's part of an expert split with the GPU, which computes the rest).
 // Returns 0, -1 (instruction set unavailable or bad sizes), -2 (token index out of range).
-STRATA_API int strata_cpu_experts(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
-                                  float* out, int threads) {
+// warm (optional, [E] int64): of each expert, the leading rows whose gate/up `strata_cpu_warm` read ahead on this
+// pool with the same thread count; each thread computes its own piece of them first (its caches hold them).
+// stolen (optional): set to how many of those pieces another thread computed. The results do not depend on it.
+STRATA_API int strata_cpu_experts_warm(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
+                                       const int64_t* warm, float* out, int threads, int64_t* stolen) {
+    if (stolen) *stolen = 0;
     if (N <= 0 || H <= 0 || E < 0) return -1;
     if (!(strata_cpu_isa_mask() & (1 << isa))) return -1;
     std::vector<ExpertArg> experts;
@@ -405,6 +431,7 @@ STRATA_API int strata_cpu_experts(int isa, const float* x, int64_t N, int64_t H,
                     reinterpret_cast<const int64_t*>(m[2]), reinterpret_cast<const float*>(m[3]), m[4], m[5], m[6]};
         if (a.T < 0 || a.I <= 0 || a.ld < a.I) return -1;
         if (a.T == 0) continue;
+        a.warm = warm ? std::clamp<int64_t>(warm[e], 0, a.ld) : 0;
         for (int64_t t = 0; t < a.T; ++t)
             if (a.idx[t] < 0 || a.idx[t] >= N) return -2;
         experts.push_back(a);
@@ -447,8 +474,20 @@ STRATA_API int strata_cpu_experts(int isa, const float* x, int64_t N, int64_t H,
     };
     const int64_t pair_bytes = 4 * H;  // one gate row + one up row
     const int64_t pairs = std::max<int64_t>(1, chunk_bytes(gate_up_bytes) / pair_bytes);
+    job.P = P;
+    for (int64_t e = 0; e < job.E; ++e) {  // the warm rows' pieces first (thread t's: index t mod P), clipped to I
+        const ExpertArg& ex = experts[e];
+        if (ex.warm <= 0) continue;
+        for (int64_t t = 0; t < P; ++t)
+            job.chunks1.push_back({e, std::min(ex.I, warm_bound(ex.warm, t, P)), std::min(ex.I, warm_bound(ex.warm, t + 1, P))});
+    }
+    job.n_static = static_cast<int64_t>(job.chunks1.size());
+    if (job.n_static) {
+        job.taken.reset(new std::atomic<int32_t>[size_t(job.n_static)]);
+        for (int64_t k = 0; k < job.n_static; ++k) job.taken[k].store(0, std::memory_order_relaxed);
+    }
     for (int64_t e = 0; e < job.E; ++e)
-        for (int64_t j = 0; j < experts[e].I; j += pairs)
+        for (int64_t j = std::min(experts[e].I, experts[e].warm); j < experts[e].I; j += pairs)
             job.chunks1.push_back({e, j, std::min(experts[e].I, j + pairs)});
     int64_t rows = std::max<int64_t>(2, chunk_bytes(down_row_bytes * H) / down_row_bytes);
     rows += rows & 1;
@@ -480,7 +519,59 @@ STRATA_API int strata_cpu_experts(int isa, const float* x, int64_t N, int64_t H,
         get_pool(P)->run(fn, &job);
     }
     if (job.trace) trace_add(job, P, t_call, t_run, gate_up_bytes + down_row_bytes * H);
+    if (stolen) *stolen = job.stolen.load();
     return 0;
+}
+
+STRATA_API int strata_cpu_experts(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
+                                  float* out, int threads) {
+    return strata_cpu_experts_warm(isa, x, N, H, E, meta, nullptr, out, threads, nullptr);
+}
+
+namespace {
+// Thread tid's piece of every expert's warm rows, gate row j and up row ld + j, one load a 64-byte line (volatile:
+// kept), so the kernel's static pieces find them in this core's L2. Stops early once *stop changes.
+void warm_job(void* ctx, int tid) {
+    WarmJob& job = *static_cast<WarmJob*>(ctx);
+    const int64_t row = 2 * job.H;  // bytes
+    int64_t bytes = 0;
+    for (int64_t e = 0; e < job.n; ++e) {
+        const auto* gu = reinterpret_cast<const volatile uint8_t*>(job.addr[e]);
+        const int64_t w = std::clamp<int64_t>(job.rows[e], 0, job.ld);  // as the kernel clamps it
+        for (int64_t j = warm_bound(w, tid, job.P); j < warm_bound(w, tid + 1, job.P); ++j) {
+            if (job.stopped()) goto done;
+            for (const int64_t r : {j, job.ld + j}) {
+                const volatile uint8_t* p = gu + r * row;
+                for (int64_t b = 0; b < row; b += 64) (void)p[b];
+            }
+            bytes += 2 * row;
+        }
+    }
+done:
+    job.bytes.fetch_add(bytes, std::memory_order_relaxed);
+    job.finished.fetch_add(1, std::memory_order_acq_rel);
+    // the caller keeps the job open until every thread has read its piece (unlike the kernel's chunks, a piece
+    // belongs to one thread), or until the next layer is posted
+    if (tid == 0) spin_until([&] { return job.finished.load(std::memory_order_acquire) == job.P || job.stopped(); });
+}
+}  // namespace
+
+// Read the gate/up weights of experts' leading rows into the caches of the pool's threads, each thread the piece
+// the kernel will give it (`strata_cpu_experts_warm` with the same rows and thread count): addr [n] gate_up
+// addresses ([2 ld, H] bf16), rows [n]. Returns the bytes read; stops early (a partial read is harmless) once
+// *stop != stop_val, where stop is given: the word the next layer's post changes.
+STRATA_API int64_t strata_cpu_warm(const int64_t* addr, const int64_t* rows, int64_t n, int64_t H, int64_t ld,
+                                   int threads, const int64_t* stop, int64_t stop_val) {
+    if (n <= 0 || H <= 0 || ld <= 0) return 0;
+    std::lock_guard<std::mutex> lk(g_call);
+    WarmJob job;
+    job.addr = addr, job.rows = rows, job.n = n, job.H = H, job.ld = ld, job.P = std::max(1, threads);
+    job.stop = stop, job.stop_val = stop_val;
+    if (job.P == 1)
+        warm_job(&job, 0);
+    else
+        get_pool(int(job.P))->run(warm_job, &job);
+    return job.bytes.load();
 }
 
 // ---------------------------------------------------------------------------------------------------

@@ -190,21 +190,30 @@ static void down_chunk(Job& job, int64_t c) {
 }
 
 // One thread's share of a layer: gate/up chunks; once every gate/up chunk is finished, down chunks.
-// Chunks are taken dynamically; tid 0 (the caller) returns only when every down chunk is finished. A thread
+// The warm rows' pieces go to the thread that read them ahead (strata_cpu_warm), the rest is taken dynamically; tid 0 (the caller) returns only when every down chunk is finished. A thread
 // that finds no gate/up chunk left claims up to `claim_max` down chunks and reads their weights while the
 // others finish phase 1, then computes them first: the same writer per element, so the same sums.
 static void run_job(void* ctx, int tid) {
     Job& job = *static_cast<Job*>(ctx);
     int64_t* tr = job.trace ? job.trace + 5 * tid : nullptr;
     if (tr) tr[0] = mono_ns();
-    const int64_t n1 = static_cast<int64_t>(job.chunks1.size()), n2 = job.n_down_chunks;
+    const int64_t n1 = static_cast<int64_t>(job.chunks1.size()), n2 = job.n_down_chunks, ns = job.n_static;
+    auto piece = [&](int64_t k) {  // static piece k, if nobody has taken it yet
+        if (job.taken[k].exchange(1, std::memory_order_acq_rel) != 0) return;
+        const Chunk& ch = job.chunks1[k];
+        if (ch.r0 < ch.r1) gate_up_rows(job, ch.e, ch.r0, ch.r1);
+        if (k % job.P != tid) job.stolen.fetch_add(1, std::memory_order_relaxed);
+        job.done1.fetch_add(1, std::memory_order_acq_rel);
+    };
+    for (int64_t k = tid; k < ns; k += job.P) piece(k);  // this thread's warm rows first: they are in its caches
     for (;;) {
-        const int64_t c = job.next1.fetch_add(1, std::memory_order_relaxed);
+        const int64_t c = ns + job.next1.fetch_add(1, std::memory_order_relaxed);
         if (c >= n1) break;
         const Chunk& ch = job.chunks1[c];
         gate_up_rows(job, ch.e, ch.r0, ch.r1);
         job.done1.fetch_add(1, std::memory_order_acq_rel);
     }
+    for (int64_t k = 0; k < ns; ++k) piece(k);  // pieces of threads that have not come (yet)
     if (tr) tr[1] = mono_ns();
     int64_t claimed[kMaxClaim];
     int64_t nc = 0;

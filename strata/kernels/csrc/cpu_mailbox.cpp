@@ -48,8 +48,10 @@
 
 #define STRATA_API extern "C" __attribute__((visibility("default")))
 
-STRATA_API int strata_cpu_experts(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
-                                  float* out, int threads);
+STRATA_API int strata_cpu_experts_warm(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
+                                       const int64_t* warm, float* out, int threads, int64_t* stolen);
+STRATA_API int64_t strata_cpu_warm(const int64_t* addr, const int64_t* rows, int64_t n, int64_t H, int64_t ld,
+                                   int threads, const int64_t* stop, int64_t stop_val);
 
 namespace {
 
@@ -57,6 +59,22 @@ namespace {
 // computed here. Fixed size: 16 + 4 * LOG_CODES bytes.
 constexpr int LOG_CODES = 256;
 constexpr int64_t LOG_ENTRY = 16 + 4 * LOG_CODES;
+
+// Warm-ahead (strata.runtime.copy_ahead, engine "cpu"): once the worker has answered layer l, it reads the gate/up
+// rows of layer l+1's predicted cold experts into its threads' caches while the GPU runs the serial part between
+// the two layers (the CPU idles then), each thread the rows the kernel will give it, so the next layer's kernel
+// reads them from L2, not RAM. The prediction is copy-ahead's plan (host memory, by the planned layer's parity:
+// int64 [tag, src[S], ...], src the predicted cold experts' gate_up addresses in ascending expert order, the order
+// in which the split gives the worker its experts); a plan without this step's tag is skipped. The read stops as
+// soon as the GPU posts the next layer: it never delays an answer, and a wrong or partial read changes no result.
+struct WarmCfg {
+    std::vector<int64_t> next;  // per box: the layer it plans (-1: none)
+    std::vector<int> next_box;  // per box: the box of that layer (-1: none)
+    const int64_t* plans = nullptr;  // [2, 1 + 3S] int64
+    int64_t S = 0, bytes = 0;   // slots a plan; gate/up bytes read ahead a layer at most
+    int64_t* counters = nullptr;  // [0] plans used [1] plans not ready [2] bytes read [3] ns reading
+                                  // [4] bytes of read rows the kernel computed [5] pieces computed by another thread
+};
 
 struct Mailbox {
     // configuration (read-only after start)
@@ -77,6 +95,10 @@ struct Mailbox {
     int64_t last_done_ns = 0, last_done_gen = -1;  // when the last layer's done was written, and its generation
     std::atomic<bool> stop{false};
     std::atomic<strata_ahead::Copier*> ahead{nullptr};  // copy-ahead (mailbox_ahead.h), set once before use
+    std::atomic<WarmCfg*> warm{nullptr};  // warm-ahead, set once before use
+    int warm_box = -1;  // the box whose experts were read ahead last, for generation warm_gen
+    int64_t warm_gen = -1;
+    std::vector<int64_t> warm_addr, warm_rows;  // what was read: gate_up addresses and leading rows
     std::thread th;
 
     static int64_t now_ns() {
@@ -85,7 +107,7 @@ struct Mailbox {
     }
 
     void serve(size_t i, int64_t gen, std::vector<int64_t>& tok, std::vector<float>& wts, std::vector<int64_t>& meta,
-               std::vector<int32_t>& order) {
+               std::vector<int32_t>& order, std::vector<int64_t>& warm_of) {
         const int64_t seen_ns = now_ns();
         char* box = boxes[i];
         volatile int64_t* hdr = reinterpret_cast<volatile int64_t*>(box);
@@ -109,6 +131,10 @@ struct Mailbox {
         tok.resize(order.size());
         wts.resize(order.size());
         meta.clear();
+        warm_of.clear();
+        WarmCfg* wc = warm.load(std::memory_order_acquire);
+        const bool warmed = wc && warm_box == int(i) && warm_gen == gen;  // this layer's experts were read ahead
+        int64_t warm_used = 0;
         const int64_t layer = layer_of[i];
         int64_t groups = 0, bytes = 0;
         for (size_t j = 0; j < order.size();) {
@@ -131,6 +157,11 @@ struct Mailbox {
             }
             meta.insert(meta.end(), {base, base + gu_bytes, reinterpret_cast<int64_t>(tok.data() + j),
                                      reinterpret_cast<int64_t>(wts.data() + j), int64_t(end - j), r, I});
+            int64_t wr = 0;
+            for (size_t q = 0; warmed && q < warm_addr.size(); ++q)
+                if (warm_addr[q] == base) wr = warm_rows[q];
+            warm_of.push_back(wr);
+            warm_used += 4 * H * std::min(wr, r);
             ++groups;
             bytes += payload * r / I;
             j = end;
@@ -138,7 +169,10 @@ struct Mailbox {
         int64_t ns = 0;
         if (status == 0 && groups) {
             const auto t0 = std::chrono::steady_clock::now();
-            status = strata_cpu_experts(isa, x, N, H, groups, meta.data(), out, threads);
+            int64_t stolen = 0;
+            status = strata_cpu_experts_warm(isa, x, N, H, groups, meta.data(), warmed ? warm_of.data() : nullptr,
+                                             out, threads, &stolen);
+            if (warmed) wc->counters[4] += warm_used, wc->counters[5] += stolen;
             ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
         }
         hdr[2] = status;
@@ -175,12 +209,50 @@ struct Mailbox {
             std::atomic_thread_fence(std::memory_order_release);
             reinterpret_cast<volatile int64_t*>(counters)[4] = seq + 1;
         }
+        if (wc) warm_next(i, gen, *wc);
+    }
+
+    // After answering box i of generation gen: read the planned layer's predicted cold experts' leading gate/up rows
+    // (whole experts in ascending order, up to wc.bytes), stopping once the GPU posts that layer.
+    void warm_next(size_t i, int64_t gen, WarmCfg& wc) {
+        warm_box = -1;
+        const int64_t m = wc.next[i];
+        const int j = wc.next_box[i];
+        if (m < 0 || j < 0) return;
+        const int64_t* plan = wc.plans + (m & 1) * (1 + 3 * wc.S);
+        const int64_t tag = gen * strata_ahead::TAG_STRIDE + m;
+        if (reinterpret_cast<const volatile int64_t*>(plan)[0] != tag) {  // this step's plan not written (yet)
+            wc.counters[1] += 1;
+            return;
+        }
+        std::atomic_thread_fence(std::memory_order_acquire);
+        warm_addr.clear();
+        warm_rows.clear();
+        const int64_t row_bytes = 4 * H;  // a gate row and an up row
+        int64_t left = wc.bytes;
+        for (int64_t s = 0; s < wc.S && left >= row_bytes; ++s) {
+            const int64_t a = plan[1 + s];
+            if (a == 0) continue;
+            const int64_t r = std::min(I, left / row_bytes);
+            warm_addr.push_back(a);
+            warm_rows.push_back(r);
+            left -= r * row_bytes;
+        }
+        std::atomic_thread_fence(std::memory_order_acquire);
+        if (reinterpret_cast<const volatile int64_t*>(plan)[0] != tag || warm_addr.empty()) return;  // rewritten
+        wc.counters[0] += 1;
+        warm_box = j, warm_gen = gen;
+        const int64_t t0 = now_ns();
+        const auto* ready = reinterpret_cast<const int64_t*>(boxes[size_t(j)]);
+        wc.counters[2] += strata_cpu_warm(warm_addr.data(), warm_rows.data(), int64_t(warm_addr.size()), H, I,
+                                          threads, ready, seen[size_t(j)]);
+        wc.counters[3] += now_ns() - t0;
     }
 
     std::vector<int64_t> seen;  // the generation last served per box (read at start, before the thread runs)
 
     void loop() {
-        std::vector<int64_t> tok, meta;
+        std::vector<int64_t> tok, meta, warm_of;
         std::vector<float> wts;
         std::vector<int32_t> order;
         auto last = std::chrono::steady_clock::now();
@@ -190,7 +262,7 @@ struct Mailbox {
                 const int64_t gen = reinterpret_cast<volatile int64_t*>(boxes[i])[0];
                 if (gen != seen[i]) {
                     std::atomic_thread_fence(std::memory_order_acquire);
-                    serve(i, gen, tok, wts, meta, order);
+                    serve(i, gen, tok, wts, meta, order, warm_of);
                     seen[i] = gen;
                     served = true;
                 }
@@ -239,6 +311,7 @@ STRATA_API int strata_mailbox_stop(int64_t handle) {
     m->stop.store(true);
     if (m->th.joinable()) m->th.join();
     delete m->ahead.load();  // (joins the copier)
+    delete m->warm.load();
     delete m;
     return 0;
 }
@@ -264,6 +337,26 @@ STRATA_API int strata_mailbox_ahead(int64_t handle, const int64_t* cfg, const in
     c->plans = plans, c->flag_host = flag_host, c->counters = counters, c->spin_ns = m->spin_ns;
     c->start();
     m->ahead.store(c, std::memory_order_release);
+    return 0;
+}
+
+// Warm-ahead (WarmCfg above), once per worker, before any step plans it: next int64 [n_boxes] (the layer each box
+// plans, -1: none); plans int64 [2, 1 + 3S] (host, copy-ahead's layout); bytes: gate/up bytes read a layer at most;
+// counters int64 [6]. Returns 0, or -1 (no worker, already set, or a copy-ahead copier is running).
+STRATA_API int strata_mailbox_warm(int64_t handle, const int64_t* next, const int64_t* plans, int64_t S,
+                                   int64_t bytes, int64_t* counters) {
+    auto* m = reinterpret_cast<Mailbox*>(handle);
+    if (!m || m->warm.load() || m->ahead.load() || S <= 0) return -1;
+    auto* w = new WarmCfg();
+    for (size_t i = 0; i < m->boxes.size(); ++i) {
+        w->next.push_back(next[i]);
+        int box = -1;
+        for (size_t j = 0; j < m->layer_of.size(); ++j)
+            if (next[i] >= 0 && m->layer_of[j] == next[i]) box = int(j);
+        w->next_box.push_back(box);
+    }
+    w->plans = plans, w->S = S, w->bytes = bytes, w->counters = counters;
+    m->warm.store(w, std::memory_order_release);
     return 0;
 }
 

@@ -1,0 +1,154 @@
+"""Warm-ahead: the CPU expert kernel's read-ahead of experts' leading gate/up rows into its threads' caches
+(`cpu_kernel_tuning.warm_rows`, csrc/cpu_experts.cpp's strata_cpu_warm) and the kernel computing those rows on the
+thread that read them (`run_packed(..., warm=)`), then the mailbox worker doing it for the next layer's predicted
+cold experts (csrc/cpu_mailbox.cpp, WarmCfg; copy-ahead's "cpu" engine). Which thread computes which rows must never
+change a result: every output is compared bit for bit with the plain kernel's."""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from strata.kernels import copy_ahead as ca
+from strata.kernels import cpu_experts as ce
+
+needs_kernel = pytest.mark.skipif(ce.backend() == "torch", reason="needs the compiled CPU expert kernel")
+
+H, INTER, E, K, S = 64, 32, 8, 2, 4
+
+
+def _slab(experts: int, hidden: int, inter: int, seed: int = 0) -> torch.Tensor:
+    """Experts as page-locked slots hold them: [experts, gate_up [2I, H] then down [H, I]] bf16."""
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(experts, 3 * inter * hidden, generator=g) / 8).to(torch.bfloat16)
+
+
+def _meta(slab, chosen, rows, idx, w, hidden, inter) -> array.array:
+    meta = array.array("q")
+    for e, r in zip(chosen, rows, strict=True):
+        a = slab[e].data_ptr()
+        meta.extend((a, a + 2 * inter * hidden * 2, idx.data_ptr(), w.data_ptr(), idx.numel(), r, inter))
+    return meta
+
+
+@needs_kernel
+@pytest.mark.parametrize("hidden,inter", [(64, 32), (130, 19)])
+def test_warm_rows_change_no_result(hidden, inter):
+    """Whole and split experts (the CPU's leading rows), warm counts of none, part, all and more than the rows
+    computed, thread counts up to more than this machine's cores (owners late, their pieces taken by others)."""
+    slab = _slab(6, hidden, inter, seed=1)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(3, hidden, generator=g)
+    idx, w = torch.tensor([0, 2], dtype=torch.int64), torch.rand(2, generator=g)
+    chosen, rows = [1, 3, 4], [inter, inter, max(1, inter * 2 // 3)]  # the last one split with the GPU
+    meta = _meta(slab, chosen, rows, idx, w, hidden, inter)
+    ref = torch.zeros(3, hidden)
+    assert ce.run_packed(x, meta, ref, threads=1)
+    assert ref.abs().sum() > 0
+    for warm in ([0, 0, 0], [inter, 0, 0], [5, inter, inter], [inter + 9, 7, inter], [3, 1, 2]):
+        for threads in (1, 2, 3, 7):
+            got = torch.zeros(3, hidden)
+            ce.warm_rows([slab[e].data_ptr() for e in chosen], warm, hidden, inter, threads)
+            assert ce.run_packed(x, meta, got, threads=threads, warm=array.array("q", warm))
+            assert torch.equal(got, ref), (warm, threads)
+    with pytest.raises(ValueError, match="warm has 2 entries for 3 experts"):
+        ce.run_packed(x, meta, torch.zeros(3, hidden), warm=array.array("q", [1, 2]))
+
+
+@needs_kernel
+def test_warm_read_counts_its_bytes_and_stops_when_told():
+    slab = _slab(3, H, INTER)
+    addr = [slab[e].data_ptr() for e in range(3)]
+    # gate and up rows: 4 H bytes a row; rows past the expert's are not read
+    assert ce.warm_rows(addr, [INTER, 5, 0], H, INTER, threads=3) == 4 * H * (INTER + 5)
+    assert ce.warm_rows(addr[:1], [INTER + 50], H, INTER, threads=2) == 4 * H * INTER
+    with pytest.raises(ValueError, match="one row count per address"):
+        ce.warm_rows(addr, [1], H, INTER)
+    lib = ce._load()
+    a, r = array.array("q", addr), array.array("q", [INTER] * 3)
+    word = ctypes.c_int64(7)
+    read = lib.strata_cpu_warm(a.buffer_info()[0], r.buffer_info()[0], 3, H, INTER, 2, ctypes.addressof(word), 7)
+    assert read == 4 * H * INTER * 3  # the word unchanged: everything read
+    word.value = 8  # the next layer posted: nothing more is read
+    assert lib.strata_cpu_warm(a.buffer_info()[0], r.buffer_info()[0], 3, H, INTER, 2, ctypes.addressof(word), 7) == 0
+
+
+def _wait(cond, what: str, timeout: float = 10.0) -> None:
+    t0 = time.monotonic()
+    while not cond():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"the worker did not {what}")
+        time.sleep(0.001)
+
+
+def _mailbox(slab):
+    from strata.runtime.cpu_mailbox import CpuMailbox
+
+    addr = np.array([[slab[e].data_ptr() for e in range(E)] for _ in range(2)], dtype=np.int64)
+    return CpuMailbox([0, 1], addr, hidden=H, inter=INTER, gu_bytes=2 * INTER * H * 2, payload=3 * INTER * H * 2,
+                      top_k=K, max_tokens=2, threads=2, device=torch.device("cpu"))
+
+
+def _step(box, x, w, plans=None, plan=(), tag_ok=True):
+    """One host-posted step over layers 0 and 1 (every pair cold): layer 1's plan (its parity's) lists the experts at
+    the addresses `plan`, tagged for this step (or not); returns layer 1's answer."""
+    box.begin_step()
+    if plans is not None:
+        p = plans[1]
+        p.zero_()
+        for s, a in enumerate(plan):
+            p[1 + s] = a
+        p[0] = (box._host_gen if tag_ok else box._host_gen - 1) * ca.TAG_STRIDE + 1
+    cold = torch.full((2 * K,), -1, dtype=torch.int32)
+    box.exchange(0, torch.tensor([1, 2, 3, 4]), cold, x, w)
+    time.sleep(0.02)  # the worker reads layer 1's experts ahead meanwhile
+    return box.exchange(1, torch.tensor([5, 2, 6, 5]), cold, x, w)
+
+
+@needs_kernel
+def test_worker_reads_the_next_layers_planned_experts_ahead():
+    """After answering layer 0 the worker reads the gate/up rows of layer 1's planned experts (up to its byte budget,
+    whole experts in order), then computes layer 1 with them; the answers equal a worker's without warm-ahead."""
+    slab = _slab(E, H, INTER, seed=3)
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(2, H, generator=g).to(torch.bfloat16), torch.rand(2, K, generator=g)
+    plain = _mailbox(slab)
+    try:
+        ref = [_step(plain, x, w) for _ in range(3)]
+    finally:
+        plain.close()
+    box = _mailbox(slab)
+    at = [slab[e].data_ptr() for e in range(E)]
+    plans = torch.zeros((2, 1 + 3 * S), dtype=torch.int64)
+    budget = 4 * H * (INTER + 10)  # the first planned expert whole, 10 rows of the second
+    try:
+        counters = box.warm_ahead({0: 1}, plans, S, budget)
+        assert counters is not None
+        assert box.warm_ahead({0: 1}, plans, S, budget) is None  # once per worker
+        assert torch.equal(_step(box, x, w, plans, [at[2], at[5], at[6]]), ref[0])
+        assert counters.tolist()[:3] == [1, 0, budget]  # one plan used, nothing late, the budget read
+        # computed from the warm rows: expert 2's 32 and expert 5's 10 (expert 6 was not read)
+        assert counters[4] == budget and counters[3] > 0
+        assert torch.equal(_step(box, x, w, plans, [at[0], at[7]]), ref[1])  # a wrong prediction: read, not computed
+        assert counters[0] == 2 and counters[2] == 2 * budget and counters[4] == budget
+        assert torch.equal(_step(box, x, w, plans, [at[2]], tag_ok=False), ref[2])  # last step's plan: skipped
+        assert counters[0] == 2 and counters[1] == 1 and counters[2] == 2 * budget
+    finally:
+        box.close()
+
+
+@needs_kernel
+def test_warm_ahead_needs_plan_slots_and_is_set_once():
+    slab = _slab(E, H, INTER)
+    box = _mailbox(slab)
+    try:
+        plans = torch.zeros((2, 1 + 3 * S), dtype=torch.int64)
+        assert box.warm_ahead({0: 1}, plans, 0, 1 << 20) is None  # no slots: refused
+        assert box.warm_ahead({0: 1}, plans, S, 1 << 20) is not None
+    finally:
+        box.close()
