@@ -466,6 +466,9 @@ case "$1" in
     timeout 300 python3 bench/step_timeline.py --model /dev/shm/loc1 --gpu-fraction 0.25 --tokens 128 --out "$OUT/tl" \
       --cases split,split+warm,split,split+warm 2>&1 | grep -E '^\{"case"|Error' | cut -c1-1500 ;;
   thirtieth-b)  # warm-ahead in decode with the CPU kernel's phase trace (bench/hotpath.py), alternated 2 x 2, 25% skewed
+                # (TESTS=1: the GPU tests of the files it touches first)
+    [ -n "${TESTS:-}" ] && { timeout 200 python3 -m pytest -q -m gpu tests/test_warm_ahead.py tests/test_copy_ahead.py \
+      tests/test_fused_kernels.py tests/test_cpu_mailbox.py > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"; }
     [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
       --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
     timeout 400 python3 bench/hotpath.py --model /dev/shm/loc1 --cache /dev/shm/sc --out "$OUT/hp" --tokens 128 \

@@ -53,10 +53,14 @@ class Router(nn.Module):
         logits = F.linear(x, self.weight)
         return (*softmax_topk(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob), None)
 
-    def choose(self, x: torch.Tensor) -> torch.Tensor:
-        """x [N, H] -> the expert ids [N, k] `forward` would pick (up to a tie), through the unfused ops: the
-        one-launch decode router's counters belong to the layer's own routing, which may run concurrently."""
+    def choose(self, x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+        """x [N, H] -> the expert ids [N, k] `forward` would pick (up to a tie), for a prediction that may run beside
+        the layer's own routing on another stream: through the one-launch decode router with `counts`, a counter
+        set of the caller's own (the router's belong to the layer's routing), or else the unfused ops."""
         cfg = self.cfg
+        if counts is not None and cfg.router == "softmax" and decode_router.available(x, self.weight,
+                                                                                        cfg.num_experts_per_tok):
+            return decode_router.route(x, self.weight, cfg.num_experts_per_tok, cfg.norm_topk_prob, counts)[1]
         if cfg.router == "sigmoid_group":
             return sigmoid_group_topk(F.linear(x.float(), self.weight.float()), self.e_score_correction_bias,
                                       cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from strata.kernels import decode_router
 from strata.kernels.experts import group_by_expert
 from strata.kernels.grouped import combine_pairs, pair_experts, pair_experts_in_place, use_pair_kernels
 from strata.runtime.cost_model import IN_PLACE_HOST_S, IN_PLACE_RATE, split_cold
@@ -366,17 +367,22 @@ def use_tiered_experts(model: MoETransformer, compute: ExpertCompute) -> None:
             layer.mlp.experts = TieredExperts(i, model.cfg.num_experts, compute)
             compute.moe_layers.append(i)
     compute.top_k = model.cfg.num_experts_per_tok
-    compute.predictors = router_predictors(model, unfused=True)
+    compute.predictors = router_predictors(model, beside=True)
 
 
-def router_predictors(model: MoETransformer, unfused: bool = False) -> dict[int, Callable[[torch.Tensor], torch.Tensor]]:
+def router_predictors(model: MoETransformer, beside: bool = False) -> dict[int, Callable[[torch.Tensor], torch.Tensor]]:
     """layer -> f(hidden [N, H]) -> predicted expert ids [N, k], applying that layer's norm and router early.
-    `unfused`: through the router's unfused ops (`Router.choose`), for predictions that may run beside the layer's
-    own routing on another stream (copy-ahead): the one-launch decode router's counters are the layer's."""
+    `beside`: for predictions that may run beside the layer's own routing on another stream (copy-ahead), through
+    `Router.choose` with a counter set of their own for the one-launch decode router (made here, eagerly: the
+    router's own belong to the layer's routing). One launch, not four: on a side stream each launch may wait behind
+    the in-place share's blocks, and a late plan is an unused one."""
     out = {}
     for i, layer in enumerate(model.layers):
         if isinstance(layer.mlp, MoEBlock):
             norm, router = layer.post_attention_layernorm, layer.mlp.gate
-            choose = router.choose if unfused else (lambda x, router=router: router(x)[1])
-            out[i] = lambda h, norm=norm, choose=choose: choose(norm(h))
+            counts = decode_router.new_counts(router.weight.device) if beside and router.weight.is_cuda else None
+            if beside:
+                out[i] = lambda h, norm=norm, router=router, counts=counts: router.choose(norm(h), counts)
+            else:
+                out[i] = lambda h, norm=norm, router=router: router(norm(h))[1]
     return out

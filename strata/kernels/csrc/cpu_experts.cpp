@@ -539,10 +539,12 @@ void warm_job(void* ctx, int tid) {
         const auto* gu = reinterpret_cast<const volatile uint8_t*>(job.addr[e]);
         const int64_t w = std::clamp<int64_t>(job.rows[e], 0, job.ld);  // as the kernel clamps it
         for (int64_t j = warm_bound(w, tid, job.P); j < warm_bound(w, tid + 1, job.P); ++j) {
-            if (job.stopped()) goto done;
             for (const int64_t r : {j, job.ld + j}) {
                 const volatile uint8_t* p = gu + r * row;
-                for (int64_t b = 0; b < row; b += 64) (void)p[b];
+                for (int64_t b = 0; b < row; b += 64) {
+                    if ((b & 1023) == 0 && job.stopped()) goto done;  // every 1 KB: the GPU waits for nobody
+                    (void)p[b];
+                }
             }
             bytes += 2 * row;
         }
