@@ -105,6 +105,7 @@ struct Job {
     // out of other work is taken by that thread (`taken`), so a late thread delays nobody.
     int64_t n_static = 0, P = 1;
     std::unique_ptr<std::atomic<int32_t>[]> taken;
+    std::unique_ptr<std::atomic<int32_t>[]> arrived;  // [P] 1 once thread t is in the job: its pieces are its own
     std::atomic<int64_t> stolen{0};  // static pieces computed by a thread other than their owner
     std::atomic<int64_t> next1{0}, next2{0};  // next chunk to take, per phase (phase 1: past the static pieces)
     std::atomic<int64_t> done1{0}, done2{0};  // chunks finished, per phase
@@ -485,6 +486,8 @@ STRATA_API int strata_cpu_experts_warm(int isa, const float* x, int64_t N, int64
     if (job.n_static) {
         job.taken.reset(new std::atomic<int32_t>[size_t(job.n_static)]);
         for (int64_t k = 0; k < job.n_static; ++k) job.taken[k].store(0, std::memory_order_relaxed);
+        job.arrived.reset(new std::atomic<int32_t>[size_t(P)]);
+        for (int t = 0; t < P; ++t) job.arrived[t].store(0, std::memory_order_relaxed);
     }
     for (int64_t e = 0; e < job.E; ++e)
         for (int64_t j = std::min(experts[e].I, experts[e].warm); j < experts[e].I; j += pairs)

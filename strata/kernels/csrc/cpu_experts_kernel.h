@@ -205,6 +205,7 @@ static void run_job(void* ctx, int tid) {
         if (k % job.P != tid) job.stolen.fetch_add(1, std::memory_order_relaxed);
         job.done1.fetch_add(1, std::memory_order_acq_rel);
     };
+    if (ns) job.arrived[tid].store(1, std::memory_order_release);
     for (int64_t k = tid; k < ns; k += job.P) piece(k);  // this thread's warm rows first: they are in its caches
     for (;;) {
         const int64_t c = ns + job.next1.fetch_add(1, std::memory_order_relaxed);
@@ -213,7 +214,10 @@ static void run_job(void* ctx, int tid) {
         gate_up_rows(job, ch.e, ch.r0, ch.r1);
         job.done1.fetch_add(1, std::memory_order_acq_rel);
     }
-    for (int64_t k = 0; k < ns; ++k) piece(k);  // pieces of threads that have not come (yet)
+    // pieces of threads that have not come (yet); not an arrived thread's: read from another core's L2 they cost
+    // twice what they cost from RAM (bench/RESULTS.md, twenty-third session), and their owner is on its way to them
+    for (int64_t k = 0; k < ns; ++k)
+        if (!job.arrived[k % job.P].load(std::memory_order_acquire)) piece(k);
     if (tr) tr[1] = mono_ns();
     int64_t claimed[kMaxClaim];
     int64_t nc = 0;

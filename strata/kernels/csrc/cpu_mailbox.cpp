@@ -221,9 +221,16 @@ struct Mailbox {
         if (m < 0 || j < 0) return;
         const int64_t* plan = wc.plans + (m & 1) * (1 + 3 * wc.S);
         const int64_t tag = gen * strata_ahead::TAG_STRIDE + m;
-        if (reinterpret_cast<const volatile int64_t*>(plan)[0] != tag) {  // this step's plan not written (yet)
-            wc.counters[1] += 1;
-            return;
+        const volatile int64_t* ready = reinterpret_cast<const volatile int64_t*>(boxes[size_t(j)]);
+        // the plan may land a little after this answer (its kernel queued behind the layer's own): wait for it, as
+        // long as the GPU has not posted the layer (the worker idles until then anyway)
+        const int64_t t_wait = now_ns();
+        while (reinterpret_cast<const volatile int64_t*>(plan)[0] != tag) {
+            if (*ready != seen[size_t(j)] || now_ns() - t_wait > 1000000) {  // posted (or a plan that never comes)
+                wc.counters[1] += 1;
+                return;
+            }
+            STRATA_PAUSE();
         }
         std::atomic_thread_fence(std::memory_order_acquire);
         warm_addr.clear();
@@ -243,9 +250,8 @@ struct Mailbox {
         wc.counters[0] += 1;
         warm_box = j, warm_gen = gen;
         const int64_t t0 = now_ns();
-        const auto* ready = reinterpret_cast<const int64_t*>(boxes[size_t(j)]);
         wc.counters[2] += strata_cpu_warm(warm_addr.data(), warm_rows.data(), int64_t(warm_addr.size()), H, I,
-                                          threads, ready, seen[size_t(j)]);
+                                          threads, const_cast<const int64_t*>(ready), seen[size_t(j)]);
         wc.counters[3] += now_ns() - t0;
     }
 
