@@ -52,7 +52,9 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
   sm, ce         copy-ahead's tails copied by the SM kernel in the graph (the default; $STRATA_COPY_AHEAD_ENGINE=sm)
                  or by the mailbox worker's copier on the copy engine (ce: =copy)
   warm, warmN    warm-ahead: the worker reads the next layer's predicted cold experts' gate/up rows into its
-                 threads' caches during the serial phase (copy-ahead's "cpu" engine; N: bytes a layer at most)
+                 threads' caches during the serial phase (copy-ahead's "cpu" engine; N: bytes a layer at most);
+                 on by default since the thirtieth session (runtime.warm_ahead)
+  nowarm         without it (runtime.warm_ahead = false)
   grouped        runtime.grouped_prefill = true: prefill's experts through two grouped GEMMs a layer
   sync           runtime.overlap_decode = false: each token read on the host before the next step is queued
   host           runtime.split_decode = "host": host steps at every MoE layer (the cost model splits the cold
@@ -320,6 +322,8 @@ def main() -> None:
                 env["STRATA_PAIR_CONFIGS"] = "previous"
             elif mod == "ahead":
                 cfg = {**cfg, "runtime": {**cfg.get("runtime", {}), "copy_ahead": True}}
+            elif mod == "nowarm":  # warm-ahead off (runtime.warm_ahead = false; on by default)
+                cfg = {**cfg, "runtime": {**cfg.get("runtime", {}), "warm_ahead": False}}
             elif mod == "noahead":
                 env["STRATA_COPY_AHEAD"] = "0"
             elif mod in ("sm", "ce"):

@@ -4,8 +4,8 @@ worker's clock on one timeline (all CLOCK_MONOTONIC).
     python bench/step_timeline.py --model DIR [--gpu-fraction 0.25] [--tokens 48] [--cases split,ceiling] [--out DIR]
 
 Modifiers (`split+spin100+nobooks`): shareX, swN (GIL switch interval, us), spinN (the kernel's idle spin, us),
-wspinN (the mailbox worker's polling spin, us), tN (the kernel's threads), warm / warmN (warm-ahead, hotpath's
-modifier), nopromote, nobooks, wakeatlaunch (the books
+wspinN (the mailbox worker's polling spin, us), tN (the kernel's threads), warm / warmN / nowarm (warm-ahead, hotpath's
+modifiers), nopromote, nobooks, wakeatlaunch (the books
 woken right after the replay, as before the twenty-ninth session, not once the step's LM head is queued). (`park`, the kernel's workers sleeping after a
 step's last layer, was measured in the twelfth session, changed nothing beyond noise and was removed.)
 
@@ -156,6 +156,8 @@ def main() -> None:
                 os.environ["STRATA_CPU_THREADS"] = mod[1:]
             elif mod == "nopromote":
                 cfg = {**cfg, "policy": {"promote": False}}
+            elif mod == "nowarm":  # warm-ahead off (runtime.warm_ahead = false; on by default)
+                cfg = {**cfg, "runtime": {**cfg.get("runtime", {}), "warm_ahead": False}}
             elif mod == "warm" or (mod.startswith("warm") and mod[4:].isdigit()):  # warm-ahead (hotpath's modifier)
                 cfg = {**cfg, "runtime": {**cfg.get("runtime", {}), "copy_ahead": True}}
                 os.environ["STRATA_COPY_AHEAD_ENGINE"] = "cpu"

@@ -74,6 +74,7 @@ class RuntimeConfig:
     prefill_keeps_resident: bool = False  # true: a prompt's cold experts stream through step-copy slots, not the GPU tier
     split_decode: str = "graph"  # "graph": one CUDA graph a step, cold experts on a native CPU worker; "host": host steps
     copy_ahead: bool = False  # one-graph split decode: the next layer's predicted cold experts' tails copied to VRAM early
+    warm_ahead: bool = True  # one-graph split decode: the CPU worker reads the next layer's predicted cold experts early
     # queue each decode step before the host reads the token it is fed (strata.runtime.overlap): "auto" on CUDA;
     # true/false
     overlap_decode: bool | str = field(default="auto", metadata={"auto_or_bool": True})
@@ -87,7 +88,7 @@ class RuntimeConfig:
             raise ConfigError(f"runtime.decode_gap_target = {gap!r} is invalid; give seconds in [0, 3600] (0 turns pacing off)")
         if self.cpu_numerics not in ("fork", "gpu"):
             raise ConfigError(f"runtime.cpu_numerics = {self.cpu_numerics!r} is invalid; use \"fork\" or \"gpu\"")
-        for key in ("cuda_graphs", "read_in_place", "prefill_keeps_resident", "copy_ahead"):
+        for key in ("cuda_graphs", "read_in_place", "prefill_keeps_resident", "copy_ahead", "warm_ahead"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"runtime.{key} = {getattr(self, key)!r} is invalid; use true or false")
         if not isinstance(self.grouped_prefill, bool) and self.grouped_prefill != "auto":

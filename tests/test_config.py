@@ -37,7 +37,8 @@ def test_dict_overrides_merge_over_defaults():
      ({"runtime": {"grouped_prefill": "yes"}}, "runtime.grouped_prefill"),
      ({"runtime": {"grouped_prefill": 1}}, "runtime.grouped_prefill"),
      ({"runtime": {"cuda_graphs": 1}}, "runtime.cuda_graphs"),
-     ({"runtime": {"copy_ahead": "auto"}}, "runtime.copy_ahead")],
+     ({"runtime": {"copy_ahead": "auto"}}, "runtime.copy_ahead"),
+     ({"runtime": {"warm_ahead": "yes"}}, "runtime.warm_ahead")],
 )
 def test_bad_values_name_the_key(data, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):

@@ -245,25 +245,30 @@ def test_one_graph_split_decode_with_copy_ahead_follows_memory(tmp_path, monkeyp
 
 @pytest.mark.gpu
 def test_one_graph_split_decode_with_warm_ahead_changes_no_token(tmp_path, monkeypatch):
-    """Copy-ahead's "cpu" engine (warm-ahead): the worker reads the next layer's predicted cold experts into its
-    threads' caches; nothing is staged and the split is untouched, so at a fixed share the 16 tokens are those of
-    the run without it, bit for bit, and the worker computed rows it had read ahead."""
+    """Copy-ahead's "cpu" engine (warm-ahead, `runtime.warm_ahead`, on by default): the worker reads the next
+    layer's predicted cold experts into its threads' caches; nothing is staged and the split is untouched, so at a
+    fixed share the 16 tokens are those of the run without it, bit for bit, and the worker computed rows it had
+    read ahead. Its byte budget follows $STRATA_COPY_AHEAD; "0" or the config turns it off."""
     from mailbox_engines import one_graph_decode, tiny_split_setup
+
+    from strata.runtime.copy_ahead import CopyAhead
 
     model, cfg, ids, want = tiny_split_setup(tmp_path)
     monkeypatch.setenv("STRATA_MAILBOX_GPU_SHARE", "0.35")
-    monkeypatch.setenv("STRATA_COPY_AHEAD_ENGINE", "cpu")
-    tokens = {}
-    for ahead in ("0", str(1 << 20)):
-        monkeypatch.setenv("STRATA_COPY_AHEAD", ahead)
-        with one_graph_decode(model, cfg, ids, want) as (tiered, read, groups):
-            assert (tiered._compute.copy_ahead is None) == (ahead == "0")
-            tokens[ahead] = tiered.generate(ids, max_tokens=16).token_ids
-            if ahead != "0":
-                stats = tiered._compute.mailbox_stats()["copy_ahead"]
-    assert tokens["0"] == tokens[str(1 << 20)]
-    assert stats["engine"] == "cpu" and stats["warm_bytes"] == 1 << 20
-    assert stats["plans_used"] > 0 and stats["read_bytes"] > 0 and stats["computed_bytes"] > 0
+    tokens, stats = {}, {}
+    off = {**cfg, "runtime": {"warm_ahead": False}}
+    for name, env, config in (("off", "", off), ("zero", "0", cfg), ("default", "", cfg), ("budget", "100000", cfg)):
+        monkeypatch.setenv("STRATA_COPY_AHEAD", env)
+        monkeypatch.setenv("STRATA_COPY_AHEAD_ENGINE", "cpu" if name == "budget" else "")
+        with one_graph_decode(model, config, ids, want) as (tiered, read, groups):
+            assert (tiered._compute.copy_ahead is None) == (name in ("off", "zero"))
+            tokens[name] = tiered.generate(ids, max_tokens=16).token_ids
+            if tiered._compute.copy_ahead is not None:
+                stats[name] = tiered._compute.mailbox_stats()["copy_ahead"]
+    assert tokens["off"] == tokens["zero"] == tokens["default"] == tokens["budget"]
+    assert stats["default"]["warm_bytes"] == CopyAhead.WARM_BYTES and stats["budget"]["warm_bytes"] == 100000
+    for s in stats.values():
+        assert s["engine"] == "cpu" and s["plans_used"] > 0 and s["read_bytes"] > 0 and s["computed_bytes"] > 0
 
 
 def _copy_ahead(budget_bytes=None):

@@ -181,7 +181,7 @@ def expert_tiers(store: ExpertStore, budgets: TierBudgets, device: torch.device,
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         return ExpertCompute(manager, device_tier, cfg.runtime.cpu_numerics, read_in_place=cfg.runtime.read_in_place,
                              promote=cfg.policy.promote, split_decode=cfg.runtime.split_decode, device=device,
-                             copy_ahead=cfg.runtime.copy_ahead)
+                             copy_ahead=cfg.runtime.copy_ahead, warm_ahead=cfg.runtime.warm_ahead)
 
 
 def prepare_cpu_experts(computes: list[ExpertCompute]) -> None:

@@ -33,7 +33,7 @@ class ExpertCompute(CpuCompute):
 
     def __init__(self, manager: TierManager, device_tier: str, cpu_numerics: str = "fork", read_in_place: bool = False,
                  promote: bool = True, split_decode: str = "host", device: torch.device | None = None,
-                 copy_ahead: bool = False):
+                 copy_ahead: bool = False, warm_ahead: bool = False):
         self.manager, self.device_tier = manager, device_tier
         self.fast_cpu = cpu_numerics == "fork"  # compiled CPU kernel; "gpu": the reference math only
         # CPU compute next to a GPU tier only in "fork" mode: "gpu" numerics force cold experts onto the GPU
@@ -96,7 +96,8 @@ class ExpertCompute(CpuCompute):
         self.mailbox = None  # CpuMailbox, made once every expert sits in pinned RAM for good
         self.gpu_share = None  # GpuShare: the cold experts the GPU reads in place during a mailbox step
         # CopyAhead: the next layer's predicted cold experts' tails copied to VRAM during a layer's serial GPU work
-        self.copy_ahead_on, self.copy_ahead = copy_ahead, None
+        # (or, engine "cpu", warm-ahead: the worker reads them into its caches during that work)
+        self.copy_ahead_on, self.warm_ahead_on, self.copy_ahead = copy_ahead, warm_ahead, None
         self.predictors: dict = {}  # layer -> its router applied one layer early (set by use_tiered_experts)
         self.books = None  # MailboxBooks: the mailbox steps' statistics, policy history and promotions
         self._mailbox_off: str | None = None  # why this engine never uses the mailbox
@@ -203,31 +204,36 @@ class ExpertCompute(CpuCompute):
         self._mailbox_kernel = (0, 0, 0.0)
 
     def _open_copy_ahead(self, addresses: np.ndarray, store):
-        """The copy-ahead of a mailbox with a GPU share (None where it is off or cannot run): `runtime.copy_ahead`,
-        unless $STRATA_COPY_AHEAD says otherwise (A/B runs): "0" turns it off, a number N > 0 on with a fixed
-        budget of N bytes a layer. Its tails are copied by the SM kernel in the graph; $STRATA_COPY_AHEAD_ENGINE=copy
-        has the mailbox worker's copier issue them on the copy engine instead (where the driver's entry points are
-        found; else the SM kernel, with a warning), =cpu has the worker read the predicted experts' rows into its
-        threads' caches (warm-ahead; N: bytes read a layer at most)."""
+        """The copy-ahead of a mailbox with a GPU share (None where it is off or cannot run): `runtime.copy_ahead`
+        (the tails copied by the SM kernel in the graph), else `runtime.warm_ahead` (engine "cpu": the worker reads
+        the predicted experts into its threads' caches), unless the environment says otherwise (A/B runs):
+        $STRATA_COPY_AHEAD "0" turns both off, a number N > 0 turns copy-ahead on with a fixed budget of N bytes a
+        layer (warm-ahead: bytes read); $STRATA_COPY_AHEAD_ENGINE=sm|copy|cpu turns that engine on (copy: the worker's
+        copier issues the tails on the copy engine, where the driver's entry points are found; else the SM kernel,
+        with a warning)."""
         from strata.kernels import copy_ahead
         from strata.runtime.copy_ahead import CopyAhead
 
         env = os.environ.get("STRATA_COPY_AHEAD", "")
-        on = self.copy_ahead_on if env == "" else env != "0"
-        if not on or not self.predictors or not copy_ahead.available(self.slot_of):
+        engine = os.environ.get("STRATA_COPY_AHEAD_ENGINE") or (
+            "sm" if self.copy_ahead_on or env else "cpu" if self.warm_ahead_on else None)
+        if env == "0" or engine is None or not self.predictors or not copy_ahead.available(self.slot_of):
             return None
         ex = self.gpu_share.experts
         slot_bytes = ex.down_offset + ex.down_shape[0] * ex.down_shape[1] * ex.dtype.itemsize
         budget = int(float(env)) if env else None
         # "sm": the copy kernel in the graph (+7.4% without temporal locality); "copy": the worker's copy engine,
-        # whose tails landed in time for only 22-38% of layers on the H200 box (bench/RESULTS.md, 25th session)
-        engine = os.environ.get("STRATA_COPY_AHEAD_ENGINE", "sm")
-        if engine in ("copy", "cpu"):  # the worker's copier, or its read-ahead into the CPU's caches (warm-ahead)
+        # whose tails landed in time for only 22-38% of layers on the H200 box (bench/RESULTS.md, 25th session);
+        # "cpu": warm-ahead, +8% on the temporal-locality checkpoint (30th session)
+        if engine in ("copy", "cpu"):
             try:
                 return CopyAhead(addresses, self.slot_of, self.gpu_share, self.predictors, self.moe_layers,
                                  self.device, slot_bytes, budget_bytes=budget, mailbox=self.mailbox, engine=engine)
             except RuntimeError as e:
-                log.warning("strata: copy-ahead's %s engine is not available (%s); copying with SMs", engine, e)
+                if engine == "cpu":
+                    log.warning("strata: warm-ahead is not available (%s); decoding without it", e)
+                    return None
+                log.warning("strata: copy-ahead's copy engine is not available (%s); copying with SMs", e)
         return CopyAhead(addresses, self.slot_of, self.gpu_share, self.predictors, self.moe_layers, self.device,
                          slot_bytes, budget_bytes=budget)
 
