@@ -474,11 +474,13 @@ case "$1" in
     timeout 400 python3 bench/hotpath.py --model /dev/shm/loc1 --cache /dev/shm/sc --out "$OUT/hp" --tokens 128 \
       --gpu-fraction 0.25 --cases "${CASES:-split,split+warm,split,split+warm}" 2>&1 | grep -E '^\{"|Error' | cut -c1-2500 ;;
   thirtieth-c)  # every GPU test at warm-ahead's default (runtime.warm_ahead = true), then the 25% skewed suite case
-                # with it and without, alternated (the suite's own JSON in $OUT/b25-warm-*)
+                # with it and without, alternated $REPS times (default 1; the suite's own JSON in $OUT/b25-warm-*)
     gpu_tests 4
-    for warm in true false; do timeout 70 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 60 \
-      --set '{"runtime": {"warm_ahead": '$warm'}}' --cases 'split/b25/skewed/p128x1' --out "$OUT/b25-warm-$warm" \
-      2>&1 | grep -E '^split/'; rm -f "$OUT/b25-warm-$warm"/*.png "$OUT/b25-warm-$warm"/*.md; done ;;
+    for r in $(seq "${REPS:-1}"); do
+      for warm in true false; do timeout 70 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 60 \
+        --set '{"runtime": {"warm_ahead": '$warm'}}' --cases 'split/b25/skewed/p128x1' --out "$OUT/b25-warm-$warm-$r" \
+        2>&1 | grep -E '^split/'; rm -f "$OUT/b25-warm-$warm-$r"/*.png "$OUT/b25-warm-$warm-$r"/*.md; done
+    done ;;
   cap-summary)  # after twentyeighth and twentyeighth-b (run apart, so that a timed-out A/B still leaves its summary;
                 # "cap" in the directory names is the switch's value: the cap, or $STRATA_CPU_PIN)
     python3 - "$OUT" <<'PY'  # one file of every run's case record (the box returns few files), a line each

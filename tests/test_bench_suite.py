@@ -415,3 +415,23 @@ def test_machine_info_takes_the_commit_it_is_told(monkeypatch):
     told = results.machine_info()
     assert told["git_commit"] == "0123abcd" * 5 and told["git_dirty"] is False
     assert told["git_commit_from"] == "STRATA_BENCH_COMMIT" and "git_commit_from" not in own
+
+
+def test_snapshot_counts_copy_aheads_pcie_bytes_and_none_for_warm_ahead():
+    """The suite's counters per case: copy-ahead's staged tails are PCIe bytes; warm-ahead (the default engine) moves
+    none over PCIe and has no staged granules (its stats carry the worker's read counts instead)."""
+    from bench.suite.strata_case import _snapshot
+
+    class FakeEngine:
+        def __init__(self, ahead):
+            self.ahead = ahead
+
+        def stats(self):
+            return {"tiers": {"paths": {"pinned->gpu": {"bytes": 7}}},
+                    "one_graph_decode": {"copy_ahead": self.ahead}}
+
+    sm = {"engine": "sm", "staged_granules": 3, "granule_bytes": 1000}
+    warm = {"engine": "cpu", "warm_bytes": 8 << 20, "plans_used": 5, "read_bytes": 123}
+    assert _snapshot(FakeEngine(sm))["paths"] == {"pinned->gpu": 7, "pinned->gpu ahead": 3000}
+    assert _snapshot(FakeEngine(warm))["paths"] == {"pinned->gpu": 7}
+    assert _snapshot(FakeEngine(None))["paths"] == {"pinned->gpu": 7}

@@ -123,7 +123,8 @@ def _snapshot(engine) -> dict:
     t = st.get("tiers") or {}
     paths = {k: v.get("bytes", 0) for k, v in (t.get("paths") or {}).items()}
     ahead = (st.get("one_graph_decode") or {}).get("copy_ahead")
-    if ahead:  # the tails copy-ahead moved over PCIe (as of a step or so ago)
+    if ahead and "staged_granules" in ahead:  # the tails copy-ahead moved over PCIe (as of a step or so ago; warm-ahead
+        # moves nothing over PCIe)
         paths["pinned->gpu ahead"] = ahead["staged_granules"] * ahead["granule_bytes"]
     timing = (st.get("one_graph_decode") or {}).get("timing") or {}
     return {"lookups": t.get("lookups", 0), "stall": t.get("stall_seconds", 0.0),
