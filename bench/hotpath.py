@@ -170,7 +170,9 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
             res["copy_ahead"] = {"engine": "cpu", "warm_bytes": ahead.warm_bytes, "plans_used": int(w[0]),
                                  "plans_late": int(w[1]), "read_MB_per_token": round(w[2] / max(1, n) / 1e6, 2),
                                  "read_us_per_plan": round(w[3] / max(1, w[0]) / 1e3, 1),
-                                 "computed_MB_per_token": round(w[4] / max(1, n) / 1e6, 2), "pieces_stolen": int(w[5])}
+                                 "computed_MB_per_token": round(w[4] / max(1, n) / 1e6, 2), "pieces_stolen": int(w[5]),
+                                 "held_us_per_plan": round(w[6] / max(1, w[0]) / 1e3, 2),
+                                 "held_us_max": round(ahead.worker[7] / 1e3, 1)}
         elif w0 is not None:  # copied by the worker (a plan found late is not), late plans, driver errors
             w = ahead.worker - w0
             res["copy_ahead"].update(copied_MB_per_token=round(w[1] / max(1, n) / 1e6, 2), plans_late=int(w[2]),

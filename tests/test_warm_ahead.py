@@ -71,11 +71,14 @@ def test_warm_read_counts_its_bytes_and_stops_when_told():
         ce.warm_rows(addr, [1], H, INTER)
     lib = ce._load()
     a, r = array.array("q", addr), array.array("q", [INTER] * 3)
-    word = ctypes.c_int64(7)
-    read = lib.strata_cpu_warm(a.buffer_info()[0], r.buffer_info()[0], 3, H, INTER, 2, ctypes.addressof(word), 7)
+    word, held = ctypes.c_int64(7), ctypes.c_int64(-1)
+    read = lib.strata_cpu_warm(a.buffer_info()[0], r.buffer_info()[0], 3, H, INTER, 2, ctypes.addressof(word), 7,
+                               ctypes.addressof(held))
     assert read == 4 * H * INTER * 3  # the word unchanged: everything read
+    assert 0 <= held.value < 1_000_000_000  # ns waited for the other thread once the caller was done
     word.value = 8  # the next layer posted: nothing more is read
-    assert lib.strata_cpu_warm(a.buffer_info()[0], r.buffer_info()[0], 3, H, INTER, 2, ctypes.addressof(word), 7) == 0
+    assert lib.strata_cpu_warm(a.buffer_info()[0], r.buffer_info()[0], 3, H, INTER, 2, ctypes.addressof(word), 7,
+                               None) == 0
 
 
 def _wait(cond, what: str, timeout: float = 10.0) -> None:
@@ -132,6 +135,7 @@ def test_worker_reads_the_next_layers_planned_experts_ahead():
         assert box.warm_ahead({0: 1}, plans, S, budget) is None  # once per worker
         assert torch.equal(_step(box, x, w, plans, [at[2], at[5], at[6]]), ref[0])
         assert counters.tolist()[:3] == [1, 0, budget]  # one plan used, nothing late, the budget read
+        assert 0 <= counters[7] <= counters[6] < 10**9  # the waits for threads still reading, and the longest
         # computed from the warm rows: expert 2's 32 and expert 5's 10 (expert 6 was not read)
         assert counters[4] == budget and counters[3] > 0
         assert torch.equal(_step(box, x, w, plans, [at[0], at[7]]), ref[1])  # a wrong prediction: read, not computed

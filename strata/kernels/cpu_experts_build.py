@@ -80,7 +80,7 @@ def build_and_open() -> ctypes.CDLL:
                                             ctypes.c_int, ctypes.c_void_p]
     lib.strata_cpu_experts_warm.restype = ctypes.c_int
     lib.strata_cpu_warm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                    ctypes.c_int, ctypes.c_void_p, ctypes.c_int64]
+                                    ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.strata_cpu_warm.restype = ctypes.c_int64
     lib.strata_cpu_experts_start.argtypes = lib.strata_cpu_experts.argtypes
     lib.strata_cpu_experts_start.restype = ctypes.c_int

@@ -115,4 +115,4 @@ def warm_rows(addresses: Sequence[int], rows: Sequence[int], hidden: int, inter:
     if len(a) != len(r):
         raise ValueError("one row count per address")
     return int(lib.strata_cpu_warm(a.buffer_info()[0], r.buffer_info()[0], len(a), hidden, inter,
-                                   int(threads or cpu_experts.default_threads()), None, 0))
+                                   int(threads or cpu_experts.default_threads()), None, 0, None))

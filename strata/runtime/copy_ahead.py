@@ -219,7 +219,8 @@ class CopyAhead:
     def stats(self) -> dict:
         """Granules staged and used so far (as of a step or so ago), the budget a layer, the bytes of a granule; for
         warm-ahead (engine "cpu") the worker's counts: plans used and late, bytes read ahead and the seconds it took,
-        bytes of read rows the kernel computed, pieces another thread computed."""
+        bytes of read rows the kernel computed, pieces another thread computed, the time (and the longest) the worker
+        waited for threads still reading once its own part was done."""
         staged, used = (int(v) for v in self._counts_host.tolist())
         out = {"engine": self.engine, "budget_granules": self.value, "granule_bytes": self.granule_bytes,
                "staged_granules": staged, "used_granules": used, "staged_MB": round(staged * self.granule_bytes / 1e6, 1),
@@ -227,7 +228,8 @@ class CopyAhead:
         if self.worker is not None and self.engine == "cpu":
             w = [int(v) for v in self.worker]
             return {"engine": "cpu", "warm_bytes": self.warm_bytes, "plans_used": w[0], "plans_late": w[1],
-                    "read_bytes": w[2], "read_s": round(w[3] / 1e9, 4), "computed_bytes": w[4], "pieces_stolen": w[5]}
+                    "read_bytes": w[2], "read_s": round(w[3] / 1e9, 4), "computed_bytes": w[4], "pieces_stolen": w[5],
+                    "held_s": round(w[6] / 1e9, 4), "held_us_max": round(w[7] / 1e3, 1)}
         if self.worker is not None:  # planned is not copied here: a plan the worker found late is skipped
             w = [int(v) for v in self.worker]
             out.update(copied_tails=w[0], copied_MB=round(w[1] / 1e6, 1), plans_late=w[2], copy_errors=w[3])

@@ -311,14 +311,15 @@ class CpuMailbox:
         """Have the worker read ahead, once it has answered layer l, the gate/up rows of the experts copy-ahead's plan
         predicts cold in `next_of[l]` (plans [2, 1 + 3 * slots] int64, page-locked, by the planned layer's parity),
         up to `nbytes` a layer, each of its threads the rows the kernel will give it (csrc/cpu_mailbox.cpp, WarmCfg).
-        Returns the worker's warm counters (int64 [6]: plans used, plans not ready, bytes read, ns reading, bytes
-        of read rows computed, pieces another thread computed), None where it cannot."""
+        Returns the worker's warm counters (int64 [8]: plans used, plans not ready, bytes read, ns reading, bytes
+        of read rows computed, pieces another thread computed, ns and the longest ns it waited for threads still
+        reading once its own part was done), None where it cannot."""
         from strata.kernels import cpu_experts as ce
 
         if not self.handle or self._ahead_keep:
             return None
         nxt = np.array([next_of.get(layer, -1) for layer in self.layers], dtype=np.int64)
-        counters = np.zeros(6, dtype=np.int64)
+        counters = np.zeros(8, dtype=np.int64)
         if ce.mailbox_warm(self.handle, nxt, plans.data_ptr(), slots, int(nbytes), counters) != 0:
             return None
         self._ahead_keep.extend((nxt, plans, counters))

@@ -122,6 +122,7 @@ struct WarmJob {
     const volatile int64_t* stop = nullptr;  // stop reading once *stop != stop_val (the next layer is posted)
     int64_t stop_val = 0;
     std::atomic<int64_t> bytes{0}, finished{0};
+    int64_t t_left = 0;  // when the caller stopped waiting (all read, or stopped): the rest is threads still inside
     bool stopped() const { return stop && *stop != stop_val; }
 };
 
@@ -557,16 +558,21 @@ done:
     job.finished.fetch_add(1, std::memory_order_acq_rel);
     // the caller keeps the job open until every thread has read its piece (unlike the kernel's chunks, a piece
     // belongs to one thread), or until the next layer is posted
-    if (tid == 0) spin_until([&] { return job.finished.load(std::memory_order_acquire) == job.P || job.stopped(); });
+    if (tid == 0) {
+        spin_until([&] { return job.finished.load(std::memory_order_acquire) == job.P || job.stopped(); });
+        job.t_left = mono_ns();
+    }
 }
 }  // namespace
 
 // Read the gate/up weights of experts' leading rows into the caches of the pool's threads, each thread the piece
 // the kernel will give it (`strata_cpu_experts_warm` with the same rows and thread count): addr [n] gate_up
 // addresses ([2 ld, H] bf16), rows [n]. Returns the bytes read; stops early (a partial read is harmless) once
-// *stop != stop_val, where stop is given: the word the next layer's post changes.
+// *stop != stop_val, where stop is given: the word the next layer's post changes. held_ns (optional): set to how long
+// the call waited, once the caller was done, for threads still reading (a thread descheduled mid-piece holds it).
 STRATA_API int64_t strata_cpu_warm(const int64_t* addr, const int64_t* rows, int64_t n, int64_t H, int64_t ld,
-                                   int threads, const int64_t* stop, int64_t stop_val) {
+                                   int threads, const int64_t* stop, int64_t stop_val, int64_t* held_ns) {
+    if (held_ns) *held_ns = 0;
     if (n <= 0 || H <= 0 || ld <= 0) return 0;
     std::lock_guard<std::mutex> lk(g_call);
     WarmJob job;
@@ -576,6 +582,7 @@ STRATA_API int64_t strata_cpu_warm(const int64_t* addr, const int64_t* rows, int
         warm_job(&job, 0);
     else
         get_pool(int(job.P))->run(warm_job, &job);
+    if (held_ns) *held_ns = mono_ns() - job.t_left;
     return job.bytes.load();
 }
 

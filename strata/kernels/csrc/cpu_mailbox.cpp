@@ -51,7 +51,7 @@
 STRATA_API int strata_cpu_experts_warm(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
                                        const int64_t* warm, float* out, int threads, int64_t* stolen);
 STRATA_API int64_t strata_cpu_warm(const int64_t* addr, const int64_t* rows, int64_t n, int64_t H, int64_t ld,
-                                   int threads, const int64_t* stop, int64_t stop_val);
+                                   int threads, const int64_t* stop, int64_t stop_val, int64_t* held_ns);
 
 namespace {
 
@@ -74,6 +74,8 @@ struct WarmCfg {
     int64_t S = 0, bytes = 0;   // slots a plan; gate/up bytes read ahead a layer at most
     int64_t* counters = nullptr;  // [0] plans used [1] plans not ready [2] bytes read [3] ns reading
                                   // [4] bytes of read rows the kernel computed [5] pieces computed by another thread
+                                  // [6] ns the worker waited, its own reading done, for threads still reading (one
+                                  // descheduled mid-piece holds the next layer's answer) [7] the longest such wait
 };
 
 struct Mailbox {
@@ -250,9 +252,12 @@ struct Mailbox {
         wc.counters[0] += 1;
         warm_box = j, warm_gen = gen;
         const int64_t t0 = now_ns();
+        int64_t held = 0;
         wc.counters[2] += strata_cpu_warm(warm_addr.data(), warm_rows.data(), int64_t(warm_addr.size()), H, I,
-                                          threads, const_cast<const int64_t*>(ready), seen[size_t(j)]);
+                                          threads, const_cast<const int64_t*>(ready), seen[size_t(j)], &held);
         wc.counters[3] += now_ns() - t0;
+        wc.counters[6] += held;
+        wc.counters[7] = std::max(wc.counters[7], held);
     }
 
     std::vector<int64_t> seen;  // the generation last served per box (read at start, before the thread runs)
@@ -348,7 +353,7 @@ STRATA_API int strata_mailbox_ahead(int64_t handle, const int64_t* cfg, const in
 
 // Warm-ahead (WarmCfg above), once per worker, before any step plans it: next int64 [n_boxes] (the layer each box
 // plans, -1: none); plans int64 [2, 1 + 3S] (host, copy-ahead's layout); bytes: gate/up bytes read a layer at most;
-// counters int64 [6]. Returns 0, or -1 (no worker, already set, or a copy-ahead copier is running).
+// counters int64 [8]. Returns 0, or -1 (no worker, already set, or a copy-ahead copier is running).
 STRATA_API int strata_mailbox_warm(int64_t handle, const int64_t* next, const int64_t* plans, int64_t S,
                                    int64_t bytes, int64_t* counters) {
     auto* m = reinterpret_cast<Mailbox*>(handle);
