@@ -65,8 +65,9 @@ constexpr int64_t LOG_ENTRY = 16 + 4 * LOG_CODES;
 // the two layers (the CPU idles then), each thread the rows the kernel will give it, so the next layer's kernel
 // reads them from L2, not RAM. The prediction is copy-ahead's plan (host memory, by the planned layer's parity:
 // int64 [tag, src[S], ...], src the predicted cold experts' gate_up addresses in ascending expert order, the order
-// in which the split gives the worker its experts); a plan without this step's tag is skipped. The read stops as
-// soon as the GPU posts the next layer: it never delays an answer, and a wrong or partial read changes no result.
+// in which the split gives the worker its experts); a plan without this step's tag is skipped. Every thread stops
+// reading within 1 KB of the GPU posting the next layer (one descheduled mid-read holds the answer until it runs
+// again: counted, [6] and [7]), and a wrong or partial read changes no result.
 struct WarmCfg {
     std::vector<int64_t> next;  // per box: the layer it plans (-1: none)
     std::vector<int> next_box;  // per box: the box of that layer (-1: none)
