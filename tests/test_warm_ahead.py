@@ -156,3 +156,27 @@ def test_warm_ahead_needs_plan_slots_and_is_set_once():
         assert box.warm_ahead({0: 1}, plans, S, 1 << 20) is not None
     finally:
         box.close()
+
+
+def test_l2_size_from_sysfs_and_the_budget_it_caps(tmp_path):
+    """Warm-ahead reads no more than three quarters of its threads' L2 caches hold (rows past that would be evicted
+    before the kernel reaches them); sysfs says how big an L2 is, and a host that does not say keeps the cap."""
+    from strata.runtime.copy_ahead import warm_budget
+    from strata.runtime.host import l2_cache_bytes
+
+    cache = tmp_path / "cpu0" / "cache"
+    for idx, (level, kind, size) in enumerate([(1, "Data", "48K"), (1, "Instruction", "32K"), (2, "Unified", "2048K"),
+                                               (3, "Unified", "300M")]):
+        d = cache / f"index{idx}"
+        d.mkdir(parents=True)
+        (d / "level").write_text(f"{level}\n")
+        (d / "type").write_text(f"{kind}\n")
+        (d / "size").write_text(f"{size}\n")
+    assert l2_cache_bytes(sysfs=str(tmp_path)) == 2 << 20
+    assert l2_cache_bytes(sysfs=str(tmp_path / "nowhere")) is None
+    (cache / "index2" / "size").write_text("lots\n")
+    assert l2_cache_bytes(sysfs=str(tmp_path)) is None
+    assert warm_budget(8 << 20, 12, l2=2 << 20) == 8 << 20  # the H200 box: 18 MiB of L2 to spare
+    assert warm_budget(8 << 20, 4, l2=1 << 20) == 3 << 20
+    assert warm_budget(8 << 20, 0, l2=1 << 20) == 768 << 10  # at least one thread
+    assert warm_budget(8 << 20, 4, l2=None) in (8 << 20, min(8 << 20, 3 * (l2_cache_bytes() or 0)))

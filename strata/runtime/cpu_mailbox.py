@@ -56,6 +56,7 @@ class CpuMailbox:
         from strata.kernels import cpu_experts as ce
 
         self.layers, self.hidden, self.inter, self.top_k, self.max_tokens = list(layers), hidden, inter, top_k, max_tokens
+        self.threads = threads  # the worker's kernel threads
         self.max_pairs = max_tokens * top_k
         self.device = device
         self.out_off = _up(HEADER + _up(16 + 12 * self.max_pairs, 64) + 4 * max_tokens * hidden + 4 * self.max_pairs, 64)

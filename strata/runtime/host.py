@@ -119,3 +119,18 @@ def _fs_type(path: Path) -> str:
         if (real == mp or real.startswith(mp + "/") or mp == "/") and len(mp) >= best:
             best, fstype = len(mp), p.fstype
     return fstype
+
+
+def l2_cache_bytes(cpu: int = 0, sysfs: str = "/sys/devices/system/cpu") -> int | None:
+    """The size of `cpu`'s level-2 cache (unified or data) from sysfs, e.g. 2 MiB on the H200 box's Xeon; None where
+    sysfs does not say (not Linux, a container hiding it)."""
+    base = Path(sysfs) / f"cpu{cpu}" / "cache"
+    try:
+        for idx in sorted(base.glob("index*")):
+            if (idx / "level").read_text().strip() == "2" and (idx / "type").read_text().strip() in ("Unified", "Data"):
+                text = (idx / "size").read_text().strip().upper()
+                scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+                return int(text.rstrip("KMG")) * scale
+    except (OSError, ValueError):
+        return None
+    return None
