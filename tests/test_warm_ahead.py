@@ -81,14 +81,6 @@ def test_warm_read_counts_its_bytes_and_stops_when_told():
                                None) == 0
 
 
-def _wait(cond, what: str, timeout: float = 10.0) -> None:
-    t0 = time.monotonic()
-    while not cond():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"the worker did not {what}")
-        time.sleep(0.001)
-
-
 def _mailbox(slab):
     from strata.runtime.cpu_mailbox import CpuMailbox
 

@@ -239,7 +239,7 @@ def run_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads:
     address, token-index address (int64), weight address (fp32), T, rows, I) for bf16 experts, computing each
     expert's first `rows` of its I intermediate rows (all I, or the CPU's part of a split expert); out [N, H] fp32
     contiguous, added into. warm: int64 per expert, the leading rows `warm_rows` read ahead on the same thread
-    count (`cpu_kernel_tuning.warm_rows`: each thread computes its own piece of them first; results unchanged). Returns False, doing nothing,
+    count (each thread computes its own piece of them first; results unchanged). Returns False, doing nothing,
     when the compiled kernel is not in use."""
     name = _resolve(backend)
     if name == "torch" or not meta:

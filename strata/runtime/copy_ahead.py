@@ -107,11 +107,12 @@ class CopyAhead:
         self.counts = torch.zeros(2, dtype=torch.int64, device=device)  # granules staged, granules of them used cold
         self._counts_host = torch.zeros(2, dtype=torch.int64, pin_memory=device.type == "cuda")
         self.fixed = budget_bytes is not None
-        link_us = self.AHEAD_US_COPY if engine == "copy" else self.AHEAD_US
-        self.value = self._granules(budget_bytes if self.fixed else link_us * 1e-6 * share.gpu_rate)
         if engine == "cpu":  # every predicted cold expert listed whole; the worker reads `warm_bytes` of them
             self.warm_bytes = int(budget_bytes) if self.fixed else warm_budget(self.WARM_BYTES, mailbox.threads)
             self.value = share.granules * s
+        else:
+            link_us = self.AHEAD_US_COPY if engine == "copy" else self.AHEAD_US
+            self.value = self._granules(budget_bytes if self.fixed else link_us * 1e-6 * share.gpu_rate)
         self.target = self.value
         self.budget = torch.tensor([self.value], dtype=torch.int32, device=device)  # [1] read by the step
         # warm-ahead's plan on a high-priority stream: the worker reads it as soon as it answers a layer (on the H200
@@ -221,15 +222,15 @@ class CopyAhead:
         warm-ahead (engine "cpu") the worker's counts: plans used and late, bytes read ahead and the seconds it took,
         bytes of read rows the kernel computed, pieces another thread computed, the time (and the longest) the worker
         waited for threads still reading once its own part was done."""
-        staged, used = (int(v) for v in self._counts_host.tolist())
-        out = {"engine": self.engine, "budget_granules": self.value, "granule_bytes": self.granule_bytes,
-               "staged_granules": staged, "used_granules": used, "staged_MB": round(staged * self.granule_bytes / 1e6, 1),
-               "used_fraction": round(used / staged, 4) if staged else None}
-        if self.worker is not None and self.engine == "cpu":
+        if self.engine == "cpu":  # nothing staged: the worker's own counts
             w = [int(v) for v in self.worker]
             return {"engine": "cpu", "warm_bytes": self.warm_bytes, "plans_used": w[0], "plans_late": w[1],
                     "read_bytes": w[2], "read_s": round(w[3] / 1e9, 4), "computed_bytes": w[4], "pieces_stolen": w[5],
                     "held_s": round(w[6] / 1e9, 4), "held_us_max": round(w[7] / 1e3, 1)}
+        staged, used = (int(v) for v in self._counts_host.tolist())
+        out = {"engine": self.engine, "budget_granules": self.value, "granule_bytes": self.granule_bytes,
+               "staged_granules": staged, "used_granules": used, "staged_MB": round(staged * self.granule_bytes / 1e6, 1),
+               "used_fraction": round(used / staged, 4) if staged else None}
         if self.worker is not None:  # planned is not copied here: a plan the worker found late is skipped
             w = [int(v) for v in self.worker]
             out.update(copied_tails=w[0], copied_MB=round(w[1] / 1e6, 1), plans_late=w[2], copy_errors=w[3])

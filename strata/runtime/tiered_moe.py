@@ -374,8 +374,7 @@ def router_predictors(model: MoETransformer, beside: bool = False) -> dict[int, 
     """layer -> f(hidden [N, H]) -> predicted expert ids [N, k], applying that layer's norm and router early.
     `beside`: for predictions that may run beside the layer's own routing on another stream (copy-ahead), through
     `Router.choose` with a counter set of their own for the one-launch decode router (made here, eagerly: the
-    router's own belong to the layer's routing). One launch, not four: on a side stream each launch may wait behind
-    the in-place share's blocks, and a late plan is an unused one."""
+    router's own belong to the layer's routing): one launch on the side stream, not four."""
     out = {}
     for i, layer in enumerate(model.layers):
         if isinstance(layer.mlp, MoEBlock):

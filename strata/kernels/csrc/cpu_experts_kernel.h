@@ -190,9 +190,10 @@ static void down_chunk(Job& job, int64_t c) {
 }
 
 // One thread's share of a layer: gate/up chunks; once every gate/up chunk is finished, down chunks.
-// The warm rows' pieces go to the thread that read them ahead (strata_cpu_warm), the rest is taken dynamically; tid 0 (the caller) returns only when every down chunk is finished. A thread
-// that finds no gate/up chunk left claims up to `claim_max` down chunks and reads their weights while the
-// others finish phase 1, then computes them first: the same writer per element, so the same sums.
+// The warm rows' pieces go to the thread that read them ahead (strata_cpu_warm), the rest is taken
+// dynamically; tid 0 (the caller) returns only when every down chunk is finished. A thread that finds no
+// gate/up chunk left claims up to `claim_max` down chunks and reads their weights while the others finish
+// phase 1, then computes them first: the same writer per element, so the same sums.
 static void run_job(void* ctx, int tid) {
     Job& job = *static_cast<Job*>(ctx);
     int64_t* tr = job.trace ? job.trace + 5 * tid : nullptr;
