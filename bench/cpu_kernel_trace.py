@@ -2,7 +2,7 @@
 
     python bench/cpu_kernel_trace.py [--threads 12] [--calls 200] [--gap-us 80]
                                      [--knobs "claim_ahead=0,down_split=0;claim_ahead=4,down_split=1"]
-                                     [--warm] [--own MB] [--out DIR]
+                                     [--warm] [--own MB [--read-knobs "warm_streams=1;warm_streams=4"]] [--out DIR]
 
 The mailbox worker calls the kernel once per MoE layer with ~80 us of GPU work between calls (skewed routing,
 25% budget: ~1.6 cold experts a layer, ~60% of each computed here). Fitting the kernel's time against the bytes
@@ -63,6 +63,7 @@ def run_share(pool: torch.Tensor, experts: int, frac: float, packed: bool, calls
     w = torch.ones(1)
     base, stride = pool.data_ptr(), pool.stride(0) * 2
     t: dict[str, int] = {}
+    read_s, read_bytes = 0.0, 0
     t0 = time.perf_counter()
     for _ in range(calls):
         meta = array.array("q")
@@ -78,7 +79,9 @@ def run_share(pool: torch.Tensor, experts: int, frac: float, packed: bool, calls
             for _ in chosen:
                 wrows.append(min(rows, left // (4 * HIDDEN)))
                 left -= wrows[-1] * 4 * HIDDEN
-            ce.warm_rows([base + int(e) * stride for e in chosen], wrows, HIDDEN, ld, threads)
+            r0 = time.perf_counter()
+            read_bytes += ce.warm_rows([base + int(e) * stride for e in chosen], wrows, HIDDEN, ld, threads)
+            read_s += time.perf_counter() - r0
         ce.trace(True)
         ce.run_packed(x, meta, out, threads, warm=wrows)
         for k, v in ce.trace(False).items():
@@ -89,7 +92,8 @@ def run_share(pool: torch.Tensor, experts: int, frac: float, packed: bool, calls
     us = {k[:-3]: t[k] / n / 1e3 for k in t if k.endswith("_ns")}
     return {"experts": experts, "fraction": frac, "packed": packed, "warm": warm, "own": own, "bytes": t["bytes"] // n, "us": us,
             "gbps": t["bytes"] / max(1, t["call_ns"]), "threads_joined": t["threads_joined"] / n,
-            "phase1_chunks": t["phase1_chunks"] / n, "claimed_ahead": t["claimed_ahead"] / n, "wall_s": wall}
+            "phase1_chunks": t["phase1_chunks"] / n, "claimed_ahead": t["claimed_ahead"] / n, "wall_s": wall,
+            "read_us": read_s / max(1, calls) * 1e6, "read_gbps": read_bytes / read_s / 1e9 if read_s else None}
 
 
 def main() -> None:
@@ -105,6 +109,8 @@ def main() -> None:
                     "(in the caches), with the first knob set")
     ap.add_argument("--own", type=float, default=0.0, help="also time every share with up to this many MB of its "
                     "gate/up rows read first by the threads that compute them (warm-ahead), with the first knob set")
+    ap.add_argument("--read-knobs", default="", help="with --own: warm-ahead's read settings to compare, ';' between "
+                    "sets (e.g. \"warm_streams=1;warm_streams=4,warm_touch=2\"; default: the kernel's)")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     if ce.backend() == "torch":
@@ -149,23 +155,26 @@ def main() -> None:
                 print(f"{'warm' if warm else 'cold'} | {experts} x {frac:.2f} | {r['us']['call']:.1f} us | "
                       f"{r['gbps']:.1f} GB/s | gate/up {r['us']['phase1']:.1f} | down {r['us']['phase2']:.1f}")
                 results.append({"knobs": sets[0], "warm": warm, "shares": [r]})
-    if args.own:  # warm-ahead: each thread's piece read by itself just before, alternated with cold calls
+    if args.own:  # warm-ahead: each thread's piece read by itself just before (timed: the read's GB/s, Python's call
+        # overhead included), between cold calls; once per read setting
         ce.tune(**defaults)
         ce.tune(**sets[0])
         own = int(args.own * 1e6)
+        read_sets = [parse_knobs(part, "--read-knobs") for part in args.read_knobs.split(";")] if args.read_knobs else [{}]
+        print("read knobs | share | read us | read GB/s | call us (cold -> read ahead) | gate/up (cold -> read ahead)")
         for experts, frac, packed in SHARES:
             if packed:
                 continue
-            pair = {}
-            for k in (0, own, 0, own):
-                r = run_share(pool, experts, frac, packed, args.calls // 2, args.threads, args.gap_us, rng, own=k)
-                pair.setdefault(k, []).append(r)
-                results.append({"knobs": sets[0], "own": k, "shares": [r]})
-            cold = [r["us"]["call"] for r in pair[0]]
-            hot = [r["us"]["call"] for r in pair[own]]
-            print(f"own {args.own} MB | {experts} x {frac:.2f} | cold {cold[0]:.1f}, {cold[1]:.1f} us | read ahead "
-                  f"{hot[0]:.1f}, {hot[1]:.1f} us | gate/up {pair[0][0]['us']['phase1']:.1f} -> "
-                  f"{pair[own][0]['us']['phase1']:.1f}")
+            for rk in read_sets:
+                cold = run_share(pool, experts, frac, packed, args.calls // 2, args.threads, args.gap_us, rng)
+                old = ce.tune(**rk)
+                r = run_share(pool, experts, frac, packed, args.calls // 2, args.threads, args.gap_us, rng, own=own)
+                ce.tune(**old)
+                results.append({"knobs": sets[0], "read_knobs": rk, "own": own, "shares": [cold, r]})
+                label = ",".join(f"{k}={v}" for k, v in rk.items()) or "defaults"
+                print(f"{label} | {experts} x {frac:.2f} | {r['read_us']:.1f} | {r['read_gbps'] or 0:.1f} | "
+                      f"{cold['us']['call']:.1f} -> {r['us']['call']:.1f} | {cold['us']['phase1']:.1f} -> "
+                      f"{r['us']['phase1']:.1f}")
     ce.tune(**defaults)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

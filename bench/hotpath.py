@@ -67,6 +67,8 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
   dsplit, dsplit0  the CPU kernel reads its down rows as two streams a thread, or adjacent rows as one
                  (cpu_experts.tune(down_split=1 or 0); default 1)
   chunkdivN      the CPU kernel's chunks of total / (N x threads) bytes (cpu_experts.tune(chunk_div=N); default 8)
+  wsN, wtN       warm-ahead's read takes N rows at a time, line-interleaved / touches one line in N
+                 (cpu_experts.tune(warm_streams=N) / tune(warm_touch=N); default 1 and 1)
   swN            the interpreter's GIL switch interval set to N us (sys.setswitchinterval; default 5000)
   again          nothing: the same case run a second time (a run-order check)
 Decode samples at temperature 1 (fixed seed) so a random-weight model does not repeat itself and
@@ -343,6 +345,8 @@ def main() -> None:
                 knobs["claim_ahead"] = int(mod[5:])
             elif mod.startswith("chunkdiv") and mod[8:].isdigit():
                 knobs["chunk_div"] = int(mod[8:])
+            elif mod[:2] in ("ws", "wt") and mod[2:].isdigit():
+                knobs["warm_streams" if mod[1] == "s" else "warm_touch"] = int(mod[2:])
             elif mod in ("dsplit", "dsplit0"):
                 knobs["down_split"] = int(mod == "dsplit")
             elif mod != "again":

@@ -50,12 +50,18 @@ def test_warm_rows_change_no_result(hidden, inter):
     ref = torch.zeros(3, hidden)
     assert ce.run_packed(x, meta, ref, threads=1)
     assert ref.abs().sum() > 0
-    for warm in ([0, 0, 0], [inter, 0, 0], [5, inter, inter], [inter + 9, 7, inter], [3, 1, 2]):
-        for threads in (1, 2, 3, 7):
+    cases = [(warm, threads, read) for warm in ([0, 0, 0], [inter, 0, 0], [5, inter, inter], [inter + 9, 7, inter],
+                                                 [3, 1, 2]) for threads in (1, 2, 3, 7) for read in ((1, 1), (3, 2))]
+    cases += [([inter, 2, 1], 2, read) for read in ((2, 1), (4, 3), (8, 8))]  # the read's settings (warm_streams,
+    for warm, threads, (streams, touch) in cases:                              # warm_touch) change no result either
+        old = ce.tune(warm_streams=streams, warm_touch=touch)
+        try:
             got = torch.zeros(3, hidden)
             ce.warm_rows([slab[e].data_ptr() for e in chosen], warm, hidden, inter, threads)
             assert ce.run_packed(x, meta, got, threads=threads, warm=array.array("q", warm))
-            assert torch.equal(got, ref), (warm, threads)
+        finally:
+            ce.tune(**old)
+        assert torch.equal(got, ref), (warm, threads, streams, touch)
     with pytest.raises(ValueError, match="warm has 2 entries for 3 experts"):
         ce.run_packed(x, meta, torch.zeros(3, hidden), warm=array.array("q", [1, 2]))
 
@@ -67,6 +73,14 @@ def test_warm_read_counts_its_bytes_and_stops_when_told():
     # gate and up rows: 4 H bytes a row; rows past the expert's are not read
     assert ce.warm_rows(addr, [INTER, 5, 0], H, INTER, threads=3) == 4 * H * (INTER + 5)
     assert ce.warm_rows(addr[:1], [INTER + 50], H, INTER, threads=2) == 4 * H * INTER
+    for streams, touch in ((2, 1), (3, 4), (8, 8)):  # rows read at once and lines touched count no differently
+        old = ce.tune(warm_streams=streams, warm_touch=touch)
+        try:
+            assert ce.warm_rows(addr, [INTER, 5, 0], H, INTER, threads=3) == 4 * H * (INTER + 5)
+        finally:
+            assert ce.tune(**old) == {"warm_streams": streams, "warm_touch": touch}
+    assert ce.tune(warm_streams=20, warm_touch=0) == old  # clamped to 1-8
+    assert ce.tune(**old) == {"warm_streams": 8, "warm_touch": 1}
     with pytest.raises(ValueError, match="one row count per address"):
         ce.warm_rows(addr, [1], H, INTER)
     lib = ce._load()

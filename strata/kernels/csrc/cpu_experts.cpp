@@ -119,6 +119,7 @@ struct WarmJob {
     const int64_t* addr = nullptr;  // [n] each expert's gate_up [2 ld, H] bf16
     const int64_t* rows = nullptr;  // [n] leading rows to read (gate rows j and up rows ld + j)
     int64_t n = 0, H = 0, ld = 0, P = 1;
+    int64_t streams = 1, touch = 1;  // rows read at once, line-interleaved; one 64-byte line touched in `touch`
     const volatile int64_t* stop = nullptr;  // stop reading once *stop != stop_val (the next layer is posted)
     int64_t stop_val = 0;
     std::atomic<int64_t> bytes{0}, finished{0};
@@ -143,6 +144,9 @@ int64_t g_prefetch_bytes = 2048;
 // claiming 4 down chunks ahead took a quarter to 0.6 of an expert from 44.7 / 83.4 to 38-39 / 72-75 us a call, and
 // pairing down rows across a chunk's halves read a whole expert's down 10-17% faster.
 int64_t g_claim_max = 4, g_chunk_div = 8, g_chunk_min = 32 << 10, g_chunk_max = 512 << 10, g_down_split = 1;
+// warm-ahead's read (strata_cpu_warm): rows read at once, interleaved line by line (more misses in flight, and
+// the L2 streamer on each), and one line touched in g_warm_touch (the streamer fetching the others into L2)
+int64_t g_warm_streams = 1, g_warm_touch = 1;
 bool g_trace = false;
 std::vector<int64_t> g_trace_rows;
 int64_t g_trace_acc[13] = {};
@@ -401,15 +405,20 @@ STRATA_API int strata_cpu_trace(int on, int64_t* acc) {
 // Set knob `key` to `value` (< 0: leave it) and return its value before: 1 down chunks a thread claims and
 // reads ahead while phase 1 finishes (0 off, at most 16), 2 the chunk divisor (chunks of total / (div x
 // threads) bytes), 3 and 4 the chunk size's floor and ceiling in bytes, 5 down rows paired across a chunk's
-// halves (1) or adjacent (0). -1 for an unknown key.
+// halves (1) or adjacent (0), 6 warm-ahead's rows read at once (1-8), 7 one line in N touched by it (1-8).
+// -1 for an unknown key.
 STRATA_API int64_t strata_cpu_tune(int64_t key, int64_t value) {
     std::lock_guard<std::mutex> lk(g_call);
     int64_t* knob = key == 1 ? &g_claim_max : key == 2 ? &g_chunk_div : key == 3 ? &g_chunk_min
-                  : key == 4 ? &g_chunk_max : key == 5 ? &g_down_split : nullptr;
+                  : key == 4 ? &g_chunk_max : key == 5 ? &g_down_split : key == 6 ? &g_warm_streams
+                  : key == 7 ? &g_warm_touch : nullptr;
     if (!knob) return -1;
     const int64_t old = *knob;
     if (value >= 0)
-        *knob = key == 1 ? std::min<int64_t>(value, kMaxClaim) : key == 5 ? int64_t(value != 0) : std::max<int64_t>(value, 1);
+        *knob = key == 1   ? std::min<int64_t>(value, kMaxClaim)
+                : key == 5 ? int64_t(value != 0)
+                : key >= 6 ? std::clamp<int64_t>(value, 1, 8)
+                           : std::max<int64_t>(value, 1);
     return old;
 }
 
@@ -533,26 +542,32 @@ STRATA_API int strata_cpu_experts(int isa, const float* x, int64_t N, int64_t H,
 }
 
 namespace {
-// Thread tid's piece of every expert's warm rows, gate row j and up row ld + j, one load a 64-byte line (volatile:
-// kept), so the kernel's static pieces find them in this core's L2. Stops early once *stop changes.
+// Thread tid's piece of every expert's warm rows, gate row j and up row ld + j, one load a touched 64-byte line
+// (volatile: kept), `streams` rows at a time interleaved line by line, so the kernel's static pieces find them in
+// this core's L2. Stops early once *stop changes.
 void warm_job(void* ctx, int tid) {
     WarmJob& job = *static_cast<WarmJob*>(ctx);
-    const int64_t row = 2 * job.H;  // bytes
-    int64_t bytes = 0;
+    const int64_t row = 2 * job.H, step = 64 * job.touch;  // bytes
+    int64_t bytes = 0, g = 0;
+    const volatile uint8_t* group[8];
+    auto read_group = [&]() {  // false once stopped
+        for (int64_t b = 0; b < row; b += step) {
+            if ((b & 1023) < step && job.stopped()) return false;  // every 1 KB: the GPU waits for nobody
+            for (int64_t q = 0; q < g; ++q) (void)group[q][b];
+        }
+        bytes += g * row, g = 0;
+        return true;
+    };
     for (int64_t e = 0; e < job.n; ++e) {
         const auto* gu = reinterpret_cast<const volatile uint8_t*>(job.addr[e]);
         const int64_t w = std::clamp<int64_t>(job.rows[e], 0, job.ld);  // as the kernel clamps it
-        for (int64_t j = warm_bound(w, tid, job.P); j < warm_bound(w, tid + 1, job.P); ++j) {
+        for (int64_t j = warm_bound(w, tid, job.P); j < warm_bound(w, tid + 1, job.P); ++j)
             for (const int64_t r : {j, job.ld + j}) {
-                const volatile uint8_t* p = gu + r * row;
-                for (int64_t b = 0; b < row; b += 64) {
-                    if ((b & 1023) == 0 && job.stopped()) goto done;  // every 1 KB: the GPU waits for nobody
-                    (void)p[b];
-                }
+                group[g++] = gu + r * row;
+                if (g == job.streams && !read_group()) goto done;
             }
-            bytes += 2 * row;
-        }
     }
+    if (g) read_group();
 done:
     job.bytes.fetch_add(bytes, std::memory_order_relaxed);
     job.finished.fetch_add(1, std::memory_order_acq_rel);
@@ -578,6 +593,7 @@ STRATA_API int64_t strata_cpu_warm(const int64_t* addr, const int64_t* rows, int
     WarmJob job;
     job.addr = addr, job.rows = rows, job.n = n, job.H = H, job.ld = ld, job.P = std::max(1, threads);
     job.stop = stop, job.stop_val = stop_val;
+    job.streams = g_warm_streams, job.touch = g_warm_touch;
     if (job.P == 1)
         warm_job(&job, 0);
     else
