@@ -68,7 +68,9 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
                  (cpu_experts.tune(down_split=1 or 0); default 1)
   chunkdivN      the CPU kernel's chunks of total / (N x threads) bytes (cpu_experts.tune(chunk_div=N); default 8)
   wsN, wtN       warm-ahead's read takes N rows at a time, line-interleaved / touches one line in N
-                 (cpu_experts.tune(warm_streams=N) / tune(warm_touch=N); default 1 and 1)
+                 (cpu_experts.tune(warm_streams=N) / tune(warm_touch=N); default 4 and 1)
+  rest0          the kernel's dynamic chunks sized from the whole call, not from the rows not read ahead
+                 (cpu_experts.tune(rest_chunks=0); default 1)
   swN            the interpreter's GIL switch interval set to N us (sys.setswitchinterval; default 5000)
   again          nothing: the same case run a second time (a run-order check)
 Decode samples at temperature 1 (fixed seed) so a random-weight model does not repeat itself and
@@ -347,6 +349,8 @@ def main() -> None:
                 knobs["chunk_div"] = int(mod[8:])
             elif mod[:2] in ("ws", "wt") and mod[2:].isdigit():
                 knobs["warm_streams" if mod[1] == "s" else "warm_touch"] = int(mod[2:])
+            elif mod == "rest0":
+                knobs["rest_chunks"] = 0
             elif mod in ("dsplit", "dsplit0"):
                 knobs["down_split"] = int(mod == "dsplit")
             elif mod != "again":

@@ -51,7 +51,7 @@ def test_warm_rows_change_no_result(hidden, inter):
     assert ce.run_packed(x, meta, ref, threads=1)
     assert ref.abs().sum() > 0
     cases = [(warm, threads, read) for warm in ([0, 0, 0], [inter, 0, 0], [5, inter, inter], [inter + 9, 7, inter],
-                                                 [3, 1, 2]) for threads in (1, 2, 3, 7) for read in ((1, 1), (3, 2))]
+                                                 [3, 1, 2]) for threads in (1, 2, 3, 7) for read in ((1, 1), (4, 1))]
     cases += [([inter, 2, 1], 2, read) for read in ((2, 1), (4, 3), (8, 8))]  # the read's settings (warm_streams,
     for warm, threads, (streams, touch) in cases:                              # warm_touch) change no result either
         old = ce.tune(warm_streams=streams, warm_touch=touch)
@@ -64,6 +64,40 @@ def test_warm_rows_change_no_result(hidden, inter):
         assert torch.equal(got, ref), (warm, threads, streams, touch)
     with pytest.raises(ValueError, match="warm has 2 entries for 3 experts"):
         ce.run_packed(x, meta, torch.zeros(3, hidden), warm=array.array("q", [1, 2]))
+
+
+@needs_kernel
+def test_dynamic_chunks_are_sized_from_the_rows_not_read_ahead():
+    """With most rows read ahead, the rest are dealt in chunks sized from themselves (total / (8 P), at least
+    32 KiB), not from the whole call's bytes: a few big chunks would leave threads waiting at the barrier."""
+    hidden, inter, threads = 2048, 768, 2
+    slab = _slab(1, hidden, inter)
+    x, idx, w = torch.randn(1, hidden), torch.tensor([0]), torch.ones(1)
+    meta = _meta(slab, [0], [inter], idx, w, hidden, inter)
+    old = ce.tune(chunk_div=8, chunk_min=32 << 10, chunk_max=512 << 10, rest_chunks=1)
+    try:
+        counts, outs = [], []
+        for warm in (None, [700]):
+            out = torch.zeros(1, hidden)
+            ce.trace(True)
+            assert ce.run_packed(x, meta, out, threads=threads, warm=None if warm is None else array.array("q", warm))
+            counts.append(ce.trace(False)["phase1_chunks"])
+            outs.append(out)
+    finally:
+        ce.tune(**old)
+    pair = 4 * hidden  # bytes of a gate row and an up row
+    whole = (4 * inter * hidden // (8 * threads)) // pair  # rows a chunk without warm rows: 48
+    assert counts[0] == -(-inter // whole) == 16
+    rest = inter - 700  # 68 rows left: chunks of max(32 KiB, 68 rows / 16) = 4 rows
+    assert counts[1] == threads + -(-rest // ((32 << 10) // pair)) == 2 + 17
+    assert torch.equal(outs[0], outs[1])
+    old = ce.tune(rest_chunks=0)  # the knob: sized from the whole call, as before the thirty-first session
+    try:
+        ce.trace(True)
+        assert ce.run_packed(x, meta, torch.zeros(1, hidden), threads=threads, warm=array.array("q", [700]))
+        assert ce.trace(False)["phase1_chunks"] == threads + -(-rest // whole) == 2 + 2
+    finally:
+        ce.tune(**old)
 
 
 @needs_kernel
@@ -81,6 +115,7 @@ def test_warm_read_counts_its_bytes_and_stops_when_told():
             assert ce.tune(**old) == {"warm_streams": streams, "warm_touch": touch}
     assert ce.tune(warm_streams=20, warm_touch=0) == old  # clamped to 1-8
     assert ce.tune(**old) == {"warm_streams": 8, "warm_touch": 1}
+    assert old == {"warm_streams": 4, "warm_touch": 1}  # the defaults
     with pytest.raises(ValueError, match="one row count per address"):
         ce.warm_rows(addr, [1], H, INTER)
     lib = ce._load()

@@ -21,14 +21,15 @@ from collections.abc import Sequence
 import torch
 
 TUNE_KEYS = {"claim_ahead": 1, "chunk_div": 2, "chunk_min": 3, "chunk_max": 4, "down_split": 5, "warm_streams": 6,
-             "warm_touch": 7}
+             "warm_touch": 7, "rest_chunks": 8}
 """`tune`'s knobs (csrc/cpu_experts.cpp, strata_cpu_tune; defaults claim_ahead=4, chunk_div=8, chunk_min=32 KiB,
 chunk_max=512 KiB, down_split=1): down chunks a thread claims and reads ahead while the gate/up phase finishes
 (0 off, at most 16); chunks of total / (chunk_div x threads) bytes, clamped to [chunk_min, chunk_max];
 down_split 1 pairs the down rows a thread reads two at a time across its chunk's halves (two streams in different
-pages) instead of adjacent ones; warm-ahead's read (`warm_rows`, defaults 1 and 1) takes warm_streams rows at a time,
+pages) instead of adjacent ones; warm-ahead's read (`warm_rows`, defaults 4 and 1) takes warm_streams rows at a time,
 interleaved line by line, and touches one 64-byte line in warm_touch (the L2 prefetcher fetching the rest); both
-clamped to 1-8."""
+clamped to 1-8; rest_chunks 1 (default) sizes the dynamic gate/up chunks from the rows not read ahead, 0 from the
+whole call."""
 
 TRACE_FIELDS = ("calls", "setup_ns", "last_arrival_ns", "phase1_ns", "barrier_wait_ns", "phase2_ns", "end_idle_ns",
                 "close_ns", "threads_joined", "call_ns", "bytes", "phase1_chunks", "claimed_ahead")

@@ -146,7 +146,9 @@ int64_t g_prefetch_bytes = 2048;
 int64_t g_claim_max = 4, g_chunk_div = 8, g_chunk_min = 32 << 10, g_chunk_max = 512 << 10, g_down_split = 1;
 // warm-ahead's read (strata_cpu_warm): rows read at once, interleaved line by line (more misses in flight, and
 // the L2 streamer on each), and one line touched in g_warm_touch (the streamer fetching the others into L2)
-int64_t g_warm_streams = 1, g_warm_touch = 1;
+// (bench/RESULTS.md, thirty-first session: 4 rows at once read ~30% more in decode's serial phase than 1), and
+// the dynamic gate/up chunks sized from the rows not read ahead (g_rest_chunks; 0: from the whole call)
+int64_t g_warm_streams = 4, g_warm_touch = 1, g_rest_chunks = 1;
 bool g_trace = false;
 std::vector<int64_t> g_trace_rows;
 int64_t g_trace_acc[13] = {};
@@ -405,18 +407,18 @@ STRATA_API int strata_cpu_trace(int on, int64_t* acc) {
 // Set knob `key` to `value` (< 0: leave it) and return its value before: 1 down chunks a thread claims and
 // reads ahead while phase 1 finishes (0 off, at most 16), 2 the chunk divisor (chunks of total / (div x
 // threads) bytes), 3 and 4 the chunk size's floor and ceiling in bytes, 5 down rows paired across a chunk's
-// halves (1) or adjacent (0), 6 warm-ahead's rows read at once (1-8), 7 one line in N touched by it (1-8).
-// -1 for an unknown key.
+// halves (1) or adjacent (0), 6 warm-ahead's rows read at once (1-8), 7 one line in N touched by it (1-8),
+// 8 the dynamic chunks sized from the rows not read ahead (1) or from the whole call (0). -1 for an unknown key.
 STRATA_API int64_t strata_cpu_tune(int64_t key, int64_t value) {
     std::lock_guard<std::mutex> lk(g_call);
     int64_t* knob = key == 1 ? &g_claim_max : key == 2 ? &g_chunk_div : key == 3 ? &g_chunk_min
                   : key == 4 ? &g_chunk_max : key == 5 ? &g_down_split : key == 6 ? &g_warm_streams
-                  : key == 7 ? &g_warm_touch : nullptr;
+                  : key == 7 ? &g_warm_touch : key == 8 ? &g_rest_chunks : nullptr;
     if (!knob) return -1;
     const int64_t old = *knob;
     if (value >= 0)
         *knob = key == 1   ? std::min<int64_t>(value, kMaxClaim)
-                : key == 5 ? int64_t(value != 0)
+                : key == 5 || key == 8 ? int64_t(value != 0)
                 : key >= 6 ? std::clamp<int64_t>(value, 1, 8)
                            : std::max<int64_t>(value, 1);
     return old;
@@ -484,7 +486,11 @@ STRATA_API int strata_cpu_experts_warm(int isa, const float* x, int64_t N, int64
         return std::clamp<int64_t>(total / (g_chunk_div * int64_t(P)), g_chunk_min, g_chunk_max);
     };
     const int64_t pair_bytes = 4 * H;  // one gate row + one up row
-    const int64_t pairs = std::max<int64_t>(1, chunk_bytes(gate_up_bytes) / pair_bytes);
+    // the dynamic chunks share out the rows not read ahead: sized from those alone, or a few chunks sized from the
+    // whole call (the warm rows being most of it) leave threads waiting at the barrier for the last one
+    int64_t dynamic_bytes = gate_up_bytes;
+    for (const auto& ex : experts) dynamic_bytes -= g_rest_chunks ? pair_bytes * std::min(ex.I, ex.warm) : 0;
+    const int64_t pairs = std::max<int64_t>(1, chunk_bytes(dynamic_bytes) / pair_bytes);
     job.P = P;
     for (int64_t e = 0; e < job.E; ++e) {  // the warm rows' pieces first (thread t's: index t mod P), clipped to I
         const ExpertArg& ex = experts[e];
