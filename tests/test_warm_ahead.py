@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import threading
 import time
 
 import numpy as np
@@ -128,6 +129,46 @@ def test_warm_read_counts_its_bytes_and_stops_when_told():
     word.value = 8  # the next layer posted: nothing more is read
     assert lib.strata_cpu_warm(a.buffer_info()[0], r.buffer_info()[0], 3, H, INTER, 2, ctypes.addressof(word), 7,
                                None) == 0
+
+
+@needs_kernel
+def test_a_stopped_read_does_not_wait_for_a_descheduled_thread():
+    """Once the next layer is posted the read returns at once, even with a pool thread asleep mid-piece: the kernel
+    call after it runs without that thread (another computes its piece; the same result), and only a later read
+    reusing its slot waits for it (held)."""
+    lib = ce._load()
+    slab = _slab(2, H, INTER, seed=3)
+    addr, rows = array.array("q", [slab[0].data_ptr(), slab[1].data_ptr()]), array.array("q", [INTER, INTER])
+    x, idx, w = torch.randn(1, H), torch.tensor([0]), torch.ones(1)
+    meta = _meta(slab, [0, 1], [INTER, INTER], idx, w, H, INTER)
+    ref = torch.zeros(1, H)
+    assert ce.run_packed(x, meta, ref, threads=1)
+    ce.warm_rows(list(addr), list(rows), H, INTER, threads=2)  # the pool of 2 exists, its threads are up
+    word, held = ctypes.c_int64(7), ctypes.c_int64(-1)
+    entered = lib.strata_cpu_test_straggler(1, 400_000)  # pool thread 1 sleeps 400 ms inside its next piece
+
+    def post_once_asleep():  # the GPU "posts" the next layer once thread 1 is inside, asleep
+        while lib.strata_cpu_test_straggler(0, 0) == entered:
+            time.sleep(0.001)
+        word.value = 8
+
+    poster = threading.Thread(target=post_once_asleep)
+    poster.start()
+    lib.strata_cpu_warm(addr.buffer_info()[0], rows.buffer_info()[0], 2, H, INTER, 2, ctypes.addressof(word), 7,
+                        ctypes.addressof(held))
+    poster.join()
+    assert held.value == 0
+    got, stolen = torch.zeros(1, H), ctypes.c_int64(-1)
+    x32 = x.contiguous()
+    assert lib.strata_cpu_experts_warm(ce._ISA[ce.backend()], x32.data_ptr(), 1, H, 2, meta.buffer_info()[0],
+                                       rows.buffer_info()[0], got.data_ptr(), 2, ctypes.addressof(stolen)) == 0
+    assert stolen.value > 0  # thread 1 was still asleep in the read: its pieces were done by thread 0
+    assert torch.equal(got, ref)
+    word.value = 7
+    lib.strata_cpu_warm(addr.buffer_info()[0], rows.buffer_info()[0], 2, H, INTER, 2, ctypes.addressof(word), 7,
+                        ctypes.addressof(held))
+    assert held.value > 0  # this read reused the first one's slot: it waited for thread 1 to leave
+    assert lib.strata_cpu_warm_drain() == 0
 
 
 def _mailbox(slab):

@@ -82,6 +82,10 @@ def build_and_open() -> ctypes.CDLL:
     lib.strata_cpu_warm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                     ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.strata_cpu_warm.restype = ctypes.c_int64
+    lib.strata_cpu_warm_drain.argtypes = []
+    lib.strata_cpu_warm_drain.restype = ctypes.c_int
+    lib.strata_cpu_test_straggler.argtypes = [ctypes.c_int, ctypes.c_int64]
+    lib.strata_cpu_test_straggler.restype = ctypes.c_int
     lib.strata_cpu_experts_start.argtypes = lib.strata_cpu_experts.argtypes
     lib.strata_cpu_experts_start.restype = ctypes.c_int
     lib.strata_cpu_experts_wait.argtypes = [ctypes.POINTER(ctypes.c_double)]

@@ -220,8 +220,8 @@ class CopyAhead:
     def stats(self) -> dict:
         """Granules staged and used so far (as of a step or so ago), the budget a layer, the bytes of a granule; for
         warm-ahead (engine "cpu") the worker's counts: plans used and late, bytes read ahead and the seconds it took,
-        bytes of read rows the kernel computed, pieces another thread computed, the time (and the longest) the worker
-        waited for threads still reading once its own part was done."""
+        bytes of read rows the kernel computed, pieces another thread computed, the time (and the longest) a read waited
+        for a thread of an earlier read still inside (descheduled mid-piece; a stopped read itself waits for none)."""
         if self.engine == "cpu":  # nothing staged: the worker's own counts
             w = [int(v) for v in self.worker]
             return {"engine": "cpu", "warm_bytes": self.warm_bytes, "plans_used": w[0], "plans_late": w[1],

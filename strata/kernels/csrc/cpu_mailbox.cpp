@@ -50,6 +50,7 @@
 
 STRATA_API int strata_cpu_experts_warm(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
                                        const int64_t* warm, float* out, int threads, int64_t* stolen);
+STRATA_API int strata_cpu_warm_drain();
 STRATA_API int64_t strata_cpu_warm(const int64_t* addr, const int64_t* rows, int64_t n, int64_t H, int64_t ld,
                                    int threads, const int64_t* stop, int64_t stop_val, int64_t* held_ns);
 
@@ -75,8 +76,8 @@ struct WarmCfg {
     int64_t S = 0, bytes = 0;   // slots a plan; gate/up bytes read ahead a layer at most
     int64_t* counters = nullptr;  // [0] plans used [1] plans not ready [2] bytes read [3] ns reading
                                   // [4] bytes of read rows the kernel computed [5] pieces computed by another thread
-                                  // [6] ns the worker waited, its own reading done, for threads still reading (one
-                                  // descheduled mid-piece holds the next layer's answer) [7] the longest such wait
+                                  // [6] ns a read waited for a thread of an earlier read still inside (descheduled
+                                  // mid-piece; a stopped read returns without waiting) [7] the longest such wait
 };
 
 struct Mailbox {
@@ -322,6 +323,7 @@ STRATA_API int strata_mailbox_stop(int64_t handle) {
     if (!m) return 0;
     m->stop.store(true);
     if (m->th.joinable()) m->th.join();
+    if (m->warm.load()) strata_cpu_warm_drain();  // a read's straggler may still touch the boxes and the experts
     delete m->ahead.load();  // (joins the copier)
     delete m->warm.load();
     delete m;

@@ -56,7 +56,11 @@ using JobFn = void (*)(void*, int);
 // Persistent worker pool. The caller runs share 0 of every job; workers join it when they wake up.
 // A worker that wakes late (descheduled, oversubscribed machine) joins only while the job is open and
 // simply finds no chunks left: nobody waits for a thread that holds no work. The caller closes the job
-// when all chunks are done and waits for the workers still inside it (finishing their last chunk).
+// when all chunks are done and waits for the workers still inside it (finishing their last chunk), unless
+// the job is detached: then a worker still inside (descheduled mid-piece) finishes on its own while the next
+// job runs. Jobs alternate between two slots by generation parity, each with its own entry word, function
+// and context, so such a worker never sees the next job's; a slot is reused only once its workers have left
+// (`drain_next`), and a detached job's context must stay valid until then.
 class Pool {
    public:
     Pool(int n, int spin_us, const std::vector<int>& cpus) : n_(n), spin_us_(spin_us), cpus_(cpus), pid_(getpid()) {
@@ -74,12 +78,32 @@ class Pool {
     int size() const { return n_; }
     pid_t pid() const { return pid_; }
 
-    // fn(ctx, 0) must return only when the whole job is done; workers run fn(ctx, tid) to help.
-    void run(JobFn fn, void* ctx) {
-        fn_ = fn;
-        ctx_ = ctx;
+    // The slot (0 or 1) the next run() uses.
+    int next_slot() const { return int((gen_.load(std::memory_order_relaxed) + 1) & 1); }
+    // Wait until no worker is left inside the job that last used the next run()'s slot (a detached job's); returns
+    // the ns waited. A detached job's caller calls it before rewriting that slot's context.
+    int64_t drain_next() {
+        Slot& s = slots_[next_slot()];
+        if ((s.entry.load(std::memory_order_acquire) & kCount) == 0) return 0;
+        const int64_t t0 = mono_ns();
+        spin_until([&] { return (s.entry.load(std::memory_order_acquire) & kCount) == 0; });
+        return mono_ns() - t0;
+    }
+
+    // Wait until no worker is left inside any job (detached ones included).
+    void drain_all() {
+        for (Slot& s : slots_) spin_until([&] { return (s.entry.load(std::memory_order_acquire) & kCount) == 0; });
+    }
+
+    // fn(ctx, 0) must return only when the whole job is done; workers run fn(ctx, tid) to help. With `detach`, run()
+    // returns without waiting for workers still inside fn (ctx must outlive them: see drain_next).
+    void run(JobFn fn, void* ctx, bool detach = false) {
+        drain_next();
         const uint64_t g = gen_.load(std::memory_order_relaxed) + 1;
-        entry_.store(((g & kGenMask) << 32) | kOpen, std::memory_order_release);
+        Slot& s = slots_[g & 1];
+        s.fn = fn;
+        s.ctx = ctx;
+        s.entry.store(((g & kGenMask) << 32) | kOpen, std::memory_order_release);
         bool wake;
         {
             std::lock_guard<std::mutex> lk(m_);
@@ -88,18 +112,24 @@ class Pool {
         }
         if (wake) cv_.notify_all();
         fn(ctx, 0);
-        entry_.fetch_and(~kOpen, std::memory_order_acq_rel);
-        spin_until([&] { return (entry_.load(std::memory_order_acquire) & kCount) == 0; });
+        s.entry.fetch_and(~kOpen, std::memory_order_acq_rel);
+        if (!detach) spin_until([&] { return (s.entry.load(std::memory_order_acquire) & kCount) == 0; });
     }
 
    private:
     static constexpr uint64_t kOpen = 1ull << 31, kCount = kOpen - 1, kGenMask = 0xffffffffull;
 
-    bool enter(uint64_t g) {
-        uint64_t s = entry_.load(std::memory_order_acquire);
+    struct Slot {
+        std::atomic<uint64_t> entry{0};  // (job number << 32) | open bit | workers inside the job
+        JobFn fn = nullptr;              // written before entry opens the job, read by workers that entered it
+        void* ctx = nullptr;
+    };
+
+    bool enter(Slot& slot, uint64_t g) {
+        uint64_t s = slot.entry.load(std::memory_order_acquire);
         for (;;) {
             if ((s >> 32) != (g & kGenMask) || !(s & kOpen)) return false;
-            if (entry_.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel, std::memory_order_acquire))
+            if (slot.entry.compare_exchange_weak(s, s + 1, std::memory_order_acq_rel, std::memory_order_acquire))
                 return true;
         }
     }
@@ -133,9 +163,10 @@ class Pool {
             }
             seen = g;
             if (stop_.load(std::memory_order_relaxed)) return;
-            if (enter(g)) {
-                fn_(ctx_, tid);
-                entry_.fetch_sub(1, std::memory_order_acq_rel);
+            Slot& slot = slots_[g & 1];
+            if (enter(slot, g)) {
+                slot.fn(slot.ctx, tid);
+                slot.entry.fetch_sub(1, std::memory_order_acq_rel);
             }
         }
     }
@@ -149,10 +180,8 @@ class Pool {
     std::condition_variable cv_;
     int sleepers_ = 0;
     std::atomic<bool> stop_{false};
-    std::atomic<uint64_t> gen_{0};    // job number, bumped by run()
-    std::atomic<uint64_t> entry_{0};  // (job number << 32) | open bit | workers inside the job
-    JobFn fn_ = nullptr;
-    void* ctx_ = nullptr;
+    std::atomic<uint64_t> gen_{0};  // job number, bumped by run()
+    Slot slots_[2];                 // job g uses slots_[g & 1]
 };
 
 }  // namespace
