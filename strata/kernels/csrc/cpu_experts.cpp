@@ -610,7 +610,15 @@ STRATA_API int64_t strata_cpu_warm(const int64_t* addr, const int64_t* rows, int
     std::lock_guard<std::mutex> lk(g_call);
     const int P = std::max(1, threads);
     Pool* pool = P > 1 ? get_pool(P) : nullptr;
-    const int64_t held = pool ? pool->drain_next() : 0;  // its slot's last job may still hold a straggler
+    // the slot's last job may still hold a straggler (one thread: slot 0, whatever pool holds it)
+    int64_t held = 0;
+    if (pool) {
+        held = pool->drain_next();
+    } else if (g_pool && g_pool->pid() == getpid()) {
+        const int64_t t0 = mono_ns();
+        g_pool->drain_all();
+        held = mono_ns() - t0;
+    }
     if (held_ns) *held_ns = held;
     WarmJob& job = g_warm_jobs[pool ? pool->next_slot() : 0];
     n = std::min(n, WarmJob::kMax);
