@@ -126,6 +126,7 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
              label: str | None = None) -> dict:
     from strata import Engine
     from strata.kernels import cpu_experts as ce
+    from strata.kernels import cpu_kernel_tuning
 
     if os.environ.get("STRATA_CPU_SPIN_US"):
         ce.configure(spin_us=int(os.environ["STRATA_CPU_SPIN_US"]))  # the kernel may be loaded already
@@ -150,6 +151,8 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
     # the CPU kernel's phases over the decode phase (a few clock reads a call), not the prompt's
     run = timed_decode(engine, prompt, tokens, sync, on_first_token=lambda: ce.trace(True))
     kt = ce.trace(False)
+    nthreads = int(box._keep[0][8]) if box is not None else ce.default_threads()
+    per_thread = cpu_kernel_tuning.trace_threads(nthreads)  # the same calls, each pool thread's means
     if box is not None:  # the decode phase's trip per layer, from the worker's clock (CpuMailbox.timing)
         d = box.counters - c0
         layers, gaps = max(1, int(d[3])), max(1, int(d[6]))
@@ -190,6 +193,9 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
         res["cpu_kernel_us"].update(calls=calls, gbps=round(kt["bytes"] / max(1, kt["call_ns"]), 1),
                                     threads=round(kt["threads_joined"] / calls, 1),
                                     claimed=round(kt["claimed_ahead"] / calls, 2))
+        if per_thread:  # us after the pool ran, each thread (0: the caller): arrived, its warm pieces done, gate/up done
+            res["cpu_kernel_threads_us"] = {key[:-3]: [t[key] for t in per_thread]
+                                            for key in ("arrived_us", "warm_pieces_us", "phase1_us")}
     t0s, t1s = before["tiers"], after["tiers"]
     if t1s is not None:
         lookups = _delta(t0s, t1s, "lookups")

@@ -102,6 +102,30 @@ def test_dynamic_chunks_are_sized_from_the_rows_not_read_ahead():
 
 
 @needs_kernel
+def test_the_trace_gives_each_threads_phase_ends():
+    """`trace_threads`: per pool thread, the calls it joined and when (after the pool ran) it arrived, had done its
+    warm rows' pieces and its part of the gate/up phase, in that order; the caller (thread 0) joins every call."""
+    from strata.kernels import cpu_kernel_tuning
+
+    slab = _slab(2, H, INTER, seed=4)
+    x, idx, w = torch.randn(1, H), torch.tensor([0]), torch.ones(1)
+    meta = _meta(slab, [0, 1], [INTER, INTER], idx, w, H, INTER)
+    ce.trace(True)
+    for _ in range(6):
+        ce.warm_rows([slab[0].data_ptr(), slab[1].data_ptr()], [INTER, INTER], H, INTER, threads=3)
+        assert ce.run_packed(x, meta, torch.zeros(1, H), threads=3, warm=array.array("q", [INTER, INTER]))
+    assert ce.trace(False)["calls"] == 6
+    per = cpu_kernel_tuning.trace_threads(3)
+    assert len(per) == 3 and per[0]["calls"] == 6 and all(0 <= t["calls"] <= 6 for t in per)
+    for t in per:
+        if t["calls"]:
+            assert 0 <= t["arrived_us"] <= t["warm_pieces_us"] <= t["phase1_us"], t
+    ce.trace(True)  # zeroes them
+    assert all(t["calls"] == 0 for t in cpu_kernel_tuning.trace_threads(3))
+    ce.trace(False)
+
+
+@needs_kernel
 def test_warm_read_counts_its_bytes_and_stops_when_told():
     slab = _slab(3, H, INTER)
     addr = [slab[e].data_ptr() for e in range(3)]

@@ -102,6 +102,8 @@ def build_and_open() -> ctypes.CDLL:
     lib.strata_mailbox_warm.restype = ctypes.c_int
     lib.strata_cpu_trace.argtypes = [ctypes.c_int, ctypes.c_void_p]
     lib.strata_cpu_trace.restype = ctypes.c_int
+    lib.strata_cpu_trace_threads.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.strata_cpu_trace_threads.restype = ctypes.c_int
     lib.strata_cpu_tune.argtypes = [ctypes.c_int64, ctypes.c_int64]
     lib.strata_cpu_tune.restype = ctypes.c_int64
     lib.strata_cpu_meta_fields.argtypes = []

@@ -2,6 +2,7 @@
 
     old = tune(claim_ahead=4, down_split=1)   # knobs (`TUNE_KEYS`); returns the values before
     trace(True); ...kernel calls...; phases = trace(False)   # sums over the calls (`TRACE_FIELDS`)
+    per_thread = trace_threads(12)   # each pool thread's means over the same calls
 
 None of the knobs changes a result: each output element keeps one writer and one summation order, whatever the
 chunking or which thread reads what (tests/test_cpu_experts.py checks bit-equality across settings). They exist
@@ -86,6 +87,24 @@ def trace(on: bool | None) -> dict[str, int]:
     acc = (ctypes.c_int64 * len(TRACE_FIELDS))()
     lib.strata_cpu_trace(-1 if on is None else int(bool(on)), acc)
     return dict(zip(TRACE_FIELDS, (int(v) for v in acc), strict=True))
+
+
+def trace_threads(threads: int) -> list[dict[str, float]]:
+    """The trace's per-thread means since it was last turned on (`trace(True)`), for pool threads 0..threads-1
+    (0 is the caller): calls joined, and us after the pool ran until the thread arrived, had computed its warm rows'
+    pieces (warm-ahead), had done its part of the gate/up phase. Which thread holds the phase's end, and why."""
+    lib = _lib()
+    if lib is None or threads <= 0:
+        return []
+    buf = (ctypes.c_int64 * (4 * min(threads, 64)))()
+    n = lib.strata_cpu_trace_threads(buf, min(threads, 64))
+    out = []
+    for t in range(n):
+        calls, arrived, static, phase1 = buf[4 * t: 4 * t + 4]
+        k = max(1, calls)
+        out.append({"calls": calls, "arrived_us": round(arrived / k / 1e3, 1), "warm_pieces_us": round(static / k / 1e3, 1),
+                    "phase1_us": round(phase1 / k / 1e3, 1)})
+    return out
 
 
 def read_sweep(buffers: Sequence[torch.Tensor], threads: int | None = None) -> float | None:

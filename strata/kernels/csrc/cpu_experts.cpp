@@ -86,6 +86,7 @@ struct Chunk {
 };
 
 constexpr int64_t kMaxClaim = 16;  // down chunks one thread may claim ahead (strata_cpu_tune clamps to it)
+constexpr int64_t kTraceRow = 6;   // entries of a thread's row in Job::trace
 
 struct Job {
     int64_t N = 0, H = 0, E = 0;
@@ -99,7 +100,8 @@ struct Job {
     int64_t pf = 0;  // software prefetch distance in elements (0: off)
     bool down_split = false;  // phase 2 pairs a row from each half of a chunk (two streams) instead of adjacent rows
     int64_t claim_max = 0;  // down chunks a thread may claim and read ahead while phase 1 finishes (0 off, <= kMaxClaim)
-    int64_t* trace = nullptr;  // tracing only: per thread [entered, phase 1 left, phase 2 begun, left] ns, claimed
+    int64_t* trace = nullptr;  // tracing only: per thread [entered, phase 1 left, phase 2 begun, left] ns, claimed,
+                               // its warm rows' pieces done (ns): kTraceRow entries
     // Phase-1 chunks [0, n_static) are the warm rows' pieces (strata_cpu_warm's split): piece k belongs to thread
     // k % P, which read its rows into its own caches; a piece its owner has not taken by the time a thread runs
     // out of other work is taken by that thread (`taken`), so a late thread delays nobody.
@@ -140,6 +142,10 @@ int64_t g_warm_streams = 4, g_warm_touch = 1, g_rest_chunks = 1;
 bool g_trace = false;
 std::vector<int64_t> g_trace_rows;
 int64_t g_trace_acc[13] = {};
+// per pool thread (up to kTraceThreads): calls joined, then ns after the pool ran until it arrived, finished its
+// warm rows' pieces, finished its part of the gate/up phase (summed over calls; strata_cpu_trace_threads)
+constexpr int kTraceThreads = 64;
+int64_t g_trace_thr[kTraceThreads][4] = {};
 std::vector<int> g_cpus;
 std::vector<uint8_t> g_hbuf, g_xbuf;
 
@@ -363,17 +369,21 @@ void trace_add(const Job& job, int P, int64_t t_call, int64_t t_run, int64_t byt
     const int64_t t_ret = mono_ns();
     int64_t joined = 0, claimed = 0, last_in = t_run, p1_end = t_run, p2_end = t_run, wait = 0, idle = 0;
     for (int t = 0; t < P; ++t) {
-        const int64_t* r = job.trace + 5 * t;
+        const int64_t* r = job.trace + kTraceRow * t;
         if (!r[0]) continue;
         ++joined;
         last_in = std::max(last_in, r[0]), p1_end = std::max(p1_end, r[1]), p2_end = std::max(p2_end, r[3]);
     }
     for (int t = 0; t < P; ++t) {
-        const int64_t* r = job.trace + 5 * t;
+        const int64_t* r = job.trace + kTraceRow * t;
         if (!r[0]) continue;
         wait += r[2] - r[1];
         idle += p2_end - r[3];
         claimed += r[4];
+        if (t < kTraceThreads) {
+            int64_t* th = g_trace_thr[t];
+            th[0] += 1, th[1] += r[0] - t_run, th[2] += r[5] - t_run, th[3] += r[1] - t_run;
+        }
     }
     int64_t* a = g_trace_acc;
     a[0] += 1, a[1] += t_run - t_call, a[2] += last_in - t_run, a[3] += p1_end - t_run;
@@ -387,9 +397,19 @@ void trace_add(const Job& job, int P, int64_t t_call, int64_t t_run, int64_t byt
 STRATA_API int strata_cpu_trace(int on, int64_t* acc) {
     std::lock_guard<std::mutex> lk(g_call);
     if (acc) std::memcpy(acc, g_trace_acc, sizeof(g_trace_acc));
-    if (on == 1) std::memset(g_trace_acc, 0, sizeof(g_trace_acc));
+    if (on == 1) std::memset(g_trace_acc, 0, sizeof(g_trace_acc)), std::memset(g_trace_thr, 0, sizeof(g_trace_thr));
     if (on >= 0) g_trace = on == 1;
     return 0;
+}
+
+// The trace's per-thread sums (since it was last turned on) for threads [0, n), n <= 64, into out [n, 4]: calls
+// joined, then ns after the pool ran until the thread arrived, had done its warm rows' pieces, had done its part of
+// the gate/up phase. Returns the threads copied.
+STRATA_API int strata_cpu_trace_threads(int64_t* out, int n) {
+    std::lock_guard<std::mutex> lk(g_call);
+    n = std::clamp(n, 0, kTraceThreads);
+    std::memcpy(out, g_trace_thr, sizeof(int64_t) * 4 * size_t(n));
+    return n;
 }
 
 // Set knob `key` to `value` (< 0: leave it) and return its value before: 1 down chunks a thread claims and
@@ -504,7 +524,7 @@ STRATA_API int strata_cpu_experts_warm(int isa, const float* x, int64_t N, int64
     job.claim_max = g_claim_max;
     job.down_split = g_down_split != 0;
     if (g_trace) {
-        g_trace_rows.assign(size_t(5 * P), 0);
+        g_trace_rows.assign(size_t(kTraceRow * P), 0);
         job.trace = g_trace_rows.data();
     }
 

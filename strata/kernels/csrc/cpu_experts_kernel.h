@@ -196,7 +196,7 @@ static void down_chunk(Job& job, int64_t c) {
 // phase 1, then computes them first: the same writer per element, so the same sums.
 static void run_job(void* ctx, int tid) {
     Job& job = *static_cast<Job*>(ctx);
-    int64_t* tr = job.trace ? job.trace + 5 * tid : nullptr;
+    int64_t* tr = job.trace ? job.trace + kTraceRow * tid : nullptr;
     if (tr) tr[0] = mono_ns();
     const int64_t n1 = static_cast<int64_t>(job.chunks1.size()), n2 = job.n_down_chunks, ns = job.n_static;
     auto piece = [&](int64_t k) {  // static piece k, if nobody has taken it yet
@@ -208,6 +208,7 @@ static void run_job(void* ctx, int tid) {
     };
     if (ns) job.arrived[tid].store(1, std::memory_order_release);
     for (int64_t k = tid; k < ns; k += job.P) piece(k);  // this thread's warm rows first: they are in its caches
+    if (tr) tr[5] = mono_ns();
     for (;;) {
         const int64_t c = ns + job.next1.fetch_add(1, std::memory_order_relaxed);
         if (c >= n1) break;
