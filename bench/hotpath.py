@@ -151,7 +151,7 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
     # the CPU kernel's phases over the decode phase (a few clock reads a call), not the prompt's
     run = timed_decode(engine, prompt, tokens, sync, on_first_token=lambda: ce.trace(True))
     kt = ce.trace(False)
-    nthreads = int(box._keep[0][8]) if box is not None else ce.default_threads()
+    nthreads = box.threads if box is not None else ce.default_threads()
     per_thread = cpu_kernel_tuning.trace_threads(nthreads)  # the same calls, each pool thread's means
     if box is not None:  # the decode phase's trip per layer, from the worker's clock (CpuMailbox.timing)
         d = box.counters - c0
@@ -185,7 +185,7 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
             res["copy_ahead"].update(copied_MB_per_token=round(w[1] / max(1, n) / 1e6, 2), plans_late=int(w[2]),
                                      copy_errors=int(w[3]))
     if box is not None:
-        res["mailbox_threads"] = int(box._keep[0][8])  # the worker's kernel threads (its config's slot 8)
+        res["mailbox_threads"] = box.threads  # the worker's kernel threads
         res["mailbox_us_per_layer"] = mailbox_us
     if kt.get("calls"):  # per kernel call: us of each phase (cpu_experts.TRACE_FIELDS), GB/s, chunks
         calls = kt["calls"]

@@ -96,14 +96,13 @@ def trace_threads(threads: int) -> list[dict[str, float]]:
     lib = _lib()
     if lib is None or threads <= 0:
         return []
-    buf = (ctypes.c_int64 * (4 * min(threads, 64)))()
-    n = lib.strata_cpu_trace_threads(buf, min(threads, 64))
+    threads = min(threads, 64)  # the C side keeps 64
+    buf = (ctypes.c_int64 * (4 * threads))()
     out = []
-    for t in range(n):
-        calls, arrived, static, phase1 = buf[4 * t: 4 * t + 4]
-        k = max(1, calls)
-        out.append({"calls": calls, "arrived_us": round(arrived / k / 1e3, 1), "warm_pieces_us": round(static / k / 1e3, 1),
-                    "phase1_us": round(phase1 / k / 1e3, 1)})
+    for t in range(lib.strata_cpu_trace_threads(buf, threads)):
+        calls, *ns = buf[4 * t: 4 * t + 4]
+        us = [round(v / max(1, calls) / 1e3, 1) for v in ns]
+        out.append({"calls": calls, **dict(zip(("arrived_us", "warm_pieces_us", "phase1_us"), us, strict=True))})
     return out
 
 

@@ -68,8 +68,8 @@ class CopyAhead:
     # a longer copy lengthens the serial phase it hides in (the GPU gap 68, 77, 86 us against 64)
     AHEAD_US = 35.0
     AHEAD_US_COPY = 55.0  # the copy engine's: most of the ~70 us serial phase (its copies take no SMs from it)
-    WARM_BYTES = 8 << 20  # warm-ahead's gate/up bytes a layer at most: more than a ~60 us serial phase lets 12
-    # threads read (~5 MB at ~85 GB/s); the worker stops reading when the GPU posts the layer
+    WARM_BYTES = 8 << 20  # warm-ahead's gate/up bytes a layer at most: more than a ~65 us serial phase lets 12
+    # threads read (~6 MB at ~95 GB/s); the worker stops reading when the GPU posts the layer
 
     def __init__(self, addresses: np.ndarray, slot_of: torch.Tensor, share: GpuShare, predictors: dict[int, Predictor],
                  moe_layers: list[int], device: torch.device, slot_bytes: int, budget_bytes: int | None = None,

@@ -313,8 +313,8 @@ class CpuMailbox:
         predicts cold in `next_of[l]` (plans [2, 1 + 3 * slots] int64, page-locked, by the planned layer's parity),
         up to `nbytes` a layer, each of its threads the rows the kernel will give it (csrc/cpu_mailbox.cpp, WarmCfg).
         Returns the worker's warm counters (int64 [8]: plans used, plans not ready, bytes read, ns reading, bytes
-        of read rows computed, pieces another thread computed, ns and the longest ns it waited for threads still
-        reading once its own part was done), None where it cannot."""
+        of read rows computed, pieces another thread computed, ns and the longest ns a read waited for a thread of an
+        earlier read still inside), None where it cannot."""
         from strata.kernels import cpu_experts as ce
 
         if not self.handle or self._ahead_keep:

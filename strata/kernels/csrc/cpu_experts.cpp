@@ -14,8 +14,9 @@
 //                       out[tok, h] += w_e,t * <down_h, h_e[t]>                    (one writer per element)
 //
 // One fork/join per layer on a persistent pool (the caller is thread 0; workers spin for a while
-// between calls, then sleep; cpu_pool.h). Warm-ahead's read of the next layer's rows is in cpu_warm.h. No torch headers: the Python side calls the extern "C" functions below
-// through ctypes with raw pointers (which also releases the GIL while the kernel runs).
+// between calls, then sleep; cpu_pool.h); warm-ahead's read of the next layer's rows is in cpu_warm.h. No torch
+// headers: the Python side calls the extern "C" functions below through ctypes with raw pointers (which also
+// releases the GIL while the kernel runs).
 //
 // Instruction sets, chosen at run time (the file itself is compiled for plain x86-64):
 //   1  avx2         AVX2 + FMA, bf16 -> fp32 by shifts, fp32 activations, fp32 accumulation

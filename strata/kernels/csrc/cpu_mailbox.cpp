@@ -67,8 +67,9 @@ constexpr int64_t LOG_ENTRY = 16 + 4 * LOG_CODES;
 // reads them from L2, not RAM. The prediction is copy-ahead's plan (host memory, by the planned layer's parity:
 // int64 [tag, src[S], ...], src the predicted cold experts' gate_up addresses in ascending expert order, the order
 // in which the split gives the worker its experts); a plan without this step's tag is skipped. Every thread stops
-// reading within 1 KB of the GPU posting the next layer (one descheduled mid-read holds the answer until it runs
-// again: counted, [6] and [7]), and a wrong or partial read changes no result.
+// reading within 1 KB of the GPU posting the next layer, and the read returns then without waiting for a thread
+// descheduled mid-piece (cpu_warm.h; a later read reusing its slot waits for it: [6] and [7]); a wrong or partial
+// read changes no result.
 struct WarmCfg {
     std::vector<int64_t> next;  // per box: the layer it plans (-1: none)
     std::vector<int> next_box;  // per box: the box of that layer (-1: none)
