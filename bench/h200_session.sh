@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|twentyninth|twentyninth-b|thirtieth|thirtieth-b|thirtieth-c|thirtyfirst|thirtyfirst-b|thirtyfirst-c|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|twentyninth|twentyninth-b|thirtieth|thirtieth-b|thirtieth-c|thirtyfirst|thirtyfirst-b|thirtyfirst-c|thirtysecond|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet; pydantic is not on it either):
 # `bash bench/box_wheels.sh` fetches them here.
@@ -505,6 +505,24 @@ case "$1" in
       --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
     timeout 200 python3 bench/hotpath.py --model /dev/shm/loc1 --cache /dev/shm/sc --out "$OUT/hp" --tokens 128 \
       --gpu-fraction 0.25 --cases "split,split+nowarm,split,split+nowarm" 2>&1 | grep -E '^\{"|Error' | cut -c1-1200
+    for r in $(seq "${REPS:-1}"); do
+      for warm in true false; do timeout 70 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 60 \
+        --set '{"runtime": {"warm_ahead": '$warm'}}' --cases 'split/b25/skewed/p128x1' --out "$OUT/b25-warm-$warm-$r" \
+        2>&1 | grep -E '^split/'; rm -f "$OUT/b25-warm-$warm-$r"/*.png "$OUT/b25-warm-$warm-$r"/*.md; done
+    done ;;
+  thirtysecond)  # every GPU test, then a warm piece's unread rows shared out (read_split, default) against left to its
+                 # owner (rs0) in 25% skewed decode (hotpath, alternated 2 x 2), then the suite case warm on/off (REPS)
+    gpu_tests 4
+    [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
+      --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
+    timeout 200 python3 bench/hotpath.py --model /dev/shm/loc1 --cache /dev/shm/sc --out "$OUT/hp" --tokens 128 \
+      --gpu-fraction 0.25 --cases "${CASES:-split,split+rs0,split,split+rs0}" 2>&1 | grep -E '^\{"|Error' \
+      | python3 -c "import json, sys
+for line in sys.stdin:
+    if not line.startswith('{'): print(line.strip()); continue
+    r = json.loads(line); ca = r.get('copy_ahead', {})
+    print(r['case'], r['tok_s'], 'kernel', r.get('cpu_kernel_us'), 'threads', r.get('cpu_kernel_threads_us'),
+          'read_MB/tok', ca.get('read_MB_per_token'), 'stolen', ca.get('pieces_stolen'), 'held_max', ca.get('held_us_max'))"
     for r in $(seq "${REPS:-1}"); do
       for warm in true false; do timeout 70 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 60 \
         --set '{"runtime": {"warm_ahead": '$warm'}}' --cases 'split/b25/skewed/p128x1' --out "$OUT/b25-warm-$warm-$r" \

@@ -71,6 +71,8 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
                  (cpu_experts.tune(warm_streams=N) / tune(warm_touch=N); default 4 and 1)
   rest0          the kernel's dynamic chunks sized from the whole call, not from the rows not read ahead
                  (cpu_experts.tune(rest_chunks=0); default 1)
+  rs0            a warm piece's rows that its thread's read did not reach computed by that thread, not shared out
+                 (cpu_experts.tune(read_split=0); default 1)
   swN            the interpreter's GIL switch interval set to N us (sys.setswitchinterval; default 5000)
   again          nothing: the same case run a second time (a run-order check)
 Decode samples at temperature 1 (fixed seed) so a random-weight model does not repeat itself and
@@ -196,6 +198,7 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
         if per_thread:  # us after the pool ran, each thread (0: the caller): arrived, its warm pieces done, gate/up done
             res["cpu_kernel_threads_us"] = {key[:-3]: [t[key] for t in per_thread]
                                             for key in ("arrived_us", "warm_pieces_us", "phase1_us")}
+            res["cpu_kernel_threads_us"]["warm_rows"] = [t["warm_rows"] for t in per_thread]  # rows its read reached
     t0s, t1s = before["tiers"], after["tiers"]
     if t1s is not None:
         lookups = _delta(t0s, t1s, "lookups")
@@ -357,6 +360,8 @@ def main() -> None:
                 knobs["warm_streams" if mod[1] == "s" else "warm_touch"] = int(mod[2:])
             elif mod == "rest0":
                 knobs["rest_chunks"] = 0
+            elif mod == "rs0":
+                knobs["read_split"] = 0
             elif mod in ("dsplit", "dsplit0"):
                 knobs["down_split"] = int(mod == "dsplit")
             elif mod != "again":

@@ -184,8 +184,12 @@ def test_a_stopped_read_does_not_wait_for_a_descheduled_thread():
     assert held.value == 0
     got, stolen = torch.zeros(1, H), ctypes.c_int64(-1)
     x32 = x.contiguous()
-    assert lib.strata_cpu_experts_warm(ce._ISA[ce.backend()], x32.data_ptr(), 1, H, 2, meta.buffer_info()[0],
-                                       rows.buffer_info()[0], got.data_ptr(), 2, ctypes.addressof(stolen)) == 0
+    old = ce.tune(read_split=0)  # thread 1's pieces stay its own though its read reached none of them
+    try:
+        assert lib.strata_cpu_experts_warm(ce._ISA[ce.backend()], x32.data_ptr(), 1, H, 2, meta.buffer_info()[0],
+                                           rows.buffer_info()[0], got.data_ptr(), 2, ctypes.addressof(stolen)) == 0
+    finally:
+        ce.tune(**old)
     assert stolen.value > 0  # thread 1 was still asleep in the read: its pieces were done by thread 0
     assert torch.equal(got, ref)
     word.value = 7
@@ -194,6 +198,54 @@ def test_a_stopped_read_does_not_wait_for_a_descheduled_thread():
     assert held.value > 0  # this read reused the first one's slot: it waited for thread 1 to leave
     assert lib.strata_cpu_warm_drain() == 0
 
+
+@needs_kernel
+def test_rows_a_threads_read_did_not_reach_go_to_whichever_thread_is_free():
+    """A read stopped before a thread (descheduled) reached its piece: the kernel gives that thread no static rows
+    (read_split=1, the default) rather than the whole piece it would stream from RAM alone (read_split=0); the
+    trace's `warm_rows` shows each thread's, and the result is the same either way."""
+    from strata.kernels import cpu_kernel_tuning
+
+    lib = ce._load()
+    slab = _slab(2, H, INTER, seed=5)
+    addr, rows = array.array("q", [slab[0].data_ptr(), slab[1].data_ptr()]), array.array("q", [INTER, INTER])
+    x, idx, w = torch.randn(1, H), torch.tensor([0]), torch.ones(1)
+    meta = _meta(slab, [0, 1], [INTER, INTER], idx, w, H, INTER)
+    ref = torch.zeros(1, H)
+    assert ce.run_packed(x, meta, ref, threads=1)
+    ce.warm_rows(list(addr), list(rows), H, INTER, threads=2)  # the pool of 2 exists, its threads are up
+    word = ctypes.c_int64(7)
+    entered = lib.strata_cpu_test_straggler(1, 150_000)  # pool thread 1 sleeps 150 ms before its piece
+
+    def post_once_asleep():  # thread 0 has long read its piece (a few KB) when the next layer is posted
+        while lib.strata_cpu_test_straggler(0, 0) == entered:
+            time.sleep(0.001)
+        time.sleep(0.03)
+        word.value = 8
+
+    poster = threading.Thread(target=post_once_asleep)
+    poster.start()
+    read = lib.strata_cpu_warm(addr.buffer_info()[0], rows.buffer_info()[0], 2, H, INTER, 2, ctypes.addressof(word),
+                               7, None)
+    poster.join()
+    half = INTER // 2  # thread 0's piece of each expert: rows [0, INTER / 2)
+    assert read == 2 * 4 * H * half  # thread 0's pieces, none of thread 1's
+    assert lib.strata_cpu_warm_drain() == 0  # thread 1 woke, saw the post and left having read nothing
+    per_setting = {}
+    for split in (1, 0):
+        old = ce.tune(read_split=split)
+        try:
+            got = torch.zeros(1, H)
+            ce.trace(True)
+            assert ce.run_packed(x, meta, got, threads=2, warm=rows)
+            ce.trace(False)
+        finally:
+            ce.tune(**old)
+        assert torch.equal(got, ref)
+        per_setting[split] = [t["warm_rows"] for t in cpu_kernel_tuning.trace_threads(2)]
+    assert per_setting[1] == [2 * half, 0]  # thread 1's rows went to the dynamic chunks
+    assert per_setting[0] == [2 * half, 2 * (INTER - half)]  # ...or stayed its own
+    assert ce.tune(read_split=1) == {"read_split": 1}  # the default
 
 def _mailbox(slab):
     from strata.runtime.cpu_mailbox import CpuMailbox

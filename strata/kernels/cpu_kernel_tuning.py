@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 TUNE_KEYS = {"claim_ahead": 1, "chunk_div": 2, "chunk_min": 3, "chunk_max": 4, "down_split": 5, "warm_streams": 6,
-             "warm_touch": 7, "rest_chunks": 8}
+             "warm_touch": 7, "rest_chunks": 8, "read_split": 9}
 """`tune`'s knobs (csrc/cpu_experts.cpp, strata_cpu_tune; defaults claim_ahead=4, chunk_div=8, chunk_min=32 KiB,
 chunk_max=512 KiB, down_split=1): down chunks a thread claims and reads ahead while the gate/up phase finishes
 (0 off, at most 16); chunks of total / (chunk_div x threads) bytes, clamped to [chunk_min, chunk_max];
@@ -30,7 +30,8 @@ down_split 1 pairs the down rows a thread reads two at a time across its chunk's
 pages) instead of adjacent ones; warm-ahead's read (`warm_rows`, defaults 4 and 1) takes warm_streams rows at a time,
 interleaved line by line, and touches one 64-byte line in warm_touch (the L2 prefetcher fetching the rest); both
 clamped to 1-8; rest_chunks 1 (default) sizes the dynamic gate/up chunks from the rows not read ahead, 0 from the
-whole call."""
+whole call; read_split 1 (default) leaves the rows of a thread's warm piece that its read did not reach (a read stopped
+by the next layer's post) to the dynamic chunks, 0 to that thread."""
 
 TRACE_FIELDS = ("calls", "setup_ns", "last_arrival_ns", "phase1_ns", "barrier_wait_ns", "phase2_ns", "end_idle_ns",
                 "close_ns", "threads_joined", "call_ns", "bytes", "phase1_chunks", "claimed_ahead")
@@ -92,17 +93,20 @@ def trace(on: bool | None) -> dict[str, int]:
 def trace_threads(threads: int) -> list[dict[str, float]]:
     """The trace's per-thread means since it was last turned on (`trace(True)`), for pool threads 0..threads-1
     (0 is the caller): calls joined, and us after the pool ran until the thread arrived, had computed its warm rows'
-    pieces (warm-ahead), had done its part of the gate/up phase. Which thread holds the phase's end, and why."""
+    pieces (warm-ahead), had done its part of the gate/up phase, then `warm_rows`: the gate/up row pairs its warm
+    pieces held, a call over every traced call (joined or not: what its read reached). Which thread holds the phase's end, and why."""
     lib = _lib()
     if lib is None or threads <= 0:
         return []
     threads = min(threads, 64)  # the C side keeps 64
-    buf = (ctypes.c_int64 * (4 * threads))()
+    row = 5  # the C side's kTraceThrRow
+    buf = (ctypes.c_int64 * (row * threads))()
     out = []
     for t in range(lib.strata_cpu_trace_threads(buf, threads)):
-        calls, *ns = buf[4 * t: 4 * t + 4]
+        calls, *ns, warm_rows = buf[row * t: row * t + row]
         us = [round(v / max(1, calls) / 1e3, 1) for v in ns]
-        out.append({"calls": calls, **dict(zip(("arrived_us", "warm_pieces_us", "phase1_us"), us, strict=True))})
+        out.append({"calls": calls, **dict(zip(("arrived_us", "warm_pieces_us", "phase1_us"), us, strict=True)),
+                    "warm_rows": round(warm_rows / max(1, buf[0]), 1)})  # over every call: thread 0 joins each
     return out
 
 

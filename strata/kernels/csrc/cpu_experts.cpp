@@ -107,6 +107,7 @@ struct Job {
     // k % P, which read its rows into its own caches; a piece its owner has not taken by the time a thread runs
     // out of other work is taken by that thread (`taken`), so a late thread delays nobody.
     int64_t n_static = 0, P = 1;
+    std::vector<int64_t> static_rows;  // [P] rows of thread t's static pieces (tracing)
     std::unique_ptr<std::atomic<int32_t>[]> taken;
     std::unique_ptr<std::atomic<int32_t>[]> arrived;  // [P] 1 once thread t is in the job: its pieces are its own
     std::atomic<int64_t> stolen{0};  // static pieces computed by a thread other than their owner
@@ -138,15 +139,17 @@ int64_t g_claim_max = 4, g_chunk_div = 8, g_chunk_min = 32 << 10, g_chunk_max = 
 // Warm-ahead's read (strata_cpu_warm): g_warm_streams rows at once, interleaved line by line (more misses in
 // flight, the L2 streamer on each: 4 read ~30% more bytes in decode's serial phase than 1, bench/RESULTS.md,
 // thirty-first session), one line touched in g_warm_touch (more than 1 loses: the prefetcher does not fill the
-// others). The kernel's dynamic gate/up chunks sized from the rows not read ahead (g_rest_chunks; 0: the call's).
-int64_t g_warm_streams = 4, g_warm_touch = 1, g_rest_chunks = 1;
+// others). The kernel's dynamic gate/up chunks sized from the rows not read ahead (g_rest_chunks; 0: the call's);
+// the rows of a thread's piece its read did not reach left to them (g_read_split; 0: the piece's owner does them).
+int64_t g_warm_streams = 4, g_warm_touch = 1, g_rest_chunks = 1, g_read_split = 1;
 bool g_trace = false;
 std::vector<int64_t> g_trace_rows;
 int64_t g_trace_acc[13] = {};
 // per pool thread (up to kTraceThreads): calls joined, then ns after the pool ran until it arrived, finished its
-// warm rows' pieces, finished its part of the gate/up phase (summed over calls; strata_cpu_trace_threads)
-constexpr int kTraceThreads = 64;
-int64_t g_trace_thr[kTraceThreads][4] = {};
+// warm rows' pieces, finished its part of the gate/up phase, then the rows of its warm pieces (summed over calls;
+// strata_cpu_trace_threads)
+constexpr int kTraceThreads = 64, kTraceThrRow = 5;
+int64_t g_trace_thr[kTraceThreads][kTraceThrRow] = {};
 std::vector<int> g_cpus;
 std::vector<uint8_t> g_hbuf, g_xbuf;
 
@@ -386,6 +389,8 @@ void trace_add(const Job& job, int P, int64_t t_call, int64_t t_run, int64_t byt
             th[0] += 1, th[1] += r[0] - t_run, th[2] += r[5] - t_run, th[3] += r[1] - t_run;
         }
     }
+    for (size_t t = 0; t < job.static_rows.size() && t < size_t(kTraceThreads); ++t)
+        g_trace_thr[t][4] += job.static_rows[t];  // joined or not: the piece was its own
     int64_t* a = g_trace_acc;
     a[0] += 1, a[1] += t_run - t_call, a[2] += last_in - t_run, a[3] += p1_end - t_run;
     a[4] += joined ? wait / joined : 0, a[5] += p2_end - p1_end, a[6] += joined ? idle / joined : 0;
@@ -403,13 +408,14 @@ STRATA_API int strata_cpu_trace(int on, int64_t* acc) {
     return 0;
 }
 
-// The trace's per-thread sums (since it was last turned on) for threads [0, n), n <= 64, into out [n, 4]: calls
+// The trace's per-thread sums (since it was last turned on) for threads [0, n), n <= 64, into out [n, 5]: calls
 // joined, then ns after the pool ran until the thread arrived, had done its warm rows' pieces, had done its part of
-// the gate/up phase. Returns the threads copied.
+// the gate/up phase, then the rows its warm pieces held in every call, joined or not (what its read reached).
+// Returns the threads copied.
 STRATA_API int strata_cpu_trace_threads(int64_t* out, int n) {
     std::lock_guard<std::mutex> lk(g_call);
     n = std::clamp(n, 0, kTraceThreads);
-    std::memcpy(out, g_trace_thr, sizeof(int64_t) * 4 * size_t(n));
+    std::memcpy(out, g_trace_thr, sizeof(int64_t) * kTraceThrRow * size_t(n));
     return n;
 }
 
@@ -417,21 +423,24 @@ STRATA_API int strata_cpu_trace_threads(int64_t* out, int n) {
 // reads ahead while phase 1 finishes (0 off, at most 16), 2 the chunk divisor (chunks of total / (div x
 // threads) bytes), 3 and 4 the chunk size's floor and ceiling in bytes, 5 down rows paired across a chunk's
 // halves (1) or adjacent (0), 6 warm-ahead's rows read at once (1-8), 7 one line in N touched by it (1-8),
-// 8 the dynamic chunks sized from the rows not read ahead (1) or from the whole call (0). -1 for an unknown key.
+// 8 the dynamic chunks sized from the rows not read ahead (1) or from the whole call (0), 9 the rows of a warm piece
+// its thread's read did not reach left to the dynamic chunks (1) or to that thread (0). -1 for an unknown key.
 STRATA_API int64_t strata_cpu_tune(int64_t key, int64_t value) {
     std::lock_guard<std::mutex> lk(g_call);
     int64_t* knob = key == 1 ? &g_claim_max : key == 2 ? &g_chunk_div : key == 3 ? &g_chunk_min
                   : key == 4 ? &g_chunk_max : key == 5 ? &g_down_split : key == 6 ? &g_warm_streams
-                  : key == 7 ? &g_warm_touch : key == 8 ? &g_rest_chunks : nullptr;
+                  : key == 7 ? &g_warm_touch : key == 8 ? &g_rest_chunks : key == 9 ? &g_read_split : nullptr;
     if (!knob) return -1;
     const int64_t old = *knob;
     if (value >= 0)
         *knob = key == 1   ? std::min<int64_t>(value, kMaxClaim)
-                : key == 5 || key == 8 ? int64_t(value != 0)
+                : key == 5 || key >= 8 ? int64_t(value != 0)
                 : key >= 6 ? std::clamp<int64_t>(value, 1, 8)
                            : std::max<int64_t>(value, 1);
     return old;
 }
+
+#include "cpu_warm.h"  // warm-ahead's read; the kernel asks it how far each thread got (warm_read_pairs)
 
 // out[N, H] (fp32, contiguous) += sum over experts of w * expert(x[idx]).
 // meta: E rows of STRATA_META int64: gate_up ptr, down ptr, idx ptr (int64), w ptr (fp32), T, I, ld: the expert's
@@ -495,18 +504,33 @@ STRATA_API int strata_cpu_experts_warm(int isa, const float* x, int64_t N, int64
         return std::clamp<int64_t>(total / (g_chunk_div * int64_t(P)), g_chunk_min, g_chunk_max);
     };
     const int64_t pair_bytes = 4 * H;  // one gate row + one up row
-    // the dynamic chunks share out the rows not read ahead: sized from those alone, or a few chunks sized from the
-    // whole call (the warm rows being most of it) leave threads waiting at the barrier for the last one
-    int64_t dynamic_bytes = gate_up_bytes;
-    for (const auto& ex : experts) dynamic_bytes -= g_rest_chunks ? pair_bytes * std::min(ex.I, ex.warm) : 0;
-    const int64_t pairs = std::max<int64_t>(1, chunk_bytes(dynamic_bytes) / pair_bytes);
+    // The warm rows' pieces first (thread t's: index t mod P), clipped to I: of each, the rows t's read brought into
+    // its caches (warm_read_pairs; all of them with g_read_split off, or when that read is not known); the rest of a
+    // piece, read from RAM whoever computes it, joins the dynamic chunks (a thread descheduled in the read would
+    // otherwise stream its piece's rest alone while the others wait at the barrier).
+    std::vector<Chunk> rest;  // rows left to the dynamic chunks: pieces' unread tails, then each expert's cold rows
     job.P = P;
-    for (int64_t e = 0; e < job.E; ++e) {  // the warm rows' pieces first (thread t's: index t mod P), clipped to I
+    job.static_rows.assign(size_t(P), 0);
+    for (int64_t e = 0; e < job.E; ++e) {
         const ExpertArg& ex = experts[e];
         if (ex.warm <= 0) continue;
-        for (int64_t t = 0; t < P; ++t)
-            job.chunks1.push_back({e, std::min(ex.I, warm_bound(ex.warm, t, P)), std::min(ex.I, warm_bound(ex.warm, t + 1, P))});
+        for (int64_t t = 0; t < P; ++t) {
+            const int64_t r0 = warm_bound(ex.warm, t, P), b0 = std::min(ex.I, r0);
+            const int64_t b1 = std::min(ex.I, warm_bound(ex.warm, t + 1, P));
+            const int64_t got = g_read_split ? warm_read_pairs(ex.gate_up, ex.warm, t, P) : -1;
+            const int64_t mid = got < 0 ? b1 : std::clamp(r0 + got, b0, b1);
+            job.chunks1.push_back({e, b0, mid});
+            job.static_rows[size_t(t)] += mid - b0;
+            if (mid < b1) rest.push_back({e, mid, b1});
+        }
     }
+    for (int64_t e = 0; e < job.E; ++e)
+        if (experts[e].warm < experts[e].I) rest.push_back({e, std::max<int64_t>(0, experts[e].warm), experts[e].I});
+    // the dynamic chunks share out the rows not in the static pieces: sized from those alone, or a few chunks sized
+    // from the whole call (the warm rows being most of it) leave threads waiting at the barrier for the last one
+    int64_t dynamic_bytes = gate_up_bytes;
+    for (const int64_t r : job.static_rows) dynamic_bytes -= g_rest_chunks ? pair_bytes * r : 0;
+    const int64_t pairs = std::max<int64_t>(1, chunk_bytes(dynamic_bytes) / pair_bytes);
     job.n_static = static_cast<int64_t>(job.chunks1.size());
     if (job.n_static) {
         job.taken.reset(new std::atomic<int32_t>[size_t(job.n_static)]);
@@ -514,9 +538,8 @@ STRATA_API int strata_cpu_experts_warm(int isa, const float* x, int64_t N, int64
         job.arrived.reset(new std::atomic<int32_t>[size_t(P)]);
         for (int t = 0; t < P; ++t) job.arrived[t].store(0, std::memory_order_relaxed);
     }
-    for (int64_t e = 0; e < job.E; ++e)
-        for (int64_t j = std::min(experts[e].I, experts[e].warm); j < experts[e].I; j += pairs)
-            job.chunks1.push_back({e, j, std::min(experts[e].I, j + pairs)});
+    for (const Chunk& r : rest)
+        for (int64_t j = r.r0; j < r.r1; j += pairs) job.chunks1.push_back({r.e, j, std::min(r.r1, j + pairs)});
     int64_t rows = std::max<int64_t>(2, chunk_bytes(down_row_bytes * H) / down_row_bytes);
     rows += rows & 1;
     job.down_rows = rows;
@@ -556,7 +579,6 @@ STRATA_API int strata_cpu_experts(int isa, const float* x, int64_t N, int64_t H,
     return strata_cpu_experts_warm(isa, x, N, H, E, meta, nullptr, out, threads, nullptr);
 }
 
-#include "cpu_warm.h"
 
 // ---------------------------------------------------------------------------------------------------
 // Asynchronous calls: `strata_cpu_experts_start` hands one call to a persistent launcher thread (share 0

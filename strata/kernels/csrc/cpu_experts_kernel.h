@@ -202,8 +202,10 @@ static void run_job(void* ctx, int tid) {
     auto piece = [&](int64_t k) {  // static piece k, if nobody has taken it yet
         if (job.taken[k].exchange(1, std::memory_order_acq_rel) != 0) return;
         const Chunk& ch = job.chunks1[k];
-        if (ch.r0 < ch.r1) gate_up_rows(job, ch.e, ch.r0, ch.r1);
-        if (k % job.P != tid) job.stolen.fetch_add(1, std::memory_order_relaxed);
+        if (ch.r0 < ch.r1) {  // empty: its owner's read reached none of it (the dynamic chunks hold its rows)
+            gate_up_rows(job, ch.e, ch.r0, ch.r1);
+            if (k % job.P != tid) job.stolen.fetch_add(1, std::memory_order_relaxed);
+        }
         job.done1.fetch_add(1, std::memory_order_acq_rel);
     };
     if (ns) job.arrived[tid].store(1, std::memory_order_release);

@@ -13,6 +13,7 @@ namespace {
 // once it returns, keeps such a thread off `stop` afterwards.
 struct WarmJob {
     static constexpr int64_t kMax = 64;  // experts a read (more are not read; a few fill warm-ahead's budget)
+    static constexpr int kMaxThreads = 64;  // threads whose progress is kept (a larger pool: the kernel assumes all read)
     int64_t addr[kMax] = {};  // [n] each expert's gate_up [2 ld, H] bf16
     int64_t rows[kMax] = {};  // [n] leading rows to read (gate rows j and up rows ld + j)
     int64_t n = 0, H = 0, ld = 0, P = 1;
@@ -21,10 +22,14 @@ struct WarmJob {
     int64_t stop_val = 0;
     std::atomic<bool> halt{false};
     std::atomic<int64_t> bytes{0}, finished{0};
+    // [P] rows thread t has read so far in its order (experts in turn; gate row j, then up row ld + j): a read stopped
+    // early leaves each thread's piece read only up to here, and the kernel shares out the rest (warm_read_pairs)
+    std::atomic<int64_t> got[kMaxThreads] = {};
     bool stopped() const { return halt.load(std::memory_order_acquire) || (stop && *stop != stop_val); }
 };
 
 WarmJob g_warm_jobs[2];  // strata_cpu_warm's, one per pool slot (Pool::next_slot)
+const WarmJob* g_warm_last = nullptr;  // the read started last (its rows are what the next kernel call finds warm)
 // strata_cpu_test_straggler: pool thread g_straggler_tid sleeps g_straggler_us inside its next warm read (a thread
 // descheduled mid-piece, for the tests); g_straggler_in counts such entries
 std::atomic<int> g_straggler_tid{-1}, g_straggler_in{0};
@@ -40,14 +45,15 @@ void warm_job(void* ctx, int tid) {
         std::this_thread::sleep_for(std::chrono::microseconds(g_straggler_us));
     }
     const int64_t row = 2 * job.H, step = 64 * job.touch;  // bytes
-    int64_t bytes = 0, g = 0;
+    int64_t bytes = 0, g = 0, rows_read = 0;
     const volatile uint8_t* group[8];
     auto read_group = [&]() {  // false once stopped
         for (int64_t b = 0; b < row; b += step) {
             if ((b & 1023) < step && job.stopped()) return false;  // every 1 KB: the GPU waits for nobody
             for (int64_t q = 0; q < g; ++q) (void)group[q][b];
         }
-        bytes += g * row, g = 0;
+        bytes += g * row, rows_read += g, g = 0;
+        if (tid < WarmJob::kMaxThreads) job.got[tid].store(rows_read, std::memory_order_relaxed);
         return true;
     };
     for (int64_t e = 0; e < job.n; ++e) {
@@ -66,6 +72,25 @@ done:
     // the caller keeps the job open until every thread has read its piece (unlike the kernel's chunks, a piece
     // belongs to one thread), or until the next layer is posted; then it leaves without waiting for the rest
     if (tid == 0) spin_until([&] { return job.finished.load(std::memory_order_acquire) == job.P || job.stopped(); });
+}
+
+// Of the leading `warm` rows of the expert whose gate_up is at `gu`, how many of thread t's piece (from
+// warm_bound(warm, t, P)) the last read brought into t's caches, counted in gate/up row pairs; -1 when that read
+// did not cover this expert with these rows and threads (the kernel then takes the whole piece as read).
+int64_t warm_read_pairs(const void* gu, int64_t warm, int64_t t, int64_t P) {
+    const WarmJob* job = g_warm_last;
+    if (!job || job->P != P || P > WarmJob::kMaxThreads) return -1;
+    int64_t before = 0;  // rows thread t read of the experts ahead of this one, in its order
+    for (int64_t q = 0; q < job->n; ++q) {
+        const int64_t w = std::clamp<int64_t>(job->rows[q], 0, job->ld);
+        const int64_t piece = 2 * (warm_bound(w, t + 1, P) - warm_bound(w, t, P));
+        if (job->addr[q] == reinterpret_cast<int64_t>(gu) && w == warm) {
+            const int64_t got = job->got[t].load(std::memory_order_relaxed) - before;
+            return std::clamp<int64_t>(got, 0, piece) / 2;
+        }
+        before += piece;
+    }
+    return -1;
 }
 }  // namespace
 
@@ -102,6 +127,8 @@ STRATA_API int64_t strata_cpu_warm(const int64_t* addr, const int64_t* rows, int
     job.halt.store(false, std::memory_order_relaxed);
     job.bytes.store(0, std::memory_order_relaxed);
     job.finished.store(0, std::memory_order_relaxed);
+    for (int t = 0; t < std::min(P, WarmJob::kMaxThreads); ++t) job.got[t].store(0, std::memory_order_relaxed);
+    g_warm_last = &job;
     if (pool)
         pool->run(warm_job, &job, /*detach=*/true);
     else
