@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|twentyninth|twentyninth-b|thirtieth|thirtieth-b|thirtieth-c|thirtyfirst|thirtyfirst-b|thirtyfirst-c|thirtysecond|thirtysecond-b|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|twentyninth|twentyninth-b|thirtieth|thirtieth-b|thirtieth-c|thirtyfirst|thirtyfirst-b|thirtyfirst-c|thirtysecond|thirtysecond-b|thirtysecond-c|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet; pydantic is not on it either):
 # `bash bench/box_wheels.sh` fetches them here.
@@ -545,6 +545,25 @@ for line in sys.stdin:
     r = json.loads(line); k = r.get('cpu_kernel_us', {})
     print(r['case'], r['tok_s'], 'call', k.get('call'), 'phase1', k.get('phase1'), 'wait', k.get('barrier_wait'),
           'phase2', k.get('phase2'), 'serve/gap', r['mailbox_us_per_layer']['serve'], r['mailbox_us_per_layer']['gpu_gap'])" ;;
+  thirtysecond-c)  # every GPU test, then the first layer read at the step's end (warm wrap, default) against not
+                   # (nowrap; STRATA_WARM_WRAP=0): hotpath 2 x 2 alternated, then the suite's skewed 25% case (REPS pairs)
+    gpu_tests 4
+    [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
+      --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
+    timeout 200 python3 bench/hotpath.py --model /dev/shm/loc1 --cache /dev/shm/sc --out "$OUT/hp" --tokens 128 \
+      --gpu-fraction 0.25 --cases "${CASES:-split,split+nowrap,split,split+nowrap}" 2>&1 | grep -E '^\{"|Error' \
+      | python3 -c "import json, sys
+for line in sys.stdin:
+    if not line.startswith('{'): print(line.strip()); continue
+    r = json.loads(line); k = r.get('cpu_kernel_us', {}); ca = r.get('copy_ahead', {})
+    print(r['case'], r['tok_s'], 'call', k.get('call'), 'serve/gap', r['mailbox_us_per_layer']['serve'],
+          r['mailbox_us_per_layer']['gpu_gap'], 'plans', ca.get('plans_used'), 'read_MB/tok', ca.get('read_MB_per_token'),
+          'computed_MB/tok', ca.get('computed_MB_per_token'))"
+    for r in $(seq "${REPS:-1}"); do
+      for wrap in 1 0; do STRATA_WARM_WRAP=$wrap timeout 70 python3 -m bench run --suite full --layers 12 \
+        --tokens 64 --deadline 60 --cases 'split/b25/skewed/p128x1' --out "$OUT/b25-wrap$wrap-$r" 2>&1 | grep -E '^split/'
+        rm -f "$OUT/b25-wrap$wrap-$r"/*.png "$OUT/b25-wrap$wrap-$r"/*.md; done
+    done ;;
   cap-summary)  # after twentyeighth and twentyeighth-b (run apart, so that a timed-out A/B still leaves its summary;
                 # "cap" in the directory names is the switch's value: the cap, or $STRATA_CPU_PIN)
     python3 - "$OUT" <<'PY'  # one file of every run's case record (the box returns few files), a line each
