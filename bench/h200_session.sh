@@ -547,6 +547,7 @@ for line in sys.stdin:
           'phase2', k.get('phase2'), 'serve/gap', r['mailbox_us_per_layer']['serve'], r['mailbox_us_per_layer']['gpu_gap'])" ;;
   thirtysecond-c)  # every GPU test, then the first layer read at the step's end (warm wrap, default) against not
                    # (nowrap; STRATA_WARM_WRAP=0): hotpath 2 x 2 alternated, then the suite's skewed 25% case (REPS pairs)
+                   # (needs 7524785: the wrap lost and was reverted, bench/RESULTS.md, thirty-second session)
     gpu_tests 4
     [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
       --route-skew 1.0 --route-locality 1 > /dev/null 2>&1

@@ -71,7 +71,6 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
                  (cpu_experts.tune(warm_streams=N) / tune(warm_touch=N); default 4 and 1)
   rest0          the kernel's dynamic chunks sized from the whole call, not from the rows not read ahead
                  (cpu_experts.tune(rest_chunks=0); default 1)
-  nowrap         warm-ahead without the step's first layer read at the end of the step before (STRATA_WARM_WRAP=0)
   rs0            a warm piece's rows that its thread's read did not reach computed by that thread, not shared out
                  (cpu_experts.tune(read_split=0); default 1)
   swN            the interpreter's GIL switch interval set to N us (sys.setswitchinterval; default 5000)
@@ -361,8 +360,6 @@ def main() -> None:
                 knobs["warm_streams" if mod[1] == "s" else "warm_touch"] = int(mod[2:])
             elif mod == "rest0":
                 knobs["rest_chunks"] = 0
-            elif mod == "nowrap":
-                env["STRATA_WARM_WRAP"] = "0"
             elif mod == "rs0":
                 knobs["read_split"] = 0
             elif mod in ("dsplit", "dsplit0"):
@@ -370,7 +367,7 @@ def main() -> None:
             elif mod != "again":
                 raise SystemExit(f"unknown case modifier {mod!r} in {full!r}")
         for key in ("STRATA_CPU_SPIN_US", "STRATA_BENCH_SWITCH_US", "STRATA_MAILBOX_GPU_SHARE", "STRATA_MAILBOX_WHOLE_EXPERTS",
-                    "STRATA_MAILBOX_FUSED", "STRATA_COPY_AHEAD", "STRATA_COPY_AHEAD_ENGINE", "STRATA_WARM_WRAP"):
+                    "STRATA_MAILBOX_FUSED", "STRATA_COPY_AHEAD", "STRATA_COPY_AHEAD_ENGINE"):
             os.environ.pop(key, None)
         # the interpreter's GIL switch interval (default 5 ms): how long a thread waiting for the GIL lets the
         # holder run before asking for it; the decode thread re-takes the GIL after every CUDA call and kernel

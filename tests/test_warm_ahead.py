@@ -305,36 +305,6 @@ def test_worker_reads_the_next_layers_planned_experts_ahead():
 
 
 @needs_kernel
-@pytest.mark.parametrize("wrap", [True, False])
-def test_the_first_layer_is_read_at_the_end_of_the_step_before(wrap):
-    """No layer plans a step's first layer: with `wrap`, once the worker has answered the step's last layer it reads
-    the experts it computed at the first layer (up to its budget, in order), and the next step's first layer
-    computes them from those rows; the answers equal a worker's without warm-ahead either way."""
-    slab = _slab(E, H, INTER, seed=6)
-    g = torch.Generator().manual_seed(7)
-    x, w = torch.randn(2, H, generator=g).to(torch.bfloat16), torch.rand(2, K, generator=g)
-    plain = _mailbox(slab)
-    try:
-        ref = [_step(plain, x, w) for _ in range(2)]
-    finally:
-        plain.close()
-    box = _mailbox(slab)
-    plans = torch.zeros((2, 1 + 3 * S), dtype=torch.int64)
-    budget = 4 * H * 2 * INTER  # two of layer 0's four experts (1 and 2), whole
-    try:
-        counters = box.warm_ahead({0: 1}, plans, S, budget, wrap=wrap)
-        assert counters is not None
-        assert torch.equal(_step(box, x, w, plans, tag_ok=False), ref[0])  # layer 1's plans are stale: skipped
-        time.sleep(0.02)  # the step's end: the worker reads layer 0's experts meanwhile
-        assert counters[2] == (budget if wrap else 0)  # bytes read
-        assert torch.equal(_step(box, x, w, plans, tag_ok=False), ref[1])
-        assert counters[4] == (budget if wrap else 0)  # layer 0 of step 2 computed the rows read for it
-        time.sleep(0.02)
-        assert counters[0] == (2 if wrap else 0) and counters[1] == 2  # reads made (one a step end), plans late
-    finally:
-        box.close()
-
-@needs_kernel
 def test_warm_ahead_needs_plan_slots_and_is_set_once():
     slab = _slab(E, H, INTER)
     box = _mailbox(slab)

@@ -35,9 +35,6 @@ goes to page-locked host memory as for `"copy"`, and once the mailbox worker has
 gate/up rows of l+1's predicted cold experts into its threads' caches, each thread the rows the kernel will give
 it, until the GPU posts l+1 (csrc/cpu_mailbox.cpp, WarmCfg). The CPU idles through the serial phase otherwise;
 the next cold phase then reads those rows from L2 instead of RAM. The pack's split is untouched (`maps` is None).
-No layer plans a step's first layer: with `warm_wrap` (on unless $STRATA_WARM_WRAP=0), once the worker has answered
-the step's last layer it reads what it computed at the first layer, for the next step's (temporal locality), while
-the GPU runs the step's end.
 """
 
 from __future__ import annotations
@@ -63,8 +60,7 @@ class CopyAhead:
     addresses [L, E] int64: each expert's page-locked slot (gate_up [2I, H], then down [H, I] at the share's
     `experts.down_offset`); slot_of [L, E] int32: the GPU tier's map (-1: cold); `predictors`: layer -> ids from
     the hidden state entering that layer's MoE block one layer early. `budget_bytes`: a fixed budget a layer
-    (None: `AHEAD_US` of link time at the share's in-place rate). `warm_wrap` (engine "cpu"): the step's first
-    layer read ahead too, from the experts the worker computed there the step before."""
+    (None: `AHEAD_US` of link time at the share's in-place rate)."""
 
     MAX_SLOTS = 8  # staged experts a layer at most (a token's top-8; more predicted cold experts share the budget)
     # link time a layer's copy may take, at the share's in-place rate: 35 us is 1.57 MB, 2 granules of the bench
@@ -77,7 +73,7 @@ class CopyAhead:
 
     def __init__(self, addresses: np.ndarray, slot_of: torch.Tensor, share: GpuShare, predictors: dict[int, Predictor],
                  moe_layers: list[int], device: torch.device, slot_bytes: int, budget_bytes: int | None = None,
-                 mailbox: CpuMailbox | None = None, engine: str = "sm", warm_wrap: bool = True):
+                 mailbox: CpuMailbox | None = None, engine: str = "sm"):
         if engine not in ("sm", "copy", "cpu"):
             raise ValueError(f"copy-ahead engine must be 'sm', 'copy' or 'cpu', got {engine!r}")
         if engine != "sm" and mailbox is None:
@@ -136,7 +132,7 @@ class CopyAhead:
             if self.worker is None:
                 raise RuntimeError("the mailbox worker cannot issue copies here (no CUDA driver entry points)")
         elif engine == "cpu":
-            self.worker = mailbox.warm_ahead(self.next_of, self.plans, s, self.warm_bytes, wrap=warm_wrap)
+            self.worker = mailbox.warm_ahead(self.next_of, self.plans, s, self.warm_bytes)
             if self.worker is None:
                 raise RuntimeError("the mailbox worker cannot read ahead (no compiled CPU kernel, or already set)")
 

@@ -308,13 +308,10 @@ class CpuMailbox:
         self._ahead_keep.extend((cfg, nxt, plans, flags, flag_host, flag_dev, counters, stream, entry))
         return counters
 
-    def warm_ahead(self, next_of: dict[int, int], plans: torch.Tensor, slots: int, nbytes: int,
-                   wrap: bool = False) -> np.ndarray | None:
+    def warm_ahead(self, next_of: dict[int, int], plans: torch.Tensor, slots: int, nbytes: int) -> np.ndarray | None:
         """Have the worker read ahead, once it has answered layer l, the gate/up rows of the experts copy-ahead's plan
         predicts cold in `next_of[l]` (plans [2, 1 + 3 * slots] int64, page-locked, by the planned layer's parity),
         up to `nbytes` a layer, each of its threads the rows the kernel will give it (csrc/cpu_mailbox.cpp, WarmCfg).
-        `wrap`: once it has answered the step's last layer, read the experts it computed at the first layer, for the
-        next step's first layer (which no layer plans), during the step's end.
         Returns the worker's warm counters (int64 [8]: plans used, plans not ready, bytes read, ns reading, bytes
         of read rows computed, pieces another thread computed, ns and the longest ns a read waited for a thread of an
         earlier read still inside), None where it cannot."""
@@ -323,8 +320,6 @@ class CpuMailbox:
         if not self.handle or self._ahead_keep:
             return None
         nxt = np.array([next_of.get(layer, -1) for layer in self.layers], dtype=np.int64)
-        if wrap:
-            nxt[int(np.argmax(self.layers))] = -2  # the last layer's box: the first layer's experts, next step
         counters = np.zeros(8, dtype=np.int64)
         if ce.mailbox_warm(self.handle, nxt, plans.data_ptr(), slots, int(nbytes), counters) != 0:
             return None

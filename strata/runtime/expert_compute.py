@@ -228,8 +228,7 @@ class ExpertCompute(CpuCompute):
         if engine in ("copy", "cpu"):
             try:
                 return CopyAhead(addresses, self.slot_of, self.gpu_share, self.predictors, self.moe_layers,
-                                 self.device, slot_bytes, budget_bytes=budget, mailbox=self.mailbox, engine=engine,
-                                 warm_wrap=os.environ.get("STRATA_WARM_WRAP") != "0")  # A/B: no first-layer read
+                                 self.device, slot_bytes, budget_bytes=budget, mailbox=self.mailbox, engine=engine)
             except RuntimeError as e:
                 if engine == "cpu":
                     log.warning("strata: warm-ahead is not available (%s); decoding without it", e)

@@ -69,12 +69,9 @@ constexpr int64_t LOG_ENTRY = 16 + 4 * LOG_CODES;
 // in which the split gives the worker its experts); a plan without this step's tag is skipped. Every thread stops
 // reading within 1 KB of the GPU posting the next layer, and the read returns then without waiting for a thread
 // descheduled mid-piece (cpu_warm.h; a later read reusing its slot waits for it: [6] and [7]); a wrong or partial
-// read changes no result. The first layer has no layer before it to plan it: with `wrap` (next = -2 for the last
-// box), once the step's last layer is answered the worker reads the experts it computed at the first layer of this
-// step, for the next step's first layer (temporal locality), during the step's end (the final norm, the LM head,
-// sampling, the next step's first attention), stopping when the GPU posts that layer.
+// read changes no result.
 struct WarmCfg {
-    std::vector<int64_t> next;  // per box: the layer it plans (-1: none, -2: the first box, next step)
+    std::vector<int64_t> next;  // per box: the layer it plans (-1: none)
     std::vector<int> next_box;  // per box: the box of that layer (-1: none)
     const int64_t* plans = nullptr;  // [2, 1 + 3S] int64
     int64_t S = 0, bytes = 0;   // slots a plan; gate/up bytes read ahead a layer at most
@@ -107,9 +104,6 @@ struct Mailbox {
     int warm_box = -1;  // the box whose experts were read ahead last, for generation warm_gen
     int64_t warm_gen = -1;
     std::vector<int64_t> warm_addr, warm_rows;  // what was read: gate_up addresses and leading rows
-    int wrap_box = -1;  // the box a wrap read serves (the first layer's), and what the worker computed there this
-    int64_t wrap_gen = -1;  // step (generation wrap_gen): gate_up addresses and rows
-    std::vector<int64_t> wrap_addr, wrap_rows;
     std::thread th;
 
     static int64_t now_ns() {
@@ -145,7 +139,6 @@ struct Mailbox {
         warm_of.clear();
         WarmCfg* wc = warm.load(std::memory_order_acquire);
         const bool warmed = wc && warm_box == int(i) && warm_gen == gen;  // this layer's experts were read ahead
-        if (wc && int(i) == wrap_box) wrap_addr.clear(), wrap_rows.clear(), wrap_gen = gen;
         int64_t warm_used = 0;
         const int64_t layer = layer_of[i];
         int64_t groups = 0, bytes = 0;
@@ -173,7 +166,6 @@ struct Mailbox {
             for (size_t q = 0; warmed && q < warm_addr.size(); ++q)
                 if (warm_addr[q] == base) wr = warm_rows[q];
             warm_of.push_back(wr);
-            if (int(i) == wrap_box) wrap_addr.push_back(base), wrap_rows.push_back(r);
             warm_used += 4 * H * std::min(wr, r);
             ++groups;
             bytes += payload * r / I;
@@ -230,7 +222,6 @@ struct Mailbox {
     void warm_next(size_t i, int64_t gen, WarmCfg& wc) {
         warm_box = -1;
         const int64_t m = wc.next[i];
-        if (m == -2) return warm_wrap(gen, wc);
         const int j = wc.next_box[i];
         if (m < 0 || j < 0) return;
         const int64_t* plan = wc.plans + (m & 1) * (1 + 3 * wc.S);
@@ -267,32 +258,6 @@ struct Mailbox {
         int64_t held = 0;
         wc.counters[2] += strata_cpu_warm(warm_addr.data(), warm_rows.data(), int64_t(warm_addr.size()), H, I,
                                           threads, const_cast<const int64_t*>(ready), seen[size_t(j)], &held);
-        wc.counters[3] += now_ns() - t0;
-        wc.counters[6] += held;
-        wc.counters[7] = std::max(wc.counters[7], held);
-    }
-
-    // After the step's last layer (generation gen): read what the worker computed at the first layer this step (its
-    // leading rows, up to wc.bytes) for that layer of step gen + 1, stopping once the GPU posts it.
-    void warm_wrap(int64_t gen, WarmCfg& wc) {
-        if (wrap_box < 0 || wrap_gen != gen || wrap_addr.empty()) return;
-        warm_addr.clear();
-        warm_rows.clear();
-        const int64_t row_bytes = 4 * H;  // a gate row and an up row
-        int64_t left = wc.bytes;
-        for (size_t q = 0; q < wrap_addr.size() && left >= row_bytes; ++q) {
-            const int64_t r = std::min(wrap_rows[q], left / row_bytes);
-            warm_addr.push_back(wrap_addr[q]);
-            warm_rows.push_back(r);
-            left -= r * row_bytes;
-        }
-        const volatile int64_t* ready = reinterpret_cast<const volatile int64_t*>(boxes[size_t(wrap_box)]);
-        wc.counters[0] += 1;
-        warm_box = wrap_box, warm_gen = gen + 1;  // the generation the next step posts that box with
-        const int64_t t0 = now_ns();
-        int64_t held = 0;
-        wc.counters[2] += strata_cpu_warm(warm_addr.data(), warm_rows.data(), int64_t(warm_addr.size()), H, I,
-                                          threads, const_cast<const int64_t*>(ready), seen[size_t(wrap_box)], &held);
         wc.counters[3] += now_ns() - t0;
         wc.counters[6] += held;
         wc.counters[7] = std::max(wc.counters[7], held);
@@ -391,25 +356,19 @@ STRATA_API int strata_mailbox_ahead(int64_t handle, const int64_t* cfg, const in
 }
 
 // Warm-ahead (WarmCfg above), once per worker, before any step plans it: next int64 [n_boxes] (the layer each box
-// plans, -1: none, -2: the first layer's experts of this step, for the next step: the last layer's box); plans int64 [2, 1 + 3S] (host, copy-ahead's layout); bytes: gate/up bytes read a layer at most;
+// plans, -1: none); plans int64 [2, 1 + 3S] (host, copy-ahead's layout); bytes: gate/up bytes read a layer at most;
 // counters int64 [8]. Returns 0, or -1 (no worker, already set, or a copy-ahead copier is running).
 STRATA_API int strata_mailbox_warm(int64_t handle, const int64_t* next, const int64_t* plans, int64_t S,
                                    int64_t bytes, int64_t* counters) {
     auto* m = reinterpret_cast<Mailbox*>(handle);
     if (!m || m->warm.load() || m->ahead.load() || S <= 0) return -1;
-    for (size_t i = 0; i < m->boxes.size(); ++i)
-        if (next[i] < -2) return -1;
     auto* w = new WarmCfg();
-    size_t first = 0;  // the box of the lowest layer: where a wrap read (-2) goes
-    for (size_t j = 0; j < m->layer_of.size(); ++j)
-        if (m->layer_of[j] < m->layer_of[first]) first = j;
     for (size_t i = 0; i < m->boxes.size(); ++i) {
         w->next.push_back(next[i]);
-        int box = next[i] == -2 ? int(first) : -1;
+        int box = -1;
         for (size_t j = 0; j < m->layer_of.size(); ++j)
             if (next[i] >= 0 && m->layer_of[j] == next[i]) box = int(j);
         w->next_box.push_back(box);
-        if (next[i] == -2) m->wrap_box = int(first);
     }
     w->plans = plans, w->S = S, w->bytes = bytes, w->counters = counters;
     m->warm.store(w, std::memory_order_release);
