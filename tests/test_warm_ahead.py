@@ -247,6 +247,7 @@ def test_rows_a_threads_read_did_not_reach_go_to_whichever_thread_is_free():
     assert per_setting[0] == [2 * half, 2 * (INTER - half)]  # ...or stayed its own
     assert ce.tune(read_split=1) == {"read_split": 1}  # the default
 
+
 def _mailbox(slab):
     from strata.runtime.cpu_mailbox import CpuMailbox
 

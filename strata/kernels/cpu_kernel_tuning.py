@@ -94,7 +94,8 @@ def trace_threads(threads: int) -> list[dict[str, float]]:
     """The trace's per-thread means since it was last turned on (`trace(True)`), for pool threads 0..threads-1
     (0 is the caller): calls joined, and us after the pool ran until the thread arrived, had computed its warm rows'
     pieces (warm-ahead), had done its part of the gate/up phase, then `warm_rows`: the gate/up row pairs its warm
-    pieces held, a call over every traced call (joined or not: what its read reached). Which thread holds the phase's end, and why."""
+    pieces held, a call over every traced call (joined or not: what its read reached). Which thread holds the
+    phase's end, and why."""
     lib = _lib()
     if lib is None or threads <= 0:
         return []

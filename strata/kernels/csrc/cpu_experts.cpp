@@ -579,7 +579,6 @@ STRATA_API int strata_cpu_experts(int isa, const float* x, int64_t N, int64_t H,
     return strata_cpu_experts_warm(isa, x, N, H, E, meta, nullptr, out, threads, nullptr);
 }
 
-
 // ---------------------------------------------------------------------------------------------------
 // Asynchronous calls: `strata_cpu_experts_start` hands one call to a persistent launcher thread (share 0
 // of the pool's job) and returns at once; `strata_cpu_experts_wait` blocks until it is done and returns
