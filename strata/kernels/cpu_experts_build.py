@@ -17,7 +17,7 @@ import torch
 from strata.fsutil import cache_root
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("cpu_experts.cpp", "cpu_experts_kernel.h", "cpu_experts_emu.h", "cpu_pool.h", "cpu_warm.h",
+_SOURCES = ("cpu_experts.cpp", "cpu_experts_kernel.h", "cpu_experts_emu.h", "cpu_pool.h", "cpu_warm.h", "cpu_tuning.h",
             "cpu_mailbox.cpp", "mailbox_ahead.h")
 # Plain x86-64 (the vector code is compiled per function, under target pragmas); no FMA contraction, so
 # a*b+c rounds the same way in every instruction set and in the emulations.
