@@ -22,6 +22,28 @@ prefill_run() {
   timeout 100 python3 bench/profile_prefill.py --model "$1" --label "$2" --chunk "$3" --out "$OUT" \
     --config '{"tiers": {"gpu": {"budget": "'$4'GiB"}}'"$keep"'}' 2>&1 | grep -E 'prefilled|Error' | cut -c1-300
 }
+# bench/hotpath.py on the 12-layer skewed checkpoint with temporal locality (made once), 25% of the expert bytes in
+# VRAM, 128 tokens a case; $1 = cases. One summary line a case (the whole record in $OUT/hp/hotpath.json).
+loc1_hotpath() {
+  [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
+    --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
+  timeout 200 python3 bench/hotpath.py --model /dev/shm/loc1 --cache /dev/shm/sc --out "$OUT/hp" --tokens 128 \
+    --gpu-fraction 0.25 --cases "$1" 2>&1 | grep -E '^\{"|Error' | python3 -c "import json, sys
+for line in sys.stdin:
+    if not line.startswith('{'): print(line.strip()); continue
+    r = json.loads(line); k, ca, mb = r.get('cpu_kernel_us', {}), r.get('copy_ahead', {}), r['mailbox_us_per_layer']
+    print(r['case'], r['tok_s'], 'kernel', k, 'threads', r.get('cpu_kernel_threads_us'), 'serve/gap', mb['serve'],
+          mb['gpu_gap'], 'plans', ca.get('plans_used'), 'read/computed MB/tok', ca.get('read_MB_per_token'),
+          ca.get('computed_MB_per_token'), 'stolen', ca.get('pieces_stolen'), 'held_max', ca.get('held_us_max'))"
+}
+# One run of the suite's skewed 25% case into $OUT/$1 (its suite.json kept); the rest of the arguments go to
+# `bench run` (e.g. --set '{...}'); knobs in the environment apply to the run.
+b25_suite() {
+  local out="$OUT/$1"; shift
+  timeout 70 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 60 --cases 'split/b25/skewed/p128x1' \
+    --out "$out" "$@" 2>&1 | grep -E '^split/'
+  rm -f "$out"/*.png "$out"/*.md
+}
 case "$1" in
   tests)
     gpu_tests 5
@@ -513,57 +535,23 @@ case "$1" in
   thirtysecond)  # every GPU test, then a warm piece's unread rows shared out (read_split, default) against left to its
                  # owner (rs0) in 25% skewed decode (hotpath, alternated 2 x 2), then the suite case warm on/off (REPS)
     gpu_tests 4
-    [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
-      --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
-    timeout 200 python3 bench/hotpath.py --model /dev/shm/loc1 --cache /dev/shm/sc --out "$OUT/hp" --tokens 128 \
-      --gpu-fraction 0.25 --cases "${CASES:-split,split+rs0,split,split+rs0}" 2>&1 | grep -E '^\{"|Error' \
-      | python3 -c "import json, sys
-for line in sys.stdin:
-    if not line.startswith('{'): print(line.strip()); continue
-    r = json.loads(line); ca = r.get('copy_ahead', {})
-    print(r['case'], r['tok_s'], 'kernel', r.get('cpu_kernel_us'), 'threads', r.get('cpu_kernel_threads_us'),
-          'read_MB/tok', ca.get('read_MB_per_token'), 'stolen', ca.get('pieces_stolen'), 'held_max', ca.get('held_us_max'))"
+    loc1_hotpath "${CASES:-split,split+rs0,split,split+rs0}"
     for r in $(seq "${REPS:-1}"); do
-      for warm in true false; do timeout 70 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 60 \
-        --set '{"runtime": {"warm_ahead": '$warm'}}' --cases 'split/b25/skewed/p128x1' --out "$OUT/b25-warm-$warm-$r" \
-        2>&1 | grep -E '^split/'; rm -f "$OUT/b25-warm-$warm-$r"/*.png "$OUT/b25-warm-$warm-$r"/*.md; done
+      for warm in true false; do b25_suite "b25-warm-$warm-$r" --set '{"runtime": {"warm_ahead": '$warm'}}'; done
     done ;;
   thirtysecond-b)  # read_split on (default) against off in the suite's skewed 25% case (STRATA_CPU_TUNE, alternated,
                    # REPS pairs), then the hotpath A/B again (2 x 2)
     for r in $(seq "${REPS:-1}"); do
-      for rs in 1 0; do STRATA_CPU_TUNE="read_split=$rs" timeout 70 python3 -m bench run --suite full --layers 12 \
-        --tokens 64 --deadline 60 --cases 'split/b25/skewed/p128x1' --out "$OUT/b25-rs$rs-$r" 2>&1 | grep -E '^split/'
-        rm -f "$OUT/b25-rs$rs-$r"/*.png "$OUT/b25-rs$rs-$r"/*.md; done
+      for rs in 1 0; do STRATA_CPU_TUNE="read_split=$rs" b25_suite "b25-rs$rs-$r"; done
     done
-    [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
-      --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
-    timeout 200 python3 bench/hotpath.py --model /dev/shm/loc1 --cache /dev/shm/sc --out "$OUT/hp" --tokens 128 \
-      --gpu-fraction 0.25 --cases "${CASES:-split+rs0,split,split+rs0,split}" 2>&1 | grep -E '^\{"|Error' \
-      | python3 -c "import json, sys
-for line in sys.stdin:
-    if not line.startswith('{'): print(line.strip()); continue
-    r = json.loads(line); k = r.get('cpu_kernel_us', {})
-    print(r['case'], r['tok_s'], 'call', k.get('call'), 'phase1', k.get('phase1'), 'wait', k.get('barrier_wait'),
-          'phase2', k.get('phase2'), 'serve/gap', r['mailbox_us_per_layer']['serve'], r['mailbox_us_per_layer']['gpu_gap'])" ;;
+    loc1_hotpath "${CASES:-split+rs0,split,split+rs0,split}" ;;
   thirtysecond-c)  # every GPU test, then the first layer read at the step's end (warm wrap, default) against not
                    # (nowrap; STRATA_WARM_WRAP=0): hotpath 2 x 2 alternated, then the suite's skewed 25% case (REPS pairs)
                    # (needs 7524785: the wrap lost and was reverted, bench/RESULTS.md, thirty-second session)
     gpu_tests 4
-    [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
-      --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
-    timeout 200 python3 bench/hotpath.py --model /dev/shm/loc1 --cache /dev/shm/sc --out "$OUT/hp" --tokens 128 \
-      --gpu-fraction 0.25 --cases "${CASES:-split,split+nowrap,split,split+nowrap}" 2>&1 | grep -E '^\{"|Error' \
-      | python3 -c "import json, sys
-for line in sys.stdin:
-    if not line.startswith('{'): print(line.strip()); continue
-    r = json.loads(line); k = r.get('cpu_kernel_us', {}); ca = r.get('copy_ahead', {})
-    print(r['case'], r['tok_s'], 'call', k.get('call'), 'serve/gap', r['mailbox_us_per_layer']['serve'],
-          r['mailbox_us_per_layer']['gpu_gap'], 'plans', ca.get('plans_used'), 'read_MB/tok', ca.get('read_MB_per_token'),
-          'computed_MB/tok', ca.get('computed_MB_per_token'))"
+    loc1_hotpath "${CASES:-split,split+nowrap,split,split+nowrap}"
     for r in $(seq "${REPS:-1}"); do
-      for wrap in 1 0; do STRATA_WARM_WRAP=$wrap timeout 70 python3 -m bench run --suite full --layers 12 \
-        --tokens 64 --deadline 60 --cases 'split/b25/skewed/p128x1' --out "$OUT/b25-wrap$wrap-$r" 2>&1 | grep -E '^split/'
-        rm -f "$OUT/b25-wrap$wrap-$r"/*.png "$OUT/b25-wrap$wrap-$r"/*.md; done
+      for wrap in 1 0; do STRATA_WARM_WRAP=$wrap b25_suite "b25-wrap$wrap-$r"; done
     done ;;
   cap-summary)  # after twentyeighth and twentyeighth-b (run apart, so that a timed-out A/B still leaves its summary;
                 # "cap" in the directory names is the switch's value: the cap, or $STRATA_CPU_PIN)

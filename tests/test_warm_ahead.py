@@ -155,29 +155,44 @@ def test_warm_read_counts_its_bytes_and_stops_when_told():
                                None) == 0
 
 
+def _two_experts_on_a_pool_of_two(seed: int):
+    """Two experts read ahead whole by a pool of 2 (its threads up): (addresses, rows, x [1, H], meta, the kernel's
+    result computed on one thread, what meta points into: keep it alive)."""
+    slab = _slab(2, H, INTER, seed=seed)
+    addr, rows = array.array("q", [slab[0].data_ptr(), slab[1].data_ptr()]), array.array("q", [INTER, INTER])
+    x, idx, w = torch.randn(1, H), torch.tensor([0]), torch.ones(1)
+    meta = _meta(slab, [0, 1], [INTER, INTER], idx, w, H, INTER)
+    ref = torch.zeros(1, H)
+    assert ce.run_packed(x, meta, ref, threads=1)
+    ce.warm_rows(list(addr), list(rows), H, INTER, threads=2)
+    return addr, rows, x, meta, ref, (slab, idx, w)
+
+
+def _post_once_asleep(lib, word: ctypes.c_int64, sleep_us: int, then_s: float = 0.0) -> threading.Thread:
+    """Pool thread 1 sleeps `sleep_us` at the start of its piece of the next warm read; a started thread "posts"
+    the next layer (word 7 -> 8) once it is asleep there, `then_s` later. Join it after the read."""
+    entered = lib.strata_cpu_test_straggler(1, sleep_us)
+
+    def post():
+        while lib.strata_cpu_test_straggler(0, 0) == entered:
+            time.sleep(0.001)
+        time.sleep(then_s)
+        word.value = 8
+
+    poster = threading.Thread(target=post)
+    poster.start()
+    return poster
+
+
 @needs_kernel
 def test_a_stopped_read_does_not_wait_for_a_descheduled_thread():
     """Once the next layer is posted the read returns at once, even with a pool thread asleep mid-piece: the kernel
     call after it runs without that thread (another computes its piece; the same result), and only a later read
     reusing its slot waits for it (held)."""
     lib = ce._load()
-    slab = _slab(2, H, INTER, seed=3)
-    addr, rows = array.array("q", [slab[0].data_ptr(), slab[1].data_ptr()]), array.array("q", [INTER, INTER])
-    x, idx, w = torch.randn(1, H), torch.tensor([0]), torch.ones(1)
-    meta = _meta(slab, [0, 1], [INTER, INTER], idx, w, H, INTER)
-    ref = torch.zeros(1, H)
-    assert ce.run_packed(x, meta, ref, threads=1)
-    ce.warm_rows(list(addr), list(rows), H, INTER, threads=2)  # the pool of 2 exists, its threads are up
+    addr, rows, x, meta, ref, _keep = _two_experts_on_a_pool_of_two(seed=3)
     word, held = ctypes.c_int64(7), ctypes.c_int64(-1)
-    entered = lib.strata_cpu_test_straggler(1, 400_000)  # pool thread 1 sleeps 400 ms inside its next piece
-
-    def post_once_asleep():  # the GPU "posts" the next layer once thread 1 is inside, asleep
-        while lib.strata_cpu_test_straggler(0, 0) == entered:
-            time.sleep(0.001)
-        word.value = 8
-
-    poster = threading.Thread(target=post_once_asleep)
-    poster.start()
+    poster = _post_once_asleep(lib, word, sleep_us=400_000)  # pool thread 1 sleeps 400 ms inside its next piece
     lib.strata_cpu_warm(addr.buffer_info()[0], rows.buffer_info()[0], 2, H, INTER, 2, ctypes.addressof(word), 7,
                         ctypes.addressof(held))
     poster.join()
@@ -207,24 +222,10 @@ def test_rows_a_threads_read_did_not_reach_go_to_whichever_thread_is_free():
     from strata.kernels import cpu_kernel_tuning
 
     lib = ce._load()
-    slab = _slab(2, H, INTER, seed=5)
-    addr, rows = array.array("q", [slab[0].data_ptr(), slab[1].data_ptr()]), array.array("q", [INTER, INTER])
-    x, idx, w = torch.randn(1, H), torch.tensor([0]), torch.ones(1)
-    meta = _meta(slab, [0, 1], [INTER, INTER], idx, w, H, INTER)
-    ref = torch.zeros(1, H)
-    assert ce.run_packed(x, meta, ref, threads=1)
-    ce.warm_rows(list(addr), list(rows), H, INTER, threads=2)  # the pool of 2 exists, its threads are up
+    addr, rows, x, meta, ref, _keep = _two_experts_on_a_pool_of_two(seed=5)
     word = ctypes.c_int64(7)
-    entered = lib.strata_cpu_test_straggler(1, 150_000)  # pool thread 1 sleeps 150 ms before its piece
-
-    def post_once_asleep():  # thread 0 has long read its piece (a few KB) when the next layer is posted
-        while lib.strata_cpu_test_straggler(0, 0) == entered:
-            time.sleep(0.001)
-        time.sleep(0.03)
-        word.value = 8
-
-    poster = threading.Thread(target=post_once_asleep)
-    poster.start()
+    # pool thread 1 sleeps 150 ms before its piece; thread 0 has long read its own (a few KB) by the post
+    poster = _post_once_asleep(lib, word, sleep_us=150_000, then_s=0.03)
     read = lib.strata_cpu_warm(addr.buffer_info()[0], rows.buffer_info()[0], 2, H, INTER, 2, ctypes.addressof(word),
                                7, None)
     poster.join()

@@ -107,7 +107,7 @@ struct Job {
     // k % P, which read its rows into its own caches; a piece its owner has not taken by the time a thread runs
     // out of other work is taken by that thread (`taken`), so a late thread delays nobody.
     int64_t n_static = 0, P = 1;
-    std::vector<int64_t> static_rows;  // [P] rows of thread t's static pieces (tracing)
+    std::vector<int64_t> static_rows;  // [P] rows of thread t's static pieces (empty: no warm rows)
     std::unique_ptr<std::atomic<int32_t>[]> taken;
     std::unique_ptr<std::atomic<int32_t>[]> arrived;  // [P] 1 once thread t is in the job: its pieces are its own
     std::atomic<int64_t> stolen{0};  // static pieces computed by a thread other than their owner
@@ -435,10 +435,10 @@ STRATA_API int strata_cpu_experts_warm(int isa, const float* x, int64_t N, int64
     // otherwise stream its piece's rest alone while the others wait at the barrier).
     std::vector<Chunk> rest;  // rows left to the dynamic chunks: pieces' unread tails, then each expert's cold rows
     job.P = P;
-    job.static_rows.assign(size_t(P), 0);
     for (int64_t e = 0; e < job.E; ++e) {
         const ExpertArg& ex = experts[e];
         if (ex.warm <= 0) continue;
+        if (job.static_rows.empty()) job.static_rows.assign(size_t(P), 0);  // (a call with nothing warm: none)
         for (int64_t t = 0; t < P; ++t) {
             const int64_t r0 = warm_bound(ex.warm, t, P), b0 = std::min(ex.I, r0);
             const int64_t b1 = std::min(ex.I, warm_bound(ex.warm, t + 1, P));
