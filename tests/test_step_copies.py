@@ -8,6 +8,7 @@ take the general path in the same call, and a released batch becomes evictable a
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -317,6 +318,31 @@ def test_promote_cuda(store):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     _promote(store, "cuda")
+
+
+def test_a_promotion_on_a_cpu_slab_waits_for_reads_of_unheld_slots(store):
+    """Decode reads resident slots it holds no handle on (`pair_experts`); on a CPU-simulated GPU tier a
+    promotion's eviction must not overwrite such a slot mid-read (no stream orders it, as on CUDA): inside
+    `unheld_slot_reads` every mapped slot keeps its expert's bytes, and the promotion lands once it ends."""
+    layer = store.index.moe_layers[0]
+    n_experts = max(k[1] for k in store.keys()) + 1
+    m = TierManager(store, TierBudgets(gpu_slots=3, pinned_slots=n_experts), gpu_device=torch.device("cpu"),
+                    io_threads=2, policy="lfu")
+    try:
+        m.release(m.acquire([(layer, e) for e in range(n_experts)], "cpu"))
+        m.release_staged(m.stage_gpu(layer, [0, 1, 2]))  # the GPU tier is full
+        assert m.wait_settled(10)
+        before = {e: m.slots.view(m.gpu.slot_of[(layer, e)]).clone() for e in (0, 1, 2)}
+        with m.unheld_slot_reads():  # a decode pass: its slot lookups done, its reads under way
+            m.promote((layer, 5))
+            time.sleep(0.2)  # a worker that could, would have evicted and overwritten a slot by now
+            assert all((layer, e) in m.gpu.slot_of for e in (0, 1, 2)) and (layer, 5) not in m.gpu.slot_of
+            for e in (0, 1, 2):
+                assert torch.equal(m.slots.view(m.gpu.slot_of[(layer, e)]), before[e])
+        assert m.wait_settled(10) and (layer, 5) in m.gpu.slot_of
+        assert sum((layer, e) in m.gpu.slot_of for e in (0, 1, 2)) == 2  # one was evicted for it, afterwards
+    finally:
+        m.close()
 
 
 @pytest.mark.parametrize("gpu_slots, experts, want", [(448, 448, 0), (500, 448, 0), (447, 448, 16), (100, 448, 6),

@@ -119,7 +119,8 @@ class TieredExperts(PrefillPath, nn.Module):
             # asked before the kernel is launched: once every copy and map entry has landed (all_resident), a
             # kernel launched after that sees them all; asked after, the last ones could still be on their way
             resident = c.all_resident()
-            used = pair_experts(x, c.slots, c.slot_of[self.layer], flat, y)  # resident pairs, no host sync
+            with c.manager.unheld_slot_reads():  # (CPU-simulated tier: a promotion's eviction waits for the pass)
+                used = pair_experts(x, c.slots, c.slot_of[self.layer], flat, y)  # resident pairs, no host sync
             if resident:
                 c.count_lookups(self.layer, flat)
                 return combine_pairs(y, weights, x.dtype, residual=residual)

@@ -4,6 +4,8 @@ All of it runs under the manager's lock."""
 
 from __future__ import annotations
 
+import contextlib
+
 from strata.tiers.slots import Key, TierFullError, _SlotTier
 
 
@@ -41,6 +43,16 @@ class EvictionMixin:
             else:
                 clears.append(victim)
         return slot
+
+    def unheld_slot_reads(self) -> contextlib.AbstractContextManager:
+        """Hold while this thread reads GPU slots it has no handle on (decode's pass over the resident pairs). On
+        a CPU-simulated GPU tier, evictions wait for it: a transfer worker (`promote`) clears its victim's map
+        entry under the manager's lock and then overwrites the slot, and no stream orders that after these reads
+        (a pass that has already looked the slot up would read the new expert's bytes). On CUDA the caller's
+        stream does (the clear is queued behind its kernels): nothing is held."""
+        if self.slots is None or self.slots.is_cuda:
+            return contextlib.nullcontext()
+        return self._lock
 
     def _layer_count(self, tier: _SlotTier, layer: int) -> int:
         return sum(1 for k in tier.slot_of if k[0] == layer)
