@@ -1,0 +1,151 @@
+"""What the GPU does between a split decode layer's answer and the next layer's post (the serial phase), kernel
+by kernel, beside the same kernels in the all-in-VRAM step: CUPTI's kernel records (torch.profiler) of a few
+decode steps replayed as CUDA graphs.
+
+    python bench/serial_phase.py --model DIR [--gpu-fraction 0.25] [--tokens 24] [--cases split,ceiling] [--out DIR]
+
+A split layer's cycle is cut at its kernels that talk to the mailbox worker: `_pack_kernel` posts the layer (its
+end: the inbox written), `_fetch_kernel` spins until the worker's answer and fetches it (its end: the answer on the
+GPU). The serial phase runs from one fetch's end to the next pack's end; the cold phase from a pack's end to its
+fetch's end (`cold_gpu_work_us`: from the pack's end to the last end of the
+GPU's own kernels in it, the resident pairs and the in-place share). The ceiling's cycle is cut at its router kernel. For each case: median phase lengths (us), and for
+the serial phase the kernels in order with their median duration and the median idle time before each (start
+minus the latest end of anything before it on any stream; negative: overlapped, as programmatic dependent launch
+allows). CUPTI adds a little time a kernel: read the gaps against each other, not as absolute launch costs.
+Writes serial_phase.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+PACK, FETCH, ROUTER = "_pack_kernel", "_fetch_kernel", "_route_kernel"
+
+
+def kernel_records(trace: dict) -> list[tuple[str, float, float, int]]:
+    """(name, start us, end us, stream) of every GPU kernel in a chrome trace, by start."""
+    out = [(e["name"], float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0.0)), int(e.get("args", {}).get("stream", 0)))
+           for e in trace.get("traceEvents", []) if e.get("cat") == "kernel"]
+    return sorted(out, key=lambda r: r[1])
+
+
+def short(name: str) -> str:
+    """A kernel's name without its template arguments and launch-configuration suffixes."""
+    name = name.split("<")[0].split("(")[0]
+    return name if len(name) <= 60 else name[:57] + "..."
+
+
+def cycles(kernels: list[tuple[str, float, float, int]], start_mark: str, end_mark: str
+           ) -> list[list[tuple[str, float, float, int]]]:
+    """Kernel runs from each `start_mark` kernel (included) to the next `end_mark` kernel (included)."""
+    runs, cur = [], None
+    for k in kernels:
+        if start_mark in k[0]:
+            cur = [k]
+        elif cur is not None:
+            cur.append(k)
+            if end_mark in k[0]:
+                runs.append(cur)
+                cur = None
+    return runs
+
+
+def serial_table(runs: list[list[tuple[str, float, float, int]]]) -> dict:
+    """Median length of the runs (first kernel's end to last kernel's end) and, position by position over the runs
+    of the commonest kernel sequence, each kernel's median duration and the idle time before it."""
+    if not runs:
+        return {"runs": 0}
+    seqs = [tuple(short(k[0]) for k in r) for r in runs]
+    common = max(set(seqs), key=seqs.count)
+    same = [r for r, s in zip(runs, seqs, strict=True) if s == common]
+    rows = []
+    for i, name in enumerate(common):
+        durs = [r[i][2] - r[i][1] for r in same]
+        idle = [r[i][1] - max(k[2] for k in r[:i]) for r in same] if i else [0.0]
+        rows.append({"kernel": name, "dur_us": round(statistics.median(durs), 2),
+                     "idle_before_us": round(statistics.median(idle), 2)})
+    length = [r[-1][2] - r[0][2] for r in runs]
+    busy = sum(r["dur_us"] for r in rows[1:])
+    return {"runs": len(runs), "same_sequence": len(same), "length_us": round(statistics.median(length), 1),
+            "kernel_us": round(busy, 1), "idle_us": round(sum(r["idle_before_us"] for r in rows[1:]), 1),
+            "kernels": rows}
+
+
+def profile_case(model: str, cfg: dict, tokens: int) -> list[tuple[str, float, float, int]]:
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.hotpath import wait_for_placement
+    from strata import Engine
+
+    engine = Engine.from_pretrained(model, config=cfg, device="cuda")
+    vocab = engine.checkpoint.config.vocab_size
+    prompt = [(100 + i * 37) % vocab for i in range(128)]
+    engine.generate(prompt, max_tokens=8, temperature=1.0, seed=1)
+    if engine.tiers is not None:
+        wait_for_placement(engine.tiers)
+        engine.generate(prompt, max_tokens=16, temperature=1.0, seed=2)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompt, max_tokens=tokens, temperature=1.0, seed=3, stop_token_ids=[])
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.loads(Path(f.name).read_text())
+    engine.close()
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    return kernel_records(trace)
+
+
+def analyse(name: str, kernels: list[tuple[str, float, float, int]]) -> dict:
+    """The phases of a case's decode layers from its kernel records."""
+    if any(PACK in k[0] for k in kernels):
+        serial = serial_table(cycles(kernels, FETCH, PACK))
+        cold = cycles(kernels, PACK, FETCH)
+        cold_len = [r[-1][2] - r[0][2] for r in cold]
+        fetch_wait = [r[-1][2] - r[-1][1] for r in cold]
+        gpu_work = [max((k[2] for k in r[1:-1]), default=r[0][2]) - r[0][2] for r in cold]  # the GPU's own cold work
+        med = lambda xs: round(statistics.median(xs), 1) if xs else None  # noqa: E731
+        return {"case": name, "serial": serial, "cold_us": med(cold_len), "fetch_kernel_us": med(fetch_wait),
+                "cold_gpu_work_us": med(gpu_work)}
+    return {"case": name, "layer": serial_table(cycles(kernels, ROUTER, ROUTER))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--gpu-fraction", type=float, default=0.25)
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--cases", default="split,ceiling")
+    ap.add_argument("--out", default=".")
+    args = ap.parse_args()
+    from strata.runtime.inspect import summarize_checkpoint
+
+    s = summarize_checkpoint(args.model)
+    rt = {"max_context": 1024}
+    budget = int(s.bytes_by_role["experts"] * args.gpu_fraction)
+    cfgs = {"ceiling": {"runtime": {**rt, "experts": "memory"}},
+            "split": {"tiers": {"gpu": {"budget": str(budget)}, "disk": {"path": "/dev/shm/strata-cache", "scrub": False}},
+                      "runtime": rt}}
+    results = []
+    for case in args.cases.split(","):
+        res = analyse(case, profile_case(args.model, cfgs[case], args.tokens))
+        print(json.dumps(res, indent=1), flush=True)
+        results.append(res)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "serial_phase.json").write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
