@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|twentyninth|twentyninth-b|thirtieth|thirtieth-b|thirtieth-c|thirtyfirst|thirtyfirst-b|thirtyfirst-c|thirtysecond|thirtysecond-b|thirtysecond-c|thirtythird|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|twentyninth|twentyninth-b|thirtieth|thirtieth-b|thirtieth-c|thirtyfirst|thirtyfirst-b|thirtyfirst-c|thirtysecond|thirtysecond-b|thirtysecond-c|thirtythird|thirtythird-b|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet; pydantic is not on it either):
 # `bash bench/box_wheels.sh` fetches them here.
@@ -27,12 +27,12 @@ prefill_run() {
 loc1_hotpath() {
   [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
     --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
-  timeout 200 python3 bench/hotpath.py --model /dev/shm/loc1 --cache /dev/shm/sc --out "$OUT/hp" --tokens 128 \
+  timeout "${HP_TIMEOUT:-200}" python3 bench/hotpath.py --model /dev/shm/loc1 --cache /dev/shm/sc --out "$OUT/hp" --tokens 128 \
     --gpu-fraction 0.25 --cases "$1" 2>&1 | grep -E '^\{"|Error' | python3 -c "import json, sys
 for line in sys.stdin:
     if not line.startswith('{'): print(line.strip()); continue
     r = json.loads(line); k, ca, mb = r.get('cpu_kernel_us', {}), r.get('copy_ahead', {}), r['mailbox_us_per_layer']
-    print(r['case'], r['tok_s'], 'kernel', k, 'threads', r.get('cpu_kernel_threads_us'), 'serve/gap', mb['serve'],
+    print(r['case'], r['tok_s'], 'share', r.get('gpu_share'), 'kernel', k, 'threads', r.get('cpu_kernel_threads_us'), 'serve/gap', mb['serve'],
           mb['gpu_gap'], 'plans', ca.get('plans_used'), 'read/computed MB/tok', ca.get('read_MB_per_token'),
           ca.get('computed_MB_per_token'), 'stolen', ca.get('pieces_stolen'), 'held_max', ca.get('held_us_max'))"
 }
@@ -525,7 +525,7 @@ case "$1" in
     gpu_tests 4
     [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
       --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
-    timeout 200 python3 bench/hotpath.py --model /dev/shm/loc1 --cache /dev/shm/sc --out "$OUT/hp" --tokens 128 \
+    timeout "${HP_TIMEOUT:-200}" python3 bench/hotpath.py --model /dev/shm/loc1 --cache /dev/shm/sc --out "$OUT/hp" --tokens 128 \
       --gpu-fraction 0.25 --cases "split,split+nowarm,split,split+nowarm" 2>&1 | grep -E '^\{"|Error' | cut -c1-1200
     for r in $(seq "${REPS:-1}"); do
       for warm in true false; do timeout 70 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 60 \
@@ -560,6 +560,11 @@ case "$1" in
       --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
     timeout 240 python3 bench/serial_phase.py --model /dev/shm/loc1 --out "$OUT/sp" --cases "${CASES:-split,ceiling}" \
       > "$OUT/sp.txt" 2>&1; tail -c 6000 "$OUT/sp.txt" ;;
+  thirtythird-b)  # the GPU's in-place share of the cold rows fixed (shareX) against adapted (split), 25% skewed hotpath
+                  # with warm-ahead, alternated (CASES), then the serial-phase profile again (SP_CASES)
+    HP_TIMEOUT=${HP_TIMEOUT:-330} loc1_hotpath "${CASES:-split,split+share0.15,split+share0.2,split+share0.35,split,split+share0.15,split+share0.2,split+share0.35}"
+    [ -z "${SP_CASES:-split,ceiling}" ] || timeout 150 python3 bench/serial_phase.py --model /dev/shm/loc1 --out "$OUT/sp" \
+      --cases "${SP_CASES:-split,ceiling}" > "$OUT/sp.txt" 2>&1 ;;
   cap-summary)  # after twentyeighth and twentyeighth-b (run apart, so that a timed-out A/B still leaves its summary;
                 # "cap" in the directory names is the switch's value: the cap, or $STRATA_CPU_PIN)
     python3 - "$OUT" <<'PY'  # one file of every run's case record (the box returns few files), a line each

@@ -50,13 +50,13 @@ def cycles(kernels: list[tuple[str, float, float, int]], start_mark: str, end_ma
     """Kernel runs from each `start_mark` kernel (included) to the next `end_mark` kernel (included)."""
     runs, cur = [], None
     for k in kernels:
+        if cur is not None and end_mark in k[0]:
+            runs.append(cur + [k])
+            cur = None
         if start_mark in k[0]:
             cur = [k]
         elif cur is not None:
             cur.append(k)
-            if end_mark in k[0]:
-                runs.append(cur)
-                cur = None
     return runs
 
 
@@ -72,7 +72,7 @@ def serial_table(runs: list[list[tuple[str, float, float, int]]]) -> dict:
     for i, name in enumerate(common):
         durs = [r[i][2] - r[i][1] for r in same]
         idle = [r[i][1] - max(k[2] for k in r[:i]) for r in same] if i else [0.0]
-        rows.append({"kernel": name, "dur_us": round(statistics.median(durs), 2),
+        rows.append({"kernel": name, "stream": same[0][i][3], "dur_us": round(statistics.median(durs), 2),
                      "idle_before_us": round(statistics.median(idle), 2)})
     length = [r[-1][2] - r[0][2] for r in runs]
     busy = sum(r["dur_us"] for r in rows[1:])
@@ -118,7 +118,7 @@ def analyse(name: str, kernels: list[tuple[str, float, float, int]]) -> dict:
         gpu_work = [max((k[2] for k in r[1:-1]), default=r[0][2]) - r[0][2] for r in cold]  # the GPU's own cold work
         med = lambda xs: round(statistics.median(xs), 1) if xs else None  # noqa: E731
         return {"case": name, "serial": serial, "cold_us": med(cold_len), "fetch_kernel_us": med(fetch_wait),
-                "cold_gpu_work_us": med(gpu_work)}
+                "cold_gpu_work_us": med(gpu_work), "cold": serial_table(cold)}
     return {"case": name, "layer": serial_table(cycles(kernels, ROUTER, ROUTER))}
 
 
