@@ -4,6 +4,10 @@ decode steps replayed as CUDA graphs.
 
     python bench/serial_phase.py --model DIR [--gpu-fraction 0.25] [--tokens 24] [--cases split,ceiling] [--out DIR]
 
+Cases: split, ceiling; `+nowarm` (split without warm-ahead). First a probe: a `wait_and_fetch` whose answer is
+already there, the handshake's floor on the GPU's side. Each split case also gives the worker's own serve and gap a
+layer over the profiled tokens, and three layers' raw kernel records (`raw_layers`).
+
 A split layer's cycle is cut at its kernels that talk to the mailbox worker: `_pack_kernel` posts the layer (its
 end: the inbox written), `_fetch_kernel` spins until the worker's answer and fetches it (its end: the answer on the
 GPU). The serial phase runs from one fetch's end to the next pack's end; the cold phase from a pack's end to its
@@ -95,9 +99,12 @@ def profile_case(model: str, cfg: dict, tokens: int) -> list[tuple[str, float, f
         wait_for_placement(engine.tiers)
         engine.generate(prompt, max_tokens=16, temperature=1.0, seed=2)
     torch.cuda.synchronize()
+    box = getattr(engine._compute, "mailbox", None)
+    t0 = box.timing()["totals"] if box is not None else None
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         engine.generate(prompt, max_tokens=tokens, temperature=1.0, seed=3, stop_token_ids=[])
         torch.cuda.synchronize()
+    worker = box.window(t0, box.timing()["totals"]) if box is not None else None  # the worker's clock, same tokens
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         trace = json.loads(Path(f.name).read_text())
@@ -105,11 +112,51 @@ def profile_case(model: str, cfg: dict, tokens: int) -> list[tuple[str, float, f
     del engine
     gc.collect()
     torch.cuda.empty_cache()
-    return kernel_records(trace)
+    return kernel_records(trace), worker
 
 
-def analyse(name: str, kernels: list[tuple[str, float, float, int]]) -> dict:
-    """The phases of a case's decode layers from its kernel records."""
+def raw_layers(kernels: list[tuple[str, float, float, int]], first: int = 100, layers: int = 3) -> list[list]:
+    """Every kernel from the `first`-th fetch kernel's start through the next `layers` layers: [name, stream, start
+    us, end us] relative to that fetch's end (a reader's timeline of a few split layers)."""
+    marks = [i for i, k in enumerate(kernels) if FETCH in k[0]]
+    if len(marks) <= first + layers:
+        return []
+    lo, hi = marks[first], marks[first + layers]
+    t = kernels[lo][2]
+    return [[short(k[0]), k[3], round(k[1] - t, 2), round(k[2] - t, 2)] for k in kernels[lo : hi + 1]]
+
+
+def fetch_probe(calls: int = 64, floats: int = 2048) -> dict:
+    """us a `wait_and_fetch` takes when the worker has already answered (done = the generation), `calls` of them
+    replayed in one CUDA graph: the handshake's floor on the GPU's side."""
+    from strata.kernels.host_signal import wait_and_fetch
+
+    header = torch.zeros(8, dtype=torch.int64, pin_memory=True)
+    header[1] = 7
+    gen = torch.tensor([7], dtype=torch.int64, device="cuda")
+    src = torch.randn(floats, pin_memory=True)
+    out = torch.empty(floats, device="cuda")
+    wait_and_fetch(header, gen, src, out)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            wait_and_fetch(header, gen, src, out)
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return {"fetch_us": round(start.elapsed_time(end) * 1e3 / (10 * calls), 2), "floats": floats,
+            "same": bool(torch.equal(out.cpu(), src))}
+
+
+def analyse(name: str, kernels: list[tuple[str, float, float, int]], worker: dict | None = None) -> dict:
+    """The phases of a case's decode layers from its kernel records (`worker`: the mailbox worker's own per-layer
+    serve and gap over the same tokens)."""
     if any(PACK in k[0] for k in kernels):
         serial = serial_table(cycles(kernels, FETCH, PACK))
         cold = cycles(kernels, PACK, FETCH)
@@ -117,8 +164,9 @@ def analyse(name: str, kernels: list[tuple[str, float, float, int]]) -> dict:
         fetch_wait = [r[-1][2] - r[-1][1] for r in cold]
         gpu_work = [max((k[2] for k in r[1:-1]), default=r[0][2]) - r[0][2] for r in cold]  # the GPU's own cold work
         med = lambda xs: round(statistics.median(xs), 1) if xs else None  # noqa: E731
-        return {"case": name, "serial": serial, "cold_us": med(cold_len), "fetch_kernel_us": med(fetch_wait),
-                "cold_gpu_work_us": med(gpu_work), "cold": serial_table(cold)}
+        return {"case": name, "worker": worker, "serial": serial, "cold_us": med(cold_len),
+                "fetch_kernel_us": med(fetch_wait), "cold_gpu_work_us": med(gpu_work), "cold": serial_table(cold),
+                "raw_layers": raw_layers(kernels)}
     return {"case": name, "layer": serial_table(cycles(kernels, ROUTER, ROUTER))}
 
 
@@ -138,9 +186,14 @@ def main() -> None:
     cfgs = {"ceiling": {"runtime": {**rt, "experts": "memory"}},
             "split": {"tiers": {"gpu": {"budget": str(budget)}, "disk": {"path": "/dev/shm/strata-cache", "scrub": False}},
                       "runtime": rt}}
-    results = []
+    results = [fetch_probe()]
+    print(results[0], flush=True)
     for case in args.cases.split(","):
-        res = analyse(case, profile_case(args.model, cfgs[case], args.tokens))
+        base, *mods = case.split("+")
+        cfg = cfgs[base]
+        if "nowarm" in mods:  # warm-ahead off: the worker spins through the serial phase
+            cfg = {**cfg, "runtime": {**cfg["runtime"], "warm_ahead": False}}
+        res = analyse(case, *profile_case(args.model, cfg, args.tokens))
         print(json.dumps(res, indent=1), flush=True)
         results.append(res)
     Path(args.out).mkdir(parents=True, exist_ok=True)
