@@ -34,6 +34,8 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
                  the pack and wait kernels ($STRATA_MAILBOX_DIRECT=0)
   hotbefore      one-graph split decode: each MoE layer's resident pairs computed before the worker is posted
                  the layer, instead of beside it ($STRATA_MAILBOX_HOT_ALONGSIDE=0)
+  sharelast      one-graph split decode: the GPU's in-place share on the second stream and the resident pairs on
+                 the layer's own, as before the thirty-third session ($STRATA_MAILBOX_SHARE_FIRST=0)
   norouter       decode routing in three launches (cuBLAS GEMV, softmax top-k, slot gather) instead of the one of
                  strata.kernels.decode_router ($STRATA_FUSED_ROUTER=0)
   noresidual     a MoE layer's residual added by its own launch instead of in the experts' combine
@@ -323,6 +325,8 @@ def main() -> None:
                 env["STRATA_MAILBOX_DIRECT"] = "0"
             elif mod == "hotbefore":
                 env["STRATA_MAILBOX_HOT_ALONGSIDE"] = "0"
+            elif mod == "sharelast":
+                env["STRATA_MAILBOX_SHARE_FIRST"] = "0"
             elif mod == "norouter":
                 env["STRATA_FUSED_ROUTER"] = "0"
             elif mod == "noresidual":
@@ -367,7 +371,8 @@ def main() -> None:
             elif mod != "again":
                 raise SystemExit(f"unknown case modifier {mod!r} in {full!r}")
         for key in ("STRATA_CPU_SPIN_US", "STRATA_BENCH_SWITCH_US", "STRATA_MAILBOX_GPU_SHARE", "STRATA_MAILBOX_WHOLE_EXPERTS",
-                    "STRATA_MAILBOX_FUSED", "STRATA_COPY_AHEAD", "STRATA_COPY_AHEAD_ENGINE"):
+                    "STRATA_MAILBOX_FUSED", "STRATA_COPY_AHEAD", "STRATA_COPY_AHEAD_ENGINE", "STRATA_MAILBOX_SHARE_FIRST",
+                    "STRATA_MAILBOX_HOT_ALONGSIDE", "STRATA_MAILBOX_DIRECT"):
             os.environ.pop(key, None)
         # the interpreter's GIL switch interval (default 5 ms): how long a thread waiting for the GIL lets the
         # holder run before asking for it; the decode thread re-takes the GIL after every CUDA call and kernel

@@ -4,7 +4,7 @@ decode steps replayed as CUDA graphs.
 
     python bench/serial_phase.py --model DIR [--gpu-fraction 0.25] [--tokens 24] [--cases split,ceiling] [--out DIR]
 
-Cases: split, ceiling; `+nowarm` (split without warm-ahead). First a probe: a `wait_and_fetch` whose answer is
+Cases: split, ceiling; `+nowarm` (split without warm-ahead), `+sharelast` (bench/hotpath.py's). First a probe: a `wait_and_fetch` whose answer is
 already there, the handshake's floor on the GPU's side. Each split case also gives the worker's own serve and gap a
 layer over the profiled tokens, and three layers' raw kernel records (`raw_layers`).
 
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -193,6 +194,7 @@ def main() -> None:
         cfg = cfgs[base]
         if "nowarm" in mods:  # warm-ahead off: the worker spins through the serial phase
             cfg = {**cfg, "runtime": {**cfg["runtime"], "warm_ahead": False}}
+        os.environ["STRATA_MAILBOX_SHARE_FIRST"] = "0" if "sharelast" in mods else "1"
         res = analyse(case, *profile_case(args.model, cfg, args.tokens))
         print(json.dumps(res, indent=1), flush=True)
         results.append(res)

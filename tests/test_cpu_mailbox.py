@@ -326,16 +326,20 @@ def test_one_graph_split_decode_with_a_gpu_share_follows_memory(tmp_path, monkey
 
     model, cfg, ids, want = tiny_split_setup(tmp_path)
     computed = {}  # bytes of experts the worker read
-    for share, whole in (("0", "0"), ("0.6", "1"), ("0.6", "0"), ("0.35", "0")):
+    for share, whole, first in (("0", "0", "1"), ("0.6", "1", "1"), ("0.6", "0", "1"), ("0.35", "0", "1"),
+                                ("0.6", "0", "0")):
         monkeypatch.setenv("STRATA_MAILBOX_GPU_SHARE", share)
         monkeypatch.setenv("STRATA_MAILBOX_WHOLE_EXPERTS", whole)  # "0": experts split by rows
+        monkeypatch.setenv("STRATA_MAILBOX_SHARE_FIRST", first)  # "0": the share on the second stream, as before
         with one_graph_decode(model, cfg, ids, want) as (tiered, read, _):
             assert (tiered._compute.gpu_share is None) == (share == "0")
             if share != "0":
                 assert tiered._compute.gpu_share.granules == (1 if whole == "1" else 4)  # tiny: 32 rows, 8 a granule
-            computed[(share, whole)] = read
+            computed[(share, whole, first)] = read
+    computed = {key[:2]: read for key, read in computed.items() if key[2] == "1"} | {"last": computed[("0.6", "0", "0")]}
     assert 0 < computed[("0.6", "1")] < 0.75 * computed[("0", "0")]
     assert 0 < computed[("0.6", "0")] < 0.75 * computed[("0", "0")]
+    assert 0 < computed["last"] < 0.75 * computed[("0", "0")]  # either stream order serves the same split
     assert computed[("0.6", "0")] < computed[("0.35", "0")] < computed[("0", "0")]
 
 

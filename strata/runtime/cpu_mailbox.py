@@ -103,6 +103,9 @@ class CpuMailbox:
         self._counts = torch.zeros(len(self.layers), dtype=torch.int32, device=device)  # the pack's programs done
         # the resident pairs run after the layer is posted, beside the worker (A/B: "0" runs them before, as it was)
         self.hot_alongside = device.type == "cuda" and os.environ.get("STRATA_MAILBOX_HOT_ALONGSIDE", "1") != "0"
+        # the GPU's in-place share on the layer's own stream, chained to the pack, and the resident pairs on the
+        # second stream (A/B: "0" the other way round, as it was)
+        self.share_first = os.environ.get("STRATA_MAILBOX_SHARE_FIRST", "1") != "0"
 
     # ---- the device side: ops a decode graph captures -------------------------------------------------
     def begin_step(self, early: bool = False) -> None:

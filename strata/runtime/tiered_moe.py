@@ -163,6 +163,21 @@ class TieredExperts(PrefillPath, nn.Module):
         maps = ahead.maps(self.layer) if ahead is not None and share is not None else None  # its copied-ahead tails
 
         def gpu_work(addr, rows, end, staged) -> None:  # enqueued once the worker has been posted the layer
+            main = torch.cuda.current_stream(x.device)
+            if addr is not None and alongside and c.mailbox.share_first:
+                # The in-place share, where a layer gives the GPU rows, is its long pole beside the worker (~30 GB/s
+                # over PCIe while the worker reads RAM), so it runs on this stream right behind the pack (its launch
+                # overlapped with it), and the resident pairs (~25 us) on the second stream. The other way round
+                # the share started ~7 us after the pack (H200 box, bench/serial_phase.py).
+                side = c.side_stream(x.device)
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    pair_experts(x, c.slots, used, c.pair_index(flat.numel(), x.device), y)
+                if staged is not None:
+                    ahead.wait_copied(self.layer, main)  # the tails read from VRAM have landed
+                pair_experts_in_place(x, share.experts, addr, y, first_row=rows, staged=staged, last_row=end)
+                main.wait_stream(side)
+                return
             side = None
             if addr is not None:  # a share of the cold rows read in place over PCIe, on the second stream
                 side = c.side_stream(x.device)
@@ -174,7 +189,7 @@ class TieredExperts(PrefillPath, nn.Module):
             if alongside:  # the resident pairs (rows of y disjoint from the share's)
                 pair_experts(x, c.slots, used, c.pair_index(flat.numel(), x.device), y)
             if side is not None:
-                torch.cuda.current_stream(x.device).wait_stream(side)
+                main.wait_stream(side)
 
         cpu_out = c.mailbox.exchange(self.layer, flat, used, x, weights, gpu_work, share=share, ahead=maps)  # [N, H]
         if ahead is not None:
