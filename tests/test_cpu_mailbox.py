@@ -459,6 +459,36 @@ def test_wait_and_fetch_on_the_gpu():
     check_wait_and_fetch(torch.device("cuda"))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("one_kernel", [False, True])
+def test_the_fetch_copies_what_the_host_wrote_before_done(monkeypatch, one_kernel):
+    """The GPU waits for a host thread's `done` and copies the answer that thread wrote just before it (not the
+    stale one there when the wait began), in the two-kernel fetch (default) and in the one-kernel fetch."""
+    import threading
+    import time
+
+    from strata.kernels import host_signal
+
+    monkeypatch.setattr(host_signal, "ONE_KERNEL", one_kernel)
+    n = 2048
+    src = torch.zeros(n, pin_memory=True)
+    header = torch.zeros(8, dtype=torch.int64, pin_memory=True)
+    answer = torch.randn(n)
+    out = torch.full((n,), -1.0, device="cuda")
+
+    def worker() -> None:
+        time.sleep(0.05)  # the GPU is spinning by now
+        src.copy_(answer)
+        header[1] = 3  # `done` after the answer, as the worker's release store does
+
+    t = threading.Thread(target=worker)
+    t.start()
+    host_signal.wait_and_fetch(header, torch.tensor([3], device="cuda"), src, out)
+    torch.cuda.synchronize()
+    t.join()
+    assert torch.equal(out.cpu(), answer) and header[3] == 0 and header[4] > 0  # it waited, then copied the new
+
+
 def test_fused_pack_under_tritons_interpreter():
     """The same comparison on the CPU, through Triton's interpreter (a subprocess: TRITON_INTERPRET is read when
     Triton is imported), for a few of the GPU test's cases."""

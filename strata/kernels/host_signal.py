@@ -9,11 +9,13 @@ million on the H200 box) it stops waiting and writes the generation it waited fo
 dead worker shows as an error on the host instead of a GPU that spins forever.
 
 `wait_and_fetch` does the same wait and then copies the worker's answer from host memory into a device tensor in
-the same kernel, where a graph would otherwise add a copy node (a few microseconds of copy-engine latency on
+the kernel right after it, where a graph would otherwise add a copy node (a few microseconds of copy-engine latency on
 each MoE layer's path). `store_release` and `load_acquire` are the system-scope ordering both ends rely on.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
@@ -96,13 +98,43 @@ if triton is not None:
         tl.store(out_ptr + offs, tl.load(src_ptr + offs, mask=m, other=0.0, volatile=True), mask=m)
 
 
+    @triton.jit
+    def _acquire_kernel(hdr_ptr, gen_ptr, max_spins, FENCE: tl.constexpr):
+        # one warp: hdr [8] int64 (host): [1] done, [3] the generation given up on, [4] reads of done while waiting
+        want = tl.load(gen_ptr)
+        seen = load_acquire(hdr_ptr + 1, FENCE)
+        spins = 0
+        while (seen != want) & (spins < max_spins):
+            seen = load_acquire(hdr_ptr + 1, FENCE)
+            spins += 1
+        if seen != want:
+            tl.store(hdr_ptr + 3, want)
+        tl.store(hdr_ptr + 4, spins.to(tl.int64))
+
+    @triton.jit
+    def _read_kernel(src_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        # runs once the acquire kernel before it has ended (stream order, no early launch): src's words, written
+        # before the host released `done`, are read from host memory (volatile: never from a cache)
+        if PDL:  # nothing here waits on an earlier kernel: the combine after it may launch now
+            tl.extra.cuda.gdc_launch_dependents()
+        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        m = offs < n
+        tl.store(out_ptr + offs, tl.load(src_ptr + offs, mask=m, other=0.0, volatile=True), mask=m)
+
+
 FETCH_BLOCK = 1024  # fp32 of the answer a program copies (each program waits for `done` itself)
+READ_BLOCK = 256  # fp32 of the answer a program of the two-kernel fetch copies
+# "one": the wait and the copy in one kernel, as before the thirty-third session (A/B). Two kernels are faster: one
+# warp acquiring `done`, then the copy with plain volatile loads, 4.5 against 9.4 us when the answer is there
+# (bench/fetch_probe.py, H200 box): every thread of the one kernel's programs took its own system-scope acquire.
+ONE_KERNEL = os.environ.get("STRATA_MAILBOX_FETCH", "") == "one"
 
 
 def wait_and_fetch(header: torch.Tensor, gen: torch.Tensor, src: torch.Tensor, out: torch.Tensor,
                    max_spins: int = MAX_SPINS) -> None:
     """Make the current stream wait until header[1] (int64 [8], page-locked: the mailbox's `done`) equals `gen`
-    [1] int64 (device), then copy fp32 `src` [n] (page-locked) into `out` [n] (device), in one kernel. As
+    [1] int64 (device), then copy fp32 `src` [n] (page-locked) into `out` [n] (device): one warp's kernel
+    acquires `done`, the next copies (`ONE_KERNEL`: both in one). As
     `wait_for_host`: header[4] gets the reads it took, header[3] the generation if it gave up. On CPU tensors it
     runs only under Triton's interpreter (tests)."""
     if triton is None:
@@ -110,8 +142,14 @@ def wait_and_fetch(header: torch.Tensor, gen: torch.Tensor, src: torch.Tensor, o
     n = src.numel()
     if out.numel() != n or src.dtype != torch.float32 or out.dtype != torch.float32:
         raise ValueError(f"wait_and_fetch copies fp32 [{n}] into fp32 [{n}], got {out.dtype} [{out.numel()}]")
-    _fetch_kernel[(max(1, triton.cdiv(n, FETCH_BLOCK)),)](header, gen, src, out, n, max_spins, BLOCK=FETCH_BLOCK,
-                                                         FENCE=out.is_cuda, num_warps=4)
+    if ONE_KERNEL:
+        _fetch_kernel[(max(1, triton.cdiv(n, FETCH_BLOCK)),)](header, gen, src, out, n, max_spins, BLOCK=FETCH_BLOCK,
+                                                             FENCE=out.is_cuda, num_warps=4)
+        return
+    from strata.kernels import pdl
+
+    _acquire_kernel[(1,)](header, gen, max_spins, FENCE=out.is_cuda, num_warps=1)
+    _read_kernel[(max(1, triton.cdiv(n, READ_BLOCK)),)](src, out, n, BLOCK=READ_BLOCK, PDL=pdl.on(out), num_warps=2)
 
 
 def wait_for_host(addr: int, gen: torch.Tensor, error_addr: int, spins_addr: int, max_spins: int = MAX_SPINS) -> None:

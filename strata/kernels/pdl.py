@@ -14,7 +14,8 @@ The contract every kernel here keeps, so that PDL can never change a result:
 - `enter` waits first and then triggers, so a kernel's dependants start only once it runs past its own wait:
   at most one kernel ahead of the running one is resident early, and waits are transitive (a kernel that has
   passed its wait knows every kernel before it in the stream has finished and flushed).
-Kernels that spin on host memory (`host_signal`) are launched without it: their dependants start when they end.
+Kernels that spin on host memory (`host_signal`) are launched without it: their dependants start when they end
+(the fetch's copy kernel, which runs only once the spin has ended, lets its dependant launch at once).
 
 `STRATA_PDL=0` turns it off (bench/hotpath.py's `+nopdl`). It is on only on CUDA devices of compute capability
 9.0 and later with a Triton that has the instructions; elsewhere (CPU, the interpreter, older GPUs) kernels get
