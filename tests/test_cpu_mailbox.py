@@ -475,6 +475,8 @@ def test_the_fetch_copies_what_the_host_wrote_before_done(monkeypatch, one_kerne
     header = torch.zeros(8, dtype=torch.int64, pin_memory=True)
     answer = torch.randn(n)
     out = torch.full((n,), -1.0, device="cuda")
+    host_signal.wait_and_fetch(header, torch.tensor([0], device="cuda"), src, out)  # compiled before the timed wait
+    torch.cuda.synchronize()
 
     def worker() -> None:
         time.sleep(0.05)  # the GPU is spinning by now
