@@ -34,7 +34,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-PACK, FETCH, ROUTER = "_pack_kernel", "_fetch_kernel", "_route_kernel"
+PACK, FETCH, ROUTER = "_pack_kernel", ("_fetch_kernel", "_read_kernel"), "_route_kernel"  # fetch: one kernel, or the copy
+
+
+def has(name: str, mark: str | tuple[str, ...]) -> bool:
+    """Whether a kernel's name holds the mark (or one of the marks)."""
+    return any(m in name for m in ((mark,) if isinstance(mark, str) else mark))
 
 
 def kernel_records(trace: dict) -> list[tuple[str, float, float, int]]:
@@ -50,15 +55,15 @@ def short(name: str) -> str:
     return name if len(name) <= 60 else name[:57] + "..."
 
 
-def cycles(kernels: list[tuple[str, float, float, int]], start_mark: str, end_mark: str
+def cycles(kernels: list[tuple[str, float, float, int]], start_mark: str | tuple[str, ...], end_mark: str | tuple[str, ...]
            ) -> list[list[tuple[str, float, float, int]]]:
     """Kernel runs from each `start_mark` kernel (included) to the next `end_mark` kernel (included)."""
     runs, cur = [], None
     for k in kernels:
-        if cur is not None and end_mark in k[0]:
+        if cur is not None and has(k[0], end_mark):
             runs.append(cur + [k])
             cur = None
-        if start_mark in k[0]:
+        if has(k[0], start_mark):
             cur = [k]
         elif cur is not None:
             cur.append(k)
@@ -119,7 +124,7 @@ def profile_case(model: str, cfg: dict, tokens: int) -> list[tuple[str, float, f
 def raw_layers(kernels: list[tuple[str, float, float, int]], first: int = 100, layers: int = 3) -> list[list]:
     """Every kernel from the `first`-th fetch kernel's start through the next `layers` layers: [name, stream, start
     us, end us] relative to that fetch's end (a reader's timeline of a few split layers)."""
-    marks = [i for i, k in enumerate(kernels) if FETCH in k[0]]
+    marks = [i for i, k in enumerate(kernels) if has(k[0], FETCH)]
     if len(marks) <= first + layers:
         return []
     lo, hi = marks[first], marks[first + layers]
@@ -158,7 +163,7 @@ def fetch_probe(calls: int = 64, floats: int = 2048) -> dict:
 def analyse(name: str, kernels: list[tuple[str, float, float, int]], worker: dict | None = None) -> dict:
     """The phases of a case's decode layers from its kernel records (`worker`: the mailbox worker's own per-layer
     serve and gap over the same tokens)."""
-    if any(PACK in k[0] for k in kernels):
+    if any(has(k[0], PACK) for k in kernels):
         serial = serial_table(cycles(kernels, FETCH, PACK))
         cold = cycles(kernels, PACK, FETCH)
         cold_len = [r[-1][2] - r[0][2] for r in cold]
