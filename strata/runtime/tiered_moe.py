@@ -144,9 +144,8 @@ class TieredExperts(PrefillPath, nn.Module):
         (strata.runtime.cpu_mailbox), which the stream waits for before the combine. No host work.
 
         The worker is told first: the layer's slots are looked up (one gather), the mailbox posted, and only then
-        the resident pairs run on the GPU, beside the worker and beside the GPU's in-place share (a second
-        stream), so the layer waits for the longest of the three instead of the resident pairs plus the
-        worker. On the H200 box a token's resident pairs take only ~10-15 us (+2% skewed decode, bench/RESULTS.md,
+        the GPU's in-place share (on this stream, behind the post) and the resident pairs (on a second stream) run,
+        beside the worker, so the layer waits for the longest of the three instead of their sum. On the H200 box a token's resident pairs take only ~10-15 us (+2% skewed decode, bench/RESULTS.md,
         eighteenth session); batched steps' pair kernels take longer (~130-150 us at 8 tokens)."""
         c = self.compute
         hot = c.slots is not None
