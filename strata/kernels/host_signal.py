@@ -112,10 +112,11 @@ if triton is not None:
         tl.store(hdr_ptr + 4, spins.to(tl.int64))
 
     @triton.jit
-    def _read_kernel(src_ptr, out_ptr, n, BLOCK: tl.constexpr, PDL: tl.constexpr):
-        # runs once the acquire kernel before it has ended (stream order, no early launch): src's words, written
-        # before the host released `done`, are read from host memory (volatile: never from a cache)
-        if PDL:  # nothing here waits on an earlier kernel: the combine after it may launch now
+    def _read_kernel(src_ptr, out_ptr, n, BLOCK: tl.constexpr, TRIGGER: tl.constexpr):
+        # launched without PDL, so it runs once the acquire kernel before it has ended: src's words, written before
+        # the host released `done`, are read from host memory (volatile: never from a cache). TRIGGER: nothing here
+        # waits on an earlier kernel, so the combine after it (launched with PDL) may launch now
+        if TRIGGER:
             tl.extra.cuda.gdc_launch_dependents()
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         m = offs < n
@@ -149,7 +150,8 @@ def wait_and_fetch(header: torch.Tensor, gen: torch.Tensor, src: torch.Tensor, o
     from strata.kernels import pdl
 
     _acquire_kernel[(1,)](header, gen, max_spins, FENCE=out.is_cuda, num_warps=1)
-    _read_kernel[(max(1, triton.cdiv(n, READ_BLOCK)),)](src, out, n, BLOCK=READ_BLOCK, PDL=pdl.on(out), num_warps=2)
+    _read_kernel[(max(1, triton.cdiv(n, READ_BLOCK)),)](src, out, n, BLOCK=READ_BLOCK, TRIGGER=pdl.on(out),
+                                                        num_warps=2)
 
 
 def wait_for_host(addr: int, gen: torch.Tensor, error_addr: int, spins_addr: int, max_spins: int = MAX_SPINS) -> None:
