@@ -1,0 +1,45 @@
+"""bench/serial_phase.py's reading of CUPTI kernel records: a split layer cut at the post and the answer's fetch
+(either fetch), the ceiling's layer at its router, on synthetic traces whose phase lengths are known."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.serial_phase import analyse, kernel_records
+
+
+def _trace(layers: int, cycle: list[tuple[str, float, int]], gap: float = 1.0) -> dict:
+    """A chrome trace of `layers` repeats of `cycle` ((name, duration us, stream) run back to back, `gap` us apart),
+    plus a host event the reader must skip."""
+    events, t = [{"cat": "cpu_op", "name": "aten::zeros", "ts": 0.0, "dur": 5.0}], 0.0
+    for _ in range(layers):
+        for name, dur, stream in cycle:
+            events.append({"cat": "kernel", "name": name, "ts": t, "dur": dur, "args": {"stream": stream}})
+            t += dur + gap
+    return {"traceEvents": events}
+
+
+@pytest.mark.parametrize("fetch", [[("_fetch_kernel", 10.0, 7)], [("_acquire_kernel", 3.0, 7), ("_read_kernel", 2.0, 7)]])
+def test_a_split_layer_is_cut_at_its_post_and_its_answer(fetch):
+    cycle = [("_pack_kernel", 5.0, 7), ("_gate_up_kernel<bf16>", 40.0, 9), *fetch, ("_combine_kernel", 2.0, 7),
+             ("_gemv_kernel", 7.0, 7), ("_route_kernel", 6.0, 7)]
+    res = analyse("split", kernel_records(_trace(120, cycle)), {"serve_us": 50.0})
+    # serial: the answer's end -> combine, gemv, route, pack, each 1 us after the last
+    assert res["serial"]["length_us"] == pytest.approx(4 * 1.0 + 2 + 7 + 6 + 5)
+    assert [k["kernel"] for k in res["serial"]["kernels"]][1:] == ["_combine_kernel", "_gemv_kernel", "_route_kernel",
+                                                                     "_pack_kernel"]
+    assert res["serial"]["idle_us"] == pytest.approx(4.0)
+    # cold: the pack's end -> the GPU's own work (40 us) -> the fetch's end
+    assert res["cold_us"] == pytest.approx(sum(d for _, d, _ in cycle[1:2] + fetch) + 1.0 + len(fetch))
+    assert res["cold_gpu_work_us"] == pytest.approx(1.0 + 40.0)  # the wait for the worker is not the GPU's work
+    assert res["worker"] == {"serve_us": 50.0}
+    assert res["raw_layers"][0][0] == fetch[-1][0] and res["raw_layers"][0][3] == 0.0  # times from the answer's end
+
+
+def test_the_ceilings_layer_runs_from_router_to_router():
+    cycle = [("_route_kernel", 6.0, 7), ("_gate_up_kernel", 18.0, 7), ("_down_kernel", 11.0, 7),
+             ("_combine_kernel", 2.0, 7), ("_gemv_kernel", 7.0, 7)]
+    res = analyse("ceiling", kernel_records(_trace(20, cycle, gap=0.5)))
+    layer = res["layer"]
+    assert layer["runs"] == 19 and layer["same_sequence"] == 19
+    assert layer["length_us"] == pytest.approx(18 + 11 + 2 + 7 + 6 + 5 * 0.5)
