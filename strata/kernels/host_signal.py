@@ -9,8 +9,8 @@ million on the H200 box) it stops waiting and writes the generation it waited fo
 dead worker shows as an error on the host instead of a GPU that spins forever.
 
 `wait_and_fetch` does the same wait and then copies the worker's answer from host memory into a device tensor in
-the kernel right after it, where a graph would otherwise add a copy node (a few microseconds of copy-engine latency on
-each MoE layer's path). `store_release` and `load_acquire` are the system-scope ordering both ends rely on.
+the kernel right after it, where a graph would otherwise add a copy node (a few microseconds of copy-engine
+latency on each MoE layer's path). `store_release` and `load_acquire` are the system-scope ordering both ends rely on.
 """
 
 from __future__ import annotations
@@ -96,7 +96,6 @@ if triton is not None:
         offs = pid * BLOCK + tl.arange(0, BLOCK)  # the answer, fp32 [n] (host) -> out (device)
         m = offs < n
         tl.store(out_ptr + offs, tl.load(src_ptr + offs, mask=m, other=0.0, volatile=True), mask=m)
-
 
     @triton.jit
     def _acquire_kernel(hdr_ptr, gen_ptr, max_spins, FENCE: tl.constexpr):

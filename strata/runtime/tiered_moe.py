@@ -145,8 +145,9 @@ class TieredExperts(PrefillPath, nn.Module):
 
         The worker is told first: the layer's slots are looked up (one gather), the mailbox posted, and only then
         the GPU's in-place share (on this stream, behind the post) and the resident pairs (on a second stream) run,
-        beside the worker, so the layer waits for the longest of the three instead of their sum. On the H200 box a token's resident pairs take only ~10-15 us (+2% skewed decode, bench/RESULTS.md,
-        eighteenth session); batched steps' pair kernels take longer (~130-150 us at 8 tokens)."""
+        beside the worker, so the layer waits for the longest of the three instead of their sum. On the H200 box a
+        token's resident pairs take only ~10-15 us (+2% skewed decode, bench/RESULTS.md, eighteenth session);
+        batched steps' pair kernels take longer (~130-150 us at 8 tokens)."""
         c = self.compute
         hot = c.slots is not None
         # [P] int32: the GPU slot each pair reads, -1 cold. Both the worker's inbox and the resident pairs' kernel
