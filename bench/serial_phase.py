@@ -4,18 +4,20 @@ decode steps replayed as CUDA graphs.
 
     python bench/serial_phase.py --model DIR [--gpu-fraction 0.25] [--tokens 24] [--cases split,ceiling] [--out DIR]
 
-Cases: split, ceiling; `+nowarm` (split without warm-ahead), `+sharelast` (bench/hotpath.py's). First a probe: a `wait_and_fetch` whose answer is
-already there, the handshake's floor on the GPU's side. Each split case also gives the worker's own serve and gap a
-layer over the profiled tokens, and three layers' raw kernel records (`raw_layers`).
+Cases: split, ceiling; `+nowarm` (split without warm-ahead), `+sharelast` (bench/hotpath.py's). First a probe:
+a `wait_and_fetch` whose answer is already there, the handshake's floor on the GPU's side. Each split case also
+gives the worker's own serve and gap a layer over the profiled tokens, and three layers' raw kernel records
+(`raw_layers`).
 
 A split layer's cycle is cut at its kernels that talk to the mailbox worker: `_pack_kernel` posts the layer (its
-end: the inbox written), `_fetch_kernel` spins until the worker's answer and fetches it (its end: the answer on the
-GPU). The serial phase runs from one fetch's end to the next pack's end; the cold phase from a pack's end to its
-fetch's end (`cold_gpu_work_us`: from the pack's end to the last end of the
-GPU's own kernels in it, the resident pairs and the in-place share). The ceiling's cycle is cut at its router kernel. For each case: median phase lengths (us), and for
-the serial phase the kernels in order with their median duration and the median idle time before each (start
-minus the latest end of anything before it on any stream; negative: overlapped, as programmatic dependent launch
-allows). CUPTI adds a little time a kernel: read the gaps against each other, not as absolute launch costs.
+end: the inbox written), and the answer's copy (`_read_kernel` after the one-warp `_acquire_kernel`, or the one
+`_fetch_kernel` with STRATA_MAILBOX_FETCH=one) ends with the answer on the GPU. The serial phase runs from one
+answer to the next pack's end; the cold phase from a pack's end to the answer (`cold_gpu_work_us`: from the
+pack's end to the last end of the GPU's own kernels in it, the resident pairs and the in-place share). The
+ceiling's cycle is cut at its router kernel. For each case: median phase lengths (us), and for the serial phase
+the kernels in order with their median duration and the median idle time before each (start minus the latest end
+of anything before it on any stream; negative: overlapped, as programmatic dependent launch allows). CUPTI adds a
+little time a kernel: read the gaps against each other, not as absolute launch costs.
 Writes serial_phase.json.
 """
 
