@@ -73,6 +73,15 @@ def timed(fn, calls: int) -> float:
     return round(start.elapsed_time(end) * 1e3 / (20 * calls), 2)
 
 
+def answered(n: int) -> tuple[torch.Tensor, ...]:
+    """(header, gen, src, out): a page-locked mailbox header whose `done` already holds the generation `gen`
+    [1] (device), an fp32 answer `src` [n] (page-locked) and `out` [n] (device) to fetch it into."""
+    header = torch.zeros(8, dtype=torch.int64, pin_memory=True)
+    header[1] = 7
+    gen = torch.tensor([7], dtype=torch.int64, device="cuda")
+    return header, gen, torch.randn(n, pin_memory=True), torch.empty(n, device="cuda")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=64)
@@ -80,11 +89,7 @@ def main() -> None:
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
     n = args.floats
-    header = torch.zeros(8, dtype=torch.int64, pin_memory=True)
-    header[1] = 7
-    gen = torch.tensor([7], dtype=torch.int64, device="cuda")
-    src = torch.randn(n, pin_memory=True)
-    out = torch.empty(n, device="cuda")
+    header, gen, src, out = answered(n)
     word = torch.empty(1, device="cuda")
     variants = {
         "empty": lambda: _empty[(1,)](word, num_warps=1),

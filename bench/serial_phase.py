@@ -137,29 +137,12 @@ def raw_layers(kernels: list[tuple[str, float, float, int]], first: int = 100, l
 def fetch_probe(calls: int = 64, floats: int = 2048) -> dict:
     """us a `wait_and_fetch` takes when the worker has already answered (done = the generation), `calls` of them
     replayed in one CUDA graph: the handshake's floor on the GPU's side."""
+    from bench.fetch_probe import answered, timed  # (Triton kernels at import: the GPU box only)
     from strata.kernels.host_signal import wait_and_fetch
 
-    header = torch.zeros(8, dtype=torch.int64, pin_memory=True)
-    header[1] = 7
-    gen = torch.tensor([7], dtype=torch.int64, device="cuda")
-    src = torch.randn(floats, pin_memory=True)
-    out = torch.empty(floats, device="cuda")
-    wait_and_fetch(header, gen, src, out)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            wait_and_fetch(header, gen, src, out)
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(10):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return {"fetch_us": round(start.elapsed_time(end) * 1e3 / (10 * calls), 2), "floats": floats,
-            "same": bool(torch.equal(out.cpu(), src))}
+    header, gen, src, out = answered(floats)
+    us = timed(lambda: wait_and_fetch(header, gen, src, out), calls)
+    return {"fetch_us": us, "floats": floats, "same": bool(torch.equal(out.cpu(), src))}
 
 
 def analyse(name: str, kernels: list[tuple[str, float, float, int]], worker: dict | None = None) -> dict:

@@ -19,6 +19,8 @@ import os
 
 import torch
 
+from strata.kernels import pdl
+
 try:  # Triton ships with CUDA builds of torch; CPU-only installs do without it
     import triton
     import triton.language as tl
@@ -146,8 +148,6 @@ def wait_and_fetch(header: torch.Tensor, gen: torch.Tensor, src: torch.Tensor, o
         _fetch_kernel[(max(1, triton.cdiv(n, FETCH_BLOCK)),)](header, gen, src, out, n, max_spins, BLOCK=FETCH_BLOCK,
                                                              FENCE=out.is_cuda, num_warps=4)
         return
-    from strata.kernels import pdl
-
     _acquire_kernel[(1,)](header, gen, max_spins, FENCE=out.is_cuda, num_warps=1)
     _read_kernel[(max(1, triton.cdiv(n, READ_BLOCK)),)](src, out, n, BLOCK=READ_BLOCK, TRIGGER=pdl.on(out),
                                                         num_warps=2)
