@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|twentyninth|twentyninth-b|thirtieth|thirtieth-b|thirtieth-c|thirtyfirst|thirtyfirst-b|thirtyfirst-c|thirtysecond|thirtysecond-b|thirtysecond-c|thirtythird|thirtythird-b|thirtythird-c|thirtythird-d|thirtythird-e|thirtythird-f|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|twentyninth|twentyninth-b|thirtieth|thirtieth-b|thirtieth-c|thirtyfirst|thirtyfirst-b|thirtyfirst-c|thirtysecond|thirtysecond-b|thirtysecond-c|thirtythird|thirtythird-b|thirtythird-c|thirtythird-d|thirtythird-e|thirtythird-f|thirtyfourth|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet; pydantic is not on it either):
 # `bash bench/box_wheels.sh` fetches them here.
@@ -73,7 +73,7 @@ case "$1" in
       --cases "${2:-ceiling,ceiling_eager}" 2>&1 | grep '^{"' | cut -c1-400 ;;
   suite)  # the benchmark suite's quick run (issue 7): one 10-minute call. The other modes' models and stores go
     # first: RAM they hold in /dev/shm is RAM the suite's pinned tier lacks (its cases would be skipped)
-    rm -rf /dev/shm/b12* /dev/shm/b4* /dev/shm/sc
+    rm -rf /dev/shm/b12* /dev/shm/b4* /dev/shm/loc1 /dev/shm/sc
     timeout 590 python3 -m bench run --suite quick --deadline "${DEADLINE:-560}" --out "$OUT/suite" 2>&1 | tail -15 ;;
   profile)  # where a tiered decode step's time goes (issue 4): 12 layers, uniform routing, 25% GPU budget
     [ -d /dev/shm/b12 ] || python3 -m strata demo-model /dev/shm/b12 --size bench --layers 12 --no-engram \
@@ -579,14 +579,29 @@ case "$1" in
       --cases "${SP_CASES:-split,split+sharelast}" > "$OUT/sp.txt" 2>&1; grep -E "Error" "$OUT/sp.txt" ;;
   thirtythird-e)  # every GPU test, then the two-kernel fetch and the share on the layer's own stream (split, the
                   # defaults) against either or both undone (fetch1, sharelast), 25% skewed hotpath (CASES)
+                  # (fetch1 needs 261089a: the one-kernel fetch was removed in the thirty-fourth session)
     gpu_tests 4
     HP_TIMEOUT=${HP_TIMEOUT:-300} loc1_hotpath "${CASES:-split,split+sharelast+fetch1,split+fetch1,split+sharelast,split,split+sharelast+fetch1}" ;;
   thirtythird-f)  # the mailbox's GPU tests, then the suite's skewed 25% case with this session's two changes (new) and
                   # without (old: STRATA_MAILBOX_SHARE_FIRST=0 STRATA_MAILBOX_FETCH=one), alternated (REPS pairs)
+                  # (needs 261089a: the one-kernel fetch was removed in the thirty-fourth session)
     timeout 120 python3 -m pytest -q -m gpu tests/test_cpu_mailbox.py 2>&1 | tail -2
     for r in $(seq "${REPS:-2}"); do
       b25_suite "b25-new-$r"
       STRATA_MAILBOX_SHARE_FIRST=0 STRATA_MAILBOX_FETCH=one b25_suite "b25-old-$r"
+    done ;;
+  thirtyfourth)  # every GPU test, the serial phase at this code (the pairs' outputs zeroed in the pack kernel, no memset
+                 # node between the router and the post), then the suite's skewed 25% case here (new) against the tree
+                 # at $OLD_TREE (old: the same tree with an earlier strata/), alternated (REPS pairs)
+    gpu_tests 4
+    [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
+      --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
+    timeout 150 python3 bench/serial_phase.py --model /dev/shm/loc1 --out "$OUT/sp" --cases "${SP_CASES:-split}" \
+      > "$OUT/sp.txt" 2>&1; grep -E "Error" "$OUT/sp.txt"
+    rm -rf /dev/shm/loc1
+    for r in $(seq "${REPS:-1}"); do
+      b25_suite "b25-new-$r"
+      [ -z "${OLD_TREE:-}" ] || (cd "$OLD_TREE" && PYTHONPATH=/tmp/site:$OLD_TREE b25_suite "b25-old-$r")
     done ;;
   cap-summary)  # after twentyeighth and twentyeighth-b (run apart, so that a timed-out A/B still leaves its summary;
                 # "cap" in the directory names is the switch's value: the cap, or $STRATA_CPU_PIN)

@@ -36,8 +36,6 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
                  the layer, instead of beside it ($STRATA_MAILBOX_HOT_ALONGSIDE=0)
   sharelast      one-graph split decode: the GPU's in-place share on the second stream and the resident pairs on
                  the layer's own, as before the thirty-third session ($STRATA_MAILBOX_SHARE_FIRST=0)
-  fetch1         one-graph split decode: the worker's answer awaited and copied in one kernel, as before the
-                 thirty-third session ($STRATA_MAILBOX_FETCH=one), not a one-warp wait and a copy kernel
   norouter       decode routing in three launches (cuBLAS GEMV, softmax top-k, slot gather) instead of the one of
                  strata.kernels.decode_router ($STRATA_FUSED_ROUTER=0)
   noresidual     a MoE layer's residual added by its own launch instead of in the experts' combine
@@ -267,7 +265,7 @@ def main() -> None:
     ap.add_argument("--cache", default="/dev/shm/strata-cache")
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke run)")
     args = ap.parse_args()
-    from strata.kernels import decode_gemv, decode_router, fused, grouped, host_signal, pdl
+    from strata.kernels import decode_gemv, decode_router, fused, grouped, pdl
     from strata.runtime.inspect import summarize_checkpoint
 
     s = summarize_checkpoint(args.model)
@@ -319,8 +317,6 @@ def main() -> None:
                 env["STRATA_BENCH_SWITCH_US"] = mod[2:]
             elif mod == "sharelast":
                 env["STRATA_MAILBOX_SHARE_FIRST"] = "0"
-            elif mod == "fetch1":
-                env["STRATA_MAILBOX_FETCH"] = "one"
             elif mod.startswith("share"):
                 env["STRATA_MAILBOX_GPU_SHARE"] = mod[5:]
             elif mod == "whole":
@@ -376,7 +372,7 @@ def main() -> None:
                 raise SystemExit(f"unknown case modifier {mod!r} in {full!r}")
         for key in ("STRATA_CPU_SPIN_US", "STRATA_BENCH_SWITCH_US", "STRATA_MAILBOX_GPU_SHARE", "STRATA_MAILBOX_WHOLE_EXPERTS",
                     "STRATA_MAILBOX_FUSED", "STRATA_COPY_AHEAD", "STRATA_COPY_AHEAD_ENGINE", "STRATA_MAILBOX_SHARE_FIRST",
-                    "STRATA_MAILBOX_HOT_ALONGSIDE", "STRATA_MAILBOX_DIRECT", "STRATA_MAILBOX_FETCH"):
+                    "STRATA_MAILBOX_HOT_ALONGSIDE", "STRATA_MAILBOX_DIRECT"):
             os.environ.pop(key, None)
         # the interpreter's GIL switch interval (default 5 ms): how long a thread waiting for the GIL lets the
         # holder run before asking for it; the decode thread re-takes the GIL after every CUDA call and kernel
@@ -393,7 +389,6 @@ def main() -> None:
         fused.RESIDUAL_FOLD = env.get("STRATA_FUSED_RESIDUAL") != "0"
         decode_gemv.ENABLED = env.get("STRATA_DECODE_GEMV") != "0"
         pdl.ENABLED = env.get("STRATA_PDL") != "0"
-        host_signal.ONE_KERNEL = env.get("STRATA_MAILBOX_FETCH") == "one"
         fused.QK_FOLD = env.get("STRATA_FUSED_QK") != "0"
         grouped.PREVIOUS = env.get("STRATA_PAIR_CONFIGS") == "previous"
         old_knobs = ce.tune(**knobs)  # the kernel's scheduling knobs for this case only
@@ -411,7 +406,6 @@ def main() -> None:
     os.environ.pop("STRATA_CPU_THREADS", None)
     os.environ.pop("STRATA_STREAM_SLOTS", None)
     fused.ENABLED = fused.FOLDS = fused.RESIDUAL_FOLD = decode_router.ENABLED = pdl.ENABLED = fused.QK_FOLD = True
-    host_signal.ONE_KERNEL = False
     grouped.PREVIOUS = False
     add_rooflines(result["cases"])
     Path(args.out).mkdir(parents=True, exist_ok=True)

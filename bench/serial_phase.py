@@ -10,8 +10,8 @@ gives the worker's own serve and gap a layer over the profiled tokens, and three
 (`raw_layers`).
 
 A split layer's cycle is cut at its kernels that talk to the mailbox worker: `_pack_kernel` posts the layer (its
-end: the inbox written), and the answer's copy (`_read_kernel` after the one-warp `_acquire_kernel`, or the one
-`_fetch_kernel` with STRATA_MAILBOX_FETCH=one) ends with the answer on the GPU. The serial phase runs from one
+end: the inbox written), and the answer's copy (`_read_kernel` after the one-warp `_acquire_kernel`; in traces of
+code before the thirty-fourth session, the one `_fetch_kernel`) ends with the answer on the GPU. The serial phase runs from one
 answer to the next pack's end; the cold phase from a pack's end to the answer (`cold_gpu_work_us`: from the
 pack's end to the last end of the GPU's own kernels in it, the resident pairs and the in-place share). The
 ceiling's cycle is cut at its router kernel. For each case: median phase lengths (us), and for the serial phase

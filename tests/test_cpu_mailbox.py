@@ -455,21 +455,19 @@ def test_fused_pack_writes_what_the_torch_ops_write(share, n, k, experts):
 
 @pytest.mark.gpu
 def test_wait_and_fetch_on_the_gpu():
-    """The one-kernel wait and fetch of the worker's answer, with its system-scope acquire, on the GPU."""
+    """The wait for the worker's answer (a one-warp system-scope acquire) and its fetch, on the GPU."""
     check_wait_and_fetch(torch.device("cuda"))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("one_kernel", [False, True])
-def test_the_fetch_copies_what_the_host_wrote_before_done(monkeypatch, one_kernel):
+def test_the_fetch_copies_what_the_host_wrote_before_done():
     """The GPU waits for a host thread's `done` and copies the answer that thread wrote just before it (not the
-    stale one there when the wait began), in the two-kernel fetch (default) and in the one-kernel fetch."""
+    stale one there when the wait began)."""
     import threading
     import time
 
     from strata.kernels import host_signal
 
-    monkeypatch.setattr(host_signal, "ONE_KERNEL", one_kernel)
     n = 2048
     src = torch.zeros(n, pin_memory=True)
     header = torch.zeros(8, dtype=torch.int64, pin_memory=True)
@@ -542,9 +540,13 @@ def check_fused_pack(share, n, k, experts, dev) -> None:
         got = torch.zeros_like(want)
         rows = torch.empty(p, dtype=torch.int32, device=dev)
         addr = torch.empty(p, dtype=torch.int64, device=dev) if gs is not None else None
-        mailbox_pack.pack_mailbox(got, ids, used, x, w, x_off, inter, gs, layer, rows=rows, addr=addr)
+        # the pairs' outputs zeroed by the same kernel: every element of [P, H], nothing past it
+        zero = torch.full((p * h + 5,), float("nan"), device=dev)
+        mailbox_pack.pack_mailbox(got, ids, used, x, w, x_off, inter, gs, layer, rows=rows, addr=addr,
+                                  zero=zero[: p * h].view(p, h))
         if dev.type == "cuda":
             torch.cuda.synchronize()
+        assert not zero[: p * h].any() and zero[p * h :].isnan().all()
         assert torch.equal(rows, want_rows)
         if gs is not None:
             assert torch.equal(addr, want_addr)

@@ -71,8 +71,7 @@ def record_lookahead(model: torch.nn.Module, distances: tuple[int, ...] = (1,),
     leaving layer j - d) named for it d layers earlier. Yields {"actual": {layer: [ids [N, k], ...]},
     "predicted": {(layer, d): [ids [N, k], ...]}}, one entry a pass; `rows`: only passes of that many token rows
     (1: decode steps). Uses `model.after_layer` (restored after)."""
-    from strata.runtime.moe import MoEBlock
-    from strata.runtime.tiered_moe import router_predictors
+    from strata.runtime.moe import MoEBlock, router_predictors
 
     predictors = router_predictors(model)
     rec: dict = {"actual": {}, "predicted": {}}

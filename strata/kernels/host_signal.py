@@ -15,8 +15,6 @@ latency on each MoE layer's path). `store_release` and `load_acquire` are the sy
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from strata.kernels import pdl
@@ -82,24 +80,6 @@ if triton is not None:
             tl.store(ptr, value)
 
     @triton.jit
-    def _fetch_kernel(hdr_ptr, gen_ptr, src_ptr, out_ptr, n, max_spins, BLOCK: tl.constexpr, FENCE: tl.constexpr):
-        # hdr [8] int64 (host): [1] done, [3] the generation given up on, [4] reads of done while waiting
-        pid = tl.program_id(0)
-        want = tl.load(gen_ptr)
-        seen = load_acquire(hdr_ptr + 1, FENCE)
-        spins = 0
-        while (seen != want) & (spins < max_spins):
-            seen = load_acquire(hdr_ptr + 1, FENCE)
-            spins += 1
-        if pid == 0:
-            if seen != want:
-                tl.store(hdr_ptr + 3, want)
-            tl.store(hdr_ptr + 4, spins.to(tl.int64))
-        offs = pid * BLOCK + tl.arange(0, BLOCK)  # the answer, fp32 [n] (host) -> out (device)
-        m = offs < n
-        tl.store(out_ptr + offs, tl.load(src_ptr + offs, mask=m, other=0.0, volatile=True), mask=m)
-
-    @triton.jit
     def _acquire_kernel(hdr_ptr, gen_ptr, max_spins, FENCE: tl.constexpr):
         # one warp: hdr [8] int64 (host): [1] done, [3] the generation given up on, [4] reads of done while waiting
         want = tl.load(gen_ptr)
@@ -124,30 +104,23 @@ if triton is not None:
         tl.store(out_ptr + offs, tl.load(src_ptr + offs, mask=m, other=0.0, volatile=True), mask=m)
 
 
-FETCH_BLOCK = 1024  # fp32 of the answer a program copies (each program waits for `done` itself)
-READ_BLOCK = 256  # fp32 of the answer a program of the two-kernel fetch copies
-# "one": the wait and the copy in one kernel, as before the thirty-third session (A/B). Two kernels are faster: one
-# warp acquiring `done`, then the copy with plain volatile loads, 4.5 against 9.4 us when the answer is there
-# (bench/fetch_probe.py, H200 box): every thread of the one kernel's programs took its own system-scope acquire.
-ONE_KERNEL = os.environ.get("STRATA_MAILBOX_FETCH", "") == "one"
+READ_BLOCK = 256  # fp32 of the answer a program of the copy kernel reads
+# Two kernels, not one: one warp acquires `done`, then the copy reads with plain volatile loads. One kernel in which
+# every thread of every program took its own system-scope acquire had a floor of 9.4 us with the answer already
+# there, against 4.1-4.3 us for the two (bench/fetch_probe.py, H200 box, thirty-third session).
 
 
 def wait_and_fetch(header: torch.Tensor, gen: torch.Tensor, src: torch.Tensor, out: torch.Tensor,
                    max_spins: int = MAX_SPINS) -> None:
     """Make the current stream wait until header[1] (int64 [8], page-locked: the mailbox's `done`) equals `gen`
     [1] int64 (device), then copy fp32 `src` [n] (page-locked) into `out` [n] (device): one warp's kernel
-    acquires `done`, the next copies (`ONE_KERNEL`: both in one). As
-    `wait_for_host`: header[4] gets the reads it took, header[3] the generation if it gave up. On CPU tensors it
-    runs only under Triton's interpreter (tests)."""
+    acquires `done`, the next copies. As `wait_for_host`: header[4] gets the reads it took, header[3] the
+    generation if it gave up. On CPU tensors it runs only under Triton's interpreter (tests)."""
     if triton is None:
         raise RuntimeError("waiting on host memory from the GPU needs Triton")
     n = src.numel()
     if out.numel() != n or src.dtype != torch.float32 or out.dtype != torch.float32:
         raise ValueError(f"wait_and_fetch copies fp32 [{n}] into fp32 [{n}], got {out.dtype} [{out.numel()}]")
-    if ONE_KERNEL:
-        _fetch_kernel[(max(1, triton.cdiv(n, FETCH_BLOCK)),)](header, gen, src, out, n, max_spins, BLOCK=FETCH_BLOCK,
-                                                             FENCE=out.is_cuda, num_warps=4)
-        return
     _acquire_kernel[(1,)](header, gen, max_spins, FENCE=out.is_cuda, num_warps=1)
     _read_kernel[(max(1, triton.cdiv(n, READ_BLOCK)),)](src, out, n, BLOCK=READ_BLOCK, TRIGGER=pdl.on(out),
                                                         num_warps=2)

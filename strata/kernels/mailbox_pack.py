@@ -43,10 +43,10 @@ if triton is not None:
     @triton.jit
     def _pack_kernel(flat_ptr, used_ptr, x_ptr, w_ptr, share_ptr, table_ptr, box_i, box_f, addr_ptr, rows_ptr,
                      ready_ptr, gen_ptr, count_ptr, arows_ptr, aaddr_ptr, end_ptr, staged_ptr, stat_ptr,
-                     flag_ptr, fgen_ptr, N, K, P, H, E, INTER, G, GRAN, X_OFF4, stride_x, TAG_ADD,
+                     flag_ptr, fgen_ptr, zero_ptr, N, K, P, H, E, INTER, G, GRAN, X_OFF4, stride_x, TAG_ADD,
                      BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_X: tl.constexpr, SHARE: tl.constexpr,
                      READY: tl.constexpr, FENCE: tl.constexpr, AHEAD: tl.constexpr, GATE: tl.constexpr,
-                     STRIDE: tl.constexpr, PDL: tl.constexpr):
+                     STRIDE: tl.constexpr, ZERO: tl.constexpr, PDL: tl.constexpr):
         pdl.enter(PDL)
         pid = tl.program_id(0)
         if pid == 0:
@@ -115,13 +115,18 @@ if triton is not None:
             if done == tl.num_programs(0) - 1:
                 tl.atomic_xchg(count_ptr, 0)  # for the next step (stream order)
                 store_release(ready_ptr, tl.load(gen_ptr), FENCE)
+        if ZERO:  # after the post: the pairs' outputs [P * H] fp32, k * BLOCK_X of them for each activations program
+            if pid > 0:
+                for j in range(K):
+                    offs_z = ((pid - 1) * K + j) * BLOCK_X + tl.arange(0, BLOCK_X)
+                    tl.store(zero_ptr + offs_z, tl.zeros([BLOCK_X], dtype=tl.float32), mask=offs_z < P * H)
 
 
 def pack_mailbox(dst: torch.Tensor, flat: torch.Tensor, used: torch.Tensor, x: torch.Tensor, weights: torch.Tensor,
                  x_off: int, inter: int, share=None, layer: int = 0,
                  rows: torch.Tensor | None = None, addr: torch.Tensor | None = None,
                  ready: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                 ahead: tuple[torch.Tensor, ...] | None = None) -> None:
+                 ahead: tuple[torch.Tensor, ...] | None = None, zero: torch.Tensor | None = None) -> None:
     """One kernel: write the worker's inbox for pairs `flat` [P] (their slots `used` [P] int32, -1 cold) on x
     [N, H] with routing weights [N, k] into uint8 `dst` (device; its fp32 activations at `x_off` bytes), and,
     given a `GpuShare` `share`, the GPU's part: addr [P] int64 (0: none) and rows [P] int32 (the worker's
@@ -139,13 +144,19 @@ def pack_mailbox(dst: torch.Tensor, flat: torch.Tensor, used: torch.Tensor, x: t
     staged (the caller's buffers) receive each pair's in-place end row and staged address; stat += the granules
     the tails held of the layer's cold experts. A sixth item, gate = (flag [1] int64, gen [1] int64, layer), marks
     tails the mailbox worker copies (csrc/mailbox_ahead.h): they count only where flag = gen * TAG_STRIDE + layer
-    (the tag its copy engine writes after them), else the layer is split as if nothing were staged."""
+    (the tag its copy engine writes after them), else the layer is split as if nothing were staged.
+
+    zero: fp32 [P, H] (device, contiguous), zeroed by the activations' programs once the layer is posted: the
+    pairs' outputs, which the GPU's kernels after this one fill (a memset node before it would sit on the layer's
+    path and break its programmatic dependent launch)."""
     if triton is None:
         raise RuntimeError("the fused mailbox pack needs Triton")
     n, k = weights.shape
     p, h = flat.numel(), x.shape[1]
     if x_off % 4 or x.stride(1) != 1:
         raise ValueError("the inbox's activations must start on a 4-byte boundary, and x's rows be contiguous")
+    if zero is not None and (zero.dtype != torch.float32 or zero.numel() != p * h or not zero.is_contiguous()):
+        raise ValueError(f"the buffer to zero must be contiguous fp32 [{p}, {h}], got {zero.dtype} {tuple(zero.shape)}")
     weights = weights.contiguous()
     has_share = share is not None
     table = share.table[layer] if has_share else flat  # [E] int64 (an unread pointer without a share)
@@ -159,10 +170,11 @@ def pack_mailbox(dst: torch.Tensor, flat: torch.Tensor, used: torch.Tensor, x: t
     flag, fgen, tag_add = gate if gate is not None else (rows, rows, 0)  # unread pointers without GATE
     _pack_kernel[grid](
         flat, used, x, weights, share.share if has_share else weights, table, dst.view(torch.int32),
-        dst.view(torch.float32), addr, rows, word, gen, count, arows, aaddr, end, staged, stat, flag, fgen, n, k, p, h,
+        dst.view(torch.float32), addr, rows, word, gen, count, arows, aaddr, end, staged, stat, flag, fgen,
+        zero if zero is not None else rows, n, k, p, h,
         share.num_experts if has_share else 1, inter, share.granules if has_share else 1,
         share.rows if has_share else inter, x_off // 4, x.stride(0), tag_add,
         BLOCK_P=max(2, triton.next_power_of_2(p)),
         BLOCK_E=max(2, triton.next_power_of_2(share.num_experts if has_share else 1)),
         BLOCK_X=BLOCK_X, SHARE=has_share, READY=ready is not None, FENCE=x.is_cuda, AHEAD=ahead is not None,
-        GATE=gate is not None, STRIDE=TAG_STRIDE, num_warps=4 if p <= 64 else 8, **pdl.launch(x))
+        GATE=gate is not None, STRIDE=TAG_STRIDE, ZERO=zero is not None, num_warps=4 if p <= 64 else 8, **pdl.launch(x))

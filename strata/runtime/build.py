@@ -25,8 +25,9 @@ from strata.runtime.graphs import MAX_GRAPH_BATCH, current_recorder
 from strata.runtime.host import probe_host
 from strata.runtime.loader import load_model
 from strata.runtime.model import MoETransformer
+from strata.runtime.moe import router_predictors
 from strata.runtime.planner import Plan, plan
-from strata.runtime.tiered_moe import router_predictors, use_tiered_experts
+from strata.runtime.tiered_moe import use_tiered_experts
 from strata.tiers.manager import TierBudgets, TierManager
 from strata.tiers.prefetch import LookaheadPrefetcher
 from strata.tiers.store import ExpertStore

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from strata.kernels import mailbox_pack
+from strata.runtime.mailbox_ahead import WorkerAhead
 from strata.tiers.pinned import PinnedPool
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ def _up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
-class CpuMailbox:
+class CpuMailbox(WorkerAhead):
     """Mailboxes of `layers` (MoE layers of the model) and the native worker serving them.
 
     addresses [num_layers, E] int64: each expert's gate_up block in page-locked RAM (down follows at
@@ -142,7 +143,8 @@ class CpuMailbox:
     def exchange(self, layer: int, experts: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
                  weights: torch.Tensor, gpu_work=None, max_spins: int | None = None,
                  rows: torch.Tensor | None = None, share: GpuShare | None = None,
-                 ahead: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                 ahead: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                 zero: torch.Tensor | None = None) -> torch.Tensor:
         """Send one layer's pairs (experts [P], slots [P] int32: -1 cold, for the worker; -2 cold, the GPU's),
         x [N, H] and weights [N, k] to the worker; returns its partial sum [N, H] fp32 on x's device (the stream
         waits for it). rows [P] int32: of each worker pair, how many of its expert's leading intermediate rows the
@@ -153,7 +155,9 @@ class CpuMailbox:
         in-place rows stop and the VRAM address of its copied-ahead tail (0: none).
         ahead = (rows [E] int32, addresses [E] int64, stat [1] int64[, gate]), with a share: the layer's tails copied
         ahead (`strata.runtime.copy_ahead`), which leave the share's split; stat counts the granules they held;
-        gate = (flag [1], gen [1], layer) where the worker copies them: used only once they have landed."""
+        gate = (flag [1], gen [1], layer) where the worker copies them: used only once they have landed.
+        zero: a contiguous fp32 buffer (the GPU's pair outputs, which `gpu_work` fills) that is zeroed before
+        `gpu_work` runs, by the fused pack's own kernel where it runs (no memset node on the layer's path)."""
         n, k = weights.shape
         p = n * k
         if n > self.max_tokens or k != self.top_k:
@@ -161,6 +165,8 @@ class CpuMailbox:
         x_off = _up(16 + 12 * p, 64)
         nbytes = x_off + 4 * n * self.hidden + 4 * p
         if self.device.type != "cuda":  # tests, CPU hosts: packed in place, awaited from Python
+            if zero is not None:
+                zero.zero_()
             return self._exchange_host(layer, experts, slots, x, weights, x_off, nbytes, rows, share)
         from strata.kernels.host_signal import MAX_SPINS, wait_for_host
 
@@ -168,14 +174,17 @@ class CpuMailbox:
         if ahead is not None and share is None:
             raise ValueError("copied-ahead tails need a GPU share")
         if self.direct and rows is None:
-            out = self._exchange_direct(i, experts, slots, x, weights, x_off, nbytes, gpu_work, spins, share, ahead)
+            out = self._exchange_direct(i, experts, slots, x, weights, x_off, nbytes, gpu_work, spins, share, ahead,
+                                        zero)
             if out is not None:
                 return out
         box = self.boxes[i]
         out_box = torch.empty(nbytes, dtype=torch.uint8, device=x.device)  # the inbox, packed on the device
-        packed = (self._pack_fused(out_box, layer, experts, slots, x, weights, x_off, share, ahead=ahead)
+        packed = (self._pack_fused(out_box, layer, experts, slots, x, weights, x_off, share, ahead=ahead, zero=zero)
                   if rows is None else None)
         if packed is None:  # the torch ops
+            if zero is not None:
+                zero.zero_()
             slots, *split = self._split(layer, experts, slots, rows, share, ahead)
             rows = split[1]
             pack_inbox(out_box, self._shape(n, k, x.device), experts, slots, rows, x, weights, x_off)
@@ -190,7 +199,8 @@ class CpuMailbox:
         out.copy_(box[self.out_off : self.out_off + 4 * n * self.hidden].view(torch.float32), non_blocking=True)
         return out.view(n, self.hidden)
 
-    def _exchange_direct(self, i, experts, slots, x, weights, x_off, nbytes, gpu_work, spins, share, ahead=None):
+    def _exchange_direct(self, i, experts, slots, x, weights, x_off, nbytes, gpu_work, spins, share, ahead=None,
+                         zero=None):
         """`exchange` with no copy node: the fused pack writes the inbox into the page-locked mailbox and posts
         `ready` itself; one kernel waits for `done` and fetches the answer. None where its kernels failed to
         build in the eager warm-up (then the copies from now)."""
@@ -206,7 +216,8 @@ class CpuMailbox:
                 torch.cuda.synchronize(x.device)
                 self._direct_checked = True
             packed = self._pack_fused(box[HEADER : HEADER + nbytes], layer, experts, slots, x, weights, x_off, share,
-                                      ready=(self.header_words[i], self.gen, self._counts[i : i + 1]), ahead=ahead)
+                                      ready=(self.header_words[i], self.gen, self._counts[i : i + 1]), ahead=ahead,
+                                      zero=zero)
         except Exception as e:  # a Triton that cannot build them: found in the eager warm-up, before any capture
             if torch.cuda.is_current_stream_capturing():
                 raise
@@ -218,7 +229,7 @@ class CpuMailbox:
         wait_and_fetch(self.header_words[i], self.gen, src, out, spins)
         return out.view(n, self.hidden)
 
-    def _pack_fused(self, out_box, layer, experts, slots, x, weights, x_off, share, ready=None, ahead=None):
+    def _pack_fused(self, out_box, layer, experts, slots, x, weights, x_off, share, ready=None, ahead=None, zero=None):
         """The share's split and the inbox in one kernel (~35 small ops otherwise): (addr [P] or None, rows [P],
         end [P] or None, staged [P] or None), or None where it cannot run (no Triton, turned off, or it failed to
         build: then the torch ops from now). `ready`: see `mailbox_pack.pack_mailbox` (its errors are the caller's)."""
@@ -234,7 +245,7 @@ class CpuMailbox:
             ahead = (ahead[0], ahead[1], end, staged, ahead[2], ahead[3] if len(ahead) > 3 else None)
         try:
             mailbox_pack.pack_mailbox(out_box, experts.reshape(-1), slots.reshape(-1), x, weights, x_off, self.inter,
-                                      share, layer, rows=rows, addr=addr, ready=ready, ahead=ahead)
+                                      share, layer, rows=rows, addr=addr, ready=ready, ahead=ahead, zero=zero)
         except Exception as e:
             if ready is not None:
                 raise  # a Triton that cannot build it: found in the eager warm-up, before any capture
@@ -280,54 +291,6 @@ class CpuMailbox:
             pass
         self.check()
         return box[self.out_off : self.out_off + 4 * n * self.hidden].view(torch.float32).clone().view(n, self.hidden)
-
-    def copy_ahead(self, next_of: dict[int, int], plans: torch.Tensor, flags: torch.Tensor, stream, slots: int,
-                   inter: int, hidden: int, elem: int, down_off: int, entry: tuple[int, list[int]] | None = None
-                   ) -> np.ndarray | None:
-        """Have the worker issue copy-ahead's tail copies on the copy engine (csrc/mailbox_ahead.h): after
-        answering layer l it copies the tails planned for `next_of[l]` (plans [2, 1 + 3 * slots] int64, page-locked,
-        by the planned layer's parity) on `stream` and then that plan's tag into flags[next_of[l]] (device).
-        inter, hidden, elem: the experts' shape and bytes an element; down_off: down's byte offset in a slot.
-        `entry`: the driver's (context, entry points) (`cuda_driver.copy_entry_points`; tests pass stand-ins).
-        The copies are issued by a thread of the worker's own, which the worker only posts to (a blocked driver call
-        cannot hold up its answers). Returns the copier's counters (int64 [6]: tails, bytes, late plans, driver
-        errors, copies, requests dropped), None where it cannot."""
-        from strata.kernels import cpu_experts as ce
-        from strata.kernels import cuda_driver
-
-        entry = entry if entry is not None else cuda_driver.copy_entry_points(self.device)
-        if entry is None or not self.handle or self._ahead_keep:
-            return None
-        ctx, fns = entry
-        handle = 0 if stream is None else int(stream.cuda_stream)
-        cfg = np.array([slots, hidden, inter, elem, down_off, ctx, handle, *fns], dtype=np.int64)
-        nxt = np.array([next_of.get(layer, -1) for layer in self.layers], dtype=np.int64)
-        flag_host = torch.zeros((len(self.layers), 2), dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        flag_dev = np.array([flags[next_of[layer]].data_ptr() if layer in next_of else 0 for layer in self.layers],
-                            dtype=np.int64)
-        counters = np.zeros(6, dtype=np.int64)
-        if ce.mailbox_ahead(self.handle, cfg, nxt, plans.data_ptr(), flag_host.data_ptr(), flag_dev, counters) != 0:
-            return None
-        self._ahead_keep.extend((cfg, nxt, plans, flags, flag_host, flag_dev, counters, stream, entry))
-        return counters
-
-    def warm_ahead(self, next_of: dict[int, int], plans: torch.Tensor, slots: int, nbytes: int) -> np.ndarray | None:
-        """Have the worker read ahead, once it has answered layer l, the gate/up rows of the experts copy-ahead's plan
-        predicts cold in `next_of[l]` (plans [2, 1 + 3 * slots] int64, page-locked, by the planned layer's parity),
-        up to `nbytes` a layer, each of its threads the rows the kernel will give it (csrc/cpu_mailbox.cpp, WarmCfg).
-        Returns the worker's warm counters (int64 [8]: plans used, plans not ready, bytes read, ns reading, bytes
-        of read rows computed, pieces another thread computed, ns and the longest ns a read waited for a thread of an
-        earlier read still inside), None where it cannot."""
-        from strata.kernels import cpu_experts as ce
-
-        if not self.handle or self._ahead_keep:
-            return None
-        nxt = np.array([next_of.get(layer, -1) for layer in self.layers], dtype=np.int64)
-        counters = np.zeros(8, dtype=np.int64)
-        if ce.mailbox_warm(self.handle, nxt, plans.data_ptr(), slots, int(nbytes), counters) != 0:
-            return None
-        self._ahead_keep.extend((nxt, plans, counters))
-        return counters
 
     # ---- the host side, between steps --------------------------------------------------------------
     def check(self) -> None:

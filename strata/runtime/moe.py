@@ -7,6 +7,8 @@ all-in-memory expert store; the tiered executor replaces it with one that pulls 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -141,3 +143,21 @@ class MoEBlock(nn.Module):
         else:
             return self.experts(x, ids, weights, residual=residual, used=used)
         return out if residual is None else residual + out
+
+
+def router_predictors(model: nn.Module, beside: bool = False) -> dict[int, Callable[[torch.Tensor], torch.Tensor]]:
+    """layer -> f(hidden [N, H]) -> predicted expert ids [N, k], applying that layer's norm and router early, for
+    each MoE layer of `model` (a `MoETransformer`).
+    `beside`: for predictions that may run beside the layer's own routing on another stream (copy-ahead), through
+    `Router.choose` with a counter set of their own for the one-launch decode router (made here, eagerly: the
+    router's own belong to the layer's routing): one launch on the side stream, not four."""
+    out = {}
+    for i, layer in enumerate(model.layers):
+        if isinstance(layer.mlp, MoEBlock):
+            norm, router = layer.post_attention_layernorm, layer.mlp.gate
+            counts = decode_router.new_counts(router.weight.device) if beside and router.weight.is_cuda else None
+            if beside:
+                out[i] = lambda h, norm=norm, router=router, counts=counts: router.choose(norm(h), counts)
+            else:
+                out[i] = lambda h, norm=norm, router=router: router(norm(h))[1]
+    return out

@@ -39,11 +39,11 @@ from strata.runtime.graphs import current_recorder
 from strata.runtime.host import probe_host
 from strata.runtime.loader import load_model
 from strata.runtime.model import MoETransformer
-from strata.runtime.moe import MoEBlock
+from strata.runtime.moe import MoEBlock, router_predictors
 from strata.runtime.placement import layer_sizes, place_stages, select_devices
 from strata.runtime.planner import plan
 from strata.runtime.stages import Bounds, stage_model
-from strata.runtime.tiered_moe import TieredExperts, router_predictors
+from strata.runtime.tiered_moe import TieredExperts
 from strata.tiers.prefetch import LookaheadPrefetcher
 from strata.tiers.slots import TierBudgets
 from strata.tiers.store_format import is_store

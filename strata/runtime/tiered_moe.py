@@ -23,7 +23,6 @@ forward pass.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import replace
 
@@ -31,19 +30,18 @@ import numpy as np
 import torch
 from torch import nn
 
-from strata.kernels import decode_router
 from strata.kernels.experts import group_by_expert
 from strata.kernels.grouped import combine_pairs, pair_experts, pair_experts_in_place, use_pair_kernels
 from strata.runtime.cost_model import IN_PLACE_HOST_S, IN_PLACE_RATE, split_cold
 from strata.runtime.expert_compute import ExpertCompute
 from strata.runtime.graphs import current_capture_mode, current_recorder
 from strata.runtime.model import MoETransformer
-from strata.runtime.moe import MoEBlock
+from strata.runtime.moe import MoEBlock, router_predictors
 from strata.runtime.step_io import pairs_by_expert, to_host, upload
 from strata.runtime.tiered_prefill import PrefillPath
 from strata.tiers.step_copies import IN_PLACE
 
-__all__ = ["ExpertCompute", "TieredExperts", "use_tiered_experts", "router_predictors"]
+__all__ = ["ExpertCompute", "TieredExperts", "use_tiered_experts"]
 
 
 class TieredExperts(PrefillPath, nn.Module):
@@ -112,9 +110,9 @@ class TieredExperts(PrefillPath, nn.Module):
                         used: torch.Tensor | None) -> torch.Tensor:
         c = self.compute
         flat = ids.reshape(-1)  # [P] pair p = token p // k, its (p % k)-th expert
-        y = torch.zeros((flat.numel(), x.shape[1]), dtype=torch.float32, device=x.device)
         if c.mailbox is not None and current_capture_mode() == "mailbox":
-            return self._mailbox_forward(x, flat, weights, y, residual, used)
+            return self._mailbox_forward(x, flat, weights, residual, used)
+        y = torch.zeros((flat.numel(), x.shape[1]), dtype=torch.float32, device=x.device)
         if c.slots is not None:
             # asked before the kernel is launched: once every copy and map entry has landed (all_resident), a
             # kernel launched after that sees them all; asked after, the last ones could still be on their way
@@ -139,7 +137,7 @@ class TieredExperts(PrefillPath, nn.Module):
             pair_experts(x, c.slots, c.late_slot, late, y)
         return combine_pairs(y, weights, x.dtype, extra=cpu_out, residual=residual)
 
-    def _mailbox_forward(self, x, flat, weights, y, residual, used) -> torch.Tensor:
+    def _mailbox_forward(self, x, flat, weights, residual, used) -> torch.Tensor:
         """A decode layer inside a one-graph step: the resident pairs here, the cold ones on the mailbox worker
         (strata.runtime.cpu_mailbox), which the stream waits for before the combine. No host work.
 
@@ -155,7 +153,11 @@ class TieredExperts(PrefillPath, nn.Module):
         if used is None:  # the router did not look them up (fused router off, or not its shapes)
             used = c.slot_of[self.layer][flat] if hot else torch.full_like(flat, -1, dtype=torch.int32)
         alongside = hot and c.mailbox.hot_alongside
-        if hot and not alongside:  # the resident pairs before the worker hears of the layer (A/B; CPU hosts)
+        early = hot and not alongside  # the resident pairs before the worker hears of the layer (A/B; CPU hosts)
+        # y [P, H] fp32, each pair's output from the GPU: zeroed by the exchange's pack kernel where nothing writes it
+        # before the post, so no memset node stands between the router and the post (~2 us a layer, H200 box)
+        y = (torch.zeros if early else torch.empty)((flat.numel(), x.shape[1]), dtype=torch.float32, device=x.device)
+        if early:
             pair_experts(x, c.slots, used, c.pair_index(flat.numel(), x.device), y)
         if self.layer == c.moe_layers[0]:
             c.mailbox.begin_step()
@@ -164,34 +166,28 @@ class TieredExperts(PrefillPath, nn.Module):
 
         def gpu_work(addr, rows, end, staged) -> None:  # enqueued once the worker has been posted the layer
             main = torch.cuda.current_stream(x.device)
-            if addr is not None and alongside and c.mailbox.share_first:
-                # The in-place share, where a layer gives the GPU rows, is its long pole beside the worker (~30 GB/s
-                # over PCIe while the worker reads RAM), so it runs on this stream right behind the pack (its launch
-                # overlapped with it), and the resident pairs (~25 us) on the second stream. The other way round
-                # the share started ~7 us after the pack (H200 box, bench/serial_phase.py).
-                side = c.side_stream(x.device)
-                side.wait_stream(main)
-                with torch.cuda.stream(side):
+            if addr is None:  # no in-place share: the resident pairs alone, on this stream
+                if alongside:
                     pair_experts(x, c.slots, used, c.pair_index(flat.numel(), x.device), y)
-                if staged is not None:
-                    ahead.wait_copied(self.layer, main)  # the tails read from VRAM have landed
-                pair_experts_in_place(x, share.experts, addr, y, first_row=rows, staged=staged, last_row=end)
-                main.wait_stream(side)
                 return
-            side = None
-            if addr is not None:  # a share of the cold rows read in place over PCIe, on the second stream
-                side = c.side_stream(x.device)
-                side.wait_stream(torch.cuda.current_stream(x.device))
-                if staged is not None:
-                    ahead.wait_copied(self.layer, side)  # the tails read from VRAM have landed
-                with torch.cuda.stream(side):
-                    pair_experts_in_place(x, share.experts, addr, y, first_row=rows, staged=staged, last_row=end)
-            if alongside:  # the resident pairs (rows of y disjoint from the share's)
-                pair_experts(x, c.slots, used, c.pair_index(flat.numel(), x.device), y)
-            if side is not None:
-                main.wait_stream(side)
+            # The in-place share, where a layer gives the GPU rows, is its long pole beside the worker (~30 GB/s over
+            # PCIe while the worker reads RAM), so it runs on this stream right behind the pack (its launch overlapped
+            # with it) and the resident pairs (~25 us) on the second. The other way round (share_first off) the share
+            # started ~7 us after the pack (H200 box, bench/serial_phase.py). Their rows of y are disjoint.
+            side = c.side_stream(x.device)
+            side.wait_stream(main)
+            share_on, hot_on = (main, side) if alongside and c.mailbox.share_first else (side, main)
+            if alongside:
+                with torch.cuda.stream(hot_on):
+                    pair_experts(x, c.slots, used, c.pair_index(flat.numel(), x.device), y)
+            if staged is not None:
+                ahead.wait_copied(self.layer, share_on)  # the tails read from VRAM have landed
+            with torch.cuda.stream(share_on):
+                pair_experts_in_place(x, share.experts, addr, y, first_row=rows, staged=staged, last_row=end)
+            main.wait_stream(side)
 
-        cpu_out = c.mailbox.exchange(self.layer, flat, used, x, weights, gpu_work, share=share, ahead=maps)  # [N, H]
+        cpu_out = c.mailbox.exchange(self.layer, flat, used, x, weights, gpu_work, share=share, ahead=maps,
+                                     zero=None if early else y)  # [N, H]
         if ahead is not None:
             if maps is not None:  # (the side stream waited for them; a capture must see every fork joined)
                 ahead.wait_copied(self.layer, torch.cuda.current_stream(x.device))
@@ -384,20 +380,3 @@ def use_tiered_experts(model: MoETransformer, compute: ExpertCompute) -> None:
             compute.moe_layers.append(i)
     compute.top_k = model.cfg.num_experts_per_tok
     compute.predictors = router_predictors(model, beside=True)
-
-
-def router_predictors(model: MoETransformer, beside: bool = False) -> dict[int, Callable[[torch.Tensor], torch.Tensor]]:
-    """layer -> f(hidden [N, H]) -> predicted expert ids [N, k], applying that layer's norm and router early.
-    `beside`: for predictions that may run beside the layer's own routing on another stream (copy-ahead), through
-    `Router.choose` with a counter set of their own for the one-launch decode router (made here, eagerly: the
-    router's own belong to the layer's routing): one launch on the side stream, not four."""
-    out = {}
-    for i, layer in enumerate(model.layers):
-        if isinstance(layer.mlp, MoEBlock):
-            norm, router = layer.post_attention_layernorm, layer.mlp.gate
-            counts = decode_router.new_counts(router.weight.device) if beside and router.weight.is_cuda else None
-            if beside:
-                out[i] = lambda h, norm=norm, router=router, counts=counts: router.choose(norm(h), counts)
-            else:
-                out[i] = lambda h, norm=norm, router=router: router(norm(h))[1]
-    return out
