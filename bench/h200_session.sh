@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|twentyninth|twentyninth-b|thirtieth|thirtieth-b|thirtieth-c|thirtyfirst|thirtyfirst-b|thirtyfirst-c|thirtysecond|thirtysecond-b|thirtysecond-c|thirtythird|thirtythird-b|thirtythird-c|thirtythird-d|thirtythird-e|thirtythird-f|thirtyfourth|thirtyfourth-b|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|twentyninth|twentyninth-b|thirtieth|thirtieth-b|thirtieth-c|thirtyfirst|thirtyfirst-b|thirtyfirst-c|thirtysecond|thirtysecond-b|thirtysecond-c|thirtythird|thirtythird-b|thirtythird-c|thirtythird-d|thirtythird-e|thirtythird-f|thirtyfourth|thirtyfourth-b|thirtyfourth-c|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet; pydantic is not on it either):
 # `bash bench/box_wheels.sh` fetches them here.
@@ -28,7 +28,7 @@ loc1_hotpath() {
   [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
     --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
   timeout "${HP_TIMEOUT:-200}" python3 bench/hotpath.py --model /dev/shm/loc1 --cache /dev/shm/sc --out "$OUT/hp" --tokens 128 \
-    --gpu-fraction 0.25 --cases "$1" 2>&1 | grep -E '^\{"|Error' | python3 -c "import json, sys
+    --gpu-fraction "${HP_FRACTION:-0.25}" --cases "$1" 2>&1 | grep -E '^\{"|Error' | python3 -c "import json, sys
 for line in sys.stdin:
     if not line.startswith('{'): print(line.strip()); continue
     r = json.loads(line); k, ca, mb = r.get('cpu_kernel_us', {}), r.get('copy_ahead', {}), r['mailbox_us_per_layer']
@@ -615,6 +615,9 @@ case "$1" in
           | grep -E '^split/'; rm -f "$OUT"/b40-*/*.png "$OUT"/b40-*/*.md)
       done
     done ;;
+  thirtyfourth-c)  # why the 40% skewed case slowed on this session's boxes (worker kernel ~25 GB/s, GPU share ~0.55-0.6):
+                   # hotpath at a 40% budget, the adapted share (split) against a fixed 0.35 and warm-ahead off (CASES)
+    HP_FRACTION=0.4 HP_TIMEOUT=${HP_TIMEOUT:-420} loc1_hotpath "${CASES:-split,split+share0.35,split+nowarm,split,split+share0.35,split+nowarm}" ;;
   cap-summary)  # after twentyeighth and twentyeighth-b (run apart, so that a timed-out A/B still leaves its summary;
                 # "cap" in the directory names is the switch's value: the cap, or $STRATA_CPU_PIN)
     python3 - "$OUT" <<'PY'  # one file of every run's case record (the box returns few files), a line each
