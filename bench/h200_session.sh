@@ -610,8 +610,9 @@ case "$1" in
     for r in $(seq "${REPS:-1}"); do
       for tree in "$PWD" "${OLD_TREE:-}"; do
         [ -n "$tree" ] || continue
+        label=$([ "$tree" = "$PWD" ] && echo new || echo old)  # (call 3 named both "new": set inside the cd)
         (cd "$tree" && PYTHONPATH=/tmp/site:$tree timeout 80 python3 -m bench run --suite quick --deadline 70 \
-          --cases 'split/b40/skewed/p128x1' --out "$OUT/b40-$([ "$tree" = "$PWD" ] && echo new || echo old)-$r" 2>&1 \
+          --cases 'split/b40/skewed/p128x1' --out "$OUT/b40-$label-$r" 2>&1 \
           | grep -E '^split/'; rm -f "$OUT"/b40-*/*.png "$OUT"/b40-*/*.md)
       done
     done ;;
