@@ -170,14 +170,9 @@ def main() -> None:
     ap.add_argument("--cases", default="split,ceiling")
     ap.add_argument("--out", default=".")
     args = ap.parse_args()
-    from strata.runtime.inspect import summarize_checkpoint
+    from bench.step_timeline import case_configs
 
-    s = summarize_checkpoint(args.model)
-    rt = {"max_context": 1024}
-    budget = int(s.bytes_by_role["experts"] * args.gpu_fraction)
-    cfgs = {"ceiling": {"runtime": {**rt, "experts": "memory"}},
-            "split": {"tiers": {"gpu": {"budget": str(budget)}, "disk": {"path": "/dev/shm/strata-cache", "scrub": False}},
-                      "runtime": rt}}
+    cfgs = case_configs(args.model, args.gpu_fraction, "/dev/shm/strata-cache")
     results = [fetch_probe()]
     print(results[0], flush=True)
     for case in args.cases.split(","):

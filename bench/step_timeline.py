@@ -109,6 +109,18 @@ def timeline(engine, prompt: list[int], tokens: int, seed: int = 3, wake_at_laun
     return out
 
 
+def case_configs(model: str, gpu_fraction: float, cache: str) -> dict[str, dict]:
+    """The two base cases' engine configs: `ceiling` (every expert in VRAM) and `split` (a GPU budget of
+    `gpu_fraction` of the checkpoint's expert bytes, the rest in pinned RAM, the store cached at `cache`)."""
+    from strata.runtime.inspect import summarize_checkpoint
+
+    budget = int(summarize_checkpoint(model).bytes_by_role["experts"] * gpu_fraction)
+    rt = {"max_context": 1024}
+    return {"ceiling": {"runtime": {**rt, "experts": "memory"}},
+            "split": {"tiers": {"gpu": {"budget": str(budget)}, "disk": {"path": cache, "scrub": False}},
+                      "runtime": rt}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
@@ -120,14 +132,7 @@ def main() -> None:
     args = ap.parse_args()
     from bench.hotpath import wait_for_placement
     from strata import Engine
-    from strata.runtime.inspect import summarize_checkpoint
-
-    s = summarize_checkpoint(args.model)
-    budget = int(s.bytes_by_role["experts"] * args.gpu_fraction)
-    rt = {"max_context": 1024}
-    configs = {"ceiling": {"runtime": {**rt, "experts": "memory"}},
-               "split": {"tiers": {"gpu": {"budget": str(budget)}, "disk": {"path": args.cache, "scrub": False}},
-                         "runtime": rt}}
+    configs = case_configs(args.model, args.gpu_fraction, args.cache)
     out = {"model": args.model, "cases": []}
     from strata.kernels import cpu_experts as ce
     from strata.runtime import cpu_mailbox
