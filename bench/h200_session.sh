@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|twentyninth|twentyninth-b|thirtieth|thirtieth-b|thirtieth-c|thirtyfirst|thirtyfirst-b|thirtyfirst-c|thirtysecond|thirtysecond-b|thirtysecond-c|thirtythird|thirtythird-b|thirtythird-c|thirtythird-d|thirtythird-e|thirtythird-f|thirtyfourth|thirtyfourth-b|thirtyfourth-c|thirtyfourth-d|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|twentyninth|twentyninth-b|thirtieth|thirtieth-b|thirtieth-c|thirtyfirst|thirtyfirst-b|thirtyfirst-c|thirtysecond|thirtysecond-b|thirtysecond-c|thirtythird|thirtythird-b|thirtythird-c|thirtythird-d|thirtythird-e|thirtythird-f|thirtyfourth|thirtyfourth-b|thirtyfourth-c|thirtyfourth-d|thirtyfifth|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet; pydantic is not on it either):
 # `bash bench/box_wheels.sh` fetches them here.
@@ -627,6 +627,36 @@ case "$1" in
     STRATA_MAILBOX_SHARE_FIRST=0 timeout 90 python3 -m bench run --suite quick --deadline 80 \
       --cases 'split/b40/skewed/p128x1' --out "$OUT/d2" 2>&1 | grep -E "^[a-z-]+/"
     rm -f "$OUT"/d*/*.png "$OUT"/d*/*.md ;;
+  thirtyfifth)  # the mailbox's GPU tests; the serial phase with the step's ends and the cold phases' spread (new); then
+                # the suite's skewed 25% and 40% cases with the GPU share balanced on the GPU's waits (balance, the new
+                # default) against the worker-rate rule (rate), alternated (REPS rounds); one summary file, share_ab.json
+    [ -n "${SKIP_TESTS:-}" ] || timeout 150 python3 -m pytest -q -m gpu tests/test_cpu_mailbox.py tests/test_copy_ahead.py \
+      tests/test_decode_path.py 2>&1 | tail -3
+    [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
+      --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
+    timeout 120 python3 bench/serial_phase.py --model /dev/shm/loc1 --out "$OUT/sp" --cases "${SP_CASES:-split}" \
+      > "$OUT/sp.txt" 2>&1; grep -E "Error|answer_there|idle_positive" "$OUT/sp.txt"
+    rm -rf /dev/shm/loc1
+    for r in $(seq "${REPS:-2}"); do
+      for mode in ${MODES:-balance rate}; do
+        for b in ${BUDGETS:-25 40}; do
+          STRATA_MAILBOX_SHARE_ADAPT=$mode timeout 80 python3 -m bench run --suite full --layers 12 --tokens 64 \
+            --deadline 70 --cases "split/b$b/skewed/p128x1" --out "$OUT/ab/$mode-b$b-$r" 2>&1 | grep -E '^split/' \
+            | sed "s/^/$mode r$r: /"
+        done
+      done
+    done
+    python3 - "$OUT" <<'PY'  # one file of every run's case record, a line each
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1]); runs = {}
+for p in sorted(out.glob("ab/*/suite.json")):
+    c = json.load(open(p))["cases"][0]; runs[p.parent.name] = c; m = c["metrics"]
+    og = (m.get("decode_state") or {}).get("one_graph_decode") or {}
+    print(p.parent.name, m["decode_tok_s"], c.get("fraction_of_roofline"), "hit", m["gpu_hit_rate"],
+          "share", og.get("gpu_share"), og.get("gpu_share_mode"), "window", m.get("mailbox_window"))
+json.dump(runs, open(out / "share_ab.json", "w"), indent=1)
+PY
+    rm -rf "$OUT/ab" ;;
   cap-summary)  # after twentyeighth and twentyeighth-b (run apart, so that a timed-out A/B still leaves its summary;
                 # "cap" in the directory names is the switch's value: the cap, or $STRATA_CPU_PIN)
     python3 - "$OUT" <<'PY'  # one file of every run's case record (the box returns few files), a line each

@@ -145,11 +145,47 @@ def fetch_probe(calls: int = 64, floats: int = 2048) -> dict:
     return {"fetch_us": us, "floats": floats, "same": bool(torch.equal(out.cpu(), src))}
 
 
+def spread(cold: list[list[tuple[str, float, float, int]]]) -> dict:
+    """How the cold phases spread (the worker's clock averages them; a few long ones move its means): the
+    percentiles of the phase's length, of the GPU's own cold work in it (pack end to its last kernel's end) and of
+    the wait for the worker after that (the acquire kernel's length), and the share of layers where that wait was
+    under 3 us, i.e. the answer was (nearly) there when the GPU came for it."""
+    if not cold:
+        return {}
+    pick = lambda xs, q: round(sorted(xs)[min(len(xs) - 1, int(q * len(xs)))], 1)  # noqa: E731
+    length = [r[-1][2] - r[0][2] for r in cold]
+    work = [max((k[2] for k in r[1:-1] if "_acquire_kernel" not in k[0]), default=r[0][2]) - r[0][2] for r in cold]
+    wait = [next((k[2] - k[1] for k in r if "_acquire_kernel" in k[0]), 0.0) for r in cold]
+    out = {name: {f"p{int(q * 100)}": pick(xs, q) for q in (0.1, 0.5, 0.9)} | {"mean": round(statistics.fmean(xs), 1)}
+           for name, xs in (("length_us", length), ("gpu_work_us", work), ("acquire_us", wait))}
+    out["answer_there"] = round(sum(w < 3.0 for w in wait) / len(wait), 3)
+    return out
+
+
+def step_ends(runs: list[list[tuple[str, float, float, int]]]) -> dict:
+    """The serial phases that cross a step's end (the last layer's answer to the next step's first post: the LM
+    head, sampling, the next step's launch and its first attention), told from the layers' own by their kernel
+    sequence: their median length and, for their commonest sequence, each kernel with the idle time before it (a
+    large idle: the GPU waited for the host's launch)."""
+    if not runs:
+        return {}
+    seqs = [tuple(short(k[0]) for k in r) for r in runs]
+    common = max(set(seqs), key=seqs.count)
+    ends = [r for r, q in zip(runs, seqs, strict=True) if len(q) > len(common)]
+    if not ends:
+        return {"runs": 0}
+    table = serial_table(ends)
+    gaps = [max(0.0, r[i][1] - max(k[2] for k in r[:i])) for r in ends for i in range(1, len(r))]
+    table["idle_positive_us"] = round(sum(gaps) / len(ends), 1)  # the GPU idle in such a phase, summed
+    return table
+
+
 def analyse(name: str, kernels: list[tuple[str, float, float, int]], worker: dict | None = None) -> dict:
     """The phases of a case's decode layers from its kernel records (`worker`: the mailbox worker's own per-layer
     serve and gap over the same tokens)."""
     if any(has(k[0], PACK) for k in kernels):
-        serial = serial_table(cycles(kernels, FETCH, PACK))
+        runs = cycles(kernels, FETCH, PACK)
+        serial = serial_table(runs)
         cold = cycles(kernels, PACK, FETCH)
         cold_len = [r[-1][2] - r[0][2] for r in cold]
         fetch_wait = [r[-1][2] - r[-1][1] for r in cold]
@@ -158,7 +194,7 @@ def analyse(name: str, kernels: list[tuple[str, float, float, int]], worker: dic
         med = lambda xs: round(statistics.median(xs), 1) if xs else None  # noqa: E731
         return {"case": name, "worker": worker, "serial": serial, "cold_us": med(cold_len),
                 "fetch_kernel_us": med(fetch_wait), "cold_gpu_work_us": med(gpu_work), "cold": serial_table(cold),
-                "raw_layers": raw_layers(kernels)}
+                "spread": spread(cold), "step_ends": step_ends(runs), "raw_layers": raw_layers(kernels)}
     return {"case": name, "layer": serial_table(cycles(kernels, ROUTER, ROUTER))}
 
 

@@ -79,9 +79,13 @@ def test_worker_computes_the_cold_pairs_as_the_host_path_does():
         assert box.drain() == []  # drained once
         t = box.timing()  # 3 steps of layers 0 and 2 (and the self-test's layer): 3 gaps between 0 and 2, same step
         assert t["layers"] == 7 and int(box.counters[6]) == 3
-        assert t["serve_us"] >= t["kernel_us"] > 0 and t["gpu_gap_us"] > 0 and t["gpu_wait_reads"] == 0  # no GPU here
+        assert t["serve_us"] >= t["kernel_us"] > 0 and t["gpu_gap_us"] > 0
         win = CpuMailbox.window(start, t["totals"])  # the six layers of the three steps, not the self-test's
         assert win["layers"] == 6 and win["serve_us"] >= win["kernel_us"] > 0 and win["gpu_gap_us"] > 0
+        # the waiter's reads of done (Python's here, the GPU's acquire kernel in decode) are read back by the worker
+        # at its next layer: the first five of the six layers, each waited for (the worker computes cold pairs)
+        layers, waited = box.gpu_waits()
+        assert layers - start["waits"] == 5 and 0 < waited - start["waited"] <= 5 and 0 < win["gpu_waited"] <= 1
         assert win["kernel_GB_s"] > 0 and CpuMailbox.window(t["totals"], box.timing()["totals"]) is None
     finally:
         box.close()
@@ -93,7 +97,9 @@ def test_a_window_keeps_a_slow_kernels_rate():
     totals = {"layers": 6, "serve_ns": 6_000_000, "kernel_ns": 5_000_000, "gaps": 3, "gap_ns": 99_000,
               "bytes": 150_000}
     win = CpuMailbox.window({}, totals)
-    assert win == {"layers": 6, "serve_us": 1000.0, "kernel_us": 833.3, "gpu_gap_us": 33.0, "kernel_GB_s": 0.03}
+    assert win == {"layers": 6, "serve_us": 1000.0, "kernel_us": 833.3, "gpu_gap_us": 33.0, "kernel_GB_s": 0.03,
+                   "gpu_waited": None}
+    assert CpuMailbox.window({}, {**totals, "waits": 8, "waited": 6})["gpu_waited"] == 0.75
     assert CpuMailbox.window({}, {**totals, "bytes": 387_654_321_000})["kernel_GB_s"] == 77500.0
     assert CpuMailbox.window(totals, totals) is None
 
@@ -256,7 +262,9 @@ def test_row_granules_divide_the_expert(inter, rows):
 def test_gpu_share_follows_the_cpu_kernels_rate():
     from strata.runtime.gpu_share import GpuShare
 
-    gs = _share(np.zeros((1, E), dtype=np.int64), 0.3, granule=8, gpu_rate=45e9)
+    gs = _share(np.zeros((1, E), dtype=np.int64), 0.3, granule=8, gpu_rate=45e9, mode="rate")
+    gs.balance(1.0)  # the other mode's reading: ignored
+    assert gs.target == 0.3
     gs.adapt(45e9)  # the two sides equally fast: half
     assert gs.target == pytest.approx(0.5) and gs.value == 0.3 and float(gs.share) == pytest.approx(0.3)
     gs.apply()
@@ -270,6 +278,36 @@ def test_gpu_share_follows_the_cpu_kernels_rate():
     fixed = _share(np.zeros((1, E), dtype=np.int64), 0.3, adaptive=False)
     fixed.adapt(1e9)
     assert fixed.target == 0.3
+
+
+def test_gpu_share_balances_on_how_often_the_gpu_waited():
+    from strata.runtime.gpu_share import GpuShare
+
+    gs = _share(np.zeros((1, E), dtype=np.int64), 0.3, granule=8)
+    assert gs.mode == "balance" and gs.wait_target == GpuShare.WAIT_TARGET
+    gs.adapt(1e9)  # the rate rule's reading: ignored (it ran away to the cap on slow hosts)
+    assert gs.target == 0.3
+    gs.balance(GpuShare.WAIT_TARGET)  # balanced: stays
+    assert gs.target == pytest.approx(0.3)
+    gs.balance(1.0)  # the GPU waited in every layer: the worker is the long pole, the GPU takes more
+    up = gs.target
+    assert up == pytest.approx(0.3 + GpuShare.GAIN * (1 - GpuShare.WAIT_TARGET)) and gs.value == 0.3
+    gs.balance(0.0)  # the GPU's own work ran past every answer: it takes less
+    assert gs.target == pytest.approx(up - GpuShare.GAIN * GpuShare.WAIT_TARGET) and gs.target < 0.3
+    for _ in range(100):
+        gs.balance(0.0)
+    assert gs.target == 0.0  # floored: with no in-place rows the GPU waits again, and the share comes back
+    for _ in range(100):
+        gs.balance(1.0)
+    assert gs.target == GpuShare.MAX
+    fixed = _share(np.zeros((1, E), dtype=np.int64), 0.3, adaptive=False)
+    fixed.balance(0.0)
+    assert fixed.target == 0.3
+    assert _share(np.zeros((1, E), dtype=np.int64), 0.3, wait_target=0.5).wait_target == 0.5
+    with pytest.raises(ValueError, match="balance"):
+        _share(np.zeros((1, E), dtype=np.int64), 0.3, mode="fastest")
+    with pytest.raises(ValueError, match="wait target"):
+        _share(np.zeros((1, E), dtype=np.int64), 0.3, wait_target=1.0)
 
 
 @needs_kernel
@@ -437,6 +475,51 @@ def test_books_run_after_the_launch_not_before(tiny_model_dir, tmp_path):
             time.sleep(0.005)
         assert books.error is None and promoted == [(0, [3, 4])] and books.seconds > 0
         assert box.drain() == []  # booked once
+    finally:
+        books.close()
+        box.close()
+        m.close()
+        store.close()
+
+
+@needs_kernel
+def test_books_balance_the_gpu_share_on_the_gpus_waits(tiny_model_dir, tmp_path):
+    """The real worker reads back each layer's waits (here Python's, which always finds the worker still busy) and
+    the books move the share: up while the waiter waited, down once it finds every answer there (the waits word
+    cleared, as the GPU's acquire kernel writes it when `done` is already set)."""
+    from strata.kernels.grouped import HostExperts
+    from strata.runtime.convert import convert_checkpoint
+    from strata.runtime.gpu_share import GpuShare
+    from strata.runtime.mailbox_books import BALANCE_WINDOW, MailboxBooks
+    from strata.tiers.manager import TierBudgets, TierManager
+    from strata.tiers.store import ExpertStore
+
+    store = ExpertStore.open(convert_checkpoint(tiny_model_dir, tmp_path / "store", progress=False))
+    m = TierManager(store, TierBudgets(gpu_slots=0, pinned_slots=4), io_threads=1)
+    _, _, slab, addr, gu_bytes = _slots()
+    box = _mailbox(addr, gu_bytes)
+    share = GpuShare(addr, HostExperts(torch.bfloat16, (2 * INTER, H), (H, INTER), gu_bytes), torch.device("cpu"), 0.3)
+    books = MailboxBooks(box, m, lambda *a: None, lambda *a: None, share)
+
+    def steps(n: int, answered: bool) -> None:
+        for _ in range(n):
+            box.begin_step()
+            for layer in (0, 2):
+                box.exchange(layer, torch.tensor([3, 4]), torch.tensor([-1, -1], dtype=torch.int32), torch.randn(1, H),
+                             torch.rand(1, K))
+                if answered:
+                    box.headers[box._box[layer]][4] = 0
+
+    try:
+        steps(BALANCE_WINDOW, answered=False)
+        books.flush()
+        risen = share.target
+        assert risen > 0.3 and share.value == 0.3  # the device's value follows between steps
+        books.step()
+        assert share.value == risen and float(share.share) == pytest.approx(risen)
+        steps(2 * BALANCE_WINDOW, answered=True)
+        books.flush()
+        assert books.error is None and share.target < risen  # (how far: how the books' wake-ups cut the windows)
     finally:
         books.close()
         box.close()

@@ -43,3 +43,34 @@ def test_the_ceilings_layer_runs_from_router_to_router():
     layer = res["layer"]
     assert layer["runs"] == 19 and layer["same_sequence"] == 19
     assert layer["length_us"] == pytest.approx(18 + 11 + 2 + 7 + 6 + 5 * 0.5)
+
+
+def test_a_steps_end_is_told_from_its_layers_and_its_idle_measured():
+    """Steps of 4 split layers; after each step's last layer the LM head and the sampler run, then the GPU idles
+    20 us for the next launch. The layers' serial phase stays the layers', the step's end gets its own table, and
+    the cold phases' spread sees the answers that were there (a short acquire) and those it waited for."""
+    cycle = [("_pack_kernel", 5.0, 7), ("_gate_up_kernel", 40.0, 9), ("_acquire_kernel", 2.0, 7),
+             ("_read_kernel", 2.0, 7), ("_combine_kernel", 2.0, 7), ("_route_kernel", 6.0, 7)]
+    events, t = [], 0.0
+    for step in range(10):
+        for layer in range(4):
+            for name, dur, stream in cycle:
+                if name == "_acquire_kernel" and layer % 2:
+                    dur = 12.0  # odd layers: the GPU waits for the worker
+                events.append({"cat": "kernel", "name": name, "ts": t, "dur": dur, "args": {"stream": stream}})
+                t += dur + 1.0
+        for name, dur in (("_lm_head_gemv", 150.0), ("_sample_kernel", 4.0)):
+            events.append({"cat": "kernel", "name": name, "ts": t, "dur": dur, "args": {"stream": 7}})
+            t += dur + 1.0
+        t += 19.0  # the launch: 20 us idle before the next step's first kernel
+    res = analyse("split", kernel_records({"traceEvents": events}))
+    assert res["serial"]["length_us"] == pytest.approx(3 * 1.0 + 2 + 6 + 5)  # the layers' own, not the step's end
+    ends = res["step_ends"]
+    assert ends["runs"] == 9 and [k["kernel"] for k in ends["kernels"]][-3:] == ["_lm_head_gemv", "_sample_kernel",
+                                                                                   "_pack_kernel"]
+    assert ends["length_us"] == pytest.approx(2 + 6 + 150 + 4 + 5 + 4 * 1.0 + 20.0)
+    assert ends["idle_positive_us"] == pytest.approx(5 * 1.0 + 20.0 - 1.0)
+    spread = res["spread"]
+    assert spread["answer_there"] == pytest.approx(0.5, abs=0.03)  # even layers: a 2-us acquire
+    assert spread["acquire_us"]["p10"] == 2.0 and spread["acquire_us"]["p90"] == 12.0
+    assert spread["gpu_work_us"]["p50"] == pytest.approx(41.0)

@@ -74,8 +74,9 @@ class CpuMailbox(WorkerAhead):
         rows = self.log.reshape(log_entries, LOG_ENTRY)
         self._log_heads, self._log_codes = rows[:, 8:16].view(np.int32), rows[:, 16:].view(np.int32)  # [n, 2], [n, 256]
         # experts, bytes, kernel ns, layers served, log head, GPU-gap ns, gaps, serving ns, when the latest step's
-        # first layer was seen and its latest layer answered (monotonic ns; csrc/cpu_mailbox.cpp)
-        self.counters = np.zeros(10, dtype=np.int64)
+        # first layer was seen and its latest layer answered (monotonic ns), then the GPU's waits: layers read, layers
+        # it waited in, its reads of `done` in them (csrc/cpu_mailbox.cpp)
+        self.counters = np.zeros(13, dtype=np.int64)
         self._log_tail = 0
         self.log_lost = 0
         cfg = np.array([hidden, addresses.shape[1], inter, gu_bytes, self.out_off, payload, self.max_pairs,
@@ -287,8 +288,10 @@ class CpuMailbox(WorkerAhead):
         pack_inbox(box[HEADER : HEADER + nbytes], self._shape(n, k, x.device), experts, slots, rows, x, weights, x_off)
         gen = self._host_gen
         hdr[0] = gen  # after the inbox (program order; x86 keeps stores in order)
+        spins = 0
         while hdr[1] != gen:
-            pass
+            spins += 1
+        hdr[4] = spins  # as the GPU's acquire kernel does: the worker reads it once the next layer is posted
         self.check()
         return box[self.out_off : self.out_off + 4 * n * self.hidden].view(torch.float32).clone().view(n, self.hidden)
 
@@ -326,26 +329,29 @@ class CpuMailbox(WorkerAhead):
         """Where a layer's trip goes, from the worker's clock: `serve_us` from seeing a layer's `ready` to writing
         its `done` (the CPU share, its kernel `kernel_us` among it), `gpu_gap_us` from one layer's `done` to the
         next layer's `ready` within a step (the GPU's own work between two CPU shares: the rest of the layer,
-        the next one's attention and routing, the copies), per layer served; `gpu_wait_reads`, the GPU's reads of
-        `done` while it waited for the worker, per layer of the last step (0: the worker had answered). These average
-        over every layer since the worker started (warm-up and prefill included); `totals` holds the running sums
-        (ns, counts, kernel bytes), so a caller can average a window of its own from two readings (`window`)."""
+        the next one's attention and routing, the copies), per layer served; `gpu_waited`, of the layers the worker
+        computed some of, the fraction in which the GPU found no answer yet when it came for it (`gpu_waits`);
+        `gpu_wait_reads`, the GPU's reads of `done` while it waited for the worker, per layer of the last step (0:
+        the worker had answered). These average over every layer since the worker started (warm-up and prefill
+        included); `totals` holds the running sums (ns, counts, kernel bytes), so a caller can average a window of
+        its own from two readings (`window`)."""
         c = self.counters
         totals = {"layers": int(c[3]), "serve_ns": int(c[7]), "kernel_ns": int(c[2]), "gaps": int(c[6]),
-                  "gap_ns": int(c[5]), "bytes": int(c[1])}
+                  "gap_ns": int(c[5]), "bytes": int(c[1]), "waits": int(c[10]), "waited": int(c[11])}
         avg = self.window({}, totals) or {}  # since the worker started
         return {"layers": totals["layers"], "serve_us": avg.get("serve_us", 0.0), "kernel_us": avg.get("kernel_us", 0.0),
-                "gpu_gap_us": avg.get("gpu_gap_us") or 0.0,
+                "gpu_gap_us": avg.get("gpu_gap_us") or 0.0, "gpu_waited": avg.get("gpu_waited"),
                 "gpu_wait_reads": round(float(np.mean([h[4] for h in self.headers])), 1), "totals": totals}
 
     @staticmethod
     def window(before: dict, after: dict) -> dict | None:
         """`timing()`'s per-layer figures over the layers served between two readings of its `totals` (None when
-        none were): serve_us, kernel_us, gpu_gap_us and the kernel's GB/s."""
+        none were): serve_us, kernel_us, gpu_gap_us, the kernel's GB/s and gpu_waited (None where not read)."""
         d = {k: after[k] - before.get(k, 0) for k in after}
         if d["layers"] <= 0:
             return None
-        return {"layers": d["layers"], "serve_us": round(d["serve_ns"] / d["layers"] / 1e3, 1),
+        waited = round(d["waited"] / d["waits"], 3) if d.get("waits", 0) > 0 else None
+        return {"layers": d["layers"], "serve_us": round(d["serve_ns"] / d["layers"] / 1e3, 1), "gpu_waited": waited,
                 "kernel_us": round(d["kernel_ns"] / d["layers"] / 1e3, 1),
                 "gpu_gap_us": round(d["gap_ns"] / d["gaps"] / 1e3, 1) if d["gaps"] > 0 else None,
                 # three significant figures: a test's tiny experts read well below 0.05 GB/s, which one decimal zeroes
@@ -354,6 +360,11 @@ class CpuMailbox(WorkerAhead):
     def kernel_rate(self) -> tuple[int, float]:
         """(bytes, seconds) the worker's kernel calls read and took so far."""
         return int(self.counters[1]), float(self.counters[2]) / 1e9
+
+    def gpu_waits(self) -> tuple[int, int]:
+        """(layers, waited) so far: of the layers the worker computed some of (the step's last one read once the next
+        step posts), how many the GPU's wait was read for, and in how many of them it found no answer yet."""
+        return int(self.counters[10]), int(self.counters[11])
 
     def close(self) -> None:
         """Stop the worker (no graph may be replaying a step that waits for it) and free the mailboxes."""

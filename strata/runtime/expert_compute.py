@@ -195,9 +195,12 @@ class ExpertCompute(CpuCompute):
             if share > 0:
                 (gu, dn) = store.expert_shapes
                 whole = os.environ.get("STRATA_MAILBOX_WHOLE_EXPERTS") == "1"  # A/B: no expert split by rows
+                # A/B: "rate" follows the worker's kernel rate, as before the thirty-fifth session; a wait target
+                target = os.environ.get("STRATA_MAILBOX_WAIT_TARGET")
                 self.gpu_share = GpuShare(addresses, HostExperts(store.dtype, gu, dn, store.index.gate_up_bytes),
                                           self.device, share, adaptive=not fixed, gpu_rate=IN_PLACE_RATE,
-                                          split=not whole)
+                                          split=not whole, mode=os.environ.get("STRATA_MAILBOX_SHARE_ADAPT", "balance"),
+                                          wait_target=float(target) if target else None)
         self.copy_ahead = self._open_copy_ahead(addresses, store) if self.gpu_share is not None else None
         self.books = MailboxBooks(self.mailbox, m, self.promote_one, self._count_mailbox, self.gpu_share,
                                   self.copy_ahead)
@@ -287,6 +290,8 @@ class ExpertCompute(CpuCompute):
             out.update(worker_experts=box.experts_computed, worker_GB_per_s=nbytes / seconds / 1e9 if seconds else 0.0,
                        log_lost=box.log_lost, books_s=round(self.books.seconds, 4) if self.books else 0.0,
                        gpu_share=self.gpu_share.value if self.gpu_share is not None else 0.0,
+                       gpu_share_mode=(None if self.gpu_share is None else
+                                       self.gpu_share.mode if self.gpu_share.adaptive else "fixed"),
                        timing=box.timing(), copy_ahead=self.copy_ahead.stats() if self.copy_ahead is not None else None)
         return out
 

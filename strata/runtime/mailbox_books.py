@@ -14,6 +14,7 @@ if TYPE_CHECKING:
     from strata.runtime.gpu_share import GpuShare
 
 RATE_WINDOW_BYTES = 512 << 20  # the GPU share follows the CPU kernel's rate over about this much of its reading
+BALANCE_WINDOW = 48  # ...or the GPU's waits over about this many layers (four steps of the 12-layer bench model)
 
 
 class MailboxBooks:
@@ -28,6 +29,7 @@ class MailboxBooks:
         self.mailbox, self.manager, self.promote, self.on_counts = mailbox, manager, promote, on_counts
         self.share, self.ahead = share, ahead
         self._rate_mark = (0, 0.0)  # the worker's (bytes, kernel seconds) when the share last adapted
+        self._wait_mark = (0, 0)  # the worker's (layers read, layers the GPU waited in) then
         self.error: BaseException | None = None
         self.seconds = 0.0  # spent in `flush` so far (the books' own Python, on this thread or a caller's)
         self._wake, self._stop = threading.Event(), threading.Event()
@@ -65,12 +67,18 @@ class MailboxBooks:
                     m.note_pinned_reads(layer, computed)  # served from pinned RAM, on the CPU
                     self.promote(layer, computed)
             self.on_counts(self.mailbox.experts_computed, *self.mailbox.kernel_rate())
-        if entries and self.share is not None:
+        if entries and self.share is not None and self.share.mode == "rate":
             nbytes, seconds = self.mailbox.kernel_rate()
             b0, s0 = self._rate_mark
             if nbytes - b0 >= RATE_WINDOW_BYTES and seconds > s0:  # the kernel's rate over its last ~0.5 GB
                 self.share.adapt((nbytes - b0) / (seconds - s0))
                 self._rate_mark = (nbytes, seconds)
+        elif entries and self.share is not None:
+            layers, waited = self.mailbox.gpu_waits()
+            l0, w0 = self._wait_mark
+            if layers - l0 >= BALANCE_WINDOW:
+                self.share.balance((waited - w0) / (layers - l0))
+                self._wait_mark = (layers, waited)
         self.seconds += time.perf_counter() - t0
         return []
 

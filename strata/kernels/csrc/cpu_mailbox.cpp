@@ -96,8 +96,12 @@ struct Mailbox {
                                     // [5] ns from a layer's done to the next layer's ready seen, same step (the GPU's
                                     // own time between two CPU shares), [6] how many such gaps, [7] ns serving layers,
                                     // [8] when the latest step's first layer was seen ready, [9] when the latest
-                                    // layer's done was written (steady clock: CLOCK_MONOTONIC, Python's monotonic_ns)
+                                    // layer's done was written (steady clock: CLOCK_MONOTONIC, Python's monotonic_ns),
+                                    // [10] layers whose GPU wait was read (the worker computed some of them), [11] of
+                                    // those, the ones where the GPU found no answer yet and waited, [12] its reads of
+                                    // `done` while it waited in them (strata.runtime.gpu_share balances on [11] / [10])
     int64_t last_done_ns = 0, last_done_gen = -1;  // when the last layer's done was written, and its generation
+    int last_box = -1;  // the box served last, if the worker computed some of its experts (else -1)
     std::atomic<bool> stop{false};
     std::atomic<strata_ahead::Copier*> ahead{nullptr};  // copy-ahead (mailbox_ahead.h), set once before use
     std::atomic<WarmCfg*> warm{nullptr};  // warm-ahead, set once before use
@@ -114,6 +118,12 @@ struct Mailbox {
     void serve(size_t i, int64_t gen, std::vector<int64_t>& tok, std::vector<float>& wts, std::vector<int64_t>& meta,
                std::vector<int32_t>& order, std::vector<int64_t>& warm_of) {
         const int64_t seen_ns = now_ns();
+        if (last_box >= 0) {  // that layer's acquire kernel wrote its reads of `done` before this layer's post
+            const int64_t spins = reinterpret_cast<volatile int64_t*>(boxes[size_t(last_box)])[4];
+            counters[10] += 1;
+            counters[11] += spins > 0;
+            counters[12] += spins;
+        }
         char* box = boxes[i];
         volatile int64_t* hdr = reinterpret_cast<volatile int64_t*>(box);
         const int32_t* inbox = reinterpret_cast<const int32_t*>(box + 64);
@@ -194,6 +204,7 @@ struct Mailbox {
             counters[6] += 1;
         }
         last_done_ns = done_ns, last_done_gen = gen;
+        last_box = groups > 0 ? int(i) : -1;
         counters[0] += groups;
         counters[1] += bytes;
         counters[2] += ns;
@@ -301,7 +312,7 @@ struct Mailbox {
 
 // cfg: int64 [H, E, I, gu_bytes, out_off, payload, max_pairs, isa, threads, spin_ns, n_boxes, log_cap]
 // boxes: int64 [n_boxes] mailbox addresses; layers: int32 [n_boxes]; addr: int64 [layers * E];
-// log: log_cap entries of 16 + 4 * 256 bytes; counters: int64 [10]. Returns a handle for stop (0: failed).
+// log: log_cap entries of 16 + 4 * 256 bytes; counters: int64 [13]. Returns a handle for stop (0: failed).
 STRATA_API int64_t strata_mailbox_start(const int64_t* cfg, const int64_t* boxes, const int32_t* layers,
                                         const int64_t* addr, char* log, int64_t* counters) {
     auto* m = new Mailbox();
