@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|twentyninth|twentyninth-b|thirtieth|thirtieth-b|thirtieth-c|thirtyfirst|thirtyfirst-b|thirtyfirst-c|thirtysecond|thirtysecond-b|thirtysecond-c|thirtythird|thirtythird-b|thirtythird-c|thirtythird-d|thirtythird-e|thirtythird-f|thirtyfourth|thirtyfourth-b|thirtyfourth-c|thirtyfourth-d|thirtyfifth|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|twentyninth|twentyninth-b|thirtieth|thirtieth-b|thirtieth-c|thirtyfirst|thirtyfirst-b|thirtyfirst-c|thirtysecond|thirtysecond-b|thirtysecond-c|thirtythird|thirtythird-b|thirtythird-c|thirtythird-d|thirtythird-e|thirtythird-f|thirtyfourth|thirtyfourth-b|thirtyfourth-c|thirtyfourth-d|thirtyfifth|thirtyfifth-b|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet; pydantic is not on it either):
 # `bash bench/box_wheels.sh` fetches them here.
@@ -43,6 +43,25 @@ b25_suite() {
   timeout 70 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 60 --cases 'split/b25/skewed/p128x1' \
     --out "$out" "$@" 2>&1 | grep -E '^split/'
   rm -f "$out"/*.png "$out"/*.md
+}
+# One line a run and one file (share_ab.json) of the suite runs under $OUT/ab/<label>/ (then removed): tok/s, the
+# roofline fraction, hit rate, the GPU share and its mode, the worker's window and the step split from it
+ab_summary() {
+  python3 - "$OUT" <<'PY'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1]); runs = {}
+for p in sorted(out.glob("ab/*/suite.json")):
+    c = json.load(open(p))["cases"][0]; runs[p.parent.name] = c; m = c["metrics"]
+    og = (m.get("decode_state") or {}).get("one_graph_decode") or {}
+    w, step = m.get("mailbox_window") or {}, 1000 / m["decode_tok_s"]
+    cold, between = 12 * w.get("serve_us", 0) / 1000, 11 * (w.get("gpu_gap_us") or 0) / 1000
+    print(p.parent.name, m["decode_tok_s"], c.get("fraction_of_roofline"), "hit", m["gpu_hit_rate"],
+          "share", round(og.get("gpu_share") or 0, 3), og.get("gpu_share_mode"), "promo/tok", m["promotions_per_token"],
+          "step ms", round(step, 3), "cold", round(cold, 3), "between", round(between, 3), "ends", round(step - cold - between, 3),
+          "window", w)
+json.dump(runs, open(out / "share_ab.json", "w"), indent=1)
+PY
+  rm -rf "$OUT/ab"
 }
 case "$1" in
   tests)
@@ -646,17 +665,27 @@ case "$1" in
         done
       done
     done
-    python3 - "$OUT" <<'PY'  # one file of every run's case record, a line each
-import json, pathlib, sys
-out = pathlib.Path(sys.argv[1]); runs = {}
-for p in sorted(out.glob("ab/*/suite.json")):
-    c = json.load(open(p))["cases"][0]; runs[p.parent.name] = c; m = c["metrics"]
-    og = (m.get("decode_state") or {}).get("one_graph_decode") or {}
-    print(p.parent.name, m["decode_tok_s"], c.get("fraction_of_roofline"), "hit", m["gpu_hit_rate"],
-          "share", og.get("gpu_share"), og.get("gpu_share_mode"), "window", m.get("mailbox_window"))
-json.dump(runs, open(out / "share_ab.json", "w"), indent=1)
-PY
-    rm -rf "$OUT/ab" ;;
+    ab_summary ;;
+  thirtyfifth-b)  # the suite's skewed 25% case, the GPU share balanced (balance) against the rate rule (rate): on the
+                  # bare box, then beside $HOGS numpy copy loops that take host RAM bandwidth and cores (a stand-in for
+                  # the degraded boxes where the rate rule ran away to its cap), alternated REPS rounds each
+    for hog in 0 "${HOGS:-3}"; do
+      pids=""
+      for _ in $(seq "$hog"); do
+        python3 -c "import numpy as np
+a = np.ones(1 << 28); b = np.empty_like(a)
+while True: np.copyto(b, a)" & pids="$pids $!"
+      done
+      for r in $(seq "${REPS:-2}"); do
+        for mode in ${MODES:-balance rate}; do
+          STRATA_MAILBOX_SHARE_ADAPT=$mode timeout 80 python3 -m bench run --suite full --layers 12 --tokens 64 \
+            --deadline 70 --cases "split/b25/skewed/p128x1" --out "$OUT/ab/hog$hog-$mode-$r" 2>&1 | grep -E '^split/' \
+            | sed "s/^/hog$hog $mode r$r: /"
+        done
+      done
+      [ -z "$pids" ] || kill $pids
+    done
+    ab_summary ;;
   cap-summary)  # after twentyeighth and twentyeighth-b (run apart, so that a timed-out A/B still leaves its summary;
                 # "cap" in the directory names is the switch's value: the cap, or $STRATA_CPU_PIN)
     python3 - "$OUT" <<'PY'  # one file of every run's case record (the box returns few files), a line each

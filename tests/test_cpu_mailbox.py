@@ -86,6 +86,9 @@ def test_worker_computes_the_cold_pairs_as_the_host_path_does():
         # at its next layer: the first five of the six layers, each waited for (the worker computes cold pairs)
         layers, waited = box.gpu_waits()
         assert layers - start["waits"] == 5 and 0 < waited - start["waited"] <= 5 and 0 < win["gpu_waited"] <= 1
+        # and the three gaps from a step's last layer to the next step's first (the self-test's one-layer step to the
+        # first, then 2 -> 0 twice), apart from the layers' own
+        assert t["totals"]["step_gaps"] - start["step_gaps"] == 3 and win["step_gap_us"] > 0
         assert win["kernel_GB_s"] > 0 and CpuMailbox.window(t["totals"], box.timing()["totals"]) is None
     finally:
         box.close()
@@ -98,8 +101,9 @@ def test_a_window_keeps_a_slow_kernels_rate():
               "bytes": 150_000}
     win = CpuMailbox.window({}, totals)
     assert win == {"layers": 6, "serve_us": 1000.0, "kernel_us": 833.3, "gpu_gap_us": 33.0, "kernel_GB_s": 0.03,
-                   "gpu_waited": None}
-    assert CpuMailbox.window({}, {**totals, "waits": 8, "waited": 6})["gpu_waited"] == 0.75
+                   "gpu_waited": None, "step_gap_us": None}
+    more = CpuMailbox.window({}, {**totals, "waits": 8, "waited": 6, "step_gaps": 2, "step_gap_ns": 500_000})
+    assert more["gpu_waited"] == 0.75 and more["step_gap_us"] == 250.0
     assert CpuMailbox.window({}, {**totals, "bytes": 387_654_321_000})["kernel_GB_s"] == 77500.0
     assert CpuMailbox.window(totals, totals) is None
 

@@ -99,7 +99,9 @@ struct Mailbox {
                                     // layer's done was written (steady clock: CLOCK_MONOTONIC, Python's monotonic_ns),
                                     // [10] layers whose GPU wait was read (the worker computed some of them), [11] of
                                     // those, the ones where the GPU found no answer yet and waited, [12] its reads of
-                                    // `done` while it waited in them (strata.runtime.gpu_share balances on [11] / [10])
+                                    // `done` while it waited in them (strata.runtime.gpu_share balances on [11] / [10]),
+                                    // [13] ns from a step's last done to the next step's first ready seen (the LM head,
+                                    // sampling, the launch, the first attention), [14] how many such gaps
     int64_t last_done_ns = 0, last_done_gen = -1;  // when the last layer's done was written, and its generation
     int last_box = -1;  // the box served last, if the worker computed some of its experts (else -1)
     std::atomic<bool> stop{false};
@@ -202,6 +204,9 @@ struct Mailbox {
         if (gen == last_done_gen) {  // the previous layer of the same step: the GPU's time between the two
             counters[5] += seen_ns - last_done_ns;
             counters[6] += 1;
+        } else if (gen == last_done_gen + 1) {  // the step before's last layer: the GPU's time between two steps
+            counters[13] += seen_ns - last_done_ns;
+            counters[14] += 1;
         }
         last_done_ns = done_ns, last_done_gen = gen;
         last_box = groups > 0 ? int(i) : -1;
@@ -312,7 +317,7 @@ struct Mailbox {
 
 // cfg: int64 [H, E, I, gu_bytes, out_off, payload, max_pairs, isa, threads, spin_ns, n_boxes, log_cap]
 // boxes: int64 [n_boxes] mailbox addresses; layers: int32 [n_boxes]; addr: int64 [layers * E];
-// log: log_cap entries of 16 + 4 * 256 bytes; counters: int64 [13]. Returns a handle for stop (0: failed).
+// log: log_cap entries of 16 + 4 * 256 bytes; counters: int64 [15]. Returns a handle for stop (0: failed).
 STRATA_API int64_t strata_mailbox_start(const int64_t* cfg, const int64_t* boxes, const int32_t* layers,
                                         const int64_t* addr, char* log, int64_t* counters) {
     auto* m = new Mailbox();
