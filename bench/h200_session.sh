@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|twentyninth|twentyninth-b|thirtieth|thirtieth-b|thirtieth-c|thirtyfirst|thirtyfirst-b|thirtyfirst-c|thirtysecond|thirtysecond-b|thirtysecond-c|thirtythird|thirtythird-b|thirtythird-c|thirtythird-d|thirtythird-e|thirtythird-f|thirtyfourth|thirtyfourth-b|thirtyfourth-c|thirtyfourth-d|thirtyfifth|thirtyfifth-b|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|twentyninth|twentyninth-b|thirtieth|thirtieth-b|thirtieth-c|thirtyfirst|thirtyfirst-b|thirtyfirst-c|thirtysecond|thirtysecond-b|thirtysecond-c|thirtythird|thirtythird-b|thirtythird-c|thirtythird-d|thirtythird-e|thirtythird-f|thirtyfourth|thirtyfourth-b|thirtyfourth-c|thirtyfourth-d|thirtyfifth|thirtyfifth-b|thirtyfifth-c|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet; pydantic is not on it either):
 # `bash bench/box_wheels.sh` fetches them here.
@@ -50,12 +50,15 @@ ab_summary() {
   python3 - "$OUT" <<'PY'
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1]); runs = {}
-for p in sorted(out.glob("ab/*/suite.json")):
-    c = json.load(open(p))["cases"][0]; runs[p.parent.name] = c; m = c["metrics"]
+for p, c in [(p, c) for p in sorted(out.glob("ab/*/suite.json")) for c in json.load(open(p))["cases"]]:
+    label, m = f"{p.parent.name}:{c['name']}", c.get("metrics") or {}
+    runs[label] = c
+    if not m.get("decode_tok_s"):
+        print(label, c.get("status"), c.get("reason")); continue
     og = (m.get("decode_state") or {}).get("one_graph_decode") or {}
     w, step = m.get("mailbox_window") or {}, 1000 / m["decode_tok_s"]
     cold, between = 12 * w.get("serve_us", 0) / 1000, 11 * (w.get("gpu_gap_us") or 0) / 1000
-    print(p.parent.name, m["decode_tok_s"], c.get("fraction_of_roofline"), "hit", m["gpu_hit_rate"],
+    print(label, m["decode_tok_s"], c.get("fraction_of_roofline"), "hit", m["gpu_hit_rate"],
           "share", round(og.get("gpu_share") or 0, 3), og.get("gpu_share_mode"), "promo/tok", m["promotions_per_token"],
           "step ms", round(step, 3), "cold", round(cold, 3), "between", round(between, 3), "ends", round(step - cold - between, 3),
           "window", w)
@@ -686,6 +689,17 @@ while True: np.copyto(b, a)" & pids="$pids $!"
       [ -z "$pids" ] || kill $pids
     done
     ab_summary ;;
+  thirtyfifth-c)  # every GPU test at the session's code; the serial phase (the step's ends, now without the sampler's
+                  # softmax); the suite's two skewed split cases and the ceiling (the step gap on the worker's clock)
+    gpu_tests 4
+    [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
+      --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
+    timeout 120 python3 bench/serial_phase.py --model /dev/shm/loc1 --out "$OUT/sp" --cases "${SP_CASES:-split}" \
+      > "$OUT/sp.txt" 2>&1; grep -E "Error|answer_there|idle_positive" "$OUT/sp.txt"
+    rm -rf /dev/shm/loc1
+    timeout 220 python3 -m bench run --suite quick --deadline 200 --cases 'split/b25/skewed/p128x1' \
+      'split/b40/skewed/p128x1' 'ceiling/all/skewed/p128x1' --out "$OUT/ab/final" 2>&1 | grep -E "^[a-z-]+/"
+    ab_summary ;;
   cap-summary)  # after twentyeighth and twentyeighth-b (run apart, so that a timed-out A/B still leaves its summary;
                 # "cap" in the directory names is the switch's value: the cap, or $STRATA_CPU_PIN)
     python3 - "$OUT" <<'PY'  # one file of every run's case record (the box returns few files), a line each
@@ -693,7 +707,7 @@ import json, pathlib, sys
 out = pathlib.Path(sys.argv[1]); runs = {}
 for p in sorted(out.glob("b*-cap*-*/suite.json")):
     c = json.load(open(p))["cases"][0]; runs[p.parent.name] = c; m = c["metrics"]
-    print(p.parent.name, m["decode_tok_s"], c.get("fraction_of_roofline"), "hit", m["gpu_hit_rate"],
+    print(label, m["decode_tok_s"], c.get("fraction_of_roofline"), "hit", m["gpu_hit_rate"],
           "promo/tok", m["promotions_per_token"], "window", m.get("mailbox_window"))
 json.dump(runs, open(out / "cap_ab.json", "w"), indent=1)
 PY

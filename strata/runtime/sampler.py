@@ -98,13 +98,15 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         drop = (probs.cumsum(dim=-1) - probs) >= params.top_p
         drop[..., 0] = False
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
-    probs = logits.softmax(dim=-1)
     # one draw by the exponential race, argmax(p / q) with q ~ Exp(1): what torch.multinomial does for a single
     # sample, without its validity check, which reads a device value back and so waits for the queued work
-    # (overlapped decode queues the next step before the host reads this token). q is kept above 0, where the
-    # CPU's exponential may (rarely) land, so a masked token (p = 0) never gets 0 / 0.
-    q = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(probs.dtype).tiny)
-    return (probs / q).argmax(dim=-1)
+    # (overlapped decode queues the next step before the host reads this token). Taken in logs, argmax(logits -
+    # log q) (the Gumbel-max trick): the same distribution without the softmax, which over one row of a 152K
+    # vocabulary ran as a single 39-us block on the H200, the longest kernel of a decode step's sampling
+    # (bench/RESULTS.md, thirty-fifth session). q is kept above 0, where the CPU's exponential may (rarely) land;
+    # a masked token (-inf) stays -inf.
+    q = torch.empty_like(logits).exponential_(generator=generator).clamp_min_(torch.finfo(logits.dtype).tiny)
+    return (logits - q.log_()).argmax(dim=-1)
 
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:
