@@ -52,7 +52,7 @@ def test_a_steps_end_is_told_from_its_layers_and_its_idle_measured():
     cycle = [("_pack_kernel", 5.0, 7), ("_gate_up_kernel", 40.0, 9), ("_acquire_kernel", 2.0, 7),
              ("_read_kernel", 2.0, 7), ("_combine_kernel", 2.0, 7), ("_route_kernel", 6.0, 7)]
     events, t = [], 0.0
-    for step in range(10):
+    for _ in range(10):
         for layer in range(4):
             for name, dur, stream in cycle:
                 if name == "_acquire_kernel" and layer % 2:

@@ -75,8 +75,9 @@ class CpuMailbox(WorkerAhead):
         self._log_heads, self._log_codes = rows[:, 8:16].view(np.int32), rows[:, 16:].view(np.int32)  # [n, 2], [n, 256]
         # experts, bytes, kernel ns, layers served, log head, GPU-gap ns, gaps, serving ns, when the latest step's
         # first layer was seen and its latest layer answered (monotonic ns), the GPU's waits: layers read, layers it
-        # waited in, its reads of `done` in them, then the ns between steps and how many (csrc/cpu_mailbox.cpp)
-        self.counters = np.zeros(15, dtype=np.int64)
+        # waited in, its reads of `done` in them, then the ns between steps, how many, and how many pauses (gaps over
+        # 5 ms, left out) (csrc/cpu_mailbox.cpp)
+        self.counters = np.zeros(16, dtype=np.int64)
         self._log_tail = 0
         self.log_lost = 0
         cfg = np.array([hidden, addresses.shape[1], inter, gu_bytes, self.out_off, payload, self.max_pairs,
@@ -330,7 +331,8 @@ class CpuMailbox(WorkerAhead):
         its `done` (the CPU share, its kernel `kernel_us` among it), `gpu_gap_us` from one layer's `done` to the
         next layer's `ready` within a step (the GPU's own work between two CPU shares: the rest of the layer,
         the next one's attention and routing, the copies), per layer served; `step_gap_us` the same from a step's
-        last layer to the next step's first (the LM head, sampling, the launch, the first attention); `gpu_waited`,
+        last layer to the next step's first (the LM head, sampling, the launch, the first attention; gaps over 5 ms,
+        pauses in decode, are left out and counted in `totals["pauses"]`); `gpu_waited`,
         of the layers the worker
         computed some of, the fraction in which the GPU found no answer yet when it came for it (`gpu_waits`);
         `gpu_wait_reads`, the GPU's reads of `done` while it waited for the worker, per layer of the last step (0:
@@ -340,7 +342,7 @@ class CpuMailbox(WorkerAhead):
         c = self.counters
         totals = {"layers": int(c[3]), "serve_ns": int(c[7]), "kernel_ns": int(c[2]), "gaps": int(c[6]),
                   "gap_ns": int(c[5]), "bytes": int(c[1]), "waits": int(c[10]), "waited": int(c[11]),
-                  "step_gaps": int(c[14]), "step_gap_ns": int(c[13])}
+                  "step_gaps": int(c[14]), "step_gap_ns": int(c[13]), "pauses": int(c[15])}
         avg = self.window({}, totals) or {}  # since the worker started
         return {"layers": totals["layers"], "serve_us": avg.get("serve_us", 0.0), "kernel_us": avg.get("kernel_us", 0.0),
                 "gpu_gap_us": avg.get("gpu_gap_us") or 0.0, "gpu_waited": avg.get("gpu_waited"),

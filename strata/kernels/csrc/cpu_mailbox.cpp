@@ -81,6 +81,8 @@ struct WarmCfg {
                                   // mid-piece; a stopped read returns without waiting) [7] the longest such wait
 };
 
+constexpr int64_t STEP_GAP_MAX_NS = 5000000;  // a decode step's end (LM head, sampling, launch) is well under this
+
 struct Mailbox {
     // configuration (read-only after start)
     std::vector<char*> boxes;       // base address of each served layer's mailbox
@@ -101,7 +103,9 @@ struct Mailbox {
                                     // those, the ones where the GPU found no answer yet and waited, [12] its reads of
                                     // `done` while it waited in them (strata.runtime.gpu_share balances on [11] / [10]),
                                     // [13] ns from a step's last done to the next step's first ready seen (the LM head,
-                                    // sampling, the launch, the first attention), [14] how many such gaps
+                                    // sampling, the launch, the first attention), [14] how many such gaps, [15] how many
+                                    // were longer than STEP_GAP_MAX_NS and left out of [13] and [14] (a pause in decode:
+                                    // between requests, a prefill; one such gap outweighed a window's steps)
     int64_t last_done_ns = 0, last_done_gen = -1;  // when the last layer's done was written, and its generation
     int last_box = -1;  // the box served last, if the worker computed some of its experts (else -1)
     std::atomic<bool> stop{false};
@@ -205,8 +209,13 @@ struct Mailbox {
             counters[5] += seen_ns - last_done_ns;
             counters[6] += 1;
         } else if (gen == last_done_gen + 1) {  // the step before's last layer: the GPU's time between two steps
-            counters[13] += seen_ns - last_done_ns;
-            counters[14] += 1;
+            const int64_t gap = seen_ns - last_done_ns;
+            if (gap <= STEP_GAP_MAX_NS) {
+                counters[13] += gap;
+                counters[14] += 1;
+            } else {
+                counters[15] += 1;
+            }
         }
         last_done_ns = done_ns, last_done_gen = gen;
         last_box = groups > 0 ? int(i) : -1;
@@ -317,7 +326,7 @@ struct Mailbox {
 
 // cfg: int64 [H, E, I, gu_bytes, out_off, payload, max_pairs, isa, threads, spin_ns, n_boxes, log_cap]
 // boxes: int64 [n_boxes] mailbox addresses; layers: int32 [n_boxes]; addr: int64 [layers * E];
-// log: log_cap entries of 16 + 4 * 256 bytes; counters: int64 [15]. Returns a handle for stop (0: failed).
+// log: log_cap entries of 16 + 4 * 256 bytes; counters: int64 [16]. Returns a handle for stop (0: failed).
 STRATA_API int64_t strata_mailbox_start(const int64_t* cfg, const int64_t* boxes, const int32_t* layers,
                                         const int64_t* addr, char* log, int64_t* counters) {
     auto* m = new Mailbox();
