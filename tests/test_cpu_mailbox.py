@@ -683,3 +683,20 @@ def check_wait_and_fetch(dev) -> None:
         if dev.type == "cuda":
             torch.cuda.synchronize()
         assert header[3] == 10 and header[4] == 50
+
+
+def test_the_share_rule_from_the_environment_names_a_bad_value(monkeypatch):
+    from strata.runtime.expert_compute import _share_rule
+
+    monkeypatch.delenv("STRATA_MAILBOX_SHARE_ADAPT", raising=False)
+    monkeypatch.delenv("STRATA_MAILBOX_WAIT_TARGET", raising=False)
+    assert _share_rule() == ("balance", None)
+    monkeypatch.setenv("STRATA_MAILBOX_SHARE_ADAPT", "rate")
+    monkeypatch.setenv("STRATA_MAILBOX_WAIT_TARGET", "0.55")
+    assert _share_rule() == ("rate", 0.55)
+    for name, value in (("STRATA_MAILBOX_WAIT_TARGET", "1.5"), ("STRATA_MAILBOX_WAIT_TARGET", "high"),
+                        ("STRATA_MAILBOX_SHARE_ADAPT", "fastest")):
+        monkeypatch.setenv(name, value)
+        with pytest.raises(ValueError, match=name):
+            _share_rule()
+        monkeypatch.setenv(name, "0.5" if name.endswith("TARGET") else "balance")

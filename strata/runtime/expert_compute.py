@@ -195,12 +195,10 @@ class ExpertCompute(CpuCompute):
             if share > 0:
                 (gu, dn) = store.expert_shapes
                 whole = os.environ.get("STRATA_MAILBOX_WHOLE_EXPERTS") == "1"  # A/B: no expert split by rows
-                # A/B: "rate" follows the worker's kernel rate, as before the thirty-fifth session; a wait target
-                target = os.environ.get("STRATA_MAILBOX_WAIT_TARGET")
+                mode, target = _share_rule()
                 self.gpu_share = GpuShare(addresses, HostExperts(store.dtype, gu, dn, store.index.gate_up_bytes),
                                           self.device, share, adaptive=not fixed, gpu_rate=IN_PLACE_RATE,
-                                          split=not whole, mode=os.environ.get("STRATA_MAILBOX_SHARE_ADAPT", "balance"),
-                                          wait_target=float(target) if target else None)
+                                          split=not whole, mode=mode, wait_target=target)
         self.copy_ahead = self._open_copy_ahead(addresses, store) if self.gpu_share is not None else None
         self.books = MailboxBooks(self.mailbox, m, self.promote_one, self._count_mailbox, self.gpu_share,
                                   self.copy_ahead)
@@ -348,3 +346,20 @@ class ExpertCompute(CpuCompute):
         counts = snap.cpu().numpy()
         layers, experts = np.nonzero(counts)
         return [(int(layer), int(e), int(counts[layer, e])) for layer, e in zip(layers, experts, strict=True)]
+
+
+def _share_rule() -> tuple[str, float | None]:
+    """The GPU share's rule for A/B runs: $STRATA_MAILBOX_SHARE_ADAPT ("balance", the default, or "rate": the
+    worker's kernel rate, the rule before the thirty-fifth session) and $STRATA_MAILBOX_WAIT_TARGET (the balance's
+    target, in (0, 1)); a bad value is refused with the variable's name."""
+    mode = os.environ.get("STRATA_MAILBOX_SHARE_ADAPT", "balance")
+    if mode not in ("balance", "rate"):
+        raise ValueError(f"STRATA_MAILBOX_SHARE_ADAPT must be \"balance\" or \"rate\", got {mode!r}")
+    raw = os.environ.get("STRATA_MAILBOX_WAIT_TARGET")
+    try:
+        target = float(raw) if raw else None
+    except ValueError:
+        target = -1.0
+    if target is not None and not 0.0 < target < 1.0:
+        raise ValueError(f"STRATA_MAILBOX_WAIT_TARGET must be a number in (0, 1), got {raw!r}")
+    return mode, target
