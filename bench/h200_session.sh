@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|twentyninth|twentyninth-b|thirtieth|thirtieth-b|thirtieth-c|thirtyfirst|thirtyfirst-b|thirtyfirst-c|thirtysecond|thirtysecond-b|thirtysecond-c|thirtythird|thirtythird-b|thirtythird-c|thirtythird-d|thirtythird-e|thirtythird-f|thirtyfourth|thirtyfourth-b|thirtyfourth-c|thirtyfourth-d|thirtyfifth|thirtyfifth-b|thirtyfifth-c|thirtyfifth-d|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|twentyninth|twentyninth-b|thirtieth|thirtieth-b|thirtieth-c|thirtyfirst|thirtyfirst-b|thirtyfirst-c|thirtysecond|thirtysecond-b|thirtysecond-c|thirtythird|thirtythird-b|thirtythird-c|thirtythird-d|thirtythird-e|thirtythird-f|thirtyfourth|thirtyfourth-b|thirtyfourth-c|thirtyfourth-d|thirtyfifth|thirtyfifth-b|thirtyfifth-c|thirtyfifth-d|thirtyfifth-e|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet; pydantic is not on it either):
 # `bash bench/box_wheels.sh` fetches them here.
@@ -709,6 +709,21 @@ while True: np.copyto(b, a)" & pids="$pids $!"
         timeout 100 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 90 \
           --cases "split/b${BUDGET:-40}/skewed/p128x1" --set '{"policy": {"promote": '$p'}}' \
           --out "$OUT/ab/promote-$p-$r" 2>&1 | grep -E '^split/' | sed "s/^/promote $p r$r: /"
+      done
+    done
+    ab_summary ;;
+  thirtyfifth-e)  # is the promotions' step-end cost the host's (the GIL: books, transfer workers and the decoding thread
+                  # on one interpreter)? The 40% skewed case with Python's GIL switch interval at its default (5 ms)
+                  # and at $SWITCH_S (default 0.0005), alternated (REPS rounds): the step gap beside promotions a token
+    rm -rf /dev/shm/b12* /dev/shm/b4* /dev/shm/loc1 /dev/shm/sc
+    for r in $(seq "${REPS:-1}"); do
+      for sw in default "${SWITCH_S:-0.0005}"; do
+        timeout 100 python3 -c "import runpy, sys
+if sys.argv[1] != 'default': sys.setswitchinterval(float(sys.argv[1]))
+sys.argv = ['bench'] + sys.argv[2:]
+runpy.run_module('bench', run_name='__main__')" "$sw" run --suite full --layers 12 --tokens 64 --deadline 90 \
+          --cases "split/b${BUDGET:-40}/skewed/p128x1" --out "$OUT/ab/switch-$sw-$r" 2>&1 | grep -E '^split/' \
+          | sed "s/^/switch $sw r$r: /"
       done
     done
     ab_summary ;;
