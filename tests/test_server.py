@@ -270,7 +270,8 @@ def test_metrics_and_side_routes(live):
                  "strata:generation_tokens_total", "strata:time_to_first_token_seconds_bucket",
                  "strata:inter_token_latency_seconds_count", "strata:e2e_request_latency_seconds_sum",
                  "strata:tier_bytes_moved_total{", "strata:tier_bandwidth_bytes_per_second{",
-                 "strata:tier_stall_seconds_total{", "strata:prefetch_precision{", "strata:tier_resident_bytes{"):
+                 "strata:tier_stall_seconds_total{", "strata:prefetch_precision{", "strata:tier_resident_bytes{",
+                 "strata:tier_promotions_total{"):
         assert name in text, name
     assert re.search(r'strata:tier_hits_total\{device="cpu",tier="pinned"\} [1-9]', text)
     assert re.search(r'strata:tier_hit_ratio\{device="cpu",tier="pinned"\} ', text)

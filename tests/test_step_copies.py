@@ -305,8 +305,33 @@ def _promote(store, device: str):
         device_map = m.slots.slot_of.cpu().numpy()
         assert (device_map == m.slots.slot_of_host).all() and device_map[layer, 5] == slot
         assert sum(device_map[layer, e] >= 0 for e in (0, 1, 2)) == 2  # one of them was evicted for it
+        promotions = m.stats()["promotions"]  # the worker's issue timed (host time the decoding thread may wait out)
+        assert promotions["done"] == 1 and promotions["host_ms_each"] > 0
+        assert m.slots.is_cuda or promotions["clears_behind_copy"] == 0  # no copy is ever in flight on a CPU slab
     finally:
         m.close()
+
+
+@pytest.mark.gpu
+def test_a_clear_behind_a_copy_in_flight_is_counted(store):
+    """A victim whose own copy has not landed makes its clear's stream wait for that copy (the decode stream, for
+    a promotion): `clears_behind_copy` counts it, and a clear after the copy has landed is not counted."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from strata.tiers.gpu_slots import GpuSlots
+
+    slots = GpuSlots(store.slot_bytes, 4, num_layers=2, num_experts=8, device=torch.device("cuda"))
+    src = torch.zeros(store.slot_bytes, dtype=torch.uint8).pin_memory()
+    with torch.cuda.stream(slots.copy_stream):
+        torch.cuda._sleep(200_000_000)  # the copy stream busy for ~0.1 s: the load below stays in flight
+    slots.load((0, 1), 0, src)
+    slots.clear((0, 1))
+    assert slots.clears_behind_copy == 1
+    slots.load((0, 2), 1, src)
+    torch.cuda.synchronize()
+    slots.clear((0, 2))
+    assert slots.clears_behind_copy == 1
+    torch.cuda.synchronize()
 
 
 def test_promote_cpu_slab(store):

@@ -243,6 +243,7 @@ def decode_state(engine) -> dict:
             "prefetcher": None if p is None else {"idle": bool(p.idle()) if p.idle is not None else False,
                                                   "pauses": p.pauses, "target": p.device_tier},
             "prefetch": tiers.get("prefetch"),
+            "promotions": tiers.get("promotions"),  # done, the worker's host ms each, clears behind a copy
             # the split's cost model as it ended (what it believed about the paths when choosing)
             "cost_model": None if compute is None else {
                 k: getattr(compute.rates, k) for k in ("cpu_bytes_per_s", "pcie_bytes_per_s", "copy_host_s",

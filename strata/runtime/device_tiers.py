@@ -135,7 +135,8 @@ class DeviceTiers:
             for tier, row in snap["tiers"].items():
                 residency[tier] += row["resident"]
                 capacity[tier] += row["capacity"]
-        merged = self.stats_.snapshot(dict(residency), dict(capacity))
+        behind = sum(snap["promotions"]["clears_behind_copy"] for snap in per)
+        merged = self.stats_.snapshot(dict(residency), dict(capacity), behind)
         merged["pending_work"] = sum(snap["pending_work"] for snap in per)
         merged["devices"] = {}
         for dev, (start, end), snap in zip(self.devices, self.layer_ranges, per, strict=True):
@@ -158,7 +159,8 @@ class DeviceTiers:
                 for name, c in s.paths.items():
                     p = out.paths.setdefault(name, PathCounters())
                     p.bytes, p.objects, p.seconds = p.bytes + c.bytes, p.objects + c.objects, p.seconds + c.seconds
-                for name in ("prefetch_issued", "prefetch_used", "prefetch_late", "prefetch_unused", "checksum_failures"):
+                for name in ("prefetch_issued", "prefetch_used", "prefetch_late", "prefetch_unused", "checksum_failures",
+                             "promotions", "promotion_host_seconds"):
                     setattr(out, name, getattr(out, name) + getattr(s, name))
                 for tier, n in s.evictions.items():
                     out.evictions[tier] += n

@@ -14,6 +14,7 @@ tier manager under `device` (e.g. "cuda:1"; the merged totals are not emitted, s
   strata:tier_resident_objects / strata:tier_resident_bytes / strata:tier_capacity_objects / strata:tier_evictions_total
   strata:tier_bytes_moved_total, strata:tier_bandwidth_bytes_per_second   (label `path`, e.g. "disk->pinned")
   strata:tier_stall_seconds_total, strata:prefetch_precision, strata:prefetch_recall, strata:tier_damaged_objects
+  strata:tier_promotions_total    experts a transfer worker promoted into the GPU tier (split decode)
 
 Stage-hop series (no labels; only for a model split over several cards): activation copies between cards
   strata:stage_hops_total, strata:stage_hop_bytes_total, strata:stage_hop_seconds_total (0 unless hops are timed)
@@ -174,6 +175,8 @@ def _tier_metrics(t: dict | None, device: str, plan: Any) -> Iterator[Metric]:
           for key, doc in (("precision", "Prefetched experts later used / prefetches issued."),
                            ("recall", "Lookups served by a prefetch / (those + misses)."))}
     damaged = GaugeMetricFamily("strata:tier_damaged_objects", "Experts whose checksum failed.", labels=["device"])
+    promoted = CounterMetricFamily("strata:tier_promotions", "Experts promoted into the GPU tier in the background.",
+                                   labels=["device"])
     for dev, snap, gpu_slot in cards:
         tiers = snap.get("tiers", {})
         hits = {name: int(v.get("hits", 0)) for name, v in tiers.items()}
@@ -201,8 +204,9 @@ def _tier_metrics(t: dict | None, device: str, plan: Any) -> Iterator[Metric]:
         for key, family in pf.items():
             family.add_metric([dev], float(snap.get("prefetch", {}).get(key, 0.0)))
         damaged.add_metric([dev], len(snap.get("damaged", [])))
+        promoted.add_metric([dev], int((snap.get("promotions") or {}).get("done", 0)))
     yield from (lookups, hit_c, ratio, resident, resident_b, capacity, evictions, moved, bw, stall, *pf.values(),
-                damaged)
+                damaged, promoted)
     yield from _hop_metrics(t.get("stage_hops"))
 
 

@@ -56,6 +56,7 @@ class GpuSlots:
         self._published: dict[int, torch.cuda.Event] = {}
         self._freed: dict[int, torch.cuda.Event] = {}
         self._key_cleared: dict[Key, torch.cuda.Event] = {}
+        self.clears_behind_copy = 0  # clears ordered after a copy still in flight (`_count_behind`)
         self._row_views: tuple[torch.Tensor, ...] | None = None  # slab rows, made on first copy
         self._epoch: torch.cuda.Event | None = None  # a timing event recorded before any copy
         if self.is_cuda:
@@ -99,6 +100,12 @@ class GpuSlots:
             done = torch.cuda.Event()
             done.record(stream)
         return done
+
+    def _count_behind(self, published: torch.cuda.Event | None) -> None:
+        """Count a clear that the stream must order after a copy still in flight (its slot's publish event not
+        yet reached): that stream (the decode stream, for a promotion's victim) waits for the copy."""
+        if published is not None and not published.query():
+            self.clears_behind_copy += 1
 
     def slot_for(self, key: Key) -> int:
         """The slot holding `key` (host mirror), or -1."""
@@ -148,7 +155,9 @@ class GpuSlots:
         self.key_of_slot[slot] = -1
         if stream is None and self.is_cuda:
             stream = torch.cuda.current_stream(self.device)
-        ev = self._set_device(layer, expert, -1, stream, after=self._published.pop(slot, None))
+        published = self._published.pop(slot, None)
+        self._count_behind(published)
+        ev = self._set_device(layer, expert, -1, stream, after=published)
         if ev is not None:
             self._freed[slot] = self._key_cleared[(layer, expert)] = ev
         return slot
@@ -244,6 +253,7 @@ class GpuSlots:
             slots.append(slot)
             cleared.append((layer, expert))
             if stream is not None and (published := self._published.pop(slot, None)) is not None:
+                self._count_behind(published)
                 stream.wait_event(published)
         if cleared:  # on the current stream: later compute kernels see -1
             self.slot_of.view(-1).index_fill_(0, self._device_ints([[ly * self.num_experts + e for ly, e in cleared]])[0], -1)

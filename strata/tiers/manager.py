@@ -323,7 +323,8 @@ class TierManager(IntegrityMixin, LookupsMixin, PlacementMixin, StepCopiesMixin,
             if self.tmpfs is not None:
                 residency["tmpfs"] = self.tmpfs.resident_objects()
                 capacity["tmpfs"] = self.tmpfs.capacity_objects()
-            return {**self.stats_.snapshot(residency, capacity), "pending_work": pending}
+            behind = self.slots.clears_behind_copy if self.slots is not None else 0
+            return {**self.stats_.snapshot(residency, capacity, behind), "pending_work": pending}
 
     def close(self) -> None:
         with self._lock:

@@ -82,5 +82,9 @@ class PlacementMixin:
             self._submit(2, self._promote_on, stream, key)
 
     def _promote_on(self, stream, key: Key) -> None:
+        t0 = time.perf_counter()
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             self.prefetch([key], "gpu", warm=True)
+        with self._lock:  # the host time: Python that holds the GIL the decoding thread needs too
+            self.stats_.promotions += 1
+            self.stats_.promotion_host_seconds += time.perf_counter() - t0

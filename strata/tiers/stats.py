@@ -61,6 +61,8 @@ class TierStats:
     prefetch_late: int = 0  # ... and the lookup still had to wait for it
     prefetch_unused: int = 0  # evicted before any lookup used it
     evictions: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    promotions: int = 0  # `promote` moves done by a transfer worker
+    promotion_host_seconds: float = 0.0  # the worker's time issuing them (Python: the GIL, beside the decode thread)
     checksum_failures: int = 0
     damaged: list = field(default_factory=list)  # objects whose checksum failed (layer, expert)
     expert_lookups: dict = field(default_factory=lambda: defaultdict(int))  # (layer, expert) -> lookups (heatmap)
@@ -87,8 +89,9 @@ class TierStats:
         c.misses += count * int(missed)
         c.stall_seconds += stall
 
-    def snapshot(self, residency: dict[str, int], capacity: dict[str, int]) -> dict:
-        """A JSON-ready copy: totals, per tier, per layer, per path, prefetch quality."""
+    def snapshot(self, residency: dict[str, int], capacity: dict[str, int], clears_behind_copy: int = 0) -> dict:
+        """A JSON-ready copy: totals, per tier, per layer, per path, prefetch quality, promotions
+        (`clears_behind_copy`: GPU map clears queued behind a copy still in flight, `GpuSlots`)."""
         lookups = sum(c.lookups for c in self.layers.values())
         hits: dict[str, int] = defaultdict(int)
         for c in self.layers.values():
@@ -112,6 +115,11 @@ class TierStats:
                 "unused": self.prefetch_unused,
                 "precision": self.prefetch_used / issued if issued else 0.0,
                 "recall": self.prefetch_used / (self.prefetch_used + misses) if (self.prefetch_used + misses) else 0.0,
+            },
+            "promotions": {
+                "done": self.promotions,
+                "host_ms_each": round(1000 * self.promotion_host_seconds / self.promotions, 3) if self.promotions else 0.0,
+                "clears_behind_copy": clears_behind_copy,
             },
             "checksum_failures": self.checksum_failures,
             "damaged": [list(k) for k in self.damaged],
