@@ -33,6 +33,13 @@ def _cmd_generate(args: argparse.Namespace) -> int:
         config.runtime.devices = parse_gpus(args.gpus)
         config.runtime.__post_init__()
     engine = Engine.from_pretrained(args.model, config=config, device=args.device, progress=sys.stderr.isatty())
+    try:  # closed on every way out: its transfer workers and native threads stop before the interpreter does
+        return _generate(engine, args)
+    finally:
+        engine.close()
+
+
+def _generate(engine, args: argparse.Namespace) -> int:
     kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                   seed=args.seed, stop=args.stop or None, reproducible=args.reproducible)
     if args.chat:
