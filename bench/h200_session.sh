@@ -22,11 +22,15 @@ prefill_run() {
   timeout 100 python3 bench/profile_prefill.py --model "$1" --label "$2" --chunk "$3" --out "$OUT" \
     --config '{"tiers": {"gpu": {"budget": "'$4'GiB"}}'"$keep"'}' 2>&1 | grep -E 'prefilled|Error' | cut -c1-300
 }
+# The 12-layer skewed checkpoint with temporal locality at /dev/shm/loc1, unless it is there
+make_loc1() {
+  [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
+    --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
+}
 # bench/hotpath.py on the 12-layer skewed checkpoint with temporal locality (made once), 25% of the expert bytes in
 # VRAM, 128 tokens a case; $1 = cases. One summary line a case (the whole record in $OUT/hp/hotpath.json).
 loc1_hotpath() {
-  [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
-    --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
+  make_loc1
   timeout "${HP_TIMEOUT:-200}" python3 bench/hotpath.py --model /dev/shm/loc1 --cache /dev/shm/sc --out "$OUT/hp" --tokens 128 \
     --gpu-fraction "${HP_FRACTION:-0.25}" --cases "$1" 2>&1 | grep -E '^\{"|Error' | python3 -c "import json, sys
 for line in sys.stdin:
@@ -35,6 +39,21 @@ for line in sys.stdin:
     print(r['case'], r['tok_s'], 'share', r.get('gpu_share'), 'kernel', k, 'threads', r.get('cpu_kernel_threads_us'), 'serve/gap', mb['serve'],
           mb['gpu_gap'], 'plans', ca.get('plans_used'), 'read/computed MB/tok', ca.get('read_MB_per_token'),
           ca.get('computed_MB_per_token'), 'stolen', ca.get('pieces_stolen'), 'held_max', ca.get('held_us_max'))"
+}
+# bench/serial_phase.py on the 12-layer skewed checkpoint with temporal locality (made here, removed after: the suite's
+# pinned tier needs that RAM), into $OUT/sp and $OUT/sp.txt; $1 = timeout s, $2 = the lines of sp.txt shown (a regex)
+loc1_serial_phase() {
+  make_loc1
+  timeout "$1" python3 bench/serial_phase.py --model /dev/shm/loc1 --out "$OUT/sp" --cases "${SP_CASES:-split}" \
+    > "$OUT/sp.txt" 2>&1; grep -E "$2" "$OUT/sp.txt"
+  rm -rf /dev/shm/loc1
+}
+# One run of case $2 of the suite (12 layers, 64 tokens) into $OUT/ab/$1, its result line prefixed with $1; the rest of
+# the arguments go to `bench run`, knobs in the environment apply (ab_summary reads $OUT/ab afterwards)
+ab_case() {
+  local label=$1 case=$2; shift 2
+  timeout 100 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 90 --cases "$case" \
+    --out "$OUT/ab/$label" "$@" 2>&1 | grep -E '^split/' | sed "s/^/$label: /"
 }
 # One run of the suite's skewed 25% case into $OUT/$1 (its suite.json kept); the rest of the arguments go to
 # `bench run` (e.g. --set '{...}'); knobs in the environment apply to the run.
@@ -473,8 +492,7 @@ case "$1" in
                 # the suite's skewed checkpoint with the books and the promotions off, at 50% and 25%, and the 50%
                 # suite case with promotions off, alternated 2 x 2
     gpu_tests
-    [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
-      --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
+    make_loc1
     for f in 0.5 0.25; do
       timeout 150 python3 bench/step_timeline.py --model /dev/shm/loc1 --gpu-fraction $f --tokens 64 --out "$OUT/tl-$f" \
         --cases split,split+nobooks,split+nopromote,split+nobooks+nopromote 2>&1 | grep -E '^\{"case"|Error' | cut -c1-900
@@ -487,8 +505,7 @@ case "$1" in
   twentyninth-b)  # after twentyninth's timeline (books and promotions lengthen the steps' ends): the books woken once
                   # the step's LM head is queued (new) against at the replay (+wakeatlaunch), the kernel on 10 threads,
                   # promotions off; then the 25% suite case with promotions on and off, alternated 2 x 2
-    [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
-      --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
+    make_loc1
     timeout 200 python3 bench/step_timeline.py --model /dev/shm/loc1 --gpu-fraction 0.25 --tokens 128 --out "$OUT/tl-0.25" \
       --cases split,split+wakeatlaunch,split+nopromote,split+t10,split,split+wakeatlaunch 2>&1 | grep -E '^\{"case"|Error' | cut -c1-1100
     timeout 80 python3 bench/step_timeline.py --model /dev/shm/loc1 --gpu-fraction 0.5 --tokens 128 --out "$OUT/tl-0.5" \
@@ -505,16 +522,14 @@ case "$1" in
       tests/test_cpu_mailbox.py > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"
     timeout 100 python3 bench/cpu_kernel_trace.py --threads 12 --calls 200 --knobs "claim_ahead=4,down_split=1" --own 5 \
       --out "$OUT/ckt" 2>&1 | grep -E '^own|fixed|Error'
-    [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
-      --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
+    make_loc1
     timeout 300 python3 bench/step_timeline.py --model /dev/shm/loc1 --gpu-fraction 0.25 --tokens 128 --out "$OUT/tl" \
       --cases split,split+warm,split,split+warm 2>&1 | grep -E '^\{"case"|Error' | cut -c1-1500 ;;
   thirtieth-b)  # warm-ahead in decode with the CPU kernel's phase trace (bench/hotpath.py), alternated 2 x 2, 25% skewed
                 # (TESTS=1: the GPU tests of the files it touches first)
     [ -n "${TESTS:-}" ] && { timeout 200 python3 -m pytest -q -m gpu tests/test_warm_ahead.py tests/test_copy_ahead.py \
       tests/test_fused_kernels.py tests/test_cpu_mailbox.py > "$OUT/gpu_tests.txt" 2>&1; tail -3 "$OUT/gpu_tests.txt"; }
-    [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
-      --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
+    make_loc1
     timeout 400 python3 bench/hotpath.py --model /dev/shm/loc1 --cache /dev/shm/sc --out "$OUT/hp" --tokens 128 \
       --gpu-fraction 0.25 --cases "${CASES:-split,split+warm,split,split+warm}" 2>&1 | grep -E '^\{"|Error' | cut -c1-2500 ;;
   thirtieth-c)  # every GPU test at warm-ahead's default (runtime.warm_ahead = true), then the 25% skewed suite case
@@ -530,23 +545,20 @@ case "$1" in
     timeout 150 python3 bench/cpu_kernel_trace.py --threads 12 --calls 100 --knobs "claim_ahead=4,down_split=1" --own 8 \
       --read-knobs "${READS:-warm_streams=1;warm_streams=2;warm_streams=4;warm_streams=8;warm_streams=1,warm_touch=2;warm_streams=2,warm_touch=2;warm_streams=4,warm_touch=2;warm_streams=4,warm_touch=4}" \
       --out "$OUT/ckt" 2>&1 | grep -E '^warm_|^defaults|^read|Error'
-    [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
-      --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
+    make_loc1
     timeout 400 python3 bench/hotpath.py --model /dev/shm/loc1 --cache /dev/shm/sc --out "$OUT/hp" --tokens 128 \
       --gpu-fraction 0.25 --cases "${CASES:-split,split+ws4,split+ws4+wt2,split,split+ws4,split+ws4+wt2}" 2>&1 \
       | grep -E '^\{"|Error' | cut -c1-2500 ;;
   thirtyfirst-b)  # the kernel's new defaults (warm_streams 4, rest_chunks 1) in 25% skewed decode, alternated against
                   # each undone (rest0, ws1) and against warm-ahead off (CASES)
-    [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
-      --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
+    make_loc1
     timeout 400 python3 bench/hotpath.py --model /dev/shm/loc1 --cache /dev/shm/sc --out "$OUT/hp" --tokens 128 \
       --gpu-fraction 0.25 --cases "${CASES:-split,split+rest0,split+ws1,split+nowarm,split,split+rest0,split+ws1,split+nowarm}" \
       2>&1 | grep -E '^\{"|Error' | cut -c1-2500 ;;
   thirtyfirst-c)  # every GPU test at the session's last code (a stopped warm read waits for no straggler), then the 25%
                   # skewed decode with warm-ahead and without (hotpath, 2 x 2), then the suite case the same way (REPS)
     gpu_tests 4
-    [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
-      --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
+    make_loc1
     timeout "${HP_TIMEOUT:-200}" python3 bench/hotpath.py --model /dev/shm/loc1 --cache /dev/shm/sc --out "$OUT/hp" --tokens 128 \
       --gpu-fraction 0.25 --cases "split,split+nowarm,split,split+nowarm" 2>&1 | grep -E '^\{"|Error' | cut -c1-1200
     for r in $(seq "${REPS:-1}"); do
@@ -578,8 +590,7 @@ case "$1" in
   thirtythird)  # every GPU test, then the split step's serial phase kernel by kernel beside the all-in-VRAM layer
                 # (bench/serial_phase.py: CUPTI kernel records of 24 decode tokens, the 25% skewed checkpoint)
     gpu_tests 4
-    [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
-      --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
+    make_loc1
     timeout 240 python3 bench/serial_phase.py --model /dev/shm/loc1 --out "$OUT/sp" --cases "${CASES:-split,ceiling}" \
       > "$OUT/sp.txt" 2>&1; tail -c 6000 "$OUT/sp.txt" ;;
   thirtythird-b)  # the GPU's in-place share of the cold rows fixed (shareX) against adapted (split), 25% skewed hotpath
@@ -588,8 +599,7 @@ case "$1" in
     [ -z "${SP_CASES:-split,ceiling}" ] || timeout 150 python3 bench/serial_phase.py --model /dev/shm/loc1 --out "$OUT/sp" \
       --cases "${SP_CASES:-split,ceiling}" > "$OUT/sp.txt" 2>&1 ;;
   thirtythird-c)  # the serial-phase profile with the worker's own clock beside it, warm-ahead on and off (SP_CASES)
-    [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
-      --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
+    make_loc1
     timeout 300 python3 bench/serial_phase.py --model /dev/shm/loc1 --out "$OUT/sp" \
       --cases "${SP_CASES:-split,split+nowarm,split,split+nowarm}" > "$OUT/sp.txt" 2>&1; grep -E "fetch_us|Error" "$OUT/sp.txt" ;;
   thirtythird-d)  # the fetch's floor (bench/fetch_probe.py), then the in-place share on the layer's own stream
@@ -616,11 +626,7 @@ case "$1" in
                  # node between the router and the post), then the suite's skewed 25% case here (new) against the tree
                  # at $OLD_TREE (old: the same tree with an earlier strata/), alternated (REPS pairs)
     gpu_tests 4
-    [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
-      --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
-    timeout 150 python3 bench/serial_phase.py --model /dev/shm/loc1 --out "$OUT/sp" --cases "${SP_CASES:-split}" \
-      > "$OUT/sp.txt" 2>&1; grep -E "Error" "$OUT/sp.txt"
-    rm -rf /dev/shm/loc1
+    loc1_serial_phase 150 "Error"
     for r in $(seq "${REPS:-1}"); do
       b25_suite "b25-new-$r"
       [ -z "${OLD_TREE:-}" ] || (cd "$OLD_TREE" && PYTHONPATH=/tmp/site:$OLD_TREE b25_suite "b25-old-$r")
@@ -654,17 +660,11 @@ case "$1" in
                 # default) against the worker-rate rule (rate), alternated (REPS rounds); one summary file, share_ab.json
     [ -n "${SKIP_TESTS:-}" ] || timeout 150 python3 -m pytest -q -m gpu tests/test_cpu_mailbox.py tests/test_copy_ahead.py \
       tests/test_decode_path.py 2>&1 | tail -3
-    [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
-      --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
-    timeout 120 python3 bench/serial_phase.py --model /dev/shm/loc1 --out "$OUT/sp" --cases "${SP_CASES:-split}" \
-      > "$OUT/sp.txt" 2>&1; grep -E "Error|answer_there|idle_positive" "$OUT/sp.txt"
-    rm -rf /dev/shm/loc1
+    loc1_serial_phase 120 "Error|answer_there|idle_positive"
     for r in $(seq "${REPS:-2}"); do
       for mode in ${MODES:-balance rate}; do
         for b in ${BUDGETS:-25 40}; do
-          STRATA_MAILBOX_SHARE_ADAPT=$mode timeout 80 python3 -m bench run --suite full --layers 12 --tokens 64 \
-            --deadline 70 --cases "split/b$b/skewed/p128x1" --out "$OUT/ab/$mode-b$b-$r" 2>&1 | grep -E '^split/' \
-            | sed "s/^/$mode r$r: /"
+          STRATA_MAILBOX_SHARE_ADAPT=$mode ab_case "$mode-b$b-$r" "split/b$b/skewed/p128x1"
         done
       done
     done
@@ -681,9 +681,7 @@ while True: np.copyto(b, a)" & pids="$pids $!"
       done
       for r in $(seq "${REPS:-2}"); do
         for mode in ${MODES:-balance rate}; do
-          STRATA_MAILBOX_SHARE_ADAPT=$mode timeout 80 python3 -m bench run --suite full --layers 12 --tokens 64 \
-            --deadline 70 --cases "split/b25/skewed/p128x1" --out "$OUT/ab/hog$hog-$mode-$r" 2>&1 | grep -E '^split/' \
-            | sed "s/^/hog$hog $mode r$r: /"
+          STRATA_MAILBOX_SHARE_ADAPT=$mode ab_case "hog$hog-$mode-$r" "split/b25/skewed/p128x1"
         done
       done
       [ -z "$pids" ] || kill $pids
@@ -692,11 +690,7 @@ while True: np.copyto(b, a)" & pids="$pids $!"
   thirtyfifth-c)  # every GPU test at the session's code; the serial phase (the step's ends, now without the sampler's
                   # softmax); the suite's two skewed split cases and the ceiling (the step gap on the worker's clock)
     gpu_tests 4
-    [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
-      --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
-    timeout 120 python3 bench/serial_phase.py --model /dev/shm/loc1 --out "$OUT/sp" --cases "${SP_CASES:-split}" \
-      > "$OUT/sp.txt" 2>&1; grep -E "Error|answer_there|idle_positive" "$OUT/sp.txt"
-    rm -rf /dev/shm/loc1
+    loc1_serial_phase 120 "Error|answer_there|idle_positive"
     timeout 220 python3 -m bench run --suite quick --deadline 200 --cases 'split/b25/skewed/p128x1' \
       'split/b40/skewed/p128x1' 'ceiling/all/skewed/p128x1' --out "$OUT/ab/final" 2>&1 | grep -E "^[a-z-]+/"
     ab_summary ;;
@@ -706,9 +700,7 @@ while True: np.copyto(b, a)" & pids="$pids $!"
     rm -rf /dev/shm/b12* /dev/shm/b4* /dev/shm/loc1 /dev/shm/sc
     for r in $(seq "${REPS:-1}"); do
       for p in true false; do
-        timeout 100 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 90 \
-          --cases "split/b${BUDGET:-40}/skewed/p128x1" --set '{"policy": {"promote": '$p'}}' \
-          --out "$OUT/ab/promote-$p-$r" 2>&1 | grep -E '^split/' | sed "s/^/promote $p r$r: /"
+        ab_case "promote-$p-$r" "split/b${BUDGET:-40}/skewed/p128x1" --set '{"policy": {"promote": '$p'}}'
       done
     done
     ab_summary ;;
@@ -750,8 +742,7 @@ pdl.on(torch.zeros(1, device='cuda')))"
       --prefill 0 --cases "${2:-ceiling,ceiling+nopdl,ceiling+again,ceiling+nopdl+again,ceiling+again,ceiling+nopdl+again}" \
       2>&1 | grep -E "^\{'case'" | cut -c1-400 ;;
   twentysixth-b)  # the split A/B with and without PDL: skewed (temporal locality) 3 x 2, uniform 2 x 2
-    [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \
-      --route-skew 1.0 --route-locality 1 > /dev/null 2>&1
+    make_loc1
     timeout 250 python3 bench/hotpath.py --model /dev/shm/loc1 --cache /dev/shm/sc --out "$OUT/hotpath-loc1" --tokens 128 \
       --prefill 0 --cases "${2:-split,split+nopdl,split+again,split+nopdl+again,split+again,split+nopdl+again}" \
       2>&1 | grep -E "^\{'case'" | cut -c1-700

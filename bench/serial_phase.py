@@ -72,13 +72,24 @@ def cycles(kernels: list[tuple[str, float, float, int]], start_mark: str | tuple
     return runs
 
 
+def sequences(runs: list[list[tuple[str, float, float, int]]]) -> tuple[list[tuple[str, ...]], tuple[str, ...]]:
+    """Each run's kernel names in order, and the commonest such sequence."""
+    seqs = [tuple(short(k[0]) for k in r) for r in runs]
+    return seqs, max(set(seqs), key=seqs.count)
+
+
+def gpu_work_us(cold: list[list[tuple[str, float, float, int]]]) -> list[float]:
+    """Each cold phase's own GPU work: from the pack's end to the last end of its kernels but the wait for the
+    worker (the acquire) and the answer's copy."""
+    return [max((k[2] for k in r[1:-1] if "_acquire_kernel" not in k[0]), default=r[0][2]) - r[0][2] for r in cold]
+
+
 def serial_table(runs: list[list[tuple[str, float, float, int]]]) -> dict:
     """Median length of the runs (first kernel's end to last kernel's end) and, position by position over the runs
     of the commonest kernel sequence, each kernel's median duration and the idle time before it."""
     if not runs:
         return {"runs": 0}
-    seqs = [tuple(short(k[0]) for k in r) for r in runs]
-    common = max(set(seqs), key=seqs.count)
+    seqs, common = sequences(runs)
     same = [r for r, s in zip(runs, seqs, strict=True) if s == common]
     rows = []
     for i, name in enumerate(common):
@@ -154,7 +165,7 @@ def spread(cold: list[list[tuple[str, float, float, int]]]) -> dict:
         return {}
     pick = lambda xs, q: round(sorted(xs)[min(len(xs) - 1, int(q * len(xs)))], 1)  # noqa: E731
     length = [r[-1][2] - r[0][2] for r in cold]
-    work = [max((k[2] for k in r[1:-1] if "_acquire_kernel" not in k[0]), default=r[0][2]) - r[0][2] for r in cold]
+    work = gpu_work_us(cold)
     wait = [next((k[2] - k[1] for k in r if "_acquire_kernel" in k[0]), 0.0) for r in cold]
     out = {name: {f"p{int(q * 100)}": pick(xs, q) for q in (0.1, 0.5, 0.9)} | {"mean": round(statistics.fmean(xs), 1)}
            for name, xs in (("length_us", length), ("gpu_work_us", work), ("acquire_us", wait))}
@@ -169,8 +180,7 @@ def step_ends(runs: list[list[tuple[str, float, float, int]]]) -> dict:
     large idle: the GPU waited for the host's launch)."""
     if not runs:
         return {}
-    seqs = [tuple(short(k[0]) for k in r) for r in runs]
-    common = max(set(seqs), key=seqs.count)
+    seqs, common = sequences(runs)
     ends = [r for r, q in zip(runs, seqs, strict=True) if len(q) > len(common)]
     if not ends:
         return {"runs": 0}
@@ -189,8 +199,7 @@ def analyse(name: str, kernels: list[tuple[str, float, float, int]], worker: dic
         cold = cycles(kernels, PACK, FETCH)
         cold_len = [r[-1][2] - r[0][2] for r in cold]
         fetch_wait = [r[-1][2] - r[-1][1] for r in cold]
-        gpu_work = [max((k[2] for k in r[1:-1] if "_acquire_kernel" not in k[0]), default=r[0][2]) - r[0][2]
-                    for r in cold]  # the GPU's own cold work (not the wait for the worker)
+        gpu_work = gpu_work_us(cold)
         med = lambda xs: round(statistics.median(xs), 1) if xs else None  # noqa: E731
         return {"case": name, "worker": worker, "serial": serial, "cold_us": med(cold_len),
                 "fetch_kernel_us": med(fetch_wait), "cold_gpu_work_us": med(gpu_work), "cold": serial_table(cold),
