@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|twentyninth|twentyninth-b|thirtieth|thirtieth-b|thirtieth-c|thirtyfirst|thirtyfirst-b|thirtyfirst-c|thirtysecond|thirtysecond-b|thirtysecond-c|thirtythird|thirtythird-b|thirtythird-c|thirtythird-d|thirtythird-e|thirtythird-f|thirtyfourth|thirtyfourth-b|thirtyfourth-c|thirtyfourth-d|thirtyfifth|thirtyfifth-b|thirtyfifth-c|thirtyfifth-d|thirtyfifth-e|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|twentyninth|twentyninth-b|thirtieth|thirtieth-b|thirtieth-c|thirtyfirst|thirtyfirst-b|thirtyfirst-c|thirtysecond|thirtysecond-b|thirtysecond-c|thirtythird|thirtythird-b|thirtythird-c|thirtythird-d|thirtythird-e|thirtythird-f|thirtyfourth|thirtyfourth-b|thirtyfourth-c|thirtyfourth-d|thirtyfifth|thirtyfifth-b|thirtyfifth-c|thirtyfifth-d|thirtyfifth-e|thirtysixth|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet; pydantic is not on it either):
 # `bash bench/box_wheels.sh` fetches them here.
@@ -80,7 +80,7 @@ for p, c in [(p, c) for p in sorted(out.glob("ab/*/suite.json")) for c in json.l
     print(label, m["decode_tok_s"], c.get("fraction_of_roofline"), "hit", m["gpu_hit_rate"],
           "share", round(og.get("gpu_share") or 0, 3), og.get("gpu_share_mode"), "promo/tok", m["promotions_per_token"],
           "step ms", round(step, 3), "cold", round(cold, 3), "between", round(between, 3), "ends", round(step - cold - between, 3),
-          "promotions", (m.get("decode_state") or {}).get("promotions"), "window", w)
+          "promotions", (m.get("decode_state") or {}).get("promotions"), "books_s", og.get("books_s"), "window", w)
 json.dump(runs, open(out / "share_ab.json", "w"), indent=1)
 PY
   rm -rf "$OUT/ab"
@@ -718,6 +718,18 @@ runpy.run_module('bench', run_name='__main__')" "$sw" run --suite full --layers 
           | sed "s/^/switch $sw r$r: /"
       done
     done
+    ab_summary ;;
+  thirtysixth)  # every GPU test (the clear-count test among them); then what a promotion costs the step: the 40% skewed
+                # case with promotions on and off alternated (REPS rounds), then the 25% one with them on; each prints the
+                # transfer worker's host time a promotion and the GPU map clears that waited behind a copy in flight
+    gpu_tests 5
+    rm -rf /dev/shm/b12* /dev/shm/b4* /dev/shm/loc1 /dev/shm/sc
+    for r in $(seq "${REPS:-1}"); do
+      for p in true false; do
+        ab_case "promote-$p-$r" "split/b40/skewed/p128x1" --set '{"policy": {"promote": '$p'}}'
+      done
+    done
+    ab_case "promote-true-b25" "split/b25/skewed/p128x1"
     ab_summary ;;
   cap-summary)  # after twentyeighth and twentyeighth-b (run apart, so that a timed-out A/B still leaves its summary;
                 # "cap" in the directory names is the switch's value: the cap, or $STRATA_CPU_PIN)
