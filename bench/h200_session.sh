@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|twentyninth|twentyninth-b|thirtieth|thirtieth-b|thirtieth-c|thirtyfirst|thirtyfirst-b|thirtyfirst-c|thirtysecond|thirtysecond-b|thirtysecond-c|thirtythird|thirtythird-b|thirtythird-c|thirtythird-d|thirtythird-e|thirtythird-f|thirtyfourth|thirtyfourth-b|thirtyfourth-c|thirtyfourth-d|thirtyfifth|thirtyfifth-b|thirtyfifth-c|thirtyfifth-d|thirtyfifth-e|thirtysixth|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|twentyninth|twentyninth-b|thirtieth|thirtieth-b|thirtieth-c|thirtyfirst|thirtyfirst-b|thirtyfirst-c|thirtysecond|thirtysecond-b|thirtysecond-c|thirtythird|thirtythird-b|thirtythird-c|thirtythird-d|thirtythird-e|thirtythird-f|thirtyfourth|thirtyfourth-b|thirtyfourth-c|thirtyfourth-d|thirtyfifth|thirtyfifth-b|thirtyfifth-c|thirtyfifth-d|thirtyfifth-e|thirtysixth|thirtysixth-b|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet; pydantic is not on it either):
 # `bash bench/box_wheels.sh` fetches them here.
@@ -730,6 +730,19 @@ runpy.run_module('bench', run_name='__main__')" "$sw" run --suite full --layers 
       done
     done
     ab_case "promote-true-b25" "split/b25/skewed/p128x1"
+    ab_summary ;;
+  thirtysixth-b)  # the books inline on the decoding thread, promotions issued there (inline, the new default) against
+                  # their own thread with promotions on transfer workers (thread): the 40% and 25% skewed cases, alternated
+                  # (REPS rounds); every GPU test first unless SKIP_TESTS
+    gpu_tests 5
+    rm -rf /dev/shm/b12* /dev/shm/b4* /dev/shm/loc1 /dev/shm/sc
+    for r in $(seq "${REPS:-1}"); do
+      for b in 40 25; do
+        for mode in inline thread; do
+          STRATA_MAILBOX_BOOKS=$mode ab_case "books-$mode-b$b-$r" "split/b$b/skewed/p128x1"
+        done
+      done
+    done
     ab_summary ;;
   cap-summary)  # after twentyeighth and twentyeighth-b (run apart, so that a timed-out A/B still leaves its summary;
                 # "cap" in the directory names is the switch's value: the cap, or $STRATA_CPU_PIN)

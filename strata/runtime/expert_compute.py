@@ -200,8 +200,8 @@ class ExpertCompute(CpuCompute):
                                           self.device, share, adaptive=not fixed, gpu_rate=IN_PLACE_RATE,
                                           split=not whole, mode=mode, wait_target=target)
         self.copy_ahead = self._open_copy_ahead(addresses, store) if self.gpu_share is not None else None
-        self.books = MailboxBooks(self.mailbox, m, self.promote_one, self._count_mailbox, self.gpu_share,
-                                  self.copy_ahead)
+        self.books = MailboxBooks(self.mailbox, m, self.pick_promotion, self._count_mailbox, self.gpu_share,
+                                  self.copy_ahead, inline=_books_inline())
         self._mailbox_kernel = (0, 0, 0.0)
 
     def _open_copy_ahead(self, addresses: np.ndarray, store):
@@ -247,17 +247,24 @@ class ExpertCompute(CpuCompute):
         self._mailbox_kernel = (experts, nbytes, seconds)
 
     def promote_one(self, layer: int, experts) -> None:
-        """Of `experts` (cold in `layer`, computed on the CPU), the one the GPU tier's history says is used most,
-        if it is worth a slot (used over twice as often as the slot's victim, `worth_caching`), copied there
-        by a transfer worker, in the background. One per layer and step, so the link stays lightly used."""
+        """Of `experts` (cold in `layer`, computed on the CPU), the one `pick_promotion` picks, copied into the GPU tier
+        by a transfer worker, in the background."""
+        if (key := self.pick_promotion(layer, experts)) is not None:
+            self.manager.promote(key)  # queued for a transfer worker
+
+    def pick_promotion(self, layer: int, experts) -> tuple[int, int] | None:
+        """Of `experts` (cold in `layer`, computed on the CPU), the one the GPU tier's history says is used most, if
+        it is worth a slot (used over twice as often as the slot's victim, `worth_caching`); None if none is, or
+        promotions are off. One per layer and step, so the link stays lightly used. Counted in `promotions`."""
         if not self.promote:
-            return
+            return None
         m = self.manager
         keep = m.worth_caching(layer, sorted(experts))
-        if keep:
-            score = m.gpu_scores(layer, keep)
-            m.promote((layer, max(keep, key=score.__getitem__)))  # queued for a transfer worker
-            self.promotions += 1
+        if not keep:
+            return None
+        score = m.gpu_scores(layer, keep)
+        self.promotions += 1
+        return layer, max(keep, key=score.__getitem__)
 
     def mailbox_step(self) -> None:
         """Before each graph step: the mailbox's books (and its GPU share's adjustment). A worker error or a step
@@ -363,3 +370,13 @@ def _share_rule() -> tuple[str, float | None]:
     if target is not None and not 0.0 < target < 1.0:
         raise ValueError(f"STRATA_MAILBOX_WAIT_TARGET must be a number in (0, 1), got {raw!r}")
     return mode, target
+
+
+def _books_inline() -> bool:
+    """Where the mailbox's books run, for A/B runs: $STRATA_MAILBOX_BOOKS "inline" (the default: on the decoding thread
+    while its step runs) or "thread" (a thread of their own, promotions on transfer workers: the rule before the
+    thirty-sixth session); a bad value is refused with the variable's name."""
+    mode = os.environ.get("STRATA_MAILBOX_BOOKS", "inline")
+    if mode not in ("inline", "thread"):
+        raise ValueError(f"STRATA_MAILBOX_BOOKS must be \"inline\" or \"thread\", got {mode!r}")
+    return mode == "inline"

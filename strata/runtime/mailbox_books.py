@@ -1,4 +1,4 @@
-"""The bookkeeping of one-graph split decode (strata.runtime.cpu_mailbox), after each step and off its path: the
+"""The bookkeeping of one-graph split decode (strata.runtime.cpu_mailbox), done while the GPU runs the next step: the
 lookups each MoE layer served, the tier policy's history and promotions, and the GPU share's rate, all from the
 mailbox worker's log."""
 
@@ -18,24 +18,31 @@ BALANCE_WINDOW = 48  # ...or the GPU's waits over about this many layers (four s
 
 
 class MailboxBooks:
-    """What the host step did per layer, done after the step from the worker's log, on a thread of its own
-    (the decoding thread waits on the GPU meanwhile): each lookup counted where it was served, the GPU tier's
-    history fed with every expert used, and the most used cold expert of a layer promoted into the GPU tier
-    when worth a slot (`promote(layer, experts)`)."""
+    """What the host step did per layer, done after the step from the worker's log: each lookup counted where it was
+    served, the GPU tier's history fed with every expert used, and the most used cold expert of a layer promoted into
+    the GPU tier when worth a slot (`pick(layer, experts)` chooses it, or None).
 
-    def __init__(self, mailbox: CpuMailbox, manager, promote, on_counts, share: GpuShare | None = None,
-                 ahead: CopyAhead | None = None):
+    `inline=True` (the default): the books run on the decoding thread once its step is queued (`queued`), while the GPU
+    works, and issue their promotions there. `inline=False`: on a thread of their own, woken then, their promotions
+    queued for the tier manager's transfer workers (the rule before the thirty-sixth session: those threads' Python
+    competed for the GIL with the decoding thread, whose next launch then came late: ~3-5 ms of a worker's time a
+    promotion, and 0.18 ms more a step at 0.76 promotions a token, on the H200 box)."""
+
+    def __init__(self, mailbox: CpuMailbox, manager, pick, on_counts, share: GpuShare | None = None,
+                 ahead: CopyAhead | None = None, *, inline: bool = True):
         """on_counts(experts, bytes, seconds): the worker's running totals (its kernel's own work only)."""
-        self.mailbox, self.manager, self.promote, self.on_counts = mailbox, manager, promote, on_counts
-        self.share, self.ahead = share, ahead
+        self.mailbox, self.manager, self.pick, self.on_counts = mailbox, manager, pick, on_counts
+        self.share, self.ahead, self.inline = share, ahead, inline
         self._rate_mark = (0, 0.0)  # the worker's (bytes, kernel seconds) when the share last adapted
         self._wait_mark = (0, 0)  # the worker's (layers read, layers the GPU waited in) then
         self.error: BaseException | None = None
-        self.seconds = 0.0  # spent in `flush` so far (the books' own Python, on this thread or a caller's)
+        self.seconds = 0.0  # spent in `flush` so far (the books' own Python, on whichever thread ran them)
         self._wake, self._stop = threading.Event(), threading.Event()
-        self._lock = threading.Lock()  # one drain at a time (the thread, `flush`)
-        self._thread = threading.Thread(target=self._run, name="strata-mailbox-books", daemon=True)
-        self._thread.start()
+        self._lock = threading.Lock()  # one drain at a time (the decoding thread or the books' own, `flush`)
+        self._thread: threading.Thread | None = None
+        if not inline:
+            self._thread = threading.Thread(target=self._run, name="strata-mailbox-books", daemon=True)
+            self._thread.start()
         manager.add_lookup_source(self.flush)
 
     def step(self) -> None:
@@ -49,15 +56,20 @@ class MailboxBooks:
             self.ahead.apply()
 
     def queued(self) -> None:
-        """Once the step's work is queued: wake the thread, whose Python (~0.5-1 ms a step on the H200 box) then runs
-        while the GPU works and the decoding thread waits for it, instead of holding the GIL the launch needs."""
-        self._wake.set()
+        """Once the step's work is queued: the books (~0.5-1 ms of Python a step on the H200 box) run now, while the GPU
+        works and the decoding thread would only wait for it (inline), or their thread is woken. An error is kept
+        for `step` to raise."""
+        if self._thread is not None:
+            self._wake.set()
+            return
+        self._flush_keeping_error()
 
     def flush(self) -> list:
         """Do the books for every layer served so far (the tier manager's statistics call this first, as a
         lookup source: hence [] and the lock order, the manager's then this one's). In one hold of the GIL: giving
-        it up between layers tripled the books' time on the H200 box (3.0 against 0.9 ms a step) for no gain."""
-        m, t0 = self.manager, time.perf_counter()
+        it up between layers tripled the books' time on the H200 box (3.0 against 0.9 ms a step) for no gain.
+        The promotions chosen are issued after both locks are let go."""
+        m, t0, chosen = self.manager, time.perf_counter(), []
         with m._lock, self._lock:
             entries = self.mailbox.drain()
             for layer, resident, computed in entries:
@@ -65,8 +77,11 @@ class MailboxBooks:
                     m.note_hits(layer, resident)
                 if computed:
                     m.note_pinned_reads(layer, computed)  # served from pinned RAM, on the CPU
-                    self.promote(layer, computed)
+                    if (key := self.pick(layer, computed)) is not None:
+                        chosen.append(key)
             self.on_counts(self.mailbox.experts_computed, *self.mailbox.kernel_rate())
+        for key in chosen:  # inline: issued here; else queued for a transfer worker
+            m.promote(key, now=self.inline)
         if entries and self.share is not None and self.share.mode == "rate":
             nbytes, seconds = self.mailbox.kernel_rate()
             b0, s0 = self._rate_mark
@@ -82,17 +97,23 @@ class MailboxBooks:
         self.seconds += time.perf_counter() - t0
         return []
 
+    def _flush_keeping_error(self) -> bool:
+        try:
+            self.flush()
+            return True
+        except BaseException as e:  # noqa: BLE001 - surfaced on the decoding thread by `step`
+            self.error = e
+            return False
+
     def _run(self) -> None:
         while not self._stop.is_set():
             self._wake.wait(0.05)
             self._wake.clear()
-            try:
-                self.flush()
-            except BaseException as e:  # noqa: BLE001 - surfaced on the decoding thread by `step`
-                self.error = e
+            if not self._flush_keeping_error():
                 return
 
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
-        self._thread.join()
+        if self._thread is not None:
+            self._thread.join()

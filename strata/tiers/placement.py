@@ -63,12 +63,15 @@ class PlacementMixin:
                 self._placing -= 1
                 self._released.notify_all()
 
-    def promote(self, key: Key) -> None:
-        """Bring `key` into the GPU tier in the background (at initial placement's priority); returns at once.
+    def promote(self, key: Key, now: bool = False) -> None:
+        """Bring `key` into the GPU tier in the background (at initial placement's priority).
 
         Unlike `prefetch`, which issues a pinned-resident object's copy on the calling thread (slot eviction,
-        copy stream, events, map update: about half a millisecond of host time), the whole move runs on a
+        copy stream, events, map update: a few hundred microseconds of host time), the whole move runs on a
         transfer worker, so a decode step that promotes an expert (`ExpertCompute.promote_one`) only queues it.
+        `now=True` issues it on the calling thread instead (the copy itself still runs in the background): for a
+        caller whose GPU is busy anyway, as one-graph decode's books are, run by the decoding thread while its step
+        runs (on a worker, the issue's Python competed for the GIL with that thread and made its next launch late).
         The victim's map entry is cleared on the caller's current stream, as when the caller evicts: kernels
         queued there before the clear are done before the copy overwrites the slot."""
         if self.gpu is None:
@@ -78,6 +81,9 @@ class PlacementMixin:
             if torch.cuda.is_current_stream_capturing():
                 return  # a graph being captured must not see another thread's work
             stream = torch.cuda.current_stream(self.slots.device)
+        if now:
+            self._promote_on(stream, key)
+            return
         with self._lock:
             self._submit(2, self._promote_on, stream, key)
 
@@ -85,6 +91,6 @@ class PlacementMixin:
         t0 = time.perf_counter()
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
             self.prefetch([key], "gpu", warm=True)
-        with self._lock:  # the issue's host time: Python that holds the GIL the decoding thread needs too
+        with self._lock:  # the issue's host time (on a worker, Python competing for the GIL with the decoding thread)
             self.stats_.promotions += 1
             self.stats_.promotion_host_seconds += time.perf_counter() - t0
