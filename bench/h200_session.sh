@@ -80,7 +80,7 @@ for p, c in [(p, c) for p in sorted(out.glob("ab/*/suite.json")) for c in json.l
     print(label, m["decode_tok_s"], c.get("fraction_of_roofline"), "hit", m["gpu_hit_rate"],
           "share", round(og.get("gpu_share") or 0, 3), og.get("gpu_share_mode"), "promo/tok", m["promotions_per_token"],
           "step ms", round(step, 3), "cold", round(cold, 3), "between", round(between, 3), "ends", round(step - cold - between, 3),
-          "promotions", (m.get("decode_state") or {}).get("promotions"), "books_s", og.get("books_s"), "window", w)
+          "promotions", (m.get("decode_state") or {}).get("promotions"), "books_s", og.get("books_s"), "deferred", og.get("books_deferred"), "window", w)
 json.dump(runs, open(out / "share_ab.json", "w"), indent=1)
 PY
   rm -rf "$OUT/ab"

@@ -60,13 +60,14 @@ def test_graphs_are_captured_again_after_every_graph_was_freed(plain_tiny):
 def test_after_queued_runs_once_the_steps_work_is_queued(plain_tiny):
     """`DecodeGraphs.after_queued` (the mailbox books' wake) runs once per replayed step, after `queue_decode` has
     queued the step's LM head and sampling, never inside the replay; a caller that does not call `step_queued`
-    gets it at its next step's start."""
+    gets it at its next step's start. It is given an event recorded after that work, reached once the GPU has
+    done it (inline books stop there)."""
     from strata.runtime.overlap import queue_decode
     from strata.runtime.sampler import SamplingParams, make_generator
 
     eng = Engine.from_pretrained(plain_tiny, device="cuda", config={"runtime": {"experts": "memory"}})
-    g, model, events = eng.model.graphs, eng.model, []
-    g.after_queued = lambda: events.append("wake")
+    g, model, events, dones = eng.model.graphs, eng.model, [], []
+    g.after_queued = lambda done: (events.append("wake"), dones.append(done))
     logits = model.logits
     model.logits = lambda hidden: (events.append("logits"), logits(hidden))[1]
     cache = KVCache(model.cfg, 1, 256, eng.dtype, "cuda")
@@ -86,6 +87,8 @@ def test_after_queued_runs_once_the_steps_work_is_queued(plain_tiny):
         g.step_queued()
         g.step_queued()  # once per step
         assert events[n:] == ["wake", "wake"]
+        torch.cuda.synchronize()
+        assert len(dones) == events.count("wake") and all(isinstance(d, torch.cuda.Event) and d.query() for d in dones)
     eng.close()
 
 

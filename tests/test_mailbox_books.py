@@ -95,6 +95,75 @@ def test_inline_books_issue_their_promotions_on_the_queuing_thread(tiny_model_di
         store.close()
 
 
+class _Gpu:
+    """A stand-in for the step's done event: `query()` answers from `busy` (True: the GPU still works) in turn."""
+
+    def __init__(self, *busy: bool):
+        self.busy, self.queries = list(busy), 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        return not (self.busy.pop(0) if len(self.busy) > 1 else self.busy[0])
+
+
+@needs_kernel
+def test_inline_books_stop_when_the_gpu_is_done_and_catch_up_later(tiny_model_dir, tmp_path, monkeypatch):
+    """Inline books book layers only while the step's GPU work runs: once its event is reached they leave the rest
+    (and promotions picked but not issued) for the next step, unless more than BACKLOG_MAX layers wait; statistics
+    (`flush` with no event) book everything. No layer is booked twice or lost."""
+    from strata.runtime import mailbox_books
+    from strata.runtime.convert import convert_checkpoint
+    from strata.runtime.mailbox_books import MailboxBooks
+    from strata.tiers.manager import TierBudgets, TierManager
+    from strata.tiers.store import ExpertStore
+
+    store = ExpertStore.open(convert_checkpoint(tiny_model_dir, tmp_path / "store", progress=False))
+    layer = store.index.moe_layers[0]
+    n_experts = max(k[1] for k in store.keys()) + 1
+    m = TierManager(store, TierBudgets(gpu_slots=4, pinned_slots=n_experts), gpu_device=torch.device("cpu"),
+                    io_threads=1, policy="lfu")
+    m.release(m.acquire([(layer, e) for e in range(n_experts)], "cpu"))
+    assert m.wait_settled(10)
+    _, _, slab, addr, gu_bytes = _slots()
+    box = _mailbox(addr, gu_bytes)
+    picked = []
+
+    def pick(mailbox_layer, experts):
+        picked.append(mailbox_layer)
+        return layer, mailbox_layer + 3
+
+    def step() -> None:
+        box.begin_step()
+        for ml in (0, 2):
+            box.exchange(ml, torch.tensor([3, 4]), torch.tensor([-1, -1], dtype=torch.int32), torch.randn(1, H),
+                         torch.rand(1, K))
+
+    books = MailboxBooks(box, m, pick, lambda *a: None)
+    try:
+        step()
+        books.queued(_Gpu(False))  # the GPU was done first: nothing booked
+        assert picked == [] and books.deferred == 1 and len(books._backlog) == 2
+        books.queued(_Gpu(True, False))  # one layer booked, then the GPU is done: its promotion waits
+        assert picked == [0] and (layer, 3) not in m.gpu.slot_of and books._promote == [(layer, 3)]
+        books.queued(_Gpu(True))  # the rest, and both promotions issued
+        assert picked == [0, 2] and (layer, 3) in m.gpu.slot_of and (layer, 5) in m.gpu.slot_of
+        assert books._promote == [] and not books._backlog and books.deferred == 2
+        monkeypatch.setattr(mailbox_books, "BACKLOG_MAX", 3)
+        for _ in range(3):
+            step()
+        books.queued(_Gpu(False))  # 6 wait: the books catch up to 3 even though the GPU is done
+        assert picked == [0, 2, 0, 2, 0] and len(books._backlog) == 3
+        m.stats()  # a statistics read books the rest
+        assert picked == [0, 2, 0, 2, 0, 2, 0, 2] and not books._backlog and books.error is None
+        assert m.stats()["promotions"]["done"] == 8  # every pick issued once...
+        assert sorted(m.gpu.slot_of) == [(layer, 3), (layer, 5)]  # ...the later ones finding their expert there
+    finally:
+        books.close()
+        box.close()
+        m.close()
+        store.close()
+
+
 @needs_kernel
 def test_books_balance_the_gpu_share_on_the_gpus_waits(tiny_model_dir, tmp_path):
     """The real worker reads back each layer's waits (here Python's, which always finds the worker still busy) and

@@ -279,12 +279,13 @@ class ExpertCompute(CpuCompute):
             self.close_mailbox()
             raise
 
-    def mailbox_queued(self) -> None:
-        """Once a graph step and its LM head, sampling and read-back are queued (`DecodeGraphs.step_queued`): the
-        mailbox's books run now, while the GPU works and the decoding thread waits for it (run before the launch,
-        their Python held the GIL the launch needed; right after the replay, the GIL the LM head's enqueue needed)."""
+    def mailbox_queued(self, until=None) -> None:
+        """Once a graph step and its LM head, sampling and read-back are queued (`DecodeGraphs.step_queued`, `until`
+        an event recorded after them): the mailbox's books run now, while the GPU works and the decoding thread waits
+        for it, until the event is reached (run before the launch, their Python held the GIL the launch needed;
+        right after the replay, the GIL the LM head's enqueue needed)."""
         if self.books is not None:
-            self.books.queued()
+            self.books.queued(until)
 
     def mailbox_stats(self) -> dict:
         """One-graph split decode's state: whether it runs (and why not), the worker's own totals, the GPU share."""
@@ -294,6 +295,7 @@ class ExpertCompute(CpuCompute):
             nbytes, seconds = box.kernel_rate()
             out.update(worker_experts=box.experts_computed, worker_GB_per_s=nbytes / seconds / 1e9 if seconds else 0.0,
                        log_lost=box.log_lost, books_s=round(self.books.seconds, 4) if self.books else 0.0,
+                       books_deferred=self.books.deferred if self.books else 0,
                        gpu_share=self.gpu_share.value if self.gpu_share is not None else 0.0,
                        gpu_share_mode=(None if self.gpu_share is None else
                                        self.gpu_share.mode if self.gpu_share.adaptive else "fixed"),

@@ -186,10 +186,10 @@ class DecodeGraphs:
         self.captures = 0
         self.failed: dict[str, str] = {}  # mode -> why its capture failed (that mode then runs eagerly)
         self.before_step: Callable[[], None] | None = None  # run before each graph step (e.g. the mailbox's checks)
-        # run once the caller has queued all of a replayed step's work (`step_queued`), while the GPU works: e.g.
-        # waking the mailbox's books, whose Python thread would otherwise hold the GIL the launch and the step's
-        # LM head, sampling and read-back need
-        self.after_queued: Callable[[], None] | None = None
+        # run once the caller has queued all of a replayed step's work (`step_queued`), while the GPU works, given
+        # an event recorded after that work: e.g. the mailbox's books, whose Python would otherwise hold the GIL the
+        # launch and the step's LM head, sampling and read-back need, and which stop once the event is reached
+        self.after_queued: Callable[[torch.cuda.Event], None] | None = None
         self._launched = False  # a step was replayed and `after_queued` has not run for it yet
         self.eager_shapes: dict[tuple, str] = {}  # graph key -> why that shape alone runs eagerly
 
@@ -233,12 +233,14 @@ class DecodeGraphs:
 
     def step_queued(self) -> None:
         """The caller has queued everything of the step it ran last (LM head, sampling, the tokens' read-back) and
-        is about to wait for the GPU: `after_queued` runs now, once per replayed step. (Run right after the
-        replay, the books' Python held the GIL for ~1 ms while the decoding thread still had the step's LM head
-        and sampling to queue.)"""
+        is about to wait for the GPU: `after_queued` runs now, once per replayed step, with an event recorded after
+        that work (so it can stop when the GPU is done). (Run right after the replay, the books' Python held the GIL
+        for ~1 ms while the decoding thread still had the step's LM head and sampling to queue.)"""
         if self._launched:
             self._launched = False
-            self.after_queued()
+            done = torch.cuda.Event()
+            done.record()
+            self.after_queued(done)
 
     def _capture(self, key, input_ids, meta, kv_len, cache, mode: str, step=None) -> torch.Tensor:
         """Run the step for real on a side stream (warm-up, its result is returned), then capture it."""

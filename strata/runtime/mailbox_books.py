@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import TYPE_CHECKING
+from collections import deque
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from strata.runtime.copy_ahead import CopyAhead
@@ -15,6 +16,13 @@ if TYPE_CHECKING:
 
 RATE_WINDOW_BYTES = 512 << 20  # the GPU share follows the CPU kernel's rate over about this much of its reading
 BALANCE_WINDOW = 48  # ...or the GPU's waits over about this many layers (four steps of the 12-layer bench model)
+BACKLOG_MAX = 512  # layers left for later when the GPU finished first; beyond this many the books catch up anyway
+
+
+class GpuBusy(Protocol):
+    """What inline books stop at: `query()` is True once the GPU has done the step's work (a torch.cuda.Event)."""
+
+    def query(self) -> bool: ...
 
 
 class MailboxBooks:
@@ -23,7 +31,8 @@ class MailboxBooks:
     the GPU tier when worth a slot (`pick(layer, experts)` chooses it, or None).
 
     `inline=True` (the default): the books run on the decoding thread once its step is queued (`queued`), while the GPU
-    works, and issue their promotions there. `inline=False`: on a thread of their own, woken then, their promotions
+    works, and issue their promotions there; once the GPU has done the step, they stop and leave the rest for the next
+    step (the launch waits for nothing but the GPU), unless more than `BACKLOG_MAX` layers wait. `inline=False`: on a thread of their own, woken then, their promotions
     queued for the tier manager's transfer workers (the rule before the thirty-sixth session: those threads' Python
     competed for the GIL with the decoding thread, whose next launch then came late: ~3-5 ms of a worker's time a
     promotion, and 0.18 ms more a step at 0.76 promotions a token, on the H200 box)."""
@@ -39,6 +48,9 @@ class MailboxBooks:
         self.seconds = 0.0  # spent in `flush` so far (the books' own Python, on whichever thread ran them)
         self._wake, self._stop = threading.Event(), threading.Event()
         self._lock = threading.Lock()  # one drain at a time (the decoding thread or the books' own, `flush`)
+        self._backlog: deque = deque()  # (layer, resident, computed) drained from the worker, not booked yet
+        self._promote: list = []  # promotions picked, not issued yet (the GPU finished first)
+        self.deferred = 0  # inline passes that stopped at the step's end with layers left
         self._thread: threading.Thread | None = None
         if not inline:
             self._thread = threading.Thread(target=self._run, name="strata-mailbox-books", daemon=True)
@@ -55,31 +67,40 @@ class MailboxBooks:
         if self.ahead is not None:
             self.ahead.apply()
 
-    def queued(self) -> None:
+    def queued(self, until: GpuBusy | None = None) -> None:
         """Once the step's work is queued: the books (~0.5-1 ms of Python a step on the H200 box) run now, while the GPU
-        works and the decoding thread would only wait for it (inline), or their thread is woken. An error is kept
-        for `step` to raise."""
+        works and the decoding thread would only wait for it, up to the moment `until` says the GPU is done (inline),
+        or their thread is woken. An error is kept for `step` to raise."""
         if self._thread is not None:
             self._wake.set()
             return
-        self._flush_keeping_error()
+        self._flush_keeping_error(until)
 
-    def flush(self) -> list:
-        """Do the books for every layer served so far (the tier manager's statistics call this first, as a
-        lookup source: hence [] and the lock order, the manager's then this one's). In one hold of the GIL: giving
-        it up between layers tripled the books' time on the H200 box (3.0 against 0.9 ms a step) for no gain.
-        The promotions chosen are issued after both locks are let go."""
-        m, t0, chosen = self.manager, time.perf_counter(), []
+    def flush(self, until: GpuBusy | None = None) -> list:
+        """Do the books for the layers served so far: all of them, or (`until` given) until the GPU is done, when the
+        rest waits for the next call. The tier manager's statistics call this first, as a lookup source: hence [] and
+        the lock order, the manager's then this one's. In one hold of the GIL: giving it up between layers tripled the
+        books' time on the H200 box (3.0 against 0.9 ms a step) for no gain. Promotions are issued after both locks
+        are let go, and only while the GPU is busy (else at the next call)."""
+        m, t0 = self.manager, time.perf_counter()
         with m._lock, self._lock:
             entries = self.mailbox.drain()
-            for layer, resident, computed in entries:
+            backlog, chosen = self._backlog, self._promote
+            backlog.extend(entries)
+            while backlog and (until is None or len(backlog) > BACKLOG_MAX or not until.query()):
+                layer, resident, computed = backlog.popleft()
                 if resident:
                     m.note_hits(layer, resident)
                 if computed:
                     m.note_pinned_reads(layer, computed)  # served from pinned RAM, on the CPU
                     if (key := self.pick(layer, computed)) is not None:
                         chosen.append(key)
+            self.deferred += bool(backlog)
             self.on_counts(self.mailbox.experts_computed, *self.mailbox.kernel_rate())
+            if chosen and (until is None or not until.query()):
+                self._promote = []
+            else:
+                chosen = []
         for key in chosen:  # inline: issued here; else queued for a transfer worker
             m.promote(key, now=self.inline)
         if entries and self.share is not None and self.share.mode == "rate":
@@ -97,9 +118,9 @@ class MailboxBooks:
         self.seconds += time.perf_counter() - t0
         return []
 
-    def _flush_keeping_error(self) -> bool:
+    def _flush_keeping_error(self, until: GpuBusy | None = None) -> bool:
         try:
-            self.flush()
+            self.flush(until)
             return True
         except BaseException as e:  # noqa: BLE001 - surfaced on the decoding thread by `step`
             self.error = e

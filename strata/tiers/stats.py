@@ -61,8 +61,8 @@ class TierStats:
     prefetch_late: int = 0  # ... and the lookup still had to wait for it
     prefetch_unused: int = 0  # evicted before any lookup used it
     evictions: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    promotions: int = 0  # `promote` requests a transfer worker handled (a full tier or a resident key: nothing moved)
-    promotion_host_seconds: float = 0.0  # the worker's time issuing them (Python: the GIL, beside the decode thread)
+    promotions: int = 0  # `promote` requests handled, inline or on a transfer worker (a full tier or a resident key: nothing moved)
+    promotion_host_seconds: float = 0.0  # the host time issuing them (on a worker: Python competing for the GIL)
     checksum_failures: int = 0
     damaged: list = field(default_factory=list)  # objects whose checksum failed (layer, expert)
     expert_lookups: dict = field(default_factory=lambda: defaultdict(int))  # (layer, expert) -> lookups (heatmap)
