@@ -144,15 +144,17 @@ def test_inline_books_stop_when_the_gpu_is_done_and_catch_up_later(tiny_model_di
         books.queued(_Gpu(False))  # the GPU was done first: nothing booked
         assert picked == [] and books.deferred == 1 and len(books._backlog) == 2
         books.queued(_Gpu(True, False))  # one layer booked, then the GPU is done: its promotion waits
-        assert picked == [0] and (layer, 3) not in m.gpu.slot_of and books._promote == [(layer, 3)]
+        assert picked == [0] and (layer, 3) not in m.gpu.slot_of and list(books._promote) == [(layer, 3)]
         books.queued(_Gpu(True))  # the rest, and both promotions issued
         assert picked == [0, 2] and (layer, 3) in m.gpu.slot_of and (layer, 5) in m.gpu.slot_of
-        assert books._promote == [] and not books._backlog and books.deferred == 2
+        assert not books._promote and not books._backlog and books.deferred == 2
         monkeypatch.setattr(mailbox_books, "BACKLOG_MAX", 3)
         for _ in range(3):
             step()
         books.queued(_Gpu(False))  # 6 wait: the books catch up to 3 even though the GPU is done
-        assert picked == [0, 2, 0, 2, 0] and len(books._backlog) == 3
+        assert picked == [0, 2, 0, 2, 0] and len(books._backlog) == 3 and len(books._promote) == 3
+        books._issue_promotions(_Gpu(True, False))  # each promotion only while the GPU is busy: one, then it is done
+        assert len(books._promote) == 2
         m.stats()  # a statistics read books the rest
         assert picked == [0, 2, 0, 2, 0, 2, 0, 2] and not books._backlog and books.error is None
         assert m.stats()["promotions"]["done"] == 8  # every pick issued once...

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
 RATE_WINDOW_BYTES = 512 << 20  # the GPU share follows the CPU kernel's rate over about this much of its reading
 BALANCE_WINDOW = 48  # ...or the GPU's waits over about this many layers (four steps of the 12-layer bench model)
 BACKLOG_MAX = 512  # layers left for later when the GPU finished first; beyond this many the books catch up anyway
+PENDING_PROMOTIONS_MAX = 16  # promotions picked but not issued yet (the GPU finished first); older picks are dropped
 
 
 class GpuBusy(Protocol):
@@ -49,7 +50,7 @@ class MailboxBooks:
         self._wake, self._stop = threading.Event(), threading.Event()
         self._lock = threading.Lock()  # one drain at a time (the decoding thread or the books' own, `flush`)
         self._backlog: deque = deque()  # (layer, resident, computed) drained from the worker, not booked yet
-        self._promote: list = []  # promotions picked, not issued yet (the GPU finished first)
+        self._promote: deque = deque()  # promotions picked, not issued yet (the GPU finished first)
         self.deferred = 0  # inline passes that stopped at the step's end with layers left
         self._thread: threading.Thread | None = None
         if not inline:
@@ -95,14 +96,11 @@ class MailboxBooks:
                     m.note_pinned_reads(layer, computed)  # served from pinned RAM, on the CPU
                     if (key := self.pick(layer, computed)) is not None:
                         chosen.append(key)
+            while len(chosen) > PENDING_PROMOTIONS_MAX:  # the books lag: the newest picks reflect the history best
+                chosen.popleft()
             self.deferred += bool(backlog)
             self.on_counts(self.mailbox.experts_computed, *self.mailbox.kernel_rate())
-            if chosen and (until is None or not until.query()):
-                self._promote = []
-            else:
-                chosen = []
-        for key in chosen:  # inline: issued here; else queued for a transfer worker
-            m.promote(key, now=self.inline)
+        self._issue_promotions(until)
         if entries and self.share is not None and self.share.mode == "rate":
             nbytes, seconds = self.mailbox.kernel_rate()
             b0, s0 = self._rate_mark
@@ -117,6 +115,16 @@ class MailboxBooks:
                 self._wait_mark = (layers, waited)
         self.seconds += time.perf_counter() - t0
         return []
+
+    def _issue_promotions(self, until: GpuBusy | None) -> None:
+        """Issue the promotions picked (inline: here, ~0.3-0.5 ms each on the H200 box; else queued for a transfer
+        worker), each only while the GPU is still busy (`until`); the rest wait for the next call."""
+        while until is None or not until.query():
+            with self._lock:
+                if not self._promote:
+                    return
+                key = self._promote.popleft()
+            self.manager.promote(key, now=self.inline)
 
     def _flush_keeping_error(self, until: GpuBusy | None = None) -> bool:
         try:
