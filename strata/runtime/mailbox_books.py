@@ -69,20 +69,32 @@ class MailboxBooks:
             self.ahead.apply()
 
     def queued(self, until: GpuBusy | None = None) -> None:
-        """Once the step's work is queued: the books (~0.5-1 ms of Python a step on the H200 box) run now, while the GPU
-        works and the decoding thread would only wait for it, up to the moment `until` says the GPU is done (inline),
-        or their thread is woken. An error is kept for `step` to raise."""
+        """Once the step's work is queued: the books (~0.5-1 ms of Python a step on the H200 box) run now, on the
+        decoding thread while the GPU works, up to the moment `until` says the GPU is done, then the promotions picked,
+        each only while it still works (inline); or their thread is woken. An error is kept for `step` to raise."""
         if self._thread is not None:
             self._wake.set()
             return
-        self._flush_keeping_error(until)
+        try:
+            self._book(until)
+            self._issue_promotions(until)
+        except BaseException as e:  # noqa: BLE001 - surfaced on the decoding thread by `step`
+            self.error = e
 
-    def flush(self, until: GpuBusy | None = None) -> list:
-        """Do the books for the layers served so far: all of them, or (`until` given) until the GPU is done, when the
-        rest waits for the next call. The tier manager's statistics call this first, as a lookup source: hence [] and
-        the lock order, the manager's then this one's. In one hold of the GIL: giving it up between layers tripled the
-        books' time on the H200 box (3.0 against 0.9 ms a step) for no gain. Promotions are issued after both locks
-        are let go, and only while the GPU is busy (else at the next call)."""
+    def flush(self) -> list:
+        """Do the books for every layer served so far: the tier manager's statistics call this first, as a lookup
+        source (hence [] and the lock order, the manager's then this one's), and so does the books' own thread, which
+        then queues the promotions picked for a transfer worker. Inline, promotions wait for the decoding thread
+        (`queued`): a promotion clears its victim's map entry on the issuing thread's stream, which must be decode's."""
+        self._book(None)
+        if not self.inline:
+            self._issue_promotions(None)
+        return []
+
+    def _book(self, until: GpuBusy | None) -> None:
+        """Book the layers served so far: all of them, or (`until` given) until the GPU is done, when the rest waits
+        for the next call. In one hold of the GIL: giving it up between layers tripled the books' time on the H200 box
+        (3.0 against 0.9 ms a step) for no gain. The cold expert a layer's `pick` chooses joins the promotions."""
         m, t0 = self.manager, time.perf_counter()
         with m._lock, self._lock:
             entries = self.mailbox.drain()
@@ -100,7 +112,6 @@ class MailboxBooks:
                 chosen.popleft()
             self.deferred += bool(backlog)
             self.on_counts(self.mailbox.experts_computed, *self.mailbox.kernel_rate())
-        self._issue_promotions(until)
         if entries and self.share is not None and self.share.mode == "rate":
             nbytes, seconds = self.mailbox.kernel_rate()
             b0, s0 = self._rate_mark
@@ -114,31 +125,27 @@ class MailboxBooks:
                 self.share.balance((waited - w0) / (layers - l0))
                 self._wait_mark = (layers, waited)
         self.seconds += time.perf_counter() - t0
-        return []
 
     def _issue_promotions(self, until: GpuBusy | None) -> None:
-        """Issue the promotions picked (inline: here, ~0.3-0.5 ms each on the H200 box; else queued for a transfer
-        worker), each only while the GPU is still busy (`until`); the rest wait for the next call."""
+        """Issue the promotions picked (inline: on this thread, ~0.3-0.5 ms each on the H200 box; else queued for a
+        transfer worker), each only while the GPU is still busy (`until`); the rest wait for the next call."""
+        t0 = time.perf_counter()
         while until is None or not until.query():
             with self._lock:
                 if not self._promote:
-                    return
+                    break
                 key = self._promote.popleft()
             self.manager.promote(key, now=self.inline)
-
-    def _flush_keeping_error(self, until: GpuBusy | None = None) -> bool:
-        try:
-            self.flush(until)
-            return True
-        except BaseException as e:  # noqa: BLE001 - surfaced on the decoding thread by `step`
-            self.error = e
-            return False
+        self.seconds += time.perf_counter() - t0
 
     def _run(self) -> None:
         while not self._stop.is_set():
             self._wake.wait(0.05)
             self._wake.clear()
-            if not self._flush_keeping_error():
+            try:
+                self.flush()
+            except BaseException as e:  # noqa: BLE001 - surfaced on the decoding thread by `step`
+                self.error = e
                 return
 
     def close(self) -> None:
