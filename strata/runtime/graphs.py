@@ -191,6 +191,7 @@ class DecodeGraphs:
         # launch and the step's LM head, sampling and read-back need, and which stop once the event is reached
         self.after_queued: Callable[[torch.cuda.Event], None] | None = None
         self._launched = False  # a step was replayed and `after_queued` has not run for it yet
+        self._queued_event: torch.cuda.Event | None = None  # what `after_queued` is given
         self.eager_shapes: dict[tuple, str] = {}  # graph key -> why that shape alone runs eagerly
 
     def run(self, input_ids: torch.Tensor, batch: StepBatch, cache: KVCache) -> torch.Tensor:
@@ -238,9 +239,10 @@ class DecodeGraphs:
         for ~1 ms while the decoding thread still had the step's LM head and sampling to queue.)"""
         if self._launched:
             self._launched = False
-            done = torch.cuda.Event()
-            done.record()
-            self.after_queued(done)
+            if self._queued_event is None:
+                self._queued_event = torch.cuda.Event()  # one, recorded again every step
+            self._queued_event.record()
+            self.after_queued(self._queued_event)
 
     def _capture(self, key, input_ids, meta, kv_len, cache, mode: str, step=None) -> torch.Tensor:
         """Run the step for real on a side stream (warm-up, its result is returned), then capture it."""

@@ -33,10 +33,11 @@ class MailboxBooks:
 
     `inline=True` (the default): the books run on the decoding thread once its step is queued (`queued`), while the GPU
     works, and issue their promotions there; once the GPU has done the step, they stop and leave the rest for the next
-    step (the launch waits for nothing but the GPU), unless more than `BACKLOG_MAX` layers wait. `inline=False`: on a thread of their own, woken then, their promotions
-    queued for the tier manager's transfer workers (the rule before the thirty-sixth session: those threads' Python
-    competed for the GIL with the decoding thread, whose next launch then came late: ~3-5 ms of a worker's time a
-    promotion, and 0.18 ms more a step at 0.76 promotions a token, on the H200 box)."""
+    step (the launch waits for nothing but the GPU), unless more than `BACKLOG_MAX` layers wait. A statistics read
+    (`flush`) books every layer but leaves the promotions to the decoding thread. `inline=False`: on a thread of their
+    own, woken then, their promotions queued for the tier manager's transfer workers (the rule before the thirty-sixth
+    session: those threads' Python competed for the GIL with the decoding thread, whose next launch then came late:
+    a promotion took a worker 3-5 ms, and the step's end grew 0.18 ms at 0.76 promotions a token, on the H200 box)."""
 
     def __init__(self, mailbox: CpuMailbox, manager, pick, on_counts, share: GpuShare | None = None,
                  ahead: CopyAhead | None = None, *, inline: bool = True):
@@ -46,7 +47,7 @@ class MailboxBooks:
         self._rate_mark = (0, 0.0)  # the worker's (bytes, kernel seconds) when the share last adapted
         self._wait_mark = (0, 0)  # the worker's (layers read, layers the GPU waited in) then
         self.error: BaseException | None = None
-        self.seconds = 0.0  # spent in `flush` so far (the books' own Python, on whichever thread ran them)
+        self.seconds = 0.0  # spent booking and issuing promotions so far (on whichever thread ran them)
         self._wake, self._stop = threading.Event(), threading.Event()
         self._lock = threading.Lock()  # one drain at a time (the decoding thread or the books' own, `flush`)
         self._backlog: deque = deque()  # (layer, resident, computed) drained from the worker, not booked yet

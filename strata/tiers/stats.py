@@ -61,7 +61,7 @@ class TierStats:
     prefetch_late: int = 0  # ... and the lookup still had to wait for it
     prefetch_unused: int = 0  # evicted before any lookup used it
     evictions: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-    promotions: int = 0  # `promote` requests handled, inline or on a transfer worker (a full tier or a resident key: nothing moved)
+    promotions: int = 0  # `promote` requests handled, inline or on a worker (a full tier or a resident key: no move)
     promotion_host_seconds: float = 0.0  # the host time issuing them (on a worker: Python competing for the GIL)
     checksum_failures: int = 0
     damaged: list = field(default_factory=list)  # objects whose checksum failed (layer, expert)
