@@ -55,6 +55,15 @@ ab_case() {
   timeout 100 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 90 --cases "$case" \
     --out "$OUT/ab/$label" "$@" 2>&1 | grep -E '^split/' | sed "s/^/$label: /"
 }
+# The suite's skewed case at a GPU budget of $1 percent with promotions on (the default) and off, alternated (REPS
+# rounds), into $OUT/ab/promote-<true|false>-<round>
+promote_ab() {
+  for r in $(seq "${REPS:-1}"); do
+    for p in true false; do
+      ab_case "promote-$p-$r" "split/b$1/skewed/p128x1" --set '{"policy": {"promote": '$p'}}'
+    done
+  done
+}
 # One run of the suite's skewed 25% case into $OUT/$1 (its suite.json kept); the rest of the arguments go to
 # `bench run` (e.g. --set '{...}'); knobs in the environment apply to the run.
 b25_suite() {
@@ -698,11 +707,7 @@ while True: np.copyto(b, a)" & pids="$pids $!"
                   # promotions on (the default) and off (policy.promote = false), alternated (REPS rounds): the
                   # worker's step gap (a step's last answer to the next step's first post) beside the promotions a token
     rm -rf /dev/shm/b12* /dev/shm/b4* /dev/shm/loc1 /dev/shm/sc
-    for r in $(seq "${REPS:-1}"); do
-      for p in true false; do
-        ab_case "promote-$p-$r" "split/b${BUDGET:-40}/skewed/p128x1" --set '{"policy": {"promote": '$p'}}'
-      done
-    done
+    promote_ab "${BUDGET:-40}"
     ab_summary ;;
   thirtyfifth-e)  # is the promotions' step-end cost the host's (the GIL: books, transfer workers and the decoding thread
                   # on one interpreter)? The 40% skewed case with Python's GIL switch interval at its default (5 ms)
@@ -724,11 +729,7 @@ runpy.run_module('bench', run_name='__main__')" "$sw" run --suite full --layers 
                 # transfer worker's host time a promotion and the GPU map clears that waited behind a copy in flight
     gpu_tests 5
     rm -rf /dev/shm/b12* /dev/shm/b4* /dev/shm/loc1 /dev/shm/sc
-    for r in $(seq "${REPS:-1}"); do
-      for p in true false; do
-        ab_case "promote-$p-$r" "split/b40/skewed/p128x1" --set '{"policy": {"promote": '$p'}}'
-      done
-    done
+    promote_ab 40
     ab_case "promote-true-b25" "split/b25/skewed/p128x1"
     ab_summary ;;
   thirtysixth-b)  # the books inline on the decoding thread, promotions issued there (inline, the new default) against

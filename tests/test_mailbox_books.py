@@ -3,9 +3,48 @@ thread runs, and how it moves the GPU share from the worker's readings."""
 
 from __future__ import annotations
 
+import contextlib
+from types import SimpleNamespace
+
 import pytest
 import torch
 from test_cpu_mailbox import INTER, H, K, _mailbox, _slots, needs_kernel
+
+
+@contextlib.contextmanager
+def _rig(tiny_model_dir, tmp_path, gpu_slots: int = 0):
+    """The tiny model's store, its tier manager and a real mailbox worker (closed after): without a GPU tier, or with
+    a CPU-simulated one of `gpu_slots` (LFU) and every expert of the first MoE layer (`layer`) in pinned RAM."""
+    from strata.runtime.convert import convert_checkpoint
+    from strata.tiers.manager import TierBudgets, TierManager
+    from strata.tiers.store import ExpertStore
+
+    store = ExpertStore.open(convert_checkpoint(tiny_model_dir, tmp_path / "store", progress=False))
+    layer = store.index.moe_layers[0]
+    if gpu_slots:
+        n_experts = max(k[1] for k in store.keys()) + 1
+        m = TierManager(store, TierBudgets(gpu_slots=gpu_slots, pinned_slots=n_experts),
+                        gpu_device=torch.device("cpu"), io_threads=1, policy="lfu")
+        m.release(m.acquire([(layer, e) for e in range(n_experts)], "cpu"))
+        assert m.wait_settled(10)
+    else:
+        m = TierManager(store, TierBudgets(gpu_slots=0, pinned_slots=4), io_threads=1)
+    _, _, _, addr, gu_bytes = _slots()
+    box = _mailbox(addr, gu_bytes)
+    try:
+        yield SimpleNamespace(store=store, layer=layer, m=m, box=box, addr=addr, gu_bytes=gu_bytes)
+    finally:
+        box.close()
+        m.close()
+        store.close()
+
+
+def _serve(box, layers=(0,)) -> None:
+    """One step of the worker: `layers` each posted with experts 3 and 4 cold and answered."""
+    box.begin_step()
+    for layer in layers:
+        box.exchange(layer, torch.tensor([3, 4]), torch.tensor([-1, -1], dtype=torch.int32), torch.randn(1, H),
+                     torch.rand(1, K))
 
 
 @needs_kernel
@@ -15,37 +54,26 @@ def test_books_on_their_thread_run_after_the_launch_not_before(tiny_model_dir, t
     is booked once."""
     import time
 
-    from strata.runtime.convert import convert_checkpoint
     from strata.runtime.mailbox_books import MailboxBooks
-    from strata.tiers.manager import TierBudgets, TierManager
-    from strata.tiers.store import ExpertStore
 
-    store = ExpertStore.open(convert_checkpoint(tiny_model_dir, tmp_path / "store", progress=False))
-    m = TierManager(store, TierBudgets(gpu_slots=0, pinned_slots=4), io_threads=1)
-    _, _, slab, addr, gu_bytes = _slots()
-    box = _mailbox(addr, gu_bytes)
     promoted = []
-    books = MailboxBooks(box, m, lambda layer, experts: promoted.append((layer, sorted(experts))), lambda *a: None,
-                         inline=False)
-    try:
-        time.sleep(0.1)  # the thread's first timed wake-up (it finds nothing to book)
-        box.begin_step()
-        box.exchange(0, torch.tensor([3, 4]), torch.tensor([-1, -1], dtype=torch.int32), torch.randn(1, H),
-                     torch.rand(1, K))
-        books.step()
-        # the checks alone wake nobody (the thread's own 50 ms timed wake-up may still book it: not asserted)
-        assert not books._wake.is_set()
-        books.queued()
-        deadline = time.monotonic() + 5
-        while not promoted and time.monotonic() < deadline:
-            time.sleep(0.005)
-        assert books.error is None and promoted == [(0, [3, 4])] and books.seconds > 0
-        assert box.drain() == []  # booked once
-    finally:
-        books.close()
-        box.close()
-        m.close()
-        store.close()
+    with _rig(tiny_model_dir, tmp_path) as r:
+        books = MailboxBooks(r.box, r.m, lambda layer, experts: promoted.append((layer, sorted(experts))),
+                             lambda *a: None, inline=False)
+        try:
+            time.sleep(0.1)  # the thread's first timed wake-up (it finds nothing to book)
+            _serve(r.box)
+            books.step()
+            # the checks alone wake nobody (the thread's own 50 ms timed wake-up may still book it: not asserted)
+            assert not books._wake.is_set()
+            books.queued()
+            deadline = time.monotonic() + 5
+            while not promoted and time.monotonic() < deadline:
+                time.sleep(0.005)
+            assert books.error is None and promoted == [(0, [3, 4])] and books.seconds > 0
+            assert r.box.drain() == []  # booked once
+        finally:
+            books.close()
 
 
 @needs_kernel
@@ -53,46 +81,31 @@ def test_inline_books_issue_their_promotions_on_the_queuing_thread(tiny_model_di
     """By default the books run on the thread that queued the step (the decoding thread, while its GPU works), and
     so do their promotions: when `queued` returns, the picked expert already sits in a GPU slot (a CPU-simulated
     tier here), with no thread of the books' own and no transfer worker's job queued for it."""
-    from strata.runtime.convert import convert_checkpoint
     from strata.runtime.mailbox_books import MailboxBooks
-    from strata.tiers.manager import TierBudgets, TierManager
-    from strata.tiers.store import ExpertStore
 
-    store = ExpertStore.open(convert_checkpoint(tiny_model_dir, tmp_path / "store", progress=False))
-    layer = store.index.moe_layers[0]
-    n_experts = max(k[1] for k in store.keys()) + 1
-    m = TierManager(store, TierBudgets(gpu_slots=2, pinned_slots=n_experts), gpu_device=torch.device("cpu"),
-                    io_threads=1, policy="lfu")
-    m.release(m.acquire([(layer, e) for e in range(n_experts)], "cpu"))  # every expert in pinned RAM
-    assert m.wait_settled(10)
-    _, _, slab, addr, gu_bytes = _slots()
-    box = _mailbox(addr, gu_bytes)
     picked = []
+    with _rig(tiny_model_dir, tmp_path, gpu_slots=2) as r:
+        store, layer, m = r.store, r.layer, r.m
 
-    def pick(mailbox_layer, experts):
-        picked.append((mailbox_layer, sorted(experts)))
-        return layer, max(experts)
+        def pick(mailbox_layer, experts):
+            picked.append((mailbox_layer, sorted(experts)))
+            return layer, max(experts)
 
-    books = MailboxBooks(box, m, pick, lambda *a: None)
-    try:
-        assert books._thread is None
-        box.begin_step()
-        box.exchange(0, torch.tensor([3, 4]), torch.tensor([-1, -1], dtype=torch.int32), torch.randn(1, H),
-                     torch.rand(1, K))
-        books.step()
-        assert picked == [] and (layer, 4) not in m.gpu.slot_of  # the pre-launch checks book nothing
-        books.queued()
-        assert picked == [(0, [3, 4])] and books.error is None
-        assert (layer, 4) in m.gpu.slot_of and (layer, 4) not in m.gpu.inflight and not m._jobs
-        assert m.stats()["promotions"]["done"] == 1
-        gate_up, down = store.expert_views(store.read_expert((layer, 4)))
-        got_gu, got_dn = store.expert_views(m.slots.view(m.gpu.slot_of[(layer, 4)]))
-        assert torch.equal(got_gu, gate_up) and torch.equal(got_dn, down)
-    finally:
-        books.close()
-        box.close()
-        m.close()
-        store.close()
+        books = MailboxBooks(r.box, m, pick, lambda *a: None)
+        try:
+            assert books._thread is None
+            _serve(r.box)
+            books.step()
+            assert picked == [] and (layer, 4) not in m.gpu.slot_of  # the pre-launch checks book nothing
+            books.queued()
+            assert picked == [(0, [3, 4])] and books.error is None
+            assert (layer, 4) in m.gpu.slot_of and (layer, 4) not in m.gpu.inflight and not m._jobs
+            assert m.stats()["promotions"]["done"] == 1
+            gate_up, down = store.expert_views(store.read_expert((layer, 4)))
+            got_gu, got_dn = store.expert_views(m.slots.view(m.gpu.slot_of[(layer, 4)]))
+            assert torch.equal(got_gu, gate_up) and torch.equal(got_dn, down)
+        finally:
+            books.close()
 
 
 class _Gpu:
@@ -112,60 +125,41 @@ def test_inline_books_stop_when_the_gpu_is_done_and_catch_up_later(tiny_model_di
     (and promotions picked but not issued) for the next step, unless more than BACKLOG_MAX layers wait; statistics
     (`flush` with no event) book everything. No layer is booked twice or lost."""
     from strata.runtime import mailbox_books
-    from strata.runtime.convert import convert_checkpoint
     from strata.runtime.mailbox_books import MailboxBooks
-    from strata.tiers.manager import TierBudgets, TierManager
-    from strata.tiers.store import ExpertStore
 
-    store = ExpertStore.open(convert_checkpoint(tiny_model_dir, tmp_path / "store", progress=False))
-    layer = store.index.moe_layers[0]
-    n_experts = max(k[1] for k in store.keys()) + 1
-    m = TierManager(store, TierBudgets(gpu_slots=4, pinned_slots=n_experts), gpu_device=torch.device("cpu"),
-                    io_threads=1, policy="lfu")
-    m.release(m.acquire([(layer, e) for e in range(n_experts)], "cpu"))
-    assert m.wait_settled(10)
-    _, _, slab, addr, gu_bytes = _slots()
-    box = _mailbox(addr, gu_bytes)
     picked = []
+    with _rig(tiny_model_dir, tmp_path, gpu_slots=4) as r:
+        layer, m = r.layer, r.m
 
-    def pick(mailbox_layer, experts):
-        picked.append(mailbox_layer)
-        return layer, mailbox_layer + 3
+        def pick(mailbox_layer, experts):
+            picked.append(mailbox_layer)
+            return layer, mailbox_layer + 3
 
-    def step() -> None:
-        box.begin_step()
-        for ml in (0, 2):
-            box.exchange(ml, torch.tensor([3, 4]), torch.tensor([-1, -1], dtype=torch.int32), torch.randn(1, H),
-                         torch.rand(1, K))
-
-    books = MailboxBooks(box, m, pick, lambda *a: None)
-    try:
-        step()
-        books.queued(_Gpu(False))  # the GPU was done first: nothing booked
-        assert picked == [] and books.deferred == 1 and len(books._backlog) == 2
-        books.queued(_Gpu(True, False))  # one layer booked, then the GPU is done: its promotion waits
-        assert picked == [0] and (layer, 3) not in m.gpu.slot_of and list(books._promote) == [(layer, 3)]
-        books.queued(_Gpu(True))  # the rest, and both promotions issued
-        assert picked == [0, 2] and (layer, 3) in m.gpu.slot_of and (layer, 5) in m.gpu.slot_of
-        assert not books._promote and not books._backlog and books.deferred == 2
-        monkeypatch.setattr(mailbox_books, "BACKLOG_MAX", 3)
-        for _ in range(3):
-            step()
-        books.queued(_Gpu(False))  # 6 wait: the books catch up to 3 even though the GPU is done
-        assert picked == [0, 2, 0, 2, 0] and len(books._backlog) == 3 and len(books._promote) == 3
-        books._issue_promotions(_Gpu(True, False))  # each promotion only while the GPU is busy: one, then it is done
-        assert len(books._promote) == 2
-        m.stats()  # a statistics read books the rest, but leaves promotions to the decoding thread (its stream)
-        assert picked == [0, 2, 0, 2, 0, 2, 0, 2] and not books._backlog and books.error is None
-        assert len(books._promote) == 5 and m.stats()["promotions"]["done"] == 3
-        books.queued(_Gpu(True))
-        assert not books._promote and m.stats()["promotions"]["done"] == 8  # every pick issued once...
-        assert sorted(m.gpu.slot_of) == [(layer, 3), (layer, 5)]  # ...the later ones finding their expert there
-    finally:
-        books.close()
-        box.close()
-        m.close()
-        store.close()
+        books = MailboxBooks(r.box, m, pick, lambda *a: None)
+        try:
+            _serve(r.box, (0, 2))
+            books.queued(_Gpu(False))  # the GPU was done first: nothing booked
+            assert picked == [] and books.deferred == 1 and len(books._backlog) == 2
+            books.queued(_Gpu(True, False))  # one layer booked, then the GPU is done: its promotion waits
+            assert picked == [0] and (layer, 3) not in m.gpu.slot_of and list(books._promote) == [(layer, 3)]
+            books.queued(_Gpu(True))  # the rest, and both promotions issued
+            assert picked == [0, 2] and (layer, 3) in m.gpu.slot_of and (layer, 5) in m.gpu.slot_of
+            assert not books._promote and not books._backlog and books.deferred == 2
+            monkeypatch.setattr(mailbox_books, "BACKLOG_MAX", 3)
+            for _ in range(3):
+                _serve(r.box, (0, 2))
+            books.queued(_Gpu(False))  # 6 wait: the books catch up to 3 even though the GPU is done
+            assert picked == [0, 2, 0, 2, 0] and len(books._backlog) == 3 and len(books._promote) == 3
+            books._issue_promotions(_Gpu(True, False))  # each promotion only while the GPU is busy: one, then it is done
+            assert len(books._promote) == 2
+            m.stats()  # a statistics read books the rest, but leaves promotions to the decoding thread (its stream)
+            assert picked == [0, 2, 0, 2, 0, 2, 0, 2] and not books._backlog and books.error is None
+            assert len(books._promote) == 5 and m.stats()["promotions"]["done"] == 3
+            books.queued(_Gpu(True))
+            assert not books._promote and m.stats()["promotions"]["done"] == 8  # every pick issued once...
+            assert sorted(m.gpu.slot_of) == [(layer, 3), (layer, 5)]  # ...the later ones finding their expert there
+        finally:
+            books.close()
 
 
 @needs_kernel
@@ -174,43 +168,36 @@ def test_books_balance_the_gpu_share_on_the_gpus_waits(tiny_model_dir, tmp_path)
     the books move the share: up while the waiter waited, down once it finds every answer there (the waits word
     cleared, as the GPU's acquire kernel writes it when `done` is already set)."""
     from strata.kernels.grouped import HostExperts
-    from strata.runtime.convert import convert_checkpoint
     from strata.runtime.gpu_share import GpuShare
     from strata.runtime.mailbox_books import BALANCE_WINDOW, MailboxBooks
-    from strata.tiers.manager import TierBudgets, TierManager
-    from strata.tiers.store import ExpertStore
 
-    store = ExpertStore.open(convert_checkpoint(tiny_model_dir, tmp_path / "store", progress=False))
-    m = TierManager(store, TierBudgets(gpu_slots=0, pinned_slots=4), io_threads=1)
-    _, _, slab, addr, gu_bytes = _slots()
-    box = _mailbox(addr, gu_bytes)
-    share = GpuShare(addr, HostExperts(torch.bfloat16, (2 * INTER, H), (H, INTER), gu_bytes), torch.device("cpu"), 0.3)
-    books = MailboxBooks(box, m, lambda *a: None, lambda *a: None, share)
+    with _rig(tiny_model_dir, tmp_path) as r:
+        box = r.box
+        share = GpuShare(r.addr, HostExperts(torch.bfloat16, (2 * INTER, H), (H, INTER), r.gu_bytes),
+                         torch.device("cpu"), 0.3)
+        books = MailboxBooks(box, r.m, lambda *a: None, lambda *a: None, share)
 
-    def steps(n: int, answered: bool) -> None:
-        for _ in range(n):
-            box.begin_step()
-            for layer in (0, 2):
-                box.exchange(layer, torch.tensor([3, 4]), torch.tensor([-1, -1], dtype=torch.int32), torch.randn(1, H),
-                             torch.rand(1, K))
-                if answered:
-                    box.headers[box._box[layer]][4] = 0
+        def steps(n: int, answered: bool) -> None:
+            for _ in range(n):
+                box.begin_step()
+                for layer in (0, 2):
+                    box.exchange(layer, torch.tensor([3, 4]), torch.tensor([-1, -1], dtype=torch.int32),
+                                 torch.randn(1, H), torch.rand(1, K))
+                    if answered:  # cleared as soon as answered, before the next layer's post reads it back
+                        box.headers[box._box[layer]][4] = 0
 
-    try:
-        steps(BALANCE_WINDOW, answered=False)
-        books.flush()
-        risen = share.target
-        assert risen > 0.3 and share.value == 0.3  # the device's value follows between steps
-        books.step()
-        assert share.value == risen and float(share.share) == pytest.approx(risen)
-        steps(2 * BALANCE_WINDOW, answered=True)
-        books.flush()
-        assert books.error is None and share.target < risen  # (how far: how the books' wake-ups cut the windows)
-    finally:
-        books.close()
-        box.close()
-        m.close()
-        store.close()
+        try:
+            steps(BALANCE_WINDOW, answered=False)
+            books.flush()
+            risen = share.target
+            assert risen > 0.3 and share.value == 0.3  # the device's value follows between steps
+            books.step()
+            assert share.value == risen and float(share.share) == pytest.approx(risen)
+            steps(2 * BALANCE_WINDOW, answered=True)
+            books.flush()
+            assert books.error is None and share.target < risen  # (how far: how the books' wake-ups cut the windows)
+        finally:
+            books.close()
 
 
 def test_where_the_books_run_from_the_environment_names_a_bad_value(monkeypatch):

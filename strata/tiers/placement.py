@@ -76,14 +76,12 @@ class PlacementMixin:
         queued there before the clear are done before the copy overwrites the slot."""
         if self.gpu is None:
             return
-        stream = None
-        if self.slots.is_cuda:
-            if torch.cuda.is_current_stream_capturing():
-                return  # a graph being captured must not see another thread's work
-            stream = torch.cuda.current_stream(self.slots.device)
+        if self.slots.is_cuda and torch.cuda.is_current_stream_capturing():
+            return  # a graph being captured must not see another thread's work
         if now:
-            self._promote_on(stream, key)
+            self._promote_on(None, key)  # on this thread's current stream
             return
+        stream = torch.cuda.current_stream(self.slots.device) if self.slots.is_cuda else None
         with self._lock:
             self._submit(2, self._promote_on, stream, key)
 
