@@ -272,3 +272,49 @@ def test_reproducible_on_gpu_with_cold_experts_in_fork_mode(tiny_model_dir):
         solo = engine.generate(ps[3], max_tokens=16, temperature=0.9, seed=2, reproducible=True)
         assert tokens_of(alone) == solo.token_ids
         assert engine._compute.reproducible is False
+
+
+class _StepSpy:
+    """Where DecodeGraphs sits on CUDA (decode steps go through `run`; `step_queued` says a step is all queued), on
+    CPU: the layers run eagerly, and the log records each token drawn and each `step_queued`."""
+
+    def __init__(self, model, log):
+        self.model, self.log = model, log
+
+    def run(self, input_ids, batch, cache):
+        return self.model.run_layers(input_ids, batch, cache)
+
+    def step_queued(self):
+        self.log.append("queued")
+
+
+def test_a_step_is_all_queued_sampling_included_before_its_books_run(tiny_engine, monkeypatch):
+    """The non-overlapped pass samples every sequence on the device before `step_queued` (whose hook runs the
+    mailbox's books until the GPU is done: sampling queued after it would wait for them), and reads the tokens back
+    after it. Three seeded streams decode together; the tokens are still each stream's own."""
+    import strata.runtime.scheduler as scheduler_mod
+
+    log: list[str] = []
+    real_sample = scheduler_mod.sample
+
+    def logged_sample(*args, **kwargs):
+        log.append("sample")
+        return real_sample(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler_mod, "sample", logged_sample)
+    monkeypatch.setattr(tiny_engine.model, "graphs", _StepSpy(tiny_engine.model, log))
+    ps = prompts(tiny_engine)[:3]
+    params = [SamplingParams(max_tokens=6, temperature=0.8, seed=10 + i, ignore_eos=True) for i in range(3)]
+    s = tiny_engine.scheduler(max_batch=4, token_budget=64, max_queue=8)
+    s.overlap = False
+    s.start()
+    try:
+        out = run_all(s, [GenRequest(p, sp) for p, sp in zip(ps, params, strict=True)])
+    finally:
+        s.stop()
+    monkeypatch.setattr(tiny_engine.model, "graphs", None)
+    # six passes (the prompts' one, five decode steps), each three draws and then `step_queued`
+    assert "".join("S" if e == "sample" else "|" for e in log) == "SSS|" * 6
+    for p, sp, events in zip(ps, params, out, strict=True):
+        solo = tiny_engine.generate(p, max_tokens=6, temperature=0.8, seed=sp.seed)  # stops at an EOS, if drawn
+        assert solo.token_ids and tokens_of(events)[: len(solo.token_ids)] == solo.token_ids

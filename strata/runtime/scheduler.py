@@ -64,6 +64,11 @@ class _Seq:
         return self.handle.request
 
 
+def _samples(seq: _Seq, inp: list[int]) -> bool:
+    """Whether `seq`'s row of a pass fed `inp` yields a token: a decode token, or its prompt's last chunk."""
+    return seq.next_input is not None or seq.prefilled + len(inp) >= len(seq.req.prompt_ids)
+
+
 @dataclass
 class _InFlight:
     """A decode-only step of `seqs` queued on the device whose sampled tokens the host has not read yet."""
@@ -282,8 +287,13 @@ class Scheduler:
                             seq.prompt_lp = PromptLogprobs(seq.req.prompt_logprobs)
                         seq.prompt_lp.feed(seq.req.prompt_ids, self.engine.model.logits(hidden[off : off + len(inp)]),
                                            start, len(inp))
+                # every row that yields a token is sampled on the device first, each with its own generator (so the
+                # order is free), and read back once: one wait for the GPU a step, not one a sequence
+                rows_out = [i for i, (seq, inp, _) in enumerate(plan) if _samples(seq, inp)]
+                drawn = [sample(logits[i : i + 1], plan[i][0].req.params, plan[i][0].generator) for i in rows_out]
                 if (graphs := self.engine.model.graphs) is not None:
-                    graphs.step_queued()  # the step's LM head is queued; its sampling waits for the GPU anyway
+                    graphs.step_queued()  # all of the step is queued (sampling too): its books run while the GPU works
+                tokens = dict(zip(rows_out, torch.cat(drawn).tolist() if drawn else [], strict=True))
         finally:
             if compute is not None:
                 compute.reproducible = was
@@ -300,9 +310,8 @@ class Scheduler:
         for i, (seq, inp, _) in enumerate(plan):
             if seq.next_input is None:  # a prompt chunk
                 seq.prefilled += len(inp)
-                if seq.prefilled < len(seq.req.prompt_ids):
-                    continue
-            self._advance(seq, logits[i : i + 1])
+            if i in tokens:
+                self._accept(seq, tokens[i], logits[i : i + 1])
 
     # ---- overlapped decode (runtime.overlap_decode) ---------------------------------------------------
     def _overlaps(self, seq: _Seq, ahead: int) -> bool:
@@ -346,10 +355,6 @@ class Scheduler:
         for seq, token in live:
             self._accept(seq, token, None)
         self._record_step(dt, len(live), 0, 1, 0)
-
-    def _advance(self, seq: _Seq, logits: torch.Tensor) -> None:
-        """Sample the next token of `seq` from its logits [1, V] and emit it (or finish)."""
-        self._accept(seq, int(sample(logits, seq.req.params, seq.generator)[0]), logits)
 
     def _accept(self, seq: _Seq, token: int, logits: torch.Tensor | None) -> None:
         """Emit `token`, sampled for `seq` (logits [1, V]: needed when the request asks for logprobs), or finish."""
