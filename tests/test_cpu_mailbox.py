@@ -147,16 +147,18 @@ def test_mailbox_refuses_a_batch_larger_than_it_holds():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("alongside", ["1", "0"])
-def test_one_graph_split_decode_equals_the_host_step_path(tmp_path, monkeypatch, alongside):
+@pytest.mark.parametrize("alongside, direct", [("1", "1"), ("0", "1"), ("1", "0")])
+def test_one_graph_split_decode_equals_the_host_step_path(tmp_path, monkeypatch, alongside, direct):
     """Every expert in pinned RAM, two in VRAM: decode steps run as one graph with the mailbox worker, and
     give the tokens and hidden states the host-step path gives when it too sends every cold expert to the
     CPU (promotions off, so both keep the same experts resident; no GPU share, so the CPU computes them all),
-    with the resident pairs run beside the worker (the default) or before it is posted the layer."""
+    with the resident pairs run beside the worker (the default) or before it is posted the layer, and the inbox
+    and answer copied through the device (`direct` "0": copy nodes around `host_signal.wait_for_host`)."""
     from test_decode_graphs import assert_batched_decode_identical
 
     monkeypatch.setenv("STRATA_MAILBOX_GPU_SHARE", "0")
     monkeypatch.setenv("STRATA_MAILBOX_HOT_ALONGSIDE", alongside)
+    monkeypatch.setenv("STRATA_MAILBOX_DIRECT", direct)
     from strata import Engine
     from strata.runtime.demo_model import write_demo_model
 
@@ -182,6 +184,7 @@ def test_one_graph_split_decode_equals_the_host_step_path(tmp_path, monkeypatch,
         assert got["graph"].token_ids[:4] == memory.generate(ids, max_tokens=4).token_ids
         assert graph._compute.mailbox.experts_computed > 0 and graph._compute.gpu_share is None
         assert graph._compute.mailbox.hot_alongside == (alongside == "1")
+        assert graph._compute.mailbox.direct == (direct == "1")
         stats = graph.stats()
         assert stats["cpu_experts_computed"] >= graph._compute.mailbox.experts_computed
         assert stats["tiers"]["tiers"]["pinned"]["hits"] > 0 and stats["tiers"]["tiers"]["gpu"]["hits"] > 0

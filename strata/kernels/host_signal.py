@@ -1,12 +1,11 @@
 """A GPU stream that waits for a word in page-locked host memory: the device side of a CPU worker's answer.
 
-`wait_for_host(addr, gen, error_addr)` enqueues one single-thread kernel that reads the int64 at host
-address `addr` (page-locked, so the GPU reads it over PCIe through unified addressing) until it equals
-the device scalar `gen` [1] int64, then returns; the work queued after it on the stream runs once the
-host has answered. It is a plain kernel, so a CUDA graph captures it like any other (stream memory
-operations would need driver calls torch does not expose). After `max_spins` reads (about a second per
-million on the H200 box) it stops waiting and writes the generation it waited for to `error_addr`, so a
-dead worker shows as an error on the host instead of a GPU that spins forever.
+`wait_for_host(header, gen)` enqueues one single-warp kernel that reads a mailbox header's `done` word (page-locked,
+so the GPU reads it over PCIe through unified addressing) until it equals the device scalar `gen` [1] int64, then
+returns; the work queued after it on the stream runs once the host has answered. It is a plain kernel, so a CUDA
+graph captures it like any other (stream memory operations would need driver calls torch does not expose). After
+`max_spins` reads (about a second per million on the H200 box) it stops waiting and writes the generation it
+waited for into the header, so a dead worker shows as an error on the host instead of a GPU that spins forever.
 
 `wait_and_fetch` does the same wait and then copies the worker's answer from host memory into a device tensor in
 the kernel right after it, where a graph would otherwise add a copy node (a few microseconds of copy-engine
@@ -31,22 +30,6 @@ MAX_SPINS = 20_000_000  # ~10-40 s of polling: far beyond any layer's CPU share,
 def available() -> bool:
     """Whether `wait_for_host` can run here (a CUDA GPU and Triton)."""
     return triton is not None and torch.cuda.is_available()
-
-
-if triton is not None:
-
-    @triton.jit
-    def _wait_kernel(addr, gen_ptr, error_addr, spins_addr, MAX: tl.constexpr):
-        word = addr.to(tl.pointer_type(tl.int64))
-        want = tl.load(gen_ptr)
-        seen = tl.load(word, volatile=True)
-        spins = 0
-        while (seen != want) & (spins < MAX):
-            seen = tl.load(word, volatile=True)
-            spins += 1
-        if seen != want:
-            tl.store(error_addr.to(tl.pointer_type(tl.int64)), want)
-        tl.store(spins_addr.to(tl.pointer_type(tl.int64)), spins.to(tl.int64))
 
 
 if triton is not None:
@@ -110,26 +93,28 @@ READ_BLOCK = 256  # fp32 of the answer a program of the copy kernel reads
 # there, against 4.1-4.3 us for the two (bench/fetch_probe.py, H200 box, thirty-third session).
 
 
+def wait_for_host(header: torch.Tensor, gen: torch.Tensor, max_spins: int = MAX_SPINS) -> None:
+    """Make the current stream wait until header[1] (int64 [8], page-locked: a mailbox's `done`) equals `gen` [1]
+    int64 (device): one warp's kernel reads it with acquire semantics at system scope, so work queued after it sees
+    what the host wrote before it released `done`. header[4] gets the reads it took (0: the host had answered before
+    the GPU asked; the mailbox reports it as how long the GPU waited for its CPU worker); after `max_spins` reads it
+    gives up and writes the generation it waited for to header[3]. On CPU tensors it runs only under Triton's
+    interpreter (tests)."""
+    if triton is None:
+        raise RuntimeError("waiting on host memory from the GPU needs Triton")
+    _acquire_kernel[(1,)](header, gen, max_spins, FENCE=gen.is_cuda, num_warps=1)
+
+
 def wait_and_fetch(header: torch.Tensor, gen: torch.Tensor, src: torch.Tensor, out: torch.Tensor,
                    max_spins: int = MAX_SPINS) -> None:
-    """Make the current stream wait until header[1] (int64 [8], page-locked: the mailbox's `done`) equals `gen`
-    [1] int64 (device), then copy fp32 `src` [n] (page-locked) into `out` [n] (device): one warp's kernel
-    acquires `done`, the next copies. As `wait_for_host`: header[4] gets the reads it took, header[3] the
-    generation if it gave up. On CPU tensors it runs only under Triton's interpreter (tests)."""
+    """`wait_for_host(header, gen)`, then copy fp32 `src` [n] (page-locked) into `out` [n] (device) in the kernel
+    right after it (a graph would otherwise add a copy node: a few microseconds of copy-engine latency on each MoE
+    layer's path)."""
     if triton is None:
         raise RuntimeError("waiting on host memory from the GPU needs Triton")
     n = src.numel()
     if out.numel() != n or src.dtype != torch.float32 or out.dtype != torch.float32:
         raise ValueError(f"wait_and_fetch copies fp32 [{n}] into fp32 [{n}], got {out.dtype} [{out.numel()}]")
-    _acquire_kernel[(1,)](header, gen, max_spins, FENCE=out.is_cuda, num_warps=1)
+    wait_for_host(header, gen, max_spins)
     _read_kernel[(max(1, triton.cdiv(n, READ_BLOCK)),)](src, out, n, BLOCK=READ_BLOCK, TRIGGER=pdl.on(out),
                                                         num_warps=2)
-
-
-def wait_for_host(addr: int, gen: torch.Tensor, error_addr: int, spins_addr: int, max_spins: int = MAX_SPINS) -> None:
-    """Make the current stream wait until the int64 at host address `addr` equals `gen` [1] int64 (device).
-    How many reads that took lands at host address `spins_addr` (0: the host had answered before the GPU
-    asked; the mailbox reports it as how long the GPU waited for its CPU worker)."""
-    if not available():
-        raise RuntimeError("waiting on host memory from the GPU needs CUDA and Triton")
-    _wait_kernel[(1,)](addr, gen, error_addr, spins_addr, MAX=max_spins, num_warps=1)

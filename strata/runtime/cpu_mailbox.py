@@ -196,8 +196,7 @@ class CpuMailbox(WorkerAhead, WorkerClock):
         box[:8].copy_(self.gen.view(torch.uint8), non_blocking=True)  # ready: after the inbox (stream order)
         if gpu_work is not None:
             gpu_work(*packed)
-        base = box.data_ptr()
-        wait_for_host(base + 8, self.gen, base + 24, base + 32, spins)
+        wait_for_host(self.header_words[i], self.gen, spins)
         out = torch.empty(n * self.hidden, dtype=torch.float32, device=x.device)
         out.copy_(box[self.out_off : self.out_off + 4 * n * self.hidden].view(torch.float32), non_blocking=True)
         return out.view(n, self.hidden)
