@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU-box runs behind bench/RESULTS.md's figures, one mode per call (or several chained in one call).
-#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|twentyninth|twentyninth-b|thirtieth|thirtieth-b|thirtieth-c|thirtyfirst|thirtyfirst-b|thirtyfirst-c|thirtysecond|thirtysecond-b|thirtysecond-c|thirtythird|thirtythird-b|thirtythird-c|thirtythird-d|thirtythird-e|thirtythird-f|thirtyfourth|thirtyfourth-b|thirtyfourth-c|thirtyfourth-d|thirtyfifth|thirtyfifth-b|thirtyfifth-c|thirtyfifth-d|thirtyfifth-e|thirtysixth|thirtysixth-b|thirtysixth-c|thirtyseventh|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
+#   bash bench/h200_session.sh tests|diag|inengine|tests-decode|hotpath|ramshared|multigpu|serving|serving-bench|ceiling48|engram|engram-profile|handshake|engram-text|thirteenth|thirteenth-b|thirteenth-c|prefill-skew|fourteenth|fourteenth-b|fourteenth-c|chunk|fifteenth|fifteenth-b|fifteenth-c|sixteenth|sixteenth-b|seventeenth|seventeenth-b|eighteenth|eighteenth-b|eighteenth-c|nineteenth|nineteenth-b|nineteenth-c|nineteenth-d|twentieth|twentieth-b|twentieth-c|twentieth-d|twentyfirst|twentyfirst-b|twentysecond|twentysecond-b|twentythird|twentythird-b|twentyfourth|twentyfourth-b|twentyfourth-c|twentyfifth|twentyfifth-a|twentyfifth-b|twentysixth|twentysixth-b|twentyseventh|twentyseventh-b|twentyseventh-c|twentyeighth|twentyeighth-b|twentyninth|twentyninth-b|thirtieth|thirtieth-b|thirtieth-c|thirtyfirst|thirtyfirst-b|thirtyfirst-c|thirtysecond|thirtysecond-b|thirtysecond-c|thirtythird|thirtythird-b|thirtythird-c|thirtythird-d|thirtythird-e|thirtythird-f|thirtyfourth|thirtyfourth-b|thirtyfourth-c|thirtyfourth-d|thirtyfifth|thirtyfifth-b|thirtyfifth-c|thirtyfifth-d|thirtyfifth-e|thirtysixth|thirtysixth-b|thirtysixth-c|thirtyseventh|thirtyseventh-b|cap-summary|sixteenth-d|trace|suite|probe|mailbox|next|timeline|timeline-one|eleventh|
 #                              profile|profile-ceiling|core   (writes under $OUT)
 # fastapi/uvicorn/pydantic wheels are carried in .whl/ (the box has no internet; pydantic is not on it either):
 # `bash bench/box_wheels.sh` fetches them here.
@@ -762,6 +762,20 @@ runpy.run_module('bench', run_name='__main__')" "$sw" run --suite full --layers 
       --out "$OUT/sweep" --cases ${SWEEP_CASES:-'split/b10/*/p128x1' 'split/b40/uniform/p128x1' 'split/b50/*/p128x1' 'split/b25/*/p128x[48]'} \
       2>&1 | grep -vE "^---" | tail -14
     rm -f "$OUT"/sweep/*.png ;;
+  thirtyseventh-b)  # the GPU tests of the Engram handshake and the mailbox (both wait with host_signal.wait_for_host
+                    # now), then why 25% uniform decode of 4 streams runs at ~50 tok/s (the worker saw ~3.5 ms from its
+                    # answer to the next post, against ~0.05-0.1 ms at 1 stream or skewed): the default against a fixed
+                    # GPU share of 0.1, none (no in-place share, no warm-ahead), warm-ahead off, the resident pairs first
+    timeout 200 python3 -m pytest -q -m gpu tests/test_engram_handshake.py tests/test_engram.py tests/test_decode_graphs.py \
+      tests/test_cpu_mailbox.py > "$OUT/gpu_tests_b.txt" 2>&1; tail -2 "$OUT/gpu_tests_b.txt"
+    rm -rf /dev/shm/b12* /dev/shm/b4* /dev/shm/loc1 /dev/shm/sc
+    c=split/b25/uniform/p128x4
+    ab_case default "$c"
+    STRATA_MAILBOX_GPU_SHARE=0.1 ab_case share0.1 "$c"
+    STRATA_MAILBOX_GPU_SHARE=0 ab_case share0 "$c"
+    ab_case warm-off "$c" --set '{"runtime": {"warm_ahead": false}}'
+    STRATA_MAILBOX_HOT_ALONGSIDE=0 ab_case hot-first "$c"
+    ab_summary ;;
   cap-summary)  # after twentyeighth and twentyeighth-b (run apart, so that a timed-out A/B still leaves its summary;
                 # "cap" in the directory names is the switch's value: the cap, or $STRATA_CPU_PIN)
     python3 - "$OUT" <<'PY'  # one file of every run's case record (the box returns few files), a line each

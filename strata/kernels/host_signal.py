@@ -1,11 +1,11 @@
 """A GPU stream that waits for a word in page-locked host memory: the device side of a CPU worker's answer.
 
-`wait_for_host(header, gen)` enqueues one single-warp kernel that reads a mailbox header's `done` word (page-locked,
+`wait_for_host(done, gen, error, spins)` enqueues one single-warp kernel that reads the int64 word `done` (page-locked,
 so the GPU reads it over PCIe through unified addressing) until it equals the device scalar `gen` [1] int64, then
 returns; the work queued after it on the stream runs once the host has answered. It is a plain kernel, so a CUDA
 graph captures it like any other (stream memory operations would need driver calls torch does not expose). After
 `max_spins` reads (about a second per million on the H200 box) it stops waiting and writes the generation it
-waited for into the header, so a dead worker shows as an error on the host instead of a GPU that spins forever.
+waited for to `error`, so a dead worker shows as an error on the host instead of a GPU that spins forever.
 
 `wait_and_fetch` does the same wait and then copies the worker's answer from host memory into a device tensor in
 the kernel right after it, where a graph would otherwise add a copy node (a few microseconds of copy-engine
@@ -63,17 +63,17 @@ if triton is not None:
             tl.store(ptr, value)
 
     @triton.jit
-    def _acquire_kernel(hdr_ptr, gen_ptr, max_spins, FENCE: tl.constexpr):
-        # one warp: hdr [8] int64 (host): [1] done, [3] the generation given up on, [4] reads of done while waiting
+    def _acquire_kernel(done_ptr, gen_ptr, error_ptr, spins_ptr, max_spins, FENCE: tl.constexpr):
+        # one warp; every pointer an int64 word in page-locked host memory but gen's (device)
         want = tl.load(gen_ptr)
-        seen = load_acquire(hdr_ptr + 1, FENCE)
+        seen = load_acquire(done_ptr, FENCE)
         spins = 0
         while (seen != want) & (spins < max_spins):
-            seen = load_acquire(hdr_ptr + 1, FENCE)
+            seen = load_acquire(done_ptr, FENCE)
             spins += 1
         if seen != want:
-            tl.store(hdr_ptr + 3, want)
-        tl.store(hdr_ptr + 4, spins.to(tl.int64))
+            tl.store(error_ptr, want)
+        tl.store(spins_ptr, spins.to(tl.int64))
 
     @triton.jit
     def _read_kernel(src_ptr, out_ptr, n, BLOCK: tl.constexpr, TRIGGER: tl.constexpr):
@@ -93,28 +93,29 @@ READ_BLOCK = 256  # fp32 of the answer a program of the copy kernel reads
 # there, against 4.1-4.3 us for the two (bench/fetch_probe.py, H200 box, thirty-third session).
 
 
-def wait_for_host(header: torch.Tensor, gen: torch.Tensor, max_spins: int = MAX_SPINS) -> None:
-    """Make the current stream wait until header[1] (int64 [8], page-locked: a mailbox's `done`) equals `gen` [1]
-    int64 (device): one warp's kernel reads it with acquire semantics at system scope, so work queued after it sees
-    what the host wrote before it released `done`. header[4] gets the reads it took (0: the host had answered before
-    the GPU asked; the mailbox reports it as how long the GPU waited for its CPU worker); after `max_spins` reads it
-    gives up and writes the generation it waited for to header[3]. On CPU tensors it runs only under Triton's
-    interpreter (tests)."""
+def wait_for_host(done: torch.Tensor, gen: torch.Tensor, error: torch.Tensor, spins: torch.Tensor,
+                  max_spins: int = MAX_SPINS) -> None:
+    """Make the current stream wait until done[0] (int64, page-locked) equals `gen` [1] int64 (device): one warp's
+    kernel reads it with acquire semantics at system scope, so work queued after it sees what the host wrote before
+    it released `done`. spins[0] (page-locked) gets the reads it took (0: the host had answered before the GPU
+    asked; reported as how long the GPU waited for the host); after `max_spins` reads it gives up and writes the
+    generation it waited for to error[0]. On CPU tensors it runs only under Triton's interpreter (tests)."""
     if triton is None:
         raise RuntimeError("waiting on host memory from the GPU needs Triton")
-    _acquire_kernel[(1,)](header, gen, max_spins, FENCE=gen.is_cuda, num_warps=1)
+    _acquire_kernel[(1,)](done, gen, error, spins, max_spins, FENCE=gen.is_cuda, num_warps=1)
 
 
 def wait_and_fetch(header: torch.Tensor, gen: torch.Tensor, src: torch.Tensor, out: torch.Tensor,
                    max_spins: int = MAX_SPINS) -> None:
-    """`wait_for_host(header, gen)`, then copy fp32 `src` [n] (page-locked) into `out` [n] (device) in the kernel
-    right after it (a graph would otherwise add a copy node: a few microseconds of copy-engine latency on each MoE
-    layer's path)."""
+    """`wait_for_host` on a mailbox header (int64 [8], page-locked: [1] done, [3] the generation given up on, [4]
+    reads of done while waiting), then copy fp32 `src` [n] (page-locked) into `out` [n] (device) in the kernel right
+    after it (a graph would otherwise add a copy node: a few microseconds of copy-engine latency on each MoE layer's
+    path)."""
     if triton is None:
         raise RuntimeError("waiting on host memory from the GPU needs Triton")
     n = src.numel()
     if out.numel() != n or src.dtype != torch.float32 or out.dtype != torch.float32:
         raise ValueError(f"wait_and_fetch copies fp32 [{n}] into fp32 [{n}], got {out.dtype} [{out.numel()}]")
-    wait_for_host(header, gen, max_spins)
+    wait_for_host(header[1:2], gen, header[3:4], header[4:5], max_spins)
     _read_kernel[(max(1, triton.cdiv(n, READ_BLOCK)),)](src, out, n, BLOCK=READ_BLOCK, TRIGGER=pdl.on(out),
                                                         num_warps=2)

@@ -196,7 +196,8 @@ class CpuMailbox(WorkerAhead, WorkerClock):
         box[:8].copy_(self.gen.view(torch.uint8), non_blocking=True)  # ready: after the inbox (stream order)
         if gpu_work is not None:
             gpu_work(*packed)
-        wait_for_host(self.header_words[i], self.gen, spins)
+        h = self.header_words[i]
+        wait_for_host(h[1:2], self.gen, h[3:4], h[4:5], spins)
         out = torch.empty(n * self.hidden, dtype=torch.float32, device=x.device)
         out.copy_(box[self.out_off : self.out_off + 4 * n * self.hidden].view(torch.float32), non_blocking=True)
         return out.view(n, self.hidden)

@@ -110,7 +110,8 @@ class RowHandshake:
         if self.device.type == "cuda":
             from strata.kernels.host_signal import wait_for_host
 
-            wait_for_host(self._base + 8 * (8 + i), self.gen, self._base + 16, self._base + 8 * (32 + i))
+            h = self._host
+            wait_for_host(h[8 + i : 9 + i], self.gen, h[2:3], h[32 + i : 33 + i])
         elif not native_io.wait_word(self._base + 8 * (8 + i), int(self.gen), 0, 30_000_000_000):
             raise RuntimeError(f"the Engram rows' host thread did not answer layer {layer}")
         view = self.source.gather_view  # [cache rows, dim]
