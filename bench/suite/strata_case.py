@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from bench.kernel_trace import traced
 from bench.suite.cases import COLD_PATHS, VARIANTS, Case, Workload
 from bench.suite.roofline import ModelFacts, Rates, fraction, roofline
 from strata.runtime.cpu_mailbox import CpuMailbox
@@ -327,7 +328,8 @@ def run_group(cases: list[Case], model: Path, summary: dict, facts: ModelFacts, 
                 warm = warmup_for(case.workload, warmed)
                 if warm is not None:  # a new batch size or prompt length: its decode graphs are captured here,
                     run_workload(engine, sched, warm, vocab, device)  # not inside the timed run
-                res = run_workload(engine, sched, case.workload, vocab, device)
+                with traced(device):  # $STRATA_BENCH_TRACE: the kernels' summary (bench/kernel_trace.py)
+                    res = run_workload(engine, sched, case.workload, vocab, device)
                 res["metrics"]["warmup"] = None if warm is None else {"prompt": warm.prompt, "streams": warm.streams,
                                                                      "tokens": warm.tokens}
                 bound = case_roofline(case, res, facts, rates)
