@@ -49,5 +49,18 @@ def summarize(kernels: list[tuple[str, float, float, int]], top: int = 25) -> di
         streams[str(stream)] = {"busy_us": round(sum(r[2] for r in rows), 1),
                                 "kernels": [[k, c, round(t, 1), round(m, 2)] for k, c, t, m in rows[:top]]}
     span = kernels[-1][2] - kernels[0][1] if kernels else 0.0
+    # a split layer's period: from one answer's fetch (`_read_kernel`) to the next; the slowest ones raw
+    reads = [i for i, k in enumerate(kernels) if "_read_kernel" in k[0]]
+    periods = sorted(((kernels[b][2] - kernels[a][2], a, b) for a, b in zip(reads, reads[1:], strict=False)),
+                     reverse=True)
+    t = [p[0] for p in periods]
+    slow = []
+    for _, a, b in periods[:3]:
+        t0 = kernels[a][2]
+        slow.append([[short(k[0]), k[3], round(k[1] - t0, 1), round(k[2] - t0, 1)] for k in kernels[a : b + 1][:120]])
     return {"span_us": round(span, 1), "kernels": len(kernels), "streams": streams,
-            "layers": raw_layers(kernels, first=max(0, len([k for k in kernels if "_read_kernel" in k[0]]) // 2))}
+            "periods_us": {"n": len(t), "median": round(statistics.median(t), 1) if t else None,
+                           "p90": round(t[len(t) // 10], 1) if t else None, "max": round(t[0], 1) if t else None,
+                           "sum": round(sum(t), 1), "over_2ms": sum(1 for x in t if x > 2000)},
+            "slowest": slow,
+            "layers": raw_layers(kernels, first=max(0, len(reads) // 2))}
