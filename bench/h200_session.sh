@@ -790,7 +790,8 @@ runpy.run_module('bench', run_name='__main__')" "$sw" run --suite full --layers 
     ab_summary ;;
   thirtyseventh-d)  # 4-stream 25% uniform decode with warm-ahead: the layers' periods and the slowest layers' kernels
                     # (bench/kernel_trace.py), with the next layer's plan made before the in-place share
-                    # (STRATA_WARM_PLAN_FIRST=1) and without; then untraced, alternated, with the skewed case
+                    # (STRATA_WARM_PLAN_FIRST=1) and without; then untraced, alternated, with the skewed case. Ran once
+                    # at b5292b0; the knob was removed after it (no difference: bench/RESULTS.md, thirty-seventh session)
     rm -rf /dev/shm/b12* /dev/shm/b4* /dev/shm/loc1 /dev/shm/sc
     c=split/b25/uniform/p128x4
     STRATA_BENCH_TRACE="$OUT/trace-warm" ab_case warm-traced "$c"

@@ -39,7 +39,6 @@ the next cold phase then reads those rows from L2 instead of RAM. The pack's spl
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -196,13 +195,6 @@ class CopyAhead:
                                self.inter, self.hidden, self.down_elem)
             self._copied_ev[nxt] = ev = torch.cuda.Event()
             ev.record(self.stream)
-
-    def plan_first(self, layer: int, stream: torch.cuda.Stream) -> None:
-        """(A/B, $STRATA_WARM_PLAN_FIRST=1) Make `stream` wait for the next layer's plan before `layer`'s in-place
-        share: the plan's stores to host memory then do not queue behind the share's reads over PCIe."""
-        ev = self._planned_ev.get(self.next_of.get(layer, -1))
-        if ev is not None and self.engine == "cpu" and os.environ.get("STRATA_WARM_PLAN_FIRST") == "1":
-            stream.wait_event(ev)
 
     def wait_copied(self, layer: int, stream: torch.cuda.Stream) -> None:
         """Make `stream` wait until `layer`'s tails have landed (before anything reads them)."""

@@ -182,8 +182,6 @@ class TieredExperts(PrefillPath, nn.Module):
                     pair_experts(x, c.slots, used, c.pair_index(flat.numel(), x.device), y)
             if staged is not None:
                 ahead.wait_copied(self.layer, share_on)  # the tails read from VRAM have landed
-            if ahead is not None:
-                ahead.plan_first(self.layer, share_on)
             with torch.cuda.stream(share_on):
                 pair_experts_in_place(x, share.experts, addr, y, first_row=rows, staged=staged, last_row=end)
             main.wait_stream(side)
