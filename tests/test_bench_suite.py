@@ -365,6 +365,7 @@ def test_one_tiny_case_end_to_end_on_cpu(tmp_path, capsys):
     assert state["prefetcher"] is None or set(state["prefetcher"]) == {"idle", "pauses", "target"}
     assert state["cost_model"]["cpu_bytes_per_s"] > 0 and state["cost_model"]["stage_fixed_s"] >= 0
     assert m["mailbox_window"] is None  # CPU: no one-graph worker (on the GPU: its trip over the decode window)
+    assert m["graph_captures_in_decode"] == 0  # (CPU: no graphs; on the GPU the warm-up should leave none either)
     assert split["roofline"]["bound"] in ("gpu", "cold", "disk") and split["config"]["tiers"]["gpu"]["budget"]
     assert hf["status"] == "skipped" and hf["reason"]  # CPU: the offload baseline needs CUDA
     assert doc["models"]["skewed"]["route_skew"] == 1.0 and doc["machine"]["torch"]
@@ -381,9 +382,12 @@ def test_each_workload_shape_is_warmed_once():
     warmed = {(64, 1)}
     assert warmup_for(Workload(64, 1, 128), warmed) is None
     w = warmup_for(Workload(128, 4, 128), warmed)
-    assert (w.prompt, w.streams) == (128, 4) and w.tokens < 128
+    # several streams: the whole run, whose last steps decode fewer streams (their graphs are captured untimed)
+    assert (w.prompt, w.streams, w.tokens) == (128, 4, 128)
     assert warmup_for(Workload(128, 4, 64), warmed) is None  # the same shape: its graphs exist
     assert warmup_for(Workload(8192, 4, 64), warmed) is not None  # another KV bucket
+    one = warmup_for(Workload(256, 1, 128), warmed)
+    assert (one.prompt, one.streams) == (256, 1) and one.tokens < 128  # one stream: one batch size, a short run
 
 
 def test_routing_popularity_is_measured_with_graphs_paused(monkeypatch):

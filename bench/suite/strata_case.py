@@ -133,7 +133,8 @@ def _snapshot(engine) -> dict:
             "paths": paths,
             "cpu_experts": st.get("cpu_experts_computed", 0), "promotions": st.get("promotions", 0),
             "host": dict(st.get("cold_path_host_seconds") or {}),
-            "mailbox": timing.get("totals")}  # the one-graph worker's running sums (None: not running)
+            "mailbox": timing.get("totals"),  # the one-graph worker's running sums (None: not running)
+            "captures": getattr(getattr(getattr(engine, "model", None), "graphs", None), "captures", 0)}  # graphs so far
 
 
 def _delta(a: dict, b: dict) -> dict:
@@ -142,7 +143,8 @@ def _delta(a: dict, b: dict) -> dict:
             "paths": {k: b["paths"].get(k, 0) - a["paths"].get(k, 0) for k in b["paths"]},
             "cpu_experts": b["cpu_experts"] - a["cpu_experts"], "promotions": b["promotions"] - a["promotions"],
             "host": {k: v - a["host"].get(k, 0.0) for k, v in b["host"].items()},
-            "mailbox": CpuMailbox.window(a["mailbox"] or {}, b["mailbox"]) if b.get("mailbox") else None}
+            "mailbox": CpuMailbox.window(a["mailbox"] or {}, b["mailbox"]) if b.get("mailbox") else None,
+            "captures": b["captures"] - a["captures"]}
 
 
 def run_workload(engine, scheduler, w: Workload, vocab: int, device: str) -> dict:
@@ -221,6 +223,9 @@ def run_workload(engine, scheduler, w: Workload, vocab: int, device: str) -> dic
         "wall_s": round(t_end - t0, 3),
         # decode modes whose CUDA-graph capture failed (they ran eagerly): why, and where
         "graph_failures": dict(getattr(getattr(engine.model, "graphs", None), "failed", None) or {}),
+        # decode graphs captured inside the timed decode window: the warm-up should leave none (a capture, and on a
+        # fresh box the JIT builds of its kernels, take far longer than a step)
+        "graph_captures_in_decode": decode["captures"],
         "decode_state": decode_state(engine),
         # the one-graph worker's layer trip over the decode window alone (decode_state's `timing` averages every
         # layer since start-up, prefill and warm-up included)
@@ -352,13 +357,17 @@ def run_group(cases: list[Case], model: Path, summary: dict, facts: ModelFacts, 
 
 
 def warmup_for(w: Workload, warmed: set[tuple[int, int]]) -> Workload | None:
-    """A short run of `w`'s shape (same streams, same prompt length: the same decode batch size and KV bucket, so
-    the same CUDA graphs) when no earlier run had it, else None; records the shape in `warmed`."""
+    """An untimed run of `w`'s shape (same streams, same prompt length: the same decode batch sizes and KV bucket, so
+    the same CUDA graphs) when no earlier run had it, else None; records the shape in `warmed`. One stream: a few
+    tokens. Several: all of `w`'s tokens, because their prompts prefill in chunks, so the streams start and finish
+    decoding steps apart, and the timed run's last steps decode fewer streams than it has; a short warm-up left those
+    batch sizes' graphs to be captured inside the timed decode (on a fresh box with their kernels' JIT builds: the
+    25% uniform 4-stream case then ran at ~50 tok/s against ~200 in later runs, thirty-seventh session)."""
     key = (w.prompt, w.streams)
     if key in warmed:
         return None
     warmed.add(key)
-    return Workload(w.prompt, w.streams, 4)
+    return Workload(w.prompt, w.streams, 4 if w.streams == 1 else w.tokens)
 
 
 def _measure_popularity(engine, sched, vocab: int, summary: dict) -> dict:
