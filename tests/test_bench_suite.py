@@ -378,6 +378,31 @@ def test_one_tiny_case_end_to_end_on_cpu(tmp_path, capsys):
     assert capsys.readouterr().out.split() == ["hf/b25/uniform/p128x1"]
 
 
+def test_a_case_whose_graphs_were_captured_in_the_timed_decode_says_so(tmp_path, monkeypatch):
+    """A capture inside the timed decode (a shape the warm-up missed) makes the case's decode figures low: its record
+    carries a note, which the report lists under "Skipped, failed or cut short". (CPU runs capture nothing: the count
+    is forced here, on a real run's metrics.)"""
+    import bench.suite.strata_case as sc
+
+    real = sc.run_workload
+
+    def captured_twice(*args, **kwargs):
+        res = real(*args, **kwargs)
+        res["metrics"]["graph_captures_in_decode"] = 2
+        return res
+
+    monkeypatch.setattr(sc, "run_workload", captured_twice)
+    settings = {"suite": "test", "device": "cpu", "cache": str(tmp_path / "cache"), "disk_cache": str(tmp_path / "d"),
+                "models_dir": str(tmp_path / "models"), "size": "tiny", "layers": None, "skew": 1.0, "model": None,
+                "token_budget": 256, "placement_timeout": 10.0, "hf_limit_s": 60.0, "deadline_s": 300.0,
+                "progress": False}
+    doc = run_suite([Case("split", "skewed", 0.25, Workload(24, 1, 4))], settings, tmp_path / "out", log=lambda s: None,
+                    rates=Rates())
+    (case,) = doc["cases"]
+    assert case["status"] == "ok" and "2 decode graph(s) captured inside the timed decode" in case["note"]
+    assert "`split/b25/skewed/p24x1`: ok: 2 decode graph(s)" in report.render(doc)
+
+
 def test_each_workload_shape_is_warmed_once():
     warmed = {(64, 1)}
     assert warmup_for(Workload(64, 1, 128), warmed) is None

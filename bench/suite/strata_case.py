@@ -340,8 +340,11 @@ def run_group(cases: list[Case], model: Path, summary: dict, facts: ModelFacts, 
                 bound = case_roofline(case, res, facts, rates)
                 m = res["metrics"]
                 m.update(load_s=load_s, placement_wait_s=placed_s)
+                late = {"note": f"{m['graph_captures_in_decode']} decode graph(s) captured inside the timed decode "
+                                "(a shape the warm-up missed): its decode figures are low"} \
+                    if m["graph_captures_in_decode"] else {}
                 records.append(record(case, "ok", None, metrics=m, roofline=bound, config=cfg,
-                                      fraction_of_roofline=fraction(m["decode_tok_s"], bound)))
+                                      fraction_of_roofline=fraction(m["decode_tok_s"], bound), **late))
             except Exception as e:  # noqa: BLE001 - record and go on
                 records.append(record(case, "error", f"{type(e).__name__}: {e}", config=cfg))
             log(_line(records[-1]))
