@@ -12,11 +12,10 @@ import contextlib
 import json
 import os
 import statistics
-import tempfile
 from collections import defaultdict
 from pathlib import Path
 
-from bench.serial_phase import kernel_records, raw_layers, short
+from bench.serial_phase import FETCH, has, profiled_kernels, raw_layers, short
 
 
 @contextlib.contextmanager
@@ -30,9 +29,7 @@ def traced(device: str):
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         yield
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        kernels = kernel_records(json.loads(Path(f.name).read_text()))
+    kernels = profiled_kernels(prof)
     Path(out).mkdir(parents=True, exist_ok=True)
     n = len(list(Path(out).glob("*-trace.json")))
     (Path(out) / f"{n}-trace.json").write_text(json.dumps(summarize(kernels), indent=1))
@@ -49,8 +46,8 @@ def summarize(kernels: list[tuple[str, float, float, int]], top: int = 25) -> di
         streams[str(stream)] = {"busy_us": round(sum(r[2] for r in rows), 1),
                                 "kernels": [[k, c, round(t, 1), round(m, 2)] for k, c, t, m in rows[:top]]}
     span = kernels[-1][2] - kernels[0][1] if kernels else 0.0
-    # a split layer's period: from one answer's fetch (`_read_kernel`) to the next; the slowest ones raw
-    reads = [i for i, k in enumerate(kernels) if "_read_kernel" in k[0]]
+    # a split layer's period: from one answer's fetch to the next; the slowest ones raw
+    reads = [i for i, k in enumerate(kernels) if has(k[0], FETCH)]
     periods = sorted(((kernels[b][2] - kernels[a][2], a, b) for a, b in zip(reads, reads[1:], strict=False)),
                      reverse=True)
     t = [p[0] for p in periods]

@@ -51,6 +51,13 @@ def kernel_records(trace: dict) -> list[tuple[str, float, float, int]]:
     return sorted(out, key=lambda r: r[1])
 
 
+def profiled_kernels(prof) -> list[tuple[str, float, float, int]]:
+    """`kernel_records` of a finished torch.profiler run (through its chrome trace)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        return kernel_records(json.loads(Path(f.name).read_text()))
+
+
 def short(name: str) -> str:
     """A kernel's name without its template arguments and launch-configuration suffixes."""
     name = name.split("<")[0].split("(")[0]
@@ -124,14 +131,12 @@ def profile_case(model: str, cfg: dict, tokens: int) -> list[tuple[str, float, f
         engine.generate(prompt, max_tokens=tokens, temperature=1.0, seed=3, stop_token_ids=[])
         torch.cuda.synchronize()
     worker = box.window(t0, box.timing()["totals"]) if box is not None else None  # the worker's clock, same tokens
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        trace = json.loads(Path(f.name).read_text())
+    kernels = profiled_kernels(prof)
     engine.close()
     del engine
     gc.collect()
     torch.cuda.empty_cache()
-    return kernel_records(trace), worker
+    return kernels, worker
 
 
 def raw_layers(kernels: list[tuple[str, float, float, int]], first: int = 100, layers: int = 3) -> list[list]:

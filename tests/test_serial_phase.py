@@ -74,3 +74,22 @@ def test_a_steps_end_is_told_from_its_layers_and_its_idle_measured():
     assert spread["answer_there"] == pytest.approx(0.5, abs=0.03)  # even layers: a 2-us acquire
     assert spread["acquire_us"]["p10"] == 2.0 and spread["acquire_us"]["p90"] == 12.0
     assert spread["gpu_work_us"]["p50"] == pytest.approx(41.0)
+
+
+def test_kernel_trace_summary_finds_the_slow_layer():
+    """bench/kernel_trace.py's summary of a run: per-stream busy time, and layer periods (answer to answer) whose
+    slowest one is listed raw: here one layer of 100 waits 5 ms for its post."""
+    from bench.kernel_trace import summarize
+
+    cycle = [("_pack_kernel", 5.0, 7), ("_gate_up_kernel", 40.0, 9), ("_acquire_kernel", 3.0, 7),
+             ("_read_kernel", 2.0, 7), ("_combine_kernel", 2.0, 7)]
+    events = _trace(100, cycle)["traceEvents"]
+    slow = next(i for i, e in enumerate(events) if e.get("name") == "_pack_kernel" and e["ts"] > 2000)
+    for e in events[slow:]:
+        e["ts"] += 5000.0
+    s = summarize(kernel_records({"traceEvents": events}))
+    period = sum(d for _, d, _ in cycle) + len(cycle) * 1.0
+    assert s["periods_us"]["n"] == 99 and s["periods_us"]["median"] == pytest.approx(period)
+    assert s["periods_us"]["max"] == pytest.approx(period + 5000.0) and s["periods_us"]["over_2ms"] == 1
+    assert s["slowest"][0][1][0] == "_combine_kernel" and s["slowest"][0][-1][0] == "_read_kernel"
+    assert s["streams"]["7"]["busy_us"] == pytest.approx(100 * 12.0)

@@ -357,13 +357,19 @@ class ExpertCompute(CpuCompute):
         return [(int(layer), int(e), int(counts[layer, e])) for layer, e in zip(layers, experts, strict=True)]
 
 
+def _env_choice(name: str, choices: tuple[str, ...]) -> str:
+    """$`name`, one of `choices` (the first is the default); a bad value is refused with the variable's name."""
+    value = os.environ.get(name, choices[0])
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
+    return value
+
+
 def _share_rule() -> tuple[str, float | None]:
     """The GPU share's rule for A/B runs: $STRATA_MAILBOX_SHARE_ADAPT ("balance", the default, or "rate": the
     worker's kernel rate, the rule before the thirty-fifth session) and $STRATA_MAILBOX_WAIT_TARGET (the balance's
     target, in (0, 1)); a bad value is refused with the variable's name."""
-    mode = os.environ.get("STRATA_MAILBOX_SHARE_ADAPT", "balance")
-    if mode not in ("balance", "rate"):
-        raise ValueError(f"STRATA_MAILBOX_SHARE_ADAPT must be \"balance\" or \"rate\", got {mode!r}")
+    mode = _env_choice("STRATA_MAILBOX_SHARE_ADAPT", ("balance", "rate"))
     raw = os.environ.get("STRATA_MAILBOX_WAIT_TARGET")
     try:
         target = float(raw) if raw else None
@@ -377,8 +383,5 @@ def _share_rule() -> tuple[str, float | None]:
 def _books_inline() -> bool:
     """Where the mailbox's books run, for A/B runs: $STRATA_MAILBOX_BOOKS "inline" (the default: on the decoding thread
     while its step runs) or "thread" (a thread of their own, promotions on transfer workers: the rule before the
-    thirty-sixth session); a bad value is refused with the variable's name."""
-    mode = os.environ.get("STRATA_MAILBOX_BOOKS", "inline")
-    if mode not in ("inline", "thread"):
-        raise ValueError(f"STRATA_MAILBOX_BOOKS must be \"inline\" or \"thread\", got {mode!r}")
-    return mode == "inline"
+    thirty-sixth session)."""
+    return _env_choice("STRATA_MAILBOX_BOOKS", ("inline", "thread")) == "inline"

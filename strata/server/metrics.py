@@ -14,7 +14,7 @@ tier manager under `device` (e.g. "cuda:1"; the merged totals are not emitted, s
   strata:tier_resident_objects / strata:tier_resident_bytes / strata:tier_capacity_objects / strata:tier_evictions_total
   strata:tier_bytes_moved_total, strata:tier_bandwidth_bytes_per_second   (label `path`, e.g. "disk->pinned")
   strata:tier_stall_seconds_total, strata:prefetch_precision, strata:prefetch_recall, strata:tier_damaged_objects
-  strata:tier_promotions_total    experts a transfer worker promoted into the GPU tier (split decode)
+  strata:tier_promotions_total    experts promoted into the GPU tier in the background (split decode)
 
 Stage-hop series (no labels; only for a model split over several cards): activation copies between cards
   strata:stage_hops_total, strata:stage_hop_bytes_total, strata:stage_hop_seconds_total (0 unless hops are timed)
