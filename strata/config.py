@@ -80,6 +80,8 @@ class RuntimeConfig:
     overlap_decode: bool | str = field(default="auto", metadata={"auto_or_bool": True})
     decode_gap_target: float = 0.5  # seconds a serving step may take while sequences decode (prompt chunks shrink); 0: off
     prefill_chunk_min: int = 32  # prompt tokens a serving step carries at least while sequences decode
+    # `strata serve`: decode every batch size once before turning ready (strata.runtime.warmup); "auto" on CUDA
+    warmup: bool | str = field(default="auto", metadata={"auto_or_bool": True})
     devices: list[int] = field(default_factory=list)  # CUDA indices the layers are split over; [] = `device` alone
 
     def __post_init__(self) -> None:
@@ -93,8 +95,9 @@ class RuntimeConfig:
                 raise ConfigError(f"runtime.{key} = {getattr(self, key)!r} is invalid; use true or false")
         if not isinstance(self.grouped_prefill, bool) and self.grouped_prefill != "auto":
             raise ConfigError(f"runtime.grouped_prefill = {self.grouped_prefill!r} is invalid; use \"auto\", true or false")
-        if not isinstance(self.overlap_decode, bool) and self.overlap_decode != "auto":
-            raise ConfigError(f"runtime.overlap_decode = {self.overlap_decode!r} is invalid; use \"auto\", true or false")
+        for key in ("overlap_decode", "warmup"):
+            if not isinstance(getattr(self, key), bool) and getattr(self, key) != "auto":
+                raise ConfigError(f"runtime.{key} = {getattr(self, key)!r} is invalid; use \"auto\", true or false")
         if self.split_decode not in ("graph", "host"):
             raise ConfigError(f"runtime.split_decode = {self.split_decode!r} is invalid; use \"graph\" or \"host\"")
         if self.experts not in ("tiered", "memory"):

@@ -378,6 +378,26 @@ def test_one_tiny_case_end_to_end_on_cpu(tmp_path, capsys):
     assert capsys.readouterr().out.split() == ["hf/b25/uniform/p128x1"]
 
 
+def test_the_serve_case_times_start_up_then_first_requests_on_cpu(tmp_path):
+    """`strata serve` for real on the tiny model: ready, then one request and four at once, each timed twice; the
+    warm-up (forced on: "auto" is CUDA only) is recorded from the server's own line."""
+    pytest.importorskip("fastapi")
+    settings = {"suite": "test", "device": "cpu", "cache": str(tmp_path / "cache"), "disk_cache": str(tmp_path / "d"),
+                "models_dir": str(tmp_path / "models"), "size": "tiny", "layers": None, "skew": 1.0, "model": None,
+                "token_budget": 256, "placement_timeout": 10.0, "hf_limit_s": 60.0, "deadline_s": 300.0,
+                "progress": False, "set": {"runtime": {"warmup": True}}}
+    doc = run_suite([Case("serve", "uniform", 0.25, Workload(128, 1, 128), group="serve")], settings,
+                    tmp_path / "out", log=lambda s: None, rates=Rates())
+    assert results.validate(doc) == []
+    serve = doc["cases"][0]
+    assert serve["status"] == "ok", serve.get("reason")
+    m = serve["metrics"]
+    assert 0 < m["ready_s"] and all(m[f"{w}_{n}_s"] > 0 for w in ("first", "again") for n in ("request", "batch4"))
+    assert serve["warmup"].startswith("warmed up in") and "decode batch sizes 1-8" in serve["warmup"]
+    t = {x["target"]: x for x in report.targets(doc)}
+    assert "then its first request" in t["`strata serve` ready (store built) <= 30 s"]["measured"]
+
+
 def test_a_case_whose_graphs_were_captured_in_the_timed_decode_says_so(tmp_path, monkeypatch):
     """A capture inside the timed decode (a shape the warm-up missed) makes the case's decode figures low: its record
     carries a note, which the report lists under "Skipped, failed or cut short". (CPU runs capture nothing: the count

@@ -406,11 +406,14 @@ def test_serve_port_in_use_is_one_line(tiny_model_dir, held_port):
     assert len(lines) == 1 and lines[0].startswith("strata: error: cannot listen on 127.0.0.1:")
 
 
-def test_serve_end_to_end_and_sigterm(tiny_model_dir):
+def test_serve_end_to_end_and_sigterm(tiny_model_dir, tmp_path):
     with socket.create_server(("127.0.0.1", 0)) as s:
         port = s.getsockname()[1]
+    cfg = tmp_path / "warm.toml"
+    cfg.write_text("[runtime]\nwarmup = true\n")  # "auto" warms up on CUDA only; forced here on the CPU
     proc = subprocess.Popen([sys.executable, *_serve_argv(), str(tiny_model_dir), "--port", str(port),
-                             "--served-model-name", MODEL, "--shutdown-timeout", "1", "--device", "cpu"],
+                             "--served-model-name", MODEL, "--shutdown-timeout", "1", "--device", "cpu",
+                             "--max-batch", "3", "--config", str(cfg)],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=os.environ.copy())
     url = f"http://127.0.0.1:{port}"
     try:
@@ -422,7 +425,11 @@ def test_serve_end_to_end_and_sigterm(tiny_model_dir):
         assert _wait_for(healthy, 60) and proc.poll() is None, proc.stderr.read() if proc.poll() is not None else ""
         r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 4})
         assert r.status_code == 200 and r.json()["choices"]
-        assert "strata:tier_lookups_total{" in httpx.get(url + "/metrics").text
+        metrics = httpx.get(url + "/metrics").text
+        assert "strata:tier_lookups_total{" in metrics
+        # the warm-up's requests are not traffic: the engine's counters (the dashboard's) hold this request alone
+        stats = httpx.get(url + "/v1/strata/stats").json()
+        assert stats["requests"] == 1 and stats["prompt_tokens"] == r.json()["usage"]["prompt_tokens"], stats
         # a request in flight at SIGTERM: given --shutdown-timeout, then cancelled; the process exits cleanly
         body = {"model": MODEL, "prompt": "x", "max_tokens": 3000, "stream": True}
         started = threading.Event()
@@ -446,6 +453,7 @@ def test_serve_end_to_end_and_sigterm(tiny_model_dir):
             proc.communicate()
     assert proc.returncode == 0, err
     assert "plan for" in out and "NUMA:" in out and f"127.0.0.1:{port}/v1" in out and "ready:" in out
+    assert "warmed up in" in out and "decode batch sizes 1-3" in out and out.index("warmed up") < out.index("ready:")
     assert "shut down cleanly" in err
 
 

@@ -129,6 +129,24 @@ class Scheduler:
 
     def submit(self, request: GenRequest) -> RequestHandle:
         """Queue a request; `QueueFullError` when the bounded queue is full."""
+        return self.submit_together([request])[0]
+
+    def submit_together(self, requests: list[GenRequest]) -> list[RequestHandle]:
+        """Queue `requests` at once, so the step that admits the first admits them all (as KV slots allow): all
+        are checked first, and all or none are queued (`QueueFullError` when the queue lacks room for them all)."""
+        for request in requests:
+            self._check(request)
+        handles = [RequestHandle(r) for r in requests]
+        with self._cv:
+            if self._stop:
+                raise StrataError("the scheduler is shutting down")
+            if len(self._waiting) + len(handles) > self.max_queue:
+                raise QueueFullError(f"the request queue is full ({self.max_queue} waiting); retry later")
+            self._waiting.extend(handles)
+            self._cv.notify()
+        return handles
+
+    def _check(self, request: GenRequest) -> None:
         need = len(request.prompt_ids) + request.params.max_tokens
         ctx = self.engine.max_context
         if len(request.prompt_ids) >= ctx or need > ctx:
@@ -137,15 +155,6 @@ class Scheduler:
                 f"({request.params.max_tokens}) exceed the context of {ctx} tokens; shorten the prompt or lower max_tokens"
             )
         self.engine.check_token_ids(request.prompt_ids)
-        handle = RequestHandle(request)
-        with self._cv:
-            if self._stop:
-                raise StrataError("the scheduler is shutting down")
-            if len(self._waiting) >= self.max_queue:
-                raise QueueFullError(f"the request queue is full ({self.max_queue} waiting); retry later")
-            self._waiting.append(handle)
-            self._cv.notify()
-        return handle
 
     def stats(self) -> dict:
         with self._cv:

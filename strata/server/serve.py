@@ -184,11 +184,14 @@ class _Loader(threading.Thread):
 
     def run(self) -> None:
         from strata.engine import Engine
+        from strata.runtime.warmup import warm_up, warmup_on
 
         try:
             engine = Engine.from_pretrained(self.path, config=self.cfg, progress=False)
             sched = engine.scheduler(max_batch=self.args.max_batch, token_budget=self.args.token_budget,
                                      max_queue=self.args.max_queue)
+            if warmup_on(self.cfg.runtime.warmup, engine.device):  # before ready: no user waits for a capture
+                print(warm_up(sched).describe(), flush=True)
             sched.start()
         except BaseException as e:  # noqa: B036 - reported by the main thread after the server stops
             self.error, self.state.load_error = e, f"loading the model failed: {e}"

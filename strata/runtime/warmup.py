@@ -1,0 +1,91 @@
+"""Warm-up before serving: every decode batch size runs once before the first request does.
+
+A decode step of B sequences replays a CUDA graph captured on the step's first use of that (B, KV bucket) shape,
+and on a fresh install its kernels are JIT-built then too: hundreds of milliseconds to seconds that every user
+in that step waits for, again at each new batch size. `warm_up` runs those first uses before the server says it
+is ready: `max_batch` short requests, submitted together so they share their prefill pass, where request i asks
+for `max_batch + 1 - i` tokens. The first token of each comes from the prefill; then one request finishes after
+every decode step, so the steps decode max_batch, max_batch - 1, ..., 1 sequences, each size once, at the
+smallest KV bucket (longer contexts' buckets are still captured on first use).
+
+The warm-up goes through the scheduler like any request (the same admission, overlap, sampling and graph paths),
+so what it warms is what users hit. Its requests are not traffic: the engine's request and token counters are
+reset after it; the tiers' lookup statistics keep its few lookups.
+"""
+
+from __future__ import annotations
+
+import queue
+import time
+from dataclasses import dataclass
+
+from strata.errors import StrataError
+from strata.runtime.requests import GenRequest
+from strata.runtime.sampler import SamplingParams
+
+PROMPT_TOKENS = 16  # each warm-up prompt; short, so the decode steps stay in the smallest KV bucket
+
+
+@dataclass
+class WarmupReport:
+    """What `warm_up` ran."""
+
+    seconds: float
+    batch_sizes: list[int]  # decode batch sizes of its steps, in order (each of 1..max_batch once when all went well)
+    captures: int  # decode-step CUDA graphs captured during it (0 where there are none: the CPU, eager modes)
+
+    def describe(self) -> str:
+        sizes = sorted(set(self.batch_sizes))
+        span = f"{sizes[0]}-{sizes[-1]}" if len(sizes) > 1 else (str(sizes[0]) if sizes else "none")
+        return (f"warmed up in {self.seconds:.1f} s: decode batch sizes {span}, "
+                f"{self.captures} CUDA graph{'s' if self.captures != 1 else ''} captured")
+
+
+def warmup_on(setting: bool | str, device) -> bool:
+    """runtime.warmup resolved: "auto" means on CUDA, where decode steps are captured as graphs on first use."""
+    return device.type == "cuda" if setting == "auto" else bool(setting)
+
+
+def warmup_requests(max_batch: int, vocab_size: int, max_context: int) -> list[GenRequest]:
+    """The warm-up's requests: prompts of `PROMPT_TOKENS` fixed ids (fewer if the context is short); request i
+    generates max_batch + 1 - i tokens (within the context), sampled with a fixed seed, EOS ignored."""
+    n = max(1, min(PROMPT_TOKENS, max_context - max_batch - 1))
+    prompt = [(1 + 7 * j) % vocab_size for j in range(n)]
+    return [GenRequest(list(prompt), SamplingParams(max_tokens=max(1, min(max_batch + 1 - i, max_context - n)),
+                                                    temperature=1.0, top_p=0.95, seed=i, ignore_eos=True),
+                       request_id=f"warmup-{i}")
+            for i in range(max_batch)]
+
+
+def warm_up(scheduler, timeout: float = 600.0) -> WarmupReport:
+    """Run the warm-up through `scheduler` (started here if it is not yet) and wait for it; raise `StrataError`
+    when a warm-up request fails or it takes longer than `timeout` seconds. Call it before taking traffic: other
+    requests queued meanwhile would change the batch sizes it steps through (they are served all the same)."""
+    engine = scheduler.engine
+    n = min(scheduler.max_batch, scheduler.max_queue)  # all queued at once, so the queue's bound caps the sizes
+    requests = warmup_requests(n, engine.checkpoint.config.vocab_size, engine.max_context)
+    graphs = getattr(engine.model, "graphs", None)
+    captures0 = graphs.captures if graphs is not None else 0
+    steps0 = scheduler.stats()["steps"]
+    t0 = time.perf_counter()
+    handles = scheduler.submit_together(requests)
+    scheduler.start()
+    deadline = t0 + timeout
+    for h in handles:
+        try:
+            for ev in h.iter_events(timeout=max(0.0, deadline - time.perf_counter())):
+                if ev.finish_reason == "abort":
+                    raise StrataError(f"the warm-up failed: {ev.error or 'its request was aborted'}; "
+                                      "set runtime.warmup = false to start without it")
+        except queue.Empty:
+            for other in handles:
+                other.cancel()
+            raise StrataError(f"the warm-up took longer than {timeout:.0f} s; set runtime.warmup = false "
+                              "to start without it") from None
+    seconds = time.perf_counter() - t0
+    with engine._lock:  # the scheduler steps under this lock: the step that finished the last request is logged
+        steps = scheduler.stats()["steps"] - steps0
+        engine._counters = type(engine._counters)()  # the warm-up is not traffic: requests and tokens start at zero
+    recent = scheduler.recent_steps()[-steps:] if steps > 0 else []
+    sizes = [s["decode"] for s in recent if s["decode"] and not s["prompt"]]
+    return WarmupReport(seconds, sizes, (graphs.captures if graphs is not None else 0) - captures0)
