@@ -347,14 +347,16 @@ def test_the_roofline_targets_list_every_depth_measured_and_need_all_of_them(tmp
 def test_one_tiny_case_end_to_end_on_cpu(tmp_path, capsys):
     short_ram = {"tiers": {"pinned": {"budget": str(4 * 12288)}}}  # 4 of the tiny model's 32 expert slots
     cases = [Case("split", "skewed", 0.25, Workload(24, 2, 4)), Case("hf", "skewed", 0.25, Workload(24, 1, 4)),
-             Case("naive", "skewed", 0.25, Workload(24, 1, 4), extra=short_ram)]
+             Case("naive", "skewed", 0.25, Workload(24, 1, 4), extra=short_ram),
+             Case("repro", "skewed", 0.25, Workload(24, 1, 4), group="ablation")]
     settings = {"suite": "test", "device": "cpu", "cache": str(tmp_path / "cache"), "disk_cache": str(tmp_path / "d"),
                 "models_dir": str(tmp_path / "models"), "size": "tiny", "layers": None, "skew": 1.0, "model": None,
                 "token_budget": 256, "placement_timeout": 10.0, "hf_limit_s": 60.0, "deadline_s": 300.0,
                 "progress": False}
     doc = run_suite(cases, settings, tmp_path / "out", log=lambda s: None, rates=Rates())
     assert results.validate(doc) == []
-    split, hf, short = doc["cases"]
+    split, hf, short, repro = doc["cases"]
+    assert repro["status"] == "ok" and repro["roofline"]["bound"] in ("gpu", "cold")  # its cold experts cross PCIe
     assert short["status"] == "skipped" and "pinned RAM" in short["reason"]  # not a case of what it says
     assert split["status"] == "ok", split.get("reason")
     m = split["metrics"]

@@ -25,10 +25,12 @@ VARIANTS: dict[str, dict] = {
     "disk": {},  # part of the experts only on disk: pinned RAM budget below the expert bytes
     "hf": {},  # transformers + accelerate offload (device_map="auto", max_memory = the same GPU budget)
     "serve": {},  # `strata serve` start-up until /health answers
+    "repro": {},  # strata as shipped, every request reproducible (`strata_reproducible`): cold experts go to the GPU
 }
 # which cold-expert paths the roofline credits, per variant
 COLD_PATHS = {"split": ("pcie", "cpu"), "no-prefetch": ("pcie", "cpu"), "static": ("pcie", "cpu"),
-              "disk": ("pcie", "cpu"), "naive": ("pcie",), "copy-only": ("pcie",), "cpu-only": ("cpu",)}
+              "disk": ("pcie", "cpu"), "naive": ("pcie",), "copy-only": ("pcie",), "cpu-only": ("cpu",),
+              "repro": ("pcie",)}
 
 
 @dataclass(frozen=True)
@@ -107,6 +109,7 @@ def full_suite(tokens: int = 128) -> list[Case]:
                 for v in ("no-prefetch", "copy-only", "cpu-only", "static")]
         out += [Case("disk", r, 0.25, one, ram_fraction=0.5, group="ablation")]
         out += [Case("split", r, 0.40, one, group="target"), Case("static", r, 0.40, one, group="target")]
+        out += [Case("repro", r, 0.25, one, group="ablation")]  # issue 4: the reproducible mode's penalty
     out += [Case("serve", "uniform", 0.25, one, group="serve")]
     return out
 

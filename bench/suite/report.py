@@ -123,7 +123,8 @@ def baseline_table(doc: dict) -> str:
               ("naive/b25", "naive on-demand (per-layer LRU, no prefetch, no CPU)"),
               ("no-prefetch/b25", "ablation: prefetch off"), ("copy-only/b25", "ablation: CPU compute off"),
               ("cpu-only/b0", "ablation: copies off (CPU only)"), ("static/b25", "static hot set (vs adaptive LFU)"),
-              ("disk/b25-ram50", "half the experts only on disk")]
+              ("disk/b25-ram50", "half the experts only on disk"),
+              ("repro/b25", "the same, every request reproducible (`strata_reproducible`)")]
     for routing in ("uniform", "skewed"):
         for prefix, label in others:
             a, b, same = pair(doc, f"split/b25/{routing}/{REF}", f"{prefix}/{routing}/{REF}")

@@ -147,8 +147,9 @@ def _delta(a: dict, b: dict) -> dict:
             "captures": b["captures"] - a["captures"]}
 
 
-def run_workload(engine, scheduler, w: Workload, vocab: int, device: str) -> dict:
-    """Measure one workload on a started scheduler; returns metrics and the decode-phase counters."""
+def run_workload(engine, scheduler, w: Workload, vocab: int, device: str, reproducible: bool = False) -> dict:
+    """Measure one workload on a started scheduler (`reproducible`: every request asks for bit-identical results);
+    returns metrics and the decode-phase counters."""
     from strata.runtime.sampler import SamplingParams
     from strata.runtime.scheduler import GenRequest
 
@@ -180,7 +181,7 @@ def run_workload(engine, scheduler, w: Workload, vocab: int, device: str) -> dic
     try:
         for i, (t, p) in enumerate(zip(threads, prompts, strict=True)):
             params = SamplingParams(max_tokens=w.tokens, temperature=1.0, seed=1000 + i, ignore_eos=True)
-            handles.append(scheduler.submit(GenRequest(p, params)))
+            handles.append(scheduler.submit(GenRequest(p, params, reproducible=reproducible)))
             t.start()  # consuming at once: a token's timestamp is when its event arrives
         for t in threads:
             t.join()
@@ -319,7 +320,8 @@ def run_group(cases: list[Case], model: Path, summary: dict, facts: ModelFacts, 
         if popularity is not None:  # once per routing, outside any timed run: how this checkpoint routes
             popularity.update(_measure_popularity(engine, sched, vocab, summary))
         # warm-up: kernels, graphs, first copies, and the tier policy's first counts and promotions
-        run_workload(engine, sched, Workload(64, 1, 16), vocab, device)
+        repro = first.variant == "repro"
+        run_workload(engine, sched, Workload(64, 1, 16), vocab, device, repro)
         warmed = {(64, 1)}
         for case in cases:
             if time.time() > deadline:
@@ -332,9 +334,9 @@ def run_group(cases: list[Case], model: Path, summary: dict, facts: ModelFacts, 
             try:
                 warm = warmup_for(case.workload, warmed)
                 if warm is not None:  # a new batch size or prompt length: its decode graphs are captured here,
-                    run_workload(engine, sched, warm, vocab, device)  # not inside the timed run
+                    run_workload(engine, sched, warm, vocab, device, repro)  # not inside the timed run
                 with traced(device):  # $STRATA_BENCH_TRACE: the kernels' summary (bench/kernel_trace.py)
-                    res = run_workload(engine, sched, case.workload, vocab, device)
+                    res = run_workload(engine, sched, case.workload, vocab, device, repro)
                 res["metrics"]["warmup"] = None if warm is None else {"prompt": warm.prompt, "streams": warm.streams,
                                                                      "tokens": warm.tokens}
                 bound = case_roofline(case, res, facts, rates)
