@@ -3,7 +3,8 @@
 #   bash bench/h200_session.sh tests|tests-decode|diag|inengine|hotpath|ramshared|multigpu|serving|serving-bench|
 #                              ceiling48|engram|engram-profile|engram-text|handshake|prefill-skew|chunk|next|trace|
 #                              suite|probe|mailbox|timeline|timeline-one|profile|profile-ceiling|core|cap-summary|
-#                              thirtyseventh|thirtyseventh-b|thirtyseventh-c|thirtyseventh-d   (writes under $OUT)
+#                              thirtyseventh|thirtyseventh-b|thirtyseventh-c|thirtyseventh-d|thirtyeighth|thirtyeighth-b
+#                              (writes under $OUT)
 # The earlier sessions' modes (eleventh ... thirtysixth-c, quoted in bench/RESULTS.md) live in
 # bench/h200_past_sessions.sh and still run by name: a mode not found here is looked up there (past_session_mode).
 # A finished session's modes move there verbatim, with the helpers only they use.
@@ -227,6 +228,27 @@ case "$1" in
     STRATA_WARM_PLAN_FIRST=1 ab_case planfirst-skewed split/b25/skewed/p128x4
     ab_case warm-skewed split/b25/skewed/p128x4
     ab_summary ;;
+  thirtyeighth)  # every GPU test (the serve warm-up's among them), then `strata serve` on the 12-layer uniform bench
+                 # model at 25%: start-up and its first requests (one, then four at once, each twice) without the
+                 # warm-up and with it, alternated, each server on empty Triton and CuPy caches (a fresh install)
+    gpu_tests 5
+    rm -rf /dev/shm/b12* /dev/shm/b4* /dev/shm/loc1 /dev/shm/sc
+    for r in 1 2; do
+      for w in false true; do
+        STRATA_BENCH_FRESH_JIT=1 timeout 170 python3 -m bench run --suite full --layers 12 --deadline 160 \
+          --cases 'serve/b25/uniform/startup' --set '{"runtime": {"warmup": '$w'}}' --out "$OUT/serve/$w-$r" 2>&1 \
+          | grep -E '^serve/|Error' | sed "s/^/warmup=$w #$r: /"
+      done
+    done
+    cp "$OUT/serve/true-2/suite.json" "$OUT/serve-suite.json"; rm -rf "$OUT/serve" ;;
+  thirtyeighth-b)  # the full suite's multi-stream cases ($ROUTING, default uniform) with the warm-up that runs all
+                   # of a workload's tokens, plus the 25% one-stream split and reproducible cases (issue 4's penalty)
+    rm -rf /dev/shm/b12* /dev/shm/b4* /dev/shm/loc1 /dev/shm/sc
+    r=${ROUTING:-uniform}
+    timeout 560 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 520 --out "$OUT/ms-$r" \
+      --cases "split/b25/$r/p128x1" "repro/b25/$r/p128x1" "ceiling/all/$r/p128x[48]" "split/b*/$r/p128x[48]" 2>&1 \
+      | grep -vE "^---" | tail -16
+    rm -f "$OUT"/ms-*/*.png ;;
   cap-summary)  # after twentyeighth and twentyeighth-b (run apart, so that a timed-out A/B still leaves its summary;
                 # "cap" in the directory names is the switch's value: the cap, or $STRATA_CPU_PIN)
     python3 - "$OUT" <<'PY'  # one file of every run's case record (the box returns few files), a line each

@@ -44,7 +44,11 @@ def run_suite(cases: list[Case], settings: dict, out_dir: str | Path, log=print,
                 doc["cases"] += [run_hf(c, model, summary, settings, min(settings["hf_limit_s"], left - 10), log)
                                  for c in group]
             elif first.variant == "serve":
-                doc["cases"] += [run_serve(c, model, summary, settings, out_dir, min(120.0, left - 10)) for c in group]
+                for c in group:
+                    doc["cases"].append(run_serve(c, model, summary, settings, out_dir, min(120.0, left - 10)))
+                    rec = doc["cases"][-1]
+                    log(f"{c.name}: {rec['metrics'] if rec['status'] == 'ok' else rec['status']} "
+                        f"({rec.get('warmup') or rec.get('reason')})")
             else:
                 pop = doc["models"][first.routing].setdefault("popularity", {})
                 doc["cases"] += run_group(group, model, summary, facts, rates, settings, deadline, log,
