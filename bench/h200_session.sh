@@ -49,7 +49,7 @@ for p, c in [(p, c) for p in sorted(out.glob("ab/*/suite.json")) for c in json.l
     og = (m.get("decode_state") or {}).get("one_graph_decode") or {}
     w, step = m.get("mailbox_window") or {}, 1000 / m["decode_tok_s"]
     cold, between = 12 * w.get("serve_us", 0) / 1000, 11 * (w.get("gpu_gap_us") or 0) / 1000
-    print(label, m["decode_tok_s"], c.get("fraction_of_roofline"), "hit", m["gpu_hit_rate"],
+    print(p.parent.name, m["decode_tok_s"], c.get("fraction_of_roofline"), "hit", m["gpu_hit_rate"],
           "share", round(og.get("gpu_share") or 0, 3), og.get("gpu_share_mode"), "promo/tok", m["promotions_per_token"],
           "step ms", round(step, 3), "cold", round(cold, 3), "between", round(between, 3), "ends", round(step - cold - between, 3),
           "promotions", (m.get("decode_state") or {}).get("promotions"), "books_s", og.get("books_s"), "deferred", og.get("books_deferred"), "window", w)
@@ -256,7 +256,7 @@ import json, pathlib, sys
 out = pathlib.Path(sys.argv[1]); runs = {}
 for p in sorted(out.glob("b*-cap*-*/suite.json")):
     c = json.load(open(p))["cases"][0]; runs[p.parent.name] = c; m = c["metrics"]
-    print(label, m["decode_tok_s"], c.get("fraction_of_roofline"), "hit", m["gpu_hit_rate"],
+    print(p.parent.name, m["decode_tok_s"], c.get("fraction_of_roofline"), "hit", m["gpu_hit_rate"],
           "promo/tok", m["promotions_per_token"], "window", m.get("mailbox_window"))
 json.dump(runs, open(out / "cap_ab.json", "w"), indent=1)
 PY
