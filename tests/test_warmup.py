@@ -99,15 +99,23 @@ def test_warmup_setting(tiny_model_dir):
         Engine.from_pretrained(tiny_model_dir, device="cpu", config={"runtime": {"warmup": "yes"}})
 
 
+@pytest.fixture(scope="module")
+def plain_tiny(tmp_path_factory):
+    """The tiny demo model without Engram layers."""
+    from strata.runtime.demo_model import write_demo_model
+
+    return write_demo_model(tmp_path_factory.mktemp("plain") / "tiny", size="tiny", engram=False)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("budget", ["memory", "split"])
-def test_warmup_captures_every_decode_graph_before_the_first_request(tiny_model_dir, budget):
+def test_warmup_captures_every_decode_graph_before_the_first_request(plain_tiny, budget):
     """On CUDA: after the warm-up each batch size's graph exists, so requests of 1..max_batch streams (at the
     smallest KV bucket) capture nothing more; all in VRAM, their tokens equal a fresh engine's without a warm-up
     (split, the CPU's forked numerics depend on where each expert sits then, which placement timing moves)."""
     cfg = {"runtime": {"experts": "memory"}} if budget == "memory" else {
         "tiers": {"gpu": {"budget": str(2 * 12288)}, "pinned": {"budget": str(64 * 12288)}}}
-    with Engine.from_pretrained(tiny_model_dir, device="cuda", config=cfg) as eng:
+    with Engine.from_pretrained(plain_tiny, device="cuda", config=cfg) as eng:
         sched = eng.scheduler(max_batch=4)
         try:
             report = warm_up(sched)
@@ -124,7 +132,7 @@ def test_warmup_captures_every_decode_graph_before_the_first_request(tiny_model_
             sched.stop()
     if budget != "memory":
         return
-    with Engine.from_pretrained(tiny_model_dir, device="cuda", config=cfg) as fresh:
+    with Engine.from_pretrained(plain_tiny, device="cuda", config=cfg) as fresh:
         sched = fresh.scheduler(max_batch=4)
         sched.start()
         try:
