@@ -75,8 +75,7 @@ def main() -> None:
     box = CpuMailbox(list(range(args.layers)), addresses, hidden=hidden, inter=store.expert_shapes[1][1], gu_bytes=store.index.gate_up_bytes,
                      payload=store.payload_bytes, top_k=args.top_k, max_tokens=1, threads=2, device=torch.device("cpu"))
     compute._mailbox_kernel = (0, 0, 0.0)  # as ExpertCompute._open_mailbox sets it
-    books = MailboxBooks(box, m, compute.promote_one, compute._count_mailbox)
-    books.close()  # flushed here, on this thread, and timed
+    books = MailboxBooks(box, m, compute.promote_one, compute._count_mailbox)  # flushed here, on this thread, and timed
     times, prof = [], cProfile.Profile() if args.profile else None
     try:
         for _ in range(args.steps):

@@ -1,6 +1,6 @@
 """The GPU's share of a one-graph split layer's cold experts (strata.runtime.gpu_share): how the cold rows are cut
-between the CPU worker and the GPU's in-place reads, and how the share follows the worker (its rate, or how often
-the GPU waited for its answers)."""
+between the CPU worker and the GPU's in-place reads, and how the share follows how often the GPU waited for the
+worker's answers."""
 
 from __future__ import annotations
 
@@ -94,34 +94,11 @@ def test_row_granules_divide_the_expert(inter, rows):
     assert _share(np.ones((1, E), dtype=np.int64), 0.4, granule=row_granule(inter), inter=inter).granules == inter // rows
 
 
-def test_gpu_share_follows_the_cpu_kernels_rate():
-    from strata.runtime.gpu_share import GpuShare
-
-    gs = _share(np.zeros((1, E), dtype=np.int64), 0.3, granule=8, gpu_rate=45e9, mode="rate")
-    gs.balance(1.0)  # the other mode's reading: ignored
-    assert gs.target == 0.3
-    gs.adapt(45e9)  # the two sides equally fast: half
-    assert gs.target == pytest.approx(0.5) and gs.value == 0.3 and float(gs.share) == pytest.approx(0.3)
-    gs.apply()
-    assert gs.value == gs.target and float(gs.share) == 0.5  # what the captured step reads
-    flat, used = torch.arange(2), torch.full((2,), -1, dtype=torch.int32)
-    assert gs.assign(0, flat, used)[2].tolist() == [INTER, 0]  # of 2 cold experts, one each side
-    gs.adapt(135e9)  # the CPU three times faster: a quarter
-    assert gs.target == pytest.approx(0.25)
-    gs.adapt(1e9)  # a slow CPU: capped
-    assert gs.target == GpuShare.MAX
-    fixed = _share(np.zeros((1, E), dtype=np.int64), 0.3, adaptive=False)
-    fixed.adapt(1e9)
-    assert fixed.target == 0.3
-
-
 def test_gpu_share_balances_on_how_often_the_gpu_waited():
     from strata.runtime.gpu_share import GpuShare
 
     gs = _share(np.zeros((1, E), dtype=np.int64), 0.3, granule=8)
-    assert gs.mode == "balance" and gs.wait_target == GpuShare.WAIT_TARGET
-    gs.adapt(1e9)  # the rate rule's reading: ignored (it ran away to the cap on slow hosts)
-    assert gs.target == 0.3
+    assert gs.wait_target == GpuShare.WAIT_TARGET
     gs.balance(GpuShare.WAIT_TARGET)  # balanced: stays
     assert gs.target == pytest.approx(0.3)
     gs.balance(1.0)  # the GPU waited in every layer: the worker is the long pole, the GPU takes more
@@ -135,28 +112,28 @@ def test_gpu_share_balances_on_how_often_the_gpu_waited():
     for _ in range(100):
         gs.balance(1.0)
     assert gs.target == GpuShare.MAX
+    flat, used = torch.arange(2), torch.full((2,), -1, dtype=torch.int32)  # 2 cold experts of 4 granules each
+    assert gs.value == 0.3 and float(gs.share) == pytest.approx(0.3)  # the device's value follows between steps
+    assert gs.assign(0, flat, used)[2].tolist() == [INTER, 16]  # 0.3 of 8 granules: the GPU takes 2
+    gs.apply()
+    assert gs.value == GpuShare.MAX and float(gs.share) == pytest.approx(GpuShare.MAX)  # what the captured step reads
+    assert gs.assign(0, flat, used)[2].tolist() == [24, 0]  # 0.6 of 8: the GPU takes 5 (4.8 rounded to the sooner end)
     fixed = _share(np.zeros((1, E), dtype=np.int64), 0.3, adaptive=False)
     fixed.balance(0.0)
     assert fixed.target == 0.3
     assert _share(np.zeros((1, E), dtype=np.int64), 0.3, wait_target=0.5).wait_target == 0.5
-    with pytest.raises(ValueError, match="balance"):
-        _share(np.zeros((1, E), dtype=np.int64), 0.3, mode="fastest")
     with pytest.raises(ValueError, match="wait target"):
         _share(np.zeros((1, E), dtype=np.int64), 0.3, wait_target=1.0)
 
 
-def test_the_share_rule_from_the_environment_names_a_bad_value(monkeypatch):
-    from strata.runtime.expert_compute import _share_rule
+def test_the_wait_target_from_the_environment_names_a_bad_value(monkeypatch):
+    from strata.runtime.expert_compute import _wait_target
 
-    monkeypatch.delenv("STRATA_MAILBOX_SHARE_ADAPT", raising=False)
     monkeypatch.delenv("STRATA_MAILBOX_WAIT_TARGET", raising=False)
-    assert _share_rule() == ("balance", None)
-    monkeypatch.setenv("STRATA_MAILBOX_SHARE_ADAPT", "rate")
+    assert _wait_target() is None
     monkeypatch.setenv("STRATA_MAILBOX_WAIT_TARGET", "0.55")
-    assert _share_rule() == ("rate", 0.55)
-    for name, value in (("STRATA_MAILBOX_WAIT_TARGET", "1.5"), ("STRATA_MAILBOX_WAIT_TARGET", "high"),
-                        ("STRATA_MAILBOX_SHARE_ADAPT", "fastest")):
-        monkeypatch.setenv(name, value)
-        with pytest.raises(ValueError, match=name):
-            _share_rule()
-        monkeypatch.setenv(name, "0.5" if name.endswith("TARGET") else "balance")
+    assert _wait_target() == 0.55
+    for value in ("1.5", "high"):
+        monkeypatch.setenv("STRATA_MAILBOX_WAIT_TARGET", value)
+        with pytest.raises(ValueError, match="STRATA_MAILBOX_WAIT_TARGET"):
+            _wait_target()

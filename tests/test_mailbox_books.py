@@ -1,5 +1,5 @@
-"""The bookkeeping of one-graph split decode (strata.runtime.mailbox_books), on the real mailbox worker: when its
-thread runs, and how it moves the GPU share from the worker's readings."""
+"""The bookkeeping of one-graph split decode (strata.runtime.mailbox_books), on the real mailbox worker: when it
+runs, where it stops, and how it moves the GPU share from the worker's readings."""
 
 from __future__ import annotations
 
@@ -48,39 +48,10 @@ def _serve(box, layers=(0,)) -> None:
 
 
 @needs_kernel
-def test_books_on_their_thread_run_after_the_launch_not_before(tiny_model_dir, tmp_path):
-    """With a thread of their own (`inline=False`), the books are woken once a step's work is queued (`queued`), not
-    by the pre-launch checks (`step`): their Python would hold the GIL the launch needs. Each layer the worker served
-    is booked once."""
-    import time
-
-    from strata.runtime.mailbox_books import MailboxBooks
-
-    promoted = []
-    with _rig(tiny_model_dir, tmp_path) as r:
-        books = MailboxBooks(r.box, r.m, lambda layer, experts: promoted.append((layer, sorted(experts))),
-                             lambda *a: None, inline=False)
-        try:
-            time.sleep(0.1)  # the thread's first timed wake-up (it finds nothing to book)
-            _serve(r.box)
-            books.step()
-            # the checks alone wake nobody (the thread's own 50 ms timed wake-up may still book it: not asserted)
-            assert not books._wake.is_set()
-            books.queued()
-            deadline = time.monotonic() + 5
-            while not promoted and time.monotonic() < deadline:
-                time.sleep(0.005)
-            assert books.error is None and promoted == [(0, [3, 4])] and books.seconds > 0
-            assert r.box.drain() == []  # booked once
-        finally:
-            books.close()
-
-
-@needs_kernel
 def test_inline_books_issue_their_promotions_on_the_queuing_thread(tiny_model_dir, tmp_path):
-    """By default the books run on the thread that queued the step (the decoding thread, while its GPU works), and
-    so do their promotions: when `queued` returns, the picked expert already sits in a GPU slot (a CPU-simulated
-    tier here), with no thread of the books' own and no transfer worker's job queued for it."""
+    """The books run on the thread that queued the step (the decoding thread, while its GPU works), not in the
+    pre-launch checks (`step`), and so do their promotions: when `queued` returns, the picked expert already sits in a
+    GPU slot (a CPU-simulated tier here), with no transfer worker's job queued for it. Each layer is booked once."""
     from strata.runtime.mailbox_books import MailboxBooks
 
     picked = []
@@ -92,20 +63,17 @@ def test_inline_books_issue_their_promotions_on_the_queuing_thread(tiny_model_di
             return layer, max(experts)
 
         books = MailboxBooks(r.box, m, pick, lambda *a: None)
-        try:
-            assert books._thread is None
-            _serve(r.box)
-            books.step()
-            assert picked == [] and (layer, 4) not in m.gpu.slot_of  # the pre-launch checks book nothing
-            books.queued()
-            assert picked == [(0, [3, 4])] and books.error is None
-            assert (layer, 4) in m.gpu.slot_of and (layer, 4) not in m.gpu.inflight and not m._jobs
-            assert m.stats()["promotions"]["done"] == 1
-            gate_up, down = store.expert_views(store.read_expert((layer, 4)))
-            got_gu, got_dn = store.expert_views(m.slots.view(m.gpu.slot_of[(layer, 4)]))
-            assert torch.equal(got_gu, gate_up) and torch.equal(got_dn, down)
-        finally:
-            books.close()
+        _serve(r.box)
+        books.step()
+        assert picked == [] and (layer, 4) not in m.gpu.slot_of  # the pre-launch checks book nothing
+        books.queued()
+        assert picked == [(0, [3, 4])] and books.error is None and books.seconds > 0
+        assert (layer, 4) in m.gpu.slot_of and (layer, 4) not in m.gpu.inflight and not m._jobs
+        assert r.box.drain() == []  # booked once
+        assert m.stats()["promotions"]["done"] == 1
+        gate_up, down = store.expert_views(store.read_expert((layer, 4)))
+        got_gu, got_dn = store.expert_views(m.slots.view(m.gpu.slot_of[(layer, 4)]))
+        assert torch.equal(got_gu, gate_up) and torch.equal(got_dn, down)
 
 
 class _Gpu:
@@ -136,30 +104,27 @@ def test_inline_books_stop_when_the_gpu_is_done_and_catch_up_later(tiny_model_di
             return layer, mailbox_layer + 3
 
         books = MailboxBooks(r.box, m, pick, lambda *a: None)
-        try:
+        _serve(r.box, (0, 2))
+        books.queued(_Gpu(False))  # the GPU was done first: nothing booked
+        assert picked == [] and books.deferred == 1 and len(books._backlog) == 2
+        books.queued(_Gpu(True, False))  # one layer booked, then the GPU is done: its promotion waits
+        assert picked == [0] and (layer, 3) not in m.gpu.slot_of and list(books._promote) == [(layer, 3)]
+        books.queued(_Gpu(True))  # the rest, and both promotions issued
+        assert picked == [0, 2] and (layer, 3) in m.gpu.slot_of and (layer, 5) in m.gpu.slot_of
+        assert not books._promote and not books._backlog and books.deferred == 2
+        monkeypatch.setattr(mailbox_books, "BACKLOG_MAX", 3)
+        for _ in range(3):
             _serve(r.box, (0, 2))
-            books.queued(_Gpu(False))  # the GPU was done first: nothing booked
-            assert picked == [] and books.deferred == 1 and len(books._backlog) == 2
-            books.queued(_Gpu(True, False))  # one layer booked, then the GPU is done: its promotion waits
-            assert picked == [0] and (layer, 3) not in m.gpu.slot_of and list(books._promote) == [(layer, 3)]
-            books.queued(_Gpu(True))  # the rest, and both promotions issued
-            assert picked == [0, 2] and (layer, 3) in m.gpu.slot_of and (layer, 5) in m.gpu.slot_of
-            assert not books._promote and not books._backlog and books.deferred == 2
-            monkeypatch.setattr(mailbox_books, "BACKLOG_MAX", 3)
-            for _ in range(3):
-                _serve(r.box, (0, 2))
-            books.queued(_Gpu(False))  # 6 wait: the books catch up to 3 even though the GPU is done
-            assert picked == [0, 2, 0, 2, 0] and len(books._backlog) == 3 and len(books._promote) == 3
-            books._issue_promotions(_Gpu(True, False))  # each promotion only while the GPU is busy: one, then it is done
-            assert len(books._promote) == 2
-            m.stats()  # a statistics read books the rest, but leaves promotions to the decoding thread (its stream)
-            assert picked == [0, 2, 0, 2, 0, 2, 0, 2] and not books._backlog and books.error is None
-            assert len(books._promote) == 5 and m.stats()["promotions"]["done"] == 3
-            books.queued(_Gpu(True))
-            assert not books._promote and m.stats()["promotions"]["done"] == 8  # every pick issued once...
-            assert sorted(m.gpu.slot_of) == [(layer, 3), (layer, 5)]  # ...the later ones finding their expert there
-        finally:
-            books.close()
+        books.queued(_Gpu(False))  # 6 wait: the books catch up to 3 even though the GPU is done
+        assert picked == [0, 2, 0, 2, 0] and len(books._backlog) == 3 and len(books._promote) == 3
+        books._issue_promotions(_Gpu(True, False))  # each promotion only while the GPU is busy: one, then it is done
+        assert len(books._promote) == 2
+        m.stats()  # a statistics read books the rest, but leaves promotions to the decoding thread (its stream)
+        assert picked == [0, 2, 0, 2, 0, 2, 0, 2] and not books._backlog and books.error is None
+        assert len(books._promote) == 5 and m.stats()["promotions"]["done"] == 3
+        books.queued(_Gpu(True))
+        assert not books._promote and m.stats()["promotions"]["done"] == 8  # every pick issued once...
+        assert sorted(m.gpu.slot_of) == [(layer, 3), (layer, 5)]  # ...the later ones finding their expert there
 
 
 @needs_kernel
@@ -186,27 +151,12 @@ def test_books_balance_the_gpu_share_on_the_gpus_waits(tiny_model_dir, tmp_path)
                     if answered:  # cleared as soon as answered, before the next layer's post reads it back
                         box.headers[box._box[layer]][4] = 0
 
-        try:
-            steps(BALANCE_WINDOW, answered=False)
-            books.flush()
-            risen = share.target
-            assert risen > 0.3 and share.value == 0.3  # the device's value follows between steps
-            books.step()
-            assert share.value == risen and float(share.share) == pytest.approx(risen)
-            steps(2 * BALANCE_WINDOW, answered=True)
-            books.flush()
-            assert books.error is None and share.target < risen  # (how far: how the books' wake-ups cut the windows)
-        finally:
-            books.close()
-
-
-def test_where_the_books_run_from_the_environment_names_a_bad_value(monkeypatch):
-    from strata.runtime.expert_compute import _books_inline
-
-    monkeypatch.delenv("STRATA_MAILBOX_BOOKS", raising=False)
-    assert _books_inline() is True
-    monkeypatch.setenv("STRATA_MAILBOX_BOOKS", "thread")
-    assert _books_inline() is False
-    monkeypatch.setenv("STRATA_MAILBOX_BOOKS", "threads")
-    with pytest.raises(ValueError, match="STRATA_MAILBOX_BOOKS"):
-        _books_inline()
+        steps(BALANCE_WINDOW, answered=False)
+        books.flush()
+        risen = share.target
+        assert risen > 0.3 and share.value == 0.3  # the device's value follows between steps
+        books.step()
+        assert share.value == risen and float(share.share) == pytest.approx(risen)
+        steps(2 * BALANCE_WINDOW, answered=True)
+        books.flush()
+        assert books.error is None and share.target < risen  # (how far: where the flushes cut the windows)

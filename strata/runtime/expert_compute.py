@@ -171,7 +171,7 @@ class ExpertCompute(CpuCompute):
                 addresses[layer, e] = m.pool.slot_address(slot)
         (_, hidden), (_, inter) = store.expert_shapes
         if not os.environ.get("STRATA_CPU_THREADS"):
-            # cores left to the decoding thread (it spins in the step's sync), the bookkeeping and transfer threads:
+            # cores left to the decoding thread (its books, its spin in the step's sync) and the transfer threads:
             # on the H200 box (16 cores) the worker's kernel ran 1.28x faster in decode with 12 threads than with 15
             n = ce.default_threads()
             self.cpu_threads = max(1, n - (MAILBOX_SPARE_CORES if n >= 2 * MAILBOX_SPARE_CORES else 1))
@@ -195,13 +195,12 @@ class ExpertCompute(CpuCompute):
             if share > 0:
                 (gu, dn) = store.expert_shapes
                 whole = os.environ.get("STRATA_MAILBOX_WHOLE_EXPERTS") == "1"  # A/B: no expert split by rows
-                mode, target = _share_rule()
                 self.gpu_share = GpuShare(addresses, HostExperts(store.dtype, gu, dn, store.index.gate_up_bytes),
                                           self.device, share, adaptive=not fixed, gpu_rate=IN_PLACE_RATE,
-                                          split=not whole, mode=mode, wait_target=target)
+                                          split=not whole, wait_target=_wait_target())
         self.copy_ahead = self._open_copy_ahead(addresses, store) if self.gpu_share is not None else None
         self.books = MailboxBooks(self.mailbox, m, self.pick_promotion, self._count_mailbox, self.gpu_share,
-                                  self.copy_ahead, inline=_books_inline())
+                                  self.copy_ahead)
         self._mailbox_kernel = (0, 0, 0.0)
 
     def _open_copy_ahead(self, addresses: np.ndarray, store):
@@ -298,14 +297,13 @@ class ExpertCompute(CpuCompute):
                        books_deferred=self.books.deferred if self.books else 0,
                        gpu_share=self.gpu_share.value if self.gpu_share is not None else 0.0,
                        gpu_share_mode=(None if self.gpu_share is None else
-                                       self.gpu_share.mode if self.gpu_share.adaptive else "fixed"),
+                                       "balance" if self.gpu_share.adaptive else "fixed"),
                        timing=box.timing(), copy_ahead=self.copy_ahead.stats() if self.copy_ahead is not None else None)
         return out
 
     def close_mailbox(self) -> None:
         """Stop the mailbox worker and its bookkeeping (the engine is closing; no step may be in flight)."""
         if self.books is not None:
-            self.books.close()
             self.manager.remove_lookup_source(self.books.flush)
             if self.books.error is None:
                 self.books.flush()  # what the last steps did still reaches the statistics
@@ -357,19 +355,9 @@ class ExpertCompute(CpuCompute):
         return [(int(layer), int(e), int(counts[layer, e])) for layer, e in zip(layers, experts, strict=True)]
 
 
-def _env_choice(name: str, choices: tuple[str, ...]) -> str:
-    """$`name`, one of `choices` (the first is the default); a bad value is refused with the variable's name."""
-    value = os.environ.get(name, choices[0])
-    if value not in choices:
-        raise ValueError(f"{name} must be one of {', '.join(repr(c) for c in choices)}, got {value!r}")
-    return value
-
-
-def _share_rule() -> tuple[str, float | None]:
-    """The GPU share's rule for A/B runs: $STRATA_MAILBOX_SHARE_ADAPT ("balance", the default, or "rate": the
-    worker's kernel rate, the rule before the thirty-fifth session) and $STRATA_MAILBOX_WAIT_TARGET (the balance's
-    target, in (0, 1)); a bad value is refused with the variable's name."""
-    mode = _env_choice("STRATA_MAILBOX_SHARE_ADAPT", ("balance", "rate"))
+def _wait_target() -> float | None:
+    """$STRATA_MAILBOX_WAIT_TARGET: the GPU share's balance target, in (0, 1) (None: `GpuShare.WAIT_TARGET`); a bad
+    value is refused with the variable's name."""
     raw = os.environ.get("STRATA_MAILBOX_WAIT_TARGET")
     try:
         target = float(raw) if raw else None
@@ -377,11 +365,4 @@ def _share_rule() -> tuple[str, float | None]:
         target = -1.0
     if target is not None and not 0.0 < target < 1.0:
         raise ValueError(f"STRATA_MAILBOX_WAIT_TARGET must be a number in (0, 1), got {raw!r}")
-    return mode, target
-
-
-def _books_inline() -> bool:
-    """Where the mailbox's books run, for A/B runs: $STRATA_MAILBOX_BOOKS "inline" (the default: on the decoding thread
-    while its step runs) or "thread" (a thread of their own, promotions on transfer workers: the rule before the
-    thirty-sixth session)."""
-    return _env_choice("STRATA_MAILBOX_BOOKS", ("inline", "thread")) == "inline"
+    return target

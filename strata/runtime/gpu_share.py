@@ -1,6 +1,6 @@
 """The GPU's own share of a one-graph split decode layer's cold experts (strata.runtime.cpu_mailbox): which
 intermediate rows of which cold experts the GPU reads in place over PCIe while the CPU worker computes the rest,
-and how that share follows the two sides' rates."""
+and how that share follows how often the GPU waited for the worker."""
 
 from __future__ import annotations
 
@@ -21,13 +21,11 @@ class GpuShare:
     case under skewed routing, to one side; the split decoded 6-9% faster there (H200 box, bench/RESULTS.md).
     An expert is cut once for all its tokens (batched decode reads each expert once). `share` (a device scalar,
     read by the captured step) starts at the rates' ratio, gpu rate / (gpu rate + CPU rate), and unless fixed
-    follows, by `MailboxBooks`' readings of the worker:
-    - "balance" (the default): how often the GPU had to wait for the worker's answer (`balance`). That sees what
-      the rates miss: each side's fixed costs a layer, and the GPU's in-place rate beside the worker (~27 GB/s
-      measured against the 45 assumed), which let the rate rule run away to the cap on slow hosts;
-    - "rate": the worker's measured kernel rate against the GPU's assumed in-place rate `gpu_rate` (`adapt`).
-    On CUDA, `strata.kernels.mailbox_pack` computes `assign` in its fused kernel; this torch version is its
-    reference."""
+    follows, by `MailboxBooks`' readings of the worker, how often the GPU had to wait for the worker's answer
+    (`balance`). That sees what the rates miss: each side's fixed costs a layer, and the GPU's in-place rate beside
+    the worker (~27 GB/s measured against the 45 assumed, `gpu_rate`), which let the rule before it (the worker's
+    kernel rate against `gpu_rate`) run away to the cap on slow hosts. On CUDA, `strata.kernels.mailbox_pack`
+    computes `assign` in its fused kernel; this torch version is its reference."""
 
     MAX = 0.6  # of the cold rows, at most (the GPU's in-place reads slow the CPU kernel's own)
     # A layer ends at max(worker, GPU). Moving a granule to the GPU saves the worker t_c and costs the GPU t_g, so the
@@ -37,16 +35,15 @@ class GpuShare:
     GAIN = 0.1  # share moved per unit of (waited - target), once a window of layers
 
     def __init__(self, addresses: np.ndarray, experts, device: torch.device, share: float, adaptive: bool = True,
-                 gpu_rate: float = 45e9, split: bool = True, granule: int | None = None, mode: str = "balance",
+                 gpu_rate: float = 45e9, split: bool = True, granule: int | None = None,
                  wait_target: float | None = None):
-        if mode not in ("balance", "rate"):
-            raise ValueError(f"GPU share mode must be \"balance\" or \"rate\", got {mode!r}")
         self.table = torch.from_numpy(np.ascontiguousarray(addresses)).to(device)  # [L, E] int64 host addresses
-        self.experts, self.adaptive, self.num_experts, self.mode = experts, adaptive, addresses.shape[1], mode
+        self.experts, self.adaptive, self.num_experts = experts, adaptive, addresses.shape[1]
         self.wait_target = self.WAIT_TARGET if wait_target is None else wait_target
         if not 0.0 < self.wait_target < 1.0:
             raise ValueError(f"the GPU share's wait target must lie in (0, 1), got {self.wait_target}")
-        self.gpu_rate = gpu_rate  # bytes/s the pair kernels read pinned RAM in place at, beside the CPU kernel
+        # bytes/s the pair kernels read pinned RAM in place at, beside the CPU kernel (copy-ahead's budget reads it)
+        self.gpu_rate = gpu_rate
         self.inter = experts.down_shape[1]  # I: an expert's intermediate rows
         granule = granule or row_granule(self.inter)
         self.rows = granule if split and self.inter % granule == 0 else self.inter  # rows a granule
@@ -86,17 +83,11 @@ class GpuShare:
         used = torch.where((take | (staged != 0)) & (rows == 0), torch.full_like(used, -2), used)
         return used, addr, rows, end[flat], staged
 
-    def adapt(self, cpu_bytes_per_s: float) -> None:
-        """("rate" mode) The worker kernel's rate over the last layers: the target share follows the two sides'
-        rates."""
-        if self.adaptive and self.mode == "rate" and cpu_bytes_per_s > 0:
-            self.target = min(self.MAX, self.gpu_rate / (self.gpu_rate + cpu_bytes_per_s))
-
     def balance(self, waited: float) -> None:
-        """("balance" mode) Of the last layers the worker computed some of, the fraction in which the GPU found no
-        answer yet and waited: more than `wait_target`, the worker is the long pole too often and the GPU takes
-        more; less, the GPU's own work ran past the answer and it takes less."""
-        if self.adaptive and self.mode == "balance":
+        """Of the last layers the worker computed some of, the fraction in which the GPU found no answer yet and
+        waited: more than `wait_target`, the worker is the long pole too often and the GPU takes more; less, the
+        GPU's own work ran past the answer and it takes less."""
+        if self.adaptive:
             moved = self.target + self.GAIN * (min(1.0, max(0.0, waited)) - self.wait_target)
             self.target = min(self.MAX, max(0.0, moved))
 

@@ -1,5 +1,5 @@
 """The bookkeeping of one-graph split decode (strata.runtime.cpu_mailbox), done while the GPU runs the next step: the
-lookups each MoE layer served, the tier policy's history and promotions, and the GPU share's rate, all from the
+lookups each MoE layer served, the tier policy's history and promotions, and the GPU share's balance, all from the
 mailbox worker's log."""
 
 from __future__ import annotations
@@ -14,14 +14,13 @@ if TYPE_CHECKING:
     from strata.runtime.cpu_mailbox import CpuMailbox
     from strata.runtime.gpu_share import GpuShare
 
-RATE_WINDOW_BYTES = 512 << 20  # the GPU share follows the CPU kernel's rate over about this much of its reading
-BALANCE_WINDOW = 48  # ...or the GPU's waits over about this many layers (four steps of the 12-layer bench model)
+BALANCE_WINDOW = 48  # the GPU share follows the GPU's waits over this many layers (4 steps of the 12-layer bench model)
 BACKLOG_MAX = 512  # layers left for later when the GPU finished first; beyond this many the books catch up anyway
 PENDING_PROMOTIONS_MAX = 16  # promotions picked but not issued yet (the GPU finished first); older picks are dropped
 
 
 class GpuBusy(Protocol):
-    """What inline books stop at: `query()` is True once the GPU has done the step's work (a torch.cuda.Event)."""
+    """What the books stop at: `query()` is True once the GPU has done the step's work (a torch.cuda.Event)."""
 
     def query(self) -> bool: ...
 
@@ -31,32 +30,25 @@ class MailboxBooks:
     served, the GPU tier's history fed with every expert used, and the most used cold expert of a layer promoted into
     the GPU tier when worth a slot (`pick(layer, experts)` chooses it, or None).
 
-    `inline=True` (the default): the books run on the decoding thread once its step is queued (`queued`), while the GPU
-    works, and issue their promotions there; once the GPU has done the step, they stop and leave the rest for the next
-    step (the launch waits for nothing but the GPU), unless more than `BACKLOG_MAX` layers wait. A statistics read
-    (`flush`) books every layer but leaves the promotions to the decoding thread. `inline=False`: on a thread of their
-    own, woken then, their promotions queued for the tier manager's transfer workers (the rule before the thirty-sixth
-    session: those threads' Python competed for the GIL with the decoding thread, whose next launch then came late:
-    a promotion took a worker 3-5 ms, and the step's end grew 0.18 ms at 0.76 promotions a token, on the H200 box)."""
+    The books run on the decoding thread once its step is queued (`queued`), while the GPU works, and issue their
+    promotions there; once the GPU has done the step, they stop and leave the rest for the next step (the launch waits
+    for nothing but the GPU), unless more than `BACKLOG_MAX` layers wait. A statistics read (`flush`) books every
+    layer but leaves the promotions to the decoding thread. (Until the thirty-sixth session they ran on a thread of
+    their own with promotions on transfer workers, whose Python competed for the GIL with the decoding thread: its
+    next launch came late, the step's end 0.18 ms later at 0.76 promotions a token on the H200 box.)"""
 
     def __init__(self, mailbox: CpuMailbox, manager, pick, on_counts, share: GpuShare | None = None,
-                 ahead: CopyAhead | None = None, *, inline: bool = True):
+                 ahead: CopyAhead | None = None):
         """on_counts(experts, bytes, seconds): the worker's running totals (its kernel's own work only)."""
         self.mailbox, self.manager, self.pick, self.on_counts = mailbox, manager, pick, on_counts
-        self.share, self.ahead, self.inline = share, ahead, inline
-        self._rate_mark = (0, 0.0)  # the worker's (bytes, kernel seconds) when the share last adapted
-        self._wait_mark = (0, 0)  # the worker's (layers read, layers the GPU waited in) then
+        self.share, self.ahead = share, ahead
+        self._wait_mark = (0, 0)  # the worker's (layers read, layers the GPU waited in) when the share last moved
         self.error: BaseException | None = None
         self.seconds = 0.0  # spent booking and issuing promotions so far (on whichever thread ran them)
-        self._wake, self._stop = threading.Event(), threading.Event()
-        self._lock = threading.Lock()  # one drain at a time (the decoding thread or the books' own, `flush`)
+        self._lock = threading.Lock()  # one drain at a time (the decoding thread's `queued`, a statistics `flush`)
         self._backlog: deque = deque()  # (layer, resident, computed) drained from the worker, not booked yet
         self._promote: deque = deque()  # promotions picked, not issued yet (the GPU finished first)
-        self.deferred = 0  # inline passes that stopped at the step's end with layers left
-        self._thread: threading.Thread | None = None
-        if not inline:
-            self._thread = threading.Thread(target=self._run, name="strata-mailbox-books", daemon=True)
-            self._thread.start()
+        self.deferred = 0  # passes that stopped at the step's end with layers left
         manager.add_lookup_source(self.flush)
 
     def step(self) -> None:
@@ -72,10 +64,7 @@ class MailboxBooks:
     def queued(self, until: GpuBusy | None = None) -> None:
         """Once the step's work is queued: the books (~0.5-1 ms of Python a step on the H200 box) run now, on the
         decoding thread while the GPU works, up to the moment `until` says the GPU is done, then the promotions picked,
-        each only while it still works (inline); or their thread is woken. An error is kept for `step` to raise."""
-        if self._thread is not None:
-            self._wake.set()
-            return
+        each only while it still works. An error is kept for `step` to raise."""
         try:
             self._book(until)
             self._issue_promotions(until)
@@ -84,12 +73,9 @@ class MailboxBooks:
 
     def flush(self) -> list:
         """Do the books for every layer served so far: the tier manager's statistics call this first, as a lookup
-        source (hence [] and the lock order, the manager's then this one's), and so does the books' own thread, which
-        then queues the promotions picked for a transfer worker. Inline, promotions wait for the decoding thread
+        source (hence [] and the lock order, the manager's then this one's). Promotions wait for the decoding thread
         (`queued`): a promotion clears its victim's map entry on the issuing thread's stream, which must be decode's."""
         self._book(None)
-        if not self.inline:
-            self._issue_promotions(None)
         return []
 
     def _book(self, until: GpuBusy | None) -> None:
@@ -113,13 +99,7 @@ class MailboxBooks:
                 chosen.popleft()
             self.deferred += bool(backlog)
             self.on_counts(self.mailbox.experts_computed, *self.mailbox.kernel_rate())
-        if entries and self.share is not None and self.share.mode == "rate":
-            nbytes, seconds = self.mailbox.kernel_rate()
-            b0, s0 = self._rate_mark
-            if nbytes - b0 >= RATE_WINDOW_BYTES and seconds > s0:  # the kernel's rate over its last ~0.5 GB
-                self.share.adapt((nbytes - b0) / (seconds - s0))
-                self._rate_mark = (nbytes, seconds)
-        elif entries and self.share is not None:
+        if entries and self.share is not None:
             layers, waited = self.mailbox.gpu_waits()
             l0, w0 = self._wait_mark
             if layers - l0 >= BALANCE_WINDOW:
@@ -128,29 +108,13 @@ class MailboxBooks:
         self.seconds += time.perf_counter() - t0
 
     def _issue_promotions(self, until: GpuBusy | None) -> None:
-        """Issue the promotions picked (inline: on this thread, ~0.3-0.5 ms each on the H200 box; else queued for a
-        transfer worker), each only while the GPU is still busy (`until`); the rest wait for the next call."""
+        """Issue the promotions picked, on this thread (~0.3-0.5 ms each on the H200 box), each only while the GPU is
+        still busy (`until`); the rest wait for the next call."""
         t0 = time.perf_counter()
         while until is None or not until.query():
             with self._lock:
                 if not self._promote:
                     break
                 key = self._promote.popleft()
-            self.manager.promote(key, now=self.inline)
+            self.manager.promote(key, now=True)
         self.seconds += time.perf_counter() - t0
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self._wake.wait(0.05)
-            self._wake.clear()
-            try:
-                self.flush()
-            except BaseException as e:  # noqa: BLE001 - surfaced on the decoding thread by `step`
-                self.error = e
-                return
-
-    def close(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            self._thread.join()

@@ -22,7 +22,7 @@ class LookupsMixin:
 
     def note_hits(self, layer: int, experts: Iterable[int], device: str = "gpu") -> None:
         """Count one lookup per expert of `layer` answered by `device`'s tier (resident, no wait). In bulk: one-graph
-        decode books every layer of every step this way (~100 lookups a step, Python on a thread beside decode)."""
+        decode books every layer of every step this way (~100 lookups a step, Python on the decoding thread)."""
         tier = self._tier(device)
         keys = [(layer, int(e)) for e in experts]
         with self._lock:
