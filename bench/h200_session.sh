@@ -241,14 +241,23 @@ case "$1" in
       done
     done
     cp "$OUT/serve/true-2/suite.json" "$OUT/serve-suite.json"; rm -rf "$OUT/serve" ;;
-  thirtyeighth-b)  # the full suite's multi-stream cases ($ROUTING, default uniform) with the warm-up that runs all
-                   # of a workload's tokens, plus the 25% one-stream split and reproducible cases (issue 4's penalty)
+  thirtyeighth-b)  # the full suite's multi-stream cases ($ROUTING, default uniform; $BUDGETS, default all: b*) with
+                   # the warm-up that runs all of a workload's tokens, plus the 25% one-stream split and reproducible
+                   # cases (issue 4's penalty), within $MS_DEADLINE s; then $SERVE serve runs (uniform only), each
+                   # "<warmup>-<fresh|warm>": the warm-up on or off, on empty kernel caches or the box's
     rm -rf /dev/shm/b12* /dev/shm/b4* /dev/shm/loc1 /dev/shm/sc
     r=${ROUTING:-uniform}
-    timeout 560 python3 -m bench run --suite full --layers 12 --tokens 64 --deadline 520 --out "$OUT/ms-$r" \
-      --cases "split/b25/$r/p128x1" "repro/b25/$r/p128x1" "ceiling/all/$r/p128x[48]" "split/b*/$r/p128x[48]" 2>&1 \
-      | grep -vE "^---" | tail -16
-    rm -f "$OUT"/ms-*/*.png ;;
+    timeout $(( ${MS_DEADLINE:-520} + 40 )) python3 -m bench run --suite full --layers 12 --tokens 64 \
+      --deadline "${MS_DEADLINE:-520}" --out "$OUT/ms-$r" --cases "split/b25/$r/p128x1" "repro/b25/$r/p128x1" \
+      "ceiling/all/$r/p128x[48]" "split/${BUDGETS:-b*}/$r/p128x[48]" 2>&1 | grep -vE "^---" | tail -16
+    rm -f "$OUT"/ms-*/*.png
+    for run in ${SERVE:-}; do
+      w=${run%-*}; fresh=""; [ "${run#*-}" = fresh ] && fresh=1
+      STRATA_BENCH_FRESH_JIT=$fresh timeout 100 python3 -m bench run --suite full --layers 12 --deadline 95 \
+        --cases 'serve/b25/uniform/startup' --set '{"runtime": {"warmup": '$w'}}' --out "$OUT/serve-$run" 2>&1 \
+        | grep -E '^serve/|Error' | sed "s/^/$run: /"
+      rm -f "$OUT/serve-$run"/*.png "$OUT/serve-$run"/serve.*
+    done ;;
   cap-summary)  # after twentyeighth and twentyeighth-b (run apart, so that a timed-out A/B still leaves its summary;
                 # "cap" in the directory names is the switch's value: the cap, or $STRATA_CPU_PIN)
     python3 - "$OUT" <<'PY'  # one file of every run's case record (the box returns few files), a line each
