@@ -19,9 +19,12 @@ def test_warmup_steps_through_every_batch_size_and_is_not_traffic(tiny_engine):
     sched = tiny_engine.scheduler(max_batch=5)
     try:
         report = warm_up(sched)
-        assert report.batch_sizes == [5, 4, 3, 2, 1, 1]  # then the short prompt alone
+        alone = len(warmup_requests(5, 100, tiny_engine.max_context)) - 1  # the short prompt, then one a KV bucket
+        assert tiny_engine.max_context >= 4096 and alone == 5
+        assert report.batch_sizes == [5, 4, 3, 2, 1] + [1] * alone
+        assert report.buckets == [256, 512, 1024, 2048, 4096]
         assert report.captures == 0  # the CPU has no graphs
-        assert "decode batch sizes 1-5" in report.describe()
+        assert "decode batch sizes 1-5, KV buckets 256-4096" in report.describe()
         stats = tiny_engine.stats()
         assert stats["requests"] == 0 and stats["generated_tokens"] == 0 and stats["prompt_tokens"] == 0
         assert sched.stats()["running"] == 0 and sched.stats()["kv_slots_free"] == 5
@@ -40,21 +43,28 @@ def test_warmup_under_overlapped_decode_visits_every_size(tiny_model_dir):
     with Engine.from_pretrained(tiny_model_dir, device="cpu", config={"runtime": {"overlap_decode": True}}) as eng:
         sched = eng.scheduler(max_batch=4)
         try:
-            assert warm_up(sched).batch_sizes == [4, 3, 2, 1, 1]
+            assert warm_up(sched).batch_sizes[:5] == [4, 3, 2, 1, 1]
         finally:
             sched.stop()
 
 
-def test_warmup_requests_fit_a_short_context():
-    for max_batch, ctx in [(8, 4096), (8, 16), (40, 48), (1, 16)]:
-        batch, alone = warmup_requests(max_batch, 100, ctx)
-        assert len(batch) == max_batch and len(alone) == 1
+def test_warmup_requests_fit_a_short_context_and_reach_each_bucket():
+    from strata.runtime.kv_cache import kv_bucket
+
+    for max_batch, ctx in [(8, 4096), (8, 16), (40, 48), (1, 16), (4, 1024), (8, 40960)]:
+        batch, *alone = warmup_requests(max_batch, 100, ctx)
+        assert len(batch) == max_batch and all(len(r) == 1 for r in alone)
+        alone = [r for (r,) in alone]
         for i, r in enumerate(batch + alone):
             assert len(r.prompt_ids) + r.params.max_tokens <= ctx and max(r.prompt_ids) < 100
+            assert len(r.prompt_ids) < 64 or len(r.prompt_ids) % 16  # most prompts are not a multiple of 16 long
             if ctx == 4096 and i < max_batch:
                 assert r.params.max_tokens == max_batch + 1 - i and len(r.prompt_ids) == 13
-        # most prompts are not a multiple of 16 tokens long, and the alone prompt takes the pair kernels (<= 16)
-        assert len(alone[0].prompt_ids) <= 16 and (ctx < 64 or len(alone[0].prompt_ids) % 16)
+        assert len(alone[0].prompt_ids) <= 16  # the short prompt alone takes the pair kernels
+        # one decode step in each bucket above the smallest, up to the context or WARM_CONTEXT
+        decoded = [kv_bucket(len(r.prompt_ids), ctx) for r in alone[1:]]
+        want = [b for b in (512, 1024, 2048, 4096) if b <= ctx]
+        assert decoded == want, (ctx, decoded)
 
 
 def test_submit_together_admits_all_in_one_step_or_queues_none(tiny_engine):
@@ -122,12 +132,14 @@ def test_warmup_captures_every_decode_graph_before_the_first_request(plain_tiny,
         try:
             report = warm_up(sched)
             g = eng.model.graphs
-            assert report.batch_sizes == [4, 3, 2, 1, 1] and not g.failed
-            assert report.captures >= 4, report
+            assert report.batch_sizes[:5] == [4, 3, 2, 1, 1] and not g.failed
+            assert report.captures >= 4 + 4, report  # each batch size, and one stream at each larger bucket
             before = g.captures
             ids = eng.tokenizer.encode("The river runs through the valley and")
             reqs = [GenRequest(ids, SamplingParams(max_tokens=8 + i, temperature=0.8, seed=i)) for i in range(3)]
             outs = [list(h.iter_events(timeout=120)) for h in sched.submit_together(reqs)]
+            long = GenRequest([3 + j % 500 for j in range(700)], SamplingParams(max_tokens=4))  # one stream, bucket 1024
+            list(sched.submit(long).iter_events(timeout=120))
             assert g.captures == before, "a request captured a decode graph the warm-up should have"
             got = [[e.token_id for e in out if e.token_id is not None] for out in outs]
         finally:

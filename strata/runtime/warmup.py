@@ -6,10 +6,12 @@ in that step waits for, again at each new batch size. `warm_up` runs those first
 is ready: `max_batch` short requests, submitted together so they share their prefill pass, where request i asks
 for `max_batch + 1 - i` tokens. The first token of each comes from the prefill; then one request finishes after
 every decode step, so the steps decode max_batch, max_batch - 1, ..., 1 sequences, each size once, at the
-smallest KV bucket (longer contexts' buckets are still captured on first use). Then one short prompt alone (greedy):
-a prefill of a few tokens takes the decode's pair kernels rather than the grouped ones, with its own kernel builds
-(on the H200, the first request after a warm-up without it took 1.0 s against 0.16 s for the next). The prompt
-lengths are not multiples of 16, like most prompts: Triton builds a kernel again for sizes divisible by 16.
+smallest KV bucket. Then one short prompt alone (greedy): a prefill of a few tokens takes the decode's pair kernels
+rather than the grouped ones, with its own kernel builds (on the H200, the first request after a warm-up without it
+took 1.0 s against 0.16 s for the next). Then one prompt alone for each larger KV bucket up to `WARM_CONTEXT`
+tokens, decoding once there: the attention kernels are built per bucket, and a longer prompt's prefill chunk is
+warmed on the way (a batch of several sequences at those buckets is still captured on first use, its kernels built).
+The prompt lengths are not multiples of 16, like most prompts: Triton builds a kernel again for sizes divisible by 16.
 
 The warm-up goes through the scheduler like any request (the same admission, overlap, sampling and graph paths),
 so what it warms is what users hit. Its requests are not traffic: the engine's request and token counters are
@@ -23,11 +25,13 @@ import time
 from dataclasses import dataclass
 
 from strata.errors import StrataError
+from strata.runtime.kv_cache import kv_bucket
 from strata.runtime.requests import GenRequest
 from strata.runtime.sampler import SamplingParams
 
 PROMPT_TOKENS = 13  # each warm-up prompt; short, so the decode steps stay in the smallest KV bucket
 ALONE_TOKENS = 11  # the prompt prefilled alone (at most 16 tokens: the pair kernels' prefill)
+WARM_CONTEXT = 4096  # KV buckets up to this many positions are decoded once (the default runtime.max_context)
 
 
 @dataclass
@@ -35,14 +39,18 @@ class WarmupReport:
     """What `warm_up` ran."""
 
     seconds: float
-    batch_sizes: list[int]  # decode batch sizes of its steps, in order (max_batch..1, then 1 for the short prompt)
+    batch_sizes: list[int]  # decode batch sizes of its steps, in order (max_batch..1, then 1 a prompt alone)
+    buckets: list[int]  # the KV buckets its decode steps attended over (by its requests' lengths)
     captures: int  # decode-step CUDA graphs captured during it (0 where there are none: the CPU, eager modes)
 
     def describe(self) -> str:
-        sizes = sorted(set(self.batch_sizes))
-        span = f"{sizes[0]}-{sizes[-1]}" if len(sizes) > 1 else (str(sizes[0]) if sizes else "none")
-        return (f"warmed up in {self.seconds:.1f} s: decode batch sizes {span}, "
-                f"{self.captures} CUDA graph{'s' if self.captures != 1 else ''} captured")
+        return (f"warmed up in {self.seconds:.1f} s: decode batch sizes {_span(self.batch_sizes)}, KV buckets "
+                f"{_span(self.buckets)}, {self.captures} CUDA graph{'s' if self.captures != 1 else ''} captured")
+
+
+def _span(values: list[int]) -> str:
+    v = sorted(set(values))
+    return f"{v[0]}-{v[-1]}" if len(v) > 1 else (str(v[0]) if v else "none")
 
 
 def warmup_on(setting: bool | str, device) -> bool:
@@ -53,16 +61,24 @@ def warmup_on(setting: bool | str, device) -> bool:
 def warmup_requests(max_batch: int, vocab_size: int, max_context: int) -> list[list[GenRequest]]:
     """The warm-up's rounds of requests, each round submitted together once the last one finished. First: prompts
     of `PROMPT_TOKENS` fixed ids (fewer if the context is short), request i generating max_batch + 1 - i tokens
-    (within the context), sampled with a fixed seed, EOS ignored. Then one `ALONE_TOKENS`-token prompt, greedy."""
+    (within the context), sampled with a fixed seed, EOS ignored. Then one `ALONE_TOKENS`-token prompt, greedy, and
+    one prompt a larger KV bucket up to `WARM_CONTEXT`, each generating 2 tokens (one decode step)."""
     n = max(1, min(PROMPT_TOKENS, max_context - max_batch - 1))
     prompt = [(1 + 7 * j) % vocab_size for j in range(n)]
     batch = [GenRequest(list(prompt), SamplingParams(max_tokens=max(1, min(max_batch + 1 - i, max_context - n)),
                                                      temperature=1.0, top_p=0.95, seed=i, ignore_eos=True),
                         request_id=f"warmup-{i}")
              for i in range(max_batch)]
-    alone = min(ALONE_TOKENS, max_context - 2)
-    return [batch, [GenRequest([(3 + 5 * j) % vocab_size for j in range(alone)],
-                               SamplingParams(max_tokens=2, ignore_eos=True), request_id="warmup-alone")]]
+    rounds = [batch]
+    lengths = [min(ALONE_TOKENS, max_context - 2)]
+    bucket = kv_bucket(0, max_context) * 2  # the smallest bucket's successor: 512
+    while bucket <= min(max_context, WARM_CONTEXT) and bucket // 2 + 7 <= max_context:
+        lengths.append(bucket // 2 + 5)  # decodes at position bucket/2 + 5: in (bucket/2, bucket]
+        bucket *= 2
+    for n in lengths:
+        rounds.append([GenRequest([(3 + 5 * j) % vocab_size for j in range(n)],
+                                  SamplingParams(max_tokens=2, ignore_eos=True), request_id=f"warmup-alone-{n}")])
+    return rounds
 
 
 def warm_up(scheduler, timeout: float = 600.0) -> WarmupReport:
@@ -72,6 +88,8 @@ def warm_up(scheduler, timeout: float = 600.0) -> WarmupReport:
     engine = scheduler.engine
     n = min(scheduler.max_batch, scheduler.max_queue)  # all queued at once, so the queue's bound caps the sizes
     requests = warmup_requests(n, engine.checkpoint.config.vocab_size, engine.max_context)
+    buckets = sorted({kv_bucket(len(r.prompt_ids) + i, engine.max_context)
+                      for round_ in requests for r in round_ for i in range(r.params.max_tokens - 1)})
     graphs = getattr(engine.model, "graphs", None)
     captures0 = graphs.captures if graphs is not None else 0
     steps0 = scheduler.stats()["steps"]
@@ -97,4 +115,4 @@ def warm_up(scheduler, timeout: float = 600.0) -> WarmupReport:
         engine._counters = type(engine._counters)()  # the warm-up is not traffic: requests and tokens start at zero
     recent = scheduler.recent_steps()[-steps:] if steps > 0 else []
     sizes = [s["decode"] for s in recent if s["decode"] and not s["prompt"]]
-    return WarmupReport(seconds, sizes, (graphs.captures if graphs is not None else 0) - captures0)
+    return WarmupReport(seconds, sizes, buckets, (graphs.captures if graphs is not None else 0) - captures0)
