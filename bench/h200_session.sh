@@ -244,7 +244,8 @@ case "$1" in
   thirtyeighth-b)  # the full suite's multi-stream cases ($ROUTING, default uniform; $BUDGETS, default all: b*) with
                    # the warm-up that runs all of a workload's tokens, plus the 25% one-stream split and reproducible
                    # cases (issue 4's penalty), within $MS_DEADLINE s; then $SERVE serve runs (uniform only), each
-                   # "<warmup>-<fresh|warm>": the warm-up on or off, on empty kernel caches or the box's
+                   # "<warmup>-<fresh|warm>": the warm-up on or off, on empty kernel caches or the box's; JIT_PROBE=1:
+                   # then the warm-up's kernel builds timed one by one (bench/jit_probe.py)
     rm -rf /dev/shm/b12* /dev/shm/b4* /dev/shm/loc1 /dev/shm/sc
     r=${ROUTING:-uniform}
     timeout $(( ${MS_DEADLINE:-520} + 40 )) python3 -m bench run --suite full --layers 12 --tokens 64 \
@@ -257,7 +258,13 @@ case "$1" in
         --cases 'serve/b25/uniform/startup' --set '{"runtime": {"warmup": '$w'}}' --out "$OUT/serve-$run" 2>&1 \
         | grep -E '^serve/|Error' | sed "s/^/$run: /"
       rm -f "$OUT/serve-$run"/*.png "$OUT/serve-$run"/serve.*
-    done ;;
+    done
+    if [ -n "${JIT_PROBE:-}" ]; then  # the kernel builds of the warm-up on empty caches (bench/jit_probe.py)
+      m=$(ls -d /dev/shm/strata-suite/models/*uniform* | head -1)
+      TRITON_CACHE_DIR=$(mktemp -d) CUPY_CACHE_DIR=$(mktemp -d) timeout 120 python3 bench/jit_probe.py --model "$m" \
+        --out "$OUT" --config '{"tiers": {"gpu": {"budget": "3623878656"}, "disk": {"path": "/dev/shm/strata-suite/cache",
+        "scrub": false}}, "runtime": {"max_context": 1024}}' 2>&1 | grep -vE "^\s*$" | tail -22
+    fi ;;
   cap-summary)  # after twentyeighth and twentyeighth-b (run apart, so that a timed-out A/B still leaves its summary;
                 # "cap" in the directory names is the switch's value: the cap, or $STRATA_CPU_PIN)
     python3 - "$OUT" <<'PY'  # one file of every run's case record (the box returns few files), a line each
