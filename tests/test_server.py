@@ -302,6 +302,9 @@ def test_health_while_loading(live):
         r = client.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT})
         assert r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
         assert "strata:server_ready 0.0" in client.get("/metrics").text
+        app.state.strata.warming_up = True  # loaded, running its warm-up: still 503, and it says so
+        r = client.get("/health")
+        assert r.status_code == 503 and "warming up" in r.json()["error"]["message"]
         app.state.strata.attach(live.engine, live.scheduler)
         assert client.get("/health").status_code == 200
         assert "strata:server_ready 1.0" in client.get("/metrics").text
@@ -452,8 +455,8 @@ def test_serve_end_to_end_and_sigterm(tiny_model_dir, tmp_path):
             proc.kill()
             proc.communicate()
     assert proc.returncode == 0, err
-    assert "plan for" in out and "NUMA:" in out and f"127.0.0.1:{port}/v1" in out and "ready:" in out
-    assert "warmed up in" in out and "decode batch sizes 1-3" in out and out.index("warmed up") < out.index("ready:")
+    assert "plan for" in out and "NUMA:" in out and f"127.0.0.1:{port}/v1" in out and "ready in" in out
+    assert "warmed up in" in out and "decode batch sizes 1-3" in out and out.index("warmed up") < out.index("ready in")
     assert "shut down cleanly" in err
 
 

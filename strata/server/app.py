@@ -55,6 +55,7 @@ class ServerState:
         self.engine: Any = None
         self.scheduler: Any = None
         self.load_error: str | None = None  # set when loading failed (the server is shutting down)
+        self.warming_up = False  # the model is loaded and runs its warm-up (strata.runtime.warmup) before ready
         self.created = int(time.time())
         self.metrics = ServerMetrics(self.live)
         if engine is not None:
@@ -81,7 +82,9 @@ class ServerState:
 
     def require_ready(self) -> None:
         if not self.ready:
-            raise APIError(503, self.load_error or "the model is still loading; retry when GET /health returns 200",
+            phase = "the server is warming up (every decode batch size once)" if self.warming_up else \
+                "the model is still loading"
+            raise APIError(503, self.load_error or f"{phase}; retry when GET /health returns 200",
                            "service_unavailable", code="model_loading")
 
     def check_model(self, model: str | None) -> None:

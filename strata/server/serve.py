@@ -20,6 +20,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -186,11 +187,14 @@ class _Loader(threading.Thread):
         from strata.engine import Engine
         from strata.runtime.warmup import warm_up, warmup_on
 
+        t0 = time.perf_counter()
         try:
             engine = Engine.from_pretrained(self.path, config=self.cfg, progress=False)
+            loaded = time.perf_counter() - t0
             sched = engine.scheduler(max_batch=self.args.max_batch, token_budget=self.args.token_budget,
                                      max_queue=self.args.max_queue)
             if warmup_on(self.cfg.runtime.warmup, engine.device):  # before ready: no user waits for a capture
+                self.state.warming_up = True
                 print(warm_up(sched).describe(), flush=True)
             sched.start()
         except BaseException as e:  # noqa: B036 - reported by the main thread after the server stops
@@ -204,8 +208,9 @@ class _Loader(threading.Thread):
                 return
             self.state.attach(engine, sched)
         stats = engine.stats()
-        print(f"ready: {stats['device']} ({stats['dtype']}), max context {engine.max_context}, "
-              f"batch {self.args.max_batch}, prefill chunk {engine.prefill_chunk}", flush=True)
+        print(f"ready in {time.perf_counter() - t0:.1f} s (model loaded in {loaded:.1f} s): {stats['device']} "
+              f"({stats['dtype']}), max context {engine.max_context}, batch {self.args.max_batch}, prefill chunk "
+              f"{engine.prefill_chunk}", flush=True)
 
     def close(self) -> None:
         """After the server stopped: cancel what is left, stop the scheduler, close the tier manager."""
