@@ -384,10 +384,12 @@ def test_serve_dry_run_prints_plan_and_binds_nothing(tiny_model_dir, held_port):
     assert "decode_gap_target = 0.5" in r.stdout
 
 
-def test_serve_decode_gap_target_flag(tiny_model_dir, held_port):
+def test_serve_decode_gap_target_and_no_warmup_flags(tiny_model_dir, held_port):
     r = _serve(str(tiny_model_dir), "--dry-run", "--port", str(held_port), "--decode-gap-target", "0.25")
     assert r.returncode == 0, r.stderr
-    assert "decode_gap_target = 0.25" in r.stdout
+    assert "decode_gap_target = 0.25" in r.stdout and 'warmup = "auto"' in r.stdout
+    r = _serve(str(tiny_model_dir), "--dry-run", "--port", str(held_port), "--no-warmup")
+    assert r.returncode == 0 and "warmup = false" in r.stdout, r.stderr
     r = _serve(str(tiny_model_dir), "--dry-run", "--decode-gap-target", "-1")
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1 and "--decode-gap-target" in lines[0]

@@ -1,7 +1,7 @@
 """`strata serve`: plan, bind, then load the model behind an OpenAI-compatible endpoint.
 
     strata serve [MODEL] [--config config.toml] [--host 127.0.0.1] [--port 8090] [--dry-run]
-                 [--max-batch 8] [--token-budget 2048] [--max-queue 64] [--decode-gap-target SECONDS]
+                 [--max-batch 8] [--token-budget 2048] [--max-queue 64] [--decode-gap-target SECONDS] [--no-warmup]
 
 Order matters: the planner runs first and refuses a layout that cannot fit (exit 2, one line) before
 the port is bound; then the port is bound (in use: exit 2, one line); then the server starts answering
@@ -48,6 +48,9 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--decode-gap-target", type=float, default=None, metavar="SECONDS",
                    help="while sequences decode, prompt chunks shrink so a step stays under this many seconds "
                         "(default: runtime.decode_gap_target, 0.5; 0 turns it off)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="turn ready without the warm-up (runtime.warmup = false): the first requests of each decode "
+                        "batch size then wait for its graph capture, and on a fresh install its kernel builds")
     p.add_argument("--served-model-name", default=None, help="the `model` clients must send (default: dir name)")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N (overrides runtime.device)")
     p.add_argument("--gpus", default=None, help="split the model over these GPUs, e.g. 0,1 (overrides runtime.devices)")
@@ -65,6 +68,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         cfg.runtime.device = args.device
     if args.decode_gap_target is not None:
         cfg.runtime.decode_gap_target = args.decode_gap_target
+    if getattr(args, "no_warmup", False):
+        cfg.runtime.warmup = False
     if getattr(args, "gpus", None):  # one model split over several GPUs
         from strata.config import parse_gpus
 
