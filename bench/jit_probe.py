@@ -28,6 +28,13 @@ def _timed(compiler: str, fn, name_of):
     return wrapper
 
 
+def _triton_name(args: tuple, kwargs: dict) -> str:
+    """The kernel a Triton build is of: its source's Python function (an ASTSource's `fn`), else the source's name."""
+    src = next((a for a in (*args, kwargs.get("src")) if hasattr(a, "fn") or hasattr(a, "name")), None)
+    fn = getattr(src, "fn", None)
+    return getattr(fn, "__name__", None) or getattr(src, "name", None) or "?"
+
+
 def wrap_compilers() -> list[str]:
     """Time every Triton and CuPy build from now on; returns what could be wrapped."""
     wrapped = []
@@ -35,12 +42,7 @@ def wrap_compilers() -> list[str]:
         import triton.compiler.compiler as tc
         import triton.runtime.jit as tj
 
-        def triton_name(args, kwargs):
-            src = next((a for a in (*args, kwargs.get("src")) if hasattr(a, "fn") or hasattr(a, "name")), None)
-            fn = getattr(src, "fn", None)
-            return getattr(fn, "__name__", None) or getattr(src, "name", None) or "?"
-
-        timed = _timed("triton", tc.compile, triton_name)
+        timed = _timed("triton", tc.compile, _triton_name)
         tc.compile = timed
         if hasattr(tj, "compile"):  # JITFunction calls self.compile: the module's name, or a class attribute
             tj.compile = timed
