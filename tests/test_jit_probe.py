@@ -4,14 +4,11 @@ when the build fails, and the probe runs end to end on the CPU (where nothing is
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "bench"))
-import jit_probe  # noqa: E402
+from bench import jit_probe
 
 
 def test_a_timed_build_records_its_kernel_even_when_it_fails():
