@@ -245,7 +245,11 @@ case "$1" in
                    # the warm-up that runs all of a workload's tokens, plus the 25% one-stream split and reproducible
                    # cases (issue 4's penalty), within $MS_DEADLINE s; then $SERVE serve runs (uniform only), each
                    # "<warmup>-<fresh|warm>": the warm-up on or off, on empty kernel caches or the box's; JIT_PROBE=1:
-                   # then the warm-up's kernel builds timed one by one (bench/jit_probe.py)
+                   # then the warm-up's kernel builds timed one by one (bench/jit_probe.py); GPU_TESTS=FILES: their GPU
+                   # tests first
+    if [ -n "${GPU_TESTS:-}" ]; then  # these test files' GPU tests first, e.g. GPU_TESTS=tests/test_warmup.py
+      timeout 200 python3 -m pytest -q -m gpu $GPU_TESTS > "$OUT/gpu_tests_b.txt" 2>&1; tail -2 "$OUT/gpu_tests_b.txt"
+    fi
     rm -rf /dev/shm/b12* /dev/shm/b4* /dev/shm/loc1 /dev/shm/sc
     r=${ROUTING:-uniform}
     timeout $(( ${MS_DEADLINE:-520} + 40 )) python3 -m bench run --suite full --layers 12 --tokens 64 \
