@@ -15,7 +15,9 @@ The prompt lengths are not multiples of 16, like most prompts: Triton builds a k
 
 The warm-up goes through the scheduler like any request (the same admission, overlap, sampling and graph paths),
 so what it warms is what users hit. Its requests are not traffic: the engine's request and token counters are
-reset after it; the tiers' lookup statistics keep its few lookups.
+reset after it. The tiers see its lookups like any request's (their statistics keep them, and the GPU tier's
+policy counts them: a few decode steps and ~4K prompt tokens, whose experts a prompt stages through the GPU tier;
+before any traffic the tier holds the start-up placement's guess, in layer order, so little is lost).
 """
 
 from __future__ import annotations
