@@ -4,7 +4,8 @@
                                [--steps 200] [--profile] [--out DIR]
 
 On the H200 box the books took 1.1-1.8 ms of Python a decode step (bench/step_timeline.py), as long as a third of
-a skewed step, and their thread competes with the decoding thread for the GIL. This drives the same objects on a
+a skewed step (then on a thread of their own competing with the decoding thread for the GIL; now on the decoding
+thread while the GPU runs the step). This drives the same objects on a
 synthetic store of the bench model's expert count and tiny experts: the real tier manager (a GPU tier of
 `--gpu-fraction` of the experts on the CPU device, everything pinned), the real native worker and its log, and the
 real books (promotions decided as in decode, not copied unless --copy-promotions). Each step routes one token's top-k per layer
