@@ -458,7 +458,8 @@ def test_serve_end_to_end_and_sigterm(tiny_model_dir, tmp_path):
             proc.communicate()
     assert proc.returncode == 0, err
     assert "plan for" in out and "NUMA:" in out and f"127.0.0.1:{port}/v1" in out and "ready in" in out
-    assert "warmed up in" in out and "decode batch sizes 1-3" in out and out.index("warmed up") < out.index("ready in")
+    assert "warming up (decode batch sizes 1-3" in out and "warmed up in" in out and "decode batch sizes 1-3," in out
+    assert out.index("warming up") < out.index("warmed up") < out.index("ready in")
     assert "shut down cleanly" in err
 
 

@@ -200,6 +200,8 @@ class _Loader(threading.Thread):
                                      max_queue=self.args.max_queue)
             if warmup_on(self.cfg.runtime.warmup, engine.device):  # before ready: no user waits for a capture
                 self.state.warming_up = True
+                print(f"model loaded in {loaded:.1f} s; warming up (decode batch sizes 1-{self.args.max_batch}: "
+                      "graph captures, and on a fresh install the GPU kernels' builds, ~25 s on an H200)", flush=True)
                 print(warm_up(sched).describe(), flush=True)
             sched.start()
         except BaseException as e:  # noqa: B036 - reported by the main thread after the server stops
