@@ -104,6 +104,20 @@ def test_warmup_failure_is_one_clear_error(tiny_model_dir):
             sched.stop()
 
 
+def test_warmup_past_its_timeout_is_one_clear_error_and_a_short_queue_caps_the_sizes(tiny_engine):
+    sched = tiny_engine.scheduler(max_batch=4)
+    try:
+        with pytest.raises(StrataError, match="warm-up took longer than 0 s.*runtime.warmup = false"):
+            warm_up(sched, timeout=1e-6)
+    finally:
+        sched.stop()
+    sched = tiny_engine.scheduler(max_batch=4, max_queue=2)  # all of a round is queued at once: 2 at most
+    try:
+        assert warm_up(sched).batch_sizes[:3] == [2, 1, 1]
+    finally:
+        sched.stop()
+
+
 def test_warmup_setting(tiny_model_dir):
     assert warmup_on("auto", torch.device("cuda")) and not warmup_on("auto", torch.device("cpu"))
     assert warmup_on(True, torch.device("cpu")) and not warmup_on(False, torch.device("cuda"))
