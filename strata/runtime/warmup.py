@@ -97,9 +97,9 @@ def warm_up(scheduler, timeout: float = 600.0) -> WarmupReport:
     steps0 = scheduler.stats()["steps"]
     t0 = time.perf_counter()
     deadline = t0 + timeout
+    scheduler.start()  # a round queued together is admitted together, whether the scheduler runs already or not
     for round_ in requests:
         handles = scheduler.submit_together(round_)
-        scheduler.start()
         for h in handles:
             try:
                 for ev in h.iter_events(timeout=max(0.0, deadline - time.perf_counter())):

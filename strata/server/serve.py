@@ -193,6 +193,7 @@ class _Loader(threading.Thread):
         from strata.runtime.warmup import warm_up, warmup_on
 
         t0 = time.perf_counter()
+        engine = sched = None
         try:
             engine = Engine.from_pretrained(self.path, config=self.cfg, progress=False)
             loaded = time.perf_counter() - t0
@@ -207,6 +208,10 @@ class _Loader(threading.Thread):
         except BaseException as e:  # noqa: B036 - reported by the main thread after the server stops
             self.error, self.state.load_error = e, f"loading the model failed: {e}"
             self.server.should_exit = True
+            if sched is not None:  # e.g. a failed warm-up: its scheduler runs already
+                sched.stop(drain=False)
+            if engine is not None:
+                engine.close()
             return
         with self._lock:
             self.engine, self.scheduler = engine, sched
