@@ -5,6 +5,8 @@
 # h200_session.sh (`bash "$0" <mode>` runs a mode of either file), $2 ... its arguments, $OUT, the environment and its
 # helpers (gpu_tests, prefill_run, ab_case, ab_summary: defined before this file is sourced) as there. An unknown mode
 # sets past_mode_unknown and returns 2 (a mode's own last command may end with any status, 2 among them).
+# Modes that set $STRATA_MAILBOX_BOOKS or $STRATA_MAILBOX_SHARE_ADAPT (thirty-fifth and thirty-sixth sessions) no
+# longer A/B anything: b1d8bde removed those switches, so each of their arms now runs the default code.
 # The 12-layer skewed checkpoint with temporal locality at /dev/shm/loc1, unless it is there
 make_loc1() {
   [ -d /dev/shm/loc1 ] || python3 -m strata demo-model /dev/shm/loc1 --size bench --layers 12 --no-engram \

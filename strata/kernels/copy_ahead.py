@@ -98,10 +98,15 @@ def available(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
 
 
+# Arguments Triton must not specialize (strata.kernels.mailbox_pack.PACK_UNSPECIALIZED says why): P is batch-sized,
+# TAG_ADD the layer, and the host copy list's tag and three lists sit at offsets of 8 bytes mod 16 in one layer
+# parity's row and not in the other's; each would build the plan kernel again, for no faster code.
+PLAN_UNSPECIALIZED = ("P", "TAG_ADD", "tag_ptr", "src_ptr", "dst_ptr", "crows_ptr")
+
 if triton is not None:
     from strata.kernels.host_signal import fence_system, store_release
 
-    @triton.jit
+    @triton.jit(do_not_specialize=PLAN_UNSPECIALIZED)
     def _plan_kernel(ids_ptr, slot_ptr, table_ptr, budget_ptr, rows_map_ptr, addr_map_ptr, src_ptr, dst_ptr,
                      crows_ptr, count_ptr, tag_ptr, gen_ptr, P, E, stage_base, slot_bytes, S, G, GRAN, TAG_ADD,
                      BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, COUNT: tl.constexpr,

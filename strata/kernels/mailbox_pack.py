@@ -38,9 +38,15 @@ def available(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda
 
 
+# Arguments Triton must not specialize. It builds a kernel again for each class of a plain int's value (1, a
+# multiple of 16, other) and of a pointer's alignment (16 bytes or not): N and P are batch-sized, TAG_ADD is the
+# layer, count_ptr is the layer's slot of an int32 array and flag_ptr of an int64 one, so the warm-up's decode
+# graphs would build this kernel ~2-3x per batch size for no faster code (they bound masks, or are one word).
+PACK_UNSPECIALIZED = ("N", "P", "TAG_ADD", "count_ptr", "flag_ptr")
+
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=PACK_UNSPECIALIZED)
     def _pack_kernel(flat_ptr, used_ptr, x_ptr, w_ptr, share_ptr, table_ptr, box_i, box_f, addr_ptr, rows_ptr,
                      ready_ptr, gen_ptr, count_ptr, arows_ptr, aaddr_ptr, end_ptr, staged_ptr, stat_ptr,
                      flag_ptr, fgen_ptr, zero_ptr, N, K, P, H, E, INTER, G, GRAN, X_OFF4, stride_x, TAG_ADD,

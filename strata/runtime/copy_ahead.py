@@ -157,17 +157,21 @@ class CopyAhead:
             hidden.record_stream(self.stream)
         with torch.cuda.stream(self.stream):
             ids = self.predictors[nxt](hidden)  # [N, k]
-            b = nxt % 2
-            # the copy engine's list goes to host memory, tagged for the worker, its tails to this parity's slots
-            tag = (self.plans[b, 0:1], self.mailbox.gen, nxt) if self.engine != "sm" else None
-            stage = self.stage[b % len(self.stage)]
-            kernels.plan_ahead(ids.reshape(-1), self.slot_of[nxt], self.table[nxt], self.budget,
-                               stage.data_ptr() if stage.numel() else 0,
-                               self.slot_bytes, self.MAX_SLOTS, self.share.granules, self.share.rows,
-                               self.rows_map[b], self.addr_map[b], *self._lists[b], self.counts[0:1], tag=tag)
+            self.plan(nxt, ids)
             self._hold.append(ids)
             self._planned_ev[nxt] = ev = torch.cuda.Event()
             ev.record(self.stream)
+
+    def plan(self, nxt: int, ids: torch.Tensor) -> None:
+        """The plan kernel's launch for layer `nxt` on its predicted experts ids [N, k], on the current stream."""
+        b = nxt % 2
+        # the copy engine's list goes to host memory, tagged for the worker, its tails to this parity's slots
+        tag = (self.plans[b, 0:1], self.mailbox.gen, nxt) if self.engine != "sm" else None
+        stage = self.stage[b % len(self.stage)]
+        kernels.plan_ahead(ids.reshape(-1), self.slot_of[nxt], self.table[nxt], self.budget,
+                           stage.data_ptr() if stage.numel() else 0,
+                           self.slot_bytes, self.MAX_SLOTS, self.share.granules, self.share.rows,
+                           self.rows_map[b], self.addr_map[b], *self._lists[b], self.counts[0:1], tag=tag)
 
     def maps(self, layer: int) -> tuple | None:
         """For the pack of `layer`: (rows [E], addresses [E], stat [1], gate) of its planned tails, the step's stream

@@ -1,0 +1,190 @@
+"""The builds of the per-layer decode kernels, counted and timed on any machine, no GPU needed: Triton's binder gives
+each launch's specialization key for an H200 (sm_90) target, and each new key is compiled for that target on this
+machine's CPU (Triton's wheel carries ptxas). What a fresh install's serving warm-up (strata.runtime.warmup) spends
+on these kernels: one decode graph per batch size, each launching them once per MoE layer.
+
+    python bench/kernel_builds.py [--layers 48] [--max-batch 8] [--top-k 8] [--no-compile] [--out DIR]
+
+Triton builds a kernel once per key: its constexprs, each plain int argument's class (1, a multiple of 16, other)
+and each pointer's alignment. bench/jit_probe.py times every build of a real warm-up, on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+E, H, INTER = 128, 2048, 768  # the bench model's experts (Qwen3-30B-A3B's shapes)
+
+
+@contextlib.contextmanager
+def recorded_launches(compile_for: tuple[int, int] | None = None):
+    """Every Triton launch in the block is recorded, not run: yields {kernel name: {key: build seconds or None}}.
+    compile_for = (major, minor): each new key is compiled for that CUDA architecture here, and timed. Raises
+    RuntimeError where this Triton's binder is not the one this knows (its internals)."""
+    import triton
+    import triton.runtime.jit as jit
+    from triton import knobs
+
+    try:
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from triton.compiler.compiler import make_backend
+
+        major, minor = compile_for or (9, 0)
+        target = GPUTarget("cuda", major * 10 + minor, 32)
+        backend = make_backend(target)
+        make_binder = jit.create_function_from_signature
+    except (ImportError, AttributeError) as e:
+        raise RuntimeError(f"this Triton's binder is not the one bench/kernel_builds.py knows: {e}") from e
+    keys: dict[str, dict] = collections.defaultdict(dict)
+    binders: dict = {}
+
+    def record(self, *args, grid, warmup, **kwargs):
+        kwargs["debug"] = kwargs.get("debug", self.debug) or knobs.runtime.debug  # as JITFunction.run adds them
+        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
+        kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+        binder = binders.get(self.fn)
+        if binder is None:
+            binder = binders[self.fn] = make_binder(self.signature, self.params, backend)
+        bound, specialization, options = binder(*args, **kwargs)
+        key = repr((specialization, sorted(options.items())))
+        seen = keys[self.fn.__name__]
+        if key in seen:
+            return
+        seen[key] = None
+        if compile_for is not None:
+            opts, signature, constexprs, attrs = self._pack_args(backend, kwargs, bound, specialization, options)
+            t = time.perf_counter()
+            triton.compile(ASTSource(self, signature, constexprs, attrs), target=target, options=opts.__dict__)
+            seen[key] = time.perf_counter() - t
+
+    original = jit.JITFunction.run
+    jit.JITFunction.run = record
+    try:
+        yield keys
+    finally:
+        jit.JITFunction.run = original
+
+
+def _zeros(dtype):
+    return lambda *shape: torch.zeros(*shape, dtype=dtype)
+
+
+def pack_launch(n: int, layer: int, share, top_k: int, hidden: int = H, gate: bool = False) -> None:
+    """A synthetic decode layer's fused mailbox pack for n tokens: the inbox in host memory, the GPU share's split,
+    and (`gate`) copy-ahead's tails gated by the copy engine's tag of `layer` (an A/B engine the CPU cannot build)."""
+    from strata.kernels import mailbox_pack
+    from strata.runtime.cpu_mailbox import _up
+
+    i32, i64 = _zeros(torch.int32), _zeros(torch.int64)
+    p = n * top_k
+    x_off = _up(16 + 12 * p, 64)
+    box = torch.zeros(x_off + 4 * n * hidden + 4 * p, dtype=torch.uint8)
+    ahead = (i32(E), i64(E), i32(p), i64(p), i64(1), (i64(1), i64(1), layer)) if gate else None
+    mailbox_pack.pack_mailbox(box, i32(p), i32(p), torch.zeros(n, hidden, dtype=torch.bfloat16),
+                              torch.zeros(n, top_k, dtype=torch.bfloat16), x_off, INTER, share, layer, rows=i32(p),
+                              addr=i64(p), ready=(i64(1), i64(1), i32(1)), ahead=ahead,
+                              zero=torch.zeros(p * hidden, dtype=torch.float32))
+
+
+def gpu_share(layers: int, hidden: int = H):
+    """A GPU share over a synthetic address table of `layers` x E experts (the pack reads only its shapes)."""
+    from strata.kernels.grouped import HostExperts
+    from strata.runtime.gpu_share import GpuShare
+
+    table = (np.arange(layers * E, dtype=np.int64).reshape(layers, E) + 1) * 4096
+    experts = HostExperts(torch.bfloat16, (2 * INTER, hidden), (hidden, INTER), 3 * INTER * hidden * 2)
+    return GpuShare(table, experts, torch.device("cpu"), 0.4, adaptive=False)
+
+
+@contextlib.contextmanager
+def decode_objects(layers: int, max_tokens: int, top_k: int, hidden: int = H):
+    """The one-graph split decode objects whose buffers the per-layer kernels take, built on the CPU as serving
+    builds them on the GPU (their layouts decide the pointers' alignment): the mailbox (its worker started, never
+    posted), its GPU share and warm-ahead's plan (runtime.warm_ahead, on by default). Yields (mailbox, share, ahead)."""
+    from strata.kernels import copy_ahead as ca
+    from strata.kernels import cpu_experts as ce
+    from strata.kernels import mailbox_pack
+    from strata.runtime.copy_ahead import CopyAhead
+    from strata.runtime.cpu_mailbox import CpuMailbox
+
+    if ce.backend() == "torch":
+        raise RuntimeError("the mailbox's buffers need the compiled CPU expert kernel (its worker)")
+    share = gpu_share(layers, hidden)
+    addresses = share.table.numpy()
+    gu_bytes = 2 * INTER * hidden * 2
+    box = CpuMailbox(list(range(layers)), addresses, hidden=hidden, inter=INTER, gu_bytes=gu_bytes,
+                     payload=gu_bytes * 3 // 2, top_k=top_k, max_tokens=max_tokens, threads=1, device=torch.device("cpu"))
+    box.direct, box._direct_checked = True, True  # the GPU's exchange (its fetch kernel's self-check needs a GPU)
+    available = (mailbox_pack.available, ca.available)
+    mailbox_pack.available = ca.available = lambda x: True  # the GPU's launches, on CPU tensors (recorded, never run)
+    try:
+        slot_of = torch.full((layers, E), -1, dtype=torch.int32)
+        ahead = CopyAhead(addresses, slot_of, share, {layer: None for layer in range(1, layers)}, list(range(layers)),
+                          torch.device("cpu"), 3 * INTER * hidden * 2, mailbox=box, engine="cpu")
+        yield box, share, ahead
+    finally:
+        mailbox_pack.available, ca.available = available
+        box.close()
+
+
+def exchange_launch(box, share, layer: int, n: int, hidden: int = H) -> None:
+    """Layer `layer`'s direct exchange for n tokens as `CpuMailbox.exchange` makes it on the GPU: the fused pack
+    (inbox posted by the kernel itself) and the kernels that wait for the worker's answer and fetch it."""
+    from strata.kernels.host_signal import MAX_SPINS
+    from strata.runtime.cpu_mailbox import _up
+
+    k = box.top_k
+    p = n * k
+    x_off = _up(16 + 12 * p, 64)
+    y = torch.empty(p, hidden, dtype=torch.float32)
+    box._exchange_direct(box._box[layer], torch.zeros(p, dtype=torch.int64), torch.full((p,), -1, dtype=torch.int32),
+                         torch.zeros(n, hidden, dtype=torch.bfloat16), torch.zeros(n, k), x_off,
+                         x_off + 4 * n * hidden + 4 * p, None, MAX_SPINS, share, None, y)
+
+
+def sweep(layers: int, max_batch: int, top_k: int) -> None:
+    """The per-layer launches of every decode graph (batch sizes 1..max_batch, each over every layer): the
+    exchange and the next layer's warm-ahead plan."""
+    with decode_objects(layers, max_batch, top_k) as (box, share, ahead):
+        for n in range(1, max_batch + 1):
+            for layer in range(layers):
+                exchange_launch(box, share, layer, n)
+                if layer + 1 in ahead.next_of.values():
+                    ahead.plan(layer + 1, torch.zeros(n, top_k, dtype=torch.int64))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--layers", type=int, default=48)
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--no-compile", action="store_true", help="count the keys only")
+    p.add_argument("--out", default=None)
+    a = p.parse_args(argv)
+    with recorded_launches(None if a.no_compile else (9, 0)) as keys:
+        sweep(a.layers, a.max_batch, a.top_k)
+    out = {"layers": a.layers, "max_batch": a.max_batch, "top_k": a.top_k,
+           "target": "sm_90", "kernels": {name: {"builds": len(k), "seconds": None if a.no_compile else
+                                                 round(sum(k.values()), 2)} for name, k in keys.items()}}
+    for name, row in out["kernels"].items():
+        print(f"{name:24s} {row['builds']:3d} builds" + (f"  {row['seconds']:6.2f} s" if row["seconds"] is not None else ""))
+    if a.out:
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        (Path(a.out) / "kernel_builds.json").write_text(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

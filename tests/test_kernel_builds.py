@@ -1,0 +1,114 @@
+"""How many builds the per-layer decode kernels cost (bench/kernel_builds.py): Triton builds a kernel once per
+specialization key, made of its constexprs and, for each plain int argument, the value's class (1, a multiple of 16,
+other), for each pointer its alignment. The mailbox pack and the warm-ahead plan run once per MoE layer in each
+decode batch size's CUDA graph, so an int carrying the layer or the batch size would have the serving warm-up
+(strata.runtime.warmup) build them again per layer class and batch class. The keys come from Triton's own binder,
+for an H200 (sm_90) target, on CPU tensors, without launching anything."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from bench import kernel_builds as kb  # noqa: E402
+
+LAYERS = 48  # the bench model's depth: layer 1 and each multiple of 16 are int classes of their own
+MAX_BATCH, TOP_K = 8, 8  # the serving default's max batch: one graph per size
+
+
+def _keys(fn):
+    try:
+        with kb.recorded_launches() as keys:
+            fn()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    return keys
+
+
+def _pair_blocks() -> set[int]:
+    """The pair block (`BLOCK_P`, pairs rounded up to a power of two) of each batch size: 8, 16, 32, 64."""
+    return {max(2, 1 << (n * TOP_K - 1).bit_length()) for n in range(1, MAX_BATCH + 1)}
+
+
+def test_a_decode_layers_exchange_and_plan_build_once_per_pair_block_not_per_layer_or_batch_class():
+    """The real mailbox's and warm-ahead's buffers (their layouts decide the pointers' alignment) over 48 layers and
+    batch sizes 1-8: one key per pair block for the fused pack and the plan, one for the fetch's two kernels.
+    Specialized, the pack made 12 keys (N and P: 6, twice over by each layer's counter's alignment) and the plan 24
+    (P, the layer's tag and its parity row's alignment)."""
+    try:
+        objects = kb.decode_objects(LAYERS, MAX_BATCH, TOP_K)
+        box, share, ahead = objects.__enter__()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    try:
+        one = _keys(lambda: [kb.exchange_launch(box, share, layer, 1) for layer in range(LAYERS)])
+        keys = _keys(lambda: [(kb.exchange_launch(box, share, layer, n),
+                               ahead.plan(layer, torch.zeros(n, TOP_K, dtype=torch.int64)) if layer else None)
+                              for n in range(1, MAX_BATCH + 1) for layer in range(LAYERS)])
+    finally:
+        objects.__exit__(None, None, None)
+    assert len(one["_pack_kernel"]) == 1  # batch size 1, all 48 layers: one build
+    assert len(keys["_pack_kernel"]) == len(keys["_plan_kernel"]) == len(_pair_blocks()) == 4
+    assert len(keys["_acquire_kernel"]) == len(keys["_read_kernel"]) == 1
+
+
+def test_the_pack_gated_by_the_copy_engine_builds_once_per_pair_block():
+    """Copy-ahead's copy engine (an A/B engine) gates the pack on each layer's tag: not specialized either."""
+    share = kb.gpu_share(LAYERS)
+    keys = _keys(lambda: [kb.pack_launch(n, layer, share, TOP_K, gate=True)
+                          for n in range(1, MAX_BATCH + 1) for layer in range(LAYERS)])
+    assert len(keys["_pack_kernel"]) == len(_pair_blocks())
+
+
+def test_the_decode_cache_write_builds_once_for_every_batch_size():
+    """`norm_rope_into_cache` with the queries: its B * Q_HEADS bound is not specialized (4 query heads: 4, 8, 12,
+    16, ... would be two classes)."""
+    from strata.kernels import fused
+
+    heads, q_heads, d = 2, 4, 64
+    cache = torch.zeros(8, 32, heads, d, dtype=torch.bfloat16)
+    ones = torch.ones(d, dtype=torch.bfloat16)
+
+    def launches():
+        for b in range(1, MAX_BATCH + 1):
+            qkv = torch.zeros(b, (q_heads + 2 * heads) * d, dtype=torch.bfloat16)  # one projection's output, split
+            q, k, v = qkv.split([q_heads * d, heads * d, heads * d], dim=1)
+            cos = torch.zeros(b, d, dtype=torch.bfloat16)
+            pos = torch.zeros(b, dtype=torch.int64)
+            fused.norm_rope_into_cache(k.view(b, heads, d), v.view(b, heads, d), cos, cos, ones, 1e-6, cache,
+                                       cache.clone(), pos, pos, q=q.view(b, q_heads, d), q_weight=ones, q_eps=1e-6)
+
+    assert len(_keys(launches)["_norm_rope_cache_kernel"]) == 1
+
+
+def test_the_recorder_sees_the_classes_it_must_remove():
+    """The recorder itself: a kernel without `do_not_specialize` gets a key per int class (1, multiple of 16,
+    other) and per constexpr, so the tests above could fail."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _probe(x_ptr, n, B: tl.constexpr):
+        tl.store(x_ptr + tl.arange(0, B), tl.zeros([B], dtype=tl.int32), mask=tl.arange(0, B) < n)
+
+    x = torch.zeros(16, dtype=torch.int32)
+    keys = _keys(lambda: [_probe[(1,)](x, n, B=b) for n in (1, 2, 3, 16, 32) for b in (8, 16)])
+    assert len(keys["_probe"]) == 6
+
+
+def test_the_bench_compiles_each_key_once_for_sm90(tmp_path, monkeypatch, capsys):
+    """`python bench/kernel_builds.py` compiles each new key for the H200 here (Triton's own ptxas) and times it."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    try:
+        kb.main(["--layers", "3", "--max-batch", "2", "--out", str(tmp_path)])
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    out = json.loads((tmp_path / "kernel_builds.json").read_text())
+    assert out["target"] == "sm_90"
+    for name in ("_pack_kernel", "_plan_kernel"):  # batch sizes 1 and 2: pair blocks 8 and 16
+        assert out["kernels"][name]["builds"] == 2 and out["kernels"][name]["seconds"] > 0
+    assert "_pack_kernel" in capsys.readouterr().out
