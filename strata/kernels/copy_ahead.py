@@ -106,7 +106,8 @@ PLAN_UNSPECIALIZED = ("P", "TAG_ADD", "tag_ptr", "src_ptr", "dst_ptr", "crows_pt
 if triton is not None:
     from strata.kernels.host_signal import fence_system, store_release
 
-    @triton.jit(do_not_specialize=PLAN_UNSPECIALIZED)
+    # both switches: Triton versions differ in which one drops a pointer's alignment
+    @triton.jit(do_not_specialize=PLAN_UNSPECIALIZED, do_not_specialize_on_alignment=PLAN_UNSPECIALIZED)
     def _plan_kernel(ids_ptr, slot_ptr, table_ptr, budget_ptr, rows_map_ptr, addr_map_ptr, src_ptr, dst_ptr,
                      crows_ptr, count_ptr, tag_ptr, gen_ptr, P, E, stage_base, slot_bytes, S, G, GRAN, TAG_ADD,
                      BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_S: tl.constexpr, COUNT: tl.constexpr,

@@ -46,7 +46,8 @@ PACK_UNSPECIALIZED = ("N", "P", "TAG_ADD", "count_ptr", "flag_ptr")
 
 if triton is not None:
 
-    @triton.jit(do_not_specialize=PACK_UNSPECIALIZED)
+    # both switches: Triton versions differ in which one drops a pointer's alignment
+    @triton.jit(do_not_specialize=PACK_UNSPECIALIZED, do_not_specialize_on_alignment=PACK_UNSPECIALIZED)
     def _pack_kernel(flat_ptr, used_ptr, x_ptr, w_ptr, share_ptr, table_ptr, box_i, box_f, addr_ptr, rows_ptr,
                      ready_ptr, gen_ptr, count_ptr, arows_ptr, aaddr_ptr, end_ptr, staged_ptr, stat_ptr,
                      flag_ptr, fgen_ptr, zero_ptr, N, K, P, H, E, INTER, G, GRAN, X_OFF4, stride_x, TAG_ADD,
