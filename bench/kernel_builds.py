@@ -27,11 +27,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 E, H, INTER = 128, 2048, 768  # the bench model's experts (Qwen3-30B-A3B's shapes)
 
 
+class Unavailable(RuntimeError):
+    """What the probe needs is not here: Triton's binder as this knows it, or the compiled CPU expert kernel."""
+
+
 @contextlib.contextmanager
 def recorded_launches(compile_for: tuple[int, int] | None = None):
     """Every Triton launch in the block is recorded, not run: yields {kernel name: {key: build seconds or None}}.
     compile_for = (major, minor): each new key is compiled for that CUDA architecture here, and timed. Raises
-    RuntimeError where this Triton's binder is not the one this knows (its internals)."""
+    `Unavailable` where this Triton's binder is not the one this knows (its internals)."""
     import triton
     import triton.runtime.jit as jit
     from triton import knobs
@@ -46,7 +50,7 @@ def recorded_launches(compile_for: tuple[int, int] | None = None):
         backend = make_backend(target)
         make_binder = jit.create_function_from_signature
     except (ImportError, AttributeError) as e:
-        raise RuntimeError(f"this Triton's binder is not the one bench/kernel_builds.py knows: {e}") from e
+        raise Unavailable(f"this Triton's binder is not the one bench/kernel_builds.py knows: {e}") from e
     keys: dict[str, dict] = collections.defaultdict(dict)
     binders: dict = {}
 
@@ -120,7 +124,7 @@ def decode_objects(layers: int, max_tokens: int, top_k: int, hidden: int = H):
     from strata.runtime.cpu_mailbox import CpuMailbox
 
     if ce.backend() == "torch":
-        raise RuntimeError("the mailbox's buffers need the compiled CPU expert kernel (its worker)")
+        raise Unavailable("the mailbox's buffers need the compiled CPU expert kernel (its worker)")
     share = gpu_share(layers, hidden)
     addresses = share.table.numpy()
     gu_bytes = 2 * INTER * hidden * 2
