@@ -54,10 +54,12 @@ def recorded_launches(compile_for: tuple[int, int] | None = None):
     keys: dict[str, dict] = collections.defaultdict(dict)
     binders: dict = {}
 
+    # the options JITFunction.run adds to a launch's, where this Triton has them
+    added = [name for name in ("instrumentation_mode", "fpsan_homomorphic_casts") if hasattr(knobs.compilation, name)]
+
     def record(self, *args, grid, warmup, **kwargs):
-        kwargs["debug"] = kwargs.get("debug", self.debug) or knobs.runtime.debug  # as JITFunction.run adds them
-        kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-        kwargs["fpsan_homomorphic_casts"] = knobs.compilation.fpsan_homomorphic_casts
+        kwargs["debug"] = kwargs.get("debug", self.debug) or knobs.runtime.debug
+        kwargs.update({name: getattr(knobs.compilation, name) for name in added})
         binder = binders.get(self.fn)
         if binder is None:
             binder = binders[self.fn] = make_binder(self.signature, self.params, backend)
