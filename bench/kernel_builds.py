@@ -25,6 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 E, H, INTER = 128, 2048, 768  # the bench model's experts (Qwen3-30B-A3B's shapes)
+HEADS, KV_HEADS, HEAD_DIM, VOCAB = 32, 4, 128, 151936  # its attention and vocabulary
+BUCKETS = (512, 1024, 2048, 4096)  # the KV buckets the serving warm-up visits (up to its 4096)
 
 
 class Unavailable(RuntimeError):
@@ -160,15 +162,68 @@ def exchange_launch(box, share, layer: int, n: int, hidden: int = H) -> None:
                          x_off + 4 * n * hidden + 4 * p, None, MAX_SPINS, share, None, y)
 
 
-def sweep(layers: int, max_batch: int, top_k: int) -> None:
+@contextlib.contextmanager
+def as_on_the_gpu():
+    """The kernels' wrappers take their GPU path on CPU tensors (launches recorded, never run), with programmatic
+    dependent launch on, as on the H200."""
+    from strata.kernels import fused, pdl
+
+    saved = fused._INTERPRET, pdl.on
+    fused._INTERPRET, pdl.on = True, (lambda x: True)
+    try:
+        yield
+    finally:
+        fused._INTERPRET, pdl.on = saved
+
+
+def model_launches(n: int, length: int, top_k: int, share, max_len: int = 4096) -> None:
+    """The rest of a decode step's kernels for n tokens at KV length `length` (its bucket), as one-graph split
+    decode launches them on the bench model: a layer's norms, projections (GEMV at one token), cache write,
+    attention, router, resident pairs, in-place share and combine, then the head's norm and projection."""
+    from strata.kernels import decode_gemv, decode_router, fused, grouped
+    from strata.kernels.decode_attention import decode_attention
+
+    bf, eps, p = torch.bfloat16, 1e-6, n * top_k
+    x, w = torch.zeros(n, H, dtype=bf), torch.ones(H, dtype=bf)
+    fused.rms_norm(x, w, eps)  # the first layer's input norm
+    fused.add_rms_norm(x, x, w, eps)  # the others', and each post-attention norm: the residual added in
+    qkv_rows = (HEADS + 2 * KV_HEADS) * HEAD_DIM
+    decode_gemv.linear(x, torch.empty(qkv_rows, H, dtype=bf))  # a GEMV at one token, else cuBLAS
+    q, k, v = torch.zeros(n, qkv_rows, dtype=bf).split([HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM], 1)
+    cache, cos = torch.empty(8, max_len, KV_HEADS, HEAD_DIM, dtype=bf), torch.zeros(n, HEAD_DIM, dtype=bf)
+    pos, hw = torch.zeros(n, dtype=torch.int64), torch.ones(HEAD_DIM, dtype=bf)
+    q = fused.norm_rope_into_cache(k.view(n, KV_HEADS, HEAD_DIM), v.view(n, KV_HEADS, HEAD_DIM), cos, cos, hw, eps,
+                                   cache, cache, pos, pos, q=q.view(n, HEADS, HEAD_DIM), q_weight=hw, q_eps=eps)
+    o = decode_attention(q, cache, cache, pos, pos, length, None, HEAD_DIM**-0.5)
+    decode_gemv.linear(o.reshape(n, -1), torch.empty(H, HEADS * HEAD_DIM, dtype=bf))
+    slot_of = torch.full((E,), -1, dtype=torch.int32)
+    weights, _, used = decode_router.route(x, torch.empty(E, H, dtype=bf), top_k, True,
+                                           decode_router.new_counts(x.device), slot_of)
+    y = torch.empty(p, H, dtype=torch.float32)
+    slots = grouped.SlotWeights(torch.empty(2, 2 * INTER, H, dtype=bf), torch.empty(2, H, INTER, dtype=bf))
+    # the resident pairs, as `pair_experts` launches them on the GPU (slot table `used`, ids the pair index)
+    grouped._pair_triton(x, slots, used, torch.arange(p, dtype=torch.int32), None, top_k, y, torch.empty_like(used))
+    grouped.pair_experts_in_place(x, share.experts, torch.zeros(p, dtype=torch.int64), y,
+                                  first_row=torch.zeros(p, dtype=torch.int32))  # the GPU's share of the cold rows
+    grouped.combine_pairs(y, weights, bf, extra=torch.zeros(n, H), residual=x)
+    fused.rms_norm(x, w, eps)  # the head
+    decode_gemv.linear(x, torch.empty(VOCAB, H, dtype=bf))
+
+
+def sweep(layers: int, max_batch: int, top_k: int, model: bool = False) -> None:
     """The per-layer launches of every decode graph (batch sizes 1..max_batch, each over every layer): the
-    exchange and the next layer's warm-ahead plan."""
-    with decode_objects(layers, max_batch, top_k) as (box, share, ahead):
+    exchange and the next layer's warm-ahead plan; with `model`, also the step's other kernels, at the first KV
+    bucket for every batch size and at each larger bucket for one token (the serving warm-up's rounds)."""
+    with as_on_the_gpu(), decode_objects(layers, max_batch, top_k) as (box, share, ahead):
         for n in range(1, max_batch + 1):
             for layer in range(layers):
                 exchange_launch(box, share, layer, n)
                 if layer + 1 in ahead.next_of.values():
                     ahead.plan(layer + 1, torch.zeros(n, top_k, dtype=torch.int64))
+            if model:
+                model_launches(n, BUCKETS[0], top_k, share)
+        for length in BUCKETS[1:] if model else ():
+            model_launches(1, length, top_k, share)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -176,12 +231,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--model", action="store_true", help="also the step's other kernels (norms, attention, router, "
+                   "expert pairs, combine, GEMV) over the warm-up's batch sizes and KV buckets")
     p.add_argument("--no-compile", action="store_true", help="count the keys only")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     with recorded_launches(None if a.no_compile else (9, 0)) as keys:
-        sweep(a.layers, a.max_batch, a.top_k)
-    out = {"layers": a.layers, "max_batch": a.max_batch, "top_k": a.top_k,
+        sweep(a.layers, a.max_batch, a.top_k, a.model)
+    out = {"layers": a.layers, "max_batch": a.max_batch, "top_k": a.top_k, "model": a.model,
            "target": "sm_90", "kernels": {name: {"builds": len(k), "seconds": None if a.no_compile else
                                                  round(sum(k.values()), 2)} for name, k in keys.items()}}
     for name, row in out["kernels"].items():

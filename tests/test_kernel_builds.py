@@ -100,6 +100,52 @@ def test_the_recorder_sees_the_classes_it_must_remove():
     assert len(keys["_probe"]) == 6
 
 
+DECODE_KERNELS = {"_pack_kernel", "_acquire_kernel", "_read_kernel", "_plan_kernel", "_rms_norm_kernel",
+                  "_add_rms_norm_kernel", "_gemv_kernel", "_norm_rope_cache_kernel", "_split_kernel", "_merge_kernel",
+                  "_route_kernel", "_gate_up_kernel", "_down_kernel", "_combine_kernel"}
+
+
+def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
+    """Every Triton kernel of strata, as its wrapper launches it on the GPU (PDL on), compiles for sm_90 here: a
+    decode step's (`--model`: the probe's sweep), and prefill's rope and top-k and copy-ahead's copy. The CPU
+    tests run the kernels only through Triton's interpreter, which compiles nothing: this catches what only the
+    compiler rejects, on sessions without a GPU."""
+    from strata.kernels import copy_ahead, fused
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    bf = torch.bfloat16
+
+    def others():
+        x, cos = torch.zeros(5, 4, 128, dtype=bf), torch.zeros(5, 128, dtype=bf)
+        fused.norm_rope(x, cos, cos, torch.ones(128, dtype=bf), 1e-6)
+        fused.softmax_topk(torch.zeros(40, 128), 8, True)
+        i64 = torch.zeros(8, dtype=torch.int64)
+        copy_ahead.launch_copy(i64, i64, torch.zeros(8, dtype=torch.int32), kb.INTER, kb.H, 2 * kb.INTER * kb.H)
+
+    try:
+        with kb.recorded_launches((9, 0)) as keys, kb.as_on_the_gpu():
+            kb.sweep(3, 2, TOP_K, model=True)
+            others()
+    except kb.Unavailable as e:
+        pytest.skip(str(e))
+    built = {name for name, k in keys.items() if k and all(s is not None and s > 0 for s in k.values())}
+    assert built == DECODE_KERNELS | {"_norm_rope_kernel", "_softmax_topk_kernel", "_copy_kernel"} == _kernels_defined()
+
+
+def _kernels_defined() -> set[str]:
+    """The launchable Triton kernels strata defines (`def _..._kernel(` under `@triton.jit`): a new one must join
+    the compile test above."""
+    import re
+    from pathlib import Path
+
+    import strata
+
+    found = set()
+    for path in Path(strata.__file__).parent.rglob("*.py"):
+        found |= set(re.findall(r"@triton\.jit[^\n]*\n\s*def (_\w+_kernel)\(", path.read_text()))
+    return found
+
+
 def test_the_bench_compiles_each_key_once_for_sm90(tmp_path, monkeypatch, capsys):
     """`python bench/kernel_builds.py` compiles each new key for the H200 here (Triton's own ptxas) and times it."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
