@@ -3,7 +3,8 @@ each launch's specialization key for an H200 (sm_90) target, and each new key is
 machine's CPU (Triton's wheel carries ptxas). What a fresh install's serving warm-up (strata.runtime.warmup) spends
 on these kernels: one decode graph per batch size, each launching them once per MoE layer.
 
-    python bench/kernel_builds.py [--layers 48] [--max-batch 8] [--top-k 8] [--no-compile] [--out DIR]
+    python bench/kernel_builds.py [--layers 48] [--max-batch 8] [--top-k 8] [--model [--max-context 4096]]
+                                  [--no-compile] [--out DIR]
 
 Triton builds a kernel once per key: its constexprs, each plain int argument's class (1, a multiple of 16, other)
 and each pointer's alignment. bench/jit_probe.py times every build of a real warm-up, on the GPU machine.
@@ -210,10 +211,11 @@ def model_launches(n: int, length: int, top_k: int, share, max_len: int = 4096) 
     decode_gemv.linear(x, torch.empty(VOCAB, H, dtype=bf))
 
 
-def sweep(layers: int, max_batch: int, top_k: int, model: bool = False) -> None:
+def sweep(layers: int, max_batch: int, top_k: int, model: bool = False, max_context: int = BUCKETS[-1]) -> None:
     """The per-layer launches of every decode graph (batch sizes 1..max_batch, each over every layer): the
     exchange and the next layer's warm-ahead plan; with `model`, also the step's other kernels, at the first KV
-    bucket for every batch size and at each larger bucket for one token (the serving warm-up's rounds)."""
+    bucket for every batch size and at each larger bucket up to `max_context` for one token (the serving
+    warm-up's rounds)."""
     with as_on_the_gpu(), decode_objects(layers, max_batch, top_k) as (box, share, ahead):
         for n in range(1, max_batch + 1):
             for layer in range(layers):
@@ -222,7 +224,7 @@ def sweep(layers: int, max_batch: int, top_k: int, model: bool = False) -> None:
                     ahead.plan(layer + 1, torch.zeros(n, top_k, dtype=torch.int64))
             if model:
                 model_launches(n, BUCKETS[0], top_k, share)
-        for length in BUCKETS[1:] if model else ():
+        for length in [b for b in BUCKETS[1:] if b <= max_context] if model else ():
             model_launches(1, length, top_k, share)
 
 
@@ -233,12 +235,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--model", action="store_true", help="also the step's other kernels (norms, attention, router, "
                    "expert pairs, combine, GEMV) over the warm-up's batch sizes and KV buckets")
+    p.add_argument("--max-context", type=int, default=BUCKETS[-1], help="with --model: the buckets visited")
     p.add_argument("--no-compile", action="store_true", help="count the keys only")
     p.add_argument("--out", default=None)
     a = p.parse_args(argv)
     with recorded_launches(None if a.no_compile else (9, 0)) as keys:
-        sweep(a.layers, a.max_batch, a.top_k, a.model)
+        sweep(a.layers, a.max_batch, a.top_k, a.model, a.max_context)
     out = {"layers": a.layers, "max_batch": a.max_batch, "top_k": a.top_k, "model": a.model,
+           "max_context": a.max_context,
            "target": "sm_90", "kernels": {name: {"builds": len(k), "seconds": None if a.no_compile else
                                                  round(sum(k.values()), 2)} for name, k in keys.items()}}
     for name, row in out["kernels"].items():
