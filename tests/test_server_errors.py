@@ -61,12 +61,20 @@ CHAT_BAD = [
     ("strata_reproducible", True, "strata_reproducible"), ("strata_reproducible", "preferred", "strata_reproducible"),
     ("strata_reproducible", 1, "strata_reproducible"),
     ("chat_template_kwargs", [1], "chat_template_kwargs"),
+    # OpenAI fields strata does not implement, sent with a value that would change the output
+    ("logit_bias", {"5": 100}, "logit_bias"), ("logit_bias", "x", "logit_bias"),
+    ("presence_penalty", 0.5, "presence_penalty"), ("frequency_penalty", -1, "frequency_penalty"),
+    ("frequency_penalty", True, "frequency_penalty"), ("response_format", {"type": "json_object"}, "response_format"),
+    ("response_format", {"type": "json_schema", "json_schema": {}}, "response_format"),
+    ("response_format", "json", "response_format"),
+    ("tools", [{"type": "function", "function": {"name": "f"}}], "tools"), ("functions", [{"name": "f"}], "functions"),
 ]
 COMP_BAD = [
     ("prompt", 5, "prompt"), ("prompt", [], "prompt"), ("prompt", [[]], "prompt"), ("prompt", [-1], "prompt"),
     ("prompt", [10**9], "prompt"), ("prompt", [1.5], "prompt"), ("prompt", None, "prompt"), ("prompt", "", "prompt"),
     ("echo", "yes", "echo"), ("logprobs", 21, "logprobs"), ("logprobs", -1, "logprobs"), ("logprobs", True, "logprobs"),
     ("suffix", "tail", "suffix"), ("max_tokens", -3, "max_tokens"), ("n", -1, "n"),
+    ("best_of", 3, "best_of"), ("logit_bias", {"1": 5}, "logit_bias"), ("presence_penalty", 1, "presence_penalty"),
 ]
 
 
@@ -83,6 +91,21 @@ def test_completions_bad_fields_are_400(live, field, value, param):
     err = _assert_error(_post(live, "/v1/completions", {**COMP_BASE, field: value}), 400)
     if param is not None:
         assert err["param"] == param, err
+
+
+def test_unimplemented_openai_fields_pass_when_neutral(live):
+    """What many clients always send (an empty bias, zero penalties, text output, tools with tool_choice "none",
+    best_of equal to n) changes nothing, so it is served; the same fields set otherwise are 400s (above)."""
+    neutral = {"logit_bias": {}, "presence_penalty": 0, "frequency_penalty": 0.0, "response_format": {"type": "text"},
+               "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none", "functions": []}
+    r = _post(live, "/v1/chat/completions", {**CHAT_BASE, **neutral})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant", r.text
+    r = _post(live, "/v1/completions", {**COMP_BASE, "n": 2, "best_of": 2, "logit_bias": None})
+    assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+    err = _assert_error(_post(live, "/v1/chat/completions", {**CHAT_BASE, "response_format": {"type": "json_object"}}),
+                        400, "response_format")
+    assert "JSON" in err["message"] and "json_object" in err["message"]
+    _good(live)
 
 
 def test_sampling_errors_reuse_sampling_params_messages(live):

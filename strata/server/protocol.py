@@ -1,7 +1,8 @@
 """The OpenAI wire format, request side: validated request models and OpenAI-shaped error bodies.
 
 Requests are pydantic models with strict types for structural fields (a `"stream": "yes"` is a 400,
-not a truthy string) and unknown fields ignored, as OpenAI and vLLM do. Sampling fields are left
+not a truthy string) and unknown fields ignored, as OpenAI and vLLM do. OpenAI fields strata does not implement
+(logit_bias, penalties, JSON output, tools, best_of, suffix) are 400s unless neutral. Sampling fields are left
 untyped here and validated by `SamplingParams`, so the server and the Python API reject a bad
 `temperature` with the same message.
 """
@@ -109,6 +110,33 @@ class _GenerationRequest(_Request):
     ignore_eos: Any = None
     # "required": served on the reproducible path (bit-identical alone or batched, slower); "off" or absent: batched
     strata_reproducible: Any = None
+    # OpenAI fields strata does not implement: refused where they would change the output, never silently ignored
+    # (their neutral values, which many clients always send, pass)
+    logit_bias: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    response_format: Any = None
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_logit_bias(cls, v: Any) -> Any:
+        if v is not None and v != {}:
+            raise ValueError("is not supported (no logit biasing); send {} or leave it out")
+        return v
+
+    @field_validator("presence_penalty", "frequency_penalty")
+    @classmethod
+    def _no_penalties(cls, v: Any) -> Any:
+        if v is not None and (isinstance(v, bool) or v != 0):
+            raise ValueError("is not supported (no repetition penalties); send 0 or leave it out")
+        return v
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, v: Any) -> Any:
+        if v is not None and not (isinstance(v, dict) and v.get("type") == "text"):
+            raise ValueError('only {"type": "text"} is supported (no JSON mode or schema-constrained output)')
+        return v
 
     @field_validator("strata_reproducible")
     @classmethod
@@ -177,6 +205,16 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}, as vLLM
+    tool_choice: Any = None  # (before the tools: their check reads it)
+    tools: Any = None
+    functions: Any = None  # the older name of tools
+
+    @field_validator("tools", "functions")
+    @classmethod
+    def _no_tool_calls(cls, v: Any, info: ValidationInfo) -> Any:
+        if v and info.data.get("tool_choice") != "none":
+            raise ValueError('tool calling is not supported; send no tools, or tool_choice "none"')
+        return v
 
     @field_validator("top_logprobs")
     @classmethod
@@ -203,6 +241,14 @@ class CompletionRequest(_GenerationRequest):
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: StrictStr | None = None
+    best_of: Any = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_is_n(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None and v != info.data.get("n", 1):
+            raise ValueError("is not supported beyond n (every sequence generated is returned); leave it out")
+        return v
 
     @field_validator("suffix")
     @classmethod
