@@ -100,6 +100,8 @@ def test_unimplemented_openai_fields_pass_when_neutral(live):
                "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "none", "functions": []}
     r = _post(live, "/v1/chat/completions", {**CHAT_BASE, **neutral})
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant", r.text
+    r = _post(live, "/v1/chat/completions", {**CHAT_BASE, "functions": [{"name": "f"}], "function_call": "none"})
+    assert r.status_code == 200, r.text
     r = _post(live, "/v1/completions", {**COMP_BASE, "n": 2, "best_of": 2, "logit_bias": None})
     assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
     err = _assert_error(_post(live, "/v1/chat/completions", {**CHAT_BASE, "response_format": {"type": "json_object"}}),

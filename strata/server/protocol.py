@@ -206,13 +206,14 @@ class ChatCompletionRequest(_GenerationRequest):
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}, as vLLM
     tool_choice: Any = None  # (before the tools: their check reads it)
+    function_call: Any = None  # the older name of tool_choice
     tools: Any = None
     functions: Any = None  # the older name of tools
 
     @field_validator("tools", "functions")
     @classmethod
     def _no_tool_calls(cls, v: Any, info: ValidationInfo) -> Any:
-        if v and info.data.get("tool_choice") != "none":
+        if v and "none" not in (info.data.get("tool_choice"), info.data.get("function_call")):
             raise ValueError('tool calling is not supported; send no tools, or tool_choice "none"')
         return v
 
