@@ -269,9 +269,15 @@ case "$1" in
         --out "$OUT" --config '{"tiers": {"gpu": {"budget": "3623878656"}, "disk": {"path": "/dev/shm/strata-suite/cache",
         "scrub": false}}, "runtime": {"max_context": 1024}}' 2>&1 | grep -vE "^\s*$" | tail -22
       # the decode step's builds for sm_90 on this box's CPU, by the development box's replica of its launches (the
-      # same model depth and buckets as the probe above): to set beside the probe's list
-      TRITON_CACHE_DIR=$(mktemp -d) timeout 60 python3 bench/kernel_builds.py --model --layers 12 --max-context 1024 \
+      # same model depth and buckets as the probe above), into a cache the probe then runs on: the builds left in its
+      # list are those the replica's keys missed (what a replica built during the load could not save)
+      c=$(mktemp -d)
+      TRITON_CACHE_DIR=$c timeout 60 python3 bench/kernel_builds.py --model --layers 12 --max-context 1024 \
         2>&1 | grep -v -i warn
+      TRITON_CACHE_DIR=$c CUPY_CACHE_DIR=$(mktemp -d) timeout 120 python3 bench/jit_probe.py --model "$m" \
+        --out "$OUT/jit_after_replica" --config '{"tiers": {"gpu": {"budget": "3623878656"}, "disk": {"path":
+        "/dev/shm/strata-suite/cache", "scrub": false}}, "runtime": {"max_context": 1024}}' 2>&1 | grep -vE "^\s*$" \
+        | tail -22 | sed "s/^/after the replica: /"
     fi ;;
   cap-summary)  # after twentyeighth and twentyeighth-b (run apart, so that a timed-out A/B still leaves its summary;
                 # "cap" in the directory names is the switch's value: the cap, or $STRATA_CPU_PIN)
