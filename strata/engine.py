@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import operator
 import os
 import threading
 import time
@@ -246,9 +247,11 @@ class Engine:
 
     def check_token_ids(self, token_ids: Sequence[int]) -> list[int]:
         vocab = self.checkpoint.config.vocab_size
+        if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
+            raise RequestError(f"a prompt is a string or a list of token ids, got {type(token_ids).__name__}")
         try:
-            ids = [int(t) for t in token_ids]
-        except (TypeError, ValueError):
+            ids = [operator.index(t) for t in token_ids]  # ints (numpy's, 0-d tensors' too), never a float cut down
+        except TypeError:
             raise RequestError("prompt token ids must be integers") from None
         if not ids:
             raise RequestError("the prompt is empty; give at least one token")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -143,8 +144,13 @@ def test_bad_prompts(tiny_engine):
         tiny_engine.generate([1, vocab + 5])
     with pytest.raises(RequestError, match="empty"):
         tiny_engine.generate([])
-    with pytest.raises(RequestError):
+    with pytest.raises(RequestError, match="must be integers"):
         tiny_engine.generate(["a", None])
+    with pytest.raises(RequestError, match="must be integers"):
+        tiny_engine.generate([1, 2.7])  # never cut down to 2
+    with pytest.raises(RequestError, match="string or a list of token ids, got int"):
+        tiny_engine.generate(5)
+    assert tiny_engine.check_token_ids([np.int64(3), torch.tensor(4)]) == [3, 4]  # numpy's and 0-d tensors' ints
 
 
 def test_bad_config(tiny_model_dir, tmp_path):
