@@ -1,7 +1,8 @@
-"""The builds of the per-layer decode kernels, counted and timed on any machine, no GPU needed: Triton's binder gives
-each launch's specialization key for an H200 (sm_90) target, and each new key is compiled for that target on this
-machine's CPU (Triton's wheel carries ptxas). What a fresh install's serving warm-up (strata.runtime.warmup) spends
-on these kernels: one decode graph per batch size, each launching them once per MoE layer.
+"""The builds of the decode step's Triton kernels, counted and timed on any machine, no GPU needed: Triton's binder
+gives each launch's specialization key for an H200 (sm_90) target, and each new key is compiled for that target on
+this machine's CPU (Triton's wheel carries ptxas). What a fresh install's serving warm-up (strata.runtime.warmup)
+spends on them: one decode graph per batch size, each launching the per-layer kernels (the mailbox's pack and fetch,
+warm-ahead's plan: the default sweep) once per MoE layer, and the step's other kernels (`--model`).
 
     python bench/kernel_builds.py [--layers 48] [--max-batch 8] [--top-k 8] [--model [--max-context 4096]]
                                   [--no-compile] [--out DIR]
