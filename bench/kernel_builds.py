@@ -95,12 +95,12 @@ def pack_launch(n: int, layer: int, share, top_k: int, hidden: int = H, gate: bo
     """A synthetic decode layer's fused mailbox pack for n tokens: the inbox in host memory, the GPU share's split,
     and (`gate`) copy-ahead's tails gated by the copy engine's tag of `layer` (an A/B engine the CPU cannot build)."""
     from strata.kernels import mailbox_pack
-    from strata.runtime.cpu_mailbox import _up
+    from strata.runtime.cpu_mailbox import inbox_layout
 
     i32, i64 = _zeros(torch.int32), _zeros(torch.int64)
     p = n * top_k
-    x_off = _up(16 + 12 * p, 64)
-    box = torch.zeros(x_off + 4 * n * hidden + 4 * p, dtype=torch.uint8)
+    x_off, nbytes = inbox_layout(n, top_k, hidden)
+    box = torch.zeros(nbytes, dtype=torch.uint8)
     ahead = (i32(E), i64(E), i32(p), i64(p), i64(1), (i64(1), i64(1), layer)) if gate else None
     mailbox_pack.pack_mailbox(box, i32(p), i32(p), torch.zeros(n, hidden, dtype=torch.bfloat16),
                               torch.zeros(n, top_k, dtype=torch.bfloat16), x_off, INTER, share, layer, rows=i32(p),
@@ -153,15 +153,14 @@ def exchange_launch(box, share, layer: int, n: int, hidden: int = H) -> None:
     """Layer `layer`'s direct exchange for n tokens as `CpuMailbox.exchange` makes it on the GPU: the fused pack
     (inbox posted by the kernel itself) and the kernels that wait for the worker's answer and fetch it."""
     from strata.kernels.host_signal import MAX_SPINS
-    from strata.runtime.cpu_mailbox import _up
+    from strata.runtime.cpu_mailbox import inbox_layout
 
     k = box.top_k
     p = n * k
-    x_off = _up(16 + 12 * p, 64)
     y = torch.empty(p, hidden, dtype=torch.float32)
     box._exchange_direct(box._box[layer], torch.zeros(p, dtype=torch.int64), torch.full((p,), -1, dtype=torch.int32),
-                         torch.zeros(n, hidden, dtype=torch.bfloat16), torch.zeros(n, k), x_off,
-                         x_off + 4 * n * hidden + 4 * p, None, MAX_SPINS, share, None, y)
+                         torch.zeros(n, hidden, dtype=torch.bfloat16), torch.zeros(n, k), *inbox_layout(n, k, hidden),
+                         None, MAX_SPINS, share, None, y)
 
 
 @contextlib.contextmanager

@@ -46,6 +46,14 @@ def _up(n: int, to: int) -> int:
     return -(-n // to) * to
 
 
+def inbox_layout(n: int, k: int, hidden: int) -> tuple[int, int]:
+    """(x_off, nbytes) of an inbox for n tokens of top-k (csrc/cpu_mailbox.cpp's layout): int32 N, k, P, 0, then
+    experts, slots and rows [P], padded to 64 bytes; fp32 activations [n, hidden] at x_off, then fp32 weights [P]."""
+    p = n * k
+    x_off = _up(16 + 12 * p, 64)
+    return x_off, x_off + 4 * n * hidden + 4 * p
+
+
 class CpuMailbox(WorkerAhead, WorkerClock):
     """Mailboxes of `layers` (MoE layers of the model) and the native worker serving them.
 
@@ -61,7 +69,7 @@ class CpuMailbox(WorkerAhead, WorkerClock):
         self.threads = threads  # the worker's kernel threads
         self.max_pairs = max_tokens * top_k
         self.device = device
-        self.out_off = _up(HEADER + _up(16 + 12 * self.max_pairs, 64) + 4 * max_tokens * hidden + 4 * self.max_pairs, 64)
+        self.out_off = _up(HEADER + inbox_layout(max_tokens, top_k, hidden)[1], 64)
         box_bytes = _up(self.out_off + 4 * max_tokens * hidden, 4096)
         self.pool = PinnedPool(box_bytes, len(self.layers), pin=device.type == "cuda", background=False)
         self._box = {layer: i for i, layer in enumerate(self.layers)}
@@ -162,11 +170,9 @@ class CpuMailbox(WorkerAhead, WorkerClock):
         zero: a contiguous fp32 buffer (the GPU's pair outputs, which `gpu_work` fills) that is zeroed before
         `gpu_work` runs, by the fused pack's own kernel where it runs (no memset node on the layer's path)."""
         n, k = weights.shape
-        p = n * k
         if n > self.max_tokens or k != self.top_k:
             raise ValueError(f"mailbox holds {self.max_tokens} tokens of top-{self.top_k}, got {n} of top-{k}")
-        x_off = _up(16 + 12 * p, 64)
-        nbytes = x_off + 4 * n * self.hidden + 4 * p
+        x_off, nbytes = inbox_layout(n, k, self.hidden)
         if self.device.type != "cuda":  # tests, CPU hosts: packed in place, awaited from Python
             if zero is not None:
                 zero.zero_()
