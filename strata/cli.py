@@ -1,15 +1,46 @@
-"""The `strata` command line: inspect, generate, demo-model.
+"""The `strata` command line: inspect, generate, serve, plan, convert, verify, demo-model.
 
 Every user-caused failure prints one line, `strata: error: ...`, and exits with status 2; no traceback.
+Only model text goes to stdout (`generate`); progress, the speed summary and errors go to stderr. On a
+terminal, control characters in model text are shown as escapes (`terminal_safe`), never acted on.
+`strata --version` and `strata --help` stay quick: nothing here imports torch until a command runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
 import time
+from collections.abc import Callable, Sequence
+from typing import Any, TextIO
 
+from strata import __version__
 from strata.errors import StrataError
+
+# What a terminal acts on rather than shows: the C0 controls but tab and newline (ESC starts sequences that
+# clear the screen, move the cursor, retitle the window or make some terminals type into stdin; CR overwrites
+# the line), DEL, and the C1 controls (U+009B is a one-character CSI). Each is written as its escape instead.
+_TERMINAL_ESCAPES: dict[int, str] = {c: f"\\x{c:02x}" for c in (*range(0x20), 0x7F) if c not in (0x09, 0x0A)}
+_TERMINAL_ESCAPES.update({c: f"\\u{c:04x}" for c in range(0x80, 0xA0)})
+
+
+def terminal_safe(text: str) -> str:
+    """`text` with every C0 control but tab and newline, DEL and every C1 control written as a visible escape
+    (`\\x1b`, `\\u009b`); all else is unchanged (U+FFFD too: it is printable)."""
+    return text.translate(_TERMINAL_ESCAPES)
+
+
+def _writer(stream: TextIO) -> Callable[[str], object]:
+    """A function writing text to `stream`: through `terminal_safe` when it is a terminal, as is otherwise."""
+    isatty = getattr(stream, "isatty", None)
+    if isatty is not None and isatty():
+        return lambda text: stream.write(terminal_safe(text))
+    return stream.write
+
+
+def _print_error(message: str) -> None:
+    _writer(sys.stderr)(f"strata: error: {message}\n")
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
@@ -22,7 +53,16 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    """The sampling keyword arguments of `Engine.stream`, from `strata generate`'s options."""
+    return dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                seed=args.seed, stop=args.stop or None)
+
+
 def _cmd_generate(args: argparse.Namespace) -> int:
+    from strata.runtime.sampler import SamplingParams
+
+    SamplingParams(**_sampling(args))  # a bad value is refused here, before the prompt is echoed or the model loads
     from strata.engine import Engine
 
     config = args.config
@@ -40,17 +80,16 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def _generate(engine, args: argparse.Namespace) -> int:
-    kwargs = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                  seed=args.seed, stop=args.stop or None, reproducible=args.reproducible)
+    write = _writer(sys.stdout)
     if args.chat:
         text = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
         prompt = engine.tokenizer.encode(text, add_special_tokens=False)
     else:
         prompt = args.prompt
-        sys.stdout.write(args.prompt)
+        write(args.prompt)
     try:
-        for piece in engine.stream(prompt, **kwargs):
-            sys.stdout.write(piece)
+        for piece in engine.stream(prompt, **_sampling(args), reproducible=args.reproducible):
+            write(piece)
             sys.stdout.flush()
     finally:  # the text so far ends its line, so an error (or ^C) is printed on one of its own
         sys.stdout.write("\n")
@@ -64,6 +103,30 @@ def _generate(engine, args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from strata.server.serve import cmd_serve
+
+    return cmd_serve(args)
+
+
+def _cmd_plan(args: argparse.Namespace) -> int:
+    from strata.runtime.planner import cmd_plan
+
+    return cmd_plan(args)
+
+
+def _cmd_convert(args: argparse.Namespace) -> int:
+    from strata.runtime.convert import cmd_convert
+
+    return cmd_convert(args)
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    from strata.runtime.convert import cmd_verify
+
+    return cmd_verify(args)
+
+
 def _cmd_demo_model(args: argparse.Namespace) -> int:
     from strata.runtime.demo_model import write_demo_model
 
@@ -73,54 +136,101 @@ def _cmd_demo_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="strata", description="Serve MoE models larger than the GPU.")
-    sub = parser.add_subparsers(dest="command", required=True)
+class _Parser(argparse.ArgumentParser):
+    """The top-level parser: a name that is not a command is one line naming the commands, not usage and a list."""
+
+    commands: dict[str, argparse.ArgumentParser]  # the subparsers by name, set by build_parser
+
+    def parse_known_args(self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None):
+        argv = list(sys.argv[1:] if args is None else args)
+        name = command_in(argv)
+        if name is not None and name not in self.commands:
+            close = difflib.get_close_matches(name, self.commands, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else f"; commands: {', '.join(self.commands)}"
+            self.exit(2, f"{self.prog}: error: unknown command {name!r}{hint}\n")
+        return super().parse_known_args(argv, namespace)
+
+
+def command_in(argv: Sequence[str]) -> str | None:
+    """The subcommand named in `argv`: its first word that is not an option (the top level's options take no value)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
+def build_parser(only: str | None = None) -> argparse.ArgumentParser:
+    """The `strata` argument parser, every subcommand listed.
+
+    `serve` and `plan` describe their arguments in modules that import torch; with `only` set, those arguments
+    are added for that one command alone (`main` passes the command on its line), so `strata --help` and
+    `strata --version` import no torch. `only=None` adds every command's arguments.
+    """
+    parser = _Parser(prog="strata", description="Serve Mixture-of-Experts models larger than the GPU, each expert "
+                     "in the tier it earns. `strata COMMAND --help` describes a command.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}",
+                        help="print strata's version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True, parser_class=argparse.ArgumentParser)
+    parser.commands = sub.choices
 
     p = sub.add_parser("inspect", help="summarise a checkpoint from its headers alone")
-    p.add_argument("model", help="Hugging Face checkpoint directory")
+    p.add_argument("model", help="Hugging Face checkpoint directory (only config.json and the tensor headers are read)")
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("generate", help="generate text, streamed to stdout")
-    p.add_argument("model", nargs="?", default=None, help="checkpoint directory (default: the embedded demo model)")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt as a user message in the chat template")
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint or store directory (default: the demo model, written on first use)")
+    p.add_argument("--prompt", required=True, metavar="TEXT",
+                   help="text to continue; echoed before the generated text unless --chat is given")
+    p.add_argument("--max-tokens", type=int, default=64, metavar="N",
+                   help="most tokens to generate, at least 1 (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="sampling temperature in [0, 100]; 0 always picks the most likely token (default: %(default)s)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="sample from the fewest most likely tokens whose probabilities reach P, in (0, 1]; "
+                        "1 keeps all (default: %(default)s)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="sample from the K most likely tokens; 0 keeps all (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=None, metavar="N",
+                   help="random seed: the same seed, prompt and options give the same text "
+                        "(default: a fresh seed each run)")
+    p.add_argument("--stop", action="append", metavar="TEXT",
+                   help="end the text before the first occurrence of TEXT; repeat for several, up to 16 (default: none)")
+    p.add_argument("--chat", action="store_true",
+                   help="send the prompt as a user message through the model's chat template (not echoed)")
     p.add_argument("--reproducible", action="store_true",
                    help="cold experts on the exact path (the GPU or the reference math): bit-identical to the server's "
                         "strata_reproducible requests")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--gpus", default=None, help="split the model over these GPUs, e.g. 0,1 (runtime.devices)")
-    p.add_argument("--config", default=None, help="config.toml with overrides")
+    p.add_argument("--device", default="auto",
+                   help="auto | cpu | cuda | cuda:N (default: %(default)s, the config's runtime.device: "
+                        "the GPU when there is one)")
+    p.add_argument("--gpus", default=None, metavar="IDS",
+                   help="split the model over these GPUs, e.g. 0,1 (runtime.devices; default: one device)")
+    p.add_argument("--config", default=None, metavar="PATH",
+                   help="config.toml with overrides (default: the built-in settings)")
     p.set_defaults(func=_cmd_generate)
 
-    from strata.runtime.planner import add_plan_arguments, cmd_plan
-    from strata.server.serve import add_serve_arguments, cmd_serve
-
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API")
-    add_serve_arguments(p)
-    p.set_defaults(func=cmd_serve)
+    if only in (None, "serve"):
+        from strata.server.serve import add_serve_arguments
+
+        add_serve_arguments(p)
+    p.set_defaults(func=_cmd_serve)
 
     p = sub.add_parser("plan", help="where each expert would live on this host (from headers alone)")
-    add_plan_arguments(p)
-    p.set_defaults(func=cmd_plan)
+    if only in (None, "plan"):
+        from strata.runtime.planner import add_plan_arguments
 
-    from strata.runtime.convert import cmd_convert, cmd_verify
+        add_plan_arguments(p)
+    p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("convert", help="pack a checkpoint into a tiered expert store")
     p.add_argument("model", help="Hugging Face checkpoint directory")
-    p.add_argument("store", help="store directory to create")
-    p.add_argument("--config", default=None, help="config.toml (accepted for symmetry; conversion has no options yet)")
-    p.set_defaults(func=cmd_convert)
+    p.add_argument("store", help="store directory to write (new or empty; an existing store of this checkpoint is kept)")
+    p.add_argument("--config", default=None, metavar="PATH",
+                   help="config.toml (accepted for symmetry; conversion has no options yet)")
+    p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser("verify", help="re-read every blob of a store and check it against the index")
-    p.add_argument("store")
-    p.set_defaults(func=cmd_verify)
+    p.add_argument("store", help="store directory written by `strata convert` (or by `generate`/`serve` on first use)")
+    p.set_defaults(func=_cmd_verify)
 
     p = sub.add_parser("demo-model", help="write a deterministic random-weight demo checkpoint")
     p.add_argument("dir")
@@ -137,12 +247,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the `strata` console script."""
-    args = build_parser().parse_args(argv)
+    """Entry point of the `strata` console script: runs one command, returns its exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser(only=command_in(argv) or "").parse_args(argv)
     try:
         return args.func(args)
     except StrataError as e:
-        print(f"strata: error: {e}", file=sys.stderr)
+        _print_error(str(e))
         return 2
     except KeyboardInterrupt:
         print("strata: interrupted", file=sys.stderr)
