@@ -23,6 +23,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from strata.errors import CheckpointError, RequestError, UnsupportedError
 from strata.runtime.detokenize import StopMatcher, StreamDecoder
+from strata.runtime.token_bound import TokenBound, token_bound
 
 __all__ = ["Tokenizer", "StreamDecoder", "StopMatcher"]
 
@@ -205,7 +206,13 @@ class Tokenizer:
         """Text -> ids; added/special tokens written in the text (e.g. <|im_start|>) map to their ids."""
         if not isinstance(text, str):
             raise RequestError(f"prompt must be a string, got {type(text).__name__}")
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        # encode_batch lets go of the GIL while it works (encode holds it), so a long text stalls no other thread
+        return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
+    @cached_property
+    def token_bound(self) -> TokenBound | None:
+        """A lower bound on the tokens a text encodes to, known without encoding it (None: no such bound)."""
+        return token_bound(json.loads(self._tok.to_str()))
 
     def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
         """Ids -> text. Ids the tokenizer does not know (>= vocab_size) decode to nothing."""
