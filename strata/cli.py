@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -258,6 +260,10 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("strata: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`strata generate ... | head`): stop quietly, as `cat` would
+        # stdout's buffer is flushed again at exit; pointing it at /dev/null keeps that from raising once more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

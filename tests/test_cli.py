@@ -7,6 +7,7 @@ import io
 import os
 import pty
 import random
+import signal
 import subprocess
 import sys
 import tty
@@ -146,6 +147,21 @@ def test_generate_writes_only_model_text_to_stdout(capfd, tiny_model_dir, tiny_e
     assert _controls_in(text)  # the random-weight model really does emit them
     summary = err.strip().splitlines()[-1]
     assert summary.startswith("[64 tokens, prefill ") and "tok/s" in summary and summary not in out
+
+
+def test_generate_into_a_closed_pipe_stops_quietly(tiny_model_dir):
+    """`strata generate ... | head -c 1`: the reader leaves early; no traceback, the status a SIGPIPE'd tool has."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "strata", "generate", str(tiny_model_dir), "--prompt", "Hello", *SAMPLED_ARGS],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )
+    first = proc.stdout.read(1)
+    assert first == b"H", proc.stderr.read().decode()[-3000:]  # the prompt is out: 64 tokens are still to come
+    proc.stdout.close()
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert proc.wait(timeout=120) == 128 + signal.SIGPIPE, err
+    assert "Traceback" not in err and "Exception" not in err and "[64 tokens" not in err, err
 
 
 # ---------------------------------------------------------------------------------------- terminals
