@@ -1,54 +1,41 @@
-"""The live tier dashboard: the residency grid, the routes, and the page itself in real headless Chromium.
+"""The live tier dashboard: the residency grid, the routes, the history, and the page itself in real headless Chromium.
 
-A real uvicorn server on 127.0.0.1 serves `/v1/strata/stats` from a real `Engine` on the tiny demo
-model (small pinned budget, a tmpfs tier when /dev/shm is a tmpfs, so the tiers are mixed) and mounts
-the dashboard. Chromium is driven over the DevTools protocol on a pipe (`--remote-debugging-pipe`:
-no extra Python packages, no TCP debugging port). The browser tests skip only when no Chromium is
-installed; `scripts/install-browser.sh` installs one.
+A real `Engine` on the tiny demo model (small pinned budget, a tmpfs tier when /dev/shm is a tmpfs, so the
+tiers are mixed; Engram rows read from disk) answers everything. The main browser test runs the real server
+(`create_app` with a real scheduler on uvicorn): traffic first, then the page opens, and every chart must be
+drawn at once from the server's history, in the DOM and in a screenshot's pixels. The other tests mount the
+dashboard on a small app whose `/v1/strata/stats` is the engine's. Chromium (tests/dashboard_browser.py) is
+driven over the DevTools protocol on a pipe; the browser tests skip only when no Chromium is installed.
 """
 
 from __future__ import annotations
 
-import base64
-import contextlib
 import json
 import os
 import shutil
-import socket
-import struct
 import subprocess
 import tempfile
 import threading
 import time
-import zlib
 from collections import defaultdict
-from collections.abc import Iterator
-from pathlib import Path
 
+import httpx
 import pytest
+from dashboard_browser import (
+    CHROMIUM_FLAGS,
+    Chromium,
+    colour_matches,
+    hex_rgb,
+    needs_chromium,
+    png_summary,
+    region_pixels,
+    serve_app,
+)
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from strata.server.dashboard import TIERS, mount_dashboard, residency_grid
-
-CHROMIUM_CANDIDATES = ("/usr/bin/chromium", "/usr/bin/chromium-browser", "/usr/bin/google-chrome")
-CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                  "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                  "--disable-dev-shm-usage", "--hide-scrollbars", "--mute-audio"]
-
-
-def find_chromium() -> str | None:
-    for path in (os.environ.get("STRATA_CHROMIUM"), *CHROMIUM_CANDIDATES):
-        if path and os.access(path, os.X_OK):
-            return path
-    return shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-def needs_chromium() -> str:
-    path = find_chromium()
-    if path is None:
-        pytest.skip("no Chromium found (run scripts/install-browser.sh, or set STRATA_CHROMIUM)")
-    return path
+from strata.server.dashboard_history import figures_of
 
 
 # ---- a real engine and a real server ---------------------------------------------------------------
@@ -99,30 +86,6 @@ def make_app(get_engine, scheduler: Scheduler | None = None) -> FastAPI:
     return app
 
 
-@contextlib.contextmanager
-def serve_app(app: FastAPI) -> Iterator[str]:
-    """`app` on a real uvicorn server on a free localhost port, in a thread; yields its URL."""
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 15
-    while not srv.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        srv.should_exit = True
-        thread.join(10)
-        sock.close()
-
-
 @pytest.fixture(scope="module")
 def server(engine):
     scheduler = Scheduler()
@@ -130,184 +93,11 @@ def server(engine):
         yield {"url": url, "scheduler": scheduler}
 
 
-# ---- the DevTools protocol over a pipe ---------------------------------------------------------------
-class Chromium:
-    """Headless Chromium driven over `--remote-debugging-pipe` (fd 3: commands in, fd 4: replies out)."""
-
-    def __init__(self, binary: str, width: int = 1400, height: int = 1100):
-        self.profile = tempfile.mkdtemp(prefix="strata-chromium-")
-        held = []  # occupy any free fd <= 4 so that the pipes (and Popen's own) land above 4
-        while (fd := os.open(os.devnull, os.O_RDONLY)) <= 4:
-            held.append(fd)
-        os.close(fd)
-        to_chrome_r, self._to_chrome = os.pipe()
-        self._from_chrome, from_chrome_w = os.pipe()
-
-        def remap():  # in the child, before exec: the pipe ends become fds 3 and 4
-            os.dup2(to_chrome_r, 3)
-            os.dup2(from_chrome_w, 4)
-
-        self.proc = subprocess.Popen(
-            [binary, *CHROMIUM_FLAGS, f"--user-data-dir={self.profile}", "--remote-debugging-pipe",
-             f"--window-size={width},{height}", "about:blank"],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            preexec_fn=remap, pass_fds=(3, 4), close_fds=True)
-        for fd in (to_chrome_r, from_chrome_w, *held):
-            os.close(fd)
-        self._ids = iter(range(1, 1 << 30))
-        self._replies: dict[int, dict] = {}
-        self._cv = threading.Condition()
-        self.events: list[dict] = []
-        self._stderr: list[bytes] = []
-        threading.Thread(target=self._read, daemon=True).start()
-        threading.Thread(target=lambda: self._stderr.extend(self.proc.stderr), daemon=True).start()
-        self.session = None
-
-    def _read(self) -> None:
-        buf = b""
-        while True:
-            try:
-                chunk = os.read(self._from_chrome, 1 << 16)
-            except OSError:
-                chunk = b""
-            if not chunk:
-                with self._cv:
-                    self._cv.notify_all()
-                return
-            buf += chunk
-            while b"\0" in buf:
-                raw, buf = buf.split(b"\0", 1)
-                msg = json.loads(raw)
-                with self._cv:
-                    if "id" in msg:
-                        self._replies[msg["id"]] = msg
-                    else:
-                        self.events.append(msg)
-                    self._cv.notify_all()
-
-    def send(self, method: str, params: dict | None = None, session: bool = True, timeout: float = 20) -> dict:
-        msg_id = next(self._ids)
-        msg = {"id": msg_id, "method": method, "params": params or {}}
-        if session and self.session:
-            msg["sessionId"] = self.session
-        os.write(self._to_chrome, json.dumps(msg).encode() + b"\0")
-        deadline = time.monotonic() + timeout
-        with self._cv:
-            while msg_id not in self._replies:
-                left = deadline - time.monotonic()
-                if left <= 0 or self.proc.poll() is not None:
-                    raise RuntimeError(f"no reply to {method} from Chromium: {b''.join(self._stderr)[-2000:]!r}")
-                self._cv.wait(left)
-            reply = self._replies.pop(msg_id)
-        if "error" in reply:
-            raise RuntimeError(f"{method}: {reply['error']}")
-        return reply.get("result", {})
-
-    def open(self, url: str, width: int = 1400, height: int = 1100) -> None:
-        target = self.send("Target.createTarget", {"url": "about:blank"}, session=False)["targetId"]
-        self.session = self.send("Target.attachToTarget", {"targetId": target, "flatten": True},
-                                 session=False)["sessionId"]
-        self.send("Runtime.enable")
-        self.send("Page.enable")
-        self.send("Emulation.setDeviceMetricsOverride",
-                  {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": False})
-        self.send("Page.navigate", {"url": url})
-
-    def eval(self, expression: str):
-        result = self.send("Runtime.evaluate", {"expression": expression, "returnByValue": True, "awaitPromise": True})
-        if "exceptionDetails" in result:
-            raise RuntimeError(f"page exception: {result['exceptionDetails']}")
-        return result["result"].get("value")
-
-    def wait_for(self, expression: str, timeout: float = 20.0, what: str = ""):
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                value = self.eval(expression)
-            except RuntimeError as e:  # e.g. the document is still loading
-                value, error = None, e
-            else:
-                error = None
-            if value:
-                return value
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out waiting for {what or expression}; last error: {error}")
-            time.sleep(0.1)
-
-    def screenshot(self, path: Path) -> bytes:
-        data = base64.b64decode(self.send("Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True})["data"])
-        path.write_bytes(data)
-        return data
-
-    def page_errors(self) -> list:
-        with self._cv:
-            return [e for e in self.events
-                    if e.get("method") == "Runtime.exceptionThrown"
-                    or (e.get("method") == "Runtime.consoleAPICalled" and e["params"].get("type") == "error")]
-
-    def close(self) -> None:
-        try:
-            self.send("Browser.close", session=False, timeout=5)
-        except Exception:  # noqa: BLE001 - closing anyway
-            pass
-        try:
-            self.proc.wait(5)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(5)
-        for fd in (self._to_chrome, self._from_chrome):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        shutil.rmtree(self.profile, ignore_errors=True)
-
-
 @pytest.fixture
 def browser():
     chrome = Chromium(needs_chromium())
     yield chrome
     chrome.close()
-
-
-# ---- PNG check (stdlib only) --------------------------------------------------------------------------
-def png_summary(data: bytes) -> tuple[int, int, int]:
-    """(width, height, distinct colours among sampled pixels) of an 8-bit RGB/RGBA PNG."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
-    pos, idat, width = 8, b"", 0
-    while pos < len(data):
-        length, kind = struct.unpack(">I4s", data[pos:pos + 8])
-        body = data[pos + 8:pos + 8 + length]
-        if kind == b"IHDR":
-            width, height, depth, ctype = struct.unpack(">IIBB", body[:10])
-            assert depth == 8 and ctype in (2, 6), f"unexpected PNG format {depth}/{ctype}"
-            bpp = 3 if ctype == 2 else 4
-        elif kind == b"IDAT":
-            idat += body
-        pos += 12 + length
-    raw = zlib.decompress(idat)
-    stride = width * bpp
-    prev = bytearray(stride)
-    colours = set()
-    for y in range(height):  # undo the per-row filters, sample every 7th pixel
-        f, row = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
-        for i in range(stride):
-            a = row[i - bpp] if i >= bpp else 0
-            b, c = prev[i], (prev[i - bpp] if i >= bpp else 0)
-            if f == 1:
-                row[i] = (row[i] + a) & 255
-            elif f == 2:
-                row[i] = (row[i] + b) & 255
-            elif f == 3:
-                row[i] = (row[i] + (a + b) // 2) & 255
-            elif f == 4:
-                p = a + b - c
-                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
-                row[i] = (row[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
-        if y % 7 == 0:
-            colours.update(bytes(row[x:x + 3]) for x in range(0, stride, 7 * bpp))
-        prev = row
-    return width, height, len(colours)
 
 
 # ---- the residency grid and the routes --------------------------------------------------------------------
@@ -339,20 +129,34 @@ def test_residency_grid_matches_the_tier_manager(engine, monkeypatch):
         assert sum(map(sum, grid["traffic"])) == engine.stats()["tiers"]["lookups"]
 
 
+OPENAI_ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+def openai_error(r: httpx.Response, status: int) -> dict:
+    """The body's error, once it is checked to be OpenAI's shape with `status`."""
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == OPENAI_ERROR_KEYS, body
+    return body["error"]
+
+
 def test_routes_loading_memory_and_static_files(engine):
     state = {"engine": None}
     client = TestClient(make_app(lambda: state["engine"]))
-    r = client.get("/v1/strata/residency")
-    assert r.status_code == 503 and "loading" in r.json()["error"]["message"]
+    for route in ("/v1/strata/residency", "/v1/strata/history"):
+        err = openai_error(client.get(route), 503)
+        assert "loading" in err["message"] and err["type"] == "service_unavailable" and err["code"] == "model_loading"
     page = client.get("/dashboard")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "connect-src 'self'" in page.headers["content-security-policy"]
-    for src in ("dashboard/static/dashboard.js", "dashboard/static/dashboard_engram.js", "dashboard/static/dashboard.css"):
+    for src in ("dashboard/static/dashboard_draw.js", "dashboard/static/dashboard.js",
+                "dashboard/static/dashboard_engram.js", "dashboard/static/dashboard_cards.js",
+                "dashboard/static/dashboard.css"):
         assert src in page.text
         assert client.get("/" + src).status_code == 200
     assert "http://" not in page.text and "https://" not in page.text  # nothing from the network
     js = client.get("/dashboard/static/dashboard.js").text
-    assert "v1/strata/stats" in js and "v1/strata/residency" in js
+    assert "v1/strata/stats" in js and "v1/strata/residency" in js and "v1/strata/history" in js
     assert "http://" not in js and "https://" not in js
     assert 'id="engram-panel"' in page.text and 'id="engram-chart"' in page.text
     ejs = client.get("/dashboard/static/dashboard_engram.js").text
@@ -362,12 +166,17 @@ def test_routes_loading_memory_and_static_files(engine):
     for key in ("tier", "lookups", "hits", "bytes_read", "stall_s", "cache_rows", "cache_resident", "cache_evictions",
                 "table_bytes"):
         assert key in engine.stats()["engram"] and key in ejs
-    assert client.get("/dashboard/static/..%2Fdashboard.py").status_code == 404
-    assert client.get("/dashboard/static/nope.js").status_code == 404
+    # the dashboard's own 404s are OpenAI-shaped
+    for name in ("..%2Fdashboard.py", "nope.js"):
+        err = openai_error(client.get("/dashboard/static/" + name), 404)
+        assert err["type"] == "not_found_error" and "no dashboard file" in err["message"], err
 
     state["engine"] = engine
     grid = client.get("/v1/strata/residency").json()
     assert grid["experts_mode"] == "tiered" and grid["experts"] == 16
+    for bad in ("abc", "nan", "inf"):
+        err = openai_error(client.get("/v1/strata/history", params={"since": bad}), 400)
+        assert err["param"] == "since" and repr(bad) in err["message"], err
 
     class MemoryEngine:
         tiers = None
@@ -377,114 +186,203 @@ def test_routes_loading_memory_and_static_files(engine):
     assert grid["experts_mode"] == "memory" and grid["tier"] == []
 
 
+def test_history_route_serves_what_the_sampler_took(engine):
+    scheduler = Scheduler()
+    app = make_app(lambda: engine, scheduler)
+    sampler = app.state.dashboard_sampler
+    taken = [sampler.sample_once()]
+    scheduler.running, scheduler.waiting = 3, 2
+    taken.append(sampler.sample_once())
+    body = TestClient(app).get("/v1/strata/history").json()
+    assert body["object"] == "strata.history" and body["steps_s"] == [1.0, 10.0] and body["spans_s"] == [300.0, 3600.0]
+    served = {s["t"]: s for s in body["samples"]}
+    stats = engine.stats()
+    for sample, running in zip(taken, (1, 3), strict=True):
+        assert served[sample["t"]] == json.loads(json.dumps(sample))  # as taken, JSON-ready
+        assert sample["running"] == running and sample["gen"] == stats["generated_tokens"] > 0
+        assert sample["lookups"] == stats["tiers"]["lookups"] and sample["engram"]["tier"] == "disk"
+    assert taken[1]["t"] > taken[0]["t"] and body["now"] >= taken[1]["t"]
+    since = TestClient(app).get("/v1/strata/history", params={"since": taken[0]["t"]}).json()["samples"]
+    assert taken[0]["t"] not in [s["t"] for s in since] and taken[1]["t"] in [s["t"] for s in since]
+
+
 # ---- the page in real Chromium ------------------------------------------------------------------------------
+LINE_CHARTS = ("hit-chart", "tok-chart", "req-chart", "bw-chart", "engram-chart", "engram-io-chart")
 READ_PAGE = """(() => {
   const t = (id) => { const e = document.getElementById(id); return e ? e.textContent.trim() : null; };
   const v = (id) => { const e = document.getElementById(id); return e && e.dataset.value !== undefined ? Number(e.dataset.value) : null; };
-  const lit = (id) => {  // non-background pixels actually painted on a canvas
-    const c = document.getElementById(id), d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
-    let n = 0; for (let i = 3; i < d.length; i += 4) if (d[i] > 0) n++; return n;
-  };
+  const box = (e) => { const r = e.getBoundingClientRect(); return [r.left + scrollX, r.top + scrollY, r.width, r.height]; };
+  const chart = (id) => { const c = document.getElementById(id); return {
+    points: Number(c.dataset.points || 0), firstT: c.dataset.firstT === undefined ? null : Number(c.dataset.firstT),
+    colors: JSON.parse(c.dataset.colors || '[]'), plot: JSON.parse(c.dataset.plot || 'null'), box: box(c),
+    bars: Number(c.dataset.bars || 0), cells: Number(c.dataset.cells || 0) }; };
   const ids = ['tok-s', 'running', 'waiting', 'requests', 'gen-tokens', 'prompt-tokens', 'lookups',
-               'hit-gpu', 'hit-pinned', 'hit-tmpfs', 'hit-disk', 'prefetch-precision',
-               'count-pinned', 'count-tmpfs', 'count-disk'];
+               'hit-gpu', 'hit-pinned', 'hit-tmpfs', 'hit-disk', 'prefetch-precision', 'throughput',
+               'count-pinned', 'count-tmpfs', 'count-disk', 'engram-lookups', 'engram-bytes', 'engram-hit-cache',
+               'engram-hit-disk', 'engram-hit-pinned'];
+  const s = window.strataDashboard, b = document.body.dataset;
   return {
-    polls: Number(document.body.dataset.polls), gridPolls: Number(document.body.dataset.gridPolls),
-    state: document.body.dataset.state,
+    polls: Number(b.polls), gridPolls: Number(b.gridPolls), state: b.state, source: b.source,
+    openedAt: Number(b.openedAt), historySamples: Number(b.historySamples), samples: s.samples.length,
+    lastT: s.samples.length ? s.samples[s.samples.length - 1].t : null,
+    ranBefore: s.samples.filter((x) => x.t < Number(b.openedAt) && x.running > 0).length,
     text: Object.fromEntries(ids.map((id) => [id, t(id)])),
     value: Object.fromEntries(ids.map((id) => [id, v(id)])),
-    cells: Number(document.getElementById('heatmap').dataset.cells),
-    heatmapPixels: lit('heatmap'), hitPixels: lit('hit-chart'), tokPixels: lit('tok-chart'),
-    hitPoints: Number(document.getElementById('hit-chart').dataset.points),
-    reqPoints: Number(document.getElementById('req-chart').dataset.points),
+    charts: Object.fromEntries(['hit-chart', 'tok-chart', 'req-chart', 'bw-chart', 'engram-chart', 'engram-io-chart',
+                                'layer-chart', 'heatmap', 'traffic-map'].map((id) => [id, chart(id)])),
     paths: [...document.querySelectorAll('#paths tbody tr[data-path]')].map((r) => r.dataset.path),
     tiers: [...document.querySelectorAll('#tier-table tbody tr')].map((r) => r.dataset.tier),
-    engram: {
-      hidden: document.getElementById('engram-panel').hidden, tier: document.body.dataset.engram,
-      value: Object.fromEntries(['engram-lookups', 'engram-bytes', 'engram-stall', 'engram-cache', 'engram-hit-cache',
-                                 'engram-hit-disk', 'engram-hit-pinned'].map((id) => [id, v(id)])),
-      hitText: t('engram-hit-pinned'), chartPixels: lit('engram-chart'),
-      points: Number(document.getElementById('engram-chart').dataset.points),
-    },
+    engramHidden: document.getElementById('engram-panel').hidden, engramTier: b.engram,
+    tierColors: Object.fromEntries(['gpu', 'pinned', 'tmpfs', 'disk'].map((k) =>
+      [k, getComputedStyle(document.documentElement).getPropertyValue('--' + k).trim()])),
+    history: t('history-note'), hitScope: t('hit-scope'), historyNote: t('history-note'),
   };
 })()"""
+# what the page had, for a failure's message: its state and its last samples (t, generated tokens, Engram rows)
+DUMP = """JSON.stringify({body: {...document.body.dataset}, samples: window.strataDashboard.samples.slice(-12).map((s) =>
+  [s.t, s.gen, s.engram && Object.values(s.engram.hits || {}).reduce((a, b) => a + b, 0)]),
+  charts: [...document.querySelectorAll('canvas')].map((c) => [c.id, c.dataset.points, c.dataset.firstT])})"""
 
 
-def test_dashboard_live_in_chromium(server, engine, browser, tmp_path):
-    scheduler = server["scheduler"]
-    browser.open(server["url"] + "/dashboard")
-    browser.wait_for("Number(document.body.dataset.polls) >= 2 && Number(document.body.dataset.gridPolls) >= 2",
-                     what="two polls of the stats and the residency grid")
-    first = browser.eval(READ_PAGE)
+@pytest.fixture
+def real_server(engine):
+    """The real server (`create_app`) over the module's engine, through a real scheduler, on uvicorn."""
+    from strata.server.app import create_app
+
+    scheduler = engine.scheduler(max_batch=4, token_budget=256, max_queue=32)
+    scheduler.start()
+    app = create_app(engine, scheduler, "tiny")
+    try:
+        with serve_app(app) as url:
+            yield {"url": url, "app": app}
+    finally:
+        scheduler.stop(drain=False)
+    assert not app.state.dashboard_sampler.running  # the sampler stopped with the server
+
+
+def run_traffic(url: str, clients: int, until) -> int:
+    """`clients` threads sending completions until `until()` is true; the number of requests served."""
+    done, errors = [], []
+
+    def client(i: int) -> None:
+        with httpx.Client(base_url=url, timeout=60) as http:
+            n = 0
+            while not until():
+                r = http.post("/v1/completions", json={"model": "tiny", "prompt": f"The experts of layer {i} and {n}",
+                                                       "max_tokens": 12, "temperature": 0.8, "seed": n})
+                if r.status_code != 200:
+                    errors.append(r.text)
+                    return
+                n += 1
+            done.append(n)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not errors, errors[:1]
+    return sum(done)
+
+
+def history(url: str) -> list[dict]:
+    return httpx.get(url + "/v1/strata/history", timeout=10).json()["samples"]
+
+
+def test_dashboard_live_in_chromium(real_server, engine, browser, tmp_path):
+    url = real_server["url"]
+    # traffic first, with the page closed: until the server's history holds 3 samples taken under traffic
+    deadline = time.monotonic() + 30
+    busy = lambda: sum(1 for s in history(url) if s["running"]) >= 3 or time.monotonic() > deadline  # noqa: E731
+    assert run_traffic(url, 3, busy) > 0
+    time.sleep(1.2)  # and one sample after it, idle
+    before = history(url)
+    assert sum(1 for s in before if s["running"]) >= 3, before
+
+    browser.open(url + "/dashboard", width=1400, height=1000)
+    ready = (" && ".join(f"Number(document.getElementById('{c}').dataset.points) > 0" for c in LINE_CHARTS)
+             + " && Number(document.body.dataset.gridPolls) >= 1 && document.body.dataset.source === 'server'"
+             " && Number(document.body.dataset.polls) >= 1")
+    browser.wait_for(ready, what="every chart drawn from the server's history", dump=DUMP)
+    page = browser.eval(READ_PAGE)
     stats = engine.stats()
     tiers = stats["tiers"]
-    assert first["state"] == "live", first
-    # the numbers on the page are the engine's
-    assert first["value"]["gen-tokens"] == stats["generated_tokens"] > 0
-    assert first["value"]["requests"] == stats["requests"]
-    assert first["value"]["tok-s"] == pytest.approx(stats["decode_tokens_per_s"], rel=1e-6)
-    assert first["value"]["lookups"] == tiers["lookups"] > 0
-    assert first["value"]["running"] == 1 and first["text"]["running"] == "1"
+    assert page["state"] == "live", page
+    # the history came whole with the first answer: the samples from before the page opened
+    assert page["historySamples"] >= len(before) and page["ranBefore"] >= 3, page
+    for name in LINE_CHARTS:  # every chart drew points, reaching back before the page opened
+        c = page["charts"][name]
+        assert c["points"] > 0 and c["firstT"] is not None and c["firstT"] < page["openedAt"] - 2, (name, c, page)
+    assert page["charts"]["layer-chart"]["bars"] == 2 and page["charts"]["heatmap"]["cells"] == 32
+    assert page["charts"]["traffic-map"]["cells"] == 32
+    # the numbers on the page are the engine's (the server is idle now)
+    assert page["value"]["gen-tokens"] == stats["generated_tokens"] > 0
+    assert page["value"]["requests"] == stats["requests"]
+    assert page["value"]["tok-s"] == pytest.approx(stats["decode_tokens_per_s"], rel=1e-6)
+    assert page["value"]["lookups"] == tiers["lookups"] > 0
+    assert page["value"]["running"] == 0 and page["text"]["running"] == "0"
     for tier in ("pinned", "disk"):
-        assert first["value"][f"hit-{tier}"] == pytest.approx(tiers["hit_rate"].get(tier, 0.0))
-        assert first["text"][f"hit-{tier}"].endswith("%")
-    assert first["text"]["hit-gpu"] == "—"  # no GPU tier on this host
-    assert first["text"]["tok-s"] not in ("—", "0.0")
-    # charts and heatmap are drawn
-    assert first["cells"] == 32 and first["heatmapPixels"] > 1000, first
-    assert first["hitPixels"] > 0 and first["reqPoints"] >= 2
-    # idle since the page opened: the 10 s window has no lookups yet, "since start" has a point per poll
-    points = browser.eval("(() => { const s = document.getElementById('hit-window'); s.value = '0';"
-                          " s.dispatchEvent(new Event('change'));"
-                          " return Number(document.getElementById('hit-chart').dataset.points); })()")
-    assert points >= 2 * len(tiers["hit_rate"])
-    browser.eval("(() => { const s = document.getElementById('hit-window'); s.value = '10';"
-                 " s.dispatchEvent(new Event('change')); })()")
-    assert first["tokPixels"] > 0
-    assert first["value"]["count-pinned"] + first["value"]["count-tmpfs"] + first["value"]["count-disk"] == 32
-    assert "disk->pinned" in first["paths"]
-    assert set(first["tiers"]) == set(tiers["tiers"])
-    # the Engram panel: rows served by the row cache and the disk, as the engine counts them
-    engram, eg = stats["engram"], first["engram"]
+        assert page["value"][f"hit-{tier}"] == pytest.approx(tiers["hit_rate"].get(tier, 0.0))
+    assert page["text"]["hit-gpu"] == "—"  # no GPU tier on this host
+    assert page["value"]["count-pinned"] + page["value"]["count-tmpfs"] + page["value"]["count-disk"] == 32
+    assert "disk->pinned" in page["paths"] and set(page["tiers"]) == set(tiers["tiers"])
+    engram = stats["engram"]
     served = sum(engram["hits"].values())
-    assert not eg["hidden"] and eg["tier"] == "disk", eg
-    assert eg["value"]["engram-lookups"] == engram["lookups"] > 0
-    assert eg["value"]["engram-bytes"] == engram["bytes_read"] > 0
-    assert eg["value"]["engram-stall"] == pytest.approx(engram["stall_s"])
-    assert eg["value"]["engram-cache"] == engram["cache_resident"] > 0
+    assert not page["engramHidden"] and page["engramTier"] == "disk", page
+    assert page["value"]["engram-lookups"] == engram["lookups"] > 0
+    assert page["value"]["engram-bytes"] == engram["bytes_read"] > 0
     for tier in ("cache", "disk"):
-        assert eg["value"][f"engram-hit-{tier}"] == pytest.approx(engram["hits"].get(tier, 0) / served)
-    assert eg["value"]["engram-hit-pinned"] is None and eg["hitText"] == "—"  # not a tier of these tables
-    assert eg["chartPixels"] > 0
+        assert page["value"][f"engram-hit-{tier}"] == pytest.approx(engram["hits"].get(tier, 0) / served)
+    assert page["value"]["engram-hit-pinned"] is None and page["text"]["engram-hit-pinned"] == "—"
+    # live and lifetime figures say which they are
+    assert page["hitScope"] == "last 10 s" and "kept by the server" in page["historyNote"]
+    # the layers x experts heatmap is above the fold of a 1400 x 1000 window
+    left, top, width, height = page["charts"]["heatmap"]["box"]
+    assert 0 <= top and top + height <= 1000 and width > 300, page["charts"]["heatmap"]
+    # the page's samples of its own polls have the server's shape: both take the same figures
+    server_stats = httpx.get(url + "/v1/strata/stats").json()
+    split = {"tiers": {"lookups": 9, "tiers": {"gpu": {"hits": 4}}, "devices": {
+        "cuda:0": {"lookups": 5, "tiers": {"gpu": {"hits": 4}}, "pcie_bytes": 64}}, "stage_hops": {"bytes": 32}},
+        "engram": {"tier": "pinned", "devices": {"cuda:0": {"hits": {"cache": 2}, "bytes_read": 8, "stall_s": 0.5}}}}
+    for snapshot in (server_stats, split):
+        assert browser.eval(f"window.strataDashboard.figuresOf({json.dumps(snapshot)})") == \
+            json.loads(json.dumps(figures_of(snapshot)))
 
-    # live: more tokens and more running requests show up on the next polls
-    engine.generate("Once upon a time", max_tokens=40, temperature=0.8, seed=3)
-    scheduler.running, scheduler.waiting = 3, 2
-    target = engine.stats()["generated_tokens"]
-    browser.wait_for(f"Number(document.getElementById('gen-tokens').dataset.value) === {target} && "
-                     "document.getElementById('running').textContent === '3'", what="the next poll")
-    second = browser.eval(READ_PAGE)
-    assert second["polls"] > first["polls"]
-    assert second["value"]["gen-tokens"] == target > first["value"]["gen-tokens"]
-    assert second["value"]["requests"] == first["value"]["requests"] + 1
-    assert second["value"]["lookups"] > first["value"]["lookups"]
-    assert second["value"]["tok-s"] != first["value"]["tok-s"]
-    assert second["value"]["waiting"] == 2
-    assert second["hitPoints"] > 0  # the lookups of the new request, in the 10 s window
-    assert second["value"]["tok-s"] == pytest.approx(engine.stats()["decode_tokens_per_s"], rel=1e-6)
-    assert second["engram"]["value"]["engram-lookups"] == engine.stats()["engram"]["lookups"] > \
-        first["engram"]["value"]["engram-lookups"]
-    # the new request's rows, in the 10 s window (this failed once in CI, not reproduced since: the message says
-    # what the page had, (t, rows served) of its last samples and any error its render logged)
-    assert second["engram"]["points"] > 0, (second["engram"], browser.page_errors(), browser.eval(
-        "JSON.stringify(window.strataDashboard.samples.slice(-12).map((s) => [s.t, s.engram && s.engram.served]))"))
-
-    shot = tmp_path / "dashboard.png"
-    data = browser.screenshot(shot)
-    width, height, colours = png_summary(data)
-    assert width >= 1000 and height >= 600 and colours > 20 and len(data) > 20_000, (width, height, colours, len(data))
+    # the screenshot: each chart's plot area holds pixels of its series' colours, across more than a few seconds
+    data = browser.screenshot(tmp_path / "dashboard.png")
+    width_px, height_px, colours = png_summary(data)
+    assert width_px == 1400 and height_px >= 1000 and colours > 20, (width_px, height_px, colours)
     if os.environ.get("STRATA_DASHBOARD_SCREENSHOT"):  # keep a copy to look at
-        shutil.copyfile(shot, os.environ["STRATA_DASHBOARD_SCREENSHOT"])
+        shutil.copyfile(tmp_path / "dashboard.png", os.environ["STRATA_DASHBOARD_SCREENSHOT"])
+    drawn = {}
+    for name in (*LINE_CHARTS, "layer-chart"):
+        c = page["charts"][name]
+        plot = (c["box"][0] + c["plot"][0], c["box"][1] + c["plot"][1], c["plot"][2], c["plot"][3])
+        drawn[name] = colour_matches(region_pixels(data, plot), [hex_rgb(x) for x in c["colors"]])
+        assert c["colors"] and drawn[name]["count"] >= 20 and drawn[name]["columns"] >= 3, (name, c, drawn[name])
+    for name in LINE_CHARTS[:4]:  # traffic ran for seconds before the page opened: a line, not a dot at "now"
+        assert drawn[name]["x1"] - drawn[name]["x0"] >= 4, (name, drawn[name])
+    tier_colours = [hex_rgb(page["tierColors"][t]) for t in ("pinned", "tmpfs", "disk")]
+    heat = colour_matches(region_pixels(data, page["charts"]["heatmap"]["box"]), tier_colours, tolerance=2)
+    assert heat["count"] >= 32 * 20, heat  # 32 cells of at least 20 pixels in the tiers' colours
+    traffic = region_pixels(data, page["charts"]["traffic-map"]["box"])
+    assert colour_matches(traffic, [hex_rgb("#171e26")], tolerance=30)["count"] < traffic.shape[0] * traffic.shape[1]
+
+    # live: new traffic is appended to the history the page drew, and the new rows show in the 10 s window
+    n_before, t_before = page["samples"], page["lastT"]
+    engram_before = engine.stats()["engram"]["lookups"]
+    assert run_traffic(url, 1, lambda: engine.stats()["engram"]["lookups"] > engram_before) > 0
+    target = engine.stats()["generated_tokens"]
+    browser.wait_for(f"Number(document.getElementById('gen-tokens').dataset.value) >= {target}", what="the next poll",
+                     dump=DUMP)
+    rows = ("(() => { const s = window.strataDashboard.samples, e = (x) => x.engram ? Object.values(x.engram.hits)"
+            ".reduce((a, b) => a + b, 0) : 0; return s.length > 1 && e(s[s.length - 1]) > "
+            f"e(s.find((x) => x.t > {t_before}) || s[0]); }})()")
+    browser.wait_for(f"{rows} && Number(document.getElementById('engram-chart').dataset.points) > 0",
+                     what="the new Engram rows in a sample after the page opened", dump=DUMP)
+    live = browser.eval(READ_PAGE)
+    assert live["samples"] > n_before and live["lastT"] > t_before and live["polls"] > page["polls"], live
+    assert live["value"]["engram-lookups"] > page["value"]["engram-lookups"]
     assert browser.page_errors() == []
 
 

@@ -1,10 +1,13 @@
 // strata dashboard, Engram panel: row hit ratio per serving tier over time, bytes read, stall.
-// Reads `engram` of /v1/strata/stats (Engine.stats()["engram"]); shown only when the model has Engram layers.
-// Registers itself in window.strataDashboardPlugins; dashboard.js calls record() per poll and render() per draw.
+// Reads `engram` of /v1/strata/stats (Engine.stats()["engram"]); shown only when the model has Engram layers. Its
+// charts draw the samples' `engram` ({tier, hits: {tier: rows}, bytes, stall}), which the server's history holds
+// and record() adds to the page's own samples. Registers itself in window.strataDashboardPlugins; dashboard.js
+// calls record() per sample it takes itself and render() per draw.
 "use strict";
 
 (function () {
   const TIERS = ["cache", "gpu", "pinned", "tmpfs", "disk"];  // the row cache first, then the table tiers
+  const LIVE_S = 5;  // the window of the live rates next to the totals
 
   // one row store's figures, or the sum over cards when a multi-GPU engine reports {"devices": {...}}
   function flatten(e) {
@@ -22,37 +25,20 @@
     return out;
   }
 
+  // the panel's cumulative counters (the history's `engram`)
   function record(stats, sample, lib) {
     const e = flatten(lib.get(stats, "engram", null));
     if (!e || typeof e !== "object") { sample.engram = null; return; }
     const hits = {};
     for (const [t, n] of Object.entries(e.hits || {})) hits[t] = lib.num(n) || 0;
-    sample.engram = {
-      tier: String(e.tier || ""),
-      hits,
-      served: Object.values(hits).reduce((a, b) => a + b, 0),  // distinct rows served, all tiers
-      bytes: lib.num(e.bytes_read),
-      stall: lib.num(e.stall_s),
-    };
+    sample.engram = { tier: String(e.tier || ""), hits, bytes: lib.num(e.bytes_read), stall: lib.num(e.stall_s) };
   }
 
-  // share of served rows per tier: cumulative since start (n = 0) or over the last `n` samples
-  function hitSeries(samples, tier, n) {
-    const out = [];
-    for (let i = 0; i < samples.length; i++) {
-      const b = samples[i].engram;
-      if (!b) continue;
-      if (!n) {
-        out.push([samples[i].t, b.served > 0 ? (b.hits[tier] || 0) / b.served : null]);
-        continue;
-      }
-      const a = samples[Math.max(0, i - n)].engram;
-      if (i === 0 || !a) continue;
-      const ds = b.served - a.served, dh = (b.hits[tier] || 0) - (a.hits[tier] || 0);
-      out.push([samples[i].t, ds > 0 && dh >= 0 ? dh / ds : null]);
-    }
-    return out;
-  }
+  const num = (v) => (typeof v === "number" && isFinite(v) ? v : null);
+  const rowsOf = (x, tier) => (x.engram && x.engram.hits ? num(x.engram.hits[tier]) || 0 : null);
+  const servedOf = (x) => (x.engram && x.engram.hits  // distinct rows served, all tiers
+    ? Object.values(x.engram.hits).reduce((a, b) => a + (num(b) || 0), 0) : null);
+  const engramOf = (key) => (x) => (x.engram ? num(x.engram[key]) : null);
 
   function render(state, lib) {
     const panel = lib.$("engram-panel");
@@ -83,10 +69,10 @@
     const samples = state.samples;
     const lookups = lib.num(e.lookups), bytes = lib.num(e.bytes_read), stall = lib.num(e.stall_s);
     lib.setText("engram-lookups", lib.fmtNum(lookups), lookups);
-    const readRate = lib.rateSeries(samples, (x) => (x.engram ? x.engram.bytes : null), 5).pop();
+    const readRate = lib.rateSeries(samples, engramOf("bytes"), LIVE_S).pop();
     lib.setText("engram-bytes", lib.fmtBytes(bytes) + (readRate && readRate[1] !== null ? " · " + lib.fmtRate(readRate[1]) : ""),
       bytes);
-    const stallShare = lib.rateSeries(samples, (x) => (x.engram ? x.engram.stall : null), 5).pop();
+    const stallShare = lib.rateSeries(samples, engramOf("stall"), LIVE_S).pop();
     lib.setText("engram-stall", lib.fmtSeconds(stall) + (stallShare && stallShare[1] !== null
       ? " · " + lib.fmtPct(stallShare[1]) + " live" : ""), stall);
     const resident = lib.num(e.cache_resident);
@@ -97,13 +83,15 @@
     lib.setText("engram-table-bytes", lib.fmtBytes(tableBytes), tableBytes);
 
     const now = samples.length ? samples[samples.length - 1].t : 0;
-    const win = Number(lib.$("engram-window").value);
-    const shown = memory ? [] : TIERS.filter((t) => samples.some((x) => x.engram && (t in x.engram.hits || t === x.engram.tier)));
-    lib.drawLineChart(lib.$("engram-chart"), shown.map((t) => ({ color: lib.css("--" + t), points: hitSeries(samples, t, win) })),
-      { now, yMax: 1, yStep: 0.25, format: (v) => Math.round(v * 100) + "%" });
+    const win = Number(lib.$("engram-window").value), span = lib.span();
+    lib.setText("engram-scope", lib.windowLabel(win));
+    const shown = memory ? [] : TIERS.filter((t) => samples.some((x) => x.engram && (t in (x.engram.hits || {}) || t === x.engram.tier)));
+    lib.drawLineChart(lib.$("engram-chart"), shown.map((t) => ({ color: lib.css("--" + t),
+      points: lib.shareSeries(samples, (x) => rowsOf(x, t), servedOf, win) })),
+    { now, span, yMax: 1, yStep: 0.25, format: lib.pct });
     lib.drawLineChart(lib.$("engram-io-chart"), memory ? [] : [
-      { color: lib.css("--read"), points: lib.rateSeries(samples, (x) => (x.engram ? x.engram.bytes : null), 1) },
-    ], { now, format: (v) => lib.fmtShort(v) + "B/s" });
+      { color: lib.css("--read"), points: lib.rateSeries(samples, engramOf("bytes"), 1) },
+    ], { now, span, format: (v) => lib.fmtShort(v) + "B/s" });
   }
 
   (window.strataDashboardPlugins = window.strataDashboardPlugins || []).push({ name: "engram", record, render });
