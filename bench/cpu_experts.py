@@ -11,7 +11,7 @@ call reads cold weights from RAM, not from the caches.
 Figures are effective GB/s = weight bytes of the experts a call uses / its wall time, for
   kernel   strata.kernels.cpu_experts.cpu_experts_forward, every backend this CPU runs
   torch    one `expert_swiglu` per expert on bf16 activations (bf16 F.linear), weighted and added
-           with index_add_, torch.set_num_threads(--threads): the ~23 GB/s baseline of LIMITS.md
+           with index_add_, torch.set_num_threads(--threads): ~23 GB/s on the H200 machine's 16 cores
   ram      the larger of torch.sum over a 2 GiB fp32 buffer (best of 5) and a streaming read of the
            expert pools on the kernel's own thread pool (`cpu_experts.read_sweep`, best of 3 per shape),
            both with --threads threads: the ceiling the ratios are taken against
@@ -40,7 +40,7 @@ SHAPES = {"qwen3-30b-a3b": (2048, 768), "deepseek-v3": (7168, 2048)}
 EXPERTS_PER_LAYER = 8
 TOKENS = (1, 4)
 TARGET_GBS = 60.0
-PREFETCH_SWEEP = (0, 1024, 2048, 4096, 8192)  # issue 4: >= 60 GB/s effective on the 16-core H200 box
+PREFETCH_SWEEP = (0, 1024, 2048, 4096, 8192)  # TARGET_GBS: >= 60 GB/s effective on the H200 machine's 16 cores
 
 
 def machine() -> dict:
@@ -173,7 +173,7 @@ def bench_case(result: dict, layers: list, shape: str, H: int, inter: int, N: in
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", default="bench-out")
     ap.add_argument("--threads", type=int, default=None, help="kernel and torch threads (default: physical cores)")
     ap.add_argument("--pool-gib", type=float, default=4.0, help="GiB of distinct experts per shape (default 4)")
     ap.add_argument("--seconds", type=float, default=1.5, help="minimum timed seconds per case")

@@ -6,7 +6,7 @@
 
 The mailbox worker calls the kernel once per MoE layer with ~80 us of GPU work between calls (skewed routing,
 25% budget: ~1.6 cold experts a layer, ~60% of each computed here). Fitting the kernel's time against the bytes
-it reads leaves ~30 us a call that no byte explains (bench/RESULTS.md, tenth and seventeenth sessions). This
+it reads leaves ~30 us a call that no byte explains (measured in decode on the H200 machine). This
 calls the kernel the way the worker does (experts by address, the CPU's leading rows of split experts, a spin
 of --gap-us between calls, fresh experts every call so nothing is cached) for shares from a quarter expert to
 four, with the kernel's phase trace on (`strata.kernels.cpu_experts.trace`), once per knob set
@@ -103,15 +103,15 @@ def main() -> None:
     ap.add_argument("--gap-us", type=float, default=80.0)
     ap.add_argument("--pool-experts", type=int, default=96, help="distinct experts cycled through (beyond the LLC)")
     ap.add_argument("--knobs", default="claim_ahead=0,down_split=0;claim_ahead=4,down_split=1",
-                    help="knob sets to compare, ';' between sets (default: the kernel before and after the twentieth "
-                         "session's changes)")
+                    help="knob sets to compare, ';' between sets (default: without and with claiming down chunks "
+                         "ahead and pairing down rows across a chunk's halves, the defaults)")
     ap.add_argument("--warm", action="store_true", help="also time every share with its experts read just before "
                     "(in the caches), with the first knob set")
     ap.add_argument("--own", type=float, default=0.0, help="also time every share with up to this many MB of its "
                     "gate/up rows read first by the threads that compute them (warm-ahead), with the first knob set")
     ap.add_argument("--read-knobs", default="", help="with --own: warm-ahead's read settings to compare, ';' between "
                     "sets (e.g. \"warm_streams=1;warm_streams=4,warm_touch=2\"; default: the kernel's)")
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
     if ce.backend() == "torch":
         raise SystemExit("the CPU expert kernel is not available here (torch fallback): nothing to trace")

@@ -86,7 +86,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=64)
     ap.add_argument("--floats", type=int, default=2048)
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
     n = args.floats
     header, gen, src, out = answered(n)
@@ -100,7 +100,7 @@ def main() -> None:
         "read_only": lambda: _fetch[(triton.cdiv(n, 256),)](header, gen, src, out, n, BLOCK=256, WAIT=False, num_warps=2),
     }
     res = {"calls": args.calls, "floats": n}
-    for rep in range(2):  # twice: the second round is the one to read (clocks settled)
+    for rep in range(2):  # twice: the second pass is the one to read (clocks settled)
         for name, fn in variants.items():
             out.zero_()
             res[name] = timed(fn, args.calls)

@@ -35,7 +35,7 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
   hotbefore      one-graph split decode: each MoE layer's resident pairs computed before the worker is posted
                  the layer, instead of beside it ($STRATA_MAILBOX_HOT_ALONGSIDE=0)
   sharelast      one-graph split decode: the GPU's in-place share on the second stream and the resident pairs on
-                 the layer's own, as before the thirty-third session ($STRATA_MAILBOX_SHARE_FIRST=0)
+                 the layer's own, the older order ($STRATA_MAILBOX_SHARE_FIRST=0)
   norouter       decode routing in three launches (cuBLAS GEMV, softmax top-k, slot gather) instead of the one of
                  strata.kernels.decode_router ($STRATA_FUSED_ROUTER=0)
   noresidual     a MoE layer's residual added by its own launch instead of in the experts' combine
@@ -46,16 +46,16 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
                  ($STRATA_FUSED_QK=0)
   nopdl          decode's Triton kernels launched without programmatic dependent launch ($STRATA_PDL=0;
                  strata.kernels.pdl)
-  oldpairs       the decode pair kernels' launch configurations before the twenty-third session's sweep
+  oldpairs       the decode pair kernels' launch configurations before bench/pair_kernel_probe.py's sweep
                  ($STRATA_PAIR_CONFIGS=previous)
   ahead          one-graph split decode with copy-ahead (runtime.copy_ahead = true; strata.runtime.copy_ahead)
-  noahead        without it ($STRATA_COPY_AHEAD=0; the default since the twenty-fourth session)
+  noahead        without it ($STRATA_COPY_AHEAD=0; the default)
   aheadN         copy-ahead with a fixed budget of N bytes a layer ($STRATA_COPY_AHEAD=N)
   sm, ce         copy-ahead's tails copied by the SM kernel in the graph (the default; $STRATA_COPY_AHEAD_ENGINE=sm)
                  or by the mailbox worker's copier on the copy engine (ce: =copy)
   warm, warmN    warm-ahead: the worker reads the next layer's predicted cold experts' gate/up rows into its
                  threads' caches during the serial phase (copy-ahead's "cpu" engine; N: bytes a layer at most);
-                 on by default since the thirtieth session (runtime.warm_ahead)
+                 on by default (runtime.warm_ahead)
   nowarm         without it (runtime.warm_ahead = false)
   grouped        runtime.grouped_prefill = true: prefill's experts through two grouped GEMMs a layer
   sync           runtime.overlap_decode = false: each token read on the host before the next step is queued
@@ -81,7 +81,7 @@ Decode samples at temperature 1 (fixed seed) so a random-weight model does not r
 routing stays close to uniform (the worst case). Each case reports decode tok/s over the decode phase
 (one stream, 128-token prompt; the prompt's prefill is timed apart as `ttft_s`), GPU hit rate, bytes over PCIe per token, CPU-computed experts per token, stall per token, and
 the roofline: time per token >= max(GPU time, cold bytes / (PCIe + CPU rates)) with GPU time the
-ceiling's measured step and the rates of LIMITS.md (55 GB/s PCIe + 70 GB/s CPU; only the paths a case
+ceiling's measured step and the H200 machine's reference rates (55 GB/s PCIe + 70 GB/s CPU; only the paths a case
 may use). `--prefill N` also times an N-token prompt (time to first token) in the ceiling and split
 cases. Writes hotpath.json.
 """
@@ -261,7 +261,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--prefill", type=int, default=0, help="also time a prompt of this many tokens")
     ap.add_argument("--cases", default="ceiling,ceiling_eager,split,copy,cpu")
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", default="bench-out")
     ap.add_argument("--cache", default="/dev/shm/strata-cache")
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke run)")
     args = ap.parse_args()

@@ -55,7 +55,7 @@ def main() -> None:
     ap.add_argument("--experts", type=int, default=48)
     ap.add_argument("--threads", type=int, default=12)
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
     thp = {}
     for name in ("enabled", "defrag"):

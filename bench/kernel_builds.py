@@ -215,7 +215,7 @@ def sweep(layers: int, max_batch: int, top_k: int, model: bool = False, max_cont
     """The per-layer launches of every decode graph (batch sizes 1..max_batch, each over every layer): the
     exchange and the next layer's warm-ahead plan; with `model`, also the step's other kernels, at the first KV
     bucket for every batch size and at each larger bucket up to `max_context` for one token (the serving
-    warm-up's rounds)."""
+    warm-up's passes)."""
     with as_on_the_gpu(), decode_objects(layers, max_batch, top_k) as (box, share, ahead):
         for n in range(1, max_batch + 1):
             for layer in range(layers):

@@ -10,7 +10,7 @@ Records, in multigpu.json under --out:
              card with the same GPU expert budget (--budget, "a 24 GB card's worth" by default): tok/s, GPU
              hit rate, PCIe bytes per token per card, and the stage hops (activation copies between cards,
              timed with CUDA events on the copying stream) per token and as a share of the step time
-Targets (issue 8): 2 cards >= 1.6x one card's decode tok/s, 4 cards >= 2.5x, hops <= 5% of the step.
+Targets: 2 cards >= 1.6x one card's decode tok/s, 4 cards >= 2.5x, hops <= 5% of the step.
 Decode samples at temperature 1 with a fixed seed so random-weight routing stays near uniform.
 """
 

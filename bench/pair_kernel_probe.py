@@ -3,8 +3,8 @@
     python bench/pair_kernel_probe.py --out DIR [--tokens 1,4,8]
 
 The pair kernels compute a decode step's resident experts: one gate/up launch and one down launch for every
-(token, expert) pair. In the all-in-VRAM layer they take ~27 of ~65 us (bench/RESULTS.md, nineteenth session:
-gate/up at 2.65 TB/s). For N tokens (N x 8 pairs, each token's experts distinct, drawn from 128), each kernel is
+(token, expert) pair. In the all-in-VRAM layer they take ~27 of ~65 us (torch.profiler's kernel
+table on the H200: gate/up at 2.65 TB/s). For N tokens (N x 8 pairs, each token's experts distinct, drawn from 128), each kernel is
 timed alone in a CUDA graph of 16 launches over different experts (1.2 GB of slab cycled, beyond the L2), for
 the shipped configuration (`grouped.PAIR_CONFIGS`) and a sweep of (block, block, warps, stages); gate/up is swept
 with down at the shipped one and vice versa. Prints us a launch and TB/s (weight bytes of the pairs / time) and

@@ -51,7 +51,7 @@ def copy_probe(nbytes: int = 9_437_184, n: int = 48) -> dict:
     alloc = torch.empty((n, nbytes), dtype=torch.uint8, pin_memory=True)
     out = {}
     for name, src in (("registered", [pool.slot(i) for i in range(n)]), ("host_alloc", list(alloc))):
-        for _rep in range(2):  # the second round is measured
+        for _rep in range(2):  # the second pass is measured
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for i in range(n):
@@ -71,7 +71,7 @@ def main() -> None:
     ap.add_argument("--config", default='{"runtime": {"experts": "memory", "max_context": 1024}}')
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--prompt", type=int, default=128, help="prompt tokens (a short one keeps prefill out of the kernel table)")
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", default="bench-out")
     ap.add_argument("--host", action="store_true",
                     help="also profile the host: Python functions by cumulative time (cProfile) over the same "
                          "decode, and the torch table by self CPU time (where a tiered step's overheads show)")

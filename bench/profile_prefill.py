@@ -3,7 +3,7 @@
     python bench/profile_prefill.py --model DIR [--prompt 8192] [--chunk N] [--config JSON] [--out DIR] [--label NAME]
 
 Prints the wall time, tok/s and the top CUDA kernels by total time (GEMMs against gathers, index_add,
-attention, copies), and writes profile_prefill-LABEL.txt. Issue 4's target is 3,000 tok/s for an 8K prompt
+attention, copies), and writes profile_prefill-LABEL.txt. The target is 3,000 tok/s for an 8K prompt
 at a 25% GPU budget on the 48-layer bench model; the same model all in VRAM bounds it.
 """
 
@@ -26,7 +26,7 @@ def main() -> None:
                     help="runtime.prefill_chunk (0: the whole prompt; -1: the config's, by default \"auto\")")
     ap.add_argument("--config", default='{"runtime": {"experts": "memory"}}')
     ap.add_argument("--label", default="ceiling")
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", default="bench-out")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     from strata import Engine

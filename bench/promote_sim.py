@@ -6,7 +6,7 @@ The `small` demo model with routing skew in its weights (`--skew`, as `strata de
 decodes `--tokens` tokens after a 128-token prompt, all in memory, and every router's choices are
 recorded. The trace is then replayed through a TierManager whose GPU tier is simulated in RAM and holds
 `--fraction` of the experts (the rest in pinned RAM), the way a split decode step drives it on a GPU box
-where the cost model gives every cold expert to the CPU (bench/RESULTS.md: ~0 PCIe bytes per token):
+where the cost model gives every cold expert to the CPU (as measured on the H200: ~0 PCIe bytes per token):
 placement fills the tier in the store's hot order, the prompt's experts are staged for prefill, then at
 each decode layer the resident experts are hits (`note_hits`) and the cold ones misses computed on the CPU
 (`note_gpu_misses`). Policies compared on the same trace:
@@ -137,7 +137,7 @@ def main() -> None:
     ap.add_argument("--skew", default="1.0")
     ap.add_argument("--fraction", type=float, default=0.4)
     ap.add_argument("--tokens", type=int, default=256)
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", default="bench-out")
     ap.add_argument("--prompt-repeat", type=int, default=1,
                     help="replay the prompt's routing this many times in one prefill chunk (a long prompt: 64 x 128 "
                     "tokens = the suite's 8K case)")

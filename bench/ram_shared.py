@@ -93,7 +93,7 @@ def main() -> None:
     ap.add_argument("--gib", type=float, default=4.0, help="bytes each path reads, in GiB")
     ap.add_argument("--threads", type=int, default=0, help="CPU threads (0: the kernel's default)")
     ap.add_argument("--gpus", default="0", help="cards copying at once, e.g. 0,1")
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("ram_shared.py needs a CUDA GPU (it measures pinned -> GPU copies); none is available")

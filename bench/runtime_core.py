@@ -34,7 +34,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--dir", default="/dev/shm/strata-bench")
     ap.add_argument("--layers", type=int, default=None)
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", default="bench-out")
     ap.add_argument("--decode-tokens", type=int, default=64)
     ap.add_argument("--keep", action="store_true", help="keep the written model")
     args = ap.parse_args()

@@ -11,7 +11,7 @@ gives the worker's own serve and gap a layer over the profiled tokens, and three
 
 A split layer's cycle is cut at its kernels that talk to the mailbox worker: `_pack_kernel` posts the layer (its
 end: the inbox written), and the answer's copy (`_read_kernel` after the one-warp `_acquire_kernel`; in traces of
-code before the thirty-fourth session, the one `_fetch_kernel`) ends with the answer on the GPU. The serial phase runs from one
+older code, the one `_fetch_kernel`) ends with the answer on the GPU. The serial phase runs from one
 answer to the next pack's end; the cold phase from a pack's end to the answer (`cold_gpu_work_us`: from the
 pack's end to the last end of the GPU's own kernels in it, the resident pairs and the in-place share). The
 ceiling's cycle is cut at its router kernel. For each case: median phase lengths (us), and for the serial phase
@@ -218,7 +218,7 @@ def main() -> None:
     ap.add_argument("--gpu-fraction", type=float, default=0.25)
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--cases", default="split,ceiling")
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
     from bench.step_timeline import case_configs
 

@@ -190,7 +190,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="checkpoint or store directory (default: the small demo model)")
     ap.add_argument("--config", default=None)
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", default="bench-out")
     ap.add_argument("--users", default="1,4,8", help="comma-separated concurrent stream counts")
     ap.add_argument("--max-tokens", type=int, default=128, help="tokens per stream in the user cases")
     ap.add_argument("--long-prompt", type=int, default=65536, help="tokens of the long prompt (capped by the context)")

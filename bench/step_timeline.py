@@ -6,8 +6,7 @@ worker's clock on one timeline (all CLOCK_MONOTONIC).
 Modifiers (`split+spin100+nobooks`): shareX, swN (GIL switch interval, us), spinN (the kernel's idle spin, us),
 wspinN (the mailbox worker's polling spin, us), tN (the kernel's threads), warm / warmN / nowarm (warm-ahead, hotpath's
 modifiers), nopromote, nobooks, wakeatlaunch (the books
-woken right after the replay, as before the twenty-ninth session, not once the step's LM head is queued). (`park`, the kernel's workers sleeping after a
-step's last layer, was measured in the twelfth session, changed nothing beyond noise and was removed.)
+woken right after the replay, not once the step's LM head is queued).
 
 The worker's per-layer timing (serve, GPU gap) covers a step's MoE layers; these cover the rest of a token (ms):
   host_between      the sampler: from the previous step's logits done to this token on the host
@@ -64,7 +63,7 @@ def timeline(engine, prompt: list[int], tokens: int, seed: int = 3, wake_at_laun
             ev[0].record()
             hidden = model(torch.tensor([token], dtype=torch.long, device=dev), StepBatch([0], [pos], [1]), cache)
             if wake_at_launch and model.graphs is not None:
-                model.graphs.step_queued()  # the books woken at the replay, as before the twenty-ninth session
+                model.graphs.step_queued()  # the books woken at the replay (the older order)
             t_enq = now()
             ev[1].record()
             logits = model.logits(hidden)[0]
@@ -127,7 +126,7 @@ def main() -> None:
     ap.add_argument("--gpu-fraction", type=float, default=0.25)
     ap.add_argument("--tokens", type=int, default=48)
     ap.add_argument("--cases", default="split,ceiling")
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", default="bench-out")
     ap.add_argument("--cache", default="/dev/shm/sc")
     args = ap.parse_args()
     from bench.hotpath import wait_for_placement

@@ -33,7 +33,7 @@ def main() -> None:
     ap.add_argument("--config", default="{}", help="strata config as JSON")
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--label", default="case")
-    ap.add_argument("--out", default="bench/out")
+    ap.add_argument("--out", default="bench-out")
     ap.add_argument("--device", default="cuda", help="cuda (the probe) or cpu (a smoke run: nothing to report)")
     args = ap.parse_args()
     engine = Engine.from_pretrained(args.model, config=json.loads(args.config), device=args.device)

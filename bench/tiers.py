@@ -193,7 +193,7 @@ def pick_disk_dir() -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", default="bench-out")
     ap.add_argument("--quick", action="store_true", help="small files, fewer sizes: seconds, not minutes")
     ap.add_argument("--disk-dir", default=None, help="a directory on the real disk (default: /var/tmp or /tmp)")
     ap.add_argument("--tmpfs-dir", default="/dev/shm")

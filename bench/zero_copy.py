@@ -90,7 +90,7 @@ def copy_rate(pool, n: int = 32) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=".")
+    ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
     from strata.kernels import cpu_experts as ce
     from strata.kernels import grouped

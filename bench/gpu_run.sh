@@ -1,0 +1,129 @@
+#!/usr/bin/env bash
+# Run strata's GPU tests and benchmarks on a machine with an NVIDIA GPU (the figures of docs/benchmarks.md come from
+# one H200, CUDA 13, 16 cores). Run it from the repository root; every step writes under $OUT.
+#
+#   OUT=DIR bash bench/gpu_run.sh STEP [STEP ...]
+#
+# Steps (each one is timed and bounded; one step fits a 10-minute command):
+#   tests        every GPU test: python3 -m pytest -q -m gpu tests        -> $OUT/gpu_tests.txt
+#   suite        the quick benchmark suite (12-layer bench model, uniform and skewed routing, strata against its
+#                baselines, then `strata serve` start-up): python3 -m bench run --suite quick
+#                                                                          -> $OUT/suite/suite.json, suite.md, suite.png
+#   serve-empty  `strata serve` start-up and first requests on empty Triton and CuPy kernel caches (a fresh install:
+#                the suite's serve case with STRATA_BENCH_FRESH_JIT=1)   -> $OUT/serve-empty.json
+#   serve-filled the same on the machine's own kernel caches, filled by a first untimed server (a restart)
+#                                                                          -> $OUT/serve-filled.json
+#   tiers        the tiers' copy and read rates against the raw limits (bench/tiers.py)      -> $OUT/tiers.json
+#   cpu          the CPU expert kernel against torch (bench/cpu_experts.py), then its phases a call at the default
+#                knobs, cold and with its rows read ahead (bench/cpu_kernel_trace.py)
+#                                                            -> $OUT/cpu_experts.json, $OUT/cpu_kernel_trace.json
+#   engram       Engram tables per tier, decoding this repository's README and report (bench/engram.py)
+#                                                                          -> $OUT/engram.json
+#   multigpu     two cards against one, and their tests (bench/multigpu.py; needs 2 GPUs)  -> $OUT/multigpu.json
+#   all          tests suite serve-empty serve-filled (for a machine without a per-command time limit)
+#   wheels       on a machine with internet access, not the GPU machine: fetch into .whl/ (git-ignored) the wheels the
+#                GPU machine lacks (the server's stack, kvikio for CUDA 13); carry .whl/ to the GPU machine, where
+#                every other step installs them into /tmp/site first
+#
+# Options, from the environment:
+#   OUT        where every step writes (default: ./gpu-out); $OUT/summary.txt gets one line a step (its exit status
+#              and seconds). The files above are all a step keeps, so that a tool returning few files gets them all.
+#   COMMIT     the commit to record in the suite's results (STRATA_BENCH_COMMIT), for a copy of the tree without
+#              its git metadata, e.g. COMMIT=$(git rev-parse --short HEAD) where the tree was copied from
+#   DEADLINE   seconds after which the suite skips its remaining cases (default 540)
+#   CASES      the suite's case patterns instead of every quick case, e.g. CASES="split/b25/*"
+#   TESTS      test files for `tests` instead of all of tests/
+set -uo pipefail
+
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+SCRATCH=/dev/shm/strata-gpu-run  # the steps' own models and stores (the suite's live under /dev/shm/strata-suite)
+STEPS=("$@")
+[ ${#STEPS[@]} -gt 0 ] || { sed -n '2,/^set /p' "$0" | sed '$d'; exit 2; }
+[ "${STEPS[*]}" = all ] && STEPS=(tests suite serve-empty serve-filled)
+[ -n "${COMMIT:-}" ] && export STRATA_BENCH_COMMIT=$COMMIT
+export PYTHONPATH=/tmp/site:$PWD
+
+wheels() {  # the GPU machine has no internet; pydantic and pydantic-core are pinned as the pair the tests passed with
+  mkdir -p .whl && rm -f .whl/*.whl  # two versions of one package stop the whole install: start from none
+  local p
+  for p in fastapi starlette uvicorn h11 annotated-doc opentelemetry-api pydantic==2.13.4 pydantic-core==2.46.4 \
+           annotated-types typing-inspection anyio prometheus-client aiofiles msgpack xxhash kvikio-cu13 \
+           libkvikio-cu13 rapids-logger; do
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
+      --platform manylinux2014_x86_64 --platform any -d .whl "$p" || return 1
+  done
+  echo "wheels in .whl/: $(ls .whl | wc -l)"
+}
+
+install_wheels() {  # the carried wheels, into /tmp/site (on $PYTHONPATH)
+  compgen -G ".whl/*.whl" > /dev/null || return 0
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+}
+
+# one case of the suite (serve start-up) into $OUT/$1.json; the rest of the arguments go to `bench run`
+serve_case() {
+  local name=$1 dir="$SCRATCH/$1"; shift
+  rm -rf "$dir"
+  timeout 280 python3 -m bench run --suite quick --deadline 240 --cases 'serve/b25/uniform/startup' --out "$dir" "$@" \
+    2>&1 | grep -E '^serve/|Error'
+  local rc=${PIPESTATUS[0]}
+  cp "$dir/suite.json" "$OUT/$name.json" 2>/dev/null
+  return "$rc"
+}
+
+step() {
+  case "$1" in
+    tests)
+      # shellcheck disable=SC2086  # TESTS is a list of files
+      timeout 560 python3 -m pytest -q -m gpu ${TESTS:-tests} > "$OUT/gpu_tests.txt" 2>&1
+      local rc=$?; tail -3 "$OUT/gpu_tests.txt"; return "$rc" ;;
+    suite)
+      rm -rf "$SCRATCH" "$OUT/suite"  # RAM held in /dev/shm is RAM the suite's pinned tier lacks (it skips such cases)
+      local args=(--suite quick --deadline "${DEADLINE:-540}" --out "$OUT/suite") cases=()
+      if [ -n "${CASES:-}" ]; then read -r -a cases <<< "$CASES"; args+=(--cases "${cases[@]}"); fi
+      timeout 590 python3 -m bench run "${args[@]}" 2>&1 | tail -20
+      local rc=${PIPESTATUS[0]}
+      rm -f "$OUT/suite/serve.toml" "$OUT/suite/serve.log"; return "$rc" ;;
+    serve-empty)
+      STRATA_BENCH_FRESH_JIT=1 serve_case serve-empty ;;
+    serve-filled)
+      serve_case serve-filled-first > /dev/null; rm -f "$OUT/serve-filled-first.json"  # fills the caches
+      serve_case serve-filled ;;
+    tiers)
+      timeout 590 python3 bench/tiers.py --out "$OUT" 2>&1 | tail -25; return "${PIPESTATUS[0]}" ;;
+    cpu)
+      timeout 300 python3 bench/cpu_experts.py --out "$OUT" 2>&1 | tail -12 || return 1
+      timeout 280 python3 bench/cpu_kernel_trace.py --threads 12 --calls 200 --knobs "claim_ahead=4,down_split=1" \
+        --own 5 --out "$OUT" 2>&1 | tail -20; return "${PIPESTATUS[0]}" ;;
+    engram)
+      timeout 590 python3 bench/engram.py --out "$SCRATCH/engram-out" --model-dir "$SCRATCH/engram" --steps 200 \
+        --text README.md,docs/benchmarks.md --prime 8000 --cases gpu,pinned,tmpfs,disk,disk-noprefetch 2>&1 | tail -8
+      local rc=${PIPESTATUS[0]}
+      cp "$SCRATCH/engram-out/engram.json" "$OUT/" 2>/dev/null; return "$rc" ;;
+    multigpu)
+      timeout 200 python3 -m pytest -q -m gpu tests/test_multi_gpu.py 2>&1 | tail -3
+      [ -d "$SCRATCH/b12" ] || python3 -m strata demo-model "$SCRATCH/b12" --size bench --layers 12 --no-engram \
+        --route-skew uniform > /dev/null || return 1
+      timeout 300 python3 bench/multigpu.py --model "$SCRATCH/b12" --gpus 0,1 --budget 3.6GiB --tokens 32 \
+        --out "$OUT" 2>&1 | tail -8; return "${PIPESTATUS[0]}" ;;
+    wheels)
+      wheels ;;
+    *)
+      echo "bench/gpu_run.sh: unknown step '$1' (the steps: bash bench/gpu_run.sh with none)" >&2; return 2 ;;
+  esac
+}
+
+if [ "${STEPS[*]}" != wheels ]; then
+  install_wheels || { echo "bench/gpu_run.sh: installing the wheels in .whl/ failed" >&2; exit 1; }
+fi
+status=0
+for s in "${STEPS[@]}"; do
+  echo "== $s"
+  start=$SECONDS
+  step "$s"; rc=$?
+  echo "$s: exit $rc, $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
+  [ "$rc" -eq 0 ] || status=$rc
+done
+exit "$status"
