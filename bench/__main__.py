@@ -1,12 +1,12 @@
-"""`python -m bench`: the benchmark suite (issue 7).
+"""`python -m bench`: the benchmark suite.
 
     python -m bench run [--suite quick|full] [--out DIR] [--model PATH] [--cases PATTERN ...]
-    python -m bench report OUT/suite.json [MORE.json ...] [--results bench/RESULTS.md]
+    python -m bench report OUT/suite.json [MORE.json ...] [--results docs/benchmarks.md]
     python -m bench list [--suite quick|full]
 
-`run` writes OUT/suite.json (raw results, rewritten after every engine), OUT/suite.md (the RESULTS.md
-section) and OUT/suite.png; `report` merges result files (later ones win per case) and regenerates
-the section between the suite markers of RESULTS.md, plus the PNG next to it.
+`run` writes OUT/suite.json (raw results, rewritten after every engine), OUT/suite.md (the benchmark
+report's suite section) and OUT/suite.png; `report` merges result files (later ones win per case) and
+regenerates the section between the suite markers of the benchmark report, plus the PNG next to it.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from pathlib import Path
 
 from bench.suite.cases import SUITES, select
 
+REPORT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"  # the benchmark report
 DEFAULT_LAYERS = {"quick": 12, "full": 24}
 DEFAULT_DEADLINE = {"quick": 540, "full": 560}  # seconds: inside one 10-minute GPU call
 
@@ -38,10 +39,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--layers", type=int, default=None, help="demo model layers (quick: 12, full: 24)")
     r.add_argument("--skew", type=float, default=1.0, help="--route-skew of the skewed checkpoint (default 1)")
     r.add_argument("--locality", type=float, default=None,
-                   help="--route-locality of the skewed checkpoint (issue 7's temporal locality; default 1 for the bench "
-                        "size, where consecutive tokens then share ~0.49 of their experts against ~0.34 from popularity "
-                        "alone, 0 for the others, which it is not written for; 0: none, as the runs before the "
-                        "twenty-fourth session)")
+                   help="--route-locality of the skewed checkpoint (temporal locality; default 1 for the bench size, "
+                        "where consecutive tokens then share ~0.49 of their experts against ~0.34 from popularity alone, "
+                        "0 for the others, which it is not written for; 0: none)")
     r.add_argument("--tokens", type=int, default=None, help="generated tokens per stream (quick: 64, full: 128)")
     r.add_argument("--cache", default="/dev/shm/strata-suite/cache", help="tiers.disk.path: where stores are built")
     r.add_argument("--disk-cache", default="~/.cache/strata-suite", help="store location of the disk case (real disk)")
@@ -50,14 +50,14 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--deadline", type=float, default=None, help="seconds after which remaining cases are skipped")
     r.add_argument("--hf-limit", type=float, default=180, help="seconds the transformers baseline may take per case")
     r.add_argument("--rates", choices=["measure", "limits"], default="measure",
-                   help="roofline PCIe/HBM rates measured now, or all from LIMITS.md")
-    r.add_argument("--results", default=None, help="also regenerate this RESULTS.md's suite section")
+                   help="roofline PCIe/HBM rates measured now, or all the reference figures (bench/suite/roofline.py)")
+    r.add_argument("--results", default=None, help="also regenerate this report's suite section (docs/benchmarks.md)")
     r.add_argument("--set", default=None, metavar="JSON",
                    help='strata config merged over every strata case\'s (A/B runs), e.g. \'{"runtime": {"overlap_decode": false}}\'')
-    p = sub.add_parser("report", help="regenerate the RESULTS.md section and the PNG from result JSON files")
+    p = sub.add_parser("report", help="regenerate the report's suite section and the PNG from result JSON files")
     p.add_argument("json", nargs="+")
-    p.add_argument("--results", default=str(Path(__file__).parent / "RESULTS.md"))
-    p.add_argument("--plot", default=None, help="PNG path (default: suite.png next to RESULTS.md)")
+    p.add_argument("--results", default=str(REPORT), help="the report whose suite section is regenerated")
+    p.add_argument("--plot", default=None, help="PNG path (default: suite.png next to the report)")
     p.add_argument("--command", default=None, help="the command line to quote in the section (with --append: "
                                                      "what is added to the section's command, after '; ')")
     p.add_argument("--append", action="store_true",

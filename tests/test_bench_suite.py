@@ -1,10 +1,12 @@
 """The benchmark suite's own logic (bench/suite): roofline arithmetic, case selection, the result schema,
-the RESULTS.md section generated from a JSON, and one tiny case end to end on CPU. No timing assertions."""
+the benchmark report's suite section generated from a JSON, and one tiny case end to end on CPU. No timing
+assertions."""
 
 from __future__ import annotations
 
 import copy
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +18,8 @@ from bench.suite.roofline import ModelFacts, Rates, fraction, roofline
 from bench.suite.runner import run_suite
 from bench.suite.strata_case import engine_config, warmup_for
 from strata.config import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
 
 FACTS = ModelFacts(expert_bytes=10, dense_bytes_per_step=100, num_experts=8, experts_per_token=2, moe_layers=2)
 RATES = Rates(pcie=1.0, cpu=3.0, hbm=1000.0, disk=0.5)
@@ -58,7 +62,7 @@ def test_expected_experts_per_step_and_rates():
 # --- cases ----------------------------------------------------------------------------------------
 
 
-def test_suites_are_named_uniquely_and_cover_the_issue():
+def test_suites_are_named_uniquely_and_cover_every_variant():
     for cases in (quick_suite(), full_suite()):
         names = [c.name for c in cases]
         assert len(names) == len(set(names))
@@ -190,6 +194,11 @@ def test_report_tables_and_targets_from_json(tmp_path):
     assert "| split/b25/uniform/p128x1 | 40.00 |" in md and "pinned->gpu 200" in md
     assert "`hf/b25/skewed/p128x1`: skipped: prefill + first token took 400 s" in md
     assert "![tok/s and GPU hit rate" in md
+    # a rate the run measured says so; the others are the machine's reference rates (recorded as their sheet's name)
+    assert "pcie 55.0 GB/s (reference)" in md and "LIMITS.md" not in md
+    measured = copy.deepcopy(doc)
+    measured["rates"]["source"]["pcie"] = "measured"
+    assert "pcie 55.0 GB/s (measured), cpu 70.0 GB/s (reference)" in report.render(measured)
 
 
 def test_a_split_step_is_cut_into_cold_phases_gpu_work_between_layers_and_its_ends():
@@ -213,16 +222,32 @@ def test_a_split_step_is_cut_into_cold_phases_gpu_work_between_layers_and_its_en
 
 
 def test_results_md_section_is_replaced_between_markers(tmp_path):
-    md = tmp_path / "RESULTS.md"
-    md.write_text("# Benchmark results\n\nearlier text\n")
+    md = tmp_path / "benchmarks.md"
+    md.write_text("# Benchmarks\n\nearlier text\n")
     report.update_results_md(md, "first run\n")
     report.update_results_md(md, "second run\n")
     text = md.read_text()
     assert text.count(report.BEGIN) == 1 and "second run" in text and "first run" not in text
-    assert text.startswith("# Benchmark results\n\nearlier text\n")
+    assert text.startswith("# Benchmarks\n\nearlier text\n")
     md.write_text(text + "\n## Later section\n")
     report.update_results_md(md, "third run\n")
     assert md.read_text().endswith("## Later section\n") and "third run" in md.read_text()
+
+
+def test_the_reports_suite_section_is_the_report_command_on_the_files_it_lists(monkeypatch):
+    """`python -m bench report` writes docs/benchmarks.md by default, and that report's suite section is exactly what
+    the command makes of the run files it lists (all in the repository, in order), so it was not edited by hand and
+    cites no file that is gone."""
+    from bench.__main__ import REPORT, _parser
+
+    assert Path(_parser().parse_args(["report", "x.json"]).results) == REPORT == ROOT / "docs" / "benchmarks.md"
+    monkeypatch.chdir(ROOT)  # the section names its files from the repository's root
+    files, command = report.section_sources(REPORT)
+    assert files and all(Path(f).is_file() for f in files)
+    text = REPORT.read_text()
+    section = text[text.index(report.BEGIN) + len(report.BEGIN):text.index(report.END)].strip()
+    assert section == report.render(results.load(files), command, "suite.png").strip()
+    assert (REPORT.parent / "suite.png").is_file()
 
 
 def test_load_merges_runs_later_cases_win(tmp_path):
@@ -302,7 +327,7 @@ def test_report_append_merges_new_runs_after_the_ones_the_section_lists(tmp_path
     third["cases"] = [_ok("split/b25/skewed/p128x1", 80.0, frac=0.7)]
     for name, doc in (("a.json", first), ("b.json", second), ("c.json", third)):
         (tmp_path / name).write_text(json.dumps(doc))
-    md = tmp_path / "RESULTS.md"
+    md = tmp_path / "benchmarks.md"
     assert bench_main(["report", "a.json", "b.json", "--results", str(md), "--command", "run one"]) == 0
     assert report.section_sources(md) == (["a.json", "b.json"], "run one")
     assert bench_main(["report", "--append", "c.json", "--results", str(md), "--command", "run three"]) == 0
@@ -323,7 +348,7 @@ def test_runs_past_the_26th_get_two_letter_labels():
 
 
 def test_the_roofline_targets_list_every_depth_measured_and_need_all_of_them(tmp_path):
-    """A run on the 24-layer cut (issue 4's depth where the whole model does not fit) joins the 12-layer figure in
+    """A run on the 24-layer cut (the bench model's depth where the whole model does not fit) joins the 12-layer figure in
     the roofline rows; one depth below 0.8 makes the row a miss."""
     deep = {**_doc(), "cases": [_ok("split/b25/uniform/p128x1", 20.0, frac=0.91),
                                 _ok("split/b25/skewed/p128x1", 30.0, frac=0.52)]}

@@ -109,7 +109,7 @@ def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
     """Every Triton kernel of strata, as its wrapper launches it on the GPU (PDL on), compiles for sm_90 here: a
     decode step's (`--model`: the probe's sweep), and prefill's rope and top-k and copy-ahead's copy. The CPU
     tests run the kernels only through Triton's interpreter, which compiles nothing: this catches what only the
-    compiler rejects, on sessions without a GPU."""
+    compiler rejects, on machines without a GPU."""
     from strata.kernels import copy_ahead, fused
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))

@@ -97,7 +97,7 @@ def quick_suite(tokens: int = 64) -> list[Case]:
 
 
 def full_suite(tokens: int = 128) -> list[Case]:
-    """Everything issue 7 lists; split it over several calls with --cases."""
+    """Every case; split it over several runs with --cases."""
     grid = [Workload(128, s, tokens) for s in (1, 4, 8)] + [Workload(8192, 1, tokens)]
     one = Workload(128, 1, tokens)
     out: list[Case] = []
@@ -109,7 +109,7 @@ def full_suite(tokens: int = 128) -> list[Case]:
                 for v in ("no-prefetch", "copy-only", "cpu-only", "static")]
         out += [Case("disk", r, 0.25, one, ram_fraction=0.5, group="ablation")]
         out += [Case("split", r, 0.40, one, group="target"), Case("static", r, 0.40, one, group="target")]
-        out += [Case("repro", r, 0.25, one, group="ablation")]  # issue 4: the reproducible mode's penalty
+        out += [Case("repro", r, 0.25, one, group="ablation")]  # the reproducible mode's penalty
     out += [Case("serve", "uniform", 0.25, one, group="serve")]
     return out
 

@@ -1,5 +1,5 @@
-"""RESULTS.md's suite section, generated from a result document: every case, the baselines as ratios
-from the same run, and the issue's targets next to the measured figures."""
+"""The benchmark report's suite section (docs/benchmarks.md), generated from a result document: every case,
+the baselines as ratios from the same run, and the targets next to the measured figures."""
 
 from __future__ import annotations
 
@@ -138,7 +138,7 @@ def baseline_table(doc: dict) -> str:
 
 
 def targets(doc: dict) -> list[dict]:
-    """The issue's targets with what this run measured: {target, measured, status}."""
+    """The targets with what this run measured: {target, measured, status}."""
     cases = _cases(doc)
     layers = {r: (doc.get("models", {}).get(r) or {}).get("layers") for r in ("uniform", "skewed")}
     out = []
@@ -157,8 +157,9 @@ def targets(doc: dict) -> list[dict]:
             "not measured" if scaled is None else "not measured at 48 layers (the bound from 12 is below)")
 
     for routing in ("uniform", "skewed"):
-        # the reference depth's case, then any deeper checkpoint's (issue 4 names the 24-layer cut of the bench model
-        # where the whole one does not fit): every depth measured is listed, and the target is met only if all meet it
+        # the reference depth's case, then any deeper checkpoint's (the 24-layer cut of the bench model, where the
+        # whole one does not fit the machine's RAM): every depth measured is listed, and the target is met only if all
+        # meet it
         found = []
         for name in [f"split/b25/{routing}/{REF}"] + sorted(
                 (n for n in cases if n.startswith(f"split/b25/{routing}/{REF}@")), key=case_depth):
@@ -215,7 +216,7 @@ def render(doc: dict, command: str | None = None, plot: str | None = None) -> st
     m, rates = doc["machine"], doc["rates"]
     runs = _runs(doc)
     when = f"{len(runs)} runs, {runs[0]['started']} to {runs[-1]['started']}" if runs else doc.get("started", "")
-    lines = [f"## Benchmark suite (issue 7) — {when}", ""]
+    lines = [f"## Benchmark suite — {when}", ""]
     if runs:
         lines += ["Merged from these runs (a case measured in several comes from the latest; a ratio comes from the "
                   "latest run that measured both sides, else it says `across runs`):", ""]
@@ -232,7 +233,7 @@ def render(doc: dict, command: str | None = None, plot: str | None = None) -> st
               f"strata {m.get('strata')} at {str(m.get('git_commit'))[:10]}{' (dirty tree)' if m.get('git_dirty') else ''}.", ""]
     src = rates.get("source", {})
     lines += ["Roofline rates: " + ", ".join(
-        f"{k} {rates[k] / 1e9:,.1f} GB/s ({src.get(k, '?')})" for k in ("pcie", "cpu", "hbm", "disk")) +
+        f"{k} {rates[k] / 1e9:,.1f} GB/s ({_source(src.get(k))})" for k in ("pcie", "cpu", "hbm", "disk")) +
         (f"; host RAM read {rates['extra']['ram_read_GBps']} GB/s (measured, not used)" if rates.get("extra", {}).get("ram_read_GBps") else "") + ".", ""]
     for depth, models in [(None, doc.get("models", {})), *sorted((doc.get("models_at") or {}).items())]:
         for routing, info in models.items():
@@ -273,8 +274,14 @@ def render(doc: dict, command: str | None = None, plot: str | None = None) -> st
     return "\n".join(lines) + "\n"
 
 
+def _source(source: str | None) -> str:
+    """Where a roofline rate came from: "measured" in the run, else the machine's reference figure
+    (`roofline.LIMITS`, recorded as the name of the sheet it was copied from)."""
+    return "measured" if source == "measured" else "reference" if source else "?"
+
+
 def update_results_md(path: str | Path, section: str) -> None:
-    """Replace the text between the suite markers in RESULTS.md (append the markers when absent)."""
+    """Replace the text between the suite markers of the report at `path` (append the markers when absent)."""
     path = Path(path)
     text = path.read_text() if path.exists() else "# Benchmark results\n"
     block = f"{BEGIN}\n{section.rstrip()}\n{END}"
@@ -290,7 +297,7 @@ _COMMAND_LINE = re.compile(r"^Command: `(.*)` \(raw JSON", re.M)
 
 
 def section_sources(path: str | Path) -> tuple[list[str], str | None]:
-    """The run files (in order) and the quoted command that the suite section of RESULTS.md `path` was generated
+    """The run files (in order) and the quoted command that the suite section of the report `path` was generated
     from: what `python -m bench report --append NEW.json` merges the new runs after. ([], None) without a section;
     a section made from a single run lists no file (its run is not named), which the caller must refuse."""
     text = Path(path).read_text() if Path(path).exists() else ""

@@ -7,7 +7,7 @@ Time for a run of decode steps is at least the largest of
   use: PCIe copies from pinned RAM, CPU compute from RAM; both at once for strata's split);
 - disk time: the bytes of experts read from disk / disk bandwidth.
 The roofline tok/s is the tokens of the run over that time; strata's fraction is measured / roofline.
-This is issue 4's "time per token >= max(GPU time, cold bytes / (PCIe + CPU rates))", per step.
+This is "time per token >= max(GPU time, cold bytes / (PCIe + CPU rates))", per step.
 """
 
 from __future__ import annotations
@@ -16,13 +16,14 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 
-# ../shared/LIMITS.md, the H200 box (bytes per second)
+# the H200 machine's reference rates, bytes per second (recorded with the source "LIMITS.md", the machine's limits
+# sheet they were copied from)
 LIMITS = {"pcie": 55e9, "cpu": 70e9, "hbm": 4.3e12, "disk": 1.2e9}
 
 
 @dataclass
 class Rates:
-    """Bandwidths in bytes/s; `source` says which were measured in this run and which came from LIMITS.md."""
+    """Bandwidths in bytes/s; `source` says which were measured in this run and which are the reference rates."""
 
     pcie: float = LIMITS["pcie"]
     cpu: float = LIMITS["cpu"]
@@ -95,7 +96,7 @@ def fraction(measured_tok_s: float | None, bound: dict | None) -> float | None:
 
 def measure_rates(device: str, reps: int = 5) -> Rates:
     """PCIe (pinned host -> GPU, 256 MiB) and HBM (device copy, 1 GiB; read + write bytes) measured now;
-    CPU expert and disk rates from LIMITS.md; host RAM read bandwidth measured for reference."""
+    CPU expert and disk rates the reference ones; host RAM read bandwidth measured for reference."""
     import torch
 
     rates = Rates()

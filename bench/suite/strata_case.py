@@ -79,8 +79,8 @@ def wait_placed(engine, timeout: float) -> float:
         last = state
         time.sleep(0.1)
     # then the background work itself (fills, pool registration, copies in flight), so that a group's first case
-    # does not run beside it (the tenth session's skewed split, first on its engine, saw the CPU kernel at a
-    # third of its later rate with placement reported done at once; whether this was the cause is not known)
+    # does not run beside it (a skewed split case run first on its engine once saw the CPU kernel at a third of
+    # its later rate with placement reported done at once; whether this was the cause is not known)
     settle = getattr(engine.tiers, "wait_settled", None)
     if settle is not None:
         settle(max(0.0, timeout - (time.perf_counter() - t0)))
@@ -367,7 +367,7 @@ def warmup_for(w: Workload, warmed: set[tuple[int, int]]) -> Workload | None:
     tokens. Several: all of `w`'s tokens, because their prompts prefill in chunks, so the streams start and finish
     decoding steps apart, and the timed run's last steps decode fewer streams than it has; a short warm-up left those
     batch sizes' graphs to be captured inside the timed decode (on a fresh box with their kernels' JIT builds: the
-    25% uniform 4-stream case then ran at ~50 tok/s against ~200 in later runs, thirty-seventh session)."""
+    25% uniform 4-stream case then ran at ~50 tok/s against ~200 in later runs)."""
     key = (w.prompt, w.streams)
     if key in warmed:
         return None
