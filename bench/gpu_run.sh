@@ -35,6 +35,7 @@
 #   TESTS      test files for `tests` instead of all of tests/
 set -uo pipefail
 
+[ -f bench/gpu_run.sh ] || { echo "bench/gpu_run.sh: run it from the repository root" >&2; exit 2; }
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"
 SCRATCH=/dev/shm/strata-gpu-run  # the steps' own models and stores (the suite's live under /dev/shm/strata-suite)
