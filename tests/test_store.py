@@ -14,6 +14,7 @@ from pathlib import Path
 import msgpack
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from reference_models import build_reference
 from strata.errors import CheckpointError, ConfigError, StrataError
@@ -197,6 +198,8 @@ def test_stale_store(tiny_model_dir, tmp_path):
     cfg = json.loads((src / "config.json").read_text())
     cfg["rms_norm_eps"] = 1e-5
     (src / "config.json").write_text(json.dumps(cfg))
+    ExpertStore.open(store_dir, src)  # the fingerprint is the weights': the store's config.json follows the source
+    save_file({"extra.weight": torch.ones(2)}, src / "extra.safetensors")  # other weights: another store
     with pytest.raises(StaleStoreError, match="stale store.*strata convert"):
         ExpertStore.open(store_dir, src)
     with pytest.raises(StaleStoreError, match="different checkpoint"):

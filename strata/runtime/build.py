@@ -15,23 +15,21 @@ from pathlib import Path
 
 import torch
 
-from strata.config import DiskTierConfig, StrataConfig
+from strata.config import StrataConfig
 from strata.errors import StrataError
 from strata.runtime.checkpoint import Checkpoint
-from strata.runtime.convert import convert_checkpoint
 from strata.runtime.engram_store import attach_row_store, drop_tables
 from strata.runtime.expert_compute import ExpertCompute
 from strata.runtime.graphs import MAX_GRAPH_BATCH, current_recorder
-from strata.runtime.host import probe_host
 from strata.runtime.loader import load_model
 from strata.runtime.model import MoETransformer
 from strata.runtime.moe import router_predictors
-from strata.runtime.planner import Plan, plan
+from strata.runtime.planner import Plan, plan_for
+from strata.runtime.store_cache import ensure_store
 from strata.runtime.tiered_moe import use_tiered_experts
 from strata.tiers.manager import TierBudgets, TierManager
 from strata.tiers.prefetch import LookaheadPrefetcher
 from strata.tiers.store import ExpertStore
-from strata.tiers.store_format import checkpoint_fingerprint, is_store
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -65,26 +63,6 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def store_root(cfg: StrataConfig) -> Path:
-    """Where stores built on first use live: `tiers.disk.path`/stores ($STRATA_CACHE replaces the default path)."""
-    path = cfg.tiers.disk.path
-    if path == DiskTierConfig().path and os.environ.get("STRATA_CACHE"):
-        path = os.environ["STRATA_CACHE"]
-    return Path(os.path.expandvars(os.path.expanduser(path))) / "stores"
-
-
-def ensure_store(path: Path, cfg: StrataConfig, progress: bool) -> Path:
-    """The store for `path`: `path` itself when it is a store, else built on first use in the cache."""
-    if is_store(path):
-        return path
-    fingerprint = checkpoint_fingerprint(path)
-    store_dir = store_root(cfg) / f"{path.name}-{fingerprint[:12]}"
-    if not is_store(store_dir):
-        convert_checkpoint(path, store_dir, progress=progress)
-    ExpertStore.open(store_dir, checkpoint_dir=path).close()  # a stale store is an error, not silent garbage
-    return store_dir
-
-
 def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> LoadedModel:
     """Load `path` (a checkpoint or a store) as `cfg` says."""
     if len(cfg.runtime.devices) > 1:  # one model over several GPUs: stages of layers, one per card
@@ -102,10 +80,9 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
             model.enable_decode_graphs(lambda: "full" if cfg.runtime.cuda_graphs else None)
         return LoadedModel(checkpoint, model, device, dtype, max_context)
 
-    source = None if is_store(path) else path
+    the_plan = plan_for(path, cfg)  # refuses before a store is built or anything is loaded
+    host = the_plan.host
     store_dir = ensure_store(path, cfg, progress)
-    host = probe_host(cfg.tiers.tmpfs.path, cfg.tiers.disk.path)
-    the_plan = plan(source or store_dir, host, cfg, store_dir=store_dir)  # refuses before anything is loaded
     device = resolve_device(the_plan.compute_device)
     dtype = _DTYPES[the_plan.compute_dtype]
     checkpoint = Checkpoint.open(store_dir)

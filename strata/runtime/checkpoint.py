@@ -9,16 +9,17 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from strata.errors import CheckpointError
 from strata.runtime.model_config import ModelConfig
-from strata.safetensors_index import DTYPES, TensorIndex
+from strata.safetensors_index import DTYPES, TensorIndex, read_tensor
+from strata.tiers.dense_check import DenseCheck
 from strata.tiers.store import ExpertStore
-from strata.tiers.store_format import is_store
+from strata.tiers.store_format import is_store, lacks_index, no_index_error
 
 # Mixtral's original names for gate / up / down
 _MIXTRAL_PROJ = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
@@ -48,6 +49,7 @@ class Checkpoint:
     expert_layout: str  # "per-expert" | "fused" | "store"
     eos_token_ids: list[int]
     store: ExpertStore | None = None  # set when the directory is a strata expert store
+    dense_check: DenseCheck | None = field(default=None, repr=False)  # a store's dense tensors, checked as read
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> Checkpoint:
@@ -55,6 +57,8 @@ class Checkpoint:
         directory = Path(path).expanduser()
         if not directory.is_dir():
             raise CheckpointError(f"{directory}: no such checkpoint directory")
+        if lacks_index(directory):  # a store's files without its index: not a checkpoint either
+            raise no_index_error(directory)
         if not (directory / "config.json").exists():
             raise CheckpointError(
                 f"{directory}: no config.json; point strata at a Hugging Face checkpoint directory"
@@ -71,7 +75,9 @@ class Checkpoint:
                 if e is not None and int(e) not in eos:
                     eos.append(int(e))
         if is_store(directory):  # dense tensors in dense.safetensors, experts in aligned blobs
-            return cls(directory, hf_config, config, index, "store", eos, ExpertStore.open(directory))
+            store = ExpertStore.open(directory)
+            _check_store_layout(directory, store, config)
+            return cls(directory, hf_config, config, index, "store", eos, store)
         layout = _detect_layout(index, config)
         return cls(directory, hf_config, config, index, layout, eos)
 
@@ -86,14 +92,27 @@ class Checkpoint:
         return DTYPES[max(counts, key=counts.get)][0]
 
     def tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-        """Read one non-expert tensor by its transformers name, checking its shape."""
+        """Read one non-expert tensor by its transformers name, checking its shape (and, from a store, its
+        checksum: a damaged tensor is a `CheckpointError` naming it)."""
         info = self.index[self._resolve(name)]
         if info.shape != tuple(shape):
             raise CheckpointError(
                 f"{info.file}: tensor {info.name!r} has shape {list(info.shape)}, expected {list(shape)} "
                 "from config.json; the checkpoint and its config disagree"
             )
-        return self.index.load(info.name, dtype, device)
+        if self.store is None:
+            return self.index.load(info.name, dtype, device)
+        if self.dense_check is None:
+            self.dense_check = DenseCheck(self.store.directory, self.store.index)
+        raw = read_tensor(info)  # as stored: checked before it is converted or moved
+        self.dense_check.check(info.name, raw)
+        return raw.to(dtype).to(device)
+
+    def finish_loading(self) -> None:
+        """Called once a model's dense tensors are loaded: from a store, checks those it did not load (once)
+        and records the file as verified, so a restart that finds it unchanged skips the checksums."""
+        if self.dense_check is not None:
+            self.dense_check.finish()
 
     def has(self, name: str) -> bool:
         return self._resolve(name, missing_ok=True) is not None
@@ -144,6 +163,19 @@ class Checkpoint:
             f"{self.directory}: tensor {name!r} is missing from the checkpoint; the checkpoint is incomplete "
             "or does not match its config.json"
         )
+
+
+def _check_store_layout(directory: Path, store: ExpertStore, cfg: ModelConfig) -> None:
+    """The store's experts are laid out as its config.json says (the copy follows the checkpoint's)."""
+    idx = store.index
+    moe = [layer for layer, is_moe in enumerate(cfg.moe_layers) if is_moe]
+    have = (idx.moe_layers, idx.num_experts, idx.hidden, idx.moe_intermediate)
+    if have != (moe, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size):
+        raise CheckpointError(
+            f"{directory / 'config.json'}: MoE layers {moe}, {cfg.num_experts} experts of hidden {cfg.hidden_size} x "
+            f"{cfg.moe_intermediate_size}, but the store holds MoE layers {idx.moe_layers}, {idx.num_experts} "
+            f"experts of {idx.hidden} x {idx.moe_intermediate}; config.json does not describe these weights: "
+            "restore it, or convert the checkpoint it belongs to")
 
 
 def _detect_layout(index: TensorIndex, cfg: ModelConfig) -> str:

@@ -27,45 +27,62 @@ from strata.runtime.store_writer import Piece, StoreWriter
 from strata.safetensors_index import DTYPES, TensorInfo
 from strata.tiers.store import ExpertStore, StaleStoreError
 from strata.tiers.store_format import (
+    COPIED_FILES,
+    DENSE_NAME,
     EXPERT_DTYPES,
+    EXPERTS_DIR,
+    INDEX_NAME,
+    TABLES_DIR,
     StoreIndex,
     align_up,
     checkpoint_fingerprint,
+    earlier_fingerprint,
     is_store,
+    lacks_index,
     read_index,
 )
+from strata.tiers.verify_record import RECORD_NAME
 
 # routed-expert tensors (per-expert or fused); shared experts (`mlp.shared_experts.`) are dense
 _ROUTED = re.compile(r"\.(mlp|block_sparse_moe)\.experts\.")
-
+# what a store directory holds (a directory of only these, without its index, is replaced by a convert)
+_STORE_NAMES = {INDEX_NAME, DENSE_NAME, EXPERTS_DIR, TABLES_DIR, RECORD_NAME, *COPIED_FILES}
 
 
 # --- convert --------------------------------------------------------------------------------------
 
 
-def convert_checkpoint(checkpoint_dir: str | os.PathLike, store_dir: str | os.PathLike, *, progress: bool = True) -> Path:
+def convert_checkpoint(checkpoint_dir: str | os.PathLike, store_dir: str | os.PathLike, *, progress: bool = True,
+                       fingerprint: str | None = None) -> Path:
     """Convert a checkpoint into a store at `store_dir` (atomically) and return the store directory.
 
-    If `store_dir` already holds the store of this very checkpoint it is returned untouched; a
-    non-empty directory that is anything else is refused.
+    If `store_dir` already holds the store of these very weights it is kept, its copies of config.json,
+    the tokenizer and the other small files brought up to date with the checkpoint; a store left without
+    its index is replaced; any other non-empty directory is refused. `fingerprint`: the weights'
+    fingerprint the caller keyed `store_dir` by; the checkpoint must still have it.
     """
-    return _convert(checkpoint_dir, store_dir, progress)[0]
+    return _convert(checkpoint_dir, store_dir, progress, fingerprint)[0]
 
 
-def _convert(checkpoint_dir: str | os.PathLike, store_dir: str | os.PathLike, progress: bool) -> tuple[Path, bool]:
+def _convert(checkpoint_dir: str | os.PathLike, store_dir: str | os.PathLike, progress: bool,
+             expected: str | None = None) -> tuple[Path, bool]:
     """convert_checkpoint; also says whether anything was written."""
     src = Path(checkpoint_dir).expanduser()
     if is_store(src):
         raise ConfigError(f"{src} is already a strata store; convert the original Hugging Face checkpoint")
     ckpt = Checkpoint.open(src)
     fingerprint = checkpoint_fingerprint(src)
+    if expected is not None and fingerprint != expected:
+        raise _changed(src)
     out = Path(store_dir).expanduser().absolute()
-    if _existing_store(out, src, fingerprint):
+    state = _existing_store(out, src, fingerprint)
+    if state == "same":
         return out, False
     meta, dense, layers = _plan(ckpt, fingerprint)  # every shape/dtype checked before anything is written
     num_blobs = len(meta["moe_layers"]) * meta["num_experts"]
-    total = sum(t.nbytes for t in dense) + num_blobs * meta["payload_bytes"]
-    need = sum(t.nbytes for t in dense) + num_blobs * meta["slot_bytes"]
+    table_bytes = sum(t.nbytes for t in ckpt.index if is_table_tensor(t.name))
+    total = sum(t.nbytes for t in dense) + num_blobs * meta["payload_bytes"] + table_bytes
+    need = sum(t.nbytes for t in dense) + num_blobs * meta["slot_bytes"] + table_bytes
     tmp = temp_sibling(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -88,15 +105,12 @@ def _convert(checkpoint_dir: str | os.PathLike, store_dir: str | os.PathLike, pr
                 for blob in writer.write_layer(layer, experts, meta["payload_bytes"]):
                     blobs[blob.key] = blob
             tables = write_tables(writer, ckpt)  # Engram tables as row-addressable objects
+            if checkpoint_fingerprint(src) != fingerprint:  # its weights were replaced while they were read
+                raise _changed(src)
             index = StoreIndex(**meta, blobs=blobs, tables=tables, dense=dense_entry, copied_files=copied)
             writer.write_index(index)  # last: only now is tmp a store
-            try:
-                os.rename(tmp, out)  # atomic; also replaces an empty directory
-            except OSError:
-                if is_store(out) and read_index(out).source_fingerprint == fingerprint:
-                    shutil.rmtree(tmp, ignore_errors=True)  # a concurrent convert finished the same store first
-                    return out, False
-                raise
+            if not _move_into_place(tmp, out, fingerprint, replace=state == "replace"):
+                return out, False  # a concurrent convert finished the same store first
             fsync_dir(out.parent)
         except OSError as e:
             if e.errno == errno.ENOSPC:
@@ -110,6 +124,31 @@ def _convert(checkpoint_dir: str | os.PathLike, store_dir: str | os.PathLike, pr
         writer.close()
         bar.close()
     return out, True
+
+
+def _changed(src: Path) -> CheckpointError:
+    return CheckpointError(f"{src}: the checkpoint's safetensors files changed while they were read; wait until "
+                           "they are complete, then load or convert it again")
+
+
+def _move_into_place(tmp: Path, out: Path, fingerprint: str, replace: bool) -> bool:
+    """Rename the finished store `tmp` to `out` (atomic; a directory that `lacks_index` is moved aside
+    first and deleted after). False when a concurrent convert put the same store there first."""
+    aside = None
+    if replace:
+        aside = temp_sibling(out)  # our pid in its name: removed as stale should we die before the rmtree
+        os.rename(out, aside)
+    try:
+        os.rename(tmp, out)  # atomic; also replaces an empty directory
+    except OSError:
+        if is_store(out) and read_index(out).source_fingerprint == fingerprint:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return False
+        raise
+    finally:
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+    return True
 
 
 def _plan(ckpt: Checkpoint, fingerprint: str) -> tuple[dict, list[TensorInfo], list[tuple[int, list[list[Piece]]]]]:
@@ -171,23 +210,46 @@ def _checked_infos(ckpt: Checkpoint, layer: int, e: int, dtype: str, shapes: lis
     return infos
 
 
-def _existing_store(out: Path, src: Path, fingerprint: str) -> bool:
-    """True if `out` is this checkpoint's store; False if absent or empty; otherwise an error."""
+def _existing_store(out: Path, src: Path, fingerprint: str) -> str:
+    """What `out` holds: "absent" (or empty), "same" (this checkpoint's store; its small files are brought up
+    to date), or "replace" (a store's files without the index: an interrupted or damaged store); otherwise
+    an error."""
     if not out.exists():
-        return False
+        return "absent"
     if not out.is_dir():
         raise ConfigError(f"{out} exists and is not a directory; choose another store directory")
     if not any(out.iterdir()):
-        return False
+        return "absent"
+    if lacks_index(out) and all(p.name in _STORE_NAMES or p.name.startswith(".") for p in out.iterdir()):
+        return "replace"
     if not is_store(out):
         raise ConfigError(f"{out} is not empty and is not a strata store; choose an empty or new directory")
-    if read_index(out).source_fingerprint != fingerprint:
-        raise StaleStoreError(
-            f"{out} holds a store of a different checkpoint (or of an older {src}); delete it and re-run "
-            f"`strata convert {src} {out}`"
-        )
+    index, rekeyed = read_index(out), False
+    if index.source_fingerprint != fingerprint:
+        if index.source_fingerprint != earlier_fingerprint(src):
+            raise StaleStoreError(
+                f"{out} holds a store of a different checkpoint (or of an older {src}); delete it and re-run "
+                f"`strata convert {src} {out}`"
+            )
+        index.source_fingerprint, rekeyed = fingerprint, True  # converted by an earlier strata: same weights
     ExpertStore.open(out).close()  # the same store: check its files are all there (sizes only, cheap)
-    return True
+    if not StoreWriter(out).refresh_copies(src, index) and rekeyed:
+        StoreWriter(out).write_index(index)
+    return "same"
+
+
+def adopt_earlier_store(src: Path, out: Path, root: Path) -> None:
+    """Rename the store an earlier strata built on first use for `src` (keyed then by config.json too) to
+    `out`, its name now: the same weights are not converted again. Its index is rewritten when `out` is
+    next converted into (`_existing_store`)."""
+    if out.exists():
+        return
+    earlier = root / f"{src.name}-{earlier_fingerprint(src)[:12]}"
+    if earlier != out and is_store(earlier) and read_index(earlier).source_fingerprint == earlier_fingerprint(src):
+        try:
+            os.rename(earlier, out)
+        except OSError:
+            pass  # another process took it over first (or the rename cannot be done): convert as usual
 
 
 # --- CLI bodies -----------------------------------------------------------------------------------

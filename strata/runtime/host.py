@@ -1,7 +1,8 @@
 """What this host offers the tiers: GPUs and their free VRAM, RAM, tmpfs and disk space.
 
-`probe_host` never fails: a CPU-only host has no GPUs, a missing tmpfs has 0 bytes free, and a path
-that does not exist yet is measured on its nearest existing parent (where it would be created).
+`probe_host` never fails: a CPU-only host has no GPUs, a missing tmpfs has 0 bytes free (and
+`tmpfs_problem` says why), and a path that does not exist yet is measured on its nearest existing parent
+(where it would be created).
 The planner takes a `HostInfo`, so tests and `strata plan --gpu-mem/--ram` can describe another host.
 """
 
@@ -38,6 +39,7 @@ class HostInfo:
     ram_available: int = 0
     tmpfs_path: str = ""
     tmpfs_free: int = 0
+    tmpfs_problem: str = ""  # why tmpfs_path gives no tmpfs tier ("" when it does), e.g. "... is not a tmpfs mount"
     disk_path: str = ""
     disk_free: int = 0
     cpu_count: int = 1
@@ -63,6 +65,7 @@ def probe_host(tmpfs_path: str, disk_path: str) -> HostInfo:
         ram_available=int(vm.available),
         tmpfs_path=str(tmpfs),
         tmpfs_free=_free_bytes(tmpfs, require_ram_fs=True),
+        tmpfs_problem=tmpfs_problem(tmpfs),
         disk_path=str(disk),
         disk_free=_free_bytes(disk),
         cpu_count=os.cpu_count() or 1,
@@ -93,6 +96,18 @@ def nearest_existing(path: Path) -> Path:
     while not path.exists() and path != path.parent:
         path = path.parent
     return path
+
+
+def tmpfs_problem(path: Path) -> str:
+    """Why `path` cannot hold the tmpfs tier, or "": it must be on a RAM filesystem, or not exist yet with
+    its nearest existing parent on one (it is created there on first use)."""
+    where = nearest_existing(path)
+    fstype = _fs_type(where)
+    if fstype in _RAM_FILESYSTEMS:
+        return ""
+    if where != path:
+        return f"tiers.tmpfs.path {path} does not exist"
+    return f"tiers.tmpfs.path {path} is not a tmpfs mount" + (f" (it is on {fstype})" if fstype else "")
 
 
 def _free_bytes(path: Path, require_ram_fs: bool = False) -> int:

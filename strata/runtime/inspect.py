@@ -24,6 +24,7 @@ from pathlib import Path
 from strata.errors import CheckpointError
 from strata.runtime.model_config import SUPPORTED_ARCHITECTURES
 from strata.safetensors_index import TensorIndex
+from strata.tiers.store_format import lacks_index, no_index_error
 
 ROLES = ("attention", "dense_mlp", "experts", "shared_experts", "router", "embeddings", "norms", "engram_tables",
          "engram", "mtp", "other")
@@ -195,6 +196,8 @@ def _tally(index: TensorIndex, num_layers: int | None) -> _Tally:
 def summarize_checkpoint(path: str | Path) -> CheckpointSummary:
     """Summarise the checkpoint directory `path` from config.json and safetensors headers only."""
     path = Path(path)
+    if lacks_index(path):  # a store's files without its index: neither a store nor a checkpoint
+        raise no_index_error(path)
     cfg = _read_config(path)
     # multimodal configs keep the language model's numbers under text_config
     text = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg

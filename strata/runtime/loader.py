@@ -59,6 +59,7 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device | str,
             continue  # tied below
         state[name] = ckpt.tensor(checkpoint_name(name), tuple(meta.shape), want, device)
     bar.close()
+    ckpt.finish_loading()  # a store's dense tensors: all checked once, then recorded as verified
     if cfg.tie_word_embeddings and "lm_head.weight" not in state:
         state["lm_head.weight"] = state["embed_tokens.weight"]
     model.load_state_dict(state, strict=True, assign=True)

@@ -41,12 +41,11 @@ from strata.runtime.loader import load_model
 from strata.runtime.model import MoETransformer
 from strata.runtime.moe import MoEBlock, router_predictors
 from strata.runtime.placement import layer_sizes, place_stages, select_devices
-from strata.runtime.planner import plan
+from strata.runtime.planner import plan_for
 from strata.runtime.stages import Bounds, stage_model
 from strata.runtime.tiered_moe import TieredExperts
 from strata.tiers.prefetch import LookaheadPrefetcher
 from strata.tiers.slots import TierBudgets
-from strata.tiers.store_format import is_store
 
 
 class StagedCompute:
@@ -114,10 +113,9 @@ def build_multi_device(path: Path, cfg: StrataConfig, progress: bool = False) ->
             model.enable_decode_graphs(lambda: "full" if cfg.runtime.cuda_graphs else None, devices=[d for d, _, _ in bounds])
         return LoadedModel(checkpoint, model, bounds[0][0], dtype, max_context)
 
-    source = None if is_store(path) else path
+    the_plan = plan_for(path, cfg)  # refuses before a store is built or anything is loaded
+    host = the_plan.host
     store_dir = ensure_store(path, cfg, progress)
-    host = probe_host(cfg.tiers.tmpfs.path, cfg.tiers.disk.path)
-    the_plan = plan(source or store_dir, host, cfg, store_dir=store_dir)  # refuses before anything is loaded
     checkpoint = Checkpoint.open(store_dir)
     bounds = [(resolve_device(g.device), g.layers[0], g.layers[1]) for g in the_plan.gpus]
     loaded = assemble_tiered(checkpoint, bounds, [g.slots for g in the_plan.gpus], TierBudgets(**the_plan.budgets()),

@@ -32,6 +32,7 @@ from strata.runtime.host import GpuInfo, HostInfo, probe_host
 from strata.runtime.inspect import format_bytes
 from strata.runtime.kv_cache import KVCache
 from strata.runtime.prefill_chunk import resolve_prefill_chunk
+from strata.runtime.store_cache import store_dir_for
 from strata.tiers import store_format
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -103,6 +104,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     engram: EngramPlan | None = None  # models with Engram tables: their tier and what they take
     prefill_chunk: int = 512  # prompt tokens a prefill pass takes (runtime.prefill_chunk, "auto" resolved)
+    store_dir: str = ""  # where the store is, or will be built ("" when not given)
 
     @property
     def total_experts(self) -> int:
@@ -149,7 +151,8 @@ class Plan:
         for t in self.tiers:
             lines.append(f"  {t.name:<12} {t.slots:>8} {f(t.bytes):>12} {f(t.budget_bytes):>12} {100 * t.fraction:>7.1f}%"
                          + (f"  {t.path}" if t.path else ""))
-        state = "exists" if self.store_exists else f"built on first use ({f(self.host.disk_free)} free there)"
+        at = f" at {self.store_dir}" if self.store_dir else ""
+        state = f"existing{at}" if self.store_exists else f"built on first use{at} ({f(self.host.disk_free)} free there)"
         lines.append(f"  store        {f(self.store_bytes)}, {state}")
         lines.append(f"  RAM          {f(self.host.ram_available)} available of {f(self.host.ram_total)}, "
                      f"{f(self.ram_margin_bytes)} kept free")
@@ -189,6 +192,10 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
 
     margin = max(RAM_MARGIN_MIN, int(RAM_MARGIN_FRACTION * host.ram_total))
     ram_other = 0 if gpu is not None else non_expert + kv + reserve
+    if host.tmpfs_problem and cfg.tiers.tmpfs.budget_bytes:
+        raise PlanError(f"{host.tmpfs_problem}; use a tmpfs path such as /dev/shm or set tiers.tmpfs.budget = 0")
+    if host.tmpfs_problem and fp.engram_table_bytes and cfg.engram.tier == "tmpfs":
+        raise PlanError(f'{host.tmpfs_problem}; use a tmpfs path such as /dev/shm or set engram.tier = "disk" (or "auto")')
     tmpfs_budget = min(cfg.tiers.tmpfs.budget_bytes, host.tmpfs_free)
     engram = None
     if fp.config.engram is not None and fp.engram_table_bytes:  # whole tables come before the expert tiers
@@ -270,9 +277,9 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
     store_exists = fp.source == "store" or (store_dir is not None and store_format.is_store(store_dir))
     if not store_exists and host.disk_free < fp.store_bytes:
         raise PlanError(
-            f"the expert store ({format_bytes(fp.store_bytes)}) is built in {host.disk_path} but that disk has "
-            f"{format_bytes(host.disk_free)} free; free {_gib_up(fp.store_bytes - host.disk_free)} there or set "
-            f"tiers.disk.path to a disk with {_gib_up(fp.store_bytes)} free")
+            f"the expert store ({format_bytes(fp.store_bytes)}) is built in {store_dir or host.disk_path} but that "
+            f"disk has {format_bytes(host.disk_free)} free; free {_gib_up(fp.store_bytes - host.disk_free)} there or "
+            f"set tiers.disk.path to a disk with {_gib_up(fp.store_bytes)} free")
 
     # uniform routing: an expert outside GPU and pinned is in a mirrored layer with odds tmpfs_layers / layers
     pinned_only = max(0, pinned_slots - gpu_slots)  # experts answered by pinned RAM and not by the GPU
@@ -297,7 +304,15 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
         engram=engram, prefill_chunk=resolve_prefill_chunk(cfg.runtime.prefill_chunk, fp.config,
                                                             torch.device("cuda" if gpu is not None else "cpu"),
                                                             cfg.planner.activation_reserve_bytes, context),
+        store_dir=str(store_dir) if store_dir is not None else fp.path if fp.source == "store" else "",
     )  # fmt: skip
+
+
+def plan_for(path: str | Path, cfg: StrataConfig) -> Plan:
+    """The plan loading `path` with `cfg` makes on this host (`Engine.from_pretrained`, `strata serve`'s
+    preflight): the disk's free space is measured where `path`'s store is, or will be built (`store_dir_for`)."""
+    store_dir = store_dir_for(path, cfg)
+    return plan(path, probe_host(cfg.tiers.tmpfs.path, str(store_dir)), cfg, store_dir=store_dir)
 
 
 @dataclass
@@ -388,11 +403,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
     mems = [parse_size(m, "--gpu-mem") for m in args.gpu_mem.split(",")] if args.gpu_mem is not None else []
     gpu_mem = mems[0] if len(mems) == 1 and len(cfg.runtime.devices) < 2 else None
     ram = parse_size(args.ram, "--ram") if args.ram is not None else None
-    host = probe_host(cfg.tiers.tmpfs.path, cfg.tiers.disk.path)
+    store_dir = store_dir_for(args.model, cfg)
+    host = probe_host(cfg.tiers.tmpfs.path, str(store_dir))
     if mems and gpu_mem is None:  # several cards simulated, one size each (or one size for all)
         from strata.runtime.placement import simulate_gpus
 
         host = simulate_gpus(host, cfg.runtime.devices, mems)
-    p = plan(args.model, host, cfg, gpu_mem=gpu_mem, ram=ram)
+    p = plan(args.model, host, cfg, gpu_mem=gpu_mem, ram=ram, store_dir=store_dir)
     print(json.dumps(p.to_dict(), indent=2) if args.json else p.format())
     return 0

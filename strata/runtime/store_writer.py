@@ -39,6 +39,14 @@ _COPY_CHUNK = 16 << 20  # dense tensors are copied through a buffer of this many
 
 Piece = tuple[Path, int, int]  # (source file, absolute offset, bytes): part of one expert's payload
 
+def _holds(path: Path, data: bytes) -> bool:
+    """Whether `path` is a file with exactly `data`."""
+    try:
+        return path.stat().st_size == len(data) and path.read_bytes() == data
+    except OSError:
+        return False
+
+
 class StoreWriter:
     """Writes a store's files into `directory`: the temp dir of a convert, or an existing store (tables)."""
 
@@ -84,6 +92,37 @@ class StoreWriter:
                 (self.directory / name).write_bytes(data)
                 out[name] = checksum(data)
         return out
+
+    def refresh_copies(self, src_dir: Path, index: StoreIndex) -> list[str]:
+        """Make the store's copies of `COPIED_FILES` follow `src_dir`: a file added there or changed is
+        copied in, one removed there is removed here, and `index` (rewritten when anything changed) records
+        their checksums. Cheap: the files are small and read once; an unchanged file is not written.
+        Returns the names that changed."""
+        changed = []
+        for name in COPIED_FILES:
+            src, dst = src_dir / name, self.directory / name
+            try:
+                data = src.read_bytes() if src.is_file() else None
+                if data is None:
+                    if name not in index.copied_files and not dst.exists():
+                        continue
+                    dst.unlink(missing_ok=True)
+                    index.copied_files.pop(name, None)
+                else:
+                    digest = checksum(data)
+                    if index.copied_files.get(name) == digest and _holds(dst, data):
+                        continue
+                    tmp = dst.with_name(f".{name}.tmp-{os.getpid()}")
+                    tmp.write_bytes(data)
+                    os.replace(tmp, dst)  # a server reading the store sees the old file or the new one
+                    index.copied_files[name] = digest
+            except OSError as e:
+                raise CheckpointError(f"{e.filename or dst}: cannot bring the store's copy of {name} up to date with "
+                                      f"{src_dir} ({e.strerror or e}); make {self.directory} writable") from e
+            changed.append(name)
+        if changed:
+            self.write_index(index)
+        return changed
 
     def write_dense(self, tensors: list[TensorInfo]) -> DenseEntry:
         """Write `tensors` (raw bytes, any dtype) into dense.safetensors, a real safetensors file.
@@ -160,6 +199,7 @@ class StoreWriter:
                 view = byte_view(piece) if piece.numel() else memoryview(b"")
                 pwrite_all(fd, view, pos)
                 pos += len(view)
+                self._tick(len(view))
                 r, n = 0, piece.shape[0]
                 while r < n:  # chunk checksums are over rows_per_chunk rows, whatever the piece sizes
                     take = min(rows_per_chunk - in_chunk, n - r)

@@ -132,14 +132,9 @@ def preflight_plan(path: Path, cfg: StrataConfig) -> Plan | None:
     """The plan `Engine.from_pretrained` will make, from headers alone (None for in-memory experts)."""
     if cfg.runtime.experts == "memory":
         return None
-    from strata.runtime.build import store_root
-    from strata.runtime.host import probe_host
-    from strata.runtime.planner import plan
-    from strata.tiers.store_format import checkpoint_fingerprint, is_store
+    from strata.runtime.planner import plan_for
 
-    # where build_model keeps (or will build) this checkpoint's store: an existing one needs no disk room
-    store_dir = path if is_store(path) else store_root(cfg) / f"{path.name}-{checkpoint_fingerprint(path)[:12]}"
-    return plan(path, probe_host(cfg.tiers.tmpfs.path, cfg.tiers.disk.path), cfg, store_dir=store_dir)
+    return plan_for(path, cfg)  # the disk measured where the store is (or will be): an existing one needs no room
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

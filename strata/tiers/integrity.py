@@ -55,8 +55,7 @@ class IntegrityMixin:
                 self._verified.add(key)
             except StrataError:
                 with self._lock:
-                    self.stats_.checksum_failures += 1
-                    self.stats_.damaged.append(key)
+                    self.stats_.record_damage(key)
                 damaged.append(key)
             with self._lock:
                 remaining[0] -= 1

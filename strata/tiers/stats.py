@@ -63,9 +63,15 @@ class TierStats:
     evictions: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     promotions: int = 0  # `promote` requests handled, inline or on a worker (a full tier or a resident key: no move)
     promotion_host_seconds: float = 0.0  # the host time issuing them (on a worker: Python competing for the GIL)
-    checksum_failures: int = 0
-    damaged: list = field(default_factory=list)  # objects whose checksum failed (layer, expert)
+    checksum_failures: int = 0  # failed checksums, every read counted (a damaged object may be asked for again)
+    damaged: list = field(default_factory=list)  # objects whose checksum failed (layer, expert), each listed once
     expert_lookups: dict = field(default_factory=lambda: defaultdict(int))  # (layer, expert) -> lookups (heatmap)
+
+    def record_damage(self, key: tuple[int, int]) -> None:
+        """A read of `key` failed its checksum: counted in `checksum_failures`, listed in `damaged` once."""
+        self.checksum_failures += 1
+        if tuple(key) not in self.damaged:
+            self.damaged.append(tuple(key))
 
     def lookup_many(self, layer: int, tier: str, experts: list[int]) -> None:
         """One lookup of each of `experts` of `layer`, answered from `tier` with no wait."""

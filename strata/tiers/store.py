@@ -15,11 +15,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import xxhash
 from tqdm.auto import tqdm
 
 from strata.errors import CheckpointError
-from strata.safetensors_index import read_header
+from strata.tiers.dense_check import verify_dense
 from strata.tiers.store_format import (
     ALIGN,
     INDEX_NAME,
@@ -239,7 +238,8 @@ class ExpertStore:
 
     def verify(self, progress: bool = False) -> list[str]:
         """Check every object against its checksum; returns the names of damaged ones ([] when sound):
-        missing or mis-sized files, blobs, table chunks, dense.safetensors' header and tensors, copied files."""
+        missing or mis-sized files, blobs, table chunks, dense.safetensors' header and tensors, copied files.
+        The progress bar counts every byte of the index's objects once, read or skipped (a missing file)."""
         idx, damaged, missing = self.index, [], set()
         for rel, size in idx.file_sizes().items():
             path = self.directory / rel
@@ -253,22 +253,24 @@ class ExpertStore:
         bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="verify", disable=not progress)
         try:
             if idx.dense is not None and idx.dense.file not in missing:
-                damaged += self._verify_dense(bar)
+                damaged += verify_dense(self.directory, idx.dense, bar.update)
+            elif idx.dense is not None:
+                bar.update(idx.dense.size)
             buf = np.empty(idx.payload_bytes, dtype=np.uint8)
             for key in self.keys():
                 blob = idx.blobs[key]
-                if blob.file in missing:
-                    continue
-                got = pread_into(self._fd(blob.file), memoryview(buf), blob.offset)
-                if got != blob.length or checksum(buf) != blob.checksum:
-                    damaged.append(blob_label(blob))
+                if blob.file not in missing:
+                    got = pread_into(self._fd(blob.file), memoryview(buf), blob.offset)
+                    if got != blob.length or checksum(buf) != blob.checksum:
+                        damaged.append(blob_label(blob))
                 bar.update(blob.length)
             for t in idx.tables.values():
-                for k in range(t.num_chunks) if t.file not in missing else ():
-                    try:
-                        self._read_chunk(t, k)
-                    except CheckpointError:
-                        damaged.append(_chunk_label(t, k))
+                for k in range(t.num_chunks):
+                    if t.file not in missing:
+                        try:
+                            self._read_chunk(t, k)
+                        except CheckpointError:
+                            damaged.append(_chunk_label(t, k))
                     start, stop = t.chunk_rows(k)
                     bar.update((stop - start) * t.row_bytes)
         finally:
@@ -279,38 +281,6 @@ class ExpertStore:
                 damaged.append(f"{name}: missing")
             elif checksum(path.read_bytes()) != want:
                 damaged.append(f"{name}: checksum mismatch")
-        return damaged
-
-    def _verify_dense(self, bar: tqdm) -> list[str]:
-        dense = self.index.dense
-        path = self.directory / dense.file
-        with open(path, "rb") as f:
-            head = f.read(dense.data_start)
-        if checksum(head) != dense.header_checksum:
-            return [f"{dense.file}: header"]  # tensor offsets come from the header: nothing more to check
-        try:
-            tensors = read_header(path)
-        except CheckpointError as e:
-            return [f"{dense.file}: unreadable ({e})"]
-        damaged = []
-        buf = memoryview(bytearray(16 << 20))
-        for name, want in dense.tensor_checksums.items():
-            info = tensors.get(name)
-            if info is None:
-                damaged.append(f"{dense.file}: tensor {name!r} missing")
-                continue
-            h = xxhash.xxh3_64()
-            done = 0
-            while done < info.nbytes:
-                part = buf[: min(len(buf), info.nbytes - done)]
-                got = pread_into(self._fd(dense.file), part, info.offset + done)
-                h.update(part[:got])
-                bar.update(got)
-                if got < len(part):
-                    break
-                done += got
-            if h.intdigest() != want:
-                damaged.append(f"{dense.file}: tensor {name!r}")
         return damaged
 
     # --- plumbing -------------------------------------------------------------------------------------

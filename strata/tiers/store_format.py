@@ -274,16 +274,28 @@ def _safe_relpath(p: str) -> bool:
 
 
 def checkpoint_fingerprint(checkpoint_dir: str | os.PathLike) -> str:
-    """A cheap identity of a checkpoint: sha256 of config.json and each safetensors file's name, size
-    and raw header (sorted by name). Reads only headers; mtimes are ignored, so a copy is the same."""
-    directory = Path(checkpoint_dir)
-    h = hashlib.sha256(b"strata-fingerprint-1\0")
+    """The identity of a checkpoint's weights, which keys its store: sha256 of each safetensors file's
+    name, size and raw header (sorted by name). Reads only headers; mtimes are ignored, so a copy is the
+    same. config.json, the tokenizer and the other `COPIED_FILES` are not part of it: a store's copies of
+    them follow the checkpoint (`StoreWriter.refresh_copies`)."""
+    return _fingerprint(Path(checkpoint_dir), b"strata-fingerprint-2\0", with_config=False)
+
+
+def earlier_fingerprint(checkpoint_dir: str | os.PathLike) -> str:
+    """The fingerprint stores converted by earlier strata versions carry: config.json's bytes, then the
+    weights' headers. Such a store is taken over (its index rewritten) rather than converted again."""
+    return _fingerprint(Path(checkpoint_dir), b"strata-fingerprint-1\0", with_config=True)
+
+
+def _fingerprint(directory: Path, tag: bytes, with_config: bool) -> str:
+    h = hashlib.sha256(tag)
 
     def put(b: bytes) -> None:  # length-prefixed, so field boundaries cannot be confused
         h.update(len(b).to_bytes(8, "little") + b)
 
     try:
-        put((directory / "config.json").read_bytes())
+        if with_config:
+            put((directory / "config.json").read_bytes())
         for path in sorted(directory.glob("*.safetensors")):
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -303,12 +315,27 @@ def is_store(directory: str | os.PathLike) -> bool:
     return (Path(directory) / INDEX_NAME).is_file()
 
 
+def lacks_index(directory: str | os.PathLike) -> bool:
+    """Whether `directory` holds a store's data (dense.safetensors, experts/) but no store.msgpack: not a
+    checkpoint, and not a store either until it is converted again."""
+    d = Path(directory)
+    return not is_store(d) and ((d / DENSE_NAME).is_file() or (d / EXPERTS_DIR).is_dir())
+
+
+def no_index_error(directory: str | os.PathLike) -> CheckpointError:
+    """The one-line error for a directory that `lacks_index`."""
+    return CheckpointError(f"{directory}: this store has no index ({INDEX_NAME}); re-run `strata convert` "
+                           "from the checkpoint into it")
+
+
 def read_index(directory: str | os.PathLike) -> StoreIndex:
     """Read and validate `directory`/store.msgpack (files are not checked: see ExpertStore.open)."""
     path = Path(directory) / INDEX_NAME
     try:
         raw = path.read_bytes()
     except FileNotFoundError:
+        if lacks_index(directory):
+            raise no_index_error(directory) from None
         raise CheckpointError(f"{directory}: not a strata store (no {INDEX_NAME}); create one with `strata convert`") from None
     except OSError as e:
         raise CheckpointError(f"{path}: cannot read: {e.strerror or e}") from e

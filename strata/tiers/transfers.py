@@ -77,8 +77,7 @@ class TransfersMixin:
                     self.store.verify_blob(key, buf)
                 except StrataError:
                     with self._lock:
-                        self.stats_.checksum_failures += 1
-                        self.stats_.damaged.append(key)
+                        self.stats_.record_damage(key)
                     raise
                 self._verified.add(key)
         except BaseException as e:

@@ -1,10 +1,11 @@
-"""Verification records: a table file's full checksum pass runs once per file, not once per start.
+"""Verification records: a file's full checksum pass runs once per file version, not once per start.
 
 After every chunk of a table has passed its checksum, a small JSON record next to the files
 (`<store>/engram-verified.json`; for tmpfs copies `<tmpfs dir>/engram-verified.json`) keeps, per
 table, the file's identity (size, st_mtime_ns, st_ctime_ns, st_ino) and the table's fingerprint (a
 hash of its index entry, chunk checksums included). At the next start a file that still has that
-identity is trusted without reading it.
+identity is trusted without reading it. dense.safetensors is recorded the same way once every dense
+tensor has passed (key "file:dense.safetensors", strata.tiers.dense_check).
 
 Why that is enough: any write to the file moves its mtime and ctime (ctime cannot be set back by
 `touch`/utime), a replaced or copied file has another inode, a truncated one another size, and a
