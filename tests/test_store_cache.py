@@ -117,6 +117,26 @@ def test_a_store_left_without_its_index_is_rebuilt_not_used(src, cache):
     assert not list(store.parent.glob(".*"))  # the old files went with the directory moved aside
 
 
+def test_a_store_finished_meanwhile_is_not_replaced(src, tmp_path, monkeypatch):
+    """Two converts replacing the same index-less directory: the one that finishes second keeps the first's
+    store (a server may already read it) and drops its own."""
+    out = convert_checkpoint(src, tmp_path / "store", progress=False)
+    (out / INDEX_NAME).unlink()
+    real, inner = convert_mod.StoreWriter.write_layer, []
+
+    def another_convert_finishes_first(self, *args, **kwargs):
+        if not inner:
+            inner.append("started")  # the inner convert writes through this same method
+            convert_checkpoint(src, out, progress=False)
+            inner.append((out / layer_file(1)).stat().st_ino)
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(convert_mod.StoreWriter, "write_layer", another_convert_finishes_first)
+    assert convert_checkpoint(src, out, progress=False) == out
+    assert (out / layer_file(1)).stat().st_ino == inner[1] and ExpertStore.open(out, src).verify() == []
+    assert not list(out.parent.glob(".store.tmp-*"))
+
+
 def test_weights_that_change_while_converted_leave_no_store(src, cache, monkeypatch):
     real, calls = convert_mod.StoreWriter.write_layer, []
 

@@ -135,9 +135,12 @@ def _move_into_place(tmp: Path, out: Path, fingerprint: str, replace: bool) -> b
     """Rename the finished store `tmp` to `out` (atomic; a directory that `lacks_index` is moved aside
     first and deleted after). False when a concurrent convert put the same store there first."""
     aside = None
-    if replace:
+    if replace and not is_store(out):  # (a concurrent convert may have put a finished store there meanwhile)
         aside = temp_sibling(out)  # our pid in its name: removed as stale should we die before the rmtree
-        os.rename(out, aside)
+        try:
+            os.rename(out, aside)
+        except FileNotFoundError:
+            aside = None
     try:
         os.rename(tmp, out)  # atomic; also replaces an empty directory
     except OSError:
