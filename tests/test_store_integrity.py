@@ -157,6 +157,8 @@ def test_a_tmpfs_path_that_is_no_tmpfs_says_so(tmp_path, monkeypatch, tiny_model
     with pytest.raises(PlanError, match=r"is not a tmpfs mount; use a tmpfs path such as /dev/shm or set "
                                         r"tiers.tmpfs.budget = 0"):
         plan(tiny_model_dir, host, {"tiers": {"tmpfs": {"budget": "1GiB"}}})
+    with pytest.raises(PlanError, match=r'is not a tmpfs mount; use a tmpfs path such as /dev/shm or set engram.tier = "disk"'):
+        plan(tiny_model_dir, host, {"engram": {"tier": "tmpfs"}})  # the tiny model has Engram tables
     assert plan(tiny_model_dir, host, {}).tier("tmpfs").bytes == 0  # no tmpfs asked for: nothing to say
     monkeypatch.setattr(host_mod, "_fs_type", lambda path: "tmpfs")
     assert probe_host(str(missing), str(tmp_path)).tmpfs_problem == ""  # created on first use
