@@ -149,7 +149,7 @@ def test_routes_loading_memory_and_static_files(engine):
     page = client.get("/dashboard")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "connect-src 'self'" in page.headers["content-security-policy"]
-    for src in ("dashboard/static/dashboard_draw.js", "dashboard/static/dashboard.js",
+    for src in ("dashboard/static/dashboard_draw.js", "dashboard/static/dashboard.js", "dashboard/static/dashboard_experts.js",
                 "dashboard/static/dashboard_engram.js", "dashboard/static/dashboard_cards.js",
                 "dashboard/static/dashboard.css"):
         assert src in page.text
@@ -215,6 +215,7 @@ READ_PAGE = """(() => {
   const chart = (id) => { const c = document.getElementById(id); return {
     points: Number(c.dataset.points || 0), firstT: c.dataset.firstT === undefined ? null : Number(c.dataset.firstT),
     colors: JSON.parse(c.dataset.colors || '[]'), plot: JSON.parse(c.dataset.plot || 'null'), box: box(c),
+    now: Number(c.dataset.now), span: Number(c.dataset.span),
     bars: Number(c.dataset.bars || 0), cells: Number(c.dataset.cells || 0) }; };
   const ids = ['tok-s', 'running', 'waiting', 'requests', 'gen-tokens', 'prompt-tokens', 'lookups',
                'hit-gpu', 'hit-pinned', 'hit-tmpfs', 'hit-disk', 'prefetch-precision', 'throughput',
@@ -260,14 +261,16 @@ def real_server(engine):
     assert not app.state.dashboard_sampler.running  # the sampler stopped with the server
 
 
-def run_traffic(url: str, clients: int, until) -> int:
-    """`clients` threads sending completions until `until()` is true; the number of requests served."""
+def run_traffic(url: str, clients: int, until, limit_s: float = 30) -> int:
+    """`clients` threads sending completions until `until()` is true (or `limit_s` seconds have passed); the
+    number of requests served."""
     done, errors = [], []
+    deadline = time.monotonic() + limit_s
 
     def client(i: int) -> None:
         with httpx.Client(base_url=url, timeout=60) as http:
             n = 0
-            while not until():
+            while not until() and time.monotonic() < deadline:
                 r = http.post("/v1/completions", json={"model": "tiny", "prompt": f"The experts of layer {i} and {n}",
                                                        "max_tokens": 12, "temperature": 0.8, "seed": n})
                 if r.status_code != 200:
@@ -292,9 +295,7 @@ def history(url: str) -> list[dict]:
 def test_dashboard_live_in_chromium(real_server, engine, browser, tmp_path):
     url = real_server["url"]
     # traffic first, with the page closed: until the server's history holds 3 samples taken under traffic
-    deadline = time.monotonic() + 30
-    busy = lambda: sum(1 for s in history(url) if s["running"]) >= 3 or time.monotonic() > deadline  # noqa: E731
-    assert run_traffic(url, 3, busy) > 0
+    assert run_traffic(url, 3, lambda: sum(1 for s in history(url) if s["running"]) >= 3) > 0
     time.sleep(1.2)  # and one sample after it, idle
     before = history(url)
     assert sum(1 for s in before if s["running"]) >= 3, before
@@ -348,36 +349,42 @@ def test_dashboard_live_in_chromium(real_server, engine, browser, tmp_path):
         assert browser.eval(f"window.strataDashboard.figuresOf({json.dumps(snapshot)})") == \
             json.loads(json.dumps(figures_of(snapshot)))
 
-    # the screenshot: each chart's plot area holds pixels of its series' colours, across more than a few seconds
+    # the screenshot, over the last minute: each chart's plot area holds pixels of its series' colours, and the
+    # line charts' reach left of where the page opened (the page's geometry is read after the screenshot, so it is
+    # at least as new as what was drawn: the page's opening sits no further left than in the picture)
+    browser.eval("(() => { const s = document.getElementById('span'); s.value = '60'; s.dispatchEvent(new Event('change')); })()")
     data = browser.screenshot(tmp_path / "dashboard.png")
+    shot = browser.eval(READ_PAGE)
     width_px, height_px, colours = png_summary(data)
     assert width_px == 1400 and height_px >= 1000 and colours > 20, (width_px, height_px, colours)
     if os.environ.get("STRATA_DASHBOARD_SCREENSHOT"):  # keep a copy to look at
         shutil.copyfile(tmp_path / "dashboard.png", os.environ["STRATA_DASHBOARD_SCREENSHOT"])
-    drawn = {}
     for name in (*LINE_CHARTS, "layer-chart"):
-        c = page["charts"][name]
-        plot = (c["box"][0] + c["plot"][0], c["box"][1] + c["plot"][1], c["plot"][2], c["plot"][3])
-        drawn[name] = colour_matches(region_pixels(data, plot), [hex_rgb(x) for x in c["colors"]])
-        assert c["colors"] and drawn[name]["count"] >= 20 and drawn[name]["columns"] >= 3, (name, c, drawn[name])
-    for name in LINE_CHARTS[:4]:  # traffic ran for seconds before the page opened: a line, not a dot at "now"
-        assert drawn[name]["x1"] - drawn[name]["x0"] >= 4, (name, drawn[name])
-    tier_colours = [hex_rgb(page["tierColors"][t]) for t in ("pinned", "tmpfs", "disk")]
-    heat = colour_matches(region_pixels(data, page["charts"]["heatmap"]["box"]), tier_colours, tolerance=2)
+        c = shot["charts"][name]
+        left, top = c["box"][0] + c["plot"][0], c["box"][1] + c["plot"][1]
+        drawn = colour_matches(region_pixels(data, (left, top, c["plot"][2], c["plot"][3])),
+                               [hex_rgb(x) for x in c["colors"]])
+        assert c["colors"] and drawn["count"] >= 20 and drawn["columns"] >= 3, (name, c, drawn)
+        if name in LINE_CHARTS:
+            assert c["span"] == 60, c
+            opened_x = c["plot"][2] * (1 - (c["now"] - shot["openedAt"]) / c["span"])
+            assert drawn["x0"] < opened_x - 3, (name, "nothing drawn before the page opened", drawn, opened_x, c)
+    tier_colours = [hex_rgb(shot["tierColors"][t]) for t in ("pinned", "tmpfs", "disk")]
+    heat = colour_matches(region_pixels(data, shot["charts"]["heatmap"]["box"]), tier_colours, tolerance=2)
     assert heat["count"] >= 32 * 20, heat  # 32 cells of at least 20 pixels in the tiers' colours
-    traffic = region_pixels(data, page["charts"]["traffic-map"]["box"])
-    assert colour_matches(traffic, [hex_rgb("#171e26")], tolerance=30)["count"] < traffic.shape[0] * traffic.shape[1]
+    traffic = region_pixels(data, shot["charts"]["traffic-map"]["box"])
+    assert colour_matches(traffic, [hex_rgb("#171e26")], tolerance=30)["count"] < 0.8 * traffic.shape[0] * traffic.shape[1]
 
     # live: new traffic is appended to the history the page drew, and the new rows show in the 10 s window
-    n_before, t_before = page["samples"], page["lastT"]
+    n_before, t_before = shot["samples"], shot["lastT"]
     engram_before = engine.stats()["engram"]["lookups"]
-    assert run_traffic(url, 1, lambda: engine.stats()["engram"]["lookups"] > engram_before) > 0
+    assert run_traffic(url, 1, lambda: engine.stats()["engram"]["lookups"] > engram_before, limit_s=20) > 0
     target = engine.stats()["generated_tokens"]
     browser.wait_for(f"Number(document.getElementById('gen-tokens').dataset.value) >= {target}", what="the next poll",
                      dump=DUMP)
     rows = ("(() => { const s = window.strataDashboard.samples, e = (x) => x.engram ? Object.values(x.engram.hits)"
-            ".reduce((a, b) => a + b, 0) : 0; return s.length > 1 && e(s[s.length - 1]) > "
-            f"e(s.find((x) => x.t > {t_before}) || s[0]); }})()")
+            f".reduce((a, b) => a + b, 0) : 0, base = s.filter((x) => x.t <= {t_before}).pop() || s[0];"
+            " return e(s[s.length - 1]) > e(base); })()")
     browser.wait_for(f"{rows} && Number(document.getElementById('engram-chart').dataset.points) > 0",
                      what="the new Engram rows in a sample after the page opened", dump=DUMP)
     live = browser.eval(READ_PAGE)

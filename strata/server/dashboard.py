@@ -2,9 +2,9 @@
 
     mount_dashboard(app, get_engine, get_scheduler)   # in create_app
     GET /dashboard                  the page (HTML + vanilla JavaScript + CSS, no build step, no CDN)
-    GET /dashboard/static/{name}    its scripts (dashboard.js, its drawing dashboard_draw.js, the Engram
-                                    panel's dashboard_engram.js, the per-card panel's dashboard_cards.js)
-                                    and style sheet
+    GET /dashboard/static/{name}    its scripts (dashboard.js, its drawing dashboard_draw.js, the panels'
+                                    dashboard_experts.js (heatmaps), dashboard_engram.js (Engram) and
+                                    dashboard_cards.js (per card)) and style sheet
     GET /v1/strata/residency        `residency_grid(engine.tiers)` as JSON (503 while the model loads)
     GET /v1/strata/history[?since=T] the charts' figures, sampled by the server once a second
                                     (`dashboard_history`): 1 s steps for 5 minutes, 10 s steps for an hour
@@ -47,6 +47,7 @@ _STATIC = {
     "dashboard.html": "text/html; charset=utf-8",
     "dashboard_draw.js": "text/javascript; charset=utf-8",
     "dashboard.js": "text/javascript; charset=utf-8",
+    "dashboard_experts.js": "text/javascript; charset=utf-8",
     "dashboard_engram.js": "text/javascript; charset=utf-8",
     "dashboard_cards.js": "text/javascript; charset=utf-8",
     "dashboard.css": "text/css; charset=utf-8",

@@ -242,7 +242,11 @@ class Sampler:
         """Sample every `step_s` on the clock's grid (a late tick is skipped, not made up) until cancelled."""
         next_tick = self.clock()
         while True:
-            await asyncio.to_thread(self.sample_once)
+            try:
+                await asyncio.to_thread(self.sample_once)
+            except Exception:  # a fault of the ring itself (not of a read): say so once, and stop sampling
+                log.exception("dashboard history: sampling failed; the history stops here")
+                return
             next_tick += self.step_s
             now = self.clock()
             if next_tick < now:  # the read took longer than a step: continue from now

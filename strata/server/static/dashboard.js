@@ -10,7 +10,7 @@
   const KEEP_S = 3660;        // seconds of samples kept (the history's longest span, and a step)
   const MAX_SAMPLES = 4000;   // and at most this many (a fast ?interval= without a server history)
   const LIVE_S = 5;           // the window of the "last 5 s" figures
-  const GRID_KEEP_S = 15;     // residency grids kept for the "last 10 s" traffic view
+  const GRID_KEEP_S = 15;     // residency grids kept for the "last 10 s" traffic view (dashboard_experts.js)
   const params = new URLSearchParams(location.search);
   const INTERVAL_MS = Math.max(200, Number(params.get("interval")) || 1000);
 
@@ -60,88 +60,6 @@
   }
   const span = () => Number($("span").value) || 180;
   const windowLabel = (w) => (Number(w) ? `last ${w} s` : "since start");
-
-  // ---- the residency heatmaps ------------------------------------------------------------------
-  function trafficOf(grid) {
-    if (!grid || !Array.isArray(grid.traffic)) return null;
-    const windowS = Number($("traffic-window").value);
-    if (!windowS || !state.grids.length) return grid.traffic;
-    const newest = state.grids[state.grids.length - 1].t;
-    let old = state.grids[0].grid;
-    for (const g of state.grids) if (g.t <= newest - windowS + 0.5) old = g.grid;
-    if (!old || !Array.isArray(old.traffic) || old === grid || old.experts !== grid.experts
-        || old.layers.join() !== grid.layers.join()) return grid.traffic;
-    return grid.traffic.map((row, r) => row.map((v, c) => Math.max(0, v - (old.traffic[r][c] || 0))));
-  }
-
-  function drawGrid() {
-    const grid = state.grid;
-    const resCanvas = $("heatmap"), trafCanvas = $("traffic-map");
-    if (!grid || !Array.isArray(grid.tier) || !grid.layers || !grid.layers.length) {
-      for (const c of [resCanvas, trafCanvas]) { D.fitCanvas(c, 40); c.dataset.cells = "0"; }
-      return;
-    }
-    setText("traffic-scope", windowLabel($("traffic-window").value));
-    document.querySelector(".maps").classList.toggle("stacked", grid.experts > 96);
-    const tiers = Array.isArray(grid.tiers) ? grid.tiers : TIERS;
-    const colors = tiers.map((t) => css("--" + t));
-    const counts = {};
-    for (const t of tiers) counts[t] = 0;
-    for (const row of grid.tier) for (const i of row) if (i >= 0 && tiers[i] !== undefined) counts[tiers[i]]++;
-    const present = Array.isArray(grid.present) ? grid.present : tiers;
-    for (const t of TIERS) {
-      setText("count-" + t, present.includes(t) ? fmtNum(counts[t] || 0) : "—", present.includes(t) ? counts[t] || 0 : null);
-      const li = document.querySelector(`#count-legend li[data-tier="${t}"]`);
-      if (li) li.classList.toggle("absent", !present.includes(t));
-    }
-    D.drawMap(resCanvas, grid, (r, c) => {
-      const i = grid.tier[r][c];
-      return i >= 0 ? colors[i] || "#888" : null;
-    });
-    const traffic = trafficOf(grid);
-    $("traffic-note").hidden = traffic !== null;
-    $("traffic-ramp").hidden = traffic === null;
-    if (traffic === null) {
-      D.fitCanvas(trafCanvas, 40);
-      trafCanvas.dataset.cells = "0";
-      setText("traffic-max", "—");
-      return;
-    }
-    let max = 0;
-    for (const row of traffic) for (const v of row) if (v > max) max = v;
-    const lmax = Math.log1p(max) || 1;
-    setText("traffic-max", fmtNum(max), max);
-    D.drawMap(trafCanvas, grid, (r, c) => {
-      if (grid.tier[r][c] < 0) return null;
-      return D.rampColor(Math.log1p(traffic[r][c] || 0) / lmax);
-    });
-  }
-
-  function setupTooltip() {
-    const tip = $("tooltip");
-    for (const canvas of [$("heatmap"), $("traffic-map")]) {
-      canvas.addEventListener("mousemove", (ev) => {
-        const grid = state.grid, g = canvas._geom;
-        if (!grid || !g) return;
-        const rect = canvas.getBoundingClientRect();
-        const px = ev.clientX - rect.left, py = ev.clientY - rect.top;
-        const c = Math.floor((px - g.gutter) / g.cw), r = Math.floor((py - g.top) / g.ch);
-        if (r < 0 || c < 0 || r >= grid.layers.length || c >= grid.experts) { tip.hidden = true; return; }
-        const tiers = grid.tiers || TIERS;
-        const ti = grid.tier[r][c];
-        const traffic = trafficOf(grid);
-        let text = `layer ${grid.layers[r]} · expert ${c} · ${ti >= 0 ? tiers[ti] : "not stored"}`;
-        if (traffic) text += ` · ${fmtNum(traffic[r][c] || 0)} lookups (${windowLabel($("traffic-window").value)})`;
-        if (Array.isArray(grid.layer_lookups)) text += ` · layer since start: ${fmtNum(grid.layer_lookups[r] || 0)}`;
-        tip.textContent = text;
-        const host = canvas.closest(".panel").getBoundingClientRect();
-        tip.style.left = Math.min(ev.clientX - host.left + 12, host.width - 260) + "px";
-        tip.style.top = ev.clientY - host.top + 14 + "px";
-        tip.hidden = false;
-      });
-      canvas.addEventListener("mouseleave", () => { tip.hidden = true; });
-    }
-  }
 
   // ---- colours ---------------------------------------------------------------------------------
   function pathColor(path, i) {
@@ -348,7 +266,8 @@
     setText("worst-layer", worst ? `most misses: layer ${worst.id} (${fmtPct(worst.rate)}, stalled ${fmtSeconds(worst.stall)})` : "");
   }
 
-  // panels in other scripts (dashboard_engram.js, dashboard_cards.js) register in window.strataDashboardPlugins:
+  // panels in other scripts (dashboard_experts.js, dashboard_engram.js, dashboard_cards.js) register in
+  // window.strataDashboardPlugins:
   // {record(stats, sample, lib): add the panel's counters to a sample, as the server's history does;
   //  render(state, lib): draw}. Read on every poll.
   const plugins = () => (Array.isArray(window.strataDashboardPlugins) ? window.strataDashboardPlugins : []);
@@ -358,7 +277,6 @@
     renderStats();
     drawLayerChart();
     renderCharts();
-    drawGrid();
     for (const p of plugins()) {
       try { if (p.render) p.render(state, state.lib); } catch (e) { console.error("strata dashboard: panel failed", e); }
     }
@@ -495,13 +413,11 @@
   function start() {
     setText("interval", String(INTERVAL_MS / 1000));
     for (const id of ["hit-window", "span"]) $(id).addEventListener("change", renderAll);
-    $("traffic-window").addEventListener("change", drawGrid);
     let resizeTimer = null;
     window.addEventListener("resize", () => {
       clearTimeout(resizeTimer);
       resizeTimer = setTimeout(renderAll, 100);
     });
-    setupTooltip();
     poll();
   }
 

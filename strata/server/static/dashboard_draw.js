@@ -121,7 +121,8 @@
 
   // series: [{color, points: [[t, value | null], ...]}] with t in seconds; opts: {now, span, yMax, yStep, integer,
   // format}. Sets data-points (values drawn), data-first-t (the oldest drawn t), data-colors (the colours of
-  // the series that drew something) and data-plot ([left, top, width, height] of the plot area) on the canvas.
+  // the series that drew something), data-plot ([left, top, width, height] of the plot area), data-now and
+  // data-span on the canvas.
   function drawLineChart(canvas, series, opts) {
     const { ctx, w, h } = fitCanvas(canvas);
     const now = opts.now, span = opts.span || 180, format = opts.format || fmtShort;
@@ -191,6 +192,8 @@
     canvas.dataset.points = String(drawn);
     canvas.dataset.colors = JSON.stringify(colors);
     canvas.dataset.plot = JSON.stringify([pad.l, pad.t, pw, ph]);  // the plot area in CSS pixels of the canvas
+    canvas.dataset.now = String(now);  // the t at the right edge, `span` seconds after the left one
+    canvas.dataset.span = String(span);
     if (first === null) delete canvas.dataset.firstT;
     else canvas.dataset.firstT = String(first);
   }
