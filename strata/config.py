@@ -1,7 +1,9 @@
 """Engine configuration: `config.toml` (or a dict) merged over the documented defaults.
 
 The defaults live in the repository's `config.toml`, mirrored by the dataclasses below. Every key is
-validated: an unknown key, a wrong type or an out-of-range value is a `ConfigError` naming the key.
+validated: an unknown key, a wrong type or an out-of-range value is a `ConfigError` naming the key, and a key
+written where it no longer lives names its place now. Every section but `[debug]` (`DebugConfig`: switches for
+debugging and measuring strata) is a user setting.
 """
 
 from __future__ import annotations
@@ -65,20 +67,9 @@ class RuntimeConfig:
     prefill_chunk: int | str = field(default="auto", metadata={"auto_or_int": True})
     threads: int = 0  # torch CPU threads; 0 = torch's default (one per physical core)
     experts: str = "tiered"  # "tiered": served by the tier manager from a store; "memory": all loaded up front
-    cpu_numerics: str = "fork"  # "fork": fast CPU expert kernels; "gpu": the reference math, cold experts on the GPU
-    cuda_graphs: bool = True  # replay decode steps from CUDA graphs whenever every expert is resident
-    read_in_place: bool = False  # split decode: the GPU's share of cold experts read from pinned RAM in place (zero-copy)
-    # prefill's experts in two grouped GEMMs a layer: "auto" on CUDA (7.3x an 8K prefill in VRAM on H200), not on
-    # the CPU, where torch's grouped GEMM is a reference loop (~1.25x slower than the per-expert one); true/false
-    grouped_prefill: bool | str = field(default="auto", metadata={"auto_or_bool": True})
-    prefill_keeps_resident: bool = False  # true: a prompt's cold experts stream through step-copy slots, not the GPU tier
-    split_decode: str = "graph"  # "graph": one CUDA graph a step, cold experts on a native CPU worker; "host": host steps
-    copy_ahead: bool = False  # one-graph split decode: the next layer's predicted cold experts' tails copied to VRAM early
-    warm_ahead: bool = True  # one-graph split decode: the CPU worker reads the next layer's predicted cold experts early
-    # queue each decode step before the host reads the token it is fed (strata.runtime.overlap): "auto" on CUDA;
-    # true/false
-    overlap_decode: bool | str = field(default="auto", metadata={"auto_or_bool": True})
-    decode_gap_target: float = 0.5  # seconds a serving step may take while sequences decode (prompt chunks shrink); 0: off
+    cpu_numerics: str = "fork"  # "fork": fast CPU expert kernels; "gpu": cold experts copied to the GPU
+    prefill_keeps_resident: bool = False  # true: a prompt's cold experts stream through step-copy slots
+    decode_gap_target: float = 0.5  # seconds a serving step may take while sequences decode; 0: no pacing
     prefill_chunk_min: int = 32  # prompt tokens a serving step carries at least while sequences decode
     # `strata serve`: decode every batch size once before turning ready (strata.runtime.warmup); "auto" on CUDA
     warmup: bool | str = field(default="auto", metadata={"auto_or_bool": True})
@@ -90,16 +81,10 @@ class RuntimeConfig:
             raise ConfigError(f"runtime.decode_gap_target = {gap!r} is invalid; give seconds in [0, 3600] (0 turns pacing off)")
         if self.cpu_numerics not in ("fork", "gpu"):
             raise ConfigError(f"runtime.cpu_numerics = {self.cpu_numerics!r} is invalid; use \"fork\" or \"gpu\"")
-        for key in ("cuda_graphs", "read_in_place", "prefill_keeps_resident", "copy_ahead", "warm_ahead"):
-            if not isinstance(getattr(self, key), bool):
-                raise ConfigError(f"runtime.{key} = {getattr(self, key)!r} is invalid; use true or false")
-        if not isinstance(self.grouped_prefill, bool) and self.grouped_prefill != "auto":
-            raise ConfigError(f"runtime.grouped_prefill = {self.grouped_prefill!r} is invalid; use \"auto\", true or false")
-        for key in ("overlap_decode", "warmup"):
-            if not isinstance(getattr(self, key), bool) and getattr(self, key) != "auto":
-                raise ConfigError(f"runtime.{key} = {getattr(self, key)!r} is invalid; use \"auto\", true or false")
-        if self.split_decode not in ("graph", "host"):
-            raise ConfigError(f"runtime.split_decode = {self.split_decode!r} is invalid; use \"graph\" or \"host\"")
+        if not isinstance(self.prefill_keeps_resident, bool):
+            raise ConfigError(f"runtime.prefill_keeps_resident = {self.prefill_keeps_resident!r} is invalid; "
+                              "use true or false")
+        _check_auto_or_bool("runtime.warmup", self.warmup)
         if self.experts not in ("tiered", "memory"):
             raise ConfigError(f"runtime.experts = {self.experts!r} is invalid; use \"tiered\" or \"memory\"")
         if self.device not in DEVICE_NAMES and not (self.device.startswith("cuda:") and self.device[5:].isdigit()):
@@ -264,31 +249,87 @@ class PlannerConfig:
 
 @dataclass
 class EngramTierConfig:
-    """[engram]: where Engram lookup tables live and how their rows are cached and fetched."""
+    """[engram]: where Engram lookup tables live and how much RAM their hot rows get."""
 
     tier: str = "auto"  # where the full tables live: "auto" | "gpu" | "pinned" | "tmpfs" | "disk"
-    row_cache: str | int = _size_field("auto")  # hot-row cache on the compute device; "auto": 1/8 of the tables, <= 1 GiB
-    prefetch: bool = True  # start fetching rows when token ids exist (before the forward pass reaches the layer)
-    read_batch: int = 4096  # rows per background read job (many jobs in flight)
-    zero_copy: bool = True  # pinned / tmpfs tables on CUDA: the GPU reads rows in place over PCIe (no row cache)
-    graph_wait: bool = True  # disk tables on CUDA: decode graphs wait on the device for the host to serve rows
+    row_cache: str | int = _size_field("auto")  # hot-row cache; "auto": 1/8 of the tables, at most 1 GiB
 
     def __post_init__(self) -> None:
-        for key in ("zero_copy", "graph_wait"):
-            if not isinstance(getattr(self, key), bool):
-                raise ConfigError(f"engram.{key} must be true or false, got {getattr(self, key)!r}")
         if self.tier not in ("auto", "gpu", "pinned", "tmpfs", "disk"):
             raise ConfigError(f'engram.tier = {self.tier!r} is invalid; use "auto", "gpu", "pinned", "tmpfs" or "disk"')
         parse_size(self.row_cache, "engram.row_cache")
-        if not isinstance(self.prefetch, bool):
-            raise ConfigError(f"engram.prefetch must be true or false, got {self.prefetch!r}")
-        if self.read_batch < 1:
-            raise ConfigError(f"engram.read_batch = {self.read_batch} is out of range; it must be >= 1")
 
     @property
     def row_cache_bytes(self) -> int | None:
         """The row cache in bytes, None for "auto"."""
         return parse_size(self.row_cache, "engram.row_cache")
+
+
+CPU_KERNELS = ("auto", "avx512_bf16", "avx512", "avx2", "torch")
+
+
+@dataclass
+class DebugConfig:
+    """[debug]: switches for debugging strata and measuring what each of its paths is worth. Their defaults are the
+    fast, tested paths; users leave them alone.
+
+    Every key is read per engine, when it is built or runs (two engines of one process may differ), with two
+    process-wide effects: `cpu_threads` sizes the CPU kernel's one thread pool (engines asking different counts
+    rebuild it when they alternate), and `fused_kernels` / `pdl` hold while the engine's model runs a forward pass
+    (`strata.kernels.options`), so kernels launched outside one (none in strata's own decode step) see the defaults."""
+
+    cuda_graphs: bool = True  # decode steps captured and replayed as CUDA graphs; false: always eager
+    split_decode: str = "graph"  # cold experts of a one-graph step on the native CPU worker; "host": host steps
+    warm_ahead: bool = True  # the CPU worker reads the next layer's predicted cold experts into its caches early
+    overlap_decode: bool | str = field(default="auto", metadata={"auto_or_bool": True})  # queue step t+1 early
+    grouped_prefill: bool | str = field(default="auto", metadata={"auto_or_bool": True})  # prefill's grouped GEMMs
+    engram_prefetch: bool = True  # Engram rows fetched as soon as a step's token ids exist
+    engram_read_batch: int = 4096  # Engram rows per background read job
+    engram_zero_copy: bool = True  # pinned / tmpfs Engram tables read in place by the GPU
+    engram_graph_wait: bool = True  # disk Engram rows served to one CUDA graph a step through a handshake
+    # one-graph split decode: the share of cold rows the GPU reads in place, "auto" (balanced on its waits) or a
+    # fixed fraction in [0, 1] (`GpuShare.MAX` at most taken; 0: none, and then no warm-ahead either)
+    gpu_share: float | str = field(default="auto", metadata={"auto_or_number": True})
+    cpu_threads: int = 0  # the CPU expert kernel's threads; 0: chosen from the cores
+    cpu_kernel: str = "auto"  # the CPU expert kernel's instruction set, or "torch" (the reference math)
+    fused_kernels: bool = True  # the decode step's fused Triton kernels; false: torch's op chains
+    pdl: bool = True  # programmatic dependent launch of the decode kernels (Hopper and later)
+
+    def __post_init__(self) -> None:
+        for key in ("cuda_graphs", "warm_ahead", "engram_prefetch", "engram_zero_copy", "engram_graph_wait",
+                    "fused_kernels", "pdl"):
+            if not isinstance(getattr(self, key), bool):
+                raise ConfigError(f"debug.{key} = {getattr(self, key)!r} is invalid; use true or false")
+        for key in ("overlap_decode", "grouped_prefill"):
+            _check_auto_or_bool(f"debug.{key}", getattr(self, key))
+        if self.split_decode not in ("graph", "host"):
+            raise ConfigError(f'debug.split_decode = {self.split_decode!r} is invalid; use "graph" or "host"')
+        share = self.gpu_share
+        if share != "auto" and (isinstance(share, bool) or not isinstance(share, int | float) or not 0 <= share <= 1):
+            raise ConfigError(f'debug.gpu_share = {share!r} is invalid; use "auto" or a fraction in [0, 1]')
+        if self.cpu_kernel not in CPU_KERNELS:
+            raise ConfigError(f"debug.cpu_kernel = {self.cpu_kernel!r} is invalid; use one of {', '.join(CPU_KERNELS)}")
+        for key, low in (("engram_read_batch", 1), ("cpu_threads", 0)):
+            if getattr(self, key) < low:
+                raise ConfigError(f"debug.{key} = {getattr(self, key)} is out of range; it must be >= {low}")
+
+    @property
+    def fixed_gpu_share(self) -> float | None:
+        """`gpu_share` as a number, None for "auto" (balanced on the GPU's waits)."""
+        return None if self.gpu_share == "auto" else float(self.gpu_share)
+
+
+def _check_auto_or_bool(key: str, value: Any) -> None:
+    if not isinstance(value, bool) and value != "auto":
+        raise ConfigError(f'{key} = {value!r} is invalid; use "auto", true or false')
+
+
+# Keys that moved to [debug], by their old place: a config naming one there is an error that says where it went.
+MOVED_KEYS = {f"runtime.{key}": key for key in ("cuda_graphs", "split_decode", "warm_ahead", "overlap_decode",
+                                                 "grouped_prefill")}
+MOVED_KEYS.update({f"engram.{key}": f"engram_{key}" for key in ("prefetch", "read_batch", "zero_copy", "graph_wait")})
+REMOVED_KEYS = {"runtime.read_in_place": "the GPU's share of cold experts is read in place by one-graph split decode",
+                "runtime.copy_ahead": "[debug] warm_ahead is the read-ahead one-graph split decode keeps"}
 
 
 @dataclass
@@ -301,6 +342,7 @@ class StrataConfig:
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     engram: EngramTierConfig = field(default_factory=EngramTierConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
     def to_dict(self) -> dict[str, Any]:
         """Every section as nested dicts (TOML-shaped)."""
@@ -334,6 +376,10 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
     known = {f.name: f for f in fields(cls)}
     kwargs = {}
     for key, value in data.items():
+        if f"{prefix}{key}" in MOVED_KEYS:
+            raise ConfigError(f"{prefix}{key} moved to [debug] {MOVED_KEYS[prefix + key]}; set it there")
+        if f"{prefix}{key}" in REMOVED_KEYS:
+            raise ConfigError(f"{prefix}{key} no longer exists ({REMOVED_KEYS[prefix + key]}); remove it")
         if key not in known:
             raise ConfigError(f"unknown config key '{prefix}{key}'; known keys: {', '.join(known)}")
         f = known[key]
@@ -347,7 +393,8 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
                 raise ConfigError(f"config key {prefix}{key} must be a size such as \"24GiB\", got {value!r}")
             kwargs[key] = value
             continue
-        if f.metadata.get("auto_or_bool") or f.metadata.get("auto_or_int"):  # "auto" or a value: the section checks it
+        if f.metadata.get("auto_or_bool") or f.metadata.get("auto_or_int") or f.metadata.get("auto_or_number"):
+            # "auto" or a value: the section checks it
             kwargs[key] = value
             continue
         expected = type(default)

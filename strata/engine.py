@@ -89,8 +89,8 @@ class Engine:
         self.cache = KVCache(self.checkpoint.config, num_slots=1, max_len=self.max_context, dtype=self.dtype,
                              device=self.device)
         self.eos_token_ids = set(self.checkpoint.eos_token_ids) | set(tokenizer.eos_token_ids)
-        # runtime.overlap_decode resolved: each decode step queued before the host reads the token it is fed
-        self.overlap_decode = overlap_on(config.runtime.overlap_decode, self.device, len(config.runtime.devices))
+        # [debug] overlap_decode resolved: each decode step queued before the host reads the token it is fed
+        self.overlap_decode = overlap_on(config.debug.overlap_decode, self.device, len(config.runtime.devices))
         self._lock = threading.Lock()
         self._counters = _Counters()
         # an engine dropped or still open at exit is released then: before the interpreter kills the tier manager's

@@ -33,12 +33,18 @@ def test_dict_overrides_merge_over_defaults():
     [({"runtime": {"device": "tpu"}}, "runtime.device"), ({"runtime": {"dtype": "int4"}}, "runtime.dtype"),
      ({"runtime": {"threads": -1}}, "runtime.threads"), ({"runtime": {"max_context": True}}, "max_context"),
      ({"runtimes": {}}, "runtimes"), ({"runtime": 3}, "runtime"),
-     ({"runtime": {"split_decode": "python"}}, "runtime.split_decode"),
-     ({"runtime": {"grouped_prefill": "yes"}}, "runtime.grouped_prefill"),
-     ({"runtime": {"grouped_prefill": 1}}, "runtime.grouped_prefill"),
-     ({"runtime": {"cuda_graphs": 1}}, "runtime.cuda_graphs"),
-     ({"runtime": {"copy_ahead": "auto"}}, "runtime.copy_ahead"),
-     ({"runtime": {"warm_ahead": "yes"}}, "runtime.warm_ahead")],
+     ({"debug": {"split_decode": "python"}}, "debug.split_decode"),
+     ({"debug": {"grouped_prefill": "yes"}}, "debug.grouped_prefill"),
+     ({"debug": {"grouped_prefill": 1}}, "debug.grouped_prefill"),
+     ({"debug": {"overlap_decode": "sometimes"}}, "debug.overlap_decode"),
+     ({"debug": {"cuda_graphs": 1}}, "debug.cuda_graphs"),
+     ({"debug": {"warm_ahead": "yes"}}, "debug.warm_ahead"),
+     ({"debug": {"engram_zero_copy": "no"}}, "debug.engram_zero_copy"),
+     ({"debug": {"engram_read_batch": 0}}, "debug.engram_read_batch"),
+     ({"debug": {"gpu_share": 1.5}}, "debug.gpu_share"), ({"debug": {"gpu_share": True}}, "debug.gpu_share"),
+     ({"debug": {"gpu_share": "half"}}, "debug.gpu_share"), ({"debug": {"cpu_threads": -1}}, "debug.cpu_threads"),
+     ({"debug": {"cpu_kernel": "avx9000"}}, "debug.cpu_kernel"), ({"debug": {"pdl": 0}}, "debug.pdl"),
+     ({"debug": {"fused_kernels": "off"}}, "debug.fused_kernels"), ({"debug": {"verbose": True}}, "debug.verbose")],
 )
 def test_bad_values_name_the_key(data, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
@@ -108,6 +114,48 @@ def test_root_config_documents_every_section():
     import tomllib
 
     data = tomllib.loads((ROOT / "config.toml").read_text())
-    assert set(data) == {"runtime", "tiers", "policy", "prefetch", "planner", "engram"}
+    assert set(data) == {"runtime", "tiers", "policy", "prefetch", "planner", "engram", "debug"}
+    assert list(data)[-1] == "debug"  # the switches users leave alone come last
     assert set(data["tiers"]) == {"gpu", "pinned", "tmpfs", "disk"}
     assert load_config(data).to_dict() == StrataConfig().to_dict()
+
+
+# ------------------------------------------------------------------- [debug]
+
+
+def test_debug_section_takes_its_switches():
+    cfg = load_config({"debug": {"cuda_graphs": False, "split_decode": "host", "gpu_share": 0.25, "cpu_threads": 6,
+                                 "cpu_kernel": "torch", "overlap_decode": True, "engram_read_batch": 7}})
+    d = cfg.debug
+    assert (d.cuda_graphs, d.split_decode, d.cpu_threads, d.cpu_kernel, d.overlap_decode) == (False, "host", 6, "torch", True)
+    assert d.fixed_gpu_share == 0.25 and d.engram_read_batch == 7 and d.warm_ahead and d.fused_kernels and d.pdl
+    assert StrataConfig().debug.fixed_gpu_share is None and load_config({"debug": {"gpu_share": 0}}).debug.fixed_gpu_share == 0.0
+
+
+@pytest.mark.parametrize(
+    "old, new",
+    [("runtime.cuda_graphs", "cuda_graphs"), ("runtime.split_decode", "split_decode"), ("runtime.warm_ahead", "warm_ahead"),
+     ("runtime.overlap_decode", "overlap_decode"), ("runtime.grouped_prefill", "grouped_prefill"),
+     ("engram.prefetch", "engram_prefetch"), ("engram.read_batch", "engram_read_batch"),
+     ("engram.zero_copy", "engram_zero_copy"), ("engram.graph_wait", "engram_graph_wait")],
+)
+def test_a_key_at_its_old_place_says_where_it_moved(old, new):
+    section, key = old.split(".")
+    with pytest.raises(ConfigError) as e:
+        load_config({section: {key: False}})
+    assert str(e.value) == f"{old} moved to [debug] {new}; set it there"
+    assert hasattr(StrataConfig().debug, new)
+
+
+@pytest.mark.parametrize("key", ["read_in_place", "copy_ahead"])
+def test_a_removed_key_says_it_no_longer_exists(key):
+    with pytest.raises(ConfigError, match=rf"^runtime\.{key} no longer exists \(.+\); remove it$") as e:
+        load_config({"runtime": {key: True}})
+    assert "\n" not in str(e.value)
+
+
+def test_a_moved_key_in_a_config_file_names_its_place(tmp_path):
+    path = tmp_path / "old.toml"
+    path.write_text("[runtime]\ncuda_graphs = false\n")
+    with pytest.raises(ConfigError, match=r"runtime\.cuda_graphs moved to \[debug\] cuda_graphs"):
+        load_config(path)

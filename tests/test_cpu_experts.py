@@ -79,12 +79,6 @@ def _testable_backends() -> list[str]:
     return ce.available_backends() + (EMULATED if kernel_backends() else [])
 
 
-@pytest.fixture(autouse=True)
-def _auto_backend(monkeypatch):
-    monkeypatch.delenv("STRATA_CPU_KERNEL", raising=False)
-    monkeypatch.delenv("STRATA_CPU_KERNEL_MAX_TOKENS", raising=False)
-
-
 def test_extension_builds_where_it_can():
     names = kernel_backends()
     if not CAN_BUILD:
@@ -112,7 +106,7 @@ def test_kernel_many_tokens_per_expert(name, monkeypatch):
     """More tokens than one register tile (and than MAX_TOKENS, raised here so the kernel runs them)."""
     if name not in _testable_backends():
         pytest.skip(f"{name} not available on this CPU")
-    monkeypatch.setenv("STRATA_CPU_KERNEL_MAX_TOKENS", "1000")
+    monkeypatch.setattr(ce, "MAX_TOKENS", 1000)
     H, inter, N = 130, 19, 40
     experts = make_experts(H, inter, 3)
     idx = [torch.arange(N), torch.arange(0, N, 3), torch.arange(N - 1, -1, -1)]
@@ -204,30 +198,30 @@ def test_concurrent_callers():
     assert not errors
 
 
-def test_env_forces_torch_and_backend_reports_it(monkeypatch):
+def test_a_requested_backend_runs_and_backend_reports_it():
+    """`backend=` (an engine's `[debug] cpu_kernel`) picks the path of that call only: "torch" is the reference
+    math; the process's choice stays the best this CPU runs."""
     H, inter, N, E = 64, 16, 3, 3
     experts = make_experts(H, inter, E)
     idx, tw = make_routing(N, E, 2)
     x = torch.randn(N, H, generator=torch.Generator().manual_seed(N * 1000 + H))
-    monkeypatch.setenv("STRATA_CPU_KERNEL", "torch")
-    assert ce.backend() == "torch"
-    out = ce.cpu_experts_forward(x, experts, idx, tw)
+    assert ce.backend("torch") == "torch"
+    out = ce.cpu_experts_forward(x, experts, idx, tw, backend="torch")
     assert torch.equal(out, reference(x, experts, idx, tw))  # the torch path is the reference math
-    monkeypatch.setenv("STRATA_CPU_KERNEL", "avx2")
-    assert ce.backend() == ("avx2" if "avx2" in kernel_backends() else ce._resolve("auto"))
+    assert ce.backend("avx2") == ("avx2" if "avx2" in kernel_backends() else ce._resolve("auto"))
+    assert ce.backend() == ce.backend("auto") == (kernel_backends() or ["torch"])[0]
+    assert ce.isa_code("torch") == 0 and ce.isa_code() == ce._ISA.get(ce.backend(), 0)
 
 
 def test_unknown_or_unsupported_request_warns_and_chooses(monkeypatch, caplog):
     monkeypatch.setattr(ce, "_warned", set())
-    monkeypatch.setenv("STRATA_CPU_KERNEL", "fastest-please")
     with caplog.at_level(logging.WARNING, logger=ce.__name__):
-        assert ce.backend() == ce._resolve("auto")
-        ce.backend()
+        assert ce.backend("fastest-please") == ce._resolve("auto")
+        ce.backend("fastest-please")
     assert sum("unknown CPU kernel" in r.message for r in caplog.records) == 1
     missing = [b for b in ("avx512_bf16", "avx512", "avx2") if b not in kernel_backends()]
     if kernel_backends() and missing:
-        monkeypatch.setenv("STRATA_CPU_KERNEL", missing[0])
-        assert ce.backend() == ce._resolve("auto")
+        assert ce.backend(missing[0]) == ce._resolve("auto")
 
 
 def test_build_failure_falls_back_to_torch(monkeypatch, caplog):
@@ -315,15 +309,6 @@ def test_avx512_kernels_match_their_emulation(name):
             assert rel_err(got, emu) <= 1e-4, (H, inter, N)
 
 
-def test_spin_time_comes_from_the_environment(monkeypatch):
-    """$STRATA_CPU_SPIN_US sets how long idle kernel workers spin (else the default, long enough to span the
-    gap between two decode layers' calls)."""
-    monkeypatch.delenv("STRATA_CPU_SPIN_US", raising=False)
-    assert ce.spin_us() == ce.DEFAULT_SPIN_US >= 500
-    monkeypatch.setenv("STRATA_CPU_SPIN_US", "2000")
-    assert ce.spin_us() == 2000
-
-
 @pytest.fixture
 def _restore_knobs():
     old = ce.tune(claim_ahead=0, chunk_div=8, chunk_min=32 << 10, chunk_max=512 << 10, down_split=0)
@@ -379,10 +364,11 @@ def test_tune_rejects_unknown_or_negative_knobs():
         ce.tune(**old)
 
 
-def test_tune_from_the_environment_is_checked(monkeypatch):
-    monkeypatch.setenv("STRATA_CPU_TUNE", "claim_ahead=3, chunk_div=16")
-    assert ce.env_knobs() == {"claim_ahead": 3, "chunk_div": 16}
+def test_knobs_from_text_are_checked():
+    """`parse_knobs` (the probes' --knobs): name=integer items, a bad one named with where it came from."""
+    from strata.kernels.cpu_kernel_tuning import parse_knobs
+
+    assert parse_knobs("claim_ahead=3, chunk_div=16", "--knobs") == {"claim_ahead": 3, "chunk_div": 16}
     for bad in ("claim_ahead", "claim=2", "chunk_div=-1", "chunk_div=x"):
-        monkeypatch.setenv("STRATA_CPU_TUNE", bad)
-        with pytest.raises(ValueError, match="STRATA_CPU_TUNE: bad item"):
-            ce.env_knobs()
+        with pytest.raises(ValueError, match="--knobs: bad item"):
+            parse_knobs(bad, "--knobs")

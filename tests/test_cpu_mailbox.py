@@ -147,18 +147,22 @@ def test_mailbox_refuses_a_batch_larger_than_it_holds():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("alongside, direct", [("1", "1"), ("0", "1"), ("1", "0")])
-def test_one_graph_split_decode_equals_the_host_step_path(tmp_path, monkeypatch, alongside, direct):
+@pytest.mark.parametrize("direct", [True, False])
+def test_one_graph_split_decode_equals_the_host_step_path(tmp_path, monkeypatch, direct):
     """Every expert in pinned RAM, two in VRAM: decode steps run as one graph with the mailbox worker, and
     give the tokens and hidden states the host-step path gives when it too sends every cold expert to the
     CPU (promotions off, so both keep the same experts resident; no GPU share, so the CPU computes them all),
-    with the resident pairs run beside the worker (the default) or before it is posted the layer, and the inbox
-    and answer copied through the device (`direct` "0": copy nodes around `host_signal.wait_for_host`)."""
+    with the inbox and answer exchanged by the kernels themselves, or (`direct` False: their build failed) copied
+    through the device by copy nodes around `host_signal.wait_for_host`."""
     from test_decode_graphs import assert_batched_decode_identical
 
-    monkeypatch.setenv("STRATA_MAILBOX_GPU_SHARE", "0")
-    monkeypatch.setenv("STRATA_MAILBOX_HOT_ALONGSIDE", alongside)
-    monkeypatch.setenv("STRATA_MAILBOX_DIRECT", direct)
+    from strata.kernels import host_signal
+
+    if not direct:  # the direct exchange's fetch kernel "fails to build": the mailbox falls back to copy nodes
+        def unbuildable(*args, **kwargs):
+            raise RuntimeError("no such kernel")
+
+        monkeypatch.setattr(host_signal, "wait_and_fetch", unbuildable)
     from strata import Engine
     from strata.runtime.demo_model import write_demo_model
 
@@ -166,7 +170,8 @@ def test_one_graph_split_decode_equals_the_host_step_path(tmp_path, monkeypatch,
     slot = 12288
     base = {"tiers": {"gpu": {"budget": str(2 * slot)}, "pinned": {"budget": str(64 * slot)}},
             "policy": {"promote": False}}
-    engines = {mode: Engine.from_pretrained(model, device="cuda", config={**base, "runtime": {"split_decode": mode}})
+    engines = {mode: Engine.from_pretrained(model, device="cuda",
+                                            config={**base, "debug": {"split_decode": mode, "gpu_share": 0}})
                for mode in ("host", "graph")}
     memory = Engine.from_pretrained(model, device="cuda", config={"runtime": {"experts": "memory"}})
     try:
@@ -183,8 +188,7 @@ def test_one_graph_split_decode_equals_the_host_step_path(tmp_path, monkeypatch,
         assert got["graph"].token_ids == got["host"].token_ids
         assert got["graph"].token_ids[:4] == memory.generate(ids, max_tokens=4).token_ids
         assert graph._compute.mailbox.experts_computed > 0 and graph._compute.gpu_share is None
-        assert graph._compute.mailbox.hot_alongside == (alongside == "1")
-        assert graph._compute.mailbox.direct == (direct == "1")
+        assert graph._compute.mailbox.direct == direct
         stats = graph.stats()
         assert stats["cpu_experts_computed"] >= graph._compute.mailbox.experts_computed
         assert stats["tiers"]["tiers"]["pinned"]["hits"] > 0 and stats["tiers"]["tiers"]["gpu"]["hits"] > 0
@@ -240,29 +244,23 @@ def test_worker_refuses_a_bad_row_count():
 
 
 @pytest.mark.gpu
-def test_one_graph_split_decode_with_a_gpu_share_follows_memory(tmp_path, monkeypatch):
-    """A 0.6 share (a GPU faster than the CPU): cold experts (whole, or split by rows) read in place by the GPU,
-    the rest on the worker, within the forked numerics' tolerance of the all-in-memory engine, in one graph a
+def test_one_graph_split_decode_with_a_gpu_share_follows_memory(tmp_path):
+    """A 0.6 share (a GPU faster than the CPU, `[debug] gpu_share`): cold experts split by rows, read in place by the
+    GPU, the rest on the worker, within the forked numerics' tolerance of the all-in-memory engine, in one graph a
     step, and the worker reads far fewer expert bytes; a smaller share leaves it more of them."""
     from mailbox_engines import one_graph_decode, tiny_split_setup
 
     model, cfg, ids, want = tiny_split_setup(tmp_path)
     computed = {}  # bytes of experts the worker read
-    for share, whole, first in (("0", "0", "1"), ("0.6", "1", "1"), ("0.6", "0", "1"), ("0.35", "0", "1"),
-                                ("0.6", "0", "0")):
-        monkeypatch.setenv("STRATA_MAILBOX_GPU_SHARE", share)
-        monkeypatch.setenv("STRATA_MAILBOX_WHOLE_EXPERTS", whole)  # "0": experts split by rows
-        monkeypatch.setenv("STRATA_MAILBOX_SHARE_FIRST", first)  # "0": the share on the second stream, as before
-        with one_graph_decode(model, cfg, ids, want) as (tiered, read, _):
-            assert (tiered._compute.gpu_share is None) == (share == "0")
-            if share != "0":
-                assert tiered._compute.gpu_share.granules == (1 if whole == "1" else 4)  # tiny: 32 rows, 8 a granule
-            computed[(share, whole, first)] = read
-    computed = {key[:2]: read for key, read in computed.items() if key[2] == "1"} | {"last": computed[("0.6", "0", "0")]}
-    assert 0 < computed[("0.6", "1")] < 0.75 * computed[("0", "0")]
-    assert 0 < computed[("0.6", "0")] < 0.75 * computed[("0", "0")]
-    assert 0 < computed["last"] < 0.75 * computed[("0", "0")]  # either stream order serves the same split
-    assert computed[("0.6", "0")] < computed[("0.35", "0")] < computed[("0", "0")]
+    for share in (0, 0.6, 0.35):
+        with one_graph_decode(model, {**cfg, "debug": {"gpu_share": share}}, ids, want) as (tiered, read, _):
+            assert (tiered._compute.gpu_share is None) == (share == 0)
+            if share:
+                assert tiered._compute.gpu_share.granules == 4  # tiny: 32 rows, 8 a granule
+                assert not tiered._compute.gpu_share.adaptive and tiered._compute.gpu_share.value == share
+            computed[share] = read
+    assert 0 < computed[0.6] < 0.75 * computed[0]
+    assert computed[0.6] < computed[0.35] < computed[0]
 
 
 @needs_kernel

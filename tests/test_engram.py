@@ -159,7 +159,7 @@ def shm_dir():
 @pytest.mark.parametrize("tier", ["pinned", "tmpfs", "disk"])
 def test_tiered_rows_equal_memory_tables(tiny_model_dir, memory_engine, shm_dir, tier):
     # a row cache of 16 rows and reads of 5 rows: prompts span many read batches and evict constantly
-    conf = {"engram": {"tier": tier, "row_cache": "256B", "read_batch": 5},
+    conf = {"engram": {"tier": tier, "row_cache": "256B"}, "debug": {"engram_read_batch": 5},
             "tiers": {"disk": {"scrub": False}, "tmpfs": {"path": shm_dir}}}
     with Engine.from_pretrained(tiny_model_dir, config=conf, device="cpu") as eng:
         ids = PROMPTS[0] + PROMPTS[1]
@@ -257,7 +257,8 @@ def test_no_engram_demo(tmp_path):
 def test_gpu_tiers_equal_memory(tiny_model_dir, shm_dir, tier, zero_copy):
     mem = Engine.from_pretrained(tiny_model_dir, config={"runtime": {"experts": "memory", "dtype": "float32"}}, device="cuda")
     conf = {"runtime": {"dtype": "float32"}, "tiers": {"disk": {"scrub": False}, "tmpfs": {"path": shm_dir}},
-            "engram": {"tier": tier, "row_cache": "512B", "read_batch": 5, "zero_copy": zero_copy}}
+            "engram": {"tier": tier, "row_cache": "512B"},
+            "debug": {"engram_read_batch": 5, "engram_zero_copy": zero_copy}}
     with Engine.from_pretrained(tiny_model_dir, config=conf, device="cuda") as eng:
         # pinned and tmpfs tables are read in place by the GPU (no row cache) unless zero_copy is off
         assert eng.model.engram.stats()["zero_copy"] == (tier in ("pinned", "tmpfs") and zero_copy)
@@ -333,7 +334,8 @@ def test_decode_graph_rows_from_the_host_cache_by_slot(tiny_model_dir, memory_en
     from strata.runtime.engram_decode import StaticEngramStep
 
     cfg = memory_engine.checkpoint.config
-    conf = {"engram": {"tier": "disk", "row_cache": "2KiB", "read_batch": 7}, "tiers": {"disk": {"scrub": False}}}
+    conf = {"engram": {"tier": "disk", "row_cache": "2KiB"}, "debug": {"engram_read_batch": 7},
+            "tiers": {"disk": {"scrub": False}}}
     with Engine.from_pretrained(tiny_model_dir, config=conf, device="cpu") as eng:
         rt, ref_rt = eng.model.engram, memory_engine.model.engram
         store = rt.source

@@ -18,7 +18,8 @@ from strata.tiers.engram_handshake import RowHandshake
 
 pytestmark = pytest.mark.skipif(not native_io.available(), reason="needs the native helpers (a C++ compiler)")
 
-DISK = {"engram": {"tier": "disk", "row_cache": "2KiB", "read_batch": 7}, "tiers": {"disk": {"scrub": False}}}
+DISK = {"engram": {"tier": "disk", "row_cache": "2KiB"}, "debug": {"engram_read_batch": 7},
+        "tiers": {"disk": {"scrub": False}}}
 
 
 @pytest.fixture(scope="module")
@@ -150,7 +151,7 @@ def test_a_failed_read_is_raised_at_the_next_step(tiny_model_dir, memory_engine,
 def test_decode_graphs_wait_on_the_device_for_disk_rows(tiny_model_dir):
     """Tables on disk on a GPU: decode steps replay as one graph each (no segments), hashing on the device and
     waiting there for the host thread's rows; greedy tokens equal the in-memory model's and those of the
-    segmented host path (`graph_wait = false`), batched and alone, over enough steps for the cache to turn over."""
+    segmented host path (`[debug] engram_graph_wait = false`), batched and alone, over enough steps for the cache to turn over."""
     from test_engram import PROMPTS, _scheduler_decode
 
     mem = Engine.from_pretrained(tiny_model_dir, config={"runtime": {"experts": "memory", "dtype": "float32"}},
@@ -159,7 +160,8 @@ def test_decode_graphs_wait_on_the_device_for_disk_rows(tiny_model_dir):
     got = {}
     for wait in (True, False):
         conf = {"runtime": {"dtype": "float32"}, "tiers": {"disk": {"scrub": False}},
-                "engram": {"tier": "disk", "row_cache": "2KiB", "read_batch": 5, "graph_wait": wait}}
+                "engram": {"tier": "disk", "row_cache": "2KiB"},
+                "debug": {"engram_read_batch": 5, "engram_graph_wait": wait}}
         with Engine.from_pretrained(tiny_model_dir, config=conf, device="cuda") as eng:
             assert (eng.model.engram.handshake is not None) == wait
             got[wait] = _scheduler_decode(eng, PROMPTS, max_tokens=24)

@@ -117,13 +117,17 @@ def test_decode_attention_equals_sdpa_over_the_gathered_window(batch, heads, kv_
         torch.testing.assert_close(out[1].float(), expect.float(), rtol=1e-2, atol=1e-2)
 
 
-def test_fusion_off_runs_the_torch_chain(monkeypatch):
+def test_fusion_off_runs_the_torch_chain():
+    """A forward pass whose engine has `[debug] fused_kernels = false` (its kernel options) takes torch's chains."""
+    from strata.kernels.options import KernelOptions, kernel_options
+
     x = torch.randn(2, 64).to(DTYPE).to(DEVICE)
-    monkeypatch.setattr(fused, "ENABLED", False)
-    assert not fused.fused_ok(x)
-    assert fused.softmax_topk(x, 2, True) is None
-    assert torch.equal(fused.rms_norm(x, torch.ones(64, dtype=DTYPE, device=DEVICE), 1e-6),
-                       torch_norm(x, torch.ones(64, dtype=DTYPE, device=DEVICE), 1e-6))
+    with kernel_options(KernelOptions(fused=False)):
+        assert not fused.fused_ok(x)
+        assert fused.softmax_topk(x, 2, True) is None
+        assert torch.equal(fused.rms_norm(x, torch.ones(64, dtype=DTYPE, device=DEVICE), 1e-6),
+                           torch_norm(x, torch.ones(64, dtype=DTYPE, device=DEVICE), 1e-6))
+    assert fused.fused_ok(x) == (fused.triton is not None and (x.is_cuda or fused._INTERPRET))
 
 
 @pytest.mark.parametrize("norm", [True, False])

@@ -10,12 +10,12 @@ import torch
 from test_cpu_mailbox import INTER, E, H
 
 
-def _share(table, share, granule=None, inter=INTER, **kw):  # granule None: whole experts
+def _share(table, share, granule=None, inter=INTER, **kw):  # granule None: whole experts (a granule of I rows)
     from strata.kernels.grouped import HostExperts
     from strata.runtime.gpu_share import GpuShare
 
     experts = HostExperts(torch.bfloat16, (2 * inter, H), (H, inter), 2 * inter * H * 2)
-    return GpuShare(table, experts, torch.device("cpu"), share, split=granule is not None, granule=granule, **kw)
+    return GpuShare(table, experts, torch.device("cpu"), share, granule=granule or inter, **kw)
 
 
 # of 7 cold experts, the GPU's whole number g minimizing max(g / gpu rate, (7 - g) / cpu rate), share <= MAX
@@ -125,15 +125,3 @@ def test_gpu_share_balances_on_how_often_the_gpu_waited():
     with pytest.raises(ValueError, match="wait target"):
         _share(np.zeros((1, E), dtype=np.int64), 0.3, wait_target=1.0)
 
-
-def test_the_wait_target_from_the_environment_names_a_bad_value(monkeypatch):
-    from strata.runtime.expert_compute import _wait_target
-
-    monkeypatch.delenv("STRATA_MAILBOX_WAIT_TARGET", raising=False)
-    assert _wait_target() is None
-    monkeypatch.setenv("STRATA_MAILBOX_WAIT_TARGET", "0.55")
-    assert _wait_target() == 0.55
-    for value in ("1.5", "high"):
-        monkeypatch.setenv("STRATA_MAILBOX_WAIT_TARGET", value)
-        with pytest.raises(ValueError, match="STRATA_MAILBOX_WAIT_TARGET"):
-            _wait_target()

@@ -1,4 +1,4 @@
-"""Prefill-sized expert compute through grouped GEMMs (strata.kernels.grouped_gemm, runtime.grouped_prefill):
+"""Prefill-sized expert compute through grouped GEMMs (strata.kernels.grouped_gemm, [debug] grouped_prefill):
 the same sums as the per-expert loop, in memory and on tiers (a CPU-simulated GPU tier here; torch's grouped
 GEMM runs its reference loop on the CPU)."""
 
@@ -70,7 +70,7 @@ def test_grouped_experts_read_slab_slots_and_skip_pairs_not_in_the_call():
 def test_memory_engine_scores_the_same_with_grouped_prefill(tiny_model_dir):
     plain = Engine.from_pretrained(tiny_model_dir, device="cpu", config={"runtime": {"experts": "memory"}})
     grouped = Engine.from_pretrained(tiny_model_dir, device="cpu",
-                                     config={"runtime": {"experts": "memory", "grouped_prefill": True}})
+                                     config={"runtime": {"experts": "memory"}, "debug": {"grouped_prefill": True}})
     ids = plain.tokenizer.encode("The river runs through the valley and the town")
     assert any(getattr(m, "grouped", False) for m in grouped.model.modules())
     assert not any(getattr(m, "grouped", False) for m in plain.model.modules())  # "auto": CUDA only
@@ -158,8 +158,8 @@ def test_cuda_engines_with_grouped_prefill_agree_with_the_loop(tiny_model_dir):
     """bf16 on the GPU: in memory and on tiers (one GPU slot per layer, cold experts copied), the grouped
     prefill scores within bf16 rounding of the per-expert loop; in memory and tiered agree exactly."""
     ids = list(range(3, 200, 3))
-    loop = Engine.from_pretrained(tiny_model_dir, device="cuda", config={"runtime": {"experts": "memory",
-                                                                                  "grouped_prefill": False}})
+    loop = Engine.from_pretrained(tiny_model_dir, device="cuda", config={"runtime": {"experts": "memory"},
+                                                                         "debug": {"grouped_prefill": False}})
     grouped = Engine.from_pretrained(tiny_model_dir, device="cuda", config={"runtime": {"experts": "memory"}})
     assert any(getattr(m, "grouped", False) for m in grouped.model.modules())
     want = loop.score(ids)

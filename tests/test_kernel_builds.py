@@ -56,14 +56,6 @@ def test_a_decode_layers_exchange_and_plan_build_once_per_pair_block_not_per_lay
     assert len(keys["_acquire_kernel"]) == len(keys["_read_kernel"]) == 1
 
 
-def test_the_pack_gated_by_the_copy_engine_builds_once_per_pair_block():
-    """Copy-ahead's copy engine (an A/B engine) gates the pack on each layer's tag: not specialized either."""
-    share = kb.gpu_share(LAYERS)
-    keys = _keys(lambda: [kb.pack_launch(n, layer, share, TOP_K, gate=True)
-                          for n in range(1, MAX_BATCH + 1) for layer in range(LAYERS)])
-    assert len(keys["_pack_kernel"]) == len(_pair_blocks())
-
-
 def test_the_decode_cache_write_builds_once_for_every_batch_size():
     """`norm_rope_into_cache` with the queries: its B * Q_HEADS bound is not specialized (4 query heads: 4, 8, 12,
     16, ... would be two classes)."""
@@ -107,10 +99,10 @@ DECODE_KERNELS = {"_pack_kernel", "_acquire_kernel", "_read_kernel", "_plan_kern
 
 def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
     """Every Triton kernel of strata, as its wrapper launches it on the GPU (PDL on), compiles for sm_90 here: a
-    decode step's (`--model`: the probe's sweep), and prefill's rope and top-k and copy-ahead's copy. The CPU
-    tests run the kernels only through Triton's interpreter, which compiles nothing: this catches what only the
-    compiler rejects, on machines without a GPU."""
-    from strata.kernels import copy_ahead, fused
+    decode step's (`--model`: the probe's sweep), and prefill's rope and top-k. The CPU tests run the kernels only
+    through Triton's interpreter, which compiles nothing: this catches what only the compiler rejects, on machines
+    without a GPU."""
+    from strata.kernels import fused
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
     bf = torch.bfloat16
@@ -119,8 +111,6 @@ def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
         x, cos = torch.zeros(5, 4, 128, dtype=bf), torch.zeros(5, 128, dtype=bf)
         fused.norm_rope(x, cos, cos, torch.ones(128, dtype=bf), 1e-6)
         fused.softmax_topk(torch.zeros(40, 128), 8, True)
-        i64 = torch.zeros(8, dtype=torch.int64)
-        copy_ahead.launch_copy(i64, i64, torch.zeros(8, dtype=torch.int32), kb.INTER, kb.H, 2 * kb.INTER * kb.H)
 
     try:
         with kb.recorded_launches((9, 0)) as keys, kb.as_on_the_gpu():
@@ -129,7 +119,7 @@ def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
     except kb.Unavailable as e:
         pytest.skip(str(e))
     built = {name for name, k in keys.items() if k and all(s is not None and s > 0 for s in k.values())}
-    assert built == DECODE_KERNELS | {"_norm_rope_kernel", "_softmax_topk_kernel", "_copy_kernel"} == _kernels_defined()
+    assert built == DECODE_KERNELS | {"_norm_rope_kernel", "_softmax_topk_kernel"} == _kernels_defined()
 
 
 def _kernels_defined() -> set[str]:

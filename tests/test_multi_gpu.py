@@ -142,7 +142,7 @@ def test_split_decode_replays_graphs_per_card_and_equals_eager(tiny6_dir, expert
     host steps while experts are cold) and replayed; the greedy tokens equal the eager steps'."""
     conf = {"runtime": {"max_context": 256, "devices": [0, 1], "cpu_numerics": "gpu", "experts": experts},
             "tiers": {"gpu": {"budget": "96KiB"}, "disk": {"scrub": False}}}
-    graphs, eager = with_runtime(tiny6_dir, conf), with_runtime(tiny6_dir, conf, cuda_graphs=False)
+    graphs, eager = with_runtime(tiny6_dir, conf), Engine.from_pretrained(tiny6_dir, config={**conf, "debug": {"cuda_graphs": False}})
     try:
         hops_before = graphs.model.stage_map.stats.hops
         got, want = greedy(graphs, 12), greedy(eager, 12)

@@ -1,4 +1,4 @@
-"""Overlapped decode (runtime.overlap_decode): each decode step is queued before the host reads the token it is
+"""Overlapped decode ([debug] overlap_decode): each decode step is queued before the host reads the token it is
 fed. Forced on here on the CPU, where the same code runs synchronously: the tokens, texts and finish reasons
 must equal the step-by-step loop's, and the overlap must really happen (one step more than tokens read)."""
 
@@ -15,8 +15,8 @@ from strata.runtime.scheduler import GenRequest
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir):
-    on = Engine.from_pretrained(tiny_model_dir, device="cpu", config={"runtime": {"overlap_decode": True}})
-    off = Engine.from_pretrained(tiny_model_dir, device="cpu", config={"runtime": {"overlap_decode": False}})
+    on = Engine.from_pretrained(tiny_model_dir, device="cpu", config={"debug": {"overlap_decode": True}})
+    off = Engine.from_pretrained(tiny_model_dir, device="cpu", config={"debug": {"overlap_decode": False}})
     assert on.overlap_decode and not off.overlap_decode
     yield on, off
     on.close()
@@ -44,7 +44,7 @@ def test_overlap_resolves_auto_per_device(tiny_model_dir):
     assert overlap_on(True, torch.device("cpu")) and not overlap_on(False, torch.device("cuda"))
     assert not overlap_on("auto", torch.device("cuda"), cards=2) and overlap_on(True, torch.device("cuda"), cards=2)
     with pytest.raises(ConfigError, match="overlap_decode"):
-        Engine.from_pretrained(tiny_model_dir, device="cpu", config={"runtime": {"overlap_decode": "sometimes"}})
+        Engine.from_pretrained(tiny_model_dir, device="cpu", config={"debug": {"overlap_decode": "sometimes"}})
 
 
 @pytest.mark.parametrize("kwargs", [dict(max_tokens=1), dict(max_tokens=2), dict(max_tokens=13),
@@ -139,20 +139,20 @@ def test_cancel_while_a_step_is_in_flight(engines):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("experts", ["memory", "mailbox"])
-def test_overlapped_decode_on_cuda_equals_step_by_step(tmp_path, monkeypatch, experts):
+def test_overlapped_decode_on_cuda_equals_step_by_step(tmp_path, experts):
     """On CUDA "auto" overlaps: all experts in VRAM (one graph a step), and the one-graph split decode (two experts
     in VRAM, the rest on the mailbox worker; no GPU share and no promotions, so both engines keep the same
     residents): Engine.generate and the scheduler give the step-by-step engine's tokens bit for bit."""
     from strata.runtime.demo_model import write_demo_model
 
-    monkeypatch.setenv("STRATA_MAILBOX_GPU_SHARE", "0")
     model = write_demo_model(tmp_path / "tiny", size="tiny", engram=False)
     slot = 12288
     cfg = ({"runtime": {"experts": "memory"}} if experts == "memory" else
-           {"tiers": {"gpu": {"budget": str(2 * slot)}, "pinned": {"budget": str(64 * slot)}}, "policy": {"promote": False}})
+           {"tiers": {"gpu": {"budget": str(2 * slot)}, "pinned": {"budget": str(64 * slot)}}, "policy": {"promote": False},
+            "debug": {"gpu_share": 0}})
     on = Engine.from_pretrained(model, device="cuda", config=cfg)
-    off = Engine.from_pretrained(model, device="cuda", config={**cfg, "runtime": {**cfg.get("runtime", {}),
-                                                                                   "overlap_decode": False}})
+    off = Engine.from_pretrained(model, device="cuda", config={**cfg, "debug": {**cfg.get("debug", {}),
+                                                                                 "overlap_decode": False}})
     try:
         assert on.overlap_decode and not off.overlap_decode
         ids = on.tokenizer.encode("The river runs through the valley and the town")

@@ -8,21 +8,37 @@ import pytest
 import torch
 
 from strata.kernels import pdl
+from strata.kernels.options import KernelOptions, kernel_options
+
+NO_PDL = KernelOptions(pdl=False)
 
 
 def test_off_on_cpu_and_when_disabled(monkeypatch):
     x = torch.zeros(4)
     assert not pdl.on(x)
     assert pdl.launch(x) == {"PDL": False}  # no launch_pdl keyword: CPU and interpreter launches stay as before
-    monkeypatch.setattr(pdl, "ENABLED", False)
-    assert pdl.launch(x) == {"PDL": False}
+    with kernel_options(NO_PDL):
+        assert pdl.launch(x) == {"PDL": False}
+
+
+def test_a_forward_pass_without_pdl_launches_without_it(monkeypatch):
+    """On a GPU that has it, kernels launch with PDL unless the running forward pass's options turn it off
+    (`[debug] pdl = false`); the default comes back after the pass."""
+    from types import SimpleNamespace
+
+    monkeypatch.setattr(pdl, "_device_ok", lambda index: True)  # a Hopper card, as far as `on` can tell
+    x = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))
+    assert pdl.launch(x) == {"PDL": True, "launch_pdl": True}
+    with kernel_options(NO_PDL):
+        assert not pdl.on(x) and pdl.launch(x) == {"PDL": False}
+    assert pdl.on(x)
 
 
 @pytest.mark.gpu
 def test_in_force_on_hopper_and_later():
     x = torch.zeros(4, device="cuda")
     major = torch.cuda.get_device_capability()[0]
-    assert pdl.on(x) == (major >= 9 and pdl.ENABLED)
+    assert pdl.on(x) == (major >= 9)
     if pdl.on(x):
         assert pdl.launch(x) == {"PDL": True, "launch_pdl": True}
 
@@ -74,9 +90,8 @@ def test_a_dependent_chain_in_a_graph_equals_it_without_pdl(monkeypatch):
     x = torch.zeros((1, 1024), dtype=torch.bfloat16, device="cuda")
     inputs = [(torch.randn(1, 1024, generator=torch.Generator().manual_seed(i)) * 0.5).to("cuda", torch.bfloat16)
               for i in range(20)]
-    monkeypatch.setattr(pdl, "ENABLED", False)
-    want = [_chain(v, layers).clone() for v in inputs]
-    monkeypatch.setattr(pdl, "ENABLED", True)
+    with kernel_options(NO_PDL):
+        want = [_chain(v, layers).clone() for v in inputs]
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -93,18 +108,17 @@ def test_a_dependent_chain_in_a_graph_equals_it_without_pdl(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_engine_with_pdl_equals_engine_without(tmp_path, monkeypatch):
-    """The all-in-memory engine (decode graphs on) scores and decodes identically with PDL on and off."""
+def test_engine_with_pdl_equals_engine_without(tmp_path):
+    """The all-in-memory engine (decode graphs on) scores and decodes identically with PDL on and off (`[debug] pdl`),
+    the two engines side by side in one process."""
     from strata import Engine
     from strata.runtime.demo_model import write_demo_model
 
     path = write_demo_model(tmp_path / "tiny", size="tiny", engram=False)
     cfg = {"runtime": {"experts": "memory"}}
-    monkeypatch.setattr(pdl, "ENABLED", False)
-    off = Engine.from_pretrained(path, device="cuda", config=cfg)
+    off = Engine.from_pretrained(path, device="cuda", config={**cfg, "debug": {"pdl": False}})
     ids = off.tokenizer.encode("The river runs through the valley and the town")
     want_scores, want = off.score(ids), off.generate(ids, max_tokens=32).token_ids
-    monkeypatch.setattr(pdl, "ENABLED", True)
     on = Engine.from_pretrained(path, device="cuda", config=cfg)
     assert torch.equal(on.score(ids), want_scores)
     assert on.generate(ids, max_tokens=32).token_ids == want

@@ -230,45 +230,6 @@ def test_cpu_experts_by_slot_address_equal_the_handle_path(store):
         m.close()
 
 
-def test_read_in_place_holds_pinned_slots_until_the_kernel_has_run(store):
-    """`read_in_place`: the host addresses of pinned-resident experts' slots, held (so no eviction can reuse a
-    slot while a GPU kernel reads it) until `finish_in_place`'s end event has passed; None, holding nothing,
-    for an unpinned pool or an expert not resident in pinned RAM."""
-    layer = store.index.moe_layers[0]
-    m = TierManager(store, TierBudgets(gpu_slots=3, pinned_slots=16), gpu_device=torch.device("cpu"), io_threads=2)
-    try:
-        m.release(m.acquire([(layer, e) for e in range(4)], "cpu"))  # experts 0-3 resident in pinned RAM
-        assert m.read_in_place(layer, [0, 1]) is None  # plain RAM here: a GPU cannot read it in place
-        m.pool.pinned = True  # as on a CUDA host (the addresses are only bookkeeping below)
-        assert m.read_in_place(layer, [0, 9]) is None  # 9 is not in pinned RAM
-        assert all(m.pinned.refs.get((layer, e), 0) == 0 for e in (0, 9))
-        addresses = m.read_in_place(layer, [2, 0])
-        assert addresses == [m.pool.slot_address(m.pinned.slot_of[(layer, e)]) for e in (2, 0)]
-        assert m.pinned.refs[(layer, 2)] == m.pinned.refs[(layer, 0)] == 1
-
-        class Event:  # a CUDA event stand-in: not reached yet, then reached
-            done = False
-
-            def query(self):
-                return self.done
-
-            def elapsed_time(self, other):
-                return 1.0  # ms
-
-        start, end = Event(), Event()
-        m.finish_in_place(layer, [2, 0], start, end)
-        m._reap_copies()
-        assert m.pinned.refs[(layer, 2)] == 1  # the kernel has not run yet: still held
-        end.done = True
-        m._reap_copies()
-        assert m.pinned.refs.get((layer, 2), 0) == m.pinned.refs.get((layer, 0), 0) == 0
-        path = m.stats()["paths"]["pinned->gpu in place"]
-        assert path["objects"] == 2 and path["bytes"] == 2 * store.slot_bytes
-    finally:
-        m.pool.pinned = False
-        m.close()
-
-
 def _promote(store, device: str):
     """`promote` queues the move for a transfer worker: the caller returns before the copy is issued, the
     worker issues it without holding the manager's lock, and once settled the expert sits in a GPU slot with
@@ -372,8 +333,7 @@ def test_a_promotion_on_a_cpu_slab_waits_for_reads_of_unheld_slots(store):
 
 @pytest.mark.parametrize("gpu_slots, experts, want", [(448, 448, 0), (500, 448, 0), (447, 448, 16), (100, 448, 6),
                                                       (15, 448, 0)])
-def test_step_copy_slots_only_when_some_expert_can_be_cold(gpu_slots, experts, want, monkeypatch):
+def test_step_copy_slots_only_when_some_expert_can_be_cold(gpu_slots, experts, want):
     from strata.runtime.build import step_copy_slots
 
-    monkeypatch.delenv("STRATA_STREAM_SLOTS", raising=False)
     assert step_copy_slots(gpu_slots, experts) == want

@@ -15,7 +15,7 @@ from strata.tiers import native_io
 from strata.tiers.diskio import ALIGN, DiskReader, aligned_empty
 from strata.tiers.gds import GpuDirectReader
 from strata.tiers.gpu_slots import GpuSlots
-from strata.tiers.pinned import PinnedPool, huge_page_kib
+from strata.tiers.pinned import PinnedPool
 from strata.tiers.stats import PathCounters
 
 FILE_BYTES = 4 * 2**20 + 1234  # an unaligned tail: the last block is partial
@@ -214,33 +214,10 @@ def test_pinned_pool_background_and_errors():
         assert not PinnedPool(ALIGN, 1).pinned  # pin=None: pinned iff CUDA
 
 
-def test_pinned_pool_huge_pages():
-    """huge_pages=True: slots work as before, and where the kernel offers transparent huge pages (not "never")
-    the slab is backed by them; without it, not (THP's madvise mode; "always" may back either)."""
-    try:
-        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
-    except OSError:
-        mode = "[never]"
-    huge = PinnedPool(2**21, 8, pin=False, background=False, huge_pages=True)
-    plain = PinnedPool(2**21, 8, pin=False, background=False, huge_pages=False)
-    assert huge.huge_pages and not plain.huge_pages
-    for pool in (huge, plain):
-        for i in range(8):
-            pool.slot(i).fill_(i)
-        assert all(bool((pool.slot(i) == i).all()) for i in range(8))
-    got, base = huge_page_kib(huge.slot(3).data_ptr()), huge_page_kib(plain.slot(3).data_ptr())
-    if got is not None and "[never]" not in mode:
-        assert got >= 2048  # at least one 2 MiB page (the mapping need not start on a 2 MiB boundary)
-    if base is not None and "[madvise]" in mode:
-        assert base == 0
-    huge.close()
-    plain.close()
-
-
 def test_pinned_pool_allocation_failure(monkeypatch):
     import strata.tiers.pinned as pinned
 
-    def boom(nbytes, pin, huge=False):
+    def boom(nbytes, pin):
         raise MemoryError("no room")
 
     monkeypatch.setattr(pinned, "_Slab", boom)

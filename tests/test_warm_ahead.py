@@ -1,13 +1,17 @@
 """Warm-ahead: the CPU expert kernel's read-ahead of experts' leading gate/up rows into its threads' caches
 (`cpu_kernel_tuning.warm_rows`, csrc/cpu_experts.cpp's strata_cpu_warm) and the kernel computing those rows on the
 thread that read them (`run_packed(..., warm=)`), then the mailbox worker doing it for the next layer's predicted
-cold experts (csrc/cpu_mailbox.cpp, WarmCfg; copy-ahead's "cpu" engine). Which thread computes which rows must never
-change a result: every output is compared bit for bit with the plain kernel's."""
+cold experts (csrc/cpu_mailbox.cpp, WarmCfg), listed by the plan kernel (strata.kernels.warm_plan) that
+strata.runtime.warm_ahead launches in one-graph split decode. Which thread computes which rows must never change a
+result: every output is compared bit for bit with the plain kernel's."""
 
 from __future__ import annotations
 
 import array
 import ctypes
+import os
+import subprocess
+import sys
 import threading
 import time
 
@@ -15,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from strata.kernels import copy_ahead as ca
 from strata.kernels import cpu_experts as ce
+from strata.kernels import warm_plan as wp
 
 needs_kernel = pytest.mark.skipif(ce.backend() == "torch", reason="needs the compiled CPU expert kernel")
 
@@ -92,7 +96,7 @@ def test_dynamic_chunks_are_sized_from_the_rows_not_read_ahead():
     rest = inter - 700  # 68 rows left: chunks of max(32 KiB, 68 rows / 16) = 4 rows
     assert counts[1] == threads + -(-rest // ((32 << 10) // pair)) == 2 + 17
     assert torch.equal(outs[0], outs[1])
-    old = ce.tune(rest_chunks=0)  # the knob: sized from the whole call, as before the thirty-first session
+    old = ce.tune(rest_chunks=0)  # the knob: sized from the whole call
     try:
         ce.trace(True)
         assert ce.run_packed(x, meta, torch.zeros(1, hidden), threads=threads, warm=array.array("q", [700]))
@@ -266,7 +270,7 @@ def _step(box, x, w, plans=None, plan=(), tag_ok=True):
         p.zero_()
         for s, a in enumerate(plan):
             p[1 + s] = a
-        p[0] = (box._host_gen if tag_ok else box._host_gen - 1) * ca.TAG_STRIDE + 1
+        p[0] = (box._host_gen if tag_ok else box._host_gen - 1) * wp.TAG_STRIDE + 1
     cold = torch.full((2 * K,), -1, dtype=torch.int32)
     box.exchange(0, torch.tensor([1, 2, 3, 4]), cold, x, w)
     time.sleep(0.02)  # the worker reads layer 1's experts ahead meanwhile
@@ -287,7 +291,7 @@ def test_worker_reads_the_next_layers_planned_experts_ahead():
         plain.close()
     box = _mailbox(slab)
     at = [slab[e].data_ptr() for e in range(E)]
-    plans = torch.zeros((2, 1 + 3 * S), dtype=torch.int64)
+    plans = torch.zeros((2, 1 + S), dtype=torch.int64)
     budget = 4 * H * (INTER + 10)  # the first planned expert whole, 10 rows of the second
     try:
         counters = box.warm_ahead({0: 1}, plans, S, budget)
@@ -311,7 +315,7 @@ def test_warm_ahead_needs_plan_slots_and_is_set_once():
     slab = _slab(E, H, INTER)
     box = _mailbox(slab)
     try:
-        plans = torch.zeros((2, 1 + 3 * S), dtype=torch.int64)
+        plans = torch.zeros((2, 1 + S), dtype=torch.int64)
         assert box.warm_ahead({0: 1}, plans, 0, 1 << 20) is None  # no slots: refused
         assert box.warm_ahead({0: 1}, plans, S, 1 << 20) is not None
     finally:
@@ -321,8 +325,8 @@ def test_warm_ahead_needs_plan_slots_and_is_set_once():
 def test_l2_size_from_sysfs_and_the_budget_it_caps(tmp_path):
     """Warm-ahead reads no more than three quarters of its threads' L2 caches hold (rows past that would be evicted
     before the kernel reaches them); sysfs says how big an L2 is, and a host that does not say keeps the cap."""
-    from strata.runtime.copy_ahead import warm_budget
     from strata.runtime.host import l2_cache_bytes
+    from strata.runtime.warm_ahead import warm_budget
 
     cache = tmp_path / "cpu0" / "cache"
     for idx, (level, kind, size) in enumerate([(1, "Data", "48K"), (1, "Instruction", "32K"), (2, "Unified", "2048K"),
@@ -340,3 +344,118 @@ def test_l2_size_from_sysfs_and_the_budget_it_caps(tmp_path):
     assert warm_budget(8 << 20, 4, l2=1 << 20) == 3 << 20
     assert warm_budget(8 << 20, 0, l2=1 << 20) == 768 << 10  # at least one thread
     assert warm_budget(8 << 20, 4, l2=None) in (8 << 20, min(8 << 20, 3 * (l2_cache_bytes() or 0)))
+
+
+# ---- the plan (strata.kernels.warm_plan) and its driver (strata.runtime.warm_ahead) ---------------------------------
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PLAN_E = 16
+
+
+def _plan_inputs(resident=(5, 0)):
+    table = torch.arange(PLAN_E, dtype=torch.int64) * 4096 + (1 << 30)
+    slot_of = torch.full((PLAN_E,), -1, dtype=torch.int32)
+    slot_of[list(resident)] = torch.arange(len(resident), dtype=torch.int32)
+    return table, slot_of
+
+
+@pytest.mark.parametrize("slots", [8, 6, 4, 1])
+def test_the_plan_lists_the_predicted_cold_experts_in_ascending_order(slots):
+    """Only predicted experts without a GPU slot are listed, each once, in expert order, at most `slots` of them,
+    0 after the last; the tag (the step's generation and the planned layer) is written too."""
+    table, slot_of = _plan_inputs()
+    ids = torch.tensor([3, 5, 9, 1, 12, 7, 0, 2, 3, 9])  # two tokens' predictions; 5 and 0 resident
+    plan = torch.full((1 + slots,), -7, dtype=torch.int64)
+    wp.plan_warm_torch(ids, slot_of, table, plan, torch.tensor([5]), 3)
+    cold = [1, 2, 3, 7, 9, 12]
+    assert int(plan[0]) == 5 * wp.TAG_STRIDE + 3
+    assert plan[1:].tolist() == ([int(table[e]) for e in cold] + [0] * slots)[:slots]
+
+
+def check_plan_kernel(dev: torch.device) -> None:
+    """The plan kernel against its torch reference, over batch sizes, residency and both layer parities' rows of
+    one plan tensor (their lists sit at different alignments)."""
+    g = torch.Generator().manual_seed(0)
+    table, _ = _plan_inputs()
+    plans = [torch.zeros((2, 1 + 8), dtype=torch.int64, device=dev) for _ in range(2)]
+    for n in (1, 2, 8):
+        for layer in (2, 3):
+            slot_of = torch.where(torch.rand(PLAN_E, generator=g) < 0.4, 1, -1).to(torch.int32)
+            ids = torch.stack([torch.randperm(PLAN_E, generator=g)[:8] for _ in range(n)]).reshape(-1)
+            gen = torch.tensor([n], dtype=torch.int64, device=dev)
+            for plan, fn in zip(plans, (wp.plan_warm_torch, wp.plan_warm), strict=True):
+                fn(ids.to(dev), slot_of.to(dev), table.to(dev), plan[layer % 2], gen, layer)
+            assert torch.equal(plans[0].cpu(), plans[1].cpu()), (n, layer)
+            assert int(plans[1][layer % 2, 0]) == n * wp.TAG_STRIDE + layer
+
+
+def test_plan_kernel_under_tritons_interpreter():
+    pytest.importorskip("triton")
+    code = "import torch, tests.test_warm_ahead as t\nt.check_plan_kernel(torch.device('cpu'))\nprint('ok')\n"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_plan_kernel_on_the_gpu():
+    check_plan_kernel(torch.device("cuda"))
+
+
+def _warm_ahead(box, warm_bytes=None):
+    from strata.runtime.warm_ahead import WarmAhead
+
+    table, slot_of = _plan_inputs(resident=(2,))
+    predictors = {i: (lambda h: h) for i in (0, 1, 2, 4)}
+    return WarmAhead(np.repeat(table.numpy()[None], 5, axis=0), slot_of.repeat(5, 1), predictors, [0, 1, 2, 4],
+                     torch.device("cpu"), box, warm_bytes=warm_bytes)
+
+
+@needs_kernel
+def test_warm_ahead_plans_each_next_moe_layer_for_its_worker():
+    """Layer l plans l + 1 where both are MoE layers with a predictor (3 is dense here): 0 -> 1 -> 2, not 2 -> 4; a plan
+    lands in the planned layer's parity row with the step's tag; the byte budget is the L2-capped default or the one
+    given; a worker takes one warm-ahead."""
+    from strata.runtime.warm_ahead import WarmAhead, warm_budget
+
+    slab = _slab(E, H, INTER)
+    boxes = [_mailbox(slab), _mailbox(slab)]
+    try:
+        ahead = _warm_ahead(boxes[0])
+        assert ahead.next_of == {0: 1, 1: 2}
+        assert ahead.warm_bytes == warm_budget(WarmAhead.WARM_BYTES, boxes[0].threads) > 0
+        assert ahead.stats()["warm_bytes"] == ahead.warm_bytes and ahead.stats()["plans_used"] == 0
+        boxes[0].gen.fill_(6)  # the step's generation, as `begin_step` counts it on a GPU
+        ahead.plan(1, torch.tensor([[4, 2], [9, 4]]))  # 2 resident: 4 and 9 listed
+        table = ahead.table[1]
+        assert ahead.plans[1].tolist() == [6 * wp.TAG_STRIDE + 1, int(table[4]), int(table[9])] + [0] * 6
+        assert not ahead.plans[0].any()  # the other parity's row
+        assert _warm_ahead(boxes[1], warm_bytes=100000).warm_bytes == 100000
+        with pytest.raises(RuntimeError, match="cannot read ahead"):
+            _warm_ahead(boxes[0])  # one warm-ahead a worker
+    finally:
+        for box in boxes:
+            box.close()
+
+
+@pytest.mark.gpu
+def test_one_graph_split_decode_with_warm_ahead_changes_no_token(tmp_path):
+    """Warm-ahead (`[debug] warm_ahead`, on by default): the worker reads the next layer's predicted cold experts into
+    its threads' caches; nothing is staged and the split is untouched, so at a fixed share the 16 tokens are those of
+    the run without it, bit for bit, and the worker computed rows it had read ahead."""
+    from mailbox_engines import one_graph_decode, tiny_split_setup
+
+    from strata.runtime.warm_ahead import WarmAhead, warm_budget
+
+    model, cfg, ids, want = tiny_split_setup(tmp_path)
+    tokens, stats = {}, {}
+    for name, warm in (("off", False), ("on", True)):
+        config = {**cfg, "debug": {"gpu_share": 0.35, "warm_ahead": warm}}
+        with one_graph_decode(model, config, ids, want) as (tiered, read, groups):
+            assert (tiered._compute.warm_ahead is None) == (not warm)
+            tokens[name] = tiered.generate(ids, max_tokens=16).token_ids
+            if warm:
+                stats = tiered._compute.mailbox_stats()["warm_ahead"]
+                threads = tiered._compute.mailbox.threads
+    assert tokens["off"] == tokens["on"]
+    assert stats["warm_bytes"] == warm_budget(WarmAhead.WARM_BYTES, threads) > 0
+    assert stats["plans_used"] > 0 and stats["read_bytes"] > 0 and stats["computed_bytes"] > 0

@@ -40,7 +40,7 @@ def test_warmup_steps_through_every_batch_size_and_is_not_traffic(tiny_engine):
 def test_warmup_under_overlapped_decode_visits_every_size(tiny_model_dir):
     """With overlapped decode (the CUDA default; forced on here) steps chain while no sequence finishes: a finishing
     request still ends each chain, so every size is decoded once."""
-    with Engine.from_pretrained(tiny_model_dir, device="cpu", config={"runtime": {"overlap_decode": True}}) as eng:
+    with Engine.from_pretrained(tiny_model_dir, device="cpu", config={"debug": {"overlap_decode": True}}) as eng:
         sched = eng.scheduler(max_batch=4)
         try:
             assert warm_up(sched).batch_sizes[:5] == [4, 3, 2, 1, 1]

@@ -12,7 +12,7 @@ claim down chunks and read them ahead; `tune`); one fork/join per layer, the GIL
 software prefetch along the rows. `trace` times each call's phases (strata/kernels/cpu_kernel_tuning.py). A worker the OS has not scheduled yet holds
 no work, so nobody waits for it (CPU oversubscription degrades gracefully).
 
-Backends (`backend()` says which one runs; `STRATA_CPU_KERNEL` or the `backend=` argument picks):
+Backends (`backend()` says which one runs; the `backend=` argument picks, an engine's `[debug] cpu_kernel`):
   avx512_bf16  AVX-512 BF16 `vdpbf16ps`: activations and the intermediate silu(gate)*up are rounded to
                bf16, products summed in fp32. Default where the CPU has it.
   avx512       AVX-512F, bf16 weights widened to fp32 by shifts, fp32 activations and accumulation.
@@ -23,7 +23,7 @@ Backends (`backend()` says which one runs; `STRATA_CPU_KERNEL` or the `backend=`
                machines without AVX-512. Slow; only on request.
   torch        the reference math in fp32 on the upcast weights (`expert_swiglu`), one expert at a
                time. Used when the extension cannot be built (no compiler, not x86-64, build error:
-               one warning line), when `STRATA_CPU_KERNEL=torch`, and for experts with more than
+               one warning line), when asked for ("torch"), and for experts with more than
                `MAX_TOKENS` tokens (prefill-sized groups: compute-bound, torch/oneDNN does them better;
                the executor should send those to the GPU anyway).
 
@@ -41,13 +41,11 @@ kernel's experts in the order given. Results are therefore bit-identical for any
 scheduling, for a given backend. Experts sent to torch (more than MAX_TOKENS tokens) are added after
 the kernel's experts.
 
-Environment: STRATA_CPU_KERNEL=auto|avx512_bf16|avx512|avx2|torch, STRATA_CPU_THREADS (default: the
-physical cores this process may run on), STRATA_CPU_KERNEL_MAX_TOKENS (default 32), STRATA_CPU_PREFETCH
-(software prefetch distance along weight rows in bytes, default 2048, 0 = off; see `configure`),
-STRATA_CPU_SPIN_US (how long idle workers spin before sleeping, default 1000), STRATA_CPU_TUNE (scheduling
-knobs, `strata.kernels.cpu_kernel_tuning`; e.g. "claim_ahead=4"). The extension is
-cached under $STRATA_CACHE/ext (else $XDG_CACHE_HOME/strata/ext or ~/.cache/strata/ext), keyed by a
-hash of its sources, the compiler flags, torch's and Python's versions.
+`configure` sets the default thread count (else the physical cores this process may run on), the pool's
+CPUs, how long idle workers spin and the software prefetch distance; `tune` the scheduling knobs
+(`strata.kernels.cpu_kernel_tuning`). The extension is cached under $STRATA_CACHE/ext (else
+$XDG_CACHE_HOME/strata/ext or ~/.cache/strata/ext), keyed by a hash of its sources, the compiler flags,
+torch's and Python's versions.
 """
 
 from __future__ import annotations
@@ -63,7 +61,7 @@ from collections.abc import Sequence
 import torch
 
 from strata.kernels.cpu_experts_build import build_and_open, one_line
-from strata.kernels.cpu_kernel_tuning import TRACE_FIELDS, TUNE_KEYS, env_knobs, read_sweep, trace, tune, warm_rows  # noqa: F401
+from strata.kernels.cpu_kernel_tuning import TRACE_FIELDS, TUNE_KEYS, read_sweep, trace, tune, warm_rows  # noqa: F401
 from strata.kernels.experts import expert_swiglu
 
 log = logging.getLogger(__name__)
@@ -73,7 +71,7 @@ _AUTO_ORDER = ("avx512_bf16", "avx512", "avx2")
 BACKENDS = ("avx512_bf16", "avx512", "avx2", "torch")
 
 DEFAULT_PREFETCH_BYTES = 2048
-"""Software prefetch distance along each weight row ($STRATA_CPU_PREFETCH overrides; 0: off)."""
+"""Software prefetch distance along each weight row (`configure(prefetch_bytes=)` overrides; 0: off)."""
 
 MAX_TOKENS = 32
 """Experts with more tokens than this in one call go to torch's matmul (the CPU is compute-bound there)."""
@@ -83,7 +81,7 @@ TOLERANCE = {"torch": 1e-5, "avx2": 1e-4, "avx512": 1e-4, "avx512_bf16": 1.5e-2,
 """Bound on max |out - reference| / max |reference| for each backend (see the module docstring)."""
 
 _lock = threading.Lock()
-META = 7  # int64 fields of one expert's row in `run_packed`'s meta (csrc/cpu_experts.cpp's STRATA_META)
+META = 7  # int64 fields of one expert's row in `run_packed`'s meta (csrc/cpu_experts.cpp's META_FIELDS)
 _lib: ctypes.CDLL | None = None
 _lib_tried = False
 _isa_mask = 0
@@ -108,15 +106,12 @@ def _load() -> ctypes.CDLL | None:
     with _lock:
         if not _lib_tried:
             t0 = time.perf_counter()
-            knobs = env_knobs()  # a bad $STRATA_CPU_TUNE is the user's error, not a reason to fall back to torch
             try:
                 lib = build_and_open()
                 if lib.strata_cpu_meta_fields() != META:
                     raise RuntimeError(f"kernel takes {lib.strata_cpu_meta_fields()} meta fields, strata packs {META}")
                 _isa_mask = lib.strata_cpu_isa_mask()
                 lib.strata_cpu_configure(spin_us(), None, -1, prefetch_bytes())
-                for name, value in knobs.items():
-                    lib.strata_cpu_tune(TUNE_KEYS[name], value)
                 _lib = lib
             except Exception as exc:  # no compiler, no ninja, not x86-64, read-only cache...
                 log.warning("strata: CPU expert kernel unavailable (%s); using the torch fallback", one_line(exc))
@@ -132,13 +127,13 @@ def available_isa(name: str) -> bool:
 
 def available_backends() -> list[str]:
     """Backends this machine can run, best first ("torch" always; not the test-only emulations)."""
-    lib = None if os.environ.get("STRATA_CPU_KERNEL", "").strip().lower() == "torch" else _load()
+    lib = _load()
     names = [n for n in _AUTO_ORDER if lib is not None and _isa_mask & (1 << _ISA[n])]
     return names + ["torch"]
 
 
 def _resolve(requested: str | None) -> str:
-    req = (requested or os.environ.get("STRATA_CPU_KERNEL") or "auto").strip().lower()
+    req = (requested or "auto").strip().lower()
     if req == "torch":
         return "torch"
     if req != "auto" and req not in _ISA:
@@ -157,22 +152,20 @@ def _resolve(requested: str | None) -> str:
     return "torch"
 
 
-def backend() -> str:
-    """Which path `cpu_experts_forward` uses now: "avx512_bf16", "avx512", "avx2" or "torch"."""
-    return _resolve(None)
+def backend(requested: str | None = None) -> str:
+    """Which path `cpu_experts_forward(..., backend=requested)` takes here: "avx512_bf16", "avx512", "avx2" or
+    "torch" (`requested` None or "auto": the best this CPU runs)."""
+    return _resolve(requested)
 
 
 _default_threads: int | None = None
 
 
 def default_threads() -> int:
-    """configure(threads=...), else $STRATA_CPU_THREADS, else the physical cores this process may use."""
+    """configure(threads=...), else the physical cores this process may use."""
     global _default_threads
     if _threads_override:
         return _threads_override
-    env = os.environ.get("STRATA_CPU_THREADS")
-    if env:
-        return max(1, int(env))
     if _default_threads is None:
         try:
             usable = len(os.sched_getaffinity(0))
@@ -193,7 +186,7 @@ def configure(threads: int | None = None, cpus: Sequence[int] | None = None, spi
     """Tune the kernel. threads: default thread count. cpus: CPUs to pin the pool's workers to (worker
     i on cpus[i % len]; the calling thread is left alone; [] unpins). spin_us: how long idle workers
     spin before sleeping (default `DEFAULT_SPIN_US`). prefetch_bytes: software prefetch distance along each weight
-    row in bytes (default 2048, or $STRATA_CPU_PREFETCH; 0 turns it off)."""
+    row in bytes (default `DEFAULT_PREFETCH_BYTES`; 0 turns it off)."""
     global _threads_override, _prefetch_override
     if threads is not None:
         _threads_override = max(1, int(threads))
@@ -207,29 +200,19 @@ def configure(threads: int | None = None, cpus: Sequence[int] | None = None, spi
 
 
 def prefetch_bytes() -> int:
-    """The software prefetch distance in force: configure(prefetch_bytes=...), $STRATA_CPU_PREFETCH, 2048."""
-    if _prefetch_override is not None:
-        return _prefetch_override
-    env = os.environ.get("STRATA_CPU_PREFETCH")
-    return max(0, int(env)) if env else DEFAULT_PREFETCH_BYTES
+    """The software prefetch distance in force: configure(prefetch_bytes=...), else `DEFAULT_PREFETCH_BYTES`."""
+    return _prefetch_override if _prefetch_override is not None else DEFAULT_PREFETCH_BYTES
 
 
 DEFAULT_SPIN_US = 1000
 
 
 def spin_us() -> int:
-    """How long idle pool workers spin before sleeping: $STRATA_CPU_SPIN_US, else `DEFAULT_SPIN_US`. A split
-    decode step calls the kernel once per layer with ~0.2-0.4 ms of GPU and host work between calls, so a
-    100 us spin put the workers to sleep before every call and small CPU shares waited for 15 wake-ups (H200
-    box, 12-layer bench model: 1000 us ran skewed routing 117 tok/s against 106-109 and uniform 60.4 against
-    57.9, bench/RESULTS.md). Shorter frees the cores sooner on a shared host."""
-    env = os.environ.get("STRATA_CPU_SPIN_US")
-    return max(0, int(env)) if env else DEFAULT_SPIN_US
-
-
-def max_tokens() -> int:
-    env = os.environ.get("STRATA_CPU_KERNEL_MAX_TOKENS")
-    return int(env) if env else MAX_TOKENS
+    """How long idle pool workers spin before sleeping when the extension loads (`configure(spin_us=)` changes it
+    later): a split decode step calls the kernel once per layer with ~0.2-0.4 ms of GPU and host work between
+    calls, so a much shorter spin puts the workers to sleep before every call and small CPU shares wait for their
+    wake-ups. Shorter frees the cores sooner on a shared host."""
+    return DEFAULT_SPIN_US
 
 
 def run_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads: int | None = None, *,
@@ -284,12 +267,13 @@ class PackedCall:
 _async_slot = threading.Lock()  # the launcher runs one call at a time
 
 
-def start_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads: int | None = None) -> PackedCall | None:
+def start_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads: int | None = None, *,
+                 backend: str | None = None) -> PackedCall | None:
     """`run_packed` on the kernel's launcher thread (share 0 of the pool's job): returns at once, the caller
     keeps driving the GPU; `wait()` joins it. The same thread count as `run_packed` (a different one would
     rebuild the pool at every switch).
     None, doing nothing, when the compiled kernel is not in use or another call is in flight."""
-    name = _resolve(None)
+    name = _resolve(backend)
     if name == "torch" or not meta or not _async_slot.acquire(blocking=False):
         return None
     n_rows, hidden = x32.shape
@@ -299,33 +283,24 @@ def start_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, thread
     return PackedCall(n_rows, name, (x32, meta, out))
 
 
-def isa_code() -> int:
-    """The compiled kernel's code for the instruction set `backend()` chose (0: the torch fallback)."""
-    name = _resolve(None)
+def isa_code(requested: str | None = None) -> int:
+    """The compiled kernel's code for the instruction set `backend(requested)` chooses (0: the torch fallback)."""
+    name = _resolve(requested)
     return 0 if name == "torch" else _ISA[name]
 
 
 def start_mailbox(cfg, boxes, layers, addresses, log, counters) -> int:
     """Start the native mailbox worker (csrc/cpu_mailbox.cpp; the arguments are numpy arrays laid out as
-    strata.runtime.cpu_mailbox describes, kept alive by the caller until `stop_mailbox`); its handle, 0
-    when the compiled kernel is not in use."""
-    if _resolve(None) == "torch":
+    strata.runtime.cpu_mailbox describes, kept alive by the caller until `stop_mailbox`; cfg[7] the `isa_code`);
+    its handle, 0 when the compiled kernel is not in use (isa code 0)."""
+    if _load() is None or int(cfg[7]) == 0:
         return 0
     return int(_lib.strata_mailbox_start(*(a.ctypes.data for a in (cfg, boxes, layers, addresses, log, counters))))
 
 
-def mailbox_ahead(handle: int, cfg, next_layers, plans: int, flag_host: int, flag_dev, counters) -> int:
-    """Give the mailbox worker `handle` its copy-ahead (csrc/mailbox_ahead.h, `strata_mailbox_ahead`): cfg, next_layers,
-    flag_dev and counters are int64 numpy arrays; plans and flag_host addresses of page-locked memory. 0 on success."""
-    if not handle or _lib is None:
-        return -1
-    return int(_lib.strata_mailbox_ahead(handle, cfg.ctypes.data, next_layers.ctypes.data, plans, flag_host,
-                                         flag_dev.ctypes.data, counters.ctypes.data))
-
-
 def mailbox_warm(handle: int, next_layers, plans: int, slots: int, nbytes: int, counters) -> int:
     """Give the mailbox worker `handle` its warm-ahead (csrc/cpu_mailbox.cpp, `strata_mailbox_warm`): next_layers
-    and counters int64 numpy arrays, plans the address of copy-ahead's page-locked plans. 0 on success."""
+    and counters int64 numpy arrays, plans the address of warm-ahead's page-locked plans. 0 on success."""
     if not handle or _lib is None:
         return -1
     return int(_lib.strata_mailbox_warm(handle, next_layers.ctypes.data, plans, slots, nbytes, counters.ctypes.data))
@@ -354,7 +329,7 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, t
     x [N, H] fp32 or bf16 (CPU); weights[e] = (gate_up [2I, H], down [H, I]) bf16 CPU tensors, each its
     own buffer; token_idx[e] int64 rows of x (may be empty); token_w[e] fp32 routing weights of those
     rows. `threads`: the kernel's thread count (default `default_threads()`; the torch path ignores it).
-    `backend`: override `STRATA_CPU_KERNEL` for this call.
+    `backend`: the instruction set ("auto" or None: the best this CPU runs; "torch": the reference math).
     """
     if x.dim() != 2 or x.device.type != "cpu":
         raise ValueError(f"x must be a [N, H] CPU tensor, got {tuple(x.shape)} on {x.device}")
@@ -367,7 +342,7 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, t
         raise ValueError(f"out must be a [{N}, {H}] fp32 CPU tensor, got {tuple(out.shape)} {out.dtype} on {out.device}")
     name = _resolve(backend)
     x32 = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
-    limit = 0 if name == "torch" else max_tokens()
+    limit = 0 if name == "torch" else MAX_TOKENS
     bf16 = torch.bfloat16
     meta = array.array("q")
     keep = []  # converted tensors must outlive the call

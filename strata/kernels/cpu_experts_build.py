@@ -18,7 +18,7 @@ from strata.fsutil import cache_root
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("cpu_experts.cpp", "cpu_experts_kernel.h", "cpu_experts_emu.h", "cpu_pool.h", "cpu_warm.h", "cpu_tuning.h",
-            "cpu_mailbox.cpp", "mailbox_ahead.h")
+            "cpu_mailbox.cpp")
 # Plain x86-64 (the vector code is compiled per function, under target pragmas); no FMA contraction, so
 # a*b+c rounds the same way in every instruction set and in the emulations.
 _CFLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fvisibility=hidden"]
@@ -95,8 +95,6 @@ def build_and_open() -> ctypes.CDLL:
     lib.strata_mailbox_stop.argtypes = [ctypes.c_int64]
     lib.strata_mailbox_stop.restype = ctypes.c_int
     lib.strata_mailbox_log_codes.argtypes = []
-    lib.strata_mailbox_ahead.argtypes = [ctypes.c_int64] + [ctypes.c_void_p] * 6
-    lib.strata_mailbox_ahead.restype = ctypes.c_int
     lib.strata_mailbox_warm.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                         ctypes.c_int64, ctypes.c_void_p]
     lib.strata_mailbox_warm.restype = ctypes.c_int

@@ -6,16 +6,14 @@
 
 None of the knobs changes a result: each output element keeps one writer and one summation order, whatever the
 chunking or which thread reads what (tests/test_cpu_experts.py checks bit-equality across settings). They exist
-to measure (`bench/cpu_kernel_trace.py`, `bench/hotpath.py`'s claimN / dsplit / chunkdivN modifiers) and are set
-at load from $STRATA_CPU_TUNE, e.g. "claim_ahead=4,chunk_div=16". Each function does nothing and returns an
-empty result (or None) when the compiled kernel is not in use.
+to measure (`bench/cpu_kernel_trace.py`'s `--knobs`, parsed by `parse_knobs`). Each function does nothing and
+returns an empty result (or None) when the compiled kernel is not in use.
 """
 
 from __future__ import annotations
 
 import array
 import ctypes
-import os
 import time
 from collections.abc import Sequence
 
@@ -47,7 +45,7 @@ def _lib():
     return cpu_experts._load()
 
 
-def parse_knobs(text: str, source: str = "STRATA_CPU_TUNE") -> dict[str, int]:
+def parse_knobs(text: str, source: str = "knobs") -> dict[str, int]:
     """Knobs from "name=integer" items, comma-separated (e.g. "claim_ahead=4,chunk_div=16"); ValueError naming
     `source` and the bad item."""
     knobs: dict[str, int] = {}
@@ -58,11 +56,6 @@ def parse_knobs(text: str, source: str = "STRATA_CPU_TUNE") -> dict[str, int]:
                              f"{', '.join(TUNE_KEYS)}")
         knobs[name.strip()] = int(value)
     return knobs
-
-
-def env_knobs() -> dict[str, int]:
-    """$STRATA_CPU_TUNE parsed (`parse_knobs`): the knobs applied when the extension loads."""
-    return parse_knobs(os.environ.get("STRATA_CPU_TUNE", ""))
 
 
 def tune(**knobs: int) -> dict[str, int]:

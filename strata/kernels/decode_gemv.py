@@ -1,7 +1,7 @@
 """A decode step's dense projections as a Triton GEMV: y = x @ W.T (+ b) for one row of x.
 
 At decode a single sequence's attention projections are matrix-vector products bound by reading W from HBM.
-cuBLAS picks GEMM tiles for them that leave bandwidth unused on the H200 (RESULTS.md, twenty-second session,
+cuBLAS picks GEMM tiles for them that leave bandwidth unused on the H200 (bench/RESULTS.md,
 `bench/gemv_probe.py`: the bench model's o projection, 2048 x 4096 bf16, 9.3 us in cuBLAS against 6.2 us
 here; its stacked q/k/v, 5120 x 2048, 7.6 against 6.8 us). Each program reads BLOCK_M full rows of W once,
 streaming K in BLOCK_K tiles, with one fp32 sum a row; one launch, no split-K reduce. For more rows than one
@@ -10,13 +10,10 @@ streaming K in BLOCK_K tiles, with one fp32 sum a row; one launch, no split-K re
 Results add each row's products in another order than cuBLAS and round once (a bias is added in fp32), so they
 may differ from `F.linear` by one bf16 rounding step in a few elements (tests bound it against a float64
 reference); the all-in-memory and tiered engines take the same path, so tiering does not change them.
-`STRATA_DECODE_GEMV=0` keeps cuBLAS (the A/B switch, bench/hotpath.py's `+nogemv`). Off CUDA (and without
-Triton) `linear` is `F.linear`.
+Off CUDA (and without Triton, or with the module flag `ENABLED` off, as tests do) `linear` is `F.linear`.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +22,7 @@ from strata.kernels import fused, pdl
 
 triton, tl = fused.triton, (fused.tl if fused.triton is not None else None)
 
-ENABLED = os.environ.get("STRATA_DECODE_GEMV", "1") != "0"
+ENABLED = True  # a module flag, not a setting: tests turn it off to compare with cuBLAS
 MAX_ROWS = 1  # rows of x the GEMV takes; at 4 and 8 rows the probe had per-row sums 2-10x slower than cuBLAS
 
 
@@ -40,7 +37,7 @@ def available(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def config(m: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_K, num_warps, num_stages) for W [m, k]: 2 warps streaming 1024-wide K tiles of one row of
     W a program, two for a tall W (many programs already keep the H200's 132 SMs reading). These are the probe's
-    sweep winners for this kernel on the H200 (RESULTS.md, twenty-second session)."""
+    sweep winners for this kernel on the H200 (bench/RESULTS.md)."""
     return 2 if m >= 4096 else 1, min(1024, triton.next_power_of_2(k)), 2, 2
 
 

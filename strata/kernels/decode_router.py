@@ -13,13 +13,10 @@ top-k as `fused._softmax_topk_kernel`, then looks each chosen expert's slot up. 
 except where the GEMV's sum, added in another order, rounds a logit to the neighbouring bf16 value: a top-k
 choice can then differ only between experts whose logits tie within one rounding step.
 
-`STRATA_FUSED_ROUTER=0` (or the folds off) keeps the three launches: the A/B switch (bench/hotpath.py's
-`+norouter`).
+With `ENABLED` off (or the folds off) the three launches run: tests compare the two.
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 
@@ -27,7 +24,7 @@ from strata.kernels import fused, pdl
 
 triton, tl = fused.triton, (fused.tl if fused.triton is not None else None)
 
-ENABLED = os.environ.get("STRATA_FUSED_ROUTER", "1") != "0"
+ENABLED = True  # a module flag, not a setting: tests turn it off to compare with the three launches
 MAX_ROWS = 16  # decode-sized batches (the graphs' largest); a prefill chunk's GEMM is cuBLAS's job
 EXPERTS_PER_PROGRAM = 2  # EB: 64 programs a row on 128 experts, each reading 2 x H weights at once
 

@@ -9,8 +9,8 @@ intermediate rounded to the model dtype where torch rounds it); only reductions 
 sum) add in another order, so results agree with the torch chain to the last bf16 bit in almost every
 element and never by more than one rounding step.
 
-Every function falls back to the torch chain off CUDA, without Triton, or with `STRATA_FUSED_KERNELS=0`
-(`ENABLED`), so CPU runs and the reference path are unchanged.
+Every function falls back to the torch chain off CUDA, without Triton, or in a forward pass whose engine has
+`[debug] fused_kernels = false` (`strata.kernels.options`), so CPU runs and the reference path are unchanged.
 """
 
 from __future__ import annotations
@@ -26,30 +26,25 @@ try:  # Triton ships with CUDA builds of torch; CPU-only installs do without it
 except ImportError:  # pragma: no cover - exercised on CPU-only hosts
     triton = None
 
-from strata.kernels import pdl  # noqa: E402 - after the optional Triton import, which it repeats
+from strata.kernels import options, pdl  # noqa: E402 - after the optional Triton import, which pdl repeats
 
-ENABLED = os.environ.get("STRATA_FUSED_KERNELS", "1") != "0"  # the A/B switch of bench/hotpath.py's ceiling cases
 # Launches folded into a neighbour: the decode step's key/value cache writes into the key's rotary kernel, the
-# attention residual's add into the next RMSNorm, the q/k/v projections into one GEMM (`GQAAttention`). Measured
-# on the H200 (bench/hotpath.py's ceiling vs ceiling_nofolds, RESULTS.md); $STRATA_FUSED_FOLDS=0 turns them off.
-FOLDS = os.environ.get("STRATA_FUSED_FOLDS", "1") != "0"
-# The folds save launches, which is what a decode step's few rows are bound by; a prefill chunk is bound by
-# its GEMMs and attention, where a launch saved is worth nothing measurable, so batches of more rows than
-# this take the unfolded ops (RESULTS.md, sixth session: the ceiling's 8K prefill is slower with the folds on
-# whether or not they cover prefill chunks; the cause is still open).
+# attention residual's add into the next RMSNorm, the q/k/v projections into one GEMM (`GQAAttention`). Module
+# flags, not settings: tests turn them off to compare a fold with the ops it replaces.
+FOLDS = True
+# The folds save launches, which is what a decode step's few rows are bound by; a prefill chunk is bound by its
+# GEMMs and attention, where a launch saved is worth nothing measurable, so batches of more rows than this take
+# the unfolded ops.
 FOLD_MAX_ROWS = 256
-# A fold of its own A/B switch ($STRATA_FUSED_RESIDUAL=0, bench/hotpath.py's `+noresidual`): a MoE layer's residual
-# add in the experts' combine launch (`combine(..., residual=)`), one launch fewer a decode layer.
-RESIDUAL_FOLD = os.environ.get("STRATA_FUSED_RESIDUAL", "1") != "0"
-# A fold of its own A/B switch ($STRATA_FUSED_QK=0, bench/hotpath.py's `+noqk`): a decode step's query norm and rotary in
-# the keys' cache-write launch (`norm_rope_into_cache(..., q=)`), one launch fewer a decode layer.
-QK_FOLD = os.environ.get("STRATA_FUSED_QK", "1") != "0"
+RESIDUAL_FOLD = True  # a MoE layer's residual add in the experts' combine launch (`combine(..., residual=)`)
+QK_FOLD = True  # a decode step's query norm and rotary in the keys' cache-write launch (`norm_rope_into_cache(..., q=)`)
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter (kernel tests without a GPU)
 
 
 def fused_ok(x: torch.Tensor) -> bool:
-    """Whether `x`'s ops run as fused Triton kernels: on CUDA (or under Triton's interpreter) with fusion on."""
-    return ENABLED and triton is not None and (x.is_cuda or _INTERPRET)
+    """Whether `x`'s ops run as fused Triton kernels: on CUDA (or under Triton's interpreter), unless the running
+    forward pass turned them off (`options.current().fused`)."""
+    return triton is not None and (x.is_cuda or _INTERPRET) and options.current().fused
 
 
 def fold_ok(x: torch.Tensor) -> bool:

@@ -18,7 +18,6 @@ rounding.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -37,19 +36,14 @@ PAIR_LIMIT = 128  # pairs per step up to which the pair kernels beat grouping to
 # warps, stages). Few pairs need smaller blocks, hence more programs in flight, to keep enough memory reads
 # outstanding. Measured on the H200 (bench/pair_kernel_probe.py sweeps them). A configuration fixes each output's
 # summation order, so the in-memory and tiered engines, which pick it by the same pair count, agree bit for bit.
-# Twenty-third session's sweep, us a launch (1 token / 4 / 8): gate/up 16.47 -> 14.72 / 46.90 -> 45.15 / 81.12 -> 79.12;
-# down 8.45 -> 8.27 / 26.51 -> 24.58 / 46.93 -> 41.63.
 PAIR_CONFIGS = {"small": ((4, 2048, 4, 3), (8, 256, 2, 3)), "large": ((4, 1024, 4, 3), (8, 256, 2, 3))}
-PREVIOUS_PAIR_CONFIGS = {"small": ((8, 512, 4, 3), (16, 256, 4, 3)), "large": ((4, 256, 4, 3), (8, 128, 4, 3))}
-PREVIOUS = os.environ.get("STRATA_PAIR_CONFIGS", "") == "previous"  # the A/B switch (bench/hotpath.py's `+oldpairs`)
 SMALL_PAIRS = 16
 IN_PLACE_BLOCKS = (8, 512, 16, 256)  # pair_experts_in_place (reads over PCIe, ~50 GB/s: the link, not the tiles, bounds it)
 
 
 def pair_config(num_pairs: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
     """The (gate/up, down) launch configuration for a call of `num_pairs` pairs (`PAIR_CONFIGS`)."""
-    table = PREVIOUS_PAIR_CONFIGS if PREVIOUS else PAIR_CONFIGS
-    return table["small" if num_pairs <= SMALL_PAIRS else "large"]
+    return PAIR_CONFIGS["small" if num_pairs <= SMALL_PAIRS else "large"]
 
 
 @dataclass(frozen=True)
@@ -161,22 +155,15 @@ def _pair_torch(x, weights: SlotWeights, slot_of, ids, rows, k, y, used) -> None
 if triton is not None:
 
     @triton.jit
-    def _gate_up_kernel(x_ptr, gu_ptr, slot_of_ptr, ids_ptr, rows_ptr, used_ptr, h_ptr, first_ptr, staged_ptr,
-                        last_ptr, H, INTER, K, stride_x, stride_gs, stride_gr, stride_h,
-                        BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, HAS_ROWS: tl.constexpr, ADDR: tl.constexpr,
-                        FIRST: tl.constexpr, STAGED: tl.constexpr, PDL: tl.constexpr):
+    def _gate_up_kernel(x_ptr, gu_ptr, slot_of_ptr, ids_ptr, rows_ptr, used_ptr, h_ptr, first_ptr, H, INTER, K,
+                        stride_x, stride_gs, stride_gr, stride_h, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
+                        HAS_ROWS: tl.constexpr, ADDR: tl.constexpr, FIRST: tl.constexpr, PDL: tl.constexpr):
         pdl.enter(PDL)
         p = tl.program_id(0)
         ib = tl.program_id(1)
         if ADDR:  # ids holds each pair's expert address in pinned host memory (0: not in this pass)
             addr = tl.load(ids_ptr + p)
-            if STAGED:  # rows from `last` on were copied ahead into VRAM (strata.kernels.copy_ahead): read there
-                staged = tl.load(staged_ptr + p)
-                slot = tl.where((addr != 0) | (staged != 0), 0, -1).to(tl.int64)
-                if ib * BLOCK_I >= tl.load(last_ptr + p):  # BLOCK_I divides `last`: a block is all one side
-                    addr = staged
-            else:
-                slot = tl.where(addr != 0, 0, -1).to(tl.int64)
+            slot = tl.where(addr != 0, 0, -1).to(tl.int64)
         else:
             expert = tl.load(ids_ptr + p)
             slot = tl.load(slot_of_ptr + expert).to(tl.int64)
@@ -212,10 +199,9 @@ if triton is not None:
             tl.store(h_ptr + p * stride_h + offs_i, h, mask=mask_i)
 
     @triton.jit
-    def _down_kernel(h_ptr, d_ptr, used_ptr, rows_ptr, y_ptr, addr_ptr, first_ptr, staged_ptr, last_ptr, down_off, H,
-                     INTER, stride_h, stride_ds, stride_dr, stride_y, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
-                     HAS_ROWS: tl.constexpr, ADDR: tl.constexpr, FIRST: tl.constexpr, STAGED: tl.constexpr,
-                     PDL: tl.constexpr):
+    def _down_kernel(h_ptr, d_ptr, used_ptr, rows_ptr, y_ptr, addr_ptr, first_ptr, down_off, H, INTER, stride_h,
+                     stride_ds, stride_dr, stride_y, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
+                     HAS_ROWS: tl.constexpr, ADDR: tl.constexpr, FIRST: tl.constexpr, PDL: tl.constexpr):
         pdl.enter(PDL)
         p = tl.program_id(0)
         ob = tl.program_id(1)
@@ -236,27 +222,13 @@ if triton is not None:
                 w = (tl.load(addr_ptr + p) + down_off).to(tl.pointer_type(d_ptr.dtype.element_ty))
             else:
                 w = d_ptr + slot * stride_ds
-            if STAGED:  # rows from `last` on: from the staging slot, in a second loop
-                last = tl.load(last_ptr + p)
-            else:
-                last = INTER
-            for i0 in range((first // BLOCK_I) * BLOCK_I, last, BLOCK_I):
+            for i0 in range((first // BLOCK_I) * BLOCK_I, INTER, BLOCK_I):
                 offs_i = i0 + tl.arange(0, BLOCK_I)
-                mask_i = (offs_i < last) & (offs_i >= first)  # h below `first` was never written
+                mask_i = (offs_i < INTER) & (offs_i >= first)  # h below `first` was never written
                 hv = tl.load(h_ptr + p * stride_h + offs_i, mask=mask_i, other=0.0)
                 wv = tl.load(w + offs_o[:, None] * stride_dr + offs_i[None, :],
                              mask=mask_o[:, None] & mask_i[None, :], other=0.0).to(tl.float32)
                 acc += tl.sum(wv * hv[None, :], axis=1)
-            if STAGED:
-                w = (tl.load(staged_ptr + p) + down_off).to(tl.pointer_type(d_ptr.dtype.element_ty))
-                lo = tl.maximum(first, last)
-                for i0 in range((lo // BLOCK_I) * BLOCK_I, INTER, BLOCK_I):
-                    offs_i = i0 + tl.arange(0, BLOCK_I)
-                    mask_i = (offs_i < INTER) & (offs_i >= lo)
-                    hv = tl.load(h_ptr + p * stride_h + offs_i, mask=mask_i, other=0.0)
-                    wv = tl.load(w + offs_o[:, None] * stride_dr + offs_i[None, :],
-                                 mask=mask_o[:, None] & mask_i[None, :], other=0.0).to(tl.float32)
-                    acc += tl.sum(wv * hv[None, :], axis=1)
             tl.store(y_ptr + row * stride_y + offs_o, acc, mask=mask_o)
 
 
@@ -271,12 +243,12 @@ def _pair_triton(x, weights: SlotWeights, slot_of, ids, rows, k, y, used) -> Non
     has_rows = rows is not None
     rows = rows if has_rows else ids  # an unread pointer when HAS_ROWS is off
     _gate_up_kernel[(p, triton.cdiv(inter, block_i))](
-        x, gu, slot_of, ids, rows, used, h, ids, ids, ids, hidden, inter, k, x.stride(0), gu.stride(0), gu.stride(1),
-        h.stride(0), BLOCK_I=block_i, BLOCK_H=block_h, HAS_ROWS=has_rows, ADDR=False, FIRST=False, STAGED=False,
+        x, gu, slot_of, ids, rows, used, h, ids, hidden, inter, k, x.stride(0), gu.stride(0), gu.stride(1),
+        h.stride(0), BLOCK_I=block_i, BLOCK_H=block_h, HAS_ROWS=has_rows, ADDR=False, FIRST=False,
         num_warps=warps_gu, num_stages=stages_gu, **pdl.launch(x))
     _down_kernel[(p, triton.cdiv(hidden, block_o))](
-        h, dn, used, rows, y, ids, ids, ids, ids, 0, hidden, inter, h.stride(0), dn.stride(0), dn.stride(1),
-        y.stride(0), BLOCK_O=block_o, BLOCK_I=block_k, HAS_ROWS=has_rows, ADDR=False, FIRST=False, STAGED=False,
+        h, dn, used, rows, y, ids, ids, 0, hidden, inter, h.stride(0), dn.stride(0), dn.stride(1),
+        y.stride(0), BLOCK_O=block_o, BLOCK_I=block_k, HAS_ROWS=has_rows, ADDR=False, FIRST=False,
         num_warps=warps_d, num_stages=stages_d, **pdl.launch(x))
 
 
@@ -286,24 +258,17 @@ def in_place_ok() -> bool:
 
 
 def pair_experts_in_place(x: torch.Tensor, experts: HostExperts, addresses: torch.Tensor, y: torch.Tensor,
-                          first_row: torch.Tensor | None = None, staged: torch.Tensor | None = None,
-                          last_row: torch.Tensor | None = None) -> None:
+                          first_row: torch.Tensor | None = None) -> None:
     """Pairs p with `addresses[p]` != 0 ([P] int64: the host address of its expert's page-locked slot) run
     on token p // k, their weights read in place from host RAM over PCIe (zero-copy: no staging copy, no
     GPU slot); y [P, H] fp32 receives their rows, the others are left as they are. CUDA with Triton only.
     first_row [P] int32: compute only the intermediate rows from first_row[p] on (the rest of an expert whose
     first rows another computes: y then holds that part's sum); None: every row.
-    staged [P] int64 and last_row [P] int32 (together): rows from last_row[p] on are read from staged[p] instead, a
-    VRAM copy of the slot holding at least those rows at the same offsets (`strata.kernels.copy_ahead`); a pair
-    with a staged address and none in host RAM runs from its staged rows alone. last_row must be a multiple of
-    the gate/up kernel's row block (`IN_PLACE_BLOCKS[0]`).
 
     For one decode token the GPU reads each weight once either way, so reading it where it lies costs the
     link's rate (~50 GB/s on the H200 box, bench/zero_copy.py) and none of a copy's host bookkeeping."""
     if triton is None or not (x.is_cuda or fused._INTERPRET):
         raise RuntimeError("reading experts in place needs a CUDA GPU with Triton")
-    if (staged is None) != (last_row is None):
-        raise ValueError("staged and last_row go together")
     p = addresses.numel()
     if p == 0:
         return
@@ -314,14 +279,13 @@ def pair_experts_in_place(x: torch.Tensor, experts: HostExperts, addresses: torc
     h = torch.empty((p, inter), dtype=torch.float32, device=x.device)
     used = torch.empty(p, dtype=torch.int32, device=x.device)
     block_i, block_h, block_o, block_k = IN_PLACE_BLOCKS
-    first, has_staged = first_row is not None, staged is not None
+    first = first_row is not None
     first_row = first_row if first else addresses  # an unread pointer when FIRST is off
-    staged, last_row = (staged, last_row) if has_staged else (addresses, addresses)  # unread without STAGED
     _gate_up_kernel[(p, triton.cdiv(inter, block_i))](
-        x, typed, addresses, addresses, addresses, used, h, first_row, staged, last_row, hidden, inter, k, x.stride(0),
-        0, hidden, h.stride(0), BLOCK_I=block_i, BLOCK_H=block_h, HAS_ROWS=False, ADDR=True, FIRST=first,
-        STAGED=has_staged, num_warps=4, **pdl.launch(x))
+        x, typed, addresses, addresses, addresses, used, h, first_row, hidden, inter, k, x.stride(0), 0, hidden,
+        h.stride(0), BLOCK_I=block_i, BLOCK_H=block_h, HAS_ROWS=False, ADDR=True, FIRST=first, num_warps=4,
+        **pdl.launch(x))
     _down_kernel[(p, triton.cdiv(hidden, block_o))](
-        h, typed, used, addresses, y, addresses, first_row, staged, last_row, experts.down_offset, hidden, inter,
-        h.stride(0), 0, inter, y.stride(0), BLOCK_O=block_o, BLOCK_I=block_k, HAS_ROWS=False, ADDR=True, FIRST=first,
-        STAGED=has_staged, num_warps=4, **pdl.launch(x))
+        h, typed, used, addresses, y, addresses, first_row, experts.down_offset, hidden, inter, h.stride(0), 0, inter,
+        y.stride(0), BLOCK_O=block_o, BLOCK_I=block_k, HAS_ROWS=False, ADDR=True, FIRST=first, num_warps=4,
+        **pdl.launch(x))

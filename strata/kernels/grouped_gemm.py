@@ -12,7 +12,7 @@ summed once.
 Weights are addressed by slot, like the decode pair kernels: `SlotWeights` over the stacked in-memory
 experts (slot = expert id) or over the GPU tier's slab. Each token's k outputs are added in ascending
 expert order in fp32 and rounded once, so the in-memory and tiered engines give identical results (the
-order of their slots does not enter the sum). `runtime.grouped_prefill = "auto"` uses it on CUDA (an 8K prefill
+order of their slots does not enter the sum). `[debug] grouped_prefill = "auto"` uses it on CUDA (an 8K prefill
 all in VRAM ran 7.3x the loop on the H200 box); on the CPU torch's grouped GEMM is a reference loop.
 """
 

@@ -6,7 +6,7 @@ graph each still costs a few microseconds of launch and dependency latency, and 
 step's critical path, before the worker may start. Here one kernel does it all: program 0 assigns and writes
 the inbox's integers and weights; the others copy the activations. On the H200 box the GPU's time between two
 layers' CPU shares (the worker's `gpu_gap`) fell from ~175 to ~104 us (all in VRAM a layer takes ~88 us), and
-split decode ran 17% (uniform routing) to 27% (skewed) faster (bench/RESULTS.md, seventeenth session).
+split decode ran 17% (uniform routing) to 27% (skewed) faster (bench/RESULTS.md).
 
 The assignment is `GpuShare.assign`'s, op for op in fp32 (the torch version stays the reference, and the path
 of hosts without Triton; the tests compare the two on the GPU and under Triton's interpreter): a layer's c cold
@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 
 from strata.kernels import pdl
-from strata.kernels.copy_ahead import TAG_STRIDE  # copy-ahead's tags: generation * TAG_STRIDE + layer
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs do without it
     import triton
@@ -39,21 +38,19 @@ def available(x: torch.Tensor) -> bool:
 
 
 # Arguments Triton must not specialize. It builds a kernel again for each class of a plain int's value (1, a
-# multiple of 16, other) and of a pointer's alignment (16 bytes or not): N and P are batch-sized, TAG_ADD is the
-# layer, count_ptr is the layer's slot of an int32 array and flag_ptr of an int64 one, so the warm-up's decode
-# graphs would build this kernel ~2-3x per batch size for no faster code (they bound masks, or are one word).
-PACK_UNSPECIALIZED = ("N", "P", "TAG_ADD", "count_ptr", "flag_ptr")
+# multiple of 16, other) and of a pointer's alignment (16 bytes or not): N and P are batch-sized and count_ptr is
+# the layer's slot of an int32 array, so the warm-up's decode graphs would build this kernel ~2-3x per batch size
+# for no faster code (they bound masks, or are one word).
+PACK_UNSPECIALIZED = ("N", "P", "count_ptr")
 
 if triton is not None:
 
     # both switches: Triton versions differ in which one drops a pointer's alignment
     @triton.jit(do_not_specialize=PACK_UNSPECIALIZED, do_not_specialize_on_alignment=PACK_UNSPECIALIZED)
     def _pack_kernel(flat_ptr, used_ptr, x_ptr, w_ptr, share_ptr, table_ptr, box_i, box_f, addr_ptr, rows_ptr,
-                     ready_ptr, gen_ptr, count_ptr, arows_ptr, aaddr_ptr, end_ptr, staged_ptr, stat_ptr,
-                     flag_ptr, fgen_ptr, zero_ptr, N, K, P, H, E, INTER, G, GRAN, X_OFF4, stride_x, TAG_ADD,
+                     ready_ptr, gen_ptr, count_ptr, zero_ptr, N, K, P, H, INTER, G, GRAN, X_OFF4, stride_x,
                      BLOCK_P: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_X: tl.constexpr, SHARE: tl.constexpr,
-                     READY: tl.constexpr, FENCE: tl.constexpr, AHEAD: tl.constexpr, GATE: tl.constexpr,
-                     STRIDE: tl.constexpr, ZERO: tl.constexpr, PDL: tl.constexpr):
+                     READY: tl.constexpr, FENCE: tl.constexpr, ZERO: tl.constexpr, PDL: tl.constexpr):
         pdl.enter(PDL)
         pid = tl.program_id(0)
         if pid == 0:
@@ -65,14 +62,7 @@ if triton is not None:
                 offs_e = tl.arange(0, BLOCK_E)
                 eq = (flat[None, :] == offs_e[:, None]) & pm[None, :]  # [BLOCK_E, BLOCK_P] pair p routed to e
                 cold_e = tl.max(tl.where(eq & (used < 0)[None, :], 1, 0), axis=1)  # [BLOCK_E] 1: cold and used
-                if AHEAD:  # each expert's tail copied ahead into VRAM (strata.kernels.copy_ahead) leaves the split
-                    arows = tl.load(arows_ptr + offs_e, mask=offs_e < E, other=0)  # [BLOCK_E] staged tail rows
-                    if GATE:  # copied by the worker's copy engine: only once its flag holds this step's tag
-                        landed = tl.load(flag_ptr, volatile=True) == tl.load(fgen_ptr) * STRIDE + TAG_ADD
-                        arows = tl.where(landed, arows, 0)
-                    avail = G - arows // GRAN  # [BLOCK_E] granules not staged
-                else:
-                    avail = tl.zeros([BLOCK_E], dtype=tl.int32) + G
+                avail = tl.zeros([BLOCK_E], dtype=tl.int32) + G  # [BLOCK_E] granules of each expert
                 mine = cold_e * avail  # [BLOCK_E] the split's granules of each cold expert
                 total = tl.sum(mine, axis=0).to(tl.float32)  # the layer's cold granules
                 s = tl.load(share_ptr)
@@ -86,17 +76,7 @@ if triton is not None:
                 take = tl.sum(tl.where(eq, gpu_e[:, None], 0), axis=0) > 0  # [BLOCK_P] with an in-place part
                 addr = tl.load(table_ptr + flat, mask=pm & take, other=0)  # its page-locked slot's address
                 tl.store(addr_ptr + offs_p, tl.where(take, addr, 0), mask=pm)
-                if AHEAD:
-                    aaddr = tl.load(aaddr_ptr + offs_e, mask=offs_e < E, other=0)  # [BLOCK_E] staged tails' addresses
-                    st_e = tl.where((arows > 0) & (cold_e > 0), aaddr, 0)  # [BLOCK_E] of the cold experts
-                    staged = tl.sum(tl.where(eq, st_e[:, None], 0), axis=0)  # [BLOCK_P]
-                    tl.store(staged_ptr + offs_p, staged, mask=pm)
-                    tl.store(end_ptr + offs_p, tl.sum(tl.where(eq, end_e[:, None], 0), axis=0), mask=pm)
-                    tl.atomic_add(stat_ptr, tl.sum(tl.where((arows > 0) & (cold_e > 0), arows // GRAN, 0), axis=0)
-                                  .to(tl.int64))  # granules the copy-ahead saved this layer
-                    slots = tl.where((take | (staged != 0)) & (rows == 0), -2, used)  # -2: computed whole by the GPU
-                else:
-                    slots = tl.where(take & (rows == 0), -2, used)  # -2: computed whole by the GPU
+                slots = tl.where(take & (rows == 0), -2, used)  # -2: computed whole by the GPU
             else:
                 rows = tl.zeros([BLOCK_P], dtype=tl.int32) + INTER
                 slots = used
@@ -133,7 +113,7 @@ def pack_mailbox(dst: torch.Tensor, flat: torch.Tensor, used: torch.Tensor, x: t
                  x_off: int, inter: int, share=None, layer: int = 0,
                  rows: torch.Tensor | None = None, addr: torch.Tensor | None = None,
                  ready: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                 ahead: tuple[torch.Tensor, ...] | None = None, zero: torch.Tensor | None = None) -> None:
+                 zero: torch.Tensor | None = None) -> None:
     """One kernel: write the worker's inbox for pairs `flat` [P] (their slots `used` [P] int32, -1 cold) on x
     [N, H] with routing weights [N, k] into uint8 `dst` (device; its fp32 activations at `x_off` bytes), and,
     given a `GpuShare` `share`, the GPU's part: addr [P] int64 (0: none) and rows [P] int32 (the worker's
@@ -145,13 +125,6 @@ def pack_mailbox(dst: torch.Tensor, flat: torch.Tensor, used: torch.Tensor, x: t
     `ready`, host) with release semantics at system scope, after every program's inbox stores; count [1] int32
     (device, zero between calls) counts the programs done. No copy node then stands between the pack and the
     worker.
-
-    ahead = (rows [E] int32, addresses [E] int64, end [P] int32, staged [P] int64, stat [1] int64), with a share: the
-    layer's copied-ahead tails (`strata.kernels.copy_ahead`) leave the split, as in `GpuShare.assign`; end and
-    staged (the caller's buffers) receive each pair's in-place end row and staged address; stat += the granules
-    the tails held of the layer's cold experts. A sixth item, gate = (flag [1] int64, gen [1] int64, layer), marks
-    tails the mailbox worker copies (csrc/mailbox_ahead.h): they count only where flag = gen * TAG_STRIDE + layer
-    (the tag its copy engine writes after them), else the layer is split as if nothing were staged.
 
     zero: fp32 [P, H] (device, contiguous), zeroed by the activations' programs once the layer is posted: the
     pairs' outputs, which the GPU's kernels after this one fill (a memset node before it would sit on the layer's
@@ -170,18 +143,11 @@ def pack_mailbox(dst: torch.Tensor, flat: torch.Tensor, used: torch.Tensor, x: t
     addr = addr if has_share else rows
     grid = (1 + triton.cdiv(n * h, BLOCK_X),)
     word, gen, count = ready if ready is not None else (rows, rows, rows)  # unread pointers without `ready`
-    if ahead is not None and not has_share:
-        raise ValueError("copied-ahead tails need a GPU share")
-    arows, aaddr, end, staged, stat, *gate = ahead if ahead is not None else (rows,) * 5  # unread without AHEAD
-    gate = gate[0] if gate and gate[0] is not None else None
-    flag, fgen, tag_add = gate if gate is not None else (rows, rows, 0)  # unread pointers without GATE
     _pack_kernel[grid](
         flat, used, x, weights, share.share if has_share else weights, table, dst.view(torch.int32),
-        dst.view(torch.float32), addr, rows, word, gen, count, arows, aaddr, end, staged, stat, flag, fgen,
-        zero if zero is not None else rows, n, k, p, h,
-        share.num_experts if has_share else 1, inter, share.granules if has_share else 1,
-        share.rows if has_share else inter, x_off // 4, x.stride(0), tag_add,
+        dst.view(torch.float32), addr, rows, word, gen, count, zero if zero is not None else rows, n, k, p, h, inter,
+        share.granules if has_share else 1, share.rows if has_share else inter, x_off // 4, x.stride(0),
         BLOCK_P=max(2, triton.next_power_of_2(p)),
         BLOCK_E=max(2, triton.next_power_of_2(share.num_experts if has_share else 1)),
-        BLOCK_X=BLOCK_X, SHARE=has_share, READY=ready is not None, FENCE=x.is_cuda, AHEAD=ahead is not None,
-        GATE=gate is not None, STRIDE=TAG_STRIDE, ZERO=zero is not None, num_warps=4 if p <= 64 else 8, **pdl.launch(x))
+        BLOCK_X=BLOCK_X, SHARE=has_share, READY=ready is not None, FENCE=x.is_cuda, ZERO=zero is not None,
+        num_warps=4 if p <= 64 else 8, **pdl.launch(x))

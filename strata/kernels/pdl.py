@@ -1,8 +1,8 @@
 """Programmatic dependent launch (PDL) for the decode step's Triton kernels.
 
 A decode layer is a chain of a dozen small kernels, each waiting for the one before it. Inside a CUDA graph
-each boundary still costs the next kernel's launch and ramp-up (~1-2 us on the H200: RESULTS.md, nineteenth
-session, ~18 us of an ~85 us all-in-VRAM layer between its kernels). On Hopper and later a kernel launched with
+each boundary still costs the next kernel's launch and ramp-up (~1-2 us on the H200: bench/RESULTS.md,
+~18 us of an ~85 us all-in-VRAM layer between its kernels). On Hopper and later a kernel launched with
 the programmatic-serialization attribute may start while the kernel before it is still running; it must then
 wait (`griddepcontrol.wait`) before it touches anything that kernel writes, and a kernel lets its dependants
 start early by `griddepcontrol.launch_dependents`. CUDA graphs capture both as a programmatic edge.
@@ -17,9 +17,9 @@ The contract every kernel here keeps, so that PDL can never change a result:
 Kernels that spin on host memory (`host_signal`) are launched without it: their dependants start when they end
 (the fetch's copy kernel, which runs only once the spin has ended, lets its dependant launch at once).
 
-`STRATA_PDL=0` turns it off (bench/hotpath.py's `+nopdl`). It is on only on CUDA devices of compute capability
-9.0 and later with a Triton that has the instructions; elsewhere (CPU, the interpreter, older GPUs) kernels get
-PDL=False and launch as before.
+`[debug] pdl = false` turns it off for an engine (`strata.kernels.options`). It is on only on CUDA devices of
+compute capability 9.0 and later with a Triton that has the instructions; elsewhere (CPU, the interpreter, older
+GPUs) kernels get PDL=False and launch as before.
 """
 
 from __future__ import annotations
@@ -29,13 +29,14 @@ import os
 
 import torch
 
+from strata.kernels import options
+
 try:  # Triton ships with CUDA builds of torch; CPU-only installs do without it
     import triton
     import triton.language as tl
 except ImportError:  # pragma: no cover - exercised on CPU-only hosts
     triton = None
 
-ENABLED = os.environ.get("STRATA_PDL", "1") != "0"
 _INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpreter has no griddepcontrol
 
 
@@ -55,9 +56,9 @@ def _device_ok(index: int) -> bool:
 
 
 def on(x: torch.Tensor) -> bool:
-    """Whether kernels working on `x`'s device launch with PDL."""
-    return ENABLED and x.is_cuda and _device_ok(x.device.index if x.device.index is not None
-                                                else torch.cuda.current_device())
+    """Whether kernels working on `x`'s device launch with PDL (unless the running forward pass turned it off)."""
+    return x.is_cuda and options.current().pdl and _device_ok(x.device.index if x.device.index is not None
+                                                              else torch.cuda.current_device())
 
 
 def launch(x: torch.Tensor) -> dict:

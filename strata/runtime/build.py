@@ -9,7 +9,6 @@ With `runtime.experts = "memory"` every expert is loaded up front instead (the r
 from __future__ import annotations
 
 import contextlib
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +16,7 @@ import torch
 
 from strata.config import StrataConfig
 from strata.errors import StrataError
+from strata.kernels.options import KernelOptions
 from strata.runtime.checkpoint import Checkpoint
 from strata.runtime.engram_store import attach_row_store, drop_tables
 from strata.runtime.expert_compute import ExpertCompute
@@ -74,10 +74,11 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
         dtype = _DTYPES.get(cfg.runtime.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         checkpoint = Checkpoint.open(path)
         model = load_model(checkpoint, dtype, device, progress=progress)
-        use_grouped_prefill(model, grouped_on(cfg.runtime.grouped_prefill, device))
+        model.kernel_options = kernel_options_of(cfg)
+        use_grouped_prefill(model, grouped_on(cfg.debug.grouped_prefill, device))
         max_context = min(cfg.runtime.max_context, checkpoint.config.max_position_embeddings)
         if device.type == "cuda":
-            model.enable_decode_graphs(lambda: "full" if cfg.runtime.cuda_graphs else None)
+            model.enable_decode_graphs(lambda: "full" if cfg.debug.cuda_graphs else None)
         return LoadedModel(checkpoint, model, device, dtype, max_context)
 
     the_plan = plan_for(path, cfg)  # refuses before a store is built or anything is loaded
@@ -89,24 +90,26 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
     budgets = TierBudgets(**the_plan.budgets())
     device_tier = "gpu" if the_plan.expert_compute == "gpu" and budgets.gpu_slots else "cpu"
     compute = expert_tiers(checkpoint.store, budgets, device, device_tier, cfg)
-    compute.grouped_prefill = grouped_on(cfg.runtime.grouped_prefill, device)
+    compute.grouped_prefill = grouped_on(cfg.debug.grouped_prefill, device)
     compute.prefill_keeps_resident = cfg.runtime.prefill_keeps_resident
     manager = compute.manager
     prepare_cpu_experts([compute])
     model = load_model(checkpoint, dtype, device, progress=progress,
                        prepare=lambda m: (use_tiered_experts(m, compute), drop_tables(m)))
+    model.kernel_options = kernel_options_of(cfg)
     if model.engram is not None:  # Engram tables: served by the tiered row store, checked before serving
         attach_row_store(model, checkpoint.store, cfg, device, host.ram_available,
                          tier=the_plan.engram.tier if the_plan.engram is not None else None)
     if device.type == "cuda":  # one graph per step once every expert is resident; until then, graphs between host steps
         # (Engram rows the device cannot read in place also need a host step, at their layer: waiting there
         # for a layer's reads, not before the step, lets them overlap the layers before it)
-        if model.engram is not None and cfg.engram.graph_wait and cfg.engram.prefetch and cfg.runtime.cuda_graphs:
+        d = cfg.debug
+        if model.engram is not None and d.engram_graph_wait and d.engram_prefetch and d.cuda_graphs:
             # disk rows served to one graph a step as soon as it has hashed its tokens (that is the prefetch: without
             # it a layer's rows are fetched when the layer runs, at a host step between graph segments)
             model.engram.enable_handshake(MAX_GRAPH_BATCH)
         host_rows = model.engram is not None and not model.engram.device_steps(model.layers, 1)
-        model.enable_decode_graphs(lambda: None if not cfg.runtime.cuda_graphs
+        model.enable_decode_graphs(lambda: None if not cfg.debug.cuda_graphs
                                    else "full" if compute.all_resident() and not host_rows
                                    else "mailbox" if not host_rows and compute.mailbox_ready() else "segmented")
         model.graphs.before_step, model.graphs.after_queued = compute.mailbox_step, compute.mailbox_queued
@@ -116,13 +119,18 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
     return LoadedModel(checkpoint, model, device, dtype, the_plan.max_context, the_plan, manager, compute)
 
 
+def kernel_options_of(cfg: StrataConfig) -> KernelOptions:
+    """The kernels' options an engine's forward passes run with (`[debug] fused_kernels`, `[debug] pdl`)."""
+    return KernelOptions(fused=cfg.debug.fused_kernels, pdl=cfg.debug.pdl)
+
+
 def grouped_on(setting: bool | str, device: torch.device) -> bool:
-    """runtime.grouped_prefill resolved for `device`: "auto" means on CUDA only."""
+    """[debug] grouped_prefill resolved for `device`: "auto" means on CUDA only."""
     return device.type == "cuda" if setting == "auto" else bool(setting)
 
 
 def use_grouped_prefill(model, on: bool) -> None:
-    """runtime.grouped_prefill for a model whose experts are all in memory: each layer's `Experts`."""
+    """[debug] grouped_prefill for a model whose experts are all in memory: each layer's `Experts`."""
     from strata.runtime.moe import Experts
 
     for module in model.modules():
@@ -135,12 +143,12 @@ STREAM_SLOTS = 16  # most GPU slots set aside for one step's copied cold experts
 
 def step_copy_slots(gpu_slots: int, experts: int) -> int:
     """GPU slots set aside for one step's copies in split mode: a sixteenth of the budget, at most
-    `STREAM_SLOTS` ($STRATA_STREAM_SLOTS for benches); none when the budget holds all `experts`, where
+    `STREAM_SLOTS`; none when the budget holds all `experts`, where
     nothing is ever cold (carved out anyway, they would leave the cached tier short of the store, so
     decode steps would never become one graph)."""
     if gpu_slots >= experts:
         return 0
-    return min(int(os.environ.get("STRATA_STREAM_SLOTS", STREAM_SLOTS)), gpu_slots // 16)
+    return min(STREAM_SLOTS, gpu_slots // 16)
 
 
 # ---- the steps of a tiered model, per card (build_model: one card; multi_device.assemble_tiered: one per stage) ----
@@ -157,9 +165,10 @@ def expert_tiers(store: ExpertStore, budgets: TierBudgets, device: torch.device,
                           policy=cfg.policy.eviction, half_life=cfg.policy.lfu_half_life, hot=hot_order(store),
                           tmpfs_dir=cfg.tiers.tmpfs.path, disk_reader=cfg.tiers.disk.reader, **manager_options)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        return ExpertCompute(manager, device_tier, cfg.runtime.cpu_numerics, read_in_place=cfg.runtime.read_in_place,
-                             promote=cfg.policy.promote, split_decode=cfg.runtime.split_decode, device=device,
-                             copy_ahead=cfg.runtime.copy_ahead, warm_ahead=cfg.runtime.warm_ahead)
+        d = cfg.debug
+        return ExpertCompute(manager, device_tier, cfg.runtime.cpu_numerics, promote=cfg.policy.promote,
+                             split_decode=d.split_decode, device=device, warm_ahead=d.warm_ahead,
+                             gpu_share=d.fixed_gpu_share, cpu_threads=d.cpu_threads, cpu_kernel=d.cpu_kernel)
 
 
 def prepare_cpu_experts(computes: list[ExpertCompute]) -> None:

@@ -15,11 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-# The GPU's share of a split decode step read from pinned RAM in place by the pair kernels: their rate
-# until measured (bench/zero_copy.py: 49-51 GB/s on the H200 box, unchanged while the CPU reads RAM), and
-# the host time it adds per expert (one address in the step's upload; the launch is once per layer).
+# The rate at which the pair kernels read the GPU's share of a one-graph split decode step from pinned RAM in
+# place (`GpuShare`'s starting point; bench/zero_copy.py measures it, unchanged while the CPU reads RAM).
 IN_PLACE_RATE = 45e9
-IN_PLACE_HOST_S = 10e-6
 
 
 @dataclass

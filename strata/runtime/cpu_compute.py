@@ -19,7 +19,7 @@ from strata.kernels.experts import apply_experts
 
 class CpuCompute:
     """CPU expert compute, mixed into `ExpertCompute`, whose state it uses: `manager`, `rates`, `cpu_experts`,
-    `cpu_threads`, `pin_results` and `use_fast_cpu`."""
+    `cpu_threads`, `cpu_kernel`, `pin_results` and `use_fast_cpu`."""
 
     def calibrate_cpu(self, nbytes: int = 256 << 20, rounds: int = 3) -> float:
         """Measure the CPU expert kernel on this model's expert shape (one token, about `nbytes` of weights:
@@ -37,7 +37,8 @@ class CpuCompute:
         best = float("inf")
         for _ in range(rounds):
             t0 = time.perf_counter()
-            _cpu_apply(x, torch.ones(1, experts), experts, groups, by_expert, out, self.use_fast_cpu, self.cpu_threads)
+            _cpu_apply(x, torch.ones(1, experts), experts, groups, by_expert, out, self.use_fast_cpu, self.cpu_threads,
+                       self.cpu_kernel)
             best = min(best, time.perf_counter() - t0)
         nbytes = sum(a.nbytes + b.nbytes for a, b in ws)
         self.rates.cpu_bytes_per_s = nbytes / best
@@ -59,7 +60,7 @@ class CpuCompute:
                 by_expert = {h.key[1]: (h.gate_up, h.down) for h in handles}
                 nbytes += sum(h.gate_up.nbytes + h.down.nbytes for h in handles)
                 t0 = time.perf_counter()
-                _cpu_apply(x, weights, k, part, by_expert, out, self.use_fast_cpu, self.cpu_threads)
+                _cpu_apply(x, weights, k, part, by_expert, out, self.use_fast_cpu, self.cpu_threads, self.cpu_kernel)
                 seconds += time.perf_counter() - t0
             finally:
                 self.manager.release(handles)
@@ -84,11 +85,11 @@ class CpuCompute:
         from strata.kernels import cpu_experts as ce
 
         store = self.manager.store
-        if store.dtype != torch.bfloat16 or ce.backend() == "torch" or not groups:
+        if store.dtype != torch.bfloat16 or ce.backend(self.cpu_kernel) == "torch" or not groups:
             return None
         # pair indices per expert as numpy (a decode layer's host step spends microseconds, not a torch op, on each)
         sels = [np.asarray(sel, dtype=np.int64) for _, sel in groups]
-        if max(len(sel) for sel in sels) > ce.max_tokens():
+        if max(len(sel) for sel in sels) > ce.MAX_TOKENS:
             return None
         keys = [(layer, e) for e, _ in groups]
         slots = self.manager.hold_resident(keys)
@@ -107,10 +108,10 @@ class CpuCompute:
                 meta.extend((base, base + gu_bytes, tok_ptr + 8 * off, w_ptr + 4 * off, len(sel), inter, inter))
                 off += len(sel)
             out = torch.zeros(x.shape, dtype=torch.float32, pin_memory=self.pin_results)
-            call = ce.start_packed(x32, meta, out, self.cpu_threads) if background else None
+            call = ce.start_packed(x32, meta, out, self.cpu_threads, backend=self.cpu_kernel) if background else None
             t0 = time.perf_counter()
             if call is None:
-                ce.run_packed(x32, meta, out, self.cpu_threads)
+                ce.run_packed(x32, meta, out, self.cpu_threads, backend=self.cpu_kernel)
         except BaseException:
             self.manager.drop_held(keys)
             raise
@@ -140,13 +141,15 @@ class CpuShare:
         return self._out
 
 
-def _cpu_apply(x, weights, k, groups, by_expert, out, fast: bool, threads: int | None = None) -> None:
-    """One chunk of CPU experts, added into out: the compiled kernel, or the reference math."""
+def _cpu_apply(x, weights, k, groups, by_expert, out, fast: bool, threads: int | None = None,
+               backend: str | None = None) -> None:
+    """One chunk of CPU experts, added into out: the compiled kernel (`backend`: its instruction set), or the
+    reference math."""
     if fast:
         from strata.kernels.cpu_experts import cpu_experts_forward
 
         flat_w = weights.reshape(-1).float()
         cpu_experts_forward(x, [by_expert[e] for e, _ in groups], [sel // k for _, sel in groups],
-                            [flat_w[sel] for _, sel in groups], out=out, threads=threads)
+                            [flat_w[sel] for _, sel in groups], out=out, threads=threads, backend=backend)
         return
     apply_experts(x.float(), weights.float(), k, groups, lambda e: tuple(w.float() for w in by_expert[e]), out=out)

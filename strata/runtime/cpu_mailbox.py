@@ -9,9 +9,10 @@ worker of `csrc/cpu_mailbox.cpp` serves a layer from its mailbox instead: one ke
 weights there and posts the layer's `ready` word with the step's generation; the worker computes the pairs
 whose expert was not resident, with the same kernel in the same order as the host path (so the same sums),
 writes the partial sum and `done`; a kernel (`strata.kernels.host_signal.wait_and_fetch`) holds the stream
-until `done` arrives and brings the sum into the layer's combine. (Without that path, $STRATA_MAILBOX_DIRECT=0,
-the inbox, `ready` and the sum travel by copy nodes.) No cold expert is copied, so nothing is staged: each is computed by
-the worker, by the GPU reading it in place over PCIe (`GpuShare`), or split by rows between the two.
+until `done` arrives and brings the sum into the layer's combine. (Where those kernels cannot be built, the inbox,
+`ready` and the sum travel by copy nodes instead, packed by torch ops where the fused pack cannot be built either.) No
+cold expert is copied, so nothing is staged: each is computed by the worker, by the GPU reading it in place over PCIe
+(`GpuShare`), or split by rows between the two.
 
 The tier policy's history and promotions (which the host step fed per layer) are fed from the worker's
 log by `drain`, after the step, off its path (`strata.runtime.mailbox_books`).
@@ -20,7 +21,6 @@ log by `drain`, after the step, off its path (`strata.runtime.mailbox_books`).
 from __future__ import annotations
 
 import logging
-import os
 import weakref
 from typing import TYPE_CHECKING
 
@@ -28,7 +28,6 @@ import numpy as np
 import torch
 
 from strata.kernels import mailbox_pack
-from strata.runtime.mailbox_ahead import WorkerAhead
 from strata.runtime.mailbox_clock import WorkerClock
 from strata.tiers.pinned import PinnedPool
 
@@ -54,15 +53,16 @@ def inbox_layout(n: int, k: int, hidden: int) -> tuple[int, int]:
     return x_off, x_off + 4 * n * hidden + 4 * p
 
 
-class CpuMailbox(WorkerAhead, WorkerClock):
+class CpuMailbox(WorkerClock):
     """Mailboxes of `layers` (MoE layers of the model) and the native worker serving them.
 
     addresses [num_layers, E] int64: each expert's gate_up block in page-locked RAM (down follows at
-    `gu_bytes`); the worker reads experts through it, so it must stay valid (`all_pinned`) while open."""
+    `gu_bytes`); the worker reads experts through it, so it must stay valid (`all_pinned`) while open.
+    `cpu_kernel`: the CPU kernel's instruction set ("auto", or one of `cpu_experts.BACKENDS` but "torch")."""
 
     def __init__(self, layers: list[int], addresses: np.ndarray, *, hidden: int, inter: int, gu_bytes: int,
                  payload: int, top_k: int, max_tokens: int, threads: int, device: torch.device,
-                 log_entries: int = 4096):
+                 log_entries: int = 4096, cpu_kernel: str = "auto"):
         from strata.kernels import cpu_experts as ce
 
         self.layers, self.hidden, self.inter, self.top_k, self.max_tokens = list(layers), hidden, inter, top_k, max_tokens
@@ -90,7 +90,7 @@ class CpuMailbox(WorkerAhead, WorkerClock):
         self._log_tail = 0
         self.log_lost = 0
         cfg = np.array([hidden, addresses.shape[1], inter, gu_bytes, self.out_off, payload, self.max_pairs,
-                        ce.isa_code(), threads, SPIN_NS, len(self.layers), log_entries], dtype=np.int64)
+                        ce.isa_code(cpu_kernel), threads, SPIN_NS, len(self.layers), log_entries], dtype=np.int64)
         box_addr = np.array([b.data_ptr() for b in self.boxes], dtype=np.int64)
         layer_ids = np.array(self.layers, dtype=np.int32)
         self._keep = (cfg, box_addr, layer_ids)
@@ -99,7 +99,7 @@ class CpuMailbox(WorkerAhead, WorkerClock):
             self.pool.close()
             raise RuntimeError("the CPU expert kernel is not available: no mailbox worker")
         # an engine dropped without close(): the worker stops when this is collected (it holds what the thread reads)
-        self._ahead_keep: list = []  # what the worker's copy-ahead reads (`copy_ahead`), held as long as the worker
+        self._ahead_keep: list = []  # what the worker's warm-ahead reads (`warm_ahead`), held as long as the worker
         self._finalizer = weakref.finalize(self, ce.stop_mailbox, self.handle, self._keep, self.addresses, self.log,
                                            self.counters, self.pool, self._ahead_keep)
         self.gen = torch.zeros(1, dtype=torch.int64, device=device)  # the step's generation (device side)
@@ -107,22 +107,19 @@ class CpuMailbox(WorkerAhead, WorkerClock):
         self._host_gen = 0  # the same on the CPU-only path
         self._shapes: dict[tuple[int, int], torch.Tensor] = {}  # (N, k) -> int32 [4] on the device
         self._all_rows: dict[int, torch.Tensor] = {}  # P -> int32 [P] of I: every cold pair's whole expert here
-        self.fused = os.environ.get("STRATA_MAILBOX_FUSED", "1") != "0"  # A/B: "0" packs with torch ops
-        # A/B: "0" packs on the device and copies the inbox, `ready` and the answer with three copy nodes a layer
-        self.direct = (self.fused and device.type == "cuda" and mailbox_pack.triton is not None
-                       and os.environ.get("STRATA_MAILBOX_DIRECT", "1") != "0")
+        # the inbox and the share's split packed by one kernel (`mailbox_pack`); False once it failed to build: then
+        # torch ops pack them
+        self.fused = True
+        # no copy node on a layer's path: the fused pack posts the inbox itself and one kernel fetches the answer;
+        # False where that cannot run (no Triton, or its kernels failed to build): then three copy nodes a layer
+        self.direct = device.type == "cuda" and mailbox_pack.triton is not None
         self._direct_checked = False
         self._counts = torch.zeros(len(self.layers), dtype=torch.int32, device=device)  # the pack's programs done
-        # the resident pairs run after the layer is posted, beside the worker (A/B: "0" runs them before, as it was)
-        self.hot_alongside = device.type == "cuda" and os.environ.get("STRATA_MAILBOX_HOT_ALONGSIDE", "1") != "0"
-        # the GPU's in-place share on the layer's own stream, chained to the pack, and the resident pairs on the
-        # second stream (A/B: "0" the other way round, as it was)
-        self.share_first = os.environ.get("STRATA_MAILBOX_SHARE_FIRST", "1") != "0"
 
     # ---- the device side: ops a decode graph captures -------------------------------------------------
     def begin_step(self, early: bool = False) -> None:
         """A new step: the generation every layer's mailbox is answered with (call once, before its layers).
-        `early`: called ahead of the first layer's own call (copy-ahead's plan, on another stream, reads the
+        `early`: called ahead of the first layer's own call (warm-ahead's plan, on another stream, reads the
         generation), which then does nothing."""
         if self._begun:
             self._begun = False
@@ -154,19 +151,14 @@ class CpuMailbox(WorkerAhead, WorkerClock):
     def exchange(self, layer: int, experts: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
                  weights: torch.Tensor, gpu_work=None, max_spins: int | None = None,
                  rows: torch.Tensor | None = None, share: GpuShare | None = None,
-                 ahead: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
                  zero: torch.Tensor | None = None) -> torch.Tensor:
         """Send one layer's pairs (experts [P], slots [P] int32: -1 cold, for the worker; -2 cold, the GPU's),
         x [N, H] and weights [N, k] to the worker; returns its partial sum [N, H] fp32 on x's device (the stream
         waits for it). rows [P] int32: of each worker pair, how many of its expert's leading intermediate rows the
         worker computes (None: all I). Given a `GpuShare`, it cuts the cold pairs between the worker and the
-        GPU instead. `gpu_work(addr, rows, end, staged)` (on CUDA) is enqueued once the layer is posted, so it runs
-        while the worker does: addr [P] int64 is the share's split (0: no GPU part; None without a share), rows the
-        worker's rows of each pair; end [P] int32 and staged [P] int64 (None without `ahead`): where each pair's
-        in-place rows stop and the VRAM address of its copied-ahead tail (0: none).
-        ahead = (rows [E] int32, addresses [E] int64, stat [1] int64[, gate]), with a share: the layer's tails copied
-        ahead (`strata.runtime.copy_ahead`), which leave the share's split; stat counts the granules they held;
-        gate = (flag [1], gen [1], layer) where the worker copies them: used only once they have landed.
+        GPU instead. `gpu_work(addr, rows)` (on CUDA) is enqueued once the layer is posted, so it runs while the
+        worker does: addr [P] int64 is the share's split (0: no GPU part; None without a share), rows the worker's
+        rows of each pair.
         zero: a contiguous fp32 buffer (the GPU's pair outputs, which `gpu_work` fills) that is zeroed before
         `gpu_work` runs, by the fused pack's own kernel where it runs (no memset node on the layer's path)."""
         n, k = weights.shape
@@ -180,24 +172,20 @@ class CpuMailbox(WorkerAhead, WorkerClock):
         from strata.kernels.host_signal import MAX_SPINS, wait_for_host
 
         i, spins = self._box[layer], MAX_SPINS if max_spins is None else max_spins
-        if ahead is not None and share is None:
-            raise ValueError("copied-ahead tails need a GPU share")
         if self.direct and rows is None:
-            out = self._exchange_direct(i, experts, slots, x, weights, x_off, nbytes, gpu_work, spins, share, ahead,
-                                        zero)
+            out = self._exchange_direct(i, experts, slots, x, weights, x_off, nbytes, gpu_work, spins, share, zero)
             if out is not None:
                 return out
+        # the fallback: the inbox packed on the device, then copy nodes for it, `ready` and the answer
         box = self.boxes[i]
         out_box = torch.empty(nbytes, dtype=torch.uint8, device=x.device)  # the inbox, packed on the device
-        packed = (self._pack_fused(out_box, layer, experts, slots, x, weights, x_off, share, ahead=ahead, zero=zero)
-                  if rows is None else None)
+        packed = None if rows is not None else self._pack_fused(out_box, layer, experts, slots, x, weights, x_off,
+                                                                 share, zero=zero)
         if packed is None:  # the torch ops
             if zero is not None:
                 zero.zero_()
-            slots, *split = self._split(layer, experts, slots, rows, share, ahead)
-            rows = split[1]
-            pack_inbox(out_box, self._shape(n, k, x.device), experts, slots, rows, x, weights, x_off)
-            packed = (*split, None, None)[:4]
+            slots, *packed = self._split(layer, experts, slots, rows, share)
+            pack_inbox(out_box, self._shape(n, k, x.device), experts, slots, packed[1], x, weights, x_off)
         box[HEADER : HEADER + nbytes].copy_(out_box, non_blocking=True)
         box[:8].copy_(self.gen.view(torch.uint8), non_blocking=True)  # ready: after the inbox (stream order)
         if gpu_work is not None:
@@ -208,8 +196,7 @@ class CpuMailbox(WorkerAhead, WorkerClock):
         out.copy_(box[self.out_off : self.out_off + 4 * n * self.hidden].view(torch.float32), non_blocking=True)
         return out.view(n, self.hidden)
 
-    def _exchange_direct(self, i, experts, slots, x, weights, x_off, nbytes, gpu_work, spins, share, ahead=None,
-                         zero=None):
+    def _exchange_direct(self, i, experts, slots, x, weights, x_off, nbytes, gpu_work, spins, share, zero=None):
         """`exchange` with no copy node: the fused pack writes the inbox into the page-locked mailbox and posts
         `ready` itself; one kernel waits for `done` and fetches the answer. None where its kernels failed to
         build in the eager warm-up (then the copies from now)."""
@@ -225,8 +212,7 @@ class CpuMailbox(WorkerAhead, WorkerClock):
                 torch.cuda.synchronize(x.device)
                 self._direct_checked = True
             packed = self._pack_fused(box[HEADER : HEADER + nbytes], layer, experts, slots, x, weights, x_off, share,
-                                      ready=(self.header_words[i], self.gen, self._counts[i : i + 1]), ahead=ahead,
-                                      zero=zero)
+                                      ready=(self.header_words[i], self.gen, self._counts[i : i + 1]), zero=zero)
         except Exception as e:  # a Triton that cannot build them: found in the eager warm-up, before any capture
             if torch.cuda.is_current_stream_capturing():
                 raise
@@ -238,23 +224,18 @@ class CpuMailbox(WorkerAhead, WorkerClock):
         wait_and_fetch(self.header_words[i], self.gen, src, out, spins)
         return out.view(n, self.hidden)
 
-    def _pack_fused(self, out_box, layer, experts, slots, x, weights, x_off, share, ready=None, ahead=None, zero=None):
-        """The share's split and the inbox in one kernel (~35 small ops otherwise): (addr [P] or None, rows [P],
-        end [P] or None, staged [P] or None), or None where it cannot run (no Triton, turned off, or it failed to
-        build: then the torch ops from now). `ready`: see `mailbox_pack.pack_mailbox` (its errors are the caller's)."""
+    def _pack_fused(self, out_box, layer, experts, slots, x, weights, x_off, share, ready=None, zero=None):
+        """The share's split and the inbox in one kernel (~35 small ops otherwise): (addr [P] or None, rows [P]), or
+        None where it cannot run (no Triton, or it failed to build: then the torch ops from now). `ready`: see
+        `mailbox_pack.pack_mailbox` (its errors are the caller's)."""
         if not (self.fused and mailbox_pack.available(x)):
             return None
         p = experts.numel()
         rows = torch.empty(p, dtype=torch.int32, device=x.device)
         addr = torch.empty(p, dtype=torch.int64, device=x.device) if share is not None else None
-        end = staged = None
-        if ahead is not None:
-            end = torch.empty(p, dtype=torch.int32, device=x.device)
-            staged = torch.empty(p, dtype=torch.int64, device=x.device)
-            ahead = (ahead[0], ahead[1], end, staged, ahead[2], ahead[3] if len(ahead) > 3 else None)
         try:
             mailbox_pack.pack_mailbox(out_box, experts.reshape(-1), slots.reshape(-1), x, weights, x_off, self.inter,
-                                      share, layer, rows=rows, addr=addr, ready=ready, ahead=ahead, zero=zero)
+                                      share, layer, rows=rows, addr=addr, ready=ready, zero=zero)
         except Exception as e:
             if ready is not None:
                 raise  # a Triton that cannot build it: found in the eager warm-up, before any capture
@@ -263,17 +244,12 @@ class CpuMailbox(WorkerAhead, WorkerClock):
             log.warning("strata: the fused mailbox pack failed (%s); packing with torch ops", e)
             self.fused = False
             return None
-        return addr, rows, end, staged
+        return addr, rows
 
-    def _split(self, layer, experts, slots, rows, share, ahead=None):
-        """The torch ops' (slots, addr or None, rows[, end, staged]): the share's split (with `ahead`'s tails: five),
-        else `rows` or every cold row."""
+    def _split(self, layer, experts, slots, rows, share):
+        """The torch ops' (slots, addr or None, rows): the share's split, else `rows` or every cold row."""
         if share is not None:
-            if ahead is not None and len(ahead) > 3 and ahead[3] is not None:  # the worker's copies: if they landed
-                from strata.kernels.copy_ahead import gated_rows
-
-                ahead = (gated_rows(ahead[0], ahead[3]), ahead[1])
-            return share.assign(layer, experts, slots, None if ahead is None else ahead[:2])
+            return share.assign(layer, experts, slots)
         if rows is None:
             p = experts.numel()
             rows = self._all_rows.get(p)
@@ -292,7 +268,7 @@ class CpuMailbox(WorkerAhead, WorkerClock):
         """`exchange` without a GPU (tests, CPU hosts): the same mailbox written and awaited from Python."""
         n, k = weights.shape
         box, hdr = self.boxes[self._box[layer]], self.headers[self._box[layer]]
-        slots, _, rows = self._split(layer, experts, slots, rows, share)[:3]
+        slots, _, rows = self._split(layer, experts, slots, rows, share)
         pack_inbox(box[HEADER : HEADER + nbytes], self._shape(n, k, x.device), experts, slots, rows, x, weights, x_off)
         gen = self._host_gen
         hdr[0] = gen  # after the inbox (program order; x86 keeps stores in order)
@@ -304,6 +280,24 @@ class CpuMailbox(WorkerAhead, WorkerClock):
         return box[self.out_off : self.out_off + 4 * n * self.hidden].view(torch.float32).clone().view(n, self.hidden)
 
     # ---- the host side, between steps --------------------------------------------------------------
+    def warm_ahead(self, next_of: dict[int, int], plans: torch.Tensor, slots: int, nbytes: int) -> np.ndarray | None:
+        """Have the worker read ahead, once it has answered layer l, the gate/up rows of the experts that warm-ahead's
+        plan lists for `next_of[l]` (plans [2, 1 + slots] int64, page-locked, by the planned layer's parity:
+        `strata.kernels.warm_plan`), up to `nbytes` a layer, each of its threads the rows the kernel will give it
+        (csrc/cpu_mailbox.cpp, WarmCfg). Once per worker. Returns the worker's warm counters (int64 [8]: plans used,
+        plans not ready, bytes read, ns reading, bytes of read rows computed, pieces another thread computed, ns and
+        the longest ns a read waited for a thread of an earlier read still inside), None where it cannot."""
+        from strata.kernels import cpu_experts as ce
+
+        if not self.handle or self._ahead_keep:
+            return None
+        nxt = np.array([next_of.get(layer, -1) for layer in self.layers], dtype=np.int64)
+        counters = np.zeros(8, dtype=np.int64)
+        if ce.mailbox_warm(self.handle, nxt, plans.data_ptr(), slots, int(nbytes), counters) != 0:
+            return None
+        self._ahead_keep.extend((nxt, plans, counters))
+        return counters
+
     def check(self) -> None:
         """Raise if the worker reported an error or the GPU gave up waiting for it."""
         for layer, hdr in zip(self.layers, self.headers, strict=True):
@@ -312,7 +306,7 @@ class CpuMailbox(WorkerAhead, WorkerClock):
                 raise RuntimeError(f"CPU expert worker failed at layer {layer}: {what or f'kernel code {int(hdr[2])}'}")
             if hdr[3] != 0:
                 raise RuntimeError(f"CPU expert worker did not answer layer {layer} (step {int(hdr[3])}): the decode "
-                                   "step gave up waiting; set runtime.split_decode = \"host\" to work around it")
+                                   "step gave up waiting; set [debug] split_decode = \"host\" to work around it")
 
     def drain(self) -> list[tuple[int, list[int], list[int]]]:
         """(layer, resident experts, experts computed here) for each layer served since the last drain."""

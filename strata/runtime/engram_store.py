@@ -79,9 +79,9 @@ def attach_row_store(model, store, cfg, device: torch.device, ram_available: int
 
     def build(dev: torch.device, layers: list[int]) -> EngramRowStore:
         share = cache * len(layers) // len(ecfg.layer_ids)
-        return EngramRowStore(store, layers, tier, dev, share // row_bytes, prefetch=cfg.engram.prefetch,
-                              read_batch=cfg.engram.read_batch, tmpfs_dir=cfg.tiers.tmpfs.path,
-                              zero_copy=cfg.engram.zero_copy)
+        return EngramRowStore(store, layers, tier, dev, share // row_bytes, prefetch=cfg.debug.engram_prefetch,
+                              read_batch=cfg.debug.engram_read_batch, tmpfs_dir=cfg.tiers.tmpfs.path,
+                              zero_copy=cfg.debug.engram_zero_copy)
 
     stores = {dev: build(dev, layers) for dev, layers in groups.items()}
     rows = next(iter(stores.values())) if len(stores) == 1 else StagedRows(stores)

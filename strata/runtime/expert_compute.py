@@ -10,14 +10,13 @@ bit-identical to the all-in-VRAM run.
 from __future__ import annotations
 
 import logging
-import os
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-from strata.kernels.grouped import HostExperts, SlotWeights, in_place_ok, pair_experts_in_place
+from strata.kernels.grouped import HostExperts, SlotWeights, in_place_ok
 from strata.runtime.cost_model import Rates
 from strata.runtime.cpu_compute import CpuCompute
 from strata.tiers.manager import TierManager
@@ -29,11 +28,16 @@ MAILBOX_SPARE_CORES = 4  # cores the one-graph decode's CPU kernel leaves to oth
 
 
 class ExpertCompute(CpuCompute):
-    """Shared state of the tiered executor (one per model); its CPU expert compute comes from `CpuCompute`."""
+    """Shared state of the tiered executor (one per model); its CPU expert compute comes from `CpuCompute`.
 
-    def __init__(self, manager: TierManager, device_tier: str, cpu_numerics: str = "fork", read_in_place: bool = False,
-                 promote: bool = True, split_decode: str = "host", device: torch.device | None = None,
-                 copy_ahead: bool = False, warm_ahead: bool = False):
+    The `[debug]` switches it takes: split_decode ("graph": one-graph steps with the mailbox worker; "host"),
+    warm_ahead, gpu_share (a fixed share of the cold rows the GPU reads in place in a mailbox step; None: balanced
+    on the GPU's waits), cpu_threads (the CPU kernel's threads; 0: chosen from the cores) and cpu_kernel (its
+    instruction set, or "torch")."""
+
+    def __init__(self, manager: TierManager, device_tier: str, cpu_numerics: str = "fork", promote: bool = True,
+                 split_decode: str = "host", device: torch.device | None = None, warm_ahead: bool = False,
+                 gpu_share: float | None = None, cpu_threads: int = 0, cpu_kernel: str = "auto"):
         self.manager, self.device_tier = manager, device_tier
         self.fast_cpu = cpu_numerics == "fork"  # compiled CPU kernel; "gpu": the reference math only
         # CPU compute next to a GPU tier only in "fork" mode: "gpu" numerics force cold experts onto the GPU
@@ -62,18 +66,16 @@ class ExpertCompute(CpuCompute):
         self.host_seconds: Counter[str] = Counter()
         self.pin_results = False  # CPU partial sums in pinned memory, so their upload never waits for the GPU
         # True: a decode layer's CPU share starts on the kernel's launcher thread before this thread stages
-        # the copies; False: it runs here after them. None (the default): started first in the layers where
-        # the cost model copies some experts (the copies' host work then overlaps the CPU's), run here in
-        # the others (no hand-off). H200 box, 12-layer bench model: always first ran uniform routing (~6 cold
-        # experts a layer) 72.9 against 65.2 tok/s and skewed routing (~1.4) 97.1 against 110.2.
-        # $STRATA_CPU_ASYNC = 1 / 0 forces either.
-        env = os.environ.get("STRATA_CPU_ASYNC")
-        self.cpu_async: bool | None = None if env is None else env == "1"
+        # the copies; False: it runs here after them. None: started first in the layers where the cost model
+        # copies some experts (the copies' host work then overlaps the CPU's), run here in the others (no
+        # hand-off): always first won where many experts were cold and lost where few were. Tests force either.
+        self.cpu_async: bool | None = None
+        self.cpu_kernel = cpu_kernel  # the CPU kernel's instruction set ("auto": the best this CPU runs)
+        self.fixed_threads = cpu_threads > 0  # [debug] cpu_threads: one count everywhere, none chosen here
         # the kernel's thread count: next to a GPU, a quarter of the cores stay with the threads driving it
-        # (this one, the copy workers, CUDA's own): the skewed split ran 132.9 tok/s with 12 kernel threads
-        # on 16 cores against 105-110 with 16. One count for every call: a different one rebuilds the pool.
-        self.cpu_threads: int | None = None
-        if self.split and not os.environ.get("STRATA_CPU_THREADS"):
+        # (this one, the copy workers, CUDA's own). One count for every call: a different one rebuilds the pool.
+        self.cpu_threads: int | None = cpu_threads or None
+        if self.split and not self.fixed_threads:
             from strata.kernels import cpu_experts as ce
 
             n = ce.default_threads()
@@ -90,34 +92,20 @@ class ExpertCompute(CpuCompute):
         # decode steps as one graph with the native CPU worker (`mailbox_ready`, strata.runtime.cpu_mailbox)
         self.split_decode, self.device = split_decode, device or torch.device("cpu")
         self.moe_layers: list[int] = []  # set by use_tiered_experts, with the routing's top-k
-        self.grouped_prefill = False  # prefill's GPU experts through grouped GEMMs (runtime.grouped_prefill)
+        self.grouped_prefill = False  # prefill's GPU experts through grouped GEMMs ([debug] grouped_prefill)
         self.prefill_keeps_resident = False  # a prompt's cold experts through the step-copy slots (runtime.*)
         self.top_k = 0
         self.mailbox = None  # CpuMailbox, made once every expert sits in pinned RAM for good
         self.gpu_share = None  # GpuShare: the cold experts the GPU reads in place during a mailbox step
-        # CopyAhead: the next layer's predicted cold experts' tails copied to VRAM during a layer's serial GPU work
-        # (or, engine "cpu", warm-ahead: the worker reads them into its caches during that work)
-        self.copy_ahead_on, self.warm_ahead_on, self.copy_ahead = copy_ahead, warm_ahead, None
+        self.fixed_share = gpu_share  # [debug] gpu_share: a fixed share (None: balanced on the GPU's waits)
+        # WarmAhead: the worker reads the next layer's predicted cold experts into its caches during a layer's
+        # serial GPU work
+        self.warm_ahead_on, self.warm_ahead = warm_ahead, None
         self.predictors: dict = {}  # layer -> its router applied one layer early (set by use_tiered_experts)
         self.books = None  # MailboxBooks: the mailbox steps' statistics, policy history and promotions
         self._mailbox_off: str | None = None  # why this engine never uses the mailbox
         self._side: dict = {}  # device -> the second stream of a mailbox layer's GPU work (its in-place share)
         self._pair_index: dict = {}  # (P, device) -> int32 [P] 0..P-1: pairs addressed by a per-pair slot table
-        # split decode: the GPU's share of cold experts read from pinned RAM in place (None: copied to slots)
-        self.host_experts: HostExperts | None = None
-        if read_in_place and self.split and self.slots is not None and manager.pool.pinned and in_place_ok():
-            (gu, dn), store = manager.store.expert_shapes, manager.store
-            self.host_experts = HostExperts(store.dtype, gu, dn, store.index.gate_up_bytes)
-            self._compile_in_place(manager.slots.slab.device)
-
-    def _compile_in_place(self, device: torch.device, k: int = 8) -> None:  # any k > 1 shares the compiled code
-        """Compile the in-place kernels now, with every pair skipped (address 0: nothing is read): compiled on
-        first use instead, their seconds would land inside a decode step and inside the rate the cost model
-        measures for the path (whose first events bracket the compilation)."""
-        hidden = self.host_experts.gate_up_shape[1]
-        x = torch.zeros((1, hidden), dtype=self.host_experts.dtype, device=device)
-        y = torch.zeros((k, hidden), dtype=torch.float32, device=device)
-        pair_experts_in_place(x, self.host_experts, torch.zeros(k, dtype=torch.int64, device=device), y)
 
     @property
     def use_split(self) -> bool:
@@ -147,10 +135,11 @@ class ExpertCompute(CpuCompute):
         from strata.kernels import host_signal
 
         if self.split_decode != "graph":
-            return "runtime.split_decode is not \"graph\""
+            return "debug.split_decode is not \"graph\""
         if not self.fast_cpu or not (self.split or self.device_tier == "cpu") or self.device.type != "cuda":
             return "no forked CPU compute beside a CUDA device"
-        if self.manager.store.dtype != torch.bfloat16 or ce.backend() == "torch" or not host_signal.available():
+        if self.manager.store.dtype != torch.bfloat16 or ce.backend(self.cpu_kernel) == "torch" \
+                or not host_signal.available():
             return "no compiled bf16 CPU kernel or no Triton"
         if not self.moe_layers or self.top_k <= 0:
             return "no MoE layers"
@@ -170,7 +159,7 @@ class ExpertCompute(CpuCompute):
             for (layer, e), slot in m.pinned.slot_of.items():
                 addresses[layer, e] = m.pool.slot_address(slot)
         (_, hidden), (_, inter) = store.expert_shapes
-        if not os.environ.get("STRATA_CPU_THREADS"):
+        if not self.fixed_threads:
             # cores left to the decoding thread (its books, its spin in the step's sync) and the transfer threads:
             # on the H200 box (16 cores) the worker's kernel ran 1.28x faster in decode with 12 threads than with 15
             n = ce.default_threads()
@@ -179,7 +168,7 @@ class ExpertCompute(CpuCompute):
             self.mailbox = CpuMailbox(self.moe_layers, addresses, hidden=hidden, inter=inter,
                                       gu_bytes=store.index.gate_up_bytes, payload=store.payload_bytes, top_k=self.top_k,
                                       max_tokens=MAX_GRAPH_BATCH, threads=self.cpu_threads or ce.default_threads(),
-                                      device=self.device)
+                                      device=self.device, cpu_kernel=self.cpu_kernel)
         if (failed := self.mailbox.self_test()) is not None:
             log.warning("strata: one-graph decode steps off (%s); decode takes host steps", failed)
             self._mailbox_off = failed
@@ -190,52 +179,29 @@ class ExpertCompute(CpuCompute):
         # split decode: the GPU reads a share of the cold experts in place meanwhile (not without a GPU tier: there
         # every routed expert is the CPU's, which keeps the suite's CPU-only ablation what it says)
         if self.split and in_place_ok() and m.pool.pinned:
-            fixed = os.environ.get("STRATA_MAILBOX_GPU_SHARE")
-            share = float(fixed) if fixed else IN_PLACE_RATE / (IN_PLACE_RATE + self.rates.cpu_bytes_per_s)
+            fixed = self.fixed_share
+            share = fixed if fixed is not None else IN_PLACE_RATE / (IN_PLACE_RATE + self.rates.cpu_bytes_per_s)
             if share > 0:
                 (gu, dn) = store.expert_shapes
-                whole = os.environ.get("STRATA_MAILBOX_WHOLE_EXPERTS") == "1"  # A/B: no expert split by rows
                 self.gpu_share = GpuShare(addresses, HostExperts(store.dtype, gu, dn, store.index.gate_up_bytes),
-                                          self.device, share, adaptive=not fixed, gpu_rate=IN_PLACE_RATE,
-                                          split=not whole, wait_target=_wait_target())
-        self.copy_ahead = self._open_copy_ahead(addresses, store) if self.gpu_share is not None else None
-        self.books = MailboxBooks(self.mailbox, m, self.pick_promotion, self._count_mailbox, self.gpu_share,
-                                  self.copy_ahead)
+                                          self.device, share, adaptive=fixed is None, gpu_rate=IN_PLACE_RATE)
+        self.warm_ahead = self._open_warm_ahead(addresses) if self.gpu_share is not None else None
+        self.books = MailboxBooks(self.mailbox, m, self.pick_promotion, self._count_mailbox, self.gpu_share)
         self._mailbox_kernel = (0, 0, 0.0)
 
-    def _open_copy_ahead(self, addresses: np.ndarray, store):
-        """The copy-ahead of a mailbox with a GPU share (None where it is off or cannot run): `runtime.copy_ahead`
-        (the tails copied by the SM kernel in the graph), else `runtime.warm_ahead` (engine "cpu": the worker reads
-        the predicted experts into its threads' caches), unless the environment says otherwise (A/B runs):
-        $STRATA_COPY_AHEAD "0" turns both off, a number N > 0 turns copy-ahead on with a fixed budget of N bytes a
-        layer (warm-ahead: bytes read); $STRATA_COPY_AHEAD_ENGINE=sm|copy|cpu turns that engine on (copy: the worker's
-        copier issues the tails on the copy engine, where the driver's entry points are found; else the SM kernel,
-        with a warning)."""
-        from strata.kernels import copy_ahead
-        from strata.runtime.copy_ahead import CopyAhead
+    def _open_warm_ahead(self, addresses: np.ndarray):
+        """The warm-ahead of a mailbox with a GPU share (`[debug] warm_ahead`; None where it is off or cannot run:
+        no predictors, no CUDA with Triton for its plan, or a worker that cannot read ahead)."""
+        from strata.kernels import warm_plan
+        from strata.runtime.warm_ahead import WarmAhead
 
-        env = os.environ.get("STRATA_COPY_AHEAD", "")
-        engine = os.environ.get("STRATA_COPY_AHEAD_ENGINE") or (
-            "sm" if self.copy_ahead_on or env else "cpu" if self.warm_ahead_on else None)
-        if env == "0" or engine is None or not self.predictors or not copy_ahead.available(self.slot_of):
+        if not self.warm_ahead_on or not self.predictors or not warm_plan.available(self.slot_of):
             return None
-        ex = self.gpu_share.experts
-        slot_bytes = ex.down_offset + ex.down_shape[0] * ex.down_shape[1] * ex.dtype.itemsize
-        budget = int(float(env)) if env else None
-        # "sm": the copy kernel in the graph (+7.4% without temporal locality); "copy": the worker's copy engine,
-        # whose tails landed in time for only 22-38% of layers on the H200 box (bench/RESULTS.md, 25th session);
-        # "cpu": warm-ahead, +8% on the temporal-locality checkpoint (30th session)
-        if engine in ("copy", "cpu"):
-            try:
-                return CopyAhead(addresses, self.slot_of, self.gpu_share, self.predictors, self.moe_layers,
-                                 self.device, slot_bytes, budget_bytes=budget, mailbox=self.mailbox, engine=engine)
-            except RuntimeError as e:
-                if engine == "cpu":
-                    log.warning("strata: warm-ahead is not available (%s); decoding without it", e)
-                    return None
-                log.warning("strata: copy-ahead's copy engine is not available (%s); copying with SMs", e)
-        return CopyAhead(addresses, self.slot_of, self.gpu_share, self.predictors, self.moe_layers, self.device,
-                         slot_bytes, budget_bytes=budget)
+        try:
+            return WarmAhead(addresses, self.slot_of, self.predictors, self.moe_layers, self.device, self.mailbox)
+        except RuntimeError as e:
+            log.warning("strata: warm-ahead is not available (%s); decoding without it", e)
+            return None
 
     def _count_mailbox(self, experts: int, nbytes: int, seconds: float) -> None:
         """The mailbox worker's totals so far: experts it computed, bytes its kernel read and its seconds."""
@@ -298,7 +264,7 @@ class ExpertCompute(CpuCompute):
                        gpu_share=self.gpu_share.value if self.gpu_share is not None else 0.0,
                        gpu_share_mode=(None if self.gpu_share is None else
                                        "balance" if self.gpu_share.adaptive else "fixed"),
-                       timing=box.timing(), copy_ahead=self.copy_ahead.stats() if self.copy_ahead is not None else None)
+                       timing=box.timing(), warm_ahead=self.warm_ahead.stats() if self.warm_ahead is not None else None)
         return out
 
     def close_mailbox(self) -> None:
@@ -311,7 +277,7 @@ class ExpertCompute(CpuCompute):
         if self.mailbox is not None:
             self.mailbox.close()
             self.mailbox = None
-        self.gpu_share = self.copy_ahead = None
+        self.gpu_share = self.warm_ahead = None
 
     def release_staged(self) -> None:
         """Release the decode layers' copied slots held so far (call once their readers are enqueued)."""
@@ -354,15 +320,3 @@ class ExpertCompute(CpuCompute):
         layers, experts = np.nonzero(counts)
         return [(int(layer), int(e), int(counts[layer, e])) for layer, e in zip(layers, experts, strict=True)]
 
-
-def _wait_target() -> float | None:
-    """$STRATA_MAILBOX_WAIT_TARGET: the GPU share's balance target, in (0, 1) (None: `GpuShare.WAIT_TARGET`); a bad
-    value is refused with the variable's name."""
-    raw = os.environ.get("STRATA_MAILBOX_WAIT_TARGET")
-    try:
-        target = float(raw) if raw else None
-    except ValueError:
-        target = -1.0
-    if target is not None and not 0.0 < target < 1.0:
-        raise ValueError(f"STRATA_MAILBOX_WAIT_TARGET must be a number in (0, 1), got {raw!r}")
-    return target

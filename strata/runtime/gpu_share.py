@@ -13,12 +13,12 @@ class GpuShare:
     pair kernels (`pair_experts_in_place`) while the worker computes the rest: the two read host RAM at once
     (~50 + ~110 GB/s on the H200 box, bench/ram_shared.py).
 
-    The share is cut in intermediate rows, not whole experts (unless `split` is off): a layer's c cold experts
-    (ascending) are c x G granules of `granule` rows each (`row_granule`), and the GPU takes the last q of them,
-    the q that makes the layer end soonest, max(q / gpu rate, (cG - q) / CPU rate), ties to the CPU. One expert
-    can so be split: the worker computes its first rows, the GPU the rest, and the two partial sums add up in the
-    combine (down is linear in the intermediate rows). Whole experts (G = 1) left a lone cold expert, the common
-    case under skewed routing, to one side; the split decoded 6-9% faster there (H200 box, bench/RESULTS.md).
+    The share is cut in intermediate rows, not whole experts: a layer's c cold experts (ascending) are c x G
+    granules of `granule` rows each (`row_granule`), and the GPU takes the last q of them, the q that makes the
+    layer end soonest, max(q / gpu rate, (cG - q) / CPU rate), ties to the CPU. One expert can so be split: the
+    worker computes its first rows, the GPU the rest, and the two partial sums add up in the combine (down is
+    linear in the intermediate rows). Whole experts would leave a lone cold expert, the common case under skewed
+    routing, to one side.
     An expert is cut once for all its tokens (batched decode reads each expert once). `share` (a device scalar,
     read by the captured step) starts at the rates' ratio, gpu rate / (gpu rate + CPU rate), and unless fixed
     follows, by `MailboxBooks`' readings of the worker, how often the GPU had to wait for the worker's answer
@@ -35,36 +35,28 @@ class GpuShare:
     GAIN = 0.1  # share moved per unit of (waited - target), once a window of layers
 
     def __init__(self, addresses: np.ndarray, experts, device: torch.device, share: float, adaptive: bool = True,
-                 gpu_rate: float = 45e9, split: bool = True, granule: int | None = None,
-                 wait_target: float | None = None):
+                 gpu_rate: float = 45e9, granule: int | None = None, wait_target: float | None = None):
         self.table = torch.from_numpy(np.ascontiguousarray(addresses)).to(device)  # [L, E] int64 host addresses
         self.experts, self.adaptive, self.num_experts = experts, adaptive, addresses.shape[1]
         self.wait_target = self.WAIT_TARGET if wait_target is None else wait_target
         if not 0.0 < self.wait_target < 1.0:
             raise ValueError(f"the GPU share's wait target must lie in (0, 1), got {self.wait_target}")
-        # bytes/s the pair kernels read pinned RAM in place at, beside the CPU kernel (copy-ahead's budget reads it)
-        self.gpu_rate = gpu_rate
+        self.gpu_rate = gpu_rate  # bytes/s the pair kernels read pinned RAM in place at, beside the CPU kernel
         self.inter = experts.down_shape[1]  # I: an expert's intermediate rows
         granule = granule or row_granule(self.inter)
-        self.rows = granule if split and self.inter % granule == 0 else self.inter  # rows a granule
+        self.rows = granule if self.inter % granule == 0 else self.inter  # rows a granule
         self.granules = self.inter // self.rows  # G granules an expert
         self.value = self.target = min(self.MAX, max(0.0, share))
         self.share = torch.tensor([self.value], dtype=torch.float32, device=device)  # [1], read by the step
 
-    def assign(self, layer: int, flat: torch.Tensor, used: torch.Tensor, ahead: tuple[torch.Tensor, torch.Tensor] | None = None
-               ) -> tuple[torch.Tensor, ...]:
+    def assign(self, layer: int, flat: torch.Tensor, used: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """flat [P] experts, used [P] int32 (-1 cold) -> (used with -2 for the pairs the GPU computes whole,
         their addresses [P] int64 (0: no GPU part), rows [P] int32: of each cold pair, the leading intermediate
-        rows the worker computes (the GPU computes the rest). Device ops only: no host sync.
-
-        ahead = (rows [E] int32, addresses [E] int64): the layer's copied-ahead tails (`strata.kernels.copy_ahead`:
-        each expert's last rows already in VRAM, 0: none). They leave the split, which cuts the rest of each cold
-        expert, and two more results follow: end [P] int32 (where the in-place rows stop and the staged tail
-        starts) and staged [P] int64 (the tail's VRAM address, 0: none)."""
+        rows the worker computes (the GPU computes the rest). Device ops only: no host sync."""
         g = self.granules
         cold_e = torch.zeros(self.num_experts, dtype=torch.int32, device=flat.device)
         cold_e.scatter_reduce_(0, flat, (used < 0).to(torch.int32), reduce="amax")  # [E] 1: cold and used
-        avail = torch.full_like(cold_e, g) if ahead is None else g - ahead[0] // self.rows  # [E] granules not staged
+        avail = torch.full_like(cold_e, g)  # [E] granules of each expert
         mine = cold_e * avail  # [E] the split's granules of each cold expert
         total = mine.sum().float()  # the layer's cold granules
         low = torch.floor(total * self.share)  # [1] the GPU's granules rounded down: the CPU's side is longer...
@@ -75,13 +67,8 @@ class GpuShare:
         gpu_e = (cpu_rows < end) & (cold_e > 0)  # [E] with an in-place part
         take, rows = gpu_e[flat], cpu_rows[flat]
         addr = torch.where(take, self.table[layer][flat], torch.zeros_like(flat))
-        if ahead is None:
-            used = torch.where(take & (rows == 0), torch.full_like(used, -2), used)
-            return used, addr, rows
-        staged_e = torch.where((ahead[0] > 0) & (cold_e > 0), ahead[1], 0)  # [E] the staged tails of cold experts
-        staged = staged_e[flat]
-        used = torch.where((take | (staged != 0)) & (rows == 0), torch.full_like(used, -2), used)
-        return used, addr, rows, end[flat], staged
+        used = torch.where(take & (rows == 0), torch.full_like(used, -2), used)
+        return used, addr, rows
 
     def balance(self, waited: float) -> None:
         """Of the last layers the worker computed some of, the fraction in which the GPU found no answer yet and

@@ -10,7 +10,6 @@ from collections import deque
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from strata.runtime.copy_ahead import CopyAhead
     from strata.runtime.cpu_mailbox import CpuMailbox
     from strata.runtime.gpu_share import GpuShare
 
@@ -33,15 +32,13 @@ class MailboxBooks:
     The books run on the decoding thread once its step is queued (`queued`), while the GPU works, and issue their
     promotions there; once the GPU has done the step, they stop and leave the rest for the next step (the launch waits
     for nothing but the GPU), unless more than `BACKLOG_MAX` layers wait. A statistics read (`flush`) books every
-    layer but leaves the promotions to the decoding thread. (Until the thirty-sixth session they ran on a thread of
-    their own with promotions on transfer workers, whose Python competed for the GIL with the decoding thread: its
-    next launch came late, the step's end 0.18 ms later at 0.76 promotions a token on the H200 box.)"""
+    layer but leaves the promotions to the decoding thread. (On a thread of their own, with promotions on transfer
+    workers, their Python would compete for the GIL with the decoding thread and delay its next launch.)"""
 
-    def __init__(self, mailbox: CpuMailbox, manager, pick, on_counts, share: GpuShare | None = None,
-                 ahead: CopyAhead | None = None):
+    def __init__(self, mailbox: CpuMailbox, manager, pick, on_counts, share: GpuShare | None = None):
         """on_counts(experts, bytes, seconds): the worker's running totals (its kernel's own work only)."""
         self.mailbox, self.manager, self.pick, self.on_counts = mailbox, manager, pick, on_counts
-        self.share, self.ahead = share, ahead
+        self.share = share
         self._wait_mark = (0, 0)  # the worker's (layers read, layers the GPU waited in) when the share last moved
         self.error: BaseException | None = None
         self.seconds = 0.0  # spent booking and issuing promotions so far (on whichever thread ran them)
@@ -58,8 +55,6 @@ class MailboxBooks:
             raise RuntimeError(f"mailbox bookkeeping failed: {self.error}") from self.error
         if self.share is not None:
             self.share.apply()
-        if self.ahead is not None:
-            self.ahead.apply()
 
     def queued(self, until: GpuBusy | None = None) -> None:
         """Once the step's work is queued: the books (~0.5-1 ms of Python a step on the H200 box) run now, on the

@@ -12,6 +12,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from strata.kernels.options import DEFAULT as DEFAULT_KERNELS
+from strata.kernels.options import KernelOptions, kernel_options
 from strata.runtime.attention import GQAAttention, MLAAttention
 from strata.runtime.engram import EngramLayer, EngramRuntime
 from strata.runtime.graphs import DecodeGraphs, is_decode
@@ -57,8 +59,14 @@ class MoETransformer(nn.Module):
         self.after_layer: Callable[[int, torch.Tensor], None] | None = None  # e.g. the expert prefetcher
         self.graphs: DecodeGraphs | None = None  # CUDA-graph decode steps (set up by `enable_decode_graphs`)
         self.engram = EngramRuntime(cfg.engram, cfg.vocab_size) if cfg.engram is not None else None
+        # the engine's [debug] fused_kernels / pdl, in force for every kernel a forward pass launches or captures
+        self.kernel_options: KernelOptions = DEFAULT_KERNELS
 
     def forward(self, input_ids: torch.Tensor, batch: StepBatch, cache: KVCache) -> torch.Tensor:
+        with kernel_options(self.kernel_options):
+            return self._forward(input_ids, batch, cache)
+
+    def _forward(self, input_ids: torch.Tensor, batch: StepBatch, cache: KVCache) -> torch.Tensor:
         decode = self.graphs is not None and is_decode(input_ids, batch)
         if self.engram is not None:
             if decode and self.engram.device_steps(self.layers, len(batch.slots)):

@@ -79,7 +79,7 @@ class Experts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(e, 2 * i, h))
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
         self._slot_of: torch.Tensor | None = None  # [E] int32 expert -> slot (the identity), made once
-        self.grouped = False  # prefill-sized batches through grouped GEMMs (runtime.grouped_prefill)
+        self.grouped = False  # prefill-sized batches through grouped GEMMs ([debug] grouped_prefill)
 
     def _identity(self, device: torch.device) -> torch.Tensor:
         if self._slot_of is None or self._slot_of.device != device:
@@ -93,7 +93,7 @@ class Experts(nn.Module):
 
     def look_ahead(self, hidden: torch.Tensor) -> None:
         """The layer's residual stream hidden [N, H], before routing: a tiered layer may predict the next layer's
-        experts from it (`strata.runtime.copy_ahead`); nothing here."""
+        experts from it (`strata.runtime.warm_ahead`); nothing here."""
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None,
                 used: torch.Tensor | None = None) -> torch.Tensor:
@@ -148,7 +148,7 @@ class MoEBlock(nn.Module):
 def router_predictors(model: nn.Module, beside: bool = False) -> dict[int, Callable[[torch.Tensor], torch.Tensor]]:
     """layer -> f(hidden [N, H]) -> predicted expert ids [N, k], applying that layer's norm and router early, for
     each MoE layer of `model` (a `MoETransformer`).
-    `beside`: for predictions that may run beside the layer's own routing on another stream (copy-ahead), through
+    `beside`: for predictions that may run beside the layer's own routing on another stream (warm-ahead), through
     `Router.choose` with a counter set of their own for the one-launch decode router (made here, eagerly: the
     router's own belong to the layer's routing): one launch on the side stream, not four."""
     out = {}

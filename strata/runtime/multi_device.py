@@ -27,6 +27,7 @@ from strata.runtime.build import (
     attach_prefetcher,
     ensure_store,
     expert_tiers,
+    kernel_options_of,
     prepare_cpu_experts,
     resolve_device,
     start_placement,
@@ -108,9 +109,10 @@ def build_multi_device(path: Path, cfg: StrataConfig, progress: bool = False) ->
                               reserve=cfg.planner.activation_reserve_bytes, slot_bytes=0, budget=0)
         bounds = [(resolve_device(s.device), s.start, s.end) for s in stages]
         model = load_model(checkpoint, dtype, "cpu", progress=progress)  # then each stage to its card
+        model.kernel_options = kernel_options_of(cfg)
         stage_model(model, bounds)
         if all(d.type == "cuda" for d, _, _ in bounds) and model.engram is None:  # Engram over cards: eager
-            model.enable_decode_graphs(lambda: "full" if cfg.runtime.cuda_graphs else None, devices=[d for d, _, _ in bounds])
+            model.enable_decode_graphs(lambda: "full" if cfg.debug.cuda_graphs else None, devices=[d for d, _, _ in bounds])
         return LoadedModel(checkpoint, model, bounds[0][0], dtype, max_context)
 
     the_plan = plan_for(path, cfg)  # refuses before a store is built or anything is loaded
@@ -154,6 +156,7 @@ def assemble_tiered(checkpoint: Checkpoint, bounds: Bounds, gpu_slots: list[int]
     stage_of = {i: s for s, layers in enumerate(per_stage) for i in layers}
     model = load_model(checkpoint, dtype, "cpu", progress=progress,
                        prepare=lambda m: (_use_stage_experts(m, computes, stage_of), drop_tables(m)))
+    model.kernel_options = kernel_options_of(cfg)
     stage_map = stage_model(model, bounds, time_hops=time_hops)
     if model.engram is not None:  # each Engram layer's rows are served to the card that runs it
         ram = ram_available if ram_available is not None else psutil.virtual_memory().available
@@ -165,7 +168,7 @@ def assemble_tiered(checkpoint: Checkpoint, bounds: Bounds, gpu_slots: list[int]
     if all(d.type == "cuda" for d, _, _ in bounds) and model.engram is None:
         # decode steps in CUDA graphs, one per card's stretch of layers (and between host steps while
         # experts are cold); Engram models split over cards decode eagerly
-        model.enable_decode_graphs(lambda: None if not cfg.runtime.cuda_graphs
+        model.enable_decode_graphs(lambda: None if not cfg.debug.cuda_graphs
                                    else "full" if compute.all_resident() else "segmented",
                                    devices=[d for d, _, _ in bounds])
     if cfg.prefetch.lookahead > 0:

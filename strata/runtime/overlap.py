@@ -3,7 +3,7 @@
 A decode step's host work (reading the sampled token back, detokenizing, stop checks, streaming it
 out, launching the next graph) used to sit between two GPU steps: 0.2 ms a token all in VRAM, about
 1 ms in one-graph split decode (bench/RESULTS.md, "Where a one-graph split token goes"). With
-`runtime.overlap_decode`, step t's token is sampled on the device and fed to step t+1 as a device
+`[debug] overlap_decode`, step t's token is sampled on the device and fed to step t+1 as a device
 tensor; step t+1 is launched first, and the host reads step t's token while the GPU runs step t+1.
 A token that ends its sequence (EOS, a stop string) costs one wasted step, never a wrong token: the
 same logits are sampled in the same order with the same generators either way. A wasted step writes its
@@ -45,7 +45,7 @@ class TokenReadback:
 
 
 def overlap_on(setting: bool | str, device: torch.device, cards: int = 1) -> bool:
-    """runtime.overlap_decode resolved: "auto" means on CUDA (a device that computes synchronously gains nothing
+    """[debug] overlap_decode resolved: "auto" means on CUDA (a device that computes synchronously gains nothing
     and would emit each token one step late), on one card: a model split over several has not been run
     overlapped on a two-GPU box yet, so there it is opt-in (true)."""
     return (device.type == "cuda" and cards <= 1) if setting == "auto" else bool(setting)

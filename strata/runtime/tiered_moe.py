@@ -9,9 +9,9 @@ so the step can be captured in a CUDA graph. Otherwise one small copy of the ste
 host which pairs are cold; the cost model splits those between
 - CPU threads computing straight from pinned RAM, concurrently with the GPU (`cpu_numerics = "fork"`),
   with only the activations crossing PCIe, and
-- copies into GPU slots, computed by the same pair kernels once the copy has landed, or (opt-in,
-  `runtime.read_in_place`) the pair kernels reading those experts straight from their pinned-RAM slots
-  over PCIe (zero-copy), launched before the CPU share starts so both run at once.
+- copies into GPU slots, computed by the same pair kernels once the copy has landed.
+Once every expert sits in pinned RAM for good, a decode step is one graph instead: the cold pairs go to a native CPU
+worker and the GPU's in-place reads (`_mailbox_forward`, strata.runtime.cpu_mailbox).
 Pair outputs are combined in one fixed order, so which tier served an expert never changes the result
 (except the forked CPU kernel's rounding).
 
@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import time
 from concurrent.futures import Future
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -32,14 +31,13 @@ from torch import nn
 
 from strata.kernels.experts import group_by_expert
 from strata.kernels.grouped import combine_pairs, pair_experts, pair_experts_in_place, use_pair_kernels
-from strata.runtime.cost_model import IN_PLACE_HOST_S, IN_PLACE_RATE, split_cold
+from strata.runtime.cost_model import split_cold
 from strata.runtime.expert_compute import ExpertCompute
 from strata.runtime.graphs import current_capture_mode, current_recorder
 from strata.runtime.model import MoETransformer
 from strata.runtime.moe import MoEBlock, router_predictors
 from strata.runtime.step_io import pairs_by_expert, to_host, upload
 from strata.runtime.tiered_prefill import PrefillPath
-from strata.tiers.step_copies import IN_PLACE
 
 __all__ = ["ExpertCompute", "TieredExperts", "use_tiered_experts"]
 
@@ -60,13 +58,14 @@ class TieredExperts(PrefillPath, nn.Module):
         return c.slot_of[self.layer]
 
     def look_ahead(self, hidden: torch.Tensor) -> None:
-        """In a one-graph decode step with copy-ahead: predict the next layer's experts from this layer's residual
-        stream hidden [N, H] and plan their tails' copy, on the copy-ahead stream (strata.runtime.copy_ahead)."""
+        """In a one-graph decode step with warm-ahead: predict the next layer's experts from this layer's residual
+        stream hidden [N, H] and plan the worker's read of the cold ones, on the plan's stream
+        (strata.runtime.warm_ahead)."""
         c = self.compute
-        if c.copy_ahead is not None and c.mailbox is not None and current_capture_mode() == "mailbox":
+        if c.warm_ahead is not None and c.mailbox is not None and current_capture_mode() == "mailbox":
             if self.layer == c.moe_layers[0]:
                 c.mailbox.begin_step(early=True)  # the step's generation, before the plan's stream forks from here
-            c.copy_ahead.predict(self.layer, hidden)
+            c.warm_ahead.predict(self.layer, hidden)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None,
                 used: torch.Tensor | None = None) -> torch.Tensor:
@@ -138,60 +137,45 @@ class TieredExperts(PrefillPath, nn.Module):
         return combine_pairs(y, weights, x.dtype, extra=cpu_out, residual=residual)
 
     def _mailbox_forward(self, x, flat, weights, residual, used) -> torch.Tensor:
-        """A decode layer inside a one-graph step: the resident pairs here, the cold ones on the mailbox worker
+        """A decode layer inside a one-graph step (CUDA): the resident pairs here, the cold ones on the mailbox worker
         (strata.runtime.cpu_mailbox), which the stream waits for before the combine. No host work.
 
         The worker is told first: the layer's slots are looked up (one gather), the mailbox posted, and only then
         the GPU's in-place share (on this stream, behind the post) and the resident pairs (on a second stream) run,
-        beside the worker, so the layer waits for the longest of the three instead of their sum. On the H200 box a
-        token's resident pairs take only ~10-15 us (+2% skewed decode, bench/RESULTS.md, eighteenth session);
-        batched steps' pair kernels take longer (~130-150 us at 8 tokens)."""
+        beside the worker, so the layer waits for the longest of the three instead of their sum."""
         c = self.compute
         hot = c.slots is not None
         # [P] int32: the GPU slot each pair reads, -1 cold. Both the worker's inbox and the resident pairs' kernel
         # read this one lookup, so a map entry landing mid-layer cannot make a pair computed twice or not at all.
         if used is None:  # the router did not look them up (fused router off, or not its shapes)
             used = c.slot_of[self.layer][flat] if hot else torch.full_like(flat, -1, dtype=torch.int32)
-        alongside = hot and c.mailbox.hot_alongside
-        early = hot and not alongside  # the resident pairs before the worker hears of the layer (A/B; CPU hosts)
         # y [P, H] fp32, each pair's output from the GPU: zeroed by the exchange's pack kernel where nothing writes it
-        # before the post, so no memset node stands between the router and the post (~2 us a layer, H200 box)
-        y = (torch.zeros if early else torch.empty)((flat.numel(), x.shape[1]), dtype=torch.float32, device=x.device)
-        if early:
-            pair_experts(x, c.slots, used, c.pair_index(flat.numel(), x.device), y)
+        # before the post, so no memset node stands between the router and the post
+        y = torch.empty((flat.numel(), x.shape[1]), dtype=torch.float32, device=x.device)
         if self.layer == c.moe_layers[0]:
             c.mailbox.begin_step()
-        share, ahead = c.gpu_share, c.copy_ahead
-        maps = ahead.maps(self.layer) if ahead is not None and share is not None else None  # its copied-ahead tails
+        share = c.gpu_share
+        if c.warm_ahead is not None:
+            c.warm_ahead.join(self.layer)  # the plan made for this layer (a capture must see every fork joined)
 
-        def gpu_work(addr, rows, end, staged) -> None:  # enqueued once the worker has been posted the layer
+        def gpu_work(addr, rows) -> None:  # enqueued once the worker has been posted the layer
             main = torch.cuda.current_stream(x.device)
             if addr is None:  # no in-place share: the resident pairs alone, on this stream
-                if alongside:
+                if hot:
                     pair_experts(x, c.slots, used, c.pair_index(flat.numel(), x.device), y)
                 return
-            # The in-place share, where a layer gives the GPU rows, is its long pole beside the worker (~30 GB/s over
-            # PCIe while the worker reads RAM), so it runs on this stream right behind the pack (its launch overlapped
-            # with it) and the resident pairs (~25 us) on the second. The other way round (share_first off) the share
-            # started ~7 us after the pack (H200 box, bench/serial_phase.py). Their rows of y are disjoint.
+            # The in-place share, where a layer gives the GPU rows, is its long pole beside the worker (PCIe while
+            # the worker reads RAM), so it runs on this stream right behind the pack (its launch overlapped with it)
+            # and the resident pairs on the second. Their rows of y are disjoint.
             side = c.side_stream(x.device)
             side.wait_stream(main)
-            share_on, hot_on = (main, side) if alongside and c.mailbox.share_first else (side, main)
-            if alongside:
-                with torch.cuda.stream(hot_on):
+            if hot:
+                with torch.cuda.stream(side):
                     pair_experts(x, c.slots, used, c.pair_index(flat.numel(), x.device), y)
-            if staged is not None:
-                ahead.wait_copied(self.layer, share_on)  # the tails read from VRAM have landed
-            with torch.cuda.stream(share_on):
-                pair_experts_in_place(x, share.experts, addr, y, first_row=rows, staged=staged, last_row=end)
+            pair_experts_in_place(x, share.experts, addr, y, first_row=rows)
             main.wait_stream(side)
 
-        cpu_out = c.mailbox.exchange(self.layer, flat, used, x, weights, gpu_work, share=share, ahead=maps,
-                                     zero=None if early else y)  # [N, H]
-        if ahead is not None:
-            if maps is not None:  # (the side stream waited for them; a capture must see every fork joined)
-                ahead.wait_copied(self.layer, torch.cuda.current_stream(x.device))
-            ahead.copy(self.layer)  # the next layer's tails, once this layer's cold phase is over
+        cpu_out = c.mailbox.exchange(self.layer, flat, used, x, weights, gpu_work, share=share, zero=y)  # [N, H]
         return combine_pairs(y, weights, x.dtype, extra=cpu_out, residual=residual)
 
     def _cold_stage(self, x, weights, y, both, cpu_out, late) -> None:
@@ -231,10 +215,10 @@ class TieredExperts(PrefillPath, nn.Module):
         if c.use_split and c.slots is not None:
             on_cpu, run_async = self._cpu_share({e: len(p) for e, p in cold.items()}, c.cpu_async)
             c.manager.note_gpu_misses(self.layer, on_cpu)  # the GPU tier's frequency history sees them too
-            # the GPU tier's only way in for the experts no copy brings (the CPU's share, and the GPU's share
-            # when read in place): a background copy of the most used one, if worth a slot
-            if c.promote and (candidates := set(cold) if c.host_experts is not None else on_cpu):
-                c.promote_one(self.layer, candidates)
+            # the GPU tier's only way in for the experts no copy brings (the CPU's share): a background copy of the
+            # most used one, if worth a slot
+            if c.promote and on_cpu:
+                c.promote_one(self.layer, on_cpu)
         groups = [(e, torch.from_numpy(cold[e])) for e in sorted(on_cpu)]  # the CPU share: (expert, its pairs)
         share = None
         if groups and run_async:  # the CPU share starts first, on the kernel's own thread
@@ -272,10 +256,8 @@ class TieredExperts(PrefillPath, nn.Module):
             return
         batches = []
         if c.use_split:
-            if self._read_in_place(x, y, to_copy, cold):  # the GPU's share read from pinned RAM where it lies
-                return
-            # else: the copies the GPU tier should keep (used over twice as often as its victim) are staged
-            # through it, so it adapts to the traffic; the others land in the stream slots, for this step only
+            # the copies the GPU tier should keep (used over twice as often as its victim) are staged through it,
+            # so it adapts to the traffic; the others land in the stream slots, for this step only
             keep = m.worth_caching(self.layer, to_copy)
             once = [e for e in to_copy if e not in keep]
             if once and (streamed := m.stream_gpu(self.layer, once)) is not None:
@@ -294,34 +276,6 @@ class TieredExperts(PrefillPath, nn.Module):
             for e, slot in zip(batch.experts, batch.slots, strict=True):
                 slot_plus_one[cold[e]] = slot + 1
         upload(slot_plus_one, late)
-
-    def _read_in_place(self, x, y, experts: list[int], cold: dict[int, np.ndarray]) -> bool:
-        """Launch the kernel that computes `experts`' pairs from their pinned-RAM slots in place (zero-copy),
-        now, so it runs while this thread computes the CPU share; False when they are not all pinned-resident."""
-        c = self.compute
-        if c.host_experts is None:
-            return False
-        t0 = time.perf_counter()
-        addresses = c.manager.read_in_place(self.layer, experts)
-        t_held = time.perf_counter()
-        c.host_seconds["in_place_hold"] += t_held - t0
-        if addresses is None:
-            return False
-        addr = np.zeros(y.shape[0], dtype=np.int64)  # [P] each pair's slot address, 0 = not in this pass
-        for e, a in zip(experts, addresses, strict=True):
-            addr[cold[e]] = a
-        addr_t = torch.empty(y.shape[0], dtype=torch.int64, device=x.device)
-        upload(addr, addr_t)
-        t1 = time.perf_counter()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        pair_experts_in_place(x, c.host_experts, addr_t, y)
-        end.record()
-        t2 = time.perf_counter()
-        c.manager.finish_in_place(self.layer, experts, start, end)
-        c.host_seconds["in_place_upload"] += t1 - t_held
-        c.host_seconds["in_place_launch"] += t2 - t1
-        return True
 
     def _copy_in_chunks(self, x, y, to_copy: list[int], cold: dict[int, np.ndarray]) -> None:
         """Copied pairs computed here, chunk by chunk, each chunk's slots released before the next is staged."""
@@ -349,11 +303,7 @@ class TieredExperts(PrefillPath, nn.Module):
         c.rates.pcie_bytes_per_s = c.manager.observed_rate("pinned->gpu", c.rates.pcie_bytes_per_s)
         nbytes = c.manager.store.payload_bytes
         backlog = c.manager.gpu_transfers_in_flight() * nbytes / c.rates.pcie_bytes_per_s
-        rates = c.rates
-        if c.host_experts is not None:  # the GPU's share is read in place: the link's rate, no staging per expert
-            rates = replace(rates, pcie_bytes_per_s=c.manager.observed_rate(IN_PLACE, IN_PLACE_RATE),
-                            copy_host_s=IN_PLACE_HOST_S)
-        plan = lambda serial: split_cold(tokens, nbytes, rates, in_flight_copy_s=backlog, serial=serial)  # noqa: E731
+        plan = lambda serial: split_cold(tokens, nbytes, c.rates, in_flight_copy_s=backlog, serial=serial)  # noqa: E731
         split = plan(run_async is False)  # serial only when the CPU share is to run after the copies
         if run_async is None:  # auto: first only when that plan copies some and computes some on the CPU
             run_async = bool(split.copy and split.cpu)

@@ -1,7 +1,7 @@
 """The prefill side of `TieredExperts`: tokens grouped by expert, each GPU-served expert one GEMM over its tokens.
 
 A prompt chunk's cold experts are staged on the GPU in batches (every cold expert crosses PCIe once per
-chunk), computed by grouped GEMMs over the slots (`runtime.grouped_prefill`) or a per-expert loop; the cost
+chunk), computed by grouped GEMMs over the slots (`[debug] grouped_prefill`) or a per-expert loop; the cost
 model may give the CPU the cold experts with few tokens, computed from host RAM while the GPU works, with
 only those tokens' rows crossing PCIe.
 """
@@ -39,7 +39,7 @@ class PrefillPath:
         return rows_dev, c.pool.submit(c.cpu_forward, self.layer, x_host, w_host, k, local)
 
     def _grouped_forward(self, x, weights, groups, ids, chunk: int) -> torch.Tensor:
-        """`_tier_forward` through grouped GEMMs over the GPU slots (runtime.grouped_prefill): each batch of experts
+        """`_tier_forward` through grouped GEMMs over the GPU slots ([debug] grouped_prefill): each batch of experts
         staged at once, its pairs (known per expert) written into one [N*k, H] buffer by two grouped GEMMs; the
         pairs are summed once, in the all-in-memory order, after the last batch."""
         c = self.compute

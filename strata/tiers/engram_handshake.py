@@ -130,7 +130,7 @@ class RowHandshake:
         if self.header[2] != 0:
             gen, self.header[2] = int(self.header[2]), 0
             raise RuntimeError(f"a decode step gave up waiting for its Engram rows (step {gen}); set "
-                               "engram.graph_wait = false to serve rows between graph segments instead")
+                               "[debug] engram_graph_wait = false to serve rows between graph segments instead")
         if self.error is not None:
             e, self.error = self.error, None
             raise RuntimeError(f"serving a decode step's Engram rows failed: {e}") from e

@@ -12,7 +12,7 @@
 threads. `wait(ticket)` blocks only for reads that have not finished (the stall it counts), copies
 the missing rows to the device, admits them into the cache and returns [T, heads, head_dim]. Decode
 steps in CUDA graphs take their rows through strata.tiers.engram_graph_steps (slots in the host cache,
-which the GPU reads in place; with `engram.graph_wait`, a host thread answering the graph itself).
+which the GPU reads in place; with `[debug] engram_graph_wait`, a host thread answering the graph itself).
 The cache is shared with that thread: the public methods run under `lock`.
 
 Every table is checked at start-up: a missing or mis-sized file stops it (as in `ExpertStore.open`),

@@ -69,22 +69,21 @@ def _load() -> ctypes.CDLL | None:
     if not _tried:
         with _lock:
             if not _tried:
-                if os.environ.get("STRATA_NATIVE_IO", "1") != "0":
-                    try:
-                        _lib = _build()
-                    except Exception as e:  # noqa: BLE001 - no compiler, read-only cache...: reads stay in Python
-                        log.warning("strata: native disk reads unavailable (%s); reading from Python", e)
+                try:
+                    _lib = _build()
+                except Exception as e:  # noqa: BLE001 - no compiler, read-only cache...: reads stay in Python
+                    log.warning("strata: native disk reads unavailable (%s); reading from Python", e)
                 _tried = True
     return _lib
 
 
 def available() -> bool:
-    """Whether the native batch of reads can be used here ($STRATA_NATIVE_IO=0 turns it off)."""
+    """Whether the native batch of reads can be used here (built; else reads stay in Python)."""
     return _load() is not None
 
 
 _AIO_UNAVAILABLE = -(2**63)
-_aio_ok = os.environ.get("STRATA_AIO", "1") != "0"
+_aio_ok = True  # False once the kernel refused native AIO: threads from then on
 
 
 def read_runs(fd: int, file_off: np.ndarray, length: np.ndarray, need: np.ndarray, buf: np.ndarray,
@@ -92,7 +91,7 @@ def read_runs(fd: int, file_off: np.ndarray, length: np.ndarray, need: np.ndarra
     """Read run i (`length[i]` bytes at `file_off[i]`, at least `need[i]` of them) into `buf[buf_off[i]:]`
     for every i (int64 arrays of one length; `buf` a uint8 array big enough), on `threads` threads, or with
     `aio` (an O_DIRECT fd) all submitted at once through Linux native AIO from this thread (threads where the
-    kernel refuses it; $STRATA_AIO=0 turns it off). Raises OSError for a failed read, EOFError (with the run's
+    kernel refuses it). Raises OSError for a failed read, EOFError (with the run's
     index) for a file that ends before a run's `need`."""
     global _aio_ok
     lib = _load()
@@ -127,5 +126,5 @@ def lib() -> ctypes.CDLL:
     """The loaded library (for callers that pass their own arrays); raises where it cannot be built."""
     loaded = _load()
     if loaded is None:
-        raise RuntimeError("the native helpers are unavailable (no C++ compiler, or $STRATA_NATIVE_IO=0)")
+        raise RuntimeError("the native helpers are unavailable (no C++ compiler, or they failed to build)")
     return loaded

@@ -11,56 +11,25 @@ page faults on the hot path.
 from __future__ import annotations
 
 import mmap
-import os
 import threading
 
-import numpy as np
 import torch
 
 from strata.errors import StrataError, UnsupportedError
 
 ALIGN = 4096
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context (all GPUs of the host)
-# Back the slabs with transparent huge pages (madvise before the pages are faulted in): 2 MiB pages instead of 4 KiB
-# for the CPU kernel's and the GPU's in-place reads of whole experts. $STRATA_PINNED_HUGE_PAGES=1. On the H200 box
-# (THP in madvise mode) the CPU kernel alone read 8-19% faster from such a pool, the GPU's in-place reads and the
-# copy engine no faster, and split decode not measurably faster (bench/hugepage_probe.py; RESULTS.md, twenty-sixth
-# session), so it stays off. The kernel may still give 4 KiB pages (THP off, or no free huge pages).
-HUGE_PAGES = os.environ.get("STRATA_PINNED_HUGE_PAGES", "0") == "1"
-
-
-def huge_page_kib(address: int) -> int | None:
-    """AnonHugePages (KiB) of this process's mapping that holds `address`, from /proc/self/smaps: how much of a slab
-    the kernel backed with transparent huge pages (None: no such file, or no mapping holds it)."""
-    try:
-        lines = open("/proc/self/smaps").read().splitlines()
-    except OSError:
-        return None
-    inside = False
-    for line in lines:
-        head = line.split()[0]
-        if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
-            lo, hi = (int(v, 16) for v in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and head == "AnonHugePages:":
-            return int(line.split()[1])
-    return None
 
 
 class _Slab:
     """One page-locked (or plain) allocation: `tensor` uint8 [nbytes], page-aligned."""
 
-    def __init__(self, nbytes: int, pin: bool, huge: bool = False):
+    def __init__(self, nbytes: int, pin: bool):
         self.nbytes, self.registered = nbytes, False
-        huge = huge and hasattr(mmap, "MADV_HUGEPAGE")
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        if not pin and not huge:
+        if not pin:
             flags |= getattr(mmap, "MAP_POPULATE", 0)  # fault the pages in now, off the hot path
         self.mm: mmap.mmap | None = mmap.mmap(-1, nbytes, flags=flags)
-        if huge:  # before any page is faulted in (registration faults them): THP's madvise mode needs the hint
-            self.mm.madvise(mmap.MADV_HUGEPAGE)
-            if not pin:
-                np.frombuffer(self.mm, dtype=np.uint8)[::ALIGN] = 0  # fault in now, as MAP_POPULATE would
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)  # holds a reference to the mapping
         if pin:
             # Register on this (non-main) thread: a failed cudaHostRegister leaves a per-thread "last error"
@@ -104,11 +73,10 @@ class _Slab:
 class PinnedPool:
     """`num_slots` slots of `slot_bytes` (a multiple of 4096) in slabs of about `slab_bytes` of pinned RAM.
 
-    pin=None pins iff CUDA is available; background=True allocates on a thread so start-up is not held;
-    huge_pages (None: `HUGE_PAGES`) asks for transparent huge pages behind the slabs."""
+    pin=None pins iff CUDA is available; background=True allocates on a thread so start-up is not held."""
 
     def __init__(self, slot_bytes: int, num_slots: int, *, pin: bool | None = None, slab_bytes: int = 1 << 30,
-                 background: bool = True, huge_pages: bool | None = None):
+                 background: bool = True):
         if slot_bytes <= 0 or slot_bytes % ALIGN:
             raise ValueError(f"slot_bytes must be a positive multiple of {ALIGN}, got {slot_bytes}")
         if num_slots < 1:
@@ -118,7 +86,6 @@ class PinnedPool:
         elif pin and not torch.cuda.is_available():
             raise UnsupportedError("pinned host memory needs a CUDA GPU; use pin=False (or pin=None) on this host")
         self.slot_bytes, self.num_slots, self.pinned = slot_bytes, num_slots, pin
-        self.huge_pages = HUGE_PAGES if huge_pages is None else huge_pages
         self.nbytes = slot_bytes * num_slots
         self.slots_per_slab = max(1, slab_bytes // slot_bytes)  # a slab holds whole slots only
         nslabs = -(-num_slots // self.slots_per_slab)
@@ -140,7 +107,7 @@ class PinnedPool:
             for k, size in enumerate(self._sizes):
                 if self._closing:
                     return
-                self._slabs[k] = _Slab(size, self.pinned, self.huge_pages)
+                self._slabs[k] = _Slab(size, self.pinned)
                 self._ready[k].set()
         except BaseException as e:  # kept, and raised on the next slot()/wait_ready()
             self._error = e

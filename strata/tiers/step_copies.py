@@ -22,8 +22,6 @@ import torch
 
 from strata.tiers.slots import ExpertHandle, Key, TierFullError
 
-IN_PLACE = "pinned->gpu in place"  # statistics path of experts the GPU computed straight from pinned RAM
-
 
 @dataclass
 class StagedExperts:
@@ -162,22 +160,6 @@ class StepCopiesMixin:
             self._stream_out.update(slots)
         return StreamedExperts(layer, [k[1] for k in keys], list(slots), done)
 
-    def read_in_place(self, layer: int, experts: list[int]) -> list[int] | None:
-        """Hold `experts` of `layer` in their pinned-RAM slots for a GPU kernel that reads them where they lie
-        (zero-copy over PCIe: unified addressing maps page-locked memory into the GPU's address space), and
-        return the slots' host addresses. None, holding nothing, unless the pool is page-locked and every
-        expert is resident in it now. Once the kernel is enqueued, `finish_in_place` with its start and end
-        events: the holds drop when it has run, and its time counts on the "pinned->gpu in place" path."""
-        if not experts or not self.pool.pinned:
-            return None
-        pinned = self.pinned
-        keys = [(layer, int(e)) for e in experts]
-        with self._lock:
-            if not self._pinned_now(keys):
-                return None
-            self._hold_for_gpu(keys)  # the slots stay put until the kernel has read them
-            return [self.pool.slot_address(pinned.slot_of[k]) for k in keys]
-
     def _pinned_now(self, keys: list[Key]) -> bool:
         """Every key resident in pinned RAM (not on its way there); finished copies reaped first, so their
         holds are gone before new ones are taken. Under the manager's lock."""
@@ -187,9 +169,9 @@ class StepCopiesMixin:
         return True
 
     def _hold_for_gpu(self, keys: list[Key]) -> None:
-        """Pinned-resident `keys` a GPU step reads from pinned RAM (a stream copy or an in-place kernel): held
-        in their slots, counted as pinned-tier lookups the GPU tier missed, and seen by both policies (the GPU
-        tier's frequency history decides whether a later copy keeps one). Under the manager's lock."""
+        """Pinned-resident `keys` a GPU step's stream copies read from pinned RAM: held in their slots, counted as
+        pinned-tier lookups the GPU tier missed, and seen by both policies (the GPU tier's frequency history decides
+        whether a later copy keeps one). Under the manager's lock."""
         pinned = self.pinned
         for key in keys:
             self._note_prefetch_use(pinned, key)
@@ -199,11 +181,6 @@ class StepCopiesMixin:
                 self.gpu.policy.touch(key)
             pinned.refs[key] = pinned.refs.get(key, 0) + 1
             self.stats_.lookup(key[0], "pinned", True, 0.0, expert=key[1])
-
-    def finish_in_place(self, layer: int, experts: list[int], start, end) -> None:
-        """The kernel reading `read_in_place`'s slots is enqueued between CUDA events `start` and `end`."""
-        with self._lock:
-            self._copying[next(self._seq)] = (start, end, [(layer, int(e)) for e in experts], IN_PLACE)
 
     def release_staged(self, staged: StagedExperts | StreamedExperts) -> None:
         """Unpin a `stage_gpu` batch; later copies into its slots wait for the work queued on them so far."""

@@ -41,16 +41,16 @@
 #include <unistd.h>
 
 #if defined(__x86_64__) || defined(_M_X64)
-#define STRATA_X86 1
+#define ON_X86 1
 #pragma GCC diagnostic ignored "-Wuninitialized"  // GCC 12's AVX-512 headers (`__m512 __Y = __Y;`)
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
 #else
-#define STRATA_X86 0
+#define ON_X86 0
 #endif
 
-#define STRATA_API extern "C" __attribute__((visibility("default")))
-#define STRATA_META 7  // int64 fields of an expert's meta row (strata_cpu_experts)
+#define C_EXPORTED extern "C" __attribute__((visibility("default")))
+#define META_FIELDS 7  // int64 fields of an expert's meta row (strata_cpu_experts)
 
 #include "cpu_pool.h"
 
@@ -174,7 +174,7 @@ struct AtFork {
 
 // ---------------------------------------------------------------------------------------------------
 // The kernel, once per instruction set.
-#if STRATA_X86
+#if ON_X86
 
 #pragma GCC push_options
 #pragma GCC target("avx2,fma")
@@ -297,7 +297,7 @@ struct K {
 }  // namespace k_avx512bf16
 #pragma GCC pop_options
 
-#endif  // STRATA_X86
+#endif  // ON_X86
 
 #include "cpu_experts_emu.h"
 
@@ -307,9 +307,9 @@ struct K {
 enum { ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_BF16 = 3, ISA_EMU_AVX512 = 4, ISA_EMU_AVX512_BF16 = 5 };
 
 // Bit (1 << isa) set for every instruction set this CPU (and OS) can run.
-STRATA_API int strata_cpu_isa_mask() {
+C_EXPORTED int strata_cpu_isa_mask() {
     int mask = (1 << ISA_EMU_AVX512) | (1 << ISA_EMU_AVX512_BF16);
-#if STRATA_X86
+#if ON_X86
     __builtin_cpu_init();
     if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) mask |= 1 << ISA_AVX2;
     if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
@@ -323,7 +323,7 @@ STRATA_API int strata_cpu_isa_mask() {
 
 // Worker pinning (ncpus < 0: unchanged), spin time (< 0: unchanged) and software prefetch distance
 // in bytes (< 0: unchanged, 0: off). The pool is re-created on the next call.
-STRATA_API int strata_cpu_configure(int spin_us, const int* cpus, int ncpus, int64_t prefetch_bytes) {
+C_EXPORTED int strata_cpu_configure(int spin_us, const int* cpus, int ncpus, int64_t prefetch_bytes) {
     std::lock_guard<std::mutex> lk(g_call);
     if (spin_us >= 0) g_spin_us = spin_us;
     if (ncpus >= 0) g_cpus.assign(cpus, cpus + ncpus);
@@ -334,8 +334,8 @@ STRATA_API int strata_cpu_configure(int spin_us, const int* cpus, int ncpus, int
 
 // Read n buffers once with `threads` threads (the pool of the kernel), for a RAM bandwidth figure.
 // Returns an xor checksum of the data (so the reads cannot be optimised away); 0 without AVX2.
-STRATA_API uint64_t strata_cpu_read_sweep(const void* const* ptrs, const int64_t* sizes, int64_t n, int threads) {
-#if STRATA_X86
+C_EXPORTED uint64_t strata_cpu_read_sweep(const void* const* ptrs, const int64_t* sizes, int64_t n, int threads) {
+#if ON_X86
     if (!(strata_cpu_isa_mask() & (1 << ISA_AVX2))) return 0;
     std::lock_guard<std::mutex> lk(g_call);
     ReadJob job;
@@ -356,9 +356,9 @@ STRATA_API uint64_t strata_cpu_read_sweep(const void* const* ptrs, const int64_t
 #endif
 }
 
-STRATA_API int strata_cpu_meta_fields() { return STRATA_META; }
+C_EXPORTED int strata_cpu_meta_fields() { return META_FIELDS; }
 
-STRATA_API int strata_cpu_shutdown() {
+C_EXPORTED int strata_cpu_shutdown() {
     std::lock_guard<std::mutex> lk(g_call);
     drop_pool();
     return 0;
@@ -368,13 +368,13 @@ STRATA_API int strata_cpu_shutdown() {
 #include "cpu_warm.h"  // warm-ahead's read; the kernel asks it how far each thread got (warm_read_pairs)
 
 // out[N, H] (fp32, contiguous) += sum over experts of w * expert(x[idx]).
-// meta: E rows of STRATA_META int64: gate_up ptr, down ptr, idx ptr (int64), w ptr (fp32), T, I, ld: the expert's
+// meta: E rows of META_FIELDS int64: gate_up ptr, down ptr, idx ptr (int64), w ptr (fp32), T, I, ld: the expert's
 // first I of its ld intermediate rows (I < ld: the CPU's part of an expert split with the GPU, which computes the rest).
 // Returns 0, -1 (instruction set unavailable or bad sizes), -2 (token index out of range).
 // warm (optional, [E] int64): of each expert, the leading rows whose gate/up `strata_cpu_warm` read ahead on this
 // pool with the same thread count; each thread computes its own piece of them first (its caches hold them).
 // stolen (optional): set to how many of those pieces another thread computed. The results do not depend on it.
-STRATA_API int strata_cpu_experts_warm(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
+C_EXPORTED int strata_cpu_experts_warm(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
                                        const int64_t* warm, float* out, int threads, int64_t* stolen) {
     if (stolen) *stolen = 0;
     if (N <= 0 || H <= 0 || E < 0) return -1;
@@ -382,7 +382,7 @@ STRATA_API int strata_cpu_experts_warm(int isa, const float* x, int64_t N, int64
     std::vector<ExpertArg> experts;
     experts.reserve(E);
     for (int64_t e = 0; e < E; ++e) {
-        const int64_t* m = meta + STRATA_META * e;
+        const int64_t* m = meta + META_FIELDS * e;
         ExpertArg a{reinterpret_cast<const uint16_t*>(m[0]), reinterpret_cast<const uint16_t*>(m[1]),
                     reinterpret_cast<const int64_t*>(m[2]), reinterpret_cast<const float*>(m[3]), m[4], m[5], m[6]};
         if (a.T < 0 || a.I <= 0 || a.ld < a.I) return -1;
@@ -479,7 +479,7 @@ STRATA_API int strata_cpu_experts_warm(int isa, const float* x, int64_t N, int64
 
     JobFn fn = k_emu512::run_job;
     switch (isa) {
-#if STRATA_X86
+#if ON_X86
         case ISA_AVX2: fn = k_avx2::run_job; break;
         case ISA_AVX512: fn = k_avx512::run_job; break;
         case ISA_AVX512_BF16: fn = k_avx512bf16::run_job; break;
@@ -499,7 +499,7 @@ STRATA_API int strata_cpu_experts_warm(int isa, const float* x, int64_t N, int64
     return 0;
 }
 
-STRATA_API int strata_cpu_experts(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
+C_EXPORTED int strata_cpu_experts(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
                                   float* out, int threads) {
     return strata_cpu_experts_warm(isa, x, N, H, E, meta, nullptr, out, threads, nullptr);
 }
@@ -545,7 +545,7 @@ Launcher* g_launcher = nullptr;  // never freed: its detached thread lives as lo
 std::mutex g_launcher_m;
 }  // namespace
 
-STRATA_API int strata_cpu_experts_start(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
+C_EXPORTED int strata_cpu_experts_start(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
                                         float* out, int threads) {
     Launcher* l;
     {
@@ -563,7 +563,7 @@ STRATA_API int strata_cpu_experts_start(int isa, const float* x, int64_t N, int6
     return 0;
 }
 
-STRATA_API int strata_cpu_experts_wait(double* seconds) {
+C_EXPORTED int strata_cpu_experts_wait(double* seconds) {
     Launcher* l;
     {
         std::lock_guard<std::mutex> lk(g_launcher_m);

@@ -37,21 +37,19 @@
 
 #include <unistd.h>
 
-#include "mailbox_ahead.h"
-
 #if defined(__x86_64__) || defined(_M_X64)
 #include <immintrin.h>
-#define STRATA_PAUSE() _mm_pause()
+#define SPIN_PAUSE() _mm_pause()
 #else
-#define STRATA_PAUSE() std::this_thread::yield()
+#define SPIN_PAUSE() std::this_thread::yield()
 #endif
 
-#define STRATA_API extern "C" __attribute__((visibility("default")))
+#define C_EXPORTED extern "C" __attribute__((visibility("default")))
 
-STRATA_API int strata_cpu_experts_warm(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
+C_EXPORTED int strata_cpu_experts_warm(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
                                        const int64_t* warm, float* out, int threads, int64_t* stolen);
-STRATA_API int strata_cpu_warm_drain();
-STRATA_API int64_t strata_cpu_warm(const int64_t* addr, const int64_t* rows, int64_t n, int64_t H, int64_t ld,
+C_EXPORTED int strata_cpu_warm_drain();
+C_EXPORTED int64_t strata_cpu_warm(const int64_t* addr, const int64_t* rows, int64_t n, int64_t H, int64_t ld,
                                    int threads, const int64_t* stop, int64_t stop_val, int64_t* held_ns);
 
 namespace {
@@ -61,25 +59,28 @@ namespace {
 constexpr int LOG_CODES = 256;
 constexpr int64_t LOG_ENTRY = 16 + 4 * LOG_CODES;
 
-// Warm-ahead (strata.runtime.copy_ahead, engine "cpu"): once the worker has answered layer l, it reads the gate/up
-// rows of layer l+1's predicted cold experts into its threads' caches while the GPU runs the serial part between
-// the two layers (the CPU idles then), each thread the rows the kernel will give it, so the next layer's kernel
-// reads them from L2, not RAM. The prediction is copy-ahead's plan (host memory, by the planned layer's parity:
-// int64 [tag, src[S], ...], src the predicted cold experts' gate_up addresses in ascending expert order, the order
-// in which the split gives the worker its experts); a plan without this step's tag is skipped. Every thread stops
+// Warm-ahead (strata.runtime.warm_ahead): once the worker has answered layer l, it reads the gate/up rows of layer
+// l+1's predicted cold experts into its threads' caches while the GPU runs the serial part between the two layers
+// (the CPU idles then), each thread the rows the kernel will give it, so the next layer's kernel reads them from L2,
+// not RAM. The prediction is the plan kernel's (strata.kernels.warm_plan; host memory, by the planned layer's
+// parity: int64 [tag, src[S]], src the predicted cold experts' gate_up addresses in ascending expert order, the
+// order in which the split gives the worker its experts, 0 after the last); a plan without this step's tag
+// (generation * TAG_STRIDE + layer) is skipped. Every thread stops
 // reading within 1 KB of the GPU posting the next layer, and the read returns then without waiting for a thread
 // descheduled mid-piece (cpu_warm.h; a later read reusing its slot waits for it: [6] and [7]); a wrong or partial
 // read changes no result.
 struct WarmCfg {
     std::vector<int64_t> next;  // per box: the layer it plans (-1: none)
     std::vector<int> next_box;  // per box: the box of that layer (-1: none)
-    const int64_t* plans = nullptr;  // [2, 1 + 3S] int64
+    const int64_t* plans = nullptr;  // [2, 1 + S] int64
     int64_t S = 0, bytes = 0;   // slots a plan; gate/up bytes read ahead a layer at most
     int64_t* counters = nullptr;  // [0] plans used [1] plans not ready [2] bytes read [3] ns reading
                                   // [4] bytes of read rows the kernel computed [5] pieces computed by another thread
                                   // [6] ns a read waited for a thread of an earlier read still inside (descheduled
                                   // mid-piece; a stopped read returns without waiting) [7] the longest such wait
 };
+
+constexpr int64_t TAG_STRIDE = 65536;  // a plan's tag: generation * TAG_STRIDE + the planned layer
 
 constexpr int64_t STEP_GAP_MAX_NS = 5000000;  // a decode step's end (LM head, sampling, launch) is well under this
 
@@ -109,7 +110,6 @@ struct Mailbox {
     int64_t last_done_ns = 0, last_done_gen = -1;  // when the last layer's done was written, and its generation
     int last_box = -1;  // the box served last, if the worker computed some of its experts (else -1)
     std::atomic<bool> stop{false};
-    std::atomic<strata_ahead::Copier*> ahead{nullptr};  // copy-ahead (mailbox_ahead.h), set once before use
     std::atomic<WarmCfg*> warm{nullptr};  // warm-ahead, set once before use
     int warm_box = -1;  // the box whose experts were read ahead last, for generation warm_gen
     int64_t warm_gen = -1;
@@ -199,7 +199,6 @@ struct Mailbox {
         hdr[2] = status;
         std::atomic_thread_fence(std::memory_order_release);
         hdr[1] = gen;  // the GPU copies `out` back once it sees this
-        if (auto* c = ahead.load(std::memory_order_acquire)) c->post(i, gen);  // the next layer's tails, first
         // off the step's path from here
         const int64_t done_ns = now_ns();
         counters[7] += done_ns - seen_ns;
@@ -249,8 +248,8 @@ struct Mailbox {
         const int64_t m = wc.next[i];
         const int j = wc.next_box[i];
         if (m < 0 || j < 0) return;
-        const int64_t* plan = wc.plans + (m & 1) * (1 + 3 * wc.S);
-        const int64_t tag = gen * strata_ahead::TAG_STRIDE + m;
+        const int64_t* plan = wc.plans + (m & 1) * (1 + wc.S);
+        const int64_t tag = gen * TAG_STRIDE + m;
         const volatile int64_t* ready = reinterpret_cast<const volatile int64_t*>(boxes[size_t(j)]);
         // the plan may land a little after this answer (its kernel queued behind the layer's own): wait for it, as
         // long as the GPU has not posted the layer (the worker idles until then anyway)
@@ -260,7 +259,7 @@ struct Mailbox {
                 wc.counters[1] += 1;
                 return;
             }
-            STRATA_PAUSE();
+            SPIN_PAUSE();
         }
         std::atomic_thread_fence(std::memory_order_acquire);
         warm_addr.clear();
@@ -312,7 +311,7 @@ struct Mailbox {
             }
             const auto idle = std::chrono::steady_clock::now() - last;
             if (idle < std::chrono::nanoseconds(spin_ns)) {
-                for (int j = 0; j < 16; ++j) STRATA_PAUSE();
+                for (int j = 0; j < 16; ++j) SPIN_PAUSE();
             } else if (idle < std::chrono::milliseconds(100)) {  // between requests: poll every 50 us
                 std::this_thread::sleep_for(std::chrono::microseconds(50));
             } else {  // idle: every millisecond (a step after a long pause starts up to that much later, once)
@@ -327,7 +326,7 @@ struct Mailbox {
 // cfg: int64 [H, E, I, gu_bytes, out_off, payload, max_pairs, isa, threads, spin_ns, n_boxes, log_cap]
 // boxes: int64 [n_boxes] mailbox addresses; layers: int32 [n_boxes]; addr: int64 [layers * E];
 // log: log_cap entries of 16 + 4 * 256 bytes; counters: int64 [16]. Returns a handle for stop (0: failed).
-STRATA_API int64_t strata_mailbox_start(const int64_t* cfg, const int64_t* boxes, const int32_t* layers,
+C_EXPORTED int64_t strata_mailbox_start(const int64_t* cfg, const int64_t* boxes, const int32_t* layers,
                                         const int64_t* addr, char* log, int64_t* counters) {
     auto* m = new Mailbox();
     m->H = cfg[0], m->E = cfg[1], m->I = cfg[2], m->gu_bytes = cfg[3], m->out_off = cfg[4], m->payload = cfg[5];
@@ -344,49 +343,24 @@ STRATA_API int64_t strata_mailbox_start(const int64_t* cfg, const int64_t* boxes
     return reinterpret_cast<int64_t>(m);
 }
 
-STRATA_API int strata_mailbox_stop(int64_t handle) {
+C_EXPORTED int strata_mailbox_stop(int64_t handle) {
     auto* m = reinterpret_cast<Mailbox*>(handle);
     if (!m) return 0;
     m->stop.store(true);
     if (m->th.joinable()) m->th.join();
     if (m->warm.load()) strata_cpu_warm_drain();  // a read's straggler may still touch the boxes and the experts
-    delete m->ahead.load();  // (joins the copier)
     delete m->warm.load();
     delete m;
     return 0;
 }
 
-// Copy-ahead on the copy engine (mailbox_ahead.h), once per worker, before any step plans it.
-// cfg: int64 [S, H, I, elem, down_off, ctx, stream, cuCtxSetCurrent, cuMemcpyHtoDAsync_v2, cuMemcpy2DAsync_v2];
-// next: int64 [n_boxes] (the layer each box plans, -1: none); plans: int64 [2, 1 + 3S] (host);
-// flag_host: int64 [n_boxes, 2]; flag_dev: int64 [n_boxes] device addresses; counters: int64 [6].
-STRATA_API int strata_mailbox_ahead(int64_t handle, const int64_t* cfg, const int64_t* next, int64_t* plans,
-                                    int64_t* flag_host, const int64_t* flag_dev, int64_t* counters) {
-    auto* m = reinterpret_cast<Mailbox*>(handle);
-    if (!m || m->ahead.load()) return -1;
-    auto* c = new strata_ahead::Copier();
-    c->S = cfg[0], c->H = cfg[1], c->I = cfg[2], c->elem = cfg[3], c->down_off = cfg[4];
-    c->ctx = reinterpret_cast<void*>(cfg[5]), c->stream = reinterpret_cast<void*>(cfg[6]);
-    c->set_ctx = reinterpret_cast<strata_ahead::CtxSetCurrent>(cfg[7]);
-    c->h2d = reinterpret_cast<strata_ahead::MemcpyHtoDAsync>(cfg[8]);
-    c->h2d_2d = reinterpret_cast<strata_ahead::Memcpy2DAsync>(cfg[9]);
-    for (size_t i = 0; i < m->boxes.size(); ++i) {
-        c->next.push_back(next[i]);
-        c->flag_dev.push_back(uint64_t(flag_dev[i]));
-    }
-    c->plans = plans, c->flag_host = flag_host, c->counters = counters, c->spin_ns = m->spin_ns;
-    c->start();
-    m->ahead.store(c, std::memory_order_release);
-    return 0;
-}
-
 // Warm-ahead (WarmCfg above), once per worker, before any step plans it: next int64 [n_boxes] (the layer each box
-// plans, -1: none); plans int64 [2, 1 + 3S] (host, copy-ahead's layout); bytes: gate/up bytes read a layer at most;
-// counters int64 [8]. Returns 0, or -1 (no worker, already set, or a copy-ahead copier is running).
-STRATA_API int strata_mailbox_warm(int64_t handle, const int64_t* next, const int64_t* plans, int64_t S,
+// plans, -1: none); plans int64 [2, 1 + S] (host, strata.kernels.warm_plan's layout); bytes: gate/up bytes read a
+// layer at most; counters int64 [8]. Returns 0, or -1 (no worker, or already set).
+C_EXPORTED int strata_mailbox_warm(int64_t handle, const int64_t* next, const int64_t* plans, int64_t S,
                                    int64_t bytes, int64_t* counters) {
     auto* m = reinterpret_cast<Mailbox*>(handle);
-    if (!m || m->warm.load() || m->ahead.load() || S <= 0) return -1;
+    if (!m || m->warm.load() || S <= 0) return -1;
     auto* w = new WarmCfg();
     for (size_t i = 0; i < m->boxes.size(); ++i) {
         w->next.push_back(next[i]);
@@ -400,4 +374,4 @@ STRATA_API int strata_mailbox_warm(int64_t handle, const int64_t* next, const in
     return 0;
 }
 
-STRATA_API int strata_mailbox_log_codes() { return LOG_CODES; }
+C_EXPORTED int strata_mailbox_log_codes() { return LOG_CODES; }

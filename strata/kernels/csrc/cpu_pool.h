@@ -1,6 +1,6 @@
 // strata CPU kernels' thread pool: one fork/join per call, workers that spin between calls and then sleep.
 //
-// Included once, by cpu_experts.cpp (after it defines STRATA_X86 and includes <immintrin.h> on x86-64).
+// Included once, by cpu_experts.cpp (after it defines ON_X86 and includes <immintrin.h> on x86-64).
 #pragma once
 
 #include <atomic>
@@ -19,7 +19,7 @@
 namespace {
 
 inline void cpu_relax() {
-#if STRATA_X86
+#if ON_X86
     _mm_pause();
 #else
     std::this_thread::yield();

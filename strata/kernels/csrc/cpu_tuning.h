@@ -41,7 +41,7 @@ void trace_add(const Job& job, int P, int64_t t_call, int64_t t_run, int64_t byt
 }  // namespace
 
 // Turn the per-call trace on (1: and zero its sums) or off (0); with `acc` (13 int64), copy the sums out first.
-STRATA_API int strata_cpu_trace(int on, int64_t* acc) {
+C_EXPORTED int strata_cpu_trace(int on, int64_t* acc) {
     std::lock_guard<std::mutex> lk(g_call);
     if (acc) std::memcpy(acc, g_trace_acc, sizeof(g_trace_acc));
     if (on == 1) std::memset(g_trace_acc, 0, sizeof(g_trace_acc)), std::memset(g_trace_thr, 0, sizeof(g_trace_thr));
@@ -53,7 +53,7 @@ STRATA_API int strata_cpu_trace(int on, int64_t* acc) {
 // joined, then ns after the pool ran until the thread arrived, had done its warm rows' pieces, had done its part of
 // the gate/up phase, then the rows its warm pieces held in every call, joined or not (what its read reached).
 // Returns the threads copied.
-STRATA_API int strata_cpu_trace_threads(int64_t* out, int n) {
+C_EXPORTED int strata_cpu_trace_threads(int64_t* out, int n) {
     std::lock_guard<std::mutex> lk(g_call);
     n = std::clamp(n, 0, kTraceThreads);
     std::memcpy(out, g_trace_thr, sizeof(int64_t) * kTraceThrRow * size_t(n));
@@ -66,7 +66,7 @@ STRATA_API int strata_cpu_trace_threads(int64_t* out, int n) {
 // halves (1) or adjacent (0), 6 warm-ahead's rows read at once (1-8), 7 one line in N touched by it (1-8),
 // 8 the dynamic chunks sized from the rows not read ahead (1) or from the whole call (0), 9 the rows of a warm piece
 // its thread's read did not reach left to the dynamic chunks (1) or to that thread (0). -1 for an unknown key.
-STRATA_API int64_t strata_cpu_tune(int64_t key, int64_t value) {
+C_EXPORTED int64_t strata_cpu_tune(int64_t key, int64_t value) {
     std::lock_guard<std::mutex> lk(g_call);
     int64_t* knob = key == 1 ? &g_claim_max : key == 2 ? &g_chunk_div : key == 3 ? &g_chunk_min
                   : key == 4 ? &g_chunk_max : key == 5 ? &g_down_split : key == 6 ? &g_warm_streams

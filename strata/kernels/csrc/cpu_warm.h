@@ -101,7 +101,7 @@ int64_t warm_read_pairs(const void* gu, int64_t warm, int64_t t, int64_t P) {
 // waiting for threads still inside (descheduled mid-piece: they finish on their own, their bytes uncounted, and
 // take no part in the next kernel call, whose other threads do their pieces). held_ns (optional): set to how long
 // the call waited for such threads of an earlier call before it could reuse their slot.
-STRATA_API int64_t strata_cpu_warm(const int64_t* addr, const int64_t* rows, int64_t n, int64_t H, int64_t ld,
+C_EXPORTED int64_t strata_cpu_warm(const int64_t* addr, const int64_t* rows, int64_t n, int64_t H, int64_t ld,
                                    int threads, const int64_t* stop, int64_t stop_val, int64_t* held_ns) {
     if (held_ns) *held_ns = 0;
     if (n <= 0 || H <= 0 || ld <= 0) return 0;
@@ -140,14 +140,14 @@ STRATA_API int64_t strata_cpu_warm(const int64_t* addr, const int64_t* rows, int
 
 // For the tests: pool thread `tid` (> 0) sleeps `us` at the start of its piece of the next warm read, as if
 // descheduled there. Returns how many such sleeps have begun so far.
-STRATA_API int strata_cpu_test_straggler(int tid, int64_t us) {
+C_EXPORTED int strata_cpu_test_straggler(int tid, int64_t us) {
     if (tid > 0) g_straggler_us = us, g_straggler_tid.store(tid);
     return g_straggler_in.load();
 }
 
 // Wait until no thread of the pool is inside a job (a warm-ahead read's stragglers): before freeing what such a
 // read may touch (the experts' memory, the stop word).
-STRATA_API int strata_cpu_warm_drain() {
+C_EXPORTED int strata_cpu_warm_drain() {
     std::lock_guard<std::mutex> lk(g_call);
     if (g_pool && g_pool->pid() == getpid()) g_pool->drain_all();
     return 0;

@@ -19,7 +19,7 @@
 #include <unistd.h>
 #include <vector>
 
-#define STRATA_API extern "C" __attribute__((visibility("default")))
+#define C_EXPORTED extern "C" __attribute__((visibility("default")))
 
 namespace {
 
@@ -65,7 +65,7 @@ void work(Runs* r) {
 // For i < n: read len[i] bytes at file_off[i] into base + buf_off[i], looping over partial reads; at least
 // need[i] of them must exist (an O_DIRECT read asks for whole blocks; the file's last block may be short).
 // Returns 0; the errno (> 0) of a read that failed; or -1 - i when run i met the end of the file first.
-STRATA_API int64_t strata_pread_runs(int fd, int64_t n, const int64_t* file_off, const int64_t* len,
+C_EXPORTED int64_t strata_pread_runs(int fd, int64_t n, const int64_t* file_off, const int64_t* len,
                                      const int64_t* need, uint8_t* base, const int64_t* buf_off, int threads) {
     Runs r{fd, n, file_off, len, need, base, buf_off};
     int64_t extra = std::min<int64_t>(std::max(threads, 1), n) - 1;
@@ -87,7 +87,7 @@ STRATA_API int64_t strata_pread_runs(int fd, int64_t n, const int64_t* file_off,
 static constexpr int64_t AIO_UNAVAILABLE = INT64_MIN;
 static constexpr long AIO_DEPTH = 256;
 
-STRATA_API int64_t strata_aio_runs(int fd, int64_t n, const int64_t* file_off, const int64_t* len, const int64_t* need,
+C_EXPORTED int64_t strata_aio_runs(int fd, int64_t n, const int64_t* file_off, const int64_t* len, const int64_t* need,
                                    uint8_t* base, const int64_t* buf_off) {
     thread_local aio_context_t ctx = 0;
     thread_local bool failed = false;
@@ -158,7 +158,7 @@ STRATA_API int64_t strata_aio_runs(int fd, int64_t n, const int64_t* file_off, c
 // until `timeout_ns` have passed. Returns 1 when it did, 0 on timeout. Called through ctypes, so the
 // waiting Python thread holds no GIL; the word is written by another agent (a GPU kernel over PCIe), hence
 // the volatile reads.
-STRATA_API int strata_wait_word(const volatile int64_t* addr, int64_t want, int64_t spin_ns, int64_t timeout_ns) {
+C_EXPORTED int strata_wait_word(const volatile int64_t* addr, int64_t want, int64_t spin_ns, int64_t timeout_ns) {
     using clock = std::chrono::steady_clock;
     auto start = clock::now();
     auto elapsed = [&] { return std::chrono::duration_cast<std::chrono::nanoseconds>(clock::now() - start).count(); };

@@ -15,7 +15,7 @@
 #include <utility>
 #include <vector>
 
-#define STRATA_API extern "C" __attribute__((visibility("default")))
+#define C_EXPORTED extern "C" __attribute__((visibility("default")))
 
 extern "C" int64_t strata_aio_runs(int fd, int64_t n, const int64_t* file_off, const int64_t* len,
                                    const int64_t* need, uint8_t* base, const int64_t* buf_off);
@@ -69,7 +69,7 @@ void evict(Cache& c, int64_t n, const std::vector<int64_t>& protect) {
 // Returns 0; an errno (> 0) or -1 - i (the file ended before read run i) from the reads; NO_ROOM when the cache
 // has no room for every miss (nothing is then admitted); PAST_END when a row lies past the end of the file;
 // SMALL_SCRATCH when scratch cannot hold the misses' blocks.
-STRATA_API int64_t strata_serve_rows(const int64_t* ids, int64_t n, int64_t base, int fd, int64_t file_off,
+C_EXPORTED int64_t strata_serve_rows(const int64_t* ids, int64_t n, int64_t base, int fd, int64_t file_off,
                                      int64_t row_bytes, int64_t file_size, int32_t* slot_of, int64_t* row_of,
                                      double* score, int64_t* free_stack, int64_t* counts, double* decay,
                                      int64_t capacity, uint8_t* slab, const int64_t* protect, int64_t n_protect,
