@@ -174,18 +174,28 @@ def test_oversized_body_is_413(live):
     _assert_error(_post(live, "/v1/chat/completions", body), 413)
 
 
-def test_queue_full_is_429(live):
-    """A scheduler that never runs fills its queue deterministically; the request's other sequence is withdrawn."""
+def test_queue_full_is_429_and_a_request_past_the_queue_is_400(live):
+    """A scheduler that never runs fills its queue deterministically: a request that does not fit now is a 429 with
+    Retry-After and queues none of its sequences; one with more sequences than the queue holds is a 400 naming it."""
     from fastapi.testclient import TestClient
 
+    from strata.runtime.sampler import SamplingParams
+    from strata.runtime.scheduler import GenRequest, Scheduler
     from strata.server.app import create_app
 
-    sched = live.engine.scheduler(max_batch=1, token_budget=8, max_queue=1)  # not started: nothing leaves the queue
+    # a scheduler of its own, never started: nothing leaves its queue
+    sched = Scheduler(live.engine, max_batch=1, token_budget=8, max_queue=2)
     with TestClient(create_app(live.engine, sched, MODEL)) as client:
+        err = _assert_error(client.post("/v1/completions", json={**COMP_BASE, "n": 3}), 400, "n", "too_many_sequences")
+        assert "at most 2" in err["message"] and "--max-queue" in err["message"] and "never" in err["message"]
+        err = _assert_error(client.post("/v1/completions", json={**COMP_BASE, "prompt": ["a", "b", "c"]}), 400, "n")
+        assert "3 prompt(s) x n=1" in err["message"]
+        assert sched.stats()["waiting"] == 0
+        sched.submit(GenRequest(prompt_ids=[1, 2, 3], params=SamplingParams(max_tokens=1)))  # waits for good
         r = client.post("/v1/completions", json={**COMP_BASE, "n": 2})
         err = _assert_error(r, 429, code="queue_full")
-        assert err["type"] == "rate_limit_error"
-        assert sched.stats()["waiting"] == 1 and sched._waiting[0].cancelled.is_set()
+        assert err["type"] == "rate_limit_error" and r.headers["retry-after"] == "1"
+        assert sched.stats()["waiting"] == 1  # all or none: nothing of the refused request was queued
 
 
 def test_http_level_garbage_and_the_server_keeps_serving(live):
@@ -220,7 +230,9 @@ def test_a_failed_step_is_an_error_not_an_empty_answer(live):
     def fail() -> None:
         raise RuntimeError("boom in the step")
 
-    sched = live.engine.scheduler(max_batch=1, token_budget=8, max_queue=4)
+    from strata.runtime.scheduler import Scheduler
+
+    sched = Scheduler(live.engine, max_batch=1, token_budget=8, max_queue=4)  # its own: the live one keeps serving
     sched._step = fail
     sched.start()
     try:

@@ -5,7 +5,10 @@
 
 Every request becomes one `GenRequest` per sequence (n per prompt); their events are merged and
 rendered as OpenAI chat / text completions, whole or as SSE chunks. Errors are OpenAI-shaped; a
-client that goes away has its sequences cancelled, so they leave the batch within a step.
+client that goes away has its sequences cancelled, so they leave the batch within a step. Requests pass
+the `Guard` first (Host check, API key, access log); POST bodies must be JSON. A text prompt that provably
+cannot fit the context is refused before it is tokenized (`TokenBound`), and tokenizing runs off the event
+loop without the GIL. The schema of every route is at /openapi.json (strata.server.openapi).
 """
 
 from __future__ import annotations
@@ -23,10 +26,18 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from strata import __version__
-from strata.errors import RequestError, StrataError
-from strata.runtime.scheduler import GenRequest, QueueFullError
 from strata.server.dashboard import mount_dashboard
+from strata.server.guard import Guard, HostRule, record_usage
+from strata.server.memory import LARGE_BODY_BYTES, release_memory_soon
 from strata.server.metrics import ServerMetrics
+from strata.server.openapi import install_openapi
+from strata.server.prompts import (
+    check_max_tokens_default,
+    check_token_ids,
+    refuse_past_context,
+    require_tokenizer,
+    submit,
+)
 from strata.server.protocol import (
     MAX_CHOICES,
     APIError,
@@ -35,23 +46,25 @@ from strata.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
     bad_request,
-    context_error,
     parse_json_body,
     parse_request,
 )
-from strata.server.render import ChatFormat, CompletionFormat, Seq, TokenText
-from strata.server.streaming import cancel, respond, to_api_error
+from strata.server.render import ChatFormat, CompletionFormat, TokenText
+from strata.server.streaming import respond, to_api_error
 
 MAX_BODY_BYTES = 32 << 20  # a longer body is refused before it is read into memory
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
 THINK_TAGS = ("<think>", "</think>")
+JSON_TYPES = ("application/json",)  # and any application/...+json
 
 
 class ServerState:
     """What the routes serve: loading (no engine yet) until `attach`, then ready."""
 
-    def __init__(self, model_name: str, engine: Any = None, scheduler: Any = None):
+    def __init__(self, model_name: str, engine: Any = None, scheduler: Any = None,
+                 max_tokens_default: int | None = None):
         self.model_name = model_name
+        self.max_tokens_default = check_max_tokens_default(max_tokens_default)
         self.engine: Any = None
         self.scheduler: Any = None
         self.load_error: str | None = None  # set when loading failed (the server is shutting down)
@@ -63,10 +76,10 @@ class ServerState:
 
     def attach(self, engine: Any, scheduler: Any) -> None:
         """Start serving `engine` through `scheduler` (already started)."""
-        tok = engine.tokenizer
+        tok = engine.tokenizer  # None: a checkpoint without tokenizer files (token-id prompts only)
         self.token_text = TokenText(tok)
         self.sampling_defaults = _sampling_defaults(Path(engine.checkpoint.directory))
-        self.think = all(tok.token_to_id(t) is not None for t in THINK_TAGS)
+        self.think = tok is not None and all(tok.token_to_id(t) is not None for t in THINK_TAGS)
         # what decides bit-for-bit results: version, device, dtype, and the CPU numerics mode where there is one
         numerics = getattr(engine.config.runtime, "cpu_numerics", None)
         self.fingerprint = "-".join(str(x) for x in ("strata", __version__, engine.device,
@@ -80,23 +93,38 @@ class ServerState:
     def live(self) -> tuple[Any, Any] | None:
         return (self.engine, self.scheduler) if self.ready else None
 
+    def not_ready(self) -> APIError:
+        """The 503 answered while the model loads or warms up."""
+        phase = "the server is warming up (every decode batch size once)" if self.warming_up else \
+            "the model is still loading"
+        return APIError(503, self.load_error or f"{phase}; retry when GET /health returns 200",
+                        "service_unavailable", code="model_loading")
+
     def require_ready(self) -> None:
         if not self.ready:
-            phase = "the server is warming up (every decode batch size once)" if self.warming_up else \
-                "the model is still loading"
-            raise APIError(503, self.load_error or f"{phase}; retry when GET /health returns 200",
-                           "service_unavailable", code="model_loading")
+            raise self.not_ready()
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise APIError(404, f"The model `{model}` does not exist; this server serves `{self.model_name}`",
                            "invalid_request_error", "model", "model_not_found")
 
+    def damaged(self) -> list[list[int]]:
+        """[layer, expert] of every expert whose checksum failed since start (each once, in order)."""
+        tiers = self.engine.stats().get("tiers") or {}
+        return sorted({tuple(k) for k in tiers.get("damaged") or []})
 
-def create_app(engine: Any, scheduler: Any, model_name: str) -> FastAPI:
-    """The FastAPI app serving `engine` through `scheduler` as `model_name` (both None: loading)."""
-    app = FastAPI(title="strata", version=__version__, docs_url=None, redoc_url=None, openapi_url=None)
-    st = app.state.strata = ServerState(model_name, engine, scheduler)
+
+def create_app(engine: Any, scheduler: Any, model_name: str, *, hosts: HostRule | None = None,
+               api_key: str | None = None, max_tokens_default: int | None = None) -> FastAPI:
+    """The FastAPI app serving `engine` through `scheduler` as `model_name` (both None: loading).
+
+    `hosts`: the Host headers answered (None: any; `strata serve` passes the rule for its bind address);
+    `api_key`: required as `Authorization: Bearer KEY` on every path but /health; `max_tokens_default`:
+    caps what a chat request without max_tokens may generate (else: the rest of the context)."""
+    app = FastAPI(title="strata", version=__version__, docs_url=None, redoc_url=None,
+                  description="An OpenAI-compatible completions server for Mixture-of-Experts models.")
+    st = app.state.strata = ServerState(model_name, engine, scheduler, max_tokens_default)
 
     def route(method: str, path: str, handler: Callable[[Request, ServerState], Awaitable[Response]]) -> None:
         async def endpoint(request: Request) -> Response:
@@ -106,7 +134,7 @@ def create_app(engine: Any, scheduler: Any, model_name: str) -> FastAPI:
                 return error_response(st, to_api_error(e))
 
         endpoint.__name__ = handler.__name__
-        app.add_api_route(path, endpoint, methods=[method])
+        app.add_api_route(path, endpoint, methods=[method], summary=(handler.__doc__ or "").split("\n")[0])
 
     route("POST", "/v1/chat/completions", _chat)
     route("POST", "/v1/completions", _completions)
@@ -116,41 +144,62 @@ def create_app(engine: Any, scheduler: Any, model_name: str) -> FastAPI:
     route("POST", "/tokenize", _tokenize)
     route("POST", "/detokenize", _detokenize)
     route("GET", "/v1/strata/stats", _stats)
+    route("POST", "/v1/embeddings", _embeddings)
     mount_dashboard(app, lambda: st.engine if st.ready else None, lambda: st.scheduler)
+    install_openapi(app, model_name, api_key is not None)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:  # unknown route, bad method
         kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
-        return error_response(st, APIError(exc.status_code, str(exc.detail), kind))
+        message = f"no route {request.url.path}" if exc.status_code == 404 else str(exc.detail)
+        if exc.status_code == 405:
+            message = f"{request.method} is not allowed on {request.url.path}; use {exc.headers.get('Allow', '')}"
+        return error_response(st, APIError(exc.status_code, message, kind, headers=exc.headers))
 
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:  # a fault outside every route
+        return error_response(st, to_api_error(exc))
+
+    app.add_middleware(Guard, hosts=hosts, api_key=api_key, on_error=st.metrics.count_error)
     return app
 
 
 def error_response(st: ServerState, e: APIError) -> JSONResponse:
-    st.metrics.request_errors.labels(str(e.status)).inc()
-    return JSONResponse(e.body(), status_code=e.status)
+    st.metrics.count_error(e)
+    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
 
 
 # ---- routes --------------------------------------------------------------------------------------------
 
 
 async def _health(request: Request, st: ServerState) -> Response:
-    st.require_ready()
+    """Liveness: 200 once serving ("degraded" when experts failed their checksum), 503 while starting."""
+    if not st.ready:  # a probe during start-up is expected, not a request error
+        e = st.not_ready()
+        return JSONResponse(e.body(), status_code=e.status)
+    damaged = st.damaged()
+    if damaged:
+        return JSONResponse({"status": "degraded", "damaged": damaged,
+                             "message": f"{len(damaged)} expert(s) failed their checksum; requests that route to "
+                                        "them fail: run `strata verify` on the store and rebuild it"})
     return JSONResponse({"status": "ok"})
 
 
 async def _metrics(request: Request, st: ServerState) -> Response:
+    """Prometheus metrics."""
     return Response(st.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 async def _models(request: Request, st: ServerState) -> Response:
+    """The served model."""
     st.require_ready()
     card = {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "strata",
-            "root": str(st.engine.checkpoint.directory), "max_model_len": st.engine.max_context}
+            "root": st.model_name, "max_model_len": st.engine.max_context}
     return JSONResponse({"object": "list", "data": [card]})
 
 
 async def _stats(request: Request, st: ServerState) -> Response:
+    """The engine's and the scheduler's figures (what the dashboard draws)."""
     st.require_ready()
     # the engine's figures at the top level with the scheduler's beside them (the dashboard reads this shape)
     out = {**st.engine.stats(), "scheduler": st.scheduler.stats(), "served_model": st.model_name}
@@ -159,47 +208,62 @@ async def _stats(request: Request, st: ServerState) -> Response:
     return JSONResponse(out)
 
 
+async def _embeddings(request: Request, st: ServerState) -> Response:
+    """Not served: strata serves completions only."""
+    raise APIError(404, "strata serves completions only (/v1/chat/completions, /v1/completions); it has no "
+                        "embeddings endpoint", "invalid_request_error", code="unsupported_endpoint")
+
+
 async def _tokenize(request: Request, st: ServerState) -> Response:
+    """A prompt or chat messages as token ids (vLLM's shape)."""
     st.require_ready()
     req = parse_request(TokenizeRequest, await _read_json(request))
     st.check_model(req.model)
-    tok = st.engine.tokenizer
+    tok = require_tokenizer(st.engine, "messages" if req.messages is not None else "prompt")
     if req.messages is not None:
-        text = tok.apply_chat_template([m.for_template() for m in req.messages],
-                                       add_generation_prompt=req.add_generation_prompt)
+        messages = [m.for_template() for m in req.messages]
+        text = await asyncio.to_thread(tok.apply_chat_template, messages, req.add_generation_prompt)
         add_special = bool(req.add_special_tokens)  # the template already wrote BOS where the model wants it
     else:
         text, add_special = req.prompt, req.add_special_tokens is not False
-    ids = tok.encode(text, add_special_tokens=add_special)
+    refuse_past_context(st.engine, text, "messages" if req.messages is not None else "prompt", 0)
+    ids = await asyncio.to_thread(tok.encode, text, add_special)
     strs = [tok.id_to_token(i) for i in ids] if req.return_token_strs else None
     return JSONResponse({"count": len(ids), "max_model_len": st.engine.max_context, "tokens": ids, "token_strs": strs})
 
 
 async def _detokenize(request: Request, st: ServerState) -> Response:
+    """Token ids as text."""
     st.require_ready()
     req = parse_request(DetokenizeRequest, await _read_json(request))
     st.check_model(req.model)
-    _check_ids(st, req.tokens, "tokens")
-    return JSONResponse({"prompt": st.engine.tokenizer.decode(req.tokens)})
+    tok = require_tokenizer(st.engine, "tokens")
+    check_token_ids(st.engine, req.tokens, "tokens")
+    return JSONResponse({"prompt": tok.decode(req.tokens)})
 
 
 async def _chat(request: Request, st: ServerState) -> Response:
+    """A chat completion, whole or streamed (SSE)."""
     st.require_ready()
     req = parse_request(ChatCompletionRequest, await _read_json(request))
     st.check_model(req.model)
-    tok = st.engine.tokenizer
+    tok = require_tokenizer(st.engine, "messages")
     messages = [m.for_template() for m in req.messages]
     extra = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in ("messages", "add_generation_prompt")}
     # off the event loop: a huge prompt must not stall the streams of others
     text = await asyncio.to_thread(tok.apply_chat_template, messages, req.add_generation_prompt, **extra)
+    refuse_past_context(st.engine, text, "messages", req.max_tokens)
     ids = await asyncio.to_thread(tok.encode, text, False)
-    seqs = _submit(st, req, [ids], "messages", None, logprobs=req.num_logprobs, prompt_logprobs=None)
+    seqs = submit(st, req, [ids], "messages", st.max_tokens_default, logprobs=req.num_logprobs,
+                  prompt_logprobs=None)
     in_reasoning = st.think and text.rstrip().endswith(THINK_TAGS[0])  # the template opened the thinking block
     fmt = ChatFormat(st.token_text, bool(req.logprobs), st.think, in_reasoning, req.n)
+    record_usage(request.scope, lambda: fmt.usage(seqs))
     return await respond(request, _head(st, "chatcmpl", "chat.completion"), req, seqs, fmt)
 
 
 async def _completions(request: Request, st: ServerState) -> Response:
+    """A text completion of a prompt (text or token ids), whole or streamed (SSE)."""
     st.require_ready()
     req = parse_request(CompletionRequest, await _read_json(request))
     st.check_model(req.model)
@@ -207,16 +271,22 @@ async def _completions(request: Request, st: ServerState) -> Response:
     texts = req.prompts()
     if len(texts) * req.n > MAX_CHOICES:
         raise bad_request(f"{len(texts)} prompts x n={req.n} sequences; at most {MAX_CHOICES} per request", param="n")
+    if any(isinstance(p, str) for p in texts) or req.stop:
+        require_tokenizer(st.engine, "prompt" if any(isinstance(p, str) for p in texts) else "stop")
+    for p in texts:
+        if isinstance(p, str):
+            refuse_past_context(st.engine, p, "prompt", req.max_tokens)
     prompts = await asyncio.to_thread(lambda: [tok.encode(p) if isinstance(p, str) else list(p) for p in texts])
     # echo with max_tokens 0 scores the prompt only (lm-eval style): run one token and drop it
     score_only = req.echo and isinstance(req.max_tokens, int) and not isinstance(req.max_tokens, bool) \
         and req.max_tokens == 0
     if score_only:
         req.max_tokens = 1
-    seqs = _submit(st, req, prompts, "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs=req.logprobs,
-                   prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
-    texts = [tok.decode(p) if req.echo else "" for p in prompts]
-    fmt = CompletionFormat(st.token_text, req.logprobs, req.echo, score_only, texts, req.n)
+    seqs = submit(st, req, prompts, "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs=req.logprobs,
+                  prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
+    texts = [tok.decode(p) if req.echo and tok is not None else "" for p in prompts]
+    fmt = CompletionFormat(st.token_text, req.logprobs, req.echo, score_only, texts, req.n, token_ids=tok is None)
+    record_usage(request.scope, lambda: fmt.usage(seqs))
     return await respond(request, _head(st, "cmpl", "text_completion"), req, seqs, fmt)
 
 
@@ -224,6 +294,12 @@ async def _completions(request: Request, st: ServerState) -> Response:
 
 
 async def _read_json(request: Request) -> dict:
+    """The body as a JSON object: JSON content types only (a web page's form or text/plain post is refused
+    before anything is read), at most MAX_BODY_BYTES, read without trusting Content-Length alone."""
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if not (media in JSON_TYPES or (media.startswith("application/") and media.endswith("+json"))):
+        raise APIError(415, f"the request body must be JSON sent as Content-Type: application/json, "
+                            f"got {media or 'no Content-Type'}", "invalid_request_error", code="unsupported_media_type")
     size = request.headers.get("content-length", "")
     if size.isdigit() and int(size) > MAX_BODY_BYTES:
         raise APIError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB", "invalid_request_error")
@@ -233,14 +309,9 @@ async def _read_json(request: Request) -> dict:
         if total > MAX_BODY_BYTES:
             raise APIError(413, f"the request body is over {MAX_BODY_BYTES >> 20} MiB", "invalid_request_error")
         chunks.append(chunk)
+    if total >= LARGE_BODY_BYTES:  # once answered, hand the memory its parsing and tokenizing took back
+        release_memory_soon(request.scope)
     return parse_json_body(b"".join(chunks))
-
-
-def _check_ids(st: ServerState, ids: list[int], param: str) -> None:
-    vocab = st.engine.checkpoint.config.vocab_size
-    bad = next((t for t in ids if not 0 <= t < vocab), None)
-    if bad is not None:
-        raise bad_request(f"token id {bad} is outside the vocabulary [0, {vocab})", param=param)
 
 
 def _sampling_defaults(directory: Path) -> dict:
@@ -252,43 +323,6 @@ def _sampling_defaults(directory: Path) -> dict:
     if not isinstance(cfg, dict) or cfg.get("do_sample") is False:
         return {}
     return {k: cfg[k] for k in ("temperature", "top_p", "top_k") if isinstance(cfg.get(k), int | float)}
-
-
-def _submit(st: ServerState, req: Any, prompts: list[list[int]], param: str, default_max: int | None,
-            logprobs: int | None, prompt_logprobs: int | None) -> list[Seq]:
-    """Validate every prompt, then queue n sequences per prompt; all or none are submitted."""
-    context = st.engine.max_context
-    for key, value in st.sampling_defaults.items():
-        if getattr(req, key) is None:
-            setattr(req, key, value)
-    if req.temperature is None:
-        req.temperature = 1.0  # OpenAI's default when neither the request nor the checkpoint says
-    jobs = []
-    for p, ids in enumerate(prompts):
-        if not ids:
-            raise bad_request(f"the {param} encode to no tokens; give a non-empty prompt", param=param)
-        _check_ids(st, ids, param)
-        room = context - len(ids)
-        max_tokens = req.max_tokens if req.max_tokens is not None else max(1, min(default_max or room, room))
-        params = [req.sampling(max_tokens, seed_offset=j) for j in range(req.n)]  # validates max_tokens first
-        if len(ids) + params[0].max_tokens > context:
-            raise context_error(len(ids), params[0].max_tokens, context, param)
-        if req.reproducible and params[0].temperature > 0 and params[0].seed is None:
-            raise bad_request('strata_reproducible "required" with sampling (temperature > 0) needs a seed; '
-                              "give one, or set temperature to 0", param="seed")
-        jobs += [(p * req.n + j, ids, sp) for j, sp in enumerate(params)]
-    seqs: list[Seq] = []
-    try:
-        for index, ids, params in jobs:
-            gen = GenRequest(prompt_ids=ids, params=params, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
-                             reproducible=req.reproducible)
-            seqs.append(Seq(index, ids, st.scheduler.submit(gen), st.metrics.sequence()))
-    except BaseException as e:
-        cancel(seqs)
-        if isinstance(e, StrataError) and not isinstance(e, RequestError | QueueFullError):
-            raise APIError(503, str(e), "service_unavailable", code="shutting_down") from None  # stopping
-        raise
-    return seqs
 
 
 def _head(st: ServerState, prefix: str, kind: str) -> dict:

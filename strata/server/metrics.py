@@ -76,6 +76,10 @@ class ServerMetrics:
                              buckets=_E2E_BUCKETS, registry=r)
         r.register(_LiveCollector(live))
 
+    def count_error(self, error: Any) -> None:
+        """Count a request answered with an error (an `APIError`) under its HTTP status."""
+        self.request_errors.labels(str(error.status)).inc()
+
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return generate_latest(self.registry)

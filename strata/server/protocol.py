@@ -10,7 +10,8 @@ untyped here and validated by `SamplingParams`, so the server and the Python API
 from __future__ import annotations
 
 import json
-from typing import Any
+import re
+from typing import Annotated, Any
 
 from pydantic import (
     BaseModel,
@@ -21,27 +22,32 @@ from pydantic import (
     StrictStr,
     ValidationError,
     ValidationInfo,
+    WithJsonSchema,
     field_validator,
     model_validator,
 )
 
 from strata.errors import RequestError
-from strata.runtime.sampler import SamplingParams
+from strata.runtime.sampler import MAX_STOP_STRINGS, SamplingParams
 
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's chat limit; vLLM's default max_logprobs)
 MAX_N = 16  # sequences per prompt
 MAX_CHOICES = 64  # sequences per request (n x prompts); the scheduler's queue bounds it further
 _TYPE_TAGS = {"str", "int", "bool", "float", "dict", "list", "none"}
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+# a JSON \u escape of a UTF-16 surrogate: only these can put a lone surrogate into a parsed string
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
 
 
 class APIError(Exception):
     """An error answered as `{"error": {"message", "type", "param", "code"}}` with an HTTP status."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
@@ -60,7 +66,35 @@ def parse_json_body(raw: bytes) -> dict:
         raise bad_request(f"the request body is not valid JSON ({' '.join(str(e).split())[:200]})") from None
     if not isinstance(data, dict):
         raise bad_request(f"the request body must be a JSON object, got {type(data).__name__}")
+    if _SURROGATE_ESCAPE.search(raw):  # a pair is joined into one character by json; a lone half is not text
+        where = _lone_surrogate(data, "")
+        if where is not None:
+            raise bad_request(f"{where or 'a key'}: contains a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff "
+                              "escape), which is not Unicode text; send valid UTF-8", param=where or None)
     return data
+
+
+def _lone_surrogate(value: Any, path: str) -> str | None:
+    """The dotted path of the first string (or key) under `value` holding a lone surrogate, else None."""
+    if isinstance(value, str):
+        return path if _has_surrogate(value) else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        here = f"{path}.{key}" if path else str(key)
+        if isinstance(key, str) and _has_surrogate(key):
+            return here
+        found = _lone_surrogate(item, here)
+        if found is not None:
+            return found
+    return None
+
+
+def _has_surrogate(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:
+        return True
+    return False
 
 
 def validation_error(e: ValidationError) -> APIError:
@@ -84,6 +118,19 @@ def parse_request(model: type[BaseModel], data: dict) -> Any:
         raise bad_request(str(e)) from None
 
 
+def _documented(*schemas: dict) -> Any:
+    """A field validated by hand (or by `SamplingParams`), documented in the OpenAPI schema as one of `schemas`
+    or null: what the server accepts, so a schema-based client or fuzzer and the server agree."""
+    return Annotated[Any, WithJsonSchema({"anyOf": [*schemas, {"type": "null"}]})]
+
+
+_POSITIVE_INT = {"type": "integer", "minimum": 1}
+_ZERO = {"type": "number", "minimum": 0, "maximum": 0}
+_STOP = ({"type": "string", "minLength": 1},
+         {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS})
+_TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -100,22 +147,23 @@ class _GenerationRequest(_Request):
     stream_options: StreamOptions | None = None
     n: StrictInt = Field(1, ge=1, le=MAX_N)
     # sampling: validated by SamplingParams (same messages as the Python API)
-    max_tokens: Any = None
-    temperature: Any = None
-    top_p: Any = None
-    top_k: Any = None
-    seed: Any = None
-    stop: Any = None
-    stop_token_ids: Any = None
-    ignore_eos: Any = None
+    max_tokens: _documented(_POSITIVE_INT) = None
+    temperature: _documented({"type": "number", "minimum": 0, "maximum": 100}) = None
+    top_p: _documented({"type": "number", "exclusiveMinimum": 0, "maximum": 1}) = None
+    top_k: _documented({"type": "integer", "minimum": 0}) = None
+    seed: _documented({"type": "integer"}) = None
+    stop: _documented(*_STOP) = None
+    stop_token_ids: _documented(_TOKEN_IDS) = None
+    ignore_eos: _documented({"type": "boolean"}) = None
     # "required": served on the reproducible path (bit-identical alone or batched, slower); "off" or absent: batched
-    strata_reproducible: Any = None
+    strata_reproducible: _documented({"enum": ["required", "off"]}) = None
     # OpenAI fields strata does not implement: refused where they would change the output, never silently ignored
     # (their neutral values, which many clients always send, pass)
-    logit_bias: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    response_format: Any = None
+    logit_bias: _documented({"type": "object", "maxProperties": 0}) = None
+    presence_penalty: _documented(_ZERO) = None
+    frequency_penalty: _documented(_ZERO) = None
+    response_format: _documented({"type": "object", "properties": {"type": {"enum": ["text"]}},
+                                  "required": ["type"]}) = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -171,16 +219,25 @@ class _GenerationRequest(_Request):
 
 
 class ContentPart(_Request):
-    type: StrictStr
-    text: StrictStr | None = None
+    """One part of a message's content; only text parts are supported."""
+
+    type: Annotated[StrictStr, WithJsonSchema({"enum": ["text"]})]
+    text: Annotated[StrictStr | None, WithJsonSchema({"type": "string"})] = None
 
 
 class ChatMessage(BaseModel):
     """One message; extra keys (name, tool_calls, reasoning_content, ...) reach the chat template."""
 
     model_config = ConfigDict(extra="allow")
-    role: StrictStr
+    role: Annotated[StrictStr, WithJsonSchema({"enum": list(CHAT_ROLES)})]
     content: StrictStr | list[ContentPart] | None = None
+
+    @field_validator("role")
+    @classmethod
+    def _known_role(cls, v: str) -> str:
+        if v not in CHAT_ROLES:
+            raise ValueError(f"unknown role {v!r}; the roles are {', '.join(CHAT_ROLES)}")
+        return v
 
     def for_template(self) -> dict:
         """A plain dict, with content parts joined into one string (only text parts are supported)."""
@@ -200,19 +257,21 @@ class ChatCompletionRequest(_GenerationRequest):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Any = None  # the newer name of max_tokens; wins when both are given
+    max_completion_tokens: _documented(_POSITIVE_INT) = None  # the newer name of max_tokens; wins when both given
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}, as vLLM
     tool_choice: Any = None  # (before the tools: their check reads it)
     function_call: Any = None  # the older name of tool_choice
-    tools: Any = None
-    functions: Any = None  # the older name of tools
+    tools: _documented({"type": "array"}) = None  # served only with tool_choice "none" (or empty)
+    functions: _documented({"type": "array"}) = None  # the older name of tools
 
     @field_validator("tools", "functions")
     @classmethod
     def _no_tool_calls(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is not None and not isinstance(v, list):
+            raise ValueError("must be a list of tool definitions")
         if v and "none" not in (info.data.get("tool_choice"), info.data.get("function_call")):
             raise ValueError('tool calling is not supported; send no tools, or tool_choice "none"')
         return v
@@ -238,11 +297,18 @@ class ChatCompletionRequest(_GenerationRequest):
 class CompletionRequest(_GenerationRequest):
     """POST /v1/completions."""
 
-    prompt: Any  # a string, a list of strings, token ids, or a list of token-id lists: checked by prompts()
+    # a string, a list of strings, token ids, or a list of token-id lists: checked by prompts()
+    prompt: Annotated[Any, WithJsonSchema({"anyOf": [
+        {"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        {**_TOKEN_IDS, "minItems": 1},
+        {"type": "array", "items": {**_TOKEN_IDS, "minItems": 1}, "minItems": 1}]})]
+    # max_tokens 0 scores the prompt only, with echo
+    max_tokens: _documented({"type": "integer", "minimum": 0}) = None
     echo: StrictBool = False
     logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    suffix: StrictStr | None = None
-    best_of: Any = None
+    suffix: Annotated[StrictStr | None, WithJsonSchema({"anyOf": [{"type": "string", "maxLength": 0},
+                                                                  {"type": "null"}]})] = None
+    best_of: _documented({"type": "integer", "minimum": 1, "maximum": MAX_N}) = None
 
     @field_validator("best_of")
     @classmethod

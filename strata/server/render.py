@@ -12,7 +12,8 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 class TokenText:
-    """Token ids -> the text shown for them in logprobs (memoised: the same ids come back every step)."""
+    """Token ids -> the text shown for them in logprobs (memoised: the same ids come back every step); without
+    a tokenizer, "token_id:N" (vLLM's spelling of a token it cannot show as text)."""
 
     def __init__(self, tokenizer: Any):
         self.tokenizer = tokenizer
@@ -21,7 +22,8 @@ class TokenText:
     def __call__(self, token_id: int) -> str:
         s = self._cache.get(token_id)
         if s is None:
-            s = self._cache[token_id] = self.tokenizer.decode([token_id])
+            text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else f"token_id:{token_id}"
+            s = self._cache[token_id] = text
         return s
 
     def chat_entry(self, token_id: int, logprob: float, top: list[tuple[int, float]] | None) -> dict:
@@ -187,14 +189,16 @@ class CompletionFormat:
     """Text completion choices: text (with the prompt first under `echo`) and the legacy logprobs object."""
 
     def __init__(self, text: TokenText, logprobs: int | None, echo: bool, score_only: bool, prompt_texts: list[str],
-                 n: int):
+                 n: int, token_ids: bool = False):
+        """`token_ids`: each choice (and streamed piece) also lists its generated ids, for a model without a
+        tokenizer, whose text is empty."""
         self.text, self.logprobs, self.echo, self.score_only = text, logprobs, echo, score_only
-        self.prompt_texts, self.n = prompt_texts, n
+        self.prompt_texts, self.n, self.token_ids = prompt_texts, n, token_ids
         self._state: dict[int, dict] = {}
 
     def _choice(self, s: Seq) -> dict:
         if s.index not in self._state:
-            self._state[s.index] = {"text": [], "lp": CompletionLogprobs(self.text), "started": False}
+            self._state[s.index] = {"text": [], "lp": CompletionLogprobs(self.text), "started": False, "ids": []}
         return self._state[s.index]
 
     def first_chunks(self, seqs: list[Seq]) -> list[dict]:
@@ -210,20 +214,27 @@ class CompletionFormat:
                 text = self.prompt_texts[s.index // self.n]
                 if self.logprobs is not None:
                     self._add_prompt(lp, s.prompt_ids, ev)
+        new_ids = []
         if not self.score_only:
             text += ev.text or ""
             if self.logprobs is not None and is_token(ev):
                 lp.add(ev.token_id, ev.logprob, self.text.top_dict(ev.top_logprobs))
+            if is_token(ev):
+                new_ids.append(ev.token_id)
         c["text"].append(text)
+        c["ids"] += new_ids
         reason = ev.finish_reason
         if reason is not None and self.score_only:
             reason = "length"
-        if not text and len(lp.tokens) == mark and reason is None:
+        if not text and len(lp.tokens) == mark and reason is None and not (self.token_ids and new_ids):
             return None
         piece = None
         if self.logprobs is not None:
             piece = {k: v[mark:] for k, v in lp.as_dict().items()}
-        return {"index": s.index, "text": text, "logprobs": piece, "finish_reason": reason}
+        out = {"index": s.index, "text": text, "logprobs": piece, "finish_reason": reason}
+        if self.token_ids:
+            out["token_ids"] = new_ids
+        return out
 
     def _add_prompt(self, lp: CompletionLogprobs, ids: list[int], ev: Any) -> None:
         values = ev.prompt_logprobs or [None] * len(ids)
@@ -241,9 +252,12 @@ class CompletionFormat:
         out = []
         for s in sorted(seqs, key=lambda s: s.index):
             c = self._choice(s)
-            out.append({"index": s.index, "text": "".join(c["text"]),
-                        "logprobs": c["lp"].as_dict() if self.logprobs is not None else None,
-                        "finish_reason": "length" if self.score_only else s.finish_reason})
+            choice = {"index": s.index, "text": "".join(c["text"]),
+                      "logprobs": c["lp"].as_dict() if self.logprobs is not None else None,
+                      "finish_reason": "length" if self.score_only else s.finish_reason}
+            if self.token_ids:
+                choice["token_ids"] = c["ids"]
+            out.append(choice)
         return out
 
     def usage(self, seqs: list[Seq]) -> dict:

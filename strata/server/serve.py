@@ -2,6 +2,8 @@
 
     strata serve [MODEL] [--config config.toml] [--host 127.0.0.1] [--port 8090] [--dry-run]
                  [--max-batch 8] [--token-budget 2048] [--max-queue 64] [--decode-gap-target SECONDS] [--no-warmup]
+                 [--api-key KEY | --api-key-file PATH] [--allowed-hosts NAMES] [--max-tokens-default N]
+                 [--no-access-log]
 
 Order matters: the planner runs first and refuses a layout that cannot fit (exit 2, one line) before
 the port is bound; then the port is bound (in use: exit 2, one line); then the server starts answering
@@ -57,7 +59,19 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="seconds in-flight requests get to finish on SIGINT/SIGTERM before they are cancelled")
     p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"],
-                   help="server log level (info also logs every request)")
+                   help="server log level (default warning; the access log is separate: --no-access-log)")
+    p.add_argument("--no-access-log", action="store_true",
+                   help="do not log one line per request (method, path, status, tokens, seconds) on stderr")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on every path but /health (visible to `ps`: prefer "
+                        "--api-key-file)")
+    p.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from the first line of PATH")
+    p.add_argument("--allowed-hosts", default=None, metavar="NAMES",
+                   help="Host headers to answer, as name[:port],... or * for any (default: the bound address's "
+                        "names, e.g. localhost/127.0.0.1/[::1] on a loopback bind; any on 0.0.0.0 or ::)")
+    p.add_argument("--max-tokens-default", type=int, default=None, metavar="N",
+                   help="cap what a chat request without max_tokens generates (default: the rest of the context, "
+                        "as OpenAI)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -115,6 +129,27 @@ def _check_args(args: argparse.Namespace) -> None:
         raise ConfigError("--shutdown-timeout must be >= 0")
     if args.decode_gap_target is not None and not 0 <= args.decode_gap_target <= 3600:
         raise ConfigError(f"--decode-gap-target {args.decode_gap_target} is out of range; give seconds in [0, 3600]")
+    if getattr(args, "max_tokens_default", None) is not None and args.max_tokens_default < 1:
+        raise ConfigError(f"--max-tokens-default {args.max_tokens_default} must be >= 1")
+    args.api_key = api_key(args)
+
+
+def api_key(args: argparse.Namespace) -> str | None:
+    """The key from --api-key or --api-key-file (not both), or None."""
+    key, path = getattr(args, "api_key", None), getattr(args, "api_key_file", None)
+    if key is not None and path is not None:
+        raise ConfigError("give --api-key or --api-key-file, not both")
+    if path is not None:
+        try:
+            lines = Path(path).expanduser().read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"--api-key-file {path}: cannot be read ({e.strerror or e})") from None
+        key = lines[0].strip() if lines else ""
+        if not key:
+            raise ConfigError(f"--api-key-file {path}: its first line is empty; write the key there")
+    if key is not None and (not key.strip() or not key.isascii() or any(c.isspace() for c in key)):
+        raise ConfigError("the API key must be printable ASCII without spaces")
+    return key
 
 
 def _model_path(model: str | None) -> Path:
@@ -153,11 +188,16 @@ def _run(sock: socket.socket, path: Path, cfg: StrataConfig, name: str, args: ar
     import uvicorn
 
     from strata.server.app import create_app
+    from strata.server.guard import HostRule, access_log
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    app = create_app(None, None, name)
-    server = _server_class()(uvicorn.Config(app, log_level=args.log_level, access_log=args.log_level in ("debug", "info"),
-                                    timeout_graceful_shutdown=args.shutdown_timeout, lifespan="off"))
+    # the access log is ours (with token counts), at INFO whatever --log-level says, unless turned off
+    access_log.setLevel(logging.CRITICAL + 1 if getattr(args, "no_access_log", False) else logging.INFO)
+    hosts = HostRule.for_bind(args.host, sock.getsockname()[1], getattr(args, "allowed_hosts", None))
+    app = create_app(None, None, name, hosts=hosts, api_key=getattr(args, "api_key", None),
+                     max_tokens_default=getattr(args, "max_tokens_default", None))
+    server = _server_class()(uvicorn.Config(app, log_level=args.log_level, access_log=False,
+                                            timeout_graceful_shutdown=args.shutdown_timeout, lifespan="off"))
     loader = _Loader(app.state.strata, server, path, cfg, args)
     loader.start()
     try:
@@ -264,7 +304,10 @@ def _url_host(host: str) -> str:
 def _serve_section(args: argparse.Namespace, path: Path, name: str) -> dict:
     return {"model": str(path), "served_model_name": name, "host": args.host, "port": args.port,
             "max_batch": args.max_batch, "token_budget": args.token_budget, "max_queue": args.max_queue,
-            "shutdown_timeout": args.shutdown_timeout, "numa": "not bound"}
+            "shutdown_timeout": args.shutdown_timeout, "numa": "not bound",
+            "allowed_hosts": args.allowed_hosts or "(the bound address's names)",
+            "api_key": "set" if args.api_key else "none", "max_tokens_default": args.max_tokens_default or "none",
+            "access_log": not args.no_access_log}
 
 
 def format_toml(d: dict, prefix: str = "") -> str:

@@ -19,6 +19,7 @@ from strata.server.protocol import APIError, bad_request
 from strata.server.render import Seq, is_token
 
 log = logging.getLogger("strata.server")
+RETRY_AFTER_S = "1"  # a full queue drains as sequences finish; a second is a fair first wait
 
 
 def to_api_error(e: BaseException) -> APIError:
@@ -26,7 +27,7 @@ def to_api_error(e: BaseException) -> APIError:
     if isinstance(e, APIError):
         return e
     if isinstance(e, QueueFullError):
-        return APIError(429, str(e), "rate_limit_error", code="queue_full")
+        return APIError(429, str(e), "rate_limit_error", code="queue_full", headers={"Retry-After": RETRY_AFTER_S})
     if isinstance(e, RequestError | UnsupportedError):
         return bad_request(str(e), getattr(e, "param", None), getattr(e, "code", None))
     if isinstance(e, ClientDisconnect):

@@ -1,0 +1,204 @@
+"""The server's OpenAPI schema (GET /openapi.json): the request models of strata.server.protocol and the
+response models below, which describe what the routes answer (a test checks real answers against them).
+
+The routes read their bodies by hand (so that every bad field is an OpenAI-shaped 400, not FastAPI's 422),
+so the schema is put together here rather than from the route signatures.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from fastapi import FastAPI
+from fastapi.openapi.utils import get_openapi
+from pydantic import BaseModel, Field
+
+from strata.server.guard import OPEN_PATHS
+from strata.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """Every error, whatever its status."""
+
+    error: ErrorBody
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprob]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str
+    reasoning_content: str | None = Field(None, description="the thinking text, for models that think")
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: str | None
+
+
+class ChatCompletion(BaseModel):
+    """POST /v1/chat/completions without stream (with stream: `chat.completion.chunk` events, then [DONE])."""
+
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None
+    finish_reason: str | None
+    token_ids: list[int] | None = Field(None, description="the generated ids, for a model without a tokenizer")
+
+
+class Completion(BaseModel):
+    """POST /v1/completions without stream (with stream: `text_completion` events, then [DONE])."""
+
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    system_fingerprint: str
+    choices: list[CompletionChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: Literal["ok", "degraded"]
+    damaged: list[list[int]] | None = Field(None, description="[layer, expert] of experts that failed their checksum")
+    message: str | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str | None] | None
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+_ERRORS = {400: "a bad request (the message names the field)", 401: "a missing or wrong API key",
+           404: "an unknown model", 413: "a body over 32 MiB", 415: "a body that is not JSON",
+           429: "the queue is full: retry after Retry-After seconds", 500: "a fault in the server",
+           503: "the model is loading, or the server is shutting down"}
+_GENERATION = (400, 404, 413, 415, 429, 500, 503)
+# path -> (method, request model, 200 model, 200 media types, error statuses)
+ROUTES: dict[str, tuple[str, type[BaseModel] | None, type[BaseModel] | None, tuple[str, ...], tuple[int, ...]]] = {
+    "/v1/chat/completions": ("post", ChatCompletionRequest, ChatCompletion, ("application/json", "text/event-stream"),
+                             _GENERATION),
+    "/v1/completions": ("post", CompletionRequest, Completion, ("application/json", "text/event-stream"), _GENERATION),
+    "/v1/models": ("get", None, ModelList, ("application/json",), (503,)),
+    "/health": ("get", None, Health, ("application/json",), (503,)),
+    "/metrics": ("get", None, None, ("text/plain",), ()),
+    "/tokenize": ("post", TokenizeRequest, TokenizeResponse, ("application/json",), (400, 404, 413, 415, 500, 503)),
+    "/detokenize": ("post", DetokenizeRequest, DetokenizeResponse, ("application/json",),
+                    (400, 404, 413, 415, 500, 503)),
+    "/v1/strata/stats": ("get", None, None, ("application/json",), (503,)),
+    "/v1/strata/residency": ("get", None, None, ("application/json",), (503,)),
+    "/v1/strata/history": ("get", None, None, ("application/json",), (400, 503)),
+    "/v1/embeddings": ("post", None, None, (), (404,)),
+}
+
+
+def install_openapi(app: FastAPI, model_name: str, api_key: bool) -> None:
+    """Serve the schema at /openapi.json: each route's request body and answers, `model` limited to
+    `model_name`, and the bearer key on every path but /health when `api_key`."""
+
+    def schema() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            app.openapi_schema = _build(app, model_name, api_key)
+        return app.openapi_schema
+
+    app.openapi = schema  # type: ignore[method-assign]
+
+
+def _build(app: FastAPI, model_name: str, api_key: bool) -> dict[str, Any]:
+    out = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
+    components: dict[str, Any] = out.setdefault("components", {}).setdefault("schemas", {})
+
+    def ref(model: type[BaseModel], mode: Literal["validation", "serialization"]) -> dict:
+        spec = model.model_json_schema(ref_template="#/components/schemas/{model}", mode=mode)
+        components.update(spec.pop("$defs", {}))
+        components[model.__name__] = spec
+        return {"$ref": f"#/components/schemas/{model.__name__}"}
+
+    error = {"application/json": {"schema": ref(ErrorResponse, "serialization")}}
+    for path, (method, request, response, media, errors) in ROUTES.items():
+        op = out["paths"].get(path, {}).get(method)
+        if op is None:
+            continue
+        if request is not None:
+            op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(request,
+                                                                                                  "validation")}}}
+        body = ref(response, "serialization") if response is not None else {"type": "object"}
+        ok = {m: {"schema": body if m == "application/json" else {"type": "string"}} for m in media}
+        statuses = sorted({*errors, 400, *((401,) if api_key and path not in OPEN_PATHS else ())})  # 400: bad Host
+        responses: dict[str, Any] = {"200": {"description": "success", "content": ok}} if media else {}
+        for status in statuses:
+            responses[str(status)] = {"description": _ERRORS.get(status, "an error"), "content": error}
+        if status_429 := responses.get("429"):
+            status_429["headers"] = {"Retry-After": {"schema": {"type": "string"}, "description": "seconds"}}
+        op["responses"] = responses
+        if api_key and path not in OPEN_PATHS:
+            op["security"] = [{"bearer": []}]
+    for model in (ChatCompletionRequest, CompletionRequest):
+        components[model.__name__]["properties"]["model"] = {"type": "string", "enum": [model_name]}
+    if api_key:
+        out["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+    return out
