@@ -91,9 +91,9 @@ def _zeros(dtype):
     return lambda *shape: torch.zeros(*shape, dtype=dtype)
 
 
-def pack_launch(n: int, layer: int, share, top_k: int, hidden: int = H, gate: bool = False) -> None:
-    """A synthetic decode layer's fused mailbox pack for n tokens: the inbox in host memory, the GPU share's split,
-    and (`gate`) copy-ahead's tails gated by the copy engine's tag of `layer` (an A/B engine the CPU cannot build)."""
+def pack_launch(n: int, layer: int, share, top_k: int, hidden: int = H) -> None:
+    """A synthetic decode layer's fused mailbox pack for n tokens: the inbox in host memory and the GPU share's
+    split."""
     from strata.kernels import mailbox_pack
     from strata.runtime.cpu_mailbox import inbox_layout
 
@@ -101,10 +101,9 @@ def pack_launch(n: int, layer: int, share, top_k: int, hidden: int = H, gate: bo
     p = n * top_k
     x_off, nbytes = inbox_layout(n, top_k, hidden)
     box = torch.zeros(nbytes, dtype=torch.uint8)
-    ahead = (i32(E), i64(E), i32(p), i64(p), i64(1), (i64(1), i64(1), layer)) if gate else None
     mailbox_pack.pack_mailbox(box, i32(p), i32(p), torch.zeros(n, hidden, dtype=torch.bfloat16),
                               torch.zeros(n, top_k, dtype=torch.bfloat16), x_off, INTER, share, layer, rows=i32(p),
-                              addr=i64(p), ready=(i64(1), i64(1), i32(1)), ahead=ahead,
+                              addr=i64(p), ready=(i64(1), i64(1), i32(1)),
                               zero=torch.zeros(p * hidden, dtype=torch.float32))
 
 
@@ -122,12 +121,12 @@ def gpu_share(layers: int, hidden: int = H):
 def decode_objects(layers: int, max_tokens: int, top_k: int, hidden: int = H):
     """The one-graph split decode objects whose buffers the per-layer kernels take, built on the CPU as serving
     builds them on the GPU (their layouts decide the pointers' alignment): the mailbox (its worker started, never
-    posted), its GPU share and warm-ahead's plan (runtime.warm_ahead, on by default). Yields (mailbox, share, ahead)."""
-    from strata.kernels import copy_ahead as ca
+    posted), its GPU share and warm-ahead's plan ([debug] warm_ahead, on by default). Yields (mailbox, share, ahead)."""
     from strata.kernels import cpu_experts as ce
     from strata.kernels import mailbox_pack
-    from strata.runtime.copy_ahead import CopyAhead
+    from strata.kernels import warm_plan as wp
     from strata.runtime.cpu_mailbox import CpuMailbox
+    from strata.runtime.warm_ahead import WarmAhead
 
     if ce.backend() == "torch":
         raise Unavailable("the mailbox's buffers need the compiled CPU expert kernel (its worker)")
@@ -137,15 +136,15 @@ def decode_objects(layers: int, max_tokens: int, top_k: int, hidden: int = H):
     box = CpuMailbox(list(range(layers)), addresses, hidden=hidden, inter=INTER, gu_bytes=gu_bytes,
                      payload=gu_bytes * 3 // 2, top_k=top_k, max_tokens=max_tokens, threads=1, device=torch.device("cpu"))
     box.direct, box._direct_checked = True, True  # the GPU's exchange (its fetch kernel's self-check needs a GPU)
-    available = (mailbox_pack.available, ca.available)
-    mailbox_pack.available = ca.available = lambda x: True  # the GPU's launches, on CPU tensors (recorded, never run)
+    available = (mailbox_pack.available, wp.available)
+    mailbox_pack.available = wp.available = lambda x: True  # the GPU's launches, on CPU tensors (recorded, never run)
     try:
         slot_of = torch.full((layers, E), -1, dtype=torch.int32)
-        ahead = CopyAhead(addresses, slot_of, share, {layer: None for layer in range(1, layers)}, list(range(layers)),
-                          torch.device("cpu"), 3 * INTER * hidden * 2, mailbox=box, engine="cpu")
+        ahead = WarmAhead(addresses, slot_of, {layer: None for layer in range(1, layers)}, list(range(layers)),
+                          torch.device("cpu"), box)
         yield box, share, ahead
     finally:
-        mailbox_pack.available, ca.available = available
+        mailbox_pack.available, wp.available = available
         box.close()
 
 
@@ -160,7 +159,7 @@ def exchange_launch(box, share, layer: int, n: int, hidden: int = H) -> None:
     y = torch.empty(p, hidden, dtype=torch.float32)
     box._exchange_direct(box._box[layer], torch.zeros(p, dtype=torch.int64), torch.full((p,), -1, dtype=torch.int32),
                          torch.zeros(n, hidden, dtype=torch.bfloat16), torch.zeros(n, k), *inbox_layout(n, k, hidden),
-                         None, MAX_SPINS, share, None, y)
+                         None, MAX_SPINS, share, y)
 
 
 @contextlib.contextmanager
