@@ -1,8 +1,9 @@
 """Timing one stream's decode phase apart from its prefill (the benches' shared measurement).
 
 A 128-token prompt whose experts are cold takes a tenth of a second or more to prefill, as long as
-dozens of decode steps: timing `engine.generate` whole would fold it into the decode rate. This drives
-the same generation loop as `Engine.generate` and takes the engine's statistics at the first token.
+dozens of decode steps: timing `engine.generate` whole would fold it into the decode rate. This submits
+the request to the engine's scheduler (the loop `Engine.generate` runs on) and takes the engine's statistics
+at the first token.
 """
 
 from __future__ import annotations
@@ -32,23 +33,26 @@ class DecodeRun:
 def timed_decode(engine, prompt: list[int], tokens: int, sync: Callable[[], None], seed: int = 3,
                  on_first_token: Callable[[], object] | None = None) -> DecodeRun:
     """Generate `tokens` tokens of `prompt` at temperature 1 (seeded, EOS ignored) and time the decode phase;
-    `on_first_token` runs once the prefill's token is out, before the decode phase is timed."""
-    from strata.runtime.generate import generate_tokens
-    from strata.runtime.sampler import SamplingParams, make_generator
+    `on_first_token` runs once the prefill's token is out, before the decode phase is timed (the scheduler's
+    next step waits for it: it runs under the engine's step lock)."""
+    from strata.runtime.requests import GenRequest
+    from strata.runtime.sampler import SamplingParams
 
     params = SamplingParams(max_tokens=tokens, temperature=1.0, seed=seed, ignore_eos=True)
+    scheduler = engine.scheduler()
+    if not scheduler.started:
+        scheduler.start()
     sync()
     t0 = time.perf_counter()
-    steps = generate_tokens(engine.model, engine.cache, prompt, params, set(), engine.prefill_chunk,
-                            engine.device, make_generator(seed, engine.device),
-                            overlap=engine.overlap_decode)
-    out = [next(steps)]  # the prefill, and the first token sampled from its logits
+    events = scheduler.submit(GenRequest(list(prompt), params), asynchronous=False).iter_events()
+    out = [next(events).token_id]  # the prefill, and the first token sampled from its logits
     ttft = time.perf_counter() - t0
-    before = engine.stats()
-    if on_first_token is not None:
-        on_first_token()
+    with engine.step_lock:
+        before = engine.stats()
+        if on_first_token is not None:
+            on_first_token()
     t1 = time.perf_counter()
-    out += list(steps)
+    out += [ev.token_id for ev in events if ev.token_id is not None]
     sync()
     decode_s = time.perf_counter() - t1
     return DecodeRun(out, ttft, decode_s, before, engine.stats())

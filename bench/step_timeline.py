@@ -42,7 +42,7 @@ def timeline(engine, prompt: list[int], tokens: int, seed: int = 3, wake_at_laun
     from strata.runtime.kv_cache import StepBatch
     from strata.runtime.sampler import SamplingParams, make_generator, sample
 
-    model, cache, dev = engine.model, engine.cache, engine.device
+    model, cache, dev = engine.model, engine.scheduler().cache, engine.device  # slot 0 of the engine's KV cache
     box = getattr(engine._compute, "mailbox", None)
     params = SamplingParams(max_tokens=tokens, temperature=1.0, seed=seed, ignore_eos=True)
     gen = make_generator(seed, dev)

@@ -25,8 +25,8 @@ def main() -> None:
     import torch
 
     from strata import Engine
-    from strata.runtime.generate import generate_tokens
-    from strata.runtime.sampler import SamplingParams, make_generator
+    from strata.runtime.requests import GenRequest
+    from strata.runtime.sampler import SamplingParams
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)
@@ -44,14 +44,14 @@ def main() -> None:
     for seed in (1, 2):  # warm-up: graphs captured, the mailbox open
         engine.generate(prompt, max_tokens=8, temperature=1.0, seed=seed)
     params = SamplingParams(max_tokens=args.tokens, temperature=1.0, seed=3, ignore_eos=True)
-    steps = generate_tokens(engine.model, engine.cache, prompt, params, set(), engine.prefill_chunk, engine.device,
-                            make_generator(3, engine.device), overlap=engine.overlap_decode)
-    next(steps)  # the prefill and the first token, outside the probe
-    sites: collections.Counter[str] = collections.Counter()
+    # the probe is on for the whole request, which runs on the scheduler's thread; calls before the first token
+    # arrives count as the prefill's (the step after it may start meanwhile: one step at most is misfiled)
+    sites = {"prefill": collections.Counter(), "decode": collections.Counter()}
+    phase = ["prefill"]
 
     def record(message, category, filename, lineno, file=None, line=None):
         frames = [f for f in traceback.extract_stack()[:-1] if "/strata/" in f.filename or "/bench/" in f.filename]
-        sites[" <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-4:])) or "?"] += 1
+        sites[phase[0]][" <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in reversed(frames[-4:])) or "?"] += 1
 
     with warnings.catch_warnings():
         warnings.simplefilter("always")
@@ -59,13 +59,16 @@ def main() -> None:
         if cuda:
             torch.cuda.set_sync_debug_mode("warn")
         try:
-            n = sum(1 for _ in steps)
+            steps = engine.scheduler().submit(GenRequest(prompt, params), asynchronous=False).iter_events()
+            next(steps)  # the prefill and the first token
+            phase[0] = "decode"
+            n = sum(1 for ev in steps if ev.token_id is not None)
         finally:
             if cuda:
                 torch.cuda.set_sync_debug_mode("default")
     out = {"label": args.label, "overlap": engine.overlap_decode, "tokens": n + 1,
            "graph_modes": sorted({k[3] for k in engine.model.graphs.graphs}) if engine.model.graphs else [],
-           "syncs": dict(sites.most_common())}
+           "syncs": dict(sites["decode"].most_common()), "prefill_syncs": dict(sites["prefill"].most_common())}
     print(json.dumps(out))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / f"sync_probe-{args.label}.json").write_text(json.dumps(out, indent=1))

@@ -5,8 +5,11 @@
     out = engine.generate("Hello", max_tokens=32)
     out.text, out.token_ids, out.finish_reason
 
-The engine owns the model, the tokenizer and one preallocated KV cache; calls are serialised by a
-lock (the server's scheduler batches requests on top of the same runtime).
+Every call runs on the engine's scheduler (`engine.scheduler()`, strata.runtime.scheduler), the continuous-batching
+loop the server runs on too: calls from several threads, and several streams open on one thread, share its steps,
+as many at once as it has KV slots (`planner.max_batch`, which the planner sizes the KV cache for); the rest wait
+their turn. A checkpoint without tokenizer files loads with `engine.tokenizer = None`: prompts are then token ids,
+and the outputs carry `token_ids` (their text stays empty).
 """
 
 from __future__ import annotations
@@ -16,24 +19,25 @@ import gc
 import operator
 import os
 import threading
-import time
 import weakref
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from strata.config import StrataConfig, load_config
-from strata.errors import CheckpointError, RequestError
+from strata.errors import CheckpointError, RequestError, StrataError
 from strata.runtime.build import LoadedModel, build_model
-from strata.runtime.generate import generate_tokens, prefill
-from strata.runtime.kv_cache import KVCache
+from strata.runtime.counters import GenerationCounters
 from strata.runtime.overlap import overlap_on
 from strata.runtime.prefill_chunk import resolve_prefill_chunk, score_chunk
-from strata.runtime.sampler import SamplingParams, make_generator
+from strata.runtime.requests import GenRequest, RequestHandle, TokenEvent
+from strata.runtime.sampler import SamplingParams
 from strata.runtime.scheduler import Scheduler
-from strata.runtime.tokenizer import StopMatcher, StreamDecoder, Tokenizer
+from strata.runtime.tokenizer import Tokenizer, load_tokenizer
+
+DEFAULT_MAX_QUEUE = 64  # requests the engine's scheduler holds waiting for a KV slot
 
 
 @dataclass
@@ -46,15 +50,67 @@ class GenerationOutput:
     prompt_tokens: int = 0
 
 
-@dataclass
-class _Counters:
-    requests: int = 0
-    prompt_tokens: int = 0
-    generated_tokens: int = 0
-    decode_tokens: int = 0  # tokens after each request's first (that one comes from the prefill's logits)
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
-    extra: dict = field(default_factory=dict)
+class TextStream(Iterator[str]):
+    """What `Engine.stream` returns: an iterator of text pieces as tokens are generated. `output` fills as they
+    come (`output.token_ids`: the result of a model without a tokenizer, whose text stays empty); its `text` and
+    `finish_reason` are final once the iteration ends. Closing the stream (`close()`, leaving a `with` block, a
+    `break` out of a for loop over it, or dropping it) cancels its request at once."""
+
+    def __init__(self, scheduler: Scheduler, handle: RequestHandle, output: GenerationOutput):
+        self._done = False
+        self.output = output
+        self._scheduler, self._handle = scheduler, handle
+        self._events = handle.iter_events()
+        self._pieces: list[str] = []
+
+    def __iter__(self) -> TextStream:
+        return self
+
+    def __next__(self) -> str:
+        while not self._done:
+            try:
+                ev = next(self._events)
+            except BaseException:  # e.g. KeyboardInterrupt while waiting: nobody reads the rest
+                self.close()
+                raise
+            if ev.finish_reason == "abort":
+                self._done = True
+                raise request_failure(ev)
+            if ev.token_id is not None:
+                self.output.token_ids.append(ev.token_id)
+            if ev.finish_reason is not None:
+                self._done = True
+                self.output.finish_reason = ev.finish_reason
+            if ev.text:
+                self._pieces.append(ev.text)
+            if self._done:
+                self.output.text = "".join(self._pieces)
+            if ev.text:
+                return ev.text
+        raise StopIteration
+
+    def close(self) -> None:
+        """Stop generating: the request leaves the queue now, or the batch (freeing its KV slot) at the next step."""
+        if not self._done:
+            self._done = True
+            self._scheduler.cancel(self._handle)
+
+    def __enter__(self) -> TextStream:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        self.close()
+
+
+def request_failure(ev: TokenEvent) -> BaseException:
+    """What a request that ended in "abort" raises: the exception that failed its step, else a `StrataError`."""
+    if ev.exception is not None:
+        return ev.exception
+    return StrataError(f"the request was cancelled{': ' + ev.error if ev.error else ''} (the engine's scheduler "
+                       "was stopped, or the engine closed)")
 
 
 def _release(compute, tiers, model) -> None:
@@ -76,8 +132,10 @@ def _release(compute, tiers, model) -> None:
 class Engine:
     """A loaded model ready to generate. Build it with `Engine.from_pretrained`."""
 
-    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer, config: StrataConfig):
+    def __init__(self, loaded: LoadedModel, tokenizer: Tokenizer | None, config: StrataConfig,
+                 source: Path | None = None):
         self.checkpoint, self.tokenizer, self.config = loaded.checkpoint, tokenizer, config
+        self.source = source or loaded.checkpoint.directory  # what was loaded: the checkpoint, not its store
         self.model, self.device, self.dtype = loaded.model, loaded.device, loaded.dtype
         self.plan, self.tiers, self._compute = loaded.plan, loaded.manager, loaded.compute
         self.max_context = loaded.max_context
@@ -86,13 +144,16 @@ class Engine:
         self.prefill_chunk = self.plan.prefill_chunk if self.plan is not None else resolve_prefill_chunk(
             config.runtime.prefill_chunk, self.checkpoint.config, self.device, config.planner.activation_reserve_bytes,
             self.max_context)
-        self.cache = KVCache(self.checkpoint.config, num_slots=1, max_len=self.max_context, dtype=self.dtype,
-                             device=self.device)
-        self.eos_token_ids = set(self.checkpoint.eos_token_ids) | set(tokenizer.eos_token_ids)
+        # prompt tokens a pass of `score` takes: it keeps every position's logits too
+        self.score_chunk = score_chunk(self.prefill_chunk, self.checkpoint.config.vocab_size,
+                                       config.planner.activation_reserve_bytes)
+        self.eos_token_ids = set(self.checkpoint.eos_token_ids) | (tokenizer.eos_token_ids if tokenizer else set())
         # [debug] overlap_decode resolved: each decode step queued before the host reads the token it is fed
         self.overlap_decode = overlap_on(config.debug.overlap_decode, self.device, len(config.runtime.devices))
-        self._lock = threading.Lock()
-        self._counters = _Counters()
+        self.step_lock = threading.Lock()  # held while a forward pass runs: every scheduler of this engine takes it
+        self.counters = GenerationCounters()  # what `stats()` reports; every scheduler of this engine records here
+        self._scheduler: Scheduler | None = None  # made on first use (`scheduler()`)
+        self._scheduler_lock = threading.Lock()
         # an engine dropped or still open at exit is released then: before the interpreter kills the tier manager's
         # daemon threads, which inside a torch call aborts the process ("terminate called without an active exception")
         self._release = weakref.finalize(self, _release, self._compute, self.tiers, self.model)
@@ -110,7 +171,8 @@ class Engine:
         `config` is a TOML path, a dict of sections, or None for the defaults; `device` overrides
         `runtime.device` unless it is "auto". With tiered experts (the default) a checkpoint is packed
         into a store on first use (under `tiers.disk.path`) and the planner places its experts; a
-        layout that cannot fit is refused here, before anything is loaded.
+        layout that cannot fit is refused here, before anything is loaded. A directory without tokenizer
+        files loads with `tokenizer = None` (token-id prompts only).
         """
         cfg = load_config(config)
         if device != "auto":
@@ -126,27 +188,40 @@ class Engine:
         if cfg.runtime.threads:
             torch.set_num_threads(cfg.runtime.threads)
         loaded = build_model(path, cfg, progress=progress)
-        tokenizer = Tokenizer.from_dir(loaded.checkpoint.directory)
-        engine = cls(loaded, tokenizer, cfg)
+        tokenizer = load_tokenizer(loaded.checkpoint.directory)  # a store's copies follow its checkpoint's files
+        engine = cls(loaded, tokenizer, cfg, source=path)
         # Loading leaves hundreds of thousands of long-lived objects (store index, checksums, modules);
         # freezing them keeps Python's full collections, which would rescan them all, off the decode path.
         gc.collect()
         gc.freeze()
         return engine
 
-    def scheduler(self, max_batch: int = 8, token_budget: int = 2048, max_queue: int = 64,
+    def scheduler(self, max_batch: int | None = None, token_budget: int | None = None, max_queue: int | None = None,
                   decode_gap_target: float | None = None) -> Scheduler:
-        """A continuous-batching scheduler over this engine's model (with its own KV cache of `max_batch` slots).
-
-        `decode_gap_target` (seconds; None: `runtime.decode_gap_target`) bounds a step's time while
-        sequences decode by shrinking the prompt chunks that share it; 0 lets chunks fill `token_budget`.
-        """
-        return Scheduler(self, max_batch=max_batch, token_budget=token_budget, max_queue=max_queue,
-                         decode_gap_target=decode_gap_target)
+        """The engine's continuous-batching scheduler: the one loop `generate`, `stream`, `chat`, `score` and the
+        server run on, with the engine's KV cache (`max_batch` slots). Made on first use, with `planner.max_batch`
+        slots (what the planner sized the KV cache for), a token budget of `runtime.prefill_chunk` and a queue of
+        64; the arguments change those (None keeps a setting), which needs it idle. `decode_gap_target` (seconds;
+        None: `runtime.decode_gap_target`) bounds a step's time while sequences decode by shrinking the prompt
+        chunks that share it; 0 lets chunks fill `token_budget`. Start it (`start()`) to serve submitted requests
+        (the engine's own calls start it)."""
+        with self._scheduler_lock:
+            if self._scheduler is None:
+                batch = self.config.planner.max_batch if max_batch is None else max_batch
+                self._scheduler = Scheduler(
+                    self, max_batch=batch,
+                    token_budget=max(self.prefill_chunk, batch) if token_budget is None else token_budget,
+                    max_queue=DEFAULT_MAX_QUEUE if max_queue is None else max_queue,
+                    decode_gap_target=decode_gap_target)
+            else:
+                self._scheduler.configure(max_batch, token_budget, max_queue, decode_gap_target)
+            return self._scheduler
 
     def close(self) -> None:
-        """Stop the tier manager's threads and free its memory (the engine is unusable afterwards). Engines still
-        open when the interpreter exits are closed then."""
+        """Cancel what the scheduler runs, stop the tier manager's threads and free its memory (the engine is
+        unusable afterwards). Engines still open when the interpreter exits are closed then."""
+        if self._scheduler is not None:
+            self._scheduler.stop(drain=False)
         self._release()  # once: later calls do nothing
         self.tiers = None
 
@@ -162,42 +237,67 @@ class Engine:
                  stop_token_ids: list[int] | None = None, reproducible: bool = False) -> GenerationOutput:
         """Generate a completion of `prompt` (text, or token ids) and return it whole.
 
-        `reproducible=True` computes cold experts on the exact path (the GPU, or the CPU's reference math)
-        instead of the fast CPU kernel; the tokens then equal those of a reproducible request served by
-        `engine.scheduler()` bit for bit, whatever else that scheduler runs.
+        Generation ends at an EOS or stop token (not emitted), a stop string (cut off), `max_tokens`, or the
+        end of the context. `reproducible=True` computes the request in a forward pass of its own, with cold
+        experts on the exact path (the GPU, or the CPU's reference math) instead of the fast CPU kernel; the
+        tokens then equal those of a reproducible request served by the server bit for bit, whatever else runs.
         """
-        params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                stop=stop, stop_token_ids=stop_token_ids or [])
-        result = GenerationOutput("", [], "length")
-        result.text = "".join(self._run(prompt, params, result, reproducible))
-        return result
+        with self.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+                         stop=stop, stop_token_ids=stop_token_ids, reproducible=reproducible) as pieces:
+            for _ in pieces:
+                pass
+            return pieces.output
 
     def stream(self, prompt: str | Sequence[int], max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: int | None = None, stop: str | list[str] | None = None,
-               stop_token_ids: list[int] | None = None, reproducible: bool = False) -> Iterator[str]:
-        """Like `generate`, but yield text pieces as tokens are produced."""
+               stop_token_ids: list[int] | None = None, reproducible: bool = False) -> TextStream:
+        """Like `generate`, but return at once a `TextStream` of text pieces as tokens are produced (the request
+        is queued now; it runs beside every other one, whether its pieces are read or not)."""
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
                                 stop=stop, stop_token_ids=stop_token_ids or [])
-        yield from self._run(prompt, params, GenerationOutput("", [], "length"), reproducible)
+        if not isinstance(reproducible, bool):
+            raise RequestError(f"reproducible must be True or False, got {reproducible!r}")
+        if params.stop and self.tokenizer is None:
+            raise RequestError(self._no_tokenizer("stop strings need one; give stop_token_ids instead"))
+        ids = self._encode_prompt(prompt)
+        if len(ids) >= self.max_context:
+            raise RequestError(
+                f"prompt of {len(ids)} tokens leaves no room in the context of {self.max_context} tokens; "
+                "shorten it or raise runtime.max_context"
+            )
+        params.max_tokens = min(params.max_tokens, self.max_context - len(ids))  # the context's end ends it
+        sched = self._started_scheduler()
+        handle = sched.submit(GenRequest(ids, params, reproducible=reproducible), asynchronous=False)
+        return TextStream(sched, handle, GenerationOutput("", [], "length", prompt_tokens=len(ids)))
 
     def chat(self, messages: list[dict], **kwargs) -> GenerationOutput:
         """Apply the checkpoint's chat template to `messages` and generate the assistant's reply.
 
         Keyword arguments are those of `generate` (`reproducible=True` included)."""
+        if self.tokenizer is None:
+            raise RequestError(self._no_tokenizer("chat needs one to apply its template"))
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         ids = self.tokenizer.encode(text, add_special_tokens=False)
         return self.generate(ids, **kwargs)
 
     def score(self, token_ids: Sequence[int]) -> torch.Tensor:
-        """Log-probabilities of the next token at every position: float32 [len(ids), vocab] on CPU."""
+        """Log-probabilities of the next token at every position: float32 [len(ids), vocab] on CPU.
+
+        It runs on the scheduler like any request (in forward passes of its own, `score_chunk` tokens each)."""
         ids = self.check_token_ids(token_ids)
         if len(ids) > self.max_context:
             raise RequestError(f"{len(ids)} tokens exceed the context of {self.max_context}; raise runtime.max_context")
-        with self._lock:
-            t = torch.tensor(ids, dtype=torch.long, device=self.device)
-            chunk = score_chunk(self.prefill_chunk, self.checkpoint.config.vocab_size,
-                                self.config.planner.activation_reserve_bytes)  # every position's logits kept
-            return prefill(self.model, self.cache, 0, t, chunk, all_logits=True).float().cpu()
+        sched = self._started_scheduler()
+        handle = sched.submit(GenRequest(ids, SamplingParams(max_tokens=1), score=True), asynchronous=False)
+        try:
+            for ev in handle.iter_events():
+                if ev.finish_reason == "abort":
+                    raise request_failure(ev)
+                if ev.scores is not None:
+                    return ev.scores
+        finally:
+            sched.cancel(handle)  # nothing when it finished; a caller interrupted while it waits withdraws it
+        raise StrataError("a score request ended without its scores")
 
     def wait_settled(self, timeout: float = 600.0) -> bool:
         """Block until the tiers' background start-up placement (and any prefetch) is done; False on
@@ -205,8 +305,8 @@ class Engine:
         return self.tiers.wait_settled(timeout) if self.tiers is not None else True
 
     def stats(self) -> dict:
-        """A snapshot of engine statistics (cheap; later the tier manager's figures join it)."""
-        c = self._counters
+        """A snapshot of engine statistics (cheap): what it generated, and the tiers' and expert compute's figures."""
+        c = self.counters.snapshot()
         tiers = self.tiers.stats() if self.tiers is not None else None
         return {
             "experts": "tiered" if self.tiers is not None else "memory",
@@ -222,19 +322,23 @@ class Engine:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "max_context": self.max_context,
-            "requests": c.requests,
-            "prompt_tokens": c.prompt_tokens,
-            "generated_tokens": c.generated_tokens,
-            "prefill_tokens_per_s": c.prompt_tokens / c.prefill_seconds if c.prefill_seconds else 0.0,
-            "decode_tokens_per_s": c.decode_tokens / c.decode_seconds if c.decode_seconds else 0.0,
-            "decode_tokens": c.decode_tokens,
-            "decode_seconds": c.decode_seconds,
+            "requests": c["requests"],
+            "prompt_tokens": c["prompt_tokens"],
+            "generated_tokens": c["generated_tokens"],
+            "prefill_tokens_per_s": c["prefill_tokens_per_s"],
+            "decode_tokens_per_s": c["decode_tokens_per_s"],
+            "decode_tokens": c["decode_tokens"],
+            "decode_seconds": c["decode_seconds"],
         }
 
-    # ---- internals --------------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        """Start the request and token counts of `stats()` at zero again (e.g. after a warm-up)."""
+        self.counters.reset()
+
     @contextlib.contextmanager
-    def _numerics(self, reproducible: bool) -> Iterator[None]:
-        """While generating a reproducible request: the tiered expert compute takes its exact path."""
+    def numerics(self, reproducible: bool) -> Iterator[None]:
+        """Around a forward pass of reproducible requests: the tiered expert compute takes its exact path (its
+        setting is restored after). The scheduler holds `step_lock` meanwhile."""
         compute = self._compute
         was = getattr(compute, "reproducible", False)
         if compute is not None:
@@ -246,6 +350,7 @@ class Engine:
                 compute.reproducible = was
 
     def check_token_ids(self, token_ids: Sequence[int]) -> list[int]:
+        """`token_ids` as a list of ints within the vocabulary; `RequestError` naming what is wrong otherwise."""
         vocab = self.checkpoint.config.vocab_size
         if isinstance(token_ids, (str, bytes)) or not hasattr(token_ids, "__iter__"):
             raise RequestError(f"a prompt is a string or a list of token ids, got {type(token_ids).__name__}")
@@ -260,58 +365,20 @@ class Engine:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
         return ids
 
+    # ---- internals --------------------------------------------------------------------------
+    def _started_scheduler(self) -> Scheduler:
+        sched = self.scheduler()
+        if not sched.started:  # first use, or stopped by a server shutting down: the engine's calls still run
+            sched.start()
+        return sched
+
+    def _no_tokenizer(self, what: str) -> str:
+        return (f"the model at {self.source} has no tokenizer (tokenizer.json): {what}, or copy the model's "
+                f"tokenizer.json and tokenizer_config.json into {self.source}")
+
     def _encode_prompt(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError(self._no_tokenizer("give the prompt as token ids"))
             return self.check_token_ids(self.tokenizer.encode(prompt))
         return self.check_token_ids(prompt)
-
-    def _run(self, prompt: str | Sequence[int], params: SamplingParams, result: GenerationOutput,
-             reproducible: bool = False) -> Iterator[str]:
-        """Generate under the lock, yielding text pieces and filling `result` as it goes."""
-        if not isinstance(reproducible, bool):
-            raise RequestError(f"reproducible must be True or False, got {reproducible!r}")
-        ids = self._encode_prompt(prompt)
-        if len(ids) >= self.max_context:
-            raise RequestError(
-                f"prompt of {len(ids)} tokens leaves no room in the context of {self.max_context} tokens; "
-                "shorten it or raise runtime.max_context"
-            )
-        result.prompt_tokens = len(ids)
-        eos = set() if params.ignore_eos else self.eos_token_ids | set(params.stop_token_ids)
-        decoder, stopper = StreamDecoder(self.tokenizer), StopMatcher(params.stop)
-        generator = make_generator(params.seed, self.device)
-        with self._lock, self._numerics(reproducible):
-            self._counters.requests += 1
-            t0 = time.perf_counter()
-            t_first = None
-            tokens = generate_tokens(self.model, self.cache, ids, params, eos, self.prefill_chunk,
-                                     self.device, generator, overlap=self.overlap_decode)
-            stopped = False
-            for token in tokens:
-                if t_first is None:
-                    t_first = time.perf_counter()
-                result.token_ids.append(token)
-                text, stopped = stopper.feed(decoder.push(token))
-                if text:
-                    yield text
-                if stopped:
-                    break
-            tokens.close()
-            if not stopped:
-                text, stopped = stopper.feed(decoder.flush())
-                if text:
-                    yield text
-                if not stopped:
-                    tail = stopper.flush()
-                    if tail:
-                        yield tail
-            n = len(result.token_ids)
-            hit_limit = n >= params.max_tokens or len(ids) + n >= self.max_context
-            result.finish_reason = "stop" if stopped or not hit_limit else "length"
-            t_end = time.perf_counter()
-            c = self._counters
-            c.prompt_tokens += len(ids)
-            c.generated_tokens += n
-            c.decode_tokens += max(0, n - 1)
-            c.prefill_seconds += (t_first or t_end) - t0
-            c.decode_seconds += t_end - (t_first or t_end)

@@ -174,31 +174,35 @@ def test_cuda_without_gpu_is_a_clear_error(tiny_model_dir):
 
 
 def test_default_model_is_built_on_first_use(tmp_path, monkeypatch):
-    """`Engine.from_pretrained()` with no path builds the embedded demo model in the cache dir."""
-    import strata.runtime.demo_model as demo
+    """`Engine.from_pretrained()` with no path runs the trained demo model shipped in the package, its store built
+    in the cache dir on first use."""
+    from strata.runtime.demo_model import TRAINED_DIR
 
     monkeypatch.setenv("STRATA_CACHE", str(tmp_path))
-    real = demo.write_demo_model
-    monkeypatch.setattr(demo, "write_demo_model", lambda out, size="small", **kw: real(out, "tiny", **kw))
     engine = Engine.from_pretrained(device="cpu")
     assert str(engine.checkpoint.directory).startswith(str(tmp_path))
+    assert engine.checkpoint.directory.name.startswith(f"{TRAINED_DIR.name}-")
     assert engine.generate("hi", max_tokens=2).finish_reason in ("stop", "length")
 
 
-def test_reproducible_generation_takes_the_exact_path_and_restores_it(tiny_engine):
+def test_reproducible_generation_takes_the_exact_path_and_restores_it(tiny_engine, monkeypatch):
     compute = tiny_engine._compute
     assert compute is not None and compute.reproducible is False
+    modes = []  # the compute's mode in each forward pass
+    forward = tiny_engine.model.forward
+    monkeypatch.setattr(tiny_engine.model, "forward", lambda *a, **k: modes.append(compute.reproducible) or forward(*a, **k))
     kwargs = dict(max_tokens=8, temperature=0.8, seed=4)
-    pieces = tiny_engine.stream("Tell me", reproducible=True, **kwargs)
-    next(pieces)
-    assert compute.reproducible is True  # while the request runs
-    pieces.close()
+    a = tiny_engine.generate("Tell me", reproducible=True, **kwargs)
+    assert modes and all(modes)  # every pass of the request
+    modes.clear()
+    tiny_engine.generate("Tell me", **kwargs)
+    assert modes and not any(modes)  # and only its passes
+    monkeypatch.undo()
     assert compute.reproducible is False
     before = tiny_engine.stats()["cpu_experts_computed"]
-    a = tiny_engine.generate("Tell me", reproducible=True, **kwargs)
+    assert a.token_ids == tiny_engine.generate("Tell me", reproducible=True, **kwargs).token_ids
     if compute.fast_cpu:  # the forked CPU kernel computed nothing: the reference math did
         assert tiny_engine.stats()["cpu_experts_computed"] == before
-    assert a.token_ids == tiny_engine.generate("Tell me", reproducible=True, **kwargs).token_ids
     messages = [{"role": "user", "content": "hi"}]
     ids = tiny_engine.tokenizer.encode(tiny_engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True),
                                        add_special_tokens=False)

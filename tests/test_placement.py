@@ -306,19 +306,22 @@ def staged_tiered(tiny6_dir, tmp_path_factory):
 
 def test_staged_tiered_model_matches_memory_model(tiny6_dir, staged_tiered):
     from strata.runtime.checkpoint import Checkpoint
-    from strata.runtime.generate import generate_tokens
-    from strata.runtime.kv_cache import KVCache
+    from strata.runtime.generate import prefill
+    from strata.runtime.kv_cache import KVCache, StepBatch
     from strata.runtime.loader import load_model
-    from strata.runtime.sampler import SamplingParams
 
     ckpt = Checkpoint.open(tiny6_dir)
     ref = load_model(ckpt, torch.float32, "cpu")
     assert torch.equal(_score(staged_tiered.model, ckpt.config, IDS), _score(ref, ckpt.config, IDS))
 
-    def greedy(model) -> list[int]:
+    def greedy(model) -> list[int]:  # 12 tokens: a prefill in chunks of 4, then one decode step a token
         cache = KVCache(ckpt.config, 1, 64, torch.float32, "cpu")
-        params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
-        return list(generate_tokens(model, cache, IDS.tolist(), params, set(), 4, CPU, torch.Generator()))
+        logits, out = prefill(model, cache, 0, IDS, 4), []
+        for position in range(len(IDS), len(IDS) + 12):
+            out.append(int(logits.argmax()))
+            with torch.inference_mode():
+                logits = model.logits(model(torch.tensor(out[-1:]), StepBatch([0], [position], [1]), cache))[0]
+        return out
 
     assert greedy(staged_tiered.model) == greedy(ref)
 

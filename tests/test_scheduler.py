@@ -28,6 +28,7 @@ def tokens_of(events):
 
 @pytest.fixture(scope="module")
 def sched(tiny_engine):
+    """The engine's own scheduler (the one its generate runs on), with four slots and a 24-token budget."""
     s = tiny_engine.scheduler(max_batch=4, token_budget=24, max_queue=16)
     s.start()
     yield s
@@ -100,7 +101,7 @@ def test_cancel_frees_the_slot(tiny_engine, sched):
 
 
 def test_context_and_queue_limits(tiny_engine):
-    s = tiny_engine.scheduler(max_batch=1, token_budget=8, max_queue=1)  # not started: nothing drains
+    s = Scheduler(tiny_engine, max_batch=1, token_budget=8, max_queue=1)  # not started: nothing drains
     with pytest.raises(RequestError, match="context_length_exceeded"):
         s.submit(GenRequest([5] * 10, SamplingParams(max_tokens=tiny_engine.max_context)))
     s.submit(GenRequest([5, 6], SamplingParams(max_tokens=2)))
@@ -149,7 +150,7 @@ def _trace(events):
 def test_reproducible_request_is_bit_identical_alone_and_in_a_batch(tiny_engine):
     """The same seeded sampling request, alone and submitted among three others that prefill and decode with it."""
     ps = prompts(tiny_engine)
-    s = tiny_engine.scheduler(max_batch=4, token_budget=24, max_queue=16)
+    s = Scheduler(tiny_engine, max_batch=4, token_budget=24, max_queue=16)
     s.repro_chunk = 8  # the 11-token prompt crosses a chunk boundary (the default is runtime.prefill_chunk)
     s.start()
     try:
@@ -217,7 +218,7 @@ def test_prompt_chunks_shrink_while_others_decode(tiny_engine):
 
 
 def test_pacing_off_fills_the_token_budget(tiny_engine):
-    s = tiny_engine.scheduler(max_batch=2, token_budget=32, decode_gap_target=0)
+    s = Scheduler(tiny_engine, max_batch=2, token_budget=32, decode_gap_target=0)
     s.start()
     try:
         first = s.submit(GenRequest([5, 6, 7], SamplingParams(max_tokens=2000, ignore_eos=True)))
@@ -235,7 +236,7 @@ def test_pacing_off_fills_the_token_budget(tiny_engine):
 def test_a_long_prompt_alone_prefills_in_prefill_chunk_sized_steps(tiny_engine):
     """Nobody decoding: a prompt longer than the token budget goes through in steps of runtime.prefill_chunk
     (512 here), as Engine.generate's prefill does, with the same tokens."""
-    s = tiny_engine.scheduler(max_batch=2, token_budget=32)
+    s = Scheduler(tiny_engine, max_batch=2, token_budget=32)
     prompt = list(range(10, 90))
     s.start()
     try:
@@ -305,7 +306,7 @@ def test_a_step_is_all_queued_sampling_included_before_its_books_run(tiny_engine
     monkeypatch.setattr(tiny_engine.model, "graphs", _StepSpy(tiny_engine.model, log))
     ps = prompts(tiny_engine)[:3]
     params = [SamplingParams(max_tokens=6, temperature=0.8, seed=10 + i, ignore_eos=True) for i in range(3)]
-    s = tiny_engine.scheduler(max_batch=4, token_budget=64, max_queue=8)
+    s = Scheduler(tiny_engine, max_batch=4, token_budget=64, max_queue=8)
     s.overlap = False
     s.start()
     try:

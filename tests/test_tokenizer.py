@@ -10,7 +10,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from strata.errors import CheckpointError, RequestError, StrataError, UnsupportedError
-from strata.runtime.tokenizer import StopMatcher, StreamDecoder, Tokenizer
+from strata.runtime.tokenizer import StopMatcher, StreamDecoder, Tokenizer, load_tokenizer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [
@@ -207,6 +207,18 @@ def test_from_dir_errors(tmp_path, trained):
     d2 = _write(tmp_path / "syntax", trained, {}, jinja="{% for m in messages %}")
     with pytest.raises(StrataError, match="syntax error"):
         Tokenizer.from_dir(d2).apply_chat_template(CONVERSATIONS[0])
+
+
+def test_load_tokenizer_is_none_only_without_any_tokenizer_files(tmp_path, trained):
+    """A directory with no tokenizer files has no tokenizer (a model served by token ids); tokenizer files strata
+    cannot read without tokenizer.json are an error that says how to write one; tokenizer.json loads."""
+    assert load_tokenizer(tmp_path) is None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|im_end|>"}))
+    with pytest.raises(CheckpointError, match="no tokenizer.json.*save_pretrained") as e:
+        load_tokenizer(tmp_path)
+    assert "\n" not in str(e.value)
+    tok = load_tokenizer(_write(tmp_path / "ok", trained, {}))
+    assert isinstance(tok, Tokenizer) and tok.decode(tok.encode("Hello world")) == "Hello world"
 
 
 @pytest.mark.parametrize("skip", [False, True])

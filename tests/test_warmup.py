@@ -11,7 +11,7 @@ from strata import Engine
 from strata.errors import ConfigError, StrataError
 from strata.runtime.requests import QueueFullError
 from strata.runtime.sampler import SamplingParams
-from strata.runtime.scheduler import GenRequest
+from strata.runtime.scheduler import GenRequest, Scheduler
 from strata.runtime.warmup import warm_up, warmup_on, warmup_requests
 
 
@@ -68,7 +68,7 @@ def test_warmup_requests_fit_a_short_context_and_reach_each_bucket():
 
 
 def test_submit_together_admits_all_in_one_step_or_queues_none(tiny_engine):
-    sched = tiny_engine.scheduler(max_batch=3, max_queue=3)
+    sched = Scheduler(tiny_engine, max_batch=3, max_queue=3)  # a fresh one: its first step is the three prompts'
     reqs = [GenRequest([5, 6, 7 + i], SamplingParams(max_tokens=2)) for i in range(4)]
     with pytest.raises(QueueFullError):
         sched.submit_together(reqs)

@@ -1,8 +1,8 @@
 """The caller's side of the scheduler: requests, the events they produce, and their handles.
 
-`GenRequest` is one sequence to generate; `Scheduler.submit` returns a `RequestHandle` whose
-events (`TokenEvent`, the last one carrying `finish_reason`) arrive as the scheduler's thread
-produces them, through an asyncio queue (submitted inside an event loop) or a plain one.
+`GenRequest` is one sequence to generate (or, `score=True`, a prompt to score); `Scheduler.submit` returns a
+`RequestHandle` whose events (`TokenEvent`, the last one carrying `finish_reason`) arrive as the scheduler's
+thread produces them, through an asyncio queue (submitted inside an event loop) or a plain one.
 """
 
 from __future__ import annotations
@@ -13,6 +13,8 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+
+import torch
 
 from strata.errors import RequestError, StrataError
 from strata.runtime.sampler import SamplingParams
@@ -34,10 +36,14 @@ class GenRequest:
     prompt_logprobs: int | None = None  # log-probabilities of the prompt tokens (echo), + top-N
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     reproducible: bool = False  # bit-identical whatever else runs: a forward pass of its own (slower)
+    # no generation: the last event's `scores` holds the log-probabilities of the next token at every prompt
+    # position ([len(prompt_ids), vocab] float32 on the CPU; `Engine.score`), prefilled in a pass of its own
+    score: bool = False
 
     def __post_init__(self) -> None:
-        if not isinstance(self.reproducible, bool):
-            raise RequestError(f"reproducible must be true or false, got {self.reproducible!r}")
+        for name in ("reproducible", "score"):
+            if not isinstance(getattr(self, name), bool):
+                raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_LOGPROBS):
@@ -61,19 +67,26 @@ class TokenEvent:
     prompt_logprobs: list[float | None] | None = None  # first event only, when asked
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     error: str | None = None  # with finish_reason "abort": the fault that failed the step (the server reports it)
+    exception: BaseException | None = None  # ... and the exception itself (`Engine` raises it to its caller)
+    scores: torch.Tensor | None = None  # a score request's last event: float32 [len(prompt_ids), vocab] on the CPU
 
 
 class RequestHandle:
     """The caller's side of a submitted request: its events, and cancellation."""
 
-    def __init__(self, request: GenRequest):
+    def __init__(self, request: GenRequest, asynchronous: bool | None = None):
+        """`asynchronous`: events through `events()` (True: the running event loop's), through `iter_events()`
+        (False), or None: `events()` when created inside a running event loop."""
         self.request = request
         self.cancelled = threading.Event()
-        try:
-            self._loop: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
-            self._aq: asyncio.Queue = asyncio.Queue()
-        except RuntimeError:
-            self._loop = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        if asynchronous is not False:
+            try:
+                self._loop = asyncio.get_running_loop()
+                self._aq: asyncio.Queue = asyncio.Queue()
+            except RuntimeError:
+                if asynchronous:
+                    raise
         self._q: queue.SimpleQueue = queue.SimpleQueue()
 
     def _push(self, ev: TokenEvent) -> None:

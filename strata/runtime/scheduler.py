@@ -1,15 +1,20 @@
-"""Continuous batching with chunked prefill: many requests share every forward pass.
+"""Continuous batching with chunked prefill: the one generation loop, which every request runs on.
 
-One background thread runs steps. Each step takes, within a token budget, one decode token from
-every running sequence plus prompt chunks of sequences still prefilling, runs them as one flat
-`StepBatch` through the model, samples each sequence's next token with its own generator, and
-streams events back. New requests join at the next step; finished or cancelled ones leave at once
-and free their KV-cache slot. A long prompt is prefilled in chunks interleaved with the decode steps
-of the running sequences; while any sequence decodes, a `PrefillPacer` sizes those chunks from
-measured step times so every decoding user's gap between two tokens stays under
-`runtime.decode_gap_target` seconds.
+`Engine.generate`, `stream`, `chat` and `score` submit to the engine's scheduler (`Engine.scheduler()`), as the
+server does, so their requests share its steps: streams on several threads, or several on one thread consumed in
+turn, decode together, and the engine's KV cache is this scheduler's `max_batch` slots (what the planner sized).
 
-With `runtime.overlap_decode` (on CUDA by default), a step of decode tokens only is queued before the host
+A background thread runs steps while there is work (and exits when there is none, so an idle engine holds no
+thread). Each step takes, within a token budget, one decode token from every running sequence plus prompt chunks
+of sequences still prefilling, runs them as one flat `StepBatch` through the model, samples each sequence's next
+token with its own generator, and streams events back. New requests join at the next step; finished or
+cancelled ones leave at once and free their KV-cache slot. A long prompt is prefilled in chunks interleaved with
+the decode steps of the running sequences; while any sequence decodes, a `PrefillPacer` sizes those chunks from
+measured step times so every decoding user's gap between two tokens stays under `runtime.decode_gap_target`
+seconds. Every forward pass runs under the engine's `step_lock`, so other schedulers of the same engine (tests,
+benchmarks) never race this one.
+
+With `[debug] overlap_decode` (on CUDA by default), a step of decode tokens only is queued before the host
 reads the tokens it is fed: its inputs are the last step's tokens, sampled on the device, and the host emits
 those while the GPU runs it (strata.runtime.overlap). Steps chain so while the running set stays the same and
 nobody waits for a free slot; anything else (a newcomer, a prompt chunk, logprobs, a reproducible request, a
@@ -18,22 +23,26 @@ sequence one token from its limit) lands the step in flight first and plans as b
 Reproducible requests (`GenRequest.reproducible`) never share a forward pass: each runs in a batch
 of its own, prompt chunks of the fixed `runtime.prefill_chunk` size whatever the load, with the
 tiered expert compute on its reproducible path (cold experts on the GPU or the reference math), so
-its tokens are bit-identical alone, inside any mix of other requests, and to `Engine.generate`.
+its tokens are bit-identical alone and inside any mix of other requests. Score requests (`GenRequest.score`)
+also prefill in passes of their own, in chunks of `Engine.score_chunk` tokens, keeping every position's
+log-probabilities.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
+import weakref
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from strata.errors import RequestError, StrataError
 from strata.runtime.detokenize import StopMatcher, StreamDecoder
 from strata.runtime.kv_cache import KVCache, StepBatch
-from strata.runtime.logprobs import PromptLogprobs, token_logprob
+from strata.runtime.logprobs import PromptLogprobs
 from strata.runtime.overlap import QueuedStep, queue_decode
 from strata.runtime.pacing import PrefillPacer
 from strata.runtime.requests import (  # noqa: F401 - re-exported: the public names live here too
@@ -44,115 +53,158 @@ from strata.runtime.requests import (  # noqa: F401 - re-exported: the public na
     TokenEvent,
 )
 from strata.runtime.sampler import make_generator, sample
+from strata.runtime.sequence import Sequence
 
-
-@dataclass
-class _Seq:
-    handle: RequestHandle
-    slot: int
-    generator: torch.Generator
-    decoder: StreamDecoder
-    stopper: StopMatcher
-    eos: set[int]
-    prefilled: int = 0  # prompt tokens already in the cache
-    tokens: list[int] = field(default_factory=list)  # generated so far
-    next_input: int | None = None  # sampled, not yet fed
-    prompt_lp: PromptLogprobs | None = None  # each prompt token's, when the request asks for them
-
-    @property
-    def req(self) -> GenRequest:
-        return self.handle.request
-
-
-def _samples(seq: _Seq, inp: list[int]) -> bool:
-    """Whether `seq`'s row of a pass fed `inp` yields a token: a decode token, or its prompt's last chunk."""
-    return seq.next_input is not None or seq.prefilled + len(inp) >= len(seq.req.prompt_ids)
+log = logging.getLogger("strata")
 
 
 @dataclass
 class _InFlight:
     """A decode-only step of `seqs` queued on the device whose sampled tokens the host has not read yet."""
 
-    seqs: list[_Seq]
+    seqs: list[Sequence]
     starts: list[int]  # the position each sequence's input token was fed at
     step: QueuedStep
 
 
 class Scheduler:
-    """Runs an engine's model for many requests at once on a background thread."""
+    """Runs an engine's model for many requests at once on a background thread.
+
+    `Engine.scheduler()` gives the engine's own (the one its generate/stream/chat/score use); one built here
+    directly has a KV cache of its own and shares only the engine's step lock and statistics."""
 
     def __init__(self, engine, max_batch: int = 8, token_budget: int = 2048, max_queue: int = 64,
                  decode_gap_target: float | None = None, prefill_chunk_min: int | None = None):
-        if max_batch < 1 or token_budget < max_batch or max_queue < 1:
-            raise StrataError("scheduler needs max_batch >= 1, token_budget >= max_batch and max_queue >= 1")
-        self.engine, self.max_batch, self.token_budget, self.max_queue = engine, max_batch, token_budget, max_queue
-        rt = engine.config.runtime
-        gap = rt.decode_gap_target if decode_gap_target is None else decode_gap_target
-        chunk_min = rt.prefill_chunk_min if prefill_chunk_min is None else prefill_chunk_min
-        if gap < 0 or chunk_min < 1:
-            raise StrataError("scheduler needs decode_gap_target >= 0 (seconds) and prefill_chunk_min >= 1")
-        # a step nobody decodes in carries up to runtime.prefill_chunk prompt tokens (what Engine.generate's
-        # prefill takes per pass), so a long prompt alone prefills in as few chunks as there, each cold expert
-        # crossing PCIe once per chunk; steps with decoding sequences keep to the token budget and the pacer
-        self.pacer = PrefillPacer(token_budget, gap, chunk_min, idle_budget=engine.prefill_chunk)
-        self.repro_chunk = engine.prefill_chunk  # reproducible prompts: Engine.generate's chunking, whatever the load
+        # held weakly (the step thread holds it while it runs): an engine its user dropped is released, as
+        # before it had a scheduler, instead of living on in a cycle with the scheduler it owns
+        self._engine = weakref.ref(engine)
+        self.repro_chunk = engine.prefill_chunk  # reproducible prompts: the fixed runtime.prefill_chunk, whatever the load
+        self.score_chunk = engine.score_chunk  # score requests keep every position's logits: smaller chunks
         self._step_log: deque[dict] = deque(maxlen=512)  # recent steps, for benchmarks and diagnosis
-        self.cache = KVCache(engine.checkpoint.config, max_batch, engine.max_context, engine.dtype, engine.device)
         self._waiting: deque[RequestHandle] = deque()
-        self._running: list[_Seq] = []
-        self._free = list(range(max_batch - 1, -1, -1))
+        self._running: list[Sequence] = []
         self._cv = threading.Condition()
+        self._started = False
         self._stop = False
         self._drain = True
         self._thread: threading.Thread | None = None
         self._steps = 0
         self._step_tokens = 0
-        self.overlap = engine.overlap_decode  # runtime.overlap_decode, resolved
+        self.overlap = engine.overlap_decode  # [debug] overlap_decode, resolved
         self._pending: _InFlight | None = None  # the decode step in flight (overlapped decode)
         self._landed_at = 0.0  # perf_counter() when the last in-flight step's tokens were read
         self.chained_steps = 0  # steps queued behind one whose tokens were not read yet
+        self.max_batch = 0
+        self.cache: KVCache | None = None
+        rt = engine.config.runtime
+        self.configure(max_batch, token_budget, max_queue,
+                       rt.decode_gap_target if decode_gap_target is None else decode_gap_target,
+                       rt.prefill_chunk_min if prefill_chunk_min is None else prefill_chunk_min)
+
+    def configure(self, max_batch: int | None = None, token_budget: int | None = None, max_queue: int | None = None,
+                  decode_gap_target: float | None = None, prefill_chunk_min: int | None = None) -> None:
+        """Change the scheduler's sizes (None keeps one): `max_batch` KV slots (a new KV cache when it changes),
+        `token_budget` tokens a step, `max_queue` requests waiting, the pacer's `decode_gap_target` (seconds; 0
+        lets chunks fill the budget) and `prefill_chunk_min`. A change needs the scheduler idle."""
+        with self._cv:
+            pacer = getattr(self, "pacer", None)
+            new = (max_batch if max_batch is not None else self.max_batch,
+                   token_budget if token_budget is not None else pacer.token_budget,
+                   max_queue if max_queue is not None else self.max_queue,
+                   decode_gap_target if decode_gap_target is not None else pacer.gap_target,
+                   prefill_chunk_min if prefill_chunk_min is not None else pacer.min_chunk)
+            if pacer is not None and new == (self.max_batch, pacer.token_budget, self.max_queue, pacer.gap_target,
+                                             pacer.min_chunk):
+                return
+            mb, budget, queue_len, gap, chunk_min = new
+            if mb < 1 or budget < mb or queue_len < 1:
+                raise StrataError("scheduler needs max_batch >= 1, token_budget >= max_batch and max_queue >= 1")
+            if gap < 0 or chunk_min < 1:
+                raise StrataError("scheduler needs decode_gap_target >= 0 (seconds) and prefill_chunk_min >= 1")
+            if self._waiting or self._running:
+                raise StrataError(f"the scheduler is serving {len(self._running) + len(self._waiting)} requests; "
+                                  "change its sizes before it takes requests (or once they finish)")
+            # a step nobody decodes in carries up to runtime.prefill_chunk prompt tokens (the chunk the planner
+            # sized the activations for), so a long prompt alone prefills in as few chunks as that allows, each cold
+            # expert crossing PCIe once per chunk; steps with decoding sequences keep to the budget and the pacer
+            self.pacer = PrefillPacer(budget, gap, chunk_min, idle_budget=self.engine.prefill_chunk)
+            self.token_budget, self.max_queue = budget, queue_len
+            if mb != self.max_batch:
+                self._pending, self.cache = None, None  # the old slots are freed before the new ones are taken
+                e = self.engine
+                self.cache = KVCache(e.checkpoint.config, mb, e.max_context, e.dtype, e.device)
+                self.max_batch, self._free = mb, list(range(mb - 1, -1, -1))
 
     # ---- caller side ------------------------------------------------------------------------
+    @property
+    def engine(self):
+        """The engine whose model this scheduler runs."""
+        engine = self._engine()
+        if engine is None:
+            raise StrataError("this scheduler's engine was dropped; keep a reference to the engine while it serves")
+        return engine
+
+    @property
+    def started(self) -> bool:
+        """Whether it takes requests off the queue (`start()` was called, `stop()` not since)."""
+        return self._started and not self._stop
+
     def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="strata-scheduler", daemon=True)
-            self._thread.start()
+        """Take requests off the queue from now on (a thread runs steps whenever there are any)."""
+        with self._cv:
+            self._started, self._stop = True, False
+            self._wake()
 
     def stop(self, drain: bool = True, timeout: float | None = 60) -> None:
-        """Finish (drain) or cancel everything in flight, then stop the thread."""
+        """Finish (drain) or cancel everything in flight, then stop taking requests until `start()`; requests
+        still queued on a scheduler that was never started are cancelled."""
         with self._cv:
             self._stop, self._drain = True, drain
+            thread = self._thread
+            if thread is None:
+                self._abort_waiting()
             self._cv.notify_all()
-        if self._thread is not None:
-            self._thread.join(timeout)
-            self._thread = None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        with self._cv:
+            self._started = False
 
-    def submit(self, request: GenRequest) -> RequestHandle:
-        """Queue a request; `QueueFullError` when the bounded queue is full."""
-        return self.submit_together([request])[0]
+    def submit(self, request: GenRequest, asynchronous: bool | None = None) -> RequestHandle:
+        """Queue a request; `QueueFullError` when the bounded queue is full. `asynchronous`: see `RequestHandle`."""
+        return self.submit_together([request], asynchronous)[0]
 
-    def submit_together(self, requests: list[GenRequest]) -> list[RequestHandle]:
+    def submit_together(self, requests: list[GenRequest], asynchronous: bool | None = None) -> list[RequestHandle]:
         """Queue `requests` at once, so the step that admits the first admits them all (as KV slots allow): all
         are checked first, and all or none are queued (`QueueFullError` when the queue lacks room for them all)."""
         for request in requests:
             self._check(request)
-        handles = [RequestHandle(r) for r in requests]
+        handles = [RequestHandle(r, asynchronous) for r in requests]
         with self._cv:
             if self._stop:
                 raise StrataError("the scheduler is shutting down")
             if len(self._waiting) + len(handles) > self.max_queue:
                 raise QueueFullError(f"the request queue is full ({self.max_queue} waiting); retry later")
             self._waiting.extend(handles)
-            self._cv.notify()
+            self._wake()
         return handles
 
+    def cancel(self, handle: RequestHandle) -> None:
+        """Cancel a request: one still queued ends (with an "abort" event) now, a running one leaves the batch and
+        frees its KV slot at the next step."""
+        handle.cancel()
+        with self._cv:
+            if handle in self._waiting:
+                self._waiting.remove(handle)
+                handle._push(TokenEvent(handle.request.request_id, None, "", finish_reason="abort"))
+
     def _check(self, request: GenRequest) -> None:
-        need = len(request.prompt_ids) + request.params.max_tokens
-        ctx = self.engine.max_context
-        if len(request.prompt_ids) >= ctx or need > ctx:
+        n, ctx = len(request.prompt_ids), self.engine.max_context
+        if request.score and n > ctx:
+            raise RequestError(f"context_length_exceeded: {n} tokens exceed the context of {ctx} tokens")
+        if not request.score and (n >= ctx or n + request.params.max_tokens > ctx):
             raise RequestError(
-                f"context_length_exceeded: the prompt ({len(request.prompt_ids)} tokens) plus max_tokens "
-                f"({request.params.max_tokens}) exceed the context of {ctx} tokens; shorten the prompt or lower max_tokens"
+                f"context_length_exceeded: the prompt ({n} tokens) plus max_tokens ({request.params.max_tokens}) "
+                f"exceed the context of {ctx} tokens; shorten the prompt or lower max_tokens"
             )
         self.engine.check_token_ids(request.prompt_ids)
 
@@ -172,56 +224,85 @@ class Scheduler:
             return list(self._step_log)
 
     # ---- the step loop ------------------------------------------------------------------------
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._stop and not self._waiting and not self._running:
-                    self._cv.wait()
-                if self._stop and (not self._drain or (not self._waiting and not self._running)):
-                    self._pending = None  # its sequences are aborted below; the device finishes it on its own
-                    for seq in self._running:
-                        self._finish(seq, "abort")
-                    while self._waiting:
-                        self._waiting.popleft()._push(TokenEvent("", None, "", finish_reason="abort"))
-                    return
-                self._admit()
-            self._drop_cancelled()
-            if self._running:
-                try:
-                    with self.engine._lock:
-                        self._step()
-                except Exception as e:  # a real fault: fail the batch's requests, keep serving others
-                    import logging
+    def _wake(self) -> None:
+        """(Holding `_cv`.) Start the step thread if requests wait and none runs."""
+        if self._started and not self._stop and self._thread is None and (self._waiting or self._running):
+            self._thread = threading.Thread(target=self._run, name="strata-scheduler", daemon=True)
+            self._thread.start()
 
-                    logging.getLogger("strata").exception("scheduler step failed")
-                    self._pending = None
-                    for seq in list(self._running):
-                        self._finish(seq, "abort", error=str(e))
+    def _abort_waiting(self) -> None:
+        while self._waiting:
+            h = self._waiting.popleft()
+            h._push(TokenEvent(h.request.request_id, None, "", finish_reason="abort"))
+
+    def _run(self) -> None:
+        try:
+            engine = self.engine  # noqa: F841 - alive while this thread has requests to run
+            while self._next_step():
+                pass
+        except BaseException as e:  # noqa: BLE001 - outside a step (admission): nothing may wait forever
+            log.exception("scheduler failed")
+            with self._cv:
+                self._pending = None
+                for seq in list(self._running):
+                    self._finish(seq, "abort", error=e)
+                while self._waiting:
+                    h = self._waiting.popleft()
+                    h._push(TokenEvent(h.request.request_id, None, "", finish_reason="abort", error=str(e), exception=e))
+        finally:
+            with self._cv:
+                if self._thread is threading.current_thread():
+                    self._thread = None
+
+    def _next_step(self) -> bool:
+        """Admit, drop the cancelled, run one step; False (the thread ends) when nothing is left or stop says so."""
+        with self._cv:
+            if (not self._waiting and not self._running) or (self._stop and not self._drain):
+                self._pending = None  # its sequences are aborted below; the device finishes it on its own
+                for seq in list(self._running):
+                    self._finish(seq, "abort")
+                self._abort_waiting()
+                self._thread = None  # decided under the lock: a request queued from now on starts a new thread
+                return False
+            self._admit()
+        self._drop_cancelled()
+        if self._running:
+            try:
+                with self.engine.step_lock:
+                    self._step()
+            except Exception as e:  # a real fault: fail the batch's requests, keep serving others
+                log.exception("scheduler step failed")
+                self._pending = None
+                for seq in list(self._running):
+                    self._finish(seq, "abort", error=e)
+        return True
 
     def _admit(self) -> None:
+        e = self.engine
         while self._waiting and self._free:
             h = self._waiting.popleft()
             if h.cancelled.is_set():
                 h._push(TokenEvent(h.request.request_id, None, "", finish_reason="abort"))
                 continue
-            r, tok = h.request, self.engine.tokenizer
-            eos = set() if r.params.ignore_eos else self.engine.eos_token_ids | set(r.params.stop_token_ids)
-            self.engine._counters.requests += 1
-            self._running.append(_Seq(h, self._free.pop(), make_generator(r.params.seed, self.engine.device),
-                                      StreamDecoder(tok), StopMatcher(r.params.stop), eos))
-            if getattr(self.engine.model, "engram", None) is not None:  # the prompt's Engram rows, fetched now
-                self.engine.model.engram.prefetch(r.prompt_ids)
+            r = h.request
+            eos = set() if r.params.ignore_eos else e.eos_token_ids | set(r.params.stop_token_ids)
+            e.counters.admitted()
+            decoder = StreamDecoder(e.tokenizer) if e.tokenizer is not None else None
+            self._running.append(Sequence(h, self._free.pop(), make_generator(r.params.seed, e.device), decoder,
+                                          StopMatcher(r.params.stop), eos))
+            if getattr(e.model, "engram", None) is not None:  # the prompt's Engram rows, fetched now
+                e.model.engram.prefetch(r.prompt_ids)
 
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self._running if s.handle.cancelled.is_set()]:
             self._finish(seq, "abort")
 
     def _step(self) -> None:
-        """One step: a forward pass over the shared batch, then one per reproducible sequence.
+        """One step: a forward pass over the shared batch, then one per reproducible or score sequence.
 
         Every decoding sequence gets one token per step; prompt chunks of the shared batch fill what the
         pacer allows (when nobody decodes, the larger of the token budget and `runtime.prefill_chunk`),
-        reproducible prompts advance by the fixed `runtime.prefill_chunk`.
+        reproducible prompts advance by the fixed `runtime.prefill_chunk`, score prompts by `score_chunk`.
         """
         t0 = time.perf_counter()
         if self._pending is not None:
@@ -233,19 +314,20 @@ class Scheduler:
             if self._pending is not None or not self._running:
                 return
             t0 = time.perf_counter()
-        solo = [self._plan([s], self.repro_chunk) for s in self._running if s.req.reproducible]
+        solo = [(self._plan([s], self.score_chunk if s.req.score else self.repro_chunk), s.req.reproducible)
+                for s in self._running if s.req.reproducible or s.req.score]
         n_decode = sum(1 for s in self._running if s.next_input is not None)
-        solo_prompt = sum(len(inp) for plan in solo for s, inp, _ in plan if s.next_input is None)
+        solo_prompt = sum(len(inp) for plan, _ in solo for s, inp, _ in plan if s.next_input is None)
         allow = self.pacer.allowance(n_decode)
-        if n_decode and self.pacer.enabled:  # reproducible chunks count against the step's allowance
+        if n_decode and self.pacer.enabled:  # solo chunks count against the step's allowance
             allow = max(allow - solo_prompt, min(self.pacer.min_chunk, allow))
-        shared = self._plan([s for s in self._running if not s.req.reproducible], allow)
+        shared = self._plan([s for s in self._running if not (s.req.reproducible or s.req.score)], allow)
         if self.overlap and not solo and shared and all(s.next_input is not None and self._overlaps(s, 1)
                                                         for s, _, _ in shared):
             self._pending = self._launch([s for s, _, _ in shared], [st for _, _, st in shared], None)
             return
         n_prompt, passes = 0, 0
-        for plan, reproducible in [(shared, False)] + [(p, True) for p in solo]:
+        for plan, reproducible in [(shared, False), *solo]:
             if plan:
                 n_prompt += sum(len(inp) for s, inp, _ in plan if s.next_input is None)
                 passes += 1
@@ -263,7 +345,7 @@ class Scheduler:
             self._step_log.append({"t": time.time(), "seconds": dt, "decode": n_decode, "prompt": n_prompt,
                                    "passes": passes, "allowance": allow})
 
-    def _plan(self, seqs: list[_Seq], prompt_budget: int) -> list[tuple[_Seq, list[int], int]]:
+    def _plan(self, seqs: list[Sequence], prompt_budget: int) -> list[tuple[Sequence, list[int], int]]:
         """(seq, input ids, start position) for one forward pass: every decode token, then prompt chunks in
         arrival order within `prompt_budget` tokens."""
         plan = [(s, [s.next_input], len(s.req.prompt_ids) + len(s.tokens) - 1) for s in seqs if s.next_input is not None]
@@ -275,61 +357,47 @@ class Scheduler:
                 prompt_budget -= n
         return plan
 
-    def _forward(self, plan: list[tuple[_Seq, list[int], int]], reproducible: bool) -> None:
+    def _forward(self, plan: list[tuple[Sequence, list[int], int]], reproducible: bool) -> None:
         """Run `plan` as one flat batch, sample, and emit (reproducible: the expert compute's exact path)."""
         t0 = time.perf_counter()
+        model = self.engine.model
         ids = torch.tensor([t for _, inp, _ in plan for t in inp], dtype=torch.long, device=self.engine.device)
         batch = StepBatch([s.slot for s, _, _ in plan], [st for _, _, st in plan], [len(inp) for _, inp, _ in plan])
-        compute = self.engine._compute
-        was = getattr(compute, "reproducible", False)
-        if compute is not None:
-            compute.reproducible = reproducible or was
-        try:
-            with torch.inference_mode():
-                hidden = self.engine.model(ids, batch, self.cache)
-                rows = batch.last_token_rows()
-                logits = self.engine.model.logits(hidden[rows])  # [B, V] fp32
-                for i, (seq, inp, start) in enumerate(plan):
-                    if seq.next_input is None and seq.req.prompt_logprobs is not None:
-                        off = batch.offsets[i]
-                        if seq.prompt_lp is None:
-                            seq.prompt_lp = PromptLogprobs(seq.req.prompt_logprobs)
-                        seq.prompt_lp.feed(seq.req.prompt_ids, self.engine.model.logits(hidden[off : off + len(inp)]),
-                                           start, len(inp))
-                # every row that yields a token is sampled on the device first, each with its own generator (so the
-                # order is free), and read back once: one wait for the GPU a step, not one a sequence
-                rows_out = [i for i, (seq, inp, _) in enumerate(plan) if _samples(seq, inp)]
-                drawn = [sample(logits[i : i + 1], plan[i][0].req.params, plan[i][0].generator) for i in rows_out]
-                if (graphs := self.engine.model.graphs) is not None:
-                    graphs.step_queued()  # all of the step is queued (sampling too): its books run while the GPU works
-                tokens = dict(zip(rows_out, torch.cat(drawn).tolist() if drawn else [], strict=True))
-        finally:
-            if compute is not None:
-                compute.reproducible = was
-        # the engine's counters (engine.stats(), the dashboard) see batched traffic too
-        c, dt = self.engine._counters, time.perf_counter() - t0
+        with self.engine.numerics(reproducible), torch.inference_mode():
+            hidden = model(ids, batch, self.cache)
+            rows = batch.last_token_rows()
+            logits = model.logits(hidden[rows])  # [B, V] fp32
+            for i, (seq, inp, start) in enumerate(plan):
+                off = batch.offsets[i]
+                if seq.req.score:  # every position's next-token log-probabilities [len(inp), V], kept on the host
+                    seq.scores.append(torch.log_softmax(model.logits(hidden[off : off + len(inp)]), dim=-1).cpu())
+                elif seq.next_input is None and seq.req.prompt_logprobs is not None:
+                    if seq.prompt_lp is None:
+                        seq.prompt_lp = PromptLogprobs(seq.req.prompt_logprobs)
+                    seq.prompt_lp.feed(seq.req.prompt_ids, model.logits(hidden[off : off + len(inp)]), start, len(inp))
+            # every row that yields a token is sampled on the device first, each with its own generator (so the
+            # order is free), and read back once: one wait for the GPU a step, not one a sequence
+            rows_out = [i for i, (seq, inp, _) in enumerate(plan) if seq.samples(inp)]
+            drawn = [sample(logits[i : i + 1], plan[i][0].req.params, plan[i][0].generator) for i in rows_out]
+            if (graphs := model.graphs) is not None:
+                graphs.step_queued()  # all of the step is queued (sampling too): its books run while the GPU works
+            tokens = dict(zip(rows_out, torch.cat(drawn).tolist() if drawn else [], strict=True))
         n_decode = sum(1 for s, _, _ in plan if s.next_input is not None)
-        c.generated_tokens += n_decode
-        c.decode_tokens += n_decode
-        c.prompt_tokens += len(ids) - n_decode
-        if n_decode:
-            c.decode_seconds += dt
-        else:
-            c.prefill_seconds += dt
+        self.engine.counters.ran(len(ids) - n_decode, n_decode, time.perf_counter() - t0)
         for i, (seq, inp, _) in enumerate(plan):
             if seq.next_input is None:  # a prompt chunk
                 seq.prefilled += len(inp)
+                if seq.req.score and seq.prefilled == len(seq.req.prompt_ids):
+                    self._finish(seq, "stop")
             if i in tokens:
                 self._accept(seq, tokens[i], logits[i : i + 1])
 
-    # ---- overlapped decode (runtime.overlap_decode) ---------------------------------------------------
-    def _overlaps(self, seq: _Seq, ahead: int) -> bool:
+    # ---- overlapped decode ([debug] overlap_decode) ---------------------------------------------------
+    def _overlaps(self, seq: Sequence, ahead: int) -> bool:
         """Whether `seq` may decode in a step whose tokens are read later: not reproducible, no logprobs (those
         need the logits on the host), and still sampling `ahead` tokens from now before its limits."""
         r = seq.req
-        done = len(seq.tokens) + ahead
-        return (not r.reproducible and r.logprobs is None and done <= r.params.max_tokens
-                and len(r.prompt_ids) + done <= self.engine.max_context)
+        return not r.reproducible and r.logprobs is None and seq.may_sample(ahead, self.engine.max_context)
 
     def _chains(self, p: _InFlight) -> bool:
         """Whether the next step may be queued behind `p` before its tokens are read: the running set is still
@@ -341,7 +409,7 @@ class Scheduler:
         return (len(run) == len(p.seqs) and all(a is b for a, b in zip(run, p.seqs, strict=True))
                 and all(self._overlaps(s, 2) for s in run))
 
-    def _launch(self, seqs: list[_Seq], starts: list[int], tokens: torch.Tensor | None) -> _InFlight:
+    def _launch(self, seqs: list[Sequence], starts: list[int], tokens: torch.Tensor | None) -> _InFlight:
         """Queue a decode step of `seqs` (inputs: `tokens` [B] on the device, else each `next_input`) and the
         sampling of its tokens, and start reading them back; returns without waiting for the device."""
         dev = self.engine.device
@@ -357,61 +425,28 @@ class Scheduler:
         dt = now - max(p.step.queued, self._landed_at)
         self._landed_at = now
         live = [(seq, tok) for seq, tok in zip(p.seqs, tokens, strict=True) if any(seq is s for s in self._running)]
-        c = self.engine._counters
-        c.generated_tokens += len(live)
-        c.decode_tokens += len(live)
-        c.decode_seconds += dt
+        self.engine.counters.ran(0, len(live), dt)
         for seq, token in live:
             self._accept(seq, token, None)
         self._record_step(dt, len(live), 0, 1, 0)
 
-    def _accept(self, seq: _Seq, token: int, logits: torch.Tensor | None) -> None:
-        """Emit `token`, sampled for `seq` (logits [1, V]: needed when the request asks for logprobs), or finish."""
-        r = seq.req
-        first = not seq.tokens and seq.next_input is None
-        if token in seq.eos:
-            self._finish(seq, "stop", first=first)
-            return
-        seq.tokens.append(token)
-        seq.next_input = token
-        lp, top = None, None
-        if r.logprobs is not None:
-            lp, top = token_logprob(logits[0], token, r.logprobs)
-        text, stopped = seq.stopper.feed(seq.decoder.push(token))
-        n_prompt = len(r.prompt_ids)
-        ev = TokenEvent(r.request_id, token, text, lp, top, prompt_tokens=n_prompt, completion_tokens=len(seq.tokens))
-        if first:
-            self._attach_prompt_logprobs(seq, ev)
-        if stopped:
-            ev.finish_reason = "stop"
-            self._release(seq)
-        elif len(seq.tokens) >= r.params.max_tokens or n_prompt + len(seq.tokens) >= self.engine.max_context:
-            ev.text += self._flush(seq)
-            ev.finish_reason = "length"
+    # ---- emitting ---------------------------------------------------------------------------------
+    def _accept(self, seq: Sequence, token: int, logits: torch.Tensor | None) -> None:
+        """Emit `token`, sampled for `seq`; a token that ends the sequence frees its slot first."""
+        ev = seq.accept(token, logits, self.engine.max_context)
+        if ev.token_id is not None:
+            self.engine.counters.emitted()
+        if ev.finish_reason is not None:
             self._release(seq)
         seq.handle._push(ev)
 
-    def _flush(self, seq: _Seq) -> str:
-        text, stopped = seq.stopper.feed(seq.decoder.flush())
-        return text if stopped else text + seq.stopper.flush()
-
-    def _attach_prompt_logprobs(self, seq: _Seq, ev: TokenEvent) -> None:
-        if seq.prompt_lp is not None:
-            ev.prompt_logprobs, ev.prompt_top_logprobs = seq.prompt_lp.values, seq.prompt_lp.top
-
-    def _finish(self, seq: _Seq, reason: str, first: bool = False, error: str | None = None) -> None:
-        r = seq.req
-        text = self._flush(seq) if reason == "stop" else ""
-        ev = TokenEvent(r.request_id, None, text, finish_reason=reason, prompt_tokens=len(r.prompt_ids),
-                        completion_tokens=len(seq.tokens), error=error)
-        if first:
-            self._attach_prompt_logprobs(seq, ev)
+    def _finish(self, seq: Sequence, reason: str, error: BaseException | None = None) -> None:
+        ev = seq.finish(reason, error=error)
         self._release(seq)
         seq.handle._push(ev)
 
-    def _release(self, seq: _Seq) -> None:
+    def _release(self, seq: Sequence) -> None:
         if seq in self._running:
             self._running.remove(seq)
             with self._cv:
                 self._free.append(seq.slot)
-

@@ -25,7 +25,11 @@ from strata.errors import CheckpointError, RequestError, UnsupportedError
 from strata.runtime.detokenize import StopMatcher, StreamDecoder
 from strata.runtime.token_bound import TokenBound, token_bound
 
-__all__ = ["Tokenizer", "StreamDecoder", "StopMatcher"]
+__all__ = ["Tokenizer", "StreamDecoder", "StopMatcher", "load_tokenizer"]
+
+# Files of a tokenizer strata cannot read without tokenizer.json (slow tokenizers' vocabularies, the config).
+_OTHER_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json", "merges.txt",
+                          "vocab.txt")
 
 # The named special tokens transformers passes into every chat template (its SPECIAL_TOKENS_ATTRIBUTES).
 _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -169,7 +173,8 @@ class Tokenizer:
         path = d / "tokenizer.json"
         if not path.is_file():
             raise CheckpointError(
-                f"{d} has no tokenizer.json; point strata at a Hugging Face checkpoint directory that has one"
+                f"{d} has no tokenizer.json (strata reads only the fast tokenizer's file); write one with transformers: "
+                f"AutoTokenizer.from_pretrained('{d}').save_pretrained('{d}')"
             )
         try:
             tok = _HFTokenizer.from_file(str(path))
@@ -274,3 +279,12 @@ class Tokenizer:
             raise RequestError(
                 f"the chat template failed on these messages ({type(e).__name__}: {_one_line(e)}); check their roles"
             ) from e
+
+
+def load_tokenizer(directory: str | Path) -> Tokenizer | None:
+    """The tokenizer of a checkpoint directory, or None when it has no tokenizer files at all (a model served by
+    token ids alone). Tokenizer files without tokenizer.json are a `CheckpointError` (`Tokenizer.from_dir`)."""
+    d = Path(directory)
+    if not (d / "tokenizer.json").is_file() and not any((d / name).is_file() for name in _OTHER_TOKENIZER_FILES):
+        return None
+    return Tokenizer.from_dir(d)

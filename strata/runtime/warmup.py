@@ -112,9 +112,9 @@ def warm_up(scheduler, timeout: float = 600.0) -> WarmupReport:
                 raise StrataError(f"the warm-up took longer than {timeout:.0f} s; set runtime.warmup = false "
                                   "to start without it") from None
     seconds = time.perf_counter() - t0
-    with engine._lock:  # the scheduler steps under this lock: the step that finished the last request is logged
+    with engine.step_lock:  # the scheduler steps under this lock: the step that finished the last request is logged
         steps = scheduler.stats()["steps"] - steps0
-        engine._counters = type(engine._counters)()  # the warm-up is not traffic: requests and tokens start at zero
+        engine.reset_stats()  # the warm-up is not traffic: requests and tokens start at zero
     recent = scheduler.recent_steps()[-steps:] if steps > 0 else []
     sizes = [s["decode"] for s in recent if s["decode"] and not s["prompt"]]
     return WarmupReport(seconds, sizes, buckets, (graphs.captures if graphs is not None else 0) - captures0)
