@@ -4,66 +4,40 @@
 
 Cases, all in this one run on the same weights (the store is built once, on first use):
   ceiling        every expert in VRAM (runtime.experts = "memory"), decode steps replayed as CUDA graphs
-  ceiling_eager  the same without graphs (what the graphs are worth)
-  ceiling_unfused, split_unfused   the same with the fused decode kernels off (torch's op chains; what
-                 strata.kernels.fused and decode_attention are worth)
-  ceiling_nofolds, split_nofolds   the same with the folds off (fused.FOLDS: cache writes in the key's rotary
-                 kernel, residual add in the next norm, q/k/v in one GEMM; what they are worth)
+  ceiling_eager  the same without graphs (debug.cuda_graphs = false: what the graphs are worth)
+  ceiling_unfused, split_unfused   the same with the fused decode kernels off (debug.fused_kernels = false:
+                 torch's op chains; what strata.kernels.fused and decode_attention are worth)
+  ceiling_nofolds, split_nofolds   the same with the folds off (the module flag fused.FOLDS: cache writes in the
+                 key's rotary kernel, residual add in the next norm, q/k/v in one GEMM; what they are worth)
   split          GPU budget = fraction of the expert bytes, the rest in pinned RAM; cold experts split
                  between the CPU kernel and PCIe copies by the cost model (cpu_numerics = "fork")
   split_nopromote split without promotions (policy.promote = false: the GPU tier keeps its initial placement)
-  split_in_place split with the GPU's share of cold experts read from pinned RAM in place by the pair kernels
-                 (runtime.read_in_place = true) instead of copied to GPU slots
-  split_nostream split with its decode copies staged through the cached GPU tier (STRATA_STREAM_SLOTS=0)
-  split_serial   split with the copies staged first, then the CPU share on the same thread (STRATA_CPU_ASYNC=0)
-  split_t14      split with 14 CPU kernel threads (STRATA_CPU_THREADS=14): two cores left to the host step
-  split_async    split with the CPU share started first on the kernel's threads, one core left to the thread
-                 that stages the copies meanwhile (STRATA_CPU_ASYNC=1); split_async14: two cores left
+  split_t14      split with 14 CPU kernel threads (debug.cpu_threads = 14): two cores left to the host step
   copy           the same budget, cold experts always copied (cpu_numerics = "gpu": bit-exact mode)
   cpu            GPU budget 0: every routed expert computed on the CPU from RAM
 Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for A/B runs in one call:
   noprefetch     prefetch.lookahead = 0
-  shareX         one-graph split decode: a fixed GPU share X of the cold experts read in place (0: none;
-                 $STRATA_MAILBOX_GPU_SHARE; default: adapted from the GPU's wait for the CPU worker)
-  whole          one-graph split decode: the GPU's share in whole experts, no expert split by rows between the
-                 worker and the GPU ($STRATA_MAILBOX_WHOLE_EXPERTS=1)
-  torchbox       one-graph split decode: each MoE layer's share split and mailbox inbox in torch ops (~35 small
-                 kernels) instead of one fused kernel ($STRATA_MAILBOX_FUSED=0)
-  copybox        one-graph split decode: the inbox packed in device memory and copied to the mailbox, `ready` and
-                 the worker's answer copied too (three copy nodes a layer) instead of written and read in place by
-                 the pack and wait kernels ($STRATA_MAILBOX_DIRECT=0)
-  hotbefore      one-graph split decode: each MoE layer's resident pairs computed before the worker is posted
-                 the layer, instead of beside it ($STRATA_MAILBOX_HOT_ALONGSIDE=0)
-  sharelast      one-graph split decode: the GPU's in-place share on the second stream and the resident pairs on
-                 the layer's own, the older order ($STRATA_MAILBOX_SHARE_FIRST=0)
+  shareX         one-graph split decode: a fixed GPU share X of the cold experts read in place (debug.gpu_share = X;
+                 0: none; default: adapted from the GPU's wait for the CPU worker)
   norouter       decode routing in three launches (cuBLAS GEMV, softmax top-k, slot gather) instead of the one of
-                 strata.kernels.decode_router ($STRATA_FUSED_ROUTER=0)
+                 strata.kernels.decode_router (its module flag ENABLED off)
   noresidual     a MoE layer's residual added by its own launch instead of in the experts' combine
-                 ($STRATA_FUSED_RESIDUAL=0)
-  nogemv         decode's attention projections through cuBLAS instead of strata.kernels.decode_gemv
-                 ($STRATA_DECODE_GEMV=0)
+                 (the module flag fused.RESIDUAL_FOLD off)
+  nogemv         decode's attention projections through cuBLAS instead of strata.kernels.decode_gemv (its module
+                 flag ENABLED off)
   noqk           a decode layer's query norm and rotary in their own launch instead of in the keys' cache write
-                 ($STRATA_FUSED_QK=0)
-  nopdl          decode's Triton kernels launched without programmatic dependent launch ($STRATA_PDL=0;
+                 (the module flag fused.QK_FOLD off)
+  nopdl          decode's Triton kernels launched without programmatic dependent launch (debug.pdl = false;
                  strata.kernels.pdl)
-  oldpairs       the decode pair kernels' launch configurations before bench/pair_kernel_probe.py's sweep
-                 ($STRATA_PAIR_CONFIGS=previous)
-  ahead          one-graph split decode with copy-ahead (runtime.copy_ahead = true; strata.runtime.copy_ahead)
-  noahead        without it ($STRATA_COPY_AHEAD=0; the default)
-  aheadN         copy-ahead with a fixed budget of N bytes a layer ($STRATA_COPY_AHEAD=N)
-  sm, ce         copy-ahead's tails copied by the SM kernel in the graph (the default; $STRATA_COPY_AHEAD_ENGINE=sm)
-                 or by the mailbox worker's copier on the copy engine (ce: =copy)
-  warm, warmN    warm-ahead: the worker reads the next layer's predicted cold experts' gate/up rows into its
-                 threads' caches during the serial phase (copy-ahead's "cpu" engine; N: bytes a layer at most);
-                 on by default (runtime.warm_ahead)
-  nowarm         without it (runtime.warm_ahead = false)
-  grouped        runtime.grouped_prefill = true: prefill's experts through two grouped GEMMs a layer
-  sync           runtime.overlap_decode = false: each token read on the host before the next step is queued
-  host           runtime.split_decode = "host": host steps at every MoE layer (the cost model splits the cold
+  nowarm         one-graph split decode without warm-ahead (debug.warm_ahead = false; on by default: the worker
+                 reads the next layer's predicted cold experts' gate/up rows into its threads' caches during the
+                 serial phase, strata.runtime.warm_ahead)
+  grouped        debug.grouped_prefill = true: prefill's experts through two grouped GEMMs a layer
+  sync           debug.overlap_decode = false: each token read on the host before the next step is queued
+  host           debug.split_decode = "host": host steps at every MoE layer (the cost model splits the cold
                  experts between the CPU and copies) instead of one graph a step with the mailbox worker
-  async          the CPU share started first on the kernel's threads (STRATA_CPU_ASYNC=1)
-  tN             N CPU kernel threads (STRATA_CPU_THREADS=N)
-  spinN          the CPU kernel's idle workers spin N us before sleeping (STRATA_CPU_SPIN_US=N)
+  tN             N CPU kernel threads (debug.cpu_threads = N)
+  spinN          the CPU kernel's idle workers spin N us before sleeping (cpu_experts.configure(spin_us=N))
   claimN         the CPU kernel's threads claim up to N down chunks and read them while the gate/up phase finishes
                  (cpu_experts.tune(claim_ahead=N); default 4, 0 off)
   dsplit, dsplit0  the CPU kernel reads its down rows as two streams a thread, or adjacent rows as one
@@ -91,7 +65,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import sys
 import time
 import traceback
@@ -132,9 +105,6 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
     from strata.kernels import cpu_experts as ce
     from strata.kernels import cpu_kernel_tuning
 
-    if os.environ.get("STRATA_CPU_SPIN_US"):
-        ce.configure(spin_us=int(os.environ["STRATA_CPU_SPIN_US"]))  # the kernel may be loaded already
-
     t_load = time.perf_counter()
     engine = Engine.from_pretrained(model, config=cfg, device=device)
     load_s = time.perf_counter() - t_load
@@ -149,9 +119,8 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
     # prefill, slow when its experts are cold, is reported apart as ttft_s
     box = getattr(engine._compute, "mailbox", None)
     c0 = box.counters.copy() if box is not None else None
-    ahead = getattr(engine._compute, "copy_ahead", None)
-    a0 = ahead.counts.tolist() if ahead is not None else None  # granules staged and used so far
-    w0 = ahead.worker.copy() if ahead is not None and ahead.worker is not None else None  # the worker's copies
+    ahead = getattr(engine._compute, "warm_ahead", None)
+    w0 = ahead.worker.copy() if ahead is not None else None  # the worker's warm-ahead counters so far
     # the CPU kernel's phases over the decode phase (a few clock reads a call), not the prompt's
     run = timed_decode(engine, prompt, tokens, sync, on_first_token=lambda: ce.trace(True))
     kt = ce.trace(False)
@@ -172,22 +141,14 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
         res["graph_failures"] = dict(engine.model.graphs.failed)
     if getattr(engine._compute, "gpu_share", None) is not None:
         res["gpu_share"] = round(engine._compute.gpu_share.value, 3)
-    if ahead is not None and ahead is getattr(engine._compute, "copy_ahead", None):  # over the decode phase
-        staged, used = (b - a for a, b in zip(a0, ahead.counts.tolist(), strict=True))
-        res["copy_ahead"] = {"engine": ahead.engine, "budget_granules": ahead.value, "staged_MB_per_token": round(
-            staged * ahead.granule_bytes / max(1, n) / 1e6, 2), "used_fraction": round(used / staged, 4) if staged else None}
-        if w0 is not None and ahead.engine == "cpu":  # warm-ahead: the worker's reads into its threads' caches
-            w = ahead.worker - w0
-            res["copy_ahead"] = {"engine": "cpu", "warm_bytes": ahead.warm_bytes, "plans_used": int(w[0]),
-                                 "plans_late": int(w[1]), "read_MB_per_token": round(w[2] / max(1, n) / 1e6, 2),
-                                 "read_us_per_plan": round(w[3] / max(1, w[0]) / 1e3, 1),
-                                 "computed_MB_per_token": round(w[4] / max(1, n) / 1e6, 2), "pieces_stolen": int(w[5]),
-                                 "held_us_per_plan": round(w[6] / max(1, w[0]) / 1e3, 2),
-                                 "held_us_max": round(ahead.worker[7] / 1e3, 1)}
-        elif w0 is not None:  # copied by the worker (a plan found late is not), late plans, driver errors
-            w = ahead.worker - w0
-            res["copy_ahead"].update(copied_MB_per_token=round(w[1] / max(1, n) / 1e6, 2), plans_late=int(w[2]),
-                                     copy_errors=int(w[3]))
+    if ahead is not None and ahead is getattr(engine._compute, "warm_ahead", None):  # over the decode phase
+        w = ahead.worker - w0  # the worker's reads of predicted cold rows into its threads' caches (WarmAhead.stats)
+        res["warm_ahead"] = {"warm_bytes": ahead.warm_bytes, "plans_used": int(w[0]), "plans_late": int(w[1]),
+                             "read_MB_per_token": round(w[2] / max(1, n) / 1e6, 2),
+                             "read_us_per_plan": round(w[3] / max(1, w[0]) / 1e3, 1),
+                             "computed_MB_per_token": round(w[4] / max(1, n) / 1e6, 2), "pieces_stolen": int(w[5]),
+                             "held_us_per_plan": round(w[6] / max(1, w[0]) / 1e3, 2),
+                             "held_us_max": round(ahead.worker[7] / 1e3, 1)}
     if box is not None:
         res["mailbox_threads"] = box.threads  # the worker's kernel threads
         res["mailbox_us_per_layer"] = mailbox_us
@@ -244,7 +205,7 @@ def add_rooflines(cases: list[dict]) -> None:
     """time per token >= max(GPU time (the ceiling's step), cold bytes / rates of the paths the case may use)."""
     ceiling = next((c for c in cases if c.get("case") == "ceiling" and "tok_s" in c), None)
     gpu_s = 1 / ceiling["tok_s"] if ceiling else 0.0
-    rates = {"split": PCIE + CPU, "split_nostream": PCIE + CPU, "split_nopromote": PCIE + CPU, "split_nofolds": PCIE + CPU, "split_t14": PCIE + CPU, "split_serial": PCIE + CPU, "split_async": PCIE + CPU, "split_async14": PCIE + CPU,
+    rates = {"split": PCIE + CPU, "split_nopromote": PCIE + CPU, "split_nofolds": PCIE + CPU, "split_t14": PCIE + CPU,
              "copy": PCIE, "cpu": CPU}
     for c in cases:
         base = c.get("case", "").split("+")[0]
@@ -265,7 +226,8 @@ def main() -> None:
     ap.add_argument("--cache", default="/dev/shm/strata-cache")
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke run)")
     args = ap.parse_args()
-    from strata.kernels import decode_gemv, decode_router, fused, grouped, pdl
+    from strata.kernels import cpu_experts as ce
+    from strata.kernels import decode_gemv, decode_router, fused
     from strata.runtime.inspect import summarize_checkpoint
 
     s = summarize_checkpoint(args.model)
@@ -276,86 +238,52 @@ def main() -> None:
     tiered = {"tiers": {"gpu": {"budget": str(budget)}, "disk": disk}, "runtime": rt}
     all_cases = {
         "ceiling": {"runtime": {**rt, "experts": "memory"}},
-        "ceiling_eager": {"runtime": {**rt, "experts": "memory", "cuda_graphs": False}},
-        "ceiling_unfused": {"runtime": {**rt, "experts": "memory"}},
-        "split_unfused": tiered,
+        "ceiling_eager": {"runtime": {**rt, "experts": "memory"}, "debug": {"cuda_graphs": False}},
+        "ceiling_unfused": {"runtime": {**rt, "experts": "memory"}, "debug": {"fused_kernels": False}},
+        "split_unfused": {**tiered, "debug": {"fused_kernels": False}},
         "ceiling_nofolds": {"runtime": {**rt, "experts": "memory"}},
         "split_nofolds": tiered,
         "split": tiered,
-        "split_in_place": {**tiered, "runtime": {**rt, "read_in_place": True}},
         "split_nopromote": {**tiered, "policy": {"promote": False}},  # no background copies of popular CPU experts
-        "split_nostream": tiered,  # STRATA_STREAM_SLOTS=0: split-mode copies staged through the cached GPU tier
-        "split_serial": tiered,  # STRATA_CPU_ASYNC=0: the copies are staged, then the CPU share runs on this thread
-        "split_async": tiered,  # STRATA_CPU_ASYNC=1: the CPU share starts first, on the kernel's threads (one core left)
-        "split_async14": tiered,  # the same with 14 kernel threads (two cores left)
-        "split_t14": tiered,  # split with 14 kernel threads: two cores left to the host step and the copy threads
+        "split_t14": {**tiered, "debug": {"cpu_threads": 14}},  # two cores left to the host step and the copy threads
         "copy": {**tiered, "runtime": {**rt, "cpu_numerics": "gpu"}},
         "cpu": {"tiers": {"gpu": {"budget": "0"}, "disk": disk}, "runtime": rt},
     }
+    # the kernels' module flags the modifiers turn off (tests' switches, not settings: set here for each case)
+    flags = {"norouter": (decode_router, "ENABLED"), "noresidual": (fused, "RESIDUAL_FOLD"),
+             "nogemv": (decode_gemv, "ENABLED"), "noqk": (fused, "QK_FOLD")}
+    # [debug] switches the modifiers set: modifier -> (key, value)
+    debug_mods = {"nopdl": ("pdl", False), "nowarm": ("warm_ahead", False), "grouped": ("grouped_prefill", True),
+                  "sync": ("overlap_decode", False), "host": ("split_decode", "host")}
     result = {"model": args.model, "gpu_fraction": args.gpu_fraction, "expert_bytes": s.bytes_by_role["experts"],
               "gpu_budget_bytes": budget, "cases": []}
     switch = sys.getswitchinterval()
-    from strata.kernels import cpu_experts as ce
 
     for full in args.cases.split(","):
         name, *mods = full.split("+")
-        cfg, env, knobs = all_cases[name], {}, {}
+        if name not in all_cases:
+            raise SystemExit(f"unknown case {name!r} in {full!r}; choose from {', '.join(all_cases)}")
+        cfg, debug, knobs, off = all_cases[name], {}, {}, set()
+        switch_us = spin_us = None
         for mod in mods:
             if mod == "noprefetch":
                 cfg = {**cfg, "prefetch": {"lookahead": 0}}
-            elif mod == "grouped":
-                cfg = {**cfg, "runtime": {**cfg.get("runtime", {}), "grouped_prefill": True}}
-            elif mod == "host":
-                cfg = {**cfg, "runtime": {**cfg.get("runtime", {}), "split_decode": "host"}}
-            elif mod == "sync":
-                cfg = {**cfg, "runtime": {**cfg.get("runtime", {}), "overlap_decode": False}}
+            elif mod in debug_mods:
+                key, value = debug_mods[mod]
+                debug[key] = value
+            elif mod in flags:
+                off.add(mod)
             elif mod.startswith("t") and mod[1:].isdigit():
-                env["STRATA_CPU_THREADS"] = mod[1:]
-            elif mod == "async":
-                env["STRATA_CPU_ASYNC"] = "1"
+                debug["cpu_threads"] = int(mod[1:])
             elif mod.startswith("sw") and mod[2:].isdigit():
-                env["STRATA_BENCH_SWITCH_US"] = mod[2:]
-            elif mod == "sharelast":
-                env["STRATA_MAILBOX_SHARE_FIRST"] = "0"
+                switch_us = int(mod[2:])
             elif mod.startswith("share"):
-                env["STRATA_MAILBOX_GPU_SHARE"] = mod[5:]
-            elif mod == "whole":
-                env["STRATA_MAILBOX_WHOLE_EXPERTS"] = "1"
-            elif mod == "torchbox":
-                env["STRATA_MAILBOX_FUSED"] = "0"
-            elif mod == "copybox":
-                env["STRATA_MAILBOX_DIRECT"] = "0"
-            elif mod == "hotbefore":
-                env["STRATA_MAILBOX_HOT_ALONGSIDE"] = "0"
-            elif mod == "norouter":
-                env["STRATA_FUSED_ROUTER"] = "0"
-            elif mod == "noresidual":
-                env["STRATA_FUSED_RESIDUAL"] = "0"
-            elif mod == "nogemv":
-                env["STRATA_DECODE_GEMV"] = "0"
-            elif mod == "noqk":
-                env["STRATA_FUSED_QK"] = "0"
-            elif mod == "nopdl":
-                env["STRATA_PDL"] = "0"
-            elif mod == "oldpairs":
-                env["STRATA_PAIR_CONFIGS"] = "previous"
-            elif mod == "ahead":
-                cfg = {**cfg, "runtime": {**cfg.get("runtime", {}), "copy_ahead": True}}
-            elif mod == "nowarm":  # warm-ahead off (runtime.warm_ahead = false; on by default)
-                cfg = {**cfg, "runtime": {**cfg.get("runtime", {}), "warm_ahead": False}}
-            elif mod == "noahead":
-                env["STRATA_COPY_AHEAD"] = "0"
-            elif mod in ("sm", "ce"):
-                env["STRATA_COPY_AHEAD_ENGINE"] = "sm" if mod == "sm" else "copy"
-            elif mod == "warm" or (mod.startswith("warm") and mod[4:].isdigit()):
-                cfg = {**cfg, "runtime": {**cfg.get("runtime", {}), "copy_ahead": True}}
-                env["STRATA_COPY_AHEAD_ENGINE"] = "cpu"
-                if mod[4:]:
-                    env["STRATA_COPY_AHEAD"] = mod[4:]
-            elif mod.startswith("ahead") and mod[5:].isdigit():
-                env["STRATA_COPY_AHEAD"] = mod[5:]
-            elif mod.startswith("spin"):
-                env["STRATA_CPU_SPIN_US"] = mod[4:]
+                try:
+                    debug["gpu_share"] = float(mod[5:])
+                except ValueError:
+                    raise SystemExit(f"bad modifier {mod!r} in {full!r}: shareX takes a fraction, e.g. share0.3") from None
+            elif mod.startswith("spin") and mod[4:].isdigit():
+                spin_us = int(mod[4:])
             elif mod.startswith("claim") and mod[5:].isdigit():
                 knobs["claim_ahead"] = int(mod[5:])
             elif mod.startswith("chunkdiv") and mod[8:].isdigit():
@@ -370,27 +298,16 @@ def main() -> None:
                 knobs["down_split"] = int(mod == "dsplit")
             elif mod != "again":
                 raise SystemExit(f"unknown case modifier {mod!r} in {full!r}")
-        for key in ("STRATA_CPU_SPIN_US", "STRATA_BENCH_SWITCH_US", "STRATA_MAILBOX_GPU_SHARE", "STRATA_MAILBOX_WHOLE_EXPERTS",
-                    "STRATA_MAILBOX_FUSED", "STRATA_COPY_AHEAD", "STRATA_COPY_AHEAD_ENGINE", "STRATA_MAILBOX_SHARE_FIRST",
-                    "STRATA_MAILBOX_HOT_ALONGSIDE", "STRATA_MAILBOX_DIRECT"):
-            os.environ.pop(key, None)
+        if debug:  # the modifiers win over the case's own [debug] keys
+            cfg = {**cfg, "debug": {**cfg.get("debug", {}), **debug}}
         # the interpreter's GIL switch interval (default 5 ms): how long a thread waiting for the GIL lets the
         # holder run before asking for it; the decode thread re-takes the GIL after every CUDA call and kernel
-        sys.setswitchinterval(int(env["STRATA_BENCH_SWITCH_US"]) / 1e6 if "STRATA_BENCH_SWITCH_US" in env else switch)
-        mode = {"split_serial": "0", "split_async": "1", "split_async14": "1"}.get(name)
-        os.environ.pop("STRATA_CPU_ASYNC", None) if mode is None else os.environ.update(STRATA_CPU_ASYNC=mode)
-        os.environ.pop("STRATA_CPU_THREADS", None) if name not in ("split_async14", "split_t14") else os.environ.update(
-            STRATA_CPU_THREADS="14")
-        os.environ.update(env)  # the modifiers win
-        os.environ.pop("STRATA_STREAM_SLOTS", None) if name != "split_nostream" else os.environ.update(STRATA_STREAM_SLOTS="0")
-        fused.ENABLED = not name.endswith("_unfused")
+        sys.setswitchinterval(switch_us / 1e6 if switch_us is not None else switch)
         fused.FOLDS = not name.endswith("_nofolds")
-        decode_router.ENABLED = env.get("STRATA_FUSED_ROUTER") != "0"  # read at import: set here for each case
-        fused.RESIDUAL_FOLD = env.get("STRATA_FUSED_RESIDUAL") != "0"
-        decode_gemv.ENABLED = env.get("STRATA_DECODE_GEMV") != "0"
-        pdl.ENABLED = env.get("STRATA_PDL") != "0"
-        fused.QK_FOLD = env.get("STRATA_FUSED_QK") != "0"
-        grouped.PREVIOUS = env.get("STRATA_PAIR_CONFIGS") == "previous"
+        for mod, (module, flag) in flags.items():
+            setattr(module, flag, mod not in off)
+        if spin_us is not None:
+            ce.configure(spin_us=spin_us)
         old_knobs = ce.tune(**knobs)  # the kernel's scheduling knobs for this case only
         try:
             result["cases"].append(run_case(args.model, name, cfg, args.tokens, args.prefill, args.device, label=full))
@@ -399,14 +316,12 @@ def main() -> None:
             print(full, "failed:", e, flush=True)
             traceback.print_exc()
         ce.tune(**old_knobs)
-        if "STRATA_CPU_SPIN_US" in env:  # the kernel reads it when loaded: set it back for the next case
-            os.environ.pop("STRATA_CPU_SPIN_US")
+        if spin_us is not None:  # back to the default for the next case
             ce.configure(spin_us=ce.spin_us())
-    os.environ.pop("STRATA_CPU_ASYNC", None)
-    os.environ.pop("STRATA_CPU_THREADS", None)
-    os.environ.pop("STRATA_STREAM_SLOTS", None)
-    fused.ENABLED = fused.FOLDS = fused.RESIDUAL_FOLD = decode_router.ENABLED = pdl.ENABLED = fused.QK_FOLD = True
-    grouped.PREVIOUS = False
+    sys.setswitchinterval(switch)
+    fused.FOLDS = True
+    for module, flag in flags.values():
+        setattr(module, flag, True)
     add_rooflines(result["cases"])
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "hotpath.json").write_text(json.dumps(result, indent=2))
