@@ -3,10 +3,10 @@ worker's clock on one timeline (all CLOCK_MONOTONIC).
 
     python bench/step_timeline.py --model DIR [--gpu-fraction 0.25] [--tokens 48] [--cases split,ceiling] [--out DIR]
 
-Modifiers (`split+spin100+nobooks`): shareX, swN (GIL switch interval, us), spinN (the kernel's idle spin, us),
-wspinN (the mailbox worker's polling spin, us), tN (the kernel's threads), warm / warmN / nowarm (warm-ahead, hotpath's
-modifiers), nopromote, nobooks, wakeatlaunch (the books
-woken right after the replay, not once the step's LM head is queued).
+Modifiers (`split+spin100+nobooks`): shareX (debug.gpu_share = X), swN (GIL switch interval, us), spinN (the kernel's
+idle spin, us), wspinN (the mailbox worker's polling spin, us), tN (the kernel's threads, debug.cpu_threads = N),
+nowarm (warm-ahead off, debug.warm_ahead = false), nopromote, nobooks, wakeatlaunch (the books woken right after the
+replay, not once the step's LM head is queued).
 
 The worker's per-layer timing (serve, GPU gap) covers a step's MoE layers; these cover the rest of a token (ms):
   host_between      the sampler: from the previous step's logits done to this token on the host
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
 import time
@@ -139,36 +138,29 @@ def main() -> None:
     switch, wspin = sys.getswitchinterval(), cpu_mailbox.SPIN_NS
     for case in args.cases.split(","):
         name, *mods = case.split("+")
-        cfg = configs[name]
-        os.environ.pop("STRATA_MAILBOX_GPU_SHARE", None)
-        os.environ.pop("STRATA_CPU_THREADS", None)
-        os.environ.pop("STRATA_COPY_AHEAD_ENGINE", None)
-        os.environ.pop("STRATA_COPY_AHEAD", None)
+        cfg, debug = configs[name], {}
         sys.setswitchinterval(switch)
         ce.configure(spin_us=ce.spin_us())
         cpu_mailbox.SPIN_NS = wspin
         for mod in mods:  # A/B modifiers for one run
             if mod.startswith("share"):  # a fixed GPU share of the cold experts (hotpath's modifier)
-                os.environ["STRATA_MAILBOX_GPU_SHARE"] = mod.removeprefix("share")
+                debug["gpu_share"] = float(mod.removeprefix("share"))
             elif mod.startswith("sw"):  # the interpreter's GIL switch interval, us
                 sys.setswitchinterval(int(mod[2:]) / 1e6)
             elif mod.startswith("spin"):  # how long the CPU kernel's idle workers spin, us
                 ce.configure(spin_us=int(mod[4:]))
             elif mod.startswith("wspin"):  # how long the mailbox worker polls without sleeping after a layer, us
                 cpu_mailbox.SPIN_NS = int(mod[5:]) * 1000
-            elif mod[0] == "t" and mod[1:].isdigit():  # the mailbox kernel's threads ($STRATA_CPU_THREADS)
-                os.environ["STRATA_CPU_THREADS"] = mod[1:]
+            elif mod[0] == "t" and mod[1:].isdigit():  # the mailbox kernel's threads
+                debug["cpu_threads"] = int(mod[1:])
             elif mod == "nopromote":
                 cfg = {**cfg, "policy": {"promote": False}}
-            elif mod == "nowarm":  # warm-ahead off (runtime.warm_ahead = false; on by default)
-                cfg = {**cfg, "runtime": {**cfg.get("runtime", {}), "warm_ahead": False}}
-            elif mod == "warm" or (mod.startswith("warm") and mod[4:].isdigit()):  # warm-ahead (hotpath's modifier)
-                cfg = {**cfg, "runtime": {**cfg.get("runtime", {}), "copy_ahead": True}}
-                os.environ["STRATA_COPY_AHEAD_ENGINE"] = "cpu"
-                if mod[4:]:
-                    os.environ["STRATA_COPY_AHEAD"] = mod[4:]
+            elif mod == "nowarm":  # warm-ahead off (on by default)
+                debug["warm_ahead"] = False
             elif mod not in ("nobooks", "wakeatlaunch"):
                 raise SystemExit(f"unknown modifier {mod!r}")
+        if debug:
+            cfg = {**cfg, "debug": debug}
         engine = Engine.from_pretrained(args.model, config=cfg, device="cuda")
         vocab = engine.checkpoint.config.vocab_size
         prompt = [(100 + i * 37) % vocab for i in range(128)]
@@ -183,8 +175,8 @@ def main() -> None:
             res["graph_modes"] = sorted({key[3] for key in engine.model.graphs.graphs})
         if (share := getattr(engine._compute, "gpu_share", None)) is not None:
             res["gpu_share"] = round(share.value, 3)
-        if (ahead := getattr(engine._compute, "copy_ahead", None)) is not None:
-            res["copy_ahead"] = ahead.stats()  # (over the whole run, warm-up included)
+        if (ahead := getattr(engine._compute, "warm_ahead", None)) is not None:
+            res["warm_ahead"] = ahead.stats()  # (over the whole run, warm-up included)
         out["cases"].append(res)
         print(json.dumps(res), flush=True)
         engine.close()
