@@ -4,7 +4,7 @@ decode steps replayed as CUDA graphs.
 
     python bench/serial_phase.py --model DIR [--gpu-fraction 0.25] [--tokens 24] [--cases split,ceiling] [--out DIR]
 
-Cases: split, ceiling; `+nowarm` (split without warm-ahead), `+sharelast` (bench/hotpath.py's). First a probe:
+Cases: split, ceiling; `+nowarm` (split without warm-ahead: debug.warm_ahead = false). First a probe:
 a `wait_and_fetch` whose answer is already there, the handshake's floor on the GPU's side. Each split case also
 gives the worker's own serve and gap a layer over the profiled tokens, and three layers' raw kernel records
 (`raw_layers`).
@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -223,14 +222,17 @@ def main() -> None:
     from bench.step_timeline import case_configs
 
     cfgs = case_configs(args.model, args.gpu_fraction, "/dev/shm/strata-cache")
+    for case in args.cases.split(","):  # before the probe: a typo costs no GPU time
+        base, *mods = case.split("+")
+        if base not in cfgs or set(mods) - {"nowarm"}:
+            raise SystemExit(f"unknown case {case!r}; use split or ceiling, optionally with +nowarm")
     results = [fetch_probe()]
     print(results[0], flush=True)
     for case in args.cases.split(","):
         base, *mods = case.split("+")
         cfg = cfgs[base]
         if "nowarm" in mods:  # warm-ahead off: the worker spins through the serial phase
-            cfg = {**cfg, "runtime": {**cfg["runtime"], "warm_ahead": False}}
-        os.environ["STRATA_MAILBOX_SHARE_FIRST"] = "0" if "sharelast" in mods else "1"
+            cfg = {**cfg, "debug": {"warm_ahead": False}}
         res = analyse(case, *profile_case(args.model, cfg, args.tokens))
         print(json.dumps(res, indent=1), flush=True)
         results.append(res)
