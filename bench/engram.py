@@ -39,12 +39,13 @@ from strata.runtime.demo_model import write_demo_model
 from strata.runtime.kv_cache import KVCache, StepBatch
 from strata.tiers.diskio import fs_type
 
-# (tier, prefetch, zero_copy): zero_copy matters for pinned and tmpfs tables (read in place vs the row cache)
+# (tier, prefetch, zero_copy): [debug] engram_prefetch and engram_zero_copy; zero_copy matters for pinned and tmpfs
+# tables (read in place vs the row cache)
 CASES = [("gpu", True, True), ("pinned", True, True), ("pinned", True, False), ("tmpfs", True, True),
          ("tmpfs", True, False), ("disk", True, True), ("disk", False, True), ("disk", True, True, False),
          ("disk", True, True, True, False)]
 # a fourth field False: the disk reader's runs read from Python, not natively (strata.tiers.native_io);
-# a fifth False: engram.graph_wait off (the graph cut at each Engram layer, rows served between the pieces)
+# a fifth False: debug.engram_graph_wait off (the graph cut at each Engram layer, rows served between the pieces)
 
 
 def case_name(tier: str, prefetch: bool, zero_copy: bool, native: bool = True, graph_wait: bool = True) -> str:
@@ -87,8 +88,8 @@ class Case:
 
     def __init__(self, model_dir: Path, tier: str, prefetch: bool, zero_copy: bool, native: bool, graph_wait: bool,
                  args, stream: torch.Tensor, stack):
-        conf = {"engram": {"tier": tier, "row_cache": args.row_cache, "prefetch": prefetch, "zero_copy": zero_copy,
-                           "graph_wait": graph_wait},
+        conf = {"engram": {"tier": tier, "row_cache": args.row_cache},
+                "debug": {"engram_prefetch": prefetch, "engram_zero_copy": zero_copy, "engram_graph_wait": graph_wait},
                 "tiers": {"disk": {"scrub": False, "path": args.store_dir}, "tmpfs": {"budget": "64GiB"}},
                 "prefetch": {"lookahead": 1}}
         t_load = time.perf_counter()
