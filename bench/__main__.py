@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="roofline PCIe/HBM rates measured now, or all the reference figures (bench/suite/roofline.py)")
     r.add_argument("--results", default=None, help="also regenerate this report's suite section (docs/benchmarks.md)")
     r.add_argument("--set", default=None, metavar="JSON",
-                   help='strata config merged over every strata case\'s (A/B runs), e.g. \'{"runtime": {"overlap_decode": false}}\'')
+                   help='strata config merged over every strata case\'s (A/B runs), e.g. \'{"debug": {"overlap_decode": false}}\'')
     p = sub.add_parser("report", help="regenerate the report's suite section and the PNG from result JSON files")
     p.add_argument("json", nargs="+")
     p.add_argument("--results", default=str(REPORT), help="the report whose suite section is regenerated")

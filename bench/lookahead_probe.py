@@ -38,7 +38,8 @@ def main() -> None:
     from strata import Engine
 
     distances = tuple(int(d) for d in args.distances.split(","))
-    conf = {"runtime": {"experts": "memory", "cuda_graphs": False, "max_context": args.prompt + args.tokens + 8}}
+    conf = {"runtime": {"experts": "memory", "max_context": args.prompt + args.tokens + 8},
+            "debug": {"cuda_graphs": False}}
     with Engine.from_pretrained(args.model, device=args.device, config=conf) as eng:
         prompt = prompts_for(Workload(args.prompt, 1, args.tokens), eng.checkpoint.config.vocab_size)[0]
         with record_lookahead(eng.model, distances, rows=1) as rec:  # decode steps only
