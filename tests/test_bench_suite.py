@@ -493,21 +493,20 @@ def test_machine_info_takes_the_commit_it_is_told(monkeypatch):
     assert told["git_commit_from"] == "STRATA_BENCH_COMMIT" and "git_commit_from" not in own
 
 
-def test_snapshot_counts_copy_aheads_pcie_bytes_and_none_for_warm_ahead():
-    """The suite's counters per case: copy-ahead's staged tails are PCIe bytes; warm-ahead (the default engine) moves
-    none over PCIe and has no staged granules (its stats carry the worker's read counts instead)."""
+def test_snapshot_counts_the_tiers_path_bytes_and_none_for_warm_ahead():
+    """The suite's counters per case: the bytes of each tier path; warm-ahead's reads (one-graph decode's
+    `warm_ahead` stats) stay in host RAM, so they add no path and change none."""
     from bench.suite.strata_case import _snapshot
 
-    class FakeEngine:
+    class FakeEngine:  # the one-graph decode stats need a GPU's mailbox worker: their shape, as WarmAhead.stats gives it
         def __init__(self, ahead):
             self.ahead = ahead
 
         def stats(self):
-            return {"tiers": {"paths": {"pinned->gpu": {"bytes": 7}}},
-                    "one_graph_decode": {"copy_ahead": self.ahead}}
+            return {"tiers": {"paths": {"pinned->gpu": {"bytes": 7}, "disk->pinned": {"bytes": 5}}},
+                    "one_graph_decode": {"warm_ahead": self.ahead}}
 
-    sm = {"engine": "sm", "staged_granules": 3, "granule_bytes": 1000}
-    warm = {"engine": "cpu", "warm_bytes": 8 << 20, "plans_used": 5, "read_bytes": 123}
-    assert _snapshot(FakeEngine(sm))["paths"] == {"pinned->gpu": 7, "pinned->gpu ahead": 3000}
-    assert _snapshot(FakeEngine(warm))["paths"] == {"pinned->gpu": 7}
-    assert _snapshot(FakeEngine(None))["paths"] == {"pinned->gpu": 7}
+    warm = {"warm_bytes": 8 << 20, "plans_used": 5, "plans_late": 1, "read_bytes": 123, "read_s": 0.01,
+            "computed_bytes": 100, "pieces_stolen": 0, "held_s": 0.0, "held_us_max": 0.0}
+    assert _snapshot(FakeEngine(warm))["paths"] == {"pinned->gpu": 7, "disk->pinned": 5}
+    assert _snapshot(FakeEngine(None))["paths"] == {"pinned->gpu": 7, "disk->pinned": 5}

@@ -122,11 +122,8 @@ class _Peaks:
 def _snapshot(engine) -> dict:
     st = engine.stats()
     t = st.get("tiers") or {}
+    # bytes each tier path moved (warm-ahead's reads stay in host RAM: no path of their own)
     paths = {k: v.get("bytes", 0) for k, v in (t.get("paths") or {}).items()}
-    ahead = (st.get("one_graph_decode") or {}).get("copy_ahead")
-    if ahead and "staged_granules" in ahead:  # the tails copy-ahead moved over PCIe (as of a step or so ago; warm-ahead
-        # moves nothing over PCIe)
-        paths["pinned->gpu ahead"] = ahead["staged_granules"] * ahead["granule_bytes"]
     timing = (st.get("one_graph_decode") or {}).get("timing") or {}
     return {"lookups": t.get("lookups", 0), "stall": t.get("stall_seconds", 0.0),
             "hits": {k: v.get("hits", 0) for k, v in (t.get("tiers") or {}).items()},
