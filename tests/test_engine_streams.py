@@ -77,6 +77,23 @@ def test_the_engine_has_one_scheduler_sized_by_the_planner(engine):
     assert not hasattr(engine, "cache")  # no KV cache of the engine's own beside the scheduler's
 
 
+def test_engine_scheduler_configures_that_same_scheduler(engine):
+    sched = engine.scheduler()
+    try:
+        assert engine.scheduler(max_batch=3, token_budget=48) is sched
+        assert sched.cache.num_slots == 3 and sched.stats()["kv_slots_free"] == 3 and sched.token_budget == 48
+        s = engine.stream(PROMPTS[0], max_tokens=2000)
+        next(s)
+        with pytest.raises(StrataError, match="1 request.* in flight"):
+            engine.scheduler(max_batch=2)
+        assert engine.scheduler(max_batch=3) is sched  # the same sizes: nothing to change
+        s.close()
+        assert wait_for(lambda: sched.stats()["running"] == 0)
+    finally:
+        engine.scheduler(max_batch=2, token_budget=engine.prefill_chunk)
+    assert sched.cache.num_slots == 2 and engine.generate(PROMPTS[1], max_tokens=3).finish_reason == "length"
+
+
 def test_two_threads_streaming_at_once_both_progress(engine, monkeypatch):
     """Each thread opens a stream and reads one piece, then waits for the other to have one too: under a lock held
     across a stream's yields the second stream could not start until the first was closed (the barrier breaks).

@@ -89,7 +89,8 @@ class RequestHandle:
                     raise
         self._q: queue.SimpleQueue = queue.SimpleQueue()
 
-    def _push(self, ev: TokenEvent) -> None:
+    def deliver(self, ev: TokenEvent) -> None:
+        """(The scheduler's side.) Hand the caller its next event."""
         if self._loop is not None:
             try:
                 self._loop.call_soon_threadsafe(self._aq.put_nowait, ev)

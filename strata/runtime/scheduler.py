@@ -94,8 +94,8 @@ class Scheduler:
         self._pending: _InFlight | None = None  # the decode step in flight (overlapped decode)
         self._landed_at = 0.0  # perf_counter() when the last in-flight step's tokens were read
         self.chained_steps = 0  # steps queued behind one whose tokens were not read yet
-        self.max_batch = 0
         self.cache: KVCache | None = None
+        self._settings: tuple = (0, None, None, None, None)  # what `configure` takes, in its order
         rt = engine.config.runtime
         self.configure(max_batch, token_budget, max_queue,
                        rt.decode_gap_target if decode_gap_target is None else decode_gap_target,
@@ -106,34 +106,30 @@ class Scheduler:
         """Change the scheduler's sizes (None keeps one): `max_batch` KV slots (a new KV cache when it changes),
         `token_budget` tokens a step, `max_queue` requests waiting, the pacer's `decode_gap_target` (seconds; 0
         lets chunks fill the budget) and `prefill_chunk_min`. A change needs the scheduler idle."""
+        given = (max_batch, token_budget, max_queue, decode_gap_target, prefill_chunk_min)
         with self._cv:
-            pacer = getattr(self, "pacer", None)
-            new = (max_batch if max_batch is not None else self.max_batch,
-                   token_budget if token_budget is not None else pacer.token_budget,
-                   max_queue if max_queue is not None else self.max_queue,
-                   decode_gap_target if decode_gap_target is not None else pacer.gap_target,
-                   prefill_chunk_min if prefill_chunk_min is not None else pacer.min_chunk)
-            if pacer is not None and new == (self.max_batch, pacer.token_budget, self.max_queue, pacer.gap_target,
-                                             pacer.min_chunk):
+            new = tuple(old if g is None else g for g, old in zip(given, self._settings, strict=True))
+            if new == self._settings:
                 return
-            mb, budget, queue_len, gap, chunk_min = new
-            if mb < 1 or budget < mb or queue_len < 1:
+            batch, budget, queue_len, gap, chunk_min = new
+            if batch < 1 or budget < batch or queue_len < 1:
                 raise StrataError("scheduler needs max_batch >= 1, token_budget >= max_batch and max_queue >= 1")
             if gap < 0 or chunk_min < 1:
                 raise StrataError("scheduler needs decode_gap_target >= 0 (seconds) and prefill_chunk_min >= 1")
             if self._waiting or self._running:
-                raise StrataError(f"the scheduler is serving {len(self._running) + len(self._waiting)} requests; "
-                                  "change its sizes before it takes requests (or once they finish)")
+                raise StrataError(f"the scheduler has {len(self._running) + len(self._waiting)} request(s) in flight; "
+                                  "change its sizes while it is idle")
             # a step nobody decodes in carries up to runtime.prefill_chunk prompt tokens (the chunk the planner
             # sized the activations for), so a long prompt alone prefills in as few chunks as that allows, each cold
             # expert crossing PCIe once per chunk; steps with decoding sequences keep to the budget and the pacer
             self.pacer = PrefillPacer(budget, gap, chunk_min, idle_budget=self.engine.prefill_chunk)
-            self.token_budget, self.max_queue = budget, queue_len
-            if mb != self.max_batch:
+            if batch != self._settings[0]:
                 self._pending, self.cache = None, None  # the old slots are freed before the new ones are taken
                 e = self.engine
-                self.cache = KVCache(e.checkpoint.config, mb, e.max_context, e.dtype, e.device)
-                self.max_batch, self._free = mb, list(range(mb - 1, -1, -1))
+                self.cache = KVCache(e.checkpoint.config, batch, e.max_context, e.dtype, e.device)
+                self._free = list(range(batch - 1, -1, -1))
+            self._settings = new
+            self.max_batch, self.token_budget, self.max_queue = batch, budget, queue_len
 
     # ---- caller side ------------------------------------------------------------------------
     @property
@@ -195,7 +191,7 @@ class Scheduler:
         with self._cv:
             if handle in self._waiting:
                 self._waiting.remove(handle)
-                handle._push(TokenEvent(handle.request.request_id, None, "", finish_reason="abort"))
+                handle.deliver(TokenEvent(handle.request.request_id, None, "", finish_reason="abort"))
 
     def _check(self, request: GenRequest) -> None:
         n, ctx = len(request.prompt_ids), self.engine.max_context
@@ -233,11 +229,13 @@ class Scheduler:
     def _abort_waiting(self) -> None:
         while self._waiting:
             h = self._waiting.popleft()
-            h._push(TokenEvent(h.request.request_id, None, "", finish_reason="abort"))
+            h.deliver(TokenEvent(h.request.request_id, None, "", finish_reason="abort"))
 
     def _run(self) -> None:
         try:
-            engine = self.engine  # noqa: F841 - alive while this thread has requests to run
+            engine = self.engine  # alive while this thread has requests to run
+            if engine.device.type == "cuda":  # this thread's streams, events and graphs on the engine's card
+                torch.cuda.set_device(engine.device)
             while self._next_step():
                 pass
         except BaseException as e:  # noqa: BLE001 - outside a step (admission): nothing may wait forever
@@ -248,7 +246,7 @@ class Scheduler:
                     self._finish(seq, "abort", error=e)
                 while self._waiting:
                     h = self._waiting.popleft()
-                    h._push(TokenEvent(h.request.request_id, None, "", finish_reason="abort", error=str(e), exception=e))
+                    h.deliver(TokenEvent(h.request.request_id, None, "", finish_reason="abort", error=str(e), exception=e))
         finally:
             with self._cv:
                 if self._thread is threading.current_thread():
@@ -282,7 +280,7 @@ class Scheduler:
         while self._waiting and self._free:
             h = self._waiting.popleft()
             if h.cancelled.is_set():
-                h._push(TokenEvent(h.request.request_id, None, "", finish_reason="abort"))
+                h.deliver(TokenEvent(h.request.request_id, None, "", finish_reason="abort"))
                 continue
             r = h.request
             eos = set() if r.params.ignore_eos else e.eos_token_ids | set(r.params.stop_token_ids)
@@ -438,12 +436,12 @@ class Scheduler:
             self.engine.counters.emitted()
         if ev.finish_reason is not None:
             self._release(seq)
-        seq.handle._push(ev)
+        seq.handle.deliver(ev)
 
     def _finish(self, seq: Sequence, reason: str, error: BaseException | None = None) -> None:
         ev = seq.finish(reason, error=error)
         self._release(seq)
-        seq.handle._push(ev)
+        seq.handle.deliver(ev)
 
     def _release(self, seq: Sequence) -> None:
         if seq in self._running:
