@@ -54,7 +54,7 @@ def test_memory_split_matches_one_card(tiny6_dir, n):
     assert layers[0].input_layernorm.weight.device == torch.device("cuda:0")
     assert layers[-1].input_layernorm.weight.device == torch.device(f"cuda:{n - 1}")
     assert many.model.lm_head.weight.device == torch.device(f"cuda:{n - 1}")
-    assert many.cache.layers[-1][0].device == torch.device(f"cuda:{n - 1}")  # moved on first use
+    assert many.scheduler().cache.layers[-1][0].device == torch.device(f"cuda:{n - 1}")  # moved on first use
     devices = {p.device for p in layers.parameters()}
     assert devices == {torch.device(f"cuda:{i}") for i in range(n)}
 
