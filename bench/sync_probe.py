@@ -3,7 +3,7 @@ decode steps, each synchronizing call reported once with the strata frames that 
 
     python bench/sync_probe.py --model DIR [--config JSON] [--tokens 16] [--out DIR]
 
-Overlapped decode (runtime.overlap_decode) gains only while nothing in a step reads a device value back
+Overlapped decode ([debug] overlap_decode) gains only while nothing in a step reads a device value back
 (a hidden `.item()`, a pageable copy, `torch.multinomial`'s check): each such call makes the host wait for
 the step in flight. Writes sync_probe.json: {call site: count}.
 """
