@@ -17,13 +17,16 @@ import argparse
 import itertools
 import json
 import os
+import sys
 from functools import partial
+from pathlib import Path
 
 import torch
 import triton
 
-from bench.gemv_probe import graph_us
-from strata.kernels import grouped
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: `bench.*` when run as a script
+from bench.gemv_probe import graph_us  # noqa: E402
+from strata.kernels import grouped  # noqa: E402
 
 H, INTER, E, K = 2048, 768, 128, 8
 CALLS = 16
@@ -34,18 +37,16 @@ DOWN = list(itertools.product((4, 8, 16, 32), (128, 256, 512), (2, 4), (2, 3)))
 def gate_up(x, gu, slot_of, ids, used, h, cfg):
     bi, bh, w, s = cfg
     grouped._gate_up_kernel[(ids.numel(), triton.cdiv(INTER, bi))](
-        x, gu, slot_of, ids, ids, used, h, ids, ids, ids, H, INTER, K, x.stride(0), gu.stride(0), gu.stride(1),
-        h.stride(0), BLOCK_I=bi, BLOCK_H=bh, HAS_ROWS=False, ADDR=False, FIRST=False, STAGED=False, PDL=False, num_warps=w,
-        num_stages=s)
+        x, gu, slot_of, ids, ids, used, h, ids, H, INTER, K, x.stride(0), gu.stride(0), gu.stride(1), h.stride(0),
+        BLOCK_I=bi, BLOCK_H=bh, HAS_ROWS=False, ADDR=False, FIRST=False, PDL=False, num_warps=w, num_stages=s)
 
 
 def down(h, dn, used, y, cfg):
     bo, bi, w, s = cfg
     p = used.numel()
     grouped._down_kernel[(p, triton.cdiv(H, bo))](
-        h, dn, used, used, y, used, used, used, used, 0, H, INTER, h.stride(0), dn.stride(0), dn.stride(1),
-        y.stride(0), BLOCK_O=bo, BLOCK_I=bi, HAS_ROWS=False, ADDR=False, FIRST=False, STAGED=False, PDL=False, num_warps=w,
-        num_stages=s)
+        h, dn, used, used, y, used, used, 0, H, INTER, h.stride(0), dn.stride(0), dn.stride(1), y.stride(0),
+        BLOCK_O=bo, BLOCK_I=bi, HAS_ROWS=False, ADDR=False, FIRST=False, PDL=False, num_warps=w, num_stages=s)
 
 
 def main() -> None:
