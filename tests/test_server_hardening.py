@@ -407,3 +407,15 @@ def test_openapi_lists_every_route_and_documents_real_answers(client, live):
     ErrorResponse.model_validate(client.post("/v1/completions", json={"model": MODEL, "prompt": 5}).json())
     for model in (ChatCompletion, Completion, ModelList, Health, TokenizeResponse, ErrorResponse):
         assert model.__name__ in schema["components"]["schemas"]
+    ids = schema["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"]["items"]
+    assert ids["maximum"] == live.engine.checkpoint.config.vocab_size - 1  # what /detokenize accepts
+
+
+def test_a_message_without_content_reaches_the_template_as_empty_text(client):
+    """An assistant turn with no content (one that called tools) is valid OpenAI input, not a template error."""
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant"}, {"role": "user", "content": "more"}]
+    r = client.post("/v1/chat/completions", json={**CHAT_BODY, "messages": messages})
+    assert r.status_code == 200, r.text
+    err = _error(client.post("/v1/chat/completions", json={**CHAT_BODY, "messages": [
+        {"role": "user", "content": [{"type": "text"}]}]}), 400)
+    assert '"text"' in err["message"]

@@ -146,7 +146,8 @@ def create_app(engine: Any, scheduler: Any, model_name: str, *, hosts: HostRule 
     route("GET", "/v1/strata/stats", _stats)
     route("POST", "/v1/embeddings", _embeddings)
     mount_dashboard(app, lambda: st.engine if st.ready else None, lambda: st.scheduler)
-    install_openapi(app, model_name, api_key is not None)
+    install_openapi(app, model_name, api_key is not None,
+                    lambda: st.engine.checkpoint.config.vocab_size if st.ready else None)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> Response:  # unknown route, bad method

@@ -7,6 +7,7 @@ so the schema is put together here rather than from the route signatures.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 from fastapi import FastAPI
@@ -156,19 +157,24 @@ ROUTES: dict[str, tuple[str, type[BaseModel] | None, type[BaseModel] | None, tup
 }
 
 
-def install_openapi(app: FastAPI, model_name: str, api_key: bool) -> None:
+def install_openapi(app: FastAPI, model_name: str, api_key: bool, vocab_size: Callable[[], int | None]) -> None:
     """Serve the schema at /openapi.json: each route's request body and answers, `model` limited to
-    `model_name`, and the bearer key on every path but /health when `api_key`."""
+    `model_name`, token ids below `vocab_size()` once the model is loaded (None before), and the bearer key on
+    every path but /health when `api_key`."""
 
     def schema() -> dict[str, Any]:
-        if app.openapi_schema is None:
-            app.openapi_schema = _build(app, model_name, api_key)
-        return app.openapi_schema
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        vocab = vocab_size()
+        out = _build(app, model_name, api_key, vocab)
+        if vocab is not None:  # final once loaded
+            app.openapi_schema = out
+        return out
 
     app.openapi = schema  # type: ignore[method-assign]
 
 
-def _build(app: FastAPI, model_name: str, api_key: bool) -> dict[str, Any]:
+def _build(app: FastAPI, model_name: str, api_key: bool, vocab: int | None) -> dict[str, Any]:
     out = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     components: dict[str, Any] = out.setdefault("components", {}).setdefault("schemas", {})
 
@@ -199,6 +205,15 @@ def _build(app: FastAPI, model_name: str, api_key: bool) -> dict[str, Any]:
             op["security"] = [{"bearer": []}]
     for model in (ChatCompletionRequest, CompletionRequest):
         components[model.__name__]["properties"]["model"] = {"type": "string", "enum": [model_name]}
+    if vocab is not None:
+        ids = {"type": "integer", "minimum": 0, "maximum": vocab - 1}
+        components["DetokenizeRequest"]["properties"]["tokens"]["items"] = ids
+        for variant in components["CompletionRequest"]["properties"]["prompt"]["anyOf"]:
+            items = variant.get("items", {})
+            if items.get("type") == "integer":
+                variant["items"] = ids
+            elif items.get("type") == "array":
+                items["items"] = ids
     if api_key:
         out["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     return out

@@ -129,6 +129,11 @@ _ZERO = {"type": "number", "minimum": 0, "maximum": 0}
 _STOP = ({"type": "string", "minLength": 1},
          {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS})
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+# strata_reproducible "required" samples only with a seed (or greedily)
+_REPRODUCIBLE_NEEDS_SEED = {
+    "if": {"properties": {"strata_reproducible": {"const": "required"}}, "required": ["strata_reproducible"]},
+    "then": {"anyOf": [{"properties": {"seed": {"type": "integer"}}, "required": ["seed"]},
+                       {"properties": {"temperature": {"const": 0}}, "required": ["temperature"]}]}}
 
 
 class _Request(BaseModel):
@@ -221,6 +226,7 @@ class _GenerationRequest(_Request):
 class ContentPart(_Request):
     """One part of a message's content; only text parts are supported."""
 
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"required": ["type", "text"]})
     type: Annotated[StrictStr, WithJsonSchema({"enum": ["text"]})]
     text: Annotated[StrictStr | None, WithJsonSchema({"type": "string"})] = None
 
@@ -242,12 +248,15 @@ class ChatMessage(BaseModel):
     def for_template(self) -> dict:
         """A plain dict, with content parts joined into one string (only text parts are supported)."""
         d = self.model_dump(exclude_none=True)
+        d.setdefault("content", "")  # no content (an assistant turn that called tools): templates read a string
         if isinstance(self.content, list):
             texts = []
             for part in self.content:
-                if part.type != "text" or part.text is None:
+                if part.type != "text":
                     raise bad_request(f"content parts of type {part.type!r} are not supported; send text",
                                       param="messages")
+                if part.text is None:
+                    raise bad_request('a content part of type "text" needs its "text"', param="messages")
                 texts.append(part.text)
             d["content"] = "".join(texts)
         return d
@@ -266,6 +275,11 @@ class ChatCompletionRequest(_GenerationRequest):
     function_call: Any = None  # the older name of tool_choice
     tools: _documented({"type": "array"}) = None  # served only with tool_choice "none" (or empty)
     functions: _documented({"type": "array"}) = None  # the older name of tools
+    # in the schema: non-empty tools need tool_choice or function_call "none"
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"allOf": [_REPRODUCIBLE_NEEDS_SEED, *(
+        {"if": {"properties": {key: {"type": "array", "minItems": 1}}, "required": [key]},
+         "then": {"anyOf": [{"properties": {choice: {"const": "none"}}, "required": [choice]}
+                            for choice in ("tool_choice", "function_call")]}} for key in ("tools", "functions"))]})
 
     @field_validator("tools", "functions")
     @classmethod
@@ -299,7 +313,7 @@ class CompletionRequest(_GenerationRequest):
 
     # a string, a list of strings, token ids, or a list of token-id lists: checked by prompts()
     prompt: Annotated[Any, WithJsonSchema({"anyOf": [
-        {"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "string"}, "minItems": 1},
+        {"type": "string", "minLength": 1}, {"type": "array", "items": {"type": "string", "minLength": 1}, "minItems": 1},
         {**_TOKEN_IDS, "minItems": 1},
         {"type": "array", "items": {**_TOKEN_IDS, "minItems": 1}, "minItems": 1}]})]
     # max_tokens 0 scores the prompt only, with echo
@@ -309,6 +323,12 @@ class CompletionRequest(_GenerationRequest):
     suffix: Annotated[StrictStr | None, WithJsonSchema({"anyOf": [{"type": "string", "maxLength": 0},
                                                                   {"type": "null"}]})] = None
     best_of: _documented({"type": "integer", "minimum": 1, "maximum": MAX_N}) = None
+    # in the schema: best_of, when given, equals n
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"allOf": [_REPRODUCIBLE_NEEDS_SEED, {
+        "if": {"properties": {"best_of": {"type": "integer"}}, "required": ["best_of"]},
+        "then": {"anyOf": [{"properties": {"best_of": {"const": 1}, "n": {"const": 1}}},
+                           *({"properties": {"best_of": {"const": k}, "n": {"const": k}}, "required": ["n"]}
+                             for k in range(2, MAX_N + 1))]}}]})
 
     @field_validator("best_of")
     @classmethod
@@ -351,6 +371,11 @@ class TokenizeRequest(_Request):
     add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool = True
     return_token_strs: StrictBool = False
+    # in the schema: exactly one of prompt and messages (null counts as absent)
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"anyOf": [
+        {"properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}, "required": ["prompt"]},
+        {"properties": {"messages": {"type": "array", "minItems": 1}, "prompt": {"type": "null"}},
+         "required": ["messages"]}]})
 
     @model_validator(mode="after")
     def _one_input(self) -> TokenizeRequest:
