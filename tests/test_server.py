@@ -384,6 +384,17 @@ def test_serve_dry_run_prints_plan_and_binds_nothing(tiny_model_dir, held_port):
     assert "decode_gap_target = 0.5" in r.stdout
 
 
+def test_serve_dry_run_shows_the_guards_but_never_the_key(tiny_model_dir, held_port):
+    r = _serve(str(tiny_model_dir), "--dry-run", "--port", str(held_port), "--api-key", "sekret-123",
+               "--allowed-hosts", "box.lan", "--max-tokens-default", "512", "--no-access-log")
+    assert r.returncode == 0, r.stderr
+    assert "sekret-123" not in r.stdout + r.stderr and 'api_key = "set"' in r.stdout
+    assert 'allowed_hosts = "box.lan"' in r.stdout and "max_tokens_default = 512" in r.stdout
+    assert "access_log = false" in r.stdout
+    r = _serve(str(tiny_model_dir), "--dry-run", "--max-tokens-default", "0")
+    assert r.returncode == 2 and "--max-tokens-default" in r.stderr
+
+
 def test_serve_decode_gap_target_and_no_warmup_flags(tiny_model_dir, held_port):
     r = _serve(str(tiny_model_dir), "--dry-run", "--port", str(held_port), "--decode-gap-target", "0.25")
     assert r.returncode == 0, r.stderr
@@ -461,6 +472,11 @@ def test_serve_end_to_end_and_sigterm(tiny_model_dir, tmp_path):
     assert "warming up (decode batch sizes 1-3" in out and "warmed up in" in out and "decode batch sizes 1-3," in out
     assert out.index("warming up") < out.index("warmed up") < out.index("ready in")
     assert "shut down cleanly" in err
+    # the access log is on by default (at the default --log-level warning): one line per request, with its tokens
+    usage = r.json()["usage"]
+    assert (f'"POST /v1/chat/completions" 200 prompt_tokens={usage["prompt_tokens"]} '
+            f'completion_tokens={usage["completion_tokens"]} ') in err
+    assert err.count('"GET /v1/strata/stats" 200') == 1
 
 
 def test_stats_json_is_serialisable(live):
