@@ -193,7 +193,8 @@ def _build(app: FastAPI, model_name: str, api_key: bool, vocab: int | None) -> d
             op["requestBody"] = {"required": True, "content": {"application/json": {"schema": ref(request,
                                                                                                   "validation")}}}
         body = ref(response, "serialization") if response is not None else {"type": "object"}
-        ok = {m: {"schema": body if m == "application/json" else {"type": "string"}} for m in media}
+        # an SSE stream's events are the JSON chunks (OpenAPI 3.1 has no schema for events): left undescribed
+        ok = {m: {"schema": body} if m == "application/json" else {} for m in media}
         statuses = sorted({*errors, 400, *((401,) if api_key and path not in OPEN_PATHS else ())})  # 400: bad Host
         responses: dict[str, Any] = {"200": {"description": "success", "content": ok}} if media else {}
         for status in statuses:
