@@ -10,6 +10,7 @@ driven over the DevTools protocol on a pipe; the browser tests skip only when no
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -149,7 +150,8 @@ def test_routes_loading_memory_and_static_files(engine):
     page = client.get("/dashboard")
     assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
     assert "connect-src 'self'" in page.headers["content-security-policy"]
-    for src in ("dashboard/static/dashboard_draw.js", "dashboard/static/dashboard.js", "dashboard/static/dashboard_experts.js",
+    for src in ("dashboard/static/dashboard_auth.js", "dashboard/static/dashboard_draw.js",
+                "dashboard/static/dashboard.js", "dashboard/static/dashboard_experts.js",
                 "dashboard/static/dashboard_engram.js", "dashboard/static/dashboard_cards.js",
                 "dashboard/static/dashboard.css"):
         assert src in page.text
@@ -245,20 +247,29 @@ DUMP = """JSON.stringify({body: {...document.body.dataset}, samples: window.stra
   charts: [...document.querySelectorAll('canvas')].map((c) => [c.id, c.dataset.points, c.dataset.firstT])})"""
 
 
-@pytest.fixture
-def real_server(engine):
-    """The real server (`create_app`) over the module's engine, through a real scheduler, on uvicorn."""
+@contextlib.contextmanager
+def running_server(engine, api_key: str | None = None, wrap=lambda app: app):
+    """The real server (`create_app`) over `engine`, through a real scheduler, on uvicorn (its ASGI app passed
+    through `wrap` first); yields {"url", "app", "served": the wrapped app}."""
     from strata.server.app import create_app
 
     scheduler = engine.scheduler(max_batch=4, token_budget=256, max_queue=32)
     scheduler.start()
-    app = create_app(engine, scheduler, "tiny")
+    app = create_app(engine, scheduler, "tiny", api_key=api_key)
+    served = wrap(app)
     try:
-        with serve_app(app) as url:
-            yield {"url": url, "app": app}
+        with serve_app(served) as url:
+            yield {"url": url, "app": app, "served": served}
     finally:
         scheduler.stop(drain=False)
     assert not app.state.dashboard_sampler.running  # the sampler stopped with the server
+
+
+@pytest.fixture
+def real_server(engine):
+    """The real server over the module's engine, without an API key."""
+    with running_server(engine) as server:
+        yield server
 
 
 def run_traffic(url: str, clients: int, until, limit_s: float = 30) -> int:
@@ -391,6 +402,66 @@ def test_dashboard_live_in_chromium(real_server, engine, browser, tmp_path):
     assert live["samples"] > n_before and live["lastT"] > t_before and live["polls"] > page["polls"], live
     assert live["value"]["engram-lookups"] > page["value"]["engram-lookups"]
     assert browser.page_errors() == []
+
+
+API_KEY = "dash+board/Key-7"  # a "+" and a "/": the fragment carries them as typed
+
+
+class Requests:
+    """ASGI wrapper: what each HTTP request sent (path, query string, Authorization and Cookie headers)."""
+
+    def __init__(self, app):
+        self.app, self.seen = app, []
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])
+            self.seen.append({"path": scope["path"], "query": scope["query_string"].decode(),
+                              "auth": headers.get(b"authorization", b"").decode(),
+                              "cookie": headers.get(b"cookie", b"").decode()})
+        await self.app(scope, receive, send)
+
+
+def test_dashboard_with_an_api_key(engine, browser):
+    with running_server(engine, API_KEY, wrap=Requests) as server:
+        url, seen = server["url"], server["served"].seen
+        # the key in the fragment: the charts get the key-guarded data, and the key leaves the address at once
+        browser.open(url + "/dashboard?interval=500#key=" + API_KEY)
+        browser.wait_for("document.body.dataset.state === 'live' && document.body.dataset.source === 'server'"
+                         " && Number(document.body.dataset.gridPolls) >= 1"
+                         " && Number(document.getElementById('req-chart').dataset.points) > 0",
+                         what="the charts drawn from the key-guarded routes", dump=DUMP)
+        page = browser.eval(READ_PAGE)
+        stats = engine.stats()
+        assert page["value"]["gen-tokens"] == stats["generated_tokens"] > 0
+        assert page["value"]["lookups"] == stats["tiers"]["lookups"] > 0 and page["charts"]["heatmap"]["cells"] == 32
+        assert page["charts"]["req-chart"]["points"] > 0
+        href = browser.eval("location.href")
+        assert API_KEY not in href and "key=" not in href and href.endswith("/dashboard?interval=500"), href
+        assert browser.eval("sessionStorage.getItem('strata.apiKey')") == API_KEY
+        assert browser.eval("document.getElementById('key-form').hidden") is True
+        polls = [r for r in seen if r["path"].startswith("/v1/strata/")]
+        assert polls and all(r["auth"] == "Bearer " + API_KEY for r in polls), polls
+        assert all(API_KEY not in r["path"] + r["query"] + r["cookie"] for r in seen), seen
+
+        # without one (a new tab: its own sessionStorage), the page asks; a wrong key is refused, the right one works
+        browser.open(url + "/dashboard?interval=500")
+        form = "!document.getElementById('key-form').hidden && document.body.dataset.state === 'locked'"
+        browser.wait_for(f"{form} && document.body.dataset.keyRefused === '0'", what="the key form", dump=DUMP)
+        assert browser.eval("Number(document.body.dataset.polls)") == 0
+        submit = ("(() => { document.getElementById('key-input').value = {key}; "
+                  "document.getElementById('key-form').requestSubmit(); })()")
+        browser.eval(submit.replace("{key}", json.dumps("wrong-key")))
+        browser.wait_for(f"{form} && document.body.dataset.keyRefused === '1'", what="the wrong key refused", dump=DUMP)
+        assert "refused" in browser.eval("document.getElementById('key-error').textContent")
+        assert browser.eval("sessionStorage.getItem('strata.apiKey')") is None
+        browser.eval(submit.replace("{key}", json.dumps(API_KEY)))
+        browser.wait_for("document.body.dataset.state === 'live' && Number(document.body.dataset.polls) >= 1",
+                         what="the page live with the typed key", dump=DUMP)
+        assert browser.eval("Number(document.getElementById('gen-tokens').dataset.value)") == stats["generated_tokens"]
+        assert browser.eval("sessionStorage.getItem('strata.apiKey')") == API_KEY
+        assert all(API_KEY not in r["path"] + r["query"] + r["cookie"] for r in seen), seen
+        assert browser.page_errors() == []
 
 
 def test_engram_panel_hidden_without_engram(engine, browser):

@@ -198,6 +198,24 @@ def test_api_key_guards_everything_but_health(live):
         assert "security" not in schema["paths"]["/health"]["get"]
 
 
+def test_api_key_leaves_the_dashboard_page_open_but_not_its_data(live):
+    with TestClient(create_app(live.engine, live.scheduler, MODEL, api_key="s3cret-key")) as c:
+        page = c.get("/dashboard")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        files = re.findall(r'(?:src|href)="(dashboard/static/[^"]+)"', page.text)
+        assert "dashboard/static/dashboard_auth.js" in files and "dashboard/static/dashboard.css" in files, files
+        for name in files:  # the page's scripts and style sheet: no data, no key
+            assert c.get("/" + name).status_code == 200, name
+        assert 'id="key-form"' in page.text  # where the page asks for the key
+        # the data the page draws needs the key; so does anything else under the dashboard's paths
+        for path in ("/v1/strata/stats", "/v1/strata/residency", "/v1/strata/history",
+                     "/dashboard/static/nope.js", "/dashboard/"):
+            _error(c.get(path), 401, "invalid_api_key")
+        ok = {"authorization": "Bearer s3cret-key"}
+        for path in ("/v1/strata/stats", "/v1/strata/residency", "/v1/strata/history"):
+            assert c.get(path, headers=ok).status_code == 200, path
+
+
 def test_api_key_file_and_its_errors(tmp_path):
     from argparse import Namespace
 

@@ -2,9 +2,9 @@
 
     mount_dashboard(app, get_engine, get_scheduler)   # in create_app
     GET /dashboard                  the page (HTML + vanilla JavaScript + CSS, no build step, no CDN)
-    GET /dashboard/static/{name}    its scripts (dashboard.js, its drawing dashboard_draw.js, the panels'
-                                    dashboard_experts.js (heatmaps), dashboard_engram.js (Engram) and
-                                    dashboard_cards.js (per card)) and style sheet
+    GET /dashboard/static/{name}    its scripts (dashboard.js, its drawing dashboard_draw.js, the API key's
+                                    dashboard_auth.js, the panels' dashboard_experts.js (heatmaps),
+                                    dashboard_engram.js (Engram) and dashboard_cards.js (per card)) and style sheet
     GET /v1/strata/residency        `residency_grid(engine.tiers)` as JSON (503 while the model loads)
     GET /v1/strata/history[?since=T] the charts' figures, sampled by the server once a second
                                     (`dashboard_history`): 1 s steps for 5 minutes, 10 s steps for an hour
@@ -18,6 +18,11 @@ table rows served per tier (row cache, table tier) over time, bytes read and sta
 over several cards (`devices` in the tier stats) a panel lists per card its stage layers, GPU hit ratio,
 lookups, PCIe bytes and GPU tier use, plus the stage hops. Served without a history (a server that does
 not sample), the page samples its own polls instead. It tolerates missing keys.
+
+With `strata serve --api-key KEY`, the page and its static files (`PAGE_PATHS`) answer without the key; the data
+routes need it. The page takes the key from its address's fragment (`/dashboard#key=KEY`: a fragment is never sent
+to the server; the page removes it from the address bar at once) or, on a 401, from a form it shows; it keeps the
+key in the tab's `sessionStorage` and sends it as `Authorization: Bearer KEY` on every poll (dashboard_auth.js).
 
 The sampler is a task on the server's event loop, started by the first event the server handles (the
 lifespan's startup, or the first request when the lifespan is off) and cancelled with the loop when the
@@ -45,6 +50,7 @@ NOT_STORED = -1  # (layer, expert) that the store does not hold (never happens f
 
 _STATIC = {
     "dashboard.html": "text/html; charset=utf-8",
+    "dashboard_auth.js": "text/javascript; charset=utf-8",
     "dashboard_draw.js": "text/javascript; charset=utf-8",
     "dashboard.js": "text/javascript; charset=utf-8",
     "dashboard_experts.js": "text/javascript; charset=utf-8",
@@ -52,6 +58,9 @@ _STATIC = {
     "dashboard_cards.js": "text/javascript; charset=utf-8",
     "dashboard.css": "text/css; charset=utf-8",
 }
+# The page and its files, answered without the API key (`Guard`): they carry no data, and the page asks for the
+# key that its polls of the data routes send. Exactly these paths: any other, under /dashboard/static/ too, needs it.
+PAGE_PATHS: frozenset[str] = frozenset({"/dashboard", *(f"/dashboard/static/{name}" for name in _STATIC)})
 # The page loads nothing from anywhere but this server.
 _CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
         "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")

@@ -5,7 +5,9 @@
 - Host check: a web page on the same machine can make a browser send requests to 127.0.0.1 through a DNS name
   it controls (DNS rebinding); such a request carries that name in `Host`, so only the names this server is
   reached under are accepted (`HostRule`).
-- API key: with one set, every path but `/health` needs `Authorization: Bearer KEY` (compared in constant time).
+- API key: with one set, every path but `/health` and the dashboard's page and static files (`PAGE_PATHS`: they carry
+  no data; the page asks for the key and sends it on its polls) needs `Authorization: Bearer KEY` (compared in
+  constant time).
 - Access log: one line per request on the `strata.access` logger: client, method, path, status, the prompt and
   generated tokens when the route counted them (`record_usage`), and the seconds until the last byte was sent.
 - Memory: after a request that `release_memory_soon` marked (a large body), the heap is trimmed.
@@ -25,6 +27,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from strata.server.dashboard import PAGE_PATHS
 from strata.server.memory import release_memory_async, wants_release
 from strata.server.protocol import APIError
 
@@ -159,7 +162,8 @@ class Guard:
                 return APIError(400, f"the Host header {host!r} is not a name of this server (it answers to "
                                      f"{self.hosts.describe()}); to reach it under another name, start it with "
                                      "--allowed-hosts NAME", code="invalid_host")
-        if self.api_key is not None and scope.get("path") not in OPEN_PATHS:
+        path = scope.get("path")
+        if self.api_key is not None and path not in OPEN_PATHS and path not in PAGE_PATHS:
             scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.api_key):
                 what = "an incorrect API key" if given else "no API key"

@@ -1,5 +1,6 @@
 // strata tier dashboard: reads the server's history of the charts' figures (/v1/strata/history) on opening, then
-// polls /v1/strata/stats, /v1/strata/residency and the history's new samples, and draws them on <canvas>.
+// polls /v1/strata/stats, /v1/strata/residency and the history's new samples, and draws them on <canvas>. With a
+// server API key, every poll carries it and a 401 waits for one (dashboard_auth.js).
 // Plain JavaScript, no dependencies, nothing loaded from anywhere but this server; dashboard_draw.js draws.
 "use strict";
 
@@ -343,7 +344,8 @@
     const ctl = new AbortController();
     const timer = setTimeout(() => ctl.abort(), Math.max(3000, 3 * INTERVAL_MS));
     try {
-      const resp = await fetch(url, { cache: "no-store", signal: ctl.signal, headers: { Accept: "application/json" } });
+      const auth = window.strataAuth ? window.strataAuth.headers() : {};  // the API key, if the server has one
+      const resp = await fetch(url, { cache: "no-store", signal: ctl.signal, headers: { Accept: "application/json", ...auth } });
       let body = null;
       try { body = await resp.json(); } catch (e) { body = null; }
       return { status: resp.status, ok: resp.ok, body };
@@ -367,6 +369,11 @@
     const [stats, grid, history] = await Promise.allSettled([
       getJSON("v1/strata/stats"), getJSON("v1/strata/residency"), getJSON(historyURL())]);
     const answered = (r) => r.status === "fulfilled" && r.value.ok && r.value.body && typeof r.value.body === "object";
+    if (window.strataAuth && [stats, grid, history].some((r) => r.status === "fulfilled" && r.value.status === 401)) {
+      setState("locked", "API key needed");  // polling waits for a key (dashboard_auth.js's form)
+      window.strataAuth.refused().then(poll);
+      return;
+    }
     if (answered(history)) {
       state.historyPolls++;
       ingest(history.value.body);
