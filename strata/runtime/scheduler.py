@@ -288,7 +288,9 @@ class Scheduler:
             decoder = StreamDecoder(e.tokenizer) if e.tokenizer is not None else None
             self._running.append(Sequence(h, self._free.pop(), make_generator(r.params.seed, e.device), decoder,
                                           StopMatcher(r.params.stop), eos))
-            if getattr(e.model, "engram", None) is not None:  # the prompt's Engram rows, fetched now
+            # the prompt's Engram rows, fetched now (a score request reads them as its passes reach each layer: it
+            # prefills at once, in passes of its own)
+            if getattr(e.model, "engram", None) is not None and not r.score:
                 e.model.engram.prefetch(r.prompt_ids)
 
     def _drop_cancelled(self) -> None:
