@@ -134,7 +134,8 @@ def _cmd_demo_model(args: argparse.Namespace) -> int:
 
     out = write_demo_model(args.dir, size=args.size, layers=args.layers, progress=True, engram=not args.no_engram,
                            route_skew=args.route_skew, route_locality=args.route_locality)
-    print(f"wrote the {args.size} demo model to {out}")
+    what = "trained demo model" if args.size == "demo" else f"{args.size} random-weight demo model"
+    print(f"wrote the {what} to {out}")
     return 0
 
 
@@ -234,10 +235,14 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("store", help="store directory written by `strata convert` (or by `generate`/`serve` on first use)")
     p.set_defaults(func=_cmd_verify)
 
-    p = sub.add_parser("demo-model", help="write a deterministic random-weight demo checkpoint")
-    p.add_argument("dir")
-    p.add_argument("--size", default="small", choices=["tiny", "small", "bench"])
-    p.add_argument("--layers", type=int, default=None, help="fewer layers than the size's default")
+    p = sub.add_parser("demo-model", help="write the trained demo model, or a deterministic random-weight one")
+    p.add_argument("dir", help="directory to write (new or empty; one holding the same demo model is kept)")
+    p.add_argument("--size", default="demo", choices=["demo", "tiny", "small", "bench"],
+                   help="demo: the default model, trained on the KJV Bible and fortunes (6 layers x 32 experts, Engram, "
+                        "~18 MB); random weights: tiny (3 layers x 16 experts, ~1 MB, for tests), small (8 layers x 64 "
+                        "experts, ~390 MB), bench (Qwen3-30B-A3B's configuration, 48 layers x 128 experts, ~61 GB) "
+                        "(default: %(default)s)")
+    p.add_argument("--layers", type=int, default=None, help="fewer layers than the size's default (random sizes)")
     p.add_argument("--no-engram", action="store_true", help="leave out the Engram layers (hashed n-gram tables)")
     p.add_argument("--route-skew", default="0", metavar="S",
                    help="expert popularity in the weights: S > 0 Zipf-like (1: typical), 'uniform', 0: plain random")

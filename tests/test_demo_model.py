@@ -17,9 +17,7 @@ import strata.runtime.demo_model as dm
 from strata.errors import ConfigError, StrataError
 from strata.runtime.demo_model import (
     DEMO_SIZES,
-    default_model_dir,
     demo_config,
-    ensure_default_model,
     expected_bytes,
     write_demo_model,
 )
@@ -248,21 +246,6 @@ def test_stale_temporary_dirs_are_cleaned(tmp_path):
     stale.mkdir()
     write_demo_model(tmp_path / "m", "tiny", progress=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
-
-
-def test_default_model_dir_and_ensure(monkeypatch, tmp_path):
-    monkeypatch.setenv("STRATA_CACHE", str(tmp_path / "sc"))
-    assert default_model_dir() == tmp_path / "sc" / "models" / "demo-small-engram"
-    monkeypatch.delenv("STRATA_CACHE")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
-    assert default_model_dir() == tmp_path / "xdg" / "strata" / "models" / "demo-small-engram"
-    monkeypatch.delenv("XDG_CACHE_HOME")
-    monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert default_model_dir() == tmp_path / "home" / ".cache" / "strata" / "models" / "demo-small-engram"
-    seen = []
-    monkeypatch.setattr(dm, "write_demo_model", lambda d, size, **kw: seen.append((d, size)) or d)
-    assert ensure_default_model(progress=False) == default_model_dir()
-    assert seen == [(default_model_dir(), "small")]
 
 
 # --- tokenizer --------------------------------------------------------------------------------------

@@ -1,24 +1,30 @@
-"""`strata demo-model`: a deterministic random-weight MoE checkpoint in real Hugging Face format.
+"""`strata demo-model`: demo MoE checkpoints in real Hugging Face format, one trained and three random.
 
-The directory holds config.json, generation_config.json, model.safetensors (or HF-named shards and
+Each directory holds config.json, generation_config.json, model.safetensors (or HF-named shards and
 model.safetensors.index.json), tokenizer.json, tokenizer_config.json and chat_template.jinja, laid
 out exactly as real DeepSeek-V3 / Qwen3-MoE checkpoints ship them (one tensor per expert projection),
 so transformers and strata load the very same files. Sizes:
 
-- `tiny`: a 3-layer deepseek_v3 of ~1 MB for tests.
-- `small`: an 8-layer deepseek_v3 with 64 routed experts per MoE layer, ~390 MB; the README's default.
-- `bench`: Qwen3-30B-A3B's exact configuration (qwen3_moe, 48 layers x 128 experts), ~61 GB.
+- `demo`: the default model (`strata generate` with no MODEL). A 6-layer deepseek_v3 with 32 routed experts
+  per MoE layer (5 MoE layers) and Engram layers, ~8.7M parameters, ~18 MB, *trained* on the King James
+  Bible and fortune cookies (strata.runtime.demo_train, which documents the corpus and how to rerun it), so
+  it writes KJV-style English and its routers have a trained router's skew and temporal locality. Shipped
+  in the package (`TRAINED_DIR`); `ensure_default_model` returns it and `strata demo-model DIR` copies it.
+- `tiny`: a 3-layer deepseek_v3 of ~1 MB with random weights, for tests.
+- `small`: an 8-layer deepseek_v3 with 64 routed experts per MoE layer, ~390 MB of random weights.
+- `bench`: Qwen3-30B-A3B's exact configuration (qwen3_moe, 48 layers x 128 experts), ~61 GB of random weights.
 
-Weights are N(0, initializer_range) in bf16 (norms are 1.0). Every tensor is drawn from its own
-generator whose seed depends only on (seed, tensor name), so the bytes do not depend on write
-order or threading. Writing streams: each shard's header is written first (every shape is known),
-then worker threads generate tensors and `pwrite` them at their offsets, so memory stays at a few
-tensors. Everything is written into a hidden sibling directory that is renamed into place at the
-end: a crash never leaves a directory that looks like a model.
+The random sizes are written on demand: weights are N(0, initializer_range) in bf16 (norms are 1.0), each
+tensor drawn from its own generator whose seed depends only on (seed, tensor name), so the bytes do not
+depend on write order or threading. Writing streams: each shard's header is written first (every shape is
+known), then worker threads generate tensors and `pwrite` them at their offsets, so memory stays at a few
+tensors. Every size is written into a hidden sibling directory that is renamed into place at the end: a
+crash never leaves a directory that looks like a model.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -29,17 +35,19 @@ from pathlib import Path
 import torch
 
 from strata.errors import ConfigError
-from strata.fsutil import cache_root, pwrite_all, remove_stale_tmp_dirs, temp_sibling
+from strata.fsutil import pwrite_all, remove_stale_tmp_dirs, temp_sibling
 from strata.runtime.demo_skew import RouteSkew, check_locality, check_skew
 from strata.runtime.demo_tokenizer import ENDOFTEXT, IM_END, SPECIAL_IDS, tokenizer_size, write_tokenizer_files
 from strata.runtime.demo_weights import TensorSpec, make_tensor, tensor_specs, write_safetensors_header
 
-DEMO_SIZES: tuple[str, ...] = ("tiny", "small", "bench")
+DEMO_SIZES: tuple[str, ...] = ("tiny", "small", "bench")  # random weights, written on demand
+TRAINED_SIZE = "demo"  # trained weights, shipped in the package (strata.runtime.demo_train)
+TRAINED_DIR = Path(__file__).parent / "data" / TRAINED_SIZE
 DEFAULT_SHARD_BYTES = 4_000_000_000  # HF's "4GB" shard size (decimal)
 MARKER = "strata_demo.json"  # written last; identifies a complete demo model and its parameters
 TOKENIZER_VOCAB = {"tiny": 512, "small": 8192, "bench": 8192}
 
-_DEEPSEEK_COMMON = {
+DEEPSEEK_COMMON = {
     "architectures": ["DeepseekV3ForCausalLM"],
     "model_type": "deepseek_v3",
     "attention_bias": False,
@@ -63,7 +71,7 @@ _DEEPSEEK_COMMON = {
 
 _BASE_CONFIGS: dict[str, dict] = {
     "tiny": {
-        **_DEEPSEEK_COMMON,
+        **DEEPSEEK_COMMON,
         "vocab_size": 512,
         "hidden_size": 64,
         "intermediate_size": 128,
@@ -84,7 +92,7 @@ _BASE_CONFIGS: dict[str, dict] = {
         "max_position_embeddings": 4096,
     },
     "small": {
-        **_DEEPSEEK_COMMON,
+        **DEEPSEEK_COMMON,
         "vocab_size": 8192,
         "hidden_size": 512,
         "intermediate_size": 2048,
@@ -235,14 +243,15 @@ def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[Tens
     return [sorted(s, key=lambda t: t.dtype != "F32") for s in shards]  # stable sort
 
 
-def default_model_dir() -> Path:
-    """Where `ensure_default_model` keeps the small demo model: <strata cache>/models/demo-small-engram."""
-    return cache_root() / "models" / "demo-small-engram"  # a new name: older caches hold the model without Engram
-
-
 def ensure_default_model(progress: bool = True) -> Path:
-    """Write the `small` demo model into `default_model_dir()` on first use; return its directory."""
-    return write_demo_model(default_model_dir(), "small", progress=progress)
+    """The default model (no MODEL argument): the trained `demo` model's directory in the package, `TRAINED_DIR`.
+
+    Nothing is written here (`progress` is accepted for the callers that show one); the tiered runtime
+    builds its store from it in the cache on first use (strata.runtime.build.ensure_store)."""
+    if not (TRAINED_DIR / MARKER).is_file():
+        raise ConfigError(f"the trained demo model is missing from {TRAINED_DIR}; reinstall strata "
+                          "(its package data holds the model)")
+    return TRAINED_DIR
 
 
 def write_demo_model(
@@ -260,26 +269,39 @@ def write_demo_model(
 ) -> Path:
     """Write a demo model into `out_dir` (atomically) and return the directory.
 
+    `size` "demo" copies the trained model shipped in the package (the options that shape random weights do
+    not apply to it); the other sizes are written with random weights.
     `route_skew` S > 0 (Zipf-like) or "uniform" writes a routing profile into the weights (strata.runtime.demo_skew);
     `route_locality` L > 0 adds temporal locality to it (each router also weighs the recent context, L x the token).
 
     If `out_dir` already holds a demo model with the same size, layers and seed it is returned as is;
     any other non-empty directory is refused with a ConfigError.
     """
-    spec = DemoSpec(size, layers, seed, max_shard_bytes, engram, route_skew, route_locality)
+    if size == TRAINED_SIZE:
+        shaped = {"--layers": layers is not None, "--seed": seed != 0, "--no-engram": not engram,
+                  "--route-skew": check_skew(route_skew) != 0, "--route-locality": check_locality(route_locality) != 0}
+        if any(shaped.values()):
+            raise ConfigError(f"{', '.join(k for k, v in shaped.items() if v)}: the demo model is trained, its weights "
+                              f"are fixed; these options shape the random sizes ({', '.join(DEMO_SIZES)})")
+        marker = json.loads((ensure_default_model() / MARKER).read_text())
+        fill = functools.partial(shutil.copytree, TRAINED_DIR, dirs_exist_ok=True)  # fill(tmp) copies into tmp
+    else:
+        spec = DemoSpec(size, layers, seed, max_shard_bytes, engram, route_skew, route_locality)
+        marker = spec.marker()
+        fill = functools.partial(_write_into, spec=spec, progress=progress, workers=workers)
     out = Path(out_dir).expanduser().absolute()
-    if _existing_demo(out, spec):
+    if _existing_demo(out, marker):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_tmp_dirs(out)
     tmp = temp_sibling(out)
     tmp.mkdir()
     try:
-        _write_into(tmp, spec, progress, workers)
+        fill(tmp)
         try:
             os.rename(tmp, out)  # atomic; also replaces an empty directory
         except OSError:
-            if _existing_demo(out, spec):  # another process finished the same model first
+            if _existing_demo(out, marker):  # another process finished the same model first
                 shutil.rmtree(tmp, ignore_errors=True)
                 return out
             raise
@@ -289,8 +311,8 @@ def write_demo_model(
     return out
 
 
-def _existing_demo(out: Path, spec: DemoSpec) -> bool:
-    """True if `out` is a finished demo model matching `spec`; False if absent or empty; else ConfigError."""
+def _existing_demo(out: Path, marker: dict) -> bool:
+    """True if `out` is a finished demo model with this `MARKER` content; False if absent or empty; else ConfigError."""
     if not out.exists():
         return False
     if not out.is_dir():
@@ -303,7 +325,7 @@ def _existing_demo(out: Path, spec: DemoSpec) -> bool:
         raise ConfigError(
             f"{out} is not empty and is not a strata demo model; choose an empty or new directory"
         ) from None
-    if found != spec.marker():
+    if found != marker:
         raise ConfigError(
             f"{out} already holds a different demo model ({found.get('size')}, "
             f"{found.get('num_hidden_layers')} layers, seed {found.get('seed')}); delete it or choose another directory"
@@ -393,8 +415,9 @@ def _dump_json(path: Path, obj: dict) -> None:
 __all__ = [
     "DEMO_SIZES",
     "DemoSpec",
+    "TRAINED_DIR",
+    "TRAINED_SIZE",
     "demo_config",
-    "default_model_dir",
     "ensure_default_model",
     "expected_bytes",
     "write_demo_model",

@@ -1,9 +1,11 @@
-"""The demo model's tokenizer: a small byte-level BPE trained on a shipped English corpus.
+"""The demo models' tokenizer: a small byte-level BPE trained on English text.
 
-Training takes a fraction of a second, so no tokenizer file is shipped; `tokenizer_json` trains on
-`data/demo_corpus.txt` and caches the result per vocabulary size for the life of the process. The
-`tokenizers` BPE trainer is deterministic (merges are ranked by count, ties broken by the pair), so
-the same corpus and vocab size give a byte-identical tokenizer.json in every process.
+The random-weight sizes train it on the shipped `data/demo_corpus.txt`: that takes a fraction of a
+second, so no tokenizer file is shipped for them; `tokenizer_json` caches the result per vocabulary size
+for the life of the process. The trained `demo` model ships its own tokenizer.json, trained the same way
+(`train_tokenizer_json`) on its own corpus by strata.runtime.demo_train. The `tokenizers` BPE trainer is
+deterministic (merges are ranked by count, ties broken by the pair), so the same corpus and vocab size
+give a byte-identical tokenizer.json in every process.
 
 Ids are fixed by construction: the three special tokens come first (the trainer puts its
 `special_tokens` at ids 0..2), the 256 byte symbols and the learned merges follow, and `<think>` /
@@ -49,9 +51,18 @@ def render_chat(messages: list[dict[str, str]], add_generation_prompt: bool = Fa
 
 @functools.cache
 def tokenizer_json(vocab_size: int) -> str:
-    """Train the demo BPE with `vocab_size` tokens in all (cached) and return its tokenizer.json text.
+    """Train the demo BPE with `vocab_size` tokens in all on the shipped corpus (cached) and return its tokenizer.json.
 
     The result can be a little smaller than `vocab_size` if the corpus runs out of merges.
+    """
+    return train_tokenizer_json([CORPUS_PATH], vocab_size)
+
+
+def train_tokenizer_json(corpus_files: list[Path], vocab_size: int) -> str:
+    """Train the demo byte-level BPE on `corpus_files` (plain UTF-8 text) and return its tokenizer.json text.
+
+    Deterministic: the same files and vocab size give the same text. The special tokens take ids 0..2 and
+    `<think>`/`</think>` the last two ids, whatever the corpus.
     """
     if not isinstance(vocab_size, int) or vocab_size < MIN_VOCAB:
         raise ConfigError(f"demo tokenizer vocab_size {vocab_size!r} is too small; use at least {MIN_VOCAB}")
@@ -66,7 +77,7 @@ def tokenizer_json(vocab_size: int) -> str:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),  # all 256 bytes, even unseen ones
         show_progress=False,
     )
-    tok.train([str(CORPUS_PATH)], trainer)
+    tok.train([str(f) for f in corpus_files], trainer)
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in THINK_TOKENS])
     for name, want in SPECIAL_IDS.items():  # the config's eos/bos ids rely on this
         assert tok.token_to_id(name) == want, (name, tok.token_to_id(name))
@@ -83,12 +94,14 @@ def tokenizer_size(vocab_size: int) -> int:
     return build_tokenizer(vocab_size).get_vocab_size(with_added_tokens=True)
 
 
-def write_tokenizer_files(out_dir: Path, vocab_size: int, model_max_length: int) -> dict[str, int]:
+def write_tokenizer_files(out_dir: Path, vocab_size: int, model_max_length: int, text: str | None = None
+                          ) -> dict[str, int]:
     """Write tokenizer.json, tokenizer_config.json and chat_template.jinja into `out_dir`.
 
+    `text`: the tokenizer.json to write (None: the demo BPE of `vocab_size` tokens on the shipped corpus).
     Returns the ids of the special and think tokens, e.g. {"<|im_end|>": 2, "<think>": 510, ...}.
     """
-    text = tokenizer_json(vocab_size)
+    text = tokenizer_json(vocab_size) if text is None else text
     tok = Tokenizer.from_str(text)
     ids = {t: tok.token_to_id(t) for t in SPECIAL_TOKENS + THINK_TOKENS}
     (out_dir / "tokenizer.json").write_text(text, encoding="utf-8")
