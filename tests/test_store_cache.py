@@ -101,6 +101,23 @@ def test_other_weights_get_another_store(src, cache):
     assert read_index(second).source_fingerprint == checkpoint_fingerprint(src)
 
 
+def test_weights_of_the_same_shape_get_another_store(src, tmp_path, cache):
+    """Two checkpoints alike in every header (another seed, a fine-tune) but not in their weights: each loads
+    its own store and generates its own tokens (headers alone would give both the first one's store)."""
+    from strata.runtime.demo_model import write_demo_model
+
+    other = write_demo_model(tmp_path / "other" / src.name, size="tiny", seed=1)
+    assert all((other / f.name).read_bytes()[:64] == f.read_bytes()[:64] for f in src.glob("*.safetensors"))
+    assert checkpoint_fingerprint(other) != checkpoint_fingerprint(src)
+    cfg = load_config(NO_SCRUB)
+    assert ensure_store(other, cfg, progress=False) != ensure_store(src, cfg, progress=False)
+    outputs = []
+    for path in (src, other):
+        with Engine.from_pretrained(path, config={**NO_SCRUB, "runtime": {"cpu_numerics": "gpu"}}, device="cpu") as e:
+            outputs.append(e.generate([5, 6, 7, 8], max_tokens=8).token_ids)
+    assert outputs[0] != outputs[1]
+
+
 def test_a_store_left_without_its_index_is_rebuilt_not_used(src, cache):
     """A directory at the store's place with its data but no index (a store copied in part, an index lost)
     is neither loaded as a checkpoint nor in the way: the next load converts again."""

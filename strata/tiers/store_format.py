@@ -275,10 +275,12 @@ def _safe_relpath(p: str) -> bool:
 
 def checkpoint_fingerprint(checkpoint_dir: str | os.PathLike) -> str:
     """The identity of a checkpoint's weights, which keys its store: sha256 of each safetensors file's
-    name, size and raw header (sorted by name). Reads only headers; mtimes are ignored, so a copy is the
+    name, size, raw header and `FINGERPRINT_SAMPLES` 4 KiB windows spread evenly over its tensor data (sorted
+    by name). Headers alone would give two checkpoints of one shape (a fine-tune, another seed) one store;
+    the samples tell their weights apart while reading ~1 MiB a file. mtimes are ignored, so a copy is the
     same. config.json, the tokenizer and the other `COPIED_FILES` are not part of it: a store's copies of
     them follow the checkpoint (`StoreWriter.refresh_copies`)."""
-    return _fingerprint(Path(checkpoint_dir), b"strata-fingerprint-2\0", with_config=False)
+    return _fingerprint(Path(checkpoint_dir), b"strata-fingerprint-3\0", with_config=False, samples=FINGERPRINT_SAMPLES)
 
 
 def earlier_fingerprint(checkpoint_dir: str | os.PathLike) -> str:
@@ -287,7 +289,10 @@ def earlier_fingerprint(checkpoint_dir: str | os.PathLike) -> str:
     return _fingerprint(Path(checkpoint_dir), b"strata-fingerprint-1\0", with_config=True)
 
 
-def _fingerprint(directory: Path, tag: bytes, with_config: bool) -> str:
+FINGERPRINT_SAMPLES = 256  # data windows hashed per safetensors file (4 KiB each)
+
+
+def _fingerprint(directory: Path, tag: bytes, with_config: bool, samples: int = 0) -> str:
     h = hashlib.sha256(tag)
 
     def put(b: bytes) -> None:  # length-prefixed, so field boundaries cannot be confused
@@ -302,12 +307,25 @@ def _fingerprint(directory: Path, tag: bytes, with_config: bool) -> str:
                 head = f.read(8)
                 n = int.from_bytes(head, "little") if len(head) == 8 else 0
                 raw = f.read(min(n, 100 * 1024 * 1024))  # the format's header limit
+                windows = _data_windows(f.fileno(), 8 + n, size, samples)
             put(path.name.encode())
             put(size.to_bytes(8, "little"))
             put(head + raw)
+            put(windows)
     except OSError as e:
         raise CheckpointError(f"{getattr(e, 'filename', None) or directory}: cannot read: {e.strerror or e}") from e
     return h.hexdigest()
+
+
+def _data_windows(fd: int, start: int, end: int, count: int, width: int = 4096) -> bytes:
+    """`count` windows of `width` bytes at evenly spaced offsets of [start, end) (the last one ends at `end`)."""
+    span = end - start
+    if count <= 0 or span <= 0:
+        return b""
+    if span <= count * width:
+        return os.pread(fd, span, start)
+    step = (span - width) / (count - 1) if count > 1 else 0
+    return b"".join(os.pread(fd, width, start + int(i * step)) for i in range(count))
 
 
 def is_store(directory: str | os.PathLike) -> bool:
