@@ -83,14 +83,12 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 def _generate(engine, args: argparse.Namespace) -> int:
     write = _writer(sys.stdout)
-    if args.chat:
-        text = engine.tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
-        prompt = engine.tokenizer.encode(text, add_special_tokens=False)
-    else:
-        prompt = args.prompt
+    prompt = engine.chat_prompt([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    stream = engine.stream(prompt, **_sampling(args), reproducible=args.reproducible)  # a refused prompt raises here
+    if not args.chat:
         write(args.prompt)
     try:
-        for piece in engine.stream(prompt, **_sampling(args), reproducible=args.reproducible):
+        for piece in stream:
             write(piece)
             sys.stdout.flush()
     finally:  # the text so far ends its line, so an error (or ^C) is printed on one of its own

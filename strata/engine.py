@@ -274,11 +274,14 @@ class Engine:
         """Apply the checkpoint's chat template to `messages` and generate the assistant's reply.
 
         Keyword arguments are those of `generate` (`reproducible=True` included)."""
+        return self.generate(self.chat_prompt(messages), **kwargs)
+
+    def chat_prompt(self, messages: list[dict]) -> list[int]:
+        """The token ids of `messages` rendered by the checkpoint's chat template, ready for the assistant's reply."""
         if self.tokenizer is None:
             raise RequestError(self._no_tokenizer("chat needs one to apply its template"))
         text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
-        return self.generate(ids, **kwargs)
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def score(self, token_ids: Sequence[int]) -> torch.Tensor:
         """Log-probabilities of the next token at every position: float32 [len(ids), vocab] on CPU.

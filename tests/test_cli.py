@@ -145,6 +145,18 @@ def test_generate_writes_only_model_text_to_stdout(capfd, tiny_model_dir, tiny_e
     assert summary.startswith("[64 tokens, prefill ") and "tok/s" in summary and summary not in out
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_generate_on_a_model_without_tokenizer_is_one_line_before_any_echo(capfd, tiny_model_dir, tmp_path, chat):
+    import shutil
+
+    bare = shutil.copytree(tiny_model_dir, tmp_path / "bare", ignore=shutil.ignore_patterns("tokenizer*", "*.jinja"))
+    code = main(["generate", str(bare), "--prompt", "Hello there", "--device", "cpu", *(["--chat"] if chat else [])])
+    out, err = capfd.readouterr()
+    assert code == 2 and out == ""  # nothing echoed: the prompt was refused first
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("strata: error: ") and "no tokenizer (tokenizer.json)" in line
+
+
 def test_generate_into_a_closed_pipe_stops_quietly(tiny_model_dir):
     """`strata generate ... | head -c 1`: the reader leaves early; no traceback, the status a SIGPIPE'd tool has."""
     proc = subprocess.Popen(

@@ -386,7 +386,7 @@ def test_staged_tiered_engram_model_matches_memory_model(engram6_dir, tmp_path_f
 
     os.environ.setdefault("STRATA_CACHE", str(tmp_path_factory.mktemp("cache")))
     cfg = load_config({"runtime": {"cpu_numerics": "gpu", "max_context": 64}, "tiers": {"disk": {"scrub": False}},
-                       "engram": {"tier": "disk", "row_cache": "1KiB", "read_batch": 7}})
+                       "engram": {"tier": "disk", "row_cache": "1KiB"}, "debug": {"engram_read_batch": 7}})
     store = ensure_store(engram6_dir, cfg, False)
     loaded = assemble_tiered(Checkpoint.open(store), [(CPU, 0, 3), (CPU, 3, 6)], [8, 8],
                              TierBudgets(gpu_slots=16, pinned_slots=20), cfg, torch.float32, ram_available=1 << 30)
