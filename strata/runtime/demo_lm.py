@@ -18,6 +18,7 @@ projection (transformers keeps them fused as gate_up_proj [E, 2I, H] and down_pr
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 import re
 from pathlib import Path
@@ -132,21 +133,33 @@ def checkpoint_tensors(model: DemoLM, config: dict) -> dict[str, torch.Tensor]:
 
 
 def export_checkpoint(model: DemoLM, config: dict, path: Path) -> None:
-    """Write `model` as one bf16 safetensors file (router biases and token_map F32). Its header carries a hash of
-    the weights, so a retrained model never reuses a store built from another (stores are keyed by headers)."""
-    from safetensors.torch import save_file
-
+    """Write `model` as one bf16 safetensors file (router biases and token_map F32), byte for byte the same for the
+    same weights: tensors in checkpoint order, the F32 ones first (8-byte aligned after the padded header), and a
+    header whose metadata carries a hash of the weights, so a retrained model never reuses a store built from
+    another (stores are keyed by headers)."""
     tensors = checkpoint_tensors(model, config)
+    order = sorted(tensors, key=lambda n: tensors[n].dtype != torch.float32)  # stable: checkpoint order otherwise
+    data = {name: tensors[name].reshape(-1).view(torch.uint8).numpy().tobytes() for name in order}
     digest = hashlib.sha256()
-    for name in sorted(tensors):
-        digest.update(name.encode() + tensors[name].view(torch.uint8).numpy().tobytes())
-    save_file(tensors, str(path), metadata={"format": "pt", "strata_demo_weights": digest.hexdigest()[:16]})
+    for name in sorted(data):
+        digest.update(name.encode() + data[name])
+    names = {torch.bfloat16: "BF16", torch.float32: "F32"}
+    header: dict[str, dict] = {"__metadata__": {"format": "pt", "strata_demo_weights": digest.hexdigest()[:16]}}
+    at = 0
+    for name in order:
+        header[name] = {"dtype": names[tensors[name].dtype], "shape": list(tensors[name].shape),
+                        "data_offsets": [at, at + len(data[name])]}
+        at += len(data[name])
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)  # the data starts 8-byte aligned
+    with open(path, "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for name in order:
+            f.write(data[name])
 
 
 def load_checkpoint(directory: Path) -> DemoLM:
     """The DemoLM of a checkpoint written by `export_checkpoint` (fp32, eval mode): strata's reference in tests."""
-    import json
-
     from safetensors.torch import load_file
 
     config = json.loads((directory / "config.json").read_text())
