@@ -299,7 +299,7 @@ def test_engram_tables_are_planned_per_tier(q30b_engram):
     assert base.engram.row_cache_in_ram and base.engram.gpu_bytes == 0 and base.engram.ram_bytes == 1 * GiB
     assert "row cache 1.00 GiB in pinned RAM" in base.format() or "row cache 1.0 GiB in pinned RAM" in base.format()
     assert (base.tier("gpu").slots - gpu.tier("gpu").slots) * slot == pytest.approx(16 * GiB, abs=slot)
-    vram = plan(q30b_engram, host(gpu=48 * GiB), {"engram": {"tier": "disk", "row_cache": "1GiB", "zero_copy": False}})
+    vram = plan(q30b_engram, host(gpu=48 * GiB), {"engram": {"tier": "disk", "row_cache": "1GiB"}, "debug": {"engram_zero_copy": False}})
     assert not vram.engram.row_cache_in_ram and vram.engram.gpu_bytes == 1 * GiB and vram.engram.ram_bytes == 0
     assert (vram.tier("gpu").slots - gpu.tier("gpu").slots) * slot == pytest.approx(15 * GiB, abs=slot)
     pinned = plan(q30b_engram, host(gpu=48 * GiB), {"engram": {"tier": "pinned"}})

@@ -310,7 +310,8 @@ def test_a_step_is_all_queued_sampling_included_before_its_books_run(tiny_engine
     s.overlap = False
     s.start()
     try:
-        out = run_all(s, [GenRequest(p, sp) for p, sp in zip(ps, params, strict=True)])
+        handles = s.submit_together([GenRequest(p, sp) for p, sp in zip(ps, params, strict=True)])  # one first pass
+        out = [list(h.iter_events(timeout=120)) for h in handles]
     finally:
         s.stop()
     monkeypatch.setattr(tiny_engine.model, "graphs", None)

@@ -68,12 +68,12 @@ def plan_engram(table_bytes: int, cfg: StrataConfig, on_gpu: bool, several_gpus:
     if tier == "tmpfs" and table_bytes > min(tmpfs_free, ram_room):
         raise EngramPlanError(f"the Engram tables ({f(table_bytes)}) do not fit in tmpfs ({f(min(tmpfs_free, ram_room))} "
                               'usable); raise tiers.tmpfs.budget or set engram.tier = "disk" (or "auto")')
-    zero_copy = on_gpu and e.zero_copy and tier in ("pinned", "tmpfs")
+    zero_copy = on_gpu and cfg.debug.engram_zero_copy and tier in ("pinned", "tmpfs")
     wanted = e.row_cache_bytes if e.row_cache_bytes is not None else min(table_bytes // 8, ROW_CACHE_AUTO_MAX)
     cached = not (tier == "gpu" or zero_copy or (tier == "pinned" and not on_gpu))
     cache = min(wanted, table_bytes) if cached else 0
     whole_on_device = table_bytes if tier == "gpu" else 0
-    in_ram = on_gpu and e.zero_copy and cached  # EngramRowStore: a pinned slab mapped for the GPU
+    in_ram = on_gpu and cfg.debug.engram_zero_copy and cached  # EngramRowStore: a pinned slab mapped for the GPU
     return EngramPlan(
         tier=tier, table_bytes=table_bytes, zero_copy=zero_copy, row_cache_bytes=cache,
         gpu_bytes=(whole_on_device + (0 if in_ram else cache)) if on_gpu else 0,
