@@ -9,7 +9,7 @@ per shape (Qwen: 48 layers x 8 = 384 experts at the default 4 GiB), cycled layer
 call reads cold weights from RAM, not from the caches.
 
 Figures are effective GB/s = weight bytes of the experts a call uses / its wall time, for
-  kernel   strata.kernels.cpu_experts.cpu_experts_forward, every backend this CPU runs
+  kernel   strata.kernels.cpu.experts.cpu_experts_forward, every backend this CPU runs
   torch    one `expert_swiglu` per expert on bf16 activations (bf16 F.linear), weighted and added
            with index_add_, torch.set_num_threads(--threads): ~23 GB/s on the H200 machine's 16 cores
   ram      the larger of torch.sum over a 2 GiB fp32 buffer (best of 5) and a streaming read of the
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-from strata.kernels import cpu_experts as ce
+from strata.kernels.cpu import experts as ce
 from strata.kernels.experts import expert_swiglu
 
 GiB = 1 << 30

@@ -9,7 +9,7 @@ The mailbox worker calls the kernel once per MoE layer with ~80 us of GPU work b
 it reads leaves ~30 us a call that no byte explains (measured in decode on the H200 machine). This
 calls the kernel the way the worker does (experts by address, the CPU's leading rows of split experts, a spin
 of --gap-us between calls, fresh experts every call so nothing is cached) for shares from a quarter expert to
-four, with the kernel's phase trace on (`strata.kernels.cpu_experts.trace`), once per knob set
+four, with the kernel's phase trace on (`strata.kernels.cpu.experts.trace`), once per knob set
 (`cpu_experts.tune`), and prints per share: us a call, GB/s, and the phases: set-up, the last thread's arrival,
 gate/up, a thread's mean wait at the barrier, down, a thread's mean idle time at the end. Then the least-squares
 line of time against bytes per knob set: its intercept is the fixed cost. Writes cpu_kernel_trace.json.
@@ -29,8 +29,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root, when run as a script
-from strata.kernels import cpu_experts as ce  # noqa: E402
-from strata.kernels.cpu_kernel_tuning import parse_knobs  # noqa: E402
+from strata.kernels.cpu import experts as ce  # noqa: E402
+from strata.kernels.cpu.tuning import parse_knobs  # noqa: E402
 
 HIDDEN, INTER = 2048, 768  # the bench model's expert (Qwen3-30B-A3B): 9.4 MB in bf16
 # (experts, fraction of the intermediate rows computed here, packed): a split expert's rows are the leading part

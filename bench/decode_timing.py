@@ -35,8 +35,8 @@ def timed_decode(engine, prompt: list[int], tokens: int, sync: Callable[[], None
     """Generate `tokens` tokens of `prompt` at temperature 1 (seeded, EOS ignored) and time the decode phase;
     `on_first_token` runs once the prefill's token is out, before the decode phase is timed (the scheduler's
     next step waits for it: it runs under the engine's step lock)."""
-    from strata.runtime.requests import GenRequest
-    from strata.runtime.sampler import SamplingParams
+    from strata.runtime.generation.requests import GenRequest
+    from strata.runtime.generation.sampler import SamplingParams
 
     params = SamplingParams(max_tokens=tokens, temperature=1.0, seed=seed, ignore_eos=True)
     scheduler = engine.scheduler()

@@ -34,9 +34,9 @@ import numpy as np
 import torch
 
 from strata import Engine
-from strata.runtime import engram_demo
-from strata.runtime.demo_model import write_demo_model
-from strata.runtime.kv_cache import KVCache, StepBatch
+from strata.runtime.demo import engram as engram_demo
+from strata.runtime.demo.model import write_demo_model
+from strata.runtime.model.kv_cache import KVCache, StepBatch
 from strata.tiers.diskio import fs_type
 
 # (tier, prefetch, zero_copy): [debug] engram_prefetch and engram_zero_copy; zero_copy matters for pinned and tmpfs
@@ -64,7 +64,7 @@ def zipf_tokens(n: int, vocab: int, a: float, seed: int) -> np.ndarray:
 def text_streams(files: list[str], model_dir: Path, batch: int, length: int) -> torch.Tensor:
     """`batch` token streams of `length` tokens from real text (`files` concatenated, tokenized with the model's
     own tokenizer; stream i is the i-th slice), int64 [batch, length]. Raises when the text is too short."""
-    from strata.runtime.tokenizer import Tokenizer
+    from strata.runtime.generation.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_dir)
     ids = tok.encode("\n".join(Path(f).read_text(errors="ignore") for f in files))

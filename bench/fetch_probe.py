@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from strata.kernels.host_signal import load_acquire, wait_and_fetch  # noqa: E402
+from strata.kernels.gpu.host_signal import load_acquire, wait_and_fetch  # noqa: E402
 
 
 @triton.jit

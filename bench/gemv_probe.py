@@ -1,4 +1,4 @@
-"""The decode GEMV (strata.kernels.decode_gemv) against cuBLAS's F.linear on a decode step's projections.
+"""The decode GEMV (strata.kernels.gpu.decode_gemv) against cuBLAS's F.linear on a decode step's projections.
 
 Each timing replays a CUDA graph of `--calls` calls (so launch gaps are a graph's, as in decode), rotating over
 enough weight copies that every call reads its weights from HBM, not from the 50 MB L2. Prints us a call and
@@ -17,7 +17,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from strata.kernels import decode_gemv
+from strata.kernels.gpu import decode_gemv
 
 SHAPES = {"qkv": (5120, 2048), "o_proj": (2048, 4096), "router": (128, 2048), "dense_up": (12288, 2048)}
 

@@ -6,7 +6,7 @@ Cases, all in this one run on the same weights (the store is built once, on firs
   ceiling        every expert in VRAM (runtime.experts = "memory"), decode steps replayed as CUDA graphs
   ceiling_eager  the same without graphs (debug.cuda_graphs = false: what the graphs are worth)
   ceiling_unfused, split_unfused   the same with the fused decode kernels off (debug.fused_kernels = false:
-                 torch's op chains; what strata.kernels.fused and decode_attention are worth)
+                 torch's op chains; what strata.kernels.gpu.fused and decode_attention are worth)
   ceiling_nofolds, split_nofolds   the same with the folds off (the module flag fused.FOLDS: cache writes in the
                  key's rotary kernel, residual add in the next norm, q/k/v in one GEMM; what they are worth)
   split          GPU budget = fraction of the expert bytes, the rest in pinned RAM; cold experts split
@@ -20,18 +20,18 @@ Modifiers, appended with "+" to any case (e.g. `split+noprefetch+spin2000`), for
   shareX         one-graph split decode: a fixed GPU share X of the cold experts read in place (debug.gpu_share = X;
                  0: none; default: adapted from the GPU's wait for the CPU worker)
   norouter       decode routing in three launches (cuBLAS GEMV, softmax top-k, slot gather) instead of the one of
-                 strata.kernels.decode_router (its module flag ENABLED off)
+                 strata.kernels.gpu.decode_router (its module flag ENABLED off)
   noresidual     a MoE layer's residual added by its own launch instead of in the experts' combine
                  (the module flag fused.RESIDUAL_FOLD off)
-  nogemv         decode's attention projections through cuBLAS instead of strata.kernels.decode_gemv (its module
+  nogemv         decode's attention projections through cuBLAS instead of strata.kernels.gpu.decode_gemv (its module
                  flag ENABLED off)
   noqk           a decode layer's query norm and rotary in their own launch instead of in the keys' cache write
                  (the module flag fused.QK_FOLD off)
   nopdl          decode's Triton kernels launched without programmatic dependent launch (debug.pdl = false;
-                 strata.kernels.pdl)
+                 strata.kernels.gpu.pdl)
   nowarm         one-graph split decode without warm-ahead (debug.warm_ahead = false; on by default: the worker
                  reads the next layer's predicted cold experts' gate/up rows into its threads' caches during the
-                 serial phase, strata.runtime.warm_ahead)
+                 serial phase, strata.runtime.offload.warm_ahead)
   grouped        debug.grouped_prefill = true: prefill's experts through two grouped GEMMs a layer
   sync           debug.overlap_decode = false: each token read on the host before the next step is queued
   host           debug.split_decode = "host": host steps at every MoE layer (the cost model splits the cold
@@ -102,8 +102,8 @@ def wait_for_placement(m, limit_s: float = 120.0) -> float:
 def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device: str = "cuda",
              label: str | None = None) -> dict:
     from strata import Engine
-    from strata.kernels import cpu_experts as ce
-    from strata.kernels import cpu_kernel_tuning
+    from strata.kernels.cpu import experts as ce
+    from strata.kernels.cpu import tuning as cpu_kernel_tuning
 
     t_load = time.perf_counter()
     engine = Engine.from_pretrained(model, config=cfg, device=device)
@@ -226,9 +226,9 @@ def main() -> None:
     ap.add_argument("--cache", default="/dev/shm/strata-cache")
     ap.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke run)")
     args = ap.parse_args()
-    from strata.kernels import cpu_experts as ce
-    from strata.kernels import decode_gemv, decode_router, fused
-    from strata.runtime.inspect import summarize_checkpoint
+    from strata.kernels.cpu import experts as ce
+    from strata.kernels.gpu import decode_gemv, decode_router, fused
+    from strata.runtime.plan.inspect import summarize_checkpoint
 
     s = summarize_checkpoint(args.model)
     budget = int(s.bytes_by_role["experts"] * args.gpu_fraction)

@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     wrapped = wrap_compilers()
     from strata import Engine
-    from strata.runtime.warmup import warm_up
+    from strata.runtime.generation.warmup import warm_up
 
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(a.model, config=json.loads(a.config))

@@ -1,6 +1,6 @@
 """The builds of the decode step's Triton kernels, counted and timed on any machine, no GPU needed: Triton's binder
 gives each launch's specialization key for an H200 (sm_90) target, and each new key is compiled for that target on
-this machine's CPU (Triton's wheel carries ptxas). What a fresh install's serving warm-up (strata.runtime.warmup)
+this machine's CPU (Triton's wheel carries ptxas). What a fresh install's serving warm-up (strata.runtime.generation.warmup)
 spends on them: one decode graph per batch size, each launching the per-layer kernels (the mailbox's pack and fetch,
 warm-ahead's plan: the default sweep) once per MoE layer, and the step's other kernels (`--model`).
 
@@ -94,8 +94,8 @@ def _zeros(dtype):
 def pack_launch(n: int, layer: int, share, top_k: int, hidden: int = H) -> None:
     """A synthetic decode layer's fused mailbox pack for n tokens: the inbox in host memory and the GPU share's
     split."""
-    from strata.kernels import mailbox_pack
-    from strata.runtime.cpu_mailbox import inbox_layout
+    from strata.kernels.gpu import mailbox_pack
+    from strata.runtime.offload.mailbox import inbox_layout
 
     i32, i64 = _zeros(torch.int32), _zeros(torch.int64)
     p = n * top_k
@@ -109,8 +109,8 @@ def pack_launch(n: int, layer: int, share, top_k: int, hidden: int = H) -> None:
 
 def gpu_share(layers: int, hidden: int = H):
     """A GPU share over a synthetic address table of `layers` x E experts (the pack reads only its shapes)."""
-    from strata.kernels.grouped import HostExperts
-    from strata.runtime.gpu_share import GpuShare
+    from strata.kernels.gpu.grouped import HostExperts
+    from strata.runtime.offload.gpu_share import GpuShare
 
     table = (np.arange(layers * E, dtype=np.int64).reshape(layers, E) + 1) * 4096
     experts = HostExperts(torch.bfloat16, (2 * INTER, hidden), (hidden, INTER), 3 * INTER * hidden * 2)
@@ -122,11 +122,11 @@ def decode_objects(layers: int, max_tokens: int, top_k: int, hidden: int = H):
     """The one-graph split decode objects whose buffers the per-layer kernels take, built on the CPU as serving
     builds them on the GPU (their layouts decide the pointers' alignment): the mailbox (its worker started, never
     posted), its GPU share and warm-ahead's plan ([debug] warm_ahead, on by default). Yields (mailbox, share, ahead)."""
-    from strata.kernels import cpu_experts as ce
-    from strata.kernels import mailbox_pack
-    from strata.kernels import warm_plan as wp
-    from strata.runtime.cpu_mailbox import CpuMailbox
-    from strata.runtime.warm_ahead import WarmAhead
+    from strata.kernels.cpu import experts as ce
+    from strata.kernels.gpu import mailbox_pack
+    from strata.kernels.gpu import warm_plan as wp
+    from strata.runtime.offload.mailbox import CpuMailbox
+    from strata.runtime.offload.warm_ahead import WarmAhead
 
     if ce.backend() == "torch":
         raise Unavailable("the mailbox's buffers need the compiled CPU expert kernel (its worker)")
@@ -151,8 +151,8 @@ def decode_objects(layers: int, max_tokens: int, top_k: int, hidden: int = H):
 def exchange_launch(box, share, layer: int, n: int, hidden: int = H) -> None:
     """Layer `layer`'s direct exchange for n tokens as `CpuMailbox.exchange` makes it on the GPU: the fused pack
     (inbox posted by the kernel itself) and the kernels that wait for the worker's answer and fetch it."""
-    from strata.kernels.host_signal import MAX_SPINS
-    from strata.runtime.cpu_mailbox import inbox_layout
+    from strata.kernels.gpu.host_signal import MAX_SPINS
+    from strata.runtime.offload.mailbox import inbox_layout
 
     k = box.top_k
     p = n * k
@@ -166,7 +166,7 @@ def exchange_launch(box, share, layer: int, n: int, hidden: int = H) -> None:
 def as_on_the_gpu():
     """The kernels' wrappers take their GPU path on CPU tensors (launches recorded, never run), with programmatic
     dependent launch on, as on the H200."""
-    from strata.kernels import fused, pdl
+    from strata.kernels.gpu import fused, pdl
 
     saved = fused._INTERPRET, pdl.on
     fused._INTERPRET, pdl.on = True, (lambda x: True)
@@ -180,8 +180,8 @@ def model_launches(n: int, length: int, top_k: int, share, max_len: int = 4096) 
     """The rest of a decode step's kernels for n tokens at KV length `length` (its bucket), as one-graph split
     decode launches them on the bench model: a layer's norms, projections (GEMV at one token), cache write,
     attention, router, resident pairs, in-place share and combine, then the head's norm and projection."""
-    from strata.kernels import decode_gemv, decode_router, fused, grouped
-    from strata.kernels.decode_attention import decode_attention
+    from strata.kernels.gpu import decode_gemv, decode_router, fused, grouped
+    from strata.kernels.gpu.decode_attention import decode_attention
 
     bf, eps, p = torch.bfloat16, 1e-6, n * top_k
     x, w = torch.zeros(n, H, dtype=bf), torch.ones(H, dtype=bf)

@@ -16,8 +16,8 @@ import os
 
 import torch
 
-from strata.runtime.attention import MLAAttention
-from strata.runtime.model_config import ModelConfig
+from strata.runtime.model.attention import MLAAttention
+from strata.runtime.model.config import ModelConfig
 
 DEEPSEEK_V3 = {  # the attention part of DeepSeek-V3's config.json
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 129280,

@@ -33,7 +33,7 @@ GiB, MiB = 1 << 30, 1 << 20
 
 
 def topology(gpus: list[int]) -> dict:
-    from strata.runtime.placement import link_kind
+    from strata.runtime.plan.stages import link_kind
 
     try:
         text = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=30).stdout

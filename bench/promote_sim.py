@@ -34,7 +34,7 @@ def record_trace(model_dir: Path, tokens: int, seed: int = 0) -> tuple[dict[int,
     """(prompt routing, decode routing, experts per layer): routing maps layer -> the prompt's expert ids /
     one list of expert ids per decoded token."""
     from strata import Engine
-    from strata.runtime.moe import MoEBlock
+    from strata.runtime.model.moe import MoEBlock
 
     eng = Engine.from_pretrained(model_dir, device="cpu", config={"runtime": {"experts": "memory", "max_context": 1024}})
     calls: dict[int, list] = {}
@@ -54,8 +54,8 @@ def record_trace(model_dir: Path, tokens: int, seed: int = 0) -> tuple[dict[int,
 def key_store(tmp: Path, layers: int, experts: int, top_k: int, first_moe: int = 0) -> Path:
     """A store with `experts` tiny experts in each of the MoE layers first_moe..layers-1: the `tiny` demo model's
     shape with those counts (the tier policy sees keys and counts, not weights)."""
-    from strata.runtime import demo_model
-    from strata.runtime.convert import convert_checkpoint
+    from strata.runtime.demo import model as demo_model
+    from strata.runtime.plan.convert import convert_checkpoint
 
     cfg = demo_model._BASE_CONFIGS["tiny"]
     demo_model._BASE_CONFIGS["tiny"] = {**cfg, "num_hidden_layers": layers, "first_k_dense_replace": first_moe,
@@ -78,9 +78,9 @@ def load_trace(path: Path, tmp: Path) -> tuple[dict[int, list], dict[int, list],
 
 
 def replay(store_dir: Path, prefill: dict, decode: dict, fraction: float, mode: str) -> dict:
-    from strata.runtime.build import hot_order
+    from strata.runtime.plan.build import hot_order
     from strata.tiers.manager import TierBudgets, TierManager
-    from strata.tiers.store import ExpertStore
+    from strata.tiers.store.store import ExpertStore
 
     store = ExpertStore.open(store_dir)
     keys = store.keys()
@@ -144,8 +144,8 @@ def main() -> None:
     ap.add_argument("--trace", default=None, help="replay a routing trace recorded by bench/route_trace.py (e.g. "
                     "the bench model's on the GPU box) instead of recording the small model's here")
     args = ap.parse_args()
-    from strata.runtime.convert import convert_checkpoint
-    from strata.runtime.demo_model import write_demo_model
+    from strata.runtime.demo.model import write_demo_model
+    from strata.runtime.plan.convert import convert_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.trace:

@@ -34,7 +34,7 @@ def _copies(src: list[torch.Tensor], dst: torch.Tensor, stream: torch.cuda.Strea
 
 
 def measure(gib: float, threads: int | None, gpus: list[int]) -> dict:
-    from strata.kernels import cpu_experts as ce
+    from strata.kernels.cpu import experts as ce
     from strata.tiers.pinned import PinnedPool
 
     n = int(gib * 2**30 // CHUNK)

@@ -31,7 +31,7 @@ def main() -> None:
     from bench.suite.cases import Workload
     from bench.suite.strata_case import prompts_for
     from strata import Engine
-    from strata.runtime.moe import MoEBlock
+    from strata.runtime.model.moe import MoEBlock
 
     conf = {"runtime": {"experts": "memory", "max_context": args.prompt + args.tokens + 8}}
     calls: dict[int, list] = {}

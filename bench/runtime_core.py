@@ -40,8 +40,8 @@ def main() -> None:
     args = ap.parse_args()
 
     from strata import Engine
-    from strata.runtime.demo_model import expected_bytes, write_demo_model
-    from strata.runtime.inspect import summarize_checkpoint
+    from strata.runtime.demo.model import expected_bytes, write_demo_model
+    from strata.runtime.plan.inspect import summarize_checkpoint
 
     result: dict = {"machine": machine(), "layers": args.layers}
     out_dir = Path(args.dir)

@@ -153,7 +153,7 @@ def fetch_probe(calls: int = 64, floats: int = 2048) -> dict:
     """us a `wait_and_fetch` takes when the worker has already answered (done = the generation), `calls` of them
     replayed in one CUDA graph: the handshake's floor on the GPU's side."""
     from bench.fetch_probe import answered, timed  # (Triton kernels at import: the GPU box only)
-    from strata.kernels.host_signal import wait_and_fetch
+    from strata.kernels.gpu.host_signal import wait_and_fetch
 
     header, gen, src, out = answered(floats)
     us = timed(lambda: wait_and_fetch(header, gen, src, out), calls)

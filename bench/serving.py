@@ -205,7 +205,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="strata-bench-serving-"))
     model_dir = args.model
     if model_dir is None:
-        from strata.runtime.demo_model import write_demo_model
+        from strata.runtime.demo.model import write_demo_model
 
         model_dir = str(write_demo_model(tmp / "small", "small", progress=False))
     port = free_port()

@@ -37,9 +37,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 def timeline(engine, prompt: list[int], tokens: int, seed: int = 3, wake_at_launch: bool = False) -> dict:
     """Decode `tokens` tokens of `prompt` (temperature 1, seeded) and time each step's phases (`wake_at_launch`:
     the books woken right after the replay instead of once the step's LM head is queued)."""
-    from strata.runtime.generate import prefill
-    from strata.runtime.kv_cache import StepBatch
-    from strata.runtime.sampler import SamplingParams, make_generator, sample
+    from strata.runtime.generation.prefill import prefill
+    from strata.runtime.generation.sampler import SamplingParams, make_generator, sample
+    from strata.runtime.model.kv_cache import StepBatch
 
     model, cache, dev = engine.model, engine.scheduler().cache, engine.device  # slot 0 of the engine's KV cache
     box = getattr(engine._compute, "mailbox", None)
@@ -110,7 +110,7 @@ def timeline(engine, prompt: list[int], tokens: int, seed: int = 3, wake_at_laun
 def case_configs(model: str, gpu_fraction: float, cache: str) -> dict[str, dict]:
     """The two base cases' engine configs: `ceiling` (every expert in VRAM) and `split` (a GPU budget of
     `gpu_fraction` of the checkpoint's expert bytes, the rest in pinned RAM, the store cached at `cache`)."""
-    from strata.runtime.inspect import summarize_checkpoint
+    from strata.runtime.plan.inspect import summarize_checkpoint
 
     budget = int(summarize_checkpoint(model).bytes_by_role["experts"] * gpu_fraction)
     rt = {"max_context": 1024}
@@ -132,8 +132,8 @@ def main() -> None:
     from strata import Engine
     configs = case_configs(args.model, args.gpu_fraction, args.cache)
     out = {"model": args.model, "cases": []}
-    from strata.kernels import cpu_experts as ce
-    from strata.runtime import cpu_mailbox
+    from strata.kernels.cpu import experts as ce
+    from strata.runtime.offload import mailbox as cpu_mailbox
 
     switch, wspin = sys.getswitchinterval(), cpu_mailbox.SPIN_NS
     for case in args.cases.split(","):

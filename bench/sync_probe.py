@@ -25,8 +25,8 @@ def main() -> None:
     import torch
 
     from strata import Engine
-    from strata.runtime.requests import GenRequest
-    from strata.runtime.sampler import SamplingParams
+    from strata.runtime.generation.requests import GenRequest
+    from strata.runtime.generation.sampler import SamplingParams
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True)

@@ -46,7 +46,7 @@ def _print_error(message: str) -> None:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from strata.runtime.inspect import format_summary, summarize_checkpoint
+    from strata.runtime.plan.inspect import format_summary, summarize_checkpoint
 
     t0 = time.perf_counter()
     summary = summarize_checkpoint(args.model)
@@ -62,7 +62,7 @@ def _sampling(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from strata.runtime.sampler import SamplingParams
+    from strata.runtime.generation.sampler import SamplingParams
 
     SamplingParams(**_sampling(args))  # a bad value is refused here, before the prompt is echoed or the model loads
     from strata.engine import Engine
@@ -110,25 +110,25 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_plan(args: argparse.Namespace) -> int:
-    from strata.runtime.planner import cmd_plan
+    from strata.runtime.plan.planner import cmd_plan
 
     return cmd_plan(args)
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from strata.runtime.convert import cmd_convert
+    from strata.runtime.plan.convert import cmd_convert
 
     return cmd_convert(args)
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from strata.runtime.convert import cmd_verify
+    from strata.runtime.plan.convert import cmd_verify
 
     return cmd_verify(args)
 
 
 def _cmd_demo_model(args: argparse.Namespace) -> int:
-    from strata.runtime.demo_model import write_demo_model
+    from strata.runtime.demo.model import write_demo_model
 
     out = write_demo_model(args.dir, size=args.size, layers=args.layers, progress=True, engram=not args.no_engram,
                            route_skew=args.route_skew, route_locality=args.route_locality)
@@ -217,7 +217,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="where each expert would live on this host (from headers alone)")
     if only in (None, "plan"):
-        from strata.runtime.planner import add_plan_arguments
+        from strata.runtime.plan.planner import add_plan_arguments
 
         add_plan_arguments(p)
     p.set_defaults(func=_cmd_plan)

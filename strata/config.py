@@ -63,7 +63,7 @@ class RuntimeConfig:
     dtype: str = "auto"  # "auto" (fp32 on CPU, bf16 on CUDA), "float32", "bfloat16", "float16"
     max_context: int = 4096  # tokens per sequence (prompt + generated), capped by the model's own limit
     # prompt tokens per forward pass during prefill: "auto" (CUDA: as many as planner.activation_reserve holds, up
-    # to 8192; CPU: 512; strata.runtime.prefill_chunk) or a number
+    # to 8192; CPU: 512; strata.runtime.generation.prefill_chunk) or a number
     prefill_chunk: int | str = field(default="auto", metadata={"auto_or_int": True})
     threads: int = 0  # torch CPU threads; 0 = torch's default (one per physical core)
     experts: str = "tiered"  # "tiered": served by the tier manager from a store; "memory": all loaded up front
@@ -71,7 +71,7 @@ class RuntimeConfig:
     prefill_keeps_resident: bool = False  # true: a prompt's cold experts stream through step-copy slots
     decode_gap_target: float = 0.5  # seconds a serving step may take while sequences decode; 0: no pacing
     prefill_chunk_min: int = 32  # prompt tokens a serving step carries at least while sequences decode
-    # `strata serve`: decode every batch size once before turning ready (strata.runtime.warmup); "auto" on CUDA
+    # `strata serve`: decode every batch size once before turning ready (strata.runtime.generation.warmup); "auto" on CUDA
     warmup: bool | str = field(default="auto", metadata={"auto_or_bool": True})
     devices: list[int] = field(default_factory=list)  # CUDA indices the layers are split over; [] = `device` alone
 

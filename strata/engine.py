@@ -5,7 +5,7 @@
     out = engine.generate("Hello", max_tokens=32)
     out.text, out.token_ids, out.finish_reason
 
-Every call runs on the engine's scheduler (`engine.scheduler()`, strata.runtime.scheduler), the continuous-batching
+Every call runs on the engine's scheduler (`engine.scheduler()`, strata.runtime.generation.scheduler), the continuous-batching
 loop the server runs on too: calls from several threads, and several streams open on one thread, share its steps,
 as many at once as it has KV slots (`planner.max_batch`, which the planner sizes the KV cache for); the rest wait
 their turn. A checkpoint without tokenizer files loads with `engine.tokenizer = None`: prompts are then token ids,
@@ -28,14 +28,14 @@ import torch
 
 from strata.config import StrataConfig, load_config
 from strata.errors import CheckpointError, RequestError, StrataError
-from strata.runtime.build import LoadedModel, build_model
-from strata.runtime.counters import GenerationCounters
-from strata.runtime.overlap import overlap_on
-from strata.runtime.prefill_chunk import resolve_prefill_chunk, score_chunk
-from strata.runtime.requests import GenRequest, RequestHandle, TokenEvent
-from strata.runtime.sampler import SamplingParams
-from strata.runtime.scheduler import Scheduler
-from strata.runtime.tokenizer import Tokenizer, load_tokenizer
+from strata.runtime.generation.counters import GenerationCounters
+from strata.runtime.generation.overlap import overlap_on
+from strata.runtime.generation.prefill_chunk import resolve_prefill_chunk, score_chunk
+from strata.runtime.generation.requests import GenRequest, RequestHandle, TokenEvent
+from strata.runtime.generation.sampler import SamplingParams
+from strata.runtime.generation.scheduler import Scheduler
+from strata.runtime.generation.tokenizer import Tokenizer, load_tokenizer
+from strata.runtime.plan.build import LoadedModel, build_model
 
 DEFAULT_MAX_QUEUE = 64  # requests the engine's scheduler holds waiting for a KV slot
 
@@ -179,7 +179,7 @@ class Engine:
             cfg.runtime.device = device
             cfg.runtime.__post_init__()
         if path is None:
-            from strata.runtime.demo_model import ensure_default_model
+            from strata.runtime.demo.model import ensure_default_model
 
             path = ensure_default_model(progress=progress)
         path = Path(path).expanduser()

@@ -37,7 +37,7 @@ def strata_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    from strata.runtime.demo_model import write_demo_model
+    from strata.runtime.demo.model import write_demo_model
 
     return write_demo_model(tmp_path_factory.mktemp("demo") / "tiny", size="tiny", progress=False)
 
@@ -52,8 +52,8 @@ def tiny_engine(tiny_model_dir):
 @pytest.fixture(scope="session")
 def engram6_dir(tmp_path_factory) -> Path:
     """The tiny demo model with 6 layers and Engram layers 1 and 4 (one per stage of a two-stage split)."""
-    from strata.runtime import engram_demo
-    from strata.runtime.demo_model import write_demo_model
+    from strata.runtime.demo import engram as engram_demo
+    from strata.runtime.demo.model import write_demo_model
 
     saved = engram_demo._SIZES["tiny"]
     engram_demo._SIZES["tiny"] = ([1, 4], *saved[1:])

@@ -13,7 +13,7 @@ SLOT = 12288  # bytes of one tiny expert
 def tiny_split_setup(tmp_path) -> tuple:
     """(model dir, tiered config: 2 GPU slots and no promotions, prompt ids, the in-memory engine's 4 greedy tokens)."""
     from strata import Engine
-    from strata.runtime.demo_model import write_demo_model
+    from strata.runtime.demo.model import write_demo_model
 
     model = write_demo_model(tmp_path / "tiny", size="tiny", engram=False)
     cfg = {"tiers": {"gpu": {"budget": str(2 * SLOT)}, "pinned": {"budget": str(64 * SLOT)}}, "policy": {"promote": False}}

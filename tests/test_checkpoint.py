@@ -12,7 +12,7 @@ import sys
 import pytest
 
 from strata import CheckpointError, Engine, UnsupportedError
-from strata.runtime.checkpoint import Checkpoint
+from strata.runtime.model.checkpoint import Checkpoint
 
 
 @pytest.fixture()

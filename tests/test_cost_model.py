@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from strata.runtime.cost_model import Rates, cpu_seconds, split_cold
+from strata.runtime.offload.cost_model import Rates, cpu_seconds, split_cold
 
 MB9 = 9_437_184  # a Qwen3-30B-A3B expert in bf16
 

@@ -1,4 +1,4 @@
-"""The CPU expert kernel (strata.kernels.cpu_experts) against the reference expert math.
+"""The CPU expert kernel (strata.kernels.cpu.experts) against the reference expert math.
 
 The reference is `expert_swiglu` in fp32 on the same bf16 weights upcast, experts added in the order
 given. The extension is built once per test session (into the session's $STRATA_CACHE, a few seconds).
@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strata.kernels import cpu_experts as ce
+from strata.kernels.cpu import experts as ce
 from strata.kernels.experts import expert_swiglu
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -366,7 +366,7 @@ def test_tune_rejects_unknown_or_negative_knobs():
 
 def test_knobs_from_text_are_checked():
     """`parse_knobs` (the probes' --knobs): name=integer items, a bad one named with where it came from."""
-    from strata.kernels.cpu_kernel_tuning import parse_knobs
+    from strata.kernels.cpu.tuning import parse_knobs
 
     assert parse_knobs("claim_ahead=3, chunk_div=16", "--knobs") == {"claim_ahead": 3, "chunk_div": 16}
     for bad in ("claim_ahead", "claim=2", "chunk_div=-1", "chunk_div=x"):

@@ -1,5 +1,5 @@
 """The native mailbox worker that computes a decode layer's cold experts for a one-graph split step
-(strata.runtime.cpu_mailbox, csrc/cpu_mailbox.cpp). The CPU tests drive the real worker through the same
+(strata.runtime.offload.mailbox, csrc/cpu_mailbox.cpp). The CPU tests drive the real worker through the same
 mailboxes from Python; the GPU test runs an engine with it against the host-step path."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 
-from strata.kernels import cpu_experts as ce
+from strata.kernels.cpu import experts as ce
 from strata.kernels.experts import apply_experts, group_by_expert
-from strata.runtime.cpu_mailbox import CpuMailbox
+from strata.runtime.offload.mailbox import CpuMailbox
 
 needs_kernel = pytest.mark.skipif(ce.backend() == "torch", reason="needs the compiled CPU expert kernel")
 
@@ -37,7 +37,7 @@ def box_payload(gu_bytes: int) -> int:
 
 
 def _mailbox(addr, gu_bytes, max_tokens=4):
-    from strata.runtime.cpu_mailbox import CpuMailbox
+    from strata.runtime.offload.mailbox import CpuMailbox
 
     return CpuMailbox([0, 2], addr, hidden=H, inter=INTER, gu_bytes=gu_bytes, payload=box_payload(gu_bytes), top_k=K,
                       max_tokens=max_tokens, threads=2, device=torch.device("cpu"))
@@ -156,7 +156,7 @@ def test_one_graph_split_decode_equals_the_host_step_path(tmp_path, monkeypatch,
     through the device by copy nodes around `host_signal.wait_for_host`."""
     from test_decode_graphs import assert_batched_decode_identical
 
-    from strata.kernels import host_signal
+    from strata.kernels.gpu import host_signal
 
     if not direct:  # the direct exchange's fetch kernel "fails to build": the mailbox falls back to copy nodes
         def unbuildable(*args, **kwargs):
@@ -164,7 +164,7 @@ def test_one_graph_split_decode_equals_the_host_step_path(tmp_path, monkeypatch,
 
         monkeypatch.setattr(host_signal, "wait_and_fetch", unbuildable)
     from strata import Engine
-    from strata.runtime.demo_model import write_demo_model
+    from strata.runtime.demo.model import write_demo_model
 
     model = write_demo_model(tmp_path / "tiny", size="tiny", engram=False)
     slot = 12288
@@ -267,11 +267,11 @@ def test_one_graph_split_decode_with_a_gpu_share_follows_memory(tmp_path):
 def test_a_worker_error_is_raised_once_and_retires_the_mailbox(tiny_model_dir, tmp_path):
     """A layer the worker could not serve fails that step with a one-line reason; the engine's later steps
     take the host steps (no mailbox), and its statistics still work."""
-    from strata.runtime.convert import convert_checkpoint
-    from strata.runtime.expert_compute import ExpertCompute
-    from strata.runtime.mailbox_books import MailboxBooks
+    from strata.runtime.offload.expert_compute import ExpertCompute
+    from strata.runtime.offload.mailbox_books import MailboxBooks
+    from strata.runtime.plan.convert import convert_checkpoint
     from strata.tiers.manager import TierBudgets, TierManager
-    from strata.tiers.store import ExpertStore
+    from strata.tiers.store.store import ExpertStore
 
     store = ExpertStore.open(convert_checkpoint(tiny_model_dir, tmp_path / "store", progress=False))
     m = TierManager(store, TierBudgets(gpu_slots=0, pinned_slots=4), io_threads=1)
@@ -348,7 +348,7 @@ def test_the_fetch_copies_what_the_host_wrote_before_done():
     import threading
     import time
 
-    from strata.kernels import host_signal
+    from strata.kernels.gpu import host_signal
 
     n = 2048
     src = torch.zeros(n, pin_memory=True)
@@ -391,10 +391,10 @@ def test_fused_pack_under_tritons_interpreter():
 
 
 def check_fused_pack(share, n, k, experts, dev) -> None:
-    from strata.kernels import mailbox_pack
-    from strata.kernels.grouped import HostExperts
-    from strata.runtime.cpu_mailbox import _up, pack_inbox
-    from strata.runtime.gpu_share import GpuShare
+    from strata.kernels.gpu import mailbox_pack
+    from strata.kernels.gpu.grouped import HostExperts
+    from strata.runtime.offload.gpu_share import GpuShare
+    from strata.runtime.offload.mailbox import _up, pack_inbox
 
     g = torch.Generator().manual_seed(n * 1000 + experts)
     h, inter, layer = 256, 768, 1
@@ -453,7 +453,7 @@ def check_fused_pack(share, n, k, experts, dev) -> None:
 def check_wait_and_fetch(dev) -> None:
     """`host_signal.wait_and_fetch` copies the answer once `done` holds the generation, and on a dead worker gives
     up after its spins, saying so in the header."""
-    from strata.kernels.host_signal import wait_and_fetch
+    from strata.kernels.gpu.host_signal import wait_and_fetch
 
     pin = dev.type == "cuda"
     for n in (8, 2048, 5000):  # one program, two, several with a ragged end

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from strata import Engine
-from strata.kernels import cpu_experts as ce
 from strata.kernels import options
+from strata.kernels.cpu import experts as ce
 from strata.kernels.options import KernelOptions
 
 PROMPT = "The river runs through the valley"
@@ -63,7 +63,7 @@ def test_fused_kernels_follow_the_running_options(monkeypatch):
     """Under Triton's interpreter (so the fused path would run on the CPU), `fused_ok` says no inside a pass whose
     options turn the fused kernels off, and yes again after it."""
     pytest.importorskip("triton")
-    from strata.kernels import fused
+    from strata.kernels.gpu import fused
 
     monkeypatch.setattr(fused, "_INTERPRET", True)
     x = torch.zeros(2, 64)

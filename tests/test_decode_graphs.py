@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from strata import Engine
-from strata.runtime.kv_cache import KVCache, StepBatch
+from strata.runtime.model.kv_cache import KVCache, StepBatch
 
 
 @pytest.fixture(scope="module")
 def plain_tiny(tmp_path_factory):
     """The tiny demo model without Engram layers (these tests are about experts and graphs alone)."""
-    from strata.runtime.demo_model import write_demo_model
+    from strata.runtime.demo.model import write_demo_model
 
     return write_demo_model(tmp_path_factory.mktemp("plain") / "tiny", size="tiny", engram=False)
 
@@ -62,8 +62,8 @@ def test_after_queued_runs_once_the_steps_work_is_queued(plain_tiny):
     queued the step's LM head and sampling, never inside the replay; a caller that does not call `step_queued`
     gets it at its next step's start. It is given an event recorded after that work, reached once the GPU has
     done it (inline books stop there)."""
-    from strata.runtime.overlap import queue_decode
-    from strata.runtime.sampler import SamplingParams, make_generator
+    from strata.runtime.generation.overlap import queue_decode
+    from strata.runtime.generation.sampler import SamplingParams, make_generator
 
     eng = Engine.from_pretrained(plain_tiny, device="cuda", config={"runtime": {"experts": "memory"}})
     g, model, events, dones = eng.model.graphs, eng.model, [], []

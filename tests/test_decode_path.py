@@ -11,15 +11,15 @@ import torch
 
 from reference_models import ARCHS, VOCAB, build_reference
 from strata.kernels.experts import moe_forward
-from strata.kernels.grouped import SlotWeights, combine_pairs, pair_experts
-from strata.runtime.checkpoint import Checkpoint
-from strata.runtime.convert import convert_checkpoint
-from strata.runtime.expert_compute import ExpertCompute
-from strata.runtime.kv_cache import DecodeBatch, KVCache, StepBatch, kv_bucket
-from strata.runtime.loader import load_model
-from strata.runtime.tiered_moe import TieredExperts
+from strata.kernels.gpu.grouped import SlotWeights, combine_pairs, pair_experts
+from strata.runtime.model.checkpoint import Checkpoint
+from strata.runtime.model.kv_cache import DecodeBatch, KVCache, StepBatch, kv_bucket
+from strata.runtime.model.loader import load_model
+from strata.runtime.offload.expert_compute import ExpertCompute
+from strata.runtime.offload.tiered_moe import TieredExperts
+from strata.runtime.plan.convert import convert_checkpoint
 from strata.tiers.manager import TierBudgets, TierManager
-from strata.tiers.store import ExpertStore
+from strata.tiers.store.store import ExpertStore
 
 
 def _random_experts(e=6, h=32, i=16, dtype=torch.float32, seed=0):
@@ -113,7 +113,7 @@ def _assert_same_engram_state(cfg, a: KVCache, b: KVCache) -> None:
 def test_static_engram_inputs_equal_the_eager_engram_step(tiny_model_dir):
     """What a captured decode step of an Engram model reads (`StaticEngramStep`: rows, conv taps and ring
     indices copied into fixed buffers, reloaded every step) gives the eager per-sequence step's hidden states."""
-    from strata.runtime.engram_decode import StaticEngramStep
+    from strata.runtime.model.engram.decode import StaticEngramStep
 
     model, cfg, a, b = _engram_model_and_two_caches(tiny_model_dir)
     g = torch.Generator().manual_seed(1)
@@ -172,7 +172,7 @@ def test_device_engram_decode_equals_the_host_step(tiny_model_dir, window_steps)
 def test_cold_pairs_grouped_by_expert(pairs):
     """The host step's grouping of cold pairs (few: a Python loop; many: numpy) against a plain reference:
     experts ascending, each with its pairs ascending."""
-    from strata.runtime.step_io import pairs_by_expert as _pairs_by_expert
+    from strata.runtime.offload.step_io import pairs_by_expert as _pairs_by_expert
 
     rng = np.random.default_rng(pairs)
     experts = rng.integers(0, 16, pairs).astype(np.int32)
@@ -319,7 +319,7 @@ def test_split_prefetches_into_pinned_ram_and_idles_once_it_holds_every_expert(s
     RAM, not GPU slots, and stops predicting for good once pinned RAM holds every expert (and can hold them
     all); a copy-only engine's prefetcher still targets the GPU tier."""
     from strata.config import StrataConfig
-    from strata.runtime.build import attach_prefetcher
+    from strata.runtime.plan.build import attach_prefetcher
 
     keys = store.keys()
     calls = []
@@ -346,7 +346,7 @@ def test_split_prefetches_into_pinned_ram_and_idles_once_it_holds_every_expert(s
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_triton_pair_kernels_equal_the_fallback(dtype):
-    from strata.kernels import grouped
+    from strata.kernels.gpu import grouped
 
     if grouped.triton is None:
         pytest.skip("triton is not installed")
@@ -369,7 +369,7 @@ def test_triton_pair_kernels_equal_the_fallback(dtype):
 def test_pair_kernels_read_pinned_slots_in_place():
     """`pair_experts_in_place` (weights read over PCIe from page-locked host slots, by address) gives what the
     slot kernels give on the same weights in GPU memory, and leaves the other pairs' rows alone."""
-    from strata.kernels.grouped import HostExperts, pair_experts_in_place
+    from strata.kernels.gpu.grouped import HostExperts, pair_experts_in_place
     from strata.tiers.pinned import PinnedPool
 
     e, h, i, k = 6, 256, 96, 3
@@ -467,7 +467,7 @@ def test_bulk_lookup_counts_equal_single_ones():
 def test_later_prefill_chunk_attention_equals_the_masked_reference(heads, kv_heads, dv, device):
     """A prefill chunk after `start` cached positions (the lower-right causal path that keeps SDPA's
     flash kernel) equals softmax attention with an explicit [L, S] position mask."""
-    from strata.runtime.attention import attend
+    from strata.runtime.model.attention import attend
 
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA")

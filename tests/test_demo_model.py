@@ -13,23 +13,23 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-import strata.runtime.demo_model as dm
+import strata.runtime.demo.model as dm
 from strata.errors import ConfigError, StrataError
-from strata.runtime.demo_model import (
+from strata.runtime.demo.model import (
     DEMO_SIZES,
     demo_config,
     expected_bytes,
     write_demo_model,
 )
-from strata.runtime.demo_tokenizer import (
+from strata.runtime.demo.tokenizer import (
     SPECIAL_TOKENS,
     THINK_TOKENS,
     build_tokenizer,
     render_chat,
     tokenizer_json,
 )
-from strata.runtime.demo_weights import tensor_seed, tensor_specs
-from strata.safetensors_index import TensorIndex
+from strata.runtime.demo.weights import tensor_seed, tensor_specs
+from strata.tiers.store.safetensors_index import TensorIndex
 
 
 def _file_hashes(d: Path) -> dict[str, str]:
@@ -153,7 +153,7 @@ def test_sharded_and_single_file_hold_identical_tensors(tiny, tiny_sharded):
 
 
 def test_tokenizer_training_is_deterministic_across_processes():
-    code = "import sys; from strata.runtime.demo_tokenizer import tokenizer_json; sys.stdout.write(tokenizer_json(512))"
+    code = "import sys; from strata.runtime.demo.tokenizer import tokenizer_json; sys.stdout.write(tokenizer_json(512))"
     root = Path(__file__).resolve().parents[1]
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True).stdout
     assert out == tokenizer_json(512) == tokenizer_json.__wrapped__(512)

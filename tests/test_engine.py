@@ -176,7 +176,7 @@ def test_cuda_without_gpu_is_a_clear_error(tiny_model_dir):
 def test_default_model_is_built_on_first_use(tmp_path, monkeypatch):
     """`Engine.from_pretrained()` with no path runs the trained demo model shipped in the package, its store built
     in the cache dir on first use."""
-    from strata.runtime.demo_model import TRAINED_DIR
+    from strata.runtime.demo.model import TRAINED_DIR
 
     monkeypatch.setenv("STRATA_CACHE", str(tmp_path))
     engine = Engine.from_pretrained(device="cpu")
@@ -218,7 +218,7 @@ def test_stacking_parameters_into_views_keeps_their_values():
     memory), and a parameter replaced afterwards breaks the view check so the stack is rebuilt."""
     from torch import nn
 
-    from strata.runtime.attention import _stack_into_views, _views_of
+    from strata.runtime.model.attention import _stack_into_views, _views_of
 
     params = [nn.Parameter(torch.randn(n, 8), requires_grad=False) for n in (6, 2, 2)]
     before = [p.detach().clone() for p in params]

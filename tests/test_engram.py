@@ -14,11 +14,11 @@ import torch
 
 from strata import Engine
 from strata.errors import CheckpointError
-from strata.runtime.engram_hash import EngramConfig, NgramHasher
-from strata.runtime.kv_cache import KVCache, StepBatch
-from strata.runtime.sampler import SamplingParams
-from strata.runtime.scheduler import GenRequest
-from strata.tiers.row_cache import RowCache
+from strata.runtime.generation.sampler import SamplingParams
+from strata.runtime.generation.scheduler import GenRequest
+from strata.runtime.model.engram.hashing import EngramConfig, NgramHasher
+from strata.runtime.model.kv_cache import KVCache, StepBatch
+from strata.tiers.rows.cache import RowCache
 
 PROMPTS = [list(range(5, 45)), [7, 7, 7, 300, 12, 99, 7, 7, 301, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]]
 
@@ -147,7 +147,7 @@ def shm_dir():
     """A fresh directory in the host's tmpfs (/dev/shm): the planner only puts tables in a RAM filesystem."""
     import tempfile
 
-    from strata.runtime.host import probe_host
+    from strata.runtime.plan.host import probe_host
 
     if not Path("/dev/shm").is_dir() or probe_host("/dev/shm", "/tmp").tmpfs_free == 0:
         pytest.skip("no tmpfs at /dev/shm")
@@ -242,8 +242,8 @@ def test_damaged_table_stops_startup(tiny_model_dir, tmp_path, damage):
 
 
 def test_no_engram_demo(tmp_path):
-    from strata.runtime.demo_model import demo_config, write_demo_model
-    from strata.safetensors_index import TensorIndex
+    from strata.runtime.demo.model import demo_config, write_demo_model
+    from strata.tiers.store.safetensors_index import TensorIndex
 
     assert "engram" not in demo_config("tiny", engram=False)
     out = write_demo_model(tmp_path / "plain", "tiny", progress=False, engram=False)
@@ -331,7 +331,7 @@ def test_decode_graph_rows_from_the_host_cache_by_slot(tiny_model_dir, memory_en
     the in-memory tables step after step while the small cache evicts; a cache too small for one step's
     rows is refused before anything is consumed. Segmented: the host finishes one layer at a time, right
     before it (`publish`), the later layers' reads still in flight and their hits protected."""
-    from strata.runtime.engram_decode import StaticEngramStep
+    from strata.runtime.model.engram.decode import StaticEngramStep
 
     cfg = memory_engine.checkpoint.config
     conf = {"engram": {"tier": "disk", "row_cache": "2KiB"}, "debug": {"engram_read_batch": 7},

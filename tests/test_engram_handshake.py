@@ -1,4 +1,4 @@
-"""The Engram rows' handshake (strata.tiers.engram_handshake): a decode step posts its row ids, a host thread
+"""The Engram rows' handshake (strata.tiers.rows.handshake): a decode step posts its row ids, a host thread
 reads the misses from the disk tier into the host row cache and answers each layer, the step gathers by the
 answered slots. On this CPU-only box the "device" side is the same memory and waits natively; the host thread,
 the disk reads and the cache are the real ones. The GPU tests run it inside CUDA graphs."""
@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from strata import Engine
-from strata.runtime.kv_cache import DecodeBatch, KVCache, StepBatch
+from strata.runtime.model.kv_cache import DecodeBatch, KVCache, StepBatch
 from strata.tiers import native_io
-from strata.tiers.engram_handshake import RowHandshake
+from strata.tiers.rows.handshake import RowHandshake
 
 pytestmark = pytest.mark.skipif(not native_io.available(), reason="needs the native helpers (a C++ compiler)")
 
@@ -62,8 +62,8 @@ def _decode(eng, memory_engine, steps: int, seed: int, check=None) -> None:
 def test_handshake_serves_rows_equal_to_the_tables(tiny_model_dir, memory_engine, native):
     """Step after step, with a 2 KiB cache turning over, the answered rows equal the tables; the statistics
     count every lookup, and later steps hit the cache. Native: each layer served in one C call
-    (strata.tiers.row_serve); python: through `start` and `finish_one`."""
-    from strata.tiers.row_serve import NativeRowServer
+    (strata.tiers.rows.serve); python: through `start` and `finish_one`."""
+    from strata.tiers.rows.serve import NativeRowServer
 
     with Engine.from_pretrained(tiny_model_dir, config=DISK, device="cpu") as eng:
         hs = _attach(eng, max_tokens=4)

@@ -91,7 +91,7 @@ def test_engram_series_follow_a_generation(disk_client):
 
 def test_no_engram_series_without_engram(tmp_path):
     from strata import Engine
-    from strata.runtime.demo_model import write_demo_model
+    from strata.runtime.demo.model import write_demo_model
 
     path = write_demo_model(tmp_path / "plain", size="tiny", engram=False, progress=False)
     engine = Engine.from_pretrained(path, device="cpu")

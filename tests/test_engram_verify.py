@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import strata.tiers.store as store_mod
+import strata.tiers.store.store as store_mod
 from strata import Engine
 from strata.errors import CheckpointError
-from strata.tiers.engram_rows import EngramRowStore
-from strata.tiers.store import ExpertStore
-from strata.tiers.verify_record import RECORD_NAME, FileIdentity
+from strata.tiers.rows.store import EngramRowStore
+from strata.tiers.store.store import ExpertStore
+from strata.tiers.store.verify_record import RECORD_NAME, FileIdentity
 
 NO_SCRUB = {"tiers": {"disk": {"scrub": False}}}
 

@@ -1,4 +1,4 @@
-"""The fused decode kernels (strata.kernels.fused, strata.kernels.decode_attention) against the torch chains
+"""The fused decode kernels (strata.kernels.gpu.fused, strata.kernels.gpu.decode_attention) against the torch chains
 they replace. On CUDA in bf16 (marked gpu); locally also on CPU under Triton's interpreter
 (`TRITON_INTERPRET=1`, Triton installed), in fp16, since the interpreter rounds to bf16 by truncation."""
 
@@ -8,12 +8,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from strata.kernels import decode_attention as da
-from strata.kernels import decode_gemv, fused
-from strata.kernels.grouped import combine_pairs
+from strata.kernels.gpu import decode_attention as da
+from strata.kernels.gpu import decode_gemv, fused
+from strata.kernels.gpu.grouped import combine_pairs
 from strata.kernels.routing import softmax_topk
-from strata.runtime.attention import attend_decode
-from strata.runtime.rope import apply_rope
+from strata.runtime.model.attention import attend_decode
+from strata.runtime.model.rope import apply_rope
 
 if torch.cuda.is_available():
     DEVICE, DTYPE, MARKS = "cuda", torch.bfloat16, [pytest.mark.gpu]
@@ -180,8 +180,8 @@ def test_folded_qkv_projection_equals_three_and_shares_their_memory(bias, monkey
     """With the folds on, GQAAttention projects q/k/v with one GEMM over the stacked weights: the same values
     as three separate projections (to one rounding step), the parameters become views of the stacked tensor (no
     second copy), and replacing a weight afterwards is seen (the stack is rebuilt, not served stale)."""
-    from strata.runtime.attention import GQAAttention
-    from strata.runtime.model_config import ModelConfig
+    from strata.runtime.model.attention import GQAAttention
+    from strata.runtime.model.config import ModelConfig
 
     cfg = ModelConfig.from_hf({"model_type": "qwen2_moe", "vocab_size": 64, "hidden_size": 256, "num_hidden_layers": 1,
                                "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 64,
@@ -211,8 +211,8 @@ def test_folded_qkv_projection_equals_three_and_shares_their_memory(bias, monkey
 def test_folds_leave_prefill_sized_batches_to_the_unfolded_ops(monkeypatch):
     """The folds are for decode-sized batches: beyond FOLD_MAX_ROWS rows (a prefill chunk, bound by its GEMMs,
     not by launches) the residual add + norm is not folded, and q/k/v are projected by three GEMMs."""
-    from strata.runtime.attention import GQAAttention
-    from strata.runtime.model_config import ModelConfig
+    from strata.runtime.model.attention import GQAAttention
+    from strata.runtime.model.config import ModelConfig
 
     monkeypatch.setattr(fused, "FOLDS", True)
     monkeypatch.setattr(fused, "FOLD_MAX_ROWS", 4)
@@ -241,7 +241,7 @@ def test_decode_router_equals_linear_then_softmax_topk(rows, experts, k, hidden,
     """The one-launch decode router (GEMV, softmax, top-k, slot lookup) against torch's linear then the softmax
     top-k: the same experts in the same order, the same weights to fp32 rounding, each pair's slot from slot_of, and
     its counters back at zero, so a second call (as a replayed graph makes) gives the same answer."""
-    from strata.kernels import decode_router
+    from strata.kernels.gpu import decode_router
 
     monkeypatch.setattr(fused, "FOLDS", True)
     monkeypatch.setattr(decode_router, "ENABLED", True)
@@ -268,9 +268,9 @@ def test_decode_router_equals_linear_then_softmax_topk(rows, experts, k, hidden,
 def test_router_module_takes_the_decode_router_for_decode_batches_only(monkeypatch):
     """`Router` uses the one-launch kernel for decode-sized batches (same routing as its torch path) and
     torch's GEMM for a prefill chunk; the kernel's counters are made once per device."""
-    from strata.kernels import decode_router
-    from strata.runtime.model_config import ModelConfig
-    from strata.runtime.moe import Router
+    from strata.kernels.gpu import decode_router
+    from strata.runtime.model.config import ModelConfig
+    from strata.runtime.model.moe import Router
 
     monkeypatch.setattr(fused, "FOLDS", True)
     monkeypatch.setattr(decode_router, "ENABLED", True)
@@ -319,7 +319,7 @@ def test_combine_adds_the_residual_as_torch_does(monkeypatch):
 def test_softmax_topk_breaks_ties_by_the_lowest_id_and_takes_zero_probabilities_in_order(monkeypatch):
     """Equal probabilities go to the lower expert id first (as the torch chain's reference semantics on CPU), and
     experts whose probability underflows to zero are still chosen, each once, in id order."""
-    from strata.kernels import decode_router
+    from strata.kernels.gpu import decode_router
 
     monkeypatch.setattr(fused, "FOLDS", True)
     logits = torch.tensor([[1.0, 3.0, 3.0, 0.0, 3.0, -1.0, 0.0, 2.0],
@@ -359,7 +359,7 @@ def test_decode_gemv_equals_linear(out_features, in_features, bias, monkeypatch)
 def test_mlp_takes_the_gemv_for_one_row_only(monkeypatch):
     """A dense layer's (or shared expert's) SwiGLU MLP at one decode row runs its three projections through the
     GEMV, to a rounding step of the F.linear chain; two rows run the F.linear chain itself."""
-    from strata.runtime.layers import MLP
+    from strata.runtime.model.layers import MLP
 
     torch.manual_seed(3)
     mlp = MLP(256, 384).to(DTYPE).to(DEVICE)

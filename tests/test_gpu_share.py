@@ -1,4 +1,4 @@
-"""The GPU's share of a one-graph split layer's cold experts (strata.runtime.gpu_share): how the cold rows are cut
+"""The GPU's share of a one-graph split layer's cold experts (strata.runtime.offload.gpu_share): how the cold rows are cut
 between the CPU worker and the GPU's in-place reads, and how the share follows how often the GPU waited for the
 worker's answers."""
 
@@ -11,8 +11,8 @@ from test_cpu_mailbox import INTER, E, H
 
 
 def _share(table, share, granule=None, inter=INTER, **kw):  # granule None: whole experts (a granule of I rows)
-    from strata.kernels.grouped import HostExperts
-    from strata.runtime.gpu_share import GpuShare
+    from strata.kernels.gpu.grouped import HostExperts
+    from strata.runtime.offload.gpu_share import GpuShare
 
     experts = HostExperts(torch.bfloat16, (2 * inter, H), (H, inter), 2 * inter * H * 2)
     return GpuShare(table, experts, torch.device("cpu"), share, granule=granule or inter, **kw)
@@ -88,14 +88,14 @@ def test_gpu_share_splits_experts_by_rows(cold, share):
 
 @pytest.mark.parametrize("inter, rows", [(768, 64), (1408, 64), (96, 16), (32, 8), (24, 24), (2048, 64)])
 def test_row_granules_divide_the_expert(inter, rows):
-    from strata.runtime.gpu_share import row_granule
+    from strata.runtime.offload.gpu_share import row_granule
 
     assert row_granule(inter) == rows
     assert _share(np.ones((1, E), dtype=np.int64), 0.4, granule=row_granule(inter), inter=inter).granules == inter // rows
 
 
 def test_gpu_share_balances_on_how_often_the_gpu_waited():
-    from strata.runtime.gpu_share import GpuShare
+    from strata.runtime.offload.gpu_share import GpuShare
 
     gs = _share(np.zeros((1, E), dtype=np.int64), 0.3, granule=8)
     assert gs.wait_target == GpuShare.WAIT_TARGET

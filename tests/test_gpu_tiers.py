@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from strata import Engine
-from strata.runtime.convert import convert_checkpoint
-from strata.runtime.tiered_moe import TieredExperts
+from strata.runtime.offload.tiered_moe import TieredExperts
+from strata.runtime.plan.convert import convert_checkpoint
 from strata.tiers.manager import TierBudgets, TierManager
-from strata.tiers.store import ExpertStore
+from strata.tiers.store.store import ExpertStore
 
 pytestmark = pytest.mark.gpu
 

@@ -1,4 +1,4 @@
-"""Prefill-sized expert compute through grouped GEMMs (strata.kernels.grouped_gemm, [debug] grouped_prefill):
+"""Prefill-sized expert compute through grouped GEMMs (strata.kernels.gpu.grouped_gemm, [debug] grouped_prefill):
 the same sums as the per-expert loop, in memory and on tiers (a CPU-simulated GPU tier here; torch's grouped
 GEMM runs its reference loop on the CPU)."""
 
@@ -9,13 +9,13 @@ import torch
 
 from strata import Engine
 from strata.kernels.experts import moe_forward
-from strata.kernels.grouped import SlotWeights
-from strata.kernels.grouped_gemm import grouped_experts, grouped_ok
-from strata.runtime.convert import convert_checkpoint
-from strata.runtime.expert_compute import ExpertCompute
-from strata.runtime.tiered_moe import TieredExperts
+from strata.kernels.gpu.grouped import SlotWeights
+from strata.kernels.gpu.grouped_gemm import grouped_experts, grouped_ok
+from strata.runtime.offload.expert_compute import ExpertCompute
+from strata.runtime.offload.tiered_moe import TieredExperts
+from strata.runtime.plan.convert import convert_checkpoint
 from strata.tiers.manager import TierBudgets, TierManager
-from strata.tiers.store import ExpertStore
+from strata.tiers.store.store import ExpertStore
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
 
@@ -41,7 +41,7 @@ def test_grouped_experts_equal_the_per_expert_loop_in_fp32():
 def test_pairs_in_pieces_equal_one_grouped_gemm(monkeypatch, rows):
     """A long prompt's pairs run in pieces of about PIECE_ROWS, cut between experts (an expert with more rows is
     a piece of its own): the same outputs, bit for bit."""
-    import strata.kernels.grouped_gemm as gg
+    import strata.kernels.gpu.grouped_gemm as gg
 
     gu, dn, x, ids, w = _experts(2)
     sw = SlotWeights(gu, dn)
@@ -109,8 +109,8 @@ def test_tiered_prefill_with_grouped_gemms_equals_memory(tiny_model_dir, tmp_pat
 
 
 def test_operands_the_grouped_gemm_refuses_fall_back_to_the_loop(monkeypatch):
-    from strata.kernels import grouped_gemm
-    from strata.runtime.moe import Experts
+    from strata.kernels.gpu import grouped_gemm
+    from strata.runtime.model.moe import Experts
 
     gu, dn, x, ids, w = _experts(2)
     layer = Experts.__new__(Experts)
@@ -135,7 +135,7 @@ def _cuda_sm90() -> bool:
 @pytest.mark.skipif(not _cuda_sm90(), reason="needs an sm90+ GPU (torch's CUTLASS grouped GEMM)")
 def test_grouped_experts_on_cuda_agree_with_the_loop_in_bf16():
     """The GPU's CUTLASS grouped GEMM (bf16) against the per-expert loop in fp32: within bf16 rounding, no refusal."""
-    from strata.kernels import grouped_gemm
+    from strata.kernels.gpu import grouped_gemm
 
     g = torch.Generator().manual_seed(4)
     e, h, inter, n, k = 16, 256, 128, 700, 4

@@ -1,4 +1,4 @@
-"""strata.runtime.inspect: header-only checkpoint summaries.
+"""strata.runtime.plan.inspect: header-only checkpoint summaries.
 
 Two kinds of checkpoint: tiny ones saved by transformers' own classes (every naming scheme and both
 expert layouts), and full-size ones (Qwen3-30B-A3B, Qwen3-235B-A22B, DeepSeek-V3 with FP8 and MTP,
@@ -22,8 +22,8 @@ import pytest
 import torch
 
 from strata.errors import CheckpointError
-from strata.runtime.inspect import ROLES, format_summary, summarize_checkpoint
-from strata.safetensors_index import DTYPE_BITS, INDEX_NAME, TensorIndex
+from strata.runtime.plan.inspect import ROLES, format_summary, summarize_checkpoint
+from strata.tiers.store.safetensors_index import DTYPE_BITS, INDEX_NAME, TensorIndex
 
 GiB = 1 << 30
 

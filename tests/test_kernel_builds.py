@@ -2,7 +2,7 @@
 specialization key, made of its constexprs and, for each plain int argument, the value's class (1, a multiple of 16,
 other), for each pointer its alignment. The mailbox pack and the warm-ahead plan run once per MoE layer in each
 decode batch size's CUDA graph, so an int carrying the layer or the batch size would have the serving warm-up
-(strata.runtime.warmup) build them again per layer class and batch class. The keys come from Triton's own binder,
+(strata.runtime.generation.warmup) build them again per layer class and batch class. The keys come from Triton's own binder,
 for an H200 (sm_90) target, on CPU tensors, without launching anything."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def test_a_decode_layers_exchange_and_plan_build_once_per_pair_block_not_per_lay
 def test_the_decode_cache_write_builds_once_for_every_batch_size():
     """`norm_rope_into_cache` with the queries: its B * Q_HEADS bound is not specialized (4 query heads: 4, 8, 12,
     16, ... would be two classes)."""
-    from strata.kernels import fused
+    from strata.kernels.gpu import fused
 
     heads, q_heads, d = 2, 4, 64
     cache = torch.zeros(8, 32, heads, d, dtype=torch.bfloat16)
@@ -102,7 +102,7 @@ def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
     decode step's (`--model`: the probe's sweep), and prefill's rope and top-k. The CPU tests run the kernels only
     through Triton's interpreter, which compiles nothing: this catches what only the compiler rejects, on machines
     without a GPU."""
-    from strata.kernels import fused
+    from strata.kernels.gpu import fused
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
     bf = torch.bfloat16

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from strata.runtime.logprobs import PromptLogprobs, token_logprob, top_logprobs
+from strata.runtime.generation.logprobs import PromptLogprobs, token_logprob, top_logprobs
 
 
 @pytest.mark.parametrize("cuts", [[13], [1, 12], [5, 5, 3], [4, 1, 1, 7]])

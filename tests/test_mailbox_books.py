@@ -1,4 +1,4 @@
-"""The bookkeeping of one-graph split decode (strata.runtime.mailbox_books), on the real mailbox worker: when it
+"""The bookkeeping of one-graph split decode (strata.runtime.offload.mailbox_books), on the real mailbox worker: when it
 runs, where it stops, and how it moves the GPU share from the worker's readings."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from test_cpu_mailbox import INTER, H, K, _mailbox, _slots, needs_kernel
 def _rig(tiny_model_dir, tmp_path, gpu_slots: int = 0):
     """The tiny model's store, its tier manager and a real mailbox worker (closed after): without a GPU tier, or with
     a CPU-simulated one of `gpu_slots` (LFU) and every expert of the first MoE layer (`layer`) in pinned RAM."""
-    from strata.runtime.convert import convert_checkpoint
+    from strata.runtime.plan.convert import convert_checkpoint
     from strata.tiers.manager import TierBudgets, TierManager
-    from strata.tiers.store import ExpertStore
+    from strata.tiers.store.store import ExpertStore
 
     store = ExpertStore.open(convert_checkpoint(tiny_model_dir, tmp_path / "store", progress=False))
     layer = store.index.moe_layers[0]
@@ -52,7 +52,7 @@ def test_inline_books_issue_their_promotions_on_the_queuing_thread(tiny_model_di
     """The books run on the thread that queued the step (the decoding thread, while its GPU works), not in the
     pre-launch checks (`step`), and so do their promotions: when `queued` returns, the picked expert already sits in a
     GPU slot (a CPU-simulated tier here), with no transfer worker's job queued for it. Each layer is booked once."""
-    from strata.runtime.mailbox_books import MailboxBooks
+    from strata.runtime.offload.mailbox_books import MailboxBooks
 
     picked = []
     with _rig(tiny_model_dir, tmp_path, gpu_slots=2) as r:
@@ -92,8 +92,8 @@ def test_inline_books_stop_when_the_gpu_is_done_and_catch_up_later(tiny_model_di
     """Inline books book layers only while the step's GPU work runs: once its event is reached they leave the rest
     (and promotions picked but not issued) for the next step, unless more than BACKLOG_MAX layers wait; statistics
     (`flush` with no event) book everything. No layer is booked twice or lost."""
-    from strata.runtime import mailbox_books
-    from strata.runtime.mailbox_books import MailboxBooks
+    from strata.runtime.offload import mailbox_books
+    from strata.runtime.offload.mailbox_books import MailboxBooks
 
     picked = []
     with _rig(tiny_model_dir, tmp_path, gpu_slots=4) as r:
@@ -132,9 +132,9 @@ def test_books_balance_the_gpu_share_on_the_gpus_waits(tiny_model_dir, tmp_path)
     """The real worker reads back each layer's waits (here Python's, which always finds the worker still busy) and
     the books move the share: up while the waiter waited, down once it finds every answer there (the waits word
     cleared, as the GPU's acquire kernel writes it when `done` is already set)."""
-    from strata.kernels.grouped import HostExperts
-    from strata.runtime.gpu_share import GpuShare
-    from strata.runtime.mailbox_books import BALANCE_WINDOW, MailboxBooks
+    from strata.kernels.gpu.grouped import HostExperts
+    from strata.runtime.offload.gpu_share import GpuShare
+    from strata.runtime.offload.mailbox_books import BALANCE_WINDOW, MailboxBooks
 
     with _rig(tiny_model_dir, tmp_path) as r:
         box = r.box

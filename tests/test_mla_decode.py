@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from reference_models import _configs
-from strata.runtime.attention import MLAAttention
-from strata.runtime.model_config import ModelConfig
+from strata.runtime.model.attention import MLAAttention
+from strata.runtime.model.config import ModelConfig
 
 
 def _mla(long: bool) -> MLAAttention:

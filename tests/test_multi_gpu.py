@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from strata import Engine
-from strata.runtime.sampler import SamplingParams
-from strata.runtime.scheduler import GenRequest
+from strata.runtime.generation.sampler import SamplingParams
+from strata.runtime.generation.scheduler import GenRequest
 
 pytestmark = pytest.mark.gpu
 CARDS = [2, pytest.param(4, marks=pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 CUDA GPUs"))]
@@ -22,7 +22,7 @@ BF16_ATOL = 3e-2  # log-probabilities of the same bf16 model computed in another
 
 @pytest.fixture(scope="module")
 def tiny6_dir(tmp_path_factory):
-    from strata.runtime.demo_model import write_demo_model
+    from strata.runtime.demo.model import write_demo_model
 
     return write_demo_model(tmp_path_factory.mktemp("demo6") / "tiny6", size="tiny", layers=6, engram=False,
                             progress=False)

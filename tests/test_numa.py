@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import errno
 
-from strata.runtime.numa import Binding, bind_to_node, numa_nodes, parse_cpulist
+from strata.runtime.plan.numa import Binding, bind_to_node, numa_nodes, parse_cpulist
 
 TWO_NODES = {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}
 

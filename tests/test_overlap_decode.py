@@ -9,8 +9,8 @@ import torch
 
 from strata import Engine
 from strata.errors import ConfigError
-from strata.runtime.sampler import SamplingParams
-from strata.runtime.scheduler import GenRequest
+from strata.runtime.generation.sampler import SamplingParams
+from strata.runtime.generation.scheduler import GenRequest
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +38,7 @@ def count_forwards(engine):
 
 
 def test_overlap_resolves_auto_per_device(tiny_model_dir):
-    from strata.runtime.overlap import overlap_on
+    from strata.runtime.generation.overlap import overlap_on
 
     assert overlap_on("auto", torch.device("cuda")) and not overlap_on("auto", torch.device("cpu"))
     assert overlap_on(True, torch.device("cpu")) and not overlap_on(False, torch.device("cuda"))
@@ -143,7 +143,7 @@ def test_overlapped_decode_on_cuda_equals_step_by_step(tmp_path, experts):
     """On CUDA "auto" overlaps: all experts in VRAM (one graph a step), and the one-graph split decode (two experts
     in VRAM, the rest on the mailbox worker; no GPU share and no promotions, so both engines keep the same
     residents): Engine.generate and the scheduler give the step-by-step engine's tokens bit for bit."""
-    from strata.runtime.demo_model import write_demo_model
+    from strata.runtime.demo.model import write_demo_model
 
     model = write_demo_model(tmp_path / "tiny", size="tiny", engram=False)
     slot = 12288

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from strata.errors import StrataError
-from strata.runtime.pacing import PrefillPacer
+from strata.runtime.generation.pacing import PrefillPacer
 
 
 def prefill_under_pressure(pacer: PrefillPacer, prompt: int, n_decode: int, cost) -> list[tuple[int, float]]:

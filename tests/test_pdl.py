@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (strata.kernels.pdl): off where it cannot run, in force on Hopper, and never a
+"""Programmatic dependent launch (strata.kernels.gpu.pdl): off where it cannot run, in force on Hopper, and never a
 change in results: a chain of dependent decode kernels captured in a CUDA graph with PDL equals the same chain
 launched without it, bit for bit, replay after replay; so do an all-in-memory engine's scores and tokens."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata.kernels import pdl
+from strata.kernels.gpu import pdl
 from strata.kernels.options import KernelOptions, kernel_options
 
 NO_PDL = KernelOptions(pdl=False)
@@ -46,7 +46,7 @@ def test_in_force_on_hopper_and_later():
 def _chain(x, layers):
     """A decode layer's dependent kernels, several times over: add+norm -> GEMV -> q norm+rope -> GEMV -> norm ->
     router -> pair experts -> combine (with the residual). Each reads what the one before wrote."""
-    from strata.kernels import decode_gemv, decode_router, fused, grouped
+    from strata.kernels.gpu import decode_gemv, decode_router, fused, grouped
 
     for lay in layers:
         total, h = fused.add_rms_norm(x, lay["delta"], lay["norm"], 1e-6)
@@ -61,7 +61,7 @@ def _chain(x, layers):
 
 
 def _layers(n, hidden=1024, inter=256, experts=8, device="cuda"):
-    from strata.kernels.grouped import SlotWeights
+    from strata.kernels.gpu.grouped import SlotWeights
 
     g = torch.Generator(device="cpu").manual_seed(7)
 
@@ -112,7 +112,7 @@ def test_engine_with_pdl_equals_engine_without(tmp_path):
     """The all-in-memory engine (decode graphs on) scores and decodes identically with PDL on and off (`[debug] pdl`),
     the two engines side by side in one process."""
     from strata import Engine
-    from strata.runtime.demo_model import write_demo_model
+    from strata.runtime.demo.model import write_demo_model
 
     path = write_demo_model(tmp_path / "tiny", size="tiny", engram=False)
     cfg = {"runtime": {"experts": "memory"}}
@@ -133,7 +133,7 @@ def _pdl_kernels():
     import strata.kernels
 
     root = pathlib.Path(strata.kernels.__file__).parent
-    for path in sorted(root.glob("*.py")):
+    for path in sorted(root.rglob("*.py")):
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.FunctionDef) and any(a.arg == "PDL" for a in node.args.args) and node.name != "enter":
@@ -141,7 +141,7 @@ def _pdl_kernels():
 
 
 def test_every_pdl_kernel_waits_before_it_reads_activations_or_writes():
-    """The contract that keeps PDL from changing results (strata.kernels.pdl): a kernel launched with it calls
+    """The contract that keeps PDL from changing results (strata.kernels.gpu.pdl): a kernel launched with it calls
     `pdl.enter(PDL)` in its body, and before that call it stores nothing, does no atomics, and loads only weights
     (pointers named w_ptr). Checked on the source of every kernel that takes the constexpr."""
     import ast
@@ -162,7 +162,7 @@ def test_every_pdl_kernel_waits_before_it_reads_activations_or_writes():
                 names = {n.id for n in ast.walk(c.args[0]) if isinstance(n, ast.Name)}
                 assert names & {"w_ptr"} and not names & {"x_ptr", "q_ptr", "k_ptr", "v_ptr"}, \
                     f"{module}.{name} loads {sorted(names)} before pdl.enter (line {c.lineno}): only weights may be"
-    # the decode step's kernels all take part (a new one should too, or say why not in strata.kernels.pdl)
+    # the decode step's kernels all take part (a new one should too, or say why not in strata.kernels.gpu.pdl)
     for kernel in ("fused._rms_norm_kernel", "fused._add_rms_norm_kernel", "fused._norm_rope_cache_kernel",
                    "decode_gemv._gemv_kernel", "decode_attention._split_kernel", "decode_attention._merge_kernel",
                    "decode_router._route_kernel", "grouped._gate_up_kernel", "grouped._down_kernel",

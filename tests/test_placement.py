@@ -15,9 +15,10 @@ from test_planner import check_invariants, host, one_line_error
 from strata.cli import build_parser
 from strata.config import load_config, parse_gpus
 from strata.errors import ConfigError
-from strata.runtime import planner as planner_mod
-from strata.runtime.demo_model import demo_config
-from strata.runtime.placement import (
+from strata.runtime.demo.model import demo_config
+from strata.runtime.plan import planner as planner_mod
+from strata.runtime.plan.planner import Plan, PlanError, cmd_plan, plan
+from strata.runtime.plan.stages import (
     DeviceInfo,
     LayerSizes,
     PlacementError,
@@ -26,7 +27,6 @@ from strata.runtime.placement import (
     place_stages,
     simulate_gpus,
 )
-from strata.runtime.planner import Plan, PlanError, cmd_plan, plan
 
 GiB, MiB = 1 << 30, 1 << 20
 
@@ -132,8 +132,8 @@ def test_refuses_a_budget_that_does_not_fit_and_too_few_layers():
 
 
 def test_layer_sizes_match_the_loaded_model(tiny6_dir):
-    from strata.runtime.checkpoint import Checkpoint
-    from strata.runtime.loader import load_model
+    from strata.runtime.model.checkpoint import Checkpoint
+    from strata.runtime.model.loader import load_model
 
     ckpt = Checkpoint.open(tiny6_dir)
     model = load_model(ckpt, torch.float32, "cpu")
@@ -249,15 +249,15 @@ def test_serve_dry_run_refuses_missing_gpus(tiny6_dir, capsys):
 @pytest.fixture(scope="module")
 def tiny6_dir(tmp_path_factory):
     """The tiny demo model with 6 layers (1 dense + 5 MoE), no Engram: enough layers for 2-4 stages."""
-    from strata.runtime.demo_model import write_demo_model
+    from strata.runtime.demo.model import write_demo_model
 
     return write_demo_model(tmp_path_factory.mktemp("demo6") / "tiny6", size="tiny", layers=6, engram=False,
                             progress=False)
 
 
 def _score(model, cfg, ids: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    from strata.runtime.generate import prefill
-    from strata.runtime.kv_cache import KVCache
+    from strata.runtime.generation.prefill import prefill
+    from strata.runtime.model.kv_cache import KVCache
 
     cache = KVCache(cfg, 1, 64, dtype, "cpu")
     return prefill(model, cache, 0, ids, 3, all_logits=True)  # chunks of 3: stage hooks see the cache reused
@@ -268,9 +268,9 @@ IDS = torch.tensor([1, 5, 9, 200, 17, 3, 3, 8, 44, 2])
 
 
 def test_staged_memory_model_matches_one_device(tiny6_dir):
-    from strata.runtime.checkpoint import Checkpoint
-    from strata.runtime.loader import load_model
-    from strata.runtime.stages import stage_model
+    from strata.runtime.model.checkpoint import Checkpoint
+    from strata.runtime.model.loader import load_model
+    from strata.runtime.model.stages import stage_model
 
     ckpt = Checkpoint.open(tiny6_dir)
     want = _score(load_model(ckpt, torch.float32, "cpu"), ckpt.config, IDS)
@@ -289,9 +289,9 @@ def staged_tiered(tiny6_dir, tmp_path_factory):
     """The tiered model over two CPU stages (layers 0-2 and 3-5), each with a simulated GPU tier of 8 slots."""
     import os
 
-    from strata.runtime.build import ensure_store
-    from strata.runtime.checkpoint import Checkpoint
-    from strata.runtime.multi_device import assemble_tiered
+    from strata.runtime.model.checkpoint import Checkpoint
+    from strata.runtime.plan.build import ensure_store
+    from strata.runtime.plan.multi_device import assemble_tiered
     from strata.tiers.slots import TierBudgets
 
     os.environ.setdefault("STRATA_CACHE", str(tmp_path_factory.mktemp("cache")))
@@ -305,10 +305,10 @@ def staged_tiered(tiny6_dir, tmp_path_factory):
 
 
 def test_staged_tiered_model_matches_memory_model(tiny6_dir, staged_tiered):
-    from strata.runtime.checkpoint import Checkpoint
-    from strata.runtime.generate import prefill
-    from strata.runtime.kv_cache import KVCache, StepBatch
-    from strata.runtime.loader import load_model
+    from strata.runtime.generation.prefill import prefill
+    from strata.runtime.model.checkpoint import Checkpoint
+    from strata.runtime.model.kv_cache import KVCache, StepBatch
+    from strata.runtime.model.loader import load_model
 
     ckpt = Checkpoint.open(tiny6_dir)
     ref = load_model(ckpt, torch.float32, "cpu")
@@ -359,8 +359,8 @@ def test_dashboard_grid_and_compute_facade(staged_tiered):
 
 
 def test_layer_sizes_leave_engram_tables_to_the_tiers(engram6_dir):
-    from strata.runtime.checkpoint import Checkpoint
-    from strata.runtime.loader import load_model
+    from strata.runtime.model.checkpoint import Checkpoint
+    from strata.runtime.model.loader import load_model
 
     ckpt = Checkpoint.open(engram6_dir)
     assert ckpt.config.engram.layer_ids == [1, 4]
@@ -378,10 +378,10 @@ def test_staged_tiered_engram_model_matches_memory_model(engram6_dir, tmp_path_f
     Engram layer, and the scores equal the all-in-memory model's."""
     import os
 
-    from strata.runtime.build import ensure_store
-    from strata.runtime.checkpoint import Checkpoint
-    from strata.runtime.loader import load_model
-    from strata.runtime.multi_device import assemble_tiered
+    from strata.runtime.model.checkpoint import Checkpoint
+    from strata.runtime.model.loader import load_model
+    from strata.runtime.plan.build import ensure_store
+    from strata.runtime.plan.multi_device import assemble_tiered
     from strata.tiers.slots import TierBudgets
 
     os.environ.setdefault("STRATA_CACHE", str(tmp_path_factory.mktemp("cache")))
@@ -409,8 +409,8 @@ def test_staged_rows_serve_each_layer_from_its_own_store(engram6_dir, tmp_path_f
     import os
 
     from strata import Engine
-    from strata.runtime.engram_store import StagedRows
-    from strata.tiers.engram_rows import EngramRowStore
+    from strata.runtime.model.engram.store import StagedRows
+    from strata.tiers.rows.store import EngramRowStore
 
     os.environ.setdefault("STRATA_CACHE", str(tmp_path_factory.mktemp("cache")))
     memory = Engine.from_pretrained(engram6_dir, device="cpu", config={"runtime": {"experts": "memory"}})

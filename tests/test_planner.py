@@ -1,4 +1,4 @@
-"""strata.runtime.planner and strata.runtime.host: expert placement from headers, on simulated hosts.
+"""strata.runtime.plan.planner and strata.runtime.plan.host: expert placement from headers, on simulated hosts.
 
 Hosts are `HostInfo` values, never the machine running the tests. Models: the tiny demo checkpoint
 (and its store), and a Qwen3-30B-A3B-shaped checkpoint written as sparse files (real headers, ~57 GB
@@ -15,11 +15,11 @@ import pytest
 from test_inspect import qwen3_moe, write_sparse_checkpoint
 
 from strata.errors import ConfigError, StrataError
-from strata.runtime import host as host_mod
-from strata.runtime import planner as planner_mod
-from strata.runtime.demo_model import demo_config
-from strata.runtime.host import GpuInfo, HostInfo, probe_host
-from strata.runtime.planner import RAM_MARGIN_MIN, Plan, PlanError, cmd_plan, plan, read_footprint
+from strata.runtime.demo.model import demo_config
+from strata.runtime.plan import host as host_mod
+from strata.runtime.plan import planner as planner_mod
+from strata.runtime.plan.host import GpuInfo, HostInfo, probe_host
+from strata.runtime.plan.planner import RAM_MARGIN_MIN, Plan, PlanError, cmd_plan, plan, read_footprint
 
 GiB, MiB, TiB = 1 << 30, 1 << 20, 1 << 40
 Q30B_EXPERT = 3 * 768 * 2048 * 2  # one Qwen3-30B-A3B expert in bf16: 9 MiB
@@ -72,7 +72,7 @@ def test_tiny_model_fits_on_a_big_gpu(tiny_model_dir):
 
 
 def test_store_directory_is_planned_like_its_checkpoint(tiny_model_dir, tmp_path):
-    from strata.runtime.convert import convert_checkpoint
+    from strata.runtime.plan.convert import convert_checkpoint
 
     store = convert_checkpoint(tiny_model_dir, tmp_path / "store", progress=False)
     a, b = read_footprint(tiny_model_dir), read_footprint(store)

@@ -8,15 +8,15 @@ import torch
 from strata import Engine
 from strata.config import load_config
 from strata.errors import ConfigError
-from strata.runtime.demo_model import demo_config
-from strata.runtime.model_config import ModelConfig
-from strata.runtime.prefill_chunk import (
+from strata.runtime.demo.model import demo_config
+from strata.runtime.generation.prefill_chunk import (
     activation_bytes_per_token,
     auto_prefill_chunk,
     piece_bytes,
     resolve_prefill_chunk,
     score_chunk,
 )
+from strata.runtime.model.config import ModelConfig
 
 GiB = 2**30
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")  # device objects only: nothing is allocated

@@ -7,13 +7,13 @@ import pytest
 import torch
 
 from strata.kernels.experts import moe_forward
-from strata.kernels.grouped import SlotWeights
-from strata.kernels.grouped_gemm import grouped_experts
-from strata.runtime.convert import convert_checkpoint
-from strata.runtime.expert_compute import ExpertCompute
-from strata.runtime.tiered_moe import TieredExperts
+from strata.kernels.gpu.grouped import SlotWeights
+from strata.kernels.gpu.grouped_gemm import grouped_experts
+from strata.runtime.offload.expert_compute import ExpertCompute
+from strata.runtime.offload.tiered_moe import TieredExperts
+from strata.runtime.plan.convert import convert_checkpoint
 from strata.tiers.manager import TierBudgets, TierManager
-from strata.tiers.store import ExpertStore
+from strata.tiers.store.store import ExpertStore
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
 

@@ -1,4 +1,4 @@
-"""`strata demo-model --route-skew`: routing popularity written into the weights (strata.runtime.demo_skew).
+"""`strata demo-model --route-skew`: routing popularity written into the weights (strata.runtime.demo.skew).
 
 Measured by counting router choices on real forward passes: S > 0 is Zipf-like and ranked by the
 written profile at every depth, "uniform" is near uniform, S = 0 is byte-for-byte the plain model,
@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import strata.runtime.demo_model as dm
+import strata.runtime.demo.model as dm
 from bench.suite.routing import count_routing, popularity_summary
 from strata import Engine
 from strata.cli import build_parser
 from strata.errors import ConfigError
-from strata.runtime.demo_skew import RouteSkew, check_skew, expert_ranks
+from strata.runtime.demo.skew import RouteSkew, check_skew, expert_ranks
 
 # Qwen3-MoE as the `bench` size writes it, shrunk so a CPU test can run it (128 experts, top-8 kept).
 MINI_QWEN3 = {"hidden_size": 256, "intermediate_size": 256, "moe_intermediate_size": 16, "num_hidden_layers": 4,
@@ -201,7 +201,7 @@ def test_route_locality_adds_temporal_locality_and_keeps_the_popularity(mini_ben
 
 
 def test_route_locality_is_validated(tmp_path):
-    from strata.runtime.demo_skew import check_locality
+    from strata.runtime.demo.skew import check_locality
 
     assert check_locality("0.5") == 0.5 and check_locality(0) == 0.0
     for bad in (-1, 5, "much", True, None, float("nan")):

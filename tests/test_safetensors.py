@@ -1,4 +1,4 @@
-"""strata.safetensors_index: hand-parsed headers, offset reads, and one-line errors for bad files.
+"""strata.tiers.store.safetensors_index: hand-parsed headers, offset reads, and one-line errors for bad files.
 
 Valid checkpoints are saved offline by transformers' own model classes (per-expert, fused 3-D and
 sharded with an index); every tensor strata reads must equal what the safetensors library reads.
@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from strata import safetensors_index as st
 from strata.errors import CheckpointError, UnsupportedError
-from strata.safetensors_index import TensorIndex, read_header, read_tensor
+from strata.tiers.store import safetensors_index as st
+from strata.tiers.store.safetensors_index import TensorIndex, read_header, read_tensor
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
 VARIANTS = ("per-expert", "fused-bf16", "sharded")

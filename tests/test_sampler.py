@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from strata.errors import RequestError
-from strata.runtime.sampler import SamplingParams, log_probs, make_generator, sample
+from strata.runtime.generation.sampler import SamplingParams, log_probs, make_generator, sample
 
 
 def _logits(b: int = 4, v: int = 50, seed: int = 0) -> torch.Tensor:

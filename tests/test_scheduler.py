@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from strata import RequestError
-from strata.runtime.sampler import SamplingParams
-from strata.runtime.scheduler import GenRequest, QueueFullError, Scheduler
+from strata.runtime.generation.sampler import SamplingParams
+from strata.runtime.generation.scheduler import GenRequest, QueueFullError, Scheduler
 
 
 def run_all(sched, requests):
@@ -293,7 +293,7 @@ def test_a_step_is_all_queued_sampling_included_before_its_books_run(tiny_engine
     """The non-overlapped pass samples every sequence on the device before `step_queued` (whose hook runs the
     mailbox's books until the GPU is done: sampling queued after it would wait for them), and reads the tokens back
     after it. Three seeded streams decode together; the tokens are still each stream's own."""
-    import strata.runtime.scheduler as scheduler_mod
+    import strata.runtime.generation.scheduler as scheduler_mod
 
     log: list[str] = []
     real_sample = scheduler_mod.sample

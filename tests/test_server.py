@@ -333,7 +333,7 @@ def test_reasoning_splitter():
 
 def test_thinking_goes_to_reasoning_content(live):
     """Chat rendering of thinking text, streamed and whole (the random tiny model never opens <think> itself)."""
-    from strata.runtime.scheduler import TokenEvent
+    from strata.runtime.generation.scheduler import TokenEvent
     from strata.server.render import ChatFormat, Seq, TokenText
 
     tok = live.engine.tokenizer

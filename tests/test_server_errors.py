@@ -112,7 +112,7 @@ def test_unimplemented_openai_fields_pass_when_neutral(live):
 
 def test_sampling_errors_reuse_sampling_params_messages(live):
     from strata.errors import RequestError
-    from strata.runtime.sampler import SamplingParams
+    from strata.runtime.generation.sampler import SamplingParams
 
     with pytest.raises(RequestError) as e:
         SamplingParams(temperature="hot")
@@ -179,8 +179,8 @@ def test_queue_full_is_429_and_a_request_past_the_queue_is_400(live):
     Retry-After and queues none of its sequences; one with more sequences than the queue holds is a 400 naming it."""
     from fastapi.testclient import TestClient
 
-    from strata.runtime.sampler import SamplingParams
-    from strata.runtime.scheduler import GenRequest, Scheduler
+    from strata.runtime.generation.sampler import SamplingParams
+    from strata.runtime.generation.scheduler import GenRequest, Scheduler
     from strata.server.app import create_app
 
     # a scheduler of its own, never started: nothing leaves its queue
@@ -230,7 +230,7 @@ def test_a_failed_step_is_an_error_not_an_empty_answer(live):
     def fail() -> None:
         raise RuntimeError("boom in the step")
 
-    from strata.runtime.scheduler import Scheduler
+    from strata.runtime.generation.scheduler import Scheduler
 
     sched = Scheduler(live.engine, max_batch=1, token_budget=8, max_queue=4)  # its own: the live one keeps serving
     sched._step = fail

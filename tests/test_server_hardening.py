@@ -326,7 +326,7 @@ def _store_of(engine) -> Path:
 
 def test_health_is_degraded_when_an_expert_is_damaged(live, tmp_path):
     from strata import Engine
-    from strata.tiers.store import ExpertStore
+    from strata.tiers.store.store import ExpertStore
 
     copy = Path(shutil.copytree(_store_of(live.engine), tmp_path / "store"))
     store = ExpertStore.open(copy)

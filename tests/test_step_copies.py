@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 import torch
 
-from strata.runtime.convert import convert_checkpoint
+from strata.runtime.plan.convert import convert_checkpoint
 from strata.tiers.manager import TierBudgets, TierManager
-from strata.tiers.store import ExpertStore
+from strata.tiers.store.store import ExpertStore
 
 
 @pytest.fixture(scope="module")
@@ -192,8 +192,8 @@ def test_stage_gpu_waits_for_slots_a_step_holds(store):
 def test_cpu_experts_by_slot_address_equal_the_handle_path(store):
     """The decode CPU share reads pinned slots by address (no handles); same kernel, same expert order, so
     the partial sum is bit-identical to the handle path's, and the slots are released afterwards."""
-    from strata.kernels import cpu_experts as ce
-    from strata.runtime.expert_compute import ExpertCompute
+    from strata.kernels.cpu import experts as ce
+    from strata.runtime.offload.expert_compute import ExpertCompute
 
     if ce.backend() == "torch":
         pytest.skip("the compiled CPU kernel is not available here")
@@ -334,6 +334,6 @@ def test_a_promotion_on_a_cpu_slab_waits_for_reads_of_unheld_slots(store):
 @pytest.mark.parametrize("gpu_slots, experts, want", [(448, 448, 0), (500, 448, 0), (447, 448, 16), (100, 448, 6),
                                                       (15, 448, 0)])
 def test_step_copy_slots_only_when_some_expert_can_be_cold(gpu_slots, experts, want):
-    from strata.runtime.build import step_copy_slots
+    from strata.runtime.plan.build import step_copy_slots
 
     assert step_copy_slots(gpu_slots, experts) == want

@@ -18,14 +18,14 @@ from safetensors.torch import save_file
 
 from reference_models import build_reference
 from strata.errors import CheckpointError, ConfigError, StrataError
-from strata.runtime import convert as convert_mod
-from strata.runtime import store_writer
-from strata.runtime.checkpoint import Checkpoint
-from strata.runtime.convert import cmd_convert, cmd_verify, convert_checkpoint
-from strata.runtime.store_writer import add_table
-from strata.safetensors_index import TensorIndex
-from strata.tiers.store import ExpertStore, StaleStoreError
-from strata.tiers.store_format import ALIGN, INDEX_NAME, StoreIndex, checkpoint_fingerprint, is_store, layer_file
+from strata.runtime.model.checkpoint import Checkpoint
+from strata.runtime.plan import convert as convert_mod
+from strata.runtime.plan.convert import cmd_convert, cmd_verify, convert_checkpoint
+from strata.tiers.store import writer as store_writer
+from strata.tiers.store.format import ALIGN, INDEX_NAME, StoreIndex, checkpoint_fingerprint, is_store, layer_file
+from strata.tiers.store.safetensors_index import TensorIndex
+from strata.tiers.store.store import ExpertStore, StaleStoreError
+from strata.tiers.store.writer import add_table
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:

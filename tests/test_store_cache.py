@@ -15,16 +15,15 @@ from safetensors.torch import save_file
 from strata import Engine
 from strata.config import load_config
 from strata.errors import CheckpointError
-from strata.runtime import convert as convert_mod
-from strata.runtime import planner as planner_mod
-from strata.runtime.checkpoint import Checkpoint
-from strata.runtime.convert import cmd_verify, convert_checkpoint
-from strata.runtime.host import HostInfo
-from strata.runtime.planner import PlanError, cmd_plan
-from strata.runtime.store_cache import ensure_store, store_dir_for, store_root
+from strata.runtime.model.checkpoint import Checkpoint
+from strata.runtime.plan import convert as convert_mod
+from strata.runtime.plan import planner as planner_mod
+from strata.runtime.plan.convert import cmd_verify, convert_checkpoint
+from strata.runtime.plan.host import HostInfo
+from strata.runtime.plan.planner import PlanError, cmd_plan
+from strata.runtime.plan.store_cache import ensure_store, store_dir_for, store_root
 from strata.server.serve import preflight_plan
-from strata.tiers.store import ExpertStore
-from strata.tiers.store_format import (
+from strata.tiers.store.format import (
     INDEX_NAME,
     checkpoint_fingerprint,
     earlier_fingerprint,
@@ -32,6 +31,7 @@ from strata.tiers.store_format import (
     layer_file,
     read_index,
 )
+from strata.tiers.store.store import ExpertStore
 
 NO_SCRUB = {"tiers": {"disk": {"scrub": False}}}
 GiB = 1 << 30
@@ -104,7 +104,7 @@ def test_other_weights_get_another_store(src, cache):
 def test_weights_of_the_same_shape_get_another_store(src, tmp_path, cache):
     """Two checkpoints alike in every header (another seed, a fine-tune) but not in their weights: each loads
     its own store and generates its own tokens (headers alone would give both the first one's store)."""
-    from strata.runtime.demo_model import write_demo_model
+    from strata.runtime.demo.model import write_demo_model
 
     other = write_demo_model(tmp_path / "other" / src.name, size="tiny", seed=1)
     assert all((other / f.name).read_bytes()[:64] == f.read_bytes()[:64] for f in src.glob("*.safetensors"))

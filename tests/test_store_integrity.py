@@ -13,20 +13,20 @@ import torch
 
 from strata import Engine
 from strata.errors import CheckpointError
-from strata.runtime import host as host_mod
-from strata.runtime.checkpoint import Checkpoint
-from strata.runtime.convert import cmd_verify, convert_checkpoint
-from strata.runtime.engram_store import drop_tables
-from strata.runtime.host import HostInfo, probe_host
-from strata.runtime.loader import load_model
-from strata.runtime.planner import PlanError, plan
-from strata.safetensors_index import TensorIndex
-from strata.tiers import store as store_mod
-from strata.tiers.dense_check import DENSE_RECORD
+from strata.runtime.model.checkpoint import Checkpoint
+from strata.runtime.model.engram.store import drop_tables
+from strata.runtime.model.loader import load_model
+from strata.runtime.plan import host as host_mod
+from strata.runtime.plan.convert import cmd_verify, convert_checkpoint
+from strata.runtime.plan.host import HostInfo, probe_host
+from strata.runtime.plan.planner import PlanError, plan
 from strata.tiers.manager import TierBudgets, TierManager
-from strata.tiers.store import ExpertStore
-from strata.tiers.store_format import layer_file
-from strata.tiers.verify_record import RECORD_NAME, FileIdentity
+from strata.tiers.store import store as store_mod
+from strata.tiers.store.dense_check import DENSE_RECORD
+from strata.tiers.store.format import layer_file
+from strata.tiers.store.safetensors_index import TensorIndex
+from strata.tiers.store.store import ExpertStore
+from strata.tiers.store.verify_record import RECORD_NAME, FileIdentity
 
 NO_SCRUB = {"tiers": {"disk": {"scrub": False}}}
 GiB = 1 << 30

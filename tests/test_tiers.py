@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from strata import CheckpointError, Engine
-from strata.runtime.convert import convert_checkpoint
+from strata.runtime.plan.convert import convert_checkpoint
 from strata.tiers.manager import TierBudgets, TierFullError, TierManager
-from strata.tiers.store import ExpertStore
+from strata.tiers.store.store import ExpertStore
 
 SHM = Path("/dev/shm")
 
@@ -271,7 +271,7 @@ def test_fork_numerics_use_the_cpu_kernel_within_tolerance(tiny_model_dir):
 
 
 def test_table_rows_through_the_manager(store_dir, tmp_path):
-    from strata.runtime.store_writer import add_table
+    from strata.tiers.store.writer import add_table
 
     d = Path(shutil.copytree(store_dir, tmp_path / "with-table"))
     table = torch.randint(0, 256, (20_000, 48), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))

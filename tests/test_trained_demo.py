@@ -14,9 +14,9 @@ import torch
 from strata import Engine
 from strata.cli import main
 from strata.errors import ConfigError
-from strata.runtime.demo_model import MARKER, TRAINED_DIR, ensure_default_model, write_demo_model
-from strata.runtime.demo_weights import tensor_specs
-from strata.safetensors_index import TensorIndex
+from strata.runtime.demo.model import MARKER, TRAINED_DIR, ensure_default_model, write_demo_model
+from strata.runtime.demo.weights import tensor_specs
+from strata.tiers.store.safetensors_index import TensorIndex
 
 WORDS = Path(__file__).parent / "data" / "demo_words.txt"  # the corpus's words (demo_train --words)
 SHIPPED = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
@@ -62,7 +62,7 @@ def test_shipped_files_are_complete_small_and_in_deepseek_names():
 
 def test_strata_matches_the_trainable_reference(engine):
     """strata's fp32 reference path against the model as it was trained (transformers' DeepSeek-V3 + Engram)."""
-    from strata.runtime.demo_lm import load_checkpoint
+    from strata.runtime.demo.lm import load_checkpoint
 
     reference = load_checkpoint(TRAINED_DIR)
     ids = engine.tokenizer.encode("And the LORD said unto Moses, Speak unto the children of Israel",
@@ -79,7 +79,7 @@ def test_strata_matches_the_trainable_reference(engine):
 def test_transformers_loads_everything_but_the_engram_layers():
     from transformers import AutoModelForCausalLM
 
-    from strata.runtime.demo_lm import load_checkpoint
+    from strata.runtime.demo.lm import load_checkpoint
 
     model, info = AutoModelForCausalLM.from_pretrained(TRAINED_DIR, dtype=torch.float32, output_loading_info=True)
     assert info["missing_keys"] == set() and not info["mismatched_keys"]

@@ -1,8 +1,8 @@
 """Warm-ahead: the CPU expert kernel's read-ahead of experts' leading gate/up rows into its threads' caches
 (`cpu_kernel_tuning.warm_rows`, csrc/cpu_experts.cpp's strata_cpu_warm) and the kernel computing those rows on the
 thread that read them (`run_packed(..., warm=)`), then the mailbox worker doing it for the next layer's predicted
-cold experts (csrc/cpu_mailbox.cpp, WarmCfg), listed by the plan kernel (strata.kernels.warm_plan) that
-strata.runtime.warm_ahead launches in one-graph split decode. Which thread computes which rows must never change a
+cold experts (csrc/cpu_mailbox.cpp, WarmCfg), listed by the plan kernel (strata.kernels.gpu.warm_plan) that
+strata.runtime.offload.warm_ahead launches in one-graph split decode. Which thread computes which rows must never change a
 result: every output is compared bit for bit with the plain kernel's."""
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 import torch
 
-from strata.kernels import cpu_experts as ce
-from strata.kernels import warm_plan as wp
+from strata.kernels.cpu import experts as ce
+from strata.kernels.gpu import warm_plan as wp
 
 needs_kernel = pytest.mark.skipif(ce.backend() == "torch", reason="needs the compiled CPU expert kernel")
 
@@ -109,7 +109,7 @@ def test_dynamic_chunks_are_sized_from_the_rows_not_read_ahead():
 def test_the_trace_gives_each_threads_phase_ends():
     """`trace_threads`: per pool thread, the calls it joined and when (after the pool ran) it arrived, had done its
     warm rows' pieces and its part of the gate/up phase, in that order; the caller (thread 0) joins every call."""
-    from strata.kernels import cpu_kernel_tuning
+    from strata.kernels.cpu import tuning as cpu_kernel_tuning
 
     slab = _slab(2, H, INTER, seed=4)
     x, idx, w = torch.randn(1, H), torch.tensor([0]), torch.ones(1)
@@ -223,7 +223,7 @@ def test_rows_a_threads_read_did_not_reach_go_to_whichever_thread_is_free():
     """A read stopped before a thread (descheduled) reached its piece: the kernel gives that thread no static rows
     (read_split=1, the default) rather than the whole piece it would stream from RAM alone (read_split=0); the
     trace's `warm_rows` shows each thread's, and the result is the same either way."""
-    from strata.kernels import cpu_kernel_tuning
+    from strata.kernels.cpu import tuning as cpu_kernel_tuning
 
     lib = ce._load()
     addr, rows, x, meta, ref, _keep = _two_experts_on_a_pool_of_two(seed=5)
@@ -254,7 +254,7 @@ def test_rows_a_threads_read_did_not_reach_go_to_whichever_thread_is_free():
 
 
 def _mailbox(slab):
-    from strata.runtime.cpu_mailbox import CpuMailbox
+    from strata.runtime.offload.mailbox import CpuMailbox
 
     addr = np.array([[slab[e].data_ptr() for e in range(E)] for _ in range(2)], dtype=np.int64)
     return CpuMailbox([0, 1], addr, hidden=H, inter=INTER, gu_bytes=2 * INTER * H * 2, payload=3 * INTER * H * 2,
@@ -325,8 +325,8 @@ def test_warm_ahead_needs_plan_slots_and_is_set_once():
 def test_l2_size_from_sysfs_and_the_budget_it_caps(tmp_path):
     """Warm-ahead reads no more than three quarters of its threads' L2 caches hold (rows past that would be evicted
     before the kernel reaches them); sysfs says how big an L2 is, and a host that does not say keeps the cap."""
-    from strata.runtime.host import l2_cache_bytes
-    from strata.runtime.warm_ahead import warm_budget
+    from strata.runtime.offload.warm_ahead import warm_budget
+    from strata.runtime.plan.host import l2_cache_bytes
 
     cache = tmp_path / "cpu0" / "cache"
     for idx, (level, kind, size) in enumerate([(1, "Data", "48K"), (1, "Instruction", "32K"), (2, "Unified", "2048K"),
@@ -346,7 +346,7 @@ def test_l2_size_from_sysfs_and_the_budget_it_caps(tmp_path):
     assert warm_budget(8 << 20, 4, l2=None) in (8 << 20, min(8 << 20, 3 * (l2_cache_bytes() or 0)))
 
 
-# ---- the plan (strata.kernels.warm_plan) and its driver (strata.runtime.warm_ahead) ---------------------------------
+# ---- the plan (strata.kernels.gpu.warm_plan) and its driver (strata.runtime.offload.warm_ahead) ---------------------------------
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PLAN_E = 16
 
@@ -402,7 +402,7 @@ def test_plan_kernel_on_the_gpu():
 
 
 def _warm_ahead(box, warm_bytes=None):
-    from strata.runtime.warm_ahead import WarmAhead
+    from strata.runtime.offload.warm_ahead import WarmAhead
 
     table, slot_of = _plan_inputs(resident=(2,))
     predictors = {i: (lambda h: h) for i in (0, 1, 2, 4)}
@@ -415,7 +415,7 @@ def test_warm_ahead_plans_each_next_moe_layer_for_its_worker():
     """Layer l plans l + 1 where both are MoE layers with a predictor (3 is dense here): 0 -> 1 -> 2, not 2 -> 4; a plan
     lands in the planned layer's parity row with the step's tag; the byte budget is the L2-capped default or the one
     given; a worker takes one warm-ahead."""
-    from strata.runtime.warm_ahead import WarmAhead, warm_budget
+    from strata.runtime.offload.warm_ahead import WarmAhead, warm_budget
 
     slab = _slab(E, H, INTER)
     boxes = [_mailbox(slab), _mailbox(slab)]
@@ -444,7 +444,7 @@ def test_one_graph_split_decode_with_warm_ahead_changes_no_token(tmp_path):
     the run without it, bit for bit, and the worker computed rows it had read ahead."""
     from mailbox_engines import one_graph_decode, tiny_split_setup
 
-    from strata.runtime.warm_ahead import WarmAhead, warm_budget
+    from strata.runtime.offload.warm_ahead import WarmAhead, warm_budget
 
     model, cfg, ids, want = tiny_split_setup(tmp_path)
     tokens, stats = {}, {}

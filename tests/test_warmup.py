@@ -1,4 +1,4 @@
-"""The serving warm-up (strata.runtime.warmup) and the scheduler's together-submission it rests on: every decode batch
+"""The serving warm-up (strata.runtime.generation.warmup) and the scheduler's together-submission it rests on: every decode batch
 size from max_batch down to 1 runs once, the warm-up is not counted as traffic, a failure is one clear error, and on
 a GPU every size's decode graph is captured before the first real request (which then captures nothing)."""
 
@@ -9,10 +9,10 @@ import torch
 
 from strata import Engine
 from strata.errors import ConfigError, StrataError
-from strata.runtime.requests import QueueFullError
-from strata.runtime.sampler import SamplingParams
-from strata.runtime.scheduler import GenRequest, Scheduler
-from strata.runtime.warmup import warm_up, warmup_on, warmup_requests
+from strata.runtime.generation.requests import QueueFullError
+from strata.runtime.generation.sampler import SamplingParams
+from strata.runtime.generation.scheduler import GenRequest, Scheduler
+from strata.runtime.generation.warmup import warm_up, warmup_on, warmup_requests
 
 
 def test_warmup_steps_through_every_batch_size_and_is_not_traffic(tiny_engine):
@@ -49,7 +49,7 @@ def test_warmup_under_overlapped_decode_visits_every_size(tiny_model_dir):
 
 
 def test_warmup_requests_fit_a_short_context_and_reach_each_bucket():
-    from strata.runtime.kv_cache import kv_bucket
+    from strata.runtime.model.kv_cache import kv_bucket
 
     for max_batch, ctx in [(8, 4096), (8, 16), (40, 48), (1, 16), (4, 1024), (8, 40960)]:
         batch, *alone = warmup_requests(max_batch, 100, ctx)
@@ -128,7 +128,7 @@ def test_warmup_setting(tiny_model_dir):
 @pytest.fixture(scope="module")
 def plain_tiny(tmp_path_factory):
     """The tiny demo model without Engram layers."""
-    from strata.runtime.demo_model import write_demo_model
+    from strata.runtime.demo.model import write_demo_model
 
     return write_demo_model(tmp_path_factory.mktemp("plain") / "tiny", size="tiny", engram=False)
 

@@ -3,7 +3,7 @@
 - uniform: `--route-skew uniform` (every expert equally likely at every layer: the worst case; plain
   random weights are not uniform, their deeper routers collapse onto a few experts);
 - skewed: `--route-skew S` (Zipf-like popularity, S = 1 by default: about 92% of a layer's lookups
-  on its 40% most popular experts, the same at every depth; strata.runtime.demo_skew), with
+  on its 40% most popular experts, the same at every depth; strata.runtime.demo.skew), with
   `--route-locality L` when the suite runs with `--locality L` (temporal locality: each router also weighs the
   last ~19 tokens, L times the token; 0 by default);
 Both without Engram layers, so transformers runs exactly the same model.
@@ -28,7 +28,7 @@ def ensure_model(models_dir: Path, size: str, layers: int | None, routing: str, 
                  progress: bool = True, locality: float = 0.0) -> Path:
     """Write (once) the demo model for `routing` and return its directory (`locality`: the skewed one's
     `--route-locality`)."""
-    from strata.runtime.demo_model import write_demo_model
+    from strata.runtime.demo.model import write_demo_model
 
     locality = 0.0 if routing == "uniform" else locality
     kwargs = {"route_skew": "uniform" if routing == "uniform" else skew}
@@ -58,7 +58,7 @@ def routing_of(path: Path) -> tuple[str, str]:
 
 def model_facts(path: Path) -> tuple[ModelFacts, dict]:
     """Roofline facts and a JSON summary (sizes, layers, routing marker) of a checkpoint."""
-    from strata.runtime.inspect import summarize_checkpoint
+    from strata.runtime.plan.inspect import summarize_checkpoint
 
     s = summarize_checkpoint(path)
     role = s.bytes_by_role

@@ -1,6 +1,6 @@
 """How a model routes: per-layer expert popularity counted by forward hooks on the routers.
 
-Works on strata's model (`strata.runtime.moe.Router`, which returns `(weights, ids, used)`) and on a
+Works on strata's model (`strata.runtime.model.moe.Router`, which returns `(weights, ids, used)`) and on a
 transformers model (its `mlp.gate` routers return `(logits, scores, ids)`), so the same prompt can
 be checked in both engines. Used by the suite to state the skew it measured, and by the tests.
 """
@@ -22,7 +22,7 @@ def count_routing(model: torch.nn.Module, num_experts: int) -> Iterator[dict[int
 
     Finds the routers by type (strata's `Router`) or by name (transformers' `...mlp.gate`).
     """
-    from strata.runtime.moe import Router
+    from strata.runtime.model.moe import Router
 
     counts: dict[int, torch.Tensor] = {}
     hooks = []
@@ -71,7 +71,7 @@ def record_lookahead(model: torch.nn.Module, distances: tuple[int, ...] = (1,),
     leaving layer j - d) named for it d layers earlier. Yields {"actual": {layer: [ids [N, k], ...]},
     "predicted": {(layer, d): [ids [N, k], ...]}}, one entry a pass; `rows`: only passes of that many token rows
     (1: decode steps). Uses `model.after_layer` (restored after)."""
-    from strata.runtime.moe import MoEBlock, router_predictors
+    from strata.runtime.model.moe import MoEBlock, router_predictors
 
     predictors = router_predictors(model)
     rec: dict = {"actual": {}, "predicted": {}}
@@ -133,7 +133,7 @@ def lookahead_recall(rec: dict, num_experts: int, distance: int, hot_fraction: f
 def record_choices(model: torch.nn.Module) -> Iterator[dict[int, list[torch.Tensor]]]:
     """Every MoE layer's expert ids of each forward pass while the block runs: {layer: [ids [N, k], ...]} (strata's
     `Router` modules)."""
-    from strata.runtime.moe import Router
+    from strata.runtime.model.moe import Router
 
     choices: dict[int, list[torch.Tensor]] = {}
     hooks = []

@@ -29,7 +29,7 @@ def run_serve(case: Case, model: Path, summary: dict, settings: dict, out_dir: P
     except ImportError as e:
         return record(case, "skipped", f"fastapi/uvicorn not importable here ({e}); carry them as wheels")
     from strata.config import load_config
-    from strata.runtime.build import ensure_store
+    from strata.runtime.plan.build import ensure_store
     from strata.server.serve import format_toml
 
     cfg = engine_config(case, summary, settings, [case.workload])

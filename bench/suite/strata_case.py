@@ -21,7 +21,7 @@ import torch
 from bench.kernel_trace import traced
 from bench.suite.cases import COLD_PATHS, VARIANTS, Case, Workload
 from bench.suite.roofline import ModelFacts, Rates, fraction, roofline
-from strata.runtime.cpu_mailbox import CpuMailbox
+from strata.runtime.offload.mailbox import CpuMailbox
 
 
 def engine_config(case: Case, summary: dict, settings: dict, workloads: list[Workload]) -> dict:
@@ -147,8 +147,8 @@ def _delta(a: dict, b: dict) -> dict:
 def run_workload(engine, scheduler, w: Workload, vocab: int, device: str, reproducible: bool = False) -> dict:
     """Measure one workload on a started scheduler (`reproducible`: every request asks for bit-identical results);
     returns metrics and the decode-phase counters."""
-    from strata.runtime.sampler import SamplingParams
-    from strata.runtime.scheduler import GenRequest
+    from strata.runtime.generation.sampler import SamplingParams
+    from strata.runtime.generation.scheduler import GenRequest
 
     prompts = prompts_for(w, vocab)
     peaks = _Peaks(device)
@@ -214,7 +214,7 @@ def run_workload(engine, scheduler, w: Workload, vocab: int, device: str, reprod
         "prefill_bytes_per_prompt_token": {k: int(v / max(1, sum(map(len, prompts)))) for k, v in prefill["paths"].items() if v},
         "cpu_experts_per_token": round(decode["cpu_experts"] / n, 3),
         "promotions_per_token": round(decode["promotions"] / n, 3),
-        # the decode layers' host work by phase (strata.runtime.tiered_moe), where a tiered step's time goes
+        # the decode layers' host work by phase (strata.runtime.offload.tiered_moe), where a tiered step's time goes
         "cold_path_host_ms_per_token": {k: round(1000 * v / n, 3) for k, v in decode["host"].items() if v},
         "stall_s_per_token": round(decode["stall"] / n, 6),
         "stall_s_total": round(decode["stall"] + prefill["stall"], 4),

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from strata.kernels import fused
+from strata.kernels.gpu import fused
 
 
 def softmax_topk(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

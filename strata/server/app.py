@@ -68,7 +68,7 @@ class ServerState:
         self.engine: Any = None
         self.scheduler: Any = None
         self.load_error: str | None = None  # set when loading failed (the server is shutting down)
-        self.warming_up = False  # the model is loaded and runs its warm-up (strata.runtime.warmup) before ready
+        self.warming_up = False  # the model is loaded and runs its warm-up (strata.runtime.generation.warmup) before ready
         self.created = int(time.time())
         self.metrics = ServerMetrics(self.live)
         if engine is not None:

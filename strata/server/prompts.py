@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from strata.errors import ConfigError, RequestError, StrataError
-from strata.runtime.scheduler import GenRequest, QueueFullError
+from strata.runtime.generation.scheduler import GenRequest, QueueFullError
 from strata.server.protocol import APIError, bad_request, context_error
 from strata.server.render import Seq
 

@@ -28,7 +28,7 @@ from pydantic import (
 )
 
 from strata.errors import RequestError
-from strata.runtime.sampler import MAX_STOP_STRINGS, SamplingParams
+from strata.runtime.generation.sampler import MAX_STOP_STRINGS, SamplingParams
 
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's chat limit; vLLM's default max_logprobs)
 MAX_N = 16  # sequences per prompt

@@ -29,8 +29,8 @@ from typing import Any
 
 from strata.config import StrataConfig, load_config
 from strata.errors import CheckpointError, ConfigError, StrataError
-from strata.runtime.numa import Binding
-from strata.runtime.planner import Plan
+from strata.runtime.plan.numa import Binding
+from strata.runtime.plan.planner import Plan
 
 log = logging.getLogger("strata.server")
 
@@ -109,7 +109,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def numa_binding(the_plan: Plan | None, dry_run: bool) -> Binding:
     """Bind the CPU expert threads and pinned pools to the GPU's NUMA node (dry run: what would be bound)."""
-    from strata.runtime.numa import bind_to_node, gpu_numa_node
+    from strata.runtime.plan.numa import bind_to_node, gpu_numa_node
 
     device = the_plan.compute_device if the_plan is not None else "cpu"
     node = gpu_numa_node(int(device.split(":")[1])) if device.startswith("cuda:") else None
@@ -154,7 +154,7 @@ def api_key(args: argparse.Namespace) -> str | None:
 
 def _model_path(model: str | None) -> Path:
     if model is None:
-        from strata.runtime.demo_model import ensure_default_model
+        from strata.runtime.demo.model import ensure_default_model
 
         return ensure_default_model(progress=sys.stderr.isatty())
     path = Path(model).expanduser()
@@ -167,7 +167,7 @@ def preflight_plan(path: Path, cfg: StrataConfig) -> Plan | None:
     """The plan `Engine.from_pretrained` will make, from headers alone (None for in-memory experts)."""
     if cfg.runtime.experts == "memory":
         return None
-    from strata.runtime.planner import plan_for
+    from strata.runtime.plan.planner import plan_for
 
     return plan_for(path, cfg)  # the disk measured where the store is (or will be): an existing one needs no room
 
@@ -225,7 +225,7 @@ class _Loader(threading.Thread):
 
     def run(self) -> None:
         from strata.engine import Engine
-        from strata.runtime.warmup import warm_up, warmup_on
+        from strata.runtime.generation.warmup import warm_up, warmup_on
 
         t0 = time.perf_counter()
         engine = sched = None

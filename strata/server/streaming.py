@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.requests import ClientDisconnect
 
 from strata.errors import RequestError, StrataError, UnsupportedError
-from strata.runtime.scheduler import QueueFullError
+from strata.runtime.generation.scheduler import QueueFullError
 from strata.server.protocol import APIError, bad_request
 from strata.server.render import Seq, is_token
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 
-from strata.kernels.grouped import SlotWeights
+from strata.kernels.gpu.grouped import SlotWeights
 
 LookupSource = Callable[[], Iterable[tuple[int, int, int]]]  # -> (layer, expert, lookups) since last drain
 
@@ -41,7 +41,7 @@ class LookupsMixin:
 
     def note_pinned_reads(self, layer: int, experts: Iterable[int]) -> None:
         """Lookups of `layer` the GPU tier missed that a native CPU worker served in place from pinned RAM
-        (strata.runtime.cpu_mailbox): counted as pinned-tier hits and seen by both tiers' policies, as
+        (strata.runtime.offload.mailbox): counted as pinned-tier hits and seen by both tiers' policies, as
         `note_gpu_misses` and `hold_resident` count the host step's CPU share."""
         keys = [(layer, int(e)) for e in experts]
         with self._lock:

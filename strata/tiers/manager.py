@@ -50,7 +50,7 @@ from strata.tiers.slots import (
 )
 from strata.tiers.stats import TierStats
 from strata.tiers.step_copies import StepCopiesMixin
-from strata.tiers.store import ExpertStore
+from strata.tiers.store.store import ExpertStore
 from strata.tiers.tmpfs import TmpfsMirror
 from strata.tiers.transfers import TransfersMixin
 

@@ -2,7 +2,7 @@
 
     read_runs(fd, file_off, length, need, buf, buf_off, threads)   # every run read; raises OSError / EOFError
     wait_word(addr, want, spin_ns, timeout_ns)                      # an int64 another agent writes, awaited
-    lib().strata_serve_rows(...)                                    # an Engram layer's rows (strata.tiers.row_serve)
+    lib().strata_serve_rows(...)                                    # an Engram layer's rows (strata.tiers.rows.serve)
 
 A reader thread hands a whole list of reads to one C call (ctypes releases the GIL for the call) that reads
 them on `threads` threads of its own, so nobody takes the GIL back between reads. The library is compiled with the system's C++ compiler into
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from strata.fsutil import cache_root
+from strata.tiers.store.files import cache_root
 
 log = logging.getLogger(__name__)
 

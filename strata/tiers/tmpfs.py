@@ -14,7 +14,7 @@ import shutil
 import threading
 from pathlib import Path
 
-from strata.tiers.store import ExpertStore
+from strata.tiers.store.store import ExpertStore
 
 Key = tuple[int, int]
 

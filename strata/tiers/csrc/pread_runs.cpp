@@ -1,5 +1,5 @@
 // Batched positional reads for strata's disk reader (strata/tiers/native_io.py), and a wait on a word of
-// page-locked memory that a GPU writes (the Engram rows' handshake, strata/tiers/engram_handshake.py).
+// page-locked memory that a GPU writes (the Engram rows' handshake, strata/tiers/rows/handshake.py).
 //
 // One call reads a list of runs (file offset, length) into one buffer with `threads` threads (the caller
 // and threads - 1 started for the call), each taking the next run from a shared counter. The Python

@@ -1,7 +1,7 @@
 // One Engram layer of a decode step served from the host row cache in one native call (the rows' handshake,
-// strata/tiers/engram_handshake.py; Python side: strata/tiers/row_serve.py).
+// strata/tiers/rows/handshake.py; Python side: strata/tiers/rows/serve.py).
 //
-// The cache's bookkeeping is RowCache's (strata/tiers/row_cache.py), in its own numpy arrays, updated in place
+// The cache's bookkeeping is RowCache's (strata/tiers/rows/cache.py), in its own numpy arrays, updated in place
 // with the same rules: a lookup adds the current weight to every hit's score and then grows the weight (decayed
 // LFU), a miss takes a free slot, and when free slots run out the lowest-scored max(needed, capacity / 16)
 // slots that are neither free nor protected are evicted at once. The misses' 4 KiB blocks are read with one
@@ -29,7 +29,7 @@ constexpr int64_t BLOCK = 4096;
 constexpr int64_t NO_ROOM = -(int64_t{1} << 40), PAST_END = NO_ROOM - 1, SMALL_SCRATCH = NO_ROOM - 2;
 constexpr int64_t AIO_UNAVAILABLE = std::numeric_limits<int64_t>::min();
 
-struct Cache {  // RowCache's arrays (strata/tiers/row_cache.py)
+struct Cache {  // RowCache's arrays (strata/tiers/rows/cache.py)
     int32_t* slot_of;   // [total rows] slot, -1 absent
     int64_t* row_of;    // [capacity] global row, -1 free
     double* score;      // [capacity]

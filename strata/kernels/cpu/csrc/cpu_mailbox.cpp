@@ -1,0 +1,377 @@
+// strata mailbox worker: a split decode step's CPU share with no Python on its path.
+//
+// In the host-step design every MoE layer of a decode step ends its CUDA graph, and Python learns which
+// pairs were cold, starts the CPU kernel, waits for it and uploads its sum before the next graph: on the
+// H200 box that host work cost more than the CPU kernel itself (each CUDA call 10-15 us, a Python step
+// ~0.5 ms a layer). Here the step is one graph. At each MoE layer the graph copies the layer's routing
+// (expert and slot of every pair) and activations into the layer's mailbox in page-locked host memory,
+// then the step's generation number into its `ready` word, and a one-thread kernel spins until the
+// `done` word holds that generation. This worker thread polls every mailbox's `ready` word, computes the
+// layer's cold pairs (slot -1; -2 marks a pair the GPU computes itself, reading its expert in place) with the
+// CPU expert kernel (ascending experts, each expert's pairs ascending: the host path's order, so the same
+// sums), writes the partial sum and then `done`. The graph copies the sum back and adds it in its combine
+// kernel. A cold pair's `rows` says how many of its expert's leading intermediate rows are computed here: all
+// I, or fewer for an expert split with the GPU, which reads the rest in place at the same time (the two
+// partial sums add up in the combine: down is linear in the intermediate rows).
+//
+// Mailbox of one layer (host memory; offsets in bytes, all multiples of 64):
+//   int64 hdr[8]    [0] ready (written by the GPU, last)  [1] done (written here, last)
+//                   [2] status (0, or an error: -3 an expert not in page-locked RAM, kernel codes)
+//                   [3] the generation the GPU gave up waiting for  [4] the GPU's reads of `done` while waiting
+//   inbox at 64:    int32 N, k, P, 0; int32 expert[P]; int32 slot[P]; int32 rows[P]; float x[N*H] (at
+//                   16 + 12P rounded up to 64); float w[P] (routing weight of each pair)
+//   float out[N*H] at `out_off` (the CPU's weighted partial sum, zeros where no pair was cold)
+// Every layer's experts are read by address from the table addr[layer * E + e] (the gate_up block of
+// expert e's page-locked slot; down follows at gu_bytes); 0 means "not resident in page-locked RAM".
+//
+// The worker also counts what it computed (experts, bytes, kernel seconds) and logs, per layer served,
+// which experts were resident and which it computed, into a ring the Python side drains for the tier
+// policy's history and promotions, off the step's path.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include <unistd.h>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define SPIN_PAUSE() _mm_pause()
+#else
+#define SPIN_PAUSE() std::this_thread::yield()
+#endif
+
+#define C_EXPORTED extern "C" __attribute__((visibility("default")))
+
+C_EXPORTED int strata_cpu_experts_warm(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
+                                       const int64_t* warm, float* out, int threads, int64_t* stolen);
+C_EXPORTED int strata_cpu_warm_drain();
+C_EXPORTED int64_t strata_cpu_warm(const int64_t* addr, const int64_t* rows, int64_t n, int64_t H, int64_t ld,
+                                   int threads, const int64_t* stop, int64_t stop_val, int64_t* held_ns);
+
+namespace {
+
+// Log entry: int64 seq, int32 layer, int32 n, then n int32 codes: e for a resident expert, -(e + 1) for one
+// computed here. Fixed size: 16 + 4 * LOG_CODES bytes.
+constexpr int LOG_CODES = 256;
+constexpr int64_t LOG_ENTRY = 16 + 4 * LOG_CODES;
+
+// Warm-ahead (strata.runtime.offload.warm_ahead): once the worker has answered layer l, it reads the gate/up rows of layer
+// l+1's predicted cold experts into its threads' caches while the GPU runs the serial part between the two layers
+// (the CPU idles then), each thread the rows the kernel will give it, so the next layer's kernel reads them from L2,
+// not RAM. The prediction is the plan kernel's (strata.kernels.gpu.warm_plan; host memory, by the planned layer's
+// parity: int64 [tag, src[S]], src the predicted cold experts' gate_up addresses in ascending expert order, the
+// order in which the split gives the worker its experts, 0 after the last); a plan without this step's tag
+// (generation * TAG_STRIDE + layer) is skipped. Every thread stops
+// reading within 1 KB of the GPU posting the next layer, and the read returns then without waiting for a thread
+// descheduled mid-piece (cpu_warm.h; a later read reusing its slot waits for it: [6] and [7]); a wrong or partial
+// read changes no result.
+struct WarmCfg {
+    std::vector<int64_t> next;  // per box: the layer it plans (-1: none)
+    std::vector<int> next_box;  // per box: the box of that layer (-1: none)
+    const int64_t* plans = nullptr;  // [2, 1 + S] int64
+    int64_t S = 0, bytes = 0;   // slots a plan; gate/up bytes read ahead a layer at most
+    int64_t* counters = nullptr;  // [0] plans used [1] plans not ready [2] bytes read [3] ns reading
+                                  // [4] bytes of read rows the kernel computed [5] pieces computed by another thread
+                                  // [6] ns a read waited for a thread of an earlier read still inside (descheduled
+                                  // mid-piece; a stopped read returns without waiting) [7] the longest such wait
+};
+
+constexpr int64_t TAG_STRIDE = 65536;  // a plan's tag: generation * TAG_STRIDE + the planned layer
+
+constexpr int64_t STEP_GAP_MAX_NS = 5000000;  // a decode step's end (LM head, sampling, launch) is well under this
+
+struct Mailbox {
+    // configuration (read-only after start)
+    std::vector<char*> boxes;       // base address of each served layer's mailbox
+    std::vector<int32_t> layer_of;  // model layer of each box
+    int64_t H = 0, E = 0, I = 0, gu_bytes = 0, out_off = 0, payload = 0, max_pairs = 0;
+    const int64_t* addr = nullptr;  // [layers * E] expert gate_up addresses
+    int isa = 0, threads = 1;
+    int64_t spin_ns = 2000000;      // poll without sleeping this long after the last layer served
+    // ring log and counters (host memory the Python side reads)
+    char* log = nullptr;
+    int64_t log_cap = 0;
+    int64_t* counters = nullptr;    // [0] experts computed, [1] bytes, [2] kernel ns, [3] layers served, [4] log head,
+                                    // [5] ns from a layer's done to the next layer's ready seen, same step (the GPU's
+                                    // own time between two CPU shares), [6] how many such gaps, [7] ns serving layers,
+                                    // [8] when the latest step's first layer was seen ready, [9] when the latest
+                                    // layer's done was written (steady clock: CLOCK_MONOTONIC, Python's monotonic_ns),
+                                    // [10] layers whose GPU wait was read (the worker computed some of them), [11] of
+                                    // those, the ones where the GPU found no answer yet and waited, [12] its reads of
+                                    // `done` while it waited in them (strata.runtime.offload.gpu_share balances on [11] / [10]),
+                                    // [13] ns from a step's last done to the next step's first ready seen (the LM head,
+                                    // sampling, the launch, the first attention), [14] how many such gaps, [15] how many
+                                    // were longer than STEP_GAP_MAX_NS and left out of [13] and [14] (a pause in decode:
+                                    // between requests, a prefill; one such gap outweighed a window's steps)
+    int64_t last_done_ns = 0, last_done_gen = -1;  // when the last layer's done was written, and its generation
+    int last_box = -1;  // the box served last, if the worker computed some of its experts (else -1)
+    std::atomic<bool> stop{false};
+    std::atomic<WarmCfg*> warm{nullptr};  // warm-ahead, set once before use
+    int warm_box = -1;  // the box whose experts were read ahead last, for generation warm_gen
+    int64_t warm_gen = -1;
+    std::vector<int64_t> warm_addr, warm_rows;  // what was read: gate_up addresses and leading rows
+    std::thread th;
+
+    static int64_t now_ns() {
+        return std::chrono::duration_cast<std::chrono::nanoseconds>(
+                   std::chrono::steady_clock::now().time_since_epoch()).count();
+    }
+
+    void serve(size_t i, int64_t gen, std::vector<int64_t>& tok, std::vector<float>& wts, std::vector<int64_t>& meta,
+               std::vector<int32_t>& order, std::vector<int64_t>& warm_of) {
+        const int64_t seen_ns = now_ns();
+        if (last_box >= 0) {  // that layer's acquire kernel wrote its reads of `done` before this layer's post
+            const int64_t spins = reinterpret_cast<volatile int64_t*>(boxes[size_t(last_box)])[4];
+            counters[10] += 1;
+            counters[11] += spins > 0;
+            counters[12] += spins;
+        }
+        char* box = boxes[i];
+        volatile int64_t* hdr = reinterpret_cast<volatile int64_t*>(box);
+        const int32_t* inbox = reinterpret_cast<const int32_t*>(box + 64);
+        const int64_t N = inbox[0], k = inbox[1], P = inbox[2];
+        const int32_t* expert = inbox + 4;
+        const int32_t* slot = expert + P;
+        const int32_t* rows = slot + P;  // of a cold pair: its expert's leading intermediate rows computed here
+        const int64_t x_off = (16 + 12 * P + 63) / 64 * 64;
+        const float* x = reinterpret_cast<const float*>(box + 64 + x_off);
+        const float* w = x + N * H;
+        float* out = reinterpret_cast<float*>(box + out_off);
+        int64_t status = 0;
+        if (P < 0 || P > max_pairs || k <= 0 || N * k != P) status = -4;
+        std::memset(out, 0, sizeof(float) * size_t(std::max<int64_t>(0, N) * H));
+        // cold pairs grouped by expert: sort pair indices by (expert, pair)
+        order.clear();
+        for (int64_t p = 0; status == 0 && p < P; ++p)
+            if (slot[p] == -1) order.push_back(int32_t(p));  // -2: the GPU reads this one in place
+        std::stable_sort(order.begin(), order.end(), [&](int32_t a, int32_t b) { return expert[a] < expert[b]; });
+        tok.resize(order.size());
+        wts.resize(order.size());
+        meta.clear();
+        warm_of.clear();
+        WarmCfg* wc = warm.load(std::memory_order_acquire);
+        const bool warmed = wc && warm_box == int(i) && warm_gen == gen;  // this layer's experts were read ahead
+        int64_t warm_used = 0;
+        const int64_t layer = layer_of[i];
+        int64_t groups = 0, bytes = 0;
+        for (size_t j = 0; j < order.size();) {
+            const int32_t e = expert[order[j]];
+            size_t end = j;
+            while (end < order.size() && expert[order[end]] == e) {
+                tok[end] = order[end] / k;
+                wts[end] = w[order[end]];
+                ++end;
+            }
+            const int64_t base = (e >= 0 && e < E) ? addr[layer * E + e] : 0;
+            if (base == 0) {
+                status = -3;
+                break;
+            }
+            const int64_t r = rows[order[j]];  // the same for every pair of the expert (split per expert)
+            if (r <= 0 || r > I) {
+                status = -4;
+                break;
+            }
+            meta.insert(meta.end(), {base, base + gu_bytes, reinterpret_cast<int64_t>(tok.data() + j),
+                                     reinterpret_cast<int64_t>(wts.data() + j), int64_t(end - j), r, I});
+            int64_t wr = 0;
+            for (size_t q = 0; warmed && q < warm_addr.size(); ++q)
+                if (warm_addr[q] == base) wr = warm_rows[q];
+            warm_of.push_back(wr);
+            warm_used += 4 * H * std::min(wr, r);
+            ++groups;
+            bytes += payload * r / I;
+            j = end;
+        }
+        int64_t ns = 0;
+        if (status == 0 && groups) {
+            const auto t0 = std::chrono::steady_clock::now();
+            int64_t stolen = 0;
+            status = strata_cpu_experts_warm(isa, x, N, H, groups, meta.data(), warmed ? warm_of.data() : nullptr,
+                                             out, threads, &stolen);
+            if (warmed) wc->counters[4] += warm_used, wc->counters[5] += stolen;
+            ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+        }
+        hdr[2] = status;
+        std::atomic_thread_fence(std::memory_order_release);
+        hdr[1] = gen;  // the GPU copies `out` back once it sees this
+        // off the step's path from here
+        const int64_t done_ns = now_ns();
+        counters[7] += done_ns - seen_ns;
+        if (i == 0) counters[8] = seen_ns;
+        counters[9] = done_ns;
+        if (gen == last_done_gen) {  // the previous layer of the same step: the GPU's time between the two
+            counters[5] += seen_ns - last_done_ns;
+            counters[6] += 1;
+        } else if (gen == last_done_gen + 1) {  // the step before's last layer: the GPU's time between two steps
+            const int64_t gap = seen_ns - last_done_ns;
+            if (gap <= STEP_GAP_MAX_NS) {
+                counters[13] += gap;
+                counters[14] += 1;
+            } else {
+                counters[15] += 1;
+            }
+        }
+        last_done_ns = done_ns, last_done_gen = gen;
+        last_box = groups > 0 ? int(i) : -1;
+        counters[0] += groups;
+        counters[1] += bytes;
+        counters[2] += ns;
+        counters[3] += 1;
+        if (log_cap > 0 && status == 0) {
+            const int64_t seq = counters[4];
+            char* entry = log + (seq % log_cap) * LOG_ENTRY;
+            int32_t* codes = reinterpret_cast<int32_t*>(entry + 16);
+            int32_t n = 0;
+            for (int64_t p = 0; p < P && n < LOG_CODES; ++p) {  // each expert once (the first of its pairs)
+                bool seen = false;
+                for (int64_t q = 0; q < p && !seen; ++q) seen = expert[q] == expert[p];
+                if (!seen) codes[n++] = slot[p] >= 0 ? expert[p] : -(expert[p] + 1);
+            }
+            *reinterpret_cast<int64_t*>(entry) = seq;
+            reinterpret_cast<int32_t*>(entry + 8)[0] = int32_t(layer);
+            reinterpret_cast<int32_t*>(entry + 8)[1] = n;
+            std::atomic_thread_fence(std::memory_order_release);
+            reinterpret_cast<volatile int64_t*>(counters)[4] = seq + 1;
+        }
+        if (wc) warm_next(i, gen, *wc);
+    }
+
+    // After answering box i of generation gen: read the planned layer's predicted cold experts' leading gate/up rows
+    // (whole experts in ascending order, up to wc.bytes), stopping once the GPU posts that layer.
+    void warm_next(size_t i, int64_t gen, WarmCfg& wc) {
+        warm_box = -1;
+        const int64_t m = wc.next[i];
+        const int j = wc.next_box[i];
+        if (m < 0 || j < 0) return;
+        const int64_t* plan = wc.plans + (m & 1) * (1 + wc.S);
+        const int64_t tag = gen * TAG_STRIDE + m;
+        const volatile int64_t* ready = reinterpret_cast<const volatile int64_t*>(boxes[size_t(j)]);
+        // the plan may land a little after this answer (its kernel queued behind the layer's own): wait for it, as
+        // long as the GPU has not posted the layer (the worker idles until then anyway)
+        const int64_t t_wait = now_ns();
+        while (reinterpret_cast<const volatile int64_t*>(plan)[0] != tag) {
+            if (*ready != seen[size_t(j)] || now_ns() - t_wait > 1000000) {  // posted (or a plan that never comes)
+                wc.counters[1] += 1;
+                return;
+            }
+            SPIN_PAUSE();
+        }
+        std::atomic_thread_fence(std::memory_order_acquire);
+        warm_addr.clear();
+        warm_rows.clear();
+        const int64_t row_bytes = 4 * H;  // a gate row and an up row
+        int64_t left = wc.bytes;
+        for (int64_t s = 0; s < wc.S && left >= row_bytes; ++s) {
+            const int64_t a = plan[1 + s];
+            if (a == 0) continue;
+            const int64_t r = std::min(I, left / row_bytes);
+            warm_addr.push_back(a);
+            warm_rows.push_back(r);
+            left -= r * row_bytes;
+        }
+        std::atomic_thread_fence(std::memory_order_acquire);
+        if (reinterpret_cast<const volatile int64_t*>(plan)[0] != tag || warm_addr.empty()) return;  // rewritten
+        wc.counters[0] += 1;
+        warm_box = j, warm_gen = gen;
+        const int64_t t0 = now_ns();
+        int64_t held = 0;
+        wc.counters[2] += strata_cpu_warm(warm_addr.data(), warm_rows.data(), int64_t(warm_addr.size()), H, I,
+                                          threads, const_cast<const int64_t*>(ready), seen[size_t(j)], &held);
+        wc.counters[3] += now_ns() - t0;
+        wc.counters[6] += held;
+        wc.counters[7] = std::max(wc.counters[7], held);
+    }
+
+    std::vector<int64_t> seen;  // the generation last served per box (read at start, before the thread runs)
+
+    void loop() {
+        std::vector<int64_t> tok, meta, warm_of;
+        std::vector<float> wts;
+        std::vector<int32_t> order;
+        auto last = std::chrono::steady_clock::now();
+        while (!stop.load(std::memory_order_relaxed)) {
+            bool served = false;
+            for (size_t i = 0; i < boxes.size(); ++i) {
+                const int64_t gen = reinterpret_cast<volatile int64_t*>(boxes[i])[0];
+                if (gen != seen[i]) {
+                    std::atomic_thread_fence(std::memory_order_acquire);
+                    serve(i, gen, tok, wts, meta, order, warm_of);
+                    seen[i] = gen;
+                    served = true;
+                }
+            }
+            if (served) {
+                last = std::chrono::steady_clock::now();
+                continue;
+            }
+            const auto idle = std::chrono::steady_clock::now() - last;
+            if (idle < std::chrono::nanoseconds(spin_ns)) {
+                for (int j = 0; j < 16; ++j) SPIN_PAUSE();
+            } else if (idle < std::chrono::milliseconds(100)) {  // between requests: poll every 50 us
+                std::this_thread::sleep_for(std::chrono::microseconds(50));
+            } else {  // idle: every millisecond (a step after a long pause starts up to that much later, once)
+                std::this_thread::sleep_for(std::chrono::milliseconds(1));
+            }
+        }
+    }
+};
+
+}  // namespace
+
+// cfg: int64 [H, E, I, gu_bytes, out_off, payload, max_pairs, isa, threads, spin_ns, n_boxes, log_cap]
+// boxes: int64 [n_boxes] mailbox addresses; layers: int32 [n_boxes]; addr: int64 [layers * E];
+// log: log_cap entries of 16 + 4 * 256 bytes; counters: int64 [16]. Returns a handle for stop (0: failed).
+C_EXPORTED int64_t strata_mailbox_start(const int64_t* cfg, const int64_t* boxes, const int32_t* layers,
+                                        const int64_t* addr, char* log, int64_t* counters) {
+    auto* m = new Mailbox();
+    m->H = cfg[0], m->E = cfg[1], m->I = cfg[2], m->gu_bytes = cfg[3], m->out_off = cfg[4], m->payload = cfg[5];
+    m->max_pairs = cfg[6], m->isa = int(cfg[7]), m->threads = int(cfg[8]), m->spin_ns = cfg[9];
+    const int64_t n = cfg[10];
+    m->log_cap = cfg[11];
+    for (int64_t i = 0; i < n; ++i) {
+        m->boxes.push_back(reinterpret_cast<char*>(boxes[i]));
+        m->layer_of.push_back(layers[i]);
+    }
+    m->addr = addr, m->log = log, m->counters = counters;
+    for (char* box : m->boxes) m->seen.push_back(int64_t(reinterpret_cast<volatile int64_t*>(box)[0]));
+    m->th = std::thread([m] { m->loop(); });
+    return reinterpret_cast<int64_t>(m);
+}
+
+C_EXPORTED int strata_mailbox_stop(int64_t handle) {
+    auto* m = reinterpret_cast<Mailbox*>(handle);
+    if (!m) return 0;
+    m->stop.store(true);
+    if (m->th.joinable()) m->th.join();
+    if (m->warm.load()) strata_cpu_warm_drain();  // a read's straggler may still touch the boxes and the experts
+    delete m->warm.load();
+    delete m;
+    return 0;
+}
+
+// Warm-ahead (WarmCfg above), once per worker, before any step plans it: next int64 [n_boxes] (the layer each box
+// plans, -1: none); plans int64 [2, 1 + S] (host, strata.kernels.gpu.warm_plan's layout); bytes: gate/up bytes read a
+// layer at most; counters int64 [8]. Returns 0, or -1 (no worker, or already set).
+C_EXPORTED int strata_mailbox_warm(int64_t handle, const int64_t* next, const int64_t* plans, int64_t S,
+                                   int64_t bytes, int64_t* counters) {
+    auto* m = reinterpret_cast<Mailbox*>(handle);
+    if (!m || m->warm.load() || S <= 0) return -1;
+    auto* w = new WarmCfg();
+    for (size_t i = 0; i < m->boxes.size(); ++i) {
+        w->next.push_back(next[i]);
+        int box = -1;
+        for (size_t j = 0; j < m->layer_of.size(); ++j)
+            if (next[i] >= 0 && m->layer_of[j] == next[i]) box = int(j);
+        w->next_box.push_back(box);
+    }
+    w->plans = plans, w->S = S, w->bytes = bytes, w->counters = counters;
+    m->warm.store(w, std::memory_order_release);
+    return 0;
+}
+
+C_EXPORTED int strata_mailbox_log_codes() { return LOG_CODES; }

@@ -1,0 +1,391 @@
+"""Cold experts on CPU threads: all the experts of one MoE layer in one threaded, vectorised call.
+
+    out = cpu_experts_forward(x, [(gate_up, down), ...], token_idx, token_w, out=None, threads=None)
+
+Each expert is a SwiGLU MLP, `down(silu(gate(x)) * up(x))`, with its bf16 weights in their own
+(pinned or host) buffers: gate_up [2I, H] (gate rows, then up rows) and down [H, I]. For the few tokens
+of a decode step the work is memory-bound, so what counts is bytes of weights read per second: a C++
+kernel (csrc/cpu_experts.cpp, built on first use) reads every weight row once for all of an expert's
+tokens, splits the gate/up rows of all the layer's experts over a persistent thread pool (chunks taken
+dynamically), then, once every gate/up chunk is done, the down rows (threads with no gate/up chunk left
+claim down chunks and read them ahead; `tune`); one fork/join per layer, the GIL released while it runs,
+software prefetch along the rows. `trace` times each call's phases (strata/kernels/cpu/tuning.py). A worker the OS has not scheduled yet holds
+no work, so nobody waits for it (CPU oversubscription degrades gracefully).
+
+Backends (`backend()` says which one runs; the `backend=` argument picks, an engine's `[debug] cpu_kernel`):
+  avx512_bf16  AVX-512 BF16 `vdpbf16ps`: activations and the intermediate silu(gate)*up are rounded to
+               bf16, products summed in fp32. Default where the CPU has it.
+  avx512       AVX-512F, bf16 weights widened to fp32 by shifts, fp32 activations and accumulation.
+  avx2         AVX2 + FMA, same numerics as avx512 (8 lanes). Default on other x86-64 CPUs.
+  avx512_emulated, avx512_bf16_emulated
+               portable scalar emulations of the two AVX-512 kernels (same template, lane layout and
+               summation order: bit-identical to them by construction), so their logic is tested on
+               machines without AVX-512. Slow; only on request.
+  torch        the reference math in fp32 on the upcast weights (`expert_swiglu`), one expert at a
+               time. Used when the extension cannot be built (no compiler, not x86-64, build error:
+               one warning line), when asked for ("torch"), and for experts with more than
+               `MAX_TOKENS` tokens (prefill-sized groups: compute-bound, torch/oneDNN does them better;
+               the executor should send those to the GPU anyway).
+
+Accuracy against the reference (`expert_swiglu` in fp32 on the same bf16 weights upcast), measured
+as max |out - ref| / max |ref| over a call, is bounded by `TOLERANCE[backend]`: the fp32 paths (avx2,
+avx512) differ only by summation order (measured <= 2e-6); avx512_bf16 rounds x and silu(gate)*up to
+bf16, which costs a median 3e-3 and at most 7.3e-3 over 200 random inputs for each of 15 shapes with
+I >= 19 (bound 1.5e-2; a tiny intermediate width such as I = 5 reached 2.4e-2 in 3,000 trials). That
+is the rounding a bf16 GPU GEMM applies to its activations; use avx512 (fp32 activations, about as
+fast while memory-bound) where fp32-class agreement matters.
+
+Determinism: every dot product is summed in an order fixed by the code (not by the thread that runs
+it), every output element is written by exactly one thread, and each output element accumulates the
+kernel's experts in the order given. Results are therefore bit-identical for any thread count and any
+scheduling, for a given backend. Experts sent to torch (more than MAX_TOKENS tokens) are added after
+the kernel's experts.
+
+`configure` sets the default thread count (else the physical cores this process may run on), the pool's
+CPUs, how long idle workers spin and the software prefetch distance; `tune` the scheduling knobs
+(`strata.kernels.cpu.tuning`). The extension is cached under $STRATA_CACHE/ext (else
+$XDG_CACHE_HOME/strata/ext or ~/.cache/strata/ext), keyed by a hash of its sources, the compiler flags,
+torch's and Python's versions.
+"""
+
+from __future__ import annotations
+
+import array
+import ctypes
+import logging
+import os
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+from strata.kernels.cpu.build import build_and_open, one_line
+from strata.kernels.cpu.tuning import TRACE_FIELDS, TUNE_KEYS, read_sweep, trace, tune, warm_rows  # noqa: F401
+from strata.kernels.experts import expert_swiglu
+
+log = logging.getLogger(__name__)
+
+_ISA = {"avx2": 1, "avx512": 2, "avx512_bf16": 3, "avx512_emulated": 4, "avx512_bf16_emulated": 5}
+_AUTO_ORDER = ("avx512_bf16", "avx512", "avx2")
+BACKENDS = ("avx512_bf16", "avx512", "avx2", "torch")
+
+DEFAULT_PREFETCH_BYTES = 2048
+"""Software prefetch distance along each weight row (`configure(prefetch_bytes=)` overrides; 0: off)."""
+
+MAX_TOKENS = 32
+"""Experts with more tokens than this in one call go to torch's matmul (the CPU is compute-bound there)."""
+
+TOLERANCE = {"torch": 1e-5, "avx2": 1e-4, "avx512": 1e-4, "avx512_bf16": 1.5e-2, "avx512_emulated": 1e-4,
+             "avx512_bf16_emulated": 1.5e-2}
+"""Bound on max |out - reference| / max |reference| for each backend (see the module docstring)."""
+
+_lock = threading.Lock()
+META = 7  # int64 fields of one expert's row in `run_packed`'s meta (csrc/cpu_experts.cpp's META_FIELDS)
+_lib: ctypes.CDLL | None = None
+_lib_tried = False
+_isa_mask = 0
+_warned: set[str] = set()
+_threads_override: int | None = None
+_prefetch_override: int | None = None
+build_seconds: float | None = None
+"""Wall time of the first load in this process (build or cache hit), for logs and benchmarks."""
+
+
+def _warn_once(key: str, msg: str, *args) -> None:
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(msg, *args)
+
+
+def _load() -> ctypes.CDLL | None:
+    """The extension, built (or found in the cache) once per process; None when it cannot be had."""
+    global _lib, _lib_tried, _isa_mask, build_seconds
+    if _lib_tried:
+        return _lib
+    with _lock:
+        if not _lib_tried:
+            t0 = time.perf_counter()
+            try:
+                lib = build_and_open()
+                if lib.strata_cpu_meta_fields() != META:
+                    raise RuntimeError(f"kernel takes {lib.strata_cpu_meta_fields()} meta fields, strata packs {META}")
+                _isa_mask = lib.strata_cpu_isa_mask()
+                lib.strata_cpu_configure(spin_us(), None, -1, prefetch_bytes())
+                _lib = lib
+            except Exception as exc:  # no compiler, no ninja, not x86-64, read-only cache...
+                log.warning("strata: CPU expert kernel unavailable (%s); using the torch fallback", one_line(exc))
+            build_seconds = time.perf_counter() - t0
+            _lib_tried = True
+    return _lib
+
+
+def available_isa(name: str) -> bool:
+    """Whether the compiled kernel is loaded and this CPU runs its `name` instruction set ("avx2", ...)."""
+    return _load() is not None and bool(_isa_mask & (1 << _ISA[name]))
+
+
+def available_backends() -> list[str]:
+    """Backends this machine can run, best first ("torch" always; not the test-only emulations)."""
+    lib = _load()
+    names = [n for n in _AUTO_ORDER if lib is not None and _isa_mask & (1 << _ISA[n])]
+    return names + ["torch"]
+
+
+def _resolve(requested: str | None) -> str:
+    req = (requested or "auto").strip().lower()
+    if req == "torch":
+        return "torch"
+    if req != "auto" and req not in _ISA:
+        _warn_once(f"name:{req}", "strata: unknown CPU kernel %r (choose from auto, %s); using auto", req,
+                   ", ".join(BACKENDS))
+        req = "auto"
+    if _load() is None:
+        return "torch"
+    if req != "auto":
+        if _isa_mask & (1 << _ISA[req]):
+            return req
+        _warn_once(f"isa:{req}", "strata: this CPU cannot run the %s kernel; choosing automatically", req)
+    for name in _AUTO_ORDER:
+        if _isa_mask & (1 << _ISA[name]):
+            return name
+    return "torch"
+
+
+def backend(requested: str | None = None) -> str:
+    """Which path `cpu_experts_forward(..., backend=requested)` takes here: "avx512_bf16", "avx512", "avx2" or
+    "torch" (`requested` None or "auto": the best this CPU runs)."""
+    return _resolve(requested)
+
+
+_default_threads: int | None = None
+
+
+def default_threads() -> int:
+    """configure(threads=...), else the physical cores this process may use."""
+    global _default_threads
+    if _threads_override:
+        return _threads_override
+    if _default_threads is None:
+        try:
+            usable = len(os.sched_getaffinity(0))
+        except (AttributeError, OSError):
+            usable = os.cpu_count() or 1
+        try:
+            import psutil
+
+            physical = psutil.cpu_count(logical=False) or usable
+        except Exception:
+            physical = usable
+        _default_threads = max(1, min(usable, physical))
+    return _default_threads
+
+
+def configure(threads: int | None = None, cpus: Sequence[int] | None = None, spin_us: int | None = None,
+              prefetch_bytes: int | None = None) -> None:
+    """Tune the kernel. threads: default thread count. cpus: CPUs to pin the pool's workers to (worker
+    i on cpus[i % len]; the calling thread is left alone; [] unpins). spin_us: how long idle workers
+    spin before sleeping (default `DEFAULT_SPIN_US`). prefetch_bytes: software prefetch distance along each weight
+    row in bytes (default `DEFAULT_PREFETCH_BYTES`; 0 turns it off)."""
+    global _threads_override, _prefetch_override
+    if threads is not None:
+        _threads_override = max(1, int(threads))
+    if prefetch_bytes is not None:
+        _prefetch_override = max(0, int(prefetch_bytes))
+    lib = _load()
+    if lib is not None and (cpus is not None or spin_us is not None or prefetch_bytes is not None):
+        cpu_arr = (ctypes.c_int * max(1, len(cpus or ())))(*(cpus or ()))
+        lib.strata_cpu_configure(-1 if spin_us is None else int(spin_us), cpu_arr, -1 if cpus is None else len(cpus),
+                                 -1 if prefetch_bytes is None else _prefetch_override)
+
+
+def prefetch_bytes() -> int:
+    """The software prefetch distance in force: configure(prefetch_bytes=...), else `DEFAULT_PREFETCH_BYTES`."""
+    return _prefetch_override if _prefetch_override is not None else DEFAULT_PREFETCH_BYTES
+
+
+DEFAULT_SPIN_US = 1000
+
+
+def spin_us() -> int:
+    """How long idle pool workers spin before sleeping when the extension loads (`configure(spin_us=)` changes it
+    later): a split decode step calls the kernel once per layer with ~0.2-0.4 ms of GPU and host work between
+    calls, so a much shorter spin puts the workers to sleep before every call and small CPU shares wait for their
+    wake-ups. Shorter frees the cores sooner on a shared host."""
+    return DEFAULT_SPIN_US
+
+
+def run_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads: int | None = None, *,
+               backend: str | None = None, warm: array.array | None = None) -> bool:
+    """The compiled kernel on pre-packed arguments, for callers that hold experts by address (the tier
+    manager's pinned slots): x32 [N, H] fp32 contiguous; meta rows of `META` int64 (gate_up address, down
+    address, token-index address (int64), weight address (fp32), T, rows, I) for bf16 experts, computing each
+    expert's first `rows` of its I intermediate rows (all I, or the CPU's part of a split expert); out [N, H] fp32
+    contiguous, added into. warm: int64 per expert, the leading rows `warm_rows` read ahead on the same thread
+    count (each thread computes its own piece of them first; results unchanged). Returns False, doing nothing,
+    when the compiled kernel is not in use."""
+    name = _resolve(backend)
+    if name == "torch" or not meta:
+        return bool(not meta and name != "torch")
+    N, H = x32.shape
+    E = len(meta) // META
+    if warm is not None and len(warm) != E:
+        raise ValueError(f"warm has {len(warm)} entries for {E} experts")
+    _check(_lib.strata_cpu_experts_warm(_ISA[name], x32.data_ptr(), N, H, E, meta.buffer_info()[0],
+                                        warm.buffer_info()[0] if warm is not None else None, out.data_ptr(),
+                                        int(threads or default_threads()), None), name, N)
+    return True
+
+
+def _check(rc: int, name: str, rows: int) -> None:
+    """Raise the kernel's error code as an exception (0: success)."""
+    if rc == -2:
+        raise IndexError(f"token_idx out of range for x with {rows} rows")
+    if rc != 0:
+        raise RuntimeError(f"CPU expert kernel ({name}) failed with code {rc}")
+
+
+class PackedCall:
+    """A `start_packed` call: `wait()` returns the kernel's own run time in seconds (raises its error)."""
+
+    def __init__(self, n_rows: int, name: str, keep: tuple):
+        self._rows, self._name, self._keep, self._done = n_rows, name, keep, False
+
+    def wait(self) -> float:
+        if self._done:
+            return 0.0
+        seconds = ctypes.c_double(0.0)
+        try:
+            rc = _lib.strata_cpu_experts_wait(ctypes.byref(seconds))
+        finally:
+            self._done, self._keep = True, ()
+            _async_slot.release()
+        _check(rc, self._name, self._rows)
+        return seconds.value
+
+
+_async_slot = threading.Lock()  # the launcher runs one call at a time
+
+
+def start_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads: int | None = None, *,
+                 backend: str | None = None) -> PackedCall | None:
+    """`run_packed` on the kernel's launcher thread (share 0 of the pool's job): returns at once, the caller
+    keeps driving the GPU; `wait()` joins it. The same thread count as `run_packed` (a different one would
+    rebuild the pool at every switch).
+    None, doing nothing, when the compiled kernel is not in use or another call is in flight."""
+    name = _resolve(backend)
+    if name == "torch" or not meta or not _async_slot.acquire(blocking=False):
+        return None
+    n_rows, hidden = x32.shape
+    threads = threads or default_threads()
+    _lib.strata_cpu_experts_start(_ISA[name], x32.data_ptr(), n_rows, hidden, len(meta) // META, meta.buffer_info()[0],
+                                  out.data_ptr(), int(threads))
+    return PackedCall(n_rows, name, (x32, meta, out))
+
+
+def isa_code(requested: str | None = None) -> int:
+    """The compiled kernel's code for the instruction set `backend(requested)` chooses (0: the torch fallback)."""
+    name = _resolve(requested)
+    return 0 if name == "torch" else _ISA[name]
+
+
+def start_mailbox(cfg, boxes, layers, addresses, log, counters) -> int:
+    """Start the native mailbox worker (csrc/cpu_mailbox.cpp; the arguments are numpy arrays laid out as
+    strata.runtime.offload.mailbox describes, kept alive by the caller until `stop_mailbox`; cfg[7] the `isa_code`);
+    its handle, 0 when the compiled kernel is not in use (isa code 0)."""
+    if _load() is None or int(cfg[7]) == 0:
+        return 0
+    return int(_lib.strata_mailbox_start(*(a.ctypes.data for a in (cfg, boxes, layers, addresses, log, counters))))
+
+
+def mailbox_warm(handle: int, next_layers, plans: int, slots: int, nbytes: int, counters) -> int:
+    """Give the mailbox worker `handle` its warm-ahead (csrc/cpu_mailbox.cpp, `strata_mailbox_warm`): next_layers
+    and counters int64 numpy arrays, plans the address of warm-ahead's page-locked plans. 0 on success."""
+    if not handle or _lib is None:
+        return -1
+    return int(_lib.strata_mailbox_warm(handle, next_layers.ctypes.data, plans, slots, nbytes, counters.ctypes.data))
+
+
+def stop_mailbox(handle: int, *keep) -> None:
+    """Stop the mailbox worker `handle` (joins its thread); `keep`: what the worker reads, held until then."""
+    if handle and _lib is not None:
+        _lib.strata_mailbox_stop(handle)
+
+
+def _torch_expert(x32: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+                  out: torch.Tensor) -> None:
+    """The reference: fp32 math on the upcast weights, added into out."""
+    idx = idx.to(torch.int64)
+    y = expert_swiglu(x32.index_select(0, idx), gate_up.float(), down.float()) * w.float()[:, None]
+    out.index_add_(0, idx, y)
+
+
+def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                        token_idx: Sequence[torch.Tensor], token_w: Sequence[torch.Tensor],
+                        out: torch.Tensor | None = None, threads: int | None = None, *,
+                        backend: str | None = None) -> torch.Tensor:
+    """out[N, H] (fp32, added into; zeros when None) += sum over experts e of token_w[e] * expert_e(x[token_idx[e]]).
+
+    x [N, H] fp32 or bf16 (CPU); weights[e] = (gate_up [2I, H], down [H, I]) bf16 CPU tensors, each its
+    own buffer; token_idx[e] int64 rows of x (may be empty); token_w[e] fp32 routing weights of those
+    rows. `threads`: the kernel's thread count (default `default_threads()`; the torch path ignores it).
+    `backend`: the instruction set ("auto" or None: the best this CPU runs; "torch": the reference math).
+    """
+    if x.dim() != 2 or x.device.type != "cpu":
+        raise ValueError(f"x must be a [N, H] CPU tensor, got {tuple(x.shape)} on {x.device}")
+    if not (len(weights) == len(token_idx) == len(token_w)):
+        raise ValueError("weights, token_idx and token_w need one entry per expert")
+    N, H = x.shape
+    if out is None:
+        out = torch.zeros(N, H, dtype=torch.float32)
+    elif out.shape != (N, H) or out.dtype != torch.float32 or out.device.type != "cpu":
+        raise ValueError(f"out must be a [{N}, {H}] fp32 CPU tensor, got {tuple(out.shape)} {out.dtype} on {out.device}")
+    name = _resolve(backend)
+    x32 = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
+    limit = 0 if name == "torch" else MAX_TOKENS
+    bf16 = torch.bfloat16
+    meta = array.array("q")
+    keep = []  # converted tensors must outlive the call
+    to_torch = []
+    for e in range(len(weights)):  # a few µs per expert: this loop is the per-layer Python overhead
+        idx = token_idx[e]
+        T = idx.numel()
+        if T == 0:
+            continue
+        gate_up, down = weights[e]
+        w = token_w[e]
+        inter = down.shape[-1]
+        if gate_up.shape != (2 * inter, H) or down.shape != (H, inter):
+            raise ValueError(f"expert {e}: gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} do not "
+                             f"match H={H} (want [2I, H] and [H, I])")
+        if w.numel() != T:
+            raise ValueError(f"expert {e}: {T} token rows but {w.numel()} routing weights")
+        if not (gate_up.is_cpu and down.is_cpu and idx.is_cpu and w.is_cpu):
+            raise ValueError(f"expert {e}: weights, token_idx and token_w must be CPU tensors")
+        if T > limit or gate_up.dtype is not bf16 or down.dtype is not bf16:
+            to_torch.append(e)
+            continue
+        if not gate_up.is_contiguous():
+            gate_up = gate_up.contiguous()
+            keep.append(gate_up)
+        if not down.is_contiguous():
+            down = down.contiguous()
+            keep.append(down)
+        if idx.dtype is not torch.int64 or not idx.is_contiguous():
+            idx = idx.to(torch.int64).contiguous()
+            keep.append(idx)
+        if w.dtype is not torch.float32 or not w.is_contiguous():
+            w = w.to(torch.float32).contiguous()
+            keep.append(w)
+        meta.extend((gate_up.data_ptr(), down.data_ptr(), idx.data_ptr(), w.data_ptr(), T, inter, inter))
+    if meta:
+        target = out if out.is_contiguous() else torch.zeros(N, H, dtype=torch.float32)
+        run_packed(x32, meta, target, threads, backend=name)
+        if target is not out:
+            out.add_(target)
+    for e in to_torch:
+        (gate_up, down), idx, w = weights[e], token_idx[e], token_w[e]
+        if idx.numel() and (idx.min() < 0 or idx.max() >= N):
+            raise IndexError(f"token_idx out of range for x with {N} rows")
+        _torch_expert(x32, gate_up, down, idx, w, out)
+    return out

@@ -1,0 +1,291 @@
+"""Slot-indexed expert compute for small batches (decode): one launch per projection for all pairs.
+
+A decode step routes N tokens to k experts each: P = N*k (token, expert) pairs. Pair p runs the expert
+whose weights sit in slot `slot_of[ids[p]]` of a slot buffer on token `p // k` and writes its output
+row `y[p]` [H] fp32. The slot buffer is the GPU tier's slab (a strided view over fixed-size slots) or
+the stacked all-in-memory experts (slot = expert id), so the same kernels serve both.
+
+The slot lookup happens inside the kernel (`slot_of` is a device table), so there is no host round
+trip and a decode step can be captured in a CUDA graph. Pairs whose expert is not resident (slot -1)
+are skipped; the cold path fills their rows. A map update enqueued on the same stream is seen either
+before the lookup (the pair is skipped) or after the kernel (the copy that reuses the slot waits for
+it): the gate/up kernel records the slot it used and the down kernel reads that record, so both
+projections always use one consistent slot.
+
+Triton kernels on CUDA; a pure-torch fallback (gather + bmm) elsewhere, with the same results to
+rounding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from strata.kernels.gpu import fused, pdl
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs do without it
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on CPU-only hosts
+    triton = None
+
+PAIR_LIMIT = 128  # pairs per step up to which the pair kernels beat grouping tokens by expert
+# The pair kernels' launch configurations: gate/up (BLOCK_I, BLOCK_H, warps, stages), down (BLOCK_O, BLOCK_I,
+# warps, stages). Few pairs need smaller blocks, hence more programs in flight, to keep enough memory reads
+# outstanding. Measured on the H200 (bench/pair_kernel_probe.py sweeps them). A configuration fixes each output's
+# summation order, so the in-memory and tiered engines, which pick it by the same pair count, agree bit for bit.
+PAIR_CONFIGS = {"small": ((4, 2048, 4, 3), (8, 256, 2, 3)), "large": ((4, 1024, 4, 3), (8, 256, 2, 3))}
+SMALL_PAIRS = 16
+IN_PLACE_BLOCKS = (8, 512, 16, 256)  # pair_experts_in_place (reads over PCIe, ~50 GB/s: the link, not the tiles, bounds it)
+
+
+def pair_config(num_pairs: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
+    """The (gate/up, down) launch configuration for a call of `num_pairs` pairs (`PAIR_CONFIGS`)."""
+    return PAIR_CONFIGS["small" if num_pairs <= SMALL_PAIRS else "large"]
+
+
+@dataclass(frozen=True)
+class SlotWeights:
+    """Expert weights addressed by slot: gate_up [S, 2I, H], down [S, H, I] (strided views allowed)."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+
+    def __post_init__(self) -> None:
+        s, two_i, h = self.gate_up.shape
+        if self.down.shape != (s, h, two_i // 2):
+            raise ValueError(f"down {tuple(self.down.shape)} does not match gate_up {tuple(self.gate_up.shape)}")
+        if self.gate_up.stride(-1) != 1 or self.down.stride(-1) != 1:
+            raise ValueError("expert rows must be contiguous (last stride 1)")
+
+    @staticmethod
+    def from_slab(slab: torch.Tensor, dtype: torch.dtype, gate_up_shape: tuple[int, int],
+                  down_shape: tuple[int, int], down_offset: int) -> SlotWeights:
+        """Typed views over a uint8 slab [S, slot_bytes] whose slots hold gate_up then down at `down_offset` bytes."""
+        size = torch.empty((), dtype=dtype).element_size()
+        if slab.shape[1] % size or down_offset % size:
+            raise ValueError("slot size and down offset must be multiples of the element size")
+        typed = slab.view(dtype)  # [S, slot_bytes / size]
+        (a, b), (c, d) = gate_up_shape, down_shape
+        off = down_offset // size
+        return SlotWeights(typed[:, : a * b].view(-1, a, b), typed[:, off : off + c * d].view(-1, c, d))
+
+
+@dataclass(frozen=True)
+class HostExperts:
+    """How an expert lies in a page-locked host slot (the store's slot layout): gate_up [2I, H], then down
+    [H, I] at `down_offset` bytes, both `dtype`. `pair_experts_in_place` reads such slots by address."""
+
+    dtype: torch.dtype
+    gate_up_shape: tuple[int, int]
+    down_shape: tuple[int, int]
+    down_offset: int
+
+    def typed(self, device: torch.device) -> torch.Tensor:
+        """A one-element tensor of `dtype` on `device` (the kernels take their pointer type from it)."""
+        key = (str(device), self.dtype)
+        if key not in _TYPED:
+            _TYPED[key] = torch.zeros(1, dtype=self.dtype, device=device)
+        return _TYPED[key]
+
+
+_TYPED: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+
+def use_pair_kernels(x: torch.Tensor, num_pairs: int) -> bool:
+    """Whether a step of `num_pairs` pairs takes the pair kernels (GPU, small batches) or per-expert groups."""
+    return x.is_cuda and num_pairs <= PAIR_LIMIT
+
+
+def pair_experts(x: torch.Tensor, weights: SlotWeights, slot_of: torch.Tensor, ids: torch.Tensor,
+                 y: torch.Tensor, rows: torch.Tensor | None = None, used: torch.Tensor | None = None) -> torch.Tensor:
+    """Run pair p = expert `ids[p]` (looked up in `slot_of` [E] int32, -1 = skip) on token `rows[p] // k`.
+
+    x [N, H]; ids [P] int; y [N*k, H] fp32 receives row `rows[p]` (default p, with k = y.shape[0] // N).
+    `used` [P] int32 receives the slot each pair used (-1: skipped). Returns `used`.
+    """
+    p = ids.numel()
+    k = y.shape[0] // x.shape[0]
+    used = torch.empty(p, dtype=torch.int32, device=x.device) if used is None else used
+    if p == 0:
+        return used
+    if x.is_cuda and triton is not None:  # ids of any integer dtype; no rows: row p (no arange launched)
+        _pair_triton(x, weights, slot_of, ids, rows, k, y, used)
+    else:
+        rows = torch.arange(p, device=x.device, dtype=torch.int32) if rows is None else rows.to(torch.int32)
+        _pair_torch(x, weights, slot_of, ids, rows, k, y, used)
+    return used
+
+
+def combine_pairs(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
+                  extra: torch.Tensor | None = None, residual: torch.Tensor | None = None) -> torch.Tensor:
+    """Weighted sum of each token's k expert outputs, plus `extra` (the CPU's partial sum), cast to `dtype`, plus
+    `residual` (the layer's input: `x + mlp(h)` in the same launch): y [N*k, H] fp32, weights [N, k], extra [N, H]
+    fp32, residual [N, H] -> [N, H]. One fused kernel on CUDA.
+
+    Always the same order whatever computed each row, so tiers never change the result."""
+    fold = residual if fused.FOLDS and fused.RESIDUAL_FOLD else None
+    fused_out = fused.combine(y, weights, dtype, extra, fold)
+    if fused_out is not None:
+        return fused_out if fold is not None or residual is None else residual + fused_out
+    n, k = weights.shape
+    out = (y.view(n, k, -1) * weights.float()[..., None]).sum(dim=1)
+    out = (out if extra is None else out + extra).to(dtype)
+    return out if residual is None else residual + out
+
+
+def _pair_torch(x, weights: SlotWeights, slot_of, ids, rows, k, y, used) -> None:
+    """Fallback: gather each pair's expert and run it with batched matmuls (no host sync on CUDA)."""
+    slots = slot_of[ids.long()].to(torch.int32)
+    used.copy_(slots)
+    ok = (slots >= 0)
+    s = slots.clamp(min=0).long()
+    tok = rows.long() // k
+    xs = x[tok].to(weights.gate_up.dtype)  # [P, H]
+    gu = torch.bmm(weights.gate_up[s], xs[:, :, None])[..., 0].float()  # [P, 2I]
+    gate, up = gu.chunk(2, dim=-1)
+    h = (F.silu(gate) * up).to(weights.down.dtype)
+    out = torch.bmm(weights.down[s], h[:, :, None])[..., 0].float()  # [P, H]
+    out = torch.where(ok[:, None], out, y[rows.long()])
+    y.index_copy_(0, rows.long(), out)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _gate_up_kernel(x_ptr, gu_ptr, slot_of_ptr, ids_ptr, rows_ptr, used_ptr, h_ptr, first_ptr, H, INTER, K,
+                        stride_x, stride_gs, stride_gr, stride_h, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
+                        HAS_ROWS: tl.constexpr, ADDR: tl.constexpr, FIRST: tl.constexpr, PDL: tl.constexpr):
+        pdl.enter(PDL)
+        p = tl.program_id(0)
+        ib = tl.program_id(1)
+        if ADDR:  # ids holds each pair's expert address in pinned host memory (0: not in this pass)
+            addr = tl.load(ids_ptr + p)
+            slot = tl.where(addr != 0, 0, -1).to(tl.int64)
+        else:
+            expert = tl.load(ids_ptr + p)
+            slot = tl.load(slot_of_ptr + expert).to(tl.int64)
+        if ib == 0:
+            tl.store(used_ptr + p, slot.to(tl.int32))
+        if FIRST:  # rows below `first` are another's (a split expert's CPU part)
+            first = tl.load(first_ptr + p)
+        else:
+            first = 0
+        if (slot >= 0) & ((ib + 1) * BLOCK_I > first):
+            if HAS_ROWS:
+                tok = tl.load(rows_ptr + p).to(tl.int64) // K
+            else:
+                tok = p.to(tl.int64) // K
+            offs_i = ib * BLOCK_I + tl.arange(0, BLOCK_I)
+            mask_i = (offs_i < INTER) & (offs_i >= first)
+            acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
+            acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
+            if ADDR:  # read over PCIe, in place (unified addressing maps the page-locked slot)
+                w = addr.to(tl.pointer_type(gu_ptr.dtype.element_ty))
+            else:
+                w = gu_ptr + slot * stride_gs
+            for h0 in range(0, H, BLOCK_H):
+                offs_h = h0 + tl.arange(0, BLOCK_H)
+                mask_h = offs_h < H
+                xv = tl.load(x_ptr + tok * stride_x + offs_h, mask=mask_h, other=0.0).to(tl.float32)
+                m = mask_i[:, None] & mask_h[None, :]
+                g = tl.load(w + offs_i[:, None] * stride_gr + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
+                u = tl.load(w + (offs_i[:, None] + INTER) * stride_gr + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
+                acc_g += tl.sum(g * xv[None, :], axis=1)
+                acc_u += tl.sum(u * xv[None, :], axis=1)
+            h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+            tl.store(h_ptr + p * stride_h + offs_i, h, mask=mask_i)
+
+    @triton.jit
+    def _down_kernel(h_ptr, d_ptr, used_ptr, rows_ptr, y_ptr, addr_ptr, first_ptr, down_off, H, INTER, stride_h,
+                     stride_ds, stride_dr, stride_y, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
+                     HAS_ROWS: tl.constexpr, ADDR: tl.constexpr, FIRST: tl.constexpr, PDL: tl.constexpr):
+        pdl.enter(PDL)
+        p = tl.program_id(0)
+        ob = tl.program_id(1)
+        slot = tl.load(used_ptr + p).to(tl.int64)
+        if FIRST:  # the intermediate rows from `first` on: a split expert's GPU part
+            first = tl.load(first_ptr + p)
+        else:
+            first = 0
+        if slot >= 0:
+            if HAS_ROWS:
+                row = tl.load(rows_ptr + p).to(tl.int64)
+            else:
+                row = p.to(tl.int64)
+            offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
+            mask_o = offs_o < H
+            acc = tl.zeros([BLOCK_O], dtype=tl.float32)
+            if ADDR:  # the slot holds gate_up, then down at `down_off` bytes
+                w = (tl.load(addr_ptr + p) + down_off).to(tl.pointer_type(d_ptr.dtype.element_ty))
+            else:
+                w = d_ptr + slot * stride_ds
+            for i0 in range((first // BLOCK_I) * BLOCK_I, INTER, BLOCK_I):
+                offs_i = i0 + tl.arange(0, BLOCK_I)
+                mask_i = (offs_i < INTER) & (offs_i >= first)  # h below `first` was never written
+                hv = tl.load(h_ptr + p * stride_h + offs_i, mask=mask_i, other=0.0)
+                wv = tl.load(w + offs_o[:, None] * stride_dr + offs_i[None, :],
+                             mask=mask_o[:, None] & mask_i[None, :], other=0.0).to(tl.float32)
+                acc += tl.sum(wv * hv[None, :], axis=1)
+            tl.store(y_ptr + row * stride_y + offs_o, acc, mask=mask_o)
+
+
+def _pair_triton(x, weights: SlotWeights, slot_of, ids, rows, k, y, used) -> None:
+    gu, dn = weights.gate_up, weights.down
+    _, two_i, hidden = gu.shape
+    inter = two_i // 2
+    p = ids.numel()
+    x = x.contiguous()
+    h = torch.empty((p, inter), dtype=torch.float32, device=x.device)  # SiLU(gate) * up per pair
+    (block_i, block_h, warps_gu, stages_gu), (block_o, block_k, warps_d, stages_d) = pair_config(p)
+    has_rows = rows is not None
+    rows = rows if has_rows else ids  # an unread pointer when HAS_ROWS is off
+    _gate_up_kernel[(p, triton.cdiv(inter, block_i))](
+        x, gu, slot_of, ids, rows, used, h, ids, hidden, inter, k, x.stride(0), gu.stride(0), gu.stride(1),
+        h.stride(0), BLOCK_I=block_i, BLOCK_H=block_h, HAS_ROWS=has_rows, ADDR=False, FIRST=False,
+        num_warps=warps_gu, num_stages=stages_gu, **pdl.launch(x))
+    _down_kernel[(p, triton.cdiv(hidden, block_o))](
+        h, dn, used, rows, y, ids, ids, 0, hidden, inter, h.stride(0), dn.stride(0), dn.stride(1),
+        y.stride(0), BLOCK_O=block_o, BLOCK_I=block_k, HAS_ROWS=has_rows, ADDR=False, FIRST=False,
+        num_warps=warps_d, num_stages=stages_d, **pdl.launch(x))
+
+
+def in_place_ok() -> bool:
+    """Whether `pair_experts_in_place` can run here (a CUDA GPU and Triton)."""
+    return triton is not None and torch.cuda.is_available()
+
+
+def pair_experts_in_place(x: torch.Tensor, experts: HostExperts, addresses: torch.Tensor, y: torch.Tensor,
+                          first_row: torch.Tensor | None = None) -> None:
+    """Pairs p with `addresses[p]` != 0 ([P] int64: the host address of its expert's page-locked slot) run
+    on token p // k, their weights read in place from host RAM over PCIe (zero-copy: no staging copy, no
+    GPU slot); y [P, H] fp32 receives their rows, the others are left as they are. CUDA with Triton only.
+    first_row [P] int32: compute only the intermediate rows from first_row[p] on (the rest of an expert whose
+    first rows another computes: y then holds that part's sum); None: every row.
+
+    For one decode token the GPU reads each weight once either way, so reading it where it lies costs the
+    link's rate (~50 GB/s on the H200 box, bench/zero_copy.py) and none of a copy's host bookkeeping."""
+    if triton is None or not (x.is_cuda or fused._INTERPRET):
+        raise RuntimeError("reading experts in place needs a CUDA GPU with Triton")
+    p = addresses.numel()
+    if p == 0:
+        return
+    k = y.shape[0] // x.shape[0]
+    (_, hidden), (_, inter) = experts.gate_up_shape, experts.down_shape
+    x = x.contiguous()
+    typed = experts.typed(x.device)  # the weights' element type for the kernels' pointers
+    h = torch.empty((p, inter), dtype=torch.float32, device=x.device)
+    used = torch.empty(p, dtype=torch.int32, device=x.device)
+    block_i, block_h, block_o, block_k = IN_PLACE_BLOCKS
+    first = first_row is not None
+    first_row = first_row if first else addresses  # an unread pointer when FIRST is off
+    _gate_up_kernel[(p, triton.cdiv(inter, block_i))](
+        x, typed, addresses, addresses, addresses, used, h, first_row, hidden, inter, k, x.stride(0), 0, hidden,
+        h.stride(0), BLOCK_I=block_i, BLOCK_H=block_h, HAS_ROWS=False, ADDR=True, FIRST=first, num_warps=4,
+        **pdl.launch(x))
+    _down_kernel[(p, triton.cdiv(hidden, block_o))](
+        h, typed, used, addresses, y, addresses, first_row, experts.down_offset, hidden, inter, h.stride(0), 0, inter,
+        y.stride(0), BLOCK_O=block_o, BLOCK_I=block_k, HAS_ROWS=False, ADDR=True, FIRST=first, num_warps=4,
+        **pdl.launch(x))

@@ -1,0 +1,424 @@
+"""`strata demo-model`: demo MoE checkpoints in real Hugging Face format, one trained and three random.
+
+Each directory holds config.json, generation_config.json, model.safetensors (or HF-named shards and
+model.safetensors.index.json), tokenizer.json, tokenizer_config.json and chat_template.jinja, laid
+out exactly as real DeepSeek-V3 / Qwen3-MoE checkpoints ship them (one tensor per expert projection),
+so transformers and strata load the very same files. Sizes:
+
+- `demo`: the default model (`strata generate` with no MODEL). A 6-layer deepseek_v3 with 32 routed experts
+  per MoE layer (5 MoE layers) and Engram layers, ~8.7M parameters, ~18 MB, *trained* on the King James
+  Bible and fortune cookies (strata.runtime.demo.train, which documents the corpus and how to rerun it), so
+  it writes KJV-style English and its routers have a trained router's skew and temporal locality. Shipped
+  in the package (`TRAINED_DIR`); `ensure_default_model` returns it and `strata demo-model DIR` copies it.
+- `tiny`: a 3-layer deepseek_v3 of ~1 MB with random weights, for tests.
+- `small`: an 8-layer deepseek_v3 with 64 routed experts per MoE layer, ~390 MB of random weights.
+- `bench`: Qwen3-30B-A3B's exact configuration (qwen3_moe, 48 layers x 128 experts), ~61 GB of random weights.
+
+The random sizes are written on demand: weights are N(0, initializer_range) in bf16 (norms are 1.0), each
+tensor drawn from its own generator whose seed depends only on (seed, tensor name), so the bytes do not
+depend on write order or threading. Writing streams: each shard's header is written first (every shape is
+known), then worker threads generate tensors and `pwrite` them at their offsets, so memory stays at a few
+tensors. Every size is written into a hidden sibling directory that is renamed into place at the end: a
+crash never leaves a directory that looks like a model.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from strata.errors import ConfigError
+from strata.runtime.demo.skew import RouteSkew, check_locality, check_skew
+from strata.runtime.demo.tokenizer import ENDOFTEXT, IM_END, SPECIAL_IDS, tokenizer_size, write_tokenizer_files
+from strata.runtime.demo.weights import TensorSpec, make_tensor, tensor_specs, write_safetensors_header
+from strata.tiers.store.files import pwrite_all, remove_stale_tmp_dirs, temp_sibling
+
+DEMO_SIZES: tuple[str, ...] = ("tiny", "small", "bench")  # random weights, written on demand
+TRAINED_SIZE = "demo"  # trained weights, shipped in the package (strata.runtime.demo.train)
+TRAINED_DIR = Path(__file__).parent / "data" / TRAINED_SIZE
+DEFAULT_SHARD_BYTES = 4_000_000_000  # HF's "4GB" shard size (decimal)
+MARKER = "strata_demo.json"  # written last; identifies a complete demo model and its parameters
+TOKENIZER_VOCAB = {"tiny": 512, "small": 8192, "bench": 8192}
+
+DEEPSEEK_COMMON = {
+    "architectures": ["DeepseekV3ForCausalLM"],
+    "model_type": "deepseek_v3",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "moe_layer_freq": 1,
+    "n_shared_experts": 1,
+    "norm_topk_prob": True,
+    "num_nextn_predict_layers": 0,  # no multi-token-prediction layer is written
+    "rms_norm_eps": 1e-6,
+    "rope_interleave": True,  # DeepSeek's layout; real checkpoints omit it (transformers' default is True)
+    "rope_scaling": None,
+    "rope_theta": 10000.0,
+    "routed_scaling_factor": 2.5,
+    "scoring_func": "sigmoid",
+    "topk_method": "noaux_tc",
+    "tie_word_embeddings": False,
+    "use_cache": True,
+}
+
+_BASE_CONFIGS: dict[str, dict] = {
+    "tiny": {
+        **DEEPSEEK_COMMON,
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 32,
+        "num_hidden_layers": 3,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 16,
+        "num_experts_per_tok": 4,
+        "n_group": 4,
+        "topk_group": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "q_lora_rank": 32,
+        "kv_lora_rank": 32,
+        "qk_rope_head_dim": 8,
+        "qk_nope_head_dim": 16,
+        "v_head_dim": 16,
+        "max_position_embeddings": 4096,
+    },
+    "small": {
+        **DEEPSEEK_COMMON,
+        "vocab_size": 8192,
+        "hidden_size": 512,
+        "intermediate_size": 2048,
+        "moe_intermediate_size": 256,
+        "num_hidden_layers": 8,
+        "first_k_dense_replace": 1,
+        "n_routed_experts": 64,
+        "num_experts_per_tok": 6,
+        "n_group": 8,
+        "topk_group": 4,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
+        "q_lora_rank": 256,
+        "kv_lora_rank": 128,
+        "qk_rope_head_dim": 32,
+        "qk_nope_head_dim": 64,
+        "v_head_dim": 64,
+        "max_position_embeddings": 8192,
+    },
+    "bench": {  # Qwen/Qwen3-30B-A3B's config.json, field for field
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "model_type": "qwen3_moe",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "decoder_sparse_step": 1,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 2048,
+        "initializer_range": 0.02,
+        "intermediate_size": 6144,
+        "max_position_embeddings": 40960,
+        "max_window_layers": 48,
+        "mlp_only_layers": [],
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": True,
+        "num_attention_heads": 32,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "num_hidden_layers": 48,
+        "num_key_value_heads": 4,
+        "output_router_logits": False,
+        "rms_norm_eps": 1e-6,
+        "rope_scaling": None,
+        "rope_theta": 1000000.0,
+        "router_aux_loss_coef": 0.001,
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": 151936,
+    },
+}
+
+
+@dataclass(frozen=True)
+class DemoSpec:
+    """What to write: a size, an optional layer count, a seed and a shard size; validated."""
+
+    size: str = "small"
+    layers: int | None = None
+    seed: int = 0
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES
+    engram: bool = True  # Engram layers (hashed n-gram tables); False: `--no-engram`
+    route_skew: float | str = 0.0  # routing popularity in the weights: S > 0 or "uniform" (demo_skew); 0: none
+    route_locality: float = 0.0  # temporal locality in the weights (demo_skew; needs route_skew): L > 0; 0: none
+
+    def __post_init__(self) -> None:
+        if self.size not in DEMO_SIZES:
+            raise ConfigError(f"unknown demo model size {self.size!r}; use one of {', '.join(DEMO_SIZES)}")
+        if self.layers is not None:
+            first_moe = _BASE_CONFIGS[self.size].get("first_k_dense_replace", 0)
+            if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers <= first_moe:
+                raise ConfigError(
+                    f"--layers {self.layers!r} is invalid for the {self.size} demo model; use an integer "
+                    f">= {first_moe + 1} so that at least one layer is a MoE layer"
+                )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ConfigError(f"demo model seed {self.seed!r} is invalid; use a non-negative integer")
+        if not isinstance(self.max_shard_bytes, int) or self.max_shard_bytes <= 0:
+            raise ConfigError(f"max_shard_bytes {self.max_shard_bytes!r} is invalid; use a positive byte count")
+        object.__setattr__(self, "route_skew", check_skew(self.route_skew))
+        object.__setattr__(self, "route_locality", check_locality(self.route_locality))
+        if self.route_locality and not self.route_skew:
+            raise ConfigError("--route-locality needs the skew channel: give --route-skew too (S > 0 or uniform)")
+
+    @property
+    def num_layers(self) -> int:
+        return self.layers if self.layers is not None else _BASE_CONFIGS[self.size]["num_hidden_layers"]
+
+    def marker(self) -> dict:
+        """The identity recorded in `MARKER` (shard size is not part of it: the weights are the same)."""
+        return {"strata_demo": 1, "size": self.size, "num_hidden_layers": self.num_layers, "seed": self.seed,
+                "engram": self.engram, **({"route_skew": self.route_skew} if self.route_skew else {}),
+                **({"route_locality": self.route_locality} if self.route_locality else {})}
+
+
+def demo_config(size: str = "small", layers: int | None = None, engram: bool = True) -> dict:
+    """The config.json dict of a demo model; `layers` overrides `num_hidden_layers`; `engram` adds Engram layers."""
+    spec = DemoSpec(size, layers)
+    cfg = dict(_BASE_CONFIGS[size])
+    cfg["num_hidden_layers"] = spec.num_layers
+    if cfg["model_type"] == "qwen3_moe":
+        cfg["max_window_layers"] = spec.num_layers  # Qwen3 sets it to the layer count
+    # ChatML: generation ends at <|im_end|>; <|endoftext|> doubles as BOS and pad, as in Qwen.
+    cfg["bos_token_id"] = SPECIAL_IDS[ENDOFTEXT]
+    cfg["eos_token_id"] = SPECIAL_IDS[IM_END]
+    cfg["torch_dtype"] = "bfloat16"  # the key older checkpoints ship ...
+    cfg["dtype"] = "bfloat16"  # ... and the one transformers >= 4.56 writes
+    if engram:
+        from strata.runtime.demo.engram import demo_engram_config
+
+        cfg["engram"] = demo_engram_config(size, spec.num_layers, cfg["vocab_size"], cfg["bos_token_id"])
+    return dict(sorted(cfg.items()))
+
+
+def demo_generation_config() -> dict:
+    """generation_config.json: both stop tokens and Qwen3's recommended sampling defaults."""
+    return {
+        "bos_token_id": SPECIAL_IDS[ENDOFTEXT],
+        "eos_token_id": [SPECIAL_IDS[IM_END], SPECIAL_IDS[ENDOFTEXT]],
+        "pad_token_id": SPECIAL_IDS[ENDOFTEXT],
+        "do_sample": True,
+        "temperature": 0.6,
+        "top_k": 20,
+        "top_p": 0.95,
+    }
+
+
+def expected_bytes(size: str = "small", layers: int | None = None, engram: bool = True) -> int:
+    """Total tensor bytes of a demo model (what the safetensors files hold, headers excluded)."""
+    return sum(t.nbytes for t in tensor_specs(demo_config(size, layers, engram)))
+
+
+def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
+    """Greedily cut `specs` (in order) into shards of at most `max_shard_bytes` (one big tensor may exceed it).
+
+    Within a shard the F32 tensors go first, so they sit 8-byte aligned right after the (8-byte
+    padded) header and every bf16 tensor after them stays 2-byte aligned.
+    """
+    shards: list[list[TensorSpec]] = [[]]
+    used = 0
+    for spec in specs:
+        if shards[-1] and used + spec.nbytes > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(spec)
+        used += spec.nbytes
+    return [sorted(s, key=lambda t: t.dtype != "F32") for s in shards]  # stable sort
+
+
+def ensure_default_model(progress: bool = True) -> Path:
+    """The default model (no MODEL argument): the trained `demo` model's directory in the package, `TRAINED_DIR`.
+
+    Nothing is written here (`progress` is accepted for the callers that show one); the tiered runtime
+    builds its store from it in the cache on first use (strata.runtime.plan.build.ensure_store)."""
+    if not (TRAINED_DIR / MARKER).is_file():
+        raise ConfigError(f"the trained demo model is missing from {TRAINED_DIR}; reinstall strata "
+                          "(its package data holds the model)")
+    return TRAINED_DIR
+
+
+def write_demo_model(
+    out_dir: str | Path,
+    size: str = "small",
+    layers: int | None = None,
+    *,
+    seed: int = 0,
+    progress: bool = True,
+    max_shard_bytes: int = DEFAULT_SHARD_BYTES,
+    workers: int | None = None,
+    engram: bool = True,
+    route_skew: float | str = 0.0,
+    route_locality: float = 0.0,
+) -> Path:
+    """Write a demo model into `out_dir` (atomically) and return the directory.
+
+    `size` "demo" copies the trained model shipped in the package (the options that shape random weights do
+    not apply to it); the other sizes are written with random weights.
+    `route_skew` S > 0 (Zipf-like) or "uniform" writes a routing profile into the weights (strata.runtime.demo.skew);
+    `route_locality` L > 0 adds temporal locality to it (each router also weighs the recent context, L x the token).
+
+    If `out_dir` already holds a demo model with the same size, layers and seed it is returned as is;
+    any other non-empty directory is refused with a ConfigError.
+    """
+    if size == TRAINED_SIZE:
+        shaped = {"--layers": layers is not None, "--seed": seed != 0, "--no-engram": not engram,
+                  "--route-skew": check_skew(route_skew) != 0, "--route-locality": check_locality(route_locality) != 0}
+        if any(shaped.values()):
+            raise ConfigError(f"{', '.join(k for k, v in shaped.items() if v)}: the demo model is trained, its weights "
+                              f"are fixed; these options shape the random sizes ({', '.join(DEMO_SIZES)})")
+        marker = json.loads((ensure_default_model() / MARKER).read_text())
+        fill = functools.partial(shutil.copytree, TRAINED_DIR, dirs_exist_ok=True)  # fill(tmp) copies into tmp
+    else:
+        spec = DemoSpec(size, layers, seed, max_shard_bytes, engram, route_skew, route_locality)
+        marker = spec.marker()
+        fill = functools.partial(_write_into, spec=spec, progress=progress, workers=workers)
+    out = Path(out_dir).expanduser().absolute()
+    if _existing_demo(out, marker):
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_tmp_dirs(out)
+    tmp = temp_sibling(out)
+    tmp.mkdir()
+    try:
+        fill(tmp)
+        try:
+            os.rename(tmp, out)  # atomic; also replaces an empty directory
+        except OSError:
+            if _existing_demo(out, marker):  # another process finished the same model first
+                shutil.rmtree(tmp, ignore_errors=True)
+                return out
+            raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _existing_demo(out: Path, marker: dict) -> bool:
+    """True if `out` is a finished demo model with this `MARKER` content; False if absent or empty; else ConfigError."""
+    if not out.exists():
+        return False
+    if not out.is_dir():
+        raise ConfigError(f"{out} exists and is not a directory; choose another output path")
+    if not any(out.iterdir()):
+        return False
+    try:
+        found = json.loads((out / MARKER).read_text())
+    except (OSError, ValueError):
+        raise ConfigError(
+            f"{out} is not empty and is not a strata demo model; choose an empty or new directory"
+        ) from None
+    if found != marker:
+        raise ConfigError(
+            f"{out} already holds a different demo model ({found.get('size')}, "
+            f"{found.get('num_hidden_layers')} layers, seed {found.get('seed')}); delete it or choose another directory"
+        )
+    return True
+
+
+def _write_into(tmp: Path, spec: DemoSpec, progress: bool, workers: int | None) -> None:
+    """Write every file of the model into `tmp`; the marker last."""
+    cfg = demo_config(spec.size, spec.layers, spec.engram)
+    vocab = TOKENIZER_VOCAB[spec.size]
+    if tokenizer_size(vocab) > cfg["vocab_size"]:  # a corpus edit must not outgrow the embedding
+        raise AssertionError(f"demo tokenizer has {tokenizer_size(vocab)} ids > vocab_size {cfg['vocab_size']}")
+    write_tokenizer_files(tmp, vocab, cfg["max_position_embeddings"])
+    _dump_json(tmp / "config.json", cfg)
+    _dump_json(tmp / "generation_config.json", demo_generation_config())
+    _write_weights(tmp, cfg, spec, progress, workers)
+    _dump_json(tmp / MARKER, spec.marker())
+
+
+def _write_weights(tmp: Path, cfg: dict, spec: DemoSpec, progress: bool, workers: int | None) -> None:
+    """Write the safetensors shard(s), plus model.safetensors.index.json when there are several."""
+    from tqdm.auto import tqdm
+
+    specs = tensor_specs(cfg)
+    shards = plan_shards(specs, spec.max_shard_bytes)
+    n = len(shards)
+    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    std = float(cfg["initializer_range"])
+    workers = workers or min(32, os.cpu_count() or 1)
+    fds: list[int] = []
+    jobs: list[tuple[int, int, TensorSpec]] = []  # (fd, absolute offset, tensor)
+    try:
+        for name, shard in zip(names, shards, strict=True):
+            fd = os.open(tmp / name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            fds.append(fd)
+            offsets = write_safetensors_header(fd, shard)
+            jobs.extend((fd, off, t) for off, t in zip(offsets, shard, strict=True))
+        # Biggest first so the embedding/lm_head do not straggle at the end; pwrite makes order free.
+        jobs.sort(key=lambda j: -j[2].nbytes)
+        bar = tqdm(
+            total=sum(t.nbytes for t in specs),
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc=f"demo-{spec.size}",
+            disable=not progress,
+        )
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="strata-demo")
+        try:
+            skew = (RouteSkew.for_config(cfg, spec.route_skew, spec.seed, spec.route_locality) if spec.route_skew
+                    else None)
+            futures = [pool.submit(_write_one, fd, off, t, spec.seed, std, skew) for fd, off, t in jobs]
+            for f in as_completed(futures):
+                bar.update(f.result())  # re-raises the first worker exception as soon as it happens
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)  # on error: drop queued jobs, let running ones end
+            bar.close()
+        for fd in fds:
+            os.fsync(fd)  # data on disk before the rename makes the directory visible
+    finally:
+        for fd in fds:
+            os.close(fd)
+    if n > 1:
+        weight_map = {t.name: names[i] for i, shard in enumerate(shards) for t in shard}
+        index = {
+            "metadata": {"total_size": sum(t.nbytes for t in specs)},
+            "weight_map": dict(sorted(weight_map.items())),
+        }
+        _dump_json(tmp / "model.safetensors.index.json", index)
+
+
+def _write_one(fd: int, offset: int, spec: TensorSpec, seed: int, std: float, skew: RouteSkew | None = None) -> int:
+    """Generate one tensor and pwrite its bytes at `offset`; returns the byte count (for the bar)."""
+    t = make_tensor(spec, seed, std)
+    if skew is not None:
+        t = skew.apply(spec.name, t)
+    # bf16 has no numpy dtype: write the raw bytes through a uint8 view (little-endian, as safetensors).
+    pwrite_all(fd, t.reshape(-1).view(torch.uint8).numpy(), offset)
+    return spec.nbytes
+
+
+def _dump_json(path: Path, obj: dict) -> None:
+    path.write_text(json.dumps(obj, indent=2) + "\n", encoding="utf-8")
+
+
+__all__ = [
+    "DEMO_SIZES",
+    "DemoSpec",
+    "TRAINED_DIR",
+    "TRAINED_SIZE",
+    "demo_config",
+    "ensure_default_model",
+    "expected_bytes",
+    "write_demo_model",
+]

@@ -1,0 +1,74 @@
+"""Overlapped decode: the next step is queued before the host reads the token it is fed.
+
+A decode step's host work (reading the sampled token back, detokenizing, stop checks, streaming it
+out, launching the next graph) used to sit between two GPU steps: 0.2 ms a token all in VRAM, about
+1 ms in one-graph split decode (bench/RESULTS.md, "Where a one-graph split token goes"). With
+`[debug] overlap_decode`, step t's token is sampled on the device and fed to step t+1 as a device
+tensor; step t+1 is launched first, and the host reads step t's token while the GPU runs step t+1.
+A token that ends its sequence (EOS, a stop string) costs one wasted step, never a wrong token: the
+same logits are sampled in the same order with the same generators either way. A wasted step writes its
+sequence's KV (and Engram history) one position past its end, which nothing reads: a slot's next sequence
+writes every position before it attends to it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from strata.runtime.generation.sampler import SamplingParams, sample
+from strata.runtime.model.kv_cache import KVCache, StepBatch
+
+
+class TokenReadback:
+    """Sampled ids [B] int64 on their device, copied to page-locked memory behind an event at construction:
+    `tolist()` waits for that copy only, not for the work queued on the stream after it."""
+
+    def __init__(self, ids: torch.Tensor):
+        self.event: torch.cuda.Event | None = None
+        if ids.is_cuda:  # on ids' own card, which need not be the current one (a model split over cards)
+            with torch.cuda.device(ids.device):
+                self.host = torch.empty(ids.shape, dtype=ids.dtype, pin_memory=True)
+                self.host.copy_(ids, non_blocking=True)
+                self.event = torch.cuda.Event()
+                self.event.record(torch.cuda.current_stream(ids.device))
+        else:
+            self.host = ids
+
+    def tolist(self) -> list[int]:
+        """The ids as Python ints (waits for their copy; releases the GIL while it waits)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+def overlap_on(setting: bool | str, device: torch.device, cards: int = 1) -> bool:
+    """[debug] overlap_decode resolved: "auto" means on CUDA (a device that computes synchronously gains nothing
+    and would emit each token one step late), on one card: a model split over several has not been run
+    overlapped on a two-GPU box yet, so there it is opt-in (true)."""
+    return (device.type == "cuda" and cards <= 1) if setting == "auto" else bool(setting)
+
+
+@dataclass
+class QueuedStep:
+    """A decode step queued on the device, with its tokens' sampling, that the host has not read back yet."""
+
+    tokens: torch.Tensor  # [B] int64 sampled, on the device: the input of a step queued behind this one
+    read: TokenReadback
+    queued: float  # perf_counter() when it was queued
+
+
+def queue_decode(model, cache: KVCache, slots: list[int], starts: list[int], ids: torch.Tensor,
+                 samplers: list[tuple[SamplingParams, torch.Generator]]) -> QueuedStep:
+    """Queue one decode step of B sequences (KV `slots`, input ids [B] on the device fed at `starts`), each
+    row's sampling with its own (params, generator), and the tokens' read-back; returns without waiting."""
+    with torch.inference_mode():
+        logits = model.logits(model(ids, StepBatch(slots, starts, [1] * len(slots)), cache))  # [B, V] fp32
+        rows = [sample(logits[i : i + 1], params, gen) for i, (params, gen) in enumerate(samplers)]
+        out = rows[0] if len(rows) == 1 else torch.cat(rows)  # one stream: no copy kernel a step
+    step = QueuedStep(out, TokenReadback(out), time.perf_counter())
+    if (graphs := model.graphs) is not None:
+        graphs.step_queued()  # all of the step is queued: what waits for that runs while the GPU works
+    return step

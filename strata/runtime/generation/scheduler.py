@@ -1,0 +1,452 @@
+"""Continuous batching with chunked prefill: the one generation loop, which every request runs on.
+
+`Engine.generate`, `stream`, `chat` and `score` submit to the engine's scheduler (`Engine.scheduler()`), as the
+server does, so their requests share its steps: streams on several threads, or several on one thread consumed in
+turn, decode together, and the engine's KV cache is this scheduler's `max_batch` slots (what the planner sized).
+
+A background thread runs steps while there is work (and exits when there is none, so an idle engine holds no
+thread). Each step takes, within a token budget, one decode token from every running sequence plus prompt chunks
+of sequences still prefilling, runs them as one flat `StepBatch` through the model, samples each sequence's next
+token with its own generator, and streams events back. New requests join at the next step; finished or
+cancelled ones leave at once and free their KV-cache slot. A long prompt is prefilled in chunks interleaved with
+the decode steps of the running sequences; while any sequence decodes, a `PrefillPacer` sizes those chunks from
+measured step times so every decoding user's gap between two tokens stays under `runtime.decode_gap_target`
+seconds. Every forward pass runs under the engine's `step_lock`, so other schedulers of the same engine (tests,
+benchmarks) never race this one.
+
+With `[debug] overlap_decode` (on CUDA by default), a step of decode tokens only is queued before the host
+reads the tokens it is fed: its inputs are the last step's tokens, sampled on the device, and the host emits
+those while the GPU runs it (strata.runtime.generation.overlap). Steps chain so while the running set stays the same and
+nobody waits for a free slot; anything else (a newcomer, a prompt chunk, logprobs, a reproducible request, a
+sequence one token from its limit) lands the step in flight first and plans as before.
+
+Reproducible requests (`GenRequest.reproducible`) never share a forward pass: each runs in a batch
+of its own, prompt chunks of the fixed `runtime.prefill_chunk` size whatever the load, with the
+tiered expert compute on its reproducible path (cold experts on the GPU or the reference math), so
+its tokens are bit-identical alone and inside any mix of other requests. Score requests (`GenRequest.score`)
+also prefill in passes of their own, in chunks of `Engine.score_chunk` tokens, keeping every position's
+log-probabilities.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from strata.errors import RequestError, StrataError
+from strata.runtime.generation.detokenize import StopMatcher, StreamDecoder
+from strata.runtime.generation.logprobs import PromptLogprobs
+from strata.runtime.generation.overlap import QueuedStep, queue_decode
+from strata.runtime.generation.pacing import PrefillPacer
+from strata.runtime.generation.requests import (  # noqa: F401 - re-exported: the public names live here too
+    MAX_LOGPROBS,
+    GenRequest,
+    QueueFullError,
+    RequestHandle,
+    TokenEvent,
+)
+from strata.runtime.generation.sampler import make_generator, sample
+from strata.runtime.generation.sequence import Sequence
+from strata.runtime.model.kv_cache import KVCache, StepBatch
+
+log = logging.getLogger("strata")
+
+
+@dataclass
+class _InFlight:
+    """A decode-only step of `seqs` queued on the device whose sampled tokens the host has not read yet."""
+
+    seqs: list[Sequence]
+    starts: list[int]  # the position each sequence's input token was fed at
+    step: QueuedStep
+
+
+class Scheduler:
+    """Runs an engine's model for many requests at once on a background thread.
+
+    `Engine.scheduler()` gives the engine's own (the one its generate/stream/chat/score use); one built here
+    directly has a KV cache of its own and shares only the engine's step lock and statistics."""
+
+    def __init__(self, engine, max_batch: int = 8, token_budget: int = 2048, max_queue: int = 64,
+                 decode_gap_target: float | None = None, prefill_chunk_min: int | None = None):
+        # held weakly (the step thread holds it while it runs): an engine its user dropped is released, as
+        # before it had a scheduler, instead of living on in a cycle with the scheduler it owns
+        self._engine = weakref.ref(engine)
+        self.repro_chunk = engine.prefill_chunk  # reproducible prompts: the fixed runtime.prefill_chunk, whatever the load
+        self.score_chunk = engine.score_chunk  # score requests keep every position's logits: smaller chunks
+        self._step_log: deque[dict] = deque(maxlen=512)  # recent steps, for benchmarks and diagnosis
+        self._waiting: deque[RequestHandle] = deque()
+        self._running: list[Sequence] = []
+        self._cv = threading.Condition()
+        self._started = False
+        self._stop = False
+        self._drain = True
+        self._thread: threading.Thread | None = None
+        self._steps = 0
+        self._step_tokens = 0
+        self.overlap = engine.overlap_decode  # [debug] overlap_decode, resolved
+        self._pending: _InFlight | None = None  # the decode step in flight (overlapped decode)
+        self._landed_at = 0.0  # perf_counter() when the last in-flight step's tokens were read
+        self.chained_steps = 0  # steps queued behind one whose tokens were not read yet
+        self.cache: KVCache | None = None
+        self._settings: tuple = (0, None, None, None, None)  # what `configure` takes, in its order
+        rt = engine.config.runtime
+        self.configure(max_batch, token_budget, max_queue,
+                       rt.decode_gap_target if decode_gap_target is None else decode_gap_target,
+                       rt.prefill_chunk_min if prefill_chunk_min is None else prefill_chunk_min)
+
+    def configure(self, max_batch: int | None = None, token_budget: int | None = None, max_queue: int | None = None,
+                  decode_gap_target: float | None = None, prefill_chunk_min: int | None = None) -> None:
+        """Change the scheduler's sizes (None keeps one): `max_batch` KV slots (a new KV cache when it changes),
+        `token_budget` tokens a step, `max_queue` requests waiting, the pacer's `decode_gap_target` (seconds; 0
+        lets chunks fill the budget) and `prefill_chunk_min`. A change needs the scheduler idle."""
+        given = (max_batch, token_budget, max_queue, decode_gap_target, prefill_chunk_min)
+        with self._cv:
+            new = tuple(old if g is None else g for g, old in zip(given, self._settings, strict=True))
+            if new == self._settings:
+                return
+            batch, budget, queue_len, gap, chunk_min = new
+            if batch < 1 or budget < batch or queue_len < 1:
+                raise StrataError("scheduler needs max_batch >= 1, token_budget >= max_batch and max_queue >= 1")
+            if gap < 0 or chunk_min < 1:
+                raise StrataError("scheduler needs decode_gap_target >= 0 (seconds) and prefill_chunk_min >= 1")
+            if self._waiting or self._running:
+                raise StrataError(f"the scheduler has {len(self._running) + len(self._waiting)} request(s) in flight; "
+                                  "change its sizes while it is idle")
+            # a step nobody decodes in carries up to runtime.prefill_chunk prompt tokens (the chunk the planner
+            # sized the activations for), so a long prompt alone prefills in as few chunks as that allows, each cold
+            # expert crossing PCIe once per chunk; steps with decoding sequences keep to the budget and the pacer
+            self.pacer = PrefillPacer(budget, gap, chunk_min, idle_budget=self.engine.prefill_chunk)
+            if batch != self._settings[0]:
+                self._pending, self.cache = None, None  # the old slots are freed before the new ones are taken
+                e = self.engine
+                self.cache = KVCache(e.checkpoint.config, batch, e.max_context, e.dtype, e.device)
+                self._free = list(range(batch - 1, -1, -1))
+            self._settings = new
+            self.max_batch, self.token_budget, self.max_queue = batch, budget, queue_len
+
+    # ---- caller side ------------------------------------------------------------------------
+    @property
+    def engine(self):
+        """The engine whose model this scheduler runs."""
+        engine = self._engine()
+        if engine is None:
+            raise StrataError("this scheduler's engine was dropped; keep a reference to the engine while it serves")
+        return engine
+
+    @property
+    def started(self) -> bool:
+        """Whether it takes requests off the queue (`start()` was called, `stop()` not since)."""
+        return self._started and not self._stop
+
+    def start(self) -> None:
+        """Take requests off the queue from now on (a thread runs steps whenever there are any)."""
+        with self._cv:
+            self._started, self._stop = True, False
+            self._wake()
+
+    def stop(self, drain: bool = True, timeout: float | None = 60) -> None:
+        """Finish (drain) or cancel everything in flight, then stop taking requests until `start()`; requests
+        still queued on a scheduler that was never started are cancelled."""
+        with self._cv:
+            self._stop, self._drain = True, drain
+            thread = self._thread
+            if thread is None:
+                self._abort_waiting()
+            self._cv.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+        with self._cv:
+            self._started = False
+
+    def submit(self, request: GenRequest, asynchronous: bool | None = None) -> RequestHandle:
+        """Queue a request; `QueueFullError` when the bounded queue is full. `asynchronous`: see `RequestHandle`."""
+        return self.submit_together([request], asynchronous)[0]
+
+    def submit_together(self, requests: list[GenRequest], asynchronous: bool | None = None) -> list[RequestHandle]:
+        """Queue `requests` at once, so the step that admits the first admits them all (as KV slots allow): all
+        are checked first, and all or none are queued (`QueueFullError` when the queue lacks room for them all)."""
+        for request in requests:
+            self._check(request)
+        handles = [RequestHandle(r, asynchronous) for r in requests]
+        with self._cv:
+            if self._stop:
+                raise StrataError("the scheduler is shutting down")
+            if len(self._waiting) + len(handles) > self.max_queue:
+                raise QueueFullError(f"the request queue is full ({self.max_queue} waiting); retry later")
+            self._waiting.extend(handles)
+            self._wake()
+        return handles
+
+    def cancel(self, handle: RequestHandle) -> None:
+        """Cancel a request: one still queued ends (with an "abort" event) now, a running one leaves the batch and
+        frees its KV slot at the next step."""
+        handle.cancel()
+        with self._cv:
+            if handle in self._waiting:
+                self._waiting.remove(handle)
+                handle.deliver(TokenEvent(handle.request.request_id, None, "", finish_reason="abort"))
+
+    def _check(self, request: GenRequest) -> None:
+        n, ctx = len(request.prompt_ids), self.engine.max_context
+        if request.score and n > ctx:
+            raise RequestError(f"context_length_exceeded: {n} tokens exceed the context of {ctx} tokens")
+        if not request.score and (n >= ctx or n + request.params.max_tokens > ctx):
+            raise RequestError(
+                f"context_length_exceeded: the prompt ({n} tokens) plus max_tokens ({request.params.max_tokens}) "
+                f"exceed the context of {ctx} tokens; shorten the prompt or lower max_tokens"
+            )
+        self.engine.check_token_ids(request.prompt_ids)
+
+    def stats(self) -> dict:
+        with self._cv:
+            return {"running": len(self._running), "waiting": len(self._waiting), "kv_slots_free": len(self._free),
+                    "max_batch": self.max_batch, "token_budget": self.token_budget, "steps": self._steps,
+                    "mean_tokens_per_step": self._step_tokens / self._steps if self._steps else 0.0,
+                    "reproducible_running": sum(1 for s in self._running if s.req.reproducible),
+                    "overlap_decode": self.overlap, "chained_steps": self.chained_steps,
+                    **self.pacer.snapshot()}
+
+    def recent_steps(self) -> list[dict]:
+        """The last steps (up to 512): wall-clock end `t` (time.time()), `seconds`, `decode` and `prompt`
+        tokens, forward `passes`, and the prompt `allowance` the pacer gave."""
+        with self._cv:
+            return list(self._step_log)
+
+    # ---- the step loop ------------------------------------------------------------------------
+    def _wake(self) -> None:
+        """(Holding `_cv`.) Start the step thread if requests wait and none runs."""
+        if self._started and not self._stop and self._thread is None and (self._waiting or self._running):
+            self._thread = threading.Thread(target=self._run, name="strata-scheduler", daemon=True)
+            self._thread.start()
+
+    def _abort_waiting(self) -> None:
+        while self._waiting:
+            h = self._waiting.popleft()
+            h.deliver(TokenEvent(h.request.request_id, None, "", finish_reason="abort"))
+
+    def _run(self) -> None:
+        try:
+            engine = self.engine  # alive while this thread has requests to run
+            if engine.device.type == "cuda":  # this thread's streams, events and graphs on the engine's card
+                torch.cuda.set_device(engine.device)
+            while self._next_step():
+                pass
+        except BaseException as e:  # noqa: BLE001 - outside a step (admission): nothing may wait forever
+            log.exception("scheduler failed")
+            with self._cv:
+                self._pending = None
+                for seq in list(self._running):
+                    self._finish(seq, "abort", error=e)
+                while self._waiting:
+                    h = self._waiting.popleft()
+                    h.deliver(TokenEvent(h.request.request_id, None, "", finish_reason="abort", error=str(e), exception=e))
+        finally:
+            with self._cv:
+                if self._thread is threading.current_thread():
+                    self._thread = None
+
+    def _next_step(self) -> bool:
+        """Admit, drop the cancelled, run one step; False (the thread ends) when nothing is left or stop says so."""
+        with self._cv:
+            if (not self._waiting and not self._running) or (self._stop and not self._drain):
+                self._pending = None  # its sequences are aborted below; the device finishes it on its own
+                for seq in list(self._running):
+                    self._finish(seq, "abort")
+                self._abort_waiting()
+                self._thread = None  # decided under the lock: a request queued from now on starts a new thread
+                return False
+            self._admit()
+        self._drop_cancelled()
+        if self._running:
+            try:
+                with self.engine.step_lock:
+                    self._step()
+            except Exception as e:  # a real fault: fail the batch's requests, keep serving others
+                log.exception("scheduler step failed")
+                self._pending = None
+                for seq in list(self._running):
+                    self._finish(seq, "abort", error=e)
+        return True
+
+    def _admit(self) -> None:
+        e = self.engine
+        while self._waiting and self._free:
+            h = self._waiting.popleft()
+            if h.cancelled.is_set():
+                h.deliver(TokenEvent(h.request.request_id, None, "", finish_reason="abort"))
+                continue
+            r = h.request
+            eos = set() if r.params.ignore_eos else e.eos_token_ids | set(r.params.stop_token_ids)
+            e.counters.admitted()
+            decoder = StreamDecoder(e.tokenizer) if e.tokenizer is not None else None
+            self._running.append(Sequence(h, self._free.pop(), make_generator(r.params.seed, e.device), decoder,
+                                          StopMatcher(r.params.stop), eos))
+            # the prompt's Engram rows, fetched now (a score request reads them as its passes reach each layer: it
+            # prefills at once, in passes of its own)
+            if getattr(e.model, "engram", None) is not None and not r.score:
+                e.model.engram.prefetch(r.prompt_ids)
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in self._running if s.handle.cancelled.is_set()]:
+            self._finish(seq, "abort")
+
+    def _step(self) -> None:
+        """One step: a forward pass over the shared batch, then one per reproducible or score sequence.
+
+        Every decoding sequence gets one token per step; prompt chunks of the shared batch fill what the
+        pacer allows (when nobody decodes, the larger of the token budget and `runtime.prefill_chunk`),
+        reproducible prompts advance by the fixed `runtime.prefill_chunk`, score prompts by `score_chunk`.
+        """
+        t0 = time.perf_counter()
+        if self._pending is not None:
+            p, self._pending = self._pending, None
+            if self._chains(p):  # the next step goes first, fed p's tokens on the device; p's are read meanwhile
+                self._pending = self._launch(p.seqs, [st + 1 for st in p.starts], p.step.tokens)
+                self.chained_steps += 1
+            self._land(p)
+            if self._pending is not None or not self._running:
+                return
+            t0 = time.perf_counter()
+        solo = [(self._plan([s], self.score_chunk if s.req.score else self.repro_chunk), s.req.reproducible)
+                for s in self._running if s.req.reproducible or s.req.score]
+        n_decode = sum(1 for s in self._running if s.next_input is not None)
+        solo_prompt = sum(len(inp) for plan, _ in solo for s, inp, _ in plan if s.next_input is None)
+        allow = self.pacer.allowance(n_decode)
+        if n_decode and self.pacer.enabled:  # solo chunks count against the step's allowance
+            allow = max(allow - solo_prompt, min(self.pacer.min_chunk, allow))
+        shared = self._plan([s for s in self._running if not (s.req.reproducible or s.req.score)], allow)
+        if self.overlap and not solo and shared and all(s.next_input is not None and self._overlaps(s, 1)
+                                                        for s, _, _ in shared):
+            self._pending = self._launch([s for s, _, _ in shared], [st for _, _, st in shared], None)
+            return
+        n_prompt, passes = 0, 0
+        for plan, reproducible in [(shared, False), *solo]:
+            if plan:
+                n_prompt += sum(len(inp) for s, inp, _ in plan if s.next_input is None)
+                passes += 1
+                self._forward(plan, reproducible)
+        if not passes:
+            return
+        self._record_step(time.perf_counter() - t0, n_decode, n_prompt, passes, allow)  # sampling included
+
+    def _record_step(self, dt: float, n_decode: int, n_prompt: int, passes: int, allow: int) -> None:
+        """A finished step, `dt` seconds (the gap a decoding user sees): the pacer's sample and the step log."""
+        self.pacer.observe(n_decode, n_prompt, dt)
+        with self._cv:
+            self._steps += 1
+            self._step_tokens += n_decode + n_prompt
+            self._step_log.append({"t": time.time(), "seconds": dt, "decode": n_decode, "prompt": n_prompt,
+                                   "passes": passes, "allowance": allow})
+
+    def _plan(self, seqs: list[Sequence], prompt_budget: int) -> list[tuple[Sequence, list[int], int]]:
+        """(seq, input ids, start position) for one forward pass: every decode token, then prompt chunks in
+        arrival order within `prompt_budget` tokens."""
+        plan = [(s, [s.next_input], len(s.req.prompt_ids) + len(s.tokens) - 1) for s in seqs if s.next_input is not None]
+        for seq in seqs:
+            remaining = len(seq.req.prompt_ids) - seq.prefilled
+            if seq.next_input is None and remaining > 0 and prompt_budget > 0:
+                n = min(remaining, prompt_budget)
+                plan.append((seq, seq.req.prompt_ids[seq.prefilled : seq.prefilled + n], seq.prefilled))
+                prompt_budget -= n
+        return plan
+
+    def _forward(self, plan: list[tuple[Sequence, list[int], int]], reproducible: bool) -> None:
+        """Run `plan` as one flat batch, sample, and emit (reproducible: the expert compute's exact path)."""
+        t0 = time.perf_counter()
+        model = self.engine.model
+        ids = torch.tensor([t for _, inp, _ in plan for t in inp], dtype=torch.long, device=self.engine.device)
+        batch = StepBatch([s.slot for s, _, _ in plan], [st for _, _, st in plan], [len(inp) for _, inp, _ in plan])
+        with self.engine.numerics(reproducible), torch.inference_mode():
+            hidden = model(ids, batch, self.cache)
+            rows = batch.last_token_rows()
+            logits = model.logits(hidden[rows])  # [B, V] fp32
+            for i, (seq, inp, start) in enumerate(plan):
+                off = batch.offsets[i]
+                if seq.req.score:  # every position's next-token log-probabilities [len(inp), V], kept on the host
+                    seq.scores.append(torch.log_softmax(model.logits(hidden[off : off + len(inp)]), dim=-1).cpu())
+                elif seq.next_input is None and seq.req.prompt_logprobs is not None:
+                    if seq.prompt_lp is None:
+                        seq.prompt_lp = PromptLogprobs(seq.req.prompt_logprobs)
+                    seq.prompt_lp.feed(seq.req.prompt_ids, model.logits(hidden[off : off + len(inp)]), start, len(inp))
+            # every row that yields a token is sampled on the device first, each with its own generator (so the
+            # order is free), and read back once: one wait for the GPU a step, not one a sequence
+            rows_out = [i for i, (seq, inp, _) in enumerate(plan) if seq.samples(inp)]
+            drawn = [sample(logits[i : i + 1], plan[i][0].req.params, plan[i][0].generator) for i in rows_out]
+            if (graphs := model.graphs) is not None:
+                graphs.step_queued()  # all of the step is queued (sampling too): its books run while the GPU works
+            tokens = dict(zip(rows_out, torch.cat(drawn).tolist() if drawn else [], strict=True))
+        n_decode = sum(1 for s, _, _ in plan if s.next_input is not None)
+        self.engine.counters.ran(len(ids) - n_decode, n_decode, time.perf_counter() - t0)
+        for i, (seq, inp, _) in enumerate(plan):
+            if seq.next_input is None:  # a prompt chunk
+                seq.prefilled += len(inp)
+                if seq.req.score and seq.prefilled == len(seq.req.prompt_ids):
+                    self._finish(seq, "stop")
+            if i in tokens:
+                self._accept(seq, tokens[i], logits[i : i + 1])
+
+    # ---- overlapped decode ([debug] overlap_decode) ---------------------------------------------------
+    def _overlaps(self, seq: Sequence, ahead: int) -> bool:
+        """Whether `seq` may decode in a step whose tokens are read later: not reproducible, no logprobs (those
+        need the logits on the host), and still sampling `ahead` tokens from now before its limits."""
+        r = seq.req
+        return not r.reproducible and r.logprobs is None and seq.may_sample(ahead, self.engine.max_context)
+
+    def _chains(self, p: _InFlight) -> bool:
+        """Whether the next step may be queued behind `p` before its tokens are read: the running set is still
+        `p`'s (none finished, cancelled, prefilling or admitted), nobody waits for a free slot, and every
+        sequence samples at least two more tokens (p's and the next one's)."""
+        if self._waiting and self._free:
+            return False
+        run = self._running
+        return (len(run) == len(p.seqs) and all(a is b for a, b in zip(run, p.seqs, strict=True))
+                and all(self._overlaps(s, 2) for s in run))
+
+    def _launch(self, seqs: list[Sequence], starts: list[int], tokens: torch.Tensor | None) -> _InFlight:
+        """Queue a decode step of `seqs` (inputs: `tokens` [B] on the device, else each `next_input`) and the
+        sampling of its tokens, and start reading them back; returns without waiting for the device."""
+        dev = self.engine.device
+        ids = tokens if tokens is not None else torch.tensor([s.next_input for s in seqs], dtype=torch.long, device=dev)
+        step = queue_decode(self.engine.model, self.cache, [s.slot for s in seqs], starts, ids,
+                            [(s.req.params, s.generator) for s in seqs])
+        return _InFlight(seqs, starts, step)
+
+    def _land(self, p: _InFlight) -> None:
+        """Read `p`'s tokens and emit them; sequences that finished or were cancelled meanwhile are skipped."""
+        tokens = p.step.read.tolist()
+        now = time.perf_counter()
+        dt = now - max(p.step.queued, self._landed_at)
+        self._landed_at = now
+        live = [(seq, tok) for seq, tok in zip(p.seqs, tokens, strict=True) if any(seq is s for s in self._running)]
+        self.engine.counters.ran(0, len(live), dt)
+        for seq, token in live:
+            self._accept(seq, token, None)
+        self._record_step(dt, len(live), 0, 1, 0)
+
+    # ---- emitting ---------------------------------------------------------------------------------
+    def _accept(self, seq: Sequence, token: int, logits: torch.Tensor | None) -> None:
+        """Emit `token`, sampled for `seq`; a token that ends the sequence frees its slot first."""
+        ev = seq.accept(token, logits, self.engine.max_context)
+        if ev.token_id is not None:
+            self.engine.counters.emitted()
+        if ev.finish_reason is not None:
+            self._release(seq)
+        seq.handle.deliver(ev)
+
+    def _finish(self, seq: Sequence, reason: str, error: BaseException | None = None) -> None:
+        ev = seq.finish(reason, error=error)
+        self._release(seq)
+        seq.handle.deliver(ev)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq in self._running:
+            self._running.remove(seq)
+            with self._cv:
+                self._free.append(seq.slot)

@@ -1,0 +1,96 @@
+"""One request while it holds a KV slot: what it has prefilled and sampled, and the rules that end it.
+
+Every generation runs through the scheduler (`Engine.generate`, `stream`, `chat` and the server's requests), so
+this is the one place where an EOS or stop token, a stop string, `max_tokens` or the end of the context ends a
+sequence, and where its text is decoded token by token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from strata.runtime.generation.detokenize import StopMatcher, StreamDecoder
+from strata.runtime.generation.logprobs import PromptLogprobs, token_logprob
+from strata.runtime.generation.requests import GenRequest, RequestHandle, TokenEvent
+
+
+@dataclass
+class Sequence:
+    """A request's state in its KV slot. A model without a tokenizer has no `decoder`: its text stays empty."""
+
+    handle: RequestHandle
+    slot: int
+    generator: torch.Generator
+    decoder: StreamDecoder | None
+    stopper: StopMatcher
+    eos: set[int]  # ids that end it unemitted: the model's EOS and the request's stop tokens (none with ignore_eos)
+    prefilled: int = 0  # prompt tokens already in the cache
+    tokens: list[int] = field(default_factory=list)  # generated so far
+    next_input: int | None = None  # sampled, not yet fed
+    prompt_lp: PromptLogprobs | None = None  # each prompt token's, when the request asks for them
+    scores: list[torch.Tensor] = field(default_factory=list)  # a score request's log-probabilities, chunk by chunk
+
+    @property
+    def req(self) -> GenRequest:
+        return self.handle.request
+
+    def samples(self, inp: list[int]) -> bool:
+        """Whether this sequence's row of a pass fed `inp` yields a token: a decode token, or its prompt's last
+        chunk (never for a score request)."""
+        if self.req.score:
+            return False
+        return self.next_input is not None or self.prefilled + len(inp) >= len(self.req.prompt_ids)
+
+    def may_sample(self, ahead: int, max_context: int) -> bool:
+        """Whether it is still sampling `ahead` tokens from now before `max_tokens` or the context ends it."""
+        done = len(self.tokens) + ahead
+        return done <= self.req.params.max_tokens and len(self.req.prompt_ids) + done <= max_context
+
+    def accept(self, token: int, logits: torch.Tensor | None, max_context: int) -> TokenEvent:
+        """The event for `token`, sampled for this sequence (logits [1, V]: needed when the request asks for
+        logprobs); its `finish_reason` is set when the token ends the sequence (an EOS is not emitted)."""
+        r = self.req
+        first = not self.tokens and self.next_input is None
+        if token in self.eos:
+            return self.finish("stop", first=first)
+        self.tokens.append(token)
+        self.next_input = token
+        lp, top = None, None
+        if r.logprobs is not None:
+            lp, top = token_logprob(logits[0], token, r.logprobs)
+        text, stopped = self.stopper.feed(self.decoder.push(token) if self.decoder is not None else "")
+        n_prompt = len(r.prompt_ids)
+        ev = TokenEvent(r.request_id, token, text, lp, top, prompt_tokens=n_prompt, completion_tokens=len(self.tokens))
+        if first:
+            self._attach_prompt_logprobs(ev)
+        if stopped:
+            ev.finish_reason = "stop"
+        elif not self.may_sample(1, max_context):
+            ev.text += self.flush()
+            ev.finish_reason = "length"
+        return ev
+
+    def finish(self, reason: str, first: bool = False, error: BaseException | None = None) -> TokenEvent:
+        """The last event of a sequence ended by `reason` ("stop": the held-back text comes with it; "abort",
+        with the `error` that failed its step if one did)."""
+        r = self.req
+        text = self.flush() if reason == "stop" else ""
+        ev = TokenEvent(r.request_id, None, text, finish_reason=reason, prompt_tokens=len(r.prompt_ids),
+                        completion_tokens=len(self.tokens), error=str(error) if error is not None else None,
+                        exception=error)
+        if first:
+            self._attach_prompt_logprobs(ev)
+        if r.score and reason == "stop":
+            ev.scores = torch.cat(self.scores)
+        return ev
+
+    def flush(self) -> str:
+        """The text still held back: an incomplete character, or a tail that could have begun a stop string."""
+        text, stopped = self.stopper.feed(self.decoder.flush() if self.decoder is not None else "")
+        return text if stopped else text + self.stopper.flush()
+
+    def _attach_prompt_logprobs(self, ev: TokenEvent) -> None:
+        if self.prompt_lp is not None:
+            ev.prompt_logprobs, ev.prompt_top_logprobs = self.prompt_lp.values, self.prompt_lp.top

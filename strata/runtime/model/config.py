@@ -1,0 +1,335 @@
+"""`ModelConfig`: one normalised description of every supported MoE architecture.
+
+Hugging Face configs name the same things differently per architecture and per transformers version
+(`num_experts` vs `num_local_experts` vs `n_routed_experts`, `rope_scaling` vs `rope_parameters`).
+`ModelConfig.from_hf` reads any of them into one dataclass, so the model code never looks at the raw
+dict. The semantics follow transformers' modeling files (qwen3_moe, qwen2_moe, deepseek_v3, mixtral).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from strata.errors import CheckpointError, UnsupportedError
+from strata.runtime.model.engram.hashing import EngramConfig
+
+SUPPORTED_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
+
+
+@dataclass
+class RopeConfig:
+    """Rotary embedding parameters (transformers' `rope_parameters`)."""
+
+    rope_type: str = "default"
+    theta: float = 10000.0
+    dim: int = 0  # rotary dimension: head_dim (GQA) or qk_rope_head_dim (MLA), times partial_rotary_factor
+    factor: float = 1.0
+    original_max_position_embeddings: int = 0
+    attention_factor: float | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    truncate: bool = True
+
+    def __post_init__(self) -> None:
+        if self.rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedError(
+                f"RoPE type {self.rope_type!r} is not supported; supported: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            )
+        if self.dim <= 0 or self.dim % 2:
+            raise CheckpointError(f"config.json: rotary dimension {self.dim} must be a positive even number")
+
+
+@dataclass
+class ModelConfig:
+    """Everything the runtime needs to build and run a model."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope: RopeConfig
+    # attention
+    attention: str  # "gqa" | "mla"
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int  # GQA head dim; for MLA the q/k head dim (nope + rope)
+    qkv_bias: bool = False
+    o_bias: bool = False
+    qk_norm: bool = False
+    sliding_windows: list[int | None] = field(default_factory=list)  # per layer, None = full attention
+    # MLA (deepseek_v3)
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_rope_head_dim: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
+    attention_scale: float = 0.0  # softmax scale (set in __post_init__ when 0)
+    # MLP / MoE
+    intermediate_size: int = 0  # dense MLP width
+    moe_intermediate_size: int = 0  # routed expert width
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_layers: list[bool] = field(default_factory=list)
+    router: str = "softmax"  # "softmax" | "sigmoid_group"
+    norm_topk_prob: bool = False
+    routed_scaling_factor: float = 1.0
+    n_group: int = 1
+    topk_group: int = 1
+    shared_expert_intermediate_size: int = 0  # 0: no shared expert
+    shared_expert_gated: bool = False  # qwen2_moe: sigmoid(gate(x)) * shared(x)
+    eos_token_ids: list[int] = field(default_factory=list)
+    bos_token_id: int | None = None
+    engram: EngramConfig | None = None  # Engram layers (config.json's `engram` section); None: none
+
+    def __post_init__(self) -> None:
+        positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "num_experts",
+                    "num_experts_per_tok")
+        for name in positive:
+            if int(getattr(self, name)) <= 0:
+                raise CheckpointError(f"config.json: {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise CheckpointError(
+                f"config.json: num_attention_heads {self.num_heads} is not a multiple of "
+                f"num_key_value_heads {self.num_kv_heads}"
+            )
+        if self.num_experts_per_tok > self.num_experts:
+            raise CheckpointError(
+                f"config.json: num_experts_per_tok {self.num_experts_per_tok} exceeds the {self.num_experts} experts"
+            )
+        if self.router == "sigmoid_group" and (
+            self.num_experts % self.n_group or self.topk_group > self.n_group
+        ):
+            raise CheckpointError(
+                f"config.json: {self.num_experts} experts cannot be split into n_group={self.n_group} "
+                f"with topk_group={self.topk_group}"
+            )
+        if len(self.moe_layers) != self.num_layers or len(self.sliding_windows) != self.num_layers:
+            raise CheckpointError("config.json: per-layer lists do not match num_hidden_layers")
+        if not self.attention_scale:
+            self.attention_scale = self.head_dim**-0.5
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.moe_layers)
+
+    @classmethod
+    def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
+        """Normalise a Hugging Face `config.json` dict; unknown architectures raise `UnsupportedError`."""
+        model_type = cfg.get("model_type")
+        if model_type not in SUPPORTED_ARCHITECTURES:
+            raise UnsupportedError(
+                f"{source}: model_type {model_type!r} is not supported; supported: "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        if cfg.get("quantization_config", {}).get("quant_method") == "fp8":
+            raise UnsupportedError(f"{source}: FP8 checkpoints are not yet supported; use a bf16 checkpoint")
+        try:
+            parsed = _PARSERS[model_type](cfg, source)
+            parsed.engram = EngramConfig.from_hf(cfg.get("engram"), parsed.num_layers, source)
+            return parsed
+        except KeyError as e:
+            raise CheckpointError(f"{source}: required key {e.args[0]!r} is missing for {model_type}") from None
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(f"{source}: malformed value ({e})") from None
+
+
+def _act(cfg: dict, source: str) -> None:
+    act = cfg.get("hidden_act", "silu")
+    if act not in ("silu", "swish"):
+        raise UnsupportedError(f"{source}: hidden_act {act!r} is not supported; only SwiGLU (silu) experts are")
+
+
+def _rope(cfg: dict, dim: int) -> RopeConfig:
+    """Read `rope_parameters` (transformers 5) or `rope_scaling` + `rope_theta` (older checkpoints)."""
+    params = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    partial = float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0)))
+    max_pos = int(cfg.get("max_position_embeddings", 4096))
+    # transformers gives a top-level original_max_position_embeddings priority (Phi3-style configs)
+    orig = cfg.get("original_max_position_embeddings") or params.get("original_max_position_embeddings") or max_pos
+    factor = params.get("factor")
+    if factor is None:
+        factor = max_pos / orig if rope_type == "yarn" else 1.0
+    return RopeConfig(
+        rope_type=rope_type,
+        theta=theta,
+        dim=int(dim * partial),
+        factor=float(factor),
+        original_max_position_embeddings=int(orig),
+        attention_factor=params.get("attention_factor"),
+        beta_fast=float(params.get("beta_fast") or 32),
+        beta_slow=float(params.get("beta_slow") or 1),
+        mscale=params.get("mscale"),
+        mscale_all_dim=params.get("mscale_all_dim"),
+        truncate=bool(params.get("truncate", True)),
+    )
+
+
+def _eos(cfg: dict) -> list[int]:
+    eos = cfg.get("eos_token_id")
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, list) else [eos])]
+
+
+def _num_experts(cfg: dict) -> int:
+    for key in ("num_local_experts", "num_experts", "n_routed_experts"):
+        if cfg.get(key):
+            return int(cfg[key])
+    raise KeyError("num_experts")
+
+
+def _common(cfg: dict) -> dict[str, Any]:
+    return dict(
+        model_type=cfg["model_type"],
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        num_layers=int(cfg["num_hidden_layers"]),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        num_heads=int(cfg["num_attention_heads"]),
+        num_kv_heads=int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
+        intermediate_size=int(cfg.get("intermediate_size", 0)),
+        num_experts=_num_experts(cfg),
+        num_experts_per_tok=int(cfg["num_experts_per_tok"]),
+        eos_token_ids=_eos(cfg),
+        bos_token_id=cfg.get("bos_token_id"),
+    )
+
+
+def _qwen_sparse_layers(cfg: dict, n_layers: int) -> list[bool]:
+    """Qwen MoE: a layer is sparse unless listed in mlp_only_layers, every decoder_sparse_step-th layer."""
+    only = set(cfg.get("mlp_only_layers") or [])
+    step = int(cfg.get("decoder_sparse_step", 1) or 1)
+    return [(i not in only) and (i + 1) % step == 0 for i in range(n_layers)]
+
+
+def _parse_qwen3_moe(cfg: dict, source: str) -> ModelConfig:
+    _act(cfg, source)
+    c = _common(cfg)
+    head_dim = int(cfg.get("head_dim") or c["hidden_size"] // c["num_heads"])
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    bias = bool(cfg.get("attention_bias", False))
+    return ModelConfig(
+        **c,
+        rope=_rope(cfg, head_dim),
+        attention="gqa",
+        head_dim=head_dim,
+        qkv_bias=bias,
+        o_bias=bias,
+        qk_norm=True,
+        sliding_windows=[window] * c["num_layers"],
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        moe_layers=_qwen_sparse_layers(cfg, c["num_layers"]),
+        router="softmax",
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+    )
+
+
+def _parse_qwen2_moe(cfg: dict, source: str) -> ModelConfig:
+    _act(cfg, source)
+    c = _common(cfg)
+    head_dim = int(cfg.get("head_dim") or c["hidden_size"] // c["num_heads"])
+    n = c["num_layers"]
+    if cfg.get("layer_types"):
+        types = cfg["layer_types"]
+    else:  # transformers' default: odd-numbered layers below max_window_layers slide
+        use = bool(cfg.get("use_sliding_window", False))
+        types = ["sliding_attention" if use and (i + 1) % 2 and i < cfg.get("max_window_layers", n) else "full"
+                 for i in range(n)]
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
+    return ModelConfig(
+        **c,
+        rope=_rope(cfg, head_dim),
+        attention="gqa",
+        head_dim=head_dim,
+        qkv_bias=bool(cfg.get("qkv_bias", True)),
+        sliding_windows=[window if t == "sliding_attention" and window else None for t in types],
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        moe_layers=_qwen_sparse_layers(cfg, n),
+        router="softmax",
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+        shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size", 0)),
+        shared_expert_gated=True,
+    )
+
+
+def _parse_mixtral(cfg: dict, source: str) -> ModelConfig:
+    _act(cfg, source)
+    c = _common(cfg)
+    head_dim = int(cfg.get("head_dim") or c["hidden_size"] // c["num_heads"])
+    # Mixtral's experts are intermediate_size wide; it has no dense MLP layers.
+    return ModelConfig(
+        **{**c, "intermediate_size": 0},
+        rope=_rope(cfg, head_dim),
+        attention="gqa",
+        head_dim=head_dim,
+        sliding_windows=[cfg.get("sliding_window")] * c["num_layers"],
+        moe_intermediate_size=int(cfg["intermediate_size"]),
+        moe_layers=[True] * c["num_layers"],
+        router="softmax",
+        norm_topk_prob=True,
+    )
+
+
+def _parse_deepseek_v3(cfg: dict, source: str) -> ModelConfig:
+    _act(cfg, source)
+    c = _common(cfg)
+    rope_dim, nope_dim = int(cfg["qk_rope_head_dim"]), int(cfg["qk_nope_head_dim"])
+    rope = _rope(cfg, rope_dim)
+    qk_head_dim = rope_dim + nope_dim
+    scale = qk_head_dim**-0.5
+    if rope.rope_type != "default" and rope.mscale_all_dim:
+        # YaRN also scales the softmax: transformers' yarn_apply_mscale
+        m = _yarn_mscale(rope.factor, float(rope.mscale_all_dim))
+        scale = scale * m * m
+    first_dense = int(cfg.get("first_k_dense_replace", 0) or 0)
+    q_lora = cfg.get("q_lora_rank")
+    return ModelConfig(
+        **c,
+        rope=rope,
+        attention="mla",
+        head_dim=qk_head_dim,
+        o_bias=bool(cfg.get("attention_bias", False)),
+        qkv_bias=bool(cfg.get("attention_bias", False)),
+        sliding_windows=[None] * c["num_layers"],
+        q_lora_rank=int(q_lora) if q_lora else None,
+        kv_lora_rank=int(cfg["kv_lora_rank"]),
+        qk_rope_head_dim=rope_dim,
+        qk_nope_head_dim=nope_dim,
+        v_head_dim=int(cfg["v_head_dim"]),
+        rope_interleave=bool(cfg.get("rope_interleave", True)),
+        attention_scale=scale,
+        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+        moe_layers=[i >= first_dense for i in range(c["num_layers"])],
+        router="sigmoid_group",
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        n_group=int(cfg.get("n_group") or 1),
+        topk_group=int(cfg.get("topk_group") or 1),
+        shared_expert_intermediate_size=int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0),
+    )
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    import math
+
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+_PARSERS = {
+    "qwen3_moe": _parse_qwen3_moe,
+    "qwen2_moe": _parse_qwen2_moe,
+    "mixtral": _parse_mixtral,
+    "deepseek_v3": _parse_deepseek_v3,
+}

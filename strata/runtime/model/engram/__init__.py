@@ -1,0 +1,1 @@
+"""Engram layers: hashed n-gram rows gated by the hidden state, their hashing, decode steps and tables."""

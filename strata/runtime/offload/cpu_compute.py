@@ -1,0 +1,155 @@
+"""CPU expert compute of the tiered executor: cold experts run straight from pinned/host RAM on CPU threads.
+
+`CpuCompute` is the part of `ExpertCompute` (strata.runtime.offload.expert_compute) that runs experts on the CPU: the
+compiled kernel on experts held in pinned slots by address (`start_cpu`, a decode layer's share, possibly in the
+background), through tier handles otherwise (`cpu_forward`), or the reference math (`cpu_numerics = "gpu"`);
+`calibrate_cpu` starts the cost model from a measured rate.
+"""
+
+from __future__ import annotations
+
+import array
+import time
+
+import numpy as np
+import torch
+
+from strata.kernels.experts import apply_experts
+
+
+class CpuCompute:
+    """CPU expert compute, mixed into `ExpertCompute`, whose state it uses: `manager`, `rates`, `cpu_experts`,
+    `cpu_threads`, `cpu_kernel`, `pin_results` and `use_fast_cpu`."""
+
+    def calibrate_cpu(self, nbytes: int = 256 << 20, rounds: int = 3) -> float:
+        """Measure the CPU expert kernel on this model's expert shape (one token, about `nbytes` of weights:
+        more than the CPU caches, little enough to take well under a second) and start the cost model from
+        that rate instead of a guess; returns bytes/s."""
+        store = self.manager.store
+        (gu_shape, dn_shape), dtype = store.expert_shapes, store.dtype
+        experts = max(2, min(16, nbytes // store.payload_bytes))
+        # constant weights: the kernel is memory-bound, so values do not matter and filling is cheap
+        ws = [(torch.full(gu_shape, 0.01, dtype=dtype), torch.full(dn_shape, 0.01, dtype=dtype)) for _ in range(experts)]
+        x = torch.full((1, gu_shape[1]), 0.5, dtype=dtype)
+        groups = [(e, torch.tensor([e])) for e in range(experts)]  # pair e = token 0's e-th expert
+        by_expert = dict(enumerate(ws))
+        out = torch.zeros(x.shape, dtype=torch.float32)
+        best = float("inf")
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            _cpu_apply(x, torch.ones(1, experts), experts, groups, by_expert, out, self.use_fast_cpu, self.cpu_threads,
+                       self.cpu_kernel)
+            best = min(best, time.perf_counter() - t0)
+        nbytes = sum(a.nbytes + b.nbytes for a, b in ws)
+        self.rates.cpu_bytes_per_s = nbytes / best
+        return self.rates.cpu_bytes_per_s
+
+    def cpu_forward(self, layer: int, x: torch.Tensor, weights: torch.Tensor, k: int, groups) -> torch.Tensor:
+        """Experts of `groups` from host RAM on the CPU: x [N, H] on the CPU -> partial sum [N, H] fp32."""
+        if self.use_fast_cpu:
+            out = self._cpu_packed(layer, x, weights, k, groups)
+            if out is not None:
+                return out
+        out = torch.zeros(x.shape, dtype=torch.float32, pin_memory=self.pin_results)
+        chunk = self.manager.max_acquire("cpu")
+        seconds, nbytes = 0.0, 0
+        for i in range(0, len(groups), chunk):
+            part = groups[i : i + chunk]
+            handles = self.manager.acquire([(layer, e) for e, _ in part], "cpu")
+            try:
+                by_expert = {h.key[1]: (h.gate_up, h.down) for h in handles}
+                nbytes += sum(h.gate_up.nbytes + h.down.nbytes for h in handles)
+                t0 = time.perf_counter()
+                _cpu_apply(x, weights, k, part, by_expert, out, self.use_fast_cpu, self.cpu_threads, self.cpu_kernel)
+                seconds += time.perf_counter() - t0
+            finally:
+                self.manager.release(handles)
+        self.cpu_experts += len(groups)
+        # the kernel's own rate: waits for experts still on their way to RAM are stalls, counted by the manager,
+        # and must not make the cost model believe the CPU is slow (it would then never try it again)
+        self.rates.observe_cpu(nbytes, seconds)
+        return out
+
+    def _cpu_packed(self, layer: int, x: torch.Tensor, weights: torch.Tensor, k: int, groups) -> torch.Tensor | None:
+        """`cpu_forward` for experts resident in pinned RAM, with the kernel reading their slots by address:
+        no handles, views or per-expert checks (a decode layer's CPU share spent ~0.3 ms on those). Same
+        kernel call, same expert order, so the same result; None when this path does not apply."""
+        work = self.start_cpu(layer, x, weights, k, groups, background=False)
+        return work.wait() if work is not None else None
+
+    def start_cpu(self, layer: int, x: torch.Tensor, weights: torch.Tensor, k: int, groups,
+                  background: bool = True) -> CpuShare | None:
+        """Start the CPU share of a decode layer on experts resident in pinned RAM; `wait()` gives the partial
+        sum [N, H] fp32. In the background (the kernel's launcher thread) when `background` and the kernel
+        is free, else now. None when the experts are not all in pinned RAM (or not bf16, or too many tokens)."""
+        from strata.kernels.cpu import experts as ce
+
+        store = self.manager.store
+        if store.dtype != torch.bfloat16 or ce.backend(self.cpu_kernel) == "torch" or not groups:
+            return None
+        # pair indices per expert as numpy (a decode layer's host step spends microseconds, not a torch op, on each)
+        sels = [np.asarray(sel, dtype=np.int64) for _, sel in groups]
+        if max(len(sel) for sel in sels) > ce.MAX_TOKENS:
+            return None
+        keys = [(layer, e) for e, _ in groups]
+        slots = self.manager.hold_resident(keys)
+        if slots is None:
+            return None
+        try:
+            rows = np.concatenate(sels)  # [P] pair indices, expert by expert
+            tok = torch.from_numpy(rows // k)  # [P] int64 token row of each pair
+            w = torch.from_numpy(weights.float().numpy().reshape(-1)[rows])  # [P] fp32 its routing weight (a copy)
+            x32 = x.float().contiguous()
+            inter, gu_bytes = store.expert_shapes[1][1], store.index.gate_up_bytes
+            meta, off = array.array("q"), 0
+            tok_ptr, w_ptr, slot_address = tok.data_ptr(), w.data_ptr(), self.manager.pool.slot_address
+            for sel, slot in zip(sels, slots, strict=True):
+                base = slot_address(slot)
+                meta.extend((base, base + gu_bytes, tok_ptr + 8 * off, w_ptr + 4 * off, len(sel), inter, inter))
+                off += len(sel)
+            out = torch.zeros(x.shape, dtype=torch.float32, pin_memory=self.pin_results)
+            call = ce.start_packed(x32, meta, out, self.cpu_threads, backend=self.cpu_kernel) if background else None
+            t0 = time.perf_counter()
+            if call is None:
+                ce.run_packed(x32, meta, out, self.cpu_threads, backend=self.cpu_kernel)
+        except BaseException:
+            self.manager.drop_held(keys)
+            raise
+        seconds = time.perf_counter() - t0
+
+        def finish() -> torch.Tensor:
+            try:
+                kernel_s = call.wait() if call is not None else seconds
+            finally:
+                self.manager.drop_held(keys)
+            self.cpu_experts += len(groups)
+            self.rates.observe_cpu(len(groups) * store.payload_bytes, kernel_s)
+            return out
+
+        return CpuShare(finish, (tok, w, x32))
+
+
+class CpuShare:
+    """A decode layer's CPU share, started by `ExpertCompute.start_cpu`; `wait()` -> partial sum [N, H] fp32."""
+
+    def __init__(self, finish, keep: tuple):
+        self._finish, self._keep, self._out = finish, keep, None  # keep: what the kernel reads until done
+
+    def wait(self) -> torch.Tensor:
+        if self._finish is not None:
+            self._out, self._finish, self._keep = self._finish(), None, ()
+        return self._out
+
+
+def _cpu_apply(x, weights, k, groups, by_expert, out, fast: bool, threads: int | None = None,
+               backend: str | None = None) -> None:
+    """One chunk of CPU experts, added into out: the compiled kernel (`backend`: its instruction set), or the
+    reference math."""
+    if fast:
+        from strata.kernels.cpu.experts import cpu_experts_forward
+
+        flat_w = weights.reshape(-1).float()
+        cpu_experts_forward(x, [by_expert[e] for e, _ in groups], [sel // k for _, sel in groups],
+                            [flat_w[sel] for _, sel in groups], out=out, threads=threads, backend=backend)
+        return
+    apply_experts(x.float(), weights.float(), k, groups, lambda e: tuple(w.float() for w in by_expert[e]), out=out)

@@ -1,0 +1,332 @@
+"""Routed experts served by the tier manager instead of held in memory.
+
+`TieredExperts` replaces a layer's stacked `Experts`. Two paths, chosen by the step's shape:
+
+Decode (a few tokens, GPU tier): the pair kernels (`strata.kernels.gpu.grouped`) compute every
+(token, expert) pair whose expert is resident, finding its slot through the device map, in one
+launch per projection. When every expert is resident that is the whole layer: no host round trip,
+so the step can be captured in a CUDA graph. Otherwise one small copy of the step's slots tells the
+host which pairs are cold; the cost model splits those between
+- CPU threads computing straight from pinned RAM, concurrently with the GPU (`cpu_numerics = "fork"`),
+  with only the activations crossing PCIe, and
+- copies into GPU slots, computed by the same pair kernels once the copy has landed.
+Once every expert sits in pinned RAM for good, a decode step is one graph instead: the cold pairs go to a native CPU
+worker and the GPU's in-place reads (`_mailbox_forward`, strata.runtime.offload.mailbox).
+Pair outputs are combined in one fixed order, so which tier served an expert never changes the result
+(except the forked CPU kernel's rounding).
+
+Prefill and large batches (`strata.runtime.offload.tiered_prefill`): tokens are grouped by expert and each
+expert acquired on the GPU runs as one GEMM over its tokens; every cold expert crosses PCIe once per
+forward pass.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+
+import numpy as np
+import torch
+from torch import nn
+
+from strata.kernels.experts import group_by_expert
+from strata.kernels.gpu.grouped import combine_pairs, pair_experts, pair_experts_in_place, use_pair_kernels
+from strata.runtime.model.graphs import current_capture_mode, current_recorder
+from strata.runtime.model.moe import MoEBlock, router_predictors
+from strata.runtime.model.transformer import MoETransformer
+from strata.runtime.offload.cost_model import split_cold
+from strata.runtime.offload.expert_compute import ExpertCompute
+from strata.runtime.offload.step_io import pairs_by_expert, to_host, upload
+from strata.runtime.offload.tiered_prefill import PrefillPath
+
+__all__ = ["ExpertCompute", "TieredExperts", "use_tiered_experts"]
+
+
+class TieredExperts(PrefillPath, nn.Module):
+    """One MoE layer's routed experts, fetched from tiers; same math as `Experts`."""
+
+    def __init__(self, layer: int, num_experts: int, compute: ExpertCompute):
+        super().__init__()
+        self.layer, self.num_experts, self.compute = layer, num_experts, compute
+
+    def decode_slots(self, x: torch.Tensor) -> torch.Tensor | None:
+        """This layer's expert -> slot table [E] int32 when the step is a one-graph (mailbox) decode, so the router
+        looks each pair's slot up in its own launch (`MoEBlock`); None otherwise."""
+        c = self.compute
+        if c.mailbox is None or c.slots is None or current_capture_mode() != "mailbox":
+            return None
+        return c.slot_of[self.layer]
+
+    def look_ahead(self, hidden: torch.Tensor) -> None:
+        """In a one-graph decode step with warm-ahead: predict the next layer's experts from this layer's residual
+        stream hidden [N, H] and plan the worker's read of the cold ones, on the plan's stream
+        (strata.runtime.offload.warm_ahead)."""
+        c = self.compute
+        if c.warm_ahead is not None and c.mailbox is not None and current_capture_mode() == "mailbox":
+            if self.layer == c.moe_layers[0]:
+                c.mailbox.begin_step(early=True)  # the step's generation, before the plan's stream forks from here
+            c.warm_ahead.predict(self.layer, hidden)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None,
+                used: torch.Tensor | None = None) -> torch.Tensor:
+        """`Experts.forward` from tiers: x [N, H], ids and weights [N, k] -> [N, H] (+ residual). used [N * k]
+        int32: each pair's GPU slot as the router looked it up (`decode_slots`; None: looked up here)."""
+        c = self.compute
+        if current_recorder() is None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            c.release_staged()  # eager: everything that read the last decode layer's copied slots is enqueued
+        if use_pair_kernels(x, ids.numel()) if c.pair_path is None else c.pair_path:
+            return self._decode_forward(x, ids, weights, residual, used)
+        out = self._batch_forward(x, ids, weights)
+        return out if residual is None else residual + out
+
+    def _batch_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """Prefill chunks and batches too large for the pair kernels: tokens grouped by expert."""
+        c, k = self.compute, ids.shape[1]
+        groups = group_by_expert(ids, self.num_experts)  # syncs: predictions have arrived too
+        # the GPU tier's history counts each token routed to an expert, not one use per staged expert: what
+        # the prompt uses most then outranks the rest when staging (and later promotions) pick victims
+        c.manager.note_uses(self.layer, {e: len(sel) for e, sel in groups})
+        if c.prefetcher is not None:
+            c.prefetcher.poll()
+        if c.device_tier == "cpu":
+            if x.device.type == "cpu" and not c.use_fast_cpu:
+                return self._tier_forward(x, weights, k, groups, "cpu")
+            y = c.cpu_forward(self.layer, x.cpu(), weights.cpu(), k, [(e, s.cpu()) for e, s in groups])
+            return y.to(x.device, x.dtype)
+        cpu_part: tuple[torch.Tensor, Future] | None = None
+        if c.use_split:
+            cpu_groups, groups = self._plan_split(groups)
+            if cpu_groups:  # activations cross PCIe (small); weights stay in host RAM
+                cpu_part = self._start_cpu_share(x, weights, k, cpu_groups)
+        out = self._tier_forward(x, weights, k, groups, "gpu", ids)
+        if cpu_part is not None:
+            rows, share = cpu_part  # rows unique: each of out's rows gets one add, as `out + partial` would
+            out.index_add_(0, rows, share.result().to(out.device, out.dtype))
+        return out
+
+    # ---- decode: pair kernels over slots -------------------------------------------------------
+    def _decode_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None,
+                        used: torch.Tensor | None) -> torch.Tensor:
+        c = self.compute
+        flat = ids.reshape(-1)  # [P] pair p = token p // k, its (p % k)-th expert
+        if c.mailbox is not None and current_capture_mode() == "mailbox":
+            return self._mailbox_forward(x, flat, weights, residual, used)
+        y = torch.zeros((flat.numel(), x.shape[1]), dtype=torch.float32, device=x.device)
+        if c.slots is not None:
+            # asked before the kernel is launched: once every copy and map entry has landed (all_resident), a
+            # kernel launched after that sees them all; asked after, the last ones could still be on their way
+            resident = c.all_resident()
+            with c.manager.unheld_slot_reads():  # (CPU-simulated tier: a promotion's eviction waits for the pass)
+                used = pair_experts(x, c.slots, c.slot_of[self.layer], flat, y)  # resident pairs, no host sync
+            if resident:
+                c.count_lookups(self.layer, flat)
+                return combine_pairs(y, weights, x.dtype, residual=residual)
+        else:  # no GPU tier: every pair is computed on the CPU
+            used = torch.full_like(flat, -1, dtype=torch.int32)
+        both = torch.stack((flat.to(torch.int32), used))  # [2, P] expert and slot used per pair
+        cpu_out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # the CPU's weighted partial sum
+        late = torch.zeros_like(flat, dtype=torch.int32)  # [P] slot + 1 of pairs copied by the host step, 0 = none
+        cold = lambda: self._cold_stage(x, weights, y, both, cpu_out, late)  # noqa: E731
+        recorder = current_recorder()
+        if recorder is None:
+            cold()
+        else:  # inside a segmented CUDA-graph capture: the host work runs between replays
+            recorder.host_step(cold)
+        if c.slots is not None:  # the pairs whose experts the host step copied in (part of the graph)
+            pair_experts(x, c.slots, c.late_slot, late, y)
+        return combine_pairs(y, weights, x.dtype, extra=cpu_out, residual=residual)
+
+    def _mailbox_forward(self, x, flat, weights, residual, used) -> torch.Tensor:
+        """A decode layer inside a one-graph step (CUDA): the resident pairs here, the cold ones on the mailbox worker
+        (strata.runtime.offload.mailbox), which the stream waits for before the combine. No host work.
+
+        The worker is told first: the layer's slots are looked up (one gather), the mailbox posted, and only then
+        the GPU's in-place share (on this stream, behind the post) and the resident pairs (on a second stream) run,
+        beside the worker, so the layer waits for the longest of the three instead of their sum."""
+        c = self.compute
+        hot = c.slots is not None
+        # [P] int32: the GPU slot each pair reads, -1 cold. Both the worker's inbox and the resident pairs' kernel
+        # read this one lookup, so a map entry landing mid-layer cannot make a pair computed twice or not at all.
+        if used is None:  # the router did not look them up (fused router off, or not its shapes)
+            used = c.slot_of[self.layer][flat] if hot else torch.full_like(flat, -1, dtype=torch.int32)
+        # y [P, H] fp32, each pair's output from the GPU: zeroed by the exchange's pack kernel where nothing writes it
+        # before the post, so no memset node stands between the router and the post
+        y = torch.empty((flat.numel(), x.shape[1]), dtype=torch.float32, device=x.device)
+        if self.layer == c.moe_layers[0]:
+            c.mailbox.begin_step()
+        share = c.gpu_share
+        if c.warm_ahead is not None:
+            c.warm_ahead.join(self.layer)  # the plan made for this layer (a capture must see every fork joined)
+
+        def gpu_work(addr, rows) -> None:  # enqueued once the worker has been posted the layer
+            main = torch.cuda.current_stream(x.device)
+            if addr is None:  # no in-place share: the resident pairs alone, on this stream
+                if hot:
+                    pair_experts(x, c.slots, used, c.pair_index(flat.numel(), x.device), y)
+                return
+            # The in-place share, where a layer gives the GPU rows, is its long pole beside the worker (PCIe while
+            # the worker reads RAM), so it runs on this stream right behind the pack (its launch overlapped with it)
+            # and the resident pairs on the second. Their rows of y are disjoint.
+            side = c.side_stream(x.device)
+            side.wait_stream(main)
+            if hot:
+                with torch.cuda.stream(side):
+                    pair_experts(x, c.slots, used, c.pair_index(flat.numel(), x.device), y)
+            pair_experts_in_place(x, share.experts, addr, y, first_row=rows)
+            main.wait_stream(side)
+
+        cpu_out = c.mailbox.exchange(self.layer, flat, used, x, weights, gpu_work, share=share, zero=y)  # [N, H]
+        return combine_pairs(y, weights, x.dtype, extra=cpu_out, residual=residual)
+
+    def _cold_stage(self, x, weights, y, both, cpu_out, late) -> None:
+        """Host work of a decode layer: learn which pairs were cold, serve them, count the lookups."""
+        c, clock = self.compute, time.perf_counter
+        c.release_staged()  # the kernels reading the previous layer's copies are enqueued by now
+        t0 = clock()
+        # one synchronisation: the GPU has reached this layer (slots used, activations, routing weights)
+        both_host, x_host, w_host = to_host(both, x.float(), weights)
+        experts, slots = both_host.numpy()
+        t1 = clock()
+        if c.slots is not None:
+            c.manager.note_hits(self.layer, np.unique(experts[slots >= 0]))  # before evictions: recency counts
+        t_hits = clock()
+        cold = pairs_by_expert(experts, np.flatnonzero(slots < 0))
+        cpu_part = None
+        t_plan = clock()
+        if cold:
+            cpu_part = self._cold_decode(x, x_host, w_host, y, late, cold)
+        if cpu_part is not None:
+            cpu_out.copy_(cpu_part, non_blocking=c.pin_results)  # pinned: no wait for the GPU queue
+        t_poll = clock()
+        if c.prefetcher is not None:
+            c.prefetcher.poll()  # after the layer's own misses, so they go first
+        c.host_seconds["wait_gpu"] += t1 - t0
+        c.host_seconds["hits"] += t_hits - t1
+        c.host_seconds["group"] += t_plan - t_hits
+        c.host_seconds["poll"] += clock() - t_poll
+
+    def _cold_decode(self, x, x_host, w_host, y, late, cold: dict[int, np.ndarray]) -> torch.Tensor | None:
+        """Cold pairs: the copied ones are staged for the pass over `late` that follows this host step, then
+        the CPU's share is computed here; returns the CPU's partial sum [N, H] fp32 (None: no CPU share)."""
+        c, k = self.compute, w_host.shape[1]
+        t_split = time.perf_counter()
+        on_cpu: set[int] = set(cold) if c.slots is None else set()
+        run_async = bool(c.cpu_async)
+        if c.use_split and c.slots is not None:
+            on_cpu, run_async = self._cpu_share({e: len(p) for e, p in cold.items()}, c.cpu_async)
+            c.manager.note_gpu_misses(self.layer, on_cpu)  # the GPU tier's frequency history sees them too
+            # the GPU tier's only way in for the experts no copy brings (the CPU's share): a background copy of the
+            # most used one, if worth a slot
+            if c.promote and on_cpu:
+                c.promote_one(self.layer, on_cpu)
+        groups = [(e, torch.from_numpy(cold[e])) for e in sorted(on_cpu)]  # the CPU share: (expert, its pairs)
+        share = None
+        if groups and run_async:  # the CPU share starts first, on the kernel's own thread
+            share = c.start_cpu(self.layer, x_host, w_host, k, groups)
+        to_copy = [e for e in cold if e not in on_cpu]
+        t0 = time.perf_counter()
+        c.host_seconds["split"] += t0 - t_split
+        try:
+            self._stage_copies(x, y, late, to_copy, cold)
+        except BaseException:
+            if share is not None:
+                share.wait()  # its slots are held until it is joined
+            raise
+        t1 = time.perf_counter()
+        c.host_seconds["stage"] += t1 - t0
+        c.rates.observe_stage(len(to_copy), t1 - t0)
+        if share is not None:
+            out = share.wait()
+            c.host_seconds["wait_cpu"] += time.perf_counter() - t1
+            return out
+        if not groups:
+            return None
+        # the CPU part runs here, after the copies were issued: this thread joins the kernel's thread
+        # pool (the GIL is released inside) while the copy engine moves the other experts. (A Python
+        # worker thread was slower: it waits for the GIL this thread holds while it issues the copies.
+        # Starting it first on the kernel's launcher thread is `run_async` above.)
+        out = c.cpu_forward(self.layer, x_host, w_host, k, groups)
+        c.host_seconds["cpu"] += time.perf_counter() - t1
+        return out
+
+    def _stage_copies(self, x, y, late, to_copy: list[int], cold: dict[int, np.ndarray]) -> None:
+        """Issue the copies of `to_copy` and point `late` (the pass after this host step) at their slots."""
+        c, m = self.compute, self.compute.manager
+        if not to_copy:
+            return
+        batches = []
+        if c.use_split:
+            # the copies the GPU tier should keep (used over twice as often as its victim) are staged through it,
+            # so it adapts to the traffic; the others land in the stream slots, for this step only
+            keep = m.worth_caching(self.layer, to_copy)
+            once = [e for e in to_copy if e not in keep]
+            if once and (streamed := m.stream_gpu(self.layer, once)) is not None:
+                batches.append(streamed)
+                to_copy = keep
+        if len(to_copy) > m.max_acquire("gpu"):  # a budget smaller than the step: in chunks, now
+            self._copy_in_chunks(x, y, to_copy, cold)
+        elif to_copy:
+            batches.append(m.stage_gpu(self.layer, to_copy))  # one batch of copies, one event
+        if not batches:
+            return
+        slot_plus_one = np.zeros(late.numel(), dtype=np.int32)
+        for batch in batches:
+            batch.wait()  # the compute stream waits for the copies; the host does not
+            c.staged.append(batch)  # released once the late pass is enqueued (the next host step or layer)
+            for e, slot in zip(batch.experts, batch.slots, strict=True):
+                slot_plus_one[cold[e]] = slot + 1
+        upload(slot_plus_one, late)
+
+    def _copy_in_chunks(self, x, y, to_copy: list[int], cold: dict[int, np.ndarray]) -> None:
+        """Copied pairs computed here, chunk by chunk, each chunk's slots released before the next is staged."""
+        c = self.compute
+        chunk = c.manager.max_acquire("gpu")
+        for i in range(0, len(to_copy), chunk):
+            staged = c.manager.stage_gpu(self.layer, to_copy[i : i + chunk])
+            try:
+                staged.wait()
+                slot_of = dict(zip(staged.experts, staged.slots, strict=True))
+                pairs = np.concatenate([np.stack((cold[e], np.full(len(cold[e]), slot_of[e])))
+                                        for e in staged.experts], axis=1).astype(np.int32)  # [2, P'] rows, slots
+                pairs_t = torch.empty(pairs.shape, dtype=torch.int32, device=x.device)
+                upload(pairs, pairs_t)
+                pair_experts(x, c.slots, c.identity, pairs_t[1], y, rows=pairs_t[0])
+            finally:
+                c.manager.release_staged(staged)  # later copies into these slots wait for the kernels above
+
+    # ---- the split of cold experts between the CPU and copies (decode and prefill) ------------------
+    def _cpu_share(self, tokens: dict[int, int], run_async: bool | None = True) -> tuple[set[int], bool]:
+        """Which cold experts (expert -> tokens routed to it) the cost model sends to the CPU (measured rates,
+        and copies already queued, e.g. prefetches, counted against the copy path), and whether the CPU share
+        starts before the copies are staged (`run_async`; None: when that plan copies any)."""
+        c = self.compute
+        c.rates.pcie_bytes_per_s = c.manager.observed_rate("pinned->gpu", c.rates.pcie_bytes_per_s)
+        nbytes = c.manager.store.payload_bytes
+        backlog = c.manager.gpu_transfers_in_flight() * nbytes / c.rates.pcie_bytes_per_s
+        plan = lambda serial: split_cold(tokens, nbytes, c.rates, in_flight_copy_s=backlog, serial=serial)  # noqa: E731
+        split = plan(run_async is False)  # serial only when the CPU share is to run after the copies
+        if run_async is None:  # auto: first only when that plan copies some and computes some on the CPU
+            run_async = bool(split.copy and split.cpu)
+            if not run_async:
+                split = plan(True)
+        if not split.copy or not split.cpu:
+            return set(split.cpu), run_async
+        # the cost model fixes how many experts of each token count are copied; which ones: the most used
+        # (a copy may stay in the GPU tier, see `worth_caching`), so a popular expert is not left to the CPU
+        score = c.manager.gpu_scores(self.layer, tokens)
+        copied: set[int] = set()
+        for t in {tokens[e] for e in split.copy}:
+            n = sum(1 for e in split.copy if tokens[e] == t)
+            same = sorted((e for e in tokens if tokens[e] == t), key=lambda e: (-score[e], e))
+            copied.update(same[:n])
+        return set(tokens) - copied, run_async
+
+
+def use_tiered_experts(model: MoETransformer, compute: ExpertCompute) -> None:
+    """Swap every MoE layer's stacked experts for tier-served ones (before weights are loaded)."""
+    for i, layer in enumerate(model.layers):
+        if isinstance(layer.mlp, MoEBlock):
+            layer.mlp.experts = TieredExperts(i, model.cfg.num_experts, compute)
+            compute.moe_layers.append(i)
+    compute.top_k = model.cfg.num_experts_per_tok
+    compute.predictors = router_predictors(model, beside=True)

@@ -1,0 +1,141 @@
+"""The prefill side of `TieredExperts`: tokens grouped by expert, each GPU-served expert one GEMM over its tokens.
+
+A prompt chunk's cold experts are staged on the GPU in batches (every cold expert crosses PCIe once per
+chunk), computed by grouped GEMMs over the slots (`[debug] grouped_prefill`) or a per-expert loop; the cost
+model may give the CPU the cold experts with few tokens, computed from host RAM while the GPU works, with
+only those tokens' rows crossing PCIe.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future
+
+import torch
+
+from strata.kernels.experts import apply_experts
+from strata.kernels.gpu.grouped_gemm import grouped_ok, refuse, slot_pairs, sum_pairs
+
+
+class PrefillPath:
+    """Mixin of `TieredExperts` (which provides `layer`, `num_experts`, `compute` and `_cpu_share`)."""
+
+    def _start_cpu_share(self, x, weights, k: int, groups) -> tuple[torch.Tensor, Future]:
+        """Start a many-token layer's CPU share on the kernel pool with only its tokens' rows crossing PCIe.
+
+        An 8K-token prompt's activations are 64 MiB in fp32 each way; its CPU share is the few experts with
+        a handful of tokens each (at most a few hundred rows). Shipping whole x and a whole [N, H] partial sum
+        (pageable, freshly allocated) cost ~45 ms a layer on the H200 box. Returns (rows [R] on x's device,
+        the future of the partial sum [R, H] fp32 over those rows)."""
+        c, n = self.compute, x.shape[0]
+        # pair indices into ids.flatten(), expert by expert: one device-to-host copy for the whole share
+        sels = torch.cat([s for _, s in groups]).cpu().split([len(s) for _, s in groups])
+        rows = torch.unique(torch.cat(sels) // k)  # [R] sorted token rows the CPU share reads
+        where = torch.empty(n, dtype=torch.int64)
+        where[rows] = torch.arange(rows.numel())
+        # the same pairs, renumbered into the compact [R, k]: ascending order (and so the kernel's order) kept
+        local = [(e, where[s // k] * k + s % k) for (e, _), s in zip(groups, sels, strict=True)]
+        rows_dev = rows.to(x.device)
+        x_host, w_host = x.index_select(0, rows_dev).float().cpu(), weights.index_select(0, rows_dev).cpu()
+        return rows_dev, c.pool.submit(c.cpu_forward, self.layer, x_host, w_host, k, local)
+
+    def _grouped_forward(self, x, weights, groups, ids, chunk: int) -> torch.Tensor:
+        """`_tier_forward` through grouped GEMMs over the GPU slots ([debug] grouped_prefill): each batch of experts
+        staged at once, its pairs (known per expert) written into one [N*k, H] buffer by two grouped GEMMs; the
+        pairs are summed once, in the all-in-memory order, after the last batch."""
+        c = self.compute
+        sel_of = dict(groups)  # expert -> its pair indices [n_e] into ids.flatten(), on x's device
+        pairs = torch.zeros((ids.numel(), x.shape[1]), dtype=torch.float32, device=x.device)
+        batches = self._prefill_batches(list(sel_of), chunk)
+        try:
+            for staged in batches:
+                try:
+                    staged.wait()
+                    # the batch's pairs by slot, and each slot's rows: known on the host, no sort or sync
+                    by_slot = sorted(zip(staged.slots, staged.experts, strict=True))
+                    slot_rows = [(slot, len(sel_of[e])) for slot, e in by_slot]
+                    slot_pairs(x, weights, torch.cat([sel_of[e] for _, e in by_slot]), slot_rows, c.slots, pairs)
+                finally:
+                    c.manager.release_staged(staged)
+        finally:
+            batches.close()  # releases a batch staged ahead and not yet computed
+        return sum_pairs(pairs, ids).to(x.dtype)
+
+    def _prefill_batches(self, experts: list[int], chunk: int):
+        """Yield this layer's experts staged on the GPU, batch by batch (the caller releases each).
+
+        With `runtime.prefill_keeps_resident` (off by default) the resident experts are staged as hits and the cold
+        ones stream through the step-copy slots in batches of half of them, the next batch's copies issued before
+        this one is yielded (they overlap its compute): each cold expert crosses once per chunk and the tier is
+        left as it was. Without it, or without step-copy slots (copy-only mode), each batch goes through the GPU
+        tier (`stage_gpu`): a long prompt's cold experts then evict the residents of the layers after this one,
+        so a prefill at a 25% budget copies every expert of every layer (1,552 copies for 12 x 128 on the H200
+        box; kept, 12 layers prefilled an 8K prompt at 22.2K tok/s against 17.9K)."""
+        m = self.compute.manager
+        if not (self.compute.prefill_keeps_resident and m.stream_slots):
+            for i in range(0, len(experts), chunk):
+                yield m.stage_gpu(self.layer, experts[i : i + chunk])
+            return
+        resident = m.resident_experts(self.layer, "gpu")
+        hot, cold = [e for e in experts if e in resident], [e for e in experts if e not in resident]
+        step = max(1, len(m.stream_slots) // 2)
+        parts = [cold[i : i + step] for i in range(0, len(cold), step)]
+        ahead = m.stream_gpu(self.layer, parts[0]) if parts else None  # copying while the hits compute
+        try:
+            for i in range(0, len(hot), chunk):
+                yield m.stage_gpu(self.layer, hot[i : i + chunk])
+            for j, part in enumerate(parts):
+                this, ahead = ahead, None
+                if this is None:  # not streamed: not all in pinned RAM (a disk tier), or stream slots still out
+                    this = m.stream_gpu(self.layer, part) or m.stage_gpu(self.layer, part)
+                if j + 1 < len(parts):
+                    ahead = m.stream_gpu(self.layer, parts[j + 1])  # the other half of the stream slots
+                yield this
+        finally:
+            if ahead is not None:  # the caller stopped early (an error): nothing will compute it
+                m.release_staged(ahead)
+
+    def _plan_split(self, groups):
+        """Resident experts stay on the GPU; cold ones are split between CPU compute and copies."""
+        resident = self.compute.manager.resident_experts(self.layer, "gpu")
+        cold = {e: len(sel) for e, sel in groups if e not in resident}
+        if not cold:
+            return [], groups
+        on_cpu, _ = self._cpu_share(cold)
+        return [g for g in groups if g[0] in on_cpu], [g for g in groups if g[0] not in on_cpu]
+
+    def _tier_forward(self, x, weights, k, groups, device_tier: str, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Experts acquired on `device_tier` and computed where x lives, in ascending order."""
+        c = self.compute
+        manager = c.manager
+        chunk = manager.max_acquire(device_tier)  # a budget smaller than the step is served in chunks
+        if device_tier == "gpu" and c.slots is not None and ids is not None and c.grouped_prefill \
+                and grouped_ok(x, c.slots):
+            try:
+                return self._grouped_forward(x, weights, groups, ids, chunk)
+            except RuntimeError as e:  # operands torch's grouped GEMM does not take: the per-expert loop
+                refuse(x, c.slots, e)
+        out = torch.zeros_like(x)
+        for i in range(0, len(groups), chunk):
+            part = groups[i : i + chunk]
+            if device_tier == "gpu" and c.slots is not None:
+                # a prefill chunk's experts of a layer (often all of them) staged in one batch, as in decode
+                staged = manager.stage_gpu(self.layer, [e for e, _ in part])
+                try:
+                    staged.wait()
+                    slot_of = dict(zip(staged.experts, staged.slots, strict=True))
+                    apply_experts(x, weights, k, part, lambda e, slot_of=slot_of: (
+                        c.slots.gate_up[slot_of[e]].to(x.dtype), c.slots.down[slot_of[e]].to(x.dtype)), out=out)
+                finally:
+                    manager.release_staged(staged)
+                continue
+            handles = manager.acquire([(self.layer, e) for e, _ in part], device_tier)
+            try:
+                by_expert = {}
+                for h in handles:
+                    h.wait()
+                    by_expert[h.key[1]] = (h.gate_up.to(x.dtype), h.down.to(x.dtype))
+                apply_experts(x, weights, k, part, by_expert.__getitem__, out=out)
+            finally:
+                manager.release(handles)
+        return out
+

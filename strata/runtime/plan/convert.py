@@ -1,0 +1,287 @@
+"""`strata convert` and `strata verify`: pack a checkpoint into a tiered expert store; check a store.
+
+Conversion streams: one expert's slot buffer at a time is read by offset from the checkpoint (either
+expert layout), hashed and pwritten at its slot, so memory stays at one slot (plus 16 MiB for dense
+tensors) whatever the model's size. Everything goes into a hidden sibling directory, the index
+last, fsynced, then renamed into place: an interrupted convert never leaves a directory that looks
+like a store.
+"""
+
+from __future__ import annotations
+
+import argparse
+import errno
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from strata.errors import CheckpointError, ConfigError, StrataError
+from strata.runtime.model.checkpoint import Checkpoint
+from strata.runtime.model.engram.store import is_table_tensor, write_tables
+from strata.tiers.store.files import fsync_dir, remove_stale_tmp_dirs, temp_sibling
+from strata.tiers.store.format import (
+    COPIED_FILES,
+    DENSE_NAME,
+    EXPERT_DTYPES,
+    EXPERTS_DIR,
+    INDEX_NAME,
+    TABLES_DIR,
+    StoreIndex,
+    align_up,
+    checkpoint_fingerprint,
+    earlier_fingerprint,
+    is_store,
+    lacks_index,
+    read_index,
+)
+from strata.tiers.store.safetensors_index import DTYPES, TensorInfo
+from strata.tiers.store.store import ExpertStore, StaleStoreError
+from strata.tiers.store.verify_record import RECORD_NAME
+from strata.tiers.store.writer import Piece, StoreWriter
+
+# routed-expert tensors (per-expert or fused); shared experts (`mlp.shared_experts.`) are dense
+_ROUTED = re.compile(r"\.(mlp|block_sparse_moe)\.experts\.")
+# what a store directory holds (a directory of only these, without its index, is replaced by a convert)
+_STORE_NAMES = {INDEX_NAME, DENSE_NAME, EXPERTS_DIR, TABLES_DIR, RECORD_NAME, *COPIED_FILES}
+
+
+# --- convert --------------------------------------------------------------------------------------
+
+
+def convert_checkpoint(checkpoint_dir: str | os.PathLike, store_dir: str | os.PathLike, *, progress: bool = True,
+                       fingerprint: str | None = None) -> Path:
+    """Convert a checkpoint into a store at `store_dir` (atomically) and return the store directory.
+
+    If `store_dir` already holds the store of these very weights it is kept, its copies of config.json,
+    the tokenizer and the other small files brought up to date with the checkpoint; a store left without
+    its index is replaced; any other non-empty directory is refused. `fingerprint`: the weights'
+    fingerprint the caller keyed `store_dir` by; the checkpoint must still have it.
+    """
+    return _convert(checkpoint_dir, store_dir, progress, fingerprint)[0]
+
+
+def _convert(checkpoint_dir: str | os.PathLike, store_dir: str | os.PathLike, progress: bool,
+             expected: str | None = None) -> tuple[Path, bool]:
+    """convert_checkpoint; also says whether anything was written."""
+    src = Path(checkpoint_dir).expanduser()
+    if is_store(src):
+        raise ConfigError(f"{src} is already a strata store; convert the original Hugging Face checkpoint")
+    ckpt = Checkpoint.open(src)
+    fingerprint = checkpoint_fingerprint(src)
+    if expected is not None and fingerprint != expected:
+        raise _changed(src)
+    out = Path(store_dir).expanduser().absolute()
+    state = _existing_store(out, src, fingerprint)
+    if state == "same":
+        return out, False
+    meta, dense, layers = _plan(ckpt, fingerprint)  # every shape/dtype checked before anything is written
+    num_blobs = len(meta["moe_layers"]) * meta["num_experts"]
+    table_bytes = sum(t.nbytes for t in ckpt.index if is_table_tensor(t.name))
+    total = sum(t.nbytes for t in dense) + num_blobs * meta["payload_bytes"] + table_bytes
+    need = sum(t.nbytes for t in dense) + num_blobs * meta["slot_bytes"] + table_bytes
+    tmp = temp_sibling(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_tmp_dirs(out)
+        free = shutil.disk_usage(out.parent).free
+        if need > free:
+            raise StrataError(f"{out.parent}: the store needs {need / 1e9:.2f} GB but only {free / 1e9:.2f} GB "
+                              "is free; free space or choose another directory")
+        tmp.mkdir()
+    except OSError as e:
+        raise StrataError(f"{e.filename or out.parent}: cannot create the store: {e.strerror or e}") from e
+    bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="convert", disable=not progress)
+    writer = StoreWriter(tmp, bar)
+    try:
+        try:
+            copied = writer.copy_files(src)
+            dense_entry = writer.write_dense(dense)
+            blobs = {}
+            for layer, experts in layers:
+                for blob in writer.write_layer(layer, experts, meta["payload_bytes"]):
+                    blobs[blob.key] = blob
+            tables = write_tables(writer, ckpt)  # Engram tables as row-addressable objects
+            if checkpoint_fingerprint(src) != fingerprint:  # its weights were replaced while they were read
+                raise _changed(src)
+            index = StoreIndex(**meta, blobs=blobs, tables=tables, dense=dense_entry, copied_files=copied)
+            writer.write_index(index)  # last: only now is tmp a store
+            if not _move_into_place(tmp, out, fingerprint, replace=state == "replace"):
+                return out, False  # a concurrent convert finished the same store first
+            fsync_dir(out.parent)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise StrataError(f"{out}: no space left on the device while writing the store; "
+                                  "free space or choose another directory") from e
+            raise StrataError(f"{e.filename or out}: cannot write the store: {e.strerror or e}") from e
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        writer.close()
+        bar.close()
+    return out, True
+
+
+def _changed(src: Path) -> CheckpointError:
+    return CheckpointError(f"{src}: the checkpoint's safetensors files changed while they were read; wait until "
+                           "they are complete, then load or convert it again")
+
+
+def _move_into_place(tmp: Path, out: Path, fingerprint: str, replace: bool) -> bool:
+    """Rename the finished store `tmp` to `out` (atomic; a directory that `lacks_index` is moved aside
+    first and deleted after). False when a concurrent convert put the same store there first."""
+    aside = None
+    if replace and not is_store(out):  # (a concurrent convert may have put a finished store there meanwhile)
+        aside = temp_sibling(out)  # our pid in its name: removed as stale should we die before the rmtree
+        try:
+            os.rename(out, aside)
+        except FileNotFoundError:
+            aside = None
+    try:
+        os.rename(tmp, out)  # atomic; also replaces an empty directory
+    except OSError:
+        if is_store(out) and read_index(out).source_fingerprint == fingerprint:
+            shutil.rmtree(tmp, ignore_errors=True)
+            return False
+        raise
+    finally:
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+    return True
+
+
+def _plan(ckpt: Checkpoint, fingerprint: str) -> tuple[dict, list[TensorInfo], list[tuple[int, list[list[Piece]]]]]:
+    """The store index's model fields, the dense tensors and every expert's payload pieces."""
+    cfg = ckpt.config
+    e_num, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    moe = [layer for layer, is_moe in enumerate(cfg.moe_layers) if is_moe]
+    if not moe:
+        raise CheckpointError(f"{ckpt.directory}: config.json has no MoE layers; there are no experts to store")
+    names = _expert_tensor_names(ckpt, moe[0], 0)
+    dtype = ckpt.index[names[0]].dtype
+    if dtype not in EXPERT_DTYPES:
+        raise CheckpointError(f"{ckpt.index[names[0]].file}: expert dtype {dtype}; strata stores {EXPERT_DTYPES}")
+    es = DTYPES[dtype][1]
+    layers = [(layer, _layer_pieces(ckpt, layer, dtype, e_num, i, h)) for layer in moe]
+    # routed experts of layers outside config's MoE layers (DeepSeek's MTP layer) are never run: skipped
+    dense = [t for t in ckpt.index if not _ROUTED.search(t.name) and not is_table_tensor(t.name)]  # Engram: tables
+    payload = 3 * i * h * es
+    meta = dict(
+        source_fingerprint=fingerprint, model_type=cfg.model_type, num_layers=cfg.num_layers, moe_layers=moe,
+        num_experts=e_num, hidden=h, moe_intermediate=i, dtype=dtype, payload_bytes=payload,
+        slot_bytes=align_up(payload),
+    )  # fmt: skip
+    return meta, dense, layers
+
+
+def _expert_tensor_names(ckpt: Checkpoint, layer: int, expert: int) -> list[str]:
+    if ckpt.expert_layout == "fused":
+        return [_resolve(ckpt, f"model.layers.{layer}.mlp.experts.{p}") for p in ("gate_up_proj", "down_proj")]
+    names = ckpt.expert_names(layer, expert)
+    return [names["gate_proj"], names["up_proj"], names["down_proj"]]
+
+
+def _resolve(ckpt: Checkpoint, name: str) -> str:
+    alt = name.replace(".mlp.", ".block_sparse_moe.")
+    return alt if name not in ckpt.index and alt in ckpt.index else name
+
+
+def _layer_pieces(ckpt: Checkpoint, layer: int, dtype: str, e_num: int, i: int, h: int) -> list[list[Piece]]:
+    """Per expert, where its payload's bytes are: gate [I, H], up [I, H], down [H, I] (per-expert
+    layout), or its slices of the fused gate_up_proj [E, 2I, H] and down_proj [E, H, I]."""
+    if ckpt.expert_layout == "fused":  # expert e's rows are contiguous slices of the stacked tensors
+        gu, dn = _checked_infos(ckpt, layer, 0, dtype, [(e_num, 2 * i, h), (e_num, h, i)])
+        gub, dnb = gu.nbytes // e_num, dn.nbytes // e_num
+        return [[(gu.file, gu.offset + e * gub, gub), (dn.file, dn.offset + e * dnb, dnb)] for e in range(e_num)]
+    shapes = [(i, h), (i, h), (h, i)]
+    return [[(t.file, t.offset, t.nbytes) for t in _checked_infos(ckpt, layer, e, dtype, shapes)] for e in range(e_num)]
+
+
+def _checked_infos(ckpt: Checkpoint, layer: int, e: int, dtype: str, shapes: list[tuple]) -> list[TensorInfo]:
+    """The expert tensors of (layer, e) (all experts when fused), checked against config.json's shapes."""
+    infos = [ckpt.index[n] for n in _expert_tensor_names(ckpt, layer, e)]
+    for info, shape in zip(infos, shapes, strict=True):
+        if info.shape != shape or info.dtype != dtype:
+            raise CheckpointError(
+                f"{info.file}: tensor {info.name!r} is {info.dtype} {list(info.shape)}, expected {dtype} "
+                f"{list(shape)} from config.json; the checkpoint and its config disagree"
+            )
+    return infos
+
+
+def _existing_store(out: Path, src: Path, fingerprint: str) -> str:
+    """What `out` holds: "absent" (or empty), "same" (this checkpoint's store; its small files are brought up
+    to date), or "replace" (a store's files without the index: an interrupted or damaged store); otherwise
+    an error."""
+    if not out.exists():
+        return "absent"
+    if not out.is_dir():
+        raise ConfigError(f"{out} exists and is not a directory; choose another store directory")
+    if not any(out.iterdir()):
+        return "absent"
+    if lacks_index(out) and all(p.name in _STORE_NAMES or p.name.startswith(".") for p in out.iterdir()):
+        return "replace"
+    if not is_store(out):
+        raise ConfigError(f"{out} is not empty and is not a strata store; choose an empty or new directory")
+    index, rekeyed = read_index(out), False
+    if index.source_fingerprint != fingerprint:
+        if index.source_fingerprint != earlier_fingerprint(src):
+            raise StaleStoreError(
+                f"{out} holds a store of a different checkpoint (or of an older {src}); delete it and re-run "
+                f"`strata convert {src} {out}`"
+            )
+        index.source_fingerprint, rekeyed = fingerprint, True  # converted by an earlier strata: same weights
+    ExpertStore.open(out).close()  # the same store: check its files are all there (sizes only, cheap)
+    if not StoreWriter(out).refresh_copies(src, index) and rekeyed:
+        StoreWriter(out).write_index(index)
+    return "same"
+
+
+def adopt_earlier_store(src: Path, out: Path, root: Path) -> None:
+    """Rename the store an earlier strata built on first use for `src` (keyed then by config.json too) to
+    `out`, its name now: the same weights are not converted again. Its index is rewritten when `out` is
+    next converted into (`_existing_store`)."""
+    if out.exists():
+        return
+    earlier = root / f"{src.name}-{earlier_fingerprint(src)[:12]}"
+    if earlier != out and is_store(earlier) and read_index(earlier).source_fingerprint == earlier_fingerprint(src):
+        try:
+            os.rename(earlier, out)
+        except OSError:
+            pass  # another process took it over first (or the rename cannot be done): convert as usual
+
+
+# --- CLI bodies -----------------------------------------------------------------------------------
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    """`strata convert MODEL STORE_DIR`."""
+    out, wrote = _convert(args.model, args.store, progress=True)
+    idx = read_index(out)
+    what = f"{len(idx.blobs)} experts in {len(idx.moe_layers)} layers, {idx.slot_bytes} bytes a slot"
+    print(f"wrote the store {out} ({what})" if wrote else f"{out} is already the store of {args.model} ({what})")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """`strata verify STORE_DIR`: 0 when every object's checksum holds, else 2 naming every damaged one."""
+    directory = Path(args.store).expanduser()
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: no such store directory")
+    with ExpertStore(directory, read_index(directory)) as store:  # not open(): verify reports bad files itself
+        damaged = store.verify(progress=True)
+        idx = store.index
+    if not damaged:
+        chunks = sum(t.num_chunks for t in idx.tables.values())
+        print(f"{directory}: sound ({len(idx.blobs)} experts, {len(idx.tables)} tables / {chunks} chunks, "
+              f"{len(idx.dense.tensor_checksums) if idx.dense else 0} dense tensors)")
+        return 0
+    for name in damaged:
+        print(f"damaged: {name}")
+    print(f"strata: error: {directory}: {len(damaged)} damaged object(s); delete the store and re-run "
+          "`strata convert`", file=sys.stderr)
+    return 2

@@ -1,0 +1,414 @@
+"""The planner: where every expert of a model lives on a host, decided from headers alone.
+
+    plan = plan("path/to/model", probe_host(...), config)      # or `strata plan MODEL --json`
+    plan.budgets()   # {"gpu_slots", "pinned_slots", "tmpfs_bytes", "per_layer"} for the tier manager
+
+The compute device first holds everything that is not a routed expert: non-expert weights (attention,
+dense MLPs, shared experts, routers, norms, embeddings, lm_head) in the compute dtype, the KV cache for
+`runtime.max_context` x `planner.max_batch` tokens and `planner.activation_reserve`. What remains of the
+GPU becomes expert slots. Pinned RAM takes the next experts, tmpfs mirrors whole layer files of the
+store, and the store on disk holds everything.
+
+The minimum valid layout is one expert slot per MoE layer on the GPU (the layer being computed needs
+somewhere to put an expert), or none with `tiers.gpu.budget = "0"`, where experts compute on the CPU.
+When even that does not fit, `plan` raises `PlanError` naming the smallest change that would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from strata.config import StrataConfig, load_config, parse_gpus, parse_size
+from strata.errors import StrataError
+from strata.runtime.generation.prefill_chunk import resolve_prefill_chunk
+from strata.runtime.model.kv_cache import KVCache
+from strata.runtime.plan.engram import EngramPlan, EngramPlanError, plan_engram
+from strata.runtime.plan.footprint import read_footprint
+from strata.runtime.plan.host import GpuInfo, HostInfo, probe_host
+from strata.runtime.plan.inspect import format_bytes
+from strata.runtime.plan.store_cache import store_dir_for
+from strata.tiers.store import format as store_format
+
+GiB, MiB = 1 << 30, 1 << 20
+RAM_MARGIN_MIN = 4 * GiB  # RAM never planned: the OS, page cache for the disk tier, other processes
+RAM_MARGIN_FRACTION = 0.10
+MIN_CONTEXT = 16  # runtime.max_context's lower bound
+_TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class PlanError(StrataError):
+    """The model does not fit this host with this configuration; the message names the fix."""
+
+
+@dataclass
+class GpuPlan:
+    """One GPU's memory: what is resident before experts, and the expert slots after."""
+
+    device: str  # "cuda:N"
+    name: str
+    free_bytes: int
+    non_expert_bytes: int  # in the compute dtype
+    kv_bytes: int
+    reserve_bytes: int
+    expert_room_bytes: int  # free - non-expert - KV - reserve
+    slot_bytes: int  # one expert in the compute dtype
+    slots: int
+    expert_bytes: int  # slots * slot_bytes
+    layers: list[int] = field(default_factory=list)  # [first, end) of its stage over several GPUs; [] = all
+
+
+@dataclass
+class TierPlan:
+    """One tier: the bytes it may use, the experts it holds, the share of lookups it serves."""
+
+    name: str  # gpu | pinned | tmpfs | disk
+    budget_bytes: int
+    slots: int  # experts held (tmpfs: whole layers; disk: all)
+    bytes: int  # bytes used, <= budget_bytes
+    fraction: float  # expected share of expert lookups under uniform routing, hottest tier first
+    path: str = ""
+
+
+@dataclass
+class Plan:
+    """Where a model's experts live on a host. `to_dict()` for JSON, `format()` for people."""
+
+    model_dir: str
+    source: str
+    model_type: str
+    moe_layers: int
+    experts_per_layer: int
+    experts_per_token: int
+    expert_bytes: int  # one expert as stored
+    slot_bytes: int  # one expert's slot in the host tiers
+    compute_device: str  # "cuda:N" | "cpu"
+    compute_dtype: str
+    expert_compute: str  # "gpu" | "cpu": where routed experts are computed
+    max_context: int
+    max_batch: int
+    kv_bytes: int
+    non_expert_bytes: int  # in the compute dtype
+    ram_margin_bytes: int
+    budget_scope: str
+    store_bytes: int
+    store_exists: bool
+    gpus: list[GpuPlan]
+    tiers: list[TierPlan]
+    host: HostInfo
+    notes: list[str] = field(default_factory=list)
+    engram: EngramPlan | None = None  # models with Engram tables: their tier and what they take
+    prefill_chunk: int = 512  # prompt tokens a prefill pass takes (runtime.prefill_chunk, "auto" resolved)
+    store_dir: str = ""  # where the store is, or will be built ("" when not given)
+
+    @property
+    def total_experts(self) -> int:
+        return self.moe_layers * self.experts_per_layer
+
+    def tier(self, name: str) -> TierPlan:
+        """The plan of tier `name` (gpu, pinned, tmpfs, disk)."""
+        return next(t for t in self.tiers if t.name == name)
+
+    def budgets(self) -> dict[str, Any]:
+        """The tier manager's budgets: `TierBudgets(**plan.budgets())`."""
+        return {"gpu_slots": self.tier("gpu").slots, "pinned_slots": self.tier("pinned").slots,
+                "tmpfs_bytes": self.tier("tmpfs").bytes, "per_layer": self.budget_scope == "per_layer"}
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (`Plan.from_dict` reverses it)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        """Rebuild a plan from `to_dict()` output (e.g. after a JSON round trip)."""
+        return cls(**{**d, "gpus": [GpuPlan(**g) for g in d["gpus"]], "tiers": [TierPlan(**t) for t in d["tiers"]],
+                      "host": HostInfo.from_dict(d["host"]),
+                      "engram": EngramPlan(**d["engram"]) if d.get("engram") else None})
+
+    def format(self) -> str:
+        """A multi-line report for the terminal."""
+        f = format_bytes
+        lines = [f"plan for {self.model_dir} ({self.model_type} {self.source})"]
+        lines.append(f"  experts      {self.moe_layers} MoE layers x {self.experts_per_layer} = {self.total_experts} "
+                     f"of {f(self.expert_bytes)}, {self.experts_per_token} per token")
+        where = "the GPU" if self.expert_compute == "gpu" else "the CPU, from RAM"
+        lines.append(f"  compute      {self.compute_device} in {self.compute_dtype}; experts compute on {where}")
+        for g in self.gpus:
+            lines.append(f"  {g.device:<12} {g.name}: {f(g.free_bytes)} free = non-expert weights {f(g.non_expert_bytes)}"
+                         f" + KV cache {f(g.kv_bytes)} + reserve {f(g.reserve_bytes)} + experts {f(g.expert_room_bytes)}")
+            if g.layers:
+                lines.append(f"  {'':<12} layers {g.layers[0]}-{g.layers[1] - 1}: {g.slots} expert slots ({f(g.expert_bytes)})")
+        lines.append(f"  KV cache     {self.max_batch} x {self.max_context} tokens, {f(self.kv_bytes)}")
+        lines.append(f"  prefill      chunks of up to {self.prefill_chunk} prompt tokens (each cold expert moves once a chunk)")
+        if self.engram is not None:
+            lines.append(f"  engram       {self.engram.describe()}")
+        lines.append(f"  {'tier':<12} {'experts':>8} {'bytes':>12} {'budget':>12} {'lookups':>8}")
+        for t in self.tiers:
+            lines.append(f"  {t.name:<12} {t.slots:>8} {f(t.bytes):>12} {f(t.budget_bytes):>12} {100 * t.fraction:>7.1f}%"
+                         + (f"  {t.path}" if t.path else ""))
+        at = f" at {self.store_dir}" if self.store_dir else ""
+        state = f"existing{at}" if self.store_exists else f"built on first use{at} ({f(self.host.disk_free)} free there)"
+        lines.append(f"  store        {f(self.store_bytes)}, {state}")
+        lines.append(f"  RAM          {f(self.host.ram_available)} available of {f(self.host.ram_total)}, "
+                     f"{f(self.ram_margin_bytes)} kept free")
+        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+
+
+def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | str | None = None,
+         gpu_mem: int | None = None, ram: int | None = None, store_dir: str | Path | None = None) -> Plan:
+    """Plan `model_dir` (checkpoint or store) on `host`; `gpu_mem`/`ram` replace the probed values.
+
+    `store_dir` is where the checkpoint's store is (or will be); when it already holds a store, the
+    disk needs no room to build one. Raises `PlanError` when the minimum layout does not fit.
+    """
+    cfg = load_config(config)
+    fp = read_footprint(model_dir)
+    host = override_host(host, gpu_mem, ram)
+    if len(cfg.runtime.devices) > 1:  # one model over several cards (strata.runtime.plan.stages)
+        from strata.runtime.plan.stages import plan_stages, select_devices
+
+        gpu = select_devices(host.gpus, cfg.runtime.devices)[0]
+    else:
+        gpu = _select_gpu(host, cfg.runtime.primary_device)
+    dtype = cfg.runtime.dtype if cfg.runtime.dtype != "auto" else ("bfloat16" if gpu else "float32")
+    ratio = _TORCH_DTYPES[dtype].itemsize / fp.itemsize  # weights are converted to the compute dtype on load
+    non_expert = int(fp.non_expert_bytes * ratio)
+    context = min(cfg.runtime.max_context, fp.config.max_position_embeddings)
+    kv_per_token = KVCache.bytes_per_token(fp.config, _TORCH_DTYPES[dtype]) * cfg.planner.max_batch
+    kv, reserve = kv_per_token * context, cfg.planner.activation_reserve_bytes
+    total, per_layer = fp.total_experts, cfg.policy.budget_scope == "per_layer"
+    notes: list[str] = []
+    if context < cfg.runtime.max_context:
+        notes.append(f"runtime.max_context {cfg.runtime.max_context} is capped at the model's {context}")
+
+    def scoped(slots: int) -> int:  # per_layer budgets split evenly, so only whole rounds of layers count
+        slots = min(slots, total)
+        return slots - slots % fp.moe_layers if per_layer and fp.moe_layers else slots
+
+    margin = max(RAM_MARGIN_MIN, int(RAM_MARGIN_FRACTION * host.ram_total))
+    ram_other = 0 if gpu is not None else non_expert + kv + reserve
+    if host.tmpfs_problem and cfg.tiers.tmpfs.budget_bytes:
+        raise PlanError(f"{host.tmpfs_problem}; use a tmpfs path such as /dev/shm or set tiers.tmpfs.budget = 0")
+    if host.tmpfs_problem and fp.engram_table_bytes and cfg.engram.tier == "tmpfs":
+        raise PlanError(f'{host.tmpfs_problem}; use a tmpfs path such as /dev/shm or set engram.tier = "disk" (or "auto")')
+    tmpfs_budget = min(cfg.tiers.tmpfs.budget_bytes, host.tmpfs_free)
+    engram = None
+    if fp.config.engram is not None and fp.engram_table_bytes:  # whole tables come before the expert tiers
+        try:
+            engram = plan_engram(fp.engram_table_bytes, cfg, gpu is not None, len(cfg.runtime.devices) > 1,
+                                 max(0, host.ram_available - margin - ram_other), tmpfs_budget, host.tmpfs_free)
+        except EngramPlanError as e:
+            raise PlanError(str(e)) from None
+    engram_gpu = engram.gpu_bytes if engram is not None else 0
+    need = _Need(non_expert + engram_gpu, kv, kv_per_token, context, cfg.planner.max_batch, reserve)
+    gpus: list[GpuPlan] = []
+    gpu_slots, gpu_budget = 0, 0
+    if len(cfg.runtime.devices) > 1:  # contiguous stages of layers, one per card
+        gpus, gpu_budget = plan_stages(fp, cfg, host, _TORCH_DTYPES[dtype], context, notes)
+        gpu_slots = sum(g.slots for g in gpus)
+    elif gpu is not None:
+        device = f"cuda:{gpu.index}"
+        slot = int(fp.expert_bytes * ratio)
+        budget = cfg.tiers.gpu.budget_bytes
+        minimum = 0 if budget == 0 else fp.moe_layers * slot
+        left = gpu.free_bytes - non_expert - kv - reserve - minimum
+        if engram is not None and engram.tier == "gpu" and engram.gpu_bytes > left:
+            raise PlanError(
+                f"the Engram tables ({format_bytes(engram.table_bytes)}) do not fit in {device}'s VRAM: "
+                f"{format_bytes(max(0, left))} is left after the non-expert weights, KV cache, reserve and one expert "
+                'per MoE layer; set engram.tier = "pinned" or "auto"')
+        need.check(gpu.free_bytes, minimum, f"{device} has {format_bytes(gpu.free_bytes)} free",
+                   f"use a GPU with {_gib_up(need.total(minimum))} free", gpu_budget_zero_fits=minimum > 0)
+        room = gpu.free_bytes - non_expert - engram_gpu - kv - reserve
+        if budget is None:
+            budget = room
+        elif budget > room:
+            raise PlanError(
+                f"tiers.gpu.budget ({format_bytes(budget)}) is more than the {format_bytes(room)} {device} has left for "
+                f"experts after non-expert weights, KV cache and reserve; set tiers.gpu.budget = "
+                f'"{room // MiB}MiB" or "auto"')
+        elif budget < minimum:
+            raise PlanError(
+                f"tiers.gpu.budget ({format_bytes(budget)}) holds {budget // slot} expert slots but the minimum is one "
+                f'per MoE layer ({fp.moe_layers}); set it to at least "{-(-minimum // MiB)}MiB", or "0" to compute '
+                "experts on the CPU")
+        gpu_slots, gpu_budget = scoped(budget // slot if slot else 0), budget
+        if slot and budget // slot > total:
+            notes.append(f"the GPU holds all {total} experts; {format_bytes(budget - total * slot)} of its budget is unused")
+        gpus.append(GpuPlan(device, gpu.name, gpu.free_bytes, non_expert + engram_gpu, kv, reserve, room, slot,
+                            gpu_slots, gpu_slots * slot))
+    else:
+        # CPU-only: weights, KV cache and activations live in RAM, next to at least one expert per layer
+        need.check(host.ram_available, fp.moe_layers * fp.slot_bytes,
+                   f"the host has {format_bytes(host.ram_available)} of RAM available",
+                   f"use a host with {_gib_up(need.total(fp.moe_layers * fp.slot_bytes))} of RAM available")
+        notes.append("no CUDA GPU planned: every layer runs on the CPU and experts compute from RAM "
+                     "(the pinned tier is plain RAM)")
+
+    # tmpfs mirrors whole layer files (RAM-backed, so they count against RAM too)
+    layer_bytes = fp.experts_per_layer * fp.slot_bytes
+    if tmpfs_budget < cfg.tiers.tmpfs.budget_bytes:
+        notes.append(f"tiers.tmpfs.budget is capped at the {format_bytes(host.tmpfs_free)} free in {host.tmpfs_path}")
+    engram_ram = (engram.ram_bytes + engram.tmpfs_bytes) if engram is not None else 0
+    tmpfs_budget = max(0, tmpfs_budget - (engram.tmpfs_bytes if engram is not None else 0))
+    tmpfs_layers = min(tmpfs_budget // layer_bytes, fp.moe_layers) if layer_bytes else 0
+
+    ram_room = max(0, host.ram_available - margin - ram_other - engram_ram - tmpfs_layers * layer_bytes)
+    pinned_budget = cfg.tiers.pinned.budget_bytes
+    if pinned_budget is None:
+        pinned_budget = ram_room
+    elif pinned_budget > ram_room:
+        raise PlanError(
+            f"tiers.pinned.budget ({format_bytes(pinned_budget)}) is more than the {format_bytes(ram_room)} of RAM left "
+            f"after the {format_bytes(margin)} safety margin" + (" and the model's RAM" if ram_other else "")
+            + (" and tmpfs" if tmpfs_layers else "") + f'; set tiers.pinned.budget = "{ram_room // MiB}MiB" or "auto"')
+    # inclusive of the GPU's experts: the pinned copy is the source of every GPU copy and of CPU compute,
+    # so an expert evicted from the GPU must not fall back to disk (uniform routing evicts constantly)
+    pinned_slots = scoped(min(0 if gpu_slots >= total else total, pinned_budget // fp.slot_bytes if fp.slot_bytes else 0))
+    if pinned_slots == 0 and total > gpu_slots:
+        notes.append(f"RAM leaves no room for experts after the {format_bytes(margin)} safety margin; experts "
+                     "outside the GPU are read from tmpfs or disk at every use")
+
+    store_exists = fp.source == "store" or (store_dir is not None and store_format.is_store(store_dir))
+    if not store_exists and host.disk_free < fp.store_bytes:
+        raise PlanError(
+            f"the expert store ({format_bytes(fp.store_bytes)}) is built in {store_dir or host.disk_path} but that "
+            f"disk has {format_bytes(host.disk_free)} free; free {_gib_up(fp.store_bytes - host.disk_free)} there or "
+            f"set tiers.disk.path to a disk with {_gib_up(fp.store_bytes)} free")
+
+    # uniform routing: an expert outside GPU and pinned is in a mirrored layer with odds tmpfs_layers / layers
+    pinned_only = max(0, pinned_slots - gpu_slots)  # experts answered by pinned RAM and not by the GPU
+    rest = max(0, total - gpu_slots - pinned_only)
+    shares = [gpu_slots / total, pinned_only / total, rest * tmpfs_layers / fp.moe_layers / total] if total else [0.0] * 3
+    tiers = [
+        TierPlan("gpu", gpu_budget, gpu_slots, sum(g.expert_bytes for g in gpus), shares[0]),
+        TierPlan("pinned", pinned_budget, pinned_slots, pinned_slots * fp.slot_bytes, shares[1]),
+        TierPlan("tmpfs", tmpfs_budget, tmpfs_layers * fp.experts_per_layer, tmpfs_layers * layer_bytes, shares[2],
+                 host.tmpfs_path),
+        TierPlan("disk", fp.store_bytes, total, fp.store_bytes, max(0.0, 1.0 - sum(shares)) if total else 0.0,
+                 host.disk_path),
+    ]
+    return Plan(
+        model_dir=fp.path, source=fp.source, model_type=fp.config.model_type, moe_layers=fp.moe_layers,
+        experts_per_layer=fp.experts_per_layer, experts_per_token=fp.config.num_experts_per_tok,
+        expert_bytes=fp.expert_bytes, slot_bytes=fp.slot_bytes,
+        compute_device=f"cuda:{gpu.index}" if gpu is not None else "cpu", compute_dtype=dtype,
+        expert_compute="gpu" if gpu_slots else "cpu", max_context=context, max_batch=cfg.planner.max_batch,
+        kv_bytes=kv, non_expert_bytes=non_expert, ram_margin_bytes=margin, budget_scope=cfg.policy.budget_scope,
+        store_bytes=fp.store_bytes, store_exists=store_exists, gpus=gpus, tiers=tiers, host=host, notes=notes,
+        engram=engram, prefill_chunk=resolve_prefill_chunk(cfg.runtime.prefill_chunk, fp.config,
+                                                            torch.device("cuda" if gpu is not None else "cpu"),
+                                                            cfg.planner.activation_reserve_bytes, context),
+        store_dir=str(store_dir) if store_dir is not None else fp.path if fp.source == "store" else "",
+    )  # fmt: skip
+
+
+def plan_for(path: str | Path, cfg: StrataConfig) -> Plan:
+    """The plan loading `path` with `cfg` makes on this host (`Engine.from_pretrained`, `strata serve`'s
+    preflight): the disk's free space is measured where `path`'s store is, or will be built (`store_dir_for`)."""
+    store_dir = store_dir_for(path, cfg)
+    return plan(path, probe_host(cfg.tiers.tmpfs.path, str(store_dir)), cfg, store_dir=store_dir)
+
+
+@dataclass
+class _Need:
+    """The memory the compute device needs before experts, and the refusal when it is not there."""
+
+    non_expert: int
+    kv: int
+    kv_per_token: int  # all max_batch sequences
+    context: int
+    batch: int
+    reserve: int
+
+    def total(self, experts: int) -> int:
+        return self.non_expert + self.kv + self.reserve + experts
+
+    def check(self, have: int, experts: int, have_text: str, bigger: str, gpu_budget_zero_fits: bool = False) -> None:
+        """Raise `PlanError` unless `have` bytes hold the weights, KV cache, reserve and `experts` bytes."""
+        if self.total(experts) <= have:
+            return
+        seqs = f"{self.batch} x " if self.batch > 1 else ""
+        parts = (f"non-expert weights ({format_bytes(self.non_expert)}) + KV cache for {seqs}{self.context} tokens "
+                 f"({format_bytes(self.kv)}) + reserve ({format_bytes(self.reserve)})")
+        if experts:
+            parts += f" + one expert per MoE layer ({format_bytes(experts)})"
+        fits = (have - self.total(experts) + self.kv) // self.kv_per_token if self.kv_per_token else 0
+        fits = fits // 1024 * 1024 if fits >= 1024 else fits // 16 * 16  # a round number users would type
+        if fits >= MIN_CONTEXT:
+            fix = f"lower runtime.max_context to {fits} or {bigger}"
+        elif gpu_budget_zero_fits and self.total(0) <= have:
+            fix = f'set tiers.gpu.budget = "0" (experts compute on the CPU) or {bigger}'
+        else:
+            fix = bigger
+        raise PlanError(f"{parts} need {format_bytes(self.total(experts))} but {have_text}; {fix}")
+
+
+def _gib_up(n: int) -> str:
+    """`n` bytes rounded up to 0.1 GiB, for "use a device with ..." suggestions that must suffice."""
+    return f"{-(-n * 10 // GiB) / 10:.1f} GiB"
+
+
+def override_host(host: HostInfo, gpu_mem: int | None = None, ram: int | None = None) -> HostInfo:
+    """`host` with every GPU's VRAM set to `gpu_mem` (0: no GPU; one is assumed when none was probed)
+    and RAM set to `ram`, for planning another machine."""
+    gpus = list(host.gpus)
+    if gpu_mem is not None:
+        gpus = [GpuInfo(g.index, g.name, gpu_mem, gpu_mem) for g in gpus] or [GpuInfo(0, "--gpu-mem", gpu_mem, gpu_mem)]
+        gpus = gpus if gpu_mem > 0 else []
+    if ram is not None:
+        host = replace(host, ram_total=ram, ram_available=ram)
+    return replace(host, gpus=gpus)
+
+
+def _select_gpu(host: HostInfo, device: str) -> GpuInfo | None:
+    """The GPU the engine will use for `runtime.device` (None: the CPU), as `Engine` resolves it."""
+    if device == "cpu" or (device == "auto" and not host.gpus):
+        return None
+    if not host.gpus:
+        raise PlanError(f'runtime.device = "{device}" but this host has no CUDA GPU; plan for one with '
+                        '--gpu-mem SIZE or set runtime.device = "cpu"')
+    if device in ("auto", "cuda"):
+        return host.gpus[0]
+    index = int(device.split(":")[1])
+    for g in host.gpus:
+        if g.index == index:
+            return g
+    have = ", ".join(f"cuda:{g.index}" for g in host.gpus)
+    raise PlanError(f'runtime.device = "{device}" but this host has {have}; use one of those')
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    """The arguments of `strata plan`."""
+    p.add_argument("model", help="checkpoint or store directory")
+    p.add_argument("--gpu-mem", default=None, help='plan for this much free VRAM per GPU, e.g. "24GiB" (0: no GPU), '
+                   'or one size per GPU of --gpus, e.g. "96GiB,24GiB,24GiB"')
+    p.add_argument("--gpus", default=None, help="split the model over these GPUs, e.g. 0,1 (sets runtime.devices)")
+    p.add_argument("--ram", default=None, help='plan for this much available RAM, e.g. "64GiB"')
+    p.add_argument("--config", default=None, help="config.toml with overrides")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    """`strata plan MODEL [--gpu-mem SIZE] [--ram SIZE] [--config PATH] [--json]`; PlanError propagates."""
+    cfg = load_config(args.config)
+    if getattr(args, "gpus", None):
+        cfg.runtime.devices = parse_gpus(args.gpus)
+        cfg.runtime.__post_init__()
+    mems = [parse_size(m, "--gpu-mem") for m in args.gpu_mem.split(",")] if args.gpu_mem is not None else []
+    gpu_mem = mems[0] if len(mems) == 1 and len(cfg.runtime.devices) < 2 else None
+    ram = parse_size(args.ram, "--ram") if args.ram is not None else None
+    store_dir = store_dir_for(args.model, cfg)
+    host = probe_host(cfg.tiers.tmpfs.path, str(store_dir))
+    if mems and gpu_mem is None:  # several cards simulated, one size each (or one size for all)
+        from strata.runtime.plan.stages import simulate_gpus
+
+        host = simulate_gpus(host, cfg.runtime.devices, mems)
+    p = plan(args.model, host, cfg, gpu_mem=gpu_mem, ram=ram, store_dir=store_dir)
+    print(json.dumps(p.to_dict(), indent=2) if args.json else p.format())
+    return 0

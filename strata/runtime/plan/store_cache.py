@@ -1,0 +1,50 @@
+"""Where a checkpoint's store lives, and the store built there on first use.
+
+A checkpoint loaded by path gets its store in the cache, `store_root(cfg)/NAME-FINGERPRINT`, keyed by its
+weights' fingerprint (safetensors names, sizes and headers): a copy of the weights, or a checkpoint whose
+config.json or tokenizer changed, finds the same store, and the store's copies of those small files are
+brought up to date at every load. `store_dir_for` is the one place that names it: loading, `strata plan`
+and `strata serve`'s preflight plan all measure the disk where the store is, or will be, written.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from strata.config import DiskTierConfig, StrataConfig
+from strata.tiers.store.format import checkpoint_fingerprint, is_store, lacks_index, no_index_error
+
+
+def store_root(cfg: StrataConfig) -> Path:
+    """Where stores built on first use live: `tiers.disk.path`/stores ($STRATA_CACHE replaces the default path)."""
+    path = cfg.tiers.disk.path
+    if path == DiskTierConfig().path and os.environ.get("STRATA_CACHE"):
+        path = os.environ["STRATA_CACHE"]
+    return Path(os.path.expandvars(os.path.expanduser(path))).absolute() / "stores"
+
+
+def store_dir_for(path: str | os.PathLike, cfg: StrataConfig, fingerprint: str | None = None) -> Path:
+    """The store of `path`: `path` itself when it is a store, else its directory in the cache (which may
+    not exist yet). `fingerprint`: `checkpoint_fingerprint(path)` when the caller has it."""
+    path = Path(path).expanduser()
+    if is_store(path):
+        return path
+    if lacks_index(path):
+        raise no_index_error(path)
+    return store_root(cfg) / f"{path.name}-{(fingerprint or checkpoint_fingerprint(path))[:12]}"
+
+
+def ensure_store(path: Path, cfg: StrataConfig, progress: bool) -> Path:
+    """The store for `path`: `path` itself when it is a store, else its store in the cache, built on first
+    use (a store left there without its index is rebuilt) and its copies of config.json, the tokenizer and
+    the other small files brought up to date with `path`."""
+    from strata.runtime.plan.convert import adopt_earlier_store, convert_checkpoint
+
+    path = Path(path).expanduser()
+    if is_store(path):
+        return path
+    fingerprint = checkpoint_fingerprint(path)
+    store_dir = store_dir_for(path, cfg, fingerprint)
+    adopt_earlier_store(path, store_dir, store_dir.parent)
+    return convert_checkpoint(path, store_dir, progress=progress, fingerprint=fingerprint)
