@@ -104,7 +104,7 @@ step() {
       local rc=${PIPESTATUS[0]}
       cp "$SCRATCH/engram-out/engram.json" "$OUT/" 2>/dev/null; return "$rc" ;;
     multigpu)
-      timeout 200 python3 -m pytest -q -m gpu tests/test_multi_gpu.py 2>&1 | tail -3
+      timeout 200 python3 -m pytest -q -m gpu tests/plan/test_multi_gpu.py 2>&1 | tail -3
       [ -d "$SCRATCH/b12" ] || python3 -m strata demo-model "$SCRATCH/b12" --size bench --layers 12 --no-engram \
         --route-skew uniform > /dev/null || return 1
       timeout 300 python3 bench/multigpu.py --model "$SCRATCH/b12" --gpus 0,1 --budget 3.6GiB --tokens 32 \

@@ -1,4 +1,4 @@
-"""Shared set-up of the GPU tests of one-graph split decode (tests/test_cpu_mailbox.py, tests/test_warm_ahead.py):
+"""Shared set-up of the GPU tests of one-graph split decode (tests/offload/test_cpu_mailbox.py, tests/offload/test_warm_ahead.py):
 the tiny demo model, a tiered config that leaves most experts cold, and a run checked against the in-memory
 engine."""
 

@@ -5,7 +5,7 @@
     per_thread = trace_threads(12)   # each pool thread's means over the same calls
 
 None of the knobs changes a result: each output element keeps one writer and one summation order, whatever the
-chunking or which thread reads what (tests/test_cpu_experts.py checks bit-equality across settings). They exist
+chunking or which thread reads what (tests/kernels/test_cpu_experts.py checks bit-equality across settings). They exist
 to measure (`bench/cpu_kernel_trace.py`'s `--knobs`, parsed by `parse_knobs`). Each function does nothing and
 returns an empty result (or None) when the compiled kernel is not in use.
 """

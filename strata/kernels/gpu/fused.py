@@ -248,7 +248,7 @@ if triton is not None:
                            eps, dt, D, NORM, BF16)
         tl.store(out_ptr + (n * HEADS + h) * D + tl.arange(0, D), y.to(dt))
 
-    @triton.jit(do_not_specialize=("NQ",))  # B * Q_HEADS: one build for every batch size (tests/test_kernel_builds.py)
+    @triton.jit(do_not_specialize=("NQ",))  # B * Q_HEADS: one build for every batch size (tests/kernels/test_kernel_builds.py)
     def _norm_rope_cache_kernel(k_ptr, v_ptr, cos_ptr, sin_ptr, w_ptr, kc_ptr, vc_ptr, slots_ptr, pos_ptr, HEADS,
                                 stride_kn, stride_kh, stride_vn, stride_vh, stride_c, stride_s, stride_cs, stride_cl,
                                 stride_ch, eps, q_ptr, qw_ptr, qo_ptr, Q_HEADS, NQ, stride_qn, stride_qh, q_eps,

@@ -18,10 +18,10 @@ from strata.runtime.demo.model import MARKER, TRAINED_DIR, ensure_default_model,
 from strata.runtime.demo.weights import tensor_specs
 from strata.tiers.store.safetensors_index import TensorIndex
 
-WORDS = Path(__file__).parent / "data" / "demo_words.txt"  # the corpus's words (demo_train --words)
+WORDS = Path(__file__).parents[1] / "data" / "demo_words.txt"  # the corpus's words (demo_train --words)
 SHIPPED = {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
            "chat_template.jinja", MARKER, "training.json"}
-SAMPLE = Path(__file__).parent / "data" / "demo_sample.txt"  # Genesis 1 and twelve fortunes: the corpus's two styles
+SAMPLE = Path(__file__).parents[1] / "data" / "demo_sample.txt"  # Genesis 1 and twelve fortunes: the corpus's two styles
 
 
 @pytest.fixture(scope="module")

@@ -154,7 +154,7 @@ def test_sharded_and_single_file_hold_identical_tensors(tiny, tiny_sharded):
 
 def test_tokenizer_training_is_deterministic_across_processes():
     code = "import sys; from strata.runtime.demo.tokenizer import tokenizer_json; sys.stdout.write(tokenizer_json(512))"
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True).stdout
     assert out == tokenizer_json(512) == tokenizer_json.__wrapped__(512)
 

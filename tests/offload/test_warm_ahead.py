@@ -347,7 +347,7 @@ def test_l2_size_from_sysfs_and_the_budget_it_caps(tmp_path):
 
 
 # ---- the plan (strata.kernels.gpu.warm_plan) and its driver (strata.runtime.offload.warm_ahead) ---------------------------------
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PLAN_E = 16
 
 
@@ -390,7 +390,7 @@ def check_plan_kernel(dev: torch.device) -> None:
 
 def test_plan_kernel_under_tritons_interpreter():
     pytest.importorskip("triton")
-    code = "import torch, tests.test_warm_ahead as t\nt.check_plan_kernel(torch.device('cpu'))\nprint('ok')\n"
+    code = "import torch, tests.offload.test_warm_ahead as t\nt.check_plan_kernel(torch.device('cpu'))\nprint('ok')\n"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]

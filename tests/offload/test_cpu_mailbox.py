@@ -379,14 +379,14 @@ def test_fused_pack_under_tritons_interpreter():
     import subprocess
     import sys
 
-    code = ("import torch, tests.test_cpu_mailbox as t\n"
+    code = ("import torch, tests.offload.test_cpu_mailbox as t\n"
             "for share, n, k, e in [(None, 3, 8, 128), (0.37, 1, 8, 128), (0.37, 16, 8, 128), (0.55, 5, 2, 16)]:\n"
             "    t.check_fused_pack(share, n, k, e, torch.device('cpu'))\n"
             "t.check_wait_and_fetch(torch.device('cpu'))\n"
             "print('ok')\n")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
 
 

@@ -1,7 +1,7 @@
 """The tier manager on a real store, on real disk and tmpfs: placement, movement, eviction, concurrency,
 integrity, prefetch accounting, and a tiered engine equal to the all-in-memory one.
 
-The GPU tier runs on a CPU slab here (same bookkeeping, plain copies); tests/test_gpu_tiers.py runs
+The GPU tier runs on a CPU slab here (same bookkeeping, plain copies); tests/tiers/test_gpu_tiers.py runs
 it on CUDA.
 """
 

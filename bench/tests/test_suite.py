@@ -19,7 +19,7 @@ from bench.suite.runner import run_suite
 from bench.suite.strata_case import engine_config, warmup_for
 from strata.config import load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 FACTS = ModelFacts(expert_bytes=10, dense_bytes_per_step=100, num_experts=8, experts_per_token=2, moe_layers=2)
 RATES = Rates(pcie=1.0, cpu=3.0, hbm=1000.0, disk=0.5)

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def check_probe_launches() -> float:
@@ -42,7 +42,7 @@ def check_probe_launches() -> float:
 
 def test_the_probes_pair_launches_under_tritons_interpreter():
     pytest.importorskip("triton")
-    code = "import tests.test_pair_kernel_probe as t\nprint(t.check_probe_launches())\n"
+    code = "import bench.tests.test_pair_kernel_probe as t\nprint(t.check_probe_launches())\n"
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
