@@ -1,9 +1,9 @@
-"""How many builds the per-layer decode kernels cost (bench/kernel_builds.py): Triton builds a kernel once per
+"""How many builds the per-layer decode kernels cost (strata.runtime.offload.decode_builds): Triton builds a kernel once per
 specialization key, made of its constexprs and, for each plain int argument, the value's class (1, a multiple of 16,
 other), for each pointer its alignment. The mailbox pack and the warm-ahead plan run once per MoE layer in each
 decode batch size's CUDA graph, so an int carrying the layer or the batch size would have the serving warm-up
 (strata.runtime.generation.warmup) build them again per layer class and batch class. The keys come from Triton's own binder,
-for an H200 (sm_90) target, on CPU tensors, without launching anything."""
+for an H200 (sm_90) target, on CPU tensors, without launching anything (strata.kernels.gpu.builds)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,8 @@ import torch
 
 pytest.importorskip("triton")
 
-from bench import kernel_builds as kb  # noqa: E402
+from strata.kernels.gpu.builds import Unavailable, as_on_the_gpu, recorded_launches, triton_kernels  # noqa: E402
+from strata.runtime.offload import decode_builds as db  # noqa: E402
 
 LAYERS = 48  # the bench model's depth: layer 1 and each multiple of 16 are int classes of their own
 MAX_BATCH, TOP_K = 8, 8  # the serving default's max batch: one graph per size
@@ -25,8 +26,8 @@ def _keys(fn):
     """{kernel: keys} of the launches `fn` makes (skipped where this Triton's binder is not the one the probe knows)."""
     with contextlib.ExitStack() as stack:
         try:
-            keys = stack.enter_context(kb.recorded_launches())
-        except kb.Unavailable as e:
+            keys = stack.enter_context(recorded_launches())
+        except Unavailable as e:
             pytest.skip(str(e))
         fn()
     return keys
@@ -44,11 +45,11 @@ def test_a_decode_layers_exchange_and_plan_build_once_per_pair_block_not_per_lay
     (P, the layer's tag and its parity row's alignment)."""
     with contextlib.ExitStack() as stack:
         try:
-            box, share, ahead = stack.enter_context(kb.decode_objects(LAYERS, MAX_BATCH, TOP_K))
-        except kb.Unavailable as e:
+            box, share, ahead = stack.enter_context(db.decode_objects(LAYERS, MAX_BATCH, TOP_K))
+        except Unavailable as e:
             pytest.skip(str(e))
-        one = _keys(lambda: [kb.exchange_launch(box, share, layer, 1) for layer in range(LAYERS)])
-        keys = _keys(lambda: [(kb.exchange_launch(box, share, layer, n),
+        one = _keys(lambda: [db.exchange_launch(box, share, layer, 1) for layer in range(LAYERS)])
+        keys = _keys(lambda: [(db.exchange_launch(box, share, layer, n),
                                ahead.plan(layer, torch.zeros(n, TOP_K, dtype=torch.int64)) if layer else None)
                               for n in range(1, MAX_BATCH + 1) for layer in range(LAYERS)])
     assert len(one["_pack_kernel"]) == 1  # batch size 1, all 48 layers: one build
@@ -113,38 +114,43 @@ def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
         fused.softmax_topk(torch.zeros(40, 128), 8, True)
 
     try:
-        with kb.recorded_launches((9, 0)) as keys, kb.as_on_the_gpu():
-            kb.sweep(3, 2, TOP_K, model=True)
+        with recorded_launches(compile=True) as keys, as_on_the_gpu():
+            db.sweep(3, 2, TOP_K, model=True)
             others()
-    except kb.Unavailable as e:
+    except Unavailable as e:
         pytest.skip(str(e))
     built = {name for name, k in keys.items() if k and all(s is not None and s > 0 for s in k.values())}
-    assert built == DECODE_KERNELS | {"_norm_rope_kernel", "_softmax_topk_kernel"} == _kernels_defined()
+    assert built == DECODE_KERNELS | {"_norm_rope_kernel", "_softmax_topk_kernel"} == triton_kernels()
 
 
-def _kernels_defined() -> set[str]:
-    """The launchable Triton kernels strata defines (`def _..._kernel(` under `@triton.jit`): a new one must join
-    the compile test above."""
-    import re
-    from pathlib import Path
+def test_the_kernel_list_is_every_jit_kernel_the_gpu_modules_hold():
+    """`triton_kernels` reads the sources; imported, strata.kernels.gpu's modules hold the same launchable kernels
+    (Triton `JITFunction`s named `_..._kernel`), and its `@triton.jit` helpers (`enter`, `_round`) are not in it."""
+    import importlib
+    import pkgutil
 
-    import strata
+    from triton.runtime.jit import JITFunction
 
-    found = set()
-    for path in Path(strata.__file__).parent.rglob("*.py"):
-        found |= set(re.findall(r"@triton\.jit[^\n]*\n\s*def (_\w+_kernel)\(", path.read_text()))
-    return found
+    import strata.kernels.gpu as gpu
+
+    held = set()
+    for info in pkgutil.iter_modules(gpu.__path__):
+        module = importlib.import_module(f"{gpu.__name__}.{info.name}")
+        held |= {v.fn.__name__ for v in vars(module).values() if isinstance(v, JITFunction)}
+    assert {"enter", "_round"} <= held
+    assert triton_kernels() == {name for name in held if name.endswith("_kernel")}
 
 
-def test_the_bench_compiles_each_key_once_for_sm90(tmp_path, monkeypatch, capsys):
-    """`python bench/kernel_builds.py` compiles each new key for the H200 here (Triton's own ptxas) and times it."""
+def test_count_builds_compiles_each_key_once_for_sm90(tmp_path, monkeypatch):
+    """`count_builds` (what `python bench/kernel_builds.py` prints and writes) compiles each new key for the H200
+    here (Triton's own ptxas) and times it, in a JSON-ready report."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
     try:
-        kb.main(["--layers", "3", "--max-batch", "2", "--out", str(tmp_path)])
-    except kb.Unavailable as e:
+        report = db.count_builds(layers=3, max_batch=2)
+    except Unavailable as e:
         pytest.skip(str(e))
-    out = json.loads((tmp_path / "kernel_builds.json").read_text())
+    out = json.loads(json.dumps(report))
     assert out["target"] == "sm_90"
     for name in ("_pack_kernel", "_plan_kernel"):  # batch sizes 1 and 2: pair blocks 8 and 16
         assert out["kernels"][name]["builds"] == 2 and out["kernels"][name]["seconds"] > 0
-    assert "_pack_kernel" in capsys.readouterr().out
+    assert any(line.startswith("_pack_kernel") and line.endswith(" s") for line in db.describe_builds(report))
