@@ -89,11 +89,10 @@ def wait_for_placement(m, limit_s: float = 120.0) -> float:
     """Seconds until initial placement has filled pinned RAM (and the GPU's share)."""
     t0 = time.perf_counter()
     total = len(m.store.keys())
+    capacity = {tier: row["capacity"] for tier, row in m.stats()["tiers"].items()}
     while time.perf_counter() - t0 < limit_s:
-        with m._lock:
-            pinned_done = len(m.pinned.slot_of) >= min(m.pinned.capacity, total) and not m.pinned.inflight
-            gpu_done = m.gpu is None or (len(m.gpu.slot_of) >= min(m.gpu.capacity, total) and not m.gpu.inflight)
-        if pinned_done and gpu_done:
+        usable = m.usable_keys()  # slotted tier -> keys whose copy has landed there
+        if all(len(keys) >= min(capacity[tier], total) for tier, keys in usable.items()):
             break
         time.sleep(0.2)
     return time.perf_counter() - t0

@@ -67,14 +67,13 @@ _CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self'
 
 
 def residency_grid(manager) -> dict:
-    """Where every expert of `manager` (a `TierManager`) lives, and how often each was looked up.
+    """Where every expert of `manager` (a `TierManager` or `DeviceTiers`) lives, and how often each was looked up.
 
     Returns `{"layers": [moe layer ids], "experts": E, "tiers": TIERS, "present": [tiers this manager
-    has], "tier": [[tier index per expert] per layer], "traffic": [[lookups per expert] per layer] | None,
+    has], "tier": [[tier index per expert] per layer], "traffic": [[lookups per expert] per layer],
     "layer_lookups": [lookups per layer]}`.
     A tier index is the fastest tier holding a usable copy (an object still being copied in does not
-    count); the disk always holds everything. `traffic` needs the per-expert counter
-    `TierStats.expert_lookups[(layer, expert)]`; without it (older tier managers) it is None.
+    count); the disk always holds everything.
     """
     keys = list(manager.store.keys())
     layers = sorted({layer for layer, _ in keys})
@@ -86,26 +85,19 @@ def residency_grid(manager) -> dict:
     tier = [[NOT_STORED] * experts for _ in layers]
     for layer, expert in keys:
         tier[row[layer]][expert] = tmpfs_i if layer in tmpfs_layers else disk
-    stats = manager.stats_
-    with manager._lock:  # the slot maps change under this lock; copy them in one go
-        # slowest first, so a faster copy overwrites a slower one
-        for slotted in (getattr(manager, "pinned", None), getattr(manager, "gpu", None)):
-            if slotted is None:
-                continue
-            index = TIERS.index(slotted.name)
-            for (layer, expert), _slot in slotted.slot_of.items():
-                if (layer, expert) not in slotted.inflight and layer in row and 0 <= expert < experts:
-                    tier[row[layer]][expert] = index
-        counted = getattr(stats, "expert_lookups", None)
-        counted = dict(counted) if counted is not None else None
-        layer_lookups = [stats.layers[layer].lookups if layer in stats.layers else 0 for layer in layers]
-    traffic = None
-    if counted is not None:
-        traffic = [[0] * experts for _ in layers]
-        for (layer, expert), n in counted.items():
+    usable = manager.usable_keys()  # slotted tier -> keys with a usable copy there, one snapshot
+    for name in ("pinned", "gpu"):  # slowest first, so a faster copy overwrites a slower one
+        index = TIERS.index(name)
+        for layer, expert in usable.get(name, ()):
             if layer in row and 0 <= expert < experts:
-                traffic[row[layer]][expert] = int(n)
-    present = [t for t in TIERS if t == "disk" or getattr(manager, t, None) is not None]
+                tier[row[layer]][expert] = index
+    counted, per_layer = manager.lookup_counts()
+    layer_lookups = [per_layer.get(layer, 0) for layer in layers]
+    traffic = [[0] * experts for _ in layers]
+    for (layer, expert), n in counted.items():
+        if layer in row and 0 <= expert < experts:
+            traffic[row[layer]][expert] = int(n)
+    present = [t for t in TIERS if t == "disk" or t in usable or (t == "tmpfs" and tmpfs is not None)]
     return {"layers": layers, "experts": experts, "tiers": list(TIERS), "present": present, "tier": tier,
             "traffic": traffic, "layer_lookups": layer_lookups}
 

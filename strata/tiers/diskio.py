@@ -64,7 +64,7 @@ def fs_type(path: str) -> str:
 
 
 @dataclass
-class _File:
+class OpenFile:
     """One open store file: the fd reads use and what the filesystem allows."""
 
     path: str
@@ -150,12 +150,13 @@ class DiskReader:
         self.native = native  # row gathers' runs read in one C loop per thread (None: where it can be built)
         self.aio = True  # native row gathers on O_DIRECT files: every run submitted at once (Linux AIO)
         self._pool = ThreadPoolExecutor(num_threads, thread_name_prefix="strata-disk")
-        self._files: dict[str, _File] = {}
+        self._files: dict[str, OpenFile] = {}
         self._lock = threading.Lock()
         self._scratch: list[torch.Tensor] = []  # reusable aligned buffers for row gathers
 
     # -- files -------------------------------------------------------------------------------------
-    def _file(self, path: PathLike) -> _File:
+    def file(self, path: PathLike) -> OpenFile:
+        """`path` opened for reads (once; later calls return the same `OpenFile`): its fd, size and filesystem."""
         key = os.fspath(path)
         f = self._files.get(key)
         if f is None:
@@ -164,7 +165,7 @@ class DiskReader:
                 self._files[key] = f
         return f
 
-    def _open(self, path: str) -> _File:
+    def _open(self, path: str) -> OpenFile:
         memory = fs_type(path) in _MEMORY_FS
         flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
         try:
@@ -172,8 +173,8 @@ class DiskReader:
             if self.direct and not memory and hasattr(os, "O_DIRECT"):
                 fd = self._try_direct(path, flags, size)
                 if fd >= 0:
-                    return _File(path, fd, True, size, memory)
-            return _File(path, os.open(path, flags), False, size, memory)
+                    return OpenFile(path, fd, True, size, memory)
+            return OpenFile(path, os.open(path, flags), False, size, memory)
         except OSError as e:
             raise CheckpointError(f"cannot open {path}: {e.strerror}") from e
 
@@ -197,7 +198,7 @@ class DiskReader:
                 probe.close()
         return fd
 
-    def _buffered_fd(self, f: _File) -> int:
+    def _buffered_fd(self, f: OpenFile) -> int:
         if not f.direct:
             return f.fd
         with self._lock:
@@ -205,7 +206,7 @@ class DiskReader:
                 f.buffered_fd = os.open(f.path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         return f.buffered_fd
 
-    def _mapped(self, f: _File) -> torch.Tensor:
+    def _mapped(self, f: OpenFile) -> torch.Tensor:
         with self._lock:
             if f.table is None:
                 # ACCESS_COPY (private, writable) so torch.frombuffer does not warn; pages are never written
@@ -215,7 +216,7 @@ class DiskReader:
 
     def uses_direct(self, path: PathLike) -> bool:
         """Whether reads of `path` go through O_DIRECT (opens the file if needed)."""
-        return self._file(path).direct
+        return self.file(path).direct
 
     # -- reads -------------------------------------------------------------------------------------
     def read(self, path: PathLike, offset: int, length: int, out: torch.Tensor) -> Future:
@@ -226,7 +227,7 @@ class DiskReader:
             raise ValueError(f"offset and length must be >= 0, got {offset}, {length}")
         buf = _as_bytes(out, length)
         try:
-            f = self._file(path)
+            f = self.file(path)
         except CheckpointError as e:
             return _failed(e)
         if offset + length > f.size:
@@ -261,7 +262,7 @@ class DiskReader:
         if n and int(idx.min()) < 0:
             raise ValueError(f"row indices must be >= 0, got {int(idx.min())}")
         try:
-            f = self._file(path)
+            f = self.file(path)
         except CheckpointError as e:
             return _failed(e)
         if n == 0:

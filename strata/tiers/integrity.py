@@ -1,61 +1,58 @@
-"""Table rows and the background scrub: the tier manager's reads that are not expert transfers."""
+"""Checksums of the experts the tier manager reads: each verified on its first read, the rest by a background
+scrub at the lowest priority. A damaged object is counted in the statistics and its read fails."""
 
 from __future__ import annotations
 
-import time
+import threading
 from concurrent.futures import Future
 
 import torch
 
 from strata.errors import StrataError
+from strata.tiers.jobs import JobQueue
+from strata.tiers.slots import Key
+from strata.tiers.stats import TierStats
+from strata.tiers.store.store import ExpertStore
 
-Key = tuple[int, int]
 
+class Integrity:
+    """Which experts of `store` have passed their checksum in this process."""
 
-class IntegrityMixin:
-    """Mixed into `TierManager`: uses its store, lock, job queue, statistics and verified set."""
+    def __init__(self, store: ExpertStore, jobs: JobQueue, lock: threading.RLock, stats: TierStats):
+        self._store, self._jobs, self._lock, self._stats = store, jobs, lock, stats
+        self._verified: set[Key] = set()
 
-    def fetch_rows(self, table: str, rows, device: str = "cpu", priority: int = 1) -> Future:
-        """Rows of a table object (e.g. an Engram table) as uint8 [n, row_bytes], read in the background.
+    def verified(self, key: Key) -> bool:
+        """`key` passed its checksum (so it may be read straight into a GPU slot, where it cannot be checked)."""
+        return key in self._verified
 
-        Only the asked-for rows are read; each chunk of rows is checksum-verified on its first read.
-        `device="gpu"` lands them on the GPU through the copy stream. Returns a Future of the tensor.
-        """
-        fut: Future = Future()
-
-        def job() -> None:
-            t0 = time.perf_counter()
-            try:
-                out = self.store.read_rows(table, rows)
-                if device == "gpu" and self.slots is not None and self.slots.slab.is_cuda:
-                    with torch.cuda.stream(self.slots.copy_stream):
-                        out = out.pin_memory().to(self.slots.slab.device, non_blocking=True)
-                    self.slots.copy_stream.synchronize()
-            except BaseException as e:
-                fut.set_exception(e)
-                return
+    def check_once(self, key: Key, blob: torch.Tensor) -> None:
+        """Verify `blob` (the bytes of `key` just read) unless `key` passed before; raises StrataError, and counts
+        the damage, on a mismatch."""
+        if key in self._verified:
+            return
+        try:
+            self._store.verify_blob(key, blob)
+        except StrataError:
             with self._lock:
-                self.stats_.paths[f"rows:{table}"].add(out.numel(), time.perf_counter() - t0)
-            fut.set_result(out)
-
-        with self._lock:
-            self._submit(priority, job)
-        return fut
+                self._stats.record_damage(key)
+            raise
+        self._verified.add(key)
 
     def scrub(self) -> Future:
         """Verify every expert not yet verified, at the lowest priority; the Future gives the damaged keys."""
         done: Future = Future()
-        keys = [k for k in self.store.keys() if k not in self._verified]
+        keys = [k for k in self._store.keys() if k not in self._verified]
         damaged: list[Key] = []
         remaining = [len(keys)]
 
         def check(key: Key) -> None:
             try:
-                self.store.read_expert(key, verify=True)
+                self._store.read_expert(key, verify=True)
                 self._verified.add(key)
             except StrataError:
                 with self._lock:
-                    self.stats_.record_damage(key)
+                    self._stats.record_damage(key)
                 damaged.append(key)
             with self._lock:
                 remaining[0] -= 1
@@ -66,6 +63,5 @@ class IntegrityMixin:
             if not keys:
                 done.set_result([])
             for key in keys:
-                self._submit(3, check, key)
+                self._jobs.submit(3, check, key)
         return done
-

@@ -12,45 +12,60 @@ from concurrent.futures import wait as futures_wait
 
 import torch
 
-from strata.tiers.slots import Key, TierFullError, _SlotTier
+from strata.tiers.gpu_slots import GpuSlots
+from strata.tiers.jobs import JobQueue
+from strata.tiers.slot_maps import SlotMaps, SlotTier
+from strata.tiers.slots import FULL_WAIT_S, Key, TierFullError
+from strata.tiers.stats import TierStats
+from strata.tiers.transfers import Transfers
 
 log = logging.getLogger("strata.tiers")
 
 
-class PlacementMixin:
-    """Mixed into TierManager: uses its lock, tiers, `_ensure`, `_submit`, `prefetch` and `FULL_WAIT_S`."""
+class Placer:
+    """Fills the tiers at start-up and promotes experts into the GPU tier, through `transfers`."""
 
-    def place(self, keys: list[Key], device: str = "gpu") -> None:
-        """Initial placement: bring every one of `keys` to the `device` tier, in order, in the background.
+    def __init__(self, maps: SlotMaps, transfers: Transfers, jobs: JobQueue, stats: TierStats,
+                 slots: GpuSlots | None):
+        self._lock, self._released, self._gpu = maps.lock, maps.released, maps.gpu
+        self._transfers, self._jobs, self._stats, self._slots = transfers, jobs, stats, slots
+        self._placing = 0  # placement threads running
+
+    @property
+    def placing(self) -> int:
+        """Initial placement threads still running (lock held)."""
+        return self._placing
+
+    def place(self, tier: SlotTier, keys: list[Key]) -> None:
+        """Initial placement: bring every one of `keys` to `tier`, in order, in the background.
 
         Unlike `prefetch`, which stops at the first key there is no room for, placement waits for room and
         goes on: a GPU tier is filled through the pinned staging slots, of which there may be far fewer than
         experts (16 when every expert fits in VRAM), so a budget that holds every expert ends up holding them
         all. Keys beyond the tier's capacity would evict earlier ones: pass at most `capacity` of them."""
-        tier = self._tier(device)
         with self._lock:
             self._placing += 1
         threading.Thread(target=self._place, args=(tier, list(keys)), name="strata-placement", daemon=True).start()
 
-    def _place(self, tier: _SlotTier, keys: list[Key]) -> None:
+    def _place(self, tier: SlotTier, keys: list[Key]) -> None:
         pending: list[Future] = []
         try:
             for key in keys:
                 stuck_since = time.monotonic()
                 while True:
-                    with self._outside_lock(), self._lock:  # the copy is issued after the lock is let go
-                        if self._closed:
+                    with self._transfers.deferred_copies(), self._lock:  # the copy is issued after the lock is let go
+                        if self._jobs.closed:
                             return
                         if key in tier.slot_of and key not in tier.inflight:
                             break
                         try:
-                            pending.append(self._ensure(tier, key, 2))
+                            pending.append(self._transfers.ensure(tier, key, 2))
                             break
                         except TierFullError:  # every staging (or tier) slot is busy: wait for some to land
                             pass
-                    if time.monotonic() - stuck_since > self.FULL_WAIT_S:
+                    if time.monotonic() - stuck_since > FULL_WAIT_S:
                         log.warning("initial placement into the %s tier stopped at %s: no slot came free in %.0f s",
-                                    tier.name, key, self.FULL_WAIT_S)
+                                    tier.name, key, FULL_WAIT_S)
                         return
                     if pending:
                         futures_wait(pending, timeout=0.05, return_when=FIRST_COMPLETED)
@@ -74,21 +89,21 @@ class PlacementMixin:
         runs (on a worker, the issue's Python competed for the GIL with that thread and made its next launch late).
         The victim's map entry is cleared on the caller's current stream, as when the caller evicts: kernels
         queued there before the clear are done before the copy overwrites the slot."""
-        if self.gpu is None:
+        if self._gpu is None:
             return
-        if self.slots.is_cuda and torch.cuda.is_current_stream_capturing():
+        if self._slots.is_cuda and torch.cuda.is_current_stream_capturing():
             return  # a graph being captured must not see another thread's work
         if now:
             self._promote_on(None, key)  # on this thread's current stream
             return
-        stream = torch.cuda.current_stream(self.slots.device) if self.slots.is_cuda else None
+        stream = torch.cuda.current_stream(self._slots.device) if self._slots.is_cuda else None
         with self._lock:
-            self._submit(2, self._promote_on, stream, key)
+            self._jobs.submit(2, self._promote_on, stream, key)
 
     def _promote_on(self, stream, key: Key) -> None:
         t0 = time.perf_counter()
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            self.prefetch([key], "gpu", warm=True)
+            self._transfers.prefetch(self._gpu, [key], 1, warm=True)
         with self._lock:  # the issue's host time (on a worker, Python competing for the GIL with the decoding thread)
-            self.stats_.promotions += 1
-            self.stats_.promotion_host_seconds += time.perf_counter() - t0
+            self._stats.promotions += 1
+            self._stats.promotion_host_seconds += time.perf_counter() - t0

@@ -1,9 +1,8 @@
-"""The tier manager's plain data: budgets, handles, per-tier bookkeeping, and small policy helpers."""
+"""The tier manager's plain data: budgets, handles, errors, and small policy helpers."""
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -12,6 +11,7 @@ from strata.tiers.gds import GpuDirectReader
 
 Key = tuple[int, int]  # (layer, expert)
 MIN_PINNED_SLOTS = 16  # staging for GPU copies even when the pinned budget is 0 (4 without a GPU tier)
+FULL_WAIT_S = 30.0  # how long a lookup or placement waits for other threads to free slots of a full tier
 
 
 def gpu_direct_reader(mode: str) -> GpuDirectReader | None:
@@ -72,25 +72,3 @@ class ExpertHandle:
         """Make the current CUDA stream wait for this copy (no host synchronisation)."""
         if self.event is not None:
             torch.cuda.current_stream().wait_event(self.event)
-
-
-@dataclass
-class _SlotTier:
-    """Bookkeeping of one slotted tier; all fields are guarded by the manager's lock."""
-
-    name: str
-    capacity: int
-    policy: object
-    slot_of: dict[Key, int] = field(default_factory=dict)
-    free: list[int] = field(default_factory=list)
-    refs: dict[Key, int] = field(default_factory=dict)
-    inflight: dict[Key, Future] = field(default_factory=dict)
-    events: dict[int, object] = field(default_factory=dict)  # slot -> last event that reads/writes it
-
-    def __post_init__(self) -> None:
-        self.free = list(range(self.capacity - 1, -1, -1))
-
-    def busy(self, key: Key) -> bool:
-        return self.refs.get(key, 0) > 0 or key in self.inflight
-
-

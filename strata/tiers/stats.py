@@ -135,3 +135,37 @@ class TierStats:
                 for layer, c in sorted(self.layers.items())
             },
         }
+
+
+class PrefetchLedger:
+    """Prefetched objects not looked up yet, per slotted tier: what makes `TierStats`' prefetch precision, lateness
+    and waste. Every method runs under the slot maps' lock."""
+
+    def __init__(self, stats: TierStats):
+        self.stats = stats
+        self._waiting: dict[str, set] = {"gpu": set(), "pinned": set()}  # tier name -> prefetched, not used yet
+
+    def issued(self, tier_name: str, key: tuple[int, int]) -> None:
+        """A prefetch of `key` into the tier was started (not initial placement)."""
+        self.stats.prefetch_issued += 1
+        self._waiting[tier_name].add(key)
+
+    def used(self, tier, key: tuple[int, int]) -> None:
+        """A lookup of `key` in `tier` (a `SlotTier`): a prefetch of it was used, and late if still in flight."""
+        if key in self._waiting[tier.name]:
+            self._waiting[tier.name].discard(key)
+            self.stats.prefetch_used += 1
+            if key in tier.inflight:
+                self.stats.prefetch_late += 1
+
+    def used_many(self, tier, keys: list[tuple[int, int]]) -> None:
+        """`used` for each of `keys` (usually none was prefetched: one set test for the lot)."""
+        if self._waiting[tier.name]:
+            for key in keys:
+                self.used(tier, key)
+
+    def evicted(self, tier_name: str, key: tuple[int, int]) -> None:
+        """`key` left the tier: a prefetch of it that no lookup used was wasted."""
+        if key in self._waiting[tier_name]:
+            self._waiting[tier_name].discard(key)
+            self.stats.prefetch_unused += 1

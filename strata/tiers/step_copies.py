@@ -4,7 +4,7 @@
 microseconds of host time per expert on CUDA: a stream switch, a map-update kernel and an event for
 the eviction, the same again for the copy and its map entry, and an event per handle on release. A
 decode step pays that for every cold expert of every layer, which made the split decode
-overhead-bound (bench/RESULTS.md, issue 4). `stage_gpu` does the same bookkeeping for a layer's
+overhead-bound (bench/RESULTS.md). `stage_gpu` does the same bookkeeping for a layer's
 pinned-resident cold experts with one map-clear batch on the compute stream, one copy-stream batch
 (waits, copies, map entries, one event) and, in `release_staged`, one event for all of them.
 
@@ -20,7 +20,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from strata.tiers.copies import GpuCopies
+from strata.tiers.eviction import Evictor
+from strata.tiers.gpu_slots import GpuSlots
+from strata.tiers.handles import Handles
+from strata.tiers.pinned import PinnedPool
+from strata.tiers.slot_maps import SlotMaps
 from strata.tiers.slots import ExpertHandle, Key, TierFullError
+from strata.tiers.stats import PrefetchLedger, TierStats
 
 
 @dataclass
@@ -62,66 +69,77 @@ class StreamedExperts:
             torch.cuda.current_stream().wait_event(self.event)
 
 
-class StepCopiesMixin:
-    """Mixed into TierManager: uses its lock, GPU and pinned tiers, slots, statistics and `acquire`."""
+class StepCopies:
+    """Batched copies of one layer's cold experts into the GPU tier (`stage_gpu`) or into the stream slots, the
+    last `stream_slots` GPU slots, kept outside the cached tier for one step's copies (`stream_gpu`)."""
+
+    def __init__(self, maps: SlotMaps, handles: Handles, evictor: Evictor, copies: GpuCopies, ledger: PrefetchLedger,
+                 stats: TierStats, pool: PinnedPool, slots: GpuSlots | None, stream_slots: list[int], slot_bytes: int):
+        self._lock, self._released, self._holders = maps.lock, maps.released, maps.holders
+        self._gpu, self._pinned = maps.gpu, maps.pinned
+        self._handles, self._evictor, self._copies, self._ledger = handles, evictor, copies, ledger
+        self._stats, self._pool, self._slots, self._slot_bytes = stats, pool, slots, slot_bytes
+        self.stream_slots = stream_slots  # GPU slots outside the cached tier, for `stream_gpu`
+        self._stream_free: dict[int, object] = {}  # stream slot -> event after its last readers (absent: free now)
+        self._stream_out: set[int] = set()  # stream slots of `stream_gpu` batches out and not released
 
     def stage_gpu(self, layer: int, experts: list[int]) -> StagedExperts:
         """Pin `experts` of `layer` in GPU slots, copying the pinned-resident ones in one batch.
 
         Returns at once (copies are asynchronous); call `wait()` before reading the slots and
         `release_staged` when the kernels reading them are enqueued."""
-        tier, pinned = self.gpu, self.pinned
+        tier, pinned, stats = self._gpu, self._pinned, self._stats
         staged = StagedExperts(layer, [], [], owner=threading.get_ident())
         slow: list[Key] = []
         copies: list[tuple[Key, int, torch.Tensor]] = []  # (key, GPU slot, pinned source)
         with self._lock:
             clears: list[Key] = []
             waits: list = []
-            self._reap_copies()  # once for the batch (each query of a copy's event costs microseconds)
+            self._copies.reap()  # once for the batch (each query of a copy's event costs microseconds)
             for e in experts:
                 key = (layer, int(e))
                 if key in tier.inflight or key in pinned.inflight or key not in tier.slot_of and key not in pinned.slot_of:
                     slow.append(key)
                     continue
-                self._note_prefetch_use(tier, key)
+                self._ledger.used(tier, key)
                 if key in tier.slot_of:  # mapped since the step looked (a prefetch): its copy may still be landing
-                    self.stats_.lookup(layer, "gpu", False, 0.0, expert=key[1])
+                    stats.lookup(layer, "gpu", False, 0.0, expert=key[1])
                     if (pending := tier.events.get(tier.slot_of[key])) is not None:
                         staged.events.append(pending)
                 else:
                     try:
-                        slot = self._take_slot(tier, key, clears, reap=False)
+                        slot = self._evictor.take_slot(tier, key, clears, reap=False)
                     except TierFullError:
                         slow.append(key)
                         continue
                     if (prior := tier.events.get(slot)) is not None:
                         waits.append(prior)
                     pinned.refs[key] = pinned.refs.get(key, 0) + 1  # the source stays put until the copy lands
-                    copies.append((key, slot, self.pool.slot(pinned.slot_of[key])))
+                    copies.append((key, slot, self._pool.slot(pinned.slot_of[key])))
                     tier.slot_of[key] = slot
-                    self.stats_.lookup(layer, "pinned", True, 0.0, expert=key[1])
+                    stats.lookup(layer, "pinned", True, 0.0, expert=key[1])
                 tier.policy.touch(key)
                 tier.refs[key] = tier.refs.get(key, 0) + 1
-                self._thread_refs[staged.owner] += 1
+                self._holders[staged.owner] += 1
                 staged.batch.append(key)
                 staged.experts.append(key[1])
                 staged.slots.append(tier.slot_of[key])
             if clears:
-                self.slots.clear_many(clears)
+                self._slots.clear_many(clears)
             if copies:
                 t0 = time.perf_counter()
-                start, done = self.slots.load_many(copies, waits)
+                start, done = self._slots.load_many(copies, waits)
                 if done is None:  # CPU-simulated GPU tier: the copies are already done
-                    self.stats_.paths["pinned->gpu"].add(self.store.slot_bytes * len(copies), time.perf_counter() - t0,
-                                                         objects=len(copies))
+                    stats.paths["pinned->gpu"].add(self._slot_bytes * len(copies), time.perf_counter() - t0,
+                                                   objects=len(copies))
                 staged.event = done
-                self._copying[next(self._seq)] = (start, done, [k for k, _, _ in copies])
+                self._copies.add(start, done, [k for k, _, _ in copies])
                 for key, slot, _ in copies:
                     tier.events[slot] = done
                     tier.policy.insert(key)
         if slow:
             try:
-                staged.handles = self.acquire(slow, "gpu")
+                staged.handles = self._handles.acquire(tier, slow)
             except BaseException:
                 self.release_staged(staged)
                 raise
@@ -140,7 +158,7 @@ class StepCopiesMixin:
         batches of at most half the stream slots each can be out at once, so a prefill copies its next batch
         while the GPU computes this one.
         Call `wait()` before reading the slots and `release_staged` once their readers are enqueued."""
-        pinned = self.pinned
+        pinned = self._pinned
         keys = [(layer, int(e)) for e in experts]
         with self._lock:
             free = [s for s in self.stream_slots if s not in self._stream_out]
@@ -148,47 +166,48 @@ class StepCopiesMixin:
                 return None
             slots = free[: len(keys)]
             self._hold_for_gpu(keys)  # the sources stay put until the copies land
-            copies = [(slot, self.pool.slot(pinned.slot_of[key])) for key, slot in zip(keys, slots, strict=True)]
+            copies = [(slot, self._pool.slot(pinned.slot_of[key])) for key, slot in zip(keys, slots, strict=True)]
             # the copies wait for the readers of the slots' earlier contents (one wait per distinct event)
             readers = list({id(ev): ev for s in slots if (ev := self._stream_free.pop(s, None)) is not None}.values())
             t0 = time.perf_counter()
-            start, done = self.slots.stream_in(copies, readers)
+            start, done = self._slots.stream_in(copies, readers)
             if done is None:
-                self.stats_.paths["pinned->gpu"].add(self.store.slot_bytes * len(copies), time.perf_counter() - t0,
+                self._stats.paths["pinned->gpu"].add(self._slot_bytes * len(copies), time.perf_counter() - t0,
                                                      objects=len(copies))
-            self._copying[next(self._seq)] = (start, done, keys)  # the pinned refs drop once the copies land
+            self._copies.add(start, done, keys)  # the pinned refs drop once the copies land
             self._stream_out.update(slots)
         return StreamedExperts(layer, [k[1] for k in keys], list(slots), done)
 
     def _pinned_now(self, keys: list[Key]) -> bool:
         """Every key resident in pinned RAM (not on its way there); finished copies reaped first, so their
-        holds are gone before new ones are taken. Under the manager's lock."""
-        if not self._all_in_tier(self.pinned, keys):
+        holds are gone before new ones are taken. Lock held."""
+        pinned = self._pinned
+        if not all(k in pinned.slot_of and k not in pinned.inflight for k in keys):
             return False
-        self._reap_copies()
+        self._copies.reap()
         return True
 
     def _hold_for_gpu(self, keys: list[Key]) -> None:
         """Pinned-resident `keys` a GPU step's stream copies read from pinned RAM: held in their slots, counted as
         pinned-tier lookups the GPU tier missed, and seen by both policies (the GPU tier's frequency history decides
-        whether a later copy keeps one). Under the manager's lock."""
-        pinned = self.pinned
+        whether a later copy keeps one). Lock held."""
+        pinned, gpu = self._pinned, self._gpu
         for key in keys:
-            self._note_prefetch_use(pinned, key)
-            if not self._pinned_holds_all:
+            self._ledger.used(pinned, key)
+            if not pinned.holds_all:
                 pinned.policy.touch(key)
-            if self.gpu is not None:
-                self.gpu.policy.touch(key)
+            if gpu is not None:
+                gpu.policy.touch(key)
             pinned.refs[key] = pinned.refs.get(key, 0) + 1
-            self.stats_.lookup(key[0], "pinned", True, 0.0, expert=key[1])
+            self._stats.lookup(key[0], "pinned", True, 0.0, expert=key[1])
 
     def release_staged(self, staged: StagedExperts | StreamedExperts) -> None:
         """Unpin a `stage_gpu` batch; later copies into its slots wait for the work queued on them so far."""
         if isinstance(staged, StreamedExperts):
             ev = None
-            if self.slots.slab.is_cuda:
+            if self._slots.slab.is_cuda:
                 ev = torch.cuda.Event()
-                ev.record(torch.cuda.current_stream(self.slots.slab.device))
+                ev.record(torch.cuda.current_stream(self._slots.slab.device))
             with self._lock:
                 for slot in staged.slots:
                     self._stream_out.discard(slot)
@@ -196,18 +215,19 @@ class StepCopiesMixin:
                         self._stream_free[slot] = ev
             return
         if staged.handles:
-            self.release(staged.handles)
+            self._handles.release(staged.handles)
         if not staged.batch:
             return
         ev = None
-        if self.slots.slab.is_cuda:
+        if self._slots.slab.is_cuda:
             ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self.slots.slab.device))
+            ev.record(torch.cuda.current_stream(self._slots.slab.device))
         with self._lock:
+            gpu = self._gpu
             for key in staged.batch:
                 if ev is not None:
-                    self.gpu.events[self.gpu.slot_of[key]] = ev
-                self._unref(self.gpu, key)
-            self._thread_refs[staged.owner] -= len(staged.batch)
+                    gpu.events[gpu.slot_of[key]] = ev
+                gpu.unref(key)
+            self._holders[staged.owner] -= len(staged.batch)
             staged.batch = []
             self._released.notify_all()

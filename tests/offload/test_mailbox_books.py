@@ -68,7 +68,7 @@ def test_inline_books_issue_their_promotions_on_the_queuing_thread(tiny_model_di
         assert picked == [] and (layer, 4) not in m.gpu.slot_of  # the pre-launch checks book nothing
         books.queued()
         assert picked == [(0, [3, 4])] and books.error is None and books.seconds > 0
-        assert (layer, 4) in m.gpu.slot_of and (layer, 4) not in m.gpu.inflight and not m._jobs
+        assert (layer, 4) in m.gpu.slot_of and (layer, 4) not in m.gpu.inflight and not m.jobs.queued()
         assert r.box.drain() == []  # booked once
         assert m.stats()["promotions"]["done"] == 1
         gate_up, down = store.expert_views(store.read_expert((layer, 4)))

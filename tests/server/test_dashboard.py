@@ -109,8 +109,7 @@ def test_residency_grid_matches_the_tier_manager(engine, monkeypatch):
     assert grid["layers"] == [1, 2] and grid["experts"] == 16 and grid["tiers"] == list(TIERS)
     assert [len(row) for row in grid["tier"]] == [16, 16]
     flat = [(layer, e, grid["tier"][r][e]) for r, layer in enumerate(grid["layers"]) for e in range(16)]
-    with manager._lock:
-        pinned = {k for k in manager.pinned.slot_of if k not in manager.pinned.inflight}
+    pinned = manager.usable_keys()["pinned"]
     for layer, e, t in flat:
         if (layer, e) in pinned:
             assert TIERS[t] == "pinned"

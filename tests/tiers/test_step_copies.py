@@ -245,16 +245,16 @@ def _promote(store, device: str):
         copy_in, free_during_copy = m.slots.copy_in, []
 
         def watched_copy_in(*args, **kw):  # can another thread take the manager's lock while the copy is issued?
-            probe = threading.Thread(target=lambda: free_during_copy.append(m._lock.acquire(timeout=5) and
-                                                                            (m._lock.release() or True)))
+            probe = threading.Thread(target=lambda: free_during_copy.append(m.lock.acquire(timeout=5) and
+                                                                            (m.lock.release() or True)))
             probe.start()
             probe.join()
             return copy_in(*args, **kw)
 
         m.slots.copy_in = watched_copy_in
-        with m._lock:  # a worker cannot run the promotion before this block ends: the call only queues it
+        with m.lock:  # a worker cannot run the promotion before this block ends: the call only queues it
             m.promote((layer, 5))
-            assert (layer, 5) not in m.gpu.slot_of and m._jobs
+            assert (layer, 5) not in m.gpu.slot_of and m.jobs.queued()
         assert m.wait_settled(10) and (layer, 5) in m.gpu.slot_of
         assert free_during_copy == [True]  # issued after the worker let go of the lock (the decode thread needs it)
         slot = m.gpu.slot_of[(layer, 5)]

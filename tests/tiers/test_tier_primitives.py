@@ -76,7 +76,7 @@ def test_reads_equal_file_bytes(store_file, reader):
     reader.read(path, 4096, big.numel(), big).result()
     assert np.array_equal(big.numpy(), data[4096 : 4096 + big.numel()])
     if path.parent == Path("/dev/shm"):
-        assert reader._files[os.fspath(path)].memory and not reader._files[os.fspath(path)].direct
+        assert reader.file(path).memory and not reader.file(path).direct
 
 
 def test_unaligned_read_and_tail(store_file, reader):

@@ -361,8 +361,8 @@ def test_all_resident_waits_for_the_last_copy_to_land(store):
                 return 1.0
 
         end = Pending()
-        with m._lock:
-            m._copying[next(m._seq)] = (Pending(), end, [])
+        with m.lock:
+            m.copies.add(Pending(), end, [])
         assert not m.all_resident()
         end.done = True
         assert m.all_resident()

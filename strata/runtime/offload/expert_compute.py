@@ -155,9 +155,8 @@ class ExpertCompute(CpuCompute):
 
         m, store = self.manager, self.manager.store
         addresses = np.zeros((max(self.moe_layers) + 1, store.index.num_experts), dtype=np.int64)
-        with m._lock:
-            for (layer, e), slot in m.pinned.slot_of.items():
-                addresses[layer, e] = m.pool.slot_address(slot)
+        for (layer, e), address in m.pinned_addresses().items():
+            addresses[layer, e] = address
         (_, hidden), (_, inter) = store.expert_shapes
         if not self.fixed_threads:
             # cores left to the decoding thread (its books, its spin in the step's sync) and the transfer threads:

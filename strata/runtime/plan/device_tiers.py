@@ -9,10 +9,8 @@ store, so its GPU slots, pinned pool, tmpfs mirror, policies and statistics cove
 
 from __future__ import annotations
 
-import threading
 import time
 from collections import defaultdict
-from dataclasses import dataclass, field
 
 from strata.tiers.manager import TierManager
 from strata.tiers.stats import PathCounters, TierStats
@@ -40,16 +38,6 @@ class StoreView:
         return getattr(self._store, name)
 
 
-@dataclass
-class _Merged:
-    """A read-only, slotted-tier look-alike over every card (for `strata.server.dashboard.residency_grid`)."""
-
-    name: str
-    slot_of: dict = field(default_factory=dict)
-    inflight: dict = field(default_factory=dict)
-    capacity: int = 0
-
-
 class _MergedTmpfs:
     def __init__(self, owners: dict[int, TierManager]):
         self._owners = owners
@@ -70,7 +58,6 @@ class DeviceTiers:
         self._owner: dict[int, TierManager] = {}
         for m, (start, end) in zip(managers, layers, strict=True):
             self._owner.update(dict.fromkeys(range(start, end), m))
-        self._lock = threading.RLock()  # for callers that lock a manager while reading its maps
         self._hops = hops  # () -> dict of stage-hop statistics, or None
 
     def manager_for(self, layer: int) -> TierManager:
@@ -152,7 +139,7 @@ class DeviceTiers:
         """Every card's counters added up (a fresh copy; layers are disjoint between cards)."""
         out = TierStats()
         for m in self.managers:
-            with m._lock:
+            with m.lock:
                 s = m.stats_
                 out.started = min(out.started, s.started)
                 out.layers.update(s.layers)
@@ -168,26 +155,24 @@ class DeviceTiers:
                 out.expert_lookups.update(getattr(s, "expert_lookups", {}))
         return out
 
-    # ---- slotted-tier views for the dashboard's residency grid ----------------------------------------
-    def _merged(self, attr: str) -> _Merged | None:
-        tiers = [(m, getattr(m, attr)) for m in self.managers if getattr(m, attr) is not None]
-        if not tiers:
-            return None
-        out = _Merged(tiers[0][1].name)
-        for m, t in tiers:
-            with m._lock:
-                out.slot_of.update(t.slot_of)
-                out.inflight.update(t.inflight)
-                out.capacity += t.capacity
+    # ---- where experts are, for the dashboard's residency grid ------------------------------------------
+    def usable_keys(self) -> dict[str, set[Key]]:
+        """`TierManager.usable_keys` over every card (a tier is listed where any card has it)."""
+        out: dict[str, set[Key]] = {}
+        for m in self.managers:
+            for tier, keys in m.usable_keys().items():
+                out.setdefault(tier, set()).update(keys)
         return out
 
-    @property
-    def pinned(self) -> _Merged | None:
-        return self._merged("pinned")
-
-    @property
-    def gpu(self) -> _Merged | None:
-        return self._merged("gpu")
+    def lookup_counts(self) -> tuple[dict[Key, int], dict[int, int]]:
+        """`TierManager.lookup_counts` over every card (their layers are disjoint)."""
+        experts: dict[Key, int] = {}
+        layers: dict[int, int] = {}
+        for m in self.managers:
+            e, ly = m.lookup_counts()
+            experts.update(e)
+            layers.update(ly)
+        return experts, layers
 
     @property
     def tmpfs(self) -> _MergedTmpfs | None:

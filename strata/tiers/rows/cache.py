@@ -22,7 +22,8 @@ class RowCache:
         self.score = np.zeros(capacity, dtype=np.float64)
         # [capacity, dim]: on `device`, or a given one (pinned host RAM the GPU reads in place)
         self.slab = slab if slab is not None else torch.empty(capacity, dim, dtype=dtype, device=device)
-        self._free = np.arange(capacity, dtype=np.int64)  # a stack of free slots: the first n_free
+        # a stack of free slots, the first `counts[0]` (native code, strata.tiers.rows.serve, pops and pushes it)
+        self.free_stack = np.arange(capacity, dtype=np.int64)
         # counters and the decay in arrays, so native code (strata.tiers.rows.serve) updates them in place:
         # counts [n_free, evictions]; decay [inc, growth]: newer uses weigh more (exponential decay)
         self.counts = np.array([capacity, 0], dtype=np.int64)
@@ -66,7 +67,7 @@ class RowCache:
             self._evict(max(m - self._n_free, self.capacity // 16), protect.numpy())
         m = min(m, self._n_free)
         self._n_free -= m
-        new = self._free[self._n_free : self._n_free + m].copy()
+        new = self.free_stack[self._n_free : self._n_free + m].copy()
         chosen = r[absent[:m]]
         slots[absent[:m]] = new
         self.row_of[new] = chosen
@@ -85,7 +86,7 @@ class RowCache:
         self.slot_of[self.row_of[victims]] = -1
         self.row_of[victims] = -1
         self.score[victims] = 0.0
-        self._free[self._n_free : self._n_free + n] = victims
+        self.free_stack[self._n_free : self._n_free + n] = victims
         self._n_free += n
         self.counts[1] += n
 

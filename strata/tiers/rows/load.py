@@ -112,7 +112,7 @@ class TableLoadingMixin:
         `check`: a CheckpointError naming the damaged table stops start-up (short reads always do)."""
         for k in range(t.num_chunks):
             self.chunks_read += 1
-            yield (*t.chunk_rows(k), self.store._read_chunk(t, k, check=check))
+            yield (*t.chunk_rows(k), self.store.read_chunk(t, k, check=check))
 
 
 def _drop_page_cache(path) -> None:

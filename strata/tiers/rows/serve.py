@@ -43,7 +43,7 @@ class NativeRowServer:
         slots) and write each id's slot to `out` (int64 [n]). Returns (distinct rows, cache hits, rows read,
         seconds reading). Raises NoRoom (nothing admitted) or CheckpointError (a read failed)."""
         st, c = self.store, self.cache
-        f = st.reader._file(st.paths[layer])
+        f = st.reader.file(st.paths[layer])
         t = st.tables[layer]
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         protect = np.ascontiguousarray(protect, dtype=np.int64)
@@ -52,7 +52,7 @@ class NativeRowServer:
             self._scratch = aligned_empty(need)
         rc = self._lib.strata_serve_rows(
             ids.ctypes.data, ids.size, st.base[layer], f.fd, t.offset, st.row_bytes, f.size,
-            c.slot_of.ctypes.data, c.row_of.ctypes.data, c.score.ctypes.data, c._free.ctypes.data,
+            c.slot_of.ctypes.data, c.row_of.ctypes.data, c.score.ctypes.data, c.free_stack.ctypes.data,
             c.counts.ctypes.data, c.decay.ctypes.data, c.capacity, c.slab.data_ptr(), protect.ctypes.data,
             protect.size, self._scratch.data_ptr(), self._scratch.numel(), out.ctypes.data, self._info.ctypes.data)
         if rc == NO_ROOM:

@@ -206,7 +206,7 @@ class ExpertStore:
             check = verify and k not in verified
             # one read of the whole chunk beats a pread per row once the rows cover its pages
             if check or len(pos) * max(t.row_bytes, ALIGN) >= (stop - start) * t.row_bytes:
-                chunk = self._read_chunk(t, k, check)  # [stop - start, row_bytes]
+                chunk = self.read_chunk(t, k, check)  # [stop - start, row_bytes]
                 out[pos] = chunk[idx[pos] - start]
                 if check:
                     verified.add(k)
@@ -222,7 +222,9 @@ class ExpertStore:
         t = self._table(table)
         return buf.view(TORCH_DTYPES[t.dtype]).view(buf.shape[0], *t.row_shape)
 
-    def _read_chunk(self, t: TableEntry, k: int, check: bool = True) -> torch.Tensor:
+    def read_chunk(self, t: TableEntry, k: int, check: bool = True) -> torch.Tensor:
+        """Chunk `k` of table `t` as uint8 [rows in the chunk, row_bytes]; `check`: verify its checksum (a damaged
+        or truncated chunk raises CheckpointError)."""
         start, stop = t.chunk_rows(k)
         buf = torch.empty(stop - start, t.row_bytes, dtype=torch.uint8)
         path = self.directory / t.file
@@ -268,7 +270,7 @@ class ExpertStore:
                 for k in range(t.num_chunks):
                     if t.file not in missing:
                         try:
-                            self._read_chunk(t, k)
+                            self.read_chunk(t, k)
                         except CheckpointError:
                             damaged.append(_chunk_label(t, k))
                     start, stop = t.chunk_rows(k)
