@@ -14,11 +14,18 @@ import pytest
 import torch
 
 import strata.runtime.demo.model as dm
-from bench.suite.routing import count_routing, popularity_summary
 from strata import Engine
 from strata.cli import build_parser
 from strata.errors import ConfigError
 from strata.runtime.demo.skew import RouteSkew, check_skew, expert_ranks
+from strata.runtime.model.routing_stats import (
+    count_routing,
+    lookahead_recall,
+    popularity_summary,
+    record_choices,
+    record_lookahead,
+    temporal_overlap,
+)
 
 # Qwen3-MoE as the `bench` size writes it, shrunk so a CPU test can run it (128 experts, top-8 kept).
 MINI_QWEN3 = {"hidden_size": 256, "intermediate_size": 256, "moe_intermediate_size": 16, "num_hidden_layers": 4,
@@ -161,8 +168,6 @@ def test_next_layer_prediction_on_the_bench_checkpoints(mini_bench, skew):
     names nearly every expert the layer then picks on the skew-channel checkpoints the suite runs: their layers
     write small updates into a stream the skew channel normalises, so it changes little from layer to layer.
     The control, layer j - 1's own router standing in for layer j's, is near chance (8 of 128): the routers differ."""
-    from bench.suite.routing import lookahead_recall, record_lookahead
-
     engine = Engine.from_pretrained(mini_bench(skew), config={"runtime": {"experts": "memory"}}, device="cpu")
     with record_lookahead(engine.model, (1, 2)) as rec:
         engine.score(_prompt(MINI_QWEN3["vocab_size"], 128))
@@ -175,8 +180,6 @@ def test_next_layer_prediction_on_the_bench_checkpoints(mini_bench, skew):
 
 def _overlaps(directory: Path) -> tuple[list[dict], dict]:
     """Per layer `temporal_overlap` and the popularity summary over four 128-token prompts."""
-    from bench.suite.routing import record_choices, temporal_overlap
-
     engine = Engine.from_pretrained(directory, config={"runtime": {"experts": "memory"}}, device="cpu")
     vocab = MINI_QWEN3["vocab_size"]
     with record_choices(engine.model) as choices:
