@@ -139,7 +139,7 @@ class Case:
                                          "mode": g.mode(),  # "full": one graph a step, "segmented": host steps between
                                          "segmented": any(type(x.graph).__name__ == "SegmentRecorder"
                                                           for x in g.graphs.values())}
-        m, compute = self.eng.tiers, self.eng._compute
+        m, compute = self.eng.tiers, self.eng.executor
         experts = None if m is None else {  # why decode steps are (not) one graph: every expert in a GPU slot?
             "keys": len(m.store.keys()), "gpu_capacity": m.gpu.capacity if m.gpu is not None else 0,
             "gpu_resident": len(m.gpu.slot_of) if m.gpu is not None else 0,

@@ -124,7 +124,7 @@ def profile_case(model: str, cfg: dict, tokens: int) -> list[tuple[str, float, f
         wait_for_placement(engine.tiers)
         engine.generate(prompt, max_tokens=16, temperature=1.0, seed=2)
     torch.cuda.synchronize()
-    box = getattr(engine._compute, "mailbox", None)
+    box = getattr(engine.executor, "mailbox", None)
     t0 = box.timing()["totals"] if box is not None else None
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         engine.generate(prompt, max_tokens=tokens, temperature=1.0, seed=3, stop_token_ids=[])

@@ -42,13 +42,13 @@ def timeline(engine, prompt: list[int], tokens: int, seed: int = 3, wake_at_laun
     from strata.runtime.model.kv_cache import StepBatch
 
     model, cache, dev = engine.model, engine.scheduler().cache, engine.device  # slot 0 of the engine's KV cache
-    box = getattr(engine._compute, "mailbox", None)
+    box = getattr(engine.executor, "mailbox", None)
     params = SamplingParams(max_tokens=tokens, temperature=1.0, seed=seed, ignore_eos=True)
     gen = make_generator(seed, dev)
     now = time.monotonic_ns
     rows = []
     c0 = c = box.counters.copy() if box is not None else None
-    books0 = engine._compute.books.seconds if box is not None else 0.0
+    books0 = engine.executor.books.seconds if box is not None else 0.0
     with torch.inference_mode():
         logits = prefill(model, cache, 0, torch.tensor(prompt, dtype=torch.long, device=dev),
                          engine.prefill_chunk)
@@ -103,7 +103,7 @@ def timeline(engine, prompt: list[int], tokens: int, seed: int = 3, wake_at_laun
         out["mailbox_us_per_layer"] = {"serve": round(d[7] / layers / 1e3, 1), "kernel": round(d[2] / layers / 1e3, 1),
                                        "gpu_gap": round(d[5] / gaps / 1e3, 1), "cpu_experts_per_layer":
                                        round(int(d[0]) / layers, 2)}
-        out["books_ms_per_step"] = round(1e3 * (engine._compute.books.seconds - books0) / len(rows), 3)
+        out["books_ms_per_step"] = round(1e3 * (engine.executor.books.seconds - books0) / len(rows), 3)
     return out
 
 
@@ -168,14 +168,14 @@ def main() -> None:
         if engine.tiers is not None:
             wait_for_placement(engine.tiers)
             engine.generate(prompt, max_tokens=8, temperature=1.0, seed=2)
-        if "nobooks" in mods and engine._compute.books is not None:  # no bookkeeping at all during the steps
-            engine._compute.books.queued = lambda until=None: None
+        if "nobooks" in mods and engine.executor.books is not None:  # no bookkeeping at all during the steps
+            engine.executor.books.queued = lambda until=None: None
         res = {"case": case, **timeline(engine, prompt, args.tokens, wake_at_launch="wakeatlaunch" in mods)}
         if engine.model.graphs is not None:
             res["graph_modes"] = sorted({key[3] for key in engine.model.graphs.graphs})
-        if (share := getattr(engine._compute, "gpu_share", None)) is not None:
+        if (share := getattr(engine.executor, "gpu_share", None)) is not None:
             res["gpu_share"] = round(share.value, 3)
-        if (ahead := getattr(engine._compute, "warm_ahead", None)) is not None:
+        if (ahead := getattr(engine.executor, "warm_ahead", None)) is not None:
             res["warm_ahead"] = ahead.stats()  # (over the whole run, warm-up included)
         out["cases"].append(res)
         print(json.dumps(res), flush=True)

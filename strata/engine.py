@@ -35,6 +35,7 @@ from strata.runtime.generation.requests import GenRequest, RequestHandle, TokenE
 from strata.runtime.generation.sampler import SamplingParams
 from strata.runtime.generation.scheduler import Scheduler
 from strata.runtime.generation.tokenizer import Tokenizer, load_tokenizer
+from strata.runtime.offload.executor import ExpertExecutor
 from strata.runtime.plan.build import LoadedModel, build_model
 
 DEFAULT_MAX_QUEUE = 64  # requests the engine's scheduler holds waiting for a KV slot
@@ -113,10 +114,10 @@ def request_failure(ev: TokenEvent) -> BaseException:
                        "was stopped, or the engine closed)")
 
 
-def _release(compute, tiers, model) -> None:
+def _release(compute: ExpertExecutor | None, tiers, model) -> None:
     """What `Engine.close` frees: the CPU worker, the tier manager's threads and memory, the Engram row store."""
-    if (close_mailbox := getattr(compute, "close_mailbox", None)) is not None:
-        close_mailbox()  # the CPU worker of one-graph decode steps reads the pinned pool freed below
+    if compute is not None:
+        compute.close_mailbox()  # the CPU worker of one-graph decode steps reads the pinned pool freed below
     if tiers is not None:
         tiers.close()
     rows = getattr(getattr(model, "engram", None), "source", None)  # the Engram row store's readers
@@ -157,6 +158,12 @@ class Engine:
         # an engine dropped or still open at exit is released then: before the interpreter kills the tier manager's
         # daemon threads, which inside a torch call aborts the process ("terminate called without an active exception")
         self._release = weakref.finalize(self, _release, self._compute, self.tiers, self.model)
+
+    @property
+    def executor(self) -> ExpertExecutor | None:
+        """The tiered expert executor (strata.runtime.offload.executor: its rates, counters, prefetcher and one-graph
+        decode's worker), for tools and benchmarks; None when every expert is in memory (`runtime.experts`)."""
+        return self._compute
 
     @classmethod
     def from_pretrained(
@@ -319,7 +326,7 @@ class Engine:
             "cpu_bytes_per_s": self._compute.rates.cpu_bytes_per_s if self._compute is not None else 0.0,
             "cold_path_host_seconds": dict(self._compute.host_seconds) if self._compute is not None else {},
             "promotions": self._compute.promotions if self._compute is not None else 0,
-            "one_graph_decode": self._compute.mailbox_stats() if hasattr(self._compute, "mailbox_stats") else None,
+            "one_graph_decode": self._compute.mailbox_stats() if self._compute is not None else None,
             "model": str(self.checkpoint.directory),
             "model_type": self.checkpoint.config.model_type,
             "device": str(self.device),
@@ -343,7 +350,7 @@ class Engine:
         """Around a forward pass of reproducible requests: the tiered expert compute takes its exact path (its
         setting is restored after). The scheduler holds `step_lock` meanwhile."""
         compute = self._compute
-        was = getattr(compute, "reproducible", False)
+        was = compute.reproducible if compute is not None else False
         if compute is not None:
             compute.reproducible = reproducible or was
         try:

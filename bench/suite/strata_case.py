@@ -239,7 +239,7 @@ def decode_state(engine) -> dict:
     prefetcher's state (idle for good once its tier holds every expert; pauses; prefetch counters), and the
     split's cost-model rates, CPU-share mode and kernel thread count, and the one-graph (mailbox) decode's state."""
     g = getattr(engine.model, "graphs", None)
-    compute = getattr(engine, "_compute", None)
+    compute = engine.executor
     p = getattr(compute, "prefetcher", None)
     tiers = engine.stats().get("tiers") or {}
     return {"graph_mode": g.mode() if g is not None else None, "graph_captures": g.captures if g is not None else 0,
@@ -315,7 +315,7 @@ def run_group(cases: list[Case], model: Path, summary: dict, facts: ModelFacts, 
         sched = engine.scheduler(max_batch=max(c.workload.streams for c in cases), token_budget=settings["token_budget"])
         sched.start()
         if popularity is not None:  # once per routing, outside any timed run: how this checkpoint routes
-            popularity.update(_measure_popularity(engine, sched, vocab, summary))
+            popularity.update(measure_popularity(engine, sched, vocab, summary))
         # warm-up: kernels, graphs, first copies, and the tier policy's first counts and promotions
         repro = first.variant == "repro"
         run_workload(engine, sched, Workload(64, 1, 16), vocab, device, repro)
@@ -372,7 +372,9 @@ def warmup_for(w: Workload, warmed: set[tuple[int, int]]) -> Workload | None:
     return Workload(w.prompt, w.streams, 4 if w.streams == 1 else w.tokens)
 
 
-def _measure_popularity(engine, sched, vocab: int, summary: dict) -> dict:
+def measure_popularity(engine, sched, vocab: int, summary: dict) -> dict:
+    """The routing of a short eager workload on `engine`: each layer's expert popularity and the overlap of
+    consecutive tokens' choices (summarised with `summary`'s experts per layer), its decode graphs off meanwhile."""
     from bench.suite.routing import popularity_summary, record_choices, temporal_overlap
 
     # the counting hooks copy router ids to the host, which a CUDA-graph capture cannot contain: run these

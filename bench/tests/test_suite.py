@@ -478,7 +478,7 @@ def test_routing_popularity_is_measured_with_graphs_paused(monkeypatch):
     engine = SimpleNamespace(model=model)
     seen = []
     monkeypatch.setattr(strata_case, "run_workload", lambda eng, *a, **k: seen.append(eng.model.graphs.mode()))
-    strata_case._measure_popularity(engine, None, 100, {"experts_per_layer": 4})
+    strata_case.measure_popularity(engine, None, 100, {"experts_per_layer": 4})
     assert seen == [None]
     assert engine.model.graphs.mode is own_mode
 

@@ -14,12 +14,20 @@ prefetches whose ids have arrived.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 from strata.tiers.manager import TierManager
 
 Predictor = Callable[[torch.Tensor], torch.Tensor]  # hidden [N, H] -> expert ids [N, k]
+
+
+class Capture(Protocol):
+    """A CUDA-graph capture in progress (strata.runtime.model.capture.SegmentRecorder)."""
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Run `fn` at each replay of the captured step, at its next host step."""
 
 
 class LookaheadPrefetcher:
@@ -42,7 +50,6 @@ class LookaheadPrefetcher:
         # True once there is nothing left to fetch, for good (every expert resident in the target tier and none
         # evictable): a decode step captured from then on leaves the prediction out of its graph
         self.idle = idle
-        self.recorder: Callable[[], object] | None = None  # the segmented graph capture in progress, if any
         self.lookahead, self.device_tier = lookahead, device_tier
         self._moe_layers = sorted(predictors)
         self._mark = (0, 0)  # (issued, used) when the current precision window started
@@ -50,16 +57,17 @@ class LookaheadPrefetcher:
         self.pauses = 0
         self._pending: list[tuple[list[int], torch.Tensor, torch.cuda.Event]] = []  # (layers, ids [J, N*k] pinned, ready)
 
-    def __call__(self, layer: int, hidden: torch.Tensor) -> None:
+    def __call__(self, layer: int, hidden: torch.Tensor, capture: Capture | None = None) -> None:
+        """After `layer`: predict the next layers' experts from its output hidden [N, H] and fetch them. Inside a
+        graph `capture`, the prediction is part of the graph and the gates and fetches run at each replay."""
         ahead = [j for j in self._moe_layers if j > layer][: self.lookahead]
         if not ahead:
             return
         if self.idle is not None and self.idle():  # idle for good (the target tier holds every expert)
             return
-        rec = self.recorder() if self.recorder is not None else None
-        if rec is not None:  # inside a graph capture: predict in the graph, gate and issue at every replay
+        if capture is not None:  # inside a graph capture: predict in the graph, gate and issue at every replay
             ids = torch.stack([self.predictors[j](hidden).reshape(-1) for j in ahead])  # [J, N*k], static
-            rec.defer(lambda: self._replayed(ahead, ids))
+            capture.defer(lambda: self._replayed(ahead, ids))
             return
         if not self._precise_enough():
             return

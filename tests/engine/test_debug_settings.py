@@ -23,7 +23,7 @@ def test_cpu_kernel_is_chosen_per_engine(tiny_model_dir):
     scores = {}
     for name, cfg in configs.items():
         with Engine.from_pretrained(tiny_model_dir, device="cpu", config=cfg) as engine:
-            assert engine._compute.cpu_kernel == cfg.get("debug", {}).get("cpu_kernel", "auto")
+            assert engine.executor.cpu_kernel == cfg.get("debug", {}).get("cpu_kernel", "auto")
             scores[name] = engine.score(engine.tokenizer.encode(PROMPT))
     assert torch.equal(scores["torch"], scores["reference"])
     if default_backend != "torch":  # the compiled kernel's own summation order (and bf16 rounding where it has it)
@@ -33,9 +33,9 @@ def test_cpu_kernel_is_chosen_per_engine(tiny_model_dir):
 
 def test_cpu_threads_fix_the_kernels_thread_count(tiny_model_dir):
     with Engine.from_pretrained(tiny_model_dir, device="cpu", config={"debug": {"cpu_threads": 3}}) as engine:
-        assert engine._compute.cpu_threads == 3 and engine._compute.fixed_threads
+        assert engine.executor.cpu_threads == 3 and engine.executor.fixed_threads
     with Engine.from_pretrained(tiny_model_dir, device="cpu") as engine:
-        assert not engine._compute.fixed_threads
+        assert not engine.executor.fixed_threads
 
 
 def test_kernel_options_hold_in_their_own_engines_forward_passes(tiny_model_dir):

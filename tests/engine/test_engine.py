@@ -186,7 +186,7 @@ def test_default_model_is_built_on_first_use(tmp_path, monkeypatch):
 
 
 def test_reproducible_generation_takes_the_exact_path_and_restores_it(tiny_engine, monkeypatch):
-    compute = tiny_engine._compute
+    compute = tiny_engine.executor
     assert compute is not None and compute.reproducible is False
     modes = []  # the compute's mode in each forward pass
     forward = tiny_engine.model.forward

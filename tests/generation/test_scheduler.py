@@ -170,7 +170,7 @@ def test_reproducible_request_is_bit_identical_alone_and_in_a_batch(tiny_engine)
         assert max(st["passes"] for st in s.recent_steps()) >= 2  # they really ran beside each other
     finally:
         s.stop()
-    assert tiny_engine._compute.reproducible is False  # the scheduler restores the compute's mode
+    assert tiny_engine.executor.reproducible is False  # the scheduler restores the compute's mode
 
 
 def test_reproducible_request_equals_engine_generate(tiny_engine, sched):
@@ -272,7 +272,7 @@ def test_reproducible_on_gpu_with_cold_experts_in_fork_mode(tiny_model_dir):
         assert _trace(batch[1]) == _trace(alone)
         solo = engine.generate(ps[3], max_tokens=16, temperature=0.9, seed=2, reproducible=True)
         assert tokens_of(alone) == solo.token_ids
-        assert engine._compute.reproducible is False
+        assert engine.executor.reproducible is False
 
 
 class _StepSpy:

@@ -58,16 +58,26 @@ def test_graphs_are_captured_again_after_every_graph_was_freed(plain_tiny):
 
 @pytest.mark.gpu
 def test_after_queued_runs_once_the_steps_work_is_queued(plain_tiny):
-    """`DecodeGraphs.after_queued` (the mailbox books' wake) runs once per replayed step, after `queue_decode` has
-    queued the step's LM head and sampling, never inside the replay; a caller that does not call `step_queued`
+    """The graph step hooks' `after_queued` (the mailbox books' wake) runs once per replayed step, after
+    `queue_decode` has queued the step's LM head and sampling, never inside the replay; a caller that does not call `step_queued`
     gets it at its next step's start. It is given an event recorded after that work, reached once the GPU has
     done it (inline books stop there)."""
     from strata.runtime.generation.overlap import queue_decode
     from strata.runtime.generation.sampler import SamplingParams, make_generator
 
     eng = Engine.from_pretrained(plain_tiny, device="cuda", config={"runtime": {"experts": "memory"}})
-    g, model, events, dones = eng.model.graphs, eng.model, [], []
-    g.after_queued = lambda done: (events.append("wake"), dones.append(done))
+    model, events, dones, launches = eng.model, [], [], []
+
+    class Books:  # the model's `GraphStepHooks` (strata.runtime.model.hooks)
+        def before_step(self) -> None:
+            launches.append(len(events))
+
+        def after_queued(self, until: torch.cuda.Event) -> None:
+            events.append("wake")
+            dones.append(until)
+
+    model.enable_decode_graphs(lambda: "full", hooks=Books())
+    g = model.graphs
     logits = model.logits
     model.logits = lambda hidden: (events.append("logits"), logits(hidden))[1]
     cache = KVCache(model.cfg, 1, 256, eng.dtype, "cuda")
@@ -89,6 +99,7 @@ def test_after_queued_runs_once_the_steps_work_is_queued(plain_tiny):
         assert events[n:] == ["wake", "wake"]
         torch.cuda.synchronize()
         assert len(dones) == events.count("wake") and all(isinstance(d, torch.cuda.Event) and d.query() for d in dones)
+    assert len(launches) == g.captures + g.replays  # `before_step`: once a graph step, captured or replayed
     eng.close()
 
 
@@ -148,7 +159,7 @@ def test_segmented_graphs_with_cold_experts(plain_tiny, numerics):
             assert torch.equal(tiered.score(ids), memory.score(ids))
         else:
             assert (tiered.score(ids) - memory.score(ids)).abs().mean().item() < 0.02
-            assert tiered._compute.cpu_experts > 0
+            assert tiered.executor.cpu_experts > 0
         stats = tiered.stats()["tiers"]
         if numerics == "gpu":  # every cold expert crosses to a GPU slot
             assert stats["misses"] > 0 and stats["tiers"]["gpu"]["evictions"] > 0
@@ -166,8 +177,8 @@ def test_split_decode_copies_the_gpu_share(plain_tiny):
            "runtime": {"cpu_numerics": "fork"}}
     with Engine.from_pretrained(plain_tiny, device="cuda", config=cfg) as tiered:
         tiered.wait_settled(60)
-        tiered._compute.rates.cpu_bytes_per_s = 1e6  # the CPU looks slow: the GPU takes the cold experts
-        tiered._compute.rates.observe_cpu = lambda *a: None  # and stays so
+        tiered.executor.rates.cpu_bytes_per_s = 1e6  # the CPU looks slow: the GPU takes the cold experts
+        tiered.executor.rates.observe_cpu = lambda *a: None  # and stays so
         ids = memory.tokenizer.encode("The river runs through the valley and the town")
         assert (tiered.score(ids) - memory.score(ids)).abs().mean().item() < 0.02
         got = tiered.generate(ids, max_tokens=16)
@@ -186,12 +197,12 @@ def test_all_resident_tiered_engine_uses_graphs_and_equals_memory(plain_tiny, nu
         ids = memory.tokenizer.encode("The river runs through the valley and the town")
         tiered.generate(ids, max_tokens=2)  # placement finishes in the background
         for _ in range(200):
-            if tiered._compute.all_resident():
+            if tiered.executor.all_resident():
                 break
             import time
 
             time.sleep(0.05)
-        assert tiered._compute.all_resident()
+        assert tiered.executor.all_resident()
         assert tiered.generate(ids, max_tokens=24).token_ids == memory.generate(ids, max_tokens=24).token_ids
         assert tiered.model.graphs.replays > 0 and tiered.model.graphs.mode() == "full"
         assert tiered.stats()["tiers"]["lookups"] > 0  # device-side counts reach the statistics

@@ -113,7 +113,7 @@ def _assert_same_engram_state(cfg, a: KVCache, b: KVCache) -> None:
 def test_static_engram_inputs_equal_the_eager_engram_step(tiny_model_dir):
     """What a captured decode step of an Engram model reads (`StaticEngramStep`: rows, conv taps and ring
     indices copied into fixed buffers, reloaded every step) gives the eager per-sequence step's hidden states."""
-    from strata.runtime.model.engram.decode import StaticEngramStep
+    from strata.runtime.model.engram.static import StaticEngramStep
 
     model, cfg, a, b = _engram_model_and_two_caches(tiny_model_dir)
     g = torch.Generator().manual_seed(1)
@@ -319,7 +319,6 @@ def test_split_prefetches_into_pinned_ram_and_idles_once_it_holds_every_expert(s
     RAM, not GPU slots, and stops predicting for good once pinned RAM holds every expert (and can hold them
     all); a copy-only engine's prefetcher still targets the GPU tier."""
     from strata.config import StrataConfig
-    from strata.runtime.plan.build import attach_prefetcher
 
     keys = store.keys()
     calls = []
@@ -329,7 +328,7 @@ def test_split_prefetches_into_pinned_ram_and_idles_once_it_holds_every_expert(s
         m = TierManager(store, TierBudgets(gpu_slots=3, pinned_slots=pinned), gpu_device=torch.device("cpu"),
                         io_threads=2)
         try:
-            pf = attach_prefetcher(ExpertCompute(m, "gpu", numerics), predictors, StrataConfig())
+            pf = ExpertCompute(m, "gpu", numerics).start_prefetching(predictors, StrataConfig().prefetch.lookahead)
             assert pf.device_tier == ("cpu" if numerics == "fork" else "gpu")
             m.release(m.acquire(list(keys)[: min(pinned, len(keys))], "cpu"))
             assert m.all_pinned() == (pinned == len(keys))  # a smaller pool may evict: never idle for good

@@ -331,7 +331,7 @@ def test_decode_graph_rows_from_the_host_cache_by_slot(tiny_model_dir, memory_en
     the in-memory tables step after step while the small cache evicts; a cache too small for one step's
     rows is refused before anything is consumed. Segmented: the host finishes one layer at a time, right
     before it (`publish`), the later layers' reads still in flight and their hits protected."""
-    from strata.runtime.model.engram.decode import StaticEngramStep
+    from strata.runtime.model.engram.static import StaticEngramStep
 
     cfg = memory_engine.checkpoint.config
     conf = {"engram": {"tier": "disk", "row_cache": "2KiB"}, "debug": {"engram_read_batch": 7},

@@ -177,8 +177,8 @@ def test_one_graph_split_decode_equals_the_host_step_path(tmp_path, monkeypatch,
     try:
         for e in engines.values():
             assert e.wait_settled(60)
-            e._compute.rates.cpu_bytes_per_s = 1e15  # the host path's cost model: every cold expert to the CPU
-            e._compute.rates.observe_cpu = lambda *a: None
+            e.executor.rates.cpu_bytes_per_s = 1e15  # the host path's cost model: every cold expert to the CPU
+            e.executor.rates.observe_cpu = lambda *a: None
         ids = memory.tokenizer.encode("The river runs through the valley and the town")
         got = {mode: e.generate(ids, max_tokens=24) for mode, e in engines.items()}
         graph = engines["graph"]
@@ -187,10 +187,10 @@ def test_one_graph_split_decode_equals_the_host_step_path(tmp_path, monkeypatch,
         assert engines["host"].model.graphs.mode() == "segmented"
         assert got["graph"].token_ids == got["host"].token_ids
         assert got["graph"].token_ids[:4] == memory.generate(ids, max_tokens=4).token_ids
-        assert graph._compute.mailbox.experts_computed > 0 and graph._compute.gpu_share is None
-        assert graph._compute.mailbox.direct == direct
+        assert graph.executor.mailbox.experts_computed > 0 and graph.executor.gpu_share is None
+        assert graph.executor.mailbox.direct == direct
         stats = graph.stats()
-        assert stats["cpu_experts_computed"] >= graph._compute.mailbox.experts_computed
+        assert stats["cpu_experts_computed"] >= graph.executor.mailbox.experts_computed
         assert stats["tiers"]["tiers"]["pinned"]["hits"] > 0 and stats["tiers"]["tiers"]["gpu"]["hits"] > 0
         assert_batched_decode_identical(engines["host"], graph, steps=12)
     finally:
@@ -254,10 +254,10 @@ def test_one_graph_split_decode_with_a_gpu_share_follows_memory(tmp_path):
     computed = {}  # bytes of experts the worker read
     for share in (0, 0.6, 0.35):
         with one_graph_decode(model, {**cfg, "debug": {"gpu_share": share}}, ids, want) as (tiered, read, _):
-            assert (tiered._compute.gpu_share is None) == (share == 0)
+            assert (tiered.executor.gpu_share is None) == (share == 0)
             if share:
-                assert tiered._compute.gpu_share.granules == 4  # tiny: 32 rows, 8 a granule
-                assert not tiered._compute.gpu_share.adaptive and tiered._compute.gpu_share.value == share
+                assert tiered.executor.gpu_share.granules == 4  # tiny: 32 rows, 8 a granule
+                assert not tiered.executor.gpu_share.adaptive and tiered.executor.gpu_share.value == share
             computed[share] = read
     assert 0 < computed[0.6] < 0.75 * computed[0]
     assert computed[0.6] < computed[0.35] < computed[0]
@@ -287,9 +287,9 @@ def test_a_worker_error_is_raised_once_and_retires_the_mailbox(tiny_model_dir, t
             compute.mailbox.exchange(0, torch.tensor([5, 1]), torch.tensor([-1, -1], dtype=torch.int32),
                                      torch.randn(1, H), torch.rand(1, K))
         with pytest.raises(RuntimeError, match="an expert not resident"):
-            compute.mailbox_step()  # the next step's check
+            compute.before_step()  # the next step's check
         assert compute.mailbox is None and compute.books is None and not compute.mailbox_ready()
-        compute.mailbox_step()  # nothing left to check
+        compute.before_step()  # nothing left to check
         assert m.stats()["lookups"] >= 0
     finally:
         m.close()
@@ -320,7 +320,7 @@ def test_engine_stats_say_why_one_graph_decode_is_off(tiny_model_dir):
         state = engine.stats()["one_graph_decode"]
         assert state["on"] is False and "worker_experts" not in state
         engine.tiers.wait_settled(30)
-        assert engine._compute.mailbox_ready() is False
+        assert engine.executor.mailbox_ready() is False
         assert engine.stats()["one_graph_decode"]["off_because"] == "no forked CPU compute beside a CUDA device"
     finally:
         engine.close()

@@ -22,7 +22,6 @@ Prefill chunks run the same code eagerly, and eager and replayed decode steps gi
 from __future__ import annotations
 
 import logging
-import threading
 import traceback
 import weakref
 from collections.abc import Callable
@@ -31,136 +30,13 @@ from pathlib import Path
 
 import torch
 
-from strata.runtime.model.engram.decode import StaticEngramStep
+from strata.runtime.model.capture import SegmentRecorder, capturing
+from strata.runtime.model.engram.static import StaticEngramStep
+from strata.runtime.model.hooks import GraphStepHooks
 from strata.runtime.model.kv_cache import DecodeBatch, KVCache, StepBatch, kv_bucket
 
 log = logging.getLogger(__name__)
 MAX_GRAPH_BATCH = 16  # decode batches up to this size get graphs; bigger ones run eagerly
-
-
-_local = threading.local()
-
-
-def current_recorder() -> SegmentRecorder | None:
-    """The segmented capture in progress on this thread, if any (modules then defer host work to it)."""
-    return getattr(_local, "recorder", None)
-
-
-def current_capture_mode() -> str | None:
-    """The mode of the decode step being captured on this thread (its eager warm-up run included), else None."""
-    return getattr(_local, "mode", None)
-
-
-class SegmentRecorder:
-    """Captures a step as graphs separated by host steps; `replay()` runs them in order."""
-
-    def __init__(self, pool, device: torch.device | None = None):
-        self.pool = pool
-        self.graphs: list[torch.cuda.CUDAGraph] = []
-        self.steps: list[tuple[Callable[[], None], list[Callable[[], None]]]] = []
-        self.deferred: list[Callable[[], None]] = []
-        self.tail: list[Callable[[], None]] = []
-        self._graph: torch.cuda.CUDAGraph | None = None
-        # a model split over cards: the card being captured, the first one, and each later card's
-        # capture stream with the stream it replaced (restored when the capture ends)
-        self.device = self.first = device
-        self._cards: dict[torch.device, tuple[torch.cuda.Stream, torch.cuda.Stream]] = {}
-        self._hop_copies: list[tuple[torch.Tensor, torch.Tensor]] = []  # (source, buffer) of the current boundary
-
-    def begin(self) -> None:
-        self._graph = torch.cuda.CUDAGraph()
-        self._graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-
-    def host_step(self, fn: Callable[[], None]) -> None:
-        """End the current graph here; at replay `fn` (then the work deferred so far) runs before the next one."""
-        self._graph.capture_end()
-        self.graphs.append(self._graph)
-        self.steps.append((fn, self.deferred))
-        self.deferred = []
-        self.begin()
-
-    def switch_device(self, device: torch.device, on_replay: Callable[[], None] | None = None) -> None:
-        """A stage boundary of a model split over cards: end the graph captured on the current card and go
-        on capturing on `device` (on a capture stream of its own). At replay, `device`'s stream first waits
-        for everything queued on the previous card (one event), the boundary's tensors are copied over
-        (`mirror`), then `on_replay` runs (hop statistics)."""
-        if device == self.device:
-            return
-        self._graph.capture_end()
-        self.graphs.append(self._graph)
-        self._hop_copies = []
-        self.steps.append((_card_hop(self.device, device, self._hop_copies, on_replay), self.deferred))
-        self.deferred = []
-        torch.cuda.set_device(device)
-        if device not in self._cards:
-            self._cards[device] = (torch.cuda.Stream(device), torch.cuda.current_stream(device))
-        torch.cuda.set_stream(self._cards[device][0])
-        self.device = device
-        self.begin()
-
-    def mirror(self, t: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """`t`, made on the previous card, as a buffer on `device` (the card now captured) that the card hop
-        fills at replay. A graph cannot hold a copy between cards (PyTorch orders one on both cards'
-        streams), so the copy runs eagerly between the two cards' replays; `t` is kept alive with it."""
-        dst = torch.empty_like(t, device=device)
-        self._hop_copies.append((t, dst))
-        return dst
-
-    def _restore(self) -> None:
-        for _, saved in self._cards.values():
-            torch.cuda.set_stream(saved)
-        if self.first is not None:
-            torch.cuda.set_device(self.first)
-
-    def defer(self, fn: Callable[[], None]) -> None:
-        """Host work that may wait until the next host step (e.g. issuing predicted prefetches)."""
-        self.deferred.append(fn)
-
-    def abort(self) -> None:
-        """End a capture that failed midway (the stream must not stay in capture mode)."""
-        try:
-            self._graph.capture_end()
-        except Exception:  # noqa: BLE001 - already invalidated
-            pass
-        self._restore()
-
-    def end(self) -> None:
-        self._graph.capture_end()
-        self.graphs.append(self._graph)
-        self.tail, self.deferred = self.deferred, []
-        self._restore()
-
-    def replay(self) -> None:
-        if self.first is not None:
-            torch.cuda.set_device(self.first)
-        for graph, (fn, deferred) in zip(self.graphs[:-1], self.steps, strict=True):
-            graph.replay()
-            fn()
-            for d in deferred:
-                d()
-        self.graphs[-1].replay()
-        if self.tail:
-            torch.cuda.current_stream().synchronize()
-            for d in self.tail:
-                d()
-        if self.first is not None:
-            torch.cuda.set_device(self.first)
-
-
-def _card_hop(prev: torch.device, nxt: torch.device, copies: list[tuple[torch.Tensor, torch.Tensor]],
-              on_replay: Callable[[], None] | None) -> Callable[[], None]:
-    """The replay step between two cards' graphs: `nxt` waits for `prev`'s work, the boundary's tensors are
-    copied to `nxt` (peer-to-peer where the cards allow it), and `nxt` becomes current."""
-    def hop() -> None:
-        ready = torch.cuda.Event()
-        ready.record(torch.cuda.current_stream(prev))
-        torch.cuda.current_stream(nxt).wait_event(ready)
-        for src, dst in copies:
-            dst.copy_(src, non_blocking=True)  # ordered on both cards' current streams by PyTorch
-        torch.cuda.set_device(nxt)
-        if on_replay is not None:
-            on_replay()
-    return hop
 
 
 @dataclass
@@ -173,11 +49,13 @@ class _Graph:
 
 
 class DecodeGraphs:
-    """Captures and replays decode steps of one model; `mode()` says how: "full", "segmented" or None (eager)."""
+    """Captures and replays decode steps of one model; `mode()` says how: "full", "mailbox", "segmented" or None
+    (eager). `hooks` (the expert executor's, or None) are told around each graph step (strata.runtime.model.hooks)."""
 
     def __init__(self, forward: Callable[[torch.Tensor, DecodeBatch, KVCache], torch.Tensor],
-                 mode: Callable[[], str | None], devices: list[torch.device] | None = None):
-        self.forward, self.mode = forward, mode
+                 mode: Callable[[], str | None], devices: list[torch.device] | None = None,
+                 hooks: GraphStepHooks | None = None):
+        self.forward, self.mode, self.hooks = forward, mode, hooks
         # a model split over several cards: every capture is segmented, with a graph per card's stretch
         self.devices = devices if devices is not None and len(devices) > 1 else None
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
@@ -185,13 +63,11 @@ class DecodeGraphs:
         self.replays = 0
         self.captures = 0
         self.failed: dict[str, str] = {}  # mode -> why its capture failed (that mode then runs eagerly)
-        self.before_step: Callable[[], None] | None = None  # run before each graph step (e.g. the mailbox's checks)
-        # run once the caller has queued all of a replayed step's work (`step_queued`), while the GPU works, given
-        # an event recorded after that work: e.g. the mailbox's books, whose Python would otherwise hold the GIL the
-        # launch and the step's LM head, sampling and read-back need, and which stop once the event is reached
-        self.after_queued: Callable[[torch.cuda.Event], None] | None = None
-        self._launched = False  # a step was replayed and `after_queued` has not run for it yet
-        self._queued_event: torch.cuda.Event | None = None  # what `after_queued` is given
+        # `hooks.after_queued` runs once the caller has queued all of a replayed step's work (`step_queued`), while
+        # the GPU works: e.g. the mailbox's books, whose Python would otherwise hold the GIL the launch and the
+        # step's LM head, sampling and read-back need, and which stop once the event it is given is reached
+        self._launched = False  # a step was replayed and `hooks.after_queued` has not run for it yet
+        self._queued_event: torch.cuda.Event | None = None  # what `hooks.after_queued` is given
         self.eager_shapes: dict[tuple, str] = {}  # graph key -> why that shape alone runs eagerly
 
     def run(self, input_ids: torch.Tensor, batch: StepBatch, cache: KVCache) -> torch.Tensor:
@@ -203,8 +79,8 @@ class DecodeGraphs:
         mode = self.mode() if n <= MAX_GRAPH_BATCH else None
         if mode in self.failed:
             mode = None
-        if mode is not None and self.before_step is not None:
-            self.before_step()
+        if mode is not None and self.hooks is not None:
+            self.hooks.before_step()
         step = batch.engram  # the step's Engram work (hashed, gathers started), or None
         if mode is None:
             dev = meta.to(input_ids.device, non_blocking=True)
@@ -226,7 +102,7 @@ class DecodeGraphs:
         g.ids.copy_(input_ids, non_blocking=True)
         g.meta.copy_(meta, non_blocking=True)
         g.graph.replay()
-        self._launched = self.after_queued is not None
+        self._launched = self.hooks is not None
         if g.engram is not None:
             g.engram.replayed()
         self.replays += 1
@@ -234,7 +110,7 @@ class DecodeGraphs:
 
     def step_queued(self) -> None:
         """The caller has queued everything of the step it ran last (LM head, sampling, the tokens' read-back) and
-        is about to wait for the GPU: `after_queued` runs now, once per replayed step, with an event recorded after
+        is about to wait for the GPU: `hooks.after_queued` runs now, once per replayed step, with an event recorded after
         that work (so it can stop when the GPU is done). (Run right after the replay, the books' Python held the GIL
         for ~1 ms while the decoding thread still had the step's LM head and sampling to queue.)"""
         if self._launched:
@@ -242,7 +118,7 @@ class DecodeGraphs:
             if self._queued_event is None:
                 self._queued_event = torch.cuda.Event()  # one, recorded again every step
             self._queued_event.record()
-            self.after_queued(self._queued_event)
+            self.hooks.after_queued(self._queued_event)
 
     def _capture(self, key, input_ids, meta, kv_len, cache, mode: str, step=None) -> torch.Tensor:
         """Run the step for real on a side stream (warm-up, its result is returned), then capture it."""
@@ -256,23 +132,16 @@ class DecodeGraphs:
             return self.forward(input_ids, DecodeBatch(dev_meta[0], dev_meta[1], kv_len, engram=step), cache)
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
-        _local.mode = mode
-        try:
-            with torch.cuda.stream(side):
-                result = self.forward(ids, DecodeBatch(dev_meta[0], dev_meta[1], kv_len, engram=statics), cache).clone()
-                if statics is not None:
-                    statics.replayed()
-        finally:
-            _local.mode = None
+        with capturing(mode), torch.cuda.stream(side):  # the warm-up takes the capture's paths
+            result = self.forward(ids, DecodeBatch(dev_meta[0], dev_meta[1], kv_len, engram=statics), cache).clone()
+            if statics is not None:
+                statics.replayed()
         torch.cuda.current_stream().wait_stream(side)
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
         try:
-            _local.mode = mode
-            try:
+            with capturing(mode):
                 graph, out = self._record(ids, dev_meta, kv_len, cache, mode, statics)
-            finally:
-                _local.mode = None
         except Exception as e:  # noqa: BLE001 - a step that cannot be captured still runs, eagerly
             frames = traceback.extract_tb(e.__traceback__)
             where = [f for f in frames if "/strata/" in f.filename] or frames  # strata's line that cannot be captured
@@ -297,18 +166,14 @@ class DecodeGraphs:
             return graph, out
         self._synchronize()
         rec = SegmentRecorder(self.pool, ids.device if self.devices is not None else None)
-        _local.recorder = rec
-        try:
-            with torch.cuda.stream(torch.cuda.Stream()):
-                rec.begin()
-                try:
-                    out = self.forward(ids, batch, cache)
-                except BaseException:
-                    rec.abort()
-                    raise
-                rec.end()
-        finally:
-            _local.recorder = None
+        with capturing(mode, rec), torch.cuda.stream(torch.cuda.Stream()):
+            rec.begin()
+            try:
+                out = self.forward(ids, batch, cache)
+            except BaseException:
+                rec.abort()
+                raise
+            rec.end()
         self._synchronize()
         return rec, out
 

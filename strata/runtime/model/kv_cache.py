@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.runtime.model.config import ModelConfig
+from strata.runtime.model.engram.cache import EngramCache
 
 
 @dataclass
@@ -70,8 +71,6 @@ class KVCache:
             self.layers.append((a, b))
         self.engram = None  # Engram layers' per-slot state: token history and convolution rings
         if cfg.engram is not None:
-            from strata.runtime.model.engram.layer import EngramCache
-
             self.engram = EngramCache(cfg.engram, cfg.hidden_size, num_slots, max_len, dtype, device)
 
     @property

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from strata.runtime.model.graphs import current_recorder
+from strata.runtime.model.capture import current_recorder
 from strata.runtime.model.kv_cache import DecodeBatch
 from strata.runtime.model.transformer import MoETransformer
 
@@ -40,10 +40,13 @@ class HopStats:
     timed: int = 0
     _pending: list = field(default_factory=list)  # (start, end) CUDA events not yet read
 
-    def add(self, nbytes: int) -> None:
-        """A hop replayed inside a CUDA graph (counted, not timed)."""
+    def add(self, nbytes: int, timing: tuple[torch.cuda.Event, torch.cuda.Event] | None = None) -> None:
+        """A hop of `nbytes`: replayed inside a CUDA graph (counted, not timed), or copied eagerly, then timed
+        by `timing` (its start and end CUDA events, read at the next `snapshot`) when given."""
         self.hops += 1
         self.bytes += nbytes
+        if timing is not None:
+            self._pending.append(timing)
 
     def snapshot(self) -> dict:
         """JSON-ready totals (reading the timing events waits for the copies they bracket)."""
@@ -166,9 +169,7 @@ class StageMap:
         out = _to(t, device)
         if timed:
             end.record(stream)
-            self.stats._pending.append((start, end))
-        self.stats.hops += 1
-        self.stats.bytes += t.numel() * t.element_size()
+        self.stats.add(t.numel() * t.element_size(), (start, end) if timed else None)
         return out
 
 

@@ -18,6 +18,7 @@ from strata.runtime.model.attention import GQAAttention, MLAAttention
 from strata.runtime.model.config import ModelConfig
 from strata.runtime.model.engram.layer import EngramLayer, EngramRuntime
 from strata.runtime.model.graphs import DecodeGraphs, is_decode
+from strata.runtime.model.hooks import GraphStepHooks, LayerObserver
 from strata.runtime.model.kv_cache import DecodeBatch, KVCache, StepBatch
 from strata.runtime.model.layers import MLP, RMSNorm
 from strata.runtime.model.moe import MoEBlock
@@ -46,7 +47,11 @@ class DecoderLayer(nn.Module):
 
 
 class MoETransformer(nn.Module):
-    """`forward(input_ids [N], batch, cache) -> hidden [N, H]`; `logits(hidden) -> [n, vocab]` fp32."""
+    """`forward(input_ids [N], batch, cache) -> hidden [N, H]`; `logits(hidden) -> [n, vocab]` fp32.
+
+    Its collaborators, each set once when the model is built: `layer_observer` (`observe_layers`: told after every
+    layer, e.g. the expert prefetcher) and `graphs` (`enable_decode_graphs`: decode steps as CUDA graphs, with the
+    expert executor's hooks around them); see strata.runtime.model.hooks."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -56,7 +61,7 @@ class MoETransformer(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.rope)
-        self.after_layer: Callable[[int, torch.Tensor], None] | None = None  # e.g. the expert prefetcher
+        self.layer_observer: LayerObserver | None = None  # told after every layer (`observe_layers`)
         self.graphs: DecodeGraphs | None = None  # CUDA-graph decode steps (set up by `enable_decode_graphs`)
         self.engram = EngramRuntime(cfg.engram, cfg.vocab_size) if cfg.engram is not None else None
         # the engine's [debug] fused_kernels / pdl, in force for every kernel a forward pass launches or captures
@@ -88,16 +93,21 @@ class MoETransformer(nn.Module):
         cos, sin = self.rotary(batch.positions(input_ids.device), x.dtype)
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers, strict=True)):
             x = layer(x, cos, sin, batch, layer_cache)
-            if self.after_layer is not None:
-                self.after_layer(i, x)
+            if self.layer_observer is not None:
+                self.layer_observer.after_layer(i, x)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
+    def observe_layers(self, observer: LayerObserver | None) -> None:
+        """Tell `observer` after every decoder layer of each forward pass (None: nobody)."""
+        self.layer_observer = observer
+
     def enable_decode_graphs(self, mode: Callable[[], str | None] = lambda: "full",
-                             devices: list[torch.device] | None = None) -> None:
+                             devices: list[torch.device] | None = None, hooks: GraphStepHooks | None = None) -> None:
         """Run decode steps with fixed shapes, captured in CUDA graphs as `mode()` says (CUDA only):
-        "full" (nothing needs the host), "segmented" (graphs between host steps) or None (eager).
-        `devices`: the cards of a model split over several (a graph per card's stretch of layers)."""
-        self.graphs = DecodeGraphs(self.run_layers, mode, devices)
+        "full" (nothing needs the host), "mailbox" (one graph, cold experts on the CPU worker), "segmented"
+        (graphs between host steps) or None (eager). `devices`: the cards of a model split over several (a graph
+        per card's stretch of layers). `hooks`: told around each graph step (the expert executor's books)."""
+        self.graphs = DecodeGraphs(self.run_layers, mode, devices, hooks)

@@ -17,9 +17,11 @@ import numpy as np
 import torch
 
 from strata.kernels.gpu.grouped import HostExperts, SlotWeights, in_place_ok
+from strata.runtime.model.capture import current_recorder
 from strata.runtime.offload.cost_model import Rates
 from strata.runtime.offload.cpu_compute import CpuCompute
 from strata.tiers.manager import TierManager
+from strata.tiers.prefetch import LookaheadPrefetcher, Predictor
 
 log = logging.getLogger(__name__)
 
@@ -33,7 +35,10 @@ class ExpertCompute(CpuCompute):
     The `[debug]` switches it takes: split_decode ("graph": one-graph steps with the mailbox worker; "host"),
     warm_ahead, gpu_share (a fixed share of the cold rows the GPU reads in place in a mailbox step; None: balanced
     on the GPU's waits), cpu_threads (the CPU kernel's threads; 0: chosen from the cores) and cpu_kernel (its
-    instruction set, or "torch")."""
+    instruction set, or "torch").
+
+    It is also the model's collaborator on one card (strata.runtime.model.hooks): its `after_layer` runs the
+    lookahead prefetch (`start_prefetching`), and `before_step` / `after_queued` keep one-graph decode's books."""
 
     def __init__(self, manager: TierManager, device_tier: str, cpu_numerics: str = "fork", promote: bool = True,
                  split_decode: str = "host", device: torch.device | None = None, warm_ahead: bool = False,
@@ -52,7 +57,8 @@ class ExpertCompute(CpuCompute):
         # set by the scheduler around a step of reproducible requests: cold experts go to the GPU
         # (GPU hosts) or through the reference math (CPU hosts), never through the forked CPU kernel
         self.reproducible = False
-        self.prefetcher = None  # LookaheadPrefetcher, polled at each layer's synchronisation point
+        # predicts after each layer (`after_layer`), polled at each layer's synchronisation point (`start_prefetching`)
+        self.prefetcher: LookaheadPrefetcher | None = None
         self._all_resident = False
         self.pair_path: bool | None = None  # None: pair kernels for small CUDA steps; tests force either way
         self.slots: SlotWeights | None = None
@@ -230,7 +236,27 @@ class ExpertCompute(CpuCompute):
         self.promotions += 1
         return layer, max(keep, key=score.__getitem__)
 
-    def mailbox_step(self) -> None:
+    # ---- the model's hooks (strata.runtime.model.hooks: `LayerObserver` and `GraphStepHooks`) ------------------
+    def start_prefetching(self, predictors: dict[int, Predictor], lookahead: int) -> LookaheadPrefetcher:
+        """Predict the experts of the next `lookahead` MoE layers of `predictors` after each layer (`after_layer`)
+        and fetch them ahead, until the target tier holds every expert for good. Split decode computes cold experts
+        on the CPU from pinned RAM, so there it fetches ahead into pinned RAM (from tmpfs or disk); copies ahead
+        into GPU slots there only churned the GPU tier (the suite's skewed split ran 1.27x faster with prefetch
+        off), whose adaptation is left to the split's own promotions (`policy.promote`)."""
+        if self.split or self.device_tier == "cpu":  # (idle once all pinned: a one-graph step must not predict)
+            target, idle = "cpu", self.manager.all_pinned
+        else:
+            target, idle = self.device_tier, self.all_resident
+        self.prefetcher = LookaheadPrefetcher(self.manager, predictors, lookahead, target, idle=idle)
+        return self.prefetcher
+
+    def after_layer(self, layer: int, hidden: torch.Tensor) -> None:
+        """After decoder layer `layer`: the prefetcher predicts the next layers' experts from its output hidden
+        [N, H] (in a segmented capture, inside the graph, and issues them at each replay)."""
+        if self.prefetcher is not None:
+            self.prefetcher(layer, hidden, capture=current_recorder())
+
+    def before_step(self) -> None:
         """Before each graph step: the mailbox's books (and its GPU share's adjustment). A worker error or a step
         the GPU gave up waiting on is raised once (that step's sums are wrong), and the mailbox is retired:
         later steps take the host steps."""
@@ -243,7 +269,7 @@ class ExpertCompute(CpuCompute):
             self.close_mailbox()
             raise
 
-    def mailbox_queued(self, until=None) -> None:
+    def after_queued(self, until: torch.cuda.Event | None = None) -> None:
         """Once a graph step and its LM head, sampling and read-back are queued (`DecodeGraphs.step_queued`, `until`
         an event recorded after them): the mailbox's books run now, while the GPU works and the decoding thread waits
         for it, until the event is reached (run before the launch, their Python held the GIL the launch needed;

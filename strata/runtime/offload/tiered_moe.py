@@ -31,7 +31,7 @@ from torch import nn
 
 from strata.kernels.experts import group_by_expert
 from strata.kernels.gpu.grouped import combine_pairs, pair_experts, pair_experts_in_place, use_pair_kernels
-from strata.runtime.model.graphs import current_capture_mode, current_recorder
+from strata.runtime.model.capture import current_capture_mode, current_recorder
 from strata.runtime.model.moe import MoEBlock, router_predictors
 from strata.runtime.model.transformer import MoETransformer
 from strata.runtime.offload.cost_model import split_cold

@@ -3,6 +3,7 @@
     plan (one stage of contiguous layers per card) --> per card: TierManager over its layers' experts
                                                         (StoreView), ExpertCompute, LookaheadPrefetcher
     weights loaded once on the host --> each stage's modules moved to its card --> stage hooks (stages.py)
+                                     --> the model observed after each layer by `StagedPrefetcher`
 
 Each card has its own GPU expert slots, copy stream and pinned pool for its own layers; the CPU expert
 worker and the measured CPU rate are shared (one host). `runtime.experts = "memory"` splits layers with
@@ -16,44 +17,48 @@ import contextlib
 import time
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import psutil
 import torch
 
 from strata.config import StrataConfig
+from strata.runtime.model.capture import current_recorder
 from strata.runtime.model.checkpoint import Checkpoint
 from strata.runtime.model.engram.store import attach_row_store, drop_tables
-from strata.runtime.model.graphs import current_recorder
 from strata.runtime.model.loader import load_model
 from strata.runtime.model.moe import MoEBlock, router_predictors
 from strata.runtime.model.stages import Bounds, stage_model
 from strata.runtime.model.transformer import MoETransformer
+from strata.runtime.offload.cost_model import Rates
 from strata.runtime.offload.expert_compute import ExpertCompute
 from strata.runtime.offload.tiered_moe import TieredExperts
-from strata.runtime.plan.build import (
-    _DTYPES,
-    LoadedModel,
-    attach_prefetcher,
-    ensure_store,
-    expert_tiers,
-    kernel_options_of,
-    prepare_cpu_experts,
-    resolve_device,
-    start_placement,
-)
+from strata.runtime.plan.card import expert_tiers, prepare_cpu_experts, start_placement
 from strata.runtime.plan.device_tiers import DeviceTiers, StoreView
 from strata.runtime.plan.host import probe_host
+from strata.runtime.plan.loaded import DTYPES, LoadedModel, kernel_options_of, resolve_device
 from strata.runtime.plan.planner import plan_for
 from strata.runtime.plan.stages import layer_sizes, place_stages, select_devices
+from strata.runtime.plan.store_cache import ensure_store
 from strata.tiers.prefetch import LookaheadPrefetcher
 from strata.tiers.slots import TierBudgets
 
+if TYPE_CHECKING:
+    from strata.runtime.offload.gpu_share import GpuShare
+    from strata.runtime.offload.mailbox import CpuMailbox
+    from strata.runtime.offload.mailbox_books import MailboxBooks
+    from strata.runtime.offload.warm_ahead import WarmAhead
+
 
 class StagedCompute:
-    """The per-card `ExpertCompute`s of a staged model, read and set by the engine as one."""
+    """The per-card `ExpertCompute`s of a staged model, read and set by the engine as one (an `ExpertExecutor`,
+    strata.runtime.offload.executor): counts summed over the cards where the engine's figures were summed, the
+    first card's object where they share one (the CPU worker's rates) or its state alone is shown. A staged model
+    decodes in "full" or "segmented" graphs only, so no card opens a mailbox."""
 
     def __init__(self, computes: list[ExpertCompute], manager: DeviceTiers):
         self.computes, self.manager = computes, manager
+        self.first = computes[0]
 
     @property
     def cpu_experts(self) -> int:
@@ -61,7 +66,7 @@ class StagedCompute:
 
     @property
     def reproducible(self) -> bool:
-        return self.computes[0].reproducible
+        return self.first.reproducible
 
     @reproducible.setter
     def reproducible(self, value: bool) -> None:
@@ -71,12 +76,58 @@ class StagedCompute:
     def all_resident(self) -> bool:
         return all(c.all_resident() for c in self.computes)
 
-    def __getattr__(self, name: str):  # rates, fast_cpu, split, device_tier, ...: the first card's (shared)
-        return getattr(self.computes[0], name)
+    # ---- the first card's (see the class docstring) -------------------------------------------------------
+    @property
+    def rates(self) -> Rates:
+        return self.first.rates  # one object for every card (`_share_cpu_worker`)
+
+    @property
+    def promotions(self) -> int:
+        return self.first.promotions
+
+    @property
+    def host_seconds(self) -> Counter[str]:
+        return self.first.host_seconds
+
+    @property
+    def cpu_async(self) -> bool | None:
+        return self.first.cpu_async
+
+    @property
+    def cpu_threads(self) -> int | None:
+        return self.first.cpu_threads
+
+    @property
+    def prefetcher(self) -> LookaheadPrefetcher | None:
+        return self.first.prefetcher
+
+    @property
+    def mailbox(self) -> CpuMailbox | None:
+        return self.first.mailbox
+
+    @property
+    def books(self) -> MailboxBooks | None:
+        return self.first.books
+
+    @property
+    def gpu_share(self) -> GpuShare | None:
+        return self.first.gpu_share
+
+    @property
+    def warm_ahead(self) -> WarmAhead | None:
+        return self.first.warm_ahead
+
+    def mailbox_stats(self) -> dict:
+        return self.first.mailbox_stats()
+
+    def close_mailbox(self) -> None:
+        for c in self.computes:
+            c.close_mailbox()
 
 
 class StagedPrefetcher:
-    """After layer l, predict the next `lookahead` MoE layers' experts on the cards that run them."""
+    """After layer l, predict the next `lookahead` MoE layers' experts on the cards that run them: the model's
+    `LayerObserver` (strata.runtime.model.hooks) over several cards."""
 
     def __init__(self, prefetchers: list[LookaheadPrefetcher | None], stage_of: dict[int, int],
                  devices: list[torch.device], lookahead: int):
@@ -84,24 +135,26 @@ class StagedPrefetcher:
         self.lookahead = lookahead
         self._moe_layers = sorted(stage_of)
 
-    def __call__(self, layer: int, hidden: torch.Tensor) -> None:
+    def after_layer(self, layer: int, hidden: torch.Tensor) -> None:
+        """Layer `layer` ran, hidden [N, H] its output: each card's prefetcher predicts its layers among the next
+        `lookahead` MoE layers (in a segmented capture, only the card being captured)."""
         ahead = [j for j in self._moe_layers if j > layer][: self.lookahead]
-        capturing = current_recorder() is not None
+        capture = current_recorder()
         for s, n in Counter(self.stage_of[j] for j in ahead).items():
             p, device = self.prefetchers[s], self.devices[s]
-            if p is None or (capturing and device != hidden.device):
+            if p is None or (capture is not None and device != hidden.device):
                 continue  # a graph is captured on one card: predictions for another card's layers are skipped
             p.lookahead = n  # its own window: exactly the layers of `ahead` on card s (stages are contiguous)
             h = hidden if hidden.device == device else hidden.to(device, non_blocking=hidden.is_cuda and device.type == "cuda")
             with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-                p(layer, h)
+                p(layer, h, capture=capture)
 
 
 def build_multi_device(path: Path, cfg: StrataConfig, progress: bool = False) -> LoadedModel:
     """Load `path` split over `cfg.runtime.devices` (at least two CUDA cards)."""
     if cfg.runtime.experts == "memory":
         checkpoint = Checkpoint.open(path)
-        dtype = _DTYPES.get(cfg.runtime.dtype) or torch.bfloat16
+        dtype = DTYPES.get(cfg.runtime.dtype) or torch.bfloat16
         max_context = min(cfg.runtime.max_context, checkpoint.config.max_position_embeddings)
         sizes = layer_sizes(checkpoint.config, dtype, cfg.planner.max_batch, experts=True)
         host = probe_host(cfg.tiers.tmpfs.path, cfg.tiers.disk.path)
@@ -121,7 +174,7 @@ def build_multi_device(path: Path, cfg: StrataConfig, progress: bool = False) ->
     checkpoint = Checkpoint.open(store_dir)
     bounds = [(resolve_device(g.device), g.layers[0], g.layers[1]) for g in the_plan.gpus]
     loaded = assemble_tiered(checkpoint, bounds, [g.slots for g in the_plan.gpus], TierBudgets(**the_plan.budgets()),
-                             cfg, _DTYPES[the_plan.compute_dtype], progress, max_context=the_plan.max_context,
+                             cfg, DTYPES[the_plan.compute_dtype], progress, max_context=the_plan.max_context,
                              ram_available=host.ram_available,
                              engram_tier=the_plan.engram.tier if the_plan.engram is not None else None)
     loaded.plan = the_plan
@@ -173,9 +226,9 @@ def assemble_tiered(checkpoint: Checkpoint, bounds: Bounds, gpu_slots: list[int]
                                    devices=[d for d, _, _ in bounds])
     if cfg.prefetch.lookahead > 0:
         predictors = router_predictors(model)
-        prefetchers = [attach_prefetcher(c, {i: predictors[i] for i in layers}, cfg) if layers else None
-                       for c, layers in zip(computes, per_stage, strict=True)]
-        model.after_layer = StagedPrefetcher(prefetchers, stage_of, [d for d, _, _ in bounds], cfg.prefetch.lookahead)
+        prefetchers = [c.start_prefetching({i: predictors[i] for i in layers}, cfg.prefetch.lookahead) if layers
+                       else None for c, layers in zip(computes, per_stage, strict=True)]
+        model.observe_layers(StagedPrefetcher(prefetchers, stage_of, [d for d, _, _ in bounds], cfg.prefetch.lookahead))
     for m in managers:
         start_placement(m, cfg)
     context = min(max_context or cfg.runtime.max_context, checkpoint.config.max_position_embeddings)

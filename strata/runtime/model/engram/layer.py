@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata.runtime.model.engram.cache import EngramCache
 from strata.runtime.model.engram.decode import DeviceEngramStep, device_step, host_decode_inputs
 from strata.runtime.model.engram.hashing import EngramConfig, NgramHasher
 from strata.runtime.model.kv_cache import DecodeBatch
@@ -67,23 +68,6 @@ class MemoryRows:
 
     def device_table(self, layer: int) -> torch.Tensor:
         return self.tables[layer]
-
-
-class EngramCache:
-    """Per-slot Engram state on the device: raw token ids (int64 [slots, max_len], the n-gram history)
-    and per layer the ring of the last `conv_window` normalised values ([slots, conv_window, H] in the
-    model dtype). The history lives on the device so that decode steps can hash inside a CUDA graph."""
-
-    def __init__(self, cfg: EngramConfig, hidden: int, num_slots: int, max_len: int, dtype: torch.dtype,
-                 device: torch.device | str):
-        self.window = cfg.conv_window
-        self.tokens = torch.zeros(num_slots, max_len, dtype=torch.int64, device=device)
-        self.conv = {layer: torch.zeros(num_slots, max(self.window, 1), hidden, dtype=dtype, device=device)
-                     for layer in cfg.layer_ids}
-
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.conv.values())
 
 
 class EngramStep:
