@@ -18,20 +18,20 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from strata.config import StrataConfig, load_config, parse_gpus, parse_size
-from strata.errors import StrataError
 from strata.runtime.generation.prefill_chunk import resolve_prefill_chunk
 from strata.runtime.model.kv_cache import KVCache
-from strata.runtime.plan.engram import EngramPlan, EngramPlanError, plan_engram
+from strata.runtime.plan.engram import EngramPlanError, plan_engram
 from strata.runtime.plan.footprint import read_footprint
 from strata.runtime.plan.host import GpuInfo, HostInfo, probe_host
 from strata.runtime.plan.inspect import format_bytes
+from strata.runtime.plan.layout import GpuPlan, Plan, PlanError, TierPlan
+from strata.runtime.plan.stages import plan_stages, select_devices, simulate_gpus
 from strata.runtime.plan.store_cache import store_dir_for
 from strata.tiers.store import format as store_format
 
@@ -39,124 +39,9 @@ GiB, MiB = 1 << 30, 1 << 20
 RAM_MARGIN_MIN = 4 * GiB  # RAM never planned: the OS, page cache for the disk tier, other processes
 RAM_MARGIN_FRACTION = 0.10
 MIN_CONTEXT = 16  # runtime.max_context's lower bound
+__all__ = ["GpuPlan", "Plan", "PlanError", "TierPlan", "add_plan_arguments", "cmd_plan", "override_host", "plan",
+           "plan_for"]
 _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class PlanError(StrataError):
-    """The model does not fit this host with this configuration; the message names the fix."""
-
-
-@dataclass
-class GpuPlan:
-    """One GPU's memory: what is resident before experts, and the expert slots after."""
-
-    device: str  # "cuda:N"
-    name: str
-    free_bytes: int
-    non_expert_bytes: int  # in the compute dtype
-    kv_bytes: int
-    reserve_bytes: int
-    expert_room_bytes: int  # free - non-expert - KV - reserve
-    slot_bytes: int  # one expert in the compute dtype
-    slots: int
-    expert_bytes: int  # slots * slot_bytes
-    layers: list[int] = field(default_factory=list)  # [first, end) of its stage over several GPUs; [] = all
-
-
-@dataclass
-class TierPlan:
-    """One tier: the bytes it may use, the experts it holds, the share of lookups it serves."""
-
-    name: str  # gpu | pinned | tmpfs | disk
-    budget_bytes: int
-    slots: int  # experts held (tmpfs: whole layers; disk: all)
-    bytes: int  # bytes used, <= budget_bytes
-    fraction: float  # expected share of expert lookups under uniform routing, hottest tier first
-    path: str = ""
-
-
-@dataclass
-class Plan:
-    """Where a model's experts live on a host. `to_dict()` for JSON, `format()` for people."""
-
-    model_dir: str
-    source: str
-    model_type: str
-    moe_layers: int
-    experts_per_layer: int
-    experts_per_token: int
-    expert_bytes: int  # one expert as stored
-    slot_bytes: int  # one expert's slot in the host tiers
-    compute_device: str  # "cuda:N" | "cpu"
-    compute_dtype: str
-    expert_compute: str  # "gpu" | "cpu": where routed experts are computed
-    max_context: int
-    max_batch: int
-    kv_bytes: int
-    non_expert_bytes: int  # in the compute dtype
-    ram_margin_bytes: int
-    budget_scope: str
-    store_bytes: int
-    store_exists: bool
-    gpus: list[GpuPlan]
-    tiers: list[TierPlan]
-    host: HostInfo
-    notes: list[str] = field(default_factory=list)
-    engram: EngramPlan | None = None  # models with Engram tables: their tier and what they take
-    prefill_chunk: int = 512  # prompt tokens a prefill pass takes (runtime.prefill_chunk, "auto" resolved)
-    store_dir: str = ""  # where the store is, or will be built ("" when not given)
-
-    @property
-    def total_experts(self) -> int:
-        return self.moe_layers * self.experts_per_layer
-
-    def tier(self, name: str) -> TierPlan:
-        """The plan of tier `name` (gpu, pinned, tmpfs, disk)."""
-        return next(t for t in self.tiers if t.name == name)
-
-    def budgets(self) -> dict[str, Any]:
-        """The tier manager's budgets: `TierBudgets(**plan.budgets())`."""
-        return {"gpu_slots": self.tier("gpu").slots, "pinned_slots": self.tier("pinned").slots,
-                "tmpfs_bytes": self.tier("tmpfs").bytes, "per_layer": self.budget_scope == "per_layer"}
-
-    def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (`Plan.from_dict` reverses it)."""
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> Plan:
-        """Rebuild a plan from `to_dict()` output (e.g. after a JSON round trip)."""
-        return cls(**{**d, "gpus": [GpuPlan(**g) for g in d["gpus"]], "tiers": [TierPlan(**t) for t in d["tiers"]],
-                      "host": HostInfo.from_dict(d["host"]),
-                      "engram": EngramPlan(**d["engram"]) if d.get("engram") else None})
-
-    def format(self) -> str:
-        """A multi-line report for the terminal."""
-        f = format_bytes
-        lines = [f"plan for {self.model_dir} ({self.model_type} {self.source})"]
-        lines.append(f"  experts      {self.moe_layers} MoE layers x {self.experts_per_layer} = {self.total_experts} "
-                     f"of {f(self.expert_bytes)}, {self.experts_per_token} per token")
-        where = "the GPU" if self.expert_compute == "gpu" else "the CPU, from RAM"
-        lines.append(f"  compute      {self.compute_device} in {self.compute_dtype}; experts compute on {where}")
-        for g in self.gpus:
-            lines.append(f"  {g.device:<12} {g.name}: {f(g.free_bytes)} free = non-expert weights {f(g.non_expert_bytes)}"
-                         f" + KV cache {f(g.kv_bytes)} + reserve {f(g.reserve_bytes)} + experts {f(g.expert_room_bytes)}")
-            if g.layers:
-                lines.append(f"  {'':<12} layers {g.layers[0]}-{g.layers[1] - 1}: {g.slots} expert slots ({f(g.expert_bytes)})")
-        lines.append(f"  KV cache     {self.max_batch} x {self.max_context} tokens, {f(self.kv_bytes)}")
-        lines.append(f"  prefill      chunks of up to {self.prefill_chunk} prompt tokens (each cold expert moves once a chunk)")
-        if self.engram is not None:
-            lines.append(f"  engram       {self.engram.describe()}")
-        lines.append(f"  {'tier':<12} {'experts':>8} {'bytes':>12} {'budget':>12} {'lookups':>8}")
-        for t in self.tiers:
-            lines.append(f"  {t.name:<12} {t.slots:>8} {f(t.bytes):>12} {f(t.budget_bytes):>12} {100 * t.fraction:>7.1f}%"
-                         + (f"  {t.path}" if t.path else ""))
-        at = f" at {self.store_dir}" if self.store_dir else ""
-        state = f"existing{at}" if self.store_exists else f"built on first use{at} ({f(self.host.disk_free)} free there)"
-        lines.append(f"  store        {f(self.store_bytes)}, {state}")
-        lines.append(f"  RAM          {f(self.host.ram_available)} available of {f(self.host.ram_total)}, "
-                     f"{f(self.ram_margin_bytes)} kept free")
-        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
 
 def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | str | None = None,
@@ -170,8 +55,6 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
     fp = read_footprint(model_dir)
     host = override_host(host, gpu_mem, ram)
     if len(cfg.runtime.devices) > 1:  # one model over several cards (strata.runtime.plan.stages)
-        from strata.runtime.plan.stages import plan_stages, select_devices
-
         gpu = select_devices(host.gpus, cfg.runtime.devices)[0]
     else:
         gpu = _select_gpu(host, cfg.runtime.primary_device)
@@ -406,8 +289,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     store_dir = store_dir_for(args.model, cfg)
     host = probe_host(cfg.tiers.tmpfs.path, str(store_dir))
     if mems and gpu_mem is None:  # several cards simulated, one size each (or one size for all)
-        from strata.runtime.plan.stages import simulate_gpus
-
         host = simulate_gpus(host, cfg.runtime.devices, mems)
     p = plan(args.model, host, cfg, gpu_mem=gpu_mem, ram=ram, store_dir=store_dir)
     print(json.dumps(p.to_dict(), indent=2) if args.json else p.format())

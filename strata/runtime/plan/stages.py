@@ -23,7 +23,7 @@ import torch
 from strata.runtime.model.config import ModelConfig
 from strata.runtime.plan.host import GpuInfo, HostInfo
 from strata.runtime.plan.inspect import format_bytes
-from strata.runtime.plan.planner import GpuPlan, PlanError
+from strata.runtime.plan.layout import GpuPlan, PlanError
 
 DeviceInfo = GpuInfo  # one CUDA card: index, name, total_bytes, free_bytes (real, or simulated for planning)
 MIN_CONTEXT = 16

@@ -1,0 +1,130 @@
+"""What the planner decides for a model on a host: `Plan` (per tier and GPU, `TierPlan` and `GpuPlan`), and
+`PlanError` when the model does not fit. Made by strata.runtime.plan.planner (one GPU) with
+strata.runtime.plan.stages (several)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from strata.errors import StrataError
+from strata.runtime.plan.engram import EngramPlan
+from strata.runtime.plan.host import HostInfo
+from strata.runtime.plan.inspect import format_bytes
+
+
+class PlanError(StrataError):
+    """The model does not fit this host with this configuration; the message names the fix."""
+
+
+@dataclass
+class GpuPlan:
+    """One GPU's memory: what is resident before experts, and the expert slots after."""
+
+    device: str  # "cuda:N"
+    name: str
+    free_bytes: int
+    non_expert_bytes: int  # in the compute dtype
+    kv_bytes: int
+    reserve_bytes: int
+    expert_room_bytes: int  # free - non-expert - KV - reserve
+    slot_bytes: int  # one expert in the compute dtype
+    slots: int
+    expert_bytes: int  # slots * slot_bytes
+    layers: list[int] = field(default_factory=list)  # [first, end) of its stage over several GPUs; [] = all
+
+
+@dataclass
+class TierPlan:
+    """One tier: the bytes it may use, the experts it holds, the share of lookups it serves."""
+
+    name: str  # gpu | pinned | tmpfs | disk
+    budget_bytes: int
+    slots: int  # experts held (tmpfs: whole layers; disk: all)
+    bytes: int  # bytes used, <= budget_bytes
+    fraction: float  # expected share of expert lookups under uniform routing, hottest tier first
+    path: str = ""
+
+
+@dataclass
+class Plan:
+    """Where a model's experts live on a host. `to_dict()` for JSON, `format()` for people."""
+
+    model_dir: str
+    source: str
+    model_type: str
+    moe_layers: int
+    experts_per_layer: int
+    experts_per_token: int
+    expert_bytes: int  # one expert as stored
+    slot_bytes: int  # one expert's slot in the host tiers
+    compute_device: str  # "cuda:N" | "cpu"
+    compute_dtype: str
+    expert_compute: str  # "gpu" | "cpu": where routed experts are computed
+    max_context: int
+    max_batch: int
+    kv_bytes: int
+    non_expert_bytes: int  # in the compute dtype
+    ram_margin_bytes: int
+    budget_scope: str
+    store_bytes: int
+    store_exists: bool
+    gpus: list[GpuPlan]
+    tiers: list[TierPlan]
+    host: HostInfo
+    notes: list[str] = field(default_factory=list)
+    engram: EngramPlan | None = None  # models with Engram tables: their tier and what they take
+    prefill_chunk: int = 512  # prompt tokens a prefill pass takes (runtime.prefill_chunk, "auto" resolved)
+    store_dir: str = ""  # where the store is, or will be built ("" when not given)
+
+    @property
+    def total_experts(self) -> int:
+        return self.moe_layers * self.experts_per_layer
+
+    def tier(self, name: str) -> TierPlan:
+        """The plan of tier `name` (gpu, pinned, tmpfs, disk)."""
+        return next(t for t in self.tiers if t.name == name)
+
+    def budgets(self) -> dict[str, Any]:
+        """The tier manager's budgets: `TierBudgets(**plan.budgets())`."""
+        return {"gpu_slots": self.tier("gpu").slots, "pinned_slots": self.tier("pinned").slots,
+                "tmpfs_bytes": self.tier("tmpfs").bytes, "per_layer": self.budget_scope == "per_layer"}
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict (`Plan.from_dict` reverses it)."""
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        """Rebuild a plan from `to_dict()` output (e.g. after a JSON round trip)."""
+        return cls(**{**d, "gpus": [GpuPlan(**g) for g in d["gpus"]], "tiers": [TierPlan(**t) for t in d["tiers"]],
+                      "host": HostInfo.from_dict(d["host"]),
+                      "engram": EngramPlan(**d["engram"]) if d.get("engram") else None})
+
+    def format(self) -> str:
+        """A multi-line report for the terminal."""
+        f = format_bytes
+        lines = [f"plan for {self.model_dir} ({self.model_type} {self.source})"]
+        lines.append(f"  experts      {self.moe_layers} MoE layers x {self.experts_per_layer} = {self.total_experts} "
+                     f"of {f(self.expert_bytes)}, {self.experts_per_token} per token")
+        where = "the GPU" if self.expert_compute == "gpu" else "the CPU, from RAM"
+        lines.append(f"  compute      {self.compute_device} in {self.compute_dtype}; experts compute on {where}")
+        for g in self.gpus:
+            lines.append(f"  {g.device:<12} {g.name}: {f(g.free_bytes)} free = non-expert weights {f(g.non_expert_bytes)}"
+                         f" + KV cache {f(g.kv_bytes)} + reserve {f(g.reserve_bytes)} + experts {f(g.expert_room_bytes)}")
+            if g.layers:
+                lines.append(f"  {'':<12} layers {g.layers[0]}-{g.layers[1] - 1}: {g.slots} expert slots ({f(g.expert_bytes)})")
+        lines.append(f"  KV cache     {self.max_batch} x {self.max_context} tokens, {f(self.kv_bytes)}")
+        lines.append(f"  prefill      chunks of up to {self.prefill_chunk} prompt tokens (each cold expert moves once a chunk)")
+        if self.engram is not None:
+            lines.append(f"  engram       {self.engram.describe()}")
+        lines.append(f"  {'tier':<12} {'experts':>8} {'bytes':>12} {'budget':>12} {'lookups':>8}")
+        for t in self.tiers:
+            lines.append(f"  {t.name:<12} {t.slots:>8} {f(t.bytes):>12} {f(t.budget_bytes):>12} {100 * t.fraction:>7.1f}%"
+                         + (f"  {t.path}" if t.path else ""))
+        at = f" at {self.store_dir}" if self.store_dir else ""
+        state = f"existing{at}" if self.store_exists else f"built on first use{at} ({f(self.host.disk_free)} free there)"
+        lines.append(f"  store        {f(self.store_bytes)}, {state}")
+        lines.append(f"  RAM          {f(self.host.ram_available)} available of {f(self.host.ram_total)}, "
+                     f"{f(self.ram_margin_bytes)} kept free")
+        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
