@@ -102,7 +102,6 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
              label: str | None = None) -> dict:
     from strata import Engine
     from strata.kernels.cpu import experts as ce
-    from strata.kernels.cpu import tuning as cpu_kernel_tuning
 
     t_load = time.perf_counter()
     engine = Engine.from_pretrained(model, config=cfg, device=device)
@@ -116,15 +115,15 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
         engine.generate(prompt, max_tokens=8, temperature=1.0, seed=2)
     # decode figures over the decode phase (statistics from the first token on); the 128-token prompt's
     # prefill, slow when its experts are cold, is reported apart as ttft_s
-    box = getattr(engine._compute, "mailbox", None)
+    box = getattr(engine.executor, "mailbox", None)
     c0 = box.counters.copy() if box is not None else None
-    ahead = getattr(engine._compute, "warm_ahead", None)
+    ahead = getattr(engine.executor, "warm_ahead", None)
     w0 = ahead.worker.copy() if ahead is not None else None  # the worker's warm-ahead counters so far
     # the CPU kernel's phases over the decode phase (a few clock reads a call), not the prompt's
     run = timed_decode(engine, prompt, tokens, sync, on_first_token=lambda: ce.trace(True))
     kt = ce.trace(False)
     nthreads = box.threads if box is not None else ce.default_threads()
-    per_thread = cpu_kernel_tuning.trace_threads(nthreads)  # the same calls, each pool thread's means
+    per_thread = ce.trace_threads(nthreads)  # the same calls, each pool thread's means
     if box is not None:  # the decode phase's trip per layer, from the worker's clock (CpuMailbox.timing)
         d = box.counters - c0
         layers, gaps = max(1, int(d[3])), max(1, int(d[6]))
@@ -138,9 +137,9 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
         res["graph_replays"] = engine.model.graphs.replays
         res["graph_modes"] = sorted({key[3] for key in engine.model.graphs.graphs})
         res["graph_failures"] = dict(engine.model.graphs.failed)
-    if getattr(engine._compute, "gpu_share", None) is not None:
-        res["gpu_share"] = round(engine._compute.gpu_share.value, 3)
-    if ahead is not None and ahead is getattr(engine._compute, "warm_ahead", None):  # over the decode phase
+    if getattr(engine.executor, "gpu_share", None) is not None:
+        res["gpu_share"] = round(engine.executor.gpu_share.value, 3)
+    if ahead is not None and ahead is getattr(engine.executor, "warm_ahead", None):  # over the decode phase
         w = ahead.worker - w0  # the worker's reads of predicted cold rows into its threads' caches (WarmAhead.stats)
         res["warm_ahead"] = {"warm_bytes": ahead.warm_bytes, "plans_used": int(w[0]), "plans_late": int(w[1]),
                              "read_MB_per_token": round(w[2] / max(1, n) / 1e6, 2),
@@ -177,9 +176,9 @@ def run_case(model: str, name: str, cfg: dict, tokens: int, prefill: int, device
                    hits_by_tier={k: v["hits"] - t0s["tiers"].get(k, {}).get("hits", 0) for k, v in t1s["tiers"].items()},
                    paths={p: {"bytes": v["bytes"], "GB_per_s": v["GB_per_s"]} for p, v in t1s["paths"].items()},
                    prefetch=t1s["prefetch"],
-                   cost_model={k: getattr(engine._compute.rates, k) for k in ("cpu_bytes_per_s", "pcie_bytes_per_s",
+                   cost_model={k: getattr(engine.executor.rates, k) for k in ("cpu_bytes_per_s", "pcie_bytes_per_s",
                                                                              "copy_host_s")},
-                   promotions=engine._compute.promotions,
+                   promotions=engine.executor.promotions,
                    cold_path_host_ms_per_token={k: round(1000 * (v - before["cold_path_host_seconds"].get(k, 0.0)) / n, 3)
                                                 for k, v in after["cold_path_host_seconds"].items()})
     if prefill and name in ("ceiling", "split", "ceiling_nofolds", "split_nofolds") and (

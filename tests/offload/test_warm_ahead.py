@@ -1,5 +1,5 @@
 """Warm-ahead: the CPU expert kernel's read-ahead of experts' leading gate/up rows into its threads' caches
-(`cpu_kernel_tuning.warm_rows`, csrc/cpu_experts.cpp's strata_cpu_warm) and the kernel computing those rows on the
+(`cpu_experts.warm_rows`, csrc/cpu_experts.cpp's strata_cpu_warm) and the kernel computing those rows on the
 thread that read them (`run_packed(..., warm=)`), then the mailbox worker doing it for the next layer's predicted
 cold experts (csrc/cpu_mailbox.cpp, WarmCfg), listed by the plan kernel (strata.kernels.gpu.warm_plan) that
 strata.runtime.offload.warm_ahead launches in one-graph split decode. Which thread computes which rows must never change a
@@ -109,8 +109,6 @@ def test_dynamic_chunks_are_sized_from_the_rows_not_read_ahead():
 def test_the_trace_gives_each_threads_phase_ends():
     """`trace_threads`: per pool thread, the calls it joined and when (after the pool ran) it arrived, had done its
     warm rows' pieces and its part of the gate/up phase, in that order; the caller (thread 0) joins every call."""
-    from strata.kernels.cpu import tuning as cpu_kernel_tuning
-
     slab = _slab(2, H, INTER, seed=4)
     x, idx, w = torch.randn(1, H), torch.tensor([0]), torch.ones(1)
     meta = _meta(slab, [0, 1], [INTER, INTER], idx, w, H, INTER)
@@ -119,13 +117,13 @@ def test_the_trace_gives_each_threads_phase_ends():
         ce.warm_rows([slab[0].data_ptr(), slab[1].data_ptr()], [INTER, INTER], H, INTER, threads=3)
         assert ce.run_packed(x, meta, torch.zeros(1, H), threads=3, warm=array.array("q", [INTER, INTER]))
     assert ce.trace(False)["calls"] == 6
-    per = cpu_kernel_tuning.trace_threads(3)
+    per = ce.trace_threads(3)
     assert len(per) == 3 and per[0]["calls"] == 6 and all(0 <= t["calls"] <= 6 for t in per)
     for t in per:
         if t["calls"]:
             assert 0 <= t["arrived_us"] <= t["warm_pieces_us"] <= t["phase1_us"], t
     ce.trace(True)  # zeroes them
-    assert all(t["calls"] == 0 for t in cpu_kernel_tuning.trace_threads(3))
+    assert all(t["calls"] == 0 for t in ce.trace_threads(3))
     ce.trace(False)
 
 
@@ -223,8 +221,6 @@ def test_rows_a_threads_read_did_not_reach_go_to_whichever_thread_is_free():
     """A read stopped before a thread (descheduled) reached its piece: the kernel gives that thread no static rows
     (read_split=1, the default) rather than the whole piece it would stream from RAM alone (read_split=0); the
     trace's `warm_rows` shows each thread's, and the result is the same either way."""
-    from strata.kernels.cpu import tuning as cpu_kernel_tuning
-
     lib = ce._load()
     addr, rows, x, meta, ref, _keep = _two_experts_on_a_pool_of_two(seed=5)
     word = ctypes.c_int64(7)
@@ -247,7 +243,7 @@ def test_rows_a_threads_read_did_not_reach_go_to_whichever_thread_is_free():
         finally:
             ce.tune(**old)
         assert torch.equal(got, ref)
-        per_setting[split] = [t["warm_rows"] for t in cpu_kernel_tuning.trace_threads(2)]
+        per_setting[split] = [t["warm_rows"] for t in ce.trace_threads(2)]
     assert per_setting[1] == [2 * half, 0]  # thread 1's rows went to the dynamic chunks
     assert per_setting[0] == [2 * half, 2 * (INTER - half)]  # ...or stayed its own
     assert ce.tune(read_split=1) == {"read_split": 1}  # the default
@@ -451,11 +447,11 @@ def test_one_graph_split_decode_with_warm_ahead_changes_no_token(tmp_path):
     for name, warm in (("off", False), ("on", True)):
         config = {**cfg, "debug": {"gpu_share": 0.35, "warm_ahead": warm}}
         with one_graph_decode(model, config, ids, want) as (tiered, read, groups):
-            assert (tiered._compute.warm_ahead is None) == (not warm)
+            assert (tiered.executor.warm_ahead is None) == (not warm)
             tokens[name] = tiered.generate(ids, max_tokens=16).token_ids
             if warm:
-                stats = tiered._compute.mailbox_stats()["warm_ahead"]
-                threads = tiered._compute.mailbox.threads
+                stats = tiered.executor.mailbox_stats()["warm_ahead"]
+                threads = tiered.executor.mailbox.threads
     assert tokens["off"] == tokens["on"]
     assert stats["warm_bytes"] == warm_budget(WarmAhead.WARM_BYTES, threads) > 0
     assert stats["plans_used"] > 0 and stats["read_bytes"] > 0 and stats["computed_bytes"] > 0

@@ -60,8 +60,9 @@ from collections.abc import Sequence
 
 import torch
 
+from strata.kernels.cpu import tuning
 from strata.kernels.cpu.build import build_and_open, one_line
-from strata.kernels.cpu.tuning import TRACE_FIELDS, TUNE_KEYS, read_sweep, trace, tune, warm_rows  # noqa: F401
+from strata.kernels.cpu.tuning import TRACE_FIELDS, TUNE_KEYS  # noqa: F401
 from strata.kernels.experts import expert_swiglu
 
 log = logging.getLogger(__name__)
@@ -118,6 +119,34 @@ def _load() -> ctypes.CDLL | None:
             build_seconds = time.perf_counter() - t0
             _lib_tried = True
     return _lib
+
+
+# ---- the kernel's knobs, trace and read probes (strata.kernels.cpu.tuning), on the loaded kernel ----------------
+def tune(**knobs: int) -> dict[str, int]:
+    """Set the kernel's scheduling knobs (`TUNE_KEYS`); returns their values before ({} without the kernel)."""
+    return tuning.tune(_load(), **knobs)
+
+
+def trace(on: bool | None) -> dict[str, int]:
+    """The kernel's per-call phase trace, summed over calls (`TRACE_FIELDS`): the sums so far, then on, off or
+    left as it is (None); see `tuning.trace`."""
+    return tuning.trace(_load(), on)
+
+
+def trace_threads(threads: int) -> list[dict[str, float]]:
+    """The trace's per-thread means since it was last turned on, for pool threads 0..threads-1 (`tuning`)."""
+    return tuning.trace_threads(_load(), threads)
+
+
+def read_sweep(buffers: Sequence[torch.Tensor], threads: int | None = None) -> float | None:
+    """Seconds to read every byte of `buffers` once on the kernel's pool; None without its AVX2 path (`tuning`)."""
+    return tuning.read_sweep(_load() if available_isa("avx2") else None, buffers, threads or default_threads())
+
+
+def warm_rows(addresses: Sequence[int], rows: Sequence[int], hidden: int, inter: int, threads: int | None = None) -> int:
+    """Read experts' leading gate/up `rows` into the pool threads' caches, as warm-ahead does; bytes read (`tuning`)."""
+    lib = _load() if backend() != "torch" else None
+    return tuning.warm_rows(lib, addresses, rows, hidden, inter, threads or default_threads())
 
 
 def available_isa(name: str) -> bool:

@@ -1,13 +1,15 @@
 """The CPU expert kernel's scheduling knobs, its per-call phase trace, and a RAM read probe on its thread pool.
 
-    old = tune(claim_ahead=4, down_split=1)   # knobs (`TUNE_KEYS`); returns the values before
-    trace(True); ...kernel calls...; phases = trace(False)   # sums over the calls (`TRACE_FIELDS`)
-    per_thread = trace_threads(12)   # each pool thread's means over the same calls
+Called through strata.kernels.cpu.experts (`ce`), which loads the kernel and hands it to these functions:
+
+    old = ce.tune(claim_ahead=4, down_split=1)   # knobs (`TUNE_KEYS`); returns the values before
+    ce.trace(True); ...kernel calls...; phases = ce.trace(False)   # sums over the calls (`TRACE_FIELDS`)
+    per_thread = ce.trace_threads(12)   # each pool thread's means over the same calls
 
 None of the knobs changes a result: each output element keeps one writer and one summation order, whatever the
 chunking or which thread reads what (tests/kernels/test_cpu_experts.py checks bit-equality across settings). They exist
-to measure (`bench/cpu_kernel_trace.py`'s `--knobs`, parsed by `parse_knobs`). Each function does nothing and
-returns an empty result (or None) when the compiled kernel is not in use.
+to measure (`bench/cpu_kernel_trace.py`'s `--knobs`, parsed by `parse_knobs`). Each function takes the loaded
+kernel `lib` (None when it is not in use: it then does nothing and returns an empty result, or None).
 """
 
 from __future__ import annotations
@@ -39,14 +41,6 @@ closing the job, threads that joined, the whole call, bytes of weights read, gat
 ahead."""
 
 
-def _lib():
-    from strata.kernels.cpu import (
-        experts as cpu_experts,  # the loader lives there; imported late (it imports this module)
-    )
-
-    return cpu_experts._load()
-
-
 def parse_knobs(text: str, source: str = "knobs") -> dict[str, int]:
     """Knobs from "name=integer" items, comma-separated (e.g. "claim_ahead=4,chunk_div=16"); ValueError naming
     `source` and the bad item."""
@@ -60,24 +54,22 @@ def parse_knobs(text: str, source: str = "knobs") -> dict[str, int]:
     return knobs
 
 
-def tune(**knobs: int) -> dict[str, int]:
+def tune(lib: ctypes.CDLL | None, **knobs: int) -> dict[str, int]:
     """Set the kernel's scheduling knobs (`TUNE_KEYS`); returns their values before."""
     for name, value in knobs.items():
         if name not in TUNE_KEYS:
             raise ValueError(f"unknown CPU kernel knob {name!r} (choose from {', '.join(TUNE_KEYS)})")
         if int(value) < 0:
             raise ValueError(f"CPU kernel knob {name} must be >= 0, got {value}")
-    lib = _lib()
     if lib is None:
         return {}
     return {name: int(lib.strata_cpu_tune(TUNE_KEYS[name], int(value))) for name, value in knobs.items()}
 
 
-def trace(on: bool | None) -> dict[str, int]:
+def trace(lib: ctypes.CDLL | None, on: bool | None) -> dict[str, int]:
     """The kernel's per-call phase trace, summed over calls (`TRACE_FIELDS`; ns except the counts): returns the
     sums so far, then turns tracing on (zeroing the sums), off, or leaves it (None). Costs a few clock reads a
     thread and call while on."""
-    lib = _lib()
     if lib is None:
         return {}
     acc = (ctypes.c_int64 * len(TRACE_FIELDS))()
@@ -85,13 +77,12 @@ def trace(on: bool | None) -> dict[str, int]:
     return dict(zip(TRACE_FIELDS, (int(v) for v in acc), strict=True))
 
 
-def trace_threads(threads: int) -> list[dict[str, float]]:
+def trace_threads(lib: ctypes.CDLL | None, threads: int) -> list[dict[str, float]]:
     """The trace's per-thread means since it was last turned on (`trace(True)`), for pool threads 0..threads-1
     (0 is the caller): calls joined, and us after the pool ran until the thread arrived, had computed its warm rows'
     pieces (warm-ahead), had done its part of the gate/up phase, then `warm_rows`: the gate/up row pairs its warm
     pieces held, a call over every traced call (joined or not: what its read reached). Which thread holds the
     phase's end, and why."""
-    lib = _lib()
     if lib is None or threads <= 0:
         return []
     threads = min(threads, 64)  # the C side keeps 64
@@ -106,35 +97,30 @@ def trace_threads(threads: int) -> list[dict[str, float]]:
     return out
 
 
-def read_sweep(buffers: Sequence[torch.Tensor], threads: int | None = None) -> float | None:
-    """Read every byte of `buffers` (CPU tensors) once on the kernel's thread pool; seconds taken, or None
-    without the extension's AVX2 path. A RAM read-bandwidth probe for benchmarks (AVX2 loads, the same prefetch)."""
-    from strata.kernels.cpu import experts as cpu_experts
-
-    lib = _lib()
-    if lib is None or not cpu_experts.available_isa("avx2"):
+def read_sweep(lib: ctypes.CDLL | None, buffers: Sequence[torch.Tensor], threads: int) -> float | None:
+    """Read every byte of `buffers` (CPU tensors) once on `threads` of the kernel's thread pool; seconds taken, or
+    None without the extension's AVX2 path (`lib` None). A RAM read-bandwidth probe for benchmarks (AVX2 loads, the
+    same prefetch)."""
+    if lib is None:
         return None
     ptrs = array.array("q", [b.data_ptr() for b in buffers])
     sizes = array.array("q", [b.numel() * b.element_size() for b in buffers])
     t0 = time.perf_counter()
-    lib.strata_cpu_read_sweep(ptrs.buffer_info()[0], sizes.buffer_info()[0], len(buffers),
-                              int(threads or cpu_experts.default_threads()))
+    lib.strata_cpu_read_sweep(ptrs.buffer_info()[0], sizes.buffer_info()[0], len(buffers), int(threads))
     return time.perf_counter() - t0
 
 
-def warm_rows(addresses: Sequence[int], rows: Sequence[int], hidden: int, inter: int,
-              threads: int | None = None) -> int:
+def warm_rows(lib: ctypes.CDLL | None, addresses: Sequence[int], rows: Sequence[int], hidden: int, inter: int,
+              threads: int) -> int:
     """Read the gate/up weights of experts' leading `rows` (gate_up [2 inter, hidden] bf16 at each address) into
     the caches of the kernel's threads, each thread the piece `run_packed(..., warm=rows)` with the same thread
     count gives it: what the mailbox worker does for the next layer's predicted cold experts while the GPU runs
-    the serial part of a layer (csrc/cpu_mailbox.cpp). Returns the bytes read (0 without the compiled kernel)."""
-    from strata.kernels.cpu import experts as cpu_experts
-
-    lib = _lib()
-    if lib is None or cpu_experts.backend() == "torch" or not addresses:
+    the serial part of a layer (csrc/cpu_mailbox.cpp). Returns the bytes read (0 without the compiled kernel: `lib`
+    None)."""
+    if lib is None or not addresses:
         return 0
     a, r = array.array("q", addresses), array.array("q", rows)
     if len(a) != len(r):
         raise ValueError("one row count per address")
     return int(lib.strata_cpu_warm(a.buffer_info()[0], r.buffer_info()[0], len(a), hidden, inter,
-                                   int(threads or cpu_experts.default_threads()), None, 0, None))
+                                   int(threads), None, 0, None))
