@@ -321,14 +321,3 @@ def format_toml(d: dict, prefix: str = "") -> str:
         if isinstance(v, dict):
             lines.append(format_toml(v, f"{prefix}.{k}" if prefix else k))
     return "\n".join(line for line in lines if line)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m strata.server.serve ...` is `strata serve ...`."""
-    from strata.cli import main as cli_main
-
-    return cli_main(["serve", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
