@@ -57,7 +57,7 @@ def decode_objects(layers: int, max_tokens: int, top_k: int, hidden: int = H) ->
     box = CpuMailbox(list(range(layers)), addresses, hidden=hidden, inter=INTER, gu_bytes=gu_bytes,
                      payload=gu_bytes * 3 // 2, top_k=top_k, max_tokens=max_tokens, threads=1, device=torch.device("cpu"))
     # the GPU's direct exchange, its fetch kernel's self-check taken as passed (that check runs it: it needs a GPU)
-    box.direct, box._direct_checked = True, True
+    box.take_direct_exchange()
     available = (mailbox_pack.available, wp.available)
     mailbox_pack.available = wp.available = lambda x: True  # the GPU's launches, on CPU tensors (recorded, never run)
     try:
@@ -74,16 +74,12 @@ def exchange_launch(box, share, layer: int, n: int, hidden: int = H) -> None:
     """Layer `layer`'s direct exchange for n tokens as `CpuMailbox.exchange` makes it on the GPU: the fused pack
     (inbox posted by the kernel itself) and the kernels that wait for the worker's answer and fetch it. Only
     inside `recorded_launches` (the launches must not run: nothing answers them)."""
-    from strata.kernels.gpu.host_signal import MAX_SPINS
-    from strata.runtime.offload.mailbox import inbox_layout
-
     k = box.top_k
     p = n * k
     y = torch.empty(p, hidden, dtype=torch.float32)
     # the GPU path of `CpuMailbox.exchange`, which takes the host path on a CPU mailbox
-    box._exchange_direct(box._box[layer], torch.zeros(p, dtype=torch.int64), torch.full((p,), -1, dtype=torch.int32),
-                         torch.zeros(n, hidden, dtype=torch.bfloat16), torch.zeros(n, k), *inbox_layout(n, k, hidden),
-                         None, MAX_SPINS, share, y)
+    box.exchange_direct(layer, torch.zeros(p, dtype=torch.int64), torch.full((p,), -1, dtype=torch.int32),
+                        torch.zeros(n, hidden, dtype=torch.bfloat16), torch.zeros(n, k), share=share, zero=y)
 
 
 def model_launches(n: int, length: int, top_k: int, share, max_len: int = BUCKETS[-1]) -> None:

@@ -196,6 +196,25 @@ class CpuMailbox(WorkerClock):
         out.copy_(box[self.out_off : self.out_off + 4 * n * self.hidden].view(torch.float32), non_blocking=True)
         return out.view(n, self.hidden)
 
+    def take_direct_exchange(self) -> None:
+        """Take the direct exchange from now, its fetch kernel's check counted as passed: for recording its launches
+        where no GPU runs them (strata.runtime.offload.decode_builds). On CUDA, `exchange` decides and checks this
+        itself."""
+        self.direct, self._direct_checked = True, True
+
+    def exchange_direct(self, layer: int, experts: torch.Tensor, slots: torch.Tensor, x: torch.Tensor,
+                        weights: torch.Tensor, gpu_work=None, max_spins: int | None = None, share: GpuShare | None = None,
+                        zero: torch.Tensor | None = None) -> torch.Tensor | None:
+        """`exchange`'s path on CUDA while `direct`, whatever this mailbox's device (same arguments): the fused pack
+        writes the inbox into the page-locked mailbox and posts it, one kernel waits for the worker and fetches its
+        partial sum [N, H] fp32. None where its kernels failed to build."""
+        from strata.kernels.gpu.host_signal import MAX_SPINS
+
+        n, k = weights.shape
+        x_off, nbytes = inbox_layout(n, k, self.hidden)
+        return self._exchange_direct(self._box[layer], experts, slots, x, weights, x_off, nbytes, gpu_work,
+                                     MAX_SPINS if max_spins is None else max_spins, share, zero)
+
     def _exchange_direct(self, i, experts, slots, x, weights, x_off, nbytes, gpu_work, spins, share, zero=None):
         """`exchange` with no copy node: the fused pack writes the inbox into the page-locked mailbox and posts
         `ready` itself; one kernel waits for `done` and fetches the answer. None where its kernels failed to
