@@ -280,7 +280,7 @@ def test_a_worker_error_is_raised_once_and_retires_the_mailbox(tiny_model_dir, t
         _, _, slab, addr, gu_bytes = _slots()
         addr[0, 5] = 0
         compute.mailbox = _mailbox(addr, gu_bytes)
-        compute.books = MailboxBooks(compute.mailbox, m, compute.pick_promotion, compute._count_mailbox)
+        compute.books = MailboxBooks(compute.mailbox, m, compute)
         compute._mailbox_kernel = (0, 0, 0.0)
         compute.mailbox.begin_step()
         with pytest.raises(RuntimeError, match="layer 0: an expert not resident"):

@@ -47,6 +47,19 @@ def _serve(box, layers=(0,)) -> None:
                      torch.rand(1, K))
 
 
+class Owner:
+    """The books' `BooksOwner`: promotions picked by `pick` (none without it), the worker's totals ignored."""
+
+    def __init__(self, pick=lambda layer, experts: None):
+        self.pick = pick
+
+    def pick_promotion(self, layer, experts):
+        return self.pick(layer, experts)
+
+    def count_mailbox_work(self, experts, nbytes, seconds) -> None:
+        pass
+
+
 @needs_kernel
 def test_inline_books_issue_their_promotions_on_the_queuing_thread(tiny_model_dir, tmp_path):
     """The books run on the thread that queued the step (the decoding thread, while its GPU works), not in the
@@ -62,7 +75,7 @@ def test_inline_books_issue_their_promotions_on_the_queuing_thread(tiny_model_di
             picked.append((mailbox_layer, sorted(experts)))
             return layer, max(experts)
 
-        books = MailboxBooks(r.box, m, pick, lambda *a: None)
+        books = MailboxBooks(r.box, m, Owner(pick))
         _serve(r.box)
         books.step()
         assert picked == [] and (layer, 4) not in m.gpu.slot_of  # the pre-launch checks book nothing
@@ -103,7 +116,7 @@ def test_inline_books_stop_when_the_gpu_is_done_and_catch_up_later(tiny_model_di
             picked.append(mailbox_layer)
             return layer, mailbox_layer + 3
 
-        books = MailboxBooks(r.box, m, pick, lambda *a: None)
+        books = MailboxBooks(r.box, m, Owner(pick))
         _serve(r.box, (0, 2))
         books.queued(_Gpu(False))  # the GPU was done first: nothing booked
         assert picked == [] and books.deferred == 1 and len(books._backlog) == 2
@@ -140,7 +153,7 @@ def test_books_balance_the_gpu_share_on_the_gpus_waits(tiny_model_dir, tmp_path)
         box = r.box
         share = GpuShare(r.addr, HostExperts(torch.bfloat16, (2 * INTER, H), (H, INTER), r.gu_bytes),
                          torch.device("cpu"), 0.3)
-        books = MailboxBooks(box, r.m, lambda *a: None, lambda *a: None, share)
+        books = MailboxBooks(box, r.m, Owner(), share)
 
         def steps(n: int, answered: bool) -> None:
             for _ in range(n):

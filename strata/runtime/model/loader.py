@@ -18,7 +18,7 @@ from strata.runtime.model.rope import RotaryEmbedding
 from strata.runtime.model.transformer import MoETransformer
 
 # Parameters kept in fp32 whatever the model dtype (transformers' _keep_in_fp32_modules for DeepSeek)
-_FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 
 
 def checkpoint_name(param: str) -> str:
@@ -44,7 +44,7 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device | str,
     experts_done: set[int] = set()
     for name, meta in entries:
         bar.update(1)
-        want = torch.float32 if fp32_router and name.endswith(_FP32_SUFFIXES) else dtype
+        want = torch.float32 if fp32_router and name.endswith(FP32_SUFFIXES) else dtype
         if not meta.dtype.is_floating_point:
             want = meta.dtype  # integer buffers (Engram's token_map) keep their dtype
         if ".mlp.experts." in name:

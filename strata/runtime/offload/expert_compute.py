@@ -191,7 +191,7 @@ class ExpertCompute(CpuCompute):
                 self.gpu_share = GpuShare(addresses, HostExperts(store.dtype, gu, dn, store.index.gate_up_bytes),
                                           self.device, share, adaptive=fixed is None, gpu_rate=IN_PLACE_RATE)
         self.warm_ahead = self._open_warm_ahead(addresses) if self.gpu_share is not None else None
-        self.books = MailboxBooks(self.mailbox, m, self.pick_promotion, self._count_mailbox, self.gpu_share)
+        self.books = MailboxBooks(self.mailbox, m, self, self.gpu_share)  # reports to `pick_promotion`, `count_mailbox_work`
         self._mailbox_kernel = (0, 0, 0.0)
 
     def _open_warm_ahead(self, addresses: np.ndarray):
@@ -208,7 +208,7 @@ class ExpertCompute(CpuCompute):
             log.warning("strata: warm-ahead is not available (%s); decoding without it", e)
             return None
 
-    def _count_mailbox(self, experts: int, nbytes: int, seconds: float) -> None:
+    def count_mailbox_work(self, experts: int, nbytes: int, seconds: float) -> None:
         """The mailbox worker's totals so far: experts it computed, bytes its kernel read and its seconds."""
         e0, b0, s0 = self._mailbox_kernel
         self.cpu_experts += experts - e0

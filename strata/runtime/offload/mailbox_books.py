@@ -24,10 +24,20 @@ class GpuBusy(Protocol):
     def query(self) -> bool: ...
 
 
+class BooksOwner(Protocol):
+    """What the books report to: the tiered executor whose mailbox they keep (`ExpertCompute`)."""
+
+    def pick_promotion(self, layer: int, experts) -> tuple[int, int] | None:
+        """Of `experts` (cold in `layer`, computed by the worker), the one to copy into the GPU tier, or None."""
+
+    def count_mailbox_work(self, experts: int, nbytes: int, seconds: float) -> None:
+        """The worker's running totals: experts it computed, bytes its kernel read and its seconds."""
+
+
 class MailboxBooks:
     """What the host step did per layer, done after the step from the worker's log: each lookup counted where it was
     served, the GPU tier's history fed with every expert used, and the most used cold expert of a layer promoted into
-    the GPU tier when worth a slot (`pick(layer, experts)` chooses it, or None).
+    the GPU tier when worth a slot (`owner.pick_promotion(layer, experts)` chooses it, or None).
 
     The books run on the decoding thread once its step is queued (`queued`), while the GPU works, and issue their
     promotions there; once the GPU has done the step, they stop and leave the rest for the next step (the launch waits
@@ -35,9 +45,9 @@ class MailboxBooks:
     layer but leaves the promotions to the decoding thread. (On a thread of their own, with promotions on transfer
     workers, their Python would compete for the GIL with the decoding thread and delay its next launch.)"""
 
-    def __init__(self, mailbox: CpuMailbox, manager, pick, on_counts, share: GpuShare | None = None):
-        """on_counts(experts, bytes, seconds): the worker's running totals (its kernel's own work only)."""
-        self.mailbox, self.manager, self.pick, self.on_counts = mailbox, manager, pick, on_counts
+    def __init__(self, mailbox: CpuMailbox, manager, owner: BooksOwner, share: GpuShare | None = None):
+        """`owner` picks the promotions and is told the worker's running totals (its kernel's own work only)."""
+        self.mailbox, self.manager, self.owner = mailbox, manager, owner
         self.share = share
         self._wait_mark = (0, 0)  # the worker's (layers read, layers the GPU waited in) when the share last moved
         self.error: BaseException | None = None
@@ -88,12 +98,12 @@ class MailboxBooks:
                     m.note_hits(layer, resident)
                 if computed:
                     m.note_pinned_reads(layer, computed)  # served from pinned RAM, on the CPU
-                    if (key := self.pick(layer, computed)) is not None:
+                    if (key := self.owner.pick_promotion(layer, computed)) is not None:
                         chosen.append(key)
             while len(chosen) > PENDING_PROMOTIONS_MAX:  # the books lag: the newest picks reflect the history best
                 chosen.popleft()
             self.deferred += bool(backlog)
-            self.on_counts(self.mailbox.experts_computed, *self.mailbox.kernel_rate())
+            self.owner.count_mailbox_work(self.mailbox.experts_computed, *self.mailbox.kernel_rate())
         if entries and self.share is not None:
             layers, waited = self.mailbox.gpu_waits()
             l0, w0 = self._wait_mark

@@ -55,7 +55,7 @@ def layer_sizes(cfg: ModelConfig, dtype: torch.dtype, batch: int = 1, experts: b
     `experts=True` counts routed experts and Engram tables inside their layers (`runtime.experts = "memory"`).
     """
     from strata.runtime.model.kv_cache import KVCache
-    from strata.runtime.model.loader import _FP32_SUFFIXES
+    from strata.runtime.model.loader import FP32_SUFFIXES
     from strata.runtime.model.transformer import MoETransformer
 
     with torch.device("meta"):
@@ -68,7 +68,7 @@ def layer_sizes(cfg: ModelConfig, dtype: torch.dtype, batch: int = 1, experts: b
         for name, p in module.named_parameters(prefix=prefix):
             if (".mlp.experts." in name or ".engram.multi_head_embedding." in name) and not experts:
                 continue  # tiered: experts and Engram tables live in the tiers, not with the layer
-            total += p.numel() * (4 if fp32_router and name.endswith(_FP32_SUFFIXES) else item)
+            total += p.numel() * (4 if fp32_router and name.endswith(FP32_SUFFIXES) else item)
         return total
 
     kv = KVCache.bytes_per_token(cfg, dtype) // max(1, cfg.num_layers) * batch
