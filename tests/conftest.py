@@ -61,3 +61,31 @@ def engram6_dir(tmp_path_factory) -> Path:
         return write_demo_model(tmp_path_factory.mktemp("engram6") / "tiny6e", size="tiny", layers=6, progress=False)
     finally:
         engram_demo._SIZES["tiny"] = saved
+
+
+@pytest.fixture(scope="module")
+def tiny6_dir(tmp_path_factory) -> Path:
+    """The tiny demo model with 6 layers (1 dense + 5 MoE), no Engram: enough layers for 2-4 stages."""
+    from strata.runtime.demo.model import write_demo_model
+
+    return write_demo_model(tmp_path_factory.mktemp("demo6") / "tiny6", size="tiny", layers=6, engram=False,
+                            progress=False)
+
+
+@pytest.fixture(scope="module")
+def staged_tiered(tiny6_dir):
+    """The tiered tiny6 model over two CPU stages (layers 0-2 and 3-5), each with a simulated GPU tier of 8 slots."""
+    from strata.config import load_config
+    from strata.runtime.model.checkpoint import Checkpoint
+    from strata.runtime.plan.build import ensure_store
+    from strata.runtime.plan.multi_device import assemble_tiered
+    from strata.tiers.slots import TierBudgets
+
+    cpu = torch.device("cpu")
+    cfg = load_config({"runtime": {"cpu_numerics": "gpu", "max_context": 64}, "prefetch": {"lookahead": 1},
+                       "tiers": {"disk": {"scrub": False}}})
+    store = ensure_store(tiny6_dir, cfg, False)
+    loaded = assemble_tiered(Checkpoint.open(store), [(cpu, 0, 3), (cpu, 3, 6)], [8, 8],
+                             TierBudgets(gpu_slots=16, pinned_slots=20), cfg, torch.float32)
+    yield loaded
+    loaded.manager.close()

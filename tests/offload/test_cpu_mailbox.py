@@ -154,7 +154,7 @@ def test_one_graph_split_decode_equals_the_host_step_path(tmp_path, monkeypatch,
     CPU (promotions off, so both keep the same experts resident; no GPU share, so the CPU computes them all),
     with the inbox and answer exchanged by the kernels themselves, or (`direct` False: their build failed) copied
     through the device by copy nodes around `host_signal.wait_for_host`."""
-    from test_decode_graphs import assert_batched_decode_identical
+    from decode_checks import assert_batched_decode_identical
 
     from strata.kernels.gpu import host_signal
 

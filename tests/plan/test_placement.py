@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from staged_models import CPU, IDS, score_in_chunks
 from test_inspect import qwen3_moe, write_sparse_checkpoint
 from test_planner import check_invariants, host, one_line_error
 
@@ -246,62 +247,21 @@ def test_serve_dry_run_refuses_missing_gpus(tiny6_dir, capsys):
 # ------------------------------------------------------------------------ staged forward on the CPU device
 
 
-@pytest.fixture(scope="module")
-def tiny6_dir(tmp_path_factory):
-    """The tiny demo model with 6 layers (1 dense + 5 MoE), no Engram: enough layers for 2-4 stages."""
-    from strata.runtime.demo.model import write_demo_model
-
-    return write_demo_model(tmp_path_factory.mktemp("demo6") / "tiny6", size="tiny", layers=6, engram=False,
-                            progress=False)
-
-
-def _score(model, cfg, ids: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
-    from strata.runtime.generation.prefill import prefill
-    from strata.runtime.model.kv_cache import KVCache
-
-    cache = KVCache(cfg, 1, 64, dtype, "cpu")
-    return prefill(model, cache, 0, ids, 3, all_logits=True)  # chunks of 3: stage hooks see the cache reused
-
-
-CPU = torch.device("cpu")
-IDS = torch.tensor([1, 5, 9, 200, 17, 3, 3, 8, 44, 2])
-
-
 def test_staged_memory_model_matches_one_device(tiny6_dir):
     from strata.runtime.model.checkpoint import Checkpoint
     from strata.runtime.model.loader import load_model
     from strata.runtime.model.stages import stage_model
 
     ckpt = Checkpoint.open(tiny6_dir)
-    want = _score(load_model(ckpt, torch.float32, "cpu"), ckpt.config, IDS)
+    want = score_in_chunks(load_model(ckpt, torch.float32, "cpu"), ckpt.config, IDS)
     model = load_model(ckpt, torch.float32, "cpu")
     seen = []
     model.layers[3].register_forward_pre_hook(lambda m, a: seen.append(a[0].shape))
     stage_model(model, [(CPU, 0, 2), (CPU, 2, 4), (CPU, 4, 6)])
-    assert torch.equal(_score(model, ckpt.config, IDS), want)
+    assert torch.equal(score_in_chunks(model, ckpt.config, IDS), want)
     assert seen and model.stage_map.stage_of(3) == 1 and model.stage_map.stage_of(5) == 2
     with pytest.raises(ValueError, match="contiguously"):
         stage_model(load_model(ckpt, torch.float32, "cpu"), [(CPU, 0, 2), (CPU, 3, 6)])
-
-
-@pytest.fixture(scope="module")
-def staged_tiered(tiny6_dir, tmp_path_factory):
-    """The tiered model over two CPU stages (layers 0-2 and 3-5), each with a simulated GPU tier of 8 slots."""
-    import os
-
-    from strata.runtime.model.checkpoint import Checkpoint
-    from strata.runtime.plan.build import ensure_store
-    from strata.runtime.plan.multi_device import assemble_tiered
-    from strata.tiers.slots import TierBudgets
-
-    os.environ.setdefault("STRATA_CACHE", str(tmp_path_factory.mktemp("cache")))
-    cfg = load_config({"runtime": {"cpu_numerics": "gpu", "max_context": 64}, "prefetch": {"lookahead": 1},
-                       "tiers": {"disk": {"scrub": False}}})
-    store = ensure_store(tiny6_dir, cfg, False)
-    loaded = assemble_tiered(Checkpoint.open(store), [(CPU, 0, 3), (CPU, 3, 6)], [8, 8],
-                             TierBudgets(gpu_slots=16, pinned_slots=20), cfg, torch.float32)
-    yield loaded
-    loaded.manager.close()
 
 
 def test_staged_tiered_model_matches_memory_model(tiny6_dir, staged_tiered):
@@ -312,7 +272,7 @@ def test_staged_tiered_model_matches_memory_model(tiny6_dir, staged_tiered):
 
     ckpt = Checkpoint.open(tiny6_dir)
     ref = load_model(ckpt, torch.float32, "cpu")
-    assert torch.equal(_score(staged_tiered.model, ckpt.config, IDS), _score(ref, ckpt.config, IDS))
+    assert torch.equal(score_in_chunks(staged_tiered.model, ckpt.config, IDS), score_in_chunks(ref, ckpt.config, IDS))
 
     def greedy(model) -> list[int]:  # 12 tokens: a prefill in chunks of 4, then one decode step a token
         cache = KVCache(ckpt.config, 1, 64, torch.float32, "cpu")
@@ -328,7 +288,7 @@ def test_staged_tiered_model_matches_memory_model(tiny6_dir, staged_tiered):
 
 def test_each_stage_uses_its_own_tiers(staged_tiered):
     tiers = staged_tiered.manager
-    _score(staged_tiered.model, staged_tiered.checkpoint.config, IDS)
+    score_in_chunks(staged_tiered.model, staged_tiered.checkpoint.config, IDS)
     st = tiers.stats()
     first, second = st["devices"]["cpu/0"], st["devices"]["cpu/1"]
     assert (first["stage_layers"], second["stage_layers"]) == ([0, 3], [3, 6])
@@ -394,7 +354,7 @@ def test_staged_tiered_engram_model_matches_memory_model(engram6_dir, tmp_path_f
         model = loaded.model
         assert all(layer.engram.multi_head_embedding is None for layer in model.layers if layer.engram is not None)
         ref = load_model(Checkpoint.open(engram6_dir), torch.float32, "cpu")
-        torch.testing.assert_close(_score(model, loaded.checkpoint.config, IDS), _score(ref, ref.cfg, IDS),
+        torch.testing.assert_close(score_in_chunks(model, loaded.checkpoint.config, IDS), score_in_chunks(ref, ref.cfg, IDS),
                                    rtol=1e-5, atol=1e-5)
         st = model.engram.stats()
         assert st["tier"] == "disk" and st["lookups"] > 0 and st["hits"].get("disk", 0) > 0

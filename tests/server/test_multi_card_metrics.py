@@ -1,7 +1,7 @@
 """Per-card tier statistics of a model split over several cards: `/metrics` series and the dashboard panel.
 
 The snapshots are real: the tiny 6-layer demo model over two CPU stages (`staged_tiered` of
-test_placement.py, one tier manager per stage, each with a simulated GPU tier of 8 slots) scores a few
+tests/conftest.py, one tier manager per stage, each with a simulated GPU tier of 8 slots) scores a few
 tokens, and `DeviceTiers.stats()` is what the collector and the page are given. On CPU both stages share
 a device, so the cards are keyed "cpu/0" and "cpu/1" and no activation crosses a card (0 stage hops).
 """
@@ -17,8 +17,8 @@ import pytest
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
+from staged_models import IDS, score_in_chunks
 from test_dashboard import Chromium, needs_chromium, serve_app
-from test_placement import IDS, _score, staged_tiered, tiny6_dir  # noqa: F401  (fixtures used below)
 
 from strata.server.dashboard import mount_dashboard
 from strata.server.metrics import ServerMetrics
@@ -30,9 +30,9 @@ PLAN = SimpleNamespace(slot_bytes=4096, gpus=[SimpleNamespace(device="cpu/1", sl
 
 
 @pytest.fixture(scope="module")
-def snapshot(staged_tiered):  # noqa: F811
+def snapshot(staged_tiered):
     """`DeviceTiers.stats()` after scoring a prompt, once the background copies have settled."""
-    _score(staged_tiered.model, staged_tiered.checkpoint.config, IDS)
+    score_in_chunks(staged_tiered.model, staged_tiered.checkpoint.config, IDS)
     assert staged_tiered.manager.wait_settled(60)
     snap = staged_tiered.manager.stats()
     assert set(snap["devices"]) == set(CARDS) and "stage_hops" in snap
