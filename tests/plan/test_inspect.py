@@ -439,3 +439,18 @@ def test_config_errors(tmp_path, hf_checkpoints):
     (d / INDEX_NAME).unlink()
     with pytest.raises(CheckpointError, match="no \\*.safetensors files"):
         summarize_checkpoint(d)
+
+
+def test_a_store_is_summarised_like_its_checkpoint(tiny_model_dir, tmp_path):
+    """`strata inspect STORE`: its experts and Engram tables come from the index (dense.safetensors holds only the
+    rest), so layers, experts and every role's bytes equal the checkpoint's."""
+    from strata.runtime.plan.convert import convert_checkpoint
+
+    store = tmp_path / "store"
+    convert_checkpoint(tiny_model_dir, store, progress=False)
+    src, got = summarize_checkpoint(tiny_model_dir), summarize_checkpoint(store)
+    assert got.moe_layers == src.moe_layers == 2 and got.num_layers == src.num_layers
+    assert (got.experts_per_layer, got.expert_bytes) == (src.experts_per_layer, src.expert_bytes)
+    assert got.bytes_by_role == src.bytes_by_role and got.total_bytes == src.total_bytes
+    assert got.expert_layout == "store" and not got.notes
+    assert "2 MoE, 1 dense" in format_summary(got)

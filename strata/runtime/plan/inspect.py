@@ -23,7 +23,7 @@ from pathlib import Path
 
 from strata.errors import CheckpointError
 from strata.runtime.model.config import SUPPORTED_ARCHITECTURES
-from strata.tiers.store.format import lacks_index, no_index_error
+from strata.tiers.store.format import is_store, lacks_index, no_index_error, read_index
 from strata.tiers.store.safetensors_index import TensorIndex
 
 ROLES = ("attention", "dense_mlp", "experts", "shared_experts", "router", "embeddings", "norms", "engram_tables",
@@ -50,7 +50,7 @@ class CheckpointSummary:
     bytes_by_role: dict[str, int]  # every key of ROLES, zero when absent
     total_bytes: int
     dtype: str  # safetensors dtype holding the most bytes, e.g. "BF16"
-    expert_layout: str  # "per-expert" | "fused" | "none" (dense model)
+    expert_layout: str  # "per-expert" | "fused" | "store" (one blob per expert) | "none" (dense model)
     num_files: int
     mtp_layers: int = 0
     bytes_by_dtype: dict[str, int] = field(default_factory=dict)
@@ -215,6 +215,9 @@ def summarize_checkpoint(path: str | Path) -> CheckpointSummary:
     cfg_layers = _int(text, "num_hidden_layers", "n_layers", "num_layers")
     cfg_mtp = _int(text, "num_nextn_predict_layers", "num_mtp_layers") or 0
     t = _tally(index, cfg_layers)
+    total_bytes, num_files = index.total_bytes(), len(index.files())
+    if is_store(path):  # a store: the dense tensors above, the experts and tables from its index
+        total_bytes, num_files = _add_store_objects(t, path, total_bytes)
 
     num_layers = cfg_layers if cfg_layers is not None else (max(t.layers) + 1 if t.layers else 0)
     if cfg_layers is None:
@@ -241,7 +244,7 @@ def summarize_checkpoint(path: str | Path) -> CheckpointSummary:
     first = t.moe[min(t.moe)] if t.moe else None
     expert_bytes = first.bytes // first.count if first is not None and first.count else 0
 
-    layouts = {"fused" if st.fused else "per-expert" for st in t.moe.values()}
+    layouts = {"store" if is_store(path) else "fused" if st.fused else "per-expert" for st in t.moe.values()}
     expert_layout = layouts.pop() if len(layouts) == 1 else ("none" if not layouts else "mixed")
     if expert_layout == "mixed":
         notes.append("some layers store experts fused and others per expert")
@@ -264,14 +267,30 @@ def summarize_checkpoint(path: str | Path) -> CheckpointSummary:
         shared_experts=shared_experts,
         expert_bytes=expert_bytes,
         bytes_by_role=t.by_role,
-        total_bytes=index.total_bytes(),
+        total_bytes=total_bytes,
         dtype=dtype,
         expert_layout=expert_layout,
-        num_files=len(index.files()),
+        num_files=num_files,
         mtp_layers=len(t.mtp_layers),
         bytes_by_dtype=dict(t.by_dtype),
         notes=notes,
     )
+
+
+def _add_store_objects(t: _Tally, path: Path, dense_bytes: int) -> tuple[int, int]:
+    """Count a store's expert blobs and Engram tables (its index lists them; dense.safetensors holds the rest) into
+    `t`; returns the summary's total bytes and file count."""
+    idx = read_index(path)
+    for layer in idx.moe_layers:
+        st = t.moe[layer]
+        st.fused, st.fused_count, st.bytes = True, idx.num_experts, idx.num_experts * idx.payload_bytes
+        t.layers.add(layer)
+    experts = len(idx.moe_layers) * idx.num_experts * idx.payload_bytes
+    tables = sum(table.nbytes for table in idx.tables.values())
+    t.by_role["experts"] += experts
+    t.by_role["engram_tables"] += tables
+    t.by_dtype[idx.dtype] += experts
+    return dense_bytes + experts + tables, len(idx.file_sizes())
 
 
 def format_bytes(n: int) -> str:
