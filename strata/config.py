@@ -2,7 +2,7 @@
 
 The defaults live in the repository's `config.toml`, mirrored by the dataclasses below. Every key is
 validated: an unknown key, a wrong type or an out-of-range value is a `ConfigError` naming the key, and a key
-written where it no longer lives names its place now. Every section but `[debug]` (`DebugConfig`: switches for
+written where an earlier strata kept it is one naming where it lives. Every section but `[debug]` (`DebugConfig`: switches for
 debugging and measuring strata) is a user setting.
 """
 

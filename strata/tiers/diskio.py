@@ -3,8 +3,8 @@
 
 Store objects are fixed-size blobs at 4096-aligned offsets, so they can be read with O_DIRECT: no
 page-cache copy and no page cache filled (then evicted) by a store far larger than RAM. One read in
-flight does not saturate a disk (LIMITS.md: 1.07 GB/s with 1 thread, 1.18 GB/s with 8), so big reads
-are cut into `chunk_bytes` pieces and many pieces run at once on a thread pool (`os.preadv` releases
+flight does not saturate a disk (the H200 machine's virtio disk: 1.07 GB/s with 1 thread, 1.18 GB/s with 8), so
+big reads are cut into `chunk_bytes` pieces and many pieces run at once on a thread pool (`os.preadv` releases
 the GIL). Files on tmpfs are memory already: they are read buffered, and row gathers on them index a
 mapping of the file instead of issuing one syscall per row.
 """

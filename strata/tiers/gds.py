@@ -34,7 +34,8 @@ class _KvikioRead:
 
 class GpuDirectReader:
     """Disk straight into GPU memory with kvikio: GPUDirect Storage where the system has it, else kvikio's
-    POSIX compat mode (its own thread pool reading through a pinned bounce buffer; LIMITS.md: 1.3 GB/s)."""
+    POSIX compat mode (its own thread pool reading through a pinned bounce buffer: ~1.5 GB/s on the H200 machine's
+    virtio disk, docs/benchmarks.md, section "Tiers: copy and read rates")."""
 
     def __init__(self) -> None:
         if importlib.util.find_spec("kvikio") is None:

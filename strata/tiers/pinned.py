@@ -1,9 +1,10 @@
 """The pinned-RAM tier's memory: fixed-size slots carved from a few large page-locked slabs, allocated once.
 
-Pinning is slow: cudaHostAlloc (`pin_memory=True`) costs 0.45-0.8 s per GiB, so 100 GiB would hold
-start-up for a minute (LIMITS.md). `cudaHostRegister` of an anonymous mmap costs about 0.07 s per GiB
-and copies at the same 55 GB/s, so slabs are mmapped and registered, on a background thread, slab by
-slab: slot i is usable as soon as its slab is (`slot(i)` waits for it), long before the whole pool is.
+Pinning is slow: cudaHostAlloc (`pin_memory=True`) costs 0.45-0.8 s per GiB on the H200 machine, so 100 GiB
+would hold start-up for a minute. `cudaHostRegister` of an anonymous mmap costs about 0.07 s per GiB there and
+copies at the same 55 GB/s (a fresh mapping's page faults come on top: 0.44-0.60 s per GiB for both together in
+docs/benchmarks.md, section "Tiers: copy and read rates"), so slabs are mmapped and registered, on a background
+thread, slab by slab: slot i is usable as soon as its slab is (`slot(i)` waits for it), long before the whole pool is.
 On hosts without CUDA the slabs are plain RAM, pre-faulted (MAP_POPULATE) so first use is not a storm of
 page faults on the hot path.
 """

@@ -3,10 +3,10 @@
 `acquire` is general (any tier, any source, waits, per-object futures) and costs a few hundred
 microseconds of host time per expert on CUDA: a stream switch, a map-update kernel and an event for
 the eviction, the same again for the copy and its map entry, and an event per handle on release. A
-decode step pays that for every cold expert of every layer, which made the split decode
-overhead-bound (bench/RESULTS.md). `stage_gpu` does the same bookkeeping for a layer's
-pinned-resident cold experts with one map-clear batch on the compute stream, one copy-stream batch
-(waits, copies, map entries, one event) and, in `release_staged`, one event for all of them.
+decode step pays that for every cold expert of every layer, which makes a split decode step
+overhead-bound. `stage_gpu` does the same bookkeeping for a layer's pinned-resident cold experts with one
+map-clear batch on the compute stream, one copy-stream batch (waits, copies, map entries, one event) and, in
+`release_staged`, one event for all of them.
 
 Objects that are not simply pinned-resident (a copy already in flight, or only on tmpfs/disk) take
 the general `acquire` path inside the same call, so the result is the same whatever the residency.

@@ -2,9 +2,9 @@
 
 `apply_experts` runs each hit expert as its own chain of ~12 ops (gather, two GEMMs, SiLU, multiply,
 index_add). An 8K-token prefill chunk of the bench model hits all 128 experts of every layer, and on the
-H200 box the host launching those ops took 0.63 s for ~94 ms of GPU work (bench/RESULTS.md, ninth session:
-`bench/profile_prefill.py`). Here the pairs are sorted by slot and run through `torch._grouped_mm` (CUTLASS
-grouped GEMMs on sm90; a reference loop elsewhere), once for gate/up and once for down, whatever the number
+H200 box the host launching those ops took 0.63 s for ~94 ms of GPU work (`bench/profile_prefill.py`, code
+9331683). Here the pairs are sorted by slot and run through `torch._grouped_mm` (CUTLASS grouped GEMMs on sm90;
+a reference loop elsewhere), once for gate/up and once for down, whatever the number
 of experts: about ten launches a layer, in pieces of about 8K pairs so the temporaries stay bounded. Each
 pair's weighted output lands in one [N*k, H] fp32 buffer (a tiered prefill fills it batch by batch) that is
 summed once.
@@ -13,7 +13,8 @@ Weights are addressed by slot, like the decode pair kernels: `SlotWeights` over 
 experts (slot = expert id) or over the GPU tier's slab. Each token's k outputs are added in ascending
 expert order in fp32 and rounded once, so the in-memory and tiered engines give identical results (the
 order of their slots does not enter the sum). `[debug] grouped_prefill = "auto"` uses it on CUDA (an 8K prefill
-all in VRAM ran 7.3x the loop on the H200 box); on the CPU torch's grouped GEMM is a reference loop.
+all in VRAM ran 7.3x the loop on the H200 box: docs/benchmarks.md, section "What changed the figures most",
+ecaf011); on the CPU torch's grouped GEMM is a reference loop.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ graph each still costs a few microseconds of launch and dependency latency, and 
 step's critical path, before the worker may start. Here one kernel does it all: program 0 assigns and writes
 the inbox's integers and weights; the others copy the activations. On the H200 box the GPU's time between two
 layers' CPU shares (the worker's `gpu_gap`) fell from ~175 to ~104 us (all in VRAM a layer takes ~88 us), and
-split decode ran 17% (uniform routing) to 27% (skewed) faster (bench/RESULTS.md).
+split decode ran 17% (uniform routing) to 27% (skewed) faster (docs/benchmarks.md, section "What changed the
+figures most", 2dbc8c9).
 
 The assignment is `GpuShare.assign`'s, op for op in fp32 (the torch version stays the reference, and the path
 of hosts without Triton; the tests compare the two on the GPU and under Triton's interpreter): a layer's c cold

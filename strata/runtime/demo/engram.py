@@ -1,6 +1,6 @@
 """The demo model's Engram layers: config.json section per size, tensor specs, the normalisation table.
 
-Checkpoint names (documented in the README), for each Engram layer L:
+Checkpoint names (documented in docs/engram.md), for each Engram layer L:
 
     model.layers.L.engram.multi_head_embedding.embedding.weight   [sum_k M_k, head_dim]  the table (all heads)
     model.layers.L.engram.key_proj.{weight,bias}                  [H, E], [H]           E = heads * head_dim

@@ -103,7 +103,7 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     # (overlapped decode queues the next step before the host reads this token). Taken in logs, argmax(logits -
     # log q) (the Gumbel-max trick): the same distribution without the softmax, which over one row of a 152K
     # vocabulary ran as a single 39-us block on the H200, the longest kernel of a decode step's sampling
-    # (bench/RESULTS.md, thirty-fifth session). q is kept above 0, where the CPU's exponential may (rarely) land;
+    # (`bench/serial_phase.py`, code 104a6ba). q is kept above 0, where the CPU's exponential may (rarely) land;
     # a masked token (-inf) stays -inf.
     q = torch.empty_like(logits).exponential_(generator=generator).clamp_min_(torch.finfo(logits.dtype).tiny)
     return (logits - q.log_()).argmax(dim=-1)

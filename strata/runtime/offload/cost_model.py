@@ -25,7 +25,9 @@ class Rates:
     """Effective rates in bytes (or FLOP) per second, updated from observations."""
 
     cpu_bytes_per_s: float = 20e9  # torch's CPU matmul level until the compiled kernel is measured
-    pcie_bytes_per_s: float = 50e9  # pinned -> GPU (LIMITS.md: 52.8 GB/s at 8 MiB)
+    # pinned -> GPU, until measured: the H200 copies 8 MiB objects at ~54 GB/s (docs/benchmarks.md, section
+    # "Tiers: copy and read rates", recorded at 582f5bc)
+    pcie_bytes_per_s: float = 50e9
     cpu_flops: float = 1.0e12  # bf16 FLOP/s of all CPU threads together
     copy_host_s: float = 50e-6  # host seconds per expert copy staged in a decode step (measured as it runs)
     stage_fixed_s: float = 0.0  # host seconds a layer's staging costs whatever the copies (map upload, events)
