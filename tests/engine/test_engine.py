@@ -241,7 +241,7 @@ def test_an_engine_left_open_exits_cleanly(tiny_model_dir):
     script = ("import sys; from strata import Engine; "
               "Engine.from_pretrained(sys.argv[1], config={'tiers': {'disk': {'scrub': False}}}, device='cpu'); "
               "print('loaded')")
-    for _ in range(2):  # the abort depended on timing: it hit every run here before the fix
+    for _ in range(2):  # the abort depends on thread timing: two runs to catch it
         proc = subprocess.run([sys.executable, "-c", script, str(tiny_model_dir)], capture_output=True, text=True,
                               timeout=300)
         assert proc.returncode == 0 and "loaded" in proc.stdout, proc.stderr[-2000:]

@@ -288,7 +288,7 @@ def test_router_module_takes_the_decode_router_for_decode_batches_only(monkeypat
     assert list(router._counts) == [str(x.device)]
     assert torch.equal(ids_dec, ids_big[:3]) and torch.equal(used, ids_dec.reshape(-1).to(torch.int32))
     torch.testing.assert_close(w_dec, w_big[:3], rtol=1e-5, atol=1e-7)
-    # a prediction beside the layer's routing (copy-ahead): the same choice through its own counters, or the torch
+    # a prediction beside the layer's routing (warm-ahead): the same choice through its own counters, or the torch
     # path without them; the router's counters are not touched
     own = decode_router.new_counts(x.device)
     assert torch.equal(router.choose(x[:3], own), ids_dec) and torch.equal(router.choose(x[:3]), ids_dec)

@@ -177,7 +177,8 @@ def test_a_refused_plan_builds_no_store(src, cache):
 
 
 def test_a_store_an_earlier_strata_built_is_taken_over(src, cache):
-    """Stores were keyed by config.json and the weights' headers: the same weights are renamed into place."""
+    """A store that an earlier strata keyed by config.json and the weights' headers holds the same weights: it is
+    renamed into place."""
     cfg = load_config(NO_SCRUB)
     earlier = store_root(cfg) / f"{src.name}-{earlier_fingerprint(src)[:12]}"
     convert_checkpoint(src, earlier, progress=False)

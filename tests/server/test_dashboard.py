@@ -4,7 +4,7 @@ A real `Engine` on the tiny demo model (small pinned budget, a tmpfs tier when /
 tiers are mixed; Engram rows read from disk) answers everything. The main browser test runs the real server
 (`create_app` with a real scheduler on uvicorn): traffic first, then the page opens, and every chart must be
 drawn at once from the server's history, in the DOM and in a screenshot's pixels. The other tests mount the
-dashboard on a small app whose `/v1/strata/stats` is the engine's. Chromium (tests/dashboard_browser.py) is
+dashboard on a small app whose `/v1/strata/stats` is the engine's. Chromium (tests/server/dashboard_browser.py) is
 driven over the DevTools protocol on a pipe; the browser tests skip only when no Chromium is installed.
 """
 
