@@ -276,7 +276,7 @@ def render(doc: dict, command: str | None = None, plot: str | None = None) -> st
 
 def _source(source: str | None) -> str:
     """Where a roofline rate came from: "measured" in the run, else the machine's reference figure
-    (`roofline.LIMITS`, recorded as the name of the sheet it was copied from)."""
+    (`roofline.LIMITS`, whatever label the run recorded it under)."""
     return "measured" if source == "measured" else "reference" if source else "?"
 
 

@@ -16,8 +16,9 @@ import math
 import time
 from dataclasses import asdict, dataclass, field
 
-# the H200 machine's reference rates, bytes per second (recorded with the source "LIMITS.md", the machine's limits
-# sheet they were copied from)
+# the H200 machine's reference rates, bytes per second (pinned -> GPU copies of large objects, the compiled CPU
+# expert kernel, an HBM device copy, O_DIRECT disk reads); `Rates.source` records them under a label of their own,
+# which the report prints as "reference"
 LIMITS = {"pcie": 55e9, "cpu": 70e9, "hbm": 4.3e12, "disk": 1.2e9}
 
 
