@@ -119,7 +119,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     section = report.render(doc, command, png.name if png else None)
     (out / "suite.md").write_text(section)
     if args.results:
-        report.update_results_md(args.results, section)
+        report.update_report(args.results, section)
     problems = results.validate(doc)
     bad = [c for c in doc["cases"] if c["status"] == "error"]
     print(f"wrote {out / results.RESULT_FILE} ({len(doc['cases'])} cases, {len(bad)} errors"
@@ -157,7 +157,7 @@ def cmd_report(args: argparse.Namespace) -> int:
     png = plot(doc, png_path)
     _say_why_no_plot(png)
     rel = png.name if png and png.parent == Path(args.results).parent else (str(png) if png else None)
-    report.update_results_md(args.results, report.render(doc, command, rel))
+    report.update_report(args.results, report.render(doc, command, rel))
     print(f"updated {args.results} from {len(doc['cases'])} cases" + (f"; plot {png}" if png else ""))
     return 0
 

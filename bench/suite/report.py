@@ -280,7 +280,7 @@ def _source(source: str | None) -> str:
     return "measured" if source == "measured" else "reference" if source else "?"
 
 
-def update_results_md(path: str | Path, section: str) -> None:
+def update_report(path: str | Path, section: str) -> None:
     """Replace the text between the suite markers of the report at `path` (append the markers when absent)."""
     path = Path(path)
     text = path.read_text() if path.exists() else "# Benchmark results\n"

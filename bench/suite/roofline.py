@@ -30,7 +30,7 @@ class Rates:
     cpu: float = LIMITS["cpu"]
     hbm: float = LIMITS["hbm"]
     disk: float = LIMITS["disk"]
-    source: dict = field(default_factory=lambda: dict.fromkeys(LIMITS, "LIMITS.md"))
+    source: dict = field(default_factory=lambda: dict.fromkeys(LIMITS, "reference"))
     extra: dict = field(default_factory=dict)  # measured figures reported but not used (RAM read bandwidth)
 
     def __post_init__(self) -> None:

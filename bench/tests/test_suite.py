@@ -56,7 +56,7 @@ def test_expected_experts_per_step_and_rates():
     assert 4 < FACTS.expected_experts_per_step(4) < 16
     with pytest.raises(ValueError):
         Rates(pcie=0)
-    assert Rates().source["pcie"] == "LIMITS.md"
+    assert Rates().source["pcie"] == "reference"
 
 
 # --- cases ----------------------------------------------------------------------------------------
@@ -224,13 +224,13 @@ def test_a_split_step_is_cut_into_cold_phases_gpu_work_between_layers_and_its_en
 def test_results_md_section_is_replaced_between_markers(tmp_path):
     md = tmp_path / "benchmarks.md"
     md.write_text("# Benchmarks\n\nearlier text\n")
-    report.update_results_md(md, "first run\n")
-    report.update_results_md(md, "second run\n")
+    report.update_report(md, "first run\n")
+    report.update_report(md, "second run\n")
     text = md.read_text()
     assert text.count(report.BEGIN) == 1 and "second run" in text and "first run" not in text
     assert text.startswith("# Benchmarks\n\nearlier text\n")
     md.write_text(text + "\n## Later section\n")
-    report.update_results_md(md, "third run\n")
+    report.update_report(md, "third run\n")
     assert md.read_text().endswith("## Later section\n") and "third run" in md.read_text()
 
 

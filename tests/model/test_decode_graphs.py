@@ -174,8 +174,8 @@ def test_split_decode_copies_the_gpu_share(plain_tiny):
 @pytest.mark.gpu
 @pytest.mark.parametrize("numerics", ["gpu", "fork"], ids=["exact", "split"])
 def test_all_resident_tiered_engine_uses_graphs_and_equals_memory(plain_tiny, numerics):
-    """A GPU budget that holds every expert: decode becomes one graph per step, in split mode too (whose
-    step-copy slots, carved out of such a budget, used to keep the tier one short of every expert for good)."""
+    """A GPU budget that holds every expert: decode becomes one graph per step, in split mode too (no step-copy
+    slots are carved out of such a budget, which would keep the tier one short of every expert for good)."""
     memory = Engine.from_pretrained(plain_tiny, device="cuda", config={"runtime": {"experts": "memory"}})
     with Engine.from_pretrained(plain_tiny, device="cuda", config={"runtime": {"cpu_numerics": numerics}}) as tiered:
         ids = memory.tokenizer.encode("The river runs through the valley and the town")
