@@ -37,14 +37,14 @@ from strata import Engine
 from strata.runtime.demo import engram as engram_demo
 from strata.runtime.demo.model import write_demo_model
 from strata.runtime.model.kv_cache import KVCache, StepBatch
-from strata.tiers.diskio import fs_type
+from strata.tiers.storage.diskio import fs_type
 
 # (tier, prefetch, zero_copy): [debug] engram_prefetch and engram_zero_copy; zero_copy matters for pinned and tmpfs
 # tables (read in place vs the row cache)
 CASES = [("gpu", True, True), ("pinned", True, True), ("pinned", True, False), ("tmpfs", True, True),
          ("tmpfs", True, False), ("disk", True, True), ("disk", False, True), ("disk", True, True, False),
          ("disk", True, True, True, False)]
-# a fourth field False: the disk reader's runs read from Python, not natively (strata.tiers.native_io);
+# a fourth field False: the disk reader's runs read from Python, not natively (strata.tiers.storage.native_io);
 # a fifth False: debug.engram_graph_wait off (the graph cut at each Engram layer, rows served between the pieces)
 
 

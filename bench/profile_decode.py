@@ -44,7 +44,7 @@ def copy_probe(nbytes: int = 9_437_184, n: int = 48) -> dict:
     """Is a copy from the pinned pool asynchronous? Host microseconds per `copy_` call (an asynchronous copy
     returns in a few microseconds; a synchronous one takes the transfer time, ~170 us for 9.4 MB at 55 GB/s),
     for the pool's registered mmap slabs and for cudaHostAlloc memory, and the GB/s the copies reach."""
-    from strata.tiers.pinned import PinnedPool
+    from strata.tiers.storage.pinned import PinnedPool
 
     pool = PinnedPool(nbytes, n, background=False)
     dst = torch.empty((n, nbytes), dtype=torch.uint8, device="cuda")

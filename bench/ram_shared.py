@@ -35,7 +35,7 @@ def _copies(src: list[torch.Tensor], dst: torch.Tensor, stream: torch.cuda.Strea
 
 def measure(gib: float, threads: int | None, gpus: list[int]) -> dict:
     from strata.kernels.cpu import experts as ce
-    from strata.tiers.pinned import PinnedPool
+    from strata.tiers.storage.pinned import PinnedPool
 
     n = int(gib * 2**30 // CHUNK)
     pool = PinnedPool(CHUNK, n, background=False)

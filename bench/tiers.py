@@ -28,10 +28,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from strata.tiers.diskio import ALIGN, DiskReader, aligned_empty, fs_type
-from strata.tiers.gds import GpuDirectReader
-from strata.tiers.gpu_slots import GpuSlots
-from strata.tiers.pinned import PinnedPool
+from strata.tiers.storage.diskio import ALIGN, DiskReader, aligned_empty, fs_type
+from strata.tiers.storage.gds import GpuDirectReader
+from strata.tiers.storage.gpu_slots import GpuSlots
+from strata.tiers.storage.pinned import PinnedPool
 
 MiB = 1 << 20
 TARGETS = {"pinned->gpu (>= 8 MiB)": 0.85, "disk O_DIRECT": 0.85}

@@ -4,7 +4,7 @@
 
 The pair kernels (`strata.kernels.gpu.grouped.pair_experts`) run one decode token's experts (Qwen3-30B-A3B
 shape, 9.4 MB each) with their weights in: HBM (the resident case); pinned RAM from `cudaHostAlloc`
-read in place through a device view (`strata.tiers.uva.device_view`); the pinned pool's registered slabs
+read in place through a device view (`strata.tiers.storage.uva.device_view`); the pinned pool's registered slabs
 read the same way. Reports GB/s of expert weights read per call for 1, 2, 4 and 8 experts, per block
 configuration, alone and while the CPU reads RAM on 15 threads (the CPU share of a split step), against
 the copy engine's pinned -> GPU rate measured in the same run. Writes zero_copy.json.
@@ -27,7 +27,7 @@ EXPERT_BYTES = 3 * H * INTER * 2
 def expert_set(where: str, pool=None, first: int = 0):
     """gate_up [E, 2I, H], down [E, H, INTER] bf16 in HBM or in pinned RAM viewed from the GPU."""
     from strata.kernels.gpu.grouped import SlotWeights
-    from strata.tiers.uva import device_view
+    from strata.tiers.storage.uva import device_view
 
     numel = E * 3 * H * INTER
     if where == "hbm":
@@ -94,7 +94,7 @@ def main() -> None:
     args = ap.parse_args()
     from strata.kernels.cpu import experts as ce
     from strata.kernels.gpu import grouped
-    from strata.tiers.pinned import PinnedPool
+    from strata.tiers.storage.pinned import PinnedPool
 
     pool = PinnedPool(EXPERT_BYTES, 48, background=False)
     for i in range(48):

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import itertools
 
-from strata.tiers.gpu_slots import GpuSlots
 from strata.tiers.slot_maps import SlotTier
 from strata.tiers.slots import Key
 from strata.tiers.stats import TierStats
+from strata.tiers.storage.gpu_slots import GpuSlots
 
 
 class GpuCopies:

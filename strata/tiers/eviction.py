@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from strata.tiers.copies import GpuCopies
-from strata.tiers.gpu_slots import GpuSlots
 from strata.tiers.slot_maps import SlotTier
 from strata.tiers.slots import Key, TierBudgets, TierFullError, static_hot_slots
 from strata.tiers.stats import PrefetchLedger, TierStats
-from strata.tiers.tmpfs import TmpfsMirror
+from strata.tiers.storage.gpu_slots import GpuSlots
+from strata.tiers.storage.tmpfs import TmpfsMirror
 
 
 def pinned_reload_cost(tmpfs: TmpfsMirror | None) -> Callable[[Key], float]:

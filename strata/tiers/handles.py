@@ -17,12 +17,12 @@ from concurrent.futures import Future
 import torch
 
 from strata.tiers.copies import GpuCopies
-from strata.tiers.gpu_slots import GpuSlots
 from strata.tiers.lookups import LookupBooks
-from strata.tiers.pinned import PinnedPool
 from strata.tiers.slot_maps import SlotMaps, SlotTier
 from strata.tiers.slots import FULL_WAIT_S, ExpertHandle, Key, TierFullError
 from strata.tiers.stats import PrefetchLedger, TierStats
+from strata.tiers.storage.gpu_slots import GpuSlots
+from strata.tiers.storage.pinned import PinnedPool
 from strata.tiers.store.store import ExpertStore
 from strata.tiers.transfers import Transfers
 

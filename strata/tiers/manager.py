@@ -45,14 +45,11 @@ import torch
 from strata.errors import StrataError
 from strata.kernels.gpu.grouped import SlotWeights
 from strata.tiers.copies import GpuCopies
-from strata.tiers.diskio import DiskReader
 from strata.tiers.eviction import Evictor, gpu_reload_cost, pinned_reload_cost
-from strata.tiers.gpu_slots import GpuSlots
 from strata.tiers.handles import Handles
 from strata.tiers.integrity import Integrity
 from strata.tiers.jobs import JobQueue
 from strata.tiers.lookups import LookupBooks, LookupSource
-from strata.tiers.pinned import PinnedPool
 from strata.tiers.placement import Placer
 from strata.tiers.policy import make_policy
 from strata.tiers.slot_maps import SlotMaps, SlotTier
@@ -67,8 +64,11 @@ from strata.tiers.slots import (
 )
 from strata.tiers.stats import PrefetchLedger, TierStats
 from strata.tiers.step_copies import StagedExperts, StepCopies, StreamedExperts
+from strata.tiers.storage.diskio import DiskReader
+from strata.tiers.storage.gpu_slots import GpuSlots
+from strata.tiers.storage.pinned import PinnedPool
+from strata.tiers.storage.tmpfs import TmpfsMirror
 from strata.tiers.store.store import ExpertStore
-from strata.tiers.tmpfs import TmpfsMirror
 from strata.tiers.transfers import Transfers
 
 __all__ = ["ExpertHandle", "Key", "TierBudgets", "TierFullError", "TierManager"]

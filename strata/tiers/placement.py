@@ -12,11 +12,11 @@ from concurrent.futures import wait as futures_wait
 
 import torch
 
-from strata.tiers.gpu_slots import GpuSlots
 from strata.tiers.jobs import JobQueue
 from strata.tiers.slot_maps import SlotMaps, SlotTier
 from strata.tiers.slots import FULL_WAIT_S, Key, TierFullError
 from strata.tiers.stats import TierStats
+from strata.tiers.storage.gpu_slots import GpuSlots
 from strata.tiers.transfers import Transfers
 
 log = logging.getLogger("strata.tiers")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.errors import StrataError
-from strata.tiers.gds import GpuDirectReader
+from strata.tiers.storage.gds import GpuDirectReader
 
 Key = tuple[int, int]  # (layer, expert)
 MIN_PINNED_SLOTS = 16  # staging for GPU copies even when the pinned budget is 0 (4 without a GPU tier)

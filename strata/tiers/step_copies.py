@@ -22,12 +22,12 @@ import torch
 
 from strata.tiers.copies import GpuCopies
 from strata.tiers.eviction import Evictor
-from strata.tiers.gpu_slots import GpuSlots
 from strata.tiers.handles import Handles
-from strata.tiers.pinned import PinnedPool
 from strata.tiers.slot_maps import SlotMaps
 from strata.tiers.slots import ExpertHandle, Key, TierFullError
 from strata.tiers.stats import PrefetchLedger, TierStats
+from strata.tiers.storage.gpu_slots import GpuSlots
+from strata.tiers.storage.pinned import PinnedPool
 
 
 @dataclass

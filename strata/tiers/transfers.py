@@ -16,18 +16,18 @@ from concurrent.futures import Future
 import torch
 
 from strata.tiers.copies import GpuCopies
-from strata.tiers.diskio import DiskReader
 from strata.tiers.eviction import Evictor
-from strata.tiers.gds import GpuDirectReader
-from strata.tiers.gpu_slots import GpuSlots
 from strata.tiers.integrity import Integrity
 from strata.tiers.jobs import JobQueue
-from strata.tiers.pinned import PinnedPool
 from strata.tiers.slot_maps import SlotMaps, SlotTier
 from strata.tiers.slots import Key, TierFullError
 from strata.tiers.stats import PrefetchLedger, TierStats
+from strata.tiers.storage.diskio import DiskReader
+from strata.tiers.storage.gds import GpuDirectReader
+from strata.tiers.storage.gpu_slots import GpuSlots
+from strata.tiers.storage.pinned import PinnedPool
+from strata.tiers.storage.tmpfs import TmpfsMirror
 from strata.tiers.store.store import ExpertStore
-from strata.tiers.tmpfs import TmpfsMirror
 
 log = logging.getLogger("strata.tiers")
 

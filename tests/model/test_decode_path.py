@@ -369,7 +369,7 @@ def test_pair_kernels_read_pinned_slots_in_place():
     """`pair_experts_in_place` (weights read over PCIe from page-locked host slots, by address) gives what the
     slot kernels give on the same weights in GPU memory, and leaves the other pairs' rows alone."""
     from strata.kernels.gpu.grouped import HostExperts, pair_experts_in_place
-    from strata.tiers.pinned import PinnedPool
+    from strata.tiers.storage.pinned import PinnedPool
 
     e, h, i, k = 6, 256, 96, 3
     gu, dn = _random_experts(e=e, h=h, i=i, dtype=torch.bfloat16)

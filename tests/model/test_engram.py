@@ -272,7 +272,7 @@ def test_gpu_tiers_equal_memory(tiny_model_dir, shm_dir, tier, zero_copy):
 def test_device_view_reads_and_sees_pinned_memory():
     """`device_view` aliases pinned RAM: the same address, gathers on the GPU equal the host's, later host
     writes are seen; pageable memory gets no view."""
-    from strata.tiers.uva import device_view
+    from strata.tiers.storage.uva import device_view
 
     dev = torch.device("cuda", torch.cuda.current_device())
     host = torch.arange(4096 * 16, dtype=torch.float32).view(4096, 16).to(torch.bfloat16).pin_memory()
@@ -290,7 +290,7 @@ def test_device_view_reads_and_sees_pinned_memory():
 
 
 def test_device_view_is_none_without_cuda(tmp_path):
-    from strata.tiers.uva import device_view, register_file
+    from strata.tiers.storage.uva import device_view, register_file
 
     assert device_view(torch.zeros(8), torch.device("cpu")) is None
     if not torch.cuda.is_available():
@@ -303,7 +303,7 @@ def test_registered_tmpfs_file_is_read_in_place(tmp_path):
     """A file mapped and page-locked (`register_file`) is gathered by the GPU straight from its pages."""
     import os
 
-    from strata.tiers.uva import device_view, register_file
+    from strata.tiers.storage.uva import device_view, register_file
 
     root = "/dev/shm" if os.path.isdir("/dev/shm") else str(tmp_path)
     path = os.path.join(root, f"strata-test-uva-{os.getpid()}.bin")

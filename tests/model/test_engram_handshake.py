@@ -13,8 +13,8 @@ import torch
 
 from strata import Engine
 from strata.runtime.model.kv_cache import DecodeBatch, KVCache, StepBatch
-from strata.tiers import native_io
 from strata.tiers.rows.handshake import RowHandshake
+from strata.tiers.storage import native_io
 
 pytestmark = pytest.mark.skipif(not native_io.available(), reason="needs the native helpers (a C++ compiler)")
 

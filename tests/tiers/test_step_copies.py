@@ -279,7 +279,7 @@ def test_a_clear_behind_a_copy_in_flight_is_counted(store):
     a promotion): `clears_behind_copy` counts it, and a clear after the copy has landed is not counted."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
-    from strata.tiers.gpu_slots import GpuSlots
+    from strata.tiers.storage.gpu_slots import GpuSlots
 
     slots = GpuSlots(store.slot_bytes, 4, num_layers=2, num_experts=8, device=torch.device("cuda"))
     src = torch.zeros(store.slot_bytes, dtype=torch.uint8).pin_memory()

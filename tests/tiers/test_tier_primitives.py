@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from strata.errors import CheckpointError, StrataError, UnsupportedError
-from strata.tiers import native_io
-from strata.tiers.diskio import ALIGN, DiskReader, aligned_empty
-from strata.tiers.gds import GpuDirectReader
-from strata.tiers.gpu_slots import GpuSlots
-from strata.tiers.pinned import PinnedPool
 from strata.tiers.stats import PathCounters
+from strata.tiers.storage import native_io
+from strata.tiers.storage.diskio import ALIGN, DiskReader, aligned_empty
+from strata.tiers.storage.gds import GpuDirectReader
+from strata.tiers.storage.gpu_slots import GpuSlots
+from strata.tiers.storage.pinned import PinnedPool
 
 FILE_BYTES = 4 * 2**20 + 1234  # an unaligned tail: the last block is partial
 
@@ -43,7 +43,7 @@ def store_file(request, tmp_path) -> tuple[Path, np.ndarray]:
 
 @pytest.fixture(params=["native-aio", "native-threads", "python"])
 def reader(request, monkeypatch):
-    """A reader whose row gathers read their runs natively (strata.tiers.native_io, built here with the system
+    """A reader whose row gathers read their runs natively (strata.tiers.storage.native_io, built here with the system
     compiler: all submitted at once through Linux AIO on O_DIRECT files, or one C loop per thread) or from
     Python (the fallback without a compiler)."""
     if request.param.startswith("native"):
@@ -215,7 +215,7 @@ def test_pinned_pool_background_and_errors():
 
 
 def test_pinned_pool_allocation_failure(monkeypatch):
-    import strata.tiers.pinned as pinned
+    import strata.tiers.storage.pinned as pinned
 
     def boom(nbytes, pin):
         raise MemoryError("no room")
@@ -322,7 +322,7 @@ def test_native_reads_fall_back_to_python_without_a_compiler(monkeypatch, tmp_pa
     monkeypatch.setattr(native_io, "_tried", False)
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
     monkeypatch.setenv("STRATA_CACHE", str(tmp_path / "cache"))  # nothing built earlier is found
-    with caplog.at_level("WARNING", logger="strata.tiers.native_io"):
+    with caplog.at_level("WARNING", logger="strata.tiers.storage.native_io"):
         assert not native_io.available()
     assert any("native disk reads unavailable" in r.message for r in caplog.records)
     data = _write(tmp_path / "t.bin", 64 * 1024)

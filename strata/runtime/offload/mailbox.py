@@ -29,7 +29,7 @@ import torch
 
 from strata.kernels.gpu import mailbox_pack
 from strata.runtime.offload.mailbox_clock import WorkerClock
-from strata.tiers.pinned import PinnedPool
+from strata.tiers.storage.pinned import PinnedPool
 
 if TYPE_CHECKING:
     from strata.runtime.offload.gpu_share import GpuShare

@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from strata.tiers import native_io
+from strata.tiers.storage import native_io
 
 log = logging.getLogger(__name__)
 
@@ -52,7 +52,7 @@ class RowHandshake:
 
     def __init__(self, source, layers: list[int], heads: int, max_tokens: int, device: torch.device):
         from strata.kernels.gpu import host_signal
-        from strata.tiers.uva import device_view
+        from strata.tiers.storage.uva import device_view
 
         cuda = device.type == "cuda"
         if (cuda and not host_signal.available()) or not native_io.available():

@@ -13,9 +13,9 @@ from collections.abc import Iterator
 
 import torch
 
+from strata.tiers.storage.uva import device_view, register_file
 from strata.tiers.store.format import TORCH_DTYPES, TableEntry
 from strata.tiers.store.verify_record import FileIdentity, VerifyRecord, table_fingerprint, table_identity
-from strata.tiers.uva import device_view, register_file
 
 
 class TableLoadingMixin:
@@ -36,7 +36,7 @@ class TableLoadingMixin:
             if self.tier in ("gpu", "pinned"):
                 pin = self.tier == "pinned" and torch.cuda.is_available()
                 with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
-                    # pinned in the context of the card that reads it (its device mapping: strata.tiers.uva)
+                    # pinned in the context of the card that reads it (its device mapping: strata.tiers.storage.uva)
                     full = torch.empty(t.num_rows, t.row_bytes, dtype=torch.uint8, pin_memory=pin)
                 for a, b, chunk in self._chunks(t, check=not trusted):
                     full[a:b] = chunk

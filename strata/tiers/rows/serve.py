@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from strata.errors import CheckpointError
-from strata.tiers import native_io
-from strata.tiers.diskio import ALIGN, aligned_empty
+from strata.tiers.storage import native_io
+from strata.tiers.storage.diskio import ALIGN, aligned_empty
 
 NO_ROOM = -(1 << 40)  # csrc/row_serve.cpp's codes, beyond any -1 - i of a short read
 PAST_END, SMALL_SCRATCH = NO_ROOM - 1, NO_ROOM - 2

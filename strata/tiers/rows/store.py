@@ -4,7 +4,7 @@
     row cache:    a slab of `capacity` rows on the compute device (VRAM on CUDA, RAM on CPU-only hosts),
                   with frequency-aware eviction: decayed use counts, the least used rows go first
     zero copy:    on CUDA, tables in pinned RAM or tmpfs (the copy mapped and page-locked) are read by the
-                  GPU in place through their device mapping (strata.tiers.uva), like VRAM tables: no row
+                  GPU in place through their device mapping (strata.tiers.storage.uva), like VRAM tables: no row
                   cache, no staging (`zero_copy=False`, or a mapping CUDA refuses: the row cache serves them)
 
 `start(layer, rows)` returns at once: cached rows are known, the missing ones are read in batches of
@@ -36,13 +36,13 @@ from dataclasses import dataclass, field
 import torch
 
 from strata.errors import CheckpointError, ConfigError
-from strata.tiers.diskio import DiskReader
 from strata.tiers.rows.cache import RowCache
 from strata.tiers.rows.graph_steps import GraphStepsMixin, locked
 from strata.tiers.rows.load import TableLoadingMixin
+from strata.tiers.storage.diskio import DiskReader
+from strata.tiers.storage.uva import RegisteredFile, device_view
 from strata.tiers.store.format import TORCH_DTYPES, TableEntry
 from strata.tiers.store.store import ExpertStore
-from strata.tiers.uva import RegisteredFile, device_view
 
 ENGRAM_TIERS = ("gpu", "pinned", "tmpfs", "disk")
 

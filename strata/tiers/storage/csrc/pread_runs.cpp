@@ -1,4 +1,4 @@
-// Batched positional reads for strata's disk reader (strata/tiers/native_io.py), and a wait on a word of
+// Batched positional reads for strata's disk reader (strata/tiers/storage/native_io.py), and a wait on a word of
 // page-locked memory that a GPU writes (the Engram rows' handshake, strata/tiers/rows/handshake.py).
 //
 // One call reads a list of runs (file offset, length) into one buffer with `threads` threads (the caller

@@ -1,5 +1,5 @@
 """Reading store files fast: 4096-aligned buffers, O_DIRECT reads on a thread pool, table-row gathers
-(disk straight into GPU memory with kvikio: strata.tiers.gds).
+(disk straight into GPU memory with kvikio: strata.tiers.storage.gds).
 
 Store objects are fixed-size blobs at 4096-aligned offsets, so they can be read with O_DIRECT: no
 page-cache copy and no page cache filled (then evicted) by a store far larger than RAM. One read in
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from strata.errors import CheckpointError
-from strata.tiers import native_io
+from strata.tiers.storage import native_io
 
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffers (logical block size on every disk we target)
 _MEMORY_FS = {"tmpfs", "ramfs", "hugetlbfs"}
