@@ -1,0 +1,285 @@
+"""Expert weight formats: the dtype a checkpoint ships (bf16, f16, f32), block-scaled FP8 and MXFP4.
+
+An expert is two matrices, gate_up [2I, H] (gate rows, then up rows) and down [H, I]. A quantized matrix
+[N, K] is two tensors:
+
+    fp8    values  [N, K] float8_e4m3fn (stored as uint8 bits); scale_inv [ceil(N/bn), ceil(K/bk)] float32,
+           one per bn x bk block: w = values * scale_inv (DeepSeek-V3's `weight_scale_inv`)
+    mxfp4  values  [N, K/2] uint8, two e2m1 codes a byte (element 2j in the low nibble, 2j+1 in the high,
+           as gpt-oss's `*_blocks` [N, K/32, 16] flattened); scales [N, K/32] uint8 e8m0 (exponent + 127),
+           one per 32 values along K: w = E2M1[code] * 2**(scale - 127) (OCP microscaling)
+
+`ExpertLayout` places one expert's tensors in a blob: gate_up values, gate_up scales, down values, down
+scales, each section starting 256-byte aligned, so a blob is still one read and one copy, and GPU and CPU
+kernels read values and scales straight from the blob without a bf16 copy. Quantizing rounds to nearest
+(ties to even); `dequantize_*` are the exact inverse on the grid, the oracle every kernel is tested against.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+PLAIN_DTYPES: dict[str, torch.dtype] = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+QUANT_KINDS = ("fp8", "mxfp4")
+SECTION_ALIGN = 256  # bytes; every section of a blob starts at a multiple (vector loads, TMA)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+MX_GROUP = 32  # values per e8m0 scale
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+
+
+@dataclass(frozen=True)
+class ExpertFormat:
+    """How an expert's weights are stored: `kind` "plain" (in `dtype`), "fp8" (block `block`) or "mxfp4".
+
+    `dtype` is the safetensors spelling of a plain format's dtype; quantized formats ignore it."""
+
+    kind: str = "plain"
+    dtype: str = "BF16"
+    block: tuple[int, int] = (128, 128)  # fp8's (rows, cols) per scale
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("plain", *QUANT_KINDS):
+            raise ValueError(f"expert format {self.kind!r} is not one of plain, {', '.join(QUANT_KINDS)}")
+        if self.kind == "plain" and self.dtype not in PLAIN_DTYPES:
+            raise ValueError(f"expert dtype {self.dtype!r} is not one of {', '.join(PLAIN_DTYPES)}")
+        if self.kind == "fp8" and not (len(self.block) == 2 and all(isinstance(b, int) and b > 0 for b in self.block)):
+            raise ValueError(f"fp8 block {self.block!r} must be two positive integers")
+
+    @property
+    def quantized(self) -> bool:
+        return self.kind != "plain"
+
+    @property
+    def name(self) -> str:
+        """What `strata inspect` and `plan` print: "bf16", "fp8 128x128", "mxfp4"."""
+        if self.kind == "plain":
+            return self.dtype.lower()
+        return f"fp8 {self.block[0]}x{self.block[1]}" if self.kind == "fp8" else "mxfp4"
+
+    def to_dict(self) -> dict:
+        d: dict = {"kind": self.kind}
+        if self.kind == "plain":
+            d["dtype"] = self.dtype
+        elif self.kind == "fp8":
+            d["block"] = list(self.block)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ExpertFormat:
+        kind = d.get("kind", "plain")
+        return cls(kind=kind, dtype=d.get("dtype", "BF16"), block=tuple(d.get("block", (128, 128))))
+
+
+@dataclass(frozen=True)
+class Section:
+    """One tensor of a blob: `shape` elements of `dtype` at byte `offset`."""
+
+    offset: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+
+    def view(self, buf: torch.Tensor) -> torch.Tensor:
+        """This section of a 1-D uint8 blob buffer (any device) as a typed view; no copy."""
+        return buf[self.offset : self.offset + self.nbytes].view(self.dtype).view(self.shape)
+
+
+@dataclass(frozen=True)
+class QuantMatrix:
+    """A matrix [N, K] as stored: plain `values` (scales None), or quantized values and scales (see module)."""
+
+    kind: str
+    values: torch.Tensor
+    scales: torch.Tensor | None
+    shape: tuple[int, int]
+    block: tuple[int, int] = (128, 128)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The matrix [N, K] in `dtype` (a copy; plain values are returned converted, or as they are)."""
+        if self.kind == "plain":
+            return self.values.to(dtype)
+        if self.kind == "fp8":
+            return dequantize_fp8(self.values, self.scales, self.block, dtype)
+        return dequantize_mxfp4(self.values, self.scales, dtype)
+
+
+def check_shapes(fmt: ExpertFormat, hidden: int, intermediate: int) -> None:
+    """`ValueError` naming the fix when an expert of hidden H and intermediate I cannot take `fmt`."""
+    if fmt.kind == "fp8" and intermediate % fmt.block[0]:
+        raise ValueError(f"fp8 experts need the intermediate size ({intermediate}) to be a multiple of the block's "
+                         f"rows ({fmt.block[0]}), so gate and up scales stack; choose a block that divides it")
+    if fmt.kind == "mxfp4" and (hidden % MX_GROUP or intermediate % MX_GROUP):
+        raise ValueError(f"mxfp4 experts need hidden ({hidden}) and intermediate ({intermediate}) sizes that are "
+                         f"multiples of {MX_GROUP}; use fp8 for this model")
+
+
+def _matrix_sections(fmt: ExpertFormat, n: int, k: int, offset: int) -> tuple[Section, Section | None, int]:
+    """(values, scales, end offset) of a matrix [n, k] placed at `offset` (256-aligned sections)."""
+    if fmt.kind == "plain":
+        values = Section(offset, (n, k), PLAIN_DTYPES[fmt.dtype])
+        return values, None, offset + values.nbytes
+    if fmt.kind == "fp8":
+        values = Section(offset, (n, k), torch.uint8)
+        bn, bk = fmt.block
+        scales = Section(_align(offset + values.nbytes), (-(-n // bn), -(-k // bk)), torch.float32)
+    else:
+        values = Section(offset, (n, k // 2), torch.uint8)
+        scales = Section(_align(offset + values.nbytes), (n, k // MX_GROUP), torch.uint8)
+    return values, scales, scales.offset + scales.nbytes
+
+
+def _align(n: int) -> int:
+    return -(-n // SECTION_ALIGN) * SECTION_ALIGN
+
+
+@dataclass(frozen=True)
+class ExpertLayout:
+    """Where one expert's tensors sit in its blob, for `fmt` and an expert of hidden H, intermediate I.
+
+    Plain formats keep the historical layout (gate_up then down, back to back); quantized ones have four
+    256-aligned sections. `payload_bytes` is the blob's length before padding to its slot."""
+
+    fmt: ExpertFormat
+    hidden: int
+    intermediate: int
+    gate_up: Section
+    gate_up_scales: Section | None
+    down: Section
+    down_scales: Section | None
+    payload_bytes: int
+
+    @classmethod
+    def build(cls, fmt: ExpertFormat, hidden: int, intermediate: int) -> ExpertLayout:
+        check_shapes(fmt, hidden, intermediate)
+        gu, gus, end = _matrix_sections(fmt, 2 * intermediate, hidden, 0)
+        start = end if fmt.kind == "plain" else _align(end)
+        dn, dns, end = _matrix_sections(fmt, hidden, intermediate, start)
+        return cls(fmt, hidden, intermediate, gu, gus, dn, dns, end)
+
+    @property
+    def gate_up_bytes(self) -> int:
+        """Bytes from the blob's start to the end of gate_up's sections (a kernel's first half to read)."""
+        return self.down.offset
+
+    def matrices(self, buf: torch.Tensor) -> tuple[QuantMatrix, QuantMatrix]:
+        """(gate_up, down) of a 1-D uint8 blob buffer on any device, as views; no copy."""
+        if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < self.payload_bytes:
+            raise ValueError(f"buf must be a 1-D uint8 tensor of at least {self.payload_bytes} bytes")
+        h, i, kind, block = self.hidden, self.intermediate, self.fmt.kind, self.fmt.block
+
+        def matrix(values: Section, scales: Section | None, shape: tuple[int, int]) -> QuantMatrix:
+            return QuantMatrix(kind, values.view(buf), scales.view(buf) if scales else None, shape, block)
+
+        return (matrix(self.gate_up, self.gate_up_scales, (2 * i, h)), matrix(self.down, self.down_scales, (h, i)))
+
+    def pack(self, gate_up: torch.Tensor, down: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Quantize (round to nearest) or convert gate_up [2I, H] and down [H, I] into a blob: a CPU uint8
+        tensor of `payload_bytes` (or `out`, at least that long; bytes between sections are zeroed)."""
+        if out is None:
+            out = torch.zeros(self.payload_bytes, dtype=torch.uint8)
+        else:
+            out[: self.payload_bytes].zero_()
+        h, i = self.hidden, self.intermediate
+        for w, values, scales, shape in ((gate_up, self.gate_up, self.gate_up_scales, (2 * i, h)),
+                                         (down, self.down, self.down_scales, (h, i))):
+            if tuple(w.shape) != shape:
+                raise ValueError(f"expert matrix of shape {tuple(w.shape)} is not the expert's {shape}")
+            if self.fmt.kind == "plain":
+                values.view(out).copy_(w)
+                continue
+            q, s = quantize_fp8(w, self.fmt.block) if self.fmt.kind == "fp8" else quantize_mxfp4(w)
+            values.view(out).copy_(q.view(torch.uint8) if q.dtype != torch.uint8 else q)
+            scales.view(out).copy_(s)
+        return out
+
+    def pack_quantized(self, gate_up: tuple[torch.Tensor, torch.Tensor], down: tuple[torch.Tensor, torch.Tensor],
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """A blob from tensors already in this format, as a checkpoint ships them: (values, scales) per matrix
+        (fp8 values as float8_e4m3fn or uint8 bits; mxfp4 values [N, K/2] or [N, K/32, 16])."""
+        if out is None:
+            out = torch.zeros(self.payload_bytes, dtype=torch.uint8)
+        for (q, s), values, scales in ((gate_up, self.gate_up, self.gate_up_scales), (down, self.down, self.down_scales)):
+            q = q.view(torch.uint8) if q.dtype == torch.float8_e4m3fn else q
+            if q.numel() != math.prod(values.shape) or s.numel() != math.prod(scales.shape):
+                raise ValueError(f"quantized tensors {tuple(q.shape)} / {tuple(s.shape)} do not fit "
+                                 f"{self.fmt.name} sections {values.shape} / {scales.shape}")
+            values.view(out).copy_(q.reshape(values.shape))
+            scales.view(out).copy_(s.reshape(scales.shape).to(scales.dtype))
+        return out
+
+    def dequantize(self, buf: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [2I, H], down [H, I]) of a blob in `dtype`: the reference every kernel is checked against."""
+        gate_up, down = self.matrices(buf)
+        return gate_up.dequantize(dtype), down.dequantize(dtype)
+
+
+def quantize_fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] -> (values [N, K] float8_e4m3fn, scale_inv [ceil(N/bn), ceil(K/bk)] float32), one scale per
+    block: scale_inv = amax / 448 (1 for an all-zero block), values = round(w / scale_inv)."""
+    n, k = w.shape
+    bn, bk = block
+    scale = _block_amax(w.float(), bn, bk) / FP8_MAX
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    values = (w.float() / full).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return values, scale
+
+
+def dequantize_fp8(values: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """values [N, K] (float8_e4m3fn or its uint8 bits), scale_inv [ceil(N/bn), ceil(K/bk)] -> w [N, K]."""
+    if values.dtype == torch.uint8:
+        values = values.view(torch.float8_e4m3fn)
+    n, k = values.shape
+    bn, bk = block
+    full = scale_inv.float().repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return (values.float() * full).to(dtype)
+
+
+def _block_amax(w: torch.Tensor, bn: int, bk: int) -> torch.Tensor:
+    n, k = w.shape
+    padded = torch.zeros(-(-n // bn) * bn, -(-k // bk) * bk, dtype=w.dtype, device=w.device)
+    padded[:n, :k] = w.abs()
+    return padded.view(padded.shape[0] // bn, bn, padded.shape[1] // bk, bk).amax(dim=(1, 3))
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """w [N, K] (K a multiple of 32) -> (values [N, K/2] uint8, scales [N, K/32] uint8 e8m0).
+
+    Each group of 32 takes the smallest power of two 2**e with amax / 2**e <= 6 (e clamped to [-127, 127]);
+    values round to the nearest e2m1 code, ties to the even code."""
+    n, k = w.shape
+    if k % MX_GROUP:
+        raise ValueError(f"mxfp4 needs a multiple of {MX_GROUP} columns, not {k}")
+    groups = w.float().reshape(n, k // MX_GROUP, MX_GROUP)
+    amax = groups.abs().amax(dim=-1)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    exp = torch.where(amax > 0, exp, torch.full_like(exp, -127)).to(torch.int32)
+    scaled = groups / torch.exp2(exp.float())[..., None]
+    mag = scaled.abs()
+    mids = torch.tensor(_E2M1_MIDPOINTS, dtype=torch.float32, device=w.device)
+    code = torch.bucketize(mag, mids, right=True)  # ties round up here; even-code ties are fixed below
+    tie = (code > 0) & (mag == mids[(code - 1).clamp(min=0)]) & (code % 2 == 1)
+    code = torch.where(tie, code - 1, code)
+    code = code | ((scaled < 0) & (code > 0)).to(code.dtype) << 3  # -0.0 is stored as +0
+    code = code.reshape(n, k).to(torch.uint8)
+    packed = code[:, 0::2] | (code[:, 1::2] << 4)
+    return packed, (exp + 127).to(torch.uint8)
+
+
+def dequantize_mxfp4(values: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """values [N, K/2] (or gpt-oss's [N, K/32, 16]) uint8, scales [N, K/32] uint8 -> w [N, K]."""
+    n = scales.shape[0]
+    packed = values.reshape(n, -1)
+    lut = torch.tensor(E2M1, dtype=torch.float32, device=values.device)
+    codes = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(n, -1).long()
+    w = lut[codes].reshape(n, -1, MX_GROUP)
+    w = w * torch.exp2(scales.reshape(n, -1).float() - 127.0)[..., None]
+    return w.reshape(n, -1).to(dtype)
