@@ -2,8 +2,10 @@
 
 Expert weights come from a callable, so the same loop serves experts stacked in memory
 (`gate_up` [E, 2I, H], `down` [E, H, I]) and experts the tier manager holds in GPU or pinned slots.
-Experts accumulate in ascending order, as transformers does, so fp32 results match the reference
-to rounding.
+The callable may give an expert as stored (`QuantMatrix` pairs, block-scaled FP8 or MXFP4): each is then
+dequantized into a scratch of the activations' dtype just before it runs, the fallback of every path whose
+kernel does not read the format itself (strata.kernels.quant.FAST_PATHS). Experts accumulate in ascending
+order, as transformers does, so fp32 results match the reference to rounding.
 """
 
 from __future__ import annotations
@@ -13,7 +15,19 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-ExpertWeights = Callable[[int], tuple[torch.Tensor, torch.Tensor]]  # expert -> (gate_up [2I, H], down [H, I])
+from strata.kernels.quant import QuantMatrix
+
+# expert -> (gate_up [2I, H], down [H, I]): tensors, or matrices as stored (dequantized here)
+ExpertWeights = Callable[[int], tuple[torch.Tensor, torch.Tensor] | tuple[QuantMatrix, QuantMatrix]]
+
+
+def as_weights(pair: tuple[torch.Tensor, torch.Tensor] | tuple[QuantMatrix, QuantMatrix],
+               dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """An expert's (gate_up, down) as tensors: stored matrices dequantized (or converted) to `dtype`, tensors as given."""
+    gate_up, down = pair
+    if isinstance(gate_up, QuantMatrix):
+        return gate_up.dequantize(dtype), down.dequantize(dtype)
+    return gate_up, down
 
 
 def expert_swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
@@ -45,7 +59,7 @@ def apply_experts(x: torch.Tensor, weights: torch.Tensor, k: int, groups: list[t
     flat_weights = weights.reshape(-1)
     for expert, sel in groups:
         tokens = sel // k
-        gate_up, down = expert_weights(expert)
+        gate_up, down = as_weights(expert_weights(expert), x.dtype)
         y = expert_swiglu(x[tokens], gate_up, down) * flat_weights[sel, None]
         out.index_add_(0, tokens, y.to(out.dtype))
     return out

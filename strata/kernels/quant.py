@@ -110,6 +110,34 @@ class QuantMatrix:
         return dequantize_mxfp4(self.values, self.scales, dtype)
 
 
+# The kernels that read experts straight from their slots (or host RAM), and the format kinds each reads. A path whose
+# set lacks a format is not taken for it: the runtime dequantizes each such expert into a scratch of the compute dtype
+# and runs the reference math instead, and `strata plan` names the fallback. A kernel's owner adds a kind here once
+# that kernel reads it (tested against `dequantize`).
+FAST_PATHS: dict[str, frozenset[str]] = {
+    "gpu_pairs": frozenset({"plain"}),  # decode pair kernels over GPU slots, full-graph decode (strata.kernels.gpu.grouped)
+    "gpu_in_place": frozenset({"plain"}),  # the GPU's in-place reads of pinned RAM in one-graph split decode
+    "gpu_grouped": frozenset({"plain"}),  # prefill's grouped GEMMs over GPU slots (strata.kernels.gpu.grouped_gemm)
+    "cpu_kernel": frozenset({"plain"}),  # the compiled CPU expert kernel and the mailbox worker (strata.kernels.cpu)
+}
+FP8_BLOCKS = (128, 64, 32, 16)  # the square fp8 blocks `fp8_block_for` picks from, largest first
+
+
+def reads(path: str, fmt: ExpertFormat) -> bool:
+    """Whether fast path `path` (a key of `FAST_PATHS`) reads experts stored in `fmt` in place."""
+    return fmt.kind in FAST_PATHS[path]
+
+
+def fp8_block_for(intermediate: int) -> tuple[int, int]:
+    """The fp8 block a bf16 checkpoint's experts are quantized with: the largest square of `FP8_BLOCKS` whose side
+    divides the intermediate size (128 x 128, as model makers ship, whenever it does); `ValueError` when none does."""
+    for b in FP8_BLOCKS:
+        if intermediate % b == 0:
+            return (b, b)
+    raise ValueError(f"fp8 experts need an intermediate size ({intermediate}) that is a multiple of 16; "
+                     "keep this model's experts as they are")
+
+
 def check_shapes(fmt: ExpertFormat, hidden: int, intermediate: int) -> None:
     """`ValueError` naming the fix when an expert of hidden H and intermediate I cannot take `fmt`."""
     if fmt.kind == "fp8" and intermediate % fmt.block[0]:

@@ -159,6 +159,5 @@ class Handles:
     def _handle(self, tier: SlotTier, key: Key) -> ExpertHandle:
         slot = tier.slot_of[key]
         buf = self._slots.view(slot) if tier is self._gpu else self._pool.slot(slot)
-        gate_up, down = self._store.expert_views(buf)
         event = tier.events.get(slot) if tier is self._gpu else None
-        return ExpertHandle(key, tier.name, slot, gate_up, down, event, threading.get_ident())
+        return ExpertHandle(key, tier.name, slot, self._store.expert_matrices(buf), event, threading.get_ident())

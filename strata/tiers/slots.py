@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.errors import StrataError
+from strata.kernels.quant import QuantMatrix
 from strata.tiers.storage.gds import GpuDirectReader
 
 Key = tuple[int, int]  # (layer, expert)
@@ -58,15 +59,43 @@ class TierBudgets:
 
 @dataclass
 class ExpertHandle:
-    """A resident copy in use: typed views gate_up [2I, H], down [H, I] of its slot."""
+    """A resident copy in use: its slot's gate_up [2I, H] and down [H, I] as stored (`matrices`: values and, for
+    FP8 and MXFP4, scales; views of the slot). `gate_up` / `down` are the typed views of plain formats;
+    `weights(dtype)` gives the weights of any format in a compute dtype."""
 
     key: Key
     tier: str  # "gpu" | "pinned"
     slot: int
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    matrices: tuple[QuantMatrix, QuantMatrix]
     event: object = None  # torch.cuda.Event the compute stream must wait on (GPU copies)
     owner: int = 0  # thread that acquired it (the manager knows who holds what while it waits for slots)
+
+    @property
+    def quantized(self) -> bool:
+        return self.matrices[0].kind != "plain"
+
+    @property
+    def gate_up(self) -> torch.Tensor:
+        """gate_up [2I, H], a typed view of the slot (plain formats; `TypeError` for quantized ones)."""
+        return self._plain(0)
+
+    @property
+    def down(self) -> torch.Tensor:
+        """down [H, I], a typed view of the slot (plain formats; `TypeError` for quantized ones)."""
+        return self._plain(1)
+
+    def weights(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(gate_up [2I, H], down [H, I]) in `dtype` on the slot's device: plain formats converted (the views
+        themselves when already `dtype`), FP8 and MXFP4 dequantized into new tensors (the expert's scratch)."""
+        gate_up, down = self.matrices
+        return gate_up.dequantize(dtype), down.dequantize(dtype)
+
+    def _plain(self, i: int) -> torch.Tensor:
+        m = self.matrices[i]
+        if m.kind != "plain":
+            raise TypeError(f"expert {self.key} is stored in {m.kind}: it has no typed views; use weights(dtype) or "
+                            "matrices")
+        return m.values
 
     def wait(self) -> None:
         """Make the current CUDA stream wait for this copy (no host synchronisation)."""

@@ -62,8 +62,9 @@ def test_fp8_config_is_not_yet_supported(model_copy):
         Checkpoint.open(model_copy)
 
 
-def test_fp8_tensor_is_not_yet_supported(model_copy):
-    """Relabel one bf16 tensor as F8_E4M3 (twice the elements, same bytes): open must refuse it."""
+def test_fp8_tensor_without_scales_is_refused(model_copy):
+    """Relabel one bf16 tensor as F8_E4M3 (twice the elements, same bytes) with no `_scale_inv` beside it: open
+    refuses it, naming the tensor and its missing scales."""
     path = model_copy / "model.safetensors"
     raw = path.read_bytes()
     (n,) = struct.unpack("<Q", raw[:8])
@@ -73,9 +74,9 @@ def test_fp8_tensor_is_not_yet_supported(model_copy):
     header[name]["shape"] = [header[name]["shape"][0] * 2, header[name]["shape"][1]]
     new = json.dumps(header).encode()  # data offsets are relative to the data start: only N changes
     path.write_bytes(struct.pack("<Q", len(new)) + new + raw[8 + n :])
-    with pytest.raises(UnsupportedError) as e:
+    with pytest.raises(CheckpointError) as e:
         Checkpoint.open(model_copy)
-    assert "FP8" in one_line(e) and name in one_line(e)
+    assert "FP8" in one_line(e) and name in one_line(e) and f"{name}_scale_inv" in one_line(e)
 
 
 def test_tensor_missing(model_copy):

@@ -296,14 +296,14 @@ def test_full_size_sparse_checkpoint_from_headers_only(tmp_path, model):
     assert config["architectures"][0] in text and "GiB" in text
 
 
-def test_fp8_checkpoint_is_summarised_but_not_loadable(tmp_path):
+def test_fp8_checkpoint_without_scales_is_summarised_but_not_loadable(tmp_path):
     spec, config = qwen3_moe(2, 256, 4, 128, 4)
     spec = [(r, n, "F8_E4M3" if n.endswith("proj.weight") else dt, sh) for r, n, dt, sh in spec]
     write_sparse_checkpoint(tmp_path / "m", spec, config, 1)
     assert summarize_checkpoint(tmp_path / "m").expert_bytes == 3 * 128 * 256
-    from strata.errors import UnsupportedError
+    from strata.errors import CheckpointError
 
-    with pytest.raises(UnsupportedError, match="FP8 checkpoints are not yet supported"):
+    with pytest.raises(CheckpointError, match="has no '.*weight_scale_inv' \\(its block scales\\)"):
         TensorIndex.from_dir(tmp_path / "m").check_dtypes()
 
 

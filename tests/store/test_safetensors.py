@@ -298,8 +298,8 @@ def test_file_truncated_after_indexing(tmp_path):
     _raises(CheckpointError, lambda: index.load("x"), f.name)
 
 
-@pytest.mark.parametrize("dtype", ["F8_E4M3", "F8_E5M2", "F8_E8M0"])
-def test_fp8_is_unsupported_on_load_and_check(tmp_path, dtype):
+@pytest.mark.parametrize("dtype", ["F8_E5M2", "F8_E8M0"])
+def test_other_fp8_dtypes_are_unsupported_on_load_and_check(tmp_path, dtype):
     # hand-written like DeepSeek-V3's files: FP8 weights with F32 block scales, BF16 norms
     f = tmp_path / "model-00001-of-00001.safetensors"
     header = {
@@ -312,10 +312,29 @@ def test_fp8_is_unsupported_on_load_and_check(tmp_path, dtype):
     assert index["layer.weight"].nbytes == 32 and not index["layer.weight"].supported
     assert torch.equal(index.load("norm.weight"), torch.zeros(8, dtype=torch.bfloat16))
     msg = _raises(UnsupportedError, lambda: index.load("layer.weight"), f.name)
-    assert "FP8 checkpoints are not yet supported" in msg and dtype in msg
+    assert "e4m3" in msg and dtype in msg
     msg = _raises(UnsupportedError, index.check_dtypes, f.name)
-    assert "FP8 checkpoints are not yet supported" in msg and "'layer.weight'" in msg
+    assert "e4m3" in msg and "'layer.weight'" in msg
     index.check_dtypes(["norm.weight", "layer.weight_scale_inv"])  # loadable subset passes
+
+
+def test_block_scaled_fp8_passes_the_check_and_reads_raw(tmp_path):
+    """F8_E4M3 beside its `_scale_inv` is loadable (read raw, dequantized by its reader); without it, a one-line
+    CheckpointError names the tensor and its missing scales."""
+    f = tmp_path / "model.safetensors"
+    values = torch.tensor([[1.0, -2.0, 0.5, 448.0]]).to(torch.float8_e4m3fn)
+    header = {"layer.weight": _entry("F8_E4M3", [1, 4], 0, 4), "layer.weight_scale_inv": _entry("F32", [1, 1], 4, 8),
+              "lone.weight": _entry("F8_E4M3", [1, 4], 8, 12)}
+    data = values.view(torch.uint8).numpy().tobytes() + torch.tensor([0.5]).numpy().tobytes() + bytes(4)
+    f.write_bytes(_st_bytes(header, data))
+    index = TensorIndex.from_dir(tmp_path)
+    index.check_dtypes(["layer.weight", "layer.weight_scale_inv"])
+    raw = read_tensor(index["layer.weight"], raw=True)
+    assert raw.dtype == torch.float8_e4m3fn and raw.float().tolist() == [[1.0, -2.0, 0.5, 448.0]]
+    msg = _raises(UnsupportedError, lambda: index.load("layer.weight"), f.name)  # never converted without its scales
+    assert "weight_scale_inv" in msg
+    msg = _raises(CheckpointError, index.check_dtypes, f.name)
+    assert "'lone.weight'" in msg and "'lone.weight_scale_inv'" in msg
 
 
 def test_other_unloadable_dtypes(tmp_path):

@@ -178,7 +178,7 @@ def test_missing_file_and_corrupt_index(damaged_copy):
         ExpertStore.open(damaged_copy)
     raw = msgpack.unpackb((damaged_copy / INDEX_NAME).read_bytes())
     (damaged_copy / INDEX_NAME).write_bytes(msgpack.packb({**raw, "version": 99}))
-    with pytest.raises(CheckpointError, match="store format version 99, this strata reads version 1"):
+    with pytest.raises(CheckpointError, match="store format version 99, this strata reads versions 1 and 2"):
         ExpertStore.open(damaged_copy)
     (damaged_copy / INDEX_NAME).write_bytes(msgpack.packb({**raw, "slot_bytes": 4096}))
     with pytest.raises(CheckpointError, match="slot_bytes 4096 is wrong"):

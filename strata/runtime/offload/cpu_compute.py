@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from strata.kernels.experts import apply_experts
+from strata.kernels.quant import reads
 
 
 class CpuCompute:
@@ -27,6 +28,8 @@ class CpuCompute:
         that rate instead of a guess; returns bytes/s."""
         store = self.manager.store
         (gu_shape, dn_shape), dtype = store.expert_shapes, store.dtype
+        if store.expert_format.quantized:  # the bf16 kernel's rate: a start, replaced by the rates observed as it runs
+            dtype = torch.bfloat16
         experts = max(2, min(16, nbytes // store.payload_bytes))
         # constant weights: the kernel is memory-bound, so values do not matter and filling is cheap
         ws = [(torch.full(gu_shape, 0.01, dtype=dtype), torch.full(dn_shape, 0.01, dtype=dtype)) for _ in range(experts)]
@@ -53,14 +56,18 @@ class CpuCompute:
         out = torch.zeros(x.shape, dtype=torch.float32, pin_memory=self.pin_results)
         chunk = self.manager.max_acquire("cpu")
         seconds, nbytes = 0.0, 0
+        store = self.manager.store
+        # an expert format the compiled kernel does not read (FP8, MXFP4): each expert dequantized to fp32, reference math
+        dequantize = not reads("cpu_kernel", store.expert_format)
         for i in range(0, len(groups), chunk):
             part = groups[i : i + chunk]
             handles = self.manager.acquire([(layer, e) for e, _ in part], "cpu")
             try:
-                by_expert = {h.key[1]: (h.gate_up, h.down) for h in handles}
-                nbytes += sum(h.gate_up.nbytes + h.down.nbytes for h in handles)
+                by_expert = {h.key[1]: h.weights(torch.float32) if dequantize else (h.gate_up, h.down) for h in handles}
+                nbytes += len(handles) * store.payload_bytes
                 t0 = time.perf_counter()
-                _cpu_apply(x, weights, k, part, by_expert, out, self.use_fast_cpu, self.cpu_threads, self.cpu_kernel)
+                _cpu_apply(x, weights, k, part, by_expert, out, self.use_fast_cpu and not dequantize, self.cpu_threads,
+                           self.cpu_kernel)
                 seconds += time.perf_counter() - t0
             finally:
                 self.manager.release(handles)

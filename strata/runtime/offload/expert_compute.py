@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from strata.kernels.gpu.grouped import HostExperts, SlotWeights, in_place_ok
+from strata.kernels.quant import reads
 from strata.runtime.model.capture import current_recorder
 from strata.runtime.offload.cost_model import Rates
 from strata.runtime.offload.cpu_compute import CpuCompute
@@ -86,8 +87,11 @@ class ExpertCompute(CpuCompute):
 
             n = ce.default_threads()
             self.cpu_threads = n - n // 4 if n > 4 else n
+        # the decode pair kernels read the store's expert format from the GPU slots; else (FP8 or MXFP4 they do not
+        # read yet) no slot views: every layer groups its tokens by expert and each expert is dequantized as it runs
+        self.pairs_read_format = reads("gpu_pairs", manager.store.expert_format)
         if device_tier == "gpu" and manager.slots is not None:
-            self.slots = manager.slot_weights()
+            self.slots = manager.slot_weights() if self.pairs_read_format else None
             self.slot_of = manager.slots.slot_of
             dev = manager.slots.slab.device
             self.identity = torch.arange(manager.slots.num_slots, dtype=torch.int32, device=dev)
@@ -144,6 +148,9 @@ class ExpertCompute(CpuCompute):
             return "debug.split_decode is not \"graph\""
         if not self.fast_cpu or not (self.split or self.device_tier == "cpu") or self.device.type != "cuda":
             return "no forked CPU compute beside a CUDA device"
+        fmt = self.manager.store.expert_format
+        if not (reads("cpu_kernel", fmt) and self.pairs_read_format):
+            return f"the CPU worker or the GPU pair kernels do not read {fmt.name} experts"
         if self.manager.store.dtype != torch.bfloat16 or ce.backend(self.cpu_kernel) == "torch" \
                 or not host_signal.available():
             return "no compiled bf16 CPU kernel or no Triton"

@@ -74,7 +74,8 @@ class TieredExperts(PrefillPath, nn.Module):
         c = self.compute
         if current_recorder() is None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             c.release_staged()  # eager: everything that read the last decode layer's copied slots is enqueued
-        if use_pair_kernels(x, ids.numel()) if c.pair_path is None else c.pair_path:
+        pairs = use_pair_kernels(x, ids.numel()) if c.pair_path is None else c.pair_path
+        if pairs and c.pairs_read_format:  # (else: FP8 / MXFP4 experts, grouped by expert and dequantized one by one)
             return self._decode_forward(x, ids, weights, residual, used)
         out = self._batch_forward(x, ids, weights)
         return out if residual is None else residual + out

@@ -133,7 +133,7 @@ class PrefillPath:
                 by_expert = {}
                 for h in handles:
                     h.wait()
-                    by_expert[h.key[1]] = (h.gate_up.to(x.dtype), h.down.to(x.dtype))
+                    by_expert[h.key[1]] = h.weights(x.dtype)  # FP8 / MXFP4: dequantized, one expert at a time
                 apply_experts(x, weights, k, part, by_expert.__getitem__, out=out)
             finally:
                 manager.release(handles)

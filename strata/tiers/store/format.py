@@ -9,10 +9,14 @@ A store is a directory that packs a checkpoint so that moving one expert is one 
     config.json, tokenizer.json, ...   copies, so the directory is self-contained
 
 A blob is one expert's payload, gate_up [2I, H] (gate rows, then up rows: transformers' fused
-`gate_up_proj[e]`) followed by down [H, I], in the checkpoint's dtype, zero-padded to `slot_bytes`
-(a multiple of ALIGN), so every blob starts 4 KiB aligned (O_DIRECT, GPUDirect Storage) and tiers
-can use fixed-size slots. Checksums are xxh3_64 of the payload (blobs), of each chunk of rows
-(tables), of each tensor and the header (dense.safetensors) and of each copied file.
+`gate_up_proj[e]`) and down [H, I] in the index's `expert_format`, laid out by
+`strata.kernels.quant.ExpertLayout`: plain formats (the checkpoint's bf16/f16/f32) back to back, block-scaled
+FP8 and MXFP4 as four 256-byte-aligned sections (values and scales of each matrix). The payload is
+zero-padded to `slot_bytes` (a multiple of ALIGN), so every blob starts 4 KiB aligned (O_DIRECT, GPUDirect
+Storage) and tiers can use fixed-size slots. Checksums are xxh3_64 of the payload (blobs), of each chunk of
+rows (tables), of each tensor and the header (dense.safetensors) and of each copied file.
+
+Index versions: 2 records the experts' format; 1 (plain formats only, no `expert_format` key) is still read.
 """
 
 from __future__ import annotations
@@ -29,9 +33,11 @@ import torch
 import xxhash
 
 from strata.errors import CheckpointError
+from strata.kernels.quant import ExpertFormat, ExpertLayout
 
 ALIGN = 4096
-STORE_VERSION = 1
+STORE_VERSION = 2  # written; READABLE_VERSIONS are read
+READABLE_VERSIONS = (1, 2)
 INDEX_NAME = "store.msgpack"
 DENSE_NAME = "dense.safetensors"
 EXPERTS_DIR = "experts"
@@ -181,24 +187,33 @@ class StoreIndex:
     num_experts: int
     hidden: int
     moe_intermediate: int
-    dtype: str  # "BF16" | "F16" | "F32": the experts' dtype, as in the checkpoint
-    payload_bytes: int  # (2I*H + H*I) * itemsize
+    dtype: str  # plain formats: the experts' dtype ("BF16" | "F16" | "F32"); quantized formats: "U8" (raw blob bytes)
+    payload_bytes: int  # the blob's bytes: ExpertLayout.build(expert_format, H, I).payload_bytes
     slot_bytes: int  # payload_bytes rounded up to ALIGN: every blob's size on disk
     blobs: dict[ExpertKey, BlobEntry] = field(default_factory=dict)
     tables: dict[str, TableEntry] = field(default_factory=dict)
     dense: DenseEntry | None = None
     copied_files: dict[str, int] = field(default_factory=dict)  # name -> xxh3_64 of its bytes
     version: int = STORE_VERSION
+    expert_format: ExpertFormat | None = None  # None: plain in `dtype` (a version 1 index)
+    _layout: ExpertLayout | None = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        _check(self.version == STORE_VERSION, f"store version {self.version!r}, this strata reads {STORE_VERSION}")
-        _check(self.dtype in EXPERT_DTYPES, f"expert dtype {self.dtype!r} is not one of {EXPERT_DTYPES}")
+        _check(self.version in READABLE_VERSIONS, f"store version {self.version!r}, this strata reads {READABLE_VERSIONS}")
+        if self.expert_format is None:
+            _check(self.dtype in EXPERT_DTYPES, f"expert dtype {self.dtype!r} is not one of {EXPERT_DTYPES}")
+            self.expert_format = ExpertFormat("plain", self.dtype)
+        fmt = self.expert_format
+        _check(isinstance(fmt, ExpertFormat), f"expert format {fmt!r} is malformed")
+        _check(self.dtype == expert_dtype(fmt), f"expert dtype {self.dtype!r} disagrees with the format {fmt.name}")
         dims = (self.num_layers, self.num_experts, self.hidden, self.moe_intermediate)
         _check(all(_is_int(x) and x > 0 for x in dims), "model dimensions must be positive integers")
         _check(list(self.moe_layers) == sorted(set(self.moe_layers))
                and all(_is_int(x) and 0 <= x < self.num_layers for x in self.moe_layers), "moe layer list is malformed")
         h, i = self.hidden, self.moe_intermediate
-        _check(self.payload_bytes == 3 * i * h * itemsize(self.dtype), f"payload_bytes {self.payload_bytes} is wrong")
+        self._layout = ExpertLayout.build(fmt, h, i)  # ValueError when the format cannot take these shapes
+        _check(self.payload_bytes == self._layout.payload_bytes,
+               f"payload_bytes {self.payload_bytes} is wrong for {fmt.name} experts of {h} x {i}")
         _check(self.slot_bytes == align_up(self.payload_bytes), f"slot_bytes {self.slot_bytes} is wrong")
         for key, blob in self.blobs.items():
             _check(key == blob.key and blob.length == self.payload_bytes, f"blob {key} has the wrong key or length")
@@ -206,8 +221,14 @@ class StoreIndex:
         _check(set(self.blobs) == want, f"the index lists {len(self.blobs)} blobs, expected {len(want)}")
 
     @property
+    def layout(self) -> ExpertLayout:
+        """Where an expert's tensors sit in its blob."""
+        return self._layout
+
+    @property
     def gate_up_bytes(self) -> int:
-        return 2 * self.moe_intermediate * self.hidden * itemsize(self.dtype)
+        """Bytes from a blob's start to the end of gate_up's sections (plain formats: gate_up itself)."""
+        return self.layout.gate_up_bytes
 
     def file_sizes(self) -> dict[str, int]:
         """Every data file the index refers to -> the exact size its entries imply."""
@@ -223,10 +244,11 @@ class StoreIndex:
     def to_bytes(self) -> bytes:
         """msgpack bytes; deterministic (same store -> same bytes: no paths, no times)."""
         d = {
-            "format": "strata-store", "version": self.version, "checksum": CHECKSUM,
+            "format": "strata-store", "version": STORE_VERSION, "checksum": CHECKSUM,
             "source_fingerprint": self.source_fingerprint, "model_type": self.model_type,
             "num_layers": self.num_layers, "moe_layers": list(self.moe_layers), "num_experts": self.num_experts,
             "hidden": self.hidden, "moe_intermediate": self.moe_intermediate, "dtype": self.dtype,
+            "expert_format": self.expert_format.to_dict(),
             "payload_bytes": self.payload_bytes, "slot_bytes": self.slot_bytes,
             "blobs": [vars(self.blobs[k]) for k in sorted(self.blobs)],
             "tables": [{**vars(t), "row_shape": list(t.row_shape)} for _, t in sorted(self.tables.items())],
@@ -244,10 +266,10 @@ class StoreIndex:
             d = msgpack.unpackb(raw, raw=False)
             if not isinstance(d, dict) or d.get("format") != "strata-store":
                 raise ValueError("not a strata store index")
-            if d.get("version") != STORE_VERSION:
+            if d.get("version") not in READABLE_VERSIONS:
                 raise CheckpointError(
-                    f"{source}: store format version {d.get('version')!r}, this strata reads version "
-                    f"{STORE_VERSION}; {fix}"
+                    f"{source}: store format version {d.get('version')!r}, this strata reads versions "
+                    f"{' and '.join(map(str, READABLE_VERSIONS))}; {fix}"
                 )
             if d.get("checksum") != CHECKSUM:
                 raise ValueError(f"unknown checksum {d.get('checksum')!r}")
@@ -261,12 +283,18 @@ class StoreIndex:
                 blobs={b.key: b for b in blobs}, tables={t.name: t for t in tables},
                 dense=None if d["dense"] is None else DenseEntry(**d["dense"]),
                 copied_files=d["copied_files"], version=d["version"],
+                expert_format=ExpertFormat.from_dict(d["expert_format"]) if d["version"] >= 2 else None,
             )  # fmt: skip
         except CheckpointError:
             raise
         except (ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
             msg = str(e).splitlines()[0] if str(e) else type(e).__name__
             raise CheckpointError(f"{source}: not a valid strata store index ({msg}); {fix}") from None
+
+
+def expert_dtype(fmt: ExpertFormat) -> str:
+    """The index's `dtype` for experts stored in `fmt`: a plain format's dtype, "U8" (raw bytes) for quantized ones."""
+    return "U8" if fmt.quantized else fmt.dtype
 
 
 def _safe_relpath(p: str) -> bool:

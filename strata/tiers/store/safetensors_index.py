@@ -40,6 +40,11 @@ DTYPE_BITS: dict[str, int] = {
 }  # fmt: skip
 # dtypes that are valid safetensors but not weights strata computes with yet
 KNOWN_UNSUPPORTED = set(DTYPE_BITS) - set(DTYPES)
+# dtypes read as raw bytes for quantized weights: block-scaled FP8 values (their `*_scale_inv` beside them) and
+# MXFP4's packed e2m1 blocks and e8m0 scales (`*_blocks`, `*_scales`); strata.kernels.quant dequantizes them
+RAW_DTYPES: dict[str, torch.dtype] = {"F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8}
+FP8_SCALE = "_scale_inv"  # FP8 weight `x.weight` has its block scales in `x.weight_scale_inv`
+MX_BLOCKS, MX_SCALES = "_blocks", "_scales"  # MXFP4 tensor `x` is `x_blocks` [N, K/32, 16] + `x_scales` [N, K/32]
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the format's own limit
 INDEX_NAME = "model.safetensors.index.json"
 _CORRUPT = "the file is corrupt: re-download or re-save it"
@@ -66,16 +71,28 @@ class TensorInfo:
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        """The torch dtype to load as; `UnsupportedError` for FP8 and other dtypes strata cannot load."""
+        """The torch dtype to load as; `UnsupportedError` for FP8 and other dtypes strata cannot load as they are."""
         if self.dtype not in DTYPES:
             raise _unsupported_dtype(self)
         return DTYPES[self.dtype][0]
 
+    @property
+    def raw_dtype(self) -> torch.dtype:
+        """The torch dtype its bytes are read as: a loadable dtype, or a quantized weight's (`RAW_DTYPES`)."""
+        if self.dtype in DTYPES:
+            return DTYPES[self.dtype][0]
+        if self.dtype in RAW_DTYPES:
+            return RAW_DTYPES[self.dtype]
+        raise _unsupported_dtype(self)
+
 
 def _unsupported_dtype(info: TensorInfo, count: int = 1) -> UnsupportedError:
     others = f" (and {count - 1} more tensors)" if count > 1 else ""
-    if info.dtype.startswith("F8"):
-        why = "FP8 checkpoints are not yet supported; use a BF16 checkpoint of the model"
+    if info.dtype == "F8_E4M3":
+        why = ("FP8 weights are read with their block scales (`weight` + `weight_scale_inv`), not as they are; load the "
+               "checkpoint with strata (Checkpoint.open)")
+    elif info.dtype.startswith("F8"):
+        why = "strata reads FP8 weights in e4m3 with float block scales only; use a BF16 checkpoint of the model"
     elif info.dtype in ("F4", "F6_E2M3", "F6_E3M2"):
         why = "4/6-bit float (MXFP4/NVFP4) checkpoints are not yet supported; use a BF16 checkpoint of the model"
     else:
@@ -279,12 +296,24 @@ class TensorIndex:
         return sum(self[n].nbytes for n in names)
 
     def check_dtypes(self, names: Iterable[str] | None = None) -> None:
-        """Raise `UnsupportedError` now if any of `names` (default: all) has a dtype strata cannot load.
+        """Raise now if any of `names` (default: all) has a dtype strata cannot load: `UnsupportedError`, or a
+        `CheckpointError` naming an FP8 weight without its `*_scale_inv` or an MXFP4 half without its other half.
 
-        Lets a loader fail before it allocates or reads anything, e.g. on an FP8 checkpoint.
+        Lets a loader fail before it allocates or reads anything. Block-scaled FP8 (`x.weight` F8_E4M3 beside
+        `x.weight_scale_inv`) and MXFP4 (`x_blocks` + `x_scales`, U8) pass: they are read through their scales.
         """
-        infos = self.tensors.values() if names is None else (self[n] for n in names)
-        bad = [t for t in infos if not t.supported]
+        infos = list(self.tensors.values() if names is None else (self[n] for n in names))
+        for t in infos:
+            if t.dtype == "F8_E4M3" and t.name + FP8_SCALE not in self.tensors:
+                raise CheckpointError(f"{t.file}: FP8 tensor {t.name!r} has no {t.name + FP8_SCALE!r} (its block "
+                                      "scales); the checkpoint is incomplete: re-download it")
+            if t.dtype == "U8" and t.name.endswith((MX_BLOCKS, MX_SCALES)):
+                stem = t.name.removesuffix(MX_BLOCKS).removesuffix(MX_SCALES)
+                other = stem + (MX_SCALES if t.name.endswith(MX_BLOCKS) else MX_BLOCKS)
+                if other not in self.tensors:
+                    raise CheckpointError(f"{t.file}: MXFP4 tensor {t.name!r} has no {other!r}; the checkpoint is "
+                                          "incomplete: re-download it")
+        bad = [t for t in infos if not t.supported and not _quantized_part(t)]
         if bad:
             # name the weight-like offender first: FP8 weights, not their F32 scales
             bad.sort(key=lambda t: (not t.dtype.startswith("F8"), t.name))
@@ -296,6 +325,11 @@ class TensorIndex:
         if dtype is not None and t.dtype != dtype:
             t = t.to(dtype)
         return t.to(device)
+
+
+def _quantized_part(info: TensorInfo) -> bool:
+    """Whether `info` is block-scaled FP8 values or an MXFP4 half (their partners checked by `check_dtypes`)."""
+    return info.dtype == "F8_E4M3" or (info.dtype == "U8" and info.name.endswith((MX_BLOCKS, MX_SCALES)))
 
 
 def _from_index(directory: Path, index_file: Path) -> dict[str, TensorInfo]:
@@ -326,13 +360,14 @@ def _from_index(directory: Path, index_file: Path) -> dict[str, TensorInfo]:
     return tensors
 
 
-def read_tensor(info: TensorInfo, out: torch.Tensor | None = None) -> torch.Tensor:
+def read_tensor(info: TensorInfo, out: torch.Tensor | None = None, raw: bool = False) -> torch.Tensor:
     """Read exactly `info.nbytes` at `info.offset` straight into a CPU tensor (one copy: kernel -> tensor).
 
     `out`, when given, is a contiguous CPU tensor of the tensor's dtype and element count (e.g. a pinned
-    staging buffer); it is filled and returned reshaped to `info.shape`.
+    staging buffer); it is filled and returned reshaped to `info.shape`. `raw`: quantized weights too, in their
+    stored dtype (`RAW_DTYPES`), for the caller to dequantize with their scales.
     """
-    dtype = info.torch_dtype  # raises UnsupportedError for FP8 etc. before any I/O
+    dtype = info.raw_dtype if raw else info.torch_dtype  # raises UnsupportedError before any I/O
     if out is None:
         out = torch.empty(info.shape, dtype=dtype)
     elif out.dtype != dtype or out.numel() != math.prod(info.shape) or not out.is_contiguous() or out.is_cuda:

@@ -1,9 +1,10 @@
 """`ExpertStore`: read experts (one aligned read each) and table rows from a converted store.
 
 Reads go by `pread` into caller buffers (pinned staging buffers, tier slots), so a blob costs one
-syscall and no intermediate copy; `expert_views` turns a blob buffer, on any device, into the typed
-gate_up [2I, H] / down [H, I] views the expert kernels take. Checksums are verified on read unless
-the caller opts out (a tier that re-reads a blob it already verified).
+syscall and no intermediate copy; `expert_matrices` turns a blob buffer, on any device, into the
+gate_up [2I, H] / down [H, I] matrices as stored (values and, for FP8 and MXFP4, scales: views, no copy),
+and `expert_views` into the typed views plain formats' kernels take. Checksums are verified on read
+unless the caller opts out (a tier that re-reads a blob it already verified).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from strata.errors import CheckpointError
+from strata.kernels.quant import ExpertFormat, ExpertLayout, QuantMatrix
 from strata.tiers.store.dense_check import verify_dense
 from strata.tiers.store.format import (
     ALIGN,
@@ -94,7 +96,19 @@ class ExpertStore:
 
     @property
     def dtype(self) -> torch.dtype:
+        """The experts' dtype: a plain format's; torch.uint8 (raw blob bytes) for FP8 and MXFP4, which no kernel may
+        view as weights of one dtype (`expert_matrices`)."""
         return TORCH_DTYPES[self.index.dtype]
+
+    @property
+    def expert_format(self) -> ExpertFormat:
+        """How the experts are stored: their checkpoint's dtype, block-scaled FP8 or MXFP4."""
+        return self.index.expert_format
+
+    @property
+    def layout(self) -> ExpertLayout:
+        """Where an expert's values and scales sit in its blob."""
+        return self.index.layout
 
     @property
     def expert_shapes(self) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -149,18 +163,24 @@ class ExpertStore:
             )
 
     def expert_views(self, buf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(gate_up [2I, H], down [H, I]) typed views of a 1-D uint8 blob buffer on any device; no copy."""
-        payload, gu = self.payload_bytes, self.index.gate_up_bytes
-        if buf.dtype != torch.uint8 or buf.dim() != 1 or buf.numel() < payload:
-            raise ValueError(f"buf must be a 1-D uint8 tensor of at least {payload} bytes")
-        (a, b), (c, d) = self.expert_shapes
-        return buf[:gu].view(self.dtype).view(a, b), buf[gu:payload].view(self.dtype).view(c, d)
+        """(gate_up [2I, H], down [H, I]) typed views of a 1-D uint8 blob buffer on any device; no copy. Plain formats
+        only (`TypeError` for FP8 and MXFP4: take `expert_matrices`)."""
+        if self.expert_format.quantized:
+            raise TypeError(f"{self.directory}: {self.expert_format.name} experts have no typed views; use "
+                            "expert_matrices and dequantize")
+        gate_up, down = self.layout.matrices(buf)
+        return gate_up.values, down.values
+
+    def expert_matrices(self, buf: torch.Tensor) -> tuple[QuantMatrix, QuantMatrix]:
+        """(gate_up [2I, H], down [H, I]) of a 1-D uint8 blob buffer on any device as stored, in every format: values
+        and (FP8, MXFP4) scales as views, no copy; `QuantMatrix.dequantize(dtype)` gives the weights."""
+        return self.layout.matrices(buf)
 
     def load_layer_experts(
         self, layer: int, dtype: torch.dtype, device: torch.device | str
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """All experts of a MoE layer stacked, verified, in `dtype` on `device`:
-        (gate_up [E, 2I, H], down [E, H, I]). Host memory beyond the result: one slot."""
+        """All experts of a MoE layer stacked, verified, in `dtype` on `device` (FP8 and MXFP4 dequantized):
+        (gate_up [E, 2I, H], down [E, H, I]). Host memory beyond the result: one slot (and one expert dequantized)."""
         if layer not in self.index.moe_layers:
             raise KeyError(f"layer {layer} is not a MoE layer of the store (MoE layers: {self.index.moe_layers})")
         (a, b), (c, d) = self.expert_shapes
@@ -168,10 +188,12 @@ class ExpertStore:
         gate_up = torch.empty(n, a, b, dtype=dtype, device=device)
         down = torch.empty(n, c, d, dtype=dtype, device=device)
         buf = torch.empty(self.slot_bytes, dtype=torch.uint8)
+        quantized = self.expert_format.quantized
         for e in range(n):
-            gu, dn = self.expert_views(self.read_expert((layer, e), out=buf))
-            gate_up[e].copy_(gu)  # converts dtype and moves to device in one copy
-            down[e].copy_(dn)
+            gu, dn = self.expert_matrices(self.read_expert((layer, e), out=buf))
+            # plain: converts dtype and moves to device in one copy; quantized: dequantized in fp32 first
+            gate_up[e].copy_(gu.dequantize(torch.float32) if quantized else gu.values)
+            down[e].copy_(dn.dequantize(torch.float32) if quantized else dn.values)
         return gate_up, down
 
     # --- tables ---------------------------------------------------------------------------------------
@@ -240,7 +262,8 @@ class ExpertStore:
 
     def verify(self, progress: bool = False) -> list[str]:
         """Check every object against its checksum; returns the names of damaged ones ([] when sound):
-        missing or mis-sized files, blobs, table chunks, dense.safetensors' header and tensors, copied files.
+        missing or mis-sized files, blobs (and, for FP8 and MXFP4, blobs whose scales or values are not valid
+        numbers of the recorded format), table chunks, dense.safetensors' header and tensors, copied files.
         The progress bar counts every byte of the index's objects once, read or skipped (a missing file)."""
         idx, damaged, missing = self.index, [], set()
         for rel, size in idx.file_sizes().items():
@@ -265,6 +288,8 @@ class ExpertStore:
                     got = pread_into(self._fd(blob.file), memoryview(buf), blob.offset)
                     if got != blob.length or checksum(buf) != blob.checksum:
                         damaged.append(blob_label(blob))
+                    elif (problem := format_problem(idx.layout, torch.from_numpy(buf))) is not None:
+                        damaged.append(f"{blob_label(blob)}: {problem}")
                 bar.update(blob.length)
             for t in idx.tables.values():
                 for k in range(t.num_chunks):
@@ -334,6 +359,24 @@ class ExpertStore:
         i = self.index
         return (f"ExpertStore({str(self.directory)!r}, {i.model_type}, {len(i.blobs)} experts of {i.slot_bytes} B, "
                 f"{len(i.tables)} tables; index {INDEX_NAME})")
+
+
+def format_problem(layout: ExpertLayout, buf: torch.Tensor) -> str | None:
+    """Why blob `buf` (1-D uint8) is not an expert in `layout`'s quantized format, or None: FP8 block scales must be
+    finite and positive and no FP8 value NaN; an MXFP4 scale of 255 is NaN in e8m0. (A checksum that holds over such
+    bytes means the store was written wrong, not damaged since.)"""
+    fmt = layout.fmt
+    if not fmt.quantized:
+        return None
+    for what, m in zip(("gate_up", "down"), layout.matrices(buf), strict=True):
+        if fmt.kind == "fp8":
+            if not bool((torch.isfinite(m.scales) & (m.scales > 0)).all()):
+                return f"{what} has fp8 block scales that are not finite and positive"
+            if bool(((m.values & 0x7F) == 0x7F).any()):  # e4m3fn's only NaN codes: 0x7F, 0xFF
+                return f"{what} has NaN fp8 values"
+        elif bool((m.scales == 255).any()):
+            return f"{what} has NaN mxfp4 scales (e8m0 255)"
+    return None
 
 
 def _chunk_label(t: TableEntry, k: int) -> str:
