@@ -68,7 +68,7 @@ def test_handshake_serves_rows_equal_to_the_tables(tiny_model_dir, memory_engine
     with Engine.from_pretrained(tiny_model_dir, config=DISK, device="cpu") as eng:
         hs = _attach(eng, max_tokens=4)
         if not native:
-            eng.model.engram.source._row_server = False
+            eng.model.engram.source.steps.native = False
         _decode(eng, memory_engine, steps=30, seed=0)
         stats = eng.model.engram.stats()
         heads, layers = eng.model.engram.cfg.num_heads, len(eng.model.engram.cfg.layer_ids)
@@ -77,7 +77,7 @@ def test_handshake_serves_rows_equal_to_the_tables(tiny_model_dir, memory_engine
         assert stats["hits"].get("cache", 0) > 0 and stats["hits"]["disk"] > 0
         assert stats["cache_evictions"] > 0  # 2 KiB of rows: the cache turned over while the rows stayed right
         hs.check()  # nothing failed
-        assert isinstance(eng.model.engram.source._row_server, NativeRowServer) == native
+        assert isinstance(eng.model.engram.source.steps.row_server, NativeRowServer) == native
 
 
 def test_native_layer_serving_keeps_the_cache_consistent(tiny_model_dir, memory_engine):

@@ -2,34 +2,42 @@
 reads in place (disk, or tmpfs without zero copy): the host admits a step's rows to the cache and hands the
 graph their slots, for the whole step before a replay (`finish_step`), layer by layer between the pieces of a
 segmented graph (`check_step`, `finish_one`), or to a one-graph step that waits on the device for them
-(`start_handshake`: strata.tiers.rows.handshake). Mixed into `EngramRowStore` (strata.tiers.rows.store).
+(`handshake_for`: strata.tiers.rows.handshake). The row store (strata.tiers.rows.store) calls these under its
+lock: the handshake's host thread serves decode steps from the same cache.
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 
 import numpy as np
 import torch
 
+from strata.tiers.rows.cached import CachedRows
+from strata.tiers.rows.host import HostRows
+from strata.tiers.rows.load import RowTables
+from strata.tiers.rows.tickets import RowStats, Ticket
+from strata.tiers.storage.diskio import DiskReader
+
 log = logging.getLogger(__name__)
 
 
-def locked(method):
-    """Run `method` under the store's lock: the handshake's host thread serves decode steps from it too."""
-    @functools.wraps(method)
-    def run(self, *args, **kwargs):
-        with self.lock:
-            return method(self, *args, **kwargs)
-    return run
+def _no_room(capacity: int) -> RuntimeError:
+    return RuntimeError(f"the Engram row cache ({capacity} rows) cannot hold one decode step's rows; raise "
+                        "engram.row_cache")
 
 
-class GraphStepsMixin:
-    """Uses the store's `cache`, `gather_view`, `device`, `tier`, `lock`, `handshake`, `stats_`, `row_bytes`,
-    `_live`, `_pending`, `_gathered`, `_row_server` and its `start`, `_await`, `_admit`, `_absorb`, `_count`."""
+class GraphSteps:
+    """Decode steps' rows admitted to `cached` (None: no row cache, and no graph steps) through `host`'s
+    tickets; a disk tier's layers served in one native call each (strata.tiers.rows.serve) through `reader`
+    where `native` and the native helpers allow."""
 
-    @locked
+    def __init__(self, host: HostRows, cached: CachedRows | None, tables: RowTables, reader: DiskReader | None,
+                 stats: RowStats):
+        self.host, self.cached, self.tables, self.reader, self.stats = host, cached, tables, reader, stats
+        self.native = True  # serve_layer on a disk tier: one native call a layer (False: through `finish_one`)
+        self.row_server = None  # the NativeRowServer once `serve_layer` made one (False: unavailable)
+
     def finish_step(self, tickets: dict) -> dict[int, torch.Tensor]:
         """Every layer's rows of a decode step in the cache, for a gather inside the step's CUDA graph:
         waits for the reads, admits the misses (no row of the step evicts another) and returns, per layer,
@@ -44,47 +52,36 @@ class GraphStepsMixin:
             out[layer] = self.finish_one(ticket, held, left.values())
         return out
 
-    @locked
     def check_step(self, tickets: dict) -> None:
         """Raise unless the cache can hold every distinct row of a decode step at once (`finish_one` on each
         of its layers then cannot fail)."""
-        if self.gather_view is None:
+        if self.cached is None or self.cached.gather_view is None:
             raise RuntimeError("finish_step needs the host row cache the GPU reads in place (CUDA, tmpfs or disk tables)")
         # admission evicts any slot but the protected ones (the hits of the step and of live tickets), so the
         # step's misses fit when they and the distinct protected slots do not outnumber the cache
-        hits = [t.slots[t.slots >= 0].numpy() for t in [*tickets.values(), *self._live]]
+        hits = [t.hit_slots().numpy() for t in tickets.values()] + [h.numpy() for h in self.host.protected()]
         protected = np.unique(np.concatenate(hits)).size if hits else 0
-        if protected + sum(t.miss.numel() for t in tickets.values()) >= self.cache.capacity:
-            raise RuntimeError(f"the Engram row cache ({self.cache.capacity} rows) cannot hold one decode step's "
-                               "rows; raise engram.row_cache")
+        capacity = self.cached.cache.capacity
+        if protected + sum(t.miss.numel() for t in tickets.values()) >= capacity:
+            raise _no_room(capacity)
 
-    @locked
-    def finish_one(self, ticket, held: list[torch.Tensor], others) -> torch.Tensor:
+    def finish_one(self, ticket: Ticket, held: list[torch.Tensor], others) -> torch.Tensor:
         """One layer of a decode step (`finish_step`), so a segmented graph can admit each layer's rows right
         before that layer while the reads of later layers are still in flight: waits for this ticket's reads
         only, admits its misses without evicting `held` (the slots of the step's layers finished so far; this
         one's are appended) or the hits of `others` (its layers still to come) and of live tickets; returns the
         cache slot of each asked-for row (int64 [T * heads], CPU)."""
-        self._live = [t for t in self._live if t is not ticket]
-        self._await(ticket)
-        protect = held + [t.slots[t.slots >= 0] for t in others]
-        slots = self._admit(ticket, protect + [t.slots[t.slots >= 0] for t in self._live])
-        if slots is None and self._pending:  # prompts' prefetches held cache rows: admitted, they free them
-            self._absorb(block=True)
-            slots = self._admit(ticket, protect + [t.slots[t.slots >= 0] for t in self._live])
+        self.host.take(ticket)
+        protect = held + [t.hit_slots() for t in others]
+        slots = self.cached.admit(ticket, protect + self.host.protected())
+        if slots is None and self.host.prefetching:  # prompts' prefetches held cache rows: admitted, they free them
+            self.host.absorb(block=True)
+            slots = self.cached.admit(ticket, protect + self.host.protected())
         if slots is None:
-            raise RuntimeError(f"the Engram row cache ({self.cache.capacity} rows) cannot hold one decode step's "
-                               "rows; raise engram.row_cache")
+            raise _no_room(self.cached.cache.capacity)
         held.append(slots)
         return slots[ticket.inverse]
 
-    def replayed(self) -> None:
-        """A CUDA graph that gathers from the host slab was launched: its slots are rewritten only after it."""
-        if self.gather_view is not None and self.gather_view.is_cuda:
-            self._gathered = torch.cuda.Event()
-            self._gathered.record()
-
-    @locked
     def serve_layer(self, layer: int, ids: np.ndarray, held: list[np.ndarray], out: np.ndarray) -> None:
         """One Engram layer of a one-graph decode step (the rows' handshake): its rows (`ids`, int64 [T * heads])
         admitted to the host cache without evicting `held` (the slots of the step's layers served so far; this
@@ -92,52 +89,52 @@ class GraphStepsMixin:
         (strata.tiers.rows.serve), else through `start` and `finish_one`."""
         from strata.tiers.rows.serve import NativeRowServer, NoRoom
 
-        if self._row_server is None and self.tier == "disk":
+        if self.row_server is None and self.native and self.tables.tier == "disk":
             try:
-                self._row_server = NativeRowServer(self)
+                self.row_server = NativeRowServer(self.tables, self.cached, self.reader)
             except (RuntimeError, ValueError) as e:
                 log.warning("Engram rows served from Python: %s", e)
-                self._row_server = False
-        if not self._row_server:
+                self.row_server = False
+        if not self.row_server:
             held_t = [torch.from_numpy(h) for h in held]
-            ticket = self.start(layer, torch.from_numpy(ids.copy()).view(-1, 1))
+            ticket = self.host.start(layer, torch.from_numpy(ids.copy()).view(-1, 1))
             out[:] = self.finish_one(ticket, held_t, ()).numpy()
             held.append(held_t[-1].numpy())
             return
-        self._absorb(block=False)
-        if self._gathered is not None:  # an eager gather may still read slots about to be reused
-            self._gathered.synchronize()
-            self._gathered = None
+        self.host.absorb(block=False)
+        self.cached.wait_gathers()  # an eager gather may still read slots about to be reused
         for attempt in (0, 1):
-            protect = np.concatenate([*held, *(t.slots[t.slots >= 0].numpy() for t in self._live)]) if \
-                held or self._live else np.empty(0, dtype=np.int64)
+            live = [h.numpy() for h in self.host.protected()]
+            protect = np.concatenate([*held, *live]) if held or live else np.empty(0, dtype=np.int64)
             try:
-                m, hits, read, seconds = self._row_server.serve(layer, ids, protect, out)
+                m, hits, read, seconds = self.row_server.serve(layer, ids, protect, out)
                 break
             except NoRoom:
-                if attempt or not self._pending:
+                if attempt or not self.host.prefetching:
                     raise
-                self._absorb(block=True)  # prompts' prefetches held cache rows: admitted, they free them
-        s = self.stats_
+                self.host.absorb(block=True)  # prompts' prefetches held cache rows: admitted, they free them
+        s = self.stats
         s.lookups += ids.size
         s.unique += m
-        s.bytes_read += read * self.row_bytes
+        s.bytes_read += read * self.tables.row_bytes
         s.stall_s += seconds
-        self._count("cache", hits)
-        self._count(self.tier, read)
+        s.served("cache", hits)
+        s.served(self.tables.tier, read)
         held.append(out.copy())
 
-    def start_handshake(self, layers: list[int], heads: int, max_tokens: int):
-        """Serve decode steps of up to `max_tokens` tokens (fewer when the cache cannot hold that many tokens'
-        rows at once) to CUDA graphs that wait on the device for their rows (strata.tiers.rows.handshake);
-        None where that cannot run (no host cache the GPU reads in place, no Triton or native helpers)."""
+    def handshake_for(self, source, layers: list[int], heads: int, max_tokens: int):
+        """A RowHandshake serving `source`'s rows (the row store: its lock, `gather_view` and `serve_layer`) to
+        decode steps of up to `max_tokens` tokens (fewer when the cache cannot hold that many tokens' rows at
+        once); None where that cannot run (no host cache the GPU reads in place, no Triton or native helpers)."""
         from strata.tiers.rows.handshake import RowHandshake
 
-        if self.handshake is None and self.gather_view is not None and self.gather_view.is_cuda:
-            max_tokens = min(max_tokens, (self.cache.capacity - 1) // (len(layers) * heads))
-            if max_tokens >= 1:
-                try:
-                    self.handshake = RowHandshake(self, layers, heads, max_tokens, self.device)
-                except RuntimeError as e:
-                    log.warning("Engram rows served between graph segments: %s", e)
-        return self.handshake
+        if self.cached is None or self.cached.gather_view is None or not self.cached.gather_view.is_cuda:
+            return None
+        max_tokens = min(max_tokens, (self.cached.cache.capacity - 1) // (len(layers) * heads))
+        if max_tokens < 1:
+            return None
+        try:
+            return RowHandshake(source, layers, heads, max_tokens, self.tables.device)
+        except RuntimeError as e:
+            log.warning("Engram rows served between graph segments: %s", e)
+            return None

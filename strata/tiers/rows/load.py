@@ -1,8 +1,8 @@
-"""Start-up of the Engram row store: every table checked, then loaded whole (gpu, pinned), copied to
-tmpfs, or verified in place (disk); pinned and tmpfs tables mapped for the device to read in place.
+"""The Engram tables of a store in their tier: every table checked at start-up, then loaded whole (gpu, pinned),
+copied to tmpfs, or verified in place (disk); pinned and tmpfs tables mapped for the device to read in place.
 
-Mixed into `EngramRowStore` (strata.tiers.rows.store), whose docstring describes the checks and the
-verification record that lets later starts skip the full pass.
+The row store's docstring (strata.tiers.rows.store) describes the checks and the verification record that
+lets later starts skip the full pass.
 """
 
 from __future__ import annotations
@@ -13,20 +13,68 @@ from collections.abc import Iterator
 
 import torch
 
-from strata.tiers.storage.uva import device_view, register_file
+from strata.tiers.storage.uva import RegisteredFile, device_view, register_file
 from strata.tiers.store.format import TORCH_DTYPES, TableEntry
+from strata.tiers.store.store import ExpertStore
 from strata.tiers.store.verify_record import FileIdentity, VerifyRecord, table_fingerprint, table_identity
 
 
-class TableLoadingMixin:
-    """Uses the store's `store`, `tables`, `tier`, `device`, `full`, `paths`, `mapped`, `_registered` and
-    the counters `verified_from_record`, `tmpfs_reused`, `chunks_read`."""
+class RowTables:
+    """Engram tables `entries` (layer -> table of `store`) held by `tier` for reads on `device`.
+
+    full:    gpu / pinned tiers: layer -> the whole table [rows, head_dim] (in VRAM, or in host RAM)
+    paths:   tmpfs / disk tiers: layer -> the file to read its rows from
+    mapped:  layer -> a device view of the pinned table or the page-locked tmpfs copy (CUDA with `zero_copy`),
+             which the gather kernel reads in place; empty where any table cannot be mapped
+    base:    layer -> its first row in one global row space over all layers (the row cache's keys)
+    """
+
+    def __init__(self, store: ExpertStore, entries: dict[int, TableEntry], tier: str, device: torch.device,
+                 tmpfs_dir: str, zero_copy: bool):
+        self.store, self.entries, self.tier, self.device = store, entries, tier, device
+        first = next(iter(entries.values()))
+        self.dtype, self.dim, self.row_bytes = TORCH_DTYPES[first.dtype], first.row_shape[-1], first.row_bytes
+        self.base: dict[int, int] = {}
+        total = 0
+        for layer, t in entries.items():
+            self.base[layer], total = total, total + t.num_rows
+        self.total_rows = total
+        self.full: dict[int, torch.Tensor] = {}
+        self.paths: dict[int, str] = {}
+        self.verified_from_record: set[str] = set()  # tables whose checksum pass a record made unnecessary
+        self.tmpfs_reused: set[str] = set()  # tables whose tmpfs copy from an earlier start was reused
+        self.chunks_read = 0  # table chunks read at start-up
+        self._load(tmpfs_dir)
+        # pinned tables on CUDA: the gather kernel reads rows straight from pinned RAM through its device
+        # mapping (a few bytes per row across PCIe, inside the step's graph): no row cache, no host copies
+        self.mapped: dict[int, torch.Tensor] = {}
+        self._registered: list[RegisteredFile] = []  # tmpfs copies page-locked for zero-copy reads
+        if tier in ("pinned", "tmpfs") and device.type == "cuda" and zero_copy:
+            self._map_tables()
+
+    @property
+    def in_place(self) -> bool:
+        """Whether the compute device reads every table in place (VRAM, or mapped host RAM): no row cache."""
+        return self.tier == "gpu" or bool(self.mapped)
+
+    def device_table(self, layer: int) -> torch.Tensor | None:
+        """The layer's whole table as the compute device reads it in place, or None (rows go through the cache)."""
+        if self.tier == "gpu":
+            return self.full[layer]
+        return self.mapped.get(layer)
+
+    def close(self) -> None:
+        """Drop the device mappings and unregister the page-locked tmpfs copies (after the device's kernels)."""
+        self.mapped = {}
+        if self._registered:
+            torch.cuda.synchronize(self.device)  # no kernel may still read a mapping being unregistered
+            self._unregister()
 
     def _load(self, tmpfs_dir: str) -> None:
         """Check every table, filling the full copies (gpu, pinned) or the tmpfs files; each chunk's
         checksum is verified unless the verification record vouches for the table's file."""
         record, sizes = VerifyRecord(self.store.directory), self.store.index.file_sizes()
-        for layer, t in self.tables.items():
+        for layer, t in self.entries.items():
             src = self.store.directory / t.file
             before = table_identity(src, t, sizes[t.file])  # missing or truncated: an error, record or not
             fp = table_fingerprint(self.store.index.source_fingerprint, t)
@@ -58,7 +106,7 @@ class TableLoadingMixin:
         the gather kernel reads rows in place; where any table cannot be mapped, none is (the row cache
         serves them all)."""
         views = {}
-        for layer, t in self.tables.items():
+        for layer, t in self.entries.items():
             if self.tier == "pinned":
                 host = self.full[layer]
             else:
@@ -71,7 +119,7 @@ class TableLoadingMixin:
             if view is None:
                 break
             views[layer] = view
-        if len(views) == len(self.tables):
+        if len(views) == len(self.entries):
             self.mapped = views
         else:
             self._unregister()

@@ -12,8 +12,10 @@ from __future__ import annotations
 import numpy as np
 
 from strata.errors import CheckpointError
+from strata.tiers.rows.cached import CachedRows
+from strata.tiers.rows.load import RowTables
 from strata.tiers.storage import native_io
-from strata.tiers.storage.diskio import ALIGN, aligned_empty
+from strata.tiers.storage.diskio import ALIGN, DiskReader, aligned_empty
 
 NO_ROOM = -(1 << 40)  # csrc/row_serve.cpp's codes, beyond any -1 - i of a short read
 PAST_END, SMALL_SCRATCH = NO_ROOM - 1, NO_ROOM - 2
@@ -24,16 +26,17 @@ class NoRoom(RuntimeError):
 
 
 class NativeRowServer:
-    """Serves layers of a disk-tier `EngramRowStore` whose row cache is a host slab (`gather_view`)."""
+    """Serves layers of disk-tier `tables` whose row cache `cached` has a host slab (`gather_view`), reading
+    through `reader`'s open files."""
 
-    def __init__(self, store):
-        cache = store.cache
-        if store.tier != "disk" or cache is None or store.gather_view is None:
+    def __init__(self, tables: RowTables, cached: CachedRows | None, reader: DiskReader | None):
+        if tables.tier != "disk" or cached is None or cached.gather_view is None or reader is None:
             raise ValueError("native row serving needs tables on disk behind a host row cache")
+        cache = cached.cache
         if cache.slab.device.type != "cpu" or not cache.slab.is_contiguous() or \
-                cache.slab.shape[1] * cache.slab.element_size() != store.row_bytes:
+                cache.slab.shape[1] * cache.slab.element_size() != tables.row_bytes:
             raise ValueError("the row cache's slab must be contiguous host memory of whole rows")
-        self.store, self.cache = store, cache
+        self.tables, self.cache, self.reader = tables, cache, reader
         self._lib = native_io.lib()
         self._scratch = aligned_empty(0)
         self._info = np.zeros(4, dtype=np.int64)
@@ -42,16 +45,16 @@ class NativeRowServer:
         """Put layer `layer`'s rows `ids` (int64 [n], layer-local) in the cache without evicting `protect` (int64
         slots) and write each id's slot to `out` (int64 [n]). Returns (distinct rows, cache hits, rows read,
         seconds reading). Raises NoRoom (nothing admitted) or CheckpointError (a read failed)."""
-        st, c = self.store, self.cache
-        f = st.reader.file(st.paths[layer])
-        t = st.tables[layer]
+        tables, c = self.tables, self.cache
+        f = self.reader.file(tables.paths[layer])
+        t = tables.entries[layer]
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         protect = np.ascontiguousarray(protect, dtype=np.int64)
         need = 2 * ids.size * ALIGN  # a row may straddle two blocks
         if self._scratch.numel() < need:
             self._scratch = aligned_empty(need)
         rc = self._lib.strata_serve_rows(
-            ids.ctypes.data, ids.size, st.base[layer], f.fd, t.offset, st.row_bytes, f.size,
+            ids.ctypes.data, ids.size, tables.base[layer], f.fd, t.offset, tables.row_bytes, f.size,
             c.slot_of.ctypes.data, c.row_of.ctypes.data, c.score.ctypes.data, c.free_stack.ctypes.data,
             c.counts.ctypes.data, c.decay.ctypes.data, c.capacity, c.slab.data_ptr(), protect.ctypes.data,
             protect.size, self._scratch.data_ptr(), self._scratch.numel(), out.ctypes.data, self._info.ctypes.data)
