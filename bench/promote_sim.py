@@ -55,16 +55,16 @@ def key_store(tmp: Path, layers: int, experts: int, top_k: int, first_moe: int =
     """A store with `experts` tiny experts in each of the MoE layers first_moe..layers-1: the `tiny` demo model's
     shape with those counts (the tier policy sees keys and counts, not weights)."""
     from strata.runtime.demo import model as demo_model
+    from strata.runtime.demo.configs import BASE_CONFIGS
     from strata.runtime.plan.convert import convert_checkpoint
 
-    cfg = demo_model._BASE_CONFIGS["tiny"]
-    demo_model._BASE_CONFIGS["tiny"] = {**cfg, "num_hidden_layers": layers, "first_k_dense_replace": first_moe,
-                                        "n_routed_experts": experts, "num_experts_per_tok": top_k,
-                                        "n_group": 1, "topk_group": 1}
+    cfg = BASE_CONFIGS["tiny"]
+    BASE_CONFIGS["tiny"] = {**cfg, "num_hidden_layers": layers, "first_k_dense_replace": first_moe,
+                            "n_routed_experts": experts, "num_experts_per_tok": top_k, "n_group": 1, "topk_group": 1}
     try:
         model = demo_model.write_demo_model(tmp / "model", "tiny", engram=False, progress=False)
     finally:
-        demo_model._BASE_CONFIGS["tiny"] = cfg
+        BASE_CONFIGS["tiny"] = cfg
     return convert_checkpoint(model, tmp / "store", progress=False)
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import strata.runtime.demo.configs as demo_configs
 import strata.runtime.demo.model as dm
 from strata import Engine
 from strata.cli import build_parser
@@ -47,7 +48,7 @@ def mini_bench(tmp_path_factory):
     """write(route_skew) -> directory of a shrunk `bench` (Qwen3-MoE) demo model."""
     root = tmp_path_factory.mktemp("skew")
     mp = pytest.MonkeyPatch()
-    mp.setitem(dm._BASE_CONFIGS, "bench", {**dm._BASE_CONFIGS["bench"], **MINI_QWEN3})
+    mp.setitem(demo_configs.BASE_CONFIGS, "bench", {**demo_configs.BASE_CONFIGS["bench"], **MINI_QWEN3})
 
     def write(skew, locality=0.0):
         return dm.write_demo_model(root / f"bench-{skew}-{locality}", "bench", progress=False, engram=False,

@@ -19,7 +19,8 @@ tensor drawn from its own generator whose seed depends only on (seed, tensor nam
 depend on write order or threading. Writing streams: each shard's header is written first (every shape is
 known), then worker threads generate tensors and `pwrite` them at their offsets, so memory stays at a few
 tensors. Every size is written into a hidden sibling directory that is renamed into place at the end: a
-crash never leaves a directory that looks like a model.
+crash never leaves a directory that looks like a model. The sizes' configurations (`demo_config`, `DemoSpec`)
+live in strata.runtime.demo.configs and are importable from here too.
 """
 
 from __future__ import annotations
@@ -29,201 +30,28 @@ import json
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor, as_completed
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from strata.errors import ConfigError
+from strata.runtime.demo.configs import (
+    DEFAULT_SHARD_BYTES,
+    DEMO_SIZES,
+    TOKENIZER_VOCAB,
+    TRAINED_SIZE,
+    DemoSpec,
+    demo_config,
+    demo_generation_config,
+    expected_bytes,
+)
 from strata.runtime.demo.skew import RouteSkew, check_locality, check_skew
-from strata.runtime.demo.tokenizer import ENDOFTEXT, IM_END, SPECIAL_IDS, tokenizer_size, write_tokenizer_files
+from strata.runtime.demo.tokenizer import tokenizer_size, write_tokenizer_files
 from strata.runtime.demo.weights import TensorSpec, make_tensor, tensor_specs, write_safetensors_header
 from strata.tiers.store.files import pwrite_all, remove_stale_tmp_dirs, temp_sibling
 
-DEMO_SIZES: tuple[str, ...] = ("tiny", "small", "bench")  # random weights, written on demand
-TRAINED_SIZE = "demo"  # trained weights, shipped in the package (strata.runtime.demo.train)
 TRAINED_DIR = Path(__file__).parent / "data" / TRAINED_SIZE
-DEFAULT_SHARD_BYTES = 4_000_000_000  # HF's "4GB" shard size (decimal)
 MARKER = "strata_demo.json"  # written last; identifies a complete demo model and its parameters
-TOKENIZER_VOCAB = {"tiny": 512, "small": 8192, "bench": 8192}
-
-DEEPSEEK_COMMON = {
-    "architectures": ["DeepseekV3ForCausalLM"],
-    "model_type": "deepseek_v3",
-    "attention_bias": False,
-    "attention_dropout": 0.0,
-    "hidden_act": "silu",
-    "initializer_range": 0.02,
-    "moe_layer_freq": 1,
-    "n_shared_experts": 1,
-    "norm_topk_prob": True,
-    "num_nextn_predict_layers": 0,  # no multi-token-prediction layer is written
-    "rms_norm_eps": 1e-6,
-    "rope_interleave": True,  # DeepSeek's layout; real checkpoints omit it (transformers' default is True)
-    "rope_scaling": None,
-    "rope_theta": 10000.0,
-    "routed_scaling_factor": 2.5,
-    "scoring_func": "sigmoid",
-    "topk_method": "noaux_tc",
-    "tie_word_embeddings": False,
-    "use_cache": True,
-}
-
-_BASE_CONFIGS: dict[str, dict] = {
-    "tiny": {
-        **DEEPSEEK_COMMON,
-        "vocab_size": 512,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "moe_intermediate_size": 32,
-        "num_hidden_layers": 3,
-        "first_k_dense_replace": 1,
-        "n_routed_experts": 16,
-        "num_experts_per_tok": 4,
-        "n_group": 4,
-        "topk_group": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "q_lora_rank": 32,
-        "kv_lora_rank": 32,
-        "qk_rope_head_dim": 8,
-        "qk_nope_head_dim": 16,
-        "v_head_dim": 16,
-        "max_position_embeddings": 4096,
-    },
-    "small": {
-        **DEEPSEEK_COMMON,
-        "vocab_size": 8192,
-        "hidden_size": 512,
-        "intermediate_size": 2048,
-        "moe_intermediate_size": 256,
-        "num_hidden_layers": 8,
-        "first_k_dense_replace": 1,
-        "n_routed_experts": 64,
-        "num_experts_per_tok": 6,
-        "n_group": 8,
-        "topk_group": 4,
-        "num_attention_heads": 8,
-        "num_key_value_heads": 8,
-        "q_lora_rank": 256,
-        "kv_lora_rank": 128,
-        "qk_rope_head_dim": 32,
-        "qk_nope_head_dim": 64,
-        "v_head_dim": 64,
-        "max_position_embeddings": 8192,
-    },
-    "bench": {  # Qwen/Qwen3-30B-A3B's config.json, field for field
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "model_type": "qwen3_moe",
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "decoder_sparse_step": 1,
-        "head_dim": 128,
-        "hidden_act": "silu",
-        "hidden_size": 2048,
-        "initializer_range": 0.02,
-        "intermediate_size": 6144,
-        "max_position_embeddings": 40960,
-        "max_window_layers": 48,
-        "mlp_only_layers": [],
-        "moe_intermediate_size": 768,
-        "norm_topk_prob": True,
-        "num_attention_heads": 32,
-        "num_experts": 128,
-        "num_experts_per_tok": 8,
-        "num_hidden_layers": 48,
-        "num_key_value_heads": 4,
-        "output_router_logits": False,
-        "rms_norm_eps": 1e-6,
-        "rope_scaling": None,
-        "rope_theta": 1000000.0,
-        "router_aux_loss_coef": 0.001,
-        "sliding_window": None,
-        "tie_word_embeddings": False,
-        "use_cache": True,
-        "use_sliding_window": False,
-        "vocab_size": 151936,
-    },
-}
-
-
-@dataclass(frozen=True)
-class DemoSpec:
-    """What to write: a size, an optional layer count, a seed and a shard size; validated."""
-
-    size: str = "small"
-    layers: int | None = None
-    seed: int = 0
-    max_shard_bytes: int = DEFAULT_SHARD_BYTES
-    engram: bool = True  # Engram layers (hashed n-gram tables); False: `--no-engram`
-    route_skew: float | str = 0.0  # routing popularity in the weights: S > 0 or "uniform" (demo_skew); 0: none
-    route_locality: float = 0.0  # temporal locality in the weights (demo_skew; needs route_skew): L > 0; 0: none
-
-    def __post_init__(self) -> None:
-        if self.size not in DEMO_SIZES:
-            raise ConfigError(f"unknown demo model size {self.size!r}; use one of {', '.join(DEMO_SIZES)}")
-        if self.layers is not None:
-            first_moe = _BASE_CONFIGS[self.size].get("first_k_dense_replace", 0)
-            if isinstance(self.layers, bool) or not isinstance(self.layers, int) or self.layers <= first_moe:
-                raise ConfigError(
-                    f"--layers {self.layers!r} is invalid for the {self.size} demo model; use an integer "
-                    f">= {first_moe + 1} so that at least one layer is a MoE layer"
-                )
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
-            raise ConfigError(f"demo model seed {self.seed!r} is invalid; use a non-negative integer")
-        if not isinstance(self.max_shard_bytes, int) or self.max_shard_bytes <= 0:
-            raise ConfigError(f"max_shard_bytes {self.max_shard_bytes!r} is invalid; use a positive byte count")
-        object.__setattr__(self, "route_skew", check_skew(self.route_skew))
-        object.__setattr__(self, "route_locality", check_locality(self.route_locality))
-        if self.route_locality and not self.route_skew:
-            raise ConfigError("--route-locality needs the skew channel: give --route-skew too (S > 0 or uniform)")
-
-    @property
-    def num_layers(self) -> int:
-        return self.layers if self.layers is not None else _BASE_CONFIGS[self.size]["num_hidden_layers"]
-
-    def marker(self) -> dict:
-        """The identity recorded in `MARKER` (shard size is not part of it: the weights are the same)."""
-        return {"strata_demo": 1, "size": self.size, "num_hidden_layers": self.num_layers, "seed": self.seed,
-                "engram": self.engram, **({"route_skew": self.route_skew} if self.route_skew else {}),
-                **({"route_locality": self.route_locality} if self.route_locality else {})}
-
-
-def demo_config(size: str = "small", layers: int | None = None, engram: bool = True) -> dict:
-    """The config.json dict of a demo model; `layers` overrides `num_hidden_layers`; `engram` adds Engram layers."""
-    spec = DemoSpec(size, layers)
-    cfg = dict(_BASE_CONFIGS[size])
-    cfg["num_hidden_layers"] = spec.num_layers
-    if cfg["model_type"] == "qwen3_moe":
-        cfg["max_window_layers"] = spec.num_layers  # Qwen3 sets it to the layer count
-    # ChatML: generation ends at <|im_end|>; <|endoftext|> doubles as BOS and pad, as in Qwen.
-    cfg["bos_token_id"] = SPECIAL_IDS[ENDOFTEXT]
-    cfg["eos_token_id"] = SPECIAL_IDS[IM_END]
-    cfg["torch_dtype"] = "bfloat16"  # the key older checkpoints ship ...
-    cfg["dtype"] = "bfloat16"  # ... and the one transformers >= 4.56 writes
-    if engram:
-        from strata.runtime.demo.engram import demo_engram_config
-
-        cfg["engram"] = demo_engram_config(size, spec.num_layers, cfg["vocab_size"], cfg["bos_token_id"])
-    return dict(sorted(cfg.items()))
-
-
-def demo_generation_config() -> dict:
-    """generation_config.json: both stop tokens and Qwen3's recommended sampling defaults."""
-    return {
-        "bos_token_id": SPECIAL_IDS[ENDOFTEXT],
-        "eos_token_id": [SPECIAL_IDS[IM_END], SPECIAL_IDS[ENDOFTEXT]],
-        "pad_token_id": SPECIAL_IDS[ENDOFTEXT],
-        "do_sample": True,
-        "temperature": 0.6,
-        "top_k": 20,
-        "top_p": 0.95,
-    }
-
-
-def expected_bytes(size: str = "small", layers: int | None = None, engram: bool = True) -> int:
-    """Total tensor bytes of a demo model (what the safetensors files hold, headers excluded)."""
-    return sum(t.nbytes for t in tensor_specs(demo_config(size, layers, engram)))
 
 
 def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:

@@ -36,9 +36,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from strata.runtime.demo.configs import DEEPSEEK_COMMON, TRAINED_SIZE, demo_generation_config
 from strata.runtime.demo.corpus import build_documents, fetch_packages, is_chat, word_list
 from strata.runtime.demo.lm import DemoLM, export_checkpoint
-from strata.runtime.demo.model import DEEPSEEK_COMMON, MARKER, TRAINED_SIZE, demo_generation_config
+from strata.runtime.demo.model import MARKER
 from strata.runtime.demo.tokenizer import ENDOFTEXT, IM_END, SPECIAL_IDS, train_tokenizer_json, write_tokenizer_files
 from strata.runtime.model.engram.hashing import EngramConfig, build_token_map
 
