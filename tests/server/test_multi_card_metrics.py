@@ -14,11 +14,11 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from dashboard_browser import Chromium, needs_chromium, serve_app
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 from staged_models import IDS, score_in_chunks
-from test_dashboard import Chromium, needs_chromium, serve_app
 
 from strata.server.dashboard import mount_dashboard
 from strata.server.metrics import ServerMetrics
