@@ -74,6 +74,11 @@ class RuntimeConfig:
     # `strata serve`: decode every batch size once before turning ready (strata.runtime.generation.warmup); "auto" on CUDA
     warmup: bool | str = field(default="auto", metadata={"auto_or_bool": True})
     devices: list[int] = field(default_factory=list)  # CUDA indices the layers are split over; [] = `device` alone
+    # later prompts start from the KV rows of earlier and running ones that share their prefix
+    # (strata.runtime.generation.prefix_cache); prefix_cache_slots: KV slots beside planner.max_batch's that only
+    # keep prefixes (each max_context tokens, counted by the planner)
+    prefix_cache: bool = True
+    prefix_cache_slots: int = 0
 
     def __post_init__(self) -> None:
         gap = self.decode_gap_target
@@ -85,6 +90,8 @@ class RuntimeConfig:
             raise ConfigError(f"runtime.prefill_keeps_resident = {self.prefill_keeps_resident!r} is invalid; "
                               "use true or false")
         _check_auto_or_bool("runtime.warmup", self.warmup)
+        if not isinstance(self.prefix_cache, bool):
+            raise ConfigError(f"runtime.prefix_cache = {self.prefix_cache!r} is invalid; use true or false")
         if self.experts not in ("tiered", "memory"):
             raise ConfigError(f"runtime.experts = {self.experts!r} is invalid; use \"tiered\" or \"memory\"")
         if self.device not in DEVICE_NAMES and not (self.device.startswith("cuda:") and self.device[5:].isdigit()):
@@ -94,7 +101,7 @@ class RuntimeConfig:
         chunk = self.prefill_chunk
         if chunk != "auto" and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ConfigError(f"runtime.prefill_chunk = {chunk!r} is invalid; use \"auto\" or a number of tokens >= 1")
-        for key, low in (("max_context", 16), ("threads", 0), ("prefill_chunk_min", 1)):
+        for key, low in (("max_context", 16), ("threads", 0), ("prefill_chunk_min", 1), ("prefix_cache_slots", 0)):
             value = getattr(self, key)
             if value < low:
                 raise ConfigError(f"runtime.{key} = {value} is out of range; it must be >= {low}")
@@ -110,6 +117,11 @@ class RuntimeConfig:
         if d and self.device not in ("auto", "cuda", f"cuda:{d[0]}"):
             raise ConfigError(f"runtime.device = {self.device!r} conflicts with runtime.devices = {d!r}; set "
                               f'runtime.device = "auto" (or "cuda:{d[0]}") or drop runtime.devices')
+
+    @property
+    def prefix_only_slots(self) -> int:
+        """KV slots the prefix cache adds beside planner.max_batch's (0 when it is off)."""
+        return self.prefix_cache_slots if self.prefix_cache else 0
 
     @property
     def primary_device(self) -> str:

@@ -13,11 +13,15 @@ import threading
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from strata.errors import RequestError, StrataError
 from strata.runtime.generation.sampler import SamplingParams
+
+if TYPE_CHECKING:
+    from strata.runtime.generation.grammar import Grammar
 
 MAX_LOGPROBS = 20
 
@@ -39,9 +43,14 @@ class GenRequest:
     # no generation: the last event's `scores` holds the log-probabilities of the next token at every prompt
     # position ([len(prompt_ids), vocab] float32 on the CPU; `Engine.score`), prefilled in a pass of its own
     score: bool = False
+    # start from the longest prefix of the prompt another sequence's KV slot holds, and leave this one's for later
+    # requests (strata.runtime.generation.prefix_cache); False: computed from scratch and not kept
+    prefix_cache: bool = True
+    # `params.response_format` compiled (strata.runtime.generation.grammar), attached when it is submitted
+    grammar: Grammar | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        for name in ("reproducible", "score"):
+        for name in ("reproducible", "score", "prefix_cache"):
             if not isinstance(getattr(self, name), bool):
                 raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}")
         for name in ("logprobs", "prompt_logprobs"):
@@ -64,6 +73,7 @@ class TokenEvent:
     finish_reason: str | None = None  # None | "stop" | "length" | "abort"
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (OpenAI's usage.prompt_tokens_details)
     prompt_logprobs: list[float | None] | None = None  # first event only, when asked
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
     error: str | None = None  # with finish_reason "abort": the fault that failed the step (the server reports it)

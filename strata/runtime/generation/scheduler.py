@@ -8,7 +8,9 @@ A background thread runs steps while there is work (and exits when there is none
 thread). Each step takes, within a token budget, one decode token from every running sequence plus prompt chunks
 of sequences still prefilling, runs them as one flat `StepBatch` through the model, samples each sequence's next
 token with its own generator, and streams events back. New requests join at the next step; finished or
-cancelled ones leave at once and free their KV-cache slot. A long prompt is prefilled in chunks interleaved with
+cancelled ones leave at once and free their KV-cache slot, whose rows stay there for later prompts that share
+their prefix (strata.runtime.generation.prefix_cache: a newcomer starts where the longest shared prefix of any
+slot, finished or running, ends; `runtime.prefix_cache`). A long prompt is prefilled in chunks interleaved with
 the decode steps of the running sequences; while any sequence decodes, a `PrefillPacer` sizes those chunks from
 measured step times so every decoding user's gap between two tokens stays under `runtime.decode_gap_target`
 seconds. Every forward pass runs under the engine's `step_lock`, so other schedulers of the same engine (tests,
@@ -16,7 +18,7 @@ benchmarks) never race this one.
 
 With `[debug] overlap_decode` (on CUDA by default), a step of decode tokens only is queued before the host
 reads the tokens it is fed: its inputs are the last step's tokens, sampled on the device, and the host emits
-those while the GPU runs it (strata.runtime.generation.overlap). Steps chain so while the running set stays the same and
+those while the GPU runs it (strata.runtime.generation.overlap, .decode_chain). Steps chain so while the running set stays the same and
 nobody waits for a free slot; anything else (a newcomer, a prompt chunk, logprobs, a reproducible request, a
 sequence one token from its limit) lands the step in flight first and plans as before.
 
@@ -35,15 +37,15 @@ import threading
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
 
 import torch
 
 from strata.errors import RequestError, StrataError
+from strata.runtime.generation.decode_chain import DecodeChain, InFlight
 from strata.runtime.generation.detokenize import StopMatcher, StreamDecoder
 from strata.runtime.generation.logprobs import PromptLogprobs
-from strata.runtime.generation.overlap import QueuedStep, queue_decode
 from strata.runtime.generation.pacing import PrefillPacer
+from strata.runtime.generation.prefix_cache import PrefixCache
 from strata.runtime.generation.requests import (  # noqa: F401 - re-exported: the public names live here too
     MAX_LOGPROBS,
     GenRequest,
@@ -52,19 +54,10 @@ from strata.runtime.generation.requests import (  # noqa: F401 - re-exported: th
     TokenEvent,
 )
 from strata.runtime.generation.sampler import make_generator, sample
-from strata.runtime.generation.sequence import Sequence
+from strata.runtime.generation.sequence import Sequence, plan_pass
 from strata.runtime.model.kv_cache import KVCache, StepBatch
 
 log = logging.getLogger("strata")
-
-
-@dataclass
-class _InFlight:
-    """A decode-only step of `seqs` queued on the device whose sampled tokens the host has not read yet."""
-
-    seqs: list[Sequence]
-    starts: list[int]  # the position each sequence's input token was fed at
-    step: QueuedStep
 
 
 class Scheduler:
@@ -91,9 +84,7 @@ class Scheduler:
         self._steps = 0
         self._step_tokens = 0
         self.overlap = engine.overlap_decode  # [debug] overlap_decode, resolved
-        self._pending: _InFlight | None = None  # the decode step in flight (overlapped decode)
-        self._landed_at = 0.0  # perf_counter() when the last in-flight step's tokens were read
-        self.chained_steps = 0  # steps queued behind one whose tokens were not read yet
+        self._chain = DecodeChain()  # the decode step in flight (overlapped decode)
         self.cache: KVCache | None = None
         self._settings: tuple = (0, None, None, None, None)  # what `configure` takes, in its order
         rt = engine.config.runtime
@@ -124,10 +115,11 @@ class Scheduler:
             # expert crossing PCIe once per chunk; steps with decoding sequences keep to the budget and the pacer
             self.pacer = PrefillPacer(budget, gap, chunk_min, idle_budget=self.engine.prefill_chunk)
             if batch != self._settings[0]:
-                self._pending, self.cache = None, None  # the old slots are freed before the new ones are taken
-                e = self.engine
-                self.cache = KVCache(e.checkpoint.config, batch, e.max_context, e.dtype, e.device)
-                self._free = list(range(batch - 1, -1, -1))
+                self._chain.pending, self.cache = None, None  # the old slots are freed before the new ones are taken
+                e, rt = self.engine, self.engine.config.runtime
+                kept = rt.prefix_cache_slots if rt.prefix_cache else 0  # slots that only keep prefixes
+                self.cache = KVCache(e.checkpoint.config, batch + kept, e.max_context, e.dtype, e.device)
+                self.prefix = PrefixCache(self.cache, batch, rt.prefix_cache, self.repro_chunk)
             self._settings = new
             self.max_batch, self.token_budget, self.max_queue = batch, budget, queue_len
 
@@ -139,6 +131,11 @@ class Scheduler:
         if engine is None:
             raise StrataError("this scheduler's engine was dropped; keep a reference to the engine while it serves")
         return engine
+
+    @property
+    def chained_steps(self) -> int:
+        """Overlapped decode: steps queued behind one whose tokens were not read yet."""
+        return self._chain.chained_steps
 
     @property
     def started(self) -> bool:
@@ -203,15 +200,17 @@ class Scheduler:
                 f"exceed the context of {ctx} tokens; shorten the prompt or lower max_tokens"
             )
         self.engine.check_token_ids(request.prompt_ids)
+        if request.params.response_format is not None and request.grammar is None and not request.score:
+            request.grammar = self.engine.compile_grammar(request.params.response_format)  # cached per schema
 
     def stats(self) -> dict:
         with self._cv:
-            return {"running": len(self._running), "waiting": len(self._waiting), "kv_slots_free": len(self._free),
+            return {"running": len(self._running), "waiting": len(self._waiting), "kv_slots_free": self.prefix.free,
                     "max_batch": self.max_batch, "token_budget": self.token_budget, "steps": self._steps,
                     "mean_tokens_per_step": self._step_tokens / self._steps if self._steps else 0.0,
                     "reproducible_running": sum(1 for s in self._running if s.req.reproducible),
                     "overlap_decode": self.overlap, "chained_steps": self.chained_steps,
-                    **self.pacer.snapshot()}
+                    "prefix_cache": self.prefix.stats(), **self.pacer.snapshot()}
 
     def recent_steps(self) -> list[dict]:
         """The last steps (up to 512): wall-clock end `t` (time.time()), `seconds`, `decode` and `prompt`
@@ -241,7 +240,7 @@ class Scheduler:
         except BaseException as e:  # noqa: BLE001 - outside a step (admission): nothing may wait forever
             log.exception("scheduler failed")
             with self._cv:
-                self._pending = None
+                self._chain.pending = None
                 for seq in list(self._running):
                     self._finish(seq, "abort", error=e)
                 while self._waiting:
@@ -256,7 +255,7 @@ class Scheduler:
         """Admit, drop the cancelled, run one step; False (the thread ends) when nothing is left or stop says so."""
         with self._cv:
             if (not self._waiting and not self._running) or (self._stop and not self._drain):
-                self._pending = None  # its sequences are aborted below; the device finishes it on its own
+                self._chain.pending = None  # its sequences are aborted below; the device finishes it on its own
                 for seq in list(self._running):
                     self._finish(seq, "abort")
                 self._abort_waiting()
@@ -270,14 +269,14 @@ class Scheduler:
                     self._step()
             except Exception as e:  # a real fault: fail the batch's requests, keep serving others
                 log.exception("scheduler step failed")
-                self._pending = None
+                self._chain.pending = None
                 for seq in list(self._running):
                     self._finish(seq, "abort", error=e)
         return True
 
     def _admit(self) -> None:
         e = self.engine
-        while self._waiting and self._free:
+        while self._waiting and self.prefix.free:
             h = self._waiting.popleft()
             if h.cancelled.is_set():
                 h.deliver(TokenEvent(h.request.request_id, None, "", finish_reason="abort"))
@@ -286,8 +285,13 @@ class Scheduler:
             eos = set() if r.params.ignore_eos else e.eos_token_ids | set(r.params.stop_token_ids)
             e.counters.admitted()
             decoder = StreamDecoder(e.tokenizer) if e.tokenizer is not None else None
-            self._running.append(Sequence(h, self._free.pop(), make_generator(r.params.seed, e.device), decoder,
-                                          StopMatcher(r.params.stop), eos))
+            seq = Sequence(h, -1, make_generator(r.params.seed, e.device), decoder, StopMatcher(r.params.stop), eos)
+            # score and prompt-logprobs requests need every prompt position's logits: they compute the whole prompt
+            reuse = r.prefix_cache and not r.score and r.prompt_logprobs is None
+            grant = self.prefix.admit(seq, r.prompt_ids, r.reproducible, reuse)
+            seq.slot = grant.slot
+            seq.prefilled = seq.cached = seq.written = grant.hit
+            self._running.append(seq)
             # the prompt's Engram rows, fetched now (a score request reads them as its passes reach each layer: it
             # prefills at once, in passes of its own)
             if getattr(e.model, "engram", None) is not None and not r.score:
@@ -304,27 +308,31 @@ class Scheduler:
         pacer allows (when nobody decodes, the larger of the token budget and `runtime.prefill_chunk`),
         reproducible prompts advance by the fixed `runtime.prefill_chunk`, score prompts by `score_chunk`.
         """
-        t0 = time.perf_counter()
-        if self._pending is not None:
-            p, self._pending = self._pending, None
-            if self._chains(p):  # the next step goes first, fed p's tokens on the device; p's are read meanwhile
-                self._pending = self._launch(p.seqs, [st + 1 for st in p.starts], p.step.tokens)
-                self.chained_steps += 1
+        t0, chain, ctx = time.perf_counter(), self._chain, self.engine.max_context
+        if chain.pending is not None:
+            p, chain.pending = chain.pending, None
+            if chain.chains(p, self._running, bool(self._waiting and self.prefix.free), ctx):
+                # the next step goes first, fed p's tokens on the device; p's are read meanwhile
+                chain.pending = chain.launch(self.engine.model, self.cache, p.seqs, [st + 1 for st in p.starts],
+                                             p.step.tokens)
+                chain.chained_steps += 1
             self._land(p)
-            if self._pending is not None or not self._running:
+            if chain.pending is not None or not self._running:
                 return
             t0 = time.perf_counter()
-        solo = [(self._plan([s], self.score_chunk if s.req.score else self.repro_chunk), s.req.reproducible)
+        solo = [(plan_pass([s], self.score_chunk if s.req.score else self.repro_chunk), s.req.reproducible)
                 for s in self._running if s.req.reproducible or s.req.score]
         n_decode = sum(1 for s in self._running if s.next_input is not None)
         solo_prompt = sum(len(inp) for plan, _ in solo for s, inp, _ in plan if s.next_input is None)
         allow = self.pacer.allowance(n_decode)
         if n_decode and self.pacer.enabled:  # solo chunks count against the step's allowance
             allow = max(allow - solo_prompt, min(self.pacer.min_chunk, allow))
-        shared = self._plan([s for s in self._running if not (s.req.reproducible or s.req.score)], allow)
-        if self.overlap and not solo and shared and all(s.next_input is not None and self._overlaps(s, 1)
+        shared = plan_pass([s for s in self._running if not (s.req.reproducible or s.req.score)], allow)
+        if self.overlap and not solo and shared and all(s.next_input is not None and chain.overlaps(s, 1, ctx)
                                                         for s, _, _ in shared):
-            self._pending = self._launch([s for s, _, _ in shared], [st for _, _, st in shared], None)
+            ids = torch.tensor([s.next_input for s, _, _ in shared], dtype=torch.long, device=self.engine.device)
+            chain.pending = chain.launch(self.engine.model, self.cache, [s for s, _, _ in shared],
+                                         [st for _, _, st in shared], ids)
             return
         n_prompt, passes = 0, 0
         for plan, reproducible in [(shared, False), *solo]:
@@ -344,18 +352,6 @@ class Scheduler:
             self._step_tokens += n_decode + n_prompt
             self._step_log.append({"t": time.time(), "seconds": dt, "decode": n_decode, "prompt": n_prompt,
                                    "passes": passes, "allowance": allow})
-
-    def _plan(self, seqs: list[Sequence], prompt_budget: int) -> list[tuple[Sequence, list[int], int]]:
-        """(seq, input ids, start position) for one forward pass: every decode token, then prompt chunks in
-        arrival order within `prompt_budget` tokens."""
-        plan = [(s, [s.next_input], len(s.req.prompt_ids) + len(s.tokens) - 1) for s in seqs if s.next_input is not None]
-        for seq in seqs:
-            remaining = len(seq.req.prompt_ids) - seq.prefilled
-            if seq.next_input is None and remaining > 0 and prompt_budget > 0:
-                n = min(remaining, prompt_budget)
-                plan.append((seq, seq.req.prompt_ids[seq.prefilled : seq.prefilled + n], seq.prefilled))
-                prompt_budget -= n
-        return plan
 
     def _forward(self, plan: list[tuple[Sequence, list[int], int]], reproducible: bool) -> None:
         """Run `plan` as one flat batch, sample, and emit (reproducible: the expert compute's exact path)."""
@@ -378,55 +374,34 @@ class Scheduler:
             # every row that yields a token is sampled on the device first, each with its own generator (so the
             # order is free), and read back once: one wait for the GPU a step, not one a sequence
             rows_out = [i for i, (seq, inp, _) in enumerate(plan) if seq.samples(inp)]
-            drawn = [sample(logits[i : i + 1], plan[i][0].req.params, plan[i][0].generator) for i in rows_out]
+            drawn = [sample(logits[i : i + 1], plan[i][0].req.params, plan[i][0].generator, plan[i][0].grammar)
+                     for i in rows_out]
             if (graphs := model.graphs) is not None:
                 graphs.step_queued()  # all of the step is queued (sampling too): its books run while the GPU works
             tokens = dict(zip(rows_out, torch.cat(drawn).tolist() if drawn else [], strict=True))
         n_decode = sum(1 for s, _, _ in plan if s.next_input is not None)
         self.engine.counters.ran(len(ids) - n_decode, n_decode, time.perf_counter() - t0)
-        for i, (seq, inp, _) in enumerate(plan):
+        self.prefix.count_computed(len(ids) - n_decode)
+        for i, (seq, inp, start) in enumerate(plan):
+            seq.written = seq.ring_at = start + len(inp)
             if seq.next_input is None:  # a prompt chunk
                 seq.prefilled += len(inp)
+                self.prefix.after_prompt_pass(seq.slot, seq.written, reproducible)
                 if seq.req.score and seq.prefilled == len(seq.req.prompt_ids):
                     self._finish(seq, "stop")
             if i in tokens:
                 self._accept(seq, tokens[i], logits[i : i + 1])
 
-    # ---- overlapped decode ([debug] overlap_decode) ---------------------------------------------------
-    def _overlaps(self, seq: Sequence, ahead: int) -> bool:
-        """Whether `seq` may decode in a step whose tokens are read later: not reproducible, no logprobs (those
-        need the logits on the host), and still sampling `ahead` tokens from now before its limits."""
-        r = seq.req
-        return not r.reproducible and r.logprobs is None and seq.may_sample(ahead, self.engine.max_context)
-
-    def _chains(self, p: _InFlight) -> bool:
-        """Whether the next step may be queued behind `p` before its tokens are read: the running set is still
-        `p`'s (none finished, cancelled, prefilling or admitted), nobody waits for a free slot, and every
-        sequence samples at least two more tokens (p's and the next one's)."""
-        if self._waiting and self._free:
-            return False
-        run = self._running
-        return (len(run) == len(p.seqs) and all(a is b for a, b in zip(run, p.seqs, strict=True))
-                and all(self._overlaps(s, 2) for s in run))
-
-    def _launch(self, seqs: list[Sequence], starts: list[int], tokens: torch.Tensor | None) -> _InFlight:
-        """Queue a decode step of `seqs` (inputs: `tokens` [B] on the device, else each `next_input`) and the
-        sampling of its tokens, and start reading them back; returns without waiting for the device."""
-        dev = self.engine.device
-        ids = tokens if tokens is not None else torch.tensor([s.next_input for s in seqs], dtype=torch.long, device=dev)
-        step = queue_decode(self.engine.model, self.cache, [s.slot for s in seqs], starts, ids,
-                            [(s.req.params, s.generator) for s in seqs])
-        return _InFlight(seqs, starts, step)
-
-    def _land(self, p: _InFlight) -> None:
-        """Read `p`'s tokens and emit them; sequences that finished or were cancelled meanwhile are skipped."""
-        tokens = p.step.read.tolist()
-        now = time.perf_counter()
-        dt = now - max(p.step.queued, self._landed_at)
-        self._landed_at = now
-        live = [(seq, tok) for seq, tok in zip(p.seqs, tokens, strict=True) if any(seq is s for s in self._running)]
+    def _land(self, p: InFlight) -> None:
+        """Read the overlapped step `p`'s tokens and emit them; sequences that finished or were cancelled meanwhile
+        are skipped."""
+        tokens, dt = self._chain.land(p)
+        live = [(seq, st, tok) for seq, st, tok in zip(p.seqs, p.starts, tokens, strict=True)
+                if any(seq is s for s in self._running)]
         self.engine.counters.ran(0, len(live), dt)
-        for seq, token in live:
+        for seq, start, _ in live:
+            seq.written, seq.ring_at = start + 1, -1  # a step queued behind this one has moved the rings on
+        for seq, _, token in live:
             self._accept(seq, token, None)
         self._record_step(dt, len(live), 0, 1, 0)
 
@@ -442,11 +417,13 @@ class Scheduler:
 
     def _finish(self, seq: Sequence, reason: str, error: BaseException | None = None) -> None:
         ev = seq.finish(reason, error=error)
-        self._release(seq)
+        self._release(seq, keep=error is None)
         seq.handle.deliver(ev)
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence, keep: bool = True) -> None:
+        """Free `seq`'s slot; `keep`: its rows stay there for later prompts (not those of a failed step)."""
         if seq in self._running:
             self._running.remove(seq)
+            keep = keep and seq.req.prefix_cache
             with self._cv:
-                self._free.append(seq.slot)
+                self.prefix.release(seq.slot, seq.cached_ids() if keep else None, seq.ring_at == seq.written)

@@ -12,6 +12,7 @@ took 1.0 s against 0.16 s for the next). Then one prompt alone for each larger K
 tokens, decoding once there: the attention kernels are built per bucket, and a longer prompt's prefill chunk is
 warmed on the way (a batch of several sequences at those buckets is still captured on first use, its kernels built).
 The prompt lengths are not multiples of 16, like most prompts: Triton builds a kernel again for sizes divisible by 16.
+Each prompt is a prefix of the next, so they bypass the prefix cache: every one is prefilled whole, as warmed.
 
 The warm-up goes through the scheduler like any request (the same admission, overlap, sampling and graph paths),
 so what it warms is what users hit. Its requests are not traffic: the engine's request and token counters are
@@ -69,7 +70,7 @@ def warmup_requests(max_batch: int, vocab_size: int, max_context: int) -> list[l
     prompt = [(1 + 7 * j) % vocab_size for j in range(n)]
     batch = [GenRequest(list(prompt), SamplingParams(max_tokens=max(1, min(max_batch + 1 - i, max_context - n)),
                                                      temperature=1.0, top_p=0.95, seed=i, ignore_eos=True),
-                        request_id=f"warmup-{i}")
+                        request_id=f"warmup-{i}", prefix_cache=False)
              for i in range(max_batch)]
     rounds = [batch]
     lengths = [min(ALONE_TOKENS, max_context - 2)]
@@ -79,7 +80,8 @@ def warmup_requests(max_batch: int, vocab_size: int, max_context: int) -> list[l
         bucket *= 2
     for n in lengths:
         rounds.append([GenRequest([(3 + 5 * j) % vocab_size for j in range(n)],
-                                  SamplingParams(max_tokens=2, ignore_eos=True), request_id=f"warmup-alone-{n}")])
+                                  SamplingParams(max_tokens=2, ignore_eos=True), request_id=f"warmup-alone-{n}",
+                                  prefix_cache=False)])
     return rounds
 
 

@@ -4,6 +4,8 @@ GQA layers store keys and values `[slots, max_len, kv_heads, head_dim]`. MLA lay
 the compressed latent `[slots, max_len, kv_lora_rank]` and the shared rotated key
 `[slots, max_len, qk_rope_head_dim]` (about 1/50 of the expanded K/V), and expand them when attending.
 Everything is allocated once, so a long generation never reallocates and memory use is known up front.
+A slot's rows outlive its sequence: the prefix cache (strata.runtime.generation.prefix_cache) serves later
+prompts from them, in place or copied to another slot (`copy_prefix`).
 """
 
 from __future__ import annotations
@@ -76,6 +78,30 @@ class KVCache:
     @property
     def nbytes(self) -> int:
         return sum(a.numel() * a.element_size() + b.numel() * b.element_size() for a, b in self.layers)
+
+    def copy_prefix(self, src: int, dst: int, length: int) -> None:
+        """Make slot `dst`'s first `length` positions a copy of slot `src`'s: every layer's rows (GQA keys and
+        values, MLA's latent and rotated key) and the Engram token history. A prefix cache hit on another slot's
+        prompt: copied on the device, in the stream order of the steps that wrote it."""
+        if src == dst or length <= 0:
+            return
+        for a, b in self.layers:
+            a[dst, :length] = a[src, :length]  # [length, kv_heads, d] (GQA) or [length, kv_lora] (MLA)
+            b[dst, :length] = b[src, :length]
+        if self.engram is not None:
+            self.engram.tokens[dst, :length] = self.engram.tokens[src, :length]
+
+    def engram_rings(self, slot: int) -> list[torch.Tensor] | None:
+        """A copy of `slot`'s Engram convolution rings (one [window, hidden] per Engram layer), None without
+        Engram layers. A ring is indexed by position, so the copy restores the slot at the position it was taken."""
+        if self.engram is None:
+            return None
+        return [ring[slot].clone() for ring in self.engram.conv.values()]
+
+    def restore_engram_rings(self, slot: int, rings: list[torch.Tensor]) -> None:
+        """Put rings taken by `engram_rings` (of this slot or another) back into `slot`."""
+        for ring, saved in zip(self.engram.conv.values(), rings, strict=True):
+            ring[slot].copy_(saved)
 
     @staticmethod
     def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:

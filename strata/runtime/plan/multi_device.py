@@ -156,7 +156,8 @@ def build_multi_device(path: Path, cfg: StrataConfig, progress: bool = False) ->
         checkpoint = Checkpoint.open(path)
         dtype = DTYPES.get(cfg.runtime.dtype) or torch.bfloat16
         max_context = min(cfg.runtime.max_context, checkpoint.config.max_position_embeddings)
-        sizes = layer_sizes(checkpoint.config, dtype, cfg.planner.max_batch, experts=True)
+        sizes = layer_sizes(checkpoint.config, dtype, cfg.planner.max_batch + cfg.runtime.prefix_only_slots,
+                            experts=True)
         host = probe_host(cfg.tiers.tmpfs.path, cfg.tiers.disk.path)
         stages = place_stages(sizes, select_devices(host.gpus, cfg.runtime.devices), context=max_context,
                               reserve=cfg.planner.activation_reserve_bytes, slot_bytes=0, budget=0)

@@ -62,7 +62,8 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
     ratio = _TORCH_DTYPES[dtype].itemsize / fp.itemsize  # weights are converted to the compute dtype on load
     non_expert = int(fp.non_expert_bytes * ratio)
     context = min(cfg.runtime.max_context, fp.config.max_position_embeddings)
-    kv_per_token = KVCache.bytes_per_token(fp.config, _TORCH_DTYPES[dtype]) * cfg.planner.max_batch
+    slots = cfg.planner.max_batch + cfg.runtime.prefix_only_slots  # the batch's, and those only keeping prefixes
+    kv_per_token = KVCache.bytes_per_token(fp.config, _TORCH_DTYPES[dtype]) * slots
     kv, reserve = kv_per_token * context, cfg.planner.activation_reserve_bytes
     total, per_layer = fp.total_experts, cfg.policy.budget_scope == "per_layer"
     notes: list[str] = []

@@ -282,7 +282,7 @@ def plan_stages(fp, cfg, host: HostInfo, dtype: torch.dtype, context: int, notes
 
     `fp` is the planner's `ModelFootprint` (strata.runtime.plan.footprint); notes about the split and the links are appended to `notes`.
     """
-    sizes = layer_sizes(fp.config, dtype, cfg.planner.max_batch)
+    sizes = layer_sizes(fp.config, dtype, cfg.planner.max_batch + cfg.runtime.prefix_only_slots)
     slot = fp.expert_bytes * torch.empty((), dtype=dtype).element_size() // fp.itemsize
     stages = place_stages(sizes, select_devices(host.gpus, cfg.runtime.devices), context=context,
                           reserve=cfg.planner.activation_reserve_bytes, slot_bytes=slot,
