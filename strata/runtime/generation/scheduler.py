@@ -84,6 +84,9 @@ class Scheduler:
         self._steps = 0
         self._step_tokens = 0
         self.overlap = engine.overlap_decode  # [debug] overlap_decode, resolved
+        # the card this scheduler's thread runs on: "cuda" without an index means the creating thread's current card
+        self._card = engine.device if engine.device.type != "cuda" or engine.device.index is not None else \
+            torch.device("cuda", torch.cuda.current_device())
         self._chain = DecodeChain()  # the decode step in flight (overlapped decode)
         self.cache: KVCache | None = None
         self._settings: tuple = (0, None, None, None, None)  # what `configure` takes, in its order
@@ -234,7 +237,7 @@ class Scheduler:
         try:
             engine = self.engine  # alive while this thread has requests to run
             if engine.device.type == "cuda":  # this thread's streams, events and graphs on the engine's card
-                torch.cuda.set_device(engine.device)
+                torch.cuda.set_device(self._card)
             while self._next_step():
                 pass
         except BaseException as e:  # noqa: BLE001 - outside a step (admission): nothing may wait forever
