@@ -16,6 +16,9 @@ tier manager under `device` (e.g. "cuda:1"; the merged totals are not emitted, s
   strata:tier_stall_seconds_total, strata:prefetch_precision, strata:prefetch_recall, strata:tier_damaged_objects
   strata:tier_promotions_total    experts promoted into the GPU tier in the background (split decode)
 
+Prefix cache series (no labels): prompt tokens computed against those served from the cache
+  strata:prompt_tokens_computed_total, strata:prompt_tokens_cached_total, strata:prefix_cache_hit_ratio
+
 Stage-hop series (no labels; only for a model split over several cards): activation copies between cards
   strata:stage_hops_total, strata:stage_hop_bytes_total, strata:stage_hop_seconds_total (0 unless hops are timed)
 
@@ -152,6 +155,22 @@ def _scheduler_metrics(s: dict) -> Iterator[Metric]:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(s[key]))
             yield g
+    yield from _prefix_cache_metrics(s.get("prefix_cache"))
+
+
+def _prefix_cache_metrics(p: dict | None) -> Iterator[Metric]:
+    """Prompt tokens computed against those served from the prefix cache (strata.runtime.generation.prefix_cache)."""
+    if not p:
+        return
+    for key, name, doc in (("computed_tokens", "strata:prompt_tokens_computed", "Prompt tokens run through the model."),
+                           ("cached_tokens", "strata:prompt_tokens_cached",
+                            "Prompt tokens served from the prefix cache instead of computed.")):
+        c = CounterMetricFamily(name, doc)
+        c.add_metric([], float(p.get(key, 0)))
+        yield c
+    ratio = GaugeMetricFamily("strata:prefix_cache_hit_ratio", "Cached prompt tokens over all prompt tokens served.")
+    ratio.add_metric([], float(p.get("hit_ratio", 0.0)))
+    yield ratio
 
 
 def _tier_metrics(t: dict | None, device: str, plan: Any) -> Iterator[Metric]:

@@ -6,9 +6,11 @@ from dataclasses import dataclass
 from typing import Any
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
+    """OpenAI's usage object; `cached_tokens`: prompt tokens served from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
 
 
 class TokenText:
@@ -120,6 +122,7 @@ class Seq:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # of its prompt's, served from the prefix cache
 
 
 def is_token(ev: Any) -> bool:
@@ -130,7 +133,8 @@ def is_token(ev: Any) -> bool:
 def _usage_of(seqs: list[Seq], n: int, completion: bool = True) -> dict:
     # a prompt sent once with n > 1 is counted once, as OpenAI does
     prompt = sum(s.prompt_tokens or len(s.prompt_ids) for s in seqs if s.index % n == 0)
-    return usage(prompt, sum(s.completion_tokens for s in seqs) if completion else 0)
+    cached = sum(s.cached_tokens for s in seqs if s.index % n == 0)
+    return usage(prompt, sum(s.completion_tokens for s in seqs) if completion else 0, cached)
 
 
 class ChatFormat:

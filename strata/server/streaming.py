@@ -118,6 +118,7 @@ def _track(s: Seq, ev: Any) -> None:
         s.finish_reason = ev.finish_reason
         s.prompt_tokens = ev.prompt_tokens or len(s.prompt_ids)
         s.completion_tokens = ev.completion_tokens or s.tokens
+        s.cached_tokens = ev.cached_tokens
         s.timer.finish(ev.finish_reason, s.prompt_tokens, s.completion_tokens)
 
 

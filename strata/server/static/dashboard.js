@@ -104,6 +104,8 @@
       const v = num(get(s, key, null));
       setText(id, fmtNum(v), v);
     }
+    const prefixHit = num(get(s, "scheduler.prefix_cache.hit_ratio", null));  // prompt tokens served from the cache
+    setText("prefix-hit", get(s, "scheduler.prefix_cache.enabled", true) === false ? "off" : fmtPct(prefixHit), prefixHit);
     const lookups = num(get(s, "tiers.lookups", null)), misses = num(get(s, "tiers.misses", null));
     setText("lookups", fmtNum(lookups), lookups);
     setText("misses", lookups && misses !== null ? `${fmtNum(misses)} (${fmtPct(misses / lookups)})` : fmtNum(misses), misses);
