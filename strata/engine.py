@@ -29,6 +29,7 @@ import torch
 from strata.config import StrataConfig, load_config
 from strata.errors import CheckpointError, RequestError, StrataError
 from strata.runtime.generation.counters import GenerationCounters
+from strata.runtime.generation.grammar import Grammar, GrammarCompiler, ResponseFormat
 from strata.runtime.generation.overlap import overlap_on
 from strata.runtime.generation.prefill_chunk import resolve_prefill_chunk, score_chunk
 from strata.runtime.generation.requests import GenRequest, RequestHandle, TokenEvent
@@ -153,6 +154,9 @@ class Engine:
         self.overlap_decode = overlap_on(config.debug.overlap_decode, self.device, len(config.runtime.devices))
         self.step_lock = threading.Lock()  # held while a forward pass runs: every scheduler of this engine takes it
         self.counters = GenerationCounters()  # what `stats()` reports; every scheduler of this engine records here
+        # response formats compiled over the tokenizer (xgrammar, imported on first use), cached per schema
+        self.grammars = GrammarCompiler(tokenizer, self.checkpoint.config.vocab_size, self.eos_token_ids) \
+            if tokenizer is not None else None
         self._scheduler: Scheduler | None = None  # made on first use (`scheduler()`)
         self._scheduler_lock = threading.Lock()
         # an engine dropped or still open at exit is released then: before the interpreter kills the tier manager's
@@ -241,27 +245,32 @@ class Engine:
     # ---- generation -------------------------------------------------------------------------
     def generate(self, prompt: str | Sequence[int], max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                  top_k: int = 0, seed: int | None = None, stop: str | list[str] | None = None,
-                 stop_token_ids: list[int] | None = None, reproducible: bool = False) -> GenerationOutput:
+                 stop_token_ids: list[int] | None = None, reproducible: bool = False,
+                 response_format: ResponseFormat | dict | None = None) -> GenerationOutput:
         """Generate a completion of `prompt` (text, or token ids) and return it whole.
 
         Generation ends at an EOS or stop token (not emitted), a stop string (cut off), `max_tokens`, or the
-        end of the context. `reproducible=True` computes the request in a forward pass of its own, with cold
-        experts on the exact path (the GPU, or the CPU's reference math) instead of the fast CPU kernel; the
+        end of the context. `response_format` (OpenAI's dict, e.g. {"type": "json_schema", "json_schema":
+        {"name": ..., "schema": {...}}}, or a `ResponseFormat`) holds the output to JSON (valid under the schema),
+        ending it when the JSON is complete. `reproducible=True` computes the request in a forward pass of its own,
+        with cold experts on the exact path (the GPU, or the CPU's reference math) instead of the fast CPU kernel; the
         tokens then equal those of a reproducible request served by the server bit for bit, whatever else runs.
         """
         with self.stream(prompt, max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                         stop=stop, stop_token_ids=stop_token_ids, reproducible=reproducible) as pieces:
+                         stop=stop, stop_token_ids=stop_token_ids, reproducible=reproducible,
+                         response_format=response_format) as pieces:
             for _ in pieces:
                 pass
             return pieces.output
 
     def stream(self, prompt: str | Sequence[int], max_tokens: int = 64, temperature: float = 0.0, top_p: float = 1.0,
                top_k: int = 0, seed: int | None = None, stop: str | list[str] | None = None,
-               stop_token_ids: list[int] | None = None, reproducible: bool = False) -> TextStream:
+               stop_token_ids: list[int] | None = None, reproducible: bool = False,
+               response_format: ResponseFormat | dict | None = None) -> TextStream:
         """Like `generate`, but return at once a `TextStream` of text pieces as tokens are produced (the request
         is queued now; it runs beside every other one, whether its pieces are read or not)."""
         params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-                                stop=stop, stop_token_ids=stop_token_ids or [])
+                                stop=stop, stop_token_ids=stop_token_ids or [], response_format=response_format)
         if not isinstance(reproducible, bool):
             raise RequestError(f"reproducible must be True or False, got {reproducible!r}")
         if params.stop and self.tokenizer is None:
@@ -308,6 +317,13 @@ class Engine:
         finally:
             sched.cancel(handle)  # nothing when it finished; a caller interrupted while it waits withdraws it
         raise StrataError("a score request ended without its scores")
+
+    def compile_grammar(self, response_format: ResponseFormat) -> Grammar:
+        """`response_format` compiled over this model's tokenizer (cached per schema): what the scheduler holds a
+        request's tokens to. A schema that cannot be compiled is a `RequestError` naming the problem."""
+        if self.grammars is None:
+            raise RequestError(self._no_tokenizer("response_format needs one to build its grammar"))
+        return self.grammars.compile(response_format)
 
     def wait_settled(self, timeout: float = 600.0) -> bool:
         """Block until the tiers' background start-up placement (and any prefetch) is done; False on

@@ -1,13 +1,16 @@
-"""Sampling parameters and next-token selection (greedy, temperature, top-k, top-p)."""
+"""Sampling parameters and next-token selection (greedy, temperature, top-k, top-p), under a response format's
+grammar when the request has one (strata.runtime.generation.grammar)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from strata.errors import RequestError
+from strata.runtime.generation.grammar import GrammarMatcher, ResponseFormat
 
 MAX_STOP_STRINGS = 16
 
@@ -33,6 +36,8 @@ class SamplingParams:
     stop: list[str] | str | None = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # JSON output (OpenAI's response_format dict, or a ResponseFormat; {"type": "text"} or None: free text)
+    response_format: ResponseFormat | dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -65,6 +70,7 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids)
         if not isinstance(self.ignore_eos, bool):
             raise RequestError(f"ignore_eos must be true or false, got {self.ignore_eos!r}")
+        self.response_format = ResponseFormat.parse(self.response_format)
 
     @property
     def greedy(self) -> bool:
@@ -81,9 +87,12 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return g
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
-    """Pick one token per row of logits [B, V]; returns int64 ids [B]. Same seed + same logits => same ids."""
-    logits = logits.float()
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
+           grammar: GrammarMatcher | None = None) -> torch.Tensor:
+    """Pick one token per row of logits [B, V]; returns int64 ids [B]. Same seed + same logits => same ids.
+    `grammar` (one sequence's matcher, B = 1): only tokens it allows next can be picked; the caller advances it
+    with the token."""
+    logits = logits.float() if grammar is None else grammar.mask(logits)
     if params.temperature == 0.0:
         return logits.argmax(dim=-1)
     logits = logits / params.temperature

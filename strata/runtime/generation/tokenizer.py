@@ -214,6 +214,11 @@ class Tokenizer:
         # encode_batch lets go of the GIL while it works (encode holds it), so a long text stalls no other thread
         return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
+    def backend_json(self) -> str:
+        """The tokenizer.json this tokenizer runs (the special tokens it added included), as a string: what
+        another library reads the vocabulary from (xgrammar, for structured output)."""
+        return self._tok.to_str()
+
     @cached_property
     def token_bound(self) -> TokenBound | None:
         """A lower bound on the tokens a text encodes to, known without encoding it (None: no such bound)."""

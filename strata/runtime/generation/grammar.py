@@ -1,0 +1,254 @@
+"""Structured output: a JSON object, or JSON that validates against a schema, enforced token by token.
+
+A request's `ResponseFormat` (OpenAI's `response_format`: `json_object`, or `json_schema` with its schema) is
+compiled by the engine's `GrammarCompiler` into a `Grammar` over the model's vocabulary (xgrammar; compiled
+grammars are kept per schema in a bounded LRU). Each sequence with a grammar holds a `GrammarMatcher` of its own:
+before its token is sampled, the matcher's token bitmask sets every token the grammar cannot take next to -inf in
+that sequence's logits row (greedy and sampled alike), the chosen token advances the matcher, and the sequence
+ends ("stop") as soon as the grammar is complete, so the text parses and validates whenever the sequence ends
+that way. Only `max_tokens`, the end of the context or a stop string can end it earlier ("length" / "stop" with
+the JSON cut short).
+
+The JSON is written on one line with ", " and ": " separators (no free whitespace: a model cannot stall in an
+endless run of newlines, and the grammar ends at the closing brace). `strict` follows OpenAI: true allows no
+properties the schema does not name (xgrammar's strict mode), false lets `additionalProperties` default to true.
+
+    fmt = ResponseFormat.parse({"type": "json_schema", "json_schema": {"name": "person", "schema": {...}}})
+    grammar = compiler.compile(fmt)          # cached per schema
+    matcher = grammar.matcher()              # one per sequence
+    row = matcher.mask(logits_row)           # [1, V]: tokens the grammar refuses at -inf
+    matcher.advance(token); matcher.done     # True once the JSON is complete
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from strata.errors import RequestError, UnsupportedError
+
+if TYPE_CHECKING:
+    from strata.runtime.generation.tokenizer import Tokenizer
+
+MAX_CACHED_GRAMMARS = 64  # compiled grammars kept (least recently used dropped first)
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for json_schema.name
+_SHAPES = ('{"type": "text"}, {"type": "json_object"} or {"type": "json_schema", "json_schema": '
+           '{"name": ..., "schema": {...}, "strict": true}}')
+# xgrammar's C++ errors begin with "[hh:mm:ss] /path/file.cc:123: "; the rest names the problem
+_CPP_PREFIX = re.compile(r"^\s*\[[0-9:]+\]\s+\S+:\d+:\s*")
+
+
+class ResponseFormatError(RequestError):
+    """A `response_format` the server cannot honour (a 400 naming `response_format`)."""
+
+    param = "response_format"
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """What a request's output must be: any JSON object (`json_object`) or JSON valid under `schema`
+    (`json_schema`, named `name`; `strict`: no properties beyond the schema's). Build it with `parse` (OpenAI's
+    `response_format` dict) or `from_schema`."""
+
+    type: str  # "json_object" | "json_schema"
+    schema: dict | None = None
+    name: str | None = None
+    strict: bool = False
+
+    @classmethod
+    def parse(cls, value: Any) -> ResponseFormat | None:
+        """OpenAI's `response_format` (a dict), a `ResponseFormat`, or None; {"type": "text"} and None give None
+        (no constraint). A malformed value is a `ResponseFormatError` naming the problem."""
+        if value is None or isinstance(value, ResponseFormat):
+            return value
+        if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+            raise ResponseFormatError(f"response_format must be {_SHAPES}, got {value!r}"[:300])
+        kind = value["type"]
+        if kind == "text":
+            return None
+        if kind == "json_object":
+            return cls("json_object")
+        if kind != "json_schema":
+            raise ResponseFormatError(f"response_format type {kind!r} is unknown; it is one of text, json_object, "
+                                      "json_schema")
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise ResponseFormatError('response_format json_schema must be an object: {"name": ..., "schema": {...}, '
+                                      '"strict": true}')
+        name, strict = spec.get("name"), spec.get("strict")
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ResponseFormatError(f"response_format json_schema.name must be 1 to 64 letters, digits, _ or -, "
+                                      f"got {name!r}"[:200])
+        if strict is not None and not isinstance(strict, bool):
+            raise ResponseFormatError(f"response_format json_schema.strict must be true or false, got {strict!r}")
+        return cls.from_schema(spec.get("schema"), name, bool(strict))
+
+    @classmethod
+    def from_schema(cls, schema: Any, name: str = "response", strict: bool = True) -> ResponseFormat:
+        """JSON valid under `schema` (a JSON Schema object)."""
+        if not isinstance(schema, dict):
+            raise ResponseFormatError(f"response_format json_schema.schema must be a JSON Schema object, got "
+                                      f"{type(schema).__name__}; give one such as "
+                                      '{"type": "object", "properties": {...}}')
+        try:
+            json.dumps(schema, allow_nan=False)
+        except (TypeError, ValueError, RecursionError) as e:
+            raise ResponseFormatError(f"response_format json_schema.schema is not JSON ({e})"[:300]) from None
+        return cls("json_schema", schema, name, strict)
+
+    def key(self) -> str:
+        """A string equal for formats that compile to the same grammar (the property order counts: the JSON
+        follows it)."""
+        return json.dumps([self.type, self.schema, self.strict], separators=(",", ":"), ensure_ascii=False)
+
+
+class Grammar:
+    """A compiled response format, shared by every sequence that asks for it; `matcher()` gives one a state."""
+
+    def __init__(self, compiled: Any, vocab_size: int, plain: torch.Tensor, non_stop: torch.Tensor,
+                 fmt: ResponseFormat):
+        self.compiled, self.vocab_size, self.format = compiled, vocab_size, fmt
+        self.plain = plain  # int32 [ceil(V/32)]: the bits of every token without a control character
+        self.non_stop = non_stop  # int32 [ceil(V/32)]: the bits of every token but the stop tokens
+
+    def matcher(self) -> GrammarMatcher:
+        """A fresh matcher at the grammar's start, for one sequence."""
+        return GrammarMatcher(self)
+
+
+class GrammarMatcher:
+    """One sequence's place in its grammar, with the bitmask of the tokens it may take next."""
+
+    def __init__(self, grammar: Grammar):
+        import xgrammar as xgr
+
+        self.grammar = grammar
+        self._xgr = xgr
+        self._matcher = xgr.GrammarMatcher(grammar.compiled)
+        self._bitmask = xgr.allocate_token_bitmask(1, grammar.vocab_size)  # int32 [1, ceil(V/32)] on the CPU
+        self._device_bitmask: torch.Tensor | None = None  # its copy on the logits' device (CUDA)
+        self.done = False  # complete: nothing but a stop token may follow
+        self._fill()
+
+    def mask(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` [1, V] with every token the grammar refuses next at -inf (a copy: the model's row is kept for
+        log-probabilities)."""
+        out = logits.float().clone()
+        bitmask = self._bitmask
+        if out.device.type != "cpu":
+            if self._device_bitmask is None:
+                self._device_bitmask = torch.empty_like(bitmask, device=out.device)
+            bitmask = self._device_bitmask
+            bitmask.copy_(self._bitmask)  # from pageable memory: the host copy is free to change after this
+        self._xgr.apply_token_bitmask_inplace(out, bitmask, vocab_size=self.grammar.vocab_size)
+        return out
+
+    def advance(self, token: int) -> bool:
+        """Take `token` (sampled under `mask`); False when the grammar refuses it (the sequence cannot go on)."""
+        if not self._matcher.accept_token(int(token)):
+            return False
+        self._fill()
+        return True
+
+    def _fill(self) -> None:
+        """The bitmask for the next token, and whether the grammar is done (only stop tokens may follow)."""
+        if self._matcher.is_terminated():  # a stop token was taken
+            self.done = True
+            return
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        # xgrammar lets a JSON string hold raw control characters (U+0000-U+001F but CR and LF), which JSON
+        # forbids (RFC 8259: they are escaped); no token that holds one is taken (no other place needs one: the
+        # JSON has no free whitespace)
+        self._bitmask[0] &= self.grammar.plain
+        self.done = not bool((self._bitmask[0] & self.grammar.non_stop).any())
+
+
+class GrammarCompiler:
+    """Compiles response formats over one model's tokenizer (xgrammar), keeping the last `cache_size` grammars.
+
+    xgrammar is imported, and its view of the vocabulary built, on the first compile. `vocab_size` is the model's
+    (its logits' width, often padded past the tokenizer's ids: those padding ids are never allowed)."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, stop_token_ids: set[int],
+                 cache_size: int = MAX_CACHED_GRAMMARS):
+        self.tokenizer, self.vocab_size, self.cache_size = tokenizer, vocab_size, cache_size
+        self.stop_token_ids = sorted(stop_token_ids)
+        self._compiler: Any = None
+        self._plain: torch.Tensor | None = None
+        self._non_stop: torch.Tensor | None = None
+        self._cache: OrderedDict[str, Grammar] = OrderedDict()
+        self._lock = threading.Lock()
+        self.compiled = 0  # grammars compiled (cache misses), for tests and stats
+
+    def compile(self, fmt: ResponseFormat) -> Grammar:
+        """The grammar of `fmt` (from the cache when the same format was compiled lately). A schema xgrammar
+        cannot compile, or one no JSON value satisfies, is a `ResponseFormatError`."""
+        key = fmt.key()
+        with self._lock:
+            if key in self._cache:
+                self._cache.move_to_end(key)
+                return self._cache[key]
+            compiler = self._xgrammar_compiler()
+        try:  # outside the lock: a long schema does not hold up requests for cached ones
+            if fmt.type == "json_object":
+                compiled = compiler.compile_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
+            else:
+                compiled = compiler.compile_json_schema(json.dumps(fmt.schema), any_whitespace=False,
+                                                        strict_mode=fmt.strict)
+        except (RuntimeError, ValueError, TypeError) as e:
+            detail = " ".join(_CPP_PREFIX.sub("", str(e)).split())[:300]
+            raise ResponseFormatError(f"response_format json_schema.schema cannot be compiled: {detail}; fix the "
+                                      "schema") from None
+        grammar = Grammar(compiled, self.vocab_size, self._plain, self._non_stop, fmt)
+        if grammar.matcher().done:  # nothing but a stop token at the start: e.g. {"anyOf": []}
+            raise ResponseFormatError("response_format json_schema.schema admits no JSON value; fix the schema")
+        with self._lock:
+            self.compiled += 1
+            self._cache[key] = grammar
+            while len(self._cache) > self.cache_size:
+                self._cache.popitem(last=False)
+        return grammar
+
+    def cached(self) -> int:
+        """How many compiled grammars the cache holds."""
+        with self._lock:
+            return len(self._cache)
+
+    def _xgrammar_compiler(self) -> Any:
+        """(Holding the lock.) xgrammar's compiler over this tokenizer, made on first use."""
+        if self._compiler is None:
+            try:
+                import xgrammar as xgr
+                from tokenizers import Tokenizer as HFTokenizer
+                from transformers import PreTrainedTokenizerFast
+            except ImportError as e:
+                raise UnsupportedError(f"structured output needs xgrammar ({e}); pip install xgrammar") from None
+            # xgrammar reads the vocabulary and its encoding (byte-level, byte fallback) off a fast tokenizer;
+            # a copy, so nothing it sets reaches the tokenizer strata encodes with
+            fast = PreTrainedTokenizerFast(tokenizer_object=HFTokenizer.from_str(self.tokenizer.backend_json()))
+            info = xgr.TokenizerInfo.from_huggingface(fast, vocab_size=self.vocab_size,
+                                                      stop_token_ids=self.stop_token_ids or None)
+            # xgrammar's own cache is off: this class bounds what is kept
+            self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
+            stops = set(info.stop_token_ids)
+            self._non_stop = token_bits(self.vocab_size, stops)
+            self._plain = token_bits(self.vocab_size, [t for t, b in enumerate(info.decoded_vocab)
+                                                       if t not in stops and any(c < 0x20 for c in b)])
+        return self._compiler
+
+
+def token_bits(vocab_size: int, excluded: Iterable[int]) -> torch.Tensor:
+    """int32 [ceil(vocab_size / 32)] in xgrammar's bitmask layout (token t: bit t % 32 of word t // 32) with the bit
+    of every token set but those of `excluded`."""
+    bits = np.zeros(-(-vocab_size // 32) * 32, dtype=bool)
+    bits[:vocab_size] = True
+    bits[[t for t in excluded if 0 <= t < vocab_size]] = False
+    return torch.from_numpy(np.packbits(bits, bitorder="little").view("<i4").astype(np.int32))
