@@ -2,7 +2,7 @@
 
 Requests are pydantic models with strict types for structural fields (a `"stream": "yes"` is a 400,
 not a truthy string) and unknown fields ignored, as OpenAI and vLLM do. OpenAI fields strata does not implement
-(logit_bias, penalties, JSON output, tools, best_of, suffix) are 400s unless neutral. Sampling fields are left
+(logit_bias, penalties, tools, best_of, suffix) are 400s unless neutral. Sampling fields are left
 untyped here and validated by `SamplingParams`, so the server and the Python API reject a bad
 `temperature` with the same message.
 """
@@ -28,13 +28,15 @@ from pydantic import (
 )
 
 from strata.errors import RequestError
+from strata.runtime.generation.grammar import ResponseFormat
 from strata.runtime.generation.sampler import MAX_STOP_STRINGS, SamplingParams
 
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's chat limit; vLLM's default max_logprobs)
 MAX_N = 16  # sequences per prompt
 MAX_CHOICES = 64  # sequences per request (n x prompts); the scheduler's queue bounds it further
 _TYPE_TAGS = {"str", "int", "bool", "float", "dict", "list", "none"}
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos",
+                   "response_format")
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 # a JSON \u escape of a UTF-16 surrogate: only these can put a lone surrogate into a parsed string
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89abcdefABCDEF]")
@@ -129,6 +131,14 @@ _ZERO = {"type": "number", "minimum": 0, "maximum": 0}
 _STOP = ({"type": "string", "minLength": 1},
          {"type": "array", "items": {"type": "string", "minLength": 1}, "maxItems": MAX_STOP_STRINGS})
 _TOKEN_IDS = {"type": "array", "items": {"type": "integer", "minimum": 0}}
+# response_format: free text, any JSON object, or JSON valid under a JSON Schema (strata.runtime.generation.grammar)
+_RESPONSE_FORMATS = (
+    {"type": "object", "properties": {"type": {"enum": ["text", "json_object"]}}, "required": ["type"]},
+    {"type": "object", "required": ["type", "json_schema"], "properties": {
+        "type": {"enum": ["json_schema"]},
+        "json_schema": {"type": "object", "required": ["name", "schema"], "properties": {
+            "name": {"type": "string", "pattern": "^[A-Za-z0-9_-]{1,64}$"}, "description": {"type": "string"},
+            "schema": {"type": "object"}, "strict": {"type": ["boolean", "null"]}}}}})
 # strata_reproducible "required" samples only with a seed (or greedily)
 _REPRODUCIBLE_NEEDS_SEED = {
     "if": {"properties": {"strata_reproducible": {"const": "required"}}, "required": ["strata_reproducible"]},
@@ -167,8 +177,7 @@ class _GenerationRequest(_Request):
     logit_bias: _documented({"type": "object", "maxProperties": 0}) = None
     presence_penalty: _documented(_ZERO) = None
     frequency_penalty: _documented(_ZERO) = None
-    response_format: _documented({"type": "object", "properties": {"type": {"enum": ["text"]}},
-                                  "required": ["type"]}) = None
+    response_format: _documented(*_RESPONSE_FORMATS) = None  # checked by ResponseFormat.parse
 
     @field_validator("logit_bias")
     @classmethod
@@ -186,10 +195,11 @@ class _GenerationRequest(_Request):
 
     @field_validator("response_format")
     @classmethod
-    def _text_only(cls, v: Any) -> Any:
-        if v is not None and not (isinstance(v, dict) and v.get("type") == "text"):
-            raise ValueError('only {"type": "text"} is supported (no JSON mode or schema-constrained output)')
-        return v
+    def _response_format(cls, v: Any) -> Any:
+        try:
+            return ResponseFormat.parse(v)  # None for {"type": "text"}
+        except RequestError as e:
+            raise ValueError(str(e).removeprefix("response_format ")) from None
 
     @field_validator("strata_reproducible")
     @classmethod
