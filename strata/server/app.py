@@ -1,11 +1,11 @@
-"""The OpenAI-compatible HTTP API, served through the batching scheduler.
+"""The OpenAI-compatible HTTP API (and Anthropic's Messages API), served through the batching scheduler.
 
     app = create_app(engine, scheduler, "demo")      # or create_app(None, None, "demo") while loading,
     app.state.strata.attach(engine, scheduler)       # then attach: /health turns from 503 to 200
 
 Every request becomes one `GenRequest` per sequence (n per prompt); their events are merged and
-rendered as OpenAI chat / text completions, whole or as SSE chunks. Errors are OpenAI-shaped; a
-client that goes away has its sequences cancelled, so they leave the batch within a step. Requests pass
+rendered as OpenAI chat / text completions (or Anthropic messages: strata.server.messages_api), whole or as SSE
+chunks. Errors are OpenAI-shaped (Anthropic-shaped under /v1/messages); a client that goes away has its sequences cancelled, so they leave the batch within a step. Requests pass
 the `Guard` first (Host check, API key, access log); POST bodies must be JSON. A text prompt that provably
 cannot fit the context is refused before it is tokenized (`TokenBound`), and tokenizing runs off the event
 loop without the GIL. The schema of every route is at /openapi.json (strata.server.openapi).
@@ -26,9 +26,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from strata import __version__
+from strata.errors import ConfigError
+from strata.server.chat import THINK_TAGS, render_chat, renders_tools, template_call_text
 from strata.server.dashboard import mount_dashboard
 from strata.server.guard import Guard, HostRule, record_usage
 from strata.server.memory import LARGE_BODY_BYTES, release_memory_soon
+from strata.server.messages_api import count_tokens, create_message
+from strata.server.messages_protocol import error_body, is_messages_path
 from strata.server.metrics import ServerMetrics
 from strata.server.openapi import install_openapi
 from strata.server.prompts import (
@@ -51,10 +55,10 @@ from strata.server.protocol import (
 )
 from strata.server.render import ChatFormat, CompletionFormat, TokenText
 from strata.server.streaming import respond, to_api_error
+from strata.server.tool_calls import TOOL_FORMATS, tool_format
 
 MAX_BODY_BYTES = 32 << 20  # a longer body is refused before it is read into memory
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left
-THINK_TAGS = ("<think>", "</think>")
 JSON_TYPES = ("application/json",)  # and any application/...+json
 
 
@@ -62,9 +66,13 @@ class ServerState:
     """What the routes serve: loading (no engine yet) until `attach`, then ready."""
 
     def __init__(self, model_name: str, engine: Any = None, scheduler: Any = None,
-                 max_tokens_default: int | None = None):
+                 max_tokens_default: int | None = None, tool_parser: str = "auto"):
         self.model_name = model_name
         self.max_tokens_default = check_max_tokens_default(max_tokens_default)
+        if tool_parser != "auto" and tool_parser not in TOOL_FORMATS:
+            raise ConfigError(f"--tool-call-parser {tool_parser!r} is unknown; use auto, {', '.join(TOOL_FORMATS)}")
+        self.tool_parser = tool_parser
+        self.template_renders_tools = False  # whether the chat template writes tools into the prompt (set by attach)
         self.engine: Any = None
         self.scheduler: Any = None
         self.load_error: str | None = None  # set when loading failed (the server is shutting down)
@@ -80,6 +88,9 @@ class ServerState:
         self.token_text = TokenText(tok)
         self.sampling_defaults = _sampling_defaults(Path(engine.checkpoint.directory))
         self.think = tok is not None and all(tok.token_to_id(t) is not None for t in THINK_TAGS)
+        self.template_renders_tools = renders_tools(tok)
+        self.tool_format = tool_format(engine.checkpoint.config.model_type, tok, self.tool_parser,
+                                       template_call_text(tok))
         # what decides bit-for-bit results: version, device, dtype, and the CPU numerics mode where there is one
         numerics = getattr(engine.config.runtime, "cpu_numerics", None)
         self.fingerprint = "-".join(str(x) for x in ("strata", __version__, engine.device,
@@ -116,22 +127,25 @@ class ServerState:
 
 
 def create_app(engine: Any, scheduler: Any, model_name: str, *, hosts: HostRule | None = None,
-               api_key: str | None = None, max_tokens_default: int | None = None) -> FastAPI:
+               api_key: str | None = None, max_tokens_default: int | None = None,
+               tool_parser: str = "auto") -> FastAPI:
     """The FastAPI app serving `engine` through `scheduler` as `model_name` (both None: loading).
 
     `hosts`: the Host headers answered (None: any; `strata serve` passes the rule for its bind address);
-    `api_key`: required as `Authorization: Bearer KEY` on every path but /health; `max_tokens_default`:
-    caps what a chat request without max_tokens may generate (else: the rest of the context)."""
+    `api_key`: required as `Authorization: Bearer KEY` (or `x-api-key: KEY`) on every path but /health;
+    `max_tokens_default`: caps what a chat request without max_tokens may generate (else: the rest of the
+    context); `tool_parser`: the format of the model's tool calls ("auto": from its vocabulary and type)."""
     app = FastAPI(title="strata", version=__version__, docs_url=None, redoc_url=None,
-                  description="An OpenAI-compatible completions server for Mixture-of-Experts models.")
-    st = app.state.strata = ServerState(model_name, engine, scheduler, max_tokens_default)
+                  description="An OpenAI-compatible completions server for Mixture-of-Experts models, which also "
+                              "speaks Anthropic's Messages API.")
+    st = app.state.strata = ServerState(model_name, engine, scheduler, max_tokens_default, tool_parser)
 
     def route(method: str, path: str, handler: Callable[[Request, ServerState], Awaitable[Response]]) -> None:
         async def endpoint(request: Request) -> Response:
             try:
                 return await handler(request, st)
-            except Exception as e:  # every failure becomes an OpenAI error; real faults are logged
-                return error_response(st, to_api_error(e))
+            except Exception as e:  # every failure becomes an OpenAI (or Anthropic) error; real faults are logged
+                return error_response(st, to_api_error(e), path)
 
         endpoint.__name__ = handler.__name__
         app.add_api_route(path, endpoint, methods=[method], summary=(handler.__doc__ or "").split("\n")[0])
@@ -145,6 +159,8 @@ def create_app(engine: Any, scheduler: Any, model_name: str, *, hosts: HostRule 
     route("POST", "/detokenize", _detokenize)
     route("GET", "/v1/strata/stats", _stats)
     route("POST", "/v1/embeddings", _embeddings)
+    route("POST", "/v1/messages", _messages)
+    route("POST", "/v1/messages/count_tokens", _count_tokens)
     mount_dashboard(app, lambda: st.engine if st.ready else None, lambda: st.scheduler)
     install_openapi(app, model_name, api_key is not None,
                     lambda: st.engine.checkpoint.config.vocab_size if st.ready else None)
@@ -155,19 +171,21 @@ def create_app(engine: Any, scheduler: Any, model_name: str, *, hosts: HostRule 
         message = f"no route {request.url.path}" if exc.status_code == 404 else str(exc.detail)
         if exc.status_code == 405:
             message = f"{request.method} is not allowed on {request.url.path}; use {exc.headers.get('Allow', '')}"
-        return error_response(st, APIError(exc.status_code, message, kind, headers=exc.headers))
+        return error_response(st, APIError(exc.status_code, message, kind, headers=exc.headers), request.url.path)
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> Response:  # a fault outside every route
-        return error_response(st, to_api_error(exc))
+        return error_response(st, to_api_error(exc), request.url.path)
 
     app.add_middleware(Guard, hosts=hosts, api_key=api_key, on_error=st.metrics.count_error)
     return app
 
 
-def error_response(st: ServerState, e: APIError) -> JSONResponse:
+def error_response(st: ServerState, e: APIError, path: str | None = None) -> JSONResponse:
+    """An error answered in OpenAI's shape, or Anthropic's on the Messages API's paths; counted in /metrics."""
     st.metrics.count_error(e)
-    return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    return JSONResponse(error_body(e) if is_messages_path(path) else e.body(), status_code=e.status,
+                        headers=e.headers)
 
 
 # ---- routes --------------------------------------------------------------------------------------------
@@ -222,8 +240,8 @@ async def _tokenize(request: Request, st: ServerState) -> Response:
     st.check_model(req.model)
     tok = require_tokenizer(st.engine, "messages" if req.messages is not None else "prompt")
     if req.messages is not None:
-        messages = [m.for_template() for m in req.messages]
-        text = await asyncio.to_thread(tok.apply_chat_template, messages, req.add_generation_prompt)
+        messages = [m.for_template(i) for i, m in enumerate(req.messages)]
+        text = await asyncio.to_thread(tok.apply_chat_template, messages, req.add_generation_prompt, tools=req.tools)
         add_special = bool(req.add_special_tokens)  # the template already wrote BOS where the model wants it
     else:
         text, add_special = req.prompt, req.add_special_tokens is not False
@@ -248,19 +266,26 @@ async def _chat(request: Request, st: ServerState) -> Response:
     st.require_ready()
     req = parse_request(ChatCompletionRequest, await _read_json(request))
     st.check_model(req.model)
-    tok = require_tokenizer(st.engine, "messages")
-    messages = [m.for_template() for m in req.messages]
-    extra = {k: v for k, v in (req.chat_template_kwargs or {}).items() if k not in ("messages", "add_generation_prompt")}
-    # off the event loop: a huge prompt must not stall the streams of others
-    text = await asyncio.to_thread(tok.apply_chat_template, messages, req.add_generation_prompt, **extra)
-    refuse_past_context(st.engine, text, "messages", req.max_tokens)
-    ids = await asyncio.to_thread(tok.encode, text, False)
-    seqs = submit(st, req, [ids], "messages", st.max_tokens_default, logprobs=req.num_logprobs,
+    messages = [m.for_template(i) for i, m in enumerate(req.messages)]
+    prompt = await render_chat(st, messages, req.tool_request, req.add_generation_prompt,
+                               req.chat_template_kwargs or {}, req.max_tokens)
+    seqs = submit(st, req, [prompt.ids], "messages", st.max_tokens_default, logprobs=req.num_logprobs,
                   prompt_logprobs=None)
-    in_reasoning = st.think and text.rstrip().endswith(THINK_TAGS[0])  # the template opened the thinking block
-    fmt = ChatFormat(st.token_text, bool(req.logprobs), st.think, in_reasoning, req.n)
+    fmt = ChatFormat(st.token_text, bool(req.logprobs), st.think, prompt.in_reasoning, req.n, prompt.calls)
     record_usage(request.scope, lambda: fmt.usage(seqs))
     return await respond(request, _head(st, "chatcmpl", "chat.completion"), req, seqs, fmt)
+
+
+async def _messages(request: Request, st: ServerState) -> Response:
+    """An Anthropic message (the Messages API), whole or streamed (SSE events)."""
+    st.require_ready()
+    return await create_message(request, st, await _read_json(request))
+
+
+async def _count_tokens(request: Request, st: ServerState) -> Response:
+    """The tokens of an Anthropic Messages request's prompt."""
+    st.require_ready()
+    return await count_tokens(request, st, await _read_json(request))
 
 
 async def _completions(request: Request, st: ServerState) -> Response:

@@ -6,13 +6,14 @@
   it controls (DNS rebinding); such a request carries that name in `Host`, so only the names this server is
   reached under are accepted (`HostRule`).
 - API key: with one set, every path but `/health` and the dashboard's page and static files (`PAGE_PATHS`: they carry
-  no data; the page asks for the key and sends it on its polls) needs `Authorization: Bearer KEY` (compared in
-  constant time).
+  no data; the page asks for the key and sends it on its polls) needs `Authorization: Bearer KEY`, or `x-api-key:
+  KEY` as Anthropic's clients send it (compared in constant time).
 - Access log: one line per request on the `strata.access` logger: client, method, path, status, the prompt and
   generated tokens when the route counted them (`record_usage`), and the seconds until the last byte was sent.
 - Memory: after a request that `release_memory_soon` marked (a large body), the heap is trimmed.
 
-Refusals are OpenAI-shaped errors, counted in `/metrics` like any other.
+Refusals are OpenAI-shaped errors (Anthropic-shaped on the Messages API's paths), counted in `/metrics` like any
+other.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from starlette.responses import JSONResponse
 
 from strata.server.dashboard import PAGE_PATHS
 from strata.server.memory import release_memory_async, wants_release
+from strata.server.messages_protocol import error_body, is_messages_path
 from strata.server.protocol import APIError
 
 access_log = logging.getLogger("strata.access")
@@ -144,8 +146,8 @@ class Guard:
             if refusal is not None:
                 if self.on_error is not None:
                     self.on_error(refusal)
-                await JSONResponse(refusal.body(), refusal.status, headers=refusal.headers)(scope, receive,
-                                                                                           send_status)
+                body = error_body(refusal) if is_messages_path(scope.get("path")) else refusal.body()
+                await JSONResponse(body, refusal.status, headers=refusal.headers)(scope, receive, send_status)
             else:
                 await self.app(scope, receive, send_status)
         finally:
@@ -165,10 +167,14 @@ class Guard:
         path = scope.get("path")
         if self.api_key is not None and path not in OPEN_PATHS and path not in PAGE_PATHS:
             scheme, _, given = headers.get(b"authorization", b"").partition(b" ")
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(given.strip(), self.api_key):
+            if scheme.lower() != b"bearer":
+                given = b""
+            given = given.strip() or headers.get(b"x-api-key", b"").strip()
+            if not hmac.compare_digest(given, self.api_key):
                 what = "an incorrect API key" if given else "no API key"
-                return APIError(401, f"{what} was provided; send the server's key as 'Authorization: Bearer KEY'",
-                                code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                return APIError(401, f"{what} was provided; send the server's key as 'Authorization: Bearer KEY' "
+                                     "or 'x-api-key: KEY'", code="invalid_api_key",
+                                headers={"WWW-Authenticate": "Bearer"})
         return None
 
 

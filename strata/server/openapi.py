@@ -15,6 +15,7 @@ from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel, Field
 
 from strata.server.guard import OPEN_PATHS
+from strata.server.messages_protocol import CountTokensRequest, MessagesRequest, is_messages_path
 from strata.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 
@@ -56,10 +57,22 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprob]
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str = Field(description="JSON text of an object")
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: FunctionCall
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None = Field(description="null when the model only called tools")
     reasoning_content: str | None = Field(None, description="the thinking text, for models that think")
+    tool_calls: list[ToolCall] | None = Field(None, description="the calls the model made (finish_reason tool_calls)")
 
 
 class ChatChoice(BaseModel):
@@ -106,6 +119,51 @@ class Completion(BaseModel):
     system_fingerprint: str
     choices: list[CompletionChoice]
     usage: Usage
+
+
+class AnthropicErrorBody(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorResponse(BaseModel):
+    """Every error of the Messages API, whatever its status."""
+
+    type: Literal["error"]
+    error: AnthropicErrorBody
+
+
+class ContentBlock(BaseModel):
+    type: Literal["text", "thinking", "tool_use"]
+    text: str | None = None
+    thinking: str | None = None
+    signature: str | None = None
+    id: str | None = None
+    name: str | None = None
+    input: dict | None = None
+
+
+class MessageUsage(BaseModel):
+    input_tokens: int = Field(description="prompt tokens computed (the rest came from the prefix cache)")
+    output_tokens: int
+    cache_read_input_tokens: int = Field(0, description="prompt tokens served from the prefix cache")
+
+
+class Message(BaseModel):
+    """POST /v1/messages without stream (with stream: Anthropic's events, message_start to message_stop)."""
+
+    id: str
+    type: Literal["message"]
+    role: Literal["assistant"]
+    model: str
+    content: list[ContentBlock]
+    stop_reason: Literal["end_turn", "max_tokens", "stop_sequence", "tool_use"]
+    stop_sequence: str | None
+    usage: MessageUsage
+
+
+class TokenCount(BaseModel):
+    input_tokens: int
 
 
 class ModelCard(BaseModel):
@@ -159,6 +217,9 @@ ROUTES: dict[str, tuple[str, type[BaseModel] | None, type[BaseModel] | None, tup
     "/v1/strata/residency": ("get", None, None, ("application/json",), (503,)),
     "/v1/strata/history": ("get", None, None, ("application/json",), (400, 503)),
     "/v1/embeddings": ("post", None, None, (), (404,)),
+    "/v1/messages": ("post", MessagesRequest, Message, ("application/json", "text/event-stream"), _GENERATION),
+    "/v1/messages/count_tokens": ("post", CountTokensRequest, TokenCount, ("application/json",),
+                                  (400, 404, 413, 415, 500, 503)),
 }
 
 
@@ -189,8 +250,10 @@ def _build(app: FastAPI, model_name: str, api_key: bool, vocab: int | None) -> d
         components[model.__name__] = spec
         return {"$ref": f"#/components/schemas/{model.__name__}"}
 
-    error = {"application/json": {"schema": ref(ErrorResponse, "serialization")}}
+    openai_error = {"application/json": {"schema": ref(ErrorResponse, "serialization")}}
+    anthropic_error = {"application/json": {"schema": ref(AnthropicErrorResponse, "serialization")}}
     for path, (method, request, response, media, errors) in ROUTES.items():
+        error = anthropic_error if is_messages_path(path) else openai_error
         op = out["paths"].get(path, {}).get(method)
         if op is None:
             continue
@@ -208,8 +271,8 @@ def _build(app: FastAPI, model_name: str, api_key: bool, vocab: int | None) -> d
             status_429["headers"] = {"Retry-After": {"schema": {"type": "string"}, "description": "seconds"}}
         op["responses"] = responses
         if api_key and path not in OPEN_PATHS:
-            op["security"] = [{"bearer": []}]
-    for model in (ChatCompletionRequest, CompletionRequest):
+            op["security"] = [{"bearer": []}, {"x_api_key": []}]  # either header
+    for model in (ChatCompletionRequest, CompletionRequest, MessagesRequest, CountTokensRequest):
         components[model.__name__]["properties"]["model"] = {"type": "string", "enum": [model_name]}
     if vocab is not None:
         ids = {"type": "integer", "minimum": 0, "maximum": vocab - 1}
@@ -221,5 +284,6 @@ def _build(app: FastAPI, model_name: str, api_key: bool, vocab: int | None) -> d
             elif items.get("type") == "array":
                 items["items"] = ids
     if api_key:
-        out["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
+        out["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"},
+                                                "x_api_key": {"type": "apiKey", "in": "header", "name": "x-api-key"}}
     return out

@@ -2,7 +2,8 @@
 
 Requests are pydantic models with strict types for structural fields (a `"stream": "yes"` is a 400,
 not a truthy string) and unknown fields ignored, as OpenAI and vLLM do. OpenAI fields strata does not implement
-(logit_bias, penalties, tools, best_of, suffix) are 400s unless neutral. Sampling fields are left
+(logit_bias, penalties, best_of, suffix) are 400s unless neutral. Tools are checked in
+strata.server.tool_request. Sampling fields are left
 untyped here and validated by `SamplingParams`, so the server and the Python API reject a bad
 `temperature` with the same message.
 """
@@ -17,6 +18,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     StrictBool,
     StrictInt,
     StrictStr,
@@ -30,6 +32,7 @@ from pydantic import (
 from strata.errors import RequestError
 from strata.runtime.generation.grammar import ResponseFormat
 from strata.runtime.generation.sampler import MAX_STOP_STRINGS, SamplingParams
+from strata.server.tool_request import ToolRequest, check_tool_choice, check_tools, template_tool_calls
 
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's chat limit; vLLM's default max_logprobs)
 MAX_N = 16  # sequences per prompt
@@ -117,7 +120,7 @@ def parse_request(model: type[BaseModel], data: dict) -> Any:
     except ValidationError as e:
         raise validation_error(e) from None
     except RequestError as e:
-        raise bad_request(str(e)) from None
+        raise bad_request(str(e), param=getattr(e, "param", None)) from None
 
 
 def _documented(*schemas: dict) -> Any:
@@ -154,8 +157,8 @@ class StreamOptions(_Request):
     include_usage: StrictBool = False
 
 
-class _GenerationRequest(_Request):
-    """Fields shared by chat and completions."""
+class GenerationRequest(_Request):
+    """Fields shared by chat, completions and Anthropic messages (strata.server.messages_protocol)."""
 
     model: StrictStr
     stream: StrictBool = False
@@ -255,10 +258,13 @@ class ChatMessage(BaseModel):
             raise ValueError(f"unknown role {v!r}; the roles are {', '.join(CHAT_ROLES)}")
         return v
 
-    def for_template(self) -> dict:
-        """A plain dict, with content parts joined into one string (only text parts are supported)."""
+    def for_template(self, index: int = 0) -> dict:
+        """A plain dict, with content parts joined into one string (only text parts are supported) and tool
+        calls' arguments as templates read them (`template_tool_calls`)."""
         d = self.model_dump(exclude_none=True)
         d.setdefault("content", "")  # no content (an assistant turn that called tools): templates read a string
+        if "tool_calls" in d:
+            d["tool_calls"] = template_tool_calls(d["tool_calls"], f"messages.{index}.tool_calls")
         if isinstance(self.content, list):
             texts = []
             for part in self.content:
@@ -272,8 +278,20 @@ class ChatMessage(BaseModel):
         return d
 
 
-class ChatCompletionRequest(_GenerationRequest):
+_TOOL_NAME = {"type": "object", "properties": {"name": {"type": "string", "pattern": "^[^\\s<>\"'`]{1,256}$"}},
+              "required": ["name"]}
+_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"enum": ["function"]},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        **_TOOL_NAME["properties"], "description": {"type": "string"}, "parameters": {"type": "object"}}}}}
+_NAMED_CHOICE = {"type": "object", "required": ["type", "function"],
+                 "properties": {"type": {"enum": ["function"]}, "function": _TOOL_NAME}}
+
+
+class ChatCompletionRequest(GenerationRequest):
     """POST /v1/chat/completions."""
+
+    _tools: ToolRequest = PrivateAttr(default_factory=ToolRequest)
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: _documented(_POSITIVE_INT) = None  # the newer name of max_tokens; wins when both given
@@ -281,24 +299,24 @@ class ChatCompletionRequest(_GenerationRequest):
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}, as vLLM
-    tool_choice: Any = None  # (before the tools: their check reads it)
-    function_call: Any = None  # the older name of tool_choice
-    tools: _documented({"type": "array"}) = None  # served only with tool_choice "none" (or empty)
-    functions: _documented({"type": "array"}) = None  # the older name of tools
-    # in the schema: non-empty tools need tool_choice or function_call "none"
-    model_config = ConfigDict(extra="ignore", json_schema_extra={"allOf": [_REPRODUCIBLE_NEEDS_SEED, *(
-        {"if": {"properties": {key: {"type": "array", "minItems": 1}}, "required": [key]},
-         "then": {"anyOf": [{"properties": {choice: {"const": "none"}}, "required": [choice]}
-                            for choice in ("tool_choice", "function_call")]}} for key in ("tools", "functions"))]})
+    # tools and the choice among them: checked together by `tool_request` (strata.server.tool_request)
+    tools: _documented({"type": "array", "items": _TOOL}) = None
+    functions: _documented({"type": "array", "items": _TOOL["properties"]["function"]}) = None  # older tools
+    tool_choice: _documented({"enum": ["auto", "none", "required"]}, _NAMED_CHOICE) = None
+    function_call: _documented({"enum": ["auto", "none"]}, _TOOL_NAME) = None  # the older tool_choice
+    parallel_tool_calls: _documented({"type": "boolean"}) = None
+    model_config = ConfigDict(extra="ignore", json_schema_extra={"allOf": [_REPRODUCIBLE_NEEDS_SEED]})
 
-    @field_validator("tools", "functions")
-    @classmethod
-    def _no_tool_calls(cls, v: Any, info: ValidationInfo) -> Any:
-        if v is not None and not isinstance(v, list):
-            raise ValueError("must be a list of tool definitions")
-        if v and "none" not in (info.data.get("tool_choice"), info.data.get("function_call")):
-            raise ValueError('tool calling is not supported; send no tools, or tool_choice "none"')
-        return v
+    @model_validator(mode="after")
+    def _check_tools(self) -> ChatCompletionRequest:
+        tools = check_tools(self.tools, self.functions)
+        self._tools = check_tool_choice(self.tool_choice, self.function_call, tools, self.parallel_tool_calls)
+        return self
+
+    @property
+    def tool_request(self) -> ToolRequest:
+        """The checked tools and what the request asks of them."""
+        return self._tools
 
     @field_validator("top_logprobs")
     @classmethod
@@ -318,7 +336,7 @@ class ChatCompletionRequest(_GenerationRequest):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-class CompletionRequest(_GenerationRequest):
+class CompletionRequest(GenerationRequest):
     """POST /v1/completions."""
 
     # a string, a list of strings, token ids, or a list of token-id lists: checked by prompts()
@@ -381,6 +399,7 @@ class TokenizeRequest(_Request):
     add_special_tokens: StrictBool | None = None
     add_generation_prompt: StrictBool = True
     return_token_strs: StrictBool = False
+    tools: _documented({"type": "array", "items": _TOOL}) = None  # rendered with the messages, as chat does
     # in the schema: exactly one of prompt and messages (null counts as absent)
     model_config = ConfigDict(extra="ignore", json_schema_extra={"anyOf": [
         {"properties": {"prompt": {"type": "string"}, "messages": {"type": "null"}}, "required": ["prompt"]},
@@ -393,6 +412,7 @@ class TokenizeRequest(_Request):
             raise ValueError("give exactly one of prompt or messages")
         if self.messages is not None and not self.messages:
             raise ValueError("messages must not be empty")
+        self.tools = check_tools(self.tools, None) or None
         return self
 
 

@@ -1,9 +1,12 @@
-"""The OpenAI wire format, response side: usage, logprob rendering, the reasoning split, chunk formats."""
+"""The OpenAI wire format, response side: usage, logprob rendering, the reasoning split, tool calls, chunk
+formats."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
+
+from strata.server.tool_calls import CallParsing, ToolCall
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
@@ -138,17 +141,41 @@ def _usage_of(seqs: list[Seq], n: int, completion: bool = True) -> dict:
 
 
 class ChatFormat:
-    """Chat completion choices: content, reasoning_content (thinking) and logprobs.content."""
+    """Chat completion choices: content, reasoning_content (thinking), tool_calls and logprobs.content.
 
-    def __init__(self, text: TokenText, logprobs: bool, think: bool, in_reasoning: bool, n: int = 1):
+    With `calls` (a request with tools), the answer text after the thinking is parsed for the model's tool calls
+    as it streams (strata.server.tool_calls): each call goes out as one `tool_calls` delta once complete, and a
+    choice that made calls finishes with "tool_calls"."""
+
+    def __init__(self, text: TokenText, logprobs: bool, think: bool, in_reasoning: bool, n: int = 1,
+                 calls: CallParsing | None = None):
         self.text, self.logprobs, self.think, self.in_reasoning, self.n = text, logprobs, think, in_reasoning, n
+        self.calls = calls
         self._state: dict[int, dict] = {}
 
     def _choice(self, s: Seq) -> dict:
         if s.index not in self._state:
             split = ReasoningSplitter(in_reasoning=self.in_reasoning) if self.think else None
-            self._state[s.index] = {"split": split, "content": [], "reasoning": [], "logprobs": []}
+            self._state[s.index] = {"split": split, "content": [], "reasoning": [], "logprobs": [],
+                                    "parser": self.calls.stream() if self.calls else None, "started": False,
+                                    "tool_calls": []}
         return self._state[s.index]
+
+    def _parse_calls(self, c: dict, content: str, final: bool) -> tuple[str, str, list[ToolCall]]:
+        """(content, reasoning, new calls) of this piece of answer text, through the choice's call parser."""
+        parser = c["parser"]
+        if not c["started"]:  # the forced start of a call, written into the prompt, begins the output
+            c["started"], content = True, self.calls.prefix + content
+        d = parser.feed(content)
+        if final:
+            d += parser.flush()
+        calls = d.calls if self.calls.parallel else d.calls[:max(0, 1 - len(c["tool_calls"]))]
+        c["tool_calls"] += calls
+        return d.content, d.reasoning, calls
+
+    def finish_reason(self, s: Seq, reason: str | None) -> str | None:
+        """The choice's finish reason: "tool_calls" once it made calls (unless it failed)."""
+        return "tool_calls" if reason in ("stop", "length") and self._choice(s)["tool_calls"] else reason
 
     def first_chunks(self, seqs: list[Seq]) -> list[dict]:
         return [{"index": s.index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -161,28 +188,38 @@ class ChatFormat:
         if ev.finish_reason is not None and c["split"]:
             r, t = c["split"].flush()
             reasoning, content = reasoning + r, content + t
+        calls: list[ToolCall] = []
+        if c["parser"] is not None:
+            content, more_reasoning, calls = self._parse_calls(c, content, ev.finish_reason is not None)
+            reasoning += more_reasoning
         entries = []
         if self.logprobs and is_token(ev) and ev.logprob is not None:
             entries.append(self.text.chat_entry(ev.token_id, ev.logprob, ev.top_logprobs))
         c["reasoning"].append(reasoning)
         c["content"].append(content)
         c["logprobs"] += entries
-        delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
+        delta: dict[str, Any] = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
+        if calls:
+            first = len(c["tool_calls"]) - len(calls)
+            delta["tool_calls"] = [call.openai(first + k) for k, call in enumerate(calls)]
         if not delta and not entries and ev.finish_reason is None:
             return None
         return {"index": s.index, "delta": delta, "logprobs": {"content": entries} if entries else None,
-                "finish_reason": ev.finish_reason}
+                "finish_reason": self.finish_reason(s, ev.finish_reason)}
 
     def choices(self, seqs: list[Seq]) -> list[dict]:
         out = []
         for s in sorted(seqs, key=lambda s: s.index):
             c = self._choice(s)
-            message = {"role": "assistant", "content": "".join(c["content"])}
+            content = "".join(c["content"])
+            message: dict[str, Any] = {"role": "assistant", "content": content or (None if c["tool_calls"] else "")}
             if any(c["reasoning"]):
                 message["reasoning_content"] = "".join(c["reasoning"])
+            if c["tool_calls"]:
+                message["tool_calls"] = [call.openai() for call in c["tool_calls"]]
             out.append({"index": s.index, "message": message,
                         "logprobs": {"content": c["logprobs"]} if self.logprobs else None,
-                        "finish_reason": s.finish_reason})
+                        "finish_reason": self.finish_reason(s, s.finish_reason)})
         return out
 
     def usage(self, seqs: list[Seq]) -> dict:

@@ -2,8 +2,11 @@
 
     strata serve [MODEL] [--config config.toml] [--host 127.0.0.1] [--port 8090] [--dry-run]
                  [--max-batch 8] [--token-budget 2048] [--max-queue 64] [--decode-gap-target SECONDS] [--no-warmup]
-                 [--api-key KEY | --api-key-file PATH] [--allowed-hosts NAMES] [--max-tokens-default N]
-                 [--no-access-log]
+                 [--api-key KEY | --api-key-file PATH] [--insecure-no-key] [--allowed-hosts NAMES]
+                 [--max-tokens-default N] [--tool-call-parser FORMAT] [--no-access-log]
+
+The API key comes from --api-key, --api-key-file or the STRATA_API_KEY environment variable; a server bound to
+an address other than loopback without one is refused (exit 2) unless --insecure-no-key says so.
 
 Order matters: the planner runs first and refuses a layout that cannot fit (exit 2, one line) before
 the port is bound; then the port is bound (in use: exit 2, one line); then the server starts answering
@@ -16,8 +19,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import json
 import logging
+import os
 import signal
 import socket
 import sys
@@ -31,8 +36,11 @@ from strata.config import StrataConfig, load_config
 from strata.errors import CheckpointError, ConfigError, StrataError
 from strata.runtime.plan.numa import Binding
 from strata.runtime.plan.planner import Plan
+from strata.server.tool_calls import TOOL_FORMATS
 
 log = logging.getLogger("strata.server")
+API_KEY_ENV = "STRATA_API_KEY"
+TOOL_FORMAT_NAMES = tuple(TOOL_FORMATS)
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -63,15 +71,20 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-access-log", action="store_true",
                    help="do not log one line per request (method, path, status, tokens, seconds) on stderr")
     p.add_argument("--api-key", default=None, metavar="KEY",
-                   help="require 'Authorization: Bearer KEY' on every path but /health (visible to `ps`: prefer "
-                        "--api-key-file)")
+                   help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every path but /health (visible "
+                        f"to `ps`: prefer --api-key-file or {API_KEY_ENV})")
     p.add_argument("--api-key-file", default=None, metavar="PATH", help="read the API key from the first line of PATH")
+    p.add_argument("--insecure-no-key", action="store_true",
+                   help="serve on an address other than loopback without an API key (refused otherwise)")
     p.add_argument("--allowed-hosts", default=None, metavar="NAMES",
                    help="Host headers to answer, as name[:port],... or * for any (default: the bound address's "
                         "names, e.g. localhost/127.0.0.1/[::1] on a loopback bind; any on 0.0.0.0 or ::)")
     p.add_argument("--max-tokens-default", type=int, default=None, metavar="N",
                    help="cap what a chat request without max_tokens generates (default: the rest of the context, "
                         "as OpenAI)")
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", *TOOL_FORMAT_NAMES], metavar="FORMAT",
+                   help="the format of the model's tool calls: auto (from its tokenizer and model type), "
+                        f"{', '.join(TOOL_FORMAT_NAMES)}")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
@@ -132,13 +145,38 @@ def _check_args(args: argparse.Namespace) -> None:
     if getattr(args, "max_tokens_default", None) is not None and args.max_tokens_default < 1:
         raise ConfigError(f"--max-tokens-default {args.max_tokens_default} must be >= 1")
     args.api_key = api_key(args)
+    if args.api_key is None and not getattr(args, "insecure_no_key", False) and not is_loopback_host(args.host):
+        raise ConfigError(f"--host {args.host} serves beyond this machine without an API key; give --api-key-file "
+                          f"PATH (or set {API_KEY_ENV}), or pass --insecure-no-key to serve without one")
 
 
-def api_key(args: argparse.Namespace) -> str | None:
-    """The key from --api-key or --api-key-file (not both), or None."""
+def is_loopback_host(host: str) -> bool:
+    """Whether `host` (a name or an address) reaches this machine alone: localhost, or only loopback addresses."""
+    host = host.strip("[]").lower()
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:  # a name: every address it resolves to must be loopback
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0].split("%")[0]).is_loopback for info in infos)
+
+
+def api_key(args: argparse.Namespace, environ: dict[str, str] | None = None) -> str | None:
+    """The key from --api-key or --api-key-file (not both), else the STRATA_API_KEY environment variable, or None."""
     key, path = getattr(args, "api_key", None), getattr(args, "api_key_file", None)
     if key is not None and path is not None:
         raise ConfigError("give --api-key or --api-key-file, not both")
+    if key is None and path is None:
+        key = (os.environ if environ is None else environ).get(API_KEY_ENV) or None
+        if key is not None:
+            key = key.strip()
+            if not key or not key.isascii() or any(c.isspace() for c in key):
+                raise ConfigError(f"{API_KEY_ENV} must be printable ASCII without spaces; fix it or unset it")
     if path is not None:
         try:
             lines = Path(path).expanduser().read_text().splitlines()
@@ -195,7 +233,8 @@ def _run(sock: socket.socket, path: Path, cfg: StrataConfig, name: str, args: ar
     access_log.setLevel(logging.CRITICAL + 1 if getattr(args, "no_access_log", False) else logging.INFO)
     hosts = HostRule.for_bind(args.host, sock.getsockname()[1], getattr(args, "allowed_hosts", None))
     app = create_app(None, None, name, hosts=hosts, api_key=getattr(args, "api_key", None),
-                     max_tokens_default=getattr(args, "max_tokens_default", None))
+                     max_tokens_default=getattr(args, "max_tokens_default", None),
+                     tool_parser=getattr(args, "tool_call_parser", "auto"))
     server = _server_class()(uvicorn.Config(app, log_level=args.log_level, access_log=False,
                                             timeout_graceful_shutdown=args.shutdown_timeout, lifespan="off"))
     loader = _Loader(app.state.strata, server, path, cfg, args)
@@ -307,6 +346,7 @@ def _serve_section(args: argparse.Namespace, path: Path, name: str) -> dict:
             "shutdown_timeout": args.shutdown_timeout, "numa": "not bound",
             "allowed_hosts": args.allowed_hosts or "(the bound address's names)",
             "api_key": "set" if args.api_key else "none", "max_tokens_default": args.max_tokens_default or "none",
+            "tool_call_parser": getattr(args, "tool_call_parser", "auto"),
             "access_log": not args.no_access_log}
 
 

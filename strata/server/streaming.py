@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import Request
@@ -41,14 +41,27 @@ async def respond(request: Request, head: dict, req: Any, seqs: list[Seq], fmt: 
     """The response to a chat or completions request: an SSE stream, or one JSON body once every sequence is done."""
     if req.stream:
         usage = req.stream_options is not None and req.stream_options.include_usage
-        return _EventStream(_sse(head, seqs, fmt, usage), media_type="text/event-stream",
-                            headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return event_stream(_sse(head, seqs, fmt, usage))
+    return await whole(request, seqs, fmt.on_event,
+                       lambda: {**head, "choices": fmt.choices(seqs), "usage": fmt.usage(seqs)})
+
+
+def event_stream(body: AsyncIterator[str]) -> Response:
+    """An SSE response sending `body`'s strings as they come (closed, so its `finally` runs, when the client goes)."""
+    return EventStream(body, media_type="text/event-stream",
+                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+async def whole(request: Request, seqs: list[Seq], on_event: Callable[[Seq, Any], Any],
+                answer: Callable[[], dict]) -> Response:
+    """The non-streaming answer: every event of `seqs` through `on_event`, then `answer()` as JSON; a 499 as soon
+    as the client goes away (its sequences are cancelled then, not after max_tokens)."""
 
     async def collect() -> dict:
-        async for s, ev in _events(seqs):
-            _track(s, ev)
-            fmt.on_event(s, ev)
-        return {**head, "choices": fmt.choices(seqs), "usage": fmt.usage(seqs)}
+        async for s, ev in merged_events(seqs):
+            track(s, ev)
+            on_event(s, ev)
+        return answer()
 
     work = asyncio.ensure_future(collect())
     gone = asyncio.ensure_future(_disconnected(request))
@@ -70,7 +83,7 @@ def cancel(seqs: list[Seq]) -> None:
             s.handle.cancel()
 
 
-async def _events(seqs: list[Seq]) -> AsyncIterator[tuple[Seq, Any]]:
+async def merged_events(seqs: list[Seq]) -> AsyncIterator[tuple[Seq, Any]]:
     """Every sequence's events, merged in arrival order; a failing sequence raises here."""
     if len(seqs) == 1:
         async for ev in seqs[0].handle.events():
@@ -110,7 +123,8 @@ def _raise_failed(ev: Any) -> None:
         raise StrataError(f"generation failed: {ev.error}")
 
 
-def _track(s: Seq, ev: Any) -> None:
+def track(s: Seq, ev: Any) -> None:
+    """Count a sequence's token and, on its last event, its finish (the metrics' timer, the usage counts)."""
     if is_token(ev):
         s.timer.token()
         s.tokens += 1
@@ -139,8 +153,8 @@ async def _sse(head: dict, seqs: list[Seq], fmt: Any, include_usage: bool) -> As
     try:
         for piece in fmt.first_chunks(seqs):
             yield sse({**chunk_head, "choices": [piece], **tail})
-        async for s, ev in _events(seqs):
-            _track(s, ev)
+        async for s, ev in merged_events(seqs):
+            track(s, ev)
             piece = fmt.on_event(s, ev)
             if piece is not None:
                 yield sse({**chunk_head, "choices": [piece], **tail})
@@ -153,7 +167,7 @@ async def _sse(head: dict, seqs: list[Seq], fmt: Any, include_usage: bool) -> As
     yield "data: [DONE]\n\n"
 
 
-class _EventStream(StreamingResponse):
+class EventStream(StreamingResponse):
     """A StreamingResponse that also watches for the client going away while no token is being sent.
 
     Starlette only notices a disconnect on the next write (ASGI spec 2.4); we stop at once, and close the

@@ -67,7 +67,10 @@ CHAT_BAD = [
     ("frequency_penalty", True, "frequency_penalty"), ("response_format", {"type": "yaml"}, "response_format"),
     ("response_format", {"type": "json_schema", "json_schema": {}}, "response_format"),
     ("response_format", "json", "response_format"),
-    ("tools", [{"type": "function", "function": {"name": "f"}}], "tools"), ("functions", [{"name": "f"}], "functions"),
+    ("tools", [{"type": "retrieval"}], "tools.0"), ("tools", "f", "tools"), ("functions", [{"name": 5}], "functions.0"),
+    ("tool_choice", "sometimes", "tool_choice"), ("tool_choice", "required", "tool_choice"),
+    ("function_call", {"name": "f"}, "function_call"), ("parallel_tool_calls", "yes", "parallel_tool_calls"),
+    ("messages", [{"role": "assistant", "tool_calls": [{"id": "x"}]}], "messages.0.tool_calls.0"),
 ]
 COMP_BAD = [
     ("prompt", 5, "prompt"), ("prompt", [], "prompt"), ("prompt", [[]], "prompt"), ("prompt", [-1], "prompt"),

@@ -194,7 +194,7 @@ def test_api_key_guards_everything_but_health(live):
         r = c.post("/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 1}, headers=ok)
         assert r.status_code == 200
         schema = c.get("/openapi.json", headers=ok).json()
-        assert schema["paths"]["/v1/completions"]["post"]["security"] == [{"bearer": []}]
+        assert schema["paths"]["/v1/completions"]["post"]["security"] == [{"bearer": []}, {"x_api_key": []}]
         assert "security" not in schema["paths"]["/health"]["get"]
 
 
@@ -398,7 +398,17 @@ def test_a_model_without_a_tokenizer_serves_token_ids(tiny_model_dir, tmp_path):
 def test_openapi_lists_every_route_and_documents_real_answers(client, live):
     from fastapi.routing import APIRoute
 
-    from strata.server.openapi import ChatCompletion, Completion, ErrorResponse, Health, ModelList, TokenizeResponse
+    from strata.server.openapi import (
+        AnthropicErrorResponse,
+        ChatCompletion,
+        Completion,
+        ErrorResponse,
+        Health,
+        Message,
+        ModelList,
+        TokenCount,
+        TokenizeResponse,
+    )
 
     schema = client.get("/openapi.json").json()
     routes = {(r.path, m.lower()) for r in client.app.routes if isinstance(r, APIRoute) and r.include_in_schema
@@ -408,9 +418,10 @@ def test_openapi_lists_every_route_and_documents_real_answers(client, live):
     for path, method in documented:
         op = schema["paths"][path][method]
         assert op["responses"], path
+        shape = "AnthropicErrorResponse" if path.startswith("/v1/messages") else "ErrorResponse"
         for status, answer in op["responses"].items():
-            if status != "200":  # every error is documented with OpenAI's error body
-                assert answer["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+            if status != "200":  # every error is documented with OpenAI's error body (Anthropic's for its API)
+                assert answer["content"]["application/json"]["schema"] == {"$ref": f"#/components/schemas/{shape}"}
     chat_body = schema["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]
     assert chat_body["schema"] == {"$ref": "#/components/schemas/ChatCompletionRequest"}
     assert schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]["model"]["enum"] == [MODEL]
@@ -423,6 +434,10 @@ def test_openapi_lists_every_route_and_documents_real_answers(client, live):
     Health.model_validate(client.get("/health").json())
     TokenizeResponse.model_validate(client.post("/tokenize", json={"prompt": "Hi", "return_token_strs": True}).json())
     ErrorResponse.model_validate(client.post("/v1/completions", json={"model": MODEL, "prompt": 5}).json())
+    ask = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}]}
+    Message.model_validate(client.post("/v1/messages", json={**ask, "max_tokens": 2}).json())
+    TokenCount.model_validate(client.post("/v1/messages/count_tokens", json=ask).json())
+    AnthropicErrorResponse.model_validate(client.post("/v1/messages", json=ask).json())  # no max_tokens
     for model in (ChatCompletion, Completion, ModelList, Health, TokenizeResponse, ErrorResponse):
         assert model.__name__ in schema["components"]["schemas"]
     ids = schema["components"]["schemas"]["DetokenizeRequest"]["properties"]["tokens"]["items"]
