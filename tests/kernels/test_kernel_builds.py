@@ -100,9 +100,9 @@ DECODE_KERNELS = {"_pack_kernel", "_acquire_kernel", "_read_kernel", "_plan_kern
 
 def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
     """Every Triton kernel of strata, as its wrapper launches it on the GPU (PDL on), compiles for sm_90 here: a
-    decode step's (`--model`: the probe's sweep), and prefill's rope and top-k. The CPU tests run the kernels only
-    through Triton's interpreter, which compiles nothing: this catches what only the compiler rejects, on machines
-    without a GPU."""
+    decode step's (`--model`: the probe's sweep), prefill's rope and top-k, and the FP8 / MXFP4 experts' kernels. The
+    CPU tests run the kernels only through Triton's interpreter, which compiles nothing: this catches what only the
+    compiler rejects, on machines without a GPU."""
     from strata.kernels.gpu import fused
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
@@ -112,6 +112,24 @@ def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
         x, cos = torch.zeros(5, 4, 128, dtype=bf), torch.zeros(5, 128, dtype=bf)
         fused.norm_rope(x, cos, cos, torch.ones(128, dtype=bf), 1e-6)
         fused.softmax_topk(torch.zeros(40, 128), 8, True)
+        quantized_experts()
+
+    def quantized_experts():  # FP8 and MXFP4 slots: resident pairs, in-place reads, prefill's scratch
+        from strata.kernels.gpu import grouped, quant_pairs
+        from strata.kernels.gpu.quant_slots import QuantSlotWeights, dequantize_into
+        from strata.kernels.quant import ExpertFormat, ExpertLayout
+
+        for fmt in (ExpertFormat("fp8", block=(128, 128)), ExpertFormat("mxfp4")):
+            layout = ExpertLayout.build(fmt, db.H, db.INTER)
+            slab = torch.zeros(2, -(-layout.payload_bytes // 4096) * 4096, dtype=torch.uint8)
+            x, y, ids = torch.zeros(1, db.H, dtype=bf), torch.zeros(TOP_K, db.H), torch.zeros(TOP_K, dtype=torch.int64)
+            used = torch.zeros(TOP_K, dtype=torch.int32)
+            # the resident pairs as `pair_experts` launches them on the GPU (slot table `used`, ids the pair index)
+            quant_pairs.pair_quant(x, QuantSlotWeights(slab, layout), used, torch.arange(TOP_K, dtype=torch.int32), None,
+                                   TOP_K, y, used.clone())
+            grouped.pair_experts_in_place(x, grouped.HostExperts.of_layout(layout), ids, y, first_row=used)
+            out = torch.empty(2, 2 * db.INTER, db.H, dtype=bf)
+            dequantize_into(slab, layout, torch.arange(2), layout.gate_up, layout.gate_up_scales, out)
 
     try:
         with recorded_launches(compile=True) as keys, as_on_the_gpu():
@@ -120,7 +138,8 @@ def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
     except Unavailable as e:
         pytest.skip(str(e))
     built = {name for name, k in keys.items() if k and all(s is not None and s > 0 for s in k.values())}
-    assert built == DECODE_KERNELS | {"_norm_rope_kernel", "_softmax_topk_kernel"} == triton_kernels()
+    quantized = {"_quant_gate_up_kernel", "_quant_down_kernel", "_dequant_kernel"}
+    assert built == DECODE_KERNELS | {"_norm_rope_kernel", "_softmax_topk_kernel"} | quantized == triton_kernels()
 
 
 def test_the_kernel_list_is_every_jit_kernel_the_gpu_modules_hold():

@@ -14,6 +14,15 @@ projections always use one consistent slot.
 
 Triton kernels on CUDA; a pure-torch fallback (gather + bmm) elsewhere, with the same results to
 rounding.
+
+Expert formats (strata.kernels.quant): plain experts are `SlotWeights` (typed views of the slots); FP8 and MXFP4
+experts are `QuantSlotWeights` (the slab and the blob's `ExpertLayout`) and in pinned RAM `HostExperts` with a
+layout. Every entry point here takes either and picks the path in one place, `fast_path`: the quantized pair and
+in-place kernels (strata.kernels.gpu.quant_pairs) read the blob in its format and dequantize in registers;
+prefill dequantizes per expert into a scratch buffer for the grouped GEMM (strata.kernels.gpu.grouped_gemm).
+`formats_supported()` lists the format kinds with that GPU path and `fast_path_refusal(fmt)` says why a format
+has none (its decode then dequantizes the gathered experts with torch, and no in-place share is made): what the
+planner reports.
 """
 
 from __future__ import annotations
@@ -23,7 +32,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from strata.kernels.gpu import fused, pdl
+from strata.kernels.gpu import fused, pdl, quant_pairs
+from strata.kernels.gpu.quant_slots import QuantSlotWeights
+from strata.kernels.quant import PLAIN_DTYPES, ExpertFormat, ExpertLayout
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs do without it
     import triton
@@ -41,6 +52,28 @@ SMALL_PAIRS = 16
 IN_PLACE_BLOCKS = (8, 512, 16, 256)  # pair_experts_in_place (reads over PCIe, ~50 GB/s: the link, not the tiles, bounds it)
 
 
+def formats_supported() -> set[str]:
+    """The expert format kinds ("plain", "fp8", "mxfp4") the GPU computes in their own format: decode pair
+    kernels and in-place reads without a bf16 copy, prefill through a per-expert dequantized scratch. Quantized
+    kinds need Triton; an fp8 block must also be a power of two wide (`fast_path_refusal`)."""
+    return {"plain"} | ({"fp8", "mxfp4"} if triton is not None else set())
+
+
+def fast_path_refusal(fmt: ExpertFormat) -> str | None:
+    """None when experts of `fmt` have the GPU path of `formats_supported`, else why not, in one line (decode then
+    dequantizes each step's experts with torch and reads nothing in place)."""
+    return None if fmt.kind == "plain" else quant_pairs.kernel_refusal(fmt)
+
+
+def fast_path(weights) -> str:
+    """Which path a call over `weights` (SlotWeights, QuantSlotWeights or HostExperts) takes on CUDA: "plain" (the
+    bf16 kernels), "quant" (the quantized kernels) or "torch" (gather, dequantize, bmm)."""
+    layout = weights.layout
+    if layout is None or not layout.fmt.quantized:
+        return "plain" if triton is not None else "torch"
+    return "quant" if fast_path_refusal(layout.fmt) is None else "torch"
+
+
 def pair_config(num_pairs: int) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int]]:
     """The (gate/up, down) launch configuration for a call of `num_pairs` pairs (`PAIR_CONFIGS`)."""
     return PAIR_CONFIGS["small" if num_pairs <= SMALL_PAIRS else "large"]
@@ -52,6 +85,7 @@ class SlotWeights:
 
     gate_up: torch.Tensor
     down: torch.Tensor
+    layout = None  # plain weights (QuantSlotWeights carries its blob's layout)
 
     def __post_init__(self) -> None:
         s, two_i, h = self.gate_up.shape
@@ -72,16 +106,47 @@ class SlotWeights:
         off = down_offset // size
         return SlotWeights(typed[:, : a * b].view(-1, a, b), typed[:, off : off + c * d].view(-1, c, d))
 
+    @property
+    def num_slots(self) -> int:
+        return self.gate_up.shape[0]
+
+    def gather(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The experts in `slots` [P]: (gate_up [P, 2I, H], down [P, H, I]) in their own dtype (`dtype` is what
+        a quantized sibling dequantizes to)."""
+        return self.gate_up[slots], self.down[slots]
+
+    def expert(self, slot: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """One slot's expert in `dtype`: (gate_up [2I, H], down [H, I])."""
+        return self.gate_up[slot].to(dtype), self.down[slot].to(dtype)
+
+
+def slot_weights(slab: torch.Tensor, layout: ExpertLayout) -> SlotWeights | QuantSlotWeights:
+    """The slots of a uint8 slab [S, slot_bytes], each holding one blob of `layout`, as the pair kernels and prefill
+    take them: typed views for a plain format, the slab itself for fp8 and mxfp4."""
+    if layout.fmt.quantized:
+        return QuantSlotWeights(slab, layout)
+    return SlotWeights.from_slab(slab, PLAIN_DTYPES[layout.fmt.dtype], (2 * layout.intermediate, layout.hidden),
+                                 (layout.hidden, layout.intermediate), layout.down.offset)
+
 
 @dataclass(frozen=True)
 class HostExperts:
     """How an expert lies in a page-locked host slot (the store's slot layout): gate_up [2I, H], then down
-    [H, I] at `down_offset` bytes, both `dtype`. `pair_experts_in_place` reads such slots by address."""
+    [H, I] at `down_offset` bytes, both `dtype`; or, with a quantized `layout`, its blob (`of_layout`).
+    `pair_experts_in_place` reads such slots by address."""
 
     dtype: torch.dtype
     gate_up_shape: tuple[int, int]
     down_shape: tuple[int, int]
     down_offset: int
+    layout: ExpertLayout | None = None
+
+    @staticmethod
+    def of_layout(layout: ExpertLayout) -> HostExperts:
+        """Slots holding one blob of `layout` each (plain: typed gate_up then down; fp8, mxfp4: in their format)."""
+        h, i = layout.hidden, layout.intermediate
+        dtype = PLAIN_DTYPES[layout.fmt.dtype] if not layout.fmt.quantized else torch.uint8
+        return HostExperts(dtype, (2 * i, h), (h, i), layout.down.offset, layout if layout.fmt.quantized else None)
 
     def typed(self, device: torch.device) -> torch.Tensor:
         """A one-element tensor of `dtype` on `device` (the kernels take their pointer type from it)."""
@@ -99,20 +164,24 @@ def use_pair_kernels(x: torch.Tensor, num_pairs: int) -> bool:
     return x.is_cuda and num_pairs <= PAIR_LIMIT
 
 
-def pair_experts(x: torch.Tensor, weights: SlotWeights, slot_of: torch.Tensor, ids: torch.Tensor,
+def pair_experts(x: torch.Tensor, weights: SlotWeights | QuantSlotWeights, slot_of: torch.Tensor, ids: torch.Tensor,
                  y: torch.Tensor, rows: torch.Tensor | None = None, used: torch.Tensor | None = None) -> torch.Tensor:
     """Run pair p = expert `ids[p]` (looked up in `slot_of` [E] int32, -1 = skip) on token `rows[p] // k`.
 
     x [N, H]; ids [P] int; y [N*k, H] fp32 receives row `rows[p]` (default p, with k = y.shape[0] // N).
-    `used` [P] int32 receives the slot each pair used (-1: skipped). Returns `used`.
+    `used` [P] int32 receives the slot each pair used (-1: skipped). Returns `used`. Quantized slots compute as
+    their dequantized weights in x's dtype would (`ExpertLayout.dequantize`), to rounding.
     """
     p = ids.numel()
     k = y.shape[0] // x.shape[0]
     used = torch.empty(p, dtype=torch.int32, device=x.device) if used is None else used
     if p == 0:
         return used
-    if x.is_cuda and triton is not None:  # ids of any integer dtype; no rows: row p (no arange launched)
+    path = fast_path(weights) if x.is_cuda else "torch"
+    if path == "plain":  # ids of any integer dtype; no rows: row p (no arange launched)
         _pair_triton(x, weights, slot_of, ids, rows, k, y, used)
+    elif path == "quant":
+        quant_pairs.pair_quant(x, weights, slot_of, ids, rows, k, y, used)
     else:
         rows = torch.arange(p, device=x.device, dtype=torch.int32) if rows is None else rows.to(torch.int32)
         _pair_torch(x, weights, slot_of, ids, rows, k, y, used)
@@ -136,18 +205,20 @@ def combine_pairs(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
     return out if residual is None else residual + out
 
 
-def _pair_torch(x, weights: SlotWeights, slot_of, ids, rows, k, y, used) -> None:
-    """Fallback: gather each pair's expert and run it with batched matmuls (no host sync on CUDA)."""
+def _pair_torch(x, weights: SlotWeights | QuantSlotWeights, slot_of, ids, rows, k, y, used) -> None:
+    """Fallback: gather each pair's expert (quantized ones dequantized to x's dtype) and run it with batched
+    matmuls (no host sync on CUDA)."""
     slots = slot_of[ids.long()].to(torch.int32)
     used.copy_(slots)
     ok = (slots >= 0)
     s = slots.clamp(min=0).long()
     tok = rows.long() // k
-    xs = x[tok].to(weights.gate_up.dtype)  # [P, H]
-    gu = torch.bmm(weights.gate_up[s], xs[:, :, None])[..., 0].float()  # [P, 2I]
+    gate_up, down = weights.gather(s, x.dtype)  # [P, 2I, H], [P, H, I]
+    xs = x[tok].to(gate_up.dtype)  # [P, H]
+    gu = torch.bmm(gate_up, xs[:, :, None])[..., 0].float()  # [P, 2I]
     gate, up = gu.chunk(2, dim=-1)
-    h = (F.silu(gate) * up).to(weights.down.dtype)
-    out = torch.bmm(weights.down[s], h[:, :, None])[..., 0].float()  # [P, H]
+    h = (F.silu(gate) * up).to(down.dtype)
+    out = torch.bmm(down, h[:, :, None])[..., 0].float()  # [P, H]
     out = torch.where(ok[:, None], out, y[rows.long()])
     y.index_copy_(0, rows.long(), out)
 
@@ -252,9 +323,9 @@ def _pair_triton(x, weights: SlotWeights, slot_of, ids, rows, k, y, used) -> Non
         num_warps=warps_d, num_stages=stages_d, **pdl.launch(x))
 
 
-def in_place_ok() -> bool:
-    """Whether `pair_experts_in_place` can run here (a CUDA GPU and Triton)."""
-    return triton is not None and torch.cuda.is_available()
+def in_place_ok(experts: HostExperts | None = None) -> bool:
+    """Whether `pair_experts_in_place` can run here (a CUDA GPU and Triton) on `experts` (None: plain ones)."""
+    return triton is not None and torch.cuda.is_available() and (experts is None or fast_path(experts) != "torch")
 
 
 def pair_experts_in_place(x: torch.Tensor, experts: HostExperts, addresses: torch.Tensor, y: torch.Tensor,
@@ -271,6 +342,12 @@ def pair_experts_in_place(x: torch.Tensor, experts: HostExperts, addresses: torc
         raise RuntimeError("reading experts in place needs a CUDA GPU with Triton")
     p = addresses.numel()
     if p == 0:
+        return
+    if experts.layout is not None:  # fp8 / mxfp4 blobs, read in their format
+        if fast_path(experts) != "quant":
+            raise RuntimeError(f"{experts.layout.fmt.name} experts cannot be read in place: "
+                               f"{fast_path_refusal(experts.layout.fmt)}")
+        quant_pairs.pair_quant_in_place(x, experts.layout, addresses, y, first_row)
         return
     k = y.shape[0] // x.shape[0]
     (_, hidden), (_, inter) = experts.gate_up_shape, experts.down_shape

@@ -123,8 +123,9 @@ class PrefillPath:
                 try:
                     staged.wait()
                     slot_of = dict(zip(staged.experts, staged.slots, strict=True))
-                    apply_experts(x, weights, k, part, lambda e, slot_of=slot_of: (
-                        c.slots.gate_up[slot_of[e]].to(x.dtype), c.slots.down[slot_of[e]].to(x.dtype)), out=out)
+                    # (a quantized slot's expert is dequantized to x's dtype: `QuantSlotWeights.expert`)
+                    apply_experts(x, weights, k, part, lambda e, slot_of=slot_of: c.slots.expert(slot_of[e], x.dtype),
+                                  out=out)
                 finally:
                     manager.release_staged(staged)
                 continue
