@@ -270,7 +270,10 @@ def test_kernel_in_place_reads_of_quantized_blobs(fmt, h, i):
         close()
 
 
-@pytest.mark.parametrize("fmt,h,i", FORMATS, ids=IDS)
+NO_KERNEL = (ExpertFormat("fp8", block=(16, 24)), 72, 32)  # blocks 24 columns wide: no pair kernel, the torch path
+
+
+@pytest.mark.parametrize("fmt,h,i", [*FORMATS, NO_KERNEL], ids=[*IDS, "fp8-16x24"])
 def test_kernel_dequantize_into_a_scratch_equals_the_layouts(fmt, h, i):
     """Prefill's scratch dequantizer (one launch a matrix over a list of slots) rounds as `ExpertLayout.dequantize`:
     bit for bit, in the GPU's bf16 and the interpreter's fp32 and fp16."""
@@ -314,6 +317,21 @@ def test_quantized_pairs_replay_in_a_cuda_graph(fmt, h, i):
         want_used = grouped.pair_experts(x, qs, slot_of, ids, want)
         torch.cuda.synchronize()
         assert torch.equal(used, want_used) and torch.equal(y, want)
+
+
+@pytest.mark.gpu
+def test_a_format_without_pair_kernels_takes_the_torch_path_on_cuda():
+    """fp8 blocks that are not a power of two wide: decode on CUDA gathers the pairs' experts, dequantized by the
+    scratch kernel (bit for bit the layout's), and runs the torch path: exactly the plain path's result."""
+    fmt, h, i = NO_KERNEL
+    qs, layout, slot_of = _slots(fmt, h, i, seed=21, device="cuda")
+    assert fast_path(qs) == "torch" and not grouped.in_place_ok(HostExperts.of_layout(layout))
+    x = torch.randn(3, h, device="cuda", dtype=torch.bfloat16)
+    ids = _pairs(3, 2, seed=22, device="cuda")
+    y = torch.zeros(6, h, device="cuda")
+    used = grouped.pair_experts(x, qs, slot_of, ids, y)
+    want, want_used = _reference(x, _dequantized(qs, torch.bfloat16), slot_of, ids, 2)
+    assert torch.equal(used, want_used) and torch.equal(y, want)
 
 
 def _sm90() -> bool:

@@ -57,12 +57,14 @@ class QuantSlotWeights:
         return (2 * i, h), (h, i)
 
     def gather(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The experts in `slots` [P] (int, valid slots) dequantized to `dtype`: (gate_up [P, 2I, H], down [P, H, I])."""
-        return dequantize_blobs(self.slab.index_select(0, slots.long()), self.layout, dtype)
+        """The experts in `slots` [P] (int, valid slots, on the slab's device) dequantized to `dtype`: (gate_up
+        [P, 2I, H], down [P, H, I]); no host synchronisation (`dequantize_slots`)."""
+        return dequantize_slots(self, slots, dtype)
 
     def expert(self, slot: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """One slot's expert in `dtype`: (gate_up [2I, H], down [H, I]) (a copy)."""
-        return self.layout.dequantize(self.slab[slot], dtype)
+        gate_up, down = dequantize_slots(self, [slot], dtype)
+        return gate_up[0], down[0]
 
 
 def dequantize_blobs(blobs: torch.Tensor, layout: ExpertLayout, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -90,18 +92,22 @@ def _dequantize_matrix(blobs, layout: ExpertLayout, values: Section, scales: Sec
     return w.reshape(v.shape[0], n, -1).to(dtype)
 
 
-def dequantize_slots(weights: QuantSlotWeights, slots: list[int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def dequantize_slots(weights: QuantSlotWeights, slots: list[int] | torch.Tensor,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """The experts in `slots` dequantized into a scratch buffer: (gate_up [n, 2I, H], down [n, H, I]) in `dtype`,
     expert j from slots[j]. On CUDA one Triton launch a matrix (reads values + scales, writes `dtype`: no fp32
-    temporaries); elsewhere `dequantize_blobs`. Both round as `ExpertLayout.dequantize`."""
+    temporaries; any fp8 block); elsewhere `dequantize_blobs`. Both round as `ExpertLayout.dequantize`."""
     slab = weights.slab
-    index = torch.tensor(slots, dtype=torch.int64).to(slab.device, non_blocking=True)
-    if not (slab.is_cuda and triton is not None):
-        return weights.gather(index, dtype)
+    if isinstance(slots, torch.Tensor):
+        index = slots.to(slab.device, torch.int64)
+    else:
+        index = torch.tensor(slots, dtype=torch.int64).to(slab.device, non_blocking=True)
+    if not (slab.is_cuda and triton is not None) or index.numel() == 0:
+        return dequantize_blobs(slab.index_select(0, index), weights.layout, dtype)
     lay = weights.layout
     (gu_shape, dn_shape) = weights.shapes
-    gu = torch.empty((len(slots), *gu_shape), dtype=dtype, device=slab.device)
-    dn = torch.empty((len(slots), *dn_shape), dtype=dtype, device=slab.device)
+    gu = torch.empty((index.numel(), *gu_shape), dtype=dtype, device=slab.device)
+    dn = torch.empty((index.numel(), *dn_shape), dtype=dtype, device=slab.device)
     for out, values, scales in ((gu, lay.gate_up, lay.gate_up_scales), (dn, lay.down, lay.down_scales)):
         dequantize_into(slab, lay, index, values, scales, out)
     return gu, dn
