@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         commit = ""
     result = {
         "model": str(model), "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
-        "gpu_fraction": args.gpu_fraction, "prefill_chunk": engine.prefill_chunk, "max_context": context,
+        "gpu_fraction": args.gpu_fraction, "prefill_chunk": engine.prefill_chunk, "max_context": engine.max_context,
         "turns": args.turns, "system_tokens": args.system_tokens, "user_tokens": args.user_tokens,
         "answer_tokens": args.answer_tokens, "load_s": round(load_s, 2),
         "prefill_tokens_computed": computed,

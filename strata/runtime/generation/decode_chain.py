@@ -60,11 +60,17 @@ class DecodeChain:
         step = queue_decode(model, cache, [s.slot for s in seqs], starts, ids, [(s.req.params, s.generator) for s in seqs])
         return InFlight(seqs, starts, step)
 
-    def land(self, p: InFlight) -> tuple[list[int], float]:
-        """Read `p`'s tokens (waiting for the device): its tokens and the seconds it took (since it was queued, or
-        since the step before it landed, whichever is later)."""
+    def land(self, p: InFlight, running: list[Sequence]) -> tuple[list[tuple[Sequence, int]], float]:
+        """Read `p`'s tokens (waiting for the device): (sequence, token) of those still `running` (the others
+        finished or were cancelled meanwhile), and the seconds it took (since it was queued, or since the step
+        before it landed, whichever is later)."""
         tokens = p.step.read.tolist()
         now = time.perf_counter()
         dt = now - max(p.step.queued, self._landed_at)
         self._landed_at = now
-        return tokens, dt
+        live = []
+        for seq, start, token in zip(p.seqs, p.starts, tokens, strict=True):
+            if any(seq is s for s in running):
+                seq.written, seq.ring_at = start + 1, -1  # a step queued behind this one has moved the rings on
+                live.append((seq, token))
+        return live, dt

@@ -42,7 +42,6 @@ import torch
 
 from strata.errors import RequestError, StrataError
 from strata.runtime.generation.decode_chain import DecodeChain, InFlight
-from strata.runtime.generation.detokenize import StopMatcher, StreamDecoder
 from strata.runtime.generation.logprobs import PromptLogprobs
 from strata.runtime.generation.pacing import PrefillPacer
 from strata.runtime.generation.prefix_cache import PrefixCache
@@ -53,8 +52,9 @@ from strata.runtime.generation.requests import (  # noqa: F401 - re-exported: th
     RequestHandle,
     TokenEvent,
 )
-from strata.runtime.generation.sampler import make_generator, sample
+from strata.runtime.generation.sampler import sample
 from strata.runtime.generation.sequence import Sequence, plan_pass
+from strata.runtime.generation.step_log import StepLog
 from strata.runtime.model.kv_cache import KVCache, StepBatch
 
 log = logging.getLogger("strata")
@@ -73,7 +73,7 @@ class Scheduler:
         self._engine = weakref.ref(engine)
         self.repro_chunk = engine.prefill_chunk  # reproducible prompts: the fixed runtime.prefill_chunk, whatever the load
         self.score_chunk = engine.score_chunk  # score requests keep every position's logits: smaller chunks
-        self._step_log: deque[dict] = deque(maxlen=512)  # recent steps, for benchmarks and diagnosis
+        self.step_log = StepLog()  # every step counted, the recent ones kept
         self._waiting: deque[RequestHandle] = deque()
         self._running: list[Sequence] = []
         self._cv = threading.Condition()
@@ -81,8 +81,6 @@ class Scheduler:
         self._stop = False
         self._drain = True
         self._thread: threading.Thread | None = None
-        self._steps = 0
-        self._step_tokens = 0
         self.overlap = engine.overlap_decode  # [debug] overlap_decode, resolved
         # the card this scheduler's thread runs on: "cuda" without an index means the creating thread's current card
         self._card = engine.device if engine.device.type != "cuda" or engine.device.index is not None else \
@@ -209,17 +207,14 @@ class Scheduler:
     def stats(self) -> dict:
         with self._cv:
             return {"running": len(self._running), "waiting": len(self._waiting), "kv_slots_free": self.prefix.free,
-                    "max_batch": self.max_batch, "token_budget": self.token_budget, "steps": self._steps,
-                    "mean_tokens_per_step": self._step_tokens / self._steps if self._steps else 0.0,
+                    "max_batch": self.max_batch, "token_budget": self.token_budget, **self.step_log.snapshot(),
                     "reproducible_running": sum(1 for s in self._running if s.req.reproducible),
                     "overlap_decode": self.overlap, "chained_steps": self.chained_steps,
                     "prefix_cache": self.prefix.stats(), **self.pacer.snapshot()}
 
     def recent_steps(self) -> list[dict]:
-        """The last steps (up to 512): wall-clock end `t` (time.time()), `seconds`, `decode` and `prompt`
-        tokens, forward `passes`, and the prompt `allowance` the pacer gave."""
-        with self._cv:
-            return list(self._step_log)
+        """The last steps (up to 512): see `StepLog.recent`."""
+        return self.step_log.recent()
 
     # ---- the step loop ------------------------------------------------------------------------
     def _wake(self) -> None:
@@ -228,10 +223,11 @@ class Scheduler:
             self._thread = threading.Thread(target=self._run, name="strata-scheduler", daemon=True)
             self._thread.start()
 
-    def _abort_waiting(self) -> None:
+    def _abort_waiting(self, error: BaseException | None = None) -> None:
         while self._waiting:
             h = self._waiting.popleft()
-            h.deliver(TokenEvent(h.request.request_id, None, "", finish_reason="abort"))
+            h.deliver(TokenEvent(h.request.request_id, None, "", finish_reason="abort",
+                                 error=str(error) if error is not None else None, exception=error))
 
     def _run(self) -> None:
         try:
@@ -246,9 +242,7 @@ class Scheduler:
                 self._chain.pending = None
                 for seq in list(self._running):
                     self._finish(seq, "abort", error=e)
-                while self._waiting:
-                    h = self._waiting.popleft()
-                    h.deliver(TokenEvent(h.request.request_id, None, "", finish_reason="abort", error=str(e), exception=e))
+                self._abort_waiting(e)
         finally:
             with self._cv:
                 if self._thread is threading.current_thread():
@@ -285,10 +279,8 @@ class Scheduler:
                 h.deliver(TokenEvent(h.request.request_id, None, "", finish_reason="abort"))
                 continue
             r = h.request
-            eos = set() if r.params.ignore_eos else e.eos_token_ids | set(r.params.stop_token_ids)
             e.counters.admitted()
-            decoder = StreamDecoder(e.tokenizer) if e.tokenizer is not None else None
-            seq = Sequence(h, -1, make_generator(r.params.seed, e.device), decoder, StopMatcher(r.params.stop), eos)
+            seq = Sequence.begin(h, e.tokenizer, e.eos_token_ids, e.device)
             # score and prompt-logprobs requests need every prompt position's logits: they compute the whole prompt
             reuse = r.prefix_cache and not r.score and r.prompt_logprobs is None
             grant = self.prefix.admit(seq, r.prompt_ids, r.reproducible, reuse)
@@ -350,11 +342,7 @@ class Scheduler:
     def _record_step(self, dt: float, n_decode: int, n_prompt: int, passes: int, allow: int) -> None:
         """A finished step, `dt` seconds (the gap a decoding user sees): the pacer's sample and the step log."""
         self.pacer.observe(n_decode, n_prompt, dt)
-        with self._cv:
-            self._steps += 1
-            self._step_tokens += n_decode + n_prompt
-            self._step_log.append({"t": time.time(), "seconds": dt, "decode": n_decode, "prompt": n_prompt,
-                                   "passes": passes, "allowance": allow})
+        self.step_log.record(dt, n_decode, n_prompt, passes, allow)
 
     def _forward(self, plan: list[tuple[Sequence, list[int], int]], reproducible: bool) -> None:
         """Run `plan` as one flat batch, sample, and emit (reproducible: the expert compute's exact path)."""
@@ -396,15 +384,10 @@ class Scheduler:
                 self._accept(seq, tokens[i], logits[i : i + 1])
 
     def _land(self, p: InFlight) -> None:
-        """Read the overlapped step `p`'s tokens and emit them; sequences that finished or were cancelled meanwhile
-        are skipped."""
-        tokens, dt = self._chain.land(p)
-        live = [(seq, st, tok) for seq, st, tok in zip(p.seqs, p.starts, tokens, strict=True)
-                if any(seq is s for s in self._running)]
+        """Read the overlapped step `p`'s tokens and emit those of the sequences still running."""
+        live, dt = self._chain.land(p, self._running)
         self.engine.counters.ran(0, len(live), dt)
-        for seq, start, _ in live:
-            seq.written, seq.ring_at = start + 1, -1  # a step queued behind this one has moved the rings on
-        for seq, _, token in live:
+        for seq, token in live:
             self._accept(seq, token, None)
         self._record_step(dt, len(live), 0, 1, 0)
 

@@ -16,6 +16,7 @@ from strata.runtime.generation.detokenize import StopMatcher, StreamDecoder
 from strata.runtime.generation.grammar import GrammarMatcher
 from strata.runtime.generation.logprobs import PromptLogprobs, token_logprob
 from strata.runtime.generation.requests import GenRequest, RequestHandle, TokenEvent
+from strata.runtime.generation.sampler import make_generator
 
 
 @dataclass
@@ -41,6 +42,16 @@ class Sequence:
     def __post_init__(self) -> None:
         if self.grammar is None and self.req.grammar is not None:
             self.grammar = self.req.grammar.matcher()
+
+    @classmethod
+    def begin(cls, handle: RequestHandle, tokenizer, eos_token_ids: set[int], device: torch.device) -> Sequence:
+        """A submitted request's sequence before it has a slot (`slot` -1): its generator (seeded by the request),
+        its text decoder (None without a `tokenizer`), stop strings, and the ids that end it (the model's
+        `eos_token_ids` and the request's stop tokens, none with ignore_eos)."""
+        p = handle.request.params
+        eos = set() if p.ignore_eos else eos_token_ids | set(p.stop_token_ids)
+        decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
+        return cls(handle, -1, make_generator(p.seed, device), decoder, StopMatcher(p.stop), eos)
 
     @property
     def req(self) -> GenRequest:
