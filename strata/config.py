@@ -61,7 +61,9 @@ class RuntimeConfig:
 
     device: str = "auto"  # "auto" (CUDA when present), "cpu", "cuda", "cuda:N"
     dtype: str = "auto"  # "auto" (fp32 on CPU, bf16 on CUDA), "float32", "bfloat16", "float16"
-    max_context: int = 4096  # tokens per sequence (prompt + generated), capped by the model's own limit
+    # tokens per sequence (prompt + generated), capped by the model's own limit; "auto": that limit, as far as the
+    # KV cache fits a quarter of the memory left after the weights (strata.runtime.plan.context)
+    max_context: int | str = field(default="auto", metadata={"auto_or_int": True})
     # prompt tokens per forward pass during prefill: "auto" (CUDA: as many as planner.activation_reserve holds, up
     # to 8192; CPU: 512; strata.runtime.generation.prefill_chunk) or a number
     prefill_chunk: int | str = field(default="auto", metadata={"auto_or_int": True})
@@ -101,7 +103,10 @@ class RuntimeConfig:
         chunk = self.prefill_chunk
         if chunk != "auto" and (isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1):
             raise ConfigError(f"runtime.prefill_chunk = {chunk!r} is invalid; use \"auto\" or a number of tokens >= 1")
-        for key, low in (("max_context", 16), ("threads", 0), ("prefill_chunk_min", 1), ("prefix_cache_slots", 0)):
+        ctx = self.max_context
+        if ctx != "auto" and (isinstance(ctx, bool) or not isinstance(ctx, int) or ctx < 16):
+            raise ConfigError(f"runtime.max_context = {ctx!r} is invalid; use \"auto\" or a number of tokens >= 16")
+        for key, low in (("threads", 0), ("prefill_chunk_min", 1), ("prefix_cache_slots", 0)):
             value = getattr(self, key)
             if value < low:
                 raise ConfigError(f"runtime.{key} = {value} is out of range; it must be >= {low}")

@@ -93,7 +93,7 @@ def test_qwen3_30b_on_a_24gib_gpu(q30b):
     check_invariants(p)
     g = p.gpus[0]
     assert p.expert_bytes == Q30B_EXPERT and g.slot_bytes == Q30B_EXPERT and p.total_experts == 48 * 128
-    assert p.kv_bytes == Q30B_KV_PER_TOKEN * 4096
+    assert p.max_context == 40960 and p.kv_bytes == Q30B_KV_PER_TOKEN * 40960  # "auto": the model's limit fits
     assert 2.85 * GiB < g.non_expert_bytes < 2.9 * GiB  # attention, embeddings, lm_head, routers, norms
     room = 24 * GiB - g.non_expert_bytes - p.kv_bytes - 2 * GiB
     assert g.expert_room_bytes == room and g.slots == room // Q30B_EXPERT
@@ -111,7 +111,7 @@ def test_the_plan_resolves_the_prefill_chunk(q30b):
     long = {"max_context": 16384}
     p = plan(q30b, host(gpu=24 * GiB), {"runtime": long, "planner": {"activation_reserve": "1GiB"}})
     assert p.prefill_chunk == 3584 and "chunks of up to 3584 prompt tokens" in p.format()
-    assert plan(q30b, host(gpu=24 * GiB)).prefill_chunk == 4096  # never past the context (4096 by default)
+    assert plan(q30b, host(gpu=24 * GiB), {"runtime": {"max_context": 4096}}).prefill_chunk == 4096  # the context's
     assert plan(q30b, host(gpu=24 * GiB), {"runtime": long}).prefill_chunk == 8192
     assert plan(q30b, host(gpu=None), {"runtime": long}).prefill_chunk == 512
     assert plan(q30b, host(gpu=24 * GiB), {"runtime": {**long, "prefill_chunk": 1000}}).prefill_chunk == 1000
@@ -201,7 +201,8 @@ def test_cpu_only_host(q30b, tiny_model_dir):
     check_invariants(p)
     assert (p.compute_device, p.compute_dtype, p.expert_compute, p.gpus) == ("cpu", "float32", "cpu", [])
     assert p.tier("gpu").slots == 0 and any("CPU" in n for n in p.notes)
-    assert p.kv_bytes == 2 * Q30B_KV_PER_TOKEN * 4096  # fp32
+    width = 2 if p.compute_dtype == "float32" else 1  # KV per token in bf16, times 2 in fp32
+    assert p.kv_bytes == width * Q30B_KV_PER_TOKEN * 40960  # the model's whole context: RAM has room
     # RAM also holds the fp32 weights, the KV cache and the reserve
     used = p.non_expert_bytes + p.kv_bytes + 2 * GiB + p.ram_margin_bytes
     assert p.tier("pinned").budget_bytes == 256 * GiB - used

@@ -22,6 +22,7 @@ from strata.runtime.model.loader import load_model
 from strata.runtime.model.moe import router_predictors
 from strata.runtime.offload.tiered_moe import use_tiered_experts
 from strata.runtime.plan.card import expert_tiers, hot_order, prepare_cpu_experts, start_placement, step_copy_slots
+from strata.runtime.plan.context import loaded_context
 from strata.runtime.plan.loaded import (
     DTYPES,
     LoadedModel,
@@ -50,7 +51,7 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
         model = load_model(checkpoint, dtype, device, progress=progress)
         model.kernel_options = kernel_options_of(cfg)
         use_grouped_prefill(model, grouped_on(cfg.debug.grouped_prefill, device))
-        max_context = min(cfg.runtime.max_context, checkpoint.config.max_position_embeddings)
+        max_context = loaded_context(cfg, checkpoint.config, device, dtype)
         if device.type == "cuda":
             model.enable_decode_graphs(lambda: "full" if cfg.debug.cuda_graphs else None)
         return LoadedModel(checkpoint, model, device, dtype, max_context)

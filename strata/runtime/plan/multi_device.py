@@ -34,6 +34,7 @@ from strata.runtime.offload.cost_model import Rates
 from strata.runtime.offload.expert_compute import ExpertCompute
 from strata.runtime.offload.tiered_moe import TieredExperts
 from strata.runtime.plan.card import expert_tiers, prepare_cpu_experts, start_placement
+from strata.runtime.plan.context import loaded_context
 from strata.runtime.plan.device_tiers import DeviceTiers, StoreView
 from strata.runtime.plan.host import probe_host
 from strata.runtime.plan.loaded import DTYPES, LoadedModel, kernel_options_of, resolve_device
@@ -155,7 +156,8 @@ def build_multi_device(path: Path, cfg: StrataConfig, progress: bool = False) ->
     if cfg.runtime.experts == "memory":
         checkpoint = Checkpoint.open(path)
         dtype = DTYPES.get(cfg.runtime.dtype) or torch.bfloat16
-        max_context = min(cfg.runtime.max_context, checkpoint.config.max_position_embeddings)
+        # "auto" against the first card (the weights are not on the cards yet: its free memory bounds the KV share)
+        max_context = loaded_context(cfg, checkpoint.config, resolve_device(f"cuda:{cfg.runtime.devices[0]}"), dtype)
         sizes = layer_sizes(checkpoint.config, dtype, cfg.planner.max_batch + cfg.runtime.prefix_only_slots,
                             experts=True)
         host = probe_host(cfg.tiers.tmpfs.path, cfg.tiers.disk.path)
@@ -232,7 +234,7 @@ def assemble_tiered(checkpoint: Checkpoint, bounds: Bounds, gpu_slots: list[int]
         model.observe_layers(StagedPrefetcher(prefetchers, stage_of, [d for d, _, _ in bounds], cfg.prefetch.lookahead))
     for m in managers:
         start_placement(m, cfg)
-    context = min(max_context or cfg.runtime.max_context, checkpoint.config.max_position_embeddings)
+    context = max_context or loaded_context(cfg, checkpoint.config, bounds[0][0], dtype)
     return LoadedModel(checkpoint, model, bounds[0][0], dtype, context, None, tiers, compute)
 
 

@@ -5,7 +5,8 @@
 
 The compute device first holds everything that is not a routed expert: non-expert weights (attention,
 dense MLPs, shared experts, routers, norms, embeddings, lm_head) in the compute dtype, the KV cache for
-`runtime.max_context` x `planner.max_batch` tokens and `planner.activation_reserve`. What remains of the
+`runtime.max_context` x `planner.max_batch` tokens ("auto": strata.runtime.plan.context) and
+`planner.activation_reserve`. What remains of the
 GPU becomes expert slots. Pinned RAM takes the next experts, tmpfs mirrors whole layer files of the
 store, and the store on disk holds everything.
 
@@ -26,6 +27,7 @@ import torch
 from strata.config import StrataConfig, load_config, parse_gpus, parse_size
 from strata.runtime.generation.prefill_chunk import resolve_prefill_chunk
 from strata.runtime.model.kv_cache import KVCache
+from strata.runtime.plan.context import plan_context
 from strata.runtime.plan.engram import EngramPlanError, plan_engram
 from strata.runtime.plan.footprint import read_footprint
 from strata.runtime.plan.host import GpuInfo, HostInfo, probe_host
@@ -61,14 +63,21 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
     dtype = cfg.runtime.dtype if cfg.runtime.dtype != "auto" else ("bfloat16" if gpu else "float32")
     ratio = _TORCH_DTYPES[dtype].itemsize / fp.itemsize  # weights are converted to the compute dtype on load
     non_expert = int(fp.non_expert_bytes * ratio)
-    context = min(cfg.runtime.max_context, fp.config.max_position_embeddings)
     slots = cfg.planner.max_batch + cfg.runtime.prefix_only_slots  # the batch's, and those only keeping prefixes
     kv_per_token = KVCache.bytes_per_token(fp.config, _TORCH_DTYPES[dtype]) * slots
-    kv, reserve = kv_per_token * context, cfg.planner.activation_reserve_bytes
+    reserve = cfg.planner.activation_reserve_bytes
+    # the memory the KV cache shares with experts: the cards' after their weights, or the host's RAM on the CPU
+    if len(cfg.runtime.devices) > 1:
+        cards = select_devices(host.gpus, cfg.runtime.devices)
+        room = sum(g.free_bytes for g in cards) - non_expert - reserve * len(cards)
+    elif gpu is not None:
+        room = gpu.free_bytes - non_expert - reserve
+    else:
+        room = host.ram_available - max(RAM_MARGIN_MIN, int(RAM_MARGIN_FRACTION * host.ram_total)) - non_expert - reserve
+    context, context_note = plan_context(cfg.runtime.max_context, fp.config.max_position_embeddings, kv_per_token, room)
+    kv = kv_per_token * context
     total, per_layer = fp.total_experts, cfg.policy.budget_scope == "per_layer"
-    notes: list[str] = []
-    if context < cfg.runtime.max_context:
-        notes.append(f"runtime.max_context {cfg.runtime.max_context} is capped at the model's {context}")
+    notes: list[str] = [context_note]
 
     def scoped(slots: int) -> int:  # per_layer budgets split evenly, so only whole rounds of layers count
         slots = min(slots, total)

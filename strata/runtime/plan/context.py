@@ -1,0 +1,63 @@
+"""The context a sequence gets: `runtime.max_context`, a number of tokens or "auto" (the default).
+
+"auto" is the model's own limit (`max_position_embeddings`) when the KV cache for every sequence slot at that
+length takes at most `AUTO_KV_SHARE` of the memory the compute device has left after the non-expert weights and
+the activation reserve (what the KV cache shares with expert slots: a longer context costs experts their GPU
+room). Past that share the context is the longest multiple of `AUTO_STEP` tokens that fits it, but not below
+`AUTO_FLOOR` (or the model's limit) while half the memory holds that many; a host with less gets what half its
+memory holds (at least `MIN_CONTEXT`), and the planner refuses one where even that does not fit, as it would a
+number the user set.
+
+    context, note = plan_context("auto", 40960, kv_bytes_per_token, room)   # the planner's (strata plan shows it)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import psutil
+import torch
+
+from strata.runtime.model.kv_cache import KVCache
+
+AUTO_KV_SHARE = 0.25  # of the memory left after the weights, the most an automatic context's KV cache takes
+AUTO_STEP = 1024  # an automatic context below the model's limit is a multiple of this many tokens
+AUTO_FLOOR = 4096  # ... and at least this many (or the model's limit) where half the memory holds them
+MIN_CONTEXT = 16  # runtime.max_context's lower bound
+
+
+def plan_context(setting: int | str, model_limit: int, kv_bytes_per_token: int, room: int | None) -> tuple[int, str]:
+    """(tokens, a line for the plan saying where they come from) for `runtime.max_context` = `setting`.
+
+    `kv_bytes_per_token`: the KV cache's bytes per token of context, all sequence slots together; `room`: the
+    bytes the compute device has for the KV cache and experts (None: unknown, the model's limit is taken)."""
+    if setting != "auto":
+        context = min(int(setting), model_limit)
+        if context < int(setting):
+            return context, f"runtime.max_context {setting} is capped at the model's {context}"
+        return context, f"context {context} tokens (runtime.max_context)"
+    if room is None or kv_bytes_per_token <= 0:
+        return model_limit, f"context {model_limit} tokens: the model's limit (runtime.max_context \"auto\")"
+    room = max(0, room)
+    fits = int(room * AUTO_KV_SHARE) // kv_bytes_per_token
+    if fits >= model_limit:
+        return model_limit, f"context {model_limit} tokens: the model's limit (runtime.max_context \"auto\")"
+    if fits < min(AUTO_FLOOR, model_limit):  # up to the floor, from half the memory
+        fits = min(AUTO_FLOOR, model_limit, room // 2 // kv_bytes_per_token)
+    step = AUTO_STEP if fits >= AUTO_STEP else MIN_CONTEXT
+    context = max(MIN_CONTEXT, fits // step * step)
+    return context, (f"context {context} tokens (runtime.max_context \"auto\"): the model's {model_limit} would give "
+                     f"the KV cache more than {AUTO_KV_SHARE:.0%} of the memory left after the weights; set "
+                     "runtime.max_context to choose another")
+
+
+def loaded_context(cfg: Any, model_config: Any, device: torch.device, dtype: torch.dtype) -> int:
+    """The context of a model loaded whole, without a plan (`runtime.experts = "memory"`): "auto" measured
+    against what the device has free once the weights are loaded (the host's available RAM on the CPU)."""
+    setting = cfg.runtime.max_context
+    kv = KVCache.bytes_per_token(model_config, dtype) * (cfg.planner.max_batch + cfg.runtime.prefix_only_slots)
+    room = None
+    if setting == "auto":
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
+        room = free - cfg.planner.activation_reserve_bytes
+    return plan_context(setting, model_config.max_position_embeddings, kv, room)[0]
