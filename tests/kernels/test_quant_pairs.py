@@ -143,6 +143,15 @@ def test_format_queries_say_which_formats_have_the_gpu_path():
     assert not grouped.in_place_ok(HostExperts.of_layout(odd_layout))
 
 
+def test_the_runtimes_gpu_fast_paths_list_only_formats_the_kernels_read():
+    """strata.kernels.quant.FAST_PATHS' GPU entries (what the runtime and the planner take) may list a format only
+    where these kernels read it."""
+    from strata.kernels.quant import FAST_PATHS
+
+    for path in ("gpu_pairs", "gpu_in_place", "gpu_grouped"):
+        assert FAST_PATHS[path] <= formats_supported() | {"plain"}, path
+
+
 def test_slot_weights_of_a_layout():
     """`grouped.slot_weights`: typed views for a plain layout, QuantSlotWeights for fp8 / mxfp4 (too short a slot
     or a plain layout is refused); `HostExperts.of_layout` keeps a quantized layout, and a plain one's offsets."""

@@ -16,7 +16,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from strata.kernels.gpu.grouped import HostExperts, SlotWeights, in_place_ok
+from strata.kernels.gpu.grouped import HostExperts, SlotWeights, in_place_ok, slot_weights
+from strata.kernels.gpu.quant_slots import QuantSlotWeights
 from strata.kernels.quant import reads
 from strata.runtime.model.capture import current_recorder
 from strata.runtime.offload.cost_model import Rates
@@ -62,7 +63,7 @@ class ExpertCompute(CpuCompute):
         self.prefetcher: LookaheadPrefetcher | None = None
         self._all_resident = False
         self.pair_path: bool | None = None  # None: pair kernels for small CUDA steps; tests force either way
-        self.slots: SlotWeights | None = None
+        self.slots: SlotWeights | QuantSlotWeights | None = None
         self.slot_of: torch.Tensor | None = None  # [L, E] int32 on the GPU, -1 = not resident
         self.identity: torch.Tensor | None = None  # [S] int32: slot -> slot, to address slots directly
         self.late_slot: torch.Tensor | None = None  # [S + 1] int32: slot + 1 -> slot, 0 -> -1 (skip)
@@ -91,7 +92,12 @@ class ExpertCompute(CpuCompute):
         # read yet) no slot views: every layer groups its tokens by expert and each expert is dequantized as it runs
         self.pairs_read_format = reads("gpu_pairs", manager.store.expert_format)
         if device_tier == "gpu" and manager.slots is not None:
-            self.slots = manager.slot_weights() if self.pairs_read_format else None
+            if not self.pairs_read_format:
+                self.slots = None
+            elif manager.store.expert_format.quantized:  # FP8 / MXFP4: the slab and the blobs' layout
+                self.slots = slot_weights(manager.slots.slab, manager.store.layout)
+            else:
+                self.slots = manager.slot_weights()
             self.slot_of = manager.slots.slot_of
             dev = manager.slots.slab.device
             self.identity = torch.arange(manager.slots.num_slots, dtype=torch.int32, device=dev)
@@ -190,13 +196,15 @@ class ExpertCompute(CpuCompute):
         self.gpu_share = None
         # split decode: the GPU reads a share of the cold experts in place meanwhile (not without a GPU tier: there
         # every routed expert is the CPU's, which keeps the suite's CPU-only ablation what it says)
-        if self.split and in_place_ok() and m.pool.pinned:
+        (gu, dn), fmt = store.expert_shapes, store.expert_format
+        experts = HostExperts.of_layout(store.layout) if fmt.quantized else \
+            HostExperts(store.dtype, gu, dn, store.index.gate_up_bytes)
+        if self.split and reads("gpu_in_place", fmt) and in_place_ok(experts) and m.pool.pinned:
             fixed = self.fixed_share
             share = fixed if fixed is not None else IN_PLACE_RATE / (IN_PLACE_RATE + self.rates.cpu_bytes_per_s)
             if share > 0:
-                (gu, dn) = store.expert_shapes
-                self.gpu_share = GpuShare(addresses, HostExperts(store.dtype, gu, dn, store.index.gate_up_bytes),
-                                          self.device, share, adaptive=fixed is None, gpu_rate=IN_PLACE_RATE)
+                self.gpu_share = GpuShare(addresses, experts, self.device, share, adaptive=fixed is None,
+                                          gpu_rate=IN_PLACE_RATE)
         self.warm_ahead = self._open_warm_ahead(addresses) if self.gpu_share is not None else None
         self.books = MailboxBooks(self.mailbox, m, self, self.gpu_share)  # reports to `pick_promotion`, `count_mailbox_work`
         self._mailbox_kernel = (0, 0, 0.0)
