@@ -221,3 +221,17 @@ def test_planner_counts_the_prefix_only_slots(tiny_model_dir):
     for f, a in zip(firsts, answers, strict=True):
         assert run(engine, f + a + [7], n=2)[2] == len(f) + len(a) - 1
     engine.close()
+
+
+def test_prefix_cache_off(tiny_model_dir):
+    """`runtime.prefix_cache = false`: nothing is kept, every prompt is computed whole."""
+    engine = Engine.from_pretrained(tiny_model_dir, config={"runtime": {"max_context": 128, "prefix_cache": False}},
+                                    device="cpu")
+    engine.scheduler().start()
+    prompt = ids(30, 50, 500)
+    answer, _, _ = run(engine, prompt, n=3)
+    assert run(engine, prompt + answer + [9], n=2)[2] == 0
+    stats = engine.scheduler().stats()["prefix_cache"]
+    assert not stats["enabled"] and stats["cached_tokens"] == 0 and stats["held_tokens"] == 0
+    assert stats["computed_tokens"] == 30 + 34
+    engine.close()
