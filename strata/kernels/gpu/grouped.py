@@ -20,9 +20,10 @@ experts are `QuantSlotWeights` (the slab and the blob's `ExpertLayout`) and in p
 layout. Every entry point here takes either and picks the path in one place, `fast_path`: the quantized pair and
 in-place kernels (strata.kernels.gpu.quant_pairs) read the blob in its format and dequantize in registers;
 prefill dequantizes per expert into a scratch buffer for the grouped GEMM (strata.kernels.gpu.grouped_gemm).
-`formats_supported()` lists the format kinds with that GPU path and `fast_path_refusal(fmt)` says why a format
-has none (its decode then dequantizes the gathered experts with torch, and no in-place share is made): what the
-planner reports.
+`formats_supported()` lists the format kinds these kernels read and `fast_path_refusal(fmt)` says why a format has
+no kernel (an fp8 block not a power of two wide: its pairs then gather their experts dequantized and run the torch
+path, and no in-place share is made). The runtime and the planner take the GPU paths for the kinds the GPU entries of
+strata.kernels.quant.FAST_PATHS list, which may hold only kinds of `formats_supported()`.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ IN_PLACE_BLOCKS = (8, 512, 16, 256)  # pair_experts_in_place (reads over PCIe, ~
 def formats_supported() -> set[str]:
     """The expert format kinds ("plain", "fp8", "mxfp4") the GPU computes in their own format: decode pair
     kernels and in-place reads without a bf16 copy, prefill through a per-expert dequantized scratch. Quantized
-    kinds need Triton; an fp8 block must also be a power of two wide (`fast_path_refusal`)."""
+    kinds need Triton; an fp8 block must also be a power of two wide (`fast_path_refusal`). The kinds the runtime
+    may list in strata.kernels.quant.FAST_PATHS' GPU entries."""
     return {"plain"} | ({"fp8", "mxfp4"} if triton is not None else set())
 
 
