@@ -9,8 +9,9 @@ at its end). A new request takes the slot whose ids share the longest prefix wit
 - a finished sequence's slot whose ids the prompt extends (the next turn of a conversation), or any finished
   one when no slot is empty, is claimed in place: nothing moves;
 - otherwise the request gets an empty slot (or the least recently used finished one, whose rows are evicted)
-  and the shared rows are copied into it from the other slot (`KVCache.copy_prefix`: device to device, a few
-  MB a thousand tokens, where recomputing them would stream every cold expert again).
+  and the shared rows are copied into it from the other slot (`KVCache.copy_prefix`: a device-to-device copy,
+  197 MB for a thousand tokens of Qwen3-30B-A3B's bf16 cache, where recomputing them would run every layer
+  and stream its cold experts again).
 
 The shared prefix stops one token short of the prompt (its last position yields the first token's logits).
 Rows are reused whatever the attention (GQA keys and values, MLA's latent and rotated key): they are the rows
