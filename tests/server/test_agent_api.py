@@ -346,8 +346,8 @@ def test_messages_api_plain_streaming_and_stop_sequences(live):
         assert "".join(stream.text_stream) == text
         final = stream.get_final_message()
     assert final.usage.output_tokens == whole.usage.output_tokens and final.stop_reason == whole.stop_reason
-    # a stop sequence whose first occurrence is at k (past any character the model left incomplete)
-    k = next(k for k in range(text.rfind("\ufffd") + 2, len(text) - 3) if text.find(text[k:k + 3]) == k)
+    # a stop sequence (no character the model left incomplete in it) whose first occurrence is at k
+    k = next(k for k in range(2, len(text) - 3) if "\ufffd" not in text[k:k + 3] and text.find(text[k:k + 3]) == k)
     stopped = a.messages.create(model=MODEL, max_tokens=24, extra_body=GREEDY, messages=ASK,
                                 stop_sequences=["never-there", text[k:k + 3]])
     assert stopped.stop_reason == "stop_sequence" and stopped.stop_sequence == text[k:k + 3]
