@@ -42,6 +42,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="--route-locality of the skewed checkpoint (temporal locality; default 1 for the bench size, "
                         "where consecutive tokens then share ~0.49 of their experts against ~0.34 from popularity alone, "
                         "0 for the others, which it is not written for; 0: none)")
+    r.add_argument("--experts", default="bf16", choices=["bf16", "fp8", "mxfp4"],
+                   help="the demo models' expert format (strata demo-model --experts): bf16, fp8 (block-scaled, as "
+                        "DeepSeek-V3 ships) or mxfp4 (as gpt-oss ships); the transformers baseline runs bf16 only")
     r.add_argument("--tokens", type=int, default=None, help="generated tokens per stream (quick: 64, full: 128)")
     r.add_argument("--cache", default="/dev/shm/strata-suite/cache", help="tiers.disk.path: where stores are built")
     r.add_argument("--disk-cache", default="~/.cache/strata-suite", help="store location of the disk case (real disk)")
@@ -82,6 +85,7 @@ def _settings(args: argparse.Namespace) -> dict:
         "suite": args.suite, "device": args.device, "cache": args.cache,
         "disk_cache": str(Path(args.disk_cache).expanduser()), "models_dir": args.models_dir, "size": args.size,
         "layers": layers, "skew": args.skew, "locality": _locality(args), "model": args.model, "token_budget": args.token_budget,
+        "experts": args.experts,
         "placement_timeout": 120.0, "hf_limit_s": args.hf_limit,
         "deadline_s": args.deadline if args.deadline is not None else DEFAULT_DEADLINE[args.suite],
         "progress": sys.stderr.isatty(), "set": _config_json(args.set),

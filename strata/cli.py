@@ -131,8 +131,9 @@ def _cmd_demo_model(args: argparse.Namespace) -> int:
     from strata.runtime.demo.model import write_demo_model
 
     out = write_demo_model(args.dir, size=args.size, layers=args.layers, progress=True, engram=not args.no_engram,
-                           route_skew=args.route_skew, route_locality=args.route_locality)
+                           route_skew=args.route_skew, route_locality=args.route_locality, experts=args.experts)
     what = "trained demo model" if args.size == "demo" else f"{args.size} random-weight demo model"
+    what += f" ({args.experts})" if args.experts != "bf16" else ""
     print(f"wrote the {what} to {out}")
     return 0
 
@@ -225,8 +226,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p = sub.add_parser("convert", help="pack a checkpoint into a tiered expert store")
     p.add_argument("model", help="Hugging Face checkpoint directory")
     p.add_argument("store", help="store directory to write (new or empty; an existing store of this checkpoint is kept)")
-    p.add_argument("--config", default=None, metavar="PATH",
-                   help="config.toml (accepted for symmetry; conversion has no options yet)")
+    p.add_argument("--experts", default=None, choices=["checkpoint", "fp8", "mxfp4"],
+                   help="routed experts as the checkpoint ships them, or a bf16 checkpoint's quantized while packing: "
+                        "fp8 (128x128 blocks, or the largest of 64/32/16 dividing the expert width) or mxfp4 "
+                        "(default: the config's store.experts, \"checkpoint\")")
+    p.add_argument("--config", default=None, metavar="PATH", help="config.toml ([store] experts)")
     p.set_defaults(func=_cmd_convert)
 
     p = sub.add_parser("verify", help="re-read every blob of a store and check it against the index")
@@ -247,6 +251,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--route-locality", default="0", metavar="L",
                    help="temporal locality in the weights (Qwen3-MoE, with --route-skew): every router also weighs the "
                         "last ~tens of tokens, L times the token (0: none)")
+    p.add_argument("--experts", default="bf16", choices=["bf16", "fp8", "mxfp4"],
+                   help="random sizes: write the weights as quantized releases ship them: fp8 (linear weights in e4m3 "
+                        "with 128x128-block scales, as DeepSeek-V3; 32x32 for tiny) or mxfp4 (fused routed experts, as "
+                        "gpt-oss) (default: %(default)s)")
     p.set_defaults(func=_cmd_demo_model)
     return parser
 

@@ -282,6 +282,23 @@ class EngramTierConfig:
         return parse_size(self.row_cache, "engram.row_cache")
 
 
+STORE_EXPERTS = ("checkpoint", "fp8", "mxfp4")
+
+
+@dataclass
+class StoreConfig:
+    """[store]: how a checkpoint is packed into a store (`strata convert`, and the store built on first use)."""
+
+    # routed experts as the checkpoint ships them ("checkpoint": bf16, block-scaled FP8 or MXFP4), or a bf16
+    # checkpoint's quantized while packing: "fp8" (128 x 128 blocks, or the largest of 64/32/16 dividing the
+    # intermediate size) or "mxfp4"
+    experts: str = "checkpoint"
+
+    def __post_init__(self) -> None:
+        if self.experts not in STORE_EXPERTS:
+            raise ConfigError(f"store.experts = {self.experts!r} is invalid; use one of {', '.join(STORE_EXPERTS)}")
+
+
 CPU_KERNELS = ("auto", "avx512_bf16", "avx512", "avx2", "torch")
 
 
@@ -359,6 +376,7 @@ class StrataConfig:
     prefetch: PrefetchConfig = field(default_factory=PrefetchConfig)
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     engram: EngramTierConfig = field(default_factory=EngramTierConfig)
+    store: StoreConfig = field(default_factory=StoreConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)
 
     def to_dict(self) -> dict[str, Any]:

@@ -114,7 +114,7 @@ def test_root_config_documents_every_section():
     import tomllib
 
     data = tomllib.loads((ROOT / "config.toml").read_text())
-    assert set(data) == {"runtime", "tiers", "policy", "prefetch", "planner", "engram", "debug"}
+    assert set(data) == {"runtime", "tiers", "policy", "prefetch", "planner", "engram", "store", "debug"}
     assert list(data)[-1] == "debug"  # the switches users leave alone come last
     assert set(data["tiers"]) == {"gpu", "pinned", "tmpfs", "disk"}
     assert load_config(data).to_dict() == StrataConfig().to_dict()

@@ -6,7 +6,8 @@
   on its 40% most popular experts, the same at every depth; strata.runtime.demo.skew), with
   `--route-locality L` when the suite runs with `--locality L` (temporal locality: each router also weighs the
   last ~19 tokens, L times the token; 0 by default);
-Both without Engram layers, so transformers runs exactly the same model.
+Both without Engram layers, so transformers runs exactly the same model. With `--experts fp8` or `mxfp4` both are
+written as quantized releases ship them (`strata demo-model --experts`), the same weights rounded to the format.
 """
 
 from __future__ import annotations
@@ -19,24 +20,26 @@ from bench.suite.roofline import ModelFacts
 
 
 def demo_model_path(models_dir: Path, size: str, layers: int | None, routing: str, skew: float,
-                    locality: float = 0.0) -> Path:
+                    locality: float = 0.0, experts: str = "bf16") -> Path:
     tag = "uniform" if routing == "uniform" else f"skew{skew:g}" + (f"-loc{locality:g}" if locality else "")
-    return models_dir / f"{size}-L{layers or 'all'}-{tag}"
+    return models_dir / (f"{size}-L{layers or 'all'}-{tag}" + (f"-{experts}" if experts != "bf16" else ""))
 
 
 def ensure_model(models_dir: Path, size: str, layers: int | None, routing: str, skew: float,
-                 progress: bool = True, locality: float = 0.0) -> Path:
+                 progress: bool = True, locality: float = 0.0, experts: str = "bf16") -> Path:
     """Write (once) the demo model for `routing` and return its directory (`locality`: the skewed one's
-    `--route-locality`)."""
+    `--route-locality`; `experts`: its expert format, `strata demo-model --experts`)."""
     from strata.runtime.demo.model import write_demo_model
 
     locality = 0.0 if routing == "uniform" else locality
     kwargs = {"route_skew": "uniform" if routing == "uniform" else skew}
+    if experts != "bf16":
+        kwargs["experts"] = experts
     if locality:
         kwargs["route_locality"] = locality
     if "engram" in inspect.signature(write_demo_model).parameters:
         kwargs["engram"] = False  # transformers must run the very same model
-    return write_demo_model(demo_model_path(models_dir, size, layers, routing, skew, locality), size, layers,
+    return write_demo_model(demo_model_path(models_dir, size, layers, routing, skew, locality, experts), size, layers,
                             progress=progress, **kwargs)
 
 
@@ -76,5 +79,6 @@ def model_facts(path: Path) -> tuple[ModelFacts, dict]:
                "vocab_size": vocab,
                "experts_per_layer": s.experts_per_layer, "experts_per_token": s.experts_per_token,
                "expert_bytes_each": s.expert_bytes, "expert_bytes_total": role["experts"],
-               "non_expert_bytes": s.total_bytes - role["experts"], "total_bytes": s.total_bytes, "demo": marker}
+               "non_expert_bytes": s.total_bytes - role["experts"], "total_bytes": s.total_bytes, "demo": marker,
+               "experts_format": s.expert_format.name if s.expert_format is not None else None}
     return facts, summary

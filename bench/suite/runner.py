@@ -17,8 +17,9 @@ from bench.suite.strata_case import record, run_group
 def run_suite(cases: list[Case], settings: dict, out_dir: str | Path, log=print, rates: Rates | None = None) -> dict:
     """Measure `cases`; returns the result document (also written to out_dir/suite.json after every group).
 
-    settings: device, cache, disk_cache, models_dir, size, layers, skew, model (a checkpoint to use
-    instead of writing demo models), token_budget, placement_timeout, deadline_s, hf_limit_s, suite.
+    settings: device, cache, disk_cache, models_dir, size, layers, skew, experts (the demo models' expert format),
+    model (a checkpoint to use instead of writing demo models), token_budget, placement_timeout, deadline_s,
+    hf_limit_s, suite.
     """
     start = time.time()
     deadline = start + settings["deadline_s"]
@@ -39,6 +40,10 @@ def run_suite(cases: list[Case], settings: dict, out_dir: str | Path, log=print,
             doc["cases"] += [record(c, "skipped", "the suite's deadline passed (--deadline)") for c in group]
             continue
         log(f"--- {first.variant} / {first.budget_label} / {first.routing}: {len(group)} case(s), {left:.0f} s left")
+        if first.variant == "hf" and settings.get("experts", "bf16") != "bf16":
+            doc["cases"] += [record(c, "skipped", f"the transformers baseline runs bf16 checkpoints only, not "
+                                                  f"{settings['experts']}") for c in group]
+            continue
         try:
             if first.variant == "hf":
                 doc["cases"] += [run_hf(c, model, summary, settings, min(settings["hf_limit_s"], left - 10), log)
@@ -73,7 +78,7 @@ def _models(cases: list[Case], settings: dict, doc: dict, log) -> dict:
         t0 = time.perf_counter()
         path = ensure_model(Path(settings["models_dir"]), settings["size"], settings["layers"], routing,
                             settings["skew"], progress=settings.get("progress", True),
-                            locality=settings.get("locality", 0.0))
+                            locality=settings.get("locality", 0.0), experts=settings.get("experts", "bf16"))
         facts, summary = model_facts(path)
         doc["models"][routing] = {**summary, "ready_s": round(time.perf_counter() - t0, 1),
                                   "route_skew": "uniform" if routing == "uniform" else settings["skew"]}

@@ -510,3 +510,20 @@ def test_snapshot_counts_the_tiers_path_bytes_and_none_for_warm_ahead():
             "computed_bytes": 100, "pieces_stolen": 0, "held_s": 0.0, "held_us_max": 0.0}
     assert _snapshot(FakeEngine(warm))["paths"] == {"pinned->gpu": 7, "disk->pinned": 5}
     assert _snapshot(FakeEngine(None))["paths"] == {"pinned->gpu": 7, "disk->pinned": 5}
+
+
+def test_one_tiny_fp8_case_on_cpu(tmp_path):
+    """`--experts fp8`: the suite writes its demo model as an FP8 release and runs strata's cases on it (its store
+    keeps the experts in fp8); the transformers baseline is skipped, naming the format."""
+    cases = [Case("split", "skewed", 0.25, Workload(24, 1, 4)), Case("hf", "skewed", 0.25, Workload(24, 1, 4))]
+    settings = {"suite": "test", "device": "cpu", "cache": str(tmp_path / "cache"), "disk_cache": str(tmp_path / "d"),
+                "models_dir": str(tmp_path / "models"), "size": "tiny", "layers": None, "skew": 1.0, "model": None,
+                "token_budget": 256, "placement_timeout": 10.0, "hf_limit_s": 60.0, "deadline_s": 300.0,
+                "progress": False, "experts": "fp8"}
+    doc = run_suite(cases, settings, tmp_path / "out", log=lambda s: None, rates=Rates())
+    split, hf = doc["cases"]
+    assert split["status"] == "ok", split.get("reason")
+    assert split["metrics"]["tokens"] == 4 and split["metrics"]["decode_tok_s"] > 0
+    assert hf["status"] == "skipped" and "fp8" in hf["reason"]
+    model = doc["models"]["skewed"]
+    assert model["path"].endswith("-fp8") and model["experts_format"] == "fp8 32x32" and model["demo"]["experts"] == "fp8"

@@ -56,10 +56,16 @@ def test_unknown_architecture_names_supported_ones(model_copy):
     assert "llama" in msg and all(a in msg for a in ("qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral"))
 
 
-def test_fp8_config_is_not_yet_supported(model_copy):
-    edit_config(model_copy, quantization_config={"quant_method": "fp8", "fmt": "e4m3"})
-    with pytest.raises(UnsupportedError, match="FP8"):
+@pytest.mark.parametrize("quantization, match", [
+    ({"quant_method": "fp8", "fmt": "e4m3"}, "weight_block_size None is not two positive integers"),
+    ({"quant_method": "fp8", "fmt": "e5m2", "weight_block_size": [128, 128]}, "fmt 'e5m2' is not supported"),
+    ({"quant_method": "gptq", "bits": 4}, "quant_method 'gptq' is not supported"),
+])
+def test_unsupported_quantization_configs_are_refused(model_copy, quantization, match):
+    edit_config(model_copy, quantization_config=quantization)
+    with pytest.raises(UnsupportedError, match=match) as e:
         Checkpoint.open(model_copy)
+    assert "config.json" in one_line(e)
 
 
 def test_fp8_tensor_without_scales_is_refused(model_copy):

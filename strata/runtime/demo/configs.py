@@ -8,6 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from strata.errors import ConfigError
+from strata.runtime.demo.quantized import DEMO_EXPERTS, quantization_config, weight_jobs
 from strata.runtime.demo.skew import check_locality, check_skew
 from strata.runtime.demo.tokenizer import ENDOFTEXT, IM_END, SPECIAL_IDS
 from strata.runtime.demo.weights import tensor_specs
@@ -128,6 +129,7 @@ class DemoSpec:
     engram: bool = True  # Engram layers (hashed n-gram tables); False: `--no-engram`
     route_skew: float | str = 0.0  # routing popularity in the weights: S > 0 or "uniform" (demo_skew); 0: none
     route_locality: float = 0.0  # temporal locality in the weights (demo_skew; needs route_skew): L > 0; 0: none
+    experts: str = "bf16"  # "fp8" / "mxfp4": written as quantized releases ship them (strata.runtime.demo.quantized)
 
     def __post_init__(self) -> None:
         if self.size not in DEMO_SIZES:
@@ -147,6 +149,8 @@ class DemoSpec:
         object.__setattr__(self, "route_locality", check_locality(self.route_locality))
         if self.route_locality and not self.route_skew:
             raise ConfigError("--route-locality needs the skew channel: give --route-skew too (S > 0 or uniform)")
+        if self.experts not in DEMO_EXPERTS:
+            raise ConfigError(f"--experts {self.experts!r} is invalid; use one of {', '.join(DEMO_EXPERTS)}")
 
     @property
     def num_layers(self) -> int:
@@ -156,11 +160,13 @@ class DemoSpec:
         """The identity recorded in `MARKER` (shard size is not part of it: the weights are the same)."""
         return {"strata_demo": 1, "size": self.size, "num_hidden_layers": self.num_layers, "seed": self.seed,
                 "engram": self.engram, **({"route_skew": self.route_skew} if self.route_skew else {}),
-                **({"route_locality": self.route_locality} if self.route_locality else {})}
+                **({"route_locality": self.route_locality} if self.route_locality else {}),
+                **({"experts": self.experts} if self.experts != "bf16" else {})}
 
 
-def demo_config(size: str = "small", layers: int | None = None, engram: bool = True) -> dict:
-    """The config.json dict of a demo model; `layers` overrides `num_hidden_layers`; `engram` adds Engram layers."""
+def demo_config(size: str = "small", layers: int | None = None, engram: bool = True, experts: str = "bf16") -> dict:
+    """The config.json dict of a demo model; `layers` overrides `num_hidden_layers`; `engram` adds Engram layers;
+    `experts` "fp8" / "mxfp4" adds the `quantization_config` of such a release."""
     spec = DemoSpec(size, layers)
     cfg = dict(BASE_CONFIGS[size])
     cfg["num_hidden_layers"] = spec.num_layers
@@ -175,6 +181,8 @@ def demo_config(size: str = "small", layers: int | None = None, engram: bool = T
         from strata.runtime.demo.engram import demo_engram_config
 
         cfg["engram"] = demo_engram_config(size, spec.num_layers, cfg["vocab_size"], cfg["bos_token_id"])
+    if (quantization := quantization_config(experts, cfg)) is not None:
+        cfg["quantization_config"] = quantization
     return dict(sorted(cfg.items()))
 
 
@@ -191,6 +199,7 @@ def demo_generation_config() -> dict:
     }
 
 
-def expected_bytes(size: str = "small", layers: int | None = None, engram: bool = True) -> int:
+def expected_bytes(size: str = "small", layers: int | None = None, engram: bool = True, experts: str = "bf16") -> int:
     """Total tensor bytes of a demo model (what the safetensors files hold, headers excluded)."""
-    return sum(t.nbytes for t in tensor_specs(demo_config(size, layers, engram)))
+    cfg = demo_config(size, layers, engram, experts)
+    return sum(t.nbytes for t in weight_jobs(tensor_specs(cfg), experts, cfg)[0])

@@ -45,10 +45,12 @@ from strata.runtime.demo.configs import (
     demo_generation_config,
     expected_bytes,
 )
+from strata.runtime.demo.quantized import WeightJob, weight_jobs
 from strata.runtime.demo.skew import RouteSkew, check_locality, check_skew
 from strata.runtime.demo.tokenizer import tokenizer_size, write_tokenizer_files
 from strata.runtime.demo.weights import TensorSpec, make_tensor, tensor_specs, write_safetensors_header
 from strata.tiers.store.files import pwrite_all, remove_stale_tmp_dirs, temp_sibling
+from strata.tiers.store.safetensors_index import DTYPE_BITS
 
 TRAINED_DIR = Path(__file__).parent / "data" / TRAINED_SIZE
 MARKER = "strata_demo.json"  # written last; identifies a complete demo model and its parameters
@@ -57,8 +59,8 @@ MARKER = "strata_demo.json"  # written last; identifies a complete demo model an
 def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[TensorSpec]]:
     """Greedily cut `specs` (in order) into shards of at most `max_shard_bytes` (one big tensor may exceed it).
 
-    Within a shard the F32 tensors go first, so they sit 8-byte aligned right after the (8-byte
-    padded) header and every bf16 tensor after them stays 2-byte aligned.
+    Within a shard the widest dtypes go first (F32, then BF16, then FP8 and U8 bytes), so the F32 tensors sit
+    8-byte aligned right after the (8-byte padded) header and every tensor after them stays aligned to its width.
     """
     shards: list[list[TensorSpec]] = [[]]
     used = 0
@@ -68,7 +70,7 @@ def plan_shards(specs: list[TensorSpec], max_shard_bytes: int) -> list[list[Tens
             used = 0
         shards[-1].append(spec)
         used += spec.nbytes
-    return [sorted(s, key=lambda t: t.dtype != "F32") for s in shards]  # stable sort
+    return [sorted(s, key=lambda t: -DTYPE_BITS[t.dtype]) for s in shards]  # stable sort
 
 
 def ensure_default_model(progress: bool = True) -> Path:
@@ -94,6 +96,7 @@ def write_demo_model(
     engram: bool = True,
     route_skew: float | str = 0.0,
     route_locality: float = 0.0,
+    experts: str = "bf16",
 ) -> Path:
     """Write a demo model into `out_dir` (atomically) and return the directory.
 
@@ -101,20 +104,22 @@ def write_demo_model(
     not apply to it); the other sizes are written with random weights.
     `route_skew` S > 0 (Zipf-like) or "uniform" writes a routing profile into the weights (strata.runtime.demo.skew);
     `route_locality` L > 0 adds temporal locality to it (each router also weighs the recent context, L x the token).
+    `experts` "fp8" / "mxfp4" writes the same weights as a quantized release ships them (strata.runtime.demo.quantized).
 
     If `out_dir` already holds a demo model with the same size, layers and seed it is returned as is;
     any other non-empty directory is refused with a ConfigError.
     """
     if size == TRAINED_SIZE:
         shaped = {"--layers": layers is not None, "--seed": seed != 0, "--no-engram": not engram,
-                  "--route-skew": check_skew(route_skew) != 0, "--route-locality": check_locality(route_locality) != 0}
+                  "--route-skew": check_skew(route_skew) != 0, "--route-locality": check_locality(route_locality) != 0,
+                  "--experts": experts != "bf16"}
         if any(shaped.values()):
             raise ConfigError(f"{', '.join(k for k, v in shaped.items() if v)}: the demo model is trained, its weights "
                               f"are fixed; these options shape the random sizes ({', '.join(DEMO_SIZES)})")
         marker = json.loads((ensure_default_model() / MARKER).read_text())
         fill = functools.partial(shutil.copytree, TRAINED_DIR, dirs_exist_ok=True)  # fill(tmp) copies into tmp
     else:
-        spec = DemoSpec(size, layers, seed, max_shard_bytes, engram, route_skew, route_locality)
+        spec = DemoSpec(size, layers, seed, max_shard_bytes, engram, route_skew, route_locality, experts)
         marker = spec.marker()
         fill = functools.partial(_write_into, spec=spec, progress=progress, workers=workers)
     out = Path(out_dir).expanduser().absolute()
@@ -163,7 +168,7 @@ def _existing_demo(out: Path, marker: dict) -> bool:
 
 def _write_into(tmp: Path, spec: DemoSpec, progress: bool, workers: int | None) -> None:
     """Write every file of the model into `tmp`; the marker last."""
-    cfg = demo_config(spec.size, spec.layers, spec.engram)
+    cfg = demo_config(spec.size, spec.layers, spec.engram, spec.experts)
     vocab = TOKENIZER_VOCAB[spec.size]
     if tokenizer_size(vocab) > cfg["vocab_size"]:  # a corpus edit must not outgrow the embedding
         raise AssertionError(f"demo tokenizer has {tokenizer_size(vocab)} ids > vocab_size {cfg['vocab_size']}")
@@ -178,22 +183,22 @@ def _write_weights(tmp: Path, cfg: dict, spec: DemoSpec, progress: bool, workers
     """Write the safetensors shard(s), plus model.safetensors.index.json when there are several."""
     from tqdm.auto import tqdm
 
-    specs = tensor_specs(cfg)
+    specs, weight_work = weight_jobs(tensor_specs(cfg), spec.experts, cfg)  # the tensors as written, their jobs
     shards = plan_shards(specs, spec.max_shard_bytes)
     n = len(shards)
     names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
     std = float(cfg["initializer_range"])
     workers = workers or min(32, os.cpu_count() or 1)
     fds: list[int] = []
-    jobs: list[tuple[int, int, TensorSpec]] = []  # (fd, absolute offset, tensor)
+    where: dict[str, tuple[int, int]] = {}  # tensor -> (fd, absolute offset)
     try:
         for name, shard in zip(names, shards, strict=True):
             fd = os.open(tmp / name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
             fds.append(fd)
             offsets = write_safetensors_header(fd, shard)
-            jobs.extend((fd, off, t) for off, t in zip(offsets, shard, strict=True))
+            where.update((t.name, (fd, off)) for off, t in zip(offsets, shard, strict=True))
         # Biggest first so the embedding/lm_head do not straggle at the end; pwrite makes order free.
-        jobs.sort(key=lambda j: -j[2].nbytes)
+        jobs = sorted(weight_work, key=lambda j: -j.nbytes)
         bar = tqdm(
             total=sum(t.nbytes for t in specs),
             unit="B",
@@ -206,7 +211,7 @@ def _write_weights(tmp: Path, cfg: dict, spec: DemoSpec, progress: bool, workers
         try:
             skew = (RouteSkew.for_config(cfg, spec.route_skew, spec.seed, spec.route_locality) if spec.route_skew
                     else None)
-            futures = [pool.submit(_write_one, fd, off, t, spec.seed, std, skew) for fd, off, t in jobs]
+            futures = [pool.submit(_write_one, job, where, spec.seed, std, skew) for job in jobs]
             for f in as_completed(futures):
                 bar.update(f.result())  # re-raises the first worker exception as soon as it happens
         finally:
@@ -226,14 +231,21 @@ def _write_weights(tmp: Path, cfg: dict, spec: DemoSpec, progress: bool, workers
         _dump_json(tmp / "model.safetensors.index.json", index)
 
 
-def _write_one(fd: int, offset: int, spec: TensorSpec, seed: int, std: float, skew: RouteSkew | None = None) -> int:
-    """Generate one tensor and pwrite its bytes at `offset`; returns the byte count (for the bar)."""
-    t = make_tensor(spec, seed, std)
-    if skew is not None:
-        t = skew.apply(spec.name, t)
-    # bf16 has no numpy dtype: write the raw bytes through a uint8 view (little-endian, as safetensors).
-    pwrite_all(fd, t.reshape(-1).view(torch.uint8).numpy(), offset)
-    return spec.nbytes
+def _write_one(job: WeightJob, where: dict[str, tuple[int, int]], seed: int, std: float,
+               skew: RouteSkew | None = None) -> int:
+    """Generate a job's source tensors and pwrite its outputs at their offsets; returns the byte count (for the bar)."""
+
+    def make(spec: TensorSpec) -> torch.Tensor:
+        t = make_tensor(spec, seed, std)
+        return skew.apply(spec.name, t) if skew is not None else t
+
+    written = 0
+    for name, at, data in job.tensors(make):
+        fd, offset = where[name]
+        # bf16 has no numpy dtype: write the raw bytes through a uint8 view (little-endian, as safetensors).
+        pwrite_all(fd, data.numpy(), offset + at)
+        written += data.numel()
+    return written
 
 
 def _dump_json(path: Path, obj: dict) -> None:

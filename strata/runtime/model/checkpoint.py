@@ -1,7 +1,9 @@
 """A Hugging Face checkpoint directory: config, tensor index, expert layout, generation defaults.
 
 Opening a checkpoint reads `config.json`, `generation_config.json` and the safetensors headers only;
-weights stay on disk until the loader (or the tier store) reads them by offset.
+weights stay on disk until the loader (or the tier store) reads them by offset. Block-scaled FP8 and MXFP4
+weights (strata.runtime.model.quantized) are checked against their scales' shapes at open and dequantized as
+they load, except the routed experts a store keeps in their format (`expert_format`).
 """
 
 from __future__ import annotations
@@ -15,10 +17,12 @@ from pathlib import Path
 import torch
 
 from strata.errors import CheckpointError
+from strata.kernels.quant import ExpertFormat
 from strata.runtime.model.config import ModelConfig
+from strata.runtime.model.quantized import check_quantized, plain_dtype, read_weight, stored_shape
 from strata.tiers.store.dense_check import DenseCheck
-from strata.tiers.store.format import is_store, lacks_index, no_index_error
-from strata.tiers.store.safetensors_index import DTYPES, TensorIndex, read_tensor
+from strata.tiers.store.format import EXPERT_DTYPES, is_store, lacks_index, no_index_error
+from strata.tiers.store.safetensors_index import DTYPES, MX_BLOCKS, TensorIndex, TensorInfo, read_tensor
 from strata.tiers.store.store import ExpertStore
 
 # Mixtral's original names for gate / up / down
@@ -50,6 +54,7 @@ class Checkpoint:
     eos_token_ids: list[int]
     store: ExpertStore | None = None  # set when the directory is a strata expert store
     dense_check: DenseCheck | None = field(default=None, repr=False)  # a store's dense tensors, checked as read
+    expert_format: ExpertFormat = field(default_factory=ExpertFormat)  # how the routed experts are stored
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> Checkpoint:
@@ -66,7 +71,8 @@ class Checkpoint:
         hf_config = read_json(directory / "config.json")
         config = ModelConfig.from_hf(hf_config, str(directory / "config.json"))
         index = TensorIndex.from_dir(directory)
-        index.check_dtypes()  # fail before anything is allocated, e.g. on an FP8 checkpoint
+        index.check_dtypes()  # fail before anything is allocated, e.g. on FP8 weights without their scales
+        check_quantized(index, config, directory / "config.json")
         eos = list(config.eos_token_ids)
         gen_path = directory / "generation_config.json"
         if gen_path.exists():
@@ -77,36 +83,43 @@ class Checkpoint:
         if is_store(directory):  # dense tensors in dense.safetensors, experts in aligned blobs
             store = ExpertStore.open(directory)
             _check_store_layout(directory, store, config)
-            return cls(directory, hf_config, config, index, "store", eos, store)
+            return cls(directory, hf_config, config, index, "store", eos, store, expert_format=store.expert_format)
         layout = _detect_layout(index, config)
-        return cls(directory, hf_config, config, index, layout, eos)
+        return cls(directory, hf_config, config, index, layout, eos, expert_format=_expert_format(index, config, layout))
 
     @property
     def dtype(self) -> torch.dtype:
-        """The dtype most weights are stored in."""
-        if self.store is not None:
-            return self.store.dtype
+        """The dtype most weights are stored in, among those computed with as they are (FP8 and MXFP4 weights and
+        their scales are not counted: they load dequantized)."""
         counts: dict[str, int] = {}
+        if self.store is not None and not self.store.expert_format.quantized:
+            counts[self.store.index.dtype] = len(self.store.index.blobs) * self.store.payload_bytes
         for info in self.index.tensors.values():
-            counts[info.dtype] = counts.get(info.dtype, 0) + info.nbytes
-        return DTYPES[max(counts, key=counts.get)][0]
+            if plain_dtype(info):
+                counts[info.dtype] = counts.get(info.dtype, 0) + info.nbytes
+        return DTYPES[max(counts, key=counts.get)][0] if counts else torch.bfloat16
 
     def tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-        """Read one non-expert tensor by its transformers name, checking its shape (and, from a store, its
-        checksum: a damaged tensor is a `CheckpointError` naming it)."""
-        info = self.index[self._resolve(name)]
-        if info.shape != tuple(shape):
+        """Read one tensor by its transformers name in `dtype` on `device`, checking its shape (and, from a store, its
+        checksum: a damaged tensor is a `CheckpointError` naming it). FP8 and MXFP4 weights are dequantized."""
+        resolved = self._resolve(name)
+        have = stored_shape(self.index, resolved)
+        if have != tuple(shape):
+            info = self.index[resolved] if resolved in self.index else self.index[resolved + MX_BLOCKS]
             raise CheckpointError(
-                f"{info.file}: tensor {info.name!r} has shape {list(info.shape)}, expected {list(shape)} "
+                f"{info.file}: tensor {resolved!r} has shape {list(have)}, expected {list(shape)} "
                 "from config.json; the checkpoint and its config disagree"
             )
-        if self.store is None:
-            return self.index.load(info.name, dtype, device)
-        if self.dense_check is None:
-            self.dense_check = DenseCheck(self.store.directory, self.store.index)
-        raw = read_tensor(info)  # as stored: checked before it is converted or moved
-        self.dense_check.check(info.name, raw)
-        return raw.to(dtype).to(device)
+        return read_weight(self.index, resolved, dtype, self.config.weight_block, self._read_raw).to(device)
+
+    def _read_raw(self, info: TensorInfo) -> torch.Tensor:
+        """A tensor's stored bytes; from a store, checked before they are converted or moved."""
+        raw = read_tensor(info, raw=True)
+        if self.store is not None:
+            if self.dense_check is None:
+                self.dense_check = DenseCheck(self.store.directory, self.store.index)
+            self.dense_check.check(info.name, raw)
+        return raw
 
     def finish_loading(self) -> None:
         """Called once a model's dense tensors are loaded: from a store, checks those it did not load (once)
@@ -151,11 +164,12 @@ class Checkpoint:
         return gate_up, down
 
     def _resolve(self, name: str, missing_ok: bool = False) -> str | None:
-        """Map a transformers name to the checkpoint's (Mixtral's original files say block_sparse_moe)."""
-        if name in self.index:
+        """Map a transformers name to the checkpoint's (Mixtral's original files say block_sparse_moe; an MXFP4
+        weight is its `_blocks` + `_scales` pair, found by the weight's own name)."""
+        if stored_shape(self.index, name) is not None:
             return name
         alt = name.replace(".mlp.", ".block_sparse_moe.")
-        if alt in self.index:
+        if stored_shape(self.index, alt) is not None:
             return alt
         if missing_ok:
             return None
@@ -183,7 +197,7 @@ def _detect_layout(index: TensorIndex, cfg: ModelConfig) -> str:
     first = next((i for i, moe in enumerate(cfg.moe_layers) if moe), None)
     if first is None:
         return "per-expert"
-    if f"model.layers.{first}.mlp.experts.gate_up_proj" in index:
+    if stored_shape(index, f"model.layers.{first}.mlp.experts.gate_up_proj") is not None:
         return "fused"
     pattern = re.compile(rf"model\.layers\.{first}\.(mlp|block_sparse_moe)\.experts\.\d+\.")
     if any(pattern.match(n) for n in index.names()):
@@ -193,3 +207,28 @@ def _detect_layout(index: TensorIndex, cfg: ModelConfig) -> str:
         "mlp.experts.E.gate_proj.weight); the checkpoint does not match its config.json"
     )
 
+
+
+def _expert_format(index: TensorIndex, cfg: ModelConfig, layout: str) -> ExpertFormat:
+    """How the checkpoint's routed experts are stored, from the first MoE layer's first expert: their plain dtype,
+    block-scaled FP8 (config.json's weight_block_size) or MXFP4 (fused `*_blocks` + `*_scales`)."""
+    first = next((i for i, moe in enumerate(cfg.moe_layers) if moe), None)
+    if first is None:
+        return ExpertFormat()
+    if layout == "fused":
+        name = f"model.layers.{first}.mlp.experts.gate_up_proj"
+        if name + MX_BLOCKS in index:
+            return ExpertFormat("mxfp4")
+    else:
+        candidates = (f"model.layers.{first}.mlp.experts.0.gate_proj.weight",
+                      f"model.layers.{first}.block_sparse_moe.experts.0.w1.weight")
+        name = next((n for n in candidates if n in index), None)
+        if name is None:  # named by `expert_names` when the experts are read
+            return ExpertFormat()
+    info = index[name]
+    if info.dtype == "F8_E4M3":
+        return ExpertFormat("fp8", block=cfg.weight_block)
+    if info.dtype not in EXPERT_DTYPES:
+        raise CheckpointError(f"{info.file}: expert tensor {info.name!r} is {info.dtype}; strata reads experts in "
+                              f"{', '.join(EXPERT_DTYPES)}, block-scaled FP8 or MXFP4")
+    return ExpertFormat("plain", info.dtype)

@@ -15,6 +15,7 @@ from strata.errors import CheckpointError, UnsupportedError
 from strata.runtime.model.engram.hashing import EngramConfig
 
 SUPPORTED_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral")
+QUANT_METHODS = ("fp8", "mxfp4")  # config.json's quantization_config.quant_method values strata loads
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
 
 
@@ -88,6 +89,10 @@ class ModelConfig:
     eos_token_ids: list[int] = field(default_factory=list)
     bos_token_id: int | None = None
     engram: EngramConfig | None = None  # Engram layers (config.json's `engram` section); None: none
+    # config.json's quantization_config: "fp8" (block-scaled e4m3, `weight` + `weight_scale_inv`), "mxfp4" (`*_blocks`
+    # + `*_scales`), "" (none); weight_block: fp8's weight_block_size (rows, cols) per scale
+    quant_method: str = ""
+    weight_block: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "num_experts",
@@ -129,16 +134,40 @@ class ModelConfig:
                 f"{source}: model_type {model_type!r} is not supported; supported: "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
-        if cfg.get("quantization_config", {}).get("quant_method") == "fp8":
-            raise UnsupportedError(f"{source}: FP8 checkpoints are not yet supported; use a bf16 checkpoint")
+        method, block = _quantization(cfg.get("quantization_config"), source)
         try:
             parsed = _PARSERS[model_type](cfg, source)
             parsed.engram = EngramConfig.from_hf(cfg.get("engram"), parsed.num_layers, source)
+            parsed.quant_method, parsed.weight_block = method, block
             return parsed
         except KeyError as e:
             raise CheckpointError(f"{source}: required key {e.args[0]!r} is missing for {model_type}") from None
         except (TypeError, ValueError) as e:
             raise CheckpointError(f"{source}: malformed value ({e})") from None
+
+
+def _quantization(q: Any, source: str) -> tuple[str, tuple[int, int] | None]:
+    """(quant_method, fp8 weight block) of config.json's `quantization_config` (absent: ("", None)); strata loads
+    block-scaled FP8 in e4m3 (DeepSeek-V3's `weight_block_size`) and MXFP4, and refuses every other scheme."""
+    if q is None:
+        return "", None
+    if not isinstance(q, dict):
+        raise CheckpointError(f"{source}: quantization_config is not a JSON object; re-download config.json")
+    method = q.get("quant_method")
+    if method not in QUANT_METHODS:
+        raise UnsupportedError(f"{source}: quantization_config.quant_method {method!r} is not supported; strata loads "
+                               "block-scaled fp8 and mxfp4 checkpoints, or unquantized ones (bf16, f16, f32)")
+    if method == "mxfp4":
+        return method, None
+    if q.get("fmt", "e4m3") != "e4m3":
+        raise UnsupportedError(f"{source}: quantization_config.fmt {q.get('fmt')!r} is not supported; strata loads "
+                               "fp8 in e4m3 (float8_e4m3fn)")
+    block = q.get("weight_block_size")
+    if not (isinstance(block, list) and len(block) == 2
+            and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise UnsupportedError(f"{source}: quantization_config.weight_block_size {block!r} is not two positive "
+                               "integers; strata loads block-scaled fp8 (one scale per block, as DeepSeek-V3 ships)")
+    return method, (block[0], block[1])
 
 
 def _act(cfg: dict, source: str) -> None:

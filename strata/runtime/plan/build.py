@@ -84,7 +84,8 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
             # it a layer's rows are fetched when the layer runs, at a host step between graph segments)
             model.engram.enable_handshake(MAX_GRAPH_BATCH)
         host_rows = model.engram is not None and not model.engram.device_steps(model.layers, 1)
-        model.enable_decode_graphs(lambda: None if not cfg.debug.cuda_graphs
+        # (FP8 / MXFP4 experts the pair kernels do not read: decode groups tokens by expert on the host, eagerly)
+        model.enable_decode_graphs(lambda: None if not (cfg.debug.cuda_graphs and the_plan.decode_graphs)
                                    else "full" if compute.all_resident() and not host_rows
                                    else "mailbox" if not host_rows and compute.mailbox_ready() else "segmented",
                                    hooks=compute)  # its mailbox books run around each graph step

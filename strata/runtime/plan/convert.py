@@ -2,9 +2,11 @@
 
 Conversion streams: one expert's slot buffer at a time is read by offset from the checkpoint (either
 expert layout), hashed and pwritten at its slot, so memory stays at one slot (plus 16 MiB for dense
-tensors) whatever the model's size. Everything goes into a hidden sibling directory, the index
-last, fsynced, then renamed into place: an interrupted convert never leaves a directory that looks
-like a store.
+tensors) whatever the model's size. The store keeps the experts in the checkpoint's format (bf16, block-scaled
+FP8, MXFP4: a byte copy into the blob's sections), or quantizes a plain checkpoint's routed experts while it
+packs them (`experts="fp8"` or `"mxfp4"`, `[store] experts`, `strata convert --experts`). Everything goes into
+a hidden sibling directory, the index last, fsynced, then renamed into place: an interrupted convert never
+leaves a directory that looks like a store.
 """
 
 from __future__ import annotations
@@ -19,14 +21,16 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from strata.config import load_config
 from strata.errors import CheckpointError, ConfigError, StrataError
+from strata.kernels.quant import ExpertFormat, ExpertLayout
 from strata.runtime.model.checkpoint import Checkpoint
 from strata.runtime.model.engram.store import is_table_tensor, write_tables
+from strata.runtime.plan.expert_sources import ExpertSource, layer_sources, store_format
 from strata.tiers.store.files import fsync_dir, remove_stale_tmp_dirs, temp_sibling
 from strata.tiers.store.format import (
     COPIED_FILES,
     DENSE_NAME,
-    EXPERT_DTYPES,
     EXPERTS_DIR,
     INDEX_NAME,
     TABLES_DIR,
@@ -34,14 +38,15 @@ from strata.tiers.store.format import (
     align_up,
     checkpoint_fingerprint,
     earlier_fingerprint,
+    expert_dtype,
     is_store,
     lacks_index,
     read_index,
 )
-from strata.tiers.store.safetensors_index import DTYPES, TensorInfo
+from strata.tiers.store.safetensors_index import TensorInfo
 from strata.tiers.store.store import ExpertStore, StaleStoreError
 from strata.tiers.store.verify_record import RECORD_NAME
-from strata.tiers.store.writer import Piece, StoreWriter
+from strata.tiers.store.writer import Fill, Piece, StoreWriter
 
 # routed-expert tensors (per-expert or fused); shared experts (`mlp.shared_experts.`) are dense
 _ROUTED = re.compile(r"\.(mlp|block_sparse_moe)\.experts\.")
@@ -53,32 +58,40 @@ _STORE_NAMES = {INDEX_NAME, DENSE_NAME, EXPERTS_DIR, TABLES_DIR, RECORD_NAME, *C
 
 
 def convert_checkpoint(checkpoint_dir: str | os.PathLike, store_dir: str | os.PathLike, *, progress: bool = True,
-                       fingerprint: str | None = None) -> Path:
+                       fingerprint: str | None = None, experts: str = "checkpoint") -> Path:
     """Convert a checkpoint into a store at `store_dir` (atomically) and return the store directory.
 
-    If `store_dir` already holds the store of these very weights it is kept, its copies of config.json,
-    the tokenizer and the other small files brought up to date with the checkpoint; a store left without
-    its index is replaced; any other non-empty directory is refused. `fingerprint`: the weights'
-    fingerprint the caller keyed `store_dir` by; the checkpoint must still have it.
+    If `store_dir` already holds the store of these very weights (in the same expert format) it is kept, its
+    copies of config.json, the tokenizer and the other small files brought up to date with the checkpoint; a
+    store left without its index is replaced; any other non-empty directory is refused. `fingerprint`: the
+    weights' fingerprint the caller keyed `store_dir` by; the checkpoint must still have it. `experts`: one of
+    `STORE_EXPERTS` (`target_format`).
     """
-    return _convert(checkpoint_dir, store_dir, progress, fingerprint)[0]
+    return _convert(checkpoint_dir, store_dir, progress, fingerprint, experts)[0]
+
+
+def target_format(ckpt: Checkpoint, experts: str) -> ExpertFormat:
+    """The format a store of `ckpt` keeps its routed experts in (`store_format`)."""
+    cfg = ckpt.config
+    return store_format(ckpt.expert_format, experts, cfg.hidden_size, cfg.moe_intermediate_size, str(ckpt.directory))
 
 
 def _convert(checkpoint_dir: str | os.PathLike, store_dir: str | os.PathLike, progress: bool,
-             expected: str | None = None) -> tuple[Path, bool]:
+             expected: str | None = None, experts: str = "checkpoint") -> tuple[Path, bool]:
     """convert_checkpoint; also says whether anything was written."""
     src = Path(checkpoint_dir).expanduser()
     if is_store(src):
         raise ConfigError(f"{src} is already a strata store; convert the original Hugging Face checkpoint")
     ckpt = Checkpoint.open(src)
+    fmt = target_format(ckpt, experts)
     fingerprint = checkpoint_fingerprint(src)
     if expected is not None and fingerprint != expected:
         raise _changed(src)
     out = Path(store_dir).expanduser().absolute()
-    state = _existing_store(out, src, fingerprint)
+    state = _existing_store(out, src, fingerprint, fmt)
     if state == "same":
         return out, False
-    meta, dense, layers = _plan(ckpt, fingerprint)  # every shape/dtype checked before anything is written
+    meta, dense, layers = _plan(ckpt, fingerprint, fmt)  # every shape/dtype checked before anything is written
     num_blobs = len(meta["moe_layers"]) * meta["num_experts"]
     table_bytes = sum(t.nbytes for t in ckpt.index if is_table_tensor(t.name))
     total = sum(t.nbytes for t in dense) + num_blobs * meta["payload_bytes"] + table_bytes
@@ -154,66 +167,36 @@ def _move_into_place(tmp: Path, out: Path, fingerprint: str, replace: bool) -> b
     return True
 
 
-def _plan(ckpt: Checkpoint, fingerprint: str) -> tuple[dict, list[TensorInfo], list[tuple[int, list[list[Piece]]]]]:
-    """The store index's model fields, the dense tensors and every expert's payload pieces."""
+def _plan(ckpt: Checkpoint, fingerprint: str, fmt: ExpertFormat
+          ) -> tuple[dict, list[TensorInfo], list[tuple[int, list[list[Piece] | Fill]]]]:
+    """The store index's model fields, the dense tensors and, per MoE layer, every expert's payload: byte copies
+    when the store keeps the checkpoint's format, else a function quantizing it into `fmt`."""
     cfg = ckpt.config
     e_num, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     moe = [layer for layer, is_moe in enumerate(cfg.moe_layers) if is_moe]
     if not moe:
         raise CheckpointError(f"{ckpt.directory}: config.json has no MoE layers; there are no experts to store")
-    names = _expert_tensor_names(ckpt, moe[0], 0)
-    dtype = ckpt.index[names[0]].dtype
-    if dtype not in EXPERT_DTYPES:
-        raise CheckpointError(f"{ckpt.index[names[0]].file}: expert dtype {dtype}; strata stores {EXPERT_DTYPES}")
-    es = DTYPES[dtype][1]
-    layers = [(layer, _layer_pieces(ckpt, layer, dtype, e_num, i, h)) for layer in moe]
+    layout = ExpertLayout.build(fmt, h, i)
+    layers = [(layer, [_payload(source, layout) for source in layer_sources(ckpt, layer)]) for layer in moe]
     # routed experts of layers outside config's MoE layers (DeepSeek's MTP layer) are never run: skipped
     dense = [t for t in ckpt.index if not _ROUTED.search(t.name) and not is_table_tensor(t.name)]  # Engram: tables
-    payload = 3 * i * h * es
     meta = dict(
         source_fingerprint=fingerprint, model_type=cfg.model_type, num_layers=cfg.num_layers, moe_layers=moe,
-        num_experts=e_num, hidden=h, moe_intermediate=i, dtype=dtype, payload_bytes=payload,
-        slot_bytes=align_up(payload),
+        num_experts=e_num, hidden=h, moe_intermediate=i, dtype=expert_dtype(fmt), payload_bytes=layout.payload_bytes,
+        slot_bytes=align_up(layout.payload_bytes), expert_format=fmt,
     )  # fmt: skip
     return meta, dense, layers
 
 
-def _expert_tensor_names(ckpt: Checkpoint, layer: int, expert: int) -> list[str]:
-    if ckpt.expert_layout == "fused":
-        return [_resolve(ckpt, f"model.layers.{layer}.mlp.experts.{p}") for p in ("gate_up_proj", "down_proj")]
-    names = ckpt.expert_names(layer, expert)
-    return [names["gate_proj"], names["up_proj"], names["down_proj"]]
+def _payload(source: ExpertSource, layout: ExpertLayout) -> list[Piece] | Fill:
+    """One expert's payload for `StoreWriter.write_layer`: its pieces, or a function packing it into `layout`."""
+    pieces = source.pieces(layout)
+    if pieces is not None:
+        return pieces
+    return lambda out: layout.pack(*source.weights(), out=out)  # quantized (round to nearest) while it is packed
 
 
-def _resolve(ckpt: Checkpoint, name: str) -> str:
-    alt = name.replace(".mlp.", ".block_sparse_moe.")
-    return alt if name not in ckpt.index and alt in ckpt.index else name
-
-
-def _layer_pieces(ckpt: Checkpoint, layer: int, dtype: str, e_num: int, i: int, h: int) -> list[list[Piece]]:
-    """Per expert, where its payload's bytes are: gate [I, H], up [I, H], down [H, I] (per-expert
-    layout), or its slices of the fused gate_up_proj [E, 2I, H] and down_proj [E, H, I]."""
-    if ckpt.expert_layout == "fused":  # expert e's rows are contiguous slices of the stacked tensors
-        gu, dn = _checked_infos(ckpt, layer, 0, dtype, [(e_num, 2 * i, h), (e_num, h, i)])
-        gub, dnb = gu.nbytes // e_num, dn.nbytes // e_num
-        return [[(gu.file, gu.offset + e * gub, gub), (dn.file, dn.offset + e * dnb, dnb)] for e in range(e_num)]
-    shapes = [(i, h), (i, h), (h, i)]
-    return [[(t.file, t.offset, t.nbytes) for t in _checked_infos(ckpt, layer, e, dtype, shapes)] for e in range(e_num)]
-
-
-def _checked_infos(ckpt: Checkpoint, layer: int, e: int, dtype: str, shapes: list[tuple]) -> list[TensorInfo]:
-    """The expert tensors of (layer, e) (all experts when fused), checked against config.json's shapes."""
-    infos = [ckpt.index[n] for n in _expert_tensor_names(ckpt, layer, e)]
-    for info, shape in zip(infos, shapes, strict=True):
-        if info.shape != shape or info.dtype != dtype:
-            raise CheckpointError(
-                f"{info.file}: tensor {info.name!r} is {info.dtype} {list(info.shape)}, expected {dtype} "
-                f"{list(shape)} from config.json; the checkpoint and its config disagree"
-            )
-    return infos
-
-
-def _existing_store(out: Path, src: Path, fingerprint: str) -> str:
+def _existing_store(out: Path, src: Path, fingerprint: str, fmt: ExpertFormat) -> str:
     """What `out` holds: "absent" (or empty), "same" (this checkpoint's store; its small files are brought up
     to date), or "replace" (a store's files without the index: an interrupted or damaged store); otherwise
     an error."""
@@ -235,6 +218,9 @@ def _existing_store(out: Path, src: Path, fingerprint: str) -> str:
                 f"`strata convert {src} {out}`"
             )
         index.source_fingerprint, rekeyed = fingerprint, True  # converted by an earlier strata: same weights
+    if index.expert_format != fmt:
+        raise ConfigError(f"{out} holds the store of {src} with {index.expert_format.name} experts, not {fmt.name}; "
+                          "delete it or choose another directory")
     ExpertStore.open(out).close()  # the same store: check its files are all there (sizes only, cheap)
     if not StoreWriter(out).refresh_copies(src, index) and rekeyed:
         StoreWriter(out).write_index(index)
@@ -259,10 +245,12 @@ def adopt_earlier_store(src: Path, out: Path, root: Path) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    """`strata convert MODEL STORE_DIR`."""
-    out, wrote = _convert(args.model, args.store, progress=True)
+    """`strata convert MODEL STORE_DIR [--experts checkpoint|fp8|mxfp4] [--config PATH]`."""
+    experts = getattr(args, "experts", None) or load_config(getattr(args, "config", None)).store.experts
+    out, wrote = _convert(args.model, args.store, progress=True, experts=experts)
     idx = read_index(out)
-    what = f"{len(idx.blobs)} experts in {len(idx.moe_layers)} layers, {idx.slot_bytes} bytes a slot"
+    what = (f"{len(idx.blobs)} {idx.expert_format.name} experts in {len(idx.moe_layers)} layers, {idx.slot_bytes} "
+            "bytes a slot")
     print(f"wrote the store {out} ({what})" if wrote else f"{out} is already the store of {args.model} ({what})")
     return 0
 
@@ -277,8 +265,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
         idx = store.index
     if not damaged:
         chunks = sum(t.num_chunks for t in idx.tables.values())
-        print(f"{directory}: sound ({len(idx.blobs)} experts, {len(idx.tables)} tables / {chunks} chunks, "
-              f"{len(idx.dense.tensor_checksums) if idx.dense else 0} dense tensors)")
+        dense = len(idx.dense.tensor_checksums) if idx.dense else 0
+        print(f"{directory}: sound ({len(idx.blobs)} {idx.expert_format.name} experts, {len(idx.tables)} tables / "
+              f"{chunks} chunks, {dense} dense tensors)")
         return 0
     for name in damaged:
         print(f"damaged: {name}")

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+from strata.kernels.quant import ExpertFormat, ExpertLayout
 from strata.runtime.model.checkpoint import read_json
 from strata.runtime.model.config import ModelConfig
-from strata.runtime.plan.inspect import summarize_checkpoint
+from strata.runtime.plan.expert_sources import store_format as experts_format
+from strata.runtime.plan.inspect import FP8, FP8_SCALES, RESIDENT_ROLES, CheckpointSummary, summarize_checkpoint
 from strata.tiers.store import format as store_format
 from strata.tiers.store.safetensors_index import DTYPE_BITS
+
+PLAIN_DTYPES = ("BF16", "F16", "F32")
 
 
 @dataclass
@@ -27,21 +31,42 @@ class ModelFootprint:
     itemsize: int  # bytes per element of the stored weights
     store_bytes: int  # the store's size on disk (existing, or to be built)
     engram_table_bytes: int = 0  # Engram lookup tables, as stored (served by the row store, not the dense weights)
+    expert_format: ExpertFormat = field(default_factory=ExpertFormat)  # the store's (existing, or to be built)
+    dense_format: str = ""  # the resident weights' formats, e.g. "bf16 + fp8 128x128"
+    dense_fp8_bytes: int = 0  # of non_expert_bytes: FP8 values (one byte an element, dequantized when loaded) ...
+    dense_scale_bytes: int = 0  # ... and their block scales (dropped when loaded)
 
     @property
     def total_experts(self) -> int:
         return self.moe_layers * self.experts_per_layer
 
+    def non_expert_bytes_in(self, itemsize: int) -> int:
+        """The non-expert weights' bytes once loaded in a compute dtype of `itemsize` bytes: plain tensors converted,
+        FP8 ones dequantized (their scales dropped)."""
+        plain = self.non_expert_bytes - self.dense_fp8_bytes - self.dense_scale_bytes
+        return int(plain * itemsize / self.itemsize) + self.dense_fp8_bytes * itemsize
 
-def read_footprint(model_dir: str | Path) -> ModelFootprint:
-    """Read a checkpoint directory or a strata store (it has store.msgpack) without reading weights."""
+    def gpu_slot_bytes(self, itemsize: int) -> int:
+        """One expert's GPU slot in the planner's count: plain experts in a compute dtype of `itemsize` bytes, FP8 and
+        MXFP4 ones as stored (their GPU slots hold the blob)."""
+        if self.expert_format.quantized:
+            return self.slot_bytes
+        return self.expert_bytes * itemsize // self.itemsize
+
+
+def read_footprint(model_dir: str | Path, experts: str = "checkpoint") -> ModelFootprint:
+    """Read a checkpoint directory or a strata store (it has store.msgpack) without reading weights. `experts`: the
+    `[store] experts` a checkpoint's store is (to be) built with, which fixes the experts' bytes."""
     path = Path(model_dir)
     if store_format.is_store(path):
         return _store_footprint(path)
     s = summarize_checkpoint(path)
     cfg = _model_config(path)
-    itemsize = DTYPE_BITS.get(s.dtype, 16) // 8
-    expert = 3 * cfg.moe_intermediate_size * cfg.hidden_size * itemsize  # the store's payload_bytes
+    plain = _plain_dtype(s.bytes_by_dtype)
+    itemsize = DTYPE_BITS[plain] // 8
+    src = s.expert_format or ExpertFormat("plain", plain)
+    fmt = experts_format(src, experts, cfg.hidden_size, cfg.moe_intermediate_size, str(path))
+    expert = ExpertLayout.build(fmt, cfg.hidden_size, cfg.moe_intermediate_size).payload_bytes  # the store's payload
     # MTP is never loaded; Engram tables live in the tiers as row objects, not with the dense weights
     non_expert = s.total_bytes - s.bytes_by_role["experts"] - s.bytes_by_role["mtp"] - s.bytes_by_role["engram_tables"]
     slot = store_format.align_up(expert)
@@ -51,19 +76,38 @@ def read_footprint(model_dir: str | Path) -> ModelFootprint:
         itemsize=itemsize,
         store_bytes=store_format.align_up(non_expert) + cfg.num_moe_layers * cfg.num_experts * slot
         + store_format.align_up(s.bytes_by_role["engram_tables"]),
-        engram_table_bytes=s.bytes_by_role["engram_tables"],
+        engram_table_bytes=s.bytes_by_role["engram_tables"], expert_format=fmt,
+        **_dense_formats(s),
     )  # fmt: skip
+
+
+def _dense_formats(s: CheckpointSummary) -> dict:
+    """The footprint's fields on the resident weights' formats, from a summary."""
+    fp8 = scales = 0
+    for role in RESIDENT_ROLES:
+        formats = s.formats_by_role.get(role, {})
+        fp8, scales = fp8 + formats.get(FP8, 0), scales + formats.get(FP8_SCALES, 0)
+    return dict(dense_format=s.roles_format(RESIDENT_ROLES)[0], dense_fp8_bytes=fp8, dense_scale_bytes=scales)
 
 
 def _store_footprint(path: Path) -> ModelFootprint:
     idx = store_format.read_index(path)
     dense = idx.dense.size - idx.dense.data_start if idx.dense is not None else 0
+    s = summarize_checkpoint(path)  # dense.safetensors' header and the index
+    plain = idx.dtype if not idx.expert_format.quantized else _plain_dtype(s.bytes_by_dtype)
     return ModelFootprint(
         path=str(path), source="store", config=_model_config(path), moe_layers=len(idx.moe_layers),
         experts_per_layer=idx.num_experts, expert_bytes=idx.payload_bytes, slot_bytes=idx.slot_bytes,
-        non_expert_bytes=dense, itemsize=store_format.itemsize(idx.dtype),
+        non_expert_bytes=dense, itemsize=store_format.itemsize(plain),
         store_bytes=sum(idx.file_sizes().values()), engram_table_bytes=sum(t.nbytes for t in idx.tables.values()),
+        expert_format=idx.expert_format, **_dense_formats(s),
     )  # fmt: skip
+
+
+def _plain_dtype(bytes_by_dtype: dict[str, int]) -> str:
+    """The plain dtype with the most bytes; "BF16" when there is none (quantized weights dequantize to bf16)."""
+    plain = {d: n for d, n in bytes_by_dtype.items() if d in PLAIN_DTYPES}
+    return max(plain, key=plain.get) if plain else "BF16"
 
 
 def _model_config(path: Path) -> ModelConfig:

@@ -22,9 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from strata.errors import CheckpointError
+from strata.kernels.quant import ExpertFormat
 from strata.runtime.model.config import SUPPORTED_ARCHITECTURES
 from strata.tiers.store.format import is_store, lacks_index, no_index_error, read_index
-from strata.tiers.store.safetensors_index import TensorIndex
+from strata.tiers.store.safetensors_index import FP8_SCALE, MX_BLOCKS, MX_SCALES, TensorIndex, TensorInfo
 
 ROLES = ("attention", "dense_mlp", "experts", "shared_experts", "router", "embeddings", "norms", "engram_tables",
          "engram", "mtp", "other")
@@ -33,6 +34,20 @@ KNOWN_MODEL_TYPES = SUPPORTED_ARCHITECTURES
 _EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
 _MOE_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward", "moe")
 _IN_LAYER = re.compile(r"(?:^|\.)layers\.\d+\.")
+RESIDENT_ROLES = tuple(r for r in ROLES if r not in ("experts", "mtp", "engram_tables"))  # "dense": loaded whole
+FP8, FP8_SCALES, MXFP4 = "fp8", "fp8 scales", "mxfp4"  # `formats_by_role` keys of quantized tensors; else a dtype
+
+
+def tensor_format(info: TensorInfo) -> str:
+    """How a tensor is stored, for `formats_by_role`: FP8 values ("fp8"), their block scales ("fp8 scales"), an
+    MXFP4 half ("mxfp4"), or its safetensors dtype."""
+    if info.dtype == "F8_E4M3":
+        return FP8
+    if info.name.endswith(FP8_SCALE):
+        return FP8_SCALES
+    if info.dtype == "U8" and info.name.endswith((MX_BLOCKS, MX_SCALES)):
+        return MXFP4
+    return info.dtype
 
 
 @dataclass
@@ -55,6 +70,26 @@ class CheckpointSummary:
     mtp_layers: int = 0
     bytes_by_dtype: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # one-line observations: unknown model_type, mismatches
+    formats_by_role: dict[str, dict[str, int]] = field(default_factory=dict)  # role -> `tensor_format` -> bytes
+    fp8_block: tuple[int, int] | None = None  # config.json's quantization_config.weight_block_size
+    expert_format: ExpertFormat | None = None  # the routed experts' (None: no experts, or an unknown dtype)
+
+    def format_name(self, key: str, role: str = "") -> str:
+        """A `formats_by_role` key of `role` as `inspect` and `plan` print it: "bf16", "fp8 128x128", "mxfp4"."""
+        if role == "experts" and self.expert_format is not None and self.expert_format.quantized \
+                and key in (FP8, FP8_SCALES, MXFP4, "U8"):
+            return self.expert_format.name  # (a store's blobs: their own block)
+        if key in (FP8, FP8_SCALES):
+            return f"fp8 {self.fp8_block[0]}x{self.fp8_block[1]}" if self.fp8_block else "fp8"
+        return key.lower()
+
+    def roles_format(self, roles: tuple[str, ...]) -> tuple[str, int]:
+        """(formats, bytes) of `roles` together: "bf16 + fp8 128x128" (most bytes first, scales with their values)."""
+        named: dict[str, int] = defaultdict(int)
+        for role in roles:
+            for key, n in self.formats_by_role.get(role, {}).items():
+                named[self.format_name(key, role)] += n
+        return " + ".join(sorted(named, key=lambda k: -named[k])), sum(named.values())
 
 
 def _read_config(path: Path) -> dict:
@@ -122,6 +157,7 @@ class _Tally:
 
     by_role: dict[str, int] = field(default_factory=lambda: dict.fromkeys(ROLES, 0))
     by_dtype: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    formats: dict[tuple[str, str], int] = field(default_factory=lambda: defaultdict(int))  # (role, format) -> bytes
     layers: set[int] = field(default_factory=set)
     mtp_layers: set[int] = field(default_factory=set)
     moe: dict[int, _MoeLayer] = field(default_factory=lambda: defaultdict(_MoeLayer))
@@ -149,10 +185,11 @@ def _tally(index: TensorIndex, num_layers: int | None) -> _Tally:
     blocks = "|".join(_MOE_BLOCKS)
     prefix = re.escape(_decoder_prefix(index))
     layer_re = re.compile(rf"{prefix}layers\.(\d+)\.(?:(?:{blocks})\.experts\.(\d+)\.)?(.*)")
-    by_role, by_dtype, moe = t.by_role, t.by_dtype, t.moe
+    by_role, by_dtype, moe, formats = t.by_role, t.by_dtype, t.moe, t.formats
     for info in index:
         name, nbytes = info.name, info.nbytes
         by_dtype[info.dtype] += nbytes
+        fmt = tensor_format(info)
         m = layer_re.match(name)
         if m is None:
             if "embed_tokens" in name or name.startswith("lm_head."):
@@ -165,11 +202,13 @@ def _tally(index: TensorIndex, num_layers: int | None) -> _Tally:
                 role = "other"
                 t.unknown.append(name)
             by_role[role] += nbytes
+            formats[role, fmt] += nbytes
             continue
         layer = int(m[1])
         if num_layers is not None and layer >= num_layers:
             t.mtp_layers.add(layer)  # DeepSeek-V3 stores its MTP module as layer num_hidden_layers
             by_role["mtp"] += nbytes
+            formats["mtp", fmt] += nbytes
             continue
         t.layers.add(layer)
         if m[2] is not None:  # per-expert: layers.L.mlp.experts.E.*
@@ -177,6 +216,7 @@ def _tally(index: TensorIndex, num_layers: int | None) -> _Tally:
             st.bytes += nbytes
             st.indices.add(int(m[2]))
             by_role["experts"] += nbytes
+            formats["experts", fmt] += nbytes
             continue
         role, fused = _layer_role(m[3])
         if fused:
@@ -190,6 +230,7 @@ def _tally(index: TensorIndex, num_layers: int | None) -> _Tally:
         elif role == "other":
             t.unknown.append(name)
         by_role[role] += nbytes
+        formats[role, fmt] += nbytes
     return t
 
 
@@ -257,6 +298,14 @@ def summarize_checkpoint(path: str | Path) -> CheckpointSummary:
         notes.append(f"config.json says {cfg_shared} shared experts but no shared-expert tensors were found")
 
     dtype = max(t.by_dtype, key=lambda d: t.by_dtype[d]) if t.by_dtype else ""
+    formats_by_role: dict[str, dict[str, int]] = defaultdict(dict)
+    for (role, key), n in t.formats.items():
+        formats_by_role[role][key] = n
+    fp8_block = _fp8_block(cfg)
+    if is_store(path):
+        expert_format = read_index(path).expert_format
+    else:
+        expert_format = _expert_format(formats_by_role.get("experts", {}), fp8_block)
     return CheckpointSummary(
         model_type=model_type,
         architecture=architecture,
@@ -274,7 +323,28 @@ def summarize_checkpoint(path: str | Path) -> CheckpointSummary:
         mtp_layers=len(t.mtp_layers),
         bytes_by_dtype=dict(t.by_dtype),
         notes=notes,
+        formats_by_role=dict(formats_by_role),
+        fp8_block=fp8_block,
+        expert_format=expert_format,
     )
+
+
+def _fp8_block(cfg: dict) -> tuple[int, int] | None:
+    """config.json's quantization_config.weight_block_size, when it is two integers."""
+    q = cfg.get("quantization_config")
+    block = q.get("weight_block_size") if isinstance(q, dict) else None
+    ok = isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)
+    return (block[0], block[1]) if ok else None
+
+
+def _expert_format(formats: dict[str, int], fp8_block: tuple[int, int] | None) -> ExpertFormat | None:
+    """The routed experts' format from their tensors' formats (None: no experts, or a dtype strata cannot load)."""
+    if MXFP4 in formats:
+        return ExpertFormat("mxfp4")
+    if FP8 in formats:
+        return ExpertFormat("fp8", block=fp8_block or (128, 128))
+    plain = {k: n for k, n in formats.items() if k in ("BF16", "F16", "F32")}
+    return ExpertFormat("plain", max(plain, key=plain.get)) if plain else None
 
 
 def _add_store_objects(t: _Tally, path: Path, dense_bytes: int) -> tuple[int, int]:
@@ -290,6 +360,10 @@ def _add_store_objects(t: _Tally, path: Path, dense_bytes: int) -> tuple[int, in
     t.by_role["experts"] += experts
     t.by_role["engram_tables"] += tables
     t.by_dtype[idx.dtype] += experts
+    fmt = idx.expert_format
+    t.formats["experts", idx.dtype if not fmt.quantized else FP8 if fmt.kind == "fp8" else MXFP4] += experts
+    for table in idx.tables.values():
+        t.formats["engram_tables", table.dtype] += table.nbytes
     return dense_bytes + experts + tables, len(idx.file_sizes())
 
 
@@ -299,6 +373,17 @@ def format_bytes(n: int) -> str:
         if n >= size:
             return f"{n / size:.2f} {unit}" if unit == "GiB" else f"{n / size:.1f} {unit}"
     return f"{n} B"
+
+
+def formats_line(s: CheckpointSummary) -> str:
+    """The routed experts' format and bytes, then the resident weights': "experts fp8 128x128: 600.00 GiB, dense
+    bf16 + fp8 128x128: 12.00 GiB"."""
+    parts = []
+    for what, roles in (("experts", ("experts",)), ("dense", RESIDENT_ROLES)):
+        name, n = s.roles_format(roles)
+        if n:
+            parts.append(f"{what} {name}: {format_bytes(n)}")
+    return ", ".join(parts)
 
 
 def format_summary(s: CheckpointSummary) -> str:
@@ -321,10 +406,11 @@ def format_summary(s: CheckpointSummary) -> str:
             f"  per token      {format_bytes(active)} "
             f"(non-expert weights + {s.experts_per_token} experts in each MoE layer)"
         )
+    lines.append(f"  formats        {formats_line(s)}")
     lines.append("  bytes by role")
     for role, n in sorted(s.bytes_by_role.items(), key=lambda kv: -kv[1]):
         if n:
             pct = 100 * n / s.total_bytes if s.total_bytes else 0.0
-            lines.append(f"    {role:<15}{format_bytes(n):>12}  {pct:5.1f}%")
+            lines.append(f"    {role:<15}{format_bytes(n):>12}  {pct:5.1f}%  {s.roles_format((role,))[0]}")
     lines += [f"  note: {note}" for note in s.notes]
     return "\n".join(lines)

@@ -76,6 +76,10 @@ class Plan:
     engram: EngramPlan | None = None  # models with Engram tables: their tier and what they take
     prefill_chunk: int = 512  # prompt tokens a prefill pass takes (runtime.prefill_chunk, "auto" resolved)
     store_dir: str = ""  # where the store is, or will be built ("" when not given)
+    expert_format: str = "bf16"  # the routed experts' format in the store: "bf16", "fp8 128x128", "mxfp4"
+    dense_format: str = ""  # the resident weights' formats as stored, e.g. "bf16 + fp8 128x128"
+    decode: str = ""  # how decode steps compute the experts (strata.runtime.plan.decode_modes)
+    decode_graphs: bool = True  # whether they may run as CUDA graphs (False: a fallback that needs the host)
 
     @property
     def total_experts(self) -> int:
@@ -106,9 +110,14 @@ class Plan:
         f = format_bytes
         lines = [f"plan for {self.model_dir} ({self.model_type} {self.source})"]
         lines.append(f"  experts      {self.moe_layers} MoE layers x {self.experts_per_layer} = {self.total_experts} "
-                     f"of {f(self.expert_bytes)}, {self.experts_per_token} per token")
+                     f"of {f(self.expert_bytes)} ({self.expert_format}), {self.experts_per_token} per token")
+        dense = f"dense {self.dense_format}: " if self.dense_format else "dense: "
+        lines.append(f"  formats      experts {self.expert_format}: {f(self.total_experts * self.expert_bytes)}, {dense}"
+                     f"{f(self.non_expert_bytes)} in {self.compute_dtype} once loaded")
         where = "the GPU" if self.expert_compute == "gpu" else "the CPU, from RAM"
         lines.append(f"  compute      {self.compute_device} in {self.compute_dtype}; experts compute on {where}")
+        if self.decode:
+            lines.append(f"  decode       {self.decode}")
         for g in self.gpus:
             lines.append(f"  {g.device:<12} {g.name}: {f(g.free_bytes)} free = non-expert weights {f(g.non_expert_bytes)}"
                          f" + KV cache {f(g.kv_bytes)} + reserve {f(g.reserve_bytes)} + experts {f(g.expert_room_bytes)}")

@@ -23,6 +23,7 @@ import psutil
 import torch
 
 from strata.config import StrataConfig
+from strata.kernels.quant import reads
 from strata.runtime.model.capture import current_recorder
 from strata.runtime.model.checkpoint import Checkpoint
 from strata.runtime.model.engram.store import attach_row_store, drop_tables
@@ -221,9 +222,10 @@ def assemble_tiered(checkpoint: Checkpoint, bounds: Bounds, gpu_slots: list[int]
     tiers = DeviceTiers(store, managers, [str(d) for d, _, _ in bounds], [(s, e) for _, s, e in bounds],
                         hops=stage_map.stats.snapshot)
     compute = StagedCompute(computes, tiers)
-    if all(d.type == "cuda" for d, _, _ in bounds) and model.engram is None:
+    if all(d.type == "cuda" for d, _, _ in bounds) and model.engram is None and reads("gpu_pairs", store.expert_format):
         # decode steps in CUDA graphs, one per card's stretch of layers (and between host steps while
-        # experts are cold); Engram models split over cards decode eagerly
+        # experts are cold); Engram models split over cards decode eagerly, and so do FP8 / MXFP4 experts the pair
+        # kernels do not read (each layer groups its tokens by expert on the host)
         model.enable_decode_graphs(lambda: None if not cfg.debug.cuda_graphs
                                    else "full" if compute.all_resident() else "segmented",
                                    devices=[d for d, _, _ in bounds])

@@ -28,6 +28,7 @@ from strata.config import StrataConfig, load_config, parse_gpus, parse_size
 from strata.runtime.generation.prefill_chunk import resolve_prefill_chunk
 from strata.runtime.model.kv_cache import KVCache
 from strata.runtime.plan.context import plan_context
+from strata.runtime.plan.decode_modes import decode_mode
 from strata.runtime.plan.engram import EngramPlanError, plan_engram
 from strata.runtime.plan.footprint import read_footprint
 from strata.runtime.plan.host import GpuInfo, HostInfo, probe_host
@@ -54,15 +55,15 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
     disk needs no room to build one. Raises `PlanError` when the minimum layout does not fit.
     """
     cfg = load_config(config)
-    fp = read_footprint(model_dir)
+    fp = read_footprint(model_dir, cfg.store.experts)
     host = override_host(host, gpu_mem, ram)
     if len(cfg.runtime.devices) > 1:  # one model over several cards (strata.runtime.plan.stages)
         gpu = select_devices(host.gpus, cfg.runtime.devices)[0]
     else:
         gpu = _select_gpu(host, cfg.runtime.primary_device)
     dtype = cfg.runtime.dtype if cfg.runtime.dtype != "auto" else ("bfloat16" if gpu else "float32")
-    ratio = _TORCH_DTYPES[dtype].itemsize / fp.itemsize  # weights are converted to the compute dtype on load
-    non_expert = int(fp.non_expert_bytes * ratio)
+    itemsize = _TORCH_DTYPES[dtype].itemsize
+    non_expert = fp.non_expert_bytes_in(itemsize)  # weights are converted (FP8 ones dequantized) to it on load
     slots = cfg.planner.max_batch + cfg.runtime.prefix_only_slots  # the batch's, and those only keeping prefixes
     kv_per_token = KVCache.bytes_per_token(fp.config, _TORCH_DTYPES[dtype]) * slots
     reserve = cfg.planner.activation_reserve_bytes
@@ -106,7 +107,7 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
         gpu_slots = sum(g.slots for g in gpus)
     elif gpu is not None:
         device = f"cuda:{gpu.index}"
-        slot = int(fp.expert_bytes * ratio)
+        slot = fp.gpu_slot_bytes(itemsize)
         budget = cfg.tiers.gpu.budget_bytes
         minimum = 0 if budget == 0 else fp.moe_layers * slot
         left = gpu.free_bytes - non_expert - kv - reserve - minimum
@@ -186,18 +187,25 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
         TierPlan("disk", fp.store_bytes, total, fp.store_bytes, max(0.0, 1.0 - sum(shares)) if total else 0.0,
                  host.disk_path),
     ]
+    expert_compute = "gpu" if gpu_slots else "cpu"
+    decode = decode_mode(fp.expert_format, expert_compute, bool(total) and gpu_slots >= total, cfg, dtype)
+    notes += decode.fallbacks
+    if fp.dense_fp8_bytes:
+        notes.append(f"dense FP8 weights ({format_bytes(fp.dense_fp8_bytes)}) are dequantized to {dtype} as they load")
     return Plan(
         model_dir=fp.path, source=fp.source, model_type=fp.config.model_type, moe_layers=fp.moe_layers,
         experts_per_layer=fp.experts_per_layer, experts_per_token=fp.config.num_experts_per_tok,
         expert_bytes=fp.expert_bytes, slot_bytes=fp.slot_bytes,
         compute_device=f"cuda:{gpu.index}" if gpu is not None else "cpu", compute_dtype=dtype,
-        expert_compute="gpu" if gpu_slots else "cpu", max_context=context, max_batch=cfg.planner.max_batch,
+        expert_compute=expert_compute, max_context=context, max_batch=cfg.planner.max_batch,
         kv_bytes=kv, non_expert_bytes=non_expert, ram_margin_bytes=margin, budget_scope=cfg.policy.budget_scope,
         store_bytes=fp.store_bytes, store_exists=store_exists, gpus=gpus, tiers=tiers, host=host, notes=notes,
         engram=engram, prefill_chunk=resolve_prefill_chunk(cfg.runtime.prefill_chunk, fp.config,
                                                             torch.device("cuda" if gpu is not None else "cpu"),
                                                             cfg.planner.activation_reserve_bytes, context),
         store_dir=str(store_dir) if store_dir is not None else fp.path if fp.source == "store" else "",
+        expert_format=fp.expert_format.name, dense_format=fp.dense_format, decode=decode.mode,
+        decode_graphs=decode.graphs,
     )  # fmt: skip
 
 

@@ -283,7 +283,7 @@ def plan_stages(fp, cfg, host: HostInfo, dtype: torch.dtype, context: int, notes
     `fp` is the planner's `ModelFootprint` (strata.runtime.plan.footprint); notes about the split and the links are appended to `notes`.
     """
     sizes = layer_sizes(fp.config, dtype, cfg.planner.max_batch + cfg.runtime.prefix_only_slots)
-    slot = fp.expert_bytes * torch.empty((), dtype=dtype).element_size() // fp.itemsize
+    slot = fp.gpu_slot_bytes(torch.empty((), dtype=dtype).element_size())
     stages = place_stages(sizes, select_devices(host.gpus, cfg.runtime.devices), context=context,
                           reserve=cfg.planner.activation_reserve_bytes, slot_bytes=slot,
                           budget=cfg.tiers.gpu.budget_bytes, per_layer=cfg.policy.budget_scope == "per_layer")

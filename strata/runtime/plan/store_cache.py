@@ -3,7 +3,8 @@
 A checkpoint loaded by path gets its store in the cache, `store_root(cfg)/NAME-FINGERPRINT`, keyed by its
 weights' fingerprint (safetensors names, sizes and headers): a copy of the weights, or a checkpoint whose
 config.json or tokenizer changed, finds the same store, and the store's copies of those small files are
-brought up to date at every load. `store_dir_for` is the one place that names it: loading, `strata plan`
+brought up to date at every load. With `[store] experts = "fp8"` or `"mxfp4"` the store's name ends in that
+format (`NAME-FINGERPRINT-fp8`): one checkpoint may have a store of each. `store_dir_for` is the one place that names it: loading, `strata plan`
 and `strata serve`'s preflight plan all measure the disk where the store is, or will be, written.
 """
 
@@ -32,7 +33,8 @@ def store_dir_for(path: str | os.PathLike, cfg: StrataConfig, fingerprint: str |
         return path
     if lacks_index(path):
         raise no_index_error(path)
-    return store_root(cfg) / f"{path.name}-{(fingerprint or checkpoint_fingerprint(path))[:12]}"
+    suffix = "" if cfg.store.experts == "checkpoint" else f"-{cfg.store.experts}"
+    return store_root(cfg) / f"{path.name}-{(fingerprint or checkpoint_fingerprint(path))[:12]}{suffix}"
 
 
 def ensure_store(path: Path, cfg: StrataConfig, progress: bool) -> Path:
@@ -46,5 +48,6 @@ def ensure_store(path: Path, cfg: StrataConfig, progress: bool) -> Path:
         return path
     fingerprint = checkpoint_fingerprint(path)
     store_dir = store_dir_for(path, cfg, fingerprint)
-    adopt_earlier_store(path, store_dir, store_dir.parent)
-    return convert_checkpoint(path, store_dir, progress=progress, fingerprint=fingerprint)
+    if cfg.store.experts == "checkpoint":  # (earlier strata built stores in the checkpoint's format only)
+        adopt_earlier_store(path, store_dir, store_dir.parent)
+    return convert_checkpoint(path, store_dir, progress=progress, fingerprint=fingerprint, experts=cfg.store.experts)

@@ -5,7 +5,7 @@ checkpoint; `add_table` adds one table to an existing store."""
 from __future__ import annotations
 
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -37,7 +37,8 @@ from strata.tiers.store.safetensors_index import DTYPE_BITS, TensorInfo, encode_
 
 _COPY_CHUNK = 16 << 20  # dense tensors are copied through a buffer of this many bytes
 
-Piece = tuple[Path, int, int]  # (source file, absolute offset, bytes): part of one expert's payload
+Piece = tuple[Path, int, int, int]  # (source file, absolute offset, bytes, offset in the blob): part of one payload
+Fill = Callable[[torch.Tensor], None]  # writes one expert's whole payload into a uint8 buffer of payload_bytes
 
 def _holds(path: Path, data: bytes) -> bool:
     """Whether `path` is a file with exactly `data`."""
@@ -153,23 +154,26 @@ class StoreWriter:
             os.close(fd)
         return DenseEntry(DENSE_NAME, pos, len(head), checksum(head), sums)
 
-    def write_layer(self, layer: int, experts: list[list[Piece]], payload_bytes: int) -> list[BlobEntry]:
-        """Write one MoE layer file: expert e's payload (its pieces, in order) at e * slot_bytes, zero-padded."""
+    def write_layer(self, layer: int, experts: list[list[Piece] | Fill], payload_bytes: int) -> list[BlobEntry]:
+        """Write one MoE layer file: expert e's payload at e * slot_bytes, zero-padded. An expert is given as its
+        pieces (byte copies from the checkpoint to their offsets in the blob; the bytes between them stay zero) or
+        as a function that writes the whole payload (an expert quantized while it is packed)."""
         slot = torch.zeros(align_up(payload_bytes), dtype=torch.uint8)  # padding stays zero: deterministic files
         view = byte_view(slot)
         rel = layer_file(layer)
         blobs = []
         fd = self._create(rel)
         try:
-            for e, pieces in enumerate(experts):
-                pos = 0
-                for path, offset, nbytes in pieces:
-                    self._read(path, offset, view[pos : pos + nbytes])
-                    pos += nbytes
-                assert pos == payload_bytes, (layer, e, pos, payload_bytes)
+            for e, expert in enumerate(experts):
+                if callable(expert):
+                    expert(slot[:payload_bytes])
+                else:
+                    for path, offset, nbytes, at in expert:
+                        assert at + nbytes <= payload_bytes, (layer, e, at, nbytes, payload_bytes)
+                        self._read(path, offset, view[at : at + nbytes])
                 pwrite_all(fd, view, e * len(view))
-                blobs.append(BlobEntry(layer, e, rel, e * len(view), payload_bytes, checksum(view[:payload_bytes])))
                 self._tick(payload_bytes)
+                blobs.append(BlobEntry(layer, e, rel, e * len(view), payload_bytes, checksum(view[:payload_bytes])))
             os.fsync(fd)
         finally:
             os.close(fd)
