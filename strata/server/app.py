@@ -210,11 +210,14 @@ async def _metrics(request: Request, st: ServerState) -> Response:
 
 
 async def _models(request: Request, st: ServerState) -> Response:
-    """The served model."""
+    """The served model (in OpenAI's shape, with the fields of Anthropic's beside them)."""
     st.require_ready()
+    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(st.created))
     card = {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "strata",
-            "root": st.model_name, "max_model_len": st.engine.max_context}
-    return JSONResponse({"object": "list", "data": [card]})
+            "root": st.model_name, "max_model_len": st.engine.max_context,
+            "type": "model", "display_name": st.model_name, "created_at": created}
+    return JSONResponse({"object": "list", "data": [card], "has_more": False, "first_id": st.model_name,
+                         "last_id": st.model_name})
 
 
 async def _stats(request: Request, st: ServerState) -> Response:

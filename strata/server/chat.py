@@ -5,7 +5,8 @@ With tools (and `tool_choice` other than "none") the template gets `tools=`, as 
 the output is parsed for the calls of the model's format (strata.server.tool_calls). A template that does not
 write the tools into the prompt is refused: its model could not know them. `tool_choice` "required" or a named
 function appends the start of a call to the prompt (the format's `forced_prefix`), so the model writes one;
-not where the prompt ends inside an open thinking block, which the model finishes first.
+not where the prompt ends inside an open thinking block, which the model finishes first. A harmony model's
+(gpt-oss) output is always read through its parser, which splits its channels into reasoning and answer.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ async def render_chat(st: Any, messages: list[dict], tools: ToolRequest, add_gen
             and not in_reasoning else ""
         text += prefix
         calls = CallParsing(st.tool_format, tools.tools, prefix, tools.parallel)
+    elif st.tool_format.name == "harmony":  # gpt-oss writes its reasoning and answer in channels, tools or not
+        calls = CallParsing(st.tool_format)
     refuse_past_context(st.engine, text, "messages", max_tokens)
     ids = await asyncio.to_thread(tok.encode, text, False)
     return ChatPrompt(text, ids, in_reasoning, calls)

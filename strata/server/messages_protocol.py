@@ -64,6 +64,8 @@ class MessagesRequest(GenerationRequest):
 
     @model_validator(mode="after")
     def _check_tools(self) -> MessagesRequest:
+        if self.n != 1:
+            raise bad_request("n is not part of the Messages API: a message is one answer; leave it out", param="n")
         self._tools = anthropic_tools(self.tools, self.tool_choice)
         return self
 

@@ -173,11 +173,19 @@ class ModelCard(BaseModel):
     owned_by: str
     root: str
     max_model_len: int
+    type: Literal["model"] = Field(description="Anthropic's shape")
+    display_name: str
+    created_at: str = Field(description="RFC 3339")
 
 
 class ModelList(BaseModel):
+    """OpenAI's list of models, with the fields of Anthropic's (has_more, first_id, last_id)."""
+
     object: Literal["list"]
     data: list[ModelCard]
+    has_more: bool
+    first_id: str
+    last_id: str
 
 
 class Health(BaseModel):

@@ -277,6 +277,34 @@ def test_messages_api_thinking_blocks(scripted):
     assert ("content_block_delta", "thinking_delta") in events and ("content_block_delta", "text_delta") in events
 
 
+def test_a_harmony_model_answers_in_channels(engine):
+    """gpt-oss writes its reasoning and its answer in channels, with tools or without: both APIs split them."""
+    from strata.server.app import create_app
+
+    sched = ScriptedScheduler(engine.tokenizer)
+    sched.text = "<|channel|>analysis<|message|>Simple sum.<|end|><|start|>assistant<|channel|>final<|message|>It is 4."
+    srv = Served(create_app(engine, sched, MODEL, tool_parser="harmony"))
+    try:
+        msg = srv.openai().chat.completions.create(model=MODEL, messages=ASK, max_tokens=200).choices[0].message
+        assert msg.content == "It is 4." and msg.model_extra["reasoning_content"] == "Simple sum."
+        m = srv.anthropic().messages.create(model=MODEL, max_tokens=200, messages=ASK)
+        assert [(b.type, getattr(b, "thinking", None) or b.text) for b in m.content] == [
+            ("thinking", "Simple sum."), ("text", "It is 4.")]
+    finally:
+        srv.close()
+
+
+def test_both_clients_list_the_model_and_messages_refuse_n(scripted):
+    assert [m.id for m in scripted.openai().models.list()] == [MODEL]
+    page = scripted.anthropic().models.list()
+    assert [m.id for m in page.data] == [MODEL] and page.data[0].type == "model"
+    import httpx
+
+    r = httpx.post(scripted.url + "/v1/messages", json={"model": MODEL, "max_tokens": 4, "messages": ASK, "n": 2},
+                   timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
 # ---- a real round trip: a conversation holding calls and their results -------------------------------------
 
 CONVERSATION = [
