@@ -54,22 +54,24 @@ def _format_args(fmt: ExpertFormat) -> dict:
     return {"FMT": MXFP4, "BN": 1, "G": MX_GROUP}
 
 
-def _config(num_pairs: int, group: int):
-    (bi, bh, wg, sg), (bo, bk, wd, sd) = QUANT_PAIR_CONFIGS["small" if num_pairs <= QUANT_SMALL_PAIRS else "large"]
+def _config(num_pairs: int, group: int, config=None):
+    shipped = QUANT_PAIR_CONFIGS["small" if num_pairs <= QUANT_SMALL_PAIRS else "large"]
+    (bi, bh, wg, sg), (bo, bk, wd, sd) = config or shipped
     return (bi, max(bh, group), wg, sg), (bo, max(bk, group), wd, sd)  # a tile holds whole scale groups
 
 
 def pair_quant(x: torch.Tensor, weights: QuantSlotWeights, slot_of: torch.Tensor, ids: torch.Tensor,
-               rows: torch.Tensor | None, k: int, y: torch.Tensor, used: torch.Tensor) -> None:
+               rows: torch.Tensor | None, k: int, y: torch.Tensor, used: torch.Tensor, config=None) -> None:
     """`grouped.pair_experts`' Triton path for quantized slots (same arguments): pair p runs expert ids[p] from slot
-    slot_of[ids[p]] (-1: skipped) on token rows[p] // k (rows None: p), its row of y [., H] fp32 written."""
+    slot_of[ids[p]] (-1: skipped) on token rows[p] // k (rows None: p), its row of y [., H] fp32 written.
+    config: a (gate/up, down) launch configuration in place of `QUANT_PAIR_CONFIGS`' (bench/quant_pair_probe.py)."""
     lay = weights.layout
     fa = _format_args(lay.fmt)
     hidden, inter = lay.hidden, lay.intermediate
     p = ids.numel()
     x = x.contiguous()
     h = torch.empty((p, inter), dtype=torch.float32, device=x.device)  # SiLU(gate) * up per pair
-    (block_i, block_h, warps_gu, stages_gu), (block_o, block_k, warps_d, stages_d) = _config(p, fa["G"])
+    (block_i, block_h, warps_gu, stages_gu), (block_o, block_k, warps_d, stages_d) = _config(p, fa["G"], config)
     has_rows = rows is not None
     rows = rows if has_rows else ids  # an unread pointer when HAS_ROWS is off
     slab, stride = weights.slab, weights.slab.stride(0)

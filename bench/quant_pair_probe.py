@@ -1,0 +1,139 @@
+"""The quantized decode pair kernels (strata.kernels.gpu.quant_pairs) against the bf16 ones at the bench model's
+shapes, and prefill's scratch dequantizer (strata.kernels.gpu.quant_slots).
+
+    python bench/quant_pair_probe.py --out DIR [--tokens 1,4,8] [--sweep]
+
+The same 128 random experts are held in GPU slots as bf16, FP8 (128 x 128 blocks) and MXFP4 blobs. For N tokens
+(N x 8 pairs, each token's experts distinct), one step's pairs (the gate/up and the down launch) are timed in a CUDA
+graph of 16 steps over different experts, so weights come from HBM, not the L2. Prints us a step, the weight bytes a
+step reads (pairs x blob bytes), that rate in TB/s and each format's speed-up over bf16; --sweep also times the
+quantized kernels' launch configurations (gate/up swept with down at the shipped one, then down). Every output is
+checked against the fp32 torch path on the dequantized weights (rel_err: largest error / largest output). Then the
+scratch dequantizer over all 128 experts to bf16 (GB/s of blob bytes read plus bf16 bytes written). Writes
+quant_pairs.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+from functools import partial
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: `bench.*` when run as a script
+from strata.kernels.gpu import grouped, quant_pairs  # noqa: E402
+from strata.kernels.gpu.quant_slots import QuantSlotWeights, dequantize_slots  # noqa: E402
+from strata.kernels.quant import ExpertFormat, ExpertLayout  # noqa: E402
+
+H, INTER, E, K = 2048, 768, 128, 8
+CALLS = 16
+FORMATS = {"bf16": ExpertFormat(), "fp8": ExpertFormat("fp8", block=(128, 128)), "mxfp4": ExpertFormat("mxfp4")}
+GATE_UP = list(itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8), (3,)))
+DOWN = list(itertools.product((8, 16, 32), (128, 256, 512), (2, 4), (3,)))
+
+
+def slots(fmt: ExpertFormat, gu: torch.Tensor, dn: torch.Tensor):
+    """Experts gu [E, 2I, H], dn [E, H, I] packed in `fmt` into a slab of 4 KiB-aligned slots, as the GPU tier
+    holds them: (SlotWeights or QuantSlotWeights, blob bytes)."""
+    layout = ExpertLayout.build(fmt, H, INTER)
+    slab = torch.zeros(gu.shape[0], -(-layout.payload_bytes // 4096) * 4096, dtype=torch.uint8, device=gu.device)
+    for e in range(gu.shape[0]):
+        layout.pack(gu[e], dn[e], out=slab[e])
+    return grouped.slot_weights(slab, layout), layout.payload_bytes
+
+
+def run_pairs(x, sw, slot_of, ids, y, used, config=None) -> None:
+    """One step's pairs as decode runs them: the quantized kernels' launches (at `config`), or the bf16 kernels."""
+    if isinstance(sw, QuantSlotWeights):
+        quant_pairs.pair_quant(x, sw, slot_of, ids, None, K, y, used, config=config)
+    else:
+        grouped.pair_experts(x, sw, slot_of, ids, y, used=used)
+
+
+def reference(x, sw, slot_of, ids) -> torch.Tensor:
+    """fp32 [P, H]: each pair on the dequantized weights (`ExpertLayout.dequantize`'s values)."""
+    gu, dn = sw.gather(slot_of[ids.long()].long(), torch.float32)
+    xs = x.float()[torch.arange(ids.numel(), device=x.device) // K]
+    gate, up = torch.bmm(gu.float(), xs[:, :, None])[..., 0].chunk(2, dim=-1)
+    return torch.bmm(dn.float(), (F.silu(gate) * up)[:, :, None])[..., 0]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out - ref).abs().max() / ref.abs().max())
+
+
+def main() -> None:
+    from bench.gemv_probe import graph_us
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tokens", default="1,4,8")
+    ap.add_argument("--sweep", action="store_true")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    dev = "cuda"
+    gu = torch.randn(E, 2 * INTER, H, device=dev) / H**0.5
+    dn = torch.randn(E, H, INTER, device=dev) / INTER**0.5
+    packed = {name: slots(fmt, gu, dn) for name, fmt in FORMATS.items()}
+    del gu, dn
+    slot_of = torch.arange(E, dtype=torch.int32, device=dev)
+    report = {"device": torch.cuda.get_device_name(), "shipped": quant_pairs.QUANT_PAIR_CONFIGS, "pairs": [],
+              "dequantize": []}
+    for n in (int(t) for t in args.tokens.split(",")):
+        p = n * K
+        x = torch.randn(n, H, device=dev).to(torch.bfloat16)
+        ids = [torch.stack([torch.randperm(E, device=dev)[:K] for _ in range(n)]).reshape(-1) for _ in range(CALLS)]
+        used = [torch.empty(p, dtype=torch.int32, device=dev) for _ in range(CALLS)]
+        y = [torch.zeros(p, H, device=dev) for _ in range(CALLS)]
+        base = None
+        for name, (sw, blob) in packed.items():
+            refs = [reference(x, sw, slot_of, ids[i]) for i in range(CALLS)]
+            configs = [None]
+            if args.sweep and isinstance(sw, QuantSlotWeights):
+                gu0, dn0 = quant_pairs._config(p, 1)
+                configs += [(c, dn0) for c in GATE_UP if c != gu0] + [(gu0, c) for c in DOWN if c != dn0]
+            rows = []
+            for cfg in configs:
+                steps = [partial(run_pairs, x, sw, slot_of, ids[i], y[i], used[i], cfg) for i in range(CALLS)]
+                try:
+                    us = graph_us(lambda i, steps=steps: steps[i](), CALLS)
+                except Exception as e:  # noqa: BLE001 - a configuration Triton cannot build: skip it
+                    print(f"{name} {cfg}: {type(e).__name__}")
+                    continue
+                rows.append({"config": cfg, "us": round(us, 2), "TBps": round(p * blob / us / 1e6, 3),
+                             "rel_err": max(rel_err(y[i], refs[i]) for i in range(CALLS))})
+            shipped, best = rows[0], min(rows, key=lambda r: r["us"])
+            base = base or shipped["us"]
+            rec = {"tokens": n, "pairs": p, "format": name, "bytes_a_step": p * blob, "shipped": shipped,
+                   "best": best, "speedup_vs_bf16": round(base / shipped["us"], 2), "all": rows}
+            report["pairs"].append(rec)
+            print(json.dumps({k: rec[k] for k in ("tokens", "format", "shipped", "best", "speedup_vs_bf16")}),
+                  flush=True)
+    for name, (sw, blob) in packed.items():
+        if not isinstance(sw, QuantSlotWeights):
+            continue
+        every = list(range(E))
+        dequantize_slots(sw, every, torch.bfloat16)  # built and warm
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dequantize_slots(sw, every, torch.bfloat16)
+        end.record()
+        torch.cuda.synchronize()
+        ms = start.elapsed_time(end)
+        moved = E * (blob + 3 * H * INTER * 2)
+        rec = {"format": name, "experts": E, "ms": round(ms, 3), "GBps": round(moved / ms / 1e6, 1)}
+        report["dequantize"].append(rec)
+        print(json.dumps(rec), flush=True)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "quant_pairs.json"), "w") as f:
+        json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

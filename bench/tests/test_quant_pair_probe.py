@@ -1,0 +1,51 @@
+"""bench/quant_pair_probe.py packs experts in each format and runs the quantized pair kernels' launches (at the shipped
+configuration and at a swept one) against its fp32 reference: CPU CI runs them through Triton's interpreter, in a
+subprocess (TRITON_INTERPRET is read when Triton is imported), at small shapes (the probe's are the bench model's)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def check_probe_launches() -> float:
+    """The probe's slots and pair launches for FP8 (16 x 16 blocks) and MXFP4 experts, 2 tokens x 2 pairs over 4
+    experts at H = 64, I = 32, shipped and swept configurations: the largest error against its reference relative to
+    the reference's largest output (the reference itself checked against the bf16 slots of the same experts)."""
+    from bench import quant_pair_probe as qp
+    from strata.kernels.quant import ExpertFormat
+
+    qp.H, qp.INTER, qp.E, qp.K = 64, 32, 4, 2  # the probe reads its shapes from these at each call
+    qp.FORMATS = {"bf16": ExpertFormat(), "fp8": ExpertFormat("fp8", block=(16, 16)), "mxfp4": ExpertFormat("mxfp4")}
+    torch.manual_seed(0)
+    gu, dn = torch.randn(4, 64, 64) / 8, torch.randn(4, 64, 32) / 6
+    slot_of = torch.tensor([2, 0, 3, 1], dtype=torch.int32)
+    ids = torch.tensor([0, 2, 3, 1])
+    x = torch.randn(2, 64).to(torch.bfloat16)
+    worst = 0.0
+    plain = qp.reference(x, qp.slots(qp.FORMATS["bf16"], gu, dn)[0], slot_of, ids)
+    for name in ("fp8", "mxfp4"):
+        sw, blob = qp.slots(qp.FORMATS[name], gu, dn)
+        ref = qp.reference(x, sw, slot_of, ids)
+        assert qp.rel_err(ref, plain) < 0.2  # the quantized experts are these experts
+        for config in (None, ((4, 32, 1, 1), (8, 32, 1, 1))):
+            y, used = torch.zeros(4, 64), torch.empty(4, dtype=torch.int32)
+            qp.run_pairs(x, sw, slot_of, ids, y, used, config)
+            assert torch.equal(used, slot_of[ids])
+            worst = max(worst, qp.rel_err(y, ref))
+    return worst
+
+
+def test_the_probes_quantized_pair_launches_under_tritons_interpreter():
+    pytest.importorskip("triton")
+    code = "import bench.tests.test_quant_pair_probe as t\nprint(t.check_probe_launches())\n"
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert float(run.stdout.strip().splitlines()[-1]) < 1e-5  # fp32 math on both sides: rounding only
