@@ -17,8 +17,8 @@ import torch
 from strata.tiers.store.files import cache_root
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("cpu_experts.cpp", "cpu_experts_kernel.h", "cpu_experts_emu.h", "cpu_pool.h", "cpu_warm.h", "cpu_tuning.h",
-            "cpu_mailbox.cpp")
+_SOURCES = ("cpu_experts.cpp", "cpu_experts_formats.h", "cpu_experts_isa.h", "cpu_experts_kernel.h", "cpu_experts_emu.h",
+            "cpu_pool.h", "cpu_warm.h", "cpu_tuning.h", "cpu_mailbox.cpp")
 # Plain x86-64 (the vector code is compiled per function, under target pragmas); no FMA contraction, so
 # a*b+c rounds the same way in every instruction set and in the emulations.
 _CFLAGS = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fvisibility=hidden"]
@@ -73,8 +73,12 @@ def build_and_open() -> ctypes.CDLL:
     lib.strata_cpu_shutdown.argtypes = []
     lib.strata_cpu_shutdown.restype = ctypes.c_int
     lib.strata_cpu_experts.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
+                                       ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.strata_cpu_experts.restype = ctypes.c_int
+    lib.strata_cpu_experts_fmt.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                           ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
+    lib.strata_cpu_experts_fmt.restype = ctypes.c_int
     lib.strata_cpu_experts_warm.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                             ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                             ctypes.c_int, ctypes.c_void_p]
@@ -82,6 +86,8 @@ def build_and_open() -> ctypes.CDLL:
     lib.strata_cpu_warm.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
                                     ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
     lib.strata_cpu_warm.restype = ctypes.c_int64
+    lib.strata_cpu_warm_bytes.argtypes = lib.strata_cpu_warm.argtypes
+    lib.strata_cpu_warm_bytes.restype = ctypes.c_int64
     lib.strata_cpu_warm_drain.argtypes = []
     lib.strata_cpu_warm_drain.restype = ctypes.c_int
     lib.strata_cpu_test_straggler.argtypes = [ctypes.c_int, ctypes.c_int64]

@@ -2,9 +2,11 @@
 
     out = cpu_experts_forward(x, [(gate_up, down), ...], token_idx, token_w, out=None, threads=None)
 
-Each expert is a SwiGLU MLP, `down(silu(gate(x)) * up(x))`, with its bf16 weights in their own
-(pinned or host) buffers: gate_up [2I, H] (gate rows, then up rows) and down [H, I]. For the few tokens
-of a decode step the work is memory-bound, so what counts is bytes of weights read per second: a C++
+Each expert is a SwiGLU MLP, `down(silu(gate(x)) * up(x))`, with its weights in their own (pinned or
+host) buffers: gate_up [2I, H] (gate rows, then up rows) and down [H, I], as bf16 tensors or as a pair of
+`QuantMatrix` (strata.kernels.quant) in block-scaled FP8 or MXFP4, one format a call. The kernel reads a
+quantized expert as it is stored and converts it in registers (no bf16 copy of it; `expert_args`). For the few
+tokens of a decode step the work is memory-bound, so what counts is bytes of weights read per second: a C++
 kernel (csrc/cpu_experts.cpp, built on first use) reads every weight row once for all of an expert's
 tokens, splits the gate/up rows of all the layer's experts over a persistent thread pool (chunks taken
 dynamically), then, once every gate/up chunk is done, the down rows (threads with no gate/up chunk left
@@ -14,31 +16,27 @@ no work, so nobody waits for it (CPU oversubscription degrades gracefully).
 
 Backends (`backend()` says which one runs; the `backend=` argument picks, an engine's `[debug] cpu_kernel`):
   avx512_bf16  AVX-512 BF16 `vdpbf16ps`: activations and the intermediate silu(gate)*up are rounded to
-               bf16, products summed in fp32. Default where the CPU has it.
+               bf16, products summed in fp32. Default where the CPU has it (FP8 experts also need
+               AVX512_VBMI; without it they take avx512).
   avx512       AVX-512F, bf16 weights widened to fp32 by shifts, fp32 activations and accumulation.
   avx2         AVX2 + FMA, same numerics as avx512 (8 lanes). Default on other x86-64 CPUs.
   avx512_emulated, avx512_bf16_emulated
-               portable scalar emulations of the two AVX-512 kernels (same template, lane layout and
-               summation order: bit-identical to them by construction), so their logic is tested on
-               machines without AVX-512. Slow; only on request.
+               portable scalar emulations of the two AVX-512 kernels (same template, lane layout, weight
+               conversions and summation order: bit-identical to them by construction, in every format), so
+               their logic is tested on machines without AVX-512. Slow; only on request.
   torch        the reference math in fp32 on the upcast weights (`expert_swiglu`), one expert at a
                time. Used when the extension cannot be built (no compiler, not x86-64, build error:
                one warning line), when asked for ("torch"), and for experts with more than
                `MAX_TOKENS` tokens (prefill-sized groups: compute-bound, torch/oneDNN does them better;
                the executor should send those to the GPU anyway).
 
-Accuracy against the reference (`expert_swiglu` in fp32 on the same bf16 weights upcast), measured
-as max |out - ref| / max |ref| over a call, is bounded by `TOLERANCE[backend]`: the fp32 paths (avx2,
-avx512) differ only by summation order (measured <= 2e-6); avx512_bf16 rounds x and silu(gate)*up to
-bf16, which costs a median 3e-3 and at most 7.3e-3 over 200 random inputs for each of 15 shapes with
-I >= 19 (bound 1.5e-2; a tiny intermediate width such as I = 5 reached 2.4e-2 in 3,000 trials). That
-is the rounding a bf16 GPU GEMM applies to its activations; use avx512 (fp32 activations, about as
-fast while memory-bound) where fp32-class agreement matters.
+Accuracy: `tolerance(backend, kind)` bounds max |out - ref| / max |ref| against `expert_swiglu` in fp32 on the
+same weights upcast (quantized experts: dequantized); strata/kernels/cpu/numerics.py says what each bound covers.
 
-Determinism: every dot product is summed in an order fixed by the code (not by the thread that runs
-it), every output element is written by exactly one thread, and each output element accumulates the
-kernel's experts in the order given. Results are therefore bit-identical for any thread count and any
-scheduling, for a given backend. Experts sent to torch (more than MAX_TOKENS tokens) are added after
+Determinism: every dot product is summed in an order fixed by the code and the format (not by the thread
+that runs it; an FP8 row block by block), every output element is written by exactly one thread, and each
+output element accumulates the kernel's experts in the order given. Results are therefore bit-identical for
+any thread count and any scheduling, for a given backend. Experts sent to torch (more than MAX_TOKENS tokens) are added after
 the kernel's experts.
 
 `configure` sets the default thread count (else the physical cores this process may run on), the pool's
@@ -62,12 +60,15 @@ import torch
 
 from strata.kernels.cpu import tuning
 from strata.kernels.cpu.build import build_and_open, one_line
+from strata.kernels.cpu.expert_args import Matrix, kernel_format_args, matrix_pointers, torch_expert, weights_format
+from strata.kernels.cpu.numerics import QUANT_TOLERANCE, TOLERANCE, tolerance  # noqa: F401
 from strata.kernels.cpu.tuning import TRACE_FIELDS, TUNE_KEYS  # noqa: F401
-from strata.kernels.experts import expert_swiglu
+from strata.kernels.quant import ExpertFormat, QuantMatrix
 
 log = logging.getLogger(__name__)
 
 _ISA = {"avx2": 1, "avx512": 2, "avx512_bf16": 3, "avx512_emulated": 4, "avx512_bf16_emulated": 5}
+_VBMI = 6  # the ISA mask's bit for AVX512_VBMI, which avx512_bf16 reads FP8 weights with
 _AUTO_ORDER = ("avx512_bf16", "avx512", "avx2")
 BACKENDS = ("avx512_bf16", "avx512", "avx2", "torch")
 
@@ -76,10 +77,6 @@ DEFAULT_PREFETCH_BYTES = 2048
 
 MAX_TOKENS = 32
 """Experts with more tokens than this in one call go to torch's matmul (the CPU is compute-bound there)."""
-
-TOLERANCE = {"torch": 1e-5, "avx2": 1e-4, "avx512": 1e-4, "avx512_bf16": 1.5e-2, "avx512_emulated": 1e-4,
-             "avx512_bf16_emulated": 1.5e-2}
-"""Bound on max |out - reference| / max |reference| for each backend (see the module docstring)."""
 
 _lock = threading.Lock()
 META = 7  # int64 fields of one expert's row in `run_packed`'s meta (csrc/cpu_experts.cpp's META_FIELDS)
@@ -143,10 +140,12 @@ def read_sweep(buffers: Sequence[torch.Tensor], threads: int | None = None) -> f
     return tuning.read_sweep(_load() if available_isa("avx2") else None, buffers, threads or default_threads())
 
 
-def warm_rows(addresses: Sequence[int], rows: Sequence[int], hidden: int, inter: int, threads: int | None = None) -> int:
-    """Read experts' leading gate/up `rows` into the pool threads' caches, as warm-ahead does; bytes read (`tuning`)."""
+def warm_rows(addresses: Sequence[int], rows: Sequence[int], hidden: int, inter: int, threads: int | None = None,
+              row_bytes: int | None = None) -> int:
+    """Read experts' leading gate/up `rows` into the pool threads' caches, as warm-ahead does; bytes read (`tuning`;
+    row_bytes: a gate_up row's bytes in the experts' format, default bf16's 2 * hidden)."""
     lib = _load() if backend() != "torch" else None
-    return tuning.warm_rows(lib, addresses, rows, hidden, inter, threads or default_threads())
+    return tuning.warm_rows(lib, addresses, rows, hidden, inter, threads or default_threads(), row_bytes)
 
 
 def available_isa(name: str) -> bool:
@@ -161,7 +160,16 @@ def available_backends() -> list[str]:
     return names + ["torch"]
 
 
-def _resolve(requested: str | None) -> str:
+def _resolve(requested: str | None, kind: str = "plain") -> str:
+    name = _resolve_isa(requested)
+    if kind == "fp8" and name == "avx512_bf16" and not _isa_mask & (1 << _VBMI):
+        _warn_once("vbmi", "strata: the avx512_bf16 CPU kernel reads FP8 experts with AVX512_VBMI, which this CPU "
+                   "lacks; using avx512 for them")
+        return "avx512" if _isa_mask & (1 << _ISA["avx512"]) else "avx2" if _isa_mask & (1 << _ISA["avx2"]) else "torch"
+    return name
+
+
+def _resolve_isa(requested: str | None) -> str:
     req = (requested or "auto").strip().lower()
     if req == "torch":
         return "torch"
@@ -181,10 +189,11 @@ def _resolve(requested: str | None) -> str:
     return "torch"
 
 
-def backend(requested: str | None = None) -> str:
-    """Which path `cpu_experts_forward(..., backend=requested)` takes here: "avx512_bf16", "avx512", "avx2" or
-    "torch" (`requested` None or "auto": the best this CPU runs)."""
-    return _resolve(requested)
+def backend(requested: str | None = None, kind: str = "plain") -> str:
+    """Which path `cpu_experts_forward(..., backend=requested)` takes here on experts of format kind `kind`
+    ("plain", "fp8", "mxfp4"): "avx512_bf16", "avx512", "avx2" or "torch" (`requested` None or "auto": the best
+    this CPU runs)."""
+    return _resolve(requested, kind)
 
 
 _default_threads: int | None = None
@@ -245,24 +254,29 @@ def spin_us() -> int:
 
 
 def run_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads: int | None = None, *,
-               backend: str | None = None, warm: array.array | None = None) -> bool:
+               backend: str | None = None, warm: array.array | None = None, fmt: ExpertFormat | None = None,
+               scales: array.array | None = None) -> bool:
     """The compiled kernel on pre-packed arguments, for callers that hold experts by address (the tier
     manager's pinned slots): x32 [N, H] fp32 contiguous; meta rows of `META` int64 (gate_up address, down
-    address, token-index address (int64), weight address (fp32), T, rows, I) for bf16 experts, computing each
-    expert's first `rows` of its I intermediate rows (all I, or the CPU's part of a split expert); out [N, H] fp32
-    contiguous, added into. warm: int64 per expert, the leading rows `warm_rows` read ahead on the same thread
-    count (each thread computes its own piece of them first; results unchanged). Returns False, doing nothing,
-    when the compiled kernel is not in use."""
-    name = _resolve(backend)
+    address, token-index address (int64), weight address (fp32), T, rows, I), computing each expert's first
+    `rows` of its I intermediate rows (all I, or the CPU's part of a split expert); out [N, H] fp32 contiguous,
+    added into. The addresses are of the weights' values: bf16, or in `fmt` (FP8, MXFP4: then `scales` holds two
+    int64 a expert, the addresses of gate_up's and down's scales; `expert_args.slot_pointers` gives all four of a
+    blob). warm: int64 per expert, the leading rows `warm_rows` read ahead on the same thread count (each thread
+    computes its own piece of them first; results unchanged). Returns False, doing nothing, when the compiled
+    kernel is not in use."""
+    name = _resolve(backend, fmt.kind if fmt is not None else "plain")
     if name == "torch" or not meta:
         return bool(not meta and name != "torch")
     N, H = x32.shape
     E = len(meta) // META
     if warm is not None and len(warm) != E:
         raise ValueError(f"warm has {len(warm)} entries for {E} experts")
-    _check(_lib.strata_cpu_experts_warm(_ISA[name], x32.data_ptr(), N, H, E, meta.buffer_info()[0],
-                                        warm.buffer_info()[0] if warm is not None else None, out.data_ptr(),
-                                        int(threads or default_threads()), None), name, N)
+    keep, fmt_ptr, scales_ptr = kernel_format_args(fmt, scales, E)
+    _check(_lib.strata_cpu_experts_fmt(_ISA[name], x32.data_ptr(), N, H, E, meta.buffer_info()[0], fmt_ptr, scales_ptr,
+                                       warm.buffer_info()[0] if warm is not None else None, out.data_ptr(),
+                                       int(threads or default_threads()), None), name, N)
+    del keep
     return True
 
 
@@ -270,6 +284,9 @@ def _check(rc: int, name: str, rows: int) -> None:
     """Raise the kernel's error code as an exception (0: success)."""
     if rc == -2:
         raise IndexError(f"token_idx out of range for x with {rows} rows")
+    if rc == -5:
+        raise ValueError(f"the {name} CPU kernel cannot read these experts: fp8 needs a positive block (and "
+                         "AVX512_VBMI on avx512_bf16), mxfp4 H and I multiples of 32")
     if rc != 0:
         raise RuntimeError(f"CPU expert kernel ({name}) failed with code {rc}")
 
@@ -297,24 +314,29 @@ _async_slot = threading.Lock()  # the launcher runs one call at a time
 
 
 def start_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads: int | None = None, *,
-                 backend: str | None = None) -> PackedCall | None:
+                 backend: str | None = None, fmt: ExpertFormat | None = None,
+                 scales: array.array | None = None) -> PackedCall | None:
     """`run_packed` on the kernel's launcher thread (share 0 of the pool's job): returns at once, the caller
     keeps driving the GPU; `wait()` joins it. The same thread count as `run_packed` (a different one would
     rebuild the pool at every switch).
     None, doing nothing, when the compiled kernel is not in use or another call is in flight."""
-    name = _resolve(backend)
-    if name == "torch" or not meta or not _async_slot.acquire(blocking=False):
+    name = _resolve(backend, fmt.kind if fmt is not None else "plain")
+    if name == "torch" or not meta:
+        return None
+    args, fmt_ptr, scales_ptr = kernel_format_args(fmt, scales, len(meta) // META)
+    if not _async_slot.acquire(blocking=False):
         return None
     n_rows, hidden = x32.shape
     threads = threads or default_threads()
     _lib.strata_cpu_experts_start(_ISA[name], x32.data_ptr(), n_rows, hidden, len(meta) // META, meta.buffer_info()[0],
-                                  out.data_ptr(), int(threads))
-    return PackedCall(n_rows, name, (x32, meta, out))
+                                  fmt_ptr, scales_ptr, out.data_ptr(), int(threads))
+    return PackedCall(n_rows, name, (x32, meta, out, args, scales))
 
 
-def isa_code(requested: str | None = None) -> int:
-    """The compiled kernel's code for the instruction set `backend(requested)` chooses (0: the torch fallback)."""
-    name = _resolve(requested)
+def isa_code(requested: str | None = None, kind: str = "plain") -> int:
+    """The compiled kernel's code for the instruction set `backend(requested, kind)` chooses (0: the torch
+    fallback)."""
+    name = _resolve(requested, kind)
     return 0 if name == "torch" else _ISA[name]
 
 
@@ -341,24 +363,18 @@ def stop_mailbox(handle: int, *keep) -> None:
         _lib.strata_mailbox_stop(handle)
 
 
-def _torch_expert(x32: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
-                  out: torch.Tensor) -> None:
-    """The reference: fp32 math on the upcast weights, added into out."""
-    idx = idx.to(torch.int64)
-    y = expert_swiglu(x32.index_select(0, idx), gate_up.float(), down.float()) * w.float()[:, None]
-    out.index_add_(0, idx, y)
-
-
-def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, torch.Tensor]],
+def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]],
                         token_idx: Sequence[torch.Tensor], token_w: Sequence[torch.Tensor],
                         out: torch.Tensor | None = None, threads: int | None = None, *,
                         backend: str | None = None) -> torch.Tensor:
     """out[N, H] (fp32, added into; zeros when None) += sum over experts e of token_w[e] * expert_e(x[token_idx[e]]).
 
-    x [N, H] fp32 or bf16 (CPU); weights[e] = (gate_up [2I, H], down [H, I]) bf16 CPU tensors, each its
-    own buffer; token_idx[e] int64 rows of x (may be empty); token_w[e] fp32 routing weights of those
-    rows. `threads`: the kernel's thread count (default `default_threads()`; the torch path ignores it).
-    `backend`: the instruction set ("auto" or None: the best this CPU runs; "torch": the reference math).
+    x [N, H] fp32 or bf16 (CPU); weights[e] = (gate_up [2I, H], down [H, I]): bf16 CPU tensors, each its own
+    buffer, or two `QuantMatrix` (strata.kernels.quant: FP8 or MXFP4 views of a blob, one format for every expert
+    with tokens; the kernel reads them as they are); token_idx[e] int64 rows of x (may be empty); token_w[e] fp32
+    routing weights of those rows. `threads`: the kernel's thread count (default `default_threads()`; the torch path
+    ignores it). `backend`: the instruction set ("auto" or None: the best this CPU runs for the experts' format;
+    "torch": the reference math, on dequantized weights for a quantized format).
     """
     if x.dim() != 2 or x.device.type != "cpu":
         raise ValueError(f"x must be a [N, H] CPU tensor, got {tuple(x.shape)} on {x.device}")
@@ -369,11 +385,13 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, t
         out = torch.zeros(N, H, dtype=torch.float32)
     elif out.shape != (N, H) or out.dtype != torch.float32 or out.device.type != "cpu":
         raise ValueError(f"out must be a [{N}, {H}] fp32 CPU tensor, got {tuple(out.shape)} {out.dtype} on {out.device}")
-    name = _resolve(backend)
+    fmt = weights_format(weights, token_idx)
+    name = _resolve(backend, fmt.kind if fmt is not None else "plain")
     x32 = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
     limit = 0 if name == "torch" else MAX_TOKENS
     bf16 = torch.bfloat16
     meta = array.array("q")
+    scales = array.array("q")  # quantized experts: their gate_up and down scales' addresses
     keep = []  # converted tensors must outlive the call
     to_torch = []
     for e in range(len(weights)):  # a few µs per expert: this loop is the per-layer Python overhead
@@ -382,39 +400,54 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[torch.Tensor, t
         if T == 0:
             continue
         gate_up, down = weights[e]
+        if isinstance(gate_up, QuantMatrix) and gate_up.kind == "plain":
+            gate_up, down = gate_up.values, down.values
+        quant = isinstance(gate_up, QuantMatrix)
+        if quant != (fmt is not None):
+            raise ValueError(f"experts of one CPU kernel call come in one format: expert {e} is "
+                             f"{'a QuantMatrix' if quant else 'a tensor'} among {fmt.name if fmt else 'tensors'}; "
+                             "call the kernel once per format")
         w = token_w[e]
         inter = down.shape[-1]
-        if gate_up.shape != (2 * inter, H) or down.shape != (H, inter):
+        if tuple(gate_up.shape) != (2 * inter, H) or tuple(down.shape) != (H, inter):
             raise ValueError(f"expert {e}: gate_up {tuple(gate_up.shape)} and down {tuple(down.shape)} do not "
                              f"match H={H} (want [2I, H] and [H, I])")
         if w.numel() != T:
             raise ValueError(f"expert {e}: {T} token rows but {w.numel()} routing weights")
-        if not (gate_up.is_cpu and down.is_cpu and idx.is_cpu and w.is_cpu):
+        on_cpu = (gate_up.values.is_cpu and down.values.is_cpu) if quant else (gate_up.is_cpu and down.is_cpu)
+        if not (on_cpu and idx.is_cpu and w.is_cpu):
             raise ValueError(f"expert {e}: weights, token_idx and token_w must be CPU tensors")
-        if T > limit or gate_up.dtype is not bf16 or down.dtype is not bf16:
+        if T > limit or (not quant and (gate_up.dtype is not bf16 or down.dtype is not bf16)):
             to_torch.append(e)
             continue
-        if not gate_up.is_contiguous():
-            gate_up = gate_up.contiguous()
-            keep.append(gate_up)
-        if not down.is_contiguous():
-            down = down.contiguous()
-            keep.append(down)
+        if quant:
+            gu_ptr, dn_ptr, gus_ptr, dns_ptr = matrix_pointers(gate_up, down, H, keep)
+            scales.extend((gus_ptr, dns_ptr))
+        else:
+            if not gate_up.is_contiguous():
+                gate_up = gate_up.contiguous()
+                keep.append(gate_up)
+            if not down.is_contiguous():
+                down = down.contiguous()
+                keep.append(down)
+            gu_ptr, dn_ptr = gate_up.data_ptr(), down.data_ptr()
         if idx.dtype is not torch.int64 or not idx.is_contiguous():
             idx = idx.to(torch.int64).contiguous()
             keep.append(idx)
         if w.dtype is not torch.float32 or not w.is_contiguous():
             w = w.to(torch.float32).contiguous()
             keep.append(w)
-        meta.extend((gate_up.data_ptr(), down.data_ptr(), idx.data_ptr(), w.data_ptr(), T, inter, inter))
+        meta.extend((gu_ptr, dn_ptr, idx.data_ptr(), w.data_ptr(), T, inter, inter))
     if meta:
         target = out if out.is_contiguous() else torch.zeros(N, H, dtype=torch.float32)
-        run_packed(x32, meta, target, threads, backend=name)
+        run_packed(x32, meta, target, threads, backend=name, fmt=fmt, scales=scales if fmt is not None else None)
         if target is not out:
             out.add_(target)
     for e in to_torch:
         (gate_up, down), idx, w = weights[e], token_idx[e], token_w[e]
         if idx.numel() and (idx.min() < 0 or idx.max() >= N):
             raise IndexError(f"token_idx out of range for x with {N} rows")
-        _torch_expert(x32, gate_up, down, idx, w, out)
+        if isinstance(gate_up, QuantMatrix) and gate_up.kind == "plain":
+            gate_up, down = gate_up.values, down.values
+        torch_expert(x32, gate_up, down, idx, w, out)
     return out

@@ -111,16 +111,16 @@ def read_sweep(lib: ctypes.CDLL | None, buffers: Sequence[torch.Tensor], threads
 
 
 def warm_rows(lib: ctypes.CDLL | None, addresses: Sequence[int], rows: Sequence[int], hidden: int, inter: int,
-              threads: int) -> int:
-    """Read the gate/up weights of experts' leading `rows` (gate_up [2 inter, hidden] bf16 at each address) into
-    the caches of the kernel's threads, each thread the piece `run_packed(..., warm=rows)` with the same thread
-    count gives it: what the mailbox worker does for the next layer's predicted cold experts while the GPU runs
-    the serial part of a layer (csrc/cpu_mailbox.cpp). Returns the bytes read (0 without the compiled kernel: `lib`
-    None)."""
+              threads: int, row_bytes: int | None = None) -> int:
+    """Read the gate/up weights of experts' leading `rows` (gate_up [2 inter] rows of `row_bytes` at each address:
+    2 * hidden for bf16, the default; hidden for FP8, hidden / 2 for MXFP4's values) into the caches of the kernel's
+    threads, each thread the piece `run_packed(..., warm=rows)` with the same thread count gives it: what the
+    mailbox worker does for the next layer's predicted cold experts while the GPU runs the serial part of a layer
+    (csrc/cpu_mailbox.cpp). Returns the bytes read (0 without the compiled kernel: `lib` None)."""
     if lib is None or not addresses:
         return 0
     a, r = array.array("q", addresses), array.array("q", rows)
     if len(a) != len(r):
         raise ValueError("one row count per address")
-    return int(lib.strata_cpu_warm(a.buffer_info()[0], r.buffer_info()[0], len(a), hidden, inter,
-                                   int(threads), None, 0, None))
+    return int(lib.strata_cpu_warm_bytes(a.buffer_info()[0], r.buffer_info()[0], len(a), row_bytes or 2 * hidden,
+                                         inter, int(threads), None, 0, None))

@@ -1,8 +1,10 @@
 """Where each cold expert of a step is computed: on CPU threads from host RAM, or copied to a GPU slot.
 
-Both paths run at once, so the best split finishes them together. For an expert of `b` bytes with
+Both paths run at once, so the best split finishes them together. For an expert of `b` bytes (in its stored
+format: `ExpertLayout.payload_bytes`, about half of bf16's in FP8, a quarter in MXFP4) and `params` weights, with
 `t` tokens routed to it:
-- CPU: memory-bound for a few tokens (b / cpu_rate), compute-bound beyond (2 * params * t / cpu_flops);
+- CPU: memory-bound for a few tokens (b / cpu_rate, the rate the kernel reads the format's bytes at), compute-bound
+  beyond (2 * params * t / cpu_flops);
 - copy: b / pcie_rate, then a GPU GEMM that is negligible next to the copy.
 Prefill-sized groups (many tokens per expert) always go to the GPU, where the CPU would be
 compute-bound. In a decode step the thread that drives the GPU stages the copies first and then runs
@@ -79,14 +81,18 @@ class Split:
     copy_seconds: float
 
 
-def cpu_seconds(nbytes: int, tokens: int, rates: Rates) -> float:
-    """Time for the CPU to run one expert over `tokens` tokens (bf16 weights: params = bytes / 2)."""
-    return max(nbytes / rates.cpu_bytes_per_s, 2 * (nbytes / 2) * tokens / rates.cpu_flops)
+def cpu_seconds(nbytes: int, tokens: int, rates: Rates, params: int | None = None) -> float:
+    """Time for the CPU to run one expert of `nbytes` (its format's bytes) and `params` weights over `tokens` tokens
+    (params None: bf16 weights, bytes / 2)."""
+    params = nbytes / 2 if params is None else params
+    return max(nbytes / rates.cpu_bytes_per_s, 2 * params * tokens / rates.cpu_flops)
 
 
 def split_cold(tokens: dict[int, int], nbytes: int, rates: Rates, *, in_flight_copy_s: float = 0.0,
-               max_cpu_tokens: int = 32, allow_cpu: bool = True, serial: bool = False) -> Split:
-    """Split cold experts (expert -> tokens routed to it) between CPU compute and copies.
+               max_cpu_tokens: int = 32, allow_cpu: bool = True, serial: bool = False,
+               params: int | None = None) -> Split:
+    """Split cold experts (expert -> tokens routed to it) between CPU compute and copies: each expert `nbytes` in
+    its stored format (what a copy moves and the CPU kernel reads) with `params` weights (None: bf16, nbytes / 2).
 
     Greedy on the makespan: experts go, most-tokens first, to whichever path would finish earlier;
     copies already in flight (e.g. prefetches) count against the copy path. `serial`: the CPU share
@@ -103,15 +109,15 @@ def split_cold(tokens: dict[int, int], nbytes: int, rates: Rates, *, in_flight_c
     # greedy cannot see a fixed cost (no single copy is worth it, several may be): plan once with it paid
     # up front and once with no copy unless forced, and keep the shorter
     plans = [_greedy(order, tokens, nbytes, rates, in_flight_copy_s, c_copy, stage, fixed, max_cpu_tokens,
-                     allow_cpu, copies=True)]
+                     allow_cpu, copies=True, params=params)]
     if fixed > 0:
         plans.append(_greedy(order, tokens, nbytes, rates, in_flight_copy_s, c_copy, stage, fixed, max_cpu_tokens,
-                             allow_cpu, copies=False))
+                             allow_cpu, copies=False, params=params))
     return min(plans, key=lambda p: (max(p.cpu_seconds, p.copy_seconds), len(p.copy)))
 
 
 def _greedy(order, tokens, nbytes, rates, in_flight_copy_s, c_copy, stage, fixed, max_cpu_tokens, allow_cpu,
-            copies: bool) -> Split:
+            copies: bool, params: int | None = None) -> Split:
     """One greedy pass; `copies`: the layer's fixed staging cost is paid up front and copies compete, else
     only experts the CPU may not take are copied (the fixed cost then comes with the first of them)."""
     copy_s, cpu_s = in_flight_copy_s, fixed if copies else 0.0
@@ -124,7 +130,7 @@ def _greedy(order, tokens, nbytes, rates, in_flight_copy_s, c_copy, stage, fixed
             copy.append(expert)
             copy_s, cpu_s = copy_s + c_copy, cpu_s + stage
             continue
-        c_cpu = cpu_seconds(nbytes, t, rates)
+        c_cpu = cpu_seconds(nbytes, t, rates, params)
         if not copies or max(cpu_s + c_cpu, copy_s) < max(cpu_s + stage, copy_s + c_copy):
             cpu.append(expert)
             cpu_s += c_cpu

@@ -3,7 +3,9 @@
 `CpuCompute` is the part of `ExpertCompute` (strata.runtime.offload.expert_compute) that runs experts on the CPU: the
 compiled kernel on experts held in pinned slots by address (`start_cpu`, a decode layer's share, possibly in the
 background), through tier handles otherwise (`cpu_forward`), or the reference math (`cpu_numerics = "gpu"`);
-`calibrate_cpu` starts the cost model from a measured rate.
+`calibrate_cpu` starts the cost model from a measured rate. The kernel reads the store's format as stored (bf16, or
+FP8 / MXFP4 values and scales where the store's layout puts them); rates count the format's bytes
+(`ExpertLayout.payload_bytes`).
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import time
 import numpy as np
 import torch
 
-from strata.kernels.experts import apply_experts
-from strata.kernels.quant import reads
+from strata.kernels.experts import apply_experts, as_weights
+from strata.kernels.quant import ExpertLayout, reads
 
 
 class CpuCompute:
@@ -23,16 +25,22 @@ class CpuCompute:
     `cpu_threads`, `cpu_kernel`, `pin_results` and `use_fast_cpu`."""
 
     def calibrate_cpu(self, nbytes: int = 256 << 20, rounds: int = 3) -> float:
-        """Measure the CPU expert kernel on this model's expert shape (one token, about `nbytes` of weights:
-        more than the CPU caches, little enough to take well under a second) and start the cost model from
-        that rate instead of a guess; returns bytes/s."""
+        """Measure the CPU expert kernel on this model's expert shape and format (one token, about `nbytes` of
+        weights: more than the CPU caches, little enough to take well under a second) and start the cost model from
+        that rate instead of a guess; returns bytes/s of the format's bytes."""
         store = self.manager.store
+        layout = store.layout
         (gu_shape, dn_shape), dtype = store.expert_shapes, store.dtype
-        if store.expert_format.quantized:  # the bf16 kernel's rate: a start, replaced by the rates observed as it runs
-            dtype = torch.bfloat16
         experts = max(2, min(16, nbytes // store.payload_bytes))
-        # constant weights: the kernel is memory-bound, so values do not matter and filling is cheap
-        ws = [(torch.full(gu_shape, 0.01, dtype=dtype), torch.full(dn_shape, 0.01, dtype=dtype)) for _ in range(experts)]
+        # constant weights: the kernel is memory-bound, so values do not matter and filling is cheap (a constant byte
+        # in quantized blobs: finite FP8 values and scales, mid-range e8m0 scales)
+        if self._kernel_reads(layout):
+            ws = [layout.matrices(torch.full((layout.payload_bytes,), 0x38, dtype=torch.uint8)) for _ in range(experts)]
+            dtype = torch.bfloat16
+        else:
+            dtype = torch.bfloat16 if layout.fmt.quantized else dtype
+            ws = [(torch.full(gu_shape, 0.01, dtype=dtype), torch.full(dn_shape, 0.01, dtype=dtype))
+                  for _ in range(experts)]
         x = torch.full((1, gu_shape[1]), 0.5, dtype=dtype)
         groups = [(e, torch.tensor([e])) for e in range(experts)]  # pair e = token 0's e-th expert
         by_expert = dict(enumerate(ws))
@@ -43,9 +51,14 @@ class CpuCompute:
             _cpu_apply(x, torch.ones(1, experts), experts, groups, by_expert, out, self.use_fast_cpu, self.cpu_threads,
                        self.cpu_kernel)
             best = min(best, time.perf_counter() - t0)
-        nbytes = sum(a.nbytes + b.nbytes for a, b in ws)
+        nbytes = experts * (layout.payload_bytes if self._kernel_reads(layout) else ws[0][0].nbytes + ws[0][1].nbytes)
         self.rates.cpu_bytes_per_s = nbytes / best
         return self.rates.cpu_bytes_per_s
+
+    def _kernel_reads(self, layout: ExpertLayout) -> bool:
+        """Whether the compiled kernel reads experts of `layout` as stored: FP8 and MXFP4 (`FAST_PATHS`), on the
+        kernel path (not the reference math)."""
+        return layout.fmt.quantized and self.use_fast_cpu and reads("cpu_kernel", layout.fmt)
 
     def cpu_forward(self, layer: int, x: torch.Tensor, weights: torch.Tensor, k: int, groups) -> torch.Tensor:
         """Experts of `groups` from host RAM on the CPU: x [N, H] on the CPU -> partial sum [N, H] fp32."""
@@ -57,13 +70,16 @@ class CpuCompute:
         chunk = self.manager.max_acquire("cpu")
         seconds, nbytes = 0.0, 0
         store = self.manager.store
-        # an expert format the compiled kernel does not read (FP8, MXFP4): each expert dequantized to fp32, reference math
-        dequantize = not reads("cpu_kernel", store.expert_format)
+        # a quantized format: the kernel reads it as stored (QuantMatrix views of the slots); where it does not (the
+        # reference math, or a format it does not read) each expert is dequantized to fp32
+        quantized = store.expert_format.quantized
+        dequantize = quantized and not self._kernel_reads(store.layout)
         for i in range(0, len(groups), chunk):
             part = groups[i : i + chunk]
             handles = self.manager.acquire([(layer, e) for e, _ in part], "cpu")
             try:
-                by_expert = {h.key[1]: h.weights(torch.float32) if dequantize else (h.gate_up, h.down) for h in handles}
+                by_expert = {h.key[1]: h.weights(torch.float32) if dequantize else h.matrices if quantized
+                             else (h.gate_up, h.down) for h in handles}
                 nbytes += len(handles) * store.payload_bytes
                 t0 = time.perf_counter()
                 _cpu_apply(x, weights, k, part, by_expert, out, self.use_fast_cpu and not dequantize, self.cpu_threads,
@@ -88,11 +104,17 @@ class CpuCompute:
                   background: bool = True) -> CpuShare | None:
         """Start the CPU share of a decode layer on experts resident in pinned RAM; `wait()` gives the partial
         sum [N, H] fp32. In the background (the kernel's launcher thread) when `background` and the kernel
-        is free, else now. None when the experts are not all in pinned RAM (or not bf16, or too many tokens)."""
+        is free, else now. The kernel reads each expert's values (and FP8 / MXFP4 scales) where the store's layout
+        puts them in the slot. None when the experts are not all in pinned RAM (or in a format the kernel does not
+        read: plain other than bf16, or too many tokens)."""
         from strata.kernels.cpu import experts as ce
+        from strata.kernels.cpu.expert_args import slot_pointers
 
         store = self.manager.store
-        if store.dtype != torch.bfloat16 or ce.backend(self.cpu_kernel) == "torch" or not groups:
+        layout = store.layout
+        fmt = layout.fmt if layout.fmt.quantized else None
+        if (fmt is None and store.dtype != torch.bfloat16) or (fmt is not None and not self._kernel_reads(layout)) \
+                or ce.backend(self.cpu_kernel, layout.fmt.kind) == "torch" or not groups:
             return None
         # pair indices per expert as numpy (a decode layer's host step spends microseconds, not a torch op, on each)
         sels = [np.asarray(sel, dtype=np.int64) for _, sel in groups]
@@ -107,18 +129,20 @@ class CpuCompute:
             tok = torch.from_numpy(rows // k)  # [P] int64 token row of each pair
             w = torch.from_numpy(weights.float().numpy().reshape(-1)[rows])  # [P] fp32 its routing weight (a copy)
             x32 = x.float().contiguous()
-            inter, gu_bytes = store.expert_shapes[1][1], store.index.gate_up_bytes
-            meta, off = array.array("q"), 0
+            inter = store.expert_shapes[1][1]
+            meta, scales, off = array.array("q"), array.array("q"), 0
             tok_ptr, w_ptr, slot_address = tok.data_ptr(), w.data_ptr(), self.manager.pool.slot_address
             for sel, slot in zip(sels, slots, strict=True):
-                base = slot_address(slot)
-                meta.extend((base, base + gu_bytes, tok_ptr + 8 * off, w_ptr + 4 * off, len(sel), inter, inter))
+                gu, dn, gus, dns = slot_pointers(layout, slot_address(slot))
+                meta.extend((gu, dn, tok_ptr + 8 * off, w_ptr + 4 * off, len(sel), inter, inter))
+                scales.extend((gus, dns))
                 off += len(sel)
             out = torch.zeros(x.shape, dtype=torch.float32, pin_memory=self.pin_results)
-            call = ce.start_packed(x32, meta, out, self.cpu_threads, backend=self.cpu_kernel) if background else None
+            packed = {"backend": self.cpu_kernel, "fmt": fmt, "scales": scales if fmt is not None else None}
+            call = ce.start_packed(x32, meta, out, self.cpu_threads, **packed) if background else None
             t0 = time.perf_counter()
             if call is None:
-                ce.run_packed(x32, meta, out, self.cpu_threads, backend=self.cpu_kernel)
+                ce.run_packed(x32, meta, out, self.cpu_threads, **packed)
         except BaseException:
             self.manager.drop_held(keys)
             raise
@@ -130,10 +154,10 @@ class CpuCompute:
             finally:
                 self.manager.drop_held(keys)
             self.cpu_experts += len(groups)
-            self.rates.observe_cpu(len(groups) * store.payload_bytes, kernel_s)
+            self.rates.observe_cpu(len(groups) * layout.payload_bytes, kernel_s)
             return out
 
-        return CpuShare(finish, (tok, w, x32))
+        return CpuShare(finish, (tok, w, x32, scales))
 
 
 class CpuShare:
@@ -159,4 +183,7 @@ def _cpu_apply(x, weights, k, groups, by_expert, out, fast: bool, threads: int |
         cpu_experts_forward(x, [by_expert[e] for e, _ in groups], [sel // k for _, sel in groups],
                             [flat_w[sel] for _, sel in groups], out=out, threads=threads, backend=backend)
         return
-    apply_experts(x.float(), weights.float(), k, groups, lambda e: tuple(w.float() for w in by_expert[e]), out=out)
+    def fp32_expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return tuple(w.float() for w in as_weights(by_expert[e], torch.float32))
+
+    apply_experts(x.float(), weights.float(), k, groups, fp32_expert, out=out)

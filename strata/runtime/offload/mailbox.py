@@ -32,6 +32,7 @@ from strata.runtime.offload.mailbox_clock import WorkerClock
 from strata.tiers.storage.pinned import PinnedPool
 
 if TYPE_CHECKING:
+    from strata.kernels.quant import ExpertLayout
     from strata.runtime.offload.gpu_share import GpuShare
 
 log = logging.getLogger(__name__)
@@ -58,12 +59,15 @@ class CpuMailbox(WorkerClock):
 
     addresses [num_layers, E] int64: each expert's gate_up block in page-locked RAM (down follows at
     `gu_bytes`); the worker reads experts through it, so it must stay valid (`all_pinned`) while open.
-    `cpu_kernel`: the CPU kernel's instruction set ("auto", or one of `cpu_experts.BACKENDS` but "torch")."""
+    `cpu_kernel`: the CPU kernel's instruction set ("auto", or one of `cpu_experts.BACKENDS` but "torch").
+    `layout`: the experts' blob layout (the store's), for FP8 and MXFP4 experts, which the worker reads as stored:
+    their values, scales and bytes come from it (gu_bytes and payload are then its own); None: bf16 blobs."""
 
     def __init__(self, layers: list[int], addresses: np.ndarray, *, hidden: int, inter: int, gu_bytes: int,
                  payload: int, top_k: int, max_tokens: int, threads: int, device: torch.device,
-                 log_entries: int = 4096, cpu_kernel: str = "auto"):
+                 log_entries: int = 4096, cpu_kernel: str = "auto", layout: ExpertLayout | None = None):
         from strata.kernels.cpu import experts as ce
+        from strata.kernels.cpu.expert_args import format_args
 
         self.layers, self.hidden, self.inter, self.top_k, self.max_tokens = list(layers), hidden, inter, top_k, max_tokens
         self.threads = threads  # the worker's kernel threads
@@ -89,8 +93,15 @@ class CpuMailbox(WorkerClock):
         self.counters = np.zeros(16, dtype=np.int64)
         self._log_tail = 0
         self.log_lost = 0
+        # the experts' format: csrc/cpu_mailbox.cpp's cfg [12:17] (format code, fp8 block, offsets of the scales)
+        fmt = [0, 1, 1, 0, 0]
+        if layout is not None and layout.fmt.quantized:
+            gu_bytes, payload = layout.down.offset, layout.payload_bytes
+            fmt = [*format_args(layout.fmt), layout.gate_up_scales.offset, layout.down_scales.offset]
+        kind = layout.fmt.kind if layout is not None else "plain"
         cfg = np.array([hidden, addresses.shape[1], inter, gu_bytes, self.out_off, payload, self.max_pairs,
-                        ce.isa_code(cpu_kernel), threads, SPIN_NS, len(self.layers), log_entries], dtype=np.int64)
+                        ce.isa_code(cpu_kernel, kind), threads, SPIN_NS, len(self.layers), log_entries, *fmt],
+                       dtype=np.int64)
         box_addr = np.array([b.data_ptr() for b in self.boxes], dtype=np.int64)
         layer_ids = np.array(self.layers, dtype=np.int32)
         self._keep = (cfg, box_addr, layer_ids)

@@ -1,8 +1,9 @@
 // strata CPU expert kernel: all the cold experts of one MoE layer in one threaded call.
 //
-// SwiGLU expert: y = down(silu(gate(x)) * up(x)); per expert a bf16 gate_up [2I, H] (gate rows then up
-// rows) and a bf16 down [H, I], each its own buffer. For N = 1..32 tokens per expert the work is a
-// memory-bound GEMV: every weight row is read once from RAM and used for all of the expert's tokens.
+// SwiGLU expert: y = down(silu(gate(x)) * up(x)); per expert a gate_up [2I, H] (gate rows then up rows) and a
+// down [H, I], each its own buffer, in bf16, block-scaled FP8 or MXFP4 (one format a call; cpu_experts_formats.h),
+// converted in registers as they are read. For N = 1..32 tokens per expert the work is a memory-bound GEMV:
+// every weight row is read once from RAM and used for all of the expert's tokens.
 //
 //   phase 1  (gate/up)  chunks of intermediate rows j of every expert, taken dynamically by the
 //                       threads: h_e[t, j] = silu(<gate_j, x_t>) * <up_j, x_t>   (one writer per element)
@@ -22,7 +23,8 @@
 //   1  avx2         AVX2 + FMA, bf16 -> fp32 by shifts, fp32 activations, fp32 accumulation
 //   2  avx512       AVX-512F, same numerics as avx2 with 16 lanes
 //   3  avx512_bf16  AVX-512 BF16 vdpbf16ps: activations and the intermediate rounded to bf16 (RNE),
-//                   products summed in fp32
+//                   products summed in fp32; FP8 weights need AVX512_VBMI too (bit ISA_VBMI of the mask)
+// and the portable emulations of 2 and 3 (4, 5: cpu_experts_emu.h). The weight loads are in cpu_experts_isa.h.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -70,16 +72,22 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN
     u += 0x7fffu + ((u >> 16) & 1u);
     return static_cast<uint16_t>(u >> 16);
 }
+}  // namespace
 
+#include "cpu_experts_formats.h"  // FMT_*, Mat and the rows of each format, the conversion tables
+
+namespace {
 struct ExpertArg {
-    const uint16_t* gate_up;  // [2 ld, H] bf16: gate rows, then up rows
-    const uint16_t* down;     // [H, ld] bf16
+    const uint8_t* gate_up;  // values [2 ld, H] in the call's format (cpu_experts_formats.h): gate rows, then up rows
+    const uint8_t* down;     // values [H, ld]
     const int64_t* idx;       // [T] rows of x
     const float* w;           // [T] routing weights
     int64_t T;
     int64_t I;   // the leading intermediate rows computed here: all (ld), or a split expert's CPU part
     int64_t ld;  // the expert's intermediate size: the row stride of down, and where up starts in gate_up
     int64_t warm = 0;  // leading rows whose gate/up the pool read ahead (strata_cpu_warm): computed by the same threads
+    const void* gate_up_scales = nullptr;  // fp8: float [ceil(2 ld / bn), ceil(H / bk)]; mxfp4: uint8 [2 ld, H / 32]
+    const void* down_scales = nullptr;     // fp8: float [ceil(H / bn), ceil(ld / bk)]; mxfp4: uint8 [H, ld / 32]
 };
 
 struct Chunk {
@@ -91,6 +99,8 @@ constexpr int64_t kTraceRow = 6;   // entries of a thread's row in Job::trace
 
 struct Job {
     int64_t N = 0, H = 0, E = 0;
+    int fmt = FMT_BF16;    // every expert's weight format
+    int64_t bn = 1, bk = 1;  // fp8's block
     const void* xact = nullptr;  // [N, H] activations: float, or bf16 for avx512_bf16
     void* hbuf = nullptr;        // intermediate activations of every expert: [T_e, I_e] at hoff[e]
     std::vector<int64_t> hoff;
@@ -98,7 +108,7 @@ struct Job {
     float* out = nullptr;                // [N, H] fp32, added into
     std::vector<Chunk> chunks1;
     int64_t down_rows = 2, n_down_chunks = 0;
-    int64_t pf = 0;  // software prefetch distance in elements (0: off)
+    int64_t pf = 0;  // software prefetch distance in bytes, whole 64-byte lines (0: off)
     bool down_split = false;  // phase 2 pairs a row from each half of a chunk (two streams) instead of adjacent rows
     int64_t claim_max = 0;  // down chunks a thread may claim and read ahead while phase 1 finishes (0 off, <= kMaxClaim)
     int64_t* trace = nullptr;  // tracing only: per thread [entered, phase 1 left, phase 2 begun, left] ns, claimed,
@@ -175,148 +185,29 @@ struct AtFork {
 // ---------------------------------------------------------------------------------------------------
 // The kernel, once per instruction set.
 #if ON_X86
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma")
-namespace k_avx2 {
-struct K {
-    static constexpr int W = 8;
-    static constexpr int NTMAX = 4;  // 2 x 4 accumulators + weights + activation fit the 16 ymm registers
-    static constexpr int unroll(int nt) { return nt == 1 ? 4 : nt == 2 ? 2 : 1; }
-    using Acc = __m256;
-    using X = float;
-    using Hd = float;
-    static inline __m256 zero() { return _mm256_setzero_ps(); }
-    static inline __m256 load_w(const uint16_t* p) {
-        const __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
-    }
-    static inline __m256 load_x(const float* p) { return _mm256_loadu_ps(p); }
-    static inline __m256 dot(__m256 a, __m256 x, __m256 w) { return _mm256_fmadd_ps(x, w, a); }
-    static inline __m256 add(__m256 a, __m256 b) { return _mm256_add_ps(a, b); }
-    static inline float hsum(__m256 a) {
-        __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-        s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        return _mm_cvtss_f32(s);
-    }
-    static inline float x2f(float v) { return v; }
-    static inline float h_from_f(float v) { return v; }
-};
-#include "cpu_experts_kernel.h"
-
-// RAM read bandwidth probe: stream through buffers (chunks taken dynamically), xor-fold 32-byte loads.
-static void read_job(void* ctx, int tid) {
-    ReadJob& job = *static_cast<ReadJob*>(ctx);
-    __m256i acc0 = _mm256_setzero_si256(), acc1 = acc0, acc2 = acc0, acc3 = acc0;
-    const int64_t n = static_cast<int64_t>(job.chunks.size());
-    for (;;) {
-        const int64_t c = job.next.fetch_add(1, std::memory_order_relaxed);
-        if (c >= n) break;
-        const char* p = job.chunks[c].first;
-        const int64_t len = job.chunks[c].second & ~int64_t(127);
-        for (int64_t i = 0; i < len; i += 128) {
-            if (job.pf) __builtin_prefetch(p + i + job.pf, 0, 3), __builtin_prefetch(p + i + job.pf + 64, 0, 3);
-            acc0 = _mm256_xor_si256(acc0, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i)));
-            acc1 = _mm256_xor_si256(acc1, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 32)));
-            acc2 = _mm256_xor_si256(acc2, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 64)));
-            acc3 = _mm256_xor_si256(acc3, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + i + 96)));
-        }
-        job.done.fetch_add(1, std::memory_order_acq_rel);
-    }
-    const __m256i a = _mm256_xor_si256(_mm256_xor_si256(acc0, acc1), _mm256_xor_si256(acc2, acc3));
-    job.checksum.fetch_xor(static_cast<uint64_t>(_mm256_extract_epi64(a, 0) ^ _mm256_extract_epi64(a, 3)),
-                           std::memory_order_relaxed);
-    if (tid == 0) spin_until([&] { return job.done.load(std::memory_order_acquire) == n; });
-}
-}  // namespace k_avx2
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx2,fma")
-namespace {
-inline float hsum512(__m512 a) {  // fixed order (no _mm512_reduce_add_ps: GCC 12 warns inside its header)
-    __m512 s = _mm512_add_ps(a, _mm512_shuffle_f32x4(a, a, _MM_SHUFFLE(1, 0, 3, 2)));
-    s = _mm512_add_ps(s, _mm512_shuffle_f32x4(s, s, _MM_SHUFFLE(2, 3, 0, 1)));
-    __m128 q = _mm512_castps512_ps128(s);
-    q = _mm_add_ps(q, _mm_movehl_ps(q, q));
-    q = _mm_add_ss(q, _mm_movehdup_ps(q));
-    return _mm_cvtss_f32(q);
-}
-}  // namespace
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx2,fma")
-namespace k_avx512 {
-struct K {
-    static constexpr int W = 16;
-    static constexpr int NTMAX = 8;
-    static constexpr int unroll(int nt) { return nt <= 2 ? 4 : nt <= 4 ? 2 : 1; }
-    using Acc = __m512;
-    using X = float;
-    using Hd = float;
-    static inline __m512 zero() { return _mm512_setzero_ps(); }
-    static inline __m512 load_w(const uint16_t* p) {
-        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-    }
-    static inline __m512 load_x(const float* p) { return _mm512_loadu_ps(p); }
-    static inline __m512 dot(__m512 a, __m512 x, __m512 w) { return _mm512_fmadd_ps(x, w, a); }
-    static inline __m512 add(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
-    static inline float hsum(__m512 a) { return hsum512(a); }
-    static inline float x2f(float v) { return v; }
-    static inline float h_from_f(float v) { return v; }
-};
-#include "cpu_experts_kernel.h"
-}  // namespace k_avx512
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bf16,avx512bw,avx512vl,avx2,fma")
-namespace k_avx512bf16 {
-struct K {
-    static constexpr int W = 32;  // 32 bf16 = 16 pairs per vdpbf16ps
-    static constexpr int NTMAX = 8;
-    static constexpr int unroll(int nt) { return nt <= 2 ? 4 : nt <= 4 ? 2 : 1; }
-    using Acc = __m512;
-    using X = uint16_t;
-    using Hd = uint16_t;
-    static inline __m512 zero() { return _mm512_setzero_ps(); }
-    static inline __m512i load_w(const uint16_t* p) { return _mm512_loadu_si512(p); }
-    static inline __m512i load_x(const uint16_t* p) { return _mm512_loadu_si512(p); }
-    static inline __m512 dot(__m512 a, __m512i x, __m512i w) {
-        return _mm512_dpbf16_ps(a, (__m512bh)x, (__m512bh)w);
-    }
-    static inline __m512 add(__m512 a, __m512 b) { return _mm512_add_ps(a, b); }
-    static inline float hsum(__m512 a) { return hsum512(a); }
-    static inline float x2f(uint16_t v) { return bf16_to_f32(v); }
-    static inline uint16_t h_from_f(float v) { return f32_to_bf16(v); }
-};
-#include "cpu_experts_kernel.h"
-}  // namespace k_avx512bf16
-#pragma GCC pop_options
-
-#endif  // ON_X86
+#include "cpu_experts_isa.h"  // k_avx2, k_avx512, k_avx512bf16 (and the AVX2 read probe)
+#endif
 
 #include "cpu_experts_emu.h"
 
 // ---------------------------------------------------------------------------------------------------
 // C API (ctypes).
 
-enum { ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_BF16 = 3, ISA_EMU_AVX512 = 4, ISA_EMU_AVX512_BF16 = 5 };
+enum { ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_BF16 = 3, ISA_EMU_AVX512 = 4, ISA_EMU_AVX512_BF16 = 5, ISA_VBMI = 6 };
 
-// Bit (1 << isa) set for every instruction set this CPU (and OS) can run.
+// Bit (1 << isa) set for every instruction set this CPU (and OS) can run; bit ISA_VBMI: AVX512_VBMI, which
+// avx512_bf16 needs for FP8 weights.
 C_EXPORTED int strata_cpu_isa_mask() {
     int mask = (1 << ISA_EMU_AVX512) | (1 << ISA_EMU_AVX512_BF16);
 #if ON_X86
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) mask |= 1 << ISA_AVX2;
-    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
-        mask |= 1 << ISA_AVX512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        mask |= 1 << ISA_AVX2;
+    if ((mask & (1 << ISA_AVX2)) && __builtin_cpu_supports("avx512f")) mask |= 1 << ISA_AVX512;
     if ((mask & (1 << ISA_AVX512)) && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
         __builtin_cpu_supports("avx512bf16"))
         mask |= 1 << ISA_AVX512_BF16;
+    if ((mask & (1 << ISA_AVX512_BF16)) && __builtin_cpu_supports("avx512vbmi")) mask |= 1 << ISA_VBMI;
 #endif
     return mask;
 }
@@ -368,25 +259,42 @@ C_EXPORTED int strata_cpu_shutdown() {
 #include "cpu_warm.h"  // warm-ahead's read; the kernel asks it how far each thread got (warm_read_pairs)
 
 // out[N, H] (fp32, contiguous) += sum over experts of w * expert(x[idx]).
-// meta: E rows of META_FIELDS int64: gate_up ptr, down ptr, idx ptr (int64), w ptr (fp32), T, I, ld: the expert's
-// first I of its ld intermediate rows (I < ld: the CPU's part of an expert split with the GPU, which computes the rest).
-// Returns 0, -1 (instruction set unavailable or bad sizes), -2 (token index out of range).
+// meta: E rows of META_FIELDS int64: gate_up ptr, down ptr (their values), idx ptr (int64), w ptr (fp32), T, I, ld:
+// the expert's first I of its ld intermediate rows (I < ld: the CPU's part of an expert split with the GPU, which
+// computes the rest). fmt (optional: bf16): int64 [format, bn, bk] (FMT_*; fp8's block); scales (with fmt FP8 or
+// MXFP4): E rows of int64 [gate_up scales ptr, down scales ptr]. Every expert of a call has the one format.
+// Returns 0, -1 (instruction set unavailable or bad sizes), -2 (token index out of range), -5 (a format this
+// instruction set cannot read, or bad format arguments).
 // warm (optional, [E] int64): of each expert, the leading rows whose gate/up `strata_cpu_warm` read ahead on this
 // pool with the same thread count; each thread computes its own piece of them first (its caches hold them).
 // stolen (optional): set to how many of those pieces another thread computed. The results do not depend on it.
-C_EXPORTED int strata_cpu_experts_warm(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
-                                       const int64_t* warm, float* out, int threads, int64_t* stolen) {
+C_EXPORTED int strata_cpu_experts_fmt(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
+                                      const int64_t* fmt, const int64_t* scales, const int64_t* warm, float* out,
+                                      int threads, int64_t* stolen) {
     if (stolen) *stolen = 0;
     if (N <= 0 || H <= 0 || E < 0) return -1;
-    if (!(strata_cpu_isa_mask() & (1 << isa))) return -1;
+    const int mask = strata_cpu_isa_mask();
+    if (isa < ISA_AVX2 || isa > ISA_EMU_AVX512_BF16 || !(mask & (1 << isa))) return -1;
+    const int f = fmt ? int(fmt[0]) : FMT_BF16;
+    const int64_t bn = fmt ? fmt[1] : 1, bk = fmt ? fmt[2] : 1;
+    if (f != FMT_BF16 && f != FMT_FP8 && f != FMT_MXFP4) return -5;
+    if (f != FMT_BF16 && !scales) return -5;
+    if (f == FMT_FP8 && (bn <= 0 || bk <= 0)) return -5;
+    if (f == FMT_FP8 && isa == ISA_AVX512_BF16 && !(mask & (1 << ISA_VBMI))) return -5;
+    if (f == FMT_MXFP4 && H % kMxGroup) return -5;
     std::vector<ExpertArg> experts;
     experts.reserve(E);
     for (int64_t e = 0; e < E; ++e) {
         const int64_t* m = meta + META_FIELDS * e;
-        ExpertArg a{reinterpret_cast<const uint16_t*>(m[0]), reinterpret_cast<const uint16_t*>(m[1]),
+        ExpertArg a{reinterpret_cast<const uint8_t*>(m[0]), reinterpret_cast<const uint8_t*>(m[1]),
                     reinterpret_cast<const int64_t*>(m[2]), reinterpret_cast<const float*>(m[3]), m[4], m[5], m[6]};
         if (a.T < 0 || a.I <= 0 || a.ld < a.I) return -1;
+        if (f == FMT_MXFP4 && a.ld % kMxGroup) return -5;
         if (a.T == 0) continue;
+        if (f != FMT_BF16) {
+            a.gate_up_scales = reinterpret_cast<const void*>(scales[2 * e]);
+            a.down_scales = reinterpret_cast<const void*>(scales[2 * e + 1]);
+        }
         a.warm = warm ? std::clamp<int64_t>(warm[e], 0, a.ld) : 0;
         for (int64_t t = 0; t < a.T; ++t)
             if (a.idx[t] < 0 || a.idx[t] >= N) return -2;
@@ -400,24 +308,32 @@ C_EXPORTED int strata_cpu_experts_warm(int isa, const float* x, int64_t N, int64
     job.N = N;
     job.H = H;
     job.E = static_cast<int64_t>(experts.size());
+    job.fmt = f, job.bn = bn, job.bk = bk;
     job.experts = experts.data();
     job.out = out;
 
     const bool bf16_act = isa == ISA_AVX512_BF16 || isa == ISA_EMU_AVX512_BF16;
     const size_t hsz = bf16_act ? 2 : 4;
+    // bytes of weight values read (scales, 1/16 of MXFP4's and less of FP8's, are not counted)
+    const int64_t pair_bytes = 2 * fmt_bytes(f, H);  // one gate row + one up row
     int64_t htotal = 0, gate_up_bytes = 0, down_row_bytes = 0;
     for (const auto& ex : experts) {
         job.hoff.push_back(htotal);
         htotal += ex.T * ex.I;
-        gate_up_bytes += 4 * ex.I * H;
-        down_row_bytes += 2 * ex.I;
+        gate_up_bytes += pair_bytes * ex.I;
+        down_row_bytes += fmt_bytes(f, ex.I);
     }
     if (g_hbuf.size() < size_t(htotal) * hsz + 64) g_hbuf.resize(size_t(htotal) * hsz + 64);
     job.hbuf = g_hbuf.data();
     if (bf16_act) {
         if (g_xbuf.size() < size_t(N * H) * 2) g_xbuf.resize(size_t(N * H) * 2);
         uint16_t* xb = reinterpret_cast<uint16_t*>(g_xbuf.data());
-        for (int64_t i = 0; i < N * H; ++i) xb[i] = f32_to_bf16(x[i]);
+        if (f == FMT_MXFP4) {  // in the order avx512_bf16 reads an MXFP4 group's values (K::kMxPermuted)
+            for (int64_t n = 0; n < N; ++n)
+                for (int64_t i = 0; i < H; ++i) xb[n * H + mx_x_position(i, H)] = f32_to_bf16(x[n * H + i]);
+        } else {
+            for (int64_t i = 0; i < N * H; ++i) xb[i] = f32_to_bf16(x[i]);
+        }
         job.xact = xb;
     } else {
         job.xact = x;
@@ -428,7 +344,6 @@ C_EXPORTED int strata_cpu_experts_warm(int isa, const float* x, int64_t N, int64
     auto chunk_bytes = [&](int64_t total) {
         return std::clamp<int64_t>(total / (g_chunk_div * int64_t(P)), g_chunk_min, g_chunk_max);
     };
-    const int64_t pair_bytes = 4 * H;  // one gate row + one up row
     // The warm rows' pieces first (thread t's: index t mod P), clipped to I: of each, the rows t's read brought into
     // its caches (warm_read_pairs; all of them with g_read_split off, or when that read is not known); the rest of a
     // piece, read from RAM whoever computes it, joins the dynamic chunks (a thread descheduled in the read would
@@ -469,7 +384,7 @@ C_EXPORTED int strata_cpu_experts_warm(int isa, const float* x, int64_t N, int64
     rows += rows & 1;
     job.down_rows = rows;
     job.n_down_chunks = (H + rows - 1) / rows;
-    job.pf = (g_prefetch_bytes / 2 + 31) / 32 * 32;  // whole 64-byte lines
+    job.pf = (g_prefetch_bytes + 63) / 64 * 64;  // whole 64-byte lines
     job.claim_max = g_claim_max;
     job.down_split = g_down_split != 0;
     if (g_trace) {
@@ -499,9 +414,15 @@ C_EXPORTED int strata_cpu_experts_warm(int isa, const float* x, int64_t N, int64
     return 0;
 }
 
+// strata_cpu_experts_fmt on bf16 experts.
+C_EXPORTED int strata_cpu_experts_warm(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
+                                       const int64_t* warm, float* out, int threads, int64_t* stolen) {
+    return strata_cpu_experts_fmt(isa, x, N, H, E, meta, nullptr, nullptr, warm, out, threads, stolen);
+}
+
 C_EXPORTED int strata_cpu_experts(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
-                                  float* out, int threads) {
-    return strata_cpu_experts_warm(isa, x, N, H, E, meta, nullptr, out, threads, nullptr);
+                                  const int64_t* fmt, const int64_t* scales, float* out, int threads) {
+    return strata_cpu_experts_fmt(isa, x, N, H, E, meta, fmt, scales, nullptr, out, threads, nullptr);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -519,7 +440,7 @@ struct Launcher {
     double seconds = 0.0;
     const float* x = nullptr;
     int64_t N = 0, H = 0, E = 0;
-    const int64_t* meta = nullptr;
+    const int64_t *meta = nullptr, *fmt = nullptr, *scales = nullptr;
     float* out = nullptr;
     pid_t pid = getpid();
     std::thread th;
@@ -532,7 +453,7 @@ struct Launcher {
             has_job = false;
             lk.unlock();
             const auto t0 = std::chrono::steady_clock::now();
-            const int r = strata_cpu_experts(isa, x, N, H, E, meta, out, threads);
+            const int r = strata_cpu_experts(isa, x, N, H, E, meta, fmt, scales, out, threads);
             const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
             lk.lock();
             rc = r, seconds = dt, busy = false;
@@ -546,7 +467,7 @@ std::mutex g_launcher_m;
 }  // namespace
 
 C_EXPORTED int strata_cpu_experts_start(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
-                                        float* out, int threads) {
+                                        const int64_t* fmt, const int64_t* scales, float* out, int threads) {
     Launcher* l;
     {
         std::lock_guard<std::mutex> lk(g_launcher_m);
@@ -557,6 +478,7 @@ C_EXPORTED int strata_cpu_experts_start(int isa, const float* x, int64_t N, int6
     std::unique_lock<std::mutex> lk(l->m);
     l->cv.wait(lk, [&] { return !l->busy; });  // one call in flight
     l->isa = isa, l->x = x, l->N = N, l->H = H, l->E = E, l->meta = meta, l->out = out, l->threads = threads;
+    l->fmt = fmt, l->scales = scales;
     l->busy = l->has_job = true;
     lk.unlock();
     l->cv.notify_all();

@@ -1,14 +1,14 @@
 // strata CPU expert kernel: portable emulations of its AVX-512 variants, for tests on any machine.
 //
-// Included once, by cpu_experts.cpp (after bf16_to_f32 / f32_to_bf16, the kernel's structs and the
-// AVX-512 variants), and compiled without optimisation: test-only code.
+// Included once, by cpu_experts.cpp (after bf16_to_f32 / f32_to_bf16, the format tables, the kernel's structs and
+// the AVX-512 variants), and compiled without optimisation: test-only code.
 #pragma once
 
 // Portable scalar emulations of the two AVX-512 kernels, for tests on machines without AVX-512: the
 // same template, the same lane layout, the same summation order (vector FMA = fmaf per lane, the
 // horizontal sum of hsum512, vdpbf16ps = per lane acc += odd product, then += even product, with
-// denormals flushed as the instruction does), so they match the real kernels bit for bit by
-// construction. Slow; never chosen automatically.
+// denormals flushed as the instruction does; FP8 and MXFP4 weights converted to the same values in the same
+// lanes), so they match the real kernels bit for bit by construction. Slow; never chosen automatically.
 #pragma GCC push_options
 #pragma GCC optimize("O0")  // test-only code: keep the build fast (O1 would double it)
 namespace emu {
@@ -52,9 +52,30 @@ struct K {
         std::memcpy(r.v, p, sizeof(r.v));
         return r;
     }
+    struct Fp8Ctx {};
+    static constexpr float kFp8Unit = kFp8F16Unit;
+    static inline emu::F16 load_fp8(const Fp8Ctx&, const uint8_t* p) {  // vpmovsxbw, shift, mask, vcvtph2ps
+        emu::F16 r;
+        for (int i = 0; i < 16; ++i) r.v[i] = f16_to_f32(fp8_as_f16_over_256(p[i]));
+        return r;
+    }
+    static inline emu::F16 load_mx(const uint8_t* p, uint8_t s) {  // lane i: element i's code through the table
+        emu::F16 r;
+        for (int i = 0; i < 16; ++i) r.v[i] = g_fmt.mx_f32[s][(p[i >> 1] >> ((i & 1) * 4)) & 15];
+        return r;
+    }
+    static inline void load_fp8x2(const Fp8Ctx& c, const uint8_t* p, emu::F16& w0, emu::F16& w1) {
+        w0 = load_fp8(c, p), w1 = load_fp8(c, p + W);
+    }
+    static constexpr bool kMxPermuted = false;
+    static inline float mx_scalar(uint8_t code, uint8_t s) { return g_fmt.mx_f32[s][code]; }
     static inline Acc dot(Acc a, const emu::F16& x, const emu::F16& w) {
         for (int i = 0; i < 16; ++i) a.v[i] = std::fma(x.v[i], w.v[i], a.v[i]);
         return a;
+    }
+    static inline Acc fma(const Acc& a, float s, Acc b) {
+        for (int i = 0; i < 16; ++i) b.v[i] = std::fma(a.v[i], s, b.v[i]);
+        return b;
     }
     static inline Acc add(Acc a, const Acc& b) { return emu::add16(a, b); }
     static inline float hsum(const Acc& a) { return emu::hsum16(a); }
@@ -82,6 +103,30 @@ struct K {
         return r;
     }
     static inline B32 load_x(const uint16_t* p) { return load_w(p); }
+    struct Fp8Ctx {};
+    static constexpr float kFp8Unit = 1.0f;
+    static inline B32 load_fp8(const Fp8Ctx&, const uint8_t* p) {  // the lookups' result: the exact bf16
+        B32 r;
+        for (int i = 0; i < 32; ++i) r.v[i] = g_fmt.fp8_bf16[p[i]];
+        return r;
+    }
+    static inline void load_fp8x2(const Fp8Ctx& c, const uint8_t* p, B32& w0, B32& w1) {
+        w0 = load_fp8(c, p), w1 = load_fp8(c, p + W);
+    }
+    static constexpr bool kMxPermuted = true;
+    static inline B32 load_mx(const uint8_t* p, uint8_t s) {  // word w: element mx_lane_element(w), as load_mx's
+        B32 r;
+        for (int w = 0; w < 32; ++w) {
+            const int64_t e = mx_lane_element(w);
+            r.v[w] = g_fmt.mx_bf16[s][(p[e >> 1] >> ((e & 1) * 4)) & 15];
+        }
+        return r;
+    }
+    static inline float mx_scalar(uint8_t code, uint8_t s) { return bf16_to_f32(g_fmt.mx_bf16[s][code]); }
+    static inline Acc fma(const Acc& a, float s, Acc b) {
+        for (int i = 0; i < 16; ++i) b.v[i] = std::fma(a.v[i], s, b.v[i]);
+        return b;
+    }
     static inline Acc dot(Acc a, const B32& x, const B32& w) {
         for (int i = 0; i < 16; ++i) {  // bf16 x bf16 products are exact in fp32
             float acc = emu::flush(a.v[i]);

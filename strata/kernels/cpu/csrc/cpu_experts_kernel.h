@@ -1,4 +1,4 @@
-// The CPU expert kernel body, written once and compiled once per instruction set.
+// The CPU expert kernel body, written once and compiled once per instruction set (and, inside, per weight format).
 //
 // cpu_experts.cpp includes this file several times, each time inside its own namespace, under a
 // `#pragma GCC target(...)` region, after defining a traits struct `K` in that namespace:
@@ -6,6 +6,11 @@
 //   K::W            elements of a weight row consumed per vector step
 //   K::Acc          fp32 accumulator vector;  K::zero(), K::add(a, b), K::hsum(a) -> float
 //   K::load_w(p)    W bf16 weights at p -> whatever K::dot takes
+//   K::load_fp8(c, p)   W float8_e4m3 bytes at p -> the same, the values times K::kFp8Unit's inverse (exactly);
+//                   K::Fp8Ctx c: what the conversion keeps in registers (its tables)
+//   K::load_mx(p, s)    W e2m1 codes at p (two a byte) of a group with e8m0 scale s -> the same, scaled;
+//                   K::mx_scalar(code, s) one such value, as the vector path gives it
+//   K::fma(a, s, b) b + a * s (s a float, broadcast; fused)
 //   K::X            activation element type (float, or uint16_t = bf16);  K::load_x(p), K::x2f(v)
 //   K::dot(a, x, w) a + x * w over the W elements (fp32 FMA, or vdpbf16ps pairs)
 //   K::Hd, K::h_from_f(float)   storage type of the intermediate silu(gate) * up activations
@@ -13,105 +18,223 @@
 //
 // Numerics are fixed by the code, not by the thread that runs it: every dot product is summed in one
 // order (U interleaved accumulators, combined in order, then a fixed horizontal sum, then the scalar
-// tail), and every output element is written by exactly one thread (see cpu_experts.cpp), so the
+// tail; an FP8 row block by block, see dot2_tile), and every output element is written by exactly one thread (see cpu_experts.cpp), so the
 // results are bit-identical for any thread count and any scheduling.
 
+// How the kernel reads a row of each weight format (cpu_experts_formats.h): `load` gives the W elements from i
+// (i a multiple of W) as the K::dot operand, `scalar` one element for the tail. bf16 and MXFP4 rows are summed as
+// one span (an MXFP4 group's scale is in the lookup table its codes go through, exactly: `K::load_mx`); FP8 rows are
+// `blocked`: each block of bk columns is summed on its own and added times its scale_inv (vector part: times
+// `vec_scale`, which also undoes a load's fixed power-of-two factor, K::kFp8Unit).
+struct ReadBf16 {
+    using Row = RowBf16;
+    static constexpr bool kBlocked = false;
+    static constexpr int kBits = 16;
+    struct Ctx {};
+    static inline auto load(const Ctx&, const Row& r, int64_t i) { return K::load_w(r.v + i); }
+    template <class V>
+    static inline void load2(const Ctx& c, const Row& r, int64_t i, V& w0, V& w1) {
+        w0 = load(c, r, i), w1 = load(c, r, i + K::W);
+    }
+    static inline int64_t x_position(int64_t e, int64_t) { return e; }
+    static inline float scalar(const Row& r, int64_t i) { return bf16_to_f32(r.v[i]); }
+    static inline const uint8_t* bytes(const Row& r) { return reinterpret_cast<const uint8_t*>(r.v); }
+    static inline int64_t span(const Row&, int64_t len) { return len; }
+};
+struct ReadFp8 {
+    using Row = RowFp8;
+    static constexpr bool kBlocked = true;
+    static constexpr int kBits = 8;
+    using Ctx = typename K::Fp8Ctx;
+    static inline auto load(const Ctx& c, const Row& r, int64_t i) { return K::load_fp8(c, r.v + i); }
+    template <class V>
+    static inline void load2(const Ctx& c, const Row& r, int64_t i, V& w0, V& w1) {
+        K::load_fp8x2(c, r.v + i, w0, w1);
+    }
+    static inline int64_t x_position(int64_t e, int64_t) { return e; }
+    static inline float scalar(const Row& r, int64_t i) { return g_fmt.fp8_f32[r.v[i]]; }
+    static inline float tail_scale(const Row& r, int64_t block) { return r.s[block]; }
+    static inline float vec_scale(const Row& r, int64_t block) { return r.s[block] * K::kFp8Unit; }
+    static inline const uint8_t* bytes(const Row& r) { return r.v; }
+    static inline int64_t span(const Row& r, int64_t) { return r.bk; }
+};
+struct ReadMx {
+    using Row = RowMx;
+    static constexpr bool kBlocked = false;
+    static constexpr int kBits = 4;
+    struct Ctx {};
+    static inline auto load(const Ctx&, const Row& r, int64_t i) { return K::load_mx(r.v + (i >> 1), r.s[i >> 5]); }
+    template <class V>
+    static inline void load2(const Ctx& c, const Row& r, int64_t i, V& w0, V& w1) {
+        w0 = load(c, r, i), w1 = load(c, r, i + K::W);
+    }
+    // where element e of a row of len elements has its activation (K::kMxPermuted: cpu_experts_formats.h)
+    static inline int64_t x_position(int64_t e, int64_t len) { return K::kMxPermuted ? mx_x_position(e, len) : e; }
+    static inline float scalar(const Row& r, int64_t i) { return K::mx_scalar(r.code(i), r.s[i >> 5]); }
+    static inline const uint8_t* bytes(const Row& r) { return r.v; }
+    static inline int64_t span(const Row&, int64_t len) { return len; }
+};
+
 // Two weight rows (ra, rb) of length len against nt <= K::NTMAX activation rows xs[t]:
-// oa[t] = <ra, xs[t]>, ob[t] = <rb, xs[t]>. Each weight vector is loaded once for all tokens.
-template <int NT, int U>
-static inline void dot2_tile(const uint16_t* __restrict ra, const uint16_t* __restrict rb, int64_t len,
+// oa[t] = <ra, xs[t]>, ob[t] = <rb, xs[t]>. Each weight vector is loaded (and converted) once for all tokens.
+// Order: per span (the whole row, or an FP8 block), U interleaved accumulators combined in order; a span's
+// vectors then go through the fixed horizontal sum (one span) or are added times the block's scale into a
+// vector total summed at the end (blocks); scalar tails (len or a block not a multiple of W) last, in order.
+template <class F, int NT, int U>
+static inline void dot2_tile(const typename F::Row& ra, const typename F::Row& rb, int64_t len,
                              const typename K::X* const* xs, float* oa, float* ob, int64_t pf) {
     constexpr int W = K::W;
-    typename K::Acc aa[U][NT], ab[U][NT];
-#pragma GCC unroll 16
-    for (int u = 0; u < U; ++u) {
-#pragma GCC unroll 16
-        for (int t = 0; t < NT; ++t) {
-            aa[u][t] = K::zero();
-            ab[u][t] = K::zero();
-        }
-    }
-    int64_t i = 0;
-    for (; i + int64_t(W) * U <= len; i += int64_t(W) * U) {
-        if (pf) {  // software prefetch `pf` elements ahead, one prefetch per 64-byte line and row
-            constexpr int step_bytes = W * U * 2;
-            if constexpr (step_bytes >= 64) {
-#pragma GCC unroll 8
-                for (int l = 0; l < step_bytes / 64; ++l) {
-                    __builtin_prefetch(ra + i + pf + 32 * l, 0, 3);
-                    __builtin_prefetch(rb + i + pf + 32 * l, 0, 3);
-                }
-            } else if (((i * 2) & 63) == 0) {
-                __builtin_prefetch(ra + i + pf, 0, 3);
-                __builtin_prefetch(rb + i + pf, 0, 3);
-            }
-        }
-#pragma GCC unroll 16
-        for (int u = 0; u < U; ++u) {
-            const auto wa = K::load_w(ra + i + u * W);
-            const auto wb = K::load_w(rb + i + u * W);
-#pragma GCC unroll 16
-            for (int t = 0; t < NT; ++t) {
-                const auto xv = K::load_x(xs[t] + i + u * W);
-                aa[u][t] = K::dot(aa[u][t], xv, wa);
-                ab[u][t] = K::dot(ab[u][t], xv, wb);
-            }
-        }
-    }
-    for (; i + W <= len; i += W) {
-        const auto wa = K::load_w(ra + i);
-        const auto wb = K::load_w(rb + i);
-#pragma GCC unroll 16
-        for (int t = 0; t < NT; ++t) {
-            const auto xv = K::load_x(xs[t] + i);
-            aa[0][t] = K::dot(aa[0][t], xv, wa);
-            ab[0][t] = K::dot(ab[0][t], xv, wb);
-        }
-    }
+    constexpr int64_t step_bytes = int64_t(W) * U * F::kBits / 8;
+    const typename F::Ctx ctx{};
+    const uint8_t* pa = F::bytes(ra) + pf;
+    const uint8_t* pb = F::bytes(rb) + pf;
+    typename K::Acc aa[U][NT], ab[U][NT], fa[NT], fb[NT];
     float sa[NT], sb[NT];
 #pragma GCC unroll 16
     for (int t = 0; t < NT; ++t) {
-        typename K::Acc a = aa[0][t], b = ab[0][t];
-#pragma GCC unroll 16
-        for (int u = 1; u < U; ++u) {
-            a = K::add(a, aa[u][t]);
-            b = K::add(b, ab[u][t]);
-        }
-        sa[t] = K::hsum(a);
-        sb[t] = K::hsum(b);
+        fa[t] = fb[t] = K::zero();
+        sa[t] = sb[t] = 0.0f;
     }
-    for (; i < len; ++i) {  // tail: len not a multiple of W
-        const float wa = bf16_to_f32(ra[i]), wb = bf16_to_f32(rb[i]);
+    const int64_t span = F::span(ra, len);
+    for (int64_t c0 = 0, block = 0; c0 < len; c0 += span, ++block) {
+        const int64_t c1 = std::min(len, c0 + span);
+#pragma GCC unroll 16
+        for (int u = 0; u < U; ++u) {
+#pragma GCC unroll 16
+            for (int t = 0; t < NT; ++t) {
+                aa[u][t] = K::zero();
+                ab[u][t] = K::zero();
+            }
+        }
+        int64_t i = c0;
+        for (; i + int64_t(W) * U <= c1; i += int64_t(W) * U) {
+            if (pf) {  // software prefetch `pf` bytes ahead, one prefetch per 64-byte line and row
+                const int64_t at = i * F::kBits / 8;
+                if constexpr (step_bytes >= 64) {
+#pragma GCC unroll 8
+                    for (int l = 0; l < step_bytes / 64; ++l) {
+                        __builtin_prefetch(pa + at + 64 * l, 0, 3);
+                        __builtin_prefetch(pb + at + 64 * l, 0, 3);
+                    }
+                } else if ((at & 63) == 0) {
+                    __builtin_prefetch(pa + at, 0, 3);
+                    __builtin_prefetch(pb + at, 0, 3);
+                }
+            }
+            if constexpr (U % 2 == 0) {  // two steps a load (FP8 on avx512_bf16 converts 64 bytes at once)
+#pragma GCC unroll 16
+                for (int u = 0; u < U; u += 2) {
+                    decltype(F::load(ctx, ra, i)) wa0, wa1, wb0, wb1;
+                    F::load2(ctx, ra, i + u * W, wa0, wa1);
+                    F::load2(ctx, rb, i + u * W, wb0, wb1);
+#pragma GCC unroll 16
+                    for (int t = 0; t < NT; ++t) {
+                        const auto x0 = K::load_x(xs[t] + i + u * W), x1 = K::load_x(xs[t] + i + (u + 1) * W);
+                        aa[u][t] = K::dot(aa[u][t], x0, wa0);
+                        ab[u][t] = K::dot(ab[u][t], x0, wb0);
+                        aa[u + 1][t] = K::dot(aa[u + 1][t], x1, wa1);
+                        ab[u + 1][t] = K::dot(ab[u + 1][t], x1, wb1);
+                    }
+                }
+            } else {
+#pragma GCC unroll 16
+                for (int u = 0; u < U; ++u) {
+                    const auto wa = F::load(ctx, ra, i + u * W);
+                    const auto wb = F::load(ctx, rb, i + u * W);
+#pragma GCC unroll 16
+                    for (int t = 0; t < NT; ++t) {
+                        const auto xv = K::load_x(xs[t] + i + u * W);
+                        aa[u][t] = K::dot(aa[u][t], xv, wa);
+                        ab[u][t] = K::dot(ab[u][t], xv, wb);
+                    }
+                }
+            }
+        }
+        for (; i + W <= c1; i += W) {
+            const auto wa = F::load(ctx, ra, i);
+            const auto wb = F::load(ctx, rb, i);
+#pragma GCC unroll 16
+            for (int t = 0; t < NT; ++t) {
+                const auto xv = K::load_x(xs[t] + i);
+                aa[0][t] = K::dot(aa[0][t], xv, wa);
+                ab[0][t] = K::dot(ab[0][t], xv, wb);
+            }
+        }
+#pragma GCC unroll 16
         for (int t = 0; t < NT; ++t) {
-            const float xv = K::x2f(xs[t][i]);
-            sa[t] += wa * xv;
-            sb[t] += wb * xv;
+            typename K::Acc a = aa[0][t], b = ab[0][t];
+#pragma GCC unroll 16
+            for (int u = 1; u < U; ++u) {
+                a = K::add(a, aa[u][t]);
+                b = K::add(b, ab[u][t]);
+            }
+            if constexpr (F::kBlocked) {
+                fa[t] = K::fma(a, F::vec_scale(ra, block), fa[t]);
+                fb[t] = K::fma(b, F::vec_scale(rb, block), fb[t]);
+            } else {
+                sa[t] = K::hsum(a);
+                sb[t] = K::hsum(b);
+            }
+        }
+        if constexpr (F::kBlocked) {
+            if (i < c1) {  // the block's tail: summed alone, then times its scale
+                float qa[NT], qb[NT];
+                for (int t = 0; t < NT; ++t) qa[t] = qb[t] = 0.0f;
+                for (; i < c1; ++i) {
+                    const float wa = F::scalar(ra, i), wb = F::scalar(rb, i);
+                    for (int t = 0; t < NT; ++t) {
+                        const float xv = K::x2f(xs[t][i]);
+                        qa[t] += wa * xv;
+                        qb[t] += wb * xv;
+                    }
+                }
+                const float s_a = F::tail_scale(ra, block), s_b = F::tail_scale(rb, block);
+                for (int t = 0; t < NT; ++t) {
+                    sa[t] += qa[t] * s_a;
+                    sb[t] += qb[t] * s_b;
+                }
+            }
+        } else {
+            for (; i < c1; ++i) {  // tail: len not a multiple of W
+                const float wa = F::scalar(ra, i), wb = F::scalar(rb, i);
+                for (int t = 0; t < NT; ++t) {
+                    const float xv = K::x2f(xs[t][i]);
+                    sa[t] += wa * xv;
+                    sb[t] += wb * xv;
+                }
+            }
         }
     }
     for (int t = 0; t < NT; ++t) {
-        oa[t] = sa[t];
-        ob[t] = sb[t];
+        if constexpr (F::kBlocked) {
+            oa[t] = K::hsum(fa[t]) + sa[t];
+            ob[t] = K::hsum(fb[t]) + sb[t];
+        } else {
+            oa[t] = sa[t];
+            ob[t] = sb[t];
+        }
     }
 }
 
-template <int NT>
-static inline void dot2_nt(const uint16_t* ra, const uint16_t* rb, int64_t len, const typename K::X* const* xs,
-                           float* oa, float* ob, int64_t pf) {
-    dot2_tile<NT, K::unroll(NT)>(ra, rb, len, xs, oa, ob, pf);
+template <class F, int NT>
+static inline void dot2_nt(const typename F::Row& ra, const typename F::Row& rb, int64_t len,
+                           const typename K::X* const* xs, float* oa, float* ob, int64_t pf) {
+    dot2_tile<F, NT, K::unroll(NT)>(ra, rb, len, xs, oa, ob, pf);
 }
 
-static void dot2(int nt, const uint16_t* ra, const uint16_t* rb, int64_t len, const typename K::X* const* xs,
-                 float* oa, float* ob, int64_t pf) {
+template <class F>
+static void dot2(int nt, const typename F::Row& ra, const typename F::Row& rb, int64_t len,
+                 const typename K::X* const* xs, float* oa, float* ob, int64_t pf) {
     static_assert(K::NTMAX >= 1 && K::NTMAX <= 8, "tile of 1..8 tokens");
     switch (nt) {
-        case 1: dot2_nt<1>(ra, rb, len, xs, oa, ob, pf); break;
-        case 2: if constexpr (K::NTMAX >= 2) dot2_nt<2>(ra, rb, len, xs, oa, ob, pf); break;
-        case 3: if constexpr (K::NTMAX >= 3) dot2_nt<3>(ra, rb, len, xs, oa, ob, pf); break;
-        case 4: if constexpr (K::NTMAX >= 4) dot2_nt<4>(ra, rb, len, xs, oa, ob, pf); break;
-        case 5: if constexpr (K::NTMAX >= 5) dot2_nt<5>(ra, rb, len, xs, oa, ob, pf); break;
-        case 6: if constexpr (K::NTMAX >= 6) dot2_nt<6>(ra, rb, len, xs, oa, ob, pf); break;
-        case 7: if constexpr (K::NTMAX >= 7) dot2_nt<7>(ra, rb, len, xs, oa, ob, pf); break;
-        case 8: if constexpr (K::NTMAX >= 8) dot2_nt<8>(ra, rb, len, xs, oa, ob, pf); break;
+        case 1: dot2_nt<F, 1>(ra, rb, len, xs, oa, ob, pf); break;
+        case 2: if constexpr (K::NTMAX >= 2) dot2_nt<F, 2>(ra, rb, len, xs, oa, ob, pf); break;
+        case 3: if constexpr (K::NTMAX >= 3) dot2_nt<F, 3>(ra, rb, len, xs, oa, ob, pf); break;
+        case 4: if constexpr (K::NTMAX >= 4) dot2_nt<F, 4>(ra, rb, len, xs, oa, ob, pf); break;
+        case 5: if constexpr (K::NTMAX >= 5) dot2_nt<F, 5>(ra, rb, len, xs, oa, ob, pf); break;
+        case 6: if constexpr (K::NTMAX >= 6) dot2_nt<F, 6>(ra, rb, len, xs, oa, ob, pf); break;
+        case 7: if constexpr (K::NTMAX >= 7) dot2_nt<F, 7>(ra, rb, len, xs, oa, ob, pf); break;
+        case 8: if constexpr (K::NTMAX >= 8) dot2_nt<F, 8>(ra, rb, len, xs, oa, ob, pf); break;
         default: break;
     }
 }
@@ -119,6 +242,7 @@ static void dot2(int nt, const uint16_t* ra, const uint16_t* rb, int64_t len, co
 static inline float silu_mul(float g, float u) { return g / (1.0f + std::exp(-g)) * u; }
 
 // Phase 1 on expert e, intermediate rows [j0, j1): h[t, j] = silu(<gate_j, x_t>) * <up_j, x_t>.
+template <class F>
 static void gate_up_rows(const Job& job, int64_t e, int64_t j0, int64_t j1) {
     const ExpertArg& ex = job.experts[e];
     const int64_t H = job.H, I = ex.I, T = ex.T;
@@ -126,14 +250,16 @@ static void gate_up_rows(const Job& job, int64_t e, int64_t j0, int64_t j1) {
     typename K::Hd* hb = static_cast<typename K::Hd*>(job.hbuf) + job.hoff[e];
     const typename K::X* xs[K::NTMAX];
     float g[K::NTMAX], u[K::NTMAX];
+    const Mat m{ex.gate_up, ex.gate_up_scales, H, job.bn, job.bk};
     for (int64_t j = j0; j < j1; ++j) {
-        const uint16_t* ra = ex.gate_up + j * H;
-        const uint16_t* rb = ex.gate_up + (ex.ld + j) * H;  // up rows start at ld (I < ld: a split expert)
+        const auto ra = F::Row::of(m, j);
+        const auto rb = F::Row::of(m, ex.ld + j);  // up rows start at ld (I < ld: a split expert)
         for (int64_t s = 0; s < T; s += K::NTMAX) {
             const int nt = static_cast<int>(std::min<int64_t>(K::NTMAX, T - s));
             for (int t = 0; t < nt; ++t) xs[t] = xbase + ex.idx[s + t] * H;
-            dot2(nt, ra, rb, H, xs, g, u, job.pf);
-            for (int t = 0; t < nt; ++t) hb[(s + t) * I + j] = K::h_from_f(silu_mul(g[t], u[t]));
+            dot2<F>(nt, ra, rb, H, xs, g, u, job.pf);
+            const int64_t at = F::x_position(j, I);  // the down rows read h[t] as they read x
+            for (int t = 0; t < nt; ++t) hb[(s + t) * I + at] = K::h_from_f(silu_mul(g[t], u[t]));
         }
     }
 }
@@ -141,6 +267,7 @@ static void gate_up_rows(const Job& job, int64_t e, int64_t j0, int64_t j1) {
 // Phase 2, output rows [h0, h1) of every expert in ascending order: out[tok, h] += w * <down_h, h_tok>.
 // Two rows at a time: adjacent ones, or with `down_split` one from each half of the range (two streams a
 // thread, in different pages). Either way each row's dot product is summed alone, in the same order.
+template <class F>
 static void down_rows(const Job& job, int64_t h0, int64_t h1) {
     const int64_t H = job.H, n = h1 - h0, half = (n + 1) / 2;
     const typename K::Hd* xs[K::NTMAX];
@@ -149,16 +276,17 @@ static void down_rows(const Job& job, int64_t h0, int64_t h1) {
         const ExpertArg& ex = job.experts[e];
         const int64_t I = ex.I, T = ex.T;
         const typename K::Hd* hb = static_cast<const typename K::Hd*>(job.hbuf) + job.hoff[e];
+        const Mat m{ex.down, ex.down_scales, ex.ld, job.bn, job.bk};  // rows of ld columns, the first I computed
         for (int64_t i = 0; i < half; ++i) {
             const int64_t ha = job.down_split ? h0 + i : h0 + 2 * i;
             const int64_t hb_row = job.down_split ? ha + half : ha + 1;
             const bool pair = hb_row < h1;
-            const uint16_t* ra = ex.down + ha * ex.ld;  // the first I of the row's ld columns
-            const uint16_t* rb = pair ? ex.down + hb_row * ex.ld : ra;
+            const auto ra = F::Row::of(m, ha);
+            const auto rb = pair ? F::Row::of(m, hb_row) : ra;
             for (int64_t s = 0; s < T; s += K::NTMAX) {
                 const int nt = static_cast<int>(std::min<int64_t>(K::NTMAX, T - s));
                 for (int t = 0; t < nt; ++t) xs[t] = hb + (s + t) * I;
-                dot2(nt, ra, rb, I, xs, ya, yb, job.pf);
+                dot2<F>(nt, ra, rb, I, xs, ya, yb, job.pf);
                 for (int t = 0; t < nt; ++t) {
                     float* o = job.out + ex.idx[s + t] * H;
                     const float w = ex.w[s + t];
@@ -176,16 +304,18 @@ static void read_ahead_down(const Job& job, int64_t c) {
     const int64_t h0 = c * job.down_rows, h1 = std::min(job.H, h0 + job.down_rows);
     for (int64_t e = 0; e < job.E; ++e) {
         const ExpertArg& ex = job.experts[e];
+        const int64_t stride = fmt_bytes(job.fmt, ex.ld), n = fmt_bytes(job.fmt, ex.I);
         for (int64_t h = h0; h < h1; ++h) {
-            const volatile uint8_t* row = reinterpret_cast<const volatile uint8_t*>(ex.down + h * ex.ld);
-            for (int64_t b = 0; b < 2 * ex.I; b += 64) (void)row[b];  // one load a 64-byte line (volatile: kept)
+            const volatile uint8_t* row = ex.down + h * stride;
+            for (int64_t b = 0; b < n; b += 64) (void)row[b];  // one load a 64-byte line (volatile: kept)
         }
     }
 }
 
+template <class F>
 static void down_chunk(Job& job, int64_t c) {
     const int64_t h0 = c * job.down_rows;
-    down_rows(job, h0, std::min(job.H, h0 + job.down_rows));
+    down_rows<F>(job, h0, std::min(job.H, h0 + job.down_rows));
     job.done2.fetch_add(1, std::memory_order_acq_rel);
 }
 
@@ -194,7 +324,8 @@ static void down_chunk(Job& job, int64_t c) {
 // dynamically; tid 0 (the caller) returns only when every down chunk is finished. A thread that finds no
 // gate/up chunk left claims up to `claim_max` down chunks and reads their weights while the others finish
 // phase 1, then computes them first: the same writer per element, so the same sums.
-static void run_job(void* ctx, int tid) {
+template <class F>
+static void run_job_fmt(void* ctx, int tid) {
     Job& job = *static_cast<Job*>(ctx);
     int64_t* tr = job.trace ? job.trace + kTraceRow * tid : nullptr;
     if (tr) tr[0] = mono_ns();
@@ -203,7 +334,7 @@ static void run_job(void* ctx, int tid) {
         if (job.taken[k].exchange(1, std::memory_order_acq_rel) != 0) return;
         const Chunk& ch = job.chunks1[k];
         if (ch.r0 < ch.r1) {  // empty: its owner's read reached none of it (the dynamic chunks hold its rows)
-            gate_up_rows(job, ch.e, ch.r0, ch.r1);
+            gate_up_rows<F>(job, ch.e, ch.r0, ch.r1);
             if (k % job.P != tid) job.stolen.fetch_add(1, std::memory_order_relaxed);
         }
         job.done1.fetch_add(1, std::memory_order_acq_rel);
@@ -215,7 +346,7 @@ static void run_job(void* ctx, int tid) {
         const int64_t c = ns + job.next1.fetch_add(1, std::memory_order_relaxed);
         if (c >= n1) break;
         const Chunk& ch = job.chunks1[c];
-        gate_up_rows(job, ch.e, ch.r0, ch.r1);
+        gate_up_rows<F>(job, ch.e, ch.r0, ch.r1);
         job.done1.fetch_add(1, std::memory_order_acq_rel);
     }
     // pieces of threads that have not come (yet); not an arrived thread's: read from another core's L2 they cost
@@ -234,12 +365,21 @@ static void run_job(void* ctx, int tid) {
     }
     spin_until([&] { return job.done1.load(std::memory_order_acquire) == n1; });
     if (tr) tr[2] = mono_ns(), tr[4] = nc;
-    for (int64_t i = 0; i < nc; ++i) down_chunk(job, claimed[i]);
+    for (int64_t i = 0; i < nc; ++i) down_chunk<F>(job, claimed[i]);
     for (;;) {
         const int64_t c = job.next2.fetch_add(1, std::memory_order_relaxed);
         if (c >= n2) break;
-        down_chunk(job, c);
+        down_chunk<F>(job, c);
     }
     if (tr) tr[3] = mono_ns();
     if (tid == 0) spin_until([&] { return job.done2.load(std::memory_order_acquire) == n2; });
+}
+
+// The job's entry point for its weight format (Job::fmt).
+static void run_job(void* ctx, int tid) {
+    switch (static_cast<Job*>(ctx)->fmt) {
+        case FMT_FP8: run_job_fmt<ReadFp8>(ctx, tid); break;
+        case FMT_MXFP4: run_job_fmt<ReadMx>(ctx, tid); break;
+        default: run_job_fmt<ReadBf16>(ctx, tid); break;
+    }
 }

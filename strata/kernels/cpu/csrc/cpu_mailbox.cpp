@@ -22,7 +22,8 @@
 //                   16 + 12P rounded up to 64); float w[P] (routing weight of each pair)
 //   float out[N*H] at `out_off` (the CPU's weighted partial sum, zeros where no pair was cold)
 // Every layer's experts are read by address from the table addr[layer * E + e] (the gate_up block of
-// expert e's page-locked slot; down follows at gu_bytes); 0 means "not resident in page-locked RAM".
+// expert e's page-locked slot; down's values follow at gu_bytes; in FP8 and MXFP4 the scales of gate_up and down
+// at gus_off and dns_off, strata.kernels.quant.ExpertLayout); 0 means "not resident in page-locked RAM".
 //
 // The worker also counts what it computed (experts, bytes, kernel seconds) and logs, per layer served,
 // which experts were resident and which it computed, into a ring the Python side drains for the tier
@@ -46,11 +47,13 @@
 
 #define C_EXPORTED extern "C" __attribute__((visibility("default")))
 
-C_EXPORTED int strata_cpu_experts_warm(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
-                                       const int64_t* warm, float* out, int threads, int64_t* stolen);
+C_EXPORTED int strata_cpu_experts_fmt(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
+                                      const int64_t* fmt, const int64_t* scales, const int64_t* warm, float* out,
+                                      int threads, int64_t* stolen);
 C_EXPORTED int strata_cpu_warm_drain();
-C_EXPORTED int64_t strata_cpu_warm(const int64_t* addr, const int64_t* rows, int64_t n, int64_t H, int64_t ld,
-                                   int threads, const int64_t* stop, int64_t stop_val, int64_t* held_ns);
+C_EXPORTED int64_t strata_cpu_warm_bytes(const int64_t* addr, const int64_t* rows, int64_t n, int64_t row_bytes,
+                                         int64_t ld, int threads, const int64_t* stop, int64_t stop_val,
+                                         int64_t* held_ns);
 
 namespace {
 
@@ -90,6 +93,9 @@ struct Mailbox {
     std::vector<int32_t> layer_of;  // model layer of each box
     int64_t H = 0, E = 0, I = 0, gu_bytes = 0, out_off = 0, payload = 0, max_pairs = 0;
     const int64_t* addr = nullptr;  // [layers * E] expert gate_up addresses
+    int64_t fmt[3] = {0, 1, 1};     // the experts' format (csrc/cpu_experts_formats.h's FMT_*) and fp8's block
+    int64_t gus_off = 0, dns_off = 0;  // FP8, MXFP4: where gate_up's and down's scales start in a slot
+    int64_t pair_bytes = 0;         // a gate row and an up row's values (bf16 4 H, FP8 2 H, MXFP4 H)
     int isa = 0, threads = 1;
     int64_t spin_ns = 2000000;      // poll without sleeping this long after the last layer served
     // ring log and counters (host memory the Python side reads)
@@ -122,7 +128,7 @@ struct Mailbox {
     }
 
     void serve(size_t i, int64_t gen, std::vector<int64_t>& tok, std::vector<float>& wts, std::vector<int64_t>& meta,
-               std::vector<int32_t>& order, std::vector<int64_t>& warm_of) {
+               std::vector<int32_t>& order, std::vector<int64_t>& warm_of, std::vector<int64_t>& scales) {
         const int64_t seen_ns = now_ns();
         if (last_box >= 0) {  // that layer's acquire kernel wrote its reads of `done` before this layer's post
             const int64_t spins = reinterpret_cast<volatile int64_t*>(boxes[size_t(last_box)])[4];
@@ -153,6 +159,7 @@ struct Mailbox {
         wts.resize(order.size());
         meta.clear();
         warm_of.clear();
+        scales.clear();
         WarmCfg* wc = warm.load(std::memory_order_acquire);
         const bool warmed = wc && warm_box == int(i) && warm_gen == gen;  // this layer's experts were read ahead
         int64_t warm_used = 0;
@@ -178,11 +185,12 @@ struct Mailbox {
             }
             meta.insert(meta.end(), {base, base + gu_bytes, reinterpret_cast<int64_t>(tok.data() + j),
                                      reinterpret_cast<int64_t>(wts.data() + j), int64_t(end - j), r, I});
+            scales.insert(scales.end(), {base + gus_off, base + dns_off});
             int64_t wr = 0;
             for (size_t q = 0; warmed && q < warm_addr.size(); ++q)
                 if (warm_addr[q] == base) wr = warm_rows[q];
             warm_of.push_back(wr);
-            warm_used += 4 * H * std::min(wr, r);
+            warm_used += pair_bytes * std::min(wr, r);
             ++groups;
             bytes += payload * r / I;
             j = end;
@@ -191,8 +199,8 @@ struct Mailbox {
         if (status == 0 && groups) {
             const auto t0 = std::chrono::steady_clock::now();
             int64_t stolen = 0;
-            status = strata_cpu_experts_warm(isa, x, N, H, groups, meta.data(), warmed ? warm_of.data() : nullptr,
-                                             out, threads, &stolen);
+            status = strata_cpu_experts_fmt(isa, x, N, H, groups, meta.data(), fmt, scales.data(),
+                                            warmed ? warm_of.data() : nullptr, out, threads, &stolen);
             if (warmed) wc->counters[4] += warm_used, wc->counters[5] += stolen;
             ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
         }
@@ -264,7 +272,7 @@ struct Mailbox {
         std::atomic_thread_fence(std::memory_order_acquire);
         warm_addr.clear();
         warm_rows.clear();
-        const int64_t row_bytes = 4 * H;  // a gate row and an up row
+        const int64_t row_bytes = pair_bytes;  // a gate row and an up row
         int64_t left = wc.bytes;
         for (int64_t s = 0; s < wc.S && left >= row_bytes; ++s) {
             const int64_t a = plan[1 + s];
@@ -280,8 +288,9 @@ struct Mailbox {
         warm_box = j, warm_gen = gen;
         const int64_t t0 = now_ns();
         int64_t held = 0;
-        wc.counters[2] += strata_cpu_warm(warm_addr.data(), warm_rows.data(), int64_t(warm_addr.size()), H, I,
-                                          threads, const_cast<const int64_t*>(ready), seen[size_t(j)], &held);
+        wc.counters[2] += strata_cpu_warm_bytes(warm_addr.data(), warm_rows.data(), int64_t(warm_addr.size()),
+                                                pair_bytes / 2, I, threads, const_cast<const int64_t*>(ready),
+                                                seen[size_t(j)], &held);
         wc.counters[3] += now_ns() - t0;
         wc.counters[6] += held;
         wc.counters[7] = std::max(wc.counters[7], held);
@@ -290,7 +299,7 @@ struct Mailbox {
     std::vector<int64_t> seen;  // the generation last served per box (read at start, before the thread runs)
 
     void loop() {
-        std::vector<int64_t> tok, meta, warm_of;
+        std::vector<int64_t> tok, meta, warm_of, scales;
         std::vector<float> wts;
         std::vector<int32_t> order;
         auto last = std::chrono::steady_clock::now();
@@ -300,7 +309,7 @@ struct Mailbox {
                 const int64_t gen = reinterpret_cast<volatile int64_t*>(boxes[i])[0];
                 if (gen != seen[i]) {
                     std::atomic_thread_fence(std::memory_order_acquire);
-                    serve(i, gen, tok, wts, meta, order, warm_of);
+                    serve(i, gen, tok, wts, meta, order, warm_of, scales);
                     seen[i] = gen;
                     served = true;
                 }
@@ -323,7 +332,8 @@ struct Mailbox {
 
 }  // namespace
 
-// cfg: int64 [H, E, I, gu_bytes, out_off, payload, max_pairs, isa, threads, spin_ns, n_boxes, log_cap]
+// cfg: int64 [H, E, I, gu_bytes, out_off, payload, max_pairs, isa, threads, spin_ns, n_boxes, log_cap, format, bn, bk,
+// gus_off, dns_off] (payload: an expert's bytes in its format, for the counters; format: FMT_*, bn, bk fp8's block)
 // boxes: int64 [n_boxes] mailbox addresses; layers: int32 [n_boxes]; addr: int64 [layers * E];
 // log: log_cap entries of 16 + 4 * 256 bytes; counters: int64 [16]. Returns a handle for stop (0: failed).
 C_EXPORTED int64_t strata_mailbox_start(const int64_t* cfg, const int64_t* boxes, const int32_t* layers,
@@ -333,6 +343,8 @@ C_EXPORTED int64_t strata_mailbox_start(const int64_t* cfg, const int64_t* boxes
     m->max_pairs = cfg[6], m->isa = int(cfg[7]), m->threads = int(cfg[8]), m->spin_ns = cfg[9];
     const int64_t n = cfg[10];
     m->log_cap = cfg[11];
+    m->fmt[0] = cfg[12], m->fmt[1] = cfg[13], m->fmt[2] = cfg[14], m->gus_off = cfg[15], m->dns_off = cfg[16];
+    m->pair_bytes = m->fmt[0] == 1 ? 2 * m->H : m->fmt[0] == 2 ? m->H : 4 * m->H;  // FMT_FP8, FMT_MXFP4, bf16
     for (int64_t i = 0; i < n; ++i) {
         m->boxes.push_back(reinterpret_cast<char*>(boxes[i]));
         m->layer_of.push_back(layers[i]);

@@ -14,9 +14,9 @@ namespace {
 struct WarmJob {
     static constexpr int64_t kMax = 64;  // experts a read (more are not read; a few fill warm-ahead's budget)
     static constexpr int kMaxThreads = 64;  // threads whose progress is kept (a larger pool: the kernel assumes all read)
-    int64_t addr[kMax] = {};  // [n] each expert's gate_up [2 ld, H] bf16
+    int64_t addr[kMax] = {};  // [n] each expert's gate_up values [2 ld, H], rows of row_bytes
     int64_t rows[kMax] = {};  // [n] leading rows to read (gate rows j and up rows ld + j)
-    int64_t n = 0, H = 0, ld = 0, P = 1;
+    int64_t n = 0, row_bytes = 0, ld = 0, P = 1;
     int64_t streams = 1, touch = 1;  // rows read at once, line-interleaved; one 64-byte line touched in `touch`
     const volatile int64_t* stop = nullptr;  // stop reading once *stop != stop_val (the next layer is posted)
     int64_t stop_val = 0;
@@ -44,7 +44,7 @@ void warm_job(void* ctx, int tid) {
         g_straggler_in.fetch_add(1);
         std::this_thread::sleep_for(std::chrono::microseconds(g_straggler_us));
     }
-    const int64_t row = 2 * job.H, step = 64 * job.touch;  // bytes
+    const int64_t row = job.row_bytes, step = 64 * job.touch;  // bytes
     int64_t bytes = 0, g = 0, rows_read = 0;
     const volatile uint8_t* group[8];
     auto read_group = [&]() {  // false once stopped
@@ -95,16 +95,18 @@ int64_t warm_read_pairs(const void* gu, int64_t warm, int64_t t, int64_t P) {
 }  // namespace
 
 // Read the gate/up weights of experts' leading rows into the caches of the pool's threads, each thread the piece
-// the kernel will give it (`strata_cpu_experts_warm` with the same rows and thread count): addr [n] gate_up
-// addresses ([2 ld, H] bf16), rows [n]. Returns the bytes read; stops early (a partial read is harmless) once
+// the kernel will give it (`strata_cpu_experts_fmt` with the same rows and thread count): addr [n] the addresses of
+// gate_up's values ([2 ld] rows of row_bytes: 2 H in bf16, H in FP8, H / 2 in MXFP4; scales are not read), rows [n].
+// Returns the bytes read; stops early (a partial read is harmless) once
 // *stop != stop_val, where stop is given: the word the next layer's post changes, and then returns without
 // waiting for threads still inside (descheduled mid-piece: they finish on their own, their bytes uncounted, and
 // take no part in the next kernel call, whose other threads do their pieces). held_ns (optional): set to how long
 // the call waited for such threads of an earlier call before it could reuse their slot.
-C_EXPORTED int64_t strata_cpu_warm(const int64_t* addr, const int64_t* rows, int64_t n, int64_t H, int64_t ld,
-                                   int threads, const int64_t* stop, int64_t stop_val, int64_t* held_ns) {
+C_EXPORTED int64_t strata_cpu_warm_bytes(const int64_t* addr, const int64_t* rows, int64_t n, int64_t row_bytes,
+                                         int64_t ld, int threads, const int64_t* stop, int64_t stop_val,
+                                         int64_t* held_ns) {
     if (held_ns) *held_ns = 0;
-    if (n <= 0 || H <= 0 || ld <= 0) return 0;
+    if (n <= 0 || row_bytes <= 0 || ld <= 0) return 0;
     std::lock_guard<std::mutex> lk(g_call);
     const int P = std::max(1, threads);
     Pool* pool = P > 1 ? get_pool(P) : nullptr;
@@ -121,7 +123,7 @@ C_EXPORTED int64_t strata_cpu_warm(const int64_t* addr, const int64_t* rows, int
     WarmJob& job = g_warm_jobs[pool ? pool->next_slot() : 0];
     n = std::min(n, WarmJob::kMax);
     std::copy(addr, addr + n, job.addr), std::copy(rows, rows + n, job.rows);
-    job.n = n, job.H = H, job.ld = ld, job.P = P;
+    job.n = n, job.row_bytes = row_bytes, job.ld = ld, job.P = P;
     job.stop = stop, job.stop_val = stop_val;
     job.streams = g_warm_streams, job.touch = g_warm_touch;
     job.halt.store(false, std::memory_order_relaxed);
@@ -136,6 +138,12 @@ C_EXPORTED int64_t strata_cpu_warm(const int64_t* addr, const int64_t* rows, int
     const int64_t bytes = job.bytes.load();
     job.halt.store(true, std::memory_order_release);  // a thread still inside reads nothing more, `stop` included
     return bytes;
+}
+
+// strata_cpu_warm_bytes on bf16 experts of hidden size H (rows of 2 H bytes).
+C_EXPORTED int64_t strata_cpu_warm(const int64_t* addr, const int64_t* rows, int64_t n, int64_t H, int64_t ld,
+                                   int threads, const int64_t* stop, int64_t stop_val, int64_t* held_ns) {
+    return strata_cpu_warm_bytes(addr, rows, n, 2 * H, ld, threads, stop, stop_val, held_ns);
 }
 
 // For the tests: pool thread `tid` (> 0) sleeps `us` at the start of its piece of the next warm read, as if
