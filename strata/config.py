@@ -60,7 +60,7 @@ class RuntimeConfig:
     """[runtime]: where and how the model runs."""
 
     device: str = "auto"  # "auto" (CUDA when present), "cpu", "cuda", "cuda:N"
-    dtype: str = "auto"  # "auto" (fp32 on CPU, bf16 on CUDA), "float32", "bfloat16", "float16"
+    dtype: str = "auto"  # "auto" (CUDA: bf16; CPU: a bf16 checkpoint's bf16, else fp32), "float32", "bfloat16", "float16"
     # tokens per sequence (prompt + generated), capped by the model's own limit; "auto": that limit, as far as the
     # KV cache fits a quarter of the memory left after the weights (strata.runtime.plan.context)
     max_context: int | str = field(default="auto", metadata={"auto_or_int": True})

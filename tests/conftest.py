@@ -44,9 +44,10 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_engine(tiny_model_dir):
+    """An engine on the tiny model in float32, the exact path the tests compare against references."""
     from strata import Engine
 
-    return Engine.from_pretrained(tiny_model_dir, device="cpu")
+    return Engine.from_pretrained(tiny_model_dir, device="cpu", config={"runtime": {"dtype": "float32"}})
 
 
 @pytest.fixture(scope="session")

@@ -147,7 +147,8 @@ def test_transformers_routes_a_skewed_checkpoint_as_strata_does(arch, mini_bench
         directory = dm.write_demo_model(tmp_path / "t", "tiny", progress=False, engram=False, route_skew=1.0)
         experts, vocab = 16, dm.demo_config("tiny", engram=False)["vocab_size"]
     prompt = _prompt(vocab, 96)
-    engine = Engine.from_pretrained(directory, config={"runtime": {"experts": "memory"}}, device="cpu")
+    engine = Engine.from_pretrained(directory, config={"runtime": {"experts": "memory", "dtype": "float32"}},
+                                    device="cpu")
     hf = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
     with count_routing(engine.model, experts) as ours, count_routing(hf, experts) as theirs:
         got = engine.score(prompt)

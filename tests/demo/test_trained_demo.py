@@ -27,7 +27,8 @@ SAMPLE = Path(__file__).parents[1] / "data" / "demo_sample.txt"  # Genesis 1 and
 @pytest.fixture(scope="module")
 def engine():
     """strata on the shipped model, every expert in memory, fp32 (the reference path)."""
-    eng = Engine.from_pretrained(TRAINED_DIR, config={"runtime": {"experts": "memory"}}, device="cpu")
+    eng = Engine.from_pretrained(TRAINED_DIR, config={"runtime": {"experts": "memory", "dtype": "float32"}},
+                                 device="cpu")
     yield eng
     eng.close()
 

@@ -18,8 +18,9 @@ def test_cpu_kernel_is_chosen_per_engine(tiny_model_dir):
     engine that computes them without the CPU kernel at all (cpu_numerics "gpu"), bit for bit; an engine beside it
     keeps the compiled kernel, whose rounding differs, and the process default is untouched."""
     default_backend = ce.backend()
-    configs = {"torch": {"debug": {"cpu_kernel": "torch"}}, "reference": {"runtime": {"cpu_numerics": "gpu"}},
-               "auto": {}}
+    exact = {"dtype": "float32"}  # the dense layers exact too, so the experts' path is the only difference
+    configs = {"torch": {"runtime": exact, "debug": {"cpu_kernel": "torch"}},
+               "reference": {"runtime": {**exact, "cpu_numerics": "gpu"}}, "auto": {"runtime": exact}}
     scores = {}
     for name, cfg in configs.items():
         with Engine.from_pretrained(tiny_model_dir, device="cpu", config=cfg) as engine:

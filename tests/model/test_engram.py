@@ -30,7 +30,8 @@ def hf_cfg(tiny_model_dir) -> dict:
 
 @pytest.fixture(scope="module")
 def memory_engine(tiny_model_dir):
-    return Engine.from_pretrained(tiny_model_dir, config={"runtime": {"experts": "memory"}}, device="cpu")
+    return Engine.from_pretrained(tiny_model_dir, config={"runtime": {"experts": "memory", "dtype": "float32"}},
+                                  device="cpu")
 
 
 def _layer_weights(engine, layer: int) -> dict[str, torch.Tensor]:
@@ -159,8 +160,8 @@ def shm_dir():
 @pytest.mark.parametrize("tier", ["pinned", "tmpfs", "disk"])
 def test_tiered_rows_equal_memory_tables(tiny_model_dir, memory_engine, shm_dir, tier):
     # a row cache of 16 rows and reads of 5 rows: prompts span many read batches and evict constantly
-    conf = {"engram": {"tier": tier, "row_cache": "256B"}, "debug": {"engram_read_batch": 5},
-            "tiers": {"disk": {"scrub": False}, "tmpfs": {"path": shm_dir}}}
+    conf = {"runtime": {"dtype": "float32"}, "engram": {"tier": tier, "row_cache": "256B"},
+            "debug": {"engram_read_batch": 5}, "tiers": {"disk": {"scrub": False}, "tmpfs": {"path": shm_dir}}}
     with Engine.from_pretrained(tiny_model_dir, config=conf, device="cpu") as eng:
         ids = PROMPTS[0] + PROMPTS[1]
         for (la, _, oa), (lb, _, ob) in zip(_engram_outputs(memory_engine, ids), _engram_outputs(eng, ids), strict=True):

@@ -68,9 +68,10 @@ def test_grouped_experts_read_slab_slots_and_skip_pairs_not_in_the_call():
 
 
 def test_memory_engine_scores_the_same_with_grouped_prefill(tiny_model_dir):
-    plain = Engine.from_pretrained(tiny_model_dir, device="cpu", config={"runtime": {"experts": "memory"}})
+    exact = {"experts": "memory", "dtype": "float32"}
+    plain = Engine.from_pretrained(tiny_model_dir, device="cpu", config={"runtime": exact})
     grouped = Engine.from_pretrained(tiny_model_dir, device="cpu",
-                                     config={"runtime": {"experts": "memory"}, "debug": {"grouped_prefill": True}})
+                                     config={"runtime": exact, "debug": {"grouped_prefill": True}})
     ids = plain.tokenizer.encode("The river runs through the valley and the town")
     assert any(getattr(m, "grouped", False) for m in grouped.model.modules())
     assert not any(getattr(m, "grouped", False) for m in plain.model.modules())  # "auto": CUDA only

@@ -197,7 +197,7 @@ def test_too_little_disk_for_the_store(q30b):
 
 
 def test_cpu_only_host(q30b, tiny_model_dir):
-    p = plan(q30b, host(gpu=None, ram=256 * GiB))
+    p = plan(q30b, host(gpu=None, ram=256 * GiB), {"runtime": {"dtype": "float32"}})
     check_invariants(p)
     assert (p.compute_device, p.compute_dtype, p.expert_compute, p.gpus) == ("cpu", "float32", "cpu", [])
     assert p.tier("gpu").slots == 0 and any("CPU" in n for n in p.notes)
@@ -213,6 +213,10 @@ def test_cpu_only_host(q30b, tiny_model_dir):
         plan(tiny_model_dir, host(gpu=None), {"runtime": {"device": "cuda"}})
     with pytest.raises(PlanError, match="cuda:3"):
         plan(tiny_model_dir, host(), {"runtime": {"device": "cuda:3"}})
+    auto = plan(q30b, host(gpu=None, ram=256 * GiB))  # "auto" on the CPU: the bf16 checkpoint's own dtype
+    check_invariants(auto)
+    assert auto.compute_dtype == "bfloat16" and auto.kv_bytes == p.kv_bytes // 2
+    assert auto.non_expert_bytes == p.non_expert_bytes // 2
 
 
 def test_gpu_mem_and_ram_overrides(q30b):

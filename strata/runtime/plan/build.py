@@ -46,8 +46,10 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
         return build_multi_device(path, cfg, progress)
     if cfg.runtime.experts == "memory":
         device = resolve_device(cfg.runtime.primary_device)
-        dtype = DTYPES.get(cfg.runtime.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
         checkpoint = Checkpoint.open(path)
+        # "auto": bf16 on CUDA; on the CPU a bf16 checkpoint's bf16, else fp32 (ModelFootprint.cpu_dtype)
+        auto = torch.bfloat16 if device.type == "cuda" or checkpoint.dtype == torch.bfloat16 else torch.float32
+        dtype = DTYPES.get(cfg.runtime.dtype) or auto
         model = load_model(checkpoint, dtype, device, progress=progress)
         model.kernel_options = kernel_options_of(cfg)
         use_grouped_prefill(model, grouped_on(cfg.debug.grouped_prefill, device))

@@ -35,6 +35,13 @@ class ModelFootprint:
     dense_format: str = ""  # the resident weights' formats, e.g. "bf16 + fp8 128x128"
     dense_fp8_bytes: int = 0  # of non_expert_bytes: FP8 values (one byte an element, dequantized when loaded) ...
     dense_scale_bytes: int = 0  # ... and their block scales (dropped when loaded)
+    dtype: str = "BF16"  # the plain dtype ("BF16", "F16", "F32") holding most of the weights' bytes
+
+    @property
+    def cpu_dtype(self) -> str:
+        """runtime.dtype "auto" on the CPU: a bf16 checkpoint computes in bf16 (accumulating in fp32), as llama.cpp
+        computes a bf16 GGUF; float16 and float32 checkpoints in float32 (the CPU has no fast fp16 matmul)."""
+        return "bfloat16" if self.dtype == "BF16" else "float32"
 
     @property
     def total_experts(self) -> int:
@@ -76,7 +83,7 @@ def read_footprint(model_dir: str | Path, experts: str = "checkpoint") -> ModelF
         itemsize=itemsize,
         store_bytes=store_format.align_up(non_expert) + cfg.num_moe_layers * cfg.num_experts * slot
         + store_format.align_up(s.bytes_by_role["engram_tables"]),
-        engram_table_bytes=s.bytes_by_role["engram_tables"], expert_format=fmt,
+        engram_table_bytes=s.bytes_by_role["engram_tables"], dtype=plain, expert_format=fmt,
         **_dense_formats(s),
     )  # fmt: skip
 
@@ -100,7 +107,7 @@ def _store_footprint(path: Path) -> ModelFootprint:
         experts_per_layer=idx.num_experts, expert_bytes=idx.payload_bytes, slot_bytes=idx.slot_bytes,
         non_expert_bytes=dense, itemsize=store_format.itemsize(plain),
         store_bytes=sum(idx.file_sizes().values()), engram_table_bytes=sum(t.nbytes for t in idx.tables.values()),
-        expert_format=idx.expert_format, **_dense_formats(s),
+        dtype=plain, expert_format=idx.expert_format, **_dense_formats(s),
     )  # fmt: skip
 
 

@@ -61,7 +61,7 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
         gpu = select_devices(host.gpus, cfg.runtime.devices)[0]
     else:
         gpu = _select_gpu(host, cfg.runtime.primary_device)
-    dtype = cfg.runtime.dtype if cfg.runtime.dtype != "auto" else ("bfloat16" if gpu else "float32")
+    dtype = cfg.runtime.dtype if cfg.runtime.dtype != "auto" else ("bfloat16" if gpu else fp.cpu_dtype)
     itemsize = _TORCH_DTYPES[dtype].itemsize
     non_expert = fp.non_expert_bytes_in(itemsize)  # weights are converted (FP8 ones dequantized) to it on load
     slots = cfg.planner.max_batch + cfg.runtime.prefix_only_slots  # the batch's, and those only keeping prefixes
