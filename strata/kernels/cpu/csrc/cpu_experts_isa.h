@@ -7,9 +7,9 @@
 //          scale_inv * 256 (exact: a power of two). avx512_bf16: two vpermi2b lookups give the bf16 value's high and
 //          low bytes (exact), vpermt2b interleaves them (AVX512_VBMI)
 //   mxfp4  vpermps / vpermw looks the codes up in the group's table (its e8m0 scale's 16 values, g_fmt.mx_f32 /
-//          mx_bf16): the scale costs one table address a group. The fp32 paths spread the codes to 32-bit lanes by a
-//          widening load, a shift and an or (avx2 looks up the magnitude, 8 entries, and sets the sign);
-//          avx512_bf16 by a broadcast load and one variable shift, in a permuted order (load_mx)
+//          mx_bf16): the scale costs one table address a group. The codes reach their lanes by a broadcast and one
+//          variable shift: in order on the fp32 paths (avx2 looks up the magnitude, 8 entries, and sets the sign), in
+//          a permuted order on avx512_bf16 (load_mx)
 //   fp8 on avx512_bf16 converts 64 bytes at a time where the loop is unrolled (load_fp8x2)
 //
 // Included once, by cpu_experts.cpp, after its Job, ReadJob and the format tables; ON_X86 only.
@@ -39,9 +39,8 @@ struct K {
     static inline __m256 load_mx(const uint8_t* p, uint8_t s) {
         int32_t raw;
         std::memcpy(&raw, p, 4);
-        // qword j = byte j; | << 28: dword 2j's low nibble = byte j's low nibble, dword 2j + 1 = its high nibble
-        const __m256i q = _mm256_cvtepu8_epi64(_mm_cvtsi32_si128(raw));
-        const __m256i idx = _mm256_or_si256(q, _mm256_slli_epi64(q, 28));
+        // the 4 bytes in every lane, lane d shifted right by 4d: its low nibble is element d's code
+        const __m256i idx = _mm256_srlv_epi32(_mm256_set1_epi32(raw), _mm256_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28));
         const __m256 mag = _mm256_permutevar8x32_ps(_mm256_load_ps(g_fmt.mx_f32[s]), idx);  // codes' low 3 bits
         const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(idx, 28), _mm256_set1_epi32(int32_t(0x80000000u)));
         return _mm256_xor_ps(mag, _mm256_castsi256_ps(sign));  // E2M1[c + 8] = -E2M1[c]
@@ -126,8 +125,14 @@ struct K {
         return _mm512_cvtph_ps(_mm256_and_si256(_mm256_slli_epi16(b, 7), _mm256_set1_epi16(int16_t(0xBF80))));
     }
     static inline __m512 load_mx(const uint8_t* p, uint8_t s) {  // as k_avx2's, 16 lanes: vpermps reads 4 bits
-        const __m512i q = _mm512_cvtepu8_epi64(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-        return _mm512_permutexvar_ps(_mm512_or_si512(q, _mm512_slli_epi64(q, 28)), _mm512_load_ps(g_fmt.mx_f32[s]));
+        int64_t raw;
+        std::memcpy(&raw, p, 8);
+        // lanes 0-7 hold bytes 0-3, lanes 8-15 bytes 4-7; lane d shifted right by 4 (d mod 8): element d's code
+        const __m512i d = _mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1),
+                                                   _mm512_set1_epi64(raw));
+        const __m512i idx = _mm512_srlv_epi32(d, _mm512_setr_epi32(0, 4, 8, 12, 16, 20, 24, 28, 0, 4, 8, 12, 16, 20,
+                                                                   24, 28));
+        return _mm512_permutexvar_ps(idx, _mm512_load_ps(g_fmt.mx_f32[s]));
     }
     static inline void load_fp8x2(const Fp8Ctx& c, const uint8_t* p, __m512& w0, __m512& w1) {
         w0 = load_fp8(c, p), w1 = load_fp8(c, p + W);
