@@ -112,10 +112,13 @@ class BlockFormat:
         raise NotImplementedError
 
     def stream(self, tools: list[dict] | None = None) -> BlockStream:
+        """A parser for one output, typing textual arguments by `tools`' schemas."""
         return BlockStream(self, param_types(tools))
 
 
 class HermesFormat(BlockFormat):
+    """Qwen3, Qwen2.5, Hermes: a JSON object in <tool_call> tags (Qwen3-Coder: <function=...> XML in them)."""
+
     name, start, end = "hermes", "<tool_call>", "</tool_call>"
     _FUNCTION = re.compile(r"<function=([^>\n]+)>(.*?)(?:</function>|$)", re.DOTALL)
     _PARAMETER = re.compile(r"<parameter=([^>\n]+)>\n?(.*?)\n?(?:</parameter>|(?=<parameter=)|$)", re.DOTALL)
@@ -144,6 +147,8 @@ class HermesFormat(BlockFormat):
 
 
 class Glm45Format(BlockFormat):
+    """GLM-4.5 / 4.6: the name, then <arg_key>/<arg_value> pairs, in <tool_call> tags."""
+
     name, start, end = "glm45", "<tool_call>", "</tool_call>"
     _ARG = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.DOTALL)
 
@@ -163,6 +168,8 @@ class Glm45Format(BlockFormat):
 
 
 class DeepSeekFormat(BlockFormat):
+    """DeepSeek-V3 / R1 (type, name and fenced JSON per call) and V3.1 (name and JSON), in a calls section."""
+
     name, start, end = "deepseek", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
     CALL_BEGIN, CALL_END, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
     _FENCED = re.compile(r"([^\n]+)\n```(?:json)?\n(.*?)\n?```\s*$", re.DOTALL)
@@ -199,6 +206,7 @@ class HarmonyFormat:
     name = "harmony"
 
     def stream(self, tools: list[dict] | None = None) -> HarmonyStream:
+        """A parser for one output (harmony's calls carry JSON: the schemas are not needed)."""
         return HarmonyStream(_harmony_call, Delta)
 
     def forced_prefix(self, name: str | None) -> str:
