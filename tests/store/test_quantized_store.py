@@ -14,6 +14,7 @@ import pytest
 import torch
 from quantized_models import quantize_checkpoint, set_tensor
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from reference_models import build_reference
 from strata import Engine
@@ -260,3 +261,17 @@ def test_quantized_store_on_cuda_matches_memory(checkpoints, stores, name):
         ids = list(range(3, 60, 3))
         assert (tiered.score(ids) - memory.score(ids)).abs().max().item() < 1e-4
         assert tiered.generate(ids, max_tokens=8).token_ids == memory.generate(ids, max_tokens=8).token_ids
+
+
+def test_bf16_block_scales_are_stored_as_float32(checkpoints, tmp_path):
+    """Releases that ship their FP8 scales in bf16: the store converts them (exactly) instead of requantizing."""
+    d = Path(shutil.copytree(checkpoints["fp8"], tmp_path / "bf16-scales"))
+    with safe_open(d / "model.safetensors", "pt") as f:
+        tensors = {n: f.get_tensor(n) for n in f.keys()}  # noqa: SIM118
+    tensors = {n: t.bfloat16() if n.endswith("_scale_inv") else t for n, t in tensors.items()}
+    save_file(tensors, d / "model.safetensors")
+    store = ExpertStore.open(convert_checkpoint(d, tmp_path / "store", progress=False))
+    gate_up, down = store.expert_matrices(store.read_expert((2, 5)))
+    p = "model.layers.2.mlp.experts.5."
+    assert torch.equal(gate_up.scales, torch.cat([tensors[p + f"{w}_proj.weight_scale_inv"] for w in ("gate", "up")]).float())
+    assert torch.equal(_bits(down.values), _bits(tensors[p + "down_proj.weight"]))

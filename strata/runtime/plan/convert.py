@@ -193,6 +193,8 @@ def _payload(source: ExpertSource, layout: ExpertLayout) -> list[Piece] | Fill:
     pieces = source.pieces(layout)
     if pieces is not None:
         return pieces
+    if source.fmt == layout.fmt:  # the checkpoint's format, its FP8 scales in another dtype: converted, not requantized
+        return lambda out: layout.pack_quantized(*source.as_stored(), out=out)
     return lambda out: layout.pack(*source.weights(), out=out)  # quantized (round to nearest) while it is packed
 
 

@@ -76,6 +76,17 @@ class ExpertSource:
                     s_at += s.nbytes
         return out
 
+    def as_stored(self) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+        """((gate_up values, scales), (down values, scales)) as read, scales in float32 (FP8) or as stored (MXFP4):
+        what `ExpertLayout.pack_quantized` takes when the store keeps the format but a byte copy cannot (scales of
+        another dtype)."""
+        def part(parts: tuple[Part, ...]) -> tuple[torch.Tensor, torch.Tensor]:
+            values = torch.cat([read_tensor(v, raw=True).view(torch.uint8) for v, _ in parts])
+            scales = torch.cat([read_tensor(sc, raw=True) for _, sc in parts])
+            return values, scales.float() if self.fmt.kind == "fp8" else scales
+
+        return part(self.gate_up), part((self.down,))
+
     def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [2I, H], down [H, I]) in fp32, dequantized: what the converter packs into another format."""
         gate_up = torch.cat([_dequantized(self.fmt, v, s) for v, s in self.gate_up])
