@@ -24,8 +24,10 @@ from pathlib import Path
 from strata.errors import CheckpointError
 from strata.kernels.quant import ExpertFormat
 from strata.runtime.model.config import SUPPORTED_ARCHITECTURES
+from strata.runtime.plan.weight_formats import FP8, FP8_SCALES, MXFP4, experts_format, tensor_format
+from strata.runtime.plan.weight_formats import fp8_block as fp8_block_of
 from strata.tiers.store.format import is_store, lacks_index, no_index_error, read_index
-from strata.tiers.store.safetensors_index import FP8_SCALE, MX_BLOCKS, MX_SCALES, TensorIndex, TensorInfo
+from strata.tiers.store.safetensors_index import TensorIndex
 
 ROLES = ("attention", "dense_mlp", "experts", "shared_experts", "router", "embeddings", "norms", "engram_tables",
          "engram", "mtp", "other")
@@ -35,19 +37,6 @@ _EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
 _MOE_BLOCKS = ("mlp", "block_sparse_moe", "feed_forward", "moe")
 _IN_LAYER = re.compile(r"(?:^|\.)layers\.\d+\.")
 RESIDENT_ROLES = tuple(r for r in ROLES if r not in ("experts", "mtp", "engram_tables"))  # "dense": loaded whole
-FP8, FP8_SCALES, MXFP4 = "fp8", "fp8 scales", "mxfp4"  # `formats_by_role` keys of quantized tensors; else a dtype
-
-
-def tensor_format(info: TensorInfo) -> str:
-    """How a tensor is stored, for `formats_by_role`: FP8 values ("fp8"), their block scales ("fp8 scales"), an
-    MXFP4 half ("mxfp4"), or its safetensors dtype."""
-    if info.dtype == "F8_E4M3":
-        return FP8
-    if info.name.endswith(FP8_SCALE):
-        return FP8_SCALES
-    if info.dtype == "U8" and info.name.endswith((MX_BLOCKS, MX_SCALES)):
-        return MXFP4
-    return info.dtype
 
 
 @dataclass
@@ -301,11 +290,11 @@ def summarize_checkpoint(path: str | Path) -> CheckpointSummary:
     formats_by_role: dict[str, dict[str, int]] = defaultdict(dict)
     for (role, key), n in t.formats.items():
         formats_by_role[role][key] = n
-    fp8_block = _fp8_block(cfg)
+    fp8_block = fp8_block_of(cfg)
     if is_store(path):
         expert_format = read_index(path).expert_format
     else:
-        expert_format = _expert_format(formats_by_role.get("experts", {}), fp8_block)
+        expert_format = experts_format(formats_by_role.get("experts", {}), fp8_block)
     return CheckpointSummary(
         model_type=model_type,
         architecture=architecture,
@@ -327,24 +316,6 @@ def summarize_checkpoint(path: str | Path) -> CheckpointSummary:
         fp8_block=fp8_block,
         expert_format=expert_format,
     )
-
-
-def _fp8_block(cfg: dict) -> tuple[int, int] | None:
-    """config.json's quantization_config.weight_block_size, when it is two integers."""
-    q = cfg.get("quantization_config")
-    block = q.get("weight_block_size") if isinstance(q, dict) else None
-    ok = isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)
-    return (block[0], block[1]) if ok else None
-
-
-def _expert_format(formats: dict[str, int], fp8_block: tuple[int, int] | None) -> ExpertFormat | None:
-    """The routed experts' format from their tensors' formats (None: no experts, or a dtype strata cannot load)."""
-    if MXFP4 in formats:
-        return ExpertFormat("mxfp4")
-    if FP8 in formats:
-        return ExpertFormat("fp8", block=fp8_block or (128, 128))
-    plain = {k: n for k, n in formats.items() if k in ("BF16", "F16", "F32")}
-    return ExpertFormat("plain", max(plain, key=plain.get)) if plain else None
 
 
 def _add_store_objects(t: _Tally, path: Path, dense_bytes: int) -> tuple[int, int]:
