@@ -275,3 +275,40 @@ def test_bf16_block_scales_are_stored_as_float32(checkpoints, tmp_path):
     p = "model.layers.2.mlp.experts.5."
     assert torch.equal(gate_up.scales, torch.cat([tensors[p + f"{w}_proj.weight_scale_inv"] for w in ("gate", "up")]).float())
     assert torch.equal(_bits(down.values), _bits(tensors[p + "down_proj.weight"]))
+
+
+def test_the_cli_writes_inspects_converts_and_verifies_a_quantized_demo_model(tmp_path, capsys):
+    from strata.cli import main
+
+    d, store = tmp_path / "demo-mxfp4", tmp_path / "store"
+    assert main(["demo-model", str(d), "--size", "tiny", "--layers", "2", "--no-engram", "--experts", "mxfp4"]) == 0
+    assert main(["inspect", str(d)]) == 0
+    out = capsys.readouterr().out
+    assert "formats        experts mxfp4: " in out and "fused layout" in out
+    assert main(["convert", str(d), str(store)]) == 0 and "mxfp4 experts" in capsys.readouterr().out
+    assert read_index(store).expert_format == ExpertFormat("mxfp4")
+    assert main(["verify", str(store)]) == 0 and "sound" in capsys.readouterr().out
+    assert main(["convert", str(d), str(tmp_path / "again"), "--experts", "fp8"]) == 2  # mxfp4 is not requantized
+    assert "already mxfp4" in capsys.readouterr().err
+
+
+def test_apply_experts_takes_experts_as_stored(stores):
+    """The generic fallback: `apply_experts` given (gate_up, down) as stored dequantizes each expert as it runs it."""
+    from strata.kernels.experts import apply_experts, group_by_expert
+
+    store = ExpertStore.open(stores["fp8"])
+    layer = store.index.moe_layers[0]
+    gu, dn = store.load_layer_experts(layer, torch.float32, "cpu")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.stack([torch.randperm(8, generator=g)[:2] for _ in range(4)])
+    w, x = torch.rand(4, 2, generator=g), torch.randn(4, store.index.hidden, generator=g)
+    blobs = {e: store.read_expert((layer, e)) for e in range(8)}
+    got = apply_experts(x, w, 2, group_by_expert(ids, 8), lambda e: store.expert_matrices(blobs[e]))
+    assert torch.equal(got, moe_forward(x, gu, dn, ids, w))
+
+
+def test_a_bad_store_setting_names_the_key():
+    from strata.config import load_config
+
+    with pytest.raises(ConfigError, match=r"store\.experts = 'int4' is invalid"):
+        load_config({"store": {"experts": "int4"}})
