@@ -22,10 +22,12 @@
 // results are bit-identical for any thread count and any scheduling.
 
 // How the kernel reads a row of each weight format (cpu_experts_formats.h): `load` gives the W elements from i
-// (i a multiple of W) as the K::dot operand, `scalar` one element for the tail. bf16 and MXFP4 rows are summed as
-// one span (an MXFP4 group's scale is in the lookup table its codes go through, exactly: `K::load_mx`); FP8 rows are
-// `blocked`: each block of bk columns is summed on its own and added times its scale_inv (vector part: times
-// `vec_scale`, which also undoes a load's fixed power-of-two factor, K::kFp8Unit).
+// (i a multiple of W) as the K::dot operand (`load2`: two steps at once, which FP8 on avx512_bf16 converts together),
+// `scalar` one element for the tail, `x_position` where an element's activation is stored (MXFP4 on avx512_bf16:
+// permuted within each group as its lanes hold the weights). bf16 and MXFP4 rows are summed as one span (an MXFP4
+// group's scale is in the lookup table its codes go through, exactly: `K::load_mx`); FP8 rows are `blocked`: each
+// block of bk columns is summed on its own and added times its scale_inv (vector part: times `vec_scale`, which
+// also undoes a load's fixed power-of-two factor, K::kFp8Unit).
 struct ReadBf16 {
     using Row = RowBf16;
     static constexpr bool kBlocked = false;
