@@ -144,10 +144,12 @@ class GrammarMatcher:
         out = logits.float().clone()
         bitmask = self._bitmask
         if out.device.type != "cpu":
-            if self._device_bitmask is None:
-                self._device_bitmask = torch.empty_like(bitmask, device=out.device)
+            if self._device_bitmask is None:  # page-locked, so the copy is queued without waiting for the device
+                self._bitmask = self._bitmask.pin_memory()
+                self._device_bitmask = torch.empty_like(self._bitmask, device=out.device)
+            # the host bitmask is next written by `advance`, after the step's tokens were read back, so after this
             bitmask = self._device_bitmask
-            bitmask.copy_(self._bitmask)  # from pageable memory: the host copy is free to change after this
+            bitmask.copy_(self._bitmask, non_blocking=True)
         self._xgr.apply_token_bitmask_inplace(out, bitmask, vocab_size=self.grammar.vocab_size)
         return out
 
