@@ -36,7 +36,8 @@ def engines(tmp_path_factory, tiny_model_dir):
             else:  # Qwen2 with its long-context variant: a 256-token sliding window
                 _, directory = build_reference(name, tmp_path_factory.mktemp(name) / name, long=name == "qwen2_moe")
             engine = Engine.from_pretrained(
-                directory, config={"runtime": {"max_context": 1024, "prefill_chunk": CHUNK}}, device="cpu")
+                directory, config={"runtime": {"max_context": 1024, "prefill_chunk": CHUNK, "dtype": "float32"}},
+                device="cpu")
             engine.scheduler(max_batch=2, token_budget=CHUNK).start()
             made[name] = engine
         return made[name]
