@@ -244,8 +244,8 @@ def untokenized(tiny_model_dir, tmp_path_factory):
 
 def test_a_checkpoint_without_tokenizer_files_serves_token_ids(untokenized, tiny_engine):
     ids = tiny_engine.tokenizer.encode("The river runs through")
-    with Engine.from_pretrained(untokenized, device="cpu") as eng:
-        assert eng.tokenizer is None
+    with Engine.from_pretrained(untokenized, device="cpu", config={"runtime": {"dtype": "float32"}}) as eng:
+        assert eng.tokenizer is None  # (float32, as tiny_engine: the same tokens and scores)
         out = eng.generate(ids, max_tokens=6, temperature=0.8, seed=1, stop_token_ids=[])
         want = tiny_engine.generate(ids, max_tokens=6, temperature=0.8, seed=1)
         assert out.text == "" and out.token_ids == want.token_ids and out.prompt_tokens == len(ids)
