@@ -118,6 +118,12 @@ def _load() -> ctypes.CDLL | None:
     return _lib
 
 
+def library() -> ctypes.CDLL | None:
+    """The compiled library, loaded (built on first use) and configured; None when it cannot be had. The other
+    kernels compiled into it (strata.kernels.cpu.dense) run on the same thread pool."""
+    return _load()
+
+
 # ---- the kernel's knobs, trace and read probes (strata.kernels.cpu.tuning), on the loaded kernel ----------------
 def tune(**knobs: int) -> dict[str, int]:
     """Set the kernel's scheduling knobs (`TUNE_KEYS`); returns their values before ({} without the kernel)."""

@@ -12,11 +12,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from strata.kernels.gpu import decode_gemv, fused
+from strata.kernels.cpu import dense
+from strata.kernels.gpu import fused
 from strata.kernels.gpu.decode_attention import decode_attention, decode_attention_ok
 from strata.runtime.model.config import ModelConfig
 from strata.runtime.model.kv_cache import DecodeBatch, StepBatch
-from strata.runtime.model.layers import RMSNorm
+from strata.runtime.model.layers import RMSNorm, linear, project
 from strata.runtime.model.rope import apply_rope
 
 
@@ -112,8 +113,8 @@ class GQAAttention(nn.Module):
         reading its 2 MB of weights. The three parameters become views of the stacked tensor, so it costs no
         memory and the checkpoint names stay; it is rebuilt if they were moved or replaced since."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        if not fused.fold_ok(x):
-            return tuple(p(x) for p in projs)
+        if not fused.fold_ok(x) and not dense.applies(x, self.q_proj.weight):  # (CPU decode rows: one pool call)
+            return tuple(project(p, x) for p in projs)
         stacked = self._qkv
         if stacked is None or not _views_of(stacked[0], [p.weight for p in projs]):
             if x.is_cuda and torch.cuda.is_current_stream_capturing():  # never allocate the weights in a graph's pool
@@ -121,7 +122,7 @@ class GQAAttention(nn.Module):
             stacked = self._qkv = (_stack_into_views([p.weight for p in projs]),
                                    _stack_into_views([p.bias for p in projs]) if projs[0].bias is not None else None)
         sizes = [p.out_features for p in projs]
-        return decode_gemv.linear(x, *stacked).split(sizes, dim=-1)
+        return linear(x, *stacked).split(sizes, dim=-1)
 
     @staticmethod
     def _norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
@@ -162,7 +163,7 @@ class GQAAttention(nn.Module):
             else:
                 o = attend_decode(q, k_cache[batch.slots_t, :length], v_cache[batch.slots_t, :length], batch.pos_t,
                                   self.window, self.scale)
-            return decode_gemv.project(self.o_proj, o.reshape(n, -1))
+            return project(self.o_proj, o.reshape(n, -1))
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
         for slot, start, off, length in batch.sequences():
             end = start + length
@@ -223,7 +224,7 @@ class MLAAttention(nn.Module):
 
     def forward(self, x, cos, sin, batch: StepBatch, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         n, nh = x.shape[0], self.num_heads
-        proj = decode_gemv.project  # a decode row through the Triton GEMV on CUDA, else the module itself
+        proj = project  # decode rows through the fast paths (the Triton GEMV on CUDA, the CPU kernel's pool)
         if self.q_lora_rank is None:
             q = proj(self.q_proj, x)
         else:

@@ -1,4 +1,4 @@
-"""Small building blocks shared by every architecture: RMSNorm and the SwiGLU MLP."""
+"""Small building blocks shared by every architecture: RMSNorm, the SwiGLU MLP and the projections' fast paths."""
 
 from __future__ import annotations
 
@@ -6,7 +6,32 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata.kernels import options
+from strata.kernels.cpu import dense
 from strata.kernels.gpu import decode_gemv, fused
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """`F.linear(x, weight, bias)` in `out_dtype` (None: x's dtype), through the decode-sized fast path where there
+    is one: a few rows of bf16 activations on the CPU go to the CPU kernel's pool (strata.kernels.cpu.dense: the
+    weights read at RAM bandwidth, on the threads the experts run on); a decode row on CUDA to the Triton GEMV."""
+    if x.device.type == "cpu":
+        y = dense.linear(x, weight, bias, out_dtype, threads=options.current().cpu_threads)
+        if y is not None:
+            return y
+        y = F.linear(x, weight, bias)
+    else:
+        y = decode_gemv.linear(x, weight, bias)
+    return y if out_dtype is None else y.to(out_dtype)
+
+
+def project(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """`module(x)` for a projection: a plain `nn.Linear` through `linear`'s fast paths, any other module (a
+    quantized or wrapped one) as itself."""
+    if type(module) is nn.Linear:
+        return linear(x, module.weight, module.bias)
+    return module(x)
 
 
 class RMSNorm(nn.Module):
@@ -40,6 +65,6 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # a decode token's row goes through the Triton GEMV on CUDA (strata.kernels.gpu.decode_gemv); else F.linear
-        gate, up = decode_gemv.project(self.gate_proj, x), decode_gemv.project(self.up_proj, x)
-        return decode_gemv.project(self.down_proj, F.silu(gate) * up)
+        # decode rows through the fast paths (`project`: the Triton GEMV on CUDA, the CPU kernel's pool on the CPU)
+        gate, up = project(self.gate_proj, x), project(self.up_proj, x)
+        return project(self.down_proj, F.silu(gate) * up)

@@ -19,7 +19,7 @@ from strata.kernels.gpu.grouped import SlotWeights, combine_pairs, pair_experts,
 from strata.kernels.gpu.grouped_gemm import grouped_experts, grouped_ok, refuse
 from strata.kernels.routing import sigmoid_group_topk, softmax_topk
 from strata.runtime.model.config import ModelConfig
-from strata.runtime.model.layers import MLP
+from strata.runtime.model.layers import MLP, linear
 
 
 class Router(nn.Module):
@@ -52,7 +52,7 @@ class Router(nn.Module):
                 logits, self.e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
                 cfg.norm_topk_prob, cfg.routed_scaling_factor,
             ), None)
-        logits = F.linear(x, self.weight)
+        logits = linear(x, self.weight)
         return (*softmax_topk(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob), None)
 
     def choose(self, x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,7 +20,7 @@ from strata.runtime.model.engram.layer import EngramLayer, EngramRuntime
 from strata.runtime.model.graphs import DecodeGraphs, is_decode
 from strata.runtime.model.hooks import GraphStepHooks, LayerObserver
 from strata.runtime.model.kv_cache import DecodeBatch, KVCache, StepBatch
-from strata.runtime.model.layers import MLP, RMSNorm
+from strata.runtime.model.layers import MLP, RMSNorm, linear
 from strata.runtime.model.moe import MoEBlock
 from strata.runtime.model.rope import RotaryEmbedding
 
@@ -98,7 +98,9 @@ class MoETransformer(nn.Module):
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """hidden [n, H] -> logits [n, vocab] fp32 (decode rows on the CPU: summed in fp32 and kept so, not rounded
+        to the model's dtype first)."""
+        return linear(hidden, self.lm_head.weight, self.lm_head.bias, out_dtype=torch.float32)
 
     def observe_layers(self, observer: LayerObserver | None) -> None:
         """Tell `observer` after every decoder layer of each forward pass (None: nobody)."""

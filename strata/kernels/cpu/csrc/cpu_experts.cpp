@@ -497,3 +497,5 @@ C_EXPORTED int strata_cpu_experts_wait(double* seconds) {
     if (seconds) *seconds = l->seconds;
     return l->rc;
 }
+
+#include "cpu_dense.h"  // strata_cpu_dense: bf16 weight rows times a few rows of activations, on the same pool

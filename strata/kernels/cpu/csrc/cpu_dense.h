@@ -1,0 +1,255 @@
+// strata CPU dense kernel: y[M, N] = x[M, K] @ w[N, K]^T for bf16 weights and a few rows of activations (decode:
+// one row per sequence), on the expert kernel's thread pool.
+//
+// For M <= kDenseMaxRows the product is memory-bound: every weight row is read once from RAM and used for all M
+// rows of x. Chunks of weight rows are taken dynamically by the pool's threads (a thread the OS has not scheduled
+// holds no work, so nobody waits for it); within a chunk R rows are read at once (R * M accumulators, R streams
+// for the prefetchers). Every output element is written by one thread, its dot product summed in an order fixed
+// by the code, so results do not depend on the thread count.
+//
+// Instruction sets (the file is compiled for plain x86-64, these functions under target pragmas):
+//   avx512_bf16  vdpbf16ps on the bf16 activations as they are (the model's bf16 activations): products of bf16
+//                pairs summed in fp32, as a bf16 GEMM (torch's, llama.cpp's) accumulates
+//   avx512, avx2 the bf16 weights and activations widened to fp32 by shifts, fp32 FMA (same products, exact)
+// Output fp32, or bf16 rounded to nearest even (what torch's bf16 F.linear returns).
+//
+// Included once, by cpu_experts.cpp, after its pool (g_call, get_pool) and ISA codes; the C entry point is
+// strata_cpu_dense (strata/kernels/cpu/dense.py).
+#pragma once
+
+namespace {
+
+constexpr int64_t kDenseMaxRows = 16;  // rows of x a call takes (more: compute-bound, torch's GEMM does better)
+constexpr int64_t kDenseInlineBytes = 512 << 10;  // weights below this are read by the calling thread alone
+
+struct DenseJob {
+    const uint16_t* x = nullptr;  // [M, K] bf16
+    const uint16_t* w = nullptr;  // [N, ldw] bf16
+    void* y = nullptr;            // [M, ldy] fp32 or bf16
+    bool y_bf16 = false;
+    int64_t M = 0, N = 0, K = 0, ldw = 0, ldy = 0, chunk = 0, n_chunks = 0, pf = 0;
+    std::atomic<int64_t> next{0}, done{0};
+};
+
+inline void dense_store(const DenseJob& j, int64_t t, int64_t n, float v) {
+    if (j.y_bf16)
+        static_cast<uint16_t*>(j.y)[t * j.ldy + n] = f32_to_bf16(v);
+    else
+        static_cast<float*>(j.y)[t * j.ldy + n] = v;
+}
+
+// The scalar tail of a dot product (K not a multiple of the vector width), in the same order for every row.
+inline float dense_tail(const uint16_t* w, const uint16_t* x, int64_t k0, int64_t K) {
+    float s = 0.0f;
+    for (int64_t k = k0; k < K; ++k) s += bf16_to_f32(w[k]) * bf16_to_f32(x[k]);
+    return s;
+}
+
+}  // namespace
+
+#if ON_X86
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bf16,avx512bw,avx512vl,avx2,fma,f16c")
+namespace k_dense_bf16 {
+
+// R weight rows x M rows of x, 32 bf16 a step (vdpbf16ps: 16 fp32 lanes, each summing a pair).
+template <int M, int R>
+inline void rows(const DenseJob& j, int64_t n0) {
+    __m512 acc[R][M];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < M; ++t) acc[r][t] = _mm512_setzero_ps();
+    const int64_t K = j.K, kv = K / 32 * 32;
+    const uint16_t* wr[R];
+    for (int r = 0; r < R; ++r) wr[r] = j.w + (n0 + r) * j.ldw;
+    for (int64_t k = 0; k < kv; k += 32) {
+        __m512bh xv[M];
+        for (int t = 0; t < M; ++t) xv[t] = (__m512bh)_mm512_loadu_si512(j.x + t * K + k);
+        for (int r = 0; r < R; ++r) {
+            if (j.pf) _mm_prefetch(reinterpret_cast<const char*>(wr[r] + k) + j.pf, _MM_HINT_T0);
+            const __m512bh wv = (__m512bh)_mm512_loadu_si512(wr[r] + k);
+            for (int t = 0; t < M; ++t) acc[r][t] = _mm512_dpbf16_ps(acc[r][t], wv, xv[t]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < M; ++t) {
+            float s = _mm512_reduce_add_ps(acc[r][t]);
+            if (kv < K) s += dense_tail(wr[r], j.x + t * K, kv, K);
+            dense_store(j, t, n0 + r, s);
+        }
+}
+
+template <int M>
+void chunk(const DenseJob& j, int64_t n0, int64_t n1) {
+    constexpr int R = M == 1 ? 8 : M <= 2 ? 6 : M <= 4 ? 4 : M <= 8 ? 2 : 1;
+    int64_t n = n0;
+    for (; n + R <= n1; n += R) rows<M, R>(j, n);
+    for (; n < n1; ++n) rows<M, 1>(j, n);
+}
+
+}  // namespace k_dense_bf16
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx2,fma,f16c")
+namespace k_dense_512 {
+
+inline __m512 widen(const uint16_t* p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+template <int M, int R>
+inline void rows(const DenseJob& j, int64_t n0) {
+    __m512 acc[R][M];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < M; ++t) acc[r][t] = _mm512_setzero_ps();
+    const int64_t K = j.K, kv = K / 16 * 16;
+    const uint16_t* wr[R];
+    for (int r = 0; r < R; ++r) wr[r] = j.w + (n0 + r) * j.ldw;
+    for (int64_t k = 0; k < kv; k += 16) {
+        __m512 xv[M];
+        for (int t = 0; t < M; ++t) xv[t] = widen(j.x + t * K + k);
+        for (int r = 0; r < R; ++r) {
+            if (j.pf && (k & 31) == 0) _mm_prefetch(reinterpret_cast<const char*>(wr[r] + k) + j.pf, _MM_HINT_T0);
+            const __m512 wv = widen(wr[r] + k);
+            for (int t = 0; t < M; ++t) acc[r][t] = _mm512_fmadd_ps(wv, xv[t], acc[r][t]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < M; ++t) {
+            float s = _mm512_reduce_add_ps(acc[r][t]);
+            if (kv < K) s += dense_tail(wr[r], j.x + t * K, kv, K);
+            dense_store(j, t, n0 + r, s);
+        }
+}
+
+template <int M>
+void chunk(const DenseJob& j, int64_t n0, int64_t n1) {
+    constexpr int R = M == 1 ? 8 : M <= 2 ? 4 : M <= 4 ? 2 : 1;
+    int64_t n = n0;
+    for (; n + R <= n1; n += R) rows<M, R>(j, n);
+    for (; n < n1; ++n) rows<M, 1>(j, n);
+}
+
+}  // namespace k_dense_512
+#pragma GCC pop_options
+
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace k_dense_avx2 {
+
+inline __m256 widen(const uint16_t* p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+
+inline float hsum(__m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+template <int M, int R>
+inline void rows(const DenseJob& j, int64_t n0) {
+    __m256 acc[R][M];
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < M; ++t) acc[r][t] = _mm256_setzero_ps();
+    const int64_t K = j.K, kv = K / 8 * 8;
+    const uint16_t* wr[R];
+    for (int r = 0; r < R; ++r) wr[r] = j.w + (n0 + r) * j.ldw;
+    for (int64_t k = 0; k < kv; k += 8) {
+        __m256 xv[M];
+        for (int t = 0; t < M; ++t) xv[t] = widen(j.x + t * K + k);
+        for (int r = 0; r < R; ++r) {
+            if (j.pf && (k & 31) == 0) _mm_prefetch(reinterpret_cast<const char*>(wr[r] + k) + j.pf, _MM_HINT_T0);
+            const __m256 wv = widen(wr[r] + k);
+            for (int t = 0; t < M; ++t) acc[r][t] = _mm256_fmadd_ps(wv, xv[t], acc[r][t]);
+        }
+    }
+    for (int r = 0; r < R; ++r)
+        for (int t = 0; t < M; ++t) {
+            float s = hsum(acc[r][t]);
+            if (kv < K) s += dense_tail(wr[r], j.x + t * K, kv, K);
+            dense_store(j, t, n0 + r, s);
+        }
+}
+
+template <int M>
+void chunk(const DenseJob& j, int64_t n0, int64_t n1) {
+    constexpr int R = M == 1 ? 4 : M <= 2 ? 2 : 1;
+    int64_t n = n0;
+    for (; n + R <= n1; n += R) rows<M, R>(j, n);
+    for (; n < n1; ++n) rows<M, 1>(j, n);
+}
+
+}  // namespace k_dense_avx2
+#pragma GCC pop_options
+#endif  // ON_X86
+
+namespace {
+
+using DenseChunkFn = void (*)(const DenseJob&, int64_t, int64_t);
+
+#if ON_X86
+// chunk functions indexed by M - 1, per instruction set
+#define STRATA_DENSE_TABLE(ns)                                                                                     \
+    {ns::chunk<1>,  ns::chunk<2>,  ns::chunk<3>,  ns::chunk<4>,  ns::chunk<5>,  ns::chunk<6>,  ns::chunk<7>,       \
+     ns::chunk<8>,  ns::chunk<9>,  ns::chunk<10>, ns::chunk<11>, ns::chunk<12>, ns::chunk<13>, ns::chunk<14>,      \
+     ns::chunk<15>, ns::chunk<16>}
+const DenseChunkFn kDenseBf16[kDenseMaxRows] = STRATA_DENSE_TABLE(k_dense_bf16);
+const DenseChunkFn kDense512[kDenseMaxRows] = STRATA_DENSE_TABLE(k_dense_512);
+const DenseChunkFn kDenseAvx2[kDenseMaxRows] = STRATA_DENSE_TABLE(k_dense_avx2);
+#undef STRATA_DENSE_TABLE
+#endif
+
+DenseChunkFn g_dense_fn = nullptr;  // the call's chunk function (set under g_call)
+
+void dense_job(void* ctx, int tid) {
+    DenseJob& j = *static_cast<DenseJob*>(ctx);
+    for (;;) {
+        const int64_t c = j.next.fetch_add(1, std::memory_order_relaxed);
+        if (c >= j.n_chunks) break;
+        const int64_t n0 = c * j.chunk;
+        g_dense_fn(j, n0, std::min(j.N, n0 + j.chunk));
+        j.done.fetch_add(1, std::memory_order_acq_rel);
+    }
+    if (tid == 0) spin_until([&] { return j.done.load(std::memory_order_acquire) >= j.n_chunks; });
+}
+
+}  // namespace
+
+// y[M, ldy] (its first N columns; fp32, or bf16 with y_bf16) = x[M, K] @ w[N, ldw]^T (its first K columns), x and w
+// bf16, M in [1, kDenseMaxRows], on `threads` threads of the kernel's pool. isa: ISA_AVX512_BF16, ISA_AVX512 or
+// ISA_AVX2. Returns 0, or -1 (instruction set unavailable, bad sizes).
+C_EXPORTED int strata_cpu_dense(int isa, const uint16_t* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
+                                int64_t ldw, void* y, int64_t ldy, int y_bf16, int threads) {
+#if ON_X86
+    if (M < 1 || M > kDenseMaxRows || K < 1 || N < 1 || ldw < K || ldy < N) return -1;
+    if (!(strata_cpu_isa_mask() & (1 << isa))) return -1;
+    const DenseChunkFn* table = isa == ISA_AVX512_BF16 ? kDenseBf16 : isa == ISA_AVX512 ? kDense512
+                              : isa == ISA_AVX2 ? kDenseAvx2 : nullptr;
+    if (!table) return -1;
+    std::lock_guard<std::mutex> lk(g_call);
+    g_dense_fn = table[M - 1];
+    DenseJob j;
+    j.x = x, j.w = w, j.y = y, j.y_bf16 = y_bf16 != 0;
+    j.M = M, j.N = N, j.K = K, j.ldw = ldw, j.ldy = ldy;
+    j.pf = (g_prefetch_bytes + 63) / 64 * 64;
+    const int P = std::max(1, threads);
+    // chunks of about total / (8 P) bytes in [32 KiB, 512 KiB], whole groups of 8 rows: long sequential streams, and
+    // enough chunks that a thread delayed by the OS does not hold the others back
+    const int64_t row_bytes = 2 * K, total = row_bytes * N;
+    const int64_t bytes = std::clamp<int64_t>(total / (8 * int64_t(P)), 32 << 10, 512 << 10);
+    j.chunk = std::max<int64_t>(8, bytes / row_bytes / 8 * 8);
+    j.n_chunks = (N + j.chunk - 1) / j.chunk;
+    // a small matrix (a router, a small model's projection) on the calling thread: waking the pool would cost
+    // more than reading it (about 20 us at 25 GB/s)
+    if (P == 1 || j.n_chunks == 1 || total < kDenseInlineBytes)
+        dense_job(&j, 0);
+    else
+        get_pool(P)->run(dense_job, &j);
+    return 0;
+#else
+    (void)isa, (void)x, (void)M, (void)K, (void)w, (void)N, (void)ldw, (void)y, (void)ldy, (void)y_bf16, (void)threads;
+    return -1;
+#endif
+}
