@@ -9,7 +9,9 @@ Loads `Engine.from_pretrained(DIR)` (no --model: the default demo model) with `p
 objects, which no stream completes within `--tokens`, so all N decode to the end). A batch's decode tok/s is its
 tokens after each stream's first, over the wall-clock time from the step that gave every stream its first token to
 the last token; the scheduler's own step times (steps with N decode tokens and no prompt) are reported beside it.
-The cost is 1 - median(json_schema) / median(plain). On CUDA, plain batches run overlapped decode (the default),
+The cost is 1 - median(json_schema) / median(plain); the
+median of each round's own ratio is given too (a round's two batches run back to back, so a drift in the machine's
+load between rounds cancels out of it). On CUDA, plain batches run overlapped decode (the default),
 which a stream with a grammar cannot (its next mask needs its last token on the host): that is part of the cost.
 Writes structured_output.json under --out.
 """
@@ -54,20 +56,19 @@ def run_batch(engine, prompts: list[list[int]], tokens: int, response_format: di
     from strata.runtime.generation.sampler import SamplingParams
 
     sched = engine.scheduler()
-    steps_before = len(sched.recent_steps())
     reqs = [GenRequest(p, SamplingParams(max_tokens=tokens, ignore_eos=True, response_format=response_format))
             for p in prompts]
     t0 = time.perf_counter()
     handles = sched.submit_together(reqs, asynchronous=False)
     streams = [h.iter_events(timeout=600) for h in handles]
     events = [[next(s)] for s in streams]  # every stream's first token (its prompt's pass)
-    t1 = time.perf_counter()
+    t1, wall1 = time.perf_counter(), time.time()
     for evs, s in zip(events, streams, strict=True):
         evs.extend(s)
     t2 = time.perf_counter()
     counts = [sum(1 for e in evs if e.token_id is not None) for evs in events]
     finish = sorted({evs[-1].finish_reason for evs in events})
-    steps = [s for s in sched.recent_steps()[steps_before:] if s["decode"] == len(prompts) and s["prompt"] == 0]
+    steps = [s for s in sched.recent_steps() if s["t"] > wall1 and s["decode"] == len(prompts) and s["prompt"] == 0]
     decode_tokens = sum(counts) - len(prompts)
     return {"tokens": counts, "finish": finish, "ttft_s": t1 - t0, "decode_s": t2 - t1,
             "decode_tok_s": decode_tokens / (t2 - t1),
@@ -117,15 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     for fmt in (None, FORMAT):  # warm-up: the kernels' first calls, the grammar's first masks
         run_batch(engine, prompts, min(16, args.tokens), fmt)
     runs: dict[str, list[dict]] = {"plain": [], "json_schema": []}
-    for _ in range(args.repeat):  # alternated, so a drift in the machine's load reaches both alike
-        runs["plain"].append(run_batch(engine, prompts, args.tokens, None))
-        runs["json_schema"].append(run_batch(engine, prompts, args.tokens, FORMAT))
+    for i in range(args.repeat):  # alternated (and which goes first too), so a drift in load reaches both alike
+        for name in (["plain", "json_schema"] if i % 2 == 0 else ["json_schema", "plain"]):
+            runs[name].append(run_batch(engine, prompts, args.tokens, FORMAT if name == "json_schema" else None))
     load["end"] = os.getloadavg()
     for name, rs in runs.items():
         assert all(r["tokens"] == [args.tokens] * args.streams and r["finish"] == ["length"] for r in rs), \
             f"{name}: a stream ended before --tokens: {[(r['tokens'], r['finish']) for r in rs]}"
     median = {k: statistics.median(r["decode_tok_s"] for r in rs) for k, rs in runs.items()}
     median_steps = {k: statistics.median(r["step_tok_s"] for r in rs if r["step_tok_s"]) for k, rs in runs.items()}
+    pairs = [s["decode_tok_s"] / p["decode_tok_s"] for p, s in zip(runs["plain"], runs["json_schema"], strict=True)]
     result = {
         "bench": "structured_output", "commit": args.commit or _commit(), "date": time.strftime("%Y-%m-%d"),
         "model": str(engine.source), "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
@@ -135,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         "compile_first_s": compile_s, "compile_cached_s": cached_s,
         "median_decode_tok_s": median, "median_step_tok_s": median_steps,
         "cost": 1 - median["json_schema"] / median["plain"],
-        "cost_steps": 1 - median_steps["json_schema"] / median_steps["plain"], "runs": runs,
+        "cost_steps": 1 - median_steps["json_schema"] / median_steps["plain"],
+        "cost_per_round": 1 - statistics.median(pairs), "round_ratios": pairs, "runs": runs,
     }
     engine.close()
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
