@@ -8,7 +8,8 @@ Loads `Engine.from_pretrained(DIR)` (no --model: the default demo model) with `p
 `plain` (free text, EOS ignored) and `json_schema` (the same prompts under a strict schema of a long array of
 objects, which no stream completes within `--tokens`, so all N decode to the end). A batch's decode tok/s is its
 tokens after each stream's first, over the wall-clock time from the step that gave every stream its first token to
-the last token; the scheduler's own step times (steps with N decode tokens and no prompt) are reported beside it.
+the last token; the scheduler's own step times (steps with N decode tokens and no prompt) are reported beside it,
+and the grammar's own work a token (the mask of a logits row, the matcher's advance), timed apart from the model.
 The cost is 1 - median(json_schema) / median(plain); the
 median of each round's own ratio is given too (a round's two batches run back to back, so a drift in the machine's
 load between rounds cancels out of it). On CUDA, plain batches run overlapped decode (the default),
@@ -73,7 +74,36 @@ def run_batch(engine, prompts: list[list[int]], tokens: int, response_format: di
     return {"tokens": counts, "finish": finish, "ttft_s": t1 - t0, "decode_s": t2 - t1,
             "decode_tok_s": decode_tokens / (t2 - t1),
             "step_tok_s": sum(s["decode"] for s in steps) / sum(s["seconds"] for s in steps) if steps else None,
-            "full_steps": len(steps), "text": "".join(e.text for e in events[0])[:200]}
+            "full_steps": len(steps), "text": "".join(e.text for e in events[0])[:200],
+            "first_stream": [e.token_id for e in events[0] if e.token_id is not None]}
+
+
+def grammar_host_us(engine, token_ids: list[int]) -> dict:
+    """A grammar's own work a token, apart from the model: `token_ids` (a json_schema stream's) replayed through a
+    fresh matcher, timing the mask of a logits row on the engine's device and the advance (median and p90, us)."""
+    import torch
+
+    from strata.runtime.generation.grammar import ResponseFormat
+
+    matcher = engine.compile_grammar(ResponseFormat.parse(FORMAT)).matcher()
+    logits = torch.randn(1, engine.checkpoint.config.vocab_size, device=engine.device)
+    sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
+    mask, advance = [], []
+    for token in token_ids:
+        sync()
+        t0 = time.perf_counter()
+        matcher.mask(logits)
+        sync()
+        t1 = time.perf_counter()
+        assert matcher.advance(token)
+        advance.append(time.perf_counter() - t1)
+        mask.append(t1 - t0)
+
+    def stats(xs: list[float]) -> dict:
+        xs = sorted(xs)
+        return {"median_us": xs[len(xs) // 2] * 1e6, "p90_us": xs[int(len(xs) * 0.9)] * 1e6}
+
+    return {"tokens": len(token_ids), "mask": stats(mask), "advance": stats(advance)}
 
 
 def _commit() -> str | None:
@@ -121,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.repeat):  # alternated (and which goes first too), so a drift in load reaches both alike
         for name in (["plain", "json_schema"] if i % 2 == 0 else ["json_schema", "plain"]):
             runs[name].append(run_batch(engine, prompts, args.tokens, FORMAT if name == "json_schema" else None))
+    host = grammar_host_us(engine, runs["json_schema"][0]["first_stream"])
+    for r in runs["plain"] + runs["json_schema"]:
+        del r["first_stream"]
     load["end"] = os.getloadavg()
     for name, rs in runs.items():
         assert all(r["tokens"] == [args.tokens] * args.streams and r["finish"] == ["length"] for r in rs), \
@@ -138,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         "median_decode_tok_s": median, "median_step_tok_s": median_steps,
         "cost": 1 - median["json_schema"] / median["plain"],
         "cost_steps": 1 - median_steps["json_schema"] / median_steps["plain"],
-        "cost_per_round": 1 - statistics.median(pairs), "round_ratios": pairs, "runs": runs,
+        "cost_per_round": 1 - statistics.median(pairs), "round_ratios": pairs, "grammar_per_token": host,
+        "runs": runs,
     }
     engine.close()
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
