@@ -28,7 +28,9 @@ Backends (`backend()` says which one runs; the `backend=` argument picks, an eng
                time. Used when the extension cannot be built (no compiler, not x86-64, build error:
                one warning line), when asked for ("torch"), and for experts with more than
                `MAX_TOKENS` tokens (prefill-sized groups: compute-bound, torch/oneDNN does them better;
-               the executor should send those to the GPU anyway).
+               the executor should send those to the GPU anyway), which under the compiled backends run
+               as torch's bf16 GEMMs on the bf16 weights as stored (`bf16_expert`: fp32 sums, bf16
+               activations, within the avx512_bf16 bound).
 
 Accuracy: `tolerance(backend, kind)` bounds max |out - ref| / max |ref| against `expert_swiglu` in fp32 on the
 same weights upcast (quantized experts: dequantized); strata/kernels/cpu/numerics.py says what each bound covers.
@@ -455,5 +457,19 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]
             raise IndexError(f"token_idx out of range for x with {N} rows")
         if isinstance(gate_up, QuantMatrix) and gate_up.kind == "plain":
             gate_up, down = gate_up.values, down.values
-        torch_expert(x32, gate_up, down, idx, w, out)
+        if name != "torch" and isinstance(gate_up, torch.Tensor) and gate_up.dtype is bf16 and down.dtype is bf16:
+            bf16_expert(x, gate_up, down, idx, w, out)  # prefill-sized, compute-bound: oneDNN's bf16 GEMMs
+        else:
+            torch_expert(x32, gate_up, down, idx, w, out)
     return out
+
+
+def bf16_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+                out: torch.Tensor) -> None:
+    """One expert's tokens by torch's bf16 GEMMs on the weights as stored (products summed in fp32; the
+    activations and gate/up outputs in bf16, about the avx512_bf16 kernel's rounding), added into out [N, H]:
+    several times the fp32 path's rate on upcast weights, where a prompt's tokens make an expert compute-bound."""
+    idx = idx.to(torch.int64)
+    gate, up = torch.nn.functional.linear(x.index_select(0, idx).to(torch.bfloat16), gate_up).chunk(2, dim=-1)
+    y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down).float() * w.float()[:, None]
+    out.index_add_(0, idx, y)

@@ -1,0 +1,57 @@
+"""Prefill-sized experts on the CPU (more than `MAX_TOKENS` tokens): torch's bf16 GEMMs on the weights as stored
+under the compiled backends, the fp32 reference under "torch"; both against `expert_swiglu` on the upcast weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata.kernels.cpu import experts as ce
+from strata.kernels.cpu import numerics
+from strata.kernels.cpu.expert_args import torch_expert
+from strata.kernels.experts import expert_swiglu
+
+
+def _experts(count: int, hidden: int, inter: int, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    return [((torch.randn(2 * inter, hidden, generator=g) / hidden**0.5).bfloat16(),
+             (torch.randn(hidden, inter, generator=g) / inter**0.5).bfloat16()) for _ in range(count)]
+
+
+def _reference(x, experts, rows, weights):
+    out = torch.zeros(x.shape, dtype=torch.float32)
+    for (gu, dn), idx, w in zip(experts, rows, weights, strict=True):
+        out.index_add_(0, idx, expert_swiglu(x.float()[idx], gu.float(), dn.float()) * w[:, None])
+    return out
+
+
+def test_prefill_sized_experts_run_bf16_gemms_within_the_bf16_kernels_bound():
+    hidden, inter, n = 256, 96, 3 * ce.MAX_TOKENS
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(n, hidden, generator=g).bfloat16()
+    experts = _experts(3, hidden, inter)
+    rows = [torch.arange(n), torch.arange(0, n, 2), torch.arange(5)]  # two above MAX_TOKENS, one below
+    weights = [torch.rand(len(r), generator=g) for r in rows]
+    ref = _reference(x, experts, rows, weights)
+    fast = ce.cpu_experts_forward(x, experts, rows, weights, threads=2)
+    err = ((fast - ref).abs().max() / ref.abs().max()).item()
+    assert err < numerics.tolerance("avx512_bf16", "plain"), err
+    assert not torch.equal(fast, ref)  # bf16 activations: not the fp32 path
+    exact = ce.cpu_experts_forward(x, experts, rows, weights, backend="torch")
+    want = torch.zeros(x.shape, dtype=torch.float32)
+    for (gu, dn), idx, w in zip(experts, rows, weights, strict=True):
+        torch_expert(x.float(), gu, dn, idx, w, want)
+    assert torch.equal(exact, want)  # "torch" stays the fp32 reference, prefill-sized experts included
+
+
+@pytest.mark.parametrize("count", [1, 4])
+def test_one_bf16_expert_matches_its_swiglu(count):
+    hidden, inter = 128, 64
+    x = torch.randn(50, hidden).bfloat16()
+    for gu, dn in _experts(count, hidden, inter, seed=count):
+        idx, w = torch.arange(3, 50), torch.rand(47)
+        out = torch.zeros(x.shape, dtype=torch.float32)
+        ce.bf16_expert(x, gu, dn, idx, w, out)
+        ref = torch.zeros_like(out).index_add_(0, idx, expert_swiglu(x.float()[idx], gu.float(), dn.float()) * w[:, None])
+        assert ((out - ref).abs().max() / ref.abs().max()) < numerics.tolerance("avx512_bf16", "plain")
+        assert torch.equal(out[:3], torch.zeros(3, hidden))  # rows without the expert are untouched
