@@ -220,3 +220,29 @@ def test_sample_takes_the_best_token_the_grammar_allows():
     draws = {sample(logits, SamplingParams(temperature=2.0), g, OnlyEven()).item() for _ in range(200)}
     assert draws <= {0, 2, 4} and len(draws) == 3
     assert logits[0, 1] == 9.0
+
+
+@pytest.mark.gpu
+def test_structured_output_on_cuda_beside_overlapped_decode(tiny_model_dir):
+    """On CUDA (the mask applied on the device, overlapped decode on by default): structured requests parse and
+    validate, alone and batched with free-text ones (which run overlapped steps, the structured ones never: their
+    next mask needs their last token)."""
+    from strata import Engine
+
+    with Engine.from_pretrained(tiny_model_dir, device="cuda") as engine:
+        for sampling in ({}, {"temperature": 1.0, "seed": 1}):
+            out = engine.generate(PROMPT, max_tokens=MAX_TOKENS, response_format=PERSON_FORMAT, **sampling)
+            assert out.finish_reason == "stop"
+            check_person(out.text)
+        ids = [engine.tokenizer.encode(t) for t in ("The river runs", PROMPT, "Once upon a time", "hello")]
+        sched = engine.scheduler(max_batch=4)
+        sched.start()
+        reqs = [GenRequest(ids[0], SamplingParams(max_tokens=48)),
+                GenRequest(ids[1], SamplingParams(max_tokens=MAX_TOKENS, response_format=PERSON_FORMAT)),
+                GenRequest(ids[2], SamplingParams(max_tokens=48)),
+                GenRequest(ids[3], SamplingParams(max_tokens=MAX_TOKENS, temperature=1.0, seed=4,
+                                                  response_format=PERSON_FORMAT))]
+        events = [list(h.iter_events(timeout=300)) for h in sched.submit_together(reqs, asynchronous=False)]
+        check_person("".join(e.text for e in events[1])), check_person("".join(e.text for e in events[3]))
+        assert events[1][-1].finish_reason == events[3][-1].finish_reason == "stop"
+        assert all(evs[-1].finish_reason in ("length", "stop") for evs in events)  # none aborted
