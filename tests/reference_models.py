@@ -16,7 +16,8 @@ VOCAB = 160
 
 
 def _configs(long: bool) -> dict:
-    from transformers import DeepseekV3Config, MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers import (DeepseekV2Config, DeepseekV3Config, Glm4MoeConfig, MixtralConfig, Qwen2MoeConfig,
+                              Qwen3MoeConfig)
 
     common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
                   max_position_embeddings=4096, initializer_range=0.1, rms_norm_eps=1e-6,
@@ -48,10 +49,28 @@ def _configs(long: bool) -> dict:
             rope_parameters={**yarn, "mscale": 1.0, "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1}
             if long else {"rope_type": "default", "rope_theta": 10000.0},
         ),
+        # GLM-4.5: rotary on half of each head; short: q/k/v biases and q/k norms on; long: both off, as GLM-4.5 ships
+        "glm4_moe": Glm4MoeConfig(
+            **common, num_key_value_heads=2, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
+            n_routed_experts=8, num_experts_per_tok=3, n_group=2, topk_group=1, n_shared_experts=1,
+            first_k_dense_replace=1, routed_scaling_factor=1.5, norm_topk_prob=True, attention_bias=not long,
+            use_qk_norm=not long,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        ),
+        # DeepSeek-V2: short: q_lora_rank and group_limited_greedy (V2); long: V2-Lite's q_proj, greedy and YaRN
+        "deepseek_v2": DeepseekV2Config(
+            **common, num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=24, n_routed_experts=16,
+            num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=2, first_k_dense_replace=1,
+            topk_method="greedy" if long else "group_limited_greedy", routed_scaling_factor=2.0,
+            kv_lora_rank=24, q_lora_rank=None if long else 32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+            rope_parameters={**yarn, "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}
+            if long else {"rope_type": "default", "rope_theta": 10000.0},
+        ),
     }
 
 
-ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3")
+ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe", "deepseek_v2")
+WINDOWED = ("qwen2_moe", "mixtral")  # their long-context variants attend through a sliding window
 
 
 def build_reference(arch: str, directory: Path, *, fused: bool = False, long: bool = False, seed: int = 0):

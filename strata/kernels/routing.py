@@ -1,11 +1,13 @@
 """Expert routing: which experts each token uses and with what weight.
 
-Two routers cover the supported architectures (semantics from transformers' modeling files):
+Three routers cover the supported architectures (semantics from transformers' modeling files):
 - `softmax_topk` (Qwen2/3-MoE, Mixtral): softmax over all experts in fp32, top-k, optional renormalise;
-- `sigmoid_group_topk` (DeepSeek-V3): sigmoid scores, a selection-only correction bias, group-limited
+- `sigmoid_group_topk` (DeepSeek-V3, GLM-4.5): sigmoid scores, a selection-only correction bias, group-limited
   top-k (best `topk_group` of `n_group` groups, each group scored by its top-2), optional renormalise,
-  then `routed_scaling_factor`.
-Both return (weights [N, k] fp32, expert ids [N, k] int64).
+  then `routed_scaling_factor`;
+- `softmax_group_topk` (DeepSeek-V2): softmax scores, top-k within the best `topk_group` of `n_group` groups
+  (each group scored by its best expert; all groups for V2's `greedy`), then `routed_scaling_factor`.
+All return (weights [N, k] fp32, expert ids [N, k] int64).
 """
 
 from __future__ import annotations
@@ -49,4 +51,20 @@ def sigmoid_group_topk(
     weights = scores.gather(1, ids)
     if normalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * scaling, ids
+
+
+def softmax_group_topk(logits: torch.Tensor, k: int, n_group: int, topk_group: int,
+                       scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V2 routing. logits [N, E] fp32 -> (weights [N, k], ids [N, k]): softmax scores, experts outside the
+    best `topk_group` groups (a group's score: its best expert) zeroed before the top-k, never renormalised."""
+    n, e = logits.shape
+    scores = logits.float().softmax(dim=-1)
+    if topk_group < n_group:  # group_limited_greedy (greedy: every group is kept)
+        group_scores = scores.view(n, n_group, e // n_group).max(dim=-1).values  # [N, groups]
+        group_idx = torch.topk(group_scores, k=topk_group, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+        expert_mask = group_mask.unsqueeze(-1).expand(n, n_group, e // n_group).reshape(n, e)
+        scores = scores.masked_fill(~expert_mask.bool(), 0.0)
+    weights, ids = torch.topk(scores, k=k, dim=-1, sorted=False)
     return weights * scaling, ids

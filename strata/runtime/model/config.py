@@ -3,18 +3,20 @@
 Hugging Face configs name the same things differently per architecture and per transformers version
 (`num_experts` vs `num_local_experts` vs `n_routed_experts`, `rope_scaling` vs `rope_parameters`).
 `ModelConfig.from_hf` reads any of them into one dataclass, so the model code never looks at the raw
-dict. The semantics follow transformers' modeling files (qwen3_moe, qwen2_moe, deepseek_v3, mixtral).
+dict. The semantics follow transformers' modeling files (qwen3_moe, qwen2_moe, deepseek_v3, mixtral, glm4_moe,
+deepseek_v2); Kimi K2 / K2.5 (`kimi_k2`, `kimi_k25`) are DeepSeek-V3 under their own names.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from strata.errors import CheckpointError, UnsupportedError
 from strata.runtime.model.engram.hashing import EngramConfig
 
-SUPPORTED_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral")
+SUPPORTED_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral",
+                           "glm4_moe", "deepseek_v2", "kimi_k2", "kimi_k25")
 QUANT_METHODS = ("fp8", "mxfp4")  # config.json's quantization_config.quant_method values strata loads
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
 
@@ -79,7 +81,7 @@ class ModelConfig:
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_layers: list[bool] = field(default_factory=list)
-    router: str = "softmax"  # "softmax" | "sigmoid_group"
+    router: str = "softmax"  # "softmax" | "sigmoid_group" (DeepSeek-V3, GLM-4.5) | "softmax_group" (DeepSeek-V2)
     norm_topk_prob: bool = False
     routed_scaling_factor: float = 1.0
     n_group: int = 1
@@ -109,7 +111,7 @@ class ModelConfig:
             raise CheckpointError(
                 f"config.json: num_experts_per_tok {self.num_experts_per_tok} exceeds the {self.num_experts} experts"
             )
-        if self.router == "sigmoid_group" and (
+        if self.router in ("sigmoid_group", "softmax_group") and (
             self.num_experts % self.n_group or self.topk_group > self.n_group
         ):
             raise CheckpointError(
@@ -125,6 +127,12 @@ class ModelConfig:
     def num_moe_layers(self) -> int:
         return sum(self.moe_layers)
 
+    @property
+    def fp32_router(self) -> bool:
+        """Whether the router's weights stay in fp32 whatever the model dtype (DeepSeek's and GLM's routers: their
+        `_keep_in_fp32_modules` in transformers)."""
+        return self.router != "softmax"
+
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
         """Normalise a Hugging Face `config.json` dict; unknown architectures raise `UnsupportedError`."""
@@ -134,6 +142,8 @@ class ModelConfig:
                 f"{source}: model_type {model_type!r} is not supported; supported: "
                 f"{', '.join(SUPPORTED_ARCHITECTURES)}"
             )
+        if model_type == "kimi_k25":  # a multimodal release: the language model's config is its text_config
+            cfg = _kimi_k25_text(cfg, source)
         method, block = _quantization(cfg.get("quantization_config"), source)
         try:
             parsed = _PARSERS[model_type](cfg, source)
@@ -350,6 +360,77 @@ def _parse_deepseek_v3(cfg: dict, source: str) -> ModelConfig:
     )
 
 
+def _parse_deepseek_v2(cfg: dict, source: str) -> ModelConfig:
+    """DeepSeek-V2 / V2-Lite: DeepSeek-V3's MLA, dense-then-MoE layers and shared experts, routed by a softmax over
+    fp32 logits, top-k over all experts (`greedy`) or within the best `topk_group` of `n_group` groups, each scored
+    by its best expert (`group_limited_greedy`), never renormalised (transformers' router has no
+    norm_topk_prob), then scaled by routed_scaling_factor."""
+    method = cfg.get("topk_method") or "greedy"
+    if method not in ("greedy", "group_limited_greedy"):
+        raise UnsupportedError(f"{source}: topk_method {method!r} is not supported for deepseek_v2; strata routes "
+                               "greedy and group_limited_greedy (transformers' DeepSeek-V2)")
+    if cfg.get("scoring_func", "softmax") != "softmax" or cfg.get("mlp_bias"):
+        raise UnsupportedError(f"{source}: deepseek_v2 with scoring_func {cfg.get('scoring_func')!r} or mlp_bias is "
+                               "not supported; strata runs DeepSeek-V2's softmax router and bias-free MLPs")
+    grouped = method == "group_limited_greedy"
+    return replace(_parse_deepseek_v3(cfg, source), router="softmax_group", norm_topk_prob=False,
+                   rope_interleave=True,  # its rotary multiplies adjacent pairs as complex numbers
+                   n_group=int(cfg["n_group"]) if grouped else 1, topk_group=int(cfg["topk_group"]) if grouped else 1)
+
+
+def _parse_kimi_k2(cfg: dict, source: str) -> ModelConfig:
+    """Kimi K2 (`kimi_k2`): DeepSeek-V3's architecture in DeepSeek's original config spelling (`rope_scaling`,
+    `scoring_func`, `topk_method`)."""
+    if cfg.get("scoring_func", "sigmoid") != "sigmoid" or cfg.get("topk_method", "noaux_tc") != "noaux_tc":
+        raise UnsupportedError(f"{source}: {cfg['model_type']} with scoring_func {cfg.get('scoring_func')!r} / "
+                               f"topk_method {cfg.get('topk_method')!r} is not supported; Kimi K2 routes by sigmoid "
+                               "scores (noaux_tc), as DeepSeek-V3")
+    return _parse_deepseek_v3(cfg, source)
+
+
+def _kimi_k25_text(cfg: dict, source: str) -> dict:
+    """Kimi K2.5's config.json keeps its language model (DeepSeek-V3, `kimi_k2` or `deepseek_v3`) under
+    `text_config`, beside the vision tower's: that config, completed by the keys the release keeps at the top."""
+    text = cfg.get("text_config")
+    if not isinstance(text, dict):
+        raise CheckpointError(f"{source}: kimi_k25 has no text_config object (its language model); re-download "
+                              "config.json")
+    if text.get("model_type", "deepseek_v3") not in ("kimi_k2", "deepseek_v3"):
+        raise UnsupportedError(f"{source}: text_config.model_type {text.get('model_type')!r} is not supported; "
+                               "kimi_k25's language model is kimi_k2 (DeepSeek-V3)")
+    top = {k: cfg[k] for k in ("quantization_config", "bos_token_id", "eos_token_id", "tie_word_embeddings") if k in cfg}
+    return {**top, **text, "model_type": "kimi_k25"}
+
+
+def _parse_glm4_moe(cfg: dict, source: str) -> ModelConfig:
+    """GLM-4.5 / 4.6 / 4.7: GQA with q/k/v biases (`attention_bias`; o_proj has none), optional per-head q/k RMSNorm
+    (`use_qk_norm`), rotary on the first `partial_rotary_factor` of each head (0.5 unless given), then
+    `first_k_dense_replace` dense layers and MoE layers routed as DeepSeek-V3 (sigmoid, correction bias, groups),
+    with shared experts. Defaults are transformers' Glm4MoeConfig's."""
+    _act(cfg, source)
+    c = _common({"rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "n_routed_experts": 128, **cfg})
+    head_dim = int(cfg.get("head_dim") or c["hidden_size"] // c["num_heads"])
+    first_dense = int(cfg.get("first_k_dense_replace", 1) or 0)
+    moe_width = int(cfg.get("moe_intermediate_size", 1408))
+    return ModelConfig(
+        **c,
+        rope=_rope({"partial_rotary_factor": 0.5, **cfg}, head_dim),
+        attention="gqa",
+        head_dim=head_dim,
+        qkv_bias=bool(cfg.get("attention_bias", False)),
+        qk_norm=bool(cfg.get("use_qk_norm", False)),
+        sliding_windows=[None] * c["num_layers"],
+        moe_intermediate_size=moe_width,
+        moe_layers=[i >= first_dense for i in range(c["num_layers"])],
+        router="sigmoid_group",
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        n_group=int(cfg.get("n_group") or 1),
+        topk_group=int(cfg.get("topk_group") or 1),
+        shared_expert_intermediate_size=moe_width * int(cfg.get("n_shared_experts", 1) or 0),
+    )
+
+
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     import math
 
@@ -361,4 +442,8 @@ _PARSERS = {
     "qwen2_moe": _parse_qwen2_moe,
     "mixtral": _parse_mixtral,
     "deepseek_v3": _parse_deepseek_v3,
+    "glm4_moe": _parse_glm4_moe,
+    "deepseek_v2": _parse_deepseek_v2,
+    "kimi_k2": _parse_kimi_k2,
+    "kimi_k25": _parse_kimi_k2,
 }

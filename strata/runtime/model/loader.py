@@ -17,7 +17,7 @@ from strata.runtime.model.checkpoint import Checkpoint
 from strata.runtime.model.rope import RotaryEmbedding
 from strata.runtime.model.transformer import MoETransformer
 
-# Parameters kept in fp32 whatever the model dtype (transformers' _keep_in_fp32_modules for DeepSeek)
+# Parameters kept in fp32 whatever the model dtype (transformers' _keep_in_fp32_modules for DeepSeek and GLM)
 FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 
 
@@ -38,7 +38,7 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device | str,
     if prepare is not None:
         prepare(model)
     state: dict[str, torch.Tensor] = {}
-    fp32_router = cfg.router == "sigmoid_group"
+    fp32_router = cfg.fp32_router
     entries = [(n, t) for n, t in list(model.named_parameters()) + list(model.named_buffers()) if not n.startswith("rotary.")]
     bar = tqdm(total=len(entries), desc="loading weights", unit="tensor", disable=not progress, leave=False)
     experts_done: set[int] = set()

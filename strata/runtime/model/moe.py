@@ -17,7 +17,7 @@ from strata.kernels.experts import moe_forward
 from strata.kernels.gpu import decode_router
 from strata.kernels.gpu.grouped import SlotWeights, combine_pairs, pair_experts, use_pair_kernels
 from strata.kernels.gpu.grouped_gemm import grouped_experts, grouped_ok, refuse
-from strata.kernels.routing import sigmoid_group_topk, softmax_topk
+from strata.kernels.routing import sigmoid_group_topk, softmax_group_topk, softmax_topk
 from strata.runtime.model.config import ModelConfig
 from strata.runtime.model.layers import MLP, linear
 
@@ -52,6 +52,9 @@ class Router(nn.Module):
                 logits, self.e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
                 cfg.norm_topk_prob, cfg.routed_scaling_factor,
             ), None)
+        if cfg.router == "softmax_group":  # DeepSeek-V2: its router in fp32 too
+            return (*softmax_group_topk(F.linear(x.float(), self.weight.float()), cfg.num_experts_per_tok,
+                                        cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor), None)
         logits = linear(x, self.weight)
         return (*softmax_topk(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob), None)
 
@@ -67,6 +70,9 @@ class Router(nn.Module):
             return sigmoid_group_topk(F.linear(x.float(), self.weight.float()), self.e_score_correction_bias,
                                       cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
                                       cfg.routed_scaling_factor)[1]
+        if cfg.router == "softmax_group":
+            return softmax_group_topk(F.linear(x.float(), self.weight.float()), cfg.num_experts_per_tok,
+                                      cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)[1]
         return softmax_topk(F.linear(x, self.weight), cfg.num_experts_per_tok, cfg.norm_topk_prob)[1]
 
 

@@ -73,12 +73,16 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool = False) -> torch.Tensor:
-    """Rotate x [N, heads, dim] by cos/sin [N, dim].
+    """Rotate x [N, heads, dim] by cos/sin [N, rot]: the first `rot` dims of each head (rot < dim: GLM's
+    partial_rotary_factor, the rest passing through unrotated, as transformers' apply_rotary_pos_emb).
 
     `interleave` (DeepSeek) rotates pairs (x0, x1), (x2, x3), ... and returns them de-interleaved
     ([evens..., odds...]), exactly as transformers does; q and k get the same permutation, so q·k is
     unchanged.
     """
+    rot = cos.shape[-1]
+    if rot < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :rot], cos, sin, interleave), x[..., rot:]), dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
     if not interleave:
         return x * cos + rotate_half(x) * sin

@@ -61,7 +61,7 @@ def layer_sizes(cfg: ModelConfig, dtype: torch.dtype, batch: int = 1, experts: b
     with torch.device("meta"):
         model = MoETransformer(cfg)
     item = torch.empty((), dtype=dtype).element_size()
-    fp32_router = cfg.router == "sigmoid_group"  # kept in fp32 by the loader
+    fp32_router = cfg.fp32_router  # kept in fp32 by the loader
 
     def nbytes(prefix: str, module: torch.nn.Module) -> int:
         total = 0
