@@ -11,7 +11,12 @@ An expert is two matrices, gate_up [2I, H] (gate rows, then up rows) and down [H
 
 `ExpertLayout` places one expert's tensors in a blob: gate_up values, gate_up scales, down values, down
 scales, each section starting 256-byte aligned, so a blob is still one read and one copy, and GPU and CPU
-kernels read values and scales straight from the blob without a bf16 copy. Quantizing rounds to nearest
+kernels read values and scales straight from the blob without a bf16 copy.
+
+GGUF experts (kind "gguf", strata.kernels.gguf_blocks) keep the file's ggml blocks: a blob starts with a 3-byte
+header, the block type ids of its gate, up and down tensors (a file mixes types per tensor and per layer, as
+Q4_K_M does), then gate_up's section (gate's [I, H/bv * bb] blocks, then up's, each half sized for the widest type
+the store holds) and down's [H, I/bv * bb]; the header is both matrices' "scales". Quantizing rounds to nearest
 (ties to even); `dequantize_*` are the exact inverse on the grid, the oracle every kernel is tested against.
 """
 
@@ -23,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 PLAIN_DTYPES: dict[str, torch.dtype] = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
-QUANT_KINDS = ("fp8", "mxfp4")
+QUANT_KINDS = ("fp8", "mxfp4", "gguf")
 SECTION_ALIGN = 256  # bytes; every section of a blob starts at a multiple (vector loads, TMA)
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
 MX_GROUP = 32  # values per e8m0 scale
@@ -40,6 +45,7 @@ class ExpertFormat:
     kind: str = "plain"
     dtype: str = "BF16"
     block: tuple[int, int] = (128, 128)  # fp8's (rows, cols) per scale
+    ggml: tuple[tuple[str, ...], ...] = ()  # gguf's block types present for gate, up and down: three tuples
 
     def __post_init__(self) -> None:
         if self.kind not in ("plain", *QUANT_KINDS):
@@ -48,6 +54,11 @@ class ExpertFormat:
             raise ValueError(f"expert dtype {self.dtype!r} is not one of {', '.join(PLAIN_DTYPES)}")
         if self.kind == "fp8" and not (len(self.block) == 2 and all(isinstance(b, int) and b > 0 for b in self.block)):
             raise ValueError(f"fp8 block {self.block!r} must be two positive integers")
+        if self.kind == "gguf":
+            from strata.kernels.gguf_blocks import BLOCK_TYPES
+
+            if len(self.ggml) != 3 or not all(t and all(n in BLOCK_TYPES for n in t) for t in self.ggml):
+                raise ValueError(f"gguf expert types {self.ggml!r} must be three lists of {', '.join(BLOCK_TYPES)}")
 
     @property
     def quantized(self) -> bool:
@@ -55,9 +66,11 @@ class ExpertFormat:
 
     @property
     def name(self) -> str:
-        """What `strata inspect` and `plan` print: "bf16", "fp8 128x128", "mxfp4"."""
+        """What `strata inspect` and `plan` print: "bf16", "fp8 128x128", "mxfp4", "gguf Q4_K/Q6_K"."""
         if self.kind == "plain":
             return self.dtype.lower()
+        if self.kind == "gguf":
+            return "gguf " + "/".join(dict.fromkeys(n for t in self.ggml for n in t))
         return f"fp8 {self.block[0]}x{self.block[1]}" if self.kind == "fp8" else "mxfp4"
 
     def to_dict(self) -> dict:
@@ -66,12 +79,15 @@ class ExpertFormat:
             d["dtype"] = self.dtype
         elif self.kind == "fp8":
             d["block"] = list(self.block)
+        elif self.kind == "gguf":
+            d["ggml"] = [list(t) for t in self.ggml]
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> ExpertFormat:
         kind = d.get("kind", "plain")
-        return cls(kind=kind, dtype=d.get("dtype", "BF16"), block=tuple(d.get("block", (128, 128))))
+        return cls(kind=kind, dtype=d.get("dtype", "BF16"), block=tuple(d.get("block", (128, 128))),
+                   ggml=tuple(tuple(t) for t in d.get("ggml", ())))
 
 
 @dataclass(frozen=True)
@@ -107,6 +123,8 @@ class QuantMatrix:
             return self.values.to(dtype)
         if self.kind == "fp8":
             return dequantize_fp8(self.values, self.scales, self.block, dtype)
+        if self.kind == "gguf":
+            return dequantize_gguf(self.values, self.scales, self.shape, dtype)
         return dequantize_mxfp4(self.values, self.scales, dtype)
 
 
@@ -146,6 +164,14 @@ def check_shapes(fmt: ExpertFormat, hidden: int, intermediate: int) -> None:
     if fmt.kind == "mxfp4" and (hidden % MX_GROUP or intermediate % MX_GROUP):
         raise ValueError(f"mxfp4 experts need hidden ({hidden}) and intermediate ({intermediate}) sizes that are "
                          f"multiples of {MX_GROUP}; use fp8 for this model")
+    if fmt.kind == "gguf":
+        from strata.kernels.gguf_blocks import BLOCK_TYPES
+
+        for types, k, what in ((fmt.ggml[0] + fmt.ggml[1], hidden, "hidden"), (fmt.ggml[2], intermediate, "intermediate")):
+            for n in types:
+                if k % BLOCK_TYPES[n].block_values:
+                    raise ValueError(f"{n} experts need the {what} size ({k}) to be a multiple of "
+                                     f"{BLOCK_TYPES[n].block_values}; this model cannot keep them in {n}")
 
 
 def _matrix_sections(fmt: ExpertFormat, n: int, k: int, offset: int) -> tuple[Section, Section | None, int]:
@@ -161,6 +187,36 @@ def _matrix_sections(fmt: ExpertFormat, n: int, k: int, offset: int) -> tuple[Se
         values = Section(offset, (n, k // 2), torch.uint8)
         scales = Section(_align(offset + values.nbytes), (n, k // MX_GROUP), torch.uint8)
     return values, scales, scales.offset + scales.nbytes
+
+
+def _gguf_sections(fmt: ExpertFormat, h: int, i: int) -> tuple[Section, Section, Section, Section, int]:
+    """(gate_up, header [gate, up types], down, header [down type], payload) of a gguf blob (see module)."""
+    from strata.kernels.gguf_blocks import BLOCK_TYPES
+
+    def widest(types: tuple[str, ...], rows: int, k: int) -> int:
+        return rows * max(BLOCK_TYPES[n].row_bytes(k) for n in types)
+
+    gu_bytes = widest(fmt.ggml[0], i, h) + widest(fmt.ggml[1], i, h)
+    gate_up = Section(SECTION_ALIGN, (gu_bytes,), torch.uint8)
+    down = Section(_align(SECTION_ALIGN + gu_bytes), (widest(fmt.ggml[2], h, i),), torch.uint8)
+    return gate_up, Section(0, (2,), torch.uint8), down, Section(2, (1,), torch.uint8), down.offset + down.nbytes
+
+
+def gguf_half_bytes(section_bytes: int, parts: int) -> int:
+    """Bytes each of a gguf section's `parts` tensors may take (gate_up: 2 halves, down: 1)."""
+    return section_bytes // parts
+
+
+def dequantize_gguf(values: torch.Tensor, types: torch.Tensor, shape: tuple[int, int],
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A gguf section (1-D uint8) and its type ids (2 for gate_up: gate rows then up rows; 1 for down) -> w [N, K]."""
+    from strata.kernels.gguf_blocks import dequantize_rows
+
+    n, k = shape
+    ids = types.tolist()
+    rows, half = n // len(ids), gguf_half_bytes(values.numel(), len(ids))
+    parts = [dequantize_rows(values[j * half : (j + 1) * half], t, rows, k) for j, t in enumerate(ids)]
+    return torch.cat(parts).to(dtype)
 
 
 def _align(n: int) -> int:
@@ -186,6 +242,8 @@ class ExpertLayout:
     @classmethod
     def build(cls, fmt: ExpertFormat, hidden: int, intermediate: int) -> ExpertLayout:
         check_shapes(fmt, hidden, intermediate)
+        if fmt.kind == "gguf":
+            return cls(fmt, hidden, intermediate, *_gguf_sections(fmt, hidden, intermediate))
         gu, gus, end = _matrix_sections(fmt, 2 * intermediate, hidden, 0)
         start = end if fmt.kind == "plain" else _align(end)
         dn, dns, end = _matrix_sections(fmt, hidden, intermediate, start)
@@ -210,6 +268,8 @@ class ExpertLayout:
     def pack(self, gate_up: torch.Tensor, down: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Quantize (round to nearest) or convert gate_up [2I, H] and down [H, I] into a blob: a CPU uint8
         tensor of `payload_bytes` (or `out`, at least that long; bytes between sections are zeroed)."""
+        if self.fmt.kind == "gguf":
+            raise ValueError("strata does not quantize experts to GGUF block types; convert a GGUF file that has them")
         if out is None:
             out = torch.zeros(self.payload_bytes, dtype=torch.uint8)
         else:
@@ -240,6 +300,28 @@ class ExpertLayout:
                                  f"{self.fmt.name} sections {values.shape} / {scales.shape}")
             values.view(out).copy_(q.reshape(values.shape))
             scales.view(out).copy_(s.reshape(scales.shape).to(scales.dtype))
+        return out
+
+    def pack_gguf(self, gate: tuple[str, torch.Tensor], up: tuple[str, torch.Tensor], down: tuple[str, torch.Tensor],
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+        """A gguf blob from one expert's tensors as the file ships them: (type name, uint8 blocks [rows, row_bytes])."""
+        from strata.kernels.gguf_blocks import BLOCK_TYPES
+
+        if out is None:
+            out = torch.zeros(self.payload_bytes, dtype=torch.uint8)
+        else:
+            out[: self.payload_bytes].zero_()
+        h, i = self.hidden, self.intermediate
+        half = gguf_half_bytes(self.gate_up.nbytes, 2)
+        for j, ((name, raw), k, section, at) in enumerate(((gate, h, self.gate_up, 0), (up, h, self.gate_up, half),
+                                                          (down, i, self.down, 0))):
+            t = BLOCK_TYPES[name]
+            if name not in self.fmt.ggml[j] or raw.numel() != (i if j < 2 else h) * t.row_bytes(k):
+                raise ValueError(f"{name} blocks of {raw.numel()} bytes do not fit {self.fmt.name} expert "
+                                 f"{('gate', 'up', 'down')[j]} of {h} x {i}")
+            start = section.offset + at
+            out[start : start + raw.numel()].copy_(raw.reshape(-1))
+            out[j] = t.ggml_id
         return out
 
     def dequantize(self, buf: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
