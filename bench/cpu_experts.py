@@ -1,14 +1,23 @@
 """CPU expert kernel vs torch's per-expert matmul vs the RAM read bandwidth, measured in the same run.
 
     python bench/cpu_experts.py [--out DIR] [--threads N] [--pool-gib G] [--seconds S] [--backends a,b]
+                                [--experts bf16,fp8,mxfp4] [--shapes qwen3-30b-a3b,deepseek-v3] [--rounds R]
 
-Shapes: Qwen3-30B-A3B (H=2048, I=768, 9.4 MB per expert) and DeepSeek-V3 (H=7168, I=2048, 88 MB).
+Shapes: Qwen3-30B-A3B (H=2048, I=768, 9.4 MB per expert in bf16) and DeepSeek-V3 (H=7168, I=2048, 88 MB).
 One call = one layer: 8 experts, each with all N tokens (N = 1 and 4). The experts come from a pool of
-distinct experts, each in its own buffer (gate_up then down, like a store blob), about --pool-gib GiB
-per shape (Qwen: 48 layers x 8 = 384 experts at the default 4 GiB), cycled layer by layer, so every
-call reads cold weights from RAM, not from the caches.
+distinct experts, each in its own buffer (a store blob: strata.kernels.quant.ExpertLayout), about --pool-gib
+GiB per shape and format (Qwen in bf16: 48 layers x 8 = 384 experts at the default 4 GiB), cycled layer by
+layer, so every call reads cold weights from RAM, not from the caches.
 
-Figures are effective GB/s = weight bytes of the experts a call uses / its wall time, for
+--experts: the formats the experts are stored in: bf16 (default), fp8 (block-scaled e4m3, 128 x 128 blocks) and
+mxfp4 (e2m1 with an e8m0 scale per 32 values), the kernel reading them as stored (QuantMatrix views of the blob).
+A quantized pool holds one expert quantized from random bf16 weights, copied into every blob (the kernel's
+speed does not depend on the values). Every format's pool of a shape is held at once (formats x G GiB), and
+--rounds R measures each format and backend R times, alternating, keeping the best: on a machine shared with
+other work, a burst of it then costs one round of every format rather than one format's figures.
+
+Figures are effective GB/s = bytes of the experts a call uses, in their format (values and scales: the blob's
+payload) / its wall time, for
   kernel   strata.kernels.cpu.experts.cpu_experts_forward, every backend this CPU runs
   torch    one `expert_swiglu` per expert on bf16 activations (bf16 F.linear), weighted and added
            with index_add_, torch.set_num_threads(--threads): ~23 GB/s on the H200 machine's 16 cores
@@ -17,8 +26,10 @@ Figures are effective GB/s = weight bytes of the experts a call uses / its wall 
            both with --threads threads: the ceiling the ratios are taken against
 Also, for N=1 on the default backend: a software-prefetch-distance sweep and a thread-count sweep, and
 the fixed cost of one call (8 tiny experts: Python argument handling, ctypes, fork/join).
-Prints a table with ratios (kernel / torch, kernel / ram) and writes `cpu_experts.json` into --out.
-About 40 s on the 2-core dev machine; budget about a minute on the 16-core box.
+Prints a table with ratios (kernel / torch, kernel / ram; for a quantized format, its GB/s / the same backend's on
+bf16 experts, the issue's target being >= 0.8: the conversion must not make the kernel compute-bound) and writes
+`cpu_experts.json` into --out. About 40 s a format on the 2-core dev machine; budget about a minute a format on the
+16-core box. torch's per-expert matmul runs on bf16 experts only.
 """
 
 from __future__ import annotations
@@ -34,12 +45,16 @@ import torch
 
 from strata.kernels.cpu import experts as ce
 from strata.kernels.experts import expert_swiglu
+from strata.kernels.quant import ExpertFormat, ExpertLayout
 
 GiB = 1 << 30
 SHAPES = {"qwen3-30b-a3b": (2048, 768), "deepseek-v3": (7168, 2048)}
+FORMATS = {"bf16": ExpertFormat("plain", "BF16"), "fp8": ExpertFormat("fp8", block=(128, 128)),
+           "mxfp4": ExpertFormat("mxfp4")}
 EXPERTS_PER_LAYER = 8
 TOKENS = (1, 4)
 TARGET_GBS = 60.0
+TARGET_OF_BF16 = 0.8  # a quantized format's GB/s over bf16's, same backend, shape and tokens
 PREFETCH_SWEEP = (0, 1024, 2048, 4096, 8192)  # TARGET_GBS: >= 60 GB/s effective on the H200 machine's 16 cores
 
 
@@ -56,20 +71,33 @@ def machine() -> dict:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
 
 
-def make_pool(H: int, inter: int, pool_bytes: int, seed: int = 0) -> tuple[list, list[torch.Tensor]]:
-    """Distinct experts, each one bf16 blob [gate_up 2I*H | down H*I], filled from a random block."""
-    per = 3 * inter * H
-    count = max(2 * EXPERTS_PER_LAYER, pool_bytes // (2 * per) // EXPERTS_PER_LAYER * EXPERTS_PER_LAYER)
+def make_pool(H: int, inter: int, pool_bytes: int, fmt: str = "bf16", seed: int = 0) -> tuple[list, list[torch.Tensor]]:
+    """Distinct experts, each one blob of its format's layout (bf16: [gate_up 2I*H | down H*I], filled from a random
+    block; fp8, mxfp4: one quantized expert copied into each); (the kernel's (gate_up, down) per expert, the blobs)."""
+    layout = ExpertLayout.build(FORMATS[fmt], H, inter)
+    count = max(2 * EXPERTS_PER_LAYER, pool_bytes // layout.payload_bytes // EXPERTS_PER_LAYER * EXPERTS_PER_LAYER)
     g = torch.Generator().manual_seed(seed)
-    block = (torch.randn(per + 4096, generator=g) * 0.02).to(torch.bfloat16)
     experts, blobs = [], []
-    for i in range(count):
-        blob = torch.empty(per, dtype=torch.bfloat16)
-        off = (i * 977) % 4096  # distinct contents per expert
-        blob.copy_(block[off: off + per])
+    if fmt == "bf16":
+        per = 3 * inter * H
+        block = (torch.randn(per + 4096, generator=g) * 0.02).to(torch.bfloat16)
+        for i in range(count):
+            blob = torch.empty(per, dtype=torch.bfloat16)
+            off = (i * 977) % 4096  # distinct contents per expert
+            blob.copy_(block[off: off + per])
+            blobs.append(blob)
+            experts.append((blob[: 2 * inter * H].view(2 * inter, H), blob[2 * inter * H:].view(H, inter)))
+        return experts, blobs
+    one = layout.pack(torch.randn(2 * inter, H, generator=g) * 0.02, torch.randn(H, inter, generator=g) * 0.02)
+    for _ in range(count):
+        blob = one.clone()
         blobs.append(blob)
-        experts.append((blob[: 2 * inter * H].view(2 * inter, H), blob[2 * inter * H:].view(H, inter)))
+        experts.append(layout.matrices(blob))
     return experts, blobs
+
+
+def pool_bytes_of(blobs: list[torch.Tensor]) -> int:
+    return sum(b.numel() * b.element_size() for b in blobs)
 
 
 def run_calls(layers: list, fn, seconds: float) -> tuple[float, int]:
@@ -114,20 +142,23 @@ def overhead_us(threads: int, backend: str) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
-def bench_case(result: dict, layers: list, shape: str, H: int, inter: int, N: int, backends: list[str], threads: int,
-               ram: float, seconds: float) -> None:
-    """One shape and token count: torch's per-expert matmul, then every kernel backend (plus prefetch and
-    thread-count sweeps of the first backend for N=1); rows appended to result["cases"] and printed."""
-    layer_bytes = EXPERTS_PER_LAYER * 3 * inter * H * 2
+def bench_case(result: dict, pools: dict[str, list], shape: str, H: int, inter: int, N: int, backends: list[str],
+               threads: int, ram: float, seconds: float, rounds: int = 1) -> None:
+    """One shape and token count, every format of `pools` (format -> layers): torch's per-expert matmul (bf16 only),
+    then every kernel backend on every format, `rounds` times alternating formats and backends, the best of each kept
+    (a burst of other work on a shared machine then costs one round of each, not one format's figures); rows appended
+    to result["cases"] and printed; then, for N=1, prefetch and thread-count sweeps of the first backend per format."""
     x = torch.randn(N, H)
     xb = x.bfloat16()
     idx = [torch.arange(N) for _ in range(EXPERTS_PER_LAYER)]
     tw = [torch.full((N,), 1.0 / EXPERTS_PER_LAYER) for _ in range(EXPERTS_PER_LAYER)]
+    layer_bytes = {fmt: EXPERTS_PER_LAYER * ExpertLayout.build(FORMATS[fmt], H, inter).payload_bytes for fmt in pools}
 
-    def gbs_of(fn, secs=seconds):
+    def gbs_of(fmt, fn, secs=seconds):
+        layers = pools[fmt]
         fn(layers[0])
         el, calls = run_calls(layers, fn, secs)
-        return calls * layer_bytes / el / 1e9, el / calls * 1e3
+        return calls * layer_bytes[fmt] / el / 1e9, el / calls * 1e3
 
     def torch_layer(layer):
         out = torch.zeros_like(x)
@@ -138,47 +169,74 @@ def bench_case(result: dict, layers: list, shape: str, H: int, inter: int, N: in
     def kernel(b, t=threads):
         return lambda layer: ce.cpu_experts_forward(x, layer, idx, tw, threads=t, backend=b)
 
-    rows = {}
-    old_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        rows["torch"] = gbs_of(torch_layer)
-    finally:
-        torch.set_num_threads(old_threads)
-    for b in backends:
-        rows[b] = gbs_of(kernel(b))
-    base = rows["torch"][0]
-    for path, (gbs, ms) in rows.items():
-        result["cases"].append({"shape": shape, "H": H, "I": inter, "tokens": N, "path": path, "gbs": round(gbs, 2),
-                                "ms_per_layer": round(ms, 3), "vs_torch": round(gbs / base, 2),
-                                "of_ram": round(gbs / ram, 3), "pool_experts": len(layers) * EXPERTS_PER_LAYER})
-        print(f"{shape:<15} {N:>2} {path:<12} {gbs:>7.1f} {ms:>9.3f} {gbs / base:>7.2f}x {gbs / ram:>6.0%}", flush=True)
+    rows: dict[tuple[str, str], tuple[float, float]] = {}
+    if "bf16" in pools:
+        old_threads = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            rows["bf16", "torch"] = gbs_of("bf16", torch_layer)
+        finally:
+            torch.set_num_threads(old_threads)
+    for _ in range(rounds):
+        for fmt in pools:
+            for b in backends:
+                got = gbs_of(fmt, kernel(b))
+                if got[0] > rows.get((fmt, b), (0.0,))[0]:
+                    rows[fmt, b] = got
+    base = rows.get(("bf16", "torch"), (None,))[0]
+    for fmt in pools:
+        for path in ["torch", *backends]:
+            if (fmt, path) not in rows:
+                continue
+            gbs, ms = rows[fmt, path]
+            bf16_gbs = rows.get(("bf16", path), (None,))[0]
+            vs_bf16 = round(gbs / bf16_gbs, 2) if fmt != "bf16" and bf16_gbs else None
+            vs_torch = round(gbs / base, 2) if base and fmt == "bf16" else None
+            result["cases"].append({"shape": shape, "H": H, "I": inter, "format": fmt, "tokens": N, "path": path,
+                                    "gbs": round(gbs, 2), "ms_per_layer": round(ms, 3), "vs_torch": vs_torch,
+                                    "vs_bf16": vs_bf16, "of_ram": round(gbs / ram, 3),
+                                    "pool_experts": len(pools[fmt]) * EXPERTS_PER_LAYER})
+            ratio = f"{vs_torch:>7.2f}x" if vs_torch else (f"{vs_bf16:>6.2f}xb" if vs_bf16 else f"{'':>8}")
+            print(f"{shape:<15} {fmt:<6} {N:>2} {path:<12} {gbs:>7.1f} {ms:>9.3f} {ratio} {gbs / ram:>6.0%}", flush=True)
 
-    if N == 1 and backends:  # tuning sweeps on the default backend, shorter runs
+    for fmt in pools if N == 1 and backends else ():  # tuning sweeps on the default backend, shorter runs
         b = backends[0]
         default_pf = ce.prefetch_bytes()
         sweep = {}
         for pf in PREFETCH_SWEEP:
             ce.configure(prefetch_bytes=pf)
-            sweep[pf] = round(gbs_of(kernel(b), seconds / 2)[0], 1)
+            sweep[pf] = round(gbs_of(fmt, kernel(b), seconds / 2)[0], 1)
         ce.configure(prefetch_bytes=default_pf)
-        result.setdefault("prefetch_sweep", {})[f"{shape} N=1 {b}"] = sweep
-        print(f"  {b}: software prefetch bytes -> GB/s {sweep} (in use: {default_pf})", flush=True)
+        result.setdefault("prefetch_sweep", {})[f"{shape} {fmt} N=1 {b}"] = sweep
+        print(f"  {fmt} {b}: software prefetch bytes -> GB/s {sweep} (in use: {default_pf})", flush=True)
         logical = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or threads
         counts = sorted({max(1, threads * k // 4) for k in (1, 2, 3)} | {max(1, threads - 1), threads, logical})
-        tsweep = {t: round(gbs_of(kernel(b, t), seconds / 2)[0], 1) for t in counts}
-        result.setdefault("thread_sweep", {})[f"{shape} N=1 {b}"] = tsweep
-        print(f"  {b}: threads -> GB/s {tsweep}", flush=True)
+        tsweep = {t: round(gbs_of(fmt, kernel(b, t), seconds / 2)[0], 1) for t in counts}
+        result.setdefault("thread_sweep", {})[f"{shape} {fmt} N=1 {b}"] = tsweep
+        print(f"  {fmt} {b}: threads -> GB/s {tsweep}", flush=True)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="bench-out")
     ap.add_argument("--threads", type=int, default=None, help="kernel and torch threads (default: physical cores)")
-    ap.add_argument("--pool-gib", type=float, default=4.0, help="GiB of distinct experts per shape (default 4)")
+    ap.add_argument("--pool-gib", type=float, default=4.0,
+                    help="GiB of distinct experts per shape and format, every format's held at once (default 4)")
+    ap.add_argument("--rounds", type=int, default=1, help="times each format and backend is measured, alternating; "
+                    "the best kept (default 1)")
     ap.add_argument("--seconds", type=float, default=1.5, help="minimum timed seconds per case")
     ap.add_argument("--backends", default=None, help="comma-separated kernel backends (default: all this CPU runs)")
+    ap.add_argument("--experts", default="bf16", help="comma-separated expert formats: bf16, fp8, mxfp4 (default bf16)")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated shapes (default {','.join(SHAPES)})")
     args = ap.parse_args()
+    formats = [f.strip() for f in args.experts.split(",") if f.strip()]
+    shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    bad = [f for f in formats if f not in FORMATS] + [s for s in shapes if s not in SHAPES]
+    if bad or not formats or not shapes:
+        raise SystemExit(f"unknown format or shape {bad or '(none given)'}: choose --experts from {', '.join(FORMATS)} "
+                         f"and --shapes from {', '.join(SHAPES)}")
+    if "bf16" in formats:  # the quantized formats' ratios are taken against it: measure it first
+        formats = ["bf16"] + [f for f in formats if f != "bf16"]
     t_start = time.perf_counter()
     threads = args.threads or ce.default_threads()
 
@@ -190,7 +248,8 @@ def main() -> None:
     result = {"machine": machine(), "threads": threads, "pool_gib": args.pool_gib, "experts_per_layer": EXPERTS_PER_LAYER,
               "tokens_routing": "every token of the call routed to all 8 experts of the layer",
               "extension_load_s": round(load_s, 2), "backends": available, "default_backend": default,
-              "prefetch_bytes": ce.prefetch_bytes(), "target_gbs": TARGET_GBS, "cases": []}
+              "prefetch_bytes": ce.prefetch_bytes(), "target_gbs": TARGET_GBS, "experts": formats,
+              "target_of_bf16": TARGET_OF_BF16, "rounds": args.rounds, "cases": []}
     print(f"threads {threads}; kernel backends {backends or 'none'}, default {default} "
           f"(extension load {load_s:.1f} s)", flush=True)
     if backends:
@@ -200,15 +259,13 @@ def main() -> None:
     ram_sum = ram_bandwidth(threads)
     result["ram_torch_sum_gbs"] = round(ram_sum, 2)
     print(f"RAM read bandwidth, torch.sum over 2 GiB fp32, {threads} threads: {ram_sum:.1f} GB/s", flush=True)
-    pools, sweeps = {}, []
-    for shape, (H, inter) in SHAPES.items():
-        pools[shape] = make_pool(H, inter, int(args.pool_gib * GiB))
-        blobs = pools[shape][1]
-        nbytes = sum(b.numel() * 2 for b in blobs)
+    sweeps = []
+    for shape in shapes:  # one pool at a time (a pool of each shape and format would not fit a small machine's RAM)
+        blobs = make_pool(*SHAPES[shape], int(args.pool_gib * GiB), formats[0])[1]
         for _ in range(3):
             el = ce.read_sweep(blobs, threads)
             if el:
-                sweeps.append(nbytes / el / 1e9)
+                sweeps.append(pool_bytes_of(blobs) / el / 1e9)
         del blobs
     if sweeps:
         result["ram_read_sweep_gbs"] = round(max(sweeps), 2)
@@ -217,16 +274,29 @@ def main() -> None:
     ram = max([ram_sum, *sweeps])
     result["ram_gbs"] = round(ram, 2)
     print(f"RAM ceiling used for the ratios: {ram:.1f} GB/s", flush=True)
-    print(f"{'shape':<15} {'N':>2} {'path':<12} {'GB/s':>7} {'ms/layer':>9} {'x torch':>8} {'of RAM':>7}", flush=True)
+    print(f"{'shape':<15} {'format':<6} {'N':>2} {'path':<12} {'GB/s':>7} {'ms/layer':>9} {'x torch':>8} {'of RAM':>7}"
+          "   (quantized formats: x bf16, the same backend's GB/s on bf16 experts)", flush=True)
 
-    for shape, (H, inter) in SHAPES.items():
-        pool = pools.pop(shape)[0]
-        layers = [pool[i: i + EXPERTS_PER_LAYER] for i in range(0, len(pool), EXPERTS_PER_LAYER)]
+    for shape in shapes:
+        H, inter = SHAPES[shape]
+        pools = {}
+        for fmt in formats:
+            pool = make_pool(H, inter, int(args.pool_gib * GiB), fmt)[0]
+            pools[fmt] = [pool[i: i + EXPERTS_PER_LAYER] for i in range(0, len(pool), EXPERTS_PER_LAYER)]
         for N in TOKENS:
-            bench_case(result, layers, shape, H, inter, N, backends, threads, ram, args.seconds)
-        del pool, layers
+            bench_case(result, pools, shape, H, inter, N, backends, threads, ram, args.seconds, args.rounds)
+        del pools, pool
 
-    ones = [c for c in result["cases"] if c["path"] == default and c["tokens"] == 1]
+    quant = [c for c in result["cases"] if c["vs_bf16"] is not None]
+    for fmt in formats[1:] if quant else ():
+        worst = min((c for c in quant if c["format"] == fmt and c["path"] == default), key=lambda c: c["vs_bf16"],
+                    default=None)
+        if worst:
+            result.setdefault("worst_vs_bf16", {})[fmt] = worst["vs_bf16"]
+            print(f"{fmt} on {default}: worst {worst['vs_bf16']:.2f}x bf16's GB/s ({worst['shape']}, {worst['tokens']} "
+                  f"tokens; target >= {TARGET_OF_BF16})")
+
+    ones = [c for c in result["cases"] if c["path"] == default and c["tokens"] == 1 and c["format"] == "bf16"]
     if ones:
         worst = min(c["gbs"] for c in ones)
         result["default_backend_worst_1tok_gbs"] = worst
