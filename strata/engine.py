@@ -194,8 +194,8 @@ class Engine:
 
             path = ensure_default_model(progress=progress)
         path = Path(path).expanduser()
-        if not path.is_dir():
-            raise CheckpointError(f"{path}: no such checkpoint or store directory")
+        if not path.is_dir() and not (path.suffix == ".gguf" and path.is_file()):  # a GGUF file: its store
+            raise CheckpointError(f"{path}: no such checkpoint, store directory or GGUF file")
         if cfg.runtime.threads:
             torch.set_num_threads(cfg.runtime.threads)
         loaded = build_model(path, cfg, progress=progress)

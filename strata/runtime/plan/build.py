@@ -40,6 +40,10 @@ __all__ = ["LoadedModel", "build_model", "ensure_store", "hot_order", "resolve_d
 
 def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> LoadedModel:
     """Load `path` (a checkpoint or a store) as `cfg` says."""
+    if str(path).endswith(".gguf"):  # a GGUF file runs from its store, converted into the cache on first use
+        from strata.runtime.plan.store_cache import gguf_store
+
+        path = gguf_store(path, cfg, progress)
     if len(cfg.runtime.devices) > 1:  # one model over several GPUs: stages of layers, one per card
         from strata.runtime.plan.multi_device import build_multi_device
 

@@ -51,3 +51,11 @@ def ensure_store(path: Path, cfg: StrataConfig, progress: bool) -> Path:
     if cfg.store.experts == "checkpoint":  # (earlier strata built stores in the checkpoint's format only)
         adopt_earlier_store(path, store_dir, store_dir.parent)
     return convert_checkpoint(path, store_dir, progress=progress, fingerprint=fingerprint, experts=cfg.store.experts)
+
+
+def gguf_store(path: Path, cfg: StrataConfig, progress: bool = False) -> Path:
+    """The store of GGUF file `path` in the cache (`store_root(cfg)/NAME-FINGERPRINT`), converted on first use."""
+    from strata.runtime.plan.gguf_convert import convert_gguf, gguf_fingerprint
+
+    path = Path(path).expanduser()
+    return convert_gguf(path, store_root(cfg) / f"{path.stem}-{gguf_fingerprint(path)[5:17]}", progress=progress)
