@@ -283,6 +283,7 @@ class EngramTierConfig:
 
 
 STORE_EXPERTS = ("checkpoint", "fp8", "mxfp4")
+STORE_MODES = ("auto", "in_place", "packed")
 
 
 @dataclass
@@ -293,10 +294,19 @@ class StoreConfig:
     # checkpoint's quantized while packing: "fp8" (128 x 128 blocks, or the largest of 64/32/16 dividing the
     # intermediate size) or "mxfp4"
     experts: str = "checkpoint"
+    # where the experts are read from: "in_place" (the checkpoint's own safetensors files, through an index in the
+    # cache: no second copy on disk), "packed" (a store built in the cache, `strata convert`), or "auto" (in place
+    # when the checkpoint's files are on a local disk and can be read as they are; `strata plan` says which and why)
+    mode: str = "auto"
+    reverify: bool = False  # in place: a source file that changed is checksummed again instead of refused
 
     def __post_init__(self) -> None:
         if self.experts not in STORE_EXPERTS:
             raise ConfigError(f"store.experts = {self.experts!r} is invalid; use one of {', '.join(STORE_EXPERTS)}")
+        if self.mode not in STORE_MODES:
+            raise ConfigError(f"store.mode = {self.mode!r} is invalid; use one of {', '.join(STORE_MODES)}")
+        if not isinstance(self.reverify, bool):
+            raise ConfigError(f"store.reverify must be true or false, got {self.reverify!r}")
 
 
 CPU_KERNELS = ("auto", "avx512_bf16", "avx512", "avx2", "torch")

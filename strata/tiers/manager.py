@@ -98,7 +98,7 @@ class TierManager:
                     f"({budgets.gpu_slots * store.slot_bytes / 2**30:.2f} GiB) on {gpu_device}; "
                     "lower tiers.gpu.budget or free GPU memory"
                 ) from None
-        self.tmpfs = TmpfsMirror(store, tmpfs_dir, budgets.tmpfs_bytes, order=hot) if tmpfs_dir and budgets.tmpfs_bytes else None
+        self.tmpfs = TmpfsMirror(store, tmpfs_dir, budgets.tmpfs_bytes, order=hot) if tmpfs_dir and budgets.tmpfs_bytes and store.contiguous else None
         n_pinned = max(budgets.pinned_slots, MIN_PINNED_SLOTS if budgets.gpu_slots else 4)
         self.pool = PinnedPool(store.slot_bytes, n_pinned, pin=gpu_device is not None and gpu_device.type == "cuda")
         # every expert fits in pinned RAM: nothing is ever evicted from it, so its policy order is moot and a

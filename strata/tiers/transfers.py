@@ -95,7 +95,7 @@ class Transfers:
             done.set_result(None)
             return done
         pinned = self._pinned
-        direct = (tier is self._gpu and self._gds is not None and self._integrity.verified(key)
+        direct = (tier is self._gpu and self._gds is not None and self._store.contiguous and self._integrity.verified(key)
                   and key not in pinned.slot_of and not (self._tmpfs is not None and self._tmpfs.has(key[0])))
         if direct:  # disk -> GPU slot with kvikio; verified objects only (checksums are checked on the host)
             slot = self._evictor.take_slot(tier, key)
@@ -166,9 +166,12 @@ class Transfers:
         t0 = time.perf_counter()
         try:
             source = "tmpfs" if self._tmpfs is not None and self._tmpfs.has(key[0]) else "disk"
-            path, offset, length = self._tmpfs.location(key) if source == "tmpfs" else self._store.location(key)
-            buf = self._pool.slot(slot)
-            self._reader.read(path, offset, length, buf).result()
+            buf, length = self._pool.slot(slot), self._store.slot_bytes
+            if source == "tmpfs":
+                path, offset, length = self._tmpfs.location(key)
+                self._reader.read(path, offset, length, buf).result()
+            else:  # a packed blob's slot, or an in-place expert's parts
+                self._reader.read_parts(self._store.extents(key), buf).result()
             self._integrity.check_once(key, buf)
         except BaseException as e:
             self._abandon(self._pinned, key, slot, fut, e)

@@ -42,7 +42,8 @@ def check(quantized, reference, want_format: ExpertFormat, pinned_budget: str) -
     err = (ours - ref).abs().max().item()
     assert err < ATOL, f"max |log p - ref| = {err:.2e}"
     assert memory.generate(prompt, max_tokens=8, temperature=0.0).token_ids == expected
-    cfg = {"runtime": FP32, "tiers": {"pinned": {"budget": pinned_budget}, "disk": {"scrub": False}}}
+    cfg = {"runtime": FP32, "store": {"mode": "packed"},  # (in place: tests/store/test_in_place.py)
+           "tiers": {"pinned": {"budget": pinned_budget}, "disk": {"scrub": False}}}
     with Engine.from_pretrained(quantized, device="cpu", config=cfg) as tiered:
         store = tiered.tiers.store
         assert store.expert_format == want_format and store.index.version == 2

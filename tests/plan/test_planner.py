@@ -191,9 +191,11 @@ def test_pinned_and_tmpfs_budgets(q30b):
 
 def test_too_little_disk_for_the_store(q30b):
     with pytest.raises(PlanError) as e:
-        plan(q30b, host(disk=20 * GiB))
+        plan(q30b, host(disk=20 * GiB), {"store": {"mode": "packed"}})
     msg = one_line_error(e)
     assert "expert store" in msg and "/data/strata" in msg and "tiers.disk.path" in msg
+    in_place = plan(q30b, host(disk=20 * GiB))  # read from the checkpoint's own files: no disk beyond them
+    assert in_place.store_mode == "in_place" and "in place" in in_place.format()
 
 
 def test_cpu_only_host(q30b, tiny_model_dir):

@@ -23,6 +23,7 @@ from strata.runtime.model.moe import router_predictors
 from strata.runtime.offload.tiered_moe import use_tiered_experts
 from strata.runtime.plan.card import expert_tiers, hot_order, prepare_cpu_experts, start_placement, step_copy_slots
 from strata.runtime.plan.context import loaded_context
+from strata.runtime.plan.in_place import open_in_place
 from strata.runtime.plan.loaded import (
     DTYPES,
     LoadedModel,
@@ -64,15 +65,21 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
 
     the_plan = plan_for(path, cfg)  # refuses before a store is built or anything is loaded
     host = the_plan.host
-    store_dir = ensure_store(path, cfg, progress)
+    if the_plan.store_mode == "in_place":  # the checkpoint's own files, through an index in the cache
+        checkpoint = Checkpoint.open(path)
+        store = open_in_place(path, cfg, checkpoint)
+    else:
+        checkpoint = Checkpoint.open(ensure_store(path, cfg, progress))
+        store = checkpoint.store
     device = resolve_device(the_plan.compute_device)
     dtype = DTYPES[the_plan.compute_dtype]
-    checkpoint = Checkpoint.open(store_dir)
     budgets = TierBudgets(**the_plan.budgets())
     device_tier = "gpu" if the_plan.expert_compute == "gpu" and budgets.gpu_slots else "cpu"
-    compute = expert_tiers(checkpoint.store, budgets, device, device_tier, cfg)
+    compute = expert_tiers(store, budgets, device, device_tier, cfg)
     compute.grouped_prefill = grouped_on(cfg.debug.grouped_prefill, device)
     compute.prefill_keeps_resident = cfg.runtime.prefill_keeps_resident
+    if checkpoint.config.deepseek_v4 is not None:  # clipped SwiGLU experts: the reference math, no compiled kernel
+        compute.swiglu_limit = checkpoint.config.deepseek_v4.swiglu_limit
     manager = compute.manager
     prepare_cpu_experts([compute])
     model = load_model(checkpoint, dtype, device, progress=progress,

@@ -78,6 +78,8 @@ class Plan:
     store_dir: str = ""  # where the store is, or will be built ("" when not given)
     expert_format: str = "bf16"  # the routed experts' format in the store: "bf16", "fp8 128x128", "mxfp4"
     dense_format: str = ""  # the resident weights' formats as stored, e.g. "bf16 + fp8 128x128"
+    store_mode: str = "packed"  # "in_place": experts read from the checkpoint's own files; "packed": a store
+    store_why: str = ""  # why that mode ([store] mode, or what ruled in place out)
     decode: str = ""  # how decode steps compute the experts (strata.runtime.plan.decode_modes)
     decode_graphs: bool = True  # whether they may run as CUDA graphs (False: a fallback that needs the host)
 
@@ -131,9 +133,13 @@ class Plan:
         for t in self.tiers:
             lines.append(f"  {t.name:<12} {t.slots:>8} {f(t.bytes):>12} {f(t.budget_bytes):>12} {100 * t.fraction:>7.1f}%"
                          + (f"  {t.path}" if t.path else ""))
-        at = f" at {self.store_dir}" if self.store_dir else ""
-        state = f"existing{at}" if self.store_exists else f"built on first use{at} ({f(self.host.disk_free)} free there)"
-        lines.append(f"  store        {f(self.store_bytes)}, {state}")
+        if self.store_mode == "in_place":
+            lines.append(f"  store        in place: the checkpoint's own files, no extra disk ({self.store_why})")
+        else:
+            at = f" at {self.store_dir}" if self.store_dir else ""
+            state = f"existing{at}" if self.store_exists else f"built on first use{at} ({f(self.host.disk_free)} free there)"
+            why = f"; packed: {self.store_why}" if self.store_why else ""
+            lines.append(f"  store        {f(self.store_bytes)}, {state}{why}")
         lines.append(f"  RAM          {f(self.host.ram_available)} available of {f(self.host.ram_total)}, "
                      f"{f(self.ram_margin_bytes)} kept free")
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])

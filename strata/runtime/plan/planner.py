@@ -32,6 +32,7 @@ from strata.runtime.plan.decode_modes import decode_mode
 from strata.runtime.plan.engram import EngramPlanError, plan_engram
 from strata.runtime.plan.footprint import read_footprint
 from strata.runtime.plan.host import GpuInfo, HostInfo, probe_host
+from strata.runtime.plan.in_place import store_mode
 from strata.runtime.plan.inspect import format_bytes
 from strata.runtime.plan.layout import GpuPlan, Plan, PlanError, TierPlan
 from strata.runtime.plan.stages import plan_stages, select_devices, simulate_gpus
@@ -168,8 +169,9 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
         notes.append(f"RAM leaves no room for experts after the {format_bytes(margin)} safety margin; experts "
                      "outside the GPU are read from tmpfs or disk at every use")
 
+    mode, why = ("packed", "the path is a packed store") if fp.source == "store" else store_mode(fp.path, cfg)
     store_exists = fp.source == "store" or (store_dir is not None and store_format.is_store(store_dir))
-    if not store_exists and host.disk_free < fp.store_bytes:
+    if mode == "packed" and not store_exists and host.disk_free < fp.store_bytes:
         raise PlanError(
             f"the expert store ({format_bytes(fp.store_bytes)}) is built in {store_dir or host.disk_path} but that "
             f"disk has {format_bytes(host.disk_free)} free; free {_gib_up(fp.store_bytes - host.disk_free)} there or "
@@ -205,7 +207,7 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
                                                             cfg.planner.activation_reserve_bytes, context),
         store_dir=str(store_dir) if store_dir is not None else fp.path if fp.source == "store" else "",
         expert_format=fp.expert_format.name, dense_format=fp.dense_format, decode=decode.mode,
-        decode_graphs=decode.graphs,
+        decode_graphs=decode.graphs, store_mode=mode, store_why=why,
     )  # fmt: skip
 
 

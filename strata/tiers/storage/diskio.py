@@ -243,6 +243,50 @@ class DiskReader:
                 for s in range(0, length, self.chunk_bytes)]
         return _fan_in(futs, lambda: out)
 
+    def read_parts(self, extents: Sequence[tuple[PathLike, int, int, int]], out: torch.Tensor) -> Future:
+        """Fill `out` (a contiguous CPU uint8 tensor: a blob slot) from `extents`, each (path, offset, bytes, offset in
+        `out`): one read per extent. On an O_DIRECT file an extent that is not 4096-aligned (in the file, in its
+        length or in `out`) is read as the aligned window around it into a scratch buffer and copied out, so every
+        read still bypasses the page cache; on a buffered file it is read straight into place. Bytes of `out` that
+        no extent covers are left as they are. Returns a future of `out`."""
+        if len(extents) == 1 and extents[0][3] == 0:
+            path, offset, length, _ = extents[0]
+            f = self.file(path)
+            if not f.direct or (offset % ALIGN == 0 and length % ALIGN == 0):
+                return self.read(path, offset, length, out)
+        flat = _as_bytes(out, out.numel())
+        futs: list[Future] = []
+        for path, offset, length, at in extents:
+            if at < 0 or at + length > flat.size:
+                raise ValueError(f"extent at {at} of {length} bytes runs past the {flat.size}-byte buffer")
+            try:
+                f = self.file(path)
+            except CheckpointError as e:
+                return _failed(e)
+            if offset + length > f.size:
+                return _failed(CheckpointError(
+                    f"{f.path} is truncated: bytes {offset}..{offset + length} requested but the file has {f.size}"))
+            aligned = offset % ALIGN == 0 and length % ALIGN == 0 and (out.data_ptr() + at) % ALIGN == 0
+            for s in range(0, length, self.chunk_bytes):  # big extents in chunk_bytes pieces, read in parallel
+                n = min(self.chunk_bytes, length - s)
+                if not f.direct or aligned:
+                    futs.append(self._pool.submit(_pread, f.path, f.fd, flat[at + s : at + s + n], offset + s, n))
+                else:
+                    futs.append(self._pool.submit(self._read_window, f, offset + s, n, flat[at + s : at + s + n]))
+        return _fan_in(futs, lambda: out)
+
+    def _read_window(self, f: OpenFile, offset: int, length: int, dst: np.ndarray) -> None:
+        """O_DIRECT read of the 4096-aligned window around [offset, offset + length), copied into `dst`."""
+        start = offset - offset % ALIGN
+        end = min(-(-(offset + length) // ALIGN) * ALIGN, -(-f.size // ALIGN) * ALIGN)
+        scratch = self._take_scratch(end - start)
+        try:
+            buf = scratch.numpy()[: end - start]
+            _pread(f.path, f.fd, buf, start, offset + length - start)
+            dst[:] = buf[offset - start : offset - start + length]
+        finally:
+            self._give_scratch(scratch)
+
     def read_many(self, requests: Sequence[tuple[PathLike, int, int, torch.Tensor]]) -> list[Future]:
         """`read` for each (path, offset, length, out); all are queued before any completes."""
         return [self.read(*r) for r in requests]

@@ -51,6 +51,8 @@ def blob_label(blob: BlobEntry) -> str:
 class ExpertStore:
     """An opened store. `ExpertStore.open` validates it; the constructor trusts `index` (for verify)."""
 
+    contiguous = True  # every blob is one slot of a file (kvikio reads and tmpfs mirrors copy them as they are)
+
     def __init__(self, directory: str | os.PathLike, index: StoreIndex):
         self.directory = Path(directory)
         self.index = index
@@ -127,6 +129,12 @@ class ExpertStore:
         """(file, offset, padded length) of a blob, for tiers that read by themselves (O_DIRECT, kvikio)."""
         blob = self._blob(key)
         return self.directory / blob.file, blob.offset, self.slot_bytes
+
+    def extents(self, key: ExpertKey) -> list[tuple[Path, int, int, int]]:
+        """The reads that fill `key`'s slot: (file, offset, bytes, offset in the slot); a packed blob is one read of
+        its whole slot (an in-place store's expert is several, `strata.tiers.store.in_place`)."""
+        path, offset, length = self.location(key)
+        return [(path, offset, length, 0)]
 
     # --- experts --------------------------------------------------------------------------------------
 
