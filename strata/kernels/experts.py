@@ -30,9 +30,12 @@ def as_weights(pair: tuple[torch.Tensor, torch.Tensor] | tuple[QuantMatrix, Quan
     return gate_up, down
 
 
-def expert_swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
-    """One expert on a group of tokens: x [T, H], gate_up [2I, H], down [H, I] -> [T, H]."""
+def expert_swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """One expert on a group of tokens: x [T, H], gate_up [2I, H], down [H, I] -> [T, H]. `limit` (DeepSeek-V4's
+    swiglu_limit): the gate clipped above at it and the up projection to [-limit, limit] before they multiply."""
     gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
     return F.linear(F.silu(gate) * up, down)
 
 
@@ -50,23 +53,25 @@ def group_by_expert(ids: torch.Tensor, num_experts: int) -> list[tuple[int, torc
 
 
 def apply_experts(x: torch.Tensor, weights: torch.Tensor, k: int, groups: list[tuple[int, torch.Tensor]],
-                  expert_weights: ExpertWeights, out: torch.Tensor | None = None) -> torch.Tensor:
+                  expert_weights: ExpertWeights, out: torch.Tensor | None = None,
+                  limit: float | None = None) -> torch.Tensor:
     """Weighted sum of each token's routed experts. x [N, H], weights [N, k] -> [N, H].
 
-    `out` continues an earlier partial sum (experts served in chunks accumulate in the same order).
+    `out` continues an earlier partial sum (experts served in chunks accumulate in the same order); `limit`: the
+    clipped SwiGLU's (`expert_swiglu`).
     """
     out = torch.zeros_like(x) if out is None else out
     flat_weights = weights.reshape(-1)
     for expert, sel in groups:
         tokens = sel // k
         gate_up, down = as_weights(expert_weights(expert), x.dtype)
-        y = expert_swiglu(x[tokens], gate_up, down) * flat_weights[sel, None]
+        y = expert_swiglu(x[tokens], gate_up, down, limit) * flat_weights[sel, None]
         out.index_add_(0, tokens, y.to(out.dtype))
     return out
 
 
 def moe_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
-                weights: torch.Tensor) -> torch.Tensor:
-    """All experts stacked in memory: x [N, H], ids/weights [N, k] -> [N, H]."""
+                weights: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """All experts stacked in memory: x [N, H], ids/weights [N, k] -> [N, H] (`limit`: a clipped SwiGLU's)."""
     groups = group_by_expert(ids, gate_up.shape[0])
-    return apply_experts(x, weights, ids.shape[1], groups, lambda e: (gate_up[e], down[e]))
+    return apply_experts(x, weights, ids.shape[1], groups, lambda e: (gate_up[e], down[e]), limit=limit)

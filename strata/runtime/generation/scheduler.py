@@ -37,6 +37,7 @@ import threading
 import time
 import weakref
 from collections import deque
+from functools import partial
 
 import torch
 
@@ -119,7 +120,9 @@ class Scheduler:
                 self._chain.pending, self.cache = None, None  # the old slots are freed before the new ones are taken
                 e, rt = self.engine, self.engine.config.runtime
                 kept = rt.prefix_cache_slots if rt.prefix_cache else 0  # slots that only keep prefixes
-                self.cache = KVCache(e.checkpoint.config, batch + kept, e.max_context, e.dtype, e.device)
+                make = getattr(e.model, "new_cache", None)  # an architecture with a cache of its own (DeepSeek-V4)
+                self.cache = (make or partial(KVCache, e.checkpoint.config))(batch + kept, e.max_context, e.dtype,
+                                                                           e.device)
                 self.prefix = PrefixCache(self.cache, batch, rt.prefix_cache, self.repro_chunk)
             self._settings = new
             self.max_batch, self.token_budget, self.max_queue = batch, budget, queue_len

@@ -19,6 +19,7 @@ import torch
 from strata.errors import CheckpointError
 from strata.kernels.quant import ExpertFormat
 from strata.runtime.model.config import ModelConfig
+from strata.runtime.model.deepseek_v4.names import renamed_index
 from strata.runtime.model.quantized import check_quantized, plain_dtype, read_weight, stored_shape
 from strata.tiers.store.dense_check import DenseCheck
 from strata.tiers.store.format import EXPERT_DTYPES, is_store, lacks_index, no_index_error
@@ -71,6 +72,8 @@ class Checkpoint:
         hf_config = read_json(directory / "config.json")
         config = ModelConfig.from_hf(hf_config, str(directory / "config.json"))
         index = TensorIndex.from_dir(directory)
+        if config.deepseek_v4 is not None:  # the original release's names -> transformers'
+            index = renamed_index(index)
         index.check_dtypes()  # fail before anything is allocated, e.g. on FP8 weights without their scales
         check_quantized(index, config, directory / "config.json")
         eos = list(config.eos_token_ids)

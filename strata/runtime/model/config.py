@@ -13,10 +13,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from strata.errors import CheckpointError, UnsupportedError
+from strata.runtime.model.deepseek_v4.config import DeepseekV4Settings, deepseek_v4_fields
 from strata.runtime.model.engram.hashing import EngramConfig
 
 SUPPORTED_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral",
-                           "glm4_moe", "deepseek_v2", "kimi_k2", "kimi_k25")
+                           "glm4_moe", "deepseek_v2", "kimi_k2", "kimi_k25", "deepseek_v4")
 QUANT_METHODS = ("fp8", "mxfp4")  # config.json's quantization_config.quant_method values strata loads
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
 
@@ -95,6 +96,7 @@ class ModelConfig:
     # + `*_scales`), "" (none); weight_block: fp8's weight_block_size (rows, cols) per scale
     quant_method: str = ""
     weight_block: tuple[int, int] | None = None
+    deepseek_v4: DeepseekV4Settings | None = None  # what only DeepSeek-V4 has (strata.runtime.model.deepseek_v4)
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "num_experts",
@@ -446,4 +448,6 @@ _PARSERS = {
     "deepseek_v2": _parse_deepseek_v2,
     "kimi_k2": _parse_kimi_k2,
     "kimi_k25": _parse_kimi_k2,
+    "deepseek_v4": lambda cfg, source: ModelConfig(**{**(f := deepseek_v4_fields(cfg, source)),
+                                                      "rope": RopeConfig(**f["rope"])}),
 }

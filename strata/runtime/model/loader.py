@@ -14,6 +14,8 @@ from torch import nn
 from tqdm import tqdm
 
 from strata.runtime.model.checkpoint import Checkpoint
+from strata.runtime.model.config import ModelConfig
+from strata.runtime.model.deepseek_v4.model import DeepseekV4Transformer
 from strata.runtime.model.rope import RotaryEmbedding
 from strata.runtime.model.transformer import MoETransformer
 
@@ -26,6 +28,11 @@ def checkpoint_name(param: str) -> str:
     return param if param.startswith("lm_head.") else f"model.{param}"
 
 
+def build_transformer(cfg: ModelConfig) -> MoETransformer | DeepseekV4Transformer:
+    """The model class of `cfg`'s architecture, built with its parameters uninitialised (on the current device)."""
+    return DeepseekV4Transformer(cfg) if cfg.deepseek_v4 is not None else MoETransformer(cfg)
+
+
 def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device | str, progress: bool = False,
                prepare: Callable[[MoETransformer], None] | None = None) -> MoETransformer:
     """Instantiate the checkpoint's model with its weights, in `dtype` on `device`.
@@ -34,7 +41,7 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device | str,
     """
     cfg = ckpt.config
     with torch.device("meta"):
-        model = MoETransformer(cfg)
+        model = build_transformer(cfg)
     if prepare is not None:
         prepare(model)
     state: dict[str, torch.Tensor] = {}
@@ -45,6 +52,8 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device | str,
     for name, meta in entries:
         bar.update(1)
         want = torch.float32 if fp32_router and name.endswith(FP32_SUFFIXES) else dtype
+        if getattr(model, "keeps_fp32", None) is not None and model.keeps_fp32(name):
+            want = torch.float32  # (DeepSeek-V4: hyper-connections, norms, sinks, compressor biases)
         if not meta.dtype.is_floating_point:
             want = meta.dtype  # integer buffers (Engram's token_map) keep their dtype
         if ".mlp.experts." in name:

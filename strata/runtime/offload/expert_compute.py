@@ -111,6 +111,9 @@ class ExpertCompute(CpuCompute):
         self.grouped_prefill = False  # prefill's GPU experts through grouped GEMMs ([debug] grouped_prefill)
         self.prefill_keeps_resident = False  # a prompt's cold experts through the step-copy slots (runtime.*)
         self.top_k = 0
+        # DeepSeek-V4's clipped SwiGLU (swiglu_limit; None: plain SwiGLU). Its experts run the reference math on the
+        # slots (`apply_experts`): the compiled CPU kernel, the pair kernels and the grouped GEMMs do not clip
+        self.swiglu_limit: float | None = None
         self.mailbox = None  # CpuMailbox, made once every expert sits in pinned RAM for good
         self.gpu_share = None  # GpuShare: the cold experts the GPU reads in place during a mailbox step
         self.fixed_share = gpu_share  # [debug] gpu_share: a fixed share (None: balanced on the GPU's waits)
@@ -125,17 +128,17 @@ class ExpertCompute(CpuCompute):
 
     @property
     def use_split(self) -> bool:
-        return self.split and not self.reproducible
+        return self.split and not self.reproducible and self.swiglu_limit is None
 
     @property
     def use_fast_cpu(self) -> bool:
-        return self.fast_cpu and not self.reproducible
+        return self.fast_cpu and not self.reproducible and self.swiglu_limit is None
 
     def mailbox_ready(self) -> bool:
         """Whether a decode step can now run as one graph with cold experts on the mailbox worker: graph split
         decode configured, forked CPU numerics, a CUDA device, the compiled kernel, and every expert resident in
         pinned RAM for good (the worker reads them by address). The mailbox is made on the first True."""
-        if self.reproducible:
+        if self.reproducible or self.swiglu_limit is not None:
             return False
         if self.mailbox is not None:
             return True

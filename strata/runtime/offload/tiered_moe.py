@@ -75,7 +75,8 @@ class TieredExperts(PrefillPath, nn.Module):
         if current_recorder() is None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             c.release_staged()  # eager: everything that read the last decode layer's copied slots is enqueued
         pairs = use_pair_kernels(x, ids.numel()) if c.pair_path is None else c.pair_path
-        if pairs and c.pairs_read_format:  # (else: FP8 / MXFP4 experts, grouped by expert and dequantized one by one)
+        # (else: FP8 / MXFP4 experts, or a clipped SwiGLU: grouped by expert, the formats dequantized one by one)
+        if pairs and c.pairs_read_format and c.swiglu_limit is None:
             return self._decode_forward(x, ids, weights, residual, used)
         out = self._batch_forward(x, ids, weights)
         return out if residual is None else residual + out
@@ -330,4 +331,6 @@ def use_tiered_experts(model: MoETransformer, compute: ExpertCompute) -> None:
             layer.mlp.experts = TieredExperts(i, model.cfg.num_experts, compute)
             compute.moe_layers.append(i)
     compute.top_k = model.cfg.num_experts_per_tok
+    if model.cfg.deepseek_v4 is not None:
+        compute.swiglu_limit = model.cfg.deepseek_v4.swiglu_limit
     compute.predictors = router_predictors(model, beside=True)

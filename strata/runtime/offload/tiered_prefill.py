@@ -109,7 +109,7 @@ class PrefillPath:
         manager = c.manager
         chunk = manager.max_acquire(device_tier)  # a budget smaller than the step is served in chunks
         if device_tier == "gpu" and c.slots is not None and ids is not None and c.grouped_prefill \
-                and grouped_ok(x, c.slots):
+                and c.swiglu_limit is None and grouped_ok(x, c.slots):
             try:
                 return self._grouped_forward(x, weights, groups, ids, chunk)
             except RuntimeError as e:  # operands torch's grouped GEMM does not take: the per-expert loop
@@ -125,7 +125,7 @@ class PrefillPath:
                     slot_of = dict(zip(staged.experts, staged.slots, strict=True))
                     # (a quantized slot's expert is dequantized to x's dtype: `QuantSlotWeights.expert`)
                     apply_experts(x, weights, k, part, lambda e, slot_of=slot_of: c.slots.expert(slot_of[e], x.dtype),
-                                  out=out)
+                                  out=out, limit=c.swiglu_limit)
                 finally:
                     manager.release_staged(staged)
                 continue
@@ -135,7 +135,7 @@ class PrefillPath:
                 for h in handles:
                     h.wait()
                     by_expert[h.key[1]] = h.weights(x.dtype)  # FP8 / MXFP4: dequantized, one expert at a time
-                apply_experts(x, weights, k, part, by_expert.__getitem__, out=out)
+                apply_experts(x, weights, k, part, by_expert.__getitem__, out=out, limit=c.swiglu_limit)
             finally:
                 manager.release(handles)
         return out

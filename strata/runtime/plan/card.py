@@ -48,7 +48,7 @@ def expert_tiers(store: ExpertStore, budgets: TierBudgets, device: torch.device,
 def prepare_cpu_experts(computes: list[ExpertCompute]) -> None:
     """Build (or load) the CPU expert kernel and measure it now, not inside the first request. Calibrates
     `computes[0]`'s rates: cards of one host share them (`multi_device.assemble_tiered`)."""
-    if any(c.fast_cpu and (c.split or c.device_tier == "cpu") for c in computes):
+    if any(c.use_fast_cpu and (c.split or c.device_tier == "cpu") for c in computes):
         from strata.kernels.cpu.experts import backend
 
         backend()

@@ -43,6 +43,8 @@ KNOWN_UNSUPPORTED = set(DTYPE_BITS) - set(DTYPES)
 # dtypes read as raw bytes for quantized weights: block-scaled FP8 values (their `*_scale_inv` beside them) and
 # MXFP4's packed e2m1 blocks and e8m0 scales (`*_blocks`, `*_scales`); strata.kernels.quant dequantizes them
 RAW_DTYPES: dict[str, torch.dtype] = {"F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8}
+# integer tensors read as they are: lookup tables such as DeepSeek-V4's hash routes (`mlp.gate.tid2eid`)
+INT_DTYPES: dict[str, torch.dtype] = {"I64": torch.int64, "I32": torch.int32}
 FP8_SCALE = "_scale_inv"  # FP8 weight `x.weight` has its block scales in `x.weight_scale_inv`
 MX_BLOCKS, MX_SCALES = "_blocks", "_scales"  # MXFP4 tensor `x` is `x_blocks` [N, K/32, 16] + `x_scales` [N, K/32]
 MAX_HEADER_BYTES = 100 * 1024 * 1024  # the format's own limit
@@ -83,6 +85,8 @@ class TensorInfo:
             return DTYPES[self.dtype][0]
         if self.dtype in RAW_DTYPES:
             return RAW_DTYPES[self.dtype]
+        if self.dtype in INT_DTYPES:
+            return INT_DTYPES[self.dtype]
         raise _unsupported_dtype(self)
 
 
@@ -313,7 +317,7 @@ class TensorIndex:
                 if other not in self.tensors:
                     raise CheckpointError(f"{t.file}: MXFP4 tensor {t.name!r} has no {other!r}; the checkpoint is "
                                           "incomplete: re-download it")
-        bad = [t for t in infos if not t.supported and not _quantized_part(t)]
+        bad = [t for t in infos if not t.supported and not _quantized_part(t) and t.dtype not in INT_DTYPES]
         if bad:
             # name the weight-like offender first: FP8 weights, not their F32 scales
             bad.sort(key=lambda t: (not t.dtype.startswith("F8"), t.name))

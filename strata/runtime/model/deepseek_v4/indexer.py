@@ -1,0 +1,65 @@
+"""DeepSeek-V4's lightning indexer (transformers' `DeepseekV4Indexer`): which compressed entries each query of a
+compressed-sparse-attention (CSA) layer attends to.
+
+It compresses the same windows as the layer's compressor, at `index_head_dim` (its own overlapping CSA-style
+compressor), and scores query t against entry s as
+
+    score[t, s] = sum_h w[t, h] * relu(q[t, h] . k[s]) / sqrt(index_head_dim),   w = weights_proj(x) / sqrt(heads)
+
+with q = q_b_proj(the attention's normed low-rank query), rotated at t by the "compress" rotary. Entries not yet
+complete at t (s >= (t + 1) // m) score -inf; the top `index_topk` of the sequence's entries so far are kept, and
+those that point at an incomplete entry come back as -1 (nothing to attend).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strata.runtime.model.deepseek_v4.cache import CompressedState
+from strata.runtime.model.deepseek_v4.compressor import Compressor
+from strata.runtime.model.deepseek_v4.rope import InterleavedRope, rotate
+from strata.runtime.model.layers import project
+
+
+class IndexerScorer(nn.Module):
+    """Holds `weights_proj` (transformers' `scorer` submodule): per-query head weights."""
+
+    def __init__(self, hidden: int, heads: int):
+        super().__init__()
+        self.weights_proj = nn.Linear(hidden, heads, bias=False)
+
+
+class Indexer(Compressor):
+    """The indexer's compressor (inherited) plus its query projection and scorer."""
+
+    def __init__(self, hidden: int, q_lora_rank: int, heads: int, dim: int, rate: int, topk: int, eps: float):
+        super().__init__(hidden, dim, rate, overlap=True, eps=eps)
+        self.heads, self.topk = heads, topk
+        self.q_b_proj = nn.Linear(q_lora_rank, heads * dim, bias=False)
+        self.scorer = IndexerScorer(hidden, heads)
+
+    def select(self, state: CompressedState, slot: int, start: int, x: torch.Tensor, q_residual: torch.Tensor,
+               rope: InterleavedRope) -> torch.Tensor:
+        """One sequence's chunk: x [L, hidden] (the attention's input), q_residual [L, q_lora] -> the entries each
+        query attends to, [L, k] int64 (k = min(index_topk, entries so far); -1: none). Updates the indexer's
+        entries and source ring."""
+        n = x.shape[0]
+        kv, gate = self.project(x)
+        count = self.update(state, slot, start, kv, gate, rope)
+        keys = state.entries[slot, :count]  # [T, dim]
+        positions = torch.arange(start, start + n, device=x.device)
+        cos, sin = rope(positions, x.dtype)
+        q = rotate(project(self.q_b_proj, q_residual).view(n, self.heads, self.dim), cos, sin)  # [L, heads, dim]
+        scores = torch.matmul(q.float(), keys.t().float()[None])  # [L, heads, T]
+        scores = F.relu(scores) * self.dim**-0.5
+        weights = project(self.scorer.weights_proj, x).float() * self.heads**-0.5  # [L, heads]
+        scores = (scores * weights[..., None]).sum(dim=1)  # [L, T]
+        k = min(self.topk, count)
+        if count == 0:
+            return scores.topk(k, dim=-1).indices
+        ready = (positions + 1) // self.rate  # [L] entries complete at each query
+        future = torch.arange(count, device=x.device)[None, :] >= ready[:, None]
+        picked = scores.masked_fill(future, float("-inf")).topk(k, dim=-1).indices
+        return torch.where(picked >= ready[:, None], torch.full_like(picked, -1), picked)

@@ -1,0 +1,119 @@
+"""`DeepseekV4Transformer`: DeepSeek-V4 as transformers 5.25's `DeepseekV4ForCausalLM` computes it, with
+`MoETransformer`'s interface (forward over a `StepBatch` and its cache, `logits`, observers), so the engine,
+scheduler, planner and tiered executor run it like the other architectures.
+
+    streams = embed(ids) repeated hc_mult times                          [N, n, H]
+    per layer: post, comb, x = attn_hc(streams); streams = mix(streams, attention(input_layernorm(x)))
+               post, comb, x = ffn_hc(streams);  streams = mix(streams, moe(post_attention_layernorm(x), ids))
+    hidden  = norm(hc_head(streams))                                     [N, H]
+
+Decode steps run eagerly (no CUDA graphs: `enable_decode_graphs` keeps them so), each sequence's attention on its
+own; the multi-token-prediction layers of a checkpoint are not built.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from strata.kernels.options import DEFAULT as DEFAULT_KERNELS
+from strata.kernels.options import KernelOptions, kernel_options
+from strata.runtime.model.config import ModelConfig, RopeConfig
+from strata.runtime.model.deepseek_v4.attention import DeepseekV4Attention
+from strata.runtime.model.deepseek_v4.cache import DeepseekV4Cache
+from strata.runtime.model.deepseek_v4.hyper import HyperConnection, HyperHead, mix
+from strata.runtime.model.deepseek_v4.moe import DeepseekV4MoE
+from strata.runtime.model.deepseek_v4.norms import FloatRMSNorm
+from strata.runtime.model.deepseek_v4.rope import InterleavedRope
+from strata.runtime.model.hooks import GraphStepHooks, LayerObserver
+from strata.runtime.model.kv_cache import StepBatch
+from strata.runtime.model.layers import linear
+
+# parameters transformers keeps in fp32 whatever the model's dtype (its _keep_in_fp32_modules_strict)
+FP32_PARTS = ("attn_hc.", "ffn_hc.", "hc_head.", "sinks", "position_bias", "e_score_correction_bias", "q_a_norm.",
+              "kv_norm.", "input_layernorm.", "post_attention_layernorm.")
+
+
+class DeepseekV4Layer(nn.Module):
+    """One decoder layer: attention and MoE, each between its hyper-connection's collapse and mix."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        s = cfg.deepseek_v4
+        self.self_attn = DeepseekV4Attention(cfg, layer)
+        self.mlp = DeepseekV4MoE(cfg, layer)
+        self.input_layernorm = FloatRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = FloatRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn_hc = HyperConnection(cfg.hidden_size, s.hc_mult, s.hc_sinkhorn_iters, s.hc_eps, cfg.rms_norm_eps)
+        self.ffn_hc = HyperConnection(cfg.hidden_size, s.hc_mult, s.hc_sinkhorn_iters, s.hc_eps, cfg.rms_norm_eps)
+
+    def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor, sequences: list,
+                cache, ropes: dict[str, InterleavedRope]) -> torch.Tensor:
+        post, comb, x = self.attn_hc(streams)
+        streams = mix(streams, self.self_attn(self.input_layernorm(x), positions, sequences, cache, ropes), post, comb)
+        post, comb, x = self.ffn_hc(streams)
+        return mix(streams, self.mlp(self.post_attention_layernorm(x), token_ids), post, comb)
+
+
+class DeepseekV4Transformer(nn.Module):
+    """`forward(input_ids [N], batch, cache) -> hidden [N, H]`; `logits(hidden) -> [n, vocab]` fp32."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        s = cfg.deepseek_v4
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DeepseekV4Layer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = FloatRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hc_head = HyperHead(cfg.hidden_size, s.hc_mult, s.hc_eps, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        with torch.device("cpu"):  # computed tables, also when the model is built on the meta device
+            self.ropes = {"main": InterleavedRope(cfg.rope), "compress": InterleavedRope(RopeConfig(**s.compress_rope))}
+        self.layer_observer: LayerObserver | None = None
+        self.graphs = None  # decode steps run eagerly
+        self.engram = None
+        self.kernel_options: KernelOptions = DEFAULT_KERNELS
+
+    def forward(self, input_ids: torch.Tensor, batch: StepBatch, cache: DeepseekV4Cache) -> torch.Tensor:
+        with kernel_options(self.kernel_options):
+            return self.run_layers(input_ids, batch, cache)
+
+    def run_layers(self, input_ids: torch.Tensor, batch: StepBatch, cache: DeepseekV4Cache) -> torch.Tensor:
+        """input_ids [N] -> final hidden states [N, H]."""
+        if not isinstance(batch, StepBatch):
+            raise TypeError("DeepSeek-V4 runs StepBatch steps (its decode steps are not captured in graphs)")
+        x = self.embed_tokens(input_ids)
+        streams = x.unsqueeze(1).expand(-1, self.cfg.deepseek_v4.hc_mult, -1).contiguous()  # [N, n, H]
+        positions = batch.positions(input_ids.device)
+        sequences = list(batch.sequences())
+        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers, strict=True)):
+            streams = layer(streams, input_ids, positions, sequences, layer_cache, self.ropes)
+            if self.layer_observer is not None:
+                self.layer_observer.after_layer(i, streams)
+        return self.norm(self.hc_head(streams))
+
+    @staticmethod
+    def keeps_fp32(name: str) -> bool:
+        """Whether parameter `name` stays fp32 whatever the model's dtype (transformers' strict fp32 modules)."""
+        return name == "norm.weight" or any(part in name for part in FP32_PARTS)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [n, H] -> logits [n, vocab] fp32."""
+        return linear(hidden, self.lm_head.weight, self.lm_head.bias, out_dtype=torch.float32)
+
+    def observe_layers(self, observer: LayerObserver | None) -> None:
+        """Tell `observer` after every decoder layer (with the layer's streams [N, n, H]); None: nobody."""
+        self.layer_observer = observer
+
+    def enable_decode_graphs(self, mode: Callable[[], str | None] = lambda: "full",
+                             devices: list[torch.device] | None = None, hooks: GraphStepHooks | None = None) -> None:
+        """DeepSeek-V4's decode steps are not captured in CUDA graphs (its caches' per-sequence window and entry
+        counts change the shapes every step): they run eagerly, whatever `mode` says."""
+        self.graphs = None
+
+    def new_cache(self, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device | str
+                  ) -> DeepseekV4Cache:
+        """The KV cache this model runs with."""
+        return DeepseekV4Cache(self.cfg, num_slots, max_len, dtype, device)

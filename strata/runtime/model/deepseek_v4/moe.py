@@ -1,0 +1,129 @@
+"""DeepSeek-V4's MoE layers (transformers' `DeepseekV4SparseMoeBlock`): a router, routed experts with a clipped
+SwiGLU and one shared expert (also clipped), added.
+
+Routers score every expert with `scoring_func` (sqrt(softplus(logit)) by default) and weight the chosen ones by
+their scores renormalised to sum 1, times `routed_scaling_factor`. Which experts:
+
+    moe       the top k of score + e_score_correction_bias (the bias only chooses)
+    hash_moe  tid2eid[token id]: a fixed table of k experts per vocabulary entry (`HashRouter`; in a store the
+              table is a table object, loaded checked into its tier, see strata.runtime.model.deepseek_v4.tables)
+
+The block subclasses `MoEBlock`, so the tiered executor swaps its `Experts` for tier-served ones like any MoE
+layer's; the clip travels with them (`swiglu_limit`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strata.kernels.experts import moe_forward
+from strata.runtime.model.config import ModelConfig
+from strata.runtime.model.layers import linear, project
+from strata.runtime.model.moe import Experts, MoEBlock
+
+
+def expert_scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    """Router logits [N, E] -> scores [N, E] (`scoring_func`: sqrtsoftplus or sigmoid), in the logits' dtype."""
+    return F.softplus(logits).sqrt() if scoring == "sqrtsoftplus" else torch.sigmoid(logits)
+
+
+class TopKRouter(nn.Module):
+    """transformers' DeepseekV4TopKRouter: `forward(x [N, H]) -> (weights [N, k], ids [N, k], None)` (x [..., H]:
+    its rows, as the prefetcher's predictions pass the hyper-connection streams [N, n, H])."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.k, self.scoring, self.scaling = cfg.num_experts_per_tok, cfg.router, cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, None]:
+        scores = expert_scores(linear(x.reshape(-1, x.shape[-1]), self.weight), self.scoring)  # [N, E]
+        ids = torch.topk(scores + self.e_score_correction_bias, self.k, dim=-1, sorted=False).indices
+        return _weights(scores, ids, self.scaling), ids, None
+
+    def choose(self, x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., H] -> the expert ids [..., k] `forward` picks (the prefetcher's prediction from a hidden state)."""
+        return self(x)[1]
+
+
+class HashRouter(nn.Module):
+    """transformers' DeepseekV4HashRouter: the experts of token t are `tid2eid[t]`; the scores still weight them."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.k, self.scoring, self.scaling = cfg.num_experts_per_tok, cfg.router, cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+        self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, None]:
+        """x [N, H], token_ids [N] -> (weights [N, k], ids [N, k], None). Without token ids (a prediction from a
+        hidden state alone, the prefetcher's: x [..., H] is taken as rows), the ids are the top k by score instead."""
+        scores = expert_scores(linear(x.reshape(-1, x.shape[-1]), self.weight), self.scoring)  # [N, E]
+        if token_ids is None:
+            ids = scores.topk(self.k, dim=-1).indices
+            return _weights(scores, ids, self.scaling), ids, None
+        ids = self.tid2eid[token_ids.to(self.tid2eid.device)].to(x.device).long()  # [N, k]
+        return _weights(scores, ids, self.scaling), ids, None
+
+    def choose(self, x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., H] -> a prediction of the experts (top k by score: the token ids are not known yet)."""
+        return self(x)[1]
+
+
+def _weights(scores: torch.Tensor, ids: torch.Tensor, scaling: float) -> torch.Tensor:
+    picked = scores.gather(1, ids)
+    return picked / (picked.sum(dim=-1, keepdim=True) + 1e-20) * scaling
+
+
+class ClippedMLP(nn.Module):
+    """The shared expert: down(silu(min(gate, limit)) * clip(up, -limit, limit))."""
+
+    def __init__(self, hidden: int, intermediate: int, limit: float):
+        super().__init__()
+        self.limit = limit
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = project(self.gate_proj, x).clamp(max=self.limit)
+        up = project(self.up_proj, x).clamp(min=-self.limit, max=self.limit)
+        return project(self.down_proj, F.silu(gate) * up)
+
+
+class ClippedExperts(Experts):
+    """All routed experts in memory (`Experts`' parameters), computed with the clipped SwiGLU, ascending by expert
+    as transformers sums them."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        self.swiglu_limit = cfg.deepseek_v4.swiglu_limit
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None,
+                used: torch.Tensor | None = None) -> torch.Tensor:
+        out = moe_forward(x, self.gate_up_proj, self.down_proj, ids, weights, limit=self.swiglu_limit)
+        return out if residual is None else residual + out
+
+
+class DeepseekV4MoE(MoEBlock):
+    """Router (top-k or hash), routed experts and the shared expert: `forward(x [N, H], token_ids [N]) -> [N, H]`."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        nn.Module.__init__(self)
+        s = cfg.deepseek_v4
+        self.hashed = s.mlp_layer_types[layer] == "hash_moe"
+        self.gate = HashRouter(cfg) if self.hashed else TopKRouter(cfg)
+        self.experts = ClippedExperts(cfg)
+        self.shared_gated = False
+        self.shared_experts = ClippedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size, s.swiglu_limit) \
+            if cfg.shared_expert_intermediate_size else None
+
+    def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None) -> torch.Tensor:
+        weights, ids, _ = self.gate(x, token_ids)
+        out = self.experts(x, ids, weights.to(x.dtype))
+        return out + self.shared_experts(x) if self.shared_experts is not None else out

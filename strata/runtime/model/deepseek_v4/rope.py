@@ -1,0 +1,43 @@
+"""DeepSeek-V4's rotary embedding: interleaved pairs (x0, x1), (x2, x3), ... of a head's trailing `dim` channels
+rotated in place (no de-interleaving, unlike DeepSeek-V3's), in fp32, as transformers' `apply_rotary_pos_emb` for
+deepseek_v4. Keys double as values, so attention outputs are rotated back by the conjugate (`sign=-1`).
+
+Two frequency sets: "main" (sliding-window layers: plain RoPE at rope_theta) and "compress" (CSA / HCA layers, their
+compressors and indexer: compress_rope_theta, with YaRN where configured). The tables are computed on first use per
+device, not held as buffers, so loading a checkpoint never looks for them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strata.runtime.model.config import RopeConfig
+from strata.runtime.model.rope import inv_frequencies
+
+
+class InterleavedRope:
+    """cos/sin [N, dim/2] for positions, from one `RopeConfig`; `rotate(x, cos, sin)` applies them."""
+
+    def __init__(self, rope: RopeConfig):
+        inv_freq, self.attention_factor = inv_frequencies(rope)
+        self.inv_freq = inv_freq  # [dim/2] fp32, CPU
+        self._on: dict[torch.device, torch.Tensor] = {}
+
+    def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [N] int64 -> (cos, sin) [N, dim/2] in `dtype` (one entry per rotated pair)."""
+        inv = self._on.get(positions.device)
+        if inv is None:
+            inv = self._on[positions.device] = self.inv_freq.to(positions.device)
+        freqs = positions[:, None].float() * inv[None, :]
+        return (freqs.cos() * self.attention_factor).to(dtype), (freqs.sin() * self.attention_factor).to(dtype)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [N, heads, d] with cos/sin [N, r/2]: the trailing r channels rotated pairwise (fp32 math, x's dtype)."""
+    r = 2 * cos.shape[-1]
+    c = cos.repeat_interleave(2, dim=-1)[:, None, :].float()  # [N, 1, r]
+    s = sin.repeat_interleave(2, dim=-1)[:, None, :].float()
+    nope, rope = x[..., :-r], x[..., -r:]
+    swapped = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)  # (-x1, x0, -x3, x2, ...)
+    rotated = (rope.float() * c + swapped.float() * s).to(x.dtype)
+    return torch.cat([nope, rotated], dim=-1)
