@@ -71,7 +71,7 @@ def _in_place_problem(path: Path, cfg: StrataConfig, ckpt: Checkpoint | None) ->
     for t in ckpt.index:
         if _ROUTED.search(t.name) and t.name.endswith("_scale_inv") and t.dtype != "F32":
             return f"its FP8 expert scales are {t.dtype} ({t.name}), converted to float32 when packed"
-    if ckpt.config.deepseek_v4 is not None:
+    if getattr(ckpt.config, "deepseek_v4", None) is not None:
         return "DeepSeek-V4 checkpoints are packed (their tensors are renamed and converted as they load)"
     return None
 
