@@ -80,8 +80,6 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
     compute.prefill_keeps_resident = cfg.runtime.prefill_keeps_resident
     if checkpoint.config.deepseek_v4 is not None:  # clipped SwiGLU experts: the reference math, no compiled kernel
         compute.swiglu_limit = checkpoint.config.deepseek_v4.swiglu_limit
-    if checkpoint.config.deepseek_v4 is not None:  # clipped SwiGLU experts: the reference math, no compiled kernel
-        compute.swiglu_limit = checkpoint.config.deepseek_v4.swiglu_limit
     manager = compute.manager
     prepare_cpu_experts([compute])
     model = load_model(checkpoint, dtype, device, progress=progress,
