@@ -110,7 +110,7 @@ def test_changed_file_refused_or_reverified(tmp_path):
         f.seek(part.offset)
         f.write(f.read(1))
     os.utime(path, ns=(os.stat(path).st_atime_ns, os.stat(path).st_mtime_ns + 10**9))
-    with pytest.raises(CheckpointError, match=rf"{path.name}: changed since strata indexed it.*--reverify"):
+    with pytest.raises(CheckpointError, match=rf"{path.name}: changed since strata indexed it.*reverify = true"):
         tiered(ckpt, "in_place")
     with tiered(ckpt, "in_place", reverify=True) as engine:  # verified again instead
         store = engine.tiers.store

@@ -213,7 +213,7 @@ def changed_files(index: InPlaceIndex) -> list[str]:
 def changed_error(index: InPlaceIndex, name: str) -> CheckpointError:
     """The one-line refusal of a source file that changed since it was indexed and verified."""
     return CheckpointError(f"{Path(index.source_dir) / name}: changed since strata indexed it (size, mtime or inode "
-                           "differ); restore the file, or verify it again with `--reverify` ([store] reverify = true)")
+                           "differ); restore the file, or set [store] reverify = true to verify it again")
 
 
 class InPlaceStore(ExpertStore):
