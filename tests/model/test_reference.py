@@ -10,28 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from reference_models import ARCHS, VOCAB, WINDOWED, build_reference
+from reference_models import ARCHS, VOCAB, WINDOWED, build_reference, reference_greedy
 from strata import Engine
 
 ATOL = 1e-4
-
-
-@torch.no_grad()
-def reference_greedy(model, prompt: list[int], n: int, cached: bool = False) -> list[int]:
-    """Greedy decoding by the definition: the full forward over the whole sequence at every step; or, `cached`,
-    one forward over the prompt and one a token through transformers' KV cache (the same tokens, ~100x faster at
-    2K tokens; only where no sliding window is active: transformers 5.24's cached path disagrees with its own
-    forward on sliding-window models once the prompt exceeds the window, so `generate` is no oracle there)."""
-    if cached:
-        out, ids = model(torch.tensor([prompt]), use_cache=True), []
-        for _ in range(n):
-            ids.append(int(out.logits[0, -1].argmax()))
-            out = model(torch.tensor([[ids[-1]]]), cache=out.cache, use_cache=True)
-        return ids
-    ids = list(prompt)
-    for _ in range(n):
-        ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 def check_against_reference(model, directory, prompt: list[int], n_greedy: int = 32, max_context: int = 4096,

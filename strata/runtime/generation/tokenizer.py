@@ -23,13 +23,14 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from strata.errors import CheckpointError, RequestError, UnsupportedError
 from strata.runtime.generation.detokenize import StopMatcher, StreamDecoder
+from strata.runtime.generation.tiktoken_vocab import RANKS_FILE, TiktokenBackend, is_tiktoken_dir, read_tiktoken
 from strata.runtime.generation.token_bound import TokenBound, token_bound
 
 __all__ = ["Tokenizer", "StreamDecoder", "StopMatcher", "load_tokenizer"]
 
 # Files of a tokenizer strata cannot read without tokenizer.json (slow tokenizers' vocabularies, the config).
 _OTHER_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.model", "spiece.model", "vocab.json", "merges.txt",
-                          "vocab.txt")
+                          "vocab.txt", RANKS_FILE)
 
 # The named special tokens transformers passes into every chat template (its SPECIAL_TOKENS_ATTRIBUTES).
 _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
@@ -143,7 +144,8 @@ def _normalize_messages(messages: Any) -> list[dict]:
 class Tokenizer:
     """Text <-> token ids and chat rendering for one checkpoint; build it with `Tokenizer.from_dir`."""
 
-    def __init__(self, tok: _HFTokenizer, config: dict, chat_templates: dict[str, str], source: str = "<memory>"):
+    def __init__(self, tok: _HFTokenizer | TiktokenBackend, config: dict, chat_templates: dict[str, str],
+                 source: str = "<memory>"):
         self._tok = tok
         self.source = source
         self.special_tokens: dict[str, str] = {}
@@ -168,22 +170,27 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, directory: str | Path) -> Tokenizer:
-        """Load a checkpoint's tokenizer.json (required), tokenizer_config.json and chat_template.jinja (optional)."""
+        """Load a checkpoint's tokenizer.json, or a tiktoken tokenizer's files (Kimi's tiktoken.model: read as
+        data by strata.runtime.generation.tiktoken_vocab, no repository code run), with tokenizer_config.json and
+        chat_template.jinja (optional)."""
         d = Path(directory)
         path = d / "tokenizer.json"
-        if not path.is_file():
-            raise CheckpointError(
-                f"{d} has no tokenizer.json (strata reads only the fast tokenizer's file); write one with transformers: "
-                f"AutoTokenizer.from_pretrained('{d}').save_pretrained('{d}')"
-            )
-        try:
-            tok = _HFTokenizer.from_file(str(path))
-        except Exception as e:  # the Rust side raises plain Exception for any parse error
-            raise CheckpointError(f"{path} could not be parsed ({_one_line(e)[:200]}); re-download it") from e
         config_path = d / "tokenizer_config.json"
         config = _read_json(config_path) if config_path.is_file() else {}
         if not isinstance(config, dict):
             raise CheckpointError(f"{config_path} must hold a JSON object; re-download the checkpoint")
+        if not path.is_file() and is_tiktoken_dir(d, config):
+            tok: _HFTokenizer | TiktokenBackend = read_tiktoken(d, config)
+        elif not path.is_file():
+            raise CheckpointError(
+                f"{d} has no tokenizer.json (strata reads only the fast tokenizer's file); write one with transformers: "
+                f"AutoTokenizer.from_pretrained('{d}').save_pretrained('{d}')"
+            )
+        else:
+            try:
+                tok = _HFTokenizer.from_file(str(path))
+            except Exception as e:  # the Rust side raises plain Exception for any parse error
+                raise CheckpointError(f"{path} could not be parsed ({_one_line(e)[:200]}); re-download it") from e
         templates: dict[str, str] = {}
         raw = config.get("chat_template")
         if isinstance(raw, str):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -26,6 +26,7 @@ from strata.tiers.store.format import EXPERT_DTYPES, is_store, lacks_index, no_i
 from strata.tiers.store.safetensors_index import DTYPES, MX_BLOCKS, TensorIndex, TensorInfo, read_tensor
 from strata.tiers.store.store import ExpertStore
 
+TEXT_MODEL_PREFIX = "language_model."  # where a multimodal release (Kimi K2.5) keeps its language model's tensors
 # Mixtral's original names for gate / up / down
 _MIXTRAL_PROJ = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
@@ -71,7 +72,7 @@ class Checkpoint:
             )
         hf_config = read_json(directory / "config.json")
         config = ModelConfig.from_hf(hf_config, str(directory / "config.json"))
-        index = TensorIndex.from_dir(directory)
+        index = _language_model(TensorIndex.from_dir(directory))
         if config.deepseek_v4 is not None:  # the original release's names -> transformers'
             index = renamed_index(index)
         index.check_dtypes()  # fail before anything is allocated, e.g. on FP8 weights without their scales
@@ -180,6 +181,17 @@ class Checkpoint:
             f"{self.directory}: tensor {name!r} is missing from the checkpoint; the checkpoint is incomplete "
             "or does not match its config.json"
         )
+
+
+def _language_model(index: TensorIndex) -> TensorIndex:
+    """`index` as a causal LM's tensors: a multimodal release whose language model sits under `language_model.`
+    (Kimi K2.5, beside its vision_tower and mm_projector) gives that model's tensors under transformers' names
+    (`language_model.model.layers...` -> `model.layers...`, `language_model.lm_head` -> `lm_head`), leaving the
+    other towers out; any other index is returned as it is."""
+    if "model.embed_tokens.weight" in index or TEXT_MODEL_PREFIX + "model.embed_tokens.weight" not in index:
+        return index
+    return TensorIndex({name.removeprefix(TEXT_MODEL_PREFIX): replace(info, name=name.removeprefix(TEXT_MODEL_PREFIX))
+                        for name, info in index.tensors.items() if name.startswith(TEXT_MODEL_PREFIX)})
 
 
 def _check_store_layout(directory: Path, store: ExpertStore, cfg: ModelConfig) -> None:

@@ -48,6 +48,7 @@ ROWS_PER_CHUNK = 4096
 COPIED_FILES: tuple[str, ...] = (
     "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
     "chat_template.jinja", "special_tokens_map.json",
+    "tiktoken.model", "tokenization_kimi.py",  # Kimi's tiktoken tokenizer: read as data (generation.tiktoken_vocab)
 )  # fmt: skip
 ExpertKey = tuple[int, int]  # (layer, expert)
 
