@@ -196,8 +196,9 @@ def _run_pairs(x, qs, slot_of, ids, y, rows=None) -> torch.Tensor:
 @pytest.mark.parametrize("n", [1, 3] if CUDA else [3])  # (the interpreter's seconds: one batch size there)
 def test_kernel_pairs_on_quantized_slots_equal_the_dequantized_experts(fmt, h, i, n, dtype):
     """The quantized pair kernels (slot lookup in the kernel, weights dequantized in registers, fp32 math) against
-    the torch path in fp32 on the dequantized weights, to fp32 rounding; in bf16 also against the bf16 pair kernels
-    on the weights dequantized to bf16, to their tolerance. Skipped pairs' rows untouched."""
+    the torch path in fp32 on the dequantized weights, to fp32 rounding; with bf16 activations no further from that
+    oracle than the bf16 pair kernels on the weights rounded to bf16 (FP8 x scale is not a bf16 number, so the two
+    bf16 paths round differently and are each compared with the oracle). Skipped pairs' rows untouched."""
     qs, _, slot_of = _slots(fmt, h, i, seed=6, device=DEVICE)
     x = torch.randn(n, h, generator=torch.Generator().manual_seed(7)).to(DEVICE, dtype)
     ids = _pairs(n, 2, seed=8, device=DEVICE)
@@ -209,10 +210,11 @@ def test_kernel_pairs_on_quantized_slots_equal_the_dequantized_experts(fmt, h, i
     assert torch.all(y[~ok] == 7.0)
     _close(y[ok], want[ok], torch.float32)
     assert want[ok].abs().max() > 0.1  # outputs of order one: the tolerance means something
-    if dtype == torch.bfloat16:  # the bf16 kernels on the bf16 oracle weights
+    if dtype == torch.bfloat16:  # no further from the oracle than the bf16 kernels on the weights rounded to bf16
         plain = torch.full((2 * n, h), 7.0, device=DEVICE)
         grouped.pair_experts(x, _dequantized(qs, torch.bfloat16), slot_of, ids, plain)
-        _close(y[ok], plain[ok], torch.bfloat16)
+        _close(plain[ok], want[ok], torch.bfloat16)
+        assert (y[ok] - want[ok]).abs().max() <= 1.25 * (plain[ok] - want[ok]).abs().max() + 1e-4
 
 
 @pytest.mark.parametrize("fmt,h,i", FORMATS[::3], ids=IDS[::3])
