@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 from reference_models import VOCAB
 from strata import Engine
 from strata.errors import CheckpointError, UnsupportedError
+from strata.runtime.model.checkpoint import Checkpoint
 from strata.runtime.model.config import ModelConfig
 
 ATOL = 1e-4
@@ -108,7 +109,8 @@ def test_config_spellings():
 
 def test_tiered_experts_equal_memory(tmp_path):
     """Through the tiers (a store; 5 experts' room in pinned RAM, the rest read from disk at each use) the routed
-    experts, clipped as in memory, give the memory path's scores and greedy tokens."""
+    experts, clipped as in memory, and the hash layer's table (a store table object) give the memory path's scores
+    and greedy tokens."""
     model, directory = build_v4_reference(tmp_path / "v4", seed=5)
     prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(6)).tolist()
     memory = memory_engine(directory, 256)
@@ -118,6 +120,10 @@ def test_tiered_experts_equal_memory(tmp_path):
            "tiers": {"pinned": {"budget": "120KiB"}, "disk": {"scrub": False}}}
     with Engine.from_pretrained(directory, device="cpu", config=cfg) as tiered:
         assert tiered.executor is not None and tiered.executor.swiglu_limit == 0.3
+        store = tiered.tiers.store  # the hash layer's tid2eid: a store table, checked and held in RAM
+        assert "tid2eid.0" in store.index.tables and "model.layers.0.mlp.gate.tid2eid" not in Checkpoint.open(
+            store.directory).index
+        assert torch.equal(tiered.model.layers[0].mlp.gate.tid2eid, memory.model.layers[0].mlp.gate.tid2eid)
         assert (tiered.score(prompt) - expected).abs().max().item() < 1e-5
         assert tiered.generate(prompt, max_tokens=16, temperature=0.0).token_ids == tokens
         assert tiered.stats()["tiers"]["tiers"]["pinned"]["evictions"] > 0  # experts came back from disk

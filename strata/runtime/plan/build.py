@@ -16,6 +16,7 @@ import torch
 
 from strata.config import StrataConfig
 from strata.runtime.model.checkpoint import Checkpoint
+from strata.runtime.model.deepseek_v4.tables import attach_hash_tables, drop_hash_tables
 from strata.runtime.model.engram.store import attach_row_store, drop_tables
 from strata.runtime.model.graphs import MAX_GRAPH_BATCH
 from strata.runtime.model.loader import load_model
@@ -83,8 +84,9 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
     manager = compute.manager
     prepare_cpu_experts([compute])
     model = load_model(checkpoint, dtype, device, progress=progress,
-                       prepare=lambda m: (use_tiered_experts(m, compute), drop_tables(m)))
+                       prepare=lambda m: (use_tiered_experts(m, compute), drop_tables(m), drop_hash_tables(m, store)))
     model.kernel_options = kernel_options_of(cfg)
+    attach_hash_tables(model, store, device, cfg.tiers.tmpfs.path)  # DeepSeek-V4's tid2eid: store tables
     if model.engram is not None:  # Engram tables: served by the tiered row store, checked before serving
         attach_row_store(model, checkpoint.store, cfg, device, host.ram_available,
                          tier=the_plan.engram.tier if the_plan.engram is not None else None)

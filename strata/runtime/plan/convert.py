@@ -25,6 +25,7 @@ from strata.config import load_config
 from strata.errors import CheckpointError, ConfigError, StrataError
 from strata.kernels.quant import ExpertFormat, ExpertLayout
 from strata.runtime.model.checkpoint import Checkpoint
+from strata.runtime.model.deepseek_v4.tables import is_hash_table, write_hash_tables
 from strata.runtime.model.engram.store import is_table_tensor, write_tables
 from strata.runtime.plan.expert_sources import ExpertSource, layer_sources, store_format
 from strata.tiers.store.files import fsync_dir, remove_stale_tmp_dirs, temp_sibling
@@ -93,7 +94,7 @@ def _convert(checkpoint_dir: str | os.PathLike, store_dir: str | os.PathLike, pr
         return out, False
     meta, dense, layers = _plan(ckpt, fingerprint, fmt)  # every shape/dtype checked before anything is written
     num_blobs = len(meta["moe_layers"]) * meta["num_experts"]
-    table_bytes = sum(t.nbytes for t in ckpt.index if is_table_tensor(t.name))
+    table_bytes = sum(t.nbytes for t in ckpt.index if is_table_tensor(t.name) or is_hash_table(t.name))
     total = sum(t.nbytes for t in dense) + num_blobs * meta["payload_bytes"] + table_bytes
     need = sum(t.nbytes for t in dense) + num_blobs * meta["slot_bytes"] + table_bytes
     tmp = temp_sibling(out)
@@ -117,7 +118,8 @@ def _convert(checkpoint_dir: str | os.PathLike, store_dir: str | os.PathLike, pr
             for layer, experts in layers:
                 for blob in writer.write_layer(layer, experts, meta["payload_bytes"]):
                     blobs[blob.key] = blob
-            tables = write_tables(writer, ckpt)  # Engram tables as row-addressable objects
+            # Engram tables and DeepSeek-V4's hash-routing tables as row-addressable objects
+            tables = {**write_tables(writer, ckpt), **write_hash_tables(writer, ckpt)}
             if checkpoint_fingerprint(src) != fingerprint:  # its weights were replaced while they were read
                 raise _changed(src)
             index = StoreIndex(**meta, blobs=blobs, tables=tables, dense=dense_entry, copied_files=copied)
@@ -179,7 +181,8 @@ def _plan(ckpt: Checkpoint, fingerprint: str, fmt: ExpertFormat
     layout = ExpertLayout.build(fmt, h, i)
     layers = [(layer, [_payload(source, layout) for source in layer_sources(ckpt, layer)]) for layer in moe]
     # routed experts of layers outside config's MoE layers (DeepSeek's MTP layer) are never run: skipped
-    dense = [t for t in ckpt.index if not _ROUTED.search(t.name) and not is_table_tensor(t.name)]  # Engram: tables
+    dense = [t for t in ckpt.index if not _ROUTED.search(t.name)
+             and not (is_table_tensor(t.name) or is_hash_table(t.name))]  # Engram's and tid2eid: tables
     meta = dict(
         source_fingerprint=fingerprint, model_type=cfg.model_type, num_layers=cfg.num_layers, moe_layers=moe,
         num_experts=e_num, hidden=h, moe_intermediate=i, dtype=expert_dtype(fmt), payload_bytes=layout.payload_bytes,

@@ -24,13 +24,14 @@ from pathlib import Path
 from strata.errors import CheckpointError
 from strata.kernels.quant import ExpertFormat
 from strata.runtime.model.config import SUPPORTED_ARCHITECTURES
+from strata.runtime.model.deepseek_v4.names import renamed_index
 from strata.runtime.plan.weight_formats import FP8, FP8_SCALES, MXFP4, experts_format, tensor_format
 from strata.runtime.plan.weight_formats import fp8_block as fp8_block_of
 from strata.tiers.store.format import is_store, lacks_index, no_index_error, read_index
 from strata.tiers.store.safetensors_index import TensorIndex
 
-ROLES = ("attention", "dense_mlp", "experts", "shared_experts", "router", "embeddings", "norms", "engram_tables",
-         "engram", "mtp", "other")
+ROLES = ("attention", "dense_mlp", "experts", "shared_experts", "router", "embeddings", "norms", "hyper_conns",
+         "engram_tables", "engram", "mtp", "other")
 # model types whose layouts this module (and strata's loaders) are written against
 KNOWN_MODEL_TYPES = SUPPORTED_ARCHITECTURES
 _EXPERT_COUNT_KEYS = ("n_routed_experts", "num_experts", "num_local_experts")
@@ -115,6 +116,8 @@ def _layer_role(rest: str) -> tuple[str, bool]:
         return ("engram_tables" if tail.startswith("multi_head_embedding.") else "engram"), False
     if head.endswith("norm"):
         return "norms", False  # input_layernorm, post_attention_layernorm, pre/post_feedforward_layernorm
+    if head in ("attn_hc", "ffn_hc"):
+        return "hyper_conns", False  # DeepSeek-V4's stream mixing around attention and MoE
     if head in _MOE_BLOCKS:
         sub = tail.partition(".")[0]
         if sub == "experts":
@@ -187,6 +190,8 @@ def _tally(index: TensorIndex, num_layers: int | None) -> _Tally:
                 role = "engram"  # model.engram.token_map
             elif name.rpartition(".")[0].endswith("norm"):
                 role = "norms"  # model.norm.weight
+            elif ".hc_head." in name:
+                role = "hyper_conns"  # DeepSeek-V4's final collapse of the streams
             else:
                 role = "other"
                 t.unknown.append(name)
@@ -232,6 +237,8 @@ def summarize_checkpoint(path: str | Path) -> CheckpointSummary:
     # multimodal configs keep the language model's numbers under text_config
     text = cfg["text_config"] if isinstance(cfg.get("text_config"), dict) else cfg
     index = TensorIndex.from_dir(path)
+    if cfg.get("model_type") == "deepseek_v4":  # the original release's names, as strata reads them
+        index = renamed_index(index)
     notes: list[str] = []
 
     model_type = str(cfg.get("model_type", ""))
