@@ -18,7 +18,7 @@ FP32 = {"dtype": "float32", "cpu_numerics": "gpu", "max_context": 256}
 # (architecture, fused layout, format); FP8 on every architecture and layout, MXFP4 where the expert width is a
 # multiple of 32 (DeepSeek's tiny reference has 24). FP8 blocks are 16 x 16 (8 x 16 where the width is 24).
 CASES = [("qwen3_moe", False, "fp8"), ("qwen2_moe", True, "fp8"), ("mixtral", False, "fp8"),
-         ("deepseek_v3", False, "fp8"), ("deepseek_v3", True, "fp8"),
+         ("deepseek_v3", False, "fp8"), ("deepseek_v3", True, "fp8"), ("glm4_moe", True, "fp8"),
          ("qwen3_moe", True, "mxfp4"), ("qwen2_moe", True, "mxfp4"), ("mixtral", True, "mxfp4")]
 
 

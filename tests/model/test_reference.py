@@ -48,3 +48,18 @@ def test_long_context_matches_transformers(arch, tmp_path):
     model, directory = build_reference(arch, tmp_path / arch, long=True, seed=3)
     prompt = torch.randint(0, VOCAB, (2100,), generator=torch.Generator().manual_seed(2)).tolist()
     check_against_reference(model, directory, prompt, n_greedy=32, cached=arch not in WINDOWED)
+
+
+@pytest.mark.parametrize("arch, fused", [("glm4_moe", False), ("deepseek_v2", True)])
+def test_tiered_from_disk_matches_transformers(arch, fused, tmp_path):
+    """Experts served by the tiers from a pinned budget of a few experts, the rest read back from disk."""
+    model, directory = build_reference(arch, tmp_path / arch, fused=fused, seed=5)
+    prompt = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(4)).tolist()
+    config = {"runtime": {"dtype": "float32", "max_context": 256},
+              "tiers": {"pinned": {"budget": "64KiB"}, "disk": {"scrub": False}}}
+    with Engine.from_pretrained(directory, config=config, device="cpu") as engine, torch.no_grad():
+        ref = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+        assert (engine.score(prompt) - ref).abs().max().item() < ATOL
+        assert engine.generate(prompt, max_tokens=12, temperature=0.0).token_ids == reference_greedy(model, prompt, 12)
+        assert engine.stats()["tiers"]["tiers"]["pinned"]["evictions"] > 0  # experts came back from disk
+
