@@ -62,4 +62,3 @@ def test_tiered_from_disk_matches_transformers(arch, fused, tmp_path):
         assert (engine.score(prompt) - ref).abs().max().item() < ATOL
         assert engine.generate(prompt, max_tokens=12, temperature=0.0).token_ids == reference_greedy(model, prompt, 12)
         assert engine.stats()["tiers"]["tiers"]["pinned"]["evictions"] > 0  # experts came back from disk
-
