@@ -32,7 +32,9 @@ def engine_config(case: Case, summary: dict, settings: dict, workloads: list[Wor
     # prompt in one chunk, up to 8192 tokens, so each cold expert crosses PCIe once per prompt
     chunk = max(settings["token_budget"], min(max(w.prompt for w in workloads), 8192))
     cfg: dict = {
-        "runtime": {"max_context": max(1024, longest + 64), "prefill_chunk": chunk},
+        # prompts repeat between the warm-up and the timed run: the prefix cache would serve them (bench/agent_replay.py
+        # measures it), so every prompt here is computed
+        "runtime": {"max_context": max(1024, longest + 64), "prefill_chunk": chunk, "prefix_cache": False},
         "tiers": {"disk": {"path": settings["cache"], "scrub": False}},
         "planner": {"max_batch": max(w.streams for w in workloads)},
     }
