@@ -127,3 +127,4 @@ def test_tiered_experts_equal_memory(tmp_path):
         assert (tiered.score(prompt) - expected).abs().max().item() < 1e-5
         assert tiered.generate(prompt, max_tokens=16, temperature=0.0).token_ids == tokens
         assert tiered.stats()["tiers"]["tiers"]["pinned"]["evictions"] > 0  # experts came back from disk
+        assert tiered.scheduler().cache.nbytes == tiered.plan.kv_bytes  # the planner counted what was allocated

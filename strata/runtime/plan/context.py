@@ -13,12 +13,13 @@ number the user set.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import psutil
 import torch
 
-from strata.runtime.model.kv_cache import KVCache
+from strata.runtime.plan.kv_size import kv_growth_of
 
 AUTO_KV_SHARE = 0.25  # of the memory left after the weights, the most an automatic context's KV cache takes
 AUTO_STEP = 1024  # an automatic context below the model's limit is a multiple of this many tokens
@@ -55,9 +56,11 @@ def loaded_context(cfg: Any, model_config: Any, device: torch.device, dtype: tor
     """The context of a model loaded whole, without a plan (`runtime.experts = "memory"`): "auto" measured
     against what the device has free once the weights are loaded (the host's available RAM on the CPU)."""
     setting = cfg.runtime.max_context
-    kv = KVCache.bytes_per_token(model_config, dtype) * (cfg.planner.max_batch + cfg.runtime.prefix_only_slots)
+    slots = cfg.planner.max_batch + cfg.runtime.prefix_only_slots
+    fixed, rate = kv_growth_of(model_config, dtype)
+    kv = math.ceil(rate) * slots
     room = None
     if setting == "auto":
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
-        room = free - cfg.planner.activation_reserve_bytes
+        room = free - cfg.planner.activation_reserve_bytes - fixed * slots
     return plan_context(setting, model_config.max_position_embeddings, kv, room)[0]

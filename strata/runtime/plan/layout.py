@@ -82,6 +82,7 @@ class Plan:
     store_why: str = ""  # why that mode ([store] mode, or what ruled in place out)
     decode: str = ""  # how decode steps compute the experts (strata.runtime.plan.decode_modes)
     decode_graphs: bool = True  # whether they may run as CUDA graphs (False: a fallback that needs the host)
+    kv_bytes_per_1k: int = 0  # one sequence's KV cache growth per 1,024 tokens of context
 
     @property
     def total_experts(self) -> int:
@@ -125,7 +126,8 @@ class Plan:
                          f" + KV cache {f(g.kv_bytes)} + reserve {f(g.reserve_bytes)} + experts {f(g.expert_room_bytes)}")
             if g.layers:
                 lines.append(f"  {'':<12} layers {g.layers[0]}-{g.layers[1] - 1}: {g.slots} expert slots ({f(g.expert_bytes)})")
-        lines.append(f"  KV cache     {self.max_batch} x {self.max_context} tokens, {f(self.kv_bytes)}")
+        per_1k = f" ({f(self.kv_bytes_per_1k)} per 1K tokens a sequence)" if self.kv_bytes_per_1k else ""
+        lines.append(f"  KV cache     {self.max_batch} x {self.max_context} tokens, {f(self.kv_bytes)}{per_1k}")
         lines.append(f"  prefill      chunks of up to {self.prefill_chunk} prompt tokens (each cold expert moves once a chunk)")
         if self.engram is not None:
             lines.append(f"  engram       {self.engram.describe()}")

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -28,12 +29,13 @@ from strata.config import StrataConfig, load_config, parse_gpus, parse_size
 from strata.runtime.generation.prefill_chunk import resolve_prefill_chunk
 from strata.runtime.model.kv_cache import KVCache
 from strata.runtime.plan.context import plan_context
-from strata.runtime.plan.decode_modes import decode_mode
+from strata.runtime.plan.decode_modes import DecodeMode, decode_mode
 from strata.runtime.plan.engram import EngramPlanError, plan_engram
 from strata.runtime.plan.footprint import read_footprint
 from strata.runtime.plan.host import GpuInfo, HostInfo, probe_host
 from strata.runtime.plan.in_place import store_mode
 from strata.runtime.plan.inspect import format_bytes
+from strata.runtime.plan.kv_size import kv_cache_bytes, kv_growth_of
 from strata.runtime.plan.layout import GpuPlan, Plan, PlanError, TierPlan
 from strata.runtime.plan.stages import plan_stages, select_devices, simulate_gpus
 from strata.runtime.plan.store_cache import store_dir_for
@@ -66,7 +68,11 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
     itemsize = _TORCH_DTYPES[dtype].itemsize
     non_expert = fp.non_expert_bytes_in(itemsize)  # weights are converted (FP8 ones dequantized) to it on load
     slots = cfg.planner.max_batch + cfg.runtime.prefix_only_slots  # the batch's, and those only keeping prefixes
-    kv_per_token = KVCache.bytes_per_token(fp.config, _TORCH_DTYPES[dtype]) * slots
+    # one sequence's cache: a fixed part (DeepSeek-V4's sliding windows) and bytes per token of context
+    kv_fixed, kv_rate = kv_growth_of(fp.config, _TORCH_DTYPES[dtype])
+    kv_per_token = math.ceil(kv_rate) * slots
+    if fp.config.deepseek_v4 is not None and len(cfg.runtime.devices) > 1:
+        raise PlanError("DeepSeek-V4 runs on one device; set runtime.devices to a single GPU (or drop --gpus)")
     reserve = cfg.planner.activation_reserve_bytes
     # the memory the KV cache shares with experts: the cards' after their weights, or the host's RAM on the CPU
     if len(cfg.runtime.devices) > 1:
@@ -76,8 +82,9 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
         room = gpu.free_bytes - non_expert - reserve
     else:
         room = host.ram_available - max(RAM_MARGIN_MIN, int(RAM_MARGIN_FRACTION * host.ram_total)) - non_expert - reserve
-    context, context_note = plan_context(cfg.runtime.max_context, fp.config.max_position_embeddings, kv_per_token, room)
-    kv = kv_per_token * context
+    context, context_note = plan_context(cfg.runtime.max_context, fp.config.max_position_embeddings, kv_per_token,
+                                         room - kv_fixed * slots)
+    kv = kv_cache_bytes(fp.config, _TORCH_DTYPES[dtype], context) * slots
     total, per_layer = fp.total_experts, cfg.policy.budget_scope == "per_layer"
     notes: list[str] = [context_note]
 
@@ -191,6 +198,11 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
     ]
     expert_compute = "gpu" if gpu_slots else "cpu"
     decode = decode_mode(fp.expert_format, expert_compute, bool(total) and gpu_slots >= total, cfg, dtype)
+    if fp.config.deepseek_v4 is not None:  # no kernel clips the SwiGLU: every expert through the reference math
+        where = "on CPU threads from RAM" if expert_compute == "cpu" else "staged in GPU slots"
+        decode = DecodeMode(f"experts {where}, grouped by expert, the reference math; no CUDA graphs", False, [
+            "DeepSeek-V4's clipped SwiGLU (swiglu_limit) runs as the reference math: no compiled CPU kernel, pair "
+            "kernels, grouped GEMMs or CUDA graphs"])
     notes += decode.fallbacks
     if fp.dense_fp8_bytes:
         notes.append(f"dense FP8 weights ({format_bytes(fp.dense_fp8_bytes)}) are dequantized to {dtype} as they load")
@@ -200,7 +212,7 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
         expert_bytes=fp.expert_bytes, slot_bytes=fp.slot_bytes,
         compute_device=f"cuda:{gpu.index}" if gpu is not None else "cpu", compute_dtype=dtype,
         expert_compute=expert_compute, max_context=context, max_batch=cfg.planner.max_batch,
-        kv_bytes=kv, non_expert_bytes=non_expert, ram_margin_bytes=margin, budget_scope=cfg.policy.budget_scope,
+        kv_bytes=kv, kv_bytes_per_1k=round(kv_rate * 1024), non_expert_bytes=non_expert, ram_margin_bytes=margin, budget_scope=cfg.policy.budget_scope,
         store_bytes=fp.store_bytes, store_exists=store_exists, gpus=gpus, tiers=tiers, host=host, notes=notes,
         engram=engram, prefill_chunk=resolve_prefill_chunk(cfg.runtime.prefill_chunk, fp.config,
                                                             torch.device("cuda" if gpu is not None else "cpu"),

@@ -19,6 +19,7 @@ Sizes are fixed at construction: `layer_bytes` gives them, the planner's KV figu
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +92,19 @@ def layer_bytes(cfg: ModelConfig, layer: int, max_len: int, dtype: torch.dtype) 
 def kv_bytes(cfg: ModelConfig, max_len: int, dtype: torch.dtype) -> int:
     """Cache bytes of one sequence slot of `max_len` positions, all layers: what `DeepseekV4Cache` allocates."""
     return sum(layer_bytes(cfg, i, max_len, dtype) for i in range(cfg.num_layers))
+
+
+def kv_growth(cfg: ModelConfig, dtype: torch.dtype) -> tuple[int, float]:
+    """(fixed bytes, bytes per token) of one sequence slot: the windows and source rings, which stop growing at the
+    sliding window, and the compressed entries (and CSA's indexer keys), one per rate tokens of context.
+    kv_bytes(cfg, n) = fixed + n * per_token for n >= the window and a multiple of every rate."""
+    s, item = cfg.deepseek_v4, torch.empty((), dtype=dtype).element_size()
+    per_token = sum((cfg.head_dim + (s.index_head_dim if s.layer_types[i] == CSA else 0)) / s.rate(i)
+                    for i in range(cfg.num_layers) if s.rate(i)) * item
+    rates = [s.rate(i) for i in range(cfg.num_layers) if s.rate(i)]
+    step = math.lcm(*rates) if rates else 1
+    n = -(-max([s.sliding_window] + [2 * m for m in rates]) // step) * step  # rings full, every rate divides it
+    return kv_bytes(cfg, n, dtype) - round(per_token * n), per_token
 
 
 class DeepseekV4Cache:
