@@ -27,7 +27,6 @@ import torch
 
 from strata.config import StrataConfig, load_config, parse_gpus, parse_size
 from strata.runtime.generation.prefill_chunk import resolve_prefill_chunk
-from strata.runtime.model.kv_cache import KVCache
 from strata.runtime.plan.context import plan_context
 from strata.runtime.plan.decode_modes import DecodeMode, decode_mode
 from strata.runtime.plan.engram import EngramPlanError, plan_engram
