@@ -131,8 +131,10 @@ def _cmd_demo_model(args: argparse.Namespace) -> int:
     from strata.runtime.demo.model import write_demo_model
 
     out = write_demo_model(args.dir, size=args.size, layers=args.layers, progress=True, engram=not args.no_engram,
-                           route_skew=args.route_skew, route_locality=args.route_locality, experts=args.experts)
+                           route_skew=args.route_skew, route_locality=args.route_locality, experts=args.experts,
+                           arch=args.arch)
     what = "trained demo model" if args.size == "demo" else f"{args.size} random-weight demo model"
+    what += f" ({args.arch})" if args.arch else ""
     what += f" ({args.experts})" if args.experts != "bf16" else ""
     print(f"wrote the {what} to {out}")
     return 0
@@ -244,6 +246,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                         "~18 MB); random weights: tiny (3 layers x 16 experts, ~1 MB, for tests), small (8 layers x 64 "
                         "experts, ~390 MB), bench (Qwen3-30B-A3B's configuration, 48 layers x 128 experts, ~61 GB) "
                         "(default: %(default)s)")
+    p.add_argument("--arch", default=None, choices=["glm4_moe", "deepseek_v2"],
+                   help="random sizes in another architecture: glm4_moe (tiny; bench: GLM-4.5-Air's configuration, 46 "
+                        "layers x 128 experts, ~214 GB) or deepseek_v2 (tiny; bench: DeepSeek-V2-Lite's, 27 layers "
+                        "x 64 experts, ~32 GB); --layers N writes fewer (default: the size's own architecture)")
     p.add_argument("--layers", type=int, default=None, help="fewer layers than the size's default (random sizes)")
     p.add_argument("--no-engram", action="store_true", help="leave out the Engram layers (hashed n-gram tables)")
     p.add_argument("--route-skew", default="0", metavar="S",

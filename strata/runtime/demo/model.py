@@ -97,6 +97,7 @@ def write_demo_model(
     route_skew: float | str = 0.0,
     route_locality: float = 0.0,
     experts: str = "bf16",
+    arch: str | None = None,
 ) -> Path:
     """Write a demo model into `out_dir` (atomically) and return the directory.
 
@@ -105,6 +106,7 @@ def write_demo_model(
     `route_skew` S > 0 (Zipf-like) or "uniform" writes a routing profile into the weights (strata.runtime.demo.skew);
     `route_locality` L > 0 adds temporal locality to it (each router also weighs the recent context, L x the token).
     `experts` "fp8" / "mxfp4" writes the same weights as a quantized release ships them (strata.runtime.demo.quantized).
+    `arch` writes the size in another architecture (glm4_moe, deepseek_v2: their tiny and bench sizes, `ARCH_CONFIGS`).
 
     If `out_dir` already holds a demo model with the same size, layers and seed it is returned as is;
     any other non-empty directory is refused with a ConfigError.
@@ -112,14 +114,14 @@ def write_demo_model(
     if size == TRAINED_SIZE:
         shaped = {"--layers": layers is not None, "--seed": seed != 0, "--no-engram": not engram,
                   "--route-skew": check_skew(route_skew) != 0, "--route-locality": check_locality(route_locality) != 0,
-                  "--experts": experts != "bf16"}
+                  "--experts": experts != "bf16", "--arch": arch is not None}
         if any(shaped.values()):
             raise ConfigError(f"{', '.join(k for k, v in shaped.items() if v)}: the demo model is trained, its weights "
                               f"are fixed; these options shape the random sizes ({', '.join(DEMO_SIZES)})")
         marker = json.loads((ensure_default_model() / MARKER).read_text())
         fill = functools.partial(shutil.copytree, TRAINED_DIR, dirs_exist_ok=True)  # fill(tmp) copies into tmp
     else:
-        spec = DemoSpec(size, layers, seed, max_shard_bytes, engram, route_skew, route_locality, experts)
+        spec = DemoSpec(size, layers, seed, max_shard_bytes, engram, route_skew, route_locality, experts, arch)
         marker = spec.marker()
         fill = functools.partial(_write_into, spec=spec, progress=progress, workers=workers)
     out = Path(out_dir).expanduser().absolute()
@@ -168,7 +170,7 @@ def _existing_demo(out: Path, marker: dict) -> bool:
 
 def _write_into(tmp: Path, spec: DemoSpec, progress: bool, workers: int | None) -> None:
     """Write every file of the model into `tmp`; the marker last."""
-    cfg = demo_config(spec.size, spec.layers, spec.engram, spec.experts)
+    cfg = demo_config(spec.size, spec.layers, spec.engram, spec.experts, spec.arch)
     vocab = TOKENIZER_VOCAB[spec.size]
     if tokenizer_size(vocab) > cfg["vocab_size"]:  # a corpus edit must not outgrow the embedding
         raise AssertionError(f"demo tokenizer has {tokenizer_size(vocab)} ids > vocab_size {cfg['vocab_size']}")

@@ -46,7 +46,8 @@ def tensor_specs(cfg: dict) -> list[TensorSpec]:
     """Every tensor of a demo config.json dict, in checkpoint order (embeddings, layers, norm, lm_head)."""
     h, v = cfg["hidden_size"], cfg["vocab_size"]
     specs = [TensorSpec("model.embed_tokens.weight", (v, h))]
-    layer_fn = {"deepseek_v3": _deepseek_layer, "qwen3_moe": _qwen3_moe_layer}[cfg["model_type"]]
+    layer_fn = {"deepseek_v3": _deepseek_layer, "deepseek_v2": _deepseek_layer, "qwen3_moe": _qwen3_moe_layer,
+                "glm4_moe": _glm4_moe_layer}[cfg["model_type"]]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         specs.append(TensorSpec(p + "input_layernorm.weight", (h,), init="ones"))
@@ -76,7 +77,8 @@ def _experts(p: str, hidden: int, inter: int, n: int) -> list[TensorSpec]:
 
 
 def _deepseek_layer(cfg: dict, i: int, p: str) -> list[TensorSpec]:
-    """DeepSeek-V3: MLA attention, then a dense MLP (first_k_dense_replace layers) or a MoE."""
+    """DeepSeek-V3 (and V2, whose softmax router has no correction bias): MLA attention, then a dense MLP
+    (first_k_dense_replace layers) or a MoE."""
     h, nh = cfg["hidden_size"], cfg["num_attention_heads"]
     nope, rope, vd = cfg["qk_nope_head_dim"], cfg["qk_rope_head_dim"], cfg["v_head_dim"]
     qr, kvr = cfg["q_lora_rank"], cfg["kv_lora_rank"]
@@ -95,6 +97,32 @@ def _deepseek_layer(cfg: dict, i: int, p: str) -> list[TensorSpec]:
         TensorSpec(a + "kv_b_proj.weight", (nh * (nope + vd), kvr)),
         TensorSpec(a + "o_proj.weight", (h, nh * vd)),
     ]
+    if i < cfg["first_k_dense_replace"]:
+        return out + _mlp(p + "mlp.", h, cfg["intermediate_size"])
+    e, mi = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
+    out.append(TensorSpec(p + "mlp.gate.weight", (e, h)))
+    if cfg["model_type"] != "deepseek_v2":
+        out.append(TensorSpec(p + "mlp.gate.e_score_correction_bias", (e,), dtype="F32"))
+    out += _mlp(p + "mlp.shared_experts.", h, mi * cfg["n_shared_experts"])
+    return out + _experts(p, h, mi, e)
+
+
+def _glm4_moe_layer(cfg: dict, i: int, p: str) -> list[TensorSpec]:
+    """GLM-4.5: GQA attention with q/k/v biases (attention_bias) and optional per-head q/k RMSNorm (use_qk_norm),
+    then a dense MLP (first_k_dense_replace layers) or DeepSeek-V3's MoE (router, correction bias, shared experts)."""
+    h, hd = cfg["hidden_size"], cfg["head_dim"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    a = p + "self_attn."
+    out = [
+        TensorSpec(a + "q_proj.weight", (nh * hd, h)),
+        TensorSpec(a + "k_proj.weight", (nkv * hd, h)),
+        TensorSpec(a + "v_proj.weight", (nkv * hd, h)),
+        TensorSpec(a + "o_proj.weight", (h, nh * hd)),
+    ]
+    if cfg["attention_bias"]:
+        out += [TensorSpec(a + f"{x}_proj.bias", (n * hd,)) for x, n in (("q", nh), ("k", nkv), ("v", nkv))]
+    if cfg["use_qk_norm"]:
+        out += [TensorSpec(a + "q_norm.weight", (hd,), init="ones"), TensorSpec(a + "k_norm.weight", (hd,), init="ones")]
     if i < cfg["first_k_dense_replace"]:
         return out + _mlp(p + "mlp.", h, cfg["intermediate_size"])
     e, mi = cfg["n_routed_experts"], cfg["moe_intermediate_size"]
@@ -143,6 +171,7 @@ _KINDS: tuple[str, ...] = (
     "mlp.shared_experts.gate_proj.weight", "mlp.shared_experts.up_proj.weight",
     "mlp.shared_experts.down_proj.weight",
     "gate_proj.weight", "up_proj.weight", "down_proj.weight",  # under mlp.experts.E.
+    "self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias",  # (GLM-4.5; 31 of the 32 ids)
 )  # fmt: skip
 _KIND_IDS = {k: i for i, k in enumerate(_KINDS)}
 _NAME_RE = re.compile(r"model\.layers\.(\d+)\.(?:mlp\.experts\.(\d+)\.)?(.+)")
