@@ -68,7 +68,7 @@ def test_bf16_cuda_matches_transformers(arch, tmp_path):
     check_bf16(arch, tmp_path, 64, long=False)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v3", "mixtral", "glm4_moe", "deepseek_v2"])
 def test_bf16_cuda_long_context(arch, tmp_path):
     check_bf16(arch, tmp_path, 2100, long=True)
 

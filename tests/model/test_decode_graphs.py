@@ -190,3 +190,30 @@ def test_all_resident_tiered_engine_uses_graphs_and_equals_memory(plain_tiny, nu
         assert tiered.generate(ids, max_tokens=24).token_ids == memory.generate(ids, max_tokens=24).token_ids
         assert tiered.model.graphs.replays > 0 and tiered.model.graphs.mode() == "full"
         assert tiered.stats()["tiers"]["lookups"] > 0  # device-side counts reach the statistics
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["glm4_moe", "deepseek_v2"])
+def test_graphs_of_glm4_moe_and_deepseek_v2_equal_eager_decode(arch, tmp_path):
+    """glm4_moe (half-rotary heads: rotated in torch, past the fused full-head kernels; q/k/v biases) and deepseek_v2
+    (its softmax group router in fp32; MLA without q_lora_rank): decode graphs with every expert in memory, and
+    one-graph decode with two GPU slots a layer (cold experts copied in), give eager decode's tokens."""
+    from strata.runtime.demo.model import write_demo_model
+
+    d = write_demo_model(tmp_path / arch, size="tiny", engram=False, arch=arch, progress=False)
+    eager = Engine.from_pretrained(d, device="cuda", config={"runtime": {"experts": "memory"},
+                                                             "debug": {"cuda_graphs": False}})
+    graphs = Engine.from_pretrained(d, device="cuda", config={"runtime": {"experts": "memory"}})
+    ids = eager.tokenizer.encode("The river runs through the valley and the town")
+    want = eager.generate(ids, max_tokens=24)
+    assert graphs.generate(ids, max_tokens=24).token_ids == want.token_ids
+    assert graphs.model.graphs.replays > 0 and not graphs.model.graphs.failed
+    assert_batched_decode_identical(eager, graphs, steps=12)
+    slot = 3 * 64 * 32 * 2  # one bf16 expert of the tiny sizes
+    cfg = {"tiers": {"gpu": {"budget": str(2 * slot)}, "pinned": {"budget": str(48 * slot)}},
+           "runtime": {"cpu_numerics": "gpu"}}
+    with Engine.from_pretrained(d, device="cuda", config=cfg) as tiered:
+        assert tiered.generate(ids, max_tokens=24).token_ids == want.token_ids
+        assert tiered.model.graphs.replays > 0 and not tiered.model.graphs.failed
+        assert tiered.stats()["tiers"]["tiers"]["gpu"]["evictions"] > 0
+
