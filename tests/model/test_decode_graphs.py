@@ -216,4 +216,3 @@ def test_graphs_of_glm4_moe_and_deepseek_v2_equal_eager_decode(arch, tmp_path):
         assert tiered.generate(ids, max_tokens=24).token_ids == want.token_ids
         assert tiered.model.graphs.replays > 0 and not tiered.model.graphs.failed
         assert tiered.stats()["tiers"]["tiers"]["gpu"]["evictions"] > 0
-
