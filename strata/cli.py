@@ -49,7 +49,12 @@ def _cmd_inspect(args: argparse.Namespace) -> int:
     from strata.runtime.plan.inspect import format_summary, summarize_checkpoint
 
     t0 = time.perf_counter()
-    summary = summarize_checkpoint(args.model)
+    if str(args.model).endswith(".gguf"):  # a GGUF file: its metadata and tensor infos
+        from strata.runtime.plan.gguf_inspect import summarize_gguf
+
+        summary = summarize_gguf(args.model)
+    else:
+        summary = summarize_checkpoint(args.model)
     print(format_summary(summary))
     print(f"(read from headers in {1000 * (time.perf_counter() - t0):.0f} ms)")
     return 0
@@ -175,7 +180,8 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     parser.commands = sub.choices
 
     p = sub.add_parser("inspect", help="summarise a checkpoint from its headers alone")
-    p.add_argument("model", help="Hugging Face checkpoint directory (only config.json and the tensor headers are read)")
+    p.add_argument("model", help="Hugging Face checkpoint directory, store, or .gguf file (only config.json and the "
+                   "tensor headers are read)")
     p.set_defaults(func=_cmd_inspect)
 
     p = sub.add_parser("generate", help="generate text, streamed to stdout")
@@ -226,7 +232,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p.set_defaults(func=_cmd_plan)
 
     p = sub.add_parser("convert", help="pack a checkpoint into a tiered expert store")
-    p.add_argument("model", help="Hugging Face checkpoint directory")
+    p.add_argument("model", help="Hugging Face checkpoint directory, or a .gguf file (a split file: any of its parts)")
     p.add_argument("store", help="store directory to write (new or empty; an existing store of this checkpoint is kept)")
     p.add_argument("--experts", default=None, choices=["checkpoint", "fp8", "mxfp4"],
                    help="routed experts as the checkpoint ships them, or a bf16 checkpoint's quantized while packing: "

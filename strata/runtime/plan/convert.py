@@ -250,9 +250,20 @@ def adopt_earlier_store(src: Path, out: Path, root: Path) -> None:
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
-    """`strata convert MODEL STORE_DIR [--experts checkpoint|fp8|mxfp4] [--config PATH]`."""
+    """`strata convert MODEL STORE_DIR [--experts checkpoint|fp8|mxfp4] [--config PATH]`; MODEL may be a .gguf file,
+    whose experts keep their ggml blocks (`--experts` other than "checkpoint" is refused for it)."""
     experts = getattr(args, "experts", None) or load_config(getattr(args, "config", None)).store.experts
-    out, wrote = _convert(args.model, args.store, progress=True, experts=experts)
+    if str(args.model).endswith(".gguf"):
+        from strata.runtime.plan.gguf_convert import convert_gguf, gguf_fingerprint
+
+        if experts != "checkpoint":
+            raise ConfigError(f"{args.model}: a GGUF file's experts keep their ggml blocks; drop --experts {experts} "
+                              "(or [store] experts) to convert it")
+        store = Path(args.store).expanduser().absolute()
+        wrote = not (is_store(store) and read_index(store).source_fingerprint == gguf_fingerprint(Path(args.model)))
+        out = convert_gguf(args.model, store, progress=True)
+    else:
+        out, wrote = _convert(args.model, args.store, progress=True, experts=experts)
     idx = read_index(out)
     what = (f"{len(idx.blobs)} {idx.expert_format.name} experts in {len(idx.moe_layers)} layers, {idx.slot_bytes} "
             "bytes a slot")

@@ -67,6 +67,8 @@ def read_footprint(model_dir: str | Path, experts: str = "checkpoint") -> ModelF
     path = Path(model_dir)
     if store_format.is_store(path):
         return _store_footprint(path)
+    if path.suffix == ".gguf" and path.is_file():
+        return _gguf_footprint(path)
     s = summarize_checkpoint(path)
     cfg = _model_config(path)
     plain = _plain_dtype(s.bytes_by_dtype)
@@ -119,3 +121,23 @@ def _plain_dtype(bytes_by_dtype: dict[str, int]) -> str:
 
 def _model_config(path: Path) -> ModelConfig:
     return ModelConfig.from_hf(read_json(path / "config.json"), str(path / "config.json"))
+
+
+def _gguf_footprint(path: Path) -> ModelFootprint:
+    """A GGUF file's: its store keeps the experts' ggml blocks (one slot each) and every other tensor in float32."""
+    from strata.runtime.plan.gguf_inspect import summarize_gguf
+    from strata.tiers.store.gguf_reader import GGUFFile
+
+    f = GGUFFile.open(path)
+    s = summarize_gguf(path)
+    cfg = ModelConfig.from_hf(f.hf_config, str(path))
+    fmt = s.expert_format or ExpertFormat("plain", "F32")
+    expert = ExpertLayout.build(fmt, cfg.hidden_size, cfg.moe_intermediate_size).payload_bytes
+    non_expert = 4 * sum(int(t.n_elements) for name, t in f.tensors.items() if "_exps" not in name)  # float32
+    slot = store_format.align_up(expert)
+    return ModelFootprint(
+        path=str(path), source="checkpoint", config=cfg, moe_layers=cfg.num_moe_layers,
+        experts_per_layer=cfg.num_experts, expert_bytes=expert, slot_bytes=slot, non_expert_bytes=non_expert,
+        itemsize=4, store_bytes=store_format.align_up(non_expert) + cfg.num_moe_layers * cfg.num_experts * slot,
+        dtype="F32", expert_format=fmt, dense_format="f32",
+    )  # fmt: skip

@@ -46,6 +46,8 @@ def store_mode(path: str | os.PathLike, cfg: StrataConfig, ckpt: Checkpoint | No
     path = Path(path).expanduser()
     if is_store(path):
         return "packed", "the path is a packed store"
+    if path.suffix == ".gguf" and path.is_file():
+        return "packed", "a GGUF file is converted into a packed store (its experts kept in their ggml blocks)"
     if cfg.store.mode == "packed":
         return "packed", '[store] mode = "packed"'
     if len(cfg.runtime.devices) > 1:

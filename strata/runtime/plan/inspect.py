@@ -69,6 +69,8 @@ class CheckpointSummary:
         if role == "experts" and self.expert_format is not None and self.expert_format.quantized \
                 and key in (FP8, FP8_SCALES, MXFP4, "U8"):
             return self.expert_format.name  # (a store's blobs: their own block)
+        if key.startswith("gguf "):  # a GGUF file's ggml type, or a store's GGUF experts: "gguf Q4_K/Q6_K"
+            return key
         if key in (FP8, FP8_SCALES):
             return f"fp8 {self.fp8_block[0]}x{self.fp8_block[1]}" if self.fp8_block else "fp8"
         return key.lower()
@@ -229,7 +231,8 @@ def _tally(index: TensorIndex, num_layers: int | None) -> _Tally:
 
 
 def summarize_checkpoint(path: str | Path) -> CheckpointSummary:
-    """Summarise the checkpoint directory `path` from config.json and safetensors headers only."""
+    """Summarise the checkpoint directory `path` from config.json and safetensors headers only (a GGUF file:
+    strata.runtime.plan.gguf_inspect)."""
     path = Path(path)
     if lacks_index(path):  # a store's files without its index: neither a store nor a checkpoint
         raise no_index_error(path)
@@ -339,7 +342,8 @@ def _add_store_objects(t: _Tally, path: Path, dense_bytes: int) -> tuple[int, in
     t.by_role["engram_tables"] += tables
     t.by_dtype[idx.dtype] += experts
     fmt = idx.expert_format
-    t.formats["experts", idx.dtype if not fmt.quantized else FP8 if fmt.kind == "fp8" else MXFP4] += experts
+    key = idx.dtype if not fmt.quantized else FP8 if fmt.kind == "fp8" else MXFP4 if fmt.kind == "mxfp4" else fmt.name
+    t.formats["experts", key] += experts
     for table in idx.tables.values():
         t.formats["engram_tables", table.dtype] += table.nbytes
     return dense_bytes + experts + tables, len(idx.file_sizes())

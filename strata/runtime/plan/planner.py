@@ -299,7 +299,7 @@ def _select_gpu(host: HostInfo, device: str) -> GpuInfo | None:
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of `strata plan`."""
-    p.add_argument("model", help="checkpoint or store directory")
+    p.add_argument("model", help="checkpoint or store directory, or a .gguf file")
     p.add_argument("--gpu-mem", default=None, help='plan for this much free VRAM per GPU, e.g. "24GiB" (0: no GPU), '
                    'or one size per GPU of --gpus, e.g. "96GiB,24GiB,24GiB"')
     p.add_argument("--gpus", default=None, help="split the model over these GPUs, e.g. 0,1 (sets runtime.devices)")

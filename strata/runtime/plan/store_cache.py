@@ -31,6 +31,10 @@ def store_dir_for(path: str | os.PathLike, cfg: StrataConfig, fingerprint: str |
     path = Path(path).expanduser()
     if is_store(path):
         return path
+    if path.suffix == ".gguf" and path.is_file():
+        from strata.runtime.plan.gguf_convert import gguf_fingerprint
+
+        return store_root(cfg) / f"{path.stem}-{gguf_fingerprint(path)[5:17]}"
     if lacks_index(path):
         raise no_index_error(path)
     suffix = "" if cfg.store.experts == "checkpoint" else f"-{cfg.store.experts}"
@@ -55,7 +59,7 @@ def ensure_store(path: Path, cfg: StrataConfig, progress: bool) -> Path:
 
 def gguf_store(path: Path, cfg: StrataConfig, progress: bool = False) -> Path:
     """The store of GGUF file `path` in the cache (`store_root(cfg)/NAME-FINGERPRINT`), converted on first use."""
-    from strata.runtime.plan.gguf_convert import convert_gguf, gguf_fingerprint
+    from strata.runtime.plan.gguf_convert import convert_gguf
 
     path = Path(path).expanduser()
-    return convert_gguf(path, store_root(cfg) / f"{path.stem}-{gguf_fingerprint(path)[5:17]}", progress=progress)
+    return convert_gguf(path, store_dir_for(path, cfg), progress=progress)

@@ -372,9 +372,18 @@ class ExpertStore:
 def format_problem(layout: ExpertLayout, buf: torch.Tensor) -> str | None:
     """Why blob `buf` (1-D uint8) is not an expert in `layout`'s quantized format, or None: FP8 block scales must be
     finite and positive and no FP8 value NaN; an MXFP4 scale of 255 is NaN in e8m0. (A checksum that holds over such
-    bytes means the store was written wrong, not damaged since.)"""
+    bytes means the store was written wrong, not damaged since.) A GGUF blob's header must name, for each of gate,
+    up and down, a block type the store's format lists for it."""
     fmt = layout.fmt
     if not fmt.quantized:
+        return None
+    if fmt.kind == "gguf":
+        from strata.kernels.gguf_blocks import BY_ID
+
+        ids = buf[:3].tolist()  # the blob's header: gate, up and down's ggml type ids
+        for what, type_id, allowed in zip(("gate", "up", "down"), ids, fmt.ggml, strict=True):
+            if type_id not in BY_ID or BY_ID[type_id].name not in allowed:
+                return f"{what} has ggml type id {type_id}, not one of the store's {'/'.join(allowed)}"
         return None
     for what, m in zip(("gate_up", "down"), layout.matrices(buf), strict=True):
         if fmt.kind == "fp8":
