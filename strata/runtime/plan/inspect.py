@@ -186,7 +186,7 @@ def _tally(index: TensorIndex, num_layers: int | None) -> _Tally:
         fmt = tensor_format(info)
         m = layer_re.match(name)
         if m is None:
-            if "embed_tokens" in name or name.startswith("lm_head."):
+            if "embed_tokens" in name or name.startswith(("lm_head.", "language_model.lm_head.")):  # (Kimi K2.5)
                 role = "embeddings"
             elif ".engram." in name:
                 role = "engram"  # model.engram.token_map
