@@ -11,6 +11,10 @@ times each, every run in a fresh process whose checkpoint and store files were f
 (/proc/self/io `read_bytes`, and `rchar` for reads served by the page cache), its greedy decode tok/s
 (`Engine.stats()`, after a warm-up generation) and the tier statistics (pinned hits and evictions: experts that
 came from disk). Prints JSON; `--out` writes it to a file.
+
+`--reads N` measures the disk tier's read path alone instead (less sensitive to a loaded CPU): every expert read
+once, in a shuffled order, through `DiskReader.read_parts` into one aligned slot, from the in-place store and
+from the packed store in turn (N rounds each, alternating, page cache dropped before each), in MiB/s of slots.
 """
 
 from __future__ import annotations
@@ -95,6 +99,37 @@ def _prepare(model: str, pinned_bytes: int) -> dict:
     return {"damaged": damaged, "verified_bytes": verified, "part_bytes": total, "expert_bytes": expert_bytes}
 
 
+def read_rounds(model: str, cache: str, rounds: int) -> dict:
+    """MiB/s of expert slots read from disk through `DiskReader.read_parts`, per round, in place and packed."""
+    import random
+
+    from strata.config import load_config
+    from strata.runtime.plan.in_place import open_in_place
+    from strata.runtime.plan.store_cache import store_root
+    from strata.tiers.storage.diskio import DiskReader, aligned_empty
+    from strata.tiers.store.format import is_store
+    from strata.tiers.store.store import ExpertStore
+
+    in_place = open_in_place(model, load_config({}))
+    packed = ExpertStore.open(next(d for d in store_root(load_config({})).iterdir() if is_store(d)))
+    keys = list(packed.keys())
+    random.Random(0).shuffle(keys)
+    stores = {"in_place": in_place, "packed": packed}
+    rates: dict[str, list[float]] = {"in_place": [], "packed": []}
+    with DiskReader() as reader:
+        for i in range(rounds):
+            for mode in (("in_place", "packed") if i % 2 == 0 else ("packed", "in_place")):
+                _drop_page_cache(Path(model), Path(cache))
+                store = stores[mode]
+                slot = aligned_empty(store.slot_bytes)
+                t0 = time.perf_counter()
+                for key in keys:
+                    reader.read_parts(store.extents(key), slot).result()
+                rates[mode].append(len(keys) * store.slot_bytes / (time.perf_counter() - t0) / 2**20)
+    return {"experts": len(keys), "slot_bytes": packed.slot_bytes,
+            "extents_per_expert": len(in_place.extents(keys[0])), "mib_s": rates}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="checkpoint directory (safetensors)")
@@ -104,12 +139,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pinned-fraction", type=float, default=0.5, help="pinned budget as a fraction of expert bytes")
     p.add_argument("--cache", default="/tmp/strata-bench-in-place", help="STRATA_CACHE for both stores")
     p.add_argument("--out", default=None, help="file for the JSON result")
+    p.add_argument("--reads", type=int, default=0, metavar="N", help="N rounds of the read path alone")
     p.add_argument("--child", nargs=2, metavar=("MODE", "PINNED_BYTES"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     os.environ["STRATA_CACHE"] = args.cache
 
     if args.child:  # one timed run, in a fresh process
         print(json.dumps(run_one(args.model, args.child[0], int(args.child[1]), args.tokens, args.prompt_tokens)))
+        return 0
+
+    if args.reads:  # the stores must exist: run the decode comparison first
+        result = {"model": args.model, "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                  "load_avg": os.getloadavg(), "reads": read_rounds(args.model, args.cache, args.reads)}
+        print(json.dumps(result))
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(result, indent=1))
         return 0
 
     from strata.runtime.model.checkpoint import Checkpoint
