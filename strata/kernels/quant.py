@@ -15,8 +15,8 @@ kernels read values and scales straight from the blob without a bf16 copy.
 
 GGUF experts (kind "gguf", strata.kernels.gguf_blocks) keep the file's ggml blocks: a blob starts with a 3-byte
 header, the block type ids of its gate, up and down tensors (a file mixes types per tensor and per layer, as
-Q4_K_M does), then gate_up's section (gate's [I, H/bv * bb] blocks, then up's, each half sized for the widest type
-the store holds) and down's [H, I/bv * bb]; the header is both matrices' "scales". Quantizing rounds to nearest
+Q4_K_M does), then gate_up's section (gate's [I, H/bv * bb] blocks, then up's, two equal halves sized for the
+widest type either holds) and down's [H, I/bv * bb]; the header is both matrices' "scales". Quantizing rounds to nearest
 (ties to even); `dequantize_*` are the exact inverse on the grid, the oracle every kernel is tested against.
 """
 
@@ -196,7 +196,9 @@ def _gguf_sections(fmt: ExpertFormat, h: int, i: int) -> tuple[Section, Section,
     def widest(types: tuple[str, ...], rows: int, k: int) -> int:
         return rows * max(BLOCK_TYPES[n].row_bytes(k) for n in types)
 
-    gu_bytes = widest(fmt.ggml[0], i, h) + widest(fmt.ggml[1], i, h)
+    # two equal halves (the gate's, then the up's), each as wide as the widest type of either: readers find up's rows
+    # at the section's middle whichever types the two tensors have
+    gu_bytes = 2 * max(widest(fmt.ggml[0], i, h), widest(fmt.ggml[1], i, h))
     gate_up = Section(SECTION_ALIGN, (gu_bytes,), torch.uint8)
     down = Section(_align(SECTION_ALIGN + gu_bytes), (widest(fmt.ggml[2], h, i),), torch.uint8)
     return gate_up, Section(0, (2,), torch.uint8), down, Section(2, (1,), torch.uint8), down.offset + down.nbytes
