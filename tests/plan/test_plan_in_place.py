@@ -1,0 +1,44 @@
+"""The planner on a checkpoint larger than the disk's free space: read in place, it needs no second copy.
+
+A Qwen3-235B-A22B-shaped checkpoint (94 layers x 128 experts, 438 GiB of bf16) written as sparse safetensors files
+(real headers, holes for the data) on a simulated host with 24 GiB of VRAM, 64 GiB of RAM and 70 GiB of free disk.
+"""
+
+from __future__ import annotations
+
+import pytest
+from test_inspect import qwen3_moe, write_sparse_checkpoint
+from test_planner import host
+
+from strata.runtime.demo.model import demo_config
+from strata.runtime.plan.planner import PlanError, plan
+
+GiB = 1 << 30
+Q235B_EXPERT = 3 * 1536 * 4096 * 2  # one expert in bf16: 36 MiB
+
+
+@pytest.fixture(scope="module")
+def q235b(tmp_path_factory):
+    spec, _ = qwen3_moe(94, 4096, 64, 1536, 128)
+    config = {**demo_config("bench"), "num_hidden_layers": 94, "hidden_size": 4096, "num_attention_heads": 64,
+              "num_key_value_heads": 4, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+              "max_window_layers": 94}
+    d = tmp_path_factory.mktemp("q235b") / "m"
+    expected = write_sparse_checkpoint(d, spec, config, shards=24)
+    assert 437 * GiB < sum(expected.values()) < 439 * GiB
+    return d
+
+
+def test_a_checkpoint_larger_than_the_free_disk_is_planned_in_place(q235b):
+    small_host = host(gpu=24 * GiB, ram=64 * GiB, disk=70 * GiB)
+    p = plan(q235b, small_host)
+    assert p.store_mode == "in_place"
+    assert p.total_experts == 94 * 128 and p.slot_bytes >= Q235B_EXPERT
+    text = p.format()
+    assert "in place" in text and "no extra disk" in text
+    # every expert is placed: GPU and pinned slots hold some, the disk tier (the checkpoint's files) all
+    assert 0 < p.tier("gpu").slots < p.tier("pinned").slots < 94 * 128
+    assert p.tier("pinned").bytes <= 64 * GiB
+    # packed, the same checkpoint needs a 438 GiB store on a disk with 70 GiB free
+    with pytest.raises(PlanError, match="expert store"):
+        plan(q235b, small_host, {"store": {"mode": "packed"}})
