@@ -7,8 +7,8 @@ compressor biases, the routers' correction bias) in F32 and each hash layer's ti
 experts per token). Sizes (every one with the architecture's 1M-token context, CSA every 4 and HCA every 128 tokens,
 4 hyper-connection streams, 20 Sinkhorn iterations, YaRN on the compressed branches):
 
-- `tiny`: 4 layers (sliding window, CSA, HCA, CSA) x 16 experts, hidden 64, ~2 MB, for tests.
-- `small`: 8 layers (V4's HCA / CSA schedule) x 64 experts of 256, hidden 512, head_dim 128, ~150 MB.
+- `tiny`: 4 layers (sliding window, CSA, HCA, CSA) x 16 experts, hidden 64, ~1.3 MB, for tests.
+- `small`: 8 layers (V4's HCA / CSA schedule) x 64 experts of 256, hidden 512, head_dim 128, ~440 MB.
 - `bench`: DeepSeek-V4-Flash's configuration (transformers' DeepseekV4Config defaults): 43 layers x 256 experts of
   2048, hidden 4096, head_dim 512, 64 heads, ~13 GB of experts a layer (`--layers N` writes fewer).
 

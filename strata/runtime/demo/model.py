@@ -106,7 +106,8 @@ def write_demo_model(
     `route_skew` S > 0 (Zipf-like) or "uniform" writes a routing profile into the weights (strata.runtime.demo.skew);
     `route_locality` L > 0 adds temporal locality to it (each router also weighs the recent context, L x the token).
     `experts` "fp8" / "mxfp4" writes the same weights as a quantized release ships them (strata.runtime.demo.quantized).
-    `arch` writes the size in another architecture (glm4_moe, deepseek_v2: their tiny and bench sizes, `ARCH_CONFIGS`).
+    `arch` writes the size in another architecture (glm4_moe, deepseek_v2: their tiny and bench sizes, `ARCH_CONFIGS`;
+    deepseek_v4: its tiny, small and bench sizes, strata.runtime.demo.deepseek_v4).
 
     If `out_dir` already holds a demo model with the same size, layers and seed it is returned as is;
     any other non-empty directory is refused with a ConfigError.
@@ -120,6 +121,16 @@ def write_demo_model(
                               f"are fixed; these options shape the random sizes ({', '.join(DEMO_SIZES)})")
         marker = json.loads((ensure_default_model() / MARKER).read_text())
         fill = functools.partial(shutil.copytree, TRAINED_DIR, dirs_exist_ok=True)  # fill(tmp) copies into tmp
+    elif arch == "deepseek_v4":  # its own writer: the release's tensor names, hash tables, hyper-connections
+        from strata.runtime.demo.deepseek_v4 import v4_demo
+
+        given = {"--route-skew": check_skew(route_skew) != 0, "--route-locality": check_locality(route_locality) != 0,
+                 "--experts": experts != "bf16"}
+        if any(given.values()):
+            raise ConfigError(f"{', '.join(k for k, v in given.items() if v)}: not written for --arch deepseek_v4; "
+                              "leave them out")
+        marker, write = v4_demo(size, layers, seed, max_shard_bytes, progress, workers)
+        fill = functools.partial(_write_arch_into, write=write, marker=marker)
     else:
         spec = DemoSpec(size, layers, seed, max_shard_bytes, engram, route_skew, route_locality, experts, arch)
         marker = spec.marker()
@@ -166,6 +177,12 @@ def _existing_demo(out: Path, marker: dict) -> bool:
             f"{found.get('num_hidden_layers')} layers, seed {found.get('seed')}); delete it or choose another directory"
         )
     return True
+
+
+def _write_arch_into(tmp: Path, write, marker: dict) -> None:
+    """An architecture with a writer of its own: its files (`write`), then the marker."""
+    write(tmp)
+    _dump_json(tmp / MARKER, marker)
 
 
 def _write_into(tmp: Path, spec: DemoSpec, progress: bool, workers: int | None) -> None:

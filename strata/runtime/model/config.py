@@ -132,8 +132,8 @@ class ModelConfig:
     @property
     def fp32_router(self) -> bool:
         """Whether the router's weights stay in fp32 whatever the model dtype (DeepSeek's and GLM's routers: their
-        `_keep_in_fp32_modules` in transformers)."""
-        return self.router != "softmax"
+        `_keep_in_fp32_modules` in transformers); DeepSeek-V4 keeps only the correction bias in fp32."""
+        return self.router != "softmax" and self.deepseek_v4 is None
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:

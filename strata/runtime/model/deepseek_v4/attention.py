@@ -27,6 +27,8 @@ from strata.runtime.model.deepseek_v4.norms import FloatRMSNorm, unweighted_rms_
 from strata.runtime.model.deepseek_v4.rope import InterleavedRope, rotate
 from strata.runtime.model.layers import project
 
+SCORE_BUDGET = 1 << 24  # elements of a query block's scores (and gathered entries): 64 MB in fp32
+
 
 class CSACompressor(Compressor):
     """The CSA layer's compressor (overlapping windows) with the lightning indexer inside, as transformers nests them."""
@@ -82,15 +84,15 @@ class DeepseekV4Attention(nn.Module):
         out = torch.empty(n, nh, d, dtype=x.dtype, device=x.device)
         for slot, start, off, length in sequences:
             rows = slice(off, off + length)
-            keys, mask = self._window(cache, slot, start, kv[rows])
+            entries, picked = None, None
             if self.compressor is not None:
                 count = self.compressor.update(cache.compressor, slot, start, src_kv[rows], src_gate[rows],
                                                ropes["compress"])
-                entries = cache.compressor.entries[slot, :count]
-                keys = torch.cat([keys, entries])
-                mask = torch.cat([mask, self._entry_mask(cache, slot, start, length, count, x[rows],
-                                                         q_residual[rows], ropes["compress"])], dim=-1)
-            out[rows] = self._attend(q[rows], keys, mask)
+                entries = cache.compressor.entries[slot, :count]  # [T, d]
+                if self.kind == CSA:
+                    picked = self.compressor.indexer.select(cache.indexer, slot, start, x[rows], q_residual[rows],
+                                                            ropes["compress"])  # [L, k]
+            out[rows] = self._sequence(q[rows], kv[rows], cache, slot, start, entries, picked)
             self._remember(cache, slot, start, kv[rows])
         out = rotate(out, cos, -sin)  # values carried the keys' rotation: undo it at the query's position
         grouped = out.reshape(n, self.groups, -1)  # [N, g, heads * d / g]
@@ -98,43 +100,70 @@ class DeepseekV4Attention(nn.Module):
         mixed = torch.bmm(grouped.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)  # [N, g, o_lora]
         return project(self.o_b_proj, mixed.reshape(n, -1))
 
-    def _window(self, cache: LayerCache, slot: int, start: int, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The chunk's window keys (the cached positions it still sees ++ its own) [P, d] and the additive mask
-        [L, P] (0: attended; -inf: outside the window or in the future)."""
+    def _sequence(self, q: torch.Tensor, kv: torch.Tensor, cache: LayerCache, slot: int, start: int,
+                  entries: torch.Tensor | None, picked: torch.Tensor | None) -> torch.Tensor:
+        """One sequence's chunk: q [L, heads, d], its new keys kv [L, d], the compressed entries [T, d] it may see
+        and (CSA) the indexer's picks [L, k] -> [L, heads, d]. Queries go in blocks whose scores stay within
+        `SCORE_BUDGET` elements: each block reads the window positions it can see and its own entries."""
+        n, nh, dev = kv.shape[0], self.num_heads, kv.device
         ring = cache.window.shape[1]
         back = min(start, self.window - 1, ring)
-        old = torch.arange(start - back, start, device=kv.device)
-        keys = torch.cat([cache.window[slot, old % ring], kv]) if back else kv
-        qpos = torch.arange(start, start + kv.shape[0], device=kv.device)[:, None]
-        kpos = torch.arange(start - back, start + kv.shape[0], device=kv.device)[None, :]
-        seen = (kpos <= qpos) & (kpos > qpos - self.window)
-        mask = torch.zeros(seen.shape, dtype=torch.float32, device=kv.device).masked_fill_(~seen, float("-inf"))
-        return keys, mask
+        old = torch.arange(start - back, start, device=dev) % ring
+        window = torch.cat([cache.window[slot, old], kv]) if back else kv  # positions start - back ..
+        seen_entries = 0 if entries is None else picked.shape[1] if picked is not None else entries.shape[0]
+        gathered = picked.shape[1] * self.head_dim if picked is not None else 0  # CSA: [k, d] per query
 
-    def _entry_mask(self, cache: LayerCache, slot: int, start: int, length: int, count: int, x: torch.Tensor,
-                    q_residual: torch.Tensor, rope: InterleavedRope) -> torch.Tensor:
-        """[L, count] additive mask over the sequence's compressed entries: HCA every complete one, CSA the
-        indexer's picks among them."""
-        device = x.device
-        ready = (torch.arange(start, start + length, device=device) + 1) // self.compressor.rate  # [L]
-        if self.kind != CSA:
-            seen = torch.arange(count, device=device)[None, :] < ready[:, None]
-        else:
-            picked = self.compressor.indexer.select(cache.indexer, slot, start, x, q_residual, rope)  # [L, k]
-            seen = torch.zeros(length, count + 1, dtype=torch.bool, device=device)
-            seen.scatter_(1, torch.where(picked >= 0, picked, count), True)
-            seen = seen[:, :count]
-        return torch.zeros(seen.shape, dtype=torch.float32, device=device).masked_fill_(~seen, float("-inf"))
+        def cost(b: int) -> int:  # elements a block of b queries holds: scores, and CSA's gathered entries
+            return b * (nh * (b + self.window + seen_entries) + gathered)
 
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """q [L, heads, d], keys = values [S, d], mask [L, S] -> [L, heads, d], with each head's sink logit."""
-        scores = torch.matmul(q.transpose(0, 1), keys.t()[None]) * self.scale  # [heads, L, S]
-        scores = scores + mask.to(scores.dtype)[None]
-        sinks = self.sinks[:, None, None].expand(-1, q.shape[0], 1)  # fp32: the concatenation promotes to it
-        logits = torch.cat([scores, sinks], dim=-1)
+        block = min(n, 1024)
+        while block > 1 and cost(block) > SCORE_BUDGET:
+            block //= 2
+        out = torch.empty_like(q)
+        for b0 in range(0, n, block):
+            b1 = min(n, b0 + block)
+            lo = max(0, back + b0 - (self.window - 1))  # the first window key the block's first query sees
+            keys = window[lo : back + b1]
+            qpos = torch.arange(start + b0, start + b1, device=dev)[:, None]
+            kpos = torch.arange(start - back + lo, start + b1, device=dev)[None, :]
+            seen = (kpos <= qpos) & (kpos > qpos - self.window)
+            sel = None
+            if picked is not None:  # CSA: each query's own entries
+                sel = picked[b0:b1]
+                ent = entries[sel.clamp(min=0)]  # [Lb, k, d]
+                ent_seen = sel >= 0
+            elif entries is not None:  # HCA: every entry complete at the query
+                ent = entries
+                ent_seen = torch.arange(entries.shape[0], device=dev)[None, :] < (qpos + 1) // self.compressor.rate
+            else:
+                ent = ent_seen = None
+            out[b0:b1] = self._attend(q[b0:b1], keys, seen, ent, ent_seen, per_query=sel is not None)
+        return out
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, seen: torch.Tensor, ent: torch.Tensor | None,
+                ent_seen: torch.Tensor | None, per_query: bool) -> torch.Tensor:
+        """q [L, heads, d] over window keys = values [P, d] (`seen` [L, P]) and compressed entries (shared [T, d], or
+        per query [L, k, d] with `per_query`; `ent_seen` [L, T or k]), with each head's sink logit -> [L, heads, d].
+        The logits are transformers' (q k / sqrt(d) + mask, the sink appended, the maximum subtracted) over the keys
+        a query may see; the ones it may not would weigh exactly 0 there."""
+        scores = torch.matmul(q.transpose(0, 1), keys.t()[None]) * self.scale  # [heads, L, P]
+        parts = [scores.masked_fill(~seen[None], float("-inf"))]
+        if ent is not None:
+            if per_query:
+                s_ent = torch.einsum("lhd,lkd->hlk", q, ent) * self.scale  # [heads, L, k]
+            else:
+                s_ent = torch.matmul(q.transpose(0, 1), ent.t()[None]) * self.scale  # [heads, L, T]
+            parts.append(s_ent.masked_fill(~ent_seen[None], float("-inf")))
+        parts.append(self.sinks[:, None, None].expand(-1, q.shape[0], 1))  # fp32: the concatenation promotes to it
+        logits = torch.cat(parts, dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
-        probs = logits.softmax(dim=-1, dtype=logits.dtype)[..., :-1].to(keys.dtype)
-        return torch.matmul(probs, keys[None]).transpose(0, 1)  # [L, heads, d]
+        probs = logits.softmax(dim=-1, dtype=logits.dtype).to(keys.dtype)
+        p = keys.shape[0]
+        o = torch.matmul(probs[..., :p], keys[None])  # [heads, L, d]
+        if ent is not None:
+            p_ent = probs[..., p:-1]
+            o = o + (torch.einsum("hlk,lkd->hld", p_ent, ent) if per_query else torch.matmul(p_ent, ent[None]))
+        return o.transpose(0, 1)
 
     def _remember(self, cache: LayerCache, slot: int, start: int, kv: torch.Tensor) -> None:
         """The chunk's last positions into the window ring (after it attended: the ring held older ones)."""

@@ -22,6 +22,8 @@ from strata.runtime.model.deepseek_v4.compressor import Compressor
 from strata.runtime.model.deepseek_v4.rope import InterleavedRope, rotate
 from strata.runtime.model.layers import project
 
+SCORE_BUDGET = 1 << 25  # elements of a query block's scores over every entry ([b, heads, T] in fp32: 128 MB)
+
 
 class IndexerScorer(nn.Module):
     """Holds `weights_proj` (transformers' `scorer` submodule): per-query head weights."""
@@ -52,14 +54,19 @@ class Indexer(Compressor):
         positions = torch.arange(start, start + n, device=x.device)
         cos, sin = rope(positions, x.dtype)
         q = rotate(project(self.q_b_proj, q_residual).view(n, self.heads, self.dim), cos, sin)  # [L, heads, dim]
-        scores = torch.matmul(q.float(), keys.t().float()[None])  # [L, heads, T]
-        scores = F.relu(scores) * self.dim**-0.5
         weights = project(self.scorer.weights_proj, x).float() * self.heads**-0.5  # [L, heads]
-        scores = (scores * weights[..., None]).sum(dim=1)  # [L, T]
         k = min(self.topk, count)
         if count == 0:
-            return scores.topk(k, dim=-1).indices
+            return torch.zeros((n, 0), dtype=torch.int64, device=x.device)
         ready = (positions + 1) // self.rate  # [L] entries complete at each query
-        future = torch.arange(count, device=x.device)[None, :] >= ready[:, None]
-        picked = scores.masked_fill(future, float("-inf")).topk(k, dim=-1).indices
-        return torch.where(picked >= ready[:, None], torch.full_like(picked, -1), picked)
+        keys_t = keys.t().float()[None]  # [1, dim, T]
+        picks = []
+        block = max(1, min(n, SCORE_BUDGET // (self.heads * count)))  # a block's scores [b, heads, T] in budget
+        for b0 in range(0, n, block):
+            b1 = min(n, b0 + block)
+            scores = F.relu(torch.matmul(q[b0:b1].float(), keys_t)) * self.dim**-0.5  # [b, heads, T]
+            scores = (scores * weights[b0:b1, :, None]).sum(dim=1)  # [b, T]
+            future = torch.arange(count, device=x.device)[None, :] >= ready[b0:b1, None]
+            picked = scores.masked_fill(future, float("-inf")).topk(k, dim=-1).indices
+            picks.append(torch.where(picked >= ready[b0:b1, None], torch.full_like(picked, -1), picked))
+        return torch.cat(picks)

@@ -1,0 +1,42 @@
+"""`strata demo-model --arch deepseek_v4`: a DeepSeek-V4 checkpoint under the release's tensor names that transformers
+and strata both load, and compute alike."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from strata import Engine
+from strata.errors import ConfigError
+from strata.runtime.demo.model import write_demo_model
+from strata.tiers.store.safetensors_index import TensorIndex
+
+
+def test_tiny_loads_in_transformers_and_strata_alike(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    d = write_demo_model(tmp_path / "v4", size="tiny", arch="deepseek_v4", progress=False)
+    assert write_demo_model(d, size="tiny", arch="deepseek_v4", progress=False) == d  # the same model: kept
+    names = TensorIndex.from_dir(d).names()
+    assert "embed.weight" in names and "layers.0.ffn.gate.tid2eid" in names and "layers.1.attn.indexer.wq_b.weight" in names
+    ref = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    engine = Engine.from_pretrained(d, device="cpu", config={"runtime": {"dtype": "float32", "experts": "memory",
+                                                                         "max_context": 512}})
+    prompt = torch.randint(3, 500, (300,), generator=torch.Generator().manual_seed(0)).tolist()  # CSA and HCA entries
+    with torch.no_grad():
+        expected = torch.log_softmax(ref(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    assert (engine.score(prompt) - expected).abs().max().item() < 1e-4
+    cfg = {"runtime": {"max_context": 512, "dtype": "float32"}}
+    with Engine.from_pretrained(d, device="cpu", config=cfg) as tiered:  # its store: the I32 tid2eid a table
+        assert tiered.tiers.store.index.tables["tid2eid.0"].dtype == "I32"
+        ids = engine.generate(prompt[:40], max_tokens=8, temperature=0.0).token_ids
+        assert tiered.generate(prompt[:40], max_tokens=8, temperature=0.0).token_ids == ids
+
+
+def test_options_it_does_not_write_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="--experts: not written for --arch deepseek_v4"):
+        write_demo_model(tmp_path / "q", size="tiny", arch="deepseek_v4", experts="fp8", progress=False)
+    with pytest.raises(ConfigError, match="the demo model is trained"):
+        write_demo_model(tmp_path / "d", size="demo", arch="deepseek_v4", progress=False)
+    with pytest.raises(ConfigError, match="--layers"):
+        write_demo_model(tmp_path / "l", size="tiny", layers=0, arch="deepseek_v4", progress=False)
