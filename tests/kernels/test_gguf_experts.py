@@ -49,6 +49,19 @@ def test_a_store_mixes_types_per_tensor_and_per_expert():
         np.testing.assert_array_equal(dn.numpy(), _oracle(down, d))
 
 
+def test_up_of_a_wider_type_than_gate_keeps_its_rows_and_leaves_down_alone():
+    rng = np.random.default_rng(2)
+    h, i = 256, 512
+    layout = ExpertLayout.build(ExpertFormat("gguf", ggml=(("Q2_K",), ("Q8_0",), ("Q3_K",))), h, i)
+    gate, up, down = random_blocks("Q2_K", i, h, rng), random_blocks("Q8_0", i, h, rng), random_blocks("Q3_K", h, i, rng)
+    blob = layout.pack_gguf(("Q2_K", torch.from_numpy(gate)), ("Q8_0", torch.from_numpy(up)),
+                            ("Q3_K", torch.from_numpy(down)))
+    gu, dn = layout.dequantize(blob, torch.float32)
+    np.testing.assert_array_equal(gu[:i].numpy(), _oracle(gate, "Q2_K"))
+    np.testing.assert_array_equal(gu[i:].numpy(), _oracle(up, "Q8_0"))  # Q8_0 rows: 272 bytes, Q2_K's 84
+    np.testing.assert_array_equal(dn.numpy(), _oracle(down, "Q3_K"))
+
+
 def test_shapes_and_types_a_gguf_format_cannot_take():
     with pytest.raises(ValueError, match="multiple of 256"):
         ExpertLayout.build(ExpertFormat("gguf", ggml=(("Q4_K",), ("Q4_K",), ("Q4_K",))), 256, 96)

@@ -12,6 +12,7 @@ import os
 import shutil
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from strata.errors import CheckpointError
@@ -115,8 +116,9 @@ def _fill(layout: ExpertLayout, experts: list, e: int):
     """One expert's payload writer for `StoreWriter.write_layer`."""
     (gt, gate), (ut, up), (dt, down) = experts
     if layout.fmt.kind == "gguf":
-        return lambda out: layout.pack_gguf((gt, torch.from_numpy(gate[e])), (ut, torch.from_numpy(up[e])),
-                                            (dt, torch.from_numpy(down[e])), out=out)
+        # np.array: a copy of the file's read-only mapping, which torch will not wrap
+        return lambda out: layout.pack_gguf((gt, torch.from_numpy(np.array(gate[e]))), (ut, torch.from_numpy(np.array(up[e]))),
+                                            (dt, torch.from_numpy(np.array(down[e]))), out=out)
     gate_up = torch.cat([torch.from_numpy(gate[e]), torch.from_numpy(up[e])]).float()
     return lambda out: layout.pack(gate_up, torch.from_numpy(down[e]).float(), out=out)
 
