@@ -1,6 +1,6 @@
 """The planner on a checkpoint larger than the disk's free space: read in place, it needs no second copy.
 
-A Qwen3-235B-A22B-shaped checkpoint (94 layers x 128 experts, 438 GiB of bf16) written as sparse safetensors files
+`strata plan` shows a layout even where a packed store would not fit. A Qwen3-235B-A22B-shaped checkpoint (94 layers x 128 experts, 438 GiB of bf16) written as sparse safetensors files
 (real headers, holes for the data) on a simulated host with 24 GiB of VRAM, 64 GiB of RAM and 70 GiB of free disk.
 """
 
@@ -39,6 +39,18 @@ def test_a_checkpoint_larger_than_the_free_disk_is_planned_in_place(q235b):
     # every expert is placed: GPU and pinned slots hold some, the disk tier (the checkpoint's files) all
     assert 0 < p.tier("gpu").slots < p.tier("pinned").slots < 94 * 128
     assert p.tier("pinned").bytes <= 64 * GiB
-    # packed, the same checkpoint needs a 438 GiB store on a disk with 70 GiB free
+    # packed, the same checkpoint needs a 438 GiB store on a disk with 70 GiB free: refused for serving,
+    # while `strata plan` (refuse=False) shows the layout and lists the store with the disk it needs
+    packed = {"store": {"mode": "packed"}, "tiers": {"pinned": {"budget": "80GiB"}}}
+    with pytest.raises(PlanError, match="tiers.pinned.budget"):
+        plan(q235b, small_host, packed)
     with pytest.raises(PlanError, match="expert store"):
         plan(q235b, small_host, {"store": {"mode": "packed"}})
+    shown = plan(q235b, small_host, packed, refuse=False)
+    assert shown.store_mode == "packed" and len(shown.does_not_fit) == 2
+    pinned, store = shown.does_not_fit
+    assert "tiers.pinned.budget" in pinned and "expert store (437.90 GiB)" in store and "437.9 GiB free" in store
+    assert shown.tier("pinned").bytes <= 64 * GiB  # planned as if the budget were the RAM left
+    assert [t.slots for t in shown.tiers] == [t.slots for t in p.tiers]
+    text = shown.format()
+    assert "does not fit: tiers.pinned.budget" in text and "does not fit: the expert store" in text

@@ -83,6 +83,8 @@ class Plan:
     decode: str = ""  # how decode steps compute the experts (strata.runtime.plan.decode_modes)
     decode_graphs: bool = True  # whether they may run as CUDA graphs (False: a fallback that needs the host)
     kv_bytes_per_1k: int = 0  # one sequence's KV cache growth per 1,024 tokens of context
+    # what `strata plan` found not to fit, each with the smallest change that would (serve refuses these)
+    does_not_fit: list[str] = field(default_factory=list)
 
     @property
     def total_experts(self) -> int:
@@ -144,4 +146,5 @@ class Plan:
             lines.append(f"  store        {f(self.store_bytes)}, {state}{why}")
         lines.append(f"  RAM          {f(self.host.ram_available)} available of {f(self.host.ram_total)}, "
                      f"{f(self.ram_margin_bytes)} kept free")
-        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+        return "\n".join(lines + [f"  note: {n}" for n in self.notes]
+                         + [f"  does not fit: {n}" for n in self.does_not_fit])

@@ -50,12 +50,23 @@ _TORCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16"
 
 
 def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | str | None = None,
-         gpu_mem: int | None = None, ram: int | None = None, store_dir: str | Path | None = None) -> Plan:
+         gpu_mem: int | None = None, ram: int | None = None, store_dir: str | Path | None = None,
+         refuse: bool = True) -> Plan:
     """Plan `model_dir` (checkpoint or store) on `host`; `gpu_mem`/`ram` replace the probed values.
 
     `store_dir` is where the checkpoint's store is (or will be); when it already holds a store, the
-    disk needs no room to build one. Raises `PlanError` when the minimum layout does not fit.
+    disk needs no room to build one. Raises `PlanError` when the minimum layout does not fit; with
+    `refuse=False` (`strata plan`) a pinned budget larger than the RAM left and a packed store larger than
+    the disk's free space are listed in `Plan.does_not_fit` instead, each with the smallest change that fits,
+    and the layout is planned as if that change were made.
     """
+    does_not_fit: list[str] = []
+
+    def refused(message: str) -> None:
+        if refuse:
+            raise PlanError(message)
+        does_not_fit.append(message)
+
     cfg = load_config(config)
     fp = read_footprint(model_dir, cfg.store.experts)
     host = override_host(host, gpu_mem, ram)
@@ -164,10 +175,11 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
     if pinned_budget is None:
         pinned_budget = ram_room
     elif pinned_budget > ram_room:
-        raise PlanError(
+        refused(
             f"tiers.pinned.budget ({format_bytes(pinned_budget)}) is more than the {format_bytes(ram_room)} of RAM left "
             f"after the {format_bytes(margin)} safety margin" + (" and the model's RAM" if ram_other else "")
             + (" and tmpfs" if tmpfs_layers else "") + f'; set tiers.pinned.budget = "{ram_room // MiB}MiB" or "auto"')
+        pinned_budget = ram_room
     # inclusive of the GPU's experts: the pinned copy is the source of every GPU copy and of CPU compute,
     # so an expert evicted from the GPU must not fall back to disk (uniform routing evicts constantly)
     pinned_slots = scoped(min(0 if gpu_slots >= total else total, pinned_budget // fp.slot_bytes if fp.slot_bytes else 0))
@@ -178,7 +190,7 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
     mode, why = ("packed", "the path is a packed store") if fp.source == "store" else store_mode(fp.path, cfg)
     store_exists = fp.source == "store" or (store_dir is not None and store_format.is_store(store_dir))
     if mode == "packed" and not store_exists and host.disk_free < fp.store_bytes:
-        raise PlanError(
+        refused(
             f"the expert store ({format_bytes(fp.store_bytes)}) is built in {store_dir or host.disk_path} but that "
             f"disk has {format_bytes(host.disk_free)} free; free {_gib_up(fp.store_bytes - host.disk_free)} there or "
             f"set tiers.disk.path to a disk with {_gib_up(fp.store_bytes)} free")
@@ -218,7 +230,7 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
                                                             cfg.planner.activation_reserve_bytes, context),
         store_dir=str(store_dir) if store_dir is not None else fp.path if fp.source == "store" else "",
         expert_format=fp.expert_format.name, dense_format=fp.dense_format, decode=decode.mode,
-        decode_graphs=decode.graphs, store_mode=mode, store_why=why,
+        decode_graphs=decode.graphs, store_mode=mode, store_why=why, does_not_fit=does_not_fit,
     )  # fmt: skip
 
 
@@ -309,7 +321,8 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    """`strata plan MODEL [--gpu-mem SIZE] [--ram SIZE] [--config PATH] [--json]`; PlanError propagates."""
+    """`strata plan MODEL [--gpu-mem SIZE] [--ram SIZE] [--config PATH] [--json]`: the layout, always where it can
+    be planned; 1 when part of it does not fit (listed with the change that would), a PlanError otherwise."""
     cfg = load_config(args.config)
     if getattr(args, "gpus", None):
         cfg.runtime.devices = parse_gpus(args.gpus)
@@ -321,6 +334,6 @@ def cmd_plan(args: argparse.Namespace) -> int:
     host = probe_host(cfg.tiers.tmpfs.path, str(store_dir))
     if mems and gpu_mem is None:  # several cards simulated, one size each (or one size for all)
         host = simulate_gpus(host, cfg.runtime.devices, mems)
-    p = plan(args.model, host, cfg, gpu_mem=gpu_mem, ram=ram, store_dir=store_dir)
+    p = plan(args.model, host, cfg, gpu_mem=gpu_mem, ram=ram, store_dir=store_dir, refuse=False)
     print(json.dumps(p.to_dict(), indent=2) if args.json else p.format())
-    return 0
+    return 1 if p.does_not_fit else 0  # the layout is shown, but serve and from_pretrained would refuse it
