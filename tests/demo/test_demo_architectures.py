@@ -1,6 +1,7 @@
 """`strata demo-model --arch glm4_moe|deepseek_v2`: the tiny and bench sizes in those architectures, in real HF
 layout (transformers loads the very files, no key missing or unexpected) and run by strata as transformers runs
-them; the bench sizes are GLM-4.5-Air's and DeepSeek-V2-Lite's configurations and plannable."""
+them; the bench sizes are GLM-4.5-Air's and DeepSeek-V2-Lite's configurations (planned in
+tests/plan/test_plan_architectures.py)."""
 
 from __future__ import annotations
 
