@@ -334,7 +334,7 @@ class DebugConfig:
     # one-graph split decode: the share of cold rows the GPU reads in place, "auto" (balanced on its waits) or a
     # fixed fraction in [0, 1] (`GpuShare.MAX` at most taken; 0: none, and then no warm-ahead either)
     gpu_share: float | str = field(default="auto", metadata={"auto_or_number": True})
-    cpu_threads: int = 0  # the CPU expert kernel's threads; 0: chosen from the cores
+    cpu_threads: int = 0  # the CPU kernel pool's threads (experts; a CPU decode's dense projections); 0: from the cores
     cpu_kernel: str = "auto"  # the CPU expert kernel's instruction set, or "torch" (the reference math)
     fused_kernels: bool = True  # the decode step's fused Triton kernels; false: torch's op chains
     pdl: bool = True  # programmatic dependent launch of the decode kernels (Hopper and later)
