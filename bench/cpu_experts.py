@@ -24,8 +24,10 @@ payload) / its wall time, for
   ram      the larger of torch.sum over a 2 GiB fp32 buffer (best of 5) and a streaming read of the
            expert pools on the kernel's own thread pool (`cpu_experts.read_sweep`, best of 3 per shape),
            both with --threads threads: the ceiling the ratios are taken against
-Also, for N=1 on the default backend: a software-prefetch-distance sweep and a thread-count sweep, and
-the fixed cost of one call (8 tiny experts: Python argument handling, ctypes, fork/join).
+Also, for N=1: each format's compute ceiling per core on every backend (`core_rate`: one thread, one cached
+expert, timed on the thread's own CPU clock, so it holds on a shared machine); on the default backend a
+software-prefetch-distance sweep and a thread-count sweep; and the fixed cost of one call (8 tiny experts:
+Python argument handling, ctypes, fork/join).
 Prints a table with ratios (kernel / torch, kernel / ram; for a quantized format, its GB/s / the same backend's on
 bf16 experts, the issue's target being >= 0.8: the conversion must not make the kernel compute-bound) and writes
 `cpu_experts.json` into --out. About 40 s a format on the 2-core dev machine; budget about a minute a format on the
@@ -142,6 +144,23 @@ def overhead_us(threads: int, backend: str) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
+def core_rate(layer: list, nbytes: int, H: int, backend: str, calls: int = 30) -> float:
+    """GB/s one thread computes one expert at, the expert in the caches and time counted on the thread's own CPU clock
+    (`time.thread_time`: the figure holds on a machine shared with other work): the format's compute ceiling per
+    core, which the kernel stays under its memory-bound rate as long as cores x it exceeds that rate. Includes the
+    Python call's overhead (tens of us a call)."""
+    x, idx, tw = torch.randn(1, H), [torch.zeros(1, dtype=torch.int64)], [torch.ones(1)]
+    for _ in range(5):
+        ce.cpu_experts_forward(x, layer[:1], idx, tw, threads=1, backend=backend)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.thread_time()
+        for _ in range(calls):
+            ce.cpu_experts_forward(x, layer[:1], idx, tw, threads=1, backend=backend)
+        best = min(best, time.thread_time() - t0)
+    return nbytes * calls / best / 1e9
+
+
 def bench_case(result: dict, pools: dict[str, list], shape: str, H: int, inter: int, N: int, backends: list[str],
                threads: int, ram: float, seconds: float, rounds: int = 1) -> None:
     """One shape and token count, every format of `pools` (format -> layers): torch's per-expert matmul (bf16 only),
@@ -199,6 +218,11 @@ def bench_case(result: dict, pools: dict[str, list], shape: str, H: int, inter: 
             ratio = f"{vs_torch:>7.2f}x" if vs_torch else (f"{vs_bf16:>6.2f}xb" if vs_bf16 else f"{'':>8}")
             print(f"{shape:<15} {fmt:<6} {N:>2} {path:<12} {gbs:>7.1f} {ms:>9.3f} {ratio} {gbs / ram:>6.0%}", flush=True)
 
+    if N == 1:  # each format's compute ceiling per core (one cached expert, the thread's CPU clock)
+        for fmt in pools:
+            rates = {b: round(core_rate(pools[fmt][0], layer_bytes[fmt] // EXPERTS_PER_LAYER, H, b), 1) for b in backends}
+            result.setdefault("core_gbs", {})[f"{shape} {fmt}"] = rates
+            print(f"  {fmt}: one core, one cached expert (thread CPU time) -> GB/s {rates}", flush=True)
     for fmt in pools if N == 1 and backends else ():  # tuning sweeps on the default backend, shorter runs
         b = backends[0]
         default_pf = ce.prefetch_bytes()
