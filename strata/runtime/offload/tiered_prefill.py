@@ -114,7 +114,9 @@ class PrefillPath:
                 return self._grouped_forward(x, weights, groups, ids, chunk)
             except RuntimeError as e:  # operands torch's grouped GEMM does not take: the per-expert loop
                 refuse(x, c.slots, e)
-        out = torch.zeros_like(x)
+        # a clipped SwiGLU's experts (DeepSeek-V4) sum in fp32, as the CPU's products accumulate (and a bf16
+        # index_add runs ~10x slower there)
+        out = torch.zeros_like(x, dtype=torch.float32) if c.swiglu_limit is not None else torch.zeros_like(x)
         for i in range(0, len(groups), chunk):
             part = groups[i : i + chunk]
             if device_tier == "gpu" and c.slots is not None:
@@ -138,5 +140,5 @@ class PrefillPath:
                 apply_experts(x, weights, k, part, by_expert.__getitem__, out=out, limit=c.swiglu_limit)
             finally:
                 manager.release(handles)
-        return out
+        return out.to(x.dtype)
 

@@ -27,7 +27,7 @@ from strata.runtime.model.deepseek_v4.norms import FloatRMSNorm, unweighted_rms_
 from strata.runtime.model.deepseek_v4.rope import InterleavedRope, rotate
 from strata.runtime.model.layers import project
 
-SCORE_BUDGET = 1 << 24  # elements of a query block's scores (and gathered entries): 64 MB in fp32
+SCORE_BUDGET = 1 << 22  # elements of a query block's scores (and gathered entries): 16 MB in fp32
 
 
 class CSACompressor(Compressor):

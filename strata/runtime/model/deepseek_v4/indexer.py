@@ -14,7 +14,6 @@ those that point at an incomplete entry come back as -1 (nothing to attend).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from strata.runtime.model.deepseek_v4.cache import CompressedState
@@ -22,7 +21,7 @@ from strata.runtime.model.deepseek_v4.compressor import Compressor
 from strata.runtime.model.deepseek_v4.rope import InterleavedRope, rotate
 from strata.runtime.model.layers import project
 
-SCORE_BUDGET = 1 << 25  # elements of a query block's scores over every entry ([b, heads, T] in fp32: 128 MB)
+SCORE_BUDGET = 1 << 23  # elements of a query block's scores over every entry ([b, heads, T] in fp32: 32 MB)
 
 
 class IndexerScorer(nn.Module):
@@ -64,8 +63,8 @@ class Indexer(Compressor):
         block = max(1, min(n, SCORE_BUDGET // (self.heads * count)))  # a block's scores [b, heads, T] in budget
         for b0 in range(0, n, block):
             b1 = min(n, b0 + block)
-            scores = F.relu(torch.matmul(q[b0:b1].float(), keys_t)) * self.dim**-0.5  # [b, heads, T]
-            scores = (scores * weights[b0:b1, :, None]).sum(dim=1)  # [b, T]
+            scores = torch.matmul(q[b0:b1].float(), keys_t).relu_().mul_(self.dim**-0.5)  # [b, heads, T], one buffer
+            scores = scores.mul_(weights[b0:b1, :, None]).sum(dim=1)  # [b, T]
             future = torch.arange(count, device=x.device)[None, :] >= ready[b0:b1, None]
             picked = scores.masked_fill(future, float("-inf")).topk(k, dim=-1).indices
             picks.append(torch.where(picked >= ready[b0:b1, None], torch.full_like(picked, -1), picked))

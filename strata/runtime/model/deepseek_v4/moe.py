@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.kernels.experts import moe_forward
+from strata.kernels.experts import apply_experts, group_by_expert
 from strata.runtime.model.config import ModelConfig
 from strata.runtime.model.layers import linear, project
 from strata.runtime.model.moe import Experts, MoEBlock
@@ -98,7 +98,7 @@ class ClippedMLP(nn.Module):
 
 class ClippedExperts(Experts):
     """All routed experts in memory (`Experts`' parameters), computed with the clipped SwiGLU, ascending by expert
-    as transformers sums them."""
+    as transformers sums them (into fp32, rounded once to the model's dtype: the tiered path sums alike)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -106,7 +106,11 @@ class ClippedExperts(Experts):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None,
                 used: torch.Tensor | None = None) -> torch.Tensor:
-        out = moe_forward(x, self.gate_up_proj, self.down_proj, ids, weights, limit=self.swiglu_limit)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # sums in fp32 (the tiered path's too)
+        groups = group_by_expert(ids, self.gate_up_proj.shape[0])
+        apply_experts(x, weights, ids.shape[1], groups, lambda e: (self.gate_up_proj[e], self.down_proj[e]), out=out,
+                      limit=self.swiglu_limit)
+        out = out.to(x.dtype)
         return out if residual is None else residual + out
 
 
