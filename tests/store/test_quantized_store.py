@@ -118,12 +118,14 @@ def test_convert_quantizes_a_plain_checkpoint_while_packing(checkpoints, tmp_pat
 
 
 def test_the_cache_keeps_one_store_per_format(checkpoints, strata_cache):
-    """`[store] experts` names the store built on first use: the plain and the fp8 store of one checkpoint coexist."""
+    """`[store] experts` names the packed store built on first use: the plain and the fp8 store of one checkpoint
+    coexist (a plain checkpoint is otherwise served in place, with no store of its own)."""
     src = checkpoints["plain"]
     base = {"runtime": {"dtype": "float32", "cpu_numerics": "gpu"}, "tiers": {"disk": {"scrub": False}}}
     dirs = {}
     for experts in ("checkpoint", "fp8"):
-        with Engine.from_pretrained(src, device="cpu", config={**base, "store": {"experts": experts}}) as engine:
+        store = {"experts": experts, "mode": "packed"}
+        with Engine.from_pretrained(src, device="cpu", config={**base, "store": store}) as engine:
             dirs[experts] = engine.tiers.store.directory
             assert engine.tiers.store.expert_format.kind == ("plain" if experts == "checkpoint" else "fp8")
     assert dirs["fp8"].name == dirs["checkpoint"].name + "-fp8"
