@@ -9,9 +9,8 @@ checkpoint's bf16) and `runtime.max_context` = --tokens + 64, then:
 
 - KV memory: the plan's `kv_bytes` (`strata plan` prints it, with its growth per 1K tokens) against the engine's
   KV cache (sliding-window rings, compressed entries, compressor rings; strata.runtime.model.deepseek_v4.cache): its
-  byte count, and the resident memory the same cache takes when allocated alone in a child process run with glibc's
-  MALLOC_MMAP_THRESHOLD_=4096 (every tensor of 4 KiB or more its own mapping, so the resident memory grows by exactly
-  the pages its tensors touch, not by reused heap);
+  byte count, and the resident memory the same cache takes in a child process: allocated twice there, the second
+  copy measured (the first fills the heap's holes, so the second grows the process by what it touches);
 - prefill: one --tokens-token prompt generating one token, in `runtime.prefill_chunk` chunks (512 on the CPU), its
   tok/s from the engine's counters, and how far the resident memory rose above its level before the prompt (the
   chunks' activations: the KV cache is allocated and every expert placed in RAM before), sampled every 10 ms.
@@ -47,19 +46,19 @@ from strata.runtime.model.checkpoint import Checkpoint
 from strata.runtime.model.deepseek_v4.cache import DeepseekV4Cache
 cfg = Checkpoint.open(sys.argv[1]).config
 before = psutil.Process().memory_info().rss
-warm = DeepseekV4Cache(cfg, 1, 1, getattr(torch, sys.argv[4]), "cpu")  # torch's own first allocations, not counted
+args = (cfg, int(sys.argv[2]), int(sys.argv[3]), getattr(torch, sys.argv[4]), "cpu")
+first = DeepseekV4Cache(*args)  # fills the holes the imports left in the heap: the second copy grows the process
 before = psutil.Process().memory_info().rss
-cache = DeepseekV4Cache(cfg, int(sys.argv[2]), int(sys.argv[3]), getattr(torch, sys.argv[4]), "cpu")
+cache = DeepseekV4Cache(*args)
 print(json.dumps({"rss": psutil.Process().memory_info().rss - before, "nbytes": cache.nbytes}))
 """
 
 
 def cache_rss(model: Path, slots: int, context: int, dtype: str) -> dict:
-    """The resident memory a DeepSeek-V4 KV cache of `slots` x `context` takes, allocated alone in a child process
-    where every tensor of 4 KiB or more is its own mapping."""
+    """The resident memory a DeepSeek-V4 KV cache of `slots` x `context` takes, allocated in a child process."""
     import subprocess
 
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "4096", "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
     out = subprocess.run([sys.executable, "-c", _CACHE_RSS, str(model), str(slots), str(context), dtype], env=env,
                          check=True, capture_output=True, text=True).stdout
     return json.loads(out.strip().splitlines()[-1])

@@ -128,3 +128,21 @@ def test_tiered_experts_equal_memory(tmp_path):
         assert tiered.generate(prompt, max_tokens=16, temperature=0.0).token_ids == tokens
         assert tiered.stats()["tiers"]["tiers"]["pinned"]["evictions"] > 0  # experts came back from disk
         assert tiered.scheduler().cache.nbytes == tiered.plan.kv_bytes  # the planner counted what was allocated
+
+
+def test_batched_sequences_decode_as_alone(tmp_path):
+    """Three sequences of different lengths share every step (prompt chunks and decode rows in one batch, each with
+    its own window, entries and picks): each gets transformers' greedy tokens."""
+    model, directory = build_v4_reference(tmp_path / "v4", seed=7)
+    cfg = {"runtime": {"max_context": 256, "dtype": "float32", "experts": "memory"}, "planner": {"max_batch": 3}}
+    engine = Engine.from_pretrained(directory, config=cfg, device="cpu")
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=g).tolist() for n in (9, 30, 57)]
+    streams = [engine.stream(p, max_tokens=12, temperature=0.0) for p in prompts]
+    for prompt, stream in zip(prompts, streams, strict=True):
+        for _ in stream:
+            pass
+        tokens = stream.output.token_ids
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + tokens[:-1]])).logits[0, len(prompt) - 1 :]
+        assert len(tokens) == 12 and logits.argmax(-1).tolist() == tokens

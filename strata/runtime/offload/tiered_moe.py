@@ -91,7 +91,7 @@ class TieredExperts(PrefillPath, nn.Module):
         if c.prefetcher is not None:
             c.prefetcher.poll()
         if c.device_tier == "cpu":
-            if x.device.type == "cpu" and not c.use_fast_cpu:
+            if x.device.type == "cpu" and not c.use_fast_cpu and c.swiglu_limit is None:  # (clipped: cpu_forward's fp32)
                 return self._tier_forward(x, weights, k, groups, "cpu")
             y = c.cpu_forward(self.layer, x.cpu(), weights.cpu(), k, [(e, s.cpu()) for e, s in groups])
             return y.to(x.device, x.dtype)

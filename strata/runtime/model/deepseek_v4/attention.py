@@ -20,7 +20,7 @@ from torch import nn
 
 from strata.runtime.model.config import ModelConfig
 from strata.runtime.model.deepseek_v4.cache import LayerCache
-from strata.runtime.model.deepseek_v4.compressor import Compressor
+from strata.runtime.model.deepseek_v4.compressor import Compressor, entry_span
 from strata.runtime.model.deepseek_v4.config import CSA, SLIDING
 from strata.runtime.model.deepseek_v4.indexer import Indexer
 from strata.runtime.model.deepseek_v4.norms import FloatRMSNorm, unweighted_rms_norm
@@ -88,7 +88,8 @@ class DeepseekV4Attention(nn.Module):
             if self.compressor is not None:
                 count = self.compressor.update(cache.compressor, slot, start, src_kv[rows], src_gate[rows],
                                                ropes["compress"])
-                entries = cache.compressor.entries[slot, :count]  # [T, d]
+                # [T, d]: whole steps of entries (those from `count` on are masked like incomplete ones)
+                entries = cache.compressor.entries[slot, :entry_span(count, cache.compressor.entries.shape[1])]
                 if self.kind == CSA:
                     picked = self.compressor.indexer.select(cache.indexer, slot, start, x[rows], q_residual[rows],
                                                             ropes["compress"])  # [L, k]

@@ -24,6 +24,16 @@ from strata.runtime.model.deepseek_v4.norms import FloatRMSNorm
 from strata.runtime.model.deepseek_v4.rope import InterleavedRope, rotate
 from strata.runtime.model.layers import project
 
+ENTRY_STEP = 512  # entries are read in spans of whole steps: few distinct matrix shapes (see `entry_span`)
+
+
+def entry_span(count: int, capacity: int) -> int:
+    """How many of a slot's entries to read when `count` are complete: `count` rounded up to `ENTRY_STEP` (at most
+    the `capacity`). The rest are masked like entries a query may not see yet; reading whole steps keeps the
+    products' shapes to a few (each new shape of a bf16 product on the CPU keeps a oneDNN primitive, hundreds of MB
+    over a long prompt whose entry count grows every chunk)."""
+    return min(capacity, -(-count // ENTRY_STEP) * ENTRY_STEP)
+
 
 class Compressor(nn.Module):
     """Pools `rate` source tokens of width `dim` (x2 with `overlap`) into entries [dim]; parameters as transformers'."""

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from strata.runtime.model.deepseek_v4.cache import CompressedState
-from strata.runtime.model.deepseek_v4.compressor import Compressor
+from strata.runtime.model.deepseek_v4.compressor import Compressor, entry_span
 from strata.runtime.model.deepseek_v4.rope import InterleavedRope, rotate
 from strata.runtime.model.layers import project
 
@@ -49,7 +49,8 @@ class Indexer(Compressor):
         n = x.shape[0]
         kv, gate = self.project(x)
         count = self.update(state, slot, start, kv, gate, rope)
-        keys = state.entries[slot, :count]  # [T, dim]
+        span = entry_span(count, state.entries.shape[1])
+        keys = state.entries[slot, :span]  # [T, dim], entries from `count` on masked as not yet complete
         positions = torch.arange(start, start + n, device=x.device)
         cos, sin = rope(positions, x.dtype)
         q = rotate(project(self.q_b_proj, q_residual).view(n, self.heads, self.dim), cos, sin)  # [L, heads, dim]
@@ -60,12 +61,12 @@ class Indexer(Compressor):
         ready = (positions + 1) // self.rate  # [L] entries complete at each query
         keys_t = keys.t().float()[None]  # [1, dim, T]
         picks = []
-        block = max(1, min(n, SCORE_BUDGET // (self.heads * count)))  # a block's scores [b, heads, T] in budget
+        block = max(1, min(n, SCORE_BUDGET // (self.heads * span)))  # a block's scores [b, heads, T] in budget
         for b0 in range(0, n, block):
             b1 = min(n, b0 + block)
             scores = torch.matmul(q[b0:b1].float(), keys_t).relu_().mul_(self.dim**-0.5)  # [b, heads, T], one buffer
             scores = scores.mul_(weights[b0:b1, :, None]).sum(dim=1)  # [b, T]
-            future = torch.arange(count, device=x.device)[None, :] >= ready[b0:b1, None]
+            future = torch.arange(span, device=x.device)[None, :] >= ready[b0:b1, None]
             picked = scores.masked_fill(future, float("-inf")).topk(k, dim=-1).indices
             picks.append(torch.where(picked >= ready[b0:b1, None], torch.full_like(picked, -1), picked))
         return torch.cat(picks)

@@ -98,7 +98,9 @@ class ClippedMLP(nn.Module):
 
 class ClippedExperts(Experts):
     """All routed experts in memory (`Experts`' parameters), computed with the clipped SwiGLU, ascending by expert
-    as transformers sums them (into fp32, rounded once to the model's dtype: the tiered path sums alike)."""
+    as transformers sums them, into fp32 and rounded once to the model's dtype; on the CPU each expert's products in
+    fp32 on its weights upcast (the tiered CPU path's reference math: bf16 products of every token count would each
+    keep a oneDNN primitive, hundreds of MB over a long prompt)."""
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
@@ -108,8 +110,12 @@ class ClippedExperts(Experts):
                 used: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # sums in fp32 (the tiered path's too)
         groups = group_by_expert(ids, self.gate_up_proj.shape[0])
-        apply_experts(x, weights, ids.shape[1], groups, lambda e: (self.gate_up_proj[e], self.down_proj[e]), out=out,
-                      limit=self.swiglu_limit)
+        gu, dn = self.gate_up_proj, self.down_proj
+        if x.device.type == "cpu":  # fp32 products, as the tiered CPU path computes them (`cpu_forward`)
+            apply_experts(x.float(), weights.float(), ids.shape[1], groups, lambda e: (gu[e].float(), dn[e].float()),
+                          out=out, limit=self.swiglu_limit)
+        else:
+            apply_experts(x, weights, ids.shape[1], groups, lambda e: (gu[e], dn[e]), out=out, limit=self.swiglu_limit)
         out = out.to(x.dtype)
         return out if residual is None else residual + out
 
