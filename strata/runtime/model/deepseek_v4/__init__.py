@@ -10,6 +10,8 @@ hyper-connections, hash and top-k routers, KV cache and the transformer built fr
     attention   shared-KV attention over the sliding window plus compressed entries, sinks, grouped output
     hyper       manifold-constrained hyper-connections (Sinkhorn-projected stream mixing) and the final collapse
     moe         sqrt-softplus top-k and hash (tid2eid) routers, clipped SwiGLU experts
-    cache       the KV cache: sliding-window ring, compressed entries, compressor state per sequence slot
+    tables      the hash layers' tid2eid tables as store tables, checked and held in their tier
+    cache       the KV cache: sliding-window ring, compressed entries, compressor state per sequence slot, and
+                its size for a context (what the planner counts: strata.runtime.plan.kv_size)
     model       `DeepseekV4Transformer`, the MoETransformer of this architecture
 """
