@@ -29,6 +29,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window
     """
     L, S = q.shape[1], k.shape[1]
     gqa = q.shape[0] != k.shape[0]
+    if L == 1 and window is None and q.device.type == "cpu":
+        return attend_one(q, k, v, scale)
     if window is None and start == 0:
         mask, causal = None, True
     elif window is None and L == 1:
@@ -54,6 +56,18 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window
         q[None], k[None], v[None], attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
     )
     return out[0]
+
+
+def attend_one(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per head over every cached key (a CPU decode row): q [heads, 1, d], k [kv_heads, S, d], v [kv_heads,
+    S, dv] -> [heads, 1, dv] in q's dtype. Two batched matmuls with each KV head's query heads as rows, in fp32 (as
+    SDPA's CPU kernels accumulate): torch's SDPA spends ~0.6 ms a call on this (one thread, bf16, 100 keys), about
+    what the layer's projections take to stream from RAM."""
+    heads, kv_heads, d = q.shape[0], k.shape[0], q.shape[-1]
+    qg = q.reshape(kv_heads, heads // kv_heads, d).float()  # query head h reads KV head h // (heads / kv_heads)
+    scores = torch.bmm(qg, k.float().transpose(1, 2)).mul_(scale)  # [kv_heads, group, S]
+    out = torch.bmm(scores.softmax(-1), v.float())  # [kv_heads, group, dv]
+    return out.reshape(heads, 1, v.shape[-1]).to(q.dtype)
 
 
 def attend_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor, window: int | None,
@@ -176,7 +190,7 @@ class GQAAttention(nn.Module):
                 start, self.window, self.scale,
             )
             out[off : off + length] = o.transpose(0, 1)
-        return self.o_proj(out.reshape(n, -1))
+        return project(self.o_proj, out.reshape(n, -1))
 
 
 def _stack_into_views(params: list[nn.Parameter]) -> torch.Tensor:
@@ -256,7 +270,7 @@ class MLAAttention(nn.Module):
                 q[off : off + length].transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), start, None, self.scale
             )
             out[off : off + length] = o.transpose(0, 1)
-        return self.o_proj(out.reshape(n, -1))
+        return project(self.o_proj, out.reshape(n, -1))
 
     def attend_absorbed(self, q_nope: torch.Tensor, q_rot: torch.Tensor, lat: torch.Tensor, rot: torch.Tensor,
                         pos: torch.Tensor) -> torch.Tensor:

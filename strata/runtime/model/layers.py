@@ -26,6 +26,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return y if out_dtype is None else y.to(out_dtype)
 
 
+def use_pass_threads(input_ids: torch.Tensor, prompt_threads: int) -> None:
+    """torch's intra-op threads on this thread for a CPU forward pass over `input_ids` [N] (and the sampling after
+    it), left so until the next pass: one for a pass of at most `dense.MAX_ROWS` tokens (decode: its products run
+    on the CPU kernel's pool, `linear` and the experts; what torch has left is small), `prompt_threads` for longer
+    ones (oneDNN's GEMMs). An OpenMP team in decode only waits: each parallel region wakes its other thread, and
+    on a busy host that thread waits for a core (8 ms a region measured on the development machine, where one
+    thread ran the same attention in 0.6 ms). Changing the count is cheap; OpenMP's count is per thread, so
+    other threads (a caller's) keep theirs."""
+    if input_ids.device.type != "cpu":
+        return
+    want = 1 if input_ids.numel() <= dense.MAX_ROWS else prompt_threads
+    if torch.get_num_threads() != want:
+        torch.set_num_threads(want)
+
+
 def project(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """`module(x)` for a projection: a plain `nn.Linear` through `linear`'s fast paths, any other module (a
     quantized or wrapped one) as itself."""

@@ -20,7 +20,7 @@ from strata.runtime.model.engram.layer import EngramLayer, EngramRuntime
 from strata.runtime.model.graphs import DecodeGraphs, is_decode
 from strata.runtime.model.hooks import GraphStepHooks, LayerObserver
 from strata.runtime.model.kv_cache import DecodeBatch, KVCache, StepBatch
-from strata.runtime.model.layers import MLP, RMSNorm, linear
+from strata.runtime.model.layers import MLP, RMSNorm, linear, use_pass_threads
 from strata.runtime.model.moe import MoEBlock
 from strata.runtime.model.rope import RotaryEmbedding
 
@@ -66,8 +66,10 @@ class MoETransformer(nn.Module):
         self.engram = EngramRuntime(cfg.engram, cfg.vocab_size) if cfg.engram is not None else None
         # the engine's [debug] fused_kernels / pdl, in force for every kernel a forward pass launches or captures
         self.kernel_options: KernelOptions = DEFAULT_KERNELS
+        self.prompt_threads = torch.get_num_threads()  # torch's threads for a CPU prompt pass (`use_pass_threads`)
 
     def forward(self, input_ids: torch.Tensor, batch: StepBatch, cache: KVCache) -> torch.Tensor:
+        use_pass_threads(input_ids, self.prompt_threads)
         with kernel_options(self.kernel_options):
             return self._forward(input_ids, batch, cache)
 
