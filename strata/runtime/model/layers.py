@@ -31,9 +31,9 @@ def use_pass_threads(input_ids: torch.Tensor, prompt_threads: int) -> None:
     it), left so until the next pass: one for a pass of at most `dense.MAX_ROWS` tokens (decode: its products run
     on the CPU kernel's pool, `linear` and the experts; what torch has left is small), `prompt_threads` for longer
     ones (oneDNN's GEMMs). An OpenMP team in decode only waits: each parallel region wakes its other thread, and
-    on a busy host that thread waits for a core (8 ms a region measured on the development machine, where one
-    thread ran the same attention in 0.6 ms). Changing the count is cheap; OpenMP's count is per thread, so
-    other threads (a caller's) keep theirs."""
+    on a busy host that thread waits for a core (a decode step's attention took ~8 ms on two threads on the
+    development machine with another process running, 0.6 ms on one). Changing the count is cheap; OpenMP's
+    count is per thread, so other threads (a caller's) keep theirs."""
     if input_ids.device.type != "cpu":
         return
     want = 1 if input_ids.numel() <= dense.MAX_ROWS else prompt_threads
