@@ -88,10 +88,11 @@ def test_matches_the_reference_on_the_dequantized_weights(fmt, H, inter, N):
 @pytest.mark.parametrize("name", ["avx512", "avx512_bf16"])
 def test_avx512_kernels_are_bit_identical_to_their_emulation(fmt, name):
     """Same conversions, lanes and order as the real kernel: equal bits, for every tile width (1, 3, 5 and 8+1
-    tokens) and tails (a partial FP8 block, H = 200; an expert width not a multiple of the vector step)."""
+    tokens) and tails (a partial FP8 block, H = 200; MXFP4 rows of 128-value steps and whole groups past them,
+    H = 288)."""
     if name not in ce.available_backends():
         pytest.skip(f"{name} not available on this CPU")
-    for H, inter in [(2048, 768), (200, 128)] if fmt.kind == "fp8" and fmt.block[0] == 128 else [(256, 96), (160, 32)]:
+    for H, inter in [(2048, 768), (200, 128)] if fmt.kind == "fp8" and fmt.block[0] == 128 else [(256, 96), (288, 32)]:
         if fmt.kind == "fp8" and inter % fmt.block[0]:
             continue
         _, _, mats, _ = make_blobs(fmt, H, inter, 3, seed=H)
@@ -144,12 +145,13 @@ def _packed(layout, blobs, rows, idx, w):
 @pytest.mark.parametrize("fmt", [FP8_16, MX], ids=lambda f: f.name)
 def test_split_experts_compute_their_leading_rows(fmt):
     """A split expert's CPU part (the first r of I intermediate rows, r not a multiple of MXFP4's 32-value groups):
-    down's partial rows, and the activations of a partial group kept in order."""
-    H, inter = 96, 64
+    down's partial rows (150: a 128-value step and a partial group; 45: a group and a partial one), and the
+    activations of a partial group kept in order."""
+    H, inter = 160, 160
     layout, blobs, _, deq = make_blobs(fmt, H, inter, 3, seed=7)
     x = torch.randn(3, H, generator=torch.Generator().manual_seed(1))
     idx, w = torch.tensor([0, 2]), torch.tensor([0.7, 0.4])
-    rows = [inter, 45, 21]
+    rows = [inter, 150, 45]
     ref = torch.zeros(3, H)
     for (gu, dn), r in zip(deq, rows, strict=True):
         h = F.silu(x[idx] @ gu[:r].T) * (x[idx] @ gu[inter: inter + r].T)

@@ -48,11 +48,10 @@ def call_format(formats: set[ExpertFormat]) -> ExpertFormat | None:
 def weights_format(weights, token_idx) -> ExpertFormat | None:
     """The quantized format of a `cpu_experts_forward` call's experts with tokens (None: bf16 tensors); ValueError
     for a mix of formats."""
-    formats = set()
-    for (gate_up, _), idx in zip(weights, token_idx, strict=True):
-        if isinstance(gate_up, QuantMatrix) and gate_up.kind != "plain" and idx.numel():
-            formats.add(matrix_format(gate_up))
-    return call_format(formats)
+    kinds = {(gate_up.kind, tuple(gate_up.block) if gate_up.kind == "fp8" else None)
+             for (gate_up, _), idx in zip(weights, token_idx, strict=True)
+             if isinstance(gate_up, QuantMatrix) and gate_up.kind != "plain" and idx.numel()}
+    return call_format({ExpertFormat(kind, block=block) if block else ExpertFormat(kind) for kind, block in kinds})
 
 
 def kernel_format_args(fmt: ExpertFormat | None, scales: array.array | None, experts: int) -> tuple:
@@ -96,24 +95,30 @@ def matrix_pointers(gate_up: QuantMatrix, down: QuantMatrix, hidden: int, keep: 
     if gate_up.kind == "mxfp4" and (hidden % MX_GROUP or inter % MX_GROUP):
         raise ValueError(f"mxfp4 experts need H ({hidden}) and I ({inter}) that are multiples of {MX_GROUP}")
     out = []
-    for m in (gate_up, down):
+    for m in (gate_up, down):  # a few us an expert: this is part of a layer's Python overhead
         n, k = m.shape
-        values = m.values.view(torch.uint8) if m.values.dtype == torch.float8_e4m3fn else m.values
+        values, scales = m.values, m.scales
+        if values.dtype is torch.float8_e4m3fn:
+            values = values.view(torch.uint8)
         if m.kind == "fp8":
             bn, bk = m.block
             want_values, want_scales, scale_dtype = n * k, -(-n // bn) * -(-k // bk), torch.float32
         else:
             want_values, want_scales, scale_dtype = n * k // 2, n * k // MX_GROUP, torch.uint8
-        scales = m.scales
-        if (values.dtype != torch.uint8 or scales is None or scales.dtype != scale_dtype
+        if (values.dtype is not torch.uint8 or scales is None or scales.dtype is not scale_dtype
                 or values.numel() != want_values or scales.numel() != want_scales):
             raise ValueError(f"{m.kind} matrix {tuple(m.shape)}: want {want_values} uint8 values and {want_scales} "
                              f"{scale_dtype} scales, got {values.numel()} {values.dtype} and "
                              f"{None if scales is None else (scales.numel(), scales.dtype)}")
         if not (values.is_cpu and scales.is_cpu):
             raise ValueError(f"{m.kind} expert matrices must be CPU tensors for the CPU kernel")
-        out.append((_contiguous(values, keep).data_ptr(), _contiguous(scales, keep).data_ptr()))
-    (gu, gus), (dn, dns) = out
+        if not values.is_contiguous():
+            values = _contiguous(values, keep)
+        if not scales.is_contiguous():
+            scales = _contiguous(scales, keep)
+        out.append(values.data_ptr())
+        out.append(scales.data_ptr())
+    gu, gus, dn, dns = out
     return gu, dn, gus, dns
 
 

@@ -422,8 +422,8 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]
                              f"match H={H} (want [2I, H] and [H, I])")
         if w.numel() != T:
             raise ValueError(f"expert {e}: {T} token rows but {w.numel()} routing weights")
-        on_cpu = (gate_up.values.is_cpu and down.values.is_cpu) if quant else (gate_up.is_cpu and down.is_cpu)
-        if not (on_cpu and idx.is_cpu and w.is_cpu):
+        # (a quantized expert's values and scales are checked by matrix_pointers)
+        if not ((quant or (gate_up.is_cpu and down.is_cpu)) and idx.is_cpu and w.is_cpu):
             raise ValueError(f"expert {e}: weights, token_idx and token_w must be CPU tensors")
         if T > limit or (not quant and (gate_up.dtype is not bf16 or down.dtype is not bf16)):
             to_torch.append(e)

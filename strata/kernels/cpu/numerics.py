@@ -13,10 +13,12 @@ while memory-bound) where fp32-class agreement matters.
 FP8 and MXFP4 experts (`QUANT_TOLERANCE`): the kernel's conversions are exact. An e4m3 value is exact in bf16
 (avx512_bf16 looks up its two bytes) and in fp32 (the fp32 paths read it as the fp16 bits of value / 256 and widen
 them, so the two NaN codes, which no quantizer writes, read as +-480 there). MXFP4's E2M1[code] * 2^(scale - 127) is
-exact in fp32 (torch's own product) and in bf16 for scales 2..252. FP8's scale_inv multiplies each block's partial
-sum (bk columns) rather than each weight: the same products, rounded in another order. So each format keeps its
-backend's numerics on bf16 experts: the fp32 paths a reordered fp32 sum, avx512_bf16 its bf16 activations
-(measured by tests/kernels/test_cpu_quant_experts.py).
+exact in fp32 (torch's own product, the fp32 paths' tables) and in bf16 for scales 2..252 (avx512_bf16's tables for
+the groups past a row's last 128-value step); avx512_bf16 reads the rest as the exact E2M1 values and multiplies each
+group's partial sums by its power of two. FP8's scale_inv multiplies each block's partial sum (bk columns) rather
+than each weight. Either way the same products, rounded in another order, so each format keeps its backend's
+numerics on bf16 experts: the fp32 paths a reordered fp32 sum, avx512_bf16 its bf16 activations (measured by
+tests/kernels/test_cpu_quant_experts.py).
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include <pthread.h>
@@ -328,9 +329,9 @@ C_EXPORTED int strata_cpu_experts_fmt(int isa, const float* x, int64_t N, int64_
     if (bf16_act) {
         if (g_xbuf.size() < size_t(N * H) * 2) g_xbuf.resize(size_t(N * H) * 2);
         uint16_t* xb = reinterpret_cast<uint16_t*>(g_xbuf.data());
-        if (f == FMT_MXFP4) {  // in the order avx512_bf16 reads an MXFP4 group's values (K::kMxPermuted)
+        if (f == FMT_MXFP4) {  // in the order avx512_bf16 reads MXFP4 values (K::mx_x_position)
             for (int64_t n = 0; n < N; ++n)
-                for (int64_t i = 0; i < H; ++i) xb[n * H + mx_x_position(i, H)] = f32_to_bf16(x[n * H + i]);
+                for (int64_t i = 0; i < H; ++i) xb[n * H + mx_step_x_position(i, H)] = f32_to_bf16(x[n * H + i]);
         } else {
             for (int64_t i = 0; i < N * H; ++i) xb[i] = f32_to_bf16(x[i]);
         }

@@ -67,7 +67,8 @@ struct K {
     static inline void load_fp8x2(const Fp8Ctx& c, const uint8_t* p, emu::F16& w0, emu::F16& w1) {
         w0 = load_fp8(c, p), w1 = load_fp8(c, p + W);
     }
-    static constexpr bool kMxPermuted = false;
+    static constexpr bool kMxSteps = false;
+    static inline int64_t mx_x_position(int64_t e, int64_t) { return e; }
     static inline float mx_scalar(uint8_t code, uint8_t s) { return g_fmt.mx_f32[s][code]; }
     static inline Acc dot(Acc a, const emu::F16& x, const emu::F16& w) {
         for (int i = 0; i < 16; ++i) a.v[i] = std::fma(x.v[i], w.v[i], a.v[i]);
@@ -113,7 +114,27 @@ struct K {
     static inline void load_fp8x2(const Fp8Ctx& c, const uint8_t* p, B32& w0, B32& w1) {
         w0 = load_fp8(c, p), w1 = load_fp8(c, p + W);
     }
-    static constexpr bool kMxPermuted = true;
+    static constexpr bool kMxSteps = true;
+    static inline int64_t mx_x_position(int64_t e, int64_t len) { return mx_step_x_position(e, len); }
+    using Mx4 = B32[4];
+    static inline int mx4_table() { return 0; }
+    static inline void load_mx4(int, const uint8_t* p, Mx4& w) {  // vector k, lane L, word 4h + r: 32L + 16h + 4r + k
+        for (int k = 0; k < 4; ++k)
+            for (int L = 0; L < 4; ++L)
+                for (int q = 0; q < 8; ++q) {
+                    const int64_t e = 32 * L + 16 * (q >> 2) + 4 * (q & 3) + k;
+                    w[k].v[8 * L + q] = g_fmt.mx_bf16[127][(p[e >> 1] >> ((e & 1) * 4)) & 15];
+                }
+    }
+    static inline Acc mx4_scales(const uint8_t* s) {  // lanes 4L..4L+3: e8m0_value(s[L]) (vpmaxud's 2^-127 for 0)
+        Acc r;
+        for (int i = 0; i < 16; ++i) r.v[i] = e8m0_value(s[i >> 2]);
+        return r;
+    }
+    static inline Acc fmav(const Acc& a, const Acc& s, Acc b) {
+        for (int i = 0; i < 16; ++i) b.v[i] = std::fma(a.v[i], s.v[i], b.v[i]);
+        return b;
+    }
     static inline B32 load_mx(const uint8_t* p, uint8_t s) {  // word w: element mx_lane_element(w), as load_mx's
         B32 r;
         for (int w = 0; w < 32; ++w) {

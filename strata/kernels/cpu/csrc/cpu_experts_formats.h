@@ -59,6 +59,17 @@ inline int64_t mx_x_position(int64_t e, int64_t len) {
     return e < (len & ~(kMxGroup - 1)) ? (e & ~(kMxGroup - 1)) | mx_lane_position(e & (kMxGroup - 1)) : e;
 }
 
+// avx512_bf16 reads MXFP4 rows 128 values (four groups, 64 bytes) a step into four vectors: vector k's 128-bit lane L
+// holds group L, its word 4h + r element 32L + 16h + 4r + k (load_mx4). A row's activations are stored so: each
+// whole step's 128 permuted so, then each whole group past them as mx_x_position, the partial last group in order.
+constexpr int64_t kMxStep = 128;
+inline int64_t mx_step_position(int64_t e) {  // position of element e (0..127) in a step's vectors
+    return 32 * (e & 3) + 8 * (e >> 5) + 4 * ((e >> 4) & 1) + ((e >> 2) & 3);
+}
+inline int64_t mx_step_x_position(int64_t e, int64_t len) {
+    return e < (len & ~(kMxStep - 1)) ? (e & ~(kMxStep - 1)) | mx_step_position(e & (kMxStep - 1)) : mx_x_position(e, len);
+}
+
 // float8_e4m3fn: 1 sign, 4 exponent (bias 7), 3 mantissa bits; subnormals; 0x7f and 0xff are NaN, no infinities.
 inline float fp8_e4m3_value(uint8_t b) {
     const int e = (b >> 3) & 15, m = b & 7;

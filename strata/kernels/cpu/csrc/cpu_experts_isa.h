@@ -6,10 +6,11 @@
 //   fp8    avx2/avx512: the byte as fp16 bits of value / 256 (two shifts and a mask), vcvtph2ps; blocks scaled by
 //          scale_inv * 256 (exact: a power of two). avx512_bf16: two vpermi2b lookups give the bf16 value's high and
 //          low bytes (exact), vpermt2b interleaves them (AVX512_VBMI)
-//   mxfp4  vpermps / vpermw looks the codes up in the group's table (its e8m0 scale's 16 values, g_fmt.mx_f32 /
-//          mx_bf16): the scale costs one table address a group. The codes reach their lanes by a broadcast and one
-//          variable shift: in order on the fp32 paths (avx2 looks up the magnitude, 8 entries, and sets the sign), in
-//          a permuted order on avx512_bf16 (load_mx)
+//   mxfp4  fp32 paths: vpermps looks the codes up in the group's table (its e8m0 scale's 16 values, g_fmt.mx_f32),
+//          the codes brought to their lanes in order by a broadcast and one variable shift (avx2 looks up the
+//          magnitude, 8 entries, and sets the sign). avx512_bf16: 128 values a step, a group in each 128-bit lane,
+//          through the unscaled E2M1 table held in a register, each lane's sum times its group's scale by one FMA
+//          (load_mx4, mx4_scales); whole groups past the last step through the group's scaled table (load_mx)
 //   fp8 on avx512_bf16 converts 64 bytes at a time where the loop is unrolled (load_fp8x2)
 //
 // Included once, by cpu_experts.cpp, after its Job, ReadJob and the format tables; ON_X86 only.
@@ -48,7 +49,8 @@ struct K {
     static inline void load_fp8x2(const Fp8Ctx& c, const uint8_t* p, __m256& w0, __m256& w1) {
         w0 = load_fp8(c, p), w1 = load_fp8(c, p + W);
     }
-    static constexpr bool kMxPermuted = false;
+    static constexpr bool kMxSteps = false;  // MXFP4 a group a step, activations in order
+    static inline int64_t mx_x_position(int64_t e, int64_t) { return e; }
     static inline float mx_scalar(uint8_t code, uint8_t s) { return g_fmt.mx_f32[s][code]; }
     static inline __m256 load_x(const float* p) { return _mm256_loadu_ps(p); }
     static inline __m256 dot(__m256 a, __m256 x, __m256 w) { return _mm256_fmadd_ps(x, w, a); }
@@ -137,7 +139,8 @@ struct K {
     static inline void load_fp8x2(const Fp8Ctx& c, const uint8_t* p, __m512& w0, __m512& w1) {
         w0 = load_fp8(c, p), w1 = load_fp8(c, p + W);
     }
-    static constexpr bool kMxPermuted = false;
+    static constexpr bool kMxSteps = false;  // MXFP4 a group a step, activations in order
+    static inline int64_t mx_x_position(int64_t e, int64_t) { return e; }
     static inline float mx_scalar(uint8_t code, uint8_t s) { return g_fmt.mx_f32[s][code]; }
     static inline __m512 load_x(const float* p) { return _mm512_loadu_ps(p); }
     static inline __m512 dot(__m512 a, __m512 x, __m512 w) { return _mm512_fmadd_ps(x, w, a); }
@@ -186,11 +189,36 @@ struct K {
         w0 = _mm512_permutex2var_epi8(lo, c.inter, hs);
         w1 = _mm512_permutex2var_epi8(lo, c.inter_hi, hs);
     }
+    // MXFP4 128 values a step where a row has them (cpu_experts_kernel.h's dot2_mx_steps), else a group a step;
+    // activations stored as mx_step_x_position orders them
+    static constexpr bool kMxSteps = true;
+    static inline int64_t mx_x_position(int64_t e, int64_t len) { return mx_step_x_position(e, len); }
+    // A step's 64 bytes, one group in each 128-bit lane; qword h of lane L shifted right by 4k bits puts its nibble
+    // 4r + k in word r's low bits: vector k, lane L, word 4h + r = element 32L + 16h + 4r + k, looked up in the
+    // unscaled E2M1 table (bit 4 of the index, the next nibble's, meets the table's repeat). Seven vector
+    // operations for 128 values; each lane's group scale is applied to its partial sums (mx4_scales).
+    using Mx4 = __m512i[4];
+    static inline __m512i mx4_table() { return _mm512_load_si512(g_fmt.mx_bf16[127]); }  // scale 2^0
+    static inline void load_mx4(const __m512i& table, const uint8_t* p, Mx4& w) {
+        const __m512i v = _mm512_loadu_si512(p);
+        w[0] = _mm512_permutexvar_epi16(v, table);
+        w[1] = _mm512_permutexvar_epi16(_mm512_srli_epi64(v, 4), table);
+        w[2] = _mm512_permutexvar_epi16(_mm512_srli_epi64(v, 8), table);
+        w[3] = _mm512_permutexvar_epi16(_mm512_srli_epi64(v, 12), table);
+    }
+    // fp32 lanes 4L..4L+3: 2^(s[L] - 127) (2^-127 for 0: the larger of s << 23 and that subnormal's bits)
+    static inline __m512 mx4_scales(const uint8_t* s) {
+        int32_t raw;
+        std::memcpy(&raw, s, 4);
+        const __m128i each = _mm_shuffle_epi8(_mm_cvtsi32_si128(raw), _mm_setr_epi8(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2,
+                                                                                    3, 3, 3, 3));
+        const __m512i lane = _mm512_cvtepu8_epi32(each);  // dwords 4L..4L+3: s[L]
+        return _mm512_castsi512_ps(_mm512_max_epu32(_mm512_slli_epi32(lane, 23), _mm512_set1_epi32(0x400000)));
+    }
+    static inline __m512 fmav(__m512 a, __m512 s, __m512 b) { return _mm512_fmadd_ps(a, s, b); }
     // A group's 16 bytes in every 128-bit lane; qword q of lane L (the group's qword q & 1) shifted right by 4L
-    // bits puts nibble 4r + L of it in word r's low bits, so word w holds element mx_lane_element(w) (the
-    // activations are stored in that order: kMxPermuted); vpermw reads 5 index bits (bit 4, the next nibble's,
-    // meets the table's repeat). Three vector operations a group.
-    static constexpr bool kMxPermuted = true;
+    // bits puts nibble 4r + L of it in word r's low bits, so word w holds element mx_lane_element(w); vpermw reads
+    // 5 index bits (bit 4, the next nibble's, meets the table's repeat). Three vector operations a group.
     static inline __m512i load_mx(const uint8_t* p, uint8_t s) {
         const __m512i v = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
         const __m512i idx = _mm512_srlv_epi64(v, _mm512_set_epi64(12, 12, 8, 8, 4, 4, 0, 0));

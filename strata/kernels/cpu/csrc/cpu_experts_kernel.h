@@ -70,8 +70,8 @@ struct ReadMx {
     static inline void load2(const Ctx& c, const Row& r, int64_t i, V& w0, V& w1) {
         w0 = load(c, r, i), w1 = load(c, r, i + K::W);
     }
-    // where element e of a row of len elements has its activation (K::kMxPermuted: cpu_experts_formats.h)
-    static inline int64_t x_position(int64_t e, int64_t len) { return K::kMxPermuted ? mx_x_position(e, len) : e; }
+    // where element e of a row of len elements has its activation (avx512_bf16: cpu_experts_formats.h's order)
+    static inline int64_t x_position(int64_t e, int64_t len) { return K::mx_x_position(e, len); }
     static inline float scalar(const Row& r, int64_t i) { return K::mx_scalar(r.code(i), r.s[i >> 5]); }
     static inline const uint8_t* bytes(const Row& r) { return r.v; }
     static inline int64_t span(const Row&, int64_t len) { return len; }
@@ -218,10 +218,79 @@ static inline void dot2_tile(const typename F::Row& ra, const typename F::Row& r
     }
 }
 
+// MXFP4 rows where K reads 128 values a step (K::kMxSteps, avx512_bf16): four vectors a row and step, one group in
+// each 128-bit lane, through the unscaled E2M1 table (K::load_mx4); a lane's products are summed (two chains of two
+// dot steps, then added) and added times its group's 2^(scale - 127) into the row's total (K::mx4_scales, one
+// FMA). Whole groups past the last step take K::load_mx (the group's scaled table) into a second total, the partial
+// last group the scalar tail; the row's sum is hsum(steps' total) + hsum(groups' total) + tail, in that order.
+template <class KK, int NT>
+static inline void dot2_mx_steps(const RowMx& ra, const RowMx& rb, int64_t len, const typename KK::X* const* xs,
+                                 float* oa, float* ob, int64_t pf) {
+    using Acc = typename KK::Acc;
+    const auto table = KK::mx4_table();
+    Acc fa[NT], fb[NT];
+#pragma GCC unroll 16
+    for (int t = 0; t < NT; ++t) fa[t] = fb[t] = KK::zero();
+    int64_t i = 0;
+    for (; i + kMxStep <= len; i += kMxStep) {
+        if (pf) {  // 64 bytes a row and step: one line each
+            __builtin_prefetch(ra.v + (i >> 1) + pf, 0, 3);
+            __builtin_prefetch(rb.v + (i >> 1) + pf, 0, 3);
+        }
+        typename KK::Mx4 wa, wb;
+        KK::load_mx4(table, ra.v + (i >> 1), wa);
+        KK::load_mx4(table, rb.v + (i >> 1), wb);
+        const Acc sa = KK::mx4_scales(ra.s + (i >> 5)), sb = KK::mx4_scales(rb.s + (i >> 5));
+#pragma GCC unroll 16
+        for (int t = 0; t < NT; ++t) {
+            const typename KK::X* x = xs[t] + i;
+            const auto x0 = KK::load_x(x), x1 = KK::load_x(x + 32), x2 = KK::load_x(x + 64), x3 = KK::load_x(x + 96);
+            const Acc pa = KK::add(KK::dot(KK::dot(KK::zero(), x0, wa[0]), x2, wa[2]),
+                                   KK::dot(KK::dot(KK::zero(), x1, wa[1]), x3, wa[3]));
+            const Acc pb = KK::add(KK::dot(KK::dot(KK::zero(), x0, wb[0]), x2, wb[2]),
+                                   KK::dot(KK::dot(KK::zero(), x1, wb[1]), x3, wb[3]));
+            fa[t] = KK::fmav(pa, sa, fa[t]);
+            fb[t] = KK::fmav(pb, sb, fb[t]);
+        }
+    }
+    Acc ga[NT], gb[NT];
+#pragma GCC unroll 16
+    for (int t = 0; t < NT; ++t) ga[t] = gb[t] = KK::zero();
+    for (; i + kMxGroup <= len; i += kMxGroup) {
+        const auto wa = KK::load_mx(ra.v + (i >> 1), ra.s[i >> 5]), wb = KK::load_mx(rb.v + (i >> 1), rb.s[i >> 5]);
+#pragma GCC unroll 16
+        for (int t = 0; t < NT; ++t) {
+            const auto xv = KK::load_x(xs[t] + i);
+            ga[t] = KK::dot(ga[t], xv, wa);
+            gb[t] = KK::dot(gb[t], xv, wb);
+        }
+    }
+    float sa[NT], sb[NT];
+    for (int t = 0; t < NT; ++t) {
+        sa[t] = KK::hsum(fa[t]) + KK::hsum(ga[t]);
+        sb[t] = KK::hsum(fb[t]) + KK::hsum(gb[t]);
+    }
+    for (; i < len; ++i) {  // the partial last group (a split expert's rows), in order
+        const float wa = KK::mx_scalar(ra.code(i), ra.s[i >> 5]), wb = KK::mx_scalar(rb.code(i), rb.s[i >> 5]);
+        for (int t = 0; t < NT; ++t) {
+            const float xv = KK::x2f(xs[t][i]);
+            sa[t] += wa * xv;
+            sb[t] += wb * xv;
+        }
+    }
+    for (int t = 0; t < NT; ++t) {
+        oa[t] = sa[t];
+        ob[t] = sb[t];
+    }
+}
+
 template <class F, int NT>
 static inline void dot2_nt(const typename F::Row& ra, const typename F::Row& rb, int64_t len,
                            const typename K::X* const* xs, float* oa, float* ob, int64_t pf) {
-    dot2_tile<F, NT, K::unroll(NT)>(ra, rb, len, xs, oa, ob, pf);
+    if constexpr (std::is_same_v<F, ReadMx> && K::kMxSteps)
+        dot2_mx_steps<K, NT>(ra, rb, len, xs, oa, ob, pf);
+    else
+        dot2_tile<F, NT, K::unroll(NT)>(ra, rb, len, xs, oa, ob, pf);
 }
 
 template <class F>
