@@ -26,6 +26,7 @@ constexpr int64_t kDenseInlineBytes = 512 << 10;  // weights below this are read
 
 struct DenseJob {
     const uint16_t* x = nullptr;  // [M, K] bf16
+    const uint16_t* xp = nullptr;  // x's whole 32-column steps packed [K / 32][M][32]: a step's M rows in one block
     const uint16_t* w = nullptr;  // [N, ldw] bf16
     void* y = nullptr;            // [M, ldy] fp32 or bf16
     bool y_bf16 = false;
@@ -68,14 +69,15 @@ inline void row(const DenseJob& j, int64_t n) {
     for (; k < kg; k += group) {
         for (int u = 0; u < U; ++u) {
             const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k + 32 * u);
+            const uint16_t* xs = j.xp + (k + 32 * u) * M;  // step (k + 32 u) / 32's M rows of x, one after the other
             for (int t = 0; t < M; ++t)
-                acc[u][t] = _mm512_dpbf16_ps(acc[u][t], wv, (__m512bh)_mm512_loadu_si512(j.x + t * K + k + 32 * u));
+                acc[u][t] = _mm512_dpbf16_ps(acc[u][t], wv, (__m512bh)_mm512_loadu_si512(xs + 32 * t));
         }
     }
     for (; k < kv; k += 32) {  // whole steps past the last group: the first set
         const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k);
         for (int t = 0; t < M; ++t)
-            acc[0][t] = _mm512_dpbf16_ps(acc[0][t], wv, (__m512bh)_mm512_loadu_si512(j.x + t * K + k));
+            acc[0][t] = _mm512_dpbf16_ps(acc[0][t], wv, (__m512bh)_mm512_loadu_si512(j.xp + k * M + 32 * t));
     }
     for (int t = 0; t < M; ++t) {
         __m512 a = acc[0][t];
@@ -88,7 +90,7 @@ inline void row(const DenseJob& j, int64_t n) {
 
 template <int M>
 void chunk(const DenseJob& j, int64_t n0, int64_t n1) {
-    constexpr int U = M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 2 : 1;
+    constexpr int U = M >= 16 ? 1 : 16 / M;  // 16 chains in all (fewer lost half the rate: the sums' latency)
     for (int64_t n = n0; n < n1; ++n) row<M, U>(j, n);
 }
 
@@ -132,7 +134,7 @@ inline void row(const DenseJob& j, int64_t n) {
 
 template <int M>
 void chunk(const DenseJob& j, int64_t n0, int64_t n1) {
-    constexpr int U = M == 1 ? 8 : M == 2 ? 4 : M <= 4 ? 2 : 1;
+    constexpr int U = M >= 16 ? 1 : 16 / M;  // 16 chains in all (fewer lost half the rate: the sums' latency)
     for (int64_t n = n0; n < n1; ++n) row<M, U>(j, n);
 }
 
@@ -208,6 +210,7 @@ const DenseChunkFn kDenseAvx2[kDenseMaxRows] = STRATA_DENSE_TABLE(k_dense_avx2);
 #endif
 
 DenseChunkFn g_dense_fn = nullptr;  // the call's chunk function (set under g_call)
+std::vector<uint16_t> g_dense_xp;   // the call's packed x (under g_call)
 
 void dense_job(void* ctx, int tid) {
     DenseJob& j = *static_cast<DenseJob*>(ctx);
@@ -239,6 +242,13 @@ C_EXPORTED int strata_cpu_dense(int isa, const uint16_t* x, int64_t M, int64_t K
     DenseJob j;
     j.x = x, j.w = w, j.y = y, j.y_bf16 = y_bf16 != 0;
     j.M = M, j.N = N, j.K = K, j.ldw = ldw, j.ldy = ldy;
+    // x packed step by step ([K / 32][M][32]), so a step's M vectors are one block of L1, not M rows 2K bytes apart
+    // (which share L1 sets with each other and with the weight row: M = 4 ran at half the one-row rate)
+    const int64_t kv = K / 32 * 32;
+    if (g_dense_xp.size() < size_t(M * kv)) g_dense_xp.resize(size_t(M * kv));
+    for (int64_t k = 0; k < kv; k += 32)
+        for (int64_t t = 0; t < M; ++t) std::memcpy(&g_dense_xp[size_t(k * M + 32 * t)], x + t * K + k, 64);
+    j.xp = g_dense_xp.data();
     const int P = std::max(1, threads);
     // chunks of about total / (8 P) bytes in [32 KiB, 512 KiB], whole groups of 8 rows: long sequential streams, and
     // enough chunks that a thread delayed by the OS does not hold the others back
