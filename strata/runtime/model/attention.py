@@ -16,6 +16,7 @@ from strata.kernels.cpu import dense
 from strata.kernels.gpu import fused
 from strata.kernels.gpu.decode_attention import decode_attention, decode_attention_ok
 from strata.runtime.model.config import ModelConfig
+from strata.runtime.model.hugepages import copy_to_huge_pages
 from strata.runtime.model.kv_cache import DecodeBatch, StepBatch
 from strata.runtime.model.layers import RMSNorm, linear, project
 from strata.runtime.model.rope import apply_rope
@@ -196,6 +197,8 @@ class GQAAttention(nn.Module):
 def _stack_into_views(params: list[nn.Parameter]) -> torch.Tensor:
     """Concatenate `params` along dim 0 into one tensor and make each parameter a view of its rows."""
     stacked = torch.cat([p.data for p in params])
+    if stacked.device.type == "cpu":  # the weights a CPU decode streams: in 2 MiB pages, as the model loaded them
+        stacked = copy_to_huge_pages(stacked)
     for p, part in zip(params, stacked.split([p.shape[0] for p in params]), strict=True):
         p.data = part
     return stacked

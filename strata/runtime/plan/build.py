@@ -19,6 +19,7 @@ from strata.runtime.model.checkpoint import Checkpoint
 from strata.runtime.model.deepseek_v4.tables import attach_hash_tables, drop_hash_tables
 from strata.runtime.model.engram.store import attach_row_store, drop_tables
 from strata.runtime.model.graphs import MAX_GRAPH_BATCH
+from strata.runtime.model.hugepages import use_huge_pages
 from strata.runtime.model.loader import load_model
 from strata.runtime.model.moe import router_predictors
 from strata.runtime.offload.tiered_moe import use_tiered_experts
@@ -58,6 +59,8 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
         dtype = DTYPES.get(cfg.runtime.dtype) or auto
         model = load_model(checkpoint, dtype, device, progress=progress)
         model.kernel_options = kernel_options_of(cfg)
+        if device.type == "cpu":
+            use_huge_pages(model)  # the weights a CPU decode streams, in 2 MiB pages
         use_grouped_prefill(model, grouped_on(cfg.debug.grouped_prefill, device))
         max_context = loaded_context(cfg, checkpoint.config, device, dtype)
         if device.type == "cuda":
@@ -86,6 +89,8 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
     model = load_model(checkpoint, dtype, device, progress=progress,
                        prepare=lambda m: (use_tiered_experts(m, compute), drop_tables(m), drop_hash_tables(m, store)))
     model.kernel_options = kernel_options_of(cfg)
+    if device.type == "cpu":
+        use_huge_pages(model)  # the dense weights a CPU decode streams, in 2 MiB pages
     attach_hash_tables(model, store, device, cfg.tiers.tmpfs.path)  # DeepSeek-V4's tid2eid: store tables
     if model.engram is not None:  # Engram tables: served by the tiered row store, checked before serving
         attach_row_store(model, checkpoint.store, cfg, device, host.ram_available,
