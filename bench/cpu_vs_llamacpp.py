@@ -15,7 +15,9 @@ llama.cpp's convert_hf_to_gguf.py writes for qwen3moe). Then:
 2. `--rounds` rounds, each running llama.cpp and strata in processes of their own, alternating which goes first,
    with the same thread count (`--threads`: llama.cpp's n_threads and n_threads_batch; strata's runtime.threads and
    [debug] cpu_threads): prefill tok/s of a 64- and a 512-token prompt (submission to first token), and decode
-   tok/s of 1 and 4 streams (64-token prompts, `--tokens` tokens each, temperature 1, fixed seeds). llama.cpp's 4
+   tok/s of 1 and 4 streams (64-token prompts, `--tokens` tokens each; greedy, as `Engine.generate` by default,
+   so the figures are the engines' forward passes; `--temperature 1` samples with each engine's own sampler over the
+   whole vocabulary instead, llama.cpp's `dist`, strata's, with fixed seeds). llama.cpp's 4
    streams are 4 sequences of one context decoded as one batch a step (its own batching, low-level API); strata's
    are 4 requests on its scheduler (one forward pass a step, `planner.max_batch` 4). bench/llamacpp_side.py and
    bench/strata_cpu_side.py are the two sides.
@@ -116,7 +118,8 @@ def ensure_models(cache: Path, layers: int, routing: str, skew: float, keep_chec
         store, gguf = Path(paths["store"]), Path(paths["gguf"])
         if store.is_dir() and gguf.is_file():
             return store, gguf
-    need = 3 * expected_bytes("bench", layers, engram=False)
+    written = (ckpt_dir / "strata_demo.json").is_file()  # a checkpoint kept (or left) from an earlier run
+    need = (2 if written else 3) * expected_bytes("bench", layers, engram=False)
     models.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(models).free
     if free < need:
@@ -166,7 +169,8 @@ def make_plan(args, seed: int, vocab: int) -> dict:
     per_seq = max(args.prefill) + 16 if args.prefill else 0
     per_seq = max(per_seq, args.prompt + args.tokens + 16)
     return {"n_ctx_per_seq": per_seq, "n_ctx": per_seq * max(args.streams), "n_seq": max(args.streams),
-            "n_batch": 512, "warmup": prompt(WARMUP_TOKENS), "logits": {"ids": prompt(CHECK_TOKENS)},
+            "n_batch": 512, "temperature": args.temperature, "warmup": prompt(WARMUP_TOKENS),
+            "logits": {"ids": prompt(CHECK_TOKENS)},
             "prefill": [prompt(n) for n in args.prefill],
             "decode": [{"prompts": [prompt(args.prompt) for _ in range(s)], "tokens": args.tokens}
                        for s in args.streams]}
@@ -283,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt", type=int, default=64, help="prompt tokens of the decode workloads (default 64)")
     p.add_argument("--prefill", type=int, nargs="*", default=[64, 512], help="prefill prompt lengths (default 64 512)")
     p.add_argument("--streams", type=int, nargs="+", default=[1, 4], help="decode stream counts (default 1 4)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="sampling temperature of every request (default 0: greedy; 1: each engine's sampler)")
     p.add_argument("--strata-dtype", default="auto", help='strata\'s runtime.dtype (default "auto": the default)')
     p.add_argument("--cache", default=None, help="models and the llama.cpp build (default $STRATA_CACHE/bench, "
                                                  "else ~/.cache/strata/bench)")

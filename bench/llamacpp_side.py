@@ -8,7 +8,8 @@ it never shares threads or memory with strata. PLAN.json (written by cpu_vs_llam
 - `logits`: prompt ids whose log-probabilities at every position are written to an .npy file, for the check
   against strata's float32 logits;
 - `prefill`: prompt lengths; each prompt (random ids, never seen before by the context) is decoded as one batch
-  and timed from the call to the first token sampled (llama.cpp's `dist` sampler: temperature 1, fixed seed);
+  and timed from the call to the first token sampled (the plan's `temperature`: 1, llama.cpp's `dist` sampler over the
+  whole vocabulary with a fixed seed; 0, its greedy sampler);
 - `decode`: (streams, prompt, tokens): `streams` sequences share one context (a unified KV cache); their prompts are
   decoded as one batch, then every step decodes one token per sequence as one batch (`llama_batch` with a
   sequence id per row, llama.cpp's own batching) and samples each sequence's next token. The decode rate is the
@@ -36,7 +37,7 @@ def _quiet(L) -> None:
 class Runner:
     """One model and one context of `n_seq` sequences, `n_ctx` tokens in all, on `threads` threads."""
 
-    def __init__(self, gguf: str, threads: int, n_ctx: int, n_seq: int, n_batch: int):
+    def __init__(self, gguf: str, threads: int, n_ctx: int, n_seq: int, n_batch: int, temperature: float = 1.0):
         import llama_cpp.llama_cpp as L
 
         self.L = L
@@ -58,7 +59,7 @@ class Runner:
         self.load_s = time.perf_counter() - t0
         self.vocab = L.llama_vocab_n_tokens(L.llama_model_get_vocab(self.model))
         self.batch = L.llama_batch_init(n_batch, 0, n_seq)
-        self.n_batch = n_batch
+        self.n_batch, self.temperature = n_batch, temperature
 
     def clear(self) -> None:
         self.L.llama_memory_clear(self.L.llama_get_memory(self.ctx), True)
@@ -78,7 +79,12 @@ class Runner:
     def sampler(self, seed: int):
         L = self.L
         chain = L.llama_sampler_chain_init(L.llama_sampler_chain_default_params())
-        L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed))  # temperature 1 over the whole vocab
+        if self.temperature == 0:
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_greedy())
+            return chain
+        if self.temperature != 1:
+            L.llama_sampler_chain_add(chain, L.llama_sampler_init_temp(self.temperature))
+        L.llama_sampler_chain_add(chain, L.llama_sampler_init_dist(seed))  # over the whole vocabulary
         return chain
 
     def logprobs(self, ids: list[int]) -> np.ndarray:
@@ -153,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     import llama_cpp
 
     page_in(args.gguf)
-    runner = Runner(args.gguf, args.threads, n_ctx=plan["n_ctx"], n_seq=plan["n_seq"], n_batch=plan["n_batch"])
+    runner = Runner(args.gguf, args.threads, n_ctx=plan["n_ctx"], n_seq=plan["n_seq"], n_batch=plan["n_batch"],
+                    temperature=plan.get("temperature", 1.0))
     result: dict = {"engine": "llama.cpp", "llama_cpp_python": llama_cpp.__version__, "threads": args.threads,
                     "load_s": round(runner.load_s, 2),
                     "system_info": llama_cpp.llama_cpp.llama_print_system_info().decode().strip()}

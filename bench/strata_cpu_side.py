@@ -12,8 +12,8 @@ cpu_vs_llamacpp.py) says what to measure, as bench/llamacpp_side.py measures lla
   forward pass decodes every stream's next token, one CPU kernel call per MoE layer computes every stream's
   experts); the decode rate is the tokens produced after the last stream's first token over the time since then.
 
-Every request samples at temperature 1 with a fixed seed and ignores EOS (as the llama.cpp side's `dist` sampler),
-so routing follows the weights' profile instead of settling into a greedy loop.
+Every request samples at the plan's temperature (1: the default; 0: greedy) with a fixed seed and ignores EOS, as
+the llama.cpp side does; sampled, routing follows the weights' profile instead of settling into a greedy loop.
 With --reference the process instead writes the float32 reference's log-probabilities at every position of the
 plan's `logits` prompt (`runtime.dtype = "float32"`, experts by the reference math) to OUT.npy.
 """
@@ -44,11 +44,14 @@ def engine_config(threads: int, streams: int, context: int, dtype: str, referenc
     return cfg
 
 
+TEMPERATURE = [1.0]  # the plan's, set by main
+
+
 def _submit(scheduler, prompt: list[int], tokens: int, seed: int):
     from strata.runtime.generation.requests import GenRequest
     from strata.runtime.generation.sampler import SamplingParams
 
-    params = SamplingParams(max_tokens=tokens, temperature=1.0, seed=seed, ignore_eos=True)
+    params = SamplingParams(max_tokens=tokens, temperature=TEMPERATURE[0], seed=seed, ignore_eos=True)
     return scheduler.submit(GenRequest(list(prompt), params), asynchronous=False)
 
 
@@ -107,6 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reference", default=None, help="write the float32 reference log-probabilities here and stop")
     args = p.parse_args(argv)
     plan = json.loads(Path(args.plan).read_text())
+    TEMPERATURE[0] = plan.get("temperature", 1.0)
 
     import numpy as np
     import torch

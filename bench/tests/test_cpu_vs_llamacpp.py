@@ -17,7 +17,7 @@ MINI = {"hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 3
 
 
 def _args(**kw):
-    base = {"prefill": [64, 512], "prompt": 64, "tokens": 32, "streams": [1, 4]}
+    base = {"prefill": [64, 512], "prompt": 64, "tokens": 32, "streams": [1, 4], "temperature": 1.0}
     return SimpleNamespace(**{**base, **kw})
 
 
