@@ -136,7 +136,8 @@ FAST_PATHS: dict[str, frozenset[str]] = {
     "gpu_pairs": frozenset({"plain"}),  # decode pair kernels over GPU slots, full-graph decode (strata.kernels.gpu.grouped)
     "gpu_in_place": frozenset({"plain"}),  # the GPU's in-place reads of pinned RAM in one-graph split decode
     "gpu_grouped": frozenset({"plain"}),  # prefill's grouped GEMMs over GPU slots (strata.kernels.gpu.grouped_gemm)
-    "cpu_kernel": frozenset({"plain"}),  # the compiled CPU expert kernel and the mailbox worker (strata.kernels.cpu)
+    "cpu_kernel": frozenset({"plain", "fp8", "mxfp4"}),  # the compiled CPU expert kernel (strata.kernels.cpu)
+    "cpu_mailbox": frozenset({"plain"}),  # one-graph decode's native CPU worker (strata.runtime.offload.mailbox)
 }
 FP8_BLOCKS = (128, 64, 32, 16)  # the square fp8 blocks `fp8_block_for` picks from, largest first
 

@@ -94,9 +94,15 @@ def test_the_decode_path_follows_the_kernels_that_read_the_format(q30b, monkeypa
     assert not gpu.decode_graphs and "grouped by expert" in gpu.decode
     notes = " ".join(gpu.notes)
     assert "decode pair kernels do not read fp8 128x128" in notes and "no CUDA graphs" in notes
-    assert "compiled CPU kernel does not read fp8 128x128" in notes
+    assert "CPU kernel does not read" not in notes  # the compiled CPU kernel reads FP8 as stored
+    cpu = plan(q30b["fp8"], host(gpu=None))
+    assert cpu.decode == "experts on CPU threads from RAM, the compiled kernel"
+    assert "does not read" not in " ".join(cpu.notes)
+    # a format the compiled CPU kernel does not read falls back to the reference math, and says so
+    monkeypatch.setitem(quant.FAST_PATHS, "cpu_kernel", frozenset({"plain"}))
     cpu = plan(q30b["fp8"], host(gpu=None))
     assert "dequantized one by one" in cpu.decode and "compiled CPU kernel does not read" in " ".join(cpu.notes)
+    monkeypatch.undo()
     # once every kernel reads fp8, the fast paths run and nothing falls back
     monkeypatch.setattr(quant, "FAST_PATHS", {k: v | {"fp8"} for k, v in quant.FAST_PATHS.items()})
     gpu, cpu = plan(q30b["fp8"], host()), plan(q30b["fp8"], host(gpu=None))

@@ -158,7 +158,7 @@ class ExpertCompute(CpuCompute):
         if not self.fast_cpu or not (self.split or self.device_tier == "cpu") or self.device.type != "cuda":
             return "no forked CPU compute beside a CUDA device"
         fmt = self.manager.store.expert_format
-        if not (reads("cpu_kernel", fmt) and self.pairs_read_format):
+        if not (reads("cpu_mailbox", fmt) and self.pairs_read_format):
             return f"the CPU worker or the GPU pair kernels do not read {fmt.name} experts"
         if self.manager.store.dtype != torch.bfloat16 or ce.backend(self.cpu_kernel) == "torch" \
                 or not host_signal.available():

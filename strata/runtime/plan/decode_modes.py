@@ -57,7 +57,7 @@ def decode_mode(fmt: ExpertFormat, expert_compute: str, all_in_vram: bool, cfg: 
         out.mode = "every expert in VRAM: one CUDA graph a step, the pair kernels reading the slots"
     elif not fork:
         out.mode = "resident experts by the pair kernels; cold ones copied into GPU slots first (bit-identical)"
-    elif cfg.debug.split_decode == "graph" and cpu_reads:
+    elif cfg.debug.split_decode == "graph" and reads("cpu_mailbox", fmt):
         out.mode = ("split: resident experts by the GPU's pair kernels, cold ones by the CPU worker, one CUDA graph a "
                     "step once every expert is in pinned RAM (host steps until then)")
     else:
