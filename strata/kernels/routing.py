@@ -6,7 +6,9 @@ Three routers cover the supported architectures (semantics from transformers' mo
   top-k (best `topk_group` of `n_group` groups, each group scored by its top-2), optional renormalise,
   then `routed_scaling_factor`;
 - `softmax_group_topk` (DeepSeek-V2): softmax scores, top-k within the best `topk_group` of `n_group` groups
-  (each group scored by its best expert; all groups for V2's `greedy`), then `routed_scaling_factor`.
+  (each group scored by its best expert; all groups for V2's `greedy`), then `routed_scaling_factor`;
+- `sigmoid_topk` (MiniMax-M2): sigmoid scores, the top k of score + a selection-only correction bias over all
+  experts, renormalised.
 All return (weights [N, k] fp32, expert ids [N, k] int64).
 """
 
@@ -68,3 +70,13 @@ def softmax_group_topk(logits: torch.Tensor, k: int, n_group: int, topk_group: i
         scores = scores.masked_fill(~expert_mask.bool(), 0.0)
     weights, ids = torch.topk(scores, k=k, dim=-1, sorted=False)
     return weights * scaling, ids
+
+
+def sigmoid_topk(logits: torch.Tensor, bias: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """MiniMax-M2 routing. logits [N, E] (the model's dtype: transformers keeps no part of this router in fp32),
+    bias [E] (selection only) -> (weights [N, k] fp32, ids [N, k]): sigmoid in fp32, the top k of score + bias,
+    their scores renormalised to sum 1."""
+    scores = logits.float().sigmoid()
+    ids = torch.topk(scores + bias, k, dim=-1, sorted=False)[1]
+    weights = scores.gather(1, ids)
+    return weights / weights.sum(dim=-1, keepdim=True), ids

@@ -107,7 +107,8 @@ def attend_latent(q_lat: torch.Tensor, q_rot: torch.Tensor, lat: torch.Tensor, r
 
 
 class GQAAttention(nn.Module):
-    """Grouped-query attention with optional q/k RMSNorm (Qwen3) and q/k/v biases (Qwen2)."""
+    """Grouped-query attention with optional q/k RMSNorm (per head: Qwen3; over all heads: MiniMax-M2) and q/k/v
+    biases (Qwen2)."""
 
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
@@ -118,8 +119,10 @@ class GQAAttention(nn.Module):
         self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # per head [d] (Qwen3, folded into the rotary's launch), or over the whole projection (MiniMax-M2)
+        self.qk_norm_whole = cfg.qk_norm_whole
+        self.q_norm = RMSNorm(cfg.num_heads * d if self.qk_norm_whole else d, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.num_kv_heads * d if self.qk_norm_whole else d, cfg.rms_norm_eps) if cfg.qk_norm else None
         self._qkv: tuple[torch.Tensor, torch.Tensor | None] | None = None  # q/k/v weights (biases) stacked, see _project
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -150,24 +153,27 @@ class GQAAttention(nn.Module):
     def forward(self, x, cos, sin, batch: StepBatch, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         n = x.shape[0]
         q, k, v = self._project(x)
+        q_norm, k_norm = self.q_norm, self.k_norm  # the per-head norms, applied with the rotary below
+        if self.qk_norm_whole:  # q [N, heads * d], k [N, kv_heads * d] normed as one vector a token
+            q, k, q_norm, k_norm = q_norm(q), k_norm(k), None, None
         q = q.view(n, self.num_heads, self.head_dim)
         k = k.view(n, self.num_kv_heads, self.head_dim)
         v = v.view(n, self.num_kv_heads, self.head_dim)
         k_cache, v_cache = cache
-        k_weight = self.k_norm.weight if self.k_norm is not None else None
+        k_weight = k_norm.weight if k_norm is not None else None
         if isinstance(batch, DecodeBatch) and fused.cache_write_ok(k, v, cos, k_weight, k_cache, v_cache):
             # the keys' norm and rotary land straight in the cache, with the values, and the queries' norm and
             # rotary run in the same launch: one kernel where torch takes ~20
-            eps = self.k_norm.eps if self.k_norm is not None else 0.0
-            q_weight = self.q_norm.weight if self.q_norm is not None else None
+            eps = k_norm.eps if k_norm is not None else 0.0
+            q_weight = q_norm.weight if q_norm is not None else None
             fold_q = fused.QK_FOLD and fused.norm_rope_ok(q, cos, q_weight)
             folded = fused.norm_rope_into_cache(k, v, cos, sin, k_weight, eps, k_cache, v_cache, batch.slots_t,
                                                 batch.pos_t, q=q if fold_q else None, q_weight=q_weight,
-                                                q_eps=self.q_norm.eps if self.q_norm is not None else 0.0)
-            q = folded if fold_q else self._norm_rope(q, cos, sin, self.q_norm)
+                                                q_eps=q_norm.eps if q_norm is not None else 0.0)
+            q = folded if fold_q else self._norm_rope(q, cos, sin, q_norm)
         else:
-            q = self._norm_rope(q, cos, sin, self.q_norm)
-            k = self._norm_rope(k, cos, sin, self.k_norm)
+            q = self._norm_rope(q, cos, sin, q_norm)
+            k = self._norm_rope(k, cos, sin, k_norm)
             if isinstance(batch, DecodeBatch):
                 k_cache[batch.slots_t, batch.pos_t] = k
                 v_cache[batch.slots_t, batch.pos_t] = v

@@ -168,13 +168,16 @@ class Checkpoint:
         return gate_up, down
 
     def _resolve(self, name: str, missing_ok: bool = False) -> str | None:
-        """Map a transformers name to the checkpoint's (Mixtral's original files say block_sparse_moe; an MXFP4
+        """Map a transformers name to the checkpoint's (Mixtral's original files say block_sparse_moe, MiniMax-M2's
+        keep the router's correction bias beside the router, `block_sparse_moe.e_score_correction_bias`; an MXFP4
         weight is its `_blocks` + `_scales` pair, found by the weight's own name)."""
         if stored_shape(self.index, name) is not None:
             return name
-        alt = name.replace(".mlp.", ".block_sparse_moe.")
-        if stored_shape(self.index, alt) is not None:
-            return alt
+        mixtral = name.replace(".mlp.", ".block_sparse_moe.")
+        beside = ".gate.e_score_correction_bias", ".e_score_correction_bias"
+        for alt in (mixtral, name.replace(*beside), mixtral.replace(*beside)):
+            if stored_shape(self.index, alt) is not None:
+                return alt
         if missing_ok:
             return None
         raise CheckpointError(

@@ -17,7 +17,7 @@ from strata.runtime.model.deepseek_v4.config import DeepseekV4Settings, deepseek
 from strata.runtime.model.engram.hashing import EngramConfig
 
 SUPPORTED_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral",
-                           "glm4_moe", "deepseek_v2", "kimi_k2", "kimi_k25", "deepseek_v4")
+                           "glm4_moe", "deepseek_v2", "kimi_k2", "kimi_k25", "deepseek_v4", "minimax_m2")
 QUANT_METHODS = ("fp8", "mxfp4")  # config.json's quantization_config.quant_method values strata loads
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
 
@@ -67,6 +67,7 @@ class ModelConfig:
     qkv_bias: bool = False
     o_bias: bool = False
     qk_norm: bool = False
+    qk_norm_whole: bool = False  # MiniMax-M2: one RMSNorm over all heads' q [heads * d] (and k), not one per head
     sliding_windows: list[int | None] = field(default_factory=list)  # per layer, None = full attention
     # MLA (deepseek_v3)
     q_lora_rank: int | None = None
@@ -83,6 +84,7 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_layers: list[bool] = field(default_factory=list)
     router: str = "softmax"  # "softmax" | "sigmoid_group" (DeepSeek-V3, GLM-4.5) | "softmax_group" (DeepSeek-V2)
+    #                           | "sigmoid_topk" (MiniMax-M2)
     norm_topk_prob: bool = False
     routed_scaling_factor: float = 1.0
     n_group: int = 1
@@ -132,8 +134,9 @@ class ModelConfig:
     @property
     def fp32_router(self) -> bool:
         """Whether the router's weights stay in fp32 whatever the model dtype (DeepSeek's and GLM's routers: their
-        `_keep_in_fp32_modules` in transformers); DeepSeek-V4 keeps only the correction bias in fp32."""
-        return self.router != "softmax" and self.deepseek_v4 is None
+        `_keep_in_fp32_modules` in transformers); DeepSeek-V4 keeps only the correction bias in fp32, MiniMax-M2
+        nothing."""
+        return self.router in ("sigmoid_group", "softmax_group") and self.deepseek_v4 is None
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], source: str = "config.json") -> ModelConfig:
@@ -171,7 +174,7 @@ def _quantization(q: Any, source: str) -> tuple[str, tuple[int, int] | None]:
                                "block-scaled fp8 and mxfp4 checkpoints, or unquantized ones (bf16, f16, f32)")
     if method == "mxfp4":
         return method, None
-    if q.get("fmt", "e4m3") != "e4m3":
+    if q.get("fmt", "e4m3") not in ("e4m3", "float8_e4m3fn"):  # (MiniMax-M2 names the dtype)
         raise UnsupportedError(f"{source}: quantization_config.fmt {q.get('fmt')!r} is not supported; strata loads "
                                "fp8 in e4m3 (float8_e4m3fn)")
     block = q.get("weight_block_size")
@@ -433,6 +436,34 @@ def _parse_glm4_moe(cfg: dict, source: str) -> ModelConfig:
     )
 
 
+def _parse_minimax_m2(cfg: dict, source: str) -> ModelConfig:
+    """MiniMax-M2 / M2.1: GQA whose q and k are RMS-normed over the whole projection (all heads at once), rotary on
+    the first `rotary_dim` of each head, and in every layer a MoE of `intermediate_size`-wide experts routed by
+    sigmoid scores (top k of score + e_score_correction_bias, renormalised), no shared expert, no sliding window.
+    Defaults are transformers' MiniMaxM2Config's; the release's MTP modules (`num_mtp_modules`, layers past
+    num_hidden_layers) are read past."""
+    _act(cfg, source)
+    cfg = {"head_dim": 128, "rope_theta": 5000000.0, "max_position_embeddings": 196608, "num_local_experts": 256,
+           "num_experts_per_tok": 8, "intermediate_size": 1536, **cfg}
+    c = _common(cfg)
+    head_dim = int(cfg["head_dim"])
+    if cfg.get("rotary_dim"):  # the release's spelling of partial_rotary_factor (an explicit factor wins)
+        cfg = {"partial_rotary_factor": int(cfg["rotary_dim"]) / head_dim, **cfg}
+    return ModelConfig(
+        **{**c, "intermediate_size": 0},
+        rope=_rope(cfg, head_dim),
+        attention="gqa",
+        head_dim=head_dim,
+        qk_norm=True,
+        qk_norm_whole=True,
+        sliding_windows=[None] * c["num_layers"],
+        moe_intermediate_size=int(cfg["intermediate_size"]),
+        moe_layers=[True] * c["num_layers"],
+        router="sigmoid_topk",
+        norm_topk_prob=True,
+    )
+
+
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     import math
 
@@ -448,6 +479,7 @@ _PARSERS = {
     "deepseek_v2": _parse_deepseek_v2,
     "kimi_k2": _parse_kimi_k2,
     "kimi_k25": _parse_kimi_k2,
+    "minimax_m2": _parse_minimax_m2,
     "deepseek_v4": lambda cfg, source: ModelConfig(**{**(f := deepseek_v4_fields(cfg, source)),
                                                       "rope": RopeConfig(**f["rope"])}),
 }

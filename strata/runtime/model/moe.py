@@ -17,7 +17,7 @@ from strata.kernels.experts import moe_forward
 from strata.kernels.gpu import decode_router
 from strata.kernels.gpu.grouped import SlotWeights, combine_pairs, pair_experts, use_pair_kernels
 from strata.kernels.gpu.grouped_gemm import grouped_experts, grouped_ok, refuse
-from strata.kernels.routing import sigmoid_group_topk, softmax_group_topk, softmax_topk
+from strata.kernels.routing import sigmoid_group_topk, sigmoid_topk, softmax_group_topk, softmax_topk
 from strata.runtime.model.config import ModelConfig
 from strata.runtime.model.layers import MLP, linear
 
@@ -29,7 +29,7 @@ class Router(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
-        if cfg.router == "sigmoid_group":
+        if cfg.router in ("sigmoid_group", "sigmoid_topk"):
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
         self._counts: dict[str, torch.Tensor] = {}  # device -> the one-launch decode router's counters
 
@@ -55,6 +55,8 @@ class Router(nn.Module):
         if cfg.router == "softmax_group":  # DeepSeek-V2: its router in fp32 too
             return (*softmax_group_topk(F.linear(x.float(), self.weight.float()), cfg.num_experts_per_tok,
                                         cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor), None)
+        if cfg.router == "sigmoid_topk":  # MiniMax-M2: logits in the model's dtype, as transformers computes them
+            return (*sigmoid_topk(linear(x, self.weight), self.e_score_correction_bias, cfg.num_experts_per_tok), None)
         logits = linear(x, self.weight)
         return (*softmax_topk(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob), None)
 
@@ -73,6 +75,8 @@ class Router(nn.Module):
         if cfg.router == "softmax_group":
             return softmax_group_topk(F.linear(x.float(), self.weight.float()), cfg.num_experts_per_tok,
                                       cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)[1]
+        if cfg.router == "sigmoid_topk":
+            return sigmoid_topk(F.linear(x, self.weight), self.e_score_correction_bias, cfg.num_experts_per_tok)[1]
         return softmax_topk(F.linear(x, self.weight), cfg.num_experts_per_tok, cfg.norm_topk_prob)[1]
 
 

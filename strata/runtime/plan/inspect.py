@@ -8,9 +8,10 @@ Naming schemes understood (L = layer, E = expert):
   per-expert  `layers.L.mlp.experts.E.{gate,up,down}_proj.*`           Qwen2/3-MoE, DeepSeek-V3
               `layers.L.block_sparse_moe.experts.E.{w1,w2,w3}.*`        Mixtral
   fused       `layers.L.mlp.experts.{gate_up_proj,down_proj}` [E, ...]  transformers 5 native format
-  router      `layers.L.{mlp,block_sparse_moe}.gate.*` (incl. DeepSeek's e_score_correction_bias)
+  router      `layers.L.{mlp,block_sparse_moe}.gate.*` (incl. DeepSeek's e_score_correction_bias), MiniMax-M2's
+              `layers.L.block_sparse_moe.e_score_correction_bias`
   shared      `layers.L.mlp.shared_expert.*`, `shared_expert_gate.*` (Qwen2-MoE), `shared_experts.*` (DeepSeek)
-  mtp         DeepSeek-V3 multi-token-prediction layers `layers.{num_hidden_layers + i}.*`
+  mtp         DeepSeek-V3's (MiniMax-M2's) multi-token-prediction layers `layers.{num_hidden_layers + i}.*`
 """
 
 from __future__ import annotations
@@ -124,7 +125,7 @@ def _layer_role(rest: str) -> tuple[str, bool]:
         sub = tail.partition(".")[0]
         if sub == "experts":
             return "experts", True  # experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I], biases
-        if sub in ("gate", "router"):
+        if sub in ("gate", "router", "e_score_correction_bias"):
             return "router", False
         if sub.startswith("shared_expert"):  # shared_expert, shared_expert_gate, shared_experts
             return "shared_experts", False
@@ -253,7 +254,8 @@ def summarize_checkpoint(path: str | Path) -> CheckpointSummary:
             f"({', '.join(KNOWN_MODEL_TYPES)}); roles are guessed from tensor names"
         )
     cfg_layers = _int(text, "num_hidden_layers", "n_layers", "num_layers")
-    cfg_mtp = _int(text, "num_nextn_predict_layers", "num_mtp_layers") or 0
+    cfg_mtp = (_int(text, "num_nextn_predict_layers", "num_mtp_layers")
+               or (_int(text, "num_mtp_modules") or 0) * (_int(text, "mtp_transformer_layers") or 1))  # (MiniMax-M2)
     t = _tally(index, cfg_layers)
     total_bytes, num_files = index.total_bytes(), len(index.files())
     if is_store(path):  # a store: the dense tensors above, the experts and tables from its index
