@@ -198,6 +198,31 @@ def test_pinned_pool_slots():
     pool.close()
 
 
+def _anon_huge_kib(address: int) -> int:
+    """AnonHugePages (KiB) of the mapping of this process that holds `address`."""
+    lines, hit = Path("/proc/self/smaps").read_text().splitlines(), False
+    for line in lines:
+        if "-" in line.split(" ", 1)[0] and not line.startswith(("AnonHuge", "Size")):
+            lo, hi = (int(v, 16) for v in line.split(" ", 1)[0].split("-"))
+            hit = lo <= address < hi
+        elif hit and line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+    return 0
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists()
+                    or "[never]" in Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text(),
+                    reason="no transparent huge pages on this system")
+def test_unpinned_slabs_are_in_huge_pages():
+    """A CPU host's slabs (the CPU kernel streams whole experts from them) ask for 2 MiB pages before they are
+    touched, so they get them in THP's `madvise` mode too, and arrive zeroed (faulted in at allocation)."""
+    pool = PinnedPool(1 << 20, 16, pin=False, slab_bytes=16 << 20, background=False)
+    slot = pool.slot(0)
+    assert bool((slot == 0).all())
+    assert _anon_huge_kib(slot.data_ptr()) >= 2048
+    pool.close()
+
+
 def test_pinned_pool_background_and_errors():
     pool = PinnedPool(ALIGN, 64, pin=False, slab_bytes=16 * ALIGN, background=True)
     assert pool.slot(63).numel() == ALIGN  # waits for the last slab

@@ -18,7 +18,8 @@ import mmap
 import torch
 from torch import nn
 
-HUGE_PAGE = 2 << 20
+from strata.tiers.storage.huge_pages import HUGE_PAGE, advise_huge_pages
+
 MIN_BYTES = HUGE_PAGE  # smaller tensors are left where they are (a page or two of TLB reach)
 
 
@@ -28,11 +29,7 @@ def empty(nbytes: int) -> torch.Tensor:
     mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     base = torch.frombuffer(mm, dtype=torch.uint8)  # holds a reference to the mapping
     skip = -base.data_ptr() % HUGE_PAGE
-    if hasattr(mm, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
-        try:
-            mm.madvise(mmap.MADV_HUGEPAGE, skip, nbytes - nbytes % mmap.PAGESIZE or mmap.PAGESIZE)
-        except OSError:  # THP not compiled in: ordinary pages
-            pass
+    advise_huge_pages(mm, nbytes, skip)  # where THP is off: ordinary pages
     return base[skip : skip + nbytes]
 
 

@@ -17,6 +17,7 @@ import threading
 import torch
 
 from strata.errors import StrataError, UnsupportedError
+from strata.tiers.storage.huge_pages import advise_huge_pages
 
 ALIGN = 4096
 _HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context (all GPUs of the host)
@@ -27,11 +28,13 @@ class _Slab:
 
     def __init__(self, nbytes: int, pin: bool):
         self.nbytes, self.registered = nbytes, False
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        if not pin:
-            flags |= getattr(mmap, "MAP_POPULATE", 0)  # fault the pages in now, off the hot path
-        self.mm: mmap.mmap | None = mmap.mmap(-1, nbytes, flags=flags)
+        self.mm: mmap.mmap | None = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         self.tensor = torch.frombuffer(self.mm, dtype=torch.uint8)  # holds a reference to the mapping
+        if not pin:
+            # the CPU kernel streams whole experts from these slabs every token: in 2 MiB pages (where the kernel
+            # grants them) rather than a TLB miss every 4 KiB; faulted in now, off the hot path
+            advise_huge_pages(self.mm, nbytes)
+            self.tensor.zero_()
         if pin:
             # Register on this (non-main) thread: a failed cudaHostRegister leaves a per-thread "last error"
             # that would otherwise surface in the next unrelated kernel-launch check of the main thread.
