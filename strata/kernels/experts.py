@@ -19,6 +19,9 @@ from strata.kernels.quant import QuantMatrix
 
 # expert -> (gate_up [2I, H], down [H, I]): tensors, or matrices as stored (dequantized here)
 ExpertWeights = Callable[[int], tuple[torch.Tensor, torch.Tensor] | tuple[QuantMatrix, QuantMatrix]]
+# an expert's math when it is not the (clipped) SwiGLU of `expert_swiglu`: (expert, x [T, H], gate_up [2I, H],
+# down [H, I]) -> [T, H] (gpt-oss's biased, clamped SwiGLU: strata.runtime.model.gpt_oss.moe)
+ExpertMath = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def as_weights(pair: tuple[torch.Tensor, torch.Tensor] | tuple[QuantMatrix, QuantMatrix],
@@ -54,18 +57,19 @@ def group_by_expert(ids: torch.Tensor, num_experts: int) -> list[tuple[int, torc
 
 def apply_experts(x: torch.Tensor, weights: torch.Tensor, k: int, groups: list[tuple[int, torch.Tensor]],
                   expert_weights: ExpertWeights, out: torch.Tensor | None = None,
-                  limit: float | None = None) -> torch.Tensor:
+                  limit: float | None = None, math: ExpertMath | None = None) -> torch.Tensor:
     """Weighted sum of each token's routed experts. x [N, H], weights [N, k] -> [N, H].
 
     `out` continues an earlier partial sum (experts served in chunks accumulate in the same order); `limit`: the
-    clipped SwiGLU's (`expert_swiglu`).
+    clipped SwiGLU's (`expert_swiglu`); `math`: each expert's own math instead of the SwiGLU.
     """
     out = torch.zeros_like(x) if out is None else out
     flat_weights = weights.reshape(-1)
     for expert, sel in groups:
         tokens = sel // k
         gate_up, down = as_weights(expert_weights(expert), x.dtype)
-        y = expert_swiglu(x[tokens], gate_up, down, limit) * flat_weights[sel, None]
+        y = expert_swiglu(x[tokens], gate_up, down, limit) if math is None else math(expert, x[tokens], gate_up, down)
+        y = y * flat_weights[sel, None]
         out.index_add_(0, tokens, y.to(out.dtype))
     return out
 

@@ -20,6 +20,7 @@ from strata.errors import CheckpointError
 from strata.kernels.quant import ExpertFormat
 from strata.runtime.model.config import ModelConfig
 from strata.runtime.model.deepseek_v4.names import renamed_index
+from strata.runtime.model.gpt_oss.layout import experts_transposed, transposed_shapes
 from strata.runtime.model.quantized import check_quantized, plain_dtype, read_weight, stored_shape
 from strata.tiers.store.dense_check import DenseCheck
 from strata.tiers.store.format import EXPERT_DTYPES, is_store, lacks_index, no_index_error
@@ -57,6 +58,7 @@ class Checkpoint:
     store: ExpertStore | None = None  # set when the directory is a strata expert store
     dense_check: DenseCheck | None = field(default=None, repr=False)  # a store's dense tensors, checked as read
     expert_format: ExpertFormat = field(default_factory=ExpertFormat)  # how the routed experts are stored
+    experts_transposed: bool = False  # fused experts as transformers' gpt-oss holds them: [E, H, 2I], [E, I, H]
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> Checkpoint:
@@ -89,7 +91,9 @@ class Checkpoint:
             _check_store_layout(directory, store, config)
             return cls(directory, hf_config, config, index, "store", eos, store, expert_format=store.expert_format)
         layout = _detect_layout(index, config)
-        return cls(directory, hf_config, config, index, layout, eos, expert_format=_expert_format(index, config, layout))
+        fmt = _expert_format(index, config, layout)
+        return cls(directory, hf_config, config, index, layout, eos, expert_format=fmt,
+                   experts_transposed=experts_transposed(config, layout, fmt))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -154,6 +158,11 @@ class Checkpoint:
         e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         if self.store is not None:
             return self.store.load_layer_experts(layer, dtype, device)
+        if self.experts_transposed:  # (gpt-oss in bf16: strata.runtime.model.gpt_oss.layout)
+            gu_shape, down_shape = transposed_shapes(cfg)
+            gate_up = self.tensor(f"model.layers.{layer}.mlp.experts.gate_up_proj", gu_shape, dtype, "cpu")
+            down = self.tensor(f"model.layers.{layer}.mlp.experts.down_proj", down_shape, dtype, "cpu")
+            return gate_up.transpose(1, 2).contiguous().to(device), down.transpose(1, 2).contiguous().to(device)
         if self.expert_layout == "fused":
             gate_up = self.tensor(f"model.layers.{layer}.mlp.experts.gate_up_proj", (e, 2 * i, h), dtype, device)
             down = self.tensor(f"model.layers.{layer}.mlp.experts.down_proj", (e, h, i), dtype, device)

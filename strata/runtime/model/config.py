@@ -15,9 +15,10 @@ from typing import Any
 from strata.errors import CheckpointError, UnsupportedError
 from strata.runtime.model.deepseek_v4.config import DeepseekV4Settings, deepseek_v4_fields
 from strata.runtime.model.engram.hashing import EngramConfig
+from strata.runtime.model.gpt_oss.config import GptOssSettings, gpt_oss_fields, gpt_oss_rope_source
 
 SUPPORTED_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral",
-                           "glm4_moe", "deepseek_v2", "kimi_k2", "kimi_k25", "deepseek_v4", "minimax_m2")
+                           "glm4_moe", "deepseek_v2", "kimi_k2", "kimi_k25", "deepseek_v4", "minimax_m2", "gpt_oss")
 QUANT_METHODS = ("fp8", "mxfp4")  # config.json's quantization_config.quant_method values strata loads
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
 
@@ -99,6 +100,7 @@ class ModelConfig:
     quant_method: str = ""
     weight_block: tuple[int, int] | None = None
     deepseek_v4: DeepseekV4Settings | None = None  # what only DeepSeek-V4 has (strata.runtime.model.deepseek_v4)
+    gpt_oss: GptOssSettings | None = None  # what only gpt-oss has (strata.runtime.model.gpt_oss)
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "num_experts",
@@ -464,6 +466,13 @@ def _parse_minimax_m2(cfg: dict, source: str) -> ModelConfig:
     )
 
 
+def _parse_gpt_oss(cfg: dict, source: str) -> ModelConfig:
+    """gpt-oss (20b, 120b): its fields from strata.runtime.model.gpt_oss.config, its rotary (YaRN) read as every
+    architecture's."""
+    fields = gpt_oss_fields(cfg, source)
+    return ModelConfig(**fields, rope=_rope(gpt_oss_rope_source(cfg), fields["head_dim"]))
+
+
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
     import math
 
@@ -482,4 +491,5 @@ _PARSERS = {
     "minimax_m2": _parse_minimax_m2,
     "deepseek_v4": lambda cfg, source: ModelConfig(**{**(f := deepseek_v4_fields(cfg, source)),
                                                       "rope": RopeConfig(**f["rope"])}),
+    "gpt_oss": _parse_gpt_oss,
 }

@@ -16,6 +16,7 @@ from tqdm import tqdm
 from strata.runtime.model.checkpoint import Checkpoint
 from strata.runtime.model.config import ModelConfig
 from strata.runtime.model.deepseek_v4.model import DeepseekV4Transformer
+from strata.runtime.model.gpt_oss.model import GptOssTransformer
 from strata.runtime.model.rope import RotaryEmbedding
 from strata.runtime.model.transformer import MoETransformer
 
@@ -28,8 +29,10 @@ def checkpoint_name(param: str) -> str:
     return param if param.startswith("lm_head.") else f"model.{param}"
 
 
-def build_transformer(cfg: ModelConfig) -> MoETransformer | DeepseekV4Transformer:
+def build_transformer(cfg: ModelConfig) -> MoETransformer | DeepseekV4Transformer | GptOssTransformer:
     """The model class of `cfg`'s architecture, built with its parameters uninitialised (on the current device)."""
+    if cfg.gpt_oss is not None:
+        return GptOssTransformer(cfg)
     return DeepseekV4Transformer(cfg) if cfg.deepseek_v4 is not None else MoETransformer(cfg)
 
 
@@ -49,6 +52,7 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device | str,
     entries = [(n, t) for n, t in list(model.named_parameters()) + list(model.named_buffers()) if not n.startswith("rotary.")]
     bar = tqdm(total=len(entries), desc="loading weights", unit="tensor", disable=not progress, leave=False)
     experts_done: set[int] = set()
+    name_of = getattr(model, "checkpoint_name", checkpoint_name)  # (gpt-oss: its dense expert biases' names)
     for name, meta in entries:
         bar.update(1)
         want = torch.float32 if fp32_router and name.endswith(FP32_SUFFIXES) else dtype
@@ -66,7 +70,7 @@ def load_model(ckpt: Checkpoint, dtype: torch.dtype, device: torch.device | str,
             continue
         if name == "lm_head.weight" and cfg.tie_word_embeddings and not ckpt.has("lm_head.weight"):
             continue  # tied below
-        state[name] = ckpt.tensor(checkpoint_name(name), tuple(meta.shape), want, device)
+        state[name] = ckpt.tensor(name_of(name), tuple(meta.shape), want, device)
     bar.close()
     ckpt.finish_loading()  # a store's dense tensors: all checked once, then recorded as verified
     if cfg.tie_word_embeddings and "lm_head.weight" not in state:

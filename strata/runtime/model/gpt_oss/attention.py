@@ -1,0 +1,86 @@
+"""gpt-oss's attention (transformers' `GptOssAttention`): grouped-query attention with q/k/v/o biases, sliding-window
+or full by layer, and a learned sink logit per head that joins each query's softmax denominator:
+
+    p_j = exp(s_j) / (exp(sink_h) + sum_j' exp(s_j'))      s = q.k * scale, masked causally (and by the window)
+
+so a head may put part of its mass nowhere. The sink takes no value: the output is sum_j p_j v_j.
+
+Keys and values are cached in the shared `KVCache` for every position of every layer (a sliding-window layer keeps
+its full history too: what the planner counts and the scheduler allocates, `KVCache.bytes_per_token`); a
+sliding-window layer reads only the keys its queries can see.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from strata.runtime.model.attention import GQAAttention
+from strata.runtime.model.config import ModelConfig
+from strata.runtime.model.kv_cache import StepBatch
+from strata.runtime.model.layers import project
+
+SCORE_BUDGET = 256 << 20  # bytes of fp32 scores one block of queries may hold (long prompts attend in blocks)
+
+
+def attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: int, window: int | None,
+                      scale: float, sinks: torch.Tensor) -> torch.Tensor:
+    """L queries of one sequence over its S cached keys, with a sink logit per head.
+
+    q [L, heads, d], k and v [S, kv_heads, d], sinks [heads] -> [L, heads, d] in q's dtype. Query i sits at key
+    position `first` + i; it sees keys j <= first + i and, with a `window`, j > first + i - window. Logits and the
+    softmax in fp32 (the sink column appended, then dropped), the probabilities rounded to v's dtype for the value
+    product, as transformers' eager attention. Queries run in blocks whose scores stay under `SCORE_BUDGET`."""
+    length, heads, d = q.shape
+    size, kv_heads = k.shape[0], k.shape[1]
+    group = heads // kv_heads  # query head h reads KV head h // group
+    qg = q.reshape(length, kv_heads, group, d).permute(1, 2, 0, 3).float()  # [kv, group, L, d]
+    kt = k.permute(1, 2, 0)[:, None].float()  # [kv, 1, d, S]
+    vv = v.permute(1, 0, 2)[:, None]  # [kv, 1, S, d]
+    sink = sinks.float().reshape(kv_heads, group, 1, 1)
+    kpos = torch.arange(size, device=q.device)
+    out = torch.empty(kv_heads, group, length, d, dtype=q.dtype, device=q.device)
+    block = max(1, SCORE_BUDGET // (heads * size * 4))
+    for b0 in range(0, length, block):
+        b1 = min(length, b0 + block)
+        qpos = torch.arange(first + b0, first + b1, device=q.device)[:, None]
+        hidden = kpos[None, :] > qpos  # [blk, S] keys after the query
+        if window is not None:
+            hidden |= kpos[None, :] <= qpos - window
+        scores = torch.matmul(qg[:, :, b0:b1], kt) * scale  # [kv, group, blk, S]
+        scores.masked_fill_(hidden, float("-inf"))
+        logits = torch.cat((scores, sink.expand(-1, -1, b1 - b0, 1)), dim=-1)
+        probs = torch.softmax(logits, dim=-1)[..., :-1]
+        out[:, :, b0:b1] = torch.matmul(probs.to(v.dtype), vv).to(q.dtype)
+    return out.permute(2, 0, 1, 3).reshape(length, heads, d)
+
+
+class GptOssAttention(GQAAttention):
+    """`GQAAttention`'s projections (q/k/v/o with biases) and rotary, attending with sinks (`attend_with_sinks`)."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__(cfg, layer)
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_heads))
+
+    def forward(self, x, cos, sin, batch: StepBatch, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """x [N, hidden] of the step's sequences -> [N, hidden]; the new keys and values written into `cache`
+        ([slots, max_len, kv_heads, d] each)."""
+        if not isinstance(batch, StepBatch):
+            raise TypeError("gpt-oss runs StepBatch steps (its decode steps are not captured in graphs)")
+        n = x.shape[0]
+        q, k, v = self._project(x)
+        q = self._norm_rope(q.view(n, self.num_heads, self.head_dim), cos, sin, None)
+        k = self._norm_rope(k.view(n, self.num_kv_heads, self.head_dim), cos, sin, None)
+        v = v.view(n, self.num_kv_heads, self.head_dim)
+        k_cache, v_cache = cache
+        out = torch.empty(n, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
+        for slot, start, off, length in batch.sequences():
+            end = start + length
+            k_cache[slot, start:end] = k[off : off + length]
+            v_cache[slot, start:end] = v[off : off + length]
+            # a window's first query sees nothing before start - window + 1: older keys are not read
+            lo = 0 if self.window is None else max(0, start - self.window + 1)
+            out[off : off + length] = attend_with_sinks(q[off : off + length], k_cache[slot, lo:end],
+                                                        v_cache[slot, lo:end], start - lo, self.window, self.scale,
+                                                        self.sinks)
+        return project(self.o_proj, out.reshape(n, -1))

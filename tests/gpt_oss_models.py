@@ -1,0 +1,124 @@
+"""Tiny random gpt-oss checkpoints built offline with transformers' own `GptOssForCausalLM`.
+
+Layers alternate sliding-window and full attention (transformers' default layer_types), q/k/v/o carry biases, YaRN is
+on as the release configures it, and what transformers initialises to zeros (the expert biases) or small values (the
+sinks, the router's bias) is drawn at random, so a wrong formula anywhere changes the logits. `swiglu_limit` is small
+enough that the clamp engages. The expert width differs from the hidden size, so a transposed tensor cannot pass for
+the other orientation.
+
+`mxfp4_variant` writes the same model as the release ships its experts: MXFP4 `*_blocks` / `*_scales` under the
+release's names (quantized by strata.kernels.quant's quantizer), with `quantization_config` {"quant_method": "mxfp4"};
+`dequantized_oracle` is transformers' model of the very weights those blocks decode to.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from reference_models import VOCAB, write_tokenizer
+from strata.kernels.quant import MX_GROUP, dequantize_mxfp4, quantize_mxfp4
+
+
+def gpt_oss_config(long: bool = False, layers: int = 4):
+    """transformers' GptOssConfig of the tiny model; `long`: a 64-token window (2,100 tokens cross it many times)."""
+    from transformers import GptOssConfig
+
+    yarn = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 4096 if not long else 256}
+    return GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
+        sliding_window=64 if long else 12, max_position_embeddings=8192, initializer_range=0.1, rms_norm_eps=1e-5,
+        rope_parameters=yarn, swiglu_limit=1.5, bos_token_id=None, eos_token_id=None, pad_token_id=None,
+        tie_word_embeddings=False,
+    )
+
+
+def build_gpt_oss(directory: Path, *, long: bool = False, seed: int = 0, layers: int = 4):
+    """Create, save (transformers' bf16-style layout, in fp32) and return (GptOssForCausalLM fp32 eval, directory)."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = gpt_oss_config(long, layers)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
+    g = torch.Generator().manual_seed(seed + 100)
+    with torch.no_grad():
+        for name, t in model.named_parameters():
+            if name.endswith(("sinks", "_bias", "router.bias")):
+                t.copy_(torch.randn(t.shape, generator=g) * 0.5)
+            elif name.endswith("layernorm.weight") or name == "model.norm.weight":
+                t.copy_(1 + torch.randn(t.shape, generator=g) * 0.1)
+    model.save_pretrained(directory)
+    write_tokenizer(directory)
+    return model, directory
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                out[name] = f.get_tensor(name)
+    return out
+
+
+def _copy_small_files(src: Path, dst: Path, quantization: dict | None) -> None:
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and f.is_file():
+            (dst / f.name).write_bytes(f.read_bytes())
+    cfg = json.loads((src / "config.json").read_text())
+    cfg.pop("quantization_config", None)
+    if quantization is not None:
+        cfg["quantization_config"] = quantization
+    (dst / "config.json").write_text(json.dumps(cfg))
+
+
+def mxfp4_variant(src: Path, dst: Path) -> Path:
+    """Write `dst`: checkpoint `src` with its experts as the release ships them. transformers' gate_up_proj [E, H, 2I]
+    and down_proj [E, I, H] become `gate_up_proj_blocks` [E, 2I, H/32, 16] + `_scales` [E, 2I, H/32] (and down's),
+    each output row quantized by `quantize_mxfp4`."""
+    out = {}
+    for name, t in _tensors(src).items():
+        if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            rows = t.transpose(1, 2).float()  # [E, N, K]: the release's orientation
+            parts = [quantize_mxfp4(m) for m in rows]
+            e, n, k = rows.shape
+            out[name + "_blocks"] = torch.stack([q for q, _ in parts]).reshape(e, n, k // MX_GROUP, MX_GROUP // 2)
+            out[name + "_scales"] = torch.stack([s for _, s in parts])
+        else:
+            out[name] = t
+    _copy_small_files(src, dst, {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]})
+    save_file(out, dst / "model.safetensors")
+    return dst
+
+
+def dequantized_oracle(src: Path, dst: Path):
+    """transformers' fp32 GptOssForCausalLM of the weights the MXFP4 checkpoint `src` decodes to (written to `dst` in
+    transformers' layout), and the dequantized experts by transformers' own MXFP4 decoder, which must equal them."""
+    from transformers import AutoModelForCausalLM
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    tensors = _tensors(src)
+    out, theirs = {}, {}
+    for name, t in tensors.items():
+        if name.endswith("_scales"):
+            continue
+        if name.endswith("_blocks"):
+            stem, scales = name.removesuffix("_blocks"), tensors[name.removesuffix("_blocks") + "_scales"]
+            rows = torch.stack([dequantize_mxfp4(b, s) for b, s in zip(t, scales, strict=True)])  # [E, N, K]
+            out[stem] = rows.transpose(1, 2).contiguous()
+            theirs[stem] = convert_moe_packed_tensors(t, scales, dtype=torch.float32)
+        else:
+            out[name] = t.float()
+    _copy_small_files(src, dst, None)
+    save_file(out, dst / "model.safetensors")
+    model = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32, attn_implementation="eager").eval()
+    return model, {name: (out[name], theirs[name]) for name in theirs}
