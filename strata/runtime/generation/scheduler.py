@@ -119,11 +119,13 @@ class Scheduler:
             if batch != self._settings[0]:
                 self._chain.pending, self.cache = None, None  # the old slots are freed before the new ones are taken
                 e, rt = self.engine, self.engine.config.runtime
-                kept = rt.prefix_cache_slots if rt.prefix_cache else 0  # slots that only keep prefixes
+                # a model whose cache is a recurrent state, not rows per position (Qwen3.5-MoE), reuses no prefix
+                reuse = rt.prefix_cache and getattr(e.model, "reuses_prefixes", True)
+                kept = rt.prefix_cache_slots if reuse else 0  # slots that only keep prefixes
                 make = getattr(e.model, "new_cache", None)  # an architecture with a cache of its own (DeepSeek-V4)
                 self.cache = (make or partial(KVCache, e.checkpoint.config))(batch + kept, e.max_context, e.dtype,
                                                                            e.device)
-                self.prefix = PrefixCache(self.cache, batch, rt.prefix_cache, self.repro_chunk)
+                self.prefix = PrefixCache(self.cache, batch, reuse, self.repro_chunk)
             self._settings = new
             self.max_batch, self.token_budget, self.max_queue = batch, budget, queue_len
 

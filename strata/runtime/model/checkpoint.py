@@ -28,6 +28,7 @@ from strata.tiers.store.safetensors_index import DTYPES, MX_BLOCKS, TensorIndex,
 from strata.tiers.store.store import ExpertStore
 
 TEXT_MODEL_PREFIX = "language_model."  # where a multimodal release (Kimi K2.5) keeps its language model's tensors
+NESTED_TEXT_PREFIX = "model.language_model."  # ... and where Qwen3.5's keeps its decoder (its lm_head at the top)
 # Mixtral's original names for gate / up / down
 _MIXTRAL_PROJ = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 
@@ -198,8 +199,14 @@ class Checkpoint:
 def _language_model(index: TensorIndex) -> TensorIndex:
     """`index` as a causal LM's tensors: a multimodal release whose language model sits under `language_model.`
     (Kimi K2.5, beside its vision_tower and mm_projector) gives that model's tensors under transformers' names
-    (`language_model.model.layers...` -> `model.layers...`, `language_model.lm_head` -> `lm_head`), leaving the
-    other towers out; any other index is returned as it is."""
+    (`language_model.model.layers...` -> `model.layers...`, `language_model.lm_head` -> `lm_head`), or under
+    `model.language_model.` (Qwen3.5: `model.language_model.layers...` -> `model.layers...`), leaving the other towers
+    and the MTP layers out; any other index is returned as it is."""
+    if "model.embed_tokens.weight" not in index and NESTED_TEXT_PREFIX + "embed_tokens.weight" in index:
+        nested = {"model." + name.removeprefix(NESTED_TEXT_PREFIX): info for name, info in index.tensors.items()
+                  if name.startswith(NESTED_TEXT_PREFIX)}  # (Qwen3.5: beside model.visual and mtp)
+        nested |= {name: info for name, info in index.tensors.items() if name.startswith("lm_head.")}
+        return TensorIndex({name: replace(info, name=name) for name, info in nested.items()})
     if "model.embed_tokens.weight" in index or TEXT_MODEL_PREFIX + "model.embed_tokens.weight" not in index:
         return index
     return TensorIndex({name.removeprefix(TEXT_MODEL_PREFIX): replace(info, name=name.removeprefix(TEXT_MODEL_PREFIX))

@@ -4,7 +4,8 @@ Hugging Face configs name the same things differently per architecture and per t
 (`num_experts` vs `num_local_experts` vs `n_routed_experts`, `rope_scaling` vs `rope_parameters`).
 `ModelConfig.from_hf` reads any of them into one dataclass, so the model code never looks at the raw
 dict. The semantics follow transformers' modeling files (qwen3_moe, qwen2_moe, deepseek_v3, mixtral, glm4_moe,
-deepseek_v2); Kimi K2 / K2.5 (`kimi_k2`, `kimi_k25`) are DeepSeek-V3 under their own names.
+deepseek_v2); Kimi K2 / K2.5 (`kimi_k2`, `kimi_k25`) are DeepSeek-V3 under their own names. DeepSeek-V4 and
+Qwen3.5-MoE read their own settings (strata.runtime.model.deepseek_v4.config, strata.runtime.model.qwen3_5.config).
 """
 
 from __future__ import annotations
@@ -16,9 +17,11 @@ from strata.errors import CheckpointError, UnsupportedError
 from strata.runtime.model.deepseek_v4.config import DeepseekV4Settings, deepseek_v4_fields
 from strata.runtime.model.engram.hashing import EngramConfig
 from strata.runtime.model.gpt_oss.config import GptOssSettings, gpt_oss_fields, gpt_oss_rope_source
+from strata.runtime.model.qwen3_5.config import Qwen35Settings, qwen3_5_fields
 
 SUPPORTED_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "deepseek_v3", "mixtral",
-                           "glm4_moe", "deepseek_v2", "kimi_k2", "kimi_k25", "deepseek_v4", "minimax_m2", "gpt_oss")
+                           "glm4_moe", "deepseek_v2", "kimi_k2", "kimi_k25", "deepseek_v4", "minimax_m2",
+                           "qwen3_5_moe", "qwen3_5_moe_text", "gpt_oss")
 QUANT_METHODS = ("fp8", "mxfp4")  # config.json's quantization_config.quant_method values strata loads
 SUPPORTED_ROPE_TYPES = ("default", "linear", "yarn")
 
@@ -101,6 +104,7 @@ class ModelConfig:
     weight_block: tuple[int, int] | None = None
     deepseek_v4: DeepseekV4Settings | None = None  # what only DeepSeek-V4 has (strata.runtime.model.deepseek_v4)
     gpt_oss: GptOssSettings | None = None  # what only gpt-oss has (strata.runtime.model.gpt_oss)
+    qwen3_5: Qwen35Settings | None = None  # Qwen3.5-MoE's linear-attention layers (strata.runtime.model.qwen3_5)
 
     def __post_init__(self) -> None:
         positive = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "num_experts",
@@ -466,6 +470,13 @@ def _parse_minimax_m2(cfg: dict, source: str) -> ModelConfig:
     )
 
 
+def _parse_qwen3_5_moe(cfg: dict, source: str) -> ModelConfig:
+    """Qwen3.5 / 3.6 MoE: Gated DeltaNet and gated full-attention layers (strata.runtime.model.qwen3_5), rotary on
+    the first `partial_rotary_factor` of each full-attention head (0.25 unless given)."""
+    text, fields = qwen3_5_fields(cfg, source)
+    return ModelConfig(**fields, rope=_rope({"partial_rotary_factor": 0.25, **text}, fields["head_dim"]))
+
+
 def _parse_gpt_oss(cfg: dict, source: str) -> ModelConfig:
     """gpt-oss (20b, 120b): its fields from strata.runtime.model.gpt_oss.config, its rotary (YaRN) read as every
     architecture's."""
@@ -491,5 +502,7 @@ _PARSERS = {
     "minimax_m2": _parse_minimax_m2,
     "deepseek_v4": lambda cfg, source: ModelConfig(**{**(f := deepseek_v4_fields(cfg, source)),
                                                       "rope": RopeConfig(**f["rope"])}),
+    "qwen3_5_moe": _parse_qwen3_5_moe,
+    "qwen3_5_moe_text": _parse_qwen3_5_moe,
     "gpt_oss": _parse_gpt_oss,
 }

@@ -17,6 +17,7 @@ from strata.runtime.model.checkpoint import Checkpoint
 from strata.runtime.model.config import ModelConfig
 from strata.runtime.model.deepseek_v4.model import DeepseekV4Transformer
 from strata.runtime.model.gpt_oss.model import GptOssTransformer
+from strata.runtime.model.qwen3_5.model import Qwen35Transformer
 from strata.runtime.model.rope import RotaryEmbedding
 from strata.runtime.model.transformer import MoETransformer
 
@@ -29,10 +30,12 @@ def checkpoint_name(param: str) -> str:
     return param if param.startswith("lm_head.") else f"model.{param}"
 
 
-def build_transformer(cfg: ModelConfig) -> MoETransformer | DeepseekV4Transformer | GptOssTransformer:
+def build_transformer(cfg: ModelConfig) -> MoETransformer | DeepseekV4Transformer | GptOssTransformer | Qwen35Transformer:
     """The model class of `cfg`'s architecture, built with its parameters uninitialised (on the current device)."""
     if cfg.gpt_oss is not None:
         return GptOssTransformer(cfg)
+    if cfg.qwen3_5 is not None:
+        return Qwen35Transformer(cfg)
     return DeepseekV4Transformer(cfg) if cfg.deepseek_v4 is not None else MoETransformer(cfg)
 
 

@@ -56,7 +56,7 @@ def loaded_context(cfg: Any, model_config: Any, device: torch.device, dtype: tor
     """The context of a model loaded whole, without a plan (`runtime.experts = "memory"`): "auto" measured
     against what the device has free once the weights are loaded (the host's available RAM on the CPU)."""
     setting = cfg.runtime.max_context
-    slots = cfg.planner.max_batch + cfg.runtime.prefix_only_slots
+    slots = cfg.planner.max_batch + (cfg.runtime.prefix_only_slots if model_config.qwen3_5 is None else 0)
     fixed, rate = kv_growth_of(model_config, dtype)
     kv = math.ceil(rate) * slots
     room = None

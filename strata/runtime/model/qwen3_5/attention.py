@@ -1,0 +1,72 @@
+"""Qwen3.5-MoE's full-attention layers (transformers' Qwen3_5MoeAttention): GQA with an output gate.
+
+    q, gate = q_proj(x) split per head             [N, heads, d] each (q_proj's rows: q then gate, head by head)
+    q, k    = rotary(norm(q)), rotary(norm(k))     zero-centred RMS norms per head; rotary on the first
+                                                   partial_rotary_factor of each head
+    out     = o_proj(attention(q, k, v) * sigmoid(gate))
+
+Keys and values go to the layer's cache slabs [slots, kv_heads, max_len, d] (head-major: a sequence's keys of one head
+are one contiguous run, read in place by the decode product); each sequence attends over its own prefix.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from strata.runtime.model.attention import attend
+from strata.runtime.model.config import ModelConfig
+from strata.runtime.model.kv_cache import StepBatch
+from strata.runtime.model.layers import project
+from strata.runtime.model.qwen3_5.norms import ZeroCenteredRMSNorm
+from strata.runtime.model.rope import apply_rope
+
+
+def attend_decode_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """One query per head over every cached key of one sequence: q [heads, 1, d], k, v [kv_heads, S, d] ->
+    [heads, 1, d] in q's dtype. Two batched matmuls in the cache's dtype with each KV head's query heads as rows
+    (torch accumulates them in fp32), the softmax in fp32, as transformers' eager attention: the keys and values
+    are read once, with no fp32 copy of them (a copy would cost as much as the rest of a CPU decode step at 8K)."""
+    heads, kv_heads, d = q.shape[0], k.shape[0], q.shape[-1]
+    qg = q.reshape(kv_heads, heads // kv_heads, d)
+    scores = torch.bmm(qg, k.transpose(1, 2)).float().mul_(scale)  # [kv_heads, group, S]
+    out = torch.bmm(scores.softmax(-1).to(v.dtype), v)  # [kv_heads, group, d]
+    return out.reshape(heads, 1, v.shape[-1]).to(q.dtype)
+
+
+class GatedAttention(nn.Module):
+    """`forward(x [N, H], cos, sin, batch, (k_cache, v_cache)) -> [N, H]` for the flat tokens of a `StepBatch`."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = cfg.num_heads, cfg.num_kv_heads, d, cfg.attention_scale
+        self.q_proj = nn.Linear(h, cfg.num_heads * d * 2, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=cfg.o_bias)
+        self.q_norm = ZeroCenteredRMSNorm(d, cfg.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch,
+                cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        n, d = x.shape[0], self.head_dim
+        q, gate = project(self.q_proj, x).view(n, self.num_heads, 2 * d).chunk(2, dim=-1)
+        gate = gate.reshape(n, self.num_heads * d)
+        q = apply_rope(self.q_norm(q), cos, sin)
+        k = apply_rope(self.k_norm(project(self.k_proj, x).view(n, self.num_kv_heads, d)), cos, sin)
+        v = project(self.v_proj, x).view(n, self.num_kv_heads, d)
+        k_cache, v_cache = cache
+        out = torch.empty(n, self.num_heads, d, dtype=x.dtype, device=x.device)
+        for slot, start, off, length in batch.sequences():
+            end = start + length
+            k_cache[slot, :, start:end] = k[off : off + length].transpose(0, 1)
+            v_cache[slot, :, start:end] = v[off : off + length].transpose(0, 1)
+            qs = q[off : off + length].transpose(0, 1)  # [heads, L, d]
+            ks, vs = k_cache[slot, :, :end], v_cache[slot, :, :end]  # [kv_heads, S, d]
+            if length == 1 and x.device.type == "cpu" and x.dtype != torch.float32:
+                o = attend_decode_row(qs, ks, vs, self.scale)
+            else:
+                o = attend(qs, ks, vs, start, None, self.scale)
+            out[off : off + length] = o.transpose(0, 1)
+        return project(self.o_proj, out.reshape(n, -1) * torch.sigmoid(gate))

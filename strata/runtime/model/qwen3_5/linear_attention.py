@@ -1,0 +1,100 @@
+"""The Gated DeltaNet layer (transformers' Qwen3_5MoeGatedDeltaNet): linear attention with a fixed-size state.
+
+    qkv = silu(conv1d(in_proj_qkv(x)))          [N, 2 key_dim + value_dim], a short causal convolution
+    q, k, v split per head; beta = sigmoid(in_proj_b(x)); g = -exp(A_log) * softplus(in_proj_a(x) + dt_bias)
+    o = gated delta rule(q, k, v, g, beta)      [N, Hv, dv] (strata.runtime.model.qwen3_5.delta_rule)
+    out = out_proj(norm(o, in_proj_z(x)))       the norm gated by silu(z), per value head
+
+Each sequence's state lives in its cache slot (`LinearState`): the convolution's last K-1 inputs and the delta
+rule's S per value head. A pass starting at position 0 starts from zeros, whatever the slot held before (slots are
+reused, a cancelled sequence's state is left behind); later passes continue from what the last one left. Decode
+rows (one token, position > 0) of every sequence in the step run as one batched step; prompt chunks run one
+sequence at a time through the chunked scan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from strata.runtime.model.config import ModelConfig
+from strata.runtime.model.kv_cache import StepBatch
+from strata.runtime.model.layers import project
+from strata.runtime.model.qwen3_5.delta_rule import causal_conv, chunk_gated_delta_rule, gated_delta_step
+from strata.runtime.model.qwen3_5.norms import GatedRMSNorm
+
+
+@dataclass
+class LinearState:
+    """One linear-attention layer's per-slot state: conv [slots, conv_dim, K-1] (model dtype), recurrent
+    [slots, Hv, dk, dv] (fp32, as transformers keeps it)."""
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.conv, self.recurrent]
+
+
+class GatedDeltaNet(nn.Module):
+    """`forward(x [N, H], batch, state) -> [N, H]` for the flat tokens of a `StepBatch`."""
+
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        s = cfg.qwen3_5
+        self.layer = layer
+        self.hk, self.hv = s.linear_num_key_heads, s.linear_num_value_heads
+        self.dk, self.dv = s.linear_key_head_dim, s.linear_value_head_dim
+        self.key_dim, self.value_dim = s.key_dim, s.value_dim
+        k = s.linear_conv_kernel_dim
+        self.conv1d = nn.Conv1d(s.conv_dim, s.conv_dim, k, groups=s.conv_dim, bias=False, padding=k - 1)
+        self.dt_bias = nn.Parameter(torch.ones(self.hv))
+        self.A_log = nn.Parameter(torch.zeros(self.hv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(s.value_dim, cfg.hidden_size, bias=False)
+        self.in_proj_qkv = nn.Linear(cfg.hidden_size, s.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(cfg.hidden_size, s.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(cfg.hidden_size, self.hv, bias=False)
+        self.in_proj_a = nn.Linear(cfg.hidden_size, self.hv, bias=False)
+
+    def _split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Convolved qkv [N, conv_dim] -> q, k [N, Hk, dk], v [N, Hv, dv]."""
+        q, k, v = qkv.split([self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        n = qkv.shape[0]
+        return q.reshape(n, self.hk, self.dk), k.reshape(n, self.hk, self.dk), v.reshape(n, self.hv, self.dv)
+
+    def forward(self, x: torch.Tensor, batch: StepBatch, state: LinearState) -> torch.Tensor:
+        n = x.shape[0]
+        qkv = project(self.in_proj_qkv, x)  # [N, conv_dim]
+        z = project(self.in_proj_z, x)  # [N, value_dim]
+        beta = project(self.in_proj_b, x).sigmoid()  # [N, Hv]
+        g = -self.A_log.float().exp() * F.softplus(project(self.in_proj_a, x).float() + self.dt_bias)  # [N, Hv] fp32
+        weight = self.conv1d.weight  # [C, 1, K]
+        out = torch.empty(n, self.hv, self.dv, dtype=x.dtype, device=x.device)
+        steps = [(slot, off) for slot, start, off, length in batch.sequences() if length == 1 and start > 0]
+        if steps:  # one token each, continuing a state: one batched step
+            slots = torch.tensor([s for s, _ in steps], device=x.device)
+            rows = torch.tensor([o for _, o in steps], device=x.device)
+            conv_out, past = causal_conv(qkv[rows].unsqueeze(-1), state.conv[slots], weight)
+            state.conv[slots] = past
+            q, k, v = self._split(conv_out[..., 0])
+            s = state.recurrent[slots]  # [B, Hv, dk, dv] (a copy, written back)
+            out[rows] = gated_delta_step(q, k, v, g[rows], beta[rows], s)
+            state.recurrent[slots] = s
+        for slot, start, off, length in batch.sequences():
+            if length == 1 and start > 0:
+                continue
+            rows = slice(off, off + length)
+            fresh = start == 0  # a sequence's first pass: zeros, not what the slot held
+            conv_out, past = causal_conv(qkv[rows].T.unsqueeze(0), None if fresh else state.conv[slot : slot + 1],
+                                         weight)
+            state.conv[slot] = past[0]
+            q, k, v = self._split(conv_out[0].T)
+            o, s = chunk_gated_delta_rule(q, k, v, g[rows], beta[rows], None if fresh else state.recurrent[slot])
+            out[rows] = o
+            state.recurrent[slot] = s
+        core = self.norm(out.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(n, self.value_dim)
+        return project(self.out_proj, core)
