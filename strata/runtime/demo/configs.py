@@ -153,6 +153,19 @@ DEEPSEEK_V2_COMMON = {
     "topk_method": "greedy",
     "use_cache": True,
 }
+MINIMAX_M2_COMMON = {  # the keys of MiniMaxAI/MiniMax-M2's config.json transformers reads (its MTP modules left out)
+    "architectures": ["MiniMaxM2ForCausalLM"],
+    "model_type": "minimax_m2",
+    "attention_dropout": 0.0,
+    "hidden_act": "silu",
+    "initializer_range": 0.02,
+    "rms_norm_eps": 1e-6,
+    "rope_theta": 5000000.0,
+    "router_aux_loss_coef": 0.001,
+    "router_jitter_noise": 0.0,
+    "tie_word_embeddings": False,
+    "use_cache": True,
+}
 ARCH_CONFIGS: dict[str, dict[str, dict]] = {
     "glm4_moe": {
         "tiny": {
@@ -185,6 +198,23 @@ ARCH_CONFIGS: dict[str, dict[str, dict]] = {
             "qk_nope_head_dim": 128, "v_head_dim": 128, "max_position_embeddings": 163840, "rope_theta": 10000.0,
             "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707,
                              "original_max_position_embeddings": 4096, "type": "yarn"},
+        },
+    },
+    "minimax_m2": {
+        "tiny": {
+            **MINIMAX_M2_COMMON, "vocab_size": 512, "hidden_size": 64, "head_dim": 16, "rotary_dim": 8,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 32, "num_hidden_layers": 3,
+            "num_local_experts": 16, "num_experts_per_tok": 4, "max_position_embeddings": 4096,
+        },
+        "small": {
+            **MINIMAX_M2_COMMON, "vocab_size": 8192, "hidden_size": 512, "head_dim": 64, "rotary_dim": 32,
+            "num_attention_heads": 8, "num_key_value_heads": 2, "intermediate_size": 256, "num_hidden_layers": 8,
+            "num_local_experts": 64, "num_experts_per_tok": 8, "max_position_embeddings": 8192,
+        },
+        "bench": {  # MiniMaxAI/MiniMax-M2's config.json
+            **MINIMAX_M2_COMMON, "vocab_size": 200064, "hidden_size": 3072, "head_dim": 128, "rotary_dim": 64,
+            "num_attention_heads": 48, "num_key_value_heads": 8, "intermediate_size": 1536, "num_hidden_layers": 62,
+            "num_local_experts": 256, "num_experts_per_tok": 8, "max_position_embeddings": 196608,
         },
     },
 }  # fmt: skip
@@ -240,6 +270,9 @@ class DemoSpec:
             raise ConfigError("--route-locality needs the skew channel: give --route-skew too (S > 0 or uniform)")
         if self.experts not in DEMO_EXPERTS:
             raise ConfigError(f"--experts {self.experts!r} is invalid; use one of {', '.join(DEMO_EXPERTS)}")
+        if base["model_type"] == "minimax_m2" and (self.route_skew or self.experts == "mxfp4"):
+            raise ConfigError("--route-skew, --route-locality and --experts mxfp4 are not written for --arch "
+                              "minimax_m2 (its release ships bf16 or fp8); leave them out")
 
     @property
     def num_layers(self) -> int:

@@ -106,8 +106,9 @@ def write_demo_model(
     `route_skew` S > 0 (Zipf-like) or "uniform" writes a routing profile into the weights (strata.runtime.demo.skew);
     `route_locality` L > 0 adds temporal locality to it (each router also weighs the recent context, L x the token).
     `experts` "fp8" / "mxfp4" writes the same weights as a quantized release ships them (strata.runtime.demo.quantized).
-    `arch` writes the size in another architecture (glm4_moe, deepseek_v2: their tiny and bench sizes, `ARCH_CONFIGS`;
-    deepseek_v4: its tiny, small and bench sizes, strata.runtime.demo.deepseek_v4).
+    `arch` writes the size in another architecture (glm4_moe, deepseek_v2: their tiny and bench sizes; minimax_m2: its
+    tiny, small and bench sizes, under its release's names; `ARCH_CONFIGS`; deepseek_v4: its tiny, small and bench
+    sizes, strata.runtime.demo.deepseek_v4).
 
     If `out_dir` already holds a demo model with the same size, layers and seed it is returned as is;
     any other non-empty directory is refused with a ConfigError.

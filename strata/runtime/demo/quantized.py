@@ -25,7 +25,7 @@ from strata.kernels.quant import MX_GROUP, fp8_block_for, quantize_fp8, quantize
 from strata.runtime.demo.weights import TensorSpec
 
 DEMO_EXPERTS = ("bf16", "fp8", "mxfp4")  # `--experts`: the routed experts' (and, for fp8, the linear weights') format
-_FP8_KEEP = re.compile(r"(embed_tokens|lm_head|\.mlp\.gate\.weight|\.engram\.)")  # stay bf16 in an FP8 release
+_FP8_KEEP = re.compile(r"(embed_tokens|lm_head|\.(mlp|block_sparse_moe)\.gate\.weight|\.engram\.)")  # stay bf16 in FP8
 _EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 
 
@@ -72,7 +72,7 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 def quantization_config(experts: str, cfg: dict) -> dict | None:
     """config.json's `quantization_config` of a demo model written with `--experts` (None: bf16)."""
     if experts == "fp8":
-        block = fp8_block_for(cfg["moe_intermediate_size"])
+        block = fp8_block_for(_expert_width(cfg))
         return {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(block)}
     if experts == "mxfp4":
         return {"quant_method": "mxfp4", "modules_to_not_convert": ["model.embed_tokens", "lm_head", "self_attn",
@@ -85,7 +85,7 @@ def weight_jobs(specs: list[TensorSpec], experts: str, cfg: dict) -> tuple[list[
     if experts == "bf16":
         return specs, [WeightJob("plain", (s,), (s,)) for s in specs]
     if experts == "fp8":
-        block = fp8_block_for(cfg["moe_intermediate_size"])
+        block = fp8_block_for(_expert_width(cfg))
         outputs, jobs = [], []
         for s in specs:
             if len(s.shape) == 2 and s.name.endswith(".weight") and not _FP8_KEEP.search(s.name):
@@ -98,6 +98,11 @@ def weight_jobs(specs: list[TensorSpec], experts: str, cfg: dict) -> tuple[list[
                 jobs.append(WeightJob("plain", (s,), (s,)))
         return outputs, jobs
     return _mxfp4_jobs(specs)
+
+
+def _expert_width(cfg: dict) -> int:
+    """A config.json's routed expert width (MiniMax-M2 and Mixtral call it intermediate_size)."""
+    return cfg.get("moe_intermediate_size") or cfg["intermediate_size"]
 
 
 def _mxfp4_jobs(specs: list[TensorSpec]) -> tuple[list[TensorSpec], list[WeightJob]]:

@@ -47,7 +47,7 @@ def tensor_specs(cfg: dict) -> list[TensorSpec]:
     h, v = cfg["hidden_size"], cfg["vocab_size"]
     specs = [TensorSpec("model.embed_tokens.weight", (v, h))]
     layer_fn = {"deepseek_v3": _deepseek_layer, "deepseek_v2": _deepseek_layer, "qwen3_moe": _qwen3_moe_layer,
-                "glm4_moe": _glm4_moe_layer}[cfg["model_type"]]
+                "glm4_moe": _glm4_moe_layer, "minimax_m2": _minimax_m2_layer}[cfg["model_type"]]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
         specs.append(TensorSpec(p + "input_layernorm.weight", (h,), init="ones"))
@@ -134,6 +134,27 @@ def _glm4_moe_layer(cfg: dict, i: int, p: str) -> list[TensorSpec]:
     return out + _experts(p, h, mi, e)
 
 
+def _minimax_m2_layer(cfg: dict, i: int, p: str) -> list[TensorSpec]:
+    """MiniMax-M2, under its release's names: GQA attention with q/k RMSNorm over the whole projection, then a MoE
+    (`block_sparse_moe`: router, the correction bias beside it in F32, experts as Mixtral's w1 / w3 / w2)."""
+    h, hd = cfg["hidden_size"], cfg["head_dim"]
+    nh, nkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    e, mi = cfg["num_local_experts"], cfg["intermediate_size"]
+    a, m = p + "self_attn.", p + "block_sparse_moe."
+    out = [
+        TensorSpec(a + "q_proj.weight", (nh * hd, h)),
+        TensorSpec(a + "k_proj.weight", (nkv * hd, h)),
+        TensorSpec(a + "v_proj.weight", (nkv * hd, h)),
+        TensorSpec(a + "o_proj.weight", (h, nh * hd)),
+        TensorSpec(a + "q_norm.weight", (nh * hd,), init="ones"),
+        TensorSpec(a + "k_norm.weight", (nkv * hd,), init="ones"),
+        TensorSpec(m + "gate.weight", (e, h)),
+        TensorSpec(m + "e_score_correction_bias", (e,), dtype="F32"),
+    ]
+    shapes = {"w1": (mi, h), "w3": (mi, h), "w2": (h, mi)}
+    return out + [TensorSpec(f"{m}experts.{x}.{w}.weight", shape) for x in range(e) for w, shape in shapes.items()]
+
+
 def _qwen3_moe_layer(cfg: dict, i: int, p: str) -> list[TensorSpec]:
     """Qwen3-MoE: GQA attention with per-head q/k RMSNorm, then a MoE (or a dense MLP in mlp_only_layers)."""
     h, hd = cfg["hidden_size"], cfg["head_dim"]
@@ -179,7 +200,7 @@ _NAME_RE = re.compile(r"model\.layers\.(\d+)\.(?:mlp\.experts\.(\d+)\.)?(.+)")
 
 def tensor_seed(seed: int, name: str) -> int:
     """The 32-bit generator seed of tensor `name`: depends only on (seed, name), unique within a model."""
-    m = _NAME_RE.fullmatch(name)
+    m = _NAME_RE.fullmatch(_transformers_name(name))
     layer, expert, kind = (int(m[1]) + 1, int(m[2]) + 1 if m[2] else 0, m[3]) if m else (0, 0, name)
     if kind.startswith(("engram.", "model.engram.")) and not expert:  # Engram tensors: a reserved expert id keeps the ids distinct
         from strata.runtime.demo.engram import ENGRAM_KINDS
@@ -189,6 +210,16 @@ def tensor_seed(seed: int, name: str) -> int:
         raise ValueError(f"no deterministic seed for tensor name {name!r}")
     uid = (layer << 21) | (expert << 5) | _KIND_IDS[kind]  # 11 + 16 + 5 bits
     return (zlib.crc32(f"strata-demo:{seed}".encode()) + uid) & 0xFFFFFFFF
+
+
+def _transformers_name(name: str) -> str:
+    """A release's name as the transformers name whose seed it takes: MiniMax-M2's Mixtral-style experts
+    (`block_sparse_moe.experts.E.w1` -> `mlp.experts.E.gate_proj`, w3 up, w2 down) and router."""
+    if ".block_sparse_moe." not in name:
+        return name
+    name = name.replace(".block_sparse_moe.e_score_correction_bias", ".mlp.gate.e_score_correction_bias")
+    name = name.replace(".block_sparse_moe.", ".mlp.")
+    return re.sub(r"\.w([123])\.weight$", lambda w: f".{('gate', 'down', 'up')[int(w[1]) - 1]}_proj.weight", name)
 
 
 def make_tensor(spec: TensorSpec, seed: int, std: float) -> torch.Tensor:
