@@ -11,6 +11,8 @@ Formats (what the model writes after its generation prompt):
 - `deepseek` (DeepSeek-V3, R1): `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}
   \\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`, and V3.1's `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`.
 - `glm45` (GLM-4.5, 4.6): `<tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n</tool_call>`.
+- `minimax_m2` (MiniMax-M2, M2.1): `<minimax:tool_call>\\n<invoke name="NAME">\\n<parameter name="K">V</parameter>
+  \\n</invoke>\\n</minimax:tool_call>`, several invokes a block.
 - `harmony` (gpt-oss): channels; `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`
   is a call, the `analysis` channel is reasoning, `final` (and commentary to nobody) is content.
 
@@ -200,6 +202,35 @@ class DeepSeekFormat(BlockFormat):
         return self.start + self.CALL_BEGIN  # the name's place differs between V3 and V3.1: the model writes it
 
 
+class MiniMaxFormat(BlockFormat):
+    """MiniMax-M2: <invoke name="NAME"> elements of <parameter name="K">V</parameter> in <minimax:tool_call> tags.
+    Values are text, stripped and typed by the tool's schema; a name may be quoted or not (MiniMax's own parser
+    takes both)."""
+
+    name, start, end = "minimax_m2", "<minimax:tool_call>", "</minimax:tool_call>"
+    _NAME = r"""name=\s*(?:"([^"]*)"|'([^']*)'|([^\s>]+))\s*>"""
+    _INVOKE = re.compile(r"<invoke " + _NAME + r"(.*?)</invoke>", re.DOTALL)
+    _PARAMETER = re.compile(r"<parameter " + _NAME + r"(.*?)</parameter>", re.DOTALL)
+
+    def parse_block(self, body: str, types: dict[str, dict[str, Any]]) -> list[ToolCall] | None:
+        if self._INVOKE.sub("", body).strip():  # text that is no complete invoke: not a call
+            return None
+        calls = []
+        for m in self._INVOKE.finditer(body):
+            name, inner = next(g for g in m.groups()[:3] if g is not None).strip(), m[4]
+            if not name or self._PARAMETER.sub("", inner).strip():
+                return None
+            args = {}
+            for p in self._PARAMETER.finditer(inner):
+                key = next(g for g in p.groups()[:3] if g is not None).strip()
+                args[key] = typed_value(p[4].strip(), types.get(name, {}).get(key))
+            calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
+        return calls or None
+
+    def forced_prefix(self, name: str | None) -> str:
+        return f'{self.start}\n<invoke name="{name}">\n' if name else f'{self.start}\n<invoke name="'
+
+
 class HarmonyFormat:
     """gpt-oss's channels (strata.server.tool_harmony)."""
 
@@ -221,10 +252,10 @@ def _harmony_call(name: str, body: str) -> ToolCall | None:
 
 ToolFormat = BlockFormat | HarmonyFormat
 TOOL_FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HermesFormat(), Glm45Format(), DeepSeekFormat(),
-                                                           HarmonyFormat())}
+                                                           MiniMaxFormat(), HarmonyFormat())}
 # the format a model type writes, when its vocabulary does not say (`tool_format`)
 _MODEL_TYPES = (("gpt_oss", "harmony"), ("deepseek", "deepseek"), ("kimi", "deepseek"), ("glm4", "glm45"),
-                ("qwen", "hermes"))
+                ("minimax_m2", "minimax_m2"), ("qwen", "hermes"))
 
 
 def tool_format(model_type: str | None, tokenizer: Any, name: str = "auto",
@@ -235,7 +266,7 @@ def tool_format(model_type: str | None, tokenizer: Any, name: str = "auto",
     if name != "auto":
         return TOOL_FORMATS[name]
     for marker, fmt in ((DeepSeekFormat.CALL_BEGIN, "deepseek"), ("to=functions.", "harmony"), ("<arg_key>", "glm45"),
-                        ("<tool_call>", "hermes")):
+                        (MiniMaxFormat.start, "minimax_m2"), ("<tool_call>", "hermes")):
         if template_call is not None and marker in template_call:
             return TOOL_FORMATS[fmt]
 
@@ -248,6 +279,8 @@ def tool_format(model_type: str | None, tokenizer: Any, name: str = "auto",
         return TOOL_FORMATS["harmony"]
     if has("<arg_key>"):
         return TOOL_FORMATS["glm45"]
+    if has(MiniMaxFormat.start):
+        return TOOL_FORMATS["minimax_m2"]
     if not has("<tool_call>"):
         kind = (model_type or "").lower()
         for prefix, fmt in _MODEL_TYPES:
