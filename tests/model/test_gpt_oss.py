@@ -119,3 +119,30 @@ def test_config_defaults_and_errors():
         ModelConfig.from_hf({**released, "layer_types": ["sliding_attention"] * 23})
     with pytest.raises(CheckpointError, match="sliding_window"):
         ModelConfig.from_hf({**released, "sliding_window": 0})
+
+
+@pytest.mark.parametrize("experts, budget", [("bf16", "400KiB"), ("mxfp4", "64KiB")])
+def test_tiered_experts_equal_memory(experts, budget, tmp_path):
+    """Through the tiers, with room for 5 experts in pinned RAM and the rest read back from disk at each use:
+    transformers' transposed tensors packed into a store in strata's orientation, or the release's MXFP4 served in
+    place and kept MXFP4 in every tier, the biases dense with the layers; the memory path's scores and greedy tokens."""
+    _, directory = build_gpt_oss(tmp_path / "oss", seed=5)
+    if experts == "mxfp4":
+        directory = mxfp4_variant(directory, tmp_path / "oss-mxfp4")
+    prompt = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(6)).tolist()
+    memory = memory_engine(directory, 256)
+    expected = memory.score(prompt)
+    tokens = memory.generate(prompt, max_tokens=16, temperature=0.0).token_ids
+    cfg = {"runtime": {"max_context": 256, "dtype": "float32"},
+           "tiers": {"pinned": {"budget": budget}, "disk": {"scrub": False}}}
+    with Engine.from_pretrained(directory, device="cpu", config=cfg) as tiered:
+        plan = tiered.plan
+        assert plan.store_mode == ("in_place" if experts == "mxfp4" else "packed")
+        assert "reference math" in plan.decode and not plan.decode_graphs
+        store = tiered.tiers.store
+        assert store.expert_format.kind == ("mxfp4" if experts == "mxfp4" else "plain")
+        assert sorted(tiered.executor.expert_math) == [0, 1, 2, 3] and tiered.executor.reference_math
+        assert (tiered.score(prompt) - expected).abs().max().item() < 1e-5
+        assert tiered.generate(prompt, max_tokens=16, temperature=0.0).token_ids == tokens
+        assert tiered.stats()["tiers"]["tiers"]["pinned"]["evictions"] > 0  # experts came back from disk
+        assert tiered.scheduler().cache.nbytes == plan.kv_bytes  # the planner counted what was allocated

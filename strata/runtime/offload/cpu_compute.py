@@ -22,7 +22,7 @@ from strata.kernels.quant import ExpertLayout, reads
 
 class CpuCompute:
     """CPU expert compute, mixed into `ExpertCompute`, whose state it uses: `manager`, `rates`, `cpu_experts`,
-    `cpu_threads`, `cpu_kernel`, `pin_results`, `use_fast_cpu` and `swiglu_limit`."""
+    `cpu_threads`, `cpu_kernel`, `pin_results`, `use_fast_cpu`, `swiglu_limit` and `math_of`."""
 
     def calibrate_cpu(self, nbytes: int = 256 << 20, rounds: int = 3) -> float:
         """Measure the CPU expert kernel on this model's expert shape and format (one token, about `nbytes` of
@@ -83,7 +83,7 @@ class CpuCompute:
                 nbytes += len(handles) * store.payload_bytes
                 t0 = time.perf_counter()
                 _cpu_apply(x, weights, k, part, by_expert, out, self.use_fast_cpu and not dequantize, self.cpu_threads,
-                           self.cpu_kernel, self.swiglu_limit)
+                           self.cpu_kernel, self.swiglu_limit, self.math_of(layer))
                 seconds += time.perf_counter() - t0
             finally:
                 self.manager.release(handles)
@@ -173,9 +173,9 @@ class CpuShare:
 
 
 def _cpu_apply(x, weights, k, groups, by_expert, out, fast: bool, threads: int | None = None,
-               backend: str | None = None, limit: float | None = None) -> None:
+               backend: str | None = None, limit: float | None = None, math=None) -> None:
     """One chunk of CPU experts, added into out: the compiled kernel (`backend`: its instruction set), or the
-    reference math (`limit`: a clipped SwiGLU's, which only it computes)."""
+    reference math (`limit`: a clipped SwiGLU's; `math`: the experts' own, gpt-oss's; only it computes those)."""
     if fast:
         from strata.kernels.cpu.experts import cpu_experts_forward
 
@@ -186,4 +186,4 @@ def _cpu_apply(x, weights, k, groups, by_expert, out, fast: bool, threads: int |
     def fp32_expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(w.float() for w in as_weights(by_expert[e], torch.float32))
 
-    apply_experts(x.float(), weights.float(), k, groups, fp32_expert, out=out, limit=limit)
+    apply_experts(x.float(), weights.float(), k, groups, fp32_expert, out=out, limit=limit, math=math)

@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
+from strata.kernels.experts import ExpertMath
 from strata.kernels.gpu.grouped import HostExperts, SlotWeights, in_place_ok, slot_weights
 from strata.kernels.gpu.quant_slots import QuantSlotWeights
 from strata.kernels.quant import reads
@@ -114,6 +115,9 @@ class ExpertCompute(CpuCompute):
         # DeepSeek-V4's clipped SwiGLU (swiglu_limit; None: plain SwiGLU). Its experts run the reference math on the
         # slots (`apply_experts`): the compiled CPU kernel, the pair kernels and the grouped GEMMs do not clip
         self.swiglu_limit: float | None = None
+        # gpt-oss's biased, clamped SwiGLU: each MoE layer's own expert math (strata.runtime.model.gpt_oss.moe), filled
+        # by use_tiered_experts; None: the SwiGLU. Set, only the reference math runs the experts, as for the clip
+        self.expert_math: dict[int, ExpertMath] | None = None
         self.mailbox = None  # CpuMailbox, made once every expert sits in pinned RAM for good
         self.gpu_share = None  # GpuShare: the cold experts the GPU reads in place during a mailbox step
         self.fixed_share = gpu_share  # [debug] gpu_share: a fixed share (None: balanced on the GPU's waits)
@@ -128,17 +132,28 @@ class ExpertCompute(CpuCompute):
 
     @property
     def use_split(self) -> bool:
-        return self.split and not self.reproducible and self.swiglu_limit is None
+        return self.split and not self.reproducible and not self.reference_math
 
     @property
     def use_fast_cpu(self) -> bool:
-        return self.fast_cpu and not self.reproducible and self.swiglu_limit is None
+        return self.fast_cpu and not self.reproducible and not self.reference_math
+
+    @property
+    def reference_math(self) -> bool:
+        """Whether only the reference math (`apply_experts`) computes these experts: a clipped SwiGLU (`swiglu_limit`)
+        or an expert math of their own (`expert_math`), which no compiled CPU kernel, pair kernel or grouped GEMM
+        computes."""
+        return self.swiglu_limit is not None or self.expert_math is not None
+
+    def math_of(self, layer: int) -> ExpertMath | None:
+        """MoE layer `layer`'s expert math (`expert_math`); None: the (clipped) SwiGLU."""
+        return None if self.expert_math is None else self.expert_math.get(layer)
 
     def mailbox_ready(self) -> bool:
         """Whether a decode step can now run as one graph with cold experts on the mailbox worker: graph split
         decode configured, forked CPU numerics, a CUDA device, the compiled kernel, and every expert resident in
         pinned RAM for good (the worker reads them by address). The mailbox is made on the first True."""
-        if self.reproducible or self.swiglu_limit is not None:
+        if self.reproducible or self.reference_math:
             return False
         if self.mailbox is not None:
             return True

@@ -76,7 +76,7 @@ class TieredExperts(PrefillPath, nn.Module):
             c.release_staged()  # eager: everything that read the last decode layer's copied slots is enqueued
         pairs = use_pair_kernels(x, ids.numel()) if c.pair_path is None else c.pair_path
         # (else: FP8 / MXFP4 experts, or a clipped SwiGLU: grouped by expert, the formats dequantized one by one)
-        if pairs and c.pairs_read_format and c.swiglu_limit is None:
+        if pairs and c.pairs_read_format and not c.reference_math:
             return self._decode_forward(x, ids, weights, residual, used)
         out = self._batch_forward(x, ids, weights)
         return out if residual is None else residual + out
@@ -91,7 +91,7 @@ class TieredExperts(PrefillPath, nn.Module):
         if c.prefetcher is not None:
             c.prefetcher.poll()
         if c.device_tier == "cpu":
-            if x.device.type == "cpu" and not c.use_fast_cpu and c.swiglu_limit is None:  # (clipped: cpu_forward's fp32)
+            if x.device.type == "cpu" and not c.use_fast_cpu and not c.reference_math:  # (else cpu_forward's fp32)
                 return self._tier_forward(x, weights, k, groups, "cpu")
             y = c.cpu_forward(self.layer, x.cpu(), weights.cpu(), k, [(e, s.cpu()) for e, s in groups])
             return y.to(x.device, x.dtype)
@@ -333,4 +333,7 @@ def use_tiered_experts(model: MoETransformer, compute: ExpertCompute) -> None:
     compute.top_k = model.cfg.num_experts_per_tok
     if model.cfg.deepseek_v4 is not None:
         compute.swiglu_limit = model.cfg.deepseek_v4.swiglu_limit
+    math = {i: layer.mlp.expert_math for i, layer in enumerate(model.layers) if hasattr(layer.mlp, "expert_math")}
+    if math:  # gpt-oss: its biased, clamped SwiGLU (the biases stay with the layer), the reference math on any tier
+        compute.expert_math = math
     compute.predictors = router_predictors(model, beside=True)

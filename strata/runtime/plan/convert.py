@@ -49,8 +49,9 @@ from strata.tiers.store.store import ExpertStore, StaleStoreError
 from strata.tiers.store.verify_record import RECORD_NAME
 from strata.tiers.store.writer import Fill, Piece, StoreWriter
 
-# routed-expert tensors (per-expert or fused); shared experts (`mlp.shared_experts.`) are dense
-_ROUTED = re.compile(r"\.(mlp|block_sparse_moe)\.experts\.")
+# routed-expert tensors (per-expert or fused); shared experts (`mlp.shared_experts.`) and gpt-oss's expert biases
+# (`mlp.experts.gate_up_proj_bias`, kept dense per layer) are dense
+_ROUTED = re.compile(r"\.(mlp|block_sparse_moe)\.experts\.(?!\w+_bias$)")
 # what a store directory holds (a directory of only these, without its index, is replaced by a convert)
 _STORE_NAMES = {INDEX_NAME, DENSE_NAME, EXPERTS_DIR, TABLES_DIR, RECORD_NAME, *COPIED_FILES}
 
@@ -196,7 +197,8 @@ def _payload(source: ExpertSource, layout: ExpertLayout) -> list[Piece] | Fill:
     pieces = source.pieces(layout)
     if pieces is not None:
         return pieces
-    if source.fmt == layout.fmt:  # the checkpoint's format, its FP8 scales in another dtype: converted, not requantized
+    if source.fmt == layout.fmt and not source.transposed:  # the checkpoint's format, FP8 scales in another dtype:
+        # converted, not requantized
         return lambda out: layout.pack_quantized(*source.as_stored(), out=out)
     return lambda out: layout.pack(*source.weights(), out=out)  # quantized (round to nearest) while it is packed
 

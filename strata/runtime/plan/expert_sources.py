@@ -19,6 +19,7 @@ from strata.config import STORE_EXPERTS
 from strata.errors import CheckpointError, ConfigError
 from strata.kernels.quant import MX_GROUP, ExpertFormat, ExpertLayout, dequantize_fp8, dequantize_mxfp4, fp8_block_for
 from strata.runtime.model.checkpoint import Checkpoint
+from strata.runtime.model.gpt_oss.layout import transposed_shapes
 from strata.tiers.store.safetensors_index import FP8_SCALE, MX_BLOCKS, MX_SCALES, TensorInfo, read_tensor
 
 Piece = tuple[Path, int, int, int]  # (source file, absolute offset, bytes, offset in the blob)
@@ -56,11 +57,12 @@ class ExpertSource:
     fmt: ExpertFormat
     gate_up: tuple[Part, ...]
     down: Part
+    transposed: bool = False  # parts stored [H, 2I] and [I, H] (transformers' gpt-oss in bf16): never byte copies
 
     def pieces(self, layout: ExpertLayout) -> list[Piece] | None:
         """The blob as byte copies into `layout`'s sections (the store keeps the checkpoint's format), or None when
         a part is not stored as the blob holds it (scales in another dtype than float32: read and converted)."""
-        if layout.fmt != self.fmt:
+        if layout.fmt != self.fmt or self.transposed:
             return None
         out: list[Piece] = []
         for parts, values, scales in ((self.gate_up, layout.gate_up, layout.gate_up_scales),
@@ -90,7 +92,8 @@ class ExpertSource:
     def weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [2I, H], down [H, I]) in fp32, dequantized: what the converter packs into another format."""
         gate_up = torch.cat([_dequantized(self.fmt, v, s) for v, s in self.gate_up])
-        return gate_up, _dequantized(self.fmt, *self.down)
+        down = _dequantized(self.fmt, *self.down)
+        return (gate_up.T.contiguous(), down.T.contiguous()) if self.transposed else (gate_up, down)
 
     @property
     def nbytes(self) -> int:
@@ -112,6 +115,11 @@ def layer_sources(ckpt: Checkpoint, layer: int) -> list[ExpertSource]:
     expert format (a mismatch is a one-line `CheckpointError` naming the tensor)."""
     cfg, fmt = ckpt.config, ckpt.expert_format
     e_num, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    if ckpt.experts_transposed:  # gate_up [E, H, 2I], down [E, I, H] (strata.runtime.model.gpt_oss.layout)
+        stem = f"model.layers.{layer}.mlp.experts."
+        gu_shape, down_shape = transposed_shapes(cfg)
+        gu, dn = _part(ckpt, fmt, stem + "gate_up_proj", gu_shape), _part(ckpt, fmt, stem + "down_proj", down_shape)
+        return [ExpertSource(fmt, (_slice(gu, e, e_num),), _slice(dn, e, e_num), transposed=True) for e in range(e_num)]
     if ckpt.expert_layout == "fused":
         stem = f"model.layers.{layer}.mlp.experts."
         gu = _part(ckpt, fmt, stem + "gate_up_proj", (e_num, 2 * i, h))

@@ -37,7 +37,8 @@ from strata.tiers.store.part_record import PartRecord
 
 # filesystems whose reads go over a network or through userspace: a packed store on a local disk reads faster
 _REMOTE_FS = {"nfs", "nfs4", "cifs", "smb3", "smbfs", "9p", "ceph", "glusterfs", "afs", "lustre", "sshfs"}
-_ROUTED = re.compile(r"\.(mlp|block_sparse_moe)\.experts\.")  # routed experts (shared experts are dense)
+# routed experts (shared experts and gpt-oss's expert biases are dense)
+_ROUTED = re.compile(r"\.(mlp|block_sparse_moe)\.experts\.(?!\w+_bias$)")
 
 
 def store_mode(path: str | os.PathLike, cfg: StrataConfig, ckpt: Checkpoint | None = None) -> tuple[str, str]:
@@ -75,6 +76,8 @@ def _in_place_problem(path: Path, cfg: StrataConfig, ckpt: Checkpoint | None) ->
             return f"its FP8 expert scales are {t.dtype} ({t.name}), converted to float32 when packed"
     if getattr(ckpt.config, "deepseek_v4", None) is not None:
         return "DeepSeek-V4 checkpoints are packed (their tensors are renamed and converted as they load)"
+    if ckpt.experts_transposed:
+        return "its experts are transformers' gpt-oss tensors, transposed ([E, H, 2I]): packed in strata's orientation"
     return None
 
 

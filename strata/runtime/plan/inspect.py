@@ -31,7 +31,7 @@ from strata.runtime.plan.weight_formats import fp8_block as fp8_block_of
 from strata.tiers.store.format import is_store, lacks_index, no_index_error, read_index
 from strata.tiers.store.safetensors_index import TensorIndex
 
-ROLES = ("attention", "dense_mlp", "experts", "shared_experts", "router", "embeddings", "norms", "hyper_conns",
+ROLES = ("attention", "dense_mlp", "experts", "shared_experts", "expert_biases", "router", "embeddings", "norms", "hyper_conns",
          "engram_tables", "engram", "mtp", "other")
 # model types whose layouts this module (and strata's loaders) are written against
 KNOWN_MODEL_TYPES = SUPPORTED_ARCHITECTURES
@@ -124,7 +124,9 @@ def _layer_role(rest: str) -> tuple[str, bool]:
     if head in _MOE_BLOCKS:
         sub = tail.partition(".")[0]
         if sub == "experts":
-            return "experts", True  # experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I], biases
+            if tail.endswith("_bias"):  # gpt-oss's expert biases: kept dense per layer, not in the experts' records
+                return "expert_biases", False
+            return "experts", True  # experts.gate_up_proj [E, 2I, H], experts.down_proj [E, H, I] (or their blocks)
         if sub in ("gate", "router", "e_score_correction_bias"):
             return "router", False
         if sub.startswith("shared_expert"):  # shared_expert, shared_expert_gate, shared_experts

@@ -83,6 +83,8 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
     kv_per_token = math.ceil(kv_rate) * slots
     if fp.config.deepseek_v4 is not None and len(cfg.runtime.devices) > 1:
         raise PlanError("DeepSeek-V4 runs on one device; set runtime.devices to a single GPU (or drop --gpus)")
+    if fp.config.gpt_oss is not None and len(cfg.runtime.devices) > 1:
+        raise PlanError("gpt-oss runs on one device; set runtime.devices to a single GPU (or drop --gpus)")
     reserve = cfg.planner.activation_reserve_bytes
     # the memory the KV cache shares with experts: the cards' after their weights, or the host's RAM on the CPU
     if len(cfg.runtime.devices) > 1:
@@ -214,6 +216,12 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
         decode = DecodeMode(f"experts {where}, grouped by expert, the reference math; no CUDA graphs", False, [
             "DeepSeek-V4's clipped SwiGLU (swiglu_limit) runs as the reference math: no compiled CPU kernel, pair "
             "kernels, grouped GEMMs or CUDA graphs"])
+    if fp.config.gpt_oss is not None:  # no kernel adds expert biases or clamps: every expert through the reference math
+        where = "on CPU threads from RAM" if expert_compute == "cpu" else "staged in GPU slots"
+        kept = f", {fp.expert_format.name} dequantized one by one" if fp.expert_format.quantized else ""
+        decode = DecodeMode(f"experts {where}, grouped by expert, the reference math{kept}; no CUDA graphs", False, [
+            "gpt-oss's experts (gate_up and down biases, the clamped SwiGLU) run as the reference math on whichever "
+            "tier holds them: no compiled CPU kernel, pair kernels, grouped GEMMs or CUDA graphs"])
     notes += decode.fallbacks
     if fp.dense_fp8_bytes:
         notes.append(f"dense FP8 weights ({format_bytes(fp.dense_fp8_bytes)}) are dequantized to {dtype} as they load")
