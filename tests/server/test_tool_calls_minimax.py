@@ -109,3 +109,46 @@ def test_calls_rendered_by_its_template_parse_back():
     assert '<invoke name="get_weather">\n<parameter name="city">Zürich</parameter>\n<parameter name="days">2' in text
     assert _calls(parse_output(TOOL_FORMATS[FMT], text, TOOLS)) == [("get_weather", {"city": "Zürich", "days": 2}),
                                                                     ("get_time", {"tz": "UTC"})]
+
+
+# the release's chat template, shortened to what tools touch: the tools in the system turn, an assistant turn's calls,
+# the tool's responses, the generation prompt opening the thinking block
+CHAT_TEMPLATE = (
+    "]~!b[]~b]system\nYou are a helpful assistant.{% if tools %}\n\n# Tools\n<tools>\n{% for tool in tools %}"
+    "<tool>{{ tool.function | tojson(ensure_ascii=False) }}</tool>\n{% endfor %}</tools>{% endif %}[e~[\n"
+    "{%- for message in messages -%}{%- if message.role == 'assistant' -%}{{- ']~b]ai' ~ '\\n' }}"
+    "{%- if message.content %}{{- message.content }}{% endif %}"
+    + TEMPLATE.replace("{%- for message in messages -%}", "").replace("{%- endif -%}{%- endfor -%}", "{%- endif -%}")
+    + "{{- '[e~[' ~ '\\n' }}{%- elif message.role == 'tool' -%}{{- ']~b]tool\\n<response>' ~ message.content ~ "
+    "'</response>[e~[\\n' }}{%- else -%}{{- ']~b]' ~ message.role ~ '\\n' ~ message.content ~ '[e~[\\n' }}"
+    "{%- endif -%}{%- endfor -%}{%- if add_generation_prompt -%}{{- ']~b]ai\\n<think>\\n' }}{%- endif -%}"
+)
+
+
+def test_the_server_picks_the_format_from_minimax_m2s_template(tmp_path):
+    """A MiniMax-M2 checkpoint's template writes the tools and past calls into the prompt; the server reads calls in
+    the minimax_m2 format, and a named tool_choice appends the start of that call (this word-level vocabulary has no
+    <think> token, so the thinking block the generation prompt opens does not hold the call back)."""
+    import asyncio
+
+    from minimax_m2_models import build_minimax_m2_reference
+
+    from strata import Engine
+    from strata.server.app import ServerState
+    from strata.server.chat import render_chat, template_tool_messages
+    from strata.server.tool_request import check_tool_choice
+
+    _, directory = build_minimax_m2_reference(tmp_path / "m2")
+    (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    engine = Engine.from_pretrained(directory, device="cpu", config={"runtime": {"dtype": "float32", "experts": "memory"}})
+    st = ServerState("m2", engine, scheduler=object())
+    assert st.tool_format.name == FMT and st.template_renders_tools
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"tz": "UTC"}'}}
+    messages = template_tool_messages([{"role": "user", "content": "w1 w2"}, {"role": "assistant", "content": "",
+                                        "tool_calls": [call]}, {"role": "tool", "content": "noon"}])
+    tools = check_tool_choice({"type": "function", "function": {"name": "get_weather"}}, None, TOOLS)
+    prompt = asyncio.run(render_chat(st, messages, tools, True, {}, None))
+    assert '<tool>{"name": "get_weather"' in prompt.text
+    assert '<invoke name="get_time">\n<parameter name="tz">UTC</parameter>\n</invoke>' in prompt.text
+    assert prompt.text.endswith(']~b]ai\n<think>\n<minimax:tool_call>\n<invoke name="get_weather">\n')
+    assert prompt.calls.fmt.name == FMT and prompt.calls.prefix == TOOL_FORMATS[FMT].forced_prefix("get_weather")
