@@ -252,13 +252,16 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                         "~18 MB); random weights: tiny (3 layers x 16 experts, ~1 MB, for tests), small (8 layers x 64 "
                         "experts, ~390 MB), bench (Qwen3-30B-A3B's configuration, 48 layers x 128 experts, ~61 GB) "
                         "(default: %(default)s)")
-    p.add_argument("--arch", default=None, choices=["glm4_moe", "deepseek_v2", "deepseek_v4", "minimax_m2"],
+    p.add_argument("--arch", default=None, choices=["glm4_moe", "deepseek_v2", "deepseek_v4", "minimax_m2",
+                                                    "qwen3_5_moe"],
                    help="random sizes in another architecture: glm4_moe (tiny; bench: GLM-4.5-Air's configuration, 46 "
                         "layers x 128 experts, ~214 GB), deepseek_v2 (tiny; bench: DeepSeek-V2-Lite's, 27 layers "
                         "x 64 experts, ~32 GB) or deepseek_v4 (tiny; small: 8 layers x 64 experts, ~440 MB; bench: "
                         "DeepSeek-V4-Flash's configuration, 43 layers x 256 experts, ~13 GB a layer) or minimax_m2 "
                         "(tiny; small: 8 layers x 64 experts, ~430 MB; bench: MiniMax-M2's configuration, 62 layers "
-                        "x 256 experts, ~457 GB; ~230 GB with --experts fp8, as it ships); --layers N writes fewer "
+                        "x 256 experts, ~457 GB; ~230 GB with --experts fp8, as it ships) or qwen3_5_moe (tiny; "
+                        "small: 8 layers x 64 experts, ~450 MB; bench: Qwen3.5-35B-A3B's configuration, 40 layers x "
+                        "256 experts, ~69 GB); --layers N writes fewer "
                         "(default: the size's own architecture)")
     p.add_argument("--layers", type=int, default=None, help="fewer layers than the size's default (random sizes)")
     p.add_argument("--no-engram", action="store_true", help="leave out the Engram layers (hashed n-gram tables)")

@@ -108,7 +108,7 @@ def write_demo_model(
     `experts` "fp8" / "mxfp4" writes the same weights as a quantized release ships them (strata.runtime.demo.quantized).
     `arch` writes the size in another architecture (glm4_moe, deepseek_v2: their tiny and bench sizes; minimax_m2: its
     tiny, small and bench sizes, under its release's names; `ARCH_CONFIGS`; deepseek_v4: its tiny, small and bench
-    sizes, strata.runtime.demo.deepseek_v4).
+    sizes, strata.runtime.demo.deepseek_v4; qwen3_5_moe: its tiny, small and bench sizes, strata.runtime.demo.qwen3_5).
 
     If `out_dir` already holds a demo model with the same size, layers and seed it is returned as is;
     any other non-empty directory is refused with a ConfigError.
@@ -131,6 +131,16 @@ def write_demo_model(
             raise ConfigError(f"{', '.join(k for k, v in given.items() if v)}: not written for --arch deepseek_v4; "
                               "leave them out")
         marker, write = v4_demo(size, layers, seed, max_shard_bytes, progress, workers)
+        fill = functools.partial(_write_arch_into, write=write, marker=marker)
+    elif arch == "qwen3_5_moe":  # its own writer: the hybrid layers' tensors, fused experts
+        from strata.runtime.demo.qwen3_5 import q35_demo
+
+        given = {"--route-skew": check_skew(route_skew) != 0, "--route-locality": check_locality(route_locality) != 0,
+                 "--experts": experts != "bf16"}
+        if any(given.values()):
+            raise ConfigError(f"{', '.join(k for k, v in given.items() if v)}: not written for --arch qwen3_5_moe; "
+                              "leave them out")
+        marker, write = q35_demo(size, layers, seed, max_shard_bytes, progress, workers)
         fill = functools.partial(_write_arch_into, write=write, marker=marker)
     else:
         spec = DemoSpec(size, layers, seed, max_shard_bytes, engram, route_skew, route_locality, experts, arch)

@@ -113,8 +113,8 @@ def _layer_role(rest: str) -> tuple[str, bool]:
     """Role of a tensor inside a decoder layer (`rest` follows "layers.L."), and whether it is a fused
     expert tensor. Per-expert tensors (`experts.E.*`) are matched before this is called."""
     head, _, tail = rest.partition(".")
-    if head in ("self_attn", "attention", "attn"):
-        return "attention", False  # includes MLA's q_a/kv_a layernorms and Qwen3's q_norm/k_norm
+    if head in ("self_attn", "attention", "attn", "linear_attn"):
+        return "attention", False  # includes MLA's q_a/kv_a layernorms, Qwen3's q_norm/k_norm, Qwen3.5's Gated DeltaNet
     if head == "engram":  # the hashed n-gram table is tiered like experts; the rest stays resident
         return ("engram_tables" if tail.startswith("multi_head_embedding.") else "engram"), False
     if head.endswith("norm"):
@@ -197,6 +197,8 @@ def _tally(index: TensorIndex, num_layers: int | None) -> _Tally:
                 role = "norms"  # model.norm.weight
             elif ".hc_head." in name:
                 role = "hyper_conns"  # DeepSeek-V4's final collapse of the streams
+            elif name.startswith("mtp."):
+                role = "mtp"  # Qwen3.5's multi-token-prediction module, beside the decoder (never loaded)
             else:
                 role = "other"
                 t.unknown.append(name)

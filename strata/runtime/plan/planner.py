@@ -27,6 +27,7 @@ import torch
 
 from strata.config import StrataConfig, load_config, parse_gpus, parse_size
 from strata.runtime.generation.prefill_chunk import resolve_prefill_chunk
+from strata.runtime.model.qwen3_5.cache import reuses_prefixes
 from strata.runtime.plan.context import plan_context
 from strata.runtime.plan.decode_modes import DecodeMode, decode_mode
 from strata.runtime.plan.engram import EngramPlanError, plan_engram
@@ -78,6 +79,8 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
     itemsize = _TORCH_DTYPES[dtype].itemsize
     non_expert = fp.non_expert_bytes_in(itemsize)  # weights are converted (FP8 ones dequantized) to it on load
     slots = cfg.planner.max_batch + cfg.runtime.prefix_only_slots  # the batch's, and those only keeping prefixes
+    if not reuses_prefixes(fp.config):  # a recurrent state per sequence (Qwen3.5-MoE): no prefix cache, no such slots
+        slots = cfg.planner.max_batch
     # one sequence's cache: a fixed part (DeepSeek-V4's sliding windows) and bytes per token of context
     kv_fixed, kv_rate = kv_growth_of(fp.config, _TORCH_DTYPES[dtype])
     kv_per_token = math.ceil(kv_rate) * slots
@@ -85,6 +88,8 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
         raise PlanError("DeepSeek-V4 runs on one device; set runtime.devices to a single GPU (or drop --gpus)")
     if fp.config.gpt_oss is not None and len(cfg.runtime.devices) > 1:
         raise PlanError("gpt-oss runs on one device; set runtime.devices to a single GPU (or drop --gpus)")
+    if fp.config.qwen3_5 is not None and len(cfg.runtime.devices) > 1:
+        raise PlanError("Qwen3.5-MoE runs on one device; set runtime.devices to a single GPU (or drop --gpus)")
     reserve = cfg.planner.activation_reserve_bytes
     # the memory the KV cache shares with experts: the cards' after their weights, or the host's RAM on the CPU
     if len(cfg.runtime.devices) > 1:
@@ -222,6 +227,12 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
         decode = DecodeMode(f"experts {where}, grouped by expert, the reference math{kept}; no CUDA graphs", False, [
             "gpt-oss's experts (gate_up and down biases, the clamped SwiGLU) run as the reference math on whichever "
             "tier holds them: no compiled CPU kernel, pair kernels, grouped GEMMs or CUDA graphs"])
+    if fp.config.qwen3_5 is not None:
+        if gpu is not None:  # the linear-attention layers' state update runs eagerly on the GPU
+            decode = replace(decode, mode=decode.mode + "; eager decode steps (no CUDA graphs for the "
+                             "linear-attention layers' state update)", graphs=False)
+        notes.append("prefix cache off: the linear-attention layers keep a recurrent state per sequence, not rows per "
+                     "position, so every prompt is computed whole")
     notes += decode.fallbacks
     if fp.dense_fp8_bytes:
         notes.append(f"dense FP8 weights ({format_bytes(fp.dense_fp8_bytes)}) are dequantized to {dtype} as they load")
