@@ -2,8 +2,9 @@
 
 A GGUF matrix [N, K] of a block type is N rows of K / block_values blocks, each `block_bytes` bytes (K-quants: 256-value
 superblocks with 6- or 4-bit sub-block scales and f16 super-scales; Q8_0: 32 int8 values and one f16 scale; IQ4_XS: 256
-values on a non-linear 4-bit grid). strata keeps those bytes as they are in every tier; `dequantize_rows` is the
-reference every kernel is checked against: llama.cpp's own numpy implementation in the `gguf` package.
+values on a non-linear 4-bit grid). strata keeps those bytes as they are in every tier; `dequantize_rows` dequantizes
+them with torch on their own device (strata.kernels.gguf_dequant), bit for bit as llama.cpp's own numpy implementation
+in the `gguf` package does (`dequantize_rows_gguf`, the oracle every kernel is tested against).
 """
 
 from __future__ import annotations
@@ -53,7 +54,17 @@ def block_type(name: str, tensor: str = "") -> BlockType:
 
 
 def dequantize_rows(raw: torch.Tensor, type_id: int, rows: int, k: int) -> torch.Tensor:
-    """raw: at least rows * row_bytes uint8 (any device) of block type `type_id` -> float32 [rows, k] on raw's device."""
+    """raw: at least rows * row_bytes uint8 (any device) of block type `type_id` -> float32 [rows, k] on raw's device,
+    dequantized there by torch (strata.kernels.gguf_dequant: bit for bit `gguf`'s numpy, and faster on the CPU too)."""
+    from strata.kernels.gguf_dequant import dequantize_blocks
+
+    t = BY_ID[type_id]
+    blocks = raw.reshape(-1)[: rows * t.row_bytes(k)].view(-1, t.block_bytes)
+    return dequantize_blocks(blocks, t.name).reshape(rows, k)
+
+
+def dequantize_rows_gguf(raw: torch.Tensor, type_id: int, rows: int, k: int) -> torch.Tensor:
+    """`dequantize_rows` by llama.cpp's own numpy implementation (`gguf.quants.dequantize`): the tests' oracle."""
     import gguf
 
     t = BY_ID[type_id]

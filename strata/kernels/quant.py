@@ -212,7 +212,8 @@ def gguf_half_bytes(section_bytes: int, parts: int) -> int:
 
 def dequantize_gguf(values: torch.Tensor, types: torch.Tensor, shape: tuple[int, int],
                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A gguf section (1-D uint8) and its type ids (2 for gate_up: gate rows then up rows; 1 for down) -> w [N, K]."""
+    """A gguf section (1-D uint8) and its type ids (2 for gate_up: gate rows then up rows; 1 for down) -> w [N, K],
+    dequantized on the section's device by torch (`gguf_blocks.dequantize_rows`; only the type ids are read back)."""
     from strata.kernels.gguf_blocks import dequantize_rows
 
     n, k = shape
