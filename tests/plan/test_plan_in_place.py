@@ -54,3 +54,33 @@ def test_a_checkpoint_larger_than_the_free_disk_is_planned_in_place(q235b):
     assert [t.slots for t in shown.tiers] == [t.slots for t in p.tiers]
     text = shown.format()
     assert "does not fit: tiers.pinned.budget" in text and "does not fit: the expert store" in text
+
+
+def test_plan_shows_a_layout_for_every_memory_refusal(q235b):
+    """What serving refuses for memory (a card too small for the weights, KV cache and one expert per layer; a GPU
+    budget above what the card has left or below one expert per layer; a host too small on the CPU) is a note in
+    `strata plan`, with the layout planned as if the note's change were made."""
+    tiny_card = host(gpu=8 * GiB, ram=64 * GiB, disk=70 * GiB)
+    with pytest.raises(PlanError, match="use a GPU with"):
+        plan(q235b, tiny_card)
+    shown = plan(q235b, tiny_card, refuse=False)
+    (short,) = shown.does_not_fit
+    assert "non-expert weights" in short and "use a GPU with" in short
+    assert shown.tier("gpu").slots == 94  # the minimum: one expert per MoE layer
+    assert "does not fit: non-expert weights" in shown.format()
+
+    card = host(gpu=24 * GiB, ram=64 * GiB, disk=70 * GiB)
+    fits = plan(q235b, card)
+    for budget, words, slots in (("200GiB", "is more than", fits.tier("gpu").slots), ("100MiB", "minimum is one", 94)):
+        cfg = {"tiers": {"gpu": {"budget": budget}}}
+        with pytest.raises(PlanError, match=words):
+            plan(q235b, card, cfg)
+        shown = plan(q235b, card, cfg, refuse=False)
+        assert len(shown.does_not_fit) == 1 and words in shown.does_not_fit[0]
+        assert shown.tier("gpu").slots == slots
+
+    small_host = host(gpu=None, ram=8 * GiB, disk=70 * GiB)
+    with pytest.raises(PlanError, match="of RAM available"):
+        plan(q235b, small_host)
+    shown = plan(q235b, small_host, refuse=False)
+    assert any("use a host with" in n for n in shown.does_not_fit) and shown.tier("disk").slots == 94 * 128

@@ -57,9 +57,10 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
 
     `store_dir` is where the checkpoint's store is (or will be); when it already holds a store, the
     disk needs no room to build one. Raises `PlanError` when the minimum layout does not fit; with
-    `refuse=False` (`strata plan`) a pinned budget larger than the RAM left and a packed store larger than
-    the disk's free space are listed in `Plan.does_not_fit` instead, each with the smallest change that fits,
-    and the layout is planned as if that change were made.
+    `refuse=False` (`strata plan`) what does not fit (a card or a host too small for the weights, KV cache and one
+    expert per layer, a GPU or pinned budget larger than the memory left or a GPU one below that minimum, a packed
+    store larger than the disk's free space) is listed in `Plan.does_not_fit` instead, each with the smallest change
+    that fits, and the layout is planned as if that change were made.
     """
     does_not_fit: list[str] = []
 
@@ -141,21 +142,25 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
                 f"the Engram tables ({format_bytes(engram.table_bytes)}) do not fit in {device}'s VRAM: "
                 f"{format_bytes(max(0, left))} is left after the non-expert weights, KV cache, reserve and one expert "
                 'per MoE layer; set engram.tier = "pinned" or "auto"')
-        need.check(gpu.free_bytes, minimum, f"{device} has {format_bytes(gpu.free_bytes)} free",
-                   f"use a GPU with {_gib_up(need.total(minimum))} free", gpu_budget_zero_fits=minimum > 0)
-        room = gpu.free_bytes - non_expert - engram_gpu - kv - reserve
+        if (short := need.shortfall(gpu.free_bytes, minimum, f"{device} has {format_bytes(gpu.free_bytes)} free",
+                                    f"use a GPU with {_gib_up(need.total(minimum))} free",
+                                    gpu_budget_zero_fits=minimum > 0)) is not None:
+            refused(short)  # `strata plan`: the layout as if the card held the minimum
+        room = max(gpu.free_bytes - non_expert - engram_gpu - kv - reserve, minimum)
         if budget is None:
             budget = room
         elif budget > room:
-            raise PlanError(
+            refused(
                 f"tiers.gpu.budget ({format_bytes(budget)}) is more than the {format_bytes(room)} {device} has left for "
                 f"experts after non-expert weights, KV cache and reserve; set tiers.gpu.budget = "
                 f'"{room // MiB}MiB" or "auto"')
+            budget = room
         elif budget < minimum:
-            raise PlanError(
+            refused(
                 f"tiers.gpu.budget ({format_bytes(budget)}) holds {budget // slot} expert slots but the minimum is one "
                 f'per MoE layer ({fp.moe_layers}); set it to at least "{-(-minimum // MiB)}MiB", or "0" to compute '
                 "experts on the CPU")
+            budget = minimum
         gpu_slots, gpu_budget = scoped(budget // slot if slot else 0), budget
         if slot and budget // slot > total:
             notes.append(f"the GPU holds all {total} experts; {format_bytes(budget - total * slot)} of its budget is unused")
@@ -163,9 +168,11 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
                             gpu_slots, gpu_slots * slot))
     else:
         # CPU-only: weights, KV cache and activations live in RAM, next to at least one expert per layer
-        need.check(host.ram_available, fp.moe_layers * fp.slot_bytes,
-                   f"the host has {format_bytes(host.ram_available)} of RAM available",
-                   f"use a host with {_gib_up(need.total(fp.moe_layers * fp.slot_bytes))} of RAM available")
+        if (short := need.shortfall(host.ram_available, fp.moe_layers * fp.slot_bytes,
+                                    f"the host has {format_bytes(host.ram_available)} of RAM available",
+                                    f"use a host with {_gib_up(need.total(fp.moe_layers * fp.slot_bytes))} of RAM "
+                                    "available")) is not None:
+            refused(short)
         notes.append("no CUDA GPU planned: every layer runs on the CPU and experts compute from RAM "
                      "(the pinned tier is plain RAM)")
 
@@ -274,10 +281,12 @@ class _Need:
     def total(self, experts: int) -> int:
         return self.non_expert + self.kv + self.reserve + experts
 
-    def check(self, have: int, experts: int, have_text: str, bigger: str, gpu_budget_zero_fits: bool = False) -> None:
-        """Raise `PlanError` unless `have` bytes hold the weights, KV cache, reserve and `experts` bytes."""
+    def shortfall(self, have: int, experts: int, have_text: str, bigger: str,
+                  gpu_budget_zero_fits: bool = False) -> str | None:
+        """None when `have` bytes hold the weights, KV cache, reserve and `experts` bytes; else what does not fit
+        and the smallest change that would, in one line."""
         if self.total(experts) <= have:
-            return
+            return None
         seqs = f"{self.batch} x " if self.batch > 1 else ""
         parts = (f"non-expert weights ({format_bytes(self.non_expert)}) + KV cache for {seqs}{self.context} tokens "
                  f"({format_bytes(self.kv)}) + reserve ({format_bytes(self.reserve)})")
@@ -291,7 +300,7 @@ class _Need:
             fix = f'set tiers.gpu.budget = "0" (experts compute on the CPU) or {bigger}'
         else:
             fix = bigger
-        raise PlanError(f"{parts} need {format_bytes(self.total(experts))} but {have_text}; {fix}")
+        return f"{parts} need {format_bytes(self.total(experts))} but {have_text}; {fix}"
 
 
 def _gib_up(n: int) -> str:
