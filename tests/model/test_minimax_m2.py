@@ -100,13 +100,18 @@ def test_long_context_matches_transformers(tmp_path):
     check(engine, model, prompt)
 
 
-def test_tiered_from_disk_matches_transformers(tmp_path):
-    """Experts served by the tiers from a pinned budget of two experts (24 KiB each in fp32), the rest from disk."""
+def test_tiered_from_disk_matches_memory_and_transformers(tmp_path):
+    """Experts served by the tiers from a pinned budget of two experts (24 KiB each in fp32), the rest from disk:
+    the scores and tokens of every expert in memory, and transformers'."""
     model, directory = build_minimax_m2_reference(tmp_path / "m2", seed=5)
     prompt = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(4)).tolist()
+    memory = Engine.from_pretrained(directory, config={"runtime": {**FP32, "experts": "memory"}}, device="cpu")
     config = {"runtime": FP32, "store": {"mode": "packed"},
               "tiers": {"pinned": {"budget": "48KiB"}, "disk": {"scrub": False}}}
     with Engine.from_pretrained(directory, config=config, device="cpu") as engine:
+        assert (engine.score(prompt) - memory.score(prompt)).abs().max().item() < 1e-5
+        assert engine.generate(prompt, max_tokens=12, temperature=0.0).token_ids == memory.generate(
+            prompt, max_tokens=12, temperature=0.0).token_ids
         check(engine, model, prompt, n_greedy=12)
         assert engine.stats()["tiers"]["tiers"]["pinned"]["evictions"] > 0  # experts came back from disk
 
