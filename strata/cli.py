@@ -241,8 +241,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--config", default=None, metavar="PATH", help="config.toml ([store] experts)")
     p.set_defaults(func=_cmd_convert)
 
-    p = sub.add_parser("verify", help="re-read every blob of a store and check it against the index")
-    p.add_argument("store", help="store directory written by `strata convert` (or by `generate`/`serve` on first use)")
+    p = sub.add_parser("verify", help="re-read every blob of a store (or every part of a checkpoint served in place) "
+                                      "and check it against its recorded checksum")
+    p.add_argument("store", help="store directory written by `strata convert` (or by `generate`/`serve` on first use), "
+                                 "or a checkpoint directory served in place")
+    p.add_argument("--config", default=None, metavar="PATH", help="config.toml (where the in-place index lives)")
     p.set_defaults(func=_cmd_verify)
 
     p = sub.add_parser("demo-model", help="write the trained demo model, or a deterministic random-weight one")

@@ -28,6 +28,7 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from strata.errors import CheckpointError
 from strata.kernels.quant import ExpertFormat, ExpertLayout
@@ -321,7 +322,7 @@ class InPlaceStore(ExpertStore):
     def verify(self, progress: bool = False) -> list[str]:
         """Read every part (experts' and dense tensors') and check it against its recorded checksum, recording those
         never checksummed; returns the damaged ones ([] when sound)."""
-        return self._pass(self.index.all_parts(), recheck=True)
+        return self._pass(self.index.all_parts(), recheck=True, progress=progress)
 
     def start_verification(self) -> threading.Thread:
         """The full verification pass in a background thread at the lowest CPU and I/O priority, resumable: parts
@@ -342,9 +343,11 @@ class InPlaceStore(ExpertStore):
         low_priority()
         self.pass_damaged.extend(self._pass(parts, recheck=False))
 
-    def _pass(self, parts: list[Part], recheck: bool) -> list[str]:
+    def _pass(self, parts: list[Part], recheck: bool, progress: bool = False) -> list[str]:
         damaged, buf = [], np.empty(0, dtype=np.uint8)
+        bar = tqdm(total=sum(p.length for p in parts), unit="B", unit_scale=True, desc="verify", disable=not progress)
         for p in parts:
+            bar.update(p.length)
             if not recheck and self.record.get(p) is not None:
                 continue
             if buf.size < p.length:
@@ -362,6 +365,7 @@ class InPlaceStore(ExpertStore):
             elif want != got:
                 damaged.append(f"{p.label()}: checksum mismatch")
             self.record.save(force=False)
+        bar.close()
         self.record.save(force=True)
         return damaged
 
