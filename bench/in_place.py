@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -182,6 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     summary = {m: {k: median(m, k) for k in ("decode_tok_s", "load_s", "startup_read_bytes", "startup_rchar")}
                for m in ("in_place", "packed")}
     summary["in_place_over_packed"] = summary["in_place"]["decode_tok_s"] / summary["packed"]["decode_tok_s"]
+    # each round's two runs back to back: their ratio cancels the machine's drift between rounds (a shared disk and
+    # memory bus moved one mode's rate 2.5x within minutes here), which the medians above do not
+    pairs = [runs[i]["decode_tok_s"] / runs[i + 1]["decode_tok_s"] if runs[i]["mode"] == "in_place"
+             else runs[i + 1]["decode_tok_s"] / runs[i]["decode_tok_s"] for i in range(0, len(runs) - 1, 2)]
+    summary["round_ratios"] = pairs
+    summary["round_ratio_median"] = statistics.median(pairs) if pairs else None
     summary["same_tokens"] = len({tuple(r["token_ids"]) for r in runs}) == 1
     result = {"model": args.model, "weight_bytes": weight_bytes, "expert_bytes": expert_bytes,
               "pinned_budget_bytes": pinned_bytes, "prepare": prep, "machine": platform.processor() or
