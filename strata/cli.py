@@ -19,6 +19,7 @@ from typing import Any, TextIO
 
 from strata import __version__
 from strata.errors import StrataError
+from strata.tiers.store.gguf_mix import EXPORT_TYPES as GGUF_EXPORT_TYPES
 
 # What a terminal acts on rather than shows: the C0 controls but tab and newline (ESC starts sequences that
 # clear the screen, move the cursor, retitle the window or make some terminals type into stdin; CR overwrites
@@ -135,6 +136,10 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_demo_model(args: argparse.Namespace) -> int:
     from strata.runtime.demo.model import write_demo_model
 
+    if args.gguf:  # refused before the checkpoint is written
+        from strata.runtime.demo.demo_gguf import check_demo_gguf
+
+        check_demo_gguf(args.gguf, args.size, args.layers, not args.no_engram, args.arch, args.experts)
     out = write_demo_model(args.dir, size=args.size, layers=args.layers, progress=True, engram=not args.no_engram,
                            route_skew=args.route_skew, route_locality=args.route_locality, experts=args.experts,
                            arch=args.arch)
@@ -142,6 +147,10 @@ def _cmd_demo_model(args: argparse.Namespace) -> int:
     what += f" ({args.arch})" if args.arch else ""
     what += f" ({args.experts})" if args.experts != "bf16" else ""
     print(f"wrote the {what} to {out}")
+    if args.gguf:
+        from strata.runtime.demo.demo_gguf import write_demo_gguf
+
+        print(f"wrote its GGUF ({args.gguf} experts) to {write_demo_gguf(out, args.gguf)}")
     return 0
 
 
@@ -277,6 +286,11 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                    help="random sizes: write the weights as quantized releases ship them: fp8 (linear weights in e4m3 "
                         "with 128x128-block scales, as DeepSeek-V3; 32x32 for tiny) or mxfp4 (fused routed experts, as "
                         "gpt-oss) (default: %(default)s)")
+    p.add_argument("--gguf", default=None, metavar="TYPE", choices=GGUF_EXPORT_TYPES,
+                   help="random sizes, with --no-engram: also write DIR/model-TYPE.gguf for llama.cpp, the same weights "
+                        "with routed experts in TYPE: bf16, q8_0, q6_k, q5_k, q4_k, q2_k, or q4_k_m (llama.cpp's "
+                        "Q4_K_M: down Q6_K on some layers); everything else bf16 (norms, routers f32). K-quants need "
+                        "rows of 256: tiny takes bf16 and q8_0")
     p.set_defaults(func=_cmd_demo_model)
     return parser
 

@@ -105,7 +105,10 @@ def test_the_vocabulary_is_padded_to_the_embedding(mini_qwen3, tmp_path):
 
 
 def test_refuses_what_llamacpp_would_not_run_the_same(tmp_path):
-    deepseek = dm.write_demo_model(tmp_path / "tiny", "tiny", progress=False, engram=False)
-    with pytest.raises(UnsupportedError, match="Qwen3-MoE"):
-        write_gguf(deepseek, tmp_path / "x.gguf")
+    glm = dm.write_demo_model(tmp_path / "glm", "tiny", progress=False, engram=False, arch="glm4_moe")
+    with pytest.raises(UnsupportedError, match="handles Qwen3-MoE and DeepSeek-V3/V2 checkpoints"):
+        write_gguf(glm, tmp_path / "x.gguf")
+    engram = dm.write_demo_model(tmp_path / "tiny", "tiny", progress=False)
+    with pytest.raises(UnsupportedError, match="Engram layers, which llama.cpp does not run"):
+        write_gguf(engram, tmp_path / "x.gguf")
     assert not (tmp_path / "x.gguf").exists()
