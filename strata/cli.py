@@ -136,6 +136,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 def _cmd_demo_model(args: argparse.Namespace) -> int:
     from strata.runtime.demo.model import write_demo_model
 
+    if args.experts is None:  # gpt-oss as released: MXFP4 experts; every other architecture bf16
+        args.experts = "mxfp4" if args.arch == "gpt_oss" else "bf16"
     if args.gguf:  # refused before the checkpoint is written
         from strata.runtime.demo.demo_gguf import check_demo_gguf
 
@@ -265,7 +267,7 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                         "experts, ~390 MB), bench (Qwen3-30B-A3B's configuration, 48 layers x 128 experts, ~61 GB) "
                         "(default: %(default)s)")
     p.add_argument("--arch", default=None, choices=["glm4_moe", "deepseek_v2", "deepseek_v4", "minimax_m2",
-                                                    "qwen3_5_moe"],
+                                                    "qwen3_5_moe", "gpt_oss"],
                    help="random sizes in another architecture: glm4_moe (tiny; bench: GLM-4.5-Air's configuration, 46 "
                         "layers x 128 experts, ~214 GB), deepseek_v2 (tiny; bench: DeepSeek-V2-Lite's, 27 layers "
                         "x 64 experts, ~32 GB) or deepseek_v4 (tiny; small: 8 layers x 64 experts, ~440 MB; bench: "
@@ -273,7 +275,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                         "(tiny; small: 8 layers x 64 experts, ~430 MB; bench: MiniMax-M2's configuration, 62 layers "
                         "x 256 experts, ~457 GB; ~230 GB with --experts fp8, as it ships) or qwen3_5_moe (tiny; "
                         "small: 8 layers x 64 experts, ~450 MB; bench: Qwen3.5-35B-A3B's configuration, 40 layers x "
-                        "256 experts, ~69 GB); --layers N writes fewer "
+                        "256 experts, ~69 GB) or gpt_oss (tiny; small: 8 layers x 32 experts; bench: gpt-oss-120b's "
+                        "configuration, 36 layers x 128 experts in MXFP4 as released, ~61 GB; ~218 GB with --experts "
+                        "bf16); --layers N writes fewer "
                         "(default: the size's own architecture)")
     p.add_argument("--layers", type=int, default=None, help="fewer layers than the size's default (random sizes)")
     p.add_argument("--no-engram", action="store_true", help="leave out the Engram layers (hashed n-gram tables)")
@@ -282,10 +286,10 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--route-locality", default="0", metavar="L",
                    help="temporal locality in the weights (Qwen3-MoE, with --route-skew): every router also weighs the "
                         "last ~tens of tokens, L times the token (0: none)")
-    p.add_argument("--experts", default="bf16", choices=["bf16", "fp8", "mxfp4"],
+    p.add_argument("--experts", default=None, choices=["bf16", "fp8", "mxfp4"],
                    help="random sizes: write the weights as quantized releases ship them: fp8 (linear weights in e4m3 "
                         "with 128x128-block scales, as DeepSeek-V3; 32x32 for tiny) or mxfp4 (fused routed experts, as "
-                        "gpt-oss) (default: %(default)s)")
+                        "gpt-oss) (default: mxfp4 for --arch gpt_oss, as released; bf16 otherwise)")
     p.add_argument("--gguf", default=None, metavar="TYPE", choices=GGUF_EXPORT_TYPES,
                    help="random sizes, with --no-engram: also write DIR/model-TYPE.gguf for llama.cpp, the same weights "
                         "with routed experts in TYPE: bf16, q8_0, q6_k, q5_k, q4_k, q2_k, or q4_k_m (llama.cpp's "

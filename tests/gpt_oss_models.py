@@ -8,7 +8,8 @@ the other orientation.
 
 `mxfp4_variant` writes the same model as the release ships its experts: MXFP4 `*_blocks` / `*_scales` under the
 release's names (quantized by strata.kernels.quant's quantizer), with `quantization_config` {"quant_method": "mxfp4"};
-`dequantized_oracle` is transformers' model of the very weights those blocks decode to.
+`oracle` loads it into transformers, which dequantizes the blocks itself: the model of the very weights they decode
+to.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from reference_models import VOCAB, write_tokenizer
-from strata.kernels.quant import MX_GROUP, dequantize_mxfp4, quantize_mxfp4
+from strata.kernels.quant import MX_GROUP, quantize_mxfp4
 
 
 def gpt_oss_config(long: bool = False, layers: int = 4):
@@ -100,25 +101,11 @@ def mxfp4_variant(src: Path, dst: Path) -> Path:
     return dst
 
 
-def dequantized_oracle(src: Path, dst: Path):
-    """transformers' fp32 GptOssForCausalLM of the weights the MXFP4 checkpoint `src` decodes to (written to `dst` in
-    transformers' layout), and the dequantized experts by transformers' own MXFP4 decoder, which must equal them."""
-    from transformers import AutoModelForCausalLM
-    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+def oracle(directory: Path, dtype: torch.dtype = torch.float32):
+    """transformers' GptOssForCausalLM of checkpoint `directory` (eager attention, eval mode): an MXFP4 one's experts
+    dequantized by transformers' own MXFP4 loader (`Mxfp4Config(dequantize=True)`) from the release's names."""
+    from transformers import AutoModelForCausalLM, Mxfp4Config
 
-    tensors = _tensors(src)
-    out, theirs = {}, {}
-    for name, t in tensors.items():
-        if name.endswith("_scales"):
-            continue
-        if name.endswith("_blocks"):
-            stem, scales = name.removesuffix("_blocks"), tensors[name.removesuffix("_blocks") + "_scales"]
-            rows = torch.stack([dequantize_mxfp4(b, s) for b, s in zip(t, scales, strict=True)])  # [E, N, K]
-            out[stem] = rows.transpose(1, 2).contiguous()
-            theirs[stem] = convert_moe_packed_tensors(t, scales, dtype=torch.float32)
-        else:
-            out[name] = t.float()
-    _copy_small_files(src, dst, None)
-    save_file(out, dst / "model.safetensors")
-    model = AutoModelForCausalLM.from_pretrained(dst, dtype=torch.float32, attn_implementation="eager").eval()
-    return model, {name: (out[name], theirs[name]) for name in theirs}
+    mxfp4 = "quantization_config" in json.loads((directory / "config.json").read_text())
+    extra = {"quantization_config": Mxfp4Config(dequantize=True)} if mxfp4 else {}
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="eager", **extra).eval()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpt_oss_models import build_gpt_oss, dequantized_oracle, mxfp4_variant
+from gpt_oss_models import build_gpt_oss, mxfp4_variant, oracle
 from test_gpu import PREFIX, assert_same_greedy_prefix, greedy_full_forward
 
 from reference_models import VOCAB
@@ -23,19 +23,13 @@ pytestmark = pytest.mark.gpu
 
 def check_bf16(tmp_path, length: int, long: bool, experts: str, mxfp4: bool = False) -> None:
     ref32, directory = build_gpt_oss(tmp_path / "oss", long=long, seed=5)
-    if mxfp4:
+    if mxfp4:  # the oracle: transformers on the weights the release's blocks decode to
         directory = mxfp4_variant(directory, tmp_path / "oss-mxfp4")
-        ref32, _ = dequantized_oracle(directory, tmp_path / "oss-dequantized")
-        oracle_dir = tmp_path / "oss-dequantized"
-    else:
-        oracle_dir = directory
+        ref32 = oracle(directory)
     prompt = torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(4)).tolist()
     with torch.no_grad():
         exact = torch.log_softmax(ref32(torch.tensor([prompt])).logits[0].float(), -1)
-    from transformers import AutoModelForCausalLM
-
-    ref16 = AutoModelForCausalLM.from_pretrained(oracle_dir, dtype=torch.bfloat16,
-                                                 attn_implementation="eager").cuda().eval()
+    ref16 = oracle(directory, torch.bfloat16).cuda()
     with torch.no_grad():
         hf16 = torch.log_softmax(ref16(torch.tensor([prompt], device="cuda")).logits[0].float(), -1).cpu()
     runtime = {"max_context": 4096, "experts": "memory"} if experts == "memory" else {"max_context": 4096}

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gpt_oss_models import build_gpt_oss, dequantized_oracle, mxfp4_variant
+from gpt_oss_models import build_gpt_oss, mxfp4_variant, oracle
 
 from reference_models import VOCAB
 from strata import Engine
@@ -63,9 +63,7 @@ def test_matches_transformers(tmp_path):
 def test_mxfp4_experts_match_transformers_on_the_dequantized_weights(tmp_path):
     _, directory = build_gpt_oss(tmp_path / "oss", seed=2)
     released = mxfp4_variant(directory, tmp_path / "oss-mxfp4")
-    model, decoded = dequantized_oracle(released, tmp_path / "oss-dequantized")
-    for name, (ours, theirs) in decoded.items():  # strata's MXFP4 decoding is transformers' own
-        assert torch.equal(ours, theirs), name
+    model = oracle(released)  # transformers reads the release's names and dequantizes the blocks itself
     ckpt = Checkpoint.open(released)
     assert ckpt.expert_format.kind == "mxfp4" and not ckpt.experts_transposed
     engine = memory_engine(released, 512)

@@ -122,6 +122,15 @@ def write_demo_model(
                               f"are fixed; these options shape the random sizes ({', '.join(DEMO_SIZES)})")
         marker = json.loads((ensure_default_model() / MARKER).read_text())
         fill = functools.partial(shutil.copytree, TRAINED_DIR, dirs_exist_ok=True)  # fill(tmp) copies into tmp
+    elif arch == "gpt_oss":  # its own writer: the release's names, MXFP4 experts (or transformers' bf16 ones)
+        from strata.runtime.demo.gpt_oss import oss_demo
+
+        given = {"--route-skew": check_skew(route_skew) != 0, "--route-locality": check_locality(route_locality) != 0}
+        if any(given.values()):
+            raise ConfigError(f"{', '.join(k for k, v in given.items() if v)}: not written for --arch gpt_oss; "
+                              "leave them out")
+        marker, write = oss_demo(size, layers, seed, max_shard_bytes, progress, workers, experts)
+        fill = functools.partial(_write_arch_into, write=write, marker=marker)
     elif arch == "deepseek_v4":  # its own writer: the release's tensor names, hash tables, hyper-connections
         from strata.runtime.demo.deepseek_v4 import v4_demo
 
