@@ -1,15 +1,20 @@
-"""strata against llama.cpp on a CPU-only host, on identical bf16 weights.
+"""strata against llama.cpp on a CPU-only host, on identical weights (bf16, or Q4_K_M experts with --experts q4_k_m).
 
     python bench/cpu_vs_llamacpp.py [--layers 2 8] [--routing uniform skewed] [--rounds 3] [--threads 2] --out DIR
+    python bench/cpu_vs_llamacpp.py --experts q4_k_m ...   # both engines on one GGUF, routed experts in Q4_K_M
 
 For each bench model cut (`strata demo-model --size bench --layers N --no-engram`: Qwen3-30B-A3B's shape, bf16
 random weights, `--route-skew uniform` or `--route-skew 1`), the checkpoint is written once as safetensors (and
 packed into strata's store) and once as a bf16 GGUF with the same weights (strata.tiers.store.gguf_export, what
-llama.cpp's convert_hf_to_gguf.py writes for qwen3moe). Then:
+llama.cpp's convert_hf_to_gguf.py writes for qwen3moe). With `--experts TYPE` (q4_k_m, q8_0, ...; see
+strata.tiers.store.gguf_mix) the GGUF's routed experts are quantized to TYPE (the dense tensors stay bf16) and
+strata runs that very file too: its store is converted from the GGUF (`strata convert model.gguf STORE`), the
+experts kept in their ggml blocks. Then:
 
 1. the check: llama.cpp's log-probabilities at every position of a 32-token prompt against strata's float32
-   reference (`runtime.dtype = "float32"`, experts by the reference math) on the same prompt; a model whose
-   difference exceeds bf16's tolerance is not timed (the GGUF would be wrong). It runs first on a plain random
+   reference (`runtime.dtype = "float32"`, experts by the reference math; with --experts, on the GGUF's experts
+   dequantized) on the same prompt; a model whose difference exceeds bf16's tolerance is not timed (the GGUF would
+   be wrong). It runs first on a plain random
    2-layer cut (no routing profile: its layers' activations are not small, so a wrong tensor shows), then on each
    timed cut;
 2. `--rounds` rounds, each running llama.cpp and strata in processes of their own, alternating which goes first,
@@ -46,6 +51,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from strata.tiers.store.gguf_mix import EXPORT_TYPES as GGUF_EXPORT_TYPES  # noqa: E402
 
 LLAMA_CPP_PYTHON = "0.3.36"
 CHECK_TOKENS = 32
@@ -98,21 +105,24 @@ def ensure_llamacpp(cache: Path) -> Path:
     return site
 
 
-def ensure_models(cache: Path, layers: int, routing: str, skew: float, keep_checkpoint: bool) -> tuple[Path, Path]:
+def ensure_models(cache: Path, layers: int, routing: str, skew: float, keep_checkpoint: bool,
+                  experts: str = "bf16") -> tuple[Path, Path]:
     """(strata store, GGUF) of one bench cut, each written once from one checkpoint; the checkpoint itself is
     removed once both exist unless `keep_checkpoint` (the three together take three times the weights' bytes).
     `routing`: "uniform", "skewed" (`--route-skew skew`) or "plain" (random weights as they are: no routing
-    profile, so the layers' activations are not small; the writer's check runs on it)."""
+    profile, so the layers' activations are not small; the writer's check runs on it). `experts` other than bf16:
+    the GGUF's routed experts in that type, and the store converted from the GGUF."""
     from bench.suite.models import demo_model_path, ensure_model
     from strata.config import load_config
     from strata.runtime.demo.configs import expected_bytes
-    from strata.runtime.plan.store_cache import ensure_store
+    from strata.runtime.plan.store_cache import ensure_store, gguf_store
     from strata.tiers.store.gguf_export import write_gguf
 
     models = cache / "models"
     ckpt_dir = demo_model_path(models, "bench", layers, routing, skew) if routing != "plain" else \
         models / f"bench-L{layers}-plain"
-    record = ckpt_dir.with_suffix(".json")  # where the store and the GGUF are
+    tag = "" if experts == "bf16" else f"-{experts}"
+    record = ckpt_dir.with_name(f"{ckpt_dir.name}{tag}.json")  # where the store and the GGUF are
     if record.is_file():
         paths = json.loads(record.read_text())
         store, gguf = Path(paths["store"]), Path(paths["gguf"])
@@ -132,9 +142,9 @@ def ensure_models(cache: Path, layers: int, routing: str, skew: float, keep_chec
         ckpt = write_demo_model(ckpt_dir, "bench", layers, progress=True, engram=False)
     else:
         ckpt = ensure_model(models, "bench", layers, routing, skew, progress=True)
-    gguf = ckpt.with_suffix(".gguf")
+    gguf = ckpt.with_name(f"{ckpt.name}{tag}.gguf")
     if not gguf.is_file():
-        say(f"writing {gguf.name} (bf16 GGUF, the same weights)")
+        say(f"writing {gguf.name} ({experts} GGUF, the same weights)")
         step = [0]
 
         def progress(name: str, done: int, total: int) -> None:
@@ -142,9 +152,10 @@ def ensure_models(cache: Path, layers: int, routing: str, skew: float, keep_chec
                 step[0] = done
                 say(f"  {done / 2**30:.1f} / {total / 2**30:.1f} GiB ({name})")
 
-        write_gguf(ckpt, gguf, progress)
-    say("strata store")
-    store = ensure_store(ckpt, load_config({"tiers": {"disk": {"path": str(cache)}}}), progress=True)
+        write_gguf(ckpt, gguf, progress, experts=experts)
+    say("strata store" + (f" (from {gguf.name})" if experts != "bf16" else ""))
+    cfg = load_config({"tiers": {"disk": {"path": str(cache)}}})
+    store = ensure_store(ckpt, cfg, progress=True) if experts == "bf16" else gguf_store(gguf, cfg, progress=True)
     record.write_text(json.dumps({"store": str(store), "gguf": str(gguf), "checkpoint": str(ckpt)}))
     if not keep_checkpoint:
         shutil.rmtree(ckpt, ignore_errors=True)
@@ -153,7 +164,8 @@ def ensure_models(cache: Path, layers: int, routing: str, skew: float, keep_chec
 
 def remove_models(store: Path, gguf: Path) -> None:
     record = gguf.with_suffix(".json")
-    for p in (store, gguf.with_suffix("")):
+    checkpoint = json.loads(record.read_text()).get("checkpoint") if record.is_file() else None
+    for p in (store, Path(checkpoint) if checkpoint else gguf.with_suffix("")):
         shutil.rmtree(p, ignore_errors=True)
     gguf.unlink(missing_ok=True)
     record.unlink(missing_ok=True)
@@ -290,6 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--temperature", type=float, default=0.0,
                    help="sampling temperature of every request (default 0: greedy; 1: each engine's sampler)")
     p.add_argument("--strata-dtype", default="auto", help='strata\'s runtime.dtype (default "auto": the default)')
+    p.add_argument("--experts", default="bf16", choices=GGUF_EXPORT_TYPES,
+                   help="the routed experts' type in the GGUF both engines run (default bf16: strata runs its own store "
+                        "of the safetensors checkpoint; q4_k_m etc.: strata converts the GGUF; see gguf_mix)")
     p.add_argument("--cache", default=None, help="models and the llama.cpp build (default $STRATA_CACHE/bench, "
                                                  "else ~/.cache/strata/bench)")
     p.add_argument("--clean", action="store_true", help="remove each model's files after its measurements")
@@ -307,19 +322,21 @@ def main(argv: list[str] | None = None) -> int:
     result: dict = {"bench": "cpu_vs_llamacpp", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": commit,
                     "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
                     "machine": {"cpu": _cpu_name(), "cpus": os.cpu_count(), "platform": platform.platform()},
-                    "llama_cpp_python": LLAMA_CPP_PYTHON, "threads": args.threads, "models": []}
+                    "llama_cpp_python": LLAMA_CPP_PYTHON, "threads": args.threads, "experts": args.experts,
+                    "models": []}
     out_path = Path(args.out) / "cpu_vs_llamacpp.json" if args.out else None
     if not args.skip_check:  # the GGUF writer itself, where a wrong tensor shows (see CHECK_MAX_MEDIAN)
-        store, gguf = ensure_models(cache, 2, "plain", args.skew, args.keep_checkpoints)
+        store, gguf = ensure_models(cache, 2, "plain", args.skew, args.keep_checkpoints, args.experts)
         with tempfile.TemporaryDirectory(prefix="cpu_vs_llamacpp-") as tmp:
             result["writer_check"] = check_logits(args, site, store, gguf, Path(tmp))
         if not result["writer_check"]["ok"]:
             raise SystemExit("llama.cpp's logits on the plain 2-layer cut differ from strata's float32 reference: the "
-                             "GGUF export is wrong; nothing is timed")
+                             f"{args.experts} GGUF export is wrong; nothing is timed")
     for layers in args.layers:
         for routing in args.routing:
-            store, gguf = ensure_models(cache, layers, routing, args.skew, args.keep_checkpoints)
-            entry: dict = {"layers": layers, "routing": routing, "store": str(store), "gguf": str(gguf),
+            store, gguf = ensure_models(cache, layers, routing, args.skew, args.keep_checkpoints, args.experts)
+            entry: dict = {"layers": layers, "routing": routing, "experts": args.experts, "store": str(store),
+                           "gguf": str(gguf),
                            "gguf_bytes": gguf.stat().st_size}
             with tempfile.TemporaryDirectory(prefix="cpu_vs_llamacpp-") as tmp:
                 work = Path(tmp)

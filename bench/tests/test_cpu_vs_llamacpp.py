@@ -70,3 +70,33 @@ def test_the_strata_side_measures_every_workload(mini_qwen3, tmp_path, capsys):
     assert [p["prompt"] for p in out["prefill"]] == [8, 40] and all(p["tok_s"] > 0 for p in out["prefill"])
     assert [(d["streams"], d["tokens"]) for d in out["decode"]] == [(1, 5), (3, 5)]
     assert all(d["decode_tok_s"] > 0 and d["decode_s"] > 0 for d in out["decode"])
+
+
+# rows of 256 values: K-quant blocks fit the experts (MINI's 128 / 32 do not)
+MINI_K = {**MINI, "hidden_size": 256, "moe_intermediate_size": 256, "head_dim": 64}
+
+
+def test_q4_k_m_models_are_one_gguf_that_both_engines_read(tmp_path, monkeypatch, capsys):
+    gguf = pytest.importorskip("gguf")
+    from strata.runtime.demo import configs as demo_configs
+    from strata.tiers.store.format import read_index
+
+    monkeypatch.setitem(demo_configs.BASE_CONFIGS, "bench", {**demo_configs.BASE_CONFIGS["bench"], **MINI_K})
+    store, path = bench.ensure_models(tmp_path, 2, "plain", 1.0, keep_checkpoint=False, experts="q4_k_m")
+    assert path.name == "bench-L2-plain-q4_k_m.gguf" and not (tmp_path / "models" / "bench-L2-plain").exists()
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(path).tensors}
+    assert types["blk.0.ffn_down_exps.weight"] == "Q4_K" and types["blk.1.ffn_down_exps.weight"] == "Q6_K"
+    assert read_index(store).expert_format.ggml == (("Q4_K",), ("Q4_K",), ("Q4_K", "Q6_K"))  # the GGUF's blocks
+    assert bench.ensure_models(tmp_path, 2, "plain", 1.0, keep_checkpoint=False, experts="q4_k_m") == (store, path)
+    plan = bench.make_plan(_args(prefill=[], prompt=8, tokens=2, streams=[1]), seed=1, vocab=8192)
+    plan["logits"]["ids"] = plan["logits"]["ids"][:8]
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    ref = tmp_path / "ref.npy"  # the check's strata side: the float32 reference on the GGUF's experts
+    assert strata_cpu_side.main(["--model", str(store), "--threads", "1", "--plan", str(tmp_path / "plan.json"),
+                                 "--reference", str(ref)]) == 0
+    import numpy as np
+
+    logprobs = np.load(ref)
+    assert logprobs.shape == (8, MINI_K["vocab_size"]) and np.allclose(np.exp(logprobs).sum(-1), 1, atol=1e-4)
+    bench.remove_models(store, path)
+    assert not store.exists() and not path.exists() and not path.with_suffix(".json").exists()
