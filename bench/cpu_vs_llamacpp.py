@@ -114,7 +114,6 @@ def ensure_models(cache: Path, layers: int, routing: str, skew: float, keep_chec
     the GGUF's routed experts in that type, and the store converted from the GGUF."""
     from bench.suite.models import demo_model_path, ensure_model
     from strata.config import load_config
-    from strata.runtime.demo.configs import expected_bytes
     from strata.runtime.plan.store_cache import ensure_store, gguf_store
     from strata.tiers.store.gguf_export import write_gguf
 
@@ -129,7 +128,8 @@ def ensure_models(cache: Path, layers: int, routing: str, skew: float, keep_chec
         if store.is_dir() and gguf.is_file():
             return store, gguf
     written = (ckpt_dir / "strata_demo.json").is_file()  # a checkpoint kept (or left) from an earlier run
-    need = (2 if written else 3) * expected_bytes("bench", layers, engram=False)
+    checkpoint_bytes, gguf_bytes = model_bytes(layers, experts)
+    need = (0 if written else checkpoint_bytes) + 2 * gguf_bytes  # the GGUF, and a store about as large
     models.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(models).free
     if free < need:
@@ -160,6 +160,23 @@ def ensure_models(cache: Path, layers: int, routing: str, skew: float, keep_chec
     if not keep_checkpoint:
         shutil.rmtree(ckpt, ignore_errors=True)
     return store, gguf
+
+
+def model_bytes(layers: int, experts: str) -> tuple[int, int]:
+    """(the checkpoint's bytes, a bound on its GGUF's) of a bench cut: the routed experts at the most bytes a value
+    of any type the export gives them, everything else as in the checkpoint (norms in f32: a few KiB more)."""
+    from strata.runtime.demo.configs import demo_config
+    from strata.runtime.demo.weights import tensor_specs
+    from strata.tiers.store.gguf_mix import expert_type
+    from strata.tiers.store.gguf_quantize import block_shape
+
+    specs = tensor_specs(demo_config("bench", layers, engram=False))
+    total = sum(s.nbytes for s in specs)
+    expert = sum(s.nbytes for s in specs if ".mlp.experts." in s.name)
+    kinds = {expert_type(experts, proj, layer, layers) for proj in ("ffn_gate_exps", "ffn_down_exps")
+             for layer in range(layers)}
+    per_bf16 = max(1.0 if k == "BF16" else block_shape(k)[1] / (2 * block_shape(k)[0]) for k in kinds)
+    return total, total - expert + int(expert * per_bf16) + (1 << 20)
 
 
 def remove_models(store: Path, gguf: Path) -> None:
