@@ -25,14 +25,14 @@ from reference_models import VOCAB, write_tokenizer
 from strata.kernels.quant import MX_GROUP, quantize_mxfp4
 
 
-def gpt_oss_config(long: bool = False, layers: int = 4):
+def gpt_oss_config(long: bool = False, layers: int = 4, vocab: int = VOCAB):
     """transformers' GptOssConfig of the tiny model; `long`: a 64-token window (2,100 tokens cross it many times)."""
     from transformers import GptOssConfig
 
     yarn = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
             "truncate": False, "original_max_position_embeddings": 4096 if not long else 256}
     return GptOssConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
+        vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16, num_local_experts=8, num_experts_per_tok=2,
         sliding_window=64 if long else 12, max_position_embeddings=8192, initializer_range=0.1, rms_norm_eps=1e-5,
         rope_parameters=yarn, swiglu_limit=1.5, bos_token_id=None, eos_token_id=None, pad_token_id=None,
@@ -40,11 +40,11 @@ def gpt_oss_config(long: bool = False, layers: int = 4):
     )
 
 
-def build_gpt_oss(directory: Path, *, long: bool = False, seed: int = 0, layers: int = 4):
+def build_gpt_oss(directory: Path, *, long: bool = False, seed: int = 0, layers: int = 4, vocab: int = VOCAB):
     """Create, save (transformers' bf16-style layout, in fp32) and return (GptOssForCausalLM fp32 eval, directory)."""
     from transformers import AutoModelForCausalLM
 
-    cfg = gpt_oss_config(long, layers)
+    cfg = gpt_oss_config(long, layers, vocab)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
@@ -56,7 +56,8 @@ def build_gpt_oss(directory: Path, *, long: bool = False, seed: int = 0, layers:
             elif name.endswith("layernorm.weight") or name == "model.norm.weight":
                 t.copy_(1 + torch.randn(t.shape, generator=g) * 0.1)
     model.save_pretrained(directory)
-    write_tokenizer(directory)
+    if vocab == VOCAB:
+        write_tokenizer(directory)
     return model, directory
 
 
@@ -109,3 +110,63 @@ def oracle(directory: Path, dtype: torch.dtype = torch.float32):
     mxfp4 = "quantization_config" in json.loads((directory / "config.json").read_text())
     extra = {"quantization_config": Mxfp4Config(dequantize=True)} if mxfp4 else {}
     return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype, attn_implementation="eager", **extra).eval()
+
+
+# harmony's special tokens (o200k_harmony's), each one id after the 256 byte tokens
+HARMONY_SPECIALS = ("<|startoftext|>", "<|endoftext|>", "<|return|>", "<|constrain|>", "<|channel|>", "<|start|>",
+                    "<|end|>", "<|message|>", "<|call|>")
+HARMONY_VOCAB = 256 + len(HARMONY_SPECIALS)
+# A harmony chat template in the shape of gpt-oss's shipped chat_template.jinja (abridged: the system message, the
+# developer message with the instructions and the tools as a TypeScript namespace, then each message in its channel:
+# a reply in `final`, reasoning (`thinking`) in `analysis`, a call in `commentary to=functions.NAME` with a json
+# constraint ending in <|call|>, a tool's result from `functions.NAME to=assistant`).
+HARMONY_TEMPLATE = (
+    "{%- set ns = namespace(last_call='') -%}"
+    "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\nReasoning: medium\n\n"
+    "# Valid channels: analysis, commentary, final. Channel must be included for every message."
+    "{%- if tools %}\nCalls to these tools must go to the commentary channel: 'functions'.{%- endif %}<|end|>"
+    "{%- set first = messages[0] if messages else none -%}"
+    "{%- set instructions = first.content if first and first.role in ['system', 'developer'] else none -%}"
+    "{%- if instructions or tools %}<|start|>developer<|message|>"
+    "{%- if instructions %}# Instructions\n\n{{ instructions }}{% if tools %}\n\n{% endif %}{% endif %}"
+    "{%- if tools %}# Tools\n\n## functions\n\nnamespace functions {\n\n"
+    "{%- for tool in tools %}{% set f = tool.function if tool.function else tool %}"
+    "{% if f.description %}// {{ f.description }}\n{% endif %}"
+    "type {{ f.name }} = (_: {{ f.parameters | tojson }}) => any;\n\n{% endfor %}} // namespace functions"
+    "{%- endif %}<|end|>{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'user' %}<|start|>user<|message|>{{ m.content }}<|end|>"
+    "{%- elif m.role == 'assistant' %}"
+    "{%- if m.thinking %}<|start|>assistant<|channel|>analysis<|message|>{{ m.thinking }}<|end|>{% endif %}"
+    "{%- if m.tool_calls %}{%- for tc in m.tool_calls %}{% set f = tc.function if tc.function else tc %}"
+    "{%- set ns.last_call = f.name %}<|start|>assistant<|channel|>commentary to=functions.{{ f.name }} "
+    "<|constrain|>json<|message|>{{ f.arguments if f.arguments is string else f.arguments | tojson }}<|call|>"
+    "{%- endfor %}"
+    "{%- else %}<|start|>assistant<|channel|>final<|message|>{{ m.content }}<|end|>{%- endif %}"
+    "{%- elif m.role == 'tool' %}<|start|>functions.{{ ns.last_call }} to=assistant<|channel|>commentary<|message|>"
+    "{{ m.content }}<|end|>"
+    "{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}<|start|>assistant{% endif %}")
+
+
+def write_harmony_tokenizer(directory: Path) -> dict[str, int]:
+    """A byte-level tokenizer (one token a byte: any text encodes) with harmony's special tokens, gpt-oss's stop tokens
+    (<|return|>, <|call|>) in generation_config.json and the harmony template as chat_template.jinja, as the release
+    ships it. Returns the special tokens' ids."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE({c: i for i, c in enumerate(alphabet)}, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(HARMONY_SPECIALS))
+    tok.save(str(directory / "tokenizer.json"))
+    ids = {s: tok.token_to_id(s) for s in HARMONY_SPECIALS}
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|startoftext|>", "eos_token": "<|return|>",
+        "pad_token": "<|endoftext|>"}))
+    (directory / "generation_config.json").write_text(json.dumps({
+        "bos_token_id": ids["<|startoftext|>"], "eos_token_id": [ids["<|return|>"], ids["<|call|>"]],
+        "pad_token_id": ids["<|endoftext|>"]}))
+    (directory / "chat_template.jinja").write_text(HARMONY_TEMPLATE, encoding="utf-8")
+    return ids
