@@ -38,6 +38,7 @@ from strata.server.openapi import install_openapi
 from strata.server.prompts import (
     check_max_tokens_default,
     check_token_ids,
+    compile_grammar,
     refuse_past_context,
     require_tokenizer,
     submit,
@@ -272,6 +273,7 @@ async def _chat(request: Request, st: ServerState) -> Response:
     messages = [m.for_template(i) for i, m in enumerate(req.messages)]
     prompt = await render_chat(st, messages, req.tool_request, req.add_generation_prompt,
                                req.chat_template_kwargs or {}, req.max_tokens)
+    await compile_grammar(st, req)
     seqs = submit(st, req, [prompt.ids], "messages", st.max_tokens_default, logprobs=req.num_logprobs,
                   prompt_logprobs=None)
     fmt = ChatFormat(st.token_text, bool(req.logprobs), st.think, prompt.in_reasoning, req.n, prompt.calls)
@@ -311,6 +313,7 @@ async def _completions(request: Request, st: ServerState) -> Response:
         and req.max_tokens == 0
     if score_only:
         req.max_tokens = 1
+    await compile_grammar(st, req)
     seqs = submit(st, req, prompts, "prompt", COMPLETIONS_DEFAULT_MAX_TOKENS, logprobs=req.logprobs,
                   prompt_logprobs=req.logprobs if req.echo and req.logprobs is not None else None)
     texts = [tok.decode(p) if req.echo and tok is not None else "" for p in prompts]

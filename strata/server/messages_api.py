@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response
 from strata.server.chat import render_chat
 from strata.server.guard import record_usage
 from strata.server.messages_protocol import CountTokensRequest, MessagesRequest, chat_messages, error_body
-from strata.server.prompts import submit
+from strata.server.prompts import compile_grammar, submit
 from strata.server.protocol import parse_request
 from strata.server.render import ChatFormat, Seq, is_token
 from strata.server.streaming import cancel, event_stream, merged_events, to_api_error, track, whole
@@ -32,6 +32,7 @@ async def create_message(request: Request, st: Any, body: dict) -> Response:
     req = parse_request(MessagesRequest, body)
     st.check_model(req.model)
     prompt = await render_chat(st, chat_messages(req), req.tool_request, True, req.template_kwargs(), req.max_tokens)
+    await compile_grammar(st, req)
     seqs = submit(st, req, [prompt.ids], "messages", None, logprobs=None, prompt_logprobs=None)
     fmt = MessageFormat(ChatFormat(st.token_text, False, st.think, prompt.in_reasoning, 1, prompt.calls),
                         st.engine.tokenizer, req.stop if isinstance(req.stop, list) else [req.stop] if req.stop else [])

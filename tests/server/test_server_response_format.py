@@ -110,3 +110,36 @@ def test_a_malformed_response_format_is_a_400(live, value, problem):
                                              "response_format": value})
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format", r.text
     assert problem in r.json()["error"]["message"]
+
+
+def test_a_new_schema_compiles_off_the_event_loop(tiny_model_dir, monkeypatch):
+    """A schema xgrammar has not seen takes it 0.7-2 s to compile; meanwhile the server answers everyone else: here a
+    compile held until /health has answered finishes, and its request is served."""
+    import threading
+
+    from strata.runtime.generation.grammar import GrammarCompiler
+
+    health_answered, compiling = threading.Event(), threading.Event()
+    compile_ = GrammarCompiler.compile
+
+    def held_compile(self, fmt):
+        compiling.set()
+        assert health_answered.wait(timeout=30), "/health was not answered while a grammar compiled"
+        return compile_(self, fmt)
+
+    monkeypatch.setattr(GrammarCompiler, "compile", held_compile)
+    srv = start_live_server(tiny_model_dir)
+    try:
+        result = {}
+        body = {"model": MODEL, "messages": CHAT, "max_tokens": 200, "response_format": FORMAT}
+        worker = threading.Thread(target=lambda: result.update(r=_post(srv, "/v1/chat/completions", body)))
+        worker.start()
+        assert compiling.wait(timeout=30)
+        assert httpx.get(srv.url + "/health", timeout=10).status_code == 200
+        health_answered.set()
+        worker.join(timeout=60)
+        assert result["r"].status_code == 200, result["r"].text
+        check_place(result["r"].json()["choices"][0]["message"]["content"])
+    finally:
+        health_answered.set()
+        srv.close()
