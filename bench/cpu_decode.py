@@ -1,11 +1,15 @@
 """One stream's decode and prefill speed on the CPU through the public API, for comparing commits on one machine.
 
-    python bench/cpu_decode.py --model DIR [--prompt-tokens 64] [--tokens 64] [--repeat 3] [--out DIR]
+    python bench/cpu_decode.py [--model DIR] [--prompt-tokens 64] [--tokens 64] [--repeat 3] [--busy N] [--out DIR]
 
-Loads `Engine.from_pretrained(DIR, device="cpu")` with the default configuration, then runs `--repeat` greedy
-generations of `--tokens` tokens after a fixed `--prompt-tokens`-token prompt and reports each run's decode and prefill
-tok/s from `Engine.stats()` (the engine's own timers) as JSON. Run it with another checkout first on PYTHONPATH to
-measure that commit on the same machine, alternating the two.
+Loads `Engine.from_pretrained(DIR, device="cpu")` (no --model: the default demo model) with the default configuration,
+then runs `--repeat` greedy generations of `--tokens` tokens after a fixed `--prompt-tokens`-token prompt and reports
+each run's decode tok/s from `Engine.stats()` (the engine's own timers) as JSON. Run it with another checkout first on
+PYTHONPATH to measure that commit on the same machine, alternating the two.
+
+`--busy N`: a busy host. Each round runs one generation alone and one while N other processes keep every core busy at
+the same priority (a torch matrix product in a loop on torch's default threads, as a concurrent test run does),
+alternating which goes first; the summary gives each condition's median and busy / alone.
 """
 
 from __future__ import annotations
@@ -14,6 +18,8 @@ import argparse
 import json
 import os
 import platform
+import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -22,12 +28,16 @@ if not os.environ.get("PYTHONPATH"):  # strata from this checkout, unless PYTHON
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+HOG = "import torch\nx = torch.randn(1024, 1024)\nwhile True:\n    x @ x"  # one busy process: torch's threads
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model", required=True, help="checkpoint or store directory")
+    p.add_argument("--model", default=None, help="checkpoint or store directory (default: the demo model)")
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--busy", type=int, default=0, metavar="N", help="also decode beside N CPU-bound processes")
     p.add_argument("--out", default=None, help="directory for cpu_decode.json")
     args = p.parse_args(argv)
 
@@ -41,18 +51,36 @@ def main(argv: list[str] | None = None) -> int:
     load_s = time.perf_counter() - t0
     vocab = engine.stats().get("vocab_size") or 4096
     prompt = [(7 * i + 3) % min(vocab, 4000) + 3 for i in range(args.prompt_tokens)]
-    runs = []
-    for _ in range(args.repeat):
-        before = engine.stats()
-        out = engine.generate(prompt, max_tokens=args.tokens, temperature=0.0, stop_token_ids=[])
-        after = engine.stats()
+    def run(busy: int) -> dict:
+        hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(busy)]
+        try:
+            time.sleep(1.0 if busy else 0.0)  # the hogs' threads running before the generation starts
+            before = engine.stats()
+            out = engine.generate(prompt, max_tokens=args.tokens, temperature=0.0, stop_token_ids=[])
+            after = engine.stats()
+        finally:
+            for h in hogs:
+                h.kill()
+                h.wait()
         decode_tokens = after["decode_tokens"] - before["decode_tokens"]
         decode_s = after["decode_seconds"] - before["decode_seconds"]
-        runs.append({"tokens": len(out.token_ids), "decode_tok_s": decode_tokens / decode_s if decode_s else 0.0})
+        return {"busy": busy, "tokens": len(out.token_ids), "decode_tok_s": decode_tokens / decode_s if decode_s else 0.0,
+                "load_avg": os.getloadavg()[0]}
+
+    engine.generate(prompt, max_tokens=8, temperature=0.0)  # warm-up: kernels built, experts placed
+    runs = []
+    for i in range(args.repeat):
+        for busy in ((0, args.busy) if i % 2 == 0 else (args.busy, 0)) if args.busy else (0,):
+            runs.append(run(busy))
     engine.close()
     result = {"model": args.model, "strata": os.path.dirname(strata.__file__), "torch": torch.__version__,
               "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "load_s": load_s,
               "runs": runs}
+    if args.busy:
+        alone = statistics.median(r["decode_tok_s"] for r in runs if not r["busy"])
+        busy = statistics.median(r["decode_tok_s"] for r in runs if r["busy"])
+        result["summary"] = {"alone_tok_s": alone, "busy_tok_s": busy, "busy_over_alone": busy / alone,
+                             "busy_processes": args.busy}
     print(json.dumps(result))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
