@@ -28,14 +28,15 @@ def attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: 
     """L queries of one sequence over its S cached keys, with a sink logit per head.
 
     q [L, heads, d], k and v [S, kv_heads, d], sinks [heads] -> [L, heads, d] in q's dtype. Query i sits at key
-    position `first` + i; it sees keys j <= first + i and, with a `window`, j > first + i - window. Logits and the
-    softmax in fp32 (the sink column appended, then dropped), the probabilities rounded to v's dtype for the value
-    product, as transformers' eager attention. Queries run in blocks whose scores stay under `SCORE_BUDGET`."""
+    position `first` + i; it sees keys j <= first + i and, with a `window`, j > first + i - window. q.k in the
+    model's dtype (as transformers' eager attention: no fp32 copy of the cache), then scaled, masked and softmaxed in
+    fp32 with the sink column appended (and dropped), the probabilities rounded to v's dtype for the value product.
+    Queries run in blocks whose scores stay under `SCORE_BUDGET`."""
     length, heads, d = q.shape
     size, kv_heads = k.shape[0], k.shape[1]
     group = heads // kv_heads  # query head h reads KV head h // group
-    qg = q.reshape(length, kv_heads, group, d).permute(1, 2, 0, 3).float()  # [kv, group, L, d]
-    kt = k.permute(1, 2, 0)[:, None].float()  # [kv, 1, d, S]
+    qg = q.reshape(length, kv_heads, group, d).permute(1, 2, 0, 3)  # [kv, group, L, d]
+    kt = k.permute(1, 2, 0)[:, None]  # [kv, 1, d, S]
     vv = v.permute(1, 0, 2)[:, None]  # [kv, 1, S, d]
     sink = sinks.float().reshape(kv_heads, group, 1, 1)
     kpos = torch.arange(size, device=q.device)
@@ -47,7 +48,7 @@ def attend_with_sinks(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, first: 
         hidden = kpos[None, :] > qpos  # [blk, S] keys after the query
         if window is not None:
             hidden |= kpos[None, :] <= qpos - window
-        scores = torch.matmul(qg[:, :, b0:b1], kt) * scale  # [kv, group, blk, S]
+        scores = torch.matmul(qg[:, :, b0:b1], kt).float() * scale  # [kv, group, blk, S]
         scores.masked_fill_(hidden, float("-inf"))
         logits = torch.cat((scores, sink.expand(-1, -1, b1 - b0, 1)), dim=-1)
         probs = torch.softmax(logits, dim=-1)[..., :-1]
