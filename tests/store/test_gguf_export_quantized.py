@@ -18,7 +18,7 @@ import torch
 
 from strata import Engine
 from strata.cli import main
-from strata.errors import StrataError
+from strata.errors import StrataError, UnsupportedError
 from strata.runtime.demo import configs as demo_configs
 from strata.runtime.demo import model as dm
 from strata.tiers.store import gguf_export
@@ -221,3 +221,23 @@ def test_llamacpp_runs_the_exported_files(which, mini_qwen3, tiny_deepseek, tmp_
     # a swapped or misplaced tensor moves the median past 0.05 (bench/cpu_vs_llamacpp.py's check)
     assert diff.median().item() < 0.005 and diff.quantile(0.99).item() < 0.03
     assert (theirs.argmax(-1) == ours.argmax(-1)).float().mean().item() >= 0.9
+
+
+def test_a_tensor_type_override_picks_any_tensors_type(tiny_deepseek, tmp_path):
+    from strata.tiers.store.gguf_mix import tensor_types
+    from strata.tiers.store.gguf_reader import GGUFFile
+
+    ckpt, _ = tiny_deepseek
+    mix = tensor_types("q8_0", 3)
+    attention_q8 = lambda name, shape: "Q8_0" if name.endswith("attn_output.weight") else mix(name, shape)  # noqa: E731
+    path = write_gguf(ckpt, tmp_path / "x.gguf", experts="q8_0", tensor_type=attention_q8)
+    tensors = _tensors(path)
+    assert tensors["blk.0.attn_output.weight"].tensor_type.name == "Q8_0"
+    assert tensors["blk.0.attn_q_b.weight"].tensor_type.name == "BF16"
+    want = TensorIndex.from_dir(ckpt).load("model.layers.0.self_attn.o_proj.weight").float()
+    got = GGUFFile.open(path).read("blk.0.attn_output.weight")  # strata's reading, dequantized by gguf
+    assert torch.equal(got, _dequantized(tensors["blk.0.attn_output.weight"]))
+    assert 0 < (got - want).abs().max().item() < 0.01 * want.abs().max().item()
+    with pytest.raises(UnsupportedError, match="blk.0.attn_output.weight: rows of 64 values do not split into Q4_K"):
+        write_gguf(ckpt, tmp_path / "y.gguf", tensor_type=lambda n, s: "Q4_K" if "attn_output" in n else mix(n, s))
+    assert not (tmp_path / "y.gguf").exists()

@@ -54,12 +54,16 @@ def _gguf():
     return gguf
 
 
-def tensor_nbytes(type_name: str, shape: tuple[int, ...]) -> int:
-    """Bytes of a tensor of `shape` (numpy order) stored as GGML type `type_name`."""
+def tensor_nbytes(type_name: str, shape: tuple[int, ...], name: str = "") -> int:
+    """Bytes of a tensor `name` of `shape` (numpy order) stored as GGML type `type_name`; a one-line
+    `UnsupportedError` when its rows do not split into the type's blocks."""
     n = int(np.prod(shape))
     if type_name in ("F32", "BF16"):
         return n * (4 if type_name == "F32" else 2)
     values, nbytes = block_shape(type_name)
+    if shape[-1] % values:
+        raise UnsupportedError(f"{name or 'a tensor'}: rows of {shape[-1]} values do not split into {type_name}'s "
+                               f"{values}-value blocks; give it another type")
     return n // values * nbytes
 
 
@@ -85,7 +89,7 @@ def write_gguf(checkpoint_dir: str | os.PathLike, out_path: str | os.PathLike,
     index = TensorIndex.from_dir(src)
     type_of = tensor_type or tensor_types(experts, int(cfg["num_hidden_layers"]))
     plan = [(name, shape, type_of(name, shape), load) for name, shape, load in _tensor_plan(gguf, arch, index, cfg)]
-    total = sum(tensor_nbytes(t, s) for _, s, t, _ in plan)
+    total = sum(tensor_nbytes(t, s, n) for n, s, t, _ in plan)  # every type checked before anything is written
     out.parent.mkdir(parents=True, exist_ok=True)
     free = shutil.disk_usage(out.parent).free
     if total + (64 << 20) > free:  # the header and vocabulary: a few MiB
