@@ -92,8 +92,9 @@ def q5_k(blocks: torch.Tensor) -> torch.Tensor:
     d, dmin = _f16(blocks[:, :2]), _f16(blocks[:, 2:4])
     sc, mn = _scale_min_k4(blocks[:, 4:16])
     dl, ml = (d * sc).reshape(n, 8, 1), (dmin * mn).reshape(n, 8, 1)
-    ql = (blocks[:, 48:].reshape(n, 4, 1, 32) >> _shifts(0, 4, device=dev).reshape(1, 1, 2, 1)).reshape(n, 8, 32) & 0x0F
-    qh = (blocks[:, 16:48].reshape(n, 1, 1, 32) >> _shifts(*range(8), device=dev).reshape(1, 1, 8, 1)).reshape(n, 8, 32) & 1
+    ql = (blocks[:, 48:].reshape(n, 4, 1, 32) >> _shifts(0, 4, device=dev).reshape(1, 1, 2, 1)) & 0x0F
+    qh = (blocks[:, 16:48].reshape(n, 1, 1, 32) >> _shifts(*range(8), device=dev).reshape(1, 1, 8, 1)) & 1
+    ql, qh = ql.reshape(n, 8, 32), qh.reshape(n, 8, 32)
     return (dl * (ql | (qh << 4)).float() - ml).reshape(n, QK_K)
 
 

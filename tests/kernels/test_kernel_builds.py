@@ -100,9 +100,10 @@ DECODE_KERNELS = {"_pack_kernel", "_acquire_kernel", "_read_kernel", "_plan_kern
 
 def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
     """Every Triton kernel of strata, as its wrapper launches it on the GPU (PDL on), compiles for sm_90 here: a
-    decode step's (`--model`: the probe's sweep), prefill's rope and top-k, and the FP8 / MXFP4 experts' kernels. The
-    CPU tests run the kernels only through Triton's interpreter, which compiles nothing: this catches what only the
-    compiler rejects, on machines without a GPU."""
+    decode step's (`--model`: the probe's sweep), prefill's rope and top-k, and the FP8 / MXFP4 / GGUF experts' kernels
+    (GGUF: a Q4_K_M store, down's type picked per expert by its header). The CPU tests run the kernels only through
+    Triton's interpreter, which compiles nothing: this catches what only the compiler rejects, on machines without a
+    GPU."""
     from strata.kernels.gpu import fused
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
@@ -114,12 +115,13 @@ def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
         fused.softmax_topk(torch.zeros(40, 128), 8, True)
         quantized_experts()
 
-    def quantized_experts():  # FP8 and MXFP4 slots: resident pairs, in-place reads, prefill's scratch
+    def quantized_experts():  # FP8, MXFP4 and GGUF slots: resident pairs, in-place reads, prefill's scratch
         from strata.kernels.gpu import grouped, quant_pairs
         from strata.kernels.gpu.quant_slots import QuantSlotWeights, dequantize_into
         from strata.kernels.quant import ExpertFormat, ExpertLayout
 
-        for fmt in (ExpertFormat("fp8", block=(128, 128)), ExpertFormat("mxfp4")):
+        q4_k_m = ExpertFormat("gguf", ggml=(("Q4_K",), ("Q4_K",), ("Q6_K", "Q4_K")))
+        for fmt in (ExpertFormat("fp8", block=(128, 128)), ExpertFormat("mxfp4"), q4_k_m):
             layout = ExpertLayout.build(fmt, db.H, db.INTER)
             slab = torch.zeros(2, -(-layout.payload_bytes // 4096) * 4096, dtype=torch.uint8)
             x, y, ids = torch.zeros(1, db.H, dtype=bf), torch.zeros(TOP_K, db.H), torch.zeros(TOP_K, dtype=torch.int64)
@@ -138,7 +140,8 @@ def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
     except Unavailable as e:
         pytest.skip(str(e))
     built = {name for name, k in keys.items() if k and all(s is not None and s > 0 for s in k.values())}
-    quantized = {"_quant_gate_up_kernel", "_quant_down_kernel", "_dequant_kernel"}
+    quantized = {"_quant_gate_up_kernel", "_quant_down_kernel", "_dequant_kernel", "_gguf_gate_up_kernel",
+                 "_gguf_down_kernel", "_gguf_dequant_kernel"}
     assert built == DECODE_KERNELS | {"_norm_rope_kernel", "_softmax_topk_kernel"} | quantized == triton_kernels()
 
 

@@ -15,8 +15,8 @@ projections always use one consistent slot.
 Triton kernels on CUDA; a pure-torch fallback (gather + bmm) elsewhere, with the same results to
 rounding.
 
-Expert formats (strata.kernels.quant): plain experts are `SlotWeights` (typed views of the slots); FP8 and MXFP4
-experts are `QuantSlotWeights` (the slab and the blob's `ExpertLayout`) and in pinned RAM `HostExperts` with a
+Expert formats (strata.kernels.quant): plain experts are `SlotWeights` (typed views of the slots); FP8, MXFP4 and
+GGUF experts are `QuantSlotWeights` (the slab and the blob's `ExpertLayout`) and in pinned RAM `HostExperts` with a
 layout. Every entry point here takes either and picks the path in one place, `fast_path`: the quantized pair and
 in-place kernels (strata.kernels.gpu.quant_pairs) read the blob in its format and dequantize in registers;
 prefill dequantizes per expert into a scratch buffer for the grouped GEMM (strata.kernels.gpu.grouped_gemm).
@@ -54,11 +54,12 @@ IN_PLACE_BLOCKS = (8, 512, 16, 256)  # pair_experts_in_place (reads over PCIe, ~
 
 
 def formats_supported() -> set[str]:
-    """The expert format kinds ("plain", "fp8", "mxfp4") the GPU computes in their own format: decode pair
+    """The expert format kinds ("plain", "fp8", "mxfp4", "gguf") the GPU computes in their own format: decode pair
     kernels and in-place reads without a bf16 copy, prefill through a per-expert dequantized scratch. Quantized
-    kinds need Triton; an fp8 block must also be a power of two wide (`fast_path_refusal`). The kinds the runtime
-    may list in strata.kernels.quant.FAST_PATHS' GPU entries."""
-    return {"plain"} | ({"fp8", "mxfp4"} if triton is not None else set())
+    kinds need Triton; an fp8 block must also be a power of two wide, gguf blocks of the types
+    strata.kernels.gpu.gguf_pairs reads (`fast_path_refusal`). The kinds the runtime may list in
+    strata.kernels.quant.FAST_PATHS' GPU entries."""
+    return {"plain"} | ({"fp8", "mxfp4", "gguf"} if triton is not None else set())
 
 
 def fast_path_refusal(fmt: ExpertFormat) -> str | None:

@@ -16,7 +16,7 @@ order of their slots does not enter the sum). `[debug] grouped_prefill = "auto"`
 all in VRAM ran 7.3x the loop on the H200 box: docs/benchmarks.md, section "What changed the figures most",
 ecaf011); on the CPU torch's grouped GEMM is a reference loop.
 
-Quantized slots (`QuantSlotWeights`: FP8, MXFP4) are dequantized per piece into a scratch buffer in the activations'
+Quantized slots (`QuantSlotWeights`: FP8, MXFP4, GGUF) are dequantized per piece into a scratch buffer in the activations'
 dtype (strata.kernels.gpu.quant_slots.dequantize_slots: one Triton launch a matrix on CUDA), rounding as
 `ExpertLayout.dequantize`, and the same grouped GEMMs run on it: a piece then also holds at most
 `SCRATCH_BYTES` of dequantized experts. torch's FP8 grouped GEMM (`torch.nn.functional.scaled_grouped_mm`) is not

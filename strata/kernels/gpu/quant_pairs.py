@@ -15,13 +15,15 @@ activation is summed first, then multiplied by its scale: one multiply a group, 
 The activation tile is loaded once per step, contiguous, and shared by the gate and up tiles.
 Results match the bf16 kernels on `ExpertLayout.dequantize`d weights to rounding: the scale is applied to a group's
 sum instead of to each weight (in fp32), and a dequantized weight is not rounded to bf16 first.
+GGUF blobs (the file's ggml blocks) take the same entry points and run their own kernels (strata.kernels.gpu.gguf_pairs).
 """
 
 from __future__ import annotations
 
 import torch
 
-from strata.kernels.gpu import pdl
+from strata.kernels.gpu import gguf_pairs, pdl
+from strata.kernels.gpu.gguf_tiles import gguf_refusal
 from strata.kernels.gpu.quant_slots import FP8, MXFP4, QuantSlotWeights, e8m0_scale, triton
 from strata.kernels.quant import MX_GROUP, ExpertFormat, ExpertLayout
 
@@ -37,9 +39,12 @@ QUANT_IN_PLACE_BLOCKS = (8, 512, 16, 256)  # pair_quant_in_place: gate/up rows, 
 
 
 def kernel_refusal(fmt: ExpertFormat) -> str | None:
-    """None where these kernels compute `fmt` (fp8 with a power-of-two block width, or mxfp4), else why not."""
+    """None where these kernels compute `fmt` (fp8 with a power-of-two block width, mxfp4, or gguf blocks of the
+    types strata.kernels.gpu.gguf_pairs reads), else why not."""
     if triton is None:
         return "Triton is not installed"
+    if fmt.kind == "gguf":
+        return gguf_refusal(fmt.ggml)
     if fmt.kind == "fp8" and fmt.block[1] & (fmt.block[1] - 1):
         return f"the fp8 block's columns ({fmt.block[1]}) are not a power of two"
     if fmt.kind not in ("fp8", "mxfp4"):
@@ -66,6 +71,9 @@ def pair_quant(x: torch.Tensor, weights: QuantSlotWeights, slot_of: torch.Tensor
     slot_of[ids[p]] (-1: skipped) on token rows[p] // k (rows None: p), its row of y [., H] fp32 written.
     config: a (gate/up, down) launch configuration in place of `QUANT_PAIR_CONFIGS`' (bench/quant_pair_probe.py)."""
     lay = weights.layout
+    if lay.fmt.kind == "gguf":  # the file's ggml blocks: their own kernels
+        gguf_pairs.pair_gguf(x, weights.slab, lay, slot_of, ids, rows, k, y, used, config)
+        return
     fa = _format_args(lay.fmt)
     hidden, inter = lay.hidden, lay.intermediate
     p = ids.numel()
@@ -93,6 +101,9 @@ def pair_quant_in_place(x: torch.Tensor, layout: ExpertLayout, addresses: torch.
     """`grouped.pair_experts_in_place` for quantized blobs: pairs with `addresses[p]` != 0 (the host address of the
     page-locked slot holding its expert's blob of `layout`) read their weights in place over PCIe in the blob's
     format; first_row [P] int32 (or None) as there."""
+    if layout.fmt.kind == "gguf":
+        gguf_pairs.pair_gguf_in_place(x, layout, addresses, y, first_row)
+        return
     p = addresses.numel()
     fa = _format_args(layout.fmt)
     hidden, inter = layout.hidden, layout.intermediate

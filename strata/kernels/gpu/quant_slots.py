@@ -5,6 +5,8 @@ gate_up values, gate_up scales, down values, down scales, each section 256-byte 
 slot. `QuantSlotWeights` is the quantized sibling of `strata.kernels.gpu.grouped.SlotWeights`: the decode pair
 kernels (`strata.kernels.gpu.quant_pairs`) read its slots in their format; prefill dequantizes the slots a grouped
 GEMM needs into a scratch buffer (`dequantize_slots`: one Triton launch per matrix on CUDA, torch elsewhere).
+GGUF blobs (their header and ggml blocks, strata.kernels.quant) take the same paths through
+`strata.kernels.gpu.gguf_tiles` (bit for bit gguf's numpy dequantization).
 
 Dequantizing rounds as `ExpertLayout.dequantize` does (w = values * scale in fp32, then one rounding to the
 compute dtype), so a prefill on the scratch computes what a plain model of the dequantized weights computes.
@@ -17,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.kernels.gpu import gguf_tiles
 from strata.kernels.quant import E2M1, MX_GROUP, ExpertLayout, Section
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs do without it
@@ -32,14 +35,15 @@ DEQUANT_BLOCK = (32, 128)  # (rows, columns) a dequantizing program writes
 @dataclass(frozen=True)
 class QuantSlotWeights:
     """Quantized experts addressed by slot: slab [S, slot_bytes] uint8 (rows contiguous), each slot one blob of
-    `layout` (fp8 or mxfp4). What `SlotWeights` is for plain experts: the pair kernels and prefill take either."""
+    `layout` (fp8, mxfp4 or gguf). What `SlotWeights` is for plain experts: the pair kernels and prefill take
+    either."""
 
     slab: torch.Tensor
     layout: ExpertLayout
 
     def __post_init__(self) -> None:
         if not self.layout.fmt.quantized:
-            raise ValueError("QuantSlotWeights holds fp8 or mxfp4 experts; plain experts take SlotWeights")
+            raise ValueError("QuantSlotWeights holds fp8, mxfp4 or gguf experts; plain experts take SlotWeights")
         if self.slab.dtype != torch.uint8 or self.slab.dim() != 2 or self.slab.stride(1) != 1:
             raise ValueError("the slot slab must be a uint8 tensor [S, slot_bytes] with contiguous rows")
         if self.slab.shape[1] < self.layout.payload_bytes or self.slab.stride(0) % 16:
@@ -70,6 +74,8 @@ class QuantSlotWeights:
 def dequantize_blobs(blobs: torch.Tensor, layout: ExpertLayout, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """blobs [P, B] uint8 (rows contiguous, B a multiple of 4), one expert's blob a row -> (gate_up [P, 2I, H],
     down [P, H, I]) in `dtype`: `layout.dequantize` of each row, batched (torch ops; no host synchronisation)."""
+    if layout.fmt.kind == "gguf":
+        return gguf_tiles.dequantize_gguf_blobs(blobs, layout, dtype)
     return (_dequantize_matrix(blobs, layout, layout.gate_up, layout.gate_up_scales, dtype),
             _dequantize_matrix(blobs, layout, layout.down, layout.down_scales, dtype))
 
@@ -116,7 +122,11 @@ def dequantize_slots(weights: QuantSlotWeights, slots: list[int] | torch.Tensor,
 def dequantize_into(slab: torch.Tensor, layout: ExpertLayout, index: torch.Tensor, values: Section, scales: Section,
                     out: torch.Tensor) -> None:
     """One matrix of the slots `index` [n] int64 of slab [S, slot_bytes] into out [n, N, K] (its dtype): the
-    Triton dequantizer (CUDA, or Triton's interpreter on the CPU)."""
+    Triton dequantizer (CUDA, or Triton's interpreter on the CPU); gguf blobs: `gguf_tiles.dequantize_gguf_into`
+    (`scales`, their header, is not read)."""
+    if layout.fmt.kind == "gguf":
+        gguf_tiles.dequantize_gguf_into(slab, layout, index, values, out)
+        return
     n_rows, k = out.shape[1:]
     fmt = layout.fmt
     bn, group = (fmt.block if fmt.kind == "fp8" else (1, MX_GROUP))
