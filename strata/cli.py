@@ -129,7 +129,10 @@ def _cmd_convert(args: argparse.Namespace) -> int:
 
 def _cmd_verify(args: argparse.Namespace) -> int:
     from strata.runtime.plan.convert import cmd_verify
+    from strata.runtime.plan.in_place import is_served_in_place, verify_in_place
 
+    if is_served_in_place(args.store):
+        return verify_in_place(args.store, args.config)
     return cmd_verify(args)
 
 

@@ -278,8 +278,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
     directory = Path(args.store).expanduser()
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: no such store directory")
-    if not is_store(directory) and any(directory.glob("*.safetensors")):
-        return _verify_in_place(directory, getattr(args, "config", None))
     with ExpertStore(directory, read_index(directory)) as store:  # not open(): verify reports bad files itself
         damaged = store.verify(progress=True)
         idx = store.index
@@ -295,20 +293,3 @@ def cmd_verify(args: argparse.Namespace) -> int:
           "`strata convert`", file=sys.stderr)
     return 2
 
-
-def _verify_in_place(checkpoint: Path, config: str | None) -> int:
-    """`strata verify CHECKPOINT_DIR`: every part of a checkpoint served in place re-read and checked against the
-    checksums its in-place index recorded (recording those not yet checksummed); 0 when sound, else 2."""
-    from strata.runtime.plan.in_place import open_in_place
-
-    with open_in_place(checkpoint, load_config(config)) as store:
-        damaged = store.verify(progress=True)
-        experts, parts = len(store.index.experts), len(store.index.all_parts())
-    if not damaged:
-        print(f"{checkpoint}: sound (read in place: {experts} experts, {parts} parts checked)")
-        return 0
-    for name in damaged:
-        print(f"damaged: {name}")
-    print(f"strata: error: {checkpoint}: {len(damaged)} damaged part(s) in the checkpoint's own files; re-download "
-          "the files named", file=sys.stderr)
-    return 2

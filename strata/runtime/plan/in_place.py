@@ -12,9 +12,10 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import sys
 from pathlib import Path
 
-from strata.config import StrataConfig
+from strata.config import StrataConfig, load_config
 from strata.errors import ConfigError
 from strata.kernels.quant import ExpertLayout
 from strata.runtime.model.checkpoint import Checkpoint
@@ -147,3 +148,26 @@ def build_in_place_index(ckpt: Checkpoint) -> InPlaceIndex:
         moe_layers=moe, num_experts=cfg.num_experts, hidden=cfg.hidden_size,
         moe_intermediate=cfg.moe_intermediate_size, expert_format=fmt, files=files, experts=experts, dense_parts=dense,
     )  # fmt: skip
+
+
+def is_served_in_place(path: str | os.PathLike) -> bool:
+    """Whether `strata verify PATH` checks a checkpoint served in place (a directory of safetensors, no store)."""
+    path = Path(path).expanduser()
+    return path.is_dir() and not is_store(path) and any(path.glob("*.safetensors"))
+
+
+def verify_in_place(checkpoint: str | os.PathLike, config: str | None) -> int:
+    """`strata verify CHECKPOINT_DIR`: every part of a checkpoint served in place re-read and checked against the
+    checksums its in-place index recorded (recording those not yet checksummed); 0 when sound, else 2."""
+    checkpoint = Path(checkpoint).expanduser()
+    with open_in_place(checkpoint, load_config(config)) as store:
+        damaged = store.verify(progress=True)
+        experts, parts = len(store.index.experts), len(store.index.all_parts())
+    if not damaged:
+        print(f"{checkpoint}: sound (read in place: {experts} experts, {parts} parts checked)")
+        return 0
+    for name in damaged:
+        print(f"damaged: {name}")
+    print(f"strata: error: {checkpoint}: {len(damaged)} damaged part(s) in the checkpoint's own files; re-download "
+          "the files named", file=sys.stderr)
+    return 2
