@@ -1,6 +1,7 @@
 """`python -m bench`: the benchmark suite.
 
-    python -m bench run [--suite quick|full] [--out DIR] [--model PATH] [--cases PATTERN ...]
+    python -m bench run [--suite quick|full|llamacpp] [--out DIR] [--model PATH] [--cases PATTERN ...]
+                        [--baselines llamacpp] [--llamacpp-src SDIST | --llamacpp-bin DIR]
     python -m bench report OUT/suite.json [MORE.json ...] [--results docs/benchmarks.md]
     python -m bench list [--suite quick|full]
 
@@ -13,15 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
 import sys
 from pathlib import Path
 
-from bench.suite.cases import SUITES, select
+from bench.suite.cases import SUITES, select, with_baselines
 
 REPORT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"  # the benchmark report
-DEFAULT_LAYERS = {"quick": 12, "full": 24}
-DEFAULT_DEADLINE = {"quick": 540, "full": 560}  # seconds: inside one 10-minute GPU call
+DEFAULT_LAYERS = {"quick": 12, "full": 24, "llamacpp": 12}
+DEFAULT_DEADLINE = {"quick": 540, "full": 560, "llamacpp": 540}  # seconds: inside one 10-minute GPU call
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -55,6 +57,17 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--rates", choices=["measure", "limits"], default="measure",
                    help="roofline PCIe/HBM rates measured now, or all the reference figures (bench/suite/roofline.py)")
     r.add_argument("--results", default=None, help="also regenerate this report's suite section (docs/benchmarks.md)")
+    r.add_argument("--baselines", nargs="*", default=[], metavar="NAME",
+                   help="add, for every selected strata split case, the same case run by llama.cpp: llamacpp (bf16 "
+                        "GGUF), llamacpp-q4_k_m (Q4_K_M experts); the llamacpp suite has them already")
+    r.add_argument("--llamacpp-src", default=os.environ.get("STRATA_LLAMACPP_SRC") or _packed_source(),
+                   help="llama.cpp to build the baseline's tools from: the llama-cpp-python sdist, the stripped "
+                        ".gpu/llama.cpp-src.tar.gz (the default when present) or a llama.cpp tree")
+    r.add_argument("--llamacpp-bin", default=os.environ.get("STRATA_LLAMACPP_BIN"),
+                   help="a directory with llama-bench and llama-batched-bench already built (nothing is built)")
+    r.add_argument("--llamacpp-root", default=None,
+                   help="where llama.cpp's source is prepared and built (default $STRATA_CACHE/bench/llamacpp)")
+    r.add_argument("--llamacpp-threads", type=int, default=None, help="llama.cpp's -t (default: the physical cores)")
     r.add_argument("--set", default=None, metavar="JSON",
                    help='strata config merged over every strata case\'s (A/B runs), e.g. \'{"debug": {"overlap_decode": false}}\'')
     p = sub.add_parser("report", help="regenerate the report's suite section and the PNG from result JSON files")
@@ -70,6 +83,12 @@ def _parser() -> argparse.ArgumentParser:
     lst.add_argument("--suite", choices=sorted(SUITES), default="full")
     lst.add_argument("--cases", nargs="*", default=None)
     return ap
+
+
+def _packed_source() -> str | None:
+    """.gpu/llama.cpp-src.tar.gz of this checkout, when bench/gpu_run.sh `wheels` wrote it."""
+    packed = Path(__file__).resolve().parent.parent / ".gpu" / "llama.cpp-src.tar.gz"
+    return str(packed) if packed.is_file() else None
 
 
 def _locality(args: argparse.Namespace) -> float:
@@ -89,6 +108,8 @@ def _settings(args: argparse.Namespace) -> dict:
         "placement_timeout": 120.0, "hf_limit_s": args.hf_limit,
         "deadline_s": args.deadline if args.deadline is not None else DEFAULT_DEADLINE[args.suite],
         "progress": sys.stderr.isatty(), "set": _config_json(args.set),
+        "llamacpp_src": args.llamacpp_src, "llamacpp_bin": args.llamacpp_bin, "llamacpp_root": args.llamacpp_root,
+        "llamacpp_threads": args.llamacpp_threads,
     }
 
 
@@ -107,12 +128,12 @@ def _config_json(text: str | None) -> dict:
 
 def cmd_run(args: argparse.Namespace) -> int:
     from bench.suite import report, results
-    from bench.suite.plot import plot
+    from bench.suite.plot import plot, plot_llamacpp
     from bench.suite.roofline import Rates
     from bench.suite.runner import run_suite
 
-    tokens = args.tokens or (64 if args.suite == "quick" else 128)
-    cases = select(SUITES[args.suite](tokens), args.cases)
+    tokens = args.tokens or (128 if args.suite == "full" else 64)
+    cases = with_baselines(select(SUITES[args.suite](tokens), args.cases), args.baselines)
     settings = _settings(args)
     doc = run_suite(cases, settings, args.out, log=lambda s: print(s, flush=True),
                     rates=Rates() if args.rates == "limits" else None)
@@ -120,7 +141,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     command = "python -m bench " + " ".join(shlex.quote(a) for a in sys.argv[1:])
     png = plot(doc, out / "suite.png")
     _say_why_no_plot(png)
-    section = report.render(doc, command, png.name if png else None)
+    versus = plot_llamacpp(doc, out / "suite-llamacpp.png")
+    section = report.render(doc, command, png.name if png else None, versus.name if versus else None)
     (out / "suite.md").write_text(section)
     if args.results:
         report.update_report(args.results, section)
@@ -140,7 +162,7 @@ def _say_why_no_plot(png: Path | None) -> None:
 
 def cmd_report(args: argparse.Namespace) -> int:
     from bench.suite import report, results
-    from bench.suite.plot import plot
+    from bench.suite.plot import plot, plot_llamacpp
 
     files, command = list(args.json), args.command
     if args.append:
@@ -161,7 +183,9 @@ def cmd_report(args: argparse.Namespace) -> int:
     png = plot(doc, png_path)
     _say_why_no_plot(png)
     rel = png.name if png and png.parent == Path(args.results).parent else (str(png) if png else None)
-    report.update_report(args.results, report.render(doc, command, rel))
+    versus = plot_llamacpp(doc, png_path.with_name(png_path.stem + "-llamacpp.png"))
+    versus_rel = versus.name if versus and versus.parent == Path(args.results).parent else (str(versus) if versus else None)
+    report.update_report(args.results, report.render(doc, command, rel, versus_rel))
     print(f"updated {args.results} from {len(doc['cases'])} cases" + (f"; plot {png}" if png else ""))
     return 0
 

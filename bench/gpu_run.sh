@@ -20,10 +20,18 @@
 #   engram       Engram tables per tier, decoding this repository's README and report (bench/engram.py)
 #                                                                          -> $OUT/engram.json
 #   multigpu     two cards against one, and their tests (bench/multigpu.py; needs 2 GPUs)  -> $OUT/multigpu.json
+#   llamacpp-build  llama.cpp's llama-bench and llama-batched-bench for CUDA sm_90, from the stripped source that
+#                `wheels` packed (.gpu/llama.cpp-src.tar.gz), into ~/.cache/strata/bench/llamacpp (ninja resumes a
+#                build a time limit cut short: run the step again)              -> $OUT/llamacpp-build.txt
+#   llamacpp     strata against llama.cpp on the same weights (the llamacpp suite: bf16 and Q4_K_M GGUF exports of the
+#                12-layer bench model, 25% budget, decode of 1/4/8 streams, prefill of 512 and 8K tokens; llama.cpp's
+#                cases run last and wait for its build)  -> $OUT/llamacpp/suite.json, suite.md, suite-llamacpp.png
 #   all          tests suite serve-empty serve-filled (for a machine without a per-command time limit)
 #   wheels       on a machine with internet access, not the GPU machine: fetch into .whl/ (git-ignored) the wheels the
 #                GPU machine lacks (the server's stack, kvikio for CUDA 13); carry .whl/ to the GPU machine, where
-#                every other step installs them into /tmp/site first
+#                every other step installs them into /tmp/site first; and .gpu/llama.cpp-src.tar.gz (git-ignored,
+#                ~8 MB): llama.cpp's source as llama-cpp-python's sdist vendors it (LLAMACPP_SDIST, else downloaded),
+#                stripped of docs, models, tests and the backends other than CPU and CUDA
 #
 # Options, from the environment:
 #   OUT        where every step writes (default: ./gpu-out); $OUT/summary.txt gets one line a step (its exit status
@@ -33,6 +41,8 @@
 #   DEADLINE   seconds after which the suite skips its remaining cases (default 540)
 #   CASES      the suite's case patterns instead of every quick case, e.g. CASES="split/b25/*"
 #   TESTS      test files for `tests` instead of all of tests/
+#   BASELINES  baselines the suite step adds to every strata split case it runs, e.g. BASELINES=llamacpp
+#              (bench run --baselines; llama.cpp's tools are found or built as the llamacpp step does)
 set -uo pipefail
 
 [ -f bench/gpu_run.sh ] || { echo "bench/gpu_run.sh: run it from the repository root" >&2; exit 2; }
@@ -56,6 +66,17 @@ wheels() {  # the GPU machine has no internet; pydantic and pydantic-core are pi
       --platform manylinux2014_x86_64 --platform any -d .whl "$p" || return 1
   done
   echo "wheels in .whl/: $(ls .whl | wc -l)"
+  llamacpp_source
+}
+
+llamacpp_source() {  # llama.cpp's stripped source, to build on the GPU machine (bench/suite/llamacpp_build.py)
+  local sdist=${LLAMACPP_SDIST:-}
+  if [ -z "$sdist" ]; then
+    mkdir -p .gpu/sdist
+    python3 -m pip download -q --no-deps --no-binary :all: -d .gpu/sdist llama-cpp-python==0.3.36 || return 1
+    sdist=.gpu/sdist/llama_cpp_python-0.3.36.tar.gz
+  fi
+  python3 -m bench.suite.llamacpp_build --src "$sdist" --pack .gpu/llama.cpp-src.tar.gz --no-build
 }
 
 install_wheels() {  # the carried wheels, into /tmp/site (on $PYTHONPATH)
@@ -84,6 +105,8 @@ step() {
       rm -rf "$SCRATCH" "$OUT/suite"  # RAM held in /dev/shm is RAM the suite's pinned tier lacks (it skips such cases)
       local args=(--suite quick --deadline "${DEADLINE:-540}" --out "$OUT/suite") cases=()
       if [ -n "${CASES:-}" ]; then read -r -a cases <<< "$CASES"; args+=(--cases "${cases[@]}"); fi
+      # shellcheck disable=SC2206  # BASELINES is a list of names
+      [ -n "${BASELINES:-}" ] && args+=(--baselines ${BASELINES})
       timeout 590 python3 -m bench run "${args[@]}" 2>&1 | tail -20
       local rc=${PIPESTATUS[0]}
       rm -f "$OUT/suite/serve.toml" "$OUT/suite/serve.log"; return "$rc" ;;
@@ -109,6 +132,13 @@ step() {
         --route-skew uniform > /dev/null || return 1
       timeout 300 python3 bench/multigpu.py --model "$SCRATCH/b12" --gpus 0,1 --budget 3.6GiB --tokens 32 \
         --out "$OUT" 2>&1 | tail -8; return "${PIPESTATUS[0]}" ;;
+    llamacpp-build)
+      timeout 590 python3 -m bench.suite.llamacpp_build --src .gpu/llama.cpp-src.tar.gz > "$OUT/llamacpp-build.txt" 2>&1
+      local rc=$?; tail -3 "$OUT/llamacpp-build.txt"; return "$rc" ;;
+    llamacpp)
+      rm -rf "$OUT/llamacpp"
+      timeout 590 python3 -m bench run --suite llamacpp --deadline "${DEADLINE:-540}" --out "$OUT/llamacpp" 2>&1 | tail -30
+      return "${PIPESTATUS[0]}" ;;
     wheels)
       wheels ;;
     *)

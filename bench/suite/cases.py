@@ -26,7 +26,10 @@ VARIANTS: dict[str, dict] = {
     "hf": {},  # transformers + accelerate offload (device_map="auto", max_memory = the same GPU budget)
     "serve": {},  # `strata serve` start-up until /health answers
     "repro": {},  # strata as shipped, every request reproducible (`strata_reproducible`): cold experts go to the GPU
+    "llamacpp": {},  # llama.cpp on the checkpoint's bf16 GGUF, --n-cpu-moe for the budget (bench/suite/llamacpp_case.py)
+    "llamacpp-q4_k_m": {},  # the same with the routed experts in Q4_K_M
 }
+LLAMACPP_VARIANTS = ("llamacpp", "llamacpp-q4_k_m")
 # which cold-expert paths the roofline credits, per variant
 COLD_PATHS = {"split": ("pcie", "cpu"), "no-prefetch": ("pcie", "cpu"), "static": ("pcie", "cpu"),
               "disk": ("pcie", "cpu"), "naive": ("pcie",), "copy-only": ("pcie",), "cpu-only": ("cpu",),
@@ -110,11 +113,33 @@ def full_suite(tokens: int = 128) -> list[Case]:
         out += [Case("disk", r, 0.25, one, ram_fraction=0.5, group="ablation")]
         out += [Case("split", r, 0.40, one, group="target"), Case("static", r, 0.40, one, group="target")]
         out += [Case("repro", r, 0.25, one, group="ablation")]  # the reproducible mode's penalty
+        out += [Case(v, r, 0.25, w, group="baseline") for v in LLAMACPP_VARIANTS for w in grid]  # llama.cpp
     out += [Case("serve", "uniform", 0.25, one, group="serve")]
     return out
 
 
-SUITES = {"quick": quick_suite, "full": full_suite}
+def llamacpp_suite(tokens: int = 64) -> list[Case]:
+    """strata against llama.cpp at the 25% budget, per routing: decode of 1, 4 and 8 streams (128-token prompts)
+    and prefill of 512- and 8K-token prompts (then 16 tokens), strata's split engine and llama.cpp on the bf16 and
+    Q4_K_M GGUF exports of the same checkpoint."""
+    work = [Workload(128, s, tokens) for s in (1, 4, 8)] + [Workload(p, 1, 16) for p in (512, 8192)]
+    return [Case(v, r, 0.25, w, group="grid" if v == "split" else "baseline")
+            for r in ROUTINGS for v in ("split", *LLAMACPP_VARIANTS) for w in work]
+
+
+def with_baselines(cases: list[Case], baselines: list[str]) -> list[Case]:
+    """`cases` plus, for every strata split case, the same case run by each baseline variant in `baselines`
+    (`--baselines llamacpp` adds `llamacpp` twins; `llamacpp-q4_k_m` the Q4_K_M ones), without duplicates."""
+    unknown = [b for b in baselines if b not in LLAMACPP_VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown baseline {unknown[0]!r}; --baselines takes {', '.join(LLAMACPP_VARIANTS)}")
+    out = list(cases)
+    for b in baselines:
+        out += [Case(b, c.routing, c.gpu_fraction, c.workload, group="baseline") for c in cases if c.variant == "split"]
+    return list(dict.fromkeys(out))
+
+
+SUITES = {"quick": quick_suite, "full": full_suite, "llamacpp": llamacpp_suite}
 
 
 def select(cases: list[Case], patterns: list[str] | None) -> list[Case]:

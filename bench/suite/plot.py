@@ -56,3 +56,39 @@ def plot(doc: dict, path: str | Path, workload: str = "p128x1") -> Path | None:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_llamacpp(doc: dict, path: str | Path) -> Path | None:
+    """strata / llama.cpp per case (report.llamacpp_rows: decode for pNxS, prefill for the long prompts), a bar per
+    GGUF export; None when matplotlib is missing or no llama.cpp case ran."""
+    from bench.suite.report import llamacpp_rows
+
+    rows = llamacpp_rows(doc)
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    if not rows:
+        return None
+    labels = [f"{r['routing']} {r['budget']} {r['workload']} ({r['measure']})" for r in rows]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(rows) + 1.5))
+    height = 0.4
+    for i, export in enumerate(("bf16", "Q4_K_M")):
+        ratios = [(r["llamacpp"].get(export) or {}).get("ratio") or 0.0 for r in rows]
+        if any(ratios):
+            ax.barh([y + (i - 0.5) * height for y in range(len(rows))], ratios, height,
+                    label=f"llama.cpp {export} GGUF")
+    ax.axvline(1.0, color="gray", ls=":")
+    ax.set_yticks(range(len(rows)), labels, fontsize=7)
+    ax.invert_yaxis()
+    ax.set(xlabel="strata / llama.cpp (tok/s; > 1: strata faster)", title="strata against llama.cpp, same weights")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

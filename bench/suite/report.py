@@ -137,6 +137,55 @@ def baseline_table(doc: dict) -> str:
     return "\n".join(rows)
 
 
+LLAMACPP = (("llamacpp", "bf16"), ("llamacpp-q4_k_m", "Q4_K_M"))
+PREFILL_WORKLOADS = ("p512x1", "p8192x1")  # judged on prefill tok/s; the others on decode tok/s
+
+
+def llamacpp_rows(doc: dict) -> list[dict]:
+    """strata's split cases against llama.cpp's on the same checkpoint, routing, budget and workload: {name,
+    routing, budget, workload, measure ("decode" | "prefill"), strata, per export {tok_s, ratio, same_run,
+    n_cpu_moe}}, the ratios strata / llama.cpp from one run where one measured both (`pair`)."""
+    out = []
+    names = [c["name"] for c in doc["cases"] if c["variant"] == "split"]
+    for name in names:
+        _, budget, routing, workload = name.split("/", 3)
+        measure = "prefill" if workload.split("@")[0] in PREFILL_WORKLOADS else "decode"
+        row = {"name": name, "routing": routing, "budget": budget, "workload": workload, "measure": measure,
+               "strata": None, "llamacpp": {}}
+        for variant, label in LLAMACPP:
+            a, b, same = pair(doc, name, f"{variant}/{budget}/{routing}/{workload}")
+            if _tok(b) is None:
+                continue
+            ours, theirs = a["metrics"].get(f"{measure}_tok_s") if _tok(a) else None, b["metrics"].get(f"{measure}_tok_s")
+            row["strata"] = row["strata"] if row["strata"] is not None else ours
+            row["llamacpp"][label] = {"tok_s": theirs, "ratio": ours / theirs if ours and theirs else None,
+                                      "same_run": same, "n_cpu_moe": (b.get("config") or {}).get("n_cpu_moe"),
+                                      "strata_tok_s": ours}
+        if row["llamacpp"]:
+            out.append(row)
+    return out
+
+
+def llamacpp_table(doc: dict) -> str:
+    """The table "strata against llama.cpp" (empty when no llama.cpp case ran)."""
+    rows = llamacpp_rows(doc)
+    if not rows:
+        return ""
+    lines = ["| routing | budget | workload | measure | strata tok/s | llama.cpp bf16 tok/s | strata / llama.cpp bf16 | "
+             "llama.cpp Q4_K_M tok/s | strata / llama.cpp Q4_K_M | --n-cpu-moe |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in rows:
+        cells = []
+        for label in ("bf16", "Q4_K_M"):
+            x = r["llamacpp"].get(label)
+            ratio = f"{x['ratio']:,.2f}x" + ("" if x["same_run"] else ACROSS) if x and x["ratio"] else ""
+            cells += [_f(x["tok_s"], 2) if x else "", ratio]
+        ncmoe = sorted({str(x["n_cpu_moe"]) for x in r["llamacpp"].values() if x["n_cpu_moe"] is not None})
+        lines.append(f"| {r['routing']} | {r['budget']} | {r['workload']} | {r['measure']} | {_f(r['strata'], 2)} | "
+                     f"{' | '.join(cells)} | {', '.join(ncmoe)} |")
+    return "\n".join(lines)
+
+
 def targets(doc: dict) -> list[dict]:
     """The targets with what this run measured: {target, measured, status}."""
     cases = _cases(doc)
@@ -211,8 +260,8 @@ def targets(doc: dict) -> list[dict]:
     return out
 
 
-def render(doc: dict, command: str | None = None, plot: str | None = None) -> str:
-    """The markdown section (without markers)."""
+def render(doc: dict, command: str | None = None, plot: str | None = None, llamacpp_plot: str | None = None) -> str:
+    """The markdown section (without markers); `llamacpp_plot`: the strata / llama.cpp figure's file name."""
     m, rates = doc["machine"], doc["rates"]
     runs = _runs(doc)
     when = f"{len(runs)} runs, {runs[0]['started']} to {runs[-1]['started']}" if runs else doc.get("started", "")
@@ -256,6 +305,17 @@ def render(doc: dict, command: str | None = None, plot: str | None = None) -> st
     lines += ["### Targets", "", "| target | measured | status |", "| --- | --- | --- |"]
     lines += [f"| {t['target']} | {t['measured']} | {t['status']} |" for t in targets(doc)]
     lines += ["", "### Against the baselines (25% GPU budget, 128-token prompt, 1 stream)", "", baseline_table(doc)]
+    versus = llamacpp_table(doc)
+    if versus:
+        lines += ["", "### strata against llama.cpp", "",
+                  "The same checkpoint exported as GGUF (bf16; and its routed experts in Q4_K_M, where strata's row "
+                  "is still its bf16 run), the same routing and GPU budget: llama.cpp holds every layer on the GPU "
+                  "but the routed experts of its first `--n-cpu-moe` layers, the most whole layers of experts that fit "
+                  "the budget (bench/suite/llamacpp_case.py); flash attention on, `-t` the physical cores. Decode: "
+                  "`llama-batched-bench` (all streams' tokens over the decode time); prefill: `llama-bench` (mean of its "
+                  "repetitions). Ratios above 1: strata faster.", "", versus]
+        if llamacpp_plot:
+            lines += ["", f"![strata / llama.cpp per case]({llamacpp_plot})"]
     lines += ["", "### Every case", "", case_table(doc)]
     steps = step_table(doc)
     if steps:

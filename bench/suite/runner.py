@@ -6,8 +6,9 @@ import time
 from pathlib import Path
 
 from bench.suite import results
-from bench.suite.cases import Case, group_by_engine
+from bench.suite.cases import LLAMACPP_VARIANTS, Case, group_by_engine
 from bench.suite.hf_case import run_hf
+from bench.suite.llamacpp_case import run_llamacpp_cases, start_llamacpp
 from bench.suite.models import ensure_model, model_facts, routing_of
 from bench.suite.roofline import Rates, measure_rates
 from bench.suite.serve_case import run_serve
@@ -19,7 +20,8 @@ def run_suite(cases: list[Case], settings: dict, out_dir: str | Path, log=print,
 
     settings: device, cache, disk_cache, models_dir, size, layers, skew, experts (the demo models' expert format),
     model (a checkpoint to use instead of writing demo models), token_budget, placement_timeout, deadline_s,
-    hf_limit_s, suite.
+    hf_limit_s, suite; llamacpp_src, llamacpp_bin, llamacpp_root, llamacpp_threads (the llamacpp baseline).
+    llama.cpp's cases run last, so that its tools build (when they must) while strata's cases run.
     """
     start = time.time()
     deadline = start + settings["deadline_s"]
@@ -28,7 +30,11 @@ def run_suite(cases: list[Case], settings: dict, out_dir: str | Path, log=print,
     doc = results.new_document(settings.get("suite", "custom"), settings, results.machine_info(), rates.as_dict())
     models = _models(cases, settings, doc, log)
     results.write(doc, out_dir)
-    for group in group_by_engine(cases):
+    groups = group_by_engine(cases)
+    groups = [g for g in groups if g[0].variant not in LLAMACPP_VARIANTS] + [
+        g for g in groups if g[0].variant in LLAMACPP_VARIANTS]
+    llamacpp_tools = start_llamacpp(settings, log) if any(g[0].variant in LLAMACPP_VARIANTS for g in groups) else None
+    for group in groups:
         first = group[0]
         if first.routing not in models:
             doc["cases"] += [record(c, "skipped", f"no {c.routing} checkpoint (--model gives one routing)")
@@ -48,6 +54,8 @@ def run_suite(cases: list[Case], settings: dict, out_dir: str | Path, log=print,
             if first.variant == "hf":
                 doc["cases"] += [run_hf(c, model, summary, settings, min(settings["hf_limit_s"], left - 10), log)
                                  for c in group]
+            elif first.variant in LLAMACPP_VARIANTS:
+                doc["cases"] += run_llamacpp_cases(group, model, llamacpp_tools, settings, left - 10, log)
             elif first.variant == "serve":
                 for c in group:
                     doc["cases"].append(run_serve(c, model, summary, settings, out_dir, min(120.0, left - 10)))

@@ -1,0 +1,253 @@
+"""The `llamacpp` baseline: llama.cpp's own benchmark tools on the suite's checkpoint exported as GGUF.
+
+The same weights: the suite's demo checkpoint exported as a bf16 GGUF (variant `llamacpp`) or with its routed
+experts in Q4_K_M (`llamacpp-q4_k_m`) by strata.tiers.store.gguf_export (`gguf_path`: on disk, written once). The same GPU budget, as closely as
+llama.cpp allows: every layer on the GPU (`-ngl 99`) except the routed experts of the first N layers, which stay in
+RAM and run on the CPU threads (`--n-cpu-moe N`, `cpu_moe_layers`). Flash attention on, `-t` = the machine's
+physical cores. This llama.cpp has no GPU expert cache (only whole layers' experts placed by -ncmoe / -ot), so that
+placement is its only row.
+
+- decode (workloads pNxS): `llama-batched-bench -npp N -ntg T -npl 1,4,8`: S sequences, each with its own N-token
+  prompt decoded as one batch, then T steps of one token per sequence as one batch (llama.cpp's batching, what
+  llama-server's parallel slots do). decode_tok_s = S*T over the decode time (all streams, as strata's figure).
+- prefill (p512x1, p8192x1): `llama-bench -p N -n 0 -r R -o json`, its mean tok/s over R repetitions on an empty
+  KV cache; the decode after that prompt comes from batched-bench at that prompt length (one stream).
+
+One group (variant, routing, budget) runs each tool once for all its workloads and splits the output into the
+cases' records.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+
+from bench.suite.cases import Case
+from bench.suite.strata_case import record
+
+GGUF_OF_VARIANT = {"llamacpp": "bf16", "llamacpp-q4_k_m": "q4_k_m"}
+EXPS = re.compile(r"^blk\.(\d+)\.ffn_(up|down|gate|gate_up)_(ch|)exps\.")  # llama.cpp's LLM_FFN_EXPS_REGEX
+PREFILL_PROMPTS = (512, 8192)  # one-stream workloads whose prefill llama-bench measures
+
+
+def layer_expert_bytes(gguf_path: str | os.PathLike) -> dict[int, int]:
+    """Routed-expert bytes per layer index of a GGUF (the tensors --n-cpu-moe moves: blk.L.ffn_*_exps)."""
+    from gguf import GGUFReader
+
+    out: dict[int, int] = {}
+    for t in GGUFReader(str(gguf_path)).tensors:
+        m = EXPS.match(t.name)
+        if m:
+            out[int(m.group(1))] = out.get(int(m.group(1)), 0) + int(t.n_bytes)
+    return out
+
+
+def cpu_moe_layers(layer_bytes: dict[int, int], num_layers: int, gpu_fraction: float | None) -> tuple[int, int]:
+    """(N for --n-cpu-moe, routed-expert bytes then on the GPU) for strata's budget of `gpu_fraction` of the expert
+    bytes. --n-cpu-moe N keeps the experts of layers 0..N-1 (every layer index, dense ones included) in RAM, so the
+    GPU holds the experts of layers N.. . The budget is B = fraction x (the GGUF's expert bytes: bf16, or Q4_K_M when
+    the export is, so both engines get the same share of their own weights); N is the smallest layer index whose
+    tail fits in B, i.e. llama.cpp gets the most whole layers of experts that fit and never more than strata.
+    E.g. 12 equal MoE layers of E bytes at 25%: B = 3E, N = 9, 3E on the GPU; at 10%: B = 1.2E, N = 11.
+    None (all in VRAM): N = 0."""
+    total = sum(layer_bytes.values())
+    if gpu_fraction is None:
+        return 0, total
+    budget = gpu_fraction * total * (1 + 1e-9)  # a budget of exactly k layers is k layers, not k-1 from rounding
+    on_gpu, n = 0, num_layers
+    for layer in range(num_layers - 1, -1, -1):
+        if on_gpu + layer_bytes.get(layer, 0) > budget:
+            break
+        on_gpu += layer_bytes.get(layer, 0)
+        n = layer
+    return n, on_gpu
+
+
+def gguf_path(model: Path, export: str, settings: dict) -> Path:
+    """Where a checkpoint's GGUF export is kept: on disk under the llama.cpp root (not beside the checkpoint, in
+    /dev/shm, where its ~1.1x the checkpoint's bytes would be RAM the pinned tier lacks), one per checkpoint and type."""
+    from bench.suite.llamacpp_build import default_root
+
+    root = Path(settings["llamacpp_root"]).expanduser() if settings.get("llamacpp_root") else default_root()
+    return root / "gguf" / f"{Path(model).name}-{export}.gguf"
+
+
+def ensure_gguf(model: Path, export: str, settings: dict) -> Path:
+    """The GGUF of checkpoint `model` with its routed experts in `export` (written once: a file that exists is
+    whole, write_gguf renames it into place)."""
+    from strata.tiers.store.gguf_export import write_gguf
+
+    path = gguf_path(model, export, settings)
+    if not path.is_file():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_gguf(model, path, experts=export)
+    return path
+
+
+def physical_cores() -> int:
+    try:
+        import psutil
+
+        return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    except ImportError:
+        return os.cpu_count() or 1
+
+
+def common_args(gguf: Path, n_cpu_moe: int, threads: int) -> list[str]:
+    """Placement and threads, shared by both tools (flash attention is spelled differently by each)."""
+    return ["-m", str(gguf), "-ngl", "99", "-ncmoe", str(n_cpu_moe), "-t", str(threads)]
+
+
+def batched_bench_cmd(tool: Path, gguf: Path, n_cpu_moe: int, threads: int, prompts: list[int], tokens: int,
+                      streams: list[int]) -> list[str]:
+    ctx = max(streams) * (max(prompts) + tokens) + 64  # every sequence its own prompt and tokens (not shared)
+    return [str(tool), *common_args(gguf, n_cpu_moe, threads), "-fa", "on", "-c", str(ctx), "-b", "2048",
+            "-ub", "512", "-npp", ",".join(map(str, prompts)), "-ntg", str(tokens),
+            "-npl", ",".join(map(str, streams)), "--output-format", "jsonl"]
+
+
+def llama_bench_cmd(tool: Path, gguf: Path, n_cpu_moe: int, threads: int, prompts: list[int],
+                    repetitions: int) -> list[str]:
+    return [str(tool), *common_args(gguf, n_cpu_moe, threads), "-fa", "1", "-p", ",".join(map(str, prompts)),
+            "-n", "0", "-r", str(repetitions), "-o", "json"]
+
+
+def parse_batched_bench(text: str) -> list[dict]:
+    """llama-batched-bench's rows: {pp, tg, pl, t_pp, speed_pp, t_tg, speed_tg}, from its jsonl lines
+    (--output-format jsonl) or, failing those, from its markdown table."""
+    rows = []
+    for line in text.splitlines():
+        line = line.strip()
+        if line.startswith("{") and '"speed_tg"' in line:
+            d = json.loads(line)
+            rows.append({k: d[k] for k in ("pp", "tg", "pl", "t_pp", "speed_pp", "t_tg", "speed_tg")})
+    if rows:
+        return rows
+    for line in text.splitlines():  # |    PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |   T_TG s | S_TG t/s | ...
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) >= 8 and cells[0].isdigit():
+            pp, tg, pl = int(cells[0]), int(cells[1]), int(cells[2])
+            rows.append({"pp": pp, "tg": tg, "pl": pl, "t_pp": float(cells[4]), "speed_pp": float(cells[5]),
+                         "t_tg": float(cells[6]), "speed_tg": float(cells[7])})
+    return rows
+
+
+def parse_llama_bench(text: str) -> list[dict]:
+    """llama-bench -o json: one object per test, {n_prompt, n_gen, avg_ts, stddev_ts, n_cpu_moe, ...}."""
+    start = text.find("[")
+    if start < 0:
+        raise ValueError("llama-bench printed no JSON array (was it run with -o json?)")
+    return json.loads(text[start:text.rfind("]") + 1])
+
+
+def _run(cmd: list[str], timeout: float, log) -> str:
+    log("llama.cpp: " + " ".join(cmd))
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=max(1.0, timeout))
+    if done.returncode != 0:
+        tail = " | ".join(done.stderr.strip().splitlines()[-3:])
+        raise RuntimeError(f"{Path(cmd[0]).name} exited {done.returncode}: {tail}")
+    return done.stdout + "\n" + done.stderr
+
+
+def _metrics(decode: dict | None, prefill: dict | None, prompt: int) -> dict:
+    """A record's metrics from a batched-bench row (decode) and a llama-bench test (prefill)."""
+    nulls = {"gpu_hit_rate": None, "bytes_per_token": {}, "cpu_experts_per_token": None, "stall_s_per_token": None,
+             "peak_vram_bytes": None, "peak_rss_bytes": None}
+    m = {"decode_tok_s": None, "slowest_stream_tok_s": None, "prefill_tok_s": None, "ttft_s": None, "tokens": None,
+         **nulls}
+    if decode:
+        pl = decode["pl"]
+        m.update(decode_tok_s=round(decode["speed_tg"], 3), slowest_stream_tok_s=round(decode["speed_tg"] / pl, 3),
+                 prefill_tok_s=round(decode["speed_pp"], 2), ttft_s=round(decode["t_pp"], 4), tokens=decode["tg"])
+    if prefill:  # llama-bench's mean over its repetitions replaces the one batched-bench prefill
+        m.update(prefill_tok_s=round(prefill["avg_ts"], 2), ttft_s=round(prompt / prefill["avg_ts"], 4),
+                 prefill_stddev_tok_s=round(prefill.get("stddev_ts", 0.0), 2))
+    return m
+
+
+def run_llamacpp_group(group: list[Case], model: Path, tools: dict[str, Path], settings: dict, limit_s: float,
+                       log=print) -> list[dict]:
+    """Records for one group of llamacpp cases (one variant, routing and budget), each tool run once."""
+    first = group[0]
+    export = GGUF_OF_VARIANT[first.variant]
+    t0 = time.perf_counter()
+    gguf = ensure_gguf(model, export, settings)
+    export_s = time.perf_counter() - t0
+    layers = layer_expert_bytes(gguf)
+    from gguf import GGUFReader
+
+    reader = GGUFReader(str(gguf))
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    num_layers = int(reader.fields[f"{arch}.block_count"].parts[-1][0])
+    n_cpu_moe, gpu_bytes = cpu_moe_layers(layers, num_layers, first.gpu_fraction)
+    threads = int(settings.get("llamacpp_threads") or physical_cores())
+    config = {"gguf": str(gguf), "experts": export, "n_cpu_moe": n_cpu_moe, "gpu_expert_bytes": gpu_bytes,
+              "expert_bytes_total": sum(layers.values()), "threads": threads, "flash_attn": True, "n_gpu_layers": 99,
+              "tools": {k: str(v) for k, v in tools.items()}}
+    log(f"{first.variant}/{first.budget_label}/{first.routing}: {gguf.name}, --n-cpu-moe {n_cpu_moe} of {num_layers} "
+        f"layers ({gpu_bytes / 1e9:.2f} of {sum(layers.values()) / 1e9:.2f} GB of experts on the GPU), -t {threads}")
+    deadline = time.perf_counter() + limit_s
+    decode_rows: dict[tuple[int, int], dict] = {}
+    by_prompt: dict[int, list[int]] = {}
+    tokens: dict[int, int] = {}
+    for c in group:
+        by_prompt.setdefault(c.workload.prompt, []).append(c.workload.streams)
+        tokens[c.workload.prompt] = max(tokens.get(c.workload.prompt, 0), c.workload.tokens)
+    for prompt, streams in sorted(by_prompt.items()):  # one batched-bench run per prompt length
+        out = _run(batched_bench_cmd(tools["llama-batched-bench"], gguf, n_cpu_moe, threads, [prompt],
+                                     tokens[prompt], sorted(set(streams))), deadline - time.perf_counter(), log)
+        for row in parse_batched_bench(out):
+            decode_rows[(row["pp"], row["pl"])] = row
+    prefill_rows: dict[int, dict] = {}
+    prefill = sorted(p for p, s in by_prompt.items() if p in PREFILL_PROMPTS and 1 in s)
+    if prefill:
+        out = _run(llama_bench_cmd(tools["llama-bench"], gguf, n_cpu_moe, threads, prefill,
+                                   int(settings.get("llamacpp_repetitions", 3))), deadline - time.perf_counter(), log)
+        prefill_rows = {t["n_prompt"]: t for t in parse_llama_bench(out) if t.get("n_gen", 0) == 0}
+    recs = []
+    for c in group:
+        w = c.workload
+        row = decode_rows.get((w.prompt, w.streams))
+        if row is None:
+            recs.append(record(c, "error", f"llama-batched-bench printed no row for {w.prompt} tokens x {w.streams}"))
+            continue
+        metrics = _metrics(row, prefill_rows.get(w.prompt) if w.streams == 1 else None, w.prompt)
+        recs.append(record(c, "ok", None, metrics=metrics, roofline=None, fraction_of_roofline=None,
+                           config={**config, "gguf_export_s": round(export_s, 1)}))
+        log(f"{c.name}: decode {metrics['decode_tok_s']} tok/s, prefill {metrics['prefill_tok_s']} tok/s")
+    return recs
+
+
+def start_llamacpp(settings: dict, log=print) -> Future:
+    """Find or build (in the background) the tools the llamacpp cases run (bench.suite.llamacpp_build)."""
+    from bench.suite.llamacpp_build import start_tools
+
+    return start_tools(settings.get("llamacpp_bin"), settings.get("llamacpp_src"), settings.get("llamacpp_root"), log)
+
+
+def run_llamacpp_cases(group: list[Case], model: Path, tools: Future | None, settings: dict, limit_s: float,
+                       log=print) -> list[dict]:
+    """A group's records: skipped (with the reason) when the checkpoint cannot be exported or the tools are not
+    there in time, else `run_llamacpp_group`."""
+    from bench.suite.llamacpp_build import LlamaCppBuildError
+
+    if settings.get("experts", "bf16") != "bf16":
+        return [record(c, "skipped", f"the GGUF export starts from bf16 checkpoints, not {settings['experts']}")
+                for c in group]
+    t0 = time.perf_counter()
+    try:
+        if tools is None:
+            raise LlamaCppBuildError("no llama.cpp tools were looked for")
+        found = tools.result(timeout=max(1.0, limit_s - 60))  # the build may still run: leave a minute to measure
+    except FutureTimeout:
+        return [record(c, "skipped", "llama.cpp's tools were still building at the suite's deadline (the build "
+                                     "continues from where it stopped on the next run)") for c in group]
+    except LlamaCppBuildError as e:
+        return [record(c, "skipped", str(e)) for c in group]
+    return run_llamacpp_group(group, model, found, settings, limit_s - (time.perf_counter() - t0), log)
