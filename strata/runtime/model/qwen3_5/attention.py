@@ -23,15 +23,19 @@ from strata.runtime.model.rope import apply_rope
 
 
 def attend_decode_row(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """One query per head over every cached key of one sequence: q [heads, 1, d], k, v [kv_heads, S, d] ->
-    [heads, 1, d] in q's dtype. Two batched matmuls in the cache's dtype with each KV head's query heads as rows
-    (torch accumulates them in fp32), the softmax in fp32, as transformers' eager attention: the keys and values
-    are read once, with no fp32 copy of them (a copy would cost as much as the rest of a CPU decode step at 8K)."""
-    heads, kv_heads, d = q.shape[0], k.shape[0], q.shape[-1]
-    qg = q.reshape(kv_heads, heads // kv_heads, d)
-    scores = torch.bmm(qg, k.transpose(1, 2)).float().mul_(scale)  # [kv_heads, group, S]
-    out = torch.bmm(scores.softmax(-1).to(v.dtype), v)  # [kv_heads, group, d]
-    return out.reshape(heads, 1, v.shape[-1]).to(q.dtype)
+    """One query per head over every cached key of one sequence on the CPU: q [heads, 1, d], k, v [kv_heads, S, d]
+    (each head's rows contiguous, as the cache holds them) -> [heads, 1, d] in q's dtype. Per KV head two matrix
+    products in the cache's dtype (accumulated in fp32) with that head's query heads as rows, the softmax in fp32, as
+    transformers' eager attention: the keys and values are read in place, once. (A batched product over the heads
+    copies the keys transposed first, and an fp32 copy of them costs more than the products: at 8K context either
+    took several times a CPU decode step's attention.)"""
+    kv_heads, d = k.shape[0], q.shape[-1]
+    qg = q.reshape(kv_heads, -1, d)  # [kv_heads, group, d]: query head h reads KV head h // group
+    out = torch.empty(qg.shape, dtype=v.dtype, device=v.device)
+    for h in range(kv_heads):
+        scores = torch.mm(qg[h].to(k.dtype), k[h].t()).float().mul_(scale)  # [group, S]
+        torch.mm(scores.softmax(-1).to(v.dtype), v[h], out=out[h])  # [group, d]
+    return out.reshape(q.shape[0], 1, d).to(q.dtype)
 
 
 class GatedAttention(nn.Module):
@@ -64,7 +68,7 @@ class GatedAttention(nn.Module):
             v_cache[slot, :, start:end] = v[off : off + length].transpose(0, 1)
             qs = q[off : off + length].transpose(0, 1)  # [heads, L, d]
             ks, vs = k_cache[slot, :, :end], v_cache[slot, :, :end]  # [kv_heads, S, d]
-            if length == 1 and x.device.type == "cpu" and x.dtype != torch.float32:
+            if length == 1 and x.device.type == "cpu":
                 o = attend_decode_row(qs, ks, vs, self.scale)
             else:
                 o = attend(qs, ks, vs, start, None, self.scale)

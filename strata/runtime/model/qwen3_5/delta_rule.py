@@ -14,7 +14,8 @@ of B sequences (torch_recurrent_gated_delta_rule), updating their states in plac
 num_v_heads / num_k_heads consecutive value heads each.
 
 `causal_conv` is the depthwise convolution over a sequence's last K inputs, continued from the K-1 inputs before
-this pass (zeros at a sequence's start: transformers' left padding).
+this pass (zeros at a sequence's start: transformers' left padding); `conv_step` the same for one token each of B
+sequences, their inputs' windows updated in place.
 """
 
 from __future__ import annotations
@@ -104,3 +105,13 @@ def causal_conv(x: torch.Tensor, past: torch.Tensor | None, weight: torch.Tensor
     full = torch.cat([past.to(x.dtype), x], dim=-1).to(weight.dtype)  # [B, C, K-1 + L]
     out = F.conv1d(full, weight, groups=x.shape[1])  # [B, C, L]
     return F.silu(out).to(x.dtype), full[..., full.shape[-1] - keep :]
+
+
+def conv_step(x: torch.Tensor, past: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """One new input each of B sequences x [B, C], their previous K-1 inputs past [B, C, K-1] (moved on by one, in
+    place), weight [C, 1, K] -> silu(conv) [B, C] in x's dtype. The K products summed in fp32 and rounded once, as
+    the convolution kernels do (a K-tap convolution call costs more than the step's arithmetic)."""
+    full = torch.cat([past, x.to(past.dtype).unsqueeze(-1)], dim=-1)  # [B, C, K]
+    out = (full.float() * weight[:, 0].float()).sum(dim=-1).to(weight.dtype)
+    past.copy_(full[..., 1:])
+    return F.silu(out).to(x.dtype)

@@ -23,7 +23,7 @@ from torch import nn
 from strata.runtime.model.config import ModelConfig
 from strata.runtime.model.kv_cache import StepBatch
 from strata.runtime.model.layers import project
-from strata.runtime.model.qwen3_5.delta_rule import causal_conv, chunk_gated_delta_rule, gated_delta_step
+from strata.runtime.model.qwen3_5.delta_rule import causal_conv, chunk_gated_delta_rule, conv_step, gated_delta_step
 from strata.runtime.model.qwen3_5.norms import GatedRMSNorm
 
 
@@ -76,14 +76,18 @@ class GatedDeltaNet(nn.Module):
         out = torch.empty(n, self.hv, self.dv, dtype=x.dtype, device=x.device)
         steps = [(slot, off) for slot, start, off, length in batch.sequences() if length == 1 and start > 0]
         if steps:  # one token each, continuing a state: one batched step
-            slots = torch.tensor([s for s, _ in steps], device=x.device)
-            rows = torch.tensor([o for _, o in steps], device=x.device)
-            conv_out, past = causal_conv(qkv[rows].unsqueeze(-1), state.conv[slots], weight)
-            state.conv[slots] = past
-            q, k, v = self._split(conv_out[..., 0])
-            s = state.recurrent[slots]  # [B, Hv, dk, dv] (a copy, written back)
-            out[rows] = gated_delta_step(q, k, v, g[rows], beta[rows], s)
-            state.recurrent[slots] = s
+            if len(steps) == 1:  # the slot's state itself, updated in place
+                (slot, off), = steps
+                rows, conv, rec = slice(off, off + 1), state.conv[slot : slot + 1], state.recurrent[slot : slot + 1]
+            else:  # gathered, then written back
+                slots = torch.tensor([s for s, _ in steps], device=x.device)
+                rows = torch.tensor([o for _, o in steps], device=x.device)
+                conv, rec = state.conv.index_select(0, slots), state.recurrent.index_select(0, slots)
+            q, k, v = self._split(conv_step(qkv[rows], conv, weight))
+            out[rows] = gated_delta_step(q, k, v, g[rows], beta[rows], rec)
+            if len(steps) > 1:
+                state.conv.index_copy_(0, slots, conv)
+                state.recurrent.index_copy_(0, slots, rec)
         for slot, start, off, length in batch.sequences():
             if length == 1 and start > 0:
                 continue
