@@ -3,9 +3,9 @@ decode step's cost independent of the context on those layers, so only the full-
 read more at 8K than at 512.
 
     python bench/linear_attention_decode.py [--model DIR] [--short 512] [--long 8192] [--tokens 48] [--rounds 3]
-                                            [--out DIR]
+                                            [--size small] [--out DIR]
 
-Writes the `small` Qwen3.5-MoE demo model (strata demo-model --arch qwen3_5_moe --size small, ~450 MB: 8 layers, 6
+Writes the `small` (--size) Qwen3.5-MoE demo model (strata demo-model --arch qwen3_5_moe --size small, ~450 MB: 8 layers, 6
 Gated DeltaNet and 2 gated full-attention, 64 experts of 256) into --model when it is not there, loads it with the
 default configuration on the CPU (tiered experts, every one in RAM; runtime.dtype "auto": the checkpoint's bf16),
 `runtime.max_context` = --long + --tokens + 16, then runs --rounds rounds, each a greedy generation of --tokens tokens
@@ -63,6 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long", type=int, default=8192, help="long prompt tokens")
     p.add_argument("--tokens", type=int, default=48, help="tokens generated after each prompt")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--size", default="small", help="the demo model's size when it is written (tests: tiny)")
     p.add_argument("--out", default=None, help="directory for linear_attention_decode.json")
     args = p.parse_args(argv)
 
@@ -71,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     from strata import Engine
     from strata.runtime.demo.model import write_demo_model
 
-    model = write_demo_model(args.model, size="small", arch="qwen3_5_moe", progress=True)
+    model = write_demo_model(args.model, size=args.size, arch="qwen3_5_moe", progress=True)
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(model, device="cpu",
                                     config={"runtime": {"max_context": args.long + args.tokens + 16}})
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
     short, long = statistics.median(rounds[args.short]), statistics.median(rounds[args.long])
     plan = engine.plan
     result = {
-        "model": str(model), "short": args.short, "long": args.long, "tokens": args.tokens, "rounds": args.rounds,
+        "model": str(model), "size": args.size, "short": args.short, "long": args.long, "tokens": args.tokens, "rounds": args.rounds,
         "decode_ms_per_token": {str(n): statistics.median(v) for n, v in rounds.items()},
         "decode_ms_per_token_rounds": {str(n): v for n, v in rounds.items()},
         "ratio_long_over_short": long / short, "target": TARGET, "meets_target": long / short <= TARGET,
