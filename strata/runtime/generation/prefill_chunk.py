@@ -35,6 +35,11 @@ def activation_bytes_per_token(mc: ModelConfig) -> int:
     h, k = mc.hidden_size, max(mc.num_experts_per_tok, 1)
     head = max(mc.head_dim, mc.qk_nope_head_dim + mc.qk_rope_head_dim, mc.v_head_dim)
     attention = 2 * (mc.num_heads + 2 * mc.num_kv_heads) * head
+    if (s := mc.qwen3_5) is not None:  # a Gated DeltaNet layer's chunked scan: fp32 q, k, v and their products per
+        # value head (7 key-wide, 4 value-wide, 3 rows of the 64-token chunk), beside its projections
+        hv = s.linear_num_value_heads
+        delta = hv * (7 * s.linear_key_head_dim + 4 * s.linear_value_head_dim + 3 * 64) + 2 * s.conv_dim + s.value_dim
+        attention = max(attention, delta)
     mlp = max(3 * mc.intermediate_size, k * h + 3 * mc.shared_expert_intermediate_size)
     return 4 * (8 * h + attention + mlp + mc.num_experts)
 
