@@ -196,7 +196,7 @@ def make_plan(args, seed: int, vocab: int) -> dict:
         return [r.randrange(300, min(vocab, 8000)) for _ in range(n)]
 
     per_seq = max(args.prefill) + 16 if args.prefill else 0
-    per_seq = max(per_seq, args.prompt + args.tokens + 16)
+    per_seq = max(per_seq, args.prompt + args.tokens + 16, WARMUP_TOKENS + 16)  # the warm-up is one sequence too
     return {"n_ctx_per_seq": per_seq, "n_ctx": per_seq * max(args.streams), "n_seq": max(args.streams),
             "n_batch": 512, "temperature": args.temperature, "warmup": prompt(WARMUP_TOKENS),
             "logits": {"ids": prompt(CHECK_TOKENS)},

@@ -29,6 +29,8 @@ def test_plans_are_fresh_every_round_and_sized_for_the_workloads():
     assert a["prefill"][0] != b["prefill"][0]  # a new round never reuses a prompt (strata's prefix cache would)
     assert a["n_ctx_per_seq"] >= 512 and a["n_ctx"] == 4 * a["n_ctx_per_seq"] and a["n_seq"] == 4
     assert all(300 <= t < 8000 for p in a["prefill"] for t in p)
+    small = bench.make_plan(_args(prefill=[16], prompt=16, tokens=4, streams=[1]), seed=1, vocab=8192)
+    assert small["n_ctx_per_seq"] > len(small["warmup"])  # llama.cpp decodes the warm-up prompt in one sequence
 
 
 def test_medians_and_ratios():
