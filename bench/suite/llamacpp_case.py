@@ -7,7 +7,7 @@ RAM and run on the CPU threads (`--n-cpu-moe N`, `cpu_moe_layers`). Flash attent
 physical cores. This llama.cpp has no GPU expert cache (only whole layers' experts placed by -ncmoe / -ot), so that
 placement is its only row.
 
-- decode (workloads pNxS): `llama-batched-bench -npp N -ntg T -npl 1,4,8`: S sequences, each with its own N-token
+- decode (workloads pNxS): `llama-batched-bench -npp N -ntg T -npl 1,4,8` (its table): S sequences, each with its own N-token
   prompt decoded as one batch, then T steps of one token per sequence as one batch (llama.cpp's batching, what
   llama-server's parallel slots do). decode_tok_s = S*T over the decode time (all streams, as strata's figure).
 - prefill (p512x1, p8192x1): `llama-bench -p N -n 0 -r R -o json`, its mean tok/s over R repetitions on an empty
@@ -109,7 +109,7 @@ def batched_bench_cmd(tool: Path, gguf: Path, n_cpu_moe: int, threads: int, prom
     ctx = max(streams) * (max(prompts) + tokens) + 64  # every sequence its own prompt and tokens (not shared)
     return [str(tool), *common_args(gguf, n_cpu_moe, threads), "-fa", "on", "-c", str(ctx), "-b", "2048",
             "-ub", "512", "-npp", ",".join(map(str, prompts)), "-ntg", str(tokens),
-            "-npl", ",".join(map(str, streams)), "--output-format", "jsonl"]
+            "-npl", ",".join(map(str, streams))]  # its markdown table: the jsonl output loses its last row
 
 
 def llama_bench_cmd(tool: Path, gguf: Path, n_cpu_moe: int, threads: int, prompts: list[int],
@@ -120,7 +120,8 @@ def llama_bench_cmd(tool: Path, gguf: Path, n_cpu_moe: int, threads: int, prompt
 
 def parse_batched_bench(text: str) -> list[dict]:
     """llama-batched-bench's rows: {pp, tg, pl, t_pp, speed_pp, t_tg, speed_tg}, from its jsonl lines
-    (--output-format jsonl) or, failing those, from its markdown table."""
+    (--output-format jsonl) or, failing those, from its markdown table (what the suite reads: in this llama.cpp the
+    jsonl output drops its last row, the one of the most streams, at exit; the table keeps every row)."""
     rows = []
     for line in text.splitlines():
         line = line.strip()
