@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import time
 from concurrent.futures import Future
@@ -86,6 +87,13 @@ def ensure_gguf(model: Path, export: str, settings: dict) -> Path:
     path = gguf_path(model, export, settings)
     if not path.is_file():
         path.parent.mkdir(parents=True, exist_ok=True)
+        # a bf16 export is ~ the checkpoint's bytes (16 GB for 12 bench layers): where the disk lacks room for it,
+        # the other exports go first (each serves one variant and routing; a later run writes it again)
+        need = sum(f.stat().st_size for f in Path(model).glob("*.safetensors")) + (2 << 30)
+        for other in sorted(path.parent.glob("*.gguf"), key=lambda f: f.stat().st_mtime):
+            if shutil.disk_usage(path.parent).free >= need:
+                break
+            other.unlink()
         write_gguf(model, path, experts=export)
     return path
 
