@@ -6,29 +6,50 @@
     gu, dn, gus, dns = matrix_pointers(gate_up, down, hidden)  # QuantMatrix views, checked
 
 The kernel reads values and scales where they lie (a store blob, a pinned slot), converting them in registers; every
-expert of one call has the same format (`call_format`).
+expert of one call has the same format (`call_format`). GGUF experts: each matrix in its own block type, named by the
+blob's header (the "scales" pointers), up's rows `up_offset` bytes into gate_up; a backend reads the types of
+`GGUF_TYPES`, other types take the torch path.
 """
 
 from __future__ import annotations
 
 import array
+import functools
 
 import torch
 
 from strata.kernels.experts import expert_swiglu
-from strata.kernels.quant import MX_GROUP, ExpertFormat, ExpertLayout, QuantMatrix
+from strata.kernels.gguf_blocks import BY_ID
+from strata.kernels.quant import GGUF_FAST_TYPES, MX_GROUP, ExpertFormat, ExpertLayout, QuantMatrix, gguf_half_bytes
 
 Matrix = torch.Tensor | QuantMatrix
 """An expert matrix as `cpu_experts_forward` takes it: a bf16 (or other float) tensor, or a QuantMatrix."""
 
-FORMAT_CODES = {"plain": 0, "fp8": 1, "mxfp4": 2}
+FORMAT_CODES = {"plain": 0, "fp8": 1, "mxfp4": 2, "gguf": 3}
 """csrc/cpu_experts_formats.h's FMT_* (plain means bf16 to the kernel)."""
 
+GGUF_TYPES: dict[str, frozenset[str]] = {name: GGUF_FAST_TYPES["cpu_kernel"]
+                                         for name in ("avx512_bf16", "avx512_bf16_emulated")}
+"""The ggml block types each backend reads (csrc/cpu_experts_gguf.h's gguf_layout_of); none for the others."""
 
-def format_args(fmt: ExpertFormat) -> array.array:
-    """int64 [format code, bn, bk] for `strata_cpu_experts_fmt` (bn, bk: fp8's block, else 1)."""
-    bn, bk = fmt.block if fmt.kind == "fp8" else (1, 1)
+
+def reads_gguf(backend: str, fmt: ExpertFormat | None) -> bool:
+    """Whether `backend` reads GGUF experts of `fmt` (every type of every matrix; fmt None: some GGUF type)."""
+    types = GGUF_TYPES.get(backend, frozenset())
+    return bool(types) if fmt is None else all(n in types for t in fmt.ggml for n in t)
+
+
+def format_args(fmt: ExpertFormat, up_offset: int = 0) -> array.array:
+    """int64 [format code, bn, bk] for `strata_cpu_experts_fmt` (bn, bk: fp8's block; gguf: up's byte offset in
+    gate_up, 1; else 1, 1)."""
+    bn, bk = fmt.block if fmt.kind == "fp8" else (up_offset, 1) if fmt.kind == "gguf" else (1, 1)
     return array.array("q", (FORMAT_CODES[fmt.kind], bn, bk))
+
+
+@functools.lru_cache(maxsize=64)
+def layout_up_offset(fmt: ExpertFormat, hidden: int, inter: int) -> int:
+    """Where up's rows start in the gate_up section of a GGUF blob of `fmt` for an expert of hidden x inter."""
+    return gguf_half_bytes(ExpertLayout.build(fmt, hidden, inter).gate_up.nbytes, 2)
 
 
 def matrix_format(m: QuantMatrix) -> ExpertFormat:
@@ -46,23 +67,43 @@ def call_format(formats: set[ExpertFormat]) -> ExpertFormat | None:
 
 
 def weights_format(weights, token_idx) -> ExpertFormat | None:
-    """The quantized format of a `cpu_experts_forward` call's experts with tokens (None: bf16 tensors); ValueError
-    for a mix of formats."""
-    kinds = {(gate_up.kind, tuple(gate_up.block) if gate_up.kind == "fp8" else None)
-             for (gate_up, _), idx in zip(weights, token_idx, strict=True)
-             if isinstance(gate_up, QuantMatrix) and gate_up.kind != "plain" and idx.numel()}
+    """The quantized format of a `cpu_experts_forward` call's experts with tokens (None: bf16 tensors; GGUF: the
+    types their headers name); ValueError for a mix of formats or a type strata does not know."""
+    quant = [(gate_up, down) for (gate_up, down), idx in zip(weights, token_idx, strict=True)
+             if isinstance(gate_up, QuantMatrix) and gate_up.kind != "plain" and idx.numel()]
+    kinds = {(gate_up.kind, tuple(gate_up.block) if gate_up.kind == "fp8" else None) for gate_up, _ in quant}
+    if kinds == {("gguf", None)}:
+        types: tuple[set, set, set] = (set(), set(), set())
+        for gate_up, down in quant:
+            for j, type_id in enumerate(gate_up.scales.tolist() + down.scales.tolist()[:1]):
+                if type_id not in BY_ID:
+                    raise ValueError(f"a GGUF expert's header names ggml type id {type_id}, not one of "
+                                     f"{sorted(BY_ID)}; rebuild the store from its GGUF file")
+                types[j].add(BY_ID[type_id].name)
+        return ExpertFormat("gguf", ggml=tuple(tuple(sorted(t)) for t in types))
     return call_format({ExpertFormat(kind, block=block) if block else ExpertFormat(kind) for kind, block in kinds})
 
 
-def kernel_format_args(fmt: ExpertFormat | None, scales: array.array | None, experts: int) -> tuple:
+def gguf_up_offset(weights, token_idx) -> int:
+    """Where up's rows start in the gate_up sections of a call's GGUF experts (half the first one's section; each
+    expert's is checked by `matrix_pointers`)."""
+    for (gate_up, _), idx in zip(weights, token_idx, strict=True):
+        if isinstance(gate_up, QuantMatrix) and gate_up.kind == "gguf" and idx.numel():
+            return gguf_half_bytes(gate_up.values.numel(), 2)
+    return 0
+
+
+def kernel_format_args(fmt: ExpertFormat | None, scales: array.array | None, experts: int, up_offset: int = 0) -> tuple:
     """(format args or None, their address, scales' address) for `strata_cpu_experts_fmt` (the first must outlive
-    the call); ValueError unless a quantized `fmt` comes with two scale addresses an expert."""
+    the call); ValueError unless a quantized `fmt` comes with two scale addresses an expert (GGUF: and up's offset)."""
     if fmt is None or not fmt.quantized:
         return None, None, None
     if scales is None or len(scales) != 2 * experts:
         raise ValueError(f"{fmt.name} experts need scales: 2 addresses per expert ({2 * experts}), got "
                          f"{None if scales is None else len(scales)}")
-    args = format_args(fmt)
+    if fmt.kind == "gguf" and up_offset <= 0:
+        raise ValueError("GGUF experts need up's offset in their gate_up sections (layout_up_offset)")
+    args = format_args(fmt, up_offset)
     return args, args.buffer_info()[0], scales.buffer_info()[0]
 
 
@@ -81,17 +122,20 @@ def _contiguous(t: torch.Tensor, keep: list) -> torch.Tensor:
     return t
 
 
-def matrix_pointers(gate_up: QuantMatrix, down: QuantMatrix, hidden: int, keep: list) -> tuple[int, int, int, int]:
+def matrix_pointers(gate_up: QuantMatrix, down: QuantMatrix, hidden: int, keep: list,
+                    up_offset: int = 0) -> tuple[int, int, int, int]:
     """(gate_up values, down values, gate_up scales, down scales) addresses of one expert given as QuantMatrix
     views (gate_up [2I, H], down [H, I]) of one quantized kind, after checking their shapes, dtypes and device;
-    contiguous copies made here are appended to `keep` (they must outlive the call). ValueError naming the
-    problem otherwise."""
+    contiguous copies made here are appended to `keep` (they must outlive the call). GGUF: the scales are the
+    header's type ids, up's rows `up_offset` bytes into gate_up's values. ValueError naming the problem otherwise."""
     inter = down.shape[1]
     if gate_up.kind != down.kind or (gate_up.kind == "fp8" and tuple(gate_up.block) != tuple(down.block)):
         raise ValueError(f"gate_up ({gate_up.kind}) and down ({down.kind}) of an expert must share one format")
     if tuple(gate_up.shape) != (2 * inter, hidden) or tuple(down.shape) != (hidden, inter):
         raise ValueError(f"expert matrices {tuple(gate_up.shape)} / {tuple(down.shape)} do not match H={hidden} "
                          "(want [2I, H] and [H, I])")
+    if gate_up.kind == "gguf":
+        return _gguf_pointers(gate_up, down, hidden, inter, up_offset)
     if gate_up.kind == "mxfp4" and (hidden % MX_GROUP or inter % MX_GROUP):
         raise ValueError(f"mxfp4 experts need H ({hidden}) and I ({inter}) that are multiples of {MX_GROUP}")
     out = []
@@ -120,6 +164,34 @@ def matrix_pointers(gate_up: QuantMatrix, down: QuantMatrix, hidden: int, keep: 
         out.append(scales.data_ptr())
     gu, gus, dn, dns = out
     return gu, dn, gus, dns
+
+
+def _gguf_pointers(gate_up: QuantMatrix, down: QuantMatrix, hidden: int, inter: int,
+                   up_offset: int) -> tuple[int, int, int, int]:
+    """`matrix_pointers` of a GGUF expert: its sections hold every row of each matrix's type, up's from up_offset."""
+    ids = gate_up.scales.tolist() + down.scales.tolist()
+    need = [BY_ID[t].row_bytes(k) * rows if t in BY_ID else -1
+            for t, k, rows in zip(ids, (hidden, hidden, inter), (inter, inter, hidden), strict=True)]
+    have = (up_offset, gate_up.values.numel() - up_offset, down.values.numel())
+    for m in (gate_up, down):
+        if not (m.values.dtype is torch.uint8 and m.values.is_cpu and m.values.is_contiguous() and m.scales.is_cpu):
+            raise ValueError("GGUF expert sections must be contiguous uint8 CPU tensors for the CPU kernel")
+    if min(need) < 0 or any(n > h for n, h in zip(need, have, strict=True)) or up_offset * 2 != gate_up.values.numel():
+        raise ValueError(f"GGUF expert of types {ids} ({hidden} x {inter}) does not fit its sections of "
+                         f"{gate_up.values.numel()} / {down.values.numel()} bytes with up at {up_offset}; "
+                         "the experts of one call must share one layout")
+    return gate_up.values.data_ptr(), down.values.data_ptr(), gate_up.scales.data_ptr(), down.scales.data_ptr()
+
+
+def calibration_blob(layout: ExpertLayout, byte: int = 0x38) -> torch.Tensor:
+    """A blob of one constant byte the kernel reads at full speed (0x38: finite FP8 values and scales, mid-range e8m0
+    scales and f16 GGUF scales), a GGUF one's header naming each matrix's first type."""
+    blob = torch.full((layout.payload_bytes,), byte, dtype=torch.uint8)
+    if layout.fmt.kind == "gguf":
+        from strata.kernels.gguf_blocks import BLOCK_TYPES
+
+        blob[:3] = torch.tensor([BLOCK_TYPES[t[0]].ggml_id for t in layout.fmt.ggml], dtype=torch.uint8)
+    return blob
 
 
 def as_float(m: Matrix) -> torch.Tensor:

@@ -4,9 +4,10 @@
 
 Each expert is a SwiGLU MLP, `down(silu(gate(x)) * up(x))`, with its weights in their own (pinned or
 host) buffers: gate_up [2I, H] (gate rows, then up rows) and down [H, I], as bf16 tensors or as a pair of
-`QuantMatrix` (strata.kernels.quant) in block-scaled FP8 or MXFP4, one format a call. The kernel reads a
-quantized expert as it is stored and converts it in registers (no bf16 copy of it; `expert_args`). For the few
-tokens of a decode step the work is memory-bound, so what counts is bytes of weights read per second: a C++
+`QuantMatrix` (strata.kernels.quant) in block-scaled FP8, MXFP4 or GGUF (each matrix in its ggml block type, on
+avx512_bf16), one format a call. The kernel reads a quantized expert as it is stored and converts it in registers (no
+bf16 copy of it; `expert_args`). For the few tokens of a decode step the work is memory-bound, so what counts is
+bytes of weights read per second: a C++
 kernel (csrc/cpu_experts.cpp, built on first use) reads every weight row once for all of an expert's
 tokens, splits the gate/up rows of all the layer's experts over a persistent thread pool (chunks taken
 dynamically), then, once every gate/up chunk is done, the down rows (threads with no gate/up chunk left
@@ -60,7 +61,7 @@ from collections.abc import Sequence
 
 import torch
 
-from strata.kernels.cpu import tuning
+from strata.kernels.cpu import expert_args, tuning
 from strata.kernels.cpu.build import build_and_open, one_line
 from strata.kernels.cpu.expert_args import Matrix, kernel_format_args, matrix_pointers, torch_expert, weights_format
 from strata.kernels.cpu.numerics import QUANT_TOLERANCE, TOLERANCE, tolerance  # noqa: F401
@@ -168,8 +169,14 @@ def available_backends() -> list[str]:
     return names + ["torch"]
 
 
-def _resolve(requested: str | None, kind: str = "plain") -> str:
+def _resolve(requested: str | None, kind: str | ExpertFormat = "plain") -> str:
+    fmt = kind if isinstance(kind, ExpertFormat) else None
+    kind = fmt.kind if fmt is not None else kind
     name = _resolve_isa(requested)
+    if kind == "gguf" and name != "torch" and not expert_args.reads_gguf(name, fmt):
+        _warn_once(f"gguf:{name}:{fmt}", "strata: the %s CPU kernel does not read %s experts; using the torch path",
+                   name, fmt.name if fmt is not None else "GGUF")
+        return "torch"
     if kind == "fp8" and name == "avx512_bf16" and not _isa_mask & (1 << _VBMI):
         _warn_once("vbmi", "strata: the avx512_bf16 CPU kernel reads FP8 experts with AVX512_VBMI, which this CPU "
                    "lacks; using avx512 for them")
@@ -197,10 +204,10 @@ def _resolve_isa(requested: str | None) -> str:
     return "torch"
 
 
-def backend(requested: str | None = None, kind: str = "plain") -> str:
+def backend(requested: str | None = None, kind: str | ExpertFormat = "plain") -> str:
     """Which path `cpu_experts_forward(..., backend=requested)` takes here on experts of format kind `kind`
-    ("plain", "fp8", "mxfp4"): "avx512_bf16", "avx512", "avx2" or "torch" (`requested` None or "auto": the best
-    this CPU runs)."""
+    ("plain", "fp8", "mxfp4", "gguf", or the ExpertFormat: a GGUF one's block types decide): "avx512_bf16",
+    "avx512", "avx2" or "torch" (`requested` None or "auto": the best this CPU runs)."""
     return _resolve(requested, kind)
 
 
@@ -263,24 +270,25 @@ def spin_us() -> int:
 
 def run_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads: int | None = None, *,
                backend: str | None = None, warm: array.array | None = None, fmt: ExpertFormat | None = None,
-               scales: array.array | None = None) -> bool:
+               scales: array.array | None = None, up_offset: int = 0) -> bool:
     """The compiled kernel on pre-packed arguments, for callers that hold experts by address (the tier
     manager's pinned slots): x32 [N, H] fp32 contiguous; meta rows of `META` int64 (gate_up address, down
     address, token-index address (int64), weight address (fp32), T, rows, I), computing each expert's first
     `rows` of its I intermediate rows (all I, or the CPU's part of a split expert); out [N, H] fp32 contiguous,
     added into. The addresses are of the weights' values: bf16, or in `fmt` (FP8, MXFP4: then `scales` holds two
     int64 a expert, the addresses of gate_up's and down's scales; `expert_args.slot_pointers` gives all four of a
-    blob). warm: int64 per expert, the leading rows `warm_rows` read ahead on the same thread count (each thread
-    computes its own piece of them first; results unchanged). Returns False, doing nothing, when the compiled
-    kernel is not in use."""
-    name = _resolve(backend, fmt.kind if fmt is not None else "plain")
+    blob; GGUF: the header's, up's rows `up_offset` bytes into gate_up, default the layout's). warm: int64 per
+    expert, the leading rows `warm_rows` read ahead on the same thread count (each thread computes its own piece of
+    them first; results unchanged). Returns False, doing nothing, when the compiled kernel is not in use."""
+    name = _resolve(backend, fmt or "plain")
     if name == "torch" or not meta:
         return bool(not meta and name != "torch")
     N, H = x32.shape
     E = len(meta) // META
     if warm is not None and len(warm) != E:
         raise ValueError(f"warm has {len(warm)} entries for {E} experts")
-    keep, fmt_ptr, scales_ptr = kernel_format_args(fmt, scales, E)
+    up = up_offset or (expert_args.layout_up_offset(fmt, H, meta[6]) if fmt is not None and fmt.kind == "gguf" else 0)
+    keep, fmt_ptr, scales_ptr = kernel_format_args(fmt, scales, E, up)
     _check(_lib.strata_cpu_experts_fmt(_ISA[name], x32.data_ptr(), N, H, E, meta.buffer_info()[0], fmt_ptr, scales_ptr,
                                        warm.buffer_info()[0] if warm is not None else None, out.data_ptr(),
                                        int(threads or default_threads()), None), name, N)
@@ -294,7 +302,8 @@ def _check(rc: int, name: str, rows: int) -> None:
         raise IndexError(f"token_idx out of range for x with {rows} rows")
     if rc == -5:
         raise ValueError(f"the {name} CPU kernel cannot read these experts: fp8 needs a positive block (and "
-                         "AVX512_VBMI on avx512_bf16), mxfp4 H and I multiples of 32")
+                         "AVX512_VBMI on avx512_bf16), mxfp4 H and I multiples of 32, gguf avx512_bf16 and block "
+                         "types it reads (expert_args.GGUF_TYPES)")
     if rc != 0:
         raise RuntimeError(f"CPU expert kernel ({name}) failed with code {rc}")
 
@@ -328,10 +337,11 @@ def start_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, thread
     keeps driving the GPU; `wait()` joins it. The same thread count as `run_packed` (a different one would
     rebuild the pool at every switch).
     None, doing nothing, when the compiled kernel is not in use or another call is in flight."""
-    name = _resolve(backend, fmt.kind if fmt is not None else "plain")
+    name = _resolve(backend, fmt or "plain")
     if name == "torch" or not meta:
         return None
-    args, fmt_ptr, scales_ptr = kernel_format_args(fmt, scales, len(meta) // META)
+    up = expert_args.layout_up_offset(fmt, x32.shape[1], meta[6]) if fmt is not None and fmt.kind == "gguf" else 0
+    args, fmt_ptr, scales_ptr = kernel_format_args(fmt, scales, len(meta) // META, up)
     if not _async_slot.acquire(blocking=False):
         return None
     n_rows, hidden = x32.shape
@@ -378,9 +388,9 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]
     """out[N, H] (fp32, added into; zeros when None) += sum over experts e of token_w[e] * expert_e(x[token_idx[e]]).
 
     x [N, H] fp32 or bf16 (CPU); weights[e] = (gate_up [2I, H], down [H, I]): bf16 CPU tensors, each its own
-    buffer, or two `QuantMatrix` (strata.kernels.quant: FP8 or MXFP4 views of a blob, one format for every expert
-    with tokens; the kernel reads them as they are); token_idx[e] int64 rows of x (may be empty); token_w[e] fp32
-    routing weights of those rows. `threads`: the kernel's thread count (default `default_threads()`; the torch path
+    buffer, or two `QuantMatrix` (strata.kernels.quant: FP8, MXFP4 or GGUF views of a blob, one format for every
+    expert with tokens; the kernel reads them as they are); token_idx[e] int64 rows of x (may be empty); token_w[e]
+    fp32 routing weights of those rows. `threads`: the kernel's thread count (default `default_threads()`; the torch path
     ignores it). `backend`: the instruction set ("auto" or None: the best this CPU runs for the experts' format;
     "torch": the reference math, on dequantized weights for a quantized format).
     """
@@ -394,7 +404,8 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]
     elif out.shape != (N, H) or out.dtype != torch.float32 or out.device.type != "cpu":
         raise ValueError(f"out must be a [{N}, {H}] fp32 CPU tensor, got {tuple(out.shape)} {out.dtype} on {out.device}")
     fmt = weights_format(weights, token_idx)
-    name = _resolve(backend, fmt.kind if fmt is not None else "plain")
+    up = expert_args.gguf_up_offset(weights, token_idx) if fmt is not None and fmt.kind == "gguf" else 0
+    name = _resolve(backend, fmt or "plain")
     x32 = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
     limit = 0 if name == "torch" else MAX_TOKENS
     bf16 = torch.bfloat16
@@ -429,7 +440,7 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]
             to_torch.append(e)
             continue
         if quant:
-            gu_ptr, dn_ptr, gus_ptr, dns_ptr = matrix_pointers(gate_up, down, H, keep)
+            gu_ptr, dn_ptr, gus_ptr, dns_ptr = matrix_pointers(gate_up, down, H, keep, up)
             scales.extend((gus_ptr, dns_ptr))
         else:
             if not gate_up.is_contiguous():
@@ -448,7 +459,8 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]
         meta.extend((gu_ptr, dn_ptr, idx.data_ptr(), w.data_ptr(), T, inter, inter))
     if meta:
         target = out if out.is_contiguous() else torch.zeros(N, H, dtype=torch.float32)
-        run_packed(x32, meta, target, threads, backend=name, fmt=fmt, scales=scales if fmt is not None else None)
+        run_packed(x32, meta, target, threads, backend=name, fmt=fmt, scales=scales if fmt is not None else None,
+                   up_offset=up)
         if target is not out:
             out.add_(target)
     for e in to_torch:

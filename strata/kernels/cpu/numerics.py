@@ -19,6 +19,12 @@ group's partial sums by its power of two. FP8's scale_inv multiplies each block'
 than each weight. Either way the same products, rounded in another order, so each format keeps its backend's
 numerics on bf16 experts: the fp32 paths a reordered fp32 sum, avx512_bf16 its bf16 activations (measured by
 tests/kernels/test_cpu_quant_experts.py).
+
+GGUF experts (avx512_bf16 and its emulation; the other backends take the torch path): a block's codes are exact in bf16
+(q, or 128 + q), and every sub-block's products are summed before its scale multiplies them; mins, and the 128 of
+128 + q, are subtracted through each sub-block's sum of the same bf16 activations. The offset's products are as large
+as 128 |x|, so their fp32 sums round at ~2^-24 * 128 sum|x|, far under the bf16 activations' 2^-9 (measured by
+tests/kernels/test_cpu_gguf_experts.py).
 """
 
 from __future__ import annotations
@@ -32,10 +38,12 @@ QUANT_TOLERANCE = {
             "avx512_bf16_emulated": 1.5e-2},
     "mxfp4": {"torch": 1e-5, "avx2": 1e-4, "avx512": 1e-4, "avx512_bf16": 1.5e-2, "avx512_emulated": 1e-4,
               "avx512_bf16_emulated": 1.5e-2},
+    "gguf": {"torch": 1e-5, "avx2": 1e-5, "avx512": 1e-5, "avx512_bf16": 1.5e-2, "avx512_emulated": 1e-5,
+             "avx512_bf16_emulated": 1.5e-2},  # (the fp32 backends run the torch path)
 }
-"""The same bound for FP8 and MXFP4 experts, against the reference on their dequantized weights."""
+"""The same bound for FP8, MXFP4 and GGUF experts, against the reference on their dequantized weights."""
 
 
 def tolerance(backend: str, kind: str = "plain") -> float:
-    """The accuracy bound of `backend` on experts of format kind `kind` ("plain": bf16, "fp8", "mxfp4")."""
+    """The accuracy bound of `backend` on experts of format kind `kind` ("plain": bf16, "fp8", "mxfp4", "gguf")."""
     return TOLERANCE[backend] if kind == "plain" else QUANT_TOLERANCE[kind][backend]

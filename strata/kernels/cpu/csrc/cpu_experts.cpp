@@ -1,9 +1,10 @@
 // strata CPU expert kernel: all the cold experts of one MoE layer in one threaded call.
 //
 // SwiGLU expert: y = down(silu(gate(x)) * up(x)); per expert a gate_up [2I, H] (gate rows then up rows) and a
-// down [H, I], each its own buffer, in bf16, block-scaled FP8 or MXFP4 (one format a call; cpu_experts_formats.h),
-// converted in registers as they are read. For N = 1..32 tokens per expert the work is a memory-bound GEMV:
-// every weight row is read once from RAM and used for all of the expert's tokens.
+// down [H, I], each its own buffer, in bf16, block-scaled FP8, MXFP4 or GGUF blocks (one format a call;
+// cpu_experts_formats.h, cpu_experts_gguf.h), converted in registers as they are read. For N = 1..32 tokens per
+// expert the work is a memory-bound GEMV: every weight row is read once from RAM and used for all of the expert's
+// tokens.
 //
 //   phase 1  (gate/up)  chunks of intermediate rows j of every expert, taken dynamically by the
 //                       threads: h_e[t, j] = silu(<gate_j, x_t>) * <up_j, x_t>   (one writer per element)
@@ -185,6 +186,7 @@ struct AtFork {
 
 // ---------------------------------------------------------------------------------------------------
 // The kernel, once per instruction set.
+#include "cpu_experts_gguf.h"  // GGUF block types: layouts, decoders, the call's permuted activations (g_gguf)
 #if ON_X86
 #include "cpu_experts_isa.h"  // k_avx2, k_avx512, k_avx512bf16 (and the AVX2 read probe)
 #endif
@@ -262,8 +264,9 @@ C_EXPORTED int strata_cpu_shutdown() {
 // out[N, H] (fp32, contiguous) += sum over experts of w * expert(x[idx]).
 // meta: E rows of META_FIELDS int64: gate_up ptr, down ptr (their values), idx ptr (int64), w ptr (fp32), T, I, ld:
 // the expert's first I of its ld intermediate rows (I < ld: the CPU's part of an expert split with the GPU, which
-// computes the rest). fmt (optional: bf16): int64 [format, bn, bk] (FMT_*; fp8's block); scales (with fmt FP8 or
-// MXFP4): E rows of int64 [gate_up scales ptr, down scales ptr]. Every expert of a call has the one format.
+// computes the rest). fmt (optional: bf16): int64 [format, bn, bk] (FMT_*; fp8's block; GGUF: bn the byte offset of
+// up's rows in gate_up); scales (with fmt FP8, MXFP4 or GGUF): E rows of int64 [gate_up scales ptr, down scales ptr]
+// (GGUF: the blob's header, gate's and up's type ids, and down's). Every expert of a call has the one format.
 // Returns 0, -1 (instruction set unavailable or bad sizes), -2 (token index out of range), -5 (a format this
 // instruction set cannot read, or bad format arguments).
 // warm (optional, [E] int64): of each expert, the leading rows whose gate/up `strata_cpu_warm` read ahead on this
@@ -278,11 +281,12 @@ C_EXPORTED int strata_cpu_experts_fmt(int isa, const float* x, int64_t N, int64_
     if (isa < ISA_AVX2 || isa > ISA_EMU_AVX512_BF16 || !(mask & (1 << isa))) return -1;
     const int f = fmt ? int(fmt[0]) : FMT_BF16;
     const int64_t bn = fmt ? fmt[1] : 1, bk = fmt ? fmt[2] : 1;
-    if (f != FMT_BF16 && f != FMT_FP8 && f != FMT_MXFP4) return -5;
+    if (f != FMT_BF16 && f != FMT_FP8 && f != FMT_MXFP4 && f != FMT_GGUF) return -5;
     if (f != FMT_BF16 && !scales) return -5;
     if (f == FMT_FP8 && (bn <= 0 || bk <= 0)) return -5;
     if (f == FMT_FP8 && isa == ISA_AVX512_BF16 && !(mask & (1 << ISA_VBMI))) return -5;
     if (f == FMT_MXFP4 && H % kMxGroup) return -5;
+    if (f == FMT_GGUF && (bn <= 0 || (isa != ISA_AVX512_BF16 && isa != ISA_EMU_AVX512_BF16))) return -5;  // bn: up's
     std::vector<ExpertArg> experts;
     experts.reserve(E);
     for (int64_t e = 0; e < E; ++e) {
@@ -302,6 +306,7 @@ C_EXPORTED int strata_cpu_experts_fmt(int isa, const float* x, int64_t N, int64_
         experts.push_back(a);
     }
     if (experts.empty()) return 0;
+    if (f == FMT_GGUF && !gguf_readable(experts, H)) return -5;
     std::lock_guard<std::mutex> lk(g_call);
     const int64_t t_call = g_trace ? mono_ns() : 0;
     const int P = std::max(1, threads);
@@ -316,13 +321,13 @@ C_EXPORTED int strata_cpu_experts_fmt(int isa, const float* x, int64_t N, int64_
     const bool bf16_act = isa == ISA_AVX512_BF16 || isa == ISA_EMU_AVX512_BF16;
     const size_t hsz = bf16_act ? 2 : 4;
     // bytes of weight values read (scales, 1/16 of MXFP4's and less of FP8's, are not counted)
-    const int64_t pair_bytes = 2 * fmt_bytes(f, H);  // one gate row + one up row
+    const int64_t pair_bytes = f == FMT_GGUF ? gguf_pair_bytes(experts[0], H) : 2 * fmt_bytes(f, H);  // gate + up row
     int64_t htotal = 0, gate_up_bytes = 0, down_row_bytes = 0;
     for (const auto& ex : experts) {
         job.hoff.push_back(htotal);
         htotal += ex.T * ex.I;
         gate_up_bytes += pair_bytes * ex.I;
-        down_row_bytes += fmt_bytes(f, ex.I);
+        down_row_bytes += down_bytes(f, ex, ex.I);
     }
     if (g_hbuf.size() < size_t(htotal) * hsz + 64) g_hbuf.resize(size_t(htotal) * hsz + 64);
     job.hbuf = g_hbuf.data();
@@ -339,6 +344,7 @@ C_EXPORTED int strata_cpu_experts_fmt(int isa, const float* x, int64_t N, int64_
     } else {
         job.xact = x;
     }
+    if (f == FMT_GGUF) gguf_begin(job, static_cast<const uint16_t*>(job.xact), htotal);  // (bf16 backends only)
 
     // Chunks of about total / (8 P) bytes, clamped to [32 KiB, 512 KiB]: long sequential streams for the
     // prefetchers, and enough chunks that a thread delayed by the OS does not hold the others back.

@@ -161,6 +161,7 @@ struct K {
     static inline float hsum(const Acc& a) { return emu::hsum16(a); }
     static inline float x2f(uint16_t v) { return bf16_to_f32(v); }
     static inline uint16_t h_from_f(float v) { return f32_to_bf16(v); }
+    using Gguf = GgufEmuDecode<B32, emu::F16>;  // GGUF steps (cpu_experts_gguf.h)
 };
 #include "cpu_experts_kernel.h"
 }  // namespace k_emu512bf16

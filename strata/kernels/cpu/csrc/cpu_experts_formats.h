@@ -6,13 +6,14 @@
 //              w = value * scale_inv of the row's and column's block
 //   FMT_MXFP4  values [rows, cols / 2] uint8, element 2j in byte j's low nibble, 2j + 1 in its high nibble (e2m1
 //              codes); scales [rows, cols / 32] uint8 e8m0: w = E2M1[code] * 2^(scale - 127)
+//   FMT_GGUF   each matrix in a ggml block type, its id in the blob's header (cpu_experts_gguf.h)
 //
 // Included once, by cpu_experts.cpp, after bf16_to_f32 / f32_to_bf16 and before the instruction sets' kernels.
 #pragma once
 
 namespace {
 
-enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_MXFP4 = 2 };
+enum { FMT_BF16 = 0, FMT_FP8 = 1, FMT_MXFP4 = 2, FMT_GGUF = 3 };
 constexpr int64_t kMxGroup = 32;  // values per e8m0 scale
 
 // Bytes of `cols` consecutive elements of a row in format `fmt` (mxfp4: whole bytes, a half byte rounded up).

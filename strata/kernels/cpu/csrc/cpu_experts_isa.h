@@ -234,6 +234,7 @@ struct K {
     static inline float hsum(__m512 a) { return hsum512(a); }
     static inline float x2f(uint16_t v) { return bf16_to_f32(v); }
     static inline uint16_t h_from_f(float v) { return f32_to_bf16(v); }
+    using Gguf = gguf_avx512::Decode;  // GGUF steps (cpu_experts_gguf_avx512.h)
 };
 #include "cpu_experts_kernel.h"
 }  // namespace k_avx512bf16

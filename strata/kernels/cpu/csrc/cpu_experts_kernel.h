@@ -369,13 +369,31 @@ static void down_rows(const Job& job, int64_t h0, int64_t h1) {
     }
 }
 
+#include "cpu_experts_gguf_kernel.h"  // ReadGguf: GGUF experts, each matrix in its own block type
+
+// A phase's rows in the format F (GGUF experts through their own row loops).
+template <class F>
+static inline void gate_up_of(const Job& job, int64_t e, int64_t j0, int64_t j1) {
+    if constexpr (std::is_same_v<F, ReadGguf>)
+        gguf_gate_up_rows<K>(job, e, j0, j1);
+    else
+        gate_up_rows<F>(job, e, j0, j1);
+}
+template <class F>
+static inline void down_of(const Job& job, int64_t h0, int64_t h1) {
+    if constexpr (std::is_same_v<F, ReadGguf>)
+        gguf_down_rows<K>(job, h0, h1);
+    else
+        down_rows<F>(job, h0, h1);
+}
+
 // Read phase-2 chunk c's down rows once (every expert's [h0, h1) x I), so that computing it later hits this
 // core's L2: what a thread does with its wait for the last phase-1 chunks instead of spinning.
 static void read_ahead_down(const Job& job, int64_t c) {
     const int64_t h0 = c * job.down_rows, h1 = std::min(job.H, h0 + job.down_rows);
     for (int64_t e = 0; e < job.E; ++e) {
         const ExpertArg& ex = job.experts[e];
-        const int64_t stride = fmt_bytes(job.fmt, ex.ld), n = fmt_bytes(job.fmt, ex.I);
+        const int64_t stride = down_bytes(job.fmt, ex, ex.ld), n = down_bytes(job.fmt, ex, ex.I);
         for (int64_t h = h0; h < h1; ++h) {
             const volatile uint8_t* row = ex.down + h * stride;
             for (int64_t b = 0; b < n; b += 64) (void)row[b];  // one load a 64-byte line (volatile: kept)
@@ -386,7 +404,7 @@ static void read_ahead_down(const Job& job, int64_t c) {
 template <class F>
 static void down_chunk(Job& job, int64_t c) {
     const int64_t h0 = c * job.down_rows;
-    down_rows<F>(job, h0, std::min(job.H, h0 + job.down_rows));
+    down_of<F>(job, h0, std::min(job.H, h0 + job.down_rows));
     job.done2.fetch_add(1, std::memory_order_acq_rel);
 }
 
@@ -405,7 +423,7 @@ static void run_job_fmt(void* ctx, int tid) {
         if (job.taken[k].exchange(1, std::memory_order_acq_rel) != 0) return;
         const Chunk& ch = job.chunks1[k];
         if (ch.r0 < ch.r1) {  // empty: its owner's read reached none of it (the dynamic chunks hold its rows)
-            gate_up_rows<F>(job, ch.e, ch.r0, ch.r1);
+            gate_up_of<F>(job, ch.e, ch.r0, ch.r1);
             if (k % job.P != tid) job.stolen.fetch_add(1, std::memory_order_relaxed);
         }
         job.done1.fetch_add(1, std::memory_order_acq_rel);
@@ -417,7 +435,7 @@ static void run_job_fmt(void* ctx, int tid) {
         const int64_t c = ns + job.next1.fetch_add(1, std::memory_order_relaxed);
         if (c >= n1) break;
         const Chunk& ch = job.chunks1[c];
-        gate_up_rows<F>(job, ch.e, ch.r0, ch.r1);
+        gate_up_of<F>(job, ch.e, ch.r0, ch.r1);
         job.done1.fetch_add(1, std::memory_order_acq_rel);
     }
     // pieces of threads that have not come (yet); not an arrived thread's: read from another core's L2 they cost
@@ -451,6 +469,7 @@ static void run_job(void* ctx, int tid) {
     switch (static_cast<Job*>(ctx)->fmt) {
         case FMT_FP8: run_job_fmt<ReadFp8>(ctx, tid); break;
         case FMT_MXFP4: run_job_fmt<ReadMx>(ctx, tid); break;
+        case FMT_GGUF: run_job_fmt<ReadGguf>(ctx, tid); break;
         default: run_job_fmt<ReadBf16>(ctx, tid); break;
     }
 }

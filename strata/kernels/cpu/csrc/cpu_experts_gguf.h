@@ -1,0 +1,402 @@
+// GGUF (llama.cpp) block types as the CPU expert kernel reads them: strata/kernels/gguf_blocks.py lists the types and
+// strata/kernels/quant.py the blob (3 header bytes, the gate, up and down type ids; gate_up's two halves, gate's rows
+// then up's at a fixed offset; down's rows). Every matrix is read in its own type, as stored.
+//
+// A row is read a step at a time: a 256-value superblock (Q8_0: two 32-value blocks). A step's codes become bf16 words,
+// each the code q itself or 128 + q (an OR with 0x4300 makes those), in 32-word vectors; vdpbf16ps sums products
+// pairwise into 16 fp32 lanes, and every lane of a vector belongs to one sub-block (one scale). Vectors with the same
+// lane -> sub-block map form a "chain": summed together, then added times a vector of their lanes' sub-block scales
+// (one FMA). Where a type has mins (Q4_K, Q2_K) or the step used 128 + q, sum_s c_s X_s is subtracted, X_s the
+// sub-block's sum of activations: w = a_s q - b_s gives sum x w = a_s sum x q - b_s X_s. The activations stay bf16
+// (never quantized to int8 as llama.cpp does), so the products are those of the dequantized weights. A pass reads two
+// rows of a matrix (gate and up of one type, or two down rows) for the same activations, each row summed as alone.
+//
+// The word order a type's decoder produces fixes where each activation of a step is read (`GgufLayout::elem`): the
+// call's activations (x for gate/up, each expert's silu(gate) * up for down) are stored permuted so, with the sub-block
+// sums, by `gguf_prepare_row` (once a call and token for x, once an expert for its intermediate).
+//
+// Decoders: cpu_experts_gguf_avx512.h (avx512_bf16), `GgufEmuDecode` below (its emulation: the same words, lanes and
+// scale products, so bit-identical). Included once, by cpu_experts.cpp, after its Job, before the instruction sets.
+#pragma once
+
+namespace {
+
+enum : int { GG_Q8_0 = 8, GG_Q2_K = 10, GG_Q3_K = 11, GG_Q4_K = 12, GG_Q5_K = 13, GG_Q6_K = 14, GG_IQ4_XS = 23 };
+enum : int { GL_Q4K, GL_Q2K, GL_Q6K, GL_Q80, GL_COUNT };  // activation layouts (a type's step order)
+
+struct GgufBlock {
+    int values = 0, bytes = 0;
+};
+inline GgufBlock gguf_block(int t) {
+    switch (t) {
+        case GG_Q8_0: return {32, 34};
+        case GG_Q2_K: return {256, 84};
+        case GG_Q3_K: return {256, 110};
+        case GG_Q4_K: return {256, 144};
+        case GG_Q5_K: return {256, 176};
+        case GG_Q6_K: return {256, 210};
+        case GG_IQ4_XS: return {256, 136};
+        default: return {};
+    }
+}
+// Bytes of the blocks holding a row's first `cols` values.
+inline int64_t gguf_row_bytes(int t, int64_t cols) {
+    const GgufBlock b = gguf_block(t);
+    return b.values ? (cols + b.values - 1) / b.values * b.bytes : 0;
+}
+// The types the vector kernel reads, and the activation layout each is read in (-1: not read).
+inline int gguf_layout_of(int t) {
+    switch (t) {
+        case GG_Q4_K: return GL_Q4K;
+        case GG_Q2_K: return GL_Q2K;
+        case GG_Q6_K: return GL_Q6K;
+        case GG_Q8_0: return GL_Q80;
+        default: return -1;
+    }
+}
+
+// A type as the kernel body reads it: bytes and values a step, chains a step and vectors a chain (32 values each),
+// whether sum_s c_s X_s is subtracted.
+template <int Id, int Layout, int Bytes, int Step, int Chains, int Vpc, bool Min>
+struct GgufT {
+    static constexpr int kId = Id, kLayout = Layout, kBytes = Bytes, kStep = Step, kChains = Chains, kVpc = Vpc;
+    static constexpr bool kMin = Min;
+};
+using TQ4K = GgufT<GG_Q4_K, GL_Q4K, 144, 256, 4, 2, true>;
+using TQ2K = GgufT<GG_Q2_K, GL_Q2K, 84, 256, 4, 2, true>;
+using TQ6K = GgufT<GG_Q6_K, GL_Q6K, 210, 256, 4, 2, false>;
+using TQ80 = GgufT<GG_Q8_0, GL_Q80, 68, 64, 1, 2, false>;
+
+// A step's scales, decoded: each chain's lane scales, and the lanes of -c (the mins and offsets, times the sums).
+template <class Fv>
+struct GgufScales {
+    Fv s[4];
+    Fv c;
+};
+
+inline uint16_t gg_u16(const uint8_t* p) {
+    uint16_t v;
+    std::memcpy(&v, p, 2);
+    return v;
+}
+inline float gg_f16(const uint8_t* p) { return f16_to_f32(gg_u16(p)); }
+// Every f16's value in fp32 (256 KiB, built at load): the vector decoders broadcast a block's scale straight from here,
+// a load alone (vcvtph2ps and register broadcasts of zmm take pipes the FMAs need; the scales a model uses are a few
+// KiB of it).
+struct GgufF16Table {
+    float v[65536];
+    GgufF16Table() {
+        for (int h = 0; h < 65536; ++h) v[h] = f16_to_f32(uint16_t(h));
+    }
+};
+const GgufF16Table g_gguf_f16;
+inline const float* gg_f16_ref(const uint8_t* p) { return &g_gguf_f16.v[gg_u16(p)]; }
+
+// Q4_K / Q5_K's 12 bytes of 6-bit scales and mins -> sc[0..7], m[0..7] (llama.cpp's unpacking)
+inline void gguf_q4k_scales(const uint8_t* s12, uint8_t out[16]) {
+    uint32_t u[4];
+    std::memcpy(u, s12, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0fu) | (((u[1] >> 6) & 0x03030303u) << 4);
+    const uint32_t aux = u[1] & 0x3f3f3f3fu;
+    u[1] = (u[2] & 0x0f0f0f0fu) | (((u[0] >> 6) & 0x03030303u) << 4);
+    u[2] = aux;
+    u[0] &= 0x3f3f3f3fu;
+    std::memcpy(out, u, 16);
+}
+
+// A block's weights as gguf's numpy dequantizes them (the same fp32 products): the scalar tails' values.
+inline void gguf_block_values(int t, const uint8_t* b, float* w) {
+    switch (t) {
+        case GG_Q8_0: {
+            const float d = gg_f16(b);
+            for (int i = 0; i < 32; ++i) w[i] = float(int8_t(b[2 + i])) * d;
+            break;
+        }
+        case GG_Q2_K: {
+            const float d = gg_f16(b + 80), dmin = gg_f16(b + 82);
+            for (int e = 0; e < 256; ++e) {
+                const int s = e >> 4, j = (e >> 5) & 3, q = (b[16 + 32 * (e >> 7) + (e & 31)] >> (2 * j)) & 3;
+                w[e] = d * float(b[s] & 15) * float(q) - dmin * float(b[s] >> 4);
+            }
+            break;
+        }
+        case GG_Q4_K: {
+            uint8_t sm[16];
+            gguf_q4k_scales(b + 4, sm);
+            const float d = gg_f16(b), dmin = gg_f16(b + 2);
+            for (int e = 0; e < 256; ++e) {
+                const int s = e >> 5, q = (b[16 + 32 * (e >> 6) + (e & 31)] >> (4 * (s & 1))) & 15;
+                w[e] = d * float(sm[s]) * float(q) - dmin * float(sm[8 + s]);
+            }
+            break;
+        }
+        case GG_Q6_K: {
+            const float d = gg_f16(b + 208);
+            for (int e = 0; e < 256; ++e) {
+                const int h = e >> 7, nib = (e >> 6) & 1, pos = e & 63;
+                const int lo = (b[64 * h + pos] >> (4 * nib)) & 15;
+                const int hi = (b[128 + 32 * h + (pos & 31)] >> (2 * (2 * nib + (pos >> 5)))) & 3;
+                w[e] = d * float(int8_t(b[192 + (e >> 4)])) * float((lo | (hi << 4)) - 32);
+            }
+            break;
+        }
+        default:
+            for (int e = 0; e < gguf_block(t).values; ++e) w[e] = 0.0f;
+    }
+}
+
+// Q2_K: the words of sub-block s hold 128 + q << 2j for its 2-bit field j = (s >> 1) & 3 < 3 (128 + q for j = 3), so
+// its activations are stored times 4^-j (kGgufQ2Inv[s]) and the offset it subtracts is 128 * 4^-j (kGgufQ2Offset[s]).
+constexpr float kGgufQ2Inv[16] = {1.0f, 1.0f, 0.25f, 0.25f, 0.0625f, 0.0625f, 1.0f, 1.0f,
+                                  1.0f, 1.0f, 0.25f, 0.25f, 0.0625f, 0.0625f, 1.0f, 1.0f};
+constexpr float kGgufQ2Offset[16] = {128.0f, 128.0f, 32.0f, 32.0f, 8.0f, 8.0f, 128.0f, 128.0f,
+                                     128.0f, 128.0f, 32.0f, 32.0f, 8.0f, 8.0f, 128.0f, 128.0f};
+
+// Where a layout's step keeps each activation, which sub-block each fp32 lane of each chain sums, and which
+// sub-block each lane of the sums holds.
+struct GgufLayout {
+    int step = 0;
+    int sub = 0;                  // values a sum covers (0: no sums)
+    int16_t elem[256] = {};       // position p of a step's activations: element elem[p] (p = 32 * vector + word)
+    float scale[8] = {1, 1, 1, 1, 1, 1, 1, 1};  // vector v's activations are stored times scale[v] (a power of two)
+    alignas(64) int32_t chain_sb[4][16] = {};  // chain c, lane m: the sub-block (an index into the step's scales)
+    int8_t sum_sb[16] = {};       // lane l of the sums: its sub-block (-1: zero)
+    float sum_scale[16] = {1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1};  // ... times this (a power of two)
+};
+
+struct GgufLayouts {
+    GgufLayout l[GL_COUNT];
+    GgufLayouts() {
+        GgufLayout& q4 = l[GL_Q4K];  // vector v: half v >> 2, words k = 0, 2, 1, 3: nibble k & 1 of byte 2i + (k >> 1)
+        q4.step = 256, q4.sub = 32;
+        for (int v = 0; v < 8; ++v)
+            for (int i = 0; i < 32; ++i) {
+                const int h = v >> 2, k = "\0\2\1\3"[v & 3], b = 2 * i + (k >> 1), nib = k & 1;
+                q4.elem[32 * v + i] = int16_t(128 * h + 64 * (b >> 5) + 32 * nib + (b & 31));
+            }
+        for (int c = 0; c < 4; ++c)
+            for (int m = 0; m < 16; ++m) q4.chain_sb[c][m] = 4 * (c >> 1) + 2 * (m >> 3) + (c & 1);
+        for (int s = 0; s < 16; ++s) {  // against [d sc_s | dmin m_s]: -(128 d sc_s + dmin m_s) X_s
+            q4.sum_sb[s] = int8_t(s & 7);
+            q4.sum_scale[s] = s < 8 ? -128.0f : -1.0f;
+        }
+
+        GgufLayout& q2 = l[GL_Q2K];  // vector 2j + r: 2-bit field j of byte 2i + r
+        q2.step = 256, q2.sub = 16;
+        for (int v = 0; v < 8; ++v)
+            for (int i = 0; i < 32; ++i) {
+                const int j = v >> 1, b = 2 * i + (v & 1);
+                q2.elem[32 * v + i] = int16_t(128 * (b >> 5) + 32 * j + (b & 31));
+            }
+        for (int c = 0; c < 4; ++c)
+            for (int m = 0; m < 16; ++m) q2.chain_sb[c][m] = 8 * (m >> 3) + 2 * c + ((m >> 2) & 1);
+        for (int s = 0; s < 16; ++s) q2.sum_sb[s] = int8_t(s);
+        for (int v = 0; v < 8; ++v) q2.scale[v] = kGgufQ2Inv[2 * (v >> 1)];  // field j's words hold 128 + q << 2j
+
+        GgufLayout& q6 = l[GL_Q6K];  // vector 4h + 2 nib + r: nibble nib of ql byte 64h + 2i + r
+        q6.step = 256;
+        for (int v = 0; v < 8; ++v)
+            for (int i = 0; i < 32; ++i) {
+                const int h = v >> 2, nib = (v >> 1) & 1, b = 2 * i + (v & 1);
+                q6.elem[32 * v + i] = int16_t(128 * h + 64 * nib + b);
+            }
+        for (int c = 0; c < 4; ++c)
+            for (int m = 0; m < 16; ++m) q6.chain_sb[c][m] = 8 * (c >> 1) + 4 * (c & 1) + (m >> 2);
+
+        GgufLayout& q8 = l[GL_Q80];  // vector v: words 0-15 block 0's values 16v.., words 16-31 block 1's
+        q8.step = 64;
+        for (int v = 0; v < 2; ++v)
+            for (int i = 0; i < 32; ++i) q8.elem[32 * v + i] = int16_t(32 * (i >> 4) + 16 * v + (i & 15));
+        for (int m = 0; m < 16; ++m) q8.chain_sb[0][m] = m >> 3;
+    }
+};
+const GgufLayouts g_gguf_layouts;
+
+inline float gg_x2f(uint16_t v) { return bf16_to_f32(v); }
+inline float gg_x2f(float v) { return v; }
+inline uint16_t gg_times(uint16_t v, float s) { return s == 1.0f ? v : f32_to_bf16(bf16_to_f32(v) * s); }  // exact
+inline float gg_times(float v, float s) { return v * s; }
+
+// A row of `len` activations in layout L: whole steps permuted (and their sums, 16 a step), the rest in order.
+template <class X>
+void gguf_prepare_row(const GgufLayout& L, const X* src, int64_t len, X* dst, float* sums) {
+    const int64_t steps = len / L.step;
+    for (int64_t st = 0; st < steps; ++st) {
+        const X* s = src + st * L.step;
+        X* d = dst + st * L.step;
+        for (int p = 0; p < L.step; ++p) d[p] = gg_times(s[L.elem[p]], L.scale[p >> 5]);
+        if (!L.sub) continue;
+        for (int l = 0; l < 16; ++l) {
+            float acc = 0.0f;
+            if (L.sum_sb[l] >= 0)
+                for (int i = 0; i < L.sub; ++i) acc += gg_x2f(s[L.sum_sb[l] * L.sub + i]);
+            sums[st * 16 + l] = acc * L.sum_scale[l];
+        }
+    }
+    for (int64_t e = steps * L.step; e < len; ++e) dst[e] = src[e];
+}
+inline int64_t gguf_sums_len(int64_t len) { return (len / 64 + 1) * 16; }  // sums a row of len values has room for
+
+// The GGUF state of the call in progress (one at a time: g_call): the activations in each layout a gate or up matrix
+// needs, each expert's intermediate in its down matrix's layout once its last gate/up rows are done.
+struct GgufCall {
+    int64_t N = 0, H = 0;
+    std::vector<uint8_t> x[GL_COUNT];  // [N, H] activations (the kernel's X) in each layout used
+    std::vector<float> xs[GL_COUNT];   // [N, gguf_sums_len(H)]
+    std::vector<uint8_t> h;            // each expert's [T, I] intermediate at Job::hoff, in its down layout
+    std::vector<float> hs;             // [T, gguf_sums_len(I)] an expert, from hs_off[e]
+    std::vector<int64_t> hs_off;
+    std::unique_ptr<std::atomic<int64_t>[]> rows_left;  // gate/up rows of an expert not computed yet
+};
+GgufCall g_gguf;
+
+inline int gguf_type(const void* header, int which) { return static_cast<const uint8_t*>(header)[which]; }
+inline int gguf_down_type(const ExpertArg& ex) { return gguf_type(ex.down_scales, 0); }
+
+// Bytes of a down row's first `cols` values in the call's format (GGUF: the expert's down type).
+inline int64_t down_bytes(int fmt, const ExpertArg& ex, int64_t cols) {
+    return fmt == FMT_GGUF ? gguf_row_bytes(gguf_down_type(ex), cols) : fmt_bytes(fmt, cols);
+}
+
+// Whether the vector kernel reads every matrix of these experts: their types, and whole blocks along H (gate/up rows)
+// and I (down's row stride); a split expert's rows may end inside a block (its tail is read value by value).
+inline bool gguf_readable(const std::vector<ExpertArg>& experts, int64_t H) {
+    for (const ExpertArg& ex : experts)
+        for (int which = 0; which < 3; ++which) {
+            const int t = gguf_type(which < 2 ? ex.gate_up_scales : ex.down_scales, which < 2 ? which : 0);
+            if (gguf_layout_of(t) < 0 || (which < 2 ? H : ex.ld) % gguf_block(t).values) return false;
+        }
+    return true;
+}
+
+// Bytes of one gate row and one up row, and of an expert's down rows' first I values (the chunks' sizes).
+inline int64_t gguf_pair_bytes(const ExpertArg& ex, int64_t H) {
+    return gguf_row_bytes(gguf_type(ex.gate_up_scales, 0), H) + gguf_row_bytes(gguf_type(ex.gate_up_scales, 1), H);
+}
+
+// Set up the call: the activations (xact, [N, H] of X) in every layout the experts' gate and up matrices use, and room
+// for each expert's intermediate (htotal values of X) and its sums.
+template <class X>
+void gguf_begin(const Job& job, const X* xact, int64_t htotal) {
+    GgufCall& g = g_gguf;
+    g.N = job.N, g.H = job.H;
+    bool used[GL_COUNT] = {};
+    for (int64_t e = 0; e < job.E; ++e)
+        for (int which = 0; which < 2; ++which)
+            used[gguf_layout_of(gguf_type(job.experts[e].gate_up_scales, which))] = true;
+    const int64_t ns = gguf_sums_len(job.H);
+    for (int L = 0; L < GL_COUNT; ++L) {
+        if (!used[L]) continue;
+        if (g.x[L].size() < size_t(job.N * job.H) * sizeof(X)) g.x[L].resize(size_t(job.N * job.H) * sizeof(X));
+        if (g.xs[L].size() < size_t(job.N * ns)) g.xs[L].resize(size_t(job.N * ns));
+        X* dst = reinterpret_cast<X*>(g.x[L].data());
+        for (int64_t n = 0; n < job.N; ++n)
+            gguf_prepare_row(g_gguf_layouts.l[L], xact + n * job.H, job.H, dst + n * job.H, g.xs[L].data() + n * ns);
+    }
+    if (g.h.size() < size_t(htotal) * sizeof(X) + 64) g.h.resize(size_t(htotal) * sizeof(X) + 64);
+    g.hs_off.assign(size_t(job.E) + 1, 0);
+    for (int64_t e = 0; e < job.E; ++e)
+        g.hs_off[e + 1] = g.hs_off[e] + job.experts[e].T * gguf_sums_len(job.experts[e].I);
+    if (g.hs.size() < size_t(g.hs_off[job.E])) g.hs.resize(size_t(g.hs_off[job.E]));
+    g.rows_left.reset(new std::atomic<int64_t>[size_t(std::max<int64_t>(1, job.E))]);
+    for (int64_t e = 0; e < job.E; ++e) g.rows_left[e].store(job.experts[e].I, std::memory_order_relaxed);
+}
+
+// Expert e's intermediate (hbuf's [T, I] of X, in order) into its down matrix's layout, with its sums: by the thread
+// that computes the expert's last gate/up rows.
+template <class X>
+void gguf_prepare_down(const Job& job, int64_t e) {
+    const ExpertArg& ex = job.experts[e];
+    const GgufLayout& L = g_gguf_layouts.l[gguf_layout_of(gguf_down_type(ex))];
+    const X* src = static_cast<const X*>(job.hbuf) + job.hoff[e];
+    X* dst = reinterpret_cast<X*>(g_gguf.h.data()) + job.hoff[e];
+    const int64_t ns = gguf_sums_len(ex.I);
+    for (int64_t t = 0; t < ex.T; ++t)
+        gguf_prepare_row(L, src + t * ex.I, ex.I, dst + t * ex.I, g_gguf.hs.data() + g_gguf.hs_off[e] + t * ns);
+}
+
+template <class KK, class = void>
+struct has_gguf : std::false_type {};
+template <class KK>
+struct has_gguf<KK, std::void_t<typename KK::Gguf>> : std::true_type {};
+
+// The emulation's decoders (k_emu512bf16's K::Gguf): the words, lane scales and mins cpu_experts_gguf_avx512.h's
+// produce, computed value by value with the same fp32 operations.
+template <class Wv, class Fv>
+struct GgufEmuDecode {
+    using Scales = GgufScales<Fv>;
+    static inline Fv load_sums(const float* p) {
+        Fv r;
+        std::memcpy(r.v, p, sizeof(r.v));
+        return r;
+    }
+    static inline void chains(const GgufLayout& L, const float* a, int n, Scales& d) {  // vpermps of the scales
+        for (int c = 0; c < n; ++c)
+            for (int m = 0; m < 16; ++m) d.s[c].v[m] = a[L.chain_sb[c][m]];
+    }
+    template <class F>
+    static inline void words(const GgufLayout& L, int c, F word_of, Wv* w) {  // chain c's two vectors
+        for (int r = 0; r < 2; ++r)
+            for (int i = 0; i < 32; ++i) w[r].v[i] = word_of(L.elem[32 * (2 * c + r) + i]);
+    }
+    static inline float fnmsub(float a, float b, float c) { return std::fma(-a, b, -c); }  // -(a b) - c
+
+    static inline void scales(TQ4K, const uint8_t* b, Scales& d) {
+        uint8_t sm[16];
+        gguf_q4k_scales(b + 4, sm);
+        const float dd[2] = {gg_f16(b), gg_f16(b + 2)};
+        float a[16];
+        for (int l = 0; l < 16; ++l) a[l] = float(sm[l]) * dd[l >> 3];  // [d sc_s | dmin m_s]
+        chains(g_gguf_layouts.l[GL_Q4K], a, 4, d);
+        for (int l = 0; l < 16; ++l) d.c.v[l] = a[l];  // the sums carry -128 and -1
+    }
+    static inline void codes(TQ4K, const uint8_t* b, int c, Wv* w) {
+        words(g_gguf_layouts.l[GL_Q4K], c, [&](int e) {
+            return uint16_t(0x4300 | ((b[16 + 32 * (e >> 6) + (e & 31)] >> (4 * ((e >> 5) & 1))) & 15));
+        }, w);
+    }
+    static inline void scales(TQ2K, const uint8_t* b, Scales& d) {
+        const float dv = gg_f16(b + 80), mv = gg_f16(b + 82);
+        float a[16];
+        for (int s = 0; s < 16; ++s) {
+            a[s] = float(b[s] & 15) * dv;
+            d.c.v[s] = fnmsub(a[s], kGgufQ2Offset[s], float(b[s] >> 4) * mv);
+        }
+        chains(g_gguf_layouts.l[GL_Q2K], a, 4, d);
+    }
+    static inline void codes(TQ2K, const uint8_t* b, int c, Wv* w) {
+        words(g_gguf_layouts.l[GL_Q2K], c, [&](int e) {
+            const int j = (e >> 5) & 3, q = (b[16 + 32 * (e >> 7) + (e & 31)] >> (2 * j)) & 3;
+            return uint16_t(0x4300 | (j == 3 ? q : q << (2 * j)));
+        }, w);
+    }
+    static inline void scales(TQ6K, const uint8_t* b, Scales& d) {
+        const float dv = gg_f16(b + 208);
+        float a[16];
+        for (int s = 0; s < 16; ++s) a[s] = float(int8_t(b[192 + s])) * dv;
+        chains(g_gguf_layouts.l[GL_Q6K], a, 4, d);
+    }
+    static inline void codes(TQ6K, const uint8_t* b, int c, Wv* w) {
+        words(g_gguf_layouts.l[GL_Q6K], c, [&](int e) {
+            const int h = e >> 7, nib = (e >> 6) & 1, pos = e & 63;
+            const int lo = (b[64 * h + pos] >> (4 * nib)) & 15;
+            const int hi = (b[128 + 32 * h + (pos & 31)] >> (2 * (2 * nib + (pos >> 5)))) & 3;
+            return f32_to_bf16(float((lo | (hi << 4)) - 32));
+        }, w);
+    }
+    static inline void scales(TQ80, const uint8_t* b, Scales& d) {
+        const float a[2] = {gg_f16(b), gg_f16(b + 34)};
+        chains(g_gguf_layouts.l[GL_Q80], a, 1, d);
+    }
+    static inline void codes(TQ80, const uint8_t* b, int c, Wv* w) {
+        words(g_gguf_layouts.l[GL_Q80], c, [&](int e) {
+            return f32_to_bf16(float(int8_t(b[34 * (e >> 5) + 2 + (e & 31)])));
+        }, w);
+    }
+};
+
+}  // namespace
+
+#if ON_X86
+#include "cpu_experts_gguf_avx512.h"
+#endif

@@ -1,0 +1,201 @@
+// GGUF experts in the kernel body: cpu_experts_kernel.h includes this inside each instruction set's namespace, after
+// its K and the other formats' row loops. K::Gguf decodes a step (cpu_experts_gguf.h); an instruction set whose K has
+// none reads no GGUF experts (strata_cpu_experts_fmt refuses them), and these compile to nothing for it.
+//
+// Each matrix is read in its own type (the blob's header: gate, up, down), two rows a pass (gate and up of one type,
+// two down rows) against a tile of up to kGgufTile tokens; the activations come permuted for the type's layout with
+// their sub-block sums (g_gguf: x once a call, an expert's intermediate once its last gate/up rows are done).
+
+struct ReadGguf {};  // run_job_fmt's tag for GGUF experts
+
+constexpr int kGgufTile = 2;  // tokens a row is read for at once (more: the row again, from the caches)
+
+// out_r[t] = <row r, x_t> over the first len values of R (1 or 2) rows of type T, t < NT: one pass for both rows, each
+// chain's activations loaded once for them. Every step, per row and token: each chain's products summed (its vectors in
+// order) and added times its lanes' scales into accumulator c % U (U = 2 at one token: independent FMA chains), the
+// step's -c times its sums into accumulator 0; then the accumulators in order, the fixed horizontal sum, and the values
+// past the last whole step one by one (a split expert's down rows). A row's sums do not depend on the other row.
+template <class KK, class T, int NT, int R, class XT>
+static inline void gguf_dot(const uint8_t* const* rows, int64_t len, const XT* const* xs, const float* const* sums,
+                            float* const* out, int64_t pf) {
+    using Acc = typename KK::Acc;
+    using G = typename KK::Gguf;
+    constexpr int U = NT == 1 ? 2 : 1;
+    Acc tot[R][NT][U];
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; ++t)
+#pragma GCC unroll 4
+            for (int u = 0; u < U; ++u) tot[r][t][u] = KK::zero();
+    typename G::Scales sc[R];
+    const int64_t steps = len / T::kStep;
+    for (int64_t st = 0; st < steps; ++st) {
+        const uint8_t* blk[R];
+#pragma GCC unroll 2
+        for (int r = 0; r < R; ++r) {
+            blk[r] = rows[r] + st * T::kBytes;
+            if (pf) {
+#pragma GCC unroll 4
+                for (int o = 0; o < T::kBytes; o += 64) __builtin_prefetch(blk[r] + pf + o, 0, 3);
+            }
+            G::scales(T{}, blk[r], sc[r]);
+        }
+#pragma GCC unroll 4
+        for (int c = 0; c < T::kChains; ++c) {
+            decltype(KK::load_x(xs[0])) w[R][T::kVpc];
+#pragma GCC unroll 2
+            for (int r = 0; r < R; ++r) G::codes(T{}, blk[r], c, w[r]);
+#pragma GCC unroll 4
+            for (int t = 0; t < NT; ++t) {
+                const XT* x = xs[t] + st * T::kStep + 32 * c * T::kVpc;
+                Acc a[R];
+                const auto x0 = KK::load_x(x);
+#pragma GCC unroll 2
+                for (int r = 0; r < R; ++r) a[r] = KK::dot(KK::zero(), x0, w[r][0]);
+#pragma GCC unroll 4
+                for (int v = 1; v < T::kVpc; ++v) {
+                    const auto xv = KK::load_x(x + 32 * v);
+#pragma GCC unroll 2
+                    for (int r = 0; r < R; ++r) a[r] = KK::dot(a[r], xv, w[r][v]);
+                }
+#pragma GCC unroll 2
+                for (int r = 0; r < R; ++r) tot[r][t][c % U] = KK::fmav(a[r], sc[r].s[c], tot[r][t][c % U]);
+            }
+        }
+        if constexpr (T::kMin) {
+#pragma GCC unroll 4
+            for (int t = 0; t < NT; ++t) {
+                const auto xsum = G::load_sums(sums[t] + 16 * st);
+#pragma GCC unroll 2
+                for (int r = 0; r < R; ++r) tot[r][t][0] = KK::fmav(sc[r].c, xsum, tot[r][t][0]);
+            }
+        }
+    }
+    const GgufBlock bt = gguf_block(T::kId);
+    float w[256];
+#pragma GCC unroll 2
+    for (int r = 0; r < R; ++r) {
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; ++t) {
+            Acc a = tot[r][t][0];
+#pragma GCC unroll 4
+            for (int u = 1; u < U; ++u) a = KK::add(a, tot[r][t][u]);
+            out[r][t] = KK::hsum(a);
+        }
+        for (int64_t e0 = steps * T::kStep; e0 < len; e0 += bt.values) {  // in order, in fp32, after the vector sum
+            gguf_block_values(T::kId, rows[r] + e0 / bt.values * bt.bytes, w);
+            const int64_t n = std::min<int64_t>(bt.values, len - e0);
+            for (int t = 0; t < NT; ++t) {
+                float s = 0.0f;
+                for (int64_t i = 0; i < n; ++i) s += w[i] * KK::x2f(xs[t][e0 + i]);
+                out[r][t] += s;
+            }
+        }
+    }
+}
+
+template <class KK, class T, int R, class XT>
+static inline void gguf_dot_n(int nt, const uint8_t* const* rows, int64_t len, const XT* const* xs,
+                              const float* const* sums, float* const* out, int64_t pf) {
+    static_assert(kGgufTile == 2, "a case per tile width");
+    if (nt == 1)
+        gguf_dot<KK, T, 1, R>(rows, len, xs, sums, out, pf);
+    else
+        gguf_dot<KK, T, 2, R>(rows, len, xs, sums, out, pf);
+}
+
+// R rows of GGUF type `type` (one gguf_readable accepted), against the same activations.
+template <class KK, int R, class XT>
+static void gguf_dot_any(int type, int nt, const uint8_t* const* rows, int64_t len, const XT* const* xs,
+                         const float* const* sums, float* const* out, int64_t pf) {
+    switch (type) {
+        case GG_Q4_K: gguf_dot_n<KK, TQ4K, R>(nt, rows, len, xs, sums, out, pf); break;
+        case GG_Q2_K: gguf_dot_n<KK, TQ2K, R>(nt, rows, len, xs, sums, out, pf); break;
+        case GG_Q6_K: gguf_dot_n<KK, TQ6K, R>(nt, rows, len, xs, sums, out, pf); break;
+        case GG_Q8_0: gguf_dot_n<KK, TQ80, R>(nt, rows, len, xs, sums, out, pf); break;
+        default: break;
+    }
+}
+
+// Phase 1 on expert e, intermediate rows [j0, j1) (gate_up_rows' work): gate row j in its type, up row j (at the
+// section's middle, Job::bn bytes in) in its own. The thread finishing the expert's last rows prepares its
+// intermediate for the down rows.
+template <class KK>
+static void gguf_gate_up_rows(const Job& job, int64_t e, int64_t j0, int64_t j1) {
+    if constexpr (has_gguf<KK>::value) {
+        using X = typename KK::X;
+        const ExpertArg& ex = job.experts[e];
+        const int64_t H = job.H, I = ex.I, T = ex.T, ns = gguf_sums_len(H);
+        const int tg = gguf_type(ex.gate_up_scales, 0), tu = gguf_type(ex.gate_up_scales, 1);
+        const int lg = gguf_layout_of(tg), lu = gguf_layout_of(tu);
+        const int64_t rbg = gguf_row_bytes(tg, H), rbu = gguf_row_bytes(tu, H);
+        const uint8_t* up = ex.gate_up + job.bn;
+        const X* xg = reinterpret_cast<const X*>(g_gguf.x[lg].data());
+        const X* xu = reinterpret_cast<const X*>(g_gguf.x[lu].data());
+        typename KK::Hd* hb = static_cast<typename KK::Hd*>(job.hbuf) + job.hoff[e];
+        const X *pg[kGgufTile], *pu[kGgufTile];
+        const float *sg[kGgufTile], *su[kGgufTile];
+        float g[kGgufTile], u[kGgufTile];
+        for (int64_t j = j0; j < j1; ++j)
+            for (int64_t s = 0; s < T; s += kGgufTile) {
+                const int nt = static_cast<int>(std::min<int64_t>(kGgufTile, T - s));
+                for (int t = 0; t < nt; ++t) {
+                    const int64_t n = ex.idx[s + t];
+                    pg[t] = xg + n * H, pu[t] = xu + n * H;
+                    sg[t] = g_gguf.xs[lg].data() + n * ns, su[t] = g_gguf.xs[lu].data() + n * ns;
+                }
+                const uint8_t* rows[2] = {ex.gate_up + j * rbg, up + j * rbu};
+                if (tg == tu) {  // one pass for both rows
+                    float* outs[2] = {g, u};
+                    gguf_dot_any<KK, 2>(tg, nt, rows, H, pg, sg, outs, job.pf);
+                } else {
+                    float* og[1] = {g};
+                    float* ou[1] = {u};
+                    gguf_dot_any<KK, 1>(tg, nt, rows, H, pg, sg, og, job.pf);
+                    gguf_dot_any<KK, 1>(tu, nt, rows + 1, H, pu, su, ou, job.pf);
+                }
+                for (int t = 0; t < nt; ++t) hb[(s + t) * I + j] = KK::h_from_f(silu_mul(g[t], u[t]));
+            }
+        if (g_gguf.rows_left[e].fetch_sub(j1 - j0, std::memory_order_acq_rel) == j1 - j0)
+            gguf_prepare_down<typename KK::Hd>(job, e);
+    }
+}
+
+// Phase 2, output rows [h0, h1) of every expert (down_rows' work and pairing), each down matrix in its type.
+template <class KK>
+static void gguf_down_rows(const Job& job, int64_t h0, int64_t h1) {
+    if constexpr (has_gguf<KK>::value) {
+        using X = typename KK::Hd;
+        const int64_t H = job.H, n = h1 - h0, half = (n + 1) / 2;
+        const X* xs[kGgufTile];
+        const float* ss[kGgufTile];
+        float ya[kGgufTile], yb[kGgufTile];
+        for (int64_t e = 0; e < job.E; ++e) {
+            const ExpertArg& ex = job.experts[e];
+            const int64_t I = ex.I, T = ex.T, ns = gguf_sums_len(I);
+            const int type = gguf_down_type(ex);
+            const int64_t rb = gguf_row_bytes(type, ex.ld);
+            const X* hp = reinterpret_cast<const X*>(g_gguf.h.data()) + job.hoff[e];
+            const float* hs = g_gguf.hs.data() + g_gguf.hs_off[e];
+            for (int64_t i = 0; i < half; ++i) {
+                const int64_t ha = job.down_split ? h0 + i : h0 + 2 * i;
+                const int64_t hb_row = job.down_split ? ha + half : ha + 1;
+                const bool pair = hb_row < h1;
+                for (int64_t s = 0; s < T; s += kGgufTile) {
+                    const int nt = static_cast<int>(std::min<int64_t>(kGgufTile, T - s));
+                    for (int t = 0; t < nt; ++t) xs[t] = hp + (s + t) * I, ss[t] = hs + (s + t) * ns;
+                    const uint8_t* rows[2] = {ex.down + ha * rb, ex.down + (pair ? hb_row : ha) * rb};
+                    float* outs[2] = {ya, yb};
+                    gguf_dot_any<KK, 2>(type, nt, rows, I, xs, ss, outs, job.pf);
+                    for (int t = 0; t < nt; ++t) {
+                        float* o = job.out + ex.idx[s + t] * H;
+                        const float w = ex.w[s + t];
+                        o[ha] += w * ya[t];
+                        if (pair) o[hb_row] += w * yb[t];
+                    }
+                }
+            }
+        }
+    }
+}
