@@ -288,3 +288,28 @@ def test_the_llamacpp_suite_pairs_every_strata_case_with_both_exports():
         (c.routing, c.gpu_fraction, c.workload) for c in quick_suite() if c.variant == "split"}
     with pytest.raises(SystemExit, match="unknown baseline"):
         with_baselines(quick_suite(), ["vllm"])
+
+
+def test_bench_run_with_the_llamacpp_baseline_on_cpu(tmp_path):
+    """`python -m bench run --baselines llamacpp` end to end on the tiny model: strata's case, then llama.cpp's (the
+    captured output standing in for the tools), the table and the plot in the section."""
+    pytest.importorskip("gguf")
+    from bench.__main__ import main as bench_main
+
+    out = tmp_path / "out"
+    _fake_tools(tmp_path)
+    rc = bench_main(["run", "--suite", "llamacpp", "--size", "tiny", "--device", "cpu", "--tokens", "16", "--rates",
+                     "limits", "--cases", "split/b25/uniform/p128x1", "--baselines", "llamacpp",
+                     "--llamacpp-bin", str(tmp_path), "--llamacpp-root", str(tmp_path / "root"),
+                     "--llamacpp-threads", "2", "--models-dir", str(tmp_path / "models"), "--cache",
+                     str(tmp_path / "cache"), "--disk-cache", str(tmp_path / "disk"), "--out", str(out)])
+    assert rc == 0
+    doc = json.loads((out / results.RESULT_FILE).read_text())
+    assert [c["name"] for c in doc["cases"]] == ["split/b25/uniform/p128x1", "llamacpp/b25/uniform/p128x1"]
+    strata, llama = doc["cases"]
+    assert strata["status"] == "ok" and llama["status"] == "ok", (strata.get("reason"), llama.get("reason"))
+    assert llama["metrics"]["decode_tok_s"] == 777.23  # the table's one-stream row
+    assert llama["config"]["n_cpu_moe"] == 3  # 25% of the tiny model's two MoE layers: no whole layer fits
+    ratio = strata["metrics"]["decode_tok_s"] / 777.23
+    md = (out / "suite.md").read_text()
+    assert f"| uniform | b25 | p128x1 | decode | {strata['metrics']['decode_tok_s']:,.2f} | 777.23 | {ratio:,.2f}x |" in md
