@@ -136,7 +136,7 @@ FAST_PATHS: dict[str, frozenset[str]] = {
     "gpu_pairs": frozenset({"plain"}),  # decode pair kernels over GPU slots, full-graph decode (strata.kernels.gpu.grouped)
     "gpu_in_place": frozenset({"plain"}),  # the GPU's in-place reads of pinned RAM in one-graph split decode
     "gpu_grouped": frozenset({"plain"}),  # prefill's grouped GEMMs over GPU slots (strata.kernels.gpu.grouped_gemm)
-    "cpu_kernel": frozenset({"plain", "fp8", "mxfp4"}),  # the compiled CPU expert kernel (strata.kernels.cpu)
+    "cpu_kernel": frozenset({"plain", "fp8", "mxfp4", "gguf"}),  # the compiled CPU expert kernel (strata.kernels.cpu)
     "cpu_mailbox": frozenset({"plain"}),  # one-graph decode's native CPU worker (strata.runtime.offload.mailbox)
 }
 GGUF_FAST_TYPES: dict[str, frozenset[str]] = {"cpu_kernel": frozenset({"Q4_K", "Q6_K", "Q2_K", "Q8_0"})}
@@ -146,7 +146,8 @@ FP8_BLOCKS = (128, 64, 32, 16)  # the square fp8 blocks `fp8_block_for` picks fr
 
 def reads(path: str, fmt: ExpertFormat) -> bool:
     """Whether fast path `path` (a key of `FAST_PATHS`) reads experts stored in `fmt` in place."""
-    return fmt.kind in FAST_PATHS[path]
+    types = GGUF_FAST_TYPES.get(path, frozenset())
+    return fmt.kind in FAST_PATHS[path] and (fmt.kind != "gguf" or all(n in types for t in fmt.ggml for n in t))
 
 
 def fp8_block_for(intermediate: int) -> tuple[int, int]:

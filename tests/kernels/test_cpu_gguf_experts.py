@@ -3,7 +3,7 @@ stored, against the fp32 reference on the weights `gguf` dequantizes (`expert_sw
 Random valid blocks of every type the kernel reads, each backend within `tolerance(backend, "gguf")`, and within
 float32 rounding of the same math on bf16-rounded activations (the kernel's own rounding: a wrong code or scale in
 one sub-block shows there); avx512_bf16 bit-identical to its emulation; types mixed per matrix and per expert; split
-experts."""
+experts; types a backend does not read on the torch path; an engine on a tiny GGUF model through a CPU tier."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from gguf_blocks_random import random_blocks
 
+from strata.kernels import quant
 from strata.kernels.cpu import experts as ce
 from strata.kernels.cpu.expert_args import GGUF_TYPES, slot_pointers
 from strata.kernels.experts import expert_swiglu
@@ -202,6 +203,20 @@ def test_split_experts_compute_their_leading_rows():
     assert all(torch.equal(o, outs[0]) for o in outs)
 
 
+def test_types_a_backend_does_not_read_take_the_torch_path():
+    q3 = ExpertFormat("gguf", ggml=(("Q4_K",), ("Q4_K",), ("Q3_K",)))
+    q4 = ExpertFormat("gguf", ggml=(("Q4_K", "Q2_K"), ("Q4_K",), ("Q6_K", "Q8_0")))
+    assert quant.reads("cpu_kernel", q4) and not quant.reads("cpu_kernel", q3)
+    for name in ("avx512", "avx2", "torch"):
+        assert ce.backend(name, q4) == "torch"
+    assert ce.backend(None, q3) == "torch"
+    if "avx512_bf16" in ce.available_backends():
+        assert ce.backend(None, q4) == ce.backend("avx512_bf16", "gguf") == "avx512_bf16"
+    _, _, mats, deq = gguf_experts([("Q4_K", "Q4_K", "Q3_K")], 256, 256, seed=8)
+    x, idx, tw = torch.randn(2, 256), [torch.tensor([0, 1])], [torch.tensor([0.5, 1.0])]
+    assert torch.equal(ce.cpu_experts_forward(x, mats, idx, tw), reference(x, deq, idx, tw))
+
+
 @needs_kernel
 def test_the_header_names_the_types_and_bad_ones_are_refused():
     layout, blobs, mats, _ = gguf_experts([("Q4_K", "Q4_K", "Q6_K")], 256, 256, seed=9)
@@ -214,3 +229,61 @@ def test_the_header_names_the_types_and_bad_ones_are_refused():
     blobs[0][2] = 14
     with pytest.raises(ValueError, match="does not fit its sections"):
         ce.cpu_experts_forward(x, [(cut, dn)], idx, tw, backend=kernel_backends()[0])
+
+
+@needs_kernel
+def test_an_engine_computes_gguf_experts_with_the_kernel(tmp_path, monkeypatch):
+    """A tiny Qwen3-MoE GGUF (types mixed per layer) through a CPU tier, experts pinned and then evicted: the compiled
+    kernel reads every expert as stored (strata.kernels.quant.FAST_PATHS lists gguf for its types), and the
+    log-probabilities stay within the bf16 activations' rounding of the dequantized reference's."""
+    pytest.importorskip("transformers")
+    from gguf_models import VOCAB, build_qwen3_gguf
+
+    from strata import Engine
+
+    _, path = build_qwen3_gguf(tmp_path / "gguf", [("Q4_K", "Q4_K", "Q6_K"), ("Q2_K", "Q8_0", "Q4_K")])
+    calls: list[str] = []
+    run_packed = ce.run_packed
+
+    def spy(*args, fmt=None, **kwargs):
+        calls.append(fmt.kind if fmt is not None else "bf16")
+        return run_packed(*args, fmt=fmt, **kwargs)
+
+    monkeypatch.setattr(ce, "run_packed", spy)
+    prompt = torch.randint(3, VOCAB, (16,), generator=torch.Generator().manual_seed(1)).tolist()
+    fp32 = {"dtype": "float32", "max_context": 256}
+    disk = {"path": str(tmp_path / "cache"), "scrub": False}
+    with Engine.from_pretrained(path, device="cpu", config={"runtime": {**fp32, "cpu_numerics": "gpu"},
+                                                            "tiers": {"disk": disk}}) as reference:
+        want = reference.score(prompt)
+    assert not calls  # (the reference math: no kernel)
+    for budget in ("64MiB", "600KiB"):  # every expert pinned (slot addresses), then evictions (handles)
+        calls.clear()
+        cfg = {"runtime": fp32, "tiers": {"pinned": {"budget": budget}, "disk": disk}}
+        with Engine.from_pretrained(path, device="cpu", config=cfg) as tiered:
+            got = tiered.score(prompt)
+            evictions = tiered.stats()["tiers"]["tiers"]["pinned"]["evictions"]
+        assert (evictions > 0) == (budget == "600KiB")
+        assert calls and set(calls) == {"gguf"}, budget
+        assert (got - want).abs().max().item() < 5e-3  # (1.0e-3 measured: the activations in bf16)
+
+
+def test_the_plan_says_which_gguf_files_the_kernel_reads(tmp_path):
+    """`strata plan` on a GGUF file with no GPU: the compiled kernel for a Q4_K_M-like mix; a Q3_K tensor falls back
+    to dequantizing each expert, and the plan says so."""
+    pytest.importorskip("transformers")
+    from gguf_models import build_qwen3_gguf
+
+    from strata.runtime.plan.host import HostInfo
+    from strata.runtime.plan.planner import plan
+
+    GiB = 1 << 30
+    cpu_only = HostInfo(gpus=[], ram_total=64 * GiB, ram_available=64 * GiB, tmpfs_path="/dev/shm/strata",
+                        tmpfs_free=8 * GiB, disk_path=str(tmp_path), disk_free=64 * GiB, cpu_count=2)
+    _, read = build_qwen3_gguf(tmp_path / "read", [("Q4_K", "Q4_K", "Q6_K"), ("Q2_K", "Q2_K", "Q8_0")])
+    _, other = build_qwen3_gguf(tmp_path / "other", [("Q4_K", "Q4_K", "Q6_K"), ("Q3_K", "Q4_K", "Q4_K")])
+    fast, slow = plan(read, cpu_only), plan(other, cpu_only)
+    assert fast.decode == "experts on CPU threads from RAM, the compiled kernel"
+    assert "does not read" not in " ".join(fast.notes)
+    assert "dequantized one by one" in slow.decode
+    assert "compiled CPU kernel does not read gguf Q4_K/Q3_K/Q6_K experts" in " ".join(slow.notes)

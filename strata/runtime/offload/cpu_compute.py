@@ -33,9 +33,11 @@ class CpuCompute:
         (gu_shape, dn_shape), dtype = store.expert_shapes, store.dtype
         experts = max(2, min(16, nbytes // store.payload_bytes))
         # constant weights: the kernel is memory-bound, so values do not matter and filling is cheap (a constant byte
-        # in quantized blobs: finite FP8 values and scales, mid-range e8m0 scales)
+        # in quantized blobs: finite FP8 values and scales, mid-range e8m0 scales; GGUF's header names real types)
         if self._kernel_reads(layout):
-            ws = [layout.matrices(torch.full((layout.payload_bytes,), 0x38, dtype=torch.uint8)) for _ in range(experts)]
+            from strata.kernels.cpu.expert_args import calibration_blob
+
+            ws = [layout.matrices(calibration_blob(layout)) for _ in range(experts)]
             dtype = torch.bfloat16
         else:
             dtype = torch.bfloat16 if layout.fmt.quantized else dtype
@@ -114,7 +116,7 @@ class CpuCompute:
         layout = store.layout
         fmt = layout.fmt if layout.fmt.quantized else None
         if (fmt is None and store.dtype != torch.bfloat16) or (fmt is not None and not self._kernel_reads(layout)) \
-                or ce.backend(self.cpu_kernel, layout.fmt.kind) == "torch" or not groups:
+                or ce.backend(self.cpu_kernel, layout.fmt) == "torch" or not groups:
             return None
         # pair indices per expert as numpy (a decode layer's host step spends microseconds, not a torch op, on each)
         sels = [np.asarray(sel, dtype=np.int64) for _, sel in groups]
