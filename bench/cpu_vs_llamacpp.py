@@ -65,6 +65,7 @@ WARMUP_TOKENS = 256  # a warm-up prompt routes to nearly every expert of a unifo
 # near-linear, where silu(g) u ~ g u / 2 is symmetric; hence the plain cut's check before any timing).
 CHECK_MAX_MEDIAN = 0.02
 CHECK_MAX_P99 = 0.12
+PAGED_FAULTS = 256  # major page faults (1 MiB at 4 KiB pages) in a side's timed workloads: it read from disk
 CHECK_MIN_TOP1 = 0.9
 
 
@@ -289,7 +290,12 @@ def summary_line(res: dict) -> str:
 
 
 def medians(rounds: list[dict]) -> dict:
-    """Median tok/s per engine and workload, and strata / llama.cpp."""
+    """Median tok/s per engine and workload, and strata / llama.cpp. A round that read weights back from disk while
+    timed (more than PAGED_FAULTS major page faults: the page cache gave way under the other engine's memory) is
+    left out where that engine has a round that did not; `paged` lists the rounds left out."""
+    paged = [(r["engine"], r["round"]) for r in rounds if r.get("major_faults", 0) > PAGED_FAULTS]
+    clean = {r["engine"] for r in rounds if r.get("major_faults", 0) <= PAGED_FAULTS}
+    rounds = [r for r in rounds if r.get("major_faults", 0) <= PAGED_FAULTS or r["engine"] not in clean]
     table: dict[str, dict[str, list[float]]] = {}
     for res in rounds:
         row = table.setdefault(res["engine"], {})
@@ -301,6 +307,7 @@ def medians(rounds: list[dict]) -> dict:
     if "strata" in med and "llama.cpp" in med:
         med["ratio"] = {k: round(med["strata"][k] / med["llama.cpp"][k], 3) for k in med["strata"]
                         if med["llama.cpp"].get(k)}
+    med["paged"] = [f"{e} round {i + 1}" for e, i in paged if e in clean]
     return med
 
 

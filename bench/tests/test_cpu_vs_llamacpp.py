@@ -43,7 +43,13 @@ def test_medians_and_ratios():
     med = bench.medians(rounds)
     assert med["llama.cpp"] == {"prefill_64": 200, "decode_x1": 20} and med["strata"] == {"prefill_64": 100,
                                                                                           "decode_x1": 30}
-    assert med["ratio"] == {"prefill_64": 0.5, "decode_x1": 1.5}
+    assert med["ratio"] == {"prefill_64": 0.5, "decode_x1": 1.5} and med["paged"] == []
+    # a round that read weights back from disk while timed is left out where the engine has clean rounds
+    paged = {**res("llama.cpp", [1], [1]), "round": 3, "major_faults": bench.PAGED_FAULTS + 1}
+    med = bench.medians(rounds + [paged])
+    assert med["llama.cpp"] == {"prefill_64": 200, "decode_x1": 20} and med["paged"] == ["llama.cpp round 4"]
+    only = bench.medians([paged, res("strata", [50], [30])])  # no clean round of that engine: kept
+    assert only["llama.cpp"] == {"prefill_64": 1, "decode_x1": 1} and only["paged"] == []
 
 
 @pytest.fixture(scope="module")
