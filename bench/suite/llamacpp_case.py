@@ -117,7 +117,8 @@ def batched_bench_cmd(tool: Path, gguf: Path, n_cpu_moe: int, threads: int, prom
     ctx = max(streams) * (max(prompts) + tokens) + 64  # every sequence its own prompt and tokens (not shared)
     return [str(tool), *common_args(gguf, n_cpu_moe, threads), "-fa", "on", "-c", str(ctx), "-b", "2048",
             "-ub", "512", "-npp", ",".join(map(str, prompts)), "-ntg", str(tokens),
-            "-npl", ",".join(map(str, streams))]  # its markdown table: the jsonl output loses its last row
+            "-npl", ",".join(map(str, streams)), "-lv", "4"]  # its table (the jsonl output loses its last row);
+    # -lv 4: its buffer sizes (parse_buffers)
 
 
 def llama_bench_cmd(tool: Path, gguf: Path, n_cpu_moe: int, threads: int, prompts: list[int],
@@ -147,6 +148,24 @@ def parse_batched_bench(text: str) -> list[dict]:
     return rows
 
 
+BUFFER = re.compile(r"\s(\S+)\s+(model|KV|compute|output) buffer size =\s+([\d.]+) MiB")
+
+
+def parse_buffers(text: str) -> dict[str, dict[str, int]]:
+    """llama.cpp's buffer lines at log verbosity 4 (`-lv 4`): {buffer name: {model|KV|compute|output: bytes}}, e.g.
+    CUDA0 (VRAM), CUDA_Host (pinned RAM), CPU_Mapped (the mmapped GGUF), CPU."""
+    out: dict[str, dict[str, int]] = {}
+    for name, kind, mib in BUFFER.findall(text):
+        out.setdefault(name, {})[kind] = out.get(name, {}).get(kind, 0) + round(float(mib) * 2**20)
+    return out
+
+
+def gpu_buffer_bytes(buffers: dict[str, dict[str, int]]) -> int | None:
+    """VRAM llama.cpp allocated: its CUDA devices' model, KV, compute and output buffers (None without a GPU)."""
+    gpu = [sum(kinds.values()) for name, kinds in buffers.items() if re.fullmatch(r"CUDA\d+", name)]
+    return sum(gpu) if gpu else None
+
+
 def parse_llama_bench(text: str) -> list[dict]:
     """llama-bench -o json: one object per test, {n_prompt, n_gen, avg_ts, stddev_ts, n_cpu_moe, ...}."""
     start = text.find("[")
@@ -174,6 +193,9 @@ def _metrics(decode: dict | None, prefill: dict | None, prompt: int) -> dict:
         pl = decode["pl"]
         m.update(decode_tok_s=round(decode["speed_tg"], 3), slowest_stream_tok_s=round(decode["speed_tg"] / pl, 3),
                  prefill_tok_s=round(decode["speed_pp"], 2), ttft_s=round(decode["t_pp"], 4), tokens=decode["tg"])
+        buffers = decode.get("buffers") or {}
+        # peak VRAM: what llama.cpp allocated on the GPU for that run (its CUDA buffers; the CUDA context not counted)
+        m.update(peak_vram_bytes=gpu_buffer_bytes(buffers), llamacpp_buffers=buffers)
     if prefill:  # llama-bench's mean over its repetitions replaces the one batched-bench prefill
         m.update(prefill_tok_s=round(prefill["avg_ts"], 2), ttft_s=round(prompt / prefill["avg_ts"], 4),
                  prefill_stddev_tok_s=round(prefill.get("stddev_ts", 0.0), 2))
@@ -211,8 +233,9 @@ def run_llamacpp_group(group: list[Case], model: Path, tools: dict[str, Path], s
     for prompt, streams in sorted(by_prompt.items()):  # one batched-bench run per prompt length
         out = _run(batched_bench_cmd(tools["llama-batched-bench"], gguf, n_cpu_moe, threads, [prompt],
                                      tokens[prompt], sorted(set(streams))), deadline - time.perf_counter(), log)
+        buffers = parse_buffers(out)
         for row in parse_batched_bench(out):
-            decode_rows[(row["pp"], row["pl"])] = row
+            decode_rows[(row["pp"], row["pl"])] = {**row, "buffers": buffers}
     prefill_rows: dict[int, dict] = {}
     prefill = sorted(p for p, s in by_prompt.items() if p in PREFILL_PROMPTS and 1 in s)
     if prefill:

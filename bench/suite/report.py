@@ -160,7 +160,8 @@ def llamacpp_rows(doc: dict) -> list[dict]:
             row["strata"] = row["strata"] if row["strata"] is not None else ours
             row["llamacpp"][label] = {"tok_s": theirs, "ratio": ours / theirs if ours and theirs else None,
                                       "same_run": same, "n_cpu_moe": (b.get("config") or {}).get("n_cpu_moe"),
-                                      "strata_tok_s": ours}
+                                      "strata_tok_s": ours, "vram": b["metrics"].get("peak_vram_bytes"),
+                                      "strata_vram": a["metrics"].get("peak_vram_bytes") if _tok(a) else None}
         if row["llamacpp"]:
             out.append(row)
     return out
@@ -172,8 +173,8 @@ def llamacpp_table(doc: dict) -> str:
     if not rows:
         return ""
     lines = ["| routing | budget | workload | measure | strata tok/s | llama.cpp bf16 tok/s | strata / llama.cpp bf16 | "
-             "llama.cpp Q4_K_M tok/s | strata / llama.cpp Q4_K_M | --n-cpu-moe |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "llama.cpp Q4_K_M tok/s | strata / llama.cpp Q4_K_M | --n-cpu-moe | VRAM GiB: strata / llama.cpp bf16 |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         cells = []
         for label in ("bf16", "Q4_K_M"):
@@ -181,8 +182,11 @@ def llamacpp_table(doc: dict) -> str:
             ratio = f"{x['ratio']:,.2f}x" + ("" if x["same_run"] else ACROSS) if x and x["ratio"] else ""
             cells += [_f(x["tok_s"], 2) if x else "", ratio]
         ncmoe = sorted({str(x["n_cpu_moe"]) for x in r["llamacpp"].values() if x["n_cpu_moe"] is not None})
+        bf16 = r["llamacpp"].get("bf16") or {}
+        vram = (f"{_f(bf16.get('strata_vram'), 1, 2**30) or '?'} / {_f(bf16.get('vram'), 1, 2**30) or '?'}"
+                if bf16.get("vram") or bf16.get("strata_vram") else "")
         lines.append(f"| {r['routing']} | {r['budget']} | {r['workload']} | {r['measure']} | {_f(r['strata'], 2)} | "
-                     f"{' | '.join(cells)} | {', '.join(ncmoe)} |")
+                     f"{' | '.join(cells)} | {', '.join(ncmoe)} | {vram} |")
     return "\n".join(lines)
 
 
@@ -313,7 +317,8 @@ def render(doc: dict, command: str | None = None, plot: str | None = None, llama
                   "but the routed experts of its first `--n-cpu-moe` layers, the most whole layers of experts that fit "
                   "the budget (bench/suite/llamacpp_case.py); flash attention on, `-t` the physical cores. Decode: "
                   "`llama-batched-bench` (all streams' tokens over the decode time); prefill: `llama-bench` (mean of its "
-                  "repetitions). Ratios above 1: strata faster.", "", versus]
+                  "repetitions). Ratios above 1: strata faster. VRAM: strata's peak (torch's allocator) against the "
+                  "CUDA buffers llama.cpp reports (model, KV cache, compute).", "", versus]
         if llamacpp_plot:
             lines += ["", f"![strata / llama.cpp per case]({llamacpp_plot})"]
     lines += ["", "### Every case", "", case_table(doc)]

@@ -28,9 +28,11 @@ from bench.suite.cases import (
 from bench.suite.llamacpp_case import (
     batched_bench_cmd,
     cpu_moe_layers,
+    gpu_buffer_bytes,
     layer_expert_bytes,
     llama_bench_cmd,
     parse_batched_bench,
+    parse_buffers,
     parse_llama_bench,
     run_llamacpp_group,
 )
@@ -106,6 +108,22 @@ def test_batched_bench_table_and_jsonl_parse_to_rows():
         # prints the times to the millisecond
         assert r["speed_tg"] == pytest.approx(r["pl"] * r["tg"] / r["t_tg"], rel=0.01 + 5e-4 / r["t_tg"])
         assert r["speed_pp"] == pytest.approx(r["pl"] * r["pp"] / r["t_pp"], rel=0.01 + 5e-4 / r["t_pp"])
+
+
+def test_the_buffer_sizes_say_what_llama_cpp_put_in_vram():
+    cpu = parse_buffers((DATA / "batched-bench.lv4.stderr.txt").read_text())  # -lv 4 of the CPU build, as captured
+    assert cpu == {"CPU_Mapped": {"model": round(0.67 * 2**20)}, "CPU": {
+        "output": 0, "KV": round(0.18 * 2**20), "compute": round(2.06 * 2**20)}}
+    assert gpu_buffer_bytes(cpu) is None
+    # a CUDA build's lines (llama-model.cpp / llama-kv-cache.cpp / llama-context.cpp formats): pinned host buffers
+    # (CUDA_Host) are RAM, not VRAM
+    cuda = ("I load_tensors:        CUDA0 model buffer size =  4096.00 MiB\n"
+            "I load_tensors:    CUDA_Host model buffer size =   512.00 MiB\n"
+            "I load_tensors:   CPU_Mapped model buffer size = 12288.00 MiB\n"
+            "I llama_kv_cache:      CUDA0 KV buffer size =   144.00 MiB\n"
+            "I sched_reserve:      CUDA0 compute buffer size =   300.50 MiB\n"
+            "I sched_reserve:  CUDA_Host compute buffer size =    20.00 MiB\n")
+    assert gpu_buffer_bytes(parse_buffers(cuda)) == round((4096 + 144 + 300.5) * 2**20)
 
 
 def test_llama_bench_json_parses_to_its_prefill_tests():
@@ -211,11 +229,12 @@ def test_a_group_turns_the_tools_output_into_records(tiny_gguf_model, tmp_path):
 # --- the report -----------------------------------------------------------------------------------------------
 
 
-def _ok(name: str, decode: float, prefill: float = 1000.0, **config) -> dict:
+def _ok(name: str, decode: float, prefill: float = 1000.0, vram: float | None = None, **config) -> dict:
     variant, budget, routing, wl = name.split("/")
     prompt, streams = (int(x) for x in wl[1:].split("x"))
     m = dict.fromkeys(results.METRICS)
-    m.update(decode_tok_s=decode, slowest_stream_tok_s=decode / streams, prefill_tok_s=prefill, bytes_per_token={})
+    m.update(decode_tok_s=decode, slowest_stream_tok_s=decode / streams, prefill_tok_s=prefill, bytes_per_token={},
+             peak_vram_bytes=vram)
     return {"name": name, "variant": variant, "routing": routing, "group": "grid", "status": "ok", "reason": None,
             "budget": {"gpu_fraction": 0.25, "ram_fraction": None},
             "workload": {"prompt": prompt, "streams": streams, "tokens": 64}, "metrics": m, "roofline": None,
@@ -227,7 +246,8 @@ def _doc() -> dict:
                                Rates().as_dict())
     doc["models"] = {"uniform": {"layers": 12, "route_skew": "uniform"}}
     doc["cases"] = [
-        _ok("split/b25/uniform/p128x1", 30.0), _ok("llamacpp/b25/uniform/p128x1", 20.0, n_cpu_moe=9),
+        _ok("split/b25/uniform/p128x1", 30.0, vram=5 * 2**30),
+        _ok("llamacpp/b25/uniform/p128x1", 20.0, vram=4.5 * 2**30, n_cpu_moe=9),
         _ok("llamacpp-q4_k_m/b25/uniform/p128x1", 40.0, n_cpu_moe=9),
         _ok("split/b25/uniform/p128x8", 120.0), _ok("llamacpp/b25/uniform/p128x8", 60.0, n_cpu_moe=9),
         _ok("split/b25/uniform/p8192x1", 25.0, prefill=4000.0),
@@ -243,9 +263,9 @@ def test_the_table_strata_against_llamacpp_from_a_results_file(tmp_path):
     table = report.llamacpp_table(doc)
     lines = table.splitlines()
     assert len(lines) == 2 + 3  # header, rule, one row per split case with a llama.cpp twin
-    assert "| uniform | b25 | p128x1 | decode | 30.00 | 20.00 | 1.50x | 40.00 | 0.75x | 9 |" in lines
-    assert "| uniform | b25 | p128x8 | decode | 120.00 | 60.00 | 2.00x |  |  | 9 |" in lines
-    assert "| uniform | b25 | p8192x1 | prefill | 4,000.00 | 1,000.00 | 4.00x |  |  | 9 |" in lines  # prefill tok/s
+    assert "| uniform | b25 | p128x1 | decode | 30.00 | 20.00 | 1.50x | 40.00 | 0.75x | 9 | 5.0 / 4.5 |" in lines
+    assert "| uniform | b25 | p128x8 | decode | 120.00 | 60.00 | 2.00x |  |  | 9 |  |" in lines
+    assert "| uniform | b25 | p8192x1 | prefill | 4,000.00 | 1,000.00 | 4.00x |  |  | 9 |  |" in lines  # prefill tok/s
     md = report.render(doc, "python -m bench run --suite llamacpp", "suite.png", "suite-llamacpp.png")
     assert "### strata against llama.cpp" in md and "![strata / llama.cpp per case](suite-llamacpp.png)" in md
     no_llama = {**_doc(), "cases": [c for c in doc["cases"] if c["variant"] == "split"]}
