@@ -25,7 +25,9 @@
 #                build a time limit cut short: run the step again)              -> $OUT/llamacpp-build.txt
 #   llamacpp     strata against llama.cpp on the same weights (the llamacpp suite: bf16 and Q4_K_M GGUF exports of the
 #                12-layer bench model, 25% budget, decode of 1/4/8 streams, prefill of 512 and 8K tokens; llama.cpp's
-#                cases run last and wait for its build)  -> $OUT/llamacpp/suite.json, suite.md, suite-llamacpp.png
+#                cases run last and wait for its build; CASES narrows it: one routing a call, CASES='*/uniform/*',
+#                then CASES='*/skewed/*' into another OUT, merged by `python -m bench report A.json B.json`)
+#                                                      -> $OUT/llamacpp/suite.json, suite.md, suite-llamacpp.png
 #   all          tests suite serve-empty serve-filled (for a machine without a per-command time limit)
 #   wheels       on a machine with internet access, not the GPU machine: fetch into .whl/ (git-ignored) the wheels the
 #                GPU machine lacks (the server's stack, kvikio for CUDA 13); carry .whl/ to the GPU machine, where
@@ -39,7 +41,7 @@
 #   COMMIT     the commit to record in the suite's results (STRATA_BENCH_COMMIT), for a copy of the tree without
 #              its git metadata, e.g. COMMIT=$(git rev-parse --short HEAD) where the tree was copied from
 #   DEADLINE   seconds after which the suite skips its remaining cases (default 540)
-#   CASES      the suite's case patterns instead of every quick case, e.g. CASES="split/b25/*"
+#   CASES      the suite's (or the llamacpp step's) case patterns instead of every case, e.g. CASES="split/b25/*"
 #   TESTS      test files for `tests` instead of all of tests/
 #   BASELINES  baselines the suite step adds to every strata split case it runs, e.g. BASELINES=llamacpp
 #              (bench run --baselines; llama.cpp's tools are found or built as the llamacpp step does)
@@ -137,7 +139,9 @@ step() {
       local rc=$?; tail -3 "$OUT/llamacpp-build.txt"; return "$rc" ;;
     llamacpp)
       rm -rf "$OUT/llamacpp"
-      timeout 590 python3 -m bench run --suite llamacpp --deadline "${DEADLINE:-540}" --out "$OUT/llamacpp" 2>&1 | tail -30
+      local args=(--suite llamacpp --deadline "${DEADLINE:-540}" --out "$OUT/llamacpp") cases=()
+      if [ -n "${CASES:-}" ]; then read -r -a cases <<< "$CASES"; args+=(--cases "${cases[@]}"); fi
+      timeout 590 python3 -m bench run "${args[@]}" 2>&1 | tail -30
       return "${PIPESTATUS[0]}" ;;
     wheels)
       wheels ;;

@@ -138,9 +138,57 @@ def cuda_available() -> bool:
     return out.returncode == 0 and "GPU" in out.stdout
 
 
-def cmake_args(cuda: bool) -> list[str]:
-    """The configure flags: the common ones, plus CUDA for sm_90 (H100/H200) when `cuda`."""
-    return [*CMAKE_COMMON, *(CMAKE_CUDA if cuda else ("-DGGML_CUDA=OFF",))]
+def cmake_args(cuda: bool, cublas: list[str] | None = None) -> list[str]:
+    """The configure flags: the common ones, plus CUDA for sm_90 (H100/H200) when `cuda`, plus `cublas` (the
+    flags of `pip_cublas_args` where the toolkit has no cuBLAS of its own, and of `cuda_driver_args`)."""
+    return [*CMAKE_COMMON, *((*CMAKE_CUDA, *(cublas or [])) if cuda else ("-DGGML_CUDA=OFF",))]
+
+
+def toolkit_has_cublas() -> bool:
+    """Whether the CUDA toolkit of the nvcc on PATH has cuBLAS's header (a toolkit put together from pip's
+    nvidia-cuda-* wheels has none: cuBLAS then comes with torch's nvidia-cublas wheel)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return False
+    root = Path(nvcc).resolve().parent.parent
+    return any((root / sub / "cublas_v2.h").is_file() for sub in ("include", "targets/x86_64-linux/include"))
+
+
+def cuda_driver_args() -> list[str]:
+    """cmake flags for the CUDA driver library (libcuda), which ggml links for its VMM pool: none where the toolkit
+    has its stub, the driver's own libcuda.so.1 where ldconfig knows it (a toolkit from pip's wheels has no stub),
+    else the VMM pool off (-DGGML_CUDA_NO_VMM=ON: ggml's other pool; a configure-only host without a driver)."""
+    nvcc = shutil.which("nvcc")
+    if nvcc:
+        root = Path(nvcc).resolve().parent.parent
+        if any((root / sub / "libcuda.so").exists() for sub in ("lib64/stubs", "targets/x86_64-linux/lib/stubs")):
+            return []
+    try:
+        listing = subprocess.run(["ldconfig", "-p"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        listing = ""
+    for line in listing.splitlines():
+        if line.strip().startswith("libcuda.so") and "=>" in line and "x86-64" in line:
+            return [f"-DCUDA_cuda_driver_LIBRARY={line.split('=>', 1)[1].strip()}"]
+    return ["-DGGML_CUDA_NO_VMM=ON"]
+
+
+def pip_cublas_args(search: list[str | os.PathLike] | None = None) -> list[str]:
+    """cmake flags that point llama.cpp's CUDA build at the cuBLAS of pip's nvidia wheels (the library files named
+    as FindCUDAToolkit's cache entries, the header directory on nvcc's and the compiler's include path), found
+    under <dir>/nvidia for each dir of `search` (default: sys.path); [] when none is there."""
+    for base in search if search is not None else sys.path:
+        nvidia = Path(base) / "nvidia"
+        if not nvidia.is_dir():
+            continue
+        for header in sorted(nvidia.glob("**/include/cublas_v2.h")):
+            lib = header.parent.parent / "lib"
+            cublas, cublas_lt = sorted(lib.glob("libcublas.so*")), sorted(lib.glob("libcublasLt.so*"))
+            if cublas and cublas_lt:
+                inc = header.parent
+                return [f"-DCUDA_cublas_LIBRARY={cublas[-1]}", f"-DCUDA_cublasLt_LIBRARY={cublas_lt[-1]}",
+                        f"-DCMAKE_CUDA_FLAGS=-I{inc}", f"-DCMAKE_CXX_FLAGS=-I{inc}"]
+    return []
 
 
 def build_dir_for(src: str | os.PathLike, build_root: str | os.PathLike, cuda: bool) -> Path:
@@ -170,7 +218,11 @@ def build_tools(src: str | os.PathLike, build_root: str | os.PathLike, tools: tu
         raise LlamaCppBuildError("cmake is not installed; install cmake (and a C++ compiler) to build llama.cpp")
     build.mkdir(parents=True, exist_ok=True)
     gen = ["-G", "Ninja"] if shutil.which("ninja") else []
-    configure = ["cmake", "-S", str(src), "-B", str(build), *gen, *cmake_args(cuda)]
+    cublas = pip_cublas_args() if cuda and not toolkit_has_cublas() else []
+    if cublas:
+        log(f"llama.cpp: cuBLAS from pip's nvidia wheels ({cublas[0].split('=', 1)[1]}): the toolkit has none")
+    cublas += cuda_driver_args() if cuda else []
+    configure = ["cmake", "-S", str(src), "-B", str(build), *gen, *cmake_args(cuda, cublas)]
     compile_ = ["cmake", "--build", str(build), "-j", str(jobs or os.cpu_count() or 2), "--target", *tools]
     for what, cmd in (("configure", configure), ("build", compile_)):
         log(f"llama.cpp {what}: {' '.join(cmd)}")

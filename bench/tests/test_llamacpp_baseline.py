@@ -185,6 +185,21 @@ def test_the_configure_flags_are_the_suites():
     assert "-DGGML_CUDA=OFF" in build.cmake_args(False) and "-DCMAKE_CUDA_ARCHITECTURES=90" not in build.cmake_args(False)
 
 
+def test_cublas_from_pips_nvidia_wheels_where_the_toolkit_has_none(tmp_path):
+    site = tmp_path / "site"
+    assert build.pip_cublas_args([site]) == []
+    cu13 = site / "nvidia" / "cu13"  # nvidia-cublas 13's layout
+    (cu13 / "include").mkdir(parents=True)
+    (cu13 / "lib").mkdir()
+    for f in ("include/cublas_v2.h", "lib/libcublas.so.13", "lib/libcublasLt.so.13"):
+        (cu13 / f).write_text("")
+    args = build.pip_cublas_args([tmp_path / "elsewhere", site])
+    assert args == [f"-DCUDA_cublas_LIBRARY={cu13}/lib/libcublas.so.13",
+                    f"-DCUDA_cublasLt_LIBRARY={cu13}/lib/libcublasLt.so.13",
+                    f"-DCMAKE_CUDA_FLAGS=-I{cu13}/include", f"-DCMAKE_CXX_FLAGS=-I{cu13}/include"]
+    assert build.cmake_args(True, args)[-4:] == args and not set(args) & set(build.cmake_args(False, args))
+
+
 def test_no_tools_and_no_source_skips_with_what_to_pass(tmp_path, monkeypatch):
     monkeypatch.delenv("STRATA_LLAMACPP_BIN", raising=False)
     monkeypatch.setenv("PATH", str(tmp_path))
