@@ -139,7 +139,9 @@ FAST_PATHS: dict[str, frozenset[str]] = {
     "cpu_kernel": frozenset({"plain", "fp8", "mxfp4", "gguf"}),  # the compiled CPU expert kernel (strata.kernels.cpu)
     "cpu_mailbox": frozenset({"plain"}),  # one-graph decode's native CPU worker (strata.runtime.offload.mailbox)
 }
-GGUF_FAST_TYPES: dict[str, frozenset[str]] = {"cpu_kernel": frozenset({"Q4_K", "Q6_K", "Q2_K", "Q8_0"})}
+GGUF_FAST_TYPES: dict[str, frozenset[str]] = {
+    "cpu_kernel": frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS"}),
+}
 """The ggml block types a path with "gguf" reads: it reads a GGUF format only if every matrix's types are here."""
 FP8_BLOCKS = (128, 64, 32, 16)  # the square fp8 blocks `fp8_block_for` picks from, largest first
 

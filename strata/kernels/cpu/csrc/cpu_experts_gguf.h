@@ -22,7 +22,7 @@
 namespace {
 
 enum : int { GG_Q8_0 = 8, GG_Q2_K = 10, GG_Q3_K = 11, GG_Q4_K = 12, GG_Q5_K = 13, GG_Q6_K = 14, GG_IQ4_XS = 23 };
-enum : int { GL_Q4K, GL_Q2K, GL_Q6K, GL_Q80, GL_COUNT };  // activation layouts (a type's step order)
+enum : int { GL_Q4K, GL_Q2K, GL_Q6K, GL_Q80, GL_IQ4, GL_Q3K, GL_COUNT };  // activation layouts (a type's step order)
 
 struct GgufBlock {
     int values = 0, bytes = 0;
@@ -51,6 +51,9 @@ inline int gguf_layout_of(int t) {
         case GG_Q2_K: return GL_Q2K;
         case GG_Q6_K: return GL_Q6K;
         case GG_Q8_0: return GL_Q80;
+        case GG_Q5_K: return GL_Q4K;
+        case GG_IQ4_XS: return GL_IQ4;
+        case GG_Q3_K: return GL_Q3K;
         default: return -1;
     }
 }
@@ -66,6 +69,9 @@ using TQ4K = GgufT<GG_Q4_K, GL_Q4K, 144, 256, 4, 2, true>;
 using TQ2K = GgufT<GG_Q2_K, GL_Q2K, 84, 256, 4, 2, true>;
 using TQ6K = GgufT<GG_Q6_K, GL_Q6K, 210, 256, 4, 2, false>;
 using TQ80 = GgufT<GG_Q8_0, GL_Q80, 68, 64, 1, 2, false>;
+using TQ5K = GgufT<GG_Q5_K, GL_Q4K, 176, 256, 4, 2, true>;
+using TIQ4 = GgufT<GG_IQ4_XS, GL_IQ4, 136, 256, 2, 4, false>;
+using TQ3K = GgufT<GG_Q3_K, GL_Q3K, 110, 256, 4, 2, true>;
 
 // A step's scales, decoded: each chain's lane scales, and the lanes of -c (the mins and offsets, times the sums).
 template <class Fv>
@@ -104,6 +110,37 @@ inline void gguf_q4k_scales(const uint8_t* s12, uint8_t out[16]) {
     std::memcpy(out, u, 16);
 }
 
+// The same as two 64-bit words (sc0..7, m0..7), the vector decoders' way into a register (no bytes through memory)
+inline void gguf_q4k_scales64(const uint8_t* s12, uint64_t& lo, uint64_t& hi) {
+    uint64_t u01;
+    uint32_t u2;
+    std::memcpy(&u01, s12, 8);
+    std::memcpy(&u2, s12 + 8, 4);
+    const uint64_t low6 = u01 & 0x3f3f3f3f3f3f3f3full;  // sc0..3, m0..3
+    const uint64_t sc47 = (u2 & 0x0f0f0f0fu) | (((u01 >> 6) & 0x03030303u) << 4);
+    const uint64_t m47 = ((u2 >> 4) & 0x0f0f0f0fu) | (((u01 >> 38) & 0x03030303u) << 4);
+    lo = (low6 & 0xffffffffull) | sc47 << 32;
+    hi = (low6 >> 32) | m47 << 32;
+}
+
+// IQ4_XS's non-linear 4-bit grid, and its 6-bit block scales less 32 (8 a superblock)
+constexpr int8_t kGgufIq4nl[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+inline void gguf_iq4xs_scales(const uint8_t* b, int8_t ls[8]) {
+    const int hi = gg_u16(b + 2);
+    for (int ib = 0; ib < 8; ++ib)
+        ls[ib] = int8_t((((b[4 + (ib >> 1)] >> (4 * (ib & 1))) & 15) | (((hi >> (2 * ib)) & 3) << 4)) - 32);
+}
+
+// Q3_K's 12 bytes of 6-bit scales -> 16 bytes, each the scale + 32 (llama.cpp's unpacking), as two 64-bit words
+inline void gguf_q3k_scales64(const uint8_t* s12, uint64_t& lo, uint64_t& hi) {
+    uint32_t a[3];
+    std::memcpy(a, s12, 12);
+    const uint32_t m1 = 0x03030303u, m2 = 0x0f0f0f0fu, t = a[2];
+    const uint32_t a0 = (a[0] & m2) | (((t >> 0) & m1) << 4), a1 = (a[1] & m2) | (((t >> 2) & m1) << 4);
+    const uint32_t a2 = ((a[0] >> 4) & m2) | (((t >> 4) & m1) << 4), a3 = ((a[1] >> 4) & m2) | (((t >> 6) & m1) << 4);
+    lo = a0 | uint64_t(a1) << 32, hi = a2 | uint64_t(a3) << 32;
+}
+
 // A block's weights as gguf's numpy dequantizes them (the same fp32 products): the scalar tails' values.
 inline void gguf_block_values(int t, const uint8_t* b, float* w) {
     switch (t) {
@@ -137,6 +174,39 @@ inline void gguf_block_values(int t, const uint8_t* b, float* w) {
                 const int lo = (b[64 * h + pos] >> (4 * nib)) & 15;
                 const int hi = (b[128 + 32 * h + (pos & 31)] >> (2 * (2 * nib + (pos >> 5)))) & 3;
                 w[e] = d * float(int8_t(b[192 + (e >> 4)])) * float((lo | (hi << 4)) - 32);
+            }
+            break;
+        }
+        case GG_Q3_K: {
+            uint64_t sc[2];
+            gguf_q3k_scales64(b + 96, sc[0], sc[1]);
+            const float d = gg_f16(b + 108);
+            for (int e = 0; e < 256; ++e) {
+                const int j = (e >> 5) & 3, l = e & 31, hf = e >> 7;
+                const int ql = (b[32 + 32 * hf + l] >> (2 * j)) & 3, hb = (b[l] >> (4 * hf + j)) & 1;
+                const float dl = d * float(int(reinterpret_cast<const uint8_t*>(sc)[e >> 4]) - 32);
+                w[e] = dl * float(ql - 4 * (1 - hb));
+            }
+            break;
+        }
+        case GG_Q5_K: {
+            uint8_t sm[16];
+            gguf_q4k_scales(b + 4, sm);
+            const float d = gg_f16(b), dmin = gg_f16(b + 2);
+            for (int e = 0; e < 256; ++e) {
+                const int s = e >> 5, l = e & 31, q = ((b[48 + 32 * (s >> 1) + l] >> (4 * (s & 1))) & 15) |
+                                                     (((b[16 + l] >> s) & 1) << 4);
+                w[e] = d * float(sm[s]) * float(q) - dmin * float(sm[8 + s]);
+            }
+            break;
+        }
+        case GG_IQ4_XS: {
+            int8_t ls[8];
+            gguf_iq4xs_scales(b, ls);
+            const float d = gg_f16(b);
+            for (int e = 0; e < 256; ++e) {
+                const int ib = e >> 5, j = e & 15, nib = (e >> 4) & 1;
+                w[e] = d * float(ls[ib]) * float(kGgufIq4nl[(b[8 + 16 * ib + j] >> (4 * nib)) & 15]);
             }
             break;
         }
@@ -208,6 +278,20 @@ struct GgufLayouts {
         for (int v = 0; v < 2; ++v)
             for (int i = 0; i < 32; ++i) q8.elem[32 * v + i] = int16_t(32 * (i >> 4) + 16 * v + (i & 15));
         for (int m = 0; m < 16; ++m) q8.chain_sb[0][m] = m >> 3;
+
+        GgufLayout& iq = l[GL_IQ4];  // vector 4h + k: nibble k of the words of half h (every lane one 32-value block)
+        iq.step = 256;
+        for (int v = 0; v < 8; ++v)
+            for (int i = 0; i < 32; ++i) {
+                const int h = v >> 2, k = v & 3, b = 2 * i + (k >> 1);
+                iq.elem[32 * v + i] = int16_t(32 * (4 * h + (b >> 4)) + 16 * (k & 1) + (b & 15));
+            }
+        for (int c = 0; c < 2; ++c)
+            for (int m = 0; m < 16; ++m) iq.chain_sb[c][m] = 4 * c + (m >> 2);
+
+        GgufLayout& q3 = l[GL_Q3K];  // Q2_K's order; codes 128 + (q + 4) << 2j: minus (128 4^-j + 4) X_s a sub-block
+        q3 = q2;
+        for (int s = 0; s < 16; ++s) q3.sum_scale[s] = -(kGgufQ2Offset[s] + 4.0f);
     }
 };
 const GgufLayouts g_gguf_layouts;
@@ -320,83 +404,9 @@ struct has_gguf : std::false_type {};
 template <class KK>
 struct has_gguf<KK, std::void_t<typename KK::Gguf>> : std::true_type {};
 
-// The emulation's decoders (k_emu512bf16's K::Gguf): the words, lane scales and mins cpu_experts_gguf_avx512.h's
-// produce, computed value by value with the same fp32 operations.
-template <class Wv, class Fv>
-struct GgufEmuDecode {
-    using Scales = GgufScales<Fv>;
-    static inline Fv load_sums(const float* p) {
-        Fv r;
-        std::memcpy(r.v, p, sizeof(r.v));
-        return r;
-    }
-    static inline void chains(const GgufLayout& L, const float* a, int n, Scales& d) {  // vpermps of the scales
-        for (int c = 0; c < n; ++c)
-            for (int m = 0; m < 16; ++m) d.s[c].v[m] = a[L.chain_sb[c][m]];
-    }
-    template <class F>
-    static inline void words(const GgufLayout& L, int c, F word_of, Wv* w) {  // chain c's two vectors
-        for (int r = 0; r < 2; ++r)
-            for (int i = 0; i < 32; ++i) w[r].v[i] = word_of(L.elem[32 * (2 * c + r) + i]);
-    }
-    static inline float fnmsub(float a, float b, float c) { return std::fma(-a, b, -c); }  // -(a b) - c
-
-    static inline void scales(TQ4K, const uint8_t* b, Scales& d) {
-        uint8_t sm[16];
-        gguf_q4k_scales(b + 4, sm);
-        const float dd[2] = {gg_f16(b), gg_f16(b + 2)};
-        float a[16];
-        for (int l = 0; l < 16; ++l) a[l] = float(sm[l]) * dd[l >> 3];  // [d sc_s | dmin m_s]
-        chains(g_gguf_layouts.l[GL_Q4K], a, 4, d);
-        for (int l = 0; l < 16; ++l) d.c.v[l] = a[l];  // the sums carry -128 and -1
-    }
-    static inline void codes(TQ4K, const uint8_t* b, int c, Wv* w) {
-        words(g_gguf_layouts.l[GL_Q4K], c, [&](int e) {
-            return uint16_t(0x4300 | ((b[16 + 32 * (e >> 6) + (e & 31)] >> (4 * ((e >> 5) & 1))) & 15));
-        }, w);
-    }
-    static inline void scales(TQ2K, const uint8_t* b, Scales& d) {
-        const float dv = gg_f16(b + 80), mv = gg_f16(b + 82);
-        float a[16];
-        for (int s = 0; s < 16; ++s) {
-            a[s] = float(b[s] & 15) * dv;
-            d.c.v[s] = fnmsub(a[s], kGgufQ2Offset[s], float(b[s] >> 4) * mv);
-        }
-        chains(g_gguf_layouts.l[GL_Q2K], a, 4, d);
-    }
-    static inline void codes(TQ2K, const uint8_t* b, int c, Wv* w) {
-        words(g_gguf_layouts.l[GL_Q2K], c, [&](int e) {
-            const int j = (e >> 5) & 3, q = (b[16 + 32 * (e >> 7) + (e & 31)] >> (2 * j)) & 3;
-            return uint16_t(0x4300 | (j == 3 ? q : q << (2 * j)));
-        }, w);
-    }
-    static inline void scales(TQ6K, const uint8_t* b, Scales& d) {
-        const float dv = gg_f16(b + 208);
-        float a[16];
-        for (int s = 0; s < 16; ++s) a[s] = float(int8_t(b[192 + s])) * dv;
-        chains(g_gguf_layouts.l[GL_Q6K], a, 4, d);
-    }
-    static inline void codes(TQ6K, const uint8_t* b, int c, Wv* w) {
-        words(g_gguf_layouts.l[GL_Q6K], c, [&](int e) {
-            const int h = e >> 7, nib = (e >> 6) & 1, pos = e & 63;
-            const int lo = (b[64 * h + pos] >> (4 * nib)) & 15;
-            const int hi = (b[128 + 32 * h + (pos & 31)] >> (2 * (2 * nib + (pos >> 5)))) & 3;
-            return f32_to_bf16(float((lo | (hi << 4)) - 32));
-        }, w);
-    }
-    static inline void scales(TQ80, const uint8_t* b, Scales& d) {
-        const float a[2] = {gg_f16(b), gg_f16(b + 34)};
-        chains(g_gguf_layouts.l[GL_Q80], a, 1, d);
-    }
-    static inline void codes(TQ80, const uint8_t* b, int c, Wv* w) {
-        words(g_gguf_layouts.l[GL_Q80], c, [&](int e) {
-            return f32_to_bf16(float(int8_t(b[34 * (e >> 5) + 2 + (e & 31)])));
-        }, w);
-    }
-};
-
 }  // namespace
 
+#include "cpu_experts_gguf_emu.h"  // GgufEmuDecode: the emulation's decoders
 #if ON_X86
 #include "cpu_experts_gguf_avx512.h"
 #endif

@@ -9,6 +9,8 @@
 //   Q6_K   ql's nibble and qh's 2 bits merged by one vpternlogd into a 6-bit index, looked up as bf16(q - 32) (exact)
 //          by vpermt2w from a 64-entry table; qh's 32 bytes broadcast to both halves, the upper half 2 bits down
 //   Q8_0   two blocks a step: int8 -> fp32 -> bf16 (exact), block 0's values in lanes 0-7, block 1's in 8-15
+//   Q5_K   Q4_K's with each code's 5th bit merged from qh (one variable shift to bit 4 of the word, one vpternlogd)
+//   IQ4_XS a nibble's grid value by vpermw from a 32-word table; every lane one 32-value block, 4 vectors a chain
 //
 // Included by cpu_experts_gguf.h's includer after it, ON_X86 only.
 #pragma once
@@ -18,9 +20,11 @@
 namespace gguf_avx512 {
 
 struct Tables {
-    alignas(64) uint16_t q6[64];  // bf16(c - 32)
+    alignas(64) uint16_t q6[64];   // bf16(c - 32)
+    alignas(64) uint16_t iq4[32];  // bf16 of IQ4_XS's grid value c & 15
     Tables() {
         for (int c = 0; c < 64; ++c) q6[c] = f32_to_bf16(float(c - 32));
+        for (int c = 0; c < 32; ++c) iq4[c] = f32_to_bf16(float(kGgufIq4nl[c & 15]));
     }
 };
 const Tables g_tables;
@@ -52,13 +56,34 @@ struct Decode {
     }
 
     static inline void scales(TQ4K, const uint8_t* b, Scales& d) {
-        alignas(16) uint8_t sm[16];
-        gguf_q4k_scales(b + 4, sm);
-        const __m512i sc = _mm512_cvtepu8_epi32(_mm_load_si128(reinterpret_cast<const __m128i*>(sm)));
+        uint64_t lo, hi;
+        gguf_q4k_scales64(b + 4, lo, hi);
+        const __m512i sc = _mm512_cvtepu8_epi32(_mm_set_epi64x(static_cast<long long>(hi), static_cast<long long>(lo)));
         const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(sc), halves(gg_f16_ref(b), gg_f16_ref(b + 2)));
         chains<4>(g_gguf_layouts.l[GL_Q4K], a, d);  // [d sc_s | dmin m_s]
         d.c = a;  // the sums carry -128 (lanes 0-7) and -1 (8-15)
     }
+    static inline __m512i counts(int lower, int upper) {  // per word: the lower 16 words' value, the upper 16 words'
+        return _mm512_mask_blend_epi16(0xFFFF0000u, _mm512_set1_epi16(short(lower)), _mm512_set1_epi16(short(upper)));
+    }
+    static inline void scales(TQ5K, const uint8_t* b, Scales& d) { scales(TQ4K{}, b, d); }  // Q4_K's scales and mins
+    // chain c: half h = c >> 1, nibble c & 1 of the even and odd bytes, and its 5th bit, bit 4h + 2 (b >= 32) + nib of
+    // qh (broadcast to both halves) shifted to bit 4 of each word; 128 + q as Q4_K's
+    static inline void codes(TQ5K, const uint8_t* b, int c, __m512i* w) {
+        const int h = c >> 1, nib = c & 1;
+        const __m512i q = _mm512_loadu_si512(b + 48 + 64 * h);
+        const __m512i qh = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b + 16)));
+        const __m512i lo = nib ? _mm512_srli_epi16(q, 4) : q, hi = _mm512_srli_epi16(q, 8 + 4 * nib);
+        // the bit sits at bit p0 = 4h + nib of a word's low byte (p0 + 2 in the upper half), 8 more in its high byte
+        const int p0 = 4 * h + nib;
+        const __m512i b0 = h == 0 ? _mm512_sllv_epi16(qh, counts(4 - p0, 2 - p0))
+                                  : _mm512_srlv_epi16(qh, counts(p0 - 4, p0 - 2));
+        const __m512i b1 = _mm512_srlv_epi16(qh, counts(p0 + 4, p0 + 6));
+        const __m512i nib4 = _mm512_set1_epi16(0x000F);
+        w[0] = code(_mm512_ternarylogic_epi32(lo, b0, nib4, 0xE4), 0x001F);
+        w[1] = code(_mm512_ternarylogic_epi32(hi, b1, nib4, 0xE4), 0x001F);
+    }
+
     static inline void codes(TQ4K, const uint8_t* b, int c, __m512i* w) {  // chain c: half c >> 1, nibbles c & 1 (+2)
         const __m512i q = _mm512_loadu_si512(b + 16 + 64 * (c >> 1));
         if (c & 1)
@@ -83,6 +108,37 @@ struct Decode {
             w[0] = code(q, int16_t(3 << (2 * j))), w[1] = code(q8, int16_t(3 << (2 * j)));
     }
 
+    static inline void scales(TQ3K, const uint8_t* b, Scales& d) {
+        uint64_t lo, hi;
+        gguf_q3k_scales64(b + 96, lo, hi);
+        const __m512i sc = _mm512_sub_epi32(_mm512_cvtepu8_epi32(_mm_set_epi64x(static_cast<long long>(hi),
+                                                                                static_cast<long long>(lo))),
+                                            _mm512_set1_epi32(32));
+        const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(sc), bcast(gg_f16_ref(b + 108)));
+        chains<4>(g_gguf_layouts.l[GL_Q3K], a, d);
+        d.c = a;  // the sums carry -(128 4^-j + 4)
+    }
+    // chain j: Q2_K's fields in place, each code's high bit (hmask bit 4 hf + j of byte l, bytes broadcast to both
+    // halves, the upper one 4 bits down) shifted just above it: 128 + (ql + 4 h) << 2j, the sums taking the rest
+    static inline void codes(TQ3K, const uint8_t* b, int j, __m512i* w) {
+        const __m512i q = _mm512_loadu_si512(b + 32);
+        __m512i h = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+        h = _mm512_mask_srli_epi16(h, 0xFFFF0000u, h, 4);
+        const __m512i h8 = _mm512_srli_epi16(h, 8);
+        __m512i a0, a1, h0, h1;
+        int16_t field, keep;
+        if (j == 3) {
+            a0 = _mm512_srli_epi16(q, 6), a1 = _mm512_srli_epi16(q, 14), field = 3, keep = 7;
+            h0 = _mm512_srli_epi16(h, 1), h1 = _mm512_srli_epi16(h8, 1);
+        } else {
+            a0 = q, a1 = _mm512_srli_epi16(q, 8), field = int16_t(3 << (2 * j)), keep = int16_t(7 << (2 * j));
+            h0 = _mm512_slli_epi16(h, j + 2), h1 = _mm512_slli_epi16(h8, j + 2);
+        }
+        const __m512i f = _mm512_set1_epi16(field);
+        w[0] = code(_mm512_ternarylogic_epi32(a0, h0, f, 0xE4), keep);
+        w[1] = code(_mm512_ternarylogic_epi32(a1, h1, f, 0xE4), keep);
+    }
+
     static inline void scales(TQ6K, const uint8_t* b, Scales& d) {
         const __m512 a = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(
                                            reinterpret_cast<const __m128i*>(b + 192)))), bcast(gg_f16_ref(b + 208)));
@@ -105,6 +161,25 @@ struct Decode {
             i1 = _mm512_ternarylogic_epi32(_mm512_srli_epi16(l, 8), _mm512_srli_epi16(q, 4), nib, 0xE4);
         }
         w[0] = _mm512_permutex2var_epi16(t0, i0, t1), w[1] = _mm512_permutex2var_epi16(t0, i1, t1);
+    }
+
+    static inline void scales(TIQ4, const uint8_t* b, Scales& d) {
+        int8_t ls[8];
+        gguf_iq4xs_scales(b, ls);
+        uint64_t packed;
+        std::memcpy(&packed, ls, 8);
+        const __m512i sc = _mm512_cvtepi8_epi32(_mm_cvtsi64_si128(static_cast<long long>(packed)));
+        chains<2>(g_gguf_layouts.l[GL_IQ4], _mm512_mul_ps(_mm512_cvtepi32_ps(sc), bcast(gg_f16_ref(b))), d);
+    }
+    // chain c: half c's 64 bytes, nibble k of every word through the grid's table (vpermw reads 5 index bits: the
+    // table repeats); every lane one 32-value block
+    static inline void codes(TIQ4, const uint8_t* b, int c, __m512i* w) {
+        const __m512i t = _mm512_load_si512(g_tables.iq4);
+        const __m512i q = _mm512_loadu_si512(b + 8 + 64 * c);
+        w[0] = _mm512_permutexvar_epi16(q, t);
+        w[1] = _mm512_permutexvar_epi16(_mm512_srli_epi16(q, 4), t);
+        w[2] = _mm512_permutexvar_epi16(_mm512_srli_epi16(q, 8), t);
+        w[3] = _mm512_permutexvar_epi16(_mm512_srli_epi16(q, 12), t);
     }
 
     static inline __m512 q8_values(const uint8_t* p) {

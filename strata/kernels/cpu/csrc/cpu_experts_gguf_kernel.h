@@ -16,7 +16,7 @@ constexpr int kGgufTile = 2;  // tokens a row is read for at once (more: the row
 // step's -c times its sums into accumulator 0; then the accumulators in order, the fixed horizontal sum, and the values
 // past the last whole step one by one (a split expert's down rows). A row's sums do not depend on the other row.
 template <class KK, class T, int NT, int R, class XT>
-static inline void gguf_dot(const uint8_t* const* rows, int64_t len, const XT* const* xs, const float* const* sums,
+__attribute__((always_inline)) static inline void gguf_dot(const uint8_t* const* rows, int64_t len, const XT* const* xs, const float* const* sums,
                             float* const* out, int64_t pf) {
     using Acc = typename KK::Acc;
     using G = typename KK::Gguf;
@@ -96,7 +96,7 @@ static inline void gguf_dot(const uint8_t* const* rows, int64_t len, const XT* c
 }
 
 template <class KK, class T, int R, class XT>
-static inline void gguf_dot_n(int nt, const uint8_t* const* rows, int64_t len, const XT* const* xs,
+__attribute__((always_inline)) static inline void gguf_dot_n(int nt, const uint8_t* const* rows, int64_t len, const XT* const* xs,
                               const float* const* sums, float* const* out, int64_t pf) {
     static_assert(kGgufTile == 2, "a case per tile width");
     if (nt == 1)
@@ -114,8 +114,85 @@ static void gguf_dot_any(int type, int nt, const uint8_t* const* rows, int64_t l
         case GG_Q2_K: gguf_dot_n<KK, TQ2K, R>(nt, rows, len, xs, sums, out, pf); break;
         case GG_Q6_K: gguf_dot_n<KK, TQ6K, R>(nt, rows, len, xs, sums, out, pf); break;
         case GG_Q8_0: gguf_dot_n<KK, TQ80, R>(nt, rows, len, xs, sums, out, pf); break;
+        case GG_Q5_K: gguf_dot_n<KK, TQ5K, R>(nt, rows, len, xs, sums, out, pf); break;
+        case GG_IQ4_XS: gguf_dot_n<KK, TIQ4, R>(nt, rows, len, xs, sums, out, pf); break;
+        case GG_Q3_K: gguf_dot_n<KK, TQ3K, R>(nt, rows, len, xs, sums, out, pf); break;
         default: break;
     }
+}
+
+// gate_up_rows' work on expert e's rows [j0, j1) when gate and up have one type T: both rows in one pass, the type
+// dispatched once a chunk.
+template <class KK, class T>
+static void gguf_gate_up_pass(const Job& job, int64_t e, int64_t j0, int64_t j1) {
+    using X = typename KK::X;
+    const ExpertArg& ex = job.experts[e];
+    const int64_t H = job.H, I = ex.I, ns = gguf_sums_len(H), rb = gguf_row_bytes(T::kId, H);
+    const X* x = reinterpret_cast<const X*>(g_gguf.x[T::kLayout].data());
+    const float* sums = g_gguf.xs[T::kLayout].data();
+    typename KK::Hd* hb = static_cast<typename KK::Hd*>(job.hbuf) + job.hoff[e];
+    const X* xs[kGgufTile];
+    const float* ss[kGgufTile];
+    float g[kGgufTile], u[kGgufTile];
+    float* outs[2] = {g, u};
+    for (int64_t j = j0; j < j1; ++j) {
+        const uint8_t* rows[2] = {ex.gate_up + j * rb, ex.gate_up + job.bn + j * rb};
+        for (int64_t s = 0; s < ex.T; s += kGgufTile) {
+            const int nt = static_cast<int>(std::min<int64_t>(kGgufTile, ex.T - s));
+            for (int t = 0; t < nt; ++t) xs[t] = x + ex.idx[s + t] * H, ss[t] = sums + ex.idx[s + t] * ns;
+            gguf_dot_n<KK, T, 2>(nt, rows, H, xs, ss, outs, job.pf);
+            for (int t = 0; t < nt; ++t) hb[(s + t) * I + j] = KK::h_from_f(silu_mul(g[t], u[t]));
+        }
+    }
+}
+
+// down_rows' work and pairing on output rows [h0, h1) of expert e, its down matrix of type T.
+template <class KK, class T>
+static void gguf_down_pass(const Job& job, int64_t e, int64_t h0, int64_t h1) {
+    using X = typename KK::Hd;
+    const ExpertArg& ex = job.experts[e];
+    const int64_t H = job.H, I = ex.I, n = h1 - h0, half = (n + 1) / 2, ns = gguf_sums_len(I);
+    const int64_t rb = gguf_row_bytes(T::kId, ex.ld);
+    const X* hp = reinterpret_cast<const X*>(g_gguf.h.data()) + job.hoff[e];
+    const float* hs = g_gguf.hs.data() + g_gguf.hs_off[e];
+    const X* xs[kGgufTile];
+    const float* ss[kGgufTile];
+    float ya[kGgufTile], yb[kGgufTile];
+    float* outs[2] = {ya, yb};
+    for (int64_t i = 0; i < half; ++i) {
+        const int64_t ha = job.down_split ? h0 + i : h0 + 2 * i;
+        const int64_t hb_row = job.down_split ? ha + half : ha + 1;
+        const bool pair = hb_row < h1;
+        const uint8_t* rows[2] = {ex.down + ha * rb, ex.down + (pair ? hb_row : ha) * rb};
+        for (int64_t s = 0; s < ex.T; s += kGgufTile) {
+            const int nt = static_cast<int>(std::min<int64_t>(kGgufTile, ex.T - s));
+            for (int t = 0; t < nt; ++t) xs[t] = hp + (s + t) * I, ss[t] = hs + (s + t) * ns;
+            gguf_dot_n<KK, T, 2>(nt, rows, I, xs, ss, outs, job.pf);
+            for (int t = 0; t < nt; ++t) {
+                float* o = job.out + ex.idx[s + t] * H;
+                const float w = ex.w[s + t];
+                o[ha] += w * ya[t];
+                if (pair) o[hb_row] += w * yb[t];
+            }
+        }
+    }
+}
+
+// A pass (gguf_gate_up_pass or gguf_down_pass) of the type `type` names.
+template <class KK, bool GateUp>
+static void gguf_pass(int type, const Job& job, int64_t e, int64_t r0, int64_t r1) {
+#define STRATA_GGUF_PASS(T) return GateUp ? gguf_gate_up_pass<KK, T>(job, e, r0, r1) : gguf_down_pass<KK, T>(job, e, r0, r1)
+    switch (type) {
+        case GG_Q4_K: STRATA_GGUF_PASS(TQ4K);
+        case GG_Q2_K: STRATA_GGUF_PASS(TQ2K);
+        case GG_Q6_K: STRATA_GGUF_PASS(TQ6K);
+        case GG_Q8_0: STRATA_GGUF_PASS(TQ80);
+        case GG_Q5_K: STRATA_GGUF_PASS(TQ5K);
+        case GG_IQ4_XS: STRATA_GGUF_PASS(TIQ4);
+        case GG_Q3_K: STRATA_GGUF_PASS(TQ3K);
+        default: return;
+    }
+#undef STRATA_GGUF_PASS
 }
 
 // Phase 1 on expert e, intermediate rows [j0, j1) (gate_up_rows' work): gate row j in its type, up row j (at the
@@ -126,76 +203,44 @@ static void gguf_gate_up_rows(const Job& job, int64_t e, int64_t j0, int64_t j1)
     if constexpr (has_gguf<KK>::value) {
         using X = typename KK::X;
         const ExpertArg& ex = job.experts[e];
-        const int64_t H = job.H, I = ex.I, T = ex.T, ns = gguf_sums_len(H);
         const int tg = gguf_type(ex.gate_up_scales, 0), tu = gguf_type(ex.gate_up_scales, 1);
-        const int lg = gguf_layout_of(tg), lu = gguf_layout_of(tu);
-        const int64_t rbg = gguf_row_bytes(tg, H), rbu = gguf_row_bytes(tu, H);
-        const uint8_t* up = ex.gate_up + job.bn;
-        const X* xg = reinterpret_cast<const X*>(g_gguf.x[lg].data());
-        const X* xu = reinterpret_cast<const X*>(g_gguf.x[lu].data());
-        typename KK::Hd* hb = static_cast<typename KK::Hd*>(job.hbuf) + job.hoff[e];
-        const X *pg[kGgufTile], *pu[kGgufTile];
-        const float *sg[kGgufTile], *su[kGgufTile];
-        float g[kGgufTile], u[kGgufTile];
-        for (int64_t j = j0; j < j1; ++j)
-            for (int64_t s = 0; s < T; s += kGgufTile) {
-                const int nt = static_cast<int>(std::min<int64_t>(kGgufTile, T - s));
-                for (int t = 0; t < nt; ++t) {
-                    const int64_t n = ex.idx[s + t];
-                    pg[t] = xg + n * H, pu[t] = xu + n * H;
-                    sg[t] = g_gguf.xs[lg].data() + n * ns, su[t] = g_gguf.xs[lu].data() + n * ns;
-                }
-                const uint8_t* rows[2] = {ex.gate_up + j * rbg, up + j * rbu};
-                if (tg == tu) {  // one pass for both rows
-                    float* outs[2] = {g, u};
-                    gguf_dot_any<KK, 2>(tg, nt, rows, H, pg, sg, outs, job.pf);
-                } else {
-                    float* og[1] = {g};
-                    float* ou[1] = {u};
+        if (tg == tu) {
+            gguf_pass<KK, true>(tg, job, e, j0, j1);
+        } else {  // a row of each type at a time, each dispatched on its own
+            const int64_t H = job.H, I = ex.I, T = ex.T, ns = gguf_sums_len(H);
+            const int lg = gguf_layout_of(tg), lu = gguf_layout_of(tu);
+            const int64_t rbg = gguf_row_bytes(tg, H), rbu = gguf_row_bytes(tu, H);
+            const X* xg = reinterpret_cast<const X*>(g_gguf.x[lg].data());
+            const X* xu = reinterpret_cast<const X*>(g_gguf.x[lu].data());
+            typename KK::Hd* hb = static_cast<typename KK::Hd*>(job.hbuf) + job.hoff[e];
+            const X *pg[kGgufTile], *pu[kGgufTile];
+            const float *sg[kGgufTile], *su[kGgufTile];
+            float g[kGgufTile], u[kGgufTile];
+            float* og[1] = {g};
+            float* ou[1] = {u};
+            for (int64_t j = j0; j < j1; ++j)
+                for (int64_t s = 0; s < T; s += kGgufTile) {
+                    const int nt = static_cast<int>(std::min<int64_t>(kGgufTile, T - s));
+                    for (int t = 0; t < nt; ++t) {
+                        const int64_t n = ex.idx[s + t];
+                        pg[t] = xg + n * H, pu[t] = xu + n * H;
+                        sg[t] = g_gguf.xs[lg].data() + n * ns, su[t] = g_gguf.xs[lu].data() + n * ns;
+                    }
+                    const uint8_t* rows[2] = {ex.gate_up + j * rbg, ex.gate_up + job.bn + j * rbu};
                     gguf_dot_any<KK, 1>(tg, nt, rows, H, pg, sg, og, job.pf);
                     gguf_dot_any<KK, 1>(tu, nt, rows + 1, H, pu, su, ou, job.pf);
+                    for (int t = 0; t < nt; ++t) hb[(s + t) * I + j] = KK::h_from_f(silu_mul(g[t], u[t]));
                 }
-                for (int t = 0; t < nt; ++t) hb[(s + t) * I + j] = KK::h_from_f(silu_mul(g[t], u[t]));
-            }
+        }
         if (g_gguf.rows_left[e].fetch_sub(j1 - j0, std::memory_order_acq_rel) == j1 - j0)
             gguf_prepare_down<typename KK::Hd>(job, e);
     }
 }
 
-// Phase 2, output rows [h0, h1) of every expert (down_rows' work and pairing), each down matrix in its type.
+// Phase 2, output rows [h0, h1) of every expert (down_rows' work), each down matrix in its type.
 template <class KK>
 static void gguf_down_rows(const Job& job, int64_t h0, int64_t h1) {
     if constexpr (has_gguf<KK>::value) {
-        using X = typename KK::Hd;
-        const int64_t H = job.H, n = h1 - h0, half = (n + 1) / 2;
-        const X* xs[kGgufTile];
-        const float* ss[kGgufTile];
-        float ya[kGgufTile], yb[kGgufTile];
-        for (int64_t e = 0; e < job.E; ++e) {
-            const ExpertArg& ex = job.experts[e];
-            const int64_t I = ex.I, T = ex.T, ns = gguf_sums_len(I);
-            const int type = gguf_down_type(ex);
-            const int64_t rb = gguf_row_bytes(type, ex.ld);
-            const X* hp = reinterpret_cast<const X*>(g_gguf.h.data()) + job.hoff[e];
-            const float* hs = g_gguf.hs.data() + g_gguf.hs_off[e];
-            for (int64_t i = 0; i < half; ++i) {
-                const int64_t ha = job.down_split ? h0 + i : h0 + 2 * i;
-                const int64_t hb_row = job.down_split ? ha + half : ha + 1;
-                const bool pair = hb_row < h1;
-                for (int64_t s = 0; s < T; s += kGgufTile) {
-                    const int nt = static_cast<int>(std::min<int64_t>(kGgufTile, T - s));
-                    for (int t = 0; t < nt; ++t) xs[t] = hp + (s + t) * I, ss[t] = hs + (s + t) * ns;
-                    const uint8_t* rows[2] = {ex.down + ha * rb, ex.down + (pair ? hb_row : ha) * rb};
-                    float* outs[2] = {ya, yb};
-                    gguf_dot_any<KK, 2>(type, nt, rows, I, xs, ss, outs, job.pf);
-                    for (int t = 0; t < nt; ++t) {
-                        float* o = job.out + ex.idx[s + t] * H;
-                        const float w = ex.w[s + t];
-                        o[ha] += w * ya[t];
-                        if (pair) o[hb_row] += w * yb[t];
-                    }
-                }
-            }
-        }
+        for (int64_t e = 0; e < job.E; ++e) gguf_pass<KK, false>(gguf_down_type(job.experts[e]), job, e, h0, h1);
     }
 }
