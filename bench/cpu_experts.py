@@ -1,17 +1,19 @@
 """CPU expert kernel vs torch's per-expert matmul vs the RAM read bandwidth, measured in the same run.
 
     python bench/cpu_experts.py [--out DIR] [--threads N] [--pool-gib G] [--seconds S] [--backends a,b]
-                                [--experts bf16,fp8,mxfp4] [--shapes qwen3-30b-a3b,deepseek-v3] [--rounds R]
+                                [--experts bf16,fp8,mxfp4,q4_k,q6_k,q2_k,q8_0] [--shapes qwen3-30b-a3b,deepseek-v3]
+                                [--rounds R] [--tokens 1,4]
 
 Shapes: Qwen3-30B-A3B (H=2048, I=768, 9.4 MB per expert in bf16) and DeepSeek-V3 (H=7168, I=2048, 88 MB).
-One call = one layer: 8 experts, each with all N tokens (N = 1 and 4). The experts come from a pool of
+One call = one layer: 8 experts, each with all N tokens (N = 1 and 4; --tokens). The experts come from a pool of
 distinct experts, each in its own buffer (a store blob: strata.kernels.quant.ExpertLayout), about --pool-gib
 GiB per shape and format (Qwen in bf16: 48 layers x 8 = 384 experts at the default 4 GiB), cycled layer by
 layer, so every call reads cold weights from RAM, not from the caches.
 
---experts: the formats the experts are stored in: bf16 (default), fp8 (block-scaled e4m3, 128 x 128 blocks) and
-mxfp4 (e2m1 with an e8m0 scale per 32 values), the kernel reading them as stored (QuantMatrix views of the blob).
-A quantized pool holds one expert quantized from random bf16 weights, copied into every blob (the kernel's
+--experts: the formats the experts are stored in: bf16 (default), fp8 (block-scaled e4m3, 128 x 128 blocks),
+mxfp4 (e2m1 with an e8m0 scale per 32 values) and GGUF's q4_k, q6_k, q2_k and q8_0 (every matrix in that ggml block
+type), the kernel reading them as stored (QuantMatrix views of the blob). A quantized pool holds one expert quantized
+from random bf16 weights (GGUF: random blocks with small finite f16 scales), copied into every blob (the kernel's
 speed does not depend on the values). Every format's pool of a shape is held at once (formats x G GiB), and
 --rounds R measures each format and backend R times, alternating, keeping the best: on a machine shared with
 other work, a burst of it then costs one round of every format rather than one format's figures.
@@ -47,12 +49,15 @@ import torch
 
 from strata.kernels.cpu import experts as ce
 from strata.kernels.experts import expert_swiglu
+from strata.kernels.gguf_blocks import BLOCK_TYPES
 from strata.kernels.quant import ExpertFormat, ExpertLayout
 
 GiB = 1 << 30
 SHAPES = {"qwen3-30b-a3b": (2048, 768), "deepseek-v3": (7168, 2048)}
 FORMATS = {"bf16": ExpertFormat("plain", "BF16"), "fp8": ExpertFormat("fp8", block=(128, 128)),
-           "mxfp4": ExpertFormat("mxfp4")}
+           "mxfp4": ExpertFormat("mxfp4"),
+           **{t.lower(): ExpertFormat("gguf", ggml=((t,), (t,), (t,))) for t in ("Q4_K", "Q6_K", "Q2_K", "Q8_0")}}
+GGUF_SCALES = {"Q4_K": (0, 2), "Q6_K": (208,), "Q2_K": (80, 82), "Q8_0": (0,)}  # byte offsets of a block's f16 scales
 EXPERTS_PER_LAYER = 8
 TOKENS = (1, 4)
 TARGET_GBS = 60.0
@@ -90,12 +95,25 @@ def make_pool(H: int, inter: int, pool_bytes: int, fmt: str = "bf16", seed: int 
             blobs.append(blob)
             experts.append((blob[: 2 * inter * H].view(2 * inter, H), blob[2 * inter * H:].view(H, inter)))
         return experts, blobs
-    one = layout.pack(torch.randn(2 * inter, H, generator=g) * 0.02, torch.randn(H, inter, generator=g) * 0.02)
+    if layout.fmt.kind == "gguf":
+        one = layout.pack_gguf(*(gguf_blocks(layout.fmt.ggml[j][0], rows, k, g)
+                                 for j, (rows, k) in enumerate(((inter, H), (inter, H), (H, inter)))))
+    else:
+        one = layout.pack(torch.randn(2 * inter, H, generator=g) * 0.02, torch.randn(H, inter, generator=g) * 0.02)
     for _ in range(count):
         blob = one.clone()
         blobs.append(blob)
         experts.append(layout.matrices(blob))
     return experts, blobs
+
+
+def gguf_blocks(name: str, rows: int, k: int, g: torch.Generator) -> tuple[str, torch.Tensor]:
+    """(name, uint8 [rows, row bytes]): random blocks of a ggml type, each f16 scale set to 2^-10 (finite weights)."""
+    t = BLOCK_TYPES[name]
+    blocks = torch.randint(0, 256, (rows, k // t.block_values, t.block_bytes), generator=g, dtype=torch.uint8)
+    for offset in GGUF_SCALES[name]:
+        blocks[:, :, offset: offset + 2] = torch.tensor([0x00, 0x14], dtype=torch.uint8)  # f16 0x1400 = 2^-10
+    return name, blocks.reshape(rows, -1)
 
 
 def pool_bytes_of(blobs: list[torch.Tensor]) -> int:
@@ -161,6 +179,11 @@ def core_rate(layer: list, nbytes: int, H: int, backend: str, calls: int = 30) -
     return nbytes * calls / best / 1e9
 
 
+def reading(fmt: str, backends: list[str]) -> list[str]:
+    """The backends that read experts of `fmt` as stored (a GGUF type a backend lacks would run the torch path)."""
+    return [b for b in backends if ce.backend(b, FORMATS[fmt]) == b]
+
+
 def bench_case(result: dict, pools: dict[str, list], shape: str, H: int, inter: int, N: int, backends: list[str],
                threads: int, ram: float, seconds: float, rounds: int = 1) -> None:
     """One shape and token count, every format of `pools` (format -> layers): torch's per-expert matmul (bf16 only),
@@ -198,7 +221,7 @@ def bench_case(result: dict, pools: dict[str, list], shape: str, H: int, inter: 
             torch.set_num_threads(old_threads)
     for _ in range(rounds):
         for fmt in pools:
-            for b in backends:
+            for b in reading(fmt, backends):
                 got = gbs_of(fmt, kernel(b))
                 if got[0] > rows.get((fmt, b), (0.0,))[0]:
                     rows[fmt, b] = got
@@ -220,7 +243,8 @@ def bench_case(result: dict, pools: dict[str, list], shape: str, H: int, inter: 
 
     if N == 1:  # each format's compute ceiling per core (one cached expert, the thread's CPU clock)
         for fmt in pools:
-            rates = {b: round(core_rate(pools[fmt][0], layer_bytes[fmt] // EXPERTS_PER_LAYER, H, b), 1) for b in backends}
+            rates = {b: round(core_rate(pools[fmt][0], layer_bytes[fmt] // EXPERTS_PER_LAYER, H, b), 1)
+                     for b in reading(fmt, backends)}
             result.setdefault("core_gbs", {})[f"{shape} {fmt}"] = rates
             print(f"  {fmt}: one core, one cached expert (thread CPU time) -> GB/s {rates}", flush=True)
     for fmt in pools if N == 1 and backends else ():  # tuning sweeps on the default backend, shorter runs
@@ -250,11 +274,14 @@ def main() -> None:
                     "the best kept (default 1)")
     ap.add_argument("--seconds", type=float, default=1.5, help="minimum timed seconds per case")
     ap.add_argument("--backends", default=None, help="comma-separated kernel backends (default: all this CPU runs)")
-    ap.add_argument("--experts", default="bf16", help="comma-separated expert formats: bf16, fp8, mxfp4 (default bf16)")
+    ap.add_argument("--experts", default="bf16", help="comma-separated expert formats: bf16, fp8, mxfp4, q4_k, q6_k, "
+                    "q2_k, q8_0 (default bf16)")
+    ap.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="comma-separated token counts (default 1,4)")
     ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma-separated shapes (default {','.join(SHAPES)})")
     args = ap.parse_args()
     formats = [f.strip() for f in args.experts.split(",") if f.strip()]
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
+    tokens = [int(n) for n in args.tokens.split(",") if n.strip()]
     bad = [f for f in formats if f not in FORMATS] + [s for s in shapes if s not in SHAPES]
     if bad or not formats or not shapes:
         raise SystemExit(f"unknown format or shape {bad or '(none given)'}: choose --experts from {', '.join(FORMATS)} "
@@ -270,6 +297,7 @@ def main() -> None:
     backends = [b for b in (args.backends.split(",") if args.backends else available) if b in available and b != "torch"]
     default = ce.backend()
     result = {"machine": machine(), "threads": threads, "pool_gib": args.pool_gib, "experts_per_layer": EXPERTS_PER_LAYER,
+              "tokens": tokens,
               "tokens_routing": "every token of the call routed to all 8 experts of the layer",
               "extension_load_s": round(load_s, 2), "backends": available, "default_backend": default,
               "prefetch_bytes": ce.prefetch_bytes(), "target_gbs": TARGET_GBS, "experts": formats,
@@ -307,7 +335,7 @@ def main() -> None:
         for fmt in formats:
             pool = make_pool(H, inter, int(args.pool_gib * GiB), fmt)[0]
             pools[fmt] = [pool[i: i + EXPERTS_PER_LAYER] for i in range(0, len(pool), EXPERTS_PER_LAYER)]
-        for N in TOKENS:
+        for N in tokens:
             bench_case(result, pools, shape, H, inter, N, backends, threads, ram, args.seconds, args.rounds)
         del pools, pool
 
