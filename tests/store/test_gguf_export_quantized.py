@@ -108,6 +108,25 @@ def test_strata_keeps_the_written_blocks(mini_qwen3, tmp_path):
             assert torch.equal(down.dequantize(), want[2])
 
 
+def test_bf16_dense_tensors_stay_bf16_so_the_cpu_computes_in_bf16(mini_qwen3, tmp_path):
+    """A file whose dense tensors are BF16 (as this export and llama.cpp's bf16 files write them) keeps them BF16 in
+    its store, bit for bit, so `runtime.dtype = "auto"` computes it in bf16 on the CPU as it does the checkpoint."""
+    from safetensors import safe_open
+
+    from strata.runtime.plan.footprint import read_footprint
+
+    _, path = mini_qwen3
+    assert read_footprint(path).cpu_dtype == "bfloat16"
+    store = tmp_path / "store"
+    assert main(["convert", str(path), str(store)]) == 0
+    assert read_footprint(store).cpu_dtype == "bfloat16"
+    tensors = _tensors(path)
+    (dense,) = store.glob("dense*.safetensors")
+    with safe_open(str(dense), "pt") as f:
+        head = f.get_tensor("lm_head.weight")
+    assert head.dtype == torch.bfloat16 and torch.equal(head.float(), _dequantized(tensors["output.weight"]))
+
+
 def _reference(ckpt, path):
     """transformers in fp32 on the checkpoint, its routed experts replaced by the GGUF's, dequantized by `gguf`."""
     from transformers import AutoModelForCausalLM

@@ -124,7 +124,8 @@ def _model_config(path: Path) -> ModelConfig:
 
 
 def _gguf_footprint(path: Path) -> ModelFootprint:
-    """A GGUF file's: its store keeps the experts' ggml blocks (one slot each) and every other tensor in float32."""
+    """A GGUF file's: its store keeps the experts' ggml blocks (one slot each), BF16 tensors as they are and every
+    other tensor in float32."""
     from strata.runtime.plan.gguf_inspect import summarize_gguf
     from strata.tiers.store.gguf_reader import GGUFFile
 
@@ -133,11 +134,16 @@ def _gguf_footprint(path: Path) -> ModelFootprint:
     cfg = ModelConfig.from_hf(f.hf_config, str(path))
     fmt = s.expert_format or ExpertFormat("plain", "F32")
     expert = ExpertLayout.build(fmt, cfg.hidden_size, cfg.moe_intermediate_size).payload_bytes
-    non_expert = 4 * sum(int(t.n_elements) for name, t in f.tensors.items() if "_exps" not in name)  # float32
+    dense = [t for name, t in f.tensors.items() if "_exps" not in name]
+    bf16 = sum(int(t.n_elements) for t in dense if t.tensor_type.name == "BF16")
+    f32 = sum(int(t.n_elements) for t in dense) - bf16
+    non_expert = 2 * bf16 + 4 * f32
+    plain = "BF16" if 2 * bf16 > 4 * f32 else "F32"  # the dtype holding most of the dense bytes, as the store's
     slot = store_format.align_up(expert)
     return ModelFootprint(
         path=str(path), source="checkpoint", config=cfg, moe_layers=cfg.num_moe_layers,
         experts_per_layer=cfg.num_experts, expert_bytes=expert, slot_bytes=slot, non_expert_bytes=non_expert,
-        itemsize=4, store_bytes=store_format.align_up(non_expert) + cfg.num_moe_layers * cfg.num_experts * slot,
-        dtype="F32", expert_format=fmt, dense_format="f32",
+        itemsize=2 if plain == "BF16" else 4,
+        store_bytes=store_format.align_up(non_expert) + cfg.num_moe_layers * cfg.num_experts * slot,
+        dtype=plain, expert_format=fmt, dense_format="bf16 + f32" if bf16 and f32 else plain.lower(),
     )  # fmt: skip

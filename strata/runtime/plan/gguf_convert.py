@@ -1,4 +1,5 @@
-"""A GGUF file converted into a strata store: dense tensors dequantized (float32, exact), routed experts kept in the
+"""A GGUF file converted into a strata store: dense tensors as bf16 where the file holds them so, else dequantized
+(float32, exact), routed experts kept in the
 file's ggml blocks (`ExpertFormat("gguf")`) or, for f16/bf16/f32 files, in their plain dtype.
 
     convert_gguf("model-Q4_K_M.gguf", "store/")   # then strata runs store/ as any checkpoint

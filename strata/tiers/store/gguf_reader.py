@@ -3,7 +3,7 @@ under transformers' names, routed experts as the file's ggml blocks.
 
     f = GGUFFile.open("model-00001-of-00003.gguf")   # a split file's other parts are found beside it
     f.hf_config                                       # config.json's keys for strata.runtime.model.config
-    for name, w in f.dense_tensors(): ...             # transformers name, float32 tensor (dequantized)
+    for name, w in f.dense_tensors(): ...             # transformers name, tensor (bf16 as stored, else float32)
     gate, up, down = f.experts(layer)                 # (type name, uint8 blocks [E, rows, row_bytes]) each
 
 Architectures: qwen3moe, qwen2moe, deepseek2 (DeepSeek-V2/V3, MLA's `attn_kv_b` or its split `attn_k_b` /
@@ -113,7 +113,8 @@ class GGUFFile:
         return self.tensors[name]
 
     def read(self, name: str) -> torch.Tensor:
-        """A tensor dequantized to float32, in transformers' (row-major, numpy) shape."""
+        """A tensor in transformers' (row-major, numpy) shape: a BF16 one as it is, any other dequantized to float32
+        (exact: K-quant values do not all fit bf16)."""
         gguf = _gguf()
         t = self._tensor(name)
         shape = tuple(int(d) for d in reversed(t.shape.tolist()))
@@ -125,10 +126,11 @@ class GGUFFile:
         if w.size != int(np.prod(shape)):
             raise CheckpointError(f"{self.path}: tensor {name!r} holds {w.size} values, not {list(shape)}; the file is "
                                   "corrupt: re-download or re-export it")
-        return torch.from_numpy(np.array(w, dtype=np.float32)).reshape(shape)  # a copy: the file is mapped read-only
+        out = torch.from_numpy(np.array(w, dtype=np.float32)).reshape(shape)  # a copy: the file is mapped read-only
+        return out.to(torch.bfloat16) if t.tensor_type.name == "BF16" else out
 
     def dense_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """(transformers name, float32 tensor) of every tensor but the routed experts, in file order."""
+        """(transformers name, tensor: `read`'s dtype) of every tensor but the routed experts, in file order."""
         cfg = self.hf_config
         for name in self.tensors:
             if name in _GLOBAL_NAMES:
