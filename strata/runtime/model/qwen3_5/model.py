@@ -16,23 +16,17 @@ CUDA graphs). The multi-token-prediction layers (`mtp.*`) and the vision tower o
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 from torch import nn
 
-from strata.kernels.options import DEFAULT as DEFAULT_KERNELS
-from strata.kernels.options import KernelOptions, kernel_options
 from strata.runtime.model.config import ModelConfig
-from strata.runtime.model.hooks import GraphStepHooks, LayerObserver
+from strata.runtime.model.eager import EagerTransformer
 from strata.runtime.model.kv_cache import StepBatch
-from strata.runtime.model.layers import linear, use_pass_threads
 from strata.runtime.model.moe import MoEBlock
 from strata.runtime.model.qwen3_5.attention import GatedAttention
 from strata.runtime.model.qwen3_5.cache import Qwen35Cache
 from strata.runtime.model.qwen3_5.linear_attention import GatedDeltaNet
 from strata.runtime.model.qwen3_5.norms import ZeroCenteredRMSNorm
-from strata.runtime.model.rope import RotaryEmbedding
 
 
 class Qwen35Layer(nn.Module):
@@ -56,54 +50,21 @@ class Qwen35Layer(nn.Module):
         return self.mlp(h, residual=x)
 
 
-class Qwen35Transformer(nn.Module):
-    """`forward(input_ids [N], batch, cache) -> hidden [N, H]`; `logits(hidden) -> [n, vocab]` fp32."""
+class Qwen35Transformer(EagerTransformer):
+    """`forward(input_ids [N], batch, cache) -> hidden [N, H]`; `logits(hidden) -> [n, vocab]` fp32. Decode steps
+    run eagerly (the linear layers' state update is not captured in CUDA graphs)."""
 
     reuses_prefixes = False  # its cache holds a recurrent state, not rows per position (the scheduler's prefix cache)
 
     def __init__(self, cfg: ModelConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(Qwen35Layer(cfg, i) for i in range(cfg.num_layers))
-        self.norm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(cfg.rope)  # the loader replaces it on the model's device
-        self.layer_observer: LayerObserver | None = None
-        self.graphs = None  # decode steps run eagerly
-        self.engram = None
-        self.kernel_options: KernelOptions = DEFAULT_KERNELS
-        self.prompt_threads = torch.get_num_threads()  # torch's threads for a CPU prompt pass (`use_pass_threads`)
-
-    def forward(self, input_ids: torch.Tensor, batch: StepBatch, cache: Qwen35Cache) -> torch.Tensor:
-        use_pass_threads(input_ids, self.prompt_threads)
-        with kernel_options(self.kernel_options):
-            return self.run_layers(input_ids, batch, cache)
+        super().__init__(cfg, nn.ModuleList(Qwen35Layer(cfg, i) for i in range(cfg.num_layers)),
+                         ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
 
     def run_layers(self, input_ids: torch.Tensor, batch: StepBatch, cache: Qwen35Cache) -> torch.Tensor:
         """input_ids [N] -> final hidden states [N, H]."""
         if not isinstance(batch, StepBatch):
             raise TypeError("Qwen3.5-MoE runs StepBatch steps (its decode steps are not captured in graphs)")
-        x = self.embed_tokens(input_ids)
-        cos, sin = self.rotary(batch.positions(input_ids.device), x.dtype)
-        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers, strict=True)):
-            x = layer(x, cos, sin, batch, layer_cache)
-            if self.layer_observer is not None:
-                self.layer_observer.after_layer(i, x)
-        return self.norm(x)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [n, H] -> logits [n, vocab] fp32."""
-        return linear(hidden, self.lm_head.weight, self.lm_head.bias, out_dtype=torch.float32)
-
-    def observe_layers(self, observer: LayerObserver | None) -> None:
-        """Tell `observer` after every decoder layer (None: nobody)."""
-        self.layer_observer = observer
-
-    def enable_decode_graphs(self, mode: Callable[[], str | None] = lambda: "full",
-                             devices: list[torch.device] | None = None, hooks: GraphStepHooks | None = None) -> None:
-        """Qwen3.5-MoE's decode steps are not captured in CUDA graphs: they run eagerly, whatever `mode` says."""
-        self.graphs = None
+        return super().run_layers(input_ids, batch, cache)
 
     def new_cache(self, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> Qwen35Cache:
         """The cache this model runs with."""
