@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,20 +99,20 @@ def typed_value(raw: str, schema_type: Any) -> Any:
         return raw
 
 
-class BlockFormat:
+class BlockFormat(ABC):
     """A format whose calls sit between a start and an end marker, with plain text around them."""
 
     name = ""
     start = ""
     end = ""
 
+    @abstractmethod
     def parse_block(self, body: str, types: dict[str, dict[str, Any]]) -> list[ToolCall] | None:
         """The calls of the text between the markers; None when it does not parse."""
-        raise NotImplementedError
 
+    @abstractmethod
     def forced_prefix(self, name: str | None) -> str:
         """Text that, appended to the prompt, makes the model write a call (of `name`, when given)."""
-        raise NotImplementedError
 
     def stream(self, tools: list[dict] | None = None) -> BlockStream:
         """A parser for one output, typing textual arguments by `tools`' schemas."""

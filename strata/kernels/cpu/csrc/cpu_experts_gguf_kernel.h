@@ -181,18 +181,18 @@ static void gguf_down_pass(const Job& job, int64_t e, int64_t h0, int64_t h1) {
 // A pass (gguf_gate_up_pass or gguf_down_pass) of the type `type` names.
 template <class KK, bool GateUp>
 static void gguf_pass(int type, const Job& job, int64_t e, int64_t r0, int64_t r1) {
-#define STRATA_GGUF_PASS(T) return GateUp ? gguf_gate_up_pass<KK, T>(job, e, r0, r1) : gguf_down_pass<KK, T>(job, e, r0, r1)
+#define GGUF_PASS_OF_TYPE(T) return GateUp ? gguf_gate_up_pass<KK, T>(job, e, r0, r1) : gguf_down_pass<KK, T>(job, e, r0, r1)
     switch (type) {
-        case GG_Q4_K: STRATA_GGUF_PASS(TQ4K);
-        case GG_Q2_K: STRATA_GGUF_PASS(TQ2K);
-        case GG_Q6_K: STRATA_GGUF_PASS(TQ6K);
-        case GG_Q8_0: STRATA_GGUF_PASS(TQ80);
-        case GG_Q5_K: STRATA_GGUF_PASS(TQ5K);
-        case GG_IQ4_XS: STRATA_GGUF_PASS(TIQ4);
-        case GG_Q3_K: STRATA_GGUF_PASS(TQ3K);
+        case GG_Q4_K: GGUF_PASS_OF_TYPE(TQ4K);
+        case GG_Q2_K: GGUF_PASS_OF_TYPE(TQ2K);
+        case GG_Q6_K: GGUF_PASS_OF_TYPE(TQ6K);
+        case GG_Q8_0: GGUF_PASS_OF_TYPE(TQ80);
+        case GG_Q5_K: GGUF_PASS_OF_TYPE(TQ5K);
+        case GG_IQ4_XS: GGUF_PASS_OF_TYPE(TIQ4);
+        case GG_Q3_K: GGUF_PASS_OF_TYPE(TQ3K);
         default: return;
     }
-#undef STRATA_GGUF_PASS
+#undef GGUF_PASS_OF_TYPE
 }
 
 // Phase 1 on expert e, intermediate rows [j0, j1) (gate_up_rows' work): gate row j in its type, up row j (at the
