@@ -50,7 +50,8 @@ def test_chat_json_schema_answers_parse_and_validate(live):
 def test_streamed_chat_json_schema_parses(live):
     text, finish = [], None
     with httpx.stream("POST", live.url + "/v1/chat/completions", timeout=60, json={
-            "model": MODEL, "messages": CHAT, "max_tokens": 200, "stream": True, "response_format": FORMAT}) as r:
+            "model": MODEL, "messages": CHAT, "max_tokens": 200, "stream": True, "seed": 5,
+            "response_format": FORMAT}) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if line.startswith("data: ") and line != "data: [DONE]":
