@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import zlib
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,9 +36,8 @@ import torch
 from strata.errors import ConfigError
 from strata.kernels.quant import MX_GROUP
 from strata.runtime.demo.configs import TOKENIZER_VOCAB, demo_generation_config
+from strata.runtime.demo.shards import write_shards
 from strata.runtime.demo.tokenizer import write_tokenizer_files
-from strata.runtime.demo.weights import write_safetensors_header
-from strata.tiers.store.files import pwrite_all
 
 ARCH = "gpt_oss"
 EXPERTS = ("mxfp4", "bf16")  # the release's format, or transformers' bf16 parameters
@@ -166,45 +163,6 @@ def oss_demo(size: str, layers: int | None, seed: int, max_shard_bytes: int, pro
 def write_oss_weights(tmp: Path, cfg: dict, seed: int, max_shard_bytes: int, progress: bool,
                       workers: int | None) -> None:
     """The safetensors shard(s) of `cfg` (and model.safetensors.index.json when there are several), into `tmp`."""
-    from tqdm.auto import tqdm
-
-    tensors = oss_tensors(cfg)
-    order = {t.name: i for i, t in enumerate(tensors)}
-    shards: list[list[OssTensor]] = [[]]
-    for t in tensors:  # greedy shards of at most max_shard_bytes, widest dtypes first in each (aligned tensors)
-        if shards[-1] and sum(x.nbytes for x in shards[-1]) + t.nbytes > max_shard_bytes:
-            shards.append([])
-        shards[-1].append(t)
-    shards = [sorted(sh, key=lambda t: -_BYTES[t.dtype][1]) for sh in shards]
-    n = len(shards)
-    names = ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-    fds, where = [], {}
-    try:
-        for name, shard in zip(names, shards, strict=True):
-            fd = os.open(tmp / name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            fds.append(fd)
-            where.update((t.name, (fd, off)) for off, t in zip(write_safetensors_header(fd, shard), shard, strict=True))
-
-        def write(t: OssTensor, part: int) -> int:
-            data = make_oss_slice(t, order[t.name], part, seed, cfg["initializer_range"])
-            fd, off = where[t.name]
-            size = t.nbytes // t.shape[0] if t.per_expert else t.nbytes
-            pwrite_all(fd, data.contiguous().view(torch.uint8).reshape(-1).numpy(), off + part * size)
-            return size
-
-        jobs = [(t, part) for t in tensors for part in (range(t.shape[0]) if t.per_expert else (0,))]
-        bar = tqdm(total=sum(t.nbytes for t in tensors), unit="B", unit_scale=True, unit_divisor=1024,
-                   desc=f"demo-{ARCH}", disable=not progress)
-        with ThreadPoolExecutor(workers or min(32, os.cpu_count() or 1), thread_name_prefix="strata-demo") as pool:
-            for fut in as_completed([pool.submit(write, t, part) for t, part in jobs]):
-                bar.update(fut.result())
-        bar.close()
-        for fd in fds:
-            os.fsync(fd)
-    finally:
-        for fd in fds:
-            os.close(fd)
-    if n > 1:
-        weight_map = {t.name: names[i] for i, shard in enumerate(shards) for t in shard}
-        index = {"metadata": {"total_size": sum(t.nbytes for t in tensors)}, "weight_map": dict(sorted(weight_map.items()))}
-        (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+    write_shards(tmp, oss_tensors(cfg), lambda t, i, part: make_oss_slice(t, i, part, seed, cfg["initializer_range"]),
+                 max_shard_bytes, progress, workers, f"demo-{ARCH}",
+                 parts=lambda t: t.shape[0] if t.per_expert else 1, order_in_shard=lambda t: -_BYTES[t.dtype][1])
