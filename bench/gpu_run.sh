@@ -62,7 +62,7 @@ wheels() {  # the GPU machine has no internet; pydantic and pydantic-core are pi
   local p
   for p in fastapi starlette uvicorn h11 annotated-doc opentelemetry-api pydantic==2.13.4 pydantic-core==2.46.4 \
            annotated-types typing-inspection anyio prometheus-client aiofiles msgpack xxhash kvikio-cu13 \
-           libkvikio-cu13 rapids-logger xgrammar; do
+           libkvikio-cu13 rapids-logger xgrammar==0.2.9 apache-tvm-ffi gguf; do
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
       --platform manylinux2014_x86_64 --platform any -d .whl "$p" || return 1
