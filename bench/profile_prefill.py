@@ -34,7 +34,8 @@ def main() -> None:
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 
     cfg = json.loads(args.config)
-    cfg.setdefault("runtime", {}).update({"max_context": args.prompt + 64})
+    # the same prompt runs three times: the prefix cache would serve the later ones
+    cfg.setdefault("runtime", {}).update({"max_context": args.prompt + 64, "prefix_cache": False})
     if args.chunk >= 0:  # -1: the config's runtime.prefill_chunk (its default: "auto")
         cfg["runtime"]["prefill_chunk"] = args.chunk or args.prompt
     engine = Engine.from_pretrained(args.model, config=cfg, device=args.device)
