@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from bench.suite.cases import SUITES, select, with_baselines
+from bench.suite.models import EXPERT_FORMATS
 
 REPORT = Path(__file__).resolve().parent.parent / "docs" / "benchmarks.md"  # the benchmark report
 DEFAULT_LAYERS = {"quick": 12, "full": 24, "llamacpp": 12}
@@ -44,9 +45,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="--route-locality of the skewed checkpoint (temporal locality; default 1 for the bench size, "
                         "where consecutive tokens then share ~0.49 of their experts against ~0.34 from popularity alone, "
                         "0 for the others, which it is not written for; 0: none)")
-    r.add_argument("--experts", default="bf16", choices=["bf16", "fp8", "mxfp4"],
+    r.add_argument("--experts", default="bf16", choices=EXPERT_FORMATS,
                    help="the demo models' expert format (strata demo-model --experts): bf16, fp8 (block-scaled, as "
-                        "DeepSeek-V3 ships) or mxfp4 (as gpt-oss ships); the transformers baseline runs bf16 only")
+                        "DeepSeek-V3 ships), mxfp4 (as gpt-oss ships), or a GGUF export type (q4_k_m, q2_k, ...: the "
+                        "bf16 model exported as a GGUF file, which strata runs); the transformers baseline runs bf16 "
+                        "only")
     r.add_argument("--tokens", type=int, default=None, help="generated tokens per stream (quick: 64, full: 128)")
     r.add_argument("--cache", default="/dev/shm/strata-suite/cache", help="tiers.disk.path: where stores are built")
     r.add_argument("--disk-cache", default="~/.cache/strata-suite", help="store location of the disk case (real disk)")

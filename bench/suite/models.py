@@ -7,7 +7,9 @@
   `--route-locality L` when the suite runs with `--locality L` (temporal locality: each router also weighs the
   last ~19 tokens, L times the token; 0 by default);
 Both without Engram layers, so transformers runs exactly the same model. With `--experts fp8` or `mxfp4` both are
-written as quantized releases ship them (`strata demo-model --experts`), the same weights rounded to the format.
+written as quantized releases ship them (`strata demo-model --experts`), the same weights rounded to the format; with
+a GGUF export type (`--experts q4_k_m`, `q2_k`, ...: strata.tiers.store.gguf_mix.EXPORT_TYPES) the bf16 checkpoint is
+written, then exported beside it as a GGUF file with its routed experts in that type, and strata runs the file.
 """
 
 from __future__ import annotations
@@ -18,19 +20,32 @@ from pathlib import Path
 
 from bench.suite.roofline import ModelFacts
 
+GGUF_EXPERTS = ("q8_0", "q6_k", "q5_k", "q4_k", "q4_k_m", "q2_k")  # gguf_mix.EXPORT_TYPES but bf16
+EXPERT_FORMATS = ("bf16", "fp8", "mxfp4", *GGUF_EXPERTS)
+
 
 def demo_model_path(models_dir: Path, size: str, layers: int | None, routing: str, skew: float,
                     locality: float = 0.0, experts: str = "bf16") -> Path:
     tag = "uniform" if routing == "uniform" else f"skew{skew:g}" + (f"-loc{locality:g}" if locality else "")
-    return models_dir / (f"{size}-L{layers or 'all'}-{tag}" + (f"-{experts}" if experts != "bf16" else ""))
+    name = f"{size}-L{layers or 'all'}-{tag}" + (f"-{experts}" if experts != "bf16" else "")
+    return models_dir / (name + ".gguf" if experts in GGUF_EXPERTS else name)
 
 
 def ensure_model(models_dir: Path, size: str, layers: int | None, routing: str, skew: float,
                  progress: bool = True, locality: float = 0.0, experts: str = "bf16") -> Path:
     """Write (once) the demo model for `routing` and return its directory (`locality`: the skewed one's
-    `--route-locality`; `experts`: its expert format, `strata demo-model --experts`)."""
+    `--route-locality`; `experts`: its expert format, `strata demo-model --experts`, or a GGUF export type: the
+    GGUF file exported from the bf16 checkpoint)."""
     from strata.runtime.demo.model import write_demo_model
 
+    if experts in GGUF_EXPERTS:
+        out = demo_model_path(models_dir, size, layers, routing, skew, locality, experts)
+        if not out.exists():  # write_gguf renames a whole file into place: one that exists is complete
+            from strata.tiers.store.gguf_export import write_gguf
+
+            source = ensure_model(models_dir, size, layers, routing, skew, progress, locality)
+            write_gguf(source, out, experts=experts)
+        return out
     locality = 0.0 if routing == "uniform" else locality
     kwargs = {"route_skew": "uniform" if routing == "uniform" else skew}
     if experts != "bf16":
@@ -43,8 +58,20 @@ def ensure_model(models_dir: Path, size: str, layers: int | None, routing: str, 
                             progress=progress, **kwargs)
 
 
+def gguf_source(path: Path) -> Path:
+    """The suite's bf16 checkpoint directory that GGUF file `path` was exported from (`NAME-TYPE.gguf` beside
+    `NAME`); the path itself where there is none."""
+    stem = path.name.removesuffix(".gguf")
+    for export in GGUF_EXPERTS:
+        if stem.endswith("-" + export) and (path.parent / stem.removesuffix("-" + export)).is_dir():
+            return path.parent / stem.removesuffix("-" + export)
+    return path
+
+
 def routing_of(path: Path) -> tuple[str, str]:
     """(routing label, how it was decided) for a checkpoint given with --model."""
+    if path.suffix == ".gguf":
+        path = gguf_source(path)
     try:
         marker = json.loads((Path(path) / "strata_demo.json").read_text())
     except (OSError, ValueError):
@@ -61,9 +88,12 @@ def routing_of(path: Path) -> tuple[str, str]:
 
 def model_facts(path: Path) -> tuple[ModelFacts, dict]:
     """Roofline facts and a JSON summary (sizes, layers, routing marker) of a checkpoint."""
+    from strata.runtime.plan.gguf_inspect import summarize_gguf
     from strata.runtime.plan.inspect import summarize_checkpoint
 
-    s = summarize_checkpoint(path)
+    gguf = Path(path).suffix == ".gguf"
+    s = summarize_gguf(path) if gguf else summarize_checkpoint(path)
+    source = gguf_source(Path(path)) if gguf else Path(path)  # the checkpoint directory a GGUF was exported from
     role = s.bytes_by_role
     # a step reads every dense weight once, but only one embedding row per token: count the LM head
     # (half the "embeddings" role of an untied model) and not the input table
@@ -71,10 +101,13 @@ def model_facts(path: Path) -> tuple[ModelFacts, dict]:
     facts = ModelFacts(expert_bytes=s.expert_bytes, dense_bytes_per_step=dense, num_experts=s.experts_per_layer,
                        experts_per_token=s.experts_per_token, moe_layers=s.moe_layers)
     try:
-        marker = json.loads((Path(path) / "strata_demo.json").read_text())
+        marker = json.loads((source / "strata_demo.json").read_text())
     except (OSError, ValueError):
         marker = None
-    vocab = json.loads((Path(path) / "config.json").read_text()).get("vocab_size")
+    try:
+        vocab = json.loads((source / "config.json").read_text()).get("vocab_size")
+    except (OSError, ValueError):
+        vocab = None
     summary = {"path": str(path), "model_type": s.model_type, "layers": s.num_layers, "moe_layers": s.moe_layers,
                "vocab_size": vocab,
                "experts_per_layer": s.experts_per_layer, "experts_per_token": s.experts_per_token,

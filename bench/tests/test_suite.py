@@ -527,3 +527,21 @@ def test_one_tiny_fp8_case_on_cpu(tmp_path):
     assert hf["status"] == "skipped" and "fp8" in hf["reason"]
     model = doc["models"]["skewed"]
     assert model["path"].endswith("-fp8") and model["experts_format"] == "fp8 32x32" and model["demo"]["experts"] == "fp8"
+
+
+def test_one_tiny_gguf_case_on_cpu(tmp_path):
+    """`--experts q8_0` (a GGUF export type): the suite writes the bf16 demo model, exports it as a GGUF file with
+    its routed experts in that type, and runs strata's cases on the file; the routing marker is the source's."""
+    cases = [Case("split", "skewed", 0.25, Workload(24, 1, 4))]
+    settings = {"suite": "test", "device": "cpu", "cache": str(tmp_path / "cache"), "disk_cache": str(tmp_path / "d"),
+                "models_dir": str(tmp_path / "models"), "size": "tiny", "layers": None, "skew": 1.0, "model": None,
+                "token_budget": 256, "placement_timeout": 10.0, "hf_limit_s": 60.0, "deadline_s": 300.0,
+                "progress": False, "experts": "q8_0"}
+    doc = run_suite(cases, settings, tmp_path / "out", log=lambda s: None, rates=Rates())
+    (split,) = doc["cases"]
+    assert split["status"] == "ok", split.get("reason")
+    assert split["metrics"]["tokens"] == 4 and split["metrics"]["decode_tok_s"] > 0
+    model = doc["models"]["skewed"]
+    assert model["path"].endswith("-q8_0.gguf") and model["experts_format"].startswith("gguf")
+    assert "Q8_0" in model["experts_format"] and model["demo"]["route_skew"] == 1.0 and model["vocab_size"] > 0
+    assert (tmp_path / "models" / Path(model["path"]).name.removesuffix("-q8_0.gguf")).is_dir()  # its bf16 source
