@@ -1,9 +1,8 @@
 """Tiny GGUF files of qwen2moe, deepseek2 (DeepSeek-V3: MLA with its kv_b split into attn_k_b / attn_v_b, sigmoid
 routing with exp_probs_b, a leading dense layer, a shared expert) and llama with experts (Mixtral), written as
 llama.cpp's convert_hf_to_gguf.py writes them, routed experts random valid ggml blocks; the transformers model holds
-those experts dequantized by `gguf` (the oracle). Every file carries the demo's gpt2 BPE vocabulary: a Mixtral release
-ships a SentencePiece ("llama") one, which strata does not rebuild, so the Mixtral file here is not one llama.cpp's
-converter would give that tokenizer."""
+those experts dequantized by `gguf` (the oracle). A file carries the demo's gpt2 BPE vocabulary, or with
+`sentencepiece` the SentencePiece ("llama") one of tests/gguf_sentencepiece_vocab.py, as a Mixtral release ships."""
 
 from __future__ import annotations
 
@@ -13,6 +12,7 @@ import numpy as np
 import torch
 from gguf_blocks_random import random_blocks
 from gguf_models import VOCAB, _vocab
+from gguf_sentencepiece_vocab import llama_tokenizer, write_llama_vocab
 
 COMMON = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, intermediate_size=256,
               max_position_embeddings=512, rms_norm_eps=1e-6, initializer_range=0.05, tie_word_embeddings=False,
@@ -44,15 +44,19 @@ def _permute(w: torch.Tensor, heads: int) -> torch.Tensor:
 
 
 def build_arch_gguf(directory: Path, arch: str, types: dict[int, tuple[str, str, str]], seed: int = 0,
-                    split_max_tensors: int = 0):
+                    split_max_tensors: int = 0, sentencepiece: bool = False):
     """(transformers model in fp32, path of the GGUF or of its first part) of a tiny `arch` model ("qwen2moe",
-    "deepseek2", "llama"); MoE layer L's gate / up / down experts in `types[L]`."""
+    "deepseek2", "llama"); MoE layer L's gate / up / down experts in `types[L]`; the original tokenizer.json beside
+    it."""
     import gguf
     from transformers import AutoModelForCausalLM
 
     from strata.runtime.demo.tokenizer import tokenizer_json
 
     cfg = _config(arch)
+    if sentencepiece:
+        spm, scores, _ = llama_tokenizer()
+        cfg.vocab_size = spm.get_vocab_size()
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).eval()
@@ -76,11 +80,14 @@ def build_arch_gguf(directory: Path, arch: str, types: dict[int, tuple[str, str,
         experts[layer] = list(zip((gt, ut, dt), blocks, strict=True))
     directory.mkdir(parents=True, exist_ok=True)
     tok_path = directory / "tokenizer.json"
-    tok_path.write_text(tokenizer_json(VOCAB), encoding="utf-8")
+    tok_path.write_text(spm.to_str() if sentencepiece else tokenizer_json(VOCAB), encoding="utf-8")
     path = directory / f"tiny-{arch}.gguf"
     w = gguf.GGUFWriter(path, arch, split_max_tensors=split_max_tensors)
     _metadata(w, arch, cfg)
-    _vocab(gguf, w, tok_path)
+    if sentencepiece:
+        write_llama_vocab(w, spm, scores)
+    else:
+        _vocab(gguf, w, tok_path)
     names = gguf.TensorNameMap(gguf.MODEL_ARCH[{"qwen2moe": "QWEN2MOE", "deepseek2": "DEEPSEEK2", "llama": "LLAMA"}[arch]],
                                cfg.num_hidden_layers)
     for name, t in model.state_dict().items():

@@ -2,7 +2,8 @@
 
 llama.cpp's "gpt2" model is a byte-level BPE: `tokens` (ids by position), `merges` ("a b"), `token_type` (control
 tokens are special added tokens, user-defined ones plain added tokens) and `pre`, the name of the pre-tokenizer's
-split regex. The result encodes as the Hugging Face tokenizer the file was converted from.
+split regex. Its "llama" model (SentencePiece) is rebuilt by strata.tiers.store.gguf_sentencepiece. The result encodes
+as the Hugging Face tokenizer the file was converted from.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import json
 from pathlib import Path
 
 from strata.errors import UnsupportedError
+from strata.tiers.store.gguf_sentencepiece import sentencepiece_tokenizer_json
 
 _CONTROL, _USER_DEFINED = 3, 4
 # llama.cpp's `tokenizer.ggml.pre` -> the split regex its Hugging Face tokenizer runs before byte-level BPE
@@ -29,9 +31,11 @@ def tokenizer_json(fields: dict, where: str) -> str:
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
     model = fields.get("tokenizer.ggml.model")
+    if model == "llama":
+        return sentencepiece_tokenizer_json(fields, where)
     if model != "gpt2":
-        raise UnsupportedError(f"{where}: GGUF tokenizer model {model!r} is not one strata rebuilds (gpt2); put the "
-                               "model's tokenizer.json beside a converted store")
+        raise UnsupportedError(f"{where}: GGUF tokenizer model {model!r} is not one strata rebuilds (gpt2, llama); put "
+                               "the model's tokenizer.json beside a converted store")
     pre = str(fields.get("tokenizer.ggml.pre", "default"))
     if pre not in PRE_TOKENIZERS:
         raise UnsupportedError(f"{where}: GGUF pre-tokenizer {pre!r} is not one strata rebuilds "
@@ -64,10 +68,13 @@ def write_tokenizer_files(f, directory: Path) -> None:
     (directory / "tokenizer.json").write_text(tokenizer_json(fields, str(f.path)), encoding="utf-8")
     tokens = fields["tokenizer.ggml.tokens"]
     conf: dict = {"tokenizer_class": "PreTrainedTokenizerFast"}
-    for key, what in (("bos", "bos_token"), ("eos", "eos_token"), ("padding", "pad_token")):
+    for key, what in (("bos", "bos_token"), ("eos", "eos_token"), ("unknown", "unk_token"), ("padding", "pad_token")):
         i = fields.get(f"tokenizer.ggml.{key}_token_id")
         if i is not None and 0 <= int(i) < len(tokens):
             conf[what] = str(tokens[int(i)])
+    for key in ("add_bos_token", "add_eos_token"):  # as the file says; tokenizer.json's post-processor adds them
+        if (add := fields.get(f"tokenizer.ggml.{key}")) is not None:
+            conf[key] = bool(add)
     if (template := fields.get("tokenizer.chat_template")) is not None:
         conf["chat_template"] = str(template)
     (directory / "tokenizer_config.json").write_text(json.dumps(conf, indent=2), encoding="utf-8")
