@@ -292,7 +292,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--experts", default=None, choices=["bf16", "fp8", "mxfp4"],
                    help="random sizes: write the weights as quantized releases ship them: fp8 (linear weights in e4m3 "
                         "with 128x128-block scales, as DeepSeek-V3; 32x32 for tiny) or mxfp4 (fused routed experts, as "
-                        "gpt-oss) (default: mxfp4 for --arch gpt_oss, as released; bf16 otherwise)")
+                        "gpt-oss); for --arch deepseek_v4, its releases' spelling: mxfp4 (V4-Flash: FP4 experts, FP8 "
+                        "linears with ue8m0 scales) or fp8 (V4-Flash-Base) (default: mxfp4 for --arch gpt_oss, as "
+                        "released; bf16 otherwise)")
     p.add_argument("--gguf", default=None, metavar="TYPE", choices=GGUF_EXPORT_TYPES,
                    help="random sizes, with --no-engram: also write DIR/model-TYPE.gguf for llama.cpp, the same weights "
                         "with routed experts in TYPE: bf16, q8_0, q6_k, q5_k, q4_k, q2_k, or q4_k_m (llama.cpp's "

@@ -34,8 +34,10 @@ def test_tiny_loads_in_transformers_and_strata_alike(tmp_path):
 
 
 def test_options_it_does_not_write_are_refused(tmp_path):
-    with pytest.raises(ConfigError, match="--experts: not written for --arch deepseek_v4"):
-        write_demo_model(tmp_path / "q", size="tiny", arch="deepseek_v4", experts="fp8", progress=False)
+    with pytest.raises(ConfigError, match="--route-skew: not written for --arch deepseek_v4"):
+        write_demo_model(tmp_path / "q", size="tiny", arch="deepseek_v4", route_skew=1.0, progress=False)
+    with pytest.raises(ConfigError, match="--experts 'int4' is invalid; use one of bf16, fp8, mxfp4"):
+        write_demo_model(tmp_path / "i", size="tiny", arch="deepseek_v4", experts="int4", progress=False)
     with pytest.raises(ConfigError, match="the demo model is trained"):
         write_demo_model(tmp_path / "d", size="demo", arch="deepseek_v4", progress=False)
     with pytest.raises(ConfigError, match="--layers"):

@@ -148,28 +148,46 @@ def make_v4_tensor(t: V4Tensor, index: int, seed: int, std: float, num_experts: 
     return torch.empty(t.shape, dtype=dtype).normal_(0.0, std, generator=gen)
 
 
-def v4_demo(size: str, layers: int | None, seed: int, max_shard_bytes: int, progress: bool, workers: int | None
-            ) -> tuple[dict, Callable[[Path], None]]:
-    """(the marker identifying the model, a function writing every file but the marker into a directory)."""
+def v4_demo(size: str, layers: int | None, seed: int, max_shard_bytes: int, progress: bool, workers: int | None,
+            experts: str = "bf16") -> tuple[dict, Callable[[Path], None]]:
+    """(the marker identifying the model, a function writing every file but the marker into a directory); `experts`
+    "fp8" / "mxfp4" writes the quantized release's spelling (strata.runtime.demo.deepseek_v4_quant)."""
     cfg = v4_config(size, layers)
     marker = {"strata_demo": 1, "arch": ARCH, "size": size, "num_hidden_layers": cfg["num_hidden_layers"], "seed": seed}
+    if experts != "bf16":
+        from strata.runtime.demo.deepseek_v4_quant import V4_EXPERTS, v4_quantization
+
+        if experts not in V4_EXPERTS:
+            raise ConfigError(f"--experts {experts!r} is invalid; use one of {', '.join(V4_EXPERTS)}")
+        cfg = dict(sorted({**cfg, **v4_quantization(experts, cfg)}.items()))
+        marker["experts"] = experts
 
     def fill(tmp: Path) -> None:
         write_tokenizer_files(tmp, TOKENIZER_VOCAB[size], cfg["max_position_embeddings"])
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
         (tmp / "generation_config.json").write_text(json.dumps(demo_generation_config(), indent=2) + "\n",
                                                      encoding="utf-8")
-        write_v4_weights(tmp, cfg, seed, max_shard_bytes, progress, workers)
+        write_v4_weights(tmp, cfg, seed, max_shard_bytes, progress, workers, experts)
 
     return marker, fill
 
 
 def write_v4_weights(tmp: Path, cfg: dict, seed: int, max_shard_bytes: int, progress: bool,
-                     workers: int | None) -> None:
+                     workers: int | None, experts: str = "bf16") -> None:
     """The safetensors shard(s) of `cfg` (and model.safetensors.index.json when there are several), into `tmp`."""
-    def make(t: V4Tensor, i: int, part: int) -> torch.Tensor:
+    tensors = v4_tensors(cfg)
+    seed_index = {t.name: i for i, t in enumerate(tensors)}  # a tensor's seed: its position in the bf16 model
+
+    def make_source(t: V4Tensor, i: int) -> torch.Tensor:
         return make_v4_tensor(t, i, seed, cfg["initializer_range"], cfg["n_routed_experts"])
 
-    write_shards(tmp, v4_tensors(cfg), make,
-                 max_shard_bytes, progress, workers, f"demo-{ARCH}",
-                 order_in_shard=lambda t: -_BYTES[t.dtype][1])
+    def make(t, i: int, part: int) -> torch.Tensor:
+        return make_source(t, seed_index[t.name]) if isinstance(t, V4Tensor) else t.make(make_source)
+
+    width = lambda t: _BYTES[t.dtype][1]  # noqa: E731
+    if experts != "bf16":  # the quantized release's tensors (values and `.scale` of each quantized weight)
+        from strata.runtime.demo.deepseek_v4_quant import bytes_per_value, v4_quantized_tensors
+
+        tensors, width = v4_quantized_tensors(tensors, experts, cfg), bytes_per_value
+    write_shards(tmp, tensors, make, max_shard_bytes, progress, workers, f"demo-{ARCH}",
+                 order_in_shard=lambda t: -width(t))

@@ -134,12 +134,11 @@ def write_demo_model(
     elif arch == "deepseek_v4":  # its own writer: the release's tensor names, hash tables, hyper-connections
         from strata.runtime.demo.deepseek_v4 import v4_demo
 
-        given = {"--route-skew": check_skew(route_skew) != 0, "--route-locality": check_locality(route_locality) != 0,
-                 "--experts": experts != "bf16"}
+        given = {"--route-skew": check_skew(route_skew) != 0, "--route-locality": check_locality(route_locality) != 0}
         if any(given.values()):
             raise ConfigError(f"{', '.join(k for k, v in given.items() if v)}: not written for --arch deepseek_v4; "
                               "leave them out")
-        marker, write = v4_demo(size, layers, seed, max_shard_bytes, progress, workers)
+        marker, write = v4_demo(size, layers, seed, max_shard_bytes, progress, workers, experts)
         fill = functools.partial(_write_arch_into, write=write, marker=marker)
     elif arch == "qwen3_5_moe":  # its own writer: the hybrid layers' tensors, fused experts
         from strata.runtime.demo.qwen3_5 import q35_demo

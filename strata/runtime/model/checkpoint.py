@@ -145,12 +145,12 @@ class Checkpoint:
         for proj, mixtral in _MIXTRAL_PROJ.items():
             name = f"model.layers.{layer}.mlp.experts.{expert}.{proj}.weight"
             alt = f"model.layers.{layer}.block_sparse_moe.experts.{expert}.{mixtral}.weight"
-            if name not in self.index and alt not in self.index:
+            if stored_shape(self.index, name) is None and alt not in self.index:  # (MXFP4: `name` + _blocks)
                 raise CheckpointError(
                     f"{self.directory}: tensor {name!r} is missing from the checkpoint; the checkpoint is "
                     "incomplete or does not match its config.json"
                 )
-            out[proj] = name if name in self.index else alt
+            out[proj] = name if stored_shape(self.index, name) is not None else alt
         return out
 
     def load_experts(self, layer: int, dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -245,7 +245,7 @@ def _detect_layout(index: TensorIndex, cfg: ModelConfig) -> str:
 
 def _expert_format(index: TensorIndex, cfg: ModelConfig, layout: str) -> ExpertFormat:
     """How the checkpoint's routed experts are stored, from the first MoE layer's first expert: their plain dtype,
-    block-scaled FP8 (config.json's weight_block_size) or MXFP4 (fused `*_blocks` + `*_scales`)."""
+    block-scaled FP8 (config.json's weight_block_size) or MXFP4 (`*_blocks` + `*_scales`)."""
     first = next((i for i, moe in enumerate(cfg.moe_layers) if moe), None)
     if first is None:
         return ExpertFormat()
@@ -257,6 +257,8 @@ def _expert_format(index: TensorIndex, cfg: ModelConfig, layout: str) -> ExpertF
         candidates = (f"model.layers.{first}.mlp.experts.0.gate_proj.weight",
                       f"model.layers.{first}.block_sparse_moe.experts.0.w1.weight")
         name = next((n for n in candidates if n in index), None)
+        if name is None and candidates[0] + MX_BLOCKS in index:  # (DeepSeek-V4's FP4 experts, one tensor each)
+            return ExpertFormat("mxfp4")
         if name is None:  # named by `expert_names` when the experts are read
             return ExpertFormat()
     info = index[name]

@@ -2,7 +2,7 @@
 
     fp8    `x.weight` F8_E4M3 [..., N, K] + `x.weight_scale_inv` F32 [..., ceil(N/bn), ceil(K/bk)] (bn x bk:
            config.json's quantization_config.weight_block_size), w = values * scale_inv per block (DeepSeek-V3,
-           the FP8 releases of Qwen3-MoE); the fused layout's `experts.gate_up_proj` + `gate_up_proj_scale_inv`
+           the FP8 releases of Qwen3-MoE; DeepSeek-V4's scales are F8_E8M0, powers of two); the fused layout's `experts.gate_up_proj` + `gate_up_proj_scale_inv`
            has one such pair per expert ([E, ...]).
     mxfp4  `x_blocks` U8 [..., N, K/32, 16] (two e2m1 codes a byte) + `x_scales` U8 [..., N, K/32] (e8m0), as
            gpt-oss ships its fused experts (`experts.gate_up_proj_blocks`, `experts.down_proj_blocks`).
@@ -26,7 +26,7 @@ from strata.kernels.quant import MX_GROUP, dequantize_fp8, dequantize_mxfp4
 from strata.runtime.model.config import ModelConfig
 from strata.tiers.store.safetensors_index import DTYPES, FP8_SCALE, MX_BLOCKS, MX_SCALES, TensorIndex, TensorInfo
 
-SCALE_DTYPES = ("F32", "BF16", "F16")  # FP8 scale_inv dtypes read (converted to float32 exactly)
+SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0")  # FP8 scale_inv dtypes read (converted to float32 exactly)
 RawReader = Callable[[TensorInfo], torch.Tensor]  # a tensor's stored bytes as a CPU tensor of its dtype
 
 

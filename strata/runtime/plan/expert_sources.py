@@ -128,19 +128,16 @@ def layer_sources(ckpt: Checkpoint, layer: int) -> list[ExpertSource]:
     out = []
     for e in range(e_num):
         names = ckpt.expert_names(layer, e)
-        gate, up = (_part(ckpt, fmt, names[p], (i, h), suffix=True) for p in ("gate_proj", "up_proj"))
-        out.append(ExpertSource(fmt, (gate, up), _part(ckpt, fmt, names["down_proj"], (h, i), suffix=True)))
+        gate, up = (_part(ckpt, fmt, names[p], (i, h)) for p in ("gate_proj", "up_proj"))
+        out.append(ExpertSource(fmt, (gate, up), _part(ckpt, fmt, names["down_proj"], (h, i))))
     return out
 
 
-def _part(ckpt: Checkpoint, fmt: ExpertFormat, name: str, shape: tuple[int, ...], suffix: bool = False) -> Part:
-    """The values and scales of weight `name` (a per-expert `...weight` when `suffix`, else a fused tensor's name) in
+def _part(ckpt: Checkpoint, fmt: ExpertFormat, name: str, shape: tuple[int, ...]) -> Part:
+    """The values and scales of weight `name` (a per-expert `...weight`, or a fused tensor's name) in
     `fmt`, checked to be `shape` [..., N, K] as config.json says."""
     index = ckpt.index
-    if fmt.kind == "mxfp4":
-        if suffix:
-            raise CheckpointError(f"{ckpt.directory}: MXFP4 experts are read from the fused layout "
-                                  "(experts.gate_up_proj_blocks); this checkpoint stores them per expert")
+    if fmt.kind == "mxfp4":  # fused, or per expert (DeepSeek-V4's FP4 experts as `...weight_blocks`)
         values, scales = index[name + MX_BLOCKS], index[name + MX_SCALES]
         want = (*shape[:-1], shape[-1] // MX_GROUP, MX_GROUP // 2)
         ok = values.dtype == "U8" and values.shape == want and shape[-1] % MX_GROUP == 0

@@ -42,7 +42,8 @@ DTYPE_BITS: dict[str, int] = {
 KNOWN_UNSUPPORTED = set(DTYPE_BITS) - set(DTYPES)
 # dtypes read as raw bytes for quantized weights: block-scaled FP8 values (their `*_scale_inv` beside them) and
 # MXFP4's packed e2m1 blocks and e8m0 scales (`*_blocks`, `*_scales`); strata.kernels.quant dequantizes them
-RAW_DTYPES: dict[str, torch.dtype] = {"F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8}
+RAW_DTYPES: dict[str, torch.dtype] = {"F8_E4M3": torch.float8_e4m3fn, "U8": torch.uint8,
+                                      "F8_E8M0": torch.float8_e8m0fnu}  # (e8m0 FP8 block scales: DeepSeek-V4's)
 # integer tensors read as they are: lookup tables such as DeepSeek-V4's hash routes (`mlp.gate.tid2eid`)
 INT_DTYPES: dict[str, torch.dtype] = {"I64": torch.int64, "I32": torch.int32}
 FP8_SCALE = "_scale_inv"  # FP8 weight `x.weight` has its block scales in `x.weight_scale_inv`
@@ -332,8 +333,10 @@ class TensorIndex:
 
 
 def _quantized_part(info: TensorInfo) -> bool:
-    """Whether `info` is block-scaled FP8 values or an MXFP4 half (their partners checked by `check_dtypes`)."""
-    return info.dtype == "F8_E4M3" or (info.dtype == "U8" and info.name.endswith((MX_BLOCKS, MX_SCALES)))
+    """Whether `info` is block-scaled FP8 values, e8m0 FP8 block scales or an MXFP4 half (their partners checked by
+    `check_dtypes`)."""
+    return (info.dtype == "F8_E4M3" or (info.dtype == "U8" and info.name.endswith((MX_BLOCKS, MX_SCALES)))
+            or (info.dtype == "F8_E8M0" and info.name.endswith(FP8_SCALE)))
 
 
 def _from_index(directory: Path, index_file: Path) -> dict[str, TensorInfo]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import replace
 
+from strata.runtime.model.deepseek_v4.release_quant import release_quantized
 from strata.tiers.store.safetensors_index import TensorIndex
 
 _RENAMES: list[tuple[re.Pattern, str]] = [(re.compile(a), b) for a, b in (
@@ -66,8 +67,9 @@ def transformers_name(name: str) -> str | None:
 
 def renamed_index(index: TensorIndex) -> TensorIndex:
     """`index` keyed (and its entries named) by transformers' names, MTP tensors left out. A checkpoint whose names
-    collide once renamed (both spellings of one tensor) is refused by `TensorIndex`'s own duplicate check."""
-    out = {}
+    collide once renamed (both spellings of one tensor) is refused by `TensorIndex`'s own duplicate check. A quantized
+    release's FP8 and FP4 pairs take strata's spellings (strata.runtime.model.deepseek_v4.release_quant)."""
+    out, stored = {}, {}
     for name, info in index.tensors.items():
         new = transformers_name(name)
         if new is None:
@@ -78,4 +80,6 @@ def renamed_index(index: TensorIndex) -> TensorIndex:
             raise CheckpointError(f"{info.file}: tensors {out[new].name!r} and {name!r} are both {new!r} in "
                                   "transformers' names; keep one spelling of each DeepSeek-V4 tensor")
         out[new] = info if new == name else replace(info, name=new)
-    return TensorIndex(out)
+        if new != name:
+            stored[new] = name
+    return release_quantized(TensorIndex(out), stored)
