@@ -1,9 +1,10 @@
 """DeepSeek-V4 checkpoints as its quantized releases spell them (`strata demo-model --arch deepseek_v4 --experts
 mxfp4|fp8`: V4-Flash's FP4 experts with FP8 linears in ue8m0 scales, V4-Flash-Base's FP8 experts and linears in F32
-scales, the release's `.scale` names and `expert_dtype`) against transformers 5.25 running their dequantized weights
-(fp32, CPU). The oracle's weights are decoded by transformers' own `Fp8Dequantize` (int8 FP4 through its e2m1 table,
-e8m0 scales), not by strata: log-probabilities within 1e-4 and transformers' greedy tokens, with every expert in
-memory and through the tiers (a store keeping the experts as the release ships them, byte for byte)."""
+scales, the release's `.scale` names and `expert_dtype`; and FP8 experts in ue8m0 scales) against transformers 5.25
+running their dequantized weights (fp32, CPU). The oracle's weights are decoded by transformers' own `Fp8Dequantize`
+(int8 FP4 through its e2m1 table, e8m0 scales), not by strata: log-probabilities within 1e-4 and transformers' greedy
+tokens, with every expert in memory and through the tiers (a store keeping the experts as the release ships them,
+byte for byte; e8m0 FP8 scales converted to float32 exactly)."""
 
 from __future__ import annotations
 
@@ -18,13 +19,15 @@ from safetensors.torch import save_file
 
 from strata import Engine
 from strata.errors import CheckpointError
-from strata.kernels.quant import ExpertFormat, ExpertLayout
+from strata.kernels.quant import ExpertFormat, ExpertLayout, dequantize_fp8
+from strata.runtime.demo.deepseek_v4_quant import quantize_fp8_ue8m0
 from strata.runtime.demo.model import write_demo_model
 from strata.runtime.model.checkpoint import Checkpoint
 
 ATOL = 1e-4
 FP32 = {"dtype": "float32", "max_context": 256}
-FORMATS = {"mxfp4": ExpertFormat("mxfp4"), "fp8": ExpertFormat("fp8", block=(32, 32))}
+FORMATS = {"mxfp4": ExpertFormat("mxfp4"), "fp8": ExpertFormat("fp8", block=(32, 32)),
+           "fp8-ue8m0": ExpertFormat("fp8", block=(32, 32))}
 
 
 def read_all(directory: Path) -> dict[str, torch.Tensor]:
@@ -68,20 +71,42 @@ def dequantized_by_transformers(src: Path, dst: Path) -> Path:
     return rewrite(src, dst, out, cfg)
 
 
-@pytest.fixture(scope="module", params=["mxfp4", "fp8"])
+def with_ue8m0_scales(src: Path, dst: Path) -> Path:
+    """`dst`: FP8 release `src` with every FP8 weight requantized to power-of-two scales stored F8_E8M0 (scale_fmt
+    ue8m0), the routed experts' too: an FP8-expert release in V4-Flash's scale format."""
+    tensors, out = read_all(src), {}
+    cfg = json.loads((src / "config.json").read_text())
+    block = tuple(cfg["quantization_config"]["weight_block_size"])
+    for name, t in tensors.items():
+        if t.dtype == torch.float8_e4m3fn:
+            scale = name.removesuffix(".weight") + ".scale"
+            out[name], out[scale] = quantize_fp8_ue8m0(dequantize_fp8(t, tensors[scale], block), block)
+        elif name not in out:
+            out[name] = t
+    cfg["quantization_config"]["scale_fmt"] = "ue8m0"
+    return rewrite(src, dst, out, cfg)
+
+
+@pytest.fixture(scope="module", params=["mxfp4", "fp8", "fp8-ue8m0"])
 def release(request, tmp_path_factory):
     """(experts, the tiny release, transformers' model of its dequantized weights)."""
     from transformers import AutoModelForCausalLM
 
-    root = tmp_path_factory.mktemp(f"v4-{request.param}")
-    d = write_demo_model(root / "release", "tiny", arch="deepseek_v4", experts=request.param, progress=False)
+    experts = request.param
+    root = tmp_path_factory.mktemp(f"v4-{experts}")
+    d = write_demo_model(root / "release", "tiny", arch="deepseek_v4", experts=experts.removesuffix("-ue8m0"),
+                         progress=False)
+    if experts == "fp8-ue8m0":
+        d = with_ue8m0_scales(d, root / "ue8m0")
+        assert read_all(d)["layers.2.ffn.experts.7.w1.scale"].dtype == torch.float8_e8m0fnu
     ref = AutoModelForCausalLM.from_pretrained(dequantized_by_transformers(d, root / "dequantized"),
                                                dtype=torch.float32).eval()
-    return request.param, d, ref
+    return experts, d, ref
 
 
-def test_the_release_spelling_is_written(release):
-    experts, d, _ = release
+@pytest.mark.parametrize("experts", ["mxfp4", "fp8"])
+def test_the_release_spelling_is_written(experts, tmp_path):
+    d = write_demo_model(tmp_path / "release", "tiny", arch="deepseek_v4", experts=experts, progress=False)
     cfg, tensors = json.loads((d / "config.json").read_text()), read_all(d)
     q = cfg["quantization_config"]
     assert q["quant_method"] == "fp8" and q["fmt"] == "e4m3" and q["weight_block_size"] == [32, 32]
@@ -138,13 +163,14 @@ def check_blob_is_the_release_bytes(store, d: Path, experts: str) -> None:
     scales = torch.cat([tensors[stem + p + ".scale"] for p in ("w1", "w3")])
     if experts == "mxfp4":  # the e8m0 bytes themselves
         assert torch.equal(gate_up.scales.reshape(-1), raw(scales).reshape(-1))
-    else:
-        assert torch.equal(gate_up.scales.reshape(-1), scales.reshape(-1))
+    else:  # float32 blocks (e8m0 ones converted exactly)
+        assert torch.equal(gate_up.scales.reshape(-1), scales.float().reshape(-1))
 
 
-def test_the_demo_holds_the_bf16_models_weights_rounded(release, tmp_path):
+@pytest.mark.parametrize("experts", ["mxfp4", "fp8"])
+def test_the_demo_holds_the_bf16_models_weights_rounded(experts, tmp_path):
     """Each routed expert is exactly what packing the bf16 demo model's expert into the format gives."""
-    experts, d, _ = release
+    d = write_demo_model(tmp_path / "release", "tiny", arch="deepseek_v4", experts=experts, progress=False)
     plain = Checkpoint.open(write_demo_model(tmp_path / "bf16", "tiny", arch="deepseek_v4", progress=False))
     q = Checkpoint.open(d)
     layout = ExpertLayout.build(q.expert_format, 64, 32)
