@@ -206,3 +206,16 @@ def test_what_cannot_be_read_is_named(tmp_path):
     with pytest.raises(CheckpointError, match=r"'layers.1.attn.wq_a.scale' is I32; the FP8 block scales of "
                                               r"'layers.1.attn.wq_a.weight' are F8_E8M0 or F32"):
         Checkpoint.open(broken("int-scales", {"layers.1.attn.wq_a.scale": torch.ones(1, 2, dtype=torch.int32)}))
+
+
+def test_fp4_experts_stored_as_u8_read_as_i8(tmp_path):
+    """A re-pack storing the FP4 experts' bytes as U8 instead of I8 reads as the release does."""
+    d = write_demo_model(tmp_path / "release", "tiny", arch="deepseek_v4", experts="mxfp4", progress=False)
+    tensors = read_all(d)
+    u8 = rewrite(d, tmp_path / "u8", {k: t.view(torch.uint8) if t.dtype == torch.int8 else t for k, t in tensors.items()})
+    assert read_all(u8)["layers.1.ffn.experts.3.w1.weight"].dtype == torch.uint8
+    release, repack = Checkpoint.open(d), Checkpoint.open(u8)
+    assert repack.expert_format == ExpertFormat("mxfp4")
+    for a, b in zip(release.load_experts(1, torch.float32, "cpu"), repack.load_experts(1, torch.float32, "cpu"),
+                    strict=True):
+        assert torch.equal(a, b)

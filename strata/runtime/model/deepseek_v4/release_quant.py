@@ -9,7 +9,8 @@ quantization_config), and, under the release's names (strata.runtime.model.deeps
                  or F32: attention's wq_a, wq_b, wkv, wo_a, wo_b, the indexer's wq_b, the shared experts (and the
                  routed experts of an fp8 release); the compressors' and indexer's other projections, the routers,
                  embeddings and head stay bf16
-    fp4 experts  `experts.E.w{1,2,3}.weight` I8 [N, K/2] (two e2m1 codes a byte, element 2j in the low nibble)
+    fp4 experts  `experts.E.w{1,2,3}.weight` I8 [N, K/2] (two e2m1 codes a byte, element 2j in the low nibble; U8
+                 in some re-packs)
                  + `x.scale` F8_E8M0 [N, K/32], one e8m0 scale per 32 values along K
 
 transformers reads the same (its FP8 quantizer renames `x.scale` to `x.weight_scale_inv`; `Fp8Dequantize` unpacks
@@ -31,6 +32,7 @@ from strata.tiers.store.safetensors_index import FP8_SCALE, MX_BLOCKS, MX_SCALES
 
 RELEASE_SCALE = ".scale"  # the release's name of a quantized weight's scales, beside `.weight`
 FP8_SCALE_DTYPES = ("F8_E8M0", "F32")  # ue8m0 (scale_fmt "ue8m0") or float32 block scales
+FP4_DTYPES = ("I8", "U8")  # packed e2m1 pairs: I8 as the releases (and transformers) store them, U8 as some re-packs do
 _ROUTED_EXPERT = re.compile(r"\.mlp\.experts\.\d+\.(gate|up|down)_proj$")
 _FIX = "the checkpoint is damaged or not a DeepSeek-V4 release: re-download it"
 
@@ -48,11 +50,13 @@ def release_quantized(index: TensorIndex, stored_names: dict[str, str] | None = 
 
     tensors = dict(index.tensors)
     for name, info in index.tensors.items():
-        if info.dtype != "I8" or not name.endswith(".weight"):
+        if info.dtype not in FP4_DTYPES or not name.endswith(".weight"):
             continue
         stem = name.removesuffix(".weight")
         scale = tensors.pop(stem + RELEASE_SCALE, None)
         if scale is None:
+            if info.dtype == "U8":
+                continue  # an unquantized byte tensor, if any: checked (and refused) with the other dtypes
             raise CheckpointError(f"{info.file}: FP4 tensor {named(name)} (I8, two e2m1 values a byte) has no "
                                   f"{scale_of(name)} (its e8m0 scales); {_FIX}")
         del tensors[name]
@@ -81,7 +85,7 @@ def _fp4_as_mxfp4(values: TensorInfo, scale: TensorInfo, stem: str, named: Calla
                   ) -> tuple[TensorInfo, TensorInfo]:
     """An FP4 expert matrix [N, K] (values I8 [N, K/2], scales F8_E8M0 [N, K/32]) as MXFP4's blocks and scales."""
     if not _ROUTED_EXPERT.search(stem):
-        raise CheckpointError(f"{values.file}: tensor {named(values.name)} is FP4 (I8); strata reads FP4 in the routed "
+        raise CheckpointError(f"{values.file}: tensor {named(values.name)} is FP4 ({values.dtype}); strata reads FP4 in the routed "
                               f"experts only (expert_dtype \"fp4\"), as DeepSeek-V4 ships them; {_FIX}")
     if len(values.shape) != 2 or values.shape[1] % (MX_GROUP // 2):
         raise CheckpointError(f"{values.file}: FP4 tensor {named(values.name)} has shape {list(values.shape)}, not "
