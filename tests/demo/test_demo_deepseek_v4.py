@@ -42,3 +42,14 @@ def test_options_it_does_not_write_are_refused(tmp_path):
         write_demo_model(tmp_path / "d", size="demo", arch="deepseek_v4", progress=False)
     with pytest.raises(ConfigError, match="--layers"):
         write_demo_model(tmp_path / "l", size="tiny", layers=0, arch="deepseek_v4", progress=False)
+
+
+def test_fp4_scales_alone_are_the_quantizers():
+    """The quantized demo writes an FP4 expert's scales without rounding its values: the same bytes quantize_mxfp4
+    gives, over magnitudes from subnormal to near float32's largest and all-zero groups."""
+    from strata.kernels.quant import quantize_mxfp4
+    from strata.runtime.demo.deepseek_v4_quant import mxfp4_scales
+
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * torch.logspace(-40, 38, 256)
+    w[3, :32], w[5, 32:64], w[7, 64:96] = 0.0, 6.0, 1e-45
+    assert torch.equal(mxfp4_scales(w), quantize_mxfp4(w)[1])

@@ -57,11 +57,20 @@ class QuantV4Tensor:
     def make(self, make_source: Callable[[object, int], torch.Tensor]) -> torch.Tensor:
         """This tensor's bytes as a tensor of its dtype, from `make_source(t, index)` (the bf16 model's tensor)."""
         w = make_source(self.source, self.source_index).float()
+        if self.kind == "fp4" and self.part == "scale":  # (rounding the values too would double a bench write)
+            return mxfp4_scales(w).view(torch.float8_e8m0fnu)
         if self.kind == "fp4":
-            q, s = quantize_mxfp4(w)  # [N, K/2] uint8, [N, K/32] uint8 e8m0
-            return q.view(torch.int8) if self.part == "values" else s.view(torch.float8_e8m0fnu)
+            return quantize_mxfp4(w)[0].view(torch.int8)  # [N, K/2] two e2m1 codes a byte
         q, s = quantize_fp8_ue8m0(w, self.block) if self.ue8m0 else quantize_fp8(w, self.block)
         return q if self.part == "values" else s
+
+
+def mxfp4_scales(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] -> the e8m0 scales [N, K/32] uint8 `quantize_mxfp4` gives (the smallest 2**e with amax / 2**e <= 6,
+    e in [-127, 127]; -127 for an all-zero group), without rounding the values."""
+    amax = w.float().reshape(w.shape[0], -1, MX_GROUP).abs().amax(dim=-1)
+    exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    return (torch.where(amax > 0, exp, torch.full_like(exp, -127)) + 127).to(torch.uint8)
 
 
 def quantize_fp8_ue8m0(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
