@@ -3,6 +3,7 @@ hyper-connections, hash and top-k routers, KV cache and the transformer built fr
 
     config      config.json -> ModelConfig fields + DeepseekV4Settings (imported by strata.runtime.model.config)
     names       the original DeepSeek tensor names -> transformers' names
+    release_quant  the quantized releases' FP8 `.scale` and FP4 expert tensors -> strata's fp8 and mxfp4 spellings
     rope        interleaved RoPE on a head's trailing slice ("main" and "compress" frequencies)
     norms       RMS norms as V4 computes them (fp32 weights, one rounding)
     compressor  CSA / HCA compressors: gated pooling of source-token windows into compressed KV entries
