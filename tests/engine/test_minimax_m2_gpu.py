@@ -14,6 +14,7 @@ from test_gpu import PREFIX, assert_same_greedy_prefix, greedy_full_forward
 
 from reference_models import VOCAB
 from strata import Engine
+from strata.runtime.plan.footprint import read_footprint
 
 pytestmark = pytest.mark.gpu
 
@@ -56,7 +57,8 @@ def test_decode_graphs_equal_eager_decode(tmp_path):
     assert graphs.model.graphs.replays > 0 and not graphs.model.graphs.failed
     assert_batched_decode_identical(eager, graphs, steps=12)
     slot = 3 * 64 * 32 * 2  # one bf16 expert of the tiny size
-    cfg = {"tiers": {"gpu": {"budget": str(2 * slot)}, "pinned": {"budget": str(48 * slot)}},
+    layers = read_footprint(d).moe_layers  # the budget is the whole GPU tier's: two slots for each MoE layer
+    cfg = {"tiers": {"gpu": {"budget": str(2 * layers * slot)}, "pinned": {"budget": str(48 * slot)}},
            "runtime": {"cpu_numerics": "gpu"}}
     with Engine.from_pretrained(d, device="cuda", config=cfg) as tiered:
         assert tiered.generate(ids, max_tokens=24).token_ids == want.token_ids

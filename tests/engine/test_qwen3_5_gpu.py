@@ -13,6 +13,7 @@ from test_gpu import PREFIX, assert_same_greedy_prefix, greedy_full_forward
 
 from reference_models import VOCAB
 from strata import Engine
+from strata.runtime.plan.footprint import read_footprint
 
 pytestmark = pytest.mark.gpu
 
@@ -49,7 +50,8 @@ def test_tiered_decode_equals_memory(tmp_path):
     ids = memory.tokenizer.encode("The river runs through the valley and the town")
     want = memory.generate(ids, max_tokens=24).token_ids
     slot = 3 * 64 * 32 * 2  # one bf16 expert of the tiny size
-    cfg = {"tiers": {"gpu": {"budget": str(2 * slot)}, "pinned": {"budget": str(64 * slot)}},
+    layers = read_footprint(d).moe_layers  # the budget is the whole GPU tier's: two slots for each MoE layer
+    cfg = {"tiers": {"gpu": {"budget": str(2 * layers * slot)}, "pinned": {"budget": str(64 * slot)}},
            "runtime": {"cpu_numerics": "gpu"}}
     with Engine.from_pretrained(d, device="cuda", config=cfg) as tiered:
         assert tiered.model.graphs is None

@@ -213,8 +213,10 @@ def test_kernel_pairs_on_quantized_slots_equal_the_dequantized_experts(fmt, h, i
     if dtype == torch.bfloat16:  # no further from the oracle than the bf16 kernels on the weights rounded to bf16
         plain = torch.full((2 * n, h), 7.0, device=DEVICE)
         grouped.pair_experts(x, _dequantized(qs, torch.bfloat16), slot_of, ids, plain)
-        _close(plain[ok], want[ok], torch.bfloat16)
-        assert (y[ok] - want[ok]).abs().max() <= 1.25 * (plain[ok] - want[ok]).abs().max() + 1e-4
+        # (the weights rounded to bf16 are not the oracle's: an output of ~0.25 may be 0.03 off, so the plain
+        # kernels' own bf16 tolerance against the torch path on the same weights does not apply here)
+        plain_err = (plain[ok] - want[ok]).abs().max()
+        assert plain_err < 0.1 and (y[ok] - want[ok]).abs().max() <= 1.25 * plain_err + 1e-4
 
 
 @pytest.mark.parametrize("fmt,h,i", FORMATS[::3], ids=IDS[::3])

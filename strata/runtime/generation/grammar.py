@@ -151,8 +151,11 @@ class GrammarMatcher:
             out[0, :vocab].masked_fill_(~torch.from_numpy(bits.view(np.bool_)), -math.inf)
             return out
         if self._device_bitmask is None:  # page-locked, so the copy is queued without waiting for the device
-            self._bitmask = self._bitmask.pin_memory()
-            self._device_bitmask = torch.empty_like(self._bitmask, device=out.device)
+            # made as normal tensors even inside the forward pass's inference mode: `advance` writes the host one
+            # in place outside it
+            with torch.inference_mode(False):
+                self._bitmask = self._bitmask.pin_memory()
+                self._device_bitmask = torch.empty_like(self._bitmask, device=out.device)
         # the host bitmask is next written by `advance`, after the step's tokens were read back, so after this
         self._device_bitmask.copy_(self._bitmask, non_blocking=True)
         self._xgr.apply_token_bitmask_inplace(out, self._device_bitmask, vocab_size=vocab)
