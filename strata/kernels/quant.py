@@ -133,14 +133,16 @@ class QuantMatrix:
 # and runs the reference math instead, and `strata plan` names the fallback. A kernel's owner adds a kind here once
 # that kernel reads it (tested against `dequantize`).
 FAST_PATHS: dict[str, frozenset[str]] = {
-    "gpu_pairs": frozenset({"plain"}),  # decode pair kernels over GPU slots, full-graph decode (strata.kernels.gpu.grouped)
-    "gpu_in_place": frozenset({"plain"}),  # the GPU's in-place reads of pinned RAM in one-graph split decode
-    "gpu_grouped": frozenset({"plain"}),  # prefill's grouped GEMMs over GPU slots (strata.kernels.gpu.grouped_gemm)
+    "gpu_pairs": frozenset({"plain", "fp8", "mxfp4", "gguf"}),  # decode pair kernels over GPU slots, full-graph decode (strata.kernels.gpu.grouped)
+    "gpu_in_place": frozenset({"plain", "fp8", "mxfp4", "gguf"}),  # the GPU's in-place reads of pinned RAM in one-graph split decode
+    "gpu_grouped": frozenset({"plain", "fp8", "mxfp4", "gguf"}),  # prefill's grouped GEMMs over GPU slots (strata.kernels.gpu.grouped_gemm)
     "cpu_kernel": frozenset({"plain", "fp8", "mxfp4", "gguf"}),  # the compiled CPU expert kernel (strata.kernels.cpu)
     "cpu_mailbox": frozenset({"plain"}),  # one-graph decode's native CPU worker (strata.runtime.offload.mailbox)
 }
+_GGUF_KERNEL_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS"})
 GGUF_FAST_TYPES: dict[str, frozenset[str]] = {
-    "cpu_kernel": frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS"}),
+    "cpu_kernel": _GGUF_KERNEL_TYPES,
+    "gpu_pairs": _GGUF_KERNEL_TYPES, "gpu_in_place": _GGUF_KERNEL_TYPES, "gpu_grouped": _GGUF_KERNEL_TYPES,
 }
 """The ggml block types a path with "gguf" reads: it reads a GGUF format only if every matrix's types are here."""
 FP8_BLOCKS = (128, 64, 32, 16)  # the square fp8 blocks `fp8_block_for` picks from, largest first

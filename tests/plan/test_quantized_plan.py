@@ -90,24 +90,29 @@ def test_mxfp4_store_of_a_bf16_checkpoint(q30b):
 
 
 def test_the_decode_path_follows_the_kernels_that_read_the_format(q30b, monkeypatch):
+    # the GPU's pair, in-place and grouped kernels and the compiled CPU kernel read FP8 as stored: graphs, no fallback
+    gpu = plan(q30b["fp8"], host())
+    assert gpu.decode_graphs and "pair kernels" in gpu.decode and "do not read" not in " ".join(gpu.notes)
+    # tiered: one-graph decode's CPU worker does not read FP8 yet, so the cold experts run in host steps
+    split = plan(q30b["fp8"], host(), {"tiers": {"gpu": {"budget": "1GiB"}}})
+    assert "host steps" in split.decode and "does not read" not in " ".join(split.notes)
+    cpu = plan(q30b["fp8"], host(gpu=None))
+    assert cpu.decode == "experts on CPU threads from RAM, the compiled kernel"
+    assert "does not read" not in " ".join(cpu.notes)
+    # a format the GPU's pair kernels do not read is grouped by expert and dequantized, without graphs, and says so
+    monkeypatch.setitem(quant.FAST_PATHS, "gpu_pairs", frozenset({"plain"}))
+    monkeypatch.setitem(quant.FAST_PATHS, "gpu_grouped", frozenset({"plain"}))
     gpu = plan(q30b["fp8"], host())
     assert not gpu.decode_graphs and "grouped by expert" in gpu.decode
     notes = " ".join(gpu.notes)
     assert "decode pair kernels do not read fp8 128x128" in notes and "no CUDA graphs" in notes
-    assert "CPU kernel does not read" not in notes  # the compiled CPU kernel reads FP8 as stored
-    cpu = plan(q30b["fp8"], host(gpu=None))
-    assert cpu.decode == "experts on CPU threads from RAM, the compiled kernel"
-    assert "does not read" not in " ".join(cpu.notes)
-    # a format the compiled CPU kernel does not read falls back to the reference math, and says so
+    assert "grouped GEMMs do not read fp8 128x128" in notes
+    assert "CPU kernel does not read" not in notes
+    # one the compiled CPU kernel does not read falls back to the reference math, and says so
     monkeypatch.setitem(quant.FAST_PATHS, "cpu_kernel", frozenset({"plain"}))
     cpu = plan(q30b["fp8"], host(gpu=None))
     assert "dequantized one by one" in cpu.decode and "compiled CPU kernel does not read" in " ".join(cpu.notes)
     monkeypatch.undo()
-    # once every kernel reads fp8, the fast paths run and nothing falls back
-    monkeypatch.setattr(quant, "FAST_PATHS", {k: v | {"fp8"} for k, v in quant.FAST_PATHS.items()})
-    gpu, cpu = plan(q30b["fp8"], host()), plan(q30b["fp8"], host(gpu=None))
-    assert gpu.decode_graphs and "do not read" not in " ".join(gpu.notes) and "pair kernels" in gpu.decode
-    assert cpu.decode == "experts on CPU threads from RAM, the compiled kernel"
     assert plan(q30b["bf16"], host()).decode_graphs
 
 

@@ -20,6 +20,7 @@ from reference_models import build_reference
 from strata import Engine
 from strata.errors import CheckpointError, ConfigError
 from strata.kernels.experts import moe_forward
+from strata.kernels.gpu.quant_slots import QuantSlotWeights
 from strata.kernels.quant import ExpertFormat, ExpertLayout
 from strata.runtime.model.checkpoint import Checkpoint
 from strata.runtime.offload.expert_compute import ExpertCompute
@@ -210,7 +211,8 @@ def test_quantized_experts_through_every_tier(stores, name, policy):
                     _ = h.gate_up
                 m.release([h])
             compute = ExpertCompute(m, tier, "gpu")
-            assert compute.slots is None and not compute.pairs_read_format  # the decode pair kernels do not read it
+            # the decode pair kernels read the format: the GPU tier's slots are handed to them as stored
+            assert compute.pairs_read_format and isinstance(compute.slots, QuantSlotWeights) == (tier == "gpu")
             experts = TieredExperts(layer, store.index.num_experts, compute)
             for step in range(3):
                 g = torch.Generator().manual_seed(step)

@@ -1,9 +1,9 @@
 """Which decode path a tiered model takes for its experts' format, and what it falls back to where a kernel does not
 read the format (strata.kernels.quant.FAST_PATHS): said by `strata plan` and followed by the build.
 
-Plain experts (the checkpoint's bf16/f16/f32) take every fast path. FP8 and MXFP4 experts take a path only once its
-kernel reads them in place; until then the runtime dequantizes each expert into a scratch of the compute dtype as
-it runs it (strata.kernels.experts.as_weights): exact against the dequantized weights, slower, and, on the GPU,
+Plain experts (the checkpoint's bf16/f16/f32) take every fast path; FP8, MXFP4 and GGUF experts the paths whose kernel
+reads them in place. Where a kernel does not, the runtime dequantizes each expert into a scratch of the compute dtype
+as it runs it (strata.kernels.experts.as_weights): exact against the dequantized weights, slower, and, on the GPU,
 without CUDA graphs (the per-expert loop needs the host between layers).
 """
 
