@@ -24,9 +24,9 @@ needs_kernel = pytest.mark.skipif(ce.backend() == "torch", reason="needs the com
 FP8_16, FP8_64, FP8_128, MX = (ExpertFormat("fp8", block=(16, 16)), ExpertFormat("fp8", block=(32, 64)),
                                ExpertFormat("fp8", block=(128, 128)), ExpertFormat("mxfp4"))
 # (format, H, I): blocks narrower than a vector step and partial ones (H = 130, 200), whole 64- and 128-wide
-# blocks, MXFP4 groups in one and several vector steps
+# blocks, MXFP4 groups in one and several vector steps, and rows of four steps (one scale load) and more
 CASES = [(FP8_16, 64, 32), (FP8_16, 130, 48), (FP8_64, 192, 64), (FP8_128, 200, 128), (MX, 64, 32), (MX, 96, 64),
-         (MX, 160, 96)]
+         (MX, 160, 96), (MX, 672, 576)]
 EMULATED = {"avx512": "avx512_emulated", "avx512_bf16": "avx512_bf16_emulated"}
 
 

@@ -131,6 +131,17 @@ struct K {
         for (int i = 0; i < 16; ++i) r.v[i] = e8m0_value(s[i >> 2]);
         return r;
     }
+    static inline Acc mx16_scales(const uint8_t* s) {  // lane g: e8m0_value(s[g]), 16 groups
+        Acc r;
+        for (int i = 0; i < 16; ++i) r.v[i] = e8m0_value(s[i]);
+        return r;
+    }
+    template <int J>
+    static inline Acc mx4_pick(const Acc& all) {  // lanes 4L..4L+3: all[4J + L]
+        Acc r;
+        for (int i = 0; i < 16; ++i) r.v[i] = all.v[4 * J + (i >> 2)];
+        return r;
+    }
     static inline Acc fmav(const Acc& a, const Acc& s, Acc b) {
         for (int i = 0; i < 16; ++i) b.v[i] = std::fma(a.v[i], s.v[i], b.v[i]);
         return b;

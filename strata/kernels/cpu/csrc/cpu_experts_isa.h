@@ -215,6 +215,18 @@ struct K {
         const __m512i lane = _mm512_cvtepu8_epi32(each);  // dwords 4L..4L+3: s[L]
         return _mm512_castsi512_ps(_mm512_max_epu32(_mm512_slli_epi32(lane, 23), _mm512_set1_epi32(0x400000)));
     }
+    // lane g: 2^(s[g] - 127) for 16 groups (four steps), as mx4_scales; mx4_pick<J> puts step J's in its lanes
+    static inline __m512 mx16_scales(const uint8_t* s) {
+        const __m512i g = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+        return _mm512_castsi512_ps(_mm512_max_epu32(_mm512_slli_epi32(g, 23), _mm512_set1_epi32(0x400000)));
+    }
+    template <int J>
+    static inline __m512 mx4_pick(__m512 all) {  // lanes 4L..4L+3: all[4J + L]
+        const __m512i idx = _mm512_set_epi32(4 * J + 3, 4 * J + 3, 4 * J + 3, 4 * J + 3, 4 * J + 2, 4 * J + 2,
+                                             4 * J + 2, 4 * J + 2, 4 * J + 1, 4 * J + 1, 4 * J + 1, 4 * J + 1,
+                                             4 * J, 4 * J, 4 * J, 4 * J);
+        return _mm512_permutexvar_ps(idx, all);
+    }
     static inline __m512 fmav(__m512 a, __m512 s, __m512 b) { return _mm512_fmadd_ps(a, s, b); }
     // A group's 16 bytes in every 128-bit lane; qword q of lane L (the group's qword q & 1) shifted right by 4L
     // bits puts nibble 4r + L of it in word r's low bits, so word w holds element mx_lane_element(w); vpermw reads

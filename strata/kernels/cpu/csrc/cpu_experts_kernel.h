@@ -231,8 +231,7 @@ static inline void dot2_mx_steps(const RowMx& ra, const RowMx& rb, int64_t len, 
     Acc fa[NT], fb[NT];
 #pragma GCC unroll 16
     for (int t = 0; t < NT; ++t) fa[t] = fb[t] = KK::zero();
-    int64_t i = 0;
-    for (; i + kMxStep <= len; i += kMxStep) {
+    const auto step = [&](int64_t i, const Acc& sa, const Acc& sb) __attribute__((always_inline)) {
         if (pf) {  // 64 bytes a row and step: one line each
             __builtin_prefetch(ra.v + (i >> 1) + pf, 0, 3);
             __builtin_prefetch(rb.v + (i >> 1) + pf, 0, 3);
@@ -240,7 +239,6 @@ static inline void dot2_mx_steps(const RowMx& ra, const RowMx& rb, int64_t len, 
         typename KK::Mx4 wa, wb;
         KK::load_mx4(table, ra.v + (i >> 1), wa);
         KK::load_mx4(table, rb.v + (i >> 1), wb);
-        const Acc sa = KK::mx4_scales(ra.s + (i >> 5)), sb = KK::mx4_scales(rb.s + (i >> 5));
 #pragma GCC unroll 16
         for (int t = 0; t < NT; ++t) {
             const typename KK::X* x = xs[t] + i;
@@ -252,7 +250,17 @@ static inline void dot2_mx_steps(const RowMx& ra, const RowMx& rb, int64_t len, 
             fa[t] = KK::fmav(pa, sa, fa[t]);
             fb[t] = KK::fmav(pb, sb, fb[t]);
         }
+    };
+    int64_t i = 0;
+    // four steps share one 16-byte load of their 16 groups' scales, each step's four picked out by one permute
+    for (; i + 4 * kMxStep <= len; i += 4 * kMxStep) {
+        const Acc qa = KK::mx16_scales(ra.s + (i >> 5)), qb = KK::mx16_scales(rb.s + (i >> 5));
+        step(i, KK::template mx4_pick<0>(qa), KK::template mx4_pick<0>(qb));
+        step(i + kMxStep, KK::template mx4_pick<1>(qa), KK::template mx4_pick<1>(qb));
+        step(i + 2 * kMxStep, KK::template mx4_pick<2>(qa), KK::template mx4_pick<2>(qb));
+        step(i + 3 * kMxStep, KK::template mx4_pick<3>(qa), KK::template mx4_pick<3>(qb));
     }
+    for (; i + kMxStep <= len; i += kMxStep) step(i, KK::mx4_scales(ra.s + (i >> 5)), KK::mx4_scales(rb.s + (i >> 5)));
     Acc ga[NT], gb[NT];
 #pragma GCC unroll 16
     for (int t = 0; t < NT; ++t) ga[t] = gb[t] = KK::zero();
