@@ -331,3 +331,42 @@ def test_an_engine_computes_quantized_experts_with_the_kernel(experts, tmp_path,
             evictions = tiered.stats()["tiers"]["tiers"]["pinned"]["evictions"]
         assert (evictions > 0) == (budget == "40KiB")
         assert calls and set(calls) == {experts}, (budget, set(calls))
+
+
+@needs_kernel
+@pytest.mark.parametrize("fmt", [FP8_16, MX], ids=lambda f: f.name)
+@pytest.mark.parametrize("cut", [8, 16, 24])
+def test_the_mailbox_worker_computes_a_quantized_experts_first_rows(fmt, cut):
+    """A cold pair's `rows` < I on blobs in the format (the GPU share's split, the GPU reading the rest in place): the
+    worker computes gate and up's first `cut` rows and down's first `cut` columns, values and scales where the
+    layout puts them, even where the cut falls inside an FP8 block; with the rest added (the GPU's part) the two
+    partial sums make the whole expert, against the dequantized weights within the backend's tolerance."""
+    from strata.runtime.offload.mailbox import CpuMailbox
+
+    H, inter, E, K = 64, 32, 6, 2
+    layout, blobs, _, dense = make_blobs(fmt, H, inter, E, seed=4)
+    addr = np.array([[b.data_ptr() for b in blobs]] * 2, dtype=np.int64)
+    box = CpuMailbox([0, 1], addr, hidden=H, inter=inter, gu_bytes=0, payload=0, top_k=K, max_tokens=4, threads=2,
+                     device=torch.device("cpu"), layout=layout)
+    try:
+        g = torch.Generator().manual_seed(7)
+        x = torch.randn(2, H, generator=g).to(torch.bfloat16).float()
+        ids = torch.tensor([[3, 5], [3, 1]])
+        w = torch.rand(2, K, generator=g)
+        slots = torch.tensor([-1, 4, -1, -1], dtype=torch.int32)  # expert 3 (both tokens) and 1 cold, 5 resident
+        rows = torch.tensor([cut, inter, cut, inter], dtype=torch.int32)  # expert 3 split at `cut`, 1 whole
+        box.begin_step()
+        out = box.exchange(1, ids.reshape(-1), slots, x, w, rows=rows)
+
+        def part(e, lo, hi):  # rows [lo, hi) of expert e on x, fp32, from the dequantized weights: [N, H]
+            gu, dn = dense[e]
+            gate, up = gu[lo:hi], gu[inter + lo : inter + hi]
+            return (torch.nn.functional.silu(x @ gate.T) * (x @ up.T)) @ dn[:, lo:hi].T
+
+        rest = w[:, :1] * part(3, cut, inter)
+        whole = w[:, :1] * part(3, 0, inter) + torch.stack([torch.zeros(H), w[1, 1] * part(1, 0, inter)[1]])
+        tol = ce.tolerance(ce.backend(kind=fmt.kind), fmt.kind)
+        assert rel_err(out + rest, whole) <= tol and rel_err(out, whole - rest) <= 2 * tol
+        assert box.experts_computed == 2
+    finally:
+        box.close()

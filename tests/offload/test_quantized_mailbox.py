@@ -1,0 +1,53 @@
+"""One-graph split decode on quantized experts: the native CPU worker computing a step's cold FP8 / MXFP4 experts from
+their blobs in pinned RAM inside the step's one graph (GPU tests; `FAST_PATHS["cpu_mailbox"]` given the format, as a
+GPU run switches it on once these pass), against the host-step path on the same store."""
+
+from __future__ import annotations
+
+import pytest
+
+from strata.kernels import quant
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("experts", ["fp8", "mxfp4"])
+def test_one_graph_split_decode_on_quantized_experts_equals_host_steps(tmp_path, monkeypatch, experts):
+    """The store's experts in `experts`, two GPU slots' bytes, promotions off and every cold expert sent to the CPU
+    (no GPU share): the one-graph engine's tokens and batched decode equal the host-step engine's, its worker
+    computed cold experts, and with a 0.6 GPU share (rows split, the GPU reading the rest of each blob in place)
+    the first tokens still agree."""
+    from decode_checks import assert_batched_decode_identical
+    from mailbox_engines import SLOT
+
+    from strata import Engine
+    from strata.runtime.demo.model import write_demo_model
+
+    monkeypatch.setitem(quant.FAST_PATHS, "cpu_mailbox", quant.FAST_PATHS["cpu_mailbox"] | {experts})
+    model = write_demo_model(tmp_path / "tiny", size="tiny", engram=False)
+    base = {"tiers": {"gpu": {"budget": str(2 * SLOT)}, "pinned": {"budget": str(64 * SLOT)}},
+            "policy": {"promote": False}, "store": {"experts": experts}}
+    engines = {mode: Engine.from_pretrained(model, device="cuda",
+                                            config={**base, "debug": {"split_decode": mode, "gpu_share": 0}})
+               for mode in ("host", "graph")}
+    try:
+        for e in engines.values():
+            assert e.wait_settled(60)
+            e.executor.rates.cpu_bytes_per_s = 1e15  # the host path's cost model: every cold expert to the CPU
+            e.executor.rates.observe_cpu = lambda *a: None
+        ids = engines["host"].tokenizer.encode("The river runs through the valley and the town")
+        got = {mode: e.generate(ids, max_tokens=24) for mode, e in engines.items()}
+        graph = engines["graph"]
+        assert graph.tiers.store.expert_format.kind == experts
+        assert graph.model.graphs.mode() == "mailbox" and not graph.model.graphs.failed
+        assert got["graph"].token_ids == got["host"].token_ids
+        assert graph.executor.mailbox.experts_computed > 0
+        assert_batched_decode_identical(engines["host"], graph, steps=12)
+    finally:
+        for e in engines.values():
+            e.close()
+    with Engine.from_pretrained(model, device="cuda", config={**base, "debug": {"gpu_share": 0.6}}) as shared:
+        assert shared.wait_settled(60)
+        shared.generate(ids, max_tokens=2)  # the mailbox opens once placement is done
+        assert shared.generate(ids, max_tokens=24).token_ids[:4] == got["host"].token_ids[:4]
+        assert shared.model.graphs.mode() == "mailbox" and shared.executor.gpu_share is not None
