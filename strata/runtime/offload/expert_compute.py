@@ -175,8 +175,10 @@ class ExpertCompute(CpuCompute):
         fmt = self.manager.store.expert_format
         if not (reads("cpu_mailbox", fmt) and self.pairs_read_format):
             return f"the CPU worker or the GPU pair kernels do not read {fmt.name} experts"
-        if self.manager.store.dtype != torch.bfloat16 or ce.backend(self.cpu_kernel) == "torch" \
-                or not host_signal.available():
+        # plain experts must be bf16 (the worker's kernel reads no other plain dtype); a quantized format is read as
+        # stored, in bf16 arithmetic
+        plain_not_bf16 = not fmt.quantized and self.manager.store.dtype != torch.bfloat16
+        if plain_not_bf16 or ce.backend(self.cpu_kernel, fmt) == "torch" or not host_signal.available():
             return "no compiled bf16 CPU kernel or no Triton"
         if not self.moe_layers or self.top_k <= 0:
             return "no MoE layers"
@@ -204,7 +206,8 @@ class ExpertCompute(CpuCompute):
             self.mailbox = CpuMailbox(self.moe_layers, addresses, hidden=hidden, inter=inter,
                                       gu_bytes=store.index.gate_up_bytes, payload=store.payload_bytes, top_k=self.top_k,
                                       max_tokens=MAX_GRAPH_BATCH, threads=self.cpu_threads or ce.default_threads(),
-                                      device=self.device, cpu_kernel=self.cpu_kernel)
+                                      device=self.device, cpu_kernel=self.cpu_kernel,
+                                      layout=store.layout if store.expert_format.quantized else None)
         if (failed := self.mailbox.self_test()) is not None:
             log.warning("strata: one-graph decode steps off (%s); decode takes host steps", failed)
             self._mailbox_off = failed
