@@ -20,6 +20,10 @@
 #   engram       Engram tables per tier, decoding this repository's README and report (bench/engram.py)
 #                                                                          -> $OUT/engram.json
 #   multigpu     two cards against one, and their tests (bench/multigpu.py; needs 2 GPUs)  -> $OUT/multigpu.json
+#   quant        the 12-layer bench model's experts as bf16, FP8, MXFP4 and a Q4_K_M GGUF, each at bf16's 25% GPU budget
+#                in bytes (`bench run --experts F --set` that budget), the GPU's quantized kernels as shipped: all in
+#                VRAM, 1 and 8 streams, the skewed model, an 8K prompt; FORMATS narrows it (one or two a call)
+#                                                                     -> $OUT/quant/FORMAT/suite.json, suite.md
 #   llamacpp-build  llama.cpp's llama-bench and llama-batched-bench for CUDA sm_90, from the stripped source that
 #                `wheels` packed (.gpu/llama.cpp-src.tar.gz), into ~/.cache/strata/bench/llamacpp (ninja resumes a
 #                build a time limit cut short: run the step again)              -> $OUT/llamacpp-build.txt
@@ -134,6 +138,20 @@ step() {
         --route-skew uniform > /dev/null || return 1
       timeout 300 python3 bench/multigpu.py --model "$SCRATCH/b12" --gpus 0,1 --budget 3.6GiB --tokens 32 \
         --out "$OUT" 2>&1 | tail -8; return "${PIPESTATUS[0]}" ;;
+    quant)
+      local f budget per=$((580 / $(wc -w <<< "${FORMATS:-bf16 fp8 mxfp4 q4_k_m}")))
+      budget=$(python3 -c "from pathlib import Path; from bench.suite.models import ensure_model, model_facts
+m = ensure_model(Path('/dev/shm/strata-suite/models'), 'bench', 12, 'uniform', 1.0, progress=False)
+print(int(0.25 * model_facts(m)[1]['expert_bytes_total']))") || return 1
+      for f in ${FORMATS:-bf16 fp8 mxfp4 q4_k_m}; do
+        rm -rf "$OUT/quant/$f"
+        timeout "$per" python3 -m bench run --suite full --layers 12 \
+          --tokens 64 --experts "$f" --deadline $((per - 20)) --out "$OUT/quant/$f" \
+          --set "{\"tiers\": {\"gpu\": {\"budget\": \"$budget\"}}}" --cases 'ceiling/all/uniform/p128x1' \
+          'split/b25/uniform/p128x1' 'split/b25/uniform/p128x8' 'split/b25/skewed/p128x1' 'split/b25/uniform/p8192x1' \
+          2>&1 | grep -E 'tok/s|rror'
+        rm -f "$OUT/quant/$f/suite.png"
+      done ;;
     llamacpp-build)
       timeout 590 python3 -m bench.suite.llamacpp_build --src .gpu/llama.cpp-src.tar.gz > "$OUT/llamacpp-build.txt" 2>&1
       local rc=$?; tail -3 "$OUT/llamacpp-build.txt"; return "$rc" ;;
