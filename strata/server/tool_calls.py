@@ -13,6 +13,9 @@ Formats (what the model writes after its generation prompt):
 - `glm45` (GLM-4.5, 4.6): `<tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n</tool_call>`.
 - `minimax_m2` (MiniMax-M2, M2.1): `<minimax:tool_call>\\n<invoke name="NAME">\\n<parameter name="K">V</parameter>
   \\n</invoke>\\n</minimax:tool_call>`, several invokes a block.
+- `kimi_k2` (Kimi K2, K2.5): `<|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>
+  {...}<|tool_call_end|>...<|tool_calls_section_end|>`; the call's id is `functions.NAME:IDX`, as Kimi's chat
+  template writes it back.
 - `harmony` (gpt-oss): channels; `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>`
   is a call, the `analysis` channel is reasoning, `final` (and commentary to nobody) is content.
 
@@ -232,6 +235,33 @@ class MiniMaxFormat(BlockFormat):
         return f'{self.start}\n<invoke name="{name}">\n' if name else f'{self.start}\n<invoke name="'
 
 
+class KimiFormat(BlockFormat):
+    """Kimi K2: calls named by id (`functions.NAME:IDX`, or `NAME:IDX`), their JSON arguments after a marker, in a
+    calls section. The id is kept as the call's: Kimi's template renders a call back by it."""
+
+    name, start, end = "kimi_k2", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
+    CALL_BEGIN, ARGS, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
+    _ID = re.compile(r"(?:functions\.)?([^\s:<>]+):\d+")
+
+    def parse_block(self, body: str, types: dict[str, dict[str, Any]]) -> list[ToolCall] | None:
+        pieces = body.split(self.CALL_BEGIN)
+        if pieces[0].strip():
+            return None
+        calls = []
+        for piece in pieces[1:]:
+            call, _, after = piece.partition(self.CALL_END)
+            ident, sep, raw = call.partition(self.ARGS)
+            m = self._ID.fullmatch(ident.strip())
+            args = arguments_json(raw.strip()) if sep and m else None
+            if after.strip() or args is None:
+                return None
+            calls.append(ToolCall(m[1], args, id=ident.strip()))
+        return calls or None
+
+    def forced_prefix(self, name: str | None) -> str:
+        return self.start + self.CALL_BEGIN + (f"functions.{name}:0{self.ARGS}" if name else "functions.")
+
+
 class HarmonyFormat:
     """gpt-oss's channels (strata.server.tool_harmony)."""
 
@@ -253,9 +283,9 @@ def _harmony_call(name: str, body: str) -> ToolCall | None:
 
 ToolFormat = BlockFormat | HarmonyFormat
 TOOL_FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HermesFormat(), Glm45Format(), DeepSeekFormat(),
-                                                           MiniMaxFormat(), HarmonyFormat())}
+                                                           MiniMaxFormat(), KimiFormat(), HarmonyFormat())}
 # the format a model type writes, when its vocabulary does not say (`tool_format`)
-_MODEL_TYPES = (("gpt_oss", "harmony"), ("deepseek", "deepseek"), ("kimi", "deepseek"), ("glm4", "glm45"),
+_MODEL_TYPES = (("gpt_oss", "harmony"), ("deepseek", "deepseek"), ("kimi", "kimi_k2"), ("glm4", "glm45"),
                 ("minimax_m2", "minimax_m2"), ("qwen", "hermes"))
 
 
@@ -266,8 +296,9 @@ def tool_format(model_type: str | None, tokenizer: Any, name: str = "auto",
     has (each family's tokenizer adds its markers), then its model type; `hermes` when none says."""
     if name != "auto":
         return TOOL_FORMATS[name]
-    for marker, fmt in ((DeepSeekFormat.CALL_BEGIN, "deepseek"), ("to=functions.", "harmony"), ("<arg_key>", "glm45"),
-                        (MiniMaxFormat.start, "minimax_m2"), ("<tool_call>", "hermes")):
+    for marker, fmt in ((DeepSeekFormat.CALL_BEGIN, "deepseek"), (KimiFormat.CALL_BEGIN, "kimi_k2"),
+                        ("to=functions.", "harmony"), ("<arg_key>", "glm45"), (MiniMaxFormat.start, "minimax_m2"),
+                        ("<tool_call>", "hermes")):
         if template_call is not None and marker in template_call:
             return TOOL_FORMATS[fmt]
 
@@ -276,6 +307,8 @@ def tool_format(model_type: str | None, tokenizer: Any, name: str = "auto",
 
     if has(DeepSeekFormat.start):
         return TOOL_FORMATS["deepseek"]
+    if has(KimiFormat.start):
+        return TOOL_FORMATS["kimi_k2"]
     if has("<|channel|>") and has("<|message|>"):
         return TOOL_FORMATS["harmony"]
     if has("<arg_key>"):

@@ -1,5 +1,5 @@
 """The tool-call parsers on the output formats of the model families strata runs (Qwen3, Qwen3-Coder, DeepSeek-V3
-and V3.1, GLM-4.5, gpt-oss), whole and streamed in every split; calls written by chat templates of each family's
+and V3.1, GLM-4.5, Kimi K2, gpt-oss), whole and streamed in every split; calls written by chat templates of each family's
 shape parse back to the calls they render; malformed output is text."""
 
 from __future__ import annotations
@@ -45,6 +45,12 @@ OUTPUTS = [
               "</tool_call>",
      "I will look it up.", "", [("get_weather", {"city": "Beijing", "days": 3, "units": "3"})]),
     ("glm45", "<tool_call>get_time\n</tool_call>", "", "", [("get_time", {})]),
+    ("kimi_k2", "Let me check.<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
+                '<|tool_call_argument_begin|>{"city": "Paris", "days": 2}<|tool_call_end|>\n<|tool_call_begin|>'
+                'functions.get_time:1<|tool_call_argument_begin|>{"tz": "CET"}<|tool_call_end|><|tool_calls_section_end|>',
+     "Let me check.", "", [("get_weather", {"city": "Paris", "days": 2}), ("get_time", {"tz": "CET"})]),
+    ("kimi_k2", '<|tool_calls_section_begin|> <|tool_call_begin|> get_time:3 <|tool_call_argument_begin|> {} '
+                "<|tool_call_end|> <|tool_calls_section_end|>", "", "", [("get_time", {})]),  # no prefix, spaces
     ("harmony", "<|channel|>analysis<|message|>Need the weather; call get_weather.<|end|><|start|>assistant"
                 "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
                 '{"city":"San Francisco"}',
@@ -67,6 +73,10 @@ MALFORMED = [
                  "<｜tool▁call▁end｜><｜tool▁calls▁end｜>"),
     ("glm45", "<tool_call>get weather now\n<arg_key>city</arg_key>\n</tool_call>"),
     ("harmony", "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{not json"),
+    ("kimi_k2", "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
+                '{"city": "Par<|tool_call_end|><|tool_calls_section_end|>'),
+    ("kimi_k2", '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather<|tool_call_argument_begin|>{}'
+                "<|tool_call_end|><|tool_calls_section_end|>"),  # an id without its index
 ]
 
 
@@ -88,7 +98,11 @@ def _streamed(fmt: str, text: str, cuts: list[int]) -> Delta:
 def test_each_format_parses_whole_and_in_every_split(fmt, text, content, reasoning, calls):
     whole = parse_output(TOOL_FORMATS[fmt], text, TOOLS)
     assert (whole.content, whole.reasoning, _calls(whole)) == (content, reasoning, calls)
-    assert len({c.id for c in whole.calls}) == len(calls) and all(c.id.startswith("call_") for c in whole.calls)
+    assert len({c.id for c in whole.calls}) == len(calls)
+    if fmt == "kimi_k2":  # Kimi's own ids: its template writes a call back by its `functions.NAME:IDX`
+        assert all(c.id.split(":")[0].split(".")[-1] == c.name for c in whole.calls)
+    else:
+        assert all(c.id.startswith("call_") for c in whole.calls)
     rng = random.Random(7)
     splits = [list(range(1, len(text))), [len(text) // 2]] + [sorted(rng.sample(range(1, len(text)), 12))
                                                               for _ in range(20)]
@@ -123,7 +137,10 @@ def test_forced_prefixes_lead_the_model_into_a_call():
             "glm45": ("<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n</tool_call>",
                       "get_weather\n<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n</tool_call>"),
             "deepseek": ('get_weather<｜tool▁sep｜>{"city": "Rome"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>',) * 2,
-            "harmony": ('{"city": "Rome"}', 'get_weather <|constrain|>json<|message|>{"city": "Rome"}')}
+            "harmony": ('{"city": "Rome"}', 'get_weather <|constrain|>json<|message|>{"city": "Rome"}'),
+            "kimi_k2": ('{"city": "Rome"}<|tool_call_end|><|tool_calls_section_end|>',
+                        'get_weather:0<|tool_call_argument_begin|>{"city": "Rome"}<|tool_call_end|>'
+                        "<|tool_calls_section_end|>")}
     for name, (after_named, after_required) in rest.items():
         fmt = TOOL_FORMATS[name]
         for prefix, after in ((fmt.forced_prefix("get_weather"), after_named), (fmt.forced_prefix(None), after_required)):
@@ -140,6 +157,7 @@ def test_the_format_comes_from_the_vocabulary_then_the_model_type():
     cases = [(["<tool_call>", "</tool_call>"], "qwen3_moe", "hermes"),
              (["<tool_call>", "<arg_key>", "<arg_value>"], "glm4_moe", "glm45"),
              (["<｜tool▁calls▁begin｜>", "<｜tool▁call▁begin｜>"], "deepseek_v3", "deepseek"),
+             (["<|tool_calls_section_begin|>", "<|tool_call_begin|>"], "kimi_k2", "kimi_k2"), ([], "kimi_k2", "kimi_k2"),
              (["<|channel|>", "<|message|>", "<|call|>"], "gpt_oss", "harmony"),
              ([], "deepseek_v3", "deepseek"), ([], "gpt_oss", "harmony"), ([], "glm4_moe", "glm45"),
              ([], "qwen3_moe", "hermes"), ([], "mixtral", "hermes"),
@@ -151,7 +169,9 @@ def test_the_format_comes_from_the_vocabulary_then_the_model_type():
     calls = {"hermes": '<|im_start|>assistant\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>',
              "glm45": "<|assistant|>\n<tool_call>f\n<arg_key>a</arg_key>\n<arg_value>1</arg_value>\n</tool_call>",
              "deepseek": "<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>f<｜tool▁sep｜>{}<｜tool▁call▁end｜>",
-             "harmony": "<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}<|call|>"}
+             "harmony": "<|start|>assistant<|channel|>commentary to=functions.f <|constrain|>json<|message|>{}<|call|>",
+             "kimi_k2": "<|im_assistant|>assistant<|im_middle|><|tool_calls_section_begin|><|tool_call_begin|>"
+                        "functions.f:0<|tool_call_argument_begin|>{}<|tool_call_end|><|tool_calls_section_end|>"}
     for expected, text in calls.items():
         assert tool_format("deepseek_v3", _tokenizer(["<tool_call>"]), template_call=text).name == expected
     assert tool_format("qwen3_moe", _tokenizer([]), "glm45").name == "glm45"  # --tool-call-parser
@@ -184,6 +204,29 @@ def test_calls_rendered_by_each_familys_template_parse_back(fmt):
     assert "Zürich" in text  # written as text, not as an escape or a Python repr
     assert _calls(parse_output(TOOL_FORMATS[fmt], text, TOOLS)) == [("get_weather", {"city": "Zürich", "days": 2}),
                                                                    ("get_time", {"tz": "UTC"})]
+
+
+# Kimi K2's template: each call written back by its id, its arguments as sent
+KIMI_TEMPLATE = ("{% for m in messages %}<|tool_calls_section_begin|>{% for tc in m.tool_calls %}<|tool_call_begin|>"
+                 "{{ tc['id'] }}<|tool_call_argument_begin|>{% if tc['function']['arguments'] is string %}"
+                 "{{ tc['function']['arguments'] }}{% else %}{{ tc['function']['arguments'] | tojson }}{% endif %}"
+                 "<|tool_call_end|>{% endfor %}<|tool_calls_section_end|>{% endfor %}")
+
+
+def test_kimi_calls_go_back_to_the_template_by_their_ids():
+    """A Kimi K2 answer's calls, sent back by a client as the assistant turn's tool_calls, render as the model wrote
+    them: their ids are the model's `functions.NAME:IDX`, so the turn parses back to the same calls and ids."""
+    text = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+            '{"city": "Zürich", "days": 2}<|tool_call_end|><|tool_call_begin|>functions.get_time:1'
+            '<|tool_call_argument_begin|>{"tz": "UTC"}<|tool_call_end|><|tool_calls_section_end|>')
+    answer = parse_output(TOOL_FORMATS["kimi_k2"], text, TOOLS)
+    sent = [c.openai() for c in answer.calls]
+    assert [c["id"] for c in sent] == ["functions.get_weather:0", "functions.get_time:1"]
+    messages = [{"role": "assistant", "content": "", "tool_calls": template_tool_calls(sent, "messages.0.tool_calls")}]
+    again = _compile_template(KIMI_TEMPLATE).render(messages=messages)
+    assert "Zürich" in again
+    back = parse_output(TOOL_FORMATS["kimi_k2"], again, TOOLS)
+    assert _calls(back) == _calls(answer) and [c.id for c in back.calls] == [c["id"] for c in sent]
 
 
 def test_tools_and_tool_choice_are_checked():
