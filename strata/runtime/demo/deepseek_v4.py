@@ -18,19 +18,14 @@ checkpoint): the bytes do not depend on write order or threading.
 
 from __future__ import annotations
 
-import json
-import math
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from strata.errors import ConfigError
-from strata.runtime.demo.configs import TOKENIZER_VOCAB, demo_generation_config
-from strata.runtime.demo.shards import write_shards
-from strata.runtime.demo.tokenizer import write_tokenizer_files
+from strata.runtime.demo.shards import DemoTensor, demo_layers, write_demo_files, write_shards
 
 ARCH = "deepseek_v4"
 HCA, CSA, SLIDING = "heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention"
@@ -61,21 +56,7 @@ CONFIGS: dict[str, dict] = {
               "o_lora_rank": 1024, "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
               "sliding_window": 128, "num_hash_layers": 3},
 }  # fmt: skip
-_BYTES = {"BF16": (torch.bfloat16, 2), "F32": (torch.float32, 4), "I32": (torch.int32, 4)}
 
-
-@dataclass(frozen=True)
-class V4Tensor:
-    """One checkpoint tensor: name, shape, safetensors dtype, initialisation ("normal", "ones", "zeros", "tid2eid")."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str = "BF16"
-    init: str = "normal"
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * _BYTES[self.dtype][1]
 
 
 def v4_config(size: str, layers: int | None = None) -> dict:
@@ -83,9 +64,7 @@ def v4_config(size: str, layers: int | None = None) -> dict:
     if size not in CONFIGS:
         raise ConfigError(f"unknown demo model size {size!r} for --arch {ARCH}; use one of {', '.join(CONFIGS)}")
     cfg = dict(CONFIGS[size])
-    n = cfg["num_hidden_layers"] if layers is None else layers
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ConfigError(f"--layers {layers!r} is invalid; use a positive integer")
+    n = demo_layers(cfg["num_hidden_layers"], layers)
     types = cfg.pop("layer_types", None) or [HCA] * 2 + [CSA if i % 2 else HCA for i in range(max(cfg["num_hidden_layers"] - 2, 0))]
     cfg["layer_types"] = (types * -(-n // len(types)))[:n]
     n_hash = min(cfg.pop("num_hash_layers"), n)
@@ -96,12 +75,12 @@ def v4_config(size: str, layers: int | None = None) -> dict:
     return dict(sorted(cfg.items()))
 
 
-def v4_tensors(cfg: dict) -> list[V4Tensor]:
+def v4_tensors(cfg: dict) -> list[DemoTensor]:
     """Every tensor of a DeepSeek-V4 demo config, in checkpoint order, under the release's names."""
     h, v, nh, d = cfg["hidden_size"], cfg["vocab_size"], cfg["num_attention_heads"], cfg["head_dim"]
     ql, e, mi, hc = cfg["q_lora_rank"], cfg["n_routed_experts"], cfg["moe_intermediate_size"], cfg["hc_mult"]
     g, gl, di, ih = cfg["o_groups"], cfg["o_lora_rank"], cfg["index_head_dim"], cfg["index_n_heads"]
-    T = V4Tensor
+    T = DemoTensor
     out = [T("embed.weight", (v, h))]
     for i, kind in enumerate(cfg["layer_types"]):
         p, a, f = f"layers.{i}.", f"layers.{i}.attn.", f"layers.{i}.ffn."
@@ -137,9 +116,9 @@ def v4_tensors(cfg: dict) -> list[V4Tensor]:
     return out
 
 
-def make_v4_tensor(t: V4Tensor, index: int, seed: int, std: float, num_experts: int) -> torch.Tensor:
+def make_v4_tensor(t: DemoTensor, index: int, seed: int, std: float, num_experts: int) -> torch.Tensor:
     """Tensor `t` (the `index`-th of the checkpoint): its own generator, seeded injectively by (seed, index)."""
-    dtype = _BYTES[t.dtype][0]
+    dtype = t.torch_dtype
     if t.init in ("ones", "zeros"):
         return (torch.ones if t.init == "ones" else torch.zeros)(t.shape, dtype=dtype)
     gen = torch.Generator().manual_seed((zlib.crc32(f"strata-demo-v4:{seed}".encode()) + index) & 0xFFFFFFFF)
@@ -162,14 +141,10 @@ def v4_demo(size: str, layers: int | None, seed: int, max_shard_bytes: int, prog
         cfg = dict(sorted({**cfg, **v4_quantization(experts, cfg)}.items()))
         marker["experts"] = experts
 
-    def fill(tmp: Path) -> None:
-        write_tokenizer_files(tmp, TOKENIZER_VOCAB[size], cfg["max_position_embeddings"])
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
-        (tmp / "generation_config.json").write_text(json.dumps(demo_generation_config(), indent=2) + "\n",
-                                                     encoding="utf-8")
+    def weights(tmp: Path) -> None:
         write_v4_weights(tmp, cfg, seed, max_shard_bytes, progress, workers, experts)
 
-    return marker, fill
+    return marker, lambda tmp: write_demo_files(tmp, size, cfg, weights)
 
 
 def write_v4_weights(tmp: Path, cfg: dict, seed: int, max_shard_bytes: int, progress: bool,
@@ -178,13 +153,13 @@ def write_v4_weights(tmp: Path, cfg: dict, seed: int, max_shard_bytes: int, prog
     tensors = v4_tensors(cfg)
     seed_index = {t.name: i for i, t in enumerate(tensors)}  # a tensor's seed: its position in the bf16 model
 
-    def make_source(t: V4Tensor, i: int) -> torch.Tensor:
+    def make_source(t: DemoTensor, i: int) -> torch.Tensor:
         return make_v4_tensor(t, i, seed, cfg["initializer_range"], cfg["n_routed_experts"])
 
     def make(t, i: int, part: int) -> torch.Tensor:
-        return make_source(t, seed_index[t.name]) if isinstance(t, V4Tensor) else t.make(make_source)
+        return make_source(t, seed_index[t.name]) if isinstance(t, DemoTensor) else t.make(make_source)
 
-    width = lambda t: _BYTES[t.dtype][1]  # noqa: E731
+    width = lambda t: t.torch_dtype.itemsize  # noqa: E731
     if experts != "bf16":  # the quantized release's tensors (values and `.scale` of each quantized weight)
         from strata.runtime.demo.deepseek_v4_quant import bytes_per_value, v4_quantized_tensors
 

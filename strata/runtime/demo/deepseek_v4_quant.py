@@ -43,7 +43,7 @@ class QuantV4Tensor:
     name: str
     shape: tuple[int, ...]
     dtype: str
-    source: object  # the bf16 model's V4Tensor
+    source: object  # the bf16 model's DemoTensor
     source_index: int
     part: str  # "values" | "scale"
     kind: str
@@ -94,7 +94,7 @@ def v4_quantization(experts: str, cfg: dict) -> dict:
 
 
 def v4_quantized_tensors(tensors: list, experts: str, cfg: dict) -> list:
-    """The bf16 model's `tensors` (V4Tensor, in checkpoint order) as the release with `experts` writes them: each
+    """The bf16 model's `tensors` (DemoTensors, in checkpoint order) as the release with `experts` writes them: each
     quantized weight becomes its values and `.scale`, the rest stays as it is."""
     block = fp8_block_for(cfg["moe_intermediate_size"])
     ue8m0 = experts == "mxfp4"

@@ -24,20 +24,15 @@ the spread N(0, 0.02) weights quantize to), so writing the bench size costs no q
 
 from __future__ import annotations
 
-import json
-import math
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from strata.errors import ConfigError
 from strata.kernels.quant import MX_GROUP
-from strata.runtime.demo.configs import TOKENIZER_VOCAB, demo_generation_config
-from strata.runtime.demo.shards import write_shards
-from strata.runtime.demo.tokenizer import write_tokenizer_files
+from strata.runtime.demo.shards import DemoTensor, demo_layers, write_demo_files, write_shards
 
 ARCH = "gpt_oss"
 EXPERTS = ("mxfp4", "bf16")  # the release's format, or transformers' bf16 parameters
@@ -59,24 +54,8 @@ CONFIGS: dict[str, dict] = {
               "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 128,
               "num_experts_per_tok": 4, "sliding_window": 128},
 }  # fmt: skip
-_BYTES = {"BF16": (torch.bfloat16, 2), "U8": (torch.uint8, 1)}
 _MX_SCALES = (119, 120)  # e8m0 exponents of the random MXFP4 experts' groups: 2^-8, 2^-7
 
-
-@dataclass(frozen=True)
-class OssTensor:
-    """One checkpoint tensor: name, shape, safetensors dtype, initialisation ("normal", "ones", "codes", "scales").
-    Tensors with `per_expert` are written one expert's slice (their first dimension) at a time."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str = "BF16"
-    init: str = "normal"
-    per_expert: bool = False
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * _BYTES[self.dtype][1]
 
 
 def oss_config(size: str, layers: int | None = None, experts: str = "mxfp4") -> dict:
@@ -87,9 +66,7 @@ def oss_config(size: str, layers: int | None = None, experts: str = "mxfp4") -> 
         raise ConfigError(f"--experts {experts}: gpt-oss ships its experts in MXFP4; write them as mxfp4 (the "
                           "release) or bf16 (transformers' bf16 parameters)")
     cfg = dict(CONFIGS[size])
-    n = cfg["num_hidden_layers"] if layers is None else layers
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ConfigError(f"--layers {layers!r} is invalid; use a positive integer")
+    n = demo_layers(cfg["num_hidden_layers"], layers)
     cfg["num_hidden_layers"] = n
     cfg["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(n)]
     cfg["bos_token_id"], cfg["eos_token_id"] = 0, 2  # the demo tokenizer's <|endoftext|> and <|im_end|>
@@ -100,13 +77,13 @@ def oss_config(size: str, layers: int | None = None, experts: str = "mxfp4") -> 
     return dict(sorted(cfg.items()))
 
 
-def oss_tensors(cfg: dict) -> list[OssTensor]:
+def oss_tensors(cfg: dict) -> list[DemoTensor]:
     """Every tensor of a gpt-oss demo config, in checkpoint order, under the release's names."""
     h, v, nh, kv, d = (cfg["hidden_size"], cfg["vocab_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"],
                        cfg["head_dim"])
     e, i = cfg["num_local_experts"], cfg["intermediate_size"]
     mxfp4 = "quantization_config" in cfg
-    T = OssTensor
+    T = DemoTensor
     out = [T("model.embed_tokens.weight", (v, h))]
     for layer in range(cfg["num_hidden_layers"]):
         p, a, m = f"model.layers.{layer}.", f"model.layers.{layer}.self_attn.", f"model.layers.{layer}.mlp."
@@ -127,11 +104,11 @@ def oss_tensors(cfg: dict) -> list[OssTensor]:
     return out + [T("model.norm.weight", (h,), init="ones"), T("lm_head.weight", (v, h))]
 
 
-def make_oss_slice(t: OssTensor, index: int, part: int, seed: int, std: float) -> torch.Tensor:
+def make_oss_slice(t: DemoTensor, index: int, part: int, seed: int, std: float) -> torch.Tensor:
     """Slice `part` of tensor `t` (the `index`-th of the checkpoint): the whole tensor, or expert `part`'s slice of a
     `per_expert` one; its own generator, seeded injectively by (seed, index, part)."""
     shape = t.shape[1:] if t.per_expert else t.shape
-    dtype = _BYTES[t.dtype][0]
+    dtype = t.torch_dtype
     if t.init == "ones":
         return torch.ones(shape, dtype=dtype)
     gen = torch.Generator().manual_seed((zlib.crc32(f"strata-demo-gpt-oss:{seed}:{index}".encode()) + part) & 0xFFFFFFFF)
@@ -150,14 +127,10 @@ def oss_demo(size: str, layers: int | None, seed: int, max_shard_bytes: int, pro
     marker = {"strata_demo": 1, "arch": ARCH, "size": size, "num_hidden_layers": cfg["num_hidden_layers"],
               "seed": seed, "experts": experts}
 
-    def fill(tmp: Path) -> None:
-        write_tokenizer_files(tmp, TOKENIZER_VOCAB[size], cfg["max_position_embeddings"])
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
-        (tmp / "generation_config.json").write_text(json.dumps(demo_generation_config(), indent=2) + "\n",
-                                                     encoding="utf-8")
+    def weights(tmp: Path) -> None:
         write_oss_weights(tmp, cfg, seed, max_shard_bytes, progress, workers)
 
-    return marker, fill
+    return marker, lambda tmp: write_demo_files(tmp, size, cfg, weights)
 
 
 def write_oss_weights(tmp: Path, cfg: dict, seed: int, max_shard_bytes: int, progress: bool,
@@ -165,4 +138,4 @@ def write_oss_weights(tmp: Path, cfg: dict, seed: int, max_shard_bytes: int, pro
     """The safetensors shard(s) of `cfg` (and model.safetensors.index.json when there are several), into `tmp`."""
     write_shards(tmp, oss_tensors(cfg), lambda t, i, part: make_oss_slice(t, i, part, seed, cfg["initializer_range"]),
                  max_shard_bytes, progress, workers, f"demo-{ARCH}",
-                 parts=lambda t: t.shape[0] if t.per_expert else 1, order_in_shard=lambda t: -_BYTES[t.dtype][1])
+                 parts=lambda t: t.shape[0] if t.per_expert else 1, order_in_shard=lambda t: -t.torch_dtype.itemsize)

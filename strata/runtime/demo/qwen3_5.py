@@ -20,19 +20,14 @@ transformers initialises them.
 
 from __future__ import annotations
 
-import json
-import math
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from strata.errors import ConfigError
-from strata.runtime.demo.configs import TOKENIZER_VOCAB, demo_generation_config
-from strata.runtime.demo.shards import write_shards
-from strata.runtime.demo.tokenizer import write_tokenizer_files
+from strata.runtime.demo.shards import DemoTensor, demo_layers, write_demo_files, write_shards
 
 ARCH = "qwen3_5_moe"
 LIN, FULL = "linear_attention", "full_attention"
@@ -59,21 +54,7 @@ CONFIGS: dict[str, dict] = {
               "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "max_position_embeddings": 262144,
               "rope_theta": 10000000.0},
 }  # fmt: skip
-_BYTES = {"BF16": (torch.bfloat16, 2), "F32": (torch.float32, 4)}
 
-
-@dataclass(frozen=True)
-class Q35Tensor:
-    """One checkpoint tensor: name, shape, safetensors dtype, initialisation ("normal", "ones", "zeros", "a_log")."""
-
-    name: str
-    shape: tuple[int, ...]
-    dtype: str = "BF16"
-    init: str = "normal"
-
-    @property
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * _BYTES[self.dtype][1]
 
 
 def q35_config(size: str, layers: int | None = None) -> dict:
@@ -81,9 +62,7 @@ def q35_config(size: str, layers: int | None = None) -> dict:
     if size not in CONFIGS:
         raise ConfigError(f"unknown demo model size {size!r} for --arch {ARCH}; use one of {', '.join(CONFIGS)}")
     cfg = dict(CONFIGS[size])
-    n = cfg["num_hidden_layers"] if layers is None else layers
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ConfigError(f"--layers {layers!r} is invalid; use a positive integer")
+    n = demo_layers(cfg["num_hidden_layers"], layers)
     cfg["num_hidden_layers"] = n
     cfg["layer_types"] = [LIN if (i + 1) % 4 else FULL for i in range(n)]  # the releases' full_attention_interval 4
     cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": cfg.pop("rope_theta"),
@@ -93,7 +72,7 @@ def q35_config(size: str, layers: int | None = None) -> dict:
     return dict(sorted(cfg.items()))
 
 
-def q35_tensors(cfg: dict) -> list[Q35Tensor]:
+def q35_tensors(cfg: dict) -> list[DemoTensor]:
     """Every tensor of a Qwen3.5-MoE demo config, in checkpoint order, under transformers' names."""
     h, v, nh, kv, d = (cfg[k] for k in ("hidden_size", "vocab_size", "num_attention_heads", "num_key_value_heads",
                                         "head_dim"))
@@ -101,7 +80,7 @@ def q35_tensors(cfg: dict) -> list[Q35Tensor]:
     key_dim, value_dim = hk * cfg["linear_key_head_dim"], hv * cfg["linear_value_head_dim"]
     conv = 2 * key_dim + value_dim
     e, mi, si = cfg["num_experts"], cfg["moe_intermediate_size"], cfg["shared_expert_intermediate_size"]
-    T = Q35Tensor
+    T = DemoTensor
     out = [T("model.embed_tokens.weight", (v, h))]
     for i, kind in enumerate(cfg["layer_types"]):
         p = f"model.layers.{i}."
@@ -129,10 +108,10 @@ def q35_tensors(cfg: dict) -> list[Q35Tensor]:
     return out
 
 
-def make_q35_slice(t: Q35Tensor, index: int, part: int, seed: int, std: float) -> torch.Tensor:
+def make_q35_slice(t: DemoTensor, index: int, part: int, seed: int, std: float) -> torch.Tensor:
     """Slice `part` of tensor `t` (the `index`-th of the checkpoint): the whole tensor, or one expert's slice of a
     fused 3-D one, from its own generator, seeded injectively by (seed, index, part)."""
-    dtype = _BYTES[t.dtype][0]
+    dtype = t.torch_dtype
     shape = t.shape[1:] if len(t.shape) == 3 else t.shape
     if t.init in ("ones", "zeros"):
         return (torch.ones if t.init == "ones" else torch.zeros)(shape, dtype=dtype)
@@ -148,14 +127,10 @@ def q35_demo(size: str, layers: int | None, seed: int, max_shard_bytes: int, pro
     cfg = q35_config(size, layers)
     marker = {"strata_demo": 1, "arch": ARCH, "size": size, "num_hidden_layers": cfg["num_hidden_layers"], "seed": seed}
 
-    def fill(tmp: Path) -> None:
-        write_tokenizer_files(tmp, TOKENIZER_VOCAB[size], cfg["max_position_embeddings"])
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
-        (tmp / "generation_config.json").write_text(json.dumps(demo_generation_config(), indent=2) + "\n",
-                                                     encoding="utf-8")
+    def weights(tmp: Path) -> None:
         write_q35_weights(tmp, cfg, seed, max_shard_bytes, progress, workers)
 
-    return marker, fill
+    return marker, lambda tmp: write_demo_files(tmp, size, cfg, weights)
 
 
 def write_q35_weights(tmp: Path, cfg: dict, seed: int, max_shard_bytes: int, progress: bool,

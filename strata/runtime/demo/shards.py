@@ -1,7 +1,7 @@
 """Writing a demo checkpoint's random weights as safetensors shards, in parallel and straight to their offsets.
 
-The architecture modules describe their tensors (each with `name`, `shape`, `dtype` and `nbytes`) and how to make
-one; this writes them: greedy shards of at most `max_shard_bytes`, each shard's header first, then every tensor (or
+The architecture modules describe their tensors (`DemoTensor`s, or anything with `name`, `shape`, `dtype` and `nbytes`)
+and how to make one; this writes them (`write_demo_files`: with the tokenizer, config.json and generation_config.json): greedy shards of at most `max_shard_bytes`, each shard's header first, then every tensor (or
 every leading slice of it, so a bench layer's 1 GiB fused experts never sit in memory whole) on a thread pool with a
 progress bar, and model.safetensors.index.json when there are several shards.
 """
@@ -9,16 +9,62 @@ progress bar, and model.safetensors.index.json when there are several shards.
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from strata.errors import ConfigError
+from strata.runtime.demo.configs import TOKENIZER_VOCAB, demo_generation_config
+from strata.runtime.demo.tokenizer import write_tokenizer_files
 from strata.runtime.demo.weights import write_safetensors_header
 from strata.tiers.store.files import pwrite_all
+
+TENSOR_DTYPES = {"BF16": torch.bfloat16, "F32": torch.float32, "I32": torch.int32, "U8": torch.uint8}
+
+
+@dataclass(frozen=True)
+class DemoTensor:
+    """One checkpoint tensor of a demo model: name, shape, safetensors dtype, initialisation (each architecture's
+    own kinds: "normal", "ones", ...). Tensors with `per_expert` are written one expert's slice (their first
+    dimension) at a time."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str = "BF16"
+    init: str = "normal"
+    per_expert: bool = False
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return TENSOR_DTYPES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.torch_dtype.itemsize
+
+
+def demo_layers(default: int, layers: int | None) -> int:
+    """The layer count `--layers` asks for (None: the size's `default`); a one-line error unless a positive int."""
+    n = default if layers is None else layers
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ConfigError(f"--layers {layers!r} is invalid; use a positive integer")
+    return n
+
+
+def write_demo_files(tmp: Path, size: str, cfg: dict, write_weights: Callable[[Path], None]) -> None:
+    """A demo checkpoint's files but its marker, into `tmp`: the demo tokenizer (its `size`'s vocabulary),
+    config.json (`cfg`), generation_config.json, then the weights (`write_weights(tmp)`)."""
+    write_tokenizer_files(tmp, TOKENIZER_VOCAB[size], cfg["max_position_embeddings"])
+    (tmp / "config.json").write_text(json.dumps(cfg, indent=2) + "\n", encoding="utf-8")
+    (tmp / "generation_config.json").write_text(json.dumps(demo_generation_config(), indent=2) + "\n",
+                                                 encoding="utf-8")
+    write_weights(tmp)
 
 
 def write_shards(tmp: Path, tensors: Sequence[Any], make: Callable[[Any, int, int], torch.Tensor],
