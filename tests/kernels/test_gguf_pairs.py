@@ -4,7 +4,7 @@ numpy, tests/kernels/test_gguf_dequant.py), then the plain experts' torch path.
 
 The torch fallbacks, the scratch prefill and the format queries run on any CPU. The `kernel` tests run the Triton
 kernels: natively on CUDA (marked gpu, bf16 and fp32, the shipped launch configurations), and on the CPU under
-Triton's interpreter in fp32 with tiles as large as the tiny shapes (tests/kernels/test_gguf_pairs_interpreted.py
+Triton's interpreter in fp32 with tiles as large as the tiny shapes (tests/kernels/test_kernels_interpreted.py
 runs them in a subprocess: TRITON_INTERPRET is read when Triton is imported)."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ grouped_gemm) against the oracle: `ExpertLayout.dequantize` of each blob, then t
 
 The torch fallbacks, the scratch prefill and the format queries run on any CPU. The `kernel` tests run the Triton
 kernels: natively on CUDA (marked gpu, bf16 and fp32), and on the CPU under Triton's interpreter in fp32
-(tests/kernels/test_quant_pairs_interpreted.py runs them in a subprocess: TRITON_INTERPRET is read when Triton is
+(tests/kernels/test_kernels_interpreted.py runs them in a subprocess: TRITON_INTERPRET is read when Triton is
 imported)."""
 
 from __future__ import annotations
