@@ -6,15 +6,12 @@ reads headers only."""
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
 import torch
+from demo_checkpoints import header_only_checkpoint
 from test_planner import GiB, host
 
 from strata.runtime.demo.deepseek_v4 import v4_config, v4_tensors
-from strata.runtime.demo.weights import write_safetensors_header
 from strata.runtime.model.config import ModelConfig
 from strata.runtime.model.deepseek_v4.cache import DeepseekV4Cache, kv_bytes, kv_growth
 from strata.runtime.plan.planner import PlanError, plan
@@ -24,15 +21,8 @@ MILLION = 1 << 20
 
 @pytest.fixture(scope="module")
 def flash(tmp_path_factory):
-    d = tmp_path_factory.mktemp("v4-flash") / "m"
-    d.mkdir()
     cfg = v4_config("bench")
-    (d / "config.json").write_text(json.dumps(cfg))
-    fd = os.open(d / "model.safetensors", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        write_safetensors_header(fd, v4_tensors(cfg))  # the data stays a hole
-    finally:
-        os.close(fd)
+    d = header_only_checkpoint(tmp_path_factory.mktemp("v4-flash") / "m", cfg, v4_tensors(cfg))
     return d, ModelConfig.from_hf(cfg)
 
 

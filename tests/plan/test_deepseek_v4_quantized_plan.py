@@ -5,16 +5,13 @@ sparse files (the planner reads headers only)."""
 
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
+from demo_checkpoints import header_only_checkpoint
 from test_planner import GiB, host
 
 from strata.kernels.quant import ExpertFormat, ExpertLayout
 from strata.runtime.demo.deepseek_v4 import v4_config, v4_tensors
 from strata.runtime.demo.deepseek_v4_quant import v4_quantization, v4_quantized_tensors
-from strata.runtime.demo.weights import write_safetensors_header
 from strata.runtime.plan.inspect import format_summary, formats_line, summarize_checkpoint
 from strata.runtime.plan.planner import plan
 
@@ -27,16 +24,10 @@ EXPERT_BYTES = {"mxfp4": 3 * (I * H // 2 + I * H // 32), "fp8": 3 * (I * H + (I 
 @pytest.fixture(scope="module", params=["mxfp4", "fp8"])
 def flash(request, tmp_path_factory):
     experts = request.param
-    d = tmp_path_factory.mktemp(f"v4-flash-{experts}") / "m"
-    d.mkdir()
     cfg = v4_config("bench", layers=2)
     cfg.update(v4_quantization(experts, cfg))
-    (d / "config.json").write_text(json.dumps(cfg))
-    fd = os.open(d / "model.safetensors", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        write_safetensors_header(fd, v4_quantized_tensors(v4_tensors(cfg), experts, cfg))  # the data stays a hole
-    finally:
-        os.close(fd)
+    tensors = v4_quantized_tensors(v4_tensors(cfg), experts, cfg)
+    d = header_only_checkpoint(tmp_path_factory.mktemp(f"v4-flash-{experts}") / "m", cfg, tensors)
     return experts, d
 
 

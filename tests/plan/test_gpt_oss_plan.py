@@ -3,17 +3,15 @@ weights and expert biases), written as headers over sparse files: both read head
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import replace
 
 import pytest
 import torch
+from demo_checkpoints import header_only_checkpoint
 from test_planner import GiB, host
 
 from strata.kernels.quant import ExpertFormat, ExpertLayout
 from strata.runtime.demo.gpt_oss import oss_config, oss_tensors
-from strata.runtime.demo.weights import write_safetensors_header
 from strata.runtime.model.config import ModelConfig
 from strata.runtime.model.kv_cache import KVCache
 from strata.runtime.plan.host import GpuInfo
@@ -23,15 +21,8 @@ from strata.runtime.plan.planner import PlanError, plan
 
 @pytest.fixture(scope="module")
 def oss120b(tmp_path_factory):
-    d = tmp_path_factory.mktemp("gpt-oss-120b") / "m"
-    d.mkdir()
     cfg = oss_config("bench")
-    (d / "config.json").write_text(json.dumps(cfg))
-    fd = os.open(d / "model.safetensors", os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        write_safetensors_header(fd, oss_tensors(cfg))  # the data stays a hole
-    finally:
-        os.close(fd)
+    d = header_only_checkpoint(tmp_path_factory.mktemp("gpt-oss-120b") / "m", cfg, oss_tensors(cfg))
     return d, ModelConfig.from_hf(cfg)
 
 
