@@ -93,9 +93,14 @@ def test_the_decode_path_follows_the_kernels_that_read_the_format(q30b, monkeypa
     # the GPU's pair, in-place and grouped kernels and the compiled CPU kernel read FP8 as stored: graphs, no fallback
     gpu = plan(q30b["fp8"], host())
     assert gpu.decode_graphs and "pair kernels" in gpu.decode and "do not read" not in " ".join(gpu.notes)
-    # tiered: one-graph decode's CPU worker does not read FP8 yet, so the cold experts run in host steps
+    # tiered: where one-graph decode's CPU worker does not read FP8, the cold experts run in host steps and the
+    # plan says why; where it does, one CUDA graph a step
+    monkeypatch.setitem(quant.FAST_PATHS, "cpu_mailbox", frozenset({"plain"}))
     split = plan(q30b["fp8"], host(), {"tiers": {"gpu": {"budget": "1GiB"}}})
-    assert "host steps" in split.decode and "does not read" not in " ".join(split.notes)
+    assert "host steps" in split.decode and "CPU worker does not read fp8 128x128" in " ".join(split.notes)
+    monkeypatch.setitem(quant.FAST_PATHS, "cpu_mailbox", frozenset({"plain", "fp8"}))
+    split = plan(q30b["fp8"], host(), {"tiers": {"gpu": {"budget": "1GiB"}}})
+    assert "one CUDA graph a step" in split.decode and "does not read" not in " ".join(split.notes)
     cpu = plan(q30b["fp8"], host(gpu=None))
     assert cpu.decode == "experts on CPU threads from RAM, the compiled kernel"
     assert "does not read" not in " ".join(cpu.notes)

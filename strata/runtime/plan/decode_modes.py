@@ -64,6 +64,9 @@ def decode_mode(fmt: ExpertFormat, expert_compute: str, all_in_vram: bool, cfg: 
         out.mode = "split: resident experts by the GPU's pair kernels, cold ones on CPU threads (host steps)"
         if not cpu_reads:
             out.fallbacks.append(cpu_fallback + "; one-graph split decode is off")
+        elif cfg.debug.split_decode == "graph":
+            out.fallbacks.append(f"one-graph split decode's CPU worker does not read {name} experts yet: split "
+                                 "decode runs host steps (a CUDA graph a layer, the CPU kernel started between them)")
     if not reads("gpu_grouped", fmt):
         out.fallbacks.append(f"prefill's grouped GEMMs do not read {name} experts: prefill dequantizes each expert "
                              "before its matrix products")
