@@ -222,7 +222,9 @@ static inline void dot2_tile(const typename F::Row& ra, const typename F::Row& r
 // each 128-bit lane, through the unscaled E2M1 table (K::load_mx4); a lane's products are summed (two chains of two
 // dot steps, then added) and added times its group's 2^(scale - 127) into the row's total (K::mx4_scales, one
 // FMA). Whole groups past the last step take K::load_mx (the group's scaled table) into a second total, the partial
-// last group the scalar tail; the row's sum is hsum(steps' total) + hsum(groups' total) + tail, in that order.
+// last group the scalar tail; the row's sum is hsum(steps' total) + hsum(groups' total) + tail, in that order (the
+// groups' term only where the row has such groups: most rows are whole steps, and two horizontal sums of zeros a
+// row pair are a few percent of a short row's time).
 template <class KK, int NT>
 static inline void dot2_mx_steps(const RowMx& ra, const RowMx& rb, int64_t len, const typename KK::X* const* xs,
                                  float* oa, float* ob, int64_t pf) {
@@ -261,22 +263,28 @@ static inline void dot2_mx_steps(const RowMx& ra, const RowMx& rb, int64_t len, 
         step(i + 3 * kMxStep, KK::template mx4_pick<3>(qa), KK::template mx4_pick<3>(qb));
     }
     for (; i + kMxStep <= len; i += kMxStep) step(i, KK::mx4_scales(ra.s + (i >> 5)), KK::mx4_scales(rb.s + (i >> 5)));
-    Acc ga[NT], gb[NT];
-#pragma GCC unroll 16
-    for (int t = 0; t < NT; ++t) ga[t] = gb[t] = KK::zero();
-    for (; i + kMxGroup <= len; i += kMxGroup) {
-        const auto wa = KK::load_mx(ra.v + (i >> 1), ra.s[i >> 5]), wb = KK::load_mx(rb.v + (i >> 1), rb.s[i >> 5]);
-#pragma GCC unroll 16
-        for (int t = 0; t < NT; ++t) {
-            const auto xv = KK::load_x(xs[t] + i);
-            ga[t] = KK::dot(ga[t], xv, wa);
-            gb[t] = KK::dot(gb[t], xv, wb);
-        }
-    }
     float sa[NT], sb[NT];
     for (int t = 0; t < NT; ++t) {
-        sa[t] = KK::hsum(fa[t]) + KK::hsum(ga[t]);
-        sb[t] = KK::hsum(fb[t]) + KK::hsum(gb[t]);
+        sa[t] = KK::hsum(fa[t]);
+        sb[t] = KK::hsum(fb[t]);
+    }
+    if (i + kMxGroup <= len) {
+        Acc ga[NT], gb[NT];
+#pragma GCC unroll 16
+        for (int t = 0; t < NT; ++t) ga[t] = gb[t] = KK::zero();
+        for (; i + kMxGroup <= len; i += kMxGroup) {
+            const auto wa = KK::load_mx(ra.v + (i >> 1), ra.s[i >> 5]), wb = KK::load_mx(rb.v + (i >> 1), rb.s[i >> 5]);
+#pragma GCC unroll 16
+            for (int t = 0; t < NT; ++t) {
+                const auto xv = KK::load_x(xs[t] + i);
+                ga[t] = KK::dot(ga[t], xv, wa);
+                gb[t] = KK::dot(gb[t], xv, wb);
+            }
+        }
+        for (int t = 0; t < NT; ++t) {
+            sa[t] += KK::hsum(ga[t]);
+            sb[t] += KK::hsum(gb[t]);
+        }
     }
     for (; i < len; ++i) {  // the partial last group (a split expert's rows), in order
         const float wa = KK::mx_scalar(ra.code(i), ra.s[i >> 5]), wb = KK::mx_scalar(rb.code(i), rb.s[i >> 5]);
