@@ -336,19 +336,29 @@ static void gate_up_rows(const Job& job, int64_t e, int64_t j0, int64_t j1) {
     const typename K::X* xbase = static_cast<const typename K::X*>(job.xact);
     typename K::Hd* hb = static_cast<typename K::Hd*>(job.hbuf) + job.hoff[e];
     const typename K::X* xs[K::NTMAX];
-    float g[K::NTMAX], u[K::NTMAX];
+    float g[2][K::NTMAX], u[2][K::NTMAX];
     const Mat m{ex.gate_up, ex.gate_up_scales, H, job.bn, job.bk};
+    // a tile's silu is computed after the next tile's dot products are issued: exp and the divide wait on the end of
+    // the tile's sums, and placed there they overlap the next tile's loads and products instead of stalling between
+    // tiles (~7% of one core's time on MXFP4 experts; the values written are the same)
+    int cur = 0, pend_nt = 0;
+    int64_t pend_s = 0, pend_at = 0;
+    const auto write = [&](int b) {
+        for (int t = 0; t < pend_nt; ++t) hb[(pend_s + t) * I + pend_at] = K::h_from_f(silu_mul(g[b][t], u[b][t]));
+    };
     for (int64_t j = j0; j < j1; ++j) {
         const auto ra = F::Row::of(m, j);
         const auto rb = F::Row::of(m, ex.ld + j);  // up rows start at ld (I < ld: a split expert)
         for (int64_t s = 0; s < T; s += K::NTMAX) {
             const int nt = static_cast<int>(std::min<int64_t>(K::NTMAX, T - s));
             for (int t = 0; t < nt; ++t) xs[t] = xbase + ex.idx[s + t] * H;
-            dot2<F>(nt, ra, rb, H, xs, g, u, job.pf);
-            const int64_t at = F::x_position(j, I);  // the down rows read h[t] as they read x
-            for (int t = 0; t < nt; ++t) hb[(s + t) * I + at] = K::h_from_f(silu_mul(g[t], u[t]));
+            dot2<F>(nt, ra, rb, H, xs, g[cur], u[cur], job.pf);
+            write(cur ^ 1);
+            pend_nt = nt, pend_s = s, pend_at = F::x_position(j, I);  // the down rows read h[t] as they read x
+            cur ^= 1;
         }
     }
+    write(cur ^ 1);
 }
 
 // Phase 2, output rows [h0, h1) of every expert in ascending order: out[tok, h] += w * <down_h, h_tok>.
@@ -358,7 +368,22 @@ template <class F>
 static void down_rows(const Job& job, int64_t h0, int64_t h1) {
     const int64_t H = job.H, n = h1 - h0, half = (n + 1) / 2;
     const typename K::Hd* xs[K::NTMAX];
-    float ya[K::NTMAX], yb[K::NTMAX];
+    float ya[2][K::NTMAX], yb[2][K::NTMAX];
+    // a tile's results are added into out after the next tile's dot products are issued (as gate_up_rows' silu; each
+    // element still gets its experts' terms in ascending order)
+    struct Pending {
+        int nt;
+        int64_t s, row_a, row_b;  // row_b < 0: no second row
+    } pend{0, 0, 0, -1};
+    int cur = 0;
+    const auto add = [&](const ExpertArg& ex, int b) {
+        for (int t = 0; t < pend.nt; ++t) {
+            float* o = job.out + ex.idx[pend.s + t] * H;
+            const float w = ex.w[pend.s + t];
+            o[pend.row_a] += w * ya[b][t];
+            if (pend.row_b >= 0) o[pend.row_b] += w * yb[b][t];
+        }
+    };
     for (int64_t e = 0; e < job.E; ++e) {
         const ExpertArg& ex = job.experts[e];
         const int64_t I = ex.I, T = ex.T;
@@ -373,15 +398,14 @@ static void down_rows(const Job& job, int64_t h0, int64_t h1) {
             for (int64_t s = 0; s < T; s += K::NTMAX) {
                 const int nt = static_cast<int>(std::min<int64_t>(K::NTMAX, T - s));
                 for (int t = 0; t < nt; ++t) xs[t] = hb + (s + t) * I;
-                dot2<F>(nt, ra, rb, I, xs, ya, yb, job.pf);
-                for (int t = 0; t < nt; ++t) {
-                    float* o = job.out + ex.idx[s + t] * H;
-                    const float w = ex.w[s + t];
-                    o[ha] += w * ya[t];
-                    if (pair) o[hb_row] += w * yb[t];
-                }
+                dot2<F>(nt, ra, rb, I, xs, ya[cur], yb[cur], job.pf);
+                add(ex, cur ^ 1);
+                pend = {nt, s, ha, pair ? hb_row : -1};
+                cur ^= 1;
             }
         }
+        add(ex, cur ^ 1);
+        pend.nt = 0;
     }
 }
 
