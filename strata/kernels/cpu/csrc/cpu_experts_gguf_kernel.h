@@ -133,17 +133,26 @@ static void gguf_gate_up_pass(const Job& job, int64_t e, int64_t j0, int64_t j1)
     typename KK::Hd* hb = static_cast<typename KK::Hd*>(job.hbuf) + job.hoff[e];
     const X* xs[kGgufTile];
     const float* ss[kGgufTile];
-    float g[kGgufTile], u[kGgufTile];
-    float* outs[2] = {g, u};
+    float g[2][kGgufTile], u[2][kGgufTile];
+    float* outs[2][2] = {{g[0], u[0]}, {g[1], u[1]}};
+    // a tile's silu after the next tile's dot products are issued (gate_up_rows says why)
+    int cur = 0, pend_nt = 0;
+    int64_t pend_s = 0, pend_j = 0;
+    const auto write = [&](int b) {
+        for (int t = 0; t < pend_nt; ++t) hb[(pend_s + t) * I + pend_j] = KK::h_from_f(silu_mul(g[b][t], u[b][t]));
+    };
     for (int64_t j = j0; j < j1; ++j) {
         const uint8_t* rows[2] = {ex.gate_up + j * rb, ex.gate_up + job.bn + j * rb};
         for (int64_t s = 0; s < ex.T; s += kGgufTile) {
             const int nt = static_cast<int>(std::min<int64_t>(kGgufTile, ex.T - s));
             for (int t = 0; t < nt; ++t) xs[t] = x + ex.idx[s + t] * H, ss[t] = sums + ex.idx[s + t] * ns;
-            gguf_dot_n<KK, T, 2>(nt, rows, H, xs, ss, outs, job.pf);
-            for (int t = 0; t < nt; ++t) hb[(s + t) * I + j] = KK::h_from_f(silu_mul(g[t], u[t]));
+            gguf_dot_n<KK, T, 2>(nt, rows, H, xs, ss, outs[cur], job.pf);
+            write(cur ^ 1);
+            pend_nt = nt, pend_s = s, pend_j = j;
+            cur ^= 1;
         }
     }
+    write(cur ^ 1);
 }
 
 // down_rows' work and pairing on output rows [h0, h1) of expert e, its down matrix of type T.
@@ -157,8 +166,19 @@ static void gguf_down_pass(const Job& job, int64_t e, int64_t h0, int64_t h1) {
     const float* hs = g_gguf.hs.data() + g_gguf.hs_off[e];
     const X* xs[kGgufTile];
     const float* ss[kGgufTile];
-    float ya[kGgufTile], yb[kGgufTile];
-    float* outs[2] = {ya, yb};
+    float ya[2][kGgufTile], yb[2][kGgufTile];
+    float* outs[2][2] = {{ya[0], yb[0]}, {ya[1], yb[1]}};
+    // a tile's results added after the next tile's dot products are issued (down_rows says why)
+    int cur = 0, pend_nt = 0;
+    int64_t pend_s = 0, pend_a = 0, pend_b = -1;  // pend_b < 0: no second row
+    const auto add = [&](int b) {
+        for (int t = 0; t < pend_nt; ++t) {
+            float* o = job.out + ex.idx[pend_s + t] * H;
+            const float w = ex.w[pend_s + t];
+            o[pend_a] += w * ya[b][t];
+            if (pend_b >= 0) o[pend_b] += w * yb[b][t];
+        }
+    };
     for (int64_t i = 0; i < half; ++i) {
         const int64_t ha = job.down_split ? h0 + i : h0 + 2 * i;
         const int64_t hb_row = job.down_split ? ha + half : ha + 1;
@@ -167,15 +187,13 @@ static void gguf_down_pass(const Job& job, int64_t e, int64_t h0, int64_t h1) {
         for (int64_t s = 0; s < ex.T; s += kGgufTile) {
             const int nt = static_cast<int>(std::min<int64_t>(kGgufTile, ex.T - s));
             for (int t = 0; t < nt; ++t) xs[t] = hp + (s + t) * I, ss[t] = hs + (s + t) * ns;
-            gguf_dot_n<KK, T, 2>(nt, rows, I, xs, ss, outs, job.pf);
-            for (int t = 0; t < nt; ++t) {
-                float* o = job.out + ex.idx[s + t] * H;
-                const float w = ex.w[s + t];
-                o[ha] += w * ya[t];
-                if (pair) o[hb_row] += w * yb[t];
-            }
+            gguf_dot_n<KK, T, 2>(nt, rows, I, xs, ss, outs[cur], job.pf);
+            add(cur ^ 1);
+            pend_nt = nt, pend_s = s, pend_a = ha, pend_b = pair ? hb_row : -1;
+            cur ^= 1;
         }
     }
+    add(cur ^ 1);
 }
 
 // A pass (gguf_gate_up_pass or gguf_down_pass) of the type `type` names.
