@@ -311,14 +311,15 @@ def test_avx512_kernels_match_their_emulation(name):
 
 @pytest.fixture
 def _restore_knobs():
-    old = ce.tune(claim_ahead=0, chunk_div=8, chunk_min=32 << 10, chunk_max=512 << 10, down_split=0)
+    old = ce.tune(claim_ahead=0, chunk_div=8, chunk_min=32 << 10, chunk_max=512 << 10, down_split=0, down_stream=0)
     yield
     ce.tune(**old)
     ce.trace(False)
 
 
 def test_scheduling_knobs_keep_results_bit_identical(_restore_knobs):
-    """Claiming down chunks ahead, chunk sizes and the down rows' pairing change who computes what, never the sums."""
+    """Claiming down chunks ahead, chunk sizes, each expert's least run of down rows and the down rows' pairing change
+    who computes what, never the sums."""
     names = [b for b in _testable_backends() if b not in ("torch", "avx512_bf16_emulated", "avx512_emulated")]
     if not names:
         pytest.skip("extension not available")
@@ -329,16 +330,17 @@ def test_scheduling_knobs_keep_results_bit_identical(_restore_knobs):
         experts = make_experts(H, inter, E, seed=11)
         idx, tw = make_routing(N, E, 4, seed=5)
         x = torch.randn(N, H, generator=torch.Generator().manual_seed(9))
-        ce.tune(claim_ahead=0, chunk_div=8, chunk_min=32 << 10, chunk_max=512 << 10, down_split=0)
+        ce.tune(claim_ahead=0, chunk_div=8, chunk_min=32 << 10, chunk_max=512 << 10, down_split=0, down_stream=0)
         ref = ce.cpu_experts_forward(x, experts, idx, tw, threads=1, backend=names[0])
         calls, nbytes = calls + 1, nbytes + 3 * inter * H * 2 * sum(1 for i in idx if i.numel())
-        for claim, div, lo, split in [(0, 8, 32 << 10, 0), (2, 8, 4096, 1), (16, 64, 2048, 1), (16, 1, 2048, 0),
-                                      (1, 8, 1 << 20, 1), (0, 64, 600, 1)]:
-            ce.tune(claim_ahead=claim, chunk_div=div, chunk_min=lo, chunk_max=max(lo, 512 << 10), down_split=split)
+        for claim, div, lo, split, run in [(0, 8, 32 << 10, 0, 0), (2, 8, 4096, 1, 16 << 10), (16, 64, 2048, 1, 0),
+                                           (16, 1, 2048, 0, 1 << 20), (1, 8, 1 << 20, 1, 4096), (0, 64, 600, 1, 0)]:
+            ce.tune(claim_ahead=claim, chunk_div=div, chunk_min=lo, chunk_max=max(lo, 512 << 10), down_split=split,
+                    down_stream=run)
             for threads in (1, 2, 3, 5):
                 got = ce.cpu_experts_forward(x, experts, idx, tw, threads=threads, backend=names[0])
                 calls, nbytes = calls + 1, nbytes + 3 * inter * H * 2 * sum(1 for i in idx if i.numel())
-                assert torch.equal(got, ref), (H, claim, div, lo, split, threads)
+                assert torch.equal(got, ref), (H, claim, div, lo, split, run, threads)
     t = ce.trace(False)
     assert t["calls"] == calls
     assert t["bytes"] == nbytes

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 import torch
 
 TUNE_KEYS = {"claim_ahead": 1, "chunk_div": 2, "chunk_min": 3, "chunk_max": 4, "down_split": 5, "warm_streams": 6,
-             "warm_touch": 7, "rest_chunks": 8, "read_split": 9}
+             "warm_touch": 7, "rest_chunks": 8, "read_split": 9, "down_stream": 10}
 """`tune`'s knobs (csrc/cpu_experts.cpp, strata_cpu_tune; defaults claim_ahead=4, chunk_div=8, chunk_min=32 KiB,
 chunk_max=512 KiB, down_split=1): down chunks a thread claims and reads ahead while the gate/up phase finishes
 (0 off, at most 16); chunks of total / (chunk_div x threads) bytes, clamped to [chunk_min, chunk_max];
@@ -31,7 +31,10 @@ pages) instead of adjacent ones; warm-ahead's read (`warm_rows`, defaults 4 and 
 interleaved line by line, and touches one 64-byte line in warm_touch (the L2 prefetcher fetching the rest); both
 clamped to 1-8; rest_chunks 1 (default) sizes the dynamic gate/up chunks from the rows not read ahead, 0 from the
 whole call; read_split 1 (default) leaves the rows of a thread's warm piece that its read did not reach (a read stopped
-by the next layer's post) to the dynamic chunks, 0 to that thread."""
+by the next layer's post) to the dynamic chunks, 0 to that thread; down_stream (bytes, default 128 KiB) the least of
+each expert's down rows a down chunk holds in a row, per stream, while every thread still gets chunk_div chunks (a
+call with many experts, a prompt's, otherwise spreads a chunk over all of them in short runs, each starting with a RAM
+latency)."""
 
 TRACE_FIELDS = ("calls", "setup_ns", "last_arrival_ns", "phase1_ns", "barrier_wait_ns", "phase2_ns", "end_idle_ns",
                 "close_ns", "threads_joined", "call_ns", "bytes", "phase1_chunks", "claimed_ahead")

@@ -96,6 +96,7 @@ struct Chunk {
     int64_t e, r0, r1;
 };
 
+constexpr int64_t kClaimBytes = 2 << 20;  // down chunks' bytes one thread may claim and read ahead
 constexpr int64_t kMaxClaim = 16;  // down chunks one thread may claim ahead (strata_cpu_tune clamps to it)
 constexpr int64_t kTraceRow = 6;   // entries of a thread's row in Job::trace
 
@@ -154,6 +155,11 @@ int64_t g_claim_max = 4, g_chunk_div = 8, g_chunk_min = 32 << 10, g_chunk_max = 
 // others). The kernel's dynamic gate/up chunks sized from the rows not read ahead (g_rest_chunks; 0: the call's);
 // the rows of a thread's piece its read did not reach left to them (g_read_split; 0: the piece's owner does them).
 int64_t g_warm_streams = 4, g_warm_touch = 1, g_rest_chunks = 1, g_read_split = 1;
+// Down chunks hold at least g_down_stream bytes of each expert's rows in a row (per stream: half of them with
+// g_down_split), as long as every thread still gets g_chunk_div chunks: a chunk's bytes are spread over every expert
+// of the call, and each expert's run starts with a RAM latency, so a prompt's call (every expert: chunks of two rows)
+// read its down rows at about half the RAM rate (bench/cpu_experts.py --experts-per-call, docs/benchmarks.md).
+int64_t g_down_stream = 128 << 10;
 bool g_trace = false;
 std::vector<int64_t> g_trace_rows;
 int64_t g_trace_acc[13] = {};
@@ -388,11 +394,15 @@ C_EXPORTED int strata_cpu_experts_fmt(int isa, const float* x, int64_t N, int64_
     for (const Chunk& r : rest)
         for (int64_t j = r.r0; j < r.r1; j += pairs) job.chunks1.push_back({r.e, j, std::min(r.r1, j + pairs)});
     int64_t rows = std::max<int64_t>(2, chunk_bytes(down_row_bytes * H) / down_row_bytes);
+    const int64_t row_mean = std::max<int64_t>(1, down_row_bytes / std::max<int64_t>(1, job.E));  // one expert's row
+    const int64_t streams = g_down_split ? 2 : 1;
+    rows = std::max(rows, std::min(streams * ((g_down_stream + row_mean - 1) / row_mean), H / (g_chunk_div * P)));
     rows += rows & 1;
     job.down_rows = rows;
     job.n_down_chunks = (H + rows - 1) / rows;
     job.pf = (g_prefetch_bytes + 63) / 64 * 64;  // whole 64-byte lines
-    job.claim_max = g_claim_max;
+    // claimed chunks are read into this core's L2 while phase 1 finishes: no more than kClaimBytes of them
+    job.claim_max = std::min<int64_t>(g_claim_max, kClaimBytes / std::max<int64_t>(1, rows * down_row_bytes));
     job.down_split = g_down_split != 0;
     if (g_trace) {
         g_trace_rows.assign(size_t(kTraceRow * P), 0);

@@ -70,11 +70,13 @@ C_EXPORTED int64_t strata_cpu_tune(int64_t key, int64_t value) {
     std::lock_guard<std::mutex> lk(g_call);
     int64_t* knob = key == 1 ? &g_claim_max : key == 2 ? &g_chunk_div : key == 3 ? &g_chunk_min
                   : key == 4 ? &g_chunk_max : key == 5 ? &g_down_split : key == 6 ? &g_warm_streams
-                  : key == 7 ? &g_warm_touch : key == 8 ? &g_rest_chunks : key == 9 ? &g_read_split : nullptr;
+                  : key == 7 ? &g_warm_touch : key == 8 ? &g_rest_chunks : key == 9 ? &g_read_split
+                  : key == 10 ? &g_down_stream : nullptr;
     if (!knob) return -1;
     const int64_t old = *knob;
     if (value >= 0)
         *knob = key == 1   ? std::min<int64_t>(value, kMaxClaim)
+                : key == 10 ? value
                 : key == 5 || key >= 8 ? int64_t(value != 0)
                 : key >= 6 ? std::clamp<int64_t>(value, 1, 8)
                            : std::max<int64_t>(value, 1);

@@ -1,0 +1,123 @@
+"""The CPU expert kernel on a prompt pass's layer calls, where every expert of the layer has a few tokens, per knob set.
+
+    python bench/cpu_prompt_layers.py [--tokens 1,8,32,64] [--knobs "down_stream=0;down_stream=131072"]
+                                      [--rounds 5] [--seconds 1.0] [--layers 2] [--threads N] [--out DIR]
+
+A decode step's layer call holds its top-k experts (8 for one token); a prompt's holds nearly every expert of the
+layer, each with the few of its tokens routed to it (64 tokens, top-8 of 128: ~4 each). The second reads the same
+number of bytes an expert in many more, shorter runs (one a row range of each expert), which is what the kernel's
+down-phase chunking is about (csrc/cpu_experts.cpp, `strata_cpu_tune`'s down_stream). This times the kernel
+(`cpu_experts_forward`, bf16, the bench model's expert: H 2048, I 768, 128 experts, top-8, uniform random routing)
+on `--layers` distinct layers of experts (cycled, so the weights come from RAM, not the caches) for each token count
+and knob set, the knob sets alternated over `--rounds` rounds, each case's best round kept, every knob set's output
+checked bit-identical to the first's. Prints ms a layer, GB/s (the experts' bytes a call reads / its time) and each
+knob set against the first; writes cpu_prompt_layers.json into --out. Runs on any x86-64 machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root, when run as a script
+from bench.cpu_experts import machine  # noqa: E402
+from strata.kernels.cpu import experts as ce  # noqa: E402
+from strata.kernels.cpu.tuning import parse_knobs  # noqa: E402
+
+HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8  # the bench model's MoE layer (Qwen3-30B-A3B)
+
+
+def make_layers(layers: int, hidden: int, inter: int, experts: int, seed: int = 0) -> list[list[tuple]]:
+    """`layers` lists of `experts` bf16 experts (gate_up [2I, H], down [H, I]), each its own buffer, distinct."""
+    g = torch.Generator().manual_seed(seed)
+    per = 3 * inter * hidden
+    block = (torch.randn(per + 4096, generator=g) * 0.02).to(torch.bfloat16)
+    out = []
+    for layer in range(layers):
+        ws = []
+        for e in range(experts):
+            blob = torch.empty(per, dtype=torch.bfloat16)
+            off = ((layer * experts + e) * 977) % 4096
+            blob.copy_(block[off: off + per])
+            ws.append((blob[: 2 * inter * hidden].view(2 * inter, hidden), blob[2 * inter * hidden:].view(hidden, inter)))
+        out.append(ws)
+    return out
+
+
+def routing(tokens: int, experts: int, top_k: int, seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Uniform random top-k routing of `tokens` tokens: per expert, its token rows and their weights (1 / top_k)."""
+    g = torch.Generator().manual_seed(seed + tokens)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    idx = [torch.nonzero((ids == e).any(1)).flatten() for e in range(experts)]
+    return idx, [torch.full((len(i),), 1.0 / top_k) for i in idx]
+
+
+def measure(layers: list, tokens: int, knob_sets: list[dict[str, int]], rounds: int, seconds: float,
+            threads: int | None, saved: dict[str, int], hidden: int = HIDDEN) -> dict:
+    """Best ms a layer per knob set (alternated over rounds) for one token count, outputs checked bit-identical;
+    each knob's value before its first setting kept in `saved`."""
+    idx, w = routing(tokens, len(layers[0]), TOP_K)
+    x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens))
+    used = [e for e, i in enumerate(idx) if i.numel()]
+    nbytes = sum(layers[0][e][0].numel() * 2 + layers[0][e][1].numel() * 2 for e in used)
+    ref, times = None, [[] for _ in knob_sets]
+    for _ in range(rounds):
+        for k, knobs in enumerate(knob_sets):
+            for name, before in ce.tune(**knobs).items():
+                saved.setdefault(name, before)
+            out = ce.cpu_experts_forward(x, layers[0], idx, w, threads=threads)
+            if ref is None:
+                ref = out
+            elif not torch.equal(out, ref):
+                raise SystemExit(f"knobs {knobs} changed the kernel's output at {tokens} tokens")
+            calls, t0 = 0, time.perf_counter()
+            while time.perf_counter() - t0 < seconds:
+                ce.cpu_experts_forward(x, layers[calls % len(layers)], idx, w, threads=threads)
+                calls += 1
+            times[k].append((time.perf_counter() - t0) / calls * 1e3)
+    cases = []
+    for knobs, ms in zip(knob_sets, times, strict=True):
+        best = min(ms)
+        cases.append({"knobs": knobs, "ms": round(best, 3), "gbps": round(nbytes / best / 1e6, 2),
+                      "rounds_ms": [round(t, 3) for t in ms], "vs_first": round(min(times[0]) / best, 3)})
+    return {"tokens": tokens, "experts_used": len(used), "bytes": nbytes, "cases": cases}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", default="1,8,32,64", help="comma-separated token counts of a layer call")
+    ap.add_argument("--knobs", default="down_stream=0;down_stream=131072",
+                    help="';'-separated knob sets (strata.kernels.cpu.tuning.TUNE_KEYS), the first the baseline")
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--seconds", type=float, default=1.0, help="timed seconds a case a round")
+    ap.add_argument("--layers", type=int, default=2, help="distinct layers of experts cycled (2: 2.4 GB)")
+    ap.add_argument("--threads", type=int, default=None, help="kernel threads (default: the kernel's default)")
+    ap.add_argument("--out", default="bench-out")
+    args = ap.parse_args()
+    if ce.library() is None:
+        raise SystemExit("the compiled CPU expert kernel is not available on this machine (strata.kernels.cpu.build)")
+    knob_sets = [parse_knobs(s, "--knobs") for s in args.knobs.split(";") if s.strip()]
+    saved: dict[str, int] = {}
+    layers = make_layers(args.layers, HIDDEN, INTER, EXPERTS)
+    result = {"machine": machine(), "backend": ce.backend(), "threads": args.threads or ce.default_threads(),
+              "shape": {"hidden": HIDDEN, "inter": INTER, "experts": EXPERTS, "top_k": TOP_K}, "calls": []}
+    try:
+        for tokens in (int(t) for t in args.tokens.split(",")):
+            res = measure(layers, tokens, knob_sets, args.rounds, args.seconds, args.threads, saved)
+            result["calls"].append(res)
+            for c in res["cases"]:
+                print(f"{tokens:4d} tokens ({res['experts_used']:3d} experts) {c['knobs']}: {c['ms']:8.2f} ms a layer, "
+                      f"{c['gbps']:6.1f} GB/s, x{c['vs_first']:.2f}", flush=True)
+    finally:
+        ce.tune(**saved)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "cpu_prompt_layers.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
