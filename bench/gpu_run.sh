@@ -61,12 +61,15 @@ STEPS=("$@")
 [ -n "${COMMIT:-}" ] && export STRATA_BENCH_COMMIT=$COMMIT
 export PYTHONPATH=/tmp/site:$PWD
 
-wheels() {  # the GPU machine has no internet; pydantic and pydantic-core are pinned as the pair the tests passed with
+wheels() {  # the GPU machine has no internet; pydantic and pydantic-core are pinned as the pair the tests passed with;
+  # transformers as the tests' oracle (the image's 5.17 computes gpt-oss's clamp and MiniMax-M2's partial rotary
+  # differently from the 5.25 strata follows), with the hub client and packages it needs
   mkdir -p .whl && rm -f .whl/*.whl  # two versions of one package stop the whole install: start from none
   local p
   for p in fastapi starlette uvicorn h11 annotated-doc opentelemetry-api pydantic==2.13.4 pydantic-core==2.46.4 \
            annotated-types typing-inspection anyio prometheus-client aiofiles msgpack xxhash kvikio-cu13 \
-           libkvikio-cu13 rapids-logger xgrammar==0.2.9 apache-tvm-ffi gguf; do
+           libkvikio-cu13 rapids-logger xgrammar==0.2.9 apache-tvm-ffi gguf transformers==5.25.0 huggingface-hub==2.4.0 \
+           kernels==0.19.1 httpx2 httpcore2 truststore tomlkit click regex; do
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
       --platform manylinux_2_28_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64 \
       --platform manylinux2014_x86_64 --platform any -d .whl "$p" || return 1
