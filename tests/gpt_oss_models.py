@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from reference_models import VOCAB, write_tokenizer
+from reference_models import VOCAB, require_transformers, write_tokenizer
 from strata.kernels.quant import MX_GROUP, quantize_mxfp4
 
 
@@ -42,6 +42,7 @@ def gpt_oss_config(long: bool = False, layers: int = 4, vocab: int = VOCAB):
 
 def build_gpt_oss(directory: Path, *, long: bool = False, seed: int = 0, layers: int = 4, vocab: int = VOCAB):
     """Create, save (transformers' bf16-style layout, in fp32) and return (GptOssForCausalLM fp32 eval, directory)."""
+    require_transformers("5.25", "gpt-oss (its SwiGLU clamp and alpha from the config)")
     from transformers import AutoModelForCausalLM
 
     cfg = gpt_oss_config(long, layers, vocab)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from reference_models import VOCAB, write_tokenizer
+from reference_models import VOCAB, require_transformers, write_tokenizer
 
 
 def minimax_m2_config(long: bool = False):
@@ -31,6 +31,7 @@ def minimax_m2_config(long: bool = False):
 
 def build_minimax_m2_reference(directory: Path, *, fused: bool = False, long: bool = False, seed: int = 0):
     """Create, save and return (transformers MiniMaxM2ForCausalLM in fp32 eval mode, checkpoint dir)."""
+    require_transformers("5.25", "MiniMax-M2 (its partial rotary from rotary_dim)")
     from transformers import AutoModelForCausalLM
 
     cfg = minimax_m2_config(long)

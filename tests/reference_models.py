@@ -15,6 +15,19 @@ import torch
 VOCAB = 160
 
 
+def require_transformers(version: str, what: str) -> None:
+    """Fail a test whose oracle is transformers' `what` when the installed transformers is older than `version`,
+    naming both: an older release computing the architecture otherwise is not strata's error."""
+    import transformers
+    from packaging.version import Version
+
+    if Version(transformers.__version__) < Version(version):
+        import pytest
+
+        pytest.fail(f"transformers {transformers.__version__} computes {what} otherwise than {version}, the oracle "
+                    f"these tests follow: pip install 'transformers>={version}'", pytrace=False)
+
+
 def _configs(long: bool) -> dict:
     from transformers import (
         DeepseekV2Config,
