@@ -1,6 +1,6 @@
 """One-graph split decode on quantized experts: the native CPU worker computing a step's cold FP8 / MXFP4 experts from
-their blobs in pinned RAM inside the step's one graph (GPU tests; `FAST_PATHS["cpu_mailbox"]` given the format, as a
-GPU run switches it on once these pass), against the host-step path on the same store."""
+their blobs in pinned RAM inside the step's one graph (GPU tests; `FAST_PATHS["cpu_mailbox"]` given the format, which
+it holds by default), against the host-step path on the same store."""
 
 from __future__ import annotations
 
