@@ -374,3 +374,31 @@ def test_knobs_from_text_are_checked():
     for bad in ("claim_ahead", "claim=2", "chunk_div=-1", "chunk_div=x"):
         with pytest.raises(ValueError, match="--knobs: bad item"):
             parse_knobs(bad, "--knobs")
+
+
+@pytest.mark.parametrize("name", ["avx512", "avx512_bf16", *EMULATED])
+def test_four_row_tile_with_leftover_rows_and_tokens(name, monkeypatch, _restore_knobs):
+    """Experts with many tokens take their rows four at a time, six tokens a tile (cpu_experts_tile4.h): token counts
+    not multiples of six, odd I and H off the vector width leave rows and tokens to the two-row tile; chunk sizes and
+    pairings regroup the rows (which rows go four at a time), never the sums; against the reference and, for the
+    real kernels, their emulation."""
+    if name not in _testable_backends():
+        pytest.skip(f"{name} not available on this CPU")
+    monkeypatch.setattr(ce, "MAX_TOKENS", 1000)
+    for H, inter in [(130, 19), (200, 77)]:
+        N, E = 60, 6
+        experts = make_experts(H, inter, E, seed=H)
+        idx = [torch.arange(0, N, 4), torch.arange(3, 28), torch.arange(N - 1, 16, -1), torch.arange(7), torch.arange(N),
+               torch.arange(4)]  # 15, 25, 43, 7, 60 tokens; 4: the two-row tile's, in the same call
+        tw = [torch.rand(len(i), generator=torch.Generator().manual_seed(len(i))) for i in idx]
+        x = torch.randn(N, H, generator=torch.Generator().manual_seed(N * 1000 + H))
+        ref = ce.cpu_experts_forward(x, experts, idx, tw, threads=1, backend=name)
+        assert rel_err(ref, reference(x, experts, idx, tw)) <= tol(name, inter), (name, H)
+        for lo, split in [(600, 0), (2048, 1), (1 << 20, 1)]:
+            ce.tune(chunk_min=lo, chunk_max=max(lo, 512 << 10), down_split=split, down_stream=0)
+            for threads in (2, 3):
+                got = ce.cpu_experts_forward(x, experts, idx, tw, threads=threads, backend=name)
+                assert torch.equal(got, ref), (name, H, lo, split, threads)
+        if name in kernel_backends():
+            emu = ce.cpu_experts_forward(x, experts, idx, tw, threads=2, backend=f"{name}_emulated")
+            assert (torch.equal(ref, emu) if name == "avx512" else rel_err(ref, emu) <= 1e-4), (name, H)

@@ -38,6 +38,7 @@ struct K {
     static constexpr int W = 16;
     static constexpr int NTMAX = 8;
     static constexpr int unroll(int nt) { return nt <= 2 ? 4 : nt <= 4 ? 2 : 1; }
+    static constexpr int NT4 = 6;  // as the AVX-512 sets
     using Acc = emu::F16;
     using X = float;
     using Hd = float;
@@ -94,6 +95,7 @@ struct K {
     static constexpr int W = 32;
     static constexpr int NTMAX = 8;
     static constexpr int unroll(int nt) { return nt <= 2 ? 4 : nt <= 4 ? 2 : 1; }
+    static constexpr int NT4 = 6;  // as the AVX-512 sets
     using Acc = emu::F16;
     using X = uint16_t;
     using Hd = uint16_t;

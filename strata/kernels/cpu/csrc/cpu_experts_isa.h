@@ -22,6 +22,7 @@ namespace k_avx2 {
 struct K {
     static constexpr int W = 8;
     static constexpr int NTMAX = 4;  // 2 x 4 accumulators + weights + activation fit the 16 ymm registers
+    static constexpr int NT4 = 0;  // no four-row tile (cpu_experts_tile4.h): 16 registers
     static constexpr int unroll(int nt) { return nt == 1 ? 4 : nt == 2 ? 2 : 1; }
     using Acc = __m256;
     using X = float;
@@ -112,6 +113,7 @@ struct K {
     static constexpr int W = 16;
     static constexpr int NTMAX = 8;
     static constexpr int unroll(int nt) { return nt <= 2 ? 4 : nt <= 4 ? 2 : 1; }
+    static constexpr int NT4 = 6;  // four-row tile: 4 x 6 accumulators + 4 weights + 1 activation of 32 registers
     using Acc = __m512;
     using X = float;
     using Hd = float;
@@ -161,6 +163,7 @@ struct K {
     static constexpr int W = 32;  // 32 bf16 = 16 pairs per vdpbf16ps
     static constexpr int NTMAX = 8;
     static constexpr int unroll(int nt) { return nt <= 2 ? 4 : nt <= 4 ? 2 : 1; }
+    static constexpr int NT4 = 6;  // four-row tile: 4 x 6 accumulators + 4 weights + 1 activation of 32 registers
     using Acc = __m512;
     using X = uint16_t;
     using Hd = uint16_t;

@@ -15,6 +15,7 @@
 //   K::dot(a, x, w) a + x * w over the W elements (fp32 FMA, or vdpbf16ps pairs)
 //   K::Hd, K::h_from_f(float)   storage type of the intermediate silu(gate) * up activations
 //   K::NTMAX        tokens per register tile;  K::unroll(nt) vector steps per loop iteration
+//   K::NT4          tokens per tile of the four-row tile (cpu_experts_tile4.h; 0: none)
 //
 // Numerics are fixed by the code, not by the thread that runs it: every dot product is summed in one
 // order (U interleaved accumulators, combined in order, then a fixed horizontal sum, then the scalar
@@ -327,11 +328,13 @@ static void dot2(int nt, const typename F::Row& ra, const typename F::Row& rb, i
 }
 
 static inline float silu_mul(float g, float u) { return g / (1.0f + std::exp(-g)) * u; }
+#include "cpu_experts_tile4.h"  // four rows a tile for experts with many tokens: gate_up_rows4, down_expert_rows4
 
 // Phase 1 on expert e, intermediate rows [j0, j1): h[t, j] = silu(<gate_j, x_t>) * <up_j, x_t>.
 template <class F>
 static void gate_up_rows(const Job& job, int64_t e, int64_t j0, int64_t j1) {
     const ExpertArg& ex = job.experts[e];
+    if (tile4_for<F>(ex.T)) return gate_up_rows4<F>(job, e, j0, j1);
     const int64_t H = job.H, I = ex.I, T = ex.T;
     const typename K::X* xbase = static_cast<const typename K::X*>(job.xact);
     typename K::Hd* hb = static_cast<typename K::Hd*>(job.hbuf) + job.hoff[e];
@@ -386,6 +389,7 @@ static void down_rows(const Job& job, int64_t h0, int64_t h1) {
     };
     for (int64_t e = 0; e < job.E; ++e) {
         const ExpertArg& ex = job.experts[e];
+        if (tile4_for<F>(ex.T)) { down_expert_rows4<F>(job, e, h0, h1); continue; }  // (pend: added, nt 0)
         const int64_t I = ex.I, T = ex.T;
         const typename K::Hd* hb = static_cast<const typename K::Hd*>(job.hbuf) + job.hoff[e];
         const Mat m{ex.down, ex.down_scales, ex.ld, job.bn, job.bk};  // rows of ld columns, the first I computed
