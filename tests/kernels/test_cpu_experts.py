@@ -378,18 +378,18 @@ def test_knobs_from_text_are_checked():
 
 @pytest.mark.parametrize("name", ["avx512", "avx512_bf16", *EMULATED])
 def test_four_row_tile_with_leftover_rows_and_tokens(name, monkeypatch, _restore_knobs):
-    """Experts with many tokens take their rows four at a time, six tokens a tile (cpu_experts_tile4.h): token counts
-    not multiples of six, odd I and H off the vector width leave rows and tokens to the two-row tile; chunk sizes and
-    pairings regroup the rows (which rows go four at a time), never the sums; against the reference and, for the
-    real kernels, their emulation."""
+    """Experts with 4 tokens or more take their rows four at a time, six tokens a tile (cpu_experts_tile4.h; 4 or 5:
+    one tile), one with 3 two at a time, in one call: token counts not multiples of six, odd I and H off the vector
+    width leave rows and tokens to the two-row tile; chunk sizes and pairings regroup the rows (which rows go four at
+    a time), never the sums; against the reference and, for the real kernels, their emulation."""
     if name not in _testable_backends():
         pytest.skip(f"{name} not available on this CPU")
     monkeypatch.setattr(ce, "MAX_TOKENS", 1000)
     for H, inter in [(130, 19), (200, 77)]:
-        N, E = 60, 6
+        N, E = 60, 8
         experts = make_experts(H, inter, E, seed=H)
         idx = [torch.arange(0, N, 4), torch.arange(3, 28), torch.arange(N - 1, 16, -1), torch.arange(7), torch.arange(N),
-               torch.arange(4)]  # 15, 25, 43, 7, 60 tokens; 4: the two-row tile's, in the same call
+               torch.arange(4), torch.arange(9, 14), torch.arange(3)]  # 15, 25, 43, 7, 60; 4 and 5: one tile; 3: dot2
         tw = [torch.rand(len(i), generator=torch.Generator().manual_seed(len(i))) for i in idx]
         x = torch.randn(N, H, generator=torch.Generator().manual_seed(N * 1000 + H))
         ref = ce.cpu_experts_forward(x, experts, idx, tw, threads=1, backend=name)

@@ -3,21 +3,24 @@
 // steps, where the two-row tile (dot2) takes 2 + NTMAX for 2 * NTMAX. Part of the kernel body: included by
 // cpu_experts_kernel.h inside each instruction set's namespace, after dot2 and silu_mul.
 //
-// Numerics: an expert with at least kTile4MinTokens tokens is tiled NT4 tokens at a time (its last tile the
-// remainder) whether its rows go four or two at a time, and dot4_tile sums a row exactly as dot2_tile<F, NT4, 1>
-// does (dot2's order for NT4 tokens, static_assert below): a row's sums depend on the expert's token count only,
-// not on how a chunk's rows fall into groups of four (which depends on the thread count).
+// Numerics: an expert with at least NT4 tokens is tiled NT4 tokens at a time (its last tile the remainder) whether
+// its rows go four or two at a time; dot4_tile sums a row exactly as dot2_tile<F, NT, 1> does, which is dot2's
+// order for NT4 tokens, and the last partial tile goes through dot2 in both cases (fewer tokens: dot4_small). A
+// row's sums depend on the expert's token count only, not on how a chunk's rows fall into groups of four (which
+// depends on the thread count).
 //
 // Reads: a group's rows are used by every token tile of the expert; its first tile reads the next group's rows into
 // L2 (one line a row a vector step, at the place it reads in its own rows), so the next group's first tile finds
 // them there instead of waiting on RAM (the distance prefetch along a row, job.pf, stays the two-row tile's; 0
 // turns both off). At 32 tokens an expert this took ~13% off a layer call against prefetching along the rows.
 
-// An expert's rows go through the four-row tile from one whole tile of tokens (128 experts of the bench model's
-// shape with 6 tokens each, two Zen 4 cores: ~25% less time a layer call than the two-row tile). Fewer tokens
-// (decode's 1, a short prompt's few): the two-row tile, NTMAX tokens at a time, as the formats without a four-row
+// An expert's rows go through the four-row tile from 4 tokens (128 experts of the bench model's shape, two Zen 4
+// cores: with 6 tokens each ~25% less time a layer call than the two-row tile; 4 and 5 are memory-bound, a few
+// percent). Fewer tokens (decode's 1, a short prompt's 2 or 3): the two-row tile, as the formats without a four-row
 // tile.
-constexpr int64_t kTile4MinTokens = K::NT4;
+constexpr int64_t kTile4MinTokens = 4;
+static_assert(K::NT4 == 0 || K::unroll(K::NT4) == 1, "dot2 sums NT4 tokens unrolled once, as dot4_tile does");
+static_assert(K::NT4 == 0 || K::NT4 == 6, "dot4_small: experts of 4 or 5 tokens");
 
 // Whether rows of format F have the four-row tile: sets with NT4 registers to spare, rows summed as one span
 // (bf16; MXFP4 where it is read a group a step). FP8's blocks and avx512_bf16's 128-value MXFP4 steps keep dot2.
@@ -37,7 +40,6 @@ static inline bool tile4_for(int64_t T) {
 template <class F, int NT>
 static inline void dot4_tile(const typename F::Row* r, int64_t len, const typename K::X* const* xs,
                              float* const* o, const typename F::Row* ahead) {
-    static_assert(K::unroll(NT) == 1, "dot4_tile sums as dot2_tile<F, NT, 1>: dot2 must unroll NT tokens once");
     constexpr int W = K::W;
     constexpr int64_t step_bytes = int64_t(W) * F::kBits / 8;
     const typename F::Ctx ctx{};
@@ -85,6 +87,29 @@ static inline void dot4_tile(const typename F::Row* r, int64_t len, const typena
         for (int t = 0; t < NT; ++t) o[k][t] = s[k][t];
 }
 
+// An expert with kTile4MinTokens <= T < NT4 tokens: one tile of all of them, every row summed unrolled once (four
+// rows through dot4_tile, a chunk's leftover pair through dot2_tile<F, T, 1>), so again the same sums either way.
+template <class F>
+static void dot4_small(int nt, const typename F::Row* r, int64_t len, const typename K::X* const* xs,
+                       float* const* o, const typename F::Row* ahead) {
+    if constexpr (kHasTile4<F>) {
+        if (nt == 4)
+            dot4_tile<F, 4>(r, len, xs, o, ahead);
+        else
+            dot4_tile<F, 5>(r, len, xs, o, ahead);
+    }
+}
+template <class F>
+static void dot2_small(int nt, const typename F::Row& ra, const typename F::Row& rb, int64_t len,
+                       const typename K::X* const* xs, float* oa, float* ob, int64_t pf) {
+    if constexpr (kHasTile4<F>) {
+        if (nt == 4)
+            dot2_tile<F, 4, 1>(ra, rb, len, xs, oa, ob, pf);
+        else
+            dot2_tile<F, 5, 1>(ra, rb, len, xs, oa, ob, pf);
+    }
+}
+
 // gate_up_rows for an expert with tile4_for(T): rows j, j + 1 (gate and up each) four at a time, NT4 tokens a
 // tile; a chunk's odd last row and the last partial token tile through dot2 (the same sums, see above).
 template <class F>
@@ -123,6 +148,10 @@ static void gate_up_rows4(const Job& job, int64_t e, int64_t j0, int64_t j1) {
             float* const o[4] = {y[cur][0], y[cur][1], y[cur][2], y[cur][3]};
             if (nj == 2 && nt == NT)
                 dot4_tile<F, NT>(r, H, xs, o, next && s == 0 ? ahead : nullptr);
+            else if (T < NT && nj == 2)
+                dot4_small<F>(nt, r, H, xs, o, next ? ahead : nullptr);
+            else if (T < NT)
+                dot2_small<F>(nt, r[0], r[1], H, xs, o[0], o[1], job.pf);
             else
                 for (int q = 0; q < nj; ++q) dot2<F>(nt, r[2 * q], r[2 * q + 1], H, xs, o[2 * q], o[2 * q + 1], job.pf);
             write(cur ^ 1);
@@ -176,9 +205,13 @@ static void down_expert_rows4(const Job& job, int64_t e, int64_t h0, int64_t h1)
             float* const o[4] = {y[cur][0], y[cur][1], y[cur][2], y[cur][3]};
             if (four && nt == NT)
                 dot4_tile<F, NT>(r, I, xs, o, next && s == 0 ? ahead : nullptr);
+            else if (T < NT && four)
+                dot4_small<F>(nt, r, I, xs, o, next ? ahead : nullptr);
             else
                 for (int q = 0; q < 2; ++q)
-                    if (rows[2 * q] >= 0) dot2<F>(nt, r[2 * q], r[2 * q + 1], I, xs, o[2 * q], o[2 * q + 1], job.pf);
+                    if (rows[2 * q] >= 0)
+                        (T < NT ? dot2_small<F> : dot2<F>)(nt, r[2 * q], r[2 * q + 1], I, xs, o[2 * q], o[2 * q + 1],
+                                                           job.pf);
             add(cur ^ 1);
             pend_nt = nt, pend_s = s;
             for (int k = 0; k < 4; ++k) pend_row[k] = rows[k];
