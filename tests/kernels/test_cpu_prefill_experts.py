@@ -1,4 +1,4 @@
-"""Prefill-sized experts on the CPU (more than `MAX_TOKENS` tokens): torch's bf16 GEMMs on the weights as stored
+"""Prefill-sized experts on the CPU (more than the backend's `max_tokens`): torch's bf16 GEMMs on the weights as stored
 under the compiled backends, the fp32 reference under "torch"; both against `expert_swiglu` on the upcast weights."""
 
 from __future__ import annotations
@@ -26,11 +26,11 @@ def _reference(x, experts, rows, weights):
 
 
 def test_prefill_sized_experts_run_bf16_gemms_within_the_bf16_kernels_bound():
-    hidden, inter, n = 256, 96, 3 * ce.MAX_TOKENS
+    hidden, inter, n = 256, 96, 3 * ce.max_tokens(ce.backend())
     g = torch.Generator().manual_seed(1)
     x = torch.randn(n, hidden, generator=g).bfloat16()
     experts = _experts(3, hidden, inter)
-    rows = [torch.arange(n), torch.arange(0, n, 2), torch.arange(5)]  # two above MAX_TOKENS, one below
+    rows = [torch.arange(n), torch.arange(0, n, 2), torch.arange(5)]  # two above the backend's max_tokens, one below
     weights = [torch.rand(len(r), generator=g) for r in rows]
     ref = _reference(x, experts, rows, weights)
     fast = ce.cpu_experts_forward(x, experts, rows, weights, threads=2)
@@ -55,3 +55,11 @@ def test_one_bf16_expert_matches_its_swiglu(count):
         ref = torch.zeros_like(out).index_add_(0, idx, expert_swiglu(x.float()[idx], gu.float(), dn.float()) * w[:, None])
         assert ((out - ref).abs().max() / ref.abs().max()) < numerics.tolerance("avx512_bf16", "plain")
         assert torch.equal(out[:3], torch.zeros(3, hidden))  # rows without the expert are untouched
+
+
+def test_the_tile_backends_keep_twice_the_tokens_an_expert_on_the_kernel(monkeypatch):
+    """avx512_bf16's four-row tile keeps experts of up to 2 x MAX_TOKENS tokens on the kernel; the fp32 backends and
+    the emulations hand longer ones to torch at MAX_TOKENS."""
+    monkeypatch.setattr(ce, "MAX_TOKENS", 16)
+    assert ce.max_tokens("avx512_bf16") == 32
+    assert [ce.max_tokens(b) for b in ("avx512", "avx2", "avx512_bf16_emulated")] == [16, 16, 16]

@@ -190,15 +190,17 @@ def test_warm_ahead_rows_of_quantized_experts_change_no_result(fmt):
 @needs_kernel
 def test_more_tokens_than_the_kernel_takes_stay_on_it_in_groups(monkeypatch):
     """A quantized expert with more tokens than one kernel pass takes is computed by the kernel in groups of
-    MAX_TOKENS of its tokens (not dequantized for torch): bit for bit the same call with the groups given as
+    `max_tokens(backend)` of its tokens (not dequantized for torch): bit for bit the same call with the groups given as
     experts of their own, and within the kernel's tolerance of the reference."""
     monkeypatch.setattr(ce, "MAX_TOKENS", 2)
     _, _, mats, deq = make_blobs(MX, 64, 32, 2)
     idx, tw = [torch.arange(5), torch.tensor([1])], [torch.rand(5), torch.rand(1)]
     x = torch.randn(5, 64)
     out = ce.cpu_experts_forward(x, mats, idx, tw, threads=2)
-    groups = [slice(0, 2), slice(2, 4), slice(4, 5)]
-    want = ce.cpu_experts_forward(x, [mats[0]] * 3 + [mats[1]], [idx[0][g] for g in groups] + [idx[1]],
+    limit = ce.max_tokens(ce.backend(kind="mxfp4"))  # MAX_TOKENS, times the backend's tile factor
+    groups = [slice(s0, min(5, s0 + limit)) for s0 in range(0, 5, limit)]
+    assert len(groups) > 1
+    want = ce.cpu_experts_forward(x, [mats[0]] * len(groups) + [mats[1]], [idx[0][g] for g in groups] + [idx[1]],
                                   [tw[0][g] for g in groups] + [tw[1]], threads=2)
     assert torch.equal(out, want)
     ref = reference(x, deq, idx, tw)

@@ -28,11 +28,11 @@ Backends (`backend()` says which one runs; the `backend=` argument picks, an eng
   torch        the reference math in fp32 on the upcast weights (`expert_swiglu`), one expert at a
                time. Used when the extension cannot be built (no compiler, not x86-64, build error:
                one warning line), when asked for ("torch"), and for plain experts with more than
-               `MAX_TOKENS` tokens (prefill-sized groups: compute-bound, torch/oneDNN does them as well;
+               `max_tokens(backend)` tokens (prefill-sized groups: compute-bound, torch/oneDNN does them as well;
                the executor should send those to the GPU anyway), which under the compiled backends run
                as torch's bf16 GEMMs on the bf16 weights as stored (`bf16_expert`: fp32 sums, bf16
                activations, within the avx512_bf16 bound). A quantized expert with more tokens stays on
-               the kernel, its tokens in groups of `MAX_TOKENS` (torch would dequantize it first: a
+               the kernel, its tokens in groups of `max_tokens(backend)` (torch would dequantize it first: a
                512-token Q4_K_M prompt ran 3.4x faster so on the development machine).
 
 Accuracy: `tolerance(backend, kind)` bounds max |out - ref| / max |ref| against `expert_swiglu` in fp32 on the
@@ -41,7 +41,7 @@ same weights upcast (quantized experts: dequantized); strata/kernels/cpu/numeric
 Determinism: every dot product is summed in an order fixed by the code and the format (not by the thread
 that runs it; an FP8 row block by block), every output element is written by exactly one thread, and each
 output element accumulates the kernel's experts in the order given. Results are therefore bit-identical for
-any thread count and any scheduling, for a given backend. Experts sent to torch (plain, more than MAX_TOKENS tokens) are added after
+any thread count and any scheduling, for a given backend. Experts sent to torch (plain, more than max_tokens(backend) tokens) are added after
 the kernel's experts.
 
 `configure` sets the default thread count (else the physical cores this process may run on), the pool's
@@ -81,7 +81,18 @@ DEFAULT_PREFETCH_BYTES = 2048
 """Software prefetch distance along each weight row (`configure(prefetch_bytes=)` overrides; 0: off)."""
 
 MAX_TOKENS = 32
-"""Experts with more tokens than this in one call go to torch's matmul (the CPU is compute-bound there)."""
+"""Experts with more tokens than this in one call go to torch's matmul (the CPU is compute-bound there), on the
+instruction sets without a prompt-sized register tile; `max_tokens` gives each backend's limit."""
+TILE_TOKENS_FACTOR = {"avx512_bf16": 2}
+"""Backends whose four-row tile (csrc/cpu_experts_tile4.h) keeps more tokens an expert on the kernel: avx512_bf16's
+beat torch's bf16 GEMMs up to ~128 tokens an expert on the development machine (Zen 4: 64 tokens 244-252 against
+263-317 ms a layer call of 128 experts), where the fp32 backends fall far behind them at 64."""
+
+
+def max_tokens(backend: str) -> int:
+    """The most tokens an expert has in one kernel call of `backend`: a plain expert with more goes to torch's GEMMs,
+    a quantized one is computed in groups of this many."""
+    return MAX_TOKENS * TILE_TOKENS_FACTOR.get(backend, 1)
 
 _lock = threading.Lock()
 META = 7  # int64 fields of one expert's row in `run_packed`'s meta (csrc/cpu_experts.cpp's META_FIELDS)
@@ -409,7 +420,7 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]
     up = expert_args.gguf_up_offset(weights, token_idx) if fmt is not None and fmt.kind == "gguf" else 0
     name = _resolve(backend, fmt or "plain")
     x32 = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
-    limit = 0 if name == "torch" else MAX_TOKENS
+    limit = 0 if name == "torch" else max_tokens(name)
     bf16 = torch.bfloat16
     meta = array.array("q")
     scales = array.array("q")  # quantized experts: their gate_up and down scales' addresses
