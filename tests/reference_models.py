@@ -15,17 +15,20 @@ import torch
 VOCAB = 160
 
 
-def require_transformers(version: str, what: str) -> None:
-    """Fail a test whose oracle is transformers' `what` when the installed transformers is older than `version`,
-    naming both: an older release computing the architecture otherwise is not strata's error."""
-    import transformers
+def require_transformers(version: str, what: str, installed: str | None = None) -> None:
+    """Fail a test whose oracle is transformers' `what` when the installed transformers (or `installed`) is older than
+    `version`, naming both: an older release computing the architecture otherwise is not strata's error."""
     from packaging.version import Version
 
-    if Version(transformers.__version__) < Version(version):
+    if installed is None:
+        import transformers
+
+        installed = transformers.__version__
+    if Version(installed) < Version(version):
         import pytest
 
-        pytest.fail(f"transformers {transformers.__version__} computes {what} otherwise than {version}, the oracle "
-                    f"these tests follow: pip install 'transformers>={version}'", pytrace=False)
+        pytest.fail(f"transformers {installed} computes {what} otherwise than {version}, the oracle these tests "
+                    f"follow: pip install 'transformers>={version}'", pytrace=False)
 
 
 def _configs(long: bool) -> dict:
