@@ -18,10 +18,9 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from reference_models import VOCAB, require_transformers, write_tokenizer
+from reference_models import VOCAB, read_tensors, require_transformers, write_tokenizer
 from strata.kernels.quant import MX_GROUP, quantize_mxfp4
 
 
@@ -62,15 +61,6 @@ def build_gpt_oss(directory: Path, *, long: bool = False, seed: int = 0, layers:
     return model, directory
 
 
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(path, "pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                out[name] = f.get_tensor(name)
-    return out
-
-
 def _copy_small_files(src: Path, dst: Path, quantization: dict | None) -> None:
     dst.mkdir(parents=True, exist_ok=True)
     for f in src.iterdir():
@@ -88,7 +78,7 @@ def mxfp4_variant(src: Path, dst: Path) -> Path:
     and down_proj [E, I, H] become `gate_up_proj_blocks` [E, 2I, H/32, 16] + `_scales` [E, 2I, H/32] (and down's),
     each output row quantized by `quantize_mxfp4`."""
     out = {}
-    for name, t in _tensors(src).items():
+    for name, t in read_tensors(src).items():
         if name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
             rows = t.transpose(1, 2).float()  # [E, N, K]: the release's orientation
             parts = [quantize_mxfp4(m) for m in rows]

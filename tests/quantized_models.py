@@ -15,22 +15,13 @@ import shutil
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
+from reference_models import read_tensors
 from strata.kernels.quant import dequantize_fp8, dequantize_mxfp4, quantize_fp8, quantize_mxfp4
 
 _KEEP = re.compile(r"(embed_tokens|lm_head|norm|\.gate\.weight|shared_expert_gate\.weight)")  # stay in their dtype
 _FUSED = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
-
-
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(path, "pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                out[name] = f.get_tensor(name)
-    return out
 
 
 def _copy_small_files(src: Path, dst: Path, quantization: dict | None) -> None:
@@ -56,7 +47,7 @@ def _fp8(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.T
 def quantize_checkpoint(src: Path, dst: Path, fmt: str, block: tuple[int, int] = (16, 16)) -> Path:
     """Write `dst`: `src` with its weights quantized to `fmt` ("fp8" or "mxfp4"), laid out as released checkpoints."""
     out: dict[str, torch.Tensor] = {}
-    for name, w in _tensors(src).items():
+    for name, w in read_tensors(src).items():
         fused = _FUSED.search(name)
         if fmt == "mxfp4" and fused:  # [E, N, K] -> blocks [E, N, K/32, 16], scales [E, N, K/32]
             parts = [quantize_mxfp4(m.float()) for m in w]
@@ -79,7 +70,7 @@ def dequantized_checkpoint(src: Path, dst: Path) -> Path:
     """Write `dst`: the fp32 checkpoint of the weights quantized checkpoint `src` decodes to (no quantization_config)."""
     cfg = json.loads((src / "config.json").read_text())
     block = tuple(cfg["quantization_config"].get("weight_block_size") or (128, 128))
-    tensors = _tensors(src)
+    tensors = read_tensors(src)
     out: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
         if name.endswith(("_scale_inv", "_scales")):
@@ -107,7 +98,7 @@ def oracle(directory: Path):
 
 def set_tensor(directory: Path, name: str, tensor: torch.Tensor | None) -> None:
     """Replace (or, with None, remove) one tensor of `directory`'s model.safetensors."""
-    tensors = _tensors(directory)
+    tensors = read_tensors(directory)
     if tensor is None:
         del tensors[name]
     else:

@@ -15,6 +15,18 @@ import torch
 VOCAB = 160
 
 
+def read_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint directory's safetensors files, by name."""
+    from safetensors import safe_open
+
+    out = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                out[name] = f.get_tensor(name)
+    return out
+
+
 def require_transformers(version: str, what: str, installed: str | None = None) -> None:
     """Fail a test whose oracle is transformers' `what` when the installed transformers (or `installed`) is older than
     `version`, naming both: an older release computing the architecture otherwise is not strata's error."""

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
+from reference_models import read_tensors
 from strata import Engine
 from strata.errors import CheckpointError
 from strata.kernels.quant import ExpertFormat, ExpertLayout, dequantize_fp8
@@ -28,15 +28,6 @@ ATOL = 1e-4
 FP32 = {"dtype": "float32", "max_context": 256}
 FORMATS = {"mxfp4": ExpertFormat("mxfp4"), "fp8": ExpertFormat("fp8", block=(32, 32)),
            "fp8-ue8m0": ExpertFormat("fp8", block=(32, 32))}
-
-
-def read_all(directory: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        with safe_open(path, "pt") as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                out[name] = f.get_tensor(name)
-    return out
 
 
 def rewrite(src: Path, dst: Path, tensors: dict[str, torch.Tensor], config: dict | None = None) -> Path:
@@ -57,7 +48,7 @@ def dequantized_by_transformers(src: Path, dst: Path) -> Path:
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
     decode = Fp8Dequantize(None)
-    tensors, out = read_all(src), {}
+    tensors, out = read_tensors(src), {}
     for name, t in tensors.items():
         scale = name.removesuffix(".weight") + ".scale"
         if name.endswith(".scale") and name.removesuffix(".scale") + ".weight" in tensors:
@@ -74,7 +65,7 @@ def dequantized_by_transformers(src: Path, dst: Path) -> Path:
 def with_ue8m0_scales(src: Path, dst: Path) -> Path:
     """`dst`: FP8 release `src` with every FP8 weight requantized to power-of-two scales stored F8_E8M0 (scale_fmt
     ue8m0), the routed experts' too: an FP8-expert release in V4-Flash's scale format."""
-    tensors, out = read_all(src), {}
+    tensors, out = read_tensors(src), {}
     cfg = json.loads((src / "config.json").read_text())
     block = tuple(cfg["quantization_config"]["weight_block_size"])
     for name, t in tensors.items():
@@ -98,7 +89,7 @@ def release(request, tmp_path_factory):
                          progress=False)
     if experts == "fp8-ue8m0":
         d = with_ue8m0_scales(d, root / "ue8m0")
-        assert read_all(d)["layers.2.ffn.experts.7.w1.scale"].dtype == torch.float8_e8m0fnu
+        assert read_tensors(d)["layers.2.ffn.experts.7.w1.scale"].dtype == torch.float8_e8m0fnu
     ref = AutoModelForCausalLM.from_pretrained(dequantized_by_transformers(d, root / "dequantized"),
                                                dtype=torch.float32).eval()
     return experts, d, ref
@@ -107,7 +98,7 @@ def release(request, tmp_path_factory):
 @pytest.mark.parametrize("experts", ["mxfp4", "fp8"])
 def test_the_release_spelling_is_written(experts, tmp_path):
     d = write_demo_model(tmp_path / "release", "tiny", arch="deepseek_v4", experts=experts, progress=False)
-    cfg, tensors = json.loads((d / "config.json").read_text()), read_all(d)
+    cfg, tensors = json.loads((d / "config.json").read_text()), read_tensors(d)
     q = cfg["quantization_config"]
     assert q["quant_method"] == "fp8" and q["fmt"] == "e4m3" and q["weight_block_size"] == [32, 32]
     assert q.get("scale_fmt") == ("ue8m0" if experts == "mxfp4" else None)
@@ -153,7 +144,7 @@ def test_loads_and_matches_transformers_on_its_dequantized_weights(release):
 
 def check_blob_is_the_release_bytes(store, d: Path, experts: str) -> None:
     """Expert (2, 7)'s blob holds the release's values and scales as shipped (gate rows, then up rows; down)."""
-    tensors = read_all(d)
+    tensors = read_tensors(d)
     gate_up, down = store.expert_matrices(store.read_expert((2, 7)))
     stem = "layers.2.ffn.experts.7."
     raw = lambda t: t.contiguous().view(torch.uint8)  # noqa: E731
@@ -184,7 +175,7 @@ def test_the_demo_holds_the_bf16_models_weights_rounded(experts, tmp_path):
 
 def test_what_cannot_be_read_is_named(tmp_path):
     d = write_demo_model(tmp_path / "release", "tiny", arch="deepseek_v4", experts="mxfp4", progress=False)
-    tensors = read_all(d)
+    tensors = read_tensors(d)
     scale = "layers.1.ffn.experts.3.w2.scale"
 
     def broken(name: str, change: dict) -> Path:
@@ -211,9 +202,9 @@ def test_what_cannot_be_read_is_named(tmp_path):
 def test_fp4_experts_stored_as_u8_read_as_i8(tmp_path):
     """A re-pack storing the FP4 experts' bytes as U8 instead of I8 reads as the release does."""
     d = write_demo_model(tmp_path / "release", "tiny", arch="deepseek_v4", experts="mxfp4", progress=False)
-    tensors = read_all(d)
+    tensors = read_tensors(d)
     u8 = rewrite(d, tmp_path / "u8", {k: t.view(torch.uint8) if t.dtype == torch.int8 else t for k, t in tensors.items()})
-    assert read_all(u8)["layers.1.ffn.experts.3.w1.weight"].dtype == torch.uint8
+    assert read_tensors(u8)["layers.1.ffn.experts.3.w1.weight"].dtype == torch.uint8
     release, repack = Checkpoint.open(d), Checkpoint.open(u8)
     assert repack.expert_format == ExpertFormat("mxfp4")
     for a, b in zip(release.load_experts(1, torch.float32, "cpu"), repack.load_experts(1, torch.float32, "cpu"),
