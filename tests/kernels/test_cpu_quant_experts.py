@@ -247,19 +247,28 @@ def test_fp8_without_vbmi_takes_avx512(monkeypatch, caplog):
     assert any("AVX512_VBMI" in r.message for r in caplog.records)
 
 
+def _quantized_mailbox(fmt, seed: int):
+    """A mailbox worker over 6 experts (H 64, I 32, top-2) stored in `fmt` blobs for two layers: (box, layout, the
+    blobs (the box reads them by address: hold them while it runs), their QuantMatrix views, their dequantized
+    weights); the caller closes the box."""
+    from strata.runtime.offload.mailbox import CpuMailbox
+
+    layout, blobs, mats, dense = make_blobs(fmt, 64, 32, 6, seed=seed)
+    addr = np.array([[b.data_ptr() for b in blobs]] * 2, dtype=np.int64)
+    box = CpuMailbox([0, 1], addr, hidden=64, inter=32, gu_bytes=0, payload=0, top_k=2, max_tokens=4, threads=2,
+                     device=torch.device("cpu"), layout=layout)
+    return box, layout, blobs, mats, dense
+
+
 @needs_kernel
 @pytest.mark.parametrize("fmt", [FP8_16, MX], ids=lambda f: f.name)
 def test_the_mailbox_worker_reads_quantized_slots(fmt):
     """The native worker given the store's layout computes cold pairs from blobs in the format, as the host path's
     kernel call on the same experts does (csrc/cpu_mailbox.cpp: values and scales at the layout's offsets)."""
     from strata.kernels.experts import group_by_expert
-    from strata.runtime.offload.mailbox import CpuMailbox
 
-    H, inter, E, K = 64, 32, 6, 2
-    layout, blobs, mats, _ = make_blobs(fmt, H, inter, E, seed=3)
-    addr = np.array([[b.data_ptr() for b in blobs]] * 2, dtype=np.int64)
-    box = CpuMailbox([0, 1], addr, hidden=H, inter=inter, gu_bytes=0, payload=0, top_k=K, max_tokens=4, threads=2,
-                     device=torch.device("cpu"), layout=layout)
+    H, E, K = 64, 6, 2
+    box, layout, blobs, mats, _ = _quantized_mailbox(fmt, seed=3)
     try:
         assert box.self_test() is None
         g = torch.Generator().manual_seed(5)
@@ -343,13 +352,8 @@ def test_the_mailbox_worker_computes_a_quantized_experts_first_rows(fmt, cut):
     worker computes gate and up's first `cut` rows and down's first `cut` columns, values and scales where the
     layout puts them, even where the cut falls inside an FP8 block; with the rest added (the GPU's part) the two
     partial sums make the whole expert, against the dequantized weights within the backend's tolerance."""
-    from strata.runtime.offload.mailbox import CpuMailbox
-
-    H, inter, E, K = 64, 32, 6, 2
-    layout, blobs, _, dense = make_blobs(fmt, H, inter, E, seed=4)
-    addr = np.array([[b.data_ptr() for b in blobs]] * 2, dtype=np.int64)
-    box = CpuMailbox([0, 1], addr, hidden=H, inter=inter, gu_bytes=0, payload=0, top_k=K, max_tokens=4, threads=2,
-                     device=torch.device("cpu"), layout=layout)
+    H, inter, K = 64, 32, 2
+    box, _, blobs, _, dense = _quantized_mailbox(fmt, seed=4)
     try:
         g = torch.Generator().manual_seed(7)
         x = torch.randn(2, H, generator=g).to(torch.bfloat16).float()
