@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gpt_oss_models import build_gpt_oss, mxfp4_variant, oracle
-from test_gpu import PREFIX, assert_same_greedy_prefix, greedy_full_forward
+from test_gpu import NEAR_TIE, PREFIX, assert_same_greedy_prefix, greedy_full_forward
 
 from reference_models import VOCAB
 from strata import Engine
@@ -44,7 +44,10 @@ def check_bf16(tmp_path, length: int, long: bool, experts: str, mxfp4: bool = Fa
     hf_max, our_max = (hf16 - exact).abs().max().item(), (ours - exact).abs().max().item()
     assert our_max <= max(2 * hf_max, 0.1), f"strata bf16 max error {our_max:.3f} vs transformers bf16 {hf_max:.3f}"
     expected, gaps = greedy_full_forward(ref16, prompt, PREFIX)
-    assert_same_greedy_prefix(engine.generate(prompt, max_tokens=PREFIX).token_ids, expected, gaps)
+    # two bf16 engines may pick differently where the reference's margin is within their combined error (measured
+    # on the prompt against fp32): at 2,100 tokens that error reaches a few tenths of a logit
+    tie = max(NEAR_TIE, hf_max + our_max)
+    assert_same_greedy_prefix(engine.generate(prompt, max_tokens=PREFIX).token_ids, expected, gaps, tie)
     engine.close()
 
 
