@@ -69,6 +69,11 @@ class LookaheadPrefetcher:
             ids = torch.stack([self.predictors[j](hidden).reshape(-1) for j in ahead])  # [J, N*k], static
             capture.defer(lambda: self._replayed(ahead, ids))
             return
+        if hidden.is_cuda and torch.cuda.is_current_stream_capturing():
+            # a one-graph step ("full": every expert resident; "mailbox": every cold one read from pinned RAM) has
+            # nothing to fetch ahead, and an event recorded inside a capture cannot be queried after it (CUDA says
+            # "invalid argument"), nor may the graph copy ids into a host buffer freed after the capture
+            return
         if not self._precise_enough():
             return
         ids = torch.stack([self.predictors[j](hidden).reshape(-1) for j in ahead])  # [J, N*k]
