@@ -9,7 +9,8 @@ Loads `Engine.from_pretrained(DIR)` (no --model: the default demo model) with `p
 objects, which no stream completes within `--tokens`, so all N decode to the end). A batch's decode tok/s is its
 tokens after each stream's first, over the wall-clock time from the step that gave every stream its first token to
 the last token; the scheduler's own step times (steps with N decode tokens and no prompt) are reported beside it,
-and the grammar's own work a token (the mask of a logits row, the matcher's advance), timed apart from the model.
+and the grammar's own work a step (the mask of the streams' logits rows, their matchers' advance, each one call
+for all of them as the scheduler makes it), timed apart from the model.
 The cost is 1 - median(json_schema) / median(plain); the
 median of each round's own ratio is given too (a round's two batches run back to back, so a drift in the machine's
 load between rounds cancels out of it). On CUDA, plain batches run overlapped decode (the default),
@@ -78,24 +79,26 @@ def run_batch(engine, prompts: list[list[int]], tokens: int, response_format: di
             "first_stream": [e.token_id for e in events[0] if e.token_id is not None]}
 
 
-def grammar_host_us(engine, token_ids: list[int]) -> dict:
-    """A grammar's own work a token, apart from the model: `token_ids` (a json_schema stream's) replayed through a
-    fresh matcher, timing the mask of a logits row on the engine's device and the advance (median and p90, us)."""
+def grammar_host_us(engine, token_ids: list[int], streams: int) -> dict:
+    """A grammar's own work a step, apart from the model: `token_ids` (a json_schema stream's) replayed by `streams`
+    fresh matchers at once, timing the scheduler's calls: the mask of their logits rows on the engine's device (one
+    `GrammarBatch.mask` over [streams, V]) and their advance (one `GrammarBatch.advance`); median and p90, us a step."""
     import torch
 
-    from strata.runtime.generation.grammar import ResponseFormat
+    from strata.runtime.generation.grammar import GrammarBatch, ResponseFormat
 
-    matcher = engine.compile_grammar(ResponseFormat.parse(FORMAT)).matcher()
-    logits = torch.randn(1, engine.checkpoint.config.vocab_size, device=engine.device)
+    grammar = engine.compile_grammar(ResponseFormat.parse(FORMAT))
+    matchers, rows = [grammar.matcher() for _ in range(streams)], GrammarBatch()
+    logits = torch.randn(streams, engine.checkpoint.config.vocab_size, device=engine.device)
     sync = torch.cuda.synchronize if engine.device.type == "cuda" else (lambda: None)
     mask, advance = [], []
     for token in token_ids:
         sync()
         t0 = time.perf_counter()
-        matcher.mask(logits)
+        rows.mask(logits, matchers)
         sync()
         t1 = time.perf_counter()
-        assert matcher.advance(token)
+        assert all(rows.advance(matchers, [token] * streams))
         advance.append(time.perf_counter() - t1)
         mask.append(t1 - t0)
 
@@ -103,7 +106,7 @@ def grammar_host_us(engine, token_ids: list[int]) -> dict:
         xs = sorted(xs)
         return {"median_us": xs[len(xs) // 2] * 1e6, "p90_us": xs[int(len(xs) * 0.9)] * 1e6}
 
-    return {"tokens": len(token_ids), "mask": stats(mask), "advance": stats(advance)}
+    return {"tokens": len(token_ids), "streams": streams, "mask": stats(mask), "advance": stats(advance)}
 
 
 def _commit() -> str | None:
@@ -151,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.repeat):  # alternated (and which goes first too), so a drift in load reaches both alike
         for name in (["plain", "json_schema"] if i % 2 == 0 else ["json_schema", "plain"]):
             runs[name].append(run_batch(engine, prompts, args.tokens, FORMAT if name == "json_schema" else None))
-    host = grammar_host_us(engine, runs["json_schema"][0]["first_stream"])
+    host = grammar_host_us(engine, runs["json_schema"][0]["first_stream"], args.streams)
     for r in runs["plain"] + runs["json_schema"]:
         del r["first_stream"]
     load["end"] = os.getloadavg()
@@ -171,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         "median_decode_tok_s": median, "median_step_tok_s": median_steps,
         "cost": 1 - median["json_schema"] / median["plain"],
         "cost_steps": 1 - median_steps["json_schema"] / median_steps["plain"],
-        "cost_per_round": 1 - statistics.median(pairs), "round_ratios": pairs, "grammar_per_token": host,
+        "cost_per_round": 1 - statistics.median(pairs), "round_ratios": pairs, "grammar_per_step": host,
         "runs": runs,
     }
     engine.close()

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
 from strata.errors import RequestError
-from strata.runtime.generation.grammar import GrammarCompiler, ResponseFormat, ResponseFormatError
+from strata.runtime.generation.grammar import GrammarBatch, GrammarCompiler, ResponseFormat, ResponseFormatError
 from strata.runtime.generation.sampler import SamplingParams, make_generator, sample
 from strata.runtime.generation.scheduler import GenRequest
 
@@ -188,16 +189,16 @@ def test_the_mask_covers_the_models_padded_vocabulary_and_no_control_characters(
     tok = tiny_engine.tokenizer
     vocab = tok.vocab_size + 37
     grammar = GrammarCompiler(tok, vocab, tiny_engine.eos_token_ids).compile(ResponseFormat("json_object"))
-    matcher = grammar.matcher()
+    matcher, rows = grammar.matcher(), GrammarBatch()
     logits = torch.zeros(1, vocab)
-    masked = matcher.mask(logits)
+    masked = rows.mask(logits, [matcher])
     assert torch.equal(logits, torch.zeros(1, vocab))
     allowed = masked[0].isfinite().nonzero()[:, 0].tolist()
     assert allowed and all(tok.decode([t]).startswith("{") for t in allowed)
     assert max(allowed) < tok.vocab_size
     for t in tok.encode('{"a": "', add_special_tokens=False):
         assert matcher.advance(t)
-    allowed = matcher.mask(logits)[0].isfinite().nonzero()[:, 0].tolist()
+    allowed = rows.mask(logits, [matcher])[0].isfinite().nonzero()[:, 0].tolist()
     texts = {t: tok.decode([t]) for t in allowed}
     assert len(allowed) > 100 and max(allowed) < tok.vocab_size
     assert not any(ch < " " for text in texts.values() for ch in text)
@@ -205,21 +206,53 @@ def test_the_mask_covers_the_models_padded_vocabulary_and_no_control_characters(
     assert not matcher.done and not matcher.advance(tok.eos_token_ids.copy().pop())  # no end inside a string
 
 
-def test_sample_takes_the_best_token_the_grammar_allows():
-    """The argmax (and every sampled token) is the best among the allowed tokens, never a refused one."""
+def test_a_batch_of_rows_is_masked_and_advanced_as_each_row_alone(tiny_engine):
+    """`GrammarBatch`: rows with and without grammars in one mask (only the grammar rows change, each as its own
+    matcher alone would mask it), and several matchers advanced in one batched call end in the same states (same
+    next masks, same refusals, same completion) as matchers advanced one by one."""
+    tok = tiny_engine.tokenizer
+    compiler = GrammarCompiler(tok, tok.vocab_size, tiny_engine.eos_token_ids)
+    person, obj = compiler.compile(ResponseFormat.parse(PERSON_FORMAT)), compiler.compile(ResponseFormat("json_object"))
+    texts = ['{"name": "Ada", "age": 3', '{"a": 1', '{"name": "B']
+    batched = [person.matcher(), obj.matcher(), person.matcher()]
+    alone = [person.matcher(), obj.matcher(), person.matcher()]
+    rows = GrammarBatch()
+    logits = torch.randn(5, tok.vocab_size, generator=torch.Generator().manual_seed(0))
+    ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+    for step in range(max(map(len, ids)) + 1):
+        live = [j for j in range(3) if step < len(ids[j])]
+        order = [batched[0], None, batched[1], None, batched[2]]  # rows 1 and 3 free text
+        masked = rows.mask(logits, order)
+        assert torch.equal(masked[[1, 3]], logits[[1, 3]])
+        for row, j in ((0, 0), (2, 1), (4, 2)):
+            expected = logits[row : row + 1].masked_fill(~allowed_mask(alone[j], tok.vocab_size), float("-inf"))
+            assert torch.equal(masked[row : row + 1], expected), (step, j)
+        took = rows.advance([batched[j] for j in live], [ids[j][step] for j in live])
+        assert took == [alone[j].advance(ids[j][step]) for j in live] == [True] * len(live)
+        assert [m.done for m in batched] == [m.done for m in alone]
+    eos = tok.eos_token_ids.copy().pop()
+    refused = rows.advance([batched[0], batched[2]], [eos, eos])  # inside the JSON: no end yet
+    assert refused == [alone[0].advance(eos), alone[2].advance(eos)] == [False, False]
+    close = tok.encode("}", add_special_tokens=False)
+    assert rows.advance([batched[1], alone[1]], [close[0], close[0]]) == [True, True]
+    assert batched[1].done and alone[1].done
 
-    class OnlyEven:  # a grammar allowing the even ids, as GrammarMatcher.mask does it
-        def mask(self, logits):
-            out = logits.float().clone()
-            out[:, 1::2] = -float("inf")
-            return out
 
+def allowed_mask(matcher, vocab: int) -> torch.Tensor:
+    """bool [1, V]: the tokens `matcher` allows next, read off its bitmask bit by bit."""
+    words = matcher.bitmask.astype(np.int64) & 0xFFFFFFFF
+    return torch.tensor([[bool((words[t // 32] >> (t % 32)) & 1) for t in range(vocab)]])
+
+
+def test_sample_never_picks_a_masked_token():
+    """The argmax (and every sampled token) is the best among the tokens left finite, never a masked one."""
     logits = torch.tensor([[0.0, 9.0, 3.0, 8.0, 1.0]])
-    assert sample(logits, SamplingParams(), None, OnlyEven()).item() == 2
+    masked = logits.clone()
+    masked[:, 1::2] = -float("inf")  # a grammar allowing the even ids
+    assert sample(masked, SamplingParams(), None).item() == 2
     g = make_generator(0, "cpu")
-    draws = {sample(logits, SamplingParams(temperature=2.0), g, OnlyEven()).item() for _ in range(200)}
+    draws = {sample(masked, SamplingParams(temperature=2.0), g).item() for _ in range(200)}
     assert draws <= {0, 2, 4} and len(draws) == 3
-    assert logits[0, 1] == 9.0
 
 
 @pytest.mark.gpu

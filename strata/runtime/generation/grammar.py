@@ -16,8 +16,9 @@ properties the schema does not name (xgrammar's strict mode), false lets `additi
     fmt = ResponseFormat.parse({"type": "json_schema", "json_schema": {"name": "person", "schema": {...}}})
     grammar = compiler.compile(fmt)          # cached per schema
     matcher = grammar.matcher()              # one per sequence
-    row = matcher.mask(logits_row)           # [1, V]: tokens the grammar refuses at -inf
-    matcher.advance(token); matcher.done     # True once the JSON is complete
+    rows = GrammarBatch()                    # one per scheduler: a step's rows masked and advanced together
+    masked = rows.mask(logits, [matcher, None])   # [2, V]: row 0's refused tokens at -inf, row 1 as it was
+    rows.advance([matcher], [token]); matcher.done  # True once the JSON is complete
 """
 
 from __future__ import annotations
@@ -126,59 +127,115 @@ class Grammar:
 
 
 class GrammarMatcher:
-    """One sequence's place in its grammar, with the bitmask of the tokens it may take next."""
+    """One sequence's place in its grammar, with the bitmask of the tokens it may take next (`bitmask`)."""
 
     def __init__(self, grammar: Grammar):
         import xgrammar as xgr
 
         self.grammar = grammar
-        self._xgr = xgr
-        self._matcher = xgr.GrammarMatcher(grammar.compiled)
+        self.state = xgr.GrammarMatcher(grammar.compiled)  # xgrammar's matcher (what `GrammarBatch` hands it)
         self._bitmask = xgr.allocate_token_bitmask(1, grammar.vocab_size)  # int32 [1, ceil(V/32)] on the CPU
-        self._device_bitmask: torch.Tensor | None = None  # its copy on the logits' device (CUDA)
         self.done = False  # complete: nothing but a stop token may follow
-        self._fill()
+        self.refill()
 
-    def mask(self, logits: torch.Tensor) -> torch.Tensor:
-        """`logits` [1, V] with every token the grammar refuses next at -inf (a copy: the model's row is kept for
-        log-probabilities)."""
-        out = logits.float().clone()
-        vocab = self.grammar.vocab_size
-        if out.device.type == "cpu":
-            # the bits unpacked to bools [V] (token t: bit t % 32 of word t // 32, little-endian words): a median
-            # 0.11 ms a row of a 152K vocabulary where xgrammar's CPU kernel took 0.65 ms (2 cores of an AMD EPYC)
-            bits = np.unpackbits(self._bitmask.numpy().view(np.uint8), bitorder="little")[:vocab]
-            out[0, :vocab].masked_fill_(~torch.from_numpy(bits.view(np.bool_)), -math.inf)
-            return out
-        if self._device_bitmask is None:  # page-locked, so the copy is queued without waiting for the device
-            # made as normal tensors even inside the forward pass's inference mode: `advance` writes the host one
-            # in place outside it
-            with torch.inference_mode(False):
-                self._bitmask = self._bitmask.pin_memory()
-                self._device_bitmask = torch.empty_like(self._bitmask, device=out.device)
-        # the host bitmask is next written by `advance`, after the step's tokens were read back, so after this
-        self._device_bitmask.copy_(self._bitmask, non_blocking=True)
-        self._xgr.apply_token_bitmask_inplace(out, self._device_bitmask, vocab_size=vocab)
-        return out
+    @property
+    def bitmask(self) -> np.ndarray:
+        """int32 [ceil(V/32)]: bit t % 32 of word t // 32 set where token t may come next (a view, not a copy)."""
+        return self._bitmask.numpy()[0]
 
     def advance(self, token: int) -> bool:
-        """Take `token` (sampled under `mask`); False when the grammar refuses it (the sequence cannot go on)."""
-        if not self._matcher.accept_token(int(token)):
+        """Take `token` (sampled under its mask); False when the grammar refuses it (the sequence cannot go on)."""
+        if not self.state.accept_token(int(token)):
             return False
-        self._fill()
+        self.refill()
         return True
 
-    def _fill(self) -> None:
-        """The bitmask for the next token, and whether the grammar is done (only stop tokens may follow)."""
-        if self._matcher.is_terminated():  # a stop token was taken
+    def refill(self, words: np.ndarray | None = None) -> None:
+        """After a token was taken: the bitmask for the next one (xgrammar fills it, or `words` [ceil(V/32)] that
+        a batched fill made for this matcher), and whether the grammar is done (only stop tokens may follow)."""
+        if self.state.is_terminated():  # a stop token was taken
             self.done = True
             return
-        self._matcher.fill_next_token_bitmask(self._bitmask)
+        bits = self.bitmask
+        if words is None:
+            self.state.fill_next_token_bitmask(self._bitmask)
+        else:
+            bits[:] = words
         # xgrammar lets a JSON string hold raw control characters (U+0000-U+001F but CR and LF), which JSON
         # forbids (RFC 8259: they are escaped); no token that holds one is taken (no other place needs one: the
         # JSON has no free whitespace)
-        self._bitmask[0] &= self.grammar.plain
-        self.done = not bool((self._bitmask[0] & self.grammar.non_stop).any())
+        bits &= self.grammar.plain.numpy()
+        self.done = not (bits & self.grammar.non_stop.numpy()).any()
+
+
+class GrammarBatch:
+    """A step's rows with grammars, masked together (one host-to-device copy and one launch on a GPU) and advanced
+    together (xgrammar's batched, multi-threaded fill). One per scheduler: it keeps the page-locked staging buffer
+    the mask's copy reads, which the next step rewrites only after this step's tokens were read back (so after the
+    copy ran)."""
+
+    def __init__(self):
+        self._host: torch.Tensor | None = None  # int32 [rows, words] page-locked
+        self._device: torch.Tensor | None = None  # int32 [rows, words] on the logits' device
+        self._batch: Any = None  # xgrammar's BatchGrammarMatcher, made on the first batched advance
+
+    def mask(self, logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> torch.Tensor:
+        """logits [B, V] -> fp32 [B, V] where each row i whose `matchers[i]` is not None has every token that
+        matcher refuses next at -inf: a copy (the model's rows are kept for log-probabilities), or `logits.float()`
+        itself when no row has a grammar."""
+        rows = [i for i, m in enumerate(matchers) if m is not None]
+        if not rows:
+            return logits.float()
+        out = logits.to(torch.float32, copy=True)
+        vocab = matchers[rows[0]].grammar.vocab_size
+        if out.device.type == "cpu":
+            # the bits unpacked to bools [G, V] (token t: bit t % 32 of word t // 32, little-endian words): a median
+            # 0.11 ms a row of a 152K vocabulary where xgrammar's CPU kernel took 0.65 ms (2 cores of an AMD EPYC)
+            words = np.stack([matchers[i].bitmask for i in rows])
+            bits = np.unpackbits(words.view(np.uint8), axis=1, bitorder="little")[:, :vocab]
+            out[rows, :vocab] = out[rows, :vocab].masked_fill(~torch.from_numpy(bits.view(np.bool_)), -math.inf)
+            return out
+        import xgrammar as xgr
+
+        host, device = self._buffers(len(matchers), len(matchers[rows[0]].bitmask), out.device)
+        staged = host.numpy()
+        staged.fill(-1)  # every token allowed in the rows without a grammar
+        for i in rows:
+            staged[i] = matchers[i].bitmask
+        device.copy_(host, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(out, device, vocab_size=vocab)
+        return out
+
+    def advance(self, matchers: list[GrammarMatcher], tokens: list[int]) -> list[bool]:
+        """Each matcher takes its token (sampled under its mask) and has its next bitmask filled; False where its
+        grammar refused the token (that sequence cannot go on)."""
+        if len(matchers) < 2:
+            return [m.advance(t) for m, t in zip(matchers, tokens, strict=True)]
+        import xgrammar as xgr
+
+        took = xgr.BatchGrammarMatcher.batch_accept_token([m.state for m in matchers], [int(t) for t in tokens])
+        going = [m for m, ok in zip(matchers, took, strict=True) if ok and not m.state.is_terminated()]
+        for m, ok in zip(matchers, took, strict=True):
+            if ok and m.state.is_terminated():
+                m.refill()  # done
+        if going:
+            if self._batch is None:
+                self._batch = xgr.BatchGrammarMatcher()
+            words = torch.empty(len(going), len(going[0].bitmask), dtype=torch.int32)
+            self._batch.batch_fill_next_token_bitmask([m.state for m in going], words)
+            for m, row in zip(going, words.numpy(), strict=True):
+                m.refill(row)
+        return list(took)
+
+    def _buffers(self, rows: int, words: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The staging buffer [rows, words] (page-locked) and its device copy, grown when a step needs more."""
+        if self._host is None or self._host.shape[0] < rows or self._host.shape[1] != words \
+                or self._device.device != device:
+            # made as normal tensors even inside the forward pass's inference mode (they outlive it)
+            with torch.inference_mode(False):
+                self._host = torch.empty(rows, words, dtype=torch.int32).pin_memory()
+                self._device = torch.empty(rows, words, dtype=torch.int32, device=device)
+        return self._host[:rows], self._device[:rows]
 
 
 class GrammarCompiler:

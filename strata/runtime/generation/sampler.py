@@ -1,5 +1,5 @@
-"""Sampling parameters and next-token selection (greedy, temperature, top-k, top-p), under a response format's
-grammar when the request has one (strata.runtime.generation.grammar)."""
+"""Sampling parameters and next-token selection (greedy, temperature, top-k, top-p); a response format's grammar
+masks the logits first (strata.runtime.generation.grammar.GrammarBatch)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from strata.errors import RequestError
-from strata.runtime.generation.grammar import GrammarMatcher, ResponseFormat
+from strata.runtime.generation.grammar import ResponseFormat
 
 MAX_STOP_STRINGS = 16
 
@@ -87,12 +87,10 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return g
 
 
-def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None,
-           grammar: GrammarMatcher | None = None) -> torch.Tensor:
-    """Pick one token per row of logits [B, V]; returns int64 ids [B]. Same seed + same logits => same ids.
-    `grammar` (one sequence's matcher, B = 1): only tokens it allows next can be picked; the caller advances it
-    with the token."""
-    logits = logits.float() if grammar is None else grammar.mask(logits)
+def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
+    """Pick one token per row of logits [B, V]; returns int64 ids [B]. Same seed + same logits => same ids. A token
+    at -inf (one a grammar refuses: `GrammarBatch.mask`) is never picked."""
+    logits = logits.float()
     if params.temperature == 0.0:
         return logits.argmax(dim=-1)
     logits = logits / params.temperature
