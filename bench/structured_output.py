@@ -9,8 +9,8 @@ Loads `Engine.from_pretrained(DIR)` (no --model: the default demo model) with `p
 objects, which no stream completes within `--tokens`, so all N decode to the end). A batch's decode tok/s is its
 tokens after each stream's first, over the wall-clock time from the step that gave every stream its first token to
 the last token; the scheduler's own step times (steps with N decode tokens and no prompt) are reported beside it,
-and the grammar's own work a step (the mask of the streams' logits rows, their matchers' advance, each one call
-for all of them as the scheduler makes it), timed apart from the model.
+and the grammar's own work a step (the mask of the streams' logits rows, one call for all of them as the scheduler
+makes it, and their matchers' advance), timed apart from the model.
 The cost is 1 - median(json_schema) / median(plain); the
 median of each round's own ratio is given too (a round's two batches run back to back, so a drift in the machine's
 load between rounds cancels out of it). On CUDA, plain batches run overlapped decode (the default),
@@ -82,7 +82,7 @@ def run_batch(engine, prompts: list[list[int]], tokens: int, response_format: di
 def grammar_host_us(engine, token_ids: list[int], streams: int) -> dict:
     """A grammar's own work a step, apart from the model: `token_ids` (a json_schema stream's) replayed by `streams`
     fresh matchers at once, timing the scheduler's calls: the mask of their logits rows on the engine's device (one
-    `GrammarBatch.mask` over [streams, V]) and their advance (one `GrammarBatch.advance`); median and p90, us a step."""
+    `GrammarBatch.mask` over [streams, V]) and each matcher's advance; median and p90, us a step."""
     import torch
 
     from strata.runtime.generation.grammar import GrammarBatch, ResponseFormat
@@ -98,7 +98,7 @@ def grammar_host_us(engine, token_ids: list[int], streams: int) -> dict:
         rows.mask(logits, matchers)
         sync()
         t1 = time.perf_counter()
-        assert all(rows.advance(matchers, [token] * streams))
+        assert all(m.advance(token) for m in matchers)
         advance.append(time.perf_counter() - t1)
         mask.append(t1 - t0)
 

@@ -206,36 +206,28 @@ def test_the_mask_covers_the_models_padded_vocabulary_and_no_control_characters(
     assert not matcher.done and not matcher.advance(tok.eos_token_ids.copy().pop())  # no end inside a string
 
 
-def test_a_batch_of_rows_is_masked_and_advanced_as_each_row_alone(tiny_engine):
-    """`GrammarBatch`: rows with and without grammars in one mask (only the grammar rows change, each as its own
-    matcher alone would mask it), and several matchers advanced in one batched call end in the same states (same
-    next masks, same refusals, same completion) as matchers advanced one by one."""
+def test_a_batch_of_rows_is_masked_as_each_row_alone(tiny_engine):
+    """`GrammarBatch.mask`: rows with and without grammars in one call, at every step of three JSON texts: only the
+    grammar rows change, each exactly as its own matcher's bitmask says (read bit by bit), the caller's logits
+    untouched; a step without grammar rows returns the logits as they are."""
     tok = tiny_engine.tokenizer
     compiler = GrammarCompiler(tok, tok.vocab_size, tiny_engine.eos_token_ids)
     person, obj = compiler.compile(ResponseFormat.parse(PERSON_FORMAT)), compiler.compile(ResponseFormat("json_object"))
-    texts = ['{"name": "Ada", "age": 3', '{"a": 1', '{"name": "B']
-    batched = [person.matcher(), obj.matcher(), person.matcher()]
-    alone = [person.matcher(), obj.matcher(), person.matcher()]
+    ids = [tok.encode(t, add_special_tokens=False) for t in ('{"name": "Ada", "age": 3', '{"a": 1', '{"name": "B')]
+    matchers = [person.matcher(), obj.matcher(), person.matcher()]
     rows = GrammarBatch()
     logits = torch.randn(5, tok.vocab_size, generator=torch.Generator().manual_seed(0))
-    ids = [tok.encode(t, add_special_tokens=False) for t in texts]
+    before = logits.clone()
     for step in range(max(map(len, ids)) + 1):
-        live = [j for j in range(3) if step < len(ids[j])]
-        order = [batched[0], None, batched[1], None, batched[2]]  # rows 1 and 3 free text
-        masked = rows.mask(logits, order)
-        assert torch.equal(masked[[1, 3]], logits[[1, 3]])
-        for row, j in ((0, 0), (2, 1), (4, 2)):
-            expected = logits[row : row + 1].masked_fill(~allowed_mask(alone[j], tok.vocab_size), float("-inf"))
-            assert torch.equal(masked[row : row + 1], expected), (step, j)
-        took = rows.advance([batched[j] for j in live], [ids[j][step] for j in live])
-        assert took == [alone[j].advance(ids[j][step]) for j in live] == [True] * len(live)
-        assert [m.done for m in batched] == [m.done for m in alone]
-    eos = tok.eos_token_ids.copy().pop()
-    refused = rows.advance([batched[0], batched[2]], [eos, eos])  # inside the JSON: no end yet
-    assert refused == [alone[0].advance(eos), alone[2].advance(eos)] == [False, False]
-    close = tok.encode("}", add_special_tokens=False)
-    assert rows.advance([batched[1], alone[1]], [close[0], close[0]]) == [True, True]
-    assert batched[1].done and alone[1].done
+        masked = rows.mask(logits, [matchers[0], None, matchers[1], None, matchers[2]])  # rows 1 and 3 free text
+        assert torch.equal(masked[[1, 3]], logits[[1, 3]]) and torch.equal(logits, before)
+        for row, m in ((0, matchers[0]), (2, matchers[1]), (4, matchers[2])):
+            expected = logits[row : row + 1].masked_fill(~allowed_mask(m, tok.vocab_size), float("-inf"))
+            assert torch.equal(masked[row : row + 1], expected), (step, row)
+        for m, seq in zip(matchers, ids, strict=True):
+            if step < len(seq):
+                assert m.advance(seq[step])
+    assert rows.mask(logits, [None] * 5) is logits
 
 
 def allowed_mask(matcher, vocab: int) -> torch.Tensor:

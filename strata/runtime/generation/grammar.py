@@ -16,9 +16,9 @@ properties the schema does not name (xgrammar's strict mode), false lets `additi
     fmt = ResponseFormat.parse({"type": "json_schema", "json_schema": {"name": "person", "schema": {...}}})
     grammar = compiler.compile(fmt)          # cached per schema
     matcher = grammar.matcher()              # one per sequence
-    rows = GrammarBatch()                    # one per scheduler: a step's rows masked and advanced together
+    rows = GrammarBatch()                    # one per scheduler: a step's rows masked together
     masked = rows.mask(logits, [matcher, None])   # [2, V]: row 0's refused tokens at -inf, row 1 as it was
-    rows.advance([matcher], [token]); matcher.done  # True once the JSON is complete
+    matcher.advance(token); matcher.done     # True once the JSON is complete
 """
 
 from __future__ import annotations
@@ -133,10 +133,10 @@ class GrammarMatcher:
         import xgrammar as xgr
 
         self.grammar = grammar
-        self.state = xgr.GrammarMatcher(grammar.compiled)  # xgrammar's matcher (what `GrammarBatch` hands it)
+        self._matcher = xgr.GrammarMatcher(grammar.compiled)
         self._bitmask = xgr.allocate_token_bitmask(1, grammar.vocab_size)  # int32 [1, ceil(V/32)] on the CPU
         self.done = False  # complete: nothing but a stop token may follow
-        self.refill()
+        self._fill()
 
     @property
     def bitmask(self) -> np.ndarray:
@@ -145,22 +145,18 @@ class GrammarMatcher:
 
     def advance(self, token: int) -> bool:
         """Take `token` (sampled under its mask); False when the grammar refuses it (the sequence cannot go on)."""
-        if not self.state.accept_token(int(token)):
+        if not self._matcher.accept_token(int(token)):
             return False
-        self.refill()
+        self._fill()
         return True
 
-    def refill(self, words: np.ndarray | None = None) -> None:
-        """After a token was taken: the bitmask for the next one (xgrammar fills it, or `words` [ceil(V/32)] that
-        a batched fill made for this matcher), and whether the grammar is done (only stop tokens may follow)."""
-        if self.state.is_terminated():  # a stop token was taken
+    def _fill(self) -> None:
+        """The bitmask for the next token, and whether the grammar is done (only stop tokens may follow)."""
+        if self._matcher.is_terminated():  # a stop token was taken
             self.done = True
             return
+        self._matcher.fill_next_token_bitmask(self._bitmask)
         bits = self.bitmask
-        if words is None:
-            self.state.fill_next_token_bitmask(self._bitmask)
-        else:
-            bits[:] = words
         # xgrammar lets a JSON string hold raw control characters (U+0000-U+001F but CR and LF), which JSON
         # forbids (RFC 8259: they are escaped); no token that holds one is taken (no other place needs one: the
         # JSON has no free whitespace)
@@ -169,15 +165,16 @@ class GrammarMatcher:
 
 
 class GrammarBatch:
-    """A step's rows with grammars, masked together (one host-to-device copy and one launch on a GPU) and advanced
-    together (xgrammar's batched, multi-threaded fill). One per scheduler: it keeps the page-locked staging buffer
-    the mask's copy reads, which the next step rewrites only after this step's tokens were read back (so after the
-    copy ran)."""
+    """A step's rows with grammars, masked together: one host-to-device copy and one launch on a GPU, where a row at
+    a time took 0.11 ms a row (an H100 host, 8 streams: 0.37 ms the step against 0.89). One per scheduler: it keeps
+    the page-locked staging buffer the mask's copy reads, which the next step rewrites only after this step's tokens
+    were read back (so after the copy ran). The matchers advance one by one (`GrammarMatcher.advance`): xgrammar's
+    batched, multi-threaded fill took 1.26 ms for 8 streams of a 4K vocabulary on that host, against 0.38 ms in
+    turn."""
 
     def __init__(self):
         self._host: torch.Tensor | None = None  # int32 [rows, words] page-locked
         self._device: torch.Tensor | None = None  # int32 [rows, words] on the logits' device
-        self._batch: Any = None  # xgrammar's BatchGrammarMatcher, made on the first batched advance
 
     def mask(self, logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> torch.Tensor:
         """logits [B, V] -> fp32 [B, V] where each row i whose `matchers[i]` is not None has every token that
@@ -205,27 +202,6 @@ class GrammarBatch:
         device.copy_(host, non_blocking=True)
         xgr.apply_token_bitmask_inplace(out, device, vocab_size=vocab)
         return out
-
-    def advance(self, matchers: list[GrammarMatcher], tokens: list[int]) -> list[bool]:
-        """Each matcher takes its token (sampled under its mask) and has its next bitmask filled; False where its
-        grammar refused the token (that sequence cannot go on)."""
-        if len(matchers) < 2:
-            return [m.advance(t) for m, t in zip(matchers, tokens, strict=True)]
-        import xgrammar as xgr
-
-        took = xgr.BatchGrammarMatcher.batch_accept_token([m.state for m in matchers], [int(t) for t in tokens])
-        going = [m for m, ok in zip(matchers, took, strict=True) if ok and not m.state.is_terminated()]
-        for m, ok in zip(matchers, took, strict=True):
-            if ok and m.state.is_terminated():
-                m.refill()  # done
-        if going:
-            if self._batch is None:
-                self._batch = xgr.BatchGrammarMatcher()
-            words = torch.empty(len(going), len(going[0].bitmask), dtype=torch.int32)
-            self._batch.batch_fill_next_token_bitmask([m.state for m in going], words)
-            for m, row in zip(going, words.numpy(), strict=True):
-                m.refill(row)
-        return list(took)
 
     def _buffers(self, rows: int, words: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The staging buffer [rows, words] (page-locked) and its device copy, grown when a step needs more."""

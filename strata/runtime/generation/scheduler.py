@@ -88,7 +88,7 @@ class Scheduler:
         self._card = engine.device if engine.device.type != "cuda" or engine.device.index is not None else \
             torch.device("cuda", torch.cuda.current_device())
         self._chain = DecodeChain()  # the decode step in flight (overlapped decode)
-        self._grammars = GrammarBatch()  # a step's rows with response formats, masked and advanced together
+        self._grammars = GrammarBatch()  # a step's rows with response formats, masked together
         self.cache: KVCache | None = None
         self._settings: tuple = (0, None, None, None, None)  # what `configure` takes, in its order
         rt = engine.config.runtime
@@ -380,7 +380,6 @@ class Scheduler:
         n_decode = sum(1 for s, _, _ in plan if s.next_input is not None)
         self.engine.counters.ran(len(ids) - n_decode, n_decode, time.perf_counter() - t0)
         self.prefix.count_computed(len(ids) - n_decode)
-        took = self._advance_grammars(plan, tokens)
         for i, (seq, inp, start) in enumerate(plan):
             seq.written = seq.ring_at = start + len(inp)
             if seq.next_input is None:  # a prompt chunk
@@ -389,13 +388,7 @@ class Scheduler:
                 if seq.req.score and seq.prefilled == len(seq.req.prompt_ids):
                     self._finish(seq, "stop")
             if i in tokens:
-                self._accept(seq, tokens[i], logits[i : i + 1], took.get(i))
-
-    def _advance_grammars(self, plan, tokens: dict[int, int]) -> dict[int, bool]:
-        """Row -> whether its grammar took its token, for the rows with grammars (all advanced in one call)."""
-        rows = [i for i in tokens if plan[i][0].grammar is not None]
-        took = self._grammars.advance([plan[i][0].grammar for i in rows], [tokens[i] for i in rows]) if rows else []
-        return dict(zip(rows, took, strict=True))
+                self._accept(seq, tokens[i], logits[i : i + 1])
 
     def _land(self, p: InFlight) -> None:
         """Read the overlapped step `p`'s tokens and emit those of the sequences still running."""
@@ -406,10 +399,9 @@ class Scheduler:
         self._record_step(dt, len(live), 0, 1, 0)
 
     # ---- emitting ---------------------------------------------------------------------------------
-    def _accept(self, seq: Sequence, token: int, logits: torch.Tensor | None, took: bool | None = None) -> None:
-        """Emit `token`, sampled for `seq` (`took`: whether its grammar took it, where it has one); a token that
-        ends the sequence frees its slot first."""
-        ev = seq.accept(token, logits, self.engine.max_context, took)
+    def _accept(self, seq: Sequence, token: int, logits: torch.Tensor | None) -> None:
+        """Emit `token`, sampled for `seq`; a token that ends the sequence frees its slot first."""
+        ev = seq.accept(token, logits, self.engine.max_context)
         if ev.token_id is not None:
             self.engine.counters.emitted()
         if ev.finish_reason is not None:

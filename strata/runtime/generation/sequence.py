@@ -74,16 +74,12 @@ class Sequence:
         done = len(self.tokens) + ahead
         return done <= self.req.params.max_tokens and len(self.req.prompt_ids) + done <= max_context
 
-    def accept(self, token: int, logits: torch.Tensor | None, max_context: int,
-               grammar_took: bool | None = None) -> TokenEvent:
+    def accept(self, token: int, logits: torch.Tensor | None, max_context: int) -> TokenEvent:
         """The event for `token`, sampled for this sequence (logits [1, V]: needed when the request asks for
-        logprobs); its `finish_reason` is set when the token ends the sequence (an EOS is not emitted). With a
-        grammar, `grammar_took` says whether it took the token (`GrammarBatch.advance`; None: advanced here)."""
+        logprobs); its `finish_reason` is set when the token ends the sequence (an EOS is not emitted)."""
         r = self.req
         first = not self.tokens and self.next_input is None
-        if self.grammar is not None and grammar_took is None:
-            grammar_took = self.grammar.advance(token)
-        if self.grammar is not None and not grammar_took:  # sampled under its mask: never
+        if self.grammar is not None and not self.grammar.advance(token):  # sampled under its mask: never
             return self.finish("abort", first, StrataError(f"the response format's grammar refused token {token}"))
         if token in self.eos:
             return self.finish("stop", first=first)
