@@ -13,8 +13,9 @@ and the grammar's own work a step (the mask of the streams' logits rows, one cal
 makes it, and their matchers' advance), timed apart from the model.
 The cost is 1 - median(json_schema) / median(plain); the
 median of each round's own ratio is given too (a round's two batches run back to back, so a drift in the machine's
-load between rounds cancels out of it). On CUDA, plain batches run overlapped decode (the default),
-which a stream with a grammar cannot (its next mask needs its last token on the host): that is part of the cost.
+load between rounds cancels out of it). On CUDA both batches run overlapped decode (the default); a row with a
+grammar is sampled only once the host has its last token and has advanced the grammar, while the GPU runs the
+next step's forward pass.
 Writes structured_output.json under --out.
 """
 

@@ -250,8 +250,8 @@ def test_sample_never_picks_a_masked_token():
 @pytest.mark.gpu
 def test_structured_output_on_cuda_beside_overlapped_decode(tiny_model_dir):
     """On CUDA (the mask applied on the device, overlapped decode on by default): structured requests parse and
-    validate, alone and batched with free-text ones (which run overlapped steps, the structured ones never: their
-    next mask needs their last token)."""
+    validate, alone and batched with free-text ones, every row in overlapped steps (a grammar's row sampled once
+    the host has advanced the grammar with its last token)."""
     from strata import Engine
 
     with Engine.from_pretrained(tiny_model_dir, device="cuda") as engine:

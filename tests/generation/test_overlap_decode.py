@@ -4,6 +4,8 @@ must equal the step-by-step loop's, and the overlap must really happen (one step
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -114,6 +116,41 @@ def test_overlapped_scheduler_equals_step_by_step_engine(engines):
     stats = sched.stats()
     assert stats["kv_slots_free"] == 3 and stats["running"] == 0
     assert stats["overlap_decode"] and stats["chained_steps"] == sched.chained_steps
+
+
+SMALL_JSON = {"type": "json_schema", "json_schema": {"name": "item", "strict": True, "schema": {
+    "type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                     "count": {"type": "integer", "minimum": 0, "maximum": 999}},
+    "required": ["name", "count"]}}}
+
+
+@pytest.mark.parametrize("with_free", [False, True], ids=["grammars-only", "beside-free-text"])
+def test_rows_with_grammars_chain_and_equal_step_by_step(engines, with_free):
+    """Structured requests decode in chained steps too (a row with a grammar is sampled once the host has read the
+    token before and advanced the grammar), alone and batched with free-text ones: each request gets the
+    step-by-step engine's solo tokens and text, and its JSON parses."""
+    on, off = engines
+    texts = ["Describe an item as JSON:", "Another one:", "The river runs"]
+    params = [SamplingParams(max_tokens=60, response_format=SMALL_JSON),
+              SamplingParams(max_tokens=60, temperature=1.0, seed=7, response_format=SMALL_JSON),
+              SamplingParams(max_tokens=12, temperature=0.8, seed=2)][: 3 if with_free else 2]
+    ps = [on.tokenizer.encode(t) for t in texts[: len(params)]]
+    sched = on.scheduler(max_batch=3, token_budget=64, max_queue=8)
+    sched.start()
+    try:
+        results = [list(h.iter_events(timeout=120)) for h in
+                   [sched.submit(GenRequest(p, sp)) for p, sp in zip(ps, params, strict=True)]]
+    finally:
+        sched.stop()
+    for p, sp, events in zip(ps, params, results, strict=True):
+        want = off.generate(p, max_tokens=sp.max_tokens, temperature=sp.temperature, seed=sp.seed,
+                            response_format=sp.response_format)
+        assert [e.token_id for e in events if e.token_id is not None] == want.token_ids
+        assert "".join(e.text for e in events) == want.text and events[-1].finish_reason == want.finish_reason
+    for events in results[:2]:
+        value = json.loads("".join(e.text for e in events))
+        assert set(value) == {"name", "count"} and events[-1].finish_reason == "stop"
+    assert sched.chained_steps > 0
 
 
 def test_cancel_while_a_step_is_in_flight(engines):

@@ -1,5 +1,6 @@
 """The scheduler's overlapped decode ([debug] overlap_decode): decode-only steps queued on the device before the
-host has read the tokens they are fed, and the rules for chaining one behind another.
+host has read the tokens they are fed, and the rules for chaining one behind another (rows with grammars too: theirs
+are sampled once the host has advanced the grammars, `DecodeChain.finish`).
 
 A step of decode tokens only is queued with its sampling (strata.runtime.generation.overlap.queue_decode); while
 the running set stays the same and nobody waits for a free slot, the next step is queued behind it, fed its
@@ -14,7 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.runtime.generation.overlap import QueuedStep, queue_decode
+from strata.runtime.generation.grammar import GrammarBatch
+from strata.runtime.generation.overlap import QueuedStep, queue_decode, sample_waiting
 from strata.runtime.generation.sequence import Sequence
 from strata.runtime.model.kv_cache import KVCache
 
@@ -40,9 +42,10 @@ class DecodeChain:
     @staticmethod
     def overlaps(seq: Sequence, ahead: int, max_context: int) -> bool:
         """Whether `seq` may decode in a step whose tokens are read later: not reproducible, no logprobs (those
-        need the logits on the host), no grammar (its mask needs the last token), and still sampling `ahead` tokens from now before its limits."""
+        need the logits on the host), and still sampling `ahead` tokens from now before its limits. (A grammar's
+        row is sampled once its last token was read: `finish`.)"""
         r = seq.req
-        return not r.reproducible and r.logprobs is None and seq.grammar is None and seq.may_sample(ahead, max_context)
+        return not r.reproducible and r.logprobs is None and seq.may_sample(ahead, max_context)
 
     def chains(self, p: InFlight, running: list[Sequence], admitting: bool, max_context: int) -> bool:
         """Whether the next step may be queued behind `p` before its tokens are read: the `running` set is still
@@ -57,8 +60,17 @@ class DecodeChain:
     def launch(model, cache: KVCache, seqs: list[Sequence], starts: list[int], ids: torch.Tensor) -> InFlight:
         """Queue a decode step of `seqs` fed `ids` [B] on the device, the sampling of its tokens, and start reading
         them back; returns without waiting for the device."""
-        step = queue_decode(model, cache, [s.slot for s in seqs], starts, ids, [(s.req.params, s.generator) for s in seqs])
+        waiting = [i for i, s in enumerate(seqs) if s.grammar is not None]
+        step = queue_decode(model, cache, [s.slot for s in seqs], starts, ids, [(s.req.params, s.generator) for s in seqs],
+                            waiting)
         return InFlight(seqs, starts, step)
+
+    @staticmethod
+    def finish(p: InFlight, masks: GrammarBatch) -> None:
+        """Queue the sampling of `p`'s rows with grammars, each grammar having taken the token its row was fed
+        (read back when the step before `p` landed), and start reading `p`'s tokens back. Before a step is
+        chained behind `p` (fed its tokens) or `p` lands."""
+        sample_waiting(p.step, masks, [s.grammar for s in p.seqs])
 
     def land(self, p: InFlight, running: list[Sequence]) -> tuple[list[tuple[Sequence, int]], float]:
         """Read `p`'s tokens (waiting for the device): (sequence, token) of those still `running` (the others

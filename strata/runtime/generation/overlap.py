@@ -6,7 +6,10 @@ VRAM, about 1 ms in one-graph split decode (`bench/step_timeline.py` on the H200
 `[debug] overlap_decode`, step t's token is sampled on the device and fed to step t+1 as a device
 tensor; step t+1 is launched first, and the host reads step t's token while the GPU runs step t+1.
 A token that ends its sequence (EOS, a stop string) costs one wasted step, never a wrong token: the
-same logits are sampled in the same order with the same generators either way. A wasted step writes its
+same logits are sampled in the same order with the same generators either way. A row with a grammar is
+sampled later than the others: its mask needs step t-1's token on the host, so step t's forward pass is queued
+first, then the host reads step t-1's tokens and advances the grammars while the GPU runs it, then queues the
+grammar rows' masks and sampling, and step t+1 behind them. A wasted step writes its
 sequence's KV (and Engram history) one position past its end, which nothing reads: a slot's next sequence
 writes every position before it attends to it.
 """
@@ -14,10 +17,11 @@ writes every position before it attends to it.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from strata.runtime.generation.grammar import GrammarBatch, GrammarMatcher
 from strata.runtime.generation.sampler import SamplingParams, sample
 from strata.runtime.model.kv_cache import KVCache, StepBatch
 
@@ -53,22 +57,49 @@ def overlap_on(setting: bool | str, device: torch.device, cards: int = 1) -> boo
 
 @dataclass
 class QueuedStep:
-    """A decode step queued on the device, with its tokens' sampling, that the host has not read back yet."""
+    """A decode step queued on the device, with its tokens' sampling, that the host has not read back yet. Rows
+    with a grammar wait for its mask, which needs the token the step before this one sampled: they are sampled by
+    `sample_waiting` once the host has that token, and the read-back starts then (`read` is None until it has)."""
 
     tokens: torch.Tensor  # [B] int64 sampled, on the device: the input of a step queued behind this one
-    read: TokenReadback
+    read: TokenReadback | None
     queued: float  # perf_counter() when it was queued
+    logits: torch.Tensor | None = None  # [B, V] fp32, kept while rows wait for their grammars' masks
+    waiting: list[int] = field(default_factory=list)  # those rows
+    samplers: list[tuple[SamplingParams, torch.Generator]] = field(default_factory=list)
 
 
 def queue_decode(model, cache: KVCache, slots: list[int], starts: list[int], ids: torch.Tensor,
-                 samplers: list[tuple[SamplingParams, torch.Generator]]) -> QueuedStep:
+                 samplers: list[tuple[SamplingParams, torch.Generator]], waiting: list[int] = ()) -> QueuedStep:
     """Queue one decode step of B sequences (KV `slots`, input ids [B] on the device fed at `starts`), each
-    row's sampling with its own (params, generator), and the tokens' read-back; returns without waiting."""
+    row's sampling with its own (params, generator) but the `waiting` rows' (those with grammars:
+    `sample_waiting`), and the tokens' read-back once no row waits; returns without waiting for the device."""
     with torch.inference_mode():
         logits = model.logits(model(ids, StepBatch(slots, starts, [1] * len(slots)), cache))  # [B, V] fp32
-        rows = [sample(logits[i : i + 1], params, gen) for i, (params, gen) in enumerate(samplers)]
-        out = rows[0] if len(rows) == 1 else torch.cat(rows)  # one stream: no copy kernel a step
-    step = QueuedStep(out, TokenReadback(out), time.perf_counter())
+        if waiting:
+            out = torch.zeros(len(slots), dtype=torch.long, device=logits.device)
+            for i, (params, gen) in enumerate(samplers):
+                if i not in waiting:
+                    out[i : i + 1] = sample(logits[i : i + 1], params, gen)
+        else:
+            rows = [sample(logits[i : i + 1], params, gen) for i, (params, gen) in enumerate(samplers)]
+            out = rows[0] if len(rows) == 1 else torch.cat(rows)  # one stream: no copy kernel a step
+    if waiting:
+        step = QueuedStep(out, None, time.perf_counter(), logits, list(waiting), samplers)
+    else:
+        step = QueuedStep(out, TokenReadback(out), time.perf_counter())
     if (graphs := model.graphs) is not None:
         graphs.step_queued()  # all of the step is queued: what waits for that runs while the GPU works
     return step
+
+
+def sample_waiting(step: QueuedStep, masks: GrammarBatch, matchers: list[GrammarMatcher | None]) -> None:
+    """Sample `step`'s waiting rows under their grammars' masks (`matchers[i]` row i's, each advanced to the token
+    the row was fed), into its tokens, and start the read-back; nothing to do for a step whose rows all sampled."""
+    if step.read is not None:
+        return
+    with torch.inference_mode():
+        masked = masks.mask(step.logits, [m if i in step.waiting else None for i, m in enumerate(matchers)])
+        for i in step.waiting:
+            step.tokens[i : i + 1] = sample(masked[i : i + 1], *step.samplers[i])
+    step.read, step.logits = TokenReadback(step.tokens), None

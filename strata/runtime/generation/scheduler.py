@@ -313,6 +313,7 @@ class Scheduler:
         t0, chain, ctx = time.perf_counter(), self._chain, self.engine.max_context
         if chain.pending is not None:
             p, chain.pending = chain.pending, None
+            chain.finish(p, self._grammars)
             if chain.chains(p, self._running, bool(self._waiting and self.prefix.free), ctx):
                 # the next step goes first, fed p's tokens on the device; p's are read meanwhile
                 chain.pending = chain.launch(self.engine.model, self.cache, p.seqs, [st + 1 for st in p.starts],
