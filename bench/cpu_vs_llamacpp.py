@@ -115,7 +115,7 @@ def ensure_models(cache: Path, layers: int, routing: str, skew: float, keep_chec
     the GGUF's routed experts in that type, and the store converted from the GGUF."""
     from bench.suite.models import demo_model_path, ensure_model
     from strata.config import load_config
-    from strata.runtime.plan.store_cache import ensure_store, gguf_store
+    from strata.runtime.plan.checkpoints.store_cache import ensure_store, gguf_store
     from strata.tiers.store.gguf_export import write_gguf
 
     models = cache / "models"

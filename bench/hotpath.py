@@ -226,7 +226,7 @@ def main() -> None:
     args = ap.parse_args()
     from strata.kernels.cpu import experts as ce
     from strata.kernels.gpu import decode_gemv, decode_router, fused
-    from strata.runtime.plan.inspect import summarize_checkpoint
+    from strata.runtime.plan.checkpoints.inspect import summarize_checkpoint
 
     s = summarize_checkpoint(args.model)
     budget = int(s.bytes_by_role["experts"] * args.gpu_fraction)

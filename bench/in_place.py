@@ -88,7 +88,7 @@ def _prepare(model: str, pinned_bytes: int) -> dict:
     """Build the packed store and the in-place index, verify the in-place parts fully; the sizes involved."""
     from strata import Engine
     from strata.config import load_config
-    from strata.runtime.plan.in_place import open_in_place
+    from strata.runtime.plan.checkpoints.in_place import open_in_place
 
     for mode in ("packed", "in_place"):
         Engine.from_pretrained(model, config=_config(mode, pinned_bytes), device="cpu").close()
@@ -105,8 +105,8 @@ def read_rounds(model: str, cache: str, rounds: int) -> dict:
     import random
 
     from strata.config import load_config
-    from strata.runtime.plan.in_place import open_in_place
-    from strata.runtime.plan.store_cache import store_root
+    from strata.runtime.plan.checkpoints.in_place import open_in_place
+    from strata.runtime.plan.checkpoints.store_cache import store_root
     from strata.tiers.storage.diskio import DiskReader, aligned_empty
     from strata.tiers.store.format import is_store
     from strata.tiers.store.store import ExpertStore

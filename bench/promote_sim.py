@@ -56,7 +56,7 @@ def key_store(tmp: Path, layers: int, experts: int, top_k: int, first_moe: int =
     shape with those counts (the tier policy sees keys and counts, not weights)."""
     from strata.runtime.demo import model as demo_model
     from strata.runtime.demo.configs import BASE_CONFIGS
-    from strata.runtime.plan.convert import convert_checkpoint
+    from strata.runtime.plan.checkpoints.convert import convert_checkpoint
 
     cfg = BASE_CONFIGS["tiny"]
     BASE_CONFIGS["tiny"] = {**cfg, "num_hidden_layers": layers, "first_k_dense_replace": first_moe,
@@ -145,7 +145,7 @@ def main() -> None:
                     "the bench model's on the GPU box) instead of recording the small model's here")
     args = ap.parse_args()
     from strata.runtime.demo.model import write_demo_model
-    from strata.runtime.plan.convert import convert_checkpoint
+    from strata.runtime.plan.checkpoints.convert import convert_checkpoint
 
     with tempfile.TemporaryDirectory() as tmp:
         if args.trace:

@@ -41,7 +41,7 @@ def main() -> None:
 
     from strata import Engine
     from strata.runtime.demo.model import expected_bytes, write_demo_model
-    from strata.runtime.plan.inspect import summarize_checkpoint
+    from strata.runtime.plan.checkpoints.inspect import summarize_checkpoint
 
     result: dict = {"machine": machine(), "layers": args.layers}
     out_dir = Path(args.dir)

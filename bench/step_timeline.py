@@ -110,7 +110,7 @@ def timeline(engine, prompt: list[int], tokens: int, seed: int = 3, wake_at_laun
 def case_configs(model: str, gpu_fraction: float, cache: str) -> dict[str, dict]:
     """The two base cases' engine configs: `ceiling` (every expert in VRAM) and `split` (a GPU budget of
     `gpu_fraction` of the checkpoint's expert bytes, the rest in pinned RAM, the store cached at `cache`)."""
-    from strata.runtime.plan.inspect import summarize_checkpoint
+    from strata.runtime.plan.checkpoints.inspect import summarize_checkpoint
 
     budget = int(summarize_checkpoint(model).bytes_by_role["experts"] * gpu_fraction)
     rt = {"max_context": 1024}

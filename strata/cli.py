@@ -47,11 +47,11 @@ def _print_error(message: str) -> None:
 
 
 def _cmd_inspect(args: argparse.Namespace) -> int:
-    from strata.runtime.plan.inspect import format_summary, summarize_checkpoint
+    from strata.runtime.plan.checkpoints.inspect import format_summary, summarize_checkpoint
 
     t0 = time.perf_counter()
     if str(args.model).endswith(".gguf"):  # a GGUF file: its metadata and tensor infos
-        from strata.runtime.plan.gguf_inspect import summarize_gguf
+        from strata.runtime.plan.checkpoints.gguf_inspect import summarize_gguf
 
         summary = summarize_gguf(args.model)
     else:
@@ -122,14 +122,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _cmd_convert(args: argparse.Namespace) -> int:
-    from strata.runtime.plan.convert import cmd_convert
+    from strata.runtime.plan.checkpoints.convert import cmd_convert
 
     return cmd_convert(args)
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
-    from strata.runtime.plan.convert import cmd_verify
-    from strata.runtime.plan.in_place import is_served_in_place, verify_in_place
+    from strata.runtime.plan.checkpoints.convert import cmd_verify
+    from strata.runtime.plan.checkpoints.in_place import is_served_in_place, verify_in_place
 
     if is_served_in_place(args.store):
         return verify_in_place(args.store, args.config)

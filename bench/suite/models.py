@@ -88,8 +88,8 @@ def routing_of(path: Path) -> tuple[str, str]:
 
 def model_facts(path: Path) -> tuple[ModelFacts, dict]:
     """Roofline facts and a JSON summary (sizes, layers, routing marker) of a checkpoint."""
-    from strata.runtime.plan.gguf_inspect import summarize_gguf
-    from strata.runtime.plan.inspect import summarize_checkpoint
+    from strata.runtime.plan.checkpoints.gguf_inspect import summarize_gguf
+    from strata.runtime.plan.checkpoints.inspect import summarize_checkpoint
 
     gguf = Path(path).suffix == ".gguf"
     s = summarize_gguf(path) if gguf else summarize_checkpoint(path)

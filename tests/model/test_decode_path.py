@@ -17,7 +17,7 @@ from strata.runtime.model.kv_cache import DecodeBatch, KVCache, StepBatch, kv_bu
 from strata.runtime.model.loader import load_model
 from strata.runtime.offload.expert_compute import ExpertCompute
 from strata.runtime.offload.tiered_moe import TieredExperts
-from strata.runtime.plan.convert import convert_checkpoint
+from strata.runtime.plan.checkpoints.convert import convert_checkpoint
 from strata.tiers.manager import TierBudgets, TierManager
 from strata.tiers.store.store import ExpertStore
 

@@ -13,7 +13,7 @@ from strata import Engine
 from strata.errors import CheckpointError, UnsupportedError
 from strata.runtime.model.checkpoint import Checkpoint
 from strata.runtime.model.config import ModelConfig
-from strata.runtime.plan.convert import convert_checkpoint
+from strata.runtime.plan.checkpoints.convert import convert_checkpoint
 from strata.tiers.store.safetensors_index import TensorIndex
 
 TEXT = "In the beginning the model read the text: 模型读取文本。 It's 2026."

@@ -22,7 +22,7 @@ from strata import Engine
 from strata.kernels.quant import ExpertFormat
 from strata.runtime.model.checkpoint import Checkpoint
 from strata.runtime.model.config import ModelConfig
-from strata.runtime.plan.inspect import summarize_checkpoint
+from strata.runtime.plan.checkpoints.inspect import summarize_checkpoint
 
 ATOL = 1e-4
 FP32 = {"dtype": "float32", "max_context": 256}

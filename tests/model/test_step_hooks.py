@@ -14,7 +14,7 @@ from strata.runtime.model.capture import SegmentRecorder, capturing, current_cap
 from strata.runtime.model.kv_cache import KVCache, StepBatch
 from strata.runtime.offload.executor import ExpertExecutor
 from strata.runtime.offload.expert_compute import ExpertCompute
-from strata.runtime.plan.convert import convert_checkpoint
+from strata.runtime.plan.checkpoints.convert import convert_checkpoint
 from strata.tiers.manager import TierBudgets, TierManager
 from strata.tiers.store.store import ExpertStore
 

@@ -269,7 +269,7 @@ def test_a_worker_error_is_raised_once_and_retires_the_mailbox(tiny_model_dir, t
     take the host steps (no mailbox), and its statistics still work."""
     from strata.runtime.offload.expert_compute import ExpertCompute
     from strata.runtime.offload.mailbox_books import MailboxBooks
-    from strata.runtime.plan.convert import convert_checkpoint
+    from strata.runtime.plan.checkpoints.convert import convert_checkpoint
     from strata.tiers.manager import TierBudgets, TierManager
     from strata.tiers.store.store import ExpertStore
 

@@ -34,7 +34,7 @@ DEVICE = torch.device("cuda") if torch.cuda.is_available() else torch.device("cp
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    from strata.runtime.plan.gguf_convert import convert_gguf
+    from strata.runtime.plan.checkpoints.gguf_convert import convert_gguf
 
     root = tmp_path_factory.mktemp("gguf-gpu-path")
     _, path = build_qwen3_gguf(root, TYPES, seed=3)

@@ -15,7 +15,7 @@ from test_cpu_mailbox import INTER, H, K, _mailbox, _slots, needs_kernel
 def _rig(tiny_model_dir, tmp_path, gpu_slots: int = 0):
     """The tiny model's store, its tier manager and a real mailbox worker (closed after): without a GPU tier, or with
     a CPU-simulated one of `gpu_slots` (LFU) and every expert of the first MoE layer (`layer`) in pinned RAM."""
-    from strata.runtime.plan.convert import convert_checkpoint
+    from strata.runtime.plan.checkpoints.convert import convert_checkpoint
     from strata.tiers.manager import TierBudgets, TierManager
     from strata.tiers.store.store import ExpertStore
 

@@ -11,7 +11,7 @@ from strata.kernels.gpu.grouped import SlotWeights
 from strata.kernels.gpu.grouped_gemm import grouped_experts
 from strata.runtime.offload.expert_compute import ExpertCompute
 from strata.runtime.offload.tiered_moe import TieredExperts
-from strata.runtime.plan.convert import convert_checkpoint
+from strata.runtime.plan.checkpoints.convert import convert_checkpoint
 from strata.tiers.manager import TierBudgets, TierManager
 from strata.tiers.store.store import ExpertStore
 

@@ -28,7 +28,7 @@ quantized_models = pytest.importorskip("quantized_models", reason="tests/quantiz
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory) -> dict[str, ExpertStore]:
-    from strata.runtime.plan.convert import convert_checkpoint
+    from strata.runtime.plan.checkpoints.convert import convert_checkpoint
 
     root = tmp_path_factory.mktemp("quantized-gpu-path")
     _, per_expert = build_reference("qwen3_moe", root / "per-expert")

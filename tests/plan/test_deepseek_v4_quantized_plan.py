@@ -12,7 +12,7 @@ from test_planner import GiB, host
 from strata.kernels.quant import ExpertFormat, ExpertLayout
 from strata.runtime.demo.deepseek_v4 import v4_config, v4_tensors
 from strata.runtime.demo.deepseek_v4_quant import v4_quantization, v4_quantized_tensors
-from strata.runtime.plan.inspect import format_summary, formats_line, summarize_checkpoint
+from strata.runtime.plan.checkpoints.inspect import format_summary, formats_line, summarize_checkpoint
 from strata.runtime.plan.planner import plan
 
 H, I = 4096, 2048  # noqa: E741 - DeepSeek-V4-Flash's hidden and expert widths

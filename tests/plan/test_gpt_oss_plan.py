@@ -14,8 +14,8 @@ from strata.kernels.quant import ExpertFormat, ExpertLayout
 from strata.runtime.demo.gpt_oss import oss_config, oss_tensors
 from strata.runtime.model.config import ModelConfig
 from strata.runtime.model.kv_cache import KVCache
+from strata.runtime.plan.checkpoints.inspect import summarize_checkpoint
 from strata.runtime.plan.host import GpuInfo
-from strata.runtime.plan.inspect import summarize_checkpoint
 from strata.runtime.plan.planner import PlanError, plan
 
 

@@ -1,4 +1,4 @@
-"""strata.runtime.plan.inspect: header-only checkpoint summaries.
+"""strata.runtime.plan.checkpoints.inspect: header-only checkpoint summaries.
 
 Two kinds of checkpoint: tiny ones saved by transformers' own classes (every naming scheme and both
 expert layouts), and full-size ones (Qwen3-30B-A3B, Qwen3-235B-A22B, DeepSeek-V3 with FP8 and MTP,
@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from strata.errors import CheckpointError
-from strata.runtime.plan.inspect import ROLES, format_summary, summarize_checkpoint
+from strata.runtime.plan.checkpoints.inspect import ROLES, format_summary, summarize_checkpoint
 from strata.tiers.store.safetensors_index import DTYPE_BITS, INDEX_NAME, TensorIndex
 
 GiB = 1 << 30
@@ -444,7 +444,7 @@ def test_config_errors(tmp_path, hf_checkpoints):
 def test_a_store_is_summarised_like_its_checkpoint(tiny_model_dir, tmp_path):
     """`strata inspect STORE`: its experts and Engram tables come from the index (dense.safetensors holds only the
     rest), so layers, experts and every role's bytes equal the checkpoint's."""
-    from strata.runtime.plan.convert import convert_checkpoint
+    from strata.runtime.plan.checkpoints.convert import convert_checkpoint
 
     store = tmp_path / "store"
     convert_checkpoint(tiny_model_dir, store, progress=False)

@@ -12,7 +12,7 @@ from strata.kernels.quant import ExpertFormat
 from strata.runtime.demo.configs import demo_config
 from strata.runtime.demo.quantized import weight_jobs
 from strata.runtime.demo.weights import tensor_specs
-from strata.runtime.plan.inspect import format_summary, summarize_checkpoint
+from strata.runtime.plan.checkpoints.inspect import format_summary, summarize_checkpoint
 from strata.runtime.plan.planner import plan
 
 GiB = 1 << 30

@@ -72,7 +72,7 @@ def test_tiny_model_fits_on_a_big_gpu(tiny_model_dir):
 
 
 def test_store_directory_is_planned_like_its_checkpoint(tiny_model_dir, tmp_path):
-    from strata.runtime.plan.convert import convert_checkpoint
+    from strata.runtime.plan.checkpoints.convert import convert_checkpoint
 
     store = convert_checkpoint(tiny_model_dir, tmp_path / "store", progress=False)
     a, b = read_footprint(tiny_model_dir), read_footprint(store)

@@ -10,9 +10,9 @@ from test_inspect import qwen3_moe, write_sparse_checkpoint
 from strata.kernels import quant
 from strata.kernels.quant import ExpertFormat, ExpertLayout
 from strata.runtime.demo.model import demo_config, write_demo_model
-from strata.runtime.plan.convert import convert_checkpoint
+from strata.runtime.plan.checkpoints.convert import convert_checkpoint
+from strata.runtime.plan.checkpoints.inspect import format_summary, formats_line, summarize_checkpoint
 from strata.runtime.plan.host import GpuInfo, HostInfo
-from strata.runtime.plan.inspect import format_summary, formats_line, summarize_checkpoint
 from strata.runtime.plan.planner import plan
 
 GiB, TiB = 1 << 30, 1 << 40

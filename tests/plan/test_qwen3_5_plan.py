@@ -15,8 +15,8 @@ from strata.cli import main
 from strata.runtime.demo.qwen3_5 import q35_config, q35_tensors
 from strata.runtime.model.config import ModelConfig
 from strata.runtime.model.qwen3_5.cache import Qwen35Cache, kv_bytes, kv_growth
+from strata.runtime.plan.checkpoints.inspect import summarize_checkpoint
 from strata.runtime.plan.host import GpuInfo
-from strata.runtime.plan.inspect import summarize_checkpoint
 from strata.runtime.plan.planner import PlanError, plan
 
 VISION = {"model_type": "qwen3_5_moe_vision", "depth": 27, "hidden_size": 1152, "out_hidden_size": 2048}

@@ -16,12 +16,12 @@ from strata import Engine
 from strata.config import load_config
 from strata.errors import CheckpointError
 from strata.runtime.model.checkpoint import Checkpoint
-from strata.runtime.plan import convert as convert_mod
 from strata.runtime.plan import planner as planner_mod
-from strata.runtime.plan.convert import cmd_verify, convert_checkpoint
+from strata.runtime.plan.checkpoints import convert as convert_mod
+from strata.runtime.plan.checkpoints.convert import cmd_verify, convert_checkpoint
+from strata.runtime.plan.checkpoints.store_cache import ensure_store, store_dir_for, store_root
 from strata.runtime.plan.host import HostInfo
 from strata.runtime.plan.planner import PlanError, cmd_plan
-from strata.runtime.plan.store_cache import ensure_store, store_dir_for, store_root
 from strata.server.serve import preflight_plan
 from strata.tiers.store.format import (
     INDEX_NAME,

@@ -25,7 +25,7 @@ from strata.kernels.quant import ExpertFormat, ExpertLayout
 from strata.runtime.model.checkpoint import Checkpoint
 from strata.runtime.offload.expert_compute import ExpertCompute
 from strata.runtime.offload.tiered_moe import TieredExperts
-from strata.runtime.plan.convert import cmd_convert, cmd_verify, convert_checkpoint
+from strata.runtime.plan.checkpoints.convert import cmd_convert, cmd_verify, convert_checkpoint
 from strata.tiers.manager import TierBudgets, TierManager
 from strata.tiers.store.format import INDEX_NAME, checksum, read_index
 from strata.tiers.store.store import ExpertStore

@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 from reference_models import build_reference
 from strata.errors import CheckpointError, ConfigError, StrataError
 from strata.runtime.model.checkpoint import Checkpoint
-from strata.runtime.plan import convert as convert_mod
-from strata.runtime.plan.convert import cmd_convert, cmd_verify, convert_checkpoint
+from strata.runtime.plan.checkpoints import convert as convert_mod
+from strata.runtime.plan.checkpoints.convert import cmd_convert, cmd_verify, convert_checkpoint
 from strata.tiers.store import writer as store_writer
 from strata.tiers.store.format import ALIGN, INDEX_NAME, StoreIndex, checkpoint_fingerprint, is_store, layer_file
 from strata.tiers.store.safetensors_index import TensorIndex

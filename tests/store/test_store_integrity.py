@@ -17,7 +17,7 @@ from strata.runtime.model.checkpoint import Checkpoint
 from strata.runtime.model.engram.store import drop_tables
 from strata.runtime.model.loader import load_model
 from strata.runtime.plan import host as host_mod
-from strata.runtime.plan.convert import cmd_verify, convert_checkpoint
+from strata.runtime.plan.checkpoints.convert import cmd_verify, convert_checkpoint
 from strata.runtime.plan.host import HostInfo, probe_host
 from strata.runtime.plan.planner import PlanError, plan
 from strata.tiers.manager import TierBudgets, TierManager

@@ -7,7 +7,7 @@ import torch
 
 from strata import Engine
 from strata.runtime.offload.tiered_moe import TieredExperts
-from strata.runtime.plan.convert import convert_checkpoint
+from strata.runtime.plan.checkpoints.convert import convert_checkpoint
 from strata.tiers.manager import TierBudgets, TierManager
 from strata.tiers.store.store import ExpertStore
 

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from strata.runtime.plan.convert import convert_checkpoint
+from strata.runtime.plan.checkpoints.convert import convert_checkpoint
 from strata.tiers.manager import TierBudgets, TierManager
 from strata.tiers.store.store import ExpertStore
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from strata import CheckpointError, Engine
-from strata.runtime.plan.convert import convert_checkpoint
+from strata.runtime.plan.checkpoints.convert import convert_checkpoint
 from strata.tiers.manager import TierBudgets, TierFullError, TierManager
 from strata.tiers.store.store import ExpertStore
 

@@ -24,8 +24,9 @@ from strata.runtime.model.loader import load_model
 from strata.runtime.model.moe import router_predictors
 from strata.runtime.offload.tiered_moe import use_tiered_experts
 from strata.runtime.plan.card import expert_tiers, hot_order, prepare_cpu_experts, start_placement, step_copy_slots
+from strata.runtime.plan.checkpoints.in_place import open_in_place
+from strata.runtime.plan.checkpoints.store_cache import ensure_store
 from strata.runtime.plan.context import loaded_context
-from strata.runtime.plan.in_place import open_in_place
 from strata.runtime.plan.loaded import (
     DTYPES,
     LoadedModel,
@@ -35,7 +36,6 @@ from strata.runtime.plan.loaded import (
     use_grouped_prefill,
 )
 from strata.runtime.plan.planner import plan_for
-from strata.runtime.plan.store_cache import ensure_store
 from strata.tiers.manager import TierBudgets
 
 __all__ = ["LoadedModel", "build_model", "ensure_store", "hot_order", "resolve_device", "step_copy_slots"]
@@ -44,7 +44,7 @@ __all__ = ["LoadedModel", "build_model", "ensure_store", "hot_order", "resolve_d
 def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> LoadedModel:
     """Load `path` (a checkpoint or a store) as `cfg` says."""
     if str(path).endswith(".gguf"):  # a GGUF file runs from its store, converted into the cache on first use
-        from strata.runtime.plan.store_cache import gguf_store
+        from strata.runtime.plan.checkpoints.store_cache import gguf_store
 
         path = gguf_store(path, cfg, progress)
     if len(cfg.runtime.devices) > 1:  # one model over several GPUs: stages of layers, one per card

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from strata.config import StrataConfig
 from strata.errors import StrataError
-from strata.runtime.plan.inspect import format_bytes
+from strata.runtime.plan.checkpoints.inspect import format_bytes
 from strata.tiers.rows.store import resolve_tier
 
 ROW_CACHE_AUTO_MAX = 1 << 30

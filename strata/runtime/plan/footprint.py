@@ -8,8 +8,14 @@ from pathlib import Path
 from strata.kernels.quant import ExpertFormat, ExpertLayout
 from strata.runtime.model.checkpoint import read_json
 from strata.runtime.model.config import ModelConfig
-from strata.runtime.plan.expert_sources import store_format as experts_format
-from strata.runtime.plan.inspect import FP8, FP8_SCALES, RESIDENT_ROLES, CheckpointSummary, summarize_checkpoint
+from strata.runtime.plan.checkpoints.expert_sources import store_format as experts_format
+from strata.runtime.plan.checkpoints.inspect import (
+    FP8,
+    FP8_SCALES,
+    RESIDENT_ROLES,
+    CheckpointSummary,
+    summarize_checkpoint,
+)
 from strata.tiers.store import format as store_format
 from strata.tiers.store.safetensors_index import DTYPE_BITS
 
@@ -126,7 +132,7 @@ def _model_config(path: Path) -> ModelConfig:
 def _gguf_footprint(path: Path) -> ModelFootprint:
     """A GGUF file's: its store keeps the experts' ggml blocks (one slot each), BF16 tensors as they are and every
     other tensor in float32."""
-    from strata.runtime.plan.gguf_inspect import summarize_gguf
+    from strata.runtime.plan.checkpoints.gguf_inspect import summarize_gguf
     from strata.tiers.store.gguf_reader import GGUFFile
 
     f = GGUFFile.open(path)

@@ -8,9 +8,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from strata.errors import StrataError
+from strata.runtime.plan.checkpoints.inspect import format_bytes
 from strata.runtime.plan.engram import EngramPlan
 from strata.runtime.plan.host import HostInfo
-from strata.runtime.plan.inspect import format_bytes
 
 
 class PlanError(StrataError):

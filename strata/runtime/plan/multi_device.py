@@ -35,13 +35,13 @@ from strata.runtime.offload.cost_model import Rates
 from strata.runtime.offload.expert_compute import ExpertCompute
 from strata.runtime.offload.tiered_moe import TieredExperts
 from strata.runtime.plan.card import expert_tiers, prepare_cpu_experts, start_placement
+from strata.runtime.plan.checkpoints.store_cache import ensure_store
 from strata.runtime.plan.context import loaded_context
 from strata.runtime.plan.device_tiers import DeviceTiers, StoreView
 from strata.runtime.plan.host import probe_host
 from strata.runtime.plan.loaded import DTYPES, LoadedModel, kernel_options_of, resolve_device
 from strata.runtime.plan.planner import plan_for
 from strata.runtime.plan.stages import layer_sizes, place_stages, select_devices
-from strata.runtime.plan.store_cache import ensure_store
 from strata.tiers.prefetch import LookaheadPrefetcher
 from strata.tiers.slots import TierBudgets
 

@@ -28,17 +28,17 @@ import torch
 from strata.config import StrataConfig, load_config, parse_gpus, parse_size
 from strata.runtime.generation.prefill_chunk import resolve_prefill_chunk
 from strata.runtime.model.qwen3_5.cache import reuses_prefixes
+from strata.runtime.plan.checkpoints.in_place import store_mode
+from strata.runtime.plan.checkpoints.inspect import format_bytes
+from strata.runtime.plan.checkpoints.store_cache import store_dir_for
 from strata.runtime.plan.context import plan_context
 from strata.runtime.plan.decode_modes import DecodeMode, decode_mode
 from strata.runtime.plan.engram import EngramPlanError, plan_engram
 from strata.runtime.plan.footprint import read_footprint
 from strata.runtime.plan.host import GpuInfo, HostInfo, probe_host
-from strata.runtime.plan.in_place import store_mode
-from strata.runtime.plan.inspect import format_bytes
 from strata.runtime.plan.kv_size import kv_cache_bytes, kv_growth_of
 from strata.runtime.plan.layout import GpuPlan, Plan, PlanError, TierPlan
 from strata.runtime.plan.stages import plan_stages, select_devices, simulate_gpus
-from strata.runtime.plan.store_cache import store_dir_for
 from strata.tiers.store import format as store_format
 
 GiB, MiB = 1 << 30, 1 << 20

@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 import torch
 
 from strata.runtime.model.config import ModelConfig
+from strata.runtime.plan.checkpoints.inspect import format_bytes
 from strata.runtime.plan.host import GpuInfo, HostInfo
-from strata.runtime.plan.inspect import format_bytes
 from strata.runtime.plan.layout import GpuPlan, PlanError
 
 DeviceInfo = GpuInfo  # one CUDA card: index, name, total_bytes, free_bytes (real, or simulated for planning)

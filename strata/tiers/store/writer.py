@@ -1,5 +1,5 @@
 """Writing a store's files: expert layer files slot by slot, dense tensors, row-addressable tables and the
-index (written last, atomically). `strata convert` (strata.runtime.plan.convert) drives it for a whole
+index (written last, atomically). `strata convert` (strata.runtime.plan.checkpoints.convert) drives it for a whole
 checkpoint; `add_table` adds one table to an existing store."""
 
 from __future__ import annotations

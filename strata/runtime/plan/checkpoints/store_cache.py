@@ -32,7 +32,7 @@ def store_dir_for(path: str | os.PathLike, cfg: StrataConfig, fingerprint: str |
     if is_store(path):
         return path
     if path.suffix == ".gguf" and path.is_file():
-        from strata.runtime.plan.gguf_convert import gguf_fingerprint
+        from strata.runtime.plan.checkpoints.gguf_convert import gguf_fingerprint
 
         return store_root(cfg) / f"{path.stem}-{gguf_fingerprint(path)[5:17]}"
     if lacks_index(path):
@@ -45,7 +45,7 @@ def ensure_store(path: Path, cfg: StrataConfig, progress: bool) -> Path:
     """The store for `path`: `path` itself when it is a store, else its store in the cache, built on first
     use (a store left there without its index is rebuilt) and its copies of config.json, the tokenizer and
     the other small files brought up to date with `path`."""
-    from strata.runtime.plan.convert import adopt_earlier_store, convert_checkpoint
+    from strata.runtime.plan.checkpoints.convert import adopt_earlier_store, convert_checkpoint
 
     path = Path(path).expanduser()
     if is_store(path):
@@ -59,7 +59,7 @@ def ensure_store(path: Path, cfg: StrataConfig, progress: bool) -> Path:
 
 def gguf_store(path: Path, cfg: StrataConfig, progress: bool = False) -> Path:
     """The store of GGUF file `path` in the cache (`store_root(cfg)/NAME-FINGERPRINT`), converted on first use."""
-    from strata.runtime.plan.gguf_convert import convert_gguf
+    from strata.runtime.plan.checkpoints.gguf_convert import convert_gguf
 
     path = Path(path).expanduser()
     return convert_gguf(path, store_dir_for(path, cfg), progress=progress)

@@ -12,7 +12,7 @@ import re
 from collections import defaultdict
 from pathlib import Path
 
-from strata.runtime.plan.inspect import ROLES, CheckpointSummary
+from strata.runtime.plan.checkpoints.inspect import ROLES, CheckpointSummary
 from strata.tiers.store.gguf_reader import PLAIN_TYPES, GGUFFile, split_parts
 
 _BLOCK = re.compile(r"^blk\.(\d+)\.(.+)$")
@@ -59,7 +59,7 @@ def summarize_gguf(path: str | Path) -> CheckpointSummary:
     num_experts = int(f.field("expert_count"))
     expert_format = None
     if moe_layers:
-        from strata.runtime.plan.gguf_convert import expert_format as store_format
+        from strata.runtime.plan.checkpoints.gguf_convert import expert_format as store_format
 
         expert_format = store_format(f)
         if expert_format.kind == "gguf":  # one key: the types of gate, up and down as the store keeps them

@@ -27,7 +27,7 @@ from strata.kernels.quant import ExpertFormat, ExpertLayout
 from strata.runtime.model.checkpoint import Checkpoint
 from strata.runtime.model.deepseek_v4.tables import is_hash_table, write_hash_tables
 from strata.runtime.model.engram.store import is_table_tensor, write_tables
-from strata.runtime.plan.expert_sources import ExpertSource, layer_sources, store_format
+from strata.runtime.plan.checkpoints.expert_sources import ExpertSource, layer_sources, store_format
 from strata.tiers.store.files import fsync_dir, remove_stale_tmp_dirs, temp_sibling
 from strata.tiers.store.format import (
     COPIED_FILES,
@@ -256,7 +256,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     whose experts keep their ggml blocks (`--experts` other than "checkpoint" is refused for it)."""
     experts = getattr(args, "experts", None) or load_config(getattr(args, "config", None)).store.experts
     if str(args.model).endswith(".gguf"):
-        from strata.runtime.plan.gguf_convert import convert_gguf, gguf_fingerprint
+        from strata.runtime.plan.checkpoints.gguf_convert import convert_gguf, gguf_fingerprint
 
         if experts != "checkpoint":
             raise ConfigError(f"{args.model}: a GGUF file's experts keep their ggml blocks; drop --experts {experts} "

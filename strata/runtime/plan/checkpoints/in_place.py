@@ -20,8 +20,8 @@ from strata.errors import ConfigError
 from strata.kernels.quant import ExpertLayout
 from strata.runtime.model.checkpoint import Checkpoint
 from strata.runtime.model.engram.store import is_table_tensor
-from strata.runtime.plan.expert_sources import layer_sources
-from strata.runtime.plan.store_cache import store_root
+from strata.runtime.plan.checkpoints.expert_sources import layer_sources
+from strata.runtime.plan.checkpoints.store_cache import store_root
 from strata.tiers.storage.diskio import fs_type
 from strata.tiers.store.format import is_store
 from strata.tiers.store.in_place import (

@@ -26,8 +26,8 @@ from strata.errors import CheckpointError
 from strata.kernels.quant import ExpertFormat
 from strata.runtime.model.config import SUPPORTED_ARCHITECTURES
 from strata.runtime.model.deepseek_v4.names import renamed_index
-from strata.runtime.plan.weight_formats import FP8, FP8_SCALES, MXFP4, experts_format, tensor_format
-from strata.runtime.plan.weight_formats import fp8_block as fp8_block_of
+from strata.runtime.plan.checkpoints.weight_formats import FP8, FP8_SCALES, MXFP4, experts_format, tensor_format
+from strata.runtime.plan.checkpoints.weight_formats import fp8_block as fp8_block_of
 from strata.tiers.store.format import is_store, lacks_index, no_index_error, read_index
 from strata.tiers.store.safetensors_index import TensorIndex
 
@@ -237,7 +237,7 @@ def _tally(index: TensorIndex, num_layers: int | None) -> _Tally:
 
 def summarize_checkpoint(path: str | Path) -> CheckpointSummary:
     """Summarise the checkpoint directory `path` from config.json and safetensors headers only (a GGUF file:
-    strata.runtime.plan.gguf_inspect)."""
+    strata.runtime.plan.checkpoints.gguf_inspect)."""
     path = Path(path)
     if lacks_index(path):  # a store's files without its index: neither a store nor a checkpoint
         raise no_index_error(path)
