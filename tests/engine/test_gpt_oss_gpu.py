@@ -2,7 +2,8 @@
 
 As tests/engine/test_gpu.py holds the other architectures: strata's bf16 log-probabilities are held to the error
 transformers itself makes in bf16 against the fp32 reference (plus a small margin), and greedy tokens agree with
-transformers' bf16 greedy tokens up to the reference's first near-tie. Experts all in GPU memory, through 8 GPU slots
+transformers' bf16 greedy tokens up to the reference's first near-tie (at 2,100 tokens, teacher-forced on the fp32
+reference's tokens where its margin exceeds strata's measured bf16 error: `assert_confident_tokens_agree`). Experts all in GPU memory, through 8 GPU slots
 for the 32 experts (the rest staged from pinned RAM), and the release's MXFP4 experts kept MXFP4 in the slots;
 64 tokens and 2,100 (sliding windows of 64 crossed many times).
 """
@@ -43,12 +44,31 @@ def check_bf16(tmp_path, length: int, long: bool, experts: str, mxfp4: bool = Fa
     assert our_err <= 2 * hf_err + 0.01, f"strata bf16 mean error {our_err:.4f} vs transformers bf16 {hf_err:.4f}"
     hf_max, our_max = (hf16 - exact).abs().max().item(), (ours - exact).abs().max().item()
     assert our_max <= max(2 * hf_max, 0.1), f"strata bf16 max error {our_max:.3f} vs transformers bf16 {hf_max:.3f}"
-    expected, gaps = greedy_full_forward(ref16, prompt, PREFIX)
-    # two bf16 engines may pick differently where the reference's margin is within their combined error (measured
-    # on the prompt against fp32): at 2,100 tokens that error reaches a few tenths of a logit
-    tie = max(NEAR_TIE, hf_max + our_max)
-    assert_same_greedy_prefix(engine.generate(prompt, max_tokens=PREFIX).token_ids, expected, gaps, tie)
+    if long:
+        assert len(engine.generate(prompt, max_tokens=PREFIX).token_ids) == PREFIX  # decode at 2,100 tokens runs
+        assert_confident_tokens_agree(engine, ref32, prompt, ours, exact)
+    else:
+        expected, gaps = greedy_full_forward(ref16, prompt, PREFIX)
+        assert_same_greedy_prefix(engine.generate(prompt, max_tokens=PREFIX).token_ids, expected, gaps)
     engine.close()
+
+
+def assert_confident_tokens_agree(engine, ref32, prompt: list[int], ours: torch.Tensor, exact: torch.Tensor) -> None:
+    """Greedy tokens at a long context, where bf16 moves the gap between a position's two best tokens by up to ~0.6-0.8
+    logits (the 99th percentile over a 2,100-token prompt, in transformers' bf16 and in strata's alike), so two
+    bf16 engines' greedy continuations part at the first margin that small and a prefix comparison checks nothing.
+    Instead, teacher-forced on the fp32 reference's own greedy tokens, strata's bf16 top-1 must be the reference's
+    wherever the reference's margin exceeds the 99th percentile of strata's gap error measured on the prompt
+    (`ours`, `exact`: [L, V] log-probabilities), at one such position at least."""
+    expected, gaps = greedy_full_forward(ref32, prompt, PREFIX)
+    top = exact.topk(2, -1).indices  # [L, 2] each position's two best tokens under fp32
+    gap = lambda lp: (lp.gather(-1, top[:, :1]) - lp.gather(-1, top[:, 1:]))[:, 0]  # noqa: E731
+    tie = max(NEAR_TIE, (gap(ours) - gap(exact)).abs().quantile(0.99).item())
+    checked = [i for i, g in enumerate(gaps) if g >= tie]
+    assert checked, f"no generated position has a margin above strata's bf16 gap error ({tie:.3f}): margins {gaps}"
+    forced = engine.score(prompt + expected[:-1])[len(prompt) - 1 :].argmax(-1).tolist()  # row i predicts token i
+    for i in checked:
+        assert forced[i] == expected[i], f"token {i}: {forced[i]} != {expected[i]} at margin {gaps[i]:.3f} > {tie:.3f}"
 
 
 @pytest.mark.parametrize("experts", ["memory", "slots"])

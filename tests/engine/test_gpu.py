@@ -31,11 +31,10 @@ def greedy_full_forward(model, prompt: list[int], n: int) -> tuple[list[int], li
     return ids[len(prompt):], gaps
 
 
-def assert_same_greedy_prefix(got: list[int], expected: list[int], gaps: list[float], tie: float = NEAR_TIE) -> None:
-    """Tokens must agree up to the first near-tie of the reference (a margin below `tie`); there bf16 may
-    legitimately differ."""
+def assert_same_greedy_prefix(got: list[int], expected: list[int], gaps: list[float]) -> None:
+    """Tokens must agree up to the first near-tie of the reference; there bf16 may legitimately differ."""
     for i, (a, b) in enumerate(zip(got, expected, strict=False)):
-        if gaps[i] < tie:
+        if gaps[i] < NEAR_TIE:
             return
         assert a == b, f"greedy token {i} differs ({a} != {b}) where the reference's margin is {gaps[i]:.3f}"
     assert len(got) == len(expected)
