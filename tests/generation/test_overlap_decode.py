@@ -153,6 +153,31 @@ def test_rows_with_grammars_chain_and_equal_step_by_step(engines, with_free):
     assert sched.chained_steps > 0
 
 
+def test_cancel_a_structured_request_while_its_rows_wait(engines):
+    """A structured request cancelled while its chained step waits for its grammar's mask ends "abort", and the
+    slot serves the next structured request, which gets the step-by-step engine's tokens."""
+    on, off = engines
+    sched = on.scheduler(max_batch=2, token_budget=32, max_queue=4)
+    sched.start()
+    try:
+        p = on.tokenizer.encode("Describe an item as JSON:")
+        free = sched.submit(GenRequest(p, SamplingParams(max_tokens=200, ignore_eos=True)))  # keeps steps chained
+        h = sched.submit(GenRequest(p, SamplingParams(max_tokens=60, temperature=1.0, seed=3,
+                                                      response_format=SMALL_JSON)))
+        it = h.iter_events(timeout=60)
+        for _ in range(3):
+            next(it)
+        h.cancel()
+        assert list(it)[-1].finish_reason == "abort"
+        after = sched.submit(GenRequest(p, SamplingParams(max_tokens=60, response_format=SMALL_JSON)))
+        got = [e.token_id for e in after.iter_events(timeout=60) if e.token_id is not None]
+        assert got == off.generate(p, max_tokens=60, response_format=SMALL_JSON).token_ids
+        free.cancel()
+        assert sched.chained_steps > 0
+    finally:
+        sched.stop()
+
+
 def test_cancel_while_a_step_is_in_flight(engines):
     on, _ = engines
     sched = on.scheduler(max_batch=2, token_budget=16, max_queue=4)
