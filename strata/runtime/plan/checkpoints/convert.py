@@ -281,15 +281,21 @@ def cmd_verify(args: argparse.Namespace) -> int:
     with ExpertStore(directory, read_index(directory)) as store:  # not open(): verify reports bad files itself
         damaged = store.verify(progress=True)
         idx = store.index
+    chunks = sum(t.num_chunks for t in idx.tables.values())
+    dense = len(idx.dense.tensor_checksums) if idx.dense else 0
+    return report_verify(damaged, f"{directory}: sound ({len(idx.blobs)} {idx.expert_format.name} experts, "
+                                  f"{len(idx.tables)} tables / {chunks} chunks, {dense} dense tensors)",
+                         f"{directory}: {len(damaged)} damaged object(s); delete the store and re-run `strata convert`")
+
+
+def report_verify(damaged: list[str], sound: str, failure: str) -> int:
+    """`strata verify`'s report and exit status: `sound` and 0 when nothing is `damaged`; else each damaged name,
+    then `failure` on stderr, and 2."""
     if not damaged:
-        chunks = sum(t.num_chunks for t in idx.tables.values())
-        dense = len(idx.dense.tensor_checksums) if idx.dense else 0
-        print(f"{directory}: sound ({len(idx.blobs)} {idx.expert_format.name} experts, {len(idx.tables)} tables / "
-              f"{chunks} chunks, {dense} dense tensors)")
+        print(sound)
         return 0
     for name in damaged:
         print(f"damaged: {name}")
-    print(f"strata: error: {directory}: {len(damaged)} damaged object(s); delete the store and re-run "
-          "`strata convert`", file=sys.stderr)
+    print(f"strata: error: {failure}", file=sys.stderr)
     return 2
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-import sys
 from pathlib import Path
 
 from strata.config import StrataConfig, load_config
@@ -20,6 +19,7 @@ from strata.errors import ConfigError
 from strata.kernels.quant import ExpertLayout
 from strata.runtime.model.checkpoint import Checkpoint
 from strata.runtime.model.engram.store import is_table_tensor
+from strata.runtime.plan.checkpoints.convert import report_verify
 from strata.runtime.plan.checkpoints.expert_sources import layer_sources
 from strata.runtime.plan.checkpoints.store_cache import store_root
 from strata.tiers.storage.diskio import fs_type
@@ -163,11 +163,6 @@ def verify_in_place(checkpoint: str | os.PathLike, config: str | None) -> int:
     with open_in_place(checkpoint, load_config(config)) as store:
         damaged = store.verify(progress=True)
         experts, parts = len(store.index.experts), len(store.index.all_parts())
-    if not damaged:
-        print(f"{checkpoint}: sound (read in place: {experts} experts, {parts} parts checked)")
-        return 0
-    for name in damaged:
-        print(f"damaged: {name}")
-    print(f"strata: error: {checkpoint}: {len(damaged)} damaged part(s) in the checkpoint's own files; re-download "
-          "the files named", file=sys.stderr)
-    return 2
+    return report_verify(damaged, f"{checkpoint}: sound (read in place: {experts} experts, {parts} parts checked)",
+                         f"{checkpoint}: {len(damaged)} damaged part(s) in the checkpoint's own files; re-download the "
+                         "files named")
