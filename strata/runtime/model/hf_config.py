@@ -111,6 +111,21 @@ def _common(cfg: dict) -> dict[str, Any]:
     )
 
 
+def _gqa(common: dict[str, Any], rope: dict[str, Any], head_dim: int, **fields: Any) -> dict[str, Any]:
+    """A grouped-query-attention architecture's fields: `common` (`_common`), its rotary and head size, its own."""
+    return dict(common, rope=rope, attention="gqa", head_dim=head_dim, **fields)
+
+
+def _grouped_moe(cfg: dict, layers: int, width: int, first_dense: int, shared: int) -> dict[str, Any]:
+    """DeepSeek-V3's MoE fields (GLM-4.5's too): dense MLPs before layer `first_dense`, then experts `width` wide
+    routed by sigmoid scores (with a correction bias) within the best groups, and `shared` shared experts as wide."""
+    return dict(moe_intermediate_size=width, moe_layers=[i >= first_dense for i in range(layers)],
+                router="sigmoid_group", norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+                n_group=int(cfg.get("n_group") or 1), topk_group=int(cfg.get("topk_group") or 1),
+                shared_expert_intermediate_size=width * shared)
+
+
 def _qwen_sparse_layers(cfg: dict, n_layers: int) -> list[bool]:
     """Qwen MoE: a layer is sparse unless listed in mlp_only_layers, every decoder_sparse_step-th layer."""
     only = set(cfg.get("mlp_only_layers") or [])
@@ -124,11 +139,8 @@ def _parse_qwen3_moe(cfg: dict, source: str) -> dict[str, Any]:
     head_dim = int(cfg.get("head_dim") or c["hidden_size"] // c["num_heads"])
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
     bias = bool(cfg.get("attention_bias", False))
-    return dict(
-        **c,
-        rope=_rope(cfg, head_dim),
-        attention="gqa",
-        head_dim=head_dim,
+    return _gqa(
+        c, _rope(cfg, head_dim), head_dim,
         qkv_bias=bias,
         o_bias=bias,
         qk_norm=True,
@@ -152,11 +164,8 @@ def _parse_qwen2_moe(cfg: dict, source: str) -> dict[str, Any]:
         types = ["sliding_attention" if use and (i + 1) % 2 and i < cfg.get("max_window_layers", n) else "full"
                  for i in range(n)]
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window") else None
-    return dict(
-        **c,
-        rope=_rope(cfg, head_dim),
-        attention="gqa",
-        head_dim=head_dim,
+    return _gqa(
+        c, _rope(cfg, head_dim), head_dim,
         qkv_bias=bool(cfg.get("qkv_bias", True)),
         sliding_windows=[window if t == "sliding_attention" and window else None for t in types],
         moe_intermediate_size=int(cfg["moe_intermediate_size"]),
@@ -173,11 +182,8 @@ def _parse_mixtral(cfg: dict, source: str) -> dict[str, Any]:
     c = _common(cfg)
     head_dim = int(cfg.get("head_dim") or c["hidden_size"] // c["num_heads"])
     # Mixtral's experts are intermediate_size wide; it has no dense MLP layers.
-    return dict(
-        **{**c, "intermediate_size": 0},
-        rope=_rope(cfg, head_dim),
-        attention="gqa",
-        head_dim=head_dim,
+    return _gqa(
+        {**c, "intermediate_size": 0}, _rope(cfg, head_dim), head_dim,
         sliding_windows=[cfg.get("sliding_window")] * c["num_layers"],
         moe_intermediate_size=int(cfg["intermediate_size"]),
         moe_layers=[True] * c["num_layers"],
@@ -214,14 +220,8 @@ def _parse_deepseek_v3(cfg: dict, source: str) -> dict[str, Any]:
         v_head_dim=int(cfg["v_head_dim"]),
         rope_interleave=bool(cfg.get("rope_interleave", True)),
         attention_scale=scale,
-        moe_intermediate_size=int(cfg["moe_intermediate_size"]),
-        moe_layers=[i >= first_dense for i in range(c["num_layers"])],
-        router="sigmoid_group",
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-        n_group=int(cfg.get("n_group") or 1),
-        topk_group=int(cfg.get("topk_group") or 1),
-        shared_expert_intermediate_size=int(cfg["moe_intermediate_size"]) * int(cfg.get("n_shared_experts") or 0),
+        **_grouped_moe(cfg, c["num_layers"], int(cfg["moe_intermediate_size"]), first_dense,
+                       int(cfg.get("n_shared_experts") or 0)),
     )
 
 
@@ -278,22 +278,12 @@ def _parse_glm4_moe(cfg: dict, source: str) -> dict[str, Any]:
     head_dim = int(cfg.get("head_dim") or c["hidden_size"] // c["num_heads"])
     first_dense = int(cfg.get("first_k_dense_replace", 1) or 0)
     moe_width = int(cfg.get("moe_intermediate_size", 1408))
-    return dict(
-        **c,
-        rope=_rope({"partial_rotary_factor": 0.5, **cfg}, head_dim),
-        attention="gqa",
-        head_dim=head_dim,
+    return _gqa(
+        c, _rope({"partial_rotary_factor": 0.5, **cfg}, head_dim), head_dim,
         qkv_bias=bool(cfg.get("attention_bias", False)),
         qk_norm=bool(cfg.get("use_qk_norm", False)),
         sliding_windows=[None] * c["num_layers"],
-        moe_intermediate_size=moe_width,
-        moe_layers=[i >= first_dense for i in range(c["num_layers"])],
-        router="sigmoid_group",
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-        n_group=int(cfg.get("n_group") or 1),
-        topk_group=int(cfg.get("topk_group") or 1),
-        shared_expert_intermediate_size=moe_width * int(cfg.get("n_shared_experts", 1) or 0),
+        **_grouped_moe(cfg, c["num_layers"], moe_width, first_dense, int(cfg.get("n_shared_experts", 1) or 0)),
     )
 
 
@@ -310,11 +300,8 @@ def _parse_minimax_m2(cfg: dict, source: str) -> dict[str, Any]:
     head_dim = int(cfg["head_dim"])
     if cfg.get("rotary_dim"):  # the release's spelling of partial_rotary_factor (an explicit factor wins)
         cfg = {"partial_rotary_factor": int(cfg["rotary_dim"]) / head_dim, **cfg}
-    return dict(
-        **{**c, "intermediate_size": 0},
-        rope=_rope(cfg, head_dim),
-        attention="gqa",
-        head_dim=head_dim,
+    return _gqa(
+        {**c, "intermediate_size": 0}, _rope(cfg, head_dim), head_dim,
         qk_norm=True,
         qk_norm_whole=True,
         sliding_windows=[None] * c["num_layers"],
