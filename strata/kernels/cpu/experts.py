@@ -28,12 +28,12 @@ Backends (`backend()` says which one runs; the `backend=` argument picks, an eng
   torch        the reference math in fp32 on the upcast weights (`expert_swiglu`), one expert at a
                time. Used when the extension cannot be built (no compiler, not x86-64, build error:
                one warning line), when asked for ("torch"), and for plain experts with more than
-               `max_tokens(backend)` tokens (prefill-sized groups: compute-bound, torch/oneDNN does them as well;
-               the executor should send those to the GPU anyway), which under the compiled backends run
+               `max_tokens(backend)` tokens (prefill-sized groups: compute-bound, torch/oneDNN does them as
+               well; the executor should send those to the GPU anyway), which under the compiled backends run
                as torch's bf16 GEMMs on the bf16 weights as stored (`bf16_expert`: fp32 sums, bf16
                activations, within the avx512_bf16 bound). A quantized expert with more tokens stays on
-               the kernel, its tokens in groups of `max_tokens(backend)` (torch would dequantize it first: a
-               512-token Q4_K_M prompt ran 3.4x faster so on the development machine).
+               the kernel, its tokens in groups of `max_tokens(backend)` (torch would dequantize it first:
+               a 512-token Q4_K_M prompt ran 3.4x faster so on the development machine).
 
 Accuracy: `tolerance(backend, kind)` bounds max |out - ref| / max |ref| against `expert_swiglu` in fp32 on the
 same weights upcast (quantized experts: dequantized); strata/kernels/cpu/numerics.py says what each bound covers.
@@ -41,8 +41,8 @@ same weights upcast (quantized experts: dequantized); strata/kernels/cpu/numeric
 Determinism: every dot product is summed in an order fixed by the code and the format (not by the thread
 that runs it; an FP8 row block by block), every output element is written by exactly one thread, and each
 output element accumulates the kernel's experts in the order given. Results are therefore bit-identical for
-any thread count and any scheduling, for a given backend. Experts sent to torch (plain, more than max_tokens(backend) tokens) are added after
-the kernel's experts.
+any thread count and any scheduling, for a given backend. Experts sent to torch (plain, more than
+max_tokens(backend) tokens) are added after the kernel's experts.
 
 `configure` sets the default thread count (else the physical cores this process may run on), the pool's
 CPUs, how long idle workers spin and the software prefetch distance; `tune` the scheduling knobs

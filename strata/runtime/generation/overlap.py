@@ -76,18 +76,17 @@ def queue_decode(model, cache: KVCache, slots: list[int], starts: list[int], ids
     `sample_waiting`), and the tokens' read-back once no row waits; returns without waiting for the device."""
     with torch.inference_mode():
         logits = model.logits(model(ids, StepBatch(slots, starts, [1] * len(slots)), cache))  # [B, V] fp32
-        if waiting:
-            out = torch.zeros(len(slots), dtype=torch.long, device=logits.device)
-            for i, (params, gen) in enumerate(samplers):
-                if i not in waiting:
-                    out[i : i + 1] = sample(logits[i : i + 1], params, gen)
-        else:
-            rows = [sample(logits[i : i + 1], params, gen) for i, (params, gen) in enumerate(samplers)]
+        rows = [sample(logits[i : i + 1], params, gen) if i not in waiting else None
+                for i, (params, gen) in enumerate(samplers)]
+        if not waiting:
             out = rows[0] if len(rows) == 1 else torch.cat(rows)  # one stream: no copy kernel a step
-    if waiting:
-        step = QueuedStep(out, None, time.perf_counter(), logits, list(waiting), samplers)
-    else:
-        step = QueuedStep(out, TokenReadback(out), time.perf_counter())
+            step = QueuedStep(out, TokenReadback(out), time.perf_counter())
+        else:  # the waiting rows' places filled by `sample_waiting`
+            out = torch.zeros(len(slots), dtype=torch.long, device=logits.device)
+            for i, row in enumerate(rows):
+                if row is not None:
+                    out[i : i + 1] = row
+            step = QueuedStep(out, None, time.perf_counter(), logits, list(waiting), samplers)
     if (graphs := model.graphs) is not None:
         graphs.step_queued()  # all of the step is queued: what waits for that runs while the GPU works
     return step

@@ -115,12 +115,13 @@ class CpuCompute:
         store = self.manager.store
         layout = store.layout
         fmt = layout.fmt if layout.fmt.quantized else None
+        backend = ce.backend(self.cpu_kernel, layout.fmt)
         if (fmt is None and store.dtype != torch.bfloat16) or (fmt is not None and not self._kernel_reads(layout)) \
-                or ce.backend(self.cpu_kernel, layout.fmt) == "torch" or not groups:
+                or backend == "torch" or not groups:
             return None
         # pair indices per expert as numpy (a decode layer's host step spends microseconds, not a torch op, on each)
         sels = [np.asarray(sel, dtype=np.int64) for _, sel in groups]
-        if max(len(sel) for sel in sels) > ce.max_tokens(ce.backend(self.cpu_kernel, layout.fmt)):
+        if max(len(sel) for sel in sels) > ce.max_tokens(backend):
             return None
         keys = [(layer, e) for e, _ in groups]
         slots = self.manager.hold_resident(keys)
