@@ -11,6 +11,7 @@ order, as transformers does, so fp32 results match the reference to rounding.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +23,52 @@ ExpertWeights = Callable[[int], tuple[torch.Tensor, torch.Tensor] | tuple[QuantM
 # an expert's math when it is not the (clipped) SwiGLU of `expert_swiglu`: (expert, x [T, H], gate_up [2I, H],
 # down [H, I]) -> [T, H] (gpt-oss's biased, clamped SwiGLU: strata.runtime.model.gpt_oss.moe)
 ExpertMath = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class SwiGLUForm:
+    """The SwiGLU between an expert's two matrices, as every expert kernel computes it (gu = x gate_up^T [+ bias]):
+
+        gate, up = gu[:, :I], gu[:, I:]                      (interleaved: gu[:, 0::2], gu[:, 1::2])
+        gate = min(gate, limit); up = clamp(up, -limit, limit)  (limit None: neither)
+        h = (up + up_offset) * gate * sigmoid(alpha * gate)
+
+    Plain SwiGLU (Qwen3, DeepSeek-V3, Mixtral, ...) is the default; DeepSeek-V4 clips (`limit` = swiglu_limit);
+    gpt-oss clips, with alpha 1.702, up_offset 1 and interleaved gate/up rows, and adds per-expert biases: the
+    gate_up bias [E, 2I] (in gate_up's row order) inside the kernels, before the activation; the down bias [E, H]
+    outside them, once per token (`down_bias_term`), so a split expert's two parts never both add it."""
+
+    limit: float | None = None
+    alpha: float = 1.0
+    up_offset: float = 0.0
+    interleaved: bool = False
+
+    @property
+    def plain(self) -> bool:
+        """Whether this is the plain SwiGLU (silu(gate) * up, gate rows first)."""
+        return self == PLAIN_SWIGLU
+
+    def apply(self, gu: torch.Tensor) -> torch.Tensor:
+        """gu [T, 2I] (bias already added) -> h [T, I] in gu's dtype, rounded as torch's ops round."""
+        if self.interleaved:
+            gate, up = gu[..., 0::2], gu[..., 1::2]
+        else:
+            gate, up = gu.chunk(2, dim=-1)
+        if self.limit is not None:
+            gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
+        if self.alpha == 1.0 and self.up_offset == 0.0:
+            return F.silu(gate) * up
+        return (up + self.up_offset) * (gate * torch.sigmoid(gate * self.alpha))
+
+
+PLAIN_SWIGLU = SwiGLUForm()
+
+
+def down_bias_term(weights: torch.Tensor, ids: torch.Tensor, down_bias: torch.Tensor) -> torch.Tensor:
+    """The down projections' biases of each token's routed experts, weighted as their outputs are: weights [N, k],
+    ids [N, k], down_bias [E, H] -> fp32 [N, H] (sum over k of weights * down_bias[ids]), added once to the
+    experts' sum whichever tier computed each expert."""
+    return torch.einsum("nk,nkh->nh", weights.float(), down_bias[ids.long()].float())
 
 
 def as_weights(pair: tuple[torch.Tensor, torch.Tensor] | tuple[QuantMatrix, QuantMatrix],
