@@ -171,3 +171,39 @@ def test_params_validation_names_the_parameter(kwargs, name):
     with pytest.raises(RequestError, match=name) as e:
         SamplingParams(**kwargs)
     assert "\n" not in str(e.value)
+
+
+def _mixed_samplers(seed: int) -> list[tuple[SamplingParams, torch.Generator]]:
+    """Seven rows: greedy, plain temperature (three), top-k, top-p, and top-k with top-p, each its own generator."""
+    kinds = [SamplingParams(), SamplingParams(temperature=0.8), SamplingParams(temperature=0.8),
+             SamplingParams(temperature=1.2, top_k=5), SamplingParams(temperature=0.8),
+             SamplingParams(temperature=1.0, top_p=0.6), SamplingParams(temperature=0.9, top_k=8, top_p=0.7)]
+    return [(p, make_generator(seed + i, "cpu")) for i, p in enumerate(kinds)]
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_sample_rows_is_each_row_sampled_alone(device):
+    """sample_rows over a batch (rows grouped by their filtering, each generator drawing its own row's noise) picks,
+    for each row, the token `sample` picks for that row alone with an identical generator, over many steps (the
+    generators advancing as they do in decode), for every row and for a subset of rows in any order."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from strata.runtime.generation.sampler import sample_rows
+
+    def gens(seed):
+        return [(p, make_generator(g.initial_seed(), device)) for p, g in _mixed_samplers(seed)]
+
+    batched, alone = gens(11), gens(11)
+    picks = set()
+    for step in range(40):
+        logits = (torch.randn(7, 300, generator=torch.Generator().manual_seed(step)) * 2).to(device)
+        got = sample_rows(logits, batched)
+        want = torch.cat([sample(logits[i : i + 1], p, g) for i, (p, g) in enumerate(alone)])
+        assert torch.equal(got, want), step
+        picks.update(got[1:].tolist())
+        rows = [5, 0, 2]  # a subset, out of order: rows waiting for grammars
+        sub_b, sub_a = [batched[r] for r in rows], [alone[r] for r in rows]
+        got = sample_rows(logits, sub_b, rows)
+        want = torch.cat([sample(logits[r : r + 1], p, g) for r, (p, g) in zip(rows, sub_a, strict=True)])
+        assert torch.equal(got, want), step
+    assert len(picks) > 20  # the sampled rows really draw (not argmax every time)

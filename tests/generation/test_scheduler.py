@@ -296,13 +296,13 @@ def test_a_step_is_all_queued_sampling_included_before_its_books_run(tiny_engine
     import strata.runtime.generation.scheduler as scheduler_mod
 
     log: list[str] = []
-    real_sample = scheduler_mod.sample
+    real_sample = scheduler_mod.sample_rows
 
-    def logged_sample(*args, **kwargs):
-        log.append("sample")
-        return real_sample(*args, **kwargs)
+    def logged_sample(logits, samplers, rows=None):
+        log.extend(["sample"] * len(samplers))
+        return real_sample(logits, samplers, rows)
 
-    monkeypatch.setattr(scheduler_mod, "sample", logged_sample)
+    monkeypatch.setattr(scheduler_mod, "sample_rows", logged_sample)
     monkeypatch.setattr(tiny_engine.model, "graphs", _StepSpy(tiny_engine.model, log))
     ps = prompts(tiny_engine)[:3]
     params = [SamplingParams(max_tokens=6, temperature=0.8, seed=10 + i, ignore_eos=True) for i in range(3)]
@@ -315,7 +315,7 @@ def test_a_step_is_all_queued_sampling_included_before_its_books_run(tiny_engine
     finally:
         s.stop()
     monkeypatch.setattr(tiny_engine.model, "graphs", None)
-    # six passes (the prompts' one, five decode steps), each three draws and then `step_queued`
+    # six passes (the prompts' one, five decode steps), each three rows drawn and then `step_queued`
     assert "".join("S" if e == "sample" else "|" for e in log) == "SSS|" * 6
     for p, sp, events in zip(ps, params, out, strict=True):
         solo = tiny_engine.generate(p, max_tokens=6, temperature=0.8, seed=sp.seed)  # stops at an EOS, if drawn

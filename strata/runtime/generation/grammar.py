@@ -176,14 +176,14 @@ class GrammarBatch:
         self._host: torch.Tensor | None = None  # int32 [rows, words] page-locked
         self._device: torch.Tensor | None = None  # int32 [rows, words] on the logits' device
 
-    def mask(self, logits: torch.Tensor, matchers: list[GrammarMatcher | None]) -> torch.Tensor:
+    def mask(self, logits: torch.Tensor, matchers: list[GrammarMatcher | None], in_place: bool = False) -> torch.Tensor:
         """logits [B, V] -> fp32 [B, V] where each row i whose `matchers[i]` is not None has every token that
-        matcher refuses next at -inf: a copy (the model's rows are kept for log-probabilities), or `logits.float()`
-        itself when no row has a grammar."""
+        matcher refuses next at -inf: a copy (the model's rows are kept for log-probabilities) unless `in_place`
+        (fp32 logits masked where they lie), or `logits.float()` itself when no row has a grammar."""
         rows = [i for i, m in enumerate(matchers) if m is not None]
         if not rows:
             return logits.float()
-        out = logits.to(torch.float32, copy=True)
+        out = logits if in_place and logits.dtype == torch.float32 else logits.to(torch.float32, copy=True)
         vocab = matchers[rows[0]].grammar.vocab_size
         if out.device.type == "cpu":
             # the bits unpacked to bools [G, V] (token t: bit t % 32 of word t // 32, little-endian words): a median

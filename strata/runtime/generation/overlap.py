@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from strata.runtime.generation.grammar import GrammarBatch, GrammarMatcher
-from strata.runtime.generation.sampler import SamplingParams, sample
+from strata.runtime.generation.sampler import SamplingParams, sample_rows
 from strata.runtime.model.kv_cache import KVCache, StepBatch
 
 
@@ -76,16 +76,14 @@ def queue_decode(model, cache: KVCache, slots: list[int], starts: list[int], ids
     `sample_waiting`), and the tokens' read-back once no row waits; returns without waiting for the device."""
     with torch.inference_mode():
         logits = model.logits(model(ids, StepBatch(slots, starts, [1] * len(slots)), cache))  # [B, V] fp32
-        rows = [sample(logits[i : i + 1], params, gen) if i not in waiting else None
-                for i, (params, gen) in enumerate(samplers)]
         if not waiting:
-            out = rows[0] if len(rows) == 1 else torch.cat(rows)  # one stream: no copy kernel a step
+            out = sample_rows(logits, samplers)
             step = QueuedStep(out, TokenReadback(out), time.perf_counter())
         else:  # the waiting rows' places filled by `sample_waiting`
             out = torch.zeros(len(slots), dtype=torch.long, device=logits.device)
-            for i, row in enumerate(rows):
-                if row is not None:
-                    out[i : i + 1] = row
+            free = [i for i in range(len(slots)) if i not in waiting]
+            if free:
+                _put(out, free, sample_rows(logits, [samplers[i] for i in free], free))
             step = QueuedStep(out, None, time.perf_counter(), logits, list(waiting), samplers)
     if (graphs := model.graphs) is not None:
         graphs.step_queued()  # all of the step is queued: what waits for that runs while the GPU works
@@ -98,7 +96,17 @@ def sample_waiting(step: QueuedStep, masks: GrammarBatch, matchers: list[Grammar
     if step.read is not None:
         return
     with torch.inference_mode():
-        masked = masks.mask(step.logits, [m if i in step.waiting else None for i, m in enumerate(matchers)])
-        for i in step.waiting:
-            step.tokens[i : i + 1] = sample(masked[i : i + 1], *step.samplers[i])
+        masked = masks.mask(step.logits, [m if i in step.waiting else None for i, m in enumerate(matchers)],
+                            in_place=True)  # the step's logits serve nothing after this
+        _put(step.tokens, step.waiting, sample_rows(masked, [step.samplers[i] for i in step.waiting], step.waiting))
     step.read, step.logits = TokenReadback(step.tokens), None
+
+
+def _put(tokens: torch.Tensor, rows: list[int], picked: torch.Tensor) -> None:
+    """tokens[rows[j]] = picked[j] without an index tensor's copy to the device: one copy where the rows are all of
+    them or a run, else one a row."""
+    if rows == list(range(rows[0], rows[0] + len(rows))):
+        tokens[rows[0] : rows[0] + len(rows)] = picked
+    else:
+        for j, i in enumerate(rows):
+            tokens[i : i + 1] = picked[j : j + 1]

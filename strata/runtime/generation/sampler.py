@@ -93,6 +93,44 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
     logits = logits.float()
     if params.temperature == 0.0:
         return logits.argmax(dim=-1)
+    return _draw(_filtered(logits, params), generator)
+
+
+def sample_rows(logits: torch.Tensor, samplers: list[tuple[SamplingParams, torch.Generator | None]],
+                rows: list[int] | None = None) -> torch.Tensor:
+    """Row `rows[j]` of logits [B, V] (default: every row) sampled with `samplers[j]` (its params and generator):
+    int64 ids [len(rows)], each the token `sample` picks for that row alone with that generator, bit for bit.
+
+    Rows of equal filtering (temperature, top-k, top-p) share their launches, and each generator draws the noise
+    of its own row only, as `sample` would: a step of 8 streams launches ~10 kernels where a row at a time took ~50,
+    host time that overlapped decode has only while the GPU runs the step before."""
+    rows = list(range(logits.shape[0])) if rows is None else rows
+    if len(rows) == 1:
+        return sample(logits[rows[0] : rows[0] + 1], *samplers[0])
+    logits = logits.float()
+    groups: dict[tuple, list[int]] = {}
+    for j, (params, _) in enumerate(samplers):
+        key = (0.0, 0, 1.0) if params.greedy else (params.temperature, params.top_k, params.top_p)
+        groups.setdefault(key, []).append(j)
+    picked = []
+    for (temperature, _, _), members in groups.items():
+        at = rows if len(members) == len(rows) else [rows[j] for j in members]
+        part = logits[at[0] : at[-1] + 1] if at == list(range(at[0], at[-1] + 1)) else logits[at]  # [n, V]
+        if temperature == 0.0:
+            picked.append(part.argmax(dim=-1))
+        else:
+            params = samplers[members[0]][0]
+            picked.append(_draw(_filtered(part, params), [samplers[j][1] for j in members]))
+    if len(groups) == 1:
+        return picked[0]
+    at = [0] * len(rows)  # where each row's token sits in the groups' concatenation
+    for k, j in enumerate(j for members in groups.values() for j in members):
+        at[j] = k
+    return torch.cat(picked)[at]
+
+
+def _filtered(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """fp32 logits [n, V] over the temperature, with the tokens top-k and top-p drop at -inf (row by row)."""
     logits = logits / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         # Mask by rank rather than by kth value, so ties at the boundary cannot let more than k tokens through.
@@ -105,14 +143,25 @@ def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Genera
         drop = (probs.cumsum(dim=-1) - probs) >= params.top_p
         drop[..., 0] = False
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, -math.inf))
-    # one draw by the exponential race, argmax(p / q) with q ~ Exp(1): what torch.multinomial does for a single
-    # sample, without its validity check, which reads a device value back and so waits for the queued work
-    # (overlapped decode queues the next step before the host reads this token). Taken in logs, argmax(logits -
-    # log q) (the Gumbel-max trick): the same distribution without the softmax, which over one row of a 152K
-    # vocabulary ran as a single 39-us block on the H200, the longest kernel of a decode step's sampling
-    # (`bench/serial_phase.py`, code 104a6ba). q is kept above 0, where the CPU's exponential may (rarely) land;
-    # a masked token (-inf) stays -inf.
-    q = torch.empty_like(logits).exponential_(generator=generator).clamp_min_(torch.finfo(logits.dtype).tiny)
+    return logits
+
+
+def _draw(logits: torch.Tensor, generators: torch.Generator | None | list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row of filtered logits [n, V] by the exponential race, argmax(p / q) with q ~ Exp(1): what
+    torch.multinomial does for a single sample, without its validity check, which reads a device value back and so
+    waits for the queued work (overlapped decode queues the next step before the host reads this token). Taken in
+    logs, argmax(logits - log q) (the Gumbel-max trick): the same distribution without the softmax, which over one
+    row of a 152K vocabulary ran as a single 39-us block on the H200, the longest kernel of a decode step's sampling
+    (`bench/serial_phase.py`, code 104a6ba). q [n, V] comes from one generator in one draw, or, given a list, row i's
+    from `generators[i]` alone ([1, V], as that row sampled by itself draws it). q is kept above 0, where the CPU's
+    exponential may (rarely) land; a masked token (-inf) stays -inf."""
+    if isinstance(generators, list) and len(generators) > 1:
+        q = torch.cat([torch.empty((1, logits.shape[-1]), dtype=logits.dtype, device=logits.device)
+                       .exponential_(generator=g) for g in generators])
+    else:
+        g = generators[0] if isinstance(generators, list) else generators
+        q = torch.empty_like(logits).exponential_(generator=g)
+    q.clamp_min_(torch.finfo(logits.dtype).tiny)
     return (logits - q.log_()).argmax(dim=-1)
 
 

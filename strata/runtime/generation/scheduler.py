@@ -54,7 +54,7 @@ from strata.runtime.generation.requests import (  # noqa: F401 - re-exported: th
     RequestHandle,
     TokenEvent,
 )
-from strata.runtime.generation.sampler import sample
+from strata.runtime.generation.sampler import sample_rows
 from strata.runtime.generation.sequence import Sequence, plan_pass
 from strata.runtime.generation.step_log import StepLog
 from strata.runtime.model.kv_cache import KVCache, StepBatch
@@ -374,10 +374,11 @@ class Scheduler:
             # order is free), and read back once: one wait for the GPU a step, not one a sequence
             rows_out = [i for i, (seq, inp, _) in enumerate(plan) if seq.samples(inp)]
             masked = self._grammars.mask(logits, [seq.grammar if seq.samples(inp) else None for seq, inp, _ in plan])
-            drawn = [sample(masked[i : i + 1], plan[i][0].req.params, plan[i][0].generator) for i in rows_out]
+            drawn = sample_rows(masked, [(plan[i][0].req.params, plan[i][0].generator) for i in rows_out], rows_out) \
+                if rows_out else None
             if (graphs := model.graphs) is not None:
                 graphs.step_queued()  # all of the step is queued (sampling too): its books run while the GPU works
-            tokens = dict(zip(rows_out, torch.cat(drawn).tolist() if drawn else [], strict=True))
+            tokens = dict(zip(rows_out, drawn.tolist() if drawn is not None else [], strict=True))
         n_decode = sum(1 for s, _, _ in plan if s.next_input is not None)
         self.engine.counters.ran(len(ids) - n_decode, n_decode, time.perf_counter() - t0)
         self.prefix.count_computed(len(ids) - n_decode)
