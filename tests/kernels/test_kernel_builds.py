@@ -78,6 +78,30 @@ def test_the_decode_cache_write_builds_once_for_every_batch_size():
     assert len(_keys(launches)["_norm_rope_cache_kernel"]) == 1
 
 
+def test_decode_attention_sinks_are_a_build_of_their_own():
+    """gpt-oss's sinks and window builds (`decode_attention`'s SINKS, WINDOW) leave the plain builds as they were: one
+    split build, a merge build per power of two of splits (buckets 256, 512 and 1024 here: 2, 4 and 8 splits), the
+    sinks pointer a constexpr None in them (no argument: the compiled kernel is the one without the option). The
+    sinks add as many merge builds, the window one split build, none per batch size."""
+    from strata.kernels.gpu.decode_attention import decode_attention
+
+    bf, heads, kv_heads, d = torch.bfloat16, 64, 8, 64
+
+    def launches(window, sinks):
+        for b in range(1, MAX_BATCH + 1):
+            for length in (256, 512, 1024):
+                q, cache = torch.zeros(b, heads, d, dtype=bf), torch.zeros(4, length, kv_heads, d, dtype=bf)
+                pos = torch.zeros(b, dtype=torch.int64)
+                decode_attention(q, cache, cache, pos, pos, length, window, d ** -0.5, sinks=sinks)
+
+    plain = _keys(lambda: launches(None, None))
+    assert len(plain["_split_kernel"]) == 1 and len(plain["_merge_kernel"]) == 3
+    assert all("('constexpr', None)" in key for key in plain["_merge_kernel"])
+    both = _keys(lambda: (launches(None, None), launches(128, torch.zeros(heads, dtype=bf))))
+    assert set(plain["_merge_kernel"]) < set(both["_merge_kernel"]) and len(both["_merge_kernel"]) == 6
+    assert set(plain["_split_kernel"]) < set(both["_split_kernel"]) and len(both["_split_kernel"]) == 2
+
+
 def test_the_recorder_sees_the_classes_it_must_remove():
     """The recorder itself: a kernel without `do_not_specialize` gets a key per int class (1, multiple of 16,
     other) and per constexpr, so the tests above could fail."""
@@ -100,7 +124,8 @@ DECODE_KERNELS = {"_pack_kernel", "_acquire_kernel", "_read_kernel", "_plan_kern
 
 def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
     """Every Triton kernel of strata, as its wrapper launches it on the GPU (PDL on), compiles for sm_90 here: a
-    decode step's (`--model`: the probe's sweep), prefill's rope and top-k, and the FP8 / MXFP4 / GGUF experts' kernels
+    decode step's (`--model`: the probe's sweep; gpt-oss's attention with sinks and a window), prefill's rope and
+    top-k, and the FP8 / MXFP4 / GGUF experts' kernels
     (GGUF: a Q4_K_M store, down's type picked per expert by its header). The CPU tests run the kernels only through
     Triton's interpreter, which compiles nothing: this catches what only the compiler rejects, on machines without a
     GPU."""
@@ -110,8 +135,13 @@ def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
     bf = torch.bfloat16
 
     def others():
+        from strata.kernels.gpu.decode_attention import decode_attention
+
         x, cos = torch.zeros(5, 4, 128, dtype=bf), torch.zeros(5, 128, dtype=bf)
         fused.norm_rope(x, cos, cos, torch.ones(128, dtype=bf), 1e-6)
+        # gpt-oss's decode attention: the sinks and window builds (64 heads over 8 KV heads of 64)
+        q, cache, pos = torch.zeros(2, 64, 64, dtype=bf), torch.zeros(2, 512, 8, 64, dtype=bf), torch.zeros(2).long()
+        decode_attention(q, cache, cache, pos, pos, 512, 128, 0.125, sinks=torch.zeros(64, dtype=bf))
         fused.softmax_topk(torch.zeros(40, 128), 8, True)
         quantized_experts()
 

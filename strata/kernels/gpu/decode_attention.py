@@ -9,6 +9,12 @@ torch's route for a decode step gathers each sequence's cache window (`k_cache[s
 2. `_merge_kernel`, grid (B, heads): rescales and adds the splits.
 Shapes depend only on (B, L), so the step stays CUDA-graph friendly. Scores and sums are fp32; the
 probabilities are rounded to the cache dtype before the value product, as flash attention does.
+
+Options, each a constexpr (a build of its own; the plain build compiles as it did without them):
+- WINDOW (split kernel): a sliding window, keys at positions <= pos - window skipped;
+- SINKS (merge kernel): gpt-oss's attention sinks, a learned logit per query head that joins the softmax's
+  denominator and takes no value. It is one more term of the merge's sum, exp(sink - m), so the splits'
+  passes over the cache do not change. Plain, the sinks pointer is None (a constexpr: no argument at all).
 """
 
 from __future__ import annotations
@@ -37,10 +43,13 @@ def decode_attention_ok(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor,
-                     pos: torch.Tensor, length: int, window: int | None, scale: float) -> torch.Tensor:
+                     pos: torch.Tensor, length: int, window: int | None, scale: float,
+                     sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q [B, heads, d]; caches [slots, max_len, kv_heads, d]; slots/pos [B] (the new token's position,
     its key already written); attend over cache positions < `length` that are <= pos (and > pos - window)
-    -> [B, heads, d] in q's dtype. Equals `attention.attend_decode` over the gathered window."""
+    -> [B, heads, d] in q's dtype. Equals `attention.attend_decode` over the gathered window. `sinks` [heads]
+    (any float dtype): a logit per query head added to the softmax's denominator only (gpt-oss), as
+    `gpt_oss.attention.attend_decode_sinks` computes it."""
     b, heads, d = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads
@@ -58,8 +67,8 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), heads, splits,
         D=d, G=group, GB=max(16, triton.next_power_of_2(group)), BLOCK=BLOCK_N, WINDOW=window is not None, num_warps=4,
         **pdl.launch(q))
-    _merge_kernel[(b, heads)](part, stats, out, splits, D=d, SB=triton.next_power_of_2(splits), num_warps=1,
-                              **pdl.launch(q))
+    _merge_kernel[(b, heads)](part, stats, sinks, out, splits, D=d, SB=triton.next_power_of_2(splits),
+                              SINKS=sinks is not None, num_warps=1, **pdl.launch(q))
     return out
 
 
@@ -113,16 +122,22 @@ if triton is not None:
         tl.store(stats_ptr + dst * 2 + 1, l_i, mask=row_ok)
 
     @triton.jit
-    def _merge_kernel(part_ptr, stats_ptr, out_ptr, SPLITS, D: tl.constexpr, SB: tl.constexpr, PDL: tl.constexpr):
+    def _merge_kernel(part_ptr, stats_ptr, sinks_ptr, out_ptr, SPLITS, D: tl.constexpr, SB: tl.constexpr,
+                      SINKS: tl.constexpr, PDL: tl.constexpr):
         pdl.enter(PDL)
         row = tl.program_id(0).to(tl.int64) * tl.num_programs(1) + tl.program_id(1)  # b * heads + head
         sp = tl.arange(0, SB)
         ok = sp < SPLITS
         m = tl.load(stats_ptr + (row * SPLITS + sp) * 2, mask=ok, other=float("-inf"))
         l_s = tl.load(stats_ptr + (row * SPLITS + sp) * 2 + 1, mask=ok, other=0.0)
-        m_all = tl.max(m, axis=0)  # finite: the first split always holds position 0 (or the window's start)
+        m_all = tl.max(m, axis=0)  # finite: the split holding the new token's own position has a key
+        if SINKS:  # the head's sink logit: one more exp in the denominator, none in the numerator
+            sink = tl.load(sinks_ptr + tl.program_id(1)).to(tl.float32)
+            m_all = tl.maximum(m_all, sink)
         w = tl.where(ok, tl.exp(m - m_all), 0.0)
         denom = tl.sum(l_s * w, axis=0)
+        if SINKS:
+            denom += tl.exp(sink - m_all)
         offs_d = tl.arange(0, D)
         acc = tl.load(part_ptr + (row * SPLITS + sp)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
         o = tl.sum(acc * w[:, None], axis=0) / denom

@@ -178,13 +178,7 @@ class GQAAttention(nn.Module):
                 k_cache[batch.slots_t, batch.pos_t] = k
                 v_cache[batch.slots_t, batch.pos_t] = v
         if isinstance(batch, DecodeBatch):
-            length = batch.kv_len
-            if decode_attention_ok(q, k_cache):  # reads the cache in place: no window gather, no mask
-                o = decode_attention(q, k_cache, v_cache, batch.slots_t, batch.pos_t, length, self.window, self.scale)
-            else:
-                o = attend_decode(q, k_cache[batch.slots_t, :length], v_cache[batch.slots_t, :length], batch.pos_t,
-                                  self.window, self.scale)
-            return project(self.o_proj, o.reshape(n, -1))
+            return project(self.o_proj, self.attend_decode_batch(q, k_cache, v_cache, batch).reshape(n, -1))
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
         for slot, start, off, length in batch.sequences():
             end = start + length
@@ -198,6 +192,17 @@ class GQAAttention(nn.Module):
             )
             out[off : off + length] = o.transpose(0, 1)
         return project(self.o_proj, out.reshape(n, -1))
+
+    def attend_decode_batch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            batch: DecodeBatch) -> torch.Tensor:
+        """A decode step's attention, its new keys and values already in the cache: q [B, heads, d] over the caches
+        [slots, max_len, kv_heads, d], positions < `batch.kv_len` masked by each sequence's position (and window)
+        -> [B, heads, d]. gpt-oss's attention adds its sinks here."""
+        length = batch.kv_len
+        if decode_attention_ok(q, k_cache):  # reads the cache in place: no window gather, no mask
+            return decode_attention(q, k_cache, v_cache, batch.slots_t, batch.pos_t, length, self.window, self.scale)
+        return attend_decode(q, k_cache[batch.slots_t, :length], v_cache[batch.slots_t, :length], batch.pos_t,
+                             self.window, self.scale)
 
 
 def _stack_into_views(params: list[nn.Parameter]) -> torch.Tensor:

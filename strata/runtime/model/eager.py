@@ -3,6 +3,14 @@
 It holds what every such model has around its own layers: the token embedding, the final norm and LM head, the
 rotary table, the layer observer, the kernel options and torch's threads for a CPU prompt pass. A model subclasses
 it, passing its layers and final norm; `run_layers` feeds each layer (x, cos, sin, batch, its cache).
+
+Two class switches say how far a model's decode steps go towards CUDA graphs:
+- `decode_batches`: its layers take a `DecodeBatch` (one token a sequence, fixed shapes over a `kv_len` bucket).
+  Then `enable_decode_graphs` (which the build calls on CUDA) sets up `DecodeGraphs`, as `MoETransformer`'s does,
+  and a CUDA decode step runs through it as a DecodeBatch: eagerly unless `decode_graphs` allows capture;
+- `decode_graphs`: those steps may be captured in CUDA graphs as the build's mode says ("full", "segmented", ...);
+  off, `DecodeGraphs` is told no mode and every step runs eagerly (its hooks are then never called).
+gpt-oss takes DecodeBatch steps with graphs off (its experts' math groups tokens on the host); Qwen3.5-MoE neither.
 """
 
 from __future__ import annotations
@@ -15,14 +23,18 @@ from torch import nn
 from strata.kernels.options import DEFAULT as DEFAULT_KERNELS
 from strata.kernels.options import KernelOptions, kernel_options
 from strata.runtime.model.config import ModelConfig
+from strata.runtime.model.graphs import DecodeGraphs, is_decode
 from strata.runtime.model.hooks import GraphStepHooks, LayerObserver
-from strata.runtime.model.kv_cache import StepBatch
+from strata.runtime.model.kv_cache import DecodeBatch, StepBatch
 from strata.runtime.model.layers import linear, use_pass_threads
 from strata.runtime.model.rope import RotaryEmbedding
 
 
 class EagerTransformer(nn.Module):
     """`forward(input_ids [N], batch, cache) -> hidden [N, H]`; `logits(hidden) -> [n, vocab]` fp32."""
+
+    decode_batches = False  # its layers take DecodeBatch decode steps (see the module's docstring)
+    decode_graphs = False  # those steps may be captured in CUDA graphs (only with decode_batches)
 
     def __init__(self, cfg: ModelConfig, layers: nn.ModuleList, norm: nn.Module):
         super().__init__()
@@ -33,18 +45,20 @@ class EagerTransformer(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.rotary = RotaryEmbedding(cfg.rope)  # the loader replaces it on the model's device
         self.layer_observer: LayerObserver | None = None
-        self.graphs = None  # decode steps run eagerly
+        self.graphs: DecodeGraphs | None = None  # DecodeBatch decode steps on CUDA (`enable_decode_graphs`)
         self.engram = None
         self.kernel_options: KernelOptions = DEFAULT_KERNELS
         self.prompt_threads = torch.get_num_threads()  # torch's threads for a CPU prompt pass (`use_pass_threads`)
 
-    def forward(self, input_ids: torch.Tensor, batch: StepBatch, cache) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, batch: StepBatch | DecodeBatch, cache) -> torch.Tensor:
         use_pass_threads(input_ids, self.prompt_threads)
         with kernel_options(self.kernel_options):
+            if self.graphs is not None and is_decode(input_ids, batch):  # a CUDA decode step: as a DecodeBatch
+                return self.graphs.run(input_ids, batch, cache)
             return self.run_layers(input_ids, batch, cache)
 
-    def run_layers(self, input_ids: torch.Tensor, batch: StepBatch, cache) -> torch.Tensor:
-        """input_ids [N] -> final hidden states [N, H]."""
+    def run_layers(self, input_ids: torch.Tensor, batch: StepBatch | DecodeBatch, cache) -> torch.Tensor:
+        """input_ids [N] -> final hidden states [N, H] (a DecodeBatch only where `decode_batches`)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(batch.positions(input_ids.device), x.dtype)
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers, strict=True)):
@@ -63,5 +77,10 @@ class EagerTransformer(nn.Module):
 
     def enable_decode_graphs(self, mode: Callable[[], str | None] = lambda: "full",
                              devices: list[torch.device] | None = None, hooks: GraphStepHooks | None = None) -> None:
-        """Decode steps are not captured in CUDA graphs: they run eagerly, whatever `mode` says."""
-        self.graphs = None
+        """`MoETransformer.enable_decode_graphs`'s arguments (CUDA only). A model whose layers take DecodeBatch steps
+        (`decode_batches`) runs its decode steps through `DecodeGraphs`: captured as `mode()` says where
+        `decode_graphs`, else eagerly whatever `mode` says. Any other model runs StepBatch decode steps."""
+        if not self.decode_batches:
+            self.graphs = None
+            return
+        self.graphs = DecodeGraphs(self.run_layers, mode if self.decode_graphs else lambda: None, devices, hooks)

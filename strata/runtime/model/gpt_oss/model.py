@@ -7,7 +7,9 @@ tiered executor run it like the other architectures.
                x = x + moe(post_attention_layernorm(x))                 biased router, biased clamped SwiGLU experts
     hidden = norm(x)                                                    RMS norms with fp32 weights, rounded once
 
-Decode steps run eagerly (no CUDA graphs: the experts' reference math groups tokens on the host).
+Decode steps on CUDA run as `DecodeBatch` steps (fixed shapes: attention over the step's `kv_len` bucket, with sinks,
+`GptOssAttention.attend_decode_batch`), eagerly: no CUDA graphs yet, since the experts' reference math groups tokens
+on the host. `decode_graphs = True` is the switch that lets the build's mode capture them once the experts can be.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from strata.runtime.model.deepseek_v4.norms import FloatRMSNorm
 from strata.runtime.model.eager import EagerTransformer
 from strata.runtime.model.gpt_oss.attention import GptOssAttention
 from strata.runtime.model.gpt_oss.moe import GptOssMoE
-from strata.runtime.model.kv_cache import StepBatch
+from strata.runtime.model.kv_cache import DecodeBatch, StepBatch
 
 FP32_NORMS = ("input_layernorm.", "post_attention_layernorm.")  # and the final norm: transformers' fp32 modules
 # model parameter -> checkpoint name, where they differ: the dense expert biases sit beside the experts in the file
@@ -37,7 +39,7 @@ class GptOssLayer(nn.Module):
         self.post_attention_layernorm = FloatRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GptOssMoE(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch | DecodeBatch,
                 cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, batch, cache)
         return self.mlp(self.post_attention_layernorm(x), residual=x)
@@ -45,7 +47,10 @@ class GptOssLayer(nn.Module):
 
 class GptOssTransformer(EagerTransformer):
     """`forward(input_ids [N], batch, cache) -> hidden [N, H]`; `logits(hidden) -> [n, vocab]` fp32. Decode steps
-    run eagerly: its experts' reference math groups tokens by expert on the host."""
+    on CUDA run as DecodeBatch steps, eagerly: its experts' reference math groups tokens by expert on the host."""
+
+    decode_batches = True  # every layer takes a DecodeBatch: attention with sinks over the kv_len bucket
+    decode_graphs = False  # not captured yet: GptOssExperts / the tiered reference math need the host mid-step
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, nn.ModuleList(GptOssLayer(cfg, i) for i in range(cfg.num_layers)),

@@ -1,0 +1,147 @@
+"""gpt-oss decode steps as `DecodeBatch` steps (fixed shapes over a `kv_len` bucket: what CUDA graphs capture) against
+its `StepBatch` path, on tiny random checkpoints (tests/gpt_oss_models.py).
+
+On the CPU in fp32: the torch decode attention with sinks (`attend_decode_sinks`) equals the per-sequence one
+(`attend_with_sinks`), and a model's DecodeBatch decode gives the StepBatch path's logits within 1e-4 and the same 32
+greedy tokens, for several sequences of different lengths in one batch, past the sliding window and across a
+`kv_len` bucket. The switch (`decode_batches`, `decode_graphs`) and, on CUDA (marked gpu), the engine's decode steps
+running as eager DecodeBatch steps through the Triton kernel's sinks build.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gpt_oss_models import build_gpt_oss
+
+from reference_models import VOCAB
+from strata.runtime.model.checkpoint import Checkpoint
+from strata.runtime.model.eager import EagerTransformer
+from strata.runtime.model.gpt_oss.attention import attend_decode_sinks, attend_with_sinks
+from strata.runtime.model.graphs import DecodeGraphs
+from strata.runtime.model.kv_cache import DecodeBatch, KVCache, StepBatch, kv_bucket
+from strata.runtime.model.loader import load_model
+from strata.runtime.model.qwen3_5.model import Qwen35Transformer
+
+ATOL = 1e-4
+MAX_LEN = 700
+
+
+@pytest.mark.parametrize("window", [None, 5, 12, 400])
+def test_decode_attention_with_sinks_equals_the_per_sequence_one(window):
+    """Three sequences at positions 0, 3 and 250 in one step (before, inside and past the window; a window of 400
+    wider than the 256-position bucket) == each alone over its prefix."""
+    g = torch.Generator().manual_seed(0 if window is None else window)
+    heads, kv_heads, d, length = 8, 2, 16, 256
+    kc, vc = torch.randn(4, MAX_LEN, kv_heads, d, generator=g), torch.randn(4, MAX_LEN, kv_heads, d, generator=g)
+    q, sinks = torch.randn(3, heads, d, generator=g), torch.randn(heads, generator=g) * 2
+    slots, pos = torch.tensor([2, 0, 3]), torch.tensor([0, 3, 250])
+    out = attend_decode_sinks(q, kc, vc, slots, pos, length, window, d ** -0.5, sinks)
+    assert out.shape == (3, heads, d)
+    for i in range(3):
+        p = int(pos[i])
+        want = attend_with_sinks(q[i : i + 1], kc[slots[i], : p + 1], vc[slots[i], : p + 1], p, window, d ** -0.5,
+                                 sinks)
+        torch.testing.assert_close(out[i], want[0], rtol=1e-5, atol=1e-6)
+
+
+def _greedy_both_ways(model, lengths: list[int], steps: int, seed: int, device: str = "cpu", atol: float = ATOL,
+                      decode=None) -> set[int]:
+    """Prefill `lengths` random prompts into two caches, then `steps` greedy steps of all of them together: StepBatch
+    steps on one cache (`run_layers`), DecodeBatch steps on the other, logits within `atol` and the same greedy tokens
+    (the StepBatch path's fed to both; on CUDA compared where the top two are more than 2 atol apart). `decode(ids,
+    slots, lengths, cache)`: the DecodeBatch step (default: a DecodeBatch over `kv_bucket`). Returns the buckets."""
+    a, b = (KVCache(model.cfg, len(lengths), MAX_LEN, torch.float32, device) for _ in range(2))
+    buckets = set()
+
+    def as_decode_batch(ids, slots, lengths, cache):
+        kv_len = kv_bucket(max(lengths), MAX_LEN)
+        buckets.add(kv_len)
+        batch = DecodeBatch(torch.tensor(slots, device=device), torch.tensor(lengths, device=device), kv_len)
+        return model.run_layers(ids, batch, cache)
+
+    decode = decode or as_decode_batch
+    g = torch.Generator().manual_seed(seed)
+    last = []
+    with torch.inference_mode():
+        for slot, n in enumerate(lengths):
+            prompt = torch.randint(0, VOCAB, (n,), generator=g).to(device)
+            for cache in (a, b):
+                hidden = model.run_layers(prompt, StepBatch([slot], [0], [n]), cache)
+            last.append(int(model.logits(hidden[-1:]).argmax(-1)))
+        ids, slots = torch.tensor(last, device=device), list(range(len(lengths)))
+        for _ in range(steps):
+            want = model.logits(model.run_layers(ids, StepBatch(slots, lengths, [1] * len(slots)), a))
+            got = model.logits(decode(ids, slots, lengths, b))
+            err = (got - want).abs().max().item()
+            assert err < atol, f"max |logit - StepBatch's| = {err:.2e} at lengths {lengths}"
+            top = want.topk(2, -1).values
+            clear = (top[:, 0] - top[:, 1] > 2 * atol) if device != "cpu" else torch.ones_like(top[:, 0], dtype=bool)
+            assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+            ids = want.argmax(-1)
+            lengths = [n + 1 for n in lengths]
+    return buckets
+
+
+def test_decode_batch_equals_step_batch(tmp_path):
+    """A 12-token window: sequences of 3, 40 and 1 tokens (one far past the window, one reaching it mid-decode)."""
+    _, directory = build_gpt_oss(tmp_path / "oss", seed=11)
+    model = load_model(Checkpoint.open(directory), torch.float32, "cpu")
+    assert model.cfg.sliding_windows == [12, None, 12, None]
+    _greedy_both_ways(model, [3, 40, 1], 32, seed=12)
+
+
+def test_long_decode_batch_equals_step_batch_across_buckets(tmp_path):
+    """A 64-token window (YaRN over 256 positions): 250, 70 and 5 tokens; the longest crosses from the 256-position
+    bucket into the 512 one."""
+    _, directory = build_gpt_oss(tmp_path / "oss", long=True, seed=13)
+    model = load_model(Checkpoint.open(directory), torch.float32, "cpu")
+    assert model.cfg.sliding_windows[0] == 64
+    assert _greedy_both_ways(model, [250, 70, 5], 32, seed=14) == {256, 512}
+
+
+def test_the_switch_gives_gpt_oss_eager_decode_batches_and_others_none(tmp_path):
+    """gpt-oss: `enable_decode_graphs` sets up DecodeGraphs over its layers that never capture (`decode_graphs`
+    off) whatever the build's mode; with the switch on, the mode goes through. Qwen3.5-MoE (and the shell) keep
+    StepBatch decode."""
+    _, directory = build_gpt_oss(tmp_path / "oss", seed=1, layers=2)
+    model = load_model(Checkpoint.open(directory), torch.float32, "cpu")
+    assert model.decode_batches and not model.decode_graphs
+    model.enable_decode_graphs(lambda: "full")
+    assert isinstance(model.graphs, DecodeGraphs) and model.graphs.mode() is None
+    assert model.graphs.forward == model.run_layers
+    model.decode_graphs = True  # the switch, once its experts can be captured
+    model.enable_decode_graphs(lambda: "segmented")
+    assert model.graphs.mode() == "segmented"
+    assert not Qwen35Transformer.decode_batches
+    shell = EagerTransformer(model.cfg, torch.nn.ModuleList(), torch.nn.Identity())
+    shell.enable_decode_graphs(lambda: "full")
+    assert shell.graphs is None
+
+
+@pytest.mark.gpu
+def test_cuda_decode_steps_run_as_decode_batches(tmp_path, monkeypatch):
+    """On CUDA (fp32) the engine's model runs a decode step given as a StepBatch through DecodeGraphs, as an eager
+    DecodeBatch step (nothing captured) attending with the kernel's sinks build; its logits follow the StepBatch
+    path's (up to the kernel's tf32 dot products) across the 256 -> 512 bucket, past the 64-token window."""
+    import strata.runtime.model.gpt_oss.attention as oss_attention
+    from strata import Engine
+
+    _, directory = build_gpt_oss(tmp_path / "oss", long=True, seed=15)
+    cfg = {"runtime": {"max_context": MAX_LEN, "dtype": "float32", "experts": "memory", "warmup": False}}
+    engine = Engine.from_pretrained(directory, config=cfg, device="cuda")
+    model = engine.model
+    assert isinstance(model.graphs, DecodeGraphs) and model.graphs.mode() is None
+    sinks_builds = []
+    real = oss_attention.decode_attention
+    monkeypatch.setattr(oss_attention, "decode_attention",
+                        lambda *a, **k: sinks_builds.append(k["sinks"] is not None) or real(*a, **k))
+
+    def through_the_engine_path(ids, slots, lengths, cache):  # what the generation loop hands the model
+        return model(ids, StepBatch(slots, lengths, [1] * len(slots)), cache)
+
+    _greedy_both_ways(model, [250, 70, 5], 32, seed=16, device="cuda", atol=2e-2, decode=through_the_engine_path)
+    assert sinks_builds and all(sinks_builds)
+    assert model.graphs.captures == 0 and model.graphs.replays == 0
+    assert engine.generate([1, 2, 3], max_tokens=8, temperature=0.0).finish_reason == "length"
+    engine.close()
