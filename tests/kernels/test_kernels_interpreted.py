@@ -17,6 +17,7 @@ MODULES = [
      "(router or residual or softmax_topk or combine or gemv) and not mlp_takes_the_gemv", 1),
     ("tests/kernels/test_quant_pairs.py", "test_kernel_", 17),  # FP8 and MXFP4 pairs, in-place reads, dequantizers
     ("tests/kernels/test_gguf_pairs.py", "test_kernel_", 24),  # the same for GGUF experts
+    ("tests/kernels/test_pair_forms.py", "test_kernel_", 24),  # every SwiGLU form and the gate_up bias, each format
 ]
 
 
