@@ -182,8 +182,9 @@ def pair_experts(x: torch.Tensor, weights: SlotWeights | QuantSlotWeights, slot_
     used = torch.empty(p, dtype=torch.int32, device=x.device) if used is None else used
     if p == 0:
         return used
-    inter = (weights.layout.intermediate if weights.layout is not None else weights.down.shape[-1])
-    pair_forms.check_bias(gate_up_bias, inter)
+    if gate_up_bias is not None:
+        pair_forms.check_bias(gate_up_bias, weights.layout.intermediate if weights.layout is not None
+                                 else weights.down.shape[-1])
     path = fast_path(weights) if x.is_cuda else "torch"
     if path == "plain":  # ids of any integer dtype; no rows: row p (no arange launched)
         _pair_triton(x, weights, slot_of, ids, rows, k, y, used, form, gate_up_bias)

@@ -1,11 +1,13 @@
 """The SwiGLU forms (strata.kernels.experts.SwiGLUForm) and the gate_up bias in the decode pair kernels' gate/up step.
 
 Every gate/up kernel (plain slots: strata.kernels.gpu.plain_pairs; FP8 / MXFP4: quant_pairs; GGUF: gguf_pairs)
-computes, for the intermediate rows j of its tile, the two dot products of gate_up's rows `rows(j)` with the token,
-adds the expert's bias at those rows, and applies the form's activation, all in fp32. A form is a constexpr bit set,
-`FORM` (`form_code`): 0 is the plain SwiGLU, which compiles to exactly the code it always did (no extra argument
-reaches the kernel: `kernel_args` passes None, which Triton folds as a constexpr); the other forms take
-the form's limit, alpha and up_offset as fp32 arguments. The bias is a second constexpr, `HAS_BIAS`.
+computes, for the intermediate rows j [BLOCK_I] of its tile, the dot products of gate_up's rows `gate_row(j)` and
+`up_row(j)` with the token, adds the expert's bias [E, 2I] at those rows, and applies the form's activation
+(`activate`), all in fp32. A form is a constexpr bit set, `FORM` (`form_code`): 0, the plain SwiGLU, compiles to the
+instructions it always did (`kernel_args` gives it no argument: the kernels' new parameters keep their None
+defaults, which Triton folds as constexprs; checked on the sm_90 PTX). The other forms take the form's limit, alpha
+and up_offset as fp32 arguments, so each form is one build whatever its values. The bias is a second constexpr,
+`HAS_BIAS`, its pointer and row stride arguments only when on.
 
 - CLAMP: gate = min(gate, limit), up = clamp(up, -limit, limit)
 - SCALED: h = (up + up_offset) * gate * sigmoid(alpha * gate) (else silu(gate) * up)
