@@ -175,6 +175,60 @@ def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
     assert built == DECODE_KERNELS | {"_norm_rope_kernel", "_softmax_topk_kernel"} | quantized == triton_kernels()
 
 
+def test_a_swiglu_form_is_one_more_pair_kernel_build_whatever_its_values_and_compiles_for_the_h200(tmp_path,
+                                                                                                   monkeypatch):
+    """The decode pair kernels with a SwiGLU form and a gate_up bias (strata.kernels.gpu.pair_forms): the plain form,
+    passed or left out, is the one build it always was; a form's constexprs (FORM, HAS_BIAS) are one build each,
+    whatever its limit, alpha and up_offset (fp32 arguments: DeepSeek-V4's limit 10 and a limit of 7 share a build).
+    Every such build compiles for sm_90: plain slots, FP8 / MXFP4 / GGUF blobs, resident and in place."""
+    from strata.kernels.experts import PLAIN_SWIGLU, SwiGLUForm
+    from strata.kernels.gpu import grouped, quant_pairs
+    from strata.kernels.gpu.quant_slots import QuantSlotWeights
+    from strata.kernels.quant import ExpertFormat, ExpertLayout
+
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
+    bf, h, inter = torch.bfloat16, db.H, db.INTER
+    gpt_oss = SwiGLUForm(limit=7.0, alpha=1.702, up_offset=1.0, interleaved=True)
+    x, y, used = torch.zeros(1, h, dtype=bf), torch.zeros(TOP_K, h), torch.zeros(TOP_K, dtype=torch.int32)
+    pairs, addr = torch.arange(TOP_K, dtype=torch.int32), torch.zeros(TOP_K, dtype=torch.int64)
+    bias = torch.zeros(TOP_K, 2 * inter, dtype=bf)
+
+    def plain():
+        slots = grouped.SlotWeights(torch.empty(2, 2 * inter, h, dtype=bf), torch.empty(2, h, inter, dtype=bf))
+        for form in (None, PLAIN_SWIGLU, SwiGLUForm(limit=10.0), SwiGLUForm(limit=7.0)):
+            grouped._pair_triton(x, slots, used, pairs, None, TOP_K, y, used.clone(),
+                                 **({} if form is None else {"form": form}))
+        grouped._pair_triton(x, slots, used, pairs, None, TOP_K, y, used.clone(), gpt_oss, bias)
+        experts = grouped.HostExperts(bf, (2 * inter, h), (h, inter), 2 * inter * h * 2)
+        grouped.pair_experts_in_place(x, experts, addr, y, first_row=used, form=gpt_oss, gate_up_bias=bias,
+                                      expert_ids=pairs)
+
+    def quantized():
+        q4_k_m = ExpertFormat("gguf", ggml=(("Q4_K",), ("Q4_K",), ("Q6_K", "Q4_K")))
+        for fmt in (ExpertFormat("fp8", block=(128, 128)), ExpertFormat("mxfp4"), q4_k_m):
+            form = gpt_oss if fmt.kind != "gguf" else SwiGLUForm(limit=7.0, alpha=1.702, up_offset=1.0)
+            layout = ExpertLayout.build(fmt, h, inter)
+            slab = torch.zeros(2, -(-layout.payload_bytes // 4096) * 4096, dtype=torch.uint8)
+            quant_pairs.pair_quant(x, QuantSlotWeights(slab, layout), used, pairs, None, TOP_K, y, used.clone(),
+                                   form=form, gate_up_bias=bias)
+            grouped.pair_experts_in_place(x, grouped.HostExperts.of_layout(layout), addr, y, first_row=used,
+                                          form=SwiGLUForm(limit=10.0))
+
+    try:
+        with as_on_the_gpu():
+            with recorded_launches() as keys:
+                plain()
+            with recorded_launches(compile=True) as compiled:
+                plain()
+                quantized()
+    except Unavailable as e:
+        pytest.skip(str(e))
+    # resident: plain (left out or passed), FORM 1 (limits 10 and 7), gpt-oss's FORM 7 with a bias; in place: gpt-oss's
+    assert len(keys["_gate_up_kernel"]) == 4 and len(keys["_down_kernel"]) == 2
+    assert all(s is not None and s > 0 for k in compiled.values() for s in k.values())
+    assert {"_gate_up_kernel", "_quant_gate_up_kernel", "_gguf_gate_up_kernel"} <= set(compiled)
+
+
 def test_the_kernel_list_is_every_jit_kernel_the_gpu_modules_hold():
     """`triton_kernels` reads the sources; imported, strata.kernels.gpu's modules hold the same launchable kernels
     (Triton `JITFunction`s named `_..._kernel`), and its `@triton.jit` helpers (`enter`, `_round`) are not in it."""

@@ -18,6 +18,7 @@ MODULES = [
     ("tests/kernels/test_quant_pairs.py", "test_kernel_", 17),  # FP8 and MXFP4 pairs, in-place reads, dequantizers
     ("tests/kernels/test_gguf_pairs.py", "test_kernel_", 24),  # the same for GGUF experts
     ("tests/kernels/test_decode_attention.py", "decode_attention or plain_build", 5),  # sinks, windows
+    ("tests/kernels/test_pair_forms.py", "test_kernel_", 24),  # every SwiGLU form and the gate_up bias, each format
 ]
 
 

@@ -165,6 +165,6 @@ def test_every_pdl_kernel_waits_before_it_reads_activations_or_writes():
     # the decode step's kernels all take part (a new one should too, or say why not in strata.kernels.gpu.pdl)
     for kernel in ("fused._rms_norm_kernel", "fused._add_rms_norm_kernel", "fused._norm_rope_cache_kernel",
                    "decode_gemv._gemv_kernel", "decode_attention._split_kernel", "decode_attention._merge_kernel",
-                   "decode_router._route_kernel", "grouped._gate_up_kernel", "grouped._down_kernel",
+                   "decode_router._route_kernel", "plain_pairs._gate_up_kernel", "plain_pairs._down_kernel",
                    "fused._combine_kernel", "mailbox_pack._pack_kernel"):
         assert kernel in found, kernel

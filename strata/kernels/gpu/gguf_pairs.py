@@ -9,14 +9,20 @@ multiplies a group, not a weight. Gate, up and down each carry their own type se
 up are Q4_K and its down Q6_K or Q4_K by layer), so a store of one type per tensor compiles one branch a matrix.
 Results match the bf16 kernels on `ExpertLayout.dequantize`d weights to fp32 rounding (the scale applies to a
 group's sum; a dequantized weight is not rounded to bf16 first).
+
+The SwiGLU's clamp, alpha and up offset and the gate_up bias [E, 2I] are the gate/up kernel's FORM and HAS_BIAS
+constexprs (strata.kernels.gpu.pair_forms). Interleaved gate/up rows are refused (`check_form`): a GGUF blob holds
+gate and up as two tensors of their own block types (as a GGUF file does), so its gate rows are always its first I.
 """
 
 from __future__ import annotations
 
 import torch
 
-from strata.kernels.gpu import pdl
+from strata.kernels.experts import PLAIN_SWIGLU, SwiGLUForm
+from strata.kernels.gpu import pair_forms, pdl
 from strata.kernels.gpu.gguf_tiles import gguf_group, matrix_parts, triton
+from strata.kernels.gpu.pair_forms import activate
 from strata.kernels.quant import ExpertLayout
 
 if triton is not None:
@@ -35,16 +41,26 @@ def _matrices(layout: ExpertLayout) -> dict:
     return {"gate_up": (gate_off, up_off, gate_t, up_t), "down": (down_off, down_t)}
 
 
+def check_form(form: SwiGLUForm) -> None:
+    """Refuses a form these kernels cannot compute: interleaved gate/up rows (a blob's gate and up are two tensors)."""
+    if form.interleaved:
+        raise ValueError("GGUF experts hold gate and up as two tensors: the GPU kernels compute no interleaved "
+                         "gate/up rows (give the experts gate rows first, and the bias in that order)")
+
+
 def pair_gguf(x: torch.Tensor, slab: torch.Tensor, layout: ExpertLayout, slot_of: torch.Tensor, ids: torch.Tensor,
-              rows: torch.Tensor | None, k: int, y: torch.Tensor, used: torch.Tensor, config=None) -> None:
+              rows: torch.Tensor | None, k: int, y: torch.Tensor, used: torch.Tensor, config=None,
+              form: SwiGLUForm = PLAIN_SWIGLU, gate_up_bias: torch.Tensor | None = None) -> None:
     """`quant_pairs.pair_quant` for gguf slots of slab [S, slot_bytes] (same arguments): pair p runs expert ids[p]
-    from slot slot_of[ids[p]] (-1: skipped) on token rows[p] // k (rows None: p), its row of y [., H] fp32 written.
+    from slot slot_of[ids[p]] (-1: skipped) on token rows[p] // k (rows None: p), its row of y [., H] fp32 written;
+    `form` the SwiGLU (not interleaved: `check_form`), gate_up_bias [E, 2I] (row ids[p]) added before it.
     config: a (gate/up, down) launch configuration in place of `GGUF_PAIR_CONFIG`."""
+    check_form(form)
     m = _matrices(layout)
     hidden, inter = layout.hidden, layout.intermediate
     p = ids.numel()
     x = x.contiguous()
-    h = torch.empty((p, inter), dtype=torch.float32, device=x.device)  # SiLU(gate) * up per pair
+    h = torch.empty((p, inter), dtype=torch.float32, device=x.device)  # SwiGLU(gate, up) per pair [P, I]
     (block_i, block_h, warps_gu, stages_gu), (block_o, block_k, warps_d, stages_d) = config or GGUF_PAIR_CONFIG
     has_rows = rows is not None
     rows = rows if has_rows else ids  # an unread pointer when HAS_ROWS is off
@@ -52,7 +68,8 @@ def pair_gguf(x: torch.Tensor, slab: torch.Tensor, layout: ExpertLayout, slot_of
     _gguf_gate_up_kernel[(p, triton.cdiv(inter, block_i))](
         x, slab, slot_of, ids, rows, used, h, ids, hidden, inter, k, x.stride(0), slab.stride(0), gate_off, up_off,
         h.stride(0), GATE_T=gate_t, UP_T=up_t, BLOCK_I=block_i, BLOCK_H=block_h, HAS_ROWS=has_rows, ADDR=False,
-        FIRST=False, num_warps=warps_gu, num_stages=stages_gu, **pdl.launch(x))
+        FIRST=False, num_warps=warps_gu, num_stages=stages_gu, **pair_forms.kernel_args(form, gate_up_bias),
+        **pdl.launch(x))
     down_off, down_t = m["down"]
     _gguf_down_kernel[(p, triton.cdiv(hidden, block_o))](
         h, slab, used, rows, y, ids, ids, hidden, inter, h.stride(0), slab.stride(0), down_off, y.stride(0),
@@ -64,10 +81,13 @@ _BYTES: dict[str, torch.Tensor] = {}
 
 
 def pair_gguf_in_place(x: torch.Tensor, layout: ExpertLayout, addresses: torch.Tensor, y: torch.Tensor,
-                       first_row: torch.Tensor | None = None) -> None:
+                       first_row: torch.Tensor | None = None, form: SwiGLUForm = PLAIN_SWIGLU,
+                       gate_up_bias: torch.Tensor | None = None, expert_ids: torch.Tensor | None = None) -> None:
     """`quant_pairs.pair_quant_in_place` for gguf blobs: pairs with `addresses[p]` != 0 (the host address of the
     page-locked slot holding its expert's blob of `layout`) read their blocks in place over PCIe; first_row [P]
-    int32 (or None): only the intermediate rows from first_row[p] on."""
+    int32 (or None): only the intermediate rows from first_row[p] on; `form` (not interleaved), gate_up_bias
+    [E, 2I] and expert_ids [P] (its row for pair p) as there."""
+    check_form(form)
     m = _matrices(layout)
     p = addresses.numel()
     hidden, inter = layout.hidden, layout.intermediate
@@ -85,7 +105,8 @@ def pair_gguf_in_place(x: torch.Tensor, layout: ExpertLayout, addresses: torch.T
     _gguf_gate_up_kernel[(p, triton.cdiv(inter, block_i))](
         x, dummy, addresses, addresses, addresses, used, h, first_row, hidden, inter, y.shape[0] // x.shape[0],
         x.stride(0), 0, gate_off, up_off, h.stride(0), GATE_T=gate_t, UP_T=up_t, BLOCK_I=block_i, BLOCK_H=block_h,
-        HAS_ROWS=False, ADDR=True, FIRST=first, num_warps=4, **pdl.launch(x))
+        HAS_ROWS=False, ADDR=True, FIRST=first, num_warps=4, **pair_forms.kernel_args(form, gate_up_bias, expert_ids),
+        **pdl.launch(x))
     down_off, down_t = m["down"]
     _gguf_down_kernel[(p, triton.cdiv(hidden, block_o))](
         h, dummy, used, addresses, y, addresses, first_row, hidden, inter, h.stride(0), 0, down_off, y.stride(0),
@@ -140,13 +161,20 @@ if triton is not None:
     def _gguf_gate_up_kernel(x_ptr, slab_ptr, slot_of_ptr, ids_ptr, rows_ptr, used_ptr, h_ptr, first_ptr, H, INTER, K,
                              stride_x, stride_slot, gate_off, up_off, stride_h, GATE_T: tl.constexpr,
                              UP_T: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr, HAS_ROWS: tl.constexpr,
-                             ADDR: tl.constexpr, FIRST: tl.constexpr, PDL: tl.constexpr):
+                             ADDR: tl.constexpr, FIRST: tl.constexpr, PDL: tl.constexpr, bias_ptr=None, eid_ptr=None,
+                             stride_b=None, limit=None, alpha=None, up_offset=None, FORM: tl.constexpr = 0,
+                             HAS_BIAS: tl.constexpr = False):
+        """`plain_pairs._gate_up_kernel` on gguf blobs: gate's rows at gate_off, up's at up_off (block types from
+        GATE_T, UP_T and the blob's header). FORM may not be interleaved."""
         pdl.enter(PDL)
         p = tl.program_id(0)
         ib = tl.program_id(1)
         if ADDR:  # ids holds each pair's blob address in pinned host memory (0: not in this pass)
             addr = tl.load(ids_ptr + p)
             slot = tl.where(addr != 0, 0, -1).to(tl.int64)
+            expert = p  # (read only with HAS_BIAS)
+            if HAS_BIAS:
+                expert = tl.load(eid_ptr + p)
         else:
             expert = tl.load(ids_ptr + p)
             slot = tl.load(slot_of_ptr + expert).to(tl.int64)
@@ -177,7 +205,8 @@ if triton is not None:
                 g = h0 // 16 + tl.arange(0, BLOCK_H // 16)
                 acc_g = _tile_dot(acc_g, t_gate, base, gate_off, rows, mask_i, H, g, xv, GATE_T)
                 acc_u = _tile_dot(acc_u, t_up, base, up_off, rows, mask_i, H, g, xv, UP_T)
-            h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+            h = activate(acc_g, acc_u, expert, offs_i, offs_i + INTER, mask_i, bias_ptr, stride_b, limit, alpha,
+                         up_offset, FORM, HAS_BIAS)  # (bias rows in gate_up's order: gate j, up I + j)
             tl.store(h_ptr + p * stride_h + offs_i, h, mask=mask_i)
 
     @triton.jit

@@ -12,8 +12,10 @@ before the lookup (the pair is skipped) or after the kernel (the copy that reuse
 it): the gate/up kernel records the slot it used and the down kernel reads that record, so both
 projections always use one consistent slot.
 
-Triton kernels on CUDA; a pure-torch fallback (gather + bmm) elsewhere, with the same results to
-rounding.
+Triton kernels on CUDA (strata.kernels.gpu.plain_pairs); a pure-torch fallback (gather + bmm) elsewhere, with the
+same results to rounding. Every path computes any `SwiGLUForm` (DeepSeek-V4's clipped SwiGLU, gpt-oss's clamped,
+offset, interleaved one) and adds an optional per-expert gate_up bias [E, 2I] before the activation
+(strata.kernels.gpu.pair_forms); the down bias is not theirs (strata.kernels.experts.down_bias_term adds it once).
 
 Expert formats (strata.kernels.quant): plain experts are `SlotWeights` (typed views of the slots); FP8, MXFP4 and
 GGUF experts are `QuantSlotWeights` (the slab and the blob's `ExpertLayout`) and in pinned RAM `HostExperts` with a
@@ -31,17 +33,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
-from strata.kernels.gpu import fused, pdl, quant_pairs
+from strata.kernels.experts import PLAIN_SWIGLU, SwiGLUForm
+from strata.kernels.gpu import fused, pair_forms, pdl, quant_pairs
+from strata.kernels.gpu.pair_forms import triton
+from strata.kernels.gpu.plain_pairs import _down_kernel, _gate_up_kernel
 from strata.kernels.gpu.quant_slots import QuantSlotWeights
 from strata.kernels.quant import PLAIN_DTYPES, ExpertFormat, ExpertLayout
-
-try:  # Triton ships with CUDA builds of torch; CPU-only installs do without it
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised on CPU-only hosts
-    triton = None
 
 PAIR_LIMIT = 128  # pairs per step up to which the pair kernels beat grouping tokens by expert
 # The pair kernels' launch configurations: gate/up (BLOCK_I, BLOCK_H, warps, stages), down (BLOCK_O, BLOCK_I,
@@ -168,26 +166,33 @@ def use_pair_kernels(x: torch.Tensor, num_pairs: int) -> bool:
 
 
 def pair_experts(x: torch.Tensor, weights: SlotWeights | QuantSlotWeights, slot_of: torch.Tensor, ids: torch.Tensor,
-                 y: torch.Tensor, rows: torch.Tensor | None = None, used: torch.Tensor | None = None) -> torch.Tensor:
+                 y: torch.Tensor, rows: torch.Tensor | None = None, used: torch.Tensor | None = None,
+                 form: SwiGLUForm = PLAIN_SWIGLU, gate_up_bias: torch.Tensor | None = None) -> torch.Tensor:
     """Run pair p = expert `ids[p]` (looked up in `slot_of` [E] int32, -1 = skip) on token `rows[p] // k`.
 
     x [N, H]; ids [P] int; y [N*k, H] fp32 receives row `rows[p]` (default p, with k = y.shape[0] // N).
     `used` [P] int32 receives the slot each pair used (-1: skipped). Returns `used`. Quantized slots compute as
     their dequantized weights in x's dtype would (`ExpertLayout.dequantize`), to rounding.
+    `form`: the SwiGLU between the two projections; `gate_up_bias` [E, 2I] (any float dtype, read as fp32, in
+    gate_up's row order): row ids[p] added to pair p's gate/up products before it (where ids are pair indices
+    into a per-pair slot table, pass the pairs' rows, bias[expert of p] [P, 2I]). The down bias is not added.
     """
     p = ids.numel()
     k = y.shape[0] // x.shape[0]
     used = torch.empty(p, dtype=torch.int32, device=x.device) if used is None else used
     if p == 0:
         return used
+    if gate_up_bias is not None:
+        pair_forms.check_bias(gate_up_bias, weights.layout.intermediate if weights.layout is not None
+                                 else weights.down.shape[-1])
     path = fast_path(weights) if x.is_cuda else "torch"
     if path == "plain":  # ids of any integer dtype; no rows: row p (no arange launched)
-        _pair_triton(x, weights, slot_of, ids, rows, k, y, used)
+        _pair_triton(x, weights, slot_of, ids, rows, k, y, used, form, gate_up_bias)
     elif path == "quant":
-        quant_pairs.pair_quant(x, weights, slot_of, ids, rows, k, y, used)
+        quant_pairs.pair_quant(x, weights, slot_of, ids, rows, k, y, used, form=form, gate_up_bias=gate_up_bias)
     else:
         rows = torch.arange(p, device=x.device, dtype=torch.int32) if rows is None else rows.to(torch.int32)
-        _pair_torch(x, weights, slot_of, ids, rows, k, y, used)
+        _pair_torch(x, weights, slot_of, ids, rows, k, y, used, form, gate_up_bias)
     return used
 
 
@@ -208,9 +213,10 @@ def combine_pairs(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype,
     return out if residual is None else residual + out
 
 
-def _pair_torch(x, weights: SlotWeights | QuantSlotWeights, slot_of, ids, rows, k, y, used) -> None:
+def _pair_torch(x, weights: SlotWeights | QuantSlotWeights, slot_of, ids, rows, k, y, used,
+                form: SwiGLUForm = PLAIN_SWIGLU, gate_up_bias: torch.Tensor | None = None) -> None:
     """Fallback: gather each pair's expert (quantized ones dequantized to x's dtype) and run it with batched
-    matmuls (no host sync on CUDA)."""
+    matmuls (no host sync on CUDA): `pair_experts`' arguments, rows [P] int32."""
     slots = slot_of[ids.long()].to(torch.int32)
     used.copy_(slots)
     ok = (slots >= 0)
@@ -219,107 +225,30 @@ def _pair_torch(x, weights: SlotWeights | QuantSlotWeights, slot_of, ids, rows, 
     gate_up, down = weights.gather(s, x.dtype)  # [P, 2I, H], [P, H, I]
     xs = x[tok].to(gate_up.dtype)  # [P, H]
     gu = torch.bmm(gate_up, xs[:, :, None])[..., 0].float()  # [P, 2I]
-    gate, up = gu.chunk(2, dim=-1)
-    h = (F.silu(gate) * up).to(down.dtype)
+    if gate_up_bias is not None:
+        gu = gu + gate_up_bias[ids.long()].float()  # [P, 2I]: each pair's expert's row
+    h = form.apply(gu).to(down.dtype)  # [P, I]
     out = torch.bmm(down, h[:, :, None])[..., 0].float()  # [P, H]
     out = torch.where(ok[:, None], out, y[rows.long()])
     y.index_copy_(0, rows.long(), out)
 
 
-if triton is not None:
-
-    @triton.jit
-    def _gate_up_kernel(x_ptr, gu_ptr, slot_of_ptr, ids_ptr, rows_ptr, used_ptr, h_ptr, first_ptr, H, INTER, K,
-                        stride_x, stride_gs, stride_gr, stride_h, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
-                        HAS_ROWS: tl.constexpr, ADDR: tl.constexpr, FIRST: tl.constexpr, PDL: tl.constexpr):
-        pdl.enter(PDL)
-        p = tl.program_id(0)
-        ib = tl.program_id(1)
-        if ADDR:  # ids holds each pair's expert address in pinned host memory (0: not in this pass)
-            addr = tl.load(ids_ptr + p)
-            slot = tl.where(addr != 0, 0, -1).to(tl.int64)
-        else:
-            expert = tl.load(ids_ptr + p)
-            slot = tl.load(slot_of_ptr + expert).to(tl.int64)
-        if ib == 0:
-            tl.store(used_ptr + p, slot.to(tl.int32))
-        if FIRST:  # rows below `first` are another's (a split expert's CPU part)
-            first = tl.load(first_ptr + p)
-        else:
-            first = 0
-        if (slot >= 0) & ((ib + 1) * BLOCK_I > first):
-            if HAS_ROWS:
-                tok = tl.load(rows_ptr + p).to(tl.int64) // K
-            else:
-                tok = p.to(tl.int64) // K
-            offs_i = ib * BLOCK_I + tl.arange(0, BLOCK_I)
-            mask_i = (offs_i < INTER) & (offs_i >= first)
-            acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)
-            acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
-            if ADDR:  # read over PCIe, in place (unified addressing maps the page-locked slot)
-                w = addr.to(tl.pointer_type(gu_ptr.dtype.element_ty))
-            else:
-                w = gu_ptr + slot * stride_gs
-            for h0 in range(0, H, BLOCK_H):
-                offs_h = h0 + tl.arange(0, BLOCK_H)
-                mask_h = offs_h < H
-                xv = tl.load(x_ptr + tok * stride_x + offs_h, mask=mask_h, other=0.0).to(tl.float32)
-                m = mask_i[:, None] & mask_h[None, :]
-                g = tl.load(w + offs_i[:, None] * stride_gr + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
-                u = tl.load(w + (offs_i[:, None] + INTER) * stride_gr + offs_h[None, :], mask=m, other=0.0).to(tl.float32)
-                acc_g += tl.sum(g * xv[None, :], axis=1)
-                acc_u += tl.sum(u * xv[None, :], axis=1)
-            h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-            tl.store(h_ptr + p * stride_h + offs_i, h, mask=mask_i)
-
-    @triton.jit
-    def _down_kernel(h_ptr, d_ptr, used_ptr, rows_ptr, y_ptr, addr_ptr, first_ptr, down_off, H, INTER, stride_h,
-                     stride_ds, stride_dr, stride_y, BLOCK_O: tl.constexpr, BLOCK_I: tl.constexpr,
-                     HAS_ROWS: tl.constexpr, ADDR: tl.constexpr, FIRST: tl.constexpr, PDL: tl.constexpr):
-        pdl.enter(PDL)
-        p = tl.program_id(0)
-        ob = tl.program_id(1)
-        slot = tl.load(used_ptr + p).to(tl.int64)
-        if FIRST:  # the intermediate rows from `first` on: a split expert's GPU part
-            first = tl.load(first_ptr + p)
-        else:
-            first = 0
-        if slot >= 0:
-            if HAS_ROWS:
-                row = tl.load(rows_ptr + p).to(tl.int64)
-            else:
-                row = p.to(tl.int64)
-            offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
-            mask_o = offs_o < H
-            acc = tl.zeros([BLOCK_O], dtype=tl.float32)
-            if ADDR:  # the slot holds gate_up, then down at `down_off` bytes
-                w = (tl.load(addr_ptr + p) + down_off).to(tl.pointer_type(d_ptr.dtype.element_ty))
-            else:
-                w = d_ptr + slot * stride_ds
-            for i0 in range((first // BLOCK_I) * BLOCK_I, INTER, BLOCK_I):
-                offs_i = i0 + tl.arange(0, BLOCK_I)
-                mask_i = (offs_i < INTER) & (offs_i >= first)  # h below `first` was never written
-                hv = tl.load(h_ptr + p * stride_h + offs_i, mask=mask_i, other=0.0)
-                wv = tl.load(w + offs_o[:, None] * stride_dr + offs_i[None, :],
-                             mask=mask_o[:, None] & mask_i[None, :], other=0.0).to(tl.float32)
-                acc += tl.sum(wv * hv[None, :], axis=1)
-            tl.store(y_ptr + row * stride_y + offs_o, acc, mask=mask_o)
-
-
-def _pair_triton(x, weights: SlotWeights, slot_of, ids, rows, k, y, used) -> None:
+def _pair_triton(x, weights: SlotWeights, slot_of, ids, rows, k, y, used, form: SwiGLUForm = PLAIN_SWIGLU,
+                 gate_up_bias: torch.Tensor | None = None) -> None:
+    """`pair_experts`' Triton path for plain slots (same arguments; rows None: row p)."""
     gu, dn = weights.gate_up, weights.down
     _, two_i, hidden = gu.shape
     inter = two_i // 2
     p = ids.numel()
     x = x.contiguous()
-    h = torch.empty((p, inter), dtype=torch.float32, device=x.device)  # SiLU(gate) * up per pair
+    h = torch.empty((p, inter), dtype=torch.float32, device=x.device)  # SwiGLU(gate, up) per pair [P, I]
     (block_i, block_h, warps_gu, stages_gu), (block_o, block_k, warps_d, stages_d) = pair_config(p)
     has_rows = rows is not None
     rows = rows if has_rows else ids  # an unread pointer when HAS_ROWS is off
     _gate_up_kernel[(p, triton.cdiv(inter, block_i))](
         x, gu, slot_of, ids, rows, used, h, ids, hidden, inter, k, x.stride(0), gu.stride(0), gu.stride(1),
         h.stride(0), BLOCK_I=block_i, BLOCK_H=block_h, HAS_ROWS=has_rows, ADDR=False, FIRST=False,
-        num_warps=warps_gu, num_stages=stages_gu, **pdl.launch(x))
+        num_warps=warps_gu, num_stages=stages_gu, **pair_forms.kernel_args(form, gate_up_bias), **pdl.launch(x))
     _down_kernel[(p, triton.cdiv(hidden, block_o))](
         h, dn, used, rows, y, ids, ids, 0, hidden, inter, h.stride(0), dn.stride(0), dn.stride(1),
         y.stride(0), BLOCK_O=block_o, BLOCK_I=block_k, HAS_ROWS=has_rows, ADDR=False, FIRST=False,
@@ -332,25 +261,32 @@ def in_place_ok(experts: HostExperts | None = None) -> bool:
 
 
 def pair_experts_in_place(x: torch.Tensor, experts: HostExperts, addresses: torch.Tensor, y: torch.Tensor,
-                          first_row: torch.Tensor | None = None) -> None:
+                          first_row: torch.Tensor | None = None, form: SwiGLUForm = PLAIN_SWIGLU,
+                          gate_up_bias: torch.Tensor | None = None, expert_ids: torch.Tensor | None = None) -> None:
     """Pairs p with `addresses[p]` != 0 ([P] int64: the host address of its expert's page-locked slot) run
     on token p // k, their weights read in place from host RAM over PCIe (zero-copy: no staging copy, no
     GPU slot); y [P, H] fp32 receives their rows, the others are left as they are. CUDA with Triton only.
     first_row [P] int32: compute only the intermediate rows from first_row[p] on (the rest of an expert whose
-    first rows another computes: y then holds that part's sum); None: every row.
+    first rows another computes: y then holds that part's sum); None: every row. `form` and `gate_up_bias` [E, 2I]
+    as in `pair_experts`; the bias row of pair p is expert_ids[p] ([P] int, required with a bias: the kernels
+    know a pair's expert only by its address). With `form.interleaved`, intermediate row j is gate_up's rows
+    2j (gate) and 2j + 1 (up), so first_row splits the interleaved rows the same way.
 
     For one decode token the GPU reads each weight once either way, so reading it where it lies costs the
     link's rate (~50 GB/s on the H200 box, bench/zero_copy.py) and none of a copy's host bookkeeping."""
+    if gate_up_bias is not None and expert_ids is None:
+        raise ValueError("a gate_up bias read in place needs expert_ids (each pair's expert)")
+    pair_forms.check_bias(gate_up_bias, experts.down_shape[1])
     if triton is None or not (x.is_cuda or fused._INTERPRET):
         raise RuntimeError("reading experts in place needs a CUDA GPU with Triton")
     p = addresses.numel()
     if p == 0:
         return
-    if experts.layout is not None:  # fp8 / mxfp4 blobs, read in their format
+    if experts.layout is not None:  # fp8 / mxfp4 / gguf blobs, read in their format
         if fast_path(experts) != "quant":
             raise RuntimeError(f"{experts.layout.fmt.name} experts cannot be read in place: "
                                f"{fast_path_refusal(experts.layout.fmt)}")
-        quant_pairs.pair_quant_in_place(x, experts.layout, addresses, y, first_row)
+        quant_pairs.pair_quant_in_place(x, experts.layout, addresses, y, first_row, form, gate_up_bias, expert_ids)
         return
     k = y.shape[0] // x.shape[0]
     (_, hidden), (_, inter) = experts.gate_up_shape, experts.down_shape
@@ -364,7 +300,7 @@ def pair_experts_in_place(x: torch.Tensor, experts: HostExperts, addresses: torc
     _gate_up_kernel[(p, triton.cdiv(inter, block_i))](
         x, typed, addresses, addresses, addresses, used, h, first_row, hidden, inter, k, x.stride(0), 0, hidden,
         h.stride(0), BLOCK_I=block_i, BLOCK_H=block_h, HAS_ROWS=False, ADDR=True, FIRST=first, num_warps=4,
-        **pdl.launch(x))
+        **pair_forms.kernel_args(form, gate_up_bias, expert_ids), **pdl.launch(x))
     _down_kernel[(p, triton.cdiv(hidden, block_o))](
         h, typed, used, addresses, y, addresses, first_row, experts.down_offset, hidden, inter, h.stride(0), 0, inter,
         y.stride(0), BLOCK_O=block_o, BLOCK_I=block_k, HAS_ROWS=False, ADDR=True, FIRST=first, num_warps=4,

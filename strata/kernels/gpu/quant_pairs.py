@@ -12,7 +12,9 @@ activation is summed first, then multiplied by its scale: one multiply a group, 
 - MXFP4: a group's 16 bytes are loaded as 4 words of 8 codes; codes j and j + 4 of a word become one f16x2 bit
   pattern in a few integer instructions (value / 2**14, `_e2m1_pair`; the activation carries the 2**14), and the
   values are put back in column order in registers (join / permute / reshape: no data movement).
-The activation tile is loaded once per step, contiguous, and shared by the gate and up tiles.
+The activation tile is loaded once per step, contiguous, and shared by the gate and up tiles. The SwiGLU's form
+(clamp, alpha, up offset, interleaved gate/up rows) and the gate_up bias are the gate/up kernel's FORM and HAS_BIAS
+constexprs (strata.kernels.gpu.pair_forms), the plain SwiGLU without bias by default.
 Results match the bf16 kernels on `ExpertLayout.dequantize`d weights to rounding: the scale is applied to a group's
 sum instead of to each weight (in fp32), and a dequantized weight is not rounded to bf16 first.
 GGUF blobs (the file's ggml blocks) take the same entry points and run their own kernels (strata.kernels.gpu.gguf_pairs).
@@ -22,8 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from strata.kernels.gpu import gguf_pairs, pdl
+from strata.kernels.experts import PLAIN_SWIGLU, SwiGLUForm
+from strata.kernels.gpu import gguf_pairs, pair_forms, pdl
 from strata.kernels.gpu.gguf_tiles import gguf_refusal
+from strata.kernels.gpu.pair_forms import activate, gate_row, up_row
 from strata.kernels.gpu.quant_slots import FP8, MXFP4, QuantSlotWeights, e8m0_scale, triton
 from strata.kernels.quant import MX_GROUP, ExpertFormat, ExpertLayout
 
@@ -66,19 +70,22 @@ def _config(num_pairs: int, group: int, config=None):
 
 
 def pair_quant(x: torch.Tensor, weights: QuantSlotWeights, slot_of: torch.Tensor, ids: torch.Tensor,
-               rows: torch.Tensor | None, k: int, y: torch.Tensor, used: torch.Tensor, config=None) -> None:
+               rows: torch.Tensor | None, k: int, y: torch.Tensor, used: torch.Tensor, config=None,
+               form: SwiGLUForm = PLAIN_SWIGLU, gate_up_bias: torch.Tensor | None = None) -> None:
     """`grouped.pair_experts`' Triton path for quantized slots (same arguments): pair p runs expert ids[p] from slot
-    slot_of[ids[p]] (-1: skipped) on token rows[p] // k (rows None: p), its row of y [., H] fp32 written.
+    slot_of[ids[p]] (-1: skipped) on token rows[p] // k (rows None: p), its row of y [., H] fp32 written; `form` the
+    SwiGLU, gate_up_bias [E, 2I] (row ids[p]) added before it.
     config: a (gate/up, down) launch configuration in place of `QUANT_PAIR_CONFIGS`' (bench/quant_pair_probe.py)."""
     lay = weights.layout
+    pair_forms.check_bias(gate_up_bias, lay.intermediate)
     if lay.fmt.kind == "gguf":  # the file's ggml blocks: their own kernels
-        gguf_pairs.pair_gguf(x, weights.slab, lay, slot_of, ids, rows, k, y, used, config)
+        gguf_pairs.pair_gguf(x, weights.slab, lay, slot_of, ids, rows, k, y, used, config, form, gate_up_bias)
         return
     fa = _format_args(lay.fmt)
     hidden, inter = lay.hidden, lay.intermediate
     p = ids.numel()
     x = x.contiguous()
-    h = torch.empty((p, inter), dtype=torch.float32, device=x.device)  # SiLU(gate) * up per pair
+    h = torch.empty((p, inter), dtype=torch.float32, device=x.device)  # SwiGLU(gate, up) per pair [P, I]
     (block_i, block_h, warps_gu, stages_gu), (block_o, block_k, warps_d, stages_d) = _config(p, fa["G"], config)
     has_rows = rows is not None
     rows = rows if has_rows else ids  # an unread pointer when HAS_ROWS is off
@@ -86,7 +93,8 @@ def pair_quant(x: torch.Tensor, weights: QuantSlotWeights, slot_of: torch.Tensor
     _quant_gate_up_kernel[(p, triton.cdiv(inter, block_i))](
         x, slab, slot_of, ids, rows, used, h, ids, hidden, inter, k, x.stride(0), stride, lay.gate_up.offset,
         lay.gate_up_scales.offset, lay.gate_up.shape[1], h.stride(0), **fa, BLOCK_I=block_i, BLOCK_H=block_h, HAS_ROWS=has_rows, ADDR=False,
-        FIRST=False, num_warps=warps_gu, num_stages=stages_gu, **pdl.launch(x))
+        FIRST=False, num_warps=warps_gu, num_stages=stages_gu, **pair_forms.kernel_args(form, gate_up_bias),
+        **pdl.launch(x))
     _quant_down_kernel[(p, triton.cdiv(hidden, block_o))](
         h, slab, used, rows, y, ids, ids, hidden, inter, h.stride(0), stride, lay.down.offset, lay.down_scales.offset,
         lay.down.shape[1], y.stride(0), **fa, BLOCK_O=block_o, BLOCK_I=block_k, HAS_ROWS=has_rows, ADDR=False, FIRST=False,
@@ -97,12 +105,17 @@ _BYTES: dict[str, torch.Tensor] = {}
 
 
 def pair_quant_in_place(x: torch.Tensor, layout: ExpertLayout, addresses: torch.Tensor, y: torch.Tensor,
-                        first_row: torch.Tensor | None = None) -> None:
+                        first_row: torch.Tensor | None = None, form: SwiGLUForm = PLAIN_SWIGLU,
+                        gate_up_bias: torch.Tensor | None = None, expert_ids: torch.Tensor | None = None) -> None:
     """`grouped.pair_experts_in_place` for quantized blobs: pairs with `addresses[p]` != 0 (the host address of the
     page-locked slot holding its expert's blob of `layout`) read their weights in place over PCIe in the blob's
-    format; first_row [P] int32 (or None) as there."""
+    format; first_row [P] int32 (or None), `form`, gate_up_bias [E, 2I] and expert_ids [P] (its row for pair p,
+    required with a bias) as there."""
+    if gate_up_bias is not None and expert_ids is None:
+        raise ValueError("a gate_up bias read in place needs expert_ids (each pair's expert)")
+    pair_forms.check_bias(gate_up_bias, layout.intermediate)
     if layout.fmt.kind == "gguf":
-        gguf_pairs.pair_gguf_in_place(x, layout, addresses, y, first_row)
+        gguf_pairs.pair_gguf_in_place(x, layout, addresses, y, first_row, form, gate_up_bias, expert_ids)
         return
     p = addresses.numel()
     fa = _format_args(layout.fmt)
@@ -121,7 +134,8 @@ def pair_quant_in_place(x: torch.Tensor, layout: ExpertLayout, addresses: torch.
     _quant_gate_up_kernel[(p, triton.cdiv(inter, block_i))](
         x, dummy, addresses, addresses, addresses, used, h, first_row, hidden, inter, y.shape[0] // x.shape[0],
         x.stride(0), 0, layout.gate_up.offset, layout.gate_up_scales.offset, layout.gate_up.shape[1], h.stride(0), **fa, BLOCK_I=block_i,
-        BLOCK_H=block_h, HAS_ROWS=False, ADDR=True, FIRST=first, num_warps=4, **pdl.launch(x))
+        BLOCK_H=block_h, HAS_ROWS=False, ADDR=True, FIRST=first, num_warps=4,
+        **pair_forms.kernel_args(form, gate_up_bias, expert_ids), **pdl.launch(x))
     _quant_down_kernel[(p, triton.cdiv(hidden, block_o))](
         h, dummy, used, addresses, y, addresses, first_row, hidden, inter, h.stride(0), 0, layout.down.offset,
         layout.down_scales.offset, layout.down.shape[1], y.stride(0), **fa, BLOCK_O=block_o, BLOCK_I=block_k, HAS_ROWS=False, ADDR=True,
@@ -192,13 +206,20 @@ if triton is not None:
     def _quant_gate_up_kernel(x_ptr, slab_ptr, slot_of_ptr, ids_ptr, rows_ptr, used_ptr, h_ptr, first_ptr, H, INTER,
                               K, stride_x, stride_slot, val_off, scale_off, row_bytes, stride_h, FMT: tl.constexpr,
                               BN: tl.constexpr, G: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
-                              HAS_ROWS: tl.constexpr, ADDR: tl.constexpr, FIRST: tl.constexpr, PDL: tl.constexpr):
+                              HAS_ROWS: tl.constexpr, ADDR: tl.constexpr, FIRST: tl.constexpr, PDL: tl.constexpr,
+                              bias_ptr=None, eid_ptr=None, stride_b=None, limit=None, alpha=None, up_offset=None,
+                              FORM: tl.constexpr = 0, HAS_BIAS: tl.constexpr = False):
+        """`plain_pairs._gate_up_kernel` on blobs of format FMT: each slot (slab + slot * stride_slot, or with ADDR
+        the pair's address) holds gate_up's values at val_off, its scales at scale_off, `row_bytes` bytes a row."""
         pdl.enter(PDL)
         p = tl.program_id(0)
         ib = tl.program_id(1)
         if ADDR:  # ids holds each pair's blob address in pinned host memory (0: not in this pass)
             addr = tl.load(ids_ptr + p)
             slot = tl.where(addr != 0, 0, -1).to(tl.int64)
+            expert = p  # (read only with HAS_BIAS)
+            if HAS_BIAS:
+                expert = tl.load(eid_ptr + p)
         else:
             expert = tl.load(ids_ptr + p)
             slot = tl.load(slot_of_ptr + expert).to(tl.int64)
@@ -223,11 +244,12 @@ if triton is not None:
             acc_u = tl.zeros([BLOCK_I], dtype=tl.float32)
             for h0 in range(0, H, BLOCK_H):
                 xv = _activation(x_ptr + tok * stride_x, h0, H, 0, FMT, G, BLOCK_H // G)
-                acc_g += _tile_dot(base, val_off, scale_off, row_bytes, offs_i, mask_i, xv, h0, H, FMT, BN, G,
-                                   BLOCK_H // G)
-                acc_u += _tile_dot(base, val_off, scale_off, row_bytes, offs_i + INTER, mask_i, xv, h0, H, FMT, BN, G,
-                                   BLOCK_H // G)
-            h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+                acc_g += _tile_dot(base, val_off, scale_off, row_bytes, gate_row(offs_i, FORM), mask_i, xv, h0, H, FMT,
+                                   BN, G, BLOCK_H // G)
+                acc_u += _tile_dot(base, val_off, scale_off, row_bytes, up_row(offs_i, INTER, FORM), mask_i, xv, h0, H,
+                                   FMT, BN, G, BLOCK_H // G)
+            h = activate(acc_g, acc_u, expert, gate_row(offs_i, FORM), up_row(offs_i, INTER, FORM), mask_i, bias_ptr,
+                         stride_b, limit, alpha, up_offset, FORM, HAS_BIAS)  # [BLOCK_I]
             tl.store(h_ptr + p * stride_h + offs_i, h, mask=mask_i)
 
     @triton.jit
