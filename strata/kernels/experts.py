@@ -20,8 +20,8 @@ from strata.kernels.quant import QuantMatrix
 
 # expert -> (gate_up [2I, H], down [H, I]): tensors, or matrices as stored (dequantized here)
 ExpertWeights = Callable[[int], tuple[torch.Tensor, torch.Tensor] | tuple[QuantMatrix, QuantMatrix]]
-# an expert's math when it is not the (clipped) SwiGLU of `expert_swiglu`: (expert, x [T, H], gate_up [2I, H],
-# down [H, I]) -> [T, H] (gpt-oss's biased, clamped SwiGLU: strata.runtime.model.gpt_oss.moe)
+# an expert's whole math, where a caller has its own: (expert, x [T, H], gate_up [2I, H], down [H, I]) -> [T, H]
+# (gpt-oss's in-memory experts, both biases included: strata.runtime.model.gpt_oss.moe)
 ExpertMath = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -80,13 +80,13 @@ def as_weights(pair: tuple[torch.Tensor, torch.Tensor] | tuple[QuantMatrix, Quan
     return gate_up, down
 
 
-def expert_swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, limit: float | None = None) -> torch.Tensor:
-    """One expert on a group of tokens: x [T, H], gate_up [2I, H], down [H, I] -> [T, H]. `limit` (DeepSeek-V4's
-    swiglu_limit): the gate clipped above at it and the up projection to [-limit, limit] before they multiply."""
-    gate, up = F.linear(x, gate_up).chunk(2, dim=-1)
-    if limit is not None:
-        gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-    return F.linear(F.silu(gate) * up, down)
+def expert_swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, form: SwiGLUForm = PLAIN_SWIGLU,
+                  gate_up_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """One expert on a group of tokens: x [T, H], gate_up [2I, H], down [H, I] -> [T, H], its SwiGLU in `form`
+    (DeepSeek-V4's clip, gpt-oss's clamped form) with `gate_up_bias` [2I] added first; no down bias (the caller's,
+    `down_bias_term`)."""
+    gu = F.linear(x, gate_up, None if gate_up_bias is None else gate_up_bias.to(x.dtype))
+    return F.linear(form.apply(gu), down)
 
 
 def group_by_expert(ids: torch.Tensor, num_experts: int) -> list[tuple[int, torch.Tensor]]:
@@ -103,26 +103,30 @@ def group_by_expert(ids: torch.Tensor, num_experts: int) -> list[tuple[int, torc
 
 
 def apply_experts(x: torch.Tensor, weights: torch.Tensor, k: int, groups: list[tuple[int, torch.Tensor]],
-                  expert_weights: ExpertWeights, out: torch.Tensor | None = None,
-                  limit: float | None = None, math: ExpertMath | None = None) -> torch.Tensor:
+                  expert_weights: ExpertWeights, out: torch.Tensor | None = None, form: SwiGLUForm = PLAIN_SWIGLU,
+                  gate_up_bias: torch.Tensor | None = None, math: ExpertMath | None = None) -> torch.Tensor:
     """Weighted sum of each token's routed experts. x [N, H], weights [N, k] -> [N, H].
 
-    `out` continues an earlier partial sum (experts served in chunks accumulate in the same order); `limit`: the
-    clipped SwiGLU's (`expert_swiglu`); `math`: each expert's own math instead of the SwiGLU.
+    `out` continues an earlier partial sum (experts served in chunks accumulate in the same order); `form` and
+    `gate_up_bias` [E, 2I]: the experts' SwiGLU (`expert_swiglu`; no down bias); `math`: each expert's own math
+    instead (all of it, down bias included).
     """
     out = torch.zeros_like(x) if out is None else out
     flat_weights = weights.reshape(-1)
     for expert, sel in groups:
         tokens = sel // k
         gate_up, down = as_weights(expert_weights(expert), x.dtype)
-        y = expert_swiglu(x[tokens], gate_up, down, limit) if math is None else math(expert, x[tokens], gate_up, down)
+        if math is not None:
+            y = math(expert, x[tokens], gate_up, down)
+        else:
+            y = expert_swiglu(x[tokens], gate_up, down, form, None if gate_up_bias is None else gate_up_bias[expert])
         y = y * flat_weights[sel, None]
         out.index_add_(0, tokens, y.to(out.dtype))
     return out
 
 
 def moe_forward(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
-                weights: torch.Tensor, limit: float | None = None) -> torch.Tensor:
-    """All experts stacked in memory: x [N, H], ids/weights [N, k] -> [N, H] (`limit`: a clipped SwiGLU's)."""
+                weights: torch.Tensor, form: SwiGLUForm = PLAIN_SWIGLU) -> torch.Tensor:
+    """All experts stacked in memory: x [N, H], ids/weights [N, k] -> [N, H] (`form`: the experts' SwiGLU)."""
     groups = group_by_expert(ids, gate_up.shape[0])
-    return apply_experts(x, weights, ids.shape[1], groups, lambda e: (gate_up[e], down[e]), limit=limit)
+    return apply_experts(x, weights, ids.shape[1], groups, lambda e: (gate_up[e], down[e]), form=form)

@@ -247,6 +247,56 @@ def test_tiered_decode_serves_cold_pairs_from_other_tiers(store, numerics):
         m.close()
 
 
+@pytest.mark.parametrize("form", ["deepseek_v4", "gpt_oss"])
+def test_tiered_decode_computes_the_experts_form_and_biases(store, form):
+    """DeepSeek-V4's clipped SwiGLU and gpt-oss's clamped, interleaved one with per-expert biases through the pair
+    path of a CPU-simulated GPU tier of 3 slots: resident pairs, cold ones copied for the step's late pass and, past
+    the budget, in chunks; each bias row is its pair's expert's and the down biases are added once. The layer
+    output equals the reference math's (`apply_experts` in that form, plus `down_bias_term`), and it would not
+    without the clamp, the biases or the interleave."""
+    from types import SimpleNamespace
+
+    from strata.kernels.experts import SwiGLUForm, apply_experts, down_bias_term, group_by_expert
+
+    layer = store.index.moe_layers[0]
+    gu, dn = store.load_layer_experts(layer, torch.float32, "cpu")
+    e, h, i2 = gu.shape[0], gu.shape[2], gu.shape[1]
+    g = torch.Generator().manual_seed(7)
+    shape = SwiGLUForm(limit=0.02) if form == "deepseek_v4" else \
+        SwiGLUForm(limit=0.02, alpha=1.702, up_offset=1.0, interleaved=True)
+    biases = SimpleNamespace(gate_up_proj_bias=torch.randn(e, i2, generator=g) * 0.05,
+                             down_proj_bias=torch.randn(e, h, generator=g) * 0.01) if form == "gpt_oss" else None
+    m = TierManager(store, TierBudgets(gpu_slots=3, pinned_slots=16), gpu_device=torch.device("cpu"), io_threads=2)
+    try:
+        compute = ExpertCompute(m, "gpu", "gpu")
+        compute.pair_path, compute.form = True, shape
+        if biases is not None:
+            compute.expert_biases[layer] = biases
+        experts = TieredExperts(layer, e, compute)
+        k, clamped = 2, 0
+        for step in range(6):
+            ids, w = _routes(3 if step % 2 else 1, e, k, seed=step)  # 1 token: cold pairs fit the late pass
+            x = torch.randn(ids.shape[0], h, generator=torch.Generator().manual_seed(step)).to(store.dtype)
+            groups = group_by_expert(ids, e)
+            bias = None if biases is None else biases.gate_up_proj_bias
+            want = apply_experts(x.float(), w, k, groups, lambda j: (gu[j], dn[j]), form=shape, gate_up_bias=bias)
+            if biases is not None:
+                want = want + down_bias_term(w, ids, biases.down_proj_bias)
+            plain = moe_forward(x.float(), gu, dn, ids, w)
+            clamped += int((torch.nn.functional.linear(x.float(), gu[ids[0, 0]]).abs() > 0.02).sum())
+            got = experts(x, ids, w).float()
+            scale = want.abs().max().item()
+            assert (got - want).abs().max().item() < 1e-2 * scale
+            assert (plain - want).abs().max().item() > 0.1 * scale  # the form and biases matter here
+            if biases is not None:  # and each pair's own expert's bias row
+                rolled = apply_experts(x.float(), w, k, groups, lambda j: (gu[j], dn[j]), form=shape,
+                                       gate_up_bias=bias.roll(1, 0)) + down_bias_term(w, ids, biases.down_proj_bias)
+                assert (rolled - want).abs().max().item() > 0.05 * scale
+        assert clamped > 0 and m.stats()["tiers"]["gpu"]["evictions"] > 0
+    finally:
+        m.close()
+
+
 def test_split_copies_the_most_used_cold_experts(store):
     """The cost model says how many cold experts to copy; the copies are the ones the GPU tier's history says
     are used most (they may be kept), the rest go to the CPU."""

@@ -119,7 +119,7 @@ def test_tiered_experts_equal_memory(tmp_path):
     cfg = {"runtime": {"max_context": 256, "dtype": "float32"},
            "tiers": {"pinned": {"budget": "120KiB"}, "disk": {"scrub": False}}}
     with Engine.from_pretrained(directory, device="cpu", config=cfg) as tiered:
-        assert tiered.executor is not None and tiered.executor.swiglu_limit == 0.3
+        assert tiered.executor is not None and tiered.executor.form.limit == 0.3
         store = tiered.tiers.store  # the hash layer's tid2eid: a store table, checked and held in RAM
         assert "tid2eid.0" in store.index.tables and "model.layers.0.mlp.gate.tid2eid" not in Checkpoint.open(
             store.directory).index

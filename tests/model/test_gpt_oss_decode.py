@@ -100,19 +100,18 @@ def test_long_decode_batch_equals_step_batch_across_buckets(tmp_path):
     assert _greedy_both_ways(model, [250, 70, 5], 32, seed=14) == {256, 512}
 
 
-def test_the_switch_gives_gpt_oss_eager_decode_batches_and_others_none(tmp_path):
-    """gpt-oss: `enable_decode_graphs` sets up DecodeGraphs over its layers that never capture (`decode_graphs`
-    off) whatever the build's mode; with the switch on, the mode goes through. Qwen3.5-MoE (and the shell) keep
-    StepBatch decode."""
+def test_the_switch_gives_gpt_oss_decode_graphs_and_others_none(tmp_path):
+    """gpt-oss: `enable_decode_graphs` sets up DecodeGraphs over its layers, captured as the build's mode says
+    (`decode_graphs`), never with the switch off. Qwen3.5-MoE (and the shell) keep StepBatch decode."""
     _, directory = build_gpt_oss(tmp_path / "oss", seed=1, layers=2)
     model = load_model(Checkpoint.open(directory), torch.float32, "cpu")
-    assert model.decode_batches and not model.decode_graphs
-    model.enable_decode_graphs(lambda: "full")
-    assert isinstance(model.graphs, DecodeGraphs) and model.graphs.mode() is None
-    assert model.graphs.forward == model.run_layers
-    model.decode_graphs = True  # the switch, once its experts can be captured
+    assert model.decode_batches and model.decode_graphs
     model.enable_decode_graphs(lambda: "segmented")
-    assert model.graphs.mode() == "segmented"
+    assert isinstance(model.graphs, DecodeGraphs) and model.graphs.mode() == "segmented"
+    assert model.graphs.forward == model.run_layers
+    model.decode_graphs = False
+    model.enable_decode_graphs(lambda: "full")
+    assert model.graphs.mode() is None
     assert not Qwen35Transformer.decode_batches
     shell = EagerTransformer(model.cfg, torch.nn.ModuleList(), torch.nn.Identity())
     shell.enable_decode_graphs(lambda: "full")
@@ -128,7 +127,8 @@ def test_cuda_decode_steps_run_as_decode_batches(tmp_path, monkeypatch):
     from strata import Engine
 
     _, directory = build_gpt_oss(tmp_path / "oss", long=True, seed=15)
-    cfg = {"runtime": {"max_context": MAX_LEN, "dtype": "float32", "experts": "memory", "warmup": False}}
+    cfg = {"runtime": {"max_context": MAX_LEN, "dtype": "float32", "experts": "memory", "warmup": False},
+           "debug": {"cuda_graphs": False}}  # eager DecodeBatch steps (captured ones: the test below)
     engine = Engine.from_pretrained(directory, config=cfg, device="cuda")
     model = engine.model
     assert isinstance(model.graphs, DecodeGraphs) and model.graphs.mode() is None
@@ -145,3 +145,30 @@ def test_cuda_decode_steps_run_as_decode_batches(tmp_path, monkeypatch):
     assert model.graphs.captures == 0 and model.graphs.replays == 0
     assert engine.generate([1, 2, 3], max_tokens=8, temperature=0.0).finish_reason == "length"
     engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts", ["memory", "tiered"])
+def test_cuda_graph_decode_equals_eager(experts, tmp_path):
+    """Decode steps captured in CUDA graphs (the pair kernels in the clamped form, gate_up biases in the kernels,
+    down biases in the combine; tiered: 4 of the 32 experts (72 KiB each in fp32) in GPU slots, the rest copied
+    in at host steps between graph segments) give the eager engine's greedy tokens and its scores, fp32."""
+    from strata import Engine
+
+    _, directory = build_gpt_oss(tmp_path / "oss", seed=21)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 40)]
+
+    def run(graphs: bool):
+        cfg = {"runtime": {"max_context": 256, "dtype": "float32", "warmup": False,
+                           "experts": "memory" if experts == "memory" else "auto"},
+               "debug": {"cuda_graphs": graphs}}
+        if experts == "tiered":
+            cfg["tiers"] = {"gpu": {"budget": "300KiB"}}
+        with Engine.from_pretrained(directory, config=cfg, device="cuda") as engine:
+            out = [engine.generate(p, max_tokens=24, temperature=0.0).token_ids for p in prompts]
+            return out, engine.model.graphs.captures
+
+    eager, none = run(False)
+    graphs, captures = run(True)
+    assert none == 0 and captures > 0
+    assert graphs == eager

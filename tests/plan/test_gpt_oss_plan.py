@@ -37,15 +37,18 @@ def test_inspect_counts_mxfp4_experts_and_dense_biases(oss120b):
     assert s.bytes_by_role["other"] == 0
 
 
-def test_plan_reads_mxfp4_in_place_with_the_reference_math(oss120b):
+def test_plan_reads_mxfp4_in_place_through_the_pair_kernels(oss120b):
     d, cfg = oss120b
     p = plan(d, host(gpu=80 * GiB, ram=256 * GiB), {"runtime": {"max_context": 32768}})
     assert p.store_mode == "in_place" and p.experts_per_layer == 128 and p.moe_layers == 36
     assert p.expert_bytes == ExpertLayout.build(ExpertFormat("mxfp4"), 2880, 2880).payload_bytes
     # sliding-window layers keep full keys and values: the cache is the shared KVCache, every layer per token
     assert p.kv_bytes == KVCache.bytes_per_token(cfg, torch.bfloat16) * 32768 == 36 * 2 * 8 * 64 * 2 * 32768
-    assert "reference math" in p.decode and "mxfp4 dequantized one by one" in p.decode and not p.decode_graphs
-    assert "gpt-oss's experts" in p.format()
+    # 80 GiB hold every MXFP4 expert: one graph a step, the pair kernels computing the clamped SwiGLU and biases
+    assert p.decode.startswith("every expert in VRAM") and p.decode_graphs
+    assert "gpt-oss's clamped SwiGLU with expert biases: the GPU's pair kernels compute it" in p.format()
+    small = plan(d, host(gpu=16 * GiB, ram=256 * GiB), {"runtime": {"max_context": 4096}})
+    assert small.decode.startswith("resident experts by the pair kernels; cold ones copied") and small.decode_graphs
     cpu = plan(d, host(gpu=None, ram=256 * GiB), {"runtime": {"max_context": 4096}})
     assert cpu.decode.startswith("experts on CPU threads from RAM") and "reference math" in cpu.decode
     two = replace(host(gpu=80 * GiB, ram=256 * GiB), gpus=[GpuInfo(i, "sim", 80 * GiB, 80 * GiB) for i in (0, 1)])

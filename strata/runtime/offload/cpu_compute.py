@@ -16,13 +16,13 @@ import time
 import numpy as np
 import torch
 
-from strata.kernels.experts import apply_experts, as_weights
+from strata.kernels.experts import PLAIN_SWIGLU, SwiGLUForm, apply_experts, as_weights
 from strata.kernels.quant import ExpertLayout, reads
 
 
 class CpuCompute:
     """CPU expert compute, mixed into `ExpertCompute`, whose state it uses: `manager`, `rates`, `cpu_experts`,
-    `cpu_threads`, `cpu_kernel`, `pin_results`, `use_fast_cpu`, `swiglu_limit` and `math_of`."""
+    `cpu_threads`, `cpu_kernel`, `pin_results`, `use_fast_cpu`, `form` and `gate_up_bias`."""
 
     def calibrate_cpu(self, nbytes: int = 256 << 20, rounds: int = 3) -> float:
         """Measure the CPU expert kernel on this model's expert shape and format (one token, about `nbytes` of
@@ -85,7 +85,7 @@ class CpuCompute:
                 nbytes += len(handles) * store.payload_bytes
                 t0 = time.perf_counter()
                 _cpu_apply(x, weights, k, part, by_expert, out, self.use_fast_cpu and not dequantize, self.cpu_threads,
-                           self.cpu_kernel, self.swiglu_limit, self.math_of(layer))
+                           self.cpu_kernel, self.form, self.gate_up_bias(layer, torch.device("cpu")))
                 seconds += time.perf_counter() - t0
             finally:
                 self.manager.release(handles)
@@ -176,9 +176,10 @@ class CpuShare:
 
 
 def _cpu_apply(x, weights, k, groups, by_expert, out, fast: bool, threads: int | None = None,
-               backend: str | None = None, limit: float | None = None, math=None) -> None:
+               backend: str | None = None, form: SwiGLUForm = PLAIN_SWIGLU, gate_up_bias: torch.Tensor | None = None
+               ) -> None:
     """One chunk of CPU experts, added into out: the compiled kernel (`backend`: its instruction set), or the
-    reference math (`limit`: a clipped SwiGLU's; `math`: the experts' own, gpt-oss's; only it computes those)."""
+    reference math (`form`, `gate_up_bias` [E, 2I]: the experts' SwiGLU and biases; no down bias)."""
     if fast:
         from strata.kernels.cpu.experts import cpu_experts_forward
 
@@ -189,4 +190,4 @@ def _cpu_apply(x, weights, k, groups, by_expert, out, fast: bool, threads: int |
     def fp32_expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(w.float() for w in as_weights(by_expert[e], torch.float32))
 
-    apply_experts(x.float(), weights.float(), k, groups, fp32_expert, out=out, limit=limit, math=math)
+    apply_experts(x.float(), weights.float(), k, groups, fp32_expert, out=out, form=form, gate_up_bias=gate_up_bias)

@@ -16,7 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import torch
 
-from strata.kernels.experts import ExpertMath
+from strata.kernels.experts import PLAIN_SWIGLU, SwiGLUForm
 from strata.kernels.gpu.grouped import HostExperts, SlotWeights, in_place_ok, slot_weights
 from strata.kernels.gpu.quant_slots import QuantSlotWeights
 from strata.kernels.quant import reads
@@ -112,12 +112,12 @@ class ExpertCompute(CpuCompute):
         self.grouped_prefill = False  # prefill's GPU experts through grouped GEMMs ([debug] grouped_prefill)
         self.prefill_keeps_resident = False  # a prompt's cold experts through the step-copy slots (runtime.*)
         self.top_k = 0
-        # DeepSeek-V4's clipped SwiGLU (swiglu_limit; None: plain SwiGLU). Its experts run the reference math on the
-        # slots (`apply_experts`): the compiled CPU kernel, the pair kernels and the grouped GEMMs do not clip
-        self.swiglu_limit: float | None = None
-        # gpt-oss's biased, clamped SwiGLU: each MoE layer's own expert math (strata.runtime.model.gpt_oss.moe), filled
-        # by use_tiered_experts; None: the SwiGLU. Set, only the reference math runs the experts, as for the clip
-        self.expert_math: dict[int, ExpertMath] | None = None
+        # the experts' SwiGLU (DeepSeek-V4's clip, gpt-oss's clamped form) and, gpt-oss, each MoE layer's expert
+        # biases (a module with gate_up_proj_bias [E, 2I] and down_proj_bias [E, H], read at each call: loaded after
+        # this is made), both set by use_tiered_experts. Every path leaves the down bias out; the layer adds it once
+        self.form: SwiGLUForm = PLAIN_SWIGLU
+        self.expert_biases: dict[int, torch.nn.Module] = {}
+        self._cpu_biases: dict[int, torch.Tensor] = {}  # layer -> gate_up bias fp32 on the CPU (the CPU's share)
         self.mailbox = None  # CpuMailbox, made once every expert sits in pinned RAM for good
         self.gpu_share = None  # GpuShare: the cold experts the GPU reads in place during a mailbox step
         self.fixed_share = gpu_share  # [debug] gpu_share: a fixed share (None: balanced on the GPU's waits)
@@ -132,28 +132,52 @@ class ExpertCompute(CpuCompute):
 
     @property
     def use_split(self) -> bool:
-        return self.split and not self.reproducible and not self.reference_math
+        return self.split and not self.reproducible and self.cpu_kernel_computes
 
     @property
     def use_fast_cpu(self) -> bool:
-        return self.fast_cpu and not self.reproducible and not self.reference_math
+        return self.fast_cpu and not self.reproducible and self.cpu_kernel_computes
 
     @property
-    def reference_math(self) -> bool:
-        """Whether only the reference math (`apply_experts`) computes these experts: a clipped SwiGLU (`swiglu_limit`)
-        or an expert math of their own (`expert_math`), which no compiled CPU kernel, pair kernel or grouped GEMM
-        computes."""
-        return self.swiglu_limit is not None or self.expert_math is not None
+    def plain_math(self) -> bool:
+        """Whether the experts are the plain SwiGLU without biases (every kernel path computes those); else their
+        sums are kept in fp32 until the layer adds the down biases and rounds once."""
+        return self.form.plain and not self.expert_biases
 
-    def math_of(self, layer: int) -> ExpertMath | None:
-        """MoE layer `layer`'s expert math (`expert_math`); None: the (clipped) SwiGLU."""
-        return None if self.expert_math is None else self.expert_math.get(layer)
+    @property
+    def cpu_kernel_computes(self) -> bool:
+        """Whether the compiled CPU kernel computes these experts' SwiGLU form and biases (else the CPU's experts
+        take the reference math and decode sends no share to the CPU)."""
+        return self.plain_math
+
+    @property
+    def pairs_read_form(self) -> bool:
+        """Whether the GPU's decode pair kernels compute this form on this format (GGUF blobs hold gate and up as
+        separate tensors: no interleaved form)."""
+        return not (self.form.interleaved and self.manager.store.expert_format.kind == "gguf")
+
+    def gate_up_bias(self, layer: int, device: torch.device | None = None) -> torch.Tensor | None:
+        """MoE layer `layer`'s gate_up biases [E, 2I] (gpt-oss; None: none): as loaded, or fp32 on the CPU (made
+        once) for `device` cpu."""
+        biases = self.expert_biases.get(layer)
+        if biases is None:
+            return None
+        if device is None or device.type != "cpu":
+            return biases.gate_up_proj_bias
+        if layer not in self._cpu_biases:
+            self._cpu_biases[layer] = biases.gate_up_proj_bias.detach().float().cpu()
+        return self._cpu_biases[layer]
+
+    def down_bias(self, layer: int) -> torch.Tensor | None:
+        """MoE layer `layer`'s down biases [E, H] (gpt-oss; None: none), as loaded."""
+        biases = self.expert_biases.get(layer)
+        return None if biases is None else biases.down_proj_bias
 
     def mailbox_ready(self) -> bool:
         """Whether a decode step can now run as one graph with cold experts on the mailbox worker: graph split
         decode configured, forked CPU numerics, a CUDA device, the compiled kernel, and every expert resident in
         pinned RAM for good (the worker reads them by address). The mailbox is made on the first True."""
-        if self.reproducible or self.reference_math:
+        if self.reproducible or not self.cpu_kernel_computes:
             return False
         if self.mailbox is not None:
             return True

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from strata.kernels.experts import group_by_expert
+from strata.kernels.experts import SwiGLUForm, down_bias_term, group_by_expert
 from strata.kernels.gpu.grouped import combine_pairs, pair_experts, pair_experts_in_place, use_pair_kernels
 from strata.runtime.model.capture import current_capture_mode, current_recorder
 from strata.runtime.model.moe import MoEBlock, router_predictors
@@ -75,11 +75,19 @@ class TieredExperts(PrefillPath, nn.Module):
         if current_recorder() is None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             c.release_staged()  # eager: everything that read the last decode layer's copied slots is enqueued
         pairs = use_pair_kernels(x, ids.numel()) if c.pair_path is None else c.pair_path
-        # (else: FP8 / MXFP4 experts, or a clipped SwiGLU: grouped by expert, the formats dequantized one by one)
-        if pairs and c.pairs_read_format and not c.reference_math:
+        # (else: a format or form the pair kernels do not read: grouped by expert, dequantized one by one)
+        if pairs and c.pairs_read_format and c.pairs_read_form:
             return self._decode_forward(x, ids, weights, residual, used)
         out = self._batch_forward(x, ids, weights)
+        if not c.plain_math:  # fp32 sums: the down biases added, then rounded once
+            out = self._plus_down_bias(out, ids, weights).to(x.dtype)
         return out if residual is None else residual + out
+
+    def _plus_down_bias(self, out: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """out [N, H] fp32 (the experts' weighted sum, or the CPU's share of it) plus each token's experts' down
+        biases, weighted (gpt-oss; out itself where the layer has none)."""
+        bias = self.compute.down_bias(self.layer)
+        return out if bias is None else out + down_bias_term(weights, ids, bias).to(out.device)
 
     def _batch_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Prefill chunks and batches too large for the pair kernels: tokens grouped by expert."""
@@ -91,10 +99,10 @@ class TieredExperts(PrefillPath, nn.Module):
         if c.prefetcher is not None:
             c.prefetcher.poll()
         if c.device_tier == "cpu":
-            if x.device.type == "cpu" and not c.use_fast_cpu and not c.reference_math:  # (else cpu_forward's fp32)
+            if x.device.type == "cpu" and not c.use_fast_cpu and c.plain_math:  # (else cpu_forward's fp32)
                 return self._tier_forward(x, weights, k, groups, "cpu")
             y = c.cpu_forward(self.layer, x.cpu(), weights.cpu(), k, [(e, s.cpu()) for e, s in groups])
-            return y.to(x.device, x.dtype)
+            return y.to(x.device, x.dtype) if c.plain_math else y.to(x.device)
         cpu_part: tuple[torch.Tensor, Future] | None = None
         if c.use_split:
             cpu_groups, groups = self._plan_split(groups)
@@ -114,15 +122,19 @@ class TieredExperts(PrefillPath, nn.Module):
         if c.mailbox is not None and current_capture_mode() == "mailbox":
             return self._mailbox_forward(x, flat, weights, residual, used)
         y = torch.zeros((flat.numel(), x.shape[1]), dtype=torch.float32, device=x.device)
+        form, bias = c.form, c.gate_up_bias(self.layer)
         if c.slots is not None:
             # asked before the kernel is launched: once every copy and map entry has landed (all_resident), a
             # kernel launched after that sees them all; asked after, the last ones could still be on their way
             resident = c.all_resident()
             with c.manager.unheld_slot_reads():  # (CPU-simulated tier: a promotion's eviction waits for the pass)
-                used = pair_experts(x, c.slots, c.slot_of[self.layer], flat, y)  # resident pairs, no host sync
+                # resident pairs, no host sync (pair p's gate_up bias: row flat[p], its expert)
+                used = pair_experts(x, c.slots, c.slot_of[self.layer], flat, y, form=form, gate_up_bias=bias)
             if resident:
                 c.count_lookups(self.layer, flat)
-                return combine_pairs(y, weights, x.dtype, residual=residual)
+                extra = None if c.plain_math else self._plus_down_bias(torch.zeros_like(x, dtype=torch.float32),
+                                                                       ids, weights)
+                return combine_pairs(y, weights, x.dtype, extra=extra, residual=residual)
         else:  # no GPU tier: every pair is computed on the CPU
             used = torch.full_like(flat, -1, dtype=torch.int32)
         both = torch.stack((flat.to(torch.int32), used))  # [2, P] expert and slot used per pair
@@ -135,8 +147,12 @@ class TieredExperts(PrefillPath, nn.Module):
         else:  # inside a segmented CUDA-graph capture: the host work runs between replays
             recorder.host_step(cold)
         if c.slots is not None:  # the pairs whose experts the host step copied in (part of the graph)
-            pair_experts(x, c.slots, c.late_slot, late, y)
-        return combine_pairs(y, weights, x.dtype, extra=cpu_out, residual=residual)
+            if bias is None:
+                pair_experts(x, c.slots, c.late_slot, late, y, form=form)
+            else:  # pair p from slot late_slot[late[p]], its bias row p of the pairs' own rows
+                pair_experts(x, c.slots, c.late_slot[late.long()], c.pair_index(flat.numel(), x.device), y,
+                             form=form, gate_up_bias=bias[flat.long()])
+        return combine_pairs(y, weights, x.dtype, extra=self._plus_down_bias(cpu_out, ids, weights), residual=residual)
 
     def _mailbox_forward(self, x, flat, weights, residual, used) -> torch.Tensor:
         """A decode layer inside a one-graph step (CUDA): the resident pairs here, the cold ones on the mailbox worker
@@ -160,11 +176,15 @@ class TieredExperts(PrefillPath, nn.Module):
         if c.warm_ahead is not None:
             c.warm_ahead.join(self.layer)  # the plan made for this layer (a capture must see every fork joined)
 
+        form, bias = c.form, c.gate_up_bias(self.layer)
+        pair_bias = None if bias is None else bias[flat.long()]  # [P, 2I]: pair p's row p (pairs run by index)
+
         def gpu_work(addr, rows) -> None:  # enqueued once the worker has been posted the layer
             main = torch.cuda.current_stream(x.device)
             if addr is None:  # no in-place share: the resident pairs alone, on this stream
                 if hot:
-                    pair_experts(x, c.slots, used, c.pair_index(flat.numel(), x.device), y)
+                    pair_experts(x, c.slots, used, c.pair_index(flat.numel(), x.device), y, form=form,
+                                 gate_up_bias=pair_bias)
                 return
             # The in-place share, where a layer gives the GPU rows, is its long pole beside the worker (PCIe while
             # the worker reads RAM), so it runs on this stream right behind the pack (its launch overlapped with it)
@@ -173,12 +193,15 @@ class TieredExperts(PrefillPath, nn.Module):
             side.wait_stream(main)
             if hot:
                 with torch.cuda.stream(side):
-                    pair_experts(x, c.slots, used, c.pair_index(flat.numel(), x.device), y)
-            pair_experts_in_place(x, share.experts, addr, y, first_row=rows)
+                    pair_experts(x, c.slots, used, c.pair_index(flat.numel(), x.device), y, form=form,
+                                 gate_up_bias=pair_bias)
+            pair_experts_in_place(x, share.experts, addr, y, first_row=rows, form=form, gate_up_bias=bias,
+                                  expert_ids=None if bias is None else flat)
             main.wait_stream(side)
 
         cpu_out = c.mailbox.exchange(self.layer, flat, used, x, weights, gpu_work, share=share, zero=y)  # [N, H]
-        return combine_pairs(y, weights, x.dtype, extra=cpu_out, residual=residual)
+        return combine_pairs(y, weights, x.dtype, extra=self._plus_down_bias(cpu_out, flat.view(weights.shape), weights),
+                             residual=residual)
 
     def _cold_stage(self, x, weights, y, both, cpu_out, late) -> None:
         """Host work of a decode layer: learn which pairs were cold, serve them, count the lookups."""
@@ -292,7 +315,12 @@ class TieredExperts(PrefillPath, nn.Module):
                                         for e in staged.experts], axis=1).astype(np.int32)  # [2, P'] rows, slots
                 pairs_t = torch.empty(pairs.shape, dtype=torch.int32, device=x.device)
                 upload(pairs, pairs_t)
-                pair_experts(x, c.slots, c.identity, pairs_t[1], y, rows=pairs_t[0])
+                if (bias := c.gate_up_bias(self.layer)) is None:
+                    pair_experts(x, c.slots, c.identity, pairs_t[1], y, rows=pairs_t[0], form=c.form)
+                else:  # pair p from slot pairs_t[1, p], its bias row p of the pairs' own rows
+                    experts = torch.from_numpy(np.concatenate([np.full(len(cold[e]), e) for e in staged.experts]))
+                    pair_experts(x, c.slots, pairs_t[1], c.pair_index(pairs.shape[1], x.device), y, rows=pairs_t[0],
+                                 form=c.form, gate_up_bias=bias[experts.to(bias.device)])
             finally:
                 c.manager.release_staged(staged)  # later copies into these slots wait for the kernels above
 
@@ -332,8 +360,8 @@ def use_tiered_experts(model: MoETransformer, compute: ExpertCompute) -> None:
             compute.moe_layers.append(i)
     compute.top_k = model.cfg.num_experts_per_tok
     if model.cfg.deepseek_v4 is not None:
-        compute.swiglu_limit = model.cfg.deepseek_v4.swiglu_limit
-    math = {i: layer.mlp.expert_math for i, layer in enumerate(model.layers) if hasattr(layer.mlp, "expert_math")}
-    if math:  # gpt-oss: its biased, clamped SwiGLU (the biases stay with the layer), the reference math on any tier
-        compute.expert_math = math
+        compute.form = SwiGLUForm(limit=model.cfg.deepseek_v4.swiglu_limit)
+    for i, layer in enumerate(model.layers):  # gpt-oss: its clamped form; the biases stay with the layer
+        if (math := getattr(layer.mlp, "expert_math", None)) is not None:
+            compute.form, compute.expert_biases[i] = math.form, math.biases
     compute.predictors = router_predictors(model, beside=True)

@@ -109,15 +109,15 @@ class PrefillPath:
         manager = c.manager
         chunk = manager.max_acquire(device_tier)  # a budget smaller than the step is served in chunks
         if device_tier == "gpu" and c.slots is not None and ids is not None and c.grouped_prefill \
-                and not c.reference_math and grouped_ok(x, c.slots):
+                and c.plain_math and grouped_ok(x, c.slots):
             try:
                 return self._grouped_forward(x, weights, groups, ids, chunk)
             except RuntimeError as e:  # operands torch's grouped GEMM does not take: the per-expert loop
                 refuse(x, c.slots, e)
-        # the reference math's experts (DeepSeek-V4's clipped SwiGLU, gpt-oss's) sum in fp32, as the CPU's products
-        # accumulate (and a bf16 index_add runs ~10x slower there)
-        out = torch.zeros_like(x, dtype=torch.float32) if c.reference_math else torch.zeros_like(x)
-        math = c.math_of(self.layer)
+        # experts of another form (DeepSeek-V4's clipped SwiGLU, gpt-oss's) sum in fp32, as the CPU's products
+        # accumulate (and a bf16 index_add runs ~10x slower there), returned so for the layer's down biases
+        out = torch.zeros_like(x) if c.plain_math else torch.zeros_like(x, dtype=torch.float32)
+        form, bias = c.form, c.gate_up_bias(self.layer)
         for i in range(0, len(groups), chunk):
             part = groups[i : i + chunk]
             if device_tier == "gpu" and c.slots is not None:
@@ -128,7 +128,7 @@ class PrefillPath:
                     slot_of = dict(zip(staged.experts, staged.slots, strict=True))
                     # (a quantized slot's expert is dequantized to x's dtype: `QuantSlotWeights.expert`)
                     apply_experts(x, weights, k, part, lambda e, slot_of=slot_of: c.slots.expert(slot_of[e], x.dtype),
-                                  out=out, limit=c.swiglu_limit, math=math)
+                                  out=out, form=form, gate_up_bias=bias)
                 finally:
                     manager.release_staged(staged)
                 continue
@@ -138,8 +138,8 @@ class PrefillPath:
                 for h in handles:
                     h.wait()
                     by_expert[h.key[1]] = h.weights(x.dtype)  # FP8 / MXFP4: dequantized, one expert at a time
-                apply_experts(x, weights, k, part, by_expert.__getitem__, out=out, limit=c.swiglu_limit, math=math)
+                apply_experts(x, weights, k, part, by_expert.__getitem__, out=out, form=form, gate_up_bias=bias)
             finally:
                 manager.release(handles)
-        return out.to(x.dtype)
+        return out.to(x.dtype) if c.plain_math else out
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.kernels.experts import apply_experts, group_by_expert
+from strata.kernels.experts import SwiGLUForm, apply_experts, group_by_expert
 from strata.runtime.model.config import ModelConfig
 from strata.runtime.model.layers import linear, project
 from strata.runtime.model.moe import Experts, MoEBlock
@@ -104,7 +104,7 @@ class ClippedExperts(Experts):
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg)
-        self.swiglu_limit = cfg.deepseek_v4.swiglu_limit
+        self.form = SwiGLUForm(limit=cfg.deepseek_v4.swiglu_limit)  # the clipped SwiGLU
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None,
                 used: torch.Tensor | None = None) -> torch.Tensor:
@@ -113,9 +113,9 @@ class ClippedExperts(Experts):
         gu, dn = self.gate_up_proj, self.down_proj
         if x.device.type == "cpu":  # fp32 products, as the tiered CPU path computes them (`cpu_forward`)
             apply_experts(x.float(), weights.float(), ids.shape[1], groups, lambda e: (gu[e].float(), dn[e].float()),
-                          out=out, limit=self.swiglu_limit)
+                          out=out, form=self.form)
         else:
-            apply_experts(x, weights, ids.shape[1], groups, lambda e: (gu[e], dn[e]), out=out, limit=self.swiglu_limit)
+            apply_experts(x, weights, ids.shape[1], groups, lambda e: (gu[e], dn[e]), out=out, form=self.form)
         out = out.to(x.dtype)
         return out if residual is None else residual + out
 

@@ -8,8 +8,9 @@ tiered executor run it like the other architectures.
     hidden = norm(x)                                                    RMS norms with fp32 weights, rounded once
 
 Decode steps on CUDA run as `DecodeBatch` steps (fixed shapes: attention over the step's `kv_len` bucket, with sinks,
-`GptOssAttention.attend_decode_batch`), eagerly: no CUDA graphs yet, since the experts' reference math groups tokens
-on the host. `decode_graphs = True` is the switch that lets the build's mode capture them once the experts can be.
+`GptOssAttention.attend_decode_batch`) and are captured in CUDA graphs as the build's mode says: the experts run the
+decode pair kernels in their clamped form with the gate_up biases, the down biases added in the combine
+(strata.runtime.model.gpt_oss.moe), so a step needs the host only for cold experts (segmented graphs).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class GptOssTransformer(EagerTransformer):
     on CUDA run as DecodeBatch steps, eagerly: its experts' reference math groups tokens by expert on the host."""
 
     decode_batches = True  # every layer takes a DecodeBatch: attention with sinks over the kv_len bucket
-    decode_graphs = False  # not captured yet: GptOssExperts / the tiered reference math need the host mid-step
+    decode_graphs = True  # captured as the build says: the experts run the pair kernels in their clamped form
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, nn.ModuleList(GptOssLayer(cfg, i) for i in range(cfg.num_layers)),

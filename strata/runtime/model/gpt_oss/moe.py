@@ -1,5 +1,5 @@
 """gpt-oss's MoE layers (transformers' `GptOssMLP`): a router with a bias, and experts whose SwiGLU has biases and a
-clamp, computed on whatever holds them (memory, or any tier) by the reference math.
+clamp, computed on whatever holds them (memory, or any tier).
 
     router   logits = x W^T + b [N, E]; the top k logits, softmax over those k (in the logits' dtype)
     expert   gu = x gate_up^T + b_gu [T, 2I]; gate, up = gu[:, 0::2], gu[:, 1::2] (interleaved rows, as released)
@@ -13,8 +13,10 @@ checkpoint holds them transposed ([E, H, 2I], [E, I, H]) and is read into that o
 The biases (gate_up [E, 2I], down [E, H]) stay dense per layer (`ExpertBiases`, with the layer's other dense
 weights), not in the experts' records: each expert stays one storage of gate_up and down in its format (the
 release's MXFP4 blocks and scales kept as they are in every tier), and the biases, a few KB an expert, are read by
-the expert's math (`BiasedSwiGLU`) wherever it runs. No fast expert kernel computes this SwiGLU, so the tiered
-executor runs these experts through the reference math (`ExpertCompute.expert_math`).
+the expert's math wherever it runs. The expert kernels take this SwiGLU as a `SwiGLUForm` (`BiasedSwiGLU.form`)
+with the gate_up biases; the down biases are added once per token outside them (`down_bias_term`). Decode on a GPU
+runs the pair kernels (in memory or tiered: `ExpertCompute.form`, `expert_biases`); prompts and CPU steps the
+reference math (`BiasedSwiGLU`, both biases inside it, in memory; the form and gate_up biases, tiered).
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.kernels.experts import apply_experts, group_by_expert
+from strata.kernels.experts import SwiGLUForm, apply_experts, down_bias_term, group_by_expert
+from strata.kernels.gpu.grouped import SlotWeights, combine_pairs, pair_experts, use_pair_kernels
 from strata.runtime.model.config import ModelConfig
 from strata.runtime.model.layers import linear
 from strata.runtime.model.moe import Experts, MoEBlock
@@ -67,6 +70,8 @@ class BiasedSwiGLU:
 
     def __init__(self, biases: ExpertBiases, alpha: float, limit: float):
         self.biases, self.alpha, self.limit = biases, alpha, limit
+        # the same SwiGLU as the expert kernels take it (strata.kernels.experts.SwiGLUForm), the biases beside it
+        self.form = SwiGLUForm(limit=limit, alpha=alpha, up_offset=1.0, interleaved=True)
 
     def __call__(self, expert: int, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         b_gu = self.biases.gate_up_proj_bias[expert].to(x.device, x.dtype)
@@ -87,6 +92,13 @@ class GptOssExperts(Experts):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None,
                 used: torch.Tensor | None = None) -> torch.Tensor:
+        biases = self.math.biases
+        if use_pair_kernels(x, ids.numel()):  # decode on CUDA: the pair kernels in the clamped form, no host sync
+            y = torch.empty((ids.numel(), x.shape[1]), dtype=torch.float32, device=x.device)  # [P, H]
+            pair_experts(x, SlotWeights(self.gate_up_proj, self.down_proj), self._identity(x.device), ids.reshape(-1),
+                         y, form=self.math.form, gate_up_bias=biases.gate_up_proj_bias)
+            extra = down_bias_term(weights, ids, biases.down_proj_bias)  # [N, H] fp32
+            return combine_pairs(y, weights, x.dtype, extra=extra, residual=residual)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         groups = group_by_expert(ids, self.gate_up_proj.shape[0])
         gu, dn = self.gate_up_proj, self.down_proj
