@@ -97,6 +97,10 @@ def build_and_open() -> ctypes.CDLL:
     lib.strata_cpu_warm.restype = ctypes.c_int64
     lib.strata_cpu_warm_bytes.argtypes = lib.strata_cpu_warm.argtypes
     lib.strata_cpu_warm_bytes.restype = ctypes.c_int64
+    lib.strata_cpu_warm_form.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                         ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
+                                         ctypes.c_void_p]
+    lib.strata_cpu_warm_form.restype = ctypes.c_int64
     lib.strata_cpu_warm_drain.argtypes = []
     lib.strata_cpu_warm_drain.restype = ctypes.c_int
     lib.strata_cpu_test_straggler.argtypes = [ctypes.c_int, ctypes.c_int64]
@@ -107,7 +111,7 @@ def build_and_open() -> ctypes.CDLL:
     lib.strata_cpu_experts_start.restype = ctypes.c_int
     lib.strata_cpu_experts_wait.argtypes = [ctypes.POINTER(ctypes.c_double)]
     lib.strata_cpu_experts_wait.restype = ctypes.c_int
-    lib.strata_mailbox_start.argtypes = [ctypes.c_void_p] * 6
+    lib.strata_mailbox_start.argtypes = [ctypes.c_void_p] * 8
     lib.strata_mailbox_start.restype = ctypes.c_int64
     lib.strata_mailbox_stop.argtypes = [ctypes.c_int64]
     lib.strata_mailbox_stop.restype = ctypes.c_int

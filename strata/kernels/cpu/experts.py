@@ -403,13 +403,17 @@ def isa_code(requested: str | None = None, kind: str = "plain") -> int:
     return 0 if name == "torch" else _ISA[name]
 
 
-def start_mailbox(cfg, boxes, layers, addresses, log, counters) -> int:
+def start_mailbox(cfg, boxes, layers, addresses, log, counters, acts=None, biases=None) -> int:
     """Start the native mailbox worker (csrc/cpu_mailbox.cpp; the arguments are numpy arrays laid out as
     strata.runtime.offload.mailbox describes, kept alive by the caller until `stop_mailbox`; cfg[7] the `isa_code`);
-    its handle, 0 when the compiled kernel is not in use (isa code 0)."""
+    acts float64 [boxes, 4] each box's SwiGLU form (`expert_args.form_args`' values; None: plain), biases int64 [boxes]
+    the address of each box's fp32 gate_up bias table [E, 2I] (0: none; None: no biases). Its handle, 0 when the
+    compiled kernel is not in use (isa code 0)."""
     if _load() is None or int(cfg[7]) == 0:
         return 0
-    return int(_lib.strata_mailbox_start(*(a.ctypes.data for a in (cfg, boxes, layers, addresses, log, counters))))
+    arrays = (cfg, boxes, layers, addresses, log, counters)
+    return int(_lib.strata_mailbox_start(*(a.ctypes.data for a in arrays), None if acts is None else acts.ctypes.data,
+                                         None if biases is None else biases.ctypes.data))
 
 
 def mailbox_warm(handle: int, next_layers, plans: int, slots: int, nbytes: int, counters) -> int:
