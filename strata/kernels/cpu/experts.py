@@ -7,11 +7,10 @@ Each expert is a SwiGLU MLP, `down(silu(gate(x)) * up(x))`, or any `SwiGLUForm` 
 clip, gpt-oss's clamped, scaled, offset SwiGLU on interleaved rows) with an optional gate_up bias per expert (a layer's
 table [E, 2I], added before the form; the down bias is `down_bias_term`'s, outside), with its weights in their own
 (pinned or host) buffers: gate_up [2I, H] (gate rows, then up rows, or interleaved) and down [H, I], as bf16 tensors
-or as a pair of
-`QuantMatrix` (strata.kernels.quant) in block-scaled FP8, MXFP4 or GGUF (each matrix in its ggml block type, on
-avx512_bf16), one format a call. The kernel reads a quantized expert as it is stored and converts it in registers (no
-bf16 copy of it; `expert_args`). For the few tokens of a decode step the work is memory-bound, so what counts is
-bytes of weights read per second: a C++
+or as a pair of `QuantMatrix` (strata.kernels.quant) in block-scaled FP8, MXFP4 or GGUF (each matrix in its ggml block
+type, on avx512_bf16), one format a call. The kernel reads a quantized expert as it is stored and converts it in
+registers (no bf16 copy of it; `expert_args`). For the few tokens of a decode step the work is memory-bound, so what
+counts is bytes of weights read per second: a C++
 kernel (csrc/cpu_experts.cpp, built on first use) reads every weight row once for all of an expert's
 tokens, splits the gate/up rows of all the layer's experts over a persistent thread pool (chunks taken
 dynamically), then, once every gate/up chunk is done, the down rows (threads with no gate/up chunk left
@@ -470,7 +469,7 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]
     meta = array.array("q")
     scales = array.array("q")  # quantized experts: their gate_up and down scales' addresses
     biases = array.array("q")  # with a bias table: each meta row's bias row address
-    bias_of: dict[int, torch.Tensor | None] = {}  # expert -> its bias row (those that go to torch)
+    bias_row: dict[int, int] = {}  # expert -> its row of the bias table
     keep = []  # converted tensors must outlive the call
     to_torch = []
     for e in range(len(weights)):  # a few µs per expert: this loop is the per-layer Python overhead
@@ -499,7 +498,7 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]
             if not 0 <= row < table.shape[0] or table.shape[1] != 2 * inter:
                 raise ValueError(f"expert {e}: no row {row} of {2 * inter} biases in gate_up_bias "
                                  f"{tuple(table.shape)}")
-            bias_ptr, bias_of[e] = table.data_ptr() + 4 * table.shape[1] * row, table[row]
+            bias_ptr, bias_row[e] = table.data_ptr() + 4 * table.shape[1] * row, row
         # (a quantized expert's values and scales are checked by matrix_pointers)
         if not ((quant or (gate_up.is_cpu and down.is_cpu)) and idx.is_cpu and w.is_cpu):
             raise ValueError(f"expert {e}: weights, token_idx and token_w must be CPU tensors")
@@ -544,7 +543,7 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]
             raise IndexError(f"token_idx out of range for x with {N} rows")
         if isinstance(gate_up, QuantMatrix) and gate_up.kind == "plain":
             gate_up, down = gate_up.values, down.values
-        bias = bias_of.get(e)
+        bias = table[bias_row[e]] if table is not None else None
         if name != "torch" and isinstance(gate_up, torch.Tensor) and gate_up.dtype is bf16 and down.dtype is bf16:
             bf16_expert(x, gate_up, down, idx, w, out, form, bias)  # prefill-sized, compute-bound: oneDNN's bf16 GEMMs
         else:
