@@ -11,7 +11,8 @@ The kernel reads values and scales where they lie (a store blob, a pinned slot),
 expert of one call has the same format (`call_format`). GGUF experts: each matrix in its own block type, named by the
 blob's header (the "scales" pointers), up's rows `up_offset` bytes into gate_up; a backend reads the types of
 `GGUF_TYPES`, other types take the torch path. Any `SwiGLUForm` (strata.kernels.experts) and per-expert gate_up biases
-are the kernel's own (csrc/cpu_experts_act.h); `form_expert` is their reference math.
+are the kernel's own (csrc/cpu_experts_act.h); `form_expert` is their reference math. Experts the kernel does not run
+take `torch_expert` (the reference, fp32) or `bf16_expert` (torch's bf16 GEMMs, prompt-sized bf16 experts).
 """
 
 from __future__ import annotations
@@ -145,6 +146,17 @@ def bias_rows(gate_up_bias: torch.Tensor, expert_ids, inter: int) -> tuple[array
     return array.array("q", (base + row_bytes * e for e in rows)), table
 
 
+def act_pointers(form: SwiGLUForm, gate_up_bias: array.array | None,
+                 experts: int) -> tuple[array.array | None, int | None, int | None]:
+    """`strata_cpu_experts_act`'s act and bias arguments for `experts` meta rows: (act's buffer, which must outlive
+    the call, its address, the bias rows' address); None for the plain form and for no bias."""
+    if gate_up_bias is not None and len(gate_up_bias) != experts:
+        raise ValueError(f"gate_up_bias has {len(gate_up_bias)} addresses for {experts} experts")
+    act = form_args(form)
+    return (act, act.buffer_info()[0] if act is not None else None,
+            gate_up_bias.buffer_info()[0] if gate_up_bias is not None and len(gate_up_bias) else None)
+
+
 def slot_pointers(layout: ExpertLayout, base: int) -> tuple[int, int, int, int]:
     """(gate_up values, down values, gate_up scales, down scales) addresses of an expert blob at `base` (the
     scales' 0 for a plain layout)."""
@@ -252,4 +264,21 @@ def torch_expert(x32: torch.Tensor, gate_up: Matrix, down: Matrix, idx: torch.Te
     `bias`: `form_expert`'s)."""
     idx = idx.to(torch.int64)
     y = form_expert(x32.index_select(0, idx), as_float(gate_up), as_float(down), form, bias) * w.float()[:, None]
+    out.index_add_(0, idx, y)
+
+
+def bf16_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+                out: torch.Tensor, form: SwiGLUForm = PLAIN_SWIGLU, bias: torch.Tensor | None = None) -> None:
+    """One expert's tokens by torch's bf16 GEMMs on the weights as stored (products summed in fp32; the
+    activations and gate/up outputs in bf16, about the avx512_bf16 kernel's rounding), added into out [N, H]:
+    several times the fp32 path's rate on upcast weights, where a prompt's tokens make an expert compute-bound.
+    `form`, `bias` [2I]: the SwiGLU form and the expert's gate_up bias, applied in fp32 (as `form_expert`)."""
+    idx = idx.to(torch.int64)
+    gu = F.linear(x.index_select(0, idx).to(torch.bfloat16), gate_up)  # [T, 2I]
+    if form.plain and bias is None:
+        gate, up = gu.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+    else:
+        h = form.apply(gu.float() if bias is None else gu.float() + bias.float()).to(torch.bfloat16)
+    y = F.linear(h, down).float() * w.float()[:, None]
     out.index_add_(0, idx, y)

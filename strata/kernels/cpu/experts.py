@@ -68,10 +68,11 @@ import torch
 
 from strata.kernels.cpu import expert_args, tuning
 from strata.kernels.cpu.build import build_and_open, one_line
-from strata.kernels.cpu.expert_args import (
+from strata.kernels.cpu.expert_args import (  # noqa: F401 (bf16_expert: this module's API)
     Matrix,
+    act_pointers,
+    bf16_expert,
     bias_table,
-    form_args,
     kernel_format_args,
     matrix_pointers,
     torch_expert,
@@ -315,7 +316,7 @@ def run_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads:
     E = len(meta) // META
     if warm is not None and len(warm) != E:
         raise ValueError(f"warm has {len(warm)} entries for {E} experts")
-    act_buf, act, bias = _act_args(form, gate_up_bias, E)
+    act_buf, act, bias = act_pointers(form, gate_up_bias, E)
     up = up_offset or (expert_args.layout_up_offset(fmt, H, meta[6]) if fmt is not None and fmt.kind == "gguf" else 0)
     keep, fmt_ptr, scales_ptr = kernel_format_args(fmt, scales, E, up)
     _check(_lib.strata_cpu_experts_act(_ISA[name], x32.data_ptr(), N, H, E, meta.buffer_info()[0], fmt_ptr, scales_ptr,
@@ -323,17 +324,6 @@ def run_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads:
                                        int(threads or default_threads()), None), name, N)
     del keep, act_buf
     return True
-
-
-def _act_args(form: SwiGLUForm, gate_up_bias: array.array | None,
-              experts: int) -> tuple[array.array | None, int | None, int | None]:
-    """The kernel's act and bias arguments: (act's buffer, which must outlive the call, its address, the bias rows'
-    address); None for the plain form and for no bias."""
-    if gate_up_bias is not None and len(gate_up_bias) != experts:
-        raise ValueError(f"gate_up_bias has {len(gate_up_bias)} addresses for {experts} experts")
-    act = form_args(form)
-    return (act, act.buffer_info()[0] if act is not None else None,
-            gate_up_bias.buffer_info()[0] if gate_up_bias is not None and len(gate_up_bias) else None)
 
 
 def _check(rc: int, name: str, rows: int) -> None:
@@ -383,7 +373,7 @@ def start_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, thread
     name = _resolve(backend, fmt or "plain")
     if name == "torch" or not meta:
         return None
-    act_buf, act, bias = _act_args(form, gate_up_bias, len(meta) // META)
+    act_buf, act, bias = act_pointers(form, gate_up_bias, len(meta) // META)
     up = expert_args.layout_up_offset(fmt, x32.shape[1], meta[6]) if fmt is not None and fmt.kind == "gguf" else 0
     args, fmt_ptr, scales_ptr = kernel_format_args(fmt, scales, len(meta) // META, up)
     if not _async_slot.acquire(blocking=False):
@@ -550,20 +540,3 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]
             torch_expert(x32, gate_up, down, idx, w, out, form, bias)
     return out
 
-
-def bf16_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
-                out: torch.Tensor, form: SwiGLUForm = PLAIN_SWIGLU, bias: torch.Tensor | None = None) -> None:
-    """One expert's tokens by torch's bf16 GEMMs on the weights as stored (products summed in fp32; the
-    activations and gate/up outputs in bf16, about the avx512_bf16 kernel's rounding), added into out [N, H]:
-    several times the fp32 path's rate on upcast weights, where a prompt's tokens make an expert compute-bound.
-    `form`, `bias` [2I]: the SwiGLU form and the expert's gate_up bias, applied in fp32 (`expert_args.form_expert`)."""
-    F = torch.nn.functional
-    idx = idx.to(torch.int64)
-    gu = F.linear(x.index_select(0, idx).to(torch.bfloat16), gate_up)  # [T, 2I]
-    if form.plain and bias is None:
-        gate, up = gu.chunk(2, dim=-1)
-        h = F.silu(gate) * up
-    else:
-        h = form.apply(gu.float() if bias is None else gu.float() + bias.float()).to(torch.bfloat16)
-    y = F.linear(h, down).float() * w.float()[:, None]
-    out.index_add_(0, idx, y)
