@@ -17,8 +17,9 @@ import torch
 from strata.tiers.store.files import cache_root
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = ("cpu_experts.cpp", "cpu_experts_formats.h", "cpu_experts_isa.h", "cpu_experts_kernel.h",
-            "cpu_experts_tile4.h", "cpu_experts_job.h", "cpu_experts_emu.h",
+_SOURCES = ("cpu_experts.cpp", "cpu_experts_formats.h", "cpu_experts_act.h", "cpu_experts_isa.h",
+            "cpu_experts_kernel.h", "cpu_experts_tile4.h", "cpu_experts_job.h", "cpu_experts_emu.h",
+            "cpu_experts_async.h",
             "cpu_experts_gguf.h", "cpu_experts_gguf_emu.h", "cpu_experts_gguf_avx512.h",
             "cpu_experts_gguf_kernel.h",
             "cpu_pool.h", "cpu_dense.h", "cpu_warm.h", "cpu_tuning.h", "cpu_mailbox.cpp")
@@ -82,6 +83,11 @@ def build_and_open() -> ctypes.CDLL:
                                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                            ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     lib.strata_cpu_experts_fmt.restype = ctypes.c_int
+    lib.strata_cpu_experts_act.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                           ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int,
+                                           ctypes.c_void_p]
+    lib.strata_cpu_experts_act.restype = ctypes.c_int
     lib.strata_cpu_experts_warm.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
                                             ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
                                             ctypes.c_int, ctypes.c_void_p]
@@ -91,15 +97,21 @@ def build_and_open() -> ctypes.CDLL:
     lib.strata_cpu_warm.restype = ctypes.c_int64
     lib.strata_cpu_warm_bytes.argtypes = lib.strata_cpu_warm.argtypes
     lib.strata_cpu_warm_bytes.restype = ctypes.c_int64
+    lib.strata_cpu_warm_form.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                         ctypes.c_int64, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64,
+                                         ctypes.c_void_p]
+    lib.strata_cpu_warm_form.restype = ctypes.c_int64
     lib.strata_cpu_warm_drain.argtypes = []
     lib.strata_cpu_warm_drain.restype = ctypes.c_int
     lib.strata_cpu_test_straggler.argtypes = [ctypes.c_int, ctypes.c_int64]
     lib.strata_cpu_test_straggler.restype = ctypes.c_int
-    lib.strata_cpu_experts_start.argtypes = lib.strata_cpu_experts.argtypes
+    lib.strata_cpu_experts_start.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                             ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+                                             ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int]
     lib.strata_cpu_experts_start.restype = ctypes.c_int
     lib.strata_cpu_experts_wait.argtypes = [ctypes.POINTER(ctypes.c_double)]
     lib.strata_cpu_experts_wait.restype = ctypes.c_int
-    lib.strata_mailbox_start.argtypes = [ctypes.c_void_p] * 6
+    lib.strata_mailbox_start.argtypes = [ctypes.c_void_p] * 8
     lib.strata_mailbox_start.restype = ctypes.c_int64
     lib.strata_mailbox_stop.argtypes = [ctypes.c_int64]
     lib.strata_mailbox_stop.restype = ctypes.c_int

@@ -4,11 +4,15 @@
     fmt = format_args(ExpertFormat("fp8", block=(128, 128)))   # int64 [format code, bn, bk]
     gu, dn, gus, dns = slot_pointers(layout, base)             # an expert's blob at address `base`
     gu, dn, gus, dns = matrix_pointers(gate_up, down, hidden)  # QuantMatrix views, checked
+    act = form_args(SwiGLUForm(limit=7.0, alpha=1.702, up_offset=1.0, interleaved=True))  # double [4] or None
+    rows, table = bias_rows(gate_up_bias, expert_ids, inter)   # int64 [E] addresses of fp32 [2I] bias rows
 
 The kernel reads values and scales where they lie (a store blob, a pinned slot), converting them in registers; every
 expert of one call has the same format (`call_format`). GGUF experts: each matrix in its own block type, named by the
 blob's header (the "scales" pointers), up's rows `up_offset` bytes into gate_up; a backend reads the types of
-`GGUF_TYPES`, other types take the torch path.
+`GGUF_TYPES`, other types take the torch path. Any `SwiGLUForm` (strata.kernels.experts) and per-expert gate_up biases
+are the kernel's own (csrc/cpu_experts_act.h); `form_expert` is their reference math. Experts the kernel does not run
+take `torch_expert` (the reference, fp32) or `bf16_expert` (torch's bf16 GEMMs, prompt-sized bf16 experts).
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ import array
 import functools
 
 import torch
+import torch.nn.functional as F
 
-from strata.kernels.experts import expert_swiglu
+from strata.kernels.experts import PLAIN_SWIGLU, SwiGLUForm, expert_swiglu
 from strata.kernels.gguf_blocks import BY_ID
 from strata.kernels.quant import GGUF_FAST_TYPES, MX_GROUP, ExpertFormat, ExpertLayout, QuantMatrix, gguf_half_bytes
 
@@ -105,6 +110,51 @@ def kernel_format_args(fmt: ExpertFormat | None, scales: array.array | None, exp
         raise ValueError("GGUF experts need up's offset in their gate_up sections (layout_up_offset)")
     args = format_args(fmt, up_offset)
     return args, args.buffer_info()[0], scales.buffer_info()[0]
+
+
+def form_args(form: SwiGLUForm) -> array.array | None:
+    """double [limit (+inf: none), alpha, up_offset, interleaved] for `strata_cpu_experts_act` (csrc/cpu_experts_act.h);
+    None for the plain SwiGLU (the kernel's default). ValueError for a form no SwiGLU has (limit <= 0, a NaN)."""
+    if form.plain:
+        return None
+    limit = float("inf") if form.limit is None else float(form.limit)
+    if not limit > 0 or form.alpha != form.alpha or form.up_offset != form.up_offset:
+        raise ValueError(f"not a SwiGLU form the CPU kernel computes: {form} (limit must be > 0, no NaN)")
+    return array.array("d", (limit, float(form.alpha), float(form.up_offset), 1.0 if form.interleaved else 0.0))
+
+
+def bias_table(gate_up_bias: torch.Tensor, inter: int | None = None) -> torch.Tensor:
+    """A layer's gate_up bias table [E, 2I] as the kernel reads it: fp32, contiguous, on the CPU (a copy only where it
+    is not; hand the kernel such a table, converted once, to skip that copy each call). ValueError for another shape."""
+    if gate_up_bias.dim() != 2 or (inter is not None and gate_up_bias.shape[1] != 2 * inter):
+        raise ValueError(f"gate_up_bias must be a [E, 2I] table{f' with 2I = {2 * inter}' if inter else ''}, got "
+                         f"{tuple(gate_up_bias.shape)}")
+    if gate_up_bias.dtype is torch.float32 and gate_up_bias.is_contiguous() and gate_up_bias.is_cpu:
+        return gate_up_bias
+    return gate_up_bias.detach().to("cpu", torch.float32).contiguous()
+
+
+def bias_rows(gate_up_bias: torch.Tensor, expert_ids, inter: int) -> tuple[array.array, torch.Tensor]:
+    """(int64 [len(expert_ids)] addresses of each expert's fp32 gate_up bias row [2I] in the layer's table [E, 2I],
+    the table they point into: `bias_table`'s, which must outlive the kernel call) for `run_packed`'s gate_up_bias.
+    IndexError for an expert id outside the table."""
+    table = bias_table(gate_up_bias, inter)
+    rows = array.array("q", expert_ids)
+    if rows and (min(rows) < 0 or max(rows) >= table.shape[0]):
+        raise IndexError(f"expert ids {min(rows)}..{max(rows)} outside the {table.shape[0]} rows of gate_up_bias")
+    base, row_bytes = table.data_ptr(), 4 * table.shape[1]
+    return array.array("q", (base + row_bytes * e for e in rows)), table
+
+
+def act_pointers(form: SwiGLUForm, gate_up_bias: array.array | None,
+                 experts: int) -> tuple[array.array | None, int | None, int | None]:
+    """`strata_cpu_experts_act`'s act and bias arguments for `experts` meta rows: (act's buffer, which must outlive
+    the call, its address, the bias rows' address); None for the plain form and for no bias."""
+    if gate_up_bias is not None and len(gate_up_bias) != experts:
+        raise ValueError(f"gate_up_bias has {len(gate_up_bias)} addresses for {experts} experts")
+    act = form_args(form)
+    return (act, act.buffer_info()[0] if act is not None else None,
+            gate_up_bias.buffer_info()[0] if gate_up_bias is not None and len(gate_up_bias) else None)
 
 
 def slot_pointers(layout: ExpertLayout, base: int) -> tuple[int, int, int, int]:
@@ -199,9 +249,36 @@ def as_float(m: Matrix) -> torch.Tensor:
     return m.dequantize(torch.float32) if isinstance(m, QuantMatrix) else m.float()
 
 
+def form_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, form: SwiGLUForm = PLAIN_SWIGLU,
+                bias: torch.Tensor | None = None) -> torch.Tensor:
+    """One expert's reference math: x [T, H], gate_up [2I, H], down [H, I], bias [2I] (gate_up's, in its row order) or
+    None -> down(form(x gate_up^T + bias)) [T, H] (`expert_swiglu` itself for the plain form without a bias)."""
+    if form.plain and bias is None:
+        return expert_swiglu(x, gate_up, down)
+    return F.linear(form.apply(F.linear(x, gate_up, None if bias is None else bias.to(x.dtype))), down)
+
+
 def torch_expert(x32: torch.Tensor, gate_up: Matrix, down: Matrix, idx: torch.Tensor, w: torch.Tensor,
-                 out: torch.Tensor) -> None:
-    """The reference: fp32 math on the upcast (or dequantized) weights of one expert, added into out [N, H]."""
+                 out: torch.Tensor, form: SwiGLUForm = PLAIN_SWIGLU, bias: torch.Tensor | None = None) -> None:
+    """The reference: fp32 math on the upcast (or dequantized) weights of one expert, added into out [N, H] (`form`,
+    `bias`: `form_expert`'s)."""
     idx = idx.to(torch.int64)
-    y = expert_swiglu(x32.index_select(0, idx), as_float(gate_up), as_float(down)) * w.float()[:, None]
+    y = form_expert(x32.index_select(0, idx), as_float(gate_up), as_float(down), form, bias) * w.float()[:, None]
+    out.index_add_(0, idx, y)
+
+
+def bf16_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
+                out: torch.Tensor, form: SwiGLUForm = PLAIN_SWIGLU, bias: torch.Tensor | None = None) -> None:
+    """One expert's tokens by torch's bf16 GEMMs on the weights as stored (products summed in fp32; the
+    activations and gate/up outputs in bf16, about the avx512_bf16 kernel's rounding), added into out [N, H]:
+    several times the fp32 path's rate on upcast weights, where a prompt's tokens make an expert compute-bound.
+    `form`, `bias` [2I]: the SwiGLU form and the expert's gate_up bias, applied in fp32 (as `form_expert`)."""
+    idx = idx.to(torch.int64)
+    gu = F.linear(x.index_select(0, idx).to(torch.bfloat16), gate_up)  # [T, 2I]
+    if form.plain and bias is None:
+        gate, up = gu.chunk(2, dim=-1)
+        h = F.silu(gate) * up
+    else:
+        h = form.apply(gu.float() if bias is None else gu.float() + bias.float()).to(torch.bfloat16)
+    y = F.linear(h, down).float() * w.float()[:, None]
     out.index_add_(0, idx, y)

@@ -1,13 +1,16 @@
 """Cold experts on CPU threads: all the experts of one MoE layer in one threaded, vectorised call.
 
-    out = cpu_experts_forward(x, [(gate_up, down), ...], token_idx, token_w, out=None, threads=None)
+    out = cpu_experts_forward(x, [(gate_up, down), ...], token_idx, token_w, out=None, threads=None,
+                              form=PLAIN_SWIGLU, gate_up_bias=None, expert_ids=None)
 
-Each expert is a SwiGLU MLP, `down(silu(gate(x)) * up(x))`, with its weights in their own (pinned or
-host) buffers: gate_up [2I, H] (gate rows, then up rows) and down [H, I], as bf16 tensors or as a pair of
-`QuantMatrix` (strata.kernels.quant) in block-scaled FP8, MXFP4 or GGUF (each matrix in its ggml block type, on
-avx512_bf16), one format a call. The kernel reads a quantized expert as it is stored and converts it in registers (no
-bf16 copy of it; `expert_args`). For the few tokens of a decode step the work is memory-bound, so what counts is
-bytes of weights read per second: a C++
+Each expert is a SwiGLU MLP, `down(silu(gate(x)) * up(x))`, or any `SwiGLUForm` (strata.kernels.experts: DeepSeek-V4's
+clip, gpt-oss's clamped, scaled, offset SwiGLU on interleaved rows) with an optional gate_up bias per expert (a layer's
+table [E, 2I], added before the form; the down bias is `down_bias_term`'s, outside), with its weights in their own
+(pinned or host) buffers: gate_up [2I, H] (gate rows, then up rows, or interleaved) and down [H, I], as bf16 tensors
+or as a pair of `QuantMatrix` (strata.kernels.quant) in block-scaled FP8, MXFP4 or GGUF (each matrix in its ggml block
+type, on avx512_bf16), one format a call. The kernel reads a quantized expert as it is stored and converts it in
+registers (no bf16 copy of it; `expert_args`). For the few tokens of a decode step the work is memory-bound, so what
+counts is bytes of weights read per second: a C++
 kernel (csrc/cpu_experts.cpp, built on first use) reads every weight row once for all of an expert's
 tokens, splits the gate/up rows of all the layer's experts over a persistent thread pool (chunks taken
 dynamically), then, once every gate/up chunk is done, the down rows (threads with no gate/up chunk left
@@ -65,9 +68,19 @@ import torch
 
 from strata.kernels.cpu import expert_args, tuning
 from strata.kernels.cpu.build import build_and_open, one_line
-from strata.kernels.cpu.expert_args import Matrix, kernel_format_args, matrix_pointers, torch_expert, weights_format
+from strata.kernels.cpu.expert_args import (  # noqa: F401 (bf16_expert: this module's API)
+    Matrix,
+    act_pointers,
+    bf16_expert,
+    bias_table,
+    kernel_format_args,
+    matrix_pointers,
+    torch_expert,
+    weights_format,
+)
 from strata.kernels.cpu.numerics import QUANT_TOLERANCE, TOLERANCE, tolerance  # noqa: F401
 from strata.kernels.cpu.tuning import TRACE_FIELDS, TUNE_KEYS  # noqa: F401
+from strata.kernels.experts import PLAIN_SWIGLU, SwiGLUForm
 from strata.kernels.quant import ExpertFormat, QuantMatrix
 
 log = logging.getLogger(__name__)
@@ -283,7 +296,8 @@ def spin_us() -> int:
 
 def run_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads: int | None = None, *,
                backend: str | None = None, warm: array.array | None = None, fmt: ExpertFormat | None = None,
-               scales: array.array | None = None, up_offset: int = 0) -> bool:
+               scales: array.array | None = None, up_offset: int = 0, form: SwiGLUForm = PLAIN_SWIGLU,
+               gate_up_bias: array.array | None = None) -> bool:
     """The compiled kernel on pre-packed arguments, for callers that hold experts by address (the tier
     manager's pinned slots): x32 [N, H] fp32 contiguous; meta rows of `META` int64 (gate_up address, down
     address, token-index address (int64), weight address (fp32), T, rows, I), computing each expert's first
@@ -292,7 +306,9 @@ def run_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads:
     int64 a expert, the addresses of gate_up's and down's scales; `expert_args.slot_pointers` gives all four of a
     blob; GGUF: the header's, up's rows `up_offset` bytes into gate_up, default the layout's). warm: int64 per
     expert, the leading rows `warm_rows` read ahead on the same thread count (each thread computes its own piece of
-    them first; results unchanged). Returns False, doing nothing, when the compiled kernel is not in use."""
+    them first; results unchanged). `form`: the experts' SwiGLU form; gate_up_bias: int64 per expert, the address of its
+    fp32 gate_up bias row [2 ld] in gate_up's row order (0: none; `expert_args.bias_rows` gives them from a layer's
+    table, which must outlive the call). Returns False, doing nothing, when the compiled kernel is not in use."""
     name = _resolve(backend, fmt or "plain")
     if name == "torch" or not meta:
         return bool(not meta and name != "torch")
@@ -300,12 +316,13 @@ def run_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads:
     E = len(meta) // META
     if warm is not None and len(warm) != E:
         raise ValueError(f"warm has {len(warm)} entries for {E} experts")
+    act_buf, act, bias = act_pointers(form, gate_up_bias, E)
     up = up_offset or (expert_args.layout_up_offset(fmt, H, meta[6]) if fmt is not None and fmt.kind == "gguf" else 0)
     keep, fmt_ptr, scales_ptr = kernel_format_args(fmt, scales, E, up)
-    _check(_lib.strata_cpu_experts_fmt(_ISA[name], x32.data_ptr(), N, H, E, meta.buffer_info()[0], fmt_ptr, scales_ptr,
-                                       warm.buffer_info()[0] if warm is not None else None, out.data_ptr(),
+    _check(_lib.strata_cpu_experts_act(_ISA[name], x32.data_ptr(), N, H, E, meta.buffer_info()[0], fmt_ptr, scales_ptr,
+                                       warm.buffer_info()[0] if warm is not None else None, act, bias, out.data_ptr(),
                                        int(threads or default_threads()), None), name, N)
-    del keep
+    del keep, act_buf
     return True
 
 
@@ -317,6 +334,8 @@ def _check(rc: int, name: str, rows: int) -> None:
         raise ValueError(f"the {name} CPU kernel cannot read these experts: fp8 needs a positive block (and "
                          "AVX512_VBMI on avx512_bf16), mxfp4 H and I multiples of 32, gguf avx512_bf16 and block "
                          "types it reads (expert_args.GGUF_TYPES)")
+    if rc == -6:
+        raise ValueError(f"the {name} CPU kernel was given a SwiGLU form it does not compute (expert_args.form_args)")
     if rc != 0:
         raise RuntimeError(f"CPU expert kernel ({name}) failed with code {rc}")
 
@@ -345,14 +364,16 @@ _async_slot = threading.Lock()  # the launcher runs one call at a time
 
 def start_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads: int | None = None, *,
                  backend: str | None = None, fmt: ExpertFormat | None = None,
-                 scales: array.array | None = None) -> PackedCall | None:
+                 scales: array.array | None = None, form: SwiGLUForm = PLAIN_SWIGLU,
+                 gate_up_bias: array.array | None = None) -> PackedCall | None:
     """`run_packed` on the kernel's launcher thread (share 0 of the pool's job): returns at once, the caller
     keeps driving the GPU; `wait()` joins it. The same thread count as `run_packed` (a different one would
-    rebuild the pool at every switch).
+    rebuild the pool at every switch); `form` and `gate_up_bias` as there (the bias rows held until `wait()`).
     None, doing nothing, when the compiled kernel is not in use or another call is in flight."""
     name = _resolve(backend, fmt or "plain")
     if name == "torch" or not meta:
         return None
+    act_buf, act, bias = act_pointers(form, gate_up_bias, len(meta) // META)
     up = expert_args.layout_up_offset(fmt, x32.shape[1], meta[6]) if fmt is not None and fmt.kind == "gguf" else 0
     args, fmt_ptr, scales_ptr = kernel_format_args(fmt, scales, len(meta) // META, up)
     if not _async_slot.acquire(blocking=False):
@@ -360,8 +381,8 @@ def start_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, thread
     n_rows, hidden = x32.shape
     threads = threads or default_threads()
     _lib.strata_cpu_experts_start(_ISA[name], x32.data_ptr(), n_rows, hidden, len(meta) // META, meta.buffer_info()[0],
-                                  fmt_ptr, scales_ptr, out.data_ptr(), int(threads))
-    return PackedCall(n_rows, name, (x32, meta, out, args, scales))
+                                  fmt_ptr, scales_ptr, act, bias, out.data_ptr(), int(threads))
+    return PackedCall(n_rows, name, (x32, meta, out, args, scales, act_buf, gate_up_bias))
 
 
 def isa_code(requested: str | None = None, kind: str = "plain") -> int:
@@ -371,13 +392,17 @@ def isa_code(requested: str | None = None, kind: str = "plain") -> int:
     return 0 if name == "torch" else _ISA[name]
 
 
-def start_mailbox(cfg, boxes, layers, addresses, log, counters) -> int:
+def start_mailbox(cfg, boxes, layers, addresses, log, counters, acts=None, biases=None) -> int:
     """Start the native mailbox worker (csrc/cpu_mailbox.cpp; the arguments are numpy arrays laid out as
     strata.runtime.offload.mailbox describes, kept alive by the caller until `stop_mailbox`; cfg[7] the `isa_code`);
-    its handle, 0 when the compiled kernel is not in use (isa code 0)."""
+    acts float64 [boxes, 4] each box's SwiGLU form (`expert_args.form_args`' values; None: plain), biases int64 [boxes]
+    the address of each box's fp32 gate_up bias table [E, 2I] (0: none; None: no biases). Its handle, 0 when the
+    compiled kernel is not in use (isa code 0)."""
     if _load() is None or int(cfg[7]) == 0:
         return 0
-    return int(_lib.strata_mailbox_start(*(a.ctypes.data for a in (cfg, boxes, layers, addresses, log, counters))))
+    arrays = (cfg, boxes, layers, addresses, log, counters)
+    return int(_lib.strata_mailbox_start(*(a.ctypes.data for a in arrays), None if acts is None else acts.ctypes.data,
+                                         None if biases is None else biases.ctypes.data))
 
 
 def mailbox_warm(handle: int, next_layers, plans: int, slots: int, nbytes: int, counters) -> int:
@@ -397,7 +422,9 @@ def stop_mailbox(handle: int, *keep) -> None:
 def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]],
                         token_idx: Sequence[torch.Tensor], token_w: Sequence[torch.Tensor],
                         out: torch.Tensor | None = None, threads: int | None = None, *,
-                        backend: str | None = None) -> torch.Tensor:
+                        backend: str | None = None, form: SwiGLUForm = PLAIN_SWIGLU,
+                        gate_up_bias: torch.Tensor | None = None,
+                        expert_ids: Sequence[int] | None = None) -> torch.Tensor:
     """out[N, H] (fp32, added into; zeros when None) += sum over experts e of token_w[e] * expert_e(x[token_idx[e]]).
 
     x [N, H] fp32 or bf16 (CPU); weights[e] = (gate_up [2I, H], down [H, I]): bf16 CPU tensors, each its own
@@ -406,6 +433,10 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]
     fp32 routing weights of those rows. `threads`: the kernel's thread count (default `default_threads()`; the torch path
     ignores it). `backend`: the instruction set ("auto" or None: the best this CPU runs for the experts' format;
     "torch": the reference math, on dequantized weights for a quantized format).
+    `form`: the experts' SwiGLU form (strata.kernels.experts.SwiGLUForm; the plain SwiGLU by default). `gate_up_bias`: a
+    layer's gate_up bias table [E, 2I] in gate_up's row order, added before the form; expert_ids[e] is weights[e]'s row
+    of it (default e). Hand it fp32, contiguous and on the CPU (`expert_args.bias_table`, once) or it is converted
+    every call. The reference: `expert_args.form_expert` (the down bias is not added here: `down_bias_term`).
     """
     if x.dim() != 2 or x.device.type != "cpu":
         raise ValueError(f"x must be a [N, H] CPU tensor, got {tuple(x.shape)} on {x.device}")
@@ -416,6 +447,9 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]
         out = torch.zeros(N, H, dtype=torch.float32)
     elif out.shape != (N, H) or out.dtype != torch.float32 or out.device.type != "cpu":
         raise ValueError(f"out must be a [{N}, {H}] fp32 CPU tensor, got {tuple(out.shape)} {out.dtype} on {out.device}")
+    if expert_ids is not None and len(expert_ids) != len(weights):
+        raise ValueError(f"expert_ids has {len(expert_ids)} entries for {len(weights)} experts")
+    table = bias_table(gate_up_bias) if gate_up_bias is not None else None
     fmt = weights_format(weights, token_idx)
     up = expert_args.gguf_up_offset(weights, token_idx) if fmt is not None and fmt.kind == "gguf" else 0
     name = _resolve(backend, fmt or "plain")
@@ -424,6 +458,8 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]
     bf16 = torch.bfloat16
     meta = array.array("q")
     scales = array.array("q")  # quantized experts: their gate_up and down scales' addresses
+    biases = array.array("q")  # with a bias table: each meta row's bias row address
+    bias_row: dict[int, int] = {}  # expert -> its row of the bias table
     keep = []  # converted tensors must outlive the call
     to_torch = []
     for e in range(len(weights)):  # a few µs per expert: this loop is the per-layer Python overhead
@@ -446,6 +482,13 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]
                              f"match H={H} (want [2I, H] and [H, I])")
         if w.numel() != T:
             raise ValueError(f"expert {e}: {T} token rows but {w.numel()} routing weights")
+        bias_ptr = 0
+        if table is not None:
+            row = e if expert_ids is None else int(expert_ids[e])
+            if not 0 <= row < table.shape[0] or table.shape[1] != 2 * inter:
+                raise ValueError(f"expert {e}: no row {row} of {2 * inter} biases in gate_up_bias "
+                                 f"{tuple(table.shape)}")
+            bias_ptr, bias_row[e] = table.data_ptr() + 4 * table.shape[1] * row, row
         # (a quantized expert's values and scales are checked by matrix_pointers)
         if not ((quant or (gate_up.is_cpu and down.is_cpu)) and idx.is_cpu and w.is_cpu):
             raise ValueError(f"expert {e}: weights, token_idx and token_w must be CPU tensors")
@@ -476,10 +519,12 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]
             meta.extend((gu_ptr, dn_ptr, idx.data_ptr() + 8 * s0, w.data_ptr() + 4 * s0, n, inter, inter))
             if quant:
                 scales.extend((gus_ptr, dns_ptr))
+            if table is not None:
+                biases.append(bias_ptr)
     if meta:
         target = out if out.is_contiguous() else torch.zeros(N, H, dtype=torch.float32)
         run_packed(x32, meta, target, threads, backend=name, fmt=fmt, scales=scales if fmt is not None else None,
-                   up_offset=up)
+                   up_offset=up, form=form, gate_up_bias=biases if table is not None else None)
         if target is not out:
             out.add_(target)
     for e in to_torch:
@@ -488,19 +533,10 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]
             raise IndexError(f"token_idx out of range for x with {N} rows")
         if isinstance(gate_up, QuantMatrix) and gate_up.kind == "plain":
             gate_up, down = gate_up.values, down.values
+        bias = table[bias_row[e]] if table is not None else None
         if name != "torch" and isinstance(gate_up, torch.Tensor) and gate_up.dtype is bf16 and down.dtype is bf16:
-            bf16_expert(x, gate_up, down, idx, w, out)  # prefill-sized, compute-bound: oneDNN's bf16 GEMMs
+            bf16_expert(x, gate_up, down, idx, w, out, form, bias)  # prefill-sized, compute-bound: oneDNN's bf16 GEMMs
         else:
-            torch_expert(x32, gate_up, down, idx, w, out)
+            torch_expert(x32, gate_up, down, idx, w, out, form, bias)
     return out
 
-
-def bf16_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx: torch.Tensor, w: torch.Tensor,
-                out: torch.Tensor) -> None:
-    """One expert's tokens by torch's bf16 GEMMs on the weights as stored (products summed in fp32; the
-    activations and gate/up outputs in bf16, about the avx512_bf16 kernel's rounding), added into out [N, H]:
-    several times the fp32 path's rate on upcast weights, where a prompt's tokens make an expert compute-bound."""
-    idx = idx.to(torch.int64)
-    gate, up = torch.nn.functional.linear(x.index_select(0, idx).to(torch.bfloat16), gate_up).chunk(2, dim=-1)
-    y = torch.nn.functional.linear(torch.nn.functional.silu(gate) * up, down).float() * w.float()[:, None]
-    out.index_add_(0, idx, y)

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
+from strata.kernels.experts import PLAIN_SWIGLU, SwiGLUForm
 from strata.kernels.gpu import mailbox_pack
 from strata.runtime.offload.mailbox_clock import WorkerClock
 from strata.tiers.storage.pinned import PinnedPool
@@ -61,11 +63,18 @@ class CpuMailbox(WorkerClock):
     `gu_bytes`); the worker reads experts through it, so it must stay valid (`all_pinned`) while open.
     `cpu_kernel`: the CPU kernel's instruction set ("auto", or one of `cpu_experts.BACKENDS` but "torch").
     `layout`: the experts' blob layout (the store's), for FP8 and MXFP4 experts, which the worker reads as stored:
-    their values, scales and bytes come from it (gu_bytes and payload are then its own); None: bf16 blobs."""
+    their values, scales and bytes come from it (gu_bytes and payload are then its own); None: bf16 blobs.
+    `form`: the experts' SwiGLU form (strata.kernels.experts.SwiGLUForm), one for every layer or one per layer (a
+    mapping of every served layer); `gate_up_bias`: each layer's gate_up bias table [E, 2I] (a mapping; layers not in
+    it have none), converted once here to fp32 host memory where it is not so already, which the worker reads
+    (csrc/cpu_mailbox.cpp). The worker computes its rows of each cold pair with them; the GPU's part of a split expert
+    (`GpuShare`) is its own kernels'."""
 
     def __init__(self, layers: list[int], addresses: np.ndarray, *, hidden: int, inter: int, gu_bytes: int,
                  payload: int, top_k: int, max_tokens: int, threads: int, device: torch.device,
-                 log_entries: int = 4096, cpu_kernel: str = "auto", layout: ExpertLayout | None = None):
+                 log_entries: int = 4096, cpu_kernel: str = "auto", layout: ExpertLayout | None = None,
+                 form: SwiGLUForm | Mapping[int, SwiGLUForm] = PLAIN_SWIGLU,
+                 gate_up_bias: Mapping[int, torch.Tensor] | None = None):
         from strata.kernels.cpu import experts as ce
         from strata.kernels.cpu.expert_args import format_args
 
@@ -73,6 +82,7 @@ class CpuMailbox(WorkerClock):
         self.threads = threads  # the worker's kernel threads
         self.max_pairs = max_tokens * top_k
         self.device = device
+        acts, biases, tables = self._forms(form, gate_up_bias, inter, addresses.shape[1])  # (checked before allocating)
         self.out_off = _up(HEADER + inbox_layout(max_tokens, top_k, hidden)[1], 64)
         box_bytes = _up(self.out_off + 4 * max_tokens * hidden, 4096)
         self.pool = PinnedPool(box_bytes, len(self.layers), pin=device.type == "cuda", background=False)
@@ -104,8 +114,8 @@ class CpuMailbox(WorkerClock):
                        dtype=np.int64)
         box_addr = np.array([b.data_ptr() for b in self.boxes], dtype=np.int64)
         layer_ids = np.array(self.layers, dtype=np.int32)
-        self._keep = (cfg, box_addr, layer_ids)
-        self.handle = ce.start_mailbox(cfg, box_addr, layer_ids, self.addresses, self.log, self.counters)
+        self._keep = (cfg, box_addr, layer_ids, acts, biases, tables)
+        self.handle = ce.start_mailbox(cfg, box_addr, layer_ids, self.addresses, self.log, self.counters, acts, biases)
         if not self.handle:
             self.pool.close()
             raise RuntimeError("the CPU expert kernel is not available: no mailbox worker")
@@ -126,6 +136,29 @@ class CpuMailbox(WorkerClock):
         self.direct = device.type == "cuda" and mailbox_pack.triton is not None
         self._direct_checked = False
         self._counts = torch.zeros(len(self.layers), dtype=torch.int32, device=device)  # the pack's programs done
+
+    def _forms(self, form, gate_up_bias, inter: int, experts: int) -> tuple[np.ndarray | None, np.ndarray | None, list]:
+        """The worker's per-box SwiGLU forms (float64 [boxes, 4] or None: every one plain), gate_up bias tables' addresses
+        (int64 [boxes] or None) and the fp32 host tables they point into (held while the worker runs)."""
+        from strata.kernels.cpu.expert_args import bias_table, form_args
+
+        forms = [form.get(layer, None) if isinstance(form, Mapping) else form for layer in self.layers]
+        missing = [layer for layer, f in zip(self.layers, forms, strict=True) if f is None]
+        if missing:
+            raise ValueError(f"no SwiGLU form for the mailbox's layers {missing}")
+        acts = None
+        if not all(f.plain for f in forms):
+            plain = [float("inf"), 1.0, 0.0, 0.0]  # csrc/cpu_experts_act.h's plain form
+            acts = np.array([list(form_args(f) or plain) for f in forms], dtype=np.float64)
+        tables = [bias_table(gate_up_bias[layer], inter) if gate_up_bias and layer in gate_up_bias else None
+                  for layer in self.layers]
+        for layer, t in zip(self.layers, tables, strict=True):
+            if t is not None and t.shape[0] != experts:
+                raise ValueError(f"layer {layer}'s gate_up_bias has {t.shape[0]} rows for {experts} experts")
+        biases = None
+        if any(t is not None for t in tables):
+            biases = np.array([0 if t is None else t.data_ptr() for t in tables], dtype=np.int64)
+        return acts, biases, tables
 
     # ---- the device side: ops a decode graph captures -------------------------------------------------
     def begin_step(self, early: bool = False) -> None:

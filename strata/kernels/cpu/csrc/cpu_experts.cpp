@@ -1,13 +1,14 @@
 // strata CPU expert kernel: all the cold experts of one MoE layer in one threaded call.
 //
-// SwiGLU expert: y = down(silu(gate(x)) * up(x)); per expert a gate_up [2I, H] (gate rows then up rows) and a
-// down [H, I], each its own buffer, in bf16, block-scaled FP8, MXFP4 or GGUF blocks (one format a call;
-// cpu_experts_formats.h, cpu_experts_gguf.h), converted in registers as they are read. For N = 1..32 tokens per
+// SwiGLU expert: y = down(act(gate(x), up(x))), act silu(gate) * up or the call's SwiGLU form (clamped, scaled, offset,
+// a gate_up bias added first: cpu_experts_act.h); per expert a gate_up [2I, H] (gate rows then up rows, or the two
+// interleaved) and a down [H, I], each its own buffer, in bf16, block-scaled FP8, MXFP4 or GGUF blocks (one format a
+// call; cpu_experts_formats.h, cpu_experts_gguf.h), converted in registers as they are read. For N = 1..32 tokens per
 // expert the work is a memory-bound GEMV: every weight row is read once from RAM and used for all of the expert's
 // tokens.
 //
 //   phase 1  (gate/up)  chunks of intermediate rows j of every expert, taken dynamically by the
-//                       threads: h_e[t, j] = silu(<gate_j, x_t>) * <up_j, x_t>   (one writer per element)
+//                       threads: h_e[t, j] = act(<gate_j, x_t>, <up_j, x_t>)   (one writer per element)
 //   then, once every phase-1 chunk is finished (a thread waits only for chunks in progress, never
 //   for a thread that has not woken up yet; one that finds no phase-1 chunk left claims a few phase-2
 //   chunks and reads their weights meanwhile, so its wait is spent on RAM traffic):
@@ -77,10 +78,12 @@ inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN
 }  // namespace
 
 #include "cpu_experts_formats.h"  // FMT_*, Mat and the rows of each format, the conversion tables
+#include "cpu_experts_act.h"      // SwiGLU: the form between gate/up and down, which rows pair, the gate_up bias
 
 namespace {
 struct ExpertArg {
     const uint8_t* gate_up;  // values [2 ld, H] in the call's format (cpu_experts_formats.h): gate rows, then up rows
+                             // (or the two interleaved: Job::act)
     const uint8_t* down;     // values [H, ld]
     const int64_t* idx;       // [T] rows of x
     const float* w;           // [T] routing weights
@@ -90,6 +93,7 @@ struct ExpertArg {
     int64_t warm = 0;  // leading rows whose gate/up the pool read ahead (strata_cpu_warm): computed by the same threads
     const void* gate_up_scales = nullptr;  // fp8: float [ceil(2 ld / bn), ceil(H / bk)]; mxfp4: uint8 [2 ld, H / 32]
     const void* down_scales = nullptr;     // fp8: float [ceil(H / bn), ceil(ld / bk)]; mxfp4: uint8 [H, ld / 32]
+    const float* bias = nullptr;           // [2 ld] gate_up's bias in its row order, added before the form (none: 0)
 };
 
 struct Chunk {
@@ -104,6 +108,7 @@ struct Job {
     int64_t N = 0, H = 0, E = 0;
     int fmt = FMT_BF16;    // every expert's weight format
     int64_t bn = 1, bk = 1;  // fp8's block
+    SwiGLU act;              // the experts' form (cpu_experts_act.h)
     const void* xact = nullptr;  // [N, H] activations: float, or bf16 for avx512_bf16
     void* hbuf = nullptr;        // intermediate activations of every expert: [T_e, I_e] at hoff[e]
     std::vector<int64_t> hoff;
@@ -278,11 +283,15 @@ C_EXPORTED int strata_cpu_shutdown() {
 // warm (optional, [E] int64): of each expert, the leading rows whose gate/up `strata_cpu_warm` read ahead on this
 // pool with the same thread count; each thread computes its own piece of them first (its caches hold them).
 // stolen (optional): set to how many of those pieces another thread computed. The results do not depend on it.
-C_EXPORTED int strata_cpu_experts_fmt(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
-                                      const int64_t* fmt, const int64_t* scales, const int64_t* warm, float* out,
-                                      int threads, int64_t* stolen) {
+// act (optional: plain): double [limit (+inf: none), alpha, up_offset, interleaved], the SwiGLU form; bias (optional):
+// E int64, the address of each expert's fp32 gate_up bias [2 ld] (0: none). -6: a form no SwiGLU has.
+C_EXPORTED int strata_cpu_experts_act(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
+                                      const int64_t* fmt, const int64_t* scales, const int64_t* warm, const double* act,
+                                      const int64_t* bias, float* out, int threads, int64_t* stolen) {
     if (stolen) *stolen = 0;
     if (N <= 0 || H <= 0 || E < 0) return -1;
+    SwiGLU form;
+    if (!swiglu_of(act, form)) return -6;
     const int mask = strata_cpu_isa_mask();
     if (isa < ISA_AVX2 || isa > ISA_EMU_AVX512_BF16 || !(mask & (1 << isa))) return -1;
     const int f = fmt ? int(fmt[0]) : FMT_BF16;
@@ -307,6 +316,7 @@ C_EXPORTED int strata_cpu_experts_fmt(int isa, const float* x, int64_t N, int64_
             a.down_scales = reinterpret_cast<const void*>(scales[2 * e + 1]);
         }
         a.warm = warm ? std::clamp<int64_t>(warm[e], 0, a.ld) : 0;
+        a.bias = bias ? reinterpret_cast<const float*>(bias[e]) : nullptr;
         for (int64_t t = 0; t < a.T; ++t)
             if (a.idx[t] < 0 || a.idx[t] >= N) return -2;
         experts.push_back(a);
@@ -320,7 +330,7 @@ C_EXPORTED int strata_cpu_experts_fmt(int isa, const float* x, int64_t N, int64_
     job.N = N;
     job.H = H;
     job.E = static_cast<int64_t>(experts.size());
-    job.fmt = f, job.bn = bn, job.bk = bk;
+    job.fmt = f, job.bn = bn, job.bk = bk, job.act = form;
     job.experts = experts.data();
     job.out = out;
 
@@ -431,6 +441,13 @@ C_EXPORTED int strata_cpu_experts_fmt(int isa, const float* x, int64_t N, int64_
     return 0;
 }
 
+// strata_cpu_experts_act on the plain SwiGLU.
+C_EXPORTED int strata_cpu_experts_fmt(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
+                                      const int64_t* fmt, const int64_t* scales, const int64_t* warm, float* out,
+                                      int threads, int64_t* stolen) {
+    return strata_cpu_experts_act(isa, x, N, H, E, meta, fmt, scales, warm, nullptr, nullptr, out, threads, stolen);
+}
+
 // strata_cpu_experts_fmt on bf16 experts.
 C_EXPORTED int strata_cpu_experts_warm(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
                                        const int64_t* warm, float* out, int threads, int64_t* stolen) {
@@ -442,77 +459,6 @@ C_EXPORTED int strata_cpu_experts(int isa, const float* x, int64_t N, int64_t H,
     return strata_cpu_experts_fmt(isa, x, N, H, E, meta, fmt, scales, nullptr, out, threads, nullptr);
 }
 
-// ---------------------------------------------------------------------------------------------------
-// Asynchronous calls: `strata_cpu_experts_start` hands one call to a persistent launcher thread (share 0
-// of the pool's job) and returns at once; `strata_cpu_experts_wait` blocks until it is done and returns
-// its code, with the kernel's own run time in *seconds. The thread that drives the GPU can so start a
-// layer's CPU experts and then issue its copies while they run. One call in flight at a time; every
-// pointer must stay valid until `wait` returns.
-namespace {
-struct Launcher {
-    std::mutex m;
-    std::condition_variable cv;
-    bool has_job = false, busy = false;
-    int rc = 0, isa = 0, threads = 1;
-    double seconds = 0.0;
-    const float* x = nullptr;
-    int64_t N = 0, H = 0, E = 0;
-    const int64_t *meta = nullptr, *fmt = nullptr, *scales = nullptr;
-    float* out = nullptr;
-    pid_t pid = getpid();
-    std::thread th;
-
-    Launcher() { th = std::thread([this] { loop(); }); th.detach(); }
-    void loop() {
-        for (;;) {
-            std::unique_lock<std::mutex> lk(m);
-            cv.wait(lk, [&] { return has_job; });
-            has_job = false;
-            lk.unlock();
-            const auto t0 = std::chrono::steady_clock::now();
-            const int r = strata_cpu_experts(isa, x, N, H, E, meta, fmt, scales, out, threads);
-            const double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-            lk.lock();
-            rc = r, seconds = dt, busy = false;
-            lk.unlock();
-            cv.notify_all();
-        }
-    }
-};
-Launcher* g_launcher = nullptr;  // never freed: its detached thread lives as long as the process
-std::mutex g_launcher_m;
-}  // namespace
-
-C_EXPORTED int strata_cpu_experts_start(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
-                                        const int64_t* fmt, const int64_t* scales, float* out, int threads) {
-    Launcher* l;
-    {
-        std::lock_guard<std::mutex> lk(g_launcher_m);
-        if (g_launcher && g_launcher->pid != getpid()) g_launcher = nullptr;  // inherited through fork(): no thread
-        if (!g_launcher) g_launcher = new Launcher();
-        l = g_launcher;
-    }
-    std::unique_lock<std::mutex> lk(l->m);
-    l->cv.wait(lk, [&] { return !l->busy; });  // one call in flight
-    l->isa = isa, l->x = x, l->N = N, l->H = H, l->E = E, l->meta = meta, l->out = out, l->threads = threads;
-    l->fmt = fmt, l->scales = scales;
-    l->busy = l->has_job = true;
-    lk.unlock();
-    l->cv.notify_all();
-    return 0;
-}
-
-C_EXPORTED int strata_cpu_experts_wait(double* seconds) {
-    Launcher* l;
-    {
-        std::lock_guard<std::mutex> lk(g_launcher_m);
-        l = g_launcher;
-    }
-    if (!l) return 0;
-    std::unique_lock<std::mutex> lk(l->m);
-    l->cv.wait(lk, [&] { return !l->busy; });
-    if (seconds) *seconds = l->seconds;
-    return l->rc;
-}
+#include "cpu_experts_async.h"  // strata_cpu_experts_start / _wait: one call on a launcher thread
 
 #include "cpu_dense.h"  // strata_cpu_dense: bf16 weight rows times a few rows of activations, on the same pool

@@ -121,6 +121,14 @@ static void gguf_dot_any(int type, int nt, const uint8_t* const* rows, int64_t l
     }
 }
 
+// Where row r of expert ex's gate_up [2 ld, H] starts: gate's section holds rows [0, ld) of rbg bytes, up's (Job::bn
+// bytes in) rows [ld, 2 ld) of rbu bytes. (An interleaved form's gate row 2j may lie in up's section, and so be in up's
+// type.)
+static inline const uint8_t* gguf_gate_up_row(const Job& job, const ExpertArg& ex, int64_t r, int64_t rbg,
+                                              int64_t rbu) {
+    return r < ex.ld ? ex.gate_up + r * rbg : ex.gate_up + job.bn + (r - ex.ld) * rbu;
+}
+
 // gate_up_rows' work on expert e's rows [j0, j1) when gate and up have one type T: both rows in one pass, the type
 // dispatched once a chunk.
 template <class KK, class T>
@@ -139,10 +147,11 @@ static void gguf_gate_up_pass(const Job& job, int64_t e, int64_t j0, int64_t j1)
     int cur = 0, pend_nt = 0;
     int64_t pend_s = 0, pend_j = 0;
     const auto write = [&](int b) {
-        for (int t = 0; t < pend_nt; ++t) hb[(pend_s + t) * I + pend_j] = KK::h_from_f(silu_mul(g[b][t], u[b][t]));
+        activate(job, ex, pend_j, pend_nt, g[b], u[b], [&](int t, auto h) { hb[(pend_s + t) * I + pend_j] = h; });
     };
     for (int64_t j = j0; j < j1; ++j) {
-        const uint8_t* rows[2] = {ex.gate_up + j * rb, ex.gate_up + job.bn + j * rb};
+        const uint8_t* rows[2] = {gguf_gate_up_row(job, ex, job.act.gate_row(j), rb, rb),
+                                  gguf_gate_up_row(job, ex, job.act.up_row(j, ex.ld), rb, rb)};
         for (int64_t s = 0; s < ex.T; s += kGgufTile) {
             const int nt = static_cast<int>(std::min<int64_t>(kGgufTile, ex.T - s));
             for (int t = 0; t < nt; ++t) xs[t] = x + ex.idx[s + t] * H, ss[t] = sums + ex.idx[s + t] * ns;
@@ -214,8 +223,8 @@ static void gguf_pass(int type, const Job& job, int64_t e, int64_t r0, int64_t r
 }
 
 // Phase 1 on expert e, intermediate rows [j0, j1) (gate_up_rows' work): gate row j in its type, up row j (at the
-// section's middle, Job::bn bytes in) in its own. The thread finishing the expert's last rows prepares its
-// intermediate for the down rows.
+// section's middle, Job::bn bytes in) in its own (an interleaved form: gate_up rows 2j and 2j + 1, each in the type of
+// the section it lies in). The thread finishing the expert's last rows prepares its intermediate for the down rows.
 template <class KK>
 static void gguf_gate_up_rows(const Job& job, int64_t e, int64_t j0, int64_t j1) {
     if constexpr (has_gguf<KK>::value) {
@@ -224,19 +233,23 @@ static void gguf_gate_up_rows(const Job& job, int64_t e, int64_t j0, int64_t j1)
         const int tg = gguf_type(ex.gate_up_scales, 0), tu = gguf_type(ex.gate_up_scales, 1);
         if (tg == tu) {
             gguf_pass<KK, true>(tg, job, e, j0, j1);
-        } else {  // a row of each type at a time, each dispatched on its own
+        } else {  // a row of each type at a time, each dispatched on its own: the type of the section it lies in
             const int64_t H = job.H, I = ex.I, T = ex.T, ns = gguf_sums_len(H);
-            const int lg = gguf_layout_of(tg), lu = gguf_layout_of(tu);
             const int64_t rbg = gguf_row_bytes(tg, H), rbu = gguf_row_bytes(tu, H);
-            const X* xg = reinterpret_cast<const X*>(g_gguf.x[lg].data());
-            const X* xu = reinterpret_cast<const X*>(g_gguf.x[lu].data());
             typename KK::Hd* hb = static_cast<typename KK::Hd*>(job.hbuf) + job.hoff[e];
             const X *pg[kGgufTile], *pu[kGgufTile];
             const float *sg[kGgufTile], *su[kGgufTile];
             float g[kGgufTile], u[kGgufTile];
             float* og[1] = {g};
             float* ou[1] = {u};
-            for (int64_t j = j0; j < j1; ++j)
+            for (int64_t j = j0; j < j1; ++j) {
+                const int64_t rg = job.act.gate_row(j), ru = job.act.up_row(j, ex.ld);
+                const int ty_g = rg < ex.ld ? tg : tu, ty_u = ru < ex.ld ? tg : tu;
+                const int lg = gguf_layout_of(ty_g), lu = gguf_layout_of(ty_u);
+                const X* xg = reinterpret_cast<const X*>(g_gguf.x[lg].data());
+                const X* xu = reinterpret_cast<const X*>(g_gguf.x[lu].data());
+                const uint8_t* rows[2] = {gguf_gate_up_row(job, ex, rg, rbg, rbu),
+                                          gguf_gate_up_row(job, ex, ru, rbg, rbu)};
                 for (int64_t s = 0; s < T; s += kGgufTile) {
                     const int nt = static_cast<int>(std::min<int64_t>(kGgufTile, T - s));
                     for (int t = 0; t < nt; ++t) {
@@ -244,11 +257,11 @@ static void gguf_gate_up_rows(const Job& job, int64_t e, int64_t j0, int64_t j1)
                         pg[t] = xg + n * H, pu[t] = xu + n * H;
                         sg[t] = g_gguf.xs[lg].data() + n * ns, su[t] = g_gguf.xs[lu].data() + n * ns;
                     }
-                    const uint8_t* rows[2] = {ex.gate_up + j * rbg, ex.gate_up + job.bn + j * rbu};
-                    gguf_dot_any<KK, 1>(tg, nt, rows, H, pg, sg, og, job.pf);
-                    gguf_dot_any<KK, 1>(tu, nt, rows + 1, H, pu, su, ou, job.pf);
-                    for (int t = 0; t < nt; ++t) hb[(s + t) * I + j] = KK::h_from_f(silu_mul(g[t], u[t]));
+                    gguf_dot_any<KK, 1>(ty_g, nt, rows, H, pg, sg, og, job.pf);
+                    gguf_dot_any<KK, 1>(ty_u, nt, rows + 1, H, pu, su, ou, job.pf);
+                    activate(job, ex, j, nt, g, u, [&](int t, auto h) { hb[(s + t) * I + j] = h; });
                 }
+            }
         }
         if (g_gguf.rows_left[e].fetch_sub(j1 - j0, std::memory_order_acq_rel) == j1 - j0)
             gguf_prepare_down<typename KK::Hd>(job, e);

@@ -328,9 +328,23 @@ static void dot2(int nt, const typename F::Row& ra, const typename F::Row& rb, i
 }
 
 static inline float silu_mul(float g, float u) { return g / (1.0f + std::exp(-g)) * u; }
+
+// Intermediate row j of expert ex for nt tokens, its gate g[t] and up u[t] summed: put(t, h) stores each h (K::Hd).
+// The job's form and the expert's bias are chosen here, once a row and tile (cpu_experts_act.h).
+template <class Put>
+static inline void activate(const Job& job, const ExpertArg& ex, int64_t j, int nt, const float* g, const float* u,
+                            Put put) {
+    if (job.act.plain && !ex.bias) {
+        for (int t = 0; t < nt; ++t) put(t, K::h_from_f(silu_mul(g[t], u[t])));
+        return;
+    }
+    const float bg = ex.bias ? ex.bias[job.act.gate_row(j)] : 0.0f;
+    const float bu = ex.bias ? ex.bias[job.act.up_row(j, ex.ld)] : 0.0f;
+    for (int t = 0; t < nt; ++t) put(t, K::h_from_f(swiglu_form(job.act, g[t] + bg, u[t] + bu)));
+}
 #include "cpu_experts_tile4.h"  // four rows a tile for experts with many tokens: gate_up_rows4, down_expert_rows4
 
-// Phase 1 on expert e, intermediate rows [j0, j1): h[t, j] = silu(<gate_j, x_t>) * <up_j, x_t>.
+// Phase 1 on expert e, intermediate rows [j0, j1): h[t, j] = act(<gate_j, x_t>, <up_j, x_t>) (the job's SwiGLU form).
 template <class F>
 static void gate_up_rows(const Job& job, int64_t e, int64_t j0, int64_t j1) {
     const ExpertArg& ex = job.experts[e];
@@ -345,19 +359,19 @@ static void gate_up_rows(const Job& job, int64_t e, int64_t j0, int64_t j1) {
     // the tile's sums, and placed there they overlap the next tile's loads and products instead of stalling between
     // tiles (~7% of one core's time on MXFP4 experts; the values written are the same)
     int cur = 0, pend_nt = 0;
-    int64_t pend_s = 0, pend_at = 0;
+    int64_t pend_s = 0, pend_at = 0, pend_j = 0;
     const auto write = [&](int b) {
-        for (int t = 0; t < pend_nt; ++t) hb[(pend_s + t) * I + pend_at] = K::h_from_f(silu_mul(g[b][t], u[b][t]));
+        activate(job, ex, pend_j, pend_nt, g[b], u[b], [&](int t, auto h) { hb[(pend_s + t) * I + pend_at] = h; });
     };
     for (int64_t j = j0; j < j1; ++j) {
-        const auto ra = F::Row::of(m, j);
-        const auto rb = F::Row::of(m, ex.ld + j);  // up rows start at ld (I < ld: a split expert)
+        const auto ra = F::Row::of(m, job.act.gate_row(j));
+        const auto rb = F::Row::of(m, job.act.up_row(j, ex.ld));  // gate rows first: up's from ld (I < ld: split)
         for (int64_t s = 0; s < T; s += K::NTMAX) {
             const int nt = static_cast<int>(std::min<int64_t>(K::NTMAX, T - s));
             for (int t = 0; t < nt; ++t) xs[t] = xbase + ex.idx[s + t] * H;
             dot2<F>(nt, ra, rb, H, xs, g[cur], u[cur], job.pf);
             write(cur ^ 1);
-            pend_nt = nt, pend_s = s, pend_at = F::x_position(j, I);  // the down rows read h[t] as they read x
+            pend_nt = nt, pend_s = s, pend_j = j, pend_at = F::x_position(j, I);  // down reads h[t] as it reads x
             cur ^= 1;
         }
     }

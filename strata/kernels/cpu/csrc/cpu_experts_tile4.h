@@ -1,7 +1,7 @@
 // Four weight rows against a tile of K::NT4 tokens, for experts with many tokens (a prompt's layer call): 4 x NT4
 // accumulators (24 zmm on the AVX-512 sets) take 4 weight and NT4 activation loads a vector step for 4 * NT4 dot
 // steps, where the two-row tile (dot2) takes 2 + NTMAX for 2 * NTMAX. Part of the kernel body: included by
-// cpu_experts_kernel.h inside each instruction set's namespace, after dot2 and silu_mul.
+// cpu_experts_kernel.h inside each instruction set's namespace, after dot2 and activate.
 //
 // Numerics: an expert with at least NT4 tokens is tiled NT4 tokens at a time (its last tile the remainder) whether
 // its rows go four or two at a time; dot4_tile sums a row exactly as dot2_tile<F, NT, 1> does, which is dot2's
@@ -128,20 +128,20 @@ static void gate_up_rows4(const Job& job, int64_t e, int64_t j0, int64_t j1) {
     const auto write = [&](int b) {
         for (int q = 0; q < pend_nj; ++q) {
             const int64_t at = F::x_position(pend_j + q, I);
-            for (int t = 0; t < pend_nt; ++t)
-                hb[(pend_s + t) * I + at] = K::h_from_f(silu_mul(y[b][2 * q][t], y[b][2 * q + 1][t]));
+            activate(job, ex, pend_j + q, pend_nt, y[b][2 * q], y[b][2 * q + 1],
+                     [&](int t, auto h) { hb[(pend_s + t) * I + at] = h; });
         }
     };
+    const SwiGLU& f = job.act;  // which gate_up rows hold intermediate row j's gate and up
+    const auto gate = [&](int64_t j) { return F::Row::of(m, f.gate_row(j)); };
+    const auto up = [&](int64_t j) { return F::Row::of(m, f.up_row(j, ex.ld)); };
     for (int64_t j = j0; j < j1; j += 2) {
         const int nj = j + 1 < j1 ? 2 : 1;
-        const typename F::Row r[4] = {F::Row::of(m, j), F::Row::of(m, ex.ld + j), F::Row::of(m, j + nj - 1),
-                                      F::Row::of(m, ex.ld + j + nj - 1)};
+        const typename F::Row r[4] = {gate(j), up(j), gate(j + nj - 1), up(j + nj - 1)};
         // the next group's four rows, read into L2 during this group's first tile
         const bool next = job.pf && j + 3 < j1;
         typename F::Row ahead[4];
-        if (next)
-            ahead[0] = F::Row::of(m, j + 2), ahead[1] = F::Row::of(m, ex.ld + j + 2), ahead[2] = F::Row::of(m, j + 3),
-            ahead[3] = F::Row::of(m, ex.ld + j + 3);
+        if (next) ahead[0] = gate(j + 2), ahead[1] = up(j + 2), ahead[2] = gate(j + 3), ahead[3] = up(j + 3);
         for (int64_t s = 0; s < T; s += NT) {
             const int nt = static_cast<int>(std::min<int64_t>(NT, T - s));
             for (int t = 0; t < nt; ++t) xs[t] = xbase + ex.idx[s + t] * H;

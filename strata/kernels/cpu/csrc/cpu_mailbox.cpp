@@ -24,6 +24,8 @@
 // Every layer's experts are read by address from the table addr[layer * E + e] (the gate_up block of
 // expert e's page-locked slot; down's values follow at gu_bytes; in FP8 and MXFP4 the scales of gate_up and down
 // at gus_off and dns_off, strata.kernels.quant.ExpertLayout); 0 means "not resident in page-locked RAM".
+// Each box's layer has its SwiGLU form (the kernel's act arguments, cpu_experts_act.h; none given: plain) and
+// optionally a gate_up bias table, fp32 [E, 2I] in host memory: expert e's row is the kernel's bias of e.
 //
 // The worker also counts what it computed (experts, bytes, kernel seconds) and logs, per layer served,
 // which experts were resident and which it computed, into a ring the Python side drains for the tier
@@ -47,13 +49,13 @@
 
 #define C_EXPORTED extern "C" __attribute__((visibility("default")))
 
-C_EXPORTED int strata_cpu_experts_fmt(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
-                                      const int64_t* fmt, const int64_t* scales, const int64_t* warm, float* out,
-                                      int threads, int64_t* stolen);
+C_EXPORTED int strata_cpu_experts_act(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
+                                      const int64_t* fmt, const int64_t* scales, const int64_t* warm, const double* act,
+                                      const int64_t* bias, float* out, int threads, int64_t* stolen);
 C_EXPORTED int strata_cpu_warm_drain();
-C_EXPORTED int64_t strata_cpu_warm_bytes(const int64_t* addr, const int64_t* rows, int64_t n, int64_t row_bytes,
-                                         int64_t ld, int threads, const int64_t* stop, int64_t stop_val,
-                                         int64_t* held_ns);
+C_EXPORTED int64_t strata_cpu_warm_form(const int64_t* addr, const int64_t* rows, int64_t n, int64_t row_bytes,
+                                        int64_t ld, int interleaved, int threads, const int64_t* stop,
+                                        int64_t stop_val, int64_t* held_ns);
 
 namespace {
 
@@ -96,6 +98,8 @@ struct Mailbox {
     int64_t fmt[3] = {0, 1, 1};     // the experts' format (csrc/cpu_experts_formats.h's FMT_*) and fp8's block
     int64_t gus_off = 0, dns_off = 0;  // FP8, MXFP4: where gate_up's and down's scales start in a slot
     int64_t pair_bytes = 0;         // a gate row and an up row's values (bf16 4 H, FP8 2 H, MXFP4 H)
+    std::vector<double> acts;       // [n_boxes, 4] each box's SwiGLU form (strata_cpu_experts_act's act); empty: plain
+    std::vector<int64_t> biases;    // [n_boxes] each box's gate_up bias table, fp32 [E, 2I] (0: none); empty: none
     int isa = 0, threads = 1;
     int64_t spin_ns = 2000000;      // poll without sleeping this long after the last layer served
     // ring log and counters (host memory the Python side reads)
@@ -128,7 +132,8 @@ struct Mailbox {
     }
 
     void serve(size_t i, int64_t gen, std::vector<int64_t>& tok, std::vector<float>& wts, std::vector<int64_t>& meta,
-               std::vector<int32_t>& order, std::vector<int64_t>& warm_of, std::vector<int64_t>& scales) {
+               std::vector<int32_t>& order, std::vector<int64_t>& warm_of, std::vector<int64_t>& scales,
+               std::vector<int64_t>& bias_of) {
         const int64_t seen_ns = now_ns();
         if (last_box >= 0) {  // that layer's acquire kernel wrote its reads of `done` before this layer's post
             const int64_t spins = reinterpret_cast<volatile int64_t*>(boxes[size_t(last_box)])[4];
@@ -160,6 +165,8 @@ struct Mailbox {
         meta.clear();
         warm_of.clear();
         scales.clear();
+        bias_of.clear();
+        const int64_t bias_table = biases.empty() ? 0 : biases[i];
         WarmCfg* wc = warm.load(std::memory_order_acquire);
         const bool warmed = wc && warm_box == int(i) && warm_gen == gen;  // this layer's experts were read ahead
         int64_t warm_used = 0;
@@ -186,6 +193,7 @@ struct Mailbox {
             meta.insert(meta.end(), {base, base + gu_bytes, reinterpret_cast<int64_t>(tok.data() + j),
                                      reinterpret_cast<int64_t>(wts.data() + j), int64_t(end - j), r, I});
             scales.insert(scales.end(), {base + gus_off, base + dns_off});
+            bias_of.push_back(bias_table ? bias_table + int64_t(sizeof(float)) * 2 * I * e : 0);
             int64_t wr = 0;
             for (size_t q = 0; warmed && q < warm_addr.size(); ++q)
                 if (warm_addr[q] == base) wr = warm_rows[q];
@@ -199,8 +207,9 @@ struct Mailbox {
         if (status == 0 && groups) {
             const auto t0 = std::chrono::steady_clock::now();
             int64_t stolen = 0;
-            status = strata_cpu_experts_fmt(isa, x, N, H, groups, meta.data(), fmt, scales.data(),
-                                            warmed ? warm_of.data() : nullptr, out, threads, &stolen);
+            status = strata_cpu_experts_act(isa, x, N, H, groups, meta.data(), fmt, scales.data(),
+                                            warmed ? warm_of.data() : nullptr, act_of(i),
+                                            bias_table ? bias_of.data() : nullptr, out, threads, &stolen);
             if (warmed) wc->counters[4] += warm_used, wc->counters[5] += stolen;
             ns = std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
         }
@@ -288,9 +297,10 @@ struct Mailbox {
         warm_box = j, warm_gen = gen;
         const int64_t t0 = now_ns();
         int64_t held = 0;
-        wc.counters[2] += strata_cpu_warm_bytes(warm_addr.data(), warm_rows.data(), int64_t(warm_addr.size()),
-                                                pair_bytes / 2, I, threads, const_cast<const int64_t*>(ready),
-                                                seen[size_t(j)], &held);
+        const double* act = act_of(size_t(j));  // the planned layer's rows: interleaved or not
+        wc.counters[2] += strata_cpu_warm_form(warm_addr.data(), warm_rows.data(), int64_t(warm_addr.size()),
+                                               pair_bytes / 2, I, act && act[3] != 0.0, threads,
+                                               const_cast<const int64_t*>(ready), seen[size_t(j)], &held);
         wc.counters[3] += now_ns() - t0;
         wc.counters[6] += held;
         wc.counters[7] = std::max(wc.counters[7], held);
@@ -298,8 +308,10 @@ struct Mailbox {
 
     std::vector<int64_t> seen;  // the generation last served per box (read at start, before the thread runs)
 
+    const double* act_of(size_t i) const { return acts.empty() ? nullptr : acts.data() + 4 * i; }
+
     void loop() {
-        std::vector<int64_t> tok, meta, warm_of, scales;
+        std::vector<int64_t> tok, meta, warm_of, scales, bias_of;
         std::vector<float> wts;
         std::vector<int32_t> order;
         auto last = std::chrono::steady_clock::now();
@@ -309,7 +321,7 @@ struct Mailbox {
                 const int64_t gen = reinterpret_cast<volatile int64_t*>(boxes[i])[0];
                 if (gen != seen[i]) {
                     std::atomic_thread_fence(std::memory_order_acquire);
-                    serve(i, gen, tok, wts, meta, order, warm_of, scales);
+                    serve(i, gen, tok, wts, meta, order, warm_of, scales, bias_of);
                     seen[i] = gen;
                     served = true;
                 }
@@ -335,9 +347,13 @@ struct Mailbox {
 // cfg: int64 [H, E, I, gu_bytes, out_off, payload, max_pairs, isa, threads, spin_ns, n_boxes, log_cap, format, bn, bk,
 // gus_off, dns_off] (payload: an expert's bytes in its format, for the counters; format: FMT_*, bn, bk fp8's block)
 // boxes: int64 [n_boxes] mailbox addresses; layers: int32 [n_boxes]; addr: int64 [layers * E];
-// log: log_cap entries of 16 + 4 * 256 bytes; counters: int64 [16]. Returns a handle for stop (0: failed).
+// log: log_cap entries of 16 + 4 * 256 bytes; counters: int64 [16]; acts (optional): double [n_boxes, 4], each box's
+// SwiGLU form (strata_cpu_experts_act's act: limit or +inf, alpha, up_offset, interleaved); biases (optional): int64
+// [n_boxes], each box's fp32 gate_up bias table [E, 2I] (0: none), read while the worker runs. Returns a handle for
+// stop (0: failed).
 C_EXPORTED int64_t strata_mailbox_start(const int64_t* cfg, const int64_t* boxes, const int32_t* layers,
-                                        const int64_t* addr, char* log, int64_t* counters) {
+                                        const int64_t* addr, char* log, int64_t* counters, const double* acts,
+                                        const int64_t* biases) {
     auto* m = new Mailbox();
     m->H = cfg[0], m->E = cfg[1], m->I = cfg[2], m->gu_bytes = cfg[3], m->out_off = cfg[4], m->payload = cfg[5];
     m->max_pairs = cfg[6], m->isa = int(cfg[7]), m->threads = int(cfg[8]), m->spin_ns = cfg[9];
@@ -349,6 +365,8 @@ C_EXPORTED int64_t strata_mailbox_start(const int64_t* cfg, const int64_t* boxes
         m->boxes.push_back(reinterpret_cast<char*>(boxes[i]));
         m->layer_of.push_back(layers[i]);
     }
+    if (acts) m->acts.assign(acts, acts + 4 * n);
+    if (biases) m->biases.assign(biases, biases + n);
     m->addr = addr, m->log = log, m->counters = counters;
     for (char* box : m->boxes) m->seen.push_back(int64_t(reinterpret_cast<volatile int64_t*>(box)[0]));
     m->th = std::thread([m] { m->loop(); });

@@ -15,8 +15,9 @@ struct WarmJob {
     static constexpr int64_t kMax = 64;  // experts a read (more are not read; a few fill warm-ahead's budget)
     static constexpr int kMaxThreads = 64;  // threads whose progress is kept (a larger pool: the kernel assumes all read)
     int64_t addr[kMax] = {};  // [n] each expert's gate_up values [2 ld, H], rows of row_bytes
-    int64_t rows[kMax] = {};  // [n] leading rows to read (gate rows j and up rows ld + j)
+    int64_t rows[kMax] = {};  // [n] leading rows to read (gate rows j and up rows ld + j; interleaved: 2j, 2j + 1)
     int64_t n = 0, row_bytes = 0, ld = 0, P = 1;
+    bool interleaved = false;  // the experts' SwiGLU form interleaves gate and up rows (cpu_experts_act.h)
     int64_t streams = 1, touch = 1;  // rows read at once, line-interleaved; one 64-byte line touched in `touch`
     const volatile int64_t* stop = nullptr;  // stop reading once *stop != stop_val (the next layer is posted)
     int64_t stop_val = 0;
@@ -35,9 +36,9 @@ const WarmJob* g_warm_last = nullptr;  // the read started last (its rows are wh
 std::atomic<int> g_straggler_tid{-1}, g_straggler_in{0};
 int64_t g_straggler_us = 0;
 
-// Thread tid's piece of every expert's warm rows, gate row j and up row ld + j, one load a touched 64-byte line
-// (volatile: kept), `streams` rows at a time interleaved line by line, so the kernel's static pieces find them in
-// this core's L2. Stops early once *stop changes.
+// Thread tid's piece of every expert's warm rows, gate row j and up row ld + j (interleaved: 2j, 2j + 1), one load
+// a touched 64-byte line (volatile: kept), `streams` rows at a time interleaved line by line, so the kernel's static
+// pieces find them in this core's L2. Stops early once *stop changes.
 void warm_job(void* ctx, int tid) {
     WarmJob& job = *static_cast<WarmJob*>(ctx);
     if (tid > 0 && g_straggler_tid.load() == tid && g_straggler_tid.exchange(-1) == tid) {
@@ -60,7 +61,7 @@ void warm_job(void* ctx, int tid) {
         const auto* gu = reinterpret_cast<const volatile uint8_t*>(job.addr[e]);
         const int64_t w = std::clamp<int64_t>(job.rows[e], 0, job.ld);  // as the kernel clamps it
         for (int64_t j = warm_bound(w, tid, job.P); j < warm_bound(w, tid + 1, job.P); ++j)
-            for (const int64_t r : {j, job.ld + j}) {
+            for (const int64_t r : {job.interleaved ? 2 * j : j, job.interleaved ? 2 * j + 1 : job.ld + j}) {
                 group[g++] = gu + r * row;
                 if (g == job.streams && !read_group()) goto done;
             }
@@ -101,10 +102,11 @@ int64_t warm_read_pairs(const void* gu, int64_t warm, int64_t t, int64_t P) {
 // *stop != stop_val, where stop is given: the word the next layer's post changes, and then returns without
 // waiting for threads still inside (descheduled mid-piece: they finish on their own, their bytes uncounted, and
 // take no part in the next kernel call, whose other threads do their pieces). held_ns (optional): set to how long
-// the call waited for such threads of an earlier call before it could reuse their slot.
-C_EXPORTED int64_t strata_cpu_warm_bytes(const int64_t* addr, const int64_t* rows, int64_t n, int64_t row_bytes,
-                                         int64_t ld, int threads, const int64_t* stop, int64_t stop_val,
-                                         int64_t* held_ns) {
+// the call waited for such threads of an earlier call before it could reuse their slot. interleaved: the rows of
+// experts whose SwiGLU form interleaves gate and up (gate_up rows 2j and 2j + 1 for row j).
+C_EXPORTED int64_t strata_cpu_warm_form(const int64_t* addr, const int64_t* rows, int64_t n, int64_t row_bytes,
+                                        int64_t ld, int interleaved, int threads, const int64_t* stop,
+                                        int64_t stop_val, int64_t* held_ns) {
     if (held_ns) *held_ns = 0;
     if (n <= 0 || row_bytes <= 0 || ld <= 0) return 0;
     std::lock_guard<std::mutex> lk(g_call);
@@ -123,7 +125,7 @@ C_EXPORTED int64_t strata_cpu_warm_bytes(const int64_t* addr, const int64_t* row
     WarmJob& job = g_warm_jobs[pool ? pool->next_slot() : 0];
     n = std::min(n, WarmJob::kMax);
     std::copy(addr, addr + n, job.addr), std::copy(rows, rows + n, job.rows);
-    job.n = n, job.row_bytes = row_bytes, job.ld = ld, job.P = P;
+    job.n = n, job.row_bytes = row_bytes, job.ld = ld, job.P = P, job.interleaved = interleaved != 0;
     job.stop = stop, job.stop_val = stop_val;
     job.streams = g_warm_streams, job.touch = g_warm_touch;
     job.halt.store(false, std::memory_order_relaxed);
@@ -138,6 +140,13 @@ C_EXPORTED int64_t strata_cpu_warm_bytes(const int64_t* addr, const int64_t* row
     const int64_t bytes = job.bytes.load();
     job.halt.store(true, std::memory_order_release);  // a thread still inside reads nothing more, `stop` included
     return bytes;
+}
+
+// strata_cpu_warm_form on experts whose gate rows come first.
+C_EXPORTED int64_t strata_cpu_warm_bytes(const int64_t* addr, const int64_t* rows, int64_t n, int64_t row_bytes,
+                                         int64_t ld, int threads, const int64_t* stop, int64_t stop_val,
+                                         int64_t* held_ns) {
+    return strata_cpu_warm_form(addr, rows, n, row_bytes, ld, 0, threads, stop, stop_val, held_ns);
 }
 
 // strata_cpu_warm_bytes on bf16 experts of hidden size H (rows of 2 H bytes).
