@@ -110,7 +110,7 @@ class CpuCompute:
         puts them in the slot. None when the experts are not all in pinned RAM (or in a format the kernel does not
         read: plain other than bf16, or too many tokens)."""
         from strata.kernels.cpu import experts as ce
-        from strata.kernels.cpu.expert_args import slot_pointers
+        from strata.kernels.cpu.expert_args import bias_rows, slot_pointers
 
         store = self.manager.store
         layout = store.layout
@@ -141,7 +141,10 @@ class CpuCompute:
                 scales.extend((gus, dns))
                 off += len(sel)
             out = torch.zeros(x.shape, dtype=torch.float32, pin_memory=self.pin_results)
-            packed = {"backend": self.cpu_kernel, "fmt": fmt, "scales": scales if fmt is not None else None}
+            bias = self.gate_up_bias(layer, torch.device("cpu"))  # gpt-oss: [E, 2I] fp32, each expert's row read
+            bias_at, _ = bias_rows(bias, [e for e, _ in groups], inter) if bias is not None else (None, None)
+            packed = {"backend": self.cpu_kernel, "fmt": fmt, "scales": scales if fmt is not None else None,
+                      "form": self.form, "gate_up_bias": bias_at}
             call = ce.start_packed(x32, meta, out, self.cpu_threads, **packed) if background else None
             t0 = time.perf_counter()
             if call is None:
@@ -160,7 +163,7 @@ class CpuCompute:
             self.rates.observe_cpu(len(groups) * layout.payload_bytes, kernel_s)
             return out
 
-        return CpuShare(finish, (tok, w, x32, scales))
+        return CpuShare(finish, (tok, w, x32, scales, bias_at))
 
 
 class CpuShare:
@@ -185,7 +188,8 @@ def _cpu_apply(x, weights, k, groups, by_expert, out, fast: bool, threads: int |
 
         flat_w = weights.reshape(-1).float()
         cpu_experts_forward(x, [by_expert[e] for e, _ in groups], [sel // k for _, sel in groups],
-                            [flat_w[sel] for _, sel in groups], out=out, threads=threads, backend=backend)
+                            [flat_w[sel] for _, sel in groups], out=out, threads=threads, backend=backend, form=form,
+                            gate_up_bias=gate_up_bias, expert_ids=None if gate_up_bias is None else [e for e, _ in groups])
         return
     def fp32_expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(w.float() for w in as_weights(by_expert[e], torch.float32))

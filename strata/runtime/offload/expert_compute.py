@@ -132,23 +132,17 @@ class ExpertCompute(CpuCompute):
 
     @property
     def use_split(self) -> bool:
-        return self.split and not self.reproducible and self.cpu_kernel_computes
+        return self.split and not self.reproducible
 
     @property
     def use_fast_cpu(self) -> bool:
-        return self.fast_cpu and not self.reproducible and self.cpu_kernel_computes
+        return self.fast_cpu and not self.reproducible
 
     @property
     def plain_math(self) -> bool:
         """Whether the experts are the plain SwiGLU without biases (every kernel path computes those); else their
         sums are kept in fp32 until the layer adds the down biases and rounds once."""
         return self.form.plain and not self.expert_biases
-
-    @property
-    def cpu_kernel_computes(self) -> bool:
-        """Whether the compiled CPU kernel computes these experts' SwiGLU form and biases (else the CPU's experts
-        take the reference math and decode sends no share to the CPU)."""
-        return self.plain_math
 
     @property
     def pairs_read_form(self) -> bool:
@@ -177,7 +171,7 @@ class ExpertCompute(CpuCompute):
         """Whether a decode step can now run as one graph with cold experts on the mailbox worker: graph split
         decode configured, forked CPU numerics, a CUDA device, the compiled kernel, and every expert resident in
         pinned RAM for good (the worker reads them by address). The mailbox is made on the first True."""
-        if self.reproducible or not self.cpu_kernel_computes:
+        if self.reproducible:
             return False
         if self.mailbox is not None:
             return True
@@ -231,7 +225,9 @@ class ExpertCompute(CpuCompute):
                                       gu_bytes=store.index.gate_up_bytes, payload=store.payload_bytes, top_k=self.top_k,
                                       max_tokens=MAX_GRAPH_BATCH, threads=self.cpu_threads or ce.default_threads(),
                                       device=self.device, cpu_kernel=self.cpu_kernel,
-                                      layout=store.layout if store.expert_format.quantized else None)
+                                      layout=store.layout if store.expert_format.quantized else None, form=self.form,
+                                      gate_up_bias={layer: self.gate_up_bias(layer, torch.device("cpu"))
+                                                    for layer in self.expert_biases} or None)
         if (failed := self.mailbox.self_test()) is not None:
             log.warning("strata: one-graph decode steps off (%s); decode takes host steps", failed)
             self._mailbox_off = failed

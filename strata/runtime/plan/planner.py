@@ -223,8 +223,9 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
     ]
     expert_compute = "gpu" if gpu_slots else "cpu"
     decode = decode_mode(fp.expert_format, expert_compute, bool(total) and gpu_slots >= total, cfg, dtype)
-    if fp.config.deepseek_v4 is not None or fp.config.gpt_oss is not None:
-        decode = _swiglu_form_decode(decode, expert_compute, fp.config.gpt_oss is not None)
+    if fp.config.deepseek_v4 is not None and gpu is not None:  # (its clipped SwiGLU: every kernel computes it)
+        decode = replace(decode, mode=decode.mode + "; eager decode steps (DeepSeek-V4's compressed caches are not "
+                         "captured in CUDA graphs)", graphs=False)
     if fp.config.qwen3_5 is not None:
         if gpu is not None:  # the linear-attention layers' state update runs eagerly on the GPU
             decode = replace(decode, mode=decode.mode + "; eager decode steps (no CUDA graphs for the "
@@ -357,17 +358,3 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(json.dumps(p.to_dict(), indent=2) if args.json else p.format())
     return 1 if p.does_not_fit else 0  # the layout is shown, but serve and from_pretrained would refuse it
 
-
-def _swiglu_form_decode(decode: DecodeMode, expert_compute: str, gpt_oss: bool) -> DecodeMode:
-    """The decode path of experts with a SwiGLU of their own (DeepSeek-V4's clip; gpt-oss's clamped form with
-    biases): the GPU's pair kernels compute it; the compiled CPU kernel does not yet, so CPU experts take the
-    reference math and a GPU host copies cold experts into slots instead of sending them to the CPU."""
-    what = "gpt-oss's clamped SwiGLU with expert biases" if gpt_oss else "DeepSeek-V4's clipped SwiGLU"
-    if expert_compute == "cpu":
-        return DecodeMode("experts on CPU threads from RAM, grouped by expert, the reference math", False,
-                          [f"{what} runs as the reference math on the CPU: the compiled CPU kernel does not take it"])
-    mode = decode.mode.split("; ")[0] if decode.mode.startswith("every expert in VRAM") else \
-        "resident experts by the pair kernels; cold ones copied into GPU slots first"
-    return replace(decode, mode=mode, fallbacks=[*decode.fallbacks, f"{what}: the GPU's pair kernels compute it; "
-                   "cold experts are copied into GPU slots, not computed on the CPU (the compiled CPU kernel does not "
-                   "take it), so no one-graph split decode"])
