@@ -160,7 +160,7 @@ def test_cuda_graph_decode_equals_eager(experts, tmp_path):
 
     def run(graphs: bool):
         cfg = {"runtime": {"max_context": 256, "dtype": "float32", "warmup": False,
-                           "experts": "memory" if experts == "memory" else "auto"},
+                           "experts": experts},
                "debug": {"cuda_graphs": graphs}}
         if experts == "tiered":
             cfg["tiers"] = {"gpu": {"budget": "300KiB"}}

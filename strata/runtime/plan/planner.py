@@ -32,7 +32,7 @@ from strata.runtime.plan.checkpoints.in_place import store_mode
 from strata.runtime.plan.checkpoints.inspect import format_bytes
 from strata.runtime.plan.checkpoints.store_cache import store_dir_for
 from strata.runtime.plan.context import plan_context
-from strata.runtime.plan.decode_modes import DecodeMode, decode_mode
+from strata.runtime.plan.decode_modes import decode_mode
 from strata.runtime.plan.engram import EngramPlanError, plan_engram
 from strata.runtime.plan.footprint import read_footprint
 from strata.runtime.plan.host import GpuInfo, HostInfo, probe_host
