@@ -1,11 +1,13 @@
-"""Decode equality checks shared by the GPU tests of several packages (CUDA graphs, one-graph split decode)."""
+"""Decode equality checks shared by the tests of several packages (DecodeBatch steps, CUDA graphs, one-graph split
+decode)."""
 
 from __future__ import annotations
 
 import torch
 
+from reference_models import VOCAB
 from strata import Engine
-from strata.runtime.model.kv_cache import KVCache, StepBatch
+from strata.runtime.model.kv_cache import DecodeBatch, KVCache, StepBatch, kv_bucket
 
 
 def assert_batched_decode_identical(eager: Engine, graphs: Engine, steps: int) -> None:
@@ -23,3 +25,44 @@ def assert_batched_decode_identical(eager: Engine, graphs: Engine, steps: int) -
             outs = [m.model(tok, StepBatch([0, 1, 2], lengths, [1, 1, 1]), c) for m, c in zip((eager, graphs), caches, strict=True)]
             assert torch.equal(outs[0], outs[1])
             lengths = [n + 1 for n in lengths]
+
+
+def greedy_both_ways(model, new_cache, lengths: list[int], steps: int, seed: int, device: str = "cpu",
+                     atol: float = 1e-4, decode=None, slots: list[int] | None = None) -> set[int]:
+    """Prefill `lengths` random prompts into two caches (`new_cache(num_slots)`), then `steps` greedy steps of all of
+    them together: StepBatch steps on one cache (`run_layers`), DecodeBatch steps on the other, logits within `atol`
+    and the same greedy tokens (the StepBatch path's fed to both; on CUDA compared where the top two are more than
+    2 atol apart). `slots`: each sequence's cache slot (default 0, 1, ...; the caches hold max(slots) + 1).
+    `decode(ids, slots, lengths, cache)`: the DecodeBatch step (default: a DecodeBatch over `kv_bucket`). Returns the
+    buckets."""
+    slots = list(range(len(lengths))) if slots is None else slots
+    a, b = new_cache(max(slots) + 1), new_cache(max(slots) + 1)
+    buckets = set()
+
+    def as_decode_batch(ids, slots, lengths, cache):
+        kv_len = kv_bucket(max(lengths), cache.max_len)
+        buckets.add(kv_len)
+        batch = DecodeBatch(torch.tensor(slots, device=device), torch.tensor(lengths, device=device), kv_len)
+        return model.run_layers(ids, batch, cache)
+
+    decode = decode or as_decode_batch
+    g = torch.Generator().manual_seed(seed)
+    last = []
+    with torch.inference_mode():
+        for slot, n in zip(slots, lengths, strict=True):
+            prompt = torch.randint(0, VOCAB, (n,), generator=g).to(device)
+            for cache in (a, b):
+                hidden = model.run_layers(prompt, StepBatch([slot], [0], [n]), cache)
+            last.append(int(model.logits(hidden[-1:]).argmax(-1)))
+        ids = torch.tensor(last, device=device)
+        for _ in range(steps):
+            want = model.logits(model.run_layers(ids, StepBatch(slots, lengths, [1] * len(slots)), a))
+            got = model.logits(decode(ids, slots, lengths, b))
+            err = (got - want).abs().max().item()
+            assert err < atol, f"max |logit - StepBatch's| = {err:.2e} at lengths {lengths}"
+            top = want.topk(2, -1).values
+            clear = (top[:, 0] - top[:, 1] > 2 * atol) if device != "cpu" else torch.ones_like(top[:, 0], dtype=bool)
+            assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
+            ids = want.argmax(-1)
+            lengths = [n + 1 for n in lengths]
+    return buckets

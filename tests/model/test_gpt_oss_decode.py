@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from decode_checks import greedy_both_ways
 from gpt_oss_models import build_gpt_oss
 
 from reference_models import VOCAB
@@ -19,12 +20,15 @@ from strata.runtime.model.checkpoint import Checkpoint
 from strata.runtime.model.eager import EagerTransformer
 from strata.runtime.model.gpt_oss.attention import attend_decode_sinks, attend_with_sinks
 from strata.runtime.model.graphs import DecodeGraphs
-from strata.runtime.model.kv_cache import DecodeBatch, KVCache, StepBatch, kv_bucket
+from strata.runtime.model.kv_cache import KVCache, StepBatch
 from strata.runtime.model.loader import load_model
-from strata.runtime.model.qwen3_5.model import Qwen35Transformer
 
-ATOL = 1e-4
 MAX_LEN = 700
+
+
+def kv_caches(model, device: str = "cpu"):
+    """The shared KVCache gpt-oss runs with, `num_slots` sequences of MAX_LEN positions in fp32."""
+    return lambda num_slots: KVCache(model.cfg, num_slots, MAX_LEN, torch.float32, device)
 
 
 @pytest.mark.parametrize("window", [None, 5, 12, 400])
@@ -45,50 +49,12 @@ def test_decode_attention_with_sinks_equals_the_per_sequence_one(window):
         torch.testing.assert_close(out[i], want[0], rtol=1e-5, atol=1e-6)
 
 
-def _greedy_both_ways(model, lengths: list[int], steps: int, seed: int, device: str = "cpu", atol: float = ATOL,
-                      decode=None) -> set[int]:
-    """Prefill `lengths` random prompts into two caches, then `steps` greedy steps of all of them together: StepBatch
-    steps on one cache (`run_layers`), DecodeBatch steps on the other, logits within `atol` and the same greedy tokens
-    (the StepBatch path's fed to both; on CUDA compared where the top two are more than 2 atol apart). `decode(ids,
-    slots, lengths, cache)`: the DecodeBatch step (default: a DecodeBatch over `kv_bucket`). Returns the buckets."""
-    a, b = (KVCache(model.cfg, len(lengths), MAX_LEN, torch.float32, device) for _ in range(2))
-    buckets = set()
-
-    def as_decode_batch(ids, slots, lengths, cache):
-        kv_len = kv_bucket(max(lengths), MAX_LEN)
-        buckets.add(kv_len)
-        batch = DecodeBatch(torch.tensor(slots, device=device), torch.tensor(lengths, device=device), kv_len)
-        return model.run_layers(ids, batch, cache)
-
-    decode = decode or as_decode_batch
-    g = torch.Generator().manual_seed(seed)
-    last = []
-    with torch.inference_mode():
-        for slot, n in enumerate(lengths):
-            prompt = torch.randint(0, VOCAB, (n,), generator=g).to(device)
-            for cache in (a, b):
-                hidden = model.run_layers(prompt, StepBatch([slot], [0], [n]), cache)
-            last.append(int(model.logits(hidden[-1:]).argmax(-1)))
-        ids, slots = torch.tensor(last, device=device), list(range(len(lengths)))
-        for _ in range(steps):
-            want = model.logits(model.run_layers(ids, StepBatch(slots, lengths, [1] * len(slots)), a))
-            got = model.logits(decode(ids, slots, lengths, b))
-            err = (got - want).abs().max().item()
-            assert err < atol, f"max |logit - StepBatch's| = {err:.2e} at lengths {lengths}"
-            top = want.topk(2, -1).values
-            clear = (top[:, 0] - top[:, 1] > 2 * atol) if device != "cpu" else torch.ones_like(top[:, 0], dtype=bool)
-            assert torch.equal(got.argmax(-1)[clear], want.argmax(-1)[clear])
-            ids = want.argmax(-1)
-            lengths = [n + 1 for n in lengths]
-    return buckets
-
-
 def test_decode_batch_equals_step_batch(tmp_path):
     """A 12-token window: sequences of 3, 40 and 1 tokens (one far past the window, one reaching it mid-decode)."""
     _, directory = build_gpt_oss(tmp_path / "oss", seed=11)
     model = load_model(Checkpoint.open(directory), torch.float32, "cpu")
     assert model.cfg.sliding_windows == [12, None, 12, None]
-    _greedy_both_ways(model, [3, 40, 1], 32, seed=12)
+    greedy_both_ways(model, kv_caches(model), [3, 40, 1], 32, seed=12)
 
 
 def test_long_decode_batch_equals_step_batch_across_buckets(tmp_path):
@@ -97,12 +63,12 @@ def test_long_decode_batch_equals_step_batch_across_buckets(tmp_path):
     _, directory = build_gpt_oss(tmp_path / "oss", long=True, seed=13)
     model = load_model(Checkpoint.open(directory), torch.float32, "cpu")
     assert model.cfg.sliding_windows[0] == 64
-    assert _greedy_both_ways(model, [250, 70, 5], 32, seed=14) == {256, 512}
+    assert greedy_both_ways(model, kv_caches(model), [250, 70, 5], 32, seed=14) == {256, 512}
 
 
 def test_the_switch_gives_gpt_oss_decode_graphs_and_others_none(tmp_path):
     """gpt-oss: `enable_decode_graphs` sets up DecodeGraphs over its layers, captured as the build's mode says
-    (`decode_graphs`), never with the switch off. Qwen3.5-MoE (and the shell) keep StepBatch decode."""
+    (`decode_graphs`), never with the switch off. The shell (neither switch) keeps StepBatch decode."""
     _, directory = build_gpt_oss(tmp_path / "oss", seed=1, layers=2)
     model = load_model(Checkpoint.open(directory), torch.float32, "cpu")
     assert model.decode_batches and model.decode_graphs
@@ -112,7 +78,6 @@ def test_the_switch_gives_gpt_oss_decode_graphs_and_others_none(tmp_path):
     model.decode_graphs = False
     model.enable_decode_graphs(lambda: "full")
     assert model.graphs.mode() is None
-    assert not Qwen35Transformer.decode_batches
     shell = EagerTransformer(model.cfg, torch.nn.ModuleList(), torch.nn.Identity())
     shell.enable_decode_graphs(lambda: "full")
     assert shell.graphs is None
@@ -140,7 +105,8 @@ def test_cuda_decode_steps_run_as_decode_batches(tmp_path, monkeypatch):
     def through_the_engine_path(ids, slots, lengths, cache):  # what the generation loop hands the model
         return model(ids, StepBatch(slots, lengths, [1] * len(slots)), cache)
 
-    _greedy_both_ways(model, [250, 70, 5], 32, seed=16, device="cuda", atol=2e-2, decode=through_the_engine_path)
+    greedy_both_ways(model, kv_caches(model, "cuda"), [250, 70, 5], 32, seed=16, device="cuda", atol=2e-2,
+                     decode=through_the_engine_path)
     assert sinks_builds and all(sinks_builds)
     assert model.graphs.captures == 0 and model.graphs.replays == 0
     assert engine.generate([1, 2, 3], max_tokens=8, temperature=0.0).finish_reason == "length"

@@ -69,7 +69,7 @@ def test_release_headers_inspect_and_plan(tmp_path, capsys):
     assert p.kv_bytes == state + per_token * 8192  # one slot: no prefix-cache slots for this model
     assert p.kv_bytes_per_1k == per_token * 1024
     out = p.format()
-    assert "eager decode steps" in out and "prefix cache off" in out and not p.decode_graphs
+    assert "eager decode steps" not in out and "prefix cache off" in out and p.decode_graphs
     two = host(gpu=80 * GiB, ram=256 * GiB)
     two.gpus.append(GpuInfo(1, "sim", 80 * GiB, 80 * GiB))
     with pytest.raises(PlanError, match="Qwen3.5-MoE runs on one device"):

@@ -35,10 +35,11 @@ MAX_SPLITS = 64  # stretches of the window per (sequence, KV head)
 
 
 def decode_attention_ok(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether `decode_attention` takes q [B, heads, d] over k_cache [slots, L, kv_heads, d]."""
+    """Whether `decode_attention` takes q [B, heads, d] over k_cache [slots, L, kv_heads, d] (any strides but a
+    contiguous last dimension: a head-major cache's transposed view too)."""
     d, heads, kv_heads = q.shape[-1], q.shape[1], k_cache.shape[2]
     return (fused_ok(q) and 16 <= d <= 256 and d & (d - 1) == 0 and heads % kv_heads == 0
-            and heads // kv_heads <= 64 and k_cache.shape[-1] == d and k_cache.is_contiguous()
+            and heads // kv_heads <= 64 and k_cache.shape[-1] == d and k_cache.stride(-1) == 1
             and q.dtype == k_cache.dtype)
 
 
@@ -49,7 +50,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     its key already written); attend over cache positions < `length` that are <= pos (and > pos - window)
     -> [B, heads, d] in q's dtype. Equals `attention.attend_decode` over the gathered window. `sinks` [heads]
     (any float dtype): a logit per query head added to the softmax's denominator only (gpt-oss), as
-    `gpt_oss.attention.attend_decode_sinks` computes it."""
+    `gpt_oss.attention.attend_decode_sinks` computes it. The caches may be views (v_cache with k_cache's strides)."""
+    if v_cache.stride() != k_cache.stride():
+        raise ValueError(f"decode_attention reads both caches with one set of strides: keys {k_cache.stride()}, "
+                         f"values {v_cache.stride()}")
     b, heads, d = q.shape
     kv_heads = k_cache.shape[2]
     group = heads // kv_heads

@@ -1,4 +1,4 @@
-"""The shell of a model whose decode steps run eagerly (no CUDA graphs): gpt-oss and Qwen3.5-MoE.
+"""The shell of a model built from its own layers rather than `MoETransformer`'s: gpt-oss and Qwen3.5-MoE.
 
 It holds what every such model has around its own layers: the token embedding, the final norm and LM head, the
 rotary table, the layer observer, the kernel options and torch's threads for a CPU prompt pass. A model subclasses
@@ -10,7 +10,7 @@ Two class switches say how far a model's decode steps go towards CUDA graphs:
   and a CUDA decode step runs through it as a DecodeBatch: eagerly unless `decode_graphs` allows capture;
 - `decode_graphs`: those steps may be captured in CUDA graphs as the build's mode says ("full", "segmented", ...);
   off, `DecodeGraphs` is told no mode and every step runs eagerly (its hooks are then never called).
-gpt-oss takes DecodeBatch steps with graphs off (its experts' math groups tokens on the host); Qwen3.5-MoE neither.
+gpt-oss and Qwen3.5-MoE take both; a model with neither runs StepBatch decode steps eagerly.
 """
 
 from __future__ import annotations

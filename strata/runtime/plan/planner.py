@@ -227,9 +227,6 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
         decode = replace(decode, mode=decode.mode + "; eager decode steps (DeepSeek-V4's compressed caches are not "
                          "captured in CUDA graphs)", graphs=False)
     if fp.config.qwen3_5 is not None:
-        if gpu is not None:  # the linear-attention layers' state update runs eagerly on the GPU
-            decode = replace(decode, mode=decode.mode + "; eager decode steps (no CUDA graphs for the "
-                             "linear-attention layers' state update)", graphs=False)
         notes.append("prefix cache off: the linear-attention layers keep a recurrent state per sequence, not rows per "
                      "position, so every prompt is computed whole")
     notes += decode.fallbacks

@@ -9,7 +9,7 @@ Keys and values are cached in the shared `KVCache` for every position of every l
 its full history too: what the planner counts and the scheduler allocates, `KVCache.bytes_per_token`); a
 sliding-window layer reads only the keys its queries can see.
 
-A `StepBatch` (prompt chunks; decode steps run eagerly) attends sequence by sequence (`attend_with_sinks`). A
+A `StepBatch` (prompt chunks, and decode steps off CUDA) attends sequence by sequence (`attend_with_sinks`). A
 `DecodeBatch` (one token a sequence, fixed shapes: what a CUDA graph can capture) takes `GQAAttention`'s decode path,
 projections, rotary and cache write included, and attends with sinks over the step's `kv_len` cache positions: the
 split-KV Triton kernel with its SINKS option on CUDA (`decode_attention`), else `attend_decode_sinks`.

@@ -48,7 +48,7 @@ class GptOssLayer(nn.Module):
 
 class GptOssTransformer(EagerTransformer):
     """`forward(input_ids [N], batch, cache) -> hidden [N, H]`; `logits(hidden) -> [n, vocab]` fp32. Decode steps
-    on CUDA run as DecodeBatch steps, eagerly: its experts' reference math groups tokens by expert on the host."""
+    on CUDA run as DecodeBatch steps, captured in CUDA graphs as the build says."""
 
     decode_batches = True  # every layer takes a DecodeBatch: attention with sinks over the kv_len bucket
     decode_graphs = True  # captured as the build says: the experts run the pair kernels in their clamped form

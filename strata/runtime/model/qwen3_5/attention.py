@@ -6,7 +6,10 @@
     out     = o_proj(attention(q, k, v) * sigmoid(gate))
 
 Keys and values go to the layer's cache slabs [slots, kv_heads, max_len, d] (head-major: a sequence's keys of one head
-are one contiguous run, read in place by the decode product); each sequence attends over its own prefix.
+are one contiguous run, read in place by the CPU's decode product); each sequence of a `StepBatch` attends over its
+own prefix. A `DecodeBatch` (one token a sequence, fixed shapes: what a CUDA graph captures) writes its keys at each
+sequence's position and attends over the step's `kv_len` positions, masked by position: the split-KV Triton kernel
+on CUDA, reading the slabs in place through their position-major view, else `attend_decode`.
 """
 
 from __future__ import annotations
@@ -14,9 +17,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from strata.runtime.model.attention import attend
+from strata.kernels.gpu.decode_attention import decode_attention, decode_attention_ok
+from strata.runtime.model.attention import attend, attend_decode
 from strata.runtime.model.config import ModelConfig
-from strata.runtime.model.kv_cache import StepBatch
+from strata.runtime.model.kv_cache import DecodeBatch, StepBatch
 from strata.runtime.model.layers import project
 from strata.runtime.model.qwen3_5.norms import ZeroCenteredRMSNorm
 from strata.runtime.model.rope import apply_rope
@@ -52,7 +56,7 @@ class GatedAttention(nn.Module):
         self.q_norm = ZeroCenteredRMSNorm(d, cfg.rms_norm_eps)
         self.k_norm = ZeroCenteredRMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch | DecodeBatch,
                 cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         n, d = x.shape[0], self.head_dim
         q, gate = project(self.q_proj, x).view(n, self.num_heads, 2 * d).chunk(2, dim=-1)
@@ -61,6 +65,9 @@ class GatedAttention(nn.Module):
         k = apply_rope(self.k_norm(project(self.k_proj, x).view(n, self.num_kv_heads, d)), cos, sin)
         v = project(self.v_proj, x).view(n, self.num_kv_heads, d)
         k_cache, v_cache = cache
+        if isinstance(batch, DecodeBatch):
+            out = self.attend_decode_batch(q, k, v, k_cache, v_cache, batch)
+            return project(self.o_proj, out.reshape(n, -1) * torch.sigmoid(gate))
         out = torch.empty(n, self.num_heads, d, dtype=x.dtype, device=x.device)
         for slot, start, off, length in batch.sequences():
             end = start + length
@@ -74,3 +81,17 @@ class GatedAttention(nn.Module):
                 o = attend(qs, ks, vs, start, None, self.scale)
             out[off : off + length] = o.transpose(0, 1)
         return project(self.o_proj, out.reshape(n, -1) * torch.sigmoid(gate))
+
+    def attend_decode_batch(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                            v_cache: torch.Tensor, batch: DecodeBatch) -> torch.Tensor:
+        """A decode step's attention: q [B, heads, d], the new k, v [B, kv_heads, d] written at each sequence's
+        position of the slabs [slots, kv_heads, max_len, d], then attended over positions < `batch.kv_len` that are
+        <= each sequence's -> [B, heads, d]."""
+        k_cache[batch.slots_t, :, batch.pos_t] = k
+        v_cache[batch.slots_t, :, batch.pos_t] = v
+        kc, vc = k_cache.transpose(1, 2), v_cache.transpose(1, 2)  # [slots, max_len, kv_heads, d] views
+        if decode_attention_ok(q, kc):  # reads the slabs in place: no window gather, no mask
+            return decode_attention(q, kc, vc, batch.slots_t, batch.pos_t, batch.kv_len, None, self.scale)
+        length = batch.kv_len
+        return attend_decode(q, kc[batch.slots_t, :length], vc[batch.slots_t, :length], batch.pos_t, None,
+                             self.scale)

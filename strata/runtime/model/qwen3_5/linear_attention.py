@@ -9,7 +9,9 @@ Each sequence's state lives in its cache slot (`LinearState`): the convolution's
 rule's S per value head. A pass starting at position 0 starts from zeros, whatever the slot held before (slots are
 reused, a cancelled sequence's state is left behind); later passes continue from what the last one left. Decode
 rows (one token, position > 0) of every sequence in the step run as one batched step; prompt chunks run one
-sequence at a time through the chunked scan.
+sequence at a time through the chunked scan. A `DecodeBatch` (every row such a decode row, the slots a device
+tensor) takes the batched step alone: its states gathered by slot, stepped and scattered back, shapes fixed by B
+(what a CUDA graph captures).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.runtime.model.config import ModelConfig
-from strata.runtime.model.kv_cache import StepBatch
+from strata.runtime.model.kv_cache import DecodeBatch, StepBatch
 from strata.runtime.model.layers import project
 from strata.runtime.model.qwen3_5.delta_rule import causal_conv, chunk_gated_delta_rule, conv_step, gated_delta_step
 from strata.runtime.model.qwen3_5.norms import GatedRMSNorm
@@ -66,39 +68,58 @@ class GatedDeltaNet(nn.Module):
         n = qkv.shape[0]
         return q.reshape(n, self.hk, self.dk), k.reshape(n, self.hk, self.dk), v.reshape(n, self.hv, self.dv)
 
-    def forward(self, x: torch.Tensor, batch: StepBatch, state: LinearState) -> torch.Tensor:
+    def _step(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor | int,
+              state: LinearState) -> torch.Tensor:
+        """One token each of B sequences continuing their states: qkv [B, conv_dim], g, beta [B, Hv], their slots
+        ([B] device tensor, or one slot's index: its state stepped in place) -> [B, Hv, dv]; the states moved on."""
+        weight = self.conv1d.weight  # [C, 1, K]
+        if isinstance(slots, int):
+            conv, rec = state.conv[slots : slots + 1], state.recurrent[slots : slots + 1]
+        else:  # gathered, then written back
+            conv, rec = state.conv.index_select(0, slots), state.recurrent.index_select(0, slots)
+        q, k, v = self._split(conv_step(qkv, conv, weight))
+        out = gated_delta_step(q, k, v, g, beta, rec)
+        if not isinstance(slots, int):
+            state.conv.index_copy_(0, slots, conv)
+            state.recurrent.index_copy_(0, slots, rec)
+        return out
+
+    def forward(self, x: torch.Tensor, batch: StepBatch | DecodeBatch, state: LinearState) -> torch.Tensor:
         n = x.shape[0]
         qkv = project(self.in_proj_qkv, x)  # [N, conv_dim]
         z = project(self.in_proj_z, x)  # [N, value_dim]
         beta = project(self.in_proj_b, x).sigmoid()  # [N, Hv]
         g = -self.A_log.float().exp() * F.softplus(project(self.in_proj_a, x).float() + self.dt_bias)  # [N, Hv] fp32
-        weight = self.conv1d.weight  # [C, 1, K]
-        out = torch.empty(n, self.hv, self.dv, dtype=x.dtype, device=x.device)
+        if isinstance(batch, DecodeBatch):
+            out = self._step(qkv, g, beta, batch.slots_t, state)
+        else:
+            out = self._prompt_and_steps(qkv, g, beta, batch, state)
+        core = self.norm(out.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(n, self.value_dim)
+        return project(self.out_proj, core)
+
+    def _prompt_and_steps(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, batch: StepBatch,
+                          state: LinearState) -> torch.Tensor:
+        """A StepBatch's rows -> [N, Hv, dv]: its decode rows as one batched step, each prompt chunk scanned."""
+        out = torch.empty(qkv.shape[0], self.hv, self.dv, dtype=qkv.dtype, device=qkv.device)
         steps = [(slot, off) for slot, start, off, length in batch.sequences() if length == 1 and start > 0]
         if steps:  # one token each, continuing a state: one batched step
             if len(steps) == 1:  # the slot's state itself, updated in place
                 (slot, off), = steps
-                rows, conv, rec = slice(off, off + 1), state.conv[slot : slot + 1], state.recurrent[slot : slot + 1]
-            else:  # gathered, then written back
-                slots = torch.tensor([s for s, _ in steps], device=x.device)
-                rows = torch.tensor([o for _, o in steps], device=x.device)
-                conv, rec = state.conv.index_select(0, slots), state.recurrent.index_select(0, slots)
-            q, k, v = self._split(conv_step(qkv[rows], conv, weight))
-            out[rows] = gated_delta_step(q, k, v, g[rows], beta[rows], rec)
-            if len(steps) > 1:
-                state.conv.index_copy_(0, slots, conv)
-                state.recurrent.index_copy_(0, slots, rec)
+                rows, slots = slice(off, off + 1), slot
+            else:
+                slots = torch.tensor([s for s, _ in steps], device=qkv.device)
+                rows = torch.tensor([o for _, o in steps], device=qkv.device)
+            out[rows] = self._step(qkv[rows], g[rows], beta[rows], slots, state)
         for slot, start, off, length in batch.sequences():
             if length == 1 and start > 0:
                 continue
             rows = slice(off, off + length)
             fresh = start == 0  # a sequence's first pass: zeros, not what the slot held
             conv_out, past = causal_conv(qkv[rows].T.unsqueeze(0), None if fresh else state.conv[slot : slot + 1],
-                                         weight)
+                                         self.conv1d.weight)
             state.conv[slot] = past[0]
             q, k, v = self._split(conv_out[0].T)
             o, s = chunk_gated_delta_rule(q, k, v, g[rows], beta[rows], None if fresh else state.recurrent[slot])
             out[rows] = o
             state.recurrent[slot] = s
-        core = self.norm(out.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(n, self.value_dim)
-        return project(self.out_proj, core)
+        return out

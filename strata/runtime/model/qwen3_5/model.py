@@ -10,8 +10,10 @@ model of the multimodal releases), with `MoETransformer`'s interface (forward ov
                                                                         shared expert
     hidden = norm(x)                                                    zero-centred RMS norms throughout
 
-Decode steps run eagerly: `enable_decode_graphs` keeps them so (the linear layers' state update is not captured in
-CUDA graphs). The multi-token-prediction layers (`mtp.*`) and the vision tower of a release are not built.
+Its layers take `DecodeBatch` decode steps (fixed shapes: each linear layer's states gathered by slot, stepped and
+written back; each full-attention layer's keys written at each sequence's position and attended over the step's
+`kv_len` bucket), so on CUDA its decode steps are captured in CUDA graphs as the build's mode says, like the other
+architectures'. The multi-token-prediction layers (`mtp.*`) and the vision tower of a release are not built.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from torch import nn
 
 from strata.runtime.model.config import ModelConfig
 from strata.runtime.model.eager import EagerTransformer
-from strata.runtime.model.kv_cache import StepBatch
+from strata.runtime.model.kv_cache import DecodeBatch, StepBatch
 from strata.runtime.model.moe import MoEBlock
 from strata.runtime.model.qwen3_5.attention import GatedAttention
 from strata.runtime.model.qwen3_5.cache import Qwen35Cache
@@ -43,7 +45,8 @@ class Qwen35Layer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch, cache) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch | DecodeBatch,
+                cache) -> torch.Tensor:
         h = self.input_layernorm(x)
         mixed = self.linear_attn(h, batch, cache) if self.is_linear else self.self_attn(h, cos, sin, batch, cache)
         x, h = self.post_attention_layernorm.add_forward(x, mixed)
@@ -52,19 +55,15 @@ class Qwen35Layer(nn.Module):
 
 class Qwen35Transformer(EagerTransformer):
     """`forward(input_ids [N], batch, cache) -> hidden [N, H]`; `logits(hidden) -> [n, vocab]` fp32. Decode steps
-    run eagerly (the linear layers' state update is not captured in CUDA graphs)."""
+    on CUDA run as DecodeBatch steps, captured in CUDA graphs as the build says."""
 
+    decode_batches = True  # every layer takes a DecodeBatch (the linear layers' states gathered by slot)
+    decode_graphs = True
     reuses_prefixes = False  # its cache holds a recurrent state, not rows per position (the scheduler's prefix cache)
 
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, nn.ModuleList(Qwen35Layer(cfg, i) for i in range(cfg.num_layers)),
                          ZeroCenteredRMSNorm(cfg.hidden_size, cfg.rms_norm_eps))
-
-    def run_layers(self, input_ids: torch.Tensor, batch: StepBatch, cache: Qwen35Cache) -> torch.Tensor:
-        """input_ids [N] -> final hidden states [N, H]."""
-        if not isinstance(batch, StepBatch):
-            raise TypeError("Qwen3.5-MoE runs StepBatch steps (its decode steps are not captured in graphs)")
-        return super().run_layers(input_ids, batch, cache)
 
     def new_cache(self, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device | str) -> Qwen35Cache:
         """The cache this model runs with."""

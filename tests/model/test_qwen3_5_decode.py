@@ -1,0 +1,109 @@
+"""Qwen3.5-MoE decode steps as `DecodeBatch` steps (fixed shapes over a `kv_len` bucket: what CUDA graphs capture)
+against its `StepBatch` path, on tiny random checkpoints built with transformers (tests/qwen3_5_models.py).
+
+On the CPU in fp32: DecodeBatch decode (each Gated DeltaNet layer's states gathered by slot, stepped and written back;
+each full-attention layer's keys written at each position and attended over the bucket) gives the StepBatch path's
+logits within 1e-4 and the same 32 greedy tokens, for sequences of different lengths in slots out of order, across a
+`kv_len` bucket. On CUDA (marked gpu): the engine's decode steps through the split-KV kernel over the head-major
+cache's transposed view, and decode steps captured in CUDA graphs, in memory and tiered, equal to eager decode.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from decode_checks import greedy_both_ways
+from qwen3_5_models import build_q35_reference
+
+from reference_models import VOCAB
+from strata.runtime.model.checkpoint import Checkpoint
+from strata.runtime.model.graphs import DecodeGraphs
+from strata.runtime.model.kv_cache import StepBatch
+from strata.runtime.model.loader import load_model
+
+MAX_LEN = 700
+
+
+def caches(model, device: str = "cpu"):
+    """The model's own cache (linear states and full-attention slabs), `num_slots` sequences of MAX_LEN in fp32."""
+    return lambda num_slots: model.new_cache(num_slots, MAX_LEN, torch.float32, device)
+
+
+def test_decode_batch_equals_step_batch(tmp_path):
+    """Sequences of 3, 40 and 1 tokens in slots 3, 0 and 2 of a 4-slot cache (slot 1 unused)."""
+    _, directory = build_q35_reference(tmp_path / "q35", seed=11)
+    model = load_model(Checkpoint.open(directory), torch.float32, "cpu")
+    assert model.decode_batches and model.decode_graphs
+    greedy_both_ways(model, caches(model), [3, 40, 1], 32, seed=12, slots=[3, 0, 2])
+
+
+def test_long_decode_batch_equals_step_batch_across_buckets(tmp_path):
+    """250, 70 and 5 tokens: the longest crosses from the 256-position bucket into the 512 one."""
+    _, directory = build_q35_reference(tmp_path / "q35", long=True, seed=13)
+    model = load_model(Checkpoint.open(directory), torch.float32, "cpu")
+    assert greedy_both_ways(model, caches(model), [250, 70, 5], 32, seed=14, slots=[1, 2, 0]) == {256, 512}
+
+
+def test_the_switch_gives_decode_graphs(tmp_path):
+    """`enable_decode_graphs` sets up DecodeGraphs over the model's layers, captured as the build's mode says."""
+    _, directory = build_q35_reference(tmp_path / "q35", seed=1, layers=2)
+    model = load_model(Checkpoint.open(directory), torch.float32, "cpu")
+    model.enable_decode_graphs(lambda: "segmented")
+    assert isinstance(model.graphs, DecodeGraphs) and model.graphs.mode() == "segmented"
+    assert model.graphs.forward == model.run_layers
+
+
+@pytest.mark.gpu
+def test_cuda_decode_steps_run_through_the_kernel(tmp_path, monkeypatch):
+    """On CUDA (fp32) a decode step handed over as a StepBatch runs through DecodeGraphs as an eager DecodeBatch step,
+    its full-attention layers through the split-KV kernel over the slabs' transposed view; its logits follow the
+    StepBatch path's (up to the kernel's tf32 dot products) across the 256 -> 512 bucket."""
+    import strata.runtime.model.qwen3_5.attention as q35_attention
+    from strata import Engine
+
+    _, directory = build_q35_reference(tmp_path / "q35", long=True, seed=15)
+    cfg = {"runtime": {"max_context": MAX_LEN, "dtype": "float32", "experts": "memory", "warmup": False},
+           "debug": {"cuda_graphs": False}}
+    engine = Engine.from_pretrained(directory, config=cfg, device="cuda")
+    model = engine.model
+    assert isinstance(model.graphs, DecodeGraphs) and model.graphs.mode() is None
+    kernel_calls = []
+    real = q35_attention.decode_attention
+    monkeypatch.setattr(q35_attention, "decode_attention", lambda *a, **k: kernel_calls.append(1) or real(*a, **k))
+
+    def through_the_engine_path(ids, slots, lengths, cache):  # what the generation loop hands the model
+        return model(ids, StepBatch(slots, lengths, [1] * len(slots)), cache)
+
+    greedy_both_ways(model, caches(model, "cuda"), [250, 70, 5], 32, seed=16, device="cuda", atol=2e-2,
+                     decode=through_the_engine_path, slots=[2, 0, 1])
+    assert kernel_calls and model.graphs.captures == 0
+    engine.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("experts", ["memory", "tiered"])
+def test_cuda_graph_decode_equals_eager(experts, tmp_path):
+    """Decode steps captured in CUDA graphs (tiered: 3 of the 8 experts of each layer in GPU slots, the rest copied in
+    at host steps between graph segments, or read by the CPU worker) give the eager engine's greedy tokens, fp32,
+    three sequences batched."""
+    from strata import Engine
+
+    _, directory = build_q35_reference(tmp_path / "q35", seed=21)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 40, 3)]
+
+    def run(graphs: bool):
+        cfg = {"runtime": {"max_context": 256, "dtype": "float32", "warmup": False, "experts": experts},
+               "planner": {"max_batch": 3}, "debug": {"cuda_graphs": graphs}}
+        if experts == "tiered":
+            cfg["tiers"] = {"gpu": {"budget": str(4 * 3 * 3 * 64 * 32 * 4)}}  # 3 fp32 experts a layer, 4 layers
+        with Engine.from_pretrained(directory, config=cfg, device="cuda") as engine:
+            streams = [engine.stream(p, max_tokens=24, temperature=0.0) for p in prompts]
+            for stream in streams:
+                for _ in stream:
+                    pass
+            return [s.output.token_ids for s in streams], engine.model.graphs.captures
+
+    eager, none = run(False)
+    graphs, captures = run(True)
+    assert none == 0 and captures > 0
+    assert graphs == eager
