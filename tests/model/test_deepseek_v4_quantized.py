@@ -25,7 +25,7 @@ from strata.runtime.demo.model import write_demo_model
 from strata.runtime.model.checkpoint import Checkpoint
 
 ATOL = 1e-4
-FP32 = {"dtype": "float32", "max_context": 256}
+FP32 = {"dtype": "float32", "max_context": 256, "cpu_numerics": "gpu"}  # the CPU's experts in exact fp32 math
 FORMATS = {"mxfp4": ExpertFormat("mxfp4"), "fp8": ExpertFormat("fp8", block=(32, 32)),
            "fp8-ue8m0": ExpertFormat("fp8", block=(32, 32))}
 
@@ -140,6 +140,11 @@ def test_loads_and_matches_transformers_on_its_dequantized_weights(release):
         assert tiered.generate(prompt, max_tokens=12, temperature=0.0).token_ids == tokens
         assert tiered.stats()["tiers"]["tiers"]["pinned"]["evictions"] > 0  # experts came back from disk
         check_blob_is_the_release_bytes(store, d, experts)
+    cfg["runtime"] = {**FP32, "cpu_numerics": "fork"}  # the compiled kernel: the clipped form in it, bf16 products
+    with Engine.from_pretrained(d, device="cpu", config=cfg) as forked:
+        assert forked.plan.decode.startswith("experts on CPU threads from RAM, the compiled kernel")
+        assert (forked.score(prompt) - expected).abs().max().item() < 3e-2
+        assert forked.executor.cpu_experts > 0 and forked.executor.use_fast_cpu
 
 
 def check_blob_is_the_release_bytes(store, d: Path, experts: str) -> None:
