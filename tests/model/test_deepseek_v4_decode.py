@@ -5,8 +5,8 @@ On the CPU in fp32: DecodeBatch decode (source rings written and the current ent
 its window completes; window keys gathered from the ring by position; HCA entries over the bucket's span, CSA's
 top-k over it with the incomplete picks at -1) gives the StepBatch path's logits within 1e-4 and the same greedy
 tokens, for sequences of different lengths in slots out of order, across HCA and CSA window completions, the sliding
-window, the indexer's top-k filling up, a `kv_len` bucket, and a context shorter than the window. On CUDA (marked
-gpu): the engine's eager DecodeBatch steps follow the StepBatch path, and decode steps captured in CUDA graphs, in
+window, the indexer's top-k filling up, a `kv_len` bucket, and a context shorter than the window; and a step runs no
+op whose result the host reads (what a CUDA graph cannot capture). On CUDA (marked gpu): the engine's eager DecodeBatch steps follow the StepBatch path, and decode steps captured in CUDA graphs, in
 memory and tiered, give the eager engine's greedy tokens.
 """
 
@@ -16,11 +16,12 @@ import pytest
 import torch
 from decode_checks import greedy_both_ways
 from deepseek_v4_models import build_v4_reference
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from reference_models import VOCAB
 from strata.runtime.model.checkpoint import Checkpoint
 from strata.runtime.model.graphs import DecodeGraphs
-from strata.runtime.model.kv_cache import StepBatch
+from strata.runtime.model.kv_cache import DecodeBatch, StepBatch
 from strata.runtime.model.loader import load_model
 
 MAX_LEN = 700
@@ -58,6 +59,46 @@ def test_decode_batch_with_a_context_shorter_than_the_window(tmp_path):
     _, directory = build_v4_reference(tmp_path / "v4", seed=17, layers=3)
     model = load_model(Checkpoint.open(directory), torch.float32, "cpu")
     assert greedy_both_ways(model, caches(model, max_len=10), [2, 5, 1], 4, seed=18, slots=[1, 0, 2]) == {10}
+
+
+class HostReads(TorchDispatchMode):
+    """Records the ops whose result the host reads (a sync on CUDA, or a shape from data) while `active`."""
+
+    READS = ("aten._local_scalar_dense", "aten.nonzero", "aten.masked_select", "aten.repeat_interleave.Tensor",
+             "aten.bincount", "aten.unique", "aten._unique", "aten.item")
+
+    def __init__(self):
+        super().__init__()
+        self.active, self.reads, self.ops = True, [], 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if self.active:
+            self.ops += 1
+            name = str(func)
+            masks = name.startswith(("aten.index.", "aten.index_put")) and any(  # boolean-mask indexing
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1])
+            if name.startswith(self.READS) or masks:
+                self.reads.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_decode_batch_step_reads_nothing_back(tmp_path):
+    """A DecodeBatch step, but for the routed experts' CPU math (which groups tokens on the host; on CUDA they take
+    the pair kernels), runs no op whose result the host reads: nothing syncs, no shape comes from data."""
+    _, directory = build_v4_reference(tmp_path / "v4", seed=19)
+    model = load_model(Checkpoint.open(directory), torch.float32, "cpu")
+    cache = model.new_cache(3, 300, torch.float32, "cpu")
+    reads = HostReads()
+    for layer in model.layers:
+        layer.mlp.experts.register_forward_pre_hook(lambda *_: setattr(reads, "active", False))
+        layer.mlp.experts.register_forward_hook(lambda *_: setattr(reads, "active", True))
+    with torch.no_grad():
+        for slot, n in ((0, 30), (2, 7)):
+            model.run_layers(torch.randint(0, VOCAB, (n,)), StepBatch([slot], [0], [n]), cache)
+        with reads:
+            model.run_layers(torch.tensor([5, 9]), DecodeBatch(torch.tensor([2, 0]), torch.tensor([7, 30]), 256),
+                             cache)
+    assert reads.ops > 500 and reads.reads == []
 
 
 def test_the_switch_gives_decode_graphs(tmp_path):
