@@ -223,9 +223,6 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
     ]
     expert_compute = "gpu" if gpu_slots else "cpu"
     decode = decode_mode(fp.expert_format, expert_compute, bool(total) and gpu_slots >= total, cfg, dtype)
-    if fp.config.deepseek_v4 is not None and gpu is not None:  # (its clipped SwiGLU: every kernel computes it)
-        decode = replace(decode, mode=decode.mode + "; eager decode steps (DeepSeek-V4's compressed caches are not "
-                         "captured in CUDA graphs)", graphs=False)
     if fp.config.qwen3_5 is not None:
         notes.append("prefix cache off: the linear-attention layers keep a recurrent state per sequence, not rows per "
                      "position, so every prompt is computed whole")

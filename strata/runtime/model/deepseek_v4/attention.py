@@ -9,8 +9,10 @@ compressed entries, per-head sinks and a grouped output projection.
     out        = softmax(q k / sqrt(d) ++ sink) v, sink dropped; rotated back by the conjugate at the query position
     o          = o_b_proj(o_a_proj per group of heads (o_groups blocks, each to o_lora_rank))
 
-Sliding-window layers use the "main" rotary, CSA / HCA layers the "compress" one. Each sequence of a step runs on
-its own (its window, entries and masks are its own); its new positions enter the cache after it attended.
+Sliding-window layers use the "main" rotary, CSA / HCA layers the "compress" one. Each sequence of a `StepBatch`
+(prompt chunks, and decode steps off CUDA) runs on its own (its window, entries and masks are its own); its new
+positions enter the cache after it attended. A `DecodeBatch` (one token a sequence, fixed shapes: what a CUDA graph
+captures) runs all its sequences at once over masked window keys and entries (strata.runtime.model.deepseek_v4.decode).
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ from strata.runtime.model.config import ModelConfig
 from strata.runtime.model.deepseek_v4.cache import LayerCache
 from strata.runtime.model.deepseek_v4.compressor import Compressor, entry_span
 from strata.runtime.model.deepseek_v4.config import CSA, SLIDING
+from strata.runtime.model.deepseek_v4.decode import attend_decode, compress_decode, select_decode
 from strata.runtime.model.deepseek_v4.indexer import Indexer
 from strata.runtime.model.deepseek_v4.norms import FloatRMSNorm, unweighted_rms_norm
 from strata.runtime.model.deepseek_v4.rope import InterleavedRope, rotate
+from strata.runtime.model.kv_cache import DecodeBatch, StepBatch
 from strata.runtime.model.layers import project
 
 SCORE_BUDGET = 1 << 22  # elements of a query block's scores (and gathered entries): 16 MB in fp32
@@ -68,10 +72,10 @@ class DeepseekV4Attention(nn.Module):
         else:
             self.compressor = Compressor(h, d, rate, overlap=False, eps=cfg.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, sequences, cache: LayerCache,
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, batch: StepBatch | DecodeBatch, cache: LayerCache,
                 ropes: dict[str, InterleavedRope]) -> torch.Tensor:
-        """x [N, H] (normed), positions [N], `sequences`: (slot, start, offset, length) of each sequence of the step
-        (its rows x[offset : offset + length] at positions start..) -> [N, H]."""
+        """x [N, H] (normed), positions [N], the step's `batch` (a StepBatch's sequence i: rows x[offset : offset +
+        length] at positions start..; a DecodeBatch: row b at pos_t[b]) -> [N, H]."""
         n, nh, d = x.shape[0], self.num_heads, self.head_dim
         rope = ropes[self.rope_kind]
         cos, sin = rope(positions, x.dtype)
@@ -81,8 +85,16 @@ class DeepseekV4Attention(nn.Module):
         kv = rotate(self.kv_norm(project(self.kv_proj, x))[:, None, :], cos, sin)[:, 0]  # [N, d]
         if self.compressor is not None:
             src_kv, src_gate = self.compressor.project(x)
+        if isinstance(batch, DecodeBatch):
+            picked = None
+            if self.compressor is not None:
+                compress_decode(self.compressor, cache.compressor, batch, src_kv, src_gate, ropes["compress"])
+                if self.kind == CSA:
+                    picked = select_decode(self.compressor.indexer, cache.indexer, batch, x, q_residual,
+                                           ropes["compress"])  # [B, k]
+            return self._output(attend_decode(self, q, kv, cache, batch, picked), cos, sin)
         out = torch.empty(n, nh, d, dtype=x.dtype, device=x.device)
-        for slot, start, off, length in sequences:
+        for slot, start, off, length in batch.sequences():
             rows = slice(off, off + length)
             entries, picked = None, None
             if self.compressor is not None:
@@ -95,6 +107,11 @@ class DeepseekV4Attention(nn.Module):
                                                             ropes["compress"])  # [L, k]
             out[rows] = self._sequence(q[rows], kv[rows], cache, slot, start, entries, picked)
             self._remember(cache, slot, start, kv[rows])
+        return self._output(out, cos, sin)
+
+    def _output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The heads' outputs [N, heads, d] -> [N, H]: rotated back, then the grouped output projection."""
+        n = out.shape[0]
         out = rotate(out, cos, -sin)  # values carried the keys' rotation: undo it at the query's position
         grouped = out.reshape(n, self.groups, -1)  # [N, g, heads * d / g]
         w = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1])  # [g, o_lora, heads * d / g]

@@ -7,8 +7,10 @@ scheduler, planner and tiered executor run it like the other architectures.
                post, comb, x = ffn_hc(streams);  streams = mix(streams, moe(post_attention_layernorm(x), ids))
     hidden  = norm(hc_head(streams))                                     [N, H]
 
-Decode steps run eagerly (no CUDA graphs: `enable_decode_graphs` keeps them so), each sequence's attention on its
-own; the multi-token-prediction layers of a checkpoint are not built.
+A StepBatch (prompt chunks, and decode steps off CUDA) attends sequence by sequence. On CUDA, decode steps run as
+`DecodeBatch` steps (fixed shapes over the step's `kv_len` bucket: strata.runtime.model.deepseek_v4.decode) through
+`DecodeGraphs`, captured in CUDA graphs as the build's mode says, as `EagerTransformer`'s models are. The
+multi-token-prediction layers of a checkpoint are not built.
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from strata.runtime.model.deepseek_v4.hyper import HyperConnection, HyperHead, m
 from strata.runtime.model.deepseek_v4.moe import DeepseekV4MoE
 from strata.runtime.model.deepseek_v4.norms import FloatRMSNorm
 from strata.runtime.model.deepseek_v4.rope import InterleavedRope
+from strata.runtime.model.graphs import DecodeGraphs, is_decode
 from strata.runtime.model.hooks import GraphStepHooks, LayerObserver
-from strata.runtime.model.kv_cache import StepBatch
+from strata.runtime.model.kv_cache import DecodeBatch, StepBatch
 from strata.runtime.model.layers import linear
 
 # parameters transformers keeps in fp32 whatever the model's dtype (its _keep_in_fp32_modules_strict)
@@ -49,16 +52,22 @@ class DeepseekV4Layer(nn.Module):
         self.attn_hc = HyperConnection(cfg.hidden_size, s.hc_mult, s.hc_sinkhorn_iters, s.hc_eps, cfg.rms_norm_eps)
         self.ffn_hc = HyperConnection(cfg.hidden_size, s.hc_mult, s.hc_sinkhorn_iters, s.hc_eps, cfg.rms_norm_eps)
 
-    def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor, sequences: list,
-                cache, ropes: dict[str, InterleavedRope]) -> torch.Tensor:
+    def forward(self, streams: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
+                batch: StepBatch | DecodeBatch, cache, ropes: dict[str, InterleavedRope]) -> torch.Tensor:
         post, comb, x = self.attn_hc(streams)
-        streams = mix(streams, self.self_attn(self.input_layernorm(x), positions, sequences, cache, ropes), post, comb)
+        streams = mix(streams, self.self_attn(self.input_layernorm(x), positions, batch, cache, ropes), post, comb)
         post, comb, x = self.ffn_hc(streams)
         return mix(streams, self.mlp(self.post_attention_layernorm(x), token_ids), post, comb)
 
 
 class DeepseekV4Transformer(nn.Module):
-    """`forward(input_ids [N], batch, cache) -> hidden [N, H]`; `logits(hidden) -> [n, vocab]` fp32."""
+    """`forward(input_ids [N], batch, cache) -> hidden [N, H]`; `logits(hidden) -> [n, vocab]` fp32. Decode steps
+    on CUDA run as DecodeBatch steps, captured in CUDA graphs as the build says."""
+
+    # `EagerTransformer`'s switches (strata.runtime.model.eager): every layer takes a DecodeBatch, and those steps may
+    # be captured (hash routing reads its table on the device, in-memory experts run the pair kernels on CUDA)
+    decode_batches = True
+    decode_graphs = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -72,24 +81,24 @@ class DeepseekV4Transformer(nn.Module):
         with torch.device("cpu"):  # computed tables, also when the model is built on the meta device
             self.ropes = {"main": InterleavedRope(cfg.rope), "compress": InterleavedRope(RopeConfig(**s.compress_rope))}
         self.layer_observer: LayerObserver | None = None
-        self.graphs = None  # decode steps run eagerly
+        self.graphs: DecodeGraphs | None = None  # DecodeBatch decode steps on CUDA (`enable_decode_graphs`)
         self.engram = None
         self.kernel_options: KernelOptions = DEFAULT_KERNELS
 
     def forward(self, input_ids: torch.Tensor, batch: StepBatch, cache: DeepseekV4Cache) -> torch.Tensor:
         with kernel_options(self.kernel_options):
+            if self.graphs is not None and is_decode(input_ids, batch):  # a CUDA decode step: as a DecodeBatch
+                return self.graphs.run(input_ids, batch, cache)
             return self.run_layers(input_ids, batch, cache)
 
-    def run_layers(self, input_ids: torch.Tensor, batch: StepBatch, cache: DeepseekV4Cache) -> torch.Tensor:
+    def run_layers(self, input_ids: torch.Tensor, batch: StepBatch | DecodeBatch, cache: DeepseekV4Cache
+                   ) -> torch.Tensor:
         """input_ids [N] -> final hidden states [N, H]."""
-        if not isinstance(batch, StepBatch):
-            raise TypeError("DeepSeek-V4 runs StepBatch steps (its decode steps are not captured in graphs)")
         x = self.embed_tokens(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.cfg.deepseek_v4.hc_mult, -1).contiguous()  # [N, n, H]
         positions = batch.positions(input_ids.device)
-        sequences = list(batch.sequences())
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers, strict=True)):
-            streams = layer(streams, input_ids, positions, sequences, layer_cache, self.ropes)
+            streams = layer(streams, input_ids, positions, batch, layer_cache, self.ropes)
             if self.layer_observer is not None:
                 self.layer_observer.after_layer(i, streams)
         return self.norm(self.hc_head(streams))
@@ -109,9 +118,12 @@ class DeepseekV4Transformer(nn.Module):
 
     def enable_decode_graphs(self, mode: Callable[[], str | None] = lambda: "full",
                              devices: list[torch.device] | None = None, hooks: GraphStepHooks | None = None) -> None:
-        """DeepSeek-V4's decode steps are not captured in CUDA graphs (its caches' per-sequence window and entry
-        counts change the shapes every step): they run eagerly, whatever `mode` says."""
-        self.graphs = None
+        """`EagerTransformer.enable_decode_graphs` (CUDA only): decode steps run through `DecodeGraphs` as
+        DecodeBatch steps, captured as `mode()` says where `decode_graphs`, else eagerly."""
+        if not self.decode_batches:
+            self.graphs = None
+            return
+        self.graphs = DecodeGraphs(self.run_layers, mode if self.decode_graphs else lambda: None, devices, hooks)
 
     def new_cache(self, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device | str
                   ) -> DeepseekV4Cache:
