@@ -6,8 +6,9 @@ its window completes; window keys gathered from the ring by position; HCA entrie
 top-k over it with the incomplete picks at -1) gives the StepBatch path's logits within 1e-4 and the same greedy
 tokens, for sequences of different lengths in slots out of order, across HCA and CSA window completions, the sliding
 window, the indexer's top-k filling up, a `kv_len` bucket, and a context shorter than the window; and a step runs no
-op whose result the host reads (what a CUDA graph cannot capture). On CUDA (marked gpu): the engine's eager DecodeBatch steps follow the StepBatch path, and decode steps captured in CUDA graphs, in
-memory and tiered, give the eager engine's greedy tokens.
+op whose result the host reads (what a CUDA graph cannot capture). On CUDA (marked gpu): the engine's eager
+DecodeBatch steps follow the StepBatch path, and decode steps captured in CUDA graphs, in memory and tiered, give the
+eager engine's greedy tokens.
 """
 
 from __future__ import annotations

@@ -187,10 +187,12 @@ def _cpu_apply(x, weights, k, groups, by_expert, out, fast: bool, threads: int |
         from strata.kernels.cpu.experts import cpu_experts_forward
 
         flat_w = weights.reshape(-1).float()
+        ids = None if gate_up_bias is None else [e for e, _ in groups]  # each expert's bias row
         cpu_experts_forward(x, [by_expert[e] for e, _ in groups], [sel // k for _, sel in groups],
                             [flat_w[sel] for _, sel in groups], out=out, threads=threads, backend=backend, form=form,
-                            gate_up_bias=gate_up_bias, expert_ids=None if gate_up_bias is None else [e for e, _ in groups])
+                            gate_up_bias=gate_up_bias, expert_ids=ids)
         return
+
     def fp32_expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
         return tuple(w.float() for w in as_weights(by_expert[e], torch.float32))
 
