@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.kernels.cpu import experts as ce
+from strata.kernels.cpu import library as cpu_lib
 from strata.kernels.experts import expert_swiglu
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
@@ -85,7 +86,7 @@ def test_extension_builds_where_it_can():
         pytest.skip("no x86-64 compiler and ninja here: the torch fallback is what runs")
     assert ce.backend() in names, f"extension did not load (backends {ce.available_backends()})"
     assert ce.backend() == names[0]
-    assert ce.build_seconds is not None
+    assert cpu_lib.build_seconds is not None
 
 
 @pytest.mark.parametrize("H,inter", SHAPES)
@@ -208,34 +209,34 @@ def test_a_requested_backend_runs_and_backend_reports_it():
     assert ce.backend("torch") == "torch"
     out = ce.cpu_experts_forward(x, experts, idx, tw, backend="torch")
     assert torch.equal(out, reference(x, experts, idx, tw))  # the torch path is the reference math
-    assert ce.backend("avx2") == ("avx2" if "avx2" in kernel_backends() else ce._resolve("auto"))
+    assert ce.backend("avx2") == ("avx2" if "avx2" in kernel_backends() else ce.backend("auto"))
     assert ce.backend() == ce.backend("auto") == (kernel_backends() or ["torch"])[0]
-    assert ce.isa_code("torch") == 0 and ce.isa_code() == ce._ISA.get(ce.backend(), 0)
+    assert ce.isa_code("torch") == 0 and ce.isa_code() == cpu_lib._ISA.get(ce.backend(), 0)
 
 
 def test_unknown_or_unsupported_request_warns_and_chooses(monkeypatch, caplog):
-    monkeypatch.setattr(ce, "_warned", set())
-    with caplog.at_level(logging.WARNING, logger=ce.__name__):
-        assert ce.backend("fastest-please") == ce._resolve("auto")
+    monkeypatch.setattr(cpu_lib, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger=cpu_lib.__name__):
+        assert ce.backend("fastest-please") == ce.backend("auto")
         ce.backend("fastest-please")
     assert sum("unknown CPU kernel" in r.message for r in caplog.records) == 1
     missing = [b for b in ("avx512_bf16", "avx512", "avx2") if b not in kernel_backends()]
     if kernel_backends() and missing:
-        assert ce.backend(missing[0]) == ce._resolve("auto")
+        assert ce.backend(missing[0]) == ce.backend("auto")
 
 
 def test_build_failure_falls_back_to_torch(monkeypatch, caplog):
     def broken():
         raise RuntimeError("Error building extension 'x': c++: error: no such compiler\nmore lines")
 
-    monkeypatch.setattr(ce, "_lib", None)
-    monkeypatch.setattr(ce, "_lib_tried", False)
-    monkeypatch.setattr(ce, "build_and_open", broken)
+    monkeypatch.setattr(cpu_lib, "_lib", None)
+    monkeypatch.setattr(cpu_lib, "_lib_tried", False)
+    monkeypatch.setattr(cpu_lib, "build_and_open", broken)
     H, inter, N, E = 48, 8, 2, 2
     experts = make_experts(H, inter, E)
     idx, tw = make_routing(N, E, 1)
     x = torch.randn(N, H, generator=torch.Generator().manual_seed(N * 1000 + H))
-    with caplog.at_level(logging.WARNING, logger=ce.__name__):
+    with caplog.at_level(logging.WARNING, logger=cpu_lib.__name__):
         assert ce.backend() == "torch"
         out = ce.cpu_experts_forward(x, experts, idx, tw)
         ce.backend()

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from strata.kernels.cpu import experts as ce
+from strata.kernels.cpu import library as cpu_lib
 from strata.kernels.cpu.expert_args import slot_pointers
 from strata.kernels.experts import expert_swiglu
 from strata.kernels.quant import ExpertFormat, ExpertLayout
@@ -240,9 +241,9 @@ def test_fp8_without_vbmi_takes_avx512(monkeypatch, caplog):
     """avx512_bf16 reads FP8 with AVX512_VBMI's byte lookups; a CPU without it computes FP8 experts with avx512."""
     if "avx512_bf16" not in ce.available_backends():
         pytest.skip("no avx512_bf16 here")
-    monkeypatch.setattr(ce, "_isa_mask", ce._isa_mask & ~(1 << ce._VBMI))
-    monkeypatch.setattr(ce, "_warned", set())
-    with caplog.at_level(logging.WARNING, logger=ce.__name__):
+    monkeypatch.setattr(cpu_lib, "_isa_mask", cpu_lib._isa_mask & ~(1 << cpu_lib._VBMI))
+    monkeypatch.setattr(cpu_lib, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger=cpu_lib.__name__):
         assert ce.backend(kind="fp8") == "avx512" and ce.backend(kind="mxfp4") == "avx512_bf16"
     assert any("AVX512_VBMI" in r.message for r in caplog.records)
 

@@ -145,7 +145,7 @@ def test_warm_read_counts_its_bytes_and_stops_when_told():
     assert old == {"warm_streams": 4, "warm_touch": 1}  # the defaults
     with pytest.raises(ValueError, match="one row count per address"):
         ce.warm_rows(addr, [1], H, INTER)
-    lib = ce._load()
+    lib = ce.library()
     a, r = array.array("q", addr), array.array("q", [INTER] * 3)
     word, held = ctypes.c_int64(7), ctypes.c_int64(-1)
     read = lib.strata_cpu_warm(a.buffer_info()[0], r.buffer_info()[0], 3, H, INTER, 2, ctypes.addressof(word), 7,
@@ -191,7 +191,7 @@ def test_a_stopped_read_does_not_wait_for_a_descheduled_thread():
     """Once the next layer is posted the read returns at once, even with a pool thread asleep mid-piece: the kernel
     call after it runs without that thread (another computes its piece; the same result), and only a later read
     reusing its slot waits for it (held)."""
-    lib = ce._load()
+    lib = ce.library()
     addr, rows, x, meta, ref, _keep = _two_experts_on_a_pool_of_two(seed=3)
     word, held = ctypes.c_int64(7), ctypes.c_int64(-1)
     poster = _post_once_asleep(lib, word, sleep_us=400_000)  # pool thread 1 sleeps 400 ms inside its next piece
@@ -203,7 +203,7 @@ def test_a_stopped_read_does_not_wait_for_a_descheduled_thread():
     x32 = x.contiguous()
     old = ce.tune(read_split=0)  # thread 1's pieces stay its own though its read reached none of them
     try:
-        assert lib.strata_cpu_experts_warm(ce._ISA[ce.backend()], x32.data_ptr(), 1, H, 2, meta.buffer_info()[0],
+        assert lib.strata_cpu_experts_warm(ce.isa_code(), x32.data_ptr(), 1, H, 2, meta.buffer_info()[0],
                                            rows.buffer_info()[0], got.data_ptr(), 2, ctypes.addressof(stolen)) == 0
     finally:
         ce.tune(**old)
@@ -221,7 +221,7 @@ def test_rows_a_threads_read_did_not_reach_go_to_whichever_thread_is_free():
     """A read stopped before a thread (descheduled) reached its piece: the kernel gives that thread no static rows
     (read_split=1, the default) rather than the whole piece it would stream from RAM alone (read_split=0); the
     trace's `warm_rows` shows each thread's, and the result is the same either way."""
-    lib = ce._load()
+    lib = ce.library()
     addr, rows, x, meta, ref, _keep = _two_experts_on_a_pool_of_two(seed=5)
     word = ctypes.c_int64(7)
     # pool thread 1 sleeps 150 ms before its piece; thread 0 has long read its own (a few KB) by the post

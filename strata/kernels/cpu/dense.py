@@ -26,7 +26,7 @@ import ctypes
 
 import torch
 
-from strata.kernels.cpu import experts as ce
+from strata.kernels.cpu import library as kernel_lib
 
 MAX_ROWS = 16
 """Rows of x one call takes (csrc/cpu_dense.h's kDenseMaxRows)."""
@@ -37,8 +37,8 @@ _declared: set[int] = set()
 
 def _kernel(backend: str | None) -> tuple[ctypes.CDLL, int] | None:
     """The library and the instruction set code of `backend` (None: the best this CPU runs); None without it."""
-    name = ce.backend(backend)
-    lib = ce.library() if name in _ISA else None
+    name = kernel_lib.backend(backend)
+    lib = kernel_lib.library() if name in _ISA else None
     if lib is None:
         return None
     if id(lib) not in _declared:
@@ -80,7 +80,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     # a bias is added after the product (in fp32): the kernel writes the product alone
     y = torch.empty((m, n), dtype=torch.float32 if bias is not None else out_dtype)
     rc = lib.strata_cpu_dense(isa, x2.data_ptr(), m, k, weight.data_ptr(), n, weight.stride(0), y.data_ptr(), n,
-                              int(y.dtype == torch.bfloat16), int(threads or ce.default_threads()))
+                              int(y.dtype == torch.bfloat16), int(threads or kernel_lib.default_threads()))
     if rc != 0:
         raise RuntimeError(f"CPU dense kernel failed with code {rc} (x {tuple(x.shape)}, weight {tuple(weight.shape)})")
     if bias is not None:

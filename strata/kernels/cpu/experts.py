@@ -15,28 +15,13 @@ kernel (csrc/cpu_experts.cpp, built on first use) reads every weight row once fo
 tokens, splits the gate/up rows of all the layer's experts over a persistent thread pool (chunks taken
 dynamically), then, once every gate/up chunk is done, the down rows (threads with no gate/up chunk left
 claim down chunks and read them ahead; `tune`); one fork/join per layer, the GIL released while it runs,
-software prefetch along the rows. `trace` times each call's phases (strata/kernels/cpu/tuning.py). A worker the OS has not scheduled yet holds
-no work, so nobody waits for it (CPU oversubscription degrades gracefully).
+software prefetch along the rows. `trace` times each call's phases (strata/kernels/cpu/tuning.py). A worker the
+OS has not scheduled yet holds no work, so nobody waits for it (CPU oversubscription degrades gracefully).
 
-Backends (`backend()` says which one runs; the `backend=` argument picks, an engine's `[debug] cpu_kernel`):
-  avx512_bf16  AVX-512 BF16 `vdpbf16ps`: activations and the intermediate silu(gate)*up are rounded to
-               bf16, products summed in fp32. Default where the CPU has it (FP8 experts also need
-               AVX512_VBMI; without it they take avx512).
-  avx512       AVX-512F, bf16 weights widened to fp32 by shifts, fp32 activations and accumulation.
-  avx2         AVX2 + FMA, same numerics as avx512 (8 lanes). Default on other x86-64 CPUs.
-  avx512_emulated, avx512_bf16_emulated
-               portable scalar emulations of the two AVX-512 kernels (same template, lane layout, weight
-               conversions and summation order: bit-identical to them by construction, in every format), so
-               their logic is tested on machines without AVX-512. Slow; only on request.
-  torch        the reference math in fp32 on the upcast weights (`expert_swiglu`), one expert at a
-               time. Used when the extension cannot be built (no compiler, not x86-64, build error:
-               one warning line), when asked for ("torch"), and for plain experts with more than
-               `max_tokens(backend)` tokens (prefill-sized groups: compute-bound, torch/oneDNN does them as
-               well; the executor should send those to the GPU anyway), which under the compiled backends run
-               as torch's bf16 GEMMs on the bf16 weights as stored (`bf16_expert`: fp32 sums, bf16
-               activations, within the avx512_bf16 bound). A quantized expert with more tokens stays on
-               the kernel, its tokens in groups of `max_tokens(backend)` (torch would dequantize it first:
-               a 512-token Q4_K_M prompt ran 3.4x faster so on the development machine).
+Backends (avx512_bf16, avx512, avx2, their portable emulations and torch, which also takes plain experts with more than
+`max_tokens(backend)` tokens), loading the compiled extension, the thread pool's settings (`configure`), the knobs
+(`tune`) and the trace: strata.kernels.cpu.library, whose public names this module re-exports (`backend`,
+`configure`, `default_threads`, `library`, ...).
 
 Accuracy: `tolerance(backend, kind)` bounds max |out - ref| / max |ref| against `expert_swiglu` in fp32 on the
 same weights upcast (quantized experts: dequantized); strata/kernels/cpu/numerics.py says what each bound covers.
@@ -46,28 +31,18 @@ that runs it; an FP8 row block by block), every output element is written by exa
 output element accumulates the kernel's experts in the order given. Results are therefore bit-identical for
 any thread count and any scheduling, for a given backend. Experts sent to torch (plain, more than
 max_tokens(backend) tokens) are added after the kernel's experts.
-
-`configure` sets the default thread count (else the physical cores this process may run on), the pool's
-CPUs, how long idle workers spin and the software prefetch distance; `tune` the scheduling knobs
-(`strata.kernels.cpu.tuning`). The extension is cached under $STRATA_CACHE/ext (else
-$XDG_CACHE_HOME/strata/ext or ~/.cache/strata/ext), keyed by a hash of its sources, the compiler flags,
-torch's and Python's versions.
 """
 
 from __future__ import annotations
 
 import array
 import ctypes
-import logging
-import os
 import threading
-import time
 from collections.abc import Sequence
 
 import torch
 
-from strata.kernels.cpu import expert_args, tuning
-from strata.kernels.cpu.build import build_and_open, one_line
+from strata.kernels.cpu import expert_args
 from strata.kernels.cpu.expert_args import (  # noqa: F401 (bf16_expert: this module's API)
     Matrix,
     act_pointers,
@@ -78,20 +53,33 @@ from strata.kernels.cpu.expert_args import (  # noqa: F401 (bf16_expert: this mo
     torch_expert,
     weights_format,
 )
+from strata.kernels.cpu.library import (  # noqa: F401 (used here, or re-exported: the library's API)
+    _ISA,
+    BACKENDS,
+    DEFAULT_PREFETCH_BYTES,
+    DEFAULT_SPIN_US,
+    META,
+    TRACE_FIELDS,
+    TUNE_KEYS,
+    _resolve,
+    available_backends,
+    available_isa,
+    configure,
+    default_threads,
+    isa_code,
+    library,
+    prefetch_bytes,
+    read_sweep,
+    spin_us,
+    trace,
+    trace_threads,
+    tune,
+    warm_rows,
+)
+from strata.kernels.cpu.library import backend as backend  # (as: the calls' `backend=` arguments shadow it)
 from strata.kernels.cpu.numerics import QUANT_TOLERANCE, TOLERANCE, tolerance  # noqa: F401
-from strata.kernels.cpu.tuning import TRACE_FIELDS, TUNE_KEYS  # noqa: F401
 from strata.kernels.experts import PLAIN_SWIGLU, SwiGLUForm
 from strata.kernels.quant import ExpertFormat, QuantMatrix
-
-log = logging.getLogger(__name__)
-
-_ISA = {"avx2": 1, "avx512": 2, "avx512_bf16": 3, "avx512_emulated": 4, "avx512_bf16_emulated": 5}
-_VBMI = 6  # the ISA mask's bit for AVX512_VBMI, which avx512_bf16 reads FP8 weights with
-_AUTO_ORDER = ("avx512_bf16", "avx512", "avx2")
-BACKENDS = ("avx512_bf16", "avx512", "avx2", "torch")
-
-DEFAULT_PREFETCH_BYTES = 2048
-"""Software prefetch distance along each weight row (`configure(prefetch_bytes=)` overrides; 0: off)."""
 
 MAX_TOKENS = 32
 """Experts with more tokens than this in one call go to torch's matmul (the CPU is compute-bound there), on the
@@ -106,193 +94,6 @@ def max_tokens(backend: str) -> int:
     """The most tokens an expert has in one kernel call of `backend`: a plain expert with more goes to torch's GEMMs,
     a quantized one is computed in groups of this many."""
     return MAX_TOKENS * TILE_TOKENS_FACTOR.get(backend, 1)
-
-_lock = threading.Lock()
-META = 7  # int64 fields of one expert's row in `run_packed`'s meta (csrc/cpu_experts.cpp's META_FIELDS)
-_lib: ctypes.CDLL | None = None
-_lib_tried = False
-_isa_mask = 0
-_warned: set[str] = set()
-_threads_override: int | None = None
-_prefetch_override: int | None = None
-build_seconds: float | None = None
-"""Wall time of the first load in this process (build or cache hit), for logs and benchmarks."""
-
-
-def _warn_once(key: str, msg: str, *args) -> None:
-    if key not in _warned:
-        _warned.add(key)
-        log.warning(msg, *args)
-
-
-def _load() -> ctypes.CDLL | None:
-    """The extension, built (or found in the cache) once per process; None when it cannot be had."""
-    global _lib, _lib_tried, _isa_mask, build_seconds
-    if _lib_tried:
-        return _lib
-    with _lock:
-        if not _lib_tried:
-            t0 = time.perf_counter()
-            try:
-                lib = build_and_open()
-                if lib.strata_cpu_meta_fields() != META:
-                    raise RuntimeError(f"kernel takes {lib.strata_cpu_meta_fields()} meta fields, strata packs {META}")
-                _isa_mask = lib.strata_cpu_isa_mask()
-                lib.strata_cpu_configure(spin_us(), None, -1, prefetch_bytes())
-                _lib = lib
-            except Exception as exc:  # no compiler, no ninja, not x86-64, read-only cache...
-                log.warning("strata: CPU expert kernel unavailable (%s); using the torch fallback", one_line(exc))
-            build_seconds = time.perf_counter() - t0
-            _lib_tried = True
-    return _lib
-
-
-def library() -> ctypes.CDLL | None:
-    """The compiled library, loaded (built on first use) and configured; None when it cannot be had. The other
-    kernels compiled into it (strata.kernels.cpu.dense) run on the same thread pool."""
-    return _load()
-
-
-# ---- the kernel's knobs, trace and read probes (strata.kernels.cpu.tuning), on the loaded kernel ----------------
-def tune(**knobs: int) -> dict[str, int]:
-    """Set the kernel's scheduling knobs (`TUNE_KEYS`); returns their values before ({} without the kernel)."""
-    return tuning.tune(_load(), **knobs)
-
-
-def trace(on: bool | None) -> dict[str, int]:
-    """The kernel's per-call phase trace, summed over calls (`TRACE_FIELDS`): the sums so far, then on, off or
-    left as it is (None); see `tuning.trace`."""
-    return tuning.trace(_load(), on)
-
-
-def trace_threads(threads: int) -> list[dict[str, float]]:
-    """The trace's per-thread means since it was last turned on, for pool threads 0..threads-1 (`tuning`)."""
-    return tuning.trace_threads(_load(), threads)
-
-
-def read_sweep(buffers: Sequence[torch.Tensor], threads: int | None = None) -> float | None:
-    """Seconds to read every byte of `buffers` once on the kernel's pool; None without its AVX2 path (`tuning`)."""
-    return tuning.read_sweep(_load() if available_isa("avx2") else None, buffers, threads or default_threads())
-
-
-def warm_rows(addresses: Sequence[int], rows: Sequence[int], hidden: int, inter: int, threads: int | None = None,
-              row_bytes: int | None = None) -> int:
-    """Read experts' leading gate/up `rows` into the pool threads' caches, as warm-ahead does; bytes read (`tuning`;
-    row_bytes: a gate_up row's bytes in the experts' format, default bf16's 2 * hidden)."""
-    lib = _load() if backend() != "torch" else None
-    return tuning.warm_rows(lib, addresses, rows, hidden, inter, threads or default_threads(), row_bytes)
-
-
-def available_isa(name: str) -> bool:
-    """Whether the compiled kernel is loaded and this CPU runs its `name` instruction set ("avx2", ...)."""
-    return _load() is not None and bool(_isa_mask & (1 << _ISA[name]))
-
-
-def available_backends() -> list[str]:
-    """Backends this machine can run, best first ("torch" always; not the test-only emulations)."""
-    lib = _load()
-    names = [n for n in _AUTO_ORDER if lib is not None and _isa_mask & (1 << _ISA[n])]
-    return names + ["torch"]
-
-
-def _resolve(requested: str | None, kind: str | ExpertFormat = "plain") -> str:
-    fmt = kind if isinstance(kind, ExpertFormat) else None
-    kind = fmt.kind if fmt is not None else kind
-    name = _resolve_isa(requested)
-    if kind == "gguf" and name != "torch" and not expert_args.reads_gguf(name, fmt):
-        _warn_once(f"gguf:{name}:{fmt}", "strata: the %s CPU kernel does not read %s experts; using the torch path",
-                   name, fmt.name if fmt is not None else "GGUF")
-        return "torch"
-    if kind == "fp8" and name == "avx512_bf16" and not _isa_mask & (1 << _VBMI):
-        _warn_once("vbmi", "strata: the avx512_bf16 CPU kernel reads FP8 experts with AVX512_VBMI, which this CPU "
-                   "lacks; using avx512 for them")
-        return "avx512" if _isa_mask & (1 << _ISA["avx512"]) else "avx2" if _isa_mask & (1 << _ISA["avx2"]) else "torch"
-    return name
-
-
-def _resolve_isa(requested: str | None) -> str:
-    req = (requested or "auto").strip().lower()
-    if req == "torch":
-        return "torch"
-    if req != "auto" and req not in _ISA:
-        _warn_once(f"name:{req}", "strata: unknown CPU kernel %r (choose from auto, %s); using auto", req,
-                   ", ".join(BACKENDS))
-        req = "auto"
-    if _load() is None:
-        return "torch"
-    if req != "auto":
-        if _isa_mask & (1 << _ISA[req]):
-            return req
-        _warn_once(f"isa:{req}", "strata: this CPU cannot run the %s kernel; choosing automatically", req)
-    for name in _AUTO_ORDER:
-        if _isa_mask & (1 << _ISA[name]):
-            return name
-    return "torch"
-
-
-def backend(requested: str | None = None, kind: str | ExpertFormat = "plain") -> str:
-    """Which path `cpu_experts_forward(..., backend=requested)` takes here on experts of format kind `kind`
-    ("plain", "fp8", "mxfp4", "gguf", or the ExpertFormat: a GGUF one's block types decide): "avx512_bf16",
-    "avx512", "avx2" or "torch" (`requested` None or "auto": the best this CPU runs)."""
-    return _resolve(requested, kind)
-
-
-_default_threads: int | None = None
-
-
-def default_threads() -> int:
-    """configure(threads=...), else the physical cores this process may use."""
-    global _default_threads
-    if _threads_override:
-        return _threads_override
-    if _default_threads is None:
-        try:
-            usable = len(os.sched_getaffinity(0))
-        except (AttributeError, OSError):
-            usable = os.cpu_count() or 1
-        try:
-            import psutil
-
-            physical = psutil.cpu_count(logical=False) or usable
-        except Exception:
-            physical = usable
-        _default_threads = max(1, min(usable, physical))
-    return _default_threads
-
-
-def configure(threads: int | None = None, cpus: Sequence[int] | None = None, spin_us: int | None = None,
-              prefetch_bytes: int | None = None) -> None:
-    """Tune the kernel. threads: default thread count. cpus: CPUs to pin the pool's workers to (worker
-    i on cpus[i % len]; the calling thread is left alone; [] unpins). spin_us: how long idle workers
-    spin before sleeping (default `DEFAULT_SPIN_US`). prefetch_bytes: software prefetch distance along each weight
-    row in bytes (default `DEFAULT_PREFETCH_BYTES`; 0 turns it off)."""
-    global _threads_override, _prefetch_override
-    if threads is not None:
-        _threads_override = max(1, int(threads))
-    if prefetch_bytes is not None:
-        _prefetch_override = max(0, int(prefetch_bytes))
-    lib = _load()
-    if lib is not None and (cpus is not None or spin_us is not None or prefetch_bytes is not None):
-        cpu_arr = (ctypes.c_int * max(1, len(cpus or ())))(*(cpus or ()))
-        lib.strata_cpu_configure(-1 if spin_us is None else int(spin_us), cpu_arr, -1 if cpus is None else len(cpus),
-                                 -1 if prefetch_bytes is None else _prefetch_override)
-
-
-def prefetch_bytes() -> int:
-    """The software prefetch distance in force: configure(prefetch_bytes=...), else `DEFAULT_PREFETCH_BYTES`."""
-    return _prefetch_override if _prefetch_override is not None else DEFAULT_PREFETCH_BYTES
-
-
-DEFAULT_SPIN_US = 1000
-
-
-def spin_us() -> int:
-    """How long idle pool workers spin before sleeping when the extension loads (`configure(spin_us=)` changes it
-    later): a split decode step calls the kernel once per layer with ~0.2-0.4 ms of GPU and host work between
-    calls, so a much shorter spin puts the workers to sleep before every call and small CPU shares wait for their
-    wake-ups. Shorter frees the cores sooner on a shared host."""
-    return DEFAULT_SPIN_US
-
 
 def run_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads: int | None = None, *,
                backend: str | None = None, warm: array.array | None = None, fmt: ExpertFormat | None = None,
@@ -319,9 +120,9 @@ def run_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads:
     act_buf, act, bias = act_pointers(form, gate_up_bias, E)
     up = up_offset or (expert_args.layout_up_offset(fmt, H, meta[6]) if fmt is not None and fmt.kind == "gguf" else 0)
     keep, fmt_ptr, scales_ptr = kernel_format_args(fmt, scales, E, up)
-    _check(_lib.strata_cpu_experts_act(_ISA[name], x32.data_ptr(), N, H, E, meta.buffer_info()[0], fmt_ptr, scales_ptr,
-                                       warm.buffer_info()[0] if warm is not None else None, act, bias, out.data_ptr(),
-                                       int(threads or default_threads()), None), name, N)
+    _check(library().strata_cpu_experts_act(_ISA[name], x32.data_ptr(), N, H, E, meta.buffer_info()[0], fmt_ptr,
+                                            scales_ptr, warm.buffer_info()[0] if warm is not None else None, act, bias,
+                                            out.data_ptr(), int(threads or default_threads()), None), name, N)
     del keep, act_buf
     return True
 
@@ -351,7 +152,7 @@ class PackedCall:
             return 0.0
         seconds = ctypes.c_double(0.0)
         try:
-            rc = _lib.strata_cpu_experts_wait(ctypes.byref(seconds))
+            rc = library().strata_cpu_experts_wait(ctypes.byref(seconds))
         finally:
             self._done, self._keep = True, ()
             _async_slot.release()
@@ -380,16 +181,10 @@ def start_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, thread
         return None
     n_rows, hidden = x32.shape
     threads = threads or default_threads()
-    _lib.strata_cpu_experts_start(_ISA[name], x32.data_ptr(), n_rows, hidden, len(meta) // META, meta.buffer_info()[0],
-                                  fmt_ptr, scales_ptr, act, bias, out.data_ptr(), int(threads))
+    library().strata_cpu_experts_start(_ISA[name], x32.data_ptr(), n_rows, hidden, len(meta) // META,
+                                       meta.buffer_info()[0], fmt_ptr, scales_ptr, act, bias, out.data_ptr(),
+                                       int(threads))
     return PackedCall(n_rows, name, (x32, meta, out, args, scales, act_buf, gate_up_bias))
-
-
-def isa_code(requested: str | None = None, kind: str = "plain") -> int:
-    """The compiled kernel's code for the instruction set `backend(requested, kind)` chooses (0: the torch
-    fallback)."""
-    name = _resolve(requested, kind)
-    return 0 if name == "torch" else _ISA[name]
 
 
 def start_mailbox(cfg, boxes, layers, addresses, log, counters, acts=None, biases=None) -> int:
@@ -398,25 +193,28 @@ def start_mailbox(cfg, boxes, layers, addresses, log, counters, acts=None, biase
     acts float64 [boxes, 4] each box's SwiGLU form (`expert_args.form_args`' values; None: plain), biases int64 [boxes]
     the address of each box's fp32 gate_up bias table [E, 2I] (0: none; None: no biases). Its handle, 0 when the
     compiled kernel is not in use (isa code 0)."""
-    if _load() is None or int(cfg[7]) == 0:
+    lib = library()
+    if lib is None or int(cfg[7]) == 0:
         return 0
     arrays = (cfg, boxes, layers, addresses, log, counters)
-    return int(_lib.strata_mailbox_start(*(a.ctypes.data for a in arrays), None if acts is None else acts.ctypes.data,
-                                         None if biases is None else biases.ctypes.data))
+    return int(lib.strata_mailbox_start(*(a.ctypes.data for a in arrays), None if acts is None else acts.ctypes.data,
+                                        None if biases is None else biases.ctypes.data))
 
 
 def mailbox_warm(handle: int, next_layers, plans: int, slots: int, nbytes: int, counters) -> int:
     """Give the mailbox worker `handle` its warm-ahead (csrc/cpu_mailbox.cpp, `strata_mailbox_warm`): next_layers
     and counters int64 numpy arrays, plans the address of warm-ahead's page-locked plans. 0 on success."""
-    if not handle or _lib is None:
+    lib = library() if handle else None  # a running worker's handle: the library is loaded already
+    if lib is None:
         return -1
-    return int(_lib.strata_mailbox_warm(handle, next_layers.ctypes.data, plans, slots, nbytes, counters.ctypes.data))
+    return int(lib.strata_mailbox_warm(handle, next_layers.ctypes.data, plans, slots, nbytes, counters.ctypes.data))
 
 
 def stop_mailbox(handle: int, *keep) -> None:
     """Stop the mailbox worker `handle` (joins its thread); `keep`: what the worker reads, held until then."""
-    if handle and _lib is not None:
-        _lib.strata_mailbox_stop(handle)
+    lib = library() if handle else None  # a running worker's handle: the library is loaded already
+    if lib is not None:
+        lib.strata_mailbox_stop(handle)
 
 
 def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]],

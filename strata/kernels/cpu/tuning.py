@@ -1,6 +1,7 @@
 """The CPU expert kernel's scheduling knobs, its per-call phase trace, and a RAM read probe on its thread pool.
 
-Called through strata.kernels.cpu.experts (`ce`), which loads the kernel and hands it to these functions:
+Called through strata.kernels.cpu.library, which loads the kernel and hands it to these functions (re-exported by
+strata.kernels.cpu.experts, `ce`):
 
     old = ce.tune(claim_ahead=4, down_split=1)   # knobs (`TUNE_KEYS`); returns the values before
     ce.trace(True); ...kernel calls...; phases = ce.trace(False)   # sums over the calls (`TRACE_FIELDS`)
