@@ -66,3 +66,59 @@ def greedy_both_ways(model, new_cache, lengths: list[int], steps: int, seed: int
             ids = want.argmax(-1)
             lengths = [n + 1 for n in lengths]
     return buckets
+
+
+def engine_path(model):
+    """A `greedy_both_ways` decode step as the generation loop hands it to the model: a StepBatch of one token a
+    sequence, which a CUDA model runs through its DecodeGraphs."""
+    def decode(ids, slots, lengths, cache):
+        return model(ids, StepBatch(slots, lengths, [1] * len(slots)), cache)
+
+    return decode
+
+
+def assert_graphs_equal_eager(directory, prompts: list[list[int]], max_tokens: int, experts: str,
+                              tiered_budget: int | str | None = None) -> None:
+    """Greedy decode of `prompts` together on CUDA in fp32 (experts "memory" or "tiered" with `tiered_budget` bytes of
+    GPU slots), decode steps captured in CUDA graphs against the same engine's steps run eagerly: no capture failed,
+    graphs were captured, and every stream's tokens are equal."""
+    def run(graphs: bool):
+        cfg = {"runtime": {"max_context": 256, "dtype": "float32", "warmup": False, "experts": experts},
+               "planner": {"max_batch": len(prompts)}, "debug": {"cuda_graphs": graphs}}
+        if experts == "tiered":
+            cfg["tiers"] = {"gpu": {"budget": str(tiered_budget)}}
+        with Engine.from_pretrained(directory, config=cfg, device="cuda") as engine:
+            streams = [engine.stream(p, max_tokens=max_tokens, temperature=0.0) for p in prompts]
+            for stream in streams:
+                for _ in stream:
+                    pass
+            graphs = engine.model.graphs
+            return [s.output.token_ids for s in streams], graphs.captures, dict(graphs.failed)
+
+    eager, none, _ = run(False)
+    captured, captures, failed = run(True)
+    assert none == 0 and captures > 0 and not failed, failed
+    assert captured == eager
+
+
+def eager_cuda_engine(directory, max_len: int) -> Engine:
+    """A CUDA engine in fp32, every expert in memory, CUDA graphs off: its decode steps run through its DecodeGraphs
+    as eager DecodeBatch steps (nothing captured)."""
+    from strata.runtime.model.graphs import DecodeGraphs
+
+    cfg = {"runtime": {"max_context": max_len, "dtype": "float32", "experts": "memory", "warmup": False},
+           "debug": {"cuda_graphs": False}}
+    engine = Engine.from_pretrained(directory, config=cfg, device="cuda")
+    assert isinstance(engine.model.graphs, DecodeGraphs) and engine.model.graphs.mode() is None
+    return engine
+
+
+def assert_engine_decode_follows_step_batches(engine: Engine, new_cache, slots: list[int] | None = None) -> None:
+    """`greedy_both_ways` on CUDA for prompts of 250, 70 and 5 tokens (across the 256 -> 512 bucket), 32 steps: the
+    engine path's eager DecodeBatch steps follow the StepBatch steps' logits up to tf32 products (atol 2e-2) with
+    nothing captured; then one generation through the engine."""
+    model = engine.model
+    greedy_both_ways(model, new_cache, [250, 70, 5], 32, seed=16, device="cuda", atol=2e-2, decode=engine_path(model),
+                     slots=slots)
+    assert model.graphs.captures == 0 and model.graphs.replays == 0
+    assert engine.generate([1, 2, 3], max_tokens=8, temperature=0.0).finish_reason == "length"

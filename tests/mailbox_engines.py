@@ -37,3 +37,20 @@ def one_graph_decode(model, cfg, ids, want) -> Iterator[tuple]:
         assert tiered.generate(ids, max_tokens=16).token_ids[:4] == want
         assert tiered.model.graphs.mode() == "mailbox" and not tiered.model.graphs.failed
         yield tiered, int(counters[1]) - before, int(counters[0]) - groups
+
+
+def host_and_graph_engines(model, base: dict) -> dict:
+    """{"host": engine, "graph": engine} on `model` (CUDA) with the tiered config `base`: split decode in host steps,
+    and in one graph a step with the mailbox worker; no GPU share, both settled and sending every cold expert to the
+    CPU (the host path's cost model told the CPU is infinitely fast), so both compute the same experts the same
+    way. The caller closes them."""
+    from strata import Engine
+
+    engines = {mode: Engine.from_pretrained(model, device="cuda",
+                                            config={**base, "debug": {"split_decode": mode, "gpu_share": 0}})
+               for mode in ("host", "graph")}
+    for e in engines.values():
+        assert e.wait_settled(60)
+        e.executor.rates.cpu_bytes_per_s = 1e15
+        e.executor.rates.observe_cpu = lambda *a: None
+    return engines

@@ -7,17 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from fused_device import DEVICE, DTYPE, MARKS
 
 from strata.kernels.gpu import decode_attention as da
-from strata.kernels.gpu import fused
 from strata.runtime.model.gpt_oss.attention import attend_decode_sinks
 
-if torch.cuda.is_available():
-    DEVICE, DTYPE, MARKS = "cuda", torch.bfloat16, [pytest.mark.gpu]
-elif fused._INTERPRET and fused.triton is not None:
-    DEVICE, DTYPE, MARKS = "cpu", torch.float16, []
-else:  # nothing fused can run here: the gpu mark skips the module
-    DEVICE, DTYPE, MARKS = "cpu", torch.float16, [pytest.mark.gpu]
 pytestmark = MARKS
 
 

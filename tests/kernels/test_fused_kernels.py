@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from fused_device import DEVICE, DTYPE, MARKS
 
 from strata.kernels.gpu import decode_attention as da
 from strata.kernels.gpu import decode_gemv, fused
@@ -15,12 +16,6 @@ from strata.kernels.routing import softmax_topk
 from strata.runtime.model.attention import attend_decode
 from strata.runtime.model.rope import apply_rope
 
-if torch.cuda.is_available():
-    DEVICE, DTYPE, MARKS = "cuda", torch.bfloat16, [pytest.mark.gpu]
-elif fused._INTERPRET and fused.triton is not None:
-    DEVICE, DTYPE, MARKS = "cpu", torch.float16, []
-else:  # nothing fused can run here: the gpu mark skips the module
-    DEVICE, DTYPE, MARKS = "cpu", torch.float16, [pytest.mark.gpu]
 pytestmark = MARKS
 
 

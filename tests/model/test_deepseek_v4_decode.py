@@ -15,7 +15,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decode_checks import greedy_both_ways
+from decode_checks import (
+    assert_engine_decode_follows_step_batches,
+    assert_graphs_equal_eager,
+    eager_cuda_engine,
+    greedy_both_ways,
+)
 from deepseek_v4_models import build_v4_reference
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -120,22 +125,9 @@ def test_cuda_decode_steps_run_as_decode_batches(tmp_path):
     """On CUDA (fp32) a decode step handed over as a StepBatch runs through DecodeGraphs as an eager DecodeBatch step
     (nothing captured), its in-memory experts through the pair kernels; its logits follow the StepBatch path's (up to
     tf32 products) across the 256 -> 512 bucket, past the 64-token window."""
-    from strata import Engine
-
     _, directory = build_v4_reference(tmp_path / "v4", long=True, seed=15)
-    cfg = {"runtime": {"max_context": MAX_LEN, "dtype": "float32", "experts": "memory", "warmup": False},
-           "debug": {"cuda_graphs": False}}
-    engine = Engine.from_pretrained(directory, config=cfg, device="cuda")
-    model = engine.model
-    assert isinstance(model.graphs, DecodeGraphs) and model.graphs.mode() is None
-
-    def through_the_engine_path(ids, slots, lengths, cache):  # what the generation loop hands the model
-        return model(ids, StepBatch(slots, lengths, [1] * len(slots)), cache)
-
-    greedy_both_ways(model, caches(model, device="cuda"), [250, 70, 5], 32, seed=16, device="cuda", atol=2e-2,
-                     decode=through_the_engine_path, slots=[2, 0, 1])
-    assert model.graphs.captures == 0 and model.graphs.replays == 0
-    assert engine.generate([1, 2, 3], max_tokens=8, temperature=0.0).finish_reason == "length"
+    engine = eager_cuda_engine(directory, MAX_LEN)
+    assert_engine_decode_follows_step_batches(engine, caches(engine.model, device="cuda"), slots=[2, 0, 1])
     engine.close()
 
 
@@ -146,24 +138,6 @@ def test_cuda_graph_decode_equals_eager(experts, tmp_path):
     clipped form; tiered: 3 of the 8 experts of each layer in GPU slots, the rest copied in at host steps between
     graph segments) give the eager engine's greedy tokens, fp32, three sequences batched, 40 steps: past the 12-token
     window, across HCA and CSA completions."""
-    from strata import Engine
-
     _, directory = build_v4_reference(tmp_path / "v4", seed=21)
     prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 40, 3)]
-
-    def run(graphs: bool):
-        cfg = {"runtime": {"max_context": 256, "dtype": "float32", "warmup": False, "experts": experts},
-               "planner": {"max_batch": 3}, "debug": {"cuda_graphs": graphs}}
-        if experts == "tiered":
-            cfg["tiers"] = {"gpu": {"budget": str(4 * 3 * 3 * 64 * 32 * 4)}}  # 3 fp32 experts a layer, 4 layers
-        with Engine.from_pretrained(directory, config=cfg, device="cuda") as engine:
-            streams = [engine.stream(p, max_tokens=40, temperature=0.0) for p in prompts]
-            for stream in streams:
-                for _ in stream:
-                    pass
-            return [s.output.token_ids for s in streams], engine.model.graphs.captures, engine.model.graphs.failed
-
-    eager, none, _ = run(False)
-    graphs, captures, failed = run(True)
-    assert none == 0 and captures > 0 and not failed
-    assert graphs == eager
+    assert_graphs_equal_eager(directory, prompts, 40, experts, 4 * 3 * 3 * 64 * 32 * 4)  # 3 fp32 experts a layer

@@ -12,7 +12,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decode_checks import greedy_both_ways
+from decode_checks import (
+    assert_engine_decode_follows_step_batches,
+    assert_graphs_equal_eager,
+    eager_cuda_engine,
+    greedy_both_ways,
+)
 from gpt_oss_models import build_gpt_oss
 
 from reference_models import VOCAB
@@ -20,7 +25,7 @@ from strata.runtime.model.checkpoint import Checkpoint
 from strata.runtime.model.eager import EagerTransformer
 from strata.runtime.model.gpt_oss.attention import attend_decode_sinks, attend_with_sinks
 from strata.runtime.model.graphs import DecodeGraphs
-from strata.runtime.model.kv_cache import KVCache, StepBatch
+from strata.runtime.model.kv_cache import KVCache
 from strata.runtime.model.loader import load_model
 
 MAX_LEN = 700
@@ -89,27 +94,16 @@ def test_cuda_decode_steps_run_as_decode_batches(tmp_path, monkeypatch):
     DecodeBatch step (nothing captured) attending with the kernel's sinks build; its logits follow the StepBatch
     path's (up to the kernel's tf32 dot products) across the 256 -> 512 bucket, past the 64-token window."""
     import strata.runtime.model.gpt_oss.attention as oss_attention
-    from strata import Engine
 
     _, directory = build_gpt_oss(tmp_path / "oss", long=True, seed=15)
-    cfg = {"runtime": {"max_context": MAX_LEN, "dtype": "float32", "experts": "memory", "warmup": False},
-           "debug": {"cuda_graphs": False}}  # eager DecodeBatch steps (captured ones: the test below)
-    engine = Engine.from_pretrained(directory, config=cfg, device="cuda")
-    model = engine.model
-    assert isinstance(model.graphs, DecodeGraphs) and model.graphs.mode() is None
+    engine = eager_cuda_engine(directory, MAX_LEN)  # (captured steps: the test below)
     sinks_builds = []
     real = oss_attention.decode_attention
     monkeypatch.setattr(oss_attention, "decode_attention",
                         lambda *a, **k: sinks_builds.append(k["sinks"] is not None) or real(*a, **k))
 
-    def through_the_engine_path(ids, slots, lengths, cache):  # what the generation loop hands the model
-        return model(ids, StepBatch(slots, lengths, [1] * len(slots)), cache)
-
-    greedy_both_ways(model, kv_caches(model, "cuda"), [250, 70, 5], 32, seed=16, device="cuda", atol=2e-2,
-                     decode=through_the_engine_path)
+    assert_engine_decode_follows_step_batches(engine, kv_caches(engine.model, "cuda"))
     assert sinks_builds and all(sinks_builds)
-    assert model.graphs.captures == 0 and model.graphs.replays == 0
-    assert engine.generate([1, 2, 3], max_tokens=8, temperature=0.0).finish_reason == "length"
     engine.close()
 
 
@@ -118,23 +112,7 @@ def test_cuda_decode_steps_run_as_decode_batches(tmp_path, monkeypatch):
 def test_cuda_graph_decode_equals_eager(experts, tmp_path):
     """Decode steps captured in CUDA graphs (the pair kernels in the clamped form, gate_up biases in the kernels,
     down biases in the combine; tiered: 4 of the 32 experts (72 KiB each in fp32) in GPU slots, the rest copied
-    in at host steps between graph segments) give the eager engine's greedy tokens and its scores, fp32."""
-    from strata import Engine
-
+    in at host steps between graph segments) give the eager engine's greedy tokens, fp32, two sequences batched."""
     _, directory = build_gpt_oss(tmp_path / "oss", seed=21)
     prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 40)]
-
-    def run(graphs: bool):
-        cfg = {"runtime": {"max_context": 256, "dtype": "float32", "warmup": False,
-                           "experts": experts},
-               "debug": {"cuda_graphs": graphs}}
-        if experts == "tiered":
-            cfg["tiers"] = {"gpu": {"budget": "300KiB"}}
-        with Engine.from_pretrained(directory, config=cfg, device="cuda") as engine:
-            out = [engine.generate(p, max_tokens=24, temperature=0.0).token_ids for p in prompts]
-            return out, engine.model.graphs.captures
-
-    eager, none = run(False)
-    graphs, captures = run(True)
-    assert none == 0 and captures > 0
-    assert graphs == eager
+    assert_graphs_equal_eager(directory, prompts, 24, experts, "300KiB")

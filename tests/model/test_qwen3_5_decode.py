@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decode_checks import greedy_both_ways
+from decode_checks import (
+    assert_engine_decode_follows_step_batches,
+    assert_graphs_equal_eager,
+    eager_cuda_engine,
+    greedy_both_ways,
+)
 from qwen3_5_models import build_q35_reference
 
 from reference_models import VOCAB
 from strata.runtime.model.checkpoint import Checkpoint
 from strata.runtime.model.graphs import DecodeGraphs
-from strata.runtime.model.kv_cache import StepBatch
 from strata.runtime.model.loader import load_model
 
 MAX_LEN = 700
@@ -59,24 +63,15 @@ def test_cuda_decode_steps_run_through_the_kernel(tmp_path, monkeypatch):
     its full-attention layers through the split-KV kernel over the slabs' transposed view; its logits follow the
     StepBatch path's (up to the kernel's tf32 dot products) across the 256 -> 512 bucket."""
     import strata.runtime.model.qwen3_5.attention as q35_attention
-    from strata import Engine
 
     _, directory = build_q35_reference(tmp_path / "q35", long=True, seed=15)
-    cfg = {"runtime": {"max_context": MAX_LEN, "dtype": "float32", "experts": "memory", "warmup": False},
-           "debug": {"cuda_graphs": False}}
-    engine = Engine.from_pretrained(directory, config=cfg, device="cuda")
-    model = engine.model
-    assert isinstance(model.graphs, DecodeGraphs) and model.graphs.mode() is None
+    engine = eager_cuda_engine(directory, MAX_LEN)
     kernel_calls = []
     real = q35_attention.decode_attention
     monkeypatch.setattr(q35_attention, "decode_attention", lambda *a, **k: kernel_calls.append(1) or real(*a, **k))
 
-    def through_the_engine_path(ids, slots, lengths, cache):  # what the generation loop hands the model
-        return model(ids, StepBatch(slots, lengths, [1] * len(slots)), cache)
-
-    greedy_both_ways(model, caches(model, "cuda"), [250, 70, 5], 32, seed=16, device="cuda", atol=2e-2,
-                     decode=through_the_engine_path, slots=[2, 0, 1])
-    assert kernel_calls and model.graphs.captures == 0
+    assert_engine_decode_follows_step_batches(engine, caches(engine.model, "cuda"), slots=[2, 0, 1])
+    assert kernel_calls
     engine.close()
 
 
@@ -86,24 +81,6 @@ def test_cuda_graph_decode_equals_eager(experts, tmp_path):
     """Decode steps captured in CUDA graphs (tiered: 3 of the 8 experts of each layer in GPU slots, the rest copied in
     at host steps between graph segments, or read by the CPU worker) give the eager engine's greedy tokens, fp32,
     three sequences batched."""
-    from strata import Engine
-
     _, directory = build_q35_reference(tmp_path / "q35", seed=21)
     prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 40, 3)]
-
-    def run(graphs: bool):
-        cfg = {"runtime": {"max_context": 256, "dtype": "float32", "warmup": False, "experts": experts},
-               "planner": {"max_batch": 3}, "debug": {"cuda_graphs": graphs}}
-        if experts == "tiered":
-            cfg["tiers"] = {"gpu": {"budget": str(4 * 3 * 3 * 64 * 32 * 4)}}  # 3 fp32 experts a layer, 4 layers
-        with Engine.from_pretrained(directory, config=cfg, device="cuda") as engine:
-            streams = [engine.stream(p, max_tokens=24, temperature=0.0) for p in prompts]
-            for stream in streams:
-                for _ in stream:
-                    pass
-            return [s.output.token_ids for s in streams], engine.model.graphs.captures
-
-    eager, none = run(False)
-    graphs, captures = run(True)
-    assert none == 0 and captures > 0
-    assert graphs == eager
+    assert_graphs_equal_eager(directory, prompts, 24, experts, 4 * 3 * 3 * 64 * 32 * 4)  # 3 fp32 experts a layer

@@ -14,7 +14,8 @@ pytestmark = pytest.mark.gpu
 
 @pytest.mark.parametrize("arch", ["gpt_oss", "qwen3_5_moe", "deepseek_v4"])
 def test_one_graph_split_decode_equals_host_steps(arch, tmp_path):
-    from strata import Engine
+    from mailbox_engines import host_and_graph_engines
+
     from strata.config import StrataConfig
     from strata.runtime.demo.model import write_demo_model
     from strata.runtime.plan.planner import plan_for
@@ -25,14 +26,8 @@ def test_one_graph_split_decode_equals_host_steps(arch, tmp_path):
     base = {"tiers": {"gpu": {"budget": str(2 * layers * planned.slot_bytes)},
                       "pinned": {"budget": str(4 * layers * planned.experts_per_layer * planned.slot_bytes)}},
             "policy": {"promote": False}}
-    engines = {mode: Engine.from_pretrained(model, device="cuda",
-                                            config={**base, "debug": {"split_decode": mode, "gpu_share": 0}})
-               for mode in ("host", "graph")}
+    engines = host_and_graph_engines(model, base)
     try:
-        for e in engines.values():
-            assert e.wait_settled(60)
-            e.executor.rates.cpu_bytes_per_s = 1e15  # the host path's cost model: every cold expert to the CPU
-            e.executor.rates.observe_cpu = lambda *a: None
         ids = engines["host"].tokenizer.encode("The river runs through the valley and the town")
         got = {mode: e.generate(ids, max_tokens=24, temperature=0.0).token_ids for mode, e in engines.items()}
         graph = engines["graph"]

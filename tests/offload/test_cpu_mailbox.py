@@ -155,6 +155,7 @@ def test_one_graph_split_decode_equals_the_host_step_path(tmp_path, monkeypatch,
     with the inbox and answer exchanged by the kernels themselves, or (`direct` False: their build failed) copied
     through the device by copy nodes around `host_signal.wait_for_host`."""
     from decode_checks import assert_batched_decode_identical
+    from mailbox_engines import host_and_graph_engines
 
     from strata.kernels.gpu import host_signal
 
@@ -170,15 +171,9 @@ def test_one_graph_split_decode_equals_the_host_step_path(tmp_path, monkeypatch,
     slot = 12288
     base = {"tiers": {"gpu": {"budget": str(2 * slot)}, "pinned": {"budget": str(64 * slot)}},
             "policy": {"promote": False}}
-    engines = {mode: Engine.from_pretrained(model, device="cuda",
-                                            config={**base, "debug": {"split_decode": mode, "gpu_share": 0}})
-               for mode in ("host", "graph")}
+    engines = host_and_graph_engines(model, base)
     memory = Engine.from_pretrained(model, device="cuda", config={"runtime": {"experts": "memory"}})
     try:
-        for e in engines.values():
-            assert e.wait_settled(60)
-            e.executor.rates.cpu_bytes_per_s = 1e15  # the host path's cost model: every cold expert to the CPU
-            e.executor.rates.observe_cpu = lambda *a: None
         ids = memory.tokenizer.encode("The river runs through the valley and the town")
         got = {mode: e.generate(ids, max_tokens=24) for mode, e in engines.items()}
         graph = engines["graph"]

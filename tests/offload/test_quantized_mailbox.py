@@ -18,7 +18,7 @@ def test_one_graph_split_decode_on_quantized_experts_equals_host_steps(tmp_path,
     computed cold experts, and with a 0.6 GPU share (rows split, the GPU reading the rest of each blob in place)
     the first tokens still agree."""
     from decode_checks import assert_batched_decode_identical
-    from mailbox_engines import SLOT
+    from mailbox_engines import SLOT, host_and_graph_engines
 
     from strata import Engine
     from strata.runtime.demo.model import write_demo_model
@@ -27,14 +27,8 @@ def test_one_graph_split_decode_on_quantized_experts_equals_host_steps(tmp_path,
     model = write_demo_model(tmp_path / "tiny", size="tiny", engram=False)
     base = {"tiers": {"gpu": {"budget": str(2 * SLOT)}, "pinned": {"budget": str(64 * SLOT)}},
             "policy": {"promote": False}, "store": {"experts": experts}}
-    engines = {mode: Engine.from_pretrained(model, device="cuda",
-                                            config={**base, "debug": {"split_decode": mode, "gpu_share": 0}})
-               for mode in ("host", "graph")}
+    engines = host_and_graph_engines(model, base)
     try:
-        for e in engines.values():
-            assert e.wait_settled(60)
-            e.executor.rates.cpu_bytes_per_s = 1e15  # the host path's cost model: every cold expert to the CPU
-            e.executor.rates.observe_cpu = lambda *a: None
         ids = engines["host"].tokenizer.encode("The river runs through the valley and the town")
         got = {mode: e.generate(ids, max_tokens=24) for mode, e in engines.items()}
         graph = engines["graph"]

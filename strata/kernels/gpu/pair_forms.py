@@ -12,6 +12,9 @@ and up_offset as fp32 arguments, so each form is one build whatever its values. 
 - CLAMP: gate = min(gate, limit), up = clamp(up, -limit, limit)
 - SCALED: h = (up + up_offset) * gate * sigmoid(alpha * gate) (else silu(gate) * up)
 - INTERLEAVED: intermediate row j is gate_up's rows 2j (gate) and 2j + 1 (up) (else j and I + j)
+
+Every gate/up kernel also starts the same way: `pair_slot` (the pair's expert, slot or host address, recorded for
+the down kernel) and `pair_rows` (its first intermediate row and its token's row).
 """
 
 from __future__ import annotations
@@ -64,6 +67,40 @@ def kernel_args(form: SwiGLUForm = PLAIN_SWIGLU, gate_up_bias: torch.Tensor | No
 
 
 if triton is not None:
+
+    @triton.jit
+    def pair_slot(ids_ptr, slot_of_ptr, eid_ptr, used_ptr, p, ib, ADDR: tl.constexpr, HAS_BIAS: tl.constexpr):
+        """Pair p's (address, slot, expert), as every gate/up kernel starts: with ADDR, ids[p] is the pair's
+        address in pinned host memory (0: not in this pass, slot -1; else slot 0) and its expert, read only for the
+        bias row, eid[p]; else the expert is ids[p] and its slot slot_of[expert] (-1: not resident). The pair's
+        first row block records the slot in used[p], which the down kernel reads."""
+        if ADDR:
+            addr = tl.load(ids_ptr + p)
+            slot = tl.where(addr != 0, 0, -1).to(tl.int64)
+            expert = p  # (read only with HAS_BIAS)
+            if HAS_BIAS:
+                expert = tl.load(eid_ptr + p)
+        else:
+            expert = tl.load(ids_ptr + p)
+            slot = tl.load(slot_of_ptr + expert).to(tl.int64)
+            addr = slot  # (read only with ADDR)
+        if ib == 0:
+            tl.store(used_ptr + p, slot.to(tl.int32))
+        return addr, slot, expert
+
+    @triton.jit
+    def pair_rows(first_ptr, rows_ptr, p, K, FIRST: tl.constexpr, HAS_ROWS: tl.constexpr):
+        """Pair p's first intermediate row (FIRST: first[p], the rows below it another's: a split expert's CPU part;
+        else 0) and its token's row of x (HAS_ROWS: rows[p] // K, else p // K), int64."""
+        if FIRST:
+            first = tl.load(first_ptr + p)
+        else:
+            first = p * 0
+        if HAS_ROWS:
+            tok = tl.load(rows_ptr + p).to(tl.int64) // K
+        else:
+            tok = p.to(tl.int64) // K
+        return first, tok
 
     @triton.jit
     def gate_row(offs_i, FORM: tl.constexpr):

@@ -10,7 +10,7 @@ is the plain SwiGLU without bias, so callers that pass neither build the kernel 
 from __future__ import annotations
 
 from strata.kernels.gpu import pdl
-from strata.kernels.gpu.pair_forms import activate, gate_row, triton, up_row
+from strata.kernels.gpu.pair_forms import activate, gate_row, pair_rows, pair_slot, triton, up_row
 
 if triton is not None:
     import triton.language as tl
@@ -28,26 +28,9 @@ if triton is not None:
         pdl.enter(PDL)
         p = tl.program_id(0)
         ib = tl.program_id(1)
-        if ADDR:  # ids holds each pair's expert address in pinned host memory (0: not in this pass)
-            addr = tl.load(ids_ptr + p)
-            slot = tl.where(addr != 0, 0, -1).to(tl.int64)
-            expert = p  # (read only with HAS_BIAS)
-            if HAS_BIAS:
-                expert = tl.load(eid_ptr + p)
-        else:
-            expert = tl.load(ids_ptr + p)
-            slot = tl.load(slot_of_ptr + expert).to(tl.int64)
-        if ib == 0:
-            tl.store(used_ptr + p, slot.to(tl.int32))
-        if FIRST:  # rows below `first` are another's (a split expert's CPU part)
-            first = tl.load(first_ptr + p)
-        else:
-            first = 0
+        addr, slot, expert = pair_slot(ids_ptr, slot_of_ptr, eid_ptr, used_ptr, p, ib, ADDR, HAS_BIAS)
+        first, tok = pair_rows(first_ptr, rows_ptr, p, K, FIRST, HAS_ROWS)
         if (slot >= 0) & ((ib + 1) * BLOCK_I > first):
-            if HAS_ROWS:
-                tok = tl.load(rows_ptr + p).to(tl.int64) // K
-            else:
-                tok = p.to(tl.int64) // K
             offs_i = ib * BLOCK_I + tl.arange(0, BLOCK_I)
             mask_i = (offs_i < INTER) & (offs_i >= first)
             acc_g = tl.zeros([BLOCK_I], dtype=tl.float32)

@@ -27,7 +27,7 @@ import torch
 from strata.kernels.experts import PLAIN_SWIGLU, SwiGLUForm
 from strata.kernels.gpu import gguf_pairs, pair_forms, pdl
 from strata.kernels.gpu.gguf_tiles import gguf_refusal
-from strata.kernels.gpu.pair_forms import activate, gate_row, up_row
+from strata.kernels.gpu.pair_forms import activate, gate_row, pair_rows, pair_slot, up_row
 from strata.kernels.gpu.quant_slots import FP8, MXFP4, QuantSlotWeights, e8m0_scale, triton
 from strata.kernels.quant import MX_GROUP, ExpertFormat, ExpertLayout
 
@@ -214,26 +214,9 @@ if triton is not None:
         pdl.enter(PDL)
         p = tl.program_id(0)
         ib = tl.program_id(1)
-        if ADDR:  # ids holds each pair's blob address in pinned host memory (0: not in this pass)
-            addr = tl.load(ids_ptr + p)
-            slot = tl.where(addr != 0, 0, -1).to(tl.int64)
-            expert = p  # (read only with HAS_BIAS)
-            if HAS_BIAS:
-                expert = tl.load(eid_ptr + p)
-        else:
-            expert = tl.load(ids_ptr + p)
-            slot = tl.load(slot_of_ptr + expert).to(tl.int64)
-        if ib == 0:
-            tl.store(used_ptr + p, slot.to(tl.int32))
-        if FIRST:  # rows below `first` are another's (a split expert's CPU part)
-            first = tl.load(first_ptr + p)
-        else:
-            first = 0
+        addr, slot, expert = pair_slot(ids_ptr, slot_of_ptr, eid_ptr, used_ptr, p, ib, ADDR, HAS_BIAS)
+        first, tok = pair_rows(first_ptr, rows_ptr, p, K, FIRST, HAS_ROWS)
         if (slot >= 0) & ((ib + 1) * BLOCK_I > first):
-            if HAS_ROWS:
-                tok = tl.load(rows_ptr + p).to(tl.int64) // K
-            else:
-                tok = p.to(tl.int64) // K
             offs_i = ib * BLOCK_I + tl.arange(0, BLOCK_I)
             mask_i = (offs_i < INTER) & (offs_i >= first)
             if ADDR:  # read over PCIe, in place (unified addressing maps the page-locked slot, 4 KiB aligned)
