@@ -14,7 +14,8 @@ and up_offset as fp32 arguments, so each form is one build whatever its values. 
 - INTERLEAVED: intermediate row j is gate_up's rows 2j (gate) and 2j + 1 (up) (else j and I + j)
 
 Every gate/up kernel also starts the same way: `pair_slot` (the pair's expert, slot or host address, recorded for
-the down kernel) and `pair_rows` (its first intermediate row and its token's row).
+the down kernel) and `pair_rows` (its first intermediate row and its token's row); every down kernel with
+`pair_rows` too.
 """
 
 from __future__ import annotations
@@ -90,8 +91,9 @@ if triton is not None:
 
     @triton.jit
     def pair_rows(first_ptr, rows_ptr, p, K, FIRST: tl.constexpr, HAS_ROWS: tl.constexpr):
-        """Pair p's first intermediate row (FIRST: first[p], the rows below it another's: a split expert's CPU part;
-        else 0) and its token's row of x (HAS_ROWS: rows[p] // K, else p // K), int64."""
+        """Pair p's first intermediate row (FIRST: first[p], the rows before it another's part of a split expert;
+        else 0) and its row, int64 (HAS_ROWS: rows[p] // K, else p // K): with K the experts a token, the token's
+        row of x (the gate/up kernels); with K = 1, the pair's own row of the output (the down kernels)."""
         if FIRST:
             first = tl.load(first_ptr + p)
         else:

@@ -244,15 +244,8 @@ if triton is not None:
         p = tl.program_id(0)
         ob = tl.program_id(1)
         slot = tl.load(used_ptr + p).to(tl.int64)
-        if FIRST:  # the intermediate rows from `first` on: a split expert's GPU part
-            first = tl.load(first_ptr + p)
-        else:
-            first = 0
+        first, row = pair_rows(first_ptr, rows_ptr, p, 1, FIRST, HAS_ROWS)  # from `first` on: a split expert's GPU part
         if slot >= 0:
-            if HAS_ROWS:
-                row = tl.load(rows_ptr + p).to(tl.int64)
-            else:
-                row = p.to(tl.int64)
             offs_o = ob * BLOCK_O + tl.arange(0, BLOCK_O)
             mask_o = offs_o < H
             if ADDR:
