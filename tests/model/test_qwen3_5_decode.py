@@ -23,6 +23,7 @@ from qwen3_5_models import build_q35_reference
 from reference_models import VOCAB
 from strata.runtime.model.checkpoint import Checkpoint
 from strata.runtime.model.graphs import DecodeGraphs
+from strata.runtime.model.kv_cache import DecodeBatch, StepBatch, kv_bucket
 from strata.runtime.model.loader import load_model
 
 MAX_LEN = 700
@@ -46,6 +47,27 @@ def test_long_decode_batch_equals_step_batch_across_buckets(tmp_path):
     _, directory = build_q35_reference(tmp_path / "q35", long=True, seed=13)
     model = load_model(Checkpoint.open(directory), torch.float32, "cpu")
     assert greedy_both_ways(model, caches(model), [250, 70, 5], 32, seed=14, slots=[1, 2, 0]) == {256, 512}
+
+
+def test_a_one_token_prompt_in_a_reused_slot_starts_from_zeros(tmp_path):
+    """A DecodeBatch row at position 0 (a one-token prompt: the engine's decode path takes every step whose sequences
+    feed one token each) in a slot a 9-token sequence held before, beside a row continuing at position 5: its linear
+    layers start from zeros, as the StepBatch path's first pass does, and the next step continues both alike."""
+    _, directory = build_q35_reference(tmp_path / "q35", seed=3)
+    model = load_model(Checkpoint.open(directory), torch.float32, "cpu")
+    a, b = caches(model)(2), caches(model)(2)
+    g = torch.Generator().manual_seed(4)
+    with torch.inference_mode():
+        for slot, n in ((1, 9), (0, 5)):  # slot 1's earlier occupant, slot 0's prompt
+            prompt = torch.randint(0, VOCAB, (n,), generator=g)
+            for cache in (a, b):
+                model.run_layers(prompt, StepBatch([slot], [0], [n]), cache)
+        for pos in ([5, 0], [6, 1]):
+            ids = torch.randint(0, VOCAB, (2,), generator=g)
+            want = model.logits(model.run_layers(ids, StepBatch([0, 1], pos, [1, 1]), a))
+            batch = DecodeBatch(torch.tensor([0, 1]), torch.tensor(pos), kv_bucket(max(pos), MAX_LEN))
+            got = model.logits(model.run_layers(ids, batch, b))
+            assert (got - want).abs().max().item() < 1e-4, pos
 
 
 def test_the_switch_gives_decode_graphs(tmp_path):

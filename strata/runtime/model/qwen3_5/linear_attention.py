@@ -9,9 +9,9 @@ Each sequence's state lives in its cache slot (`LinearState`): the convolution's
 rule's S per value head. A pass starting at position 0 starts from zeros, whatever the slot held before (slots are
 reused, a cancelled sequence's state is left behind); later passes continue from what the last one left. Decode
 rows (one token, position > 0) of every sequence in the step run as one batched step; prompt chunks run one
-sequence at a time through the chunked scan. A `DecodeBatch` (every row such a decode row, the slots a device
-tensor) takes the batched step alone: its states gathered by slot, stepped and scattered back, shapes fixed by B
-(what a CUDA graph captures).
+sequence at a time through the chunked scan. A `DecodeBatch` (one token a sequence, the slots a device tensor; a
+one-token prompt too, at position 0) takes the batched step alone: its states gathered by slot (zeros at position
+0), stepped and scattered back, shapes fixed by B (what a CUDA graph captures).
 """
 
 from __future__ import annotations
@@ -69,14 +69,18 @@ class GatedDeltaNet(nn.Module):
         return q.reshape(n, self.hk, self.dk), k.reshape(n, self.hk, self.dk), v.reshape(n, self.hv, self.dv)
 
     def _step(self, qkv: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, slots: torch.Tensor | int,
-              state: LinearState) -> torch.Tensor:
+              state: LinearState, fresh: torch.Tensor | None = None) -> torch.Tensor:
         """One token each of B sequences continuing their states: qkv [B, conv_dim], g, beta [B, Hv], their slots
-        ([B] device tensor, or one slot's index: its state stepped in place) -> [B, Hv, dv]; the states moved on."""
+        ([B] device tensor, or one slot's index: its state stepped in place) -> [B, Hv, dv]; the states moved on.
+        `fresh` [B] bool: the sequences at position 0, whose states start from zeros (not what the slot held)."""
         weight = self.conv1d.weight  # [C, 1, K]
         if isinstance(slots, int):
             conv, rec = state.conv[slots : slots + 1], state.recurrent[slots : slots + 1]
         else:  # gathered, then written back
             conv, rec = state.conv.index_select(0, slots), state.recurrent.index_select(0, slots)
+        if fresh is not None:
+            conv = conv.masked_fill(fresh[:, None, None], 0)  # [B, conv_dim, K-1]
+            rec = rec.masked_fill(fresh[:, None, None, None], 0)  # [B, Hv, dk, dv]
         q, k, v = self._split(conv_step(qkv, conv, weight))
         out = gated_delta_step(q, k, v, g, beta, rec)
         if not isinstance(slots, int):
@@ -90,8 +94,8 @@ class GatedDeltaNet(nn.Module):
         z = project(self.in_proj_z, x)  # [N, value_dim]
         beta = project(self.in_proj_b, x).sigmoid()  # [N, Hv]
         g = -self.A_log.float().exp() * F.softplus(project(self.in_proj_a, x).float() + self.dt_bias)  # [N, Hv] fp32
-        if isinstance(batch, DecodeBatch):
-            out = self._step(qkv, g, beta, batch.slots_t, state)
+        if isinstance(batch, DecodeBatch):  # a one-token prompt takes this path too: its state starts from zeros
+            out = self._step(qkv, g, beta, batch.slots_t, state, fresh=batch.pos_t == 0)
         else:
             out = self._prompt_and_steps(qkv, g, beta, batch, state)
         core = self.norm(out.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(n, self.value_dim)
