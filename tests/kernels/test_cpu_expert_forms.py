@@ -1,7 +1,7 @@
 """The CPU expert kernel on every SwiGLU form (strata.kernels.experts.SwiGLUForm, csrc/cpu_experts_act.h): plain,
 DeepSeek-V4's clip (limit 10) and gpt-oss's clamped, scaled, offset SwiGLU on interleaved gate/up rows with a per-expert
 gate_up bias, on bf16, FP8, MXFP4 and GGUF experts, against the fp32 reference on the dequantized weights
-(gu = x gate_up^T + bias, h = form.apply(gu), y = h down^T: `expert_args.form_expert`). Activations are scaled so that
+(gu = x gate_up^T + bias, h = form.apply(gu), y = h down^T: `strata.kernels.experts.expert_swiglu`). Activations are scaled so that
 the clamp changes the result by far more than any backend's tolerance (a kernel ignoring it fails); each AVX-512
 backend stays bit-identical to its emulation; split experts, warm rows, the launcher thread and prompt-sized experts
 take the form too."""
@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from strata.kernels.cpu import experts as ce
-from strata.kernels.cpu.expert_args import bias_rows, form_expert, slot_pointers
-from strata.kernels.experts import PLAIN_SWIGLU, SwiGLUForm
+from strata.kernels.cpu.expert_args import bias_rows, slot_pointers
+from strata.kernels.experts import PLAIN_SWIGLU, SwiGLUForm, expert_swiglu
 from strata.kernels.quant import ExpertFormat, ExpertLayout
 
 needs_kernel = pytest.mark.skipif(ce.backend() == "torch", reason="needs the compiled CPU expert kernel")
@@ -78,7 +78,7 @@ def inputs(deq, N: int, seed: int = 0):
 
 
 def reference(x, deq, idx, tw, form, table, rows=None):
-    """sum over experts of tw * form_expert(x[idx]) on the fp32 weights, experts in order; rows[e]: of expert e only
+    """sum over experts of tw * expert_swiglu(x[idx]) on the fp32 weights, experts in order; rows[e]: of expert e only
     its first rows intermediate rows (a split expert's CPU part: gate_up's rows of them, down's columns)."""
     out = torch.zeros(x.shape)
     for e, ((gu, dn), i, w) in enumerate(zip(deq, idx, tw, strict=True)):
@@ -87,7 +87,7 @@ def reference(x, deq, idx, tw, form, table, rows=None):
             r, inter = rows[e], dn.shape[1]
             keep = torch.cat([torch.arange(2 * r)] if form.interleaved else [torch.arange(r), inter + torch.arange(r)])
             gu, dn, b = gu[keep], dn[:, :r], None if b is None else b[keep]
-        out.index_add_(0, i, form_expert(x[i], gu, dn, form, b) * w[:, None])
+        out.index_add_(0, i, expert_swiglu(x[i], gu, dn, form, b) * w[:, None])
     return out
 
 

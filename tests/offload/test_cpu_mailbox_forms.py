@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from strata.kernels.cpu import experts as ce
-from strata.kernels.cpu.expert_args import form_expert
-from strata.kernels.experts import PLAIN_SWIGLU, SwiGLUForm, group_by_expert
+from strata.kernels.experts import PLAIN_SWIGLU, SwiGLUForm, expert_swiglu, group_by_expert
 
 needs_kernel = pytest.mark.skipif(ce.backend() == "torch", reason="needs the compiled CPU expert kernel")
 
@@ -65,7 +64,7 @@ def test_worker_computes_each_layers_form_and_bias_as_the_host_path_does():
                 ref = torch.zeros(n, H)
                 for e, sel in cold:
                     b = None if bias is None else bias[e].float()
-                    y = form_expert(x[sel // K], gu[e].float(), dn[e].float(), forms[layer], b)
+                    y = expert_swiglu(x[sel // K], gu[e].float(), dn[e].float(), forms[layer], b)
                     ref.index_add_(0, sel // K, y * w.reshape(-1)[sel, None])
                 err = ((out - ref).abs().max() / ref.abs().max()).item()
                 assert err <= ce.tolerance(ce.backend()), (layer, err)

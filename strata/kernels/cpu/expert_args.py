@@ -11,7 +11,7 @@ The kernel reads values and scales where they lie (a store blob, a pinned slot),
 expert of one call has the same format (`call_format`). GGUF experts: each matrix in its own block type, named by the
 blob's header (the "scales" pointers), up's rows `up_offset` bytes into gate_up; a backend reads the types of
 `GGUF_TYPES`, other types take the torch path. Any `SwiGLUForm` (strata.kernels.experts) and per-expert gate_up biases
-are the kernel's own (csrc/cpu_experts_act.h); `form_expert` is their reference math. Experts the kernel does not run
+are the kernel's own (csrc/cpu_experts_act.h); `expert_swiglu` is their reference math. Experts the kernel does not run
 take `torch_expert` (the reference, fp32) or `bf16_expert` (torch's bf16 GEMMs, prompt-sized bf16 experts).
 """
 
@@ -249,21 +249,12 @@ def as_float(m: Matrix) -> torch.Tensor:
     return m.dequantize(torch.float32) if isinstance(m, QuantMatrix) else m.float()
 
 
-def form_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, form: SwiGLUForm = PLAIN_SWIGLU,
-                bias: torch.Tensor | None = None) -> torch.Tensor:
-    """One expert's reference math: x [T, H], gate_up [2I, H], down [H, I], bias [2I] (gate_up's, in its row order) or
-    None -> down(form(x gate_up^T + bias)) [T, H] (`expert_swiglu` itself for the plain form without a bias)."""
-    if form.plain and bias is None:
-        return expert_swiglu(x, gate_up, down)
-    return F.linear(form.apply(F.linear(x, gate_up, None if bias is None else bias.to(x.dtype))), down)
-
-
 def torch_expert(x32: torch.Tensor, gate_up: Matrix, down: Matrix, idx: torch.Tensor, w: torch.Tensor,
                  out: torch.Tensor, form: SwiGLUForm = PLAIN_SWIGLU, bias: torch.Tensor | None = None) -> None:
     """The reference: fp32 math on the upcast (or dequantized) weights of one expert, added into out [N, H] (`form`,
-    `bias`: `form_expert`'s)."""
+    `bias`: `expert_swiglu`'s)."""
     idx = idx.to(torch.int64)
-    y = form_expert(x32.index_select(0, idx), as_float(gate_up), as_float(down), form, bias) * w.float()[:, None]
+    y = expert_swiglu(x32.index_select(0, idx), as_float(gate_up), as_float(down), form, bias) * w.float()[:, None]
     out.index_add_(0, idx, y)
 
 
@@ -272,7 +263,7 @@ def bf16_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx:
     """One expert's tokens by torch's bf16 GEMMs on the weights as stored (products summed in fp32; the
     activations and gate/up outputs in bf16, about the avx512_bf16 kernel's rounding), added into out [N, H]:
     several times the fp32 path's rate on upcast weights, where a prompt's tokens make an expert compute-bound.
-    `form`, `bias` [2I]: the SwiGLU form and the expert's gate_up bias, applied in fp32 (as `form_expert`)."""
+    `form`, `bias` [2I]: the SwiGLU form and the expert's gate_up bias, applied in fp32 (as `expert_swiglu`)."""
     idx = idx.to(torch.int64)
     gu = F.linear(x.index_select(0, idx).to(torch.bfloat16), gate_up)  # [T, 2I]
     if form.plain and bias is None:

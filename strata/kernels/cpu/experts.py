@@ -234,7 +234,7 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]
     `form`: the experts' SwiGLU form (strata.kernels.experts.SwiGLUForm; the plain SwiGLU by default). `gate_up_bias`: a
     layer's gate_up bias table [E, 2I] in gate_up's row order, added before the form; expert_ids[e] is weights[e]'s row
     of it (default e). Hand it fp32, contiguous and on the CPU (`expert_args.bias_table`, once) or it is converted
-    every call. The reference: `expert_args.form_expert` (the down bias is not added here: `down_bias_term`).
+    every call. The reference: `strata.kernels.experts.expert_swiglu` (the down bias is not added here: `down_bias_term`).
     """
     if x.dim() != 2 or x.device.type != "cpu":
         raise ValueError(f"x must be a [N, H] CPU tensor, got {tuple(x.shape)} on {x.device}")

@@ -3,7 +3,7 @@
 The reference is `expert_swiglu` (strata.kernels.experts) in fp32 on the same weights upcast: bf16 experts as they
 are, FP8 and MXFP4 experts dequantized (`ExpertLayout.dequantize(blob, torch.float32)`, the oracle of
 strata.kernels.quant). `tolerance(backend, kind)` bounds max |out - ref| / max |ref| over a call. The same bounds hold
-for every SwiGLU form and gate_up bias (reference `expert_args.form_expert`), with the clamps active: the form is
+for every SwiGLU form and gate_up bias (reference `strata.kernels.experts.expert_swiglu`), with the clamps active: the form is
 applied in fp32 to the same sums, and its clamps only shrink values (tests/kernels/test_cpu_expert_forms.py).
 
 bf16 experts (`TOLERANCE`): the fp32 paths (avx2, avx512) differ only by summation order (measured <= 2e-6);

@@ -10,7 +10,7 @@ torch's route for a decode step gathers each sequence's cache window (`k_cache[s
 Shapes depend only on (B, L), so the step stays CUDA-graph friendly. Scores and sums are fp32; the
 probabilities are rounded to the cache dtype before the value product, as flash attention does.
 
-Options, each a constexpr (a build of its own; the plain build compiles as it did without them):
+Options, each a constexpr (a build of its own; with both off the kernels compile to the same code as without them):
 - WINDOW (split kernel): a sliding window, keys at positions <= pos - window skipped;
 - SINKS (merge kernel): gpt-oss's attention sinks, a learned logit per query head that joins the softmax's
   denominator and takes no value. It is one more term of the merge's sum, exp(sink - m), so the splits'

@@ -3,9 +3,9 @@
 Every gate/up kernel (plain slots: strata.kernels.gpu.plain_pairs; FP8 / MXFP4: quant_pairs; GGUF: gguf_pairs)
 computes, for the intermediate rows j [BLOCK_I] of its tile, the dot products of gate_up's rows `gate_row(j)` and
 `up_row(j)` with the token, adds the expert's bias [E, 2I] at those rows, and applies the form's activation
-(`activate`), all in fp32. A form is a constexpr bit set, `FORM` (`form_code`): 0, the plain SwiGLU, compiles to the
-instructions it always did (`kernel_args` gives it no argument: the kernels' new parameters keep their None
-defaults, which Triton folds as constexprs; checked on the sm_90 PTX). The other forms take the form's limit, alpha
+(`activate`), all in fp32. A form is a constexpr bit set, `FORM` (`form_code`): 0, the plain SwiGLU, takes no
+argument (`kernel_args` passes none: the form and bias parameters keep their None defaults, which Triton folds as
+constexprs), so its build is the same code as a kernel without those parameters (checked on the sm_90 PTX). The other forms take the form's limit, alpha
 and up_offset as fp32 arguments, so each form is one build whatever its values. The bias is a second constexpr,
 `HAS_BIAS`, its pointer and row stride arguments only when on.
 
@@ -54,7 +54,7 @@ def kernel_args(form: SwiGLUForm = PLAIN_SWIGLU, gate_up_bias: torch.Tensor | No
                 expert_ids: torch.Tensor | None = None) -> dict:
     """The gate/up kernels' keyword arguments for `form` and the bias [E, 2I] (row: the pair's expert, read from
     `expert_ids` [P] where the kernel reads weights by address, else from its ids): empty for the plain form
-    without bias, so the kernel's defaults (None: constexprs) keep the plain build as it was."""
+    without bias, so the kernel's defaults (None: constexprs) give the plain build."""
     args: dict = {}
     code = form_code(form)
     if code:

@@ -113,8 +113,9 @@ class ExpertCompute(CpuCompute):
         self.prefill_keeps_resident = False  # a prompt's cold experts through the step-copy slots (runtime.*)
         self.top_k = 0
         # the experts' SwiGLU (DeepSeek-V4's clip, gpt-oss's clamped form) and, gpt-oss, each MoE layer's expert
-        # biases (a module with gate_up_proj_bias [E, 2I] and down_proj_bias [E, H], read at each call: loaded after
-        # this is made), both set by use_tiered_experts. Every path leaves the down bias out; the layer adds it once
+        # biases (a module with gate_up_proj_bias [E, 2I] and down_proj_bias [E, H]: it is loaded after this is made;
+        # the CPU's fp32 copy and the mailbox's tables are taken on first use), both set by use_tiered_experts. Every
+        # path leaves the down bias out; the layer adds it once
         self.form: SwiGLUForm = PLAIN_SWIGLU
         self.expert_biases: dict[int, torch.nn.Module] = {}
         self._cpu_biases: dict[int, torch.Tensor] = {}  # layer -> gate_up bias fp32 on the CPU (the CPU's share)

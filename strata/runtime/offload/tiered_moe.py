@@ -83,11 +83,17 @@ class TieredExperts(PrefillPath, nn.Module):
             out = self._plus_down_bias(out, ids, weights).to(x.dtype)
         return out if residual is None else residual + out
 
-    def _plus_down_bias(self, out: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """out [N, H] fp32 (the experts' weighted sum, or the CPU's share of it) plus each token's experts' down
-        biases, weighted (gpt-oss; out itself where the layer has none)."""
+    def _down_bias_term(self, ids: torch.Tensor, weights: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+        """Each token's experts' down biases, weighted: [N, H] fp32 on `device` (gpt-oss), None where the layer has
+        none."""
         bias = self.compute.down_bias(self.layer)
-        return out if bias is None else out + down_bias_term(weights, ids, bias).to(out.device)
+        return None if bias is None else down_bias_term(weights, ids, bias).to(device)
+
+    def _plus_down_bias(self, out: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """out [N, H] fp32 (the experts' weighted sum, or the CPU's share of it) plus `_down_bias_term` (out itself
+        where the layer has none)."""
+        term = self._down_bias_term(ids, weights, out.device)
+        return out if term is None else out + term
 
     def _batch_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Prefill chunks and batches too large for the pair kernels: tokens grouped by expert."""
@@ -132,9 +138,8 @@ class TieredExperts(PrefillPath, nn.Module):
                 used = pair_experts(x, c.slots, c.slot_of[self.layer], flat, y, form=form, gate_up_bias=bias)
             if resident:
                 c.count_lookups(self.layer, flat)
-                extra = None if c.plain_math else self._plus_down_bias(torch.zeros_like(x, dtype=torch.float32),
-                                                                       ids, weights)
-                return combine_pairs(y, weights, x.dtype, extra=extra, residual=residual)
+                return combine_pairs(y, weights, x.dtype, extra=self._down_bias_term(ids, weights, x.device),
+                                     residual=residual)
         else:  # no GPU tier: every pair is computed on the CPU
             used = torch.full_like(flat, -1, dtype=torch.int32)
         both = torch.stack((flat.to(torch.int32), used))  # [2, P] expert and slot used per pair
@@ -177,7 +182,9 @@ class TieredExperts(PrefillPath, nn.Module):
             c.warm_ahead.join(self.layer)  # the plan made for this layer (a capture must see every fork joined)
 
         form, bias = c.form, c.gate_up_bias(self.layer)
-        pair_bias = None if bias is None else bias[flat.long()]  # [P, 2I]: pair p's row p (pairs run by index)
+        # [P, 2I]: pair p's row p, for the resident pairs' kernel (it runs pairs by index; the in-place one reads bias
+        # by expert id)
+        pair_bias = None if bias is None or not hot else bias[flat.long()]
 
         def gpu_work(addr, rows) -> None:  # enqueued once the worker has been posted the layer
             main = torch.cuda.current_stream(x.device)

@@ -82,10 +82,6 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
     compute = expert_tiers(store, budgets, device, device_tier, cfg)
     compute.grouped_prefill = grouped_on(cfg.debug.grouped_prefill, device)
     compute.prefill_keeps_resident = cfg.runtime.prefill_keeps_resident
-    if checkpoint.config.deepseek_v4 is not None:  # clipped SwiGLU experts: the reference math, no compiled kernel
-        compute.swiglu_limit = checkpoint.config.deepseek_v4.swiglu_limit
-    if checkpoint.config.gpt_oss is not None:  # biased, clamped SwiGLU experts: the reference math (each layer's math
-        compute.expert_math = {}  # set with its biases by use_tiered_experts)
     manager = compute.manager
     prepare_cpu_experts([compute])
     model = load_model(checkpoint, dtype, device, progress=progress,

@@ -5,8 +5,8 @@
 //   gate_j = min(gate_j, limit); up_j = clamp(up_j, -limit, limit)        (limit +inf: neither)
 //   h_j = (up_j + up_offset) * gate_j * sigmoid(alpha * gate_j)
 //
-// The plain form (silu(gate) * up, gate rows first, no bias) keeps the kernel's own activation (silu_mul), so plain
-// results are the bits they were before forms existed; the rest take `swiglu_form`. Either is chosen once an
+// The plain form (silu(gate) * up, gate rows first, no bias) takes the kernel's own activation (silu_mul): plain
+// experts' bits do not depend on the form machinery; the rest take `swiglu_form`. Either is chosen once an
 // intermediate row and token tile, after its dot products (cpu_experts_kernel.h's `activate`), never inside them.
 // A split expert's CPU part is its first I of ld intermediate rows: the form is per row, so it splits the same way.
 // The down bias is not the kernel's: strata.kernels.experts.down_bias_term adds it once outside.

@@ -47,12 +47,12 @@ def compress_decode(comp: Compressor, state: CompressedState, batch: DecodeBatch
     state.src_kv[slots, pos % ring] = kv
     state.src_gate[slots, pos % ring] = gate
     e = pos // m  # [B] the window each token is in
-    j = torch.arange(m, device=pos.device)
     if not comp.overlap:  # HCA: ring row j holds window e's position e*m + j (R = m), once it is written
         win_kv = state.src_kv[slots]  # [B, m, d]
         g = state.src_gate[slots] + comp.position_bias  # [B, m, d] fp32 (the bias by position in the window)
         weights = g.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
     else:  # CSA: R = 2m; window w's rows are ring rows (w % 2) * m + j; window e - 1's first half, window e's second
+        j = torch.arange(m, device=pos.device)
         rows = torch.cat([((e + 1) % 2)[:, None] * m + j, (e % 2)[:, None] * m + j], dim=1)  # [B, 2m]
         src_kv = state.src_kv[slots[:, None], rows]  # [B, 2m, 2d]
         src_g = state.src_gate[slots[:, None], rows] + comp.position_bias.repeat(2, 1)  # [B, 2m, 2d] fp32

@@ -9,7 +9,7 @@ their scores renormalised to sum 1, times `routed_scaling_factor`. Which experts
               table is a table object, loaded checked into its tier, see strata.runtime.model.deepseek_v4.tables)
 
 The block subclasses `MoEBlock`, so the tiered executor swaps its `Experts` for tier-served ones like any MoE
-layer's; the clip travels with them (`swiglu_limit`).
+layer's, which compute the clipped form (`ExpertCompute.form`) in every kernel.
 """
 
 from __future__ import annotations

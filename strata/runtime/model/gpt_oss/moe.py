@@ -76,15 +76,14 @@ class BiasedSwiGLU:
     def __call__(self, expert: int, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor) -> torch.Tensor:
         b_gu = self.biases.gate_up_proj_bias[expert].to(x.device, x.dtype)
         b_down = self.biases.down_proj_bias[expert].to(x.device, x.dtype)
-        gu = F.linear(x, gate_up, b_gu)  # [T, 2I]
-        gate, up = gu[:, 0::2].clamp(max=self.limit), gu[:, 1::2].clamp(min=-self.limit, max=self.limit)
-        return F.linear((up + 1) * (gate * torch.sigmoid(gate * self.alpha)), down, b_down)
+        return F.linear(self.form.apply(F.linear(x, gate_up, b_gu)), down, b_down)  # [T, 2I] -> [T, I] -> [T, H]
 
 
 class GptOssExperts(Experts):
-    """All routed experts in memory (`Experts`' gate_up_proj [E, 2I, H] and down_proj [E, H, I]) through `math`,
-    ascending by expert as transformers sums them, into fp32 and rounded once to the model's dtype (the tiered path's
-    sum); on the CPU each expert's products in fp32 on its weights upcast (the tiered CPU path's reference math)."""
+    """All routed experts in memory (`Experts`' gate_up_proj [E, 2I, H] and down_proj [E, H, I]). Decode-sized
+    batches on CUDA: the pair kernels in `math`'s clamped form with the gate_up biases, the down biases added in the
+    combine. Otherwise through `math`, ascending by expert as transformers sums them, into fp32 and rounded once to
+    the model's dtype (the tiered path's sum); on the CPU each expert's products in fp32 on its weights upcast."""
 
     def __init__(self, cfg: ModelConfig, math: BiasedSwiGLU):
         super().__init__(cfg)
@@ -113,7 +112,8 @@ class GptOssExperts(Experts):
 
 class GptOssMoE(MoEBlock):
     """Router, routed experts and their dense biases: `forward(x [N, H], residual) -> [N, H]`. The tiered executor
-    swaps `experts` for tier-served ones (as any `MoEBlock`'s) and runs `expert_math` on them."""
+    swaps `experts` for tier-served ones (as any `MoEBlock`'s) and computes them in `expert_math`'s form with its
+    biases (`ExpertCompute.form`, `expert_biases`)."""
 
     def __init__(self, cfg: ModelConfig):
         nn.Module.__init__(self)
