@@ -45,7 +45,7 @@ def test_decode_batch_equals_step_batch(tmp_path):
     _, directory = build_v4_reference(tmp_path / "v4", seed=11)
     model = load_model(Checkpoint.open(directory), torch.float32, "cpu")
     s = model.cfg.deepseek_v4
-    assert model.decode_batches and model.decode_graphs
+    assert model.decode_graphs
     assert (s.sliding_window, s.rate(1), s.rate(2), s.index_topk) == (12, 4, 8, 3)
     greedy_both_ways(model, caches(model), [3, 40, 1], 32, seed=12, slots=[3, 0, 2])
 

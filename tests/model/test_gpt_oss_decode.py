@@ -4,7 +4,7 @@ its `StepBatch` path, on tiny random checkpoints (tests/gpt_oss_models.py).
 On the CPU in fp32: the torch decode attention with sinks (`attend_decode_sinks`) equals the per-sequence one
 (`attend_with_sinks`), and a model's DecodeBatch decode gives the StepBatch path's logits within 1e-4 and the same 32
 greedy tokens, for several sequences of different lengths in one batch, past the sliding window and across a
-`kv_len` bucket. The switch (`decode_batches`, `decode_graphs`) and, on CUDA (marked gpu), the engine's decode steps
+`kv_len` bucket. The switch (`decode_graphs`) and, on CUDA (marked gpu), the engine's decode steps
 running as eager DecodeBatch steps through the Triton kernel's sinks build.
 """
 
@@ -22,7 +22,6 @@ from gpt_oss_models import build_gpt_oss
 
 from reference_models import VOCAB
 from strata.runtime.model.checkpoint import Checkpoint
-from strata.runtime.model.eager import EagerTransformer
 from strata.runtime.model.gpt_oss.attention import attend_decode_sinks, attend_with_sinks
 from strata.runtime.model.graphs import DecodeGraphs
 from strata.runtime.model.kv_cache import KVCache
@@ -71,21 +70,18 @@ def test_long_decode_batch_equals_step_batch_across_buckets(tmp_path):
     assert greedy_both_ways(model, kv_caches(model), [250, 70, 5], 32, seed=14) == {256, 512}
 
 
-def test_the_switch_gives_gpt_oss_decode_graphs_and_others_none(tmp_path):
-    """gpt-oss: `enable_decode_graphs` sets up DecodeGraphs over its layers, captured as the build's mode says
-    (`decode_graphs`), never with the switch off. The shell (neither switch) keeps StepBatch decode."""
+def test_the_switch_gives_decode_graphs(tmp_path):
+    """`enable_decode_graphs` sets up DecodeGraphs over gpt-oss's layers, captured as the build's mode says
+    (`decode_graphs`), never with the switch off."""
     _, directory = build_gpt_oss(tmp_path / "oss", seed=1, layers=2)
     model = load_model(Checkpoint.open(directory), torch.float32, "cpu")
-    assert model.decode_batches and model.decode_graphs
+    assert model.decode_graphs
     model.enable_decode_graphs(lambda: "segmented")
     assert isinstance(model.graphs, DecodeGraphs) and model.graphs.mode() == "segmented"
     assert model.graphs.forward == model.run_layers
     model.decode_graphs = False
     model.enable_decode_graphs(lambda: "full")
     assert model.graphs.mode() is None
-    shell = EagerTransformer(model.cfg, torch.nn.ModuleList(), torch.nn.Identity())
-    shell.enable_decode_graphs(lambda: "full")
-    assert shell.graphs is None
 
 
 @pytest.mark.gpu

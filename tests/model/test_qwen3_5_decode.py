@@ -38,7 +38,7 @@ def test_decode_batch_equals_step_batch(tmp_path):
     """Sequences of 3, 40 and 1 tokens in slots 3, 0 and 2 of a 4-slot cache (slot 1 unused)."""
     _, directory = build_q35_reference(tmp_path / "q35", seed=11)
     model = load_model(Checkpoint.open(directory), torch.float32, "cpu")
-    assert model.decode_batches and model.decode_graphs
+    assert model.decode_graphs
     greedy_both_ways(model, caches(model), [3, 40, 1], 32, seed=12, slots=[3, 0, 2])
 
 

@@ -4,13 +4,11 @@ It holds what every such model has around its own layers: the token embedding, t
 rotary table, the layer observer, the kernel options and torch's threads for a CPU prompt pass. A model subclasses
 it, passing its layers and final norm; `run_layers` feeds each layer (x, cos, sin, batch, its cache).
 
-Two class switches say how far a model's decode steps go towards CUDA graphs:
-- `decode_batches`: its layers take a `DecodeBatch` (one token a sequence, fixed shapes over a `kv_len` bucket).
-  Then `enable_decode_graphs` (which the build calls on CUDA) sets up `DecodeGraphs`, as `MoETransformer`'s does,
-  and a CUDA decode step runs through it as a DecodeBatch: eagerly unless `decode_graphs` allows capture;
-- `decode_graphs`: those steps may be captured in CUDA graphs as the build's mode says ("full", "segmented", ...);
-  off, `DecodeGraphs` is told no mode and every step runs eagerly (its hooks are then never called).
-gpt-oss and Qwen3.5-MoE take both; a model with neither runs StepBatch decode steps eagerly.
+Its layers take a `DecodeBatch` (one token a sequence, fixed shapes over a `kv_len` bucket) as well as a
+`StepBatch`: `enable_decode_graphs` (which the build calls on CUDA) sets up `DecodeGraphs`, as `MoETransformer`'s
+does, and a CUDA decode step runs through it as a DecodeBatch. The class switch `decode_graphs` says whether those
+steps may be captured in CUDA graphs as the build's mode says ("full", "segmented", ...); off, `DecodeGraphs` is
+told no mode and every step runs eagerly (its hooks are then never called).
 """
 
 from __future__ import annotations
@@ -33,8 +31,7 @@ from strata.runtime.model.rope import RotaryEmbedding
 class EagerTransformer(nn.Module):
     """`forward(input_ids [N], batch, cache) -> hidden [N, H]`; `logits(hidden) -> [n, vocab]` fp32."""
 
-    decode_batches = False  # its layers take DecodeBatch decode steps (see the module's docstring)
-    decode_graphs = False  # those steps may be captured in CUDA graphs (only with decode_batches)
+    decode_graphs = True  # its DecodeBatch decode steps may be captured in CUDA graphs (see the module's docstring)
 
     def __init__(self, cfg: ModelConfig, layers: nn.ModuleList, norm: nn.Module):
         super().__init__()
@@ -58,7 +55,7 @@ class EagerTransformer(nn.Module):
             return self.run_layers(input_ids, batch, cache)
 
     def run_layers(self, input_ids: torch.Tensor, batch: StepBatch | DecodeBatch, cache) -> torch.Tensor:
-        """input_ids [N] -> final hidden states [N, H] (a DecodeBatch only where `decode_batches`)."""
+        """input_ids [N] -> final hidden states [N, H] (a StepBatch, or a DecodeBatch of one token a sequence)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary(batch.positions(input_ids.device), x.dtype)
         for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers, strict=True)):
@@ -77,10 +74,6 @@ class EagerTransformer(nn.Module):
 
     def enable_decode_graphs(self, mode: Callable[[], str | None] = lambda: "full",
                              devices: list[torch.device] | None = None, hooks: GraphStepHooks | None = None) -> None:
-        """`MoETransformer.enable_decode_graphs`'s arguments (CUDA only). A model whose layers take DecodeBatch steps
-        (`decode_batches`) runs its decode steps through `DecodeGraphs`: captured as `mode()` says where
-        `decode_graphs`, else eagerly whatever `mode` says. Any other model runs StepBatch decode steps."""
-        if not self.decode_batches:
-            self.graphs = None
-            return
+        """`MoETransformer.enable_decode_graphs`'s arguments (CUDA only): decode steps run through `DecodeGraphs` as
+        DecodeBatch steps, captured as `mode()` says where `decode_graphs`, else eagerly whatever `mode` says."""
         self.graphs = DecodeGraphs(self.run_layers, mode if self.decode_graphs else lambda: None, devices, hooks)

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.kernels.experts import moe_forward
+from strata.kernels.experts import PLAIN_SWIGLU, SwiGLUForm, moe_forward
 from strata.kernels.gpu import decode_router
 from strata.kernels.gpu.grouped import SlotWeights, combine_pairs, pair_experts, use_pair_kernels
 from strata.kernels.gpu.grouped_gemm import grouped_experts, grouped_ok, refuse
@@ -96,6 +96,17 @@ class Experts(nn.Module):
             self._slot_of = torch.arange(self.gate_up_proj.shape[0], dtype=torch.int32, device=device)
         return self._slot_of
 
+    def pair_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None,
+                     form: SwiGLUForm = PLAIN_SWIGLU, gate_up_bias: torch.Tensor | None = None,
+                     extra: torch.Tensor | None = None) -> torch.Tensor:
+        """A decode-sized batch on CUDA through the pair kernels, every expert its own slot: x [N, H], ids and
+        weights [N, k] -> [N, H] in x's dtype (the pairs' fp32 outputs [N k, H] combined, plus `extra` [N, H] fp32
+        and `residual`), the SwiGLU in `form` with `gate_up_bias` [E, 2I]. No host sync."""
+        y = torch.empty((ids.numel(), x.shape[1]), dtype=torch.float32, device=x.device)
+        pair_experts(x, SlotWeights(self.gate_up_proj, self.down_proj), self._identity(x.device), ids.reshape(-1), y,
+                     form=form, gate_up_bias=gate_up_bias)
+        return combine_pairs(y, weights, x.dtype, extra=extra, residual=residual)
+
     def decode_slots(self, x: torch.Tensor) -> torch.Tensor | None:
         """The expert -> slot table [E] int32 the router should look each pair up in for this step (None: no
         lookup wanted; a tiered layer's one-graph decode wants one)."""
@@ -110,9 +121,7 @@ class Experts(nn.Module):
         """x [N, H], ids and weights [N, k] -> the routed experts' sum [N, H], plus `residual` if given (the
         decode path adds it in its combine launch). `used`: the router's slot lookup (unused here)."""
         if use_pair_kernels(x, ids.numel()):  # decode: one launch per projection, no host sync
-            y = torch.empty((ids.numel(), x.shape[1]), dtype=torch.float32, device=x.device)
-            pair_experts(x, SlotWeights(self.gate_up_proj, self.down_proj), self._identity(x.device), ids.reshape(-1), y)
-            return combine_pairs(y, weights, x.dtype, residual=residual)
+            return self.pair_forward(x, ids, weights, residual)
         out = None
         if self.grouped and grouped_ok(x, sw := SlotWeights(self.gate_up_proj, self.down_proj)):
             try:

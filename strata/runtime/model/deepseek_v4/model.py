@@ -64,9 +64,8 @@ class DeepseekV4Transformer(nn.Module):
     """`forward(input_ids [N], batch, cache) -> hidden [N, H]`; `logits(hidden) -> [n, vocab]` fp32. Decode steps
     on CUDA run as DecodeBatch steps, captured in CUDA graphs as the build says."""
 
-    # `EagerTransformer`'s switches (strata.runtime.model.eager): every layer takes a DecodeBatch, and those steps may
-    # be captured (hash routing reads its table on the device, in-memory experts run the pair kernels on CUDA)
-    decode_batches = True
+    # `EagerTransformer`'s switch (strata.runtime.model.eager): its DecodeBatch steps may be captured (hash routing
+    # reads its table on the device, in-memory experts run the pair kernels on CUDA)
     decode_graphs = True
 
     def __init__(self, cfg: ModelConfig):
@@ -120,9 +119,6 @@ class DeepseekV4Transformer(nn.Module):
                              devices: list[torch.device] | None = None, hooks: GraphStepHooks | None = None) -> None:
         """`EagerTransformer.enable_decode_graphs` (CUDA only): decode steps run through `DecodeGraphs` as
         DecodeBatch steps, captured as `mode()` says where `decode_graphs`, else eagerly."""
-        if not self.decode_batches:
-            self.graphs = None
-            return
         self.graphs = DecodeGraphs(self.run_layers, mode if self.decode_graphs else lambda: None, devices, hooks)
 
     def new_cache(self, num_slots: int, max_len: int, dtype: torch.dtype, device: torch.device | str

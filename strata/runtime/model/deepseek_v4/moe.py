@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.kernels.experts import SwiGLUForm, apply_experts, group_by_expert
-from strata.kernels.gpu.grouped import SlotWeights, combine_pairs, pair_experts, use_pair_kernels
+from strata.kernels.gpu.grouped import use_pair_kernels
 from strata.runtime.model.config import ModelConfig
 from strata.runtime.model.layers import linear, project
 from strata.runtime.model.moe import Experts, MoEBlock
@@ -110,11 +110,8 @@ class ClippedExperts(Experts):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None = None,
                 used: torch.Tensor | None = None) -> torch.Tensor:
-        if use_pair_kernels(x, ids.numel()):  # one launch per projection, [P = N * k, H] fp32 rows
-            y = torch.empty((ids.numel(), x.shape[1]), dtype=torch.float32, device=x.device)
-            pair_experts(x, SlotWeights(self.gate_up_proj, self.down_proj), self._identity(x.device), ids.reshape(-1),
-                         y, form=self.form)
-            return combine_pairs(y, weights, x.dtype, residual=residual)
+        if use_pair_kernels(x, ids.numel()):  # decode on CUDA: the pair kernels in the clipped form, no host sync
+            return self.pair_forward(x, ids, weights, residual, form=self.form)
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # sums in fp32 (the tiered path's too)
         groups = group_by_expert(ids, self.gate_up_proj.shape[0])
         gu, dn = self.gate_up_proj, self.down_proj

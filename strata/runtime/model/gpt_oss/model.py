@@ -50,9 +50,6 @@ class GptOssTransformer(EagerTransformer):
     """`forward(input_ids [N], batch, cache) -> hidden [N, H]`; `logits(hidden) -> [n, vocab]` fp32. Decode steps
     on CUDA run as DecodeBatch steps, captured in CUDA graphs as the build says."""
 
-    decode_batches = True  # every layer takes a DecodeBatch: attention with sinks over the kv_len bucket
-    decode_graphs = True  # captured as the build says: the experts run the pair kernels in their clamped form
-
     def __init__(self, cfg: ModelConfig):
         super().__init__(cfg, nn.ModuleList(GptOssLayer(cfg, i) for i in range(cfg.num_layers)),
                          FloatRMSNorm(cfg.hidden_size, cfg.rms_norm_eps))

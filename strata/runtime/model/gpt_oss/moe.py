@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.kernels.experts import SwiGLUForm, apply_experts, down_bias_term, group_by_expert
-from strata.kernels.gpu.grouped import SlotWeights, combine_pairs, pair_experts, use_pair_kernels
+from strata.kernels.gpu.grouped import use_pair_kernels
 from strata.runtime.model.config import ModelConfig
 from strata.runtime.model.layers import linear
 from strata.runtime.model.moe import Experts, MoEBlock
@@ -93,11 +93,9 @@ class GptOssExperts(Experts):
                 used: torch.Tensor | None = None) -> torch.Tensor:
         biases = self.math.biases
         if use_pair_kernels(x, ids.numel()):  # decode on CUDA: the pair kernels in the clamped form, no host sync
-            y = torch.empty((ids.numel(), x.shape[1]), dtype=torch.float32, device=x.device)  # [P, H]
-            pair_experts(x, SlotWeights(self.gate_up_proj, self.down_proj), self._identity(x.device), ids.reshape(-1),
-                         y, form=self.math.form, gate_up_bias=biases.gate_up_proj_bias)
-            extra = down_bias_term(weights, ids, biases.down_proj_bias)  # [N, H] fp32
-            return combine_pairs(y, weights, x.dtype, extra=extra, residual=residual)
+            return self.pair_forward(x, ids, weights, residual, form=self.math.form,
+                                     gate_up_bias=biases.gate_up_proj_bias,
+                                     extra=down_bias_term(weights, ids, biases.down_proj_bias))
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         groups = group_by_expert(ids, self.gate_up_proj.shape[0])
         gu, dn = self.gate_up_proj, self.down_proj

@@ -57,8 +57,6 @@ class Qwen35Transformer(EagerTransformer):
     """`forward(input_ids [N], batch, cache) -> hidden [N, H]`; `logits(hidden) -> [n, vocab]` fp32. Decode steps
     on CUDA run as DecodeBatch steps, captured in CUDA graphs as the build says."""
 
-    decode_batches = True  # every layer takes a DecodeBatch (the linear layers' states gathered by slot)
-    decode_graphs = True
     reuses_prefixes = False  # its cache holds a recurrent state, not rows per position (the scheduler's prefix cache)
 
     def __init__(self, cfg: ModelConfig):
