@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import array
 import functools
+from collections.abc import Mapping
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -273,3 +275,29 @@ def bf16_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx:
         h = form.apply(gu.float() if bias is None else gu.float() + bias.float()).to(torch.bfloat16)
     y = F.linear(h, down).float() * w.float()[:, None]
     out.index_add_(0, idx, y)
+
+
+def mailbox_forms(layers: list[int], form: SwiGLUForm | Mapping[int, SwiGLUForm],
+                  gate_up_bias: Mapping[int, torch.Tensor] | None, inter: int, experts: int
+                  ) -> tuple[np.ndarray | None, np.ndarray | None, list[torch.Tensor | None]]:
+    """The mailbox worker's per-layer SwiGLU forms and biases, for its `layers` in order: `form` (one for all, or
+    one a layer) as float64 [layers, 4] (`form_args`; None: every one plain), each layer's gate_up bias [E, 2I] as
+    an fp32 host table (`bias_table`) and their addresses int64 [layers] (None: no layer has one). The tables are
+    returned too: the caller holds them while the worker reads them."""
+    forms = [form.get(layer, None) if isinstance(form, Mapping) else form for layer in layers]
+    missing = [layer for layer, f in zip(layers, forms, strict=True) if f is None]
+    if missing:
+        raise ValueError(f"no SwiGLU form for the mailbox's layers {missing}")
+    acts = None
+    if not all(f.plain for f in forms):
+        plain = [float("inf"), 1.0, 0.0, 0.0]  # csrc/cpu_experts_act.h's plain form
+        acts = np.array([list(form_args(f) or plain) for f in forms], dtype=np.float64)
+    tables = [bias_table(gate_up_bias[layer], inter) if gate_up_bias and layer in gate_up_bias else None
+              for layer in layers]
+    for layer, t in zip(layers, tables, strict=True):
+        if t is not None and t.shape[0] != experts:
+            raise ValueError(f"layer {layer}'s gate_up_bias has {t.shape[0]} rows for {experts} experts")
+    biases = None
+    if any(t is not None for t in tables):
+        biases = np.array([0 if t is None else t.data_ptr() for t in tables], dtype=np.int64)
+    return acts, biases, tables

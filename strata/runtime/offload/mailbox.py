@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
+from strata.kernels.cpu.expert_args import mailbox_forms
 from strata.kernels.experts import PLAIN_SWIGLU, SwiGLUForm
 from strata.kernels.gpu import mailbox_pack
 from strata.runtime.offload.mailbox_clock import WorkerClock
@@ -82,7 +83,8 @@ class CpuMailbox(WorkerClock):
         self.threads = threads  # the worker's kernel threads
         self.max_pairs = max_tokens * top_k
         self.device = device
-        acts, biases, tables = self._forms(form, gate_up_bias, inter, addresses.shape[1])  # (checked before allocating)
+        # (checked before allocating)
+        acts, biases, tables = mailbox_forms(self.layers, form, gate_up_bias, inter, addresses.shape[1])
         self.out_off = _up(HEADER + inbox_layout(max_tokens, top_k, hidden)[1], 64)
         box_bytes = _up(self.out_off + 4 * max_tokens * hidden, 4096)
         self.pool = PinnedPool(box_bytes, len(self.layers), pin=device.type == "cuda", background=False)
@@ -136,29 +138,6 @@ class CpuMailbox(WorkerClock):
         self.direct = device.type == "cuda" and mailbox_pack.triton is not None
         self._direct_checked = False
         self._counts = torch.zeros(len(self.layers), dtype=torch.int32, device=device)  # the pack's programs done
-
-    def _forms(self, form, gate_up_bias, inter: int, experts: int) -> tuple[np.ndarray | None, np.ndarray | None, list]:
-        """The worker's per-box SwiGLU forms (float64 [boxes, 4] or None: every one plain), gate_up bias tables' addresses
-        (int64 [boxes] or None) and the fp32 host tables they point into (held while the worker runs)."""
-        from strata.kernels.cpu.expert_args import bias_table, form_args
-
-        forms = [form.get(layer, None) if isinstance(form, Mapping) else form for layer in self.layers]
-        missing = [layer for layer, f in zip(self.layers, forms, strict=True) if f is None]
-        if missing:
-            raise ValueError(f"no SwiGLU form for the mailbox's layers {missing}")
-        acts = None
-        if not all(f.plain for f in forms):
-            plain = [float("inf"), 1.0, 0.0, 0.0]  # csrc/cpu_experts_act.h's plain form
-            acts = np.array([list(form_args(f) or plain) for f in forms], dtype=np.float64)
-        tables = [bias_table(gate_up_bias[layer], inter) if gate_up_bias and layer in gate_up_bias else None
-                  for layer in self.layers]
-        for layer, t in zip(self.layers, tables, strict=True):
-            if t is not None and t.shape[0] != experts:
-                raise ValueError(f"layer {layer}'s gate_up_bias has {t.shape[0]} rows for {experts} experts")
-        biases = None
-        if any(t is not None for t in tables):
-            biases = np.array([0 if t is None else t.data_ptr() for t in tables], dtype=np.int64)
-        return acts, biases, tables
 
     # ---- the device side: ops a decode graph captures -------------------------------------------------
     def begin_step(self, early: bool = False) -> None:
