@@ -43,6 +43,36 @@ def test_pair_kernels_equal_grouped_experts():
     torch.testing.assert_close(combine_pairs(y, w, torch.float32), moe_forward(x, gu, dn, ids, w), rtol=1e-4, atol=1e-4)  # fp32 sums
 
 
+@pytest.mark.parametrize("form", ["plain", "gpt_oss"])
+def test_in_memory_pair_forward_equals_the_reference(form):
+    """`Experts.pair_forward` (in-memory experts' decode path on CUDA; here the pair kernels' torch fallback) passes
+    its form, gate_up biases and extra term through: the experts' sum in gpt-oss's clamped, interleaved form with
+    per-expert biases plus the extra and the residual equals `apply_experts`' reference math, and the plain call
+    equals `moe_forward`."""
+    from types import SimpleNamespace
+
+    from strata.kernels.experts import SwiGLUForm, apply_experts, group_by_expert
+    from strata.runtime.model.moe import Experts
+
+    gu, dn = _random_experts()
+    experts = Experts(SimpleNamespace(num_experts=gu.shape[0], moe_intermediate_size=dn.shape[2],
+                                      hidden_size=dn.shape[1]))
+    experts.gate_up_proj.data, experts.down_proj.data = gu, dn
+    g = torch.Generator().manual_seed(2)
+    x, residual = torch.randn(4, 32, generator=g), torch.randn(4, 32, generator=g)
+    ids, w = _routes(4, 6, 3)
+    if form == "plain":
+        got = experts.pair_forward(x, ids, w, residual)
+        torch.testing.assert_close(got, moe_forward(x, gu, dn, ids, w) + residual, rtol=1e-4, atol=1e-4)
+        return
+    shape = SwiGLUForm(limit=0.5, alpha=1.702, up_offset=1.0, interleaved=True)
+    bias, extra = torch.randn(6, gu.shape[1], generator=g), torch.randn(4, 32, generator=g)
+    got = experts.pair_forward(x, ids, w, residual, form=shape, gate_up_bias=bias, extra=extra)
+    want = apply_experts(x, w, 3, group_by_expert(ids, 6), lambda e: (gu[e], dn[e]), form=shape, gate_up_bias=bias)
+    torch.testing.assert_close(got, want + extra + residual, rtol=1e-4, atol=1e-4)
+    assert (moe_forward(x, gu, dn, ids, w) - want).abs().max() > 1e-2  # the form and biases matter here
+
+
 def test_pair_kernels_read_a_slab_and_skip_what_is_not_resident():
     gu, dn = _random_experts()
     h, i, size = 32, 16, 4
