@@ -1,9 +1,10 @@
 """One stream's decode rate of a demo architecture, its decode steps captured in CUDA graphs against the same steps
 run eagerly, with every expert in memory and tiered (a GPU budget of a fraction of the experts' bytes).
 
-    python -m bench.arch_decode --arch gpt_oss --size small --out DIR [--budget 0.25] [--tokens 128]
+    python -m bench.arch_decode --arch gpt_oss --size small --out DIR [--budget 0.25] [--tokens 128] [--experts F]
 
-Writes the demo model (`strata demo-model --arch ARCH --size SIZE`) under DIR, then for each placement
+Writes the demo model (`strata demo-model --arch ARCH --size SIZE`, its experts as the release ships them: MXFP4 for
+gpt-oss, bf16 for the others; `--experts` another format) under DIR, then for each placement
 (memory, tiered) and graph mode (captured, eager) loads an engine, warms it with one short generation and times
 the decode phase of a 128-token prompt (`bench.decode_timing`: prefill apart, sampling at temperature 1, seeded,
 EOS ignored). The cases alternate over `--repeat` rounds; each case's median is kept. Writes DIR/arch_decode.json.
@@ -67,7 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", required=True)
     p.add_argument("--commit", default=None)
+    p.add_argument("--experts", default=None, help="the demo's expert format (default: the release's)")
     args = p.parse_args(argv)
+    experts = args.experts or ("mxfp4" if args.arch == "gpt_oss" else "bf16")
 
     import torch
 
@@ -77,8 +80,8 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model_dir = write_demo_model(out / f"{args.arch}-{args.size}", args.size, args.layers, arch=args.arch,
-                                 progress=False)
+    model_dir = write_demo_model(out / f"{args.arch}-{args.size}-{experts}", args.size, args.layers, arch=args.arch,
+                                 experts=experts, progress=False)
     planned = plan_for(model_dir, StrataConfig())
     expert_bytes = planned.expert_bytes * planned.experts_per_layer * planned.moe_layers
     budget = int(args.budget * expert_bytes)
@@ -92,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     load["end"] = os.getloadavg()
     median = {k: statistics.median(r["tok_s"] for r in rs) for k, rs in runs.items()}
     result = {
-        "bench": "arch_decode", "arch": args.arch, "size": args.size, "commit": args.commit or _commit(),
+        "bench": "arch_decode", "arch": args.arch, "size": args.size, "experts": experts, "commit": args.commit or _commit(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": args.device,
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
         "machine": platform.processor() or platform.machine(), "load_avg": load, "budget_fraction": args.budget,
