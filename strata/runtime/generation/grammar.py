@@ -135,13 +135,17 @@ class GrammarMatcher:
         self.grammar = grammar
         self._matcher = xgr.GrammarMatcher(grammar.compiled)
         self._bitmask = xgr.allocate_token_bitmask(1, grammar.vocab_size)  # int32 [1, ceil(V/32)] on the CPU
+        # numpy views made once: a step's host work is a few microseconds a row, of which making views was half
+        self._bits = self._bitmask.numpy()[0]
+        self._plain, self._non_stop = grammar.plain.numpy(), grammar.non_stop.numpy()
+        self._scratch = np.empty_like(self._bits)
         self.done = False  # complete: nothing but a stop token may follow
         self._fill()
 
     @property
     def bitmask(self) -> np.ndarray:
         """int32 [ceil(V/32)]: bit t % 32 of word t // 32 set where token t may come next (a view, not a copy)."""
-        return self._bitmask.numpy()[0]
+        return self._bits
 
     def advance(self, token: int) -> bool:
         """Take `token` (sampled under its mask); False when the grammar refuses it (the sequence cannot go on)."""
@@ -156,12 +160,11 @@ class GrammarMatcher:
             self.done = True
             return
         self._matcher.fill_next_token_bitmask(self._bitmask)
-        bits = self.bitmask
         # xgrammar lets a JSON string hold raw control characters (U+0000-U+001F but CR and LF), which JSON
         # forbids (RFC 8259: they are escaped); no token that holds one is taken (no other place needs one: the
         # JSON has no free whitespace)
-        bits &= self.grammar.plain.numpy()
-        self.done = not (bits & self.grammar.non_stop.numpy()).any()
+        np.bitwise_and(self._bits, self._plain, out=self._bits)
+        self.done = not np.bitwise_and(self._bits, self._non_stop, out=self._scratch).any()
 
 
 class GrammarBatch:
