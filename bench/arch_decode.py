@@ -95,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     load["end"] = os.getloadavg()
     median = {k: statistics.median(r["tok_s"] for r in rs) for k, rs in runs.items()}
     result = {
-        "bench": "arch_decode", "arch": args.arch, "size": args.size, "experts": experts, "commit": args.commit or _commit(),
+        "bench": "arch_decode", "arch": args.arch, "size": args.size, "layers": args.layers, "experts": experts,
+        "commit": args.commit or _commit(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "device": args.device,
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
         "machine": platform.processor() or platform.machine(), "load_avg": load, "budget_fraction": args.budget,

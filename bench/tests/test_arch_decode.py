@@ -12,7 +12,7 @@ def test_arch_decode_writes_every_case(tmp_path):
                  "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "arch_decode.json").read_text())
     assert set(result["median_tok_s"]) == {"memory/graphs", "memory/eager", "tiered/graphs", "tiered/eager"}
-    assert result["experts"] == "mxfp4" and 0 < result["budget_bytes"] < result["expert_bytes"]
+    assert result["experts"] == "mxfp4" and result["layers"] is None and 0 < result["budget_bytes"] < result["expert_bytes"]
     for runs in result["runs"].values():
         assert [r["tokens"] for r in runs] == [24] and all(r["tok_s"] > 0 for r in runs)
     assert result["runs"]["tiered/eager"][0]["decode"].startswith("experts on CPU threads from RAM")
