@@ -137,11 +137,11 @@ FAST_PATHS: dict[str, frozenset[str]] = {
     "gpu_in_place": frozenset({"plain", "fp8", "mxfp4", "gguf"}),  # the GPU's in-place reads of pinned RAM in one-graph split decode
     "gpu_grouped": frozenset({"plain", "fp8", "mxfp4", "gguf"}),  # prefill's grouped GEMMs over GPU slots (strata.kernels.gpu.grouped_gemm)
     "cpu_kernel": frozenset({"plain", "fp8", "mxfp4", "gguf"}),  # the compiled CPU expert kernel (strata.kernels.cpu)
-    "cpu_mailbox": frozenset({"plain", "fp8", "mxfp4"}),  # one-graph decode's native CPU worker (strata.runtime.offload.mailbox)
+    "cpu_mailbox": frozenset({"plain", "fp8", "mxfp4", "gguf"}),  # one-graph decode's native CPU worker (strata.runtime.offload.mailbox)
 }
 _GGUF_KERNEL_TYPES = frozenset({"Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_0", "IQ4_XS"})
 GGUF_FAST_TYPES: dict[str, frozenset[str]] = {
-    "cpu_kernel": _GGUF_KERNEL_TYPES,
+    "cpu_kernel": _GGUF_KERNEL_TYPES, "cpu_mailbox": _GGUF_KERNEL_TYPES,
     "gpu_pairs": _GGUF_KERNEL_TYPES, "gpu_in_place": _GGUF_KERNEL_TYPES, "gpu_grouped": _GGUF_KERNEL_TYPES,
 }
 """The ggml block types a path with "gguf" reads: it reads a GGUF format only if every matrix's types are here."""

@@ -290,3 +290,77 @@ def test_the_plan_says_which_gguf_files_the_kernel_reads(tmp_path, monkeypatch):
     assert "does not read" not in " ".join(fast.notes)
     assert "dequantized one by one" in slow.decode
     assert "compiled CPU kernel does not read gguf Q4_K/Q3_K/Q6_K experts" in " ".join(slow.notes)
+
+
+def _gguf_mailbox(types, H: int, inter: int, seed: int):
+    """A mailbox worker (csrc/cpu_mailbox.cpp) over experts of GGUF `types` in one layout, for two layers: (box,
+    layout, blobs (read by address: hold them while it runs), QuantMatrix views, dequantized weights)."""
+    from strata.runtime.offload.mailbox import CpuMailbox
+
+    layout, blobs, mats, deq = gguf_experts(types, H, inter, seed=seed)
+    addr = np.array([[b.data_ptr() for b in blobs]] * 2, dtype=np.int64)
+    box = CpuMailbox([0, 1], addr, hidden=H, inter=inter, gu_bytes=0, payload=0, top_k=2, max_tokens=4, threads=2,
+                     device=torch.device("cpu"), layout=layout)
+    return box, layout, blobs, mats, deq
+
+
+MAILBOX_TYPES = [("Q4_K", "Q4_K", "Q6_K"), ("Q4_K", "Q4_K", "Q4_K"), ("Q6_K", "Q6_K", "Q6_K"),
+                 ("Q4_K", "Q4_K", "Q6_K"), ("Q4_K", "Q4_K", "Q4_K"), ("Q6_K", "Q6_K", "Q6_K")]  # Q4_K_M's mix
+
+
+@needs_kernel
+def test_the_mailbox_worker_reads_gguf_slots():
+    """The native worker of one-graph decode computes cold pairs from GGUF blobs of types mixed per expert (a
+    Q4_K_M file's), past their header, bit for bit as the kernel's call on the same experts, and counts the
+    blobs' bytes."""
+    from strata.kernels.experts import group_by_expert
+
+    H, inter, E, K = 256, 512, 6, 2
+    box, layout, blobs, mats, _ = _gguf_mailbox(MAILBOX_TYPES, H, inter, seed=3)
+    try:
+        assert box.self_test() is None
+        g = torch.Generator().manual_seed(5)
+        x = torch.randn(3, H, generator=g).to(torch.bfloat16)
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(3)])
+        w = torch.rand(3, K, generator=g)
+        slots = torch.where(ids.reshape(-1) % 3 == 0, 4, -1).to(torch.int32)  # experts 0 and 3 resident on the GPU
+        box.begin_step()
+        out = box.exchange(1, ids.reshape(-1), slots, x, w)
+        cold = [(e, sel) for e, sel in group_by_expert(ids, E) if e % 3]
+        want = ce.cpu_experts_forward(x.float(), [mats[e] for e, _ in cold], [sel // K for _, sel in cold],
+                                      [w.reshape(-1)[sel] for _, sel in cold], threads=2)
+        assert torch.equal(out, want) and want.abs().sum() > 0
+        assert box.experts_computed == len(cold)
+        assert box.kernel_rate()[0] == len(cold) * layout.payload_bytes
+    finally:
+        box.close()
+
+
+@needs_kernel
+def test_the_mailbox_worker_computes_a_gguf_experts_first_rows():
+    """A cold pair's `rows` < I (the GPU share's split, cut between down's superblocks): the worker computes gate and
+    up's first rows and down's first columns; with the rest added the two parts make the whole expert."""
+    H, inter, K = 256, 512, 2
+    box, _, blobs, _, deq = _gguf_mailbox(MAILBOX_TYPES, H, inter, seed=4)
+    try:
+        g = torch.Generator().manual_seed(7)
+        x = torch.randn(2, H, generator=g).to(torch.bfloat16).float()
+        ids = torch.tensor([[3, 5], [3, 1]])
+        w = torch.rand(2, K, generator=g)
+        slots = torch.tensor([-1, 4, -1, -1], dtype=torch.int32)  # expert 3 (both tokens) and 1 cold, 5 resident
+        cut = 256
+        rows = torch.tensor([cut, inter, cut, inter], dtype=torch.int32)  # expert 3 split at `cut`, 1 whole
+        box.begin_step()
+        out = box.exchange(1, ids.reshape(-1), slots, x, w, rows=rows)
+
+        def part(e, lo, hi):  # rows [lo, hi) of expert e on x, fp32, from the dequantized weights: [N, H]
+            gu, dn = deq[e]
+            return (F.silu(x @ gu[lo:hi].T) * (x @ gu[inter + lo : inter + hi].T)) @ dn[:, lo:hi].T
+
+        rest = w[:, :1] * part(3, cut, inter)
+        whole = w[:, :1] * part(3, 0, inter) + torch.stack([torch.zeros(H), w[1, 1] * part(1, 0, inter)[1]])
+        tol = ce.tolerance(ce.backend(kind="gguf"), "gguf")
+        assert rel_err(out + rest, whole) <= tol and rel_err(out, whole - rest) <= 2 * tol
+        assert box.experts_computed == 2
+    finally:
+        box.close()

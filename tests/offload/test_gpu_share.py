@@ -94,6 +94,22 @@ def test_row_granules_divide_the_expert(inter, rows):
     assert _share(np.ones((1, E), dtype=np.int64), 0.4, granule=row_granule(inter), inter=inter).granules == inter // rows
 
 
+@pytest.mark.parametrize("inter, block, rows", [(768, 256, 256), (1408, 256, 1408), (2048, 32, 64), (768, 1, 64)])
+def test_a_gguf_experts_cuts_fall_between_downs_blocks(inter, block, rows):
+    """A GGUF expert is cut only between down's blocks (256 values for K-quants, 32 for Q8_0): where the block does
+    not divide I, the expert is not split."""
+    from strata.kernels.gpu.grouped import HostExperts
+    from strata.kernels.quant import ExpertFormat, ExpertLayout
+    from strata.runtime.offload.gpu_share import down_block, row_granule
+
+    assert row_granule(inter, block) == rows
+    fmt = ExpertFormat("gguf", ggml=(("Q4_K",), ("Q4_K",), ("Q4_K", "Q6_K")))
+    assert down_block(HostExperts.of_layout(ExpertLayout.build(fmt, 256, 512))) == 256
+    q8 = ExpertFormat("gguf", ggml=(("Q8_0",), ("Q8_0",), ("Q8_0",)))
+    assert down_block(HostExperts.of_layout(ExpertLayout.build(q8, 256, 512))) == 32
+    assert down_block(HostExperts(torch.bfloat16, (1024, 256), (256, 512), 0)) == 1
+
+
 def test_gpu_share_balances_on_how_often_the_gpu_waited():
     from strata.runtime.offload.gpu_share import GpuShare
 

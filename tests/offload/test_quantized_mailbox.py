@@ -1,6 +1,6 @@
-"""One-graph split decode on quantized experts: the native CPU worker computing a step's cold FP8 / MXFP4 experts from
-their blobs in pinned RAM inside the step's one graph (GPU tests; `FAST_PATHS["cpu_mailbox"]` given the format, which
-it holds by default), against the host-step path on the same store."""
+"""One-graph split decode on quantized experts: the native CPU worker computing a step's cold FP8 / MXFP4 / GGUF experts
+from their blobs in pinned RAM inside the step's one graph (GPU tests; `FAST_PATHS["cpu_mailbox"]` given the format,
+which it holds by default), against the host-step path on the same store."""
 
 from __future__ import annotations
 
@@ -45,3 +45,35 @@ def test_one_graph_split_decode_on_quantized_experts_equals_host_steps(tmp_path,
         shared.generate(ids, max_tokens=2)  # the mailbox opens once placement is done
         assert shared.generate(ids, max_tokens=24).token_ids[:4] == got["host"].token_ids[:4]
         assert shared.model.graphs.mode() == "mailbox" and shared.executor.gpu_share is not None
+
+
+def test_one_graph_split_decode_on_gguf_experts_equals_host_steps(tmp_path):
+    """A GGUF file whose layers mix K-quant types as Q4_K_M does (its experts kept in their blocks), one GPU slot of
+    four experts a layer: the one-graph engine decodes in mailbox steps, its worker reading the cold blobs past their
+    header, with the host-step engine's tokens and batched decode."""
+    pytest.importorskip("gguf")
+    from decode_checks import assert_batched_decode_identical
+    from gguf_models import build_qwen3_gguf
+    from mailbox_engines import host_and_graph_engines
+
+    from strata.kernels.quant import ExpertFormat, ExpertLayout
+
+    types = [("Q4_K", "Q4_K", "Q6_K"), ("Q4_K", "Q4_K", "Q4_K")]
+    _, path = build_qwen3_gguf(tmp_path, types, seed=3)
+    slot = ExpertLayout.build(ExpertFormat("gguf", ggml=(("Q4_K",), ("Q4_K",), ("Q4_K", "Q6_K"))), 256,
+                              256).payload_bytes
+    base = {"tiers": {"gpu": {"budget": str(slot)}, "pinned": {"budget": str(64 * slot)}},
+            "policy": {"promote": False}}
+    engines = host_and_graph_engines(path, base)
+    try:
+        ids = engines["host"].tokenizer.encode("The river runs through the valley and the town")
+        got = {mode: e.generate(ids, max_tokens=24) for mode, e in engines.items()}
+        graph = engines["graph"]
+        assert graph.tiers.store.expert_format.kind == "gguf"
+        assert graph.model.graphs.mode() == "mailbox" and not graph.model.graphs.failed
+        assert got["graph"].token_ids == got["host"].token_ids
+        assert graph.executor.mailbox.experts_computed > 0
+        assert_batched_decode_identical(engines["host"], graph, steps=12)
+    finally:
+        for e in engines.values():
+            e.close()

@@ -43,7 +43,7 @@ class GpuShare:
             raise ValueError(f"the GPU share's wait target must lie in (0, 1), got {self.wait_target}")
         self.gpu_rate = gpu_rate  # bytes/s the pair kernels read pinned RAM in place at, beside the CPU kernel
         self.inter = experts.down_shape[1]  # I: an expert's intermediate rows
-        granule = granule or row_granule(self.inter)
+        granule = granule or row_granule(self.inter, down_block(experts))
         self.rows = granule if self.inter % granule == 0 else self.inter  # rows a granule
         self.granules = self.inter // self.rows  # G granules an expert
         self.value = self.target = min(self.MAX, max(0.0, share))
@@ -89,8 +89,24 @@ class GpuShare:
             self.share.copy_(new, non_blocking=True)
 
 
-def row_granule(inter: int) -> int:
+def row_granule(inter: int, block: int = 1) -> int:
     """Rows of the granules a split expert is cut in: 64 where they divide I into 4 or more (whole cache lines
     of each down row on each side: 128 bytes of bf16), else the largest of 32, 16, 8 that does (small test
-    models), else I (no split)."""
-    return next((g for g in (64, 32, 16, 8) if inter % g == 0 and inter // g >= 4), inter)
+    models), else I (no split). `block`: the values of a block of down's rows (GGUF's 256 or 32), which a cut
+    may not fall inside (the CPU kernel would read a cut block's values one by one): then the block where it
+    divides I, else I."""
+    granule = next((g for g in (64, 32, 16, 8) if inter % g == 0 and inter // g >= 4), inter)
+    if granule % block:
+        granule = block if inter % block == 0 else inter
+    return granule
+
+
+def down_block(experts) -> int:
+    """The values of a block of down's rows that a cut must respect: the widest GGUF block of down's types; 1
+    for the other formats (their kernels cut anywhere)."""
+    layout = getattr(experts, "layout", None)
+    if layout is None or layout.fmt.kind != "gguf":
+        return 1
+    from strata.kernels.gguf_blocks import BLOCK_TYPES
+
+    return max(BLOCK_TYPES[t].block_values for t in layout.fmt.ggml[2])

@@ -63,8 +63,9 @@ class CpuMailbox(WorkerClock):
     addresses [num_layers, E] int64: each expert's gate_up block in page-locked RAM (down follows at
     `gu_bytes`); the worker reads experts through it, so it must stay valid (`all_pinned`) while open.
     `cpu_kernel`: the CPU kernel's instruction set ("auto", or one of `cpu_experts.BACKENDS` but "torch").
-    `layout`: the experts' blob layout (the store's), for FP8 and MXFP4 experts, which the worker reads as stored:
-    their values, scales and bytes come from it (gu_bytes and payload are then its own); None: bf16 blobs.
+    `layout`: the experts' blob layout (the store's), for FP8, MXFP4 and GGUF experts, which the worker reads as
+    stored: their values, scales (GGUF: type ids) and bytes come from it (gu_bytes and payload are then its own);
+    None: bf16 blobs.
     `form`: the experts' SwiGLU form (strata.kernels.experts.SwiGLUForm), one for every layer or one per layer (a
     mapping of every served layer); `gate_up_bias`: each layer's gate_up bias table [E, 2I] (a mapping; layers not in
     it have none), converted once here to fp32 host memory where it is not so already, which the worker reads
@@ -77,7 +78,7 @@ class CpuMailbox(WorkerClock):
                  form: SwiGLUForm | Mapping[int, SwiGLUForm] = PLAIN_SWIGLU,
                  gate_up_bias: Mapping[int, torch.Tensor] | None = None):
         from strata.kernels.cpu import experts as ce
-        from strata.kernels.cpu.expert_args import format_args
+        from strata.kernels.cpu.expert_args import format_args, layout_up_offset
 
         self.layers, self.hidden, self.inter, self.top_k, self.max_tokens = list(layers), hidden, inter, top_k, max_tokens
         self.threads = threads  # the worker's kernel threads
@@ -105,11 +106,14 @@ class CpuMailbox(WorkerClock):
         self.counters = np.zeros(16, dtype=np.int64)
         self._log_tail = 0
         self.log_lost = 0
-        # the experts' format: csrc/cpu_mailbox.cpp's cfg [12:17] (format code, fp8 block, offsets of the scales)
-        fmt = [0, 1, 1, 0, 0]
+        # the experts' format: csrc/cpu_mailbox.cpp's cfg [12:19] (format code, fp8 block or GGUF's up offset, the
+        # offsets of the scales and of gate_up's values, a gate and an up row's bytes)
+        fmt = [0, 1, 1, 0, 0, 0, 4 * hidden]
         if layout is not None and layout.fmt.quantized:
             gu_bytes, payload = layout.down.offset, layout.payload_bytes
-            fmt = [*format_args(layout.fmt), layout.gate_up_scales.offset, layout.down_scales.offset]
+            up = layout_up_offset(layout.fmt, hidden, inter) if layout.fmt.kind == "gguf" else 0
+            fmt = [*format_args(layout.fmt, up), layout.gate_up_scales.offset, layout.down_scales.offset,
+                   layout.gate_up.offset, layout.gate_up.nbytes // inter]
         kind = layout.fmt.kind if layout is not None else "plain"
         cfg = np.array([hidden, addresses.shape[1], inter, gu_bytes, self.out_off, payload, self.max_pairs,
                         ce.isa_code(cpu_kernel, kind), threads, SPIN_NS, len(self.layers), log_entries, *fmt],

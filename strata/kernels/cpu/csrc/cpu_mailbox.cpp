@@ -96,8 +96,9 @@ struct Mailbox {
     int64_t H = 0, E = 0, I = 0, gu_bytes = 0, out_off = 0, payload = 0, max_pairs = 0;
     const int64_t* addr = nullptr;  // [layers * E] expert gate_up addresses
     int64_t fmt[3] = {0, 1, 1};     // the experts' format (csrc/cpu_experts_formats.h's FMT_*) and fp8's block
-    int64_t gus_off = 0, dns_off = 0;  // FP8, MXFP4: where gate_up's and down's scales start in a slot
-    int64_t pair_bytes = 0;         // a gate row and an up row's values (bf16 4 H, FP8 2 H, MXFP4 H)
+    int64_t gus_off = 0, dns_off = 0;  // where gate_up's and down's scales start in a slot (GGUF: their type ids)
+    int64_t gu_off = 0;             // where gate_up's values start in a slot (GGUF: past the header; else 0)
+    int64_t pair_bytes = 0;         // a gate row and an up row's values (bf16 4 H, FP8 2 H, MXFP4 H, GGUF its widest)
     std::vector<double> acts;       // [n_boxes, 4] each box's SwiGLU form (strata_cpu_experts_act's act); empty: plain
     std::vector<int64_t> biases;    // [n_boxes] each box's gate_up bias table, fp32 [E, 2I] (0: none); empty: none
     int isa = 0, threads = 1;
@@ -190,13 +191,13 @@ struct Mailbox {
                 status = -4;
                 break;
             }
-            meta.insert(meta.end(), {base, base + gu_bytes, reinterpret_cast<int64_t>(tok.data() + j),
+            meta.insert(meta.end(), {base + gu_off, base + gu_bytes, reinterpret_cast<int64_t>(tok.data() + j),
                                      reinterpret_cast<int64_t>(wts.data() + j), int64_t(end - j), r, I});
             scales.insert(scales.end(), {base + gus_off, base + dns_off});
             bias_of.push_back(bias_table ? bias_table + int64_t(sizeof(float)) * 2 * I * e : 0);
             int64_t wr = 0;
             for (size_t q = 0; warmed && q < warm_addr.size(); ++q)
-                if (warm_addr[q] == base) wr = warm_rows[q];
+                if (warm_addr[q] == base + gu_off) wr = warm_rows[q];
             warm_of.push_back(wr);
             warm_used += pair_bytes * std::min(wr, r);
             ++groups;
@@ -287,7 +288,7 @@ struct Mailbox {
             const int64_t a = plan[1 + s];
             if (a == 0) continue;
             const int64_t r = std::min(I, left / row_bytes);
-            warm_addr.push_back(a);
+            warm_addr.push_back(a + gu_off);
             warm_rows.push_back(r);
             left -= r * row_bytes;
         }
@@ -345,7 +346,9 @@ struct Mailbox {
 }  // namespace
 
 // cfg: int64 [H, E, I, gu_bytes, out_off, payload, max_pairs, isa, threads, spin_ns, n_boxes, log_cap, format, bn, bk,
-// gus_off, dns_off] (payload: an expert's bytes in its format, for the counters; format: FMT_*, bn, bk fp8's block)
+// gus_off, dns_off, gu_off, pair_bytes] (payload: an expert's bytes in its format, for the counters; format: FMT_*,
+// bn, bk: fp8's block, GGUF's up offset; the offsets: of gate_up's scales (GGUF: the header's type ids), down's
+// scales and gate_up's values in a slot; pair_bytes: a gate row and an up row's bytes, what warm-ahead reads a row)
 // boxes: int64 [n_boxes] mailbox addresses; layers: int32 [n_boxes]; addr: int64 [layers * E];
 // log: log_cap entries of 16 + 4 * 256 bytes; counters: int64 [16]; acts (optional): double [n_boxes, 4], each box's
 // SwiGLU form (strata_cpu_experts_act's act: limit or +inf, alpha, up_offset, interleaved); biases (optional): int64
@@ -360,7 +363,7 @@ C_EXPORTED int64_t strata_mailbox_start(const int64_t* cfg, const int64_t* boxes
     const int64_t n = cfg[10];
     m->log_cap = cfg[11];
     m->fmt[0] = cfg[12], m->fmt[1] = cfg[13], m->fmt[2] = cfg[14], m->gus_off = cfg[15], m->dns_off = cfg[16];
-    m->pair_bytes = m->fmt[0] == 1 ? 2 * m->H : m->fmt[0] == 2 ? m->H : 4 * m->H;  // FMT_FP8, FMT_MXFP4, bf16
+    m->gu_off = cfg[17], m->pair_bytes = cfg[18];
     for (int64_t i = 0; i < n; ++i) {
         m->boxes.push_back(reinterpret_cast<char*>(boxes[i]));
         m->layer_of.push_back(layers[i]);
