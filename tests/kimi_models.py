@@ -101,18 +101,21 @@ def oracle_encoding(ranks: dict[bytes, int], specials: dict[str, int]):
     return tiktoken.Encoding("kimi-test", pat_str=KIMI_PAT_STR, mergeable_ranks=ranks, special_tokens=specials)
 
 
-def build_kimi(directory: Path, nested: bool, seed: int = 0):
+def build_kimi(directory: Path, nested: bool, seed: int = 0, *, fused: bool = False, long: bool = False):
     """A kimi_k2 checkpoint (config.json in Kimi K2's spelling: rope_scaling/rope_theta, scoring_func, topk_method)
     or, `nested`, a kimi_k25 one (that config under text_config beside a vision_config; the language model's tensors
-    under `language_model.`, beside a vision tower's and a projector's), with Kimi's tokenizer files. Returns
-    (transformers' DeepSeek-V3 of the same weights in fp32 eval mode, directory)."""
+    under `language_model.`, beside a vision tower's and a projector's), with Kimi's tokenizer files. Experts are
+    saved per expert, as Kimi ships them, or `fused` 3-D (`save_original_format=False`); `long` gives a context of
+    4,096 positions (YaRN's factor 8 over 512) for prompts past 2,048 tokens. Returns (transformers' DeepSeek-V3 of
+    the same weights in fp32 eval mode, directory)."""
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForCausalLM, DeepseekV3Config
 
-    yarn = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 4.0, "original_max_position_embeddings": 512,
-            "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0}
+    yarn = {"rope_type": "yarn", "rope_theta": 50000.0, "factor": 8.0 if long else 4.0,
+            "original_max_position_embeddings": 512, "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0,
+            "mscale_all_dim": 1.0}
     cfg = DeepseekV3Config(vocab_size=640, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=4, max_position_embeddings=2048, initializer_range=0.1,
+                           num_key_value_heads=4, max_position_embeddings=4096 if long else 2048, initializer_range=0.1,
                            rms_norm_eps=1e-6, bos_token_id=None, eos_token_id=None, pad_token_id=None,
                            tie_word_embeddings=False, intermediate_size=96, moe_intermediate_size=24,
                            n_routed_experts=8, num_experts_per_tok=2, n_group=1, topk_group=1, n_shared_experts=1,
@@ -126,7 +129,7 @@ def build_kimi(directory: Path, nested: bool, seed: int = 0):
         for name, buf in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buf.copy_(torch.randn_like(buf) * 0.05)
-    model.save_pretrained(directory)  # per-expert tensors, as Kimi ships them
+    model.save_pretrained(directory, save_original_format=not fused)
     _, specials = write_kimi_tokenizer(directory)
     text = json.loads((directory / "config.json").read_text())
     rope = text.pop("rope_parameters")
