@@ -5,7 +5,8 @@ log-softmax within 1e-4 and 32 greedy tokens are transformers' (decoded through 
 or checked by teacher forcing: one reference forward over prompt + generated tokens, whose argmax at every generated
 position must be the next generated token). Then 2,100 tokens prefilled in 512-token chunks, prompts chunked at
 sizes that split the scan's 64-token chunks, several sequences of different lengths sharing steps, a cancelled
-sequence's slot reused, and the routed experts through the tiers against memory.
+sequence's slot reused (cancelled mid-generation, and mid-prompt beside a decoding sequence), and the routed experts
+through the tiers against memory.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from safetensors.torch import save_file
 
 from reference_models import VOCAB, reference_greedy
 from strata import Engine
+from strata.runtime.generation.requests import GenRequest
+from strata.runtime.generation.sampler import SamplingParams
 
 ATOL = 1e-4
 
@@ -136,6 +139,32 @@ def test_batched_sequences_and_reused_slots(tmp_path):
     prompt = prompt_of(21, 10)
     tokens = engine.generate(prompt, max_tokens=16, temperature=0.0).token_ids
     assert teacher_forced(model, prompt, tokens) == tokens
+
+
+def test_a_sequence_cancelled_mid_prompt_beside_a_decoding_one(tmp_path):
+    """A long prompt cancelled while its chunks still run beside a decoding sequence: the decoding one keeps
+    transformers' greedy tokens, and the next sequence in the cancelled one's slot starts from zero states (its
+    tokens transformers' too), though that slot's linear-attention and convolution states held part of a prompt."""
+    model, directory = build_q35_reference(tmp_path / "q35", seed=9)
+    cfg = {"runtime": {"max_context": 256, "dtype": "float32", "experts": "memory", "prefill_chunk": 4},
+           "planner": {"max_batch": 2}}
+    engine = Engine.from_pretrained(directory, config=cfg, device="cpu")
+    sched = engine.scheduler()
+    sched.start()
+    long_prompt, short_prompt = prompt_of(200, 11), prompt_of(13, 12)
+    # the short one first: its prompt takes the steps' 4-token budget, then the long one's chunks share them
+    short_run, long_run = sched.submit_together([
+        GenRequest(short_prompt, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)),
+        GenRequest(long_prompt, SamplingParams(max_tokens=4, temperature=0.0))], asynchronous=False)
+    short_events = short_run.iter_events(timeout=120)
+    first = next(short_events)  # the short prompt is done; the long one has ~190 of its 200 tokens to go
+    sched.cancel(long_run)
+    cut = list(long_run.iter_events(timeout=120))
+    assert [e.token_id for e in cut if e.token_id is not None] == [] and cut[-1].finish_reason == "abort"
+    after = engine.generate(prompt_of(21, 13), max_tokens=10, temperature=0.0).token_ids  # the freed slot
+    short_tokens = [first.token_id] + [e.token_id for e in short_events if e.token_id is not None]
+    assert len(short_tokens) == 12 and teacher_forced(model, short_prompt, short_tokens) == short_tokens
+    assert teacher_forced(model, prompt_of(21, 13), after) == after
 
 
 def test_tiered_experts_equal_memory(tmp_path):
