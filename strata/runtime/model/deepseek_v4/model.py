@@ -32,7 +32,7 @@ from strata.runtime.model.deepseek_v4.rope import InterleavedRope
 from strata.runtime.model.graphs import DecodeGraphs, is_decode
 from strata.runtime.model.hooks import GraphStepHooks, LayerObserver
 from strata.runtime.model.kv_cache import DecodeBatch, StepBatch
-from strata.runtime.model.layers import linear
+from strata.runtime.model.layers import linear, use_pass_threads
 
 # parameters transformers keeps in fp32 whatever the model's dtype (its _keep_in_fp32_modules_strict)
 FP32_PARTS = ("attn_hc.", "ffn_hc.", "hc_head.", "sinks", "position_bias", "e_score_correction_bias", "q_a_norm.",
@@ -83,8 +83,10 @@ class DeepseekV4Transformer(nn.Module):
         self.graphs: DecodeGraphs | None = None  # DecodeBatch decode steps on CUDA (`enable_decode_graphs`)
         self.engram = None
         self.kernel_options: KernelOptions = DEFAULT_KERNELS
+        self.prompt_threads = torch.get_num_threads()  # torch's threads for a CPU prompt pass (`use_pass_threads`)
 
     def forward(self, input_ids: torch.Tensor, batch: StepBatch, cache: DeepseekV4Cache) -> torch.Tensor:
+        use_pass_threads(input_ids, self.prompt_threads)
         with kernel_options(self.kernel_options):
             if self.graphs is not None and is_decode(input_ids, batch):  # a CUDA decode step: as a DecodeBatch
                 return self.graphs.run(input_ids, batch, cache)
