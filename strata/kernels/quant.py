@@ -379,7 +379,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     n, k = w.shape
     if k % MX_GROUP:
         raise ValueError(f"mxfp4 needs a multiple of {MX_GROUP} columns, not {k}")
-    groups = w.float().reshape(n, k // MX_GROUP, MX_GROUP)
+    groups = w.float().contiguous().reshape(n, k // MX_GROUP, MX_GROUP)  # bucketize copies a strided input
     amax = groups.abs().amax(dim=-1)
     exp = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
     exp = torch.where(amax > 0, exp, torch.full_like(exp, -127)).to(torch.int32)

@@ -2,7 +2,8 @@
 the reference on their dequantized weights: `expert_swiglu` in fp32 on `ExpertLayout.dequantize(blob, float32)`,
 experts added in the order given. Each backend stays within `tolerance(backend, kind)`; each AVX-512 backend is
 bit-identical to its portable emulation (run everywhere the extension builds, so the conversions' lane layouts are
-checked on any x86-64 machine); thread counts, split experts and warm-ahead change no bit."""
+checked on any x86-64 machine); thread counts, split experts and warm-ahead change no bit. One-graph decode's worker
+(csrc/cpu_mailbox.cpp) reads FP8, MXFP4 and GGUF slots as the kernel's call does."""
 
 from __future__ import annotations
 
@@ -248,28 +249,48 @@ def test_fp8_without_vbmi_takes_avx512(monkeypatch, caplog):
     assert any("AVX512_VBMI" in r.message for r in caplog.records)
 
 
+GGUF_MIX = "gguf"  # experts of a Q4_K_M file's types, mixed per expert in one layout (`_quantized_mailbox`)
+MAILBOX_FORMATS = [FP8_16, MX, GGUF_MIX]
+
+
 def _quantized_mailbox(fmt, seed: int):
-    """A mailbox worker over 6 experts (H 64, I 32, top-2) stored in `fmt` blobs for two layers: (box, layout, the
-    blobs (the box reads them by address: hold them while it runs), their QuantMatrix views, their dequantized
-    weights); the caller closes the box."""
+    """A mailbox worker over 6 experts (top-2) stored in `fmt` blobs for two layers (H 64, I 32; GGUF_MIX: H 256, I
+    512, Q4_K gate/up and Q4_K or Q6_K down, as a Q4_K_M file mixes them): (box, layout, the blobs (the box reads them
+    by address: hold them while it runs), their QuantMatrix views, their dequantized weights); the caller closes the
+    box."""
     from strata.runtime.offload.mailbox import CpuMailbox
 
-    layout, blobs, mats, dense = make_blobs(fmt, 64, 32, 6, seed=seed)
+    if fmt == GGUF_MIX:
+        pytest.importorskip("gguf")
+        from test_cpu_gguf_experts import gguf_experts
+
+        H, inter = 256, 512
+        types = [("Q4_K", "Q4_K", "Q6_K"), ("Q4_K", "Q4_K", "Q4_K"), ("Q6_K", "Q6_K", "Q6_K")] * 2
+        layout, blobs, mats, dense = gguf_experts(types, H, inter, seed=seed)
+    else:
+        H, inter = 64, 32
+        layout, blobs, mats, dense = make_blobs(fmt, H, inter, 6, seed=seed)
     addr = np.array([[b.data_ptr() for b in blobs]] * 2, dtype=np.int64)
-    box = CpuMailbox([0, 1], addr, hidden=64, inter=32, gu_bytes=0, payload=0, top_k=2, max_tokens=4, threads=2,
+    box = CpuMailbox([0, 1], addr, hidden=H, inter=inter, gu_bytes=0, payload=0, top_k=2, max_tokens=4, threads=2,
                      device=torch.device("cpu"), layout=layout)
     return box, layout, blobs, mats, dense
 
 
+def _name(fmt) -> str:
+    return fmt if isinstance(fmt, str) else fmt.name
+
+
 @needs_kernel
-@pytest.mark.parametrize("fmt", [FP8_16, MX], ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", MAILBOX_FORMATS, ids=_name)
 def test_the_mailbox_worker_reads_quantized_slots(fmt):
-    """The native worker given the store's layout computes cold pairs from blobs in the format, as the host path's
-    kernel call on the same experts does (csrc/cpu_mailbox.cpp: values and scales at the layout's offsets)."""
+    """The native worker given the store's layout computes cold pairs from blobs in the format, bit for bit as the
+    host path's kernel call on the same experts does (csrc/cpu_mailbox.cpp: values at the layout's offsets, GGUF's
+    past the blob's header; scales, GGUF's type ids, where the layout puts them), and counts the blobs' bytes."""
     from strata.kernels.experts import group_by_expert
 
-    H, E, K = 64, 6, 2
+    E, K = 6, 2
     box, layout, blobs, mats, _ = _quantized_mailbox(fmt, seed=3)
+    H = box.hidden
     try:
         assert box.self_test() is None
         g = torch.Generator().manual_seed(5)
@@ -346,15 +367,17 @@ def test_an_engine_computes_quantized_experts_with_the_kernel(experts, tmp_path,
 
 
 @needs_kernel
-@pytest.mark.parametrize("fmt", [FP8_16, MX], ids=lambda f: f.name)
-@pytest.mark.parametrize("cut", [8, 16, 24])
+@pytest.mark.parametrize("fmt, cut", [(f, c) for f in (FP8_16, MX) for c in (8, 16, 24)] + [(GGUF_MIX, 256)],
+                         ids=lambda v: _name(v) if not isinstance(v, int) else str(v))
 def test_the_mailbox_worker_computes_a_quantized_experts_first_rows(fmt, cut):
     """A cold pair's `rows` < I on blobs in the format (the GPU share's split, the GPU reading the rest in place): the
     worker computes gate and up's first `cut` rows and down's first `cut` columns, values and scales where the
-    layout puts them, even where the cut falls inside an FP8 block; with the rest added (the GPU's part) the two
-    partial sums make the whole expert, against the dequantized weights within the backend's tolerance."""
-    H, inter, K = 64, 32, 2
+    layout puts them, even where the cut falls inside an FP8 block (a GGUF expert's between down's superblocks);
+    with the rest added (the GPU's part) the two partial sums make the whole expert, against the dequantized
+    weights within the backend's tolerance."""
+    K = 2
     box, _, blobs, _, dense = _quantized_mailbox(fmt, seed=4)
+    H, inter = box.hidden, box.inter
     try:
         g = torch.Generator().manual_seed(7)
         x = torch.randn(2, H, generator=g).to(torch.bfloat16).float()
@@ -372,7 +395,8 @@ def test_the_mailbox_worker_computes_a_quantized_experts_first_rows(fmt, cut):
 
         rest = w[:, :1] * part(3, cut, inter)
         whole = w[:, :1] * part(3, 0, inter) + torch.stack([torch.zeros(H), w[1, 1] * part(1, 0, inter)[1]])
-        tol = ce.tolerance(ce.backend(kind=fmt.kind), fmt.kind)
+        kind = "gguf" if fmt == GGUF_MIX else fmt.kind
+        tol = ce.tolerance(ce.backend(kind=kind), kind)
         assert rel_err(out + rest, whole) <= tol and rel_err(out, whole - rest) <= 2 * tol
         assert box.experts_computed == 2
     finally:
