@@ -24,6 +24,11 @@
 #                in bytes (`bench run --experts F --set` that budget), the GPU's quantized kernels as shipped: all in
 #                VRAM, 1 and 8 streams, the skewed model, an 8K prompt; FORMATS narrows it (one or two a call)
 #                                                                     -> $OUT/quant/FORMAT/suite.json, suite.md
+#   newarch      a new architecture's bench-size model (ARCH: deepseek_v4 with 2 layers, or qwen3_5_moe with 4; LAYERS
+#                another count): all in VRAM at 1 and 8 streams, and 25% of the experts' bytes in VRAM, against their
+#                rooflines (`bench run --model`)                                  -> $OUT/newarch/ARCH/suite.json
+#   newarch-pause  on that model (written by newarch, or now), a 64K-token prompt at the 25% budget while 4 users
+#                decode: bench/serving.py's pause                                 -> $OUT/newarch/ARCH/serving.json
 #   llamacpp-build  llama.cpp's llama-bench and llama-batched-bench for CUDA sm_90, from the stripped source that
 #                `wheels` packed (.gpu/llama.cpp-src.tar.gz), into ~/.cache/strata/bench/llamacpp (ninja resumes a
 #                build a time limit cut short: run the step again)              -> $OUT/llamacpp-build.txt
@@ -155,6 +160,25 @@ print(int(0.25 * model_facts(m)[1]['expert_bytes_total']))") || return 1
           2>&1 | grep -E 'tok/s|rror'
         rm -f "$OUT/quant/$f/suite.png"
       done ;;
+    newarch|newarch-pause)
+      local arch=${ARCH:-deepseek_v4} model rc budget
+      model="$SCRATCH/newarch-$arch"
+      [ -d "$model" ] || timeout 300 python3 -m strata demo-model "$model" --arch "$arch" --size bench --no-engram \
+        --layers "${LAYERS:-$([ "$arch" = deepseek_v4 ] && echo 2 || echo 4)}" > /dev/null || return 1
+      mkdir -p "$OUT/newarch/$arch"
+      if [ "$1" = newarch ]; then
+        timeout 400 python3 -m bench run --suite full --model "$model" --tokens 64 --deadline 380 \
+          --out "$OUT/newarch/$arch" --cases 'ceiling/all/uniform/p128x1' 'ceiling/all/uniform/p128x8' \
+          'split/b25/uniform/p128x1' 2>&1 | grep -E 'tok/s|rror|skipped'
+        rc=${PIPESTATUS[0]}
+        rm -f "$OUT/newarch/$arch/suite.png"; return "$rc"
+      fi
+      budget=$(python3 -c "from pathlib import Path; from bench.suite.models import model_facts
+print(int(0.25 * model_facts(Path('$model'))[1]['expert_bytes_total']))") || return 1
+      printf '[tiers.gpu]\nbudget = "%s"\n' "$budget" > "$SCRATCH/newarch.toml"
+      timeout 400 python3 bench/serving.py --model "$model" --config "$SCRATCH/newarch.toml" --users '' \
+        --repro-users '' --long-prompt 65536 --max-context 65600 --out "$OUT/newarch/$arch" 2>&1 | tail -6
+      return "${PIPESTATUS[0]}" ;;
     llamacpp-build)
       timeout 590 python3 -m bench.suite.llamacpp_build --src .gpu/llama.cpp-src.tar.gz > "$OUT/llamacpp-build.txt" 2>&1
       local rc=$?; tail -3 "$OUT/llamacpp-build.txt"; return "$rc" ;;
