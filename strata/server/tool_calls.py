@@ -10,6 +10,8 @@ Formats (what the model writes after its generation prompt):
   Qwen3-Coder's `<tool_call>\\n<function=NAME>\\n<parameter=K>\\nV\\n</parameter>\\n</function>\\n</tool_call>`.
 - `deepseek` (DeepSeek-V3, R1): `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME\\n```json\\n{...}
   \\n```<｜tool▁call▁end｜>...<｜tool▁calls▁end｜>`, and V3.1's `<｜tool▁call▁begin｜>NAME<｜tool▁sep｜>{...}<｜tool▁call▁end｜>`.
+- `deepseek_v4` (DeepSeek-V4): DSML, `<｜DSML｜tool_calls>\\n<｜DSML｜invoke name="NAME">\\n<｜DSML｜parameter name="K"
+  string="true">V</｜DSML｜parameter>\\n</｜DSML｜invoke>\\n</｜DSML｜tool_calls>`; `string="false"` values are JSON.
 - `glm45` (GLM-4.5, 4.6): `<tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>\\n</tool_call>`.
 - `minimax_m2` (MiniMax-M2, M2.1): `<minimax:tool_call>\\n<invoke name="NAME">\\n<parameter name="K">V</parameter>
   \\n</invoke>\\n</minimax:tool_call>`, several invokes a block.
@@ -206,6 +208,46 @@ class DeepSeekFormat(BlockFormat):
         return self.start + self.CALL_BEGIN  # the name's place differs between V3 and V3.1: the model writes it
 
 
+class DsmlFormat(BlockFormat):
+    """DeepSeek-V4's DSML: <｜DSML｜invoke name="NAME"> elements of <｜DSML｜parameter name="K" string="true|false">V
+    </｜DSML｜parameter> in a <｜DSML｜tool_calls> block. As DeepSeek's reference decoder reads them: a value marked
+    string="true" is the text as written, one marked "false" is JSON (text that is not JSON, a repeated parameter
+    or anything between the elements makes the block text). The schemas are not needed: the markup types."""
+
+    TOKEN = "｜DSML｜"
+    name, start, end = "deepseek_v4", f"<{TOKEN}tool_calls>", f"</{TOKEN}tool_calls>"
+    _INVOKE = re.compile(f'<{TOKEN}invoke name="([^"]*)">(.*?)</{TOKEN}invoke>', re.DOTALL)
+    _PARAMETER = re.compile(f'<{TOKEN}parameter name="([^"]*)" string="(true|false)">(.*?)</{TOKEN}parameter>',
+                            re.DOTALL)
+
+    def parse_block(self, body: str, types: dict[str, dict[str, Any]]) -> list[ToolCall] | None:
+        if self._INVOKE.sub("", body).strip():
+            return None
+        calls = []
+        for m in self._INVOKE.finditer(body):
+            name, inner = m[1], m[2]
+            if not name or self._PARAMETER.sub("", inner).strip():
+                return None
+            args: dict[str, Any] = {}
+            for key, is_str, raw in self._PARAMETER.findall(inner):
+                if key in args:
+                    return None
+                if is_str == "true":
+                    args[key] = raw
+                    continue
+                try:
+                    args[key] = json.loads(raw)
+                except ValueError:
+                    return None
+            calls.append(ToolCall(name, json.dumps(args, ensure_ascii=False)))
+        return calls or None
+
+    def forced_prefix(self, name: str | None) -> str:
+        # V4 writes a call block after a blank line, as its chat encoding renders one
+        invoke = f'<{self.TOKEN}invoke name="' + (f'{name}">\n' if name else "")
+        return f"\n\n{self.start}\n{invoke}"
+
+
 class MiniMaxFormat(BlockFormat):
     """MiniMax-M2: <invoke name="NAME"> elements of <parameter name="K">V</parameter> in <minimax:tool_call> tags.
     Values are text, stripped and typed by the tool's schema; a name may be quoted or not (MiniMax's own parser
@@ -283,10 +325,11 @@ def _harmony_call(name: str, body: str) -> ToolCall | None:
 
 ToolFormat = BlockFormat | HarmonyFormat
 TOOL_FORMATS: dict[str, ToolFormat] = {f.name: f for f in (HermesFormat(), Glm45Format(), DeepSeekFormat(),
-                                                           MiniMaxFormat(), KimiFormat(), HarmonyFormat())}
+                                                           DsmlFormat(), MiniMaxFormat(), KimiFormat(),
+                                                           HarmonyFormat())}
 # the format a model type writes, when its vocabulary does not say (`tool_format`)
-_MODEL_TYPES = (("gpt_oss", "harmony"), ("deepseek", "deepseek"), ("kimi", "kimi_k2"), ("glm4", "glm45"),
-                ("minimax_m2", "minimax_m2"), ("qwen", "hermes"))
+_MODEL_TYPES = (("gpt_oss", "harmony"), ("deepseek_v4", "deepseek_v4"), ("deepseek", "deepseek"), ("kimi", "kimi_k2"),
+                ("glm4", "glm45"), ("minimax_m2", "minimax_m2"), ("qwen", "hermes"))
 
 
 def tool_format(model_type: str | None, tokenizer: Any, name: str = "auto",
@@ -296,9 +339,9 @@ def tool_format(model_type: str | None, tokenizer: Any, name: str = "auto",
     has (each family's tokenizer adds its markers), then its model type; `hermes` when none says."""
     if name != "auto":
         return TOOL_FORMATS[name]
-    for marker, fmt in ((DeepSeekFormat.CALL_BEGIN, "deepseek"), (KimiFormat.CALL_BEGIN, "kimi_k2"),
-                        ("to=functions.", "harmony"), ("<arg_key>", "glm45"), (MiniMaxFormat.start, "minimax_m2"),
-                        ("<tool_call>", "hermes")):
+    for marker, fmt in ((DsmlFormat.start, "deepseek_v4"), (DeepSeekFormat.CALL_BEGIN, "deepseek"),
+                        (KimiFormat.CALL_BEGIN, "kimi_k2"), ("to=functions.", "harmony"), ("<arg_key>", "glm45"),
+                        (MiniMaxFormat.start, "minimax_m2"), ("<tool_call>", "hermes")):
         if template_call is not None and marker in template_call:
             return TOOL_FORMATS[fmt]
 

@@ -13,7 +13,7 @@ import json
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import jinja2
 import jinja2.ext
@@ -22,6 +22,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 from strata.errors import CheckpointError, RequestError, UnsupportedError
+from strata.runtime.generation import chat_dsv4
 from strata.runtime.generation.detokenize import StopMatcher, StreamDecoder
 from strata.runtime.generation.tiktoken_vocab import RANKS_FILE, TiktokenBackend, is_tiktoken_dir, read_tiktoken
 from strata.runtime.generation.token_bound import TokenBound, token_bound
@@ -36,6 +37,25 @@ _OTHER_TOKENIZER_FILES = ("tokenizer_config.json", "tokenizer.model", "spiece.mo
 _NAMED_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 # Names a message's reasoning may arrive under; templates read the first one (gpt-oss reads "thinking").
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
+
+
+class ChatRenderer(Protocol):
+    """A chat format written in Python, for checkpoints that ship one instead of a chat template."""
+
+    def __call__(self, messages: list[dict], add_generation_prompt: bool = True, **kwargs: Any) -> str: ...
+
+
+# Model types whose releases ship their chat format as Python code, not a template: used when the checkpoint
+# has no template of its own (one it has wins, as for every other model).
+BUILTIN_RENDERERS: dict[str, ChatRenderer] = {"deepseek_v4": chat_dsv4.render_chat}
+
+
+def _model_type(directory: Path) -> str | None:
+    try:
+        config = json.loads((directory / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None  # no (readable) config: the checkpoint loader reports that, not the tokenizer
+    return config.get("model_type") if isinstance(config, dict) else None
 
 
 def _one_line(msg: object) -> str:
@@ -145,8 +165,9 @@ class Tokenizer:
     """Text <-> token ids and chat rendering for one checkpoint; build it with `Tokenizer.from_dir`."""
 
     def __init__(self, tok: _HFTokenizer | TiktokenBackend, config: dict, chat_templates: dict[str, str],
-                 source: str = "<memory>"):
+                 source: str = "<memory>", renderer: ChatRenderer | None = None):
         self._tok = tok
+        self._renderer = renderer  # renders chats when there is no template (BUILTIN_RENDERERS)
         self.source = source
         self.special_tokens: dict[str, str] = {}
         for name in _NAMED_SPECIAL_TOKENS:
@@ -205,7 +226,8 @@ class Tokenizer:
                 templates["default"] = jinja_path.read_text(encoding="utf-8")
             except (OSError, UnicodeDecodeError) as e:
                 raise CheckpointError(f"{jinja_path} could not be read ({_one_line(e)}); re-download it") from e
-        return cls(tok, config, templates, source=str(d))
+        renderer = None if templates else BUILTIN_RENDERERS.get(_model_type(d) or "")
+        return cls(tok, config, templates, source=str(d), renderer=renderer)
 
     def add_eos_token_ids(self, ids: int | list[int] | None) -> None:
         """Also stop on these ids (config.json / generation_config.json `eos_token_id`, an int or a list)."""
@@ -252,7 +274,8 @@ class Tokenizer:
 
     @property
     def has_chat_template(self) -> bool:
-        return bool(self._templates)
+        """Whether chats can be rendered: a template, or a built-in renderer of the model type."""
+        return bool(self._templates) or self._renderer is not None
 
     def _template(self, tools: Any) -> jinja2.Template:
         if not self._templates:
@@ -278,6 +301,8 @@ class Tokenizer:
         special token names (bos_token, eos_token, ...) that are passed by default.
         """
         messages = _normalize_messages(messages)
+        if not self._templates and self._renderer is not None:
+            return self._renderer(messages, add_generation_prompt, **kwargs)
         kwargs.setdefault("tools", None)
         kwargs.setdefault("documents", None)
         template = self._template(kwargs["tools"])
