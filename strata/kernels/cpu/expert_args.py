@@ -267,14 +267,26 @@ def bf16_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx:
     several times the fp32 path's rate on upcast weights, where a prompt's tokens make an expert compute-bound.
     `form`, `bias` [2I]: the SwiGLU form and the expert's gate_up bias, applied in fp32 (as `expert_swiglu`)."""
     idx = idx.to(torch.int64)
-    gu = F.linear(x.index_select(0, idx).to(torch.bfloat16), gate_up)  # [T, 2I]
+    t = idx.numel()
+    xs = x.new_zeros(gemm_rows(t), x.shape[1], dtype=torch.bfloat16)  # [T', H]: T' >= T, rows past T zero
+    xs[:t] = x.index_select(0, idx)
+    gu = F.linear(xs, gate_up)  # [T', 2I]
     if form.plain and bias is None:
         gate, up = gu.chunk(2, dim=-1)
         h = F.silu(gate) * up
     else:
         h = form.apply(gu.float() if bias is None else gu.float() + bias.float()).to(torch.bfloat16)
-    y = F.linear(h, down).float() * w.float()[:, None]
+    y = F.linear(h, down)[:t].float() * w.float()[:, None]
     out.index_add_(0, idx, y)
+
+
+def gemm_rows(t: int) -> int:
+    """The rows an expert's `t` tokens are computed in by `bf16_expert`: t rounded up to a quarter of its power of
+    two (16 at least), so a prompt's experts take a few dozen GEMM shapes, not one per token count (oneDNN keeps a
+    primitive for each bf16 shape it meets: a long prompt's token counts per expert held hundreds of MB of them),
+    at most 15 or a quarter more rows."""
+    step = max(16, (1 << max(0, t.bit_length() - 1)) // 4)
+    return -(-t // step) * step
 
 
 def mailbox_forms(layers: list[int], form: SwiGLUForm | Mapping[int, SwiGLUForm],
