@@ -5,12 +5,8 @@ does alone, and bad requests get OpenAI-shaped errors without taking the server 
 
 from __future__ import annotations
 
-import threading
-import time
-
 import pytest
-import uvicorn
-from test_server import MODEL, LiveServer
+from test_server import MODEL, LiveServer, start_live_server
 
 ARCHS = ["deepseek_v4", "glm4_moe", "deepseek_v2"]
 CONTEXT = 256
@@ -20,22 +16,7 @@ CHATML = "<|im_start|>user\nTell me about the river and the valley.<|im_end|>\n<
 
 def serve(model_dir) -> LiveServer:
     """A real uvicorn server on a free localhost port, in a thread, serving `model_dir` with a context of CONTEXT."""
-    from strata import Engine
-    from strata.server.app import create_app
-    from strata.server.serve import bind_socket
-
-    engine = Engine.from_pretrained(model_dir, device="cpu", config={"runtime": {"max_context": CONTEXT}})
-    sched = engine.scheduler(max_batch=4, token_budget=256, max_queue=16)
-    sched.start()
-    sock = bind_socket("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, sched, MODEL), log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    return LiveServer(f"http://127.0.0.1:{sock.getsockname()[1]}", engine, sched, server, thread)
+    return start_live_server(model_dir, max_batch=4, max_queue=16, config={"runtime": {"max_context": CONTEXT}})
 
 
 @pytest.fixture(scope="module", params=ARCHS)
