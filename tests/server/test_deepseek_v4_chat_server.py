@@ -9,13 +9,10 @@ of a completion) against what the encoding renders."""
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
-from test_server import MODEL, LiveServer
+from test_server import MODEL, LiveServer, start_live_server
 
 from strata.runtime.generation.chat_dsv4 import render_chat
 from strata.server.tool_calls import TOOL_FORMATS
@@ -34,22 +31,8 @@ CONTEXT = 2048  # the tools section alone is ~1K demo tokens: V4's special strin
 
 def serve(model_dir) -> LiveServer:
     """A real uvicorn server on a free localhost port, in a thread, serving `model_dir` with a context of CONTEXT."""
-    from strata import Engine
-    from strata.server.app import create_app
-    from strata.server.serve import bind_socket
-
-    engine = Engine.from_pretrained(model_dir, device="cpu", config={"runtime": {"max_context": CONTEXT}})
-    sched = engine.scheduler(max_batch=2, token_budget=512, max_queue=8)
-    sched.start()
-    sock = bind_socket("127.0.0.1", 0)
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, sched, MODEL), log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not server.started:
-        assert time.monotonic() < deadline, "the server did not start"
-        time.sleep(0.02)
-    return LiveServer(f"http://127.0.0.1:{sock.getsockname()[1]}", engine, sched, server, thread)
+    return start_live_server(model_dir, max_batch=2, max_queue=8, token_budget=512,
+                             config={"runtime": {"max_context": CONTEXT}})
 
 
 @pytest.fixture(scope="module")

@@ -50,14 +50,15 @@ class LiveServer:
         self.engine.close()
 
 
-def start_live_server(model_dir, max_batch: int = 8, max_queue: int = 64, config: dict | None = None) -> LiveServer:
+def start_live_server(model_dir, max_batch: int = 8, max_queue: int = 64, config: dict | None = None,
+                      token_budget: int = 256) -> LiveServer:
     """A real uvicorn server on a free localhost port, in a thread, serving `model_dir` (the engine's `config`)."""
     from strata import Engine
     from strata.server.app import create_app
     from strata.server.serve import bind_socket
 
     engine = Engine.from_pretrained(model_dir, device="cpu", config=config)
-    sched = engine.scheduler(max_batch=max_batch, token_budget=256, max_queue=max_queue)
+    sched = engine.scheduler(max_batch=max_batch, token_budget=token_budget, max_queue=max_queue)
     sched.start()
     sock = bind_socket("127.0.0.1", 0)
     server = uvicorn.Server(uvicorn.Config(create_app(engine, sched, MODEL), log_level="warning", lifespan="off"))
