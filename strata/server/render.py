@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from strata.server.tool_calls import CallParsing, ToolCall
+from strata.server.tool_blocks import ToolCall
+from strata.server.tool_calls import CallParsing
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
