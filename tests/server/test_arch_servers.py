@@ -1,14 +1,14 @@
-"""DeepSeek-V4, GLM-4.5 and DeepSeek-V2 checkpoints (the tiny `--arch` demo models) on the live server, through the
-official `openai` client: chat through the model's chat template and plain completions, whole and streamed, answer
-what the engine generates greedily for the same prompt, several prompts of one request decode in shared steps as each
-does alone, and bad requests get OpenAI-shaped errors without taking the server down."""
+"""DeepSeek-V4, GLM-4.5, DeepSeek-V2 and MiniMax-M2 checkpoints (the tiny `--arch` demo models) on the live server,
+through the official `openai` client: chat through the model's chat template and plain completions, whole and
+streamed, answer what the engine generates greedily for the same prompt, several prompts of one request decode in
+shared steps as each does alone, and bad requests get OpenAI-shaped errors without taking the server down."""
 
 from __future__ import annotations
 
 import pytest
 from test_server import MODEL, LiveServer, start_live_server
 
-ARCHS = ["deepseek_v4", "glm4_moe", "deepseek_v2"]
+ARCHS = ["deepseek_v4", "glm4_moe", "deepseek_v2", "minimax_m2"]
 CONTEXT = 256
 CHAT = [{"role": "user", "content": "Tell me about the river and the valley."}]
 CHATML = "<|im_start|>user\nTell me about the river and the valley.<|im_end|>\n<|im_start|>assistant\n"
