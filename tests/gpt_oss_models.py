@@ -113,7 +113,9 @@ HARMONY_VOCAB = 256 + len(HARMONY_SPECIALS)
 # constraint ending in <|call|>, a tool's result from `functions.NAME to=assistant`).
 HARMONY_TEMPLATE = (
     "{%- set ns = namespace(last_call='') -%}"
-    "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\nReasoning: medium\n\n"
+    "{%- if not reasoning_effort is defined %}{%- set reasoning_effort = 'medium' %}{%- endif -%}"
+    "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\n"
+    "Reasoning: {{ reasoning_effort }}\n\n"
     "# Valid channels: analysis, commentary, final. Channel must be included for every message."
     "{%- if tools %}\nCalls to these tools must go to the commentary channel: 'functions'.{%- endif %}<|end|>"
     "{%- set first = messages[0] if messages else none -%}"

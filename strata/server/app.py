@@ -272,7 +272,7 @@ async def _chat(request: Request, st: ServerState) -> Response:
     st.check_model(req.model)
     messages = [m.for_template(i) for i, m in enumerate(req.messages)]
     prompt = await render_chat(st, messages, req.tool_request, req.add_generation_prompt,
-                               req.chat_template_kwargs or {}, req.max_tokens)
+                               req.template_kwargs(), req.max_tokens)
     await compile_grammar(st, req)
     seqs = submit(st, req, [prompt.ids], "messages", st.max_tokens_default, logprobs=req.num_logprobs,
                   prompt_logprobs=None)

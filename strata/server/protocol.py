@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -299,6 +299,9 @@ class ChatCompletionRequest(GenerationRequest):
     top_logprobs: StrictInt | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: StrictBool = True
     chat_template_kwargs: dict[str, Any] | None = None  # e.g. {"enable_thinking": false}, as vLLM
+    # OpenAI's reasoning effort (DeepSeek-V4's "max" too), the chat template's `reasoning_effort` (gpt-oss's harmony
+    # "Reasoning:" line, DeepSeek-V4's effort); a template that does not read it ignores it
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
     # tools and the choice among them: checked together by `tool_request` (strata.server.tool_request)
     tools: _documented({"type": "array", "items": _TOOL}) = None
     functions: _documented({"type": "array", "items": _TOOL["properties"]["function"]}) = None  # older tools
@@ -317,6 +320,12 @@ class ChatCompletionRequest(GenerationRequest):
     def tool_request(self) -> ToolRequest:
         """The checked tools and what the request asks of them."""
         return self._tools
+
+    def template_kwargs(self) -> dict[str, Any]:
+        """What the chat template is given beside the messages and tools: `reasoning_effort`, then
+        `chat_template_kwargs` (which win where both name a key)."""
+        effort = {} if self.reasoning_effort is None else {"reasoning_effort": self.reasoning_effort}
+        return {**effort, **(self.chat_template_kwargs or {})}
 
     @field_validator("top_logprobs")
     @classmethod

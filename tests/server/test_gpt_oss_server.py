@@ -101,3 +101,39 @@ def test_the_model_answers_the_conversation(engine, oss_dir):
     finally:
         srv.close()
         sched.stop(drain=False)
+
+
+def test_reasoning_effort_reaches_the_template(engine, oss_dir):
+    """OpenAI's top-level `reasoning_effort` is the template's `reasoning_effort` (harmony's "Reasoning:" line), the
+    prompt rendered as transformers renders it with that value; `chat_template_kwargs` naming it too win; a value
+    OpenAI does not define is a 400 naming the field."""
+    from strata.server.app import create_app
+
+    transformers = pytest.importorskip("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(str(oss_dir))
+
+    def prompt_ids(effort: str) -> list[int]:
+        text = tok.apply_chat_template(ASK, tokenize=False, add_generation_prompt=True, reasoning_effort=effort)
+        assert f"Reasoning: {effort}\n" in text
+        return tok.encode(text, add_special_tokens=False)
+
+    sched = engine.scheduler(max_batch=2, token_budget=256, max_queue=4)
+    sched.start()
+    srv = Served(create_app(engine, sched, MODEL))
+    try:
+        client = srv.openai()
+        high = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1, temperature=0,
+                                              reasoning_effort="high")
+        low = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1, temperature=0,
+                                             reasoning_effort="high", extra_body={
+                                                 "chat_template_kwargs": {"reasoning_effort": "low"}})
+        plain = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1, temperature=0)
+        assert high.usage.prompt_tokens == len(prompt_ids("high"))
+        assert low.usage.prompt_tokens == len(prompt_ids("low")) != high.usage.prompt_tokens
+        assert plain.usage.prompt_tokens == len(prompt_ids("medium"))
+        r = httpx.post(srv.url + "/v1/chat/completions", json={"model": MODEL, "messages": ASK,
+                                                               "reasoning_effort": "extreme"}, timeout=30)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning_effort"
+    finally:
+        srv.close()
+        sched.stop(drain=False)
