@@ -56,7 +56,7 @@ from strata.server.protocol import (
 )
 from strata.server.render import ChatFormat, CompletionFormat, TokenText
 from strata.server.streaming import respond, to_api_error
-from strata.server.tool_calls import TOOL_FORMATS, tool_format
+from strata.server.tools.calls import TOOL_FORMATS, tool_format
 
 MAX_BODY_BYTES = 32 << 20  # a longer body is refused before it is read into memory
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the room left

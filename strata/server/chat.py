@@ -2,7 +2,7 @@
 tools) rendered through the model's own chat template, the start of a forced call, the context bound, the ids.
 
 With tools (and `tool_choice` other than "none") the template gets `tools=`, as transformers passes them, and
-the output is parsed for the calls of the model's format (strata.server.tool_calls). A template that does not
+the output is parsed for the calls of the model's format (strata.server.tools.calls). A template that does not
 write the tools into the prompt is refused: its model could not know them. `tool_choice` "required" or a named
 function appends the start of a call to the prompt (the format's `forced_prefix`), so the model writes one;
 not where the prompt ends inside an open thinking block, which the model finishes first. A harmony model's
@@ -17,8 +17,8 @@ from typing import Any
 
 from strata.server.prompts import refuse_past_context, require_tokenizer
 from strata.server.protocol import bad_request
-from strata.server.tool_calls import CallParsing
-from strata.server.tool_request import ToolRequest, template_tool_calls
+from strata.server.tools.calls import CallParsing
+from strata.server.tools.request import ToolRequest, template_tool_calls
 
 THINK_TAGS = ("<think>", "</think>")
 _PROBE_TOOL = {"type": "function", "function": {"name": "strata_probe_tool", "description": "probe",
@@ -83,7 +83,7 @@ def renders_tools(tok: Any) -> bool:
 
 def template_call_text(tok: Any) -> str | None:
     """What a chat template writes for an assistant turn that called a tool (None: it fails on one, or there is
-    no template): its markers tell the format the model writes calls in (strata.server.tool_calls.tool_format)."""
+    no template): its markers tell the format the model writes calls in (strata.server.tools.calls.tool_format)."""
     if tok is None or not tok.has_chat_template:
         return None
     call = {"id": "call_probe", "type": "function", "function": {"name": "strata_probe_tool", "arguments": {}}}

@@ -17,7 +17,7 @@ from typing import Annotated, Any
 from pydantic import Field, PrivateAttr, StrictStr, WithJsonSchema, model_validator
 
 from strata.server.protocol import APIError, GenerationRequest, bad_request
-from strata.server.tool_request import ToolRequest, check_tool_choice, check_tools, template_tool_calls
+from strata.server.tools.request import ToolRequest, check_tool_choice, check_tools, template_tool_calls
 
 MESSAGES_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
 # Anthropic's error types by HTTP status

@@ -3,7 +3,7 @@
 Requests are pydantic models with strict types for structural fields (a `"stream": "yes"` is a 400,
 not a truthy string) and unknown fields ignored, as OpenAI and vLLM do. OpenAI fields strata does not implement
 (logit_bias, penalties, best_of, suffix) are 400s unless neutral. Tools are checked in
-strata.server.tool_request. Sampling fields are left
+strata.server.tools.request. Sampling fields are left
 untyped here and validated by `SamplingParams`, so the server and the Python API reject a bad
 `temperature` with the same message.
 """
@@ -32,7 +32,7 @@ from pydantic import (
 from strata.errors import RequestError
 from strata.runtime.generation.grammar import ResponseFormat
 from strata.runtime.generation.sampler import MAX_STOP_STRINGS, SamplingParams
-from strata.server.tool_request import ToolRequest, check_tool_choice, check_tools, template_tool_calls
+from strata.server.tools.request import ToolRequest, check_tool_choice, check_tools, template_tool_calls
 
 MAX_LOGPROBS = 20  # top alternatives per token (OpenAI's chat limit; vLLM's default max_logprobs)
 MAX_N = 16  # sequences per prompt
@@ -302,7 +302,7 @@ class ChatCompletionRequest(GenerationRequest):
     # OpenAI's reasoning effort (DeepSeek-V4's "max" too), the chat template's `reasoning_effort` (gpt-oss's harmony
     # "Reasoning:" line, DeepSeek-V4's effort); a template that does not read it ignores it
     reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
-    # tools and the choice among them: checked together by `tool_request` (strata.server.tool_request)
+    # tools and the choice among them: checked together by `tool_request` (strata.server.tools.request)
     tools: _documented({"type": "array", "items": _TOOL}) = None
     functions: _documented({"type": "array", "items": _TOOL["properties"]["function"]}) = None  # older tools
     tool_choice: _documented({"enum": ["auto", "none", "required"]}, _NAMED_CHOICE) = None

@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from strata.server.tool_blocks import ToolCall
-from strata.server.tool_calls import CallParsing
+from strata.server.tools.blocks import ToolCall
+from strata.server.tools.calls import CallParsing
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
@@ -145,7 +145,7 @@ class ChatFormat:
     """Chat completion choices: content, reasoning_content (thinking), tool_calls and logprobs.content.
 
     With `calls` (a request with tools), the answer text after the thinking is parsed for the model's tool calls
-    as it streams (strata.server.tool_calls): each call goes out as one `tool_calls` delta once complete, and a
+    as it streams (strata.server.tools.calls): each call goes out as one `tool_calls` delta once complete, and a
     choice that made calls finishes with "tool_calls"."""
 
     def __init__(self, text: TokenText, logprobs: bool, think: bool, in_reasoning: bool, n: int = 1,

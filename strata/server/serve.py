@@ -36,7 +36,7 @@ from strata.config import StrataConfig, load_config
 from strata.errors import CheckpointError, ConfigError, StrataError
 from strata.runtime.plan.numa import Binding
 from strata.runtime.plan.planner import Plan
-from strata.server.tool_calls import TOOL_FORMATS
+from strata.server.tools.calls import TOOL_FORMATS
 
 log = logging.getLogger("strata.server")
 API_KEY_ENV = "STRATA_API_KEY"

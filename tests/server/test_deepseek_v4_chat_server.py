@@ -15,7 +15,7 @@ import pytest
 from test_server import MODEL, LiveServer, start_live_server
 
 from strata.runtime.generation.chat_dsv4 import render_chat
-from strata.server.tool_calls import TOOL_FORMATS
+from strata.server.tools.calls import TOOL_FORMATS
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},

@@ -12,8 +12,8 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
 from strata.runtime.generation.tokenizer import Tokenizer, _compile_template
-from strata.server.tool_calls import TOOL_FORMATS, CallParsing, Delta, parse_output, tool_format
-from strata.server.tool_request import ToolRequestError, check_tool_choice, check_tools, template_tool_calls
+from strata.server.tools.calls import TOOL_FORMATS, CallParsing, Delta, parse_output, tool_format
+from strata.server.tools.request import ToolRequestError, check_tool_choice, check_tools, template_tool_calls
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},

@@ -1,4 +1,4 @@
-"""DeepSeek-V4's DSML tool calls (`deepseek_v4` in strata.server.tool_calls): parsed whole and streamed in every split,
+"""DeepSeek-V4's DSML tool calls (`deepseek_v4` in strata.server.tools.calls): parsed whole and streamed in every split,
 calls rendered by the V4 chat encoding parse back to themselves, malformed blocks are text, and the format is
 found from the encoding's rendering and from the model type."""
 
@@ -9,7 +9,7 @@ import json
 import pytest
 
 from strata.runtime.generation.chat_dsv4 import render_chat
-from strata.server.tool_calls import TOOL_FORMATS, CallParsing, Delta, parse_output, tool_format
+from strata.server.tools.calls import TOOL_FORMATS, CallParsing, Delta, parse_output, tool_format
 
 FMT = TOOL_FORMATS["deepseek_v4"]
 D = "｜DSML｜"

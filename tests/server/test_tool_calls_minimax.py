@@ -11,8 +11,8 @@ import pytest
 from test_tool_calls import TOOLS, _calls, _streamed, _tokenizer
 
 from strata.runtime.generation.tokenizer import _compile_template
-from strata.server.tool_calls import TOOL_FORMATS, parse_output, tool_format
-from strata.server.tool_request import template_tool_calls
+from strata.server.tools.calls import TOOL_FORMATS, parse_output, tool_format
+from strata.server.tools.request import template_tool_calls
 
 FMT = "minimax_m2"
 # (model output, content, [(name, arguments)])
@@ -136,7 +136,7 @@ def test_the_server_picks_the_format_from_minimax_m2s_template(tmp_path):
     from strata import Engine
     from strata.server.app import ServerState
     from strata.server.chat import render_chat, template_tool_messages
-    from strata.server.tool_request import check_tool_choice
+    from strata.server.tools.request import check_tool_choice
 
     _, directory = build_minimax_m2_reference(tmp_path / "m2")
     (directory / "chat_template.jinja").write_text(CHAT_TEMPLATE)

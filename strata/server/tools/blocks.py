@@ -1,4 +1,4 @@
-"""The pieces every tool-call format is built of (strata.server.tool_calls holds the formats): a parsed call, what a
+"""The pieces every tool-call format is built of (strata.server.tools.calls holds the formats): a parsed call, what a
 piece of output adds, the argument helpers, and the block formats' base with its streaming parser.
 
 A block format's calls sit between a start and an end marker, plain text around them; `BlockStream` gives the text
@@ -12,7 +12,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any
 
-from strata.server.tool_harmony import partial_suffix
+from strata.server.tools.harmony import partial_suffix
 
 
 def new_call_id() -> str:

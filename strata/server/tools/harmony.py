@@ -25,7 +25,7 @@ _CHANNEL = re.compile(r"<\|channel\|>\s*(\w+)")
 
 
 class HarmonyStream:
-    """Feed the output piece by piece; each call returns a `Delta` (strata.server.tool_calls) of what it completes.
+    """Feed the output piece by piece; each call returns a `Delta` (strata.server.tools.calls) of what it completes.
 
     `make_call(name, body)` turns a recipient's name and a call's body into a `ToolCall`, or None when the body
     does not parse (the message is then returned as text); `new_delta()` makes an empty `Delta`."""

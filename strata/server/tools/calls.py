@@ -32,8 +32,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from strata.server.tool_blocks import BlockFormat, BlockStream, Delta, ToolCall, arguments_json, typed_value
-from strata.server.tool_harmony import HarmonyStream
+from strata.server.tools.blocks import BlockFormat, BlockStream, Delta, ToolCall, arguments_json, typed_value
+from strata.server.tools.harmony import HarmonyStream
 
 
 class HermesFormat(BlockFormat):
@@ -217,7 +217,7 @@ class KimiFormat(BlockFormat):
 
 
 class HarmonyFormat:
-    """gpt-oss's channels (strata.server.tool_harmony)."""
+    """gpt-oss's channels (strata.server.tools.harmony)."""
 
     name = "harmony"
 
