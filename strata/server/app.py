@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from strata import __version__
 from strata.errors import ConfigError
+from strata.server.api_errors import APIError, bad_request, parse_json_body, parse_request
 from strata.server.chat import THINK_TAGS, render_chat, renders_tools, template_call_text
 from strata.server.dashboard import mount_dashboard
 from strata.server.guard import Guard, HostRule, record_usage
@@ -45,14 +46,10 @@ from strata.server.prompts import (
 )
 from strata.server.protocol import (
     MAX_CHOICES,
-    APIError,
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
-    bad_request,
-    parse_json_body,
-    parse_request,
 )
 from strata.server.render import ChatFormat, CompletionFormat, TokenText
 from strata.server.streaming import respond, to_api_error

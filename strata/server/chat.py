@@ -15,8 +15,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+from strata.server.api_errors import bad_request
 from strata.server.prompts import refuse_past_context, require_tokenizer
-from strata.server.protocol import bad_request
 from strata.server.tools.calls import CallParsing
 from strata.server.tools.request import ToolRequest, template_tool_calls
 

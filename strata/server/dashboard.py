@@ -41,8 +41,8 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
+from strata.server.api_errors import APIError
 from strata.server.dashboard_history import History, Sampler, figures_of
-from strata.server.protocol import APIError
 
 # Tier index in the grid: fastest first. `residency_grid` reports the fastest tier holding a usable copy.
 TIERS: tuple[str, ...] = ("gpu", "pinned", "tmpfs", "disk")

@@ -28,10 +28,10 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
+from strata.server.api_errors import APIError
 from strata.server.dashboard import PAGE_PATHS
 from strata.server.memory import release_memory_async, wants_release
 from strata.server.messages_protocol import error_body, is_messages_path
-from strata.server.protocol import APIError
 
 access_log = logging.getLogger("strata.access")
 

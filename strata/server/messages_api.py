@@ -18,11 +18,11 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from strata.server.api_errors import parse_request
 from strata.server.chat import render_chat
 from strata.server.guard import record_usage
 from strata.server.messages_protocol import CountTokensRequest, MessagesRequest, chat_messages, error_body
 from strata.server.prompts import compile_grammar, submit
-from strata.server.protocol import parse_request
 from strata.server.render import ChatFormat, Seq, is_token
 from strata.server.streaming import cancel, event_stream, merged_events, to_api_error, track, whole
 

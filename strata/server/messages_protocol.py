@@ -16,7 +16,8 @@ from typing import Annotated, Any
 
 from pydantic import Field, PrivateAttr, StrictStr, WithJsonSchema, model_validator
 
-from strata.server.protocol import APIError, GenerationRequest, bad_request
+from strata.server.api_errors import APIError, bad_request
+from strata.server.protocol import GenerationRequest
 from strata.server.tools.request import ToolRequest, check_tool_choice, check_tools, template_tool_calls
 
 MESSAGES_PATHS = ("/v1/messages", "/v1/messages/count_tokens")

@@ -8,7 +8,7 @@ from typing import Any
 
 from strata.errors import ConfigError, RequestError, StrataError
 from strata.runtime.generation.scheduler import GenRequest, QueueFullError
-from strata.server.protocol import APIError, bad_request, context_error
+from strata.server.api_errors import APIError, bad_request, context_error
 from strata.server.render import Seq
 
 

@@ -15,7 +15,7 @@ from starlette.requests import ClientDisconnect
 
 from strata.errors import RequestError, StrataError, UnsupportedError
 from strata.runtime.generation.scheduler import QueueFullError
-from strata.server.protocol import APIError, bad_request
+from strata.server.api_errors import APIError, bad_request
 from strata.server.render import Seq, is_token
 
 log = logging.getLogger("strata.server")
