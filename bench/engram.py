@@ -64,7 +64,7 @@ def zipf_tokens(n: int, vocab: int, a: float, seed: int) -> np.ndarray:
 def text_streams(files: list[str], model_dir: Path, batch: int, length: int) -> torch.Tensor:
     """`batch` token streams of `length` tokens from real text (`files` concatenated, tokenized with the model's
     own tokenizer; stream i is the i-th slice), int64 [batch, length]. Raises when the text is too short."""
-    from strata.runtime.generation.tokenizer import Tokenizer
+    from strata.runtime.generation.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(model_dir)
     ids = tok.encode("\n".join(Path(f).read_text(errors="ignore") for f in files))

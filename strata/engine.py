@@ -35,7 +35,7 @@ from strata.runtime.generation.prefill_chunk import resolve_prefill_chunk, score
 from strata.runtime.generation.requests import GenRequest, RequestHandle, TokenEvent
 from strata.runtime.generation.sampler import SamplingParams
 from strata.runtime.generation.scheduler import Scheduler
-from strata.runtime.generation.tokenizer import Tokenizer, load_tokenizer
+from strata.runtime.generation.text.tokenizer import Tokenizer, load_tokenizer
 from strata.runtime.offload.executor import ExpertExecutor
 from strata.runtime.plan.build import LoadedModel, build_model
 

@@ -17,7 +17,7 @@ import pytest
 
 import strata
 from strata.cli import build_parser, main, terminal_safe
-from strata.runtime.generation.tokenizer import StreamDecoder, Tokenizer
+from strata.runtime.generation.text.tokenizer import StreamDecoder, Tokenizer
 
 # What a terminal acts on: C0 controls but tab and newline, DEL, C1 controls.
 TERMINAL_CONTROLS = frozenset([*(c for c in range(0x20) if c not in (0x09, 0x0A)), 0x7F, *range(0x80, 0xA0)])

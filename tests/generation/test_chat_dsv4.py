@@ -1,4 +1,4 @@
-"""DeepSeek-V4's chat encoding (strata.runtime.generation.chat_dsv4) against the test vectors of DeepSeek's release
+"""DeepSeek-V4's chat encoding (strata.runtime.generation.text.chat_dsv4) against the test vectors of DeepSeek's release
 (`encoding/tests/test_input_{1..4}.json` / `test_output_{1..4}.txt` of deepseek-ai/DeepSeek-V4-Flash and -Pro, MIT
 licensed), kept in data/deepseek_v4/. Inputs 1 and 3 and outputs 1 and 3 are byte-identical to the release's (their
 SHA-256 sums below were published beside them); 4 is vLLM's copy (tests/tokenizers_/fixtures/deepseek_v4), which names
@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from strata.errors import RequestError
-from strata.runtime.generation.chat_dsv4 import (
+from strata.runtime.generation.text.chat_dsv4 import (
     ASSISTANT,
     BOS,
     EOS,
@@ -123,7 +123,7 @@ def test_a_deepseek_v4_checkpoint_without_a_template_renders_through_the_encoder
     """`Tokenizer.from_dir` gives a deepseek_v4 checkpoint with no template the built-in renderer (and not another
     model type); a template of the checkpoint's own wins."""
     from strata.runtime.demo.tokenizer import write_tokenizer_files
-    from strata.runtime.generation.tokenizer import Tokenizer
+    from strata.runtime.generation.text.tokenizer import Tokenizer
 
     write_tokenizer_files(tmp_path, 512, 256)
     (tmp_path / "chat_template.jinja").unlink()

@@ -8,8 +8,8 @@ import pytest
 from kimi_models import CORPUS, KIMI_PAT_STR, NOT_SPECIAL, oracle_encoding, write_kimi_tokenizer
 
 from strata.errors import CheckpointError
-from strata.runtime.generation import tiktoken_vocab
-from strata.runtime.generation.tokenizer import StreamDecoder, Tokenizer, load_tokenizer
+from strata.runtime.generation.text import tiktoken_vocab
+from strata.runtime.generation.text.tokenizer import StreamDecoder, Tokenizer, load_tokenizer
 
 TEXTS = [
     CORPUS,

@@ -9,7 +9,7 @@ import random
 import pytest
 from tokenizers import AddedToken, Tokenizer, models, normalizers, pre_tokenizers, trainers
 
-from strata.runtime.generation.token_bound import token_bound
+from strata.runtime.generation.text.token_bound import token_bound
 
 CORPUS = ["the experts of a mixture route every token", "hello world " * 3, "ﬁne café Ωmega 한국어 ｆｕｌｌ",
           "<|im_start|>user\nhi<|im_end|>", "aaaaaaaaaaaaaaaa bbbbbbbb"] * 20
@@ -64,7 +64,7 @@ def test_bound_never_exceeds_the_real_count(make):
 
 
 def test_the_demo_tokenizer_has_a_bound(tiny_model_dir):
-    from strata.runtime.generation.tokenizer import Tokenizer as StrataTokenizer
+    from strata.runtime.generation.text.tokenizer import Tokenizer as StrataTokenizer
 
     tok = StrataTokenizer.from_dir(tiny_model_dir)
     bound = tok.token_bound

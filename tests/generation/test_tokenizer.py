@@ -10,7 +10,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 from strata.errors import CheckpointError, RequestError, StrataError, UnsupportedError
-from strata.runtime.generation.tokenizer import StopMatcher, StreamDecoder, Tokenizer, load_tokenizer
+from strata.runtime.generation.text.tokenizer import StopMatcher, StreamDecoder, Tokenizer, load_tokenizer
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CORPUS = [

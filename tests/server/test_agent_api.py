@@ -18,8 +18,8 @@ import time
 import pytest
 import uvicorn
 
-from strata.runtime.generation.detokenize import StreamDecoder
 from strata.runtime.generation.requests import RequestHandle, TokenEvent
+from strata.runtime.generation.text.detokenize import StreamDecoder
 
 MODEL = "tool-tiny"
 TOOL_TEMPLATE = (

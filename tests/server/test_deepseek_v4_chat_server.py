@@ -1,5 +1,5 @@
 """A DeepSeek-V4 checkpoint that ships no chat template (as DeepSeek's V4 releases) served on the live server: chat
-requests, with tools, render through the built-in V4 encoding (strata.runtime.generation.chat_dsv4), its output is
+requests, with tools, render through the built-in V4 encoding (strata.runtime.generation.text.chat_dsv4), its output is
 read as DSML calls, and the internal developer role is refused in one line.
 
 The tiny demo's tokenizer lacks V4's special tokens, so `<｜User｜>` and the like encode as several ordinary tokens;
@@ -14,7 +14,7 @@ import httpx
 import pytest
 from test_server import MODEL, LiveServer, start_live_server
 
-from strata.runtime.generation.chat_dsv4 import render_chat
+from strata.runtime.generation.text.chat_dsv4 import render_chat
 from strata.server.tools.calls import TOOL_FORMATS
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",

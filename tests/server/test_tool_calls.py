@@ -11,7 +11,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models
 
-from strata.runtime.generation.tokenizer import Tokenizer, _compile_template
+from strata.runtime.generation.text.tokenizer import Tokenizer, _compile_template
 from strata.server.tools.calls import TOOL_FORMATS, CallParsing, Delta, parse_output, tool_format
 from strata.server.tools.request import ToolRequestError, check_tool_choice, check_tools, template_tool_calls
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from strata.runtime.generation.chat_dsv4 import render_chat
+from strata.runtime.generation.text.chat_dsv4 import render_chat
 from strata.server.tools.calls import TOOL_FORMATS, CallParsing, Delta, parse_output, tool_format
 
 FMT = TOOL_FORMATS["deepseek_v4"]

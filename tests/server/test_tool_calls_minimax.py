@@ -10,7 +10,7 @@ import random
 import pytest
 from test_tool_calls import TOOLS, _calls, _streamed, _tokenizer
 
-from strata.runtime.generation.tokenizer import _compile_template
+from strata.runtime.generation.text.tokenizer import _compile_template
 from strata.server.tools.calls import TOOL_FORMATS, parse_output, tool_format
 from strata.server.tools.request import template_tool_calls
 

@@ -121,7 +121,7 @@ def test_without_the_space_prefix(spm, tmp_path):
 
 
 def test_the_files_written_for_the_store(spm, tmp_path):
-    from strata.runtime.generation.tokenizer import Tokenizer
+    from strata.runtime.generation.text.tokenizer import Tokenizer
 
     tok, scores, _ = spm
     fields = _fields(tmp_path, tok, scores)

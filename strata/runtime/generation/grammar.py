@@ -38,7 +38,7 @@ import torch
 from strata.errors import RequestError, UnsupportedError
 
 if TYPE_CHECKING:
-    from strata.runtime.generation.tokenizer import Tokenizer
+    from strata.runtime.generation.text.tokenizer import Tokenizer
 
 MAX_CACHED_GRAMMARS = 64  # compiled grammars kept (least recently used dropped first)
 _NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for json_schema.name

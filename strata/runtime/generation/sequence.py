@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 import torch
 
 from strata.errors import StrataError
-from strata.runtime.generation.detokenize import StopMatcher, StreamDecoder
 from strata.runtime.generation.grammar import GrammarMatcher
 from strata.runtime.generation.logprobs import PromptLogprobs, token_logprob
 from strata.runtime.generation.requests import GenRequest, RequestHandle, TokenEvent
 from strata.runtime.generation.sampler import make_generator
+from strata.runtime.generation.text.detokenize import StopMatcher, StreamDecoder
 
 
 @dataclass

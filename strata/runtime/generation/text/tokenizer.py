@@ -22,10 +22,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as _HFTokenizer
 
 from strata.errors import CheckpointError, RequestError, UnsupportedError
-from strata.runtime.generation import chat_dsv4
-from strata.runtime.generation.detokenize import StopMatcher, StreamDecoder
-from strata.runtime.generation.tiktoken_vocab import RANKS_FILE, TiktokenBackend, is_tiktoken_dir, read_tiktoken
-from strata.runtime.generation.token_bound import TokenBound, token_bound
+from strata.runtime.generation.text import chat_dsv4
+from strata.runtime.generation.text.detokenize import StopMatcher, StreamDecoder
+from strata.runtime.generation.text.tiktoken_vocab import RANKS_FILE, TiktokenBackend, is_tiktoken_dir, read_tiktoken
+from strata.runtime.generation.text.token_bound import TokenBound, token_bound
 
 __all__ = ["Tokenizer", "StreamDecoder", "StopMatcher", "load_tokenizer"]
 
@@ -192,7 +192,7 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, directory: str | Path) -> Tokenizer:
         """Load a checkpoint's tokenizer.json, or a tiktoken tokenizer's files (Kimi's tiktoken.model: read as
-        data by strata.runtime.generation.tiktoken_vocab, no repository code run), with tokenizer_config.json and
+        data by strata.runtime.generation.text.tiktoken_vocab, no repository code run), with tokenizer_config.json and
         chat_template.jinja (optional)."""
         d = Path(directory)
         path = d / "tokenizer.json"
