@@ -66,14 +66,14 @@ def test_the_tile_backends_keep_twice_the_tokens_an_expert_on_the_kernel(monkeyp
 
 
 def test_a_prompts_token_counts_take_a_few_gemm_shapes():
-    """`bf16_expert` computes an expert's T tokens in `gemm_rows(T)` rows (the rest zero, dropped): at most 15 or a
-    quarter more than T, and few distinct shapes over every count a prompt may give an expert (oneDNN keeps a primitive per
+    """`bf16_expert` computes an expert's T tokens in `gemm_rows(T)` rows (the rest zero, dropped): at most 15 or an
+    eighth more than T, and few distinct shapes over every count a prompt may give an expert (oneDNN keeps a primitive per
     bf16 GEMM shape); a padded count gives the same rows as the unpadded GEMM would, within bf16's bound."""
     from strata.kernels.cpu.expert_args import gemm_rows
 
     rows = [gemm_rows(t) for t in range(1, 4097)]
-    assert all(t <= r <= t + max(15, t // 4) for t, r in zip(range(1, 4097), rows, strict=True))
-    assert len(set(rows)) <= 40 and gemm_rows(16) == 16 and gemm_rows(17) == 32 and gemm_rows(100) == 112
+    assert all(t <= r <= t + max(15, t // 8) for t, r in zip(range(1, 4097), rows, strict=True))
+    assert len(set(rows)) <= 50 and gemm_rows(16) == 16 and gemm_rows(17) == 32 and gemm_rows(300) == 320
     hidden, inter = 128, 64
     (gu, dn), = _experts(1, hidden, inter, seed=5)
     x = torch.randn(120, hidden).bfloat16()
