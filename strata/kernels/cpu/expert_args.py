@@ -284,7 +284,8 @@ def gemm_rows(t: int) -> int:
     """The rows an expert's `t` tokens are computed in by `bf16_expert`: t rounded up to an eighth of its power of
     two (16 at least), so a prompt's experts take a few dozen GEMM shapes, not one per token count (oneDNN keeps a
     primitive for each bf16 shape it meets: a long prompt's token counts per expert held hundreds of MB of them),
-    at most 15 or an eighth more rows (a quarter cost 5-17% of an expert's GEMM time, an eighth 0-11%)."""
+    at most 15 or an eighth more rows (the padded rows are computed too: coarser steps give fewer shapes and
+    more wasted work)."""
     step = max(16, (1 << max(0, t.bit_length() - 1)) // 8)
     return -(-t // step) * step
 
