@@ -2,10 +2,9 @@
 
 Requests are pydantic models with strict types for structural fields (a `"stream": "yes"` is a 400,
 not a truthy string) and unknown fields ignored, as OpenAI and vLLM do. OpenAI fields strata does not implement
-(logit_bias, penalties, best_of, suffix) are 400s unless neutral. Tools are checked in
-strata.server.tools.request. Sampling fields are left
-untyped here and validated by `SamplingParams`, so the server and the Python API reject a bad
-`temperature` with the same message.
+(logit_bias, penalties, best_of, suffix) are 400s unless neutral. Tools are checked in strata.server.tools.request.
+Sampling fields are left untyped here and validated by `SamplingParams`, so the server and the Python API reject a
+bad `temperature` with the same message.
 """
 
 from __future__ import annotations

@@ -268,8 +268,9 @@ def bf16_expert(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, idx:
     `form`, `bias` [2I]: the SwiGLU form and the expert's gate_up bias, applied in fp32 (as `expert_swiglu`)."""
     idx = idx.to(torch.int64)
     t = idx.numel()
-    xs = x.new_zeros(gemm_rows(t), x.shape[1], dtype=torch.bfloat16)  # [T', H]: T' >= T, rows past T zero
+    xs = x.new_empty(gemm_rows(t), x.shape[1], dtype=torch.bfloat16)  # [T', H]: T' >= T, rows past T zero
     xs[:t] = x.index_select(0, idx)
+    xs[t:].zero_()
     gu = F.linear(xs, gate_up)  # [T', 2I]
     if form.plain and bias is None:
         gate, up = gu.chunk(2, dim=-1)

@@ -4,8 +4,13 @@ and how that share follows how often the GPU waited for the worker."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from strata.kernels.gpu.grouped import HostExperts
 
 
 class GpuShare:
@@ -101,10 +106,10 @@ def row_granule(inter: int, block: int = 1) -> int:
     return granule
 
 
-def down_block(experts) -> int:
+def down_block(experts: HostExperts) -> int:
     """The values of a block of down's rows that a cut must respect: the widest GGUF block of down's types; 1
     for the other formats (their kernels cut anywhere)."""
-    layout = getattr(experts, "layout", None)
+    layout = experts.layout
     if layout is None or layout.fmt.kind != "gguf":
         return 1
     from strata.kernels.gguf_blocks import BLOCK_TYPES
