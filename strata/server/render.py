@@ -135,10 +135,11 @@ def is_token(ev: Any) -> bool:
 
 
 def _usage_of(seqs: list[Seq], n: int, completion: bool = True) -> dict:
-    # a prompt sent once with n > 1 is counted once, as OpenAI does
+    # a prompt sent once with n > 1 is counted once, as OpenAI does; a sequence the client left before its last
+    # event has no finish counts, so its tokens are the ones it streamed
     prompt = sum(s.prompt_tokens or len(s.prompt_ids) for s in seqs if s.index % n == 0)
     cached = sum(s.cached_tokens for s in seqs if s.index % n == 0)
-    return usage(prompt, sum(s.completion_tokens for s in seqs) if completion else 0, cached)
+    return usage(prompt, sum(s.completion_tokens or s.tokens for s in seqs) if completion else 0, cached)
 
 
 class ChatFormat:

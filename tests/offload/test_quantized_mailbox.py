@@ -68,8 +68,9 @@ def test_one_graph_split_decode_on_gguf_experts_equals_host_steps(tmp_path):
 
     types = [("Q4_K", "Q4_K", "Q6_K"), ("Q4_K", "Q4_K", "Q4_K")]
     _, path = build_qwen3_gguf(tmp_path, types, seed=3)
-    slot = ExpertLayout.build(ExpertFormat("gguf", ggml=(("Q4_K",), ("Q4_K",), ("Q4_K", "Q6_K"))), 256,
-                              256).payload_bytes
-    base = {"tiers": {"gpu": {"budget": str(slot)}, "pinned": {"budget": str(64 * slot)}},
+    payload = ExpertLayout.build(ExpertFormat("gguf", ggml=(("Q4_K",), ("Q4_K",), ("Q4_K", "Q6_K"))), 256,
+                                 256).payload_bytes
+    slot = -(-payload // 4096) * 4096  # a slot holds the largest expert, 4 KiB aligned
+    base = {"tiers": {"gpu": {"budget": str(2 * slot)}, "pinned": {"budget": str(64 * slot)}},  # 2 MoE layers
             "policy": {"promote": False}}
     _graph_decode_equals_host_steps(path, base, "gguf")

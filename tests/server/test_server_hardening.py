@@ -65,6 +65,19 @@ def test_access_log_has_one_line_per_request_with_tokens(client, caplog):
     assert re.fullmatch(r'\S+ "GET /nothing-here" 404 \d+\.\d{3}s', lines[2]), lines[2]
 
 
+def test_usage_of_a_stream_the_client_left_counts_the_tokens_it_streamed():
+    """A client that disconnects mid-stream leaves its sequences without a last event: the access log's usage
+    counts the tokens they streamed, not zero."""
+    from strata.server.render import CompletionFormat, Seq, TokenText
+
+    fmt = CompletionFormat(TokenText(None), None, False, False, ["hello there"], n=1)
+    left = Seq(0, [5, 6, 7, 8], handle=None, timer=None, tokens=7)
+    finished = Seq(1, [5, 6], handle=None, timer=None, tokens=3, finish_reason="length", prompt_tokens=2,
+                   completion_tokens=3)
+    assert fmt.usage([left, finished]) == {"prompt_tokens": 6, "completion_tokens": 10, "total_tokens": 16,
+                                           "prompt_tokens_details": {"cached_tokens": 0}}
+
+
 # ---- start-up, roles, content, unsupported routes, methods --------------------------------------------------
 
 
