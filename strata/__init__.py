@@ -12,14 +12,15 @@ from typing import TYPE_CHECKING, Any
 from strata.errors import CheckpointError, ConfigError, RequestError, StrataError, UnsupportedError
 
 if TYPE_CHECKING:
-    from strata.engine import Engine, GenerationOutput
+    from strata.engine import Engine
+    from strata.outputs import GenerationOutput
 
 try:
     __version__: str = version("strata-moe")  # pyproject.toml's [project] version, the one source of it
 except PackageNotFoundError:  # run from a source tree that was never installed
     __version__ = "0+unknown"
 
-_LAZY = {"Engine": "strata.engine", "GenerationOutput": "strata.engine"}
+_LAZY = {"Engine": "strata.engine", "GenerationOutput": "strata.outputs"}
 
 
 def __getattr__(name: str) -> Any:

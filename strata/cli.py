@@ -75,7 +75,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
     config = args.config
     if args.gpus:  # one model split over several GPUs (runtime.devices)
-        from strata.config import load_config, parse_gpus
+        from strata.config import load_config
+        from strata.config_values import parse_gpus
 
         config = load_config(args.config)
         config.runtime.devices = parse_gpus(args.gpus)

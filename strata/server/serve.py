@@ -98,7 +98,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if getattr(args, "no_warmup", False):
         cfg.runtime.warmup = False
     if getattr(args, "gpus", None):  # one model split over several GPUs
-        from strata.config import parse_gpus
+        from strata.config_values import parse_gpus
 
         cfg.runtime.devices = parse_gpus(args.gpus)
     cfg.runtime.__post_init__()  # validates the overrides

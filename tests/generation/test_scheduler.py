@@ -293,16 +293,16 @@ def test_a_step_is_all_queued_sampling_included_before_its_books_run(tiny_engine
     """The non-overlapped pass samples every sequence on the device before `step_queued` (whose hook runs the
     mailbox's books until the GPU is done: sampling queued after it would wait for them), and reads the tokens back
     after it. Three seeded streams decode together; the tokens are still each stream's own."""
-    import strata.runtime.generation.scheduler as scheduler_mod
+    import strata.runtime.generation.passes as passes_mod
 
     log: list[str] = []
-    real_sample = scheduler_mod.sample_rows
+    real_sample = passes_mod.sample_rows
 
     def logged_sample(logits, samplers, rows=None):
         log.extend(["sample"] * len(samplers))
         return real_sample(logits, samplers, rows)
 
-    monkeypatch.setattr(scheduler_mod, "sample_rows", logged_sample)
+    monkeypatch.setattr(passes_mod, "sample_rows", logged_sample)
     monkeypatch.setattr(tiny_engine.model, "graphs", _StepSpy(tiny_engine.model, log))
     ps = prompts(tiny_engine)[:3]
     params = [SamplingParams(max_tokens=6, temperature=0.8, seed=10 + i, ignore_eos=True) for i in range(3)]

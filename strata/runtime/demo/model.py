@@ -50,7 +50,7 @@ from strata.runtime.demo.skew import RouteSkew, check_locality, check_skew
 from strata.runtime.demo.tokenizer import tokenizer_size, write_tokenizer_files
 from strata.runtime.demo.weights import TensorSpec, make_tensor, tensor_specs, write_safetensors_header
 from strata.tiers.store.files import pwrite_all, remove_stale_tmp_dirs, temp_sibling
-from strata.tiers.store.safetensors_index import DTYPE_BITS
+from strata.tiers.store.safetensors_header import DTYPE_BITS
 
 TRAINED_DIR = Path(__file__).parent / "data" / TRAINED_SIZE
 MARKER = "strata_demo.json"  # written last; identifies a complete demo model and its parameters

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from strata.tiers.store.files import pwrite_all
-from strata.tiers.store.safetensors_index import encode_header
+from strata.tiers.store.safetensors_header import encode_header
 
 # the dtypes demo tensors are written in: generated ones in BF16 / F32; quantized releases' FP8 values and MXFP4 bytes
 _DTYPES = {"BF16": (torch.bfloat16, 2), "F32": (torch.float32, 4), "F8_E4M3": (torch.float8_e4m3fn, 1),

@@ -33,6 +33,7 @@ step ran ahead of the host), and a model with Engram layers reuses a prefix only
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Protocol
 
 import torch
@@ -219,3 +220,16 @@ class PrefixCache:
                 "hit_ratio": self.cached_tokens / served if served else 0.0,
                 "held_tokens": sum(len(s.ids) for s in self._slots if s.owner is None),
                 "idle_slots_holding": sum(1 for s in self._slots if s.owner is None and s.ids)}
+
+
+def kv_slots(engine, max_batch: int, repro_chunk: int) -> tuple[KVCache, PrefixCache]:
+    """`engine`'s KV cache for `max_batch` running sequences, with the slots beside them that only keep prefixes
+    (`runtime.prefix_cache_slots`), and the prefix cache over it (`repro_chunk`: reproducible prompts' chunk)."""
+    rt = engine.config.runtime
+    # a model whose cache is a recurrent state, not rows per position (Qwen3.5-MoE), reuses no prefix
+    reuse = rt.prefix_cache and getattr(engine.model, "reuses_prefixes", True)
+    kept = rt.prefix_cache_slots if reuse else 0  # slots that only keep prefixes
+    make = getattr(engine.model, "new_cache", None)  # an architecture with a cache of its own (DeepSeek-V4)
+    cache = (make or partial(KVCache, engine.checkpoint.config))(max_batch + kept, engine.max_context, engine.dtype,
+                                                                 engine.device)
+    return cache, PrefixCache(cache, max_batch, reuse, repro_chunk)

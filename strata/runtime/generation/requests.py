@@ -1,4 +1,5 @@
-"""The caller's side of the scheduler: requests, the events they produce, and their handles.
+"""The caller's side of the scheduler: requests, the checks they pass before they queue, the events they produce, and
+their handles.
 
 `GenRequest` is one sequence to generate (or, `score=True`, a prompt to score); `Scheduler.submit` returns a
 `RequestHandle` whose events (`TokenEvent`, the last one carrying `finish_reason`) arrive as the scheduler's
@@ -130,3 +131,20 @@ class RequestHandle:
     def cancel(self) -> None:
         """Stop generating; the sequence leaves the batch and frees its KV slot at the next step."""
         self.cancelled.set()
+
+
+def check_request(engine, request: GenRequest) -> None:
+    """Refuse `request` before it queues on `engine`'s scheduler (a `RequestError` naming the problem) when it
+    overruns the context or holds ids outside the vocabulary; compile its response format's grammar (cached per
+    schema) while the caller waits."""
+    n, ctx = len(request.prompt_ids), engine.max_context
+    if request.score and n > ctx:
+        raise RequestError(f"context_length_exceeded: {n} tokens exceed the context of {ctx} tokens")
+    if not request.score and (n >= ctx or n + request.params.max_tokens > ctx):
+        raise RequestError(
+            f"context_length_exceeded: the prompt ({n} tokens) plus max_tokens ({request.params.max_tokens}) "
+            f"exceed the context of {ctx} tokens; shorten the prompt or lower max_tokens"
+        )
+    engine.check_token_ids(request.prompt_ids)
+    if request.params.response_format is not None and request.grammar is None and not request.score:
+        request.grammar = engine.compile_grammar(request.params.response_format)  # cached per schema

@@ -5,16 +5,16 @@ server does, so their requests share its steps: streams on several threads, or s
 turn, decode together, and the engine's KV cache is this scheduler's `max_batch` slots (what the planner sized).
 
 A background thread runs steps while there is work (and exits when there is none, so an idle engine holds no
-thread). Each step takes, within a token budget, one decode token from every running sequence plus prompt chunks
-of sequences still prefilling, runs them as one flat `StepBatch` through the model, samples each sequence's next
-token with its own generator, and streams events back. New requests join at the next step; finished or
-cancelled ones leave at once and free their KV-cache slot, whose rows stay there for later prompts that share
-their prefix (strata.runtime.generation.prefix_cache: a newcomer starts where the longest shared prefix of any
-slot, finished or running, ends; `runtime.prefix_cache`). A long prompt is prefilled in chunks interleaved with
-the decode steps of the running sequences; while any sequence decodes, a `PrefillPacer` sizes those chunks from
-measured step times so every decoding user's gap between two tokens stays under `runtime.decode_gap_target`
-seconds. Every forward pass runs under the engine's `step_lock`, so other schedulers of the same engine (tests,
-benchmarks) never race this one.
+thread). Each step takes, within a token budget, one decode token from every running sequence plus prompt chunks of
+sequences still prefilling, runs them as one flat `StepBatch` through the model, samples each sequence's next token
+with its own generator (strata.runtime.generation.passes), and streams events back. New requests join at the next
+step; finished or cancelled ones leave at once and free their KV-cache slot, whose rows stay there for later prompts
+that share their prefix (strata.runtime.generation.prefix_cache: a newcomer starts where the longest shared prefix
+of any slot, finished or running, ends; `runtime.prefix_cache`). A long prompt is prefilled in chunks interleaved
+with the decode steps of the running sequences; while any sequence decodes, a `PrefillPacer` sizes those chunks from
+measured step times so every decoding user's gap between two tokens stays under `runtime.decode_gap_target` seconds.
+Every forward pass runs under the engine's `step_lock`, so other schedulers of the same engine (tests, benchmarks)
+never race this one.
 
 With `[debug] overlap_decode` (on CUDA by default), a step of decode tokens only is queued before the host
 reads the tokens it is fed: its inputs are the last step's tokens, sampled on the device, and the host emits
@@ -37,27 +37,26 @@ import threading
 import time
 import weakref
 from collections import deque
-from functools import partial
 
 import torch
 
-from strata.errors import RequestError, StrataError
+from strata.errors import StrataError
 from strata.runtime.generation.decode_chain import DecodeChain, InFlight
 from strata.runtime.generation.grammar import GrammarBatch
-from strata.runtime.generation.logprobs import PromptLogprobs
 from strata.runtime.generation.pacing import PrefillPacer
-from strata.runtime.generation.prefix_cache import PrefixCache
+from strata.runtime.generation.passes import Pass, plan_step, run_pass
+from strata.runtime.generation.prefix_cache import kv_slots
 from strata.runtime.generation.requests import (  # noqa: F401 - re-exported: the public names live here too
     MAX_LOGPROBS,
     GenRequest,
     QueueFullError,
     RequestHandle,
     TokenEvent,
+    check_request,
 )
-from strata.runtime.generation.sampler import sample_rows
-from strata.runtime.generation.sequence import Sequence, plan_pass
+from strata.runtime.generation.sequence import Sequence
 from strata.runtime.generation.step_log import StepLog
-from strata.runtime.model.kv_cache import KVCache, StepBatch
+from strata.runtime.model.kv_cache import KVCache
 
 log = logging.getLogger("strata")
 
@@ -120,14 +119,7 @@ class Scheduler:
             self.pacer = PrefillPacer(budget, gap, chunk_min, idle_budget=self.engine.prefill_chunk)
             if batch != self._settings[0]:
                 self._chain.pending, self.cache = None, None  # the old slots are freed before the new ones are taken
-                e, rt = self.engine, self.engine.config.runtime
-                # a model whose cache is a recurrent state, not rows per position (Qwen3.5-MoE), reuses no prefix
-                reuse = rt.prefix_cache and getattr(e.model, "reuses_prefixes", True)
-                kept = rt.prefix_cache_slots if reuse else 0  # slots that only keep prefixes
-                make = getattr(e.model, "new_cache", None)  # an architecture with a cache of its own (DeepSeek-V4)
-                self.cache = (make or partial(KVCache, e.checkpoint.config))(batch + kept, e.max_context, e.dtype,
-                                                                           e.device)
-                self.prefix = PrefixCache(self.cache, batch, reuse, self.repro_chunk)
+                self.cache, self.prefix = kv_slots(self.engine, batch, self.repro_chunk)
             self._settings = new
             self.max_batch, self.token_budget, self.max_queue = batch, budget, queue_len
 
@@ -178,7 +170,7 @@ class Scheduler:
         """Queue `requests` at once, so the step that admits the first admits them all (as KV slots allow): all
         are checked first, and all or none are queued (`QueueFullError` when the queue lacks room for them all)."""
         for request in requests:
-            self._check(request)
+            check_request(self.engine, request)
         handles = [RequestHandle(r, asynchronous) for r in requests]
         with self._cv:
             if self._stop:
@@ -197,19 +189,6 @@ class Scheduler:
             if handle in self._waiting:
                 self._waiting.remove(handle)
                 handle.deliver(TokenEvent(handle.request.request_id, None, "", finish_reason="abort"))
-
-    def _check(self, request: GenRequest) -> None:
-        n, ctx = len(request.prompt_ids), self.engine.max_context
-        if request.score and n > ctx:
-            raise RequestError(f"context_length_exceeded: {n} tokens exceed the context of {ctx} tokens")
-        if not request.score and (n >= ctx or n + request.params.max_tokens > ctx):
-            raise RequestError(
-                f"context_length_exceeded: the prompt ({n} tokens) plus max_tokens ({request.params.max_tokens}) "
-                f"exceed the context of {ctx} tokens; shorten the prompt or lower max_tokens"
-            )
-        self.engine.check_token_ids(request.prompt_ids)
-        if request.params.response_format is not None and request.grammar is None and not request.score:
-            request.grammar = self.engine.compile_grammar(request.params.response_format)  # cached per schema
 
     def stats(self) -> dict:
         with self._cv:
@@ -323,65 +302,37 @@ class Scheduler:
             if chain.pending is not None or not self._running:
                 return
             t0 = time.perf_counter()
-        solo = [(plan_pass([s], self.score_chunk if s.req.score else self.repro_chunk), s.req.reproducible)
-                for s in self._running if s.req.reproducible or s.req.score]
-        n_decode = sum(1 for s in self._running if s.next_input is not None)
-        solo_prompt = sum(len(inp) for plan, _ in solo for s, inp, _ in plan if s.next_input is None)
-        allow = self.pacer.allowance(n_decode)
-        if n_decode and self.pacer.enabled:  # solo chunks count against the step's allowance
-            allow = max(allow - solo_prompt, min(self.pacer.min_chunk, allow))
-        shared = plan_pass([s for s in self._running if not (s.req.reproducible or s.req.score)], allow)
-        if self.overlap and not solo and shared and all(s.next_input is not None and chain.overlaps(s, 1, ctx)
-                                                        for s, _, _ in shared):
+        step = plan_step(self._running, self.pacer, self.repro_chunk, self.score_chunk)
+        shared = step.shared
+        if self.overlap and not step.solo and shared and all(s.next_input is not None and chain.overlaps(s, 1, ctx)
+                                                             for s, _, _ in shared):
             ids = torch.tensor([s.next_input for s, _, _ in shared], dtype=torch.long, device=self.engine.device)
             chain.pending = chain.launch(self.engine.model, self.cache, [s for s, _, _ in shared],
                                          [st for _, _, st in shared], ids)
             return
         n_prompt, passes = 0, 0
-        for plan, reproducible in [(shared, False), *solo]:
+        for plan, reproducible in [(shared, False), *step.solo]:
             if plan:
                 n_prompt += sum(len(inp) for s, inp, _ in plan if s.next_input is None)
                 passes += 1
                 self._forward(plan, reproducible)
         if not passes:
             return
-        self._record_step(time.perf_counter() - t0, n_decode, n_prompt, passes, allow)  # sampling included
+        self._record_step(time.perf_counter() - t0, step.n_decode, n_prompt, passes, step.allow)  # sampling included
 
     def _record_step(self, dt: float, n_decode: int, n_prompt: int, passes: int, allow: int) -> None:
         """A finished step, `dt` seconds (the gap a decoding user sees): the pacer's sample and the step log."""
         self.pacer.observe(n_decode, n_prompt, dt)
         self.step_log.record(dt, n_decode, n_prompt, passes, allow)
 
-    def _forward(self, plan: list[tuple[Sequence, list[int], int]], reproducible: bool) -> None:
-        """Run `plan` as one flat batch, sample, and emit (reproducible: the expert compute's exact path)."""
+    def _forward(self, plan: Pass, reproducible: bool) -> None:
+        """Run `plan` as one pass (reproducible: the expert compute's exact path), then emit its sampled tokens."""
         t0 = time.perf_counter()
-        model = self.engine.model
-        ids = torch.tensor([t for _, inp, _ in plan for t in inp], dtype=torch.long, device=self.engine.device)
-        batch = StepBatch([s.slot for s, _, _ in plan], [st for _, _, st in plan], [len(inp) for _, inp, _ in plan])
-        with self.engine.numerics(reproducible), torch.inference_mode():
-            hidden = model(ids, batch, self.cache)
-            rows = batch.last_token_rows()
-            logits = model.logits(hidden[rows])  # [B, V] fp32
-            for i, (seq, inp, start) in enumerate(plan):
-                off = batch.offsets[i]
-                if seq.req.score:  # every position's next-token log-probabilities [len(inp), V], kept on the host
-                    seq.scores.append(torch.log_softmax(model.logits(hidden[off : off + len(inp)]), dim=-1).cpu())
-                elif seq.next_input is None and seq.req.prompt_logprobs is not None:
-                    if seq.prompt_lp is None:
-                        seq.prompt_lp = PromptLogprobs(seq.req.prompt_logprobs)
-                    seq.prompt_lp.feed(seq.req.prompt_ids, model.logits(hidden[off : off + len(inp)]), start, len(inp))
-            # every row that yields a token is sampled on the device first, each with its own generator (so the
-            # order is free), and read back once: one wait for the GPU a step, not one a sequence
-            rows_out = [i for i, (seq, inp, _) in enumerate(plan) if seq.samples(inp)]
-            masked = self._grammars.mask(logits, [seq.grammar if seq.samples(inp) else None for seq, inp, _ in plan])
-            drawn = sample_rows(masked, [(plan[i][0].req.params, plan[i][0].generator) for i in rows_out], rows_out) \
-                if rows_out else None
-            if (graphs := model.graphs) is not None:
-                graphs.step_queued()  # all of the step is queued (sampling too): its books run while the GPU works
-            tokens = dict(zip(rows_out, drawn.tolist() if drawn is not None else [], strict=True))
+        tokens, logits = run_pass(self.engine, self.cache, self._grammars, plan, reproducible)
+        n_tokens = sum(len(inp) for _, inp, _ in plan)
         n_decode = sum(1 for s, _, _ in plan if s.next_input is not None)
-        self.engine.counters.ran(len(ids) - n_decode, n_decode, time.perf_counter() - t0)
-        self.prefix.count_computed(len(ids) - n_decode)
+        self.engine.counters.ran(n_tokens - n_decode, n_decode, time.perf_counter() - t0)
+        self.prefix.count_computed(n_tokens - n_decode)
         for i, (seq, inp, start) in enumerate(plan):
             seq.written = seq.ring_at = start + len(inp)
             if seq.next_input is None:  # a prompt chunk

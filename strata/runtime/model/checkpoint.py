@@ -24,7 +24,8 @@ from strata.runtime.model.gpt_oss.layout import experts_transposed, transposed_s
 from strata.runtime.model.quantized import check_quantized, plain_dtype, read_weight, stored_shape
 from strata.tiers.store.dense_check import DenseCheck
 from strata.tiers.store.format import EXPERT_DTYPES, is_store, lacks_index, no_index_error
-from strata.tiers.store.safetensors_index import DTYPES, MX_BLOCKS, TensorIndex, TensorInfo, read_tensor
+from strata.tiers.store.safetensors_header import DTYPES, MX_BLOCKS, TensorInfo
+from strata.tiers.store.safetensors_index import TensorIndex, read_tensor
 from strata.tiers.store.store import ExpertStore
 
 TEXT_MODEL_PREFIX = "language_model."  # where a multimodal release (Kimi K2.5) keeps its language model's tensors

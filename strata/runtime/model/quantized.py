@@ -24,7 +24,8 @@ import torch
 from strata.errors import CheckpointError
 from strata.kernels.quant import MX_GROUP, dequantize_fp8, dequantize_mxfp4
 from strata.runtime.model.config import ModelConfig
-from strata.tiers.store.safetensors_index import DTYPES, FP8_SCALE, MX_BLOCKS, MX_SCALES, TensorIndex, TensorInfo
+from strata.tiers.store.safetensors_header import DTYPES, FP8_SCALE, MX_BLOCKS, MX_SCALES, TensorInfo
+from strata.tiers.store.safetensors_index import TensorIndex
 
 SCALE_DTYPES = ("F32", "BF16", "F16", "F8_E8M0")  # FP8 scale_inv dtypes read (converted to float32 exactly)
 RawReader = Callable[[TensorInfo], torch.Tensor]  # a tensor's stored bytes as a CPU tensor of its dtype

@@ -17,7 +17,7 @@ from strata.runtime.plan.checkpoints.inspect import (
     summarize_checkpoint,
 )
 from strata.tiers.store import format as store_format
-from strata.tiers.store.safetensors_index import DTYPE_BITS
+from strata.tiers.store.safetensors_header import DTYPE_BITS
 
 PLAIN_DTYPES = ("BF16", "F16", "F32")
 

@@ -25,7 +25,8 @@ from pathlib import Path
 
 import torch
 
-from strata.config import StrataConfig, load_config, parse_gpus, parse_size
+from strata.config import StrataConfig, load_config
+from strata.config_values import parse_gpus, parse_size
 from strata.runtime.generation.prefill_chunk import resolve_prefill_chunk
 from strata.runtime.model.qwen3_5.cache import reuses_prefixes
 from strata.runtime.plan.checkpoints.in_place import store_mode

@@ -15,7 +15,8 @@ from strata.errors import CheckpointError
 from strata.tiers.rows.cached import CachedRows
 from strata.tiers.rows.load import RowTables
 from strata.tiers.storage import native_io
-from strata.tiers.storage.diskio import ALIGN, DiskReader, aligned_empty
+from strata.tiers.storage.aligned_io import ALIGN, aligned_empty
+from strata.tiers.storage.diskio import DiskReader
 
 NO_ROOM = -(1 << 40)  # csrc/row_serve.cpp's codes, beyond any -1 - i of a short read
 PAST_END, SMALL_SCRATCH = NO_ROOM - 1, NO_ROOM - 2

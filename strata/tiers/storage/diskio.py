@@ -1,5 +1,6 @@
-"""Reading store files fast: 4096-aligned buffers, O_DIRECT reads on a thread pool, table-row gathers
-(disk straight into GPU memory with kvikio: strata.tiers.storage.gds).
+"""Reading store files fast (`DiskReader`): O_DIRECT reads on a thread pool into 4096-aligned buffers, table-row
+gathers (the blocks they read: strata.tiers.storage.row_gather; disk straight into GPU memory with kvikio:
+strata.tiers.storage.gds).
 
 Store objects are fixed-size blobs at 4096-aligned offsets, so they can be read with O_DIRECT: no
 page-cache copy and no page cache filled (then evicted) by a store far larger than RAM. One read in
@@ -14,7 +15,6 @@ from __future__ import annotations
 import errno
 import mmap
 import os
-import re
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -26,41 +26,8 @@ import torch
 
 from strata.errors import CheckpointError
 from strata.tiers.storage import native_io
-
-ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffers (logical block size on every disk we target)
-_MEMORY_FS = {"tmpfs", "ramfs", "hugetlbfs"}
-PathLike = str | os.PathLike
-
-
-def aligned_empty(nbytes: int, pin: bool = False) -> torch.Tensor:
-    """A uint8 CPU tensor of `nbytes` whose data_ptr is 4096-aligned; `pin` page-locks it when CUDA is available."""
-    if nbytes < 0:
-        raise ValueError(f"nbytes must be >= 0, got {nbytes}")
-    pin = pin and torch.cuda.is_available()
-    t = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-    if t.data_ptr() % ALIGN == 0:  # cudaHostAlloc and large CPU allocations usually are
-        return t
-    base = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin)
-    skip = -base.data_ptr() % ALIGN
-    return base[skip : skip + nbytes]  # the view keeps `base` alive
-
-
-def fs_type(path: str) -> str:
-    """Filesystem type of the mount holding `path` (longest mount-point prefix in /proc/self/mounts)."""
-    real, best, fstype = os.path.realpath(path), "", ""
-    try:
-        with open("/proc/self/mounts") as fh:
-            for line in fh:
-                parts = line.split()
-                if len(parts) < 3:
-                    continue
-                mnt = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), parts[1])  # \040 = space
-                inside = real == mnt or real.startswith(mnt.rstrip("/") + "/")
-                if inside and len(mnt) >= len(best):
-                    best, fstype = mnt, parts[2]
-    except OSError:  # not Linux: treat as a disk
-        pass
-    return fstype
+from strata.tiers.storage.aligned_io import ALIGN, MEMORY_FS, PathLike, aligned_empty, as_bytes, fs_type, pread
+from strata.tiers.storage.row_gather import block_runs, gather_rows
 
 
 @dataclass
@@ -107,36 +74,6 @@ def _failed(exc: BaseException) -> Future:
     return fut
 
 
-def _pread(path: str, fd: int, buf: np.ndarray, offset: int, need: int) -> None:
-    """Fill `buf` (all of it requested, at least `need` bytes required: O_DIRECT reads whole blocks) from `offset`."""
-    got = 0
-    try:
-        while got < need:
-            n = os.preadv(fd, [buf[got:]], offset + got)  # loops: Linux caps one call near 2 GiB
-            if n <= 0:
-                raise CheckpointError(f"{path} ended early: {got} of {need} bytes at offset {offset}; the store file is truncated")
-            got += n
-    except OSError as e:
-        raise CheckpointError(f"cannot read {path} at offset {offset}: {e.strerror}") from e
-
-
-def _gather(src: torch.Tensor, pos: np.ndarray, row_bytes: int, dst: torch.Tensor) -> None:
-    """dst[i] = src[pos[i] : pos[i] + row_bytes] for uint8 `src` [L] and `dst` [n, row_bytes], vectorised.
-
-    Every position is r0 + k*g (g = gcd of the offsets from r0), so `src` seen as windows of row_bytes
-    with step g is a 2-D view and the gather is one index_select: no per-row Python. When rows do not
-    straddle (g a multiple of row_bytes) the view is a plain contiguous [rows, row_bytes] table."""
-    r0 = int(pos.min())
-    rel = pos - r0
-    g = int(np.gcd.reduce(rel)) or row_bytes
-    if g % row_bytes == 0:
-        nrows = (src.numel() - r0) // row_bytes
-        windows, step = src[r0 : r0 + nrows * row_bytes].view(nrows, row_bytes), row_bytes
-    else:
-        windows, step = src[r0:].unfold(0, row_bytes, g), g  # [(L - r0 - row_bytes) // g + 1, row_bytes]
-    torch.index_select(windows, 0, torch.from_numpy(rel // step), out=dst)
-
-
 class DiskReader:
     """Reads byte ranges and table rows of store files into CPU uint8 tensors, many reads in flight.
 
@@ -166,7 +103,7 @@ class DiskReader:
         return f
 
     def _open(self, path: str) -> OpenFile:
-        memory = fs_type(path) in _MEMORY_FS
+        memory = fs_type(path) in MEMORY_FS
         flags = os.O_RDONLY | getattr(os, "O_CLOEXEC", 0)
         try:
             size = os.stat(path).st_size
@@ -225,7 +162,7 @@ class DiskReader:
         Returns a future of `out`; a missing or too-short file fails it with CheckpointError naming the file."""
         if offset < 0 or length < 0:
             raise ValueError(f"offset and length must be >= 0, got {offset}, {length}")
-        buf = _as_bytes(out, length)
+        buf = as_bytes(out, length)
         try:
             f = self.file(path)
         except CheckpointError as e:
@@ -237,8 +174,8 @@ class DiskReader:
         if f.direct and (offset % ALIGN or length % ALIGN or out.data_ptr() % ALIGN):
             fd = self._buffered_fd(f)
         if length <= self.chunk_bytes:
-            return self._pool.submit(lambda: (_pread(f.path, fd, buf[:length], offset, length), out)[1])
-        futs = [self._pool.submit(_pread, f.path, fd, buf[s : min(s + self.chunk_bytes, length)], offset + s,
+            return self._pool.submit(lambda: (pread(f.path, fd, buf[:length], offset, length), out)[1])
+        futs = [self._pool.submit(pread, f.path, fd, buf[s : min(s + self.chunk_bytes, length)], offset + s,
                                   min(self.chunk_bytes, length - s))
                 for s in range(0, length, self.chunk_bytes)]
         return _fan_in(futs, lambda: out)
@@ -254,7 +191,7 @@ class DiskReader:
             f = self.file(path)
             if not f.direct or (offset % ALIGN == 0 and length % ALIGN == 0):
                 return self.read(path, offset, length, out)
-        flat = _as_bytes(out, out.numel())
+        flat = as_bytes(out, out.numel())
         futs: list[Future] = []
         for path, offset, length, at in extents:
             if at < 0 or at + length > flat.size:
@@ -270,7 +207,7 @@ class DiskReader:
             for s in range(0, length, self.chunk_bytes):  # big extents in chunk_bytes pieces, read in parallel
                 n = min(self.chunk_bytes, length - s)
                 if not f.direct or aligned:
-                    futs.append(self._pool.submit(_pread, f.path, f.fd, flat[at + s : at + s + n], offset + s, n))
+                    futs.append(self._pool.submit(pread, f.path, f.fd, flat[at + s : at + s + n], offset + s, n))
                 else:
                     futs.append(self._pool.submit(self._read_window, f, offset + s, n, flat[at + s : at + s + n]))
         return _fan_in(futs, lambda: out)
@@ -282,7 +219,7 @@ class DiskReader:
         scratch = self._take_scratch(end - start)
         try:
             buf = scratch.numpy()[: end - start]
-            _pread(f.path, f.fd, buf, start, offset + length - start)
+            pread(f.path, f.fd, buf, start, offset + length - start)
             dst[:] = buf[offset - start : offset - start + length]
         finally:
             self._give_scratch(scratch)
@@ -302,7 +239,7 @@ class DiskReader:
             raise ValueError(f"need base_offset >= 0 and row_bytes > 0, got {base_offset}, {row_bytes}")
         idx = np.asarray(rows, dtype=np.int64).reshape(-1)
         n = idx.size
-        dst = _as_bytes(out, n * row_bytes, keep_tensor=True).view(n, row_bytes)
+        dst = as_bytes(out, n * row_bytes, keep_tensor=True).view(n, row_bytes)
         if n and int(idx.min()) < 0:
             raise ValueError(f"row indices must be >= 0, got {int(idx.min())}")
         try:
@@ -319,29 +256,14 @@ class DiskReader:
         if f.memory:  # tmpfs: index the mapping, no syscalls; a memcpy this small costs less than a thread hop
             done: Future = Future()
             try:
-                _gather(self._mapped(f), starts, row_bytes, dst)
+                gather_rows(self._mapped(f), starts, row_bytes, dst)
             except BaseException as e:  # noqa: BLE001 - reported through the future, like the threaded reads
                 done.set_exception(e)
             else:
                 done.set_result(out)
             return done
 
-        first = starts // ALIGN  # [n] first and last block of every row
-        span = (starts + row_bytes - 1) // ALIGN - first + 1
-        if int(span.max()) == 1:
-            blocks = first
-        else:  # rows over several blocks: list every block of every row
-            reps = np.repeat(first, span)
-            blocks = reps + np.arange(reps.size) - np.repeat(np.cumsum(span) - span, span)
-        ub = np.unique(blocks)  # [m] sorted distinct blocks; scratch holds block ub[j] at j * ALIGN
-        pos = np.searchsorted(ub, first) * ALIGN + (starts - first * ALIGN)  # row i in scratch
-        cut = np.flatnonzero(np.diff(ub) != 1) + 1  # runs of consecutive blocks: [run_a[j], run_b[j]) of ub
-        run_a, run_b = np.concatenate(([0], cut)), np.concatenate((cut, [ub.size]))
-        max_blocks = self.chunk_bytes // ALIGN
-        if int((run_b - run_a).max()) > max_blocks:  # a run longer than a chunk: cut into chunk-sized pieces
-            pieces = [(s, min(s + max_blocks, b)) for a, b in zip(run_a.tolist(), run_b.tolist(), strict=True)
-                      for s in range(a, b, max_blocks)]
-            run_a, run_b = (np.array(c, dtype=np.int64) for c in zip(*pieces, strict=True))
+        ub, pos, run_a, run_b = block_runs(starts, row_bytes, self.chunk_bytes // ALIGN)
         scratch = self._take_scratch(ub.size * ALIGN)
         sbuf = scratch.numpy()
         # direct files always qualify for O_DIRECT here: block offsets, lengths and the scratch are aligned
@@ -349,7 +271,7 @@ class DiskReader:
 
         def finish() -> torch.Tensor:
             try:
-                _gather(scratch, pos, row_bytes, dst)
+                gather_rows(scratch, pos, row_bytes, dst)
             finally:
                 self._give_scratch(scratch)
             return out
@@ -377,7 +299,7 @@ class DiskReader:
         def read_runs(part: list[tuple[int, int]]) -> None:
             for a, b in part:
                 off = blk[a] * ALIGN
-                _pread(f.path, fd, sbuf[a * ALIGN : b * ALIGN], off, min((b - a) * ALIGN, f.size - off))
+                pread(f.path, fd, sbuf[a * ALIGN : b * ALIGN], off, min((b - a) * ALIGN, f.size - off))
 
         groups = min(self.num_threads, len(runs))
         futs = [self._pool.submit(read_runs, runs[k::groups]) for k in range(groups)]
@@ -418,13 +340,3 @@ class DiskReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _as_bytes(out: torch.Tensor, nbytes: int, keep_tensor: bool = False) -> Any:
-    """Check `out` is a contiguous CPU uint8 tensor of at least `nbytes`; its first `nbytes` as numpy (or torch)."""
-    if out.device.type != "cpu" or out.dtype != torch.uint8 or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous CPU uint8 tensor, got {out.dtype} on {out.device}")
-    if out.numel() < nbytes:
-        raise ValueError(f"out holds {out.numel()} bytes, {nbytes} needed")
-    flat = out.view(-1)[:nbytes]
-    return flat if keep_tensor else flat.numpy()

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from strata.errors import CheckpointError, UnsupportedError
-from strata.tiers.storage.diskio import PathLike
+from strata.tiers.storage.aligned_io import PathLike
 
 
 class _KvikioRead:

@@ -19,7 +19,7 @@ import xxhash
 
 from strata.errors import CheckpointError
 from strata.tiers.store.format import DenseEntry, StoreIndex, byte_view, checksum, pread_into
-from strata.tiers.store.safetensors_index import TensorInfo, read_header
+from strata.tiers.store.safetensors_header import TensorInfo, read_header
 from strata.tiers.store.verify_record import FileIdentity, VerifyRecord
 
 DENSE_RECORD = "file:dense.safetensors"  # its key in the verification record (no table name has a ':')

@@ -33,7 +33,7 @@ from strata.tiers.store.format import (
     pread_into,
     read_index,
 )
-from strata.tiers.store.safetensors_index import DTYPE_BITS, TensorInfo, encode_header
+from strata.tiers.store.safetensors_header import DTYPE_BITS, TensorInfo, encode_header
 
 _COPY_CHUNK = 16 << 20  # dense tensors are copied through a buffer of this many bytes
 

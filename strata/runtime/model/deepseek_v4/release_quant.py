@@ -28,7 +28,8 @@ from dataclasses import replace
 
 from strata.errors import CheckpointError
 from strata.kernels.quant import MX_GROUP
-from strata.tiers.store.safetensors_index import FP8_SCALE, MX_BLOCKS, MX_SCALES, TensorIndex, TensorInfo
+from strata.tiers.store.safetensors_header import FP8_SCALE, MX_BLOCKS, MX_SCALES, TensorInfo
+from strata.tiers.store.safetensors_index import TensorIndex
 
 RELEASE_SCALE = ".scale"  # the release's name of a quantized weight's scales, beside `.weight`
 FP8_SCALE_DTYPES = ("F8_E8M0", "F32")  # ue8m0 (scale_fmt "ue8m0") or float32 block scales

@@ -18,7 +18,8 @@ import torch
 from strata.runtime.model.checkpoint import Checkpoint
 from strata.tiers.rows.store import EngramRowStore, resolve_tier, table_name
 from strata.tiers.store.format import TableEntry
-from strata.tiers.store.safetensors_index import TensorInfo, read_tensor
+from strata.tiers.store.safetensors_header import TensorInfo
+from strata.tiers.store.safetensors_index import read_tensor
 
 TABLE_TENSOR = re.compile(r"model\.layers\.(\d+)\.engram\.multi_head_embedding\.embedding\.weight")
 _PIECE_BYTES = 64 << 20

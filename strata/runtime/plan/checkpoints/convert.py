@@ -44,7 +44,7 @@ from strata.tiers.store.format import (
     lacks_index,
     read_index,
 )
-from strata.tiers.store.safetensors_index import TensorInfo
+from strata.tiers.store.safetensors_header import TensorInfo
 from strata.tiers.store.store import ExpertStore, StaleStoreError
 from strata.tiers.store.verify_record import RECORD_NAME
 from strata.tiers.store.writer import Fill, Piece, StoreWriter

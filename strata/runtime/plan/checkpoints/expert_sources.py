@@ -15,12 +15,13 @@ from pathlib import Path
 
 import torch
 
-from strata.config import STORE_EXPERTS
+from strata.config_sections import STORE_EXPERTS
 from strata.errors import CheckpointError, ConfigError
 from strata.kernels.quant import MX_GROUP, ExpertFormat, ExpertLayout, dequantize_fp8, dequantize_mxfp4, fp8_block_for
 from strata.runtime.model.checkpoint import Checkpoint
 from strata.runtime.model.gpt_oss.layout import transposed_shapes
-from strata.tiers.store.safetensors_index import FP8_SCALE, MX_BLOCKS, MX_SCALES, TensorInfo, read_tensor
+from strata.tiers.store.safetensors_header import FP8_SCALE, MX_BLOCKS, MX_SCALES, TensorInfo
+from strata.tiers.store.safetensors_index import read_tensor
 
 Piece = tuple[Path, int, int, int]  # (source file, absolute offset, bytes, offset in the blob)
 Part = tuple[TensorInfo, TensorInfo | None]  # one matrix (or gate / up half) as stored: values, scales

@@ -22,7 +22,7 @@ from strata.runtime.model.engram.store import is_table_tensor
 from strata.runtime.plan.checkpoints.convert import report_verify
 from strata.runtime.plan.checkpoints.expert_sources import layer_sources
 from strata.runtime.plan.checkpoints.store_cache import store_root
-from strata.tiers.storage.diskio import fs_type
+from strata.tiers.storage.aligned_io import fs_type
 from strata.tiers.store.format import is_store
 from strata.tiers.store.in_place import (
     InPlaceIndex,

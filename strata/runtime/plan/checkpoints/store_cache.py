@@ -13,7 +13,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from strata.config import DiskTierConfig, StrataConfig
+from strata.config import StrataConfig
+from strata.config_sections import DiskTierConfig
 from strata.tiers.store.format import checkpoint_fingerprint, is_store, lacks_index, no_index_error
 
 

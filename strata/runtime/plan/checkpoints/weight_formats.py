@@ -4,7 +4,7 @@ block-scaled FP8 values and their scales, or MXFP4 halves (strata.runtime.model.
 from __future__ import annotations
 
 from strata.kernels.quant import ExpertFormat
-from strata.tiers.store.safetensors_index import FP8_SCALE, MX_BLOCKS, MX_SCALES, TensorInfo
+from strata.tiers.store.safetensors_header import FP8_SCALE, MX_BLOCKS, MX_SCALES, TensorInfo
 
 FP8, FP8_SCALES, MXFP4 = "fp8", "fp8 scales", "mxfp4"  # `formats_by_role` keys of quantized tensors; else a dtype
 
