@@ -19,6 +19,9 @@ MODULES = [
     ("tests/kernels/test_gguf_pairs.py", "test_kernel_", 24),  # the same for GGUF experts
     ("tests/kernels/test_decode_attention.py", "decode_attention or plain_build", 5),  # sinks, windows
     ("tests/kernels/test_pair_forms.py", "test_kernel_", 24),  # every SwiGLU form and the gate_up bias, each format
+    ("tests/kernels/test_gated_delta.py", "", 10),  # Qwen3.5's convolution, delta rule and norms
+    # ... and in a whole model: DecodeBatch steps on the fused kernels against the StepBatch path (fp32, 1e-4)
+    ("tests/model/test_qwen3_5_decode.py", "(decode_batch_equals_step_batch and not long) or one_token_prompt", 2),
 ]
 
 

@@ -93,7 +93,7 @@ if triton is not None:
             wv = tl.load(w_ptr + offs_e[:, None].to(tl.int64) * H + offs_h[None, :], mask=em[:, None] & hm[None, :],
                          other=0.0).to(tl.float32)
             acc += tl.sum(wv * xv[None, :], axis=1)
-        logit = fused._round(acc, x_ptr.dtype.element_ty, BF16)  # torch's linear returns the model dtype
+        logit = fused.round_to(acc, x_ptr.dtype.element_ty, BF16)  # torch's linear returns the model dtype
         tl.store(logit_ptr + row * E + offs_e, logit, mask=em)
         tl.debug_barrier()  # every thread's logits stored before the count says this program is done
         done = tl.atomic_add(count_ptr + row, 1, sem="acq_rel")

@@ -192,7 +192,7 @@ def combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype, extra: t
 if triton is not None:
 
     @triton.jit
-    def _round(x, dt: tl.constexpr, BF16: tl.constexpr):
+    def round_to(x, dt: tl.constexpr, BF16: tl.constexpr):
         """fp32 x rounded to `dt` and back, as torch rounds each op's result. For bf16 by integer
         round-to-nearest-even on the bits: the compiler may fold a truncf/extf pair away (and then
         contract a later add into an FMA), which torch's separately rounded ops never do."""
@@ -213,7 +213,7 @@ if triton is not None:
         pdl.enter(PDL)
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-        y = _round(x * r, out_ptr.dtype.element_ty, BF16)  # rms_norm(x.float()).to(dtype)
+        y = round_to(x * r, out_ptr.dtype.element_ty, BF16)  # rms_norm(x.float()).to(dtype)
         tl.store(out_ptr + row * D + offs, (w * y).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
@@ -227,13 +227,13 @@ if triton is not None:
         xr = tl.load(base + rot).to(tl.float32)
         if NORM:  # weight * rms_norm(x.float()).to(dtype), on the element and on its rotation partner
             r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-            x = _round(tl.load(w_ptr + offs).to(tl.float32) * _round(x * r, dt, BF16), dt, BF16)
-            xr = _round(tl.load(w_ptr + rot).to(tl.float32) * _round(xr * r, dt, BF16), dt, BF16)
+            x = round_to(tl.load(w_ptr + offs).to(tl.float32) * round_to(x * r, dt, BF16), dt, BF16)
+            xr = round_to(tl.load(w_ptr + rot).to(tl.float32) * round_to(xr * r, dt, BF16), dt, BF16)
         xr = tl.where(offs < half, -xr, xr)  # rotate_half: cat(-x2, x1)
         c = tl.load(cos_row + offs).to(tl.float32)
         s = tl.load(sin_row + offs).to(tl.float32)
-        a = _round(x * c, dt, BF16)  # x * cos, rounded as torch rounds it
-        b = _round(xr * s, dt, BF16)  # rotate_half(x) * sin
+        a = round_to(x * c, dt, BF16)  # x * cos, rounded as torch rounds it
+        b = round_to(xr * s, dt, BF16)  # rotate_half(x) * sin
         return a + b
 
     @triton.jit
@@ -285,10 +285,10 @@ if triton is not None:
         w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)  # a weight: read before the wait
         pdl.enter(PDL)
         x = tl.load(x_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32)
-        x = _round(x + tl.load(d_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32), dt, BF16)  # x + delta
+        x = round_to(x + tl.load(d_ptr + row * D + offs, mask=mask, other=0.0).to(tl.float32), dt, BF16)  # x + delta
         tl.store(sum_ptr + row * D + offs, x.to(dt), mask=mask)
         r = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-        y = _round(x * r, dt, BF16)
+        y = round_to(x * r, dt, BF16)
         tl.store(out_ptr + row * D + offs, (w * y).to(dt), mask=mask)
 
     @triton.jit
@@ -345,5 +345,5 @@ if triton is not None:
         if EXTRA:  # the CPU's weighted partial sum of the cold pairs
             acc += tl.load(extra_ptr + n * H + offs, mask=mask, other=0.0)
         if RESIDUAL:  # x + mlp(h): the MoE output rounded to the model dtype first, then the add, rounded again
-            acc = _round(acc, out_ptr.dtype.element_ty, BF16) + res
+            acc = round_to(acc, out_ptr.dtype.element_ty, BF16) + res
         tl.store(out_ptr + n * H + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)

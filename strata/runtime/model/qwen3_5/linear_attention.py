@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata.kernels.gpu import gated_delta
 from strata.runtime.model.config import ModelConfig
 from strata.runtime.model.kv_cache import DecodeBatch, StepBatch
 from strata.runtime.model.layers import project
@@ -88,16 +89,29 @@ class GatedDeltaNet(nn.Module):
             state.recurrent.index_copy_(0, slots, rec)
         return out
 
+    def _fused_step(self, qkv: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor,
+                    fresh: torch.Tensor, state: LinearState) -> torch.Tensor:
+        """`_step` in two launches (strata.kernels.gpu.gated_delta): the convolution, then the gates and the delta
+        rule, each reading and moving the slots' states in place -> [B, Hv, dv]."""
+        conv = gated_delta.conv_step(qkv, state.conv, self.conv1d.weight, slots, fresh)
+        return gated_delta.delta_step(conv, a, b, self.A_log, self.dt_bias, state.recurrent, slots, fresh, self.hk,
+                                      self.dk, self.dv)
+
     def forward(self, x: torch.Tensor, batch: StepBatch | DecodeBatch, state: LinearState) -> torch.Tensor:
         n = x.shape[0]
         qkv = project(self.in_proj_qkv, x)  # [N, conv_dim]
         z = project(self.in_proj_z, x)  # [N, value_dim]
-        beta = project(self.in_proj_b, x).sigmoid()  # [N, Hv]
-        g = -self.A_log.float().exp() * F.softplus(project(self.in_proj_a, x).float() + self.dt_bias)  # [N, Hv] fp32
-        if isinstance(batch, DecodeBatch):  # a one-token prompt takes this path too: its state starts from zeros
-            out = self._step(qkv, g, beta, batch.slots_t, state, fresh=batch.pos_t == 0)
+        b, a = project(self.in_proj_b, x), project(self.in_proj_a, x)  # [N, Hv] each
+        decode = isinstance(batch, DecodeBatch)  # a one-token prompt takes this path too: its state starts from zeros
+        if decode and gated_delta.decode_ok(qkv, state.conv, self.conv1d.weight, state.recurrent, self.dk, self.dv):
+            out = self._fused_step(qkv, a, b, batch.slots_t, batch.pos_t == 0, state)
         else:
-            out = self._prompt_and_steps(qkv, g, beta, batch, state)
+            beta = b.sigmoid()
+            g = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # [N, Hv] fp32
+            if decode:
+                out = self._step(qkv, g, beta, batch.slots_t, state, fresh=batch.pos_t == 0)
+            else:
+                out = self._prompt_and_steps(qkv, g, beta, batch, state)
         core = self.norm(out.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(n, self.value_dim)
         return project(self.out_proj, core)
 

@@ -12,6 +12,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from strata.kernels.gpu import gated_delta
+
 
 class ZeroCenteredRMSNorm(nn.Module):
     """transformers' Qwen3_5MoeRMSNorm: `forward(x [..., dim]) -> [..., dim]` in x's dtype."""
@@ -22,12 +24,18 @@ class ZeroCenteredRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = gated_delta.zero_centered_rms_norm(x, self.weight, self.eps)  # one launch on CUDA
+        if fused is not None:
+            return fused
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (h * (1.0 + self.weight.float())).to(x.dtype)
 
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, self(x + delta)): the residual add and this norm."""
+        both = gated_delta.zero_centered_rms_norm(x, self.weight, self.eps, delta)
+        if both is not None:
+            return both
         total = x + delta
         return total, self(total)
 
@@ -41,6 +49,9 @@ class GatedRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        fused = gated_delta.gated_rms_norm(x, gate, self.weight, self.eps)  # one launch on CUDA
+        if fused is not None:
+            return fused
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         h = self.weight * h.to(x.dtype)
