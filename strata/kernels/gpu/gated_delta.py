@@ -124,14 +124,11 @@ if triton is not None:
         slot = tl.load(slots_ptr + row).to(tl.int64)
         x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
         window = conv_ptr + slot * stride_slot + offs * stride_chan
-        zero = False
-        if FRESH:
-            zero = tl.load(fresh_ptr + row) != 0
         acc = tl.zeros([BLOCK], dtype=tl.float32)
         for j in tl.static_range(K - 1):  # the window's inputs, oldest first; each moves down one place
             p = tl.load(window + j, mask=mask, other=0.0).to(tl.float32)
-            if FRESH:
-                p = tl.where(zero, 0.0, p)
+            if FRESH:  # a sequence at position 0: zeros, not what its slot held
+                p = tl.where(tl.load(fresh_ptr + row) != 0, 0.0, p)
             acc += p * tl.load(w_ptr + offs * K + j, mask=mask, other=0.0).to(tl.float32)
             if j > 0:
                 tl.store(window + (j - 1), p.to(dt), mask=mask)
