@@ -125,7 +125,7 @@ DECODE_KERNELS = {"_pack_kernel", "_acquire_kernel", "_read_kernel", "_plan_kern
 def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
     """Every Triton kernel of strata, as its wrapper launches it on the GPU (PDL on), compiles for sm_90 here: a
     decode step's (`--model`: the probe's sweep; gpt-oss's attention with sinks and a window), prefill's rope and
-    top-k, and the FP8 / MXFP4 / GGUF experts' kernels
+    top-k, Qwen3.5's Gated DeltaNet step and norms, and the FP8 / MXFP4 / GGUF experts' kernels
     (GGUF: a Q4_K_M store, down's type picked per expert by its header). The CPU tests run the kernels only through
     Triton's interpreter, which compiles nothing: this catches what only the compiler rejects, on machines without a
     GPU."""
@@ -143,7 +143,20 @@ def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
         q, cache, pos = torch.zeros(2, 64, 64, dtype=bf), torch.zeros(2, 512, 8, 64, dtype=bf), torch.zeros(2).long()
         decode_attention(q, cache, cache, pos, pos, 512, 128, 0.125, sinks=torch.zeros(64, dtype=bf))
         fused.softmax_topk(torch.zeros(40, 128), 8, True)
+        qwen3_5_decode()
         quantized_experts()
+
+    def qwen3_5_decode():  # Qwen3.5's Gated DeltaNet step (16 key heads, 32 value heads of 128) and its norms
+        from strata.kernels.gpu import gated_delta
+
+        conv_dim, slots, fresh = 2 * 16 * 128 + 32 * 128, torch.zeros(1).long(), torch.zeros(1, dtype=torch.bool)
+        qkv, conv = torch.zeros(1, conv_dim, dtype=bf), torch.zeros(2, conv_dim, 3, dtype=bf)
+        x = gated_delta.conv_step(qkv, conv, torch.zeros(conv_dim, 1, 4, dtype=bf), slots, fresh)
+        a, hv = torch.zeros(1, 32, dtype=bf), torch.zeros(32, dtype=bf)
+        o = gated_delta.delta_step(x, a, a, hv, hv, torch.zeros(2, 32, 128, 128), slots, fresh, 16, 128, 128)
+        gated_delta.gated_rms_norm(o.view(-1, 128), o.view(-1, 128), torch.ones(128, dtype=bf), 1e-6)
+        h = torch.zeros(1, 2048, dtype=bf)
+        gated_delta.zero_centered_rms_norm(h, torch.zeros(2048, dtype=bf), 1e-6, h)
 
     def quantized_experts():  # FP8, MXFP4 and GGUF slots: resident pairs, in-place reads, prefill's scratch
         from strata.kernels.gpu import grouped, quant_pairs
@@ -172,7 +185,8 @@ def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
     built = {name for name, k in keys.items() if k and all(s is not None and s > 0 for s in k.values())}
     quantized = {"_quant_gate_up_kernel", "_quant_down_kernel", "_dequant_kernel", "_gguf_gate_up_kernel",
                  "_gguf_down_kernel", "_gguf_dequant_kernel"}
-    assert built == DECODE_KERNELS | {"_norm_rope_kernel", "_softmax_topk_kernel"} | quantized == triton_kernels()
+    qwen3_5 = {"_conv_step_kernel", "_delta_step_kernel", "_gated_norm_kernel", "_zc_norm_kernel"}
+    assert built == DECODE_KERNELS | {"_norm_rope_kernel", "_softmax_topk_kernel"} | quantized | qwen3_5 == triton_kernels()
 
 
 def test_a_swiglu_form_is_one_more_pair_kernel_build_whatever_its_values_and_compiles_for_the_h200(tmp_path,
@@ -231,7 +245,7 @@ def test_a_swiglu_form_is_one_more_pair_kernel_build_whatever_its_values_and_com
 
 def test_the_kernel_list_is_every_jit_kernel_the_gpu_modules_hold():
     """`triton_kernels` reads the sources; imported, strata.kernels.gpu's modules hold the same launchable kernels
-    (Triton `JITFunction`s named `_..._kernel`), and its `@triton.jit` helpers (`enter`, `_round`) are not in it."""
+    (Triton `JITFunction`s named `_..._kernel`), and its `@triton.jit` helpers (`enter`, `round_to`) are not in it."""
     import importlib
     import pkgutil
 
@@ -243,7 +257,7 @@ def test_the_kernel_list_is_every_jit_kernel_the_gpu_modules_hold():
     for info in pkgutil.iter_modules(gpu.__path__):
         module = importlib.import_module(f"{gpu.__name__}.{info.name}")
         held |= {v.fn.__name__ for v in vars(module).values() if isinstance(v, JITFunction)}
-    assert {"enter", "_round"} <= held
+    assert {"enter", "round_to"} <= held
     assert triton_kernels() == {name for name in held if name.endswith("_kernel")}
 
 

@@ -150,9 +150,9 @@ if triton is not None:
         kmask, vmask = dks < DK, cols < DV
         dt = out_ptr.dtype.element_ty
         hv = tl.num_programs(1)
-        a_log = tl.load(alog_ptr + head).to(tl.float32)  # weights: read before the wait
-        dt_bias = tl.load(dtb_ptr + head).to(tl.float32)
         pdl.enter(PDL)
+        a_log = tl.load(alog_ptr + head).to(tl.float32)
+        dt_bias = tl.load(dtb_ptr + head).to(tl.float32)
         slot = tl.load(slots_ptr + row).to(tl.int64)
         base = qkv_ptr + row * stride_qkv
         kh = head // REP  # the key head serving this value head
