@@ -22,13 +22,20 @@ from __future__ import annotations
 
 import torch
 
+from strata.kernels import options
 from strata.kernels.gpu import fused, pdl
-from strata.kernels.gpu.fused import fused_ok, triton
+from strata.kernels.gpu.fused import triton
 
 if triton is not None:
     import triton.language as tl
 
-__all__ = ["conv_step", "delta_step", "gated_rms_norm", "zero_centered_rms_norm", "decode_ok"]
+__all__ = ["conv_step", "delta_step", "gated_rms_norm", "zero_centered_rms_norm", "decode_ok", "fused_ok"]
+
+
+def fused_ok(x: torch.Tensor) -> bool:
+    """`fused.fused_ok(x)`, unless the running forward pass turned these kernels off (`[debug]
+    fused_linear_attention`)."""
+    return fused.fused_ok(x) and options.current().linear_attention
 
 
 def decode_ok(qkv: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor, recurrent: torch.Tensor, dk: int,
