@@ -1,6 +1,6 @@
 """Qwen3.5-MoE's decode-step chains in one Triton launch each, where torch needs ten to thirty.
 
-A Gated DeltaNet layer's decode step in torch (strata.runtime.model.qwen3_5.delta_rule) is ~50 launches of a few
+A Gated DeltaNet layer's decode step in torch (strata.runtime.model.qwen3_5.delta_rule) is ~60 launches of a few
 microseconds each (gathers, the convolution's taps, l2 norms, the decay, the delta rule's outer products, the gated
 norm), and every layer's zero-centred norms are ~7 more each; at one token a step those launches, not the weights'
 bytes, set the layer's time. Here:
