@@ -1,4 +1,4 @@
-"""Qwen3.5-MoE's decode-step chains in one Triton launch each, where torch needs ten to thirty.
+"""Qwen3.5-MoE's decode-step chains in a few Triton launches, where torch needs about seventy a layer.
 
 A Gated DeltaNet layer's decode step in torch (strata.runtime.model.qwen3_5.delta_rule) is ~60 launches of a few
 microseconds each (gathers, the convolution's taps, l2 norms, the decay, the delta rule's outer products, the gated
