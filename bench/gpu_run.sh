@@ -26,8 +26,7 @@
 #                                                                     -> $OUT/quant/FORMAT/suite.json, suite.md
 #   newarch      a new architecture's bench-size model (ARCH: deepseek_v4 with 2 layers, or qwen3_5_moe with 4; LAYERS
 #                another count): all in VRAM at 1 and 8 streams, and 25% of the experts' bytes in VRAM, against their
-#                rooflines (`bench run --model`); for qwen3_5_moe, its one-stream cases again with `[debug]
-#                fused_linear_attention = false` (the torch chains)   -> $OUT/newarch/ARCH/suite.json, ARCH-torch-chains/
+#                rooflines (`bench run --model`)                                  -> $OUT/newarch/ARCH/suite.json
 #   newarch-pause  on that model (written by newarch, or now), a 64K-token prompt at the 25% budget while 4 users
 #                decode: bench/serving.py's pause                                 -> $OUT/newarch/ARCH/serving.json
 #   llamacpp-build  llama.cpp's llama-bench and llama-batched-bench for CUDA sm_90, from the stripped source that
@@ -173,12 +172,6 @@ print(int(0.25 * model_facts(m)[1]['expert_bytes_total']))") || return 1
           'split/b25/uniform/p128x1' 2>&1 | grep -E 'tok/s|rror|skipped'
         rc=${PIPESTATUS[0]}
         rm -f "$OUT/newarch/$arch/suite.png"
-        if [ "$arch" = qwen3_5_moe ]; then  # the same one-stream cases on the torch chains the fused kernels replace
-          timeout 200 python3 -m bench run --suite full --model "$model" --tokens 64 --deadline 180 \
-            --out "$OUT/newarch/$arch-torch-chains" --set '{"debug": {"fused_linear_attention": false}}' \
-            --cases 'ceiling/all/uniform/p128x1' 'split/b25/uniform/p128x1' 2>&1 | grep -E 'tok/s|rror|skipped'
-          rm -f "$OUT/newarch/$arch-torch-chains/suite.png"
-        fi
         return "$rc"
       fi
       budget=$(python3 -c "from pathlib import Path; from bench.suite.models import model_facts

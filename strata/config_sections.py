@@ -271,7 +271,7 @@ class DebugConfig:
 
     Every key is read per engine, when it is built or runs (two engines of one process may differ), with two
     process-wide effects: `cpu_threads` sizes the CPU kernel's one thread pool (engines asking different counts
-    rebuild it when they alternate), and `fused_kernels` / `fused_linear_attention` / `pdl` hold while the engine's model runs a forward pass
+    rebuild it when they alternate), and `fused_kernels` / `pdl` hold while the engine's model runs a forward pass
     (`strata.kernels.options`), so kernels launched outside one (none in strata's own decode step) see the defaults."""
 
     cuda_graphs: bool = True  # decode steps captured and replayed as CUDA graphs; false: always eager
@@ -289,14 +289,11 @@ class DebugConfig:
     cpu_threads: int = 0  # the CPU kernel pool's threads (experts; a CPU decode's dense projections); 0: from the cores
     cpu_kernel: str = "auto"  # the CPU expert kernel's instruction set, or "torch" (the reference math)
     fused_kernels: bool = True  # the decode step's fused Triton kernels; false: torch's op chains
-    # Qwen3.5's Gated DeltaNet decode step and norms as fused kernels (strata.kernels.gpu.gated_delta), on until
-    # measured on a GPU against the torch chains it replaces; false: those chains (the other fused kernels stay)
-    fused_linear_attention: bool = True
     pdl: bool = True  # programmatic dependent launch of the decode kernels (Hopper and later)
 
     def __post_init__(self) -> None:
         for key in ("cuda_graphs", "warm_ahead", "engram_prefetch", "engram_zero_copy", "engram_graph_wait",
-                    "fused_kernels", "fused_linear_attention", "pdl"):
+                    "fused_kernels", "pdl"):
             if not isinstance(getattr(self, key), bool):
                 raise ConfigError(f"debug.{key} = {getattr(self, key)!r} is invalid; use true or false")
         for key in ("overlap_decode", "grouped_prefill"):

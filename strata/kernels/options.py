@@ -21,13 +21,11 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class KernelOptions:
     """fused: the decode step's fused Triton kernels (off: torch's op chains, the reference for bisecting numerics);
-    linear_attention: Qwen3.5's Gated DeltaNet decode step and norms among the fused kernels (off: their torch chains);
     pdl: programmatic dependent launch where the GPU has it (off: kernels wait for the one before to end);
     cpu_threads: the CPU kernel pool's threads for dense projections on the CPU (None: the pool's default count;
     the same count as the expert calls', or the pool is rebuilt between them)."""
 
     fused: bool = True
-    linear_attention: bool = True
     pdl: bool = True
     cpu_threads: int | None = None
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import torch
 
-from strata.kernels import options
 from strata.kernels.gpu import fused, pdl
 from strata.kernels.gpu.fused import triton
 
@@ -33,9 +32,8 @@ __all__ = ["conv_step", "delta_step", "gated_rms_norm", "zero_centered_rms_norm"
 
 
 def fused_ok(x: torch.Tensor) -> bool:
-    """`fused.fused_ok(x)`, unless the running forward pass turned these kernels off (`[debug]
-    fused_linear_attention`)."""
-    return fused.fused_ok(x) and options.current().linear_attention
+    """Whether these kernels run on `x`: `fused.fused_ok` (CUDA or Triton's interpreter, `[debug] fused_kernels` on)."""
+    return fused.fused_ok(x)
 
 
 def decode_ok(qkv: torch.Tensor, conv: torch.Tensor, weight: torch.Tensor, recurrent: torch.Tensor, dk: int,

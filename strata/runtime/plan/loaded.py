@@ -51,10 +51,8 @@ def resolve_device(device: str) -> torch.device:
 
 
 def kernel_options_of(cfg: StrataConfig) -> KernelOptions:
-    """The kernels' options an engine's forward passes run with (`[debug] fused_kernels`, `fused_linear_attention`,
-    `pdl`, `cpu_threads`)."""
-    return KernelOptions(fused=cfg.debug.fused_kernels, linear_attention=cfg.debug.fused_linear_attention,
-                         pdl=cfg.debug.pdl, cpu_threads=cfg.debug.cpu_threads or None)
+    """The kernels' options an engine's forward passes run with (`[debug] fused_kernels`, `pdl`, `cpu_threads`)."""
+    return KernelOptions(fused=cfg.debug.fused_kernels, pdl=cfg.debug.pdl, cpu_threads=cfg.debug.cpu_threads or None)
 
 
 def grouped_on(setting: bool | str, device: torch.device) -> bool:
