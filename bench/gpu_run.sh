@@ -33,7 +33,8 @@
 #                `wheels` packed (.gpu/llama.cpp-src.tar.gz), into ~/.cache/strata/bench/llamacpp (ninja resumes a
 #                build a time limit cut short: run the step again)              -> $OUT/llamacpp-build.txt
 #   llamacpp     strata against llama.cpp on the same weights (the llamacpp suite: bf16 and Q4_K_M GGUF exports of the
-#                12-layer bench model, 25% budget, decode of 1/4/8 streams, prefill of 512 and 8K tokens; llama.cpp's
+#                12-layer bench model, strata on the bf16 checkpoint and on the Q4_K_M file, 25% budget, decode of 1/4/8
+#                streams, prefill of 512 and 8K tokens; one stream all in VRAM; llama.cpp's
 #                cases run last and wait for its build; CASES narrows it: one routing a call, CASES='*/uniform/*',
 #                then CASES='*/skewed/*' into another OUT, merged by `python -m bench report A.json B.json`)
 #                                                      -> $OUT/llamacpp/suite.json, suite.md, suite-llamacpp.png

@@ -28,12 +28,18 @@ VARIANTS: dict[str, dict] = {
     "repro": {},  # strata as shipped, every request reproducible (`strata_reproducible`): cold experts go to the GPU
     "llamacpp": {},  # llama.cpp on the checkpoint's bf16 GGUF, --n-cpu-moe for the budget (bench/suite/llamacpp_case.py)
     "llamacpp-q4_k_m": {},  # the same with the routed experts in Q4_K_M
+    # strata as shipped on the very Q4_K_M GGUF file `llamacpp-q4_k_m` reads (bench/suite/strata_gguf_case.py)
+    "split-q4_k_m": {},
 }
 LLAMACPP_VARIANTS = ("llamacpp", "llamacpp-q4_k_m")
+# strata variants that run the routing's checkpoint exported as the GGUF a llama.cpp variant reads: -> export type
+STRATA_GGUF_VARIANTS = {"split-q4_k_m": "q4_k_m"}
+# the strata variant each llama.cpp variant is compared with: the one that computes the same weights
+STRATA_TWIN = {"llamacpp": "split", "llamacpp-q4_k_m": "split-q4_k_m"}
 # which cold-expert paths the roofline credits, per variant
-COLD_PATHS = {"split": ("pcie", "cpu"), "no-prefetch": ("pcie", "cpu"), "static": ("pcie", "cpu"),
-              "disk": ("pcie", "cpu"), "naive": ("pcie",), "copy-only": ("pcie",), "cpu-only": ("cpu",),
-              "repro": ("pcie",)}
+COLD_PATHS = {"split": ("pcie", "cpu"), "split-q4_k_m": ("pcie", "cpu"), "no-prefetch": ("pcie", "cpu"),
+              "static": ("pcie", "cpu"), "disk": ("pcie", "cpu"), "naive": ("pcie",), "copy-only": ("pcie",),
+              "cpu-only": ("cpu",), "repro": ("pcie",)}
 
 
 @dataclass(frozen=True)
@@ -113,6 +119,7 @@ def full_suite(tokens: int = 128) -> list[Case]:
         out += [Case("disk", r, 0.25, one, ram_fraction=0.5, group="ablation")]
         out += [Case("split", r, 0.40, one, group="target"), Case("static", r, 0.40, one, group="target")]
         out += [Case("repro", r, 0.25, one, group="ablation")]  # the reproducible mode's penalty
+        out += [Case("split-q4_k_m", r, 0.25, w) for w in grid]  # strata on llama.cpp's Q4_K_M file: its ratios
         out += [Case(v, r, 0.25, w, group="baseline") for v in LLAMACPP_VARIANTS for w in grid]  # llama.cpp
     out += [Case("serve", "uniform", 0.25, one, group="serve")]
     return out
@@ -120,22 +127,34 @@ def full_suite(tokens: int = 128) -> list[Case]:
 
 def llamacpp_suite(tokens: int = 64) -> list[Case]:
     """strata against llama.cpp at the 25% budget, per routing: decode of 1, 4 and 8 streams (128-token prompts)
-    and prefill of 512- and 8K-token prompts (then 16 tokens), strata's split engine and llama.cpp on the bf16 and
-    Q4_K_M GGUF exports of the same checkpoint."""
+    and prefill of 512- and 8K-token prompts (then 16 tokens), and one stream all in VRAM (uniform routing). Per
+    routing, in this order: strata's split engine on
+    the bf16 checkpoint (`split`), strata on the Q4_K_M GGUF export llama.cpp reads (`split-q4_k_m`, its budget 25%
+    of that file's routed-expert bytes), then llama.cpp on the bf16 and Q4_K_M exports (the runner moves llama.cpp's
+    cases after every strata case, so its tools can build meanwhile)."""
     work = [Workload(128, s, tokens) for s in (1, 4, 8)] + [Workload(p, 1, 16) for p in (512, 8192)]
-    return [Case(v, r, 0.25, w, group="grid" if v == "split" else "baseline")
-            for r in ROUTINGS for v in ("split", *LLAMACPP_VARIANTS) for w in work]
+    out = [Case(v, r, 0.25, w, group="baseline" if v in LLAMACPP_VARIANTS else "grid")
+           for r in ROUTINGS for v in ("split", *STRATA_GGUF_VARIANTS, *LLAMACPP_VARIANTS) for w in work]
+    # all in VRAM, one stream (uniform: the routing moves no bytes there): strata's ceiling and its Q4_K_M file with
+    # no budget against llama.cpp with every layer's experts on the GPU (--n-cpu-moe 0)
+    one = Workload(128, 1, tokens)
+    return out + [Case(v, "uniform", None, one, group="baseline" if v in LLAMACPP_VARIANTS else "grid")
+                  for v in ("ceiling", *STRATA_GGUF_VARIANTS, *LLAMACPP_VARIANTS)]
 
 
 def with_baselines(cases: list[Case], baselines: list[str]) -> list[Case]:
     """`cases` plus, for every strata split case, the same case run by each baseline variant in `baselines`
-    (`--baselines llamacpp` adds `llamacpp` twins; `llamacpp-q4_k_m` the Q4_K_M ones), without duplicates."""
+    (`--baselines llamacpp` adds `llamacpp` twins; `llamacpp-q4_k_m` the Q4_K_M ones, each with strata's own run on
+    that GGUF, `split-q4_k_m`, so its ratio compares the same weights), without duplicates."""
     unknown = [b for b in baselines if b not in LLAMACPP_VARIANTS]
     if unknown:
         raise SystemExit(f"unknown baseline {unknown[0]!r}; --baselines takes {', '.join(LLAMACPP_VARIANTS)}")
     out = list(cases)
+    split = [c for c in cases if c.variant == "split"]
     for b in baselines:
-        out += [Case(b, c.routing, c.gpu_fraction, c.workload, group="baseline") for c in cases if c.variant == "split"]
+        if STRATA_TWIN[b] != "split":
+            out += [Case(STRATA_TWIN[b], c.routing, c.gpu_fraction, c.workload, group="grid") for c in split]
+        out += [Case(b, c.routing, c.gpu_fraction, c.workload, group="baseline") for c in split]
     return list(dict.fromkeys(out))
 
 

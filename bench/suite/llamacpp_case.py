@@ -79,9 +79,10 @@ def gguf_path(model: Path, export: str, settings: dict) -> Path:
     return root / "gguf" / f"{Path(model).name}-{export}.gguf"
 
 
-def ensure_gguf(model: Path, export: str, settings: dict) -> Path:
+def ensure_gguf(model: Path, export: str, settings: dict, log=None) -> Path:
     """The GGUF of checkpoint `model` with its routed experts in `export` (written once: a file that exists is
-    whole, write_gguf renames it into place)."""
+    whole, write_gguf renames it into place), the one file both llama.cpp's and strata's cases of that export read.
+    `log` is told, with the path, when the file is not on disk yet and is being exported."""
     from strata.tiers.store.gguf_export import write_gguf
 
     path = gguf_path(model, export, settings)
@@ -94,6 +95,8 @@ def ensure_gguf(model: Path, export: str, settings: dict) -> Path:
             if shutil.disk_usage(path.parent).free >= need:
                 break
             other.unlink()
+        if log is not None:
+            log(f"exporting {model} as a GGUF with its routed experts in {export}: {path} (not on disk yet)")
         write_gguf(model, path, experts=export)
     return path
 
@@ -208,7 +211,7 @@ def run_llamacpp_group(group: list[Case], model: Path, tools: dict[str, Path], s
     first = group[0]
     export = GGUF_OF_VARIANT[first.variant]
     t0 = time.perf_counter()
-    gguf = ensure_gguf(model, export, settings)
+    gguf = ensure_gguf(model, export, settings, log)
     export_s = time.perf_counter() - t0
     layers = layer_expert_bytes(gguf)
     from gguf import GGUFReader

@@ -32,18 +32,21 @@ def demo_model_path(models_dir: Path, size: str, layers: int | None, routing: st
 
 
 def ensure_model(models_dir: Path, size: str, layers: int | None, routing: str, skew: float,
-                 progress: bool = True, locality: float = 0.0, experts: str = "bf16") -> Path:
+                 progress: bool = True, locality: float = 0.0, experts: str = "bf16", log=None) -> Path:
     """Write (once) the demo model for `routing` and return its directory (`locality`: the skewed one's
     `--route-locality`; `experts`: its expert format, `strata demo-model --experts`, or a GGUF export type: the
-    GGUF file exported from the bf16 checkpoint)."""
-    from strata.runtime.demo.model import write_demo_model
+    GGUF file exported from the bf16 checkpoint). `log` is told, with the path, when a model is not on disk yet and
+    is being written or exported (minutes for the bench size), so a run's log shows where that time goes."""
+    from strata.runtime.demo.model import MARKER, write_demo_model
 
+    say = log or (lambda s: None)
     if experts in GGUF_EXPERTS:
         out = demo_model_path(models_dir, size, layers, routing, skew, locality, experts)
         if not out.exists():  # write_gguf renames a whole file into place: one that exists is complete
             from strata.tiers.store.gguf_export import write_gguf
 
-            source = ensure_model(models_dir, size, layers, routing, skew, progress, locality)
+            source = ensure_model(models_dir, size, layers, routing, skew, progress, locality, log=log)
+            say(f"exporting {source} as a GGUF with its routed experts in {experts}: {out} (not on disk yet)")
             write_gguf(source, out, experts=experts)
         return out
     locality = 0.0 if routing == "uniform" else locality
@@ -54,8 +57,11 @@ def ensure_model(models_dir: Path, size: str, layers: int | None, routing: str, 
         kwargs["route_locality"] = locality
     if "engram" in inspect.signature(write_demo_model).parameters:
         kwargs["engram"] = False  # transformers must run the very same model
-    return write_demo_model(demo_model_path(models_dir, size, layers, routing, skew, locality, experts), size, layers,
-                            progress=progress, **kwargs)
+    path = demo_model_path(models_dir, size, layers, routing, skew, locality, experts)
+    if not (path / MARKER).is_file():  # the marker is written last: a directory without it is not a whole model
+        say(f"writing the {routing} demo model ({size}, {layers or 'all'} layers, {experts} experts): {path} "
+            "(not on disk yet)")
+    return write_demo_model(path, size, layers, progress=progress, **kwargs)
 
 
 def gguf_source(path: Path) -> Path:
@@ -86,14 +92,18 @@ def routing_of(path: Path) -> tuple[str, str]:
     return "uniform", "plain random demo model (--route-skew 0): deeper layers' routing collapses, not truly uniform"
 
 
-def model_facts(path: Path) -> tuple[ModelFacts, dict]:
-    """Roofline facts and a JSON summary (sizes, layers, routing marker) of a checkpoint."""
+def model_facts(path: Path, source: Path | None = None) -> tuple[ModelFacts, dict]:
+    """Roofline facts and a JSON summary (sizes, layers, routing marker) of a checkpoint or GGUF file. `source`: the
+    bf16 checkpoint directory a GGUF was exported from, whose routing marker and vocabulary the summary takes (by
+    default `gguf_source`, which finds it only beside the file, as the suite's --experts exports are)."""
     from strata.runtime.plan.checkpoints.gguf_inspect import summarize_gguf
     from strata.runtime.plan.checkpoints.inspect import summarize_checkpoint
 
     gguf = Path(path).suffix == ".gguf"
     s = summarize_gguf(path) if gguf else summarize_checkpoint(path)
-    source = gguf_source(Path(path)) if gguf else Path(path)  # the checkpoint directory a GGUF was exported from
+    if source is None:  # the checkpoint directory a GGUF was exported from
+        source = gguf_source(Path(path)) if gguf else Path(path)
+    source = Path(source)
     role = s.bytes_by_role
     # a step reads every dense weight once, but only one embedding row per token: count the LM head
     # (half the "embeddings" role of an untied model) and not the input table
@@ -109,7 +119,7 @@ def model_facts(path: Path) -> tuple[ModelFacts, dict]:
     except (OSError, ValueError):
         vocab = None
     summary = {"path": str(path), "model_type": s.model_type, "layers": s.num_layers, "moe_layers": s.moe_layers,
-               "vocab_size": vocab,
+               "vocab_size": vocab, **({"source": str(source)} if gguf else {}),
                "experts_per_layer": s.experts_per_layer, "experts_per_token": s.experts_per_token,
                "expert_bytes_each": s.expert_bytes, "expert_bytes_total": role["experts"],
                "non_expert_bytes": s.total_bytes - role["experts"], "total_bytes": s.total_bytes, "demo": marker,

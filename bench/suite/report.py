@@ -138,55 +138,86 @@ def baseline_table(doc: dict) -> str:
 
 
 LLAMACPP = (("llamacpp", "bf16"), ("llamacpp-q4_k_m", "Q4_K_M"))
+LABELS = tuple(label for _, label in LLAMACPP)
 PREFILL_WORKLOADS = ("p512x1", "p8192x1")  # judged on prefill tok/s; the others on decode tok/s
+FALLBACK = " (strata bf16)"  # a Q4_K_M ratio taken against strata's bf16 run: no strata Q4_K_M case measured
 
 
 def llamacpp_rows(doc: dict) -> list[dict]:
-    """strata's split cases against llama.cpp's on the same checkpoint, routing, budget and workload: {name,
-    routing, budget, workload, measure ("decode" | "prefill"), strata, per export {tok_s, ratio, same_run,
-    n_cpu_moe}}, the ratios strata / llama.cpp from one run where one measured both (`pair`)."""
+    """strata against llama.cpp on the same checkpoint, routing, budget and workload, each of llama.cpp's GGUF
+    exports against strata on the same weights (`cases.STRATA_TWIN`): its bf16 GGUF against strata's bf16 checkpoint
+    (`split`), its Q4_K_M GGUF against strata on that very file (`split-q4_k_m`), or, where no such case was measured,
+    against strata's bf16 run (then `strata_weights` is "bf16", not the export's). {name, routing, budget, workload,
+    measure ("decode" | "prefill"), strata (the bf16 run's tok/s), strata_q4_k_m, llamacpp: per export {tok_s, ratio,
+    same_run, n_cpu_moe, strata_tok_s, strata_weights, vram, strata_vram}}, the ratios strata / llama.cpp from one
+    run where one measured both (`pair`)."""
+    from bench.suite.cases import STRATA_TWIN
+
+    cases = _cases(doc)
+    # strata's twins: per export as STRATA_TWIN says, but all in VRAM (budget "all") bf16 is the `ceiling` variant
+    keys = dict.fromkeys(c["name"].split("/", 1)[1] for c in doc["cases"]
+                         if c["variant"] in STRATA_TWIN.values() or c["variant"] == "ceiling")
     out = []
-    names = [c["name"] for c in doc["cases"] if c["variant"] == "split"]
-    for name in names:
-        _, budget, routing, workload = name.split("/", 3)
+    for key in keys:  # budget/routing/workload
+        budget, routing, workload = key.split("/", 2)
         measure = "prefill" if workload.split("@")[0] in PREFILL_WORKLOADS else "decode"
-        row = {"name": name, "routing": routing, "budget": budget, "workload": workload, "measure": measure,
-               "strata": None, "llamacpp": {}}
+        row = {"name": f"split/{key}", "routing": routing, "budget": budget, "workload": workload, "measure": measure,
+               "strata": None, "strata_q4_k_m": None, "llamacpp": {}}
         for variant, label in LLAMACPP:
-            a, b, same = pair(doc, name, f"{variant}/{budget}/{routing}/{workload}")
+            ours_variant, weights = STRATA_TWIN[variant], label
+            bf16 = "ceiling" if budget == "all" else "split"
+            ours_variant = bf16 if ours_variant == "split" else ours_variant
+            if _tok(cases.get(f"{ours_variant}/{key}")) is None and ours_variant != bf16:
+                ours_variant, weights = bf16, "bf16"
+            a, b, same = pair(doc, f"{ours_variant}/{key}", f"{variant}/{key}")
             if _tok(b) is None:
                 continue
             ours, theirs = a["metrics"].get(f"{measure}_tok_s") if _tok(a) else None, b["metrics"].get(f"{measure}_tok_s")
-            row["strata"] = row["strata"] if row["strata"] is not None else ours
             row["llamacpp"][label] = {"tok_s": theirs, "ratio": ours / theirs if ours and theirs else None,
                                       "same_run": same, "n_cpu_moe": (b.get("config") or {}).get("n_cpu_moe"),
-                                      "strata_tok_s": ours, "vram": b["metrics"].get("peak_vram_bytes"),
+                                      "strata_tok_s": ours, "strata_weights": weights,
+                                      "vram": b["metrics"].get("peak_vram_bytes"),
                                       "strata_vram": a["metrics"].get("peak_vram_bytes") if _tok(a) else None}
+            key_of = "strata" if weights == "bf16" else "strata_q4_k_m"
+            row[key_of] = row[key_of] if row[key_of] is not None else ours
         if row["llamacpp"]:
+            bf16 = "ceiling" if budget == "all" else "split"
+            if row["strata"] is None and _tok(cases.get(f"{bf16}/{key}")):  # no llama.cpp bf16 twin: still shown
+                row["strata"] = cases[f"{bf16}/{key}"]["metrics"].get(f"{measure}_tok_s")
             out.append(row)
     return out
 
 
 def llamacpp_table(doc: dict) -> str:
-    """The table "strata against llama.cpp" (empty when no llama.cpp case ran)."""
+    """The table "strata against llama.cpp" (empty when no llama.cpp case ran), with a note under it when a Q4_K_M
+    ratio had to be taken against strata's bf16 run."""
     rows = llamacpp_rows(doc)
     if not rows:
         return ""
-    lines = ["| routing | budget | workload | measure | strata tok/s | llama.cpp bf16 tok/s | strata / llama.cpp bf16 | "
-             "llama.cpp Q4_K_M tok/s | strata / llama.cpp Q4_K_M | --n-cpu-moe | VRAM GiB: strata / llama.cpp bf16 |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines = ["| routing | budget | workload | measure | strata bf16 tok/s | llama.cpp bf16 tok/s | "
+             "strata / llama.cpp bf16 | strata Q4_K_M tok/s | llama.cpp Q4_K_M tok/s | strata / llama.cpp Q4_K_M | "
+             "--n-cpu-moe | VRAM GiB: strata / llama.cpp bf16 | VRAM GiB: strata / llama.cpp Q4_K_M |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    fallback = False
     for r in rows:
-        cells = []
-        for label in ("bf16", "Q4_K_M"):
-            x = r["llamacpp"].get(label)
-            ratio = f"{x['ratio']:,.2f}x" + ("" if x["same_run"] else ACROSS) if x and x["ratio"] else ""
-            cells += [_f(x["tok_s"], 2) if x else "", ratio]
+        cells, vram = [_f(r["strata"], 2)], []
+        for label in LABELS:
+            x = r["llamacpp"].get(label) or {}
+            mixed = bool(x) and x["strata_weights"] != label  # strata's bf16 run against llama.cpp's Q4_K_M
+            fallback |= mixed and bool(x["ratio"])
+            ratio = (f"{x['ratio']:,.2f}x" + ("" if x["same_run"] else ACROSS) + (FALLBACK if mixed else "")
+                     if x.get("ratio") else "")
+            cells += ([_f(r["strata_q4_k_m"], 2)] if label == "Q4_K_M" else []) + [_f(x.get("tok_s"), 2), ratio]
+            ours = None if mixed else x.get("strata_vram")  # strata's VRAM on other weights is not shown
+            vram.append(f"{_f(ours, 1, 2**30) or '?'} / {_f(x.get('vram'), 1, 2**30) or '?'}"
+                        if x.get("vram") or ours else "")
         ncmoe = sorted({str(x["n_cpu_moe"]) for x in r["llamacpp"].values() if x["n_cpu_moe"] is not None})
-        bf16 = r["llamacpp"].get("bf16") or {}
-        vram = (f"{_f(bf16.get('strata_vram'), 1, 2**30) or '?'} / {_f(bf16.get('vram'), 1, 2**30) or '?'}"
-                if bf16.get("vram") or bf16.get("strata_vram") else "")
-        lines.append(f"| {r['routing']} | {r['budget']} | {r['workload']} | {r['measure']} | {_f(r['strata'], 2)} | "
-                     f"{' | '.join(cells)} | {', '.join(ncmoe)} | {vram} |")
+        lines.append(f"| {r['routing']} | {r['budget']} | {r['workload']} | {r['measure']} | {' | '.join(cells)} | "
+                     f"{', '.join(ncmoe)} | {' | '.join(vram)} |")
+    if fallback:
+        lines += ["", f"Q4_K_M ratios marked `{FALLBACK.strip()}`: no strata case on the Q4_K_M file (`split-q4_k_m`) "
+                      "was measured for that row, so they divide strata's bf16 run by llama.cpp's Q4_K_M one: not the "
+                      "same weights."]
     return "\n".join(lines)
 
 
@@ -312,8 +343,10 @@ def render(doc: dict, command: str | None = None, plot: str | None = None, llama
     versus = llamacpp_table(doc)
     if versus:
         lines += ["", "### strata against llama.cpp", "",
-                  "The same checkpoint exported as GGUF (bf16; and its routed experts in Q4_K_M, where strata's row "
-                  "is still its bf16 run), the same routing and GPU budget: llama.cpp holds every layer on the GPU "
+                  "The same checkpoint, routing and GPU budget: strata's bf16 row runs the checkpoint, llama.cpp's "
+                  "its bf16 GGUF export; both Q4_K_M rows run one GGUF export with the routed experts in Q4_K_M "
+                  "(strata's: `split-q4_k_m`), each budget the same fraction of the routed-expert bytes of the "
+                  "weights run (the Q4_K_M rows: the Q4_K_M file's). llama.cpp holds every layer on the GPU "
                   "but the routed experts of its first `--n-cpu-moe` layers, the most whole layers of experts that fit "
                   "the budget (bench/suite/llamacpp_case.py); flash attention on, `-t` the physical cores. Decode: "
                   "`llama-batched-bench` (all streams' tokens over the decode time); prefill: `llama-bench` (mean of its "

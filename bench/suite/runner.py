@@ -6,13 +6,14 @@ import time
 from pathlib import Path
 
 from bench.suite import results
-from bench.suite.cases import LLAMACPP_VARIANTS, Case, group_by_engine
+from bench.suite.cases import LLAMACPP_VARIANTS, STRATA_GGUF_VARIANTS, Case, group_by_engine
 from bench.suite.hf_case import run_hf
 from bench.suite.llamacpp_case import run_llamacpp_cases, start_llamacpp
 from bench.suite.models import ensure_model, model_facts, routing_of
 from bench.suite.roofline import Rates, measure_rates
 from bench.suite.serve_case import run_serve
 from bench.suite.strata_case import record, run_group
+from bench.suite.strata_gguf_case import run_strata_gguf_group
 
 
 def run_suite(cases: list[Case], settings: dict, out_dir: str | Path, log=print, rates: Rates | None = None) -> dict:
@@ -21,7 +22,8 @@ def run_suite(cases: list[Case], settings: dict, out_dir: str | Path, log=print,
     settings: device, cache, disk_cache, models_dir, size, layers, skew, experts (the demo models' expert format),
     model (a checkpoint to use instead of writing demo models), token_budget, placement_timeout, deadline_s,
     hf_limit_s, suite; llamacpp_src, llamacpp_bin, llamacpp_root, llamacpp_threads (the llamacpp baseline).
-    llama.cpp's cases run last, so that its tools build (when they must) while strata's cases run.
+    llama.cpp's cases run last, so that its tools build (when they must) while strata's cases run; strata's cases on
+    a llama.cpp GGUF (`split-q4_k_m`) export it, so llama.cpp's cases of that export find it on disk.
     """
     start = time.time()
     deadline = start + settings["deadline_s"]
@@ -64,8 +66,12 @@ def run_suite(cases: list[Case], settings: dict, out_dir: str | Path, log=print,
                         f"({rec.get('warmup') or rec.get('reason')})")
             else:
                 pop = doc["models"][first.routing].setdefault("popularity", {})
-                doc["cases"] += run_group(group, model, summary, facts, rates, settings, deadline, log,
-                                          popularity=None if pop else pop)
+                pop = None if pop else pop  # measured once per routing, on its first strata engine
+                if first.variant in STRATA_GGUF_VARIANTS:  # strata on the GGUF file a llama.cpp variant reads
+                    doc["cases"] += run_strata_gguf_group(group, model, rates, settings, deadline, log, popularity=pop)
+                else:
+                    doc["cases"] += run_group(group, model, summary, facts, rates, settings, deadline, log,
+                                              popularity=pop)
         except Exception as e:  # noqa: BLE001 - an engine that does not load fails its cases, not the suite
             doc["cases"] += [record(c, "error", f"{type(e).__name__}: {e}") for c in group]
             log(f"{first.name}: error {type(e).__name__}: {e}")
@@ -86,7 +92,7 @@ def _models(cases: list[Case], settings: dict, doc: dict, log) -> dict:
         t0 = time.perf_counter()
         path = ensure_model(Path(settings["models_dir"]), settings["size"], settings["layers"], routing,
                             settings["skew"], progress=settings.get("progress", True),
-                            locality=settings.get("locality", 0.0), experts=settings.get("experts", "bf16"))
+                            locality=settings.get("locality", 0.0), experts=settings.get("experts", "bf16"), log=log)
         facts, summary = model_facts(path)
         doc["models"][routing] = {**summary, "ready_s": round(time.perf_counter() - t0, 1),
                                   "route_skew": "uniform" if routing == "uniform" else settings["skew"]}

@@ -277,14 +277,31 @@ def test_the_table_strata_against_llamacpp_from_a_results_file(tmp_path):
     doc = results.load([path])
     table = report.llamacpp_table(doc)
     lines = table.splitlines()
-    assert len(lines) == 2 + 3  # header, rule, one row per split case with a llama.cpp twin
-    assert "| uniform | b25 | p128x1 | decode | 30.00 | 20.00 | 1.50x | 40.00 | 0.75x | 9 | 5.0 / 4.5 |" in lines
-    assert "| uniform | b25 | p128x8 | decode | 120.00 | 60.00 | 2.00x |  |  | 9 |  |" in lines
-    assert "| uniform | b25 | p8192x1 | prefill | 4,000.00 | 1,000.00 | 4.00x |  |  | 9 |  |" in lines  # prefill tok/s
+    assert len(lines) == 2 + 3 + 2  # header, rule, one row per split case with a llama.cpp twin; the note
+    # no strata Q4_K_M case here: the Q4_K_M ratio is strata's bf16 run over llama.cpp's Q4_K_M, and says so
+    assert ("| uniform | b25 | p128x1 | decode | 30.00 | 20.00 | 1.50x |  | 40.00 | 0.75x (strata bf16) | 9 | "
+            "5.0 / 4.5 |  |") in lines
+    assert "| uniform | b25 | p128x8 | decode | 120.00 | 60.00 | 2.00x |  |  |  | 9 |  |  |" in lines
+    assert "| uniform | b25 | p8192x1 | prefill | 4,000.00 | 1,000.00 | 4.00x |  |  |  | 9 |  |  |" in lines  # prefill tok/s
+    assert lines[-1].startswith("Q4_K_M ratios marked `(strata bf16)`: no strata case on the Q4_K_M file")
     md = report.render(doc, "python -m bench run --suite llamacpp", "suite.png", "suite-llamacpp.png")
     assert "### strata against llama.cpp" in md and "![strata / llama.cpp per case](suite-llamacpp.png)" in md
     no_llama = {**_doc(), "cases": [c for c in doc["cases"] if c["variant"] == "split"]}
     assert report.llamacpp_table(no_llama) == "" and "strata against llama.cpp" not in report.render(no_llama)
+
+
+def test_all_in_vram_pairs_llamacpp_with_strata_s_ceiling(tmp_path):
+    """At budget "all" strata's bf16 twin is the `ceiling` variant (every expert in VRAM), not `split`."""
+    doc = _doc()
+    doc["cases"] += [_ok("ceiling/all/uniform/p128x1", 90.0), _ok("llamacpp/all/uniform/p128x1", 45.0, n_cpu_moe=0),
+                     _ok("split-q4_k_m/all/uniform/p128x1", 100.0),
+                     _ok("llamacpp-q4_k_m/all/uniform/p128x1", 80.0, n_cpu_moe=0)]
+    doc = results.load([results.write(doc, tmp_path)])
+    row = next(r for r in report.llamacpp_rows(doc) if r["budget"] == "all")
+    assert row["strata"] == 90.0 and row["llamacpp"]["bf16"]["ratio"] == pytest.approx(2.0)
+    assert row["strata_q4_k_m"] == 100.0 and row["llamacpp"]["Q4_K_M"]["ratio"] == pytest.approx(1.25)
+    assert "| uniform | all | p128x1 | decode | 90.00 | 45.00 | 2.00x | 100.00 | 80.00 | 1.25x | 0 |" in \
+        report.llamacpp_table(doc)
 
 
 def test_a_ratio_comes_from_one_run(tmp_path):
@@ -311,12 +328,15 @@ def test_the_plot_of_ratios(tmp_path):
 def test_the_llamacpp_suite_pairs_every_strata_case_with_both_exports():
     cases = llamacpp_suite()
     names = {c.name for c in cases}
-    assert len(names) == len(cases) == 30
+    assert len(names) == len(cases) == 44
     for c in cases:
         if c.variant == "split":
-            assert {f"{v}/b25/{c.routing}/{c.workload.name}" for v in LLAMACPP_VARIANTS} <= names
+            assert {f"{v}/b25/{c.routing}/{c.workload.name}" for v in (*LLAMACPP_VARIANTS, "split-q4_k_m")} <= names
     assert {(c.workload.prompt, c.workload.streams) for c in cases} == {(128, 1), (128, 4), (128, 8), (512, 1), (8192, 1)}
-    assert len(group_by_engine(cases)) == 6  # one engine (or one llama.cpp placement) per variant and routing
+    # all in VRAM: strata's ceiling and its Q4_K_M file without a budget, llama.cpp with --n-cpu-moe 0 (None)
+    assert {c.name for c in cases if c.gpu_fraction is None} == {
+        f"{v}/all/uniform/p128x1" for v in ("ceiling", "split-q4_k_m", *LLAMACPP_VARIANTS)}
+    assert len(group_by_engine(cases)) == 12  # one engine (or one llama.cpp placement) per variant, routing, budget
     added = with_baselines(quick_suite(), ["llamacpp"])
     twins = [c for c in added if c.variant == "llamacpp"]
     assert {(c.routing, c.gpu_fraction, c.workload) for c in twins} == {
