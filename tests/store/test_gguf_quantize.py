@@ -1,4 +1,4 @@
-"""strata.tiers.store.gguf_quantize: llama.cpp's reference quantizers in numpy. Dequantized by `gguf` (llama.cpp's own
+"""strata.tiers.store.gguf_quantize: llama.cpp's reference quantizers (compiled, and their numpy port). Dequantized by `gguf` (llama.cpp's own
 numpy code) the blocks are close to the input, by each type's measured error; they survive a GGUF file and its
 reader byte for byte; quantizing a dequantized matrix again changes it little (not at all for Q8_0, Q4_K and
 Q6_K); and, where llama.cpp's library is present, they are the bytes its quantize_row_*_ref functions write."""
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from strata.errors import UnsupportedError
-from strata.tiers.store.gguf_quantize import QUANTIZED_TYPES, block_shape, quantize_rows
+from strata.tiers.store.gguf_quantize import QUANTIZED_TYPES, block_shape, quantize_rows, quantize_rows_reference
 
 gguf = pytest.importorskip("gguf")
 
@@ -91,10 +91,12 @@ def test_a_row_that_does_not_split_into_blocks_is_refused():
         quantize_rows(np.zeros((2, 256), dtype=np.float32), "IQ4_XS")
 
 
+@pytest.mark.parametrize("quantize", [quantize_rows, quantize_rows_reference], ids=["default", "numpy"])
 @pytest.mark.parametrize("type_name", QUANTIZED_TYPES)
-def test_the_bytes_are_llamacpps(type_name):
+def test_the_bytes_are_llamacpps(type_name, quantize):
     """Against ggml's own quantize_row_*_ref (llama-cpp-python's library, when present): the same float32
-    operations in the same order give the same bytes, on Gaussian, heavy-tailed, sparse and zero sub-blocks."""
+    operations in the same order give the same bytes, on Gaussian, heavy-tailed, sparse and zero sub-blocks, from
+    the compiled quantizers `quantize_rows` runs and from their numpy port."""
     lib_path = ggml_base_library()
     if lib_path is None:
         pytest.skip("llama-cpp-python is not installed (optional; bench/cpu_vs_llamacpp.py builds it)")
@@ -107,5 +109,5 @@ def test_the_bytes_are_llamacpps(type_name):
     ref = np.zeros(x.size // values * nbytes, dtype=np.uint8)
     fn = getattr(lib, f"quantize_row_{type_name.lower().replace('_k', '_K')}_ref")
     fn(x.ctypes.data_as(ctypes.c_void_p), ref.ctypes.data_as(ctypes.c_void_p), ctypes.c_int64(x.size))
-    ours = quantize_rows(x, type_name)
+    ours = quantize(x, type_name)
     assert np.array_equal(ours.reshape(-1, nbytes), ref.reshape(-1, nbytes))

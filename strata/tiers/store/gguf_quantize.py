@@ -1,4 +1,4 @@
-"""llama.cpp's reference quantizers for ggml block types, in numpy: float rows -> GGUF blocks.
+"""llama.cpp's reference quantizers for ggml block types: float rows -> GGUF blocks.
 
     blocks = quantize_rows(w, "Q4_K")    # float32 [..., K] -> uint8 [..., K / 256 * 144]
     gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType.Q4_K)   # ~ w
@@ -15,11 +15,13 @@ The `gguf` package quantizes only Q8_0 (used here as it is); the K-quants follow
 - Q2_K: 16 sub-blocks of 16, scale * q - min with q in 0..3 (`make_qkx2_quants`, absolute error, weights |x|), the
   scales and mins in 4 bits each.
 
-Every function is vectorized over blocks (one numpy operation handles all of a matrix's sub-blocks at once: values
-along axis 0, sub-blocks along axis 1) and computes in float32 with the C code's operations in its order: products
+`quantize_rows` runs the K-quants compiled (strata.kernels.cpu.quantize: the same C functions, each search over 8 or 16
+sub-blocks in the lanes of a vector) where the CPU library loads; `quantize_rows_reference` is their numpy port and
+the tests' oracle for the compiled code. Every numpy function is vectorized over blocks (one numpy operation handles
+all of a matrix's sub-blocks at once: values along axis 0, sub-blocks along axis 1) and computes in float32 with the C code's operations in its order: products
 associated as written, sums taken one term after another (numpy reduces an outer axis row by row), rounding with
 `np.rint` as `nearest_int` does (to nearest, ties to even). The blocks are then llama.cpp's byte for byte
-(tests/store/test_gguf_quantize.py holds them to ggml's own quantize_row_*_ref where llama-cpp-python is present;
+(tests/store/test_gguf_quantize.py holds both to ggml's own quantize_row_*_ref where llama-cpp-python is present;
 a ggml built to fuse multiply-adds could tip a near-tie of a search, changing a block but not its error).
 """
 
@@ -49,12 +51,23 @@ def can_quantize(type_name: str, k: int) -> bool:
 
 
 def quantize_rows(x: np.ndarray, type_name: str) -> np.ndarray:
-    """float [..., K] -> uint8 [..., K / block_values * block_bytes]: each row as ggml blocks of `type_name`."""
-    values, nbytes = block_shape(type_name)
+    """float [..., K] -> uint8 [..., K / block_values * block_bytes]: each row as ggml blocks of `type_name`. The
+    K-quants run compiled (strata.kernels.cpu.quantize, the same bytes some 10x faster a thread) where the CPU
+    library loads, else `quantize_rows_reference`."""
+    values, nbytes = _checked(x, type_name)
+    if type_name != "Q8_0":
+        from strata.kernels.cpu.quantize import quantize_rows as compiled
+
+        out = compiled(x, type_name)
+        if out is not None:
+            return out
+    return quantize_rows_reference(x, type_name)
+
+
+def quantize_rows_reference(x: np.ndarray, type_name: str) -> np.ndarray:
+    """`quantize_rows` in numpy: the port of ggml-quants.c this module describes (Q8_0: `gguf`'s own)."""
+    values, nbytes = _checked(x, type_name)
     k = x.shape[-1]
-    if k % values:
-        raise UnsupportedError(f"rows of {k} values do not split into {type_name} blocks of {values}; "
-                               f"use a type with {values}-value blocks only for rows a multiple of {values}")
     blocks = np.ascontiguousarray(x, dtype=_F32).reshape(-1, values)
     if type_name == "Q8_0":
         import gguf
@@ -63,6 +76,16 @@ def quantize_rows(x: np.ndarray, type_name: str) -> np.ndarray:
     else:
         out = {"Q2_K": _q2_k, "Q4_K": _q4_k, "Q5_K": _q5_k, "Q6_K": _q6_k}[type_name](blocks)
     return out.reshape(*x.shape[:-1], k // values * nbytes)
+
+
+def _checked(x: np.ndarray, type_name: str) -> tuple[int, int]:
+    """(values, bytes) of a `type_name` block, after checking that x's rows split into whole blocks."""
+    values, nbytes = block_shape(type_name)
+    k = x.shape[-1]
+    if k % values:
+        raise UnsupportedError(f"rows of {k} values do not split into {type_name} blocks of {values}; "
+                               f"use a type with {values}-value blocks only for rows a multiple of {values}")
+    return values, nbytes
 
 
 def _f16_bytes(v: np.ndarray) -> np.ndarray:

@@ -1,7 +1,7 @@
 // The CPU expert kernel's asynchronous calls (strata.kernels.cpu.experts.start_packed): one call at a time on a
 // persistent launcher thread, while the thread that drives the GPU goes on.
 //
-// Included once, by cpu_experts.cpp, after strata_cpu_experts_act.
+// Included once, by cpu_experts.cpp, after strata_cpu_experts_act (cpu_experts_call.h).
 #pragma once
 
 // Asynchronous calls: `strata_cpu_experts_start` hands one call to a persistent launcher thread (share 0

@@ -4,7 +4,8 @@
 //
 // Each matrix is read in its own type (the blob's header: gate, up, down), two rows a pass (gate and up of one type,
 // two down rows) against a tile of up to kGgufTile tokens; the activations come permuted for the type's layout with
-// their sub-block sums (g_gguf: x once a call, an expert's intermediate once its last gate/up rows are done).
+// their sub-block sums (g_gguf, cpu_experts_gguf_layout.h: x once a call, an expert's intermediate once its last
+// gate/up rows are done).
 
 struct ReadGguf {};  // run_job_fmt's tag for GGUF experts
 

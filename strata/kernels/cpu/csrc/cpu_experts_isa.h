@@ -192,7 +192,7 @@ struct K {
         w0 = _mm512_permutex2var_epi8(lo, c.inter, hs);
         w1 = _mm512_permutex2var_epi8(lo, c.inter_hi, hs);
     }
-    // MXFP4 128 values a step where a row has them (cpu_experts_kernel.h's dot2_mx_steps), else a group a step;
+    // MXFP4 128 values a step where a row has them (cpu_experts_dot2.h's dot2_mx_steps), else a group a step;
     // activations stored as mx_step_x_position orders them
     static constexpr bool kMxSteps = true;
     static inline int64_t mx_x_position(int64_t e, int64_t len) { return mx_step_x_position(e, len); }

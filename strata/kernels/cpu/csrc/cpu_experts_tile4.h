@@ -1,7 +1,7 @@
 // Four weight rows against a tile of K::NT4 tokens, for experts with many tokens (a prompt's layer call): 4 x NT4
 // accumulators (24 zmm on the AVX-512 sets) take 4 weight and NT4 activation loads a vector step for 4 * NT4 dot
 // steps, where the two-row tile (dot2) takes 2 + NTMAX for 2 * NTMAX. Part of the kernel body: included by
-// cpu_experts_kernel.h inside each instruction set's namespace, after dot2 and activate.
+// cpu_experts_kernel.h inside each instruction set's namespace, after dot2 (cpu_experts_dot2.h) and activate.
 //
 // Numerics: an expert with at least NT4 tokens is tiled NT4 tokens at a time (its last tile the remainder) whether
 // its rows go four or two at a time; dot4_tile sums a row exactly as dot2_tile<F, NT, 1> does, which is dot2's
