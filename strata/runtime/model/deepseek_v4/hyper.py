@@ -10,7 +10,8 @@ projection of the flattened, RMS-normed streams gives three sets of weights (all
 
     streams' = post * block(collapse) + comb^T @ streams
 
-`HyperHead` collapses the streams once more (its own `pre` weights) before the final norm.
+`HyperHead` collapses the streams once more (its own `pre` weights) before the final norm. On CUDA everything after
+the projection is one Triton launch (strata.kernels.gpu.hyper); the torch chain here is the reference.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from strata.kernels.gpu.hyper import hyper_weights
 
 
 def _flat_rms(streams: torch.Tensor, eps: float) -> torch.Tensor:
@@ -40,6 +43,9 @@ class HyperConnection(nn.Module):
         """streams [N, n, H] -> (post [N, n] fp32, comb [N, n, n] fp32, collapsed [N, H] in the streams' dtype)."""
         n, eps = self.n, self.hc_eps
         mixes = F.linear(_flat_rms(streams, self.norm_eps), self.fn.float())
+        fused = hyper_weights(mixes, self.base, self.scale, streams, self.iters, eps)  # one launch on CUDA
+        if fused is not None:
+            return fused
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.split([n, n, n * n])
         pre_s, post_s, comb_s = self.scale.unbind(0)
