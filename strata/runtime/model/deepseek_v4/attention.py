@@ -112,7 +112,7 @@ class DeepseekV4Attention(nn.Module):
     def _output(self, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """The heads' outputs [N, heads, d] -> [N, H]: rotated back, then the grouped output projection."""
         n = out.shape[0]
-        out = rotate(out, cos, -sin)  # values carried the keys' rotation: undo it at the query's position
+        out = rotate(out, cos, sin, conjugate=True)  # values carried the keys' rotation: undo it at the query's position
         grouped = out.reshape(n, self.groups, -1)  # [N, g, heads * d / g]
         w = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1])  # [g, o_lora, heads * d / g]
         mixed = torch.bmm(grouped.transpose(0, 1), w.transpose(1, 2)).transpose(0, 1)  # [N, g, o_lora]

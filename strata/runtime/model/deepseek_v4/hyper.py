@@ -11,7 +11,7 @@ projection of the flattened, RMS-normed streams gives three sets of weights (all
     streams' = post * block(collapse) + comb^T @ streams
 
 `HyperHead` collapses the streams once more (its own `pre` weights) before the final norm. On CUDA everything after
-the projection is one Triton launch (strata.kernels.gpu.hyper); the torch chain here is the reference.
+the projection is one Triton launch (strata.kernels.gpu.deepseek_v4); the torch chain here is the reference.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.kernels.gpu.hyper import hyper_weights
+from strata.kernels.gpu.deepseek_v4 import hyper_weights
 
 
 def _flat_rms(streams: torch.Tensor, eps: float) -> torch.Tensor:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from strata.kernels.gpu import deepseek_v4 as v4_kernels
+
 
 class FloatRMSNorm(nn.Module):
     """transformers' DeepseekV4RMSNorm: (weight * x / rms(x)) computed in fp32, rounded to x's dtype at the end
@@ -16,6 +18,9 @@ class FloatRMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        fused = v4_kernels.float_rms_norm(x, self.weight, self.eps)  # one launch on CUDA
+        if fused is not None:
+            return fused
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return (self.weight.float() * h).to(x.dtype)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from strata.kernels.gpu import deepseek_v4 as v4_kernels
 from strata.runtime.model.config import RopeConfig
 from strata.runtime.model.rope import inv_frequencies
 
@@ -32,8 +33,13 @@ class InterleavedRope:
         return (freqs.cos() * self.attention_factor).to(dtype), (freqs.sin() * self.attention_factor).to(dtype)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [N, heads, d] with cos/sin [N, r/2]: the trailing r channels rotated pairwise (fp32 math, x's dtype)."""
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, conjugate: bool = False) -> torch.Tensor:
+    """x [N, heads, d] with cos/sin [N, r/2]: the trailing r channels rotated pairwise (fp32 math, x's dtype); by the
+    conjugate rotation (-sin) with `conjugate`. One launch on CUDA (strata.kernels.gpu.deepseek_v4.rotate)."""
+    fused = v4_kernels.rotate(x, cos, sin, conjugate)
+    if fused is not None:
+        return fused
+    sin = -sin if conjugate else sin
     r = 2 * cos.shape[-1]
     c = cos.repeat_interleave(2, dim=-1)[:, None, :].float()  # [N, 1, r]
     s = sin.repeat_interleave(2, dim=-1)[:, None, :].float()

@@ -1,0 +1,169 @@
+"""DeepSeek-V4's decode-step chains in single Triton launches, where torch needs several to ~130 each.
+
+At one token a step a V4 layer's time is its launches, not its weights' bytes (docs/benchmarks.md counts them:
+bench/decode_ops.py). Here, each one launch:
+
+    hyper_weights(mixes [N, (2 + n) n] fp32, base [(2 + n) n], scale [3], streams [N, n, H], iters, eps)
+        -> (post [N, n] fp32, comb [N, n, n] fp32, collapsed [N, H] in the streams' dtype)
+        a hyper-connection's weights (strata.runtime.model.deepseek_v4.hyper: sigmoids for `pre` and `post`, a
+        softmax and `iters` Sinkhorn-Knopp iterations for `comb`, ~130 launches in torch) and the streams' collapse
+    rotate(x [N, heads, d], cos, sin [N, r/2], conjugate) -> [N, heads, d]
+        the interleaved rotary embedding of each head's trailing r channels (runtime/model/deepseek_v4/rope.py)
+    float_rms_norm(x [N, D], weight [D] fp32, eps) -> [N, D]: (weight * x / rms(x)) in fp32, rounded once
+
+The hyper-connection weights stay in registers (n <= 16) through the iterations. Each kernel computes in fp32 with
+the torch chain's operations and rounds where it rounds; sums (the softmax's, the Sinkhorn normalisations', the
+norms') may add in another order, Triton's exp differs from torch's in the last bits, and products may fuse into
+multiply-adds, so results agree to fp32 rounding before the final one (tests/kernels/test_deepseek_v4_kernels.py).
+Callers check `fused_ok` (each returns None where it does not apply) and keep the torch chains, the reference, off
+CUDA.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from strata.kernels.gpu import fused, pdl
+from strata.kernels.gpu.fused import triton
+
+if triton is not None:
+    import triton.language as tl
+
+__all__ = ["hyper_weights", "rotate", "float_rms_norm", "MAX_STREAMS"]
+
+MAX_STREAMS = 16  # n x n weights a program keeps in registers
+
+
+def hyper_weights(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, streams: torch.Tensor, iters: int,
+                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """(post, comb, collapsed) of `HyperConnection.forward` from its projection `mixes` [N, (2 + n) n] (fp32), its
+    `base` and `scale` parameters and the streams [N, n, H]; None where the fused kernel does not apply (the caller
+    runs the torch chain)."""
+    if streams.dim() != 3 or not fused.fused_ok(streams):
+        return None
+    rows, n, hidden = streams.shape
+    if (n > MAX_STREAMS or iters < 1 or mixes.dtype != torch.float32 or base.dtype != torch.float32
+            or scale.dtype != torch.float32 or tuple(mixes.shape) != (rows, (2 + n) * n)):
+        return None
+    mixes, streams = mixes.contiguous(), streams.contiguous()
+    post = torch.empty(rows, n, dtype=torch.float32, device=streams.device)
+    comb = torch.empty(rows, n, n, dtype=torch.float32, device=streams.device)
+    collapsed = torch.empty(rows, hidden, dtype=streams.dtype, device=streams.device)
+    if rows:
+        _hyper_kernel[(rows,)](mixes, base.contiguous(), scale.contiguous(), streams, post, comb, collapsed, hidden, eps,
+                               N=n, BN=max(2, triton.next_power_of_2(n)), ITERS=iters,
+                               BLOCK_H=min(1024, triton.next_power_of_2(hidden)), num_warps=4, **pdl.launch(streams))
+    return post, comb, collapsed
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, conjugate: bool = False) -> torch.Tensor | None:
+    """`rope.rotate(x, cos, -sin if conjugate else sin)` in one launch: x [N, heads, d], cos/sin [N, r/2] (r <= d,
+    d - r even) -> [N, heads, d] in x's dtype; None where the fused kernel does not apply."""
+    if x.dim() != 3 or not fused.fused_ok(x) or cos.shape != sin.shape or cos.dim() != 2:
+        return None
+    n, heads, d = x.shape
+    r = 2 * cos.shape[1]
+    if cos.shape[0] != n or r > d or (d - r) % 2 or d > 8192:
+        return None
+    rows = x.reshape(n * heads, d)
+    rows = rows if rows.stride(-1) == 1 and rows.stride(0) == d else rows.contiguous()
+    cos, sin = cos.contiguous(), sin.contiguous()
+    out = torch.empty(n, heads, d, dtype=x.dtype, device=x.device)
+    if n * heads:
+        _rotate_kernel[(n * heads,)](rows, cos, sin, out, heads, d, r // 2, d - r, SIGN=-1.0 if conjugate else 1.0,
+                                     BLOCK=triton.next_power_of_2(d), num_warps=1 if d <= 256 else 2,
+                                     **pdl.launch(x))
+    return out
+
+
+def float_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """`(weight * (x.float() * rsqrt(mean(x.float()^2) + eps))).to(x.dtype)` over the last dim (weight fp32), one
+    launch; None where the fused kernel does not apply."""
+    d = x.shape[-1]
+    if not fused.fused_ok(x) or weight.dtype != torch.float32 or weight.shape != (d,) or d > 16384:
+        return None
+    rows = x.reshape(-1, d)
+    rows = rows if rows.stride(-1) == 1 else rows.contiguous()
+    out = torch.empty((rows.shape[0], d), dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        block = triton.next_power_of_2(d)
+        _float_norm_kernel[(rows.shape[0],)](rows, weight, out, d, rows.stride(0), eps, BLOCK=block,
+                                             num_warps=8 if block >= 4096 else 4, **pdl.launch(x))
+    return out.view(x.shape)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rotate_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, d, half, nope, SIGN: tl.constexpr,
+                       BLOCK: tl.constexpr, PDL: tl.constexpr):
+        # program p: row p = token p // heads, head p % heads; channels [0, nope) copied, the rest rotated in pairs
+        # (x0, x1) -> (x0 c - x1 s, x1 c + x0 s), in fp32, rounded once
+        p = tl.program_id(0).to(tl.int64)
+        t = p // heads
+        ch = tl.arange(0, BLOCK)
+        ok = ch < d
+        pdl.enter(PDL)
+        x = tl.load(x_ptr + p * d + ch, mask=ok, other=0.0)
+        i = ch - nope
+        rot = ok & (i >= 0)
+        partner = tl.load(x_ptr + p * d + (ch ^ 1), mask=rot, other=0.0).to(tl.float32)  # nope even: pairs align
+        c = tl.load(cos_ptr + t * half + i // 2, mask=rot, other=1.0).to(tl.float32)
+        s = tl.load(sin_ptr + t * half + i // 2, mask=rot, other=0.0).to(tl.float32) * SIGN
+        swapped = tl.where(i % 2 == 0, -partner, partner)
+        rotated = (x.to(tl.float32) * c + swapped * s).to(x.dtype)
+        tl.store(out_ptr + p * d + ch, tl.where(rot, rotated, x), mask=ok)
+
+    @triton.jit
+    def _float_norm_kernel(x_ptr, w_ptr, out_ptr, D, stride, eps, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        mask = offs < D
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+        pdl.enter(PDL)
+        h = tl.load(x_ptr + row * stride + offs, mask=mask, other=0.0).to(tl.float32)
+        h = h * tl.rsqrt(tl.sum(h * h, axis=0) / D + eps)
+        tl.store(out_ptr + row * D + offs, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _hyper_kernel(mix_ptr, base_ptr, scale_ptr, s_ptr, post_ptr, comb_ptr, out_ptr, H, eps, N: tl.constexpr,
+                      BN: tl.constexpr, ITERS: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+        # program r: token r's weights; mixes row [pre n | post n | comb n x n (row a, column b at a n + b)]
+        r = tl.program_id(0).to(tl.int64)
+        i = tl.arange(0, BN)
+        im = i < N
+        a, b = i[:, None], i[None, :]
+        m2 = (a < N) & (b < N)
+        pre_b = tl.load(base_ptr + i, mask=im, other=0.0)
+        post_b = tl.load(base_ptr + N + i, mask=im, other=0.0)
+        comb_b = tl.load(base_ptr + 2 * N + a * N + b, mask=m2, other=0.0)
+        s_pre = tl.load(scale_ptr)
+        s_post = tl.load(scale_ptr + 1)
+        s_comb = tl.load(scale_ptr + 2)
+        pdl.enter(PDL)
+        row = mix_ptr + r * ((2 + N) * N)
+        pre = tl.sigmoid(tl.load(row + i, mask=im, other=0.0) * s_pre + pre_b) + eps
+        post = 2 * tl.sigmoid(tl.load(row + N + i, mask=im, other=0.0) * s_post + post_b)
+        z = tl.load(row + 2 * N + a * N + b, mask=m2, other=0.0) * s_comb + comb_b
+        z = tl.where(m2, z, float("-inf"))
+        zmax = tl.max(z, axis=1)
+        zmax = tl.where(zmax > float("-inf"), zmax, 0.0)  # padded rows (a >= N): exp(-inf) = 0, not NaN
+        e = tl.where(m2, tl.exp(z - zmax[:, None]), 0.0)
+        total = tl.sum(e, axis=1)
+        comb = tl.where(m2, e / tl.where(total > 0, total, 1.0)[:, None] + eps, 0.0)  # softmax over b, + eps
+        comb = tl.where(m2, comb / (tl.sum(comb, axis=0)[None, :] + eps), 0.0)  # columns (sum over a)
+        for _ in tl.static_range(ITERS - 1):  # then rows and columns
+            comb = tl.where(m2, comb / (tl.sum(comb, axis=1)[:, None] + eps), 0.0)
+            comb = tl.where(m2, comb / (tl.sum(comb, axis=0)[None, :] + eps), 0.0)
+        tl.store(post_ptr + r * N + i, post, mask=im)
+        tl.store(comb_ptr + r * (N * N) + a * N + b, comb, mask=m2)
+        # collapsed[h] = sum_j pre_j streams[j, h], in fp32, streams in order, rounded once
+        streams = s_ptr + r * N * H
+        for h0 in range(0, H, BLOCK_H):
+            h = h0 + tl.arange(0, BLOCK_H)
+            hm = h < H
+            acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+            for j in tl.static_range(N):
+                p_j = tl.sum(tl.where(i == j, pre, 0.0), axis=0)
+                acc += p_j * tl.load(streams + j * H + h, mask=hm, other=0.0).to(tl.float32)
+            tl.store(out_ptr + r * H + h, acc.to(out_ptr.dtype.element_ty), mask=hm)

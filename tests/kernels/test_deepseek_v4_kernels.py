@@ -1,0 +1,111 @@
+"""DeepSeek-V4's fused decode kernels (strata.kernels.gpu.deepseek_v4) against the torch chains of
+strata.runtime.model.deepseek_v4 they replace: the hyper-connection weights (the sigmoids, the softmax and every
+Sinkhorn-Knopp iteration of `comb`, and the collapse of the streams), the interleaved rotary embedding (and its
+conjugate) and the norm with an fp32 weight. On CUDA in bf16 (marked gpu); on the CPU under Triton's interpreter in fp16
+(tests/kernels/test_kernels_interpreted.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fused_device import DEVICE, DTYPE, MARKS
+
+from strata.kernels import options
+from strata.kernels.gpu import deepseek_v4 as v4_kernels
+from strata.runtime.model.deepseek_v4.hyper import HyperConnection
+from strata.runtime.model.deepseek_v4.norms import FloatRMSNorm
+from strata.runtime.model.deepseek_v4.rope import rotate
+
+pytestmark = MARKS
+
+
+def _connection(n: int, hidden: int, iters: int, seed: int) -> HyperConnection:
+    g = torch.Generator().manual_seed(seed)
+    hc = HyperConnection(hidden, n, iters, 1e-6, 1e-6)
+    with torch.no_grad():  # random where the release's are trained: every weight and sign reaches the kernel
+        hc.fn.copy_(torch.randn(hc.fn.shape, generator=g) * 0.02)
+        hc.base.copy_(torch.randn(hc.base.shape, generator=g))
+        hc.scale.copy_(torch.tensor([0.7, -1.3, 2.1]))
+    return hc.to(DEVICE)
+
+
+def _streams(rows: int, n: int, hidden: int, seed: int) -> torch.Tensor:
+    return torch.randn(rows, n, hidden, generator=torch.Generator().manual_seed(seed)).to(DTYPE).to(DEVICE)
+
+
+@pytest.mark.parametrize(("rows", "n", "hidden", "iters"), [(1, 4, 2048, 20), (3, 4, 300, 20), (2, 3, 1100, 5),
+                                                            (2, 4, 64, 1)])
+def test_the_fused_weights_are_the_torch_chains(rows, n, hidden, iters):
+    """One token or several, the released shape (4 streams, 20 iterations), a stream count that pads the kernel's
+    blocks (3), a hidden size not a multiple of its tile (300, 1100), and a single normalisation (iters 1)."""
+    hc, streams = _connection(n, hidden, iters, seed=rows + n), _streams(rows, n, hidden, seed=hidden)
+    with torch.no_grad():
+        post, comb, collapsed = hc(streams)
+        with options.kernel_options(options.KernelOptions(fused=False)):
+            ref_post, ref_comb, ref_collapsed = hc(streams)
+    assert post.shape == (rows, n) and comb.shape == (rows, n, n) and collapsed.shape == (rows, hidden)
+    torch.testing.assert_close(post, ref_post, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(comb, ref_comb, rtol=1e-5, atol=1e-6)
+    # the collapse sums the same fp32 products in the same order and rounds once: at most a rounding step apart
+    assert collapsed.dtype == DTYPE
+    torch.testing.assert_close(collapsed.float(), ref_collapsed.float(), rtol=2 ** -7, atol=1e-3)
+    assert (collapsed != ref_collapsed).float().mean().item() < 0.05
+    # doubly stochastic after the iterations: the columns sum to ~1 (the last normalisation's), the rows near it
+    torch.testing.assert_close(comb.sum(dim=-2), torch.ones(rows, n, device=DEVICE), rtol=0, atol=1e-4)
+
+
+def test_the_fused_kernel_steps_aside():
+    """Off with the fused kernels (`[debug] fused_kernels = false`), for more streams than its registers hold and for
+    weights not in fp32: the torch chain runs (None)."""
+    hc, streams = _connection(4, 64, 20, seed=0), _streams(2, 4, 64, seed=1)
+    mixes = torch.zeros(2, 24, device=DEVICE)
+    assert v4_kernels.hyper_weights(mixes, hc.base, hc.scale, streams, 20, 1e-6) is not None
+    with options.kernel_options(options.KernelOptions(fused=False)):
+        assert v4_kernels.hyper_weights(mixes, hc.base, hc.scale, streams, 20, 1e-6) is None
+    assert v4_kernels.hyper_weights(mixes.half(), hc.base, hc.scale, streams, 20, 1e-6) is None
+    wide = _streams(1, v4_kernels.MAX_STREAMS + 1, 64, seed=2)
+    n = v4_kernels.MAX_STREAMS + 1
+    assert v4_kernels.hyper_weights(torch.zeros(1, (2 + n) * n, device=DEVICE), torch.zeros((2 + n) * n, device=DEVICE),
+                               hc.scale, wide, 20, 1e-6) is None
+
+
+def _torch(fn, *args, **kwargs):
+    with options.kernel_options(options.KernelOptions(fused=False)):
+        return fn(*args, **kwargs)
+
+
+@pytest.mark.parametrize(("heads", "d", "r"), [(8, 512, 64), (1, 512, 64), (3, 96, 96), (2, 40, 16)])
+@pytest.mark.parametrize("conjugate", [False, True], ids=["rotate", "conjugate"])
+def test_the_fused_rotation_is_the_torch_chains(heads, d, r, conjugate):
+    """V4's shapes (a head of 512 with its last 64 channels rotated; one head: the compressor's and the key), the whole
+    head rotated, and a head that is not a power of two; the rotation and its conjugate (the output's)."""
+    g = torch.Generator().manual_seed(d + heads)
+    x = torch.randn(3, heads, d, generator=g).to(DTYPE).to(DEVICE)
+    angle = torch.rand(3, r // 2, generator=g) * 6.3
+    cos, sin = angle.cos().to(DTYPE).to(DEVICE), angle.sin().to(DTYPE).to(DEVICE)
+    got = rotate(x, cos, sin, conjugate)
+    assert v4_kernels.rotate(x, cos, sin, conjugate) is not None
+    want = _torch(rotate, x, cos, sin, conjugate)
+    assert got.shape == x.shape and got.dtype == x.dtype
+    assert torch.equal(got[..., : d - r], x[..., : d - r])  # the channels before the rotated slice, untouched
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+    assert (got != want).float().mean().item() < 0.05
+    # the conjugate undoes the rotation (to the dtype's rounding)
+    back = rotate(rotate(x, cos, sin), cos, sin, conjugate=True)
+    torch.testing.assert_close(back.float(), x.float(), rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize(("rows", "d"), [(1, 4096), (5, 1024), (2, 100)])
+def test_the_fused_float_norm_is_the_torch_chains(rows, d):
+    g = torch.Generator().manual_seed(d)
+    norm = FloatRMSNorm(d, 1e-6).to(DEVICE)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(d, generator=g).to(DEVICE))
+    x = (torch.randn(rows, d, generator=g) * 3).to(DTYPE).to(DEVICE)
+    with torch.no_grad():
+        got, want = norm(x), _torch(norm, x)
+    assert v4_kernels.float_rms_norm(x, norm.weight, 1e-6) is not None
+    assert got.dtype == DTYPE and got.shape == x.shape
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+    assert (got != want).float().mean().item() < 0.05
+    assert v4_kernels.float_rms_norm(x, norm.weight.to(DTYPE), 1e-6) is None  # its weight is kept in fp32
