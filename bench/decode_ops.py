@@ -9,7 +9,8 @@ GPU through the pair kernels: their count is the CPU's, not a GPU step's. At one
 Writes the `--size` demo model of `--arch` (no Engram layers) under ~/.cache/strata/bench unless there, loads it on the
 CPU in fp32 with every expert in memory, prefills `--streams` random prompts, then counts the ops of one DecodeBatch
 step (the step a CUDA graph captures, after one untimed step): in all, and per innermost module class (an op runs in
-the deepest module whose forward is active). Prints and writes --out/decode_ops.json.
+the deepest module whose forward is active). Under `TRITON_INTERPRET=1` the fused kernels run through Triton's
+interpreter, and each of their launches counts as one op. Prints and writes --out/decode_ops.json.
 """
 
 from __future__ import annotations
@@ -37,20 +38,48 @@ METADATA = {"view", "_unsafe_view", "expand", "t", "transpose", "unsqueeze", "sq
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts every data-moving aten op, attributed to the innermost module running (`stack`)."""
+    """Counts every data-moving aten op, attributed to the innermost module running (`stack`); and, under Triton's
+    interpreter, each Triton kernel launch as one op (`triton`), the interpreter's own copies inside it not counted."""
 
     def __init__(self, stack: list[str]):
         super().__init__()
         self.stack, self.by_module, self.by_op = stack, Counter(), Counter()
+        self.in_triton = False
+
+    def count(self, name: str) -> None:
+        self.by_module[self.stack[-1] if self.stack else "(model)"] += 1
+        self.by_op[name] += 1
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func.overloadpacket.__name__
         out = func(*args, **(kwargs or {}))
         noop = bool(args) and out is args[0]  # e.g. .to() of a tensor already in that dtype: no kernel
-        if name not in METADATA and not noop:
-            self.by_module[self.stack[-1] if self.stack else "(model)"] += 1
-            self.by_op[name] += 1
+        if name not in METADATA and not noop and not self.in_triton:
+            self.count(name)
         return out
+
+    def __enter__(self):
+        try:  # Triton's interpreter (TRITON_INTERPRET=1): a kernel launch is one op, whatever it copies
+            from triton.runtime.interpreter import GridExecutor
+        except ImportError:
+            return super().__enter__()
+        launch, counter = GridExecutor.__call__, self
+
+        def counted(executor, *args, **kwargs):
+            counter.count("triton")
+            counter.in_triton = True
+            try:
+                return launch(executor, *args, **kwargs)
+            finally:
+                counter.in_triton = False
+
+        self._restore = lambda: setattr(GridExecutor, "__call__", launch)
+        GridExecutor.__call__ = counted
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        getattr(self, "_restore", lambda: None)()
+        return super().__exit__(*exc)
 
 
 def commit() -> str:
