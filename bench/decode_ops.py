@@ -30,6 +30,8 @@ if not os.environ.get("PYTHONPATH"):  # strata from this checkout, unless PYTHON
 import torch  # noqa: E402
 from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 
+from bench.provenance import commit  # noqa: E402
+
 # ops that move no data on a GPU (views, shape and metadata), left out of the count
 METADATA = {"view", "_unsafe_view", "expand", "t", "transpose", "unsqueeze", "squeeze", "slice", "select",
             "as_strided", "split", "split_with_sizes", "unbind", "detach", "alias", "permute", "reshape", "lift_fresh",
@@ -81,13 +83,6 @@ class OpCounter(TorchDispatchMode):
         getattr(self, "_restore", lambda: None)()
         return super().__exit__(*exc)
 
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, check=True,
-                              capture_output=True, text=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return ""
 
 
 def main(argv: list[str] | None = None) -> int:

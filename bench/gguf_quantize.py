@@ -31,15 +31,10 @@ if not os.environ.get("PYTHONPATH"):  # strata from this checkout, unless PYTHON
 
 import numpy as np  # noqa: E402
 
+from bench.provenance import commit  # noqa: E402
+
 TYPES = ("Q2_K", "Q4_K", "Q5_K", "Q6_K")
 
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, check=True,
-                              capture_output=True, text=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return ""
 
 
 def rates(rounds: int) -> dict[str, dict[str, float]]:

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -32,6 +31,8 @@ if not os.environ.get("PYTHONPATH"):  # strata from this checkout, unless PYTHON
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+
+from bench.provenance import commit  # noqa: E402
 
 HIDDEN, INTER = 2048, 768  # Qwen3-30B-A3B's expert (H, I)
 BF16_BOUND = 1.5e-2  # strata.kernels.cpu.numerics.TOLERANCE["avx512_bf16"]
@@ -73,13 +74,6 @@ def quantized(w: np.ndarray, type_name: str) -> torch.Tensor:
     blocks = quantize_rows(w, type_name)
     return torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[type_name]).astype(np.float32))
 
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, check=True,
-                              capture_output=True, text=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return ""
 
 
 def main(argv: list[str] | None = None) -> int:

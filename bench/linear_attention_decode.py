@@ -24,13 +24,14 @@ import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 if not os.environ.get("PYTHONPATH"):  # strata from this checkout, unless PYTHONPATH names another
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.provenance import commit  # noqa: E402
 
 TARGET = 1.3  # long-context decode time over short-context decode time
 
@@ -46,13 +47,6 @@ def decode_ms(engine, prompt: list[int], tokens: int) -> tuple[float, float]:
     prefill = (after["prompt_tokens"] - before["prompt_tokens"]) / (after["prefill_seconds"] - before["prefill_seconds"])
     return 1000 * (after["decode_seconds"] - before["decode_seconds"]) / steps, prefill
 
-
-def commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).parent, check=True,
-                              capture_output=True, text=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return ""
 
 
 def main(argv: list[str] | None = None) -> int:
