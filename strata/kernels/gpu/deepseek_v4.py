@@ -134,13 +134,13 @@ if triton is not None:
         im = i < N
         a, b = i[:, None], i[None, :]
         m2 = (a < N) & (b < N)
+        pdl.enter(PDL)  # (base and scale are parameters, a few bytes: read after it with the rest)
         pre_b = tl.load(base_ptr + i, mask=im, other=0.0)
         post_b = tl.load(base_ptr + N + i, mask=im, other=0.0)
         comb_b = tl.load(base_ptr + 2 * N + a * N + b, mask=m2, other=0.0)
         s_pre = tl.load(scale_ptr)
         s_post = tl.load(scale_ptr + 1)
         s_comb = tl.load(scale_ptr + 2)
-        pdl.enter(PDL)
         row = mix_ptr + r * ((2 + N) * N)
         pre = tl.sigmoid(tl.load(row + i, mask=im, other=0.0) * s_pre + pre_b) + eps
         post = 2 * tl.sigmoid(tl.load(row + N + i, mask=im, other=0.0) * s_post + post_b)
