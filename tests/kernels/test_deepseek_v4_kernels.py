@@ -1,6 +1,7 @@
 """DeepSeek-V4's fused decode kernels (strata.kernels.gpu.deepseek_v4) against the torch chains of
 strata.runtime.model.deepseek_v4 they replace: the hyper-connection weights (the sigmoids, the softmax and every
-Sinkhorn-Knopp iteration of `comb`, and the collapse of the streams), the interleaved rotary embedding (and its
+Sinkhorn-Knopp iteration of `comb`, and the collapse of the streams), their mixing of the streams, the interleaved
+rotary embedding (and its
 conjugate) and the norm with an fp32 weight. On CUDA in bf16 (marked gpu); on the CPU under Triton's interpreter in fp16
 (tests/kernels/test_kernels_interpreted.py)."""
 
@@ -12,7 +13,7 @@ from fused_device import DEVICE, DTYPE, MARKS
 
 from strata.kernels import options
 from strata.kernels.gpu import deepseek_v4 as v4_kernels
-from strata.runtime.model.deepseek_v4.hyper import HyperConnection
+from strata.runtime.model.deepseek_v4.hyper import HyperConnection, mix
 from strata.runtime.model.deepseek_v4.norms import FloatRMSNorm
 from strata.runtime.model.deepseek_v4.rope import rotate
 
@@ -109,3 +110,21 @@ def test_the_fused_float_norm_is_the_torch_chains(rows, d):
     torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
     assert (got != want).float().mean().item() < 0.05
     assert v4_kernels.float_rms_norm(x, norm.weight.to(DTYPE), 1e-6) is None  # its weight is kept in fp32
+
+
+@pytest.mark.parametrize(("rows", "n", "hidden"), [(1, 4, 4096), (3, 4, 300), (2, 3, 1100)])
+def test_the_fused_mix_is_the_torch_chains(rows, n, hidden):
+    """post * out + comb^T @ streams: the released shape, a hidden size not a multiple of the tile, 3 streams."""
+    hc, streams = _connection(n, hidden, 20, seed=rows), _streams(rows, n, hidden, seed=hidden + 1)
+    out = _streams(rows, 1, hidden, seed=hidden + 2)[:, 0]
+    with torch.no_grad():
+        post, comb, _ = hc(streams)
+        got = mix(streams, out, post, comb)
+        want = _torch(mix, streams, out, post, comb)
+    assert v4_kernels.mix_streams(streams, out, post, comb) is not None
+    assert got.shape == streams.shape and got.dtype == streams.dtype
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+    assert (got != want).float().mean().item() < 0.05
+    # the weights matter: a stream's output is its own mix, not its neighbour's
+    swapped = mix(streams, out, post, comb.transpose(-1, -2).contiguous())
+    assert not torch.allclose(swapped.float(), got.float(), atol=1e-2)

@@ -125,7 +125,7 @@ DECODE_KERNELS = {"_pack_kernel", "_acquire_kernel", "_read_kernel", "_plan_kern
 def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
     """Every Triton kernel of strata, as its wrapper launches it on the GPU (PDL on), compiles for sm_90 here: a
     decode step's (`--model`: the probe's sweep; gpt-oss's attention with sinks and a window), prefill's rope and
-    top-k, Qwen3.5's Gated DeltaNet step and norms, DeepSeek-V4's hyper-connection weights, rope and norm, and the FP8 / MXFP4 / GGUF experts' kernels
+    top-k, Qwen3.5's Gated DeltaNet step and norms, DeepSeek-V4's hyper-connections, rope and norm, and the FP8 / MXFP4 / GGUF experts' kernels
     (GGUF: a Q4_K_M store, down's type picked per expert by its header). The CPU tests run the kernels only through
     Triton's interpreter, which compiles nothing: this catches what only the compiler rejects, on machines without a
     GPU."""
@@ -149,6 +149,8 @@ def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
 
         deepseek_v4.hyper_weights(torch.zeros(1, 24), torch.zeros(24), torch.ones(3),
                                   torch.zeros(1, 4, 4096, dtype=bf), 20, 1e-6)
+        streams = torch.zeros(1, 4, 4096, dtype=bf)
+        deepseek_v4.mix_streams(streams, streams[:, 0], torch.zeros(1, 4), torch.zeros(1, 4, 4))
         deepseek_v4.rotate(torch.zeros(1, 64, 512, dtype=bf), torch.zeros(1, 32, dtype=bf),
                            torch.zeros(1, 32, dtype=bf), True)
         deepseek_v4.float_rms_norm(torch.zeros(1, 4096, dtype=bf), torch.ones(4096), 1e-6)
@@ -193,7 +195,7 @@ def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
     quantized = {"_quant_gate_up_kernel", "_quant_down_kernel", "_dequant_kernel", "_gguf_gate_up_kernel",
                  "_gguf_down_kernel", "_gguf_dequant_kernel"}
     qwen3_5 = {"_conv_step_kernel", "_delta_step_kernel", "_gated_norm_kernel", "_zc_norm_kernel"}
-    v4 = {"_hyper_kernel", "_rotate_kernel", "_float_norm_kernel"}
+    v4 = {"_hyper_kernel", "_mix_kernel", "_rotate_kernel", "_float_norm_kernel"}
     assert built == DECODE_KERNELS | {"_norm_rope_kernel", "_softmax_topk_kernel"} | v4 | quantized | \
         qwen3_5 == triton_kernels()
 

@@ -7,6 +7,8 @@ bench/decode_ops.py). Here, each one launch:
         -> (post [N, n] fp32, comb [N, n, n] fp32, collapsed [N, H] in the streams' dtype)
         a hyper-connection's weights (strata.runtime.model.deepseek_v4.hyper: sigmoids for `pre` and `post`, a
         softmax and `iters` Sinkhorn-Knopp iterations for `comb`, ~130 launches in torch) and the streams' collapse
+    mix_streams(streams [N, n, H], out [N, H], post [N, n], comb [N, n, n]) -> [N, n, H]
+        the block's output spread back over the streams and the old streams mixed: post * out + comb^T @ streams
     rotate(x [N, heads, d], cos, sin [N, r/2], conjugate) -> [N, heads, d]
         the interleaved rotary embedding of each head's trailing r channels (runtime/model/deepseek_v4/rope.py)
     float_rms_norm(x [N, D], weight [D] fp32, eps) -> [N, D]: (weight * x / rms(x)) in fp32, rounded once
@@ -29,7 +31,7 @@ from strata.kernels.gpu.fused import triton
 if triton is not None:
     import triton.language as tl
 
-__all__ = ["hyper_weights", "rotate", "float_rms_norm", "MAX_STREAMS"]
+__all__ = ["hyper_weights", "mix_streams", "rotate", "float_rms_norm", "MAX_STREAMS"]
 
 MAX_STREAMS = 16  # n x n weights a program keeps in registers
 
@@ -54,6 +56,28 @@ def hyper_weights(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, 
                                N=n, BN=max(2, triton.next_power_of_2(n)), ITERS=iters,
                                BLOCK_H=min(1024, triton.next_power_of_2(hidden)), num_warps=4, **pdl.launch(streams))
     return post, comb, collapsed
+
+
+def mix_streams(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+                ) -> torch.Tensor | None:
+    """`hyper.mix`: post.to(dtype) * out + comb.to(dtype)^T @ streams in the streams' dtype (post and comb fp32; each
+    product and the matrix product rounded where torch rounds them), one launch; None where the fused kernel does
+    not apply."""
+    if streams.dim() != 3 or not fused.fused_ok(streams):
+        return None
+    rows, n, hidden = streams.shape
+    if (n > MAX_STREAMS or out.shape != (rows, hidden) or out.dtype != streams.dtype or post.shape != (rows, n)
+            or comb.shape != (rows, n, n)):
+        return None
+    if post.dtype != torch.float32 or comb.dtype != torch.float32:
+        return None
+    streams, out, post, comb = streams.contiguous(), out.contiguous(), post.contiguous(), comb.contiguous()
+    mixed = torch.empty_like(streams)
+    if rows:
+        block = min(1024, triton.next_power_of_2(hidden))
+        _mix_kernel[(rows, triton.cdiv(hidden, block))](streams, out, post, comb, mixed, hidden, N=n,
+                                                        BLOCK_H=block, num_warps=4, **pdl.launch(streams))
+    return mixed
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, conjugate: bool = False) -> torch.Tensor | None:
@@ -93,6 +117,28 @@ def float_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
 
 
 if triton is not None:
+
+    @triton.jit
+    def _mix_kernel(s_ptr, o_ptr, post_ptr, comb_ptr, out_ptr, H, N: tl.constexpr, BLOCK_H: tl.constexpr,
+                    PDL: tl.constexpr):
+        # program (r, blk): token r's n output streams over hidden [blk BLOCK_H, +BLOCK_H); post and comb (fp32)
+        # rounded to the streams' dtype as torch casts them; each stream's matrix product summed over j in fp32 and
+        # rounded once, post_i * out rounded, then their sum
+        r = tl.program_id(0).to(tl.int64)
+        h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        hm = h < H
+        pdl.enter(PDL)
+        dt = out_ptr.dtype.element_ty
+        o = tl.load(o_ptr + r * H + h, mask=hm, other=0.0)
+        base = s_ptr + r * N * H
+        for i in tl.static_range(N):
+            acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+            for j in tl.static_range(N):
+                c = tl.load(comb_ptr + r * N * N + j * N + i).to(dt).to(tl.float32)  # comb[j, i]: comb^T's row i
+                acc += c * tl.load(base + j * H + h, mask=hm, other=0.0).to(tl.float32)
+            spread = (tl.load(post_ptr + r * N + i).to(dt).to(tl.float32) * o.to(tl.float32)).to(dt)
+            total = spread.to(tl.float32) + acc.to(dt).to(tl.float32)
+            tl.store(out_ptr + r * N * H + i * H + h, total.to(dt), mask=hm)
 
     @triton.jit
     def _rotate_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, d, half, nope, SIGN: tl.constexpr,

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.kernels.gpu.deepseek_v4 import hyper_weights
+from strata.kernels.gpu.deepseek_v4 import hyper_weights, mix_streams
 
 
 def _flat_rms(streams: torch.Tensor, eps: float) -> torch.Tensor:
@@ -62,6 +62,9 @@ class HyperConnection(nn.Module):
 
 def mix(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
     """streams [N, n, H], a block's output out [N, H] -> post * out + comb^T @ streams, in the streams' dtype."""
+    mixed = mix_streams(streams, out, post, comb)  # one launch on CUDA
+    if mixed is not None:
+        return mixed
     dtype = streams.dtype
     return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
 
