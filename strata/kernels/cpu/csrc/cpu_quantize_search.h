@@ -7,7 +7,7 @@
 // x[i * S + s]). Each lane's arithmetic is the C function's, in its order (IEEE float per lane, no contraction), with
 // its branches as lane selects, so each lane's sums stay sequential and its bytes those of the scalar code;
 // target_clones picks AVX-512, AVX2 or SSE2 code for the machine at load.
-#define STRATA_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
+#define VECTOR_CLONES __attribute__((target_clones("avx512f", "avx2", "default")))
 
 template <int S>
 struct Lanes;
@@ -53,7 +53,7 @@ __attribute__((always_inline)) inline I clamp_lanes(const I& x, int lo, int hi) 
 // make_qx_quants with rmse_type 1 and no importance weights, over S sub-blocks of n <= 32 values: scale[s],
 // L[i * S + s] (an all-zero sub-block: scale 0 and 0s, as C leaves it)
 template <int S>
-STRATA_CLONES void make_qx_quants(int n, int nmax, const float* x, int8_t* L, float* scale_out) {
+VECTOR_CLONES void make_qx_quants(int n, int nmax, const float* x, int8_t* L, float* scale_out) {
     using F = typename Lanes<S>::F;
     using I = typename Lanes<S>::I;
     F max = F{}, amax = F{};
@@ -106,7 +106,7 @@ STRATA_CLONES void make_qx_quants(int n, int nmax, const float* x, int8_t* L, fl
 
 // make_qkx2_quants over S sub-blocks of n <= 32 values with weights w [n][S]: scale[s], the_min[s], L[i * S + s]
 template <int S>
-STRATA_CLONES void make_qkx2_quants(int n, int nmax, const float* x, const float* w, uint8_t* L, float* scale_out,
+VECTOR_CLONES void make_qkx2_quants(int n, int nmax, const float* x, const float* w, uint8_t* L, float* scale_out,
                                     float* the_min, float rmin, float rdelta, int nstep, bool use_mad) {
     using F = typename Lanes<S>::F;
     using I = typename Lanes<S>::I;
