@@ -141,3 +141,26 @@ def test_cuda_graph_decode_equals_eager(experts, tmp_path):
     _, directory = build_v4_reference(tmp_path / "v4", seed=21)
     prompts = [torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (9, 40, 3)]
     assert_graphs_equal_eager(directory, prompts, 40, experts, 4 * 3 * 3 * 64 * 32 * 4)  # 3 fp32 experts a layer
+
+
+def test_a_pass_computes_each_positions_tables_once(tmp_path):
+    """Within one pass over the layers the rotary tables of a positions tensor are computed once (what every layer's
+    attention, compressor and indexer ask for); their values are those computed alone, window starts included; a
+    new pass computes them again."""
+    from strata.runtime.model.config import RopeConfig
+    from strata.runtime.model.deepseek_v4.rope import InterleavedRope
+
+    rope = InterleavedRope(RopeConfig(theta=10000.0, dim=16))
+    pos = torch.tensor([0, 5, 17, 130])
+    alone = rope(pos, torch.float32)
+    starts = rope(pos // 8 * 8, torch.float32)
+    rope.begin_pass()
+    first = rope(pos, torch.float32)
+    assert rope(pos, torch.float32)[0] is first[0]  # shared, not recomputed
+    assert rope(pos.clone(), torch.float32)[0] is not first[0]  # another tensor: its own tables
+    assert torch.equal(first[0], alone[0]) and torch.equal(first[1], alone[1])
+    windows = rope.window_starts(pos, 8, torch.float32)
+    assert torch.equal(windows[0], starts[0]) and torch.equal(windows[1], starts[1])
+    assert rope.window_starts(pos, 8, torch.float32)[0] is windows[0]
+    rope.end_pass()
+    assert rope(pos, torch.float32)[0] is not first[0]

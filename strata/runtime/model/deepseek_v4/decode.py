@@ -61,7 +61,7 @@ def compress_decode(comp: Compressor, state: CompressedState, batch: DecodeBatch
         win_g = torch.cat([src_g[:, :m, :d].masked_fill(first, float("-inf")), src_g[:, m:, d:]], dim=1)
         weights = win_g.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
     pooled = comp.kv_norm((win_kv * weights).sum(dim=1))  # [B, d]
-    cos, sin = rope(e * m, pooled.dtype)
+    cos, sin = rope.window_starts(pos, m, pooled.dtype)  # at e * m
     pooled = rotate(pooled[:, None, :], cos, sin)[:, 0]
     complete = ((pos + 1) % m == 0)[:, None]  # [B, 1]
     state.entries[slots, e] = torch.where(complete, pooled, state.entries[slots, e])

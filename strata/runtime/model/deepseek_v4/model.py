@@ -98,10 +98,16 @@ class DeepseekV4Transformer(nn.Module):
         x = self.embed_tokens(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.cfg.deepseek_v4.hc_mult, -1).contiguous()  # [N, n, H]
         positions = batch.positions(input_ids.device)
-        for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers, strict=True)):
-            streams = layer(streams, input_ids, positions, batch, layer_cache, self.ropes)
-            if self.layer_observer is not None:
-                self.layer_observer.after_layer(i, streams)
+        for rope in self.ropes.values():  # the layers share each positions tensor's cos/sin
+            rope.begin_pass()
+        try:
+            for i, (layer, layer_cache) in enumerate(zip(self.layers, cache.layers, strict=True)):
+                streams = layer(streams, input_ids, positions, batch, layer_cache, self.ropes)
+                if self.layer_observer is not None:
+                    self.layer_observer.after_layer(i, streams)
+        finally:
+            for rope in self.ropes.values():
+                rope.end_pass()
         return self.norm(self.hc_head(streams))
 
     @staticmethod

@@ -17,15 +17,45 @@ from strata.runtime.model.rope import inv_frequencies
 
 
 class InterleavedRope:
-    """cos/sin [N, dim/2] for positions, from one `RopeConfig`; `rotate(x, cos, sin)` applies them."""
+    """cos/sin [N, dim/2] for positions, from one `RopeConfig`; `rotate(x, cos, sin)` applies them.
+
+    Within one pass over the layers (`begin_pass` ... `end_pass`) the tables of a positions tensor are computed once
+    and shared by every layer that asks for them (each layer's attention, compressor and indexer ask with the pass's
+    own positions tensor): the same ops on the same inputs, so the same values, ~8 launches a layer fewer."""
 
     def __init__(self, rope: RopeConfig):
         inv_freq, self.attention_factor = inv_frequencies(rope)
         self.inv_freq = inv_freq  # [dim/2] fp32, CPU
         self._on: dict[torch.device, torch.Tensor] = {}
+        # (id(positions), m, dtype) -> (positions, cos, sin) for the pass running; positions kept so its id stays its
+        self._pass: dict[tuple[int, int, torch.dtype], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+
+    def begin_pass(self) -> None:
+        """Share tables between the layers until `end_pass`."""
+        self._pass = {}
+
+    def end_pass(self) -> None:
+        self._pass = None
+
+    def window_starts(self, positions: torch.Tensor, m: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The tables at each position's window start, (positions // m) * m (a compressor's entries)."""
+        return self._shared(positions, m, dtype)
 
     def __call__(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [N] int64 -> (cos, sin) [N, dim/2] in `dtype` (one entry per rotated pair)."""
+        return self._shared(positions, 1, dtype)
+
+    def _shared(self, positions: torch.Tensor, m: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (id(positions), m, dtype)
+        hit = self._pass.get(key) if self._pass is not None else None
+        if hit is not None and hit[0] is positions:
+            return hit[1], hit[2]
+        cos, sin = self._tables(positions // m * m if m > 1 else positions, dtype)
+        if self._pass is not None:
+            self._pass[key] = (positions, cos, sin)
+        return cos, sin
+
+    def _tables(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         inv = self._on.get(positions.device)
         if inv is None:
             inv = self._on[positions.device] = self.inv_freq.to(positions.device)
