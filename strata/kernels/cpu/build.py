@@ -129,6 +129,9 @@ def build_and_open() -> ctypes.CDLL:
     lib.strata_cpu_meta_fields.argtypes = []
     lib.strata_cpu_meta_fields.restype = ctypes.c_int
     lib.strata_mailbox_log_codes.restype = ctypes.c_int
+    lib.strata_gguf_quantize.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                         ctypes.c_void_p]
+    lib.strata_gguf_quantize.restype = ctypes.c_int64
     return lib
 
 

@@ -10,27 +10,12 @@ different rows at once.
 
 from __future__ import annotations
 
-import ctypes
-
 import numpy as np
 
 from strata.kernels.cpu.library import library
 
 TYPE_IDS = {"Q2_K": 10, "Q4_K": 12, "Q5_K": 13, "Q6_K": 14}  # ggml's type ids for the types compiled here
 _BYTES = {"Q2_K": 84, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}  # bytes of a 256-value superblock
-_declared: set[int] = set()
-
-
-def _quantizer():
-    lib = library()
-    if lib is None or not hasattr(lib, "strata_gguf_quantize"):
-        return None
-    fn = lib.strata_gguf_quantize
-    if id(lib) not in _declared:
-        fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-        fn.restype = ctypes.c_int64
-        _declared.add(id(lib))
-    return fn
 
 
 def quantize_rows(x: np.ndarray, type_name: str) -> np.ndarray | None:
@@ -38,15 +23,15 @@ def quantize_rows(x: np.ndarray, type_name: str) -> np.ndarray | None:
     byte for byte llama.cpp's reference quantizer; None for a type not compiled here or without the CPU library."""
     if type_name not in TYPE_IDS:
         return None
-    fn = _quantizer()
-    if fn is None:
+    lib = library()
+    if lib is None:
         return None
     k = x.shape[-1]
     if k % 256:
         return None
     rows = np.ascontiguousarray(x, dtype=np.float32).reshape(-1, k)
     out = np.empty((rows.shape[0], k // 256 * _BYTES[type_name]), dtype=np.uint8)
-    got = fn(TYPE_IDS[type_name], rows.ctypes.data, rows.shape[0], k, out.ctypes.data)
+    got = lib.strata_gguf_quantize(TYPE_IDS[type_name], rows.ctypes.data, rows.shape[0], k, out.ctypes.data)
     if got != out.shape[1]:
         raise RuntimeError(f"strata_gguf_quantize returned {got} bytes a row for {type_name}, expected {out.shape[1]}")
     return out.reshape(*x.shape[:-1], out.shape[1])
