@@ -31,13 +31,13 @@ from strata.kernels.cpu import library as kernel_lib
 MAX_ROWS = 16
 """Rows of x one call takes (csrc/cpu_dense.h's kDenseMaxRows)."""
 
-_ISA = {"avx512_bf16": 3, "avx512": 2, "avx2": 1}  # csrc/cpu_experts.cpp's codes (avx512_int8: avx512_bf16's)
+_ISA = {"avx512_bf16": 3, "avx512": 2, "avx2": 1}  # csrc/cpu_experts.cpp's codes
 _declared: set[int] = set()
 
 
 def _kernel(backend: str | None) -> tuple[ctypes.CDLL, int] | None:
     """The library and the instruction set code of `backend` (None: the best this CPU runs); None without it."""
-    name = kernel_lib.backend(backend)  # (avx512_int8 resolves to avx512_bf16 on bf16 weights)
+    name = kernel_lib.backend(backend)
     lib = kernel_lib.library() if name in _ISA else None
     if lib is None:
         return None

@@ -36,7 +36,7 @@ FORMAT_CODES = {"plain": 0, "fp8": 1, "mxfp4": 2, "gguf": 3}
 """csrc/cpu_experts_formats.h's FMT_* (plain means bf16 to the kernel)."""
 
 GGUF_TYPES: dict[str, frozenset[str]] = {name: GGUF_FAST_TYPES["cpu_kernel"]
-                                         for name in ("avx512_bf16", "avx512_bf16_emulated", "avx512_int8")}
+                                         for name in ("avx512_bf16", "avx512_bf16_emulated")}
 """The ggml block types each backend reads (csrc/cpu_experts_gguf.h's gguf_layout_of); none for the others."""
 
 

@@ -58,7 +58,6 @@ from strata.kernels.cpu.library import (  # noqa: F401 (used here, or re-exporte
     BACKENDS,
     DEFAULT_PREFETCH_BYTES,
     DEFAULT_SPIN_US,
-    INT8,
     META,
     TRACE_FIELDS,
     TUNE_KEYS,
@@ -85,7 +84,7 @@ from strata.kernels.quant import ExpertFormat, QuantMatrix
 MAX_TOKENS = 32
 """Experts with more tokens than this in one call go to torch's matmul (the CPU is compute-bound there), on the
 instruction sets without a prompt-sized register tile; `max_tokens` gives each backend's limit."""
-TILE_TOKENS_FACTOR = {"avx512_bf16": 2, "avx512_int8": 2}
+TILE_TOKENS_FACTOR = {"avx512_bf16": 2}
 """Backends whose four-row tile (csrc/cpu_experts_tile4.h) keeps more tokens an expert on the kernel: avx512_bf16's
 beat torch's bf16 GEMMs up to ~128 tokens an expert on the development machine (Zen 4: 64 tokens 244-252 against
 263-317 ms a layer call of 128 experts), where the fp32 backends fall far behind them at 64."""

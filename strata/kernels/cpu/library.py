@@ -14,10 +14,6 @@ Backends (`backend()` says which one runs; the `backend=` argument picks, an eng
   avx512_bf16  AVX-512 BF16 `vdpbf16ps`: activations and the intermediate silu(gate)*up are rounded to
                bf16, products summed in fp32. Default where the CPU has it (FP8 experts also need
                AVX512_VBMI; without it they take avx512).
-  avx512_int8  avx512_bf16, except that GGUF experts of types Q4_K, Q5_K, Q6_K and Q2_K are multiplied with
-               activations quantized to int8 (llama.cpp's numerics: one scale a 256-value step, integer
-               products summed exactly; vpmaddubsw + vpdpwssd, AVX512_VNNI): ~8x avx512_bf16's error on those
-               experts, for about twice its compute rate a core. Only on request (`runtime.cpu_activations`).
   avx512       AVX-512F, bf16 weights widened to fp32 by shifts, fp32 activations and accumulation.
   avx2         AVX2 + FMA, same numerics as avx512 (8 lanes). Default on other x86-64 CPUs.
   avx512_emulated, avx512_bf16_emulated
@@ -59,12 +55,10 @@ from strata.kernels.quant import ExpertFormat
 
 log = logging.getLogger(__name__)
 
-_ISA = {"avx2": 1, "avx512": 2, "avx512_bf16": 3, "avx512_emulated": 4, "avx512_bf16_emulated": 5, "avx512_int8": 7}
+_ISA = {"avx2": 1, "avx512": 2, "avx512_bf16": 3, "avx512_emulated": 4, "avx512_bf16_emulated": 5}
 _VBMI = 6  # the ISA mask's bit for AVX512_VBMI, which avx512_bf16 reads FP8 weights with
 _AUTO_ORDER = ("avx512_bf16", "avx512", "avx2")
-BACKENDS = ("avx512_bf16", "avx512", "avx2", "avx512_int8", "torch")
-INT8 = "avx512_int8"
-"""The backend with int8 activations on GGUF K-quant experts (`runtime.cpu_activations = "int8"`); never automatic."""
+BACKENDS = ("avx512_bf16", "avx512", "avx2", "torch")
 
 DEFAULT_PREFETCH_BYTES = 2048
 """Software prefetch distance along each weight row (`configure(prefetch_bytes=)` overrides; 0: off)."""
@@ -165,8 +159,6 @@ def _resolve(requested: str | None, kind: str | ExpertFormat = "plain") -> str:
         _warn_once(f"gguf:{name}:{fmt}", "strata: the %s CPU kernel does not read %s experts; using the torch path",
                    name, fmt.name if fmt is not None else "GGUF")
         return "torch"
-    if kind != "gguf" and name == INT8:
-        name = "avx512_bf16"  # the same kernel on every other format
     if kind == "fp8" and name == "avx512_bf16" and not _isa_mask & (1 << _VBMI):
         _warn_once("vbmi", "strata: the avx512_bf16 CPU kernel reads FP8 experts with AVX512_VBMI, which this CPU "
                    "lacks; using avx512 for them")

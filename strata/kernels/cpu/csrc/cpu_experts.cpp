@@ -209,14 +209,10 @@ struct AtFork {
 // C API (ctypes): the instruction sets, the pool's settings and the read probe here; the layer's call and the rest
 // in the headers included below.
 
-// ISA_AVX512_INT8: avx512_bf16 with GGUF K-quant experts against int8 activations (cpu_experts_gguf_q8.h)
-enum {
-    ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_BF16 = 3, ISA_EMU_AVX512 = 4, ISA_EMU_AVX512_BF16 = 5, ISA_VBMI = 6,
-    ISA_AVX512_INT8 = 7
-};
+enum { ISA_AVX2 = 1, ISA_AVX512 = 2, ISA_AVX512_BF16 = 3, ISA_EMU_AVX512 = 4, ISA_EMU_AVX512_BF16 = 5, ISA_VBMI = 6 };
 
 // Bit (1 << isa) set for every instruction set this CPU (and OS) can run; bit ISA_VBMI: AVX512_VBMI, which
-// avx512_bf16 needs for FP8 weights; ISA_AVX512_INT8 needs AVX512_VNNI besides.
+// avx512_bf16 needs for FP8 weights.
 C_EXPORTED int strata_cpu_isa_mask() {
     int mask = (1 << ISA_EMU_AVX512) | (1 << ISA_EMU_AVX512_BF16);
 #if ON_X86
@@ -228,7 +224,6 @@ C_EXPORTED int strata_cpu_isa_mask() {
         __builtin_cpu_supports("avx512bf16"))
         mask |= 1 << ISA_AVX512_BF16;
     if ((mask & (1 << ISA_AVX512_BF16)) && __builtin_cpu_supports("avx512vbmi")) mask |= 1 << ISA_VBMI;
-    if ((mask & (1 << ISA_VBMI)) && __builtin_cpu_supports("avx512vnni")) mask |= 1 << ISA_AVX512_INT8;
 #endif
     return mask;
 }

@@ -29,11 +29,6 @@ C_EXPORTED int strata_cpu_experts_act(int isa, const float* x, int64_t N, int64_
     SwiGLU form;
     if (!swiglu_of(act, form)) return -6;
     const int mask = strata_cpu_isa_mask();
-    const bool q8 = isa == ISA_AVX512_INT8;  // avx512_bf16, its GGUF K-quant experts against int8 activations
-    if (q8) {
-        if (!(mask & (1 << ISA_AVX512_INT8))) return -1;
-        isa = ISA_AVX512_BF16;
-    }
     if (isa < ISA_AVX2 || isa > ISA_EMU_AVX512_BF16 || !(mask & (1 << isa))) return -1;
     const int f = fmt ? int(fmt[0]) : FMT_BF16;
     const int64_t bn = fmt ? fmt[1] : 1, bk = fmt ? fmt[2] : 1;
@@ -101,7 +96,7 @@ C_EXPORTED int strata_cpu_experts_act(int isa, const float* x, int64_t N, int64_
     } else {
         job.xact = x;
     }
-    if (f == FMT_GGUF) gguf_begin(job, static_cast<const uint16_t*>(job.xact), x, htotal, q8);  // (bf16 backends only)
+    if (f == FMT_GGUF) gguf_begin(job, static_cast<const uint16_t*>(job.xact), htotal);  // (bf16 backends only)
 
     // Chunks of about total / (8 P) bytes, clamped to [32 KiB, 512 KiB]: long sequential streams for the
     // prefetchers, and enough chunks that a thread delayed by the OS does not hold the others back.

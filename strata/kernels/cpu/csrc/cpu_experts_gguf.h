@@ -24,8 +24,7 @@
 namespace {
 
 enum : int { GG_Q8_0 = 8, GG_Q2_K = 10, GG_Q3_K = 11, GG_Q4_K = 12, GG_Q5_K = 13, GG_Q6_K = 14, GG_IQ4_XS = 23 };
-// activation layouts (a type's step order); GL_*8: the int8 activations of the avx512_int8 backend (cpu_experts_gguf_q8.h)
-enum : int { GL_Q4K, GL_Q2K, GL_Q6K, GL_Q80, GL_IQ4, GL_Q3K, GL_Q4K8, GL_Q6K8, GL_Q2K8, GL_COUNT };
+enum : int { GL_Q4K, GL_Q2K, GL_Q6K, GL_Q80, GL_IQ4, GL_Q3K, GL_COUNT };  // activation layouts (a type's step order)
 
 struct GgufBlock {
     int values = 0, bytes = 0;
@@ -47,17 +46,8 @@ inline int64_t gguf_row_bytes(int t, int64_t cols) {
     const GgufBlock b = gguf_block(t);
     return b.values ? (cols + b.values - 1) / b.values * b.bytes : 0;
 }
-// The types the vector kernel reads, and the activation layout each is read in (-1: not read); q8: with int8
-// activations where the type has such a path (Q4_K, Q5_K, Q6_K, Q2_K; the others keep their bf16 one).
-inline int gguf_layout_of(int t, bool q8 = false) {
-    if (q8) {
-        switch (t) {
-            case GG_Q4_K: case GG_Q5_K: return GL_Q4K8;
-            case GG_Q6_K: return GL_Q6K8;
-            case GG_Q2_K: return GL_Q2K8;
-            default: break;
-        }
-    }
+// The types the vector kernel reads, and the activation layout each is read in (-1: not read).
+inline int gguf_layout_of(int t) {
     switch (t) {
         case GG_Q4_K: return GL_Q4K;
         case GG_Q2_K: return GL_Q2K;
@@ -76,7 +66,6 @@ template <int Id, int Layout, int Bytes, int Step, int Chains, int Vpc, bool Min
 struct GgufT {
     static constexpr int kId = Id, kLayout = Layout, kBytes = Bytes, kStep = Step, kChains = Chains, kVpc = Vpc;
     static constexpr bool kMin = Min;
-    static constexpr bool kQ8 = false;  // bf16 activations (GgufQ8T: int8)
 };
 using TQ4K = GgufT<GG_Q4_K, GL_Q4K, 144, 256, 4, 2, true>;
 using TQ2K = GgufT<GG_Q2_K, GL_Q2K, 84, 256, 4, 2, true>;
@@ -264,5 +253,4 @@ struct has_gguf<KK, std::void_t<typename KK::Gguf>> : std::true_type {};
 #include "cpu_experts_gguf_emu.h"  // GgufEmuDecode: the emulation's decoders
 #if ON_X86
 #include "cpu_experts_gguf_avx512.h"
-#include "cpu_experts_gguf_q8.h"  // the int8 activations' decoders and dot product (avx512_int8)
 #endif

@@ -96,60 +96,30 @@ __attribute__((always_inline)) static inline void gguf_dot(const uint8_t* const*
     }
 }
 
-// The activations' element type of a type's layout: int8 for the GgufQ8T types, else the backend's (A).
-template <class T, class A>
-using gguf_x_t = std::conditional_t<T::kQ8, int8_t, A>;
-
 template <class KK, class T, int R, class XT>
 __attribute__((always_inline)) static inline void gguf_dot_n(int nt, const uint8_t* const* rows, int64_t len, const XT* const* xs,
                               const float* const* sums, float* const* out, int64_t pf) {
     static_assert(kGgufTile == 2, "a case per tile width");
-    if constexpr (T::kQ8) {
-#if ON_X86
-        const Q8Step* meta[kGgufTile];
-        for (int t = 0; t < nt; ++t) meta[t] = reinterpret_cast<const Q8Step*>(sums[t]);
-        if (nt == 1)
-            gguf_q8::dot<typename T::D, T::kId, 1, R>(rows, len, xs, meta, out, pf);
-        else
-            gguf_q8::dot<typename T::D, T::kId, 2, R>(rows, len, xs, meta, out, pf);
-#endif
-    } else if (nt == 1) {
+    if (nt == 1)
         gguf_dot<KK, T, 1, R>(rows, len, xs, sums, out, pf);
-    } else {
+    else
         gguf_dot<KK, T, 2, R>(rows, len, xs, sums, out, pf);
-    }
 }
 
-// R rows of GGUF type `type` (one gguf_readable accepted), against the same activations: xs in the type's layout
-// (int8 where g_gguf.q8 gives it one, else KK::X).
-template <class KK, int R>
-static void gguf_dot_any(int type, int nt, const uint8_t* const* rows, int64_t len, const void* const* xs,
+// R rows of GGUF type `type` (one gguf_readable accepted), against the same activations.
+template <class KK, int R, class XT>
+static void gguf_dot_any(int type, int nt, const uint8_t* const* rows, int64_t len, const XT* const* xs,
                          const float* const* sums, float* const* out, int64_t pf) {
-#define GGUF_DOT_OF_TYPE(T)                                                                                          \
-    return gguf_dot_n<KK, T, R>(nt, rows, len, reinterpret_cast<const gguf_x_t<T, typename KK::X>* const*>(xs), sums, \
-                                out, pf)
-#if ON_X86
-    if (g_gguf.q8) {
-        switch (type) {
-            case GG_Q4_K: GGUF_DOT_OF_TYPE(TQ4K8);
-            case GG_Q5_K: GGUF_DOT_OF_TYPE(TQ5K8);
-            case GG_Q6_K: GGUF_DOT_OF_TYPE(TQ6K8);
-            case GG_Q2_K: GGUF_DOT_OF_TYPE(TQ2K8);
-            default: break;
-        }
-    }
-#endif
     switch (type) {
-        case GG_Q4_K: GGUF_DOT_OF_TYPE(TQ4K);
-        case GG_Q2_K: GGUF_DOT_OF_TYPE(TQ2K);
-        case GG_Q6_K: GGUF_DOT_OF_TYPE(TQ6K);
-        case GG_Q8_0: GGUF_DOT_OF_TYPE(TQ80);
-        case GG_Q5_K: GGUF_DOT_OF_TYPE(TQ5K);
-        case GG_IQ4_XS: GGUF_DOT_OF_TYPE(TIQ4);
-        case GG_Q3_K: GGUF_DOT_OF_TYPE(TQ3K);
+        case GG_Q4_K: gguf_dot_n<KK, TQ4K, R>(nt, rows, len, xs, sums, out, pf); break;
+        case GG_Q2_K: gguf_dot_n<KK, TQ2K, R>(nt, rows, len, xs, sums, out, pf); break;
+        case GG_Q6_K: gguf_dot_n<KK, TQ6K, R>(nt, rows, len, xs, sums, out, pf); break;
+        case GG_Q8_0: gguf_dot_n<KK, TQ80, R>(nt, rows, len, xs, sums, out, pf); break;
+        case GG_Q5_K: gguf_dot_n<KK, TQ5K, R>(nt, rows, len, xs, sums, out, pf); break;
+        case GG_IQ4_XS: gguf_dot_n<KK, TIQ4, R>(nt, rows, len, xs, sums, out, pf); break;
+        case GG_Q3_K: gguf_dot_n<KK, TQ3K, R>(nt, rows, len, xs, sums, out, pf); break;
         default: break;
     }
-#undef GGUF_DOT_OF_TYPE
 }
 
 // Where row r of expert ex's gate_up [2 ld, H] starts: gate's section holds rows [0, ld) of rbg bytes, up's (Job::bn
@@ -164,7 +134,7 @@ static inline const uint8_t* gguf_gate_up_row(const Job& job, const ExpertArg& e
 // dispatched once a chunk.
 template <class KK, class T>
 static void gguf_gate_up_pass(const Job& job, int64_t e, int64_t j0, int64_t j1) {
-    using X = gguf_x_t<T, typename KK::X>;
+    using X = typename KK::X;
     const ExpertArg& ex = job.experts[e];
     const int64_t H = job.H, I = ex.I, ns = gguf_sums_len(H), rb = gguf_row_bytes(T::kId, H);
     const X* x = reinterpret_cast<const X*>(g_gguf.x[T::kLayout].data());
@@ -198,7 +168,7 @@ static void gguf_gate_up_pass(const Job& job, int64_t e, int64_t j0, int64_t j1)
 // down_rows' work and pairing on output rows [h0, h1) of expert e, its down matrix of type T.
 template <class KK, class T>
 static void gguf_down_pass(const Job& job, int64_t e, int64_t h0, int64_t h1) {
-    using X = gguf_x_t<T, typename KK::Hd>;
+    using X = typename KK::Hd;
     const ExpertArg& ex = job.experts[e];
     const int64_t H = job.H, I = ex.I, n = h1 - h0, half = (n + 1) / 2, ns = gguf_sums_len(I);
     const int64_t rb = gguf_row_bytes(T::kId, ex.ld);
@@ -240,17 +210,6 @@ static void gguf_down_pass(const Job& job, int64_t e, int64_t h0, int64_t h1) {
 template <class KK, bool GateUp>
 static void gguf_pass(int type, const Job& job, int64_t e, int64_t r0, int64_t r1) {
 #define GGUF_PASS_OF_TYPE(T) return GateUp ? gguf_gate_up_pass<KK, T>(job, e, r0, r1) : gguf_down_pass<KK, T>(job, e, r0, r1)
-#if ON_X86
-    if (g_gguf.q8) {
-        switch (type) {
-            case GG_Q4_K: GGUF_PASS_OF_TYPE(TQ4K8);
-            case GG_Q5_K: GGUF_PASS_OF_TYPE(TQ5K8);
-            case GG_Q6_K: GGUF_PASS_OF_TYPE(TQ6K8);
-            case GG_Q2_K: GGUF_PASS_OF_TYPE(TQ2K8);
-            default: break;
-        }
-    }
-#endif
     switch (type) {
         case GG_Q4_K: GGUF_PASS_OF_TYPE(TQ4K);
         case GG_Q2_K: GGUF_PASS_OF_TYPE(TQ2K);
@@ -279,7 +238,7 @@ static void gguf_gate_up_rows(const Job& job, int64_t e, int64_t j0, int64_t j1)
             const int64_t H = job.H, I = ex.I, T = ex.T, ns = gguf_sums_len(H);
             const int64_t rbg = gguf_row_bytes(tg, H), rbu = gguf_row_bytes(tu, H);
             typename KK::Hd* hb = static_cast<typename KK::Hd*>(job.hbuf) + job.hoff[e];
-            const void *pg[kGgufTile], *pu[kGgufTile];
+            const X *pg[kGgufTile], *pu[kGgufTile];
             const float *sg[kGgufTile], *su[kGgufTile];
             float g[kGgufTile], u[kGgufTile];
             float* og[1] = {g};
@@ -287,14 +246,16 @@ static void gguf_gate_up_rows(const Job& job, int64_t e, int64_t j0, int64_t j1)
             for (int64_t j = j0; j < j1; ++j) {
                 const int64_t rg = job.act.gate_row(j), ru = job.act.up_row(j, ex.ld);
                 const int ty_g = rg < ex.ld ? tg : tu, ty_u = ru < ex.ld ? tg : tu;
-                const int lg = gguf_layout_of(ty_g, g_gguf.q8), lu = gguf_layout_of(ty_u, g_gguf.q8);
+                const int lg = gguf_layout_of(ty_g), lu = gguf_layout_of(ty_u);
+                const X* xg = reinterpret_cast<const X*>(g_gguf.x[lg].data());
+                const X* xu = reinterpret_cast<const X*>(g_gguf.x[lu].data());
                 const uint8_t* rows[2] = {gguf_gate_up_row(job, ex, rg, rbg, rbu),
                                           gguf_gate_up_row(job, ex, ru, rbg, rbu)};
                 for (int64_t s = 0; s < T; s += kGgufTile) {
                     const int nt = static_cast<int>(std::min<int64_t>(kGgufTile, T - s));
                     for (int t = 0; t < nt; ++t) {
                         const int64_t n = ex.idx[s + t];
-                        pg[t] = gguf_x_row(lg, n, H, sizeof(X)), pu[t] = gguf_x_row(lu, n, H, sizeof(X));
+                        pg[t] = xg + n * H, pu[t] = xu + n * H;
                         sg[t] = g_gguf.xs[lg].data() + n * ns, su[t] = g_gguf.xs[lu].data() + n * ns;
                     }
                     gguf_dot_any<KK, 1>(ty_g, nt, rows, H, pg, sg, og, job.pf);

@@ -19,7 +19,6 @@ constexpr float kGgufQ2Offset[16] = {128.0f, 128.0f, 32.0f, 32.0f, 8.0f, 8.0f, 1
 // Where a layout's step keeps each activation, which sub-block each fp32 lane of each chain sums, and which
 // sub-block each lane of the sums holds.
 struct GgufLayout {
-    bool q8 = false;              // int8 activations: Q8Step metadata instead of the sums (the rest unused)
     int step = 0;
     int sub = 0;                  // values a sum covers (0: no sums)
     int16_t elem[256] = {};       // position p of a step's activations: element elem[p] (p = 32 * vector + word)
@@ -87,15 +86,6 @@ struct GgufLayouts {
         GgufLayout& q3 = l[GL_Q3K];  // Q2_K's order; codes 128 + (q + 4) << 2j: minus (128 4^-j + 4) X_s a sub-block
         q3 = q2;
         for (int s = 0; s < 16; ++s) q3.sum_scale[s] = -(kGgufQ2Offset[s] + 4.0f);
-
-        // int8 layouts, 64-byte vectors (cpu_experts_gguf_q8.h): position p = 64v + 32h + l
-        for (int L : {GL_Q4K8, GL_Q6K8, GL_Q2K8}) l[L].q8 = true, l[L].step = 256;
-        for (int p = 0; p < 256; ++p) {
-            const int v = p >> 6, h = (p >> 5) & 1, i = p & 31;
-            l[GL_Q4K8].elem[p] = int16_t(32 * (4 * (v >> 1) + 2 * h + (v & 1)) + i);  // sub-block 4(v>>1) + 2h + (v&1)
-            l[GL_Q6K8].elem[p] = int16_t(p);                                             // in order
-            l[GL_Q2K8].elem[p] = int16_t(128 * h + 32 * v + i);                          // field v of half h
-        }
     }
 };
 const GgufLayouts g_gguf_layouts;
@@ -125,49 +115,10 @@ void gguf_prepare_row(const GgufLayout& L, const X* src, int64_t len, X* dst, fl
 }
 inline int64_t gguf_sums_len(int64_t len) { return (len / 64 + 1) * 16; }  // sums a row of len values has room for
 
-// A step of int8 activations (Q8_K): its scale and its codes' sums, 16 values each in element order. A row's steps
-// lie in its sums' room (16 floats a step, and one more for the values past the last whole step).
-struct Q8Step {
-    int16_t bsum[16];
-    float d;
-    float pad[7];
-};
-static_assert(sizeof(Q8Step) == 16 * sizeof(float), "a step's metadata takes 16 floats of the sums' room");
-
-// A row of `len` activations quantized to int8 in layout L (q8): each whole step scaled by its largest |x| / 127,
-// codes round(x 127 / max) (half to even) permuted into L, with the step's scale and sums; the values past the last
-// whole step in order, with a scale of their own at step `steps`.
-template <class X>
-void q8_prepare_row(const GgufLayout& L, const X* src, int64_t len, int8_t* dst, Q8Step* meta) {
-    const int64_t steps = len / 256;
-    int8_t q[256];
-    for (int64_t st = 0; st <= steps; ++st) {
-        const int64_t e0 = st * 256, n = std::min<int64_t>(256, len - e0);
-        if (n <= 0) break;
-        float amax = 0.0f;
-        for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(gg_x2f(src[e0 + i])));
-        const float id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        for (int64_t i = 0; i < n; ++i)
-            q[i] = int8_t(std::clamp(std::nearbyint(gg_x2f(src[e0 + i]) * id), -127.0f, 127.0f));
-        meta[st].d = amax / 127.0f;
-        if (n < 256) {  // the tail, in order
-            std::memcpy(dst + e0, q, size_t(n));
-            break;
-        }
-        for (int k = 0; k < 16; ++k) {
-            int s = 0;
-            for (int i = 0; i < 16; ++i) s += q[16 * k + i];
-            meta[st].bsum[k] = int16_t(s);
-        }
-        for (int p = 0; p < 256; ++p) dst[e0 + p] = q[L.elem[p]];
-    }
-}
-
 // The GGUF state of the call in progress (one at a time: g_call): the activations in each layout a gate or up matrix
 // needs, each expert's intermediate in its down matrix's layout once its last gate/up rows are done.
 struct GgufCall {
     int64_t N = 0, H = 0;
-    bool q8 = false;                   // int8 activations for the types that have them (the avx512_int8 backend)
     std::vector<uint8_t> x[GL_COUNT];  // [N, H] activations (the kernel's X) in each layout used
     std::vector<float> xs[GL_COUNT];   // [N, gguf_sums_len(H)]
     std::vector<uint8_t> h;            // each expert's [T, I] intermediate at Job::hoff, in its down layout
@@ -177,37 +128,24 @@ struct GgufCall {
 };
 GgufCall g_gguf;
 
-// Where row n of a call's activations in layout L starts (int8 layouts: a byte a value; the others: xsize bytes)
-inline const uint8_t* gguf_x_row(int L, int64_t n, int64_t H, size_t xsize) {
-    return g_gguf.x[L].data() + size_t(n * H) * (g_gguf_layouts.l[L].q8 ? 1 : xsize);
-}
-
-// Set up the call: the activations (xact, [N, H] of X; the int8 layouts quantize x32, the same in fp32) in every
-// layout the experts' gate and up matrices use, and room for each expert's intermediate (htotal values of X) and its
-// sums. q8: the types with int8 paths take them.
+// Set up the call: the activations (xact, [N, H] of X) in every layout the experts' gate and up matrices use, and room
+// for each expert's intermediate (htotal values of X) and its sums.
 template <class X>
-void gguf_begin(const Job& job, const X* xact, const float* x32, int64_t htotal, bool q8) {
+void gguf_begin(const Job& job, const X* xact, int64_t htotal) {
     GgufCall& g = g_gguf;
-    g.N = job.N, g.H = job.H, g.q8 = q8;
+    g.N = job.N, g.H = job.H;
     bool used[GL_COUNT] = {};
     for (int64_t e = 0; e < job.E; ++e)
         for (int which = 0; which < 2; ++which)
-            used[gguf_layout_of(gguf_type(job.experts[e].gate_up_scales, which), q8)] = true;
+            used[gguf_layout_of(gguf_type(job.experts[e].gate_up_scales, which))] = true;
     const int64_t ns = gguf_sums_len(job.H);
     for (int L = 0; L < GL_COUNT; ++L) {
         if (!used[L]) continue;
-        const GgufLayout& lay = g_gguf_layouts.l[L];
-        const size_t bytes = size_t(job.N * job.H) * (lay.q8 ? 1 : sizeof(X));
-        if (g.x[L].size() < bytes) g.x[L].resize(bytes);
+        if (g.x[L].size() < size_t(job.N * job.H) * sizeof(X)) g.x[L].resize(size_t(job.N * job.H) * sizeof(X));
         if (g.xs[L].size() < size_t(job.N * ns)) g.xs[L].resize(size_t(job.N * ns));
-        for (int64_t n = 0; n < job.N; ++n) {
-            float* sums = g.xs[L].data() + n * ns;
-            if (lay.q8)
-                q8_prepare_row(lay, x32 + n * job.H, job.H, reinterpret_cast<int8_t*>(g.x[L].data()) + n * job.H,
-                               reinterpret_cast<Q8Step*>(sums));
-            else
-                gguf_prepare_row(lay, xact + n * job.H, job.H, reinterpret_cast<X*>(g.x[L].data()) + n * job.H, sums);
-        }
+        X* dst = reinterpret_cast<X*>(g.x[L].data());
+        for (int64_t n = 0; n < job.N; ++n)
+            gguf_prepare_row(g_gguf_layouts.l[L], xact + n * job.H, job.H, dst + n * job.H, g.xs[L].data() + n * ns);
     }
     if (g.h.size() < size_t(htotal) * sizeof(X) + 64) g.h.resize(size_t(htotal) * sizeof(X) + 64);
     g.hs_off.assign(size_t(job.E) + 1, 0);
@@ -223,17 +161,12 @@ void gguf_begin(const Job& job, const X* xact, const float* x32, int64_t htotal,
 template <class X>
 void gguf_prepare_down(const Job& job, int64_t e) {
     const ExpertArg& ex = job.experts[e];
-    const GgufLayout& L = g_gguf_layouts.l[gguf_layout_of(gguf_down_type(ex), g_gguf.q8)];
+    const GgufLayout& L = g_gguf_layouts.l[gguf_layout_of(gguf_down_type(ex))];
     const X* src = static_cast<const X*>(job.hbuf) + job.hoff[e];
+    X* dst = reinterpret_cast<X*>(g_gguf.h.data()) + job.hoff[e];
     const int64_t ns = gguf_sums_len(ex.I);
-    for (int64_t t = 0; t < ex.T; ++t) {
-        float* sums = g_gguf.hs.data() + g_gguf.hs_off[e] + t * ns;
-        if (L.q8)
-            q8_prepare_row(L, src + t * ex.I, ex.I, reinterpret_cast<int8_t*>(g_gguf.h.data()) + job.hoff[e] + t * ex.I,
-                           reinterpret_cast<Q8Step*>(sums));
-        else
-            gguf_prepare_row(L, src + t * ex.I, ex.I, reinterpret_cast<X*>(g_gguf.h.data()) + job.hoff[e] + t * ex.I, sums);
-    }
+    for (int64_t t = 0; t < ex.T; ++t)
+        gguf_prepare_row(L, src + t * ex.I, ex.I, dst + t * ex.I, g_gguf.hs.data() + g_gguf.hs_off[e] + t * ns);
 }
 
 }  // namespace
