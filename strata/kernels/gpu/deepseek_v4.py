@@ -12,6 +12,9 @@ bench/decode_ops.py). Here, each one launch:
     rotate(x [N, heads, d], cos, sin [N, r/2], conjugate) -> [N, heads, d]
         the interleaved rotary embedding of each head's trailing r channels (runtime/model/deepseek_v4/rope.py)
     float_rms_norm(x [N, D], weight [D] fp32, eps) -> [N, D]: (weight * x / rms(x)) in fp32, rounded once
+    sink_softmax(scores [B, heads, P], seen [B, P], sinks [heads] fp32, scale) -> probs [B, heads, P]
+        a decode step's attention weights: the scores scaled (rounded as torch rounds them), the unseen keys at -inf,
+        each head's sink logit in the softmax and dropped from its output (runtime/model/deepseek_v4/decode.py)
 
 The hyper-connection weights stay in registers (n <= 16) through the iterations. Each kernel computes in fp32 with
 the torch chain's operations and rounds where it rounds; sums (the softmax's, the Sinkhorn normalisations', the
@@ -31,7 +34,7 @@ from strata.kernels.gpu.fused import triton
 if triton is not None:
     import triton.language as tl
 
-__all__ = ["hyper_weights", "mix_streams", "rotate", "float_rms_norm", "MAX_STREAMS"]
+__all__ = ["hyper_weights", "mix_streams", "rotate", "float_rms_norm", "sink_softmax", "MAX_STREAMS"]
 
 MAX_STREAMS = 16  # n x n weights a program keeps in registers
 
@@ -114,6 +117,24 @@ def float_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
         _float_norm_kernel[(rows.shape[0],)](rows, weight, out, d, rows.stride(0), eps, BLOCK=block,
                                              num_warps=8 if block >= 4096 else 4, **pdl.launch(x))
     return out.view(x.shape)
+
+
+def sink_softmax(scores: torch.Tensor, seen: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """softmax over [scores * scale (rounded to the scores' dtype), unseen keys -inf, the head's sink] in fp32, the
+    sink's weight dropped: scores [B, heads, P] (q k, unscaled), seen [B, P] bool, sinks [heads] fp32 -> [B, heads, P]
+    in the scores' dtype, one launch; None where the fused kernel does not apply."""
+    if scores.dim() != 3 or not fused.fused_ok(scores) or sinks.dtype != torch.float32:
+        return None
+    b, heads, p = scores.shape
+    if seen.shape != (b, p) or seen.dtype != torch.bool or sinks.shape != (heads,) or p > 16384:
+        return None
+    scores, seen = scores.contiguous(), seen.contiguous()
+    probs = torch.empty_like(scores)
+    if b * heads:
+        block = triton.next_power_of_2(p)
+        _sink_softmax_kernel[(b * heads,)](scores, seen, sinks.contiguous(), probs, heads, p, float(scale), BLOCK=block,
+                                           num_warps=4 if block >= 1024 else 2, **pdl.launch(scores))
+    return probs
 
 
 if triton is not None:
@@ -213,3 +234,22 @@ if triton is not None:
                 p_j = tl.sum(tl.where(i == j, pre, 0.0), axis=0)
                 acc += p_j * tl.load(streams + j * H + h, mask=hm, other=0.0).to(tl.float32)
             tl.store(out_ptr + r * H + h, acc.to(out_ptr.dtype.element_ty), mask=hm)
+
+    @triton.jit
+    def _sink_softmax_kernel(s_ptr, seen_ptr, sink_ptr, out_ptr, heads, P, scale, BLOCK: tl.constexpr,
+                             PDL: tl.constexpr):
+        # program r: sequence r // heads, head r % heads; the sink joins the maximum and the sum, not the output
+        r = tl.program_id(0).to(tl.int64)
+        b = r // heads
+        k = tl.arange(0, BLOCK)
+        km = k < P
+        pdl.enter(PDL)
+        dt = out_ptr.dtype.element_ty
+        raw = tl.load(s_ptr + r * P + k, mask=km, other=0.0).to(tl.float32)
+        ok = km & (tl.load(seen_ptr + b * P + k, mask=km, other=0).to(tl.int1))
+        x = tl.where(ok, (raw * scale).to(dt).to(tl.float32), float("-inf"))
+        sink = tl.load(sink_ptr + r % heads)
+        top = tl.maximum(tl.max(x, axis=0), sink)
+        e = tl.where(ok, tl.exp(x - top), 0.0)
+        total = tl.sum(e, axis=0) + tl.exp(sink - top)
+        tl.store(out_ptr + r * P + k, (e / total).to(dt), mask=km)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from strata.kernels.gpu.deepseek_v4 import sink_softmax
 from strata.runtime.model.deepseek_v4.cache import CompressedState, LayerCache
 from strata.runtime.model.deepseek_v4.compressor import Compressor
 from strata.runtime.model.deepseek_v4.indexer import Indexer
@@ -109,9 +110,18 @@ def attend_decode(attn, q: torch.Tensor, kv: torch.Tensor, cache: LayerCache, ba
         seen.append(torch.arange(span, device=pos.device)[None, :] < ((pos + 1) // state.rate)[:, None])
     keys, seen = torch.cat(keys, dim=1), torch.cat(seen, dim=1)  # [B, P, d], [B, P]
     cache.window[slots, pos % ring] = kv  # after the gather: the ring row it replaces held position p - ring
-    scores = torch.matmul(q, keys.transpose(1, 2)) * attn.scale  # [B, heads, P]
-    sinks = attn.sinks[None, :, None].expand(q.shape[0], -1, 1)  # fp32: the concatenation promotes to it
-    logits = torch.cat([scores.masked_fill(~seen[:, None], float("-inf")), sinks], dim=-1)
+    probs = sink_probs(torch.matmul(q, keys.transpose(1, 2)), seen, attn.sinks, attn.scale)  # [B, heads, P]
+    return torch.matmul(probs, keys)  # [B, heads, d]
+
+
+def sink_probs(scores: torch.Tensor, seen: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """scores [B, heads, P] (q k) -> the attention weights [B, heads, P] in their dtype: softmax over the scaled scores
+    (unseen keys [B, P] at -inf) and each head's sink logit (fp32), the sink's own weight dropped."""
+    probs = sink_softmax(scores, seen, sinks, scale)  # one launch on CUDA
+    if probs is not None:
+        return probs
+    scores = scores * scale
+    sink = sinks[None, :, None].expand(scores.shape[0], -1, 1)  # fp32: the concatenation promotes to it
+    logits = torch.cat([scores.masked_fill(~seen[:, None], float("-inf")), sink], dim=-1)
     logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = logits.softmax(dim=-1, dtype=logits.dtype).to(keys.dtype)
-    return torch.matmul(probs[..., :-1], keys)  # [B, heads, d]
+    return logits.softmax(dim=-1, dtype=logits.dtype)[..., :-1].to(scores.dtype)
