@@ -2,10 +2,12 @@
 strata.runtime.model.deepseek_v4 they replace: the hyper-connection weights (the sigmoids, the softmax and every
 Sinkhorn-Knopp iteration of `comb`, and the collapse of the streams), their mixing of the streams, the interleaved
 rotary embedding (and its
-conjugate), the norm with an fp32 weight and a decode step's attention weights with their sinks. On CUDA in bf16 (marked gpu); on the CPU under Triton's interpreter in fp16
+conjugate), the norm with an fp32 weight, a decode step's attention weights with their sinks and its compressors. On CUDA in bf16 (marked gpu); on the CPU under Triton's interpreter in fp16
 (tests/kernels/test_kernels_interpreted.py)."""
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -13,8 +15,10 @@ from fused_device import DEVICE, DTYPE, MARKS
 
 from strata.kernels import options
 from strata.kernels.gpu import deepseek_v4 as v4_kernels
-from strata.kernels.gpu.deepseek_v4 import sink_softmax
-from strata.runtime.model.deepseek_v4.decode import sink_probs
+from strata.kernels.gpu.deepseek_v4 import compress_step, sink_softmax
+from strata.runtime.model.deepseek_v4.cache import CompressedState
+from strata.runtime.model.deepseek_v4.compressor import Compressor
+from strata.runtime.model.deepseek_v4.decode import compress_decode, sink_probs
 from strata.runtime.model.deepseek_v4.hyper import HyperConnection, mix
 from strata.runtime.model.deepseek_v4.norms import FloatRMSNorm
 from strata.runtime.model.deepseek_v4.rope import rotate
@@ -159,3 +163,56 @@ def test_the_fused_sink_softmax_is_the_torch_chain(b, heads, p):
     assert (share <= 1 + 1e-2).all() and (share[0] < 0.999).any()
     # each head its own sink: swapped sinks move the weights
     assert not torch.equal(sink_probs(scores, seen, sinks.flip(0), 0.0442), got) or heads == 1
+
+
+class _WindowRope:
+    """cos, sin [B, pairs] at each position's window start (InterleavedRope.window_starts' shape), from a fixed table."""
+
+    def __init__(self, pairs: int):
+        self.freq = 1.0 / (10000 ** (torch.arange(pairs) / pairs))
+
+    def window_starts(self, pos, m, dtype):
+        angle = (pos // m * m).float().cpu()[:, None] * self.freq[None]
+        return angle.cos().to(dtype).to(pos.device), angle.sin().to(dtype).to(pos.device)
+
+
+@pytest.mark.parametrize(("overlap", "m", "d", "r"), [(False, 8, 64, 16), (True, 4, 64, 16), (False, 16, 512, 64),
+                                                      (True, 4, 128, 64), (False, 4, 40, 40)])
+def test_the_fused_compressor_step_is_the_torch_chain(overlap, m, d, r):
+    """A compressor's DecodeBatch steps, HCA (the ring one window) and CSA (window e - 1's first half channels and
+    window e's second half; window 0 without its predecessor), a hidden size not a power of two: two sequences at
+    different positions over more than two windows, every step's rings equal, the entries completed on the way
+    within a rounding step of the torch chain's, and the entries not completed left alone."""
+    g = torch.Generator().manual_seed(m * d + overlap)
+    comp = Compressor(32, d, m, overlap=overlap, eps=1e-6)
+    width, ring = (2 * d, 2 * m) if overlap else (d, m)
+    with torch.no_grad():
+        comp.position_bias.copy_(torch.randn(m, width, generator=g))
+        comp.kv_norm.weight.copy_(torch.rand(d, generator=g) + 0.5)
+    comp = comp.to(DEVICE)
+    slots_n, n_entries = 3, 8
+    state = {"entries": torch.randn(slots_n, n_entries, d, generator=g).to(DTYPE),
+             "src_kv": torch.randn(slots_n, ring, width, generator=g).to(DTYPE),
+             "src_gate": torch.randn(slots_n, ring, width, generator=g).to(DTYPE)}
+    fused_state = CompressedState(**{k: v.clone().to(DEVICE) for k, v in state.items()}, rate=m)
+    torch_state = CompressedState(**{k: v.clone().to(DEVICE) for k, v in state.items()}, rate=m)
+    untouched = fused_state.entries.clone()
+    rope, slots = _WindowRope(r // 2), torch.tensor([2, 0], device=DEVICE)
+    start = torch.tensor([0, m + 1], device=DEVICE)
+    for step in range(2 * m + 3):
+        batch = SimpleNamespace(slots_t=slots, pos_t=start + step)
+        kv = torch.randn(2, width, generator=g).to(DTYPE).to(DEVICE)
+        gate = (torch.randn(2, width, generator=g) * 2).to(DTYPE).to(DEVICE)
+        with torch.no_grad():
+            compress_decode(comp, fused_state, batch, kv, gate, rope)
+            _torch(compress_decode, comp, torch_state, batch, kv, gate, rope)
+        assert torch.equal(fused_state.src_kv, torch_state.src_kv) and torch.equal(fused_state.src_gate,
+                                                                                    torch_state.src_gate)
+        torch.testing.assert_close(fused_state.entries.float(), torch_state.entries.float(), rtol=2 ** -6, atol=2e-2)
+    assert compress_step(fused_state.src_kv, fused_state.src_gate, fused_state.entries, kv, gate, slots, start,
+                         comp.position_bias, comp.kv_norm.weight, 1e-6, *rope.window_starts(start, m, DTYPE), m,
+                         overlap)
+    changed = (fused_state.entries != untouched).any(-1)  # [slots, E]: entries completed on the way
+    assert changed[2, : (2 * m + 3) // m].all() and changed[0, 1 : (3 * m + 4) // m].all()
+    assert not changed[1].any() and not changed[2, (2 * m + 3) // m :].any()
+    assert (fused_state.entries != torch_state.entries).float().mean().item() < 0.05

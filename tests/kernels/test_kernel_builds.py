@@ -156,6 +156,12 @@ def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
         deepseek_v4.float_rms_norm(torch.zeros(1, 4096, dtype=bf), torch.ones(4096), 1e-6)
         deepseek_v4.sink_softmax(torch.zeros(1, 64, 640, dtype=bf), torch.ones(1, 640, dtype=torch.bool),
                                  torch.zeros(64), 0.0442)
+        for m, d, overlap in ((128, 512, False), (4, 512, True), (4, 128, True)):  # HCA, CSA, CSA's indexer
+            width, ring = (2 * d, 2 * m) if overlap else (d, m)
+            src, one = torch.zeros(1, ring, width, dtype=bf), torch.zeros(1, dtype=torch.int64)
+            deepseek_v4.compress_step(src, src.clone(), torch.zeros(1, 8, d, dtype=bf), torch.zeros(1, width, dtype=bf),
+                                      torch.zeros(1, width, dtype=bf), one, one, torch.zeros(m, width), torch.ones(d),
+                                      1e-6, torch.zeros(1, 32, dtype=bf), torch.zeros(1, 32, dtype=bf), m, overlap)
 
     def qwen3_5_decode():  # Qwen3.5's Gated DeltaNet step (16 key heads, 32 value heads of 128) and its norms
         from strata.kernels.gpu import gated_delta
@@ -197,7 +203,8 @@ def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
     quantized = {"_quant_gate_up_kernel", "_quant_down_kernel", "_dequant_kernel", "_gguf_gate_up_kernel",
                  "_gguf_down_kernel", "_gguf_dequant_kernel"}
     qwen3_5 = {"_conv_step_kernel", "_delta_step_kernel", "_gated_norm_kernel", "_zc_norm_kernel"}
-    v4 = {"_hyper_kernel", "_mix_kernel", "_rotate_kernel", "_float_norm_kernel", "_sink_softmax_kernel"}
+    v4 = {"_hyper_kernel", "_mix_kernel", "_rotate_kernel", "_float_norm_kernel", "_sink_softmax_kernel",
+          "_compress_kernel"}
     assert built == DECODE_KERNELS | {"_norm_rope_kernel", "_softmax_topk_kernel"} | v4 | quantized | \
         qwen3_5 == triton_kernels()
 

@@ -12,6 +12,9 @@ bench/decode_ops.py). Here, each one launch:
     rotate(x [N, heads, d], cos, sin [N, r/2], conjugate) -> [N, heads, d]
         the interleaved rotary embedding of each head's trailing r channels (runtime/model/deepseek_v4/rope.py)
     float_rms_norm(x [N, D], weight [D] fp32, eps) -> [N, D]: (weight * x / rms(x)) in fp32, rounded once
+    compress_step(rings, entries, kv, gate [B, width], slots, pos [B], bias, norm weight, eps, cos, sin, m, overlap)
+        a decode step's compressor (runtime/model/deepseek_v4/decode.py's compress_decode): the new sources into
+        the rings, the window's softmax-pooled entry normed, rotated and written where the token completes it
     sink_softmax(scores [B, heads, P], seen [B, P], sinks [heads] fp32, scale) -> probs [B, heads, P]
         a decode step's attention weights: the scores scaled (rounded as torch rounds them), the unseen keys at -inf,
         each head's sink logit in the softmax and dropped from its output (runtime/model/deepseek_v4/decode.py)
@@ -34,7 +37,7 @@ from strata.kernels.gpu.fused import triton
 if triton is not None:
     import triton.language as tl
 
-__all__ = ["hyper_weights", "mix_streams", "rotate", "float_rms_norm", "sink_softmax", "MAX_STREAMS"]
+__all__ = ["hyper_weights", "mix_streams", "rotate", "float_rms_norm", "sink_softmax", "compress_step", "MAX_STREAMS"]
 
 MAX_STREAMS = 16  # n x n weights a program keeps in registers
 
@@ -136,6 +139,37 @@ def sink_softmax(scores: torch.Tensor, seen: torch.Tensor, sinks: torch.Tensor, 
                                            num_warps=4 if block >= 1024 else 2, **pdl.launch(scores))
     return probs
 
+
+
+def compress_step(src_kv: torch.Tensor, src_gate: torch.Tensor, entries: torch.Tensor, kv: torch.Tensor,
+                  gate: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, bias: torch.Tensor,
+                  norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, rate: int,
+                  overlap: bool) -> bool:
+    """One DecodeBatch step of a compressor in one launch, in place: the new tokens' kv, gate [B, width] into the
+    source rings [slots, R, width] at p % R; the window p // m pooled as `compress_decode` pools it (per channel, a
+    softmax over its source slots of gate + bias (fp32), the weights and each product rounded to kv's dtype, summed
+    in fp32 and rounded), normed with `norm_weight` (fp32), rotated by cos, sin [B, r/2] (the window start's) and
+    written to entries[slot, p // m] where the token completes the window. False (nothing done) where the fused
+    kernel does not apply."""
+    if kv.dim() != 2 or not fused.fused_ok(kv):
+        return False
+    b, width = kv.shape
+    d = entries.shape[-1]
+    ring = src_kv.shape[1]
+    if (width != (2 * d if overlap else d) or ring != (2 * rate if overlap else rate) or gate.shape != kv.shape
+            or src_kv.dtype != kv.dtype or src_gate.dtype != gate.dtype or entries.dtype != kv.dtype
+            or bias.dtype != torch.float32 or bias.shape != (rate, width) or norm_weight.dtype != torch.float32
+            or cos.shape != (b, cos.shape[1]) or 2 * cos.shape[1] > d or d % 2 or d > 4096
+            or not all(t.is_contiguous() for t in (src_kv, src_gate, entries))):
+        return False
+    if b:
+        half = triton.next_power_of_2(d // 2)
+        rows = max(1, min(16, 4096 // half))
+        _compress_kernel[(b,)](src_kv, src_gate, entries, kv.contiguous(), gate.contiguous(), slots.contiguous(),
+                               pos.contiguous(), bias.contiguous(), norm_weight.contiguous(), cos.contiguous(),
+                               sin.contiguous(), eps, entries.shape[1], d, cos.shape[1], M=rate, OVERLAP=overlap,
+                               HALF=half, ROWS=rows, num_warps=8, **pdl.launch(kv))
+    return True
 
 if triton is not None:
 
@@ -253,3 +287,112 @@ if triton is not None:
         e = tl.where(ok, tl.exp(x - top), 0.0)
         total = tl.sum(e, axis=0) + tl.exp(sink - top)
         tl.store(out_ptr + r * P + k, (e / total).to(dt), mask=km)
+
+    @triton.jit
+    def _compress_kernel(kv_ring, g_ring, ent_ptr, kv_ptr, g_ptr, slot_ptr, pos_ptr, bias_ptr, w_ptr, cos_ptr, sin_ptr,
+                         eps, E, D, PAIRS, M: tl.constexpr, OVERLAP: tl.constexpr, HALF: tl.constexpr,
+                         ROWS: tl.constexpr, PDL: tl.constexpr):
+        # program b: sequence b's new source row, then its window's entry over the window's source slots j (HCA: the
+        # ring's M rows; CSA: window e - 1's first half channels in slots [0, M), window e's second half in [M, 2M)),
+        # channels kept as even / odd halves (the rotary pairs) [HALF] each
+        bq = tl.program_id(0).to(tl.int64)
+        W = 2 * D if OVERLAP else D  # ring width
+        R = 2 * M if OVERLAP else M  # ring rows
+        k = tl.arange(0, HALF)
+        km = k < D // 2
+        pdl.enter(PDL)
+        slot = tl.load(slot_ptr + bq).to(tl.int64)
+        p = tl.load(pos_ptr + bq).to(tl.int64)
+        e = p // M
+        new_row = p % R
+        dt = ent_ptr.dtype.element_ty
+        # the new sources into the rings (all W channels); the loads below take them from registers for new_row
+        for c0 in tl.static_range(0, 2 if OVERLAP else 1):
+            cw = c0 * D + k * 2
+            for par in tl.static_range(2):
+                new_v = tl.load(kv_ptr + bq * W + cw + par, mask=km)
+                tl.store(kv_ring + (slot * R + new_row) * W + cw + par, new_v, mask=km)
+                new_g = tl.load(g_ptr + bq * W + cw + par, mask=km)
+                tl.store(g_ring + (slot * R + new_row) * W + cw + par, new_g, mask=km)
+        # pass 1: each channel's maximum and sum of exp over the window's slots (online, fp32)
+        mx_e = tl.full([HALF], float("-inf"), tl.float32)
+        mx_o = tl.full([HALF], float("-inf"), tl.float32)
+        sm_e = tl.zeros([HALF], tl.float32)
+        sm_o = tl.zeros([HALF], tl.float32)
+        SLOTS: tl.constexpr = 2 * M if OVERLAP else M
+        for j0 in range(0, SLOTS, ROWS):
+            j = j0 + tl.arange(0, ROWS)
+            ring_row, coff, brow, ok = _window_slots(j, e, M, D, OVERLAP)
+            jm = (j < SLOTS) & ok
+            m2 = jm[:, None] & km[None, :]
+            for par in tl.static_range(2):
+                ch = coff[:, None] + 2 * k[None, :] + par
+                fresh = (ring_row == new_row)[:, None]
+                g_old = tl.load(g_ring + (slot * R + ring_row[:, None]) * W + ch, mask=m2, other=0.0)
+                g_new = tl.load(g_ptr + bq * W + ch, mask=m2 & fresh, other=0.0)
+                g = tl.where(fresh, g_new, g_old).to(tl.float32) + tl.load(bias_ptr + brow[:, None] * W + ch, mask=m2,
+                                                                          other=0.0)
+                g = tl.where(m2, g, float("-inf"))
+                if par == 0:
+                    new_mx = tl.maximum(mx_e, tl.max(g, axis=0))
+                    safe = tl.where(new_mx > float("-inf"), new_mx, 0.0)
+                    sm_e = sm_e * tl.exp(mx_e - safe) + tl.sum(tl.exp(g - safe[None, :]), axis=0)
+                    mx_e = new_mx
+                else:
+                    new_mx = tl.maximum(mx_o, tl.max(g, axis=0))
+                    safe = tl.where(new_mx > float("-inf"), new_mx, 0.0)
+                    sm_o = sm_o * tl.exp(mx_o - safe) + tl.sum(tl.exp(g - safe[None, :]), axis=0)
+                    mx_o = new_mx
+        # pass 2: the weights and products rounded to the entries' dtype, summed in fp32
+        acc_e = tl.zeros([HALF], tl.float32)
+        acc_o = tl.zeros([HALF], tl.float32)
+        for j0 in range(0, SLOTS, ROWS):
+            j = j0 + tl.arange(0, ROWS)
+            ring_row, coff, brow, ok = _window_slots(j, e, M, D, OVERLAP)
+            jm = (j < SLOTS) & ok
+            m2 = jm[:, None] & km[None, :]
+            fresh = (ring_row == new_row)[:, None]
+            for par in tl.static_range(2):
+                ch = coff[:, None] + 2 * k[None, :] + par
+                g_old = tl.load(g_ring + (slot * R + ring_row[:, None]) * W + ch, mask=m2, other=0.0)
+                g_new = tl.load(g_ptr + bq * W + ch, mask=m2 & fresh, other=0.0)
+                g = tl.where(fresh, g_new, g_old).to(tl.float32) + tl.load(bias_ptr + brow[:, None] * W + ch, mask=m2,
+                                                                          other=0.0)
+                v_old = tl.load(kv_ring + (slot * R + ring_row[:, None]) * W + ch, mask=m2, other=0.0)
+                v_new = tl.load(kv_ptr + bq * W + ch, mask=m2 & fresh, other=0.0)
+                v = tl.where(fresh, v_new, v_old).to(tl.float32)
+                if par == 0:
+                    w = (tl.exp(g - mx_e[None, :]) / sm_e[None, :]).to(dt).to(tl.float32)
+                    acc_e += tl.sum(tl.where(m2, (v * w).to(dt).to(tl.float32), 0.0), axis=0)
+                else:
+                    w = (tl.exp(g - mx_o[None, :]) / sm_o[None, :]).to(dt).to(tl.float32)
+                    acc_o += tl.sum(tl.where(m2, (v * w).to(dt).to(tl.float32), 0.0), axis=0)
+        # the entry: rounded, normed with the fp32 weight (rounded), its trailing 2 PAIRS channels rotated (rounded)
+        x_e = tl.where(km, acc_e.to(dt).to(tl.float32), 0.0)
+        x_o = tl.where(km, acc_o.to(dt).to(tl.float32), 0.0)
+        inv = tl.rsqrt((tl.sum(x_e * x_e, axis=0) + tl.sum(x_o * x_o, axis=0)) / D + eps)
+        x_e = (tl.load(w_ptr + 2 * k, mask=km, other=0.0) * (x_e * inv)).to(dt).to(tl.float32)
+        x_o = (tl.load(w_ptr + 2 * k + 1, mask=km, other=0.0) * (x_o * inv)).to(dt).to(tl.float32)
+        pair = k - (D // 2 - PAIRS)  # rotary pair index of channels (2k, 2k + 1); < 0: not rotated
+        rot = km & (pair >= 0)
+        c = tl.load(cos_ptr + bq * PAIRS + pair, mask=rot, other=1.0).to(tl.float32)
+        s = tl.load(sin_ptr + bq * PAIRS + pair, mask=rot, other=0.0).to(tl.float32)
+        r_e = tl.where(rot, x_e * c - x_o * s, x_e)
+        r_o = tl.where(rot, x_o * c + x_e * s, x_o)
+        pv = tl.zeros([HALF], tl.int64) + p  # (a vector: Triton's interpreter takes no scalar condition in a mask)
+        done = km & ((pv + 1) % M == 0) & (pv // M < E)
+        base = ent_ptr + (slot * E + e) * D
+        tl.store(base + 2 * k, r_e.to(dt), mask=done)
+        tl.store(base + 2 * k + 1, r_o.to(dt), mask=done)
+
+    @triton.jit
+    def _window_slots(j, e, M: tl.constexpr, D, OVERLAP: tl.constexpr):
+        # source slot j of window e: its ring row, the first channel it reads, its bias row, whether it counts
+        if OVERLAP:  # [0, M): window e - 1's rows (ring half (e + 1) % 2), channels [0, D); [M, 2M): window e's, [D, 2D)
+            cur = j >= M
+            jj = tl.where(cur, j - M, j)
+            ev = tl.zeros_like(j).to(tl.int64) + e
+            half = tl.where(cur, ev % 2, (ev + 1) % 2)
+            return half * M + jj, tl.where(cur, D, 0), jj, cur | (ev > 0)
+        else:
+            return j, tl.zeros_like(j), j, j >= 0

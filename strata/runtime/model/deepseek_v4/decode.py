@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from strata.kernels.gpu.deepseek_v4 import sink_softmax
+from strata.kernels.gpu.deepseek_v4 import compress_step, sink_softmax
 from strata.runtime.model.deepseek_v4.cache import CompressedState, LayerCache
 from strata.runtime.model.deepseek_v4.compressor import Compressor
 from strata.runtime.model.deepseek_v4.indexer import Indexer
@@ -45,6 +45,10 @@ def compress_decode(comp: Compressor, state: CompressedState, batch: DecodeBatch
     """The new tokens' kv, gate [B, width] into the source rings, and entry p // m written where it completes."""
     slots, pos = batch.slots_t, batch.pos_t
     m, ring, d = comp.rate, state.ring, comp.dim
+    cos, sin = rope.window_starts(pos, m, kv.dtype)  # at e * m
+    if compress_step(state.src_kv, state.src_gate, state.entries, kv, gate, slots, pos, comp.position_bias,
+                     comp.kv_norm.weight, comp.kv_norm.eps, cos, sin, m, comp.overlap):  # one launch on CUDA
+        return
     state.src_kv[slots, pos % ring] = kv
     state.src_gate[slots, pos % ring] = gate
     e = pos // m  # [B] the window each token is in
@@ -62,7 +66,6 @@ def compress_decode(comp: Compressor, state: CompressedState, batch: DecodeBatch
         win_g = torch.cat([src_g[:, :m, :d].masked_fill(first, float("-inf")), src_g[:, m:, d:]], dim=1)
         weights = win_g.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
     pooled = comp.kv_norm((win_kv * weights).sum(dim=1))  # [B, d]
-    cos, sin = rope.window_starts(pos, m, pooled.dtype)  # at e * m
     pooled = rotate(pooled[:, None, :], cos, sin)[:, 0]
     complete = ((pos + 1) % m == 0)[:, None]  # [B, 1]
     state.entries[slots, e] = torch.where(complete, pooled, state.entries[slots, e])
