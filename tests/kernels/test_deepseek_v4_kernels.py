@@ -2,7 +2,7 @@
 strata.runtime.model.deepseek_v4 they replace: the hyper-connection weights (the sigmoids, the softmax and every
 Sinkhorn-Knopp iteration of `comb`, and the collapse of the streams), their mixing of the streams, the interleaved
 rotary embedding (and its
-conjugate), the norm with an fp32 weight, a decode step's attention weights with their sinks and its compressors. On CUDA in bf16 (marked gpu); on the CPU under Triton's interpreter in fp16
+conjugate), the norm with an fp32 weight, a decode step's keys, their attention weights with the sinks, and its compressors. On CUDA in bf16 (marked gpu); on the CPU under Triton's interpreter in fp16
 (tests/kernels/test_kernels_interpreted.py)."""
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ from fused_device import DEVICE, DTYPE, MARKS
 
 from strata.kernels import options
 from strata.kernels.gpu import deepseek_v4 as v4_kernels
-from strata.kernels.gpu.deepseek_v4 import compress_step, sink_softmax
+from strata.kernels.gpu.deepseek_v4 import compress_step, sink_softmax, window_keys
 from strata.runtime.model.deepseek_v4.cache import CompressedState
 from strata.runtime.model.deepseek_v4.compressor import Compressor
-from strata.runtime.model.deepseek_v4.decode import compress_decode, sink_probs
+from strata.runtime.model.deepseek_v4.decode import _window_keys, compress_decode, entry_reads, sink_probs
 from strata.runtime.model.deepseek_v4.hyper import HyperConnection, mix
 from strata.runtime.model.deepseek_v4.norms import FloatRMSNorm
 from strata.runtime.model.deepseek_v4.rope import rotate
@@ -216,3 +216,38 @@ def test_the_fused_compressor_step_is_the_torch_chain(overlap, m, d, r):
     assert changed[2, : (2 * m + 3) // m].all() and changed[0, 1 : (3 * m + 4) // m].all()
     assert not changed[1].any() and not changed[2, (2 * m + 3) // m :].any()
     assert (fused_state.entries != torch_state.entries).float().mean().item() < 0.05
+
+
+@pytest.mark.parametrize("mode", ["sliding", "hca", "csa"])
+@pytest.mark.parametrize(("ring", "back"), [(8, 7), (8, 8)], ids=["window", "whole-ring"])
+def test_the_fused_window_keys_are_the_torch_chain(mode, ring, back):
+    """A decode step's keys and which each query sees, for a sliding-window layer (the ring's last positions and the
+    new kv), HCA (the first entries, seen below (p + 1) // m) and CSA (the indexer's picks, -1 unseen): two sequences,
+    one still inside its first window (positions below 0), over several steps; the ring after each step the same,
+    including where the new kv replaces the row the step read first (back = ring)."""
+    g = torch.Generator().manual_seed(ring + back + len(mode))
+    d, m, n_entries = 40, 4, 6
+    window = torch.randn(3, ring, d, generator=g).to(DTYPE).to(DEVICE)
+    state = None if mode == "sliding" else CompressedState(
+        entries=torch.randn(3, n_entries, d, generator=g).to(DTYPE).to(DEVICE), src_kv=window[:, :1], src_gate=window[:, :1],
+        rate=m)
+    fused_cache = SimpleNamespace(window=window.clone(), compressor=state)
+    torch_cache = SimpleNamespace(window=window.clone(), compressor=state)
+    slots, start = torch.tensor([1, 2], device=DEVICE), torch.tensor([2, 13], device=DEVICE)
+    some_unseen = False
+    for step in range(ring + 2):
+        batch = SimpleNamespace(slots_t=slots, pos_t=start + step, kv_len=int(start.max()) + step + 1)
+        kv = torch.randn(2, d, generator=g).to(DTYPE).to(DEVICE)
+        picked = None
+        if mode == "csa":
+            picked = torch.randint(-1, n_entries, (2, 3), generator=g).to(DEVICE)
+        span = 0 if state is None else entry_reads(batch.kv_len, state)
+        got = window_keys(fused_cache.window, kv, slots, batch.pos_t, back, None if state is None else state.entries,
+                          span, m, picked)
+        assert got is not None
+        want = _window_keys(torch_cache, kv, batch, back, picked)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+        assert torch.equal(fused_cache.window, torch_cache.window)
+        assert got[1].any(dim=1).all()
+        some_unseen |= not got[1].all().item()
+    assert some_unseen  # positions below 0, entries not complete yet, picks of -1

@@ -156,6 +156,10 @@ def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
         deepseek_v4.float_rms_norm(torch.zeros(1, 4096, dtype=bf), torch.ones(4096), 1e-6)
         deepseek_v4.sink_softmax(torch.zeros(1, 64, 640, dtype=bf), torch.ones(1, 640, dtype=torch.bool),
                                  torch.zeros(64), 0.0442)
+        win, kv, one = torch.zeros(1, 128, 512, dtype=bf), torch.zeros(1, 512, dtype=bf), torch.zeros(1).long()
+        ent = torch.zeros(1, 64, 512, dtype=bf)
+        for entries, picked in ((None, None), (ent, None), (ent, torch.zeros(1, 512).long())):  # sliding, HCA, CSA
+            deepseek_v4.window_keys(win, kv, one, one, 127, entries, 64, 128, picked)
         for m, d, overlap in ((128, 512, False), (4, 512, True), (4, 128, True)):  # HCA, CSA, CSA's indexer
             width, ring = (2 * d, 2 * m) if overlap else (d, m)
             src, one = torch.zeros(1, ring, width, dtype=bf), torch.zeros(1, dtype=torch.int64)
@@ -204,7 +208,7 @@ def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
                  "_gguf_down_kernel", "_gguf_dequant_kernel"}
     qwen3_5 = {"_conv_step_kernel", "_delta_step_kernel", "_gated_norm_kernel", "_zc_norm_kernel"}
     v4 = {"_hyper_kernel", "_mix_kernel", "_rotate_kernel", "_float_norm_kernel", "_sink_softmax_kernel",
-          "_compress_kernel"}
+          "_compress_kernel", "_keys_kernel"}
     assert built == DECODE_KERNELS | {"_norm_rope_kernel", "_softmax_topk_kernel"} | v4 | quantized | \
         qwen3_5 == triton_kernels()
 

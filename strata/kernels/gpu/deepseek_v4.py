@@ -15,6 +15,10 @@ bench/decode_ops.py). Here, each one launch:
     compress_step(rings, entries, kv, gate [B, width], slots, pos [B], bias, norm weight, eps, cos, sin, m, overlap)
         a decode step's compressor (runtime/model/deepseek_v4/decode.py's compress_decode): the new sources into
         the rings, the window's softmax-pooled entry normed, rotated and written where the token completes it
+    window_keys(window ring, kv [B, d], slots, pos, back, entries, span, rate, picked) -> keys [B, P, d], seen [B, P]
+        a decode step's keys (runtime/model/deepseek_v4/decode.py's attend_decode): the window's last `back`
+        positions from the ring, the new kv (then written into the ring), the compressed entries (HCA: the first
+        `span`; CSA: the indexer's picks), and which of them each query sees
     sink_softmax(scores [B, heads, P], seen [B, P], sinks [heads] fp32, scale) -> probs [B, heads, P]
         a decode step's attention weights: the scores scaled (rounded as torch rounds them), the unseen keys at -inf,
         each head's sink logit in the softmax and dropped from its output (runtime/model/deepseek_v4/decode.py)
@@ -37,7 +41,8 @@ from strata.kernels.gpu.fused import triton
 if triton is not None:
     import triton.language as tl
 
-__all__ = ["hyper_weights", "mix_streams", "rotate", "float_rms_norm", "sink_softmax", "compress_step", "MAX_STREAMS"]
+__all__ = ["hyper_weights", "mix_streams", "rotate", "float_rms_norm", "sink_softmax", "compress_step", "window_keys",
+           "MAX_STREAMS"]
 
 MAX_STREAMS = 16  # n x n weights a program keeps in registers
 
@@ -170,6 +175,36 @@ def compress_step(src_kv: torch.Tensor, src_gate: torch.Tensor, entries: torch.T
                                sin.contiguous(), eps, entries.shape[1], d, cos.shape[1], M=rate, OVERLAP=overlap,
                                HALF=half, ROWS=rows, num_warps=8, **pdl.launch(kv))
     return True
+
+
+def window_keys(window: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, back: int,
+                entries: torch.Tensor | None, span: int, rate: int, picked: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A decode step's keys = values in one launch: window [slots, ring, d] rows of positions p - back .. p - 1 (those
+    below 0 read as the ring holds them and unseen), the new kv [B, d], then entries [slots, E, d]: with `picked`
+    [B, k] the picks (-1: unseen), else the first `span` (seen below (p + 1) // rate) -> (keys [B, back + 1 + k or
+    span, d], seen [B, same] bool); kv then goes into the ring at p % ring (after it was read). None where the fused
+    kernel does not apply."""
+    if kv.dim() != 2 or not fused.fused_ok(kv) or window.dtype != kv.dtype or not window.is_contiguous():
+        return None
+    b, d = kv.shape
+    ring = window.shape[1]
+    if back > ring or d > 4096 or (entries is not None and (entries.dtype != kv.dtype or not entries.is_contiguous())):
+        return None
+    extra = 0 if entries is None else picked.shape[1] if picked is not None else span
+    total = back + 1 + extra
+    keys = torch.empty(b, total, d, dtype=kv.dtype, device=kv.device)
+    seen = torch.empty(b, total, dtype=torch.bool, device=kv.device)
+    if b:
+        rows = 8
+        ent = entries if entries is not None else window
+        pick = picked.contiguous() if picked is not None else slots
+        _keys_kernel[(b, triton.cdiv(total, rows))](
+            window, kv.contiguous(), slots.contiguous(), pos.contiguous(), ent, pick, keys, seen, ring, back, total,
+            ent.shape[1], max(1, rate), d, pick.shape[-1] if picked is not None else 0, MODE=0 if entries is None
+            else 2 if picked is not None else 1, ROWS=rows, BLOCK_D=triton.next_power_of_2(d), num_warps=4,
+            **pdl.launch(kv))
+    return keys, seen
 
 if triton is not None:
 
@@ -396,3 +431,44 @@ if triton is not None:
             return half * M + jj, tl.where(cur, D, 0), jj, cur | (ev > 0)
         else:
             return j, tl.zeros_like(j), j, j >= 0
+
+    @triton.jit
+    def _keys_kernel(win_ptr, kv_ptr, slot_ptr, pos_ptr, ent_ptr, pick_ptr, keys_ptr, seen_ptr, RING, BACK, P, E,
+                     RATE, D, K, MODE: tl.constexpr, ROWS: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+        # program (b, blk): sequence b's keys [blk ROWS, +ROWS): i < BACK the ring's position p - BACK + i, i == BACK
+        # the new kv, past it entry t = i - BACK - 1 (MODE 1: entry t, seen below (p + 1) // RATE; MODE 2: pick t)
+        bq = tl.program_id(0).to(tl.int64)
+        i = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
+        c = tl.arange(0, BLOCK_D)
+        cm = c < D
+        pdl.enter(PDL)
+        slot = tl.load(slot_ptr + bq).to(tl.int64)
+        p = tl.load(pos_ptr + bq).to(tl.int64)
+        im = i < P
+        kpos = p - BACK + i
+        in_win = im & (i < BACK)
+        row = ((kpos % RING) + RING) % RING  # (Python's modulo: a position below 0 reads the row torch's gather reads)
+        old = tl.load(win_ptr + (slot * RING + row[:, None]) * D + c[None, :], mask=in_win[:, None] & cm[None, :],
+                      other=0.0)
+        new = tl.load(kv_ptr + bq * D + c, mask=cm, other=0.0)[None, :]
+        is_new = im & (i == BACK)
+        vals = tl.where(is_new[:, None], new, old)
+        seen = in_win & (kpos >= 0) | is_new
+        if MODE != 0:
+            t = i - BACK - 1
+            in_ent = im & (t >= 0)
+            if MODE == 1:
+                entry = t
+                seen = seen | in_ent & (t < (p + 1) // RATE)
+            else:
+                entry = tl.load(pick_ptr + bq * K + t, mask=in_ent, other=0).to(tl.int64)
+                seen = seen | in_ent & (entry >= 0)
+                entry = tl.maximum(entry, 0)
+            ent = tl.load(ent_ptr + (slot * E + entry[:, None]) * D + c[None, :], mask=in_ent[:, None] & cm[None, :],
+                          other=0.0)
+            vals = tl.where(in_ent[:, None], ent, vals)
+        tl.store(keys_ptr + (bq * P + i[:, None]) * D + c[None, :], vals, mask=im[:, None] & cm[None, :])
+        tl.store(seen_ptr + bq * P + i, seen, mask=im)
+        if tl.program_id(1) == 0:  # the only program reading ring row p % RING (position p - RING, key 0): after it
+            tl.debug_barrier()
+            tl.store(win_ptr + (slot * RING + p % RING) * D + c, tl.load(kv_ptr + bq * D + c, mask=cm), mask=cm)

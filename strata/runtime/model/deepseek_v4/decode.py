@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from strata.kernels.gpu.deepseek_v4 import compress_step, sink_softmax
+from strata.kernels.gpu.deepseek_v4 import compress_step, sink_softmax, window_keys
 from strata.runtime.model.deepseek_v4.cache import CompressedState, LayerCache
 from strata.runtime.model.deepseek_v4.compressor import Compressor
 from strata.runtime.model.deepseek_v4.indexer import Indexer
@@ -99,6 +99,20 @@ def attend_decode(attn, q: torch.Tensor, kv: torch.Tensor, cache: LayerCache, ba
     slots, pos = batch.slots_t, batch.pos_t
     ring = cache.window.shape[1]
     back = min(attn.window - 1, ring)  # earlier positions a query sees in the window (all held by the ring)
+    state = cache.compressor
+    got = window_keys(cache.window, kv, slots, pos, back, None if state is None else state.entries,
+                      0 if state is None else entry_reads(batch.kv_len, state), 1 if state is None else state.rate,
+                      picked)  # one launch on CUDA
+    keys, seen = got if got is not None else _window_keys(cache, kv, batch, back, picked)
+    probs = sink_probs(torch.matmul(q, keys.transpose(1, 2)), seen, attn.sinks, attn.scale)  # [B, heads, P]
+    return torch.matmul(probs, keys)  # [B, heads, d]
+
+
+def _window_keys(cache: LayerCache, kv: torch.Tensor, batch: DecodeBatch, back: int,
+                 picked: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`window_keys` in torch: (keys [B, P, d], seen [B, P]); kv then enters the ring."""
+    slots, pos = batch.slots_t, batch.pos_t
+    ring = cache.window.shape[1]
     kpos = pos[:, None] + torch.arange(-back, 0, device=pos.device)  # [B, W]
     old = cache.window[slots[:, None], kpos % ring]  # [B, W, d]
     keys = [old, kv[:, None]]
@@ -113,8 +127,7 @@ def attend_decode(attn, q: torch.Tensor, kv: torch.Tensor, cache: LayerCache, ba
         seen.append(torch.arange(span, device=pos.device)[None, :] < ((pos + 1) // state.rate)[:, None])
     keys, seen = torch.cat(keys, dim=1), torch.cat(seen, dim=1)  # [B, P, d], [B, P]
     cache.window[slots, pos % ring] = kv  # after the gather: the ring row it replaces held position p - ring
-    probs = sink_probs(torch.matmul(q, keys.transpose(1, 2)), seen, attn.sinks, attn.scale)  # [B, heads, P]
-    return torch.matmul(probs, keys)  # [B, heads, d]
+    return keys, seen
 
 
 def sink_probs(scores: torch.Tensor, seen: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
