@@ -21,7 +21,7 @@ from strata.runtime.model.deepseek_v4.compressor import Compressor
 from strata.runtime.model.deepseek_v4.decode import _window_keys, compress_decode, entry_reads, sink_probs
 from strata.runtime.model.deepseek_v4.hyper import HyperConnection, mix
 from strata.runtime.model.deepseek_v4.norms import FloatRMSNorm
-from strata.runtime.model.deepseek_v4.rope import rotate
+from strata.runtime.model.deepseek_v4.rope import normed_rotate, rotate
 
 pytestmark = MARKS
 
@@ -251,3 +251,19 @@ def test_the_fused_window_keys_are_the_torch_chain(mode, ring, back):
         assert got[1].any(dim=1).all()
         some_unseen |= not got[1].all().item()
     assert some_unseen  # positions below 0, entries not complete yet, picks of -1
+
+
+@pytest.mark.parametrize(("heads", "d", "r"), [(64, 512, 64), (3, 96, 96), (2, 40, 16)])
+def test_the_fused_query_norm_and_rotation_are_the_torch_chains(heads, d, r):
+    """The queries' per-head unweighted RMS norm and rotary in one launch (V4's 64 heads of 512, every channel rotated,
+    a head size not a power of two), against `rotate(unweighted_rms_norm(x))`."""
+    g = torch.Generator().manual_seed(heads + d)
+    x = (torch.randn(3, heads, d, generator=g) * 3).to(DTYPE).to(DEVICE)
+    angle = torch.rand(3, r // 2, generator=g) * 6
+    cos, sin = angle.cos().to(DTYPE).to(DEVICE), angle.sin().to(DTYPE).to(DEVICE)
+    got = normed_rotate(x, 1e-6, cos, sin)
+    want = _torch(normed_rotate, x, 1e-6, cos, sin)
+    assert v4_kernels.rotate(x, cos, sin, norm_eps=1e-6) is not None
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+    assert (got != want).float().mean().item() < 0.05
+    assert got.float().square().mean(-1).sub(1).abs().max() < 0.05  # unit RMS per head (a rotation keeps it)

@@ -153,6 +153,8 @@ def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
         deepseek_v4.mix_streams(streams, streams[:, 0], torch.zeros(1, 4), torch.zeros(1, 4, 4))
         deepseek_v4.rotate(torch.zeros(1, 64, 512, dtype=bf), torch.zeros(1, 32, dtype=bf),
                            torch.zeros(1, 32, dtype=bf), True)
+        deepseek_v4.rotate(torch.zeros(1, 64, 512, dtype=bf), torch.zeros(1, 32, dtype=bf),
+                           torch.zeros(1, 32, dtype=bf), norm_eps=1e-6)
         deepseek_v4.float_rms_norm(torch.zeros(1, 4096, dtype=bf), torch.ones(4096), 1e-6)
         deepseek_v4.sink_softmax(torch.zeros(1, 64, 640, dtype=bf), torch.ones(1, 640, dtype=torch.bool),
                                  torch.zeros(64), 0.0442)

@@ -91,9 +91,11 @@ def mix_streams(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, co
     return mixed
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, conjugate: bool = False) -> torch.Tensor | None:
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, conjugate: bool = False,
+           norm_eps: float | None = None) -> torch.Tensor | None:
     """`rope.rotate(x, cos, -sin if conjugate else sin)` in one launch: x [N, heads, d], cos/sin [N, r/2] (r <= d,
-    d - r even) -> [N, heads, d] in x's dtype; None where the fused kernel does not apply."""
+    d - r even) -> [N, heads, d] in x's dtype; with `norm_eps`, each head first through `unweighted_rms_norm` (x times
+    its rsqrt(mean(x^2) + eps) rounded to x's dtype, rounded). None where the fused kernel does not apply."""
     if x.dim() != 3 or not fused.fused_ok(x) or cos.shape != sin.shape or cos.dim() != 2:
         return None
     n, heads, d = x.shape
@@ -105,7 +107,8 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, conjugate: boo
     cos, sin = cos.contiguous(), sin.contiguous()
     out = torch.empty(n, heads, d, dtype=x.dtype, device=x.device)
     if n * heads:
-        _rotate_kernel[(n * heads,)](rows, cos, sin, out, heads, d, r // 2, d - r, SIGN=-1.0 if conjugate else 1.0,
+        _rotate_kernel[(n * heads,)](rows, cos, sin, out, heads, d, r // 2, d - r, norm_eps or 0.0,
+                                     SIGN=-1.0 if conjugate else 1.0, NORM=norm_eps is not None,
                                      BLOCK=triton.next_power_of_2(d), num_warps=1 if d <= 256 else 2,
                                      **pdl.launch(x))
     return out
@@ -231,10 +234,11 @@ if triton is not None:
             tl.store(out_ptr + r * N * H + i * H + h, total.to(dt), mask=hm)
 
     @triton.jit
-    def _rotate_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, d, half, nope, SIGN: tl.constexpr,
-                       BLOCK: tl.constexpr, PDL: tl.constexpr):
+    def _rotate_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, heads, d, half, nope, eps, SIGN: tl.constexpr,
+                       NORM: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
         # program p: row p = token p // heads, head p % heads; channels [0, nope) copied, the rest rotated in pairs
-        # (x0, x1) -> (x0 c - x1 s, x1 c + x0 s), in fp32, rounded once
+        # (x0, x1) -> (x0 c - x1 s, x1 c + x0 s), in fp32, rounded once; NORM: the row first times its rsqrt(mean
+        # square + eps), that factor and each product rounded to x's dtype
         p = tl.program_id(0).to(tl.int64)
         t = p // heads
         ch = tl.arange(0, BLOCK)
@@ -244,6 +248,11 @@ if triton is not None:
         i = ch - nope
         rot = ok & (i >= 0)
         partner = tl.load(x_ptr + p * d + (ch ^ 1), mask=rot, other=0.0).to(tl.float32)  # nope even: pairs align
+        if NORM:
+            xf = x.to(tl.float32)
+            scale = tl.rsqrt(tl.sum(xf * xf, axis=0) / d + eps).to(x.dtype).to(tl.float32)
+            x = (xf * scale).to(x.dtype)
+            partner = (partner * scale).to(x.dtype).to(tl.float32)
         c = tl.load(cos_ptr + t * half + i // 2, mask=rot, other=1.0).to(tl.float32)
         s = tl.load(sin_ptr + t * half + i // 2, mask=rot, other=0.0).to(tl.float32) * SIGN
         swapped = tl.where(i % 2 == 0, -partner, partner)

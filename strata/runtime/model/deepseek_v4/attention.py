@@ -26,8 +26,8 @@ from strata.runtime.model.deepseek_v4.compressor import Compressor, entry_span
 from strata.runtime.model.deepseek_v4.config import CSA, SLIDING
 from strata.runtime.model.deepseek_v4.decode import attend_decode, compress_decode, select_decode
 from strata.runtime.model.deepseek_v4.indexer import Indexer
-from strata.runtime.model.deepseek_v4.norms import FloatRMSNorm, unweighted_rms_norm
-from strata.runtime.model.deepseek_v4.rope import InterleavedRope, rotate
+from strata.runtime.model.deepseek_v4.norms import FloatRMSNorm
+from strata.runtime.model.deepseek_v4.rope import InterleavedRope, normed_rotate, rotate
 from strata.runtime.model.kv_cache import DecodeBatch, StepBatch
 from strata.runtime.model.layers import project
 
@@ -80,8 +80,7 @@ class DeepseekV4Attention(nn.Module):
         rope = ropes[self.rope_kind]
         cos, sin = rope(positions, x.dtype)
         q_residual = self.q_a_norm(project(self.q_a_proj, x))
-        q = unweighted_rms_norm(project(self.q_b_proj, q_residual).view(n, nh, d), self.eps)
-        q = rotate(q, cos, sin)
+        q = normed_rotate(project(self.q_b_proj, q_residual).view(n, nh, d), self.eps, cos, sin)
         kv = rotate(self.kv_norm(project(self.kv_proj, x))[:, None, :], cos, sin)[:, 0]  # [N, d]
         if self.compressor is not None:
             src_kv, src_gate = self.compressor.project(x)

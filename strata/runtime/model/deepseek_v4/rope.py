@@ -13,6 +13,7 @@ import torch
 
 from strata.kernels.gpu import deepseek_v4 as v4_kernels
 from strata.runtime.model.config import RopeConfig
+from strata.runtime.model.deepseek_v4.norms import unweighted_rms_norm
 from strata.runtime.model.rope import inv_frequencies
 
 
@@ -77,3 +78,9 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, conjugate: boo
     swapped = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)  # (-x1, x0, -x3, x2, ...)
     rotated = (rope.float() * c + swapped.float() * s).to(x.dtype)
     return torch.cat([nope, rotated], dim=-1)
+
+
+def normed_rotate(x: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`rotate(unweighted_rms_norm(x, eps), cos, sin)`: the queries' per-head norm and rotary, one launch on CUDA."""
+    fused = v4_kernels.rotate(x, cos, sin, norm_eps=eps)
+    return fused if fused is not None else rotate(unweighted_rms_norm(x, eps), cos, sin)
