@@ -41,22 +41,29 @@ from strata.kernels.gpu.fused import triton
 if triton is not None:
     import triton.language as tl
 
-__all__ = ["hyper_weights", "mix_streams", "rotate", "float_rms_norm", "sink_softmax", "compress_step", "window_keys",
+__all__ = ["hyper_fits", "hyper_weights", "mix_streams", "rotate", "float_rms_norm", "sink_softmax", "compress_step", "window_keys",
            "MAX_STREAMS"]
 
 MAX_STREAMS = 16  # n x n weights a program keeps in registers
 
 
+def hyper_fits(streams: torch.Tensor, iters: int) -> bool:
+    """Whether `hyper_weights` runs on these streams [N, n, H] (else the caller's torch chain does)."""
+    return streams.dim() == 3 and fused.fused_ok(streams) and streams.shape[1] <= MAX_STREAMS and iters >= 1
+
+
 def hyper_weights(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, streams: torch.Tensor, iters: int,
-                  eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+                  eps: float, norm_eps: float | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """(post, comb, collapsed) of `HyperConnection.forward` from its projection `mixes` [N, (2 + n) n] (fp32), its
-    `base` and `scale` parameters and the streams [N, n, H]; None where the fused kernel does not apply (the caller
-    runs the torch chain)."""
-    if streams.dim() != 3 or not fused.fused_ok(streams):
+    `base` and `scale` parameters and the streams [N, n, H]; with `norm_eps`, `mixes` is the projection of the
+    streams as they are, and the kernel applies their RMS norm's factor rsqrt(mean(streams^2) + norm_eps) (a scalar a
+    row, so it commutes with the projection). None where the fused kernel does not apply (the caller runs the torch
+    chain)."""
+    if not hyper_fits(streams, iters):
         return None
     rows, n, hidden = streams.shape
-    if (n > MAX_STREAMS or iters < 1 or mixes.dtype != torch.float32 or base.dtype != torch.float32
-            or scale.dtype != torch.float32 or tuple(mixes.shape) != (rows, (2 + n) * n)):
+    if (mixes.dtype != torch.float32 or base.dtype != torch.float32 or scale.dtype != torch.float32
+            or tuple(mixes.shape) != (rows, (2 + n) * n)):
         return None
     mixes, streams = mixes.contiguous(), streams.contiguous()
     post = torch.empty(rows, n, dtype=torch.float32, device=streams.device)
@@ -64,7 +71,8 @@ def hyper_weights(mixes: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, 
     collapsed = torch.empty(rows, hidden, dtype=streams.dtype, device=streams.device)
     if rows:
         _hyper_kernel[(rows,)](mixes, base.contiguous(), scale.contiguous(), streams, post, comb, collapsed, hidden, eps,
-                               N=n, BN=max(2, triton.next_power_of_2(n)), ITERS=iters,
+                               norm_eps or 0.0, N=n, BN=max(2, triton.next_power_of_2(n)), ITERS=iters,
+                               NORM=norm_eps is not None,
                                BLOCK_H=min(1024, triton.next_power_of_2(hidden)), num_warps=4, **pdl.launch(streams))
     return post, comb, collapsed
 
@@ -271,8 +279,9 @@ if triton is not None:
         tl.store(out_ptr + row * D + offs, (w * h).to(out_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def _hyper_kernel(mix_ptr, base_ptr, scale_ptr, s_ptr, post_ptr, comb_ptr, out_ptr, H, eps, N: tl.constexpr,
-                      BN: tl.constexpr, ITERS: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr):
+    def _hyper_kernel(mix_ptr, base_ptr, scale_ptr, s_ptr, post_ptr, comb_ptr, out_ptr, H, eps, norm_eps,
+                      N: tl.constexpr, BN: tl.constexpr, ITERS: tl.constexpr, NORM: tl.constexpr,
+                      BLOCK_H: tl.constexpr, PDL: tl.constexpr):
         # program r: token r's weights; mixes row [pre n | post n | comb n x n (row a, column b at a n + b)]
         r = tl.program_id(0).to(tl.int64)
         i = tl.arange(0, BN)
@@ -287,9 +296,18 @@ if triton is not None:
         s_post = tl.load(scale_ptr + 1)
         s_comb = tl.load(scale_ptr + 2)
         row = mix_ptr + r * ((2 + N) * N)
-        pre = tl.sigmoid(tl.load(row + i, mask=im, other=0.0) * s_pre + pre_b) + eps
-        post = 2 * tl.sigmoid(tl.load(row + N + i, mask=im, other=0.0) * s_post + post_b)
-        z = tl.load(row + 2 * N + a * N + b, mask=m2, other=0.0) * s_comb + comb_b
+        streams = s_ptr + r * N * H
+        unit = 1.0
+        if NORM:  # the flat streams' RMS norm factor: mixes were projected from the streams as they are
+            sq = tl.zeros([BLOCK_H], dtype=tl.float32)
+            for h0 in range(0, N * H, BLOCK_H):
+                h = h0 + tl.arange(0, BLOCK_H)
+                v = tl.load(streams + h, mask=h < N * H, other=0.0).to(tl.float32)
+                sq += v * v
+            unit = tl.rsqrt(tl.sum(sq, axis=0) / (N * H) + norm_eps)
+        pre = tl.sigmoid(tl.load(row + i, mask=im, other=0.0) * unit * s_pre + pre_b) + eps
+        post = 2 * tl.sigmoid(tl.load(row + N + i, mask=im, other=0.0) * unit * s_post + post_b)
+        z = tl.load(row + 2 * N + a * N + b, mask=m2, other=0.0) * unit * s_comb + comb_b
         z = tl.where(m2, z, float("-inf"))
         zmax = tl.max(z, axis=1)
         zmax = tl.where(zmax > float("-inf"), zmax, 0.0)  # padded rows (a >= N): exp(-inf) = 0, not NaN
@@ -303,7 +321,6 @@ if triton is not None:
         tl.store(post_ptr + r * N + i, post, mask=im)
         tl.store(comb_ptr + r * (N * N) + a * N + b, comb, mask=m2)
         # collapsed[h] = sum_j pre_j streams[j, h], in fp32, streams in order, rounded once
-        streams = s_ptr + r * N * H
         for h0 in range(0, H, BLOCK_H):
             h = h0 + tl.arange(0, BLOCK_H)
             hm = h < H

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from strata.kernels.gpu.deepseek_v4 import hyper_weights, mix_streams
+from strata.kernels.gpu.deepseek_v4 import hyper_fits, hyper_weights, mix_streams
 
 
 def _flat_rms(streams: torch.Tensor, eps: float) -> torch.Tensor:
@@ -42,10 +42,12 @@ class HyperConnection(nn.Module):
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [N, n, H] -> (post [N, n] fp32, comb [N, n, n] fp32, collapsed [N, H] in the streams' dtype)."""
         n, eps = self.n, self.hc_eps
+        if hyper_fits(streams, self.iters):  # CUDA: the projection, then one launch (which applies the norm's factor)
+            raw = F.linear(streams.reshape(streams.shape[0], -1).float(), self.fn.float())
+            fused = hyper_weights(raw, self.base, self.scale, streams, self.iters, eps, norm_eps=self.norm_eps)
+            if fused is not None:
+                return fused
         mixes = F.linear(_flat_rms(streams, self.norm_eps), self.fn.float())
-        fused = hyper_weights(mixes, self.base, self.scale, streams, self.iters, eps)  # one launch on CUDA
-        if fused is not None:
-            return fused
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.split([n, n, n * n])
         pre_s, post_s, comb_s = self.scale.unbind(0)
