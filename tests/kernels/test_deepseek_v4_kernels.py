@@ -15,7 +15,7 @@ from fused_device import DEVICE, DTYPE, MARKS
 
 from strata.kernels import options
 from strata.kernels.gpu import deepseek_v4 as v4_kernels
-from strata.kernels.gpu.deepseek_v4 import compress_step, sink_softmax, window_keys
+from strata.kernels.gpu.deepseek_v4_attention import compress_step, sink_softmax, window_keys
 from strata.runtime.model.deepseek_v4.cache import CompressedState
 from strata.runtime.model.deepseek_v4.compressor import Compressor
 from strata.runtime.model.deepseek_v4.decode import _window_keys, compress_decode, entry_reads, sink_probs

@@ -146,6 +146,7 @@ def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
         qwen3_5_decode()
         quantized_experts()
         from strata.kernels.gpu import deepseek_v4  # V4's hyper-connection weights (4 streams), rope, fp32-weight norm
+        from strata.kernels.gpu import deepseek_v4_attention as v4_attention  # its decode attention's chains
 
         deepseek_v4.hyper_weights(torch.zeros(1, 24), torch.zeros(24), torch.ones(3),
                                   torch.zeros(1, 4, 4096, dtype=bf), 20, 1e-6)
@@ -156,18 +157,19 @@ def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
         deepseek_v4.rotate(torch.zeros(1, 64, 512, dtype=bf), torch.zeros(1, 32, dtype=bf),
                            torch.zeros(1, 32, dtype=bf), norm_eps=1e-6)
         deepseek_v4.float_rms_norm(torch.zeros(1, 4096, dtype=bf), torch.ones(4096), 1e-6)
-        deepseek_v4.sink_softmax(torch.zeros(1, 64, 640, dtype=bf), torch.ones(1, 640, dtype=torch.bool),
-                                 torch.zeros(64), 0.0442)
+        v4_attention.sink_softmax(torch.zeros(1, 64, 640, dtype=bf), torch.ones(1, 640, dtype=torch.bool),
+                                  torch.zeros(64), 0.0442)
         win, kv, one = torch.zeros(1, 128, 512, dtype=bf), torch.zeros(1, 512, dtype=bf), torch.zeros(1).long()
         ent = torch.zeros(1, 64, 512, dtype=bf)
         for entries, picked in ((None, None), (ent, None), (ent, torch.zeros(1, 512).long())):  # sliding, HCA, CSA
-            deepseek_v4.window_keys(win, kv, one, one, 127, entries, 64, 128, picked)
+            v4_attention.window_keys(win, kv, one, one, 127, entries, 64, 128, picked)
         for m, d, overlap in ((128, 512, False), (4, 512, True), (4, 128, True)):  # HCA, CSA, CSA's indexer
             width, ring = (2 * d, 2 * m) if overlap else (d, m)
             src, one = torch.zeros(1, ring, width, dtype=bf), torch.zeros(1, dtype=torch.int64)
-            deepseek_v4.compress_step(src, src.clone(), torch.zeros(1, 8, d, dtype=bf), torch.zeros(1, width, dtype=bf),
-                                      torch.zeros(1, width, dtype=bf), one, one, torch.zeros(m, width), torch.ones(d),
-                                      1e-6, torch.zeros(1, 32, dtype=bf), torch.zeros(1, 32, dtype=bf), m, overlap)
+            v4_attention.compress_step(src, src.clone(), torch.zeros(1, 8, d, dtype=bf),
+                                       torch.zeros(1, width, dtype=bf), torch.zeros(1, width, dtype=bf), one, one,
+                                       torch.zeros(m, width), torch.ones(d), 1e-6, torch.zeros(1, 32, dtype=bf),
+                                       torch.zeros(1, 32, dtype=bf), m, overlap)
 
     def qwen3_5_decode():  # Qwen3.5's Gated DeltaNet step (16 key heads, 32 value heads of 128) and its norms
         from strata.kernels.gpu import gated_delta

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from strata.kernels.gpu.deepseek_v4 import compress_step, sink_softmax, window_keys
+from strata.kernels.gpu.deepseek_v4_attention import compress_step, sink_softmax, window_keys
 from strata.runtime.model.deepseek_v4.cache import CompressedState, LayerCache
 from strata.runtime.model.deepseek_v4.compressor import Compressor
 from strata.runtime.model.deepseek_v4.indexer import Indexer
