@@ -1,8 +1,8 @@
 """DeepSeek-V4's fused decode kernels (strata.kernels.gpu.deepseek_v4) against the torch chains of
 strata.runtime.model.deepseek_v4 they replace: the hyper-connection weights (the sigmoids, the softmax and every
 Sinkhorn-Knopp iteration of `comb`, and the collapse of the streams), their mixing of the streams, the interleaved
-rotary embedding (and its
-conjugate), the norm with an fp32 weight, a decode step's keys, their attention weights with the sinks, and its compressors. On CUDA in bf16 (marked gpu); on the CPU under Triton's interpreter in fp16
+rotary embedding (and its conjugate), the norm with an fp32 weight, a decode step's keys, their attention weights
+with the sinks, its compressors and its routers. On CUDA in bf16 (marked gpu); on the CPU under Triton's interpreter in fp16
 (tests/kernels/test_kernels_interpreted.py)."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from strata.runtime.model.deepseek_v4.cache import CompressedState
 from strata.runtime.model.deepseek_v4.compressor import Compressor
 from strata.runtime.model.deepseek_v4.decode import _window_keys, compress_decode, entry_reads, sink_probs
 from strata.runtime.model.deepseek_v4.hyper import HyperConnection, mix
+from strata.runtime.model.deepseek_v4.moe import HashRouter, TopKRouter
 from strata.runtime.model.deepseek_v4.norms import FloatRMSNorm
 from strata.runtime.model.deepseek_v4.rope import normed_rotate, rotate
 
@@ -166,7 +167,7 @@ def test_the_fused_sink_softmax_is_the_torch_chain(b, heads, p):
 
 
 class _WindowRope:
-    """cos, sin [B, pairs] at each position's window start (InterleavedRope.window_starts' shape), from a fixed table."""
+    """cos, sin [B, pairs] at each position's window start (InterleavedRope.window_starts' shape), from a table."""
 
     def __init__(self, pairs: int):
         self.freq = 1.0 / (10000 ** (torch.arange(pairs) / pairs))
@@ -229,8 +230,8 @@ def test_the_fused_window_keys_are_the_torch_chain(mode, ring, back):
     d, m, n_entries = 40, 4, 6
     window = torch.randn(3, ring, d, generator=g).to(DTYPE).to(DEVICE)
     state = None if mode == "sliding" else CompressedState(
-        entries=torch.randn(3, n_entries, d, generator=g).to(DTYPE).to(DEVICE), src_kv=window[:, :1], src_gate=window[:, :1],
-        rate=m)
+        entries=torch.randn(3, n_entries, d, generator=g).to(DTYPE).to(DEVICE), src_kv=window[:, :1],
+        src_gate=window[:, :1], rate=m)
     fused_cache = SimpleNamespace(window=window.clone(), compressor=state)
     torch_cache = SimpleNamespace(window=window.clone(), compressor=state)
     slots, start = torch.tensor([1, 2], device=DEVICE), torch.tensor([2, 13], device=DEVICE)
@@ -267,3 +268,39 @@ def test_the_fused_query_norm_and_rotation_are_the_torch_chains(heads, d, r):
     torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
     assert (got != want).float().mean().item() < 0.05
     assert got.float().square().mean(-1).sub(1).abs().max() < 0.05  # unit RMS per head (a rotation keeps it)
+
+
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid"])
+@pytest.mark.parametrize(("n", "experts", "k"), [(1, 256, 6), (3, 64, 8), (2, 100, 1)])
+def test_the_fused_router_weights_are_the_torch_chain(scoring, n, experts, k):
+    """A router after its linear: V4-Flash's 256 experts top-6, 8 of a count not a power of two, a single expert;
+    both scoring functions; the top-k router (its correction bias choosing) and the hash router (its table's ids):
+    the same experts and their weights within a rounding step, renormalised to `scaling`."""
+    g = torch.Generator().manual_seed(n * experts + k)
+    cfg = SimpleNamespace(num_experts_per_tok=k, router=scoring, routed_scaling_factor=1.5, num_experts=experts,
+                          hidden_size=32, vocab_size=50)
+    top, hashed = TopKRouter(cfg), HashRouter(cfg)
+    with torch.no_grad():
+        for r in (top, hashed):
+            r.weight.copy_(torch.randn(experts, 32, generator=g))
+        top.e_score_correction_bias.copy_(torch.randn(experts, generator=g) * 0.1)
+        hashed.tid2eid.copy_(torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(50)]))
+    top, hashed = top.to(DEVICE).to(DTYPE), hashed.to(DEVICE)
+    hashed.weight.data = hashed.weight.data.to(DTYPE)
+    top.e_score_correction_bias = top.e_score_correction_bias.float()
+    x = torch.randn(n, 32, generator=g).to(DTYPE).to(DEVICE)
+    tokens = torch.randint(0, 50, (n,), generator=g).to(DEVICE)
+    assert v4_kernels.route_weights(x @ top.weight.t(), scoring, 1.5, bias=top.e_score_correction_bias, k=k) is not None
+    for router in (top, hashed):
+        with torch.no_grad():
+            w, ids, _ = router(x, tokens)
+            w_ref, ids_ref, _ = _torch(router, x, tokens)
+        order, order_ref = ids.sort(dim=-1), ids_ref.sort(dim=-1)  # (torch's top-k leaves its order unspecified)
+        assert torch.equal(order.values, order_ref.values)
+        got, want = w.gather(1, order.indices).float(), w_ref.gather(1, order_ref.indices).float()
+        torch.testing.assert_close(got, want, rtol=2 ** -7, atol=1e-6)
+        torch.testing.assert_close(got.sum(-1), torch.full((n,), 1.5, device=DEVICE), rtol=2 ** -5, atol=0)
+    if k > 1:  # the bias chooses: a large one on the lowest scores moves the picks
+        biased = v4_kernels.route_weights(x @ top.weight.t(), scoring, 1.5, bias=-100 * torch.arange(
+            experts, device=DEVICE, dtype=torch.float32).flip(0), k=k)[1]
+        assert set(biased[0].tolist()) == set(range(experts - k, experts))

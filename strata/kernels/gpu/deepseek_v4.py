@@ -14,6 +14,9 @@ bench/decode_ops.py). Here, each one launch:
         the interleaved rotary embedding of each head's trailing r channels (runtime/model/deepseek_v4/rope.py),
         after the head's unweighted RMS norm with `norm_eps` (the queries')
     float_rms_norm(x [N, D], weight [D] fp32, eps) -> [N, D]: (weight * x / rms(x)) in fp32, rounded once
+    route_weights(logits [N, E], scoring, scaling, ids [N, k] or (bias [E], k)) -> (weights [N, k], ids [N, k])
+        a router's expert scores (sqrt(softplus) or sigmoid), the top k of score + bias where no ids are given (the
+        hash layers give theirs), and the chosen scores renormalised and scaled (runtime/model/deepseek_v4/moe.py)
 The hyper-connection weights stay in registers (n <= 16) through the iterations. Each kernel computes in fp32 with
 the torch chain's operations and rounds where it rounds; sums (the softmax's, the Sinkhorn normalisations', the
 norms') may add in another order, Triton's exp differs from torch's in the last bits, and products may fuse into
@@ -32,7 +35,7 @@ from strata.kernels.gpu.fused import triton
 if triton is not None:
     import triton.language as tl
 
-__all__ = ["hyper_fits", "hyper_weights", "mix_streams", "rotate", "float_rms_norm", "MAX_STREAMS"]
+__all__ = ["hyper_fits", "hyper_weights", "mix_streams", "rotate", "float_rms_norm", "route_weights", "MAX_STREAMS"]
 
 MAX_STREAMS = 16  # n x n weights a program keeps in registers
 
@@ -127,6 +130,30 @@ def float_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
                                              num_warps=8 if block >= 4096 else 4, **pdl.launch(x))
     return out.view(x.shape)
 
+
+
+def route_weights(logits: torch.Tensor, scoring: str, scaling: float, ids: torch.Tensor | None = None,
+                  bias: torch.Tensor | None = None, k: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """`moe.TopKRouter` / `HashRouter` after the router's linear, in one launch: logits [N, E] -> (weights [N, k] in the
+    logits' dtype, ids [N, k] int64). The scores (`scoring` "sqrtsoftplus" or "sigmoid") rounded to the logits' dtype
+    as torch rounds each op; with `ids` (a hash layer's) those experts, else the top `k` of score + `bias` (fp32); the
+    chosen scores over their sum (+ 1e-20) times `scaling`, each op rounded. None where the fused kernel does not
+    apply."""
+    if logits.dim() != 2 or not fused.fused_ok(logits) or scoring not in ("sqrtsoftplus", "sigmoid"):
+        return None
+    n, e = logits.shape
+    k = ids.shape[1] if ids is not None else k
+    if not 0 < k <= min(e, 16) or e > 8192 or (ids is None and (bias is None or bias.dtype != torch.float32)):
+        return None
+    logits = logits.contiguous()
+    weights = torch.empty(n, k, dtype=logits.dtype, device=logits.device)
+    chosen = ids.contiguous().long() if ids is not None else torch.empty(n, k, dtype=torch.int64, device=logits.device)
+    if n:
+        _router_weights_kernel[(n,)](logits, bias if bias is not None else logits, chosen, weights, e, float(scaling),
+                                     K=k, BK=triton.next_power_of_2(k), SQRT_SOFTPLUS=scoring == "sqrtsoftplus",
+                                     PICK=ids is None, BLOCK_E=triton.next_power_of_2(e), num_warps=4,
+                                     **pdl.launch(logits))
+    return weights, chosen
 
 if triton is not None:
 
@@ -240,3 +267,42 @@ if triton is not None:
                 p_j = tl.sum(tl.where(i == j, pre, 0.0), axis=0)
                 acc += p_j * tl.load(streams + j * H + h, mask=hm, other=0.0).to(tl.float32)
             tl.store(out_ptr + r * H + h, acc.to(out_ptr.dtype.element_ty), mask=hm)
+
+    @triton.jit
+    def _score(x, SQRT_SOFTPLUS: tl.constexpr, dt: tl.constexpr):
+        # torch's ops on the logits' dtype: each computed in fp32 and rounded (softplus: x past 20 as it is)
+        if SQRT_SOFTPLUS:
+            sp = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(tl.minimum(x, 20.0)))).to(dt).to(tl.float32)
+            return tl.sqrt_rn(sp).to(dt).to(tl.float32)
+        else:
+            return tl.sigmoid(x).to(dt).to(tl.float32)
+
+    @triton.jit
+    def _router_weights_kernel(l_ptr, b_ptr, id_ptr, w_ptr, E, scaling, K: tl.constexpr, BK: tl.constexpr,
+                      SQRT_SOFTPLUS: tl.constexpr, PICK: tl.constexpr, BLOCK_E: tl.constexpr, PDL: tl.constexpr):
+        # program r: row r's scores; PICK: the top K of score + bias (ties: the lowest expert id), else its K ids
+        r = tl.program_id(0).to(tl.int64)
+        kk = tl.arange(0, BK)
+        km = kk < K
+        dt = w_ptr.dtype.element_ty
+        pdl.enter(PDL)
+        if PICK:
+            e = tl.arange(0, BLOCK_E)
+            em = e < E
+            x = tl.load(l_ptr + r * E + e, mask=em, other=0.0).to(tl.float32)
+            choice = tl.where(em, _score(x, SQRT_SOFTPLUS, dt) + tl.load(b_ptr + e, mask=em, other=0.0),
+                              float("-inf"))
+            ids = tl.zeros([BK], tl.int64)
+            for j in tl.static_range(K):
+                top = tl.max(choice, axis=0)
+                at = tl.min(tl.where(choice == top, e, BLOCK_E), axis=0)
+                ids = tl.where(kk == j, at.to(tl.int64), ids)
+                choice = tl.where(e == at, float("-inf"), choice)
+            tl.store(id_ptr + r * K + kk, ids, mask=km)
+        else:
+            ids = tl.load(id_ptr + r * K + kk, mask=km, other=0)
+        picked = tl.where(km, _score(tl.load(l_ptr + r * E + ids, mask=km, other=0.0).to(tl.float32), SQRT_SOFTPLUS,
+                                     dt), 0.0)
+        total = (tl.sum(picked, axis=0).to(dt).to(tl.float32) + 1e-20).to(dt).to(tl.float32)
+        w = (picked / total).to(dt).to(tl.float32)
+        tl.store(w_ptr + r * K + kk, (w * scaling).to(dt), mask=km)

@@ -231,7 +231,8 @@ if triton is not None:
     @triton.jit
     def _window_slots(j, e, M: tl.constexpr, D, OVERLAP: tl.constexpr):
         # source slot j of window e: its ring row, the first channel it reads, its bias row, whether it counts
-        if OVERLAP:  # [0, M): window e - 1's rows (ring half (e + 1) % 2), channels [0, D); [M, 2M): window e's, [D, 2D)
+        # OVERLAP: [0, M) window e - 1's rows (ring half (e + 1) % 2), channels [0, D); [M, 2M) window e's, [D, 2D)
+        if OVERLAP:
             cur = j >= M
             jj = tl.where(cur, j - M, j)
             ev = tl.zeros_like(j).to(tl.int64) + e

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.kernels.experts import SwiGLUForm, apply_experts, group_by_expert
+from strata.kernels.gpu.deepseek_v4 import route_weights
 from strata.kernels.gpu.grouped import use_pair_kernels
 from strata.runtime.model.config import ModelConfig
 from strata.runtime.model.layers import linear, project
@@ -42,7 +43,11 @@ class TopKRouter(nn.Module):
 
     def forward(self, x: torch.Tensor, token_ids: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, None]:
-        scores = expert_scores(linear(x.reshape(-1, x.shape[-1]), self.weight), self.scoring)  # [N, E]
+        logits = linear(x.reshape(-1, x.shape[-1]), self.weight)  # [N, E]
+        fused = route_weights(logits, self.scoring, self.scaling, bias=self.e_score_correction_bias, k=self.k)
+        if fused is not None:  # one launch on CUDA
+            return fused[0], fused[1], None
+        scores = expert_scores(logits, self.scoring)
         ids = torch.topk(scores + self.e_score_correction_bias, self.k, dim=-1, sorted=False).indices
         return _weights(scores, ids, self.scaling), ids, None
 
@@ -64,12 +69,16 @@ class HashRouter(nn.Module):
                 ) -> tuple[torch.Tensor, torch.Tensor, None]:
         """x [N, H], token_ids [N] -> (weights [N, k], ids [N, k], None). Without token ids (a prediction from a
         hidden state alone, the prefetcher's: x [..., H] is taken as rows), the ids are the top k by score instead."""
-        scores = expert_scores(linear(x.reshape(-1, x.shape[-1]), self.weight), self.scoring)  # [N, E]
+        logits = linear(x.reshape(-1, x.shape[-1]), self.weight)  # [N, E]
         if token_ids is None:
+            scores = expert_scores(logits, self.scoring)
             ids = scores.topk(self.k, dim=-1).indices
             return _weights(scores, ids, self.scaling), ids, None
         ids = self.tid2eid[token_ids.to(self.tid2eid.device)].to(x.device).long()  # [N, k]
-        return _weights(scores, ids, self.scaling), ids, None
+        fused = route_weights(logits, self.scoring, self.scaling, ids=ids)  # one launch on CUDA
+        if fused is not None:
+            return fused[0], ids, None
+        return _weights(expert_scores(logits, self.scoring), ids, self.scaling), ids, None
 
     def choose(self, x: torch.Tensor, counts: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., H] -> a prediction of the experts (top k by score: the token ids are not known yet)."""
