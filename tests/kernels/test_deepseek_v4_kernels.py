@@ -2,8 +2,8 @@
 strata.runtime.model.deepseek_v4 they replace: the hyper-connection weights (the sigmoids, the softmax and every
 Sinkhorn-Knopp iteration of `comb`, and the collapse of the streams), their mixing of the streams, the interleaved
 rotary embedding (and its conjugate), the norm with an fp32 weight, a decode step's keys, their attention weights
-with the sinks, its compressors and its routers. On CUDA in bf16 (marked gpu); on the CPU under Triton's interpreter in fp16
-(tests/kernels/test_kernels_interpreted.py)."""
+with the sinks, its compressors, routers and shared experts. On CUDA in bf16 (marked gpu); on the CPU under Triton's
+interpreter in fp16 (tests/kernels/test_kernels_interpreted.py)."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from strata.runtime.model.deepseek_v4.cache import CompressedState
 from strata.runtime.model.deepseek_v4.compressor import Compressor
 from strata.runtime.model.deepseek_v4.decode import _window_keys, compress_decode, entry_reads, sink_probs
 from strata.runtime.model.deepseek_v4.hyper import HyperConnection, mix
-from strata.runtime.model.deepseek_v4.moe import HashRouter, TopKRouter
+from strata.runtime.model.deepseek_v4.moe import ClippedMLP, HashRouter, TopKRouter
 from strata.runtime.model.deepseek_v4.norms import FloatRMSNorm
 from strata.runtime.model.deepseek_v4.rope import normed_rotate, rotate
 
@@ -304,3 +304,21 @@ def test_the_fused_router_weights_are_the_torch_chain(scoring, n, experts, k):
         biased = v4_kernels.route_weights(x @ top.weight.t(), scoring, 1.5, bias=-100 * torch.arange(
             experts, device=DEVICE, dtype=torch.float32).flip(0), k=k)[1]
         assert set(biased[0].tolist()) == set(range(experts - k, experts))
+
+
+@pytest.mark.parametrize("shape", [(1, 2048), (3, 300)])
+def test_the_fused_clipped_swiglu_is_the_torch_chain(shape):
+    """The shared expert's activation, gate and up well past the limit (V4's 10) on both sides, against the torch
+    chain; through a `ClippedMLP` too."""
+    g = torch.Generator().manual_seed(shape[1])
+    gate, up = ((torch.randn(2, *shape, generator=g) * 12).to(DTYPE).to(DEVICE)).unbind(0)
+    got = v4_kernels.clipped_swiglu(gate, up, 10.0)
+    want = torch.nn.functional.silu(gate.clamp(max=10.0)) * up.clamp(min=-10.0, max=10.0)
+    assert got is not None and got.dtype == DTYPE
+    torch.testing.assert_close(got.float(), want.float(), rtol=2 ** -7, atol=1e-3)
+    assert (got != want).float().mean().item() < 0.05
+    assert got.float().abs().max() <= 10.0 * 10.0 * 1.01  # both clipped: |silu(g) u| <= limit^2
+    mlp = ClippedMLP(shape[1], 64, 10.0).to(DEVICE).to(DTYPE)
+    with torch.no_grad():
+        x = (torch.randn(shape[0], shape[1], generator=g) * 4).to(DTYPE).to(DEVICE)
+        torch.testing.assert_close(mlp(x).float(), _torch(mlp, x).float(), rtol=2 ** -6, atol=1e-2)

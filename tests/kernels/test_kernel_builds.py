@@ -157,6 +157,7 @@ def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
         deepseek_v4.rotate(torch.zeros(1, 64, 512, dtype=bf), torch.zeros(1, 32, dtype=bf),
                            torch.zeros(1, 32, dtype=bf), norm_eps=1e-6)
         deepseek_v4.float_rms_norm(torch.zeros(1, 4096, dtype=bf), torch.ones(4096), 1e-6)
+        deepseek_v4.clipped_swiglu(torch.zeros(1, 2048, dtype=bf), torch.zeros(1, 2048, dtype=bf), 10.0)
         logits = torch.zeros(1, 256, dtype=bf)  # V4-Flash's router: top-6 of 256 experts, and a hash layer's
         deepseek_v4.route_weights(logits, "sqrtsoftplus", 1.5, bias=torch.zeros(256), k=6)
         deepseek_v4.route_weights(logits, "sqrtsoftplus", 1.5, ids=torch.zeros(1, 6, dtype=torch.int64))
@@ -215,7 +216,7 @@ def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
                  "_gguf_down_kernel", "_gguf_dequant_kernel"}
     qwen3_5 = {"_conv_step_kernel", "_delta_step_kernel", "_gated_norm_kernel", "_zc_norm_kernel"}
     v4 = {"_hyper_kernel", "_mix_kernel", "_rotate_kernel", "_float_norm_kernel", "_sink_softmax_kernel",
-          "_compress_kernel", "_keys_kernel", "_router_weights_kernel"}
+          "_compress_kernel", "_keys_kernel", "_router_weights_kernel", "_clipped_swiglu_kernel"}
     assert built == DECODE_KERNELS | {"_norm_rope_kernel", "_softmax_topk_kernel"} | v4 | quantized | \
         qwen3_5 == triton_kernels()
 

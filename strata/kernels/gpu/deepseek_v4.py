@@ -14,6 +14,8 @@ bench/decode_ops.py). Here, each one launch:
         the interleaved rotary embedding of each head's trailing r channels (runtime/model/deepseek_v4/rope.py),
         after the head's unweighted RMS norm with `norm_eps` (the queries')
     float_rms_norm(x [N, D], weight [D] fp32, eps) -> [N, D]: (weight * x / rms(x)) in fp32, rounded once
+    clipped_swiglu(gate [N, I], up [N, I], limit) -> [N, I]: silu(min(gate, limit)) * clip(up, -limit, limit), the
+        shared expert's activation (each op rounded as torch rounds it)
     route_weights(logits [N, E], scoring, scaling, ids [N, k] or (bias [E], k)) -> (weights [N, k], ids [N, k])
         a router's expert scores (sqrt(softplus) or sigmoid), the top k of score + bias where no ids are given (the
         hash layers give theirs), and the chosen scores renormalised and scaled (runtime/model/deepseek_v4/moe.py)
@@ -35,7 +37,8 @@ from strata.kernels.gpu.fused import triton
 if triton is not None:
     import triton.language as tl
 
-__all__ = ["hyper_fits", "hyper_weights", "mix_streams", "rotate", "float_rms_norm", "route_weights", "MAX_STREAMS"]
+__all__ = ["hyper_fits", "hyper_weights", "mix_streams", "rotate", "float_rms_norm", "clipped_swiglu", "route_weights",
+           "MAX_STREAMS"]
 
 MAX_STREAMS = 16  # n x n weights a program keeps in registers
 
@@ -154,6 +157,20 @@ def route_weights(logits: torch.Tensor, scoring: str, scaling: float, ids: torch
                                      PICK=ids is None, BLOCK_E=triton.next_power_of_2(e), num_warps=4,
                                      **pdl.launch(logits))
     return weights, chosen
+
+
+def clipped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor | None:
+    """`F.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)` in one launch (gate, up [..., I], same dtype and
+    shape; silu and the product each rounded to their dtype); None where the fused kernel does not apply."""
+    if not fused.fused_ok(gate) or up.shape != gate.shape or up.dtype != gate.dtype:
+        return None
+    gate, up = gate.contiguous(), up.contiguous()
+    out = torch.empty_like(gate)
+    n = gate.numel()
+    if n:
+        _clipped_swiglu_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, float(limit), BLOCK=1024, num_warps=4,
+                                                        **pdl.launch(gate))
+    return out
 
 if triton is not None:
 
@@ -306,3 +323,14 @@ if triton is not None:
         total = (tl.sum(picked, axis=0).to(dt).to(tl.float32) + 1e-20).to(dt).to(tl.float32)
         w = (picked / total).to(dt).to(tl.float32)
         tl.store(w_ptr + r * K + kk, (w * scaling).to(dt), mask=km)
+
+    @triton.jit
+    def _clipped_swiglu_kernel(g_ptr, u_ptr, out_ptr, n, limit, BLOCK: tl.constexpr, PDL: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        m = i < n
+        pdl.enter(PDL)
+        dt = out_ptr.dtype.element_ty
+        g = tl.minimum(tl.load(g_ptr + i, mask=m, other=0.0).to(tl.float32), limit)
+        u = tl.minimum(tl.maximum(tl.load(u_ptr + i, mask=m, other=0.0).to(tl.float32), -limit), limit)
+        act = (g / (1.0 + tl.exp(-g))).to(dt).to(tl.float32)
+        tl.store(out_ptr + i, (act * u).to(dt), mask=m)

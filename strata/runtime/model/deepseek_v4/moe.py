@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.kernels.experts import SwiGLUForm, apply_experts, group_by_expert
-from strata.kernels.gpu.deepseek_v4 import route_weights
+from strata.kernels.gpu.deepseek_v4 import clipped_swiglu, route_weights
 from strata.kernels.gpu.grouped import use_pair_kernels
 from strata.runtime.model.config import ModelConfig
 from strata.runtime.model.layers import linear, project
@@ -101,9 +101,11 @@ class ClippedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = project(self.gate_proj, x).clamp(max=self.limit)
-        up = project(self.up_proj, x).clamp(min=-self.limit, max=self.limit)
-        return project(self.down_proj, F.silu(gate) * up)
+        gate, up = project(self.gate_proj, x), project(self.up_proj, x)
+        h = clipped_swiglu(gate, up, self.limit)  # one launch on CUDA
+        if h is None:
+            h = F.silu(gate.clamp(max=self.limit)) * up.clamp(min=-self.limit, max=self.limit)
+        return project(self.down_proj, h)
 
 
 class ClippedExperts(Experts):
