@@ -48,7 +48,6 @@ def sink_softmax(scores: torch.Tensor, seen: torch.Tensor, sinks: torch.Tensor, 
     return probs
 
 
-
 def compress_step(src_kv: torch.Tensor, src_gate: torch.Tensor, entries: torch.Tensor, kv: torch.Tensor,
                   gate: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, bias: torch.Tensor,
                   norm_weight: torch.Tensor, eps: float, cos: torch.Tensor, sin: torch.Tensor, rate: int,
