@@ -94,11 +94,7 @@ void quantize_k4_k5(const float* x, uint8_t* y, int nmax) {
     else
         make_qkx2_quants<8>(32, 15, xt, wt, Lt, scales, mins, -1.f, 0.1f, 20, false);
     float max_scale = 0, max_min = 0;
-    for (int j = 0; j < QK_K / 32; ++j) {
-        for (int l = 0; l < 32; ++l) L[32 * j + l] = Lt[l * 8 + j];
-        if (scales[j] > max_scale) max_scale = scales[j];
-        if (mins[j] > max_min) max_min = mins[j];
-    }
+    untile_codes<8>(Lt, scales, mins, L, max_scale, max_min);
     const float inv_scale = max_scale > 0 ? 63.f / max_scale : 0.f;
     const float inv_min = max_min > 0 ? 63.f / max_min : 0.f;
     for (int j = 0; j < QK_K / 32; ++j) {
@@ -201,11 +197,7 @@ void quantize_q2_k(const float* x, uint8_t* y) {
         for (int l = 0; l < 16; ++l) xt[l * 16 + j] = x[16 * j + l], wt[l * 16 + j] = std::fabs(x[16 * j + l]);
     make_qkx2_quants<16>(16, 3, xt, wt, Lt, scales, mins, -0.5f, 0.1f, 15, true);
     float max_scale = 0, max_min = 0;
-    for (int j = 0; j < QK_K / 16; ++j) {
-        for (int l = 0; l < 16; ++l) L[16 * j + l] = Lt[l * 16 + j];
-        if (scales[j] > max_scale) max_scale = scales[j];
-        if (mins[j] > max_min) max_min = mins[j];
-    }
+    untile_codes<16>(Lt, scales, mins, L, max_scale, max_min);
     float d = 0, dmin = 0;
     if (max_scale > 0) {
         const float iscale = q4scale / max_scale;

@@ -104,6 +104,19 @@ VECTOR_CLONES void make_qx_quants(int n, int nmax, const float* x, int8_t* L, fl
     }
 }
 
+// make_qkx2_quants' codes Lt [QK_K / S][S] (lane s: sub-block s) back in element order L, and the sub-blocks' largest
+// scale and min
+template <int S>
+inline void untile_codes(const uint8_t* Lt, const float* scales, const float* mins, uint8_t* L, float& max_scale,
+                         float& max_min) {
+    constexpr int n = QK_K / S;
+    for (int j = 0; j < S; ++j) {
+        for (int l = 0; l < n; ++l) L[n * j + l] = Lt[l * S + j];
+        if (scales[j] > max_scale) max_scale = scales[j];
+        if (mins[j] > max_min) max_min = mins[j];
+    }
+}
+
 // make_qkx2_quants over S sub-blocks of n <= 32 values with weights w [n][S]: scale[s], the_min[s], L[i * S + s]
 template <int S>
 VECTOR_CLONES void make_qkx2_quants(int n, int nmax, const float* x, const float* w, uint8_t* L, float* scale_out,
