@@ -70,13 +70,31 @@ def compress_step(src_kv: torch.Tensor, src_gate: torch.Tensor, entries: torch.T
             or not all(t.is_contiguous() for t in (src_kv, src_gate, entries))):
         return False
     if b:
-        half = triton.next_power_of_2(d // 2)
-        rows = max(1, min(16, 4096 // half))
-        _compress_kernel[(b,)](src_kv, src_gate, entries, kv.contiguous(), gate.contiguous(), slots.contiguous(),
-                               pos.contiguous(), bias.contiguous(), norm_weight.contiguous(), cos.contiguous(),
-                               sin.contiguous(), eps, entries.shape[1], d, cos.shape[1], M=rate, OVERLAP=overlap,
-                               HALF=half, ROWS=rows, num_warps=8, **pdl.launch(kv))
+        pairs = d // 2
+        chunk = min(32, triton.next_power_of_2(pairs))  # rotary pairs a program pools: [slots, chunk] tiles
+        blocks = triton.cdiv(pairs, chunk)
+        slots_p2 = triton.next_power_of_2(2 * rate if overlap else rate)
+        partial = torch.empty(b, blocks, dtype=torch.float32, device=kv.device)
+        _compress_kernel[(b, blocks)](
+            src_kv, src_gate, entries, kv.contiguous(), gate.contiguous(), slots.contiguous(), pos.contiguous(),
+            bias.contiguous(), norm_weight.contiguous(), cos.contiguous(), sin.contiguous(), partial,
+            _tickets(kv.device, b), eps, entries.shape[1], d, cos.shape[1], blocks, M=rate, OVERLAP=overlap,
+            CHUNK=chunk, BLOCKS_P2=triton.next_power_of_2(blocks), HALF=triton.next_power_of_2(pairs),
+            ROWS=min(slots_p2, max(1, 2048 // chunk)), num_warps=4, **pdl.launch(kv))
     return True
+
+
+_TICKETS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device, rows: int) -> torch.Tensor:
+    """The compressor kernel's per-sequence counters [>= rows] int32 on `device`: all 0 between launches (the last
+    program of a sequence resets its own), so one buffer serves every compressor and every replay of a CUDA graph.
+    Made once, before any capture, at the largest batch a step will take (the warm-up's sizes are far below it)."""
+    t = _TICKETS.get(device)
+    if t is None or t.numel() < rows:
+        t = _TICKETS[device] = torch.zeros(max(rows, 1024), dtype=torch.int32, device=device)
+    return t
 
 
 def window_keys(window: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, back: int,
@@ -132,15 +150,19 @@ if triton is not None:
 
     @triton.jit
     def _compress_kernel(kv_ring, g_ring, ent_ptr, kv_ptr, g_ptr, slot_ptr, pos_ptr, bias_ptr, w_ptr, cos_ptr, sin_ptr,
-                         eps, E, D, PAIRS, M: tl.constexpr, OVERLAP: tl.constexpr, HALF: tl.constexpr,
-                         ROWS: tl.constexpr, PDL: tl.constexpr):
-        # program b: sequence b's new source row, then its window's entry over the window's source slots j (HCA: the
-        # ring's M rows; CSA: window e - 1's first half channels in slots [0, M), window e's second half in [M, 2M)),
-        # channels kept as even / odd halves (the rotary pairs) [HALF] each
+                         part_ptr, ticket_ptr, eps, E, D, PAIRS, BLOCKS, M: tl.constexpr, OVERLAP: tl.constexpr,
+                         CHUNK: tl.constexpr, BLOCKS_P2: tl.constexpr, HALF: tl.constexpr, ROWS: tl.constexpr,
+                         PDL: tl.constexpr):
+        # program (b, blk): sequence b's rotary pairs [blk CHUNK, +CHUNK) (channels 2k, 2k + 1, kept as even / odd
+        # halves): its share of the new source row into the rings; where the token completes window e, that share of
+        # the window's pooled entry over the window's source slots j (HCA: the ring's M rows; CSA: window e - 1's
+        # first half channels in slots [0, M), window e's second half in [M, 2M)), written to the entry's row with
+        # its sum of squares; the sequence's last program to finish reads them all back, norms, rotates, stores
         bq = tl.program_id(0).to(tl.int64)
+        blk = tl.program_id(1)
         W = 2 * D if OVERLAP else D  # ring width
         R = 2 * M if OVERLAP else M  # ring rows
-        k = tl.arange(0, HALF)
+        k = blk * CHUNK + tl.arange(0, CHUNK)
         km = k < D // 2
         pdl.enter(PDL)
         slot = tl.load(slot_ptr + bq).to(tl.int64)
@@ -148,84 +170,96 @@ if triton is not None:
         e = p // M
         new_row = p % R
         dt = ent_ptr.dtype.element_ty
-        # the new sources into the rings (all W channels); the loads below take them from registers for new_row
-        for c0 in tl.static_range(0, 2 if OVERLAP else 1):
+        for c0 in tl.static_range(0, 2 if OVERLAP else 1):  # the new sources into the rings (all W channels)
             cw = c0 * D + k * 2
             for par in tl.static_range(2):
                 new_v = tl.load(kv_ptr + bq * W + cw + par, mask=km)
                 tl.store(kv_ring + (slot * R + new_row) * W + cw + par, new_v, mask=km)
                 new_g = tl.load(g_ptr + bq * W + cw + par, mask=km)
                 tl.store(g_ring + (slot * R + new_row) * W + cw + par, new_g, mask=km)
-        # pass 1: each channel's maximum and sum of exp over the window's slots (online, fp32)
-        mx_e = tl.full([HALF], float("-inf"), tl.float32)
-        mx_o = tl.full([HALF], float("-inf"), tl.float32)
-        sm_e = tl.zeros([HALF], tl.float32)
-        sm_o = tl.zeros([HALF], tl.float32)
-        SLOTS: tl.constexpr = 2 * M if OVERLAP else M
-        for j0 in range(0, SLOTS, ROWS):
-            j = j0 + tl.arange(0, ROWS)
-            ring_row, coff, brow, ok = _window_slots(j, e, M, D, OVERLAP)
-            jm = (j < SLOTS) & ok
-            m2 = jm[:, None] & km[None, :]
-            for par in tl.static_range(2):
-                ch = coff[:, None] + 2 * k[None, :] + par
-                fresh = (ring_row == new_row)[:, None]
-                g_old = tl.load(g_ring + (slot * R + ring_row[:, None]) * W + ch, mask=m2, other=0.0)
-                g_new = tl.load(g_ptr + bq * W + ch, mask=m2 & fresh, other=0.0)
-                g = tl.where(fresh, g_new, g_old).to(tl.float32) + tl.load(bias_ptr + brow[:, None] * W + ch, mask=m2,
-                                                                          other=0.0)
-                g = tl.where(m2, g, float("-inf"))
-                if par == 0:
-                    new_mx = tl.maximum(mx_e, tl.max(g, axis=0))
-                    safe = tl.where(new_mx > float("-inf"), new_mx, 0.0)
-                    sm_e = sm_e * tl.exp(mx_e - safe) + tl.sum(tl.exp(g - safe[None, :]), axis=0)
-                    mx_e = new_mx
-                else:
-                    new_mx = tl.maximum(mx_o, tl.max(g, axis=0))
-                    safe = tl.where(new_mx > float("-inf"), new_mx, 0.0)
-                    sm_o = sm_o * tl.exp(mx_o - safe) + tl.sum(tl.exp(g - safe[None, :]), axis=0)
-                    mx_o = new_mx
-        # pass 2: the weights and products rounded to the entries' dtype, summed in fp32
-        acc_e = tl.zeros([HALF], tl.float32)
-        acc_o = tl.zeros([HALF], tl.float32)
-        for j0 in range(0, SLOTS, ROWS):
-            j = j0 + tl.arange(0, ROWS)
-            ring_row, coff, brow, ok = _window_slots(j, e, M, D, OVERLAP)
-            jm = (j < SLOTS) & ok
-            m2 = jm[:, None] & km[None, :]
-            fresh = (ring_row == new_row)[:, None]
-            for par in tl.static_range(2):
-                ch = coff[:, None] + 2 * k[None, :] + par
-                g_old = tl.load(g_ring + (slot * R + ring_row[:, None]) * W + ch, mask=m2, other=0.0)
-                g_new = tl.load(g_ptr + bq * W + ch, mask=m2 & fresh, other=0.0)
-                g = tl.where(fresh, g_new, g_old).to(tl.float32) + tl.load(bias_ptr + brow[:, None] * W + ch, mask=m2,
-                                                                          other=0.0)
-                v_old = tl.load(kv_ring + (slot * R + ring_row[:, None]) * W + ch, mask=m2, other=0.0)
-                v_new = tl.load(kv_ptr + bq * W + ch, mask=m2 & fresh, other=0.0)
-                v = tl.where(fresh, v_new, v_old).to(tl.float32)
-                if par == 0:
-                    w = (tl.exp(g - mx_e[None, :]) / sm_e[None, :]).to(dt).to(tl.float32)
-                    acc_e += tl.sum(tl.where(m2, (v * w).to(dt).to(tl.float32), 0.0), axis=0)
-                else:
-                    w = (tl.exp(g - mx_o[None, :]) / sm_o[None, :]).to(dt).to(tl.float32)
-                    acc_o += tl.sum(tl.where(m2, (v * w).to(dt).to(tl.float32), 0.0), axis=0)
-        # the entry: rounded, normed with the fp32 weight (rounded), its trailing 2 PAIRS channels rotated (rounded)
-        x_e = tl.where(km, acc_e.to(dt).to(tl.float32), 0.0)
-        x_o = tl.where(km, acc_o.to(dt).to(tl.float32), 0.0)
-        inv = tl.rsqrt((tl.sum(x_e * x_e, axis=0) + tl.sum(x_o * x_o, axis=0)) / D + eps)
+        complete = ((p + 1) % M == 0) & (e < E)  # the same for all of the sequence's programs
+        if complete:
+            tl.debug_barrier()  # the new row's stores before any of this program's threads reads the ring
+            SLOTS: tl.constexpr = 2 * M if OVERLAP else M
+            # pass 1: each channel's maximum and sum of exp over the window's slots (online, fp32)
+            mx_e = tl.full([CHUNK], float("-inf"), tl.float32)
+            mx_o = tl.full([CHUNK], float("-inf"), tl.float32)
+            sm_e = tl.zeros([CHUNK], tl.float32)
+            sm_o = tl.zeros([CHUNK], tl.float32)
+            for j0 in tl.static_range(0, SLOTS, ROWS):
+                j = j0 + tl.arange(0, ROWS)
+                ring_row, coff, brow, ok = _window_slots(j, e, M, D, OVERLAP)
+                m2 = ((j < SLOTS) & ok)[:, None] & km[None, :]
+                for par in tl.static_range(2):
+                    ch = coff[:, None] + 2 * k[None, :] + par
+                    g = tl.load(g_ring + (slot * R + ring_row[:, None]) * W + ch, mask=m2, other=0.0).to(tl.float32)
+                    g += tl.load(bias_ptr + brow[:, None] * W + ch, mask=m2, other=0.0)
+                    g = tl.where(m2, g, float("-inf"))
+                    if par == 0:
+                        new_mx = tl.maximum(mx_e, tl.max(g, axis=0))
+                        safe = tl.where(new_mx > float("-inf"), new_mx, 0.0)
+                        sm_e = sm_e * tl.exp(mx_e - safe) + tl.sum(tl.exp(g - safe[None, :]), axis=0)
+                        mx_e = new_mx
+                    else:
+                        new_mx = tl.maximum(mx_o, tl.max(g, axis=0))
+                        safe = tl.where(new_mx > float("-inf"), new_mx, 0.0)
+                        sm_o = sm_o * tl.exp(mx_o - safe) + tl.sum(tl.exp(g - safe[None, :]), axis=0)
+                        mx_o = new_mx
+            # pass 2: the weights and products rounded to the entries' dtype, summed in fp32 (channels past D: no slot)
+            mx_e, sm_e = tl.where(km, mx_e, 0.0), tl.where(km, sm_e, 1.0)
+            mx_o, sm_o = tl.where(km, mx_o, 0.0), tl.where(km, sm_o, 1.0)
+            acc_e = tl.zeros([CHUNK], tl.float32)
+            acc_o = tl.zeros([CHUNK], tl.float32)
+            for j0 in tl.static_range(0, SLOTS, ROWS):
+                j = j0 + tl.arange(0, ROWS)
+                ring_row, coff, brow, ok = _window_slots(j, e, M, D, OVERLAP)
+                m2 = ((j < SLOTS) & ok)[:, None] & km[None, :]
+                for par in tl.static_range(2):
+                    ch = coff[:, None] + 2 * k[None, :] + par
+                    at = (slot * R + ring_row[:, None]) * W + ch
+                    g = tl.load(g_ring + at, mask=m2, other=0.0).to(tl.float32)
+                    g += tl.load(bias_ptr + brow[:, None] * W + ch, mask=m2, other=0.0)
+                    v = tl.load(kv_ring + at, mask=m2, other=0.0).to(tl.float32)
+                    if par == 0:
+                        w = (tl.exp(g - mx_e[None, :]) / sm_e[None, :]).to(dt).to(tl.float32)
+                        acc_e += tl.sum(tl.where(m2, (v * w).to(dt).to(tl.float32), 0.0), axis=0)
+                    else:
+                        w = (tl.exp(g - mx_o[None, :]) / sm_o[None, :]).to(dt).to(tl.float32)
+                        acc_o += tl.sum(tl.where(m2, (v * w).to(dt).to(tl.float32), 0.0), axis=0)
+            # this share of the entry, rounded, into its row, and its sum of squares
+            x_e = tl.where(km, acc_e.to(dt).to(tl.float32), 0.0)
+            x_o = tl.where(km, acc_o.to(dt).to(tl.float32), 0.0)
+            base = ent_ptr + (slot * E + e) * D
+            tl.store(base + 2 * k, x_e.to(dt), mask=km)
+            tl.store(base + 2 * k + 1, x_o.to(dt), mask=km)
+            tl.store(part_ptr + bq * BLOCKS + blk, tl.sum(x_e * x_e, axis=0) + tl.sum(x_o * x_o, axis=0))
+            tl.debug_barrier()  # every thread's stores before the ticket's release
+            if tl.atomic_add(ticket_ptr + bq, 1, sem="acq_rel") == BLOCKS - 1:  # the last: all shares are in
+                _finish_entry(base, part_ptr + bq * BLOCKS, w_ptr, cos_ptr + bq * PAIRS, sin_ptr + bq * PAIRS, eps, D,
+                              PAIRS, BLOCKS, BLOCKS_P2, HALF, dt)
+                tl.store(ticket_ptr + bq, 0)
+
+    @triton.jit
+    def _finish_entry(base, part_ptr, w_ptr, cos_ptr, sin_ptr, eps, D, PAIRS, BLOCKS, BLOCKS_P2: tl.constexpr,
+                      HALF: tl.constexpr, dt: tl.constexpr):
+        # the entry row [D] at `base` (rounded, not normed), normed with the fp32 weight over the shares' sums of
+        # squares (added in block order), rounded, its trailing 2 PAIRS channels rotated, rounded, stored back; the
+        # other programs' stores are read from L2 (".cg": this SM's L1 may hold none of them, or older ones)
+        b = tl.arange(0, BLOCKS_P2)
+        total = tl.sum(tl.load(part_ptr + b, mask=b < BLOCKS, other=0.0, cache_modifier=".cg"), axis=0)
+        k = tl.arange(0, HALF)
+        km = k < D // 2
+        inv = tl.rsqrt(total / D + eps)
+        x_e = tl.load(base + 2 * k, mask=km, other=0.0, cache_modifier=".cg").to(tl.float32)
+        x_o = tl.load(base + 2 * k + 1, mask=km, other=0.0, cache_modifier=".cg").to(tl.float32)
         x_e = (tl.load(w_ptr + 2 * k, mask=km, other=0.0) * (x_e * inv)).to(dt).to(tl.float32)
         x_o = (tl.load(w_ptr + 2 * k + 1, mask=km, other=0.0) * (x_o * inv)).to(dt).to(tl.float32)
         pair = k - (D // 2 - PAIRS)  # rotary pair index of channels (2k, 2k + 1); < 0: not rotated
         rot = km & (pair >= 0)
-        c = tl.load(cos_ptr + bq * PAIRS + pair, mask=rot, other=1.0).to(tl.float32)
-        s = tl.load(sin_ptr + bq * PAIRS + pair, mask=rot, other=0.0).to(tl.float32)
-        r_e = tl.where(rot, x_e * c - x_o * s, x_e)
-        r_o = tl.where(rot, x_o * c + x_e * s, x_o)
-        pv = tl.zeros([HALF], tl.int64) + p  # (a vector: Triton's interpreter takes no scalar condition in a mask)
-        done = km & ((pv + 1) % M == 0) & (pv // M < E)
-        base = ent_ptr + (slot * E + e) * D
-        tl.store(base + 2 * k, r_e.to(dt), mask=done)
-        tl.store(base + 2 * k + 1, r_o.to(dt), mask=done)
+        c = tl.load(cos_ptr + pair, mask=rot, other=1.0).to(tl.float32)
+        s = tl.load(sin_ptr + pair, mask=rot, other=0.0).to(tl.float32)
+        tl.store(base + 2 * k, tl.where(rot, x_e * c - x_o * s, x_e).to(dt), mask=km)
+        tl.store(base + 2 * k + 1, tl.where(rot, x_o * c + x_e * s, x_o).to(dt), mask=km)
 
     @triton.jit
     def _window_slots(j, e, M: tl.constexpr, D, OVERLAP: tl.constexpr):
