@@ -17,8 +17,9 @@ import time
 from dataclasses import asdict, dataclass, field
 
 # the H200 machine's reference rates, bytes per second (pinned -> GPU copies of large objects, the compiled CPU
-# expert kernel, an HBM device copy, O_DIRECT disk reads); `Rates.source` records them under a label of their own,
-# which the report prints as "reference"
+# expert kernel, an HBM device copy, O_DIRECT disk reads): what a run uses where it measures none (`--rates limits`,
+# or no compiled CPU kernel); `Rates.source` records them under a label of their own, which the report prints as
+# "reference"
 LIMITS = {"pcie": 55e9, "cpu": 70e9, "hbm": 4.3e12, "disk": 1.2e9}
 
 
@@ -96,11 +97,16 @@ def fraction(measured_tok_s: float | None, bound: dict | None) -> float | None:
 
 
 def measure_rates(device: str, reps: int = 5) -> Rates:
-    """PCIe (pinned host -> GPU, 256 MiB) and HBM (device copy, 1 GiB; read + write bytes) measured now;
-    CPU expert and disk rates the reference ones; host RAM read bandwidth measured for reference."""
+    """PCIe (pinned host -> GPU, 256 MiB), HBM (device copy, 1 GiB; read + write bytes) and the CPU path (expert-sized
+    buffers streamed from RAM by the CPU kernel's pool, `cpu_stream_rate`) measured now; the disk rate the reference
+    one; host RAM read bandwidth (torch.sum) measured for reference."""
     import torch
 
     rates = Rates()
+    cpu = cpu_stream_rate(gpu_worker=device.startswith("cuda"))
+    if cpu:
+        rates.cpu = cpu
+        rates.source["cpu"] = "measured"
     if device.startswith("cuda") and torch.cuda.is_available():
         n = 256 << 20
         src = torch.empty(n, dtype=torch.uint8).pin_memory()
@@ -115,6 +121,29 @@ def measure_rates(device: str, reps: int = 5) -> Rates:
     x = torch.ones(1 << 28, dtype=torch.float32)  # 1 GiB
     rates.extra["ram_read_GBps"] = round(x.numel() * 4 / _best(lambda: x.sum(), 3, sync=False) / 1e9, 1)
     return rates
+
+
+def cpu_stream_rate(gpu_worker: bool, pool_bytes: int = 1 << 30, piece_bytes: int = 9 << 20,
+                    reps: int = 3) -> float | None:
+    """Bytes/s at which the CPU expert kernel's thread pool reads expert-sized buffers (`piece_bytes`, ~ a Qwen3-30B
+    expert in bf16) cycled over `pool_bytes` of RAM: the cold path's memory limit on this host, best of `reps`. With
+    `gpu_worker`, on the thread count the one-graph decode's CPU worker takes beside a GPU (cores less
+    MAILBOX_SPARE_CORES); else on every core. None where the compiled kernel is missing.
+
+    Hosts of the same GPU differ: two H100 machines read RAM at 80 and 198 GB/s (torch.sum), and strata's worker
+    computed experts at 70 and 147 GB/s on them, so with a fixed rate a split case's fraction measured the host."""
+    import torch
+
+    from strata.kernels.cpu import library
+    from strata.runtime.offload.expert_compute import MAILBOX_SPARE_CORES
+
+    n = library.default_threads()
+    threads = max(1, n - (MAILBOX_SPARE_CORES if n >= 2 * MAILBOX_SPARE_CORES else 1)) if gpu_worker else n
+    pieces = [torch.ones(piece_bytes // 2, dtype=torch.bfloat16) for _ in range(max(1, pool_bytes // piece_bytes))]
+    if library.read_sweep(pieces, threads) is None:  # (this first sweep faults the pages in and starts the pool)
+        return None
+    best = min(library.read_sweep(pieces, threads) for _ in range(reps))
+    return sum(t.numel() * t.element_size() for t in pieces) / best
 
 
 def _best(fn, reps: int, sync: bool) -> float:

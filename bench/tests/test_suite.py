@@ -14,7 +14,7 @@ import torch
 from bench.__main__ import main as bench_main
 from bench.suite import report, results
 from bench.suite.cases import VARIANTS, Case, Workload, full_suite, group_by_engine, quick_suite, select
-from bench.suite.roofline import ModelFacts, Rates, fraction, roofline
+from bench.suite.roofline import ModelFacts, Rates, cpu_stream_rate, fraction, measure_rates, roofline
 from bench.suite.runner import run_suite
 from bench.suite.strata_case import engine_config, warmup_for
 from strata.config import load_config
@@ -57,6 +57,34 @@ def test_expected_experts_per_step_and_rates():
     with pytest.raises(ValueError):
         Rates(pcie=0)
     assert Rates().source["pcie"] == "reference"
+
+
+@pytest.mark.parametrize(("cores", "gpu_worker", "threads"), [(16, True, 12), (16, False, 16), (4, True, 3), (1, True, 1)])
+def test_the_cpu_path_rate_is_the_pools_bytes_over_a_sweep_on_the_workers_threads(monkeypatch, cores, gpu_worker,
+                                                                                   threads):
+    """The roofline's CPU rate: every byte of the pool over the best timed sweep (the first, which faults the pages
+    in, not counted), on the threads the one-graph decode's worker takes beside a GPU (4 cores left on 8+) or on
+    every core without one."""
+    from strata.kernels.cpu import library
+
+    sweeps, seen = iter([0.1, 0.5, 0.25, 0.4]), []  # the first the fastest: it must not count
+    monkeypatch.setattr(library, "default_threads", lambda: cores)
+    monkeypatch.setattr(library, "read_sweep", lambda pieces, n: seen.append((len(pieces), n)) or next(sweeps))
+    rate = cpu_stream_rate(gpu_worker, pool_bytes=64 << 20, piece_bytes=8 << 20)
+    assert rate == (64 << 20) / 0.25
+    assert seen == [(8, threads)] * 4
+
+
+def test_measured_rates_take_the_cpu_paths_own_unless_there_is_no_kernel(monkeypatch):
+    from strata.kernels.cpu import library
+
+    if library.read_sweep([torch.ones(8)], 1) is None:
+        pytest.skip("no compiled CPU kernel")
+    rates = measure_rates("cpu", reps=1)
+    assert rates.source["cpu"] == "measured" and rates.cpu != Rates().cpu and 1e8 < rates.cpu < 1e13
+    monkeypatch.setattr(library, "read_sweep", lambda pieces, n: None)
+    rates = measure_rates("cpu", reps=1)
+    assert rates.source["cpu"] == "reference" and rates.cpu == Rates().cpu
 
 
 # --- cases ----------------------------------------------------------------------------------------
