@@ -187,14 +187,8 @@ if triton is not None:
             sm_e = tl.zeros([CHUNK], tl.float32)
             sm_o = tl.zeros([CHUNK], tl.float32)
             for j0 in tl.static_range(0, SLOTS, ROWS):
-                j = j0 + tl.arange(0, ROWS)
-                ring_row, coff, brow, ok = _window_slots(j, e, M, D, OVERLAP)
-                m2 = ((j < SLOTS) & ok)[:, None] & km[None, :]
                 for par in tl.static_range(2):
-                    ch = coff[:, None] + 2 * k[None, :] + par
-                    g = tl.load(g_ring + (slot * R + ring_row[:, None]) * W + ch, mask=m2, other=0.0).to(tl.float32)
-                    g += tl.load(bias_ptr + brow[:, None] * W + ch, mask=m2, other=0.0)
-                    g = tl.where(m2, g, float("-inf"))
+                    _, _, g = _window_gates(g_ring, bias_ptr, slot, e, j0, k, km, par, M, D, W, R, OVERLAP, ROWS)
                     if par == 0:
                         new_mx = tl.maximum(mx_e, tl.max(g, axis=0))
                         safe = tl.where(new_mx > float("-inf"), new_mx, 0.0)
@@ -211,14 +205,8 @@ if triton is not None:
             acc_e = tl.zeros([CHUNK], tl.float32)
             acc_o = tl.zeros([CHUNK], tl.float32)
             for j0 in tl.static_range(0, SLOTS, ROWS):
-                j = j0 + tl.arange(0, ROWS)
-                ring_row, coff, brow, ok = _window_slots(j, e, M, D, OVERLAP)
-                m2 = ((j < SLOTS) & ok)[:, None] & km[None, :]
                 for par in tl.static_range(2):
-                    ch = coff[:, None] + 2 * k[None, :] + par
-                    at = (slot * R + ring_row[:, None]) * W + ch
-                    g = tl.load(g_ring + at, mask=m2, other=0.0).to(tl.float32)
-                    g += tl.load(bias_ptr + brow[:, None] * W + ch, mask=m2, other=0.0)
+                    at, m2, g = _window_gates(g_ring, bias_ptr, slot, e, j0, k, km, par, M, D, W, R, OVERLAP, ROWS)
                     v = tl.load(kv_ring + at, mask=m2, other=0.0).to(tl.float32)
                     if par == 0:
                         w = (tl.exp(g - mx_e[None, :]) / sm_e[None, :]).to(dt).to(tl.float32)
@@ -238,6 +226,20 @@ if triton is not None:
                 _finish_entry(base, part_ptr + bq * BLOCKS, w_ptr, cos_ptr + bq * PAIRS, sin_ptr + bq * PAIRS, eps, D,
                               PAIRS, BLOCKS, BLOCKS_P2, HALF, dt)
                 tl.store(ticket_ptr + bq, 0)
+
+    @triton.jit
+    def _window_gates(g_ring, bias_ptr, slot, e, j0, k, km, par: tl.constexpr, M: tl.constexpr, D, W, R,
+                      OVERLAP: tl.constexpr, ROWS: tl.constexpr):
+        # the window's source slots [j0, j0 + ROWS) at channels 2k + par: their offsets in the rings, which of them
+        # count, and their gates + the position bias (fp32, -inf where they do not count) [ROWS, CHUNK]
+        j = j0 + tl.arange(0, ROWS)
+        ring_row, coff, brow, ok = _window_slots(j, e, M, D, OVERLAP)
+        m2 = ((j < (2 * M if OVERLAP else M)) & ok)[:, None] & km[None, :]
+        ch = coff[:, None] + 2 * k[None, :] + par
+        at = (slot * R + ring_row[:, None]) * W + ch
+        g = tl.load(g_ring + at, mask=m2, other=0.0).to(tl.float32)
+        g += tl.load(bias_ptr + brow[:, None] * W + ch, mask=m2, other=0.0)
+        return at, m2, tl.where(m2, g, float("-inf"))
 
     @triton.jit
     def _finish_entry(base, part_ptr, w_ptr, cos_ptr, sin_ptr, eps, D, PAIRS, BLOCKS, BLOCKS_P2: tl.constexpr,
