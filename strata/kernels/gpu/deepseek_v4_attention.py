@@ -84,17 +84,18 @@ def compress_step(src_kv: torch.Tensor, src_gate: torch.Tensor, entries: torch.T
     return True
 
 
-_TICKETS: dict[torch.device, torch.Tensor] = {}
+_TICKETS: dict[torch.device, list[torch.Tensor]] = {}
 
 
 def _tickets(device: torch.device, rows: int) -> torch.Tensor:
     """The compressor kernel's per-sequence counters [>= rows] int32 on `device`: all 0 between launches (the last
     program of a sequence resets its own), so one buffer serves every compressor and every replay of a CUDA graph.
-    Made once, before any capture, at the largest batch a step will take (the warm-up's sizes are far below it)."""
-    t = _TICKETS.get(device)
-    if t is None or t.numel() < rows:
-        t = _TICKETS[device] = torch.zeros(max(rows, 1024), dtype=torch.int32, device=device)
-    return t
+    Made at the first step (1,024 rows, far above a decode batch); a larger batch gets a larger buffer, and the
+    smaller ones are kept, since a graph captured earlier still counts in them."""
+    made = _TICKETS.setdefault(device, [])
+    if not made or made[-1].numel() < rows:
+        made.append(torch.zeros(max(rows, 1024), dtype=torch.int32, device=device))
+    return made[-1]
 
 
 def window_keys(window: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, pos: torch.Tensor, back: int,
