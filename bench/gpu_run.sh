@@ -29,6 +29,10 @@
 #                rooflines (`bench run --model`)                                  -> $OUT/newarch/ARCH/suite.json
 #   newarch-pause  on that model (written by newarch, or now), a 64K-token prompt at the 25% budget while 4 users
 #                decode: bench/serving.py's pause                                 -> $OUT/newarch/ARCH/serving.json
+#   tiered       one stream at 25% of the experts' bytes in VRAM (split/b25/uniform/p128x1) on the 12-layer Qwen3 bench
+#                model and the new architectures' bench models (deepseek_v4 2 layers, qwen3_5_moe 4), in one call, so
+#                their tiered roofline fractions (the CPU rate measured on each host) compare; ARCHS narrows it
+#                (qwen3 and one other fit a 10-minute command: ARCHS="qwen3 deepseek_v4")  -> $OUT/tiered/ARCH/suite.json
 #   llamacpp-build  llama.cpp's llama-bench and llama-batched-bench for CUDA sm_90, from the stripped source that
 #                `wheels` packed (.gpu/llama.cpp-src.tar.gz), into ~/.cache/strata/bench/llamacpp (ninja resumes a
 #                build a time limit cut short: run the step again)              -> $OUT/llamacpp-build.txt
@@ -181,6 +185,24 @@ print(int(0.25 * model_facts(Path('$model'))[1]['expert_bytes_total']))") || ret
       timeout 400 python3 bench/serving.py --model "$model" --config "$SCRATCH/newarch.toml" --users '' \
         --repro-users '' --long-prompt 65536 --max-context 65600 --out "$OUT/newarch/$arch" 2>&1 | tail -6
       return "${PIPESTATUS[0]}" ;;
+    tiered)
+      local a model per rc=0
+      per=$((570 / $(wc -w <<< "${ARCHS:-qwen3 deepseek_v4 qwen3_5_moe}")))
+      for a in ${ARCHS:-qwen3 deepseek_v4 qwen3_5_moe}; do
+        local args=(--suite full --tokens 64 --deadline $((per - 30)) --out "$OUT/tiered/$a" --cases 'split/b25/uniform/p128x1')
+        if [ "$a" = qwen3 ]; then
+          args+=(--layers 12)
+        else
+          model="$SCRATCH/newarch-$a"
+          [ -d "$model" ] || timeout 200 python3 -m strata demo-model "$model" --arch "$a" --size bench --no-engram \
+            --layers "$([ "$a" = deepseek_v4 ] && echo 2 || echo 4)" > /dev/null || { rc=1; continue; }
+          args+=(--model "$model")
+        fi
+        timeout "$per" python3 -m bench run "${args[@]}" 2>&1 | grep -E 'tok/s|rror|skipped'
+        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+        rm -f "$OUT/tiered/$a/suite.png"
+      done
+      return "$rc" ;;
     llamacpp-build)
       timeout 590 python3 -m bench.suite.llamacpp_build --src .gpu/llama.cpp-src.tar.gz > "$OUT/llamacpp-build.txt" 2>&1
       local rc=$?; tail -3 "$OUT/llamacpp-build.txt"; return "$rc" ;;
