@@ -134,7 +134,6 @@ def float_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.T
     return out.view(x.shape)
 
 
-
 def route_weights(logits: torch.Tensor, scoring: str, scaling: float, ids: torch.Tensor | None = None,
                   bias: torch.Tensor | None = None, k: int = 0) -> tuple[torch.Tensor, torch.Tensor] | None:
     """`moe.TopKRouter` / `HashRouter` after the router's linear, in one launch: logits [N, E] -> (weights [N, k] in the
@@ -171,6 +170,7 @@ def clipped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
         _clipped_swiglu_kernel[(triton.cdiv(n, 1024),)](gate, up, out, n, float(limit), BLOCK=1024, num_warps=4,
                                                         **pdl.launch(gate))
     return out
+
 
 if triton is not None:
 
