@@ -114,6 +114,11 @@ serve_case() {
   return "$rc"
 }
 
+free_scratch() {  # RAM that other steps' models hold in /dev/shm is RAM a suite's pinned tier lacks (it skips such
+  # cases): on a warm machine, the newarch and tiered steps leave ~35 GB of models there
+  rm -rf "$SCRATCH"
+}
+
 step() {
   case "$1" in
     tests)
@@ -121,7 +126,7 @@ step() {
       timeout 560 python3 -m pytest -q -m gpu ${TESTS:-tests} > "$OUT/gpu_tests.txt" 2>&1
       local rc=$?; tail -3 "$OUT/gpu_tests.txt"; return "$rc" ;;
     suite)
-      rm -rf "$SCRATCH" "$OUT/suite"  # RAM held in /dev/shm is RAM the suite's pinned tier lacks (it skips such cases)
+      free_scratch; rm -rf "$OUT/suite"
       local args=(--suite quick --deadline "${DEADLINE:-540}" --out "$OUT/suite") cases=()
       if [ -n "${CASES:-}" ]; then read -r -a cases <<< "$CASES"; args+=(--cases "${cases[@]}"); fi
       # shellcheck disable=SC2206  # BASELINES is a list of names
@@ -152,6 +157,7 @@ step() {
       timeout 300 python3 bench/multigpu.py --model "$SCRATCH/b12" --gpus 0,1 --budget 3.6GiB --tokens 32 \
         --out "$OUT" 2>&1 | tail -8; return "${PIPESTATUS[0]}" ;;
     quant)
+      free_scratch
       local f budget per=$((580 / $(wc -w <<< "${FORMATS:-bf16 fp8 mxfp4 q4_k_m}")))
       budget=$(python3 -c "from pathlib import Path; from bench.suite.models import ensure_model, model_facts
 m = ensure_model(Path('/dev/shm/strata-suite/models'), 'bench', 12, 'uniform', 1.0, progress=False)
@@ -207,7 +213,7 @@ print(int(0.25 * model_facts(Path('$model'))[1]['expert_bytes_total']))") || ret
       timeout 590 python3 -m bench.suite.llamacpp_build --src .gpu/llama.cpp-src.tar.gz > "$OUT/llamacpp-build.txt" 2>&1
       local rc=$?; tail -3 "$OUT/llamacpp-build.txt"; return "$rc" ;;
     llamacpp)
-      rm -rf "$OUT/llamacpp"
+      free_scratch; rm -rf "$OUT/llamacpp"
       local args=(--suite llamacpp --deadline "${DEADLINE:-540}" --out "$OUT/llamacpp") cases=()
       if [ -n "${CASES:-}" ]; then read -r -a cases <<< "$CASES"; args+=(--cases "${cases[@]}"); fi
       timeout 590 python3 -m bench run "${args[@]}" 2>&1 | tail -30
