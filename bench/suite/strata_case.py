@@ -282,8 +282,10 @@ def case_roofline(case: Case, res: dict, facts: ModelFacts, rates: Rates) -> dic
 def pinned_shortfall(stats: dict | None, case: Case) -> str | None:
     """Why a case meant to hold every expert in pinned RAM did not (None when it did): experts beyond pinned
     RAM's capacity are read from the disk tier, so the case measures another machine than it says (on the
-    H200 box: a /dev/shm still full of other models gave a "split" decode of 17 tok/s, 4.2x its roofline)."""
-    if stats is None or case.ram_fraction is not None:  # all in VRAM, or the disk case (short on purpose)
+    H200 box: a /dev/shm still full of other models gave a "split" decode of 17 tok/s, 4.2x its roofline). A case
+    with every expert in VRAM reads nothing from pinned RAM (the planner leaves it a few staging slots), and the disk
+    case is short on purpose."""
+    if stats is None or case.gpu_fraction is None or case.ram_fraction is not None:
         return None
     tiers = stats.get("tiers", {})
     total, pinned = tiers.get("disk", {}).get("capacity", 0), tiers.get("pinned", {}).get("capacity", 0)

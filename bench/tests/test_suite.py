@@ -16,7 +16,7 @@ from bench.suite import report, results
 from bench.suite.cases import VARIANTS, Case, Workload, full_suite, group_by_engine, quick_suite, select
 from bench.suite.roofline import ModelFacts, Rates, cpu_stream_rate, fraction, measure_rates, roofline
 from bench.suite.runner import run_suite
-from bench.suite.strata_case import engine_config, warmup_for
+from bench.suite.strata_case import engine_config, pinned_shortfall, warmup_for
 from strata.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -178,6 +178,20 @@ def _doc() -> dict:
          "status": "skipped", "reason": "prefill + first token took 400 s"},
     ]
     return doc
+
+
+def test_a_pinned_tier_short_of_the_experts_skips_only_cases_that_read_from_it():
+    def stats(pinned):
+        return {"tiers": {"gpu": {"capacity": 384}, "pinned": {"capacity": pinned}, "disk": {"capacity": 1536}}}
+
+    one = Workload(128, 1, 64)
+    split, all_in_vram = Case("split", "uniform", 0.25, one), Case("split-q4_k_m", "uniform", None, one)
+    disk = Case("disk", "uniform", 0.25, one, ram_fraction=0.5)
+    assert "only 1488 of 1536 experts fit in pinned RAM" in pinned_shortfall(stats(1488), split)
+    assert pinned_shortfall(stats(1536), split) is None
+    assert pinned_shortfall(stats(16), all_in_vram) is None  # every expert in VRAM: pinned RAM only stages
+    assert pinned_shortfall(stats(768), disk) is None  # short on purpose
+    assert pinned_shortfall(None, split) is None
 
 
 def test_validate_accepts_a_good_document_and_names_problems():
