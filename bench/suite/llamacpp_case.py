@@ -1,11 +1,13 @@
 """The `llamacpp` baseline: llama.cpp's own benchmark tools on the suite's checkpoint exported as GGUF.
 
 The same weights: the suite's demo checkpoint exported as a bf16 GGUF (variant `llamacpp`) or with its routed
-experts in Q4_K_M (`llamacpp-q4_k_m`) by strata.tiers.store.gguf_export (`gguf_path`: on disk, written once). The same GPU budget, as closely as
-llama.cpp allows: every layer on the GPU (`-ngl 99`) except the routed experts of the first N layers, which stay in
-RAM and run on the CPU threads (`--n-cpu-moe N`, `cpu_moe_layers`). Flash attention on, `-t` = the machine's
-physical cores. This llama.cpp has no GPU expert cache (only whole layers' experts placed by -ncmoe / -ot), so that
-placement is its only row.
+experts in Q4_K_M (`llamacpp-q4_k_m`) by strata.tiers.store.gguf_export (`gguf_path`: on disk, written once). The
+same GPU budget, as closely as llama.cpp allows (`expert_placement`): every layer on the GPU (`-ngl 99`) except the
+routed experts of the first N layers, which stay in RAM and run on the CPU threads (`--n-cpu-moe N`), and, where the
+budget has room for part of layer N-1's expert tensors (its gate, up and down stacks), those on the GPU too: the
+tool then gets `--n-cpu-moe N-1` and `-ot` sends the rest of that layer's stacks to the CPU. Flash attention on,
+`-t` = the machine's physical cores. This llama.cpp has no GPU expert cache (only expert stacks placed by -ncmoe /
+-ot), so that placement is its only row.
 
 - decode (workloads pNxS): `llama-batched-bench -npp N -ntg T -npl 1,4,8` (its table): S sequences, each with its own N-token
   prompt decoded as one batch, then T steps of one token per sequence as one batch (llama.cpp's batching, what
@@ -26,6 +28,7 @@ import shutil
 import subprocess
 import time
 from concurrent.futures import Future
+from dataclasses import dataclass
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 
@@ -37,37 +40,80 @@ EXPS = re.compile(r"^blk\.(\d+)\.ffn_(up|down|gate|gate_up)_(ch|)exps\.")  # lla
 PREFILL_PROMPTS = (512, 8192)  # one-stream workloads whose prefill llama-bench measures
 
 
-def layer_expert_bytes(gguf_path: str | os.PathLike) -> dict[int, int]:
-    """Routed-expert bytes per layer index of a GGUF (the tensors --n-cpu-moe moves: blk.L.ffn_*_exps)."""
+def expert_tensor_bytes(gguf_path: str | os.PathLike) -> dict[int, dict[str, int]]:
+    """Routed-expert tensors per layer index of a GGUF, {layer: {tensor name: bytes}} (the tensors --n-cpu-moe and
+    -ot move: blk.L.ffn_{gate,up,down}_exps.weight, each a stack of every expert's matrix)."""
     from gguf import GGUFReader
 
-    out: dict[int, int] = {}
+    out: dict[int, dict[str, int]] = {}
     for t in GGUFReader(str(gguf_path)).tensors:
         m = EXPS.match(t.name)
         if m:
-            out[int(m.group(1))] = out.get(int(m.group(1)), 0) + int(t.n_bytes)
+            out.setdefault(int(m.group(1)), {})[t.name] = int(t.n_bytes)
     return out
 
 
-def cpu_moe_layers(layer_bytes: dict[int, int], num_layers: int, gpu_fraction: float | None) -> tuple[int, int]:
-    """(N for --n-cpu-moe, routed-expert bytes then on the GPU) for strata's budget of `gpu_fraction` of the expert
-    bytes. --n-cpu-moe N keeps the experts of layers 0..N-1 (every layer index, dense ones included) in RAM, so the
-    GPU holds the experts of layers N.. . The budget is B = fraction x (the GGUF's expert bytes: bf16, or Q4_K_M when
-    the export is, so both engines get the same share of their own weights); N is the smallest layer index whose
-    tail fits in B, i.e. llama.cpp gets the most whole layers of experts that fit and never more than strata.
-    E.g. 12 equal MoE layers of E bytes at 25%: B = 3E, N = 9, 3E on the GPU; at 10%: B = 1.2E, N = 11.
-    None (all in VRAM): N = 0."""
-    total = sum(layer_bytes.values())
+def layer_expert_bytes(gguf_path: str | os.PathLike) -> dict[int, int]:
+    """Routed-expert bytes per layer index of a GGUF (the sums of `expert_tensor_bytes`)."""
+    return {layer: sum(t.values()) for layer, t in expert_tensor_bytes(gguf_path).items()}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where llama.cpp keeps the routed experts: the stacks of layers 0..n_cpu_moe-1 and `cpu_tensors` (stacks of
+    layer n_cpu_moe) in RAM, computed by the CPU threads; every other stack on the GPU, `gpu_bytes` in all."""
+
+    n_cpu_moe: int
+    cpu_tensors: tuple[str, ...]
+    gpu_bytes: int
+
+    def args(self) -> list[str]:
+        """The tools' flags: -ncmoe, and -ot with one regex for `cpu_tensors` (no ',' or ';', which both tools
+        take as list separators)."""
+        out = ["-ncmoe", str(self.n_cpu_moe)]
+        if self.cpu_tensors:
+            out += ["-ot", "|".join("^" + re.escape(t) + "$" for t in self.cpu_tensors) + "=CPU"]
+        return out
+
+    @property
+    def label(self) -> str:
+        """-ncmoe N, and the stacks -ot moves (e.g. "9 + blk.9 up"), for the report."""
+        short = [re.sub(r"^blk\.(\d+)\.ffn_(\w+?)_(ch)?exps.*", r"\2", t) for t in self.cpu_tensors]
+        return str(self.n_cpu_moe) + (f" + blk.{self.n_cpu_moe} {'/'.join(short)}" if short else "")
+
+
+def expert_placement(tensors: dict[int, dict[str, int]], num_layers: int, gpu_fraction: float | None) -> Placement:
+    """llama.cpp's placement for strata's budget of `gpu_fraction` of the expert bytes. The budget is B = fraction
+    x (the GGUF's expert bytes: bf16, or Q4_K_M when the export is, so both engines get the same share of their own
+    weights). --n-cpu-moe N keeps the stacks of layers 0..N-1 (every layer index, dense ones included) in RAM, so
+    the GPU takes the most whole layers from the last one down that fit in B; then, of the next layer down, the
+    subset of its stacks with the most bytes that fits what is left (they go to the GPU, N drops by one and -ot
+    keeps that layer's other stacks in RAM). Never more than B. E.g. 12 equal layers of E bytes at 25%: B = 3E, N =
+    9. 12 layers of stacks gate 2u, up 2u, down 3u, the last two layers' down 4u (Q4_K_M gives some layers' down
+    more bits), at 25% (B = 21.5u): layers 10 and 11 whole (16u), then layer 9's down and gate (5u), so -ncmoe 9
+    -ot <layer 9's up>=CPU, 21u on the GPU. None (all in VRAM): N = 0."""
+    total = sum(sum(t.values()) for t in tensors.values())
     if gpu_fraction is None:
-        return 0, total
+        return Placement(0, (), total)
     budget = gpu_fraction * total * (1 + 1e-9)  # a budget of exactly k layers is k layers, not k-1 from rounding
     on_gpu, n = 0, num_layers
     for layer in range(num_layers - 1, -1, -1):
-        if on_gpu + layer_bytes.get(layer, 0) > budget:
+        size = sum(tensors.get(layer, {}).values())
+        if on_gpu + size > budget:
             break
-        on_gpu += layer_bytes.get(layer, 0)
+        on_gpu += size
         n = layer
-    return n, on_gpu
+    stacks = tensors.get(n - 1, {}) if n > 0 else {}
+    names = sorted(stacks)
+    best: tuple[int, tuple[str, ...]] = (0, ())
+    for mask in range(1, 2 ** len(names) - 1) if len(names) <= 6 else ():  # a proper, non-empty subset on the GPU
+        chosen = tuple(t for i, t in enumerate(names) if mask >> i & 1)
+        size = sum(stacks[t] for t in chosen)
+        if on_gpu + size <= budget and size > best[0]:
+            best = (size, chosen)
+    if not best[1]:
+        return Placement(n, (), on_gpu)
+    return Placement(n - 1, tuple(t for t in names if t not in best[1]), on_gpu + best[0])
 
 
 def gguf_path(model: Path, export: str, settings: dict) -> Path:
@@ -110,23 +156,23 @@ def physical_cores() -> int:
         return os.cpu_count() or 1
 
 
-def common_args(gguf: Path, n_cpu_moe: int, threads: int) -> list[str]:
+def common_args(gguf: Path, placement: Placement, threads: int) -> list[str]:
     """Placement and threads, shared by both tools (flash attention is spelled differently by each)."""
-    return ["-m", str(gguf), "-ngl", "99", "-ncmoe", str(n_cpu_moe), "-t", str(threads)]
+    return ["-m", str(gguf), "-ngl", "99", *placement.args(), "-t", str(threads)]
 
 
-def batched_bench_cmd(tool: Path, gguf: Path, n_cpu_moe: int, threads: int, prompts: list[int], tokens: int,
+def batched_bench_cmd(tool: Path, gguf: Path, placement: Placement, threads: int, prompts: list[int], tokens: int,
                       streams: list[int]) -> list[str]:
     ctx = max(streams) * (max(prompts) + tokens) + 64  # every sequence its own prompt and tokens (not shared)
-    return [str(tool), *common_args(gguf, n_cpu_moe, threads), "-fa", "on", "-c", str(ctx), "-b", "2048",
+    return [str(tool), *common_args(gguf, placement, threads), "-fa", "on", "-c", str(ctx), "-b", "2048",
             "-ub", "512", "-npp", ",".join(map(str, prompts)), "-ntg", str(tokens),
             "-npl", ",".join(map(str, streams)), "-lv", "4"]  # its table (the jsonl output loses its last row);
     # -lv 4: its buffer sizes (parse_buffers)
 
 
-def llama_bench_cmd(tool: Path, gguf: Path, n_cpu_moe: int, threads: int, prompts: list[int],
+def llama_bench_cmd(tool: Path, gguf: Path, placement: Placement, threads: int, prompts: list[int],
                     repetitions: int) -> list[str]:
-    return [str(tool), *common_args(gguf, n_cpu_moe, threads), "-fa", "1", "-p", ",".join(map(str, prompts)),
+    return [str(tool), *common_args(gguf, placement, threads), "-fa", "1", "-p", ",".join(map(str, prompts)),
             "-n", "0", "-r", str(repetitions), "-o", "json"]
 
 
@@ -213,19 +259,22 @@ def run_llamacpp_group(group: list[Case], model: Path, tools: dict[str, Path], s
     t0 = time.perf_counter()
     gguf = ensure_gguf(model, export, settings, log)
     export_s = time.perf_counter() - t0
-    layers = layer_expert_bytes(gguf)
+    stacks = expert_tensor_bytes(gguf)
+    total = sum(sum(t.values()) for t in stacks.values())
     from gguf import GGUFReader
 
     reader = GGUFReader(str(gguf))
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     num_layers = int(reader.fields[f"{arch}.block_count"].parts[-1][0])
-    n_cpu_moe, gpu_bytes = cpu_moe_layers(layers, num_layers, first.gpu_fraction)
+    placement = expert_placement(stacks, num_layers, first.gpu_fraction)
     threads = int(settings.get("llamacpp_threads") or physical_cores())
-    config = {"gguf": str(gguf), "experts": export, "n_cpu_moe": n_cpu_moe, "gpu_expert_bytes": gpu_bytes,
-              "expert_bytes_total": sum(layers.values()), "threads": threads, "flash_attn": True, "n_gpu_layers": 99,
-              "tools": {k: str(v) for k, v in tools.items()}}
-    log(f"{first.variant}/{first.budget_label}/{first.routing}: {gguf.name}, --n-cpu-moe {n_cpu_moe} of {num_layers} "
-        f"layers ({gpu_bytes / 1e9:.2f} of {sum(layers.values()) / 1e9:.2f} GB of experts on the GPU), -t {threads}")
+    config = {"gguf": str(gguf), "experts": export, "n_cpu_moe": placement.n_cpu_moe,
+              "cpu_tensors": list(placement.cpu_tensors), "placement": placement.label,
+              "gpu_expert_bytes": placement.gpu_bytes, "expert_bytes_total": total, "threads": threads,
+              "flash_attn": True, "n_gpu_layers": 99, "tools": {k: str(v) for k, v in tools.items()}}
+    log(f"{first.variant}/{first.budget_label}/{first.routing}: {gguf.name}, {' '.join(placement.args())} of "
+        f"{num_layers} layers ({placement.gpu_bytes / 1e9:.2f} of {total / 1e9:.2f} GB of experts on the GPU), "
+        f"-t {threads}")
     deadline = time.perf_counter() + limit_s
     decode_rows: dict[tuple[int, int], dict] = {}
     by_prompt: dict[int, list[int]] = {}
@@ -234,7 +283,7 @@ def run_llamacpp_group(group: list[Case], model: Path, tools: dict[str, Path], s
         by_prompt.setdefault(c.workload.prompt, []).append(c.workload.streams)
         tokens[c.workload.prompt] = max(tokens.get(c.workload.prompt, 0), c.workload.tokens)
     for prompt, streams in sorted(by_prompt.items()):  # one batched-bench run per prompt length
-        out = _run(batched_bench_cmd(tools["llama-batched-bench"], gguf, n_cpu_moe, threads, [prompt],
+        out = _run(batched_bench_cmd(tools["llama-batched-bench"], gguf, placement, threads, [prompt],
                                      tokens[prompt], sorted(set(streams))), deadline - time.perf_counter(), log)
         buffers = parse_buffers(out)
         for row in parse_batched_bench(out):
@@ -242,7 +291,7 @@ def run_llamacpp_group(group: list[Case], model: Path, tools: dict[str, Path], s
     prefill_rows: dict[int, dict] = {}
     prefill = sorted(p for p, s in by_prompt.items() if p in PREFILL_PROMPTS and 1 in s)
     if prefill:
-        out = _run(llama_bench_cmd(tools["llama-bench"], gguf, n_cpu_moe, threads, prefill,
+        out = _run(llama_bench_cmd(tools["llama-bench"], gguf, placement, threads, prefill,
                                    int(settings.get("llamacpp_repetitions", 3))), deadline - time.perf_counter(), log)
         prefill_rows = {t["n_prompt"]: t for t in parse_llama_bench(out) if t.get("n_gen", 0) == 0}
     recs = []

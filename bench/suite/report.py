@@ -149,7 +149,7 @@ def llamacpp_rows(doc: dict) -> list[dict]:
     (`split`), its Q4_K_M GGUF against strata on that very file (`split-q4_k_m`), or, where no such case was measured,
     against strata's bf16 run (then `strata_weights` is "bf16", not the export's). {name, routing, budget, workload,
     measure ("decode" | "prefill"), strata (the bf16 run's tok/s), strata_q4_k_m, llamacpp: per export {tok_s, ratio,
-    same_run, n_cpu_moe, strata_tok_s, strata_weights, vram, strata_vram}}, the ratios strata / llama.cpp from one
+    same_run, placement, strata_tok_s, strata_weights, vram, strata_vram}}, the ratios strata / llama.cpp from one
     run where one measured both (`pair`)."""
     from bench.suite.cases import STRATA_TWIN
 
@@ -174,7 +174,7 @@ def llamacpp_rows(doc: dict) -> list[dict]:
                 continue
             ours, theirs = a["metrics"].get(f"{measure}_tok_s") if _tok(a) else None, b["metrics"].get(f"{measure}_tok_s")
             row["llamacpp"][label] = {"tok_s": theirs, "ratio": ours / theirs if ours and theirs else None,
-                                      "same_run": same, "n_cpu_moe": (b.get("config") or {}).get("n_cpu_moe"),
+                                      "same_run": same, "placement": _placement(b.get("config") or {}),
                                       "strata_tok_s": ours, "strata_weights": weights,
                                       "vram": b["metrics"].get("peak_vram_bytes"),
                                       "strata_vram": a["metrics"].get("peak_vram_bytes") if _tok(a) else None}
@@ -188,6 +188,12 @@ def llamacpp_rows(doc: dict) -> list[dict]:
     return out
 
 
+def _placement(config: dict) -> str | None:
+    """llama.cpp's expert placement as the table shows it: its -ncmoe, and the stacks -ot moved (older runs
+    recorded -ncmoe alone)."""
+    return config.get("placement") or (str(config["n_cpu_moe"]) if config.get("n_cpu_moe") is not None else None)
+
+
 def llamacpp_table(doc: dict) -> str:
     """The table "strata against llama.cpp" (empty when no llama.cpp case ran), with a note under it when a Q4_K_M
     ratio had to be taken against strata's bf16 run."""
@@ -196,7 +202,7 @@ def llamacpp_table(doc: dict) -> str:
         return ""
     lines = ["| routing | budget | workload | measure | strata bf16 tok/s | llama.cpp bf16 tok/s | "
              "strata / llama.cpp bf16 | strata Q4_K_M tok/s | llama.cpp Q4_K_M tok/s | strata / llama.cpp Q4_K_M | "
-             "--n-cpu-moe | VRAM GiB: strata / llama.cpp bf16 | VRAM GiB: strata / llama.cpp Q4_K_M |",
+             "llama.cpp --n-cpu-moe (+ -ot): bf16 / Q4_K_M | VRAM GiB: strata / llama.cpp bf16 | VRAM GiB: strata / llama.cpp Q4_K_M |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     fallback = False
     for r in rows:
@@ -211,9 +217,9 @@ def llamacpp_table(doc: dict) -> str:
             ours = None if mixed else x.get("strata_vram")  # strata's VRAM on other weights is not shown
             vram.append(f"{_f(ours, 1, 2**30) or '?'} / {_f(x.get('vram'), 1, 2**30) or '?'}"
                         if x.get("vram") or ours else "")
-        ncmoe = sorted({str(x["n_cpu_moe"]) for x in r["llamacpp"].values() if x["n_cpu_moe"] is not None})
+        placed = [(r["llamacpp"].get(label) or {}).get("placement") or "-" for label in LABELS]
         lines.append(f"| {r['routing']} | {r['budget']} | {r['workload']} | {r['measure']} | {' | '.join(cells)} | "
-                     f"{', '.join(ncmoe)} | {' | '.join(vram)} |")
+                     f"{' / '.join(placed)} | {' | '.join(vram)} |")
     if fallback:
         lines += ["", f"Q4_K_M ratios marked `{FALLBACK.strip()}`: no strata case on the Q4_K_M file (`split-q4_k_m`) "
                       "was measured for that row, so they divide strata's bf16 run by llama.cpp's Q4_K_M one: not the "

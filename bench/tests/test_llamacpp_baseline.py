@@ -1,4 +1,4 @@
-"""The suite's `llamacpp` baseline (bench/suite/llamacpp_case.py, llamacpp_build.py): the --n-cpu-moe arithmetic,
+"""The suite's `llamacpp` baseline (bench/suite/llamacpp_case.py, llamacpp_build.py): the expert placement arithmetic,
 parsing of llama.cpp's real tool output (captured from llama-bench and llama-batched-bench of the vendored
 llama.cpp on a tiny GGUF export: bench/tests/data/llamacpp/), the stripped source and its build key, and the report's
 table "strata against llama.cpp". Nothing here builds or runs llama.cpp."""
@@ -26,8 +26,10 @@ from bench.suite.cases import (
     with_baselines,
 )
 from bench.suite.llamacpp_case import (
+    Placement,
     batched_bench_cmd,
-    cpu_moe_layers,
+    expert_placement,
+    expert_tensor_bytes,
     gpu_buffer_bytes,
     layer_expert_bytes,
     llama_bench_cmd,
@@ -49,25 +51,56 @@ def tiny_gguf_model(tmp_path_factory) -> Path:
     return write_demo_model(tmp_path_factory.mktemp("demo") / "tiny", size="tiny", progress=False, engram=False)
 
 
-# --- --n-cpu-moe --------------------------------------------------------------------------------------------
+# --- the expert placement -------------------------------------------------------------------------------------
 
 
-def test_n_cpu_moe_puts_the_most_whole_layers_of_experts_that_fit_the_budget_on_the_gpu():
-    e = 1_207_959_552  # one bench layer's experts in bf16: 128 experts x 3 x 2048 x 768 x 2 bytes
-    layers = dict.fromkeys(range(12), e)
-    assert cpu_moe_layers(layers, 12, 0.25) == (9, 3 * e)  # 25% of 12 layers: exactly 3 (no rounding down to 2)
-    assert cpu_moe_layers(layers, 12, 0.10) == (11, e)  # 1.2 layers: 1
-    assert cpu_moe_layers(layers, 12, 0.50) == (6, 6 * e)
-    assert cpu_moe_layers(layers, 12, 0.0) == (12, 0)  # every layer's experts in RAM (--cpu-moe)
-    assert cpu_moe_layers(layers, 12, None) == (0, 12 * e)  # all in VRAM
+def _stacks(sizes: dict[int, tuple[int, int, int]]) -> dict[int, dict[str, int]]:
+    """Layer -> its gate, up and down stacks' bytes, named as in a GGUF."""
+    return {layer: {f"blk.{layer}.ffn_{k}_exps.weight": b for k, b in zip(("gate", "up", "down"), g, strict=True)}
+            for layer, g in sizes.items()}
+
+
+def test_the_gpu_takes_the_most_whole_layers_of_experts_that_fit_the_budget():
+    third = 402_653_184  # one bench layer's gate (or up, or down) stack in bf16: 128 experts x 2048 x 768 x 2 bytes
+    e = 3 * third
+    layers = _stacks(dict.fromkeys(range(12), (third, third, third)))
+
+    def placed(stacks, n, fraction):
+        p = expert_placement(stacks, n, fraction)
+        return p.n_cpu_moe, p.gpu_bytes, p.cpu_tensors
+
+    assert placed(layers, 12, 0.25) == (9, 3 * e, ())  # 25% of 12 layers: exactly 3 (no rounding down to 2)
+    assert placed(layers, 12, 0.50) == (6, 6 * e, ())
+    assert placed(layers, 12, 0.0) == (12, 0, ())  # every layer's experts in RAM (--cpu-moe)
+    assert placed(layers, 12, None) == (0, 12 * e, ())  # all in VRAM
+    # 1.2 layers: layer 11 whole, and no stack of layer 10 fits the 0.2 layer left
+    assert placed(layers, 12, 0.10) == (11, e, ())
+    # 1.4 layers: layer 11, and one stack of layer 10 on the GPU (-ncmoe 10), its two others in RAM (-ot)
+    n, gpu, cpu = placed(layers, 12, 0.12)
+    assert (n, gpu) == (10, e + third) and len(cpu) == 2 and all(t.startswith("blk.10.") for t in cpu)
     # a dense first layer (DeepSeek's first_k_dense_replace) still counts in N: -ncmoe N names layer indices
-    dense_first = {1: 100, 2: 100}
-    assert cpu_moe_layers(dense_first, 3, 0.5) == (2, 100)
-    assert cpu_moe_layers(dense_first, 3, 1.0) == (0, 200)
-    # layers of unequal size: the tail that fits, never more than the budget
-    uneven = {0: 10, 1: 10, 2: 10, 3: 30}
-    assert cpu_moe_layers(uneven, 4, 0.5) == (3, 30)  # B = 30: layer 3 alone
-    assert cpu_moe_layers(uneven, 4, 0.4) == (4, 0)  # B = 24 < 30: nothing fits
+    dense_first = _stacks({1: (30, 30, 40), 2: (30, 30, 40)})
+    assert placed(dense_first, 3, 0.5) == (2, 100, ())
+    assert placed(dense_first, 3, 1.0) == (0, 200, ())
+
+
+def test_a_partial_layer_puts_the_stacks_with_the_most_bytes_that_fit_on_the_gpu():
+    # the docstring's example: stacks gate 2u, up 2u, down 3u; the last two layers' down 4u (Q4_K_M's extra bits)
+    u = 1000
+    stacks = _stacks({layer: (2 * u, 2 * u, (4 if layer >= 10 else 3) * u) for layer in range(12)})
+    p = expert_placement(stacks, 12, 0.25)  # B = 21.5u: layers 10, 11 (16u), then layer 9's down and gate (5u)
+    assert (p.n_cpu_moe, p.gpu_bytes, p.cpu_tensors) == (9, 21 * u, ("blk.9.ffn_up_exps.weight",))
+    assert p.gpu_bytes <= 0.25 * 86 * u  # never more than strata's budget
+    assert p.args() == ["-ncmoe", "9", "-ot", r"^blk\.9\.ffn_up_exps\.weight$=CPU"]
+    assert p.label == "9 + blk.9 up"
+    # -ot is one regex: neither tool's list separators (',' and ';') in it
+    two = Placement(4, ("blk.4.ffn_gate_exps.weight", "blk.4.ffn_up_exps.weight"), 0)
+    assert "," not in two.args()[3] and ";" not in two.args()[3] and two.label == "4 + blk.4 gate/up"
+    # unequal layers: the whole-layer tail first, never more than the budget
+    uneven = _stacks({0: (3, 3, 4), 1: (3, 3, 4), 2: (3, 3, 4), 3: (10, 10, 10)})
+    assert expert_placement(uneven, 4, 0.5).gpu_bytes == 30  # B = 30: layer 3 alone
+    p = expert_placement(uneven, 4, 0.4)  # B = 24 < 30: no whole layer; two of layer 3's stacks (20)
+    assert (p.n_cpu_moe, p.gpu_bytes, len(p.cpu_tensors)) == (3, 20, 1)
 
 
 def test_the_expert_bytes_per_layer_come_from_the_gguf_export(tiny_gguf_model, tmp_path):
@@ -80,16 +113,23 @@ def test_the_expert_bytes_per_layer_come_from_the_gguf_export(tiny_gguf_model, t
     experts, hidden, inter = cfg["n_routed_experts"], cfg["hidden_size"], cfg["moe_intermediate_size"]
     moe = range(cfg["first_k_dense_replace"], cfg["num_hidden_layers"])
     assert per_layer == dict.fromkeys(moe, experts * 3 * hidden * inter * 2)  # gate, up, down in bf16; no shared ones
+    stacks = expert_tensor_bytes(gguf)
+    assert {layer: sorted(t) for layer, t in stacks.items()} == {
+        layer: [f"blk.{layer}.ffn_{k}_exps.weight" for k in ("down", "gate", "up")] for layer in moe}
 
 
 def test_the_tool_commands_carry_the_placement_threads_and_flash_attention():
-    cmd = batched_bench_cmd(Path("/b/llama-batched-bench"), Path("m.gguf"), 9, 16, [128], 64, [1, 4, 8])
+    whole, part = Placement(9, (), 0), Placement(8, ("blk.8.ffn_up_exps.weight",), 0)
+    cmd = batched_bench_cmd(Path("/b/llama-batched-bench"), Path("m.gguf"), whole, 16, [128], 64, [1, 4, 8])
     s = " ".join(cmd)
-    assert "-ngl 99 -ncmoe 9 -t 16" in s and "-fa on" in s and "--output-format" not in s
+    assert "-ngl 99 -ncmoe 9 -t 16" in s and "-fa on" in s and "--output-format" not in s and "-ot" not in s
     assert "-npp 128 -ntg 64 -npl 1,4,8" in s
     assert int(cmd[cmd.index("-c") + 1]) >= 8 * (128 + 64)  # eight sequences, each its own prompt and tokens
-    s = " ".join(llama_bench_cmd(Path("/b/llama-bench"), Path("m.gguf"), 9, 16, [512, 8192], 3))
+    s = " ".join(llama_bench_cmd(Path("/b/llama-bench"), Path("m.gguf"), whole, 16, [512, 8192], 3))
     assert "-ncmoe 9" in s and "-fa 1" in s and "-p 512,8192 -n 0 -r 3 -o json" in s
+    for cmd in (batched_bench_cmd(Path("b"), Path("m.gguf"), part, 16, [128], 64, [1]),
+                llama_bench_cmd(Path("b"), Path("m.gguf"), part, 16, [512], 3)):
+        assert cmd[cmd.index("-ncmoe"):cmd.index("-ncmoe") + 4] == ["-ncmoe", "8", "-ot", part.args()[3]]
 
 
 # --- parsing the tools' real output ----------------------------------------------------------------------------
@@ -235,7 +275,8 @@ def test_a_group_turns_the_tools_output_into_records(tiny_gguf_model, tmp_path):
         assert m["decode_tok_s"] == pytest.approx(rows[streams]["speed_tg"], rel=1e-3)
         assert m["slowest_stream_tok_s"] == pytest.approx(rows[streams]["speed_tg"] / streams, rel=1e-3)
         assert m["ttft_s"] == pytest.approx(rows[streams]["t_pp"], rel=1e-3)
-        assert rec["config"]["n_cpu_moe"] == 2  # the tiny model: dense layer 0, 2 MoE layers, half of them on the GPU
+        # the tiny model: dense layer 0, 2 MoE layers, half of them on the GPU: layer 2 whole
+        assert (rec["config"]["n_cpu_moe"], rec["config"]["cpu_tensors"], rec["config"]["placement"]) == (2, [], "2")
     doc = {**_doc(), "cases": recs}
     assert results.validate(doc) == []
     assert Path(recs[0]["config"]["gguf"]).is_file()  # exported once, under the llama.cpp root
@@ -279,10 +320,10 @@ def test_the_table_strata_against_llamacpp_from_a_results_file(tmp_path):
     lines = table.splitlines()
     assert len(lines) == 2 + 3 + 2  # header, rule, one row per split case with a llama.cpp twin; the note
     # no strata Q4_K_M case here: the Q4_K_M ratio is strata's bf16 run over llama.cpp's Q4_K_M, and says so
-    assert ("| uniform | b25 | p128x1 | decode | 30.00 | 20.00 | 1.50x |  | 40.00 | 0.75x (strata bf16) | 9 | "
+    assert ("| uniform | b25 | p128x1 | decode | 30.00 | 20.00 | 1.50x |  | 40.00 | 0.75x (strata bf16) | 9 / 9 | "
             "5.0 / 4.5 |  |") in lines
-    assert "| uniform | b25 | p128x8 | decode | 120.00 | 60.00 | 2.00x |  |  |  | 9 |  |  |" in lines
-    assert "| uniform | b25 | p8192x1 | prefill | 4,000.00 | 1,000.00 | 4.00x |  |  |  | 9 |  |  |" in lines  # prefill tok/s
+    assert "| uniform | b25 | p128x8 | decode | 120.00 | 60.00 | 2.00x |  |  |  | 9 / - |  |  |" in lines
+    assert "| uniform | b25 | p8192x1 | prefill | 4,000.00 | 1,000.00 | 4.00x |  |  |  | 9 / - |  |  |" in lines  # prefill tok/s
     assert lines[-1].startswith("Q4_K_M ratios marked `(strata bf16)`: no strata case on the Q4_K_M file")
     md = report.render(doc, "python -m bench run --suite llamacpp", "suite.png", "suite-llamacpp.png")
     assert "### strata against llama.cpp" in md and "![strata / llama.cpp per case](suite-llamacpp.png)" in md
@@ -300,8 +341,17 @@ def test_all_in_vram_pairs_llamacpp_with_strata_s_ceiling(tmp_path):
     row = next(r for r in report.llamacpp_rows(doc) if r["budget"] == "all")
     assert row["strata"] == 90.0 and row["llamacpp"]["bf16"]["ratio"] == pytest.approx(2.0)
     assert row["strata_q4_k_m"] == 100.0 and row["llamacpp"]["Q4_K_M"]["ratio"] == pytest.approx(1.25)
-    assert "| uniform | all | p128x1 | decode | 90.00 | 45.00 | 2.00x | 100.00 | 80.00 | 1.25x | 0 |" in \
+    assert "| uniform | all | p128x1 | decode | 90.00 | 45.00 | 2.00x | 100.00 | 80.00 | 1.25x | 0 / 0 |" in \
         report.llamacpp_table(doc)
+
+
+def test_the_table_names_the_stacks_ot_kept_in_ram(tmp_path):
+    doc = _doc()
+    doc["cases"] = [_ok("split/b25/uniform/p128x1", 30.0), _ok("split-q4_k_m/b25/uniform/p128x1", 50.0),
+                    _ok("llamacpp/b25/uniform/p128x1", 20.0, n_cpu_moe=9, placement="9"),
+                    _ok("llamacpp-q4_k_m/b25/uniform/p128x1", 40.0, n_cpu_moe=9, placement="9 + blk.9 up")]
+    doc = results.load([results.write(doc, tmp_path)])
+    assert "| 1.25x | 9 / 9 + blk.9 up |" in report.llamacpp_table(doc)
 
 
 def test_a_ratio_comes_from_one_run(tmp_path):
@@ -364,7 +414,8 @@ def test_bench_run_with_the_llamacpp_baseline_on_cpu(tmp_path):
     strata, llama = doc["cases"]
     assert strata["status"] == "ok" and llama["status"] == "ok", (strata.get("reason"), llama.get("reason"))
     assert llama["metrics"]["decode_tok_s"] == 777.23  # the table's one-stream row
-    assert llama["config"]["n_cpu_moe"] == 3  # 25% of the tiny model's two MoE layers: no whole layer fits
+    # 25% of the tiny model's two MoE layers: no whole layer fits, one of layer 2's three equal stacks does
+    assert llama["config"]["n_cpu_moe"] == 2 and len(llama["config"]["cpu_tensors"]) == 2
     ratio = strata["metrics"]["decode_tok_s"] / 777.23
     md = (out / "suite.md").read_text()
     assert f"| uniform | b25 | p128x1 | decode | {strata['metrics']['decode_tok_s']:,.2f} | 777.23 | {ratio:,.2f}x |" in md

@@ -194,12 +194,13 @@ def test_the_q4_k_m_ratio_takes_strata_on_q4_k_m_and_says_when_it_falls_back_to_
         _ok("llamacpp-q4_k_m/b25/uniform/p8192x1", 10.0, prefill=1000.0, n_cpu_moe=9),
     ]), tmp_path)])
     lines = report.llamacpp_table(doc).splitlines()
-    # strata bf16 | llama.cpp bf16 | ratio | strata Q4_K_M | llama.cpp Q4_K_M | ratio | -ncmoe | VRAM bf16 | VRAM Q4_K_M
-    assert "| uniform | b25 | p128x1 | decode | 30.00 | 20.00 | 1.50x | 50.00 | 40.00 | 1.25x | 9 |  |  |" in lines
-    assert "| uniform | b25 | p128x8 | decode | 120.00 |  |  | 90.00 | 60.00 | 1.50x | 9 |  |  |" in lines
-    assert "| uniform | b25 | p8192x1 | prefill |  |  |  | 3,000.00 | 1,000.00 | 3.00x | 9 |  |  |" in lines
+    # strata bf16 | llama.cpp bf16 | ratio | strata Q4_K_M | llama.cpp Q4_K_M | ratio | -ncmoe bf16 / Q4_K_M | VRAM bf16 |
+    # VRAM Q4_K_M
+    assert "| uniform | b25 | p128x1 | decode | 30.00 | 20.00 | 1.50x | 50.00 | 40.00 | 1.25x | 9 / 9 |  |  |" in lines
+    assert "| uniform | b25 | p128x8 | decode | 120.00 |  |  | 90.00 | 60.00 | 1.50x | - / 9 |  |  |" in lines
+    assert "| uniform | b25 | p8192x1 | prefill |  |  |  | 3,000.00 | 1,000.00 | 3.00x | - / 9 |  |  |" in lines
     # no strata Q4_K_M case for 4 streams: strata's bf16 run, marked, and the note under the table says so
-    assert "| uniform | b25 | p128x4 | decode | 100.00 |  |  |  | 80.00 | 1.25x (strata bf16) | 9 |  |  |" in lines
+    assert "| uniform | b25 | p128x4 | decode | 100.00 |  |  |  | 80.00 | 1.25x (strata bf16) | - / 9 |  |  |" in lines
     assert any(line.startswith("Q4_K_M ratios marked `(strata bf16)`") for line in lines)
     rows = {r["workload"]: r for r in report.llamacpp_rows(doc)}
     assert rows["p128x1"]["strata"] == 30.0 and rows["p128x1"]["strata_q4_k_m"] == 50.0
