@@ -157,23 +157,35 @@ def physical_cores() -> int:
 
 
 def common_args(gguf: Path, placement: Placement, threads: int) -> list[str]:
-    """Placement and threads, shared by both tools (flash attention is spelled differently by each)."""
-    return ["-m", str(gguf), "-ngl", "99", *placement.args(), "-t", str(threads)]
+    """Placement, threads and loading, shared by both tools (flash attention is spelled differently by each).
+    `-lm none` reads the weights instead of mapping the file, as llama.cpp's loader advises when tensors are
+    overridden to the CPU: its RAM-resident experts then sit in pinned host buffers, from which a batch of 32+
+    tokens copies them to the GPU at the link's full rate (mapped pages copy at a fraction of it)."""
+    return ["-m", str(gguf), "-ngl", "99", *placement.args(), "-t", str(threads), "-lm", "none"]
+
+
+def prompt_batch(prompts: list[int]) -> int:
+    """llama.cpp's batch and micro-batch for these prompt lengths: strata's prefill chunk for a prompt alone
+    (strata_case.engine_config: the longest prompt, 2,048 to 8,192 tokens), so that both engines move each
+    RAM-resident expert to the GPU once a chunk (llama.cpp copies them once a micro-batch; its default is 512)."""
+    return max(2048, min(max(prompts), 8192))
 
 
 def batched_bench_cmd(tool: Path, gguf: Path, placement: Placement, threads: int, prompts: list[int], tokens: int,
                       streams: list[int]) -> list[str]:
     ctx = max(streams) * (max(prompts) + tokens) + 64  # every sequence its own prompt and tokens (not shared)
-    return [str(tool), *common_args(gguf, placement, threads), "-fa", "on", "-c", str(ctx), "-b", "2048",
-            "-ub", "512", "-npp", ",".join(map(str, prompts)), "-ntg", str(tokens),
+    batch = str(prompt_batch(prompts))
+    return [str(tool), *common_args(gguf, placement, threads), "-fa", "on", "-c", str(ctx), "-b", batch,
+            "-ub", batch, "-npp", ",".join(map(str, prompts)), "-ntg", str(tokens),
             "-npl", ",".join(map(str, streams)), "-lv", "4"]  # its table (the jsonl output loses its last row);
     # -lv 4: its buffer sizes (parse_buffers)
 
 
 def llama_bench_cmd(tool: Path, gguf: Path, placement: Placement, threads: int, prompts: list[int],
                     repetitions: int) -> list[str]:
-    return [str(tool), *common_args(gguf, placement, threads), "-fa", "1", "-p", ",".join(map(str, prompts)),
-            "-n", "0", "-r", str(repetitions), "-o", "json"]
+    batch = str(prompt_batch(prompts))
+    return [str(tool), *common_args(gguf, placement, threads), "-fa", "1", "-b", batch, "-ub", batch,
+            "-p", ",".join(map(str, prompts)), "-n", "0", "-r", str(repetitions), "-o", "json"]
 
 
 def parse_batched_bench(text: str) -> list[dict]:

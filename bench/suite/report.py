@@ -353,8 +353,10 @@ def render(doc: dict, command: str | None = None, plot: str | None = None, llama
                   "its bf16 GGUF export; both Q4_K_M rows run one GGUF export with the routed experts in Q4_K_M "
                   "(strata's: `split-q4_k_m`), each budget the same fraction of the routed-expert bytes of the "
                   "weights run (the Q4_K_M rows: the Q4_K_M file's). llama.cpp holds every layer on the GPU "
-                  "but the routed experts of its first `--n-cpu-moe` layers, the most whole layers of experts that fit "
-                  "the budget (bench/suite/llamacpp_case.py); flash attention on, `-t` the physical cores. Decode: "
+                  "but the routed experts of its first `--n-cpu-moe` layers: the most whole layers of experts that fit "
+                  "the budget, then the expert stacks of the next layer that fit what is left (`-ot` keeps its others "
+                  "in RAM; bench/suite/llamacpp_case.py). Flash attention on, `-t` the physical cores, weights read "
+                  "into pinned host buffers (`-lm none`), batches of strata's prefill chunk. Decode: "
                   "`llama-batched-bench` (all streams' tokens over the decode time); prefill: `llama-bench` (mean of its "
                   "repetitions). Ratios above 1: strata faster. VRAM: strata's peak (torch's allocator) against the "
                   "CUDA buffers llama.cpp reports (model, KV cache, compute).", "", versus]

@@ -122,11 +122,11 @@ def test_the_tool_commands_carry_the_placement_threads_and_flash_attention():
     whole, part = Placement(9, (), 0), Placement(8, ("blk.8.ffn_up_exps.weight",), 0)
     cmd = batched_bench_cmd(Path("/b/llama-batched-bench"), Path("m.gguf"), whole, 16, [128], 64, [1, 4, 8])
     s = " ".join(cmd)
-    assert "-ngl 99 -ncmoe 9 -t 16" in s and "-fa on" in s and "--output-format" not in s and "-ot" not in s
-    assert "-npp 128 -ntg 64 -npl 1,4,8" in s
+    assert "-ngl 99 -ncmoe 9 -t 16 -lm none" in s and "-fa on" in s and "--output-format" not in s and "-ot" not in s
+    assert "-b 2048 -ub 2048 -npp 128 -ntg 64 -npl 1,4,8" in s  # strata's prefill chunk for a 128-token prompt
     assert int(cmd[cmd.index("-c") + 1]) >= 8 * (128 + 64)  # eight sequences, each its own prompt and tokens
     s = " ".join(llama_bench_cmd(Path("/b/llama-bench"), Path("m.gguf"), whole, 16, [512, 8192], 3))
-    assert "-ncmoe 9" in s and "-fa 1" in s and "-p 512,8192 -n 0 -r 3 -o json" in s
+    assert "-ncmoe 9" in s and "-lm none" in s and "-fa 1 -b 8192 -ub 8192 -p 512,8192 -n 0 -r 3 -o json" in s
     for cmd in (batched_bench_cmd(Path("b"), Path("m.gguf"), part, 16, [128], 64, [1]),
                 llama_bench_cmd(Path("b"), Path("m.gguf"), part, 16, [512], 3)):
         assert cmd[cmd.index("-ncmoe"):cmd.index("-ncmoe") + 4] == ["-ncmoe", "8", "-ot", part.args()[3]]
