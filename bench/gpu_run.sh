@@ -30,9 +30,10 @@
 #   newarch-pause  on that model (written by newarch, or now), a 64K-token prompt at the 25% budget while 4 users
 #                decode: bench/serving.py's pause                                 -> $OUT/newarch/ARCH/serving.json
 #   tiered       one stream at 25% of the experts' bytes in VRAM (split/b25/uniform/p128x1) on the 12-layer Qwen3 bench
-#                model and the new architectures' bench models (deepseek_v4 2 layers, qwen3_5_moe 4), in one call, so
-#                their tiered roofline fractions (the CPU rate measured on each host) compare; ARCHS narrows it
-#                (qwen3 and one other fit a 10-minute command: ARCHS="qwen3 deepseek_v4")  -> $OUT/tiered/ARCH/suite.json
+#                model and the new architectures' bench models (qwen3_5_moe at the same 12 layers, so that its LM head
+#                and the step's other fixed work weigh as much as Qwen3's; deepseek_v4 at 2, all a host's RAM holds), in
+#                one call, so their tiered roofline fractions (the CPU rate measured on that host) compare; ARCHS
+#                narrows it                                                     -> $OUT/tiered/ARCH/suite.json
 #   llamacpp-build  llama.cpp's llama-bench and llama-batched-bench for CUDA sm_90, from the stripped source that
 #                `wheels` packed (.gpu/llama.cpp-src.tar.gz), into ~/.cache/strata/bench/llamacpp (ninja resumes a
 #                build a time limit cut short: run the step again)              -> $OUT/llamacpp-build.txt
@@ -199,9 +200,10 @@ print(int(0.25 * model_facts(Path('$model'))[1]['expert_bytes_total']))") || ret
         if [ "$a" = qwen3 ]; then
           args+=(--layers 12)
         else
-          model="$SCRATCH/newarch-$a"
+          local layers; layers=$([ "$a" = deepseek_v4 ] && echo 2 || echo 12)
+          model="$SCRATCH/tiered-$a-$layers"
           [ -d "$model" ] || timeout 200 python3 -m strata demo-model "$model" --arch "$a" --size bench --no-engram \
-            --layers "$([ "$a" = deepseek_v4 ] && echo 2 || echo 4)" > /dev/null || { rc=1; continue; }
+            --layers "$layers" > /dev/null || { rc=1; continue; }
           args+=(--model "$model")
         fi
         timeout "$per" python3 -m bench run "${args[@]}" 2>&1 | grep -E 'tok/s|rror|skipped'
