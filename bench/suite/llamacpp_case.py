@@ -28,8 +28,8 @@ import shutil
 import subprocess
 import time
 from concurrent.futures import Future
-from dataclasses import dataclass
 from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
 from pathlib import Path
 
 from bench.suite.cases import Case
@@ -256,7 +256,8 @@ def _metrics(decode: dict | None, prefill: dict | None, prompt: int) -> dict:
                  prefill_tok_s=round(decode["speed_pp"], 2), ttft_s=round(decode["t_pp"], 4), tokens=decode["tg"])
         buffers = decode.get("buffers") or {}
         # peak VRAM: what llama.cpp allocated on the GPU for that run (its CUDA buffers; the CUDA context not counted)
-        m.update(peak_vram_bytes=gpu_buffer_bytes(buffers), llamacpp_buffers=buffers)
+        m.update(peak_vram_bytes=gpu_buffer_bytes(buffers), llamacpp_buffers=buffers,
+                 kv_reserved_bytes=gpu_buffer_bytes({k: {"KV": v.get("KV", 0)} for k, v in buffers.items()}))
     if prefill:  # llama-bench's mean over its repetitions replaces the one batched-bench prefill
         m.update(prefill_tok_s=round(prefill["avg_ts"], 2), ttft_s=round(prompt / prefill["avg_ts"], 4),
                  prefill_stddev_tok_s=round(prefill.get("stddev_ts", 0.0), 2))

@@ -177,7 +177,9 @@ def llamacpp_rows(doc: dict) -> list[dict]:
                                       "same_run": same, "placement": _placement(b.get("config") or {}),
                                       "strata_tok_s": ours, "strata_weights": weights,
                                       "vram": b["metrics"].get("peak_vram_bytes"),
-                                      "strata_vram": a["metrics"].get("peak_vram_bytes") if _tok(a) else None}
+                                      "strata_vram": a["metrics"].get("peak_vram_bytes") if _tok(a) else None,
+                                      "kv": b["metrics"].get("kv_reserved_bytes"),
+                                      "strata_kv": a["metrics"].get("kv_reserved_bytes") if _tok(a) else None}
             key_of = "strata" if weights == "bf16" else "strata_q4_k_m"
             row[key_of] = row[key_of] if row[key_of] is not None else ours
         if row["llamacpp"]:
@@ -186,6 +188,13 @@ def llamacpp_rows(doc: dict) -> list[dict]:
                 row["strata"] = cases[f"{bf16}/{key}"]["metrics"].get(f"{measure}_tok_s")
             out.append(row)
     return out
+
+
+def _vram(total: float | None, kv: float | None) -> str:
+    """A VRAM cell's side: GiB, with the KV cache's share where the run recorded it ("6.6 (1.5)")."""
+    if not total:
+        return "?"
+    return _f(total, 1, 2**30) + (f" ({_f(kv, 1, 2**30)})" if kv is not None else "")
 
 
 def _placement(config: dict) -> str | None:
@@ -202,7 +211,8 @@ def llamacpp_table(doc: dict) -> str:
         return ""
     lines = ["| routing | budget | workload | measure | strata bf16 tok/s | llama.cpp bf16 tok/s | "
              "strata / llama.cpp bf16 | strata Q4_K_M tok/s | llama.cpp Q4_K_M tok/s | strata / llama.cpp Q4_K_M | "
-             "llama.cpp --n-cpu-moe (+ -ot): bf16 / Q4_K_M | VRAM GiB: strata / llama.cpp bf16 | VRAM GiB: strata / llama.cpp Q4_K_M |",
+             "llama.cpp --n-cpu-moe (+ -ot): bf16 / Q4_K_M | VRAM GiB (KV cache): strata / llama.cpp bf16 | "
+             "VRAM GiB (KV cache): strata / llama.cpp Q4_K_M |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     fallback = False
     for r in rows:
@@ -215,8 +225,8 @@ def llamacpp_table(doc: dict) -> str:
                      if x.get("ratio") else "")
             cells += ([_f(r["strata_q4_k_m"], 2)] if label == "Q4_K_M" else []) + [_f(x.get("tok_s"), 2), ratio]
             ours = None if mixed else x.get("strata_vram")  # strata's VRAM on other weights is not shown
-            vram.append(f"{_f(ours, 1, 2**30) or '?'} / {_f(x.get('vram'), 1, 2**30) or '?'}"
-                        if x.get("vram") or ours else "")
+            ours_kv = None if mixed else x.get("strata_kv")
+            vram.append(f"{_vram(ours, ours_kv)} / {_vram(x.get('vram'), x.get('kv'))}" if x.get("vram") or ours else "")
         placed = [(r["llamacpp"].get(label) or {}).get("placement") or "-" for label in LABELS]
         lines.append(f"| {r['routing']} | {r['budget']} | {r['workload']} | {r['measure']} | {' | '.join(cells)} | "
                      f"{' / '.join(placed)} | {' | '.join(vram)} |")

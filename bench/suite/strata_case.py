@@ -231,6 +231,9 @@ def run_workload(engine, scheduler, w: Workload, vocab: int, device: str, reprod
         # layer since start-up, prefill and warm-up included)
         "mailbox_window": decode["mailbox"],
         **peaks.read(),
+        # of that peak, the KV cache the planner reserved for the engine's max_batch x max_context (the suite sizes
+        # one engine for its group's largest workload, so a 128-token case holds the 8K case's cache)
+        "kv_reserved_bytes": engine.plan.kv_bytes if engine.plan is not None and peaks.cuda else None,
     }
     return {"metrics": metrics, "decode": decode, "window_tokens": window_tokens}
 

@@ -27,6 +27,7 @@ from bench.suite.cases import (
 )
 from bench.suite.llamacpp_case import (
     Placement,
+    _metrics,
     batched_bench_cmd,
     expert_placement,
     expert_tensor_bytes,
@@ -164,6 +165,9 @@ def test_the_buffer_sizes_say_what_llama_cpp_put_in_vram():
             "I sched_reserve:      CUDA0 compute buffer size =   300.50 MiB\n"
             "I sched_reserve:  CUDA_Host compute buffer size =    20.00 MiB\n")
     assert gpu_buffer_bytes(parse_buffers(cuda)) == round((4096 + 144 + 300.5) * 2**20)
+    row = {"pl": 1, "speed_tg": 50.0, "speed_pp": 400.0, "t_pp": 0.32, "tg": 64, "buffers": parse_buffers(cuda)}
+    m = _metrics(row, None, 128)
+    assert (m["peak_vram_bytes"], m["kv_reserved_bytes"]) == (round((4096 + 144 + 300.5) * 2**20), 144 * 2**20)
 
 
 def test_llama_bench_json_parses_to_its_prefill_tests():
@@ -285,12 +289,13 @@ def test_a_group_turns_the_tools_output_into_records(tiny_gguf_model, tmp_path):
 # --- the report -----------------------------------------------------------------------------------------------
 
 
-def _ok(name: str, decode: float, prefill: float = 1000.0, vram: float | None = None, **config) -> dict:
+def _ok(name: str, decode: float, prefill: float = 1000.0, vram: float | None = None, kv: float | None = None,
+        **config) -> dict:
     variant, budget, routing, wl = name.split("/")
     prompt, streams = (int(x) for x in wl[1:].split("x"))
     m = dict.fromkeys(results.METRICS)
     m.update(decode_tok_s=decode, slowest_stream_tok_s=decode / streams, prefill_tok_s=prefill, bytes_per_token={},
-             peak_vram_bytes=vram)
+             peak_vram_bytes=vram, kv_reserved_bytes=kv)
     return {"name": name, "variant": variant, "routing": routing, "group": "grid", "status": "ok", "reason": None,
             "budget": {"gpu_fraction": 0.25, "ram_fraction": None},
             "workload": {"prompt": prompt, "streams": streams, "tokens": 64}, "metrics": m, "roofline": None,
@@ -345,13 +350,17 @@ def test_all_in_vram_pairs_llamacpp_with_strata_s_ceiling(tmp_path):
         report.llamacpp_table(doc)
 
 
-def test_the_table_names_the_stacks_ot_kept_in_ram(tmp_path):
+def test_the_table_names_the_stacks_ot_kept_in_ram_and_the_kv_caches_in_vram(tmp_path):
     doc = _doc()
-    doc["cases"] = [_ok("split/b25/uniform/p128x1", 30.0), _ok("split-q4_k_m/b25/uniform/p128x1", 50.0),
-                    _ok("llamacpp/b25/uniform/p128x1", 20.0, n_cpu_moe=9, placement="9"),
+    doc["cases"] = [_ok("split/b25/uniform/p128x1", 30.0, vram=6.6 * 2**30, kv=1.5 * 2**30),
+                    _ok("split-q4_k_m/b25/uniform/p128x1", 50.0),
+                    _ok("llamacpp/b25/uniform/p128x1", 20.0, vram=4.9 * 2**30, kv=0.05 * 2**30, n_cpu_moe=9,
+                        placement="9"),
                     _ok("llamacpp-q4_k_m/b25/uniform/p128x1", 40.0, n_cpu_moe=9, placement="9 + blk.9 up")]
     doc = results.load([results.write(doc, tmp_path)])
-    assert "| 1.25x | 9 / 9 + blk.9 up |" in report.llamacpp_table(doc)
+    table = report.llamacpp_table(doc)
+    # the placement column, and each VRAM side with its KV cache where the run recorded it
+    assert "| 1.25x | 9 / 9 + blk.9 up | 6.6 (1.5) / 4.9 (0.1) |  |" in table
 
 
 def test_a_ratio_comes_from_one_run(tmp_path):
