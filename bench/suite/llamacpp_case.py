@@ -21,6 +21,7 @@ cases' records.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -33,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bench.suite.cases import Case
-from bench.suite.strata_case import record
+from bench.suite.strata_case import prefill_chunk, record
 
 GGUF_OF_VARIANT = {"llamacpp": "bf16", "llamacpp-q4_k_m": "q4_k_m"}
 EXPS = re.compile(r"^blk\.(\d+)\.ffn_(up|down|gate|gate_up)_(ch|)exps\.")  # llama.cpp's LLM_FFN_EXPS_REGEX
@@ -105,15 +106,12 @@ def expert_placement(tensors: dict[int, dict[str, int]], num_layers: int, gpu_fr
         n = layer
     stacks = tensors.get(n - 1, {}) if n > 0 else {}
     names = sorted(stacks)
-    best: tuple[int, tuple[str, ...]] = (0, ())
-    for mask in range(1, 2 ** len(names) - 1) if len(names) <= 6 else ():  # a proper, non-empty subset on the GPU
-        chosen = tuple(t for i, t in enumerate(names) if mask >> i & 1)
-        size = sum(stacks[t] for t in chosen)
-        if on_gpu + size <= budget and size > best[0]:
-            best = (size, chosen)
-    if not best[1]:
+    subsets = (c for r in range(1, len(names)) for c in itertools.combinations(names, r))  # proper, non-empty
+    fitting = ((sum(stacks[t] for t in c), c) for c in subsets)
+    size, chosen = max((f for f in fitting if on_gpu + f[0] <= budget), key=lambda f: f[0], default=(0, ()))
+    if not chosen:
         return Placement(n, (), on_gpu)
-    return Placement(n - 1, tuple(t for t in names if t not in best[1]), on_gpu + best[0])
+    return Placement(n - 1, tuple(t for t in names if t not in chosen), on_gpu + size)
 
 
 def gguf_path(model: Path, export: str, settings: dict) -> Path:
@@ -164,27 +162,22 @@ def common_args(gguf: Path, placement: Placement, threads: int) -> list[str]:
     return ["-m", str(gguf), "-ngl", "99", *placement.args(), "-t", str(threads), "-lm", "none"]
 
 
-def prompt_batch(prompts: list[int]) -> int:
-    """llama.cpp's batch and micro-batch for these prompt lengths: strata's prefill chunk for a prompt alone
-    (strata_case.engine_config: the longest prompt, 2,048 to 8,192 tokens), so that both engines move each
-    RAM-resident expert to the GPU once a chunk (llama.cpp copies them once a micro-batch; its default is 512)."""
-    return max(2048, min(max(prompts), 8192))
-
-
 def batched_bench_cmd(tool: Path, gguf: Path, placement: Placement, threads: int, prompts: list[int], tokens: int,
-                      streams: list[int]) -> list[str]:
+                      streams: list[int], batch: int) -> list[str]:
+    """`batch`: -b and -ub, strata's prefill chunk for these prompts (`strata_case.prefill_chunk`), so that both
+    engines move each RAM-resident expert to the GPU once a chunk (llama.cpp copies them once a micro-batch; its
+    default is 512)."""
     ctx = max(streams) * (max(prompts) + tokens) + 64  # every sequence its own prompt and tokens (not shared)
-    batch = str(prompt_batch(prompts))
-    return [str(tool), *common_args(gguf, placement, threads), "-fa", "on", "-c", str(ctx), "-b", batch,
-            "-ub", batch, "-npp", ",".join(map(str, prompts)), "-ntg", str(tokens),
+    return [str(tool), *common_args(gguf, placement, threads), "-fa", "on", "-c", str(ctx), "-b", str(batch),
+            "-ub", str(batch), "-npp", ",".join(map(str, prompts)), "-ntg", str(tokens),
             "-npl", ",".join(map(str, streams)), "-lv", "4"]  # its table (the jsonl output loses its last row);
     # -lv 4: its buffer sizes (parse_buffers)
 
 
 def llama_bench_cmd(tool: Path, gguf: Path, placement: Placement, threads: int, prompts: list[int],
-                    repetitions: int) -> list[str]:
-    batch = str(prompt_batch(prompts))
-    return [str(tool), *common_args(gguf, placement, threads), "-fa", "1", "-b", batch, "-ub", batch,
+                    repetitions: int, batch: int) -> list[str]:
+    """`batch`: -b and -ub, as `batched_bench_cmd`'s."""
+    return [str(tool), *common_args(gguf, placement, threads), "-fa", "1", "-b", str(batch), "-ub", str(batch),
             "-p", ",".join(map(str, prompts)), "-n", "0", "-r", str(repetitions), "-o", "json"]
 
 
@@ -281,6 +274,7 @@ def run_llamacpp_group(group: list[Case], model: Path, tools: dict[str, Path], s
     num_layers = int(reader.fields[f"{arch}.block_count"].parts[-1][0])
     placement = expert_placement(stacks, num_layers, first.gpu_fraction)
     threads = int(settings.get("llamacpp_threads") or physical_cores())
+    token_budget = int(settings.get("token_budget", 2048))
     config = {"gguf": str(gguf), "experts": export, "n_cpu_moe": placement.n_cpu_moe,
               "cpu_tensors": list(placement.cpu_tensors), "placement": placement.label,
               "gpu_expert_bytes": placement.gpu_bytes, "expert_bytes_total": total, "threads": threads,
@@ -297,7 +291,8 @@ def run_llamacpp_group(group: list[Case], model: Path, tools: dict[str, Path], s
         tokens[c.workload.prompt] = max(tokens.get(c.workload.prompt, 0), c.workload.tokens)
     for prompt, streams in sorted(by_prompt.items()):  # one batched-bench run per prompt length
         out = _run(batched_bench_cmd(tools["llama-batched-bench"], gguf, placement, threads, [prompt],
-                                     tokens[prompt], sorted(set(streams))), deadline - time.perf_counter(), log)
+                                     tokens[prompt], sorted(set(streams)), prefill_chunk([prompt], token_budget)),
+                   deadline - time.perf_counter(), log)
         buffers = parse_buffers(out)
         for row in parse_batched_bench(out):
             decode_rows[(row["pp"], row["pl"])] = {**row, "buffers": buffers}
@@ -305,7 +300,8 @@ def run_llamacpp_group(group: list[Case], model: Path, tools: dict[str, Path], s
     prefill = sorted(p for p, s in by_prompt.items() if p in PREFILL_PROMPTS and 1 in s)
     if prefill:
         out = _run(llama_bench_cmd(tools["llama-bench"], gguf, placement, threads, prefill,
-                                   int(settings.get("llamacpp_repetitions", 3))), deadline - time.perf_counter(), log)
+                                   int(settings.get("llamacpp_repetitions", 3)), prefill_chunk(prefill, token_budget)),
+                   deadline - time.perf_counter(), log)
         prefill_rows = {t["n_prompt"]: t for t in parse_llama_bench(out) if t.get("n_gen", 0) == 0}
     recs = []
     for c in group:

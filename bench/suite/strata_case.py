@@ -24,13 +24,19 @@ from bench.suite.roofline import ModelFacts, Rates, fraction, roofline
 from strata.runtime.offload.mailbox import CpuMailbox
 
 
+def prefill_chunk(prompts: list[int], token_budget: int) -> int:
+    """The prompt tokens a prefill pass takes in the suite: a prompt alone prefills in chunks of
+    runtime.prefill_chunk (the scheduler's idle budget), set to the longest prompt, up to 8192 tokens (at least the
+    scheduler's token budget), so each cold expert crosses PCIe once per prompt. llama.cpp's cases batch prompts the
+    same (llamacpp_case)."""
+    return max(token_budget, min(max(prompts), 8192))
+
+
 def engine_config(case: Case, summary: dict, settings: dict, workloads: list[Workload]) -> dict:
     """The strata.config dict for `case` (sections as in config.toml)."""
     expert_total = summary["expert_bytes_total"]
     longest = max(w.prompt + w.tokens for w in workloads)
-    # a prompt alone prefills in chunks of runtime.prefill_chunk (the scheduler's idle budget): the longest
-    # prompt in one chunk, up to 8192 tokens, so each cold expert crosses PCIe once per prompt
-    chunk = max(settings["token_budget"], min(max(w.prompt for w in workloads), 8192))
+    chunk = prefill_chunk([w.prompt for w in workloads], settings["token_budget"])
     cfg: dict = {
         # prompts repeat between the warm-up and the timed run: the prefix cache would serve them (bench/agent_replay.py
         # measures it), so every prompt here is computed

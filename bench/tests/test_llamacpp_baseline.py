@@ -121,15 +121,15 @@ def test_the_expert_bytes_per_layer_come_from_the_gguf_export(tiny_gguf_model, t
 
 def test_the_tool_commands_carry_the_placement_threads_and_flash_attention():
     whole, part = Placement(9, (), 0), Placement(8, ("blk.8.ffn_up_exps.weight",), 0)
-    cmd = batched_bench_cmd(Path("/b/llama-batched-bench"), Path("m.gguf"), whole, 16, [128], 64, [1, 4, 8])
+    cmd = batched_bench_cmd(Path("/b/llama-batched-bench"), Path("m.gguf"), whole, 16, [128], 64, [1, 4, 8], 2048)
     s = " ".join(cmd)
     assert "-ngl 99 -ncmoe 9 -t 16 -lm none" in s and "-fa on" in s and "--output-format" not in s and "-ot" not in s
-    assert "-b 2048 -ub 2048 -npp 128 -ntg 64 -npl 1,4,8" in s  # strata's prefill chunk for a 128-token prompt
+    assert "-b 2048 -ub 2048 -npp 128 -ntg 64 -npl 1,4,8" in s
     assert int(cmd[cmd.index("-c") + 1]) >= 8 * (128 + 64)  # eight sequences, each its own prompt and tokens
-    s = " ".join(llama_bench_cmd(Path("/b/llama-bench"), Path("m.gguf"), whole, 16, [512, 8192], 3))
+    s = " ".join(llama_bench_cmd(Path("/b/llama-bench"), Path("m.gguf"), whole, 16, [512, 8192], 3, 8192))
     assert "-ncmoe 9" in s and "-lm none" in s and "-fa 1 -b 8192 -ub 8192 -p 512,8192 -n 0 -r 3 -o json" in s
-    for cmd in (batched_bench_cmd(Path("b"), Path("m.gguf"), part, 16, [128], 64, [1]),
-                llama_bench_cmd(Path("b"), Path("m.gguf"), part, 16, [512], 3)):
+    for cmd in (batched_bench_cmd(Path("b"), Path("m.gguf"), part, 16, [128], 64, [1], 2048),
+                llama_bench_cmd(Path("b"), Path("m.gguf"), part, 16, [512], 3, 2048)):
         assert cmd[cmd.index("-ncmoe"):cmd.index("-ncmoe") + 4] == ["-ncmoe", "8", "-ot", part.args()[3]]
 
 
@@ -261,7 +261,7 @@ def _fake_tools(tmp_path: Path) -> dict[str, Path]:
     out = {}
     for name, fixture in (("llama-batched-bench", "batched-bench.table.txt"), ("llama-bench", "llama-bench.json.txt")):
         p = tmp_path / name
-        p.write_text(f"#!/bin/sh\ncat '{DATA / fixture}'\n")
+        p.write_text(f"#!/bin/sh\necho \"$*\" >> '{tmp_path / 'calls.txt'}'\ncat '{DATA / fixture}'\n")
         p.chmod(p.stat().st_mode | stat.S_IEXEC)
         out[name] = p
     return out
@@ -284,6 +284,9 @@ def test_a_group_turns_the_tools_output_into_records(tiny_gguf_model, tmp_path):
     doc = {**_doc(), "cases": recs}
     assert results.validate(doc) == []
     assert Path(recs[0]["config"]["gguf"]).is_file()  # exported once, under the llama.cpp root
+    # one batched-bench run for the three stream counts, batching prompts as strata chunks them, weights read
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    assert len(calls) == 1 and "-npl 1,4,8" in calls[0] and "-b 2048 -ub 2048" in calls[0] and "-lm none" in calls[0]
 
 
 # --- the report -----------------------------------------------------------------------------------------------

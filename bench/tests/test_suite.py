@@ -16,7 +16,7 @@ from bench.suite import report, results
 from bench.suite.cases import VARIANTS, Case, Workload, full_suite, group_by_engine, quick_suite, select
 from bench.suite.roofline import ModelFacts, Rates, cpu_stream_rate, fraction, measure_rates, roofline
 from bench.suite.runner import run_suite
-from bench.suite.strata_case import engine_config, pinned_shortfall, warmup_for
+from bench.suite.strata_case import engine_config, pinned_shortfall, prefill_chunk, warmup_for
 from strata.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -178,6 +178,15 @@ def _doc() -> dict:
          "status": "skipped", "reason": "prefill + first token took 400 s"},
     ]
     return doc
+
+
+def test_a_prompt_prefills_in_one_chunk_up_to_8k_tokens():
+    assert prefill_chunk([128], 2048) == 2048  # never below the scheduler's token budget
+    assert prefill_chunk([128, 512, 8192], 2048) == 8192
+    assert prefill_chunk([65536], 2048) == 8192
+    cfg = engine_config(Case("split", "uniform", 0.25, Workload(512, 1, 16)), {"expert_bytes_total": 100},
+                        {"token_budget": 256, "cache": "/tmp/c"}, [Workload(512, 1, 16)])
+    assert cfg["runtime"]["prefill_chunk"] == 512
 
 
 def test_a_pinned_tier_short_of_the_experts_skips_only_cases_that_read_from_it():
