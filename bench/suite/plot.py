@@ -59,9 +59,9 @@ def plot(doc: dict, path: str | Path, workload: str = "p128x1") -> Path | None:
 
 
 def plot_llamacpp(doc: dict, path: str | Path) -> Path | None:
-    """strata / llama.cpp per case (report.llamacpp_rows: decode for pNxS, prefill for the long prompts), a bar per
-    GGUF export; None when matplotlib is missing or no llama.cpp case ran."""
-    from bench.suite.report import llamacpp_rows
+    """strata / llama.cpp per case (`llamacpp_rows`: decode for pNxS, prefill for the long prompts), a bar per GGUF
+    export; None when matplotlib is missing or no llama.cpp case ran."""
+    from bench.suite.llamacpp_table import llamacpp_rows
 
     rows = llamacpp_rows(doc)
     try:

@@ -6,49 +6,18 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from bench.suite.cells import ACROSS, by_name, decode_tok_s, fmt, pair
+from bench.suite.llamacpp_table import llamacpp_section
 from bench.suite.results import case_depth
 
 BEGIN, END = "<!-- suite:begin -->", "<!-- suite:end -->"
 REF = "p128x1"  # the workload targets and baselines are judged on
 
 
-def _f(v, digits: int = 1, scale: float = 1.0) -> str:
-    if v is None:
-        return ""
-    if isinstance(v, int | float):
-        x = v / scale
-        return f"{x:,.{digits}f}"
-    return str(v)
-
-
-def _cases(doc: dict) -> dict[str, dict]:
-    return {c["name"]: c for c in doc["cases"]}
-
-
-def _tok(c: dict | None) -> float | None:
-    if not c or c.get("status") != "ok":
-        return None
-    return c["metrics"].get("decode_tok_s")
-
-
-def pair(doc: dict, a: str, b: str) -> tuple[dict | None, dict | None, bool]:
-    """Cases `a` and `b` from the latest run that measured both (a ratio from one run), else each one's latest
-    measurement; the flag says whether they come from one run."""
-    for run in reversed(list(doc.get("by_run", {}).values())):
-        if _tok(run.get(a)) is not None and _tok(run.get(b)) is not None:
-            return run[a], run[b], True
-    cases = _cases(doc)
-    x, y = cases.get(a), cases.get(b)
-    return x, y, x is None or y is None or x.get("run") == y.get("run")
-
-
 def _runs(doc: dict) -> list[dict]:
     """The runs a merged document was made from; empty for a single run."""
     runs = doc.get("runs") or []
     return runs if len(runs) > 1 else []
-
-
-ACROSS = " (across runs)"
 
 
 def case_table(doc: dict) -> str:
@@ -63,12 +32,12 @@ def case_table(doc: dict) -> str:
         m, r = c["metrics"], c.get("roofline") or {}
         paths = ", ".join(f"{k} {v / 1e6:,.0f}" for k, v in sorted((m.get("bytes_per_token") or {}).items()))
         stall = m.get("stall_s_per_token")
-        roof = f"{_f(r.get('tok_s'))} ({r.get('bound')})" if r.get("tok_s") else ""
-        rows.append(f"| {c['name']} | {_f(m.get('decode_tok_s'), 2)} | {_f(m.get('slowest_stream_tok_s'), 2)} | "
-                    f"{_f(m.get('prefill_tok_s'), 0)} | {_f(m.get('ttft_s'), 3)} | {_f(m.get('gpu_hit_rate'), 3)} | "
-                    f"{paths} | {_f(m.get('cpu_experts_per_token'), 1)} | {_f(stall, 2, 1e-3) if stall is not None else ''} | "
-                    f"{_f(m.get('peak_vram_bytes'), 1, 2**30)} | {_f(m.get('peak_rss_bytes'), 1, 2**30)} | {roof} | "
-                    f"{_f(c.get('fraction_of_roofline'), 3)} |" + (f" {c.get('run', '')} |" if multi else ""))
+        roof = f"{fmt(r.get('tok_s'))} ({r.get('bound')})" if r.get("tok_s") else ""
+        rows.append(f"| {c['name']} | {fmt(m.get('decode_tok_s'), 2)} | {fmt(m.get('slowest_stream_tok_s'), 2)} | "
+                    f"{fmt(m.get('prefill_tok_s'), 0)} | {fmt(m.get('ttft_s'), 3)} | {fmt(m.get('gpu_hit_rate'), 3)} | "
+                    f"{paths} | {fmt(m.get('cpu_experts_per_token'), 1)} | {fmt(stall, 2, 1e-3) if stall is not None else ''} | "
+                    f"{fmt(m.get('peak_vram_bytes'), 1, 2**30)} | {fmt(m.get('peak_rss_bytes'), 1, 2**30)} | {roof} | "
+                    f"{fmt(c.get('fraction_of_roofline'), 3)} |" + (f" {c.get('run', '')} |" if multi else ""))
     return "\n".join(rows)
 
 
@@ -109,8 +78,8 @@ def step_table(doc: dict) -> str:
         if split is None:
             continue
         rows.append(f"| {name} | {split['step']:.2f} | {split['cold']:.2f} | {split['between']:.2f} | {split['rest']:.2f} | "
-                    f"{_f(split['cold_GB_s'], 1)} | {_f(split['roofline'], 2)} | "
-                    f"{_f(c.get('fraction_of_roofline'), 3)} |" + (f" {c.get('run', '')} |" if multi else ""))
+                    f"{fmt(split['cold_GB_s'], 1)} | {fmt(split['roofline'], 2)} | "
+                    f"{fmt(c.get('fraction_of_roofline'), 3)} |" + (f" {c.get('run', '')} |" if multi else ""))
     return "\n".join(rows) if len(rows) > 2 else ""
 
 
@@ -128,118 +97,18 @@ def baseline_table(doc: dict) -> str:
     for routing in ("uniform", "skewed"):
         for prefix, label in others:
             a, b, same = pair(doc, f"split/b25/{routing}/{REF}", f"{prefix}/{routing}/{REF}")
-            ours, theirs = _tok(a), _tok(b)
+            ours, theirs = decode_tok_s(a), decode_tok_s(b)
             if theirs is None:
                 continue
             ratio = f"{ours / theirs:,.2f}x" + ("" if same else ACROSS) if ours and theirs else ""
             run = (f" {a.get('run', '')} |" if same or a is None else f" {a.get('run', '')}, {b.get('run', '')} |") if multi else ""
-            rows.append(f"| {routing} | {label} | {_f(theirs, 2)} | {_f(ours, 2)} | {ratio} |{run}")
+            rows.append(f"| {routing} | {label} | {fmt(theirs, 2)} | {fmt(ours, 2)} | {ratio} |{run}")
     return "\n".join(rows)
-
-
-LLAMACPP = (("llamacpp", "bf16"), ("llamacpp-q4_k_m", "Q4_K_M"))
-LABELS = tuple(label for _, label in LLAMACPP)
-PREFILL_WORKLOADS = ("p512x1", "p8192x1")  # judged on prefill tok/s; the others on decode tok/s
-FALLBACK = " (strata bf16)"  # a Q4_K_M ratio taken against strata's bf16 run: no strata Q4_K_M case measured
-
-
-def llamacpp_rows(doc: dict) -> list[dict]:
-    """strata against llama.cpp on the same checkpoint, routing, budget and workload, each of llama.cpp's GGUF
-    exports against strata on the same weights (`cases.STRATA_TWIN`): its bf16 GGUF against strata's bf16 checkpoint
-    (`split`), its Q4_K_M GGUF against strata on that very file (`split-q4_k_m`), or, where no such case was measured,
-    against strata's bf16 run (then `strata_weights` is "bf16", not the export's). {name, routing, budget, workload,
-    measure ("decode" | "prefill"), strata (the bf16 run's tok/s), strata_q4_k_m, llamacpp: per export {tok_s, ratio,
-    same_run, placement, strata_tok_s, strata_weights, vram, strata_vram}}, the ratios strata / llama.cpp from one
-    run where one measured both (`pair`)."""
-    from bench.suite.cases import STRATA_TWIN
-
-    cases = _cases(doc)
-    # strata's twins: per export as STRATA_TWIN says, but all in VRAM (budget "all") bf16 is the `ceiling` variant
-    keys = dict.fromkeys(c["name"].split("/", 1)[1] for c in doc["cases"]
-                         if c["variant"] in STRATA_TWIN.values() or c["variant"] == "ceiling")
-    out = []
-    for key in keys:  # budget/routing/workload
-        budget, routing, workload = key.split("/", 2)
-        measure = "prefill" if workload.split("@")[0] in PREFILL_WORKLOADS else "decode"
-        row = {"name": f"split/{key}", "routing": routing, "budget": budget, "workload": workload, "measure": measure,
-               "strata": None, "strata_q4_k_m": None, "llamacpp": {}}
-        for variant, label in LLAMACPP:
-            ours_variant, weights = STRATA_TWIN[variant], label
-            bf16 = "ceiling" if budget == "all" else "split"
-            ours_variant = bf16 if ours_variant == "split" else ours_variant
-            if _tok(cases.get(f"{ours_variant}/{key}")) is None and ours_variant != bf16:
-                ours_variant, weights = bf16, "bf16"
-            a, b, same = pair(doc, f"{ours_variant}/{key}", f"{variant}/{key}")
-            if _tok(b) is None:
-                continue
-            ours, theirs = a["metrics"].get(f"{measure}_tok_s") if _tok(a) else None, b["metrics"].get(f"{measure}_tok_s")
-            row["llamacpp"][label] = {"tok_s": theirs, "ratio": ours / theirs if ours and theirs else None,
-                                      "same_run": same, "placement": _placement(b.get("config") or {}),
-                                      "strata_tok_s": ours, "strata_weights": weights,
-                                      "vram": b["metrics"].get("peak_vram_bytes"),
-                                      "strata_vram": a["metrics"].get("peak_vram_bytes") if _tok(a) else None,
-                                      "kv": b["metrics"].get("kv_reserved_bytes"),
-                                      "strata_kv": a["metrics"].get("kv_reserved_bytes") if _tok(a) else None}
-            key_of = "strata" if weights == "bf16" else "strata_q4_k_m"
-            row[key_of] = row[key_of] if row[key_of] is not None else ours
-        if row["llamacpp"]:
-            bf16 = "ceiling" if budget == "all" else "split"
-            if row["strata"] is None and _tok(cases.get(f"{bf16}/{key}")):  # no llama.cpp bf16 twin: still shown
-                row["strata"] = cases[f"{bf16}/{key}"]["metrics"].get(f"{measure}_tok_s")
-            out.append(row)
-    return out
-
-
-def _vram(total: float | None, kv: float | None) -> str:
-    """A VRAM cell's side: GiB, with the KV cache's share where the run recorded it ("6.6 (1.5)")."""
-    if not total:
-        return "?"
-    return _f(total, 1, 2**30) + (f" ({_f(kv, 1, 2**30)})" if kv is not None else "")
-
-
-def _placement(config: dict) -> str | None:
-    """llama.cpp's expert placement as the table shows it: its -ncmoe, and the stacks -ot moved (older runs
-    recorded -ncmoe alone)."""
-    return config.get("placement") or (str(config["n_cpu_moe"]) if config.get("n_cpu_moe") is not None else None)
-
-
-def llamacpp_table(doc: dict) -> str:
-    """The table "strata against llama.cpp" (empty when no llama.cpp case ran), with a note under it when a Q4_K_M
-    ratio had to be taken against strata's bf16 run."""
-    rows = llamacpp_rows(doc)
-    if not rows:
-        return ""
-    lines = ["| routing | budget | workload | measure | strata bf16 tok/s | llama.cpp bf16 tok/s | "
-             "strata / llama.cpp bf16 | strata Q4_K_M tok/s | llama.cpp Q4_K_M tok/s | strata / llama.cpp Q4_K_M | "
-             "llama.cpp --n-cpu-moe (+ -ot): bf16 / Q4_K_M | VRAM GiB (KV cache): strata / llama.cpp bf16 | "
-             "VRAM GiB (KV cache): strata / llama.cpp Q4_K_M |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    fallback = False
-    for r in rows:
-        cells, vram = [_f(r["strata"], 2)], []
-        for label in LABELS:
-            x = r["llamacpp"].get(label) or {}
-            mixed = bool(x) and x["strata_weights"] != label  # strata's bf16 run against llama.cpp's Q4_K_M
-            fallback |= mixed and bool(x["ratio"])
-            ratio = (f"{x['ratio']:,.2f}x" + ("" if x["same_run"] else ACROSS) + (FALLBACK if mixed else "")
-                     if x.get("ratio") else "")
-            cells += ([_f(r["strata_q4_k_m"], 2)] if label == "Q4_K_M" else []) + [_f(x.get("tok_s"), 2), ratio]
-            ours = None if mixed else x.get("strata_vram")  # strata's VRAM on other weights is not shown
-            ours_kv = None if mixed else x.get("strata_kv")
-            vram.append(f"{_vram(ours, ours_kv)} / {_vram(x.get('vram'), x.get('kv'))}" if x.get("vram") or ours else "")
-        placed = [(r["llamacpp"].get(label) or {}).get("placement") or "-" for label in LABELS]
-        lines.append(f"| {r['routing']} | {r['budget']} | {r['workload']} | {r['measure']} | {' | '.join(cells)} | "
-                     f"{' / '.join(placed)} | {' | '.join(vram)} |")
-    if fallback:
-        lines += ["", f"Q4_K_M ratios marked `{FALLBACK.strip()}`: no strata case on the Q4_K_M file (`split-q4_k_m`) "
-                      "was measured for that row, so they divide strata's bf16 run by llama.cpp's Q4_K_M one: not the "
-                      "same weights."]
-    return "\n".join(lines)
 
 
 def targets(doc: dict) -> list[dict]:
     """The targets with what this run measured: {target, measured, status}."""
-    cases = _cases(doc)
+    cases = by_name(doc)
     layers = {r: (doc.get("models", {}).get(r) or {}).get("layers") for r in ("uniform", "skewed")}
     out = []
 
@@ -266,12 +135,12 @@ def targets(doc: dict) -> list[dict]:
             c = cases.get(name)
             if c and c["status"] == "ok" and c.get("fraction_of_roofline") is not None:
                 found.append((c["fraction_of_roofline"], case_depth(name) or layers.get(routing)))
-        measured = "; ".join(_f(f, 3) + (f" on {n} layers" if n and len(found) > 1 else "") for f, n in found)
+        measured = "; ".join(fmt(f, 3) + (f" on {n} layers" if n and len(found) > 1 else "") for f, n in found)
         add(f"25% GPU budget, {routing}: >= 80% of the roofline", measured or None,
             all(f >= 0.8 for f, _ in found) if found else None)
     def ratio(routing: str, other: str) -> tuple[float | None, str]:
         a, b, same = pair(doc, f"split/b25/{routing}/{REF}", f"{other}/{routing}/{REF}")
-        ours, theirs = _tok(a), _tok(b)
+        ours, theirs = decode_tok_s(a), decode_tok_s(b)
         return (ours / theirs if ours and theirs else None), ("" if same else ACROSS)
 
     for routing in ("uniform", "skewed"):
@@ -285,15 +154,15 @@ def targets(doc: dict) -> list[dict]:
                 None if r is None else r > 1)
     c = cases.get(f"split/b40/skewed/{REF}")
     hit = c["metrics"].get("gpu_hit_rate") if c and c["status"] == "ok" else None
-    add("skewed, 40% of experts fit, adaptive policy: GPU hit rate >= 90%", _f(hit, 3) if hit is not None else None,
+    add("skewed, 40% of experts fit, adaptive policy: GPU hit rate >= 90%", fmt(hit, 3) if hit is not None else None,
         None if hit is None else hit >= 0.9)
     for routing in ("uniform", "skewed"):
         target = f"all in VRAM ({routing}), 1 stream: >= 250 tok/s (48 layers)"
-        full = _tok(cases.get(f"ceiling/all/{routing}/{REF}@48L"))  # a run on the full-depth model
+        full = decode_tok_s(cases.get(f"ceiling/all/{routing}/{REF}@48L"))  # a run on the full-depth model
         if full is not None:
             add(target, f"{full:,.1f} tok/s on 48 layers", full >= 250)
             continue
-        tok, n = _tok(cases.get(f"ceiling/all/{routing}/{REF}")), layers.get(routing)
+        tok, n = decode_tok_s(cases.get(f"ceiling/all/{routing}/{REF}")), layers.get(routing)
         if tok is not None or routing == "uniform":
             at_48(target, tok, n, 250, 1)
     for routing in ("uniform", "skewed"):
@@ -327,8 +196,8 @@ def render(doc: dict, command: str | None = None, plot: str | None = None, llama
     if command:
         raw = "the runs' files above" if runs else "`suite.json`"
         lines += [f"Command: `{command}` (raw JSON: {raw}; this section is generated by `python -m bench report`).", ""]
-    gpu = f"{m.get('gpu')} ({_f(m.get('gpu_memory_bytes'), 0, 2**20)} MiB, driver {m.get('driver')})" if m.get("gpu") else "no GPU"
-    lines += [f"Machine: {gpu}; {m.get('cpu')} ({m.get('cpu_cores')} cores), {_f(m.get('ram_bytes'), 0, 2**30)} GiB RAM; "
+    gpu = f"{m.get('gpu')} ({fmt(m.get('gpu_memory_bytes'), 0, 2**20)} MiB, driver {m.get('driver')})" if m.get("gpu") else "no GPU"
+    lines += [f"Machine: {gpu}; {m.get('cpu')} ({m.get('cpu_cores')} cores), {fmt(m.get('ram_bytes'), 0, 2**30)} GiB RAM; "
               f"torch {m.get('torch')}, transformers {m.get('transformers')}, accelerate {m.get('accelerate')}, "
               f"strata {m.get('strata')} at {str(m.get('git_commit'))[:10]}{' (dirty tree)' if m.get('git_dirty') else ''}.", ""]
     src = rates.get("source", {})
@@ -345,7 +214,7 @@ def render(doc: dict, command: str | None = None, plot: str | None = None, llama
                                f"({pop['independent_overlap']} if drawn independently at that popularity)")
             which = f" (the @{depth}L cases)" if depth else ""
             lines.append(f"- {routing} checkpoint{which}: {info.get('layers')} layers x {info.get('experts_per_layer')} "
-                         f"experts (top-{info.get('experts_per_token')}), {_f(info.get('expert_bytes_total'), 1, 1e9)} GB "
+                         f"experts (top-{info.get('experts_per_token')}), {fmt(info.get('expert_bytes_total'), 1, 1e9)} GB "
                          f"of experts, `--route-skew {info.get('route_skew', '?')}`"
                          + (f" `--route-locality {info['route_locality']}`" if info.get("route_locality") else "")
                          + f"{popularity}.")
@@ -356,22 +225,7 @@ def render(doc: dict, command: str | None = None, plot: str | None = None, llama
     lines += ["### Targets", "", "| target | measured | status |", "| --- | --- | --- |"]
     lines += [f"| {t['target']} | {t['measured']} | {t['status']} |" for t in targets(doc)]
     lines += ["", "### Against the baselines (25% GPU budget, 128-token prompt, 1 stream)", "", baseline_table(doc)]
-    versus = llamacpp_table(doc)
-    if versus:
-        lines += ["", "### strata against llama.cpp", "",
-                  "The same checkpoint, routing and GPU budget: strata's bf16 row runs the checkpoint, llama.cpp's "
-                  "its bf16 GGUF export; both Q4_K_M rows run one GGUF export with the routed experts in Q4_K_M "
-                  "(strata's: `split-q4_k_m`), each budget the same fraction of the routed-expert bytes of the "
-                  "weights run (the Q4_K_M rows: the Q4_K_M file's). llama.cpp holds every layer on the GPU "
-                  "but the routed experts of its first `--n-cpu-moe` layers: the most whole layers of experts that fit "
-                  "the budget, then the expert stacks of the next layer that fit what is left (`-ot` keeps its others "
-                  "in RAM; bench/suite/llamacpp_case.py). Flash attention on, `-t` the physical cores, weights read "
-                  "into pinned host buffers (`-lm none`), batches of strata's prefill chunk. Decode: "
-                  "`llama-batched-bench` (all streams' tokens over the decode time); prefill: `llama-bench` (mean of its "
-                  "repetitions). Ratios above 1: strata faster. VRAM: strata's peak (torch's allocator) against the "
-                  "CUDA buffers llama.cpp reports (model, KV cache, compute).", "", versus]
-        if llamacpp_plot:
-            lines += ["", f"![strata / llama.cpp per case]({llamacpp_plot})"]
+    lines += llamacpp_section(doc, llamacpp_plot)
     lines += ["", "### Every case", "", case_table(doc)]
     steps = step_table(doc)
     if steps:

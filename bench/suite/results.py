@@ -168,7 +168,7 @@ def load(paths: list[str | os.PathLike]) -> dict:
     that lacked a package says nothing about the figure); machine, rates and settings come from the last file at
     the document's depth (below). Each case keeps its run's label ("A" for the first file, ...) in `run`; `runs`
     lists the files and `by_run` every run's own cases, so that ratios can be taken within one run
-    (`report.pair`).
+    (`cells.pair`).
 
     The first file's checkpoint depth is the document's (`models`). A run on checkpoints of another depth (the
     full 48-layer model where the others cut it to 12) keeps its cases apart: their names get "@{layers}L"

@@ -39,6 +39,7 @@ from bench.suite.llamacpp_case import (
     parse_llama_bench,
     run_llamacpp_group,
 )
+from bench.suite.llamacpp_table import llamacpp_rows, llamacpp_table
 from bench.suite.roofline import Rates
 
 DATA = Path(__file__).parent / "data" / "llamacpp"
@@ -324,7 +325,7 @@ def _doc() -> dict:
 def test_the_table_strata_against_llamacpp_from_a_results_file(tmp_path):
     path = results.write(_doc(), tmp_path)
     doc = results.load([path])
-    table = report.llamacpp_table(doc)
+    table = llamacpp_table(doc)
     lines = table.splitlines()
     assert len(lines) == 2 + 3 + 2  # header, rule, one row per split case with a llama.cpp twin; the note
     # no strata Q4_K_M case here: the Q4_K_M ratio is strata's bf16 run over llama.cpp's Q4_K_M, and says so
@@ -336,7 +337,7 @@ def test_the_table_strata_against_llamacpp_from_a_results_file(tmp_path):
     md = report.render(doc, "python -m bench run --suite llamacpp", "suite.png", "suite-llamacpp.png")
     assert "### strata against llama.cpp" in md and "![strata / llama.cpp per case](suite-llamacpp.png)" in md
     no_llama = {**_doc(), "cases": [c for c in doc["cases"] if c["variant"] == "split"]}
-    assert report.llamacpp_table(no_llama) == "" and "strata against llama.cpp" not in report.render(no_llama)
+    assert llamacpp_table(no_llama) == "" and "strata against llama.cpp" not in report.render(no_llama)
 
 
 def test_all_in_vram_pairs_llamacpp_with_strata_s_ceiling(tmp_path):
@@ -346,11 +347,11 @@ def test_all_in_vram_pairs_llamacpp_with_strata_s_ceiling(tmp_path):
                      _ok("split-q4_k_m/all/uniform/p128x1", 100.0),
                      _ok("llamacpp-q4_k_m/all/uniform/p128x1", 80.0, n_cpu_moe=0)]
     doc = results.load([results.write(doc, tmp_path)])
-    row = next(r for r in report.llamacpp_rows(doc) if r["budget"] == "all")
+    row = next(r for r in llamacpp_rows(doc) if r["budget"] == "all")
     assert row["strata"] == 90.0 and row["llamacpp"]["bf16"]["ratio"] == pytest.approx(2.0)
     assert row["strata_q4_k_m"] == 100.0 and row["llamacpp"]["Q4_K_M"]["ratio"] == pytest.approx(1.25)
     assert "| uniform | all | p128x1 | decode | 90.00 | 45.00 | 2.00x | 100.00 | 80.00 | 1.25x | 0 / 0 |" in \
-        report.llamacpp_table(doc)
+        llamacpp_table(doc)
 
 
 def test_the_table_names_the_stacks_ot_kept_in_ram_and_the_kv_caches_in_vram(tmp_path):
@@ -361,7 +362,7 @@ def test_the_table_names_the_stacks_ot_kept_in_ram_and_the_kv_caches_in_vram(tmp
                         placement="9"),
                     _ok("llamacpp-q4_k_m/b25/uniform/p128x1", 40.0, n_cpu_moe=9, placement="9 + blk.9 up")]
     doc = results.load([results.write(doc, tmp_path)])
-    table = report.llamacpp_table(doc)
+    table = llamacpp_table(doc)
     # the placement column, and each VRAM side with its KV cache where the run recorded it
     assert "| 1.25x | 9 / 9 + blk.9 up | 6.6 (1.5) / 4.9 (0.1) |  |" in table
 
@@ -371,7 +372,7 @@ def test_a_ratio_comes_from_one_run(tmp_path):
     second["cases"] = [_ok("split/b25/uniform/p128x1", 60.0)]  # a later run measured strata alone
     a, b = tmp_path / "a", tmp_path / "b"
     doc = results.load([results.write(first, a), results.write(second, b)])
-    row = next(r for r in report.llamacpp_rows(doc) if r["workload"] == "p128x1")
+    row = next(r for r in llamacpp_rows(doc) if r["workload"] == "p128x1")
     assert row["llamacpp"]["bf16"]["ratio"] == pytest.approx(1.5) and row["llamacpp"]["bf16"]["same_run"]
 
 

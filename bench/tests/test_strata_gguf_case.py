@@ -13,6 +13,7 @@ import pytest
 from bench.suite import report, results
 from bench.suite.cases import Case, Workload, group_by_engine, llamacpp_suite, select, with_baselines
 from bench.suite.llamacpp_case import gguf_path, layer_expert_bytes
+from bench.suite.llamacpp_table import llamacpp_rows, llamacpp_table
 from bench.suite.models import ensure_model, gguf_source, model_facts
 from bench.suite.roofline import Rates
 from bench.suite.runner import run_suite
@@ -154,8 +155,8 @@ def test_a_run_measures_strata_and_llamacpp_on_one_q4_k_m_file_and_reports_their
     ours = strata_q4["metrics"]["decode_tok_s"]
     assert ours > 0 and ours != split["metrics"]["decode_tok_s"]
     assert results.validate(doc) == []
-    table = report.llamacpp_table(doc)
-    row = next(r for r in report.llamacpp_rows(doc) if r["workload"] == "p128x1")
+    table = llamacpp_table(doc)
+    row = next(r for r in llamacpp_rows(doc) if r["workload"] == "p128x1")
     assert row["llamacpp"]["Q4_K_M"]["strata_weights"] == "Q4_K_M"
     assert row["llamacpp"]["Q4_K_M"]["ratio"] == pytest.approx(ours / 777.23)  # the captured one-stream row
     assert f"| {ours:,.2f} | 777.23 | {ours / 777.23:,.2f}x |" in table and "(strata bf16)" not in table
@@ -193,7 +194,7 @@ def test_the_q4_k_m_ratio_takes_strata_on_q4_k_m_and_says_when_it_falls_back_to_
         _ok("split-q4_k_m/b25/uniform/p8192x1", 20.0, prefill=3000.0),  # strata's Q4_K_M run alone still has its row
         _ok("llamacpp-q4_k_m/b25/uniform/p8192x1", 10.0, prefill=1000.0, n_cpu_moe=9),
     ]), tmp_path)])
-    lines = report.llamacpp_table(doc).splitlines()
+    lines = llamacpp_table(doc).splitlines()
     # strata bf16 | llama.cpp bf16 | ratio | strata Q4_K_M | llama.cpp Q4_K_M | ratio | -ncmoe bf16 / Q4_K_M | VRAM bf16 |
     # VRAM Q4_K_M
     assert "| uniform | b25 | p128x1 | decode | 30.00 | 20.00 | 1.50x | 50.00 | 40.00 | 1.25x | 9 / 9 |  |  |" in lines
@@ -202,8 +203,8 @@ def test_the_q4_k_m_ratio_takes_strata_on_q4_k_m_and_says_when_it_falls_back_to_
     # no strata Q4_K_M case for 4 streams: strata's bf16 run, marked, and the note under the table says so
     assert "| uniform | b25 | p128x4 | decode | 100.00 |  |  |  | 80.00 | 1.25x (strata bf16) | - / 9 |  |  |" in lines
     assert any(line.startswith("Q4_K_M ratios marked `(strata bf16)`") for line in lines)
-    rows = {r["workload"]: r for r in report.llamacpp_rows(doc)}
+    rows = {r["workload"]: r for r in llamacpp_rows(doc)}
     assert rows["p128x1"]["strata"] == 30.0 and rows["p128x1"]["strata_q4_k_m"] == 50.0
     assert rows["p128x4"]["llamacpp"]["Q4_K_M"]["strata_weights"] == "bf16" and rows["p128x4"]["strata_q4_k_m"] is None
     whole = {**doc, "cases": [c for c in doc["cases"] if "p128x4" not in c["name"]]}
-    assert "(strata bf16)" not in report.llamacpp_table(whole) and "Q4_K_M ratios marked" not in report.render(whole)
+    assert "(strata bf16)" not in llamacpp_table(whole) and "Q4_K_M ratios marked" not in report.render(whole)
