@@ -33,8 +33,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from pathlib import Path
 
+from bench.suite.case_config import prefill_chunk
 from bench.suite.cases import Case
-from bench.suite.strata_case import prefill_chunk, record
+from bench.suite.strata_case import record
 
 GGUF_OF_VARIANT = {"llamacpp": "bf16", "llamacpp-q4_k_m": "q4_k_m"}
 EXPS = re.compile(r"^blk\.(\d+)\.ffn_(up|down|gate|gate_up)_(ch|)exps\.")  # llama.cpp's LLM_FFN_EXPS_REGEX
@@ -164,7 +165,7 @@ def common_args(gguf: Path, placement: Placement, threads: int) -> list[str]:
 
 def batched_bench_cmd(tool: Path, gguf: Path, placement: Placement, threads: int, prompts: list[int], tokens: int,
                       streams: list[int], batch: int) -> list[str]:
-    """`batch`: -b and -ub, strata's prefill chunk for these prompts (`strata_case.prefill_chunk`), so that both
+    """`batch`: -b and -ub, strata's prefill chunk for these prompts (`case_config.prefill_chunk`), so that both
     engines move each RAM-resident expert to the GPU once a chunk (llama.cpp copies them once a micro-batch; its
     default is 512)."""
     ctx = max(streams) * (max(prompts) + tokens) + 64  # every sequence its own prompt and tokens (not shared)

@@ -18,8 +18,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bench.suite.case_config import engine_config
 from bench.suite.cases import Case
-from bench.suite.strata_case import engine_config, record
+from bench.suite.strata_case import record
 
 
 def run_serve(case: Case, model: Path, summary: dict, settings: dict, out_dir: Path, limit_s: float) -> dict:

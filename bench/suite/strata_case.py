@@ -9,7 +9,6 @@ that moment, the decode phase after it.
 
 from __future__ import annotations
 
-import copy
 import gc
 import sys
 import threading
@@ -19,48 +18,10 @@ from pathlib import Path
 import torch
 
 from bench.kernel_trace import traced
-from bench.suite.cases import COLD_PATHS, VARIANTS, Case, Workload
+from bench.suite.case_config import engine_config
+from bench.suite.cases import COLD_PATHS, Case, Workload
 from bench.suite.roofline import ModelFacts, Rates, fraction, roofline
 from strata.runtime.offload.mailbox import CpuMailbox
-
-
-def prefill_chunk(prompts: list[int], token_budget: int) -> int:
-    """The prompt tokens a prefill pass takes in the suite: a prompt alone prefills in chunks of
-    runtime.prefill_chunk (the scheduler's idle budget), set to the longest prompt, up to 8192 tokens (at least the
-    scheduler's token budget), so each cold expert crosses PCIe once per prompt. llama.cpp's cases batch prompts the
-    same (llamacpp_case)."""
-    return max(token_budget, min(max(prompts), 8192))
-
-
-def engine_config(case: Case, summary: dict, settings: dict, workloads: list[Workload]) -> dict:
-    """The strata.config dict for `case` (sections as in config.toml)."""
-    expert_total = summary["expert_bytes_total"]
-    longest = max(w.prompt + w.tokens for w in workloads)
-    chunk = prefill_chunk([w.prompt for w in workloads], settings["token_budget"])
-    cfg: dict = {
-        # prompts repeat between the warm-up and the timed run: the prefix cache would serve them (bench/agent_replay.py
-        # measures it), so every prompt here is computed
-        "runtime": {"max_context": max(1024, longest + 64), "prefill_chunk": chunk, "prefix_cache": False},
-        "tiers": {"disk": {"path": settings["cache"], "scrub": False}},
-        "planner": {"max_batch": max(w.streams for w in workloads)},
-    }
-    _merge(cfg, VARIANTS[case.variant])
-    _merge(cfg, case.extra)
-    if case.gpu_fraction is not None and case.variant != "ceiling":
-        cfg["tiers"].setdefault("gpu", {})["budget"] = str(int(expert_total * case.gpu_fraction))
-    if case.ram_fraction is not None:  # the NVMe case: a store on real disk, RAM below the expert bytes
-        cfg["tiers"]["pinned"] = {"budget": str(int(expert_total * case.ram_fraction))}
-        cfg["tiers"]["disk"]["path"] = settings["disk_cache"]
-    _merge(cfg, settings.get("set") or {})  # --set: an A/B run's override, last
-    return cfg
-
-
-def _merge(dst: dict, src: dict) -> None:
-    for k, v in src.items():
-        if isinstance(v, dict):
-            _merge(dst.setdefault(k, {}), v)
-        else:
-            dst[k] = copy.deepcopy(v)
 
 
 def prompts_for(w: Workload, vocab: int, seed: int = 0) -> list[list[int]]:

@@ -15,17 +15,18 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from bench.suite.case_config import engine_config
 from bench.suite.cases import STRATA_GGUF_VARIANTS, Case
 from bench.suite.llamacpp_case import ensure_gguf, layer_expert_bytes
 from bench.suite.models import model_facts
 from bench.suite.roofline import ModelFacts, Rates
-from bench.suite.strata_case import engine_config, record, run_group
+from bench.suite.strata_case import record, run_group
 
 
 def gguf_model(case: Case, checkpoint: Path, settings: dict, log=print) -> tuple[Path, ModelFacts, dict]:
     """(GGUF path, roofline facts, summary) of the file strata runs `case` on: `checkpoint` exported as the case's
     export type (once, under the llama.cpp root). The summary's `expert_bytes_total`, on which
-    `strata_case.engine_config` takes the budget fraction, is the file's routed-expert bytes; its routing marker and
+    `case_config.engine_config` takes the budget fraction, is the file's routed-expert bytes; its routing marker and
     vocabulary are `checkpoint`'s (the file lies outside the suite's models directory, where `gguf_source` looks)."""
     export = STRATA_GGUF_VARIANTS[case.variant]
     gguf = ensure_gguf(Path(checkpoint), export, settings, log)

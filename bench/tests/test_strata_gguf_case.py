@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 
 from bench.suite import report, results
+from bench.suite.case_config import engine_config
 from bench.suite.cases import Case, Workload, group_by_engine, llamacpp_suite, select, with_baselines
 from bench.suite.llamacpp_case import gguf_path, layer_expert_bytes
 from bench.suite.llamacpp_table import llamacpp_rows, llamacpp_table
 from bench.suite.models import ensure_model, gguf_source, model_facts
 from bench.suite.roofline import Rates
 from bench.suite.runner import run_suite
-from bench.suite.strata_case import engine_config
 from bench.suite.strata_gguf_case import gguf_model, gpu_budget_bytes
 
 DATA = Path(__file__).parent / "data" / "llamacpp"

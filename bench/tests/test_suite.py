@@ -13,10 +13,11 @@ import torch
 
 from bench.__main__ import main as bench_main
 from bench.suite import report, results
+from bench.suite.case_config import engine_config, prefill_chunk
 from bench.suite.cases import VARIANTS, Case, Workload, full_suite, group_by_engine, quick_suite, select
 from bench.suite.roofline import ModelFacts, Rates, cpu_stream_rate, fraction, measure_rates, roofline
 from bench.suite.runner import run_suite
-from bench.suite.strata_case import engine_config, pinned_shortfall, prefill_chunk, warmup_for
+from bench.suite.strata_case import pinned_shortfall, warmup_for
 from strata.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
