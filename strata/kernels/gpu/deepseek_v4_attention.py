@@ -191,15 +191,9 @@ if triton is not None:
                 for par in tl.static_range(2):
                     _, _, g = _window_gates(g_ring, bias_ptr, slot, e, j0, k, km, par, M, D, W, R, OVERLAP, ROWS)
                     if par == 0:
-                        new_mx = tl.maximum(mx_e, tl.max(g, axis=0))
-                        safe = tl.where(new_mx > float("-inf"), new_mx, 0.0)
-                        sm_e = sm_e * tl.exp(mx_e - safe) + tl.sum(tl.exp(g - safe[None, :]), axis=0)
-                        mx_e = new_mx
+                        mx_e, sm_e = _online_softmax(mx_e, sm_e, g)
                     else:
-                        new_mx = tl.maximum(mx_o, tl.max(g, axis=0))
-                        safe = tl.where(new_mx > float("-inf"), new_mx, 0.0)
-                        sm_o = sm_o * tl.exp(mx_o - safe) + tl.sum(tl.exp(g - safe[None, :]), axis=0)
-                        mx_o = new_mx
+                        mx_o, sm_o = _online_softmax(mx_o, sm_o, g)
             # pass 2: the weights and products rounded to the entries' dtype, summed in fp32 (channels past D: no slot)
             mx_e, sm_e = tl.where(km, mx_e, 0.0), tl.where(km, sm_e, 1.0)
             mx_o, sm_o = tl.where(km, mx_o, 0.0), tl.where(km, sm_o, 1.0)
@@ -210,11 +204,9 @@ if triton is not None:
                     at, m2, g = _window_gates(g_ring, bias_ptr, slot, e, j0, k, km, par, M, D, W, R, OVERLAP, ROWS)
                     v = tl.load(kv_ring + at, mask=m2, other=0.0).to(tl.float32)
                     if par == 0:
-                        w = (tl.exp(g - mx_e[None, :]) / sm_e[None, :]).to(dt).to(tl.float32)
-                        acc_e += tl.sum(tl.where(m2, (v * w).to(dt).to(tl.float32), 0.0), axis=0)
+                        acc_e += _pooled(v, g, m2, mx_e, sm_e, dt)
                     else:
-                        w = (tl.exp(g - mx_o[None, :]) / sm_o[None, :]).to(dt).to(tl.float32)
-                        acc_o += tl.sum(tl.where(m2, (v * w).to(dt).to(tl.float32), 0.0), axis=0)
+                        acc_o += _pooled(v, g, m2, mx_o, sm_o, dt)
             # this share of the entry, rounded, into its row, and its sum of squares
             x_e = tl.where(km, acc_e.to(dt).to(tl.float32), 0.0)
             x_o = tl.where(km, acc_o.to(dt).to(tl.float32), 0.0)
@@ -227,6 +219,20 @@ if triton is not None:
                 _finish_entry(base, part_ptr + bq * BLOCKS, w_ptr, cos_ptr + bq * PAIRS, sin_ptr + bq * PAIRS, eps, D,
                               PAIRS, BLOCKS, BLOCKS_P2, HALF, dt)
                 tl.store(ticket_ptr + bq, 0)
+
+    @triton.jit
+    def _online_softmax(mx, sm, g):
+        # one more tile of gates g [ROWS, CHUNK] into each channel's running maximum mx and sum of exp sm [CHUNK]
+        new_mx = tl.maximum(mx, tl.max(g, axis=0))
+        safe = tl.where(new_mx > float("-inf"), new_mx, 0.0)
+        return new_mx, sm * tl.exp(mx - safe) + tl.sum(tl.exp(g - safe[None, :]), axis=0)
+
+    @triton.jit
+    def _pooled(v, g, m2, mx, sm, dt: tl.constexpr):
+        # a tile's share of each channel's pooled value: the softmax weights and each product rounded to dt, summed
+        # in fp32 over the tile's counted slots m2 -> [CHUNK]
+        w = (tl.exp(g - mx[None, :]) / sm[None, :]).to(dt).to(tl.float32)
+        return tl.sum(tl.where(m2, (v * w).to(dt).to(tl.float32), 0.0), axis=0)
 
     @triton.jit
     def _window_gates(g_ring, bias_ptr, slot, e, j0, k, km, par: tl.constexpr, M: tl.constexpr, D, W, R,
