@@ -35,6 +35,62 @@ class GpuPlan:
 
 
 @dataclass
+class CardShare:
+    """One card's part of the expert-parallel layout."""
+
+    device: str  # "cuda:N"
+    name: str
+    free_bytes: int
+    non_expert_bytes: int  # the first card: every non-expert weight; the others: none
+    kv_bytes: int  # the first card only
+    reserve_bytes: int
+    expert_room_bytes: int  # free - non-expert - KV - reserve
+    slots: int  # expert slots on this card, shared out over every MoE layer
+    owned: int  # experts of each MoE layer (one contiguous id range) whose pairs this card computes
+    first_expert: int  # the range's first id: experts [first_expert, first_expert + owned)
+    resident: float  # slots / MoE layers: the owned experts a layer finds on this card (the rest are cold)
+
+
+@dataclass
+class ExpertParallelPlan:
+    """Every card's share, and the cold expert bytes one token moves over each card's link."""
+
+    cards: list[CardShare]
+    moe_layers: int
+    experts_per_layer: int
+    experts_per_token: int
+    slot_bytes: int
+    stage_cold_bytes: int = 0  # the same token's cold bytes in the stages layout, over one link at a time (0: unknown)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ExpertParallelPlan:
+        """Rebuild from `dataclasses.asdict` output."""
+        return cls(**{**d, "cards": [CardShare(**c) for c in d["cards"]]})
+
+    def cold_bytes_per_link(self) -> int:
+        """Expected bytes of cold experts one token moves over the busiest card's link (uniform routing): each card
+        reads its owned experts that it does not hold, with odds k / E each, in every MoE layer."""
+        k_over_e = self.experts_per_token / self.experts_per_layer
+        return int(max(self.moe_layers * k_over_e * max(0.0, c.owned - c.resident) * self.slot_bytes
+                       for c in self.cards))
+
+    def describe(self) -> list[str]:
+        """`strata plan`'s lines for this layout, with the stages' cold bytes beside its own where known."""
+        f = format_bytes
+        lines = [f"{self.cards[0].device} holds every non-expert weight and the KV cache; each MoE layer's "
+                 f"{self.experts_per_layer} experts are split over the {len(self.cards)} cards:"]
+        for c in self.cards:
+            lines.append(f"  {c.device} {c.name}: experts {c.first_expert}-{c.first_expert + c.owned - 1} of each layer, "
+                         f"{c.slots} slots ({f(c.slots * self.slot_bytes)}, {c.resident:.1f} a layer)")
+        per_link = self.cold_bytes_per_link()
+        line = f"one token's cold experts: {f(per_link)} over each card's link at once"
+        if self.stage_cold_bytes:
+            ratio = f" ({self.stage_cold_bytes / per_link:.2f}x)" if per_link else ""
+            line += f", against {f(self.stage_cold_bytes)} over one link at a time in stages{ratio}"
+        return lines + [line]
+
+
+@dataclass
 class TierPlan:
     """One tier: the bytes it may use, the experts it holds, the share of lookups it serves."""
 
@@ -85,6 +141,8 @@ class Plan:
     kv_bytes_per_1k: int = 0  # one sequence's KV cache growth per 1,024 tokens of context
     # what `strata plan` found not to fit, each with the smallest change that would (serve refuses these)
     does_not_fit: list[str] = field(default_factory=list)
+    # several GPUs: every card on every MoE layer (strata.runtime.plan.expert_parallel), beside the stages run today
+    expert_parallel: ExpertParallelPlan | None = None
 
     @property
     def total_experts(self) -> int:
@@ -108,7 +166,9 @@ class Plan:
         """Rebuild a plan from `to_dict()` output (e.g. after a JSON round trip)."""
         return cls(**{**d, "gpus": [GpuPlan(**g) for g in d["gpus"]], "tiers": [TierPlan(**t) for t in d["tiers"]],
                       "host": HostInfo.from_dict(d["host"]),
-                      "engram": EngramPlan(**d["engram"]) if d.get("engram") else None})
+                      "engram": EngramPlan(**d["engram"]) if d.get("engram") else None,
+                      "expert_parallel": (ExpertParallelPlan.from_dict(d["expert_parallel"])
+                                          if d.get("expert_parallel") else None)})
 
     def format(self) -> str:
         """A multi-line report for the terminal."""
@@ -146,5 +206,9 @@ class Plan:
             lines.append(f"  store        {f(self.store_bytes)}, {state}{why}")
         lines.append(f"  RAM          {f(self.host.ram_available)} available of {f(self.host.ram_total)}, "
                      f"{f(self.ram_margin_bytes)} kept free")
+        if self.expert_parallel is not None:
+            lines.append("  split        stages: contiguous layers, one card at a time (the runtime's layout)")
+            lines += [f"  {'':<12} {x}" for x in ["expert-parallel, planned (not run yet): " + self.expert_parallel.describe()[0],
+                                              *self.expert_parallel.describe()[1:]]]
         return "\n".join(lines + [f"  note: {n}" for n in self.notes]
                          + [f"  does not fit: {n}" for n in self.does_not_fit])

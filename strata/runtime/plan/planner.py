@@ -35,6 +35,7 @@ from strata.runtime.plan.checkpoints.store_cache import store_dir_for
 from strata.runtime.plan.context import plan_context
 from strata.runtime.plan.decode_modes import decode_mode
 from strata.runtime.plan.engram import EngramPlanError, plan_engram
+from strata.runtime.plan.expert_parallel import plan_expert_parallel
 from strata.runtime.plan.footprint import read_footprint
 from strata.runtime.plan.host import GpuInfo, HostInfo, probe_host
 from strata.runtime.plan.kv_size import kv_cache_bytes, kv_growth_of
@@ -128,9 +129,10 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
     engram_gpu = engram.gpu_bytes if engram is not None else 0
     need = _Need(non_expert + engram_gpu, kv, kv_per_token, context, cfg.planner.max_batch, reserve)
     gpus: list[GpuPlan] = []
-    gpu_slots, gpu_budget = 0, 0
+    gpu_slots, gpu_budget, expert_parallel = 0, 0, None
     if len(cfg.runtime.devices) > 1:  # contiguous stages of layers, one per card
         gpus, gpu_budget = plan_stages(fp, cfg, host, _TORCH_DTYPES[dtype], context, notes)
+        expert_parallel = plan_expert_parallel(fp, cfg, host, _TORCH_DTYPES[dtype], context, gpus, notes)
         gpu_slots = sum(g.slots for g in gpus)
     elif gpu is not None:
         device = f"cuda:{gpu.index}"
@@ -244,6 +246,7 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
         store_dir=str(store_dir) if store_dir is not None else fp.path if fp.source == "store" else "",
         expert_format=fp.expert_format.name, dense_format=fp.dense_format, decode=decode.mode,
         decode_graphs=decode.graphs, store_mode=mode, store_why=why, does_not_fit=does_not_fit,
+        expert_parallel=expert_parallel,
     )  # fmt: skip
 
 
