@@ -70,3 +70,41 @@ def test_a_long_prompt_leaves_the_other_layers_residents_in_place(store, keep):
         assert torch.equal(TieredExperts(first, e, compute)(x32, ids, w), grouped_experts(x32, w, ids, native, ids))
     finally:
         m.close()
+
+
+def test_a_many_token_chunk_stages_the_next_layer_behind_its_own(store):
+    """Enough pairs to use every expert: the first layer stages its own experts and the next layer's at once, the
+    next layer finds them mapped, every cold expert crosses once, and nothing stays pinned after the pass."""
+    layers = store.index.moe_layers[:2]
+    e = store.index.num_experts
+    m = TierManager(store, TierBudgets(gpu_slots=3 * e, pinned_slots=4 * e), gpu_device=torch.device("cpu"), io_threads=2)
+    try:
+        for key in store.keys():
+            m.release(m.acquire([key], "cpu"))
+        compute = ExpertCompute(m, "gpu", "gpu")
+        compute.grouped_prefill, compute.moe_layers = True, layers
+        g = torch.Generator().manual_seed(1)
+        n, k = 8 * e, 4  # 32 pairs an expert: every expert used
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
+        w = torch.rand(n, k, generator=g)
+        x = torch.randn(n, store.load_layer_experts(layers[0], torch.float32, "cpu")[0].shape[2], generator=g)
+        x = x.to(store.dtype)
+        copied = lambda: m.stats()["paths"].get("pinned->gpu", {}).get("objects", 0)  # noqa: E731
+        copies = copied()
+        first = TieredExperts(layers[0], e, compute)(x, ids, w)
+        assert set(compute.prefill_ahead) == {layers[1]}  # staged behind the first layer, still held
+        assert m.resident_experts(layers[1], "gpu") == set(range(e))
+        assert copied() - copies == 2 * e  # both layers, once each
+        second = TieredExperts(layers[1], e, compute)(x, ids, w)
+        assert compute.prefill_ahead == {}  # the last MoE layer of the pass stages nothing
+        assert copied() - copies == 2 * e  # the second layer copied nothing more
+        for layer, got in zip(layers, (first, second), strict=True):
+            native = SlotWeights(*store.load_layer_experts(layer, store.dtype, "cpu"))
+            assert torch.equal(got, grouped_experts(x, w, ids, native, ids).to(x.dtype))
+        # nothing left pinned on the GPU tier
+        assert sum(m.maps.holders.values()) == 0 and not any(m.maps.gpu.refs.values())
+        # a chunk too short to use most experts stages nothing ahead
+        TieredExperts(layers[0], e, compute)(x[:8], ids[:8], w[:8])
+        assert compute.prefill_ahead == {}
+    finally:
+        m.close()

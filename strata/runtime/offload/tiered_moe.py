@@ -109,16 +109,21 @@ class TieredExperts(PrefillPath, nn.Module):
                 return self._tier_forward(x, weights, k, groups, "cpu")
             y = c.cpu_forward(self.layer, x.cpu(), weights.cpu(), k, [(e, s.cpu()) for e, s in groups])
             return y.to(x.device, x.dtype) if c.plain_math else y.to(x.device)
-        cpu_part: tuple[torch.Tensor, Future] | None = None
-        if c.use_split:
-            cpu_groups, groups = self._plan_split(groups)
-            if cpu_groups:  # activations cross PCIe (small); weights stay in host RAM
-                cpu_part = self._start_cpu_share(x, weights, k, cpu_groups)
-        out = self._tier_forward(x, weights, k, groups, "gpu", ids)
-        if cpu_part is not None:
-            rows, share = cpu_part  # rows unique: each of out's rows gets one add, as `out + partial` would
-            out.index_add_(0, rows, share.result().to(out.device, out.dtype))
-        return out
+        ahead = self._take_ahead(ids.numel())  # this layer's experts staged early, and the next layer's behind them
+        try:
+            cpu_part: tuple[torch.Tensor, Future] | None = None
+            if c.use_split:
+                cpu_groups, groups = self._plan_split(groups)
+                if cpu_groups:  # activations cross PCIe (small); weights stay in host RAM
+                    cpu_part = self._start_cpu_share(x, weights, k, cpu_groups)
+            out = self._tier_forward(x, weights, k, groups, "gpu", ids)
+            if cpu_part is not None:
+                rows, share = cpu_part  # rows unique: each of out's rows gets one add, as `out + partial` would
+                out.index_add_(0, rows, share.result().to(out.device, out.dtype))
+            return out
+        finally:
+            if ahead is not None:  # the layer's kernels are enqueued: its slots may be reused behind them
+                c.manager.release_staged(ahead)
 
     # ---- decode: pair kernels over slots -------------------------------------------------------
     def _decode_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None,

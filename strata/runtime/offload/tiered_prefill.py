@@ -4,6 +4,11 @@ A prompt chunk's cold experts are staged on the GPU in batches (every cold exper
 chunk), computed by grouped GEMMs over the slots (`[debug] grouped_prefill`) or a per-expert loop; the cost
 model may give the CPU the cold experts with few tokens, computed from host RAM while the GPU works, with
 only those tokens' rows crossing PCIe.
+
+A chunk with pairs enough to use nearly every expert of a layer stages the next MoE layer's experts as soon as
+its own routing is known (`_stage_next_layer`): their copies queue behind this layer's on the copy stream, so
+PCIe never waits for the host to reach the next layer's router. Without it a 512-token prompt at a 25% budget
+kept the copy engine busy 179 ms of a 416 ms prefill (H100, 12-layer bench model).
 """
 
 from __future__ import annotations
@@ -15,9 +20,40 @@ import torch
 from strata.kernels.experts import apply_experts
 from strata.kernels.gpu.grouped_gemm import grouped_ok, refuse, slot_pairs, sum_pairs
 
+# a chunk stages its next layer ahead when its pairs would leave almost no expert unused: with P pairs spread over
+# E experts, an expert goes unused with odds ~exp(-P / E), 2% at 4 pairs an expert
+AHEAD_PAIRS_PER_EXPERT = 4
+
 
 class PrefillPath:
     """Mixin of `TieredExperts` (which provides `layer`, `num_experts`, `compute` and `_cpu_share`)."""
+
+    def _take_ahead(self, pairs: int):
+        """This layer's experts as `_stage_ahead` staged them (the layer before, or this one first in its pass), the
+        next layer's staged behind them; None when neither did. Batches staged for other layers are stale (a pass
+        that stopped early) and are released."""
+        c = self.compute
+        for layer in [layer for layer in c.prefill_ahead if layer != self.layer]:
+            c.manager.release_staged(c.prefill_ahead.pop(layer))
+        self._stage_ahead(pairs)
+        return c.prefill_ahead.pop(self.layer, None)
+
+    def _stage_ahead(self, pairs: int) -> None:
+        """Stage the next MoE layer's experts, their copies queued behind this layer's, when `pairs` (this chunk's
+        token-expert pairs) would use nearly all of them and the GPU tier can hold two layers' experts at once; a
+        layer the one before did not stage (the first of a pass) stages its own first. Each layer's own stage then
+        finds its experts mapped, their copies landing or landed."""
+        c, e = self.compute, self.num_experts
+        m = c.manager
+        if pairs < AHEAD_PAIRS_PER_EXPERT * e or c.prefill_keeps_resident or c.slots is None or m.max_acquire("gpu") < 2 * e:
+            return
+        at = c.moe_layers.index(self.layer) if self.layer in c.moe_layers else len(c.moe_layers)
+        for layer in c.moe_layers[at : at + 2]:
+            if layer in c.prefill_ahead:
+                continue
+            ready = sorted(m.resident_experts(layer, "gpu") | m.resident_experts(layer, "pinned"))
+            if ready:
+                c.prefill_ahead[layer] = m.stage_gpu(layer, ready)
 
     def _start_cpu_share(self, x, weights, k: int, groups) -> tuple[torch.Tensor, Future]:
         """Start a many-token layer's CPU share on the kernel pool with only its tokens' rows crossing PCIe.
