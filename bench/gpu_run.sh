@@ -14,8 +14,8 @@
 #   serve-filled the same on the machine's own kernel caches, filled by a first untimed server (a restart)
 #                                                                          -> $OUT/serve-filled.json
 #   tiers        the tiers' copy and read rates against the raw limits (bench/tiers.py)      -> $OUT/tiers.json
-#   cpu          the CPU expert kernel against torch (bench/cpu_experts.py), then its phases a call at the default
-#                knobs, cold and with its rows read ahead (bench/cpu_kernel_trace.py)
+#   cpu          the CPU expert kernel against torch (bench/cpu/cpu_experts.py), then its phases a call at the default
+#                knobs, cold and with its rows read ahead (bench/cpu/cpu_kernel_trace.py)
 #                                                            -> $OUT/cpu_experts.json, $OUT/cpu_kernel_trace.json
 #   engram       Engram tables per tier, decoding this repository's README and report (bench/engram.py)
 #                                                                          -> $OUT/engram.json
@@ -143,8 +143,8 @@ step() {
     tiers)
       timeout 590 python3 bench/tiers.py --out "$OUT" 2>&1 | tail -25; return "${PIPESTATUS[0]}" ;;
     cpu)
-      timeout 300 python3 bench/cpu_experts.py --out "$OUT" 2>&1 | tail -12 || return 1
-      timeout 280 python3 bench/cpu_kernel_trace.py --threads 12 --calls 200 --knobs "claim_ahead=4,down_split=1" \
+      timeout 300 python3 bench/cpu/cpu_experts.py --out "$OUT" 2>&1 | tail -12 || return 1
+      timeout 280 python3 bench/cpu/cpu_kernel_trace.py --threads 12 --calls 200 --knobs "claim_ahead=4,down_split=1" \
         --own 5 --out "$OUT" 2>&1 | tail -20; return "${PIPESTATUS[0]}" ;;
     engram)
       timeout 590 python3 bench/engram.py --out "$SCRATCH/engram-out" --model-dir "$SCRATCH/engram" --steps 200 \

@@ -1,5 +1,5 @@
 """Where llama-cpp-python is, for the optional tests that hold strata's GGUF output to llama.cpp itself: importable
-here, or the private install bench/cpu_vs_llamacpp.py builds under ~/.cache/strata/bench. Not a dependency: the
+here, or the private install bench/cpu/cpu_vs_llamacpp.py builds under ~/.cache/strata/bench. Not a dependency: the
 tests that use it are skipped without it."""
 
 from __future__ import annotations

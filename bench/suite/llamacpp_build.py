@@ -1,6 +1,6 @@
 """llama.cpp's benchmark tools built from the source llama-cpp-python vendors, for the suite's `llamacpp` baseline.
 
-The llama-cpp-python sdist (bench/cpu_vs_llamacpp.py pins its version) carries llama.cpp in vendor/llama.cpp.
+The llama-cpp-python sdist (bench/cpu/cpu_vs_llamacpp.py pins its version) carries llama.cpp in vendor/llama.cpp.
 `prepare_source` copies that tree out of the sdist without what no build needs (docs, vocab models, tests,
 examples, the web UI: ~176 MB down to the part cmake reads), so that it can travel to a machine without internet
 as an ignored path (bench/gpu_run.sh `wheels` writes it to .gpu/llama.cpp-src). `build_tools` configures it with

@@ -17,10 +17,10 @@ from pathlib import Path
 
 import torch
 
-from bench.kernel_trace import traced
 from bench.suite.case_config import engine_config
 from bench.suite.cases import COLD_PATHS, Case, Workload
 from bench.suite.roofline import ModelFacts, Rates, fraction, roofline
+from bench.tools.kernel_trace import traced
 from strata.runtime.offload.mailbox import CpuMailbox
 
 
@@ -306,7 +306,7 @@ def run_group(cases: list[Case], model: Path, summary: dict, facts: ModelFacts, 
                 warm = warmup_for(case.workload, warmed)
                 if warm is not None:  # a new batch size or prompt length: its decode graphs are captured here,
                     run_workload(engine, sched, warm, vocab, device, repro)  # not inside the timed run
-                with traced(device):  # $STRATA_BENCH_TRACE: the kernels' summary (bench/kernel_trace.py)
+                with traced(device):  # $STRATA_BENCH_TRACE: the kernels' summary (bench/tools/kernel_trace.py)
                     res = run_workload(engine, sched, case.workload, vocab, device, repro)
                 res["metrics"]["warmup"] = None if warm is None else {"prompt": warm.prompt, "streams": warm.streams,
                                                                      "tokens": warm.tokens}

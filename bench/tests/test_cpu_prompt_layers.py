@@ -1,10 +1,10 @@
-"""bench/cpu_prompt_layers.py on tiny experts: every knob set measured, outputs compared, knobs restored."""
+"""bench/cpu/cpu_prompt_layers.py on tiny experts: every knob set measured, outputs compared, knobs restored."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.cpu_prompt_layers import make_layers, measure, routing
+from bench.cpu.cpu_prompt_layers import make_layers, measure, routing
 from strata.kernels.cpu import experts as ce
 
 

@@ -1,4 +1,4 @@
-"""bench/cpu_vs_llamacpp.py: its plans, its summary, and the strata side on a small Qwen3-MoE checkpoint (the
+"""bench/cpu/cpu_vs_llamacpp.py: its plans, its summary, and the strata side on a small Qwen3-MoE checkpoint (the
 llama.cpp side needs the benchmark's own llama-cpp-python build and is not run here)."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from bench import cpu_vs_llamacpp as bench
-from bench import strata_cpu_side
+from bench.cpu import cpu_vs_llamacpp as bench
+from bench.cpu import strata_cpu_side
 
 MINI = {"hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 32, "num_hidden_layers": 2,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32, "vocab_size": 8448, "num_experts": 8,

@@ -1,7 +1,7 @@
-"""bench/pair_kernel_probe.py launches the decode pair kernels (strata.kernels.gpu.grouped) directly, each argument by
-position: its launches must match the kernels' signature and compute what the library's pairs compute. CPU CI runs
-them through Triton's interpreter, in a subprocess (TRITON_INTERPRET is read when Triton is imported), at small
-shapes (the probe's are the bench model's)."""
+"""bench/probes/pair_kernel_probe.py launches the decode pair kernels (strata.kernels.gpu.grouped) directly, each
+argument by position: its launches must match the kernels' signature and compute what the library's pairs compute.
+CPU CI runs them through Triton's interpreter, in a subprocess (TRITON_INTERPRET is read when Triton is imported), at
+small shapes (the probe's are the bench model's)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def check_probe_launches() -> float:
     """The probe's gate/up and down launches on 8 pairs of one token over 3 experts at H = 64, I = 32, against
     `grouped._pair_torch`: returns the largest error relative to the reference's largest output."""
-    from bench import pair_kernel_probe as pk
+    from bench.probes import pair_kernel_probe as pk
     from strata.kernels.gpu import grouped
 
     pk.H, pk.INTER = 64, 32  # the probe reads its shapes from these at each launch

@@ -1,6 +1,7 @@
-"""bench/quant_pair_probe.py packs experts in each format and runs the quantized pair kernels' launches (at the shipped
-configuration and at a swept one) against its fp32 reference: CPU CI runs them through Triton's interpreter, in a
-subprocess (TRITON_INTERPRET is read when Triton is imported), at small shapes (the probe's are the bench model's)."""
+"""bench/probes/quant_pair_probe.py packs experts in each format and runs the quantized pair kernels' launches (at the
+shipped configuration and at a swept one) against its fp32 reference: CPU CI runs them through Triton's interpreter,
+in a subprocess (TRITON_INTERPRET is read when Triton is imported), at small shapes (the probe's are the bench
+model's)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ def check_probe_launches() -> float:
     """The probe's slots and pair launches for FP8 (16 x 16 blocks) and MXFP4 experts, 2 tokens x 2 pairs over 4
     experts at H = 64, I = 32, shipped and swept configurations: the largest error against its reference relative to
     the reference's largest output (the reference itself checked against the bf16 slots of the same experts)."""
-    from bench import quant_pair_probe as qp
+    from bench.probes import quant_pair_probe as qp
     from strata.kernels.quant import ExpertFormat
 
     qp.H, qp.INTER, qp.E, qp.K = 64, 32, 4, 2  # the probe reads its shapes from these at each call

@@ -1,11 +1,11 @@
-"""bench/serial_phase.py's reading of CUPTI kernel records: a split layer cut at the post and the answer's fetch
+"""bench/tools/serial_phase.py's reading of CUPTI kernel records: a split layer cut at the post and the answer's fetch
 (either fetch), the ceiling's layer at its router, on synthetic traces whose phase lengths are known."""
 
 from __future__ import annotations
 
 import pytest
 
-from bench.serial_phase import analyse, kernel_records
+from bench.tools.serial_phase import analyse, kernel_records
 
 
 def _trace(layers: int, cycle: list[tuple[str, float, int]], gap: float = 1.0) -> dict:
@@ -77,9 +77,9 @@ def test_a_steps_end_is_told_from_its_layers_and_its_idle_measured():
 
 
 def test_kernel_trace_summary_finds_the_slow_layer():
-    """bench/kernel_trace.py's summary of a run: per-stream busy time, and layer periods (answer to answer) whose
+    """bench/tools/kernel_trace.py's summary of a run: per-stream busy time, and layer periods (answer to answer) whose
     slowest one is listed raw: here one layer of 100 waits 5 ms for its post."""
-    from bench.kernel_trace import summarize
+    from bench.tools.kernel_trace import summarize
 
     cycle = [("_pack_kernel", 5.0, 7), ("_gate_up_kernel", 40.0, 9), ("_acquire_kernel", 3.0, 7),
              ("_read_kernel", 2.0, 7), ("_combine_kernel", 2.0, 7)]

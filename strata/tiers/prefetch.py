@@ -37,7 +37,7 @@ class LookaheadPrefetcher:
     watches its own measured precision: when fewer than `MIN_PRECISION` of a window of `WINDOW`
     prefetches were used, it pauses for `PAUSE_CALLS` layers, then measures again. (On the suite's
     checkpoints, whose skew channel keeps the stream nearly unchanged from layer to layer, the next layer's
-    experts are named with 0.99 recall, `bench/lookahead_probe.py`; on plain random weights about 0.7.)
+    experts are named with 0.99 recall, `bench/probes/lookahead_probe.py`; on plain random weights about 0.7.)
     """
 
     WINDOW = 256

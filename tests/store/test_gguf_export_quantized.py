@@ -227,7 +227,7 @@ def _llamacpp_logprobs(path, ids: list[int], site) -> torch.Tensor:
 def test_llamacpp_runs_the_exported_files(which, mini_qwen3, tiny_deepseek, tmp_path):
     site = llamacpp_site()
     if site is None:
-        pytest.skip("llama-cpp-python is not installed (optional; bench/cpu_vs_llamacpp.py builds it)")
+        pytest.skip("llama-cpp-python is not installed (optional; bench/cpu/cpu_vs_llamacpp.py builds it)")
     path = mini_qwen3[1] if which.startswith("qwen3moe") else tiny_deepseek[1]
     ids = torch.randint(300, 500, (32,), generator=torch.Generator().manual_seed(2)).tolist()
     disk = {"path": str(tmp_path / "cache"), "scrub": False}
@@ -237,7 +237,7 @@ def test_llamacpp_runs_the_exported_files(which, mini_qwen3, tiny_deepseek, tmp_
     diff = (theirs - ours).abs()
     # llama.cpp multiplies K-quant and Q8_0 blocks with activations rounded to 8 bits (its q8_K / q8_0 dot products)
     # and keeps an f16 KV cache: measured median 0.0010 / 0.0003, p99 0.004 / 0.010 nats, top-1 agreement 0.97 / 1;
-    # a swapped or misplaced tensor moves the median past 0.05 (bench/cpu_vs_llamacpp.py's check)
+    # a swapped or misplaced tensor moves the median past 0.05 (bench/cpu/cpu_vs_llamacpp.py's check)
     assert diff.median().item() < 0.005 and diff.quantile(0.99).item() < 0.03
     assert (theirs.argmax(-1) == ours.argmax(-1)).float().mean().item() >= 0.9
 

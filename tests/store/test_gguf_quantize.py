@@ -99,7 +99,7 @@ def test_the_bytes_are_llamacpps(type_name, quantize):
     the compiled quantizers `quantize_rows` runs and from their numpy port."""
     lib_path = ggml_base_library()
     if lib_path is None:
-        pytest.skip("llama-cpp-python is not installed (optional; bench/cpu_vs_llamacpp.py builds it)")
+        pytest.skip("llama-cpp-python is not installed (optional; bench/cpu/cpu_vs_llamacpp.py builds it)")
     lib = ctypes.CDLL(str(lib_path))
     rng = np.random.default_rng(1)
     x = np.concatenate([rng.standard_normal((64, 1024)) * 0.02, rng.standard_t(3, (64, 1024)),

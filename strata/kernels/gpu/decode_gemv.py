@@ -1,7 +1,7 @@
 """A decode step's dense projections as a Triton GEMV: y = x @ W.T (+ b) for one row of x.
 
 At decode a single sequence's attention projections are matrix-vector products bound by reading W from HBM.
-cuBLAS picks GEMM tiles for them that leave bandwidth unused on the H200 (`bench/gemv_probe.py --sweep`, code
+cuBLAS picks GEMM tiles for them that leave bandwidth unused on the H200 (`bench/probes/gemv_probe.py --sweep`, code
 8d4c1d0: the bench model's o projection, 2048 x 4096 bf16, 9.3 us in cuBLAS against 6.2 us here; its stacked
 q/k/v, 5120 x 2048, 7.6 against 6.8 us). Each program reads BLOCK_M full rows of W once,
 streaming K in BLOCK_K tiles, with one fp32 sum a row; one launch, no split-K reduce. For more rows than one
@@ -37,7 +37,7 @@ def available(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def config(m: int, k: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_K, num_warps, num_stages) for W [m, k]: 2 warps streaming 1024-wide K tiles of one row of
     W a program, two for a tall W (many programs already keep the H200's 132 SMs reading). These are the probe's
-    sweep winners for this kernel on the H200 (`bench/gemv_probe.py --sweep`, code 8d4c1d0)."""
+    sweep winners for this kernel on the H200 (`bench/probes/gemv_probe.py --sweep`, code 8d4c1d0)."""
     return 2 if m >= 4096 else 1, min(1024, triton.next_power_of_2(k)), 2, 2
 
 

@@ -44,7 +44,7 @@ from strata.kernels.quant import PLAIN_DTYPES, ExpertFormat, ExpertLayout
 PAIR_LIMIT = 128  # pairs per step up to which the pair kernels beat grouping tokens by expert
 # The pair kernels' launch configurations: gate/up (BLOCK_I, BLOCK_H, warps, stages), down (BLOCK_O, BLOCK_I,
 # warps, stages). Few pairs need smaller blocks, hence more programs in flight, to keep enough memory reads
-# outstanding. Measured on the H200 (bench/pair_kernel_probe.py sweeps them). A configuration fixes each output's
+# outstanding. Measured on the H200 (bench/probes/pair_kernel_probe.py sweeps them). A configuration fixes each output's
 # summation order, so the in-memory and tiered engines, which pick it by the same pair count, agree bit for bit.
 PAIR_CONFIGS = {"small": ((4, 2048, 4, 3), (8, 256, 2, 3)), "large": ((4, 1024, 4, 3), (8, 256, 2, 3))}
 SMALL_PAIRS = 16
@@ -273,7 +273,7 @@ def pair_experts_in_place(x: torch.Tensor, experts: HostExperts, addresses: torc
     2j (gate) and 2j + 1 (up), so first_row splits the interleaved rows the same way.
 
     For one decode token the GPU reads each weight once either way, so reading it where it lies costs the
-    link's rate (~50 GB/s on the H200 box, bench/zero_copy.py) and none of a copy's host bookkeeping."""
+    link's rate (~50 GB/s on the H200 box, bench/probes/zero_copy.py) and none of a copy's host bookkeeping."""
     if gate_up_bias is not None and expert_ids is None:
         raise ValueError("a gate_up bias read in place needs expert_ids (each pair's expert)")
     pair_forms.check_bias(gate_up_bias, experts.down_shape[1])

@@ -2,7 +2,7 @@
 
 `apply_experts` runs each hit expert as its own chain of ~12 ops (gather, two GEMMs, SiLU, multiply,
 index_add). An 8K-token prefill chunk of the bench model hits all 128 experts of every layer, and on the
-H200 box the host launching those ops took 0.63 s for ~94 ms of GPU work (`bench/profile_prefill.py`, code
+H200 box the host launching those ops took 0.63 s for ~94 ms of GPU work (`bench/tools/profile_prefill.py`, code
 9331683). Here the pairs are sorted by slot and run through `torch._grouped_mm` (CUTLASS grouped GEMMs on sm90;
 a reference loop elsewhere), once for gate/up and once for down, whatever the number
 of experts: about ten launches a layer, in pieces of about 8K pairs so the temporaries stay bounded. Each

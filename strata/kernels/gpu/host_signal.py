@@ -90,7 +90,7 @@ if triton is not None:
 READ_BLOCK = 256  # fp32 of the answer a program of the copy kernel reads
 # Two kernels, not one: one warp acquires `done`, then the copy reads with plain volatile loads. One kernel in which
 # every thread of every program took its own system-scope acquire had a floor of 9.4 us with the answer already
-# there, against 4.1-4.3 us for the two (bench/fetch_probe.py, H200 box, code a46c739).
+# there, against 4.1-4.3 us for the two (bench/probes/fetch_probe.py, H200 box, code a46c739).
 
 
 def wait_for_host(done: torch.Tensor, gen: torch.Tensor, error: torch.Tensor, spins: torch.Tensor,

@@ -1,7 +1,7 @@
 """Programmatic dependent launch (PDL) for the decode step's Triton kernels.
 
 A decode layer is a chain of a dozen small kernels, each waiting for the one before it. Inside a CUDA graph
-each boundary still costs the next kernel's launch and ramp-up (~1-2 us on the H200: `bench/profile_decode.py`
+each boundary still costs the next kernel's launch and ramp-up (~1-2 us on the H200: `bench/tools/profile_decode.py`
 at 6667112 put ~18 us of an ~85 us all-in-VRAM layer between its kernels). On Hopper and later a kernel launched
 with the programmatic-serialization attribute may start while the kernel before it is still running; it must then
 wait (`griddepcontrol.wait`) before it touches anything that kernel writes, and a kernel lets its dependants

@@ -36,7 +36,8 @@ if triton is not None:
 
 # Launch configurations, as grouped.PAIR_CONFIGS: gate/up (BLOCK_I, BLOCK_H, warps, stages), down (BLOCK_O, BLOCK_I,
 # warps, stages). A tile holds fewer bytes than the bf16 kernels' at the same shape, so more rows a program keep as
-# many reads in flight and reuse each activation load more. Not yet swept on the H200 (bench/pair_kernel_probe.py).
+# many reads in flight and reuse each activation load more. Not yet swept on the H200
+# (bench/probes/pair_kernel_probe.py).
 QUANT_PAIR_CONFIGS = {"small": ((8, 1024, 4, 3), (16, 256, 4, 3)), "large": ((8, 1024, 4, 3), (16, 256, 4, 3))}
 QUANT_SMALL_PAIRS = 16
 QUANT_IN_PLACE_BLOCKS = (8, 512, 16, 256)  # pair_quant_in_place: gate/up rows, columns; down rows, columns
@@ -75,7 +76,8 @@ def pair_quant(x: torch.Tensor, weights: QuantSlotWeights, slot_of: torch.Tensor
     """`grouped.pair_experts`' Triton path for quantized slots (same arguments): pair p runs expert ids[p] from slot
     slot_of[ids[p]] (-1: skipped) on token rows[p] // k (rows None: p), its row of y [., H] fp32 written; `form` the
     SwiGLU, gate_up_bias [E, 2I] (row ids[p]) added before it.
-    config: a (gate/up, down) launch configuration in place of `QUANT_PAIR_CONFIGS`' (bench/quant_pair_probe.py)."""
+    config: a (gate/up, down) launch configuration in place of `QUANT_PAIR_CONFIGS`'
+    (bench/probes/quant_pair_probe.py)."""
     lay = weights.layout
     pair_forms.check_bias(gate_up_bias, lay.intermediate)
     if lay.fmt.kind == "gguf":  # the file's ggml blocks: their own kernels

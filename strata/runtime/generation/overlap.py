@@ -2,7 +2,7 @@
 
 A decode step's host work (reading the sampled token back, detokenizing, stop checks, streaming it
 out, launching the next graph) sits between two GPU steps when they run in turn: 0.2 ms a token all in
-VRAM, about 1 ms in one-graph split decode (`bench/step_timeline.py` on the H200, code f760a63). With
+VRAM, about 1 ms in one-graph split decode (`bench/tools/step_timeline.py` on the H200, code f760a63). With
 `[debug] overlap_decode`, step t's token is sampled on the device and fed to step t+1 as a device
 tensor; step t+1 is launched first, and the host reads step t's token while the GPU runs step t+1.
 A token that ends its sequence (EOS, a stop string) costs one wasted step, never a wrong token: the

@@ -3,7 +3,7 @@
 On a tiered model every cold expert of a layer crosses PCIe once per chunk, so the chunk decides how
 many times a long prompt moves the experts: an 8K-token prompt at a 25% GPU budget prefilled at 4.7K tok/s
 in 512-token chunks, 13.2K in 2048-token chunks and 41.0K in one chunk on the H200 box (4-layer bench
-model, `bench/profile_prefill.py --chunk N`, code 3e45210). What bounds the chunk is GPU memory for its
+model, `bench/tools/profile_prefill.py --chunk N`, code 3e45210). What bounds the chunk is GPU memory for its
 activations, which `planner.activation_reserve` keeps free: "auto" on CUDA takes the largest multiple of 512 tokens whose
 activations (a generous estimate from the model's shape, plus one grouped-GEMM piece's temporaries) fill at
 most three quarters of that reserve, up to 8192 and the context; on the CPU it stays at 512 (host memory, and no copies to save).
@@ -30,8 +30,8 @@ def activation_bytes_per_token(mc: ModelConfig) -> int:
     MLP (gate, up, product) and the routed pairs' output buffer (k x hidden, fp32: the grouped prefill sums each
     token's pairs once, in order) with the shared expert. The GEMMs' own temporaries are bounded by
     `PIECE_ROWS` pairs at a time (`piece_bytes`). The bench model (Qwen3-30B-A3B's shape) measured 93 KiB of
-    peak GPU memory a chunk token beyond the start on the H200 box (8K prompt, one chunk, `bench/profile_prefill.py`,
-    code 30ffa15); this gives 177 KiB."""
+    peak GPU memory a chunk token beyond the start on the H200 box (8K prompt, one chunk,
+    `bench/tools/profile_prefill.py`, code 30ffa15); this gives 177 KiB."""
     h, k = mc.hidden_size, max(mc.num_experts_per_tok, 1)
     head = max(mc.head_dim, mc.qk_nope_head_dim + mc.qk_rope_head_dim, mc.v_head_dim)
     attention = 2 * (mc.num_heads + 2 * mc.num_kv_heads) * head

@@ -152,9 +152,9 @@ def _draw(logits: torch.Tensor, generators: torch.Generator | None | list[torch.
     waits for the queued work (overlapped decode queues the next step before the host reads this token). Taken in
     logs, argmax(logits - log q) (the Gumbel-max trick): the same distribution without the softmax, which over one
     row of a 152K vocabulary ran as a single 39-us block on the H200, the longest kernel of a decode step's sampling
-    (`bench/serial_phase.py`, code 104a6ba). q [n, V] comes from one generator in one draw, or, given a list, row i's
-    from `generators[i]` alone ([1, V], as that row sampled by itself draws it). q is kept above 0, where the CPU's
-    exponential may (rarely) land; a masked token (-inf) stays -inf."""
+    (`bench/tools/serial_phase.py`, code 104a6ba). q [n, V] comes from one generator in one draw, or, given a list,
+    row i's from `generators[i]` alone ([1, V], as that row sampled by itself draws it). q is kept above 0, where the
+    CPU's exponential may (rarely) land; a masked token (-inf) stays -inf."""
     if isinstance(generators, list) and len(generators) > 1:
         q = torch.cat([torch.empty((1, logits.shape[-1]), dtype=logits.dtype, device=logits.device)
                        .exponential_(generator=g) for g in generators])

@@ -308,7 +308,7 @@ class MLAAttention(nn.Module):
     def attend_expanded(self, q_nope: torch.Tensor, q_rot: torch.Tensor, lat: torch.Tensor, rot: torch.Tensor,
                         pos: torch.Tensor) -> torch.Tensor:
         """`attend_absorbed`'s arguments and result, the window's keys and values expanded through kv_b_proj
-        (transformers' order of operations): the reference its test and bench/mla_decode_probe.py compare to."""
+        (transformers' order of operations): the reference its test and bench/probes/mla_decode_probe.py compare to."""
         b, length, nh = lat.shape[0], lat.shape[1], self.num_heads
         kv = self.kv_b_proj(lat).view(b, length, nh, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 # The rate at which the pair kernels read the GPU's share of a one-graph split decode step from pinned RAM in
-# place (`GpuShare`'s starting point; bench/zero_copy.py measures it, unchanged while the CPU reads RAM).
+# place (`GpuShare`'s starting point; bench/probes/zero_copy.py measures it, unchanged while the CPU reads RAM).
 IN_PLACE_RATE = 45e9
 
 

@@ -71,7 +71,7 @@ class ExpertCompute(CpuCompute):
         self.staged: list = []  # StagedExperts copied for a decode layer, held until their readers are enqueued
         self.lookups: torch.Tensor | None = None  # [L, E] int64 device-side lookup counts (graph steps)
         # host time of the decode cold path: waiting for the GPU to reach a layer, issuing copies and CPU
-        # work, waiting for the CPU's partial sum (where a split step's time goes; see bench/hotpath.py)
+        # work, waiting for the CPU's partial sum (where a split step's time goes; see bench/tools/hotpath.py)
         self.host_seconds: Counter[str] = Counter()
         self.pin_results = False  # CPU partial sums in pinned memory, so their upload never waits for the GPU
         # True: a decode layer's CPU share starts on the kernel's launcher thread before this thread stages

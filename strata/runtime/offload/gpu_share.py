@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 class GpuShare:
     """The GPU's own share of a mailbox layer's cold experts, read in place from pinned RAM over PCIe by the
     pair kernels (`pair_experts_in_place`) while the worker computes the rest: the two read host RAM at once
-    (~50 + ~110 GB/s on the H200 box, bench/ram_shared.py).
+    (~50 + ~110 GB/s on the H200 box, bench/probes/ram_shared.py).
 
     The share is cut in intermediate rows, not whole experts: a layer's c cold experts (ascending) are c x G
     granules of `granule` rows each (`row_granule`), and the GPU takes the last q of them, the q that makes the

@@ -151,12 +151,12 @@ int g_spin_us = 100;
 int64_t g_prefetch_bytes = 2048;
 // strata_cpu_tune's knobs: down chunks claimed ahead, chunk size = total / (g_chunk_div * threads) in
 // [g_chunk_min, g_chunk_max] bytes, down rows paired across a chunk's halves (g_down_split)
-// Defaults from bench/cpu_kernel_trace.py on the H200 box's 16-core Xeon (code ca71889):
+// Defaults from bench/cpu/cpu_kernel_trace.py on the H200 box's 16-core Xeon (code ca71889):
 // claiming 4 down chunks ahead took a quarter to 0.6 of an expert from 44.7 / 83.4 to 38-39 / 72-75 us a call, and
 // pairing down rows across a chunk's halves read a whole expert's down 10-17% faster.
 int64_t g_claim_max = 4, g_chunk_div = 8, g_chunk_min = 32 << 10, g_chunk_max = 512 << 10, g_down_split = 1;
 // Warm-ahead's read (strata_cpu_warm): g_warm_streams rows at once, interleaved line by line (more misses in
-// flight, the L2 streamer on each: 4 read ~30% more bytes in decode's serial phase than 1, bench/hotpath.py,
+// flight, the L2 streamer on each: 4 read ~30% more bytes in decode's serial phase than 1, bench/tools/hotpath.py,
 // code 4f07018), one line touched in g_warm_touch (more than 1 loses: the prefetcher does not fill the
 // others). The kernel's dynamic gate/up chunks sized from the rows not read ahead (g_rest_chunks; 0: the call's);
 // the rows of a thread's piece its read did not reach left to them (g_read_split; 0: the piece's owner does them).
@@ -164,7 +164,7 @@ int64_t g_warm_streams = 4, g_warm_touch = 1, g_rest_chunks = 1, g_read_split = 
 // Down chunks hold at least g_down_stream bytes of each expert's rows in a row (per stream: half of them with
 // g_down_split), as long as every thread still gets g_chunk_div chunks: a chunk's bytes are spread over every expert
 // of the call, and each expert's run starts with a RAM latency, so a prompt's call (every expert: chunks of two rows)
-// read its down rows at about half the RAM rate (bench/cpu_experts.py --experts-per-call, docs/benchmarks.md).
+// read its down rows at about half the RAM rate (bench/cpu/cpu_experts.py --experts-per-call, docs/benchmarks.md).
 int64_t g_down_stream = 128 << 10;
 bool g_trace = false;
 std::vector<int64_t> g_trace_rows;

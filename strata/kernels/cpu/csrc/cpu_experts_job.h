@@ -70,7 +70,7 @@ static void run_job_fmt(void* ctx, int tid) {
         job.done1.fetch_add(1, std::memory_order_acq_rel);
     }
     // pieces of threads that have not come (yet); not an arrived thread's: read from another core's L2 they cost
-    // twice what they cost from RAM (`bench/cpu_kernel_trace.py --warm`, code 4d973f8), and their owner is on its
+    // twice what they cost from RAM (`bench/cpu/cpu_kernel_trace.py --warm`, code 4d973f8), and their owner is on its
     // way to them
     for (int64_t k = 0; k < ns; ++k)
         if (!job.arrived[k % job.P].load(std::memory_order_acquire)) piece(k);

@@ -1,5 +1,5 @@
 // The CPU expert kernel's per-call trace (strata_cpu_trace, strata_cpu_trace_threads) and its scheduling knobs
-// (strata_cpu_tune): what bench/cpu_kernel_trace.py and bench/hotpath.py measure with, through
+// (strata_cpu_tune): what bench/cpu/cpu_kernel_trace.py and bench/tools/hotpath.py measure with, through
 // strata/kernels/cpu/tuning.py. None of the knobs changes a result.
 //
 // Included once, by cpu_experts.cpp, after its Job, its globals (g_call, g_trace*, the knobs) and the kernels.

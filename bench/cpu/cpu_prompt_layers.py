@@ -1,7 +1,7 @@
 """The CPU expert kernel on a prompt pass's layer calls, where every expert of the layer has a few tokens, per knob set.
 
-    python bench/cpu_prompt_layers.py [--tokens 1,8,32,64] [--knobs "down_stream=0;down_stream=131072"]
-                                      [--rounds 5] [--seconds 1.0] [--layers 2] [--threads N] [--out DIR]
+    python bench/cpu/cpu_prompt_layers.py [--tokens 1,8,32,64] [--knobs "down_stream=0;down_stream=131072"] [--rounds 5]
+                                          [--seconds 1.0] [--layers 2] [--threads N] [--out DIR]
 
 A decode step's layer call holds its top-k experts (8 for one token); a prompt's holds nearly every expert of the
 layer, each with the few of its tokens routed to it (64 tokens, top-8 of 128: ~4 each). The second reads the same
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root, when run as a script
-from bench.cpu_experts import machine  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, when run as a script
+from bench.cpu.cpu_experts import machine  # noqa: E402
 from strata.kernels.cpu import experts as ce  # noqa: E402
 from strata.kernels.cpu.tuning import parse_knobs  # noqa: E402
 

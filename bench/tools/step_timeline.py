@@ -1,7 +1,8 @@
 """Where a one-graph split decode step's time goes, end to end: the host's clock, the GPU's events and the mailbox
 worker's clock on one timeline (all CLOCK_MONOTONIC).
 
-    python bench/step_timeline.py --model DIR [--gpu-fraction 0.25] [--tokens 48] [--cases split,ceiling] [--out DIR]
+    python bench/tools/step_timeline.py --model DIR [--gpu-fraction 0.25] [--tokens 48] [--cases split,ceiling]
+                                        [--out DIR]
 
 Modifiers (`split+spin100+nobooks`): shareX (debug.gpu_share = X), swN (GIL switch interval, us), spinN (the kernel's
 idle spin, us), wspinN (the mailbox worker's polling spin, us), tN (the kernel's threads, debug.cpu_threads = N),
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def timeline(engine, prompt: list[int], tokens: int, seed: int = 3, wake_at_launch: bool = False) -> dict:
@@ -128,7 +129,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench-out")
     ap.add_argument("--cache", default="/dev/shm/sc")
     args = ap.parse_args()
-    from bench.hotpath import wait_for_placement
+    from bench.tools.hotpath import wait_for_placement
     from strata import Engine
     configs = case_configs(args.model, args.gpu_fraction, args.cache)
     out = {"model": args.model, "cases": []}

@@ -1,6 +1,6 @@
-"""The llama.cpp side of bench/cpu_vs_llamacpp.py: one GGUF measured through llama-cpp-python's low-level API.
+"""The llama.cpp side of bench/cpu/cpu_vs_llamacpp.py: one GGUF measured through llama-cpp-python's low-level API.
 
-    python bench/llamacpp_side.py --gguf FILE --threads 2 --plan PLAN.json   # prints one JSON object
+    python bench/cpu/llamacpp_side.py --gguf FILE --threads 2 --plan PLAN.json   # prints one JSON object
 
 Runs in a process of its own, with the benchmark's private llama-cpp-python install on sys.path (PYTHONPATH), so
 it never shares threads or memory with strata. PLAN.json (written by cpu_vs_llamacpp.py) says what to measure:

@@ -1,6 +1,6 @@
 """Decode and prefill on tiers: the `bench` demo model (Qwen3-30B-A3B shape) with part of its experts in VRAM.
 
-    python bench/hotpath.py --model DIR [--gpu-fraction 0.25] [--tokens 64] [--prefill 8192] [--out DIR]
+    python bench/tools/hotpath.py --model DIR [--gpu-fraction 0.25] [--tokens 64] [--prefill 8192] [--out DIR]
 
 Cases, all in this one run on the same weights (the store is built once, on first use):
   ceiling        every expert in VRAM (runtime.experts = "memory"), decode steps replayed as CUDA graphs
@@ -72,7 +72,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: `bench.*` when run as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: `bench.*` when run as a script
 from bench.decode_timing import timed_decode  # noqa: E402
 
 PCIE, CPU = 55e9, 70e9

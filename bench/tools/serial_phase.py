@@ -2,7 +2,8 @@
 by kernel, beside the same kernels in the all-in-VRAM step: CUPTI's kernel records (torch.profiler) of a few
 decode steps replayed as CUDA graphs.
 
-    python bench/serial_phase.py --model DIR [--gpu-fraction 0.25] [--tokens 24] [--cases split,ceiling] [--out DIR]
+    python bench/tools/serial_phase.py --model DIR [--gpu-fraction 0.25] [--tokens 24] [--cases split,ceiling]
+                                       [--out DIR]
 
 Cases: split, ceiling; `+nowarm` (split without warm-ahead: debug.warm_ahead = false). First a probe:
 a `wait_and_fetch` whose answer is already there, the handshake's floor on the GPU's side. Each split case also
@@ -33,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 PACK, FETCH, ROUTER = "_pack_kernel", ("_fetch_kernel", "_read_kernel"), "_route_kernel"  # fetch: one kernel, or the copy
 
@@ -113,7 +114,7 @@ def serial_table(runs: list[list[tuple[str, float, float, int]]]) -> dict:
 def profile_case(model: str, cfg: dict, tokens: int) -> list[tuple[str, float, float, int]]:
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.hotpath import wait_for_placement
+    from bench.tools.hotpath import wait_for_placement
     from strata import Engine
 
     engine = Engine.from_pretrained(model, config=cfg, device="cuda")
@@ -152,7 +153,7 @@ def raw_layers(kernels: list[tuple[str, float, float, int]], first: int = 100, l
 def fetch_probe(calls: int = 64, floats: int = 2048) -> dict:
     """us a `wait_and_fetch` takes when the worker has already answered (done = the generation), `calls` of them
     replayed in one CUDA graph: the handshake's floor on the GPU's side."""
-    from bench.fetch_probe import answered, timed  # (Triton kernels at import: the GPU box only)
+    from bench.probes.fetch_probe import answered, timed  # (Triton kernels at import: the GPU box only)
     from strata.kernels.gpu.host_signal import wait_and_fetch
 
     header, gen, src, out = answered(floats)
@@ -219,7 +220,7 @@ def main() -> None:
     ap.add_argument("--cases", default="split,ceiling")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
-    from bench.step_timeline import case_configs
+    from bench.tools.step_timeline import case_configs
 
     cfgs = case_configs(args.model, args.gpu_fraction, "/dev/shm/strata-cache")
     for case in args.cases.split(","):  # before the probe: a typo costs no GPU time

@@ -1,8 +1,8 @@
 """Where the CPU expert kernel's time goes on one decode layer's share, by phase, and what its scheduling knobs do.
 
-    python bench/cpu_kernel_trace.py [--threads 12] [--calls 200] [--gap-us 80]
-                                     [--knobs "claim_ahead=0,down_split=0;claim_ahead=4,down_split=1"]
-                                     [--warm] [--own MB [--read-knobs "warm_streams=1;warm_streams=4"]] [--out DIR]
+    python bench/cpu/cpu_kernel_trace.py [--threads 12] [--calls 200] [--gap-us 80]
+                                         [--knobs "claim_ahead=0,down_split=0;claim_ahead=4,down_split=1"] [--warm]
+                                         [--own MB [--read-knobs "warm_streams=1;warm_streams=4"]] [--out DIR]
 
 The mailbox worker calls the kernel once per MoE layer with ~80 us of GPU work between calls (skewed routing,
 25% budget: ~1.6 cold experts a layer, ~60% of each computed here). Fitting the kernel's time against the bytes
@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root, when run as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, when run as a script
 from strata.kernels.cpu import experts as ce  # noqa: E402
 from strata.kernels.cpu.tuning import parse_knobs  # noqa: E402
 

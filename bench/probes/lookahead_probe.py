@@ -1,6 +1,6 @@
 """How well does applying layer l+d's router to the hidden state leaving layer l predict layer l+d's experts?
 
-    python bench/lookahead_probe.py --model DIR --out DIR [--prompt 128] [--tokens 64] [--distances 1,2]
+    python bench/probes/lookahead_probe.py --model DIR --out DIR [--prompt 128] [--tokens 64] [--distances 1,2]
 
 strata's lookahead prefetcher (`strata.tiers.prefetch`) predicts with exactly this (`router_predictors`). The
 model decodes with its experts in memory (no graphs, so the per-layer hook runs every step), sampling at
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def main() -> None:

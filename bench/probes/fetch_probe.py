@@ -1,6 +1,6 @@
 """What a split decode layer's fetch of the worker's answer costs when the answer is already there, and of what.
 
-    python bench/fetch_probe.py [--calls 64] [--floats 2048] [--out DIR]
+    python bench/probes/fetch_probe.py [--calls 64] [--floats 2048] [--out DIR]
 
 Each variant runs `calls` times back to back in one CUDA graph (the answer's `done` word already holds the
 generation waited for), replayed 20 times: us a call. Variants:
@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from strata.kernels.gpu.host_signal import load_acquire, wait_and_fetch  # noqa: E402
 
 

@@ -2,7 +2,7 @@
 are rounded as llama.cpp's K-quant dot products round them (Q8_K: int8 against one fp32 scale a 256-value block,
 amax / 127), against the bf16 rounding strata's avx512_bf16 kernel applies today, both measured against fp32.
 
-    python bench/int8_activation_error.py [--trials 200] [--types Q4_K,Q6_K,Q2_K] [--out DIR]
+    python bench/cpu/int8_activation_error.py [--trials 200] [--types Q4_K,Q6_K,Q2_K] [--out DIR]
 
 The CPU kernel's GGUF types are compute-bound on few cores because each weight costs one bf16 product
 (docs/benchmarks.md, "CPU expert kernel on GGUF experts"); int8 activations (vpdpbusd: 64 products an instruction)
@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 if not os.environ.get("PYTHONPATH"):  # strata from this checkout, unless PYTHONPATH names another
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator().manual_seed(0)
     out: dict = {"bench": "int8_activation_error", "commit": commit(),
                  "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                 "command": "python bench/int8_activation_error.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+                 "command": "python bench/cpu/int8_activation_error.py "
+                            + " ".join(argv if argv is not None else sys.argv[1:]),
                  "shape": {"H": HIDDEN, "I": INTER}, "trials": a.trials, "bf16_bound": BF16_BOUND, "types": {}}
     for t in a.types.split(","):
         experts = [tuple(quantized((rng.standard_normal(shape) * 0.02).astype(np.float32), t)

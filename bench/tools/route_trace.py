@@ -1,11 +1,11 @@
 """Record a model's routing (every MoE layer's expert ids, prompt and decode) for replay on any machine.
 
-    python bench/route_trace.py --model DIR --out FILE.json [--prompt 128] [--tokens 256] [--device cuda]
+    python bench/tools/route_trace.py --model DIR --out FILE.json [--prompt 128] [--tokens 256] [--device cuda]
 
 The model runs with its experts in memory (no tiers), sampling at temperature 1 as the suite does, from the benchmark suite's prompt for a
 `--prompt`-token, one-stream workload, so the trace is the routing the suite's skewed cases see. The trace
 (`{"num_experts", "prefill": {layer: [ids...]}, "decode": {layer: [[ids of token t]...]}}`) replays
-through the tier policy with `bench/promote_sim.py --trace FILE` on a CPU machine.
+through the tier policy with `bench/tools/promote_sim.py --trace FILE` on a CPU machine.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # `bench.suite` when run as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # `bench.suite` when run as a script
 
 
 def main() -> None:

@@ -1,8 +1,8 @@
 """CPU expert kernel vs torch's per-expert matmul vs the RAM read bandwidth, measured in the same run.
 
-    python bench/cpu_experts.py [--out DIR] [--threads N] [--pool-gib G] [--seconds S] [--backends a,b]
-                                [--experts bf16,fp8,mxfp4,q4_k,q6_k,q2_k,q8_0] [--shapes qwen3-30b-a3b,deepseek-v3]
-                                [--rounds R] [--tokens 1,4]
+    python bench/cpu/cpu_experts.py [--out DIR] [--threads N] [--pool-gib G] [--seconds S] [--backends a,b]
+                                    [--experts bf16,fp8,mxfp4,q4_k,q6_k,q2_k,q8_0] [--shapes qwen3-30b-a3b,deepseek-v3]
+                                    [--rounds R] [--tokens 1,4]
 
 Shapes: Qwen3-30B-A3B (H=2048, I=768, 9.4 MB per expert in bf16) and DeepSeek-V3 (H=7168, I=2048, 88 MB).
 One call = one layer: 8 experts, each with all N tokens (N = 1 and 4; --tokens). The experts come from a pool of

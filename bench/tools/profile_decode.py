@@ -1,6 +1,6 @@
 """Where a decode step's GPU time goes: torch.profiler over a few replayed decode steps.
 
-    python bench/profile_decode.py --model DIR [--config '{"runtime": {"experts": "memory"}}'] [--out DIR]
+    python bench/tools/profile_decode.py --model DIR [--config '{"runtime": {"experts": "memory"}}'] [--out DIR]
 Prints the top CUDA kernels by total time and writes profile_decode.txt; `--host` adds the host's side
 (cProfile of the same decode, torch ops by self CPU time), which is where a tiered step's time goes.
 """

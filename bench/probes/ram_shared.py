@@ -2,7 +2,7 @@
 read host memory; the roofline of a split decode step adds their rates (55 + 70 GB/s on the H200 box), which
 holds only if the memory controller serves both at once.
 
-    python bench/ram_shared.py [--gib 4] [--threads 16] [--gpus 0,1] [--out DIR]
+    python bench/probes/ram_shared.py [--gib 4] [--threads 16] [--gpus 0,1] [--out DIR]
 
 Measures, each alone and then both at once: pinned -> GPU copies in expert-sized chunks (9.4 MB, the bench
 model's expert) and the CPU kernel's read sweep (`cpu_experts.read_sweep`, the kernel's thread pool and

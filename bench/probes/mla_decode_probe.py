@@ -5,7 +5,7 @@ Times `MLAAttention.attend_absorbed` and `attend_expanded` (bf16, one call captu
 decode runs it, replayed: best of 5 rounds of 20; eager launches reported too) for
 B sequences over an S-token window, and checks they agree.
 
-    python bench/mla_decode_probe.py --out DIR [--lengths 512,4096,16384] [--batch 1,8]
+    python bench/probes/mla_decode_probe.py --out DIR [--lengths 512,4096,16384] [--batch 1,8]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Sweep the decode pair kernels' launch configurations (strata.kernels.gpu.grouped) at the bench model's shapes.
 
-    python bench/pair_kernel_probe.py --out DIR [--tokens 1,4,8]
+    python bench/probes/pair_kernel_probe.py --out DIR [--tokens 1,4,8]
 
 The pair kernels compute a decode step's resident experts: one gate/up launch and one down launch for every
 (token, expert) pair. In the all-in-VRAM layer they take ~27 of ~65 us (torch.profiler's kernel
@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 import triton
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: `bench.*` when run as a script
-from bench.gemv_probe import graph_us  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: `bench.*` when run as a script
+from bench.probes.gemv_probe import graph_us  # noqa: E402
 from strata.kernels.gpu import grouped  # noqa: E402
 
 H, INTER, E, K = 2048, 768, 128, 8

@@ -1,7 +1,7 @@
 """The quantized decode pair kernels (strata.kernels.gpu.quant_pairs) against the bf16 ones at the bench model's
 shapes, and prefill's scratch dequantizer (strata.kernels.gpu.quant_slots).
 
-    python bench/quant_pair_probe.py --out DIR [--tokens 1,4,8] [--sweep]
+    python bench/probes/quant_pair_probe.py --out DIR [--tokens 1,4,8] [--sweep]
 
 The same 128 random experts are held in GPU slots as bf16, FP8 (128 x 128 blocks) and MXFP4 blobs. For N tokens
 (N x 8 pairs, each token's experts distinct), one step's pairs (the gate/up and the down launch) are timed in a CUDA
@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # the repo root: `bench.*` when run as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: `bench.*` when run as a script
 from strata.kernels.gpu import grouped, quant_pairs  # noqa: E402
 from strata.kernels.gpu.quant_slots import QuantSlotWeights, dequantize_slots  # noqa: E402
 from strata.kernels.quant import ExpertFormat, ExpertLayout  # noqa: E402
@@ -69,7 +69,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 def main() -> None:
-    from bench.gemv_probe import graph_us
+    from bench.probes.gemv_probe import graph_us
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)

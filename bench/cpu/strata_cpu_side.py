@@ -1,11 +1,11 @@
-"""The strata side of bench/cpu_vs_llamacpp.py: one model measured through the engine's scheduler on the CPU.
+"""The strata side of bench/cpu/cpu_vs_llamacpp.py: one model measured through the engine's scheduler on the CPU.
 
-    python bench/strata_cpu_side.py --model STORE --threads 2 --plan PLAN.json [--reference OUT.npy]
+    python bench/cpu/strata_cpu_side.py --model STORE --threads 2 --plan PLAN.json [--reference OUT.npy]
 
 Runs in a process of its own (never beside llama.cpp). The engine is strata as shipped on a CPU-only host
 (`Engine.from_pretrained(device="cpu")`, tiered experts computed by the CPU kernel), with `runtime.threads` and
 `[debug] cpu_threads` set to --threads and `planner.max_batch` to the plan's most streams. PLAN.json (written by
-cpu_vs_llamacpp.py) says what to measure, as bench/llamacpp_side.py measures llama.cpp:
+cpu_vs_llamacpp.py) says what to measure, as bench/cpu/llamacpp_side.py measures llama.cpp:
 
 - `prefill`: each prompt is one request of one token, timed from its submission to its first token;
 - `decode`: (streams, prompt, tokens): the streams' requests are submitted at once (continuous batching: one
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 if not os.environ.get("PYTHONPATH"):  # strata from this checkout, unless PYTHONPATH names another
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def engine_config(threads: int, streams: int, context: int, dtype: str, reference: bool) -> dict:

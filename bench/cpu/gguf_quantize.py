@@ -1,7 +1,7 @@
 """llama.cpp's K-quant quantizers, compiled (strata.kernels.cpu.quantize) against their numpy port
 (strata.tiers.store.gguf_quantize.quantize_rows_reference): one thread's rate a type, then a whole GGUF export.
 
-    python bench/gguf_quantize.py [--layers 2] [--experts q4_k_m] [--rounds 3] [--model DIR] [--out DIR]
+    python bench/cpu/gguf_quantize.py [--layers 2] [--experts q4_k_m] [--rounds 3] [--model DIR] [--out DIR]
 
 1. Rate: a Qwen3-30B-A3B expert matrix (768 x 2048, N(0, 0.02^2) in float32) quantized to Q2_K, Q4_K, Q5_K and Q6_K
    on one thread by each implementation, alternating over --rounds rounds; the best round's Mvalues/s a type. Both
@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 if not os.environ.get("PYTHONPATH"):  # strata from this checkout, unless PYTHONPATH names another
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import numpy as np  # noqa: E402
 
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"bench": "gguf_quantize", "commit": commit(), "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
               "machine": {"cpu": platform.processor() or platform.machine(), "cores": os.cpu_count(),
                           "load_avg_start": os.getloadavg()[0]},
-              "command": "python bench/gguf_quantize.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "command": "python bench/cpu/gguf_quantize.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "rates": rates(a.rounds), "export": export(model, a.layers, a.experts, out_dir)}
     result["machine"]["load_avg_end"] = os.getloadavg()[0]
     (out_dir / "gguf_quantize.json").write_text(json.dumps(result, indent=1) + "\n")

@@ -4,7 +4,7 @@ Each timing replays a CUDA graph of `--calls` calls (so launch gaps are a graph'
 enough weight copies that every call reads its weights from HBM, not from the 50 MB L2. Prints us a call and
 the weight read rate for F.linear, the shipped config, and (with --sweep) every tile config, best first.
 
-    python bench/gemv_probe.py --out DIR [--sweep]
+    python bench/probes/gemv_probe.py --out DIR [--sweep]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """One stream's decode and prefill speed on the CPU through the public API, for comparing commits on one machine.
 
-    python bench/cpu_decode.py [--model DIR] [--prompt-tokens 64] [--tokens 64] [--repeat 3] [--busy N] [--out DIR]
+    python bench/cpu/cpu_decode.py [--model DIR] [--prompt-tokens 64] [--tokens 64] [--repeat 3] [--busy N] [--out DIR]
 
 Loads `Engine.from_pretrained(DIR, device="cpu")` (no --model: the default demo model) with the default configuration,
 then runs `--repeat` greedy generations of `--tokens` tokens after a fixed `--prompt-tokens`-token prompt and reports
@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 
 if not os.environ.get("PYTHONPATH"):  # strata from this checkout, unless PYTHONPATH names another
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 HOG = "import torch\nx = torch.randn(1024, 1024)\nwhile True:\n    x @ x"  # one busy process: torch's threads

@@ -1,7 +1,7 @@
 """strata against llama.cpp on a CPU-only host, on identical weights (bf16, or Q4_K_M experts with --experts q4_k_m).
 
-    python bench/cpu_vs_llamacpp.py [--layers 2 8] [--routing uniform skewed] [--rounds 3] [--threads 2] --out DIR
-    python bench/cpu_vs_llamacpp.py --experts q4_k_m ...   # both engines on one GGUF, routed experts in Q4_K_M
+    python bench/cpu/cpu_vs_llamacpp.py [--layers 2 8] [--routing uniform skewed] [--rounds 3] [--threads 2] --out DIR
+    python bench/cpu/cpu_vs_llamacpp.py --experts q4_k_m ...   # both engines on one GGUF, routed experts in Q4_K_M
 
 For each bench model cut (`strata demo-model --size bench --layers N --no-engram`: Qwen3-30B-A3B's shape, bf16
 random weights, `--route-skew uniform` or `--route-skew 1`), the checkpoint is written once as safetensors (and
@@ -24,8 +24,8 @@ experts kept in their ggml blocks. Then:
    so the figures are the engines' forward passes; `--temperature 1` samples with each engine's own sampler over the
    whole vocabulary instead, llama.cpp's `dist`, strata's, with fixed seeds). llama.cpp's 4
    streams are 4 sequences of one context decoded as one batch a step (its own batching, low-level API); strata's
-   are 4 requests on its scheduler (one forward pass a step, `planner.max_batch` 4). bench/llamacpp_side.py and
-   bench/strata_cpu_side.py are the two sides.
+   are 4 requests on its scheduler (one forward pass a step, `planner.max_batch` 4). bench/cpu/llamacpp_side.py and
+   bench/cpu/strata_cpu_side.py are the two sides.
 
 llama.cpp is llama-cpp-python 0.3.36 built from its sdist on this machine (`pip wheel`; a few minutes on 2 cores)
 the first time, cached under the cache directory (--cache; default $STRATA_CACHE/bench, else
@@ -48,7 +48,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
@@ -218,9 +218,9 @@ def side_commands(args, site: Path, store: Path, gguf: Path, plan_path: Path) ->
     llama_env = {**env, "PYTHONPATH": str(site)}
     strata_env = {**env, "PYTHONPATH": str(ROOT)}
     return {
-        "llama.cpp": ([sys.executable, str(ROOT / "bench" / "llamacpp_side.py"), "--gguf", str(gguf),
+        "llama.cpp": ([sys.executable, str(ROOT / "bench" / "cpu" / "llamacpp_side.py"), "--gguf", str(gguf),
                        "--threads", str(args.threads), "--plan", str(plan_path)], llama_env),
-        "strata": ([sys.executable, str(ROOT / "bench" / "strata_cpu_side.py"), "--model", str(store),
+        "strata": ([sys.executable, str(ROOT / "bench" / "cpu" / "strata_cpu_side.py"), "--model", str(store),
                     "--threads", str(args.threads), "--plan", str(plan_path), "--dtype", args.strata_dtype],
                    strata_env),
     }

@@ -1,7 +1,7 @@
 """Where a decode step still makes the host wait for the device: torch's sync debug mode over steady-state
 decode steps, each synchronizing call reported once with the strata frames that made it.
 
-    python bench/sync_probe.py --model DIR [--config JSON] [--tokens 16] [--out DIR]
+    python bench/tools/sync_probe.py --model DIR [--config JSON] [--tokens 16] [--out DIR]
 
 Overlapped decode ([debug] overlap_decode) gains only while nothing in a step reads a device value back
 (a hidden `.item()`, a pageable copy, `torch.multinomial`'s check): each such call makes the host wait for
@@ -18,7 +18,7 @@ import traceback
 import warnings
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def main() -> None:

@@ -1,6 +1,7 @@
 """Where a long prompt's prefill time goes: torch.profiler over one N-token prefill (one chunk).
 
-    python bench/profile_prefill.py --model DIR [--prompt 8192] [--chunk N] [--config JSON] [--out DIR] [--label NAME]
+    python bench/tools/profile_prefill.py --model DIR [--prompt 8192] [--chunk N] [--config JSON] [--out DIR]
+                                          [--label NAME]
 
 Prints the wall time, tok/s and the top CUDA kernels by total time (GEMMs against gathers, index_add,
 attention, copies), and writes profile_prefill-LABEL.txt. The target is 3,000 tok/s for an 8K prompt

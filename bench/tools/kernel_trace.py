@@ -3,7 +3,7 @@
 Set `STRATA_BENCH_TRACE=DIR` and the suite's timed workloads (`python -m bench run`) run under torch.profiler; each
 writes `DIR/<n>-trace.json`: per CUDA stream, the busy time and the kernels by total time (count, total, median us),
 and a few consecutive split layers' kernels raw (from one answer fetch to the fourth after it), as
-`bench/serial_phase.py` reads a one-stream step.
+`bench/tools/serial_phase.py` reads a one-stream step.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import statistics
 from collections import defaultdict
 from pathlib import Path
 
-from bench.serial_phase import FETCH, has, profiled_kernels, raw_layers, short
+from bench.tools.serial_phase import FETCH, has, profiled_kernels, raw_layers, short
 
 
 @contextlib.contextmanager

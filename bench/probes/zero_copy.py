@@ -1,6 +1,6 @@
 """Can the GPU compute a cold expert straight from pinned host RAM (zero-copy), with no staging copy?
 
-    python bench/zero_copy.py [--out DIR]
+    python bench/probes/zero_copy.py [--out DIR]
 
 The pair kernels (`strata.kernels.gpu.grouped.pair_experts`) run one decode token's experts (Qwen3-30B-A3B
 shape, 9.4 MB each) with their weights in: HBM (the resident case); pinned RAM from `cudaHostAlloc`

@@ -1,6 +1,6 @@
 """GPU hit rate of split decode's tier policy on a real routing trace, replayed on the CPU (no GPU needed).
 
-    python bench/promote_sim.py [--skew 1.0] [--fraction 0.4] [--tokens 256] [--prompt-repeat 1] [--out DIR]
+    python bench/tools/promote_sim.py [--skew 1.0] [--fraction 0.4] [--tokens 256] [--prompt-repeat 1] [--out DIR]
 
 The `small` demo model with routing skew in its weights (`--skew`, as `strata demo-model --route-skew`)
 decodes `--tokens` tokens after a 128-token prompt, all in memory, and every router's choices are
@@ -141,7 +141,7 @@ def main() -> None:
     ap.add_argument("--prompt-repeat", type=int, default=1,
                     help="replay the prompt's routing this many times in one prefill chunk (a long prompt: 64 x 128 "
                     "tokens = the suite's 8K case)")
-    ap.add_argument("--trace", default=None, help="replay a routing trace recorded by bench/route_trace.py (e.g. "
+    ap.add_argument("--trace", default=None, help="replay a routing trace recorded by bench/tools/route_trace.py (e.g. "
                     "the bench model's on the GPU box) instead of recording the small model's here")
     args = ap.parse_args()
     from strata.runtime.demo.model import write_demo_model

@@ -1,0 +1,1 @@
+"""Probes behind defaults: each measures one mechanism alone, where a default of strata came from."""

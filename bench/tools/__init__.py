@@ -1,0 +1,1 @@
+"""Tools for finding where time goes: profiles, timelines and traces of decode and prefill."""
