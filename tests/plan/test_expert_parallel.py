@@ -6,11 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_inspect import qwen3_moe, write_sparse_checkpoint
 from test_placement import cards, multi_host, uniform
 from test_planner import host, one_line_error
 
-from strata.runtime.demo.model import demo_config
 from strata.runtime.plan.expert_parallel import ExpertParallelError, place_expert_parallel, stage_cold_bytes
 from strata.runtime.plan.planner import Plan, plan
 from strata.runtime.plan.stages import place_stages
@@ -111,16 +109,8 @@ def test_refuses_a_card_without_room_for_its_budget():
         layout(24)
 
 
-@pytest.fixture(scope="module")
-def q30b(tmp_path_factory):
-    spec, _ = qwen3_moe(48, 2048, 32, 768, 128, fused=True)
-    d = tmp_path_factory.mktemp("q30b-ep") / "m"
-    write_sparse_checkpoint(d, spec, demo_config("bench", engram=False), shards=4)
-    return d
-
-
-def test_planner_reports_the_layout_beside_the_stages(q30b):
-    p = plan(q30b, multi_host(24, 24), {"runtime": {"devices": [0, 1]}, "tiers": {"gpu": {"budget": "4GiB"}}})
+def test_planner_reports_the_layout_beside_the_stages(q30b_multi):
+    p = plan(q30b_multi, multi_host(24, 24), {"runtime": {"devices": [0, 1]}, "tiers": {"gpu": {"budget": "4GiB"}}})
     ep = p.expert_parallel
     assert ep is not None and [c.device for c in ep.cards] == ["cuda:0", "cuda:1"]
     assert sum(c.slots for c in ep.cards) == p.tier("gpu").slots  # the same VRAM for experts as the stages
@@ -132,8 +122,8 @@ def test_planner_reports_the_layout_beside_the_stages(q30b):
     assert back.expert_parallel == ep
 
 
-def test_planner_notes_why_the_layout_does_not_fit(q30b):
-    p = plan(q30b, multi_host(4, 24), {"runtime": {"devices": [0, 1]}})  # stages fit; the first card alone cannot
+def test_planner_notes_why_the_layout_does_not_fit(q30b_multi):
+    p = plan(q30b_multi, multi_host(4, 24), {"runtime": {"devices": [0, 1]}})  # stages fit; the first card alone cannot
     assert p.expert_parallel is None
     assert any(n.startswith("expert-parallel layout: cuda:0 (4.00 GiB free) cannot hold") for n in p.notes)
-    assert plan(q30b, host(gpu=24 * GiB)).expert_parallel is None  # one card: nothing to share out
+    assert plan(q30b_multi, host(gpu=24 * GiB)).expert_parallel is None  # one card: nothing to share out

@@ -10,13 +10,11 @@ import json
 import pytest
 import torch
 from staged_models import CPU, IDS, score_in_chunks
-from test_inspect import qwen3_moe, write_sparse_checkpoint
 from test_planner import check_invariants, host, one_line_error
 
 from strata.cli import build_parser
 from strata.config import load_config, parse_gpus
 from strata.errors import ConfigError
-from strata.runtime.demo.model import demo_config
 from strata.runtime.plan import planner as planner_mod
 from strata.runtime.plan.planner import Plan, PlanError, cmd_plan, plan
 from strata.runtime.plan.stages import (
@@ -152,22 +150,14 @@ def test_layer_sizes_match_the_loaded_model(tiny6_dir):
 # --------------------------------------------------------------------------------------------- planner
 
 
-@pytest.fixture(scope="module")
-def q30b(tmp_path_factory):
-    spec, _ = qwen3_moe(48, 2048, 32, 768, 128, fused=True)
-    d = tmp_path_factory.mktemp("q30b-multi") / "m"
-    write_sparse_checkpoint(d, spec, demo_config("bench", engram=False), shards=4)
-    return d
-
-
 def multi_host(*gib: float):
     h = host(gpu=None)
     h.gpus = cards(*gib)
     return h
 
 
-def test_planner_splits_over_uneven_cards(q30b):
-    p = plan(q30b, multi_host(96, 24, 24), {"runtime": {"devices": [0, 1, 2]}})
+def test_planner_splits_over_uneven_cards(q30b_multi):
+    p = plan(q30b_multi, multi_host(96, 24, 24), {"runtime": {"devices": [0, 1, 2]}})
     check_invariants(p)
     assert [g.device for g in p.gpus] == ["cuda:0", "cuda:1", "cuda:2"] and p.compute_device == "cuda:0"
     assert p.gpus[0].layers[0] == 0 and p.gpus[-1].layers[1] == 48
@@ -177,18 +167,18 @@ def test_planner_splits_over_uneven_cards(q30b):
     text = p.format()
     assert "layers 0-" in text and "stage hop cuda:0 -> cuda:1" in text
     assert Plan.from_dict(json.loads(json.dumps(p.to_dict()))).gpus[1].layers == p.gpus[1].layers
-    three, one = plan(q30b, multi_host(24, 24, 24), {"runtime": {"devices": [0, 1, 2]}}), plan(q30b, host(gpu=24 * GiB))
+    three, one = plan(q30b_multi, multi_host(24, 24, 24), {"runtime": {"devices": [0, 1, 2]}}), plan(q30b_multi, host(gpu=24 * GiB))
     assert three.tier("gpu").slots > 2.5 * one.tier("gpu").slots  # the cards' VRAM adds up for experts
 
 
-def test_planner_refuses_clearly(q30b):
+def test_planner_refuses_clearly(q30b_multi):
     with pytest.raises(PlanError) as e:
-        plan(q30b, multi_host(24, 2), {"runtime": {"devices": [0, 1]}})
+        plan(q30b_multi, multi_host(24, 2), {"runtime": {"devices": [0, 1]}})
     assert one_line_error(e).startswith("cuda:1 (2.00 GiB free) cannot hold its stage")
     with pytest.raises(PlanError, match="lists GPU 2 but this host has GPUs 0, 1"):
-        plan(q30b, multi_host(24, 24), {"runtime": {"devices": [0, 2]}})
+        plan(q30b_multi, multi_host(24, 24), {"runtime": {"devices": [0, 2]}})
     with pytest.raises(PlanError, match="no CUDA GPU"):
-        plan(q30b, host(gpu=None), {"runtime": {"devices": [0, 1]}})
+        plan(q30b_multi, host(gpu=None), {"runtime": {"devices": [0, 1]}})
 
 
 def test_cmd_plan_with_gpus(tiny6_dir, monkeypatch, capsys):
