@@ -52,6 +52,7 @@ ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.suite.results import cpu_model  # noqa: E402
 from strata.tiers.store.gguf_mix import EXPORT_TYPES as GGUF_EXPORT_TYPES  # noqa: E402
 
 LLAMA_CPP_PYTHON = "0.3.36"
@@ -345,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
                             text=True).stdout.strip()
     result: dict = {"bench": "cpu_vs_llamacpp", "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"), "commit": commit,
                     "command": " ".join([Path(sys.argv[0]).name] + (argv if argv is not None else sys.argv[1:])),
-                    "machine": {"cpu": _cpu_name(), "cpus": os.cpu_count(), "platform": platform.platform()},
+                    "machine": {"cpu": cpu_model(), "cpus": os.cpu_count(), "platform": platform.platform()},
                     "llama_cpp_python": LLAMA_CPP_PYTHON, "threads": args.threads, "experts": args.experts,
                     "models": []}
     out_path = Path(args.out) / "cpu_vs_llamacpp.json" if args.out else None
@@ -381,14 +382,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all("median" in m for m in result["models"]) else 1
 
 
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -33,7 +33,7 @@ def machine_info() -> dict:
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "strata": strata.__version__,
-        "cpu": _cpu_model(),
+        "cpu": cpu_model(),
         "cpu_cores": psutil.cpu_count(logical=False),
         "cpu_threads": psutil.cpu_count(),
         "ram_bytes": psutil.virtual_memory().total,
@@ -59,7 +59,8 @@ def machine_info() -> dict:
     return info
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The host CPU's model name (/proc/cpuinfo), or what `platform` knows."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
