@@ -108,3 +108,33 @@ def test_a_many_token_chunk_stages_the_next_layer_behind_its_own(store):
         assert compute.prefill_ahead == {}
     finally:
         m.close()
+
+
+def test_a_pass_that_stops_releases_what_it_staged_ahead(store, monkeypatch):
+    """A layer that fails after staging the next layer's experts unpins them: nothing stays held."""
+    layers = store.index.moe_layers[:2]
+    e = store.index.num_experts
+    m = TierManager(store, TierBudgets(gpu_slots=3 * e, pinned_slots=4 * e), gpu_device=torch.device("cpu"), io_threads=2)
+    try:
+        for key in store.keys():
+            m.release(m.acquire([key], "cpu"))
+        compute = ExpertCompute(m, "gpu", "gpu")
+        compute.grouped_prefill, compute.moe_layers = True, layers
+        g = torch.Generator().manual_seed(2)
+        n, k = 16 * e, 4
+        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
+        w = torch.rand(n, k, generator=g)
+        x = torch.randn(n, store.load_layer_experts(layers[0], torch.float32, "cpu")[0].shape[2], generator=g)
+        layer = TieredExperts(layers[0], e, compute)
+
+        def fail(*args, **kwargs):
+            assert set(compute.prefill_ahead) == {layers[1]}  # staged before the layer's own compute
+            raise RuntimeError("out of memory")
+
+        monkeypatch.setattr(layer, "_tier_forward", fail)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            layer(x.to(store.dtype), ids, w)
+        assert compute.prefill_ahead == {}
+        assert sum(m.maps.holders.values()) == 0 and not any(m.maps.gpu.refs.values())
+    finally:
+        m.close()

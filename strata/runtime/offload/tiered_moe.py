@@ -121,6 +121,9 @@ class TieredExperts(PrefillPath, nn.Module):
                 rows, share = cpu_part  # rows unique: each of out's rows gets one add, as `out + partial` would
                 out.index_add_(0, rows, share.result().to(out.device, out.dtype))
             return out
+        except BaseException:  # the pass stops here: nothing will compute what was staged ahead
+            self._release_ahead()
+            raise
         finally:
             if ahead is not None:  # the layer's kernels are enqueued: its slots may be reused behind them
                 c.manager.release_staged(ahead)

@@ -35,10 +35,18 @@ class PrefillPath:
         next layer's staged behind them; None when neither did. Batches staged for other layers are stale (a pass
         that stopped early) and are released."""
         c = self.compute
-        for layer in [layer for layer in c.prefill_ahead if layer != self.layer]:
-            c.manager.release_staged(c.prefill_ahead.pop(layer))
+        mine = c.prefill_ahead.pop(self.layer, None)
+        self._release_ahead()
+        if mine is not None:
+            c.prefill_ahead[self.layer] = mine
         self._stage_ahead(pairs)
         return c.prefill_ahead.pop(self.layer, None)
+
+    def _release_ahead(self) -> None:
+        """Unpin every batch staged ahead (for a pass that stopped before the layers they were staged for)."""
+        c = self.compute
+        for layer in list(c.prefill_ahead):
+            c.manager.release_staged(c.prefill_ahead.pop(layer))
 
     def _stage_ahead(self, pairs: int) -> None:
         """Stage the next MoE layer's experts, their copies queued behind this layer's, when `pairs` (this chunk's
