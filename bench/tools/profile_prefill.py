@@ -30,6 +30,8 @@ def main() -> None:
     ap.add_argument("--out", default="bench-out")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
+    from bench.suite.cases import Workload
+    from bench.suite.strata_case import prompts_for
     from strata import Engine
 
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
@@ -42,7 +44,7 @@ def main() -> None:
     engine = Engine.from_pretrained(args.model, config=cfg, device=args.device)
     engine.wait_settled()
     vocab = engine.checkpoint.config.vocab_size
-    prompt = [(100 + i * 37) % vocab for i in range(args.prompt)]
+    prompt = prompts_for(Workload(args.prompt, 1, 1), vocab)[0]  # the suite's prompt of this length
     engine.generate(prompt[:1024], max_tokens=1, temperature=0.0)  # warm-up: kernels compiled, allocator grown
     sync()
     cuda = args.device == "cuda"
