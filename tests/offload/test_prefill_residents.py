@@ -72,69 +72,74 @@ def test_a_long_prompt_leaves_the_other_layers_residents_in_place(store, keep):
         m.close()
 
 
-def test_a_many_token_chunk_stages_the_next_layer_behind_its_own(store):
+@pytest.fixture()
+def ahead_tier(store):
+    """A CPU-simulated GPU tier of three layers' slots, every expert in pinned RAM, and an ExpertCompute over the
+    first two MoE layers that copies cold experts (no CPU share): (manager, compute)."""
+    e = store.index.num_experts
+    m = TierManager(store, TierBudgets(gpu_slots=3 * e, pinned_slots=4 * e), gpu_device=torch.device("cpu"), io_threads=2)
+    for key in store.keys():
+        m.release(m.acquire([key], "cpu"))
+    compute = ExpertCompute(m, "gpu", "gpu")
+    compute.grouped_prefill, compute.moe_layers = True, store.index.moe_layers[:2]
+    yield m, compute
+    m.close()
+
+
+def chunk(store, seed: int, pairs_per_expert: int = 64, k: int = 4):
+    """A prompt chunk's routing and activations: ids [N, k], weights [N, k], x [N, H] in the store's dtype."""
+    e = store.index.num_experts
+    g = torch.Generator().manual_seed(seed)
+    n = pairs_per_expert * e // k
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
+    w = torch.rand(n, k, generator=g)
+    hidden = store.load_layer_experts(store.index.moe_layers[0], torch.float32, "cpu")[0].shape[2]
+    return ids, w, torch.randn(n, hidden, generator=g).to(store.dtype)
+
+
+def unpinned(m: TierManager) -> bool:
+    """No handle or staged batch holds a GPU slot."""
+    return sum(m.maps.holders.values()) == 0 and not any(m.maps.gpu.refs.values())
+
+
+def test_a_many_token_chunk_stages_the_next_layer_behind_its_own(store, ahead_tier):
     """Enough pairs to use every expert: the first layer stages its own experts and the next layer's at once, the
     next layer finds them mapped, every cold expert crosses once, and nothing stays pinned after the pass."""
-    layers = store.index.moe_layers[:2]
-    e = store.index.num_experts
-    m = TierManager(store, TierBudgets(gpu_slots=3 * e, pinned_slots=4 * e), gpu_device=torch.device("cpu"), io_threads=2)
-    try:
-        for key in store.keys():
-            m.release(m.acquire([key], "cpu"))
-        compute = ExpertCompute(m, "gpu", "gpu")
-        compute.grouped_prefill, compute.moe_layers = True, layers
-        g = torch.Generator().manual_seed(1)
-        n, k = 16 * e, 4  # 64 pairs an expert: every expert used, the next layer staged ahead
-        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
-        w = torch.rand(n, k, generator=g)
-        x = torch.randn(n, store.load_layer_experts(layers[0], torch.float32, "cpu")[0].shape[2], generator=g)
-        x = x.to(store.dtype)
-        copied = lambda: m.stats()["paths"].get("pinned->gpu", {}).get("objects", 0)  # noqa: E731
-        copies = copied()
-        first = TieredExperts(layers[0], e, compute)(x, ids, w)
-        assert set(compute.prefill_ahead) == {layers[1]}  # staged behind the first layer, still held
-        assert m.resident_experts(layers[1], "gpu") == set(range(e))
-        assert copied() - copies == 2 * e  # both layers, once each
-        second = TieredExperts(layers[1], e, compute)(x, ids, w)
-        assert compute.prefill_ahead == {}  # the last MoE layer of the pass stages nothing
-        assert copied() - copies == 2 * e  # the second layer copied nothing more
-        for layer, got in zip(layers, (first, second), strict=True):
-            native = SlotWeights(*store.load_layer_experts(layer, store.dtype, "cpu"))
-            assert torch.equal(got, grouped_experts(x, w, ids, native, ids).to(x.dtype))
-        # nothing left pinned on the GPU tier
-        assert sum(m.maps.holders.values()) == 0 and not any(m.maps.gpu.refs.values())
-        # a shorter chunk leaves its few-token cold experts to the cost model (the CPU's share): nothing staged ahead
-        TieredExperts(layers[0], e, compute)(x[: 8 * e], ids[: 8 * e], w[: 8 * e])
-        assert compute.prefill_ahead == {}
-    finally:
-        m.close()
+    m, compute = ahead_tier
+    layers, e = compute.moe_layers, store.index.num_experts
+    ids, w, x = chunk(store, seed=1)  # 64 pairs an expert: every expert used, the next layer staged ahead
+    copied = lambda: m.stats()["paths"].get("pinned->gpu", {}).get("objects", 0)  # noqa: E731
+    copies = copied()
+    first = TieredExperts(layers[0], e, compute)(x, ids, w)
+    assert set(compute.prefill_ahead) == {layers[1]}  # staged behind the first layer, still held
+    assert m.resident_experts(layers[1], "gpu") == set(range(e))
+    assert copied() - copies == 2 * e  # both layers, once each
+    second = TieredExperts(layers[1], e, compute)(x, ids, w)
+    assert compute.prefill_ahead == {}  # the last MoE layer of the pass stages nothing
+    assert copied() - copies == 2 * e  # the second layer copied nothing more
+    for layer, got in zip(layers, (first, second), strict=True):
+        native = SlotWeights(*store.load_layer_experts(layer, store.dtype, "cpu"))
+        assert torch.equal(got, grouped_experts(x, w, ids, native, ids).to(x.dtype))
+    assert unpinned(m)
+    # a shorter chunk leaves its few-token cold experts to the cost model (the CPU's share): nothing staged ahead
+    ids, w, x = chunk(store, seed=1, pairs_per_expert=32)
+    TieredExperts(layers[0], e, compute)(x, ids, w)
+    assert compute.prefill_ahead == {}
 
 
-def test_a_pass_that_stops_releases_what_it_staged_ahead(store, monkeypatch):
+def test_a_pass_that_stops_releases_what_it_staged_ahead(store, ahead_tier, monkeypatch):
     """A layer that fails after staging the next layer's experts unpins them: nothing stays held."""
-    layers = store.index.moe_layers[:2]
-    e = store.index.num_experts
-    m = TierManager(store, TierBudgets(gpu_slots=3 * e, pinned_slots=4 * e), gpu_device=torch.device("cpu"), io_threads=2)
-    try:
-        for key in store.keys():
-            m.release(m.acquire([key], "cpu"))
-        compute = ExpertCompute(m, "gpu", "gpu")
-        compute.grouped_prefill, compute.moe_layers = True, layers
-        g = torch.Generator().manual_seed(2)
-        n, k = 16 * e, 4
-        ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(n)])
-        w = torch.rand(n, k, generator=g)
-        x = torch.randn(n, store.load_layer_experts(layers[0], torch.float32, "cpu")[0].shape[2], generator=g)
-        layer = TieredExperts(layers[0], e, compute)
+    m, compute = ahead_tier
+    layers = compute.moe_layers
+    ids, w, x = chunk(store, seed=2)
+    layer = TieredExperts(layers[0], store.index.num_experts, compute)
 
-        def fail(*args, **kwargs):
-            assert set(compute.prefill_ahead) == {layers[1]}  # staged before the layer's own compute
-            raise RuntimeError("out of memory")
+    def fail(*args, **kwargs):
+        assert set(compute.prefill_ahead) == {layers[1]}  # staged before the layer's own compute
+        raise RuntimeError("out of memory")
 
-        monkeypatch.setattr(layer, "_tier_forward", fail)
-        with pytest.raises(RuntimeError, match="out of memory"):
-            layer(x.to(store.dtype), ids, w)
-        assert compute.prefill_ahead == {}
-        assert sum(m.maps.holders.values()) == 0 and not any(m.maps.gpu.refs.values())
-    finally:
-        m.close()
+    monkeypatch.setattr(layer, "_tier_forward", fail)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        layer(x, ids, w)
+    assert compute.prefill_ahead == {}
+    assert unpinned(m)

@@ -34,18 +34,14 @@ class PrefillPath:
         """This layer's experts as `_stage_ahead` staged them (the layer before, or this one first in its pass), the
         next layer's staged behind them; None when neither did. Batches staged for other layers are stale (a pass
         that stopped early) and are released."""
-        c = self.compute
-        mine = c.prefill_ahead.pop(self.layer, None)
-        self._release_ahead()
-        if mine is not None:
-            c.prefill_ahead[self.layer] = mine
+        self._release_ahead(keep=self.layer)
         self._stage_ahead(pairs)
-        return c.prefill_ahead.pop(self.layer, None)
+        return self.compute.prefill_ahead.pop(self.layer, None)
 
-    def _release_ahead(self) -> None:
-        """Unpin every batch staged ahead (for a pass that stopped before the layers they were staged for)."""
+    def _release_ahead(self, keep: int | None = None) -> None:
+        """Unpin every batch staged ahead but `keep`'s (for a pass that stopped before the layers they were for)."""
         c = self.compute
-        for layer in list(c.prefill_ahead):
+        for layer in [layer for layer in c.prefill_ahead if layer != keep]:
             c.manager.release_staged(c.prefill_ahead.pop(layer))
 
     def _stage_ahead(self, pairs: int) -> None:

@@ -22,7 +22,7 @@ import torch
 from strata.runtime.plan.checkpoints.inspect import format_bytes
 from strata.runtime.plan.host import GpuInfo, HostInfo
 from strata.runtime.plan.layout import CardShare, ExpertParallelPlan, GpuPlan, PlanError
-from strata.runtime.plan.stages import MIN_CONTEXT, LayerSizes, layer_sizes, select_devices
+from strata.runtime.plan.stages import MIN_CONTEXT, LayerSizes, select_devices
 
 __all__ = ["CardShare", "ExpertParallelPlan", "ExpertParallelError", "place_expert_parallel", "plan_expert_parallel",
            "stage_cold_bytes"]
@@ -86,12 +86,11 @@ def stage_cold_bytes(stages: list[GpuPlan], sizes: LayerSizes, experts_per_token
     return int(total)
 
 
-def plan_expert_parallel(fp, cfg, host: HostInfo, dtype: torch.dtype, context: int, stages: list[GpuPlan],
-                         notes: list[str]) -> ExpertParallelPlan | None:
+def plan_expert_parallel(fp, cfg, host: HostInfo, sizes: LayerSizes, dtype: torch.dtype, context: int,
+                         stages: list[GpuPlan], notes: list[str]) -> ExpertParallelPlan | None:
     """The planner's expert-parallel layout for `runtime.devices`, beside the stages it runs (`stages`, from
-    `plan_stages`): None, with a note saying why, where the cards cannot hold it. `fp` is the planner's
-    `ModelFootprint`."""
-    sizes = layer_sizes(fp.config, dtype, cfg.planner.max_batch + cfg.runtime.prefix_only_slots)
+    `plan_stages` on the same `sizes`): None, with a note saying why, where the cards cannot hold it. `fp` is the
+    planner's `ModelFootprint`."""
     k = fp.config.num_experts_per_tok
     try:
         layout = place_expert_parallel(

@@ -40,7 +40,7 @@ from strata.runtime.plan.footprint import read_footprint
 from strata.runtime.plan.host import GpuInfo, HostInfo, probe_host
 from strata.runtime.plan.kv_size import kv_cache_bytes, kv_growth_of
 from strata.runtime.plan.layout import GpuPlan, Plan, PlanError, TierPlan
-from strata.runtime.plan.stages import plan_stages, select_devices, simulate_gpus
+from strata.runtime.plan.stages import layer_sizes, plan_stages, select_devices, simulate_gpus
 from strata.tiers.store import format as store_format
 
 GiB, MiB = 1 << 30, 1 << 20
@@ -131,8 +131,9 @@ def plan(model_dir: str | Path, host: HostInfo, config: StrataConfig | dict | st
     gpus: list[GpuPlan] = []
     gpu_slots, gpu_budget, expert_parallel = 0, 0, None
     if len(cfg.runtime.devices) > 1:  # contiguous stages of layers, one per card
-        gpus, gpu_budget = plan_stages(fp, cfg, host, _TORCH_DTYPES[dtype], context, notes)
-        expert_parallel = plan_expert_parallel(fp, cfg, host, _TORCH_DTYPES[dtype], context, gpus, notes)
+        sizes = layer_sizes(fp.config, _TORCH_DTYPES[dtype], cfg.planner.max_batch + cfg.runtime.prefix_only_slots)
+        gpus, gpu_budget = plan_stages(fp, cfg, host, sizes, _TORCH_DTYPES[dtype], context, notes)
+        expert_parallel = plan_expert_parallel(fp, cfg, host, sizes, _TORCH_DTYPES[dtype], context, gpus, notes)
         gpu_slots = sum(g.slots for g in gpus)
     elif gpu is not None:
         device = f"cuda:{gpu.index}"

@@ -277,12 +277,13 @@ def link_kind(a: int, b: int) -> str:
     return "peer" if torch.cuda.can_device_access_peer(a, b) else "host"
 
 
-def plan_stages(fp, cfg, host: HostInfo, dtype: torch.dtype, context: int, notes: list[str]) -> tuple[list[GpuPlan], int]:
+def plan_stages(fp, cfg, host: HostInfo, sizes: LayerSizes, dtype: torch.dtype, context: int,
+                notes: list[str]) -> tuple[list[GpuPlan], int]:
     """The planner's GPU side for `runtime.devices`: one `GpuPlan` per card, and the summed expert budget.
 
-    `fp` is the planner's `ModelFootprint` (strata.runtime.plan.footprint); notes about the split and the links are appended to `notes`.
+    `fp` is the planner's `ModelFootprint` (strata.runtime.plan.footprint), `sizes` its `layer_sizes` for the batch's
+    sequences; notes about the split and the links are appended to `notes`.
     """
-    sizes = layer_sizes(fp.config, dtype, cfg.planner.max_batch + cfg.runtime.prefix_only_slots)
     slot = fp.gpu_slot_bytes(torch.empty((), dtype=dtype).element_size())
     stages = place_stages(sizes, select_devices(host.gpus, cfg.runtime.devices), context=context,
                           reserve=cfg.planner.activation_reserve_bytes, slot_bytes=slot,
