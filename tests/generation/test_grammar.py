@@ -271,3 +271,64 @@ def test_structured_output_on_cuda_beside_overlapped_decode(tiny_model_dir):
         check_person("".join(e.text for e in events[1])), check_person("".join(e.text for e in events[3]))
         assert events[1][-1].finish_reason == events[3][-1].finish_reason == "stop"
         assert all(evs[-1].finish_reason in ("length", "stop") for evs in events)  # none aborted
+
+
+def test_the_utf8_states_agree_with_pythons_decoder():
+    """`utf8_after` against Python's UTF-8 decoder on random byte strings weighted to the edges (lead bytes,
+    continuation bytes, E0/ED/F0/F4), from every state a real prefix leads to: between characters exactly where
+    the bytes so far decode, ill-formed exactly where no ending makes them decode (any character in progress ends
+    with one of 80, 90, A0 and then 80s)."""
+    from strata.runtime.generation.grammar import UTF8_START, utf8_after
+
+    def decodes(b: bytes) -> bool:
+        try:
+            b.decode("utf-8")
+            return True
+        except UnicodeDecodeError:
+            return False
+
+    endings = [b""] + [bytes([first]) + b"\x80" * n for first in (0x80, 0x90, 0xA0) for n in range(3)]
+    rng = np.random.default_rng(0)
+    edges = np.array([0x41, 0x7F, 0x80, 0x8F, 0x90, 0x9F, 0xA0, 0xBF, 0xC0, 0xC2, 0xDF, 0xE0, 0xE1, 0xED, 0xEF,
+                      0xF0, 0xF4, 0xF5, 0xFF], dtype=np.uint8)
+    prefixes = [b"", b"\xc3", b"\xe0", b"\xe1", b"\xed", b"\xe1\x80", b"\xf0", b"\xf1", b"\xf4", b"\xf1\x80",
+                b"\xf1\x80\x80"]
+    vocab = [bytes(rng.choice(edges, size=rng.integers(1, 6)).tolist()) for _ in range(2000)] + [b""]
+    starts = utf8_after(prefixes, set())[UTF8_START]  # the state each prefix leaves
+    assert len(set(starts.tolist())) == 8  # c3, e1 80 and f1 80 80 all wait for one byte
+    after = utf8_after(vocab, {len(vocab) - 1})
+    for prefix, state in zip(prefixes, starts.tolist(), strict=True):
+        for t, token in enumerate(vocab[:-1]):
+            text = prefix + token
+            assert (after[state, t] == UTF8_START) == decodes(text), (prefix, token)
+            assert (after[state, t] == 8) == (not any(decodes(text + end) for end in endings)), (prefix, token)
+        assert after[state, len(vocab) - 1] == state  # a stop token leaves the state as it was
+
+
+def test_a_json_string_never_takes_bytes_utf8_forbids(tiny_engine):
+    """Inside a JSON string the byte-level vocabulary's single-byte tokens are offered only where UTF-8 allows
+    them: no continuation byte to begin a character, after ED no A0-BF (a surrogate, which decodes to three U+FFFD
+    and passed a 6-character maxLength as one), after E0 no 80-9F (overlong), after F4 no 90-BF; the closing quote
+    only between characters."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tok = tiny_engine.tokenizer
+    byte_token = {b: tok.token_to_id(ch) for b, ch in bytes_to_unicode().items()}
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"]}
+    grammar = GrammarCompiler(tok, tok.vocab_size, tiny_engine.eos_token_ids).compile(ResponseFormat.from_schema(schema))
+
+    def offered(prefix: bytes) -> set[int]:
+        matcher = grammar.matcher()
+        for t in tok.encode('{"city": "', add_special_tokens=False) + [byte_token[b] for b in prefix]:
+            assert matcher.advance(t)
+        allowed = allowed_mask(matcher, tok.vocab_size)[0]
+        return {b for b, t in byte_token.items() if allowed[t]}
+
+    cont = set(range(0x80, 0xC0))
+    assert not offered(b"") & cont and {0x41, 0xC3, 0xE0, 0xED, 0xF0, 0xF4} <= offered(b"")
+    assert not offered(b"") & ({0xC0, 0xC1} | set(range(0xF5, 0x100)))
+    assert offered(b"\xed") == set(range(0x80, 0xA0))
+    assert offered(b"\xe0") == set(range(0xA0, 0xC0))
+    assert offered(b"\xf4") == set(range(0x80, 0x90))
+    assert offered(b"\xf0\x90") == cont
+    assert ord('"') in offered(b"\xed\x9f\xbf") and ord('"') not in offered(b"\xed\x9f")

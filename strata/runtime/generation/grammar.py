@@ -115,11 +115,9 @@ class ResponseFormat:
 class Grammar:
     """A compiled response format, shared by every sequence that asks for it; `matcher()` gives one a state."""
 
-    def __init__(self, compiled: Any, vocab_size: int, plain: torch.Tensor, non_stop: torch.Tensor,
-                 fmt: ResponseFormat):
+    def __init__(self, compiled: Any, vocab_size: int, vocab_bits: VocabBits, fmt: ResponseFormat):
         self.compiled, self.vocab_size, self.format = compiled, vocab_size, fmt
-        self.plain = plain  # int32 [ceil(V/32)]: the bits of every token without a control character
-        self.non_stop = non_stop  # int32 [ceil(V/32)]: the bits of every token but the stop tokens
+        self.vocab_bits = vocab_bits
 
     def matcher(self) -> GrammarMatcher:
         """A fresh matcher at the grammar's start, for one sequence."""
@@ -137,8 +135,9 @@ class GrammarMatcher:
         self._bitmask = xgr.allocate_token_bitmask(1, grammar.vocab_size)  # int32 [1, ceil(V/32)] on the CPU
         # numpy views made once: a step's host work is a few microseconds a row, of which making views was half
         self._bits = self._bitmask.numpy()[0]
-        self._plain, self._non_stop = grammar.plain.numpy(), grammar.non_stop.numpy()
+        self._vocab = grammar.vocab_bits
         self._scratch = np.empty_like(self._bits)
+        self._utf8 = UTF8_START  # where the text's bytes stand in UTF-8 (mid-character after a lead byte)
         self.done = False  # complete: nothing but a stop token may follow
         self._fill()
 
@@ -151,6 +150,7 @@ class GrammarMatcher:
         """Take `token` (sampled under its mask); False when the grammar refuses it (the sequence cannot go on)."""
         if not self._matcher.accept_token(int(token)):
             return False
+        self._utf8 = int(self._vocab.utf8_after[self._utf8, token])
         self._fill()
         return True
 
@@ -161,10 +161,17 @@ class GrammarMatcher:
             return
         self._matcher.fill_next_token_bitmask(self._bitmask)
         # xgrammar lets a JSON string hold raw control characters (U+0000-U+001F but CR and LF), which JSON
-        # forbids (RFC 8259: they are escaped); no token that holds one is taken (no other place needs one: the
-        # JSON has no free whitespace)
-        np.bitwise_and(self._bits, self._plain, out=self._bits)
-        self.done = not np.bitwise_and(self._bits, self._non_stop, out=self._scratch).any()
+        # forbids (RFC 8259: they are escaped), and byte sequences UTF-8 forbids (surrogates, overlong forms),
+        # which decode to U+FFFD each byte: neither kind of token is taken (no other place needs a control
+        # character: the JSON has no free whitespace)
+        grammar_bits = self._bits.copy() if self._utf8 != UTF8_START else None
+        np.bitwise_and(self._bits, self._vocab.allowed[self._utf8], out=self._bits)
+        self.done = not np.bitwise_and(self._bits, self._vocab.non_stop, out=self._scratch).any()
+        if self.done and grammar_bits is not None:
+            # mid-character no JSON can end: a vocabulary without the one continuation byte UTF-8 allows here
+            # (every byte-level and byte-fallback vocabulary has them all) is left to the grammar alone
+            np.bitwise_and(grammar_bits, self._vocab.allowed[UTF8_START], out=self._bits)
+            self.done = False
 
 
 class GrammarBatch:
@@ -228,8 +235,7 @@ class GrammarCompiler:
         self.tokenizer, self.vocab_size, self.cache_size = tokenizer, vocab_size, cache_size
         self.stop_token_ids = sorted(stop_token_ids)
         self._compiler: Any = None
-        self._plain: torch.Tensor | None = None
-        self._non_stop: torch.Tensor | None = None
+        self._vocab_bits: VocabBits | None = None
         self._cache: OrderedDict[str, Grammar] = OrderedDict()
         self._lock = threading.Lock()
         self.compiled = 0  # grammars compiled (cache misses), for tests and stats
@@ -253,7 +259,7 @@ class GrammarCompiler:
             detail = " ".join(_CPP_PREFIX.sub("", str(e)).split())[:300]
             raise ResponseFormatError(f"response_format json_schema.schema cannot be compiled: {detail}; fix the "
                                       "schema") from None
-        grammar = Grammar(compiled, self.vocab_size, self._plain, self._non_stop, fmt)
+        grammar = Grammar(compiled, self.vocab_size, self._vocab_bits, fmt)
         if grammar.matcher().done:  # nothing but a stop token at the start: e.g. {"anyOf": []}
             raise ResponseFormatError("response_format json_schema.schema admits no JSON value; fix the schema")
         with self._lock:
@@ -284,17 +290,76 @@ class GrammarCompiler:
                                                       stop_token_ids=self.stop_token_ids or None)
             # xgrammar's own cache is off: this class bounds what is kept
             self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)
-            stops = set(info.stop_token_ids)
-            self._non_stop = token_bits(self.vocab_size, stops)
-            self._plain = token_bits(self.vocab_size, [t for t, b in enumerate(info.decoded_vocab)
-                                                       if t not in stops and any(c < 0x20 for c in b)])
+            self._vocab_bits = VocabBits.of(info.decoded_vocab, self.vocab_size, set(info.stop_token_ids))
         return self._compiler
 
 
-def token_bits(vocab_size: int, excluded: Iterable[int]) -> torch.Tensor:
+# UTF-8 (RFC 3629) read a byte at a time: state 0 lies between characters, 1-7 wait for continuation bytes (some
+# with a narrower range for the first one), 8 is ill-formed for good
+UTF8_START, UTF8_STATES, _UTF8_BAD = 0, 8, 8
+
+
+def _utf8_table() -> np.ndarray:
+    """uint8 [9, 256]: the UTF-8 state after each byte from each state."""
+    t = np.full((UTF8_STATES + 1, 256), _UTF8_BAD, dtype=np.uint8)
+    t[0, 0x00:0x80] = 0
+    t[0, 0xC2:0xE0] = 1  # two-byte lead (C0, C1 would be overlong)
+    t[0, 0xE0], t[0, 0xE1:0xED], t[0, 0xED], t[0, 0xEE:0xF0] = 3, 2, 4, 2
+    t[0, 0xF0], t[0, 0xF1:0xF4], t[0, 0xF4] = 6, 5, 7  # F5-FF: past U+10FFFF
+    t[1, 0x80:0xC0] = 0
+    t[2, 0x80:0xC0] = 1
+    t[3, 0xA0:0xC0] = 1  # after E0: no overlong three-byte form
+    t[4, 0x80:0xA0] = 1  # after ED: no surrogate (U+D800-U+DFFF)
+    t[5, 0x80:0xC0] = 2
+    t[6, 0x90:0xC0] = 2  # after F0: no overlong four-byte form
+    t[7, 0x80:0x90] = 2  # after F4: nothing past U+10FFFF
+    return t
+
+
+def utf8_after(vocab: list[bytes], stop_token_ids: set[int]) -> np.ndarray:
+    """uint8 [8, V]: the UTF-8 state after token t's bytes from state s (8: the bytes are ill-formed there); a stop
+    token, whose text is not output, leaves the state as it was."""
+    table = _utf8_table()
+    lengths = np.fromiter(map(len, vocab), dtype=np.int64, count=len(vocab))
+    order = np.argsort(-lengths, kind="stable")  # longest first: column j is read by a prefix of the rows
+    padded = np.zeros((len(vocab), max(int(lengths.max(initial=0)), 1)), dtype=np.uint8)
+    for row, t in enumerate(order.tolist()):
+        padded[row, : lengths[t]] = np.frombuffer(vocab[t], dtype=np.uint8)
+    state = np.repeat(np.arange(UTF8_STATES, dtype=np.uint8)[:, None], len(vocab), axis=1)  # [8, V] by `order`
+    for j, rows in enumerate(np.searchsorted(-lengths[order], -np.arange(padded.shape[1]), side="left").tolist()):
+        state[:, :rows] = table[state[:, :rows], padded[None, :rows, j]]
+    after = np.empty_like(state)
+    after[:, order] = state
+    stops = [t for t in stop_token_ids if 0 <= t < len(vocab)]
+    after[:, stops] = np.arange(UTF8_STATES, dtype=np.uint8)[:, None]
+    return after
+
+
+@dataclass(frozen=True)
+class VocabBits:
+    """What a vocabulary's bytes allow, in xgrammar's bitmask layout, made once per compiler: `allowed[s]` the
+    tokens that may follow UTF-8 state s (well-formed from there and without a control character), `non_stop`
+    every token but the stop tokens, `utf8_after[s, t]` the state after token t."""
+
+    allowed: np.ndarray  # int32 [8, ceil(V/32)]
+    non_stop: np.ndarray  # int32 [ceil(V/32)]
+    utf8_after: np.ndarray  # uint8 [8, V]
+
+    @classmethod
+    def of(cls, vocab: list[bytes], vocab_size: int, stop_token_ids: set[int]) -> VocabBits:
+        """The bits of `vocab` (each token's bytes; ids past it, up to `vocab_size`, are padding)."""
+        vocab = list(vocab[:vocab_size]) + [b""] * max(0, vocab_size - len(vocab))
+        after = utf8_after(vocab, stop_token_ids)
+        control = [t for t, b in enumerate(vocab) if t not in stop_token_ids and any(c < 0x20 for c in b)]
+        allowed = np.stack([token_bits(vocab_size, set(control) | set(np.flatnonzero(after[s] == _UTF8_BAD).tolist()))
+                            for s in range(UTF8_STATES)])
+        return cls(allowed, token_bits(vocab_size, stop_token_ids), after)
+
+
+def token_bits(vocab_size: int, excluded: Iterable[int]) -> np.ndarray:
     """int32 [ceil(vocab_size / 32)] in xgrammar's bitmask layout (token t: bit t % 32 of word t // 32) with the bit
     of every token set but those of `excluded`."""
     bits = np.zeros(-(-vocab_size // 32) * 32, dtype=bool)
     bits[:vocab_size] = True
     bits[[t for t in excluded if 0 <= t < vocab_size]] = False
-    return torch.from_numpy(np.packbits(bits, bitorder="little").view("<i4").astype(np.int32))
+    return np.packbits(bits, bitorder="little").view("<i4").astype(np.int32)
