@@ -274,11 +274,11 @@ def test_structured_output_on_cuda_beside_overlapped_decode(tiny_model_dir):
 
 
 def test_the_utf8_states_agree_with_pythons_decoder():
-    """`utf8_after` against Python's UTF-8 decoder on random byte strings weighted to the edges (lead bytes,
+    """`text_after` against Python's UTF-8 decoder on random byte strings weighted to the edges (lead bytes,
     continuation bytes, E0/ED/F0/F4), from every state a real prefix leads to: between characters exactly where
     the bytes so far decode, ill-formed exactly where no ending makes them decode (any character in progress ends
     with one of 80, 90, A0 and then 80s)."""
-    from strata.runtime.generation.grammar import UTF8_START, utf8_after
+    from strata.runtime.generation.grammar import TEXT_BAD, TEXT_START, text_after
 
     def decodes(b: bytes) -> bool:
         try:
@@ -294,14 +294,14 @@ def test_the_utf8_states_agree_with_pythons_decoder():
     prefixes = [b"", b"\xc3", b"\xe0", b"\xe1", b"\xed", b"\xe1\x80", b"\xf0", b"\xf1", b"\xf4", b"\xf1\x80",
                 b"\xf1\x80\x80"]
     vocab = [bytes(rng.choice(edges, size=rng.integers(1, 6)).tolist()) for _ in range(2000)] + [b""]
-    starts = utf8_after(prefixes, set())[UTF8_START]  # the state each prefix leaves
+    starts = text_after(prefixes, set())[TEXT_START]  # the state each prefix leaves
     assert len(set(starts.tolist())) == 8  # c3, e1 80 and f1 80 80 all wait for one byte
-    after = utf8_after(vocab, {len(vocab) - 1})
+    after = text_after(vocab, {len(vocab) - 1})
     for prefix, state in zip(prefixes, starts.tolist(), strict=True):
         for t, token in enumerate(vocab[:-1]):
             text = prefix + token
-            assert (after[state, t] == UTF8_START) == decodes(text), (prefix, token)
-            assert (after[state, t] == 8) == (not any(decodes(text + end) for end in endings)), (prefix, token)
+            assert (after[state, t] == TEXT_START) == decodes(text), (prefix, token)
+            assert (after[state, t] == TEXT_BAD) == (not any(decodes(text + end) for end in endings)), (prefix, token)
         assert after[state, len(vocab) - 1] == state  # a stop token leaves the state as it was
 
 
@@ -332,3 +332,27 @@ def test_a_json_string_never_takes_bytes_utf8_forbids(tiny_engine):
     assert offered(b"\xf4") == set(range(0x80, 0x90))
     assert offered(b"\xf0\x90") == cont
     assert ord('"') in offered(b"\xed\x9f\xbf") and ord('"') not in offered(b"\xed\x9f")
+
+
+def test_a_json_string_never_escapes_a_surrogate(tiny_engine):
+    """No \\u escape of U+D800-U+DFFF (a lone one fails pydantic's parser, the OpenAI client's helper): after \\uD
+    only 0-7 are offered, after \\u any hex digit, after a backslash the escapes JSON has; an escape once
+    complete, the closing quote again; the tokens the grammar offers are taken as they are elsewhere."""
+    tok = tiny_engine.tokenizer
+    grammar = GrammarCompiler(tok, tok.vocab_size, tiny_engine.eos_token_ids).compile(
+        ResponseFormat.from_schema({"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]}))
+
+    def offered(text: str) -> set[str]:
+        matcher = grammar.matcher()
+        for t in tok.encode('{"s": "' + text, add_special_tokens=False):
+            assert matcher.advance(t), text
+        allowed = allowed_mask(matcher, tok.vocab_size)[0]
+        return {ch for ch in map(chr, range(0x20, 0x7F)) if allowed[tok.encode(ch, add_special_tokens=False)[0]]}
+
+    hexdigits = set("0123456789abcdefABCDEF")
+    assert offered("\\") == set('"\\/bfnrtu')
+    assert offered("\\u") == hexdigits
+    assert offered("\\ud") == set("01234567") and offered("\\uD") == set("01234567")
+    assert offered("\\ud7f") == hexdigits and offered("\\u00e") == hexdigits
+    assert '"' in offered("\\ud7ff") and '"' not in offered("\\ud7f")
+    assert '"' in offered("a\\n") and '"' in offered("\\\\")  # an escaped backslash ends its escape

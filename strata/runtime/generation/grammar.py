@@ -137,7 +137,7 @@ class GrammarMatcher:
         self._bits = self._bitmask.numpy()[0]
         self._vocab = grammar.vocab_bits
         self._scratch = np.empty_like(self._bits)
-        self._utf8 = UTF8_START  # where the text's bytes stand in UTF-8 (mid-character after a lead byte)
+        self._text = TEXT_START  # where the text's bytes stand (mid-character after a UTF-8 lead byte, in an escape)
         self.done = False  # complete: nothing but a stop token may follow
         self._fill()
 
@@ -150,7 +150,7 @@ class GrammarMatcher:
         """Take `token` (sampled under its mask); False when the grammar refuses it (the sequence cannot go on)."""
         if not self._matcher.accept_token(int(token)):
             return False
-        self._utf8 = int(self._vocab.utf8_after[self._utf8, token])
+        self._text = int(self._vocab.after[self._text, token])
         self._fill()
         return True
 
@@ -161,16 +161,16 @@ class GrammarMatcher:
             return
         self._matcher.fill_next_token_bitmask(self._bitmask)
         # xgrammar lets a JSON string hold raw control characters (U+0000-U+001F but CR and LF), which JSON
-        # forbids (RFC 8259: they are escaped), and byte sequences UTF-8 forbids (surrogates, overlong forms),
-        # which decode to U+FFFD each byte: neither kind of token is taken (no other place needs a control
-        # character: the JSON has no free whitespace)
-        grammar_bits = self._bits.copy() if self._utf8 != UTF8_START else None
-        np.bitwise_and(self._bits, self._vocab.allowed[self._utf8], out=self._bits)
+        # forbids (RFC 8259: they are escaped), byte sequences UTF-8 forbids (surrogates, overlong forms), which
+        # decode to U+FFFD each byte, and \u escapes of surrogates: no such token is taken (no other place needs a
+        # control character: the JSON has no free whitespace)
+        grammar_bits = self._bits.copy() if self._text != TEXT_START else None
+        np.bitwise_and(self._bits, self._vocab.allowed[self._text], out=self._bits)
         self.done = not np.bitwise_and(self._bits, self._vocab.non_stop, out=self._scratch).any()
         if self.done and grammar_bits is not None:
-            # mid-character no JSON can end: a vocabulary without the one continuation byte UTF-8 allows here
-            # (every byte-level and byte-fallback vocabulary has them all) is left to the grammar alone
-            np.bitwise_and(grammar_bits, self._vocab.allowed[UTF8_START], out=self._bits)
+            # mid-character or mid-escape no JSON can end: a vocabulary without the single bytes allowed here (every
+            # byte-level and byte-fallback vocabulary has them all) is left to the grammar alone
+            np.bitwise_and(grammar_bits, self._vocab.allowed[TEXT_START], out=self._bits)
             self.done = False
 
 
@@ -294,15 +294,20 @@ class GrammarCompiler:
         return self._compiler
 
 
-# UTF-8 (RFC 3629) read a byte at a time: state 0 lies between characters, 1-7 wait for continuation bytes (some
-# with a narrower range for the first one), 8 is ill-formed for good
-UTF8_START, UTF8_STATES, _UTF8_BAD = 0, 8, 8
+# A JSON text read a byte at a time, for what its strings may hold: UTF-8 (RFC 3629) and no \u escape of a surrogate
+# (a lone one is not Unicode: Python's json reads it, pydantic's and most strict parsers refuse it; a pair spells what
+# raw UTF-8 spells anyway). State 0 lies between characters, 1-7 wait for a UTF-8 character's continuation bytes
+# (some with a narrower range for the first one), 8-13 are inside an escape, 14 is ill-formed for good. A backslash
+# appears in JSON only inside strings, so the rest of the text passes through state 0.
+TEXT_START, TEXT_STATES, TEXT_BAD = 0, 14, 14
+_ESC, _U1, _G3, _G2, _G1, _D2 = 8, 9, 10, 11, 12, 13  # after \, \u, 3/2/1 hex digits to go, \uD
 
 
-def _utf8_table() -> np.ndarray:
-    """uint8 [9, 256]: the UTF-8 state after each byte from each state."""
-    t = np.full((UTF8_STATES + 1, 256), _UTF8_BAD, dtype=np.uint8)
+def _text_table() -> np.ndarray:
+    """uint8 [15, 256]: the state after each byte from each state."""
+    t = np.full((TEXT_STATES + 1, 256), TEXT_BAD, dtype=np.uint8)
     t[0, 0x00:0x80] = 0
+    t[0, ord("\\")] = _ESC
     t[0, 0xC2:0xE0] = 1  # two-byte lead (C0, C1 would be overlong)
     t[0, 0xE0], t[0, 0xE1:0xED], t[0, 0xED], t[0, 0xEE:0xF0] = 3, 2, 4, 2
     t[0, 0xF0], t[0, 0xF1:0xF4], t[0, 0xF4] = 6, 5, 7  # F5-FF: past U+10FFFF
@@ -313,46 +318,59 @@ def _utf8_table() -> np.ndarray:
     t[5, 0x80:0xC0] = 2
     t[6, 0x90:0xC0] = 2  # after F0: no overlong four-byte form
     t[7, 0x80:0x90] = 2  # after F4: nothing past U+10FFFF
+
+    def to(state: int, chars: str, nxt: int) -> None:
+        t[state, [ord(c) for c in chars]] = nxt
+
+    hexdigits = "0123456789abcdefABCDEF"
+    to(_ESC, '"\\/bfnrt', 0)
+    to(_ESC, "u", _U1)
+    to(_U1, hexdigits, _G3)
+    to(_U1, "dD", _D2)
+    to(_G3, hexdigits, _G2)
+    to(_G2, hexdigits, _G1)
+    to(_G1, hexdigits, 0)
+    to(_D2, "01234567", _G2)  # \uD800-\uDFFF refused
     return t
 
 
-def utf8_after(vocab: list[bytes], stop_token_ids: set[int]) -> np.ndarray:
-    """uint8 [8, V]: the UTF-8 state after token t's bytes from state s (8: the bytes are ill-formed there); a stop
-    token, whose text is not output, leaves the state as it was."""
-    table = _utf8_table()
+def text_after(vocab: list[bytes], stop_token_ids: set[int]) -> np.ndarray:
+    """uint8 [14, V]: the state after token t's bytes from state s (`TEXT_BAD`: the bytes are ill-formed there); a
+    stop token, whose text is not output, leaves the state as it was."""
+    table = _text_table()
     lengths = np.fromiter(map(len, vocab), dtype=np.int64, count=len(vocab))
     order = np.argsort(-lengths, kind="stable")  # longest first: column j is read by a prefix of the rows
     padded = np.zeros((len(vocab), max(int(lengths.max(initial=0)), 1)), dtype=np.uint8)
     for row, t in enumerate(order.tolist()):
         padded[row, : lengths[t]] = np.frombuffer(vocab[t], dtype=np.uint8)
-    state = np.repeat(np.arange(UTF8_STATES, dtype=np.uint8)[:, None], len(vocab), axis=1)  # [8, V] by `order`
+    state = np.repeat(np.arange(TEXT_STATES, dtype=np.uint8)[:, None], len(vocab), axis=1)  # [14, V] by `order`
     for j, rows in enumerate(np.searchsorted(-lengths[order], -np.arange(padded.shape[1]), side="left").tolist()):
         state[:, :rows] = table[state[:, :rows], padded[None, :rows, j]]
     after = np.empty_like(state)
     after[:, order] = state
     stops = [t for t in stop_token_ids if 0 <= t < len(vocab)]
-    after[:, stops] = np.arange(UTF8_STATES, dtype=np.uint8)[:, None]
+    after[:, stops] = np.arange(TEXT_STATES, dtype=np.uint8)[:, None]
     return after
 
 
 @dataclass(frozen=True)
 class VocabBits:
     """What a vocabulary's bytes allow, in xgrammar's bitmask layout, made once per compiler: `allowed[s]` the
-    tokens that may follow UTF-8 state s (well-formed from there and without a control character), `non_stop`
-    every token but the stop tokens, `utf8_after[s, t]` the state after token t."""
+    tokens that may follow text state s (well-formed from there and without a control character), `non_stop`
+    every token but the stop tokens, `after[s, t]` the state after token t."""
 
-    allowed: np.ndarray  # int32 [8, ceil(V/32)]
+    allowed: np.ndarray  # int32 [14, ceil(V/32)]
     non_stop: np.ndarray  # int32 [ceil(V/32)]
-    utf8_after: np.ndarray  # uint8 [8, V]
+    after: np.ndarray  # uint8 [14, V]
 
     @classmethod
     def of(cls, vocab: list[bytes], vocab_size: int, stop_token_ids: set[int]) -> VocabBits:
         """The bits of `vocab` (each token's bytes; ids past it, up to `vocab_size`, are padding)."""
         vocab = list(vocab[:vocab_size]) + [b""] * max(0, vocab_size - len(vocab))
-        after = utf8_after(vocab, stop_token_ids)
-        control = [t for t, b in enumerate(vocab) if t not in stop_token_ids and any(c < 0x20 for c in b)]
-        allowed = np.stack([token_bits(vocab_size, set(control) | set(np.flatnonzero(after[s] == _UTF8_BAD).tolist()))
-                            for s in range(UTF8_STATES)])
+        after = text_after(vocab, stop_token_ids)
+        control = {t for t, b in enumerate(vocab) if t not in stop_token_ids and any(c < 0x20 for c in b)}
+        allowed = np.stack([token_bits(vocab_size, control | set(np.flatnonzero(after[s] == TEXT_BAD).tolist()))
+                            for s in range(TEXT_STATES)])
         return cls(allowed, token_bits(vocab_size, stop_token_ids), after)
 
 
