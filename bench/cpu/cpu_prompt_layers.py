@@ -2,6 +2,7 @@
 
     python bench/cpu/cpu_prompt_layers.py [--tokens 1,8,32,64] [--knobs "down_stream=0;down_stream=131072"] [--rounds 5]
                                           [--seconds 1.0] [--layers 2] [--threads N] [--out DIR]
+    python bench/cpu/cpu_prompt_layers.py --tokens 128,512,1024 --knobs "plain_max=64;plain_max=10"
 
 A decode step's layer call holds its top-k experts (8 for one token); a prompt's holds nearly every expert of the
 layer, each with the few of its tokens routed to it (64 tokens, top-8 of 128: ~4 each). The second reads the same
@@ -10,7 +11,9 @@ down-phase chunking is about (csrc/cpu_experts.cpp, `strata_cpu_tune`'s down_str
 (`cpu_experts_forward`, bf16, the bench model's expert: H 2048, I 768, 128 experts, top-8, uniform random routing)
 on `--layers` distinct layers of experts (cycled, so the weights come from RAM, not the caches) for each token count
 and knob set, the knob sets alternated over `--rounds` rounds, each case's best round kept, every knob set's output
-checked bit-identical to the first's. Prints ms a layer, GB/s (the experts' bytes a call reads / its time) and each
+checked bit-identical to the first's. A knob set may hold `plain_max=N`: the most tokens a plain expert keeps on the
+kernel before torch's bf16 GEMMs take it (`experts.plain_max_tokens`, replaced for that set; outputs across
+different values checked within the avx512_bf16 bound instead). Prints ms a layer, GB/s (the experts' bytes a call reads / its time) and each
 knob set against the first; writes cpu_prompt_layers.json into --out. Runs on any x86-64 machine.
 """
 
@@ -57,33 +60,56 @@ def routing(tokens: int, experts: int, top_k: int, seed: int = 0) -> tuple[list[
     return idx, [torch.full((len(i),), 1.0 / top_k) for i in idx]
 
 
-def measure(layers: list, tokens: int, knob_sets: list[dict[str, int]], rounds: int, seconds: float,
-            threads: int | None, saved: dict[str, int], hidden: int = HIDDEN) -> dict:
-    """Best ms a layer per knob set (alternated over rounds) for one token count, outputs checked bit-identical;
-    each knob's value before its first setting kept in `saved`."""
+def split_knobs(text: str) -> tuple[dict[str, int], int | None]:
+    """One --knobs set: the kernel's knobs, and plain_max (None: the engine's own `plain_max_tokens`)."""
+    parts = [p for p in text.split(",") if p.strip()]
+    plain = [p for p in parts if p.split("=")[0].strip() == "plain_max"]
+    knobs = parse_knobs(",".join(p for p in parts if p not in plain), "--knobs") if len(plain) < len(parts) else {}
+    return knobs, int(plain[-1].split("=")[1]) if plain else None
+
+
+def forward(x, layer, idx, w, threads, plain_max: int | None):
+    """`cpu_experts_forward` with plain experts of more than `plain_max` tokens on torch's GEMMs (None: as shipped)."""
+    if plain_max is None:
+        return ce.cpu_experts_forward(x, layer, idx, w, threads=threads)
+    shipped = ce.plain_max_tokens
+    ce.plain_max_tokens = lambda backend: plain_max
+    try:
+        return ce.cpu_experts_forward(x, layer, idx, w, threads=threads)
+    finally:
+        ce.plain_max_tokens = shipped
+
+
+def measure(layers: list, tokens: int, knob_sets: list[tuple[dict[str, int], int | None]], rounds: int,
+            seconds: float, threads: int | None, saved: dict[str, int], hidden: int = HIDDEN) -> dict:
+    """Best ms a layer per knob set (alternated over rounds) for one token count, outputs checked bit-identical
+    (within the avx512_bf16 bound across plain_max values); each knob's value before its first setting kept in
+    `saved`."""
     idx, w = routing(tokens, len(layers[0]), TOP_K)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens))
     used = [e for e, i in enumerate(idx) if i.numel()]
     nbytes = sum(layers[0][e][0].numel() * 2 + layers[0][e][1].numel() * 2 for e in used)
-    ref, times = None, [[] for _ in knob_sets]
+    refs: dict[int | None, torch.Tensor] = {}
+    times: list[list[float]] = [[] for _ in knob_sets]
     for _ in range(rounds):
-        for k, knobs in enumerate(knob_sets):
+        for k, (knobs, plain_max) in enumerate(knob_sets):
             for name, before in ce.tune(**knobs).items():
                 saved.setdefault(name, before)
-            out = ce.cpu_experts_forward(x, layers[0], idx, w, threads=threads)
-            if ref is None:
-                ref = out
-            elif not torch.equal(out, ref):
+            out = forward(x, layers[0], idx, w, threads, plain_max)
+            first = next(iter(refs.values()), out)
+            if (ref := refs.setdefault(plain_max, out)) is not out and not torch.equal(out, ref):
                 raise SystemExit(f"knobs {knobs} changed the kernel's output at {tokens} tokens")
+            if (out - first).abs().max() / first.abs().max() > ce.tolerance("avx512_bf16", "plain"):
+                raise SystemExit(f"plain_max={plain_max} moved the output past bf16's bound at {tokens} tokens")
             calls, t0 = 0, time.perf_counter()
             while time.perf_counter() - t0 < seconds:
-                ce.cpu_experts_forward(x, layers[calls % len(layers)], idx, w, threads=threads)
+                forward(x, layers[calls % len(layers)], idx, w, threads, plain_max)
                 calls += 1
             times[k].append((time.perf_counter() - t0) / calls * 1e3)
     cases = []
-    for knobs, ms in zip(knob_sets, times, strict=True):
+    for (knobs, plain_max), ms in zip(knob_sets, times, strict=True):
         best = min(ms)
-        cases.append({"knobs": knobs, "ms": round(best, 3), "gbps": round(nbytes / best / 1e6, 2),
+        cases.append({"knobs": knobs | ({"plain_max": plain_max} if plain_max is not None else {}), "ms": round(best, 3), "gbps": round(nbytes / best / 1e6, 2),
                       "rounds_ms": [round(t, 3) for t in ms], "vs_first": round(min(times[0]) / best, 3)})
     return {"tokens": tokens, "experts_used": len(used), "bytes": nbytes, "cases": cases}
 
@@ -101,10 +127,11 @@ def main() -> None:
     args = ap.parse_args()
     if ce.library() is None:
         raise SystemExit("the compiled CPU expert kernel is not available on this machine (strata.kernels.cpu.build)")
-    knob_sets = [parse_knobs(s, "--knobs") for s in args.knobs.split(";") if s.strip()]
+    knob_sets = [split_knobs(s) for s in args.knobs.split(";") if s.strip()]
     saved: dict[str, int] = {}
     layers = make_layers(args.layers, HIDDEN, INTER, EXPERTS)
     result = {"machine": machine(), "backend": ce.backend(), "threads": args.threads or ce.default_threads(),
+              "torch_gemms_on_amx": ce.torch_gemms_on_amx(),
               "shape": {"hidden": HIDDEN, "inter": INTER, "experts": EXPERTS, "top_k": TOP_K}, "calls": []}
     try:
         for tokens in (int(t) for t in args.tokens.split(",")):

@@ -65,6 +65,28 @@ def test_the_tile_backends_keep_twice_the_tokens_an_expert_on_the_kernel(monkeyp
     assert [ce.max_tokens(b) for b in ("avx512", "avx2", "avx512_bf16_emulated")] == [16, 16, 16]
 
 
+@pytest.mark.parametrize("amx", [False, True])
+def test_plain_experts_go_to_torch_sooner_where_its_gemms_run_on_amx(monkeypatch, amx):
+    """Where torch's bf16 GEMMs run on AMX, a plain expert with more than AMX_KERNEL_TOKENS tokens is computed by them
+    (`bf16_expert`, bit for bit), one with that many on the kernel; elsewhere the kernel keeps up to max_tokens.
+    Quantized experts keep max_tokens either way (they stay on the kernel in groups)."""
+    monkeypatch.setattr(ce, "torch_gemms_on_amx", lambda: amx)
+    name = ce.backend()
+    limit = min(ce.max_tokens(name), ce.AMX_KERNEL_TOKENS) if amx else ce.max_tokens(name)
+    assert ce.plain_max_tokens(name) == limit and ce.plain_max_tokens("avx512_bf16") <= ce.max_tokens("avx512_bf16")
+    if name == "torch":
+        pytest.skip("no compiled kernel here")
+    hidden, inter = 256, 96
+    (gu, dn), = _experts(1, hidden, inter, seed=3)
+    x = torch.randn(limit + 1, hidden, generator=torch.Generator().manual_seed(3)).bfloat16()
+    for n in (limit, limit + 1):
+        idx, w = torch.arange(n), torch.rand(n, generator=torch.Generator().manual_seed(n))
+        out = ce.cpu_experts_forward(x, [(gu, dn)], [idx], [w])
+        gemms = torch.zeros(x.shape, dtype=torch.float32)
+        ce.bf16_expert(x, gu, dn, idx, w, gemms)
+        assert torch.equal(out, gemms) == (n > limit), n
+
+
 def test_a_prompts_token_counts_take_a_few_gemm_shapes():
     """`bf16_expert` computes an expert's T tokens in `gemm_rows(T)` rows (the rest zero, dropped): at most 15 or an
     eighth more than T, and few distinct shapes over every count a prompt may give an expert (oneDNN keeps a primitive per

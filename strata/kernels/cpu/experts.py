@@ -19,7 +19,7 @@ software prefetch along the rows. `trace` times each call's phases (strata/kerne
 OS has not scheduled yet holds no work, so nobody waits for it (CPU oversubscription degrades gracefully).
 
 Backends (avx512_bf16, avx512, avx2, their portable emulations and torch, which also takes plain experts with more than
-`max_tokens(backend)` tokens), loading the compiled extension, the thread pool's settings (`configure`), the knobs
+`plain_max_tokens(backend)` tokens), loading the compiled extension, the thread pool's settings (`configure`), the knobs
 (`tune`) and the trace: strata.kernels.cpu.library, whose public names this module re-exports (`backend`,
 `configure`, `default_threads`, `library`, ...).
 
@@ -29,8 +29,8 @@ same weights upcast (quantized experts: dequantized); strata/kernels/cpu/numeric
 Determinism: every dot product is summed in an order fixed by the code and the format (not by the thread
 that runs it; an FP8 row block by block), every output element is written by exactly one thread, and each
 output element accumulates the kernel's experts in the order given. Results are therefore bit-identical for
-any thread count and any scheduling, for a given backend. Experts sent to torch (plain, more than
-max_tokens(backend) tokens) are added after the kernel's experts.
+any thread count and any scheduling, for a given backend and CPU. Experts sent to torch (plain, more than
+plain_max_tokens(backend) tokens: fewer where torch's GEMMs run on AMX) are added after the kernel's experts.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ from strata.kernels.cpu.library import (  # noqa: F401 (used here, or re-exporte
     prefetch_bytes,
     read_sweep,
     spin_us,
+    torch_gemms_on_amx,
     trace,
     trace_threads,
     tune,
@@ -90,10 +91,24 @@ beat torch's bf16 GEMMs up to ~128 tokens an expert on the development machine (
 263-317 ms a layer call of 128 experts), where the fp32 backends fall far behind them at 64."""
 
 
+AMX_KERNEL_TOKENS = 10
+"""Where torch's bf16 GEMMs run on AMX tiles (`torch_gemms_on_amx`), a plain expert with more tokens than this goes to
+them: on a 2-vCPU Xeon VM with AMX, 32 experts of the bench model's shape with T tokens each took the kernel 20.6 /
+28.3 / 64.2 ms at T = 8 / 12 / 32 and torch 25.2 / 26.1 / 31.3 ms (the kernel's register tiles, ~150 GFLOP/s
+there, against oneDNN's AMX brgemm)."""
+
+
 def max_tokens(backend: str) -> int:
-    """The most tokens an expert has in one kernel call of `backend`: a plain expert with more goes to torch's GEMMs,
-    a quantized one is computed in groups of this many."""
+    """The most tokens an expert has in one kernel call of `backend`: a quantized expert with more is computed in
+    groups of this many (a plain one goes to torch's GEMMs from `plain_max_tokens`)."""
     return MAX_TOKENS * TILE_TOKENS_FACTOR.get(backend, 1)
+
+
+def plain_max_tokens(backend: str) -> int:
+    """The most tokens a plain (bf16) expert has on the kernel of `backend` before it goes to torch's GEMMs: fewer on a
+    CPU whose AMX tiles torch's GEMMs run on."""
+    limit = max_tokens(backend)
+    return min(limit, AMX_KERNEL_TOKENS) if torch_gemms_on_amx() else limit
 
 def run_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads: int | None = None, *,
                backend: str | None = None, warm: array.array | None = None, fmt: ExpertFormat | None = None,
@@ -253,6 +268,7 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]
     name = _resolve(backend, fmt or "plain")
     x32 = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
     limit = 0 if name == "torch" else max_tokens(name)
+    plain_limit = 0 if name == "torch" else plain_max_tokens(name)
     bf16 = torch.bfloat16
     meta = array.array("q")
     scales = array.array("q")  # quantized experts: their gate_up and down scales' addresses
@@ -293,7 +309,8 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]
         # plain experts with more tokens than the kernel takes go to torch's GEMMs; a quantized one stays on the
         # kernel, its tokens in groups of `limit` (each group reads the expert again, still far cheaper than
         # dequantizing it for torch)
-        if (T > limit and not (quant and limit)) or (not quant and (gate_up.dtype is not bf16 or down.dtype is not bf16)):
+        if (T > (limit if quant else plain_limit) and not (quant and limit)) \
+                or (not quant and (gate_up.dtype is not bf16 or down.dtype is not bf16)):
             to_torch.append(e)
             continue
         if quant:

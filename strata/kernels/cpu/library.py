@@ -23,8 +23,9 @@ Backends (`backend()` says which one runs; the `backend=` argument picks, an eng
   torch        the reference math in fp32 on the upcast weights (`expert_swiglu`), one expert at a
                time. Used when the extension cannot be built (no compiler, not x86-64, build error:
                one warning line), when asked for ("torch"), and for plain experts with more than
-               `experts.max_tokens(backend)` tokens (prefill-sized groups: compute-bound, torch/oneDNN does them as
-               well; the executor should send those to the GPU anyway), which under the compiled backends run
+               `experts.plain_max_tokens(backend)` tokens (prefill-sized groups: compute-bound, torch/oneDNN does
+               them as well, on a CPU with AMX far better; the executor should send those to the GPU anyway),
+               which under the compiled backends run
                as torch's bf16 GEMMs on the bf16 weights as stored (`expert_args.bf16_expert`: fp32 sums, bf16
                activations, within the avx512_bf16 bound). A quantized expert with more tokens stays on
                the kernel, its tokens in groups of `max_tokens(backend)` (torch would dequantize it first:
@@ -142,6 +143,22 @@ def warm_rows(addresses: Sequence[int], rows: Sequence[int], hidden: int, inter:
 def available_isa(name: str) -> bool:
     """Whether the compiled kernel is loaded and this CPU runs its `name` instruction set ("avx2", ...)."""
     return _load() is not None and bool(_isa_mask & (1 << _ISA[name]))
+
+
+def torch_gemms_on_amx() -> bool:
+    """Whether torch's bf16 GEMMs run on this CPU's AMX tiles (oneDNN's brgemm: Linux, a CPU with AMX-BF16)."""
+    global _amx
+    if _amx is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+        except OSError:
+            flags = []
+        _amx = "amx_bf16" in flags and "amx_tile" in flags and torch.backends.mkldnn.is_available()
+    return _amx
+
+
+_amx: bool | None = None
 
 
 def available_backends() -> list[str]:

@@ -121,7 +121,7 @@ class CpuCompute:
             return None
         # pair indices per expert as numpy (a decode layer's host step spends microseconds, not a torch op, on each)
         sels = [np.asarray(sel, dtype=np.int64) for _, sel in groups]
-        if max(len(sel) for sel in sels) > ce.max_tokens(backend):
+        if max(len(sel) for sel in sels) > (ce.max_tokens(backend) if fmt is not None else ce.plain_max_tokens(backend)):
             return None
         keys = [(layer, e) for e, _ in groups]
         slots = self.manager.hold_resident(keys)
