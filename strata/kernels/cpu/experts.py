@@ -91,11 +91,11 @@ beat torch's bf16 GEMMs up to ~128 tokens an expert on the development machine (
 263-317 ms a layer call of 128 experts), where the fp32 backends fall far behind them at 64."""
 
 
-AMX_KERNEL_TOKENS = 10
+AMX_KERNEL_TOKENS = 12
 """Where torch's bf16 GEMMs run on AMX tiles (`torch_gemms_on_amx`), a plain expert with more tokens than this goes to
-them: on a 2-vCPU Xeon VM with AMX, 32 experts of the bench model's shape with T tokens each took the kernel 20.6 /
-28.3 / 64.2 ms at T = 8 / 12 / 32 and torch 25.2 / 26.1 / 31.3 ms (the kernel's register tiles, ~150 GFLOP/s
-there, against oneDNN's AMX brgemm)."""
+them: a 2-vCPU Xeon VM with AMX took the bench model's 128-expert layer call 146.9 ms at 512 tokens (~32 an expert)
+against the kernel's 243.7 ms (its register tiles run at ~150 GFLOP/s there), 118.5 against 133.6 ms at 256, and the
+same at 128 tokens (~8 an expert; limits of 10 and 24 did worse overall; `bench/cpu/cpu_prompt_layers.py`)."""
 
 
 def max_tokens(backend: str) -> int:
