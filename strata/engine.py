@@ -27,6 +27,7 @@ import torch
 
 from strata.config import StrataConfig, load_config
 from strata.errors import CheckpointError, RequestError, StrataError
+from strata.kernels.cpu.library import release_openmp_workers
 from strata.outputs import GenerationOutput, TextStream, request_failure
 from strata.runtime.generation.counters import GenerationCounters
 from strata.runtime.generation.grammar import Grammar, GrammarCompiler, ResponseFormat
@@ -132,6 +133,8 @@ class Engine:
         # freezing them keeps Python's full collections, which would rescan them all, off the decode path.
         gc.collect()
         gc.freeze()
+        # the model runs on the scheduler's thread: the OpenMP workers loading made here would slow every op there
+        release_openmp_workers()
         return engine
 
     def scheduler(self, max_batch: int | None = None, token_budget: int | None = None, max_queue: int | None = None,
@@ -151,6 +154,7 @@ class Engine:
                     token_budget=max(self.prefill_chunk, batch) if token_budget is None else token_budget,
                     max_queue=DEFAULT_MAX_QUEUE if max_queue is None else max_queue,
                     decode_gap_target=decode_gap_target)
+                release_openmp_workers()  # its buffers were filled here; the model runs on its own thread
             else:
                 self._scheduler.configure(max_batch, token_budget, max_queue, decode_gap_target)
             return self._scheduler
