@@ -1,13 +1,16 @@
 """A CPU prefill with the calling thread's OpenMP workers alive against freed (`release_openmp_workers`), alternated.
 
-    python bench/cpu/cpu_omp_workers.py --model DIR [--prompt 64 512] [--rounds 3] [--threads 2] [--out DIR]
+    python bench/cpu/cpu_omp_workers.py --model DIR [--prompt 64 512] [--rounds 3] [--threads 2] [--plain-max 64 12]
+                                        [--out DIR]
 
 The engine runs the model on its scheduler's thread. An idle OpenMP team left on another thread (the one that loaded
 the engine, or an app's own torch work) counts against the CPUs, and libgomp's teams then sleep at every barrier
 instead of spinning: each of torch's parallel ops on the scheduler's thread waits on futex wake-ups. Each round
 times one prefill (submission to first token, a fresh prompt of each length, `Engine.generate(max_tokens=1)`) in two
 states, alternating which goes first: "alive" after a parallel torch op on this thread made its team again, "freed"
-after `release_openmp_workers()`. Prints the medians and alive / freed; writes cpu_omp_workers.json into --out.
+after `release_openmp_workers()`; with `--plain-max`, each state once per value of the hand-off of plain experts to
+torch's GEMMs (`experts.plain_max_tokens` replaced: 64 keeps every expert of a 512-token prompt on the kernel, 12 is
+the AMX hand-off). Prints the medians and each case against the first; writes cpu_omp_workers.json into --out.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, w
 from bench.cpu.cpu_experts import machine  # noqa: E402
 from bench.cpu.strata_cpu_side import engine_config  # noqa: E402
 from strata import Engine  # noqa: E402
+from strata.kernels.cpu import experts as ce  # noqa: E402
 from strata.kernels.cpu.library import release_openmp_workers  # noqa: E402
 
 
@@ -37,7 +41,9 @@ def prefill_seconds(engine: Engine, tokens: int, gen: torch.Generator) -> float:
     return time.perf_counter() - t0
 
 
-def set_state(state: str) -> None:
+def set_state(state: str, plain_max: int | None, shipped) -> None:
+    """This thread's OpenMP workers alive or freed, and the plain experts' hand-off (None: as shipped)."""
+    ce.plain_max_tokens = shipped if plain_max is None else (lambda backend: plain_max)
     if state == "alive":
         torch.randn(4_000_000).exp_()  # a parallel op: this thread's team made again
     elif not release_openmp_workers():
@@ -50,29 +56,36 @@ def main() -> None:
     ap.add_argument("--prompt", type=int, nargs="+", default=[64, 512])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--plain-max", type=int, nargs="*", default=[], help="hand-offs to compare (default: as shipped)")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
     engine = Engine.from_pretrained(args.model, config=engine_config(args.threads, 1, max(args.prompt) + 64, "auto",
                                                                       False), device="cpu")
     gen = torch.Generator().manual_seed(0)
     prefill_seconds(engine, max(args.prompt), gen)  # the first pass: kernel builds, oneDNN's primitives
-    times: dict[int, dict[str, list[float]]] = {n: {"alive": [], "freed": []} for n in args.prompt}
+    shipped = ce.plain_max_tokens
+    cases = [(state, pm) for pm in (args.plain_max or [None]) for state in ("alive", "freed")]
+    names = [state + (f", plain_max={pm}" if pm is not None else "") for state, pm in cases]
+    times: dict[int, dict[str, list[float]]] = {n: {name: [] for name in names} for n in args.prompt}
     for r in range(args.rounds):
-        for state in ("alive", "freed") if r % 2 == 0 else ("freed", "alive"):
+        order = list(zip(cases, names, strict=True))
+        for (state, pm), name in order if r % 2 == 0 else order[::-1]:
             for n in args.prompt:
-                set_state(state)
-                times[n][state].append(prefill_seconds(engine, n, gen))
-            print(f"round {r + 1}, {state}: " + ", ".join(f"{n} tokens {times[n][state][-1] * 1e3:.0f} ms"
-                                                           for n in args.prompt), flush=True)
+                set_state(state, pm, shipped)
+                times[n][name].append(prefill_seconds(engine, n, gen))
+            print(f"round {r + 1}, {name}: " + ", ".join(f"{n} tokens {times[n][name][-1] * 1e3:.0f} ms"
+                                                          for n in args.prompt), flush=True)
+    ce.plain_max_tokens = shipped
     commit = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[2]), "rev-parse", "--short", "HEAD"],
                             capture_output=True, text=True).stdout.strip()
     result = {"machine": machine(), "commit": commit, "model": args.model, "threads": args.threads,
-              "command": " ".join(sys.argv), "prefill_s": times, "median_s": {}}
+              "torch_gemms_on_amx": ce.torch_gemms_on_amx(), "command": " ".join(sys.argv), "prefill_s": times,
+              "median_s": {}}
     for n in args.prompt:
-        alive, freed = statistics.median(times[n]["alive"]), statistics.median(times[n]["freed"])
-        result["median_s"][n] = {"alive": round(alive, 4), "freed": round(freed, 4), "alive_over_freed":
-                                 round(alive / freed, 3)}
-        print(f"{n} tokens: alive {alive * 1e3:.0f} ms, freed {freed * 1e3:.0f} ms, x{alive / freed:.2f}")
+        med = {name: statistics.median(times[n][name]) for name in names}
+        result["median_s"][n] = {name: round(v, 4) for name, v in med.items()}
+        print(f"{n} tokens: " + ", ".join(f"{name} {v * 1e3:.0f} ms (x{med[names[0]] / v:.2f})"
+                                          for name, v in med.items()))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     (Path(args.out) / "cpu_omp_workers.json").write_text(json.dumps(result, indent=1))
 
