@@ -68,12 +68,13 @@ def test_the_tile_backends_keep_twice_the_tokens_an_expert_on_the_kernel(monkeyp
 @pytest.mark.parametrize("amx", [False, True])
 def test_plain_experts_go_to_torch_sooner_where_its_gemms_run_on_amx(monkeypatch, amx):
     """Where torch's bf16 GEMMs run on AMX, a plain expert with more than AMX_KERNEL_TOKENS tokens is computed by them
-    (`bf16_expert`, bit for bit), one with that many on the kernel; elsewhere the kernel keeps up to max_tokens.
-    Quantized experts keep max_tokens either way (they stay on the kernel in groups)."""
+    under avx512_bf16 (`bf16_expert`, bit for bit), one with that many on the kernel; elsewhere, and for the fp32
+    backends, the kernel keeps up to max_tokens. Quantized experts keep max_tokens either way (the kernel, in groups)."""
     monkeypatch.setattr(ce, "torch_gemms_on_amx", lambda: amx)
     name = ce.backend()
-    limit = min(ce.max_tokens(name), ce.AMX_KERNEL_TOKENS) if amx else ce.max_tokens(name)
-    assert ce.plain_max_tokens(name) == limit and ce.plain_max_tokens("avx512_bf16") <= ce.max_tokens("avx512_bf16")
+    limit = min(ce.max_tokens(name), ce.AMX_KERNEL_TOKENS) if amx and name == "avx512_bf16" else ce.max_tokens(name)
+    assert ce.plain_max_tokens(name) == limit
+    assert [ce.plain_max_tokens(b) for b in ("avx512", "avx2")] == [ce.max_tokens("avx512")] * 2  # fp32: unchanged
     if name == "torch":
         pytest.skip("no compiled kernel here")
     hidden, inter = 256, 96

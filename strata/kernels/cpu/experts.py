@@ -105,10 +105,13 @@ def max_tokens(backend: str) -> int:
 
 
 def plain_max_tokens(backend: str) -> int:
-    """The most tokens a plain (bf16) expert has on the kernel of `backend` before it goes to torch's GEMMs: fewer on a
-    CPU whose AMX tiles torch's GEMMs run on."""
+    """The most tokens a plain (bf16) expert has on the kernel of `backend` before it goes to torch's GEMMs: fewer for
+    avx512_bf16 (whose bf16 numerics the GEMMs share) on a CPU whose AMX tiles torch's GEMMs run on. The kernel gives
+    a token the same bits whatever else its expert computes; oneDNN's GEMMs do not, so past this count a token's
+    result may depend on the other tokens of its pass (a reproducible request's pass holds its tokens alone)."""
     limit = max_tokens(backend)
-    return min(limit, AMX_KERNEL_TOKENS) if torch_gemms_on_amx() else limit
+    bf16 = backend in ("avx512_bf16", "avx512_bf16_emulated")  # the emulation hands off as the kernel it copies
+    return min(limit, AMX_KERNEL_TOKENS) if bf16 and torch_gemms_on_amx() else limit
 
 def run_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads: int | None = None, *,
                backend: str | None = None, warm: array.array | None = None, fmt: ExpertFormat | None = None,
