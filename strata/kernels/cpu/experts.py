@@ -113,6 +113,7 @@ def plain_max_tokens(backend: str) -> int:
     bf16 = backend in ("avx512_bf16", "avx512_bf16_emulated")  # the emulation hands off as the kernel it copies
     return min(limit, AMX_KERNEL_TOKENS) if bf16 and torch_gemms_on_amx() else limit
 
+
 def run_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads: int | None = None, *,
                backend: str | None = None, warm: array.array | None = None, fmt: ExpertFormat | None = None,
                scales: array.array | None = None, up_offset: int = 0, form: SwiGLUForm = PLAIN_SWIGLU,
