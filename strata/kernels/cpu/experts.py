@@ -93,9 +93,10 @@ beat torch's bf16 GEMMs up to ~128 tokens an expert on the development machine (
 
 AMX_KERNEL_TOKENS = 12
 """Where torch's bf16 GEMMs run on AMX tiles (`torch_gemms_on_amx`), a plain expert with more tokens than this goes to
-them: a 2-vCPU Xeon VM with AMX took the bench model's 128-expert layer call 146.9 ms at 512 tokens (~32 an expert)
-against the kernel's 243.7 ms (its register tiles run at ~150 GFLOP/s there), 118.5 against 133.6 ms at 256, and the
-same at 128 tokens (~8 an expert; limits of 10 and 24 did worse overall; `bench/cpu/cpu_prompt_layers.py`)."""
+them under avx512_bf16: a 2-vCPU Xeon VM with AMX ran the bench model's 128-expert layer call in 140.8 ms at 512
+tokens (~32 an expert) against the kernel's 252.1 ms (its register tiles run at ~150 GFLOP/s there), 119.1 against
+131.5 ms at 256, and the same at 64 and 128 tokens; limits of 10, 16 and 24 did worse (docs/benchmarks.md, "CPU-only
+hosts on an AMX Xeon")."""
 
 
 def max_tokens(backend: str) -> int:
