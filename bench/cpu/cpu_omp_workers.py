@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -27,7 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, when run as a script
 from bench.cpu.cpu_experts import machine  # noqa: E402
+from bench.cpu.cpu_prompt_layers import handing_off_at  # noqa: E402
 from bench.cpu.strata_cpu_side import engine_config  # noqa: E402
+from bench.provenance import commit  # noqa: E402
 from strata import Engine  # noqa: E402
 from strata.kernels.cpu import experts as ce  # noqa: E402
 from strata.kernels.cpu.library import release_openmp_workers  # noqa: E402
@@ -41,9 +42,8 @@ def prefill_seconds(engine: Engine, tokens: int, gen: torch.Generator) -> float:
     return time.perf_counter() - t0
 
 
-def set_state(state: str, plain_max: int | None, shipped) -> None:
-    """This thread's OpenMP workers alive or freed, and the plain experts' hand-off (None: as shipped)."""
-    ce.plain_max_tokens = shipped if plain_max is None else (lambda backend: plain_max)
+def set_state(state: str) -> None:
+    """This thread's OpenMP workers alive or freed."""
     if state == "alive":
         torch.randn(4_000_000).exp_()  # a parallel op: this thread's team made again
     elif not release_openmp_workers():
@@ -63,7 +63,6 @@ def main() -> None:
                                                                       False), device="cpu")
     gen = torch.Generator().manual_seed(0)
     prefill_seconds(engine, max(args.prompt), gen)  # the first pass: kernel builds, oneDNN's primitives
-    shipped = ce.plain_max_tokens
     cases = [(state, pm) for pm in (args.plain_max or [None]) for state in ("alive", "freed")]
     names = [state + (f", plain_max={pm}" if pm is not None else "") for state, pm in cases]
     times: dict[int, dict[str, list[float]]] = {n: {name: [] for name in names} for n in args.prompt}
@@ -71,14 +70,12 @@ def main() -> None:
         order = list(zip(cases, names, strict=True))
         for (state, pm), name in order if r % 2 == 0 else order[::-1]:
             for n in args.prompt:
-                set_state(state, pm, shipped)
-                times[n][name].append(prefill_seconds(engine, n, gen))
+                set_state(state)
+                with handing_off_at(pm):
+                    times[n][name].append(prefill_seconds(engine, n, gen))
             print(f"round {r + 1}, {name}: " + ", ".join(f"{n} tokens {times[n][name][-1] * 1e3:.0f} ms"
                                                           for n in args.prompt), flush=True)
-    ce.plain_max_tokens = shipped
-    commit = subprocess.run(["git", "-C", str(Path(__file__).resolve().parents[2]), "rev-parse", "--short", "HEAD"],
-                            capture_output=True, text=True).stdout.strip()
-    result = {"machine": machine(), "commit": commit, "model": args.model, "threads": args.threads,
+    result = {"machine": machine(), "commit": commit(), "model": args.model, "threads": args.threads,
               "torch_gemms_on_amx": ce.torch_gemms_on_amx(), "command": " ".join(sys.argv), "prefill_s": times,
               "median_s": {}}
     for n in args.prompt:

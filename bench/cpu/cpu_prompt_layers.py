@@ -23,6 +23,7 @@ import argparse
 import json
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -68,16 +69,23 @@ def split_knobs(text: str) -> tuple[dict[str, int], int | None]:
     return knobs, int(plain[-1].split("=")[1]) if plain else None
 
 
-def forward(x, layer, idx, w, threads, plain_max: int | None):
-    """`cpu_experts_forward` with plain experts of more than `plain_max` tokens on torch's GEMMs (None: as shipped)."""
-    if plain_max is None:
-        return ce.cpu_experts_forward(x, layer, idx, w, threads=threads)
+@contextmanager
+def handing_off_at(plain_max: int | None):
+    """Inside: plain experts of more than `plain_max` tokens go to torch's GEMMs (`experts.plain_max_tokens`
+    replaced; None: as shipped)."""
     shipped = ce.plain_max_tokens
-    ce.plain_max_tokens = lambda backend: plain_max
+    if plain_max is not None:
+        ce.plain_max_tokens = lambda backend: plain_max
     try:
-        return ce.cpu_experts_forward(x, layer, idx, w, threads=threads)
+        yield
     finally:
         ce.plain_max_tokens = shipped
+
+
+def forward(x, layer, idx, w, threads, plain_max: int | None):
+    """`cpu_experts_forward` with plain experts of more than `plain_max` tokens on torch's GEMMs (None: as shipped)."""
+    with handing_off_at(plain_max):
+        return ce.cpu_experts_forward(x, layer, idx, w, threads=threads)
 
 
 def measure(layers: list, tokens: int, knob_sets: list[tuple[dict[str, int], int | None]], rounds: int,
