@@ -75,7 +75,7 @@ def handing_off_at(plain_max: int | None):
     replaced; None: as shipped)."""
     shipped = ce.plain_max_tokens
     if plain_max is not None:
-        ce.plain_max_tokens = lambda backend: plain_max
+        ce.plain_max_tokens = lambda backend, hand_off=True: plain_max
     try:
         yield
     finally:

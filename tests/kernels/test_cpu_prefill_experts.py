@@ -86,6 +86,13 @@ def test_plain_experts_go_to_torch_sooner_where_its_gemms_run_on_amx(monkeypatch
         gemms = torch.zeros(x.shape, dtype=torch.float32)
         ce.bf16_expert(x, gu, dn, idx, w, gemms)
         assert torch.equal(out, gemms) == (n > limit), n
+    # without the hand-off (the CPU share beside a GPU) the kernel keeps every count up to max_tokens
+    assert ce.plain_max_tokens(name, hand_off=False) == ce.max_tokens(name)
+    idx, w = torch.arange(limit + 1), torch.rand(limit + 1, generator=torch.Generator().manual_seed(limit + 1))
+    kept = ce.cpu_experts_forward(x, [(gu, dn)], [idx], [w], hand_off=False)
+    gemms = torch.zeros(x.shape, dtype=torch.float32)
+    ce.bf16_expert(x, gu, dn, idx, w, gemms)
+    assert torch.equal(kept, gemms) == (limit + 1 > ce.max_tokens(name))
 
 
 def test_a_prompts_token_counts_take_a_few_gemm_shapes():

@@ -348,6 +348,43 @@ def test_split_copies_the_most_used_cold_experts(store):
         m.close()
 
 
+@pytest.mark.parametrize("tier", ["gpu", "cpu"], ids=["beside-a-gpu", "cpu-only"])
+def test_only_a_cpu_only_host_hands_many_token_experts_to_torch(store, monkeypatch, tier):
+    """On a CPU whose AMX tiles torch's GEMMs run on, a bf16 expert of more than AMX_KERNEL_TOKENS tokens goes to them
+    where the CPU computes every expert ("cpu"); beside a GPU (the split) the CPU share keeps it on the kernel. The
+    CPU share's sum is, bit for bit, the kernel's or the GEMMs' (`hand_off` of cpu_experts_forward)."""
+    from strata.kernels.cpu import experts as ce
+
+    if store.dtype != torch.bfloat16 or ce.backend() not in ("avx512_bf16", "avx512_bf16_emulated"):
+        pytest.skip("the hand-off applies to bf16 experts on avx512_bf16 (or its emulation)")
+    monkeypatch.setattr(ce, "torch_gemms_on_amx", lambda: True)
+    layer = store.index.moe_layers[0]
+    m = TierManager(store, TierBudgets(gpu_slots=2, pinned_slots=16), gpu_device=torch.device("cpu"), io_threads=2)
+    try:
+        compute = ExpertCompute(m, tier, "fork")
+        assert compute.hands_off == (tier == "cpu")
+        hidden = store.expert_shapes[0][1]
+        n, k = ce.AMX_KERNEL_TOKENS + 8, 2  # every token to experts 1 and 3: 20 tokens each
+        x = torch.randn(n, hidden, generator=torch.Generator().manual_seed(7)).bfloat16()
+        weights = torch.rand(n, k, generator=torch.Generator().manual_seed(8))
+        groups = [(1, torch.arange(0, n * k, k)), (3, torch.arange(1, n * k, k))]
+        got = compute.cpu_forward(layer, x, weights, k, groups)
+        handles = m.acquire([(layer, 1), (layer, 3)], "cpu")
+        try:
+            experts = [(h.gate_up, h.down) for h in handles]
+            sums = {}
+            for hand_off in (False, True):
+                sums[hand_off] = ce.cpu_experts_forward(x, experts, [sel // k for _, sel in groups],
+                                                        [weights.reshape(-1)[sel] for _, sel in groups],
+                                                        hand_off=hand_off)
+        finally:
+            m.release(handles)
+        assert not torch.equal(sums[False], sums[True])  # the kernel and the GEMMs round differently
+        assert torch.equal(got, sums[tier == "cpu"])
+    finally:
+        m.close()
+
+
 def test_split_decode_promotes_a_popular_cpu_expert(store):
     """Cold experts the split computes on the CPU never cross to the GPU by themselves; once one is used over
     twice as often as the GPU tier's victim, it is copied there in the background (one per layer and step),

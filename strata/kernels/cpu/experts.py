@@ -105,14 +105,15 @@ def max_tokens(backend: str) -> int:
     return MAX_TOKENS * TILE_TOKENS_FACTOR.get(backend, 1)
 
 
-def plain_max_tokens(backend: str) -> int:
+def plain_max_tokens(backend: str, hand_off: bool = True) -> int:
     """The most tokens a plain (bf16) expert has on the kernel of `backend` before it goes to torch's GEMMs: fewer for
-    avx512_bf16 (whose bf16 numerics the GEMMs share) on a CPU whose AMX tiles torch's GEMMs run on. The kernel gives
-    a token the same bits whatever else its expert computes; oneDNN's GEMMs do not, so past this count a token's
-    result may depend on the other tokens of its pass (a reproducible request's pass holds its tokens alone)."""
+    avx512_bf16 (whose bf16 numerics the GEMMs share) on a CPU whose AMX tiles torch's GEMMs run on, unless not
+    `hand_off` (the CPU share of a GPU host's prefill: see `CpuCompute.hands_off`). The kernel gives a token the same
+    bits whatever else its expert computes; oneDNN's GEMMs do not, so past this count a token's result may depend on
+    the other tokens of its pass (a reproducible request's pass holds its tokens alone)."""
     limit = max_tokens(backend)
     bf16 = backend in ("avx512_bf16", "avx512_bf16_emulated")  # the emulation hands off as the kernel it copies
-    return min(limit, AMX_KERNEL_TOKENS) if bf16 and torch_gemms_on_amx() else limit
+    return min(limit, AMX_KERNEL_TOKENS) if hand_off and bf16 and torch_gemms_on_amx() else limit
 
 
 def run_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads: int | None = None, *,
@@ -242,7 +243,7 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]
                         out: torch.Tensor | None = None, threads: int | None = None, *,
                         backend: str | None = None, form: SwiGLUForm = PLAIN_SWIGLU,
                         gate_up_bias: torch.Tensor | None = None,
-                        expert_ids: Sequence[int] | None = None) -> torch.Tensor:
+                        expert_ids: Sequence[int] | None = None, hand_off: bool = True) -> torch.Tensor:
     """out[N, H] (fp32, added into; zeros when None) += sum over experts e of token_w[e] * expert_e(x[token_idx[e]]).
 
     x [N, H] fp32 or bf16 (CPU); weights[e] = (gate_up [2I, H], down [H, I]): bf16 CPU tensors, each its own
@@ -255,6 +256,8 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]
     layer's gate_up bias table [E, 2I] in gate_up's row order, added before the form; expert_ids[e] is weights[e]'s row
     of it (default e). Hand it fp32, contiguous and on the CPU (`expert_args.bias_table`, once) or it is converted
     every call. The reference: `strata.kernels.experts.expert_swiglu` (the down bias is not added here: `down_bias_term`).
+    `hand_off`: plain experts of more than `plain_max_tokens(backend)` tokens go to torch's GEMMs (False: they stay on
+    the kernel up to `max_tokens(backend)`).
     """
     if x.dim() != 2 or x.device.type != "cpu":
         raise ValueError(f"x must be a [N, H] CPU tensor, got {tuple(x.shape)} on {x.device}")
@@ -273,7 +276,7 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]
     name = _resolve(backend, fmt or "plain")
     x32 = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
     limit = 0 if name == "torch" else max_tokens(name)
-    plain_limit = 0 if name == "torch" else plain_max_tokens(name)
+    plain_limit = 0 if name == "torch" else plain_max_tokens(name, hand_off)
     bf16 = torch.bfloat16
     meta = array.array("q")
     scales = array.array("q")  # quantized experts: their gate_up and down scales' addresses

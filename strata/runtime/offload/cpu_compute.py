@@ -22,7 +22,7 @@ from strata.kernels.quant import ExpertLayout, reads
 
 class CpuCompute:
     """CPU expert compute, mixed into `ExpertCompute`, whose state it uses: `manager`, `rates`, `cpu_experts`,
-    `cpu_threads`, `cpu_kernel`, `pin_results`, `use_fast_cpu`, `form` and `gate_up_bias`."""
+    `cpu_threads`, `cpu_kernel`, `pin_results`, `use_fast_cpu`, `split`, `form` and `gate_up_bias`."""
 
     def calibrate_cpu(self, nbytes: int = 256 << 20, rounds: int = 3) -> float:
         """Measure the CPU expert kernel on this model's expert shape and format (one token, about `nbytes` of
@@ -57,6 +57,15 @@ class CpuCompute:
         self.rates.cpu_bytes_per_s = nbytes / best
         return self.rates.cpu_bytes_per_s
 
+    @property
+    def hands_off(self) -> bool:
+        """Whether a bf16 expert with many tokens goes from the CPU kernel to torch's GEMMs (on AMX:
+        `cpu_experts.plain_max_tokens`). Only where the CPU computes every expert: beside a GPU the cost model gives
+        the CPU a prompt's few-token experts alone, which one kernel call over all of them computes faster than
+        torch's GEMMs one expert at a time (an H100 host's 512-token prefill at a 25% budget took 0.83 s with the
+        hand-off against 0.53 s without: docs/benchmarks.md, "The tree on an H100: ... the AMX hand-off")."""
+        return not self.split
+
     def _kernel_reads(self, layout: ExpertLayout) -> bool:
         """Whether the compiled kernel reads experts of `layout` as stored: FP8 and MXFP4 (`FAST_PATHS`), on the
         kernel path (not the reference math)."""
@@ -85,7 +94,7 @@ class CpuCompute:
                 nbytes += len(handles) * store.payload_bytes
                 t0 = time.perf_counter()
                 _cpu_apply(x, weights, k, part, by_expert, out, self.use_fast_cpu and not dequantize, self.cpu_threads,
-                           self.cpu_kernel, self.form, self.gate_up_bias(layer, torch.device("cpu")))
+                           self.cpu_kernel, self.form, self.gate_up_bias(layer, torch.device("cpu")), self.hands_off)
                 seconds += time.perf_counter() - t0
             finally:
                 self.manager.release(handles)
@@ -121,7 +130,8 @@ class CpuCompute:
             return None
         # pair indices per expert as numpy (a decode layer's host step spends microseconds, not a torch op, on each)
         sels = [np.asarray(sel, dtype=np.int64) for _, sel in groups]
-        if max(len(sel) for sel in sels) > (ce.max_tokens(backend) if fmt is not None else ce.plain_max_tokens(backend)):
+        most = ce.max_tokens(backend) if fmt is not None else ce.plain_max_tokens(backend, self.hands_off)
+        if max(len(sel) for sel in sels) > most:
             return None
         keys = [(layer, e) for e, _ in groups]
         slots = self.manager.hold_resident(keys)
@@ -179,10 +189,11 @@ class CpuShare:
 
 
 def _cpu_apply(x, weights, k, groups, by_expert, out, fast: bool, threads: int | None = None,
-               backend: str | None = None, form: SwiGLUForm = PLAIN_SWIGLU, gate_up_bias: torch.Tensor | None = None
-               ) -> None:
-    """One chunk of CPU experts, added into out: the compiled kernel (`backend`: its instruction set), or the
-    reference math (`form`, `gate_up_bias` [E, 2I]: the experts' SwiGLU and biases; no down bias)."""
+               backend: str | None = None, form: SwiGLUForm = PLAIN_SWIGLU, gate_up_bias: torch.Tensor | None = None,
+               hand_off: bool = True) -> None:
+    """One chunk of CPU experts, added into out: the compiled kernel (`backend`: its instruction set; `hand_off`:
+    `cpu_experts_forward`'s), or the reference math (`form`, `gate_up_bias` [E, 2I]: the experts' SwiGLU and biases;
+    no down bias)."""
     if fast:
         from strata.kernels.cpu.experts import cpu_experts_forward
 
@@ -190,7 +201,7 @@ def _cpu_apply(x, weights, k, groups, by_expert, out, fast: bool, threads: int |
         ids = None if gate_up_bias is None else [e for e, _ in groups]  # each expert's bias row
         cpu_experts_forward(x, [by_expert[e] for e, _ in groups], [sel // k for _, sel in groups],
                             [flat_w[sel] for _, sel in groups], out=out, threads=threads, backend=backend, form=form,
-                            gate_up_bias=gate_up_bias, expert_ids=ids)
+                            gate_up_bias=gate_up_bias, expert_ids=ids, hand_off=hand_off)
         return
 
     def fp32_expert(e: int) -> tuple[torch.Tensor, torch.Tensor]:
