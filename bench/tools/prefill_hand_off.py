@@ -19,6 +19,7 @@ import os
 import statistics
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -32,6 +33,18 @@ from strata.kernels.cpu.library import torch_gemms_on_amx  # noqa: E402
 from strata.runtime.offload.cpu_compute import CpuCompute  # noqa: E402
 
 STATES = ("kernel", "hand-off")
+
+
+@contextmanager
+def handing_off(on: bool):
+    """Inside: the CPU share of every engine hands its bf16 experts of many tokens to torch's GEMMs (`on`) or keeps
+    them on the kernel, whatever the host (`CpuCompute.hands_off` replaced)."""
+    shipped = CpuCompute.hands_off
+    CpuCompute.hands_off = property(lambda self: on)
+    try:
+        yield
+    finally:
+        CpuCompute.hands_off = shipped
 
 
 def prefill_seconds(engine: Engine, prompt: list[int]) -> float:
@@ -55,7 +68,6 @@ def main() -> None:
     engine = Engine.from_pretrained(args.model, config=config, device="cuda")
     engine.wait_settled()
     vocab = engine.checkpoint.config.vocab_size
-    shipped = CpuCompute.hands_off
     seconds: dict[int, dict[str, list[float]]] = {n: {s: [] for s in STATES} for n in args.prompt}
     try:
         for n in args.prompt:
@@ -63,11 +75,9 @@ def main() -> None:
             prefill_seconds(engine, prompt)  # warm-up: kernels compiled, the allocator grown
             for r in range(args.rounds):
                 for state in (STATES if r % 2 == 0 else STATES[::-1]):
-                    CpuCompute.hands_off = property(lambda self, on=state == "hand-off": on)
-                    seconds[n][state].append(prefill_seconds(engine, prompt))
-                    CpuCompute.hands_off = shipped
+                    with handing_off(state == "hand-off"):
+                        seconds[n][state].append(prefill_seconds(engine, prompt))
     finally:
-        CpuCompute.hands_off = shipped
         engine.close()
     rows = {n: {s: statistics.median(v) for s, v in by.items()} for n, by in seconds.items()}
     for n, med in rows.items():
