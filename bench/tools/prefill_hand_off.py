@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -85,7 +84,7 @@ def main() -> None:
               f"(hand-off / kernel {med['hand-off'] / med['kernel']:.2f}x)", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    record = {"commit": os.environ.get("STRATA_BENCH_COMMIT") or commit(), "model": args.model, "config": config, "amx": torch_gemms_on_amx(),
+    record = {"commit": commit(), "model": args.model, "config": config, "amx": torch_gemms_on_amx(),
               "gpu": torch.cuda.get_device_name(), "rounds": args.rounds, "seconds": seconds, "median_s": rows}
     (out / "prefill_hand_off.json").write_text(json.dumps(record, indent=1))
 
