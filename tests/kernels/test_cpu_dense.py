@@ -45,6 +45,24 @@ def test_thread_count_does_not_change_the_bits(backend):
     assert torch.equal(one, dense.linear(x, w, out_dtype=torch.float32, threads=3, backend=backend))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_prefetch_distance_does_not_change_the_bits(backend):
+    """The weights are prefetched `configure(prefetch_bytes=)` ahead along their rows (past a chunk's or the matrix's
+    end too, which a prefetch may touch): the same sums at every distance, none."""
+    from strata.kernels.cpu import library
+
+    x, w = _case(3, 4104, 2080, seed=2)  # rows of 2,080 values: a step's tail, rows not a whole number of lines
+    shipped = library.prefetch_bytes()
+    try:
+        outs = []
+        for pf in (0, 64, 2048, 1 << 20):
+            library.configure(prefetch_bytes=pf)
+            outs.append(dense.linear(x, w, out_dtype=torch.float32, threads=2, backend=backend))
+    finally:
+        library.configure(prefetch_bytes=shipped)
+    assert all(torch.equal(outs[0], y) for y in outs[1:])
+
+
 def test_bf16_output_is_the_fp32_output_rounded_and_bias_is_added():
     x, w = _case(3, 515, 256, seed=2)
     bias = torch.randn(515).bfloat16()
