@@ -207,3 +207,20 @@ def test_sample_rows_is_each_row_sampled_alone(device):
         want = torch.cat([sample(logits[r : r + 1], p, g) for r, (p, g) in zip(rows, sub_a, strict=True)])
         assert torch.equal(got, want), step
     assert len(picks) > 20  # the sampled rows really draw (not argmax every time)
+
+
+def test_greedy_picks_what_torch_argmax_picks_on_the_cpu():
+    """`greedy` (numpy's argmax for float32 CPU logits) gives torch.argmax's ids: the first of equal maxima, a NaN
+    above every number, -inf rows, one row or many, slices of a larger batch."""
+    from strata.runtime.generation.sampler import greedy
+
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randint(-3, 4, (6, 1000), generator=g).float()  # many ties
+    logits[1, 7] = float("nan")
+    logits[1, 900] = float("nan")
+    logits[2] = -math.inf
+    logits[3, 999] = math.inf
+    for rows in (logits, logits[:1], logits[2:5], logits[:, :513], logits.t().contiguous().t()):
+        got = greedy(rows)
+        assert got.dtype == torch.int64 and torch.equal(got, rows.argmax(dim=-1))
+    assert torch.equal(greedy(logits.double()), logits.double().argmax(dim=-1))  # torch's own path

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from strata.errors import RequestError
@@ -87,12 +88,21 @@ def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torc
     return g
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dim of logits [B, V] -> int64 ids [B]: the first of equal maxima, NaN above every number,
+    as `torch.argmax`. Float32 CPU logits go through numpy, whose argmax over a 152K vocabulary takes ~10 us on one
+    core where torch's takes ~220 (a CPU decode step's sampling: docs/benchmarks.md, "CPU-only hosts on an AMX Xeon")."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return torch.from_numpy(logits.numpy().argmax(axis=-1).astype(np.int64, copy=False))
+    return logits.argmax(dim=-1)
+
+
 def sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator | None) -> torch.Tensor:
     """Pick one token per row of logits [B, V]; returns int64 ids [B]. Same seed + same logits => same ids. A token
     at -inf (one a grammar refuses: `GrammarBatch.mask`) is never picked."""
     logits = logits.float()
     if params.temperature == 0.0:
-        return logits.argmax(dim=-1)
+        return greedy(logits)
     return _draw(_filtered(logits, params), generator)
 
 
@@ -117,7 +127,7 @@ def sample_rows(logits: torch.Tensor, samplers: list[tuple[SamplingParams, torch
         at = rows if len(members) == len(rows) else [rows[j] for j in members]
         part = logits[at[0] : at[-1] + 1] if at == list(range(at[0], at[-1] + 1)) else logits[at]  # [n, V]
         if temperature == 0.0:
-            picked.append(part.argmax(dim=-1))
+            picked.append(greedy(part))
         else:
             params = samplers[members[0]][0]
             picked.append(_draw(_filtered(part, params), [samplers[j][1] for j in members]))
@@ -162,7 +172,7 @@ def _draw(logits: torch.Tensor, generators: torch.Generator | None | list[torch.
         g = generators[0] if isinstance(generators, list) else generators
         q = torch.empty_like(logits).exponential_(generator=g)
     q.clamp_min_(torch.finfo(logits.dtype).tiny)
-    return (logits - q.log_()).argmax(dim=-1)
+    return greedy(logits - q.log_())
 
 
 def log_probs(logits: torch.Tensor) -> torch.Tensor:
