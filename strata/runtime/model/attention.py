@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.bias import causal_lower_right
 
-from strata.kernels.cpu import dense
+from strata.kernels.cpu import dense, rows
 from strata.kernels.gpu import fused
 from strata.kernels.gpu.decode_attention import decode_attention, decode_attention_ok
 from strata.runtime.model.config import ModelConfig
@@ -144,8 +144,13 @@ class GQAAttention(nn.Module):
 
     @staticmethod
     def _norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
-        """Optional per-head RMSNorm, then rotary: x [N, heads, d]. One kernel on CUDA instead of ~10-15."""
+        """Optional per-head RMSNorm, then rotary: x [N, heads, d]. One kernel on CUDA instead of ~10-15, one
+        compiled call for CPU decode rows."""
         weight = norm.weight if norm is not None else None
+        if x.device.type == "cpu":
+            y = rows.norm_rope(x, cos, sin, weight, norm.eps if norm is not None else 0.0)
+            if y is not None:
+                return y
         if fused.norm_rope_ok(x, cos, weight):
             return fused.norm_rope(x, cos, sin, weight, norm.eps if norm is not None else 0.0)
         return apply_rope(norm(x) if norm is not None else x, cos, sin)
@@ -179,6 +184,8 @@ class GQAAttention(nn.Module):
                 v_cache[batch.slots_t, batch.pos_t] = v
         if isinstance(batch, DecodeBatch):
             return project(self.o_proj, self.attend_decode_batch(q, k_cache, v_cache, batch).reshape(n, -1))
+        if x.device.type == "cpu" and (out := self._attend_rows(q, k, v, batch, k_cache, v_cache)) is not None:
+            return project(self.o_proj, out.reshape(n, -1))
         out = torch.empty(n, self.num_heads, self.head_dim, dtype=x.dtype, device=x.device)
         for slot, start, off, length in batch.sequences():
             end = start + length
@@ -192,6 +199,23 @@ class GQAAttention(nn.Module):
             )
             out[off : off + length] = o.transpose(0, 1)
         return project(self.o_proj, out.reshape(n, -1))
+
+    def _attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor) -> torch.Tensor | None:
+        """A CPU decode step (one new token per sequence, no window): the new keys and values written to the cache,
+        then every sequence's attention in one compiled call (strata.kernels.cpu.rows.attend) -> [N, heads, d];
+        None where that call does not apply (the caller's loop then runs, rewriting the same cache rows)."""
+        if self.window is not None or q.shape[0] > rows.MAX_ROWS or q.dtype != torch.bfloat16:
+            return None
+        seqs = list(batch.sequences())
+        if any(length != 1 for _, _, _, length in seqs):
+            return None
+        for slot, start, off, _ in seqs:
+            k_cache[slot, start] = k[off]
+            v_cache[slot, start] = v[off]
+        keys = [k_cache[slot, : start + 1] for slot, start, _, _ in seqs]  # row i of q is sequence i (offsets 0..N-1)
+        values = [v_cache[slot, : start + 1] for slot, start, _, _ in seqs]
+        return rows.attend(q, keys, values, self.scale)
 
     def attend_decode_batch(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             batch: DecodeBatch) -> torch.Tensor:

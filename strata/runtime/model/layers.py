@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.kernels import options
-from strata.kernels.cpu import dense
+from strata.kernels.cpu import dense, rows
 from strata.kernels.gpu import decode_gemv, fused
 
 
@@ -58,12 +58,18 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # one Triton kernel on CUDA (torch needs four: float, rms_norm, to, mul); the torch chain elsewhere
+        # one Triton kernel on CUDA (torch needs four: float, rms_norm, to, mul), one compiled call for CPU decode
+        # rows (strata.kernels.cpu.rows), the torch chain elsewhere
+        if x.device.type == "cpu" and (y := rows.rms_norm(x, self.weight, self.eps)) is not None:
+            return y
         return fused.rms_norm(x, self.weight, self.eps)
 
     def add_forward(self, x: torch.Tensor, delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + delta, self(x + delta)): a residual add and this norm, one kernel where fused kernels run."""
-        both = fused.add_rms_norm(x, delta, self.weight, self.eps)
+        if x.device.type == "cpu":
+            both = rows.add_rms_norm(x, delta, self.weight, self.eps)
+        else:
+            both = fused.add_rms_norm(x, delta, self.weight, self.eps)
         if both is not None:
             return both
         total = x + delta

@@ -1,0 +1,169 @@
+"""A CPU decode step's small ops as compiled calls (strata.kernels.cpu.rows): RMSNorm (with the residual add), the
+per-head norm and rotary, and one-query attention, each against the torch chain it replaces; then a bf16 model's
+decode steps with them and without."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from strata.kernels.cpu import experts as ce
+from strata.kernels.cpu import rows
+from strata.runtime.model.attention import attend_one
+from strata.runtime.model.rope import apply_rope
+
+pytestmark = pytest.mark.skipif(not any(ce.available_isa(b) for b in ("avx512_bf16", "avx512", "avx2")),
+                                reason="the compiled CPU kernel is not available here")
+AVX512 = any(ce.available_isa(b) for b in ("avx512_bf16", "avx512"))
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _torch_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    return w * F.rms_norm(x.float(), (x.shape[-1],), eps=eps).to(x.dtype)
+
+
+@pytest.mark.parametrize("n, d", [(1, 2048), (3, 100), (16, 7168), (2, 1)])
+def test_rms_norm_is_the_torch_chain(n, d):
+    g = _gen(n * d)
+    x = (torch.randn(n, d, generator=g) * 3).bfloat16()
+    w = (torch.rand(d, generator=g) + 0.5).bfloat16()
+    y = rows.rms_norm(x, w, 1e-6)
+    assert y is not None and y.dtype == torch.bfloat16
+    ref = _torch_rms_norm(x, w, 1e-6)
+    # the same roundings; only the fp32 sum of squares may differ in its last bit, which bf16 rarely shows
+    assert (y != ref).float().mean() < 0.01
+    torch.testing.assert_close(y, ref, rtol=1e-2, atol=1e-2)
+
+
+def test_add_rms_norm_rounds_the_sum_as_torch_adds():
+    g = _gen(1)
+    x, delta = torch.randn(4, 2048, generator=g).bfloat16(), torch.randn(4, 2048, generator=g).bfloat16()
+    w = (torch.rand(2048, generator=g) + 0.5).bfloat16()
+    total, y = rows.add_rms_norm(x, delta, w, 1e-5)
+    assert torch.equal(total, x + delta)
+    torch.testing.assert_close(y, _torch_rms_norm(x + delta, w, 1e-5), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("normed", [True, False])
+@pytest.mark.parametrize("d, rot", [(128, 128), (64, 32)])  # rot < d: a partial rotary, the rest passed through
+def test_norm_rope_is_the_torch_chain(normed, d, rot):
+    g = _gen(d + rot)
+    n, heads = 3, 8
+    x = torch.randn(n, heads, d, generator=g).bfloat16()
+    angles = torch.rand(n, rot // 2, generator=g) * 50
+    cos, sin = (torch.cat([angles, angles], -1).cos().bfloat16(), torch.cat([angles, angles], -1).sin().bfloat16())
+    w = (torch.rand(d, generator=g) + 0.5).bfloat16() if normed else None
+    y = rows.norm_rope(x, cos, sin, w, 1e-6)
+    ref = apply_rope(_torch_rms_norm(x, w, 1e-6) if normed else x, cos, sin)
+    assert y is not None and y.shape == x.shape
+    assert (y != ref).float().mean() < 0.01
+    torch.testing.assert_close(y, ref, rtol=1e-2, atol=2e-2)
+
+
+def test_norm_rope_reads_strided_token_rows():
+    """q as the projections' split leaves it: each token's heads contiguous, tokens a wider row apart."""
+    g = _gen(5)
+    qkv = torch.randn(2, 6 * 64, generator=g).bfloat16()
+    q = qkv[:, : 4 * 64].view(2, 4, 64)
+    angles = torch.rand(2, 32, generator=g)
+    cos, sin = torch.cat([angles, angles], -1).cos().bfloat16(), torch.cat([angles, angles], -1).sin().bfloat16()
+    assert torch.equal(rows.norm_rope(q, cos, sin, None, 0.0), apply_rope(q, cos, sin))
+
+
+def _attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [heads, d], k/v [S, kv_heads, d] -> [heads, d] in float64."""
+    group = q.shape[0] // k.shape[1]
+    kk = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [heads, S, d]
+    vv = v.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    p = torch.softmax((kk @ q.double()[:, :, None])[..., 0] * scale, dim=-1)
+    return (p[:, None, :] @ vv)[:, 0]
+
+
+@pytest.mark.skipif(not AVX512, reason="the compiled attention is AVX-512 code")
+@pytest.mark.parametrize("d, heads, kv_heads", [(128, 32, 4), (64, 8, 8), (256, 16, 2)])
+def test_attention_over_each_sequences_cache(d, heads, kv_heads):
+    """Sequences in scattered slots of one cache, of several lengths (one key; a block's tail; thousands), each
+    within bf16 rounding of the exact attention, and equal to the torch decode path's result to that rounding."""
+    g = _gen(d)
+    cache_k = torch.randn(4, 3000, kv_heads, d, generator=g).bfloat16()
+    cache_v = torch.randn(4, 3000, kv_heads, d, generator=g).bfloat16()
+    slots, lengths = [2, 0, 3], [1, 77, 2999]
+    q = (torch.randn(3, heads, d, generator=g) * 2).bfloat16()
+    keys = [cache_k[s, :n] for s, n in zip(slots, lengths)]
+    values = [cache_v[s, :n] for s, n in zip(slots, lengths)]
+    out = rows.attend(q, keys, values, d ** -0.5, threads=2)
+    assert out is not None and out.shape == (3, heads, d) and out.dtype == torch.bfloat16
+    for i in range(3):
+        ref = _attention_reference(q[i], keys[i], values[i], d ** -0.5)
+        torch.testing.assert_close(out[i].double(), ref, rtol=1e-2, atol=1e-2)
+        old = attend_one(q[i][:, None], keys[i].transpose(0, 1), values[i].transpose(0, 1), d ** -0.5)[:, 0]
+        torch.testing.assert_close(out[i], old, rtol=1e-2, atol=1e-2)
+    # each (sequence, KV head) is one thread's work: the pool's thread count does not change the bits
+    assert torch.equal(out, rows.attend(q, keys, values, d ** -0.5, threads=1))
+
+
+def test_other_inputs_are_left_to_torch():
+    x, w = torch.randn(2, 64), torch.randn(64)
+    assert rows.rms_norm(x, w, 1e-6) is None  # fp32: the reference path stays torch's
+    assert rows.rms_norm(torch.randn(rows.MAX_ROWS + 1, 64).bfloat16(), w.bfloat16(), 1e-6) is None  # a prompt
+    q = torch.randn(1, 4, 48).bfloat16()
+    assert rows.attend(q, [torch.randn(5, 2, 48).bfloat16()], [torch.randn(5, 2, 48).bfloat16()], 0.1) is None
+
+
+@pytest.mark.skipif(not AVX512, reason="the compiled attention is AVX-512 code")
+def test_a_bf16_models_decode_steps_with_and_without_the_compiled_ops(tmp_path, monkeypatch):
+    """A Qwen3-MoE checkpoint (per-head q/k norms, GQA, head_dim 64) in bf16 on the CPU: prompts, then decode steps
+    of three sequences, once through the compiled ops and once through torch's; the same greedy tokens, hidden
+    states within bf16 rounding."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from strata.runtime.model.checkpoint import Checkpoint
+    from strata.runtime.model.kv_cache import KVCache, StepBatch
+    from strata.runtime.model.loader import load_model
+
+    cfg = Qwen3MoeConfig(vocab_size=300, hidden_size=256, num_hidden_layers=2, num_attention_heads=8,
+                         num_key_value_heads=2, head_dim=64, intermediate_size=256, moe_intermediate_size=64,
+                         num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=True,
+                         max_position_embeddings=512, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path)
+    model = load_model(Checkpoint.open(tmp_path), torch.bfloat16, "cpu")
+
+    calls = {"attend": 0}
+    attend, lib = rows.attend, rows._lib
+
+    def counted(*a, **k):
+        out = attend(*a, **k)
+        calls["attend"] += out is not None
+        return out
+
+    def run(compiled: bool) -> tuple[list[torch.Tensor], list[list[int]]]:
+        monkeypatch.setattr(rows, "_lib", lib if compiled else lambda: None)
+        monkeypatch.setattr(rows, "attend", counted)
+        cache = KVCache(model.cfg, 3, 64, torch.bfloat16, "cpu")
+        g = _gen(3)
+        lengths = [9, 30, 2]
+        hidden, picks = [], []
+        with torch.inference_mode():
+            for slot, n in enumerate(lengths):
+                model.run_layers(torch.randint(0, 300, (n,), generator=g), StepBatch([slot], [0], [n]), cache)
+            ids = torch.randint(0, 300, (3,), generator=g)
+            for _ in range(6):
+                h = model.run_layers(ids, StepBatch([0, 1, 2], lengths, [1, 1, 1]), cache)
+                ids = model.logits(h).argmax(-1)
+                hidden.append(h.float())
+                picks.append(ids.tolist())
+                lengths = [n + 1 for n in lengths]
+        return hidden, picks
+
+    (h_torch, p_torch), before = run(False), calls["attend"]
+    assert before == 0
+    h_rows, p_rows = run(True)
+    assert calls["attend"] == 6 * 2  # every decode step's every layer
+    assert p_rows == p_torch
+    for a, b in zip(h_rows, h_torch):
+        torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
