@@ -93,8 +93,8 @@ def test_attention_over_each_sequences_cache(d, heads, kv_heads):
     cache_v = torch.randn(4, 3000, kv_heads, d, generator=g).bfloat16()
     slots, lengths = [2, 0, 3], [1, 77, 2999]
     q = (torch.randn(3, heads, d, generator=g) * 2).bfloat16()
-    keys = [cache_k[s, :n] for s, n in zip(slots, lengths)]
-    values = [cache_v[s, :n] for s, n in zip(slots, lengths)]
+    keys = [cache_k[s, :n] for s, n in zip(slots, lengths, strict=True)]
+    values = [cache_v[s, :n] for s, n in zip(slots, lengths, strict=True)]
     out = rows.attend(q, keys, values, d ** -0.5, threads=2)
     assert out is not None and out.shape == (3, heads, d) and out.dtype == torch.bfloat16
     for i in range(3):
@@ -165,5 +165,5 @@ def test_a_bf16_models_decode_steps_with_and_without_the_compiled_ops(tmp_path, 
     h_rows, p_rows = run(True)
     assert calls["attend"] == 6 * 2  # every decode step's every layer
     assert p_rows == p_torch
-    for a, b in zip(h_rows, h_torch):
+    for a, b in zip(h_rows, h_torch, strict=True):
         torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)
