@@ -56,6 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke run)")
     r.add_argument("--token-budget", type=int, default=2048, help="scheduler tokens per step (prefill chunks)")
     r.add_argument("--deadline", type=float, default=None, help="seconds after which remaining cases are skipped")
+    r.add_argument("--repeats", type=int, default=3,
+                   help="timed runs of each strata case on its engine; the report takes the median decode run's figures")
     r.add_argument("--hf-limit", type=float, default=180, help="seconds the transformers baseline may take per case")
     r.add_argument("--rates", choices=["measure", "limits"], default="measure",
                    help="roofline PCIe/HBM rates measured now, or all the reference figures (bench/suite/roofline.py)")
@@ -107,6 +109,7 @@ def _settings(args: argparse.Namespace) -> dict:
         "suite": args.suite, "device": args.device, "cache": args.cache,
         "disk_cache": str(Path(args.disk_cache).expanduser()), "models_dir": args.models_dir, "size": args.size,
         "layers": layers, "skew": args.skew, "locality": _locality(args), "model": args.model, "token_budget": args.token_budget,
+        "repeats": args.repeats,
         "experts": args.experts,
         "placement_timeout": 120.0, "hf_limit_s": args.hf_limit,
         "deadline_s": args.deadline if args.deadline is not None else DEFAULT_DEADLINE[args.suite],

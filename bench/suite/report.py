@@ -180,6 +180,11 @@ def targets(doc: dict) -> list[dict]:
     return out
 
 
+def _repeated(doc: dict) -> bool:
+    """Whether any case of `doc` was timed more than once (`bench run --repeats`)."""
+    return any(len((c.get("metrics") or {}).get("decode_tok_s_runs") or ()) > 1 for c in doc.get("cases", []))
+
+
 def render(doc: dict, command: str | None = None, plot: str | None = None, llamacpp_plot: str | None = None) -> str:
     """The markdown section (without markers); `llamacpp_plot`: the strata / llama.cpp figure's file name."""
     m, rates = doc["machine"], doc["rates"]
@@ -220,8 +225,11 @@ def render(doc: dict, command: str | None = None, plot: str | None = None, llama
                          + f"{popularity}.")
     lines += ["", "Decode figures are over the decode phase (after every stream has its first token); prompts are "
               "random token ids, sampling at temperature 1 with fixed seeds and `ignore_eos` (so every stream "
-              "generates all its tokens); strata runs through its continuous-batching scheduler. GPU budgets are "
-              "fractions of the expert bytes; the rest sits in pinned RAM (the disk case: half in RAM).", ""]
+              "generates all its tokens); strata runs through its continuous-batching scheduler"
+              + (", each case's workload timed several times on its engine (`--repeats`), the run with the median "
+                 "decode rate reported" if _repeated(doc) else "")
+              + ". GPU budgets are fractions of the expert bytes; the rest sits in pinned RAM (the disk case: half in "
+              "RAM).", ""]
     lines += ["### Targets", "", "| target | measured | status |", "| --- | --- | --- |"]
     lines += [f"| {t['target']} | {t['measured']} | {t['status']} |" for t in targets(doc)]
     lines += ["", "### Against the baselines (25% GPU budget, 128-token prompt, 1 stream)", "", baseline_table(doc)]

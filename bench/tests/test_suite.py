@@ -597,3 +597,40 @@ def test_one_tiny_gguf_case_on_cpu(tmp_path):
     assert model["path"].endswith("-q8_0.gguf") and model["experts_format"].startswith("gguf")
     assert "Q8_0" in model["experts_format"] and model["demo"]["route_skew"] == 1.0 and model["vocab_size"] > 0
     assert (tmp_path / "models" / Path(model["path"]).name.removesuffix("-q8_0.gguf")).is_dir()  # its bf16 source
+
+
+def test_a_case_reports_its_median_timed_run():
+    """Each strata case's workload is timed several times (`--repeats`); its record is the median decode run's, with
+    every run's rates kept, so one slow window (a host hiccup) does not become the case's figure."""
+    from bench.suite.strata_case import median_run
+
+    runs = [{"metrics": {"decode_tok_s": r, "prefill_tok_s": 10.0 * r}} for r in (311.5, 531.7, 498.0)]
+    chosen = median_run(runs)
+    assert chosen["metrics"]["decode_tok_s"] == 498.0
+    assert chosen["metrics"]["decode_tok_s_runs"] == [311.5, 531.7, 498.0]
+    assert chosen["metrics"]["prefill_tok_s_runs"] == [3115.0, 5317.0, 4980.0]
+    alone = median_run([{"metrics": {"decode_tok_s": 5.0, "prefill_tok_s": 1.0}}])
+    assert alone["metrics"] == {"decode_tok_s": 5.0, "prefill_tok_s": 1.0}  # one run: as measured, nothing added
+
+
+def test_the_suite_times_each_case_as_often_as_told(tmp_path, monkeypatch):
+    import bench.suite.strata_case as sc
+
+    real, timed = sc.run_workload, []
+
+    def counted(engine, sched, w, *args, **kwargs):
+        timed.append(w)
+        return real(engine, sched, w, *args, **kwargs)
+
+    monkeypatch.setattr(sc, "run_workload", counted)
+    settings = {"suite": "test", "device": "cpu", "cache": str(tmp_path / "cache"), "disk_cache": str(tmp_path / "d"),
+                "models_dir": str(tmp_path / "models"), "size": "tiny", "layers": None, "skew": 1.0, "model": None,
+                "token_budget": 256, "placement_timeout": 10.0, "hf_limit_s": 60.0, "deadline_s": 300.0,
+                "progress": False, "repeats": 3}
+    w = Workload(24, 1, 4)
+    doc = run_suite([Case("split", "skewed", 0.25, w)], settings, tmp_path / "out", log=lambda s: None, rates=Rates())
+    (case,) = doc["cases"]
+    assert case["status"] == "ok", case.get("reason")
+    assert timed[-3:] == [w, w, w]  # after the warm-ups
+    assert len(case["metrics"]["decode_tok_s_runs"]) == 3
+    assert case["metrics"]["decode_tok_s"] == sorted(case["metrics"]["decode_tok_s_runs"])[1]
