@@ -10,6 +10,7 @@ and the case is skipped, with the estimate as the reason, when even the prefill 
 from __future__ import annotations
 
 import gc
+import os
 import time
 from pathlib import Path
 
@@ -18,6 +19,21 @@ from bench.suite.strata_case import _Peaks, prompts_for, record
 
 
 def run_hf(case: Case, model: Path, summary: dict, settings: dict, limit_s: float, log=print) -> dict:
+    """transformers + accelerate on `case` (see `_run_hf`), with transformers' Hub kernels off: the baseline is its own
+    PyTorch code, as an offline machine runs it (with the `kernels` package installed, transformers 5.x fetches a
+    rotary kernel from the Hub and, unable to verify its publisher offline, refuses to load the model)."""
+    before = os.environ.get("USE_HUB_KERNELS")
+    os.environ["USE_HUB_KERNELS"] = "NO"
+    try:
+        return _run_hf(case, model, summary, settings, limit_s, log)
+    finally:
+        if before is None:
+            os.environ.pop("USE_HUB_KERNELS", None)
+        else:
+            os.environ["USE_HUB_KERNELS"] = before
+
+
+def _run_hf(case: Case, model: Path, summary: dict, settings: dict, limit_s: float, log=print) -> dict:
     """One HF baseline record (skipped with a reason when it cannot run or would take too long)."""
     try:
         import accelerate  # noqa: F401 - device_map offload needs it

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -634,3 +635,18 @@ def test_the_suite_times_each_case_as_often_as_told(tmp_path, monkeypatch):
     assert timed[-3:] == [w, w, w]  # after the warm-ups
     assert len(case["metrics"]["decode_tok_s_runs"]) == 3
     assert case["metrics"]["decode_tok_s"] == sorted(case["metrics"]["decode_tok_s_runs"])[1]
+
+
+def test_the_transformers_baseline_runs_without_hub_kernels(monkeypatch):
+    """transformers 5.x with the `kernels` package fetches Hub kernels, which an offline GPU machine cannot verify
+    (the model then fails to load): the baseline runs with USE_HUB_KERNELS=NO, and the caller's setting comes back."""
+    from bench.suite import hf_case
+
+    seen = []
+    monkeypatch.setattr(hf_case, "_run_hf", lambda *a, **k: seen.append(os.environ.get("USE_HUB_KERNELS")) or {})
+    monkeypatch.setenv("USE_HUB_KERNELS", "YES")
+    hf_case.run_hf(None, None, {}, {}, 100.0)
+    assert seen == ["NO"] and os.environ["USE_HUB_KERNELS"] == "YES"
+    monkeypatch.delenv("USE_HUB_KERNELS")
+    hf_case.run_hf(None, None, {}, {}, 100.0)
+    assert seen == ["NO", "NO"] and "USE_HUB_KERNELS" not in os.environ
