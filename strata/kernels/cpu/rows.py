@@ -6,7 +6,7 @@
     out = attend(q, keys, values, scale)              # one query per sequence over its cached keys
 
 A CPU decode layer streams its weights (~100 MB on Qwen3-30B-A3B's shapes) through the caches; what runs between
-those products, as torch ops, is ~40 dispatches a layer that each find their data evicted (csrc/cpu_rows.h). Each
+those products, as torch ops, is ~40 dispatches a layer that each find their data evicted (csrc/cpu_rows.cpp). Each
 function here returns None where it does not apply (the caller runs the torch chain): not bf16, not on the CPU,
 more than `MAX_ROWS` rows (prefill), or no compiled kernel. Results are the torch chains' up to fp32 summation order.
 """
@@ -22,7 +22,7 @@ from strata.kernels.cpu import library as kernel_lib
 MAX_ROWS = 16
 """Tokens a call takes: a decode step's rows (a prompt's run through torch's vectorized ops)."""
 MAX_D = 1 << 14
-"""The longest row (hidden size, head) the compiled ops take (csrc/cpu_rows.h's kRowsMaxD)."""
+"""The longest row (hidden size, head) the compiled ops take (csrc/cpu_rows.cpp's kRowsMaxD)."""
 
 _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _declared: set[int] = set()
@@ -37,7 +37,7 @@ def _lib() -> ctypes.CDLL | None:
         lib.strata_cpu_rms_norm.argtypes = [_P, _P, _P, _P, _P, _I64, _I64, _F]
         lib.strata_cpu_norm_rope.argtypes = [_P, _I64, _P, _F, _P, _P, _I64, _I64, _I64, _I64, _P]
         lib.strata_cpu_attend.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _I64,
-                                          _P, _F, _P, ctypes.c_int]
+                                          _P, _F, _P]
         for fn in (lib.strata_cpu_rms_norm, lib.strata_cpu_norm_rope, lib.strata_cpu_attend):
             fn.restype = ctypes.c_int
         _declared.add(id(lib))
@@ -103,13 +103,11 @@ def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: tor
     return y
 
 
-def attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float,
-           threads: int | None = None) -> torch.Tensor | None:
+def attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float) -> torch.Tensor | None:
     """Decode attention, one query per sequence: q [B, heads, d] bf16; keys[b] [S_b, kv_heads, d] and values[b]
     [S_b, kv_heads, dv] bf16 (views of the cache: rows strided, each row's heads contiguous), every key attended ->
-    [B, heads, dv] bf16, softmax(q k^T * scale) v in fp32 (query head i reads KV head i / (heads / kv_heads)); on
-    `threads` threads of the CPU kernel's pool (None: its default count) where the cache read is large. None where
-    this does not apply (also: no AVX-512, or a head size other than 64, 128 or 256, or dv != d)."""
+    [B, heads, dv] bf16, softmax(q k^T * scale) v in fp32 (query head i reads KV head i / (heads / kv_heads)), on the
+    calling thread. None where this does not apply (also: no AVX-512, or a head size other than 64, 128 or 256, or dv != d)."""
     if q.dim() != 3 or len(keys) != q.shape[0] or len(values) != q.shape[0] or not keys:
         return None
     b, heads, d = q.shape
@@ -135,5 +133,5 @@ def attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
     out = torch.empty((b, heads, dv), dtype=torch.bfloat16)
     _check(lib.strata_cpu_attend(qc.data_ptr(), b, heads, kv_heads, d, dv, kbase, kb, k0.stride(0),
                                  k0.stride(1), vbase, vb, v0.stride(0), v0.stride(1), lens,
-                                 scale, out.data_ptr(), int(threads or kernel_lib.default_threads())), "attention")
+                                 scale, out.data_ptr()), "attention")
     return out

@@ -279,4 +279,3 @@ C_EXPORTED int strata_cpu_shutdown() {
 #include "cpu_experts_async.h"  // strata_cpu_experts_start / _wait: one call on a launcher thread
 
 #include "cpu_dense.h"  // strata_cpu_dense: bf16 weight rows times a few rows of activations, on the same pool
-#include "cpu_rows.h"  // strata_cpu_rms_norm, _norm_rope, _attend: a decode step's small ops between its products

@@ -6,18 +6,48 @@
 // (a 2,048-value RMSNorm took ~60 us on average inside a decode step, ~15 us warm). Here each is one call:
 //   strata_cpu_rms_norm   y = w * rmsnorm(x [+ delta]) over rows of d values (the residual sum written too)
 //   strata_cpu_norm_rope  per-head RMSNorm (optional) then the rotate-half rotary, on [N, heads, d]
-//   strata_cpu_attend     each sequence's query heads over its cached keys and values (grouped-query), fp32
+//   strata_cpu_attend     each sequence's query heads over its cached keys and values (grouped-query), fp32, on the
+//                         calling thread
 //
 // Numerics follow the torch chains they replace (strata.runtime.model): every elementwise result rounded to bf16
 // where torch rounds it (nearest even), norms and attention summed in fp32; only summation order differs.
 //
-// Included once, by cpu_experts.cpp, after its pool (g_call, get_pool) and bf16 conversions; the Python side is
-// strata/kernels/cpu/rows.py.
-#pragma once
-
+// A translation unit of its own (the Python side is strata/kernels/cpu/rows.py): adding these functions to
+// cpu_experts.cpp's unit moved its dense kernel's code and cost the LM head ~8% of its read rate on an AMX Xeon.
+#include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#define ON_X86 1
+#include <immintrin.h>
+#else
+#define ON_X86 0
+#endif
+
+#define C_EXPORTED extern "C" __attribute__((visibility("default")))
+
+C_EXPORTED int strata_cpu_isa_mask();  // cpu_experts.cpp
+enum { ROWS_ISA_AVX512 = 2 };  // cpu_experts.cpp's ISA_AVX512
 
 namespace {
+
+inline float bf16_to_f32(uint16_t v) {  // as cpu_experts.cpp's
+    uint32_t u = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN (as cpu_experts.cpp's)
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+}
 
 // sum of squares of n fp32 values in 16 lanes (vectorized without reassociation), then the lanes in order
 inline float sum_squares(const float* v, int64_t n) {
@@ -114,7 +144,6 @@ struct AttendJob {
     int64_t B = 0, heads = 0, kv_heads = 0, d = 0, dv = 0;
     float scale = 1.f;
     uint16_t* out = nullptr;  // [B, heads, dv]
-    std::atomic<int64_t> next{0}, done{0};
 };
 
 }  // namespace
@@ -233,54 +262,28 @@ void attend_item(const AttendJob& j, int64_t item, std::vector<float>& buf) {
 #pragma GCC pop_options
 #endif  // ON_X86
 
-namespace {
-
-void attend_job(void* ctx, int tid) {
-    AttendJob& j = *static_cast<AttendJob*>(ctx);
-    std::vector<float> buf;
-    const int64_t items = j.B * j.kv_heads;
-    for (;;) {
-        const int64_t c = j.next.fetch_add(1, std::memory_order_relaxed);
-        if (c >= items) break;
-#if ON_X86
-        k_rows_512::attend_item(j, c, buf);
-#endif
-        j.done.fetch_add(1, std::memory_order_acq_rel);
-    }
-    if (tid == 0) spin_until([&] { return j.done.load(std::memory_order_acquire) >= items; });
-}
-
-constexpr int64_t kAttendInlineBytes = 512 << 10;  // keys and values below this are read by the calling thread
-
-}  // namespace
-
 // Decode attention of B sequences, one query each: q [B, heads, d] bf16; sequence b's key s of KV head h at
 // k + kb[b] + s * ks + h * kh (d values), its value at v + vb[b] + s * vs + h * vh (dv values); len[b] keys (all of
 // them attended: the caller passes each sequence's cached prefix, the new key included). Query head i reads KV head
-// i / (heads / kv_heads). out [B, heads, dv] bf16 = softmax(q k^T * scale) v, in fp32. On `threads` threads of the
-// kernel's pool when the keys and values are large enough to be worth waking it. AVX-512 only, d = dv in {64, 128,
-// 256}. Returns 0, or -1 for other sizes or no AVX-512.
+// i / (heads / kv_heads). out [B, heads, dv] bf16 = softmax(q k^T * scale) v, in fp32, on the calling thread.
+// AVX-512 only, d = dv in {64, 128, 256}. Returns 0, or -1 for other sizes or no AVX-512.
 C_EXPORTED int strata_cpu_attend(const uint16_t* q, int64_t B, int64_t heads, int64_t kv_heads, int64_t d, int64_t dv,
                                  const uint16_t* k, const int64_t* kb, int64_t ks, int64_t kh, const uint16_t* v,
                                  const int64_t* vb, int64_t vs, int64_t vh, const int64_t* len, float scale,
-                                 uint16_t* out, int threads) {
+                                 uint16_t* out) {
     if (B < 0 || kv_heads < 1 || heads % kv_heads || d != dv || (d != 64 && d != 128 && d != 256)) return -1;
-    if (!(strata_cpu_isa_mask() & (1 << ISA_AVX512))) return -1;
-    int64_t keys = 0;
-    for (int64_t b = 0; b < B; ++b) {
+    if (!(strata_cpu_isa_mask() & (1 << ROWS_ISA_AVX512))) return -1;
+    for (int64_t b = 0; b < B; ++b)
         if (len[b] < 1) return -1;
-        keys += len[b];
-    }
     AttendJob j;
     j.q = q, j.k = k, j.v = v, j.kb = kb, j.vb = vb, j.len = len;
     j.ks = ks, j.kh = kh, j.vs = vs, j.vh = vh;
     j.B = B, j.heads = heads, j.kv_heads = kv_heads, j.d = d, j.dv = dv, j.scale = scale, j.out = out;
-    const int P = std::max(1, threads);
-    if (P == 1 || B * kv_heads == 1 || keys * kv_heads * (d + dv) * 2 < kAttendInlineBytes) {
-        attend_job(&j, 0);
-        return 0;
-    }
-    std::lock_guard<std::mutex> lk(g_call);
-    get_pool(P)->run(attend_job, &j);
+#if ON_X86
+    std::vector<float> buf;
+    for (int64_t item = 0; item < B * kv_heads; ++item) k_rows_512::attend_item(j, item, buf);
     return 0;
+#else
+    return -1;
+#endif
 }
