@@ -10,6 +10,10 @@ PYTHONPATH to measure that commit on the same machine, alternating the two.
 `--busy N`: a busy host. Each round runs one generation alone and one while N other processes keep every core busy at
 the same priority (a torch matrix product in a loop on torch's default threads, as a concurrent test run does),
 alternating which goes first; the summary gives each condition's median and busy / alone.
+
+`--rows-ab`: each round runs one generation with the decode step's small ops as compiled calls
+(strata.kernels.cpu.rows, the default) and one with them off (torch's ops), alternating which goes first, in the one
+engine (so memory placement and the process are the same for both); the summary gives each condition's median.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens", type=int, default=64)
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--busy", type=int, default=0, metavar="N", help="also decode beside N CPU-bound processes")
+    p.add_argument("--rows-ab", action="store_true", help="alternate the compiled decode rows on and off")
     p.add_argument("--out", default=None, help="directory for cpu_decode.json")
     args = p.parse_args(argv)
 
@@ -48,13 +53,19 @@ def main(argv: list[str] | None = None) -> int:
 
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(args.model, device="cpu")
+    engine.wait_settled()  # every expert in RAM before timing
     load_s = time.perf_counter() - t0
     vocab = engine.stats().get("vocab_size") or 4096
     prompt = [(7 * i + 3) % min(vocab, 4000) + 3 for i in range(args.prompt_tokens)]
-    def run(busy: int) -> dict:
+    from strata.kernels.cpu import rows
+
+    compiled_rows = rows._lib
+
+    def run(busy: int, rows_on: bool = True) -> dict:
         hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(busy)]
         try:
             time.sleep(1.0 if busy else 0.0)  # the hogs' threads running before the generation starts
+            rows._lib = compiled_rows if rows_on else (lambda: None)  # off: every rows op declines, torch's run
             before = engine.stats()
             out = engine.generate(prompt, max_tokens=args.tokens, temperature=0.0, stop_token_ids=[])
             after = engine.stats()
@@ -64,16 +75,22 @@ def main(argv: list[str] | None = None) -> int:
                 h.wait()
         decode_tokens = after["decode_tokens"] - before["decode_tokens"]
         decode_s = after["decode_seconds"] - before["decode_seconds"]
-        return {"busy": busy, "tokens": len(out.token_ids), "decode_tok_s": decode_tokens / decode_s if decode_s else 0.0,
-                "load_avg": os.getloadavg()[0]}
+        return {"busy": busy, "rows": rows_on, "tokens": len(out.token_ids),
+                "decode_tok_s": decode_tokens / decode_s if decode_s else 0.0, "load_avg": os.getloadavg()[0]}
 
     engine.generate(prompt, max_tokens=8, temperature=0.0)  # warm-up: kernels built, experts placed
     runs = []
     for i in range(args.repeat):
+        if args.rows_ab:
+            runs += [run(0, rows_on=on) for on in ((True, False) if i % 2 == 0 else (False, True))]
+            continue
         for busy in ((0, args.busy) if i % 2 == 0 else (args.busy, 0)) if args.busy else (0,):
             runs.append(run(busy))
     engine.close()
-    result = {"model": args.model, "strata": os.path.dirname(strata.__file__), "torch": torch.__version__,
+    from bench import provenance
+
+    result = {"model": args.model, "strata": os.path.dirname(strata.__file__), "commit": provenance.commit(),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()), "torch": torch.__version__,
               "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "load_s": load_s,
               "runs": runs}
     if args.busy:
@@ -81,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         busy = statistics.median(r["decode_tok_s"] for r in runs if r["busy"])
         result["summary"] = {"alone_tok_s": alone, "busy_tok_s": busy, "busy_over_alone": busy / alone,
                              "busy_processes": args.busy}
+    if args.rows_ab:
+        on = statistics.median(r["decode_tok_s"] for r in runs if r["rows"])
+        off = statistics.median(r["decode_tok_s"] for r in runs if not r["rows"])
+        result["summary"] = {"rows_on_tok_s": on, "rows_off_tok_s": off, "on_over_off": on / off}
     print(json.dumps(result))
     if args.out:
         Path(args.out).mkdir(parents=True, exist_ok=True)
