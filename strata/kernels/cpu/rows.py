@@ -103,6 +103,13 @@ def norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, weight: tor
     return y
 
 
+def attends(head_dim: int, value_dim: int) -> bool:
+    """Whether `attend` computes heads of these sizes here: AVX-512 (and the compiled library), head sizes 64, 128 or
+    256, values as wide as keys."""
+    return (head_dim == value_dim and head_dim in (64, 128, 256)
+            and kernel_lib.backend(None) in ("avx512_bf16", "avx512") and _lib() is not None)
+
+
 def attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float) -> torch.Tensor | None:
     """Decode attention, one query per sequence: q [B, heads, d] bf16; keys[b] [S_b, kv_heads, d] and values[b]
     [S_b, kv_heads, dv] bf16 (views of the cache: rows strided, each row's heads contiguous), every key attended ->
@@ -116,8 +123,8 @@ def attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
             or v0.shape[1] != k0.shape[1] or k0.shape[1] == 0 or (lib := _lib()) is None):
         return None
     kv_heads, dv = k0.shape[1], v0.shape[2]
-    if d != dv or d not in (64, 128, 256) or kernel_lib.backend(None) not in ("avx512_bf16", "avx512"):
-        return None  # the compiled attention: AVX-512 code for these head sizes
+    if not attends(d, dv):
+        return None
     for k, v in zip(keys, values, strict=True):  # one layout for every sequence: one stride set, a base each
         if (k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16 or k.device.type != "cpu" or v.device.type != "cpu"
                 or k.shape[1:] != k0.shape[1:] or v.shape[1:] != v0.shape[1:] or k.shape[0] != v.shape[0]

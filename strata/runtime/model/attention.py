@@ -205,7 +205,8 @@ class GQAAttention(nn.Module):
         """A CPU decode step (one new token per sequence, no window): the new keys and values written to the cache,
         then every sequence's attention in one compiled call (strata.kernels.cpu.rows.attend) -> [N, heads, d];
         None where that call does not apply (the caller's loop then runs, rewriting the same cache rows)."""
-        if self.window is not None or q.shape[0] > rows.MAX_ROWS or q.dtype != torch.bfloat16:
+        if (self.window is not None or q.shape[0] > rows.MAX_ROWS or q.dtype != torch.bfloat16
+                or not rows.attends(q.shape[-1], v.shape[-1])):
             return None
         seqs = list(batch.sequences())
         if any(length != 1 for _, _, _, length in seqs):
