@@ -288,7 +288,7 @@ class DebugConfig:
     gpu_share: float | str = field(default="auto", metadata={"auto_or_number": True})
     cpu_threads: int = 0  # the CPU kernel pool's threads (experts; a CPU decode's dense projections); 0: from the cores
     cpu_kernel: str = "auto"  # the CPU expert kernel's instruction set, or "torch" (the reference math)
-    fused_kernels: bool = True  # the decode step's fused Triton kernels; false: torch's op chains
+    fused_kernels: bool = True  # the decode step's fused kernels (Triton; the CPU's compiled rows); false: torch's chains
     pdl: bool = True  # programmatic dependent launch of the decode kernels (Hopper and later)
 
     def __post_init__(self) -> None:

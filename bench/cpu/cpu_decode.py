@@ -12,13 +12,15 @@ the same priority (a torch matrix product in a loop on torch's default threads, 
 alternating which goes first; the summary gives each condition's median and busy / alone.
 
 `--rows-ab`: each round runs one generation with the decode step's small ops as compiled calls
-(strata.kernels.cpu.rows, the default) and one with them off (torch's ops), alternating which goes first, in the one
-engine (so memory placement and the process are the same for both); the summary gives each condition's median.
+(strata.kernels.cpu.rows, the default) and one with them off (torch's ops: the model's fused kernels off, as `[debug]
+fused_kernels = false`), alternating which goes first, in the one engine (so memory placement and the process are the
+same for both); the summary gives each condition's median.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -57,15 +59,13 @@ def main(argv: list[str] | None = None) -> int:
     load_s = time.perf_counter() - t0
     vocab = engine.stats().get("vocab_size") or 4096
     prompt = [(7 * i + 3) % min(vocab, 4000) + 3 for i in range(args.prompt_tokens)]
-    from strata.kernels.cpu import rows
-
-    compiled_rows = rows._lib
+    shipped = engine.model.kernel_options  # [debug] fused_kernels and the rest, as the engine set them
 
     def run(busy: int, rows_on: bool = True) -> dict:
         hogs = [subprocess.Popen([sys.executable, "-c", HOG]) for _ in range(busy)]
         try:
             time.sleep(1.0 if busy else 0.0)  # the hogs' threads running before the generation starts
-            rows._lib = compiled_rows if rows_on else (lambda: None)  # off: every rows op declines, torch's run
+            engine.model.kernel_options = dataclasses.replace(shipped, fused=shipped.fused and rows_on)
             before = engine.stats()
             out = engine.generate(prompt, max_tokens=args.tokens, temperature=0.0, stop_token_ids=[])
             after = engine.stats()

@@ -1,6 +1,7 @@
-"""Which optional GPU kernel features a forward pass uses: the fused Triton kernels and programmatic dependent
-launch (`[debug] fused_kernels`, `[debug] pdl`); and the CPU kernel pool's thread count for a CPU pass's dense
-projections (`[debug] cpu_threads`, strata.kernels.cpu.dense).
+"""Which optional kernel features a forward pass uses: the fused kernels (Triton on CUDA, the compiled decode rows
+on the CPU: strata.kernels.cpu.rows) and programmatic dependent launch (`[debug] fused_kernels`, `[debug] pdl`); and
+the CPU kernel pool's thread count for a CPU pass's dense projections (`[debug] cpu_threads`,
+strata.kernels.cpu.dense).
 
 The kernels' wrappers ask deep inside a forward pass (`fused.fused_ok`, `pdl.on`), where no engine is in reach, so
 the engine's model sets its options around each forward pass (`MoETransformer.forward`) and the wrappers read them
@@ -20,7 +21,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class KernelOptions:
-    """fused: the decode step's fused Triton kernels (off: torch's op chains, the reference for bisecting numerics);
+    """fused: the decode step's fused kernels, Triton on CUDA and the compiled decode rows on the CPU (off: torch's op
+    chains, the reference for bisecting numerics);
     pdl: programmatic dependent launch where the GPU has it (off: kernels wait for the one before to end);
     cpu_threads: the CPU kernel pool's threads for dense projections on the CPU (None: the pool's default count;
     the same count as the expert calls', or the pool is rebuilt between them)."""

@@ -112,6 +112,12 @@ def test_other_inputs_are_left_to_torch():
     assert rows.rms_norm(torch.randn(rows.MAX_ROWS + 1, 64).bfloat16(), w.bfloat16(), 1e-6) is None  # a prompt
     q = torch.randn(1, 4, 48).bfloat16()
     assert rows.attend(q, [torch.randn(5, 2, 48).bfloat16()], [torch.randn(5, 2, 48).bfloat16()], 0.1) is None
+    from strata.kernels.options import KernelOptions, kernel_options
+
+    xb, wb = torch.randn(2, 64).bfloat16(), torch.randn(64).bfloat16()
+    assert rows.rms_norm(xb, wb, 1e-6) is not None
+    with kernel_options(KernelOptions(fused=False)):  # [debug] fused_kernels = false: torch's chains, the reference
+        assert rows.rms_norm(xb, wb, 1e-6) is None
 
 
 @pytest.mark.skipif(not AVX512, reason="the compiled attention is AVX-512 code")
@@ -133,8 +139,10 @@ def test_a_bf16_models_decode_steps_with_and_without_the_compiled_ops(tmp_path, 
     Qwen3MoeForCausalLM(cfg).to(torch.bfloat16).save_pretrained(tmp_path)
     model = load_model(Checkpoint.open(tmp_path), torch.bfloat16, "cpu")
 
+    from strata.kernels.options import KernelOptions, kernel_options
+
     calls = {"attend": 0}
-    attend, lib = rows.attend, rows._lib
+    attend = rows.attend
 
     def counted(*a, **k):
         out = attend(*a, **k)
@@ -142,13 +150,12 @@ def test_a_bf16_models_decode_steps_with_and_without_the_compiled_ops(tmp_path, 
         return out
 
     def run(compiled: bool) -> tuple[list[torch.Tensor], list[list[int]]]:
-        monkeypatch.setattr(rows, "_lib", lib if compiled else lambda: None)
         monkeypatch.setattr(rows, "attend", counted)
         cache = KVCache(model.cfg, 3, 64, torch.bfloat16, "cpu")
         g = _gen(3)
         lengths = [9, 30, 2]
         hidden, picks = [], []
-        with torch.inference_mode():
+        with torch.inference_mode(), kernel_options(KernelOptions(fused=compiled)):
             for slot, n in enumerate(lengths):
                 model.run_layers(torch.randint(0, 300, (n,), generator=g), StepBatch([slot], [0], [n]), cache)
             ids = torch.randint(0, 300, (3,), generator=g)

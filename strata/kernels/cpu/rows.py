@@ -8,7 +8,9 @@
 A CPU decode layer streams its weights (~100 MB on Qwen3-30B-A3B's shapes) through the caches; what runs between
 those products, as torch ops, is ~40 dispatches a layer that each find their data evicted (csrc/cpu_rows.cpp). Each
 function here returns None where it does not apply (the caller runs the torch chain): not bf16, not on the CPU,
-more than `MAX_ROWS` rows (prefill), or no compiled kernel. Results are the torch chains' up to fp32 summation order.
+more than `MAX_ROWS` rows (prefill), no compiled kernel, or the forward pass's fused kernels off (`[debug]
+fused_kernels = false`: torch's op chains, the reference, on the CPU as on CUDA). Results are the torch chains' up to
+fp32 summation order.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import ctypes
 
 import torch
 
+from strata.kernels import options
 from strata.kernels.cpu import library as kernel_lib
 
 MAX_ROWS = 16
@@ -29,7 +32,10 @@ _declared: set[int] = set()
 
 
 def _lib() -> ctypes.CDLL | None:
-    """The kernel library with these entry points declared; None where it does not load (no compiler, not x86)."""
+    """The kernel library with these entry points declared; None where it does not load (no compiler, not x86) or
+    the running forward pass has its fused kernels off (`strata.kernels.options`)."""
+    if not options.current().fused:
+        return None
     lib = kernel_lib.library() if kernel_lib.backend(None) in ("avx512_bf16", "avx512", "avx2") else None
     if lib is None:
         return None
@@ -114,7 +120,8 @@ def attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
     """Decode attention, one query per sequence: q [B, heads, d] bf16; keys[b] [S_b, kv_heads, d] and values[b]
     [S_b, kv_heads, dv] bf16 (views of the cache: rows strided, each row's heads contiguous), every key attended ->
     [B, heads, dv] bf16, softmax(q k^T * scale) v in fp32 (query head i reads KV head i / (heads / kv_heads)), on the
-    calling thread. None where this does not apply (also: no AVX-512, or a head size other than 64, 128 or 256, or dv != d)."""
+    calling thread. None where this does not apply (also: no AVX-512, or a head size other than 64, 128 or 256, or
+    dv != d)."""
     if q.dim() != 3 or len(keys) != q.shape[0] or len(values) != q.shape[0] or not keys:
         return None
     b, heads, d = q.shape
