@@ -73,16 +73,16 @@ def test_the_same_request_without_a_format_is_not_json(tiny_engine):
         check_person(out.text)
 
 
-# seeds whose walk closes the object within MAX_TOKENS: an object's strings are unbounded, and with seed 2 the
+# seeds whose walk closes the object within MAX_TOKENS: an object's strings are unbounded, and with seed 3 the
 # random weights write one string until max_tokens ends it (a JSON prefix, finish_reason "length")
-@pytest.mark.parametrize("seed", [None, 0, 1, 3])
+@pytest.mark.parametrize("seed", [None, 1, 2, 5])
 def test_a_json_object_request_gives_an_object(tiny_engine, seed):
     sampling = {} if seed is None else {"temperature": 1.0, "seed": seed}
     out = tiny_engine.generate(PROMPT, max_tokens=MAX_TOKENS, response_format={"type": "json_object"}, **sampling)
     assert out.finish_reason == "stop"
     assert isinstance(json.loads(out.text), dict)
     run_on = tiny_engine.generate(PROMPT, max_tokens=50, response_format={"type": "json_object"}, temperature=1.0,
-                                  seed=2)
+                                  seed=3)
     assert run_on.finish_reason == "length" and run_on.text.startswith('{"')
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -224,3 +225,54 @@ def test_greedy_picks_what_torch_argmax_picks_on_the_cpu():
         got = greedy(rows)
         assert got.dtype == torch.int64 and torch.equal(got, rows.argmax(dim=-1))
     assert torch.equal(greedy(logits.double()), logits.double().argmax(dim=-1))  # torch's own path
+
+
+@pytest.mark.parametrize("draw", ["_draw_host", "_draw_race"])
+def test_a_large_vocabulary_draws_from_the_softmax(draw):
+    """Both ways of drawing (the host's inverse CDF over 1,024-token blocks, the exponential race) follow
+    softmax(logits) over a vocabulary of 2,600 (two full blocks and a tail): Pearson's statistic over the tokens
+    expected 20+ times within 6 sigma of its mean, masked tokens never drawn, the tail block drawn."""
+    from strata.runtime.generation import sampler
+
+    v, n = 2600, 100_000
+    logits = torch.randn(1, v, generator=torch.Generator().manual_seed(2)) * 2
+    logits[0, ::5] = -math.inf
+    logits[0, 2050:] += 3  # the tail block holds much of the mass
+    want = logits.softmax(-1)[0].double()
+    draws = getattr(sampler, draw)(logits.expand(n, -1).contiguous(), make_generator(4, "cpu"))
+    counts = torch.bincount(draws, minlength=v).double()
+    expected = want * n
+    big = expected >= 20
+    chi2 = ((counts[big] - expected[big]) ** 2 / expected[big]).sum().item()
+    dof = int(big.sum()) - 1
+    assert abs(chi2 - dof) < 6 * math.sqrt(2 * dof), (chi2, dof)
+    assert counts[::5].sum() == 0 and counts[2048:].sum() > 0
+
+
+def test_inverse_cdf_at_the_ends_of_the_unit_interval():
+    """u = 0 picks the first live token; u just under 1 (whose u * total may round onto the total) the last live
+    one, past masked tokens and whole masked blocks at the end; every pick is a live token."""
+    from strata.runtime.generation.sampler import BLOCK, inverse_cdf
+
+    row = torch.randn(3 * BLOCK + 100, generator=torch.Generator().manual_seed(6)).numpy()
+    row[:3] = -np.inf
+    row[2 * BLOCK + 10 :] = -np.inf  # the last live token is 2 * BLOCK + 9; one block and the tail are empty
+    top = float(row.max())
+    assert inverse_cdf(row, top, 0.0) == 3
+    assert inverse_cdf(row, top, float(np.nextafter(1.0, 0.0))) == 2 * BLOCK + 9
+    rng = np.random.default_rng(0)
+    assert all(np.isfinite(row[inverse_cdf(row, top, float(u))]) for u in rng.random(500))
+
+
+def test_rows_without_a_finite_maximum_pick_as_greedy():
+    """A row holding a NaN picks its first NaN, one at +inf its first +inf, one all -inf token 0 (what argmax picks,
+    as the exponential race does), and the generator still advances one draw a row."""
+    logits = torch.randn(4, 3000, generator=torch.Generator().manual_seed(8))
+    logits[0, [70, 2100]] = math.nan
+    logits[1, [1500, 2999]] = math.inf
+    logits[2] = -math.inf
+    g, h = make_generator(5, "cpu"), make_generator(5, "cpu")
+    got = sample(logits, SamplingParams(temperature=1.0), g)
+    assert got[:3].tolist() == [70, 1500, 0] and np.isfinite(logits[3, got[3]].item())
+    torch.rand(4, dtype=torch.float64, generator=h)  # one uniform a row
+    assert torch.equal(g.get_state(), h.get_state())
