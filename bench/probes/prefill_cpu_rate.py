@@ -8,8 +8,10 @@ of 8, `--budget` bytes of experts on the GPU). Before each timed prefill the exe
 (`engine.executor.rates`, strata.runtime.offload.cost_model.Rates) are left as learned ("shipped"), or reset to
 `cpu_bytes_per_s` = `--decode-rate` and `cpu_flops` = 1, 2 or 4 TFLOP/s ("reset-1e12", ...): the CPU byte rate the
 prompts themselves observe (~19 GB/s on an H100 host for 512 tokens, against ~130 in decode) is what keeps their
-many-token experts on the copy path. Reports each variant's median seconds to the first token and the cold experts
-the CPU computed per prompt.
+many-token experts on the copy path. "ahead": the rates as learned, and every prompt stages its next layer's experts
+ahead (`tiered_prefill.AHEAD_PAIRS_PER_EXPERT` 0 for that prefill, where the shipped 64 pairs an expert leaves prompts
+under 1,024 tokens to the cost model's split). Reports each variant's median seconds to the first token and the cold
+experts the CPU computed per prompt.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pathlib import Path
 if not os.environ.get("PYTHONPATH"):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-VARIANTS = ("shipped", "reset-1e12", "reset-2e12", "reset-4e12")
+VARIANTS = ("shipped", "reset-1e12", "reset-2e12", "reset-4e12", "ahead")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,12 +46,14 @@ def main(argv: list[str] | None = None) -> int:
     from bench.suite.cases import Workload
     from bench.suite.strata_case import prompts_for
     from strata import Engine
+    from strata.runtime.offload import tiered_prefill
 
     config = {"runtime": {"max_context": 8272, "prefill_chunk": 8192, "prefix_cache": False},
               "tiers": {"gpu": {"budget": str(args.budget)}}, "planner": {"max_batch": 8}}
     engine = Engine.from_pretrained(args.model, config=config, device="cuda")
     engine.wait_settled()
     rates, vocab = engine.executor.rates, engine.checkpoint.config.vocab_size
+    shipped_flops = rates.cpu_flops
     seconds: dict[int, dict[str, list[float]]] = {}
     cpu_experts: dict[int, dict[str, list[int]]] = {}
     learned: dict[int, float] = {}
@@ -60,13 +64,18 @@ def main(argv: list[str] | None = None) -> int:
             seconds[n], cpu_experts[n] = {v: [] for v in VARIANTS}, {v: [] for v in VARIANTS}
             for r in range(args.rounds):
                 for v in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
-                    if v != "shipped":
+                    if v.startswith("reset"):
                         rates.cpu_bytes_per_s, rates.cpu_flops = args.decode_rate, float(v.split("-")[1])
+                    else:  # the byte rate as the prompts before left it (a reset's fades within one prompt's layers)
+                        rates.cpu_flops = shipped_flops
+                    shipped_pairs = tiered_prefill.AHEAD_PAIRS_PER_EXPERT
+                    tiered_prefill.AHEAD_PAIRS_PER_EXPERT = 0 if v == "ahead" else shipped_pairs
                     c0 = engine.stats()["cpu_experts_computed"]
                     torch.cuda.synchronize()
                     t0 = time.perf_counter()
                     engine.generate(prompt, max_tokens=1, temperature=0.0)
                     torch.cuda.synchronize()
+                    tiered_prefill.AHEAD_PAIRS_PER_EXPERT = shipped_pairs
                     seconds[n][v].append(round(time.perf_counter() - t0, 4))
                     cpu_experts[n][v].append(engine.stats()["cpu_experts_computed"] - c0)
                     if v == "shipped":
