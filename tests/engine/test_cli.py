@@ -136,13 +136,15 @@ def test_bad_sampling_value_fails_before_echo_and_load(capfd, tmp_path, option, 
 
 
 def test_generate_writes_only_model_text_to_stdout(capfd, tiny_model_dir, tiny_engine):
-    text = tiny_engine.generate(HOSTILE_PROMPT, **SAMPLED).text
+    result = tiny_engine.generate(HOSTILE_PROMPT, **SAMPLED)
+    text = result.text
     assert main(["generate", str(tiny_model_dir), "--prompt", HOSTILE_PROMPT, *SAMPLED_ARGS]) == 0
     out, err = capfd.readouterr()
     assert out == HOSTILE_PROMPT + text + "\n"  # a pipe gets the text as is, control characters and all
     assert _controls_in(text)  # the random-weight model really does emit them
     summary = err.strip().splitlines()[-1]
-    assert summary.startswith("[64 tokens, prefill ") and "tok/s" in summary and summary not in out
+    assert summary.startswith(f"[{len(result.token_ids)} tokens, prefill ") and "tok/s" in summary
+    assert summary not in out
 
 
 @pytest.mark.parametrize("chat", [False, True])
