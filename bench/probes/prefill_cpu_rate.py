@@ -1,7 +1,7 @@
 """Whether a prompt's CPU share is sized right: prefill at a 25% GPU budget with the cost model's CPU rates as the
 engine learned them, and reset to a decode step's (so the CPU takes more of the cold experts), rounds alternated.
 
-    python bench/probes/prefill_cpu_rate.py --model DIR [--prompt 128 512] [--rounds 4] [--out DIR]
+    python bench/probes/prefill_cpu_rate.py --model DIR [--prompt 128 512] [--rounds 4] [--variants ...] [--out DIR]
 
 The engine is built as the suite's split cases build one (`runtime.prefill_chunk = 8192`, prefix cache off, a batch
 of 8, `--budget` bytes of experts on the GPU). Before each timed prefill the executor's rates
@@ -36,6 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget", type=int, default=3_623_878_656, help="bytes of experts on the GPU")
     p.add_argument("--prompt", type=int, nargs="+", default=[128, 512])
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=VARIANTS)
     p.add_argument("--decode-rate", type=float, default=130e9, help="the reset CPU byte rate (bytes/s)")
     p.add_argument("--out", default="bench-out")
     args = p.parse_args(argv)
@@ -61,9 +62,9 @@ def main(argv: list[str] | None = None) -> int:
         for n in args.prompt:
             prompt = prompts_for(Workload(n, 1, 1), vocab)[0]
             engine.generate(prompt, max_tokens=8, temperature=0.0)  # warm-up: kernels, allocator, rates
-            seconds[n], cpu_experts[n] = {v: [] for v in VARIANTS}, {v: [] for v in VARIANTS}
+            seconds[n], cpu_experts[n] = {v: [] for v in args.variants}, {v: [] for v in args.variants}
             for r in range(args.rounds):
-                for v in VARIANTS if r % 2 == 0 else VARIANTS[::-1]:
+                for v in args.variants if r % 2 == 0 else args.variants[::-1]:
                     if v.startswith("reset"):
                         rates.cpu_bytes_per_s, rates.cpu_flops = args.decode_rate, float(v.split("-")[1])
                     else:  # the byte rate as the prompts before left it (a reset's fades within one prompt's layers)
