@@ -11,6 +11,7 @@ from strata.kernels.gpu.grouped import SlotWeights
 from strata.kernels.gpu.grouped_gemm import grouped_experts
 from strata.runtime.offload.expert_compute import ExpertCompute
 from strata.runtime.offload.tiered_moe import TieredExperts
+from strata.runtime.offload.tiered_prefill import AHEAD_PAIRS_PER_EXPERT
 from strata.runtime.plan.checkpoints.convert import convert_checkpoint
 from strata.tiers.manager import TierBudgets, TierManager
 from strata.tiers.store.store import ExpertStore
@@ -122,7 +123,7 @@ def test_a_many_token_chunk_stages_the_next_layer_behind_its_own(store, ahead_ti
         assert torch.equal(got, grouped_experts(x, w, ids, native, ids).to(x.dtype))
     assert unpinned(m)
     # a shorter chunk leaves its few-token cold experts to the cost model (the CPU's share): nothing staged ahead
-    ids, w, x = chunk(store, seed=1, pairs_per_expert=32)
+    ids, w, x = chunk(store, seed=1, pairs_per_expert=AHEAD_PAIRS_PER_EXPERT // 2)
     TieredExperts(layers[0], e, compute)(x, ids, w)
     assert compute.prefill_ahead == {}
 

@@ -20,11 +20,13 @@ import torch
 from strata.kernels.experts import apply_experts
 from strata.kernels.gpu.grouped_gemm import grouped_ok, refuse, slot_pairs, sum_pairs
 
-# a chunk stages its next layer ahead from 64 token-expert pairs an expert (an expert then goes unused with odds
-# ~exp(-64)). Below that the cost model's CPU share, the cold experts with few tokens computed from host RAM, saves
-# more than the overlap gains: on the 12-layer bench model at 25% (H100) staging ahead took a 512-token prompt (32
-# pairs an expert) from 0.291 to 0.309 s and a 1,024-token one from 0.354 to 0.309 s (8,192 tokens: 0.432 to 0.317 s)
-AHEAD_PAIRS_PER_EXPERT = 64
+# a chunk stages its next layer ahead from 16 token-expert pairs an expert (a 256-token prompt of an 8-of-128 model;
+# an expert then goes unused with odds ~exp(-16)). Below that the cost model's CPU share, the cold experts with few
+# tokens computed from host RAM, saves more than the overlap gains. On the 12-layer bench model at 25% (H100,
+# `bench/probes/prefill_cpu_rate.py --variants shipped ahead`, code af09309, medians of 8) staging ahead took a
+# 256-token prompt from 0.320 to 0.306 s, 512 tokens from 0.377 to 0.328 and 768 from 0.402 to 0.313, while a
+# 128-token one (8 pairs an expert) went from 0.313 to 0.351 s (medians of 4)
+AHEAD_PAIRS_PER_EXPERT = 16
 
 
 class PrefillPath:
