@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -34,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from bench.provenance import commit
+    from bench.provenance import write_record
     from strata.kernels.cpu import dense
     from strata.runtime.model.hugepages import copy_to_huge_pages
 
@@ -55,13 +54,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append({"threads": threads, "rows": rows, "ms": round(t * 1e3, 2),
                             "GB_s": round(weight.numel() * 2 / t / 1e9, 1)})
             print(json.dumps(results[-1]), flush=True)
-    out = {"bench": "cpu/cpu_dense", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit(),
-           "command": " ".join(["python", "bench/cpu/cpu_dense.py", *(argv if argv is not None else sys.argv[1:])]),
-           "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count()},
-           "shape": [n, k], "results": results}
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        Path(args.out, "cpu_dense.json").write_text(json.dumps(out, indent=1))
+    write_record(args.out, "cpu_dense.json", "cpu/cpu_dense", "bench/cpu/cpu_dense.py", argv, shape=[n, k], results=results)
     return 0
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -44,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
-    from bench.provenance import commit
+    from bench.provenance import write_record
     from strata.runtime.generation.sampler import _draw_host, _draw_race, make_generator
 
     torch.set_num_threads(1)
@@ -56,12 +55,7 @@ def main(argv: list[str] | None = None) -> int:
         race = time_call(lambda: _draw_race(logits, gens), max(5, args.repeat // 10))  # noqa: B023
         results.append({"rows": n, "inverse_cdf_us": host, "exponential_race_us": race, "ratio": round(race / host, 1)})
         print(json.dumps(results[-1]), flush=True)
-    out = {"bench": "cpu/sampling", "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "commit": commit(),
-           "command": " ".join(["python", "bench/cpu/sampling.py", *(argv or sys.argv[1:])]),
-           "machine": platform.processor() or platform.machine(), "vocab": args.vocab, "results": results}
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        Path(args.out, "sampling.json").write_text(json.dumps(out, indent=1))
+    write_record(args.out, "sampling.json", "cpu/sampling", "bench/cpu/sampling.py", argv, vocab=args.vocab, results=results)
     return 0
 
 
