@@ -20,9 +20,11 @@
 #   engram       Engram tables per tier, decoding this repository's README and report (bench/engram.py)
 #                                                                          -> $OUT/engram.json
 #   multigpu     two cards against one, and their tests (bench/multigpu.py; needs 2 GPUs)  -> $OUT/multigpu.json
-#   quant        the 12-layer bench model's experts as bf16, FP8, MXFP4 and a Q4_K_M GGUF, each at bf16's 25% GPU budget
-#                in bytes (`bench run --experts F --set` that budget), the GPU's quantized kernels as shipped: all in
-#                VRAM, 1 and 8 streams, the skewed model, an 8K prompt; FORMATS narrows it (one or two a call)
+#   quant        the bench model's experts as bf16, FP8, MXFP4 and a Q4_K_M GGUF, each at bf16's 25% GPU budget in bytes
+#                (`bench run --experts F --set` that budget), the GPU's quantized kernels as shipped: all in VRAM, 1 and
+#                8 streams, the skewed model, an 8K prompt; FORMATS narrows it (one or two a call), CASES the cases;
+#                LAYERS the model's layers (12); BUDGET that budget in bytes (else 25% of the bf16 model's expert
+#                bytes, which writes that model); PER the seconds a format may take (580 / formats)
 #                                                                     -> $OUT/quant/FORMAT/suite.json, suite.md
 #   newarch      a new architecture's bench-size model (ARCH: deepseek_v4 with 2 layers, or qwen3_5_moe with 4; LAYERS
 #                another count): all in VRAM at 1 and 8 streams, and 25% of the experts' bytes in VRAM, against their
@@ -159,17 +161,16 @@ step() {
         --out "$OUT" 2>&1 | tail -8; return "${PIPESTATUS[0]}" ;;
     quant)
       free_scratch
-      local f budget per=$((580 / $(wc -w <<< "${FORMATS:-bf16 fp8 mxfp4 q4_k_m}")))
-      budget=$(python3 -c "from pathlib import Path; from bench.suite.models import ensure_model, model_facts
-m = ensure_model(Path('/dev/shm/strata-suite/models'), 'bench', 12, 'uniform', 1.0, progress=False)
-print(int(0.25 * model_facts(m)[1]['expert_bytes_total']))") || return 1
+      local f budget cases layers=${LAYERS:-12} per=${PER:-$((580 / $(wc -w <<< "${FORMATS:-bf16 fp8 mxfp4 q4_k_m}")))}
+      read -r -a cases <<< "${CASES:-ceiling/all/uniform/p128x1 split/b25/uniform/p128x1 split/b25/uniform/p128x8 split/b25/skewed/p128x1 split/b25/uniform/p8192x1}"
+      budget=${BUDGET:-$(python3 -c "from pathlib import Path; from bench.suite.models import ensure_model, model_facts
+m = ensure_model(Path('/dev/shm/strata-suite/models'), 'bench', $layers, 'uniform', 1.0, progress=False)
+print(int(0.25 * model_facts(m)[1]['expert_bytes_total']))")} || return 1
       for f in ${FORMATS:-bf16 fp8 mxfp4 q4_k_m}; do
         rm -rf "$OUT/quant/$f"
-        timeout "$per" python3 -m bench run --suite full --layers 12 \
+        timeout "$per" python3 -m bench run --suite full --layers "$layers" \
           --tokens 64 --experts "$f" --deadline $((per - 20)) --out "$OUT/quant/$f" \
-          --set "{\"tiers\": {\"gpu\": {\"budget\": \"$budget\"}}}" --cases 'ceiling/all/uniform/p128x1' \
-          'split/b25/uniform/p128x1' 'split/b25/uniform/p128x8' 'split/b25/skewed/p128x1' 'split/b25/uniform/p8192x1' \
-          2>&1 | grep -E 'tok/s|rror'
+          --set "{\"tiers\": {\"gpu\": {\"budget\": \"$budget\"}}}" --cases "${cases[@]}" 2>&1 | grep -E 'tok/s|rror'
         rm -f "$OUT/quant/$f/suite.png"
       done ;;
     newarch|newarch-pause)
