@@ -9,7 +9,8 @@ table [E, 2I], added before the form; the down bias is `down_bias_term`'s, outsi
 (pinned or host) buffers: gate_up [2I, H] (gate rows, then up rows, or interleaved) and down [H, I], as bf16 tensors
 or as a pair of `QuantMatrix` (strata.kernels.quant) in block-scaled FP8, MXFP4 or GGUF (each matrix in its ggml block
 type, on avx512_bf16), one format a call. The kernel reads a quantized expert as it is stored and converts it in
-registers (no bf16 copy of it; `expert_args`). For the few tokens of a decode step the work is memory-bound, so what
+registers (no bf16 copy of it; `expert_args`), except a prompt-sized one where torch's GEMMs run on AMX
+(`quant_max_tokens`): that one is dequantized to a bf16 scratch (strata.kernels.cpu.dequant) for the GEMMs. For the few tokens of a decode step the work is memory-bound, so what
 counts is bytes of weights read per second: a C++
 kernel (csrc/cpu_experts.cpp, built on first use) reads every weight row once for all of an expert's
 tokens, splits the gate/up rows of all the layer's experts over a persistent thread pool (chunks taken
@@ -30,7 +31,8 @@ Determinism: every dot product is summed in an order fixed by the code and the f
 that runs it; an FP8 row block by block), every output element is written by exactly one thread, and each
 output element accumulates the kernel's experts in the order given. Results are therefore bit-identical for
 any thread count and any scheduling, for a given backend and CPU. Experts sent to torch (plain, more than
-plain_max_tokens(backend) tokens: fewer where torch's GEMMs run on AMX) are added after the kernel's experts.
+plain_max_tokens(backend) tokens: fewer where torch's GEMMs run on AMX; quantized, more than quant_max_tokens(backend,
+kind), which is under max_tokens only there) are added after the kernel's experts.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ from collections.abc import Sequence
 
 import torch
 
-from strata.kernels.cpu import expert_args
+from strata.kernels.cpu import dequant, expert_args
 from strata.kernels.cpu.expert_args import (  # noqa: F401 (bf16_expert: this module's API)
     Matrix,
     act_pointers,
@@ -99,6 +101,17 @@ tokens (~32 an expert) against the kernel's 252.1 ms (its register tiles run at 
 hosts on an AMX Xeon")."""
 
 
+AMX_QUANT_KERNEL_TOKENS = {"gguf": 16, "mxfp4": 24, "fp8": 28}
+"""The same for a quantized expert of each format kind, where `plain_max_tokens` hands plain ones off: with more tokens
+it is dequantized to bf16 by the compiled dequantizer (strata.kernels.cpu.dequant: 0.3-0.6 ms the bench model's expert
+on 2 threads) into a scratch the GEMMs then read, instead of staying on the kernel. That costs a quantized expert
+1.5-2.1 ms whatever its tokens up to 32, the kernel 0.06-0.12 ms a token; on the 2-vCPU AMX Xeon VM, 128 experts of the
+bench model with T tokens each, kernel against dequantize+GEMM in ms an expert: Q4_K 1.62 / 1.62 at 16, 1.94 / 1.59 at
+20, 3.02 / 1.76 at 32 (Q6_K 1.81 / 1.69, 2.27 / 1.78, 3.53 / 1.87; Q8_0 1.98 / 1.61 at 16); MXFP4 1.52 / 1.73 at 20,
+1.72 / 1.68 at 24, 2.35 / 1.78 at 32; FP8 (128 x 128 blocks: its dequantization reads twice MXFP4's bytes) 1.98 / 2.17
+at 24, 2.61 / 2.02 at 32. A 512-token prompt's layer call (~32 tokens an expert) ran 1.5-1.8x faster handed off."""
+
+
 def max_tokens(backend: str) -> int:
     """The most tokens an expert has in one kernel call of `backend`: a quantized expert with more is computed in
     groups of this many (a plain one goes to torch's GEMMs from `plain_max_tokens`)."""
@@ -114,6 +127,18 @@ def plain_max_tokens(backend: str, hand_off: bool = True) -> int:
     limit = max_tokens(backend)
     bf16 = backend in ("avx512_bf16", "avx512_bf16_emulated")  # the emulation hands off as the kernel it copies
     return min(limit, AMX_KERNEL_TOKENS) if hand_off and bf16 and torch_gemms_on_amx() else limit
+
+
+def quant_max_tokens(backend: str, kind: str = "gguf", hand_off: bool = True) -> int:
+    """The most tokens a quantized expert of format kind `kind` ("gguf", "fp8", "mxfp4") has on the kernel of `backend`
+    before it is dequantized to bf16 for torch's GEMMs (`AMX_QUANT_KERNEL_TOKENS`, where `plain_max_tokens` hands plain
+    experts off: avx512_bf16 on AMX, `hand_off`); elsewhere `max_tokens(backend)`, past which its tokens run on the
+    kernel in groups of that many. Past this count the weights are rounded to bf16 and a token's result may depend on
+    the other tokens of its pass, as `plain_max_tokens` says."""
+    limit = max_tokens(backend)
+    if plain_max_tokens(backend, hand_off) < limit and kind in AMX_QUANT_KERNEL_TOKENS and library() is not None:
+        return min(limit, AMX_QUANT_KERNEL_TOKENS[kind])
+    return limit
 
 
 def run_packed(x32: torch.Tensor, meta: array.array, out: torch.Tensor, threads: int | None = None, *,
@@ -256,8 +281,9 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]
     layer's gate_up bias table [E, 2I] in gate_up's row order, added before the form; expert_ids[e] is weights[e]'s row
     of it (default e). Hand it fp32, contiguous and on the CPU (`expert_args.bias_table`, once) or it is converted
     every call. The reference: `strata.kernels.experts.expert_swiglu` (the down bias is not added here: `down_bias_term`).
-    `hand_off`: plain experts of more than `plain_max_tokens(backend)` tokens go to torch's GEMMs (False: they stay on
-    the kernel up to `max_tokens(backend)`).
+    `hand_off`: plain experts of more than `plain_max_tokens(backend)` tokens go to torch's GEMMs, and quantized ones of
+    more than `quant_max_tokens(backend, kind)`, dequantized to bf16 first (False: they stay on the kernel up to
+    `max_tokens(backend)`, a quantized one's tokens in groups of that many past it).
     """
     if x.dim() != 2 or x.device.type != "cpu":
         raise ValueError(f"x must be a [N, H] CPU tensor, got {tuple(x.shape)} on {x.device}")
@@ -277,6 +303,7 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]
     x32 = x if x.dtype == torch.float32 and x.is_contiguous() else x.float().contiguous()
     limit = 0 if name == "torch" else max_tokens(name)
     plain_limit = 0 if name == "torch" else plain_max_tokens(name, hand_off)
+    quant_limit = 0 if name == "torch" or fmt is None else quant_max_tokens(name, fmt.kind, hand_off)
     bf16 = torch.bfloat16
     meta = array.array("q")
     scales = array.array("q")  # quantized experts: their gate_up and down scales' addresses
@@ -314,16 +341,16 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]
         # (a quantized expert's values and scales are checked by matrix_pointers)
         if not ((quant or (gate_up.is_cpu and down.is_cpu)) and idx.is_cpu and w.is_cpu):
             raise ValueError(f"expert {e}: weights, token_idx and token_w must be CPU tensors")
-        # plain experts with more tokens than the kernel takes go to torch's GEMMs; a quantized one stays on the
-        # kernel, its tokens in groups of `limit` (each group reads the expert again, still far cheaper than
-        # dequantizing it for torch)
-        if (T > (limit if quant else plain_limit) and not (quant and limit)) \
+        # plain experts with more tokens than the kernel takes go to torch's GEMMs; a quantized one too where they
+        # run on AMX (`quant_max_tokens`: dequantized to bf16 first), else it stays on the kernel, its tokens in
+        # groups of `limit` (each group reads the expert again, still far cheaper than dequantizing it with torch ops)
+        if quant:
+            gu_ptr, dn_ptr, gus_ptr, dns_ptr = matrix_pointers(gate_up, down, H, keep, up)  # (checks it, handed or not)
+        if (T > (quant_limit if quant else plain_limit) and not (quant and limit and quant_limit == limit)) \
                 or (not quant and (gate_up.dtype is not bf16 or down.dtype is not bf16)):
             to_torch.append(e)
             continue
-        if quant:
-            gu_ptr, dn_ptr, gus_ptr, dns_ptr = matrix_pointers(gate_up, down, H, keep, up)
-        else:
+        if not quant:
             if not gate_up.is_contiguous():
                 gate_up = gate_up.contiguous()
                 keep.append(gate_up)
@@ -357,7 +384,11 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]
         if isinstance(gate_up, QuantMatrix) and gate_up.kind == "plain":
             gate_up, down = gate_up.values, down.values
         bias = table[bias_row[e]] if table is not None else None
-        if name != "torch" and isinstance(gate_up, torch.Tensor) and gate_up.dtype is bf16 and down.dtype is bf16:
+        if name != "torch" and isinstance(gate_up, QuantMatrix):
+            scratch = dequant.scratch(gate_up.shape, down.shape)  # [2I, H], [H, I] bf16, reused expert after expert
+            dequant.dequantize_expert(gate_up, down, scratch)
+            bf16_expert(x, *scratch, idx, w, out, form, bias)
+        elif name != "torch" and isinstance(gate_up, torch.Tensor) and gate_up.dtype is bf16 and down.dtype is bf16:
             bf16_expert(x, gate_up, down, idx, w, out, form, bias)  # prefill-sized, compute-bound: oneDNN's bf16 GEMMs
         else:
             torch_expert(x32, gate_up, down, idx, w, out, form, bias)

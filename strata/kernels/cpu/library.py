@@ -29,7 +29,9 @@ Backends (`backend()` says which one runs; the `backend=` argument picks, an eng
                as torch's bf16 GEMMs on the bf16 weights as stored (`expert_args.bf16_expert`: fp32 sums, bf16
                activations, within the avx512_bf16 bound). A quantized expert with more tokens stays on
                the kernel, its tokens in groups of `max_tokens(backend)` (torch would dequantize it first:
-               a 512-token Q4_K_M prompt ran 3.4x faster so on the development machine).
+               a 512-token Q4_K_M prompt ran 3.4x faster so on the development machine), except where the
+               GEMMs run on AMX: there one with more than `experts.quant_max_tokens(backend, kind)` tokens
+               is dequantized by the compiled dequantizer (strata.kernels.cpu.dequant) for them.
 
 `configure` sets the default thread count (else the physical cores this process may run on), the pool's
 CPUs, how long idle workers spin and the software prefetch distance; `tune` the scheduling knobs

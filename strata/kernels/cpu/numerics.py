@@ -27,6 +27,12 @@ GGUF experts (avx512_bf16 and its emulation; the other backends take the torch p
 128 + q, are subtracted through each sub-block's sum of the same bf16 activations. The offset's products are as large
 as 128 |x|, so their fp32 sums round at ~2^-24 * 128 sum|x|, far under the bf16 activations' 2^-9 (measured by
 tests/kernels/test_cpu_gguf_experts.py).
+
+Quantized experts handed to torch's GEMMs (avx512_bf16 where they run on AMX, more than `experts.quant_max_tokens`
+tokens): their weights are dequantized and rounded to bf16 (to nearest even, csrc/cpu_dequant.cpp), then computed as a
+plain bf16 expert with those weights is (`expert_args.bf16_expert`, bit for bit): the weights' rounding, 2^-9 of each
+weight at most, adds to the bf16 activations' and the same bound holds (tests/kernels/test_cpu_dequant.py). As for plain
+experts there (`experts.plain_max_tokens`), a token's result may then depend on the other tokens of its pass.
 """
 
 from __future__ import annotations
