@@ -3,6 +3,7 @@
     python bench/cpu/cpu_prompt_layers.py [--tokens 1,8,32,64] [--knobs "down_stream=0;down_stream=131072"] [--rounds 5]
                                           [--seconds 1.0] [--layers 2] [--threads N] [--out DIR]
     python bench/cpu/cpu_prompt_layers.py --tokens 128,512,1024 --knobs "plain_max=64;plain_max=10"
+    python bench/cpu/cpu_prompt_layers.py --experts q4_k --tokens 64,128,256,512 --knobs "quant_max=64;quant_max=12"
 
 A decode step's layer call holds its top-k experts (8 for one token); a prompt's holds nearly every expert of the
 layer, each with the few of its tokens routed to it (64 tokens, top-8 of 128: ~4 each). The second reads the same
@@ -13,7 +14,10 @@ on `--layers` distinct layers of experts (cycled, so the weights come from RAM, 
 and knob set, the knob sets alternated over `--rounds` rounds, each case's best round kept, every knob set's output
 checked bit-identical to the first's. A knob set may hold `plain_max=N`: the most tokens a plain expert keeps on the
 kernel before torch's bf16 GEMMs take it (`experts.plain_max_tokens`, replaced for that set; outputs across
-different values checked within the avx512_bf16 bound instead). Prints ms a layer, GB/s (the experts' bytes a call reads / its time) and each
+different values checked within the avx512_bf16 bound instead). `--experts` q4_k, q6_k, q8_0, fp8 or mxfp4: the layers'
+experts in that format (one random quantized expert copied into each), and a knob set may hold `quant_max=N`: the most
+tokens a quantized expert keeps on the kernel before it is dequantized for torch's GEMMs (`experts.quant_max_tokens`;
+its max_tokens, 64: never). Prints ms a layer, GB/s (the experts' bytes a call reads / its time) and each
 knob set against the first; writes cpu_prompt_layers.json into --out. Runs on any x86-64 machine.
 """
 
@@ -29,9 +33,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, when run as a script
-from bench.cpu.cpu_experts import machine  # noqa: E402
+from bench.cpu.cpu_experts import FORMATS, gguf_blocks, machine  # noqa: E402
 from strata.kernels.cpu import experts as ce  # noqa: E402
 from strata.kernels.cpu.tuning import parse_knobs  # noqa: E402
+from strata.kernels.quant import ExpertLayout  # noqa: E402
 
 HIDDEN, INTER, EXPERTS, TOP_K = 2048, 768, 128, 8  # the bench model's MoE layer (Qwen3-30B-A3B)
 
@@ -53,6 +58,19 @@ def make_layers(layers: int, hidden: int, inter: int, experts: int, seed: int = 
     return out
 
 
+def make_quant_layers(layers: int, hidden: int, inter: int, experts: int, fmt: str, seed: int = 0) -> list[list[tuple]]:
+    """`layers` lists of `experts` quantized experts of `fmt` (QuantMatrix pairs), each its own blob (one random expert
+    copied: the kernel's and the dequantizer's rates do not depend on the values)."""
+    layout = ExpertLayout.build(FORMATS[fmt], hidden, inter)
+    g = torch.Generator().manual_seed(seed)
+    if layout.fmt.kind == "gguf":
+        one = layout.pack_gguf(*(gguf_blocks(layout.fmt.ggml[j][0], rows, k, g)
+                                 for j, (rows, k) in enumerate(((inter, hidden), (inter, hidden), (hidden, inter)))))
+    else:
+        one = layout.pack(torch.randn(2 * inter, hidden, generator=g) * 0.02, torch.randn(hidden, inter, generator=g) * 0.02)
+    return [[layout.matrices(one.clone()) for _ in range(experts)] for _ in range(layers)]
+
+
 def routing(tokens: int, experts: int, top_k: int, seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Uniform random top-k routing of `tokens` tokens: per expert, its token rows and their weights (1 / top_k)."""
     g = torch.Generator().manual_seed(seed + tokens)
@@ -62,24 +80,25 @@ def routing(tokens: int, experts: int, top_k: int, seed: int = 0) -> tuple[list[
 
 
 def split_knobs(text: str) -> tuple[dict[str, int], int | None]:
-    """One --knobs set: the kernel's knobs, and plain_max (None: the engine's own `plain_max_tokens`)."""
+    """One --knobs set: the kernel's knobs, and plain_max or quant_max (None: the engine's own `plain_max_tokens`,
+    `quant_max_tokens`; which of the two applies: the layers' format)."""
     parts = [p for p in text.split(",") if p.strip()]
-    plain = [p for p in parts if p.split("=")[0].strip() == "plain_max"]
+    plain = [p for p in parts if p.split("=")[0].strip() in ("plain_max", "quant_max")]
     knobs = parse_knobs(",".join(p for p in parts if p not in plain), "--knobs") if len(plain) < len(parts) else {}
     return knobs, int(plain[-1].split("=")[1]) if plain else None
 
 
 @contextmanager
 def handing_off_at(plain_max: int | None):
-    """Inside: plain experts of more than `plain_max` tokens go to torch's GEMMs (`experts.plain_max_tokens`
-    replaced; None: as shipped)."""
-    shipped = ce.plain_max_tokens
+    """Inside: plain experts of more than `plain_max` tokens go to torch's GEMMs, and quantized ones, dequantized
+    (`experts.plain_max_tokens` and `quant_max_tokens` replaced; None: as shipped)."""
+    shipped = ce.plain_max_tokens, ce.quant_max_tokens
     if plain_max is not None:
-        ce.plain_max_tokens = lambda backend, hand_off=True: plain_max
+        ce.plain_max_tokens = ce.quant_max_tokens = lambda backend, *args, **kwargs: plain_max
     try:
         yield
     finally:
-        ce.plain_max_tokens = shipped
+        ce.plain_max_tokens, ce.quant_max_tokens = shipped
 
 
 def forward(x, layer, idx, w, threads, plain_max: int | None):
@@ -88,15 +107,22 @@ def forward(x, layer, idx, w, threads, plain_max: int | None):
         return ce.cpu_experts_forward(x, layer, idx, w, threads=threads)
 
 
+def expert_bytes(gate_up, down) -> int:
+    """Bytes of an expert's weights as the kernel reads them (a quantized one: its values and scales)."""
+    if isinstance(gate_up, torch.Tensor):
+        return (gate_up.numel() + down.numel()) * 2
+    return sum(t.numel() * t.element_size() for m in (gate_up, down) for t in (m.values, m.scales))
+
+
 def measure(layers: list, tokens: int, knob_sets: list[tuple[dict[str, int], int | None]], rounds: int,
-            seconds: float, threads: int | None, saved: dict[str, int], hidden: int = HIDDEN) -> dict:
+            seconds: float, threads: int | None, saved: dict[str, int], hidden: int = HIDDEN, kind: str = "plain") -> dict:
     """Best ms a layer per knob set (alternated over rounds) for one token count, outputs checked bit-identical
     (within the avx512_bf16 bound across plain_max values); each knob's value before its first setting kept in
     `saved`."""
     idx, w = routing(tokens, len(layers[0]), TOP_K)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens))
     used = [e for e, i in enumerate(idx) if i.numel()]
-    nbytes = sum(layers[0][e][0].numel() * 2 + layers[0][e][1].numel() * 2 for e in used)
+    nbytes = sum(expert_bytes(*layers[0][e]) for e in used)
     refs: dict[int | None, torch.Tensor] = {}
     times: list[list[float]] = [[] for _ in knob_sets]
     for _ in range(rounds):
@@ -107,7 +133,7 @@ def measure(layers: list, tokens: int, knob_sets: list[tuple[dict[str, int], int
             first = next(iter(refs.values()), out)
             if (ref := refs.setdefault(plain_max, out)) is not out and not torch.equal(out, ref):
                 raise SystemExit(f"knobs {knobs} changed the kernel's output at {tokens} tokens")
-            if (out - first).abs().max() / first.abs().max() > ce.tolerance("avx512_bf16", "plain"):
+            if (out - first).abs().max() / first.abs().max() > ce.tolerance("avx512_bf16", kind):
                 raise SystemExit(f"plain_max={plain_max} moved the output past bf16's bound at {tokens} tokens")
             calls, t0 = 0, time.perf_counter()
             while time.perf_counter() - t0 < seconds:
@@ -117,7 +143,7 @@ def measure(layers: list, tokens: int, knob_sets: list[tuple[dict[str, int], int
     cases = []
     for (knobs, plain_max), ms in zip(knob_sets, times, strict=True):
         best = min(ms)
-        cases.append({"knobs": knobs | ({"plain_max": plain_max} if plain_max is not None else {}), "ms": round(best, 3), "gbps": round(nbytes / best / 1e6, 2),
+        cases.append({"knobs": knobs | ({"plain_max" if kind == "plain" else "quant_max": plain_max} if plain_max is not None else {}), "ms": round(best, 3), "gbps": round(nbytes / best / 1e6, 2),
                       "rounds_ms": [round(t, 3) for t in ms], "vs_first": round(min(times[0]) / best, 3)})
     return {"tokens": tokens, "experts_used": len(used), "bytes": nbytes, "cases": cases}
 
@@ -130,6 +156,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--seconds", type=float, default=1.0, help="timed seconds a case a round")
     ap.add_argument("--layers", type=int, default=2, help="distinct layers of experts cycled (2: 2.4 GB)")
+    ap.add_argument("--experts", default="bf16", help="the experts' format: bf16, q4_k, q6_k, q8_0, fp8, mxfp4")
     ap.add_argument("--threads", type=int, default=None, help="kernel threads (default: the kernel's default)")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
@@ -137,13 +164,17 @@ def main() -> None:
         raise SystemExit("the compiled CPU expert kernel is not available on this machine (strata.kernels.cpu.build)")
     knob_sets = [split_knobs(s) for s in args.knobs.split(";") if s.strip()]
     saved: dict[str, int] = {}
-    layers = make_layers(args.layers, HIDDEN, INTER, EXPERTS)
-    result = {"machine": machine(), "backend": ce.backend(), "threads": args.threads or ce.default_threads(),
+    if args.experts == "bf16":
+        layers = make_layers(args.layers, HIDDEN, INTER, EXPERTS)
+    else:
+        layers = make_quant_layers(args.layers, HIDDEN, INTER, EXPERTS, args.experts)
+    kind = FORMATS[args.experts].kind
+    result = {"machine": machine(), "experts": args.experts, "backend": ce.backend(None, FORMATS[args.experts]), "threads": args.threads or ce.default_threads(),
               "torch_gemms_on_amx": ce.torch_gemms_on_amx(),
               "shape": {"hidden": HIDDEN, "inter": INTER, "experts": EXPERTS, "top_k": TOP_K}, "calls": []}
     try:
         for tokens in (int(t) for t in args.tokens.split(",")):
-            res = measure(layers, tokens, knob_sets, args.rounds, args.seconds, args.threads, saved)
+            res = measure(layers, tokens, knob_sets, args.rounds, args.seconds, args.threads, saved, kind=kind)
             result["calls"].append(res)
             for c in res["cases"]:
                 print(f"{tokens:4d} tokens ({res['experts_used']:3d} experts) {c['knobs']}: {c['ms']:8.2f} ms a layer, "
