@@ -17,14 +17,14 @@ kernel before torch's bf16 GEMMs take it (`experts.plain_max_tokens`, replaced f
 different values checked within the avx512_bf16 bound instead). `--experts` q4_k, q6_k, q8_0, fp8 or mxfp4: the layers'
 experts in that format (one random quantized expert copied into each), and a knob set may hold `quant_max=N`: the most
 tokens a quantized expert keeps on the kernel before it is dequantized for torch's GEMMs (`experts.quant_max_tokens`;
-its max_tokens, 64: never). Prints ms a layer, GB/s (the experts' bytes a call reads / its time) and each
+its max_tokens, 64: never); `--even` gives every expert the same token count (tokens * 8 / 128), to time one count;
+`--dequant-rate q4_k,fp8,...` times the compiled dequantizer instead (an expert's gate_up, 1 and 2 threads). Prints ms a layer, GB/s (the experts' bytes a call reads / its time) and each
 knob set against the first; writes cpu_prompt_layers.json into --out. Runs on any x86-64 machine.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from contextlib import contextmanager
@@ -34,6 +34,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, when run as a script
 from bench.cpu.cpu_experts import FORMATS, gguf_blocks, machine  # noqa: E402
+from bench.provenance import write_record  # noqa: E402
 from strata.kernels.cpu import experts as ce  # noqa: E402
 from strata.kernels.cpu.tuning import parse_knobs  # noqa: E402
 from strata.kernels.quant import ExpertLayout  # noqa: E402
@@ -71,10 +72,16 @@ def make_quant_layers(layers: int, hidden: int, inter: int, experts: int, fmt: s
     return [[layout.matrices(one.clone()) for _ in range(experts)] for _ in range(layers)]
 
 
-def routing(tokens: int, experts: int, top_k: int, seed: int = 0) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Uniform random top-k routing of `tokens` tokens: per expert, its token rows and their weights (1 / top_k)."""
+def routing(tokens: int, experts: int, top_k: int, seed: int = 0,
+            even: bool = False) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Uniform random top-k routing of `tokens` tokens: per expert, its token rows and their weights (1 / top_k);
+    `even`: every expert tokens * top_k / experts of them (a multiple of experts / top_k tokens), to time one count."""
     g = torch.Generator().manual_seed(seed + tokens)
-    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
+    if even:
+        perm = torch.randperm(experts, generator=g)
+        ids = perm[(torch.arange(tokens)[:, None] * top_k + torch.arange(top_k)) % experts]
+    else:
+        ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)])
     idx = [torch.nonzero((ids == e).any(1)).flatten() for e in range(experts)]
     return idx, [torch.full((len(i),), 1.0 / top_k) for i in idx]
 
@@ -115,11 +122,12 @@ def expert_bytes(gate_up, down) -> int:
 
 
 def measure(layers: list, tokens: int, knob_sets: list[tuple[dict[str, int], int | None]], rounds: int,
-            seconds: float, threads: int | None, saved: dict[str, int], hidden: int = HIDDEN, kind: str = "plain") -> dict:
+            seconds: float, threads: int | None, saved: dict[str, int], hidden: int = HIDDEN, kind: str = "plain",
+            even: bool = False) -> dict:
     """Best ms a layer per knob set (alternated over rounds) for one token count, outputs checked bit-identical
     (within the avx512_bf16 bound across plain_max values); each knob's value before its first setting kept in
     `saved`."""
-    idx, w = routing(tokens, len(layers[0]), TOP_K)
+    idx, w = routing(tokens, len(layers[0]), TOP_K, even=even)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens))
     used = [e for e, i in enumerate(idx) if i.numel()]
     nbytes = sum(expert_bytes(*layers[0][e]) for e in used)
@@ -148,6 +156,31 @@ def measure(layers: list, tokens: int, knob_sets: list[tuple[dict[str, int], int
     return {"tokens": tokens, "experts_used": len(used), "bytes": nbytes, "cases": cases}
 
 
+def dequant_rates(fmts: list[str], seconds: float = 0.3, rounds: int = 3) -> list[dict]:
+    """The compiled dequantizer's rate (strata.kernels.cpu.dequant) on one expert's gate_up of each format, on 1 and 2
+    threads: best ms of `rounds`, Mvalues/s and GB/s of bf16 written."""
+    from strata.kernels.cpu import dequant
+
+    out = []
+    for fmt in fmts:
+        gate_up, _ = make_quant_layers(1, HIDDEN, INTER, 1, fmt)[0][0]
+        w = torch.empty(gate_up.shape, dtype=torch.bfloat16)
+        for threads in (1, 2):
+            dequant.dequantize(gate_up, w, threads=threads)
+            best = float("inf")
+            for _ in range(rounds):
+                calls, t0 = 0, time.perf_counter()
+                while time.perf_counter() - t0 < seconds:
+                    dequant.dequantize(gate_up, w, threads=threads)
+                    calls += 1
+                best = min(best, (time.perf_counter() - t0) / calls)
+            out.append({"experts": fmt, "threads": threads, "values": w.numel(), "ms": round(best * 1e3, 3),
+                        "mvalues_s": round(w.numel() / best / 1e6), "gbps_bf16": round(2 * w.numel() / best / 1e9, 2)})
+            print(f"dequantize {fmt:6s} [{w.shape[0]}, {w.shape[1]}] on {threads} thread(s): {best * 1e3:.3f} ms, "
+                  f"{out[-1]['mvalues_s']} Mvalues/s, {out[-1]['gbps_bf16']} GB/s of bf16", flush=True)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", default="1,8,32,64", help="comma-separated token counts of a layer call")
@@ -157,11 +190,19 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=1.0, help="timed seconds a case a round")
     ap.add_argument("--layers", type=int, default=2, help="distinct layers of experts cycled (2: 2.4 GB)")
     ap.add_argument("--experts", default="bf16", help="the experts' format: bf16, q4_k, q6_k, q8_0, fp8, mxfp4")
+    ap.add_argument("--even", action="store_true", help="every expert the same token count (tokens * 8 / 128)")
+    ap.add_argument("--dequant-rate", default="", help="comma-separated formats: time the compiled dequantizer on "
+                    "them (1 and 2 threads) instead of layer calls")
     ap.add_argument("--threads", type=int, default=None, help="kernel threads (default: the kernel's default)")
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
     if ce.library() is None:
         raise SystemExit("the compiled CPU expert kernel is not available on this machine (strata.kernels.cpu.build)")
+    if args.dequant_rate:
+        rates = dequant_rates(args.dequant_rate.split(","))
+        write_record(args.out, "cpu_dequant_rate.json", "cpu/cpu_prompt_layers --dequant-rate",
+                     "bench/cpu/cpu_prompt_layers.py", None, torch_gemms_on_amx=ce.torch_gemms_on_amx(), rates=rates)
+        return
     knob_sets = [split_knobs(s) for s in args.knobs.split(";") if s.strip()]
     saved: dict[str, int] = {}
     if args.experts == "bf16":
@@ -174,15 +215,16 @@ def main() -> None:
               "shape": {"hidden": HIDDEN, "inter": INTER, "experts": EXPERTS, "top_k": TOP_K}, "calls": []}
     try:
         for tokens in (int(t) for t in args.tokens.split(",")):
-            res = measure(layers, tokens, knob_sets, args.rounds, args.seconds, args.threads, saved, kind=kind)
+            res = measure(layers, tokens, knob_sets, args.rounds, args.seconds, args.threads, saved, kind=kind,
+                          even=args.even)
             result["calls"].append(res)
             for c in res["cases"]:
                 print(f"{tokens:4d} tokens ({res['experts_used']:3d} experts) {c['knobs']}: {c['ms']:8.2f} ms a layer, "
                       f"{c['gbps']:6.1f} GB/s, x{c['vs_first']:.2f}", flush=True)
     finally:
         ce.tune(**saved)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "cpu_prompt_layers.json").write_text(json.dumps(result, indent=1))
+    write_record(args.out, "cpu_prompt_layers.json", "cpu/cpu_prompt_layers", "bench/cpu/cpu_prompt_layers.py", None,
+                 even=args.even, **result)
 
 
 if __name__ == "__main__":
