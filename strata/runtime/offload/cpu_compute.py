@@ -60,7 +60,7 @@ class CpuCompute:
     @property
     def hands_off(self) -> bool:
         """Whether a bf16 expert with many tokens goes from the CPU kernel to torch's GEMMs (on AMX:
-        `cpu_experts.plain_max_tokens`). Only where the CPU computes every expert: beside a GPU the cost model gives
+        `cpu_experts.plain_max_tokens`; a quantized one, dequantized: `quant_max_tokens`). Only where the CPU computes every expert: beside a GPU the cost model gives
         the CPU a prompt's few-token experts alone, which one kernel call over all of them computes faster than
         torch's GEMMs one expert at a time (on an H100 host's AMX Xeon, the bench model's 512-token prefill at a 25%
         budget took 0.534 s with the hand-off against 0.386 s without: docs/benchmarks.md, "The tree on an H100:
@@ -131,7 +131,8 @@ class CpuCompute:
             return None
         # pair indices per expert as numpy (a decode layer's host step spends microseconds, not a torch op, on each)
         sels = [np.asarray(sel, dtype=np.int64) for _, sel in groups]
-        most = ce.max_tokens(backend) if fmt is not None else ce.plain_max_tokens(backend, self.hands_off)
+        most = (ce.quant_max_tokens(backend, fmt.kind, self.hands_off) if fmt is not None
+                else ce.plain_max_tokens(backend, self.hands_off))
         if max(len(sel) for sel in sels) > most:
             return None
         keys = [(layer, e) for e, _ in groups]
