@@ -10,8 +10,8 @@ table [E, 2I], added before the form; the down bias is `down_bias_term`'s, outsi
 or as a pair of `QuantMatrix` (strata.kernels.quant) in block-scaled FP8, MXFP4 or GGUF (each matrix in its ggml block
 type, on avx512_bf16), one format a call. The kernel reads a quantized expert as it is stored and converts it in
 registers (no bf16 copy of it; `expert_args`), except a prompt-sized one where torch's GEMMs run on AMX
-(`quant_max_tokens`): that one is dequantized to a bf16 scratch (strata.kernels.cpu.dequant) for the GEMMs. For the few tokens of a decode step the work is memory-bound, so what
-counts is bytes of weights read per second: a C++
+(`quant_max_tokens`): that one is dequantized to a bf16 scratch (strata.kernels.cpu.dequant) for the GEMMs. For the
+few tokens of a decode step the work is memory-bound, so what counts is bytes of weights read per second: a C++
 kernel (csrc/cpu_experts.cpp, built on first use) reads every weight row once for all of an expert's
 tokens, splits the gate/up rows of all the layer's experts over a persistent thread pool (chunks taken
 dynamically), then, once every gate/up chunk is done, the down rows (threads with no gate/up chunk left
@@ -103,13 +103,17 @@ hosts on an AMX Xeon")."""
 
 AMX_QUANT_KERNEL_TOKENS = {"gguf": 16, "mxfp4": 24, "fp8": 28}
 """The same for a quantized expert of each format kind, where `plain_max_tokens` hands plain ones off: with more tokens
-it is dequantized to bf16 by the compiled dequantizer (strata.kernels.cpu.dequant: 0.3-0.6 ms the bench model's expert
-on 2 threads) into a scratch the GEMMs then read, instead of staying on the kernel. That costs a quantized expert
-1.5-2.1 ms whatever its tokens up to 32, the kernel 0.06-0.12 ms a token; on the 2-vCPU AMX Xeon VM, 128 experts of the
-bench model with T tokens each, kernel against dequantize+GEMM in ms an expert: Q4_K 1.62 / 1.62 at 16, 1.94 / 1.59 at
-20, 3.02 / 1.76 at 32 (Q6_K 1.81 / 1.69, 2.27 / 1.78, 3.53 / 1.87; Q8_0 1.98 / 1.61 at 16); MXFP4 1.52 / 1.73 at 20,
-1.72 / 1.68 at 24, 2.35 / 1.78 at 32; FP8 (128 x 128 blocks: its dequantization reads twice MXFP4's bytes) 1.98 / 2.17
-at 24, 2.61 / 2.02 at 32. A 512-token prompt's layer call (~32 tokens an expert) ran 1.5-1.8x faster handed off."""
+it is dequantized to bf16 by the compiled dequantizer (strata.kernels.cpu.dequant: 0.3-0.5 ms the bench model's gate_up
+on 2 threads) into a scratch the GEMMs then read, instead of staying on the kernel. That costs an expert 1.5-2.1 ms
+whatever its tokens up to 32, the kernel 0.07-0.11 ms a token. On the 2-vCPU AMX Xeon VM, a layer call of the bench
+model's 128 experts with T tokens each (bench/cpu/cpu_prompt_layers.py --even; bench/results/
+cpu-prompt-layers-quant-even-amx.json), kernel against dequantize+GEMM in ms an expert at T = 12 / 16 / 20 / 24 / 32:
+Q4_K 1.23 / 1.63, 1.55 / 1.66, 1.92 / 1.69, 2.30 / 1.66, 3.10 / 1.78; Q6_K 1.37 / 1.61, 1.81 / 1.51, 2.22 / 1.58,
+2.66 / 1.56, 3.55 / 1.84 (GGUF: past 16, between the two types' crossings); MXFP4 at 20, 24, 32: 1.57 / 1.61,
+1.84 / 1.59, 2.46 / 1.52; FP8 (128 x 128 blocks, twice MXFP4's bytes to dequantize, a faster kernel) 1.95 / 2.03 at
+24, 2.69 / 2.14 at 32. With uniform routing a 512-token prompt's layer call (~32 tokens an expert) ran 1.70x (Q4_K),
+1.96x (Q6_K), 1.49x (MXFP4) and 1.15x (FP8) faster (cpu-prompt-layers-quant-amx.json); the engine's 512-token prefill
+of the 2-layer Q4_K_M cut went from 0.70x llama.cpp's rate to 1.14x (cpu-vs-llamacpp-amx-q4km-dequant.json)."""
 
 
 def max_tokens(backend: str) -> int:
@@ -344,8 +348,8 @@ def cpu_experts_forward(x: torch.Tensor, weights: Sequence[tuple[Matrix, Matrix]
         # plain experts with more tokens than the kernel takes go to torch's GEMMs; a quantized one too where they
         # run on AMX (`quant_max_tokens`: dequantized to bf16 first), else it stays on the kernel, its tokens in
         # groups of `limit` (each group reads the expert again, still far cheaper than dequantizing it with torch ops)
-        if quant:
-            gu_ptr, dn_ptr, gus_ptr, dns_ptr = matrix_pointers(gate_up, down, H, keep, up)  # (checks it, handed or not)
+        if quant and limit:  # (checks the expert, whether the kernel or the dequantizer reads it)
+            gu_ptr, dn_ptr, gus_ptr, dns_ptr = matrix_pointers(gate_up, down, H, keep, up)
         if (T > (quant_limit if quant else plain_limit) and not (quant and limit and quant_limit == limit)) \
                 or (not quant and (gate_up.dtype is not bf16 or down.dtype is not bf16)):
             to_torch.append(e)
