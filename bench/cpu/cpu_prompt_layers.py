@@ -18,8 +18,9 @@ different values checked within the avx512_bf16 bound instead). `--experts` q4_k
 experts in that format (one random quantized expert copied into each), and a knob set may hold `quant_max=N`: the most
 tokens a quantized expert keeps on the kernel before it is dequantized for torch's GEMMs (`experts.quant_max_tokens`;
 its max_tokens, 64: never); `--even` gives every expert the same token count (tokens * 8 / 128), to time one count;
-`--dequant-rate q4_k,fp8,...` times the compiled dequantizer instead (an expert's gate_up, 1 and 2 threads). Prints ms a layer, GB/s (the experts' bytes a call reads / its time) and each
-knob set against the first; writes cpu_prompt_layers.json into --out. Runs on any x86-64 machine.
+`--dequant-rate q4_k,fp8,...` times the compiled dequantizer instead (an expert's gate_up, 1 and 2 threads: ms,
+Mvalues/s, GB/s of bf16 written; cpu_dequant_rate.json). Prints ms a layer, GB/s (the experts' bytes a call reads / its
+time) and each knob set against the first; writes cpu_prompt_layers.json into --out. Runs on any x86-64 machine.
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def make_quant_layers(layers: int, hidden: int, inter: int, experts: int, fmt: s
         one = layout.pack_gguf(*(gguf_blocks(layout.fmt.ggml[j][0], rows, k, g)
                                  for j, (rows, k) in enumerate(((inter, hidden), (inter, hidden), (hidden, inter)))))
     else:
-        one = layout.pack(torch.randn(2 * inter, hidden, generator=g) * 0.02, torch.randn(hidden, inter, generator=g) * 0.02)
+        one = layout.pack(torch.randn(2 * inter, hidden, generator=g) * 0.02,
+                          torch.randn(hidden, inter, generator=g) * 0.02)
     return [[layout.matrices(one.clone()) for _ in range(experts)] for _ in range(layers)]
 
 
@@ -151,7 +153,8 @@ def measure(layers: list, tokens: int, knob_sets: list[tuple[dict[str, int], int
     cases = []
     for (knobs, plain_max), ms in zip(knob_sets, times, strict=True):
         best = min(ms)
-        cases.append({"knobs": knobs | ({"plain_max" if kind == "plain" else "quant_max": plain_max} if plain_max is not None else {}), "ms": round(best, 3), "gbps": round(nbytes / best / 1e6, 2),
+        hand = {"plain_max" if kind == "plain" else "quant_max": plain_max} if plain_max is not None else {}
+        cases.append({"knobs": knobs | hand, "ms": round(best, 3), "gbps": round(nbytes / best / 1e6, 2),
                       "rounds_ms": [round(t, 3) for t in ms], "vs_first": round(min(times[0]) / best, 3)})
     return {"tokens": tokens, "experts_used": len(used), "bytes": nbytes, "cases": cases}
 
@@ -210,7 +213,8 @@ def main() -> None:
     else:
         layers = make_quant_layers(args.layers, HIDDEN, INTER, EXPERTS, args.experts)
     kind = FORMATS[args.experts].kind
-    result = {"machine": machine(), "experts": args.experts, "backend": ce.backend(None, FORMATS[args.experts]), "threads": args.threads or ce.default_threads(),
+    result = {"machine": machine(), "experts": args.experts, "backend": ce.backend(None, FORMATS[args.experts]),
+              "threads": args.threads or ce.default_threads(),
               "torch_gemms_on_amx": ce.torch_gemms_on_amx(),
               "shape": {"hidden": HIDDEN, "inter": INTER, "experts": EXPERTS, "top_k": TOP_K}, "calls": []}
     try:

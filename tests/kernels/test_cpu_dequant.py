@@ -118,13 +118,14 @@ def test_quantized_experts_handed_to_the_gemms_on_amx(monkeypatch, kind):
     tw = [torch.rand(i.numel(), generator=g) for i in idx]
     x = torch.randn(N, H, generator=g)
     assert ce.quant_max_tokens(name, kind) == min(ce.max_tokens(name), ce.AMX_QUANT_KERNEL_TOKENS[kind])
-    calls = []
-    monkeypatch.setattr(dequant, "dequantize_expert", lambda *a, _f=dequant.dequantize_expert: calls.append(1) or _f(*a))
+    calls, shipped = [], dequant.dequantize_expert
+    monkeypatch.setattr(dequant, "dequantize_expert", lambda *a: calls.append(1) or shipped(*a))
     out = ce.cpu_experts_forward(x, mats, idx, tw, backend=name)
     assert len(calls) == 3
     ref = torch.zeros(N, H)
     for (gu, dn), i, w in zip(mats, idx, tw, strict=True):
-        ref.index_add_(0, i, expert_swiglu(x[i], gu.dequantize(torch.float32), dn.dequantize(torch.float32)) * w[:, None])
+        y = expert_swiglu(x[i], gu.dequantize(torch.float32), dn.dequantize(torch.float32))
+        ref.index_add_(0, i, y * w[:, None])
     assert ((out - ref).abs().max() / ref.abs().max()).item() <= ce.tolerance(name, kind)
     plain = [(gu.dequantize(torch.float32).bfloat16(), dn.dequantize(torch.float32).bfloat16()) for gu, dn in mats]
     assert torch.equal(out, ce.cpu_experts_forward(x, plain, idx, tw, backend=name))
@@ -140,5 +141,6 @@ def test_quantized_experts_stay_on_the_kernel_without_amx(monkeypatch, amx):
     for name in ("avx512_bf16", "avx512_bf16_emulated", "avx512", "avx2"):
         for kind, tokens in ce.AMX_QUANT_KERNEL_TOKENS.items():
             handed = amx and name.startswith("avx512_bf16")
-            assert ce.quant_max_tokens(name, kind) == (min(ce.max_tokens(name), tokens) if handed else ce.max_tokens(name))
+            want = min(ce.max_tokens(name), tokens) if handed else ce.max_tokens(name)
+            assert ce.quant_max_tokens(name, kind) == want
             assert ce.quant_max_tokens(name, kind, hand_off=False) == ce.max_tokens(name)

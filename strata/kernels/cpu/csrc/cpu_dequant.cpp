@@ -131,9 +131,10 @@ C_EXPORTED int strata_cpu_dequant_runtime(void* parallel, void* thread_num, void
 
 // Dequantize n segments (int64 [n, 9]: format (1 fp8, 2 mxfp4, 3 gguf), ggml type id (gguf), values address, scales
 // address (fp8: fp32 [ceil(rows / bn), ceil(k / bk)]; mxfp4: uint8 [rows, k / 32]; gguf: unused), rows, k, bn, bk
-// (fp8's block), out address (bf16 [rows, k], contiguous)) on `threads` threads of the OpenMP runtime (1, or no runtime:
-// the calling thread). flags bit 0: the portable code even where the CPU has AVX-512 (tests). Returns 0, or -1 (nothing
-// written) for a format, type or shape it does not read (a GGUF k not a multiple of its block, an MXFP4 k not of 32).
+// (fp8's block), out address (bf16 [rows, k], contiguous)) on `threads` threads of the OpenMP runtime (1, or no
+// runtime: the calling thread). flags bit 0: the portable code even where the CPU has AVX-512 (tests). Returns 0, or -1
+// (nothing written) for a format, type or shape it does not read (a GGUF k not a multiple of its block, an MXFP4 k not
+// of 32).
 C_EXPORTED int strata_cpu_dequant(const int64_t* segs, int64_t n, int threads, int flags) {
     constexpr int kMaxSegments = 8;
     if (n < 0 || n > kMaxSegments) return -1;
