@@ -60,11 +60,11 @@ class CpuCompute:
     @property
     def hands_off(self) -> bool:
         """Whether a bf16 expert with many tokens goes from the CPU kernel to torch's GEMMs (on AMX:
-        `cpu_experts.plain_max_tokens`; a quantized one, dequantized: `quant_max_tokens`). Only where the CPU computes every expert: beside a GPU the cost model gives
-        the CPU a prompt's few-token experts alone, which one kernel call over all of them computes faster than
-        torch's GEMMs one expert at a time (on an H100 host's AMX Xeon, the bench model's 512-token prefill at a 25%
-        budget took 0.534 s with the hand-off against 0.386 s without: docs/benchmarks.md, "The tree on an H100:
-        every GPU test, ...")."""
+        `cpu_experts.plain_max_tokens`; a quantized one, dequantized: `quant_max_tokens`). Only where the CPU computes
+        every expert: beside a GPU the cost model gives the CPU a prompt's few-token experts alone, which one kernel
+        call over all of them computes faster than torch's GEMMs one expert at a time (on an H100 host's AMX Xeon, the
+        bench model's 512-token prefill at a 25% budget took 0.534 s with the hand-off against 0.386 s without:
+        docs/benchmarks.md, "The tree on an H100: every GPU test, ...")."""
         return not self.split
 
     def _kernel_reads(self, layout: ExpertLayout) -> bool:
