@@ -56,6 +56,29 @@ def test_mxfp4_codes_scales_and_ties():
     assert q[0, 0].item() == codes[0] | codes[1] << 4
 
 
+def test_mxfp4_codes_match_a_sorted_search_of_the_midpoints():
+    """Each code is the count of e2m1 midpoints at or below the scaled magnitude (ties then moved to the even code),
+    negatives that round to zero stored as +0, NaN past every midpoint: a search over the sorted midpoints, written
+    independently here, on random values, exact midpoints of both signs and special values."""
+    torch.manual_seed(2)
+    mids = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
+    on_grid = torch.cat([mids, mids / 2, torch.tensor([0.0, 0.5, 1.0, 4.0, 6.0, 0.1, 5.5])])
+    w = on_grid[torch.randint(0, len(on_grid), (16, 256))] * torch.where(torch.rand(16, 256) < 0.5, -1.0, 1.0)
+    w[:, ::32] = 6.0  # amax 6: every group's scale 2^0, so the values above are the scaled ones
+    w[0, 1:3], w[1, 3], w[2, 4] = torch.tensor([float("nan"), -0.0]), -0.2, float("nan")
+    q, s = quantize_mxfp4(w)
+    has_nan = w.reshape(16, 8, 32).isnan().any(-1)
+    assert bool((s[~has_nan] == 127).all()) and bool((s[has_nan] == 0).all())  # (NaN's amax: the smallest scale)
+    scaled = w / torch.exp2(s.float() - 127).repeat_interleave(32, 1)
+    mag = scaled.abs()
+    code = torch.searchsorted(mids, mag.reshape(-1), right=True).reshape(mag.shape)
+    code[mag.isnan()] = 7
+    tie = (code > 0) & (mag == mids[(code - 1).clamp(min=0)]) & (code % 2 == 1)
+    code = torch.where(tie, code - 1, code)
+    code = code | ((scaled < 0) & (code > 0)).long() << 3
+    assert torch.equal(q, (code[:, 0::2] | code[:, 1::2] << 4).to(torch.uint8))
+
+
 def test_mxfp4_scale_is_the_smallest_power_of_two_that_fits():
     torch.manual_seed(1)
     w = torch.randn(8, 64) * 10
