@@ -24,7 +24,9 @@
 #                (`bench run --experts F --set` that budget), the GPU's quantized kernels as shipped: all in VRAM, 1 and
 #                8 streams, the skewed model, an 8K prompt; FORMATS narrows it (one or two a call), CASES the cases;
 #                LAYERS the model's layers (12); BUDGET that budget in bytes (else 25% of the bf16 model's expert
-#                bytes, which writes that model); PER the seconds a format may take (580 / formats)
+#                bytes, which writes that model); PER the seconds a format may take (580 / formats); DROP_SOURCE=1
+#                exports a GGUF format first and removes its bf16 source from /dev/shm (48 layers: the ~61 GB it
+#                holds leave the GGUF's pinned tier short of RAM, and the suite skips its tiered cases)
 #                                                                     -> $OUT/quant/FORMAT/suite.json, suite.md
 #   newarch      a new architecture's bench-size model (ARCH: deepseek_v4 with 2 layers, or qwen3_5_moe with 4; LAYERS
 #                another count): all in VRAM at 1 and 8 streams, and 25% of the experts' bytes in VRAM, against their
@@ -168,6 +170,14 @@ m = ensure_model(Path('/dev/shm/strata-suite/models'), 'bench', $layers, 'unifor
 print(int(0.25 * model_facts(m)[1]['expert_bytes_total']))")} || return 1
       for f in ${FORMATS:-bf16 fp8 mxfp4 q4_k_m}; do
         rm -rf "$OUT/quant/$f"
+        if [ -n "${DROP_SOURCE:-}" ] && [ "${f:0:1}" = q ]; then  # the GGUF now, then its bf16 source out of RAM
+          python3 -c "import sys; from pathlib import Path; from bench.suite.models import demo_model_path, ensure_model
+d, size, layers, f = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+ensure_model(d, size, layers, 'uniform', 1.0, progress=False, experts=f)
+src = demo_model_path(d, size, layers, 'uniform', 1.0, 0.0)  # its weights and marker (config, tokenizer stay)
+[p.unlink() for p in [*src.glob('*.safetensors'), src / 'strata_demo.json'] if p.exists()]" \
+            /dev/shm/strata-suite/models bench "$layers" "$f" || return 1
+        fi
         timeout "$per" python3 -m bench run --suite full --layers "$layers" \
           --tokens 64 --experts "$f" --deadline $((per - 20)) --out "$OUT/quant/$f" \
           --set "{\"tiers\": {\"gpu\": {\"budget\": \"$budget\"}}}" --cases "${cases[@]}" 2>&1 | grep -E 'tok/s|rror'
