@@ -227,6 +227,14 @@ def store(tiny_model_dir, tmp_path_factory):
     s.close()
 
 
+@pytest.fixture(scope="module")
+def mxfp4_store(tiny_model_dir, tmp_path_factory):
+    s = ExpertStore.open(convert_checkpoint(tiny_model_dir, tmp_path_factory.mktemp("store") / "tiny-mxfp4",
+                                            progress=False, experts="mxfp4"))
+    yield s
+    s.close()
+
+
 @pytest.mark.parametrize("numerics", ["gpu", "fork", "fork-async", "fork-auto", "fork-stream"],
                          ids=["exact", "forked", "forked-async", "forked-auto", "forked-stream"])
 def test_tiered_decode_serves_cold_pairs_from_other_tiers(store, numerics):
@@ -381,6 +389,45 @@ def test_only_a_cpu_only_host_hands_many_token_experts_to_torch(store, monkeypat
             m.release(handles)
         assert not torch.equal(sums[False], sums[True])  # the kernel and the GEMMs round differently
         assert torch.equal(got, sums[tier == "cpu"])
+    finally:
+        m.close()
+
+
+@pytest.mark.parametrize("tier", ["gpu", "cpu"], ids=["beside-a-gpu", "cpu-only"])
+def test_only_a_cpu_only_host_dequantizes_many_token_quantized_experts_for_the_gemms(mxfp4_store, monkeypatch, tier):
+    """The same for MXFP4 experts (a store quantized while packing): where the CPU computes every expert, one with more
+    than `quant_max_tokens` tokens is dequantized to bf16 (`strata.kernels.cpu.dequant`) for torch's GEMMs, also when
+    its experts sit in pinned RAM (the packed path, `CpuCompute.start_cpu`, leaves them to it), and the CPU share equals `cpu_experts_forward` with the hand-off, bit for bit; beside a GPU nothing is dequantized
+    and it equals the kernel's sum."""
+    from strata.kernels.cpu import dequant
+    from strata.kernels.cpu import experts as ce
+
+    if ce.backend(None, "mxfp4") not in ("avx512_bf16", "avx512_bf16_emulated"):
+        pytest.skip("quantized experts are handed off on avx512_bf16 (or its emulation)")
+    monkeypatch.setattr(ce, "torch_gemms_on_amx", lambda: True)
+    store = mxfp4_store
+    layer = store.index.moe_layers[0]
+    m = TierManager(store, TierBudgets(gpu_slots=2, pinned_slots=16), gpu_device=torch.device("cpu"), io_threads=2)
+    calls, shipped = [], dequant.dequantize_expert
+    monkeypatch.setattr(dequant, "dequantize_expert", lambda *a: calls.append(1) or shipped(*a))
+    try:
+        compute = ExpertCompute(m, tier, "fork")
+        hidden = store.expert_shapes[0][1]
+        n, k = ce.quant_max_tokens(ce.backend(None, "mxfp4"), "mxfp4") + 8, 2  # every token to experts 1 and 3
+        x = torch.randn(n, hidden, generator=torch.Generator().manual_seed(7)).bfloat16()
+        weights = torch.rand(n, k, generator=torch.Generator().manual_seed(8))
+        groups = [(1, torch.arange(0, n * k, k)), (3, torch.arange(1, n * k, k))]
+        m.release(m.acquire([(layer, 1), (layer, 3)], "cpu"))  # resident in pinned RAM: the packed path's case
+        got = compute.cpu_forward(layer, x, weights, k, groups)
+        assert len(calls) == (2 if tier == "cpu" else 0)
+        handles = m.acquire([(layer, 1), (layer, 3)], "cpu")
+        try:
+            experts = [h.matrices for h in handles]
+            want = ce.cpu_experts_forward(x, experts, [sel // k for _, sel in groups],
+                                          [weights.reshape(-1)[sel] for _, sel in groups], hand_off=tier == "cpu")
+        finally:
+            m.release(handles)
+        assert torch.equal(got, want)
     finally:
         m.close()
 
