@@ -397,8 +397,9 @@ def test_only_a_cpu_only_host_hands_many_token_experts_to_torch(store, monkeypat
 def test_only_a_cpu_only_host_dequantizes_many_token_quantized_experts_for_the_gemms(mxfp4_store, monkeypatch, tier):
     """The same for MXFP4 experts (a store quantized while packing): where the CPU computes every expert, one with more
     than `quant_max_tokens` tokens is dequantized to bf16 (`strata.kernels.cpu.dequant`) for torch's GEMMs, also when
-    its experts sit in pinned RAM (the packed path, `CpuCompute.start_cpu`, leaves them to it), and the CPU share equals `cpu_experts_forward` with the hand-off, bit for bit; beside a GPU nothing is dequantized
-    and it equals the kernel's sum."""
+    its experts sit in pinned RAM (the packed path, `CpuCompute.start_cpu`, leaves them to it), and the CPU share
+    equals `cpu_experts_forward` with the hand-off, bit for bit; beside a GPU nothing is dequantized and it equals the
+    kernel's sum."""
     from strata.kernels.cpu import dequant
     from strata.kernels.cpu import experts as ce
 
