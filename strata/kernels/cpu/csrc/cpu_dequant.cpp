@@ -22,6 +22,8 @@
 
 #include <immintrin.h>
 
+#include "cpu_bits.h"
+
 #define C_EXPORTED extern "C" __attribute__((visibility("default")))
 
 #pragma GCC diagnostic ignored "-Wpsabi"  // the vector helpers are inlined: no vector crosses a call
@@ -43,23 +45,12 @@ struct Segment {
     uint16_t* out = nullptr;  // [rows, k] bf16
 };
 
-inline float bits_to_f32(uint32_t u) {
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-inline uint32_t f32_bits(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    return u;
-}
-
 // f16 at p (little-endian) -> fp32, exact (ggml's GGML_FP16_TO_FP32 without F16C; subnormals, inf and NaN kept)
 inline float f16_to_f32(const uint8_t* p) {
     const uint32_t w = uint32_t(p[0] | (p[1] << 8)) << 16, sign = w & 0x80000000u, two_w = w + w;
-    const float normalized = bits_to_f32((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
-    const float denormalized = bits_to_f32((two_w >> 17) | (126u << 23)) - 0.5f;
-    return bits_to_f32(sign | (two_w < (1u << 27) ? f32_bits(denormalized) : f32_bits(normalized)));
+    const float normalized = float_of((two_w >> 4) + (0xE0u << 23)) * 0x1.0p-112f;
+    const float denormalized = float_of((two_w >> 17) | (126u << 23)) - 0.5f;
+    return float_of(sign | (two_w < (1u << 27) ? bits_of(denormalized) : bits_of(normalized)));
 }
 
 // (values per block, bytes per block) of the ggml types read here (strata.kernels.gguf_blocks.BLOCK_TYPES)

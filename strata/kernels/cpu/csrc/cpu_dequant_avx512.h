@@ -89,10 +89,8 @@ inline void v_row_iq4_xs(const uint8_t* p, int64_t k, uint16_t* out) {
     const __m128i nib = _mm_set1_epi8(15);
     for (int64_t b = 0; b < k / 256; ++b, p += 136, out += 256) {
         const float d = f16_to_f32(p);
-        const int scales_h = p[2] | (p[3] << 8);
         for (int j = 0; j < 8; ++j) {
-            const int lo = (p[4 + j / 2] >> (4 * (j % 2))) & 15, hi = (scales_h >> (2 * j)) & 3;
-            const float dl = d * float(int(int8_t(lo | (hi << 4))) - 32);
+            const float dl = iq4_xs_scale(p, d, j);
             const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8 + 16 * j));
             const __m128i a = _mm_shuffle_epi8(kv, _mm_and_si128(q, nib));
             const __m128i c = _mm_shuffle_epi8(kv, _mm_and_si128(_mm_srli_epi16(q, 4), nib));
@@ -130,7 +128,7 @@ inline void v_row_mxfp4(const uint8_t* p, const uint8_t* scales, int64_t k, uint
     const __m128i nib = _mm_set1_epi8(15);
     for (int64_t g = 0; g < k / 32; ++g, p += 16, out += 32) {
         const uint32_t e8 = scales[g];
-        const __m512 s = _mm512_set1_ps(bits_to_f32(e8 == 0 ? 0x00400000u : e8 == 255 ? 0x7f800000u : e8 << 23));
+        const __m512 s = _mm512_set1_ps(float_of(e8 == 0 ? 0x00400000u : e8 == 255 ? 0x7f800000u : e8 << 23));
         const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
         const __m128i lo = _mm_and_si128(q, nib), hi = _mm_and_si128(_mm_srli_epi16(q, 4), nib);
         const __m512 a = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi)), e2m1);

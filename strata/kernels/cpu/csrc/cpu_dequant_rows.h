@@ -117,15 +117,18 @@ inline void row_q6_k(const uint8_t* p, int64_t k, uint16_t* out) {
 }
 
 // IQ4_XS: 136 bytes [d, scales_h u16, scales_l 4, qs 128]; sub-block j of 32: kvalues of the low nibbles of
-// qs[16j..16j+16], then of the high ones, scaled by d * (6-bit signed scale)
+// qs[16j..16j+16], then of the high ones, scaled by d * (6-bit signed scale): `iq4_xs_scale`
+inline float iq4_xs_scale(const uint8_t* p, float d, int j) {
+    const int scales_h = p[2] | (p[3] << 8);
+    const int lo = (p[4 + j / 2] >> (4 * (j % 2))) & 15, hi = (scales_h >> (2 * j)) & 3;
+    return d * float(int(int8_t(lo | (hi << 4))) - 32);
+}
 inline void row_iq4_xs(const uint8_t* p, int64_t k, uint16_t* out) {
     static const int8_t kv[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
     for (int64_t b = 0; b < k / 256; ++b, p += 136, out += 256) {
         const float d = f16_to_f32(p);
-        const int scales_h = p[2] | (p[3] << 8);
         for (int j = 0; j < 8; ++j) {
-            const int lo = (p[4 + j / 2] >> (4 * (j % 2))) & 15, hi = (scales_h >> (2 * j)) & 3;
-            const float dl = d * float(int(int8_t(lo | (hi << 4))) - 32);
+            const float dl = iq4_xs_scale(p, d, j);
             const uint8_t* q = p + 8 + 16 * j;
             emit(out + 32 * j, 16, dl, 0.f, [q](int l) { return kv[q[l] & 15]; });
             emit(out + 32 * j + 16, 16, dl, 0.f, [q](int l) { return kv[q[l] >> 4]; });
@@ -140,9 +143,9 @@ inline void row_fp8(const uint8_t* p, const float* scales, int64_t k, int64_t bk
         const int64_t n = std::min(bk, k - c0);
         for (int64_t l = 0; l < n; ++l) {
             const uint32_t b = p[c0 + l], e = (b >> 3) & 15, m = b & 7;
-            const float normal = bits_to_f32(((e + 120) << 23) | (m << 20)), sub = float(m) * 0x1p-9f;
+            const float normal = float_of(((e + 120) << 23) | (m << 20)), sub = float(m) * 0x1p-9f;
             const float mag = (b & 0x7f) == 0x7f ? std::numeric_limits<float>::quiet_NaN() : e ? normal : sub;
-            out[c0 + l] = to_bf16(bits_to_f32(f32_bits(mag) | ((b & 0x80) << 24)) * s);
+            out[c0 + l] = to_bf16(float_of(bits_of(mag) | ((b & 0x80) << 24)) * s);
         }
     }
 }
@@ -152,11 +155,11 @@ inline void row_fp8(const uint8_t* p, const float* scales, int64_t k, int64_t bk
 inline void row_mxfp4(const uint8_t* p, const uint8_t* scales, int64_t k, uint16_t* out) {
     for (int64_t g = 0; g < k / 32; ++g, p += 16, out += 32) {
         const uint32_t e8 = scales[g];
-        const float s = bits_to_f32(e8 == 0 ? 0x00400000u : e8 == 255 ? 0x7f800000u : e8 << 23);
+        const float s = float_of(e8 == 0 ? 0x00400000u : e8 == 255 ? 0x7f800000u : e8 << 23);
         for (int l = 0; l < 32; ++l) {
             const uint32_t c = (p[l / 2] >> (4 * (l % 2))) & 15, e = (c >> 1) & 3, m = c & 1;
             const uint32_t mag = e ? ((e + 126) << 23) | (m << 22) : (m ? 0x3f000000u : 0u);
-            out[l] = to_bf16(bits_to_f32(mag | ((c & 8) << 28)) * s);
+            out[l] = to_bf16(float_of(mag | ((c & 8) << 28)) * s);
         }
     }
 }

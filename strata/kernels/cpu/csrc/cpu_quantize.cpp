@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu_bits.h"
+
 #define C_EXPORTED extern "C" __attribute__((visibility("default")))
 
 #pragma GCC diagnostic ignored "-Wpsabi"  // the lane helpers are inlined into each clone: no vector crosses a call
@@ -20,16 +22,6 @@ namespace {
 constexpr int QK_K = 256;
 constexpr float GROUP_MAX_EPS = 1e-15f;
 
-inline uint32_t bits_of(float f) {
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    return u;
-}
-inline float float_of(uint32_t u) {
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
 
 // ggml's GGML_FP32_TO_FP16 without F16C (ggml_compute_fp32_to_fp16): round to nearest even, as F16C does
 inline uint16_t f32_to_f16(float f) {
