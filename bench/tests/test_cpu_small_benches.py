@@ -1,12 +1,14 @@
-"""bench/cpu/cpu_dense.py and bench/cpu/sampling.py on small shapes: every case timed and written."""
+"""bench/cpu/cpu_dense.py, bench/cpu/sampling.py and bench/cpu/expert_quantize.py on small shapes: every case timed
+and written."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
-from bench.cpu import cpu_dense, sampling
+from bench.cpu import cpu_dense, expert_quantize, sampling
 from strata.kernels.cpu import dense
 
 
@@ -27,3 +29,24 @@ def test_sampling_times_both_draws(tmp_path):
     result = json.loads((tmp_path / "sampling.json").read_text())
     assert [r["rows"] for r in result["results"]] == [1, 3]
     assert all(r["inverse_cdf_us"] > 0 and r["exponential_race_us"] > 0 for r in result["results"])
+
+
+def test_expert_quantize_times_both_formats_against_another_checkout(tmp_path):
+    """--against this very checkout: the same bytes, so the run goes through, each side timed at each thread count;
+    a checkout whose MXFP4 quantizer writes other codes is refused."""
+    repo = Path(__file__).resolve().parents[2]
+    expert_quantize.main(["--shape", "64", "256", "--threads", "1", "2", "--repeat", "2", "--against", str(repo),
+                          "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "expert_quantize.json").read_text())
+    assert [(r["threads"], r["side"]) for r in result["results"]] == [(1, "this"), (1, "against"), (2, "this"),
+                                                                       (2, "against")]
+    assert all(r["fp8_ms"] > 0 and r["mxfp4_ms"] > 0 for r in result["results"])
+    other = tmp_path / "other" / "strata" / "kernels"
+    other.mkdir(parents=True)
+    source = (repo / "strata" / "kernels" / "quant.py").read_text()
+    changed = source.replace("(mag >= mid) if i % 2 else (mag > mid)", "(mag >= mid)")  # ties always round up
+    assert changed != source
+    (other / "quant.py").write_text(changed)
+    with pytest.raises(SystemExit, match="mxfp4 is written in other bytes"):
+        expert_quantize.main(["--shape", "64", "256", "--threads", "1", "--repeat", "1", "--against",
+                              str(tmp_path / "other")])
