@@ -15,13 +15,13 @@ import argparse
 import importlib.util
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 if not os.environ.get("PYTHONPATH"):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from bench.cpu.timing import median_seconds  # noqa: E402
 
 
 def load_quant(checkout: Path):
@@ -39,13 +39,7 @@ def quantize(q, fmt: str, w):
 
 
 def median_ms(fn, repeat: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return round(statistics.median(times) * 1e3, 2)
+    return round(median_seconds(fn, repeat) * 1e3, 2)
 
 
 def main(argv: list[str] | None = None) -> int:

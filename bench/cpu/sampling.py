@@ -13,24 +13,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 if not os.environ.get("PYTHONPATH"):
     sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
+from bench.cpu.timing import median_seconds  # noqa: E402
+
 
 def time_call(fn, repeat: int) -> float:
     """Median microseconds of `fn()` over `repeat` calls after one untimed call."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return round(statistics.median(times) * 1e6, 1)
+    return round(median_seconds(fn, repeat) * 1e6, 1)
 
 
 def main(argv: list[str] | None = None) -> int:
