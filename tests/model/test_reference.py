@@ -47,7 +47,10 @@ def test_long_context_matches_transformers(arch, tmp_path):
     (Qwen2), a window (Mixtral) or half-rotary heads (GLM-4.5)."""
     model, directory = build_reference(arch, tmp_path / arch, long=True, seed=3)
     prompt = torch.randint(0, VOCAB, (2100,), generator=torch.Generator().manual_seed(2)).tolist()
-    check_against_reference(model, directory, prompt, n_greedy=32, cached=arch not in WINDOWED)
+    # the windowed models' oracle reruns the whole sequence a token (no cache to trust), so they decode 8 tokens
+    # past a prompt that has already wrapped their window; the others decode 32
+    windowed = arch in WINDOWED
+    check_against_reference(model, directory, prompt, n_greedy=8 if windowed else 32, cached=not windowed)
 
 
 @pytest.mark.parametrize("arch, fused", [("glm4_moe", False), ("deepseek_v2", True)])
