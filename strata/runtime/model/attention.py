@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.bias import causal_lower_right
 
 from strata.kernels.cpu import dense, rows
 from strata.kernels.gpu import fused
@@ -44,6 +43,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window
             rep = q.shape[0] // k.shape[0]
             k = k[:, None].expand(-1, rep, -1, -1).reshape(q.shape[0], S, k.shape[-1])
             v = v[:, None].expand(-1, rep, -1, -1).reshape(q.shape[0], S, v.shape[-1])
+        from torch.nn.attention.bias import causal_lower_right  # here: importing it loads torch._dynamo (~1 s)
+
         out = F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=causal_lower_right(L, S), scale=scale)
         return out[0]
     else:

@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from sympy import nextprime
 
 from strata.errors import CheckpointError
 
@@ -128,6 +127,8 @@ def _multipliers(seed: int, layer: int, max_n: int, cvocab: int) -> torch.Tensor
 
 @functools.cache
 def _primes(layer_ids: tuple[int, ...], base: tuple[int, ...], heads: int) -> dict[int, list[int]]:
+    from sympy import nextprime  # here: sympy takes ~0.5 s to import, and only Engram models need it
+
     seen: set[int] = set()
     out: dict[int, list[int]] = {}
     for layer in layer_ids:
