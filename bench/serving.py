@@ -15,7 +15,9 @@ even when its text is an incomplete UTF-8 piece):
   `window` (tokens each stream received while all of them were decoding: the scheduler's fairness),
   `decode` (first to last token of each stream: it charges a stream that started early with the
   prefill of those who joined after it) and `e2e` (tokens / time since the request was sent).
-  Each case runs once unmeasured first (warm-up of the step shapes).
+  The server's own step log over the case gives the median decode-only step, how many steps carried prompt
+  chunks and the longest step (the longest gap a decoding user saw). Each case runs once unmeasured first
+  (warm-up of the step shapes).
 - pause: 4 users decode while a prompt of `--long-prompt` tokens (default 64K, or the context less
   64) is prefilled; the longest gap between two tokens any of them sees, and the server's own step
   times over the same window (`/v1/strata/stats?steps=1`), so a client-side gap can be told apart
@@ -109,9 +111,14 @@ async def users(url: str, model: str, n: int, max_tokens: int, reproducible: boo
     w0, w1 = max(s[0] for s in stamps), min(s[-1] for s in stamps)  # every stream decoding
     window = [sum(1 for x in s if w0 < x <= w1) / (w1 - w0) for s in stamps] if w1 - w0 > 0.2 else []
     steps = httpx.get(f"{url}/v1/strata/stats?steps=1", timeout=30).json().get("recent_steps", [])
-    decode_steps = [st["seconds"] for st in steps if t0 <= st["t"] <= t0 + wall and not st["prompt"]]
+    during = [st for st in steps if t0 <= st["t"] <= t0 + wall]
+    decode_steps = [st["seconds"] for st in during if not st["prompt"]]
+    prompt_steps = [st["seconds"] for st in during if st["prompt"]]
     return {"users": n, "reproducible": reproducible, "tokens": tokens, "seconds": round(wall, 3),
             "server_decode_step_s": round(statistics.median(decode_steps), 4) if decode_steps else None,
+            # the steps that carried prompt chunks: how many, and the longest (a decoding user's longest gap)
+            "server_prompt_steps": len(prompt_steps), "server_max_step_s": round(max(prompt_steps + decode_steps), 4)
+            if during else None,
             "aggregate_tok_s": round(tokens / wall, 2),
             "ttft_s": [round(x, 3) for x in ttft], "decode_tok_s": [round(x, 2) for x in decode],
             "e2e_tok_s": [round(x, 2) for x in e2e], "window_tok_s": [round(x, 2) for x in window],

@@ -111,3 +111,34 @@ def test_free_looking_prompt_steps_do_not_grow_chunks_past_a_full_base():
     for _ in range(5):
         p.observe(2, p.allowance(2), 0.15)
     assert p.allowance(2) == 8
+
+
+def tiered(n_decode: int, n_prompt: int, position: int) -> float:
+    """A tiered model: any prompt chunk routes to nearly every expert, so its cold ones cost ~1 s whatever its size."""
+    return 0.022 + 0.001 * n_decode + (1.0 + 0.0005 * n_prompt if n_prompt else 0.0)
+
+
+def test_a_fixed_prompt_cost_over_the_target_takes_few_large_chunks():
+    """8 prompts of 128 tokens beside a decoding stream on a tiered model: no chunk keeps a 0.5 s target, so the
+    pacer finds the fixed part and takes chunks whose per-token part matches it (steps of at most ~2x the least
+    a prompt step takes), not 32 steps of 32 tokens that each cost the whole fixed second."""
+    p = PrefillPacer(token_budget=2048, gap_target=0.5, min_chunk=32)
+    steps = prefill_under_pressure(p, 8 * 128, 1, tiered)
+    least = tiered(1, 32, 0)
+    assert len(steps) <= 6 and max(s for _, s in steps) <= 2 * least, steps
+    assert p.fixed_s == pytest.approx(1.0) and p.snapshot()["prefill_fixed_s"] == pytest.approx(1.0)
+    # the same prompts where the fixed part fits the target: paced under it as before
+    cheap = PrefillPacer(token_budget=2048, gap_target=0.5, min_chunk=32)
+    steps = prefill_under_pressure(cheap, 8 * 128, 1, lambda d, n, pos: tiered(d, n, pos) - (0.8 if n else 0))
+    assert max(s for _, s in steps) <= 0.5
+
+
+def test_one_slow_step_does_not_make_a_per_token_cost_look_fixed():
+    """A tail chunk slowed by something else (2 s for 16 tokens) among per-token steps: the pacer does not take it for a fixed cost,
+    and the chunks after it keep the target."""
+    p = PrefillPacer(token_budget=4096, gap_target=0.5, min_chunk=16)
+    prefill_under_pressure(p, 4000, 2, linear)
+    p.observe(2, 16, 2.0)
+    assert p.fixed_s is None  # not the fixed-cost regime
+    after = prefill_under_pressure(p, 2000, 2, linear)
+    assert max(s for _, s in after) <= 0.5

@@ -192,8 +192,9 @@ def test_reproducible_must_be_a_bool():
 
 
 def test_prompt_chunks_shrink_while_others_decode(tiny_engine):
-    """With a gap target no step can meet, prompts advance by the minimum chunk while sequences decode,
-    by the whole budget while none do, and results still equal solo runs."""
+    """With a gap target no step can meet, prompts advance while sequences decode in chunks that start at the
+    minimum and at most double a step (more only where the pacer finds a prompt step's cost fixed: fewer, larger
+    chunks), by the whole budget while none do, and results still equal solo runs."""
     s = Scheduler(tiny_engine, max_batch=4, token_budget=64, max_queue=8, decode_gap_target=1e-9, prefill_chunk_min=4)
     s.start()
     try:
@@ -212,9 +213,9 @@ def test_prompt_chunks_shrink_while_others_decode(tiny_engine):
     steps = s.recent_steps()
     assert steps[0]["decode"] == 0 and steps[0]["prompt"] == len(short)  # nobody decoding: no pacing
     pressured = [st for st in steps if st["decode"] and st["prompt"]]
-    assert pressured and all(st["prompt"] <= 4 for st in pressured)
+    assert pressured and pressured[0]["prompt"] <= 2 * 4 and all(st["prompt"] <= st["allowance"] for st in pressured)
+    assert all(b["allowance"] <= 2 * a["allowance"] for a, b in zip(pressured, pressured[1:], strict=False))
     assert tokens_of(out) == tiny_engine.generate(long, max_tokens=3).token_ids
-    assert s.stats()["prefill_allowance"] == 4
 
 
 def test_pacing_off_fills_the_token_budget(tiny_engine):

@@ -14,15 +14,26 @@ The cost of a prompt token grows with its position (attention reads the whole pr
 estimate is replaced after every full chunk and the headroom absorbs the rise from one chunk to the
 next; the allowance grows at most 2x a step, and one slow step shrinks the next chunk at once. Without decoding sequences prompts take the
 whole token budget (throughput and time to first token are all that matter then).
+
+A tiered model adds a fixed cost to any step that carries a prompt: a chunk of a few dozen tokens already routes to
+nearly every expert of every layer, so the cold ones cross PCIe or run on the CPU whatever the chunk's size. Where
+that fixed part alone exceeds the target, no chunk keeps it, and small chunks only multiply the slow steps (8
+prompts of 128 tokens in 32-token chunks: 32 steps of ~0.7 s each on a 48-layer model at a 25% GPU budget). So the
+pacer fits `extra = fixed + per_token * prompt_tokens` over its recent prompt steps (one chunk twice the size is
+tried when it has seen a single size and that step's prompt part alone took more than the target), and where the
+fixed part exceeds the spare time it takes chunks of `fixed / per_token` tokens: the per-token part equals the fixed
+part, so a step takes at most about twice the least any prompt step can, in far fewer of them.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 from strata.errors import StrataError
 
 _EMA = 0.5  # weight of the newest decode-only step time in the base estimate
+_FIT_STEPS = 8  # recent prompt steps the fixed + per-token fit reads
 
 
 @dataclass
@@ -37,6 +48,8 @@ class PrefillPacer:
     base_s: float | None = field(default=None, init=False)  # decode-only step seconds (EMA)
     per_token_s: float | None = field(default=None, init=False)  # seconds per prompt token above the base
     allow: int = field(default=0, init=False)  # prompt tokens per step under decode pressure
+    fixed_s: float | None = field(default=None, init=False)  # a prompt step's fixed seconds, in that regime
+    _steps: deque = field(default_factory=lambda: deque(maxlen=_FIT_STEPS), init=False, repr=False)  # (n, extra s)
 
     def __post_init__(self) -> None:
         if self.token_budget < 1 or self.min_chunk < 1 or self.gap_target < 0 or not 0 < self.headroom <= 1:
@@ -66,18 +79,41 @@ class PrefillPacer:
             return
         # the decode-only cost is the best estimate of a step's fixed part; without one, charge it all to
         # the prompt tokens (an overestimate per token: chunks start small and grow)
-        extra = max(seconds - (self.base_s or 0.0), 0.0) / n_prompt
+        extra = max(seconds - (self.base_s or 0.0), 0.0)
+        self._steps.append((n_prompt, extra))
         # costs rise with the position in the context, so a full chunk's sample replaces the estimate; a small
         # tail chunk is a noisy one (the base's jitter over few tokens) and only moves it by its size
         w = min(1.0, n_prompt / max(self.allow, 1))
-        self.per_token_s = extra if self.per_token_s is None else w * extra + (1 - w) * self.per_token_s
-        self._resize()
+        per = extra / n_prompt
+        self.per_token_s = per if self.per_token_s is None else w * per + (1 - w) * self.per_token_s
+        self._resize(extra)
 
-    def _resize(self) -> None:
+    def _fit(self) -> tuple[float, float] | None:
+        """(fixed s, s per token) of `extra = fixed + per_token * n` over the recent prompt steps, None until they
+        have two sizes; Theil-Sen (the median of the pairwise slopes, then of the intercepts), so that one step
+        slowed by something else (a collection, another process) does not set the regime."""
+        steps = list(self._steps)
+        slopes = sorted((e2 - e1) / (n2 - n1) for i, (n1, e1) in enumerate(steps) for n2, e2 in steps[i + 1:]
+                        if n2 != n1)
+        if not slopes:
+            return None
+        slope = max(_median(slopes), 0.0)
+        return max(_median(sorted(e - slope * n for n, e in steps)), 0.0), slope
+
+    def _resize(self, extra: float) -> None:
         if not self.enabled:
             return
         spare = self.headroom * self.gap_target - (self.base_s or 0.0)
-        if spare <= 0:  # decode steps alone take the whole target: prompts get the minimum
+        # every recent prompt step's prompt part alone took more than the target: the fixed-cost regime's signature
+        # (one slow step among cheap ones is something else)
+        over = all(e > self.headroom * self.gap_target for _, e in self._steps)
+        fit = self._fit() if over else None
+        self.fixed_s = fit[0] if fit else None
+        if fit and fit[0] > max(spare, 0.0):  # a prompt's fixed cost alone breaks the target: fewer, larger chunks
+            want = int(fit[0] / fit[1]) if fit[1] > 0 else self.token_budget
+        elif over and not fit:  # one size seen, over the target: try twice that size to tell fixed from per-token
+            want = 2 * self.allow
+        elif spare <= 0:  # decode steps alone take the whole target: prompts get the minimum
             want = 0
         elif self.per_token_s is None or self.per_token_s <= 0:  # prompt tokens cost nothing measurable yet
             want = 2 * self.allow
@@ -89,4 +125,9 @@ class PrefillPacer:
         """The pacer's state for statistics."""
         return {"decode_gap_target_s": self.gap_target, "prefill_allowance": self.allow,
                 "decode_step_s": round(self.base_s, 6) if self.base_s is not None else None,
-                "prefill_token_s": self.per_token_s}
+                "prefill_token_s": self.per_token_s, "prefill_fixed_s": self.fixed_s}
+
+
+def _median(sorted_values: list[float]) -> float:
+    k = len(sorted_values)
+    return (sorted_values[(k - 1) // 2] + sorted_values[k // 2]) / 2
