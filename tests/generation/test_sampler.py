@@ -234,7 +234,7 @@ def test_a_large_vocabulary_draws_from_the_softmax(draw):
     expected 20+ times within 6 sigma of its mean, masked tokens never drawn, the tail block drawn."""
     from strata.runtime.generation import sampler
 
-    v, n = 2600, 100_000
+    v, n = 2600, 40_000
     logits = torch.randn(1, v, generator=torch.Generator().manual_seed(2)) * 2
     logits[0, ::5] = -math.inf
     logits[0, 2050:] += 3  # the tail block holds much of the mass
