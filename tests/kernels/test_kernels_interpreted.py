@@ -43,7 +43,7 @@ def _interpret(module: str, select: str, threads: int) -> subprocess.CompletedPr
 
 @pytest.fixture(scope="session")
 def interpreted_runs(request) -> Iterator[dict[str, Future]]:
-    """module -> its subprocess's run, for the modules this session selected, started together."""
+    """module -> its subprocess's run, for the modules this pytest run selected, started together."""
     pytest.importorskip("triton")
     selected = {item.callspec.params["module"] for item in request.session.items
                 if getattr(item, "originalname", "") == "test_kernels_under_tritons_interpreter"}
