@@ -22,17 +22,11 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def strata_cache(tmp_path_factory):
-    """Stores built on first use go to a temporary cache, not the user's ~/.cache/strata."""
-    import os
+    """Stores built on first use go to a temporary cache, not the user's ~/.cache/strata (tests/private_cache.py)."""
+    from private_cache import private_strata_cache
 
-    path = tmp_path_factory.mktemp("strata-cache")
-    old = os.environ.get("STRATA_CACHE")
-    os.environ["STRATA_CACHE"] = str(path)
-    yield path
-    if old is None:
-        os.environ.pop("STRATA_CACHE", None)
-    else:
-        os.environ["STRATA_CACHE"] = old
+    with private_strata_cache(tmp_path_factory.mktemp("strata-cache")) as path:
+        yield path
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -10,14 +9,11 @@ import pytest
 
 @pytest.fixture(scope="session", autouse=True)
 def strata_cache(tmp_path_factory):
-    """Stores built on first use go to a temporary cache, not the user's ~/.cache/strata."""
-    old = os.environ.get("STRATA_CACHE")
-    os.environ["STRATA_CACHE"] = str(tmp_path_factory.mktemp("strata-cache"))
-    yield
-    if old is None:
-        os.environ.pop("STRATA_CACHE", None)
-    else:
-        os.environ["STRATA_CACHE"] = old
+    """Stores built on first use go to a temporary cache, not the user's ~/.cache/strata (tests/private_cache.py)."""
+    from private_cache import private_strata_cache
+
+    with private_strata_cache(tmp_path_factory.mktemp("strata-cache")):
+        yield
 
 
 @pytest.fixture(scope="session")
