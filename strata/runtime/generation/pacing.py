@@ -86,7 +86,7 @@ class PrefillPacer:
         w = min(1.0, n_prompt / max(self.allow, 1))
         per = extra / n_prompt
         self.per_token_s = per if self.per_token_s is None else w * per + (1 - w) * self.per_token_s
-        self._resize(extra)
+        self._resize()
 
     def _fit(self) -> tuple[float, float] | None:
         """(fixed s, s per token) of `extra = fixed + per_token * n` over the recent prompt steps, None until they
@@ -100,7 +100,7 @@ class PrefillPacer:
         slope = max(_median(slopes), 0.0)
         return max(_median(sorted(e - slope * n for n, e in steps)), 0.0), slope
 
-    def _resize(self, extra: float) -> None:
+    def _resize(self) -> None:
         if not self.enabled:
             return
         spare = self.headroom * self.gap_target - (self.base_s or 0.0)
