@@ -100,6 +100,17 @@ def test_verification_pass_then_damage_caught_at_first_read(tmp_path):
     assert any("checksum mismatch" in d for d in reopened.verify())
 
 
+def test_file_gone_after_opening_named_with_the_fix(tmp_path):
+    _, ckpt = build_reference("qwen3_moe", tmp_path / "ckpt")
+    with tiered(ckpt, "in_place") as engine:
+        directory = engine.tiers.store.directory
+    with InPlaceStore.open(directory) as store:  # its files are opened at their first read
+        key, part = _first_part(store)
+        (ckpt / part.file).rename(tmp_path / "moved.safetensors")  # gone once the store is open (an unmounted disk)
+        with pytest.raises(CheckpointError, match=rf"{part.file}: cannot open: .*restore the checkpoint's file"):
+            store.read_expert(key)
+
+
 def test_changed_file_refused_or_reverified(tmp_path):
     _, ckpt = build_reference("qwen3_moe", tmp_path / "ckpt")
     with tiered(ckpt, "in_place") as engine:

@@ -221,6 +221,12 @@ class InPlaceStore(ExpertStore):
     """An expert store whose experts are read from the checkpoint's own files, through an `InPlaceIndex`."""
 
     contiguous = False  # an expert is several parts, not one slot of a file: no kvikio reads, no tmpfs mirror
+    open_fix = "restore the checkpoint's file (or re-download it)"
+
+    @property
+    def files_root(self) -> Path:
+        """The checkpoint's folder: its own files hold the experts."""
+        return self.source
 
     def __init__(self, directory: str | os.PathLike, index: InPlaceIndex):
         super().__init__(directory, index)  # type: ignore[arg-type]  (the index has a packed index's attributes)
@@ -303,19 +309,6 @@ class InPlaceStore(ExpertStore):
         if fresh and (problem := format_problem(self.layout, buf[: self.payload_bytes])) is not None:
             raise CheckpointError(f"{self.source}: (layer {key[0]}, expert {key[1]}): {problem}; the file is damaged")
         self.record.save(force=False)
-
-    def _fd(self, rel: str) -> int:
-        fd = self._fds.get(rel)
-        if fd is None:
-            with self._lock:
-                fd = self._fds.get(rel)
-                if fd is None:
-                    try:
-                        fd = os.open(self.source / rel, os.O_RDONLY)
-                    except OSError as e:
-                        raise CheckpointError(f"{self.source / rel}: cannot open: {e.strerror or e}") from e
-                    self._fds[rel] = fd
-        return fd
 
     # --- the verification pass -------------------------------------------------------------------------
 

@@ -52,6 +52,12 @@ class ExpertStore:
     """An opened store. `ExpertStore.open` validates it; the constructor trusts `index` (for verify)."""
 
     contiguous = True  # every blob is one slot of a file (kvikio reads and tmpfs mirrors copy them as they are)
+    open_fix = _FIX  # what to do about a file of the store that cannot be opened
+
+    @property
+    def files_root(self) -> Path:
+        """The folder the experts' files are named relative to (the store's own)."""
+        return self.directory
 
     def __init__(self, directory: str | os.PathLike, index: StoreIndex):
         self.directory = Path(directory)
@@ -333,16 +339,17 @@ class ExpertStore:
             raise KeyError(f"the store {self.directory} has no table {name!r} (tables: {sorted(self.index.tables)})") from None
 
     def _fd(self, rel: str) -> int:
-        """A cached read-only fd per file: pread is thread-safe, so tiers share them."""
+        """A cached read-only fd per file (`rel` below `files_root`): pread is thread-safe, so tiers share them."""
         fd = self._fds.get(rel)
         if fd is None:
             with self._lock:
                 fd = self._fds.get(rel)
                 if fd is None:
+                    path = self.files_root / rel
                     try:
-                        fd = os.open(self.directory / rel, os.O_RDONLY)
+                        fd = os.open(path, os.O_RDONLY)
                     except OSError as e:
-                        raise CheckpointError(f"{self.directory / rel}: cannot open: {e.strerror or e}; {_FIX}") from e
+                        raise CheckpointError(f"{path}: cannot open: {e.strerror or e}; {self.open_fix}") from e
                     self._fds[rel] = fd
         return fd
 
