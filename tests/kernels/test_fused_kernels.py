@@ -356,7 +356,7 @@ def test_mlp_takes_the_gemv_for_one_row_only(monkeypatch):
     GEMV, to a rounding step of the F.linear chain; two rows run the F.linear chain itself."""
     from strata.runtime.model.layers import MLP
 
-    if DEVICE == "cpu":  # under the interpreter: CPU rows take the CPU kernel's dense path (tests/kernels/test_cpu_dense.py)
+    if DEVICE == "cpu":  # under the interpreter: CPU rows take the CPU kernel's dense path (tests/kernels/cpu/test_cpu_dense.py)
         pytest.skip("the MLP's projections reach the Triton GEMV on CUDA only")
     torch.manual_seed(3)
     mlp = MLP(256, 384).to(DTYPE).to(DEVICE)

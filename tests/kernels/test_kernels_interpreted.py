@@ -21,11 +21,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # that the side-by-side runs end together
 MODULES = [
     # a whole model against transformers (fp32, 1e-4, greedy tokens through prefill and decode)
-    ("tests/model/test_deepseek_v4.py", "matches_transformers and fused and not long", 1),
+    ("tests/model/architectures/test_deepseek_v4.py", "matches_transformers and fused and not long", 1),
     ("tests/kernels/test_fused_kernels.py",  # the fused decode kernels
      "(router or residual or softmax_topk or combine or gemv) and not mlp_takes_the_gemv", 1),
     # a whole model: DecodeBatch steps on the fused kernels against the StepBatch path (fp32, 1e-4)
-    ("tests/model/test_qwen3_5_decode.py", "(decode_batch_equals_step_batch and not long) or one_token_prompt", 2),
+    ("tests/model/architectures/test_qwen3_5_decode.py", "(decode_batch_equals_step_batch and not long) or one_token_prompt", 2),
     ("tests/kernels/test_quant_pairs.py", "test_kernel_", 17),  # FP8 and MXFP4 pairs, in-place reads, dequantizers
     ("tests/kernels/test_pair_forms.py", "test_kernel_", 24),  # every SwiGLU form and the gate_up bias, each format
     ("tests/kernels/test_deepseek_v4_kernels.py", "", 44),  # DeepSeek-V4's hyper-connection weights, rope, norms

@@ -4,7 +4,7 @@ The reference is `expert_swiglu` (strata.kernels.experts) in fp32 on the same we
 are, FP8 and MXFP4 experts dequantized (`ExpertLayout.dequantize(blob, torch.float32)`, the oracle of
 strata.kernels.quant). `tolerance(backend, kind)` bounds max |out - ref| / max |ref| over a call. The same bounds hold
 for every SwiGLU form and gate_up bias (reference `strata.kernels.experts.expert_swiglu`), with the clamps active: the form is
-applied in fp32 to the same sums, and its clamps only shrink values (tests/kernels/test_cpu_expert_forms.py).
+applied in fp32 to the same sums, and its clamps only shrink values (tests/kernels/cpu/test_cpu_expert_forms.py).
 
 bf16 experts (`TOLERANCE`): the fp32 paths (avx2, avx512) differ only by summation order (measured <= 2e-6);
 avx512_bf16 rounds x and silu(gate)*up to bf16, which costs a median 3e-3 and at most 7.3e-3 over 200 random inputs
@@ -20,18 +20,18 @@ the groups past a row's last 128-value step); avx512_bf16 reads the rest as the 
 group's partial sums by its power of two. FP8's scale_inv multiplies each block's partial sum (bk columns) rather
 than each weight. Either way the same products, rounded in another order, so each format keeps its backend's
 numerics on bf16 experts: the fp32 paths a reordered fp32 sum, avx512_bf16 its bf16 activations (measured by
-tests/kernels/test_cpu_quant_experts.py).
+tests/kernels/cpu/test_cpu_quant_experts.py).
 
 GGUF experts (avx512_bf16 and its emulation; the other backends take the torch path): a block's codes are exact in bf16
 (q, or 128 + q), and every sub-block's products are summed before its scale multiplies them; mins, and the 128 of
 128 + q, are subtracted through each sub-block's sum of the same bf16 activations. The offset's products are as large
 as 128 |x|, so their fp32 sums round at ~2^-24 * 128 sum|x|, far under the bf16 activations' 2^-9 (measured by
-tests/kernels/test_cpu_gguf_experts.py).
+tests/kernels/cpu/test_cpu_gguf_experts.py).
 
 Quantized experts handed to torch's GEMMs (avx512_bf16 where they run on AMX, more than `experts.quant_max_tokens`
 tokens): their weights are dequantized and rounded to bf16 (to nearest even, csrc/cpu_dequant.cpp), then computed as a
 plain bf16 expert with those weights is (`expert_args.bf16_expert`, bit for bit): the weights' rounding, 2^-9 of each
-weight at most, adds to the bf16 activations' and the same bound holds (tests/kernels/test_cpu_dequant.py). As for plain
+weight at most, adds to the bf16 activations' and the same bound holds (tests/kernels/cpu/test_cpu_dequant.py). As for plain
 experts there (`experts.plain_max_tokens`), a token's result may then depend on the other tokens of its pass.
 """
 

@@ -3,7 +3,7 @@
     blocks = quantize_rows(w, "Q4_K")   # float32 [rows, K] -> uint8 [rows, K / 256 * 144], or None without the library
 
 The same bytes as strata.tiers.store.gguf_quantize's numpy port of ggml-quants.c (the oracle of
-tests/kernels/test_cpu_quantize.py), some 20-40x faster a thread; that module calls this first and keeps numpy for
+tests/kernels/cpu/test_cpu_quantize.py), some 20-40x faster a thread; that module calls this first and keeps numpy for
 machines where the CPU library cannot be built. ctypes releases the GIL for the call, so threads quantize
 different rows at once.
 """

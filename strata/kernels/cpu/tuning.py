@@ -8,7 +8,7 @@ strata.kernels.cpu.experts, `ce`):
     per_thread = ce.trace_threads(12)   # each pool thread's means over the same calls
 
 None of the knobs changes a result: each output element keeps one writer and one summation order, whatever the
-chunking or which thread reads what (tests/kernels/test_cpu_experts.py checks bit-equality across settings). They exist
+chunking or which thread reads what (tests/kernels/cpu/test_cpu_experts.py checks bit-equality across settings). They exist
 to measure (`bench/cpu/cpu_kernel_trace.py`'s `--knobs`, parsed by `parse_knobs`). Each function takes the loaded
 kernel `lib` (None when it is not in use: it then does nothing and returns an empty result, or None).
 """

@@ -1,6 +1,6 @@
 // AVX-512 row decoders of cpu_dequant.cpp for the types a prompt's experts mostly come in (Q4_K, Q5_K, Q6_K, Q8_0,
 // IQ4_XS, FP8, MXFP4): the same fp32 operations per weight as cpu_dequant_rows.h's loops (so the same bits, checked by
-// tests/kernels/test_cpu_dequant.py), 32 weights a step, 3-10x the rate GCC's vectorization of those loops reaches.
+// tests/kernels/cpu/test_cpu_dequant.py), 32 weights a step, 3-10x the rate GCC's vectorization of those loops reaches.
 // Included by cpu_dequant.cpp inside namespace dq_avx512, under its AVX-512 target pragma (after cpu_dequant_rows.h,
 // whose scalar helpers and other types' loops it uses).
 

@@ -69,7 +69,7 @@ def test_the_tile_backends_keep_twice_the_tokens_an_expert_on_the_kernel(monkeyp
 def test_plain_experts_go_to_torch_sooner_where_its_gemms_run_on_amx(monkeypatch, amx):
     """Where torch's bf16 GEMMs run on AMX, a plain expert with more than AMX_KERNEL_TOKENS tokens is computed by them
     under avx512_bf16 (`bf16_expert`, bit for bit), one with that many on the kernel; elsewhere, and for the fp32
-    backends, the kernel keeps up to max_tokens. (Quantized experts: tests/kernels/test_cpu_dequant.py.)"""
+    backends, the kernel keeps up to max_tokens. (Quantized experts: tests/kernels/cpu/test_cpu_dequant.py.)"""
     monkeypatch.setattr(ce, "torch_gemms_on_amx", lambda: amx)
     name = ce.backend()
     limit = min(ce.max_tokens(name), ce.AMX_KERNEL_TOKENS) if amx and name == "avx512_bf16" else ce.max_tokens(name)
