@@ -103,6 +103,9 @@ def warm_and_streamed(engine, calls: int, stream_mib: int) -> dict:
     from strata.kernels.routing import softmax_topk
 
     compute = engine.executor
+    if compute is None:
+        raise SystemExit("host_overhead: this engine's experts are not tiered (runtime.experts = \"memory\"): no CPU "
+                         "expert share to time; load the model with its default tiers")
     cfg = engine.checkpoint.config
     hidden, num_experts, k = cfg.hidden_size, cfg.num_experts, cfg.num_experts_per_tok
     layer = next(i for i, moe in enumerate(cfg.moe_layers) if moe)
