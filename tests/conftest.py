@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))  # tests import reference_models
+sys.path.insert(0, str(Path(__file__).parent / "support"))  # reference_models and the other builders
 
 
 def pytest_collection_modifyitems(config, items):
@@ -22,7 +22,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="session", autouse=True)
 def strata_cache(tmp_path_factory):
-    """Stores built on first use go to a temporary cache, not the user's ~/.cache/strata (tests/private_cache.py)."""
+    """Stores built on first use go to a temporary cache, not the user's ~/.cache/strata
+    (tests/support/private_cache.py)."""
     from private_cache import private_strata_cache
 
     with private_strata_cache(tmp_path_factory.mktemp("strata-cache")) as path:

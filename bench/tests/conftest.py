@@ -9,7 +9,8 @@ import pytest
 
 @pytest.fixture(scope="session", autouse=True)
 def strata_cache(tmp_path_factory):
-    """Stores built on first use go to a temporary cache, not the user's ~/.cache/strata (tests/private_cache.py)."""
+    """Stores built on first use go to a temporary cache, not the user's ~/.cache/strata
+    (tests/support/private_cache.py)."""
     from private_cache import private_strata_cache
 
     with private_strata_cache(tmp_path_factory.mktemp("strata-cache")):

@@ -1,4 +1,4 @@
-"""Engram: hashing and layer outputs equal the plain reference (tests/engram_reference.py); the tiered
+"""Engram: hashing and layer outputs equal the plain reference (tests/support/engram_reference.py); the tiered
 row store equals the in-memory tables in every tier; damaged tables stop start-up."""
 
 from __future__ import annotations

@@ -23,7 +23,8 @@ from strata.runtime.offload.tiered_moe import TieredExperts
 from strata.tiers.manager import TierBudgets, TierManager
 from strata.tiers.store.store import ExpertStore
 
-quantized_models = pytest.importorskip("quantized_models", reason="tests/quantized_models.py (quantized checkpoints)")
+quantized_models = pytest.importorskip("quantized_models",
+                                       reason="tests/support/quantized_models.py (quantized checkpoints)")
 
 
 @pytest.fixture(scope="module")

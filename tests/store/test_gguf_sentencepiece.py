@@ -1,5 +1,5 @@
 """A GGUF's SentencePiece ("llama") tokenizer rebuilt from its metadata against the Hugging Face tokenizer it was
-written from (tests/gguf_sentencepiece_vocab.py): identical ids on varied text (leading, trailing and repeated
+written from (tests/support/gguf_sentencepiece_vocab.py): identical ids on varied text (leading, trailing and repeated
 spaces, newlines, characters the vocabulary lacks so byte fallback runs, special tokens in the text), identical
 decoding, BOS / EOS as the file says; the merges derived from pieces and scores as transformers derives them."""
 

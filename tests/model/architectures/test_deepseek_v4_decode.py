@@ -1,5 +1,5 @@
 """DeepSeek-V4 decode steps as `DecodeBatch` steps (fixed shapes over a `kv_len` bucket: what CUDA graphs capture)
-against its `StepBatch` path, on tiny random checkpoints built with transformers (tests/deepseek_v4_models.py).
+against its `StepBatch` path, on tiny random checkpoints built with transformers (tests/support/deepseek_v4_models.py).
 
 On the CPU in fp32: DecodeBatch decode (source rings written and the current entry pooled every step, kept only where
 its window completes; window keys gathered from the ring by position; HCA entries over the bucket's span, CSA's

@@ -1,5 +1,5 @@
 """gpt-oss decode steps as `DecodeBatch` steps (fixed shapes over a `kv_len` bucket: what CUDA graphs capture) against
-its `StepBatch` path, on tiny random checkpoints (tests/gpt_oss_models.py).
+its `StepBatch` path, on tiny random checkpoints (tests/support/gpt_oss_models.py).
 
 On the CPU in fp32: the torch decode attention with sinks (`attend_decode_sinks`) equals the per-sequence one
 (`attend_with_sinks`), and a model's DecodeBatch decode gives the StepBatch path's logits within 1e-4 and the same 32

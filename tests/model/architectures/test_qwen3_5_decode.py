@@ -1,5 +1,5 @@
 """Qwen3.5-MoE decode steps as `DecodeBatch` steps (fixed shapes over a `kv_len` bucket: what CUDA graphs capture)
-against its `StepBatch` path, on tiny random checkpoints built with transformers (tests/qwen3_5_models.py).
+against its `StepBatch` path, on tiny random checkpoints built with transformers (tests/support/qwen3_5_models.py).
 
 On the CPU in fp32: DecodeBatch decode (each Gated DeltaNet layer's states gathered by slot, stepped and written back;
 each full-attention layer's keys written at each position and attended over the bucket) gives the StepBatch path's

@@ -2,7 +2,8 @@
 routing with exp_probs_b, a leading dense layer, a shared expert) and llama with experts (Mixtral), written as
 llama.cpp's convert_hf_to_gguf.py writes them, routed experts random valid ggml blocks; the transformers model holds
 those experts dequantized by `gguf` (the oracle). A file carries the demo's gpt2 BPE vocabulary, or with
-`sentencepiece` the SentencePiece ("llama") one of tests/gguf_sentencepiece_vocab.py, as a Mixtral release ships."""
+`sentencepiece` the SentencePiece ("llama") one of tests/support/gguf_sentencepiece_vocab.py, as a Mixtral release
+ships."""
 
 from __future__ import annotations
 
