@@ -356,6 +356,34 @@ def test_split_copies_the_most_used_cold_experts(store):
         m.close()
 
 
+@pytest.mark.parametrize("pinned", [16, 2], ids=["all-pinned", "through-handles"])
+def test_a_cpu_only_hosts_layer_equals_its_cpu_share_over_group_by_expert(store, pinned):
+    """With no GPU tier a layer on CPU activations groups its tokens on the host (in Python for a decode step's
+    few pairs, numpy for a prompt's) and must give, bit for bit, the CPU share computed over `group_by_expert`'s
+    groups (same experts, same pair order), from pinned slots by address or through handles, and count every token
+    routed to an expert in the tier history."""
+    from strata.kernels.experts import group_by_expert
+
+    layer = store.index.moe_layers[0]
+    e, hidden = sum(key[0] == layer for key in store.keys()), store.expert_shapes[0][1]
+    m = TierManager(store, TierBudgets(gpu_slots=2, pinned_slots=pinned), gpu_device=torch.device("cpu"), io_threads=2)
+    try:
+        compute = ExpertCompute(m, "cpu", "fork")
+        experts = TieredExperts(layer, e, compute)
+        for n, k, seed in [(3, 2, 0), (40, 2, 1)]:  # 6 pairs: grouped in Python; 80: in numpy
+            ids, weights = _routes(n, e, k, seed)
+            x = torch.randn(n, hidden, generator=torch.Generator().manual_seed(seed)).to(store.dtype)
+            before = m.gpu_scores(layer, range(e))
+            got = experts(x, ids, weights)
+            uses = {ex: v - before[ex] for ex, v in m.gpu_scores(layer, range(e)).items()}
+            want = compute.cpu_forward(layer, x, weights, k, group_by_expert(ids, e)).to(x.dtype)
+            assert got.dtype == x.dtype and torch.equal(got, want)
+            counts = torch.bincount(ids.reshape(-1), minlength=e).tolist()
+            assert [round(uses[ex]) for ex in range(e)] == [max(0, c - 1) for c in counts]  # (`note_uses`)
+    finally:
+        m.close()
+
+
 @pytest.mark.parametrize("tier", ["gpu", "cpu"], ids=["beside-a-gpu", "cpu-only"])
 def test_only_a_cpu_only_host_hands_many_token_experts_to_torch(store, monkeypatch, tier):
     """On a CPU whose AMX tiles torch's GEMMs run on, a bf16 expert of more than AMX_KERNEL_TOKENS tokens goes to them

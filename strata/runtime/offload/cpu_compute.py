@@ -73,11 +73,13 @@ class CpuCompute:
         return layout.fmt.quantized and self.use_fast_cpu and reads("cpu_kernel", layout.fmt)
 
     def cpu_forward(self, layer: int, x: torch.Tensor, weights: torch.Tensor, k: int, groups) -> torch.Tensor:
-        """Experts of `groups` from host RAM on the CPU: x [N, H] on the CPU -> partial sum [N, H] fp32."""
+        """Experts of `groups` [(expert, its pair indices: int64 tensor or array)] from host RAM on the CPU:
+        x [N, H] on the CPU -> partial sum [N, H] fp32."""
         if self.use_fast_cpu:
             out = self._cpu_packed(layer, x, weights, k, groups)
             if out is not None:
                 return out
+        groups = [(e, torch.as_tensor(sel)) for e, sel in groups]
         out = torch.zeros(x.shape, dtype=torch.float32, pin_memory=self.pin_results)
         chunk = self.manager.max_acquire("cpu")
         seconds, nbytes = 0.0, 0

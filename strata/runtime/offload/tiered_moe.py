@@ -72,13 +72,16 @@ class TieredExperts(PrefillPath, nn.Module):
         """`Experts.forward` from tiers: x [N, H], ids and weights [N, k] -> [N, H] (+ residual). used [N * k]
         int32: each pair's GPU slot as the router looked it up (`decode_slots`; None: looked up here)."""
         c = self.compute
-        if current_recorder() is None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
-            c.release_staged()  # eager: everything that read the last decode layer's copied slots is enqueued
-        pairs = use_pair_kernels(x, ids.numel()) if c.pair_path is None else c.pair_path
-        # (else: a format or form the pair kernels do not read: grouped by expert, dequantized one by one)
-        if pairs and c.pairs_read_format and c.pairs_read_form:
-            return self._decode_forward(x, ids, weights, residual, used)
-        out = self._batch_forward(x, ids, weights)
+        if c.device_tier == "cpu" and x.device.type == "cpu":  # a CPU-only host: nothing staged, no pair kernels
+            out = self._cpu_tier_forward(x, ids, weights)
+        else:
+            if current_recorder() is None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+                c.release_staged()  # eager: everything that read the last decode layer's copied slots is enqueued
+            pairs = use_pair_kernels(x, ids.numel()) if c.pair_path is None else c.pair_path
+            # (else: a format or form the pair kernels do not read: grouped by expert, dequantized one by one)
+            if pairs and c.pairs_read_format and c.pairs_read_form:
+                return self._decode_forward(x, ids, weights, residual, used)
+            out = self._batch_forward(x, ids, weights)
         if not c.plain_math:  # fp32 sums: the down biases added, then rounded once
             out = self._plus_down_bias(out, ids, weights).to(x.dtype)
         return out if residual is None else residual + out
@@ -98,17 +101,10 @@ class TieredExperts(PrefillPath, nn.Module):
     def _batch_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """Prefill chunks and batches too large for the pair kernels: tokens grouped by expert."""
         c, k = self.compute, ids.shape[1]
-        groups = group_by_expert(ids, self.num_experts)  # syncs: predictions have arrived too
-        # the GPU tier's history counts each token routed to an expert, not one use per staged expert: what
-        # the prompt uses most then outranks the rest when staging (and later promotions) pick victims
-        c.manager.note_uses(self.layer, {e: len(sel) for e, sel in groups})
-        if c.prefetcher is not None:
-            c.prefetcher.poll()
         if c.device_tier == "cpu":
-            if x.device.type == "cpu" and not c.use_fast_cpu and c.plain_math:  # (else cpu_forward's fp32)
-                return self._tier_forward(x, weights, k, groups, "cpu")
-            y = c.cpu_forward(self.layer, x.cpu(), weights.cpu(), k, [(e, s.cpu()) for e, s in groups])
-            return y.to(x.device, x.dtype) if c.plain_math else y.to(x.device)
+            return self._cpu_tier_forward(x, ids, weights)
+        groups = group_by_expert(ids, self.num_experts)  # syncs: predictions have arrived too
+        self._note_uses(groups)
         ahead = self._take_ahead(ids.numel())  # this layer's experts staged early, and the next layer's behind them
         try:
             cpu_part: tuple[torch.Tensor, Future] | None = None
@@ -127,6 +123,29 @@ class TieredExperts(PrefillPath, nn.Module):
         finally:
             if ahead is not None:  # the layer's kernels are enqueued: its slots may be reused behind them
                 c.manager.release_staged(ahead)
+
+    def _cpu_tier_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """No GPU tier: every expert on the CPU, x [N, H] (on any device) -> [N, H] (fp32 where the math is not
+        plain). Tokens are grouped by expert on the host, in Python for a decode step's few pairs: a CPU decode
+        layer's weights have just evicted torch's dispatch path from the caches, where each of group_by_expert's
+        ~20 small ops costs several times its warm time (docs/benchmarks.md, "A decode step's host work")."""
+        c, k = self.compute, ids.shape[1]
+        flat = ids.reshape(-1).cpu().numpy()
+        groups = list(pairs_by_expert(flat, np.arange(flat.size)).items())  # [(expert, its pairs [p] int64)]
+        self._note_uses(groups)
+        if x.device.type == "cpu" and not c.use_fast_cpu and c.plain_math:  # (else cpu_forward's fp32)
+            return self._tier_forward(x, weights, k, [(e, torch.from_numpy(sel)) for e, sel in groups], "cpu")
+        y = c.cpu_forward(self.layer, x.cpu(), weights.cpu(), k, groups)
+        return y.to(x.device, x.dtype) if c.plain_math else y.to(x.device)
+
+    def _note_uses(self, groups: list[tuple[int, torch.Tensor | np.ndarray]]) -> None:
+        """Count a step's groups in the tier policies' history, then issue the prefetches whose predictions have
+        arrived. The GPU tier's history counts each token routed to an expert, not one use per staged expert: what
+        the prompt uses most then outranks the rest when staging (and later promotions) pick victims."""
+        c = self.compute
+        c.manager.note_uses(self.layer, {e: len(sel) for e, sel in groups})
+        if c.prefetcher is not None:
+            c.prefetcher.poll()
 
     # ---- decode: pair kernels over slots -------------------------------------------------------
     def _decode_forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None,
