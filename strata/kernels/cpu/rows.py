@@ -4,6 +4,7 @@
     total, y = add_rms_norm(x, delta, weight, eps)    # the residual add, then the norm
     y = norm_rope(x, cos, sin, weight, eps)           # per-head RMSNorm (optional), then the rotate-half rotary
     out = attend(q, keys, values, scale)              # one query per sequence over its cached keys
+    out = decode_attention(qkv, ..., k_cache, v_cache, slots, positions, scale)  # all of it, the cache written
 
 A CPU decode layer streams its weights (~100 MB on Qwen3-30B-A3B's shapes) through the caches; what runs between
 those products, as torch ops, is ~40 dispatches a layer that each find their data evicted (csrc/cpu_rows.cpp). Each
@@ -44,7 +45,10 @@ def _lib() -> ctypes.CDLL | None:
         lib.strata_cpu_norm_rope.argtypes = [_P, _I64, _P, _F, _P, _P, _I64, _I64, _I64, _I64, _P]
         lib.strata_cpu_attend.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _P, _P, _I64, _I64, _P, _P, _I64, _I64,
                                           _P, _F, _P]
-        for fn in (lib.strata_cpu_rms_norm, lib.strata_cpu_norm_rope, lib.strata_cpu_attend):
+        lib.strata_cpu_decode_attention.argtypes = [_P, _I64, _I64, _I64, _I64, _I64, _P, _F, _P, _F, _P, _P, _I64,
+                                                    _P, _P, _I64, _I64, _P, _P, _F, _P]
+        for fn in (lib.strata_cpu_rms_norm, lib.strata_cpu_norm_rope, lib.strata_cpu_attend,
+                   lib.strata_cpu_decode_attention):
             fn.restype = ctypes.c_int
         _declared.add(id(lib))
     return lib
@@ -148,4 +152,41 @@ def attend(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]
     _check(lib.strata_cpu_attend(qc.data_ptr(), b, heads, kv_heads, d, dv, kbase, kb, k0.stride(0),
                                  k0.stride(1), vbase, vb, v0.stride(0), v0.stride(1), lens,
                                  scale, out.data_ptr()), "attention")
+    return out
+
+
+def decode_attention(qkv: torch.Tensor, heads: int, kv_heads: int, cos: torch.Tensor, sin: torch.Tensor,
+                     q_norm: tuple[torch.Tensor, float] | None, k_norm: tuple[torch.Tensor, float] | None,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, slots: list[int], positions: list[int],
+                     scale: float) -> torch.Tensor | None:
+    """A decode step's attention between its projections, one token per sequence: qkv [N, (heads + 2 kv_heads) d]
+    bf16 (each row q's heads, k's, v's); q_norm / k_norm: (weight [d] bf16, eps) of the per-head RMSNorms (None:
+    none); cos/sin [N, rot] bf16. Writes token n's rotated key and its value at caches [slots, max_len, kv_heads, d]
+    [slots[n], positions[n]], then attends its rotated query over that slot's keys 0..positions[n] -> [N, heads, d]
+    bf16: `norm_rope` twice, the cache writes and `attend` in one call, with their results. None (nothing written)
+    where it does not apply: `attend`'s conditions, or caches not contiguous and alike."""
+    n, width = qkv.shape if qkv.dim() == 2 else (0, 0)
+    d = width // (heads + 2 * kv_heads) if width else 0
+    rot = cos.shape[-1]
+    if (not _rows_ok(qkv, n) or d * (heads + 2 * kv_heads) != width or qkv.stride(1) != 1 or heads % kv_heads
+            or len(slots) != n or len(positions) != n or not attends(d, d) or rot > d or rot % 2
+            or cos.dtype != torch.bfloat16 or sin.dtype != torch.bfloat16 or cos.shape != (n, rot)
+            or sin.shape != (n, rot) or k_cache.dim() != 4 or k_cache.shape[2:] != (kv_heads, d)
+            or v_cache.shape != k_cache.shape or k_cache.dtype != torch.bfloat16 or v_cache.dtype != torch.bfloat16
+            or not k_cache.is_contiguous() or not v_cache.is_contiguous() or k_cache.device.type != "cpu"
+            or v_cache.device.type != "cpu"
+            or any(not 0 <= p < k_cache.shape[1] for p in positions) or any(not 0 <= s < k_cache.shape[0] for s in slots)
+            or any(w is not None and (w[0].dtype != torch.bfloat16 or w[0].shape != (d,)) for w in (q_norm, k_norm))
+            or (lib := _lib()) is None):
+        return None
+    cos, sin = cos.contiguous(), sin.contiguous()
+    wq, eq = (q_norm[0].contiguous(), q_norm[1]) if q_norm is not None else (None, 0.0)
+    wk, ek = (k_norm[0].contiguous(), k_norm[1]) if k_norm is not None else (None, 0.0)
+    slot_arr, pos_arr = (ctypes.c_int64 * n)(*slots), (ctypes.c_int64 * n)(*positions)
+    out = torch.empty((n, heads, d), dtype=torch.bfloat16)
+    _check(lib.strata_cpu_decode_attention(
+        qkv.data_ptr(), qkv.stride(0), n, heads, kv_heads, d, wq.data_ptr() if wq is not None else None, eq,
+        wk.data_ptr() if wk is not None else None, ek, cos.data_ptr(), sin.data_ptr(), rot, k_cache.data_ptr(),
+        v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1), slot_arr, pos_arr, scale, out.data_ptr()),
+        "attention")
     return out

@@ -132,16 +132,24 @@ class GQAAttention(nn.Module):
         reading its 2 MB of weights. The three parameters become views of the stacked tensor, so it costs no
         memory and the checkpoint names stay; it is rebuilt if they were moved or replaced since."""
         projs = (self.q_proj, self.k_proj, self.v_proj)
-        if not fused.fold_ok(x) and not dense.applies(x, self.q_proj.weight):  # (CPU decode rows: one pool call)
+        qkv = self._project_stacked(x)
+        if qkv is None:
             return tuple(project(p, x) for p in projs)
+        return qkv.split([p.out_features for p in projs], dim=-1)
+
+    def _project_stacked(self, x: torch.Tensor) -> torch.Tensor | None:
+        """x [N, H] -> [N, (heads + 2 kv_heads) * d], q's, k's and v's columns in that order, through the stacked
+        weights (`_project`); None where the folds do not apply."""
+        projs = (self.q_proj, self.k_proj, self.v_proj)
+        if not fused.fold_ok(x) and not dense.applies(x, self.q_proj.weight):  # (CPU decode rows: one pool call)
+            return None
         stacked = self._qkv
         if stacked is None or not _views_of(stacked[0], [p.weight for p in projs]):
             if x.is_cuda and torch.cuda.is_current_stream_capturing():  # never allocate the weights in a graph's pool
-                return tuple(p(x) for p in projs)
+                return None
             stacked = self._qkv = (_stack_into_views([p.weight for p in projs]),
                                    _stack_into_views([p.bias for p in projs]) if projs[0].bias is not None else None)
-        sizes = [p.out_features for p in projs]
-        return linear(x, *stacked).split(sizes, dim=-1)
+        return linear(x, *stacked)
 
     @staticmethod
     def _norm_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: RMSNorm | None) -> torch.Tensor:
@@ -158,6 +166,8 @@ class GQAAttention(nn.Module):
 
     def forward(self, x, cos, sin, batch: StepBatch, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         n = x.shape[0]
+        if x.device.type == "cpu" and (out := self._decode_rows(x, cos, sin, batch, cache)) is not None:
+            return project(self.o_proj, out.reshape(n, -1))
         q, k, v = self._project(x)
         q_norm, k_norm = self.q_norm, self.k_norm  # the per-head norms, applied with the rotary below
         if self.qk_norm_whole:  # q [N, heads * d], k [N, kv_heads * d] normed as one vector a token
@@ -200,6 +210,26 @@ class GQAAttention(nn.Module):
             )
             out[off : off + length] = o.transpose(0, 1)
         return project(self.o_proj, out.reshape(n, -1))
+
+    def _decode_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch,
+                     cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
+        """A CPU decode step (one new token per sequence, no window, per-head norms or none): the stacked q/k/v
+        projection, then everything up to the output projection in one compiled call
+        (strata.kernels.cpu.rows.decode_attention) -> [N, heads, d]; None where that does not apply (the caller's
+        path then runs, from the projection on)."""
+        n = x.shape[0]
+        if (self.window is not None or self.qk_norm_whole or n > rows.MAX_ROWS or x.dtype != torch.bfloat16
+                or not rows.attends(self.head_dim, self.head_dim) or isinstance(batch, DecodeBatch)):
+            return None
+        seqs = list(batch.sequences())
+        if any(length != 1 or off != i for i, (_, _, off, length) in enumerate(seqs)):
+            return None
+        qkv = self._project_stacked(x)
+        if qkv is None:
+            return None
+        norms = [(m.weight, m.eps) if m is not None else None for m in (self.q_norm, self.k_norm)]
+        return rows.decode_attention(qkv, self.num_heads, self.num_kv_heads, cos, sin, *norms, *cache,
+                                     [s for s, _, _, _ in seqs], [start for _, start, _, _ in seqs], self.scale)
 
     def _attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch, k_cache: torch.Tensor,
                      v_cache: torch.Tensor) -> torch.Tensor | None:

@@ -106,6 +106,38 @@ def test_attention_over_each_sequences_cache(d, heads, kv_heads):
     assert torch.equal(out[1:2], rows.attend(q[1:2], keys[1:2], values[1:2], d ** -0.5))
 
 
+@pytest.mark.skipif(not AVX512, reason="the compiled attention is AVX-512 code")
+@pytest.mark.parametrize("d, heads, kv_heads, normed, rot", [(128, 32, 4, True, 128), (64, 8, 8, False, 32)])
+def test_decode_attention_is_the_norms_the_cache_writes_and_attend(d, heads, kv_heads, normed, rot):
+    """`decode_attention` on a q/k/v projection's rows: the caches get each token's rotated key and its value at
+    (slot, position), nothing else, and the output is, bit for bit, `norm_rope` of the queries attended (`attend`)
+    over each slot's keys up to and including the new one."""
+    g = _gen(d + rot)
+    n, slots, positions = 3, [2, 0, 3], [0, 40, 9]
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * d, generator=g).bfloat16()
+    cos, sin = torch.randn(n, rot, generator=g).bfloat16(), torch.randn(n, rot, generator=g).bfloat16()
+    wq, wk = ((torch.rand(d, generator=g) + 0.5).bfloat16() for _ in range(2))
+    k_cache = torch.randn(4, 64, kv_heads, d, generator=g).bfloat16()
+    v_cache = torch.randn(4, 64, kv_heads, d, generator=g).bfloat16()
+    want_k, want_v = k_cache.clone(), v_cache.clone()
+    q, k, v = qkv.split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q = rows.norm_rope(q.view(n, heads, d), cos, sin, wq if normed else None, 1e-6)
+    k = rows.norm_rope(k.view(n, kv_heads, d), cos, sin, wk if normed else None, 1e-6)
+    for i, (s, p) in enumerate(zip(slots, positions, strict=True)):
+        want_k[s, p], want_v[s, p] = k[i], v[i].view(kv_heads, d)
+    want = rows.attend(q, [want_k[s, : p + 1] for s, p in zip(slots, positions, strict=True)],
+                       [want_v[s, : p + 1] for s, p in zip(slots, positions, strict=True)], d ** -0.5)
+    norms = ((wq, 1e-6), (wk, 1e-6)) if normed else (None, None)
+    got = rows.decode_attention(qkv, heads, kv_heads, cos, sin, *norms, k_cache, v_cache, slots, positions, d ** -0.5)
+    assert got is not None and torch.equal(got, want)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    # a position past the cache, or a slot outside it: refused, nothing written
+    for bad_slots, bad_positions in [(slots, [0, 64, 9]), ([2, 4, 3], positions)]:
+        assert rows.decode_attention(qkv, heads, kv_heads, cos, sin, *norms, k_cache, v_cache, bad_slots,
+                                     bad_positions, d ** -0.5) is None
+        assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+
+
 def test_other_inputs_are_left_to_torch():
     x, w = torch.randn(2, 64), torch.randn(64)
     assert rows.rms_norm(x, w, 1e-6) is None  # fp32: the reference path stays torch's
@@ -141,16 +173,16 @@ def test_a_bf16_models_decode_steps_with_and_without_the_compiled_ops(tmp_path, 
 
     from strata.kernels.options import KernelOptions, kernel_options
 
-    calls = {"attend": 0}
-    attend = rows.attend
+    calls = {"attention": 0}
+    decode_attention = rows.decode_attention
 
     def counted(*a, **k):
-        out = attend(*a, **k)
-        calls["attend"] += out is not None
+        out = decode_attention(*a, **k)
+        calls["attention"] += out is not None
         return out
 
     def run(compiled: bool) -> tuple[list[torch.Tensor], list[list[int]]]:
-        monkeypatch.setattr(rows, "attend", counted)
+        monkeypatch.setattr(rows, "decode_attention", counted)
         cache = KVCache(model.cfg, 3, 64, torch.bfloat16, "cpu")
         g = _gen(3)
         lengths = [9, 30, 2]
@@ -167,10 +199,10 @@ def test_a_bf16_models_decode_steps_with_and_without_the_compiled_ops(tmp_path, 
                 lengths = [n + 1 for n in lengths]
         return hidden, picks
 
-    (h_torch, p_torch), before = run(False), calls["attend"]
+    (h_torch, p_torch), before = run(False), calls["attention"]
     assert before == 0
     h_rows, p_rows = run(True)
-    assert calls["attend"] == 6 * 2  # every decode step's every layer
+    assert calls["attention"] == 6 * 2  # every decode step's every layer
     assert p_rows == p_torch
     for a, b in zip(h_rows, h_torch, strict=True):
         torch.testing.assert_close(a, b, rtol=3e-2, atol=3e-2)

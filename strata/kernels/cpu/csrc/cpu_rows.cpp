@@ -8,6 +8,8 @@
 //   strata_cpu_norm_rope  per-head RMSNorm (optional) then the rotate-half rotary, on [N, heads, d]
 //   strata_cpu_attend     each sequence's query heads over its cached keys and values (grouped-query), fp32, on the
 //                         calling thread
+//   strata_cpu_decode_attention  a decode step's whole attention between its two projections: the two above, with
+//                         the new keys and values written to the cache
 //
 // Numerics follow the torch chains they replace (strata.runtime.model): every elementwise result rounded to bf16
 // where torch rounds it (nearest even), norms and attention summed in fp32; only summation order differs.
@@ -286,4 +288,34 @@ C_EXPORTED int strata_cpu_attend(const uint16_t* q, int64_t B, int64_t heads, in
 #else
     return -1;
 #endif
+}
+
+// One CPU decode step's attention from its q/k/v projection: qkv [N, (heads + 2 kv_heads) d] bf16 (token rows of
+// stride ldx: q's heads, then k's, then v's), one token per sequence. Each token's query and key heads are RMSNormed
+// by wq / wk [d] (null: not normed) and rotated by cos/sin [N, rot] (strata_cpu_norm_rope); its key and value rows
+// [kv_heads, d] are written to the caches at (slot[n], pos[n]), element (s, p, h, i) at cache + s * ss + p * ps +
+// h * d + i; then its query attends over the slot's keys 0..pos[n] (strata_cpu_attend) -> out [N, heads, d] bf16.
+// One call where the Python side took ~10 ops and two calls a layer. Returns 0, or -1 for sizes the two don't take.
+C_EXPORTED int strata_cpu_decode_attention(const uint16_t* qkv, int64_t ldx, int64_t N, int64_t heads,
+                                           int64_t kv_heads, int64_t d, const uint16_t* wq, float eps_q,
+                                           const uint16_t* wk, float eps_k, const uint16_t* cos, const uint16_t* sin,
+                                           int64_t rot, uint16_t* k_cache, uint16_t* v_cache, int64_t ss, int64_t ps,
+                                           const int64_t* slot, const int64_t* pos, float scale, uint16_t* out) {
+    if (N < 0 || kv_heads < 1 || heads % kv_heads || ldx < (heads + 2 * kv_heads) * d || ps < kv_heads * d) return -1;
+    if (!(strata_cpu_isa_mask() & (1 << ROWS_ISA_AVX512)) || (d != 64 && d != 128 && d != 256)) return -1;
+    for (int64_t n = 0; n < N; ++n)
+        if (slot[n] < 0 || pos[n] < 0) return -1;
+    std::vector<uint16_t> q(size_t(N * heads * d));
+    if (strata_cpu_norm_rope(qkv, ldx, wq, eps_q, cos, sin, rot, N, heads, d, q.data())) return -1;
+    std::vector<int64_t> at(static_cast<size_t>(N)), len(static_cast<size_t>(N));
+    for (int64_t n = 0; n < N; ++n) {
+        at[n] = slot[n] * ss, len[n] = pos[n] + 1;
+        const uint16_t* row = qkv + n * ldx + heads * d;  // this token's key heads, then its value heads
+        const int64_t to = at[n] + pos[n] * ps;
+        if (strata_cpu_norm_rope(row, ldx, wk, eps_k, cos + n * rot, sin + n * rot, rot, 1, kv_heads, d, k_cache + to))
+            return -1;
+        std::memcpy(v_cache + to, row + kv_heads * d, size_t(kv_heads * d) * sizeof(uint16_t));
+    }
+    return strata_cpu_attend(q.data(), N, heads, kv_heads, d, d, k_cache, at.data(), ps, d, v_cache, at.data(), ps, d,
+                             len.data(), scale, out);
 }
