@@ -6,7 +6,8 @@ Loads `Engine.from_pretrained(STORE, device="cpu")` (the defaults; every expert 
 
 1. **The step's split.** A greedy generation of `--tokens` tokens after a 64-token prompt, each one-token forward
    pass timed whole (`MoETransformer.run_layers` and `logits`) and inside it the compiled calls (the dense kernel,
-   `strata.kernels.cpu.dense.linear`, and the expert kernel, `strata.kernels.cpu.experts.run_packed`), so that
+   `strata.kernels.cpu.dense.linear`, and the expert kernel, `strata.kernels.cpu.experts.run_packed` or, once every
+   expert is pinned, the whole layer's call `strata.kernels.cpu.expert_rows.PinnedLayer.forward`), so that
    "host" = the pass less its compiled calls: the Python, torch's small ops and the compiled rows (norms, rotary,
    attention) between them. Per step, medians over the generation.
 2. **The host work with caches warm and after a weight stream.** Three pieces of one decode layer's host work, each
@@ -55,12 +56,14 @@ def step_split(engine, tokens: int) -> dict:
     """Per one-token step: the forward pass, its compiled calls and the rest, medians in ms."""
     from strata.kernels.cpu import dense
     from strata.kernels.cpu import experts as cpu_experts
+    from strata.kernels.cpu.expert_rows import PinnedLayer
     from strata.runtime.model import transformer
 
     kernels: list[float] = []
     gate = [False]
     originals = [(dense, "linear", _timed(dense, "linear", kernels, gate)),
-                 (cpu_experts, "run_packed", _timed(cpu_experts, "run_packed", kernels, gate))]
+                 (cpu_experts, "run_packed", _timed(cpu_experts, "run_packed", kernels, gate)),
+                 (PinnedLayer, "forward", _timed(PinnedLayer, "forward", kernels, gate))]
     steps: list[tuple[float, float]] = []  # (pass s, compiled calls s)
     run_layers, logits = transformer.MoETransformer.run_layers, transformer.MoETransformer.logits
 

@@ -107,6 +107,60 @@ class CpuCompute:
         self.rates.observe_cpu(nbytes, seconds)
         return out
 
+    def cpu_rows(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                 residual: torch.Tensor | None) -> torch.Tensor | None:
+        """A CPU-only host's decode layer once every expert sits in pinned RAM for good: x [N, H] bf16, the router's
+        ids and weights [N, k] -> residual + the routed experts' sum [N, H] bf16, in one compiled call
+        (strata.kernels.cpu.expert_rows), equal bit for bit to the grouped path's. None where it does not apply
+        (experts still arriving, a GPU tier, the reference math, biases or a SwiGLU form, a format the kernel does
+        not read, more tokens than the kernel takes an expert): the grouped path then runs."""
+        from strata.kernels.cpu.expert_rows import MAX_ROWS
+
+        if not self.use_fast_cpu or self.device_tier != "cpu" or x.shape[0] > MAX_ROWS:
+            return None
+        if self._pinned_layers is None:
+            if not self.manager.all_pinned():
+                return None  # asked again next step
+            self._pinned_layers = self._build_pinned_layers()
+        layers, most = self._pinned_layers
+        target = layers.get(layer)
+        if target is None or x.shape[0] > most:  # (past `most` tokens an expert goes to torch's GEMMs)
+            return None
+        t0 = time.perf_counter()
+        got = target.forward(x, ids, weights, residual, self.cpu_threads)
+        if got is None:
+            return None
+        y, experts = got
+        self.manager.note_pinned_reads(layer, set(ids.reshape(-1).tolist()))
+        self.cpu_experts += experts
+        self.rates.observe_cpu(experts * self.manager.store.payload_bytes, time.perf_counter() - t0)
+        return y
+
+    def _build_pinned_layers(self) -> tuple[dict, int]:
+        """(layer -> PinnedLayer over the pinned slots' addresses, which never change again; the most tokens a call
+        takes), or ({}, 0) where `cpu_rows` never applies."""
+        from strata.kernels.cpu import experts as ce
+        from strata.kernels.cpu.expert_rows import PinnedLayer
+
+        store = self.manager.store
+        layout = store.layout
+        fmt = layout.fmt if layout.fmt.quantized else None
+        if not self.plain_math or (fmt is None and store.dtype != torch.bfloat16) \
+                or (fmt is not None and not self._kernel_reads(layout)):
+            return {}, 0
+        addresses = np.zeros((max(self.moe_layers, default=-1) + 1, store.index.num_experts), dtype=np.int64)
+        for (layer, e), address in self.manager.pinned_addresses().items():
+            addresses[layer, e] = address
+        layers = {}
+        for layer in self.moe_layers:
+            target = PinnedLayer.build(addresses[layer], layout, self.cpu_kernel)
+            if target is None:
+                return {}, 0
+            layers[layer] = target
+        backend = ce.backend(self.cpu_kernel, layout.fmt)
+        return layers, (ce.quant_max_tokens(backend, fmt.kind, self.hands_off) if fmt is not None
+                        else ce.plain_max_tokens(backend, self.hands_off))
+
     def _cpu_packed(self, layer: int, x: torch.Tensor, weights: torch.Tensor, k: int, groups) -> torch.Tensor | None:
         """`cpu_forward` for experts resident in pinned RAM, with the kernel reading their slots by address:
         no handles, views or per-expert checks (a decode layer's CPU share spent ~0.3 ms on those). Same

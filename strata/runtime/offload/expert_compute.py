@@ -121,6 +121,9 @@ class ExpertCompute(CpuCompute):
         self.expert_biases: dict[int, torch.nn.Module] = {}
         self._cpu_biases: dict[int, torch.Tensor] = {}  # layer -> gate_up bias fp32 on the CPU (the CPU's share)
         self.mailbox = None  # CpuMailbox, made once every expert sits in pinned RAM for good
+        # a CPU-only host's layers on experts pinned for good, by address, and the tokens a call takes (`cpu_rows`;
+        # None until every expert is pinned for good, no layers where the compiled call does not apply)
+        self._pinned_layers: tuple[dict, int] | None = None
         self.gpu_share = None  # GpuShare: the cold experts the GPU reads in place during a mailbox step
         self.fixed_share = gpu_share  # [debug] gpu_share: a fixed share (None: balanced on the GPU's waits)
         # WarmAhead: the worker reads the next layer's predicted cold experts into its caches during a layer's

@@ -23,6 +23,8 @@ forward pass.
 from __future__ import annotations
 
 import time
+from collections import Counter
+from collections.abc import Iterable
 from concurrent.futures import Future
 
 import numpy as np
@@ -73,6 +75,9 @@ class TieredExperts(PrefillPath, nn.Module):
         int32: each pair's GPU slot as the router looked it up (`decode_slots`; None: looked up here)."""
         c = self.compute
         if c.device_tier == "cpu" and x.device.type == "cpu":  # a CPU-only host: nothing staged, no pair kernels
+            if (y := c.cpu_rows(self.layer, x, ids, weights, residual)) is not None:
+                self._note_uses(Counter(ids.reshape(-1).tolist()).items())
+                return y
             out = self._cpu_tier_forward(x, ids, weights)
         else:
             if current_recorder() is None and not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
@@ -104,7 +109,7 @@ class TieredExperts(PrefillPath, nn.Module):
         if c.device_tier == "cpu":
             return self._cpu_tier_forward(x, ids, weights)
         groups = group_by_expert(ids, self.num_experts)  # syncs: predictions have arrived too
-        self._note_uses(groups)
+        self._note_uses((e, len(sel)) for e, sel in groups)
         ahead = self._take_ahead(ids.numel())  # this layer's experts staged early, and the next layer's behind them
         try:
             cpu_part: tuple[torch.Tensor, Future] | None = None
@@ -132,18 +137,19 @@ class TieredExperts(PrefillPath, nn.Module):
         c, k = self.compute, ids.shape[1]
         flat = ids.reshape(-1).cpu().numpy()
         groups = list(pairs_by_expert(flat, np.arange(flat.size)).items())  # [(expert, its pairs [p] int64)]
-        self._note_uses(groups)
+        self._note_uses((e, len(sel)) for e, sel in groups)
         if x.device.type == "cpu" and not c.use_fast_cpu and c.plain_math:  # (else cpu_forward's fp32)
             return self._tier_forward(x, weights, k, [(e, torch.from_numpy(sel)) for e, sel in groups], "cpu")
         y = c.cpu_forward(self.layer, x.cpu(), weights.cpu(), k, groups)
         return y.to(x.device, x.dtype) if c.plain_math else y.to(x.device)
 
-    def _note_uses(self, groups: list[tuple[int, torch.Tensor | np.ndarray]]) -> None:
-        """Count a step's groups in the tier policies' history, then issue the prefetches whose predictions have
-        arrived. The GPU tier's history counts each token routed to an expert, not one use per staged expert: what
-        the prompt uses most then outranks the rest when staging (and later promotions) pick victims."""
+    def _note_uses(self, uses: Iterable[tuple[int, int]]) -> None:
+        """Count a step's (expert, tokens routed to it) in the tier policies' history, then issue the prefetches
+        whose predictions have arrived. The GPU tier's history counts each token routed to an expert, not one use per
+        staged expert: what the prompt uses most then outranks the rest when staging (and later promotions) pick
+        victims."""
         c = self.compute
-        c.manager.note_uses(self.layer, {e: len(sel) for e, sel in groups})
+        c.manager.note_uses(self.layer, dict(uses))
         if c.prefetcher is not None:
             c.prefetcher.poll()
 
