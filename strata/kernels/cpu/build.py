@@ -19,7 +19,7 @@ from strata.tiers.store.files import cache_root
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = ("cpu_experts.cpp", "cpu_experts_formats.h", "cpu_experts_act.h", "cpu_experts_isa.h",
             "cpu_experts_kernel.h", "cpu_experts_dot2.h", "cpu_experts_tile4.h", "cpu_experts_job.h",
-            "cpu_experts_emu.h", "cpu_experts_call.h", "cpu_experts_rows.h", "cpu_experts_async.h",
+            "cpu_experts_emu.h", "cpu_experts_call.h", "cpu_experts_rows.cpp", "cpu_experts_async.h",
             "cpu_experts_gguf.h", "cpu_experts_gguf_layout.h", "cpu_experts_gguf_emu.h", "cpu_experts_gguf_avx512.h",
             "cpu_experts_gguf_kernel.h",
             "cpu_pool.h", "cpu_dense.h", "cpu_warm.h", "cpu_tuning.h", "cpu_mailbox.cpp", "cpu_mailbox_serve.h",

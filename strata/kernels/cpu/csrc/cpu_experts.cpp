@@ -276,8 +276,6 @@ C_EXPORTED int strata_cpu_shutdown() {
 
 #include "cpu_experts_call.h"  // strata_cpu_experts_act and its shorter forms: one layer's call
 
-#include "cpu_experts_rows.h"  // strata_cpu_experts_rows: a CPU-only host's decode layer, experts by address
-
 #include "cpu_experts_async.h"  // strata_cpu_experts_start / _wait: one call on a launcher thread
 
 #include "cpu_dense.h"  // strata_cpu_dense: bf16 weight rows times a few rows of activations, on the same pool

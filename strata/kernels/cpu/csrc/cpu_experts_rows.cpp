@@ -4,8 +4,40 @@
 // packing and the combine as ~20 small ops a layer, each slowed several-fold by the weights the layer had just
 // streamed through the caches (docs/benchmarks.md, "A decode step's host work").
 //
-// Included once, by cpu_experts.cpp, after cpu_experts_call.h.
-#pragma once
+// A translation unit of its own, as cpu_rows.cpp: code added to cpu_experts.cpp's unit moves its dense kernel's hot
+// loop, which has cost the LM head ~8% of its read rate.
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#define C_EXPORTED extern "C" __attribute__((visibility("default")))
+
+C_EXPORTED int strata_cpu_experts_act(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
+                                      const int64_t* fmt, const int64_t* scales, const int64_t* warm, const double* act,
+                                      const int64_t* bias, float* out, int threads, int64_t* stolen);  // cpu_experts.cpp
+
+namespace {
+
+constexpr int kMetaFields = 7;  // cpu_experts.cpp's kMetaFields
+constexpr int64_t kFmtBf16 = 0;  // cpu_experts_formats.h's FMT_BF16
+
+inline float bf16_to_f32(uint16_t v) {  // as cpu_experts.cpp's
+    uint32_t u = static_cast<uint32_t>(v) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+
+inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN (as cpu_experts.cpp's)
+    uint32_t u;
+    std::memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
+    u += 0x7fffu + ((u >> 16) & 1u);
+    return static_cast<uint16_t>(u >> 16);
+}
+
+}  // namespace
 
 // x [N, H] bf16 (the normed activations); ids [N, k] int64 and w [N, k] fp32 the router's picks; table [E] int64 each
 // expert's blob address (0: not in pinned RAM: -7, nothing done); at [4] int64 the offsets in a blob of gate_up's
@@ -28,18 +60,18 @@ C_EXPORTED int strata_cpu_experts_rows(int isa, const uint16_t* x, int64_t N, in
     std::stable_sort(order.begin(), order.end(), [ids](int64_t a, int64_t b) { return ids[a] < ids[b]; });
     std::vector<int64_t> tok(static_cast<size_t>(P)), meta, scales;
     std::vector<float> wp(static_cast<size_t>(P));
-    const bool quantized = fmt && fmt[0] != FMT_BF16;
+    const bool quantized = fmt && fmt[0] != kFmtBf16;
     for (int64_t i = 0; i < P;) {  // one meta row per distinct expert: its run of pairs in `order`
         const int64_t e = ids[order[i]], base = table[e];
         int64_t j = i;
         for (; j < P && ids[order[j]] == e; ++j) tok[j] = order[j] / k, wp[j] = w[order[j]];
-        const int64_t row[META_FIELDS] = {base + at[0], base + at[1], reinterpret_cast<int64_t>(tok.data() + i),
+        const int64_t row[kMetaFields] = {base + at[0], base + at[1], reinterpret_cast<int64_t>(tok.data() + i),
                                           reinterpret_cast<int64_t>(wp.data() + i), j - i, inter, inter};
-        meta.insert(meta.end(), row, row + META_FIELDS);
+        meta.insert(meta.end(), row, row + kMetaFields);
         if (quantized) scales.push_back(base + at[2]), scales.push_back(base + at[3]);
         i = j;
     }
-    const int64_t experts = static_cast<int64_t>(meta.size()) / META_FIELDS;
+    const int64_t experts = static_cast<int64_t>(meta.size()) / kMetaFields;
     std::vector<float> x32(static_cast<size_t>(N * H)), out(static_cast<size_t>(N * H), 0.f);
     for (int64_t i = 0; i < N * H; ++i) x32[i] = bf16_to_f32(x[i]);
     const int rc = strata_cpu_experts_act(isa, x32.data(), N, H, experts, meta.data(), fmt,
