@@ -1,6 +1,6 @@
 """A CPU-only host's decode MoE layer in one compiled call (strata.kernels.cpu.expert_rows, csrc/cpu_experts_rows.h):
 against the packed call it replaces (`run_packed` over the experts grouped in the Python path's order, then the bf16
-cast and the residual add), bit for bit, for bf16, FP8 and MXFP4 blobs; then a bf16 engine on a CPU-only host, whose
+cast and the residual add), bit for bit, for bf16, FP8, MXFP4 and GGUF (a Q4_K_M file's types) blobs; then a bf16 engine on a CPU-only host, whose
 decode steps take it once every expert is pinned, against the same engine without it."""
 
 from __future__ import annotations
@@ -18,15 +18,25 @@ from strata.kernels.quant import ExpertFormat, ExpertLayout
 
 needs_kernel = pytest.mark.skipif(ce.backend() == "torch", reason="needs the compiled CPU expert kernel")
 
-FORMATS = [ExpertFormat(), ExpertFormat("fp8", block=(16, 16)), ExpertFormat("mxfp4")]
-H, INTER, E = 96, 64, 6
+FORMATS = [ExpertFormat(), ExpertFormat("fp8", block=(16, 16)), ExpertFormat("mxfp4"), "gguf"]
+E = 6
 
 
-def _blobs(fmt: ExpertFormat) -> tuple[ExpertLayout, list[torch.Tensor]]:
-    layout = ExpertLayout.build(fmt, H, INTER)
+def _blobs(fmt: ExpertFormat | str) -> tuple[ExpertLayout, list[torch.Tensor]]:
+    """E experts' blobs in `fmt` ("gguf": Q4_K and Q6_K matrices mixed per expert, as a Q4_K_M file has them)."""
+    if fmt == "gguf":
+        if ce.backend(None, "gguf") == "torch":
+            pytest.skip("this CPU's kernel does not read GGUF blocks")
+        pytest.importorskip("gguf")
+        from test_cpu_gguf_experts import gguf_experts
+
+        types = [("Q4_K", "Q4_K", "Q6_K"), ("Q4_K", "Q4_K", "Q4_K"), ("Q6_K", "Q6_K", "Q6_K")] * 2
+        layout, blobs, _, _ = gguf_experts(types, 256, 512, seed=3)
+        return layout, blobs
+    layout = ExpertLayout.build(fmt, 96, 64)
     g = torch.Generator().manual_seed(3)
-    return layout, [layout.pack(torch.randn(2 * INTER, H, generator=g) / H**0.5,
-                                torch.randn(H, INTER, generator=g) / INTER**0.5) for _ in range(E)]
+    return layout, [layout.pack(torch.randn(128, 96, generator=g) / 96**0.5, torch.randn(96, 64, generator=g) / 8)
+                    for _ in range(E)]
 
 
 def _packed_then_added(layout, blobs, x, ids, weights, residual):
@@ -37,11 +47,11 @@ def _packed_then_added(layout, blobs, x, ids, weights, residual):
     order = sorted(range(len(flat)), key=flat.__getitem__)
     tok = torch.tensor([p // k for p in order], dtype=torch.int64)
     w = weights.reshape(-1)[order].float().contiguous()
-    meta, scales, start = array.array("q"), array.array("q"), 0
+    meta, scales, start, inter = array.array("q"), array.array("q"), 0, layout.intermediate
     for e in sorted(set(flat)):
         count = flat.count(e)
         gu, dn, gus, dns = slot_pointers(layout, blobs[e].data_ptr())
-        meta.extend((gu, dn, tok.data_ptr() + 8 * start, w.data_ptr() + 4 * start, count, INTER, INTER))
+        meta.extend((gu, dn, tok.data_ptr() + 8 * start, w.data_ptr() + 4 * start, count, inter, inter))
         scales.extend((gus, dns))
         start += count
     fmt = layout.fmt if layout.fmt.quantized else None
@@ -51,7 +61,7 @@ def _packed_then_added(layout, blobs, x, ids, weights, residual):
 
 
 @needs_kernel
-@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.kind)
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: getattr(f, "kind", f))
 @pytest.mark.parametrize("n", [1, 3, 7])
 def test_a_layer_by_address_equals_the_packed_call_cast_and_added(fmt, n):
     layout, blobs = _blobs(fmt)
@@ -60,8 +70,8 @@ def test_a_layer_by_address_equals_the_packed_call_cast_and_added(fmt, n):
     g = torch.Generator().manual_seed(n)
     ids = torch.stack([torch.randperm(E, generator=g)[:2] for _ in range(n)])
     weights = torch.rand(n, 2, generator=g)
-    x = torch.randn(n, H, generator=g).bfloat16()
-    residual = torch.randn(n, H, generator=g).bfloat16()
+    x = torch.randn(n, layout.hidden, generator=g).bfloat16()
+    residual = torch.randn(n, layout.hidden, generator=g).bfloat16()
     for res in (residual, None):
         got = layer.forward(x, ids, weights, res, threads=2)
         assert got is not None
@@ -76,14 +86,14 @@ def test_an_expert_not_resident_or_outside_the_table():
     addresses = np.array([b.data_ptr() for b in blobs])
     addresses[4] = 0  # not in pinned RAM
     layer = PinnedLayer.build(addresses, layout)
-    x = torch.randn(1, H).bfloat16()
+    x = torch.randn(1, layout.hidden).bfloat16()
     assert layer.forward(x, torch.tensor([[1, 2]]), torch.rand(1, 2), None) is not None
     assert layer.forward(x, torch.tensor([[1, 4]]), torch.rand(1, 2), None) is None
     with pytest.raises(IndexError):
         layer.forward(x, torch.tensor([[1, E]]), torch.rand(1, 2), None)
     # not bf16 rows, or a prompt's many: the grouped path's
     assert layer.forward(x.float(), torch.tensor([[1, 2]]), torch.rand(1, 2), None) is None
-    many = torch.randn(17, H).bfloat16()
+    many = torch.randn(17, layout.hidden).bfloat16()
     assert layer.forward(many, torch.zeros(17, 2, dtype=torch.int64), torch.rand(17, 2), None) is None
 
 
