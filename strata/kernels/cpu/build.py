@@ -23,7 +23,7 @@ _SOURCES = ("cpu_experts.cpp", "cpu_experts_formats.h", "cpu_experts_act.h", "cp
             "cpu_experts_gguf.h", "cpu_experts_gguf_layout.h", "cpu_experts_gguf_emu.h", "cpu_experts_gguf_avx512.h",
             "cpu_experts_gguf_kernel.h",
             "cpu_pool.h", "cpu_dense.h", "cpu_warm.h", "cpu_tuning.h", "cpu_mailbox.cpp", "cpu_mailbox_serve.h",
-            "cpu_quantize.cpp", "cpu_quantize_search.h", "cpu_bits.h", "cpu_rows.cpp", "cpu_dequant.cpp",
+            "cpu_quantize.cpp", "cpu_quantize_search.h", "cpu_bits.h", "cpu_bf16.h", "cpu_rows.cpp", "cpu_dequant.cpp",
             "cpu_dequant_rows.h", "cpu_dequant_avx512.h")
 # Plain x86-64 (the vector code is compiled per function, under target pragmas); no FMA contraction, so
 # a*b+c rounds the same way in every instruction set and in the emulations.

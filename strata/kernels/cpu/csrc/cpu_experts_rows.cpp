@@ -11,40 +11,29 @@
 #include <cstring>
 #include <vector>
 
+#include "cpu_bf16.h"
+
 #define C_EXPORTED extern "C" __attribute__((visibility("default")))
 
+// cpu_experts_call.h
 C_EXPORTED int strata_cpu_experts_act(int isa, const float* x, int64_t N, int64_t H, int64_t E, const int64_t* meta,
                                       const int64_t* fmt, const int64_t* scales, const int64_t* warm, const double* act,
-                                      const int64_t* bias, float* out, int threads, int64_t* stolen);  // cpu_experts.cpp
+                                      const int64_t* bias, float* out, int threads, int64_t* stolen);
 
 namespace {
 
-constexpr int kMetaFields = 7;  // cpu_experts.cpp's kMetaFields
+constexpr int kMetaFields = 7;  // cpu_experts.cpp's META_FIELDS
 constexpr int64_t kFmtBf16 = 0;  // cpu_experts_formats.h's FMT_BF16
-
-inline float bf16_to_f32(uint16_t v) {  // as cpu_experts.cpp's
-    uint32_t u = static_cast<uint32_t>(v) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN (as cpu_experts.cpp's)
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return static_cast<uint16_t>(u >> 16);
-}
 
 }  // namespace
 
 // x [N, H] bf16 (the normed activations); ids [N, k] int64 and w [N, k] fp32 the router's picks; table [E] int64 each
 // expert's blob address (0: not in pinned RAM: -7, nothing done); at [4] int64 the offsets in a blob of gate_up's
 // values, down's, gate_up's scales and down's (the scales read with a quantized fmt only); inter: each expert's I;
-// fmt and threads as strata_cpu_experts_act (the plain SwiGLU, no biases). y [N, H] bf16 = bf16(residual + bf16(sum)) (residual [N, H] bf16; null: bf16(sum)), sum over each token's picks of
-// w * expert(x) in fp32, experts ascending, each expert's pairs ascending: the order of the Python side's grouping,
-// so y equals its result bit for bit. *experts_out: how many distinct experts were computed.
+// fmt and threads as strata_cpu_experts_act (the plain SwiGLU, no biases). y [N, H] bf16 = bf16(residual +
+// bf16(sum)) (residual [N, H] bf16; null: bf16(sum)), sum over each token's picks of w * expert(x) in fp32, experts
+// ascending, each expert's pairs ascending: the order of the Python side's grouping, so y equals its result bit for
+// bit. *experts_out: how many distinct experts were computed.
 C_EXPORTED int strata_cpu_experts_rows(int isa, const uint16_t* x, int64_t N, int64_t H, int64_t k, const int64_t* ids,
                                        const float* w, const int64_t* table, int64_t E, const int64_t* at,
                                        int64_t inter, const int64_t* fmt, const uint16_t* residual, uint16_t* y,

@@ -34,22 +34,9 @@
 C_EXPORTED int strata_cpu_isa_mask();  // cpu_experts.cpp
 enum { ROWS_ISA_AVX512 = 2 };  // cpu_experts.cpp's ISA_AVX512
 
+#include "cpu_bf16.h"
+
 namespace {
-
-inline float bf16_to_f32(uint16_t v) {  // as cpu_experts.cpp's
-    uint32_t u = static_cast<uint32_t>(v) << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-}
-
-inline uint16_t f32_to_bf16(float f) {  // round to nearest even, NaN stays NaN (as cpu_experts.cpp's)
-    uint32_t u;
-    std::memcpy(&u, &f, 4);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return static_cast<uint16_t>(u >> 16);
-}
 
 // sum of squares of n fp32 values in 16 lanes (vectorized without reassociation), then the lanes in order
 inline float sum_squares(const float* v, int64_t n) {
