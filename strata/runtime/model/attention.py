@@ -135,7 +135,11 @@ class GQAAttention(nn.Module):
         qkv = self._project_stacked(x)
         if qkv is None:
             return tuple(project(p, x) for p in projs)
-        return qkv.split([p.out_features for p in projs], dim=-1)
+        return self._split(qkv)
+
+    def _split(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The stacked projection [N, (heads + 2 kv_heads) * d] -> views q, k, v."""
+        return qkv.split([p.out_features for p in (self.q_proj, self.k_proj, self.v_proj)], dim=-1)
 
     def _project_stacked(self, x: torch.Tensor) -> torch.Tensor | None:
         """x [N, H] -> [N, (heads + 2 kv_heads) * d], q's, k's and v's columns in that order, through the stacked
@@ -166,9 +170,18 @@ class GQAAttention(nn.Module):
 
     def forward(self, x, cos, sin, batch: StepBatch, cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         n = x.shape[0]
-        if x.device.type == "cpu" and (out := self._decode_rows(x, cos, sin, batch, cache)) is not None:
-            return project(self.o_proj, out.reshape(n, -1))
-        q, k, v = self._project(x)
+        qkv = None
+        if x.device.type == "cpu" and (seqs := self._decode_rows(x, batch)) is not None:
+            # a CPU decode step: the stacked projection, then everything up to the output projection in one compiled
+            # call (the path below where it does not take these caches or norms)
+            qkv = self._project_stacked(x)
+            norms = [(m.weight, m.eps) if m is not None else None for m in (self.q_norm, self.k_norm)]
+            out = None if qkv is None else rows.decode_attention(
+                qkv, self.num_heads, self.num_kv_heads, cos, sin, *norms, *cache, [s for s, _ in seqs],
+                [start for _, start in seqs], self.scale)
+            if out is not None:
+                return project(self.o_proj, out.reshape(n, -1))
+        q, k, v = self._split(qkv) if qkv is not None else self._project(x)
         q_norm, k_norm = self.q_norm, self.k_norm  # the per-head norms, applied with the rotary below
         if self.qk_norm_whole:  # q [N, heads * d], k [N, kv_heads * d] normed as one vector a token
             q, k, q_norm, k_norm = q_norm(q), k_norm(k), None, None
@@ -211,25 +224,16 @@ class GQAAttention(nn.Module):
             out[off : off + length] = o.transpose(0, 1)
         return project(self.o_proj, out.reshape(n, -1))
 
-    def _decode_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: StepBatch,
-                     cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor | None:
-        """A CPU decode step (one new token per sequence, no window, per-head norms or none): the stacked q/k/v
-        projection, then everything up to the output projection in one compiled call
-        (strata.kernels.cpu.rows.decode_attention) -> [N, heads, d]; None where that does not apply (the caller's
-        path then runs, from the projection on)."""
-        n = x.shape[0]
-        if (self.window is not None or self.qk_norm_whole or n > rows.MAX_ROWS or x.dtype != torch.bfloat16
+    def _decode_rows(self, x: torch.Tensor, batch: StepBatch) -> list[tuple[int, int]] | None:
+        """(slot, position) of each row of a CPU decode step that `strata.kernels.cpu.rows.decode_attention` can take
+        whole (one new token per sequence, in row order; no window; per-head norms or none; bf16), else None."""
+        if (self.window is not None or self.qk_norm_whole or x.shape[0] > rows.MAX_ROWS or x.dtype != torch.bfloat16
                 or not rows.attends(self.head_dim, self.head_dim) or isinstance(batch, DecodeBatch)):
             return None
         seqs = list(batch.sequences())
         if any(length != 1 or off != i for i, (_, _, off, length) in enumerate(seqs)):
             return None
-        qkv = self._project_stacked(x)
-        if qkv is None:
-            return None
-        norms = [(m.weight, m.eps) if m is not None else None for m in (self.q_norm, self.k_norm)]
-        return rows.decode_attention(qkv, self.num_heads, self.num_kv_heads, cos, sin, *norms, *cache,
-                                     [s for s, _, _, _ in seqs], [start for _, start, _, _ in seqs], self.scale)
+        return [(slot, start) for slot, start, _, _ in seqs]
 
     def _attend_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: StepBatch, k_cache: torch.Tensor,
                      v_cache: torch.Tensor) -> torch.Tensor | None:
