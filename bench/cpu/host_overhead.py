@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -158,9 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     engine.wait_settled()
     engine.generate([5, 6, 7, 8], max_tokens=4, temperature=0.0)  # warm-up: kernels built, experts placed
     try:
-        result = {"model": args.model, "date": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
-                  "torch": torch.__version__, "machine": platform.processor() or platform.machine(),
-                  "cpus": os.cpu_count(), "load_avg": os.getloadavg()[0],
+        fields = {"model": args.model, "torch": torch.__version__, "load_avg": os.getloadavg()[0],
                   "step": step_split(engine, args.tokens),
                   "host_pieces_us": warm_and_streamed(engine, args.calls, args.stream_mib),
                   "stream_mib": args.stream_mib}
@@ -168,11 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         engine.close()
     from bench import provenance
 
-    result["commit"] = provenance.commit()
+    result = provenance.write_record(args.out, "host_overhead.json", "host_overhead", "bench/cpu/host_overhead.py",
+                                     argv, **fields)
     print(json.dumps(result, indent=1))
-    if args.out:
-        Path(args.out).mkdir(parents=True, exist_ok=True)
-        (Path(args.out) / "host_overhead.json").write_text(json.dumps(result, indent=1))
     return 0
 
 

@@ -8,14 +8,16 @@ import json
 from bench.cpu import host_overhead
 from strata.kernels.cpu import dense
 from strata.kernels.cpu import experts as ce
+from strata.kernels.cpu.expert_rows import PinnedLayer
 
 
 def test_step_split_and_host_pieces_written(tiny_model_dir, tmp_path):
-    kernel, linear = ce.run_packed, dense.linear
+    kernel, linear, layer_call = ce.run_packed, dense.linear, PinnedLayer.forward
     host_overhead.main(["--model", str(tiny_model_dir), "--tokens", "6", "--calls", "3", "--stream-mib", "4",
                         "--out", str(tmp_path)])
-    assert ce.run_packed is kernel and dense.linear is linear  # put back
+    assert ce.run_packed is kernel and dense.linear is linear and PinnedLayer.forward is layer_call  # put back
     result = json.loads((tmp_path / "host_overhead.json").read_text())
+    assert result["bench"] == "host_overhead" and result["commit"] and result["machine"]["cpus"] > 0
     step = result["step"]
     assert step["steps"] == 5  # the first token comes from the prompt's pass
     assert 0 < step["compiled_ms"] < step["pass_ms"] and 0 < step["host_share"] < 1

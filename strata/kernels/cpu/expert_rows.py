@@ -46,14 +46,15 @@ class PinnedLayer:
         """The layer whose expert e's blob (in `layout`) is at addresses[e]. None where the compiled kernel does not
         compute these experts here (the torch path, or a format this CPU's kernel cannot read)."""
         fmt = layout.fmt if layout.fmt.quantized else None
-        if _resolve(backend, fmt or "plain") == "torch" or library() is None:
+        name = _resolve(backend, fmt or "plain")
+        if name == "torch" or library() is None:
             return None
         offsets = array.array("q", (layout.gate_up.offset, layout.down.offset,
                                     layout.gate_up_scales.offset if layout.gate_up_scales else 0,
                                     layout.down_scales.offset if layout.down_scales else 0))
         inter = layout.intermediate
         up = expert_args.layout_up_offset(fmt, layout.hidden, inter) if fmt is not None and fmt.kind == "gguf" else 0
-        return cls(_ISA[_resolve(backend, fmt or "plain")], np.ascontiguousarray(addresses, dtype=np.int64), offsets,
+        return cls(_ISA[name], np.ascontiguousarray(addresses, dtype=np.int64), offsets,
                    inter, expert_args.format_args(fmt, up) if fmt is not None else None)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, residual: torch.Tensor | None,
