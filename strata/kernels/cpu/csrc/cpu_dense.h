@@ -60,17 +60,22 @@ namespace k_dense_bf16 {
 // One weight row x M rows of x, read as one sequential stream (the rows of a chunk follow each other in memory, so
 // the chunk is one stream for the prefetchers), 32 bf16 a step (vdpbf16ps: 16 fp32 lanes, each summing a pair); U
 // accumulator sets take the steps in turn (U independent chains: a lone row's sums would wait on each other).
-template <int M, int U>
+// The accumulators must live in registers: the prefetch is decided once a call (PF; a test of j.pf inside the loop
+// let GCC version the loop around them) and their zeroing is unrolled (a loop GCC turns into a memset of a stack
+// array). Either kept them on the stack, which cost a Zen 4 thread 30% of its read rate (bench/cpu/cpu_dense.py).
+template <int M, int U, bool PF>
 inline void row(const DenseJob& j, int64_t n) {
     __m512 acc[U][M];
+#pragma GCC unroll 16
     for (int u = 0; u < U; ++u)
+#pragma GCC unroll 16
         for (int t = 0; t < M; ++t) acc[u][t] = _mm512_setzero_ps();
-    const int64_t K = j.K, group = 32 * U, kg = K / group * group, kv = K / 32 * 32;
+    const int64_t K = j.K, group = 32 * U, kg = K / group * group, kv = K / 32 * 32, pf = j.pf;
     const uint16_t* w = j.w + n * j.ldw;
     int64_t k = 0;
     for (; k < kg; k += group) {
         for (int u = 0; u < U; ++u) {
-            if (j.pf) __builtin_prefetch(reinterpret_cast<const char*>(w + k + 32 * u) + j.pf, 0, 3);  // a line a step
+            if (PF) __builtin_prefetch(reinterpret_cast<const char*>(w + k + 32 * u) + pf, 0, 3);  // a line a step
             const __m512bh wv = (__m512bh)_mm512_loadu_si512(w + k + 32 * u);
             const uint16_t* xs = j.xp + (k + 32 * u) * M;  // step (k + 32 u) / 32's M rows of x, one after the other
             for (int t = 0; t < M; ++t)
@@ -93,8 +98,11 @@ inline void row(const DenseJob& j, int64_t n) {
 
 template <int M>
 void chunk(const DenseJob& j, int64_t n0, int64_t n1) {
-    constexpr int U = M >= 16 ? 1 : 16 / M;  // 16 chains in all (fewer lost half the rate: the sums' latency)
-    for (int64_t n = n0; n < n1; ++n) row<M, U>(j, n);
+    constexpr int U = M >= 16 ? 1 : 16 / M;  // 16 chains in all
+    if (j.pf)
+        for (int64_t n = n0; n < n1; ++n) row<M, U, true>(j, n);
+    else
+        for (int64_t n = n0; n < n1; ++n) row<M, U, false>(j, n);
 }
 
 }  // namespace k_dense_bf16
@@ -112,7 +120,9 @@ inline __m512 widen(const uint16_t* p) {
 template <int M, int U>
 inline void row(const DenseJob& j, int64_t n) {
     __m512 acc[U][M];
+#pragma GCC unroll 16
     for (int u = 0; u < U; ++u)
+#pragma GCC unroll 16
         for (int t = 0; t < M; ++t) acc[u][t] = _mm512_setzero_ps();
     const int64_t K = j.K, group = 16 * U, kg = K / group * group, kv = K / 16 * 16;
     const uint16_t* w = j.w + n * j.ldw;
@@ -163,7 +173,9 @@ inline float hsum(__m256 a) {
 template <int M, int U>
 inline void row(const DenseJob& j, int64_t n) {
     __m256 acc[U][M];
+#pragma GCC unroll 16
     for (int u = 0; u < U; ++u)
+#pragma GCC unroll 16
         for (int t = 0; t < M; ++t) acc[u][t] = _mm256_setzero_ps();
     const int64_t K = j.K, group = 8 * U, kg = K / group * group, kv = K / 8 * 8;
     const uint16_t* w = j.w + n * j.ldw;
