@@ -87,8 +87,10 @@ inline void row(const DenseJob& j, int64_t n) {
         for (int t = 0; t < M; ++t)
             acc[0][t] = _mm512_dpbf16_ps(acc[0][t], wv, (__m512bh)_mm512_loadu_si512(j.xp + k * M + 32 * t));
     }
+#pragma GCC unroll 16
     for (int t = 0; t < M; ++t) {
         __m512 a = acc[0][t];
+#pragma GCC unroll 16
         for (int u = 1; u < U; ++u) a = _mm512_add_ps(a, acc[u][t]);
         float s = _mm512_reduce_add_ps(a);
         if (kv < K) s += dense_tail(w, j.x + t * K, kv, K);
@@ -136,8 +138,10 @@ inline void row(const DenseJob& j, int64_t n) {
         const __m512 wv = widen(w + k);
         for (int t = 0; t < M; ++t) acc[0][t] = _mm512_fmadd_ps(wv, widen(j.x + t * K + k), acc[0][t]);
     }
+#pragma GCC unroll 16
     for (int t = 0; t < M; ++t) {
         __m512 a = acc[0][t];
+#pragma GCC unroll 16
         for (int u = 1; u < U; ++u) a = _mm512_add_ps(a, acc[u][t]);
         float s = _mm512_reduce_add_ps(a);
         if (kv < K) s += dense_tail(w, j.x + t * K, kv, K);
