@@ -43,6 +43,7 @@ torch's and Python's versions.
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import os
 import threading
@@ -65,8 +66,14 @@ BACKENDS = ("avx512_bf16", "avx512", "avx2", "torch")
 
 DEFAULT_PREFETCH_BYTES = 2048
 """Software prefetch distance along each weight row, of the expert kernel and of the dense kernel (decode's projections
-and LM head), `configure(prefetch_bytes=)` overrides; 0: off. On an AMX Xeon VM the dense kernel read the bench model's
-LM head at 21.0 GB/s without it and 23.3-24.3 GB/s at 512-4,096 bytes (docs/benchmarks.md)."""
+and LM head), where `PREFETCH_BYTES_BY_VENDOR` does not name the CPU's vendor; `configure(prefetch_bytes=)` overrides;
+0: off. On an AMX Xeon VM the dense kernel read the bench model's LM head at 21.0 GB/s without it and 23.3-24.3 GB/s at
+512-4,096 bytes, the expert kernel 21.8 against 24.4-24.6 GB/s (docs/benchmarks.md)."""
+
+PREFETCH_BYTES_BY_VENDOR = {"AuthenticAMD": 0}
+"""The distance by /proc/cpuinfo's vendor_id: a Zen 4 VM's hardware prefetchers read faster alone, the expert kernel's
+one token 40.8-42.8 GB/s against 34.9-36.0 at 2 KiB and the dense kernel's LM head 33.8 against 30.5 GB/s
+(docs/benchmarks.md, "The dense kernel's accumulators in registers")."""
 
 _lock = threading.Lock()
 META = 7  # int64 fields of one expert's row in `experts.run_packed`'s meta (csrc/cpu_experts.cpp's META_FIELDS)
@@ -149,20 +156,32 @@ def available_isa(name: str) -> bool:
     return _load() is not None and bool(_isa_mask & (1 << _ISA[name]))
 
 
+def cpu_info(field: str) -> str:
+    """The first CPU's `field` line of /proc/cpuinfo ("flags", "vendor_id", ...); "" where there is none."""
+    return _first_cpu_info().get(field, "")
+
+
+@functools.cache
+def _first_cpu_info() -> dict[str, str]:
+    info: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                key, sep, value = line.partition(":")
+                if sep:
+                    info.setdefault(key.strip(), value.strip())
+                elif info:
+                    break  # the first CPU's block ends at its blank line
+    except OSError:
+        pass
+    return info
+
+
+@functools.cache
 def torch_gemms_on_amx() -> bool:
     """Whether torch's bf16 GEMMs run on this CPU's AMX tiles (oneDNN's brgemm: Linux, a CPU with AMX-BF16)."""
-    global _amx
-    if _amx is None:
-        try:
-            with open("/proc/cpuinfo") as f:
-                flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-        except OSError:
-            flags = []
-        _amx = "amx_bf16" in flags and "amx_tile" in flags and torch.backends.mkldnn.is_available()
-    return _amx
-
-
-_amx: bool | None = None
+    flags = cpu_info("flags").split()
+    return "amx_bf16" in flags and "amx_tile" in flags and torch.backends.mkldnn.is_available()
 
 
 def available_backends() -> list[str]:
@@ -249,7 +268,7 @@ def configure(threads: int | None = None, cpus: Sequence[int] | None = None, spi
     """Tune the kernel. threads: default thread count. cpus: CPUs to pin the pool's workers to (worker
     i on cpus[i % len]; the calling thread is left alone; [] unpins). spin_us: how long idle workers
     spin before sleeping (default `DEFAULT_SPIN_US`). prefetch_bytes: software prefetch distance along each weight
-    row in bytes (default `DEFAULT_PREFETCH_BYTES`; 0 turns it off)."""
+    row in bytes (default `default_prefetch_bytes()`; 0 turns it off)."""
     global _threads_override, _prefetch_override
     if threads is not None:
         _threads_override = max(1, int(threads))
@@ -262,9 +281,14 @@ def configure(threads: int | None = None, cpus: Sequence[int] | None = None, spi
                                  -1 if prefetch_bytes is None else _prefetch_override)
 
 
+def default_prefetch_bytes() -> int:
+    """This CPU's software prefetch distance: `PREFETCH_BYTES_BY_VENDOR` by its vendor, else `DEFAULT_PREFETCH_BYTES`."""
+    return PREFETCH_BYTES_BY_VENDOR.get(cpu_info("vendor_id"), DEFAULT_PREFETCH_BYTES)
+
+
 def prefetch_bytes() -> int:
-    """The software prefetch distance in force: configure(prefetch_bytes=...), else `DEFAULT_PREFETCH_BYTES`."""
-    return _prefetch_override if _prefetch_override is not None else DEFAULT_PREFETCH_BYTES
+    """The software prefetch distance in force: configure(prefetch_bytes=...), else `default_prefetch_bytes()`."""
+    return _prefetch_override if _prefetch_override is not None else default_prefetch_bytes()
 
 
 DEFAULT_SPIN_US = 1000

@@ -3,6 +3,8 @@ checked against the fp32 product of the same bf16 values."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -61,6 +63,23 @@ def test_the_prefetch_distance_does_not_change_the_bits(backend):
     finally:
         library.configure(prefetch_bytes=shipped)
     assert all(torch.equal(outs[0], y) for y in outs[1:])
+
+
+def test_the_prefetch_distance_follows_the_cpu_vendor(monkeypatch):
+    """AMD CPUs read without software prefetch (their hardware prefetchers were faster alone), others 2 KiB ahead; the
+    vendor is the first CPU's vendor_id line of /proc/cpuinfo."""
+    from strata.kernels.cpu import library
+
+    for vendor, want in (("AuthenticAMD", 0), ("GenuineIntel", library.DEFAULT_PREFETCH_BYTES), ("", 2048)):
+        monkeypatch.setattr(library, "_first_cpu_info", lambda v=vendor: {"vendor_id": v} if v else {})
+        assert library.default_prefetch_bytes() == want
+    monkeypatch.undo()
+    real = library.cpu_info("vendor_id")
+    assert library.default_prefetch_bytes() == library.PREFETCH_BYTES_BY_VENDOR.get(real, 2048)
+    if os.path.exists("/proc/cpuinfo"):
+        first = open("/proc/cpuinfo").read().split("\n\n")[0]
+        assert f"vendor_id\t: {real}" in first or not real
+        assert library.cpu_info("no such field") == ""
 
 
 def test_bf16_output_is_the_fp32_output_rounded_and_bias_is_added():

@@ -6,7 +6,8 @@
 // holds no work, so nobody waits for it); a chunk's rows are read one after the other, one sequential stream, with
 // U independent accumulator chains along a row, and (avx512_bf16) a software prefetch `pf` bytes ahead on that
 // stream, the expert kernel's distance: an AMX Xeon VM's hardware prefetchers alone read the LM head at 21.0 GB/s,
-// 23.3-24.3 with it; a Zen 4's no faster, no slower (several rows read at once lost a quarter of the rate there).
+// 23.3-24.3 with it; a Zen 4's read faster alone, so AMD CPUs run without it (library.PREFETCH_BYTES_BY_VENDOR).
+// Several rows read at once lost a quarter of the rate on a Zen 4.
 // Every output element is written by one thread, its dot product summed in an order fixed by the code (and M), so
 // results do not depend on the thread count or the prefetch distance.
 //
