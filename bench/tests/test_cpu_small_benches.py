@@ -24,6 +24,21 @@ def test_cpu_dense_times_every_rows_and_threads_case(tmp_path):
     assert all(r["ms"] > 0 and r["GB_s"] > 0 for r in result["results"]) and result["shape"] == [512, 256]
 
 
+def test_cpu_dense_alternates_the_prefetch_distances(tmp_path):
+    import torch
+
+    from strata.kernels.cpu import library
+
+    if dense.linear(torch.zeros(1, 256, dtype=torch.bfloat16), torch.zeros(512, 256, dtype=torch.bfloat16)) is None:
+        pytest.skip("the dense kernel does not run here")
+    before = library.prefetch_bytes()
+    cpu_dense.main(["--shape", "512", "256", "--rows", "1", "--threads", "1", "--repeat", "2", "--prefetch", "0",
+                    "2048", "--rounds", "2", "--out", str(tmp_path)])
+    result = json.loads((tmp_path / "cpu_dense.json").read_text())
+    assert [(r["round"], r["prefetch"]) for r in result["results"]] == [(0, 0), (0, 2048), (1, 0), (1, 2048)]
+    assert library.prefetch_bytes() == before  # the process's distance as it was
+
+
 def test_sampling_times_both_draws(tmp_path):
     sampling.main(["--vocab", "3000", "--rows", "1", "3", "--repeat", "20", "--out", str(tmp_path)])
     result = json.loads((tmp_path / "sampling.json").read_text())

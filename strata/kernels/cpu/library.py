@@ -72,8 +72,8 @@ and LM head), where `PREFETCH_BYTES_BY_VENDOR` does not name the CPU's vendor; `
 
 PREFETCH_BYTES_BY_VENDOR = {"AuthenticAMD": 0}
 """The distance by /proc/cpuinfo's vendor_id: a Zen 4 VM's hardware prefetchers read faster alone, the expert kernel's
-one token 40.8-42.8 GB/s against 34.9-36.0 at 2 KiB and the dense kernel's LM head 33.8 against 30.5 GB/s
-(docs/benchmarks.md, "The dense kernel's accumulators in registers")."""
+one token 40.8-42.8 GB/s against 34.9-36.0 at 2 KiB and the dense kernel's LM head 37.7 against 32.4 GB/s
+(docs/benchmarks.md, "No software prefetch on AMD CPUs")."""
 
 _lock = threading.Lock()
 META = 7  # int64 fields of one expert's row in `experts.run_packed`'s meta (csrc/cpu_experts.cpp's META_FIELDS)
