@@ -6,7 +6,7 @@
 Where every expert of a layer stays at one address for the life of the engine (the pinned tier holds them all, so
 nothing evicts: `TierManager.all_pinned`), a decode step needs no holds and no per-expert views: the call takes the
 router's picks, groups them by expert, points the kernel at each expert's blob through the layer's address table and
-adds the residual to the rounded sum (csrc/cpu_experts_rows.h). The plain SwiGLU without biases, in any format the
+adds the residual to the rounded sum (csrc/cpu_experts_rows.cpp). The plain SwiGLU without biases, in any format the
 kernel reads. The result equals, bit for bit, the packed path's (`CpuCompute.start_cpu` over the same groups, then
 the bf16 cast and the residual add), which spent ~20 small ops a layer on the same in Python, each slowed
 several-fold by the weights the layer had just streamed through the caches.
@@ -26,7 +26,8 @@ from strata.kernels.cpu.library import _ISA, _resolve, default_threads, library
 from strata.kernels.quant import ExpertLayout
 
 MAX_ROWS = 16
-"""Tokens a call takes (a decode step's rows; a prompt goes through the grouped path)."""
+"""Rows a call takes: a decode step's, or a short prompt's within `CpuCompute.cpu_rows`' per-expert token limit
+(longer prompts take the grouped path)."""
 
 _NOT_RESIDENT = -7
 
