@@ -4,6 +4,7 @@
                                           [--seconds 1.0] [--layers 2] [--threads N] [--out DIR]
     python bench/cpu/cpu_prompt_layers.py --tokens 128,512,1024 --knobs "plain_max=64;plain_max=10"
     python bench/cpu/cpu_prompt_layers.py --experts q4_k --tokens 64,128,256,512 --knobs "quant_max=64;quant_max=12"
+    python bench/cpu/cpu_prompt_layers.py --tokens 64,128 --knobs "prefetch=0;prefetch=2048"
 
 A decode step's layer call holds its top-k experts (8 for one token); a prompt's holds nearly every expert of the
 layer, each with the few of its tokens routed to it (64 tokens, top-8 of 128: ~4 each). The second reads the same
@@ -14,7 +15,8 @@ on `--layers` distinct layers of experts (cycled, so the weights come from RAM, 
 and knob set, the knob sets alternated over `--rounds` rounds, each case's best round kept, every knob set's output
 checked bit-identical to the first's. A knob set may hold `plain_max=N`: the most tokens a plain expert keeps on the
 kernel before torch's bf16 GEMMs take it (`experts.plain_max_tokens`, replaced for that set; outputs across
-different values checked within the avx512_bf16 bound instead). `--experts` q4_k, q6_k, q8_0, fp8 or mxfp4: the layers'
+different values checked within the avx512_bf16 bound instead), and `prefetch=N`: the kernel's software prefetch
+distance along a row in bytes (`library.configure(prefetch_bytes=)`; unset: this CPU's default). `--experts` q4_k, q6_k, q8_0, fp8 or mxfp4: the layers'
 experts in that format (one random quantized expert copied into each), and a knob set may hold `quant_max=N`: the most
 tokens a quantized expert keeps on the kernel before it is dequantized for torch's GEMMs (`experts.quant_max_tokens`;
 its max_tokens, 64: never); `--even` gives every expert the same token count (tokens * 8 / 128), to time one count;
@@ -37,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root, w
 from bench.cpu.cpu_experts import FORMATS, gguf_blocks, machine  # noqa: E402
 from bench.provenance import write_record  # noqa: E402
 from strata.kernels.cpu import experts as ce  # noqa: E402
+from strata.kernels.cpu import library  # noqa: E402
 from strata.kernels.cpu.tuning import parse_knobs  # noqa: E402
 from strata.kernels.quant import ExpertLayout  # noqa: E402
 
@@ -88,13 +91,16 @@ def routing(tokens: int, experts: int, top_k: int, seed: int = 0,
     return idx, [torch.full((len(i),), 1.0 / top_k) for i in idx]
 
 
-def split_knobs(text: str) -> tuple[dict[str, int], int | None]:
-    """One --knobs set: the kernel's knobs, and plain_max or quant_max (None: the engine's own `plain_max_tokens`,
-    `quant_max_tokens`; which of the two applies: the layers' format)."""
+def split_knobs(text: str) -> tuple[dict[str, int], int | None, int | None]:
+    """One --knobs set: the kernel's knobs; plain_max or quant_max (None: the engine's own `plain_max_tokens`,
+    `quant_max_tokens`; which of the two applies: the layers' format); and prefetch, the software prefetch distance in
+    bytes (`library.configure(prefetch_bytes=)`; None: this CPU's default)."""
     parts = [p for p in text.split(",") if p.strip()]
-    plain = [p for p in parts if p.split("=")[0].strip() in ("plain_max", "quant_max")]
-    knobs = parse_knobs(",".join(p for p in parts if p not in plain), "--knobs") if len(plain) < len(parts) else {}
-    return knobs, int(plain[-1].split("=")[1]) if plain else None
+    named = {p.split("=")[0].strip(): int(p.split("=")[1]) for p in parts
+             if p.split("=")[0].strip() in ("plain_max", "quant_max", "prefetch")}
+    rest = [p for p in parts if p.split("=")[0].strip() not in named]
+    knobs = parse_knobs(",".join(rest), "--knobs") if rest else {}
+    return knobs, named.get("plain_max", named.get("quant_max")), named.get("prefetch")
 
 
 @contextmanager
@@ -123,37 +129,42 @@ def expert_bytes(gate_up, down) -> int:
     return sum(t.numel() * t.element_size() for m in (gate_up, down) for t in (m.values, m.scales))
 
 
-def measure(layers: list, tokens: int, knob_sets: list[tuple[dict[str, int], int | None]], rounds: int,
+def measure(layers: list, tokens: int, knob_sets: list[tuple[dict[str, int], int | None, int | None]], rounds: int,
             seconds: float, threads: int | None, saved: dict[str, int], hidden: int = HIDDEN, kind: str = "plain",
             even: bool = False) -> dict:
     """Best ms a layer per knob set (alternated over rounds) for one token count, outputs checked bit-identical
     (within the avx512_bf16 bound across plain_max values); each knob's value before its first setting kept in
-    `saved`."""
+    `saved`, the CPU's default prefetch distance set again at the end."""
     idx, w = routing(tokens, len(layers[0]), TOP_K, even=even)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens))
     used = [e for e, i in enumerate(idx) if i.numel()]
     nbytes = sum(expert_bytes(*layers[0][e]) for e in used)
     refs: dict[int | None, torch.Tensor] = {}
     times: list[list[float]] = [[] for _ in knob_sets]
-    for _ in range(rounds):
-        for k, (knobs, plain_max) in enumerate(knob_sets):
-            for name, before in ce.tune(**knobs).items():
-                saved.setdefault(name, before)
-            out = forward(x, layers[0], idx, w, threads, plain_max)
-            first = next(iter(refs.values()), out)
-            if (ref := refs.setdefault(plain_max, out)) is not out and not torch.equal(out, ref):
-                raise SystemExit(f"knobs {knobs} changed the kernel's output at {tokens} tokens")
-            if (out - first).abs().max() / first.abs().max() > ce.tolerance("avx512_bf16", kind):
-                raise SystemExit(f"plain_max={plain_max} moved the output past bf16's bound at {tokens} tokens")
-            calls, t0 = 0, time.perf_counter()
-            while time.perf_counter() - t0 < seconds:
-                forward(x, layers[calls % len(layers)], idx, w, threads, plain_max)
-                calls += 1
-            times[k].append((time.perf_counter() - t0) / calls * 1e3)
+    try:
+        for _ in range(rounds):
+            for k, (knobs, plain_max, prefetch) in enumerate(knob_sets):
+                for name, before in ce.tune(**knobs).items():
+                    saved.setdefault(name, before)
+                library.configure(prefetch_bytes=library.default_prefetch_bytes() if prefetch is None else prefetch)
+                out = forward(x, layers[0], idx, w, threads, plain_max)
+                first = next(iter(refs.values()), out)
+                if (ref := refs.setdefault(plain_max, out)) is not out and not torch.equal(out, ref):
+                    raise SystemExit(f"knobs {knobs} changed the kernel's output at {tokens} tokens")
+                if (out - first).abs().max() / first.abs().max() > ce.tolerance("avx512_bf16", kind):
+                    raise SystemExit(f"plain_max={plain_max} moved the output past bf16's bound at {tokens} tokens")
+                calls, t0 = 0, time.perf_counter()
+                while time.perf_counter() - t0 < seconds:
+                    forward(x, layers[calls % len(layers)], idx, w, threads, plain_max)
+                    calls += 1
+                times[k].append((time.perf_counter() - t0) / calls * 1e3)
+    finally:  # the CPU's own prefetch distance back
+        library.configure(prefetch_bytes=library.default_prefetch_bytes())
     cases = []
-    for (knobs, plain_max), ms in zip(knob_sets, times, strict=True):
+    for (knobs, plain_max, prefetch), ms in zip(knob_sets, times, strict=True):
         best = min(ms)
         hand = {"plain_max" if kind == "plain" else "quant_max": plain_max} if plain_max is not None else {}
+        hand |= {"prefetch": prefetch} if prefetch is not None else {}
         cases.append({"knobs": knobs | hand, "ms": round(best, 3), "gbps": round(nbytes / best / 1e6, 2),
                       "rounds_ms": [round(t, 3) for t in ms], "vs_first": round(min(times[0]) / best, 3)})
     return {"tokens": tokens, "experts_used": len(used), "bytes": nbytes, "cases": cases}

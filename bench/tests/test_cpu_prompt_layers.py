@@ -6,6 +6,7 @@ import pytest
 
 from bench.cpu.cpu_prompt_layers import make_layers, measure, routing, split_knobs
 from strata.kernels.cpu import experts as ce
+from strata.kernels.cpu import library
 
 
 def test_routing_gives_each_token_top_k_distinct_experts():
@@ -21,7 +22,7 @@ def test_each_knob_set_is_timed_on_the_same_call():
     saved: dict[str, int] = {}
     before = ce.tune(down_stream=5000)
     try:
-        res = measure(layers, 6, [({"down_stream": 0}, None), ({"down_stream": 1 << 17, "claim_ahead": 0}, None)], 2,
+        res = measure(layers, 6, [({"down_stream": 0}, None, None), ({"down_stream": 1 << 17, "claim_ahead": 0}, None, None)], 2,
                       0.01, 2, saved, hidden=64)
         used = res["experts_used"]
         assert 0 < used <= 16 and res["bytes"] == used * 3 * 32 * 64 * 2
@@ -35,11 +36,23 @@ def test_each_knob_set_is_timed_on_the_same_call():
 def test_a_knob_set_may_move_plain_experts_to_torchs_gemms():
     """plain_max=N splits off the kernel's knobs; a set with plain_max=2 (6 tokens: experts of 3 or more go to torch's
     GEMMs) is timed beside the shipped hand-off, its output within bf16's bound, and the hand-off put back."""
-    assert split_knobs("down_stream=0,plain_max=12") == ({"down_stream": 0}, 12)
-    assert split_knobs("plain_max=64") == ({}, 64) and split_knobs("down_stream=0") == ({"down_stream": 0}, None)
+    assert split_knobs("down_stream=0,plain_max=12") == ({"down_stream": 0}, 12, None)
+    assert split_knobs("plain_max=64") == ({}, 64, None)
+    assert split_knobs("down_stream=0") == ({"down_stream": 0}, None, None)
     if ce.library() is None:
         pytest.skip("compiled CPU kernel not available")
     shipped = ce.plain_max_tokens
-    res = measure(make_layers(2, 64, 32, 4), 6, [({}, None), ({}, 2)], 2, 0.01, 2, {}, hidden=64)
+    res = measure(make_layers(2, 64, 32, 4), 6, [({}, None, None), ({}, 2, None)], 2, 0.01, 2, {}, hidden=64)
     assert [c["knobs"] for c in res["cases"]] == [{}, {"plain_max": 2}]
     assert ce.plain_max_tokens is shipped
+
+
+def test_a_knob_set_may_set_the_prefetch_distance():
+    """prefetch=N sets the software prefetch distance for its set (results bit-identical: it only reads ahead), and the
+    CPU's default distance is put back after the run."""
+    assert split_knobs("prefetch=2048,down_stream=0") == ({"down_stream": 0}, None, 2048)
+    if ce.library() is None:
+        pytest.skip("compiled CPU kernel not available")
+    res = measure(make_layers(2, 64, 32, 4), 6, [({}, None, 0), ({}, None, 2048)], 2, 0.01, 2, {}, hidden=64)
+    assert [c["knobs"] for c in res["cases"]] == [{"prefetch": 0}, {"prefetch": 2048}]
+    assert library.prefetch_bytes() == library.default_prefetch_bytes()
