@@ -100,7 +100,7 @@ CASES = [(t, t, t) for t in READ] + [("Q4_K", "Q2_K", "Q6_K"), ("Q8_0", "Q6_K", 
 
 
 @pytest.mark.parametrize("types", CASES, ids=["-".join(t) for t in CASES])
-@pytest.mark.parametrize("N", [1, 3])
+@pytest.mark.parametrize("N", [1, 3, 7])  # 7: experts of 3, 5 and 7 tokens (a tile of 4 and a remainder)
 def test_matches_the_reference_on_the_dequantized_weights(types, N):
     H, inter = (512, 256) if "Q8_0" not in types else (768, 256)
     _, _, mats, deq = gguf_experts([types] * 3, H, inter, seed=N)

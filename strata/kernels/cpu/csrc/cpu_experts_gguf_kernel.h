@@ -9,7 +9,10 @@
 
 struct ReadGguf {};  // run_job_fmt's tag for GGUF experts
 
-constexpr int kGgufTile = 2;  // tokens a row is read for at once (more: the row again, from the caches)
+// Tokens a row is read for at once (more: the row again, from the caches). A step's codes and scales are decoded once
+// for the tile, which is most of a K-quant step's work at one token (cpu_experts_gguf.h), so a prompt's experts of 3
+// or 4 tokens take one pass instead of two; at 4 a pass holds 8 accumulators, two rows' scales and codes (~26 zmm).
+constexpr int kGgufTile = 4;
 
 // out_r[t] = <row r, x_t> over the first len values of R (1 or 2) rows of type T, t < NT: one pass for both rows, each
 // chain's activations loaded once for them. Every step, per row and token: each chain's products summed (its vectors in
@@ -99,11 +102,13 @@ __attribute__((always_inline)) static inline void gguf_dot(const uint8_t* const*
 template <class KK, class T, int R, class XT>
 __attribute__((always_inline)) static inline void gguf_dot_n(int nt, const uint8_t* const* rows, int64_t len, const XT* const* xs,
                               const float* const* sums, float* const* out, int64_t pf) {
-    static_assert(kGgufTile == 2, "a case per tile width");
-    if (nt == 1)
-        gguf_dot<KK, T, 1, R>(rows, len, xs, sums, out, pf);
-    else
-        gguf_dot<KK, T, 2, R>(rows, len, xs, sums, out, pf);
+    static_assert(kGgufTile == 4, "a case per tile width");
+    switch (nt) {
+        case 1: gguf_dot<KK, T, 1, R>(rows, len, xs, sums, out, pf); break;
+        case 2: gguf_dot<KK, T, 2, R>(rows, len, xs, sums, out, pf); break;
+        case 3: gguf_dot<KK, T, 3, R>(rows, len, xs, sums, out, pf); break;
+        default: gguf_dot<KK, T, 4, R>(rows, len, xs, sums, out, pf); break;
+    }
 }
 
 // R rows of GGUF type `type` (one gguf_readable accepted), against the same activations.
