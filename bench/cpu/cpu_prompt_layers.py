@@ -16,13 +16,14 @@ and knob set, the knob sets alternated over `--rounds` rounds, each case's best 
 checked bit-identical to the first's. A knob set may hold `plain_max=N`: the most tokens a plain expert keeps on the
 kernel before torch's bf16 GEMMs take it (`experts.plain_max_tokens`, replaced for that set; outputs across
 different values checked within the avx512_bf16 bound instead), and `prefetch=N`: the kernel's software prefetch
-distance along a row in bytes (`library.configure(prefetch_bytes=)`; unset: this CPU's default). `--experts` q4_k, q6_k, q8_0, fp8 or mxfp4: the layers'
-experts in that format (one random quantized expert copied into each), and a knob set may hold `quant_max=N`: the most
-tokens a quantized expert keeps on the kernel before it is dequantized for torch's GEMMs (`experts.quant_max_tokens`;
-its max_tokens, 64: never); `--even` gives every expert the same token count (tokens * 8 / 128), to time one count;
-`--dequant-rate q4_k,fp8,...` times the compiled dequantizer instead (an expert's gate_up, 1 and 2 threads: ms,
-Mvalues/s, GB/s of bf16 written; cpu_dequant_rate.json). Prints ms a layer, GB/s (the experts' bytes a call reads / its
-time) and each knob set against the first; writes cpu_prompt_layers.json into --out. Runs on any x86-64 machine.
+distance along a row in bytes (`library.configure(prefetch_bytes=)`; unset: this CPU's default). `--experts` q4_k,
+q6_k, q8_0, fp8 or mxfp4: the layers' experts in that format (one random quantized expert copied into each), and a
+knob set may hold `quant_max=N`: the most tokens a quantized expert keeps on the kernel before it is dequantized for
+torch's GEMMs (`experts.quant_max_tokens`; its max_tokens, 64: never); `--even` gives every expert the same token
+count (tokens * 8 / 128), to time one count; `--dequant-rate q4_k,fp8,...` times the compiled dequantizer instead (an
+expert's gate_up, 1 and 2 threads: ms, Mvalues/s, GB/s of bf16 written; cpu_dequant_rate.json). Prints ms a layer,
+GB/s (the experts' bytes a call reads / its time) and each knob set against the first; writes cpu_prompt_layers.json
+into --out. Runs on any x86-64 machine.
 """
 
 from __future__ import annotations

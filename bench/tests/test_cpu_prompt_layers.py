@@ -22,8 +22,8 @@ def test_each_knob_set_is_timed_on_the_same_call():
     saved: dict[str, int] = {}
     before = ce.tune(down_stream=5000)
     try:
-        res = measure(layers, 6, [({"down_stream": 0}, None, None), ({"down_stream": 1 << 17, "claim_ahead": 0}, None, None)], 2,
-                      0.01, 2, saved, hidden=64)
+        sets = [({"down_stream": 0}, None, None), ({"down_stream": 1 << 17, "claim_ahead": 0}, None, None)]
+        res = measure(layers, 6, sets, 2, 0.01, 2, saved, hidden=64)
         used = res["experts_used"]
         assert 0 < used <= 16 and res["bytes"] == used * 3 * 32 * 64 * 2
         assert [c["knobs"] for c in res["cases"]] == [{"down_stream": 0}, {"down_stream": 1 << 17, "claim_ahead": 0}]
