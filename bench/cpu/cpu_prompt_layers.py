@@ -16,7 +16,7 @@ and knob set, the knob sets alternated over `--rounds` rounds, each case's best 
 checked bit-identical to the first's. A knob set may hold `plain_max=N`: the most tokens a plain expert keeps on the
 kernel before torch's bf16 GEMMs take it (`experts.plain_max_tokens`, replaced for that set; outputs across
 different values checked within the avx512_bf16 bound instead), and `prefetch=N`: the kernel's software prefetch
-distance along a row in bytes (`library.configure(prefetch_bytes=)`; unset: this CPU's default). `--experts` q4_k,
+distance along a row in bytes (`library.configure(prefetch_bytes=)`; unset: the distance in force). `--experts` q4_k,
 q6_k, q8_0, fp8 or mxfp4: the layers' experts in that format (one random quantized expert copied into each), and a
 knob set may hold `quant_max=N`: the most tokens a quantized expert keeps on the kernel before it is dequantized for
 torch's GEMMs (`experts.quant_max_tokens`; its max_tokens, 64: never); `--even` gives every expert the same token
@@ -95,7 +95,7 @@ def routing(tokens: int, experts: int, top_k: int, seed: int = 0,
 def split_knobs(text: str) -> tuple[dict[str, int], int | None, int | None]:
     """One --knobs set: the kernel's knobs; plain_max or quant_max (None: the engine's own `plain_max_tokens`,
     `quant_max_tokens`; which of the two applies: the layers' format); and prefetch, the software prefetch distance in
-    bytes (`library.configure(prefetch_bytes=)`; None: this CPU's default)."""
+    bytes (`library.configure(prefetch_bytes=)`; None: the distance in force)."""
     parts = [p for p in text.split(",") if p.strip()]
     named = {p.split("=")[0].strip(): int(p.split("=")[1]) for p in parts
              if p.split("=")[0].strip() in ("plain_max", "quant_max", "prefetch")}
@@ -135,19 +135,20 @@ def measure(layers: list, tokens: int, knob_sets: list[tuple[dict[str, int], int
             even: bool = False) -> dict:
     """Best ms a layer per knob set (alternated over rounds) for one token count, outputs checked bit-identical
     (within the avx512_bf16 bound across plain_max values); each knob's value before its first setting kept in
-    `saved`, the CPU's default prefetch distance set again at the end."""
+    `saved`, the prefetch distance in force before set again at the end."""
     idx, w = routing(tokens, len(layers[0]), TOP_K, even=even)
     x = torch.randn(tokens, hidden, generator=torch.Generator().manual_seed(tokens))
     used = [e for e, i in enumerate(idx) if i.numel()]
     nbytes = sum(expert_bytes(*layers[0][e]) for e in used)
     refs: dict[int | None, torch.Tensor] = {}
     times: list[list[float]] = [[] for _ in knob_sets]
+    before = library.prefetch_bytes()  # the distance in force, set again at the end
     try:
         for _ in range(rounds):
             for k, (knobs, plain_max, prefetch) in enumerate(knob_sets):
                 for name, before in ce.tune(**knobs).items():
                     saved.setdefault(name, before)
-                library.configure(prefetch_bytes=library.default_prefetch_bytes() if prefetch is None else prefetch)
+                library.configure(prefetch_bytes=before if prefetch is None else prefetch)
                 out = forward(x, layers[0], idx, w, threads, plain_max)
                 first = next(iter(refs.values()), out)
                 if (ref := refs.setdefault(plain_max, out)) is not out and not torch.equal(out, ref):
@@ -159,8 +160,8 @@ def measure(layers: list, tokens: int, knob_sets: list[tuple[dict[str, int], int
                     forward(x, layers[calls % len(layers)], idx, w, threads, plain_max)
                     calls += 1
                 times[k].append((time.perf_counter() - t0) / calls * 1e3)
-    finally:  # the CPU's own prefetch distance back
-        library.configure(prefetch_bytes=library.default_prefetch_bytes())
+    finally:
+        library.configure(prefetch_bytes=before)
     cases = []
     for (knobs, plain_max, prefetch), ms in zip(knob_sets, times, strict=True):
         best = min(ms)
