@@ -38,6 +38,8 @@
 #                and the step's other fixed work weigh as much as Qwen3's; deepseek_v4 at 2, all a host's RAM holds), in
 #                one call, so their tiered roofline fractions (the CPU rate measured on that host) compare; ARCHS
 #                narrows it                                                     -> $OUT/tiered/ARCH/suite.json
+#   phases       a short prompt's prefill at a 25% GPU budget on the 12-layer bench model, host time by phase of
+#                each MoE layer (bench/probes/prefill_phases.py; PROMPTS: its prompt lengths)  -> $OUT/phases/
 #   llamacpp-build  llama.cpp's llama-bench and llama-batched-bench for CUDA sm_90, from the stripped source that
 #                `wheels` packed (.gpu/llama.cpp-src.tar.gz), into ~/.cache/strata/bench/llamacpp (ninja resumes a
 #                build a time limit cut short: run the step again)              -> $OUT/llamacpp-build.txt
@@ -225,6 +227,12 @@ print(int(0.25 * model_facts(Path('$model'))[1]['expert_bytes_total']))") || ret
         [ "$a" = qwen3 ] || rm -rf "$model"
       done
       return "$rc" ;;
+    phases)
+      local m
+      m=$(python3 -c "from pathlib import Path; from bench.suite.models import ensure_model
+print(ensure_model(Path('/dev/shm/strata-suite/models'), 'bench', 12, 'uniform', 1.0, progress=False))") || return 1
+      timeout 400 python3 bench/probes/prefill_phases.py --model "$m" --prompt ${PROMPTS:-128 192 512} \
+        --out "$OUT/phases" ;;
     llamacpp-build)
       timeout 590 python3 -m bench.suite.llamacpp_build --src .gpu/llama.cpp-src.tar.gz > "$OUT/llamacpp-build.txt" 2>&1
       local rc=$?; tail -3 "$OUT/llamacpp-build.txt"; return "$rc" ;;

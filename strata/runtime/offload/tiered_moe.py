@@ -25,7 +25,6 @@ from __future__ import annotations
 import time
 from collections import Counter
 from collections.abc import Iterable
-from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -37,6 +36,7 @@ from strata.runtime.model.capture import current_capture_mode, current_recorder
 from strata.runtime.model.moe import MoEBlock, router_predictors
 from strata.runtime.model.transformer import MoETransformer
 from strata.runtime.offload.cost_model import split_cold
+from strata.runtime.offload.cpu_compute import CpuShare
 from strata.runtime.offload.expert_compute import ExpertCompute
 from strata.runtime.offload.step_io import pairs_by_expert, to_host, upload
 from strata.runtime.offload.tiered_prefill import PrefillPath
@@ -111,8 +111,8 @@ class TieredExperts(PrefillPath, nn.Module):
         groups = group_by_expert(ids, self.num_experts)  # syncs: predictions have arrived too
         self._note_uses((e, len(sel)) for e, sel in groups)
         ahead = self._take_ahead(ids.numel())  # this layer's experts staged early, and the next layer's behind them
+        cpu_part: tuple[torch.Tensor, CpuShare] | None = None
         try:
-            cpu_part: tuple[torch.Tensor, Future] | None = None
             if c.use_split:
                 cpu_groups, groups = self._plan_split(groups)
                 if cpu_groups:  # activations cross PCIe (small); weights stay in host RAM
@@ -120,10 +120,13 @@ class TieredExperts(PrefillPath, nn.Module):
             out = self._tier_forward(x, weights, k, groups, "gpu", ids)
             if cpu_part is not None:
                 rows, share = cpu_part  # rows unique: each of out's rows gets one add, as `out + partial` would
-                out.index_add_(0, rows, share.result().to(out.device, out.dtype))
+                cpu_part = None
+                out.index_add_(0, rows, share.wait().to(out.device, out.dtype))
             return out
         except BaseException:  # the pass stops here: nothing will compute what was staged ahead
             self._release_ahead()
+            if cpu_part is not None:
+                cpu_part[1].wait()  # the experts it reads stay held until it is joined
             raise
         finally:
             if ahead is not None:  # the layer's kernels are enqueued: its slots may be reused behind them

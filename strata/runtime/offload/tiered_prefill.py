@@ -13,12 +13,11 @@ waits for the host to reach the next layer's router (which kept the copy engine 
 
 from __future__ import annotations
 
-from concurrent.futures import Future
-
 import torch
 
 from strata.kernels.experts import apply_experts
 from strata.kernels.gpu.grouped_gemm import grouped_ok, refuse, slot_pairs, sum_pairs
+from strata.runtime.offload.cpu_compute import CpuShare
 
 # a chunk stages its next layer ahead from 16 token-expert pairs an expert (a 256-token prompt of an 8-of-128 model;
 # an expert then goes unused with odds ~exp(-16)). Below that the cost model's CPU share, the cold experts with few
@@ -63,13 +62,17 @@ class PrefillPath:
             if ready:
                 c.prefill_ahead[layer] = m.stage_gpu(layer, ready)
 
-    def _start_cpu_share(self, x, weights, k: int, groups) -> tuple[torch.Tensor, Future]:
-        """Start a many-token layer's CPU share on the kernel pool with only its tokens' rows crossing PCIe.
+    def _start_cpu_share(self, x, weights, k: int, groups) -> tuple[torch.Tensor, CpuShare]:
+        """Start a many-token layer's CPU share with only its tokens' rows crossing PCIe.
 
         An 8K-token prompt's activations are 64 MiB in fp32 each way; its CPU share is the few experts with
         a handful of tokens each (at most a few hundred rows). Shipping whole x and a whole [N, H] partial sum
-        (pageable, freshly allocated) cost ~45 ms a layer on the H200 box. Returns (rows [R] on x's device,
-        the future of the partial sum [R, H] fp32 over those rows)."""
+        (pageable, freshly allocated) cost ~45 ms a layer on the H200 box. The kernel starts on its own launcher
+        thread (`ExpertCompute.start_cpu`), as a decode layer's share does, while this thread stages the copies: a
+        Python worker would first wait for the GIL this thread holds while staging (4.2 ms a layer of a 128-token
+        prompt at a 25% budget on an H100 host, `bench/probes/prefill_phases.py`). Experts not all resident in pinned
+        RAM go through `cpu_forward` on the Python worker. Returns (rows [R] on x's device, the share, whose
+        `wait()` gives the partial sum [R, H] fp32 over those rows)."""
         c, n = self.compute, x.shape[0]
         # pair indices into ids.flatten(), expert by expert: one device-to-host copy for the whole share
         sels = torch.cat([s for _, s in groups]).cpu().split([len(s) for _, s in groups])
@@ -80,7 +83,11 @@ class PrefillPath:
         local = [(e, where[s // k] * k + s % k) for (e, _), s in zip(groups, sels, strict=True)]
         rows_dev = rows.to(x.device)
         x_host, w_host = x.index_select(0, rows_dev).float().cpu(), weights.index_select(0, rows_dev).cpu()
-        return rows_dev, c.pool.submit(c.cpu_forward, self.layer, x_host, w_host, k, local)
+        share = c.start_cpu(self.layer, x_host, w_host, k, local) if c.use_fast_cpu else None
+        if share is None:
+            future = c.pool.submit(c.cpu_forward, self.layer, x_host, w_host, k, local)
+            share = CpuShare(future.result, ())
+        return rows_dev, share
 
     def _grouped_forward(self, x, weights, groups, ids, chunk: int) -> torch.Tensor:
         """`_tier_forward` through grouped GEMMs over the GPU slots ([debug] grouped_prefill): each batch of experts
