@@ -1,7 +1,8 @@
 """Where a short prompt's prefill goes at a 25% GPU budget: host time by phase of each MoE layer, the CPU
 share's kernel time, and what lies outside the layers.
 
-    python bench/probes/prefill_phases.py --model DIR [--prompt 128 192 512] [--rounds 4] [--label L] [--out DIR]
+    python bench/probes/prefill_phases.py --model DIR [--prompt 128 192 512] [--rounds 4] [--sample S] [--label L]
+                                            [--out DIR]
 
 A turn of an agent's conversation served from the prefix cache computes its ~150-200 new tokens only, yet at a 25%
 budget those tokens route to nearly every expert of every layer, so its first token waits on the cold experts: the
@@ -19,6 +20,9 @@ layers, and the cost model's rates as the prompts left them:
 - `moe`: every MoE layer's `_batch_forward`; `attn`: the attention modules; `layers`: the model's layers, embedding
   and final norm; `pass`: the scheduler's forward pass (the LM head and sampling too); `other`: the rest of the
   request (the scheduler's admission, the prefix cache's books, the first token's delivery).
+
+`--sample S` also samples every other thread's innermost Python frame each S seconds during the timed prefills and
+prints the most frequent per thread: what the tier manager's and the scheduler's threads run beside the prefill.
 """
 
 from __future__ import annotations
@@ -117,12 +121,40 @@ def instrument(clock: PhaseClock) -> None:
     cost_model.Rates.observe_cpu = observe_cpu
 
 
+class StackSampler:
+    """Every `interval` seconds while `on`, the innermost frame of each other thread (its file's last two parts, line
+    and function), counted by thread name: which Python code holds the GIL, or waits, beside the prefill's thread."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval, self.on = interval, threading.Event()
+        self.counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        threading.Thread(target=self._run, name="stack-sampler", daemon=True).start()
+
+    def _run(self) -> None:
+        me = threading.get_ident()
+        while True:
+            self.on.wait()
+            names = {t.ident: t.name for t in threading.enumerate()}
+            for ident, frame in sys._current_frames().items():
+                if ident == me:
+                    continue
+                code = frame.f_code
+                where = "/".join(Path(code.co_filename).parts[-2:])
+                self.counts[names.get(ident, str(ident))][f"{where}:{frame.f_lineno} {code.co_name}"] += 1
+            time.sleep(self.interval)
+
+    def top(self, n: int = 8) -> dict[str, list[tuple[str, int]]]:
+        return {name: sorted(c.items(), key=lambda kv: -kv[1])[:n] for name, c in self.counts.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="the suite's 12-layer bench model (or any tiered checkpoint)")
     p.add_argument("--budget", type=int, default=3_623_878_656, help="bytes of experts on the GPU")
     p.add_argument("--prompt", type=int, nargs="+", default=[128, 192, 512])
     p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--sample", type=float, default=0.0,
+                   help="sample every thread's innermost frame this often (seconds) during the timed prefills")
     p.add_argument("--label", default="", help="a suffix of the JSON's name (prefill_phases-LABEL.json)")
     p.add_argument("--out", default="bench-out")
     args = p.parse_args(argv)
@@ -136,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
 
     clock = PhaseClock()
     instrument(clock)
+    sampler = StackSampler(args.sample) if args.sample > 0 else None
     config = {"runtime": {"max_context": 8272, "prefill_chunk": 8192, "prefix_cache": False},
               "tiers": {"gpu": {"budget": str(args.budget)}}, "planner": {"max_batch": 8}}
     engine = Engine.from_pretrained(args.model, config=config, device="cuda")
@@ -151,10 +184,14 @@ def main(argv: list[str] | None = None) -> int:
                 c0 = engine.stats()["cpu_experts_computed"]
                 torch.cuda.synchronize()
                 clock.reset()
+                if sampler is not None:
+                    sampler.on.set()
                 t0 = time.perf_counter()
                 engine.generate(prompt, max_tokens=1, temperature=0.0)
                 torch.cuda.synchronize()
                 total = time.perf_counter() - t0
+                if sampler is not None:
+                    sampler.on.clear()
                 sums = dict(clock.sums)
                 sums["other"] = total - sums.get("pass", 0.0)  # outside the forward pass: the scheduler
                 rounds.append({"total": total, "cpu_experts": engine.stats()["cpu_experts_computed"] - c0,
@@ -170,7 +207,11 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     record = {"commit": commit(), "command": " ".join(["python", "bench/probes/prefill_phases.py", *(argv or sys.argv[1:])]),
-              "gpu": torch.cuda.get_device_name(), "config": config, "results": results}
+              "gpu": torch.cuda.get_device_name(), "config": config, "results": results,
+              "stacks": sampler.top(12) if sampler is not None else None}
+    if sampler is not None:
+        for name, top in record["stacks"].items():
+            print(name, json.dumps(top), flush=True)
     (out / f"prefill_phases{'-' + args.label if args.label else ''}.json").write_text(json.dumps(record, indent=1))
     return 0
 

@@ -104,13 +104,14 @@ def test_a_prompts_cpu_share_gets_only_its_tokens_rows(tiny_model_dir, monkeypat
     cfg = {"tiers": {"gpu": {"budget": str(2 * 12288)}, "pinned": {"budget": str(32 * 12288)}}}
     with Engine.from_pretrained(tiny_model_dir, device="cuda", config=cfg) as split:
         compute = split.model.layers[1].mlp.experts.compute
-        calls, forward = [], compute.cpu_forward
+        calls, start = [], compute.start_cpu
 
-        def spy(layer, x, weights, k, groups):
-            calls.append((x.shape[0], weights.shape[0], k, [s.clone() for _, s in groups]))
-            return forward(layer, x, weights, k, groups)
+        def spy(layer, x, weights, k, groups, background=True):
+            if background:  # the share's own start (cpu_forward, its fallback, starts it again in the foreground)
+                calls.append((x.shape[0], weights.shape[0], k, [torch.as_tensor(s).clone() for _, s in groups]))
+            return start(layer, x, weights, k, groups, background=background)
 
-        monkeypatch.setattr(compute, "cpu_forward", spy)
+        monkeypatch.setattr(compute, "start_cpu", spy)
         plan = TieredExperts._plan_split
 
         def one_on_cpu(self, groups):  # the CPU share cut to one expert (<= 32 tokens): fewer rows than the prompt
