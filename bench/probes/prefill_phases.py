@@ -155,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--sample", type=float, default=0.0,
                    help="sample every thread's innermost frame this often (seconds) during the timed prefills")
+    p.add_argument("--runtime", default="{}", help="JSON: [runtime] settings over the suite's, e.g. "
+                   "'{\"prefill_keeps_resident\": true}'")
+    p.add_argument("--no-cudnn-attention", action="store_true", help="SDPA without its cuDNN backend")
     p.add_argument("--label", default="", help="a suffix of the JSON's name (prefill_phases-LABEL.json)")
     p.add_argument("--out", default="bench-out")
     args = p.parse_args(argv)
@@ -166,11 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     from bench.suite.strata_case import prompts_for
     from strata import Engine
 
+    if args.no_cudnn_attention:
+        torch.backends.cuda.enable_cudnn_sdp(False)
     clock = PhaseClock()
     instrument(clock)
     sampler = StackSampler(args.sample) if args.sample > 0 else None
     config = {"runtime": {"max_context": 8272, "prefill_chunk": 8192, "prefix_cache": False},
               "tiers": {"gpu": {"budget": str(args.budget)}}, "planner": {"max_batch": 8}}
+    config["runtime"].update(json.loads(args.runtime))
     engine = Engine.from_pretrained(args.model, config=config, device="cuda")
     engine.wait_settled()
     vocab = engine.checkpoint.config.vocab_size

@@ -66,7 +66,7 @@ def main() -> None:
             f"{engine.prefill_chunk}); {profiled:.3f} s profiled; peak {peak / 2**20:,.0f} MiB above the start "
             f"({peak / 1024 / engine.prefill_chunk:,.0f} KiB a chunk token)")
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-    cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15)
+    cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
     print(head, flush=True)
     print(table[:6000], flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
