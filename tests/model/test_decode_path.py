@@ -676,3 +676,33 @@ def test_later_prefill_chunk_attention_equals_the_masked_reference(heads, kv_hea
     ref = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ vv
     assert out.shape == (heads, L, dv)
     torch.testing.assert_close(out, ref, atol=2e-2 if device == "cuda" else 1e-5, rtol=2e-2 if device == "cuda" else 1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("start", [0, 5])
+def test_a_prompts_attention_on_cuda_leaves_cudnn_out_and_matches_the_math(monkeypatch, start):
+    """A prompt's SDPA call runs with cuDNN's backend switched off (its host cost per call), GQA heads included, and
+    gives causal attention's fp32 result within bf16 rounding, for a first chunk and a later one."""
+    import torch.nn.functional as F
+
+    from strata.runtime.model import attention
+
+    seen, sdpa = [], F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(8, 24, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(2, start + 24, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(2, start + 24, 64, device="cuda", dtype=torch.bfloat16, generator=g)
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    got = attention.attend(q, k, v, start, None, 0.125)
+    assert seen and not any(seen)
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # restored for the rest of the process
+    kf, vf = k.float().repeat_interleave(4, 0), v.float().repeat_interleave(4, 0)  # query head h reads KV head h // 4
+    scores = q.float() @ kf.transpose(1, 2) * 0.125  # [heads, L, S]
+    later = torch.arange(start + 24, device="cuda")[None, :] > torch.arange(start, start + 24, device="cuda")[:, None]
+    want = scores.masked_fill(later, float("-inf")).softmax(-1) @ vf
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from strata.kernels.cpu import dense, rows
 from strata.kernels.gpu import fused
@@ -20,6 +21,13 @@ from strata.runtime.model.kv_cache import DecodeBatch, StepBatch
 from strata.runtime.model.layers import RMSNorm, linear, project
 from strata.runtime.model.rope import apply_rope
 
+# A prompt's attention on CUDA takes SDPA's flash, memory-efficient or math kernels, not cuDNN's: cuDNN's costs the host
+# ~5 ms a call (an H100 host, torch 2.11), which a prefill's layers wait through one by one. On the 12-layer bench
+# model that was 60-70 ms of every prefill, from 128 tokens at a 25% budget to 8K tokens with every expert on the GPU,
+# against 6-9 ms without it (bench/probes/prefill_phases.py --no-cudnn-attention; docs/benchmarks.md, "A prompt's
+# attention without cuDNN").
+PROMPT_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int | None, scale: float) -> torch.Tensor:
     """Causal attention of L new queries over S = start + L cached keys.
@@ -27,6 +35,13 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window
     q [heads, L, d], k [kv_heads, S, d], v [kv_heads, S, dv] -> [heads, L, dv]. Query i sits at
     position start + i; key j at position j; with a window, keys older than `window` are masked.
     """
+    if q.is_cuda:
+        with sdpa_kernel(PROMPT_SDPA_BACKENDS):
+            return _attend(q, k, v, start, window, scale)
+    return _attend(q, k, v, start, window, scale)
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int | None, scale: float) -> torch.Tensor:
     L, S = q.shape[1], k.shape[1]
     gqa = q.shape[0] != k.shape[0]
     if L == 1 and window is None and q.device.type == "cpu":
