@@ -21,11 +21,11 @@ from strata.runtime.model.kv_cache import DecodeBatch, StepBatch
 from strata.runtime.model.layers import RMSNorm, linear, project
 from strata.runtime.model.rope import apply_rope
 
-# A prompt's attention on CUDA takes SDPA's flash, memory-efficient or math kernels, not cuDNN's: cuDNN's costs the host
-# ~5 ms a call (an H100 host, torch 2.11), which a prefill's layers wait through one by one. On the 12-layer bench
-# model that was 60-70 ms of every prefill, from 128 tokens at a 25% budget to 8K tokens with every expert on the GPU,
-# against 6-9 ms without it (bench/probes/prefill_phases.py --no-cudnn-attention; docs/benchmarks.md, "A prompt's
-# attention without cuDNN").
+# A prompt's causal attention on CUDA (no window: the cases flash attention takes, GQA included) runs without SDPA's
+# cuDNN backend: cuDNN's costs the host ~5 ms a call (an H100 host, torch 2.11), which a prefill's layers wait through
+# one by one. On the 12-layer bench model that was 60-70 ms of every prefill, from 128 tokens at a 25% budget to 8K
+# tokens, against 6-9 ms without it (bench/probes/prefill_phases.py --no-cudnn-attention; docs/benchmarks.md, "A
+# prompt's attention without cuDNN"). A sliding window's boolean mask keeps SDPA's own choice.
 PROMPT_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
@@ -35,7 +35,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window
     q [heads, L, d], k [kv_heads, S, d], v [kv_heads, S, dv] -> [heads, L, dv]. Query i sits at
     position start + i; key j at position j; with a window, keys older than `window` are masked.
     """
-    if q.is_cuda:
+    if q.is_cuda and window is None:
         with sdpa_kernel(PROMPT_SDPA_BACKENDS):
             return _attend(q, k, v, start, window, scale)
     return _attend(q, k, v, start, window, scale)
