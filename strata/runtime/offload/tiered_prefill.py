@@ -69,14 +69,12 @@ class PrefillPath:
         An 8K-token prompt's activations are 64 MiB in fp32 each way; its CPU share is the few experts with
         a handful of tokens each (at most a few hundred rows). Shipping whole x and a whole [N, H] partial sum
         (pageable, freshly allocated) cost ~45 ms a layer on the H200 box. The kernel starts on its own launcher
-        thread (`ExpertCompute.start_cpu`), as a decode layer's share does, while this thread stages the copies: a
-        Python worker would first wait for the GIL this thread holds while staging (4.2 ms a layer of a 128-token
-        prompt at a 25% budget on an H100 host, `bench/probes/prefill_phases.py`). Experts not all resident in pinned
-        RAM go through `cpu_forward` on the Python worker. Returns (rows [R] on x's device, the share, whose
-        `wait()` gives the partial sum [R, H] fp32 over those rows)."""
+        thread (`ExpertCompute.start_cpu`), as a decode layer's share does, while this thread stages the copies, so
+        its start never waits for the GIL; experts not all resident in pinned RAM go through `cpu_forward` on the
+        Python worker. Returns (rows [R] on x's device, the share, whose `wait()` gives the partial sum [R, H] fp32
+        over those rows)."""
         c, n = self.compute, x.shape[0]
         # pair indices into ids.flatten(), expert by expert: one device-to-host copy for the whole share, then numpy
-        # (a torch op an expert cost ~1 ms a layer of ~60 CPU experts)
         flat = torch.cat([s for _, s in groups]).cpu().numpy()  # [P]
         tok = flat // k
         rows = np.unique(tok)  # [R] sorted token rows the CPU share reads
