@@ -15,8 +15,8 @@ layers, and the cost model's rates as the prompts left them:
 - `route`: `group_by_expert` (syncs with the GPU: the attention and router before it, and the layer before);
 - `split`: the cost model's plan; `ship`: the CPU share's tokens copied to the host and the share started;
 - `gpu`: the GPU share (`_tier_forward`: staging the copies, issuing its GEMMs); `join`: waiting on the CPU share;
-- `cpu_start`: a share run by the Python worker (`cpu_forward`): from its start to the worker taking it up (the
-  GIL); `cpu`: the CPU kernel's own seconds (what the cost model observes);
+- `cpu_start`: a share run by the Python worker (`cpu_forward`): from the layer starting to prepare it to the worker
+  taking it up (`ship` included; the GIL); `cpu`: the CPU kernel's own seconds (what the cost model observes);
 - `moe`: every MoE layer's `_batch_forward`; `attn`: the attention modules; `layers`: the model's layers, embedding
   and final norm; `pass`: the scheduler's forward pass (the LM head and sampling too); `other`: the rest of the
   request (the scheduler's admission, the prefix cache's books, the first token's delivery).
@@ -96,13 +96,12 @@ def instrument(clock: PhaseClock) -> None:
 
     def start_cpu_share(self, *args, **kwargs):
         t0 = time.perf_counter()
+        with clock.lock:  # before the call: a Python worker may take the share up before it returns
+            clock.submitted.append(t0)
         try:
             return ship(self, *args, **kwargs)
         finally:
-            now = time.perf_counter()
-            clock.add("ship", now - t0)
-            with clock.lock:
-                clock.submitted.append(now)
+            clock.add("ship", time.perf_counter() - t0)
     TieredExperts._start_cpu_share = start_cpu_share
     forward = ExpertCompute.cpu_forward
 
