@@ -7,6 +7,8 @@ sliding-window) mask. Parameter names mirror transformers' so checkpoints load b
 
 from __future__ import annotations
 
+import threading
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -25,8 +27,11 @@ from strata.runtime.model.rope import apply_rope
 # cuDNN backend: cuDNN's costs the host ~5 ms a call (an H100 host, torch 2.11), which a prefill's layers wait through
 # one by one. On the 12-layer bench model that was 60-70 ms of every prefill, from 128 tokens at a 25% budget to 8K
 # tokens, against 6-9 ms without it (bench/probes/prefill_phases.py --no-cudnn-attention; docs/benchmarks.md, "A
-# prompt's attention without cuDNN"). A sliding window's boolean mask keeps SDPA's own choice.
+# prompt's attention without cuDNN"). A sliding window's boolean mask keeps SDPA's own choice. `sdpa_kernel` sets
+# torch's process-wide backend flags and puts back what it found: the lock keeps two threads (pipeline stages, engines
+# of one process) from interleaving those, which could leave the flags as neither found them.
 PROMPT_SDPA_BACKENDS = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+_SDPA_FLAGS = threading.Lock()
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window: int | None, scale: float) -> torch.Tensor:
@@ -36,7 +41,7 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: int, window
     position start + i; key j at position j; with a window, keys older than `window` are masked.
     """
     if q.is_cuda and window is None:
-        with sdpa_kernel(PROMPT_SDPA_BACKENDS):
+        with _SDPA_FLAGS, sdpa_kernel(PROMPT_SDPA_BACKENDS):
             return _attend(q, k, v, start, window, scale)
     return _attend(q, k, v, start, window, scale)
 
