@@ -142,13 +142,13 @@ def measure(layers: list, tokens: int, knob_sets: list[tuple[dict[str, int], int
     nbytes = sum(expert_bytes(*layers[0][e]) for e in used)
     refs: dict[int | None, torch.Tensor] = {}
     times: list[list[float]] = [[] for _ in knob_sets]
-    before = library.prefetch_bytes()  # the distance in force, set again at the end
+    distance = library.prefetch_bytes()  # the distance in force, set again at the end
     try:
         for _ in range(rounds):
             for k, (knobs, plain_max, prefetch) in enumerate(knob_sets):
                 for name, before in ce.tune(**knobs).items():
                     saved.setdefault(name, before)
-                library.configure(prefetch_bytes=before if prefetch is None else prefetch)
+                library.configure(prefetch_bytes=distance if prefetch is None else prefetch)
                 out = forward(x, layers[0], idx, w, threads, plain_max)
                 first = next(iter(refs.values()), out)
                 if (ref := refs.setdefault(plain_max, out)) is not out and not torch.equal(out, ref):
@@ -161,7 +161,7 @@ def measure(layers: list, tokens: int, knob_sets: list[tuple[dict[str, int], int
                     calls += 1
                 times[k].append((time.perf_counter() - t0) / calls * 1e3)
     finally:
-        library.configure(prefetch_bytes=before)
+        library.configure(prefetch_bytes=distance)
     cases = []
     for (knobs, plain_max, prefetch), ms in zip(knob_sets, times, strict=True):
         best = min(ms)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from bench.cpu.cpu_prompt_layers import make_layers, measure, routing, split_knobs
@@ -56,4 +58,18 @@ def test_a_knob_set_may_set_the_prefetch_distance():
     before = library.prefetch_bytes()
     res = measure(make_layers(2, 64, 32, 4), 6, [({}, None, 0), ({}, None, 2048)], 2, 0.01, 2, {}, hidden=64)
     assert [c["knobs"] for c in res["cases"]] == [{"prefetch": 0}, {"prefetch": 2048}]
+    assert library.prefetch_bytes() == before
+    # a set with the kernel's own knobs and no prefetch runs at the distance in force, which is put back after too
+    seen = []
+    forward = sys.modules[measure.__module__].forward
+
+    def spy(*args, **kwargs):
+        seen.append(library.prefetch_bytes())
+        return forward(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(sys.modules[measure.__module__], "forward", spy)
+        measure(make_layers(2, 64, 32, 4), 6, [({"down_stream": 0}, None, None), ({}, None, 512)], 1, 0.01, 2, {},
+                hidden=64)
+    assert seen[0] == before and 512 in seen
     assert library.prefetch_bytes() == before

@@ -18,8 +18,8 @@ from strata.runtime.offload.tiered_prefill import PrefillPath
 
 class RecordingCompute:
     """What `_start_cpu_share` calls on `ExpertCompute`: `start_cpu` (declining when `native` is False, as it does
-    for experts not resident in pinned RAM) and `cpu_forward` on `pool`; each returns x's rows summed, so a test can
-    see which rows arrived."""
+    for experts not resident in pinned RAM) and `cpu_forward` on `pool`; each records its arguments and returns the
+    rows it was given doubled, so a test can see which rows arrived and which partial sum came back."""
 
     def __init__(self, native: bool):
         self.native, self.use_fast_cpu = native, True
