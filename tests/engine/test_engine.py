@@ -251,6 +251,105 @@ def test_an_engine_left_open_exits_cleanly(tiny_model_dir):
         assert "leaked" not in proc.stderr, proc.stderr[-2000:]
 
 
+def test_an_engine_dropped_on_a_daemon_thread_is_released_before_exit(tiny_model_dir, tmp_path):
+    """The last reference to an engine is often dropped on the scheduler's step thread, a daemon, as the main thread
+    exits. The interpreter stops daemon threads when they next take the GIL, and one stopped inside torch aborts the
+    process; the exit waits for that release to end. Here a slowed release on a daemon thread writes a mark when done:
+    without the wait the thread was stopped before it (and, inside a torch call, aborted)."""
+    import subprocess
+    import sys
+
+    mark = tmp_path / "released"
+    script = f"""
+import sys, threading, time
+import strata.engine as engine_module
+from strata import Engine
+
+real = engine_module._release
+def slow_release(*args):
+    time.sleep(0.5)  # the main thread reaches exit meanwhile
+    real(*args)
+    open({str(mark)!r}, "w").write("done")
+engine_module._release = slow_release
+
+engine = Engine.from_pretrained(sys.argv[1], config={{"tiers": {{"disk": {{"scrub": False}}}}}}, device="cpu")
+engine.generate([5, 6, 7], max_tokens=2)
+box = [engine]
+del engine
+threading.Thread(target=box.clear, daemon=True).start()  # the last reference, dropped on a daemon thread
+time.sleep(0.1)
+print("exiting")
+"""
+    proc = subprocess.run([sys.executable, "-c", script, str(tiny_model_dir)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "exiting" in proc.stdout, proc.stderr[-2000:]
+    assert mark.exists() and mark.read_text() == "done", "the release was cut off at exit"
+
+
+def test_exiting_while_a_request_runs_cancels_it_and_exits_cleanly(tiny_model_dir):
+    """A script that exits with a long request still decoding exits with 0 and at once: the step thread is stopped
+    at exit (its request cancelled) and joined, not killed inside torch (an abort) nor left to finish the request."""
+    import subprocess
+    import sys
+    import time
+
+    script = """
+import sys
+from strata import Engine
+engine = Engine.from_pretrained(sys.argv[1], config={"tiers": {"disk": {"scrub": False}}}, device="cpu")
+stream = engine.stream([5, 6, 7], max_tokens=100000)
+next(iter(stream))
+print("exiting", flush=True)
+"""
+    for _ in range(3):  # the abort depended on where the step thread was: a few runs
+        t0 = time.monotonic()
+        proc = subprocess.run([sys.executable, "-c", script, str(tiny_model_dir)], capture_output=True, text=True,
+                              timeout=300)
+        assert proc.returncode == 0 and "exiting" in proc.stdout, proc.stderr[-2000:]
+        assert "terminate called" not in proc.stderr
+        assert time.monotonic() - t0 < 120  # 100,000 tokens were not generated
+
+
+def test_an_engine_freed_on_the_step_thread_is_freed_before_exit(tiny_model_dir, tmp_path):
+    """The step thread often holds the last reference to its engine as the main thread exits; freeing the engine's
+    tensors on a thread the interpreter stops at exit aborted the process. The exit now waits for that thread: an
+    object freed with the engine, slow to free, still finishes (it writes a mark)."""
+    import subprocess
+    import sys
+
+    mark = tmp_path / "freed"
+    script = f"""
+import sys, threading, time
+from strata import Engine
+from strata.runtime.generation.scheduler import Scheduler
+
+class SlowToFree:
+    def __del__(self):
+        time.sleep(0.5)  # the main thread reaches exit meanwhile
+        open({str(mark)!r}, "w").write("done")
+
+main_dropped = threading.Event()
+real_run = Scheduler._run
+def run_then_drop(self):
+    engine = self.engine
+    real_run(self)
+    main_dropped.wait(10)
+    del engine  # the last reference: the engine is freed on this thread
+Scheduler._run = run_then_drop
+
+engine = Engine.from_pretrained(sys.argv[1], config={{"tiers": {{"disk": {{"scrub": False}}}}}}, device="cpu")
+engine.slow_to_free = SlowToFree()
+engine.generate([5, 6, 7], max_tokens=2)
+del engine
+main_dropped.set()
+print("exiting")
+"""
+    proc = subprocess.run([sys.executable, "-c", script, str(tiny_model_dir)], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0 and "exiting" in proc.stdout, proc.stderr[-2000:]
+    assert mark.exists() and mark.read_text() == "done", "the engine's freeing was cut off at exit"
+
+
 def test_closing_or_dropping_an_engine_unfreezes_what_loading_froze(tiny_model_dir):
     import gc
 

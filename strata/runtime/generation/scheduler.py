@@ -5,7 +5,9 @@ server does, so their requests share its steps: streams on several threads, or s
 turn, decode together, and the engine's KV cache is this scheduler's `max_batch` slots (what the planner sized).
 
 A background thread runs steps while there is work (and exits when there is none, so an idle engine holds no
-thread). Each step takes, within a token budget, one decode token from every running sequence plus prompt chunks of
+thread). It is no daemon: it often drops the last reference to its engine, and a daemon thread freeing tensors while
+the interpreter exits is stopped inside torch, which aborts the process. At exit every scheduler stops (what runs is
+cancelled) and the interpreter waits for its thread to end. Each step takes, within a token budget, one decode token from every running sequence plus prompt chunks of
 sequences still prefilling, runs them as one flat `StepBatch` through the model, samples each sequence's next token
 with its own generator (strata.runtime.generation.passes), and streams events back. New requests join at the next
 step; finished or cancelled ones leave at once and free their KV-cache slot, whose rows stay there for later prompts
@@ -59,6 +61,17 @@ from strata.runtime.generation.step_log import StepLog
 from strata.runtime.model.kv_cache import KVCache
 
 log = logging.getLogger("strata")
+
+_running_schedulers: weakref.WeakSet[Scheduler] = weakref.WeakSet()  # those that started a step thread
+
+
+def _stop_at_exit() -> None:
+    """Cancel what every scheduler runs, before the interpreter joins their (non-daemon) step threads at exit."""
+    for scheduler in list(_running_schedulers):
+        scheduler.stop(drain=False, timeout=30)
+
+
+threading._register_atexit(_stop_at_exit)  # runs before non-daemon threads are joined (as concurrent.futures' does)
 
 
 class Scheduler:
@@ -206,7 +219,8 @@ class Scheduler:
     def _wake(self) -> None:
         """(Holding `_cv`.) Start the step thread if requests wait and none runs."""
         if self._started and not self._stop and self._thread is None and (self._waiting or self._running):
-            self._thread = threading.Thread(target=self._run, name="strata-scheduler", daemon=True)
+            self._thread = threading.Thread(target=self._run, name="strata-scheduler")
+            _running_schedulers.add(self)
             self._thread.start()
 
     def _abort_waiting(self, error: BaseException | None = None) -> None:
