@@ -185,8 +185,12 @@ class Engine:
         if cfg.runtime.threads:
             torch.set_num_threads(cfg.runtime.threads)
         loaded = build_model(path, cfg, progress=progress)
-        tokenizer = load_tokenizer(loaded.checkpoint.directory)  # a store's copies follow its checkpoint's files
-        engine = cls(loaded, tokenizer, cfg, source=path)
+        try:
+            tokenizer = load_tokenizer(loaded.checkpoint.directory)  # a store's copies follow its checkpoint's files
+            engine = cls(loaded, tokenizer, cfg, source=path)
+        except BaseException:  # a bad tokenizer file: the tiers' threads and memory are freed, not leaked
+            _release(loaded.compute, loaded.manager, loaded.model)
+            raise
         # Loading leaves hundreds of thousands of long-lived objects (store index, checksums, modules);
         # freezing them keeps Python's full collections, which would rescan them all, off the decode path.
         gc.collect()

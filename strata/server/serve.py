@@ -244,6 +244,13 @@ def _run(sock: socket.socket, path: Path, cfg: StrataConfig, name: str, args: ar
     finally:
         loader.close()
         sock.close()
+    if loader.is_alive():
+        # stopped while the model loads. The loading thread cannot be interrupted, and the interpreter stopping it
+        # at exit inside torch aborts the process ("terminate called without an active exception"): leave now. A
+        # store being built is written under a temporary name, so nothing half-written stays.
+        print("strata: shut down while loading the model", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os._exit(0)
     if loader.error is not None:
         raise loader.error
     print("strata: shut down cleanly", file=sys.stderr)

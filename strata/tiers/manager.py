@@ -359,6 +359,7 @@ class TierManager:
     def close(self) -> None:
         """Stop the workers and free the tiers' memory, readers and mirror threads."""
         self.jobs.close()
+        self.placer.wait_stopped()
         self.reader.close()
         if self.tmpfs is not None:
             self.tmpfs.close()

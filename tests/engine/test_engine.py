@@ -363,3 +363,37 @@ def test_closing_or_dropping_an_engine_unfreezes_what_loading_froze(tiny_model_d
         else:
             engine.close()
         assert gc.get_freeze_count() == 0
+
+
+def test_a_failed_load_stops_the_tier_threads_it_started(tiny_model_dir, monkeypatch):
+    """A load that fails (or is interrupted) after the tier manager started closes it: its threads would otherwise
+    run on in a process that goes on, and be stopped inside torch at exit, which aborts the process."""
+    import threading
+
+    import strata.runtime.plan.build as build
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the weights could not be read")
+
+    before = {t.ident for t in threading.enumerate()}
+    monkeypatch.setattr(build, "load_model", fail)
+    with pytest.raises(RuntimeError, match="could not be read"):
+        Engine.from_pretrained(tiny_model_dir, config={"tiers": {"disk": {"scrub": False}}}, device="cpu")
+    left = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+    assert not [name for name in left if name.startswith("strata-")], left
+
+
+def test_a_bad_tokenizer_file_frees_the_loaded_tiers(tiny_model_dir, tmp_path):
+    """The tokenizer loads after the model: when its file is bad, the one-line error comes and the tier manager the
+    model load started is closed, not left running."""
+    import shutil
+    import threading
+
+    bad = tmp_path / "bad-tokenizer"
+    shutil.copytree(tiny_model_dir, bad)
+    (bad / "tokenizer.json").write_text("{not json")
+    before = {t.ident for t in threading.enumerate()}
+    with pytest.raises(StrataError, match="tokenizer"):
+        Engine.from_pretrained(bad, config={"tiers": {"disk": {"scrub": False}}}, device="cpu")
+    left = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+    assert not [name for name in left if name.startswith("strata-")], left

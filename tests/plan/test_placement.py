@@ -379,3 +379,26 @@ def test_staged_rows_serve_each_layer_from_its_own_store(engram6_dir, tmp_path_f
             assert a["hits"].get("disk", 0) > 0 and b["hits"].get("pinned", 0) > 0
         finally:
             eng.model.engram.source.close()
+
+
+def test_a_failed_staged_load_stops_every_stage_s_tier_threads(tiny6_dir, monkeypatch):
+    """Loading over two stages that fails after both stages' tier managers started closes both."""
+    import threading
+
+    import strata.runtime.plan.multi_device as multi_device
+    from strata.runtime.model.checkpoint import Checkpoint
+    from strata.runtime.plan.build import ensure_store
+    from strata.tiers.slots import TierBudgets
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the weights could not be read")
+
+    cfg = load_config({"runtime": {"cpu_numerics": "gpu", "max_context": 64}, "tiers": {"disk": {"scrub": False}}})
+    store = ensure_store(tiny6_dir, cfg, False)
+    before = {t.ident for t in threading.enumerate()}
+    monkeypatch.setattr(multi_device, "load_model", fail)
+    with pytest.raises(RuntimeError, match="could not be read"):
+        multi_device.assemble_tiered(Checkpoint.open(store), [(CPU, 0, 3), (CPU, 3, 6)], [8, 8],
+                                     TierBudgets(gpu_slots=16, pinned_slots=20), cfg, torch.float32)
+    left = [t.name for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+    assert not [name for name in left if name.startswith("strata-")], left

@@ -488,3 +488,47 @@ def test_stats_json_is_serialisable(live):
     _chat(live.client(), max_tokens=2)
     steps = httpx.get(live.url + "/v1/strata/stats?steps=1").json()["recent_steps"]
     assert steps and {"t", "seconds", "decode", "prompt", "passes", "allowance"} <= set(steps[-1])
+
+
+def test_serve_interrupted_while_loading_exits_at_once_and_cleanly(tiny_model_dir):
+    """SIGINT while the model loads: the server stops and the process leaves with 0 at once, without waiting for
+    the load. The interpreter used to stop the loading thread inside torch at exit, which aborted the process
+    ("terminate called without an active exception")."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = f"""
+import sys, time, torch
+from strata.engine import Engine
+
+real = Engine.from_pretrained
+def slow_load(*args, **kwargs):
+    print("loading slowly", flush=True)
+    end = time.monotonic() + 120
+    while time.monotonic() < end:
+        torch.empty(1 << 16)  # inside torch, as a real load is for most of its time
+    return real(*args, **kwargs)
+Engine.from_pretrained = slow_load
+
+from strata.cli import main
+sys.exit(main(["serve", {str(tiny_model_dir)!r}, "--port", "{port}", "--device", "cpu"]))
+"""
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        lines = []
+        for line in proc.stdout:
+            lines.append(line)
+            if "loading slowly" in line:
+                break
+        assert lines and "loading slowly" in lines[-1], "".join(lines) + proc.stderr.read()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+        assert proc.returncode == 0, err[-2000:]
+        assert "shut down while loading the model" in err and "terminate called" not in err
+        assert time.monotonic() - t0 < 30  # not after the two-minute load
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+

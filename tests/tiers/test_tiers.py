@@ -391,3 +391,16 @@ def test_initial_placement_fills_a_gpu_tier_through_few_staging_slots(store):
             m.release(handles)
     finally:
         m.close()
+
+
+def test_close_waits_for_initial_placement_to_stop(store):
+    """A placement thread waiting for room when the manager closes has returned when `close` does: it would
+    otherwise copy into freed memory, or be stopped inside torch at interpreter exit (which aborts the process)."""
+    m = make_manager(store, pinned=2)
+    keys, n = store.keys(), m.pinned.capacity
+    held = m.acquire(keys[:n], "cpu")  # every pinned slot in use: placing one more waits for room
+    m.place(keys[n : n + 1], "cpu")
+    assert any(t.name == "strata-placement" for t in threading.enumerate())
+    m.close()
+    assert not any(t.name == "strata-placement" for t in threading.enumerate())
+    del held

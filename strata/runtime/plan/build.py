@@ -23,7 +23,14 @@ from strata.runtime.model.hugepages import use_huge_pages
 from strata.runtime.model.loader import load_model
 from strata.runtime.model.moe import router_predictors
 from strata.runtime.offload.tiered_moe import use_tiered_experts
-from strata.runtime.plan.card import expert_tiers, hot_order, prepare_cpu_experts, start_placement, step_copy_slots
+from strata.runtime.plan.card import (
+    close_failed_load,
+    expert_tiers,
+    hot_order,
+    prepare_cpu_experts,
+    start_placement,
+    step_copy_slots,
+)
 from strata.runtime.plan.checkpoints.in_place import open_in_place
 from strata.runtime.plan.checkpoints.store_cache import ensure_store
 from strata.runtime.plan.context import loaded_context
@@ -80,35 +87,41 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
     budgets = TierBudgets(**the_plan.budgets())
     device_tier = "gpu" if the_plan.expert_compute == "gpu" and budgets.gpu_slots else "cpu"
     compute = expert_tiers(store, budgets, device, device_tier, cfg)
-    compute.grouped_prefill = grouped_on(cfg.debug.grouped_prefill, device)
-    compute.prefill_keeps_resident = cfg.runtime.prefill_keeps_resident
-    manager = compute.manager
-    prepare_cpu_experts([compute])
-    model = load_model(checkpoint, dtype, device, progress=progress,
-                       prepare=lambda m: (use_tiered_experts(m, compute), drop_tables(m), drop_hash_tables(m, store)))
-    model.kernel_options = kernel_options_of(cfg)
-    if device.type == "cpu":
-        use_huge_pages(model)  # the dense weights a CPU decode streams, in 2 MiB pages
-    attach_hash_tables(model, store, device, cfg.tiers.tmpfs.path)  # DeepSeek-V4's tid2eid: store tables
-    if model.engram is not None:  # Engram tables: served by the tiered row store, checked before serving
-        attach_row_store(model, checkpoint.store, cfg, device, host.ram_available,
-                         tier=the_plan.engram.tier if the_plan.engram is not None else None)
-    if device.type == "cuda":  # one graph per step once every expert is resident; until then, graphs between host steps
-        # (Engram rows the device cannot read in place also need a host step, at their layer: waiting there
-        # for a layer's reads, not before the step, lets them overlap the layers before it)
-        d = cfg.debug
-        if model.engram is not None and d.engram_graph_wait and d.engram_prefetch and d.cuda_graphs:
-            # disk rows served to one graph a step as soon as it has hashed its tokens (that is the prefetch: without
-            # it a layer's rows are fetched when the layer runs, at a host step between graph segments)
-            model.engram.enable_handshake(MAX_GRAPH_BATCH)
-        host_rows = model.engram is not None and not model.engram.device_steps(model.layers, 1)
-        # (FP8 / MXFP4 experts the pair kernels do not read: decode groups tokens by expert on the host, eagerly)
-        model.enable_decode_graphs(lambda: None if not (cfg.debug.cuda_graphs and the_plan.decode_graphs)
-                                   else "full" if compute.all_resident() and not host_rows
-                                   else "mailbox" if not host_rows and compute.mailbox_ready() else "segmented",
-                                   hooks=compute)  # its mailbox books run around each graph step
-    if cfg.prefetch.lookahead > 0:
-        compute.start_prefetching(router_predictors(model), cfg.prefetch.lookahead)
-        model.observe_layers(compute)  # its prefetcher predicts after each layer
-    start_placement(manager, cfg)
+    model = None
+    try:
+        compute.grouped_prefill = grouped_on(cfg.debug.grouped_prefill, device)
+        compute.prefill_keeps_resident = cfg.runtime.prefill_keeps_resident
+        manager = compute.manager
+        prepare_cpu_experts([compute])
+        model = load_model(checkpoint, dtype, device, progress=progress, prepare=lambda m: (
+            use_tiered_experts(m, compute), drop_tables(m), drop_hash_tables(m, store)))
+        model.kernel_options = kernel_options_of(cfg)
+        if device.type == "cpu":
+            use_huge_pages(model)  # the dense weights a CPU decode streams, in 2 MiB pages
+        attach_hash_tables(model, store, device, cfg.tiers.tmpfs.path)  # DeepSeek-V4's tid2eid: store tables
+        if model.engram is not None:  # Engram tables: served by the tiered row store, checked before serving
+            attach_row_store(model, checkpoint.store, cfg, device, host.ram_available,
+                             tier=the_plan.engram.tier if the_plan.engram is not None else None)
+        if device.type == "cuda":
+            # one graph per step once every expert is resident; until then, graphs between host steps (Engram rows
+            # the device cannot read in place also need a host step, at their layer: waiting there for a layer's
+            # reads, not before the step, lets them overlap the layers before it)
+            d = cfg.debug
+            if model.engram is not None and d.engram_graph_wait and d.engram_prefetch and d.cuda_graphs:
+                # disk rows served to one graph a step as soon as it has hashed its tokens (that is the prefetch:
+                # without it a layer's rows are fetched when the layer runs, at a host step between graph segments)
+                model.engram.enable_handshake(MAX_GRAPH_BATCH)
+            host_rows = model.engram is not None and not model.engram.device_steps(model.layers, 1)
+            # (FP8 / MXFP4 experts the pair kernels do not read: decode groups tokens by expert on the host, eagerly)
+            model.enable_decode_graphs(lambda: None if not (cfg.debug.cuda_graphs and the_plan.decode_graphs)
+                                       else "full" if compute.all_resident() and not host_rows
+                                       else "mailbox" if not host_rows and compute.mailbox_ready() else "segmented",
+                                       hooks=compute)  # its mailbox books run around each graph step
+        if cfg.prefetch.lookahead > 0:
+            compute.start_prefetching(router_predictors(model), cfg.prefetch.lookahead)
+            model.observe_layers(compute)  # its prefetcher predicts after each layer
+        start_placement(manager, cfg)
+    except BaseException:
+        close_failed_load([compute], model)
+        raise
     return LoadedModel(checkpoint, model, device, dtype, the_plan.max_context, the_plan, manager, compute)

@@ -55,6 +55,18 @@ def prepare_cpu_experts(computes: list[ExpertCompute]) -> None:
         computes[0].calibrate_cpu()  # the cost model starts from the kernel's measured rate
 
 
+def close_failed_load(computes: list, model) -> None:
+    """Stop what a failed or interrupted load started: each card's CPU worker, tier manager threads and memory, and
+    the Engram row store. Left running they leak in a process that goes on (a server, an app), and at exit the
+    interpreter stops them inside torch, which aborts the process."""
+    for compute in computes:
+        compute.close_mailbox()
+        compute.manager.close()
+    rows = getattr(getattr(model, "engram", None), "source", None)
+    if rows is not None and hasattr(rows, "close"):
+        rows.close()
+
+
 def start_placement(manager: TierManager, cfg: StrataConfig) -> None:
     """Scrub (if configured) and the initial placement, both in the background: RAM first, then the GPU's share."""
     if cfg.tiers.disk.scrub:

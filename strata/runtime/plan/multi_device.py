@@ -34,7 +34,7 @@ from strata.runtime.model.transformer import MoETransformer
 from strata.runtime.offload.cost_model import Rates
 from strata.runtime.offload.expert_compute import ExpertCompute
 from strata.runtime.offload.tiered_moe import TieredExperts
-from strata.runtime.plan.card import expert_tiers, prepare_cpu_experts, start_placement
+from strata.runtime.plan.card import close_failed_load, expert_tiers, prepare_cpu_experts, start_placement
 from strata.runtime.plan.checkpoints.store_cache import ensure_store
 from strata.runtime.plan.context import loaded_context
 from strata.runtime.plan.device_tiers import DeviceTiers, StoreView
@@ -195,47 +195,54 @@ def assemble_tiered(checkpoint: Checkpoint, bounds: Bounds, gpu_slots: list[int]
     moe = [i for i, m in enumerate(checkpoint.config.moe_layers) if m]
     per_stage = [[i for i in moe if s <= i < e] for _, s, e in bounds]
     computes, tmpfs_marker = [], None
-    for (device, _, _), layers, slots in zip(bounds, per_stage, gpu_slots, strict=True):
-        share = len(layers) / max(1, len(moe))  # host tiers: each card gets its layers' share of the budget
-        view = StoreView(store, set(layers))
-        stage_budgets = TierBudgets(gpu_slots=slots, pinned_slots=int(budgets.pinned_slots * share),
-                                    tmpfs_bytes=int(budgets.tmpfs_bytes * share), per_layer=budgets.per_layer)
-        if tmpfs_marker is not None:
-            _wait_for(tmpfs_marker)  # mirrors share a directory: let the first one write its marker alone
-        compute = expert_tiers(view, stage_budgets, device, "gpu" if slots else "cpu", cfg,
-                               io_threads=max(2, 8 // len(bounds)))
-        if compute.manager.tmpfs is not None and tmpfs_marker is None:
-            tmpfs_marker = compute.manager.tmpfs.root / "mirror.json"
-        computes.append(compute)
-    managers = [c.manager for c in computes]
-    _share_cpu_worker(computes)
-    prepare_cpu_experts(computes)
-    stage_of = {i: s for s, layers in enumerate(per_stage) for i in layers}
-    model = load_model(checkpoint, dtype, "cpu", progress=progress,
-                       prepare=lambda m: (_use_stage_experts(m, computes, stage_of), drop_tables(m)))
-    model.kernel_options = kernel_options_of(cfg)
-    stage_map = stage_model(model, bounds, time_hops=time_hops)
-    if model.engram is not None:  # each Engram layer's rows are served to the card that runs it
-        ram = ram_available if ram_available is not None else psutil.virtual_memory().available
-        attach_row_store(model, store, cfg, bounds[0][0], ram, tier=engram_tier,
-                         layer_devices={i: stage_map.layer_device[i] for i in model.cfg.engram.layer_ids})
-    tiers = DeviceTiers(store, managers, [str(d) for d, _, _ in bounds], [(s, e) for _, s, e in bounds],
-                        hops=stage_map.stats.snapshot)
-    compute = StagedCompute(computes, tiers)
-    if all(d.type == "cuda" for d, _, _ in bounds) and model.engram is None and reads("gpu_pairs", store.expert_format):
-        # decode steps in CUDA graphs, one per card's stretch of layers (and between host steps while
-        # experts are cold); Engram models split over cards decode eagerly, and so do FP8 / MXFP4 experts the pair
-        # kernels do not read (each layer groups its tokens by expert on the host)
-        model.enable_decode_graphs(lambda: None if not cfg.debug.cuda_graphs
-                                   else "full" if compute.all_resident() else "segmented",
-                                   devices=[d for d, _, _ in bounds])
-    if cfg.prefetch.lookahead > 0:
-        predictors = router_predictors(model)
-        prefetchers = [c.start_prefetching({i: predictors[i] for i in layers}, cfg.prefetch.lookahead) if layers
-                       else None for c, layers in zip(computes, per_stage, strict=True)]
-        model.observe_layers(StagedPrefetcher(prefetchers, stage_of, [d for d, _, _ in bounds], cfg.prefetch.lookahead))
-    for m in managers:
-        start_placement(m, cfg)
+    model = None
+    try:
+        for (device, _, _), layers, slots in zip(bounds, per_stage, gpu_slots, strict=True):
+            share = len(layers) / max(1, len(moe))  # host tiers: each card gets its layers' share of the budget
+            view = StoreView(store, set(layers))
+            stage_budgets = TierBudgets(gpu_slots=slots, pinned_slots=int(budgets.pinned_slots * share),
+                                        tmpfs_bytes=int(budgets.tmpfs_bytes * share), per_layer=budgets.per_layer)
+            if tmpfs_marker is not None:
+                _wait_for(tmpfs_marker)  # mirrors share a directory: let the first one write its marker alone
+            compute = expert_tiers(view, stage_budgets, device, "gpu" if slots else "cpu", cfg,
+                                   io_threads=max(2, 8 // len(bounds)))
+            if compute.manager.tmpfs is not None and tmpfs_marker is None:
+                tmpfs_marker = compute.manager.tmpfs.root / "mirror.json"
+            computes.append(compute)
+        managers = [c.manager for c in computes]
+        _share_cpu_worker(computes)
+        prepare_cpu_experts(computes)
+        stage_of = {i: s for s, layers in enumerate(per_stage) for i in layers}
+        model = load_model(checkpoint, dtype, "cpu", progress=progress,
+                           prepare=lambda m: (_use_stage_experts(m, computes, stage_of), drop_tables(m)))
+        model.kernel_options = kernel_options_of(cfg)
+        stage_map = stage_model(model, bounds, time_hops=time_hops)
+        if model.engram is not None:  # each Engram layer's rows are served to the card that runs it
+            ram = ram_available if ram_available is not None else psutil.virtual_memory().available
+            attach_row_store(model, store, cfg, bounds[0][0], ram, tier=engram_tier,
+                             layer_devices={i: stage_map.layer_device[i] for i in model.cfg.engram.layer_ids})
+        tiers = DeviceTiers(store, managers, [str(d) for d, _, _ in bounds], [(s, e) for _, s, e in bounds],
+                            hops=stage_map.stats.snapshot)
+        compute = StagedCompute(computes, tiers)
+        cards = all(d.type == "cuda" for d, _, _ in bounds)
+        if cards and model.engram is None and reads("gpu_pairs", store.expert_format):
+            # decode steps in CUDA graphs, one per card's stretch of layers (and between host steps while experts
+            # are cold); Engram models split over cards decode eagerly, and so do FP8 / MXFP4 experts the pair
+            # kernels do not read (each layer groups its tokens by expert on the host)
+            model.enable_decode_graphs(lambda: None if not cfg.debug.cuda_graphs
+                                       else "full" if compute.all_resident() else "segmented",
+                                       devices=[d for d, _, _ in bounds])
+        if cfg.prefetch.lookahead > 0:
+            predictors = router_predictors(model)
+            prefetchers = [c.start_prefetching({i: predictors[i] for i in layers}, cfg.prefetch.lookahead) if layers
+                           else None for c, layers in zip(computes, per_stage, strict=True)]
+            model.observe_layers(StagedPrefetcher(prefetchers, stage_of, [d for d, _, _ in bounds],
+                                                  cfg.prefetch.lookahead))
+        for m in managers:
+            start_placement(m, cfg)
+    except BaseException:
+        close_failed_load(computes, model)
+        raise
     context = max_context or loaded_context(cfg, checkpoint.config, bounds[0][0], dtype)
     return LoadedModel(checkpoint, model, bounds[0][0], dtype, context, None, tiers, compute)
 
