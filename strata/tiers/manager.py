@@ -360,6 +360,7 @@ class TierManager:
         """Stop the workers and free the tiers' memory, readers and mirror threads."""
         self.jobs.close()
         self.placer.wait_stopped()
+        self.store.stop_verification()  # an in-place store's background pass (the scrub's)
         self.reader.close()
         if self.tmpfs is not None:
             self.tmpfs.close()

@@ -143,3 +143,31 @@ def test_strata_verify_of_a_checkpoint_served_in_place(tmp_path, capsys):
     assert main(["verify", str(ckpt)]) == 2
     out = capsys.readouterr()
     assert f"experts.{key[1]}." in out.out and "checksum mismatch" in out.out and "re-download" in out.err
+
+
+def test_closing_the_engine_stops_the_verification_pass_where_it_is(tmp_path, monkeypatch):
+    """The background pass of an in-place store stops when the engine closes (not reading the rest of a checkpoint
+    for nobody); what it recorded is kept, and a later pass finishes the rest."""
+    import time
+
+    import strata.tiers.store.in_place as in_place
+
+    _, ckpt = build_reference("qwen3_moe", tmp_path / "ckpt")
+    real = in_place.checksum
+
+    def slow_checksum(data):
+        time.sleep(0.02)  # a part of a real checkpoint takes about this long to read
+        return real(data)
+
+    monkeypatch.setattr(in_place, "checksum", slow_checksum)
+    engine = tiered(ckpt, "in_place")
+    store = engine.tiers.store
+    verifier = store.start_verification()
+    time.sleep(0.1)
+    engine.close()
+    assert not verifier.is_alive()
+    done, total = store.verification_progress()
+    assert 0 < done < total
+    monkeypatch.setattr(in_place, "checksum", real)
+    with InPlaceStore.open(store.directory) as reopened:
+        assert reopened.verify() == [] and reopened.verification_progress() == (total, total)

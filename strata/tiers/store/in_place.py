@@ -234,6 +234,7 @@ class InPlaceStore(ExpertStore):
         self.record = PartRecord(self.directory, index.files)
         self._extents: dict[ExpertKey, list[Extent]] = {}
         self._verifier: threading.Thread | None = None
+        self._stop_verifying = threading.Event()
         self._progress = [0, 0]  # bytes of parts verified, of all parts
         self.pass_damaged: list[str] = []
 
@@ -327,6 +328,13 @@ class InPlaceStore(ExpertStore):
             self._verifier.start()
         return self._verifier
 
+    def stop_verification(self) -> None:
+        """Stop the background pass (`start_verification`) after its current part, the checksums recorded so far kept
+        (a later pass resumes there); the tiers that started it are closing."""
+        self._stop_verifying.set()
+        if self._verifier is not None:
+            self._verifier.join(timeout=30)
+
     def verification_progress(self) -> tuple[int, int]:
         """(bytes of parts with a recorded checksum, bytes of all parts)."""
         parts = self.index.all_parts()
@@ -334,12 +342,15 @@ class InPlaceStore(ExpertStore):
 
     def _background(self, parts: list) -> None:
         low_priority()
-        self.pass_damaged.extend(self._pass(parts, recheck=False))
+        self.pass_damaged.extend(self._pass(parts, recheck=False, stop=self._stop_verifying))
 
-    def _pass(self, parts: list[Part], recheck: bool, progress: bool = False) -> list[str]:
+    def _pass(self, parts: list[Part], recheck: bool, progress: bool = False,
+              stop: threading.Event | None = None) -> list[str]:
         damaged, buf = [], np.empty(0, dtype=np.uint8)
         bar = tqdm(total=sum(p.length for p in parts), unit="B", unit_scale=True, desc="verify", disable=not progress)
         for p in parts:
+            if stop is not None and stop.is_set():
+                break
             bar.update(p.length)
             if not recheck and self.record.get(p) is not None:
                 continue

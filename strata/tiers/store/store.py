@@ -353,6 +353,9 @@ class ExpertStore:
                     self._fds[rel] = fd
         return fd
 
+    def stop_verification(self) -> None:
+        """Stop a background verification pass; a packed store runs none (its scrub is the tier manager's jobs)."""
+
     def close(self) -> None:
         """Close the cached file descriptors (reads reopen them)."""
         with self._lock:
