@@ -251,13 +251,22 @@ def test_an_engine_left_open_exits_cleanly(tiny_model_dir):
         assert "leaked" not in proc.stderr, proc.stderr[-2000:]
 
 
+def _run_to_exit(script: str, model_dir) -> None:
+    """Run `script` (given the model directory) in a process of its own: it prints "exiting" and exits with 0,
+    not aborted ("terminate called without an active exception", a daemon thread stopped inside torch)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run([sys.executable, "-c", script, str(model_dir)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "exiting" in proc.stdout, proc.stderr[-2000:]
+    assert "terminate called" not in proc.stderr
+
+
 def test_an_engine_dropped_on_a_daemon_thread_is_released_before_exit(tiny_model_dir, tmp_path):
     """The last reference to an engine is often dropped on the scheduler's step thread, a daemon, as the main thread
     exits. The interpreter stops daemon threads when they next take the GIL, and one stopped inside torch aborts the
     process; the exit waits for that release to end. Here a slowed release on a daemon thread writes a mark when done:
     without the wait the thread was stopped before it (and, inside a torch call, aborted)."""
-    import subprocess
-    import sys
 
     mark = tmp_path / "released"
     script = f"""
@@ -280,17 +289,13 @@ threading.Thread(target=box.clear, daemon=True).start()  # the last reference, d
 time.sleep(0.1)
 print("exiting")
 """
-    proc = subprocess.run([sys.executable, "-c", script, str(tiny_model_dir)], capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0 and "exiting" in proc.stdout, proc.stderr[-2000:]
+    _run_to_exit(script, tiny_model_dir)
     assert mark.exists() and mark.read_text() == "done", "the release was cut off at exit"
 
 
 def test_exiting_while_a_request_runs_cancels_it_and_exits_cleanly(tiny_model_dir):
     """A script that exits with a long request still decoding exits with 0 and at once: the step thread is stopped
     at exit (its request cancelled) and joined, not killed inside torch (an abort) nor left to finish the request."""
-    import subprocess
-    import sys
     import time
 
     script = """
@@ -303,10 +308,7 @@ print("exiting", flush=True)
 """
     for _ in range(3):  # the abort depended on where the step thread was: a few runs
         t0 = time.monotonic()
-        proc = subprocess.run([sys.executable, "-c", script, str(tiny_model_dir)], capture_output=True, text=True,
-                              timeout=300)
-        assert proc.returncode == 0 and "exiting" in proc.stdout, proc.stderr[-2000:]
-        assert "terminate called" not in proc.stderr
+        _run_to_exit(script, tiny_model_dir)
         assert time.monotonic() - t0 < 120  # 100,000 tokens were not generated
 
 
@@ -314,8 +316,6 @@ def test_an_engine_freed_on_the_step_thread_is_freed_before_exit(tiny_model_dir,
     """The step thread often holds the last reference to its engine as the main thread exits; freeing the engine's
     tensors on a thread the interpreter stops at exit aborted the process. The exit now waits for that thread: an
     object freed with the engine, slow to free, still finishes (it writes a mark)."""
-    import subprocess
-    import sys
 
     mark = tmp_path / "freed"
     script = f"""
@@ -344,9 +344,7 @@ del engine
 main_dropped.set()
 print("exiting")
 """
-    proc = subprocess.run([sys.executable, "-c", script, str(tiny_model_dir)], capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0 and "exiting" in proc.stdout, proc.stderr[-2000:]
+    _run_to_exit(script, tiny_model_dir)
     assert mark.exists() and mark.read_text() == "done", "the engine's freeing was cut off at exit"
 
 
