@@ -40,19 +40,14 @@ from strata.runtime.generation.scheduler import Scheduler
 from strata.runtime.generation.text.tokenizer import Tokenizer, load_tokenizer
 from strata.runtime.offload.executor import ExpertExecutor
 from strata.runtime.plan.build import LoadedModel, build_model
+from strata.runtime.plan.card import close_loaded
 
 DEFAULT_MAX_QUEUE = 64  # requests the engine's scheduler holds waiting for a KV slot
 
 
 def _release(compute: ExpertExecutor | None, tiers, model) -> None:
     """What `Engine.close` frees: the CPU worker, the tier manager's threads and memory, the Engram row store."""
-    if compute is not None:
-        compute.close_mailbox()  # the CPU worker of one-graph decode steps reads the pinned pool freed below
-    if tiers is not None:
-        tiers.close()
-    rows = getattr(getattr(model, "engram", None), "source", None)  # the Engram row store's readers
-    if rows is not None and hasattr(rows, "close"):
-        rows.close()
+    close_loaded(compute, tiers, model)
     # from_pretrained froze the loaded objects; let the collector reclaim this engine's cycles (unfreezing is
     # process-wide: another open engine's objects are scanned again too, as before its freeze). At exit (an engine
     # never closed) this matters too: frozen objects are never freed, and extensions that check for leaks when

@@ -7,14 +7,15 @@ turn, decode together, and the engine's KV cache is this scheduler's `max_batch`
 A background thread runs steps while there is work (and exits when there is none, so an idle engine holds no
 thread). It is no daemon: it often drops the last reference to its engine, and a daemon thread freeing tensors while
 the interpreter exits is stopped inside torch, which aborts the process. At exit every scheduler stops (what runs is
-cancelled) and the interpreter waits for its thread to end. Each step takes, within a token budget, one decode token from every running sequence plus prompt chunks of
-sequences still prefilling, runs them as one flat `StepBatch` through the model, samples each sequence's next token
-with its own generator (strata.runtime.generation.passes), and streams events back. New requests join at the next
-step; finished or cancelled ones leave at once and free their KV-cache slot, whose rows stay there for later prompts
-that share their prefix (strata.runtime.generation.prefix_cache: a newcomer starts where the longest shared prefix
-of any slot, finished or running, ends; `runtime.prefix_cache`). A long prompt is prefilled in chunks interleaved
-with the decode steps of the running sequences; while any sequence decodes, a `PrefillPacer` sizes those chunks from
-measured step times so every decoding user's gap between two tokens stays under `runtime.decode_gap_target` seconds.
+cancelled) and the interpreter waits for its thread to end. Each step takes, within a token budget, one decode token
+from every running sequence plus prompt chunks of sequences still prefilling, runs them as one flat `StepBatch`
+through the model, samples each sequence's next token with its own generator (strata.runtime.generation.passes),
+and streams events back. New requests join at the next step; finished or cancelled ones leave at once and free their
+KV-cache slot, whose rows stay there for later prompts that share their prefix (strata.runtime.generation.prefix_cache:
+a newcomer starts where the longest shared prefix of any slot, finished or running, ends; `runtime.prefix_cache`). A
+long prompt is prefilled in chunks interleaved with the decode steps of the running sequences; while any sequence
+decodes, a `PrefillPacer` sizes those chunks from measured step times so every decoding user's gap between two tokens
+stays under `runtime.decode_gap_target` seconds.
 Every forward pass runs under the engine's `step_lock`, so other schedulers of the same engine (tests, benchmarks)
 never race this one.
 

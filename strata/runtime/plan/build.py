@@ -24,7 +24,7 @@ from strata.runtime.model.loader import load_model
 from strata.runtime.model.moe import router_predictors
 from strata.runtime.offload.tiered_moe import use_tiered_experts
 from strata.runtime.plan.card import (
-    close_failed_load,
+    close_loaded,
     expert_tiers,
     hot_order,
     prepare_cpu_experts,
@@ -122,6 +122,6 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
             model.observe_layers(compute)  # its prefetcher predicts after each layer
         start_placement(manager, cfg)
     except BaseException:
-        close_failed_load([compute], model)
+        close_loaded(compute, compute.manager, model)
         raise
     return LoadedModel(checkpoint, model, device, dtype, the_plan.max_context, the_plan, manager, compute)

@@ -55,14 +55,16 @@ def prepare_cpu_experts(computes: list[ExpertCompute]) -> None:
         computes[0].calibrate_cpu()  # the cost model starts from the kernel's measured rate
 
 
-def close_failed_load(computes: list, model) -> None:
-    """Stop what a failed or interrupted load started: each card's CPU worker, tier manager threads and memory, and
-    the Engram row store. Left running they leak in a process that goes on (a server, an app), and at exit the
-    interpreter stops them inside torch, which aborts the process."""
-    for compute in computes:
-        compute.close_mailbox()
-        compute.manager.close()
-    rows = getattr(getattr(model, "engram", None), "source", None)
+def close_loaded(compute, tiers, model) -> None:
+    """Stop what loading a tiered model started (each may be None): the CPU worker (`compute`'s mailbox), the tier
+    manager's threads and memory (`tiers`), the Engram row store (`model`'s). `Engine.close` runs it, and so does a
+    load that fails or is interrupted: left running they leak in a process that goes on (a server, an app), and at
+    exit the interpreter stops them inside torch, which aborts the process."""
+    if compute is not None:
+        compute.close_mailbox()  # the CPU worker of one-graph decode steps reads the pinned pool freed below
+    if tiers is not None:
+        tiers.close()
+    rows = getattr(getattr(model, "engram", None), "source", None)  # the Engram row store's readers
     if rows is not None and hasattr(rows, "close"):
         rows.close()
 

@@ -34,7 +34,7 @@ from strata.runtime.model.transformer import MoETransformer
 from strata.runtime.offload.cost_model import Rates
 from strata.runtime.offload.expert_compute import ExpertCompute
 from strata.runtime.offload.tiered_moe import TieredExperts
-from strata.runtime.plan.card import close_failed_load, expert_tiers, prepare_cpu_experts, start_placement
+from strata.runtime.plan.card import close_loaded, expert_tiers, prepare_cpu_experts, start_placement
 from strata.runtime.plan.checkpoints.store_cache import ensure_store
 from strata.runtime.plan.context import loaded_context
 from strata.runtime.plan.device_tiers import DeviceTiers, StoreView
@@ -241,7 +241,9 @@ def assemble_tiered(checkpoint: Checkpoint, bounds: Bounds, gpu_slots: list[int]
         for m in managers:
             start_placement(m, cfg)
     except BaseException:
-        close_failed_load(computes, model)
+        for c in computes:
+            close_loaded(c, c.manager, None)
+        close_loaded(None, None, model)
         raise
     context = max_context or loaded_context(cfg, checkpoint.config, bounds[0][0], dtype)
     return LoadedModel(checkpoint, model, bounds[0][0], dtype, context, None, tiers, compute)
