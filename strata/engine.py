@@ -14,7 +14,6 @@ and the outputs carry `token_ids` (their text stays empty).
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import gc
 import operator
@@ -55,62 +54,6 @@ def _release(compute: ExpertExecutor | None, tiers, model) -> None:
     gc.unfreeze()
 
 
-class _Releaser:
-    """Runs `_release` once for one engine: from `Engine.close`, when the engine is dropped, or at exit.
-
-    A dropped engine is released on the thread that dropped its last reference: often the scheduler's step thread, a
-    daemon. At exit the interpreter stops daemon threads as they next take the GIL, and one stopped inside a torch
-    call aborts the process ("terminate called without an active exception"). So `release_open` (an atexit hook)
-    releases every engine still open and waits for a release already under way on another thread."""
-
-    unreleased: set[_Releaser] = set()
-    _open_lock = threading.Lock()
-    _at_exit = False  # release_open registered (on the first engine: after the modules it uses registered theirs)
-
-    def __init__(self, compute: ExpertExecutor | None, tiers, model):
-        self._args = (compute, tiers, model)
-        self.scheduler: Scheduler | None = None  # the engine's own, once made: stopped first
-        self._lock = threading.Lock()
-        self._started = False
-        self._finished = threading.Event()
-        with _Releaser._open_lock:
-            _Releaser.unreleased.add(self)
-            if not _Releaser._at_exit:
-                atexit.register(_Releaser.release_open)
-                _Releaser._at_exit = True
-
-    def __call__(self, wait: bool = True) -> None:
-        """Release now; if that already began on another thread, wait for it to end (`wait`) or return at once."""
-        with self._lock:
-            started, self._started = self._started, True
-        if started:
-            if wait:
-                self._finished.wait(60)
-            return
-        try:
-            if self.scheduler is not None:
-                self.scheduler.stop(drain=False)  # no step may run on memory freed below
-            _release(*self._args)
-        finally:
-            self._args, self.scheduler = (), None
-            self._finished.set()
-            with _Releaser._open_lock:
-                _Releaser.unreleased.discard(self)
-
-    @property
-    def done(self) -> bool:
-        """The release has ended."""
-        return self._finished.is_set()
-
-    @staticmethod
-    def release_open() -> None:
-        """Release every engine still open, waiting for those being released on other threads."""
-        with _Releaser._open_lock:
-            pending = list(_Releaser.unreleased)
-        for releaser in pending:
-            releaser()
-
-
 class Engine:
     """A loaded model ready to generate. Build it with `Engine.from_pretrained`."""
 
@@ -139,10 +82,9 @@ class Engine:
             if tokenizer is not None else None
         self._scheduler: Scheduler | None = None  # made on first use (`scheduler()`)
         self._scheduler_lock = threading.Lock()
-        # freed by `close`, when the engine is dropped (the collector's call: no wait for a release under way), or
-        # at exit (`_Releaser.release_open`)
-        self._release = _Releaser(self._compute, self.tiers, self.model)
-        weakref.finalize(self, self._release, False).atexit = False
+        # an engine dropped or still open at exit is released then: before the interpreter kills the tier manager's
+        # daemon threads, which inside a torch call aborts the process ("terminate called without an active exception")
+        self._release = weakref.finalize(self, _release, self._compute, self.tiers, self.model)
 
     @property
     def executor(self) -> ExpertExecutor | None:
@@ -211,7 +153,6 @@ class Engine:
                     token_budget=max(self.prefill_chunk, batch) if token_budget is None else token_budget,
                     max_queue=DEFAULT_MAX_QUEUE if max_queue is None else max_queue,
                     decode_gap_target=decode_gap_target)
-                self._release.scheduler = self._scheduler
                 release_openmp_workers()  # its buffers were filled here; the model runs on its own thread
             else:
                 self._scheduler.configure(max_batch, token_budget, max_queue, decode_gap_target)
@@ -220,7 +161,9 @@ class Engine:
     def close(self) -> None:
         """Cancel what the scheduler runs, stop the tier manager's threads and free its memory (the engine is
         unusable afterwards). Engines still open when the interpreter exits are closed then."""
-        self._release()  # once: later calls wait for that one
+        if self._scheduler is not None:
+            self._scheduler.stop(drain=False)
+        self._release()  # once: later calls do nothing
         self.tiers = None
 
     def __enter__(self) -> Engine:

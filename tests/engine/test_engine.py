@@ -262,37 +262,6 @@ def _run_to_exit(script: str, model_dir) -> None:
     assert "terminate called" not in proc.stderr
 
 
-def test_an_engine_dropped_on_a_daemon_thread_is_released_before_exit(tiny_model_dir, tmp_path):
-    """The last reference to an engine is often dropped on the scheduler's step thread, a daemon, as the main thread
-    exits. The interpreter stops daemon threads when they next take the GIL, and one stopped inside torch aborts the
-    process; the exit waits for that release to end. Here a slowed release on a daemon thread writes a mark when done:
-    without the wait the thread was stopped before it (and, inside a torch call, aborted)."""
-
-    mark = tmp_path / "released"
-    script = f"""
-import sys, threading, time
-import strata.engine as engine_module
-from strata import Engine
-
-real = engine_module._release
-def slow_release(*args):
-    time.sleep(0.5)  # the main thread reaches exit meanwhile
-    real(*args)
-    open({str(mark)!r}, "w").write("done")
-engine_module._release = slow_release
-
-engine = Engine.from_pretrained(sys.argv[1], config={{"tiers": {{"disk": {{"scrub": False}}}}}}, device="cpu")
-engine.generate([5, 6, 7], max_tokens=2)
-box = [engine]
-del engine
-threading.Thread(target=box.clear, daemon=True).start()  # the last reference, dropped on a daemon thread
-time.sleep(0.1)
-print("exiting")
-"""
-    _run_to_exit(script, tiny_model_dir)
-    assert mark.exists() and mark.read_text() == "done", "the release was cut off at exit"
-
-
 def test_exiting_while_a_request_runs_cancels_it_and_exits_cleanly(tiny_model_dir):
     """A script that exits with a long request still decoding exits with 0 and at once: the step thread is stopped
     at exit (its request cancelled) and joined, not killed inside torch (an abort) nor left to finish the request."""

@@ -231,7 +231,7 @@ def test_an_engine_dropped_after_generating_is_released(tiny_model_dir):
         break
     alive, released = weakref.ref(eng), eng._release
     del eng
-    assert wait_for(lambda: alive() is None and released.done)  # the step thread may be releasing it still
+    assert wait_for(lambda: alive() is None) and not released.alive
 
 
 @pytest.fixture(scope="module")
