@@ -146,6 +146,11 @@ class StackSampler:
         return {name: sorted(c.items(), key=lambda kv: -kv[1])[:n] for name, c in self.counts.items()}
 
 
+def copies(engine) -> int:
+    """Experts copied from pinned RAM to the GPU so far."""
+    return engine.stats()["tiers"]["paths"].get("pinned->gpu", {}).get("objects", 0)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", required=True, help="the suite's 12-layer bench model (or any tiered checkpoint)")
@@ -157,6 +162,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--runtime", default="{}", help="JSON: [runtime] settings over the suite's, e.g. "
                    "'{\"prefill_keeps_resident\": true}'")
     p.add_argument("--no-cudnn-attention", action="store_true", help="SDPA without its cuDNN backend")
+    p.add_argument("--ahead-pairs", type=int, default=None,
+                   help="stage the next layer ahead from this many token-expert pairs an expert "
+                   "(tiered_prefill.AHEAD_PAIRS_PER_EXPERT; 0: every prompt)")
     p.add_argument("--label", default="", help="a suffix of the JSON's name (prefill_phases-LABEL.json)")
     p.add_argument("--out", default="bench-out")
     args = p.parse_args(argv)
@@ -167,7 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     from bench.suite.cases import Workload
     from bench.suite.strata_case import prompts_for
     from strata import Engine
+    from strata.runtime.offload import tiered_prefill
 
+    if args.ahead_pairs is not None:
+        tiered_prefill.AHEAD_PAIRS_PER_EXPERT = args.ahead_pairs
     if args.no_cudnn_attention:
         torch.backends.cuda.enable_cudnn_sdp(False)
     clock = PhaseClock()
@@ -186,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
             engine.generate(prompt, max_tokens=8, temperature=0.0)  # warm-up: kernels, allocator, rates
             rounds: list[dict] = []
             for _ in range(args.rounds):
-                c0 = engine.stats()["cpu_experts_computed"]
+                c0, k0 = engine.stats()["cpu_experts_computed"], copies(engine)
                 torch.cuda.synchronize()
                 clock.reset()
                 if sampler is not None:
@@ -200,6 +211,7 @@ def main(argv: list[str] | None = None) -> int:
                 sums = dict(clock.sums)
                 sums["other"] = total - sums.get("pass", 0.0)  # outside the forward pass: the scheduler
                 rounds.append({"total": total, "cpu_experts": engine.stats()["cpu_experts_computed"] - c0,
+                               "copies": copies(engine) - k0,
                                **{ph: sums.get(ph, 0.0) for ph in PHASES}})
             med = {key: round(statistics.median(r[key] for r in rounds), 4) for key in rounds[0]}
             r = engine.executor.rates

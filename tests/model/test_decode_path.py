@@ -680,25 +680,31 @@ def test_later_prefill_chunk_attention_equals_the_masked_reference(heads, kv_hea
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("start", [0, 5])
-def test_a_prompts_attention_on_cuda_leaves_cudnn_out_and_matches_the_math(monkeypatch, start):
+def test_a_prompts_attention_on_cuda_leaves_cudnn_out_and_matches_the_math(start):
     """A prompt's SDPA call runs with cuDNN's backend switched off (its host cost per call), GQA heads included, and
     gives causal attention's fp32 result within bf16 rounding, for a first chunk and a later one."""
     import torch.nn.functional as F
+    from torch.overrides import TorchFunctionMode
 
     from strata.runtime.model import attention
 
-    seen, sdpa = [], F.scaled_dot_product_attention
+    seen = []
 
-    def spy(*args, **kwargs):
-        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
-        return sdpa(*args, **kwargs)
+    class Spy(TorchFunctionMode):
+        """Notes the cuDNN flag at each SDPA call. A mode, not a patched `F.scaled_dot_product_attention`: a later
+        chunk's `CausalBias` mask dispatches only when that name is torch's own function."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is F.scaled_dot_product_attention:
+                seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+            return func(*args, **(kwargs or {}))
 
     g = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(8, 24, 64, device="cuda", dtype=torch.bfloat16, generator=g)
     k = torch.randn(2, start + 24, 64, device="cuda", dtype=torch.bfloat16, generator=g)
     v = torch.randn(2, start + 24, 64, device="cuda", dtype=torch.bfloat16, generator=g)
-    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
-    got = attention.attend(q, k, v, start, None, 0.125)
+    with Spy():
+        got = attention.attend(q, k, v, start, None, 0.125)
     assert seen and not any(seen)
     assert torch.backends.cuda.cudnn_sdp_enabled()  # restored for the rest of the process
     kf, vf = k.float().repeat_interleave(4, 0), v.float().repeat_interleave(4, 0)  # query head h reads KV head h // 4
