@@ -108,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-fraction", type=float, default=None, help="tiers.gpu.budget as a share of the expert bytes")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-context", type=int, default=None, help="default: the conversation's length plus a margin")
+    p.add_argument("--debug", default="{}", help="JSON: [debug] settings, e.g. '{\"prefill_ahead\": \"share\"}'")
     p.add_argument("--out", default=None, help="directory for agent_replay.json")
     args = p.parse_args(argv)
 
@@ -119,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
 
     model = Path(args.model) if args.model else ensure_default_model()
     context = args.max_context or args.system_tokens + args.turns * (args.user_tokens + args.answer_tokens + 64) + 256
-    cfg: dict = {"runtime": {"max_context": context}, "planner": {"max_batch": 1}}
+    cfg: dict = {"runtime": {"max_context": context}, "planner": {"max_batch": 1}, "debug": json.loads(args.debug)}
     if args.gpu_fraction is not None:
         fp = read_footprint(model)
         cfg["tiers"] = {"gpu": {"budget": str(int(fp.total_experts * fp.expert_bytes * args.gpu_fraction))}}

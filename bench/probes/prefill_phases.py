@@ -161,6 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="sample every thread's innermost frame this often (seconds) during the timed prefills")
     p.add_argument("--runtime", default="{}", help="JSON: [runtime] settings over the suite's, e.g. "
                    "'{\"prefill_keeps_resident\": true}'")
+    p.add_argument("--debug", default="{}", help="JSON: [debug] settings, e.g. '{\"prefill_ahead\": \"share\"}'")
     p.add_argument("--no-cudnn-attention", action="store_true", help="SDPA without its cuDNN backend")
     p.add_argument("--ahead-pairs", type=int, default=None,
                    help="stage the next layer ahead from this many token-expert pairs an expert "
@@ -187,6 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     config = {"runtime": {"max_context": 8272, "prefill_chunk": 8192, "prefix_cache": False},
               "tiers": {"gpu": {"budget": str(args.budget)}}, "planner": {"max_batch": 8}}
     config["runtime"].update(json.loads(args.runtime))
+    config["debug"] = json.loads(args.debug)
     engine = Engine.from_pretrained(args.model, config=config, device="cuda")
     engine.wait_settled()
     vocab = engine.checkpoint.config.vocab_size

@@ -144,3 +144,43 @@ def test_a_pass_that_stops_releases_what_it_staged_ahead(store, ahead_tier, monk
         layer(x, ids, w)
     assert compute.prefill_ahead == {}
     assert unpinned(m)
+
+
+def test_a_short_chunk_stages_ahead_only_the_copy_paths_part_and_the_cpu_computes_the_rest(store):
+    """[debug] prefill_ahead = "share": a chunk with too few pairs an expert for the CPU to be left out stages ahead
+    only the part of the next layer's cold experts the copy path carries (as many as the CPU computes in the same
+    time, at equal rates about half); that layer finds them mapped, its split gives the CPU every other cold expert,
+    nothing more is copied, and the layer's result is the all-in-memory one."""
+    e = store.index.num_experts
+    layers = store.index.moe_layers[:2]
+    m = TierManager(store, TierBudgets(gpu_slots=3 * e, pinned_slots=4 * e), gpu_device=torch.device("cpu"),
+                    io_threads=2)
+    try:
+        for key in store.keys():
+            m.release(m.acquire([key], "cpu"))
+        compute = ExpertCompute(m, "gpu", "fork")  # cold experts split between the CPU kernel and copies
+        compute.grouped_prefill, compute.moe_layers, compute.prefill_ahead_share = True, layers, True
+        compute.rates.cpu_bytes_per_s = compute.rates.pcie_bytes_per_s = 50e9
+        compute.rates.cpu_flops, compute.rates.copy_host_s = 1e18, 0.0
+        ids, w, x = chunk(store, seed=3, pairs_per_expert=AHEAD_PAIRS_PER_EXPERT)
+        copied = lambda: m.stats()["paths"].get("pinned->gpu", {}).get("objects", 0)  # noqa: E731
+        TieredExperts(layers[0], e, compute)(x, ids, w)
+        assert set(compute.prefill_ahead) == {layers[1]}
+        ahead = set(compute.prefill_ahead[layers[1]].experts)
+        assert e // 2 - 1 <= len(ahead) <= e // 2 + 1  # equal rates: the copy path carries about half
+        copies, on_cpu = copied(), compute.cpu_experts
+        got = TieredExperts(layers[1], e, compute)(x, ids, w)
+        assert compute.prefill_ahead == {}
+        assert copied() == copies  # the staged part was all the layer copied ...
+        assert compute.cpu_experts - on_cpu == len(set(ids.unique().tolist()) - ahead)  # ... the CPU took the rest
+        gu, dn = store.load_layer_experts(layers[1], torch.float32, "cpu")
+        want = moe_forward(x.float(), gu, dn, ids, w)
+        assert (got.float() - want).abs().max().item() < 2e-2 * want.abs().max().item()
+        assert unpinned(m)
+        # a chunk whose experts get more tokens than the CPU share takes stages the whole next layer
+        ids, w, x = chunk(store, seed=4, pairs_per_expert=64)
+        TieredExperts(layers[0], e, compute)(x, ids, w)
+        assert set(compute.prefill_ahead[layers[1]].experts) == set(range(e))
+        TieredExperts(layers[1], e, compute)(x, ids, w)
+    finally:
+        m.close()

@@ -18,6 +18,7 @@ import torch
 
 from strata.kernels.experts import apply_experts
 from strata.kernels.gpu.grouped_gemm import grouped_ok, refuse, slot_pairs, sum_pairs
+from strata.runtime.offload.cost_model import cpu_seconds
 from strata.runtime.offload.cpu_compute import CpuShare
 
 # a chunk stages its next layer ahead from 16 token-expert pairs an expert (a 256-token prompt of an 8-of-128 model;
@@ -26,7 +27,8 @@ from strata.runtime.offload.cpu_compute import CpuShare
 # `bench/probes/prefill_cpu_rate.py --variants shipped ahead`, code af09309, medians of 8) staging ahead took a
 # 256-token prompt from 0.320 to 0.306 s, 512 tokens from 0.377 to 0.328 and 768 from 0.402 to 0.313, while a
 # 128-token one (8 pairs an expert) went from 0.313 to 0.351 s (medians of 4)
-AHEAD_PAIRS_PER_EXPERT = 16
+AHEAD_PAIRS_PER_EXPERT = 8
+MAX_CPU_TOKENS = 32  # the cost model's most tokens an expert the CPU share takes (`split_cold`)
 
 
 class PrefillPath:
@@ -55,13 +57,32 @@ class PrefillPath:
         m = c.manager
         if pairs < AHEAD_PAIRS_PER_EXPERT * e or c.prefill_keeps_resident or c.slots is None or m.max_acquire("gpu") < 2 * e:
             return
+        share = c.prefill_ahead_share and c.use_split and pairs <= MAX_CPU_TOKENS * e
         at = c.moe_layers.index(self.layer) if self.layer in c.moe_layers else len(c.moe_layers)
         for layer in c.moe_layers[at : at + 2]:
-            if layer in c.prefill_ahead:
+            if layer in c.prefill_ahead or (share and layer == self.layer):  # (a known routing: the split serves it)
                 continue
             ready = sorted(m.resident_experts(layer, "gpu") | m.resident_experts(layer, "pinned"))
+            if share:
+                ready = self._ahead_share(layer, ready, pairs)
             if ready:
                 c.prefill_ahead[layer] = m.stage_gpu(layer, ready)
+
+    def _ahead_share(self, layer: int, ready: list[int], pairs: int) -> list[int]:
+        """The part of `layer`'s experts to stage ahead when its cold experts are to be split with the CPU
+        ([debug] prefill_ahead = "share"): its GPU residents, and as many of the others, the most used first, as
+        the copy path carries while the CPU computes the rest, each expert expecting pairs / E tokens. The copies
+        then run during the layer before, and the layer's own split finds them mapped and gives the CPU the rest."""
+        c, m = self.compute, self.compute.manager
+        on_gpu = m.resident_experts(layer, "gpu")
+        cold = [x for x in ready if x not in on_gpu]
+        tokens = max(1, pairs // self.num_experts)
+        nbytes = m.store.payload_bytes
+        c_copy, c_cpu = nbytes / c.rates.pcie_bytes_per_s, cpu_seconds(nbytes, tokens, c.rates)
+        n = round(len(cold) * c_cpu / (c_cpu + c_copy))
+        score = m.gpu_scores(layer, dict.fromkeys(cold, tokens))
+        copied = sorted(cold, key=lambda x: (-score[x], x))[:n]
+        return sorted(on_gpu.intersection(ready) | set(copied))
 
     def _start_cpu_share(self, x, weights, k: int, groups) -> tuple[torch.Tensor, CpuShare]:
         """Start a many-token layer's CPU share with only its tokens' rows crossing PCIe.
