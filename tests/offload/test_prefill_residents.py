@@ -126,6 +126,10 @@ def test_a_many_token_chunk_stages_the_next_layer_behind_its_own(store, ahead_ti
     ids, w, x = chunk(store, seed=1, pairs_per_expert=AHEAD_PAIRS_PER_EXPERT // 2)
     TieredExperts(layers[0], e, compute)(x, ids, w)
     assert compute.prefill_ahead == {}
+    # as does one whose pairs all go to half the experts (skewed routing): the next layer may not use the rest
+    ids, w, x = chunk(store, seed=1)
+    TieredExperts(layers[0], e, compute)(x, ids % (e // 2), w)
+    assert compute.prefill_ahead == {}
 
 
 def test_a_pass_that_stops_releases_what_it_staged_ahead(store, ahead_tier, monkeypatch):

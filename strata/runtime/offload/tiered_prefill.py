@@ -28,18 +28,21 @@ from strata.runtime.offload.cpu_compute import CpuShare
 # 256-token prompt from 0.320 to 0.306 s, 512 tokens from 0.377 to 0.328 and 768 from 0.402 to 0.313, while a
 # 128-token one (8 pairs an expert) went from 0.313 to 0.351 s (medians of 4)
 AHEAD_PAIRS_PER_EXPERT = 8
+# and only where this layer used nearly every expert (skewed routing may leave many unused at these pairs): the next
+# layer is taken to use as many
+AHEAD_USED_SHARE = 0.9
 MAX_CPU_TOKENS = 32  # the cost model's most tokens an expert the CPU share takes (`split_cold`)
 
 
 class PrefillPath:
     """Mixin of `TieredExperts` (which provides `layer`, `num_experts`, `compute` and `_cpu_share`)."""
 
-    def _take_ahead(self, pairs: int):
+    def _take_ahead(self, pairs: int, used: int):
         """This layer's experts as `_stage_ahead` staged them (the layer before, or this one first in its pass), the
         next layer's staged behind them; None when neither did. Batches staged for other layers are stale (a pass
         that stopped early) and are released."""
         self._release_ahead(keep=self.layer)
-        self._stage_ahead(pairs)
+        self._stage_ahead(pairs, used)
         return self.compute.prefill_ahead.pop(self.layer, None)
 
     def _release_ahead(self, keep: int | None = None) -> None:
@@ -48,14 +51,16 @@ class PrefillPath:
         for layer in [layer for layer in c.prefill_ahead if layer != keep]:
             c.manager.release_staged(c.prefill_ahead.pop(layer))
 
-    def _stage_ahead(self, pairs: int) -> None:
+    def _stage_ahead(self, pairs: int, used: int) -> None:
         """Stage the next MoE layer's experts, their copies queued behind this layer's, when `pairs` (this chunk's
-        token-expert pairs) number `AHEAD_PAIRS_PER_EXPERT` an expert and the GPU tier can hold two layers' experts; a
-        layer the one before did not stage (the first of a pass) stages its own first. Each layer's own stage then
+        token-expert pairs) number `AHEAD_PAIRS_PER_EXPERT` an expert, this layer `used` `AHEAD_USED_SHARE` of its
+        experts and the GPU tier can hold two layers' experts; a layer the one before did not stage (the first of a
+        pass) stages its own first. Each layer's own stage then
         finds its experts mapped, their copies landing or landed."""
         c, e = self.compute, self.num_experts
         m = c.manager
-        if pairs < AHEAD_PAIRS_PER_EXPERT * e or c.prefill_keeps_resident or c.slots is None or m.max_acquire("gpu") < 2 * e:
+        if pairs < AHEAD_PAIRS_PER_EXPERT * e or used < AHEAD_USED_SHARE * e or c.prefill_keeps_resident \
+                or c.slots is None or m.max_acquire("gpu") < 2 * e:
             return
         share = c.prefill_ahead_share and c.use_split and pairs <= MAX_CPU_TOKENS * e
         at = c.moe_layers.index(self.layer) if self.layer in c.moe_layers else len(c.moe_layers)
