@@ -368,3 +368,25 @@ def test_path_busy_time_counts_overlapping_transfers_once():
     assert (p.bytes, p.objects) == (4 * gb, 4)
     assert p.seconds == pytest.approx(4.0)
     assert p.as_dict()["GB_per_s"] == pytest.approx(1.0)
+
+
+def test_an_interrupt_during_a_tmpfs_row_gather_reaches_the_caller(monkeypatch, store_file):
+    """A row gather from tmpfs runs on the calling thread: Ctrl+C there stops the caller (a program that never waits on
+    the future, e.g. a prefetch, would otherwise go on as if not interrupted), while an error still goes to the
+    future."""
+    from strata.tiers.storage import diskio
+
+    path, _ = store_file
+    with DiskReader(num_threads=2) as r:
+        if not r.file(path).memory:
+            pytest.skip("a disk file's rows are read on the reader's threads")
+
+        def interrupted(*args):
+            raise KeyboardInterrupt
+
+        monkeypatch.setattr(diskio, "gather_rows", interrupted)
+        with pytest.raises(KeyboardInterrupt):
+            r.read_rows(path, 0, 512, [1, 2], torch.empty(2, 512, dtype=torch.uint8))
+        monkeypatch.setattr(diskio, "gather_rows", lambda *a: (_ for _ in ()).throw(OSError("bad row")))
+        with pytest.raises(OSError, match="bad row"):
+            r.read_rows(path, 0, 512, [1, 2], torch.empty(2, 512, dtype=torch.uint8)).result()

@@ -60,8 +60,11 @@ def _fan_in(futs: list[Future], finish: Callable[[], Any]) -> Future:
             if errors:
                 raise errors[0]
             result.set_result(finish())
-        except BaseException as e:  # every failure goes to the waiter
+        except Exception as e:  # every failure goes to the waiter
             result.set_exception(e)
+        except BaseException as e:  # an interrupt on this thread: the waiter is told, and the interrupt goes on
+            result.set_exception(e)
+            raise
 
     for f in futs:
         f.add_done_callback(on_done)
@@ -257,7 +260,7 @@ class DiskReader:
             done: Future = Future()
             try:
                 gather_rows(self._mapped(f), starts, row_bytes, dst)
-            except BaseException as e:  # noqa: BLE001 - reported through the future, like the threaded reads
+            except Exception as e:  # reported through the future, like the threaded reads
                 done.set_exception(e)
             else:
                 done.set_result(out)
