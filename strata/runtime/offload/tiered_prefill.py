@@ -21,12 +21,12 @@ from strata.kernels.gpu.grouped_gemm import grouped_ok, refuse, slot_pairs, sum_
 from strata.runtime.offload.cost_model import cpu_seconds
 from strata.runtime.offload.cpu_compute import CpuShare
 
-# a chunk stages its next layer ahead from 16 token-expert pairs an expert (a 256-token prompt of an 8-of-128 model;
-# an expert then goes unused with odds ~exp(-16)). Below that the cost model's CPU share, the cold experts with few
-# tokens computed from host RAM, saves more than the overlap gains. On the 12-layer bench model at 25% (H100,
-# `bench/probes/prefill_cpu_rate.py --variants shipped ahead`, code af09309, medians of 8) staging ahead took a
-# 256-token prompt from 0.320 to 0.306 s, 512 tokens from 0.377 to 0.328 and 768 from 0.402 to 0.313, while a
-# 128-token one (8 pairs an expert) went from 0.313 to 0.351 s (medians of 4)
+# a chunk stages its next layer ahead from 8 token-expert pairs an expert (a 128-token prompt of an 8-of-128 model;
+# an expert then goes unused with odds ~exp(-8)). Below that the cost model's split, the cold experts with few tokens
+# computed from host RAM while the rest are copied, is left to serve the layer. On the 12-layer bench model at 25% (H100,
+# `bench/probes/prefill_phases.py --ahead-pairs 16` against `--ahead-pairs 0`, code 23bc808, medians of 5) staging
+# ahead took a 128-token prompt from 0.323-0.331 to 0.278 s and a 192-token one from 0.358-0.368 to 0.274 s: the
+# split's CPU share read 29-38 GB/s on that host, and its layers waited on it one by one
 AHEAD_PAIRS_PER_EXPERT = 8
 # and only where this layer used nearly every expert (skewed routing may leave many unused at these pairs): the next
 # layer is taken to use as many
