@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu-fraction", type=float, default=None, help="tiers.gpu.budget as a share of the expert bytes")
     p.add_argument("--device", default="auto")
     p.add_argument("--max-context", type=int, default=None, help="default: the conversation's length plus a margin")
-    p.add_argument("--debug", default="{}", help="JSON: [debug] settings, e.g. '{\"prefill_ahead\": \"share\"}'")
+    p.add_argument("--debug", default="{}", help="JSON: [debug] settings, e.g. '{\"cuda_graphs\": false}'")
     p.add_argument("--out", default=None, help="directory for agent_replay.json")
     args = p.parse_args(argv)
 

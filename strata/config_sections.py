@@ -279,9 +279,6 @@ class DebugConfig:
     warm_ahead: bool = True  # the CPU worker reads the next layer's predicted cold experts into its caches early
     overlap_decode: bool | str = field(default="auto", metadata={"auto_or_bool": True})  # queue step t+1 early
     grouped_prefill: bool | str = field(default="auto", metadata={"auto_or_bool": True})  # prefill's grouped GEMMs
-    # a short prompt's next layer staged ahead: "all" its experts over PCIe, or "share": the copy path's part, the CPU
-    # computing the rest of its cold experts
-    prefill_ahead: str = "all"
     engram_prefetch: bool = True  # Engram rows fetched as soon as a step's token ids exist
     engram_read_batch: int = 4096  # Engram rows per background read job
     engram_zero_copy: bool = True  # pinned / tmpfs Engram tables read in place by the GPU
@@ -301,8 +298,6 @@ class DebugConfig:
                 raise ConfigError(f"debug.{key} = {getattr(self, key)!r} is invalid; use true or false")
         for key in ("overlap_decode", "grouped_prefill"):
             check_auto_or_bool(f"debug.{key}", getattr(self, key))
-        if self.prefill_ahead not in ("all", "share"):
-            raise ConfigError(f'debug.prefill_ahead = {self.prefill_ahead!r} is invalid; use "all" or "share"')
         if self.split_decode not in ("graph", "host"):
             raise ConfigError(f'debug.split_decode = {self.split_decode!r} is invalid; use "graph" or "host"')
         share = self.gpu_share

@@ -161,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="sample every thread's innermost frame this often (seconds) during the timed prefills")
     p.add_argument("--runtime", default="{}", help="JSON: [runtime] settings over the suite's, e.g. "
                    "'{\"prefill_keeps_resident\": true}'")
-    p.add_argument("--debug", default="{}", help="JSON: [debug] settings, e.g. '{\"prefill_ahead\": \"share\"}'")
+    p.add_argument("--debug", default="{}", help="JSON: [debug] settings, e.g. '{\"cuda_graphs\": false}'")
     p.add_argument("--no-cudnn-attention", action="store_true", help="SDPA without its cuDNN backend")
     p.add_argument("--ahead-pairs", type=int, default=None,
                    help="stage the next layer ahead from this many token-expert pairs an expert "

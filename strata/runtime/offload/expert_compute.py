@@ -112,7 +112,6 @@ class ExpertCompute(CpuCompute):
         self.grouped_prefill = False  # prefill's GPU experts through grouped GEMMs ([debug] grouped_prefill)
         self.prefill_keeps_resident = False  # a prompt's cold experts through the step-copy slots (runtime.*)
         self.prefill_ahead: dict = {}  # MoE layer -> StagedExperts a prompt's previous layer staged for it
-        self.prefill_ahead_share = False  # stage ahead only the copy path's part of a split layer ([debug] prefill_ahead)
         self.top_k = 0
         # the experts' SwiGLU (DeepSeek-V4's clip, gpt-oss's clamped form) and, gpt-oss, each MoE layer's expert
         # biases (a module with gate_up_proj_bias [E, 2I] and down_proj_bias [E, H]: it is loaded after this is made;

@@ -5,7 +5,7 @@ chunk), computed by grouped GEMMs over the slots (`[debug] grouped_prefill`) or 
 model may give the CPU the cold experts with few tokens, computed from host RAM while the GPU works, with
 only those tokens' rows crossing PCIe.
 
-A chunk with pairs enough to use every expert of a layer stages the next MoE layer's experts as soon as its own
+A chunk with pairs enough to use nearly every expert of a layer stages the next MoE layer's experts as soon as its own
 routing is known (`_stage_ahead`): their copies queue behind this layer's on the copy stream, so PCIe never
 waits for the host to reach the next layer's router (which kept the copy engine busy 179 ms of a 416 ms
 512-token prefill at a 25% budget on an H100, 12-layer bench model).
@@ -18,20 +18,20 @@ import torch
 
 from strata.kernels.experts import apply_experts
 from strata.kernels.gpu.grouped_gemm import grouped_ok, refuse, slot_pairs, sum_pairs
-from strata.runtime.offload.cost_model import cpu_seconds
 from strata.runtime.offload.cpu_compute import CpuShare
 
 # a chunk stages its next layer ahead from 8 token-expert pairs an expert (a 128-token prompt of an 8-of-128 model;
 # an expert then goes unused with odds ~exp(-8)). Below that the cost model's split, the cold experts with few tokens
-# computed from host RAM while the rest are copied, is left to serve the layer. On the 12-layer bench model at 25% (H100,
-# `bench/probes/prefill_phases.py --ahead-pairs 16` against `--ahead-pairs 0`, code 23bc808, medians of 5) staging
-# ahead took a 128-token prompt from 0.323-0.331 to 0.278 s and a 192-token one from 0.358-0.368 to 0.274 s: the
-# split's CPU share read 29-38 GB/s on that host, and its layers waited on it one by one
+# computed from host RAM while the rest are copied, serves the layer. On the 12-layer bench model at 25% (H100,
+# `bench/probes/prefill_phases.py --ahead-pairs 16` against `--ahead-pairs 0`, code 9f8e9b4, medians of 5) staging
+# ahead took a 128-token prompt from 0.315 to 0.270 s and a 192-token one from 0.354 to 0.271 s, and left a 64-token
+# one as it was (0.265 against 0.269 s): the split's CPU share reads 37-57 GB/s on such a host and its layers wait on
+# it one by one, while the staged copies keep the link busy. Staging only the copy path's part ahead, the CPU
+# computing the rest, lost to both (0.289 / 0.300 / 0.333 s at 64 / 128 / 192 tokens)
 AHEAD_PAIRS_PER_EXPERT = 8
 # and only where this layer used nearly every expert (skewed routing may leave many unused at these pairs): the next
 # layer is taken to use as many
 AHEAD_USED_SHARE = 0.9
-MAX_CPU_TOKENS = 32  # the cost model's most tokens an expert the CPU share takes (`split_cold`)
 
 
 class PrefillPath:
@@ -55,39 +55,20 @@ class PrefillPath:
         """Stage the next MoE layer's experts, their copies queued behind this layer's, when `pairs` (this chunk's
         token-expert pairs) number `AHEAD_PAIRS_PER_EXPERT` an expert, this layer `used` `AHEAD_USED_SHARE` of its
         experts and the GPU tier can hold two layers' experts; a layer the one before did not stage (the first of a
-        pass) stages its own first. Each layer's own stage then
-        finds its experts mapped, their copies landing or landed."""
+        pass) stages its own first. Each layer's own stage then finds its experts mapped, their copies landing or
+        landed."""
         c, e = self.compute, self.num_experts
         m = c.manager
         if pairs < AHEAD_PAIRS_PER_EXPERT * e or used < AHEAD_USED_SHARE * e or c.prefill_keeps_resident \
                 or c.slots is None or m.max_acquire("gpu") < 2 * e:
             return
-        share = c.prefill_ahead_share and c.use_split and pairs <= MAX_CPU_TOKENS * e
         at = c.moe_layers.index(self.layer) if self.layer in c.moe_layers else len(c.moe_layers)
         for layer in c.moe_layers[at : at + 2]:
-            if layer in c.prefill_ahead or (share and layer == self.layer):  # (a known routing: the split serves it)
+            if layer in c.prefill_ahead:
                 continue
             ready = sorted(m.resident_experts(layer, "gpu") | m.resident_experts(layer, "pinned"))
-            if share:
-                ready = self._ahead_share(layer, ready, pairs)
             if ready:
                 c.prefill_ahead[layer] = m.stage_gpu(layer, ready)
-
-    def _ahead_share(self, layer: int, ready: list[int], pairs: int) -> list[int]:
-        """The part of `layer`'s experts to stage ahead when its cold experts are to be split with the CPU
-        ([debug] prefill_ahead = "share"): its GPU residents, and as many of the others, the most used first, as
-        the copy path carries while the CPU computes the rest, each expert expecting pairs / E tokens. The copies
-        then run during the layer before, and the layer's own split finds them mapped and gives the CPU the rest."""
-        c, m = self.compute, self.compute.manager
-        on_gpu = m.resident_experts(layer, "gpu")
-        cold = [x for x in ready if x not in on_gpu]
-        tokens = max(1, pairs // self.num_experts)
-        nbytes = m.store.payload_bytes
-        c_copy, c_cpu = nbytes / c.rates.pcie_bytes_per_s, cpu_seconds(nbytes, tokens, c.rates)
-        n = round(len(cold) * c_cpu / (c_cpu + c_copy))
-        score = m.gpu_scores(layer, dict.fromkeys(cold, tokens))
-        copied = sorted(cold, key=lambda x: (-score[x], x))[:n]
-        return sorted(on_gpu.intersection(ready) | set(copied))
 
     def _start_cpu_share(self, x, weights, k: int, groups) -> tuple[torch.Tensor, CpuShare]:
         """Start a many-token layer's CPU share with only its tokens' rows crossing PCIe.

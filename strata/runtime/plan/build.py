@@ -91,7 +91,6 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
     try:
         compute.grouped_prefill = grouped_on(cfg.debug.grouped_prefill, device)
         compute.prefill_keeps_resident = cfg.runtime.prefill_keeps_resident
-        compute.prefill_ahead_share = cfg.debug.prefill_ahead == "share"
         manager = compute.manager
         prepare_cpu_experts([compute])
         model = load_model(checkpoint, dtype, device, progress=progress, prepare=lambda m: (
