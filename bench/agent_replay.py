@@ -26,7 +26,6 @@ import argparse
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -114,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from bench.provenance import commit
     from strata import Engine
     from strata.runtime.demo.model import ensure_default_model
     from strata.runtime.plan.footprint import read_footprint
@@ -141,11 +141,6 @@ def main(argv: list[str] | None = None) -> int:
     same = sum(a["tokens"] == b["tokens"] for a, b in zip(cached, plain, strict=True))
     computed = {"cache": sum(r["computed_tokens"] for r in cached), "plain": sum(r["computed_tokens"] for r in plain)}
     last = {"cache": cached[-1]["ttft_s"], "plain": plain[-1]["ttft_s"]}
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=Path(__file__).resolve().parents[1]).stdout.strip()
-    except OSError:
-        commit = ""
     result = {
         "model": str(model), "device": str(engine.device), "dtype": str(engine.dtype).removeprefix("torch."),
         "gpu_fraction": args.gpu_fraction, "prefill_chunk": engine.prefill_chunk, "max_context": engine.max_context,
@@ -160,8 +155,8 @@ def main(argv: list[str] | None = None) -> int:
         "per_turn": {"cache": [{k: v for k, v in r.items() if k != "tokens"} for r in cached],
                      "plain": [{k: v for k, v in r.items() if k != "tokens"} for r in plain]},
         "machine": platform.processor() or platform.machine(), "cpus": os.cpu_count(), "torch": torch.__version__,
-        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "commit": commit,
-        "date": time.strftime("%Y-%m-%d"),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None, "commit": commit(),
+        "debug": cfg["debug"], "date": time.strftime("%Y-%m-%d"),
     }
     print(json.dumps({k: v for k, v in result.items() if k != "per_turn"}, indent=1))
     if args.out:
