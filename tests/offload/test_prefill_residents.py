@@ -148,4 +148,3 @@ def test_a_pass_that_stops_releases_what_it_staged_ahead(store, ahead_tier, monk
         layer(x, ids, w)
     assert compute.prefill_ahead == {}
     assert unpinned(m)
-

@@ -110,7 +110,8 @@ class TieredExperts(PrefillPath, nn.Module):
             return self._cpu_tier_forward(x, ids, weights)
         groups = group_by_expert(ids, self.num_experts)  # syncs: predictions have arrived too
         self._note_uses((e, len(sel)) for e, sel in groups)
-        ahead = self._take_ahead(ids.numel(), len(groups))  # this layer's experts staged early, and the next layer's behind them
+        # this layer's experts staged early, and the next layer's behind them
+        ahead = self._take_ahead(ids.numel(), len(groups))
         cpu_part: tuple[torch.Tensor, CpuShare] | None = None
         try:
             if c.use_split:
