@@ -393,14 +393,18 @@ def test_initial_placement_fills_a_gpu_tier_through_few_staging_slots(store):
         m.close()
 
 
-def test_close_waits_for_initial_placement_to_stop(store):
+def test_close_waits_for_initial_placement_to_stop(store, caplog):
     """A placement thread waiting for room when the manager closes has returned when `close` does: it would
-    otherwise copy into freed memory, or be stopped inside torch at interpreter exit (which aborts the process)."""
+    otherwise copy into freed memory, or be stopped inside torch at interpreter exit (which aborts the process). One
+    that does not stop in time is reported."""
     m = make_manager(store, pinned=2)
     keys, n = store.keys(), m.pinned.capacity
     held = m.acquire(keys[:n], "cpu")  # every pinned slot in use: placing one more waits for room
     m.place(keys[n : n + 1], "cpu")
     assert any(t.name == "strata-placement" for t in threading.enumerate())
+    with caplog.at_level("WARNING", logger="strata.tiers"):
+        m.placer.wait_stopped(timeout=0.1)  # the jobs still open: the thread goes on waiting, and the log says so
+    assert any("placement thread(s) still running" in r.message for r in caplog.records)
     m.close()
     assert not any(t.name == "strata-placement" for t in threading.enumerate())
     del held
