@@ -122,7 +122,8 @@ class TieredExperts(PrefillPath, nn.Module):
             if cpu_part is not None:
                 rows, share = cpu_part  # rows unique: each of out's rows gets one add, as `out + partial` would
                 cpu_part = None
-                out.index_add_(0, rows, share.wait().to(out.device, out.dtype))
+                # pinned (the kernel's output): the upload queues behind the layer's GPU work, the host goes on
+                out.index_add_(0, rows, share.wait().to(out.device, non_blocking=True).to(out.dtype))
             return out
         except BaseException:  # the pass stops here: nothing will compute what was staged ahead
             self._release_ahead()
