@@ -11,6 +11,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import threading
+import time
 from collections.abc import Callable
 
 from strata.tiers.slot_maps import SlotMaps
@@ -49,13 +50,16 @@ class JobQueue:
         """`close` has been called: long-running jobs (placement) stop at their next check."""
         return self._closed
 
-    def close(self) -> None:
-        """Stop the workers once their current jobs end (queued jobs are dropped)."""
+    def close(self, timeout: float = 5.0) -> bool:
+        """Stop the workers once their current jobs end (queued jobs are dropped), waiting at most `timeout` seconds
+        for them all; False if one is still inside its job then."""
         with self._lock:
             self._closed = True
             self._ready.notify_all()
+        deadline = time.monotonic() + timeout
         for w in self._workers:
-            w.join(timeout=5)
+            w.join(timeout=max(0.0, deadline - time.monotonic()))
+        return not any(w.is_alive() for w in self._workers)
 
     def _work(self) -> None:
         while True:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from concurrent.futures import Future
@@ -72,6 +73,8 @@ from strata.tiers.store.store import ExpertStore
 from strata.tiers.transfers import Transfers
 
 __all__ = ["ExpertHandle", "Key", "TierBudgets", "TierFullError", "TierManager"]
+
+log = logging.getLogger("strata.tiers")
 
 
 class TierManager:
@@ -356,14 +359,21 @@ class TierManager:
             behind = self.slots.clears_behind_copy if self.slots is not None else 0
             return {**self.stats_.snapshot(residency, capacity, behind), "pending_work": pending}
 
-    def close(self) -> None:
-        """Stop the workers and free the tiers' memory, readers and mirror threads."""
-        self.jobs.close()
-        self.placer.wait_stopped()
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the workers and free the tiers' memory, readers and mirror threads. A worker or placement thread
+        still copying `timeout` seconds after the jobs were closed keeps the pinned pool it reads from allocated
+        (until the process exits), rather than have it freed under the copy."""
+        deadline = time.monotonic() + timeout
+        stopped = self.jobs.close(timeout)
+        stopped = self.placer.wait_stopped(max(0.0, deadline - time.monotonic())) and stopped
         self.store.stop_verification()  # an in-place store's background pass (the scrub's)
         self.reader.close()
         if self.tmpfs is not None:
             self.tmpfs.close()
-        self.pool.close()
+        if stopped:
+            self.pool.close()
+        else:
+            log.warning("the pinned pool (%.2f GiB) stays allocated until the process exits: a tier thread may "
+                        "still be copying from it", self.pool.nbytes / 2**30)
         if self.gds is not None:
             self.gds.close()

@@ -47,20 +47,21 @@ class Placer:
             self._placing += 1
         threading.Thread(target=self._place, args=(tier, list(keys)), name="strata-placement", daemon=True).start()
 
-    def wait_stopped(self, timeout: float = 30.0) -> None:
+    def wait_stopped(self, timeout: float = 30.0) -> bool:
         """After the jobs were closed: wait until every placement thread has returned (each does at its next key or
-        wait, within ~0.05 s, or once its copy in flight is issued), at most `timeout` seconds, and say so in the log
-        if one has not. The memory they copy into is freed after this, and a thread still inside a copy at interpreter
-        exit would abort the process."""
+        wait, within ~0.05 s, or once its copy in flight is issued), at most `timeout` seconds; False (and a line in
+        the log) if one has not. The caller frees the memory they copy from only after True: a thread still inside a
+        copy would read freed memory, and one still running at interpreter exit would abort the process."""
         deadline = time.monotonic() + timeout
         with self._lock:
             while self._placing:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    log.warning("%d tier placement thread(s) still running %.0f s after the tiers were closed; "
-                                "their memory is freed regardless", self._placing, timeout)
-                    return
+                    log.warning("%d tier placement thread(s) still running %.0f s after the tiers were closed",
+                                self._placing, timeout)
+                    return False
                 self._released.wait(left)
+        return True
 
     def _place(self, tier: SlotTier, keys: list[Key]) -> None:
         pending: list[Future] = []

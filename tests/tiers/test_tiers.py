@@ -12,6 +12,7 @@ import os
 import random
 import shutil
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -408,3 +409,34 @@ def test_close_waits_for_initial_placement_to_stop(store, caplog):
     m.close()
     assert not any(t.name == "strata-placement" for t in threading.enumerate())
     del held
+
+
+def test_close_keeps_the_pinned_pool_while_a_copy_out_of_it_is_in_flight(store, caplog, monkeypatch):
+    """A tier worker still inside a copy out of the pinned pool (an initial placement's, pinned -> GPU tier) when
+    `close` stops waiting for it: the pool is not freed under the copy (the log says it stays), and the copy, let go
+    afterwards, lands the expert's bytes."""
+    m = make_manager(store, gpu=2, pinned=8)
+    entered, go, copied = threading.Event(), threading.Event(), []
+    copy_in = m.slots.copy_in
+
+    def held_copy(slot, src, *args, **kw):  # the worker's copy, held until the test lets it go
+        entered.set()
+        go.wait(10)
+        event = copy_in(slot, src, *args, **kw)
+        copied.append(slot)
+        return event
+
+    monkeypatch.setattr(m.slots, "copy_in", held_copy)
+    key = store.keys()[0]
+    m.place([key], "gpu")
+    assert entered.wait(10)
+    with caplog.at_level("WARNING", logger="strata.tiers"):
+        m.close(timeout=0.1)
+    assert "stays allocated" in caplog.text
+    go.set()
+    deadline = time.monotonic() + 10
+    while not copied and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert copied, "the held copy never ran"
+    assert torch.equal(m.slots.slab[copied[0]], store.read_expert(key)[: store.slot_bytes])
+    m.pool.close()
