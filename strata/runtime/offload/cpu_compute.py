@@ -11,6 +11,7 @@ FP8 / MXFP4 values and scales where the store's layout puts them); rates count t
 from __future__ import annotations
 
 import array
+import math
 import time
 
 import numpy as np
@@ -22,7 +23,7 @@ from strata.kernels.quant import ExpertLayout, reads
 
 class CpuCompute:
     """CPU expert compute, mixed into `ExpertCompute`, whose state it uses: `manager`, `rates`, `cpu_experts`,
-    `cpu_threads`, `cpu_kernel`, `pin_results`, `use_fast_cpu`, `split`, `form` and `gate_up_bias`."""
+    `cpu_threads`, `cpu_kernel`, `pin_results`, `pinned_sums`, `use_fast_cpu`, `split`, `form` and `gate_up_bias`."""
 
     def calibrate_cpu(self, nbytes: int = 256 << 20, rounds: int = 3) -> float:
         """Measure the CPU expert kernel on this model's expert shape and format (one token, about `nbytes` of
@@ -208,7 +209,10 @@ class CpuCompute:
                 meta.extend((gu, dn, tok_ptr + 8 * off, w_ptr + 4 * off, len(sel), inter, inter))
                 scales.extend((gus, dns))
                 off += len(sel)
-            out = torch.zeros(x.shape, dtype=torch.float32, pin_memory=self.pin_results)
+            # a share (background) is uploaded through CpuShare.copy_to, which keeps its reused buffer's turn
+            sums = self.pinned_sums if background and self.pin_results else None
+            index, out = sums.take(x.shape) if sums is not None else \
+                (-1, torch.zeros(x.shape, dtype=torch.float32, pin_memory=self.pin_results))
             bias = self.gate_up_bias(layer, torch.device("cpu"))  # gpt-oss: [E, 2I] fp32, each expert's row read
             bias_at, _ = bias_rows(bias, [e for e, _ in groups], inter) if bias is not None else (None, None)
             packed = {"backend": self.cpu_kernel, "fmt": fmt, "scales": scales if fmt is not None else None,
@@ -231,19 +235,78 @@ class CpuCompute:
             self.rates.observe_cpu(len(groups) * layout.payload_bytes, kernel_s)
             return out
 
-        return CpuShare(finish, (tok, w, x32, scales, bias_at))
+        return CpuShare(finish, (tok, w, x32, scales, bias_at), sums, index)
+
+
+class PinnedSums:
+    """Pinned buffers for the CPU shares' partial sums [N, H] fp32, handed out in turn and reused.
+
+    A fresh pinned tensor a share (`torch.zeros(..., pin_memory=True)`) took 16% of the scheduler thread in a short
+    prompt's prefill at a 25% budget on an H100 host (docs/benchmarks.md, "a short prompt's CPU share uploaded
+    without a wait"). One thread's shares use it, each uploaded (`CpuShare.copy_to`) or dropped before the share
+    `depth` after it starts; a buffer is handed out again once the GPU copy that read it is done."""
+
+    def __init__(self, depth: int = 2, pin: bool = True):
+        self._pin = pin  # False: plain memory (a host without CUDA, tests)
+        self._buffers: list[torch.Tensor | None] = [None] * depth
+        self._read: list[torch.cuda.Event | None] = [None] * depth  # the last copy out of each buffer
+        self._next = 0
+
+    def take(self, shape: torch.Size) -> tuple[int, torch.Tensor]:
+        """(a buffer's index, a zeroed pinned fp32 tensor of `shape` in it)."""
+        i, n = self._next, math.prod(shape)
+        self._next = (i + 1) % len(self._buffers)
+        read, self._read[i] = self._read[i], None
+        if read is not None:
+            read.synchronize()  # long done as a rule: the layers since have waited for the GPU
+        buf = self._buffers[i]
+        if buf is None or buf.numel() < n:
+            buf = self._buffers[i] = torch.empty(max(n, 2 * (0 if buf is None else buf.numel())),
+                                                 dtype=torch.float32, pin_memory=self._pin)
+        out = buf[:n].view(shape)
+        out.zero_()
+        return i, out
+
+    def read_on(self, i: int, stream: torch.cuda.Stream) -> None:
+        """A copy out of buffer `i` was just issued on `stream`."""
+        event = torch.cuda.Event()
+        event.record(stream)
+        self._read[i] = event
 
 
 class CpuShare:
-    """A decode layer's CPU share, started by `ExpertCompute.start_cpu`; `wait()` -> partial sum [N, H] fp32."""
+    """A layer's CPU share, started by `ExpertCompute.start_cpu`; `wait()` -> partial sum [N, H] fp32, `copy_to` /
+    `to` put it on the GPU."""
 
-    def __init__(self, finish, keep: tuple):
+    def __init__(self, finish, keep: tuple, sums: PinnedSums | None = None, index: int = -1):
         self._finish, self._keep, self._out = finish, keep, None  # keep: what the kernel reads until done
+        self._sums, self._index = sums, index  # where the sum lives, if in a PinnedSums buffer
+
+    @classmethod
+    def done(cls, out: torch.Tensor) -> CpuShare:
+        """A share already computed: its partial sum `out`."""
+        share = cls(None, ())
+        share._out = out
+        return share
 
     def wait(self) -> torch.Tensor:
         if self._finish is not None:
             self._out, self._finish, self._keep = self._finish(), None, ()
         return self._out
+
+    def copy_to(self, dst: torch.Tensor) -> torch.Tensor:
+        """`wait()`, then the partial sum copied into `dst` (of its shape, on the GPU: queued behind the GPU's work
+        where the sum is pinned, the host going on); returns dst."""
+        src = self.wait()
+        dst.copy_(src, non_blocking=src.is_pinned())
+        if self._sums is not None and dst.is_cuda:
+            self._sums.read_on(self._index, torch.cuda.current_stream(dst.device))
+        return dst
+
+    def to(self, device: torch.device) -> torch.Tensor:
+        """The partial sum on `device` (`copy_to` a new tensor)."""
+        src = self.wait()
+        return self.copy_to(torch.empty(src.shape, dtype=src.dtype, device=device))
 
 
 def _cpu_apply(x, weights, k, groups, by_expert, out, fast: bool, threads: int | None = None,

@@ -22,7 +22,7 @@ from strata.kernels.gpu.quant_slots import QuantSlotWeights
 from strata.kernels.quant import reads
 from strata.runtime.model.capture import current_recorder
 from strata.runtime.offload.cost_model import Rates
-from strata.runtime.offload.cpu_compute import CpuCompute
+from strata.runtime.offload.cpu_compute import CpuCompute, PinnedSums
 from strata.tiers.manager import TierManager
 from strata.tiers.prefetch import LookaheadPrefetcher, Predictor
 
@@ -74,6 +74,7 @@ class ExpertCompute(CpuCompute):
         # work, waiting for the CPU's partial sum (where a split step's time goes; see bench/tools/hotpath.py)
         self.host_seconds: Counter[str] = Counter()
         self.pin_results = False  # CPU partial sums in pinned memory, so their upload never waits for the GPU
+        self.pinned_sums = PinnedSums()  # the scheduler thread's CPU shares' pinned partial sums, reused
         # True: a decode layer's CPU share starts on the kernel's launcher thread before this thread stages
         # the copies; False: it runs here after them. None: started first in the layers where the cost model
         # copies some experts (the copies' host work then overlaps the CPU's), run here in the others (no

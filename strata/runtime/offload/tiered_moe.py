@@ -122,8 +122,7 @@ class TieredExperts(PrefillPath, nn.Module):
             if cpu_part is not None:
                 rows, share = cpu_part  # rows unique: each of out's rows gets one add, as `out + partial` would
                 cpu_part = None
-                # pinned (the kernel's output): the upload queues behind the layer's GPU work, the host goes on
-                out.index_add_(0, rows, share.wait().to(out.device, non_blocking=True).to(out.dtype))
+                out.index_add_(0, rows, share.to(out.device).to(out.dtype))  # pinned: the host goes on
             return out
         except BaseException:  # the pass stops here: nothing will compute what was staged ahead
             self._release_ahead()
@@ -266,7 +265,7 @@ class TieredExperts(PrefillPath, nn.Module):
         if cold:
             cpu_part = self._cold_decode(x, x_host, w_host, y, late, cold)
         if cpu_part is not None:
-            cpu_out.copy_(cpu_part, non_blocking=c.pin_results)  # pinned: no wait for the GPU queue
+            cpu_part.copy_to(cpu_out)  # pinned: no wait for the GPU queue
         t_poll = clock()
         if c.prefetcher is not None:
             c.prefetcher.poll()  # after the layer's own misses, so they go first
@@ -275,9 +274,9 @@ class TieredExperts(PrefillPath, nn.Module):
         c.host_seconds["group"] += t_plan - t_hits
         c.host_seconds["poll"] += clock() - t_poll
 
-    def _cold_decode(self, x, x_host, w_host, y, late, cold: dict[int, np.ndarray]) -> torch.Tensor | None:
+    def _cold_decode(self, x, x_host, w_host, y, late, cold: dict[int, np.ndarray]) -> CpuShare | None:
         """Cold pairs: the copied ones are staged for the pass over `late` that follows this host step, then
-        the CPU's share is computed here; returns the CPU's partial sum [N, H] fp32 (None: no CPU share)."""
+        the CPU's share is computed here; returns it, done: its partial sum [N, H] fp32 (None: no CPU share)."""
         c, k = self.compute, w_host.shape[1]
         t_split = time.perf_counter()
         on_cpu: set[int] = set(cold) if c.slots is None else set()
@@ -306,9 +305,9 @@ class TieredExperts(PrefillPath, nn.Module):
         c.host_seconds["stage"] += t1 - t0
         c.rates.observe_stage(len(to_copy), t1 - t0)
         if share is not None:
-            out = share.wait()
+            share.wait()
             c.host_seconds["wait_cpu"] += time.perf_counter() - t1
-            return out
+            return share
         if not groups:
             return None
         # the CPU part runs here, after the copies were issued: this thread joins the kernel's thread
@@ -317,7 +316,7 @@ class TieredExperts(PrefillPath, nn.Module):
         # Starting it first on the kernel's launcher thread is `run_async` above.)
         out = c.cpu_forward(self.layer, x_host, w_host, k, groups)
         c.host_seconds["cpu"] += time.perf_counter() - t1
-        return out
+        return CpuShare.done(out)
 
     def _stage_copies(self, x, y, late, to_copy: list[int], cold: dict[int, np.ndarray]) -> None:
         """Issue the copies of `to_copy` and point `late` (the pass after this host step) at their slots."""
