@@ -264,9 +264,9 @@ class PinnedSums:
             buf = self._buffers[i] = torch.empty(max(n, 2 * (0 if buf is None else buf.numel())),
                                                  dtype=torch.float32, pin_memory=self._pin)
         out = buf[:n].view(shape)
-        # one thread's memset: torch's fill would wake its intra-op threads, which beside the kernel pool's threads
-        # (spinning once a share is done) waited out time slices, 12% of a short prompt's scheduler thread on an
-        # H100 host
+        # one thread's memset (~30 us a MiB): torch's `zero_()` here took 12% of a short prompt's scheduler thread on
+        # an H100 host, its intra-op threads contending with the kernel pool's for the cores (the memset's effect
+        # there is not yet measured: docs/benchmarks.md, "a short prompt's CPU share uploaded without a wait")
         out.numpy().fill(0.0)
         return i, out
 
