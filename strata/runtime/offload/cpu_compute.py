@@ -241,10 +241,11 @@ class CpuCompute:
 class PinnedSums:
     """Pinned buffers for the CPU shares' partial sums [N, H] fp32, handed out in turn and reused.
 
-    A fresh pinned tensor a share (`torch.zeros(..., pin_memory=True)`) took 16% of the scheduler thread in a short
-    prompt's prefill at a 25% budget on an H100 host (docs/benchmarks.md, "a short prompt's CPU share uploaded
-    without a wait"). One thread's shares use it, each uploaded (`CpuShare.copy_to`) or dropped before the share
-    `depth` after it starts; a buffer is handed out again once the GPU copy that read it is done."""
+    A fresh pinned tensor a share (`torch.zeros(..., pin_memory=True)`: an allocation and a fill a layer) was 10-16% of
+    the scheduler thread in a short prompt's prefill at a 25% budget on H100 hosts (docs/benchmarks.md, "a short
+    prompt's CPU share uploaded without a wait"). One thread's shares use it, each uploaded (`CpuShare.copy_to`) or
+    dropped before the share `depth` after it starts; a buffer is handed out again once the GPU copy that read it is
+    done."""
 
     def __init__(self, depth: int = 2, pin: bool = True):
         self._pin = pin  # False: plain memory (a host without CUDA, tests)
