@@ -265,9 +265,9 @@ class PinnedSums:
             buf = self._buffers[i] = torch.empty(max(n, 2 * (0 if buf is None else buf.numel())),
                                                  dtype=torch.float32, pin_memory=self._pin)
         out = buf[:n].view(shape)
-        # one thread's memset (~30 us a MiB): torch's `zero_()` here took 12% of a short prompt's scheduler thread on
-        # an H100 host, its intra-op threads contending with the kernel pool's for the cores (the memset's effect
-        # there is not yet measured: docs/benchmarks.md, "a short prompt's CPU share uploaded without a wait")
+        # one thread's memset: torch's `zero_()` here took 12% of a short prompt's scheduler thread on an H100 host,
+        # and right after a kernel call it waits for its idle intra-op threads (665 against 42 us for [64, 2048] on
+        # two Zen 4 cores: bench/probes/after_kernel.py; the memset not yet measured on a GPU host)
         out.numpy().fill(0.0)
         return i, out
 
