@@ -169,6 +169,24 @@ def test_reproducible_requests_are_bit_identical(engines, name):
     assert run(e, first + ids(4, 9, v), reproducible=True)[2] == 0
 
 
+@pytest.mark.gpu
+def test_reproducible_requests_are_bit_identical_on_a_tiered_gpu(tiny_model_dir):
+    """On CUDA with most experts cold and the CPU split on: a reproducible request served from the prefix cache
+    gives the logits of the same request computed whole, bit for bit."""
+    slot = 12288  # one tiny-model expert in bf16
+    cfg = {"tiers": {"gpu": {"budget": str(4 * slot)}}, "runtime": {"cpu_numerics": "fork", "max_context": 1024,
+                                                                    "prefill_chunk": CHUNK}}
+    with Engine.from_pretrained(tiny_model_dir, device="cuda", config=cfg) as e:
+        e.scheduler(max_batch=2, token_budget=CHUNK).start()
+        v = vocab_of(e)
+        first = ids(53, 7, v)
+        answer, _, _ = run(e, first, reproducible=True)
+        follow = first + answer + ids(6, 8, v)
+        got = run(e, follow, reproducible=True)
+        assert got[2] == 48  # three whole 16-token passes of the first prompt
+        assert_same(got, run(e, follow, cache=False, reproducible=True), exact=True)
+
+
 def test_usage_counts_and_stats(engines):
     """`cached_tokens` of the request's events, and the cache's token counters."""
     e = engines("qwen3_moe")
