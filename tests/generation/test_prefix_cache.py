@@ -76,6 +76,20 @@ def vocab_of(engine: Engine) -> int:
     return min(engine.checkpoint.config.vocab_size, VOCAB) - 2
 
 
+def assert_reproducible_follow_up_exact(e: Engine) -> list[int]:
+    """A reproducible request, then a follow-up resending it with its answer: the follow-up is served three whole
+    16-token passes from the cache and its logits equal, bit for bit, those computed whole. Returns the first
+    prompt."""
+    v = vocab_of(e)
+    first = ids(53, 7, v)
+    answer, _, _ = run(e, first, reproducible=True)
+    follow = first + answer + ids(6, 8, v)
+    got = run(e, follow, reproducible=True)
+    assert got[2] == 48  # three whole 16-token passes of the first prompt
+    assert_same(got, run(e, follow, cache=False, reproducible=True), exact=True)
+    return first
+
+
 @pytest.mark.parametrize("name", MODELS)
 def test_prefix_of_a_finished_request(engines, name):
     """The next turn of a conversation: the prompt extends a finished request's prompt and its answer."""
@@ -156,13 +170,8 @@ def test_reproducible_requests_are_bit_identical(engines, name):
     e = engines(name)
     sched = e.scheduler()
     sched.prefix.clear()
+    first = assert_reproducible_follow_up_exact(e)
     v = vocab_of(e)
-    first = ids(53, 7, v)
-    answer, _, cached = run(e, first, reproducible=True)
-    follow = first + answer + ids(6, 8, v)
-    got = run(e, follow, reproducible=True)
-    assert got[2] == 48  # three whole 16-token passes of the first prompt
-    assert_same(got, run(e, follow, cache=False, reproducible=True), exact=True)
     # rows an ordinary request computed are never given to a reproducible one
     sched.prefix.clear()
     run(e, first)
@@ -178,13 +187,7 @@ def test_reproducible_requests_are_bit_identical_on_a_tiered_gpu(tiny_model_dir)
                                                                     "prefill_chunk": CHUNK}}
     with Engine.from_pretrained(tiny_model_dir, device="cuda", config=cfg) as e:
         e.scheduler(max_batch=2, token_budget=CHUNK).start()
-        v = vocab_of(e)
-        first = ids(53, 7, v)
-        answer, _, _ = run(e, first, reproducible=True)
-        follow = first + answer + ids(6, 8, v)
-        got = run(e, follow, reproducible=True)
-        assert got[2] == 48  # three whole 16-token passes of the first prompt
-        assert_same(got, run(e, follow, cache=False, reproducible=True), exact=True)
+        assert_reproducible_follow_up_exact(e)
 
 
 def test_usage_counts_and_stats(engines):
