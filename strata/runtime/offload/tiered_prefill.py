@@ -23,11 +23,11 @@ from strata.runtime.offload.cpu_compute import CpuShare
 # a chunk stages its next layer ahead from 8 token-expert pairs an expert (a 128-token prompt of an 8-of-128 model;
 # an expert then goes unused with odds ~exp(-8)). Below that the cost model's split, the cold experts with few tokens
 # computed from host RAM while the rest are copied, serves the layer. On the 12-layer bench model at 25% (H100,
-# `bench/probes/prefill_phases.py --ahead-pairs 16` against `--ahead-pairs 0`, code 9f8e9b4, medians of 5) staging
-# ahead took a 128-token prompt from 0.315 to 0.270 s and a 192-token one from 0.354 to 0.271 s, and left a 64-token
-# one as it was (0.265 against 0.269 s): the split's CPU share reads 37-57 GB/s on such a host and its layers wait on
-# it one by one, while the staged copies keep the link busy. Staging only the copy path's part ahead, the CPU
-# computing the rest, lost to both (0.289 / 0.300 / 0.333 s at 64 / 128 / 192 tokens)
+# `bench/probes/prefill_phases.py --ahead-pairs 16` against `--ahead-pairs 0`, code 0dfaafc, medians of 4) a
+# 128-token prompt took 0.273 s split and 0.282 staged ahead, a 192-token one 0.292 and 0.271: past 8 pairs an expert
+# the split's CPU share (its layers wait on it one by one) is the long pole, while the staged copies keep the link
+# busy. Staging only the copy path's part ahead, the CPU computing the rest, lost to both (9f8e9b4: 0.289 / 0.300 /
+# 0.333 s at 64 / 128 / 192 tokens)
 AHEAD_PAIRS_PER_EXPERT = 8
 # and only where this layer used nearly every expert (skewed routing may leave many unused at these pairs): the next
 # layer is taken to use as many
