@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -91,9 +92,29 @@ def expert_swiglu(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, fo
 
 def group_by_expert(ids: torch.Tensor, num_experts: int) -> list[tuple[int, torch.Tensor]]:
     """ids [N, k] -> [(expert, token-slot indices into ids.flatten())] for every expert hit, ascending."""
+    order, counts = _pairs_by_expert(ids, num_experts)
+    return _groups(order, counts.tolist())  # one host sync per layer
+
+
+def group_by_expert_with_host(ids: torch.Tensor, num_experts: int
+                              ) -> tuple[list[tuple[int, torch.Tensor]], dict[int, np.ndarray]]:
+    """`group_by_expert`'s groups, and each hit expert's indices on the host too ({expert: [n_e] int64}), brought over
+    in the same host sync: a caller that hands some experts to the CPU reads their pairs without a second one."""
+    order, counts = _pairs_by_expert(ids, num_experts)
+    both = torch.cat([counts, order]).cpu().numpy()  # [E + N k]: the counts, then the pairs expert by expert
+    host_counts, host_order = both[:num_experts], both[num_experts:]
+    starts = np.concatenate([[0], np.cumsum(host_counts)])
+    host = {int(e): host_order[starts[e] : starts[e + 1]] for e in np.flatnonzero(host_counts)}
+    return _groups(order, host_counts.tolist()), host
+
+
+def _pairs_by_expert(ids: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [N, k] -> (pair indices into ids.flatten() [N k], stably sorted by expert; each expert's count [E])."""
     flat = ids.reshape(-1)
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=num_experts).tolist()  # one host sync per layer
+    return torch.argsort(flat, stable=True), torch.bincount(flat, minlength=num_experts)
+
+
+def _groups(order: torch.Tensor, counts: list[int]) -> list[tuple[int, torch.Tensor]]:
     groups, start = [], 0
     for expert, count in enumerate(counts):
         if count:

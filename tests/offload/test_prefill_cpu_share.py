@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from strata.kernels.experts import group_by_expert
+from strata.kernels.experts import group_by_expert, group_by_expert_with_host
 from strata.runtime.offload.tiered_prefill import PrefillPath
 
 
@@ -53,8 +53,8 @@ def test_the_share_gets_its_tokens_rows_and_its_pairs_renumbered_into_them(nativ
     g = torch.Generator().manual_seed(0)
     ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(n)])  # [N, k] distinct a token
     x, weights = torch.randn(n, 8, generator=g), torch.rand(n, k, generator=g)
-    groups = group_by_expert(ids, experts)
-    share_groups = [grp for grp in groups if grp[0] in (1, 4)]  # the experts the cost model left to the CPU
+    groups, host = group_by_expert_with_host(ids, experts)
+    share_groups = [(e, host[e]) for e, _ in groups if e in (1, 4)]  # the experts the cost model left to the CPU
     compute = RecordingCompute(native)
     rows, share = Layer(compute)._start_cpu_share(x, weights, k, share_groups)
     out = share.wait()
@@ -68,3 +68,17 @@ def test_the_share_gets_its_tokens_rows_and_its_pairs_renumbered_into_them(nativ
         # pair p (token p // k, slot p % k) becomes the same slot of its token's place among the shipped rows
         assert [want_rows[q // k] * k + q % k for q in renumbered.tolist()] == sel.tolist()
     torch.testing.assert_close(out, x[want_rows].float() * 2)
+
+
+@pytest.mark.parametrize("n, k, experts", [(1, 1, 4), (37, 8, 128), (300, 4, 16)])
+def test_host_pairs_are_group_by_experts_groups_brought_in_one_copy(n, k, experts):
+    """The split's CPU share reads its pairs from `group_by_expert_with_host`'s host arrays: the same experts in the
+    same order as `group_by_expert`'s, each with the same pair indices (stable: ascending within an expert)."""
+    g = torch.Generator().manual_seed(n)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:k] for _ in range(n)])
+    want = group_by_expert(ids, experts)
+    groups, host = group_by_expert_with_host(ids, experts)
+    assert [e for e, _ in groups] == [e for e, _ in want] == sorted(host)
+    for (e, sel), (_, want_sel) in zip(groups, want, strict=True):
+        assert torch.equal(sel, want_sel) and host[e].dtype == np.int64
+        assert host[e].tolist() == want_sel.tolist() == sorted(p for p in range(n * k) if ids.reshape(-1)[p] == e)

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from strata.kernels.experts import SwiGLUForm, down_bias_term, group_by_expert
+from strata.kernels.experts import SwiGLUForm, down_bias_term, group_by_expert, group_by_expert_with_host
 from strata.kernels.gpu.grouped import combine_pairs, pair_experts, pair_experts_in_place, use_pair_kernels
 from strata.runtime.model.capture import current_capture_mode, current_recorder
 from strata.runtime.model.moe import MoEBlock, router_predictors
@@ -108,7 +108,9 @@ class TieredExperts(PrefillPath, nn.Module):
         c, k = self.compute, ids.shape[1]
         if c.device_tier == "cpu":
             return self._cpu_tier_forward(x, ids, weights)
-        groups = group_by_expert(ids, self.num_experts)  # syncs: predictions have arrived too
+        # syncs: predictions have arrived too; the split's CPU share reads its pairs on the host, brought in that sync
+        groups, host_pairs = (group_by_expert_with_host(ids, self.num_experts) if c.use_split
+                              else (group_by_expert(ids, self.num_experts), {}))
         self._note_uses((e, len(sel)) for e, sel in groups)
         # this layer's experts staged early, and the next layer's behind them
         ahead = self._take_ahead(ids.numel(), len(groups))
@@ -117,7 +119,7 @@ class TieredExperts(PrefillPath, nn.Module):
             if c.use_split:
                 cpu_groups, groups = self._plan_split(groups)
                 if cpu_groups:  # activations cross PCIe (small); weights stay in host RAM
-                    cpu_part = self._start_cpu_share(x, weights, k, cpu_groups)
+                    cpu_part = self._start_cpu_share(x, weights, k, [(e, host_pairs[e]) for e, _ in cpu_groups])
             out = self._tier_forward(x, weights, k, groups, "gpu", ids)
             if cpu_part is not None:
                 rows, share = cpu_part  # rows unique: each of out's rows gets one add, as `out + partial` would

@@ -78,11 +78,11 @@ class PrefillPath:
         (pageable, freshly allocated) cost ~45 ms a layer on the H200 box. The kernel starts on its own launcher
         thread (`ExpertCompute.start_cpu`), as a decode layer's share does, while this thread stages the copies, so
         its start never waits for the GIL; experts not all resident in pinned RAM go through `cpu_forward` on the
-        Python worker. Returns (rows [R] on x's device, the share, whose `wait()` gives the partial sum [R, H] fp32
-        over those rows)."""
+        Python worker. `groups`: [(expert, its pair indices into ids.flatten(), [n_e] int64 numpy)], ascending.
+        Returns (rows [R] on x's device, the share, whose `wait()` gives the partial sum [R, H] fp32 over those
+        rows)."""
         c, n = self.compute, x.shape[0]
-        # pair indices into ids.flatten(), expert by expert: one device-to-host copy for the whole share, then numpy
-        flat = torch.cat([s for _, s in groups]).cpu().numpy()  # [P]
+        flat = np.concatenate([s for _, s in groups])  # [P] the share's pairs, expert by expert
         tok = flat // k
         rows = np.unique(tok)  # [R] sorted token rows the CPU share reads
         where = np.empty(n, dtype=np.int64)
