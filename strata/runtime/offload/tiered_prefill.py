@@ -84,7 +84,9 @@ class PrefillPath:
         c, n = self.compute, x.shape[0]
         flat = np.concatenate([s for _, s in groups])  # [P] the share's pairs, expert by expert
         tok = flat // k
-        rows = np.unique(tok)  # [R] sorted token rows the CPU share reads
+        hit = np.zeros(n, dtype=bool)
+        hit[tok] = True
+        rows = np.flatnonzero(hit)  # [R] sorted token rows the CPU share reads (np.unique's sort cost more)
         where = np.empty(n, dtype=np.int64)
         where[rows] = np.arange(rows.size)
         # the same pairs, renumbered into the compact [R, k]: ascending order (and so the kernel's order) kept
