@@ -28,7 +28,7 @@ from strata.runtime.offload.cpu_compute import CpuShare
 # the split's CPU share (its layers wait on it one by one) is the long pole, while the staged copies keep the link
 # busy. Staging only the copy path's part ahead, the CPU computing the rest, lost to both (9f8e9b4: 0.289 / 0.300 /
 # 0.333 s at 64 / 128 / 192 tokens)
-AHEAD_PAIRS_PER_EXPERT = 8
+AHEAD_PAIRS_PER_EXPERT = 20
 # and only where this layer used nearly every expert (skewed routing may leave many unused at these pairs): the next
 # layer is taken to use as many
 AHEAD_USED_SHARE = 0.9
