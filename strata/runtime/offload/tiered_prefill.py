@@ -20,14 +20,14 @@ from strata.kernels.experts import apply_experts
 from strata.kernels.gpu.grouped_gemm import grouped_ok, refuse, slot_pairs, sum_pairs
 from strata.runtime.offload.cpu_compute import CpuShare
 
-# a chunk stages its next layer ahead from 8 token-expert pairs an expert (a 128-token prompt of an 8-of-128 model;
-# an expert then goes unused with odds ~exp(-8)). Below that the cost model's split, the cold experts with few tokens
+# a chunk stages its next layer ahead from 20 token-expert pairs an expert (a 320-token prompt of an 8-of-128 model; an
+# expert then goes unused with odds ~exp(-20)). Below that the cost model's split, the cold experts with few tokens
 # computed from host RAM while the rest are copied, serves the layer. On the 12-layer bench model at 25% (H100,
-# `bench/probes/prefill_phases.py --ahead-pairs 16` against `--ahead-pairs 0`, code 0dfaafc, medians of 4) a
-# 128-token prompt took 0.273 s split and 0.282 staged ahead, a 192-token one 0.292 and 0.271: past 8 pairs an expert
-# the split's CPU share (its layers wait on it one by one) is the long pole, while the staged copies keep the link
-# busy. Staging only the copy path's part ahead, the CPU computing the rest, lost to both (9f8e9b4: 0.289 / 0.300 /
-# 0.333 s at 64 / 128 / 192 tokens)
+# `bench/probes/prefill_phases.py`, `--ahead-pairs 32` or `64` against `8`, code 897b453, medians of 3) the
+# split took 0.247 / 0.299 / 0.317 / 0.379 s at 192 / 256 / 384 / 512 tokens, staged ahead 0.281 / 0.331 / 0.280 /
+# 0.290: past ~20 pairs an expert the split's CPU share (its layers wait on it one by one) is the long pole, while the
+# staged copies keep the link busy. Staging only the copy path's part ahead, the CPU computing the rest, lost to both
+# (9f8e9b4: 0.289 / 0.300 / 0.333 s at 64 / 128 / 192 tokens)
 AHEAD_PAIRS_PER_EXPERT = 20
 # and only where this layer used nearly every expert (skewed routing may leave many unused at these pairs): the next
 # layer is taken to use as many
