@@ -265,9 +265,10 @@ class PinnedSums:
             buf = self._buffers[i] = torch.empty(max(n, 2 * (0 if buf is None else buf.numel())),
                                                  dtype=torch.float32, pin_memory=self._pin)
         out = buf[:n].view(shape)
-        # one thread's memset: torch's `zero_()` here took 12% of a short prompt's scheduler thread on an H100 host,
-        # and right after a kernel call it waits for its idle intra-op threads (665 against 42 us for [64, 2048] on
-        # two Zen 4 cores: bench/probes/after_kernel.py; the memset not yet measured on a GPU host)
+        # one thread's memset: right after a kernel call torch's `zero_()` waits for its idle intra-op threads (665
+        # against 42 us for [64, 2048] on two Zen 4 cores: bench/probes/after_kernel.py); on an H100 host the memset
+        # made a 64-token prompt's split prefill 1.23-1.29x faster (docs/benchmarks.md, "a short prompt's split
+        # without its second sync")
         out.numpy().fill(0.0)
         return i, out
 
