@@ -2,7 +2,7 @@
 
 While `DecodeGraphs` (strata.runtime.model.graphs) captures a decode step, code several calls deep in the forward
 pass acts differently from an eager pass:
-- a tiered MoE layer's cold path (strata.runtime.offload.tiered_moe) becomes a host step between two graphs
+- a tiered MoE layer's cold path (strata.runtime.offload.tiered_decode) becomes a host step between two graphs
   (`SegmentRecorder.host_step`), or takes the one-graph mailbox path (mode "mailbox");
 - an Engram layer's row buffers (strata.runtime.model.engram.decode) are refilled in host steps at their layers;
 - a model split over cards (strata.runtime.model.stages) ends one card's graph and goes on on the next;
