@@ -3,12 +3,14 @@ shapes, and prefill's scratch dequantizer (strata.kernels.gpu.quant_slots).
 
     python bench/probes/quant_pair_probe.py --out DIR [--tokens 1,4,8] [--sweep]
 
-The same 128 random experts are held in GPU slots as bf16, FP8 (128 x 128 blocks) and MXFP4 blobs. For N tokens
+The same 128 random experts are held in GPU slots as bf16, FP8 (128 x 128 blocks) and MXFP4 blobs, and 128 experts of
+random valid GGUF blocks as Q4_K_M stores them (gate and up Q4_K, down Q6_K; strata.kernels.gpu.gguf_pairs). For N tokens
 (N x 8 pairs, each token's experts distinct), one step's pairs (the gate/up and the down launch) are timed in a CUDA
 graph of 16 steps over different experts, so weights come from HBM, not the L2. Prints us a step, the weight bytes a
 step reads (pairs x blob bytes), that rate in TB/s and each format's speed-up over bf16; --sweep also times the
-quantized kernels' launch configurations (gate/up swept with down at the shipped one, then down). Every output is
-checked against the fp32 torch path on the dequantized weights (rel_err: largest error / largest output). Then the
+quantized kernels' launch configurations (gate/up swept with down at the shipped one, then down; GGUF's from
+`GGUF_PAIR_CONFIG`). Every output is checked against the fp32 torch path on the dequantized weights (rel_err: largest
+error / largest output). Then the
 scratch dequantizer over all 128 experts to bf16 (GB/s of blob bytes read plus bf16 bytes written). Writes
 quant_pairs.json.
 """
@@ -27,15 +29,21 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: `bench.*` when run as a script
+from bench.cpu.cpu_experts import gguf_blocks  # noqa: E402
 from strata.kernels.gpu import grouped, quant_pairs  # noqa: E402
+from strata.kernels.gpu.gguf_pairs import GGUF_PAIR_CONFIG  # noqa: E402
 from strata.kernels.gpu.quant_slots import QuantSlotWeights, dequantize_slots  # noqa: E402
 from strata.kernels.quant import ExpertFormat, ExpertLayout  # noqa: E402
 
 H, INTER, E, K = 2048, 768, 128, 8
 CALLS = 16
 FORMATS = {"bf16": ExpertFormat(), "fp8": ExpertFormat("fp8", block=(128, 128)), "mxfp4": ExpertFormat("mxfp4")}
+GGUF_FORMATS = {"q4_k_m": (("Q4_K",), ("Q4_K",), ("Q6_K",))}  # gate, up and down block types
 GATE_UP = list(itertools.product((4, 8, 16), (512, 1024, 2048), (4, 8), (3,)))
 DOWN = list(itertools.product((8, 16, 32), (128, 256, 512), (2, 4), (3,)))
+# GGUF's: column steps of whole 256-value superblocks
+GGUF_GATE_UP = list(itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (2, 3)))
+GGUF_DOWN = list(itertools.product((8, 16, 32, 64), (256, 512), (4, 8), (2, 3)))
 
 
 def slots(fmt: ExpertFormat, gu: torch.Tensor, dn: torch.Tensor):
@@ -46,6 +54,29 @@ def slots(fmt: ExpertFormat, gu: torch.Tensor, dn: torch.Tensor):
     for e in range(gu.shape[0]):
         layout.pack(gu[e], dn[e], out=slab[e])
     return grouped.slot_weights(slab, layout), layout.payload_bytes
+
+
+def gguf_slots(types: tuple[tuple[str, ...], ...], device: str, seed: int = 0):
+    """E experts of random valid blocks of `types` (gate, up, down: one type each) in 4 KiB-aligned slots on `device`:
+    (QuantSlotWeights, blob bytes)."""
+    layout = ExpertLayout.build(ExpertFormat("gguf", ggml=types), H, INTER)
+    slab = torch.zeros(E, -(-layout.payload_bytes // 4096) * 4096, dtype=torch.uint8)
+    g = torch.Generator().manual_seed(seed)
+    for e in range(E):
+        gate, up, down = (gguf_blocks(t[0], rows, k, g) for t, (rows, k) in
+                          zip(types, ((INTER, H), (INTER, H), (H, INTER)), strict=True))
+        layout.pack_gguf(gate, up, down, out=slab[e])
+    return QuantSlotWeights(slab.to(device), layout), layout.payload_bytes
+
+
+def shipped_and_swept(kind: str, p: int) -> list:
+    """The launch configurations --sweep times for experts of format `kind` at p pairs: the shipped one (None) first,
+    then gate/up swept with down at the shipped one, then down."""
+    if kind == "gguf":
+        (gu0, dn0), gate_up, down = GGUF_PAIR_CONFIG, GGUF_GATE_UP, GGUF_DOWN
+    else:
+        (gu0, dn0), gate_up, down = quant_pairs._config(p, 1), GATE_UP, DOWN
+    return [None] + [(c, dn0) for c in gate_up if c != gu0] + [(gu0, c) for c in down if c != dn0]
 
 
 def run_pairs(x, sw, slot_of, ids, y, used, config=None) -> None:
@@ -82,9 +113,10 @@ def main() -> None:
     dn = torch.randn(E, H, INTER, device=dev) / INTER**0.5
     packed = {name: slots(fmt, gu, dn) for name, fmt in FORMATS.items()}
     del gu, dn
+    packed.update({name: gguf_slots(types, dev) for name, types in GGUF_FORMATS.items()})
     slot_of = torch.arange(E, dtype=torch.int32, device=dev)
-    report = {"device": torch.cuda.get_device_name(), "shipped": quant_pairs.QUANT_PAIR_CONFIGS, "pairs": [],
-              "dequantize": []}
+    report = {"device": torch.cuda.get_device_name(), "shipped": quant_pairs.QUANT_PAIR_CONFIGS,
+              "shipped_gguf": GGUF_PAIR_CONFIG, "pairs": [], "dequantize": []}
     for n in (int(t) for t in args.tokens.split(",")):
         p = n * K
         x = torch.randn(n, H, device=dev).to(torch.bfloat16)
@@ -94,10 +126,7 @@ def main() -> None:
         base = None
         for name, (sw, blob) in packed.items():
             refs = [reference(x, sw, slot_of, ids[i]) for i in range(CALLS)]
-            configs = [None]
-            if args.sweep and isinstance(sw, QuantSlotWeights):
-                gu0, dn0 = quant_pairs._config(p, 1)
-                configs += [(c, dn0) for c in GATE_UP if c != gu0] + [(gu0, c) for c in DOWN if c != dn0]
+            configs = shipped_and_swept(sw.layout.fmt.kind, p) if args.sweep and isinstance(sw, QuantSlotWeights) else [None]
             rows = []
             for cfg in configs:
                 steps = [partial(run_pairs, x, sw, slot_of, ids[i], y[i], used[i], cfg) for i in range(CALLS)]

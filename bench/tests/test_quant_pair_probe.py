@@ -43,9 +43,44 @@ def check_probe_launches() -> float:
     return worst
 
 
+def check_probe_gguf_launches() -> float:
+    """The probe's GGUF slots (Q4_K_M's types: gate and up Q4_K, down Q6_K) and pair launches, 2 tokens x 2 pairs over
+    4 experts at H = I = 256 (one superblock a row), at a configuration whose tiles hold the whole matrices: the
+    largest error against the reference on the dequantized slots, relative to its largest output."""
+    from bench.probes import quant_pair_probe as qp
+
+    qp.H, qp.INTER, qp.E, qp.K = 256, 256, 4, 2
+    torch.manual_seed(0)
+    sw, blob = qp.gguf_slots(qp.GGUF_FORMATS["q4_k_m"], "cpu")
+    assert blob == sw.layout.payload_bytes and sw.slab.shape[0] == 4
+    slot_of = torch.tensor([2, 0, 3, 1], dtype=torch.int32)
+    ids = torch.tensor([0, 2, 3, 1])
+    x = torch.randn(2, 256).to(torch.bfloat16)
+    ref = qp.reference(x, sw, slot_of, ids)
+    y, used = torch.zeros(4, 256), torch.empty(4, dtype=torch.int32)
+    qp.run_pairs(x, sw, slot_of, ids, y, used, ((128, 256, 4, 1), (256, 256, 4, 1)))
+    assert torch.equal(used, slot_of[ids])
+    return qp.rel_err(y, ref)
+
+
+def test_the_probe_sweeps_each_formats_own_configurations():
+    from bench.probes import quant_pair_probe as qp
+    from strata.kernels.gpu import quant_pairs
+    from strata.kernels.gpu.gguf_pairs import GGUF_PAIR_CONFIG
+
+    for kind, (gu0, dn0), gate_up, down in (("gguf", GGUF_PAIR_CONFIG, qp.GGUF_GATE_UP, qp.GGUF_DOWN),
+                                             ("mxfp4", quant_pairs._config(8, 1), qp.GATE_UP, qp.DOWN)):
+        configs = qp.shipped_and_swept(kind, 8)
+        assert configs[0] is None  # the shipped configuration first: the row the speed-ups compare
+        assert configs[1:] == [(c, dn0) for c in gate_up if c != gu0] + [(gu0, c) for c in down if c != dn0]
+    gguf = qp.shipped_and_swept("gguf", 8)[1:]
+    assert gguf and all(g[1] % 256 == 0 and d[1] % 256 == 0 for g, d in gguf)  # whole superblocks a column step
+
+
 def test_the_probes_quantized_pair_launches_under_tritons_interpreter():
     pytest.importorskip("triton")
-    code = "import bench.tests.test_quant_pair_probe as t\nprint(t.check_probe_launches())\n"
+    code = ("import bench.tests.test_quant_pair_probe as t\n"
+            "print(max(t.check_probe_launches(), t.check_probe_gguf_launches()))\n")
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -29,8 +29,8 @@ if triton is not None:
     import triton.language as tl
 
 # Launch configurations: gate/up (BLOCK_I, BLOCK_H, warps, stages), down (BLOCK_O, BLOCK_I, warps, stages); a step of
-# BLOCK_H columns is BLOCK_H / 16 groups. Not yet swept on a GPU (the quantized pairs'
-# bench/probes/quant_pair_probe.py).
+# BLOCK_H columns is BLOCK_H / 16 groups. Not yet swept on a GPU (`bench/probes/quant_pair_probe.py --sweep` times
+# Q4_K_M's).
 GGUF_PAIR_CONFIG = ((8, 512, 4, 2), (16, 256, 4, 2))
 GGUF_IN_PLACE_BLOCKS = (8, 512, 16, 256)  # pair_gguf_in_place: gate/up rows, columns; down rows, columns
 
