@@ -13,6 +13,7 @@ forward pass.
 
 Both ask the cost model which cold experts the CPU computes (`TieredExperts._cpu_share`).
 """
+
 from __future__ import annotations
 
 from collections import Counter
