@@ -1,7 +1,7 @@
 """The quantized decode pair kernels (strata.kernels.gpu.quant_pairs) against the bf16 ones at the bench model's
 shapes, and prefill's scratch dequantizer (strata.kernels.gpu.quant_slots).
 
-    python bench/probes/quant_pair_probe.py --out DIR [--tokens 1,4,8] [--sweep]
+    python bench/probes/quant_pair_probe.py --out DIR [--tokens 1,4,8] [--sweep] [--formats fp8,mxfp4,q4_k_m]
 
 The same 128 random experts are held in GPU slots as bf16, FP8 (128 x 128 blocks) and MXFP4 blobs, and 128 experts of
 random valid GGUF blocks as Q4_K_M stores them (gate and up Q4_K, down Q6_K; strata.kernels.gpu.gguf_pairs). For N tokens
@@ -106,14 +106,16 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", default="1,4,8")
     ap.add_argument("--sweep", action="store_true")
+    ap.add_argument("--formats", default="fp8,mxfp4,q4_k_m", help="the quantized formats timed against bf16")
     args = ap.parse_args()
+    chosen = {"bf16", *args.formats.split(",")}
     torch.manual_seed(0)
     dev = "cuda"
     gu = torch.randn(E, 2 * INTER, H, device=dev) / H**0.5
     dn = torch.randn(E, H, INTER, device=dev) / INTER**0.5
-    packed = {name: slots(fmt, gu, dn) for name, fmt in FORMATS.items()}
+    packed = {name: slots(fmt, gu, dn) for name, fmt in FORMATS.items() if name in chosen}
     del gu, dn
-    packed.update({name: gguf_slots(types, dev) for name, types in GGUF_FORMATS.items()})
+    packed.update({name: gguf_slots(types, dev) for name, types in GGUF_FORMATS.items() if name in chosen})
     slot_of = torch.arange(E, dtype=torch.int32, device=dev)
     report = {"device": torch.cuda.get_device_name(), "shipped": quant_pairs.QUANT_PAIR_CONFIGS,
               "shipped_gguf": GGUF_PAIR_CONFIG, "pairs": [], "dequantize": []}

@@ -29,9 +29,10 @@ if triton is not None:
     import triton.language as tl
 
 # Launch configurations: gate/up (BLOCK_I, BLOCK_H, warps, stages), down (BLOCK_O, BLOCK_I, warps, stages); a step of
-# BLOCK_H columns is BLOCK_H / 16 groups. Not yet swept on a GPU (`bench/probes/quant_pair_probe.py --sweep` times
-# Q4_K_M's).
-GGUF_PAIR_CONFIG = ((8, 512, 4, 2), (16, 256, 4, 2))
+# BLOCK_H columns is BLOCK_H / 16 groups. Swept on an H100 for Q4_K_M at the bench model's shapes
+# (`bench/probes/quant_pair_probe.py --sweep`): these were fastest at 1, 4 and 8 tokens. Narrow gate/up programs
+# (4 rows: twice the programs of 8) beat every wider one; fewer instructions a weight did not (docs/benchmarks.md).
+GGUF_PAIR_CONFIG = ((4, 512, 4, 2), (16, 256, 2, 2))
 GGUF_IN_PLACE_BLOCKS = (8, 512, 16, 256)  # pair_gguf_in_place: gate/up rows, columns; down rows, columns
 
 
