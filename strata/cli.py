@@ -296,9 +296,9 @@ def build_parser(only: str | None = None) -> argparse.ArgumentParser:
                         "gpt-oss); for --arch deepseek_v4, its releases' spelling: mxfp4 (V4-Flash: FP4 experts, FP8 "
                         "linears with ue8m0 scales) or fp8 (V4-Flash-Base) (default: mxfp4 for --arch gpt_oss, as "
                         "released; bf16 otherwise)")
-    p.add_argument("--gguf", default=None, metavar="TYPE", choices=GGUF_EXPORT_TYPES,
+    p.add_argument("--gguf", default=None, metavar="TYPE", choices=GGUF_EXPORT_TYPES, type=str.lower,
                    help="random sizes, with --no-engram: also write DIR/model-TYPE.gguf for llama.cpp, the same weights "
-                        "with routed experts in TYPE: bf16, q8_0, q6_k, q5_k, q4_k, q2_k, or q4_k_m (llama.cpp's "
+                        "with routed experts in TYPE (either case): bf16, q8_0, q6_k, q5_k, q4_k, q2_k, or q4_k_m (llama.cpp's "
                         "Q4_K_M: down Q6_K on some layers); everything else bf16 (norms, routers f32). K-quants need "
                         "rows of 256: tiny takes bf16 and q8_0")
     p.set_defaults(func=_cmd_demo_model)

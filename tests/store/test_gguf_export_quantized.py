@@ -169,7 +169,8 @@ def test_strata_on_the_q4_k_m_file_matches_transformers(mini_qwen3, tmp_path):
 @pytest.fixture(scope="module")
 def tiny_deepseek(tmp_path_factory):
     root = tmp_path_factory.mktemp("gguf_ds")
-    assert main(["demo-model", str(root / "tiny"), "--size", "tiny", "--no-engram", "--gguf", "q8_0"]) == 0
+    # llama.cpp's spelling of the type: --gguf takes either case
+    assert main(["demo-model", str(root / "tiny"), "--size", "tiny", "--no-engram", "--gguf", "Q8_0"]) == 0
     return root / "tiny", root / "tiny" / "model-q8_0.gguf"
 
 
