@@ -8,6 +8,7 @@ import ctypes
 import hashlib
 import logging
 import platform
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -56,6 +57,9 @@ def build_and_open() -> ctypes.CDLL:
             lock.unlink()
     except OSError:
         pass
+    if sys.stderr.isatty() and not (build_dir / f"{name}.so").exists():  # a minute of silence otherwise
+        print("strata: compiling the CPU kernels for this machine (once for these sources)...", file=sys.stderr,
+              flush=True)
     torch_log = logging.getLogger("torch.utils.cpp_extension")
     level = torch_log.level
     torch_log.setLevel(logging.ERROR)  # its compiler-compatibility banner is many lines long

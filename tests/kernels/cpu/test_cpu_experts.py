@@ -7,6 +7,7 @@ given. The extension is built once per test session (into the session's $STRATA_
 from __future__ import annotations
 
 import logging
+import os
 import platform
 import shutil
 import threading
@@ -224,6 +225,32 @@ def test_unknown_or_unsupported_request_warns_and_chooses(monkeypatch, caplog):
     missing = [b for b in ("avx512_bf16", "avx512", "avx2") if b not in kernel_backends()]
     if kernel_backends() and missing:
         assert ce.backend(missing[0]) == ce.backend("auto")
+
+
+def test_a_first_build_says_so_on_a_terminal(monkeypatch, tmp_path, capsys):
+    """A minute of compiling is announced on a terminal's stderr, once: not when the library is already built."""
+    if not CAN_BUILD:
+        pytest.skip("no x86-64 compiler and ninja here")
+    from torch.utils import cpp_extension
+
+    from strata.kernels.cpu import build
+
+    built = build.build_and_open()._name  # the library this machine already has
+    calls = []
+
+    def load(name, build_directory, **kw):  # what compiling leaves behind (a link: dlopen gives the same library)
+        calls.append(name)
+        if not os.path.exists(f"{build_directory}/{name}.so"):
+            os.symlink(built, f"{build_directory}/{name}.so")
+        return f"{build_directory}/{name}.so"
+
+    monkeypatch.setattr(build, "cache_root", lambda: tmp_path)
+    monkeypatch.setattr(cpp_extension, "load", load)
+    monkeypatch.setattr(build.sys.stderr, "isatty", lambda: True)
+    build.build_and_open()
+    build.build_and_open()
+    err = capsys.readouterr().err
+    assert len(calls) == 2 and err.count("compiling the CPU kernels for this machine") == 1
 
 
 def test_build_failure_falls_back_to_torch(monkeypatch, caplog):
