@@ -66,8 +66,10 @@ def build_and_open() -> ctypes.CDLL:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            path = cpp_extension.load(name=name, sources=[str(_CSRC / n) for n in _SOURCES if n.endswith(".cpp")], extra_cflags=_CFLAGS,
-                                      extra_ldflags=_LDFLAGS, build_directory=str(build_dir), with_cuda=False,
+            # copies of the flags: torch appends its own to the lists it is given, which would change the hash above
+            path = cpp_extension.load(name=name, sources=[str(_CSRC / n) for n in _SOURCES if n.endswith(".cpp")],
+                                      extra_cflags=list(_CFLAGS), extra_ldflags=list(_LDFLAGS),
+                                      build_directory=str(build_dir), with_cuda=False,
                                       is_python_module=False, verbose=False)
     finally:
         torch_log.setLevel(level)
