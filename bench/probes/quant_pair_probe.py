@@ -1,7 +1,7 @@
 """The quantized decode pair kernels (strata.kernels.gpu.quant_pairs) against the bf16 ones at the bench model's
 shapes, and prefill's scratch dequantizer (strata.kernels.gpu.quant_slots).
 
-    python bench/probes/quant_pair_probe.py --out DIR [--tokens 1,4,8] [--sweep] [--formats fp8,mxfp4,q4_k_m]
+    python bench/probes/quant_pair_probe.py --out DIR [--tokens 1,4,8] [--sweep] [--formats fp8,mxfp4,q4_k_m] [--in-place]
 
 The same 128 random experts are held in GPU slots as bf16, FP8 (128 x 128 blocks) and MXFP4 blobs, and 128 experts of
 random valid GGUF blocks as Q4_K_M stores them (gate and up Q4_K, down Q6_K; strata.kernels.gpu.gguf_pairs). For N tokens
@@ -11,8 +11,10 @@ step reads (pairs x blob bytes), that rate in TB/s and each format's speed-up ov
 quantized kernels' launch configurations (gate/up swept with down at the shipped one, then down; GGUF's from
 `GGUF_PAIR_CONFIG`). Every output is checked against the fp32 torch path on the dequantized weights (rel_err: largest
 error / largest output). Then the
-scratch dequantizer over all 128 experts to bf16 (GB/s of blob bytes read plus bf16 bytes written). Writes
-quant_pairs.json.
+scratch dequantizer over all 128 experts to bf16 (GB/s of blob bytes read plus bf16 bytes written). --in-place
+times instead the reads of cold experts in place: every format's slots in page-locked host RAM, each pair's weights
+read over PCIe by the in-place kernels (`pair_experts_in_place`; GB/s of blob bytes a step), --sweep then timing
+their tiles (`IN_PLACE_GATE_UP`, `IN_PLACE_DOWN`). Writes quant_pairs.json.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: `bench.*` when run as a script
 from bench.cpu.cpu_experts import gguf_blocks  # noqa: E402
 from strata.kernels.gpu import grouped, quant_pairs  # noqa: E402
-from strata.kernels.gpu.gguf_pairs import GGUF_PAIR_CONFIG  # noqa: E402
+from strata.kernels.gpu.gguf_pairs import GGUF_IN_PLACE_BLOCKS, GGUF_PAIR_CONFIG  # noqa: E402
 from strata.kernels.gpu.quant_slots import QuantSlotWeights, dequantize_slots  # noqa: E402
 from strata.kernels.quant import ExpertFormat, ExpertLayout  # noqa: E402
 
@@ -44,16 +46,20 @@ DOWN = list(itertools.product((8, 16, 32), (128, 256, 512), (2, 4), (3,)))
 # GGUF's: column steps of whole 256-value superblocks
 GGUF_GATE_UP = list(itertools.product((4, 8, 16, 32), (256, 512, 1024), (4, 8), (2, 3)))
 GGUF_DOWN = list(itertools.product((8, 16, 32, 64), (256, 512), (4, 8), (2, 3)))
+# reads in place: gate/up (rows, columns) and down (rows, columns), each side swept with the other as shipped; columns
+# of whole 256-value superblocks, so that GGUF's tiles fit too
+IN_PLACE_GATE_UP = list(itertools.product((4, 8, 16), (512, 1024)))
+IN_PLACE_DOWN = list(itertools.product((8, 16, 32), (256, 512)))
 
 
 def slots(fmt: ExpertFormat, gu: torch.Tensor, dn: torch.Tensor):
     """Experts gu [E, 2I, H], dn [E, H, I] packed in `fmt` into a slab of 4 KiB-aligned slots, as the GPU tier
-    holds them: (SlotWeights or QuantSlotWeights, blob bytes)."""
+    holds them: (SlotWeights or QuantSlotWeights, blob bytes, the slab [E, slot bytes] uint8, its layout)."""
     layout = ExpertLayout.build(fmt, H, INTER)
     slab = torch.zeros(gu.shape[0], -(-layout.payload_bytes // 4096) * 4096, dtype=torch.uint8, device=gu.device)
     for e in range(gu.shape[0]):
         layout.pack(gu[e], dn[e], out=slab[e])
-    return grouped.slot_weights(slab, layout), layout.payload_bytes
+    return grouped.slot_weights(slab, layout), layout.payload_bytes, slab, layout
 
 
 def gguf_slots(types: tuple[tuple[str, ...], ...], device: str, seed: int = 0):
@@ -66,7 +72,8 @@ def gguf_slots(types: tuple[tuple[str, ...], ...], device: str, seed: int = 0):
         gate, up, down = (gguf_blocks(t[0], rows, k, g) for t, (rows, k) in
                           zip(types, ((INTER, H), (INTER, H), (H, INTER)), strict=True))
         layout.pack_gguf(gate, up, down, out=slab[e])
-    return QuantSlotWeights(slab.to(device), layout), layout.payload_bytes
+    sw = QuantSlotWeights(slab.to(device), layout)
+    return sw, layout.payload_bytes, sw.slab, layout
 
 
 def shipped_and_swept(kind: str, p: int) -> list:
@@ -77,6 +84,30 @@ def shipped_and_swept(kind: str, p: int) -> list:
     else:
         (gu0, dn0), gate_up, down = quant_pairs._config(p, 1), GATE_UP, DOWN
     return [None] + [(c, dn0) for c in gate_up if c != gu0] + [(gu0, c) for c in down if c != dn0]
+
+
+def in_place_configs(kind: str, sweep: bool) -> list:
+    """The in-place tiles timed for experts of format `kind`: the shipped ones (None) first, with --sweep gate/up's
+    swept with down's as shipped, then down's (bf16's shipped only: its kernels take no tiles from the probe)."""
+    if not sweep or kind == "plain":
+        return [None]
+    gi, gh, do, dk = GGUF_IN_PLACE_BLOCKS if kind == "gguf" else quant_pairs.QUANT_IN_PLACE_BLOCKS
+    return ([None] + [(i, h, do, dk) for i, h in IN_PLACE_GATE_UP if (i, h) != (gi, gh)]
+            + [(gi, gh, o, k) for o, k in IN_PLACE_DOWN if (o, k) != (do, dk)])
+
+
+def host_addresses(slab: torch.Tensor, slot_of: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[P] int64 on ids' device: the host address of pair p's slot in `slab` (page-locked host RAM on a GPU machine;
+    the interpreter reads CPU memory by address)."""
+    return (slab.data_ptr() + slot_of[ids.long()].long().cpu() * slab.stride(0)).to(ids.device)
+
+
+def run_in_place(x, layout: ExpertLayout, addresses, y, blocks=None) -> None:
+    """One step's pairs read in place from host slots of `layout` (at tiles `blocks`, quantized formats)."""
+    if layout.fmt.quantized:
+        quant_pairs.pair_quant_in_place(x, layout, addresses, y, blocks=blocks)
+    else:
+        grouped.pair_experts_in_place(x, grouped.HostExperts.of_layout(layout), addresses, y)
 
 
 def run_pairs(x, sw, slot_of, ids, y, used, config=None) -> None:
@@ -107,6 +138,7 @@ def main() -> None:
     ap.add_argument("--tokens", default="1,4,8")
     ap.add_argument("--sweep", action="store_true")
     ap.add_argument("--formats", default="fp8,mxfp4,q4_k_m", help="the quantized formats timed against bf16")
+    ap.add_argument("--in-place", action="store_true", help="the slots in page-locked host RAM, read in place")
     args = ap.parse_args()
     chosen = {"bf16", *args.formats.split(",")}
     torch.manual_seed(0)
@@ -118,7 +150,8 @@ def main() -> None:
     packed.update({name: gguf_slots(types, dev) for name, types in GGUF_FORMATS.items() if name in chosen})
     slot_of = torch.arange(E, dtype=torch.int32, device=dev)
     report = {"device": torch.cuda.get_device_name(), "shipped": quant_pairs.QUANT_PAIR_CONFIGS,
-              "shipped_gguf": GGUF_PAIR_CONFIG, "pairs": [], "dequantize": []}
+              "shipped_gguf": GGUF_PAIR_CONFIG, "shipped_in_place": quant_pairs.QUANT_IN_PLACE_BLOCKS,
+              "shipped_gguf_in_place": GGUF_IN_PLACE_BLOCKS, "pairs": [], "dequantize": []}
     for n in (int(t) for t in args.tokens.split(",")):
         p = n * K
         x = torch.randn(n, H, device=dev).to(torch.bfloat16)
@@ -126,28 +159,39 @@ def main() -> None:
         used = [torch.empty(p, dtype=torch.int32, device=dev) for _ in range(CALLS)]
         y = [torch.zeros(p, H, device=dev) for _ in range(CALLS)]
         base = None
-        for name, (sw, blob) in packed.items():
+        for name, (sw, blob, slab, layout) in packed.items():
             refs = [reference(x, sw, slot_of, ids[i]) for i in range(CALLS)]
-            configs = shipped_and_swept(sw.layout.fmt.kind, p) if args.sweep and isinstance(sw, QuantSlotWeights) else [None]
+            if args.in_place:  # the slots in page-locked host RAM, read over PCIe
+                host = slab.cpu().pin_memory()
+                addrs = [host_addresses(host, slot_of, ids[i]) for i in range(CALLS)]
+                configs = in_place_configs(layout.fmt.kind, args.sweep)
+            else:
+                quantized = isinstance(sw, QuantSlotWeights)
+                configs = shipped_and_swept(layout.fmt.kind, p) if args.sweep and quantized else [None]
             rows = []
             for cfg in configs:
-                steps = [partial(run_pairs, x, sw, slot_of, ids[i], y[i], used[i], cfg) for i in range(CALLS)]
+                if args.in_place:
+                    calls = [partial(run_in_place, x, layout, addrs[i], y[i], cfg) for i in range(CALLS)]
+                else:
+                    calls = [partial(run_pairs, x, sw, slot_of, ids[i], y[i], used[i], cfg) for i in range(CALLS)]
                 try:
-                    us = graph_us(lambda i, steps=steps: steps[i](), CALLS)
+                    us = graph_us(lambda i, calls=calls: calls[i](), CALLS)
                 except Exception as e:  # noqa: BLE001 - a configuration Triton cannot build: skip it
                     print(f"{name} {cfg}: {type(e).__name__}")
                     continue
-                rows.append({"config": cfg, "us": round(us, 2), "TBps": round(p * blob / us / 1e6, 3),
+                rate = {"GBps": round(p * blob / us / 1e3, 2)} if args.in_place else {"TBps": round(p * blob / us / 1e6, 3)}
+                rows.append({"config": cfg, "us": round(us, 2), **rate,
                              "rel_err": max(rel_err(y[i], refs[i]) for i in range(CALLS))})
+            host = None  # the page-locked copy goes before the next format's
             shipped, best = rows[0], min(rows, key=lambda r: r["us"])
             base = base or shipped["us"]
-            rec = {"tokens": n, "pairs": p, "format": name, "bytes_a_step": p * blob, "shipped": shipped,
-                   "best": best, "speedup_vs_bf16": round(base / shipped["us"], 2), "all": rows}
+            rec = {"tokens": n, "pairs": p, "format": name, "in_place": args.in_place, "bytes_a_step": p * blob,
+                   "shipped": shipped, "best": best, "speedup_vs_bf16": round(base / shipped["us"], 2), "all": rows}
             report["pairs"].append(rec)
             print(json.dumps({k: rec[k] for k in ("tokens", "format", "shipped", "best", "speedup_vs_bf16")}),
                   flush=True)
-    for name, (sw, blob) in packed.items():
-        if not isinstance(sw, QuantSlotWeights):
+    for name, (sw, blob, _, _) in packed.items():
+        if args.in_place or not isinstance(sw, QuantSlotWeights):
             continue
         every = list(range(E))
         dequantize_slots(sw, every, torch.bfloat16)  # built and warm

@@ -84,11 +84,12 @@ _BYTES: dict[str, torch.Tensor] = {}
 
 def pair_gguf_in_place(x: torch.Tensor, layout: ExpertLayout, addresses: torch.Tensor, y: torch.Tensor,
                        first_row: torch.Tensor | None = None, form: SwiGLUForm = PLAIN_SWIGLU,
-                       gate_up_bias: torch.Tensor | None = None, expert_ids: torch.Tensor | None = None) -> None:
+                       gate_up_bias: torch.Tensor | None = None, expert_ids: torch.Tensor | None = None,
+                       blocks: tuple[int, int, int, int] | None = None) -> None:
     """`quant_pairs.pair_quant_in_place` for gguf blobs: pairs with `addresses[p]` != 0 (the host address of the
     page-locked slot holding its expert's blob of `layout`) read their blocks in place over PCIe; first_row [P]
     int32 (or None): only the intermediate rows from first_row[p] on; `form` (not interleaved), gate_up_bias
-    [E, 2I] and expert_ids [P] (its row for pair p) as there."""
+    [E, 2I] and expert_ids [P] (its row for pair p) as there; blocks: tiles in place of `GGUF_IN_PLACE_BLOCKS`."""
     check_form(form)
     m = _matrices(layout)
     p = addresses.numel()
@@ -100,7 +101,7 @@ def pair_gguf_in_place(x: torch.Tensor, layout: ExpertLayout, addresses: torch.T
     dummy = _BYTES[key]
     h = torch.empty((p, inter), dtype=torch.float32, device=x.device)
     used = torch.empty(p, dtype=torch.int32, device=x.device)
-    block_i, block_h, block_o, block_k = GGUF_IN_PLACE_BLOCKS
+    block_i, block_h, block_o, block_k = blocks or GGUF_IN_PLACE_BLOCKS
     first = first_row is not None
     first_row = first_row if first else addresses  # an unread pointer when FIRST is off
     gate_off, up_off, gate_t, up_t = m["gate_up"]

@@ -108,16 +108,18 @@ _BYTES: dict[str, torch.Tensor] = {}
 
 def pair_quant_in_place(x: torch.Tensor, layout: ExpertLayout, addresses: torch.Tensor, y: torch.Tensor,
                         first_row: torch.Tensor | None = None, form: SwiGLUForm = PLAIN_SWIGLU,
-                        gate_up_bias: torch.Tensor | None = None, expert_ids: torch.Tensor | None = None) -> None:
+                        gate_up_bias: torch.Tensor | None = None, expert_ids: torch.Tensor | None = None,
+                        blocks: tuple[int, int, int, int] | None = None) -> None:
     """`grouped.pair_experts_in_place` for quantized blobs: pairs with `addresses[p]` != 0 (the host address of the
     page-locked slot holding its expert's blob of `layout`) read their weights in place over PCIe in the blob's
     format; first_row [P] int32 (or None), `form`, gate_up_bias [E, 2I] and expert_ids [P] (its row for pair p,
-    required with a bias) as there."""
+    required with a bias) as there; blocks: (gate/up rows, columns, down rows, columns) in place of the shipped tiles
+    (bench/probes/quant_pair_probe.py --in-place sweeps them)."""
     if gate_up_bias is not None and expert_ids is None:
         raise ValueError("a gate_up bias read in place needs expert_ids (each pair's expert)")
     pair_forms.check_bias(gate_up_bias, layout.intermediate)
     if layout.fmt.kind == "gguf":
-        gguf_pairs.pair_gguf_in_place(x, layout, addresses, y, first_row, form, gate_up_bias, expert_ids)
+        gguf_pairs.pair_gguf_in_place(x, layout, addresses, y, first_row, form, gate_up_bias, expert_ids, blocks)
         return
     p = addresses.numel()
     fa = _format_args(layout.fmt)
@@ -129,7 +131,7 @@ def pair_quant_in_place(x: torch.Tensor, layout: ExpertLayout, addresses: torch.
     dummy = _BYTES[key]
     h = torch.empty((p, inter), dtype=torch.float32, device=x.device)
     used = torch.empty(p, dtype=torch.int32, device=x.device)
-    block_i, block_h, block_o, block_k = QUANT_IN_PLACE_BLOCKS
+    block_i, block_h, block_o, block_k = blocks or QUANT_IN_PLACE_BLOCKS
     block_h, block_k = max(block_h, fa["G"]), max(block_k, fa["G"])
     first = first_row is not None
     first_row = first_row if first else addresses  # an unread pointer when FIRST is off
