@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 
 from strata.config import StrataConfig, load_config
-from strata.errors import CheckpointError, RequestError, StrataError
+from strata.errors import RequestError, StrataError
 from strata.kernels.cpu.library import release_openmp_workers
 from strata.outputs import GenerationOutput, TextStream, request_failure
 from strata.runtime.generation.counters import GenerationCounters
@@ -40,6 +40,7 @@ from strata.runtime.generation.text.tokenizer import Tokenizer, load_tokenizer
 from strata.runtime.offload.executor import ExpertExecutor
 from strata.runtime.plan.build import LoadedModel, build_model
 from strata.runtime.plan.card import close_loaded
+from strata.runtime.plan.checkpoints.store_cache import model_path
 
 DEFAULT_MAX_QUEUE = 64  # requests the engine's scheduler holds waiting for a KV slot
 
@@ -116,9 +117,7 @@ class Engine:
             from strata.runtime.demo.model import ensure_default_model
 
             path = ensure_default_model(progress=progress)
-        path = Path(path).expanduser()
-        if not path.is_dir() and not (path.suffix == ".gguf" and path.is_file()):  # a GGUF file: its store
-            raise CheckpointError(f"{path}: no such checkpoint, store directory or GGUF file")
+        path = model_path(path)
         if cfg.runtime.threads:
             torch.set_num_threads(cfg.runtime.threads)
         loaded = build_model(path, cfg, progress=progress)

@@ -33,7 +33,8 @@ from pathlib import Path
 from typing import Any
 
 from strata.config import StrataConfig, load_config
-from strata.errors import CheckpointError, ConfigError, StrataError
+from strata.errors import ConfigError, StrataError
+from strata.runtime.plan.checkpoints.store_cache import model_path
 from strata.runtime.plan.numa import Binding
 from strata.runtime.plan.planner import Plan
 from strata.server.tools.calls import TOOL_FORMATS
@@ -45,7 +46,8 @@ TOOL_FORMAT_NAMES = tuple(TOOL_FORMATS)
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     """The arguments of `strata serve`."""
-    p.add_argument("model", nargs="?", default=None, help="checkpoint or store directory (default: the demo model)")
+    p.add_argument("model", nargs="?", default=None,
+                   help="checkpoint or store directory, or a .gguf file (default: the demo model)")
     p.add_argument("--config", default=None, help="config.toml with overrides")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8090, help="port to listen on (default 8090)")
@@ -195,10 +197,7 @@ def _model_path(model: str | None) -> Path:
         from strata.runtime.demo.model import ensure_default_model
 
         return ensure_default_model(progress=sys.stderr.isatty())
-    path = Path(model).expanduser()
-    if not path.is_dir():
-        raise CheckpointError(f"{path}: no such checkpoint or store directory")
-    return path
+    return model_path(model)
 
 
 def preflight_plan(path: Path, cfg: StrataConfig) -> Plan | None:

@@ -385,6 +385,19 @@ def test_serve_dry_run_prints_plan_and_binds_nothing(tiny_model_dir, held_port):
     assert "decode_gap_target = 0.5" in r.stdout
 
 
+def test_serve_takes_a_gguf_file_as_the_other_commands_do(tmp_path, held_port):
+    """`strata serve model.gguf` plans the file's store (as generate, plan and Engine.from_pretrained take it); a path
+    that is neither a directory nor a .gguf file is a one-line error."""
+    from strata.cli import main
+
+    assert main(["demo-model", str(tmp_path / "tiny"), "--size", "tiny", "--no-engram", "--gguf", "q8_0"]) == 0
+    r = _serve(str(tmp_path / "tiny" / "model-q8_0.gguf"), "--dry-run", "--port", str(held_port))
+    assert r.returncode == 0, r.stderr
+    assert "plan for" in r.stdout and "gguf Q8_0" in r.stdout and "would serve 'model-q8_0.gguf'" in r.stdout
+    r = _serve(str(tmp_path / "tiny" / "missing.gguf"), "--dry-run")
+    assert r.returncode == 2 and "missing.gguf: no such checkpoint, store directory or GGUF file" in r.stderr
+
+
 def test_serve_dry_run_shows_the_guards_but_never_the_key(tiny_model_dir, held_port):
     r = _serve(str(tiny_model_dir), "--dry-run", "--port", str(held_port), "--api-key", "sekret-123",
                "--allowed-hosts", "box.lan", "--max-tokens-default", "512", "--no-access-log")

@@ -15,7 +15,17 @@ from pathlib import Path
 
 from strata.config import StrataConfig
 from strata.config_sections import DiskTierConfig
+from strata.errors import CheckpointError
 from strata.tiers.store.format import checkpoint_fingerprint, is_store, lacks_index, no_index_error
+
+
+def model_path(path: str | os.PathLike) -> Path:
+    """`path` as a model strata loads (a checkpoint or store directory, or a .gguf file: its store), else a
+    CheckpointError naming it."""
+    path = Path(path).expanduser()
+    if not path.is_dir() and not (path.suffix == ".gguf" and path.is_file()):
+        raise CheckpointError(f"{path}: no such checkpoint, store directory or GGUF file")
+    return path
 
 
 def store_root(cfg: StrataConfig) -> Path:
