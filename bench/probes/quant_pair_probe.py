@@ -10,11 +10,10 @@ graph of 16 steps over different experts, so weights come from HBM, not the L2. 
 step reads (pairs x blob bytes), that rate in TB/s and each format's speed-up over bf16; --sweep also times the
 quantized kernels' launch configurations (gate/up swept with down at the shipped one, then down; GGUF's from
 `GGUF_PAIR_CONFIG`). Every output is checked against the fp32 torch path on the dequantized weights (rel_err: largest
-error / largest output). Then the
-scratch dequantizer over all 128 experts to bf16 (GB/s of blob bytes read plus bf16 bytes written). --in-place
-times instead the reads of cold experts in place: every format's slots in page-locked host RAM, each pair's weights
-read over PCIe by the in-place kernels (`pair_experts_in_place`; GB/s of blob bytes a step), --sweep then timing
-their tiles (`IN_PLACE_GATE_UP`, `IN_PLACE_DOWN`). Writes quant_pairs.json.
+error / largest output). Then the scratch dequantizer over all 128 experts to bf16 (GB/s of blob bytes read plus bf16
+bytes written). --in-place times instead the reads of cold experts in place: every format's slots in page-locked
+host RAM, each pair's weights read over PCIe by the in-place kernels (`pair_experts_in_place`; GB/s of blob bytes a
+step), --sweep then timing their tiles (`IN_PLACE_GATE_UP`, `IN_PLACE_DOWN`). Writes quant_pairs.json.
 """
 
 from __future__ import annotations
@@ -64,7 +63,7 @@ def slots(fmt: ExpertFormat, gu: torch.Tensor, dn: torch.Tensor):
 
 def gguf_slots(types: tuple[tuple[str, ...], ...], device: str, seed: int = 0):
     """E experts of random valid blocks of `types` (gate, up, down: one type each) in 4 KiB-aligned slots on `device`:
-    (QuantSlotWeights, blob bytes)."""
+    (QuantSlotWeights, blob bytes, the slab, its layout), as `slots` returns them."""
     layout = ExpertLayout.build(ExpertFormat("gguf", ggml=types), H, INTER)
     slab = torch.zeros(E, -(-layout.payload_bytes // 4096) * 4096, dtype=torch.uint8)
     g = torch.Generator().manual_seed(seed)
@@ -149,6 +148,8 @@ def main() -> None:
     del gu, dn
     packed.update({name: gguf_slots(types, dev) for name, types in GGUF_FORMATS.items() if name in chosen})
     slot_of = torch.arange(E, dtype=torch.int32, device=dev)
+    # --in-place: each format's slots copied once into page-locked host RAM, read over PCIe
+    hosts = {name: slab.cpu().pin_memory() for name, (_, _, slab, _) in packed.items()} if args.in_place else {}
     report = {"device": torch.cuda.get_device_name(), "shipped": quant_pairs.QUANT_PAIR_CONFIGS,
               "shipped_gguf": GGUF_PAIR_CONFIG, "shipped_in_place": quant_pairs.QUANT_IN_PLACE_BLOCKS,
               "shipped_gguf_in_place": GGUF_IN_PLACE_BLOCKS, "pairs": [], "dequantize": []}
@@ -159,11 +160,10 @@ def main() -> None:
         used = [torch.empty(p, dtype=torch.int32, device=dev) for _ in range(CALLS)]
         y = [torch.zeros(p, H, device=dev) for _ in range(CALLS)]
         base = None
-        for name, (sw, blob, slab, layout) in packed.items():
+        for name, (sw, blob, _, layout) in packed.items():
             refs = [reference(x, sw, slot_of, ids[i]) for i in range(CALLS)]
-            if args.in_place:  # the slots in page-locked host RAM, read over PCIe
-                host = slab.cpu().pin_memory()
-                addrs = [host_addresses(host, slot_of, ids[i]) for i in range(CALLS)]
+            if args.in_place:
+                addrs = [host_addresses(hosts[name], slot_of, ids[i]) for i in range(CALLS)]
                 configs = in_place_configs(layout.fmt.kind, args.sweep)
             else:
                 quantized = isinstance(sw, QuantSlotWeights)
@@ -182,7 +182,6 @@ def main() -> None:
                 rate = {"GBps": round(p * blob / us / 1e3, 2)} if args.in_place else {"TBps": round(p * blob / us / 1e6, 3)}
                 rows.append({"config": cfg, "us": round(us, 2), **rate,
                              "rel_err": max(rel_err(y[i], refs[i]) for i in range(CALLS))})
-            host = None  # the page-locked copy goes before the next format's
             shipped, best = rows[0], min(rows, key=lambda r: r["us"])
             base = base or shipped["us"]
             rec = {"tokens": n, "pairs": p, "format": name, "in_place": args.in_place, "bytes_a_step": p * blob,
