@@ -1,4 +1,4 @@
-"""Sweep the decode pair kernels' launch configurations (strata.kernels.gpu.grouped) at the bench model's shapes.
+"""Sweep the decode pair kernels' launch configurations (strata.kernels.gpu.experts.grouped) at the bench model's shapes.
 
     python bench/probes/pair_kernel_probe.py --out DIR [--tokens 1,4,8]
 
@@ -26,7 +26,7 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: `bench.*` when run as a script
 from bench.probes.gemv_probe import graph_us  # noqa: E402
-from strata.kernels.gpu import grouped  # noqa: E402
+from strata.kernels.gpu.experts import grouped  # noqa: E402
 
 H, INTER, E, K = 2048, 768, 128, 8
 CALLS = 16

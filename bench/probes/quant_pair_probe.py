@@ -1,10 +1,10 @@
-"""The quantized decode pair kernels (strata.kernels.gpu.quant_pairs) against the bf16 ones at the bench model's
-shapes, and prefill's scratch dequantizer (strata.kernels.gpu.quant_slots).
+"""The quantized decode pair kernels (strata.kernels.gpu.experts.quant_pairs) against the bf16 ones at the bench model's
+shapes, and prefill's scratch dequantizer (strata.kernels.gpu.experts.quant_slots).
 
     python bench/probes/quant_pair_probe.py --out DIR [--tokens 1,4,8] [--sweep] [--formats fp8,mxfp4,q4_k_m] [--in-place]
 
 The same 128 random experts are held in GPU slots as bf16, FP8 (128 x 128 blocks) and MXFP4 blobs, and 128 experts of
-random valid GGUF blocks as Q4_K_M stores them (gate and up Q4_K, down Q6_K; strata.kernels.gpu.gguf_pairs). For N tokens
+random valid GGUF blocks as Q4_K_M stores them (gate and up Q4_K, down Q6_K; strata.kernels.gpu.experts.gguf_pairs). For N tokens
 (N x 8 pairs, each token's experts distinct), one step's pairs (the gate/up and the down launch) are timed in a CUDA
 graph of 16 steps over different experts, so weights come from HBM, not the L2. Prints us a step, the weight bytes a
 step reads (pairs x blob bytes), that rate in TB/s and each format's speed-up over bf16; --sweep also times the
@@ -31,9 +31,9 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repo root: `bench.*` when run as a script
 from bench.cpu.cpu_experts import gguf_blocks  # noqa: E402
-from strata.kernels.gpu import grouped, quant_pairs  # noqa: E402
-from strata.kernels.gpu.gguf_pairs import GGUF_IN_PLACE_BLOCKS, GGUF_PAIR_CONFIG  # noqa: E402
-from strata.kernels.gpu.quant_slots import QuantSlotWeights, dequantize_slots  # noqa: E402
+from strata.kernels.gpu.experts import grouped, quant_pairs  # noqa: E402
+from strata.kernels.gpu.experts.gguf_pairs import GGUF_IN_PLACE_BLOCKS, GGUF_PAIR_CONFIG  # noqa: E402
+from strata.kernels.gpu.experts.quant_slots import QuantSlotWeights, dequantize_slots  # noqa: E402
 from strata.kernels.quant import ExpertFormat, ExpertLayout  # noqa: E402
 
 H, INTER, E, K = 2048, 768, 128, 8

@@ -2,7 +2,7 @@
 
     python bench/probes/zero_copy.py [--out DIR]
 
-The pair kernels (`strata.kernels.gpu.grouped.pair_experts`) run one decode token's experts (Qwen3-30B-A3B
+The pair kernels (`strata.kernels.gpu.experts.grouped.pair_experts`) run one decode token's experts (Qwen3-30B-A3B
 shape, 9.4 MB each) with their weights in: HBM (the resident case); pinned RAM from `cudaHostAlloc`
 read in place through a device view (`strata.tiers.storage.uva.device_view`); the pinned pool's registered slabs
 read the same way. Reports GB/s of expert weights read per call for 1, 2, 4 and 8 experts, per block
@@ -26,7 +26,7 @@ EXPERT_BYTES = 3 * H * INTER * 2
 
 def expert_set(where: str, pool=None, first: int = 0):
     """gate_up [E, 2I, H], down [E, H, INTER] bf16 in HBM or in pinned RAM viewed from the GPU."""
-    from strata.kernels.gpu.grouped import SlotWeights
+    from strata.kernels.gpu.experts.grouped import SlotWeights
     from strata.tiers.storage.uva import device_view
 
     numel = E * 3 * H * INTER
@@ -53,7 +53,7 @@ def expert_set(where: str, pool=None, first: int = 0):
 
 def time_pairs(sw, n_experts: int, reps: int = 20) -> float:
     """Seconds per pair_experts call with one token routed to `n_experts` distinct experts."""
-    from strata.kernels.gpu.grouped import pair_experts
+    from strata.kernels.gpu.experts.grouped import pair_experts
 
     ident = torch.arange(E, dtype=torch.int32, device="cuda")
     x = torch.randn(1, H, device="cuda", dtype=torch.bfloat16)
@@ -93,7 +93,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench-out")
     args = ap.parse_args()
     from strata.kernels.cpu import experts as ce
-    from strata.kernels.gpu import grouped
+    from strata.kernels.gpu.experts import grouped
     from strata.tiers.storage.pinned import PinnedPool
 
     pool = PinnedPool(EXPERT_BYTES, 48, background=False)

@@ -1,4 +1,4 @@
-"""bench/probes/pair_kernel_probe.py launches the decode pair kernels (strata.kernels.gpu.grouped) directly, each
+"""bench/probes/pair_kernel_probe.py launches the decode pair kernels (strata.kernels.gpu.experts.grouped) directly, each
 argument by position: its launches must match the kernels' signature and compute what the library's pairs compute.
 CPU CI runs them through Triton's interpreter, in a subprocess (TRITON_INTERPRET is read when Triton is imported), at
 small shapes (the probe's are the bench model's)."""
@@ -19,7 +19,7 @@ def check_probe_launches() -> float:
     """The probe's gate/up and down launches on 8 pairs of one token over 3 experts at H = 64, I = 32, against
     `grouped._pair_torch`: returns the largest error relative to the reference's largest output."""
     from bench.probes import pair_kernel_probe as pk
-    from strata.kernels.gpu import grouped
+    from strata.kernels.gpu.experts import grouped
 
     pk.H, pk.INTER = 64, 32  # the probe reads its shapes from these at each launch
     e, k, h_dim, inter = 3, pk.K, pk.H, pk.INTER

@@ -93,8 +93,8 @@ def check_probe_in_place_launches() -> float:
 
 def test_the_probes_in_place_tiles_are_swept_shipped_first():
     from bench.probes import quant_pair_probe as qp
-    from strata.kernels.gpu import quant_pairs
-    from strata.kernels.gpu.gguf_pairs import GGUF_IN_PLACE_BLOCKS
+    from strata.kernels.gpu.experts import quant_pairs
+    from strata.kernels.gpu.experts.gguf_pairs import GGUF_IN_PLACE_BLOCKS
 
     assert qp.in_place_configs("plain", True) == [None] and qp.in_place_configs("gguf", False) == [None]
     for kind, shipped in (("gguf", GGUF_IN_PLACE_BLOCKS), ("fp8", quant_pairs.QUANT_IN_PLACE_BLOCKS)):
@@ -106,8 +106,8 @@ def test_the_probes_in_place_tiles_are_swept_shipped_first():
 
 def test_the_probe_sweeps_each_formats_own_configurations():
     from bench.probes import quant_pair_probe as qp
-    from strata.kernels.gpu import quant_pairs
-    from strata.kernels.gpu.gguf_pairs import GGUF_PAIR_CONFIG
+    from strata.kernels.gpu.experts import quant_pairs
+    from strata.kernels.gpu.experts.gguf_pairs import GGUF_PAIR_CONFIG
 
     for kind, (gu0, dn0), gate_up, down in (("gguf", GGUF_PAIR_CONFIG, qp.GGUF_GATE_UP, qp.GGUF_DOWN),
                                              ("mxfp4", quant_pairs._config(8, 1), qp.GATE_UP, qp.DOWN)):

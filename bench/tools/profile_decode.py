@@ -18,7 +18,7 @@ from torch.profiler import ProfilerActivity, profile
 
 def pair_kernel_rate(tokens: int = 1, k: int = 8, e: int = 128, h: int = 2048, i: int = 768) -> dict:
     """The pair kernels alone on Qwen3-30B-A3B expert shapes: achieved GB/s of expert weights read."""
-    from strata.kernels.gpu.grouped import SlotWeights, pair_experts
+    from strata.kernels.gpu.experts.grouped import SlotWeights, pair_experts
 
     gu = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16) / 32
     dn = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16) / 32
@@ -78,7 +78,7 @@ def main() -> None:
     ap.add_argument("--no-kernels", action="store_true", help="skip the pair-kernel block-size sweep")
     args = ap.parse_args()
     from strata import Engine
-    from strata.kernels.gpu import grouped
+    from strata.kernels.gpu.experts import grouped
 
     rates = []
     for blocks in [] if args.no_kernels else [(8, 256, 16, 128), (16, 256, 32, 128), (4, 512, 8, 256), (8, 512, 16, 256), (4, 256, 8, 128)]:

@@ -133,9 +133,9 @@ class QuantMatrix:
 # and runs the reference math instead, and `strata plan` names the fallback. A kernel's owner adds a kind here once
 # that kernel reads it (tested against `dequantize`).
 FAST_PATHS: dict[str, frozenset[str]] = {
-    "gpu_pairs": frozenset({"plain", "fp8", "mxfp4", "gguf"}),  # decode pair kernels over GPU slots, full-graph decode (strata.kernels.gpu.grouped)
+    "gpu_pairs": frozenset({"plain", "fp8", "mxfp4", "gguf"}),  # decode pair kernels over GPU slots, full-graph decode (strata.kernels.gpu.experts.grouped)
     "gpu_in_place": frozenset({"plain", "fp8", "mxfp4", "gguf"}),  # the GPU's in-place reads of pinned RAM in one-graph split decode
-    "gpu_grouped": frozenset({"plain", "fp8", "mxfp4", "gguf"}),  # prefill's grouped GEMMs over GPU slots (strata.kernels.gpu.grouped_gemm)
+    "gpu_grouped": frozenset({"plain", "fp8", "mxfp4", "gguf"}),  # prefill's grouped GEMMs over GPU slots (strata.kernels.gpu.experts.grouped_gemm)
     "cpu_kernel": frozenset({"plain", "fp8", "mxfp4", "gguf"}),  # the compiled CPU expert kernel (strata.kernels.cpu)
     "cpu_mailbox": frozenset({"plain", "fp8", "mxfp4", "gguf"}),  # one-graph decode's native CPU worker (strata.runtime.offload.mailbox)
 }

@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from strata.errors import StrataError
-from strata.kernels.gpu.grouped import SlotWeights
+from strata.kernels.gpu.experts.grouped import SlotWeights
 from strata.tiers.copies import GpuCopies
 from strata.tiers.eviction import Evictor, gpu_reload_cost, pinned_reload_cost
 from strata.tiers.handles import Handles

@@ -11,7 +11,7 @@ from fused_device import DEVICE, DTYPE, MARKS
 
 from strata.kernels.gpu import decode_attention as da
 from strata.kernels.gpu import decode_gemv, fused
-from strata.kernels.gpu.grouped import combine_pairs
+from strata.kernels.gpu.experts.grouped import combine_pairs
 from strata.kernels.routing import softmax_topk
 from strata.runtime.model.attention import attend_decode
 from strata.runtime.model.rope import apply_rope

@@ -1,4 +1,4 @@
-"""GGUF experts on the GPU path (strata.kernels.gpu.gguf_pairs, gguf_tiles, and their dispatch in quant_pairs,
+"""GGUF experts on the GPU path (strata.kernels.gpu.experts.gguf_pairs, gguf_tiles, and their dispatch in quant_pairs,
 quant_slots, grouped and grouped_gemm) against the oracle: each blob's `ExpertLayout.dequantize` (bit for bit gguf's
 numpy, tests/kernels/test_gguf_dequant.py), then the plain experts' torch path.
 
@@ -15,9 +15,10 @@ import torch
 from gguf_blocks_random import random_blocks
 
 from strata.kernels.gguf_blocks import BLOCK_TYPES
-from strata.kernels.gpu import fused, gguf_pairs, gguf_tiles, grouped, quant_pairs
-from strata.kernels.gpu.grouped import HostExperts, SlotWeights, fast_path, fast_path_refusal, formats_supported
-from strata.kernels.gpu.quant_slots import QuantSlotWeights, dequantize_blobs, dequantize_into
+from strata.kernels.gpu import fused
+from strata.kernels.gpu.experts import gguf_pairs, gguf_tiles, grouped, quant_pairs
+from strata.kernels.gpu.experts.grouped import HostExperts, SlotWeights, fast_path, fast_path_refusal, formats_supported
+from strata.kernels.gpu.experts.quant_slots import QuantSlotWeights, dequantize_blobs, dequantize_into
 from strata.kernels.quant import ExpertFormat, ExpertLayout
 
 CUDA = torch.cuda.is_available()
@@ -113,7 +114,7 @@ def test_pair_fallback_on_gguf_slots_equals_the_dequantized_experts():
 
 @pytest.mark.skipif(not hasattr(torch, "_grouped_mm"), reason="torch without _grouped_mm")
 def test_grouped_prefill_on_gguf_slots_equals_the_dequantized_experts():
-    from strata.kernels.gpu.grouped_gemm import grouped_experts, grouped_ok
+    from strata.kernels.gpu.experts.grouped_gemm import grouped_experts, grouped_ok
 
     qs, _, slot_of = _slots(*CASES[-2], seed=5)
     g = torch.Generator().manual_seed(6)
@@ -308,8 +309,8 @@ def test_gguf_pairs_replay_in_a_cuda_graph():
 def test_grouped_prefill_on_gguf_slots_on_cuda():
     """Prefill in bf16 on gguf slots: the scratch-dequantized grouped GEMMs equal the bf16 grouped GEMMs on the
     dequantized experts exactly (same scratch values, same GEMMs)."""
-    from strata.kernels.gpu import grouped_gemm
-    from strata.kernels.gpu.grouped_gemm import grouped_experts, grouped_ok
+    from strata.kernels.gpu.experts import grouped_gemm
+    from strata.kernels.gpu.experts.grouped_gemm import grouped_experts, grouped_ok
 
     qs, _, slot_of = _slots(Q4_K_M, 512, 256, seed=22, device="cuda")
     g = torch.Generator().manual_seed(23)

@@ -188,8 +188,8 @@ def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
         gated_delta.zero_centered_rms_norm(h, torch.zeros(2048, dtype=bf), 1e-6, h)
 
     def quantized_experts():  # FP8, MXFP4 and GGUF slots: resident pairs, in-place reads, prefill's scratch
-        from strata.kernels.gpu import grouped, quant_pairs
-        from strata.kernels.gpu.quant_slots import QuantSlotWeights, dequantize_into
+        from strata.kernels.gpu.experts import grouped, quant_pairs
+        from strata.kernels.gpu.experts.quant_slots import QuantSlotWeights, dequantize_into
         from strata.kernels.quant import ExpertFormat, ExpertLayout
 
         q4_k_m = ExpertFormat("gguf", ggml=(("Q4_K",), ("Q4_K",), ("Q6_K", "Q4_K")))
@@ -223,13 +223,13 @@ def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
 
 def test_a_swiglu_form_is_one_more_pair_kernel_build_whatever_its_values_and_compiles_for_the_h200(tmp_path,
                                                                                                    monkeypatch):
-    """The decode pair kernels with a SwiGLU form and a gate_up bias (strata.kernels.gpu.pair_forms): the plain form,
+    """The decode pair kernels with a SwiGLU form and a gate_up bias (strata.kernels.gpu.experts.pair_forms): the plain form,
     passed or left out, is the one build it always was; a form's constexprs (FORM, HAS_BIAS) are one build each,
     whatever its limit, alpha and up_offset (fp32 arguments: DeepSeek-V4's limit 10 and a limit of 7 share a build).
     Every such build compiles for sm_90: plain slots, FP8 / MXFP4 / GGUF blobs, resident and in place."""
     from strata.kernels.experts import PLAIN_SWIGLU, SwiGLUForm
-    from strata.kernels.gpu import grouped, quant_pairs
-    from strata.kernels.gpu.quant_slots import QuantSlotWeights
+    from strata.kernels.gpu.experts import grouped, quant_pairs
+    from strata.kernels.gpu.experts.quant_slots import QuantSlotWeights
     from strata.kernels.quant import ExpertFormat, ExpertLayout
 
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "cache"))
@@ -286,8 +286,8 @@ def test_the_kernel_list_is_every_jit_kernel_the_gpu_modules_hold():
     import strata.kernels.gpu as gpu
 
     held = set()
-    for info in pkgutil.iter_modules(gpu.__path__):
-        module = importlib.import_module(f"{gpu.__name__}.{info.name}")
+    for info in pkgutil.walk_packages(gpu.__path__, f"{gpu.__name__}."):  # experts/ too
+        module = importlib.import_module(info.name)
         held |= {v.fn.__name__ for v in vars(module).values() if isinstance(v, JITFunction)}
     assert {"enter", "round_to"} <= held
     assert triton_kernels() == {name for name in held if name.endswith("_kernel")}

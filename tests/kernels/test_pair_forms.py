@@ -1,4 +1,4 @@
-"""The decode pair kernels compute every `SwiGLUForm` and add a per-expert gate_up bias (strata.kernels.gpu.pair_forms,
+"""The decode pair kernels compute every `SwiGLUForm` and add a per-expert gate_up bias (strata.kernels.gpu.experts.pair_forms,
 plain_pairs, quant_pairs, gguf_pairs), against fp32 torch on the experts' dequantized weights:
 
     gu = x gate_up^T + bias[expert]   h = form.apply(gu)   y = h down^T   (a split part: h's rows from first_row on)
@@ -23,9 +23,10 @@ import torch
 from gguf_blocks_random import random_blocks
 
 from strata.kernels.experts import PLAIN_SWIGLU, SwiGLUForm
-from strata.kernels.gpu import fused, gguf_pairs, grouped, quant_pairs
-from strata.kernels.gpu.grouped import HostExperts, SlotWeights
-from strata.kernels.gpu.quant_slots import QuantSlotWeights
+from strata.kernels.gpu import fused
+from strata.kernels.gpu.experts import gguf_pairs, grouped, quant_pairs
+from strata.kernels.gpu.experts.grouped import HostExperts, SlotWeights
+from strata.kernels.gpu.experts.quant_slots import QuantSlotWeights
 from strata.kernels.quant import ExpertFormat, ExpertLayout
 
 CUDA = torch.cuda.is_available()

@@ -46,7 +46,8 @@ def test_in_force_on_hopper_and_later():
 def _chain(x, layers):
     """A decode layer's dependent kernels, several times over: add+norm -> GEMV -> q norm+rope -> GEMV -> norm ->
     router -> pair experts -> combine (with the residual). Each reads what the one before wrote."""
-    from strata.kernels.gpu import decode_gemv, decode_router, fused, grouped
+    from strata.kernels.gpu import decode_gemv, decode_router, fused
+    from strata.kernels.gpu.experts import grouped
 
     for lay in layers:
         total, h = fused.add_rms_norm(x, lay["delta"], lay["norm"], 1e-6)
@@ -61,7 +62,7 @@ def _chain(x, layers):
 
 
 def _layers(n, hidden=1024, inter=256, experts=8, device="cuda"):
-    from strata.kernels.gpu.grouped import SlotWeights
+    from strata.kernels.gpu.experts.grouped import SlotWeights
 
     g = torch.Generator(device="cpu").manual_seed(7)
 

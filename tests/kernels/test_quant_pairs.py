@@ -1,4 +1,4 @@
-"""Quantized experts on the GPU path (strata.kernels.gpu.quant_pairs, quant_slots, and their dispatch in grouped and
+"""Quantized experts on the GPU path (strata.kernels.gpu.experts.quant_pairs, quant_slots, and their dispatch in grouped and
 grouped_gemm) against the oracle: `ExpertLayout.dequantize` of each blob, then the plain experts' torch path.
 
 The torch fallbacks, the scratch prefill and the format queries run on any CPU. The `kernel` tests run the Triton
@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from strata.kernels.gpu import fused, grouped, quant_pairs
-from strata.kernels.gpu.grouped import HostExperts, SlotWeights, fast_path, fast_path_refusal, formats_supported
-from strata.kernels.gpu.grouped_gemm import grouped_experts, grouped_ok
-from strata.kernels.gpu.quant_slots import QuantSlotWeights, dequantize_blobs, dequantize_into
+from strata.kernels.gpu import fused
+from strata.kernels.gpu.experts import grouped, quant_pairs
+from strata.kernels.gpu.experts.grouped import HostExperts, SlotWeights, fast_path, fast_path_refusal, formats_supported
+from strata.kernels.gpu.experts.grouped_gemm import grouped_experts, grouped_ok
+from strata.kernels.gpu.experts.quant_slots import QuantSlotWeights, dequantize_blobs, dequantize_into
 from strata.kernels.quant import ExpertFormat, ExpertLayout
 
 CUDA = torch.cuda.is_available()
@@ -110,7 +111,7 @@ def test_pair_fallback_on_quantized_slots_equals_the_dequantized_experts(fmt, h,
 def test_grouped_prefill_on_quantized_slots_equals_the_dequantized_experts(monkeypatch, fmt, h, i, scratch):
     """Prefill's grouped GEMMs on quantized slots (each piece dequantized into a scratch) give exactly what they
     give on the dequantized experts; a scratch of one expert a piece changes nothing."""
-    import strata.kernels.gpu.grouped_gemm as gg
+    import strata.kernels.gpu.experts.grouped_gemm as gg
 
     qs, _, slot_of = _slots(fmt, h, i, seed=4)
     g = torch.Generator().manual_seed(5)
@@ -364,7 +365,7 @@ def test_grouped_prefill_on_quantized_slots_on_cuda(fmt, h, i):
     """On the GPU in bf16: the scratch-dequantized grouped GEMMs equal the bf16 grouped GEMMs on the dequantized
     experts exactly (same scratch values, same GEMMs), and the fp32 per-expert loop within bf16 rounding."""
     from strata.kernels.experts import moe_forward
-    from strata.kernels.gpu import grouped_gemm
+    from strata.kernels.gpu.experts import grouped_gemm
 
     qs, _, slot_of = _slots(fmt, h, i, seed=19, device="cuda")
     g = torch.Generator().manual_seed(20)

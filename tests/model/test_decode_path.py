@@ -11,7 +11,7 @@ import torch
 
 from reference_models import ARCHS, VOCAB, build_reference
 from strata.kernels.experts import moe_forward
-from strata.kernels.gpu.grouped import SlotWeights, combine_pairs, pair_experts
+from strata.kernels.gpu.experts.grouped import SlotWeights, combine_pairs, pair_experts
 from strata.runtime.model.checkpoint import Checkpoint
 from strata.runtime.model.kv_cache import DecodeBatch, KVCache, StepBatch, kv_bucket
 from strata.runtime.model.loader import load_model
@@ -538,7 +538,7 @@ def test_split_prefetches_into_pinned_ram_and_idles_once_it_holds_every_expert(s
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_triton_pair_kernels_equal_the_fallback(dtype):
-    from strata.kernels.gpu import grouped
+    from strata.kernels.gpu.experts import grouped
 
     if grouped.triton is None:
         pytest.skip("triton is not installed")
@@ -561,7 +561,7 @@ def test_triton_pair_kernels_equal_the_fallback(dtype):
 def test_pair_kernels_read_pinned_slots_in_place():
     """`pair_experts_in_place` (weights read over PCIe from page-locked host slots, by address) gives what the
     slot kernels give on the same weights in GPU memory, and leaves the other pairs' rows alone."""
-    from strata.kernels.gpu.grouped import HostExperts, pair_experts_in_place
+    from strata.kernels.gpu.experts.grouped import HostExperts, pair_experts_in_place
     from strata.tiers.storage.pinned import PinnedPool
 
     e, h, i, k = 6, 256, 96, 3

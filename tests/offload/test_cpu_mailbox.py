@@ -387,7 +387,7 @@ def test_fused_pack_under_tritons_interpreter():
 
 def check_fused_pack(share, n, k, experts, dev) -> None:
     from strata.kernels.gpu import mailbox_pack
-    from strata.kernels.gpu.grouped import HostExperts
+    from strata.kernels.gpu.experts.grouped import HostExperts
     from strata.runtime.offload.gpu_share import GpuShare
     from strata.runtime.offload.mailbox import _up, pack_inbox
 

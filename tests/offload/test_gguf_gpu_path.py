@@ -1,4 +1,4 @@
-"""A tiered layer on a GGUF store through the GPU fast path (strata.kernels.gpu.gguf_pairs, gguf_tiles): the GPU tier's
+"""A tiered layer on a GGUF store through the GPU fast path (strata.kernels.gpu.experts.gguf_pairs, gguf_tiles): the GPU tier's
 slots handed to the pair kernels as `QuantSlotWeights` of the store's gguf layout, decode through the pair path,
 prefill through the grouped GEMMs on a dequantized scratch and through the per-expert loop, each against every expert
 in memory, dequantized (fp32). The store mixes block types per tensor and per layer, so each matrix's kernels pick
@@ -15,9 +15,9 @@ import torch
 
 from strata.kernels import quant
 from strata.kernels.experts import moe_forward
-from strata.kernels.gpu.gguf_tiles import KERNEL_TYPES
-from strata.kernels.gpu.grouped import formats_supported
-from strata.kernels.gpu.quant_slots import QuantSlotWeights
+from strata.kernels.gpu.experts.gguf_tiles import KERNEL_TYPES
+from strata.kernels.gpu.experts.grouped import formats_supported
+from strata.kernels.gpu.experts.quant_slots import QuantSlotWeights
 from strata.runtime.offload.expert_compute import ExpertCompute
 from strata.runtime.offload.tiered_moe import TieredExperts
 from strata.tiers.manager import TierBudgets, TierManager

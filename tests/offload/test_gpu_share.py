@@ -11,7 +11,7 @@ from test_cpu_mailbox import INTER, E, H
 
 
 def _share(table, share, granule=None, inter=INTER, **kw):  # granule None: whole experts (a granule of I rows)
-    from strata.kernels.gpu.grouped import HostExperts
+    from strata.kernels.gpu.experts.grouped import HostExperts
     from strata.runtime.offload.gpu_share import GpuShare
 
     experts = HostExperts(torch.bfloat16, (2 * inter, H), (H, inter), 2 * inter * H * 2)
@@ -98,7 +98,7 @@ def test_row_granules_divide_the_expert(inter, rows):
 def test_a_gguf_experts_cuts_fall_between_downs_blocks(inter, block, rows):
     """A GGUF expert is cut only between down's blocks (256 values for K-quants, 32 for Q8_0): where the block does
     not divide I, the expert is not split."""
-    from strata.kernels.gpu.grouped import HostExperts
+    from strata.kernels.gpu.experts.grouped import HostExperts
     from strata.kernels.quant import ExpertFormat, ExpertLayout
     from strata.runtime.offload.gpu_share import down_block, row_granule
 

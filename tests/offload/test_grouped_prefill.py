@@ -1,4 +1,4 @@
-"""Prefill-sized expert compute through grouped GEMMs (strata.kernels.gpu.grouped_gemm, [debug] grouped_prefill):
+"""Prefill-sized expert compute through grouped GEMMs (strata.kernels.gpu.experts.grouped_gemm, [debug] grouped_prefill):
 the same sums as the per-expert loop, in memory and on tiers (a CPU-simulated GPU tier here; torch's grouped
 GEMM runs its reference loop on the CPU)."""
 
@@ -9,8 +9,8 @@ import torch
 
 from strata import Engine
 from strata.kernels.experts import moe_forward
-from strata.kernels.gpu.grouped import SlotWeights
-from strata.kernels.gpu.grouped_gemm import grouped_experts, grouped_ok
+from strata.kernels.gpu.experts.grouped import SlotWeights
+from strata.kernels.gpu.experts.grouped_gemm import grouped_experts, grouped_ok
 from strata.runtime.offload.expert_compute import ExpertCompute
 from strata.runtime.offload.tiered_moe import TieredExperts
 from strata.runtime.plan.checkpoints.convert import convert_checkpoint
@@ -41,7 +41,7 @@ def test_grouped_experts_equal_the_per_expert_loop_in_fp32():
 def test_pairs_in_pieces_equal_one_grouped_gemm(monkeypatch, rows):
     """A long prompt's pairs run in pieces of about PIECE_ROWS, cut between experts (an expert with more rows is
     a piece of its own): the same outputs, bit for bit."""
-    import strata.kernels.gpu.grouped_gemm as gg
+    import strata.kernels.gpu.experts.grouped_gemm as gg
 
     gu, dn, x, ids, w = _experts(2)
     sw = SlotWeights(gu, dn)
@@ -110,7 +110,7 @@ def test_tiered_prefill_with_grouped_gemms_equals_memory(tiny_model_dir, tmp_pat
 
 
 def test_operands_the_grouped_gemm_refuses_fall_back_to_the_loop(monkeypatch):
-    from strata.kernels.gpu import grouped_gemm
+    from strata.kernels.gpu.experts import grouped_gemm
     from strata.runtime.model.moe import Experts
 
     gu, dn, x, ids, w = _experts(2)
@@ -136,7 +136,7 @@ def _cuda_sm90() -> bool:
 @pytest.mark.skipif(not _cuda_sm90(), reason="needs an sm90+ GPU (torch's CUTLASS grouped GEMM)")
 def test_grouped_experts_on_cuda_agree_with_the_loop_in_bf16():
     """The GPU's CUTLASS grouped GEMM (bf16) against the per-expert loop in fp32: within bf16 rounding, no refusal."""
-    from strata.kernels.gpu import grouped_gemm
+    from strata.kernels.gpu.experts import grouped_gemm
 
     g = torch.Generator().manual_seed(4)
     e, h, inter, n, k = 16, 256, 128, 700, 4

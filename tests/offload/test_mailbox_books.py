@@ -145,7 +145,7 @@ def test_books_balance_the_gpu_share_on_the_gpus_waits(tiny_model_dir, tmp_path)
     """The real worker reads back each layer's waits (here Python's, which always finds the worker still busy) and
     the books move the share: up while the waiter waited, down once it finds every answer there (the waits word
     cleared, as the GPU's acquire kernel writes it when `done` is already set)."""
-    from strata.kernels.gpu.grouped import HostExperts
+    from strata.kernels.gpu.experts.grouped import HostExperts
     from strata.runtime.offload.gpu_share import GpuShare
     from strata.runtime.offload.mailbox_books import BALANCE_WINDOW, MailboxBooks
 

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from strata.kernels.experts import moe_forward
-from strata.kernels.gpu.grouped import SlotWeights
-from strata.kernels.gpu.grouped_gemm import grouped_experts
+from strata.kernels.gpu.experts.grouped import SlotWeights
+from strata.kernels.gpu.experts.grouped_gemm import grouped_experts
 from strata.runtime.offload.expert_compute import ExpertCompute
 from strata.runtime.offload.tiered_moe import TieredExperts
 from strata.runtime.offload.tiered_prefill import AHEAD_PAIRS_PER_EXPERT

@@ -1,4 +1,4 @@
-"""A tiered layer on FP8 / MXFP4 stores through the GPU fast path (strata.kernels.gpu.quant_pairs, quant_slots): the
+"""A tiered layer on FP8 / MXFP4 stores through the GPU fast path (strata.kernels.gpu.experts.quant_pairs, quant_slots): the
 GPU tier's slots handed to the pair kernels as `QuantSlotWeights`, decode through the pair path, prefill through
 the grouped GEMMs on a dequantized scratch and through the per-expert loop, each against every expert in memory,
 dequantized (fp32). On the CPU the GPU tier is simulated in RAM and the pair path is its torch fallback; on CUDA
@@ -16,8 +16,8 @@ from reference_models import build_reference
 from strata.errors import StrataError
 from strata.kernels import quant
 from strata.kernels.experts import moe_forward
-from strata.kernels.gpu.grouped import formats_supported
-from strata.kernels.gpu.quant_slots import QuantSlotWeights
+from strata.kernels.gpu.experts.grouped import formats_supported
+from strata.kernels.gpu.experts.quant_slots import QuantSlotWeights
 from strata.runtime.offload.expert_compute import ExpertCompute
 from strata.runtime.offload.tiered_moe import TieredExperts
 from strata.tiers.manager import TierBudgets, TierManager

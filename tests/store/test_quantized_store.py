@@ -20,7 +20,7 @@ from reference_models import build_reference
 from strata import Engine
 from strata.errors import CheckpointError, ConfigError
 from strata.kernels.experts import moe_forward
-from strata.kernels.gpu.quant_slots import QuantSlotWeights
+from strata.kernels.gpu.experts.quant_slots import QuantSlotWeights
 from strata.kernels.quant import ExpertFormat, ExpertLayout
 from strata.runtime.model.checkpoint import Checkpoint
 from strata.runtime.offload.expert_compute import ExpertCompute

@@ -1,1 +1,2 @@
-"""GPU kernels (Triton): decode-step fusions, slot-indexed expert pairs, grouped GEMMs, the mailbox pack."""
+"""GPU kernels (Triton): decode-step fusions, the architectures' decode chains, the mailbox pack and host signal;
+expert compute in `experts/`."""

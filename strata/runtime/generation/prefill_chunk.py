@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from strata.kernels.gpu.grouped_gemm import PIECE_ROWS
+from strata.kernels.gpu.experts.grouped_gemm import PIECE_ROWS
 from strata.runtime.model.config import ModelConfig
 
 CPU_CHUNK = 512  # and the smallest "auto" gives on CUDA

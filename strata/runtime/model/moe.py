@@ -15,8 +15,8 @@ from torch import nn
 
 from strata.kernels.experts import PLAIN_SWIGLU, SwiGLUForm, moe_forward
 from strata.kernels.gpu import decode_router
-from strata.kernels.gpu.grouped import SlotWeights, combine_pairs, pair_experts, use_pair_kernels
-from strata.kernels.gpu.grouped_gemm import grouped_experts, grouped_ok, refuse
+from strata.kernels.gpu.experts.grouped import SlotWeights, combine_pairs, pair_experts, use_pair_kernels
+from strata.kernels.gpu.experts.grouped_gemm import grouped_experts, grouped_ok, refuse
 from strata.kernels.routing import sigmoid_group_topk, sigmoid_topk, softmax_group_topk, softmax_topk
 from strata.runtime.model.config import ModelConfig
 from strata.runtime.model.layers import MLP, linear

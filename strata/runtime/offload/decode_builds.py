@@ -28,7 +28,7 @@ BUCKETS = (512, 1024, 2048, 4096)  # the KV buckets the serving warm-up visits (
 
 def gpu_share(layers: int, hidden: int = H):
     """A GPU share over a synthetic address table of `layers` x E experts (the pack reads only its shapes)."""
-    from strata.kernels.gpu.grouped import HostExperts
+    from strata.kernels.gpu.experts.grouped import HostExperts
     from strata.runtime.offload.gpu_share import GpuShare
 
     table = (np.arange(layers * E, dtype=np.int64).reshape(layers, E) + 1) * 4096
@@ -87,8 +87,9 @@ def model_launches(n: int, length: int, top_k: int, share, max_len: int = BUCKET
     decode launches them on the bench model: a layer's norms, projections (GEMV at one token), cache write,
     attention, router, resident pairs, in-place share and combine, then the head's norm and projection. Only
     inside `as_on_the_gpu` and `recorded_launches`."""
-    from strata.kernels.gpu import decode_gemv, decode_router, fused, grouped
+    from strata.kernels.gpu import decode_gemv, decode_router, fused
     from strata.kernels.gpu.decode_attention import decode_attention
+    from strata.kernels.gpu.experts import grouped
 
     bf, eps, p = torch.bfloat16, 1e-6, n * top_k
     x, w = torch.zeros(n, H, dtype=bf), torch.ones(H, dtype=bf)

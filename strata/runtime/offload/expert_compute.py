@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from strata.kernels.experts import PLAIN_SWIGLU, SwiGLUForm
-from strata.kernels.gpu.grouped import HostExperts, SlotWeights, in_place_ok, slot_weights
-from strata.kernels.gpu.quant_slots import QuantSlotWeights
+from strata.kernels.gpu.experts.grouped import HostExperts, SlotWeights, in_place_ok, slot_weights
+from strata.kernels.gpu.experts.quant_slots import QuantSlotWeights
 from strata.kernels.quant import reads
 from strata.runtime.model.capture import current_recorder
 from strata.runtime.offload.cost_model import Rates

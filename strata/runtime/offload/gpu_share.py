@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from strata.kernels.gpu.grouped import HostExperts
+    from strata.kernels.gpu.experts.grouped import HostExperts
 
 
 class GpuShare:

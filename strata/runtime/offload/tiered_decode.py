@@ -1,6 +1,6 @@
 """The decode side of `TieredExperts`: pair kernels over the GPU slots, the cold pairs served by the host.
 
-Decode (a few tokens, GPU tier): the pair kernels (`strata.kernels.gpu.grouped`) compute every
+Decode (a few tokens, GPU tier): the pair kernels (`strata.kernels.gpu.experts.grouped`) compute every
 (token, expert) pair whose expert is resident, finding its slot through the device map, in one
 launch per projection. When every expert is resident that is the whole layer: no host round trip,
 so the step can be captured in a CUDA graph. Otherwise one small copy of the step's slots tells the
@@ -21,7 +21,7 @@ import time
 import numpy as np
 import torch
 
-from strata.kernels.gpu.grouped import combine_pairs, pair_experts, pair_experts_in_place
+from strata.kernels.gpu.experts.grouped import combine_pairs, pair_experts, pair_experts_in_place
 from strata.runtime.model.capture import current_capture_mode, current_recorder
 from strata.runtime.offload.cpu_compute import CpuShare
 from strata.runtime.offload.step_io import pairs_by_expert, to_host, upload

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from strata.kernels.experts import SwiGLUForm, down_bias_term, group_by_expert, group_by_expert_with_host
-from strata.kernels.gpu.grouped import use_pair_kernels
+from strata.kernels.gpu.experts.grouped import use_pair_kernels
 from strata.runtime.model.capture import current_capture_mode, current_recorder
 from strata.runtime.model.moe import MoEBlock, router_predictors
 from strata.runtime.model.transformer import MoETransformer

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from strata.kernels.experts import apply_experts
-from strata.kernels.gpu.grouped_gemm import grouped_ok, refuse, slot_pairs, sum_pairs
+from strata.kernels.gpu.experts.grouped_gemm import grouped_ok, refuse, slot_pairs, sum_pairs
 from strata.runtime.offload.cpu_compute import CpuShare
 
 # a chunk stages its next layer ahead from 20 token-expert pairs an expert (a 320-token prompt of an 8-of-128 model; an

@@ -20,7 +20,7 @@ from torch import nn
 
 from strata.kernels.experts import SwiGLUForm, apply_experts, group_by_expert
 from strata.kernels.gpu.deepseek_v4 import clipped_swiglu, route_weights
-from strata.kernels.gpu.grouped import use_pair_kernels
+from strata.kernels.gpu.experts.grouped import use_pair_kernels
 from strata.runtime.model.config import ModelConfig
 from strata.runtime.model.layers import linear, project
 from strata.runtime.model.moe import Experts, MoEBlock

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from strata.kernels.experts import SwiGLUForm, apply_experts, down_bias_term, group_by_expert
-from strata.kernels.gpu.grouped import use_pair_kernels
+from strata.kernels.gpu.experts.grouped import use_pair_kernels
 from strata.runtime.model.config import ModelConfig
 from strata.runtime.model.layers import linear
 from strata.runtime.model.moe import Experts, MoEBlock

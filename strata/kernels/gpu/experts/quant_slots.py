@@ -2,11 +2,11 @@
 
 A slot of the GPU tier (or of pinned RAM) holds one expert's blob as `strata.kernels.quant.ExpertLayout` places it:
 gate_up values, gate_up scales, down values, down scales, each section 256-byte aligned at the same offsets in every
-slot. `QuantSlotWeights` is the quantized sibling of `strata.kernels.gpu.grouped.SlotWeights`: the decode pair
-kernels (`strata.kernels.gpu.quant_pairs`) read its slots in their format; prefill dequantizes the slots a grouped
+slot. `QuantSlotWeights` is the quantized sibling of `strata.kernels.gpu.experts.grouped.SlotWeights`: the decode pair
+kernels (`strata.kernels.gpu.experts.quant_pairs`) read its slots in their format; prefill dequantizes the slots a grouped
 GEMM needs into a scratch buffer (`dequantize_slots`: one Triton launch per matrix on CUDA, torch elsewhere).
 GGUF blobs (their header and ggml blocks, strata.kernels.quant) take the same paths through
-`strata.kernels.gpu.gguf_tiles` (bit for bit gguf's numpy dequantization).
+`strata.kernels.gpu.experts.gguf_tiles` (bit for bit gguf's numpy dequantization).
 
 Dequantizing rounds as `ExpertLayout.dequantize` does (w = values * scale in fp32, then one rounding to the
 compute dtype), so a prefill on the scratch computes what a plain model of the dequantized weights computes.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from strata.kernels.gpu import gguf_tiles
+from strata.kernels.gpu.experts import gguf_tiles
 from strata.kernels.quant import E2M1, MX_GROUP, ExpertLayout, Section
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs do without it

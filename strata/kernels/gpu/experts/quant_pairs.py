@@ -3,7 +3,7 @@ blob's format (block-scaled FP8 or MXFP4), dequantized in registers: no bf16 cop
 
 Decode is bound by the bytes it reads, so the point is to read 1 byte (FP8) or ~0.53 bytes (MXFP4: half a byte and
 one scale per 32) a weight instead of 2. The pair lookup, the `used` record, the split rows (`first_row`) and the
-in-place reads by host address are the bf16 kernels' (`strata.kernels.gpu.grouped`): only the weight tiles differ.
+in-place reads by host address are the bf16 kernels' (`strata.kernels.gpu.experts.grouped`): only the weight tiles differ.
 
 A tile of a matrix [N, K] (gate_up [2I, H], down [H, I]) is loaded as [rows, NG, G]: NG groups of G columns that
 share one scale (FP8: G = the block's columns; MXFP4: G = 32, G/2 packed bytes). Each group's dot product with the
@@ -14,10 +14,10 @@ activation is summed first, then multiplied by its scale: one multiply a group, 
   values are put back in column order in registers (join / permute / reshape: no data movement).
 The activation tile is loaded once per step, contiguous, and shared by the gate and up tiles. The SwiGLU's form
 (clamp, alpha, up offset, interleaved gate/up rows) and the gate_up bias are the gate/up kernel's FORM and HAS_BIAS
-constexprs (strata.kernels.gpu.pair_forms), the plain SwiGLU without bias by default.
+constexprs (strata.kernels.gpu.experts.pair_forms), the plain SwiGLU without bias by default.
 Results match the bf16 kernels on `ExpertLayout.dequantize`d weights to rounding: the scale is applied to a group's
 sum instead of to each weight (in fp32), and a dequantized weight is not rounded to bf16 first.
-GGUF blobs (the file's ggml blocks) take the same entry points and run their own kernels (strata.kernels.gpu.gguf_pairs).
+GGUF blobs (the file's ggml blocks) take the same entry points and run their own kernels (strata.kernels.gpu.experts.gguf_pairs).
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from __future__ import annotations
 import torch
 
 from strata.kernels.experts import PLAIN_SWIGLU, SwiGLUForm
-from strata.kernels.gpu import gguf_pairs, pair_forms, pdl
-from strata.kernels.gpu.gguf_tiles import gguf_refusal
-from strata.kernels.gpu.pair_forms import activate, gate_row, pair_rows, pair_slot, up_row
-from strata.kernels.gpu.quant_slots import FP8, MXFP4, QuantSlotWeights, e8m0_scale, triton
+from strata.kernels.gpu import pdl
+from strata.kernels.gpu.experts import gguf_pairs, pair_forms
+from strata.kernels.gpu.experts.gguf_tiles import gguf_refusal
+from strata.kernels.gpu.experts.pair_forms import activate, gate_row, pair_rows, pair_slot, up_row
+from strata.kernels.gpu.experts.quant_slots import FP8, MXFP4, QuantSlotWeights, e8m0_scale, triton
 from strata.kernels.quant import MX_GROUP, ExpertFormat, ExpertLayout
 
 if triton is not None:
@@ -45,7 +46,7 @@ QUANT_IN_PLACE_BLOCKS = (8, 512, 16, 256)  # pair_quant_in_place: gate/up rows, 
 
 def kernel_refusal(fmt: ExpertFormat) -> str | None:
     """None where these kernels compute `fmt` (fp8 with a power-of-two block width, mxfp4, or gguf blocks of the
-    types strata.kernels.gpu.gguf_pairs reads), else why not."""
+    types strata.kernels.gpu.experts.gguf_pairs reads), else why not."""
     if triton is None:
         return "Triton is not installed"
     if fmt.kind == "gguf":

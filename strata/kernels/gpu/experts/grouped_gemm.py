@@ -17,7 +17,7 @@ all in VRAM ran 7.3x the loop on the H200 box: docs/benchmarks.md, section "What
 ecaf011); on the CPU torch's grouped GEMM is a reference loop.
 
 Quantized slots (`QuantSlotWeights`: FP8, MXFP4, GGUF) are dequantized per piece into a scratch buffer in the activations'
-dtype (strata.kernels.gpu.quant_slots.dequantize_slots: one Triton launch a matrix on CUDA), rounding as
+dtype (strata.kernels.gpu.experts.quant_slots.dequantize_slots: one Triton launch a matrix on CUDA), rounding as
 `ExpertLayout.dequantize`, and the same grouped GEMMs run on it: a piece then also holds at most
 `SCRATCH_BYTES` of dequantized experts. torch's FP8 grouped GEMM (`torch.nn.functional.scaled_grouped_mm`) is not
 used: whether it takes 128 x 128 block scales on sm90, and beats dequantize-then-bf16, is for a run on the H200.
@@ -30,8 +30,8 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from strata.kernels.gpu.grouped import SlotWeights
-from strata.kernels.gpu.quant_slots import QuantSlotWeights, dequantize_slots
+from strata.kernels.gpu.experts.grouped import SlotWeights
+from strata.kernels.gpu.experts.quant_slots import QuantSlotWeights, dequantize_slots
 
 log = logging.getLogger(__name__)
 _refused: set[str] = set()  # operand kinds torch's grouped GEMM refused here (the per-expert loop serves them)

@@ -8,7 +8,7 @@ plane (low bits, high bits) and a few integer instructions a weight. `gguf_group
 q [R, G, 16] and its affine map (scale, low) [R, G]: w = q * scale - low, with scale and low computed as
 llama.cpp's `gguf` package computes them (d * sub-scale, dmin * sub-min, each one fp32 rounding), so the scratch
 dequantizer (`dequantize_gguf_into`, launched without FMA contraction) writes `ExpertLayout.dequantize`'s values
-bit for bit, and the pair kernels (strata.kernels.gpu.gguf_pairs) sum q * x over a group before one scale.
+bit for bit, and the pair kernels (strata.kernels.gpu.experts.gguf_pairs) sum q * x over a group before one scale.
 
 A matrix's block type is a constexpr set (`type_mask`: one bit per ggml id, from the store's `ExpertFormat.ggml`):
 one type compiles one branch; several (a file whose layers differ, as Q4_K_M's down tensors do) compile one branch

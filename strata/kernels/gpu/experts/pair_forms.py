@@ -1,6 +1,6 @@
 """The SwiGLU forms (strata.kernels.experts.SwiGLUForm) and the gate_up bias in the decode pair kernels' gate/up step.
 
-Every gate/up kernel (plain slots: strata.kernels.gpu.plain_pairs; FP8 / MXFP4: quant_pairs; GGUF: gguf_pairs)
+Every gate/up kernel (plain slots: strata.kernels.gpu.experts.plain_pairs; FP8 / MXFP4: quant_pairs; GGUF: gguf_pairs)
 computes, for the intermediate rows j [BLOCK_I] of its tile, the dot products of gate_up's rows `gate_row(j)` and
 `up_row(j)` with the token, adds the expert's bias [E, 2I] at those rows, and applies the form's activation
 (`activate`), all in fp32. A form is a constexpr bit set, `FORM` (`form_code`): 0, the plain SwiGLU, takes no

@@ -1,7 +1,7 @@
 """The decode pair kernels for GGUF experts: each (token, expert) pair's SwiGLU read from its slot's blob in the
-file's ggml blocks (Q8_0, Q2_K-Q6_K, IQ4_XS), dequantized in registers (strata.kernels.gpu.gguf_tiles).
+file's ggml blocks (Q8_0, Q2_K-Q6_K, IQ4_XS), dequantized in registers (strata.kernels.gpu.experts.gguf_tiles).
 
-What `strata.kernels.gpu.quant_pairs` is for FP8 and MXFP4, with the same pair lookup, `used` record, split rows
+What `strata.kernels.gpu.experts.quant_pairs` is for FP8 and MXFP4, with the same pair lookup, `used` record, split rows
 (`first_row`) and in-place reads by host address: only the weight tiles differ. A tile of a matrix [N, K] is
 [R rows, G groups, 16 values]; a group's dot product with the activation is summed over its 16 integer values
 first, then mapped by the group's affine dequantization: sum(w * x) = scale * sum(q * x) - low * sum(x), two
@@ -11,7 +11,7 @@ Results match the bf16 kernels on `ExpertLayout.dequantize`d weights to fp32 rou
 group's sum; a dequantized weight is not rounded to bf16 first).
 
 The SwiGLU's clamp, alpha and up offset and the gate_up bias [E, 2I] are the gate/up kernel's FORM and HAS_BIAS
-constexprs (strata.kernels.gpu.pair_forms). Interleaved gate/up rows are refused (`check_form`): a GGUF blob holds
+constexprs (strata.kernels.gpu.experts.pair_forms). Interleaved gate/up rows are refused (`check_form`): a GGUF blob holds
 gate and up as two tensors of their own block types (as a GGUF file does), so its gate rows are always its first I.
 """
 
@@ -20,9 +20,10 @@ from __future__ import annotations
 import torch
 
 from strata.kernels.experts import PLAIN_SWIGLU, SwiGLUForm
-from strata.kernels.gpu import pair_forms, pdl
-from strata.kernels.gpu.gguf_tiles import gguf_group, matrix_parts, triton
-from strata.kernels.gpu.pair_forms import activate, pair_rows, pair_slot
+from strata.kernels.gpu import pdl
+from strata.kernels.gpu.experts import pair_forms
+from strata.kernels.gpu.experts.gguf_tiles import gguf_group, matrix_parts, triton
+from strata.kernels.gpu.experts.pair_forms import activate, pair_rows, pair_slot
 from strata.kernels.quant import ExpertLayout
 
 if triton is not None:

@@ -12,16 +12,16 @@ before the lookup (the pair is skipped) or after the kernel (the copy that reuse
 it): the gate/up kernel records the slot it used and the down kernel reads that record, so both
 projections always use one consistent slot.
 
-Triton kernels on CUDA (strata.kernels.gpu.plain_pairs); a pure-torch fallback (gather + bmm) elsewhere, with the
+Triton kernels on CUDA (strata.kernels.gpu.experts.plain_pairs); a pure-torch fallback (gather + bmm) elsewhere, with the
 same results to rounding. Every path computes any `SwiGLUForm` (DeepSeek-V4's clipped SwiGLU, gpt-oss's clamped,
 offset, interleaved one) and adds an optional per-expert gate_up bias [E, 2I] before the activation
-(strata.kernels.gpu.pair_forms); the down bias is not theirs (strata.kernels.experts.down_bias_term adds it once).
+(strata.kernels.gpu.experts.pair_forms); the down bias is not theirs (strata.kernels.experts.down_bias_term adds it once).
 
 Expert formats (strata.kernels.quant): plain experts are `SlotWeights` (typed views of the slots); FP8, MXFP4 and
 GGUF experts are `QuantSlotWeights` (the slab and the blob's `ExpertLayout`) and in pinned RAM `HostExperts` with a
 layout. Every entry point here takes either and picks the path in one place, `fast_path`: the quantized pair and
-in-place kernels (strata.kernels.gpu.quant_pairs) read the blob in its format and dequantize in registers;
-prefill dequantizes per expert into a scratch buffer for the grouped GEMM (strata.kernels.gpu.grouped_gemm).
+in-place kernels (strata.kernels.gpu.experts.quant_pairs) read the blob in its format and dequantize in registers;
+prefill dequantizes per expert into a scratch buffer for the grouped GEMM (strata.kernels.gpu.experts.grouped_gemm).
 `formats_supported()` lists the format kinds these kernels read and `fast_path_refusal(fmt)` says why a format has
 no kernel (an fp8 block not a power of two wide: its pairs then gather their experts dequantized and run the torch
 path, and no in-place share is made). The runtime and the planner take the GPU paths for the kinds the GPU entries of
@@ -35,10 +35,11 @@ from dataclasses import dataclass
 import torch
 
 from strata.kernels.experts import PLAIN_SWIGLU, SwiGLUForm
-from strata.kernels.gpu import fused, pair_forms, pdl, quant_pairs
-from strata.kernels.gpu.pair_forms import triton
-from strata.kernels.gpu.plain_pairs import _down_kernel, _gate_up_kernel
-from strata.kernels.gpu.quant_slots import QuantSlotWeights
+from strata.kernels.gpu import fused, pdl
+from strata.kernels.gpu.experts import pair_forms, quant_pairs
+from strata.kernels.gpu.experts.pair_forms import triton
+from strata.kernels.gpu.experts.plain_pairs import _down_kernel, _gate_up_kernel
+from strata.kernels.gpu.experts.quant_slots import QuantSlotWeights
 from strata.kernels.quant import PLAIN_DTYPES, ExpertFormat, ExpertLayout
 
 PAIR_LIMIT = 128  # pairs per step up to which the pair kernels beat grouping tokens by expert
@@ -55,7 +56,7 @@ def formats_supported() -> set[str]:
     """The expert format kinds ("plain", "fp8", "mxfp4", "gguf") the GPU computes in their own format: decode pair
     kernels and in-place reads without a bf16 copy, prefill through a per-expert dequantized scratch. Quantized
     kinds need Triton; an fp8 block must also be a power of two wide, gguf blocks of the types
-    strata.kernels.gpu.gguf_pairs reads (`fast_path_refusal`). The kinds the runtime may list in
+    strata.kernels.gpu.experts.gguf_pairs reads (`fast_path_refusal`). The kinds the runtime may list in
     strata.kernels.quant.FAST_PATHS' GPU entries."""
     return {"plain"} | ({"fp8", "mxfp4", "gguf"} if triton is not None else set())
 
