@@ -152,6 +152,25 @@ def test_engine_configs_are_valid_strata_configs():
     assert VARIANTS["naive"]["policy"]["eviction"] == "lru"  # engine_config must not mutate the table
 
 
+def test_the_ceiling_on_quantized_experts_holds_them_in_gpu_slots_in_their_format():
+    """`runtime.experts = "memory"` would load quantized experts dequantized (bf16's bytes and kernels): the ceiling
+    on a quantized model runs them tiered with the tiers' default budget, which holds them all, whatever budget --set
+    gives the tiered cases; a plain model's ceiling stays in memory, and a split case keeps the --set budget."""
+    w = [Workload(128, 1, 64)]
+    settings = {"cache": "/tmp/c", "disk_cache": "/tmp/d", "token_budget": 512,
+                "set": {"tiers": {"gpu": {"budget": "250"}}}}
+    for fmt in ("fp8", "mxfp4", "gguf"):
+        summary = {"expert_bytes_total": 1000, "experts_format": fmt}
+        ceiling = engine_config(Case("ceiling", "uniform", None, w[0]), summary, settings, w)
+        load_config(ceiling)
+        assert ceiling["runtime"]["experts"] == "tiered" and "budget" not in ceiling["tiers"].get("gpu", {})
+        split = engine_config(Case("split", "uniform", 0.25, w[0]), summary, settings, w)
+        assert split["runtime"].get("experts", "tiered") == "tiered" and split["tiers"]["gpu"]["budget"] == "250"
+    plain = engine_config(Case("ceiling", "uniform", None, w[0]), {"expert_bytes_total": 1000, "experts_format": None},
+                          settings, w)
+    assert plain["runtime"]["experts"] == "memory"
+
+
 # --- schema and report ----------------------------------------------------------------------------
 
 
