@@ -34,7 +34,9 @@ if triton is not None:
 # (`bench/probes/quant_pair_probe.py --sweep`): these were fastest at 1, 4 and 8 tokens. Narrow gate/up programs
 # (4 rows: twice the programs of 8) beat every wider one; fewer instructions a weight did not (docs/benchmarks.md).
 GGUF_PAIR_CONFIG = ((4, 512, 4, 2), (16, 256, 2, 2))
-GGUF_IN_PLACE_BLOCKS = (8, 512, 16, 256)  # pair_gguf_in_place: gate/up rows, columns; down rows, columns
+# pair_gguf_in_place's tiles: gate/up rows, columns; down rows, columns. Swept as the quantized formats' (quant_pairs):
+# 4 gate/up rows a program read Q4_K_M over PCIe 1.10x (1 token) and 1.13x (8 tokens) faster than 8.
+GGUF_IN_PLACE_BLOCKS = (4, 512, 16, 256)
 
 
 def _matrices(layout: ExpertLayout) -> dict:
