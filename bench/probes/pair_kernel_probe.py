@@ -1,4 +1,5 @@
-"""Sweep the decode pair kernels' launch configurations (strata.kernels.gpu.experts.grouped) at the bench model's shapes.
+"""Sweep the decode pair kernels' launch configurations (strata.kernels.gpu.experts.grouped) at the bench model's
+shapes.
 
     python bench/probes/pair_kernel_probe.py --out DIR [--tokens 1,4,8]
 

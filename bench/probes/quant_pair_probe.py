@@ -4,16 +4,16 @@ shapes, and prefill's scratch dequantizer (strata.kernels.gpu.experts.quant_slot
     python bench/probes/quant_pair_probe.py --out DIR [--tokens 1,4,8] [--sweep] [--formats fp8,mxfp4,q4_k_m] [--in-place]
 
 The same 128 random experts are held in GPU slots as bf16, FP8 (128 x 128 blocks) and MXFP4 blobs, and 128 experts of
-random valid GGUF blocks as Q4_K_M stores them (gate and up Q4_K, down Q6_K; strata.kernels.gpu.experts.gguf_pairs). For N tokens
-(N x 8 pairs, each token's experts distinct), one step's pairs (the gate/up and the down launch) are timed in a CUDA
-graph of 16 steps over different experts, so weights come from HBM, not the L2. Prints us a step, the weight bytes a
-step reads (pairs x blob bytes), that rate in TB/s and each format's speed-up over bf16; --sweep also times the
+random valid GGUF blocks as Q4_K_M stores them (gate and up Q4_K, down Q6_K; strata.kernels.gpu.experts.gguf_pairs). For
+N tokens (N x 8 pairs, each token's experts distinct), one step's pairs (the gate/up and the down launch) are timed in a
+CUDA graph of 16 steps over different experts, so weights come from HBM, not the L2. Prints us a step, the weight bytes
+a step reads (pairs x blob bytes), that rate in TB/s and each format's speed-up over bf16; --sweep also times the
 quantized kernels' launch configurations (gate/up swept with down at the shipped one, then down; GGUF's from
 `GGUF_PAIR_CONFIG`). Every output is checked against the fp32 torch path on the dequantized weights (rel_err: largest
 error / largest output). Then the scratch dequantizer over all 128 experts to bf16 (GB/s of blob bytes read plus bf16
-bytes written). --in-place times instead the reads of cold experts in place: every format's slots in page-locked
-host RAM, each pair's weights read over PCIe by the in-place kernels (`pair_experts_in_place`; GB/s of blob bytes a
-step), --sweep then timing their tiles (`IN_PLACE_GATE_UP`, `IN_PLACE_DOWN`). Writes quant_pairs.json.
+bytes written). --in-place times instead the reads of cold experts in place: every format's slots in page-locked host
+RAM, each pair's weights read over PCIe by the in-place kernels (`pair_experts_in_place`; GB/s of blob bytes a step),
+--sweep then timing their tiles (`IN_PLACE_GATE_UP`, `IN_PLACE_DOWN`). Writes quant_pairs.json.
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""bench/probes/pair_kernel_probe.py launches the decode pair kernels (strata.kernels.gpu.experts.grouped) directly, each
-argument by position: its launches must match the kernels' signature and compute what the library's pairs compute.
+"""bench/probes/pair_kernel_probe.py launches the decode pair kernels (strata.kernels.gpu.experts.grouped) directly,
+each argument by position: its launches must match the kernels' signature and compute what the library's pairs compute.
 CPU CI runs them through Triton's interpreter, in a subprocess (TRITON_INTERPRET is read when Triton is imported), at
 small shapes (the probe's are the bench model's)."""
 

@@ -219,12 +219,17 @@ def test_every_kernel_compiles_for_the_h200(tmp_path, monkeypatch):
           "_compress_kernel", "_keys_kernel", "_router_weights_kernel", "_clipped_swiglu_kernel"}
     assert built == DECODE_KERNELS | {"_norm_rope_kernel", "_softmax_topk_kernel"} | v4 | quantized | \
         qwen3_5 == triton_kernels()
+    # every launch names FP fusion (Triton 3.10 turns its default off): on, but in the GGUF scratch dequantizer, which
+    # rounds q * scale - low twice as gguf's numpy does
+    fusion = {name: {on for key in k for on in (True, False) if f"('enable_fp_fusion', {on})" in key}
+              for name, k in keys.items()}
+    assert fusion == {name: {name != "_gguf_dequant_kernel"} for name in keys}
 
 
 def test_a_swiglu_form_is_one_more_pair_kernel_build_whatever_its_values_and_compiles_for_the_h200(tmp_path,
                                                                                                    monkeypatch):
-    """The decode pair kernels with a SwiGLU form and a gate_up bias (strata.kernels.gpu.experts.pair_forms): the plain form,
-    passed or left out, is the one build it always was; a form's constexprs (FORM, HAS_BIAS) are one build each,
+    """The decode pair kernels with a SwiGLU form and a gate_up bias (strata.kernels.gpu.experts.pair_forms): the plain
+    form, passed or left out, is the one build it always was; a form's constexprs (FORM, HAS_BIAS) are one build each,
     whatever its limit, alpha and up_offset (fp32 arguments: DeepSeek-V4's limit 10 and a limit of 7 share a build).
     Every such build compiles for sm_90: plain slots, FP8 / MXFP4 / GGUF blobs, resident and in place."""
     from strata.kernels.experts import PLAIN_SWIGLU, SwiGLUForm

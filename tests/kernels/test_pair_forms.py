@@ -1,5 +1,6 @@
-"""The decode pair kernels compute every `SwiGLUForm` and add a per-expert gate_up bias (strata.kernels.gpu.experts.pair_forms,
-plain_pairs, quant_pairs, gguf_pairs), against fp32 torch on the experts' dequantized weights:
+"""The decode pair kernels compute every `SwiGLUForm` and add a per-expert gate_up bias
+(strata.kernels.gpu.experts.pair_forms, plain_pairs, quant_pairs, gguf_pairs), against fp32 torch on the experts'
+dequantized weights:
 
     gu = x gate_up^T + bias[expert]   h = form.apply(gu)   y = h down^T   (a split part: h's rows from first_row on)
 

@@ -16,9 +16,10 @@ NO_PDL = KernelOptions(pdl=False)
 def test_off_on_cpu_and_when_disabled(monkeypatch):
     x = torch.zeros(4)
     assert not pdl.on(x)
-    assert pdl.launch(x) == {"PDL": False}  # no launch_pdl keyword: CPU and interpreter launches stay as before
+    # no launch_pdl keyword: CPU and interpreter launches stay as before; FP fusion named either way
+    assert pdl.launch(x) == {"PDL": False, "enable_fp_fusion": True}
     with kernel_options(NO_PDL):
-        assert pdl.launch(x) == {"PDL": False}
+        assert pdl.launch(x) == {"PDL": False, "enable_fp_fusion": True}
 
 
 def test_a_forward_pass_without_pdl_launches_without_it(monkeypatch):
@@ -28,9 +29,9 @@ def test_a_forward_pass_without_pdl_launches_without_it(monkeypatch):
 
     monkeypatch.setattr(pdl, "_device_ok", lambda index: True)  # a Hopper card, as far as `on` can tell
     x = SimpleNamespace(is_cuda=True, device=SimpleNamespace(index=0))
-    assert pdl.launch(x) == {"PDL": True, "launch_pdl": True}
+    assert pdl.launch(x) == {"PDL": True, "launch_pdl": True, "enable_fp_fusion": True}
     with kernel_options(NO_PDL):
-        assert not pdl.on(x) and pdl.launch(x) == {"PDL": False}
+        assert not pdl.on(x) and pdl.launch(x) == {"PDL": False, "enable_fp_fusion": True}
     assert pdl.on(x)
 
 

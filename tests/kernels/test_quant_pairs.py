@@ -1,5 +1,5 @@
-"""Quantized experts on the GPU path (strata.kernels.gpu.experts.quant_pairs, quant_slots, and their dispatch in grouped and
-grouped_gemm) against the oracle: `ExpertLayout.dequantize` of each blob, then the plain experts' torch path.
+"""Quantized experts on the GPU path (strata.kernels.gpu.experts.quant_pairs, quant_slots, and their dispatch in grouped
+and grouped_gemm) against the oracle: `ExpertLayout.dequantize` of each blob, then the plain experts' torch path.
 
 The torch fallbacks, the scratch prefill and the format queries run on any CPU. The `kernel` tests run the Triton
 kernels: natively on CUDA (marked gpu, bf16 and fp32), and on the CPU under Triton's interpreter in fp32

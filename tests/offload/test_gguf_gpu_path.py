@@ -1,9 +1,9 @@
-"""A tiered layer on a GGUF store through the GPU fast path (strata.kernels.gpu.experts.gguf_pairs, gguf_tiles): the GPU tier's
-slots handed to the pair kernels as `QuantSlotWeights` of the store's gguf layout, decode through the pair path,
-prefill through the grouped GEMMs on a dequantized scratch and through the per-expert loop, each against every expert
-in memory, dequantized (fp32). The store mixes block types per tensor and per layer, so each matrix's kernels pick
-an expert's type by its blob's header. On the CPU the GPU tier is simulated in RAM and the paths are their torch
-fallbacks; on CUDA the same layer runs the Triton kernels.
+"""A tiered layer on a GGUF store through the GPU fast path (strata.kernels.gpu.experts.gguf_pairs, gguf_tiles): the GPU
+tier's slots handed to the pair kernels as `QuantSlotWeights` of the store's gguf layout, decode through the pair path,
+prefill through the grouped GEMMs on a dequantized scratch and through the per-expert loop, each against every expert in
+memory, dequantized (fp32). The store mixes block types per tensor and per layer, so each matrix's kernels pick an
+expert's type by its blob's header. On the CPU the GPU tier is simulated in RAM and the paths are their torch fallbacks;
+on CUDA the same layer runs the Triton kernels.
 
 The fast path is turned on here for gguf (strata.kernels.quant.FAST_PATHS' GPU entries), whatever the runtime's
 registry says."""

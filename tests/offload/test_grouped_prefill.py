@@ -1,6 +1,6 @@
-"""Prefill-sized expert compute through grouped GEMMs (strata.kernels.gpu.experts.grouped_gemm, [debug] grouped_prefill):
-the same sums as the per-expert loop, in memory and on tiers (a CPU-simulated GPU tier here; torch's grouped
-GEMM runs its reference loop on the CPU)."""
+"""Prefill-sized expert compute through grouped GEMMs (strata.kernels.gpu.experts.grouped_gemm, [debug]
+grouped_prefill): the same sums as the per-expert loop, in memory and on tiers (a CPU-simulated GPU tier here; torch's
+grouped GEMM runs its reference loop on the CPU)."""
 
 from __future__ import annotations
 

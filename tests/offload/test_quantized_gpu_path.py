@@ -1,8 +1,8 @@
-"""A tiered layer on FP8 / MXFP4 stores through the GPU fast path (strata.kernels.gpu.experts.quant_pairs, quant_slots): the
-GPU tier's slots handed to the pair kernels as `QuantSlotWeights`, decode through the pair path, prefill through
-the grouped GEMMs on a dequantized scratch and through the per-expert loop, each against every expert in memory,
-dequantized (fp32). On the CPU the GPU tier is simulated in RAM and the pair path is its torch fallback; on CUDA
-(marked gpu) the same layer runs the Triton kernels.
+"""A tiered layer on FP8 / MXFP4 stores through the GPU fast path (strata.kernels.gpu.experts.quant_pairs, quant_slots):
+the GPU tier's slots handed to the pair kernels as `QuantSlotWeights`, decode through the pair path, prefill through the
+grouped GEMMs on a dequantized scratch and through the per-expert loop, each against every expert in memory, dequantized
+(fp32). On the CPU the GPU tier is simulated in RAM and the pair path is its torch fallback; on CUDA (marked gpu) the
+same layer runs the Triton kernels.
 
 The fast path is turned on here for the formats the GPU kernels read (strata.kernels.quant.FAST_PATHS' GPU
 entries), whatever the runtime's registry says."""

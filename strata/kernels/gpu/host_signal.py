@@ -102,7 +102,8 @@ def wait_for_host(done: torch.Tensor, gen: torch.Tensor, error: torch.Tensor, sp
     generation it waited for to error[0]. On CPU tensors it runs only under Triton's interpreter (tests)."""
     if triton is None:
         raise RuntimeError("waiting on host memory from the GPU needs Triton")
-    _acquire_kernel[(1,)](done, gen, error, spins, max_spins, FENCE=gen.is_cuda, num_warps=1)
+    _acquire_kernel[(1,)](done, gen, error, spins, max_spins, FENCE=gen.is_cuda, num_warps=1,
+                          **pdl.FP_FUSION)
 
 
 def wait_and_fetch(header: torch.Tensor, gen: torch.Tensor, src: torch.Tensor, out: torch.Tensor,
@@ -118,4 +119,4 @@ def wait_and_fetch(header: torch.Tensor, gen: torch.Tensor, src: torch.Tensor, o
         raise ValueError(f"wait_and_fetch copies fp32 [{n}] into fp32 [{n}], got {out.dtype} [{out.numel()}]")
     wait_for_host(header[1:2], gen, header[3:4], header[4:5], max_spins)
     _read_kernel[(max(1, triton.cdiv(n, READ_BLOCK)),)](src, out, n, BLOCK=READ_BLOCK, TRIGGER=pdl.on(out),
-                                                        num_warps=2)
+                                                        num_warps=2, **pdl.FP_FUSION)

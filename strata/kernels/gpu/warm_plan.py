@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from strata.kernels.gpu import fused
+from strata.kernels.gpu import fused, pdl
 
 try:  # Triton ships with CUDA builds of torch; CPU-only installs do without it
     import triton
@@ -89,4 +89,5 @@ def plan_warm(ids: torch.Tensor, slot_of: torch.Tensor, table: torch.Tensor, pla
     p, e, s = ids.numel(), slot_of.numel(), plan.numel() - 1
     _plan_kernel[(1,)](ids.reshape(-1), slot_of, table, plan[1:], plan[0:1], gen, p, e, s, layer,
                        BLOCK_P=max(2, triton.next_power_of_2(p)), BLOCK_E=max(2, triton.next_power_of_2(e)),
-                       BLOCK_S=max(2, triton.next_power_of_2(s)), FENCE=ids.is_cuda, STRIDE=TAG_STRIDE, num_warps=4)
+                       BLOCK_S=max(2, triton.next_power_of_2(s)), FENCE=ids.is_cuda, STRIDE=TAG_STRIDE, num_warps=4,
+                       **pdl.FP_FUSION)

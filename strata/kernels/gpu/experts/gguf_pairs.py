@@ -11,8 +11,9 @@ Results match the bf16 kernels on `ExpertLayout.dequantize`d weights to fp32 rou
 group's sum; a dequantized weight is not rounded to bf16 first).
 
 The SwiGLU's clamp, alpha and up offset and the gate_up bias [E, 2I] are the gate/up kernel's FORM and HAS_BIAS
-constexprs (strata.kernels.gpu.experts.pair_forms). Interleaved gate/up rows are refused (`check_form`): a GGUF blob holds
-gate and up as two tensors of their own block types (as a GGUF file does), so its gate rows are always its first I.
+constexprs (strata.kernels.gpu.experts.pair_forms). Interleaved gate/up rows are refused (`check_form`): a GGUF blob
+holds gate and up as two tensors of their own block types (as a GGUF file does), so its gate rows are always its first
+I.
 """
 
 from __future__ import annotations

@@ -12,10 +12,11 @@ before the lookup (the pair is skipped) or after the kernel (the copy that reuse
 it): the gate/up kernel records the slot it used and the down kernel reads that record, so both
 projections always use one consistent slot.
 
-Triton kernels on CUDA (strata.kernels.gpu.experts.plain_pairs); a pure-torch fallback (gather + bmm) elsewhere, with the
-same results to rounding. Every path computes any `SwiGLUForm` (DeepSeek-V4's clipped SwiGLU, gpt-oss's clamped,
+Triton kernels on CUDA (strata.kernels.gpu.experts.plain_pairs); a pure-torch fallback (gather + bmm) elsewhere, with
+the same results to rounding. Every path computes any `SwiGLUForm` (DeepSeek-V4's clipped SwiGLU, gpt-oss's clamped,
 offset, interleaved one) and adds an optional per-expert gate_up bias [E, 2I] before the activation
-(strata.kernels.gpu.experts.pair_forms); the down bias is not theirs (strata.kernels.experts.down_bias_term adds it once).
+(strata.kernels.gpu.experts.pair_forms); the down bias is not theirs (strata.kernels.experts.down_bias_term adds it
+once).
 
 Expert formats (strata.kernels.quant): plain experts are `SlotWeights` (typed views of the slots); FP8, MXFP4 and
 GGUF experts are `QuantSlotWeights` (the slab and the blob's `ExpertLayout`) and in pinned RAM `HostExperts` with a

@@ -1,10 +1,10 @@
 """The decode pair kernels for plain (bf16 / fp16 / fp32) experts, launched by strata.kernels.gpu.experts.grouped.
 
 Pair p's gate/up kernel finds its expert's slot (`slot_of[ids[p]]`, or a host address with ADDR), records it in
-`used[p]` and writes h[p, j] = SwiGLU(gate_j . x, up_j . x) for its block of intermediate rows j (from `first[p]`
-on with FIRST), fp32; the down kernel reads that record and writes y[row] = down . h[p]. The SwiGLU's form and the
-gate_up bias are the gate/up kernel's FORM and HAS_BIAS constexprs (strata.kernels.gpu.experts.pair_forms); their default
-is the plain SwiGLU without bias, so callers that pass neither get the plain build.
+`used[p]` and writes h[p, j] = SwiGLU(gate_j . x, up_j . x) for its block of intermediate rows j (from `first[p]` on
+with FIRST), fp32; the down kernel reads that record and writes y[row] = down . h[p]. The SwiGLU's form and the gate_up
+bias are the gate/up kernel's FORM and HAS_BIAS constexprs (strata.kernels.gpu.experts.pair_forms); their default is the
+plain SwiGLU without bias, so callers that pass neither get the plain build.
 """
 
 from __future__ import annotations

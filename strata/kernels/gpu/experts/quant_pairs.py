@@ -1,9 +1,9 @@
 """The decode pair kernels for quantized experts: each (token, expert) pair's SwiGLU read from its slot's blob in the
 blob's format (block-scaled FP8 or MXFP4), dequantized in registers: no bf16 copy of the expert anywhere.
 
-Decode is bound by the bytes it reads, so the point is to read 1 byte (FP8) or ~0.53 bytes (MXFP4: half a byte and
-one scale per 32) a weight instead of 2. The pair lookup, the `used` record, the split rows (`first_row`) and the
-in-place reads by host address are the bf16 kernels' (`strata.kernels.gpu.experts.grouped`): only the weight tiles differ.
+Decode is bound by the bytes it reads, so the point is to read 1 byte (FP8) or ~0.53 bytes (MXFP4: half a byte and one
+scale per 32) a weight instead of 2. The pair lookup, the `used` record, the split rows (`first_row`) and the in-place
+reads by host address are the bf16 kernels' (`strata.kernels.gpu.experts.grouped`): only the weight tiles differ.
 
 A tile of a matrix [N, K] (gate_up [2I, H], down [H, I]) is loaded as [rows, NG, G]: NG groups of G columns that
 share one scale (FP8: G = the block's columns; MXFP4: G = 32, G/2 packed bytes). Each group's dot product with the
@@ -17,7 +17,8 @@ The activation tile is loaded once per step, contiguous, and shared by the gate 
 constexprs (strata.kernels.gpu.experts.pair_forms), the plain SwiGLU without bias by default.
 Results match the bf16 kernels on `ExpertLayout.dequantize`d weights to rounding: the scale is applied to a group's
 sum instead of to each weight (in fp32), and a dequantized weight is not rounded to bf16 first.
-GGUF blobs (the file's ggml blocks) take the same entry points and run their own kernels (strata.kernels.gpu.experts.gguf_pairs).
+GGUF blobs (the file's ggml blocks) take the same entry points and run their own kernels
+(strata.kernels.gpu.experts.gguf_pairs).
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 A slot of the GPU tier (or of pinned RAM) holds one expert's blob as `strata.kernels.quant.ExpertLayout` places it:
 gate_up values, gate_up scales, down values, down scales, each section 256-byte aligned at the same offsets in every
 slot. `QuantSlotWeights` is the quantized sibling of `strata.kernels.gpu.experts.grouped.SlotWeights`: the decode pair
-kernels (`strata.kernels.gpu.experts.quant_pairs`) read its slots in their format; prefill dequantizes the slots a grouped
-GEMM needs into a scratch buffer (`dequantize_slots`: one Triton launch per matrix on CUDA, torch elsewhere).
+kernels (`strata.kernels.gpu.experts.quant_pairs`) read its slots in their format; prefill dequantizes the slots a
+grouped GEMM needs into a scratch buffer (`dequantize_slots`: one Triton launch per matrix on CUDA, torch elsewhere).
 GGUF blobs (their header and ggml blocks, strata.kernels.quant) take the same paths through
 `strata.kernels.gpu.experts.gguf_tiles` (bit for bit gguf's numpy dequantization).
 
@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from strata.kernels.gpu import pdl
 from strata.kernels.gpu.experts import gguf_tiles
 from strata.kernels.quant import E2M1, MX_GROUP, ExpertLayout, Section
 
@@ -134,7 +135,7 @@ def dequantize_into(slab: torch.Tensor, layout: ExpertLayout, index: torch.Tenso
     grid = (index.numel(), triton.cdiv(n_rows, rows), triton.cdiv(k, cols))
     _dequant_kernel[grid](slab, index, out, n_rows, k, slab.stride(0), values.offset, scales.offset, scales.shape[1],
                           out.stride(0), FMT=FP8 if fmt.kind == "fp8" else MXFP4, BN=bn, BK=group,
-                          BLOCK_R=rows, BLOCK_C=cols, num_warps=4)
+                          BLOCK_R=rows, BLOCK_C=cols, num_warps=4, **pdl.FP_FUSION)
 
 
 if triton is not None:
