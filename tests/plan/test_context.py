@@ -91,3 +91,57 @@ def test_a_model_loaded_whole_measures_its_device(tiny_model_dir):
         assert engine.max_context == engine.checkpoint.config.max_position_embeddings  # tiny: RAM holds it all
     finally:
         engine.close()
+
+
+def test_a_whole_model_counts_the_bytes_loading_it_takes(tiny_model_dir, engram6_dir, tmp_path):
+    """`whole_model_bytes` is what `runtime.experts = "memory"` puts in memory: every parameter of the loaded model,
+    routed experts and Engram tables included, in each compute dtype; an LM head tied to the embeddings (a checkpoint
+    without one of its own) once."""
+    import json
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from strata.runtime.model.checkpoint import Checkpoint
+    from strata.runtime.model.loader import load_model
+    from strata.runtime.plan.context import whole_model_bytes
+
+    tied = tmp_path / "tied"  # the tiny model with its head tied: no lm_head.weight, tie_word_embeddings
+    shutil.copytree(tiny_model_dir, tied)
+    (tied / "strata_demo.json").unlink(missing_ok=True)
+    weights = load_file(tied / "model.safetensors")
+    del weights["lm_head.weight"]
+    save_file(weights, tied / "model.safetensors")
+    config = json.loads((tied / "config.json").read_text())
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    for d in (tiny_model_dir, engram6_dir, tied):
+        ckpt = Checkpoint.open(d)
+        for dtype in (torch.float32, torch.bfloat16):
+            model = load_model(ckpt, dtype, "cpu")
+            loaded = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+            assert whole_model_bytes(ckpt, dtype) == sum(loaded.values()), (d.name, dtype)
+    assert whole_model_bytes(Checkpoint.open(tied), torch.float32) < whole_model_bytes(
+        Checkpoint.open(tiny_model_dir), torch.float32)
+
+
+def test_a_gpu_without_room_for_the_whole_model_refuses_it_before_loading(tiny_model_dir, monkeypatch):
+    """`check_whole_fits` (build_model's, before `runtime.experts = "memory"` loads anything): a GPU whose free memory
+    holds the weights and the activation reserve passes, one byte less is a PlanError naming the tiered fix; the CPU
+    (weights read through the page cache) is never refused."""
+    import torch
+
+    from strata.runtime.model.checkpoint import Checkpoint
+    from strata.runtime.plan.context import check_whole_fits, whole_model_bytes
+
+    cfg = load_config({"runtime": {"experts": "memory"}})
+    checkpoint = Checkpoint.open(tiny_model_dir)
+    need = whole_model_bytes(checkpoint, torch.bfloat16) + cfg.planner.activation_reserve_bytes
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (need, 80 * GiB))
+    check_whole_fits(cfg, checkpoint, gpu, torch.bfloat16)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (need - 1, 80 * GiB))
+    with pytest.raises(PlanError, match='runtime.experts = "tiered"') as refused:
+        check_whole_fits(cfg, checkpoint, gpu, torch.bfloat16)
+    assert "\n" not in str(refused.value) and "activation reserve" in str(refused.value)
+    check_whole_fits(cfg, checkpoint, torch.device("cpu"), torch.bfloat16)

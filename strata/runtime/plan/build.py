@@ -33,7 +33,7 @@ from strata.runtime.plan.card import (
 )
 from strata.runtime.plan.checkpoints.in_place import open_in_place
 from strata.runtime.plan.checkpoints.store_cache import ensure_store
-from strata.runtime.plan.context import loaded_context
+from strata.runtime.plan.context import check_whole_fits, loaded_context
 from strata.runtime.plan.loaded import (
     DTYPES,
     LoadedModel,
@@ -64,6 +64,7 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
         # "auto": bf16 on CUDA; on the CPU a bf16 checkpoint's bf16, else fp32 (ModelFootprint.cpu_dtype)
         auto = torch.bfloat16 if device.type == "cuda" or checkpoint.dtype == torch.bfloat16 else torch.float32
         dtype = DTYPES.get(cfg.runtime.dtype) or auto
+        check_whole_fits(cfg, checkpoint, device, dtype)  # before a GPU runs out part-way
         model = load_model(checkpoint, dtype, device, progress=progress)
         model.kernel_options = kernel_options_of(cfg)
         if device.type == "cpu":

@@ -9,6 +9,9 @@ memory holds (at least `MIN_CONTEXT`), and the planner refuses one where even th
 number the user set.
 
     context, note = plan_context("auto", 40960, kv_bytes_per_token, room)   # the planner's (strata plan shows it)
+
+A model loaded whole (`runtime.experts = "memory"`, no planner) is checked first: `check_whole_fits` refuses it on a
+GPU whose free memory does not hold its weights and the activation reserve, before anything is loaded.
 """
 
 from __future__ import annotations
@@ -19,7 +22,10 @@ from typing import Any
 import psutil
 import torch
 
+from strata.runtime.plan.checkpoints.inspect import format_bytes
 from strata.runtime.plan.kv_size import kv_growth_of
+from strata.runtime.plan.layout import PlanError
+from strata.runtime.plan.stages import layer_sizes
 
 AUTO_KV_SHARE = 0.25  # of the memory left after the weights, the most an automatic context's KV cache takes
 AUTO_STEP = 1024  # an automatic context below the model's limit is a multiple of this many tokens
@@ -64,3 +70,28 @@ def loaded_context(cfg: Any, model_config: Any, device: torch.device, dtype: tor
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
         room = free - cfg.planner.activation_reserve_bytes - fixed * slots
     return plan_context(setting, model_config.max_position_embeddings, kv, room)[0]
+
+
+def whole_model_bytes(checkpoint: Any, dtype: torch.dtype) -> int:
+    """The bytes of every weight of `checkpoint`'s model loaded whole in `dtype`: routed experts and Engram tables
+    included, quantized experts dequantized to `dtype` (as the reference path loads them), an LM head the loader ties
+    to the embeddings (the checkpoint has none of its own) counted once."""
+    sizes = layer_sizes(checkpoint.config, dtype, experts=True)
+    tied = checkpoint.config.tie_word_embeddings and not checkpoint.has("lm_head.weight")
+    return sum(sizes.layer_bytes) + sizes.embed_bytes + sizes.head_bytes - (sizes.embed_bytes if tied else 0)
+
+
+def check_whole_fits(cfg: Any, checkpoint: Any, device: torch.device, dtype: torch.dtype) -> None:
+    """Raises `PlanError` where `device` (a GPU) has less memory free than the whole model's weights in `dtype` and
+    `planner.activation_reserve`, which loading it would exhaust part-way. On the CPU the weights are read through
+    the page cache, so nothing is refused there."""
+    if device.type != "cuda":
+        return
+    need = whole_model_bytes(checkpoint, dtype)
+    free = torch.cuda.mem_get_info(device)[0]
+    reserve = cfg.planner.activation_reserve_bytes
+    if need + reserve > free:
+        raise PlanError(
+            f"runtime.experts = \"memory\" loads every weight onto {device}: {format_bytes(need)} in {dtype} "
+            f"(quantized experts dequantized) and the {format_bytes(reserve)} activation reserve, with "
+            f"{format_bytes(free)} free; serve it from the tiers instead (runtime.experts = \"tiered\", the default)")
