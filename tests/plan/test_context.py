@@ -145,3 +145,27 @@ def test_a_gpu_without_room_for_the_whole_model_refuses_it_before_loading(tiny_m
         check_whole_fits(cfg, checkpoint, gpu, torch.bfloat16)
     assert "\n" not in str(refused.value) and "activation reserve" in str(refused.value)
     check_whole_fits(cfg, checkpoint, torch.device("cpu"), torch.bfloat16)
+
+
+def test_a_gpu_without_room_for_the_whole_models_kv_cache_refuses_it_at_start_up(tiny_model_dir, monkeypatch):
+    """`check_kv_fits` (build_model's, once a whole model's weights are loaded): the KV cache of every sequence slot
+    at the context, allocated at start-up, against what the GPU has left beside the activation reserve; one byte
+    short is a PlanError naming the settings that shrink it. The CPU is not checked."""
+    import torch
+
+    from strata.runtime.model.checkpoint import Checkpoint
+    from strata.runtime.model.kv_cache import KVCache
+    from strata.runtime.plan.context import check_kv_fits
+
+    cfg = load_config({"runtime": {"experts": "memory", "max_context": 2048}, "planner": {"max_batch": 4}})
+    model_config = Checkpoint.open(tiny_model_dir).config
+    slots = 4 + cfg.runtime.prefix_only_slots
+    need = KVCache.bytes_per_token(model_config, torch.bfloat16) * slots * 2048 + cfg.planner.activation_reserve_bytes
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (need, 80 * GiB))
+    check_kv_fits(cfg, model_config, gpu, torch.bfloat16, 2048)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (need - 1, 80 * GiB))
+    with pytest.raises(PlanError, match="lower runtime.max_context or planner.max_batch") as refused:
+        check_kv_fits(cfg, model_config, gpu, torch.bfloat16, 2048)
+    assert f"{slots} sequences at 2048 tokens" in str(refused.value)
+    check_kv_fits(cfg, model_config, torch.device("cpu"), torch.bfloat16, 2048)

@@ -33,7 +33,7 @@ from strata.runtime.plan.card import (
 )
 from strata.runtime.plan.checkpoints.in_place import open_in_place
 from strata.runtime.plan.checkpoints.store_cache import ensure_store
-from strata.runtime.plan.context import check_whole_fits, loaded_context
+from strata.runtime.plan.context import check_kv_fits, check_whole_fits, loaded_context
 from strata.runtime.plan.loaded import (
     DTYPES,
     LoadedModel,
@@ -71,6 +71,7 @@ def build_model(path: Path, cfg: StrataConfig, progress: bool = False) -> Loaded
             use_huge_pages(model)  # the weights a CPU decode streams, in 2 MiB pages
         use_grouped_prefill(model, grouped_on(cfg.debug.grouped_prefill, device))
         max_context = loaded_context(cfg, checkpoint.config, device, dtype)
+        check_kv_fits(cfg, checkpoint.config, device, dtype, max_context)
         if device.type == "cuda":
             model.enable_decode_graphs(lambda: "full" if cfg.debug.cuda_graphs else None)
         return LoadedModel(checkpoint, model, device, dtype, max_context)

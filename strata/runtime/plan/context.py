@@ -11,7 +11,8 @@ number the user set.
     context, note = plan_context("auto", 40960, kv_bytes_per_token, room)   # the planner's (strata plan shows it)
 
 A model loaded whole (`runtime.experts = "memory"`, no planner) is checked first: `check_whole_fits` refuses it on a
-GPU whose free memory does not hold its weights and the activation reserve, before anything is loaded.
+GPU whose free memory does not hold its weights and the activation reserve, before anything is loaded, and
+`check_kv_fits` one whose KV cache for the context would not fit beside them.
 """
 
 from __future__ import annotations
@@ -70,6 +71,22 @@ def loaded_context(cfg: Any, model_config: Any, device: torch.device, dtype: tor
         free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else psutil.virtual_memory().available
         room = free - cfg.planner.activation_reserve_bytes - fixed * slots
     return plan_context(setting, model_config.max_position_embeddings, kv, room)[0]
+
+
+def check_kv_fits(cfg: Any, model_config: Any, device: torch.device, dtype: torch.dtype, context: int) -> None:
+    """Once a whole model's weights are on `device` (one GPU): a `PlanError` where the KV cache of every sequence
+    slot at `context` tokens, allocated at start-up, does not fit what is left beside the activation reserve."""
+    if device.type != "cuda":
+        return
+    slots = cfg.planner.max_batch + (cfg.runtime.prefix_only_slots if model_config.qwen3_5 is None else 0)
+    fixed, rate = kv_growth_of(model_config, dtype)
+    need = fixed * slots + math.ceil(rate) * slots * context
+    room = torch.cuda.mem_get_info(device)[0] - cfg.planner.activation_reserve_bytes
+    if need > room:
+        raise PlanError(
+            f"the KV cache of {slots} sequences at {context} tokens takes {format_bytes(need)} on {device}, which has "
+            f"{format_bytes(max(0, room))} left after the weights and the activation reserve; lower "
+            "runtime.max_context or planner.max_batch, or serve the model from the tiers (runtime.experts = \"tiered\")")
 
 
 def whole_model_bytes(checkpoint: Any, dtype: torch.dtype) -> int:
