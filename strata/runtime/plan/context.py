@@ -59,11 +59,17 @@ def plan_context(setting: int | str, model_limit: int, kv_bytes_per_token: int, 
                      "runtime.max_context to choose another")
 
 
+def sequence_slots(cfg: Any, model_config: Any) -> int:
+    """The KV cache's sequence slots of a model loaded whole: `planner.max_batch`, plus the prefix cache's own
+    (`runtime.prefix_only_slots`; none for Qwen3.5, whose linear-attention state serves no other prompt's prefix)."""
+    return cfg.planner.max_batch + (cfg.runtime.prefix_only_slots if model_config.qwen3_5 is None else 0)
+
+
 def loaded_context(cfg: Any, model_config: Any, device: torch.device, dtype: torch.dtype) -> int:
     """The context of a model loaded whole, without a plan (`runtime.experts = "memory"`): "auto" measured
     against what the device has free once the weights are loaded (the host's available RAM on the CPU)."""
     setting = cfg.runtime.max_context
-    slots = cfg.planner.max_batch + (cfg.runtime.prefix_only_slots if model_config.qwen3_5 is None else 0)
+    slots = sequence_slots(cfg, model_config)
     fixed, rate = kv_growth_of(model_config, dtype)
     kv = math.ceil(rate) * slots
     room = None
@@ -78,7 +84,7 @@ def check_kv_fits(cfg: Any, model_config: Any, device: torch.device, dtype: torc
     slot at `context` tokens, allocated at start-up, does not fit what is left beside the activation reserve."""
     if device.type != "cuda":
         return
-    slots = cfg.planner.max_batch + (cfg.runtime.prefix_only_slots if model_config.qwen3_5 is None else 0)
+    slots = sequence_slots(cfg, model_config)
     fixed, rate = kv_growth_of(model_config, dtype)
     need = fixed * slots + math.ceil(rate) * slots * context
     room = torch.cuda.mem_get_info(device)[0] - cfg.planner.activation_reserve_bytes
