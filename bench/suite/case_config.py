@@ -18,8 +18,8 @@ def prefill_chunk(prompts: list[int], token_budget: int) -> int:
 
 def engine_config(case: Case, summary: dict, settings: dict, workloads: list[Workload]) -> dict:
     """The strata.config dict for `case` (sections as in config.toml). The ceiling (every expert in VRAM) loads plain
-    experts into the model (`runtime.experts = "memory"`) and gives quantized ones (summary's `experts_format`) a GPU
-    slot each in their format."""
+    experts into the model (`runtime.experts = "memory"`) and gives quantized ones (summary's `experts_quantized`) a
+    GPU slot each in their format."""
     expert_total = summary["expert_bytes_total"]
     longest = max(w.prompt + w.tokens for w in workloads)
     chunk = prefill_chunk([w.prompt for w in workloads], settings["token_budget"])
@@ -38,7 +38,7 @@ def engine_config(case: Case, summary: dict, settings: dict, workloads: list[Wor
         cfg["tiers"]["pinned"] = {"budget": str(int(expert_total * case.ram_fraction))}
         cfg["tiers"]["disk"]["path"] = settings["disk_cache"]
     _merge(cfg, settings.get("set") or {})  # --set: an A/B run's override, last
-    if case.variant == "ceiling" and summary.get("experts_format"):
+    if case.variant == "ceiling" and summary.get("experts_quantized"):
         # `runtime.experts = "memory"` loads quantized experts dequantized to the compute dtype: bf16's bytes and
         # kernels. Quantized, every expert instead takes a GPU slot in its own format (the tiers' default budget
         # holds them all where VRAM does; a --set budget, such as the quant step's 25% of bf16's bytes, is for the

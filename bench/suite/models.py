@@ -123,5 +123,6 @@ def model_facts(path: Path, source: Path | None = None) -> tuple[ModelFacts, dic
                "experts_per_layer": s.experts_per_layer, "experts_per_token": s.experts_per_token,
                "expert_bytes_each": s.expert_bytes, "expert_bytes_total": role["experts"],
                "non_expert_bytes": s.total_bytes - role["experts"], "total_bytes": s.total_bytes, "demo": marker,
-               "experts_format": s.expert_format.name if s.expert_format is not None else None}
+               "experts_format": s.expert_format.name if s.expert_format is not None else None,
+               "experts_quantized": bool(s.expert_format is not None and s.expert_format.quantized)}
     return facts, summary

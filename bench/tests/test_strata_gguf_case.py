@@ -99,6 +99,13 @@ def test_strata_runs_llamacpps_q4_k_m_file_at_25_percent_of_its_expert_bytes(min
     bf16 = model_facts(mini_checkpoint)[1]["expert_bytes_total"]
     assert experts < bf16 / 3  # Q4_K_M's bytes, not the bf16 checkpoint's (which a 25% budget of would be > 3x)
     assert summary["experts_format"].startswith("gguf Q4_K")
+    # all in VRAM: the bf16 checkpoint's ceiling loads its experts into the model, the GGUF's keeps them in GPU slots in
+    # their format (loaded into the model they would be dequantized to bf16)
+    plain = model_facts(mini_checkpoint)[1]
+    assert summary["experts_quantized"] and not plain["experts_quantized"] and plain["experts_format"] == "bf16"
+    ceiling = Case("ceiling", "uniform", None, case.workload)
+    assert engine_config(ceiling, plain, settings, [case.workload])["runtime"]["experts"] == "memory"
+    assert engine_config(ceiling, summary, settings, [case.workload])["runtime"]["experts"] == "tiered"
     # the file lies outside the checkpoint's directory: its routing marker and vocabulary come from the source given
     assert gguf_source(gguf) == gguf
     assert summary["source"] == str(mini_checkpoint) and summary["demo"]["route_skew"] == "uniform"

@@ -159,15 +159,15 @@ def test_the_ceiling_on_quantized_experts_holds_them_in_gpu_slots_in_their_forma
     w = [Workload(128, 1, 64)]
     settings = {"cache": "/tmp/c", "disk_cache": "/tmp/d", "token_budget": 512,
                 "set": {"tiers": {"gpu": {"budget": "250"}}}}
-    for fmt in ("fp8", "mxfp4", "gguf"):
-        summary = {"expert_bytes_total": 1000, "experts_format": fmt}
+    for fmt in ("fp8 128x128", "mxfp4", "gguf Q4_K/Q6_K"):
+        summary = {"expert_bytes_total": 1000, "experts_format": fmt, "experts_quantized": True}
         ceiling = engine_config(Case("ceiling", "uniform", None, w[0]), summary, settings, w)
         load_config(ceiling)
         assert ceiling["runtime"]["experts"] == "tiered" and "budget" not in ceiling["tiers"].get("gpu", {})
         split = engine_config(Case("split", "uniform", 0.25, w[0]), summary, settings, w)
         assert split["runtime"].get("experts", "tiered") == "tiered" and split["tiers"]["gpu"]["budget"] == "250"
-    plain = engine_config(Case("ceiling", "uniform", None, w[0]), {"expert_bytes_total": 1000, "experts_format": None},
-                          settings, w)
+    plain = engine_config(Case("ceiling", "uniform", None, w[0]),
+                          {"expert_bytes_total": 1000, "experts_format": "bf16", "experts_quantized": False}, settings, w)
     assert plain["runtime"]["experts"] == "memory"
 
 
