@@ -2,7 +2,9 @@
 
     python bench/tools/profile_decode.py --model DIR [--config '{"runtime": {"experts": "memory"}}'] [--out DIR]
 Prints the top CUDA kernels by total time and writes profile_decode.txt; `--host` adds the host's side
-(cProfile of the same decode, torch ops by self CPU time), which is where a tiered step's time goes.
+(cProfile of the same decode, torch ops by self CPU time), which is where a tiered step's time goes. The default
+config loads every expert into the model, a quantized model's dequantized to bf16: pass '{"runtime": {"experts":
+"tiered"}}' to profile its experts in their format.
 """
 
 from __future__ import annotations
@@ -75,16 +77,12 @@ def main() -> None:
     ap.add_argument("--host", action="store_true",
                     help="also profile the host: Python functions by cumulative time (cProfile) over the same "
                          "decode, and the torch table by self CPU time (where a tiered step's overheads show)")
-    ap.add_argument("--no-kernels", action="store_true", help="skip the pair-kernel block-size sweep")
+    ap.add_argument("--no-kernels", action="store_true", help="skip timing the pair kernels alone")
     args = ap.parse_args()
     from strata import Engine
-    from strata.kernels.gpu.experts import grouped
 
-    rates = []
-    for blocks in [] if args.no_kernels else [(8, 256, 16, 128), (16, 256, 32, 128), (4, 512, 8, 256), (8, 512, 16, 256), (4, 256, 8, 128)]:
-        grouped.BLOCKS = {"small": blocks, "large": blocks}
-        rates += [{"blocks": blocks, **pair_kernel_rate(t)} for t in (1, 8)]
-    grouped.BLOCKS = {"small": (8, 256, 16, 128), "large": (16, 256, 32, 128)}
+    # the shipped launches (bench/probes/pair_kernel_probe.py sweeps them)
+    rates = [] if args.no_kernels else [pair_kernel_rate(t) for t in (1, 8)]
     print("pair kernels:", rates, flush=True)
 
     print("copy probe:", copy_probe(), flush=True)

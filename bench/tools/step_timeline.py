@@ -113,9 +113,12 @@ def case_configs(model: str, gpu_fraction: float, cache: str) -> dict[str, dict]
     `gpu_fraction` of the checkpoint's expert bytes, the rest in pinned RAM, the store cached at `cache`)."""
     from strata.runtime.plan.checkpoints.inspect import summarize_checkpoint
 
-    budget = int(summarize_checkpoint(model).bytes_by_role["experts"] * gpu_fraction)
+    summary = summarize_checkpoint(model)
+    budget = int(summary.bytes_by_role["experts"] * gpu_fraction)
     rt = {"max_context": 1024}
-    return {"ceiling": {"runtime": {**rt, "experts": "memory"}},
+    # quantized experts loaded into the model would be dequantized to bf16: all in VRAM they keep GPU slots instead
+    quantized = summary.expert_format is not None and summary.expert_format.quantized
+    return {"ceiling": {"runtime": {**rt, "experts": "tiered" if quantized else "memory"}},
             "split": {"tiers": {"gpu": {"budget": str(budget)}, "disk": {"path": cache, "scrub": False}},
                       "runtime": rt}}
 
